@@ -1,0 +1,118 @@
+"""GemmConfig: every choice a caller may pin, frozen so it can key caches.
+
+A field left at "auto" / None is decided per call by `moe_gemm.heuristics` from the problem
+shapes and the device; a field set by the caller is honoured or, when the kernel cannot take
+it, rejected with a ValueError that says why. The config never carries anything that varies
+per call (sizes, group counts), so it is safe to use as part of a compile key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+Backend = Literal["auto", "cute", "torch"]
+Schedule = Literal["auto", "pingpong", "cooperative"]
+Visitor = Literal["auto", "device", "host"]
+
+BACKENDS = ("auto", "cute", "torch")
+SCHEDULES = ("auto", "pingpong", "cooperative")
+VISITORS = ("auto", "device", "host")
+
+# Tile shapes the sm90 kernel is built for. WGMMA's M is 64 per warpgroup; N is a multiple of
+# 8 up to 256. Ping-pong gives each consumer warpgroup a whole tile, so its accumulator
+# (tile_m * tile_n / 128 fp32 registers per thread) must fit in the 232-240 register budget:
+# 128x192 = 192 registers is the largest. Cooperative splits one tile over two warpgroups.
+PINGPONG_TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192))
+COOPERATIVE_TILES = ((128, 128), (128, 256), (256, 128), (128, 192), (256, 64))
+CLUSTERS = ((1, 1), (1, 2), (2, 1))
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """How a grouped GEMM runs. Every field defaults to "let the library choose".
+
+    Args:
+        backend: "cute" (our sm90a kernels; needs an H100/H200 and the CuTe DSL), "torch"
+            (moe_gemm.reference: CPU or any CUDA GPU) or "auto" (cute wherever it can run,
+            torch elsewhere; `moe-gemm info` says which and why).
+        schedule: "pingpong" (each consumer warpgroup owns a tile; one's epilogue overlaps the
+            other's mainloop), "cooperative" (both warpgroups split one larger tile) or "auto".
+        visitor: how a CTA finds its next (problem, tile): "device" (a warp-wide prefix-sum
+            search over problem sizes in GPU memory; no host work, CUDA-graph safe), "host"
+            (a per-CTA table built by moe_gemm.schedule on the host, cached per problem set)
+            or "auto".
+        sort_by_k: order problems by K descending before the round-robin tile assignment
+            (general form only); None lets the cost model decide.
+        tile_m, tile_n: output tile per CTA (cooperative) or per warpgroup (pingpong);
+            None = heuristic. tile_k is 64 elements (one 128-byte swizzle row of bf16).
+        cluster_m, cluster_n: thread-block cluster shape; None = heuristic.
+        stages: A/B shared-memory pipeline depth; None = as many as shared memory holds.
+    """
+
+    backend: Backend = "auto"
+    schedule: Schedule = "auto"
+    visitor: Visitor = "auto"
+    sort_by_k: bool | None = None
+    tile_m: int | None = None
+    tile_n: int | None = None
+    cluster_m: int | None = None
+    cluster_n: int | None = None
+    stages: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("visitor", self.visitor, VISITORS)
+        if self.sort_by_k is not None and not isinstance(self.sort_by_k, bool):
+            raise TypeError(f"sort_by_k must be None or a bool; got {self.sort_by_k!r}")
+        for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be None or an int; got {value!r}")
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive; got {value}")
+        if (self.tile_m is None) != (self.tile_n is None):
+            raise ValueError("tile_m and tile_n are set together (or both left None)")
+        if (self.cluster_m is None) != (self.cluster_n is None):
+            raise ValueError("cluster_m and cluster_n are set together (or both left None)")
+        if self.tile_m is not None and self.schedule != "auto":
+            allowed = PINGPONG_TILES if self.schedule == "pingpong" else COOPERATIVE_TILES
+            if (self.tile_m, self.tile_n) not in allowed:
+                raise ValueError(
+                    f"tile {self.tile_m}x{self.tile_n} is not built for schedule "
+                    f"{self.schedule!r}; expected one of {_fmt_tiles(allowed)}"
+                )
+        if self.tile_m is not None and self.schedule == "auto":
+            if (self.tile_m, self.tile_n) not in PINGPONG_TILES + COOPERATIVE_TILES:
+                raise ValueError(
+                    f"tile {self.tile_m}x{self.tile_n} is not built; expected one of "
+                    f"{_fmt_tiles(tuple(dict.fromkeys(PINGPONG_TILES + COOPERATIVE_TILES)))}"
+                )
+        if self.cluster_m is not None and (self.cluster_m, self.cluster_n) not in CLUSTERS:
+            raise ValueError(
+                f"cluster {self.cluster_m}x{self.cluster_n} is not supported; expected one of "
+                f"{', '.join(f'{m}x{n}' for m, n in CLUSTERS)}"
+            )
+        if self.stages is not None and not 2 <= self.stages <= 12:
+            raise ValueError(f"stages must be between 2 and 12; got {self.stages}")
+
+    def replace(self, **changes: object) -> GemmConfig:
+        """A copy with some fields changed (validated like a new config)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def as_dict(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def _fmt_tiles(tiles: tuple[tuple[int, int], ...]) -> str:
+    return ", ".join(f"{m}x{n}" for m, n in tiles)
+
+
+DEFAULT_CONFIG = GemmConfig()

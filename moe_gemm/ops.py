@@ -1,0 +1,142 @@
+"""The torch-facing API: grouped_gemm and grouped_mm.
+
+Each op validates its arguments (messages name the expected shape and dtype), picks a backend
+(`cute` on an sm90a GPU with the CuTe DSL, `torch` elsewhere), and runs. Kernel-specific layout
+limits (16-byte aligned rows for TMA, bf16/fp16 inputs) are checked before any compile: with
+backend="auto" an input the kernel cannot take falls back to the torch backend with a one-time
+warning; with backend="cute" it raises ValueError.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .capability import cute_problem
+from .config import DEFAULT_CONFIG, GemmConfig
+from .kernels.support import grouped_gemm_unsupported, grouped_mm_unsupported
+from .reference import grouped_gemm_torch, grouped_mm_torch
+from .validation import check_grouped_gemm, check_grouped_mm
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _check_config(config: object) -> GemmConfig:
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got {type(config).__name__}")
+    return config
+
+
+def _use_cute(config: GemmConfig, device: torch.device, unsupported: str | None, op: str) -> bool:
+    if config.backend == "torch":
+        return False
+    problem = cute_problem(device)
+    if config.backend == "cute":
+        if problem is not None:
+            raise RuntimeError(f"backend='cute' cannot run here: {problem}")
+        if unsupported is not None:
+            raise ValueError(f"backend='cute' cannot take this input: {unsupported}")
+        return True
+    if problem is not None:
+        return False
+    if unsupported is not None:
+        _warn_once(f"moe_gemm.{op}: using the torch backend because {unsupported}")
+        return False
+    return True
+
+
+def grouped_gemm(
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+    *,
+    out: Sequence[torch.Tensor] | None = None,
+    config: GemmConfig | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """Many independent GEMMs in one launch: D_i = A_i @ B_i.
+
+    Args:
+        a: G tensors, a[i] of shape [M_i, K_i], all bf16, fp16 or fp32 on one device.
+        b: G tensors, b[i] of shape [K_i, N_i], same dtype and device; any layout with one
+            unit stride (row-major, or `w.T` of an [N_i, K_i] weight).
+        out: optional G tensors [M_i, N_i] to write into (their dtype sets the output dtype).
+        config: a GemmConfig; None = choose everything automatically.
+        out_dtype: output dtype (bf16, fp16 or fp32); default the input dtype.
+
+    Any M_i, N_i, K_i >= 0 is valid: an M_i = 0 problem yields an empty [0, N_i] result and
+    costs nothing; K_i = 0 yields zeros. Accumulation is fp32.
+
+    Returns:
+        The G results D_i [M_i, N_i] (the `out` tensors when given).
+
+    Raises:
+        TypeError: a non-tensor, a single tensor instead of a sequence, or an unsupported or
+            mixed dtype.
+        ValueError: counts, ranks, inner dimensions, devices or `out` shapes that do not fit.
+        RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
+    """
+    cfg = _check_config(config)
+    args = check_grouped_gemm(a, b, out, out_dtype)
+    if not args.a:
+        return []
+    if _use_cute(cfg, args.device, grouped_gemm_unsupported(args), "grouped_gemm"):
+        from .kernels.host_sm90 import grouped_gemm_cute
+
+        return grouped_gemm_cute(args, cfg)
+    return grouped_gemm_torch(args)
+
+
+def grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The MoE expert GEMM (torch.nn.functional.grouped_mm's 2D x 3D form).
+
+    Rows offs[e-1]:offs[e] of x (offs[-1] taken as 0) are multiplied by w[e].
+
+    Args:
+        x: [T, K] tokens sorted by expert; bf16, fp16 or fp32.
+        w: [E, K, N] expert weights, same dtype and device; any layout with one unit stride in
+            the last two dims, e.g. `w_t.transpose(1, 2)` of an [E, N, K] weight.
+        offs: [E] int32 cumulative end rows, on x's device; non-decreasing, offs[-1] <= T.
+            Experts with no rows are normal.
+        out: optional [T, N] tensor to write into; rows >= offs[-1] are left untouched.
+        config: a GemmConfig; None = automatic.
+        out_dtype: output dtype (bf16, fp16 or fp32); default x's dtype.
+
+    Returns:
+        y [T, N]. When `out` is None, rows >= offs[-1] are zero.
+
+    On a CUDA device the call never synchronizes with the host (it can be captured in a CUDA
+    graph and replayed with new offs), so offs values on the GPU are not checked unless
+    MOE_GEMM_CHECK_OFFS=1 is set; the kernel clamps them into [0, T] and treats a decreasing
+    entry as an empty expert, so bad values can give wrong rows but never write out of bounds.
+    offs on the CPU are always checked.
+
+    Raises:
+        TypeError: non-tensors, unsupported or mismatched dtypes, offs not int32.
+        ValueError: ranks, K mismatch, offs length or values, devices or `out` shape.
+        RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
+    """
+    cfg = _check_config(config)
+    args = check_grouped_mm(x, w, offs, out, out_dtype)
+    if _use_cute(cfg, args.x.device, grouped_mm_unsupported(args, cfg), "grouped_mm"):
+        from .kernels.host_sm90 import grouped_mm_cute
+
+        return grouped_mm_cute(args, cfg)
+    return grouped_mm_torch(args)
