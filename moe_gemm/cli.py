@@ -1,0 +1,202 @@
+"""`moe-gemm`: info, check, bench, demo.
+
+    moe-gemm info            versions, device, SM count, which backends run here and why not
+    moe-gemm check           compile every kernel variant for sm_90a (no GPU needed) and verify
+                             each one's PTX holds wgmma.mma_async, cp.async.bulk.tensor, setmaxnreg
+    moe-gemm bench [...]     the benchmark suite (see moe_gemm.bench)
+    moe-gemm demo            a short run of the library on the embedded default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def info_dict() -> dict[str, object]:
+    import torch
+
+    from . import __version__
+    from .capability import cute_problem
+
+    device: dict[str, object] = {"cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        idx = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        device.update(
+            name=props.name,
+            capability=f"sm_{props.major}{props.minor}",
+            sm_count=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
+    problem = cute_problem()
+    return {
+        "moe_gemm": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
+        "apache-tvm-ffi": _version("apache-tvm-ffi"),
+        "device": device,
+        "backends": {
+            "cute": "usable" if problem is None else f"not usable: {problem}",
+            "torch": "usable",
+        },
+        "auto_picks": "cute" if problem is None else "torch",
+    }
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = info_dict()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"moe_gemm {info['moe_gemm']}  (python {info['python']}, torch {info['torch']}, "
+          f"nvidia-cutlass-dsl {info['nvidia-cutlass-dsl']}, tvm-ffi {info['apache-tvm-ffi']})")
+    dev = info["device"]
+    assert isinstance(dev, dict)
+    if dev.get("cuda_available"):
+        print(f"device:   {dev['name']} ({dev['capability']}, {dev['sm_count']} SMs, "
+              f"{dev['memory_gib']} GiB)")
+    else:
+        print("device:   no CUDA GPU visible")
+    backends = info["backends"]
+    assert isinstance(backends, dict)
+    for name, status in backends.items():
+        print(f"backend {name:5s} {status}")
+    print(f"backend='auto' uses: {info['auto_picks']}")
+    return 0
+
+
+CHECK_MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
+
+
+def check_variants(full: bool):
+    from .kernels.compile_sm90 import CompileKey
+
+    keys = []
+    for form in ("general", "varlen"):
+        for schedule in ("pingpong", "cooperative"):
+            for visitor in ("device", "host"):
+                for ab in ("bfloat16", "float16"):
+                    tile = (128, 128)
+                    keys.append(CompileKey(form, ab, ab, "k", schedule, visitor, *tile))
+    keys.append(CompileKey("general", "bfloat16", "float32", "n", "pingpong", "device", 128, 128))
+    keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                           256))
+    keys.append(CompileKey("general", "bfloat16", "bfloat16", "k", "pingpong", "device", 128, 128,
+                           None, True))
+    if full:
+        for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):
+            keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device",
+                                   *tile))
+        for tile in ((128, 64), (128, 192), (128, 256)):
+            keys.append(CompileKey("varlen", "float16", "float32", "k", "cooperative", "host",
+                                   *tile))
+    return keys
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from .capability import cutlass_dsl_problem
+
+    problem = cutlass_dsl_problem()
+    if problem:
+        print(f"check: cannot compile: {problem}", file=sys.stderr)
+        return 2
+    from .kernels.compile_sm90 import compile_variant
+
+    keys = check_variants(args.full)
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="moe_gemm_check_") as tmp:
+        for key in keys:
+            label = (f"form={key.form} schedule={key.schedule} visitor={key.visitor} "
+                     f"dtype={key.ab_dtype}->{key.d_dtype} b_major={key.b_major} "
+                     f"tile={key.tile_m}x{key.tile_n}" + (" trace" if key.trace else ""))
+            t0 = time.time()
+            try:
+                kdir = os.path.join(tmp, key.name())
+                compiled = compile_variant(key, keep_dir=kdir)
+                ptx_path = getattr(compiled, "__ptx__", None)
+                ptx = open(ptx_path).read() if ptx_path and os.path.exists(ptx_path) else ""
+                if not ptx:
+                    found = [f for f in os.listdir(kdir) if f.endswith(".ptx")]
+                    ptx = open(os.path.join(kdir, found[0])).read() if found else ""
+                missing = [m for m in CHECK_MARKERS if m not in ptx]
+                if not ptx.startswith("//") and ".target sm_90a" not in ptx:
+                    missing.append(".target sm_90a")
+            except Exception as exc:  # noqa: BLE001 - report every variant
+                missing = [f"compile error: {type(exc).__name__}: {exc}"]
+            status = "ok" if not missing else "FAIL (" + "; ".join(missing) + ")"
+            failures += bool(missing)
+            print(f"{status:4s}  {label}  [{time.time() - t0:.1f}s]", flush=True)
+    print(f"checked {len(keys)} variants: {len(keys) - failures} ok, {failures} failed")
+    return 1 if failures else 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from . import bench
+
+    return bench.main(argv)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    import moe_gemm
+
+    info = info_dict()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    print(f"moe_gemm demo on {dev} (auto backend: {info['auto_picks']})")
+    g = torch.Generator(device=dev).manual_seed(0)
+    sizes = [(64, 256, 512), (0, 256, 512), (17, 128, 256), (130, 64, 1024)]
+    a = [torch.randn(m, k, generator=g, device=dev).to(dtype) for m, n, k in sizes]
+    b = [torch.randn(k, n, generator=g, device=dev).to(dtype) for m, n, k in sizes]
+    d = moe_gemm.grouped_gemm(a, b)
+    err = max(((di.float() - ai.float() @ bi.float()).abs().max().item() if di.numel() else 0.0)
+              for ai, bi, di in zip(a, b, d))
+    print(f"grouped_gemm: {len(sizes)} problems {sizes} -> max |err| vs fp32 = {err:.3g}")
+    T, E, K, N = 96, 4, 512, 256
+    x = torch.randn(T, K, generator=g, device=dev).to(dtype)
+    w = torch.randn(E, N, K, generator=g, device=dev).to(dtype).transpose(1, 2)
+    offs = torch.tensor([20, 20, 70, 90], dtype=torch.int32, device=dev)
+    y = moe_gemm.grouped_mm(x, w, offs)
+    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    print(f"grouped_mm: T={T} E={E} K={K} N={N} offs={offs.tolist()} -> max |err| = "
+          f"{(y.float() - ref).abs().max().item():.3g}; rows past offs[-1] zero: "
+          f"{bool((y[90:] == 0).all())}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    parser = argparse.ArgumentParser(prog="moe-gemm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_info = sub.add_parser("info", help="versions, device and usable backends")
+    p_info.add_argument("--json", action="store_true")
+    p_check = sub.add_parser("check", help="compile every kernel variant for sm_90a")
+    p_check.add_argument("--full", action="store_true", help="also every extra tile shape")
+    sub.add_parser("bench", help="benchmark suite (moe-gemm bench --help)")
+    sub.add_parser("demo", help="a short library demo")
+    args = parser.parse_args(argv)
+    return {"info": cmd_info, "check": cmd_check, "demo": cmd_demo}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,903 @@
+"""GroupedGemmSm90: a persistent, warp-specialized grouped GEMM for sm_90a in CuTe DSL.
+
+One launch computes D_p = A_p @ B_p for every problem p of a set. Two problem forms share the
+kernel body and differ only in where operands and sizes come from:
+
+- general: G problems with separate allocations and any (M, N, K) each. A tiny prologue kernel
+  (`desc_kernel`, one block per problem) builds each problem's A, B and D TMA descriptors on the
+  GPU into a (G, 3, 128 B) workspace, so the main kernel never mutates a descriptor (no
+  in-flight-descriptor races) and the host never calls the driver per problem.
+- varlen (MoE): x (T, K), w (E, K, N) in either major, offs (E,) int32 on the GPU. A and B use
+  one descriptor each (the expert selected by coordinates); D uses a per-expert descriptor
+  built on the GPU from offs, so a partial tile at an expert boundary is clipped by the TMA
+  unit and never touches the neighbour's rows. No host synchronisation: CUDA-graph safe.
+
+Warp roles (384 threads = 3 warpgroups):
+- warpgroup 0 (producer, 40 registers): warp 0 issues TMA loads of A and B into a
+  `ab_stages`-deep shared-memory ring (PipelineTmaAsync); warp 1 is the scheduler: it finds
+  each of the CTA's tiles (device visitor: warp-wide prefix-sum search over 32-problem
+  windows; host visitor: a precomputed per-CTA table) and publishes 32-byte records through a
+  small mbarrier ring that the load warp and every math warp read.
+- warpgroups 1 and 2 (math, 232 registers): WGMMA from shared memory, fp32 accumulators, then
+  an epilogue that converts, stores through shared memory (stmatrix) and issues TMA stores.
+  * cooperative: both warpgroups split one tile_m x tile_n tile along M.
+  * pingpong: each warpgroup owns whole tiles (the CTA's even and odd tiles); two named
+    barriers order their mainloops, so one warpgroup's epilogue overlaps the other's WGMMAs.
+    The shared A/B ring is consumed in tile order: a warpgroup skips the other's tile by
+    advancing its ring state by that tile's own k-tile count (K differs per problem).
+
+Constraints: bf16/fp16 inputs, fp32 accumulation, bf16/fp16/fp32 output; A K-major; B K- or
+N-major; every TMA operand 16-byte aligned with 16-byte-multiple strides (kernels/support.py
+checks this before we get here); tile_k = 64 (one 128-byte swizzle row of 16-bit data).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from .tile_scheduler_sm90 import RECORD_INTS, WARP, ceil_div_i32, raster_tile, warp_inclusive_sum
+
+Form = Literal["general", "varlen"]
+Schedule = Literal["cooperative", "pingpong"]
+Visitor = Literal["device", "host"]
+
+TILE_K = 64
+DESC_BYTES = 128  # one CUtensorMap
+SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
+TRACE_INTS = 4  # debug trace record: (problem, m_tile, n_tile, warpgroup)
+
+# Named barrier ids (0 is __syncthreads). Each role owns its ids; see KERNEL-NOTES pitfalls.
+BAR_EPI = 2  # + warpgroup index in pingpong: a warpgroup's epilogue threads
+BAR_MMA_ORDER = 4  # + warpgroup index: pingpong "your mainloop may start" tokens
+
+
+@dsl_user_op
+def _desc_ptr_for_copy(address: Int64, *, loc=None, ip=None) -> cute.Pointer:
+    """A workspace descriptor address as the pointer type cute.copy's tma_desc_ptr takes."""
+    from cutlass._mlir.dialects import cute as _cute_ir
+    from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
+
+    generic = cute.make_ptr(
+        cutlass.Int8, address, cute.AddressSpace.generic, assumed_align=DESC_BYTES, loc=loc, ip=ip
+    )
+    desc_ptr_ty = _cute_ir.PtrType.get(
+        _cute_nvgpu_ir.TmaDescriptorTiledType.get(), generic.memspace, generic.alignment
+    )
+    return _cute_ir.recast_iter(desc_ptr_ty, generic.value, loc=loc, ip=ip)
+
+
+class GroupedGemmSm90:
+    """Persistent warp-specialized grouped GEMM (see the module docstring for the design).
+
+    Args (all compile-time; nothing here varies with the problem set):
+        ab_dtype: cutlass.BFloat16 or cutlass.Float16.
+        d_dtype: cutlass.BFloat16, cutlass.Float16 or cutlass.Float32.
+        b_major: "k" (B stored (N, K) K-contiguous, e.g. w.T of a Linear weight) or "n".
+        form: "general" or "varlen".
+        schedule: "cooperative" or "pingpong".
+        visitor: "device" or "host".
+        tile_mn: (tile_m, tile_n) per CTA (cooperative) or per warpgroup (pingpong).
+        ab_stages: A/B ring depth; None = as many as shared memory holds.
+        trace: record (problem, m_tile, n_tile, warpgroup) per executed tile (debug).
+    """
+
+    def __init__(
+        self,
+        ab_dtype: type[cutlass.Numeric],
+        d_dtype: type[cutlass.Numeric],
+        b_major: Literal["k", "n"],
+        form: Form,
+        schedule: Schedule,
+        visitor: Visitor,
+        tile_mn: tuple[int, int],
+        ab_stages: int | None = None,
+        trace: bool = False,
+    ):
+        self.ab_dtype = ab_dtype
+        self.d_dtype = d_dtype
+        self.acc_dtype = cutlass.Float32
+        self.b_major = b_major
+        self.form = form
+        self.schedule = schedule
+        self.visitor = visitor
+        self.tile_m, self.tile_n = tile_mn
+        self.tile_shape_mnk = (self.tile_m, self.tile_n, TILE_K)
+        self.requested_stages = ab_stages
+        self.trace = trace
+        self.pingpong = schedule == "pingpong"
+
+        if self.pingpong:
+            if self.tile_m not in (64, 128) or self.tile_n not in (64, 128, 192, 256):
+                raise ValueError(f"pingpong tile {tile_mn} unsupported")
+            if self.tile_m * self.tile_n > 128 * 192:
+                raise ValueError(f"pingpong tile {tile_mn} needs too many accumulator registers")
+            self.atom_layout_mnk = (1, 1, 1)
+            self.mma_tiler_mn = (64, self.tile_n)
+            self.epi_tile = (64, 32)
+            self.num_epi_groups = 2  # each math warpgroup has its own epilogue buffers
+        else:
+            if self.tile_m != 128 or self.tile_n not in (64, 128, 192, 256):
+                raise ValueError(f"cooperative tile {tile_mn} unsupported")
+            self.atom_layout_mnk = (2, 1, 1)
+            self.mma_tiler_mn = (64, self.tile_n)
+            self.epi_tile = (128, 32)
+            self.num_epi_groups = 1
+
+        self.threads_per_wg = 128
+        self.num_math_wgs = 2
+        self.threads = (1 + self.num_math_wgs) * self.threads_per_wg
+        self.load_warp = 0
+        self.sched_warp = 1
+        # 40 + 2 x 232 registers/thread x 128 threads = 64,512 of the SM's 65,536.
+        self.load_regs = 40
+        self.math_regs = 232
+        self.epi_stages = 4 if self.num_epi_groups == 1 else 2
+        self.buffer_align = 1024  # 128-byte swizzle atoms need 1 KiB aligned buffers
+
+    # ------------------------------------------------------------------------------------------
+    # Setup (trace time, host side)
+
+    def _setup(self) -> None:
+        a_major = warpgroup.OperandMajorMode.K
+        b_major = (
+            warpgroup.OperandMajorMode.K if self.b_major == "k" else warpgroup.OperandMajorMode.MN
+        )
+        self.a_layout = LayoutEnum.ROW_MAJOR  # (M, K), K contiguous
+        self.b_layout = LayoutEnum.ROW_MAJOR if self.b_major == "k" else LayoutEnum.COL_MAJOR
+        self.d_layout = LayoutEnum.ROW_MAJOR
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_major,
+            b_major,
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=self.mma_tiler_mn,
+        )
+        ab_bytes = (self.tile_m + self.tile_n) * TILE_K * self.ab_dtype.width // 8
+        d_bytes = (
+            self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8
+            * self.epi_stages * self.num_epi_groups
+        )
+        smem = utils.get_smem_capacity_in_bytes("sm_90")
+        reserved = 2048 + d_bytes + SCHED_STAGES * RECORD_INTS * 4
+        fit = (smem - reserved) // ab_bytes
+        if self.requested_stages is not None:
+            if self.requested_stages > fit:
+                raise ValueError(f"{self.requested_stages} stages do not fit; at most {fit}")
+            fit = self.requested_stages
+        if fit < 2:
+            raise ValueError("tile too large for shared memory")
+        self.ab_stages = fit
+
+        self.a_smem_staged = self._staged_smem_layout(
+            (self.tile_m, TILE_K), self.a_layout, self.ab_dtype, self.ab_stages, k_major=True
+        )
+        self.b_smem_staged = self._staged_smem_layout(
+            (self.tile_n, TILE_K), self.b_layout, self.ab_dtype, self.ab_stages,
+            k_major=self.b_major == "k",
+        )
+        d_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.d_layout, self.d_dtype, self.epi_tile[1]),
+            self.d_dtype,
+        )
+        self.d_smem_staged = cute.tile_to_shape(
+            d_atom,
+            (*self.epi_tile, self.epi_stages * self.num_epi_groups),
+            order=(0, 1, 2),
+        )
+
+    @staticmethod
+    def _staged_smem_layout(shape, layout, dtype, stages, k_major: bool):
+        major_size = shape[1] if k_major else shape[0]
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(layout, dtype, major_size), dtype
+        )
+        return cute.tile_to_shape(
+            atom, (*shape, stages), order=(0, 1, 2) if k_major else (1, 0, 2)
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Host entry (traced once per compile key)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # general: seed (rows, K) of ab_dtype; varlen: x (T, K)
+        mW: cute.Tensor,  # general: seed (K, N); varlen: w (E, K, N); either major
+        mD: cute.Tensor,  # general: seed (rows, N) of d_dtype; varlen: out (T, N)
+        meta: cute.Tensor,  # general: (G, 8) int64 per problem; varlen: unused (1, 8)
+        meta32: cute.Tensor,  # the same bytes as (G, 16) int32 (M, N, K at columns 12..14)
+        offs: cute.Tensor,  # varlen: (E,) int32 cumulative end rows; general: unused (1,)
+        table: cute.Tensor,  # host visitor: (num_ctas, entries, 2) int32; else (1, 1, 2)
+        workspace: cute.Tensor,  # (problems * 3 * 16,) int64: per-problem TMA descriptors
+        trace: cute.Tensor,  # debug: (num_ctas, max_tiles, 4) int32; else (1, 1, 4)
+        num_problems: Int32,  # general: G; varlen: E + 1 if the zero tail is on, else E
+        num_ctas: Int32,
+        swizzle: Int32,
+        stream: cuda.CUstream,
+    ):
+        self._setup()
+        # B in the (N, K[, E]) order the MMA and TMA atoms expect; a view, no copy.
+        if const_expr(self.form == "general"):
+            mB = cute.make_tensor(
+                mW.iterator,
+                cute.make_layout((mW.shape[1], mW.shape[0]), stride=(mW.stride[1], mW.stride[0])),
+            )
+        else:
+            mB = cute.make_tensor(
+                mW.iterator,
+                cute.make_layout(
+                    (mW.shape[2], mW.shape[1], mW.shape[0]),
+                    stride=(mW.stride[2], mW.stride[1], mW.stride[0]),
+                ),
+            )
+
+        op_g2s = cpasync.CopyBulkTensorTileG2SOp()
+        op_s2g = cpasync.CopyBulkTensorTileS2GOp()
+        a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
+        d_smem = cute.slice_(self.d_smem_staged, (None, None, 0))
+        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+            op_g2s, mA, a_smem, (self.tile_m, TILE_K)
+        )
+        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+            op_g2s, mB, b_smem, (self.tile_n, TILE_K)
+        )
+        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD, d_smem, self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            ab_bars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sched_bars: cute.struct.MemRange[cutlass.Int64, SCHED_STAGES * 2]
+            sched: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int32, SCHED_STAGES * RECORD_INTS], 16
+            ]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
+                self.buffer_align,
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
+                self.buffer_align,
+            ]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
+                self.buffer_align,
+            ]
+
+        self.shared_storage = SharedStorage
+
+        # Build the per-problem descriptors first (stream order makes them visible).
+        self.desc_kernel(
+            mA, mB, mD, meta, offs, workspace, num_problems, a_smem, b_smem, d_smem
+        ).launch(grid=(num_problems, 1, 1), block=(WARP, 1, 1), stream=stream)
+
+        self.kernel(
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
+            mA, mD, meta32, offs, table, workspace, trace, num_problems, swizzle,
+            self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
+        ).launch(
+            grid=(num_ctas, 1, 1),
+            block=(self.threads, 1, 1),
+            cluster=(1, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Prologue kernel: per-problem TMA descriptors, built on the GPU
+
+    @cute.kernel
+    def desc_kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mD: cute.Tensor,
+        meta: cute.Tensor,
+        offs: cute.Tensor,
+        workspace: cute.Tensor,
+        num_problems: Int32,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        d_smem: cute.ComposedLayout,
+    ):
+        p, _, _ = cute.arch.block_idx()
+        ws = workspace.iterator.toint() + Int64(p) * (3 * DESC_BYTES)
+        op_g2s = cpasync.CopyBulkTensorTileG2SOp()
+        op_s2g = cpasync.CopyBulkTensorTileS2GOp()
+        if const_expr(self.form == "general"):
+            rows = Int32(meta[p, 6] & 0xFFFFFFFF)
+            cols = Int32(meta[p, 6] >> 32)
+            depth = Int32(meta[p, 7])
+            if cutlass.min(rows, cols) > 0:
+              if depth > 0:
+                  a_ptr = cute.make_ptr(
+                      self.ab_dtype, meta[p, 0], cute.AddressSpace.gmem, assumed_align=16
+                  )
+                  tA = cute.make_tensor(
+                      a_ptr, cute.make_layout((rows, depth), stride=(meta[p, 3], 1))
+                  )
+                  atom_a, _ = cpasync.make_tiled_tma_atom(
+                      op_g2s, tA, a_smem, (self.tile_m, TILE_K)
+                  )
+                  cpasync.copy_tensormap(atom_a, self._gmem_desc(ws, 0))
+                  b_ptr = cute.make_ptr(
+                      self.ab_dtype, meta[p, 1], cute.AddressSpace.gmem, assumed_align=16
+                  )
+                  if const_expr(self.b_major == "k"):
+                      b_layout = cute.make_layout((cols, depth), stride=(meta[p, 4], 1))
+                  else:
+                      b_layout = cute.make_layout((cols, depth), stride=(1, meta[p, 4]))
+                  tB = cute.make_tensor(b_ptr, b_layout)
+                  atom_b, _ = cpasync.make_tiled_tma_atom(
+                      op_g2s, tB, b_smem, (self.tile_n, TILE_K)
+                  )
+                  cpasync.copy_tensormap(atom_b, self._gmem_desc(ws, 1))
+              d_ptr = cute.make_ptr(
+                  self.d_dtype, meta[p, 2], cute.AddressSpace.gmem, assumed_align=16
+              )
+              tD = cute.make_tensor(d_ptr, cute.make_layout((rows, cols), stride=(meta[p, 5], 1)))
+              atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
+              cpasync.copy_tensormap(atom_d, self._gmem_desc(ws, 2))
+        else:
+            start, count = self._expert_rows(p, offs, mA.shape[0], offs.shape[0])
+            n = mD.shape[1]
+            if count > 0 and n > 0:
+                d_ptr = mD.iterator + Int64(start) * mD.stride[0]
+                tD = cute.make_tensor(d_ptr, cute.make_layout((count, n), stride=(mD.stride[0], 1)))
+                atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
+                cpasync.copy_tensormap(atom_d, self._gmem_desc(ws, 2))
+
+    @staticmethod
+    def _gmem_desc(ws_base: Int64, slot: int) -> cute.Pointer:
+        return cute.make_ptr(
+            cutlass.Int64, ws_base + slot * DESC_BYTES, cute.AddressSpace.gmem,
+            assumed_align=DESC_BYTES,
+        )
+
+    @cute.jit
+    def _expert_rows(self, p: Int32, offs: cute.Tensor, T: Int32, E: Int32) -> tuple[Int32, Int32]:
+        """(first row, row count) of expert p; p == E is the zero tail [offs[-1], T).
+
+        Offsets are clamped into [0, T] and a decreasing entry gives an empty expert, so
+        unchecked offsets on the GPU can never address rows outside x or out.
+        """
+        start = Int32(0)
+        if p > 0:
+            start = cutlass.max(cutlass.min(offs[p - 1], T), Int32(0))
+        end = T
+        if p < E:
+            end = cutlass.max(cutlass.min(offs[p], T), Int32(0))
+        return start, cutlass.max(end - start, Int32(0))
+
+    # ------------------------------------------------------------------------------------------
+    # Main kernel
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        tma_a: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        tma_b: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        tma_d: cute.Tensor,
+        mA: cute.Tensor,
+        mD: cute.Tensor,
+        meta32: cute.Tensor,
+        offs: cute.Tensor,
+        table: cute.Tensor,
+        workspace: cute.Tensor,
+        trace: cute.Tensor,
+        num_problems: Int32,
+        swizzle: Int32,
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        d_smem_staged: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # A/B ring: TMA-filled, released by one warpgroup (pingpong) or both (cooperative).
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(
+            self.ab_dtype, b_smem
+        )
+        consumer_warps = 4 if const_expr(self.pingpong) else 8
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_bars.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        # Scheduler ring: one producer arrive (the scheduler warp's lane 0), one consumer
+        # arrive per reading warp (the load warp + 8 math warps).
+        sched_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.sched_bars.data_ptr(),
+            num_stages=SCHED_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 8),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        sched = storage.sched.get_tensor(cute.make_layout((RECORD_INTS, SCHED_STAGES)))
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == self.sched_warp:
+                self.scheduler_warp(sched_pipe, sched, meta32, offs, table, mA, mD,
+                                    num_problems, swizzle)
+            if warp_idx == self.load_warp:
+                self.load_warp_role(
+                    ab_pipe, sched_pipe, sched, tma_atom_a, tma_a, tma_atom_b, tma_b,
+                    sA, sB, workspace,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.math_regs)
+            self.math_role(
+                ab_pipe, sched_pipe, sched, tiled_mma, sA, sB, sD, tma_atom_d, tma_d,
+                workspace, trace, tidx, warp_idx, wg_idx - 1,
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # Scheduler warp
+
+    @cute.jit
+    def _problem_dims(
+        self, p: Int32, meta32: cute.Tensor, offs: cute.Tensor, mA: cute.Tensor,
+        mD: cute.Tensor,
+    ) -> tuple[Int32, Int32, Int32, Int32]:
+        """(rows, cols, depth, row_start) of problem p (p must be a valid problem)."""
+        rows = Int32(0)
+        cols = Int32(0)
+        depth = Int32(0)
+        row_start = Int32(0)
+        if const_expr(self.form == "general"):
+            rows = meta32[p, 12]
+            cols = meta32[p, 13]
+            depth = meta32[p, 14]
+        else:
+            E = offs.shape[0]
+            row_start, rows = self._expert_rows(p, offs, mA.shape[0], E)
+            cols = mD.shape[1]
+            depth = mA.shape[1]
+            if p >= E:
+                depth = Int32(0)  # the zero tail: store zeros, load nothing
+        return rows, cols, depth, row_start
+
+    @cute.jit
+    def _tile_count(
+        self, p: Int32, num_problems: Int32, meta32: cute.Tensor, offs: cute.Tensor,
+        mA: cute.Tensor, mD: cute.Tensor,
+    ) -> Int32:
+        count = Int32(0)
+        if p < num_problems:
+            rows, cols, _, _ = self._problem_dims(p, meta32, offs, mA, mD)
+            count = ceil_div_i32(rows, self.tile_m) * ceil_div_i32(cols, self.tile_n)
+        return count
+
+    @cute.jit
+    def scheduler_warp(
+        self,
+        sched_pipe: pipeline.PipelineAsync,
+        sched: cute.Tensor,
+        meta32: cute.Tensor,
+        offs: cute.Tensor,
+        table: cute.Tensor,
+        mA: cute.Tensor,
+        mD: cute.Tensor,
+        num_problems: Int32,
+        swizzle: Int32,
+    ):
+        lane = cute.arch.lane_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        base_problem = Int32(0)  # device visitor window start (forward only)
+        base_tile = Int32(0)  # linear index of base_problem's first tile
+        t = Int32(cta)  # this CTA's current linear tile
+        slot = Int32(0)  # host visitor: row of this CTA's table
+        working = cutlass.Boolean(True)
+        while working:
+            problem = Int32(-1)
+            start = Int32(0)
+            if const_expr(self.visitor == "host"):
+                if slot < table.shape[1]:
+                    problem = table[cta, slot, 0]
+                    start = table[cta, slot, 1]
+            else:
+                searching = cutlass.Boolean(True)
+                while searching:
+                    cnt = self._tile_count(base_problem + lane, num_problems, meta32, offs, mA, mD)
+                    end = base_tile + warp_inclusive_sum(cnt, lane)
+                    window_end = cute.arch.shuffle_sync(end, WARP - 1)
+                    if t < window_end:
+                        hit = cute.arch.popc(cute.arch.vote_ballot_sync(end <= t))
+                        start = cute.arch.shuffle_sync(end - cnt, hit)
+                        problem = base_problem + hit
+                        base_problem = problem
+                        base_tile = start
+                        searching = False
+                    else:
+                        if base_problem + WARP >= num_problems:
+                            searching = False
+                        else:
+                            base_problem = base_problem + WARP
+                            base_tile = window_end
+            m_tile = Int32(0)
+            n_tile = Int32(0)
+            k_tiles = Int32(0)
+            row_start = Int32(0)
+            if problem >= 0:
+                rows, cols, depth, row_start = self._problem_dims(problem, meta32, offs, mA, mD)
+                tiles_m = ceil_div_i32(rows, self.tile_m)
+                tiles_n = ceil_div_i32(cols, self.tile_n)
+                m_tile, n_tile = raster_tile(t - start, tiles_m, tiles_n, swizzle)
+                k_tiles = ceil_div_i32(depth, TILE_K)
+            else:
+                working = False
+            sched_pipe.producer_acquire(state)
+            if lane == 0:
+                sched[0, state.index] = problem
+                sched[1, state.index] = m_tile
+                sched[2, state.index] = n_tile
+                sched[3, state.index] = k_tiles
+                sched[4, state.index] = row_start
+                sched_pipe.producer_commit(state)
+            state.advance()
+            t = t + grid
+            slot = slot + 1
+        sched_pipe.producer_tail(state)
+
+    @cute.jit
+    def read_record(
+        self, sched_pipe: pipeline.PipelineAsync, sched: cute.Tensor,
+        state: pipeline.PipelineState,
+    ):
+        """Every reading warp calls this once per record, in order (lane 0 releases)."""
+        sched_pipe.consumer_wait(state)
+        problem = sched[0, state.index]
+        m_tile = sched[1, state.index]
+        n_tile = sched[2, state.index]
+        k_tiles = sched[3, state.index]
+        row_start = sched[4, state.index]
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            sched_pipe.consumer_release(state)
+        state.advance()
+        return problem, m_tile, n_tile, k_tiles, row_start, state
+
+    # ------------------------------------------------------------------------------------------
+    # Load warp
+
+    @cute.jit
+    def load_warp_role(
+        self,
+        ab_pipe: pipeline.PipelineTmaAsync,
+        sched_pipe: pipeline.PipelineAsync,
+        sched: cute.Tensor,
+        tma_atom_a: cute.CopyAtom,
+        tma_a: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        tma_b: cute.Tensor,
+        sA: cute.Tensor,
+        sB: cute.Tensor,
+        workspace: cute.Tensor,
+    ):
+        if const_expr(self.form == "varlen"):
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        ws = workspace.iterator.toint()
+        problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                sched_pipe, sched, read_state
+            )
+        while problem >= 0:
+            if const_expr(self.form == "general"):
+                # (bM, bK, RestM, RestK) coordinates; the descriptor supplies base and bounds.
+                gA = cute.local_tile(tma_a, (self.tile_m, TILE_K), (None, None))
+                gB = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None))
+            else:
+                gA = cute.local_tile(
+                    cute.domain_offset((row_start, 0), tma_a), (self.tile_m, TILE_K), (None, None)
+                )
+                gB = cute.local_tile(
+                    tma_b[None, None, problem], (self.tile_n, TILE_K), (None, None)
+                )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
+            # Warp-uniform descriptor addresses, computed before any elected region so ptxas
+            # never needs a predicated R2UR (illegal on sm_90a, error 715).
+            desc_base = cute.arch.make_warp_uniform(ws + Int64(problem) * (3 * DESC_BYTES))
+            for k in cutlass.range(0, k_tiles, 1, unroll=1):
+                ab_pipe.producer_acquire(ab_state)
+                bar = ab_pipe.producer_get_barrier(ab_state)
+                if const_expr(self.form == "general"):
+                    cute.copy(
+                        tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
+                        tma_bar_ptr=bar, tma_desc_ptr=_desc_ptr_for_copy(desc_base),
+                    )
+                    cute.copy(
+                        tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
+                        tma_bar_ptr=bar,
+                        tma_desc_ptr=_desc_ptr_for_copy(desc_base + DESC_BYTES),
+                    )
+                else:
+                    cute.copy(
+                        tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
+                        tma_bar_ptr=bar,
+                    )
+                    cute.copy(
+                        tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
+                        tma_bar_ptr=bar,
+                    )
+                ab_pipe.producer_commit(ab_state)
+                ab_state.advance()
+            problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                sched_pipe, sched, read_state
+            )
+        ab_pipe.producer_tail(ab_state)
+
+    # ------------------------------------------------------------------------------------------
+    # Math warpgroups
+
+    @cute.jit
+    def math_role(
+        self,
+        ab_pipe: pipeline.PipelineTmaAsync,
+        sched_pipe: pipeline.PipelineAsync,
+        sched: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        sA: cute.Tensor,
+        sB: cute.Tensor,
+        sD: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        tma_d: cute.Tensor,
+        workspace: cute.Tensor,
+        trace: cute.Tensor,
+        tidx: Int32,
+        warp_idx: Int32,
+        math_wg: Int32,  # 0 or 1
+    ):
+        if const_expr(self.pingpong):
+            mma_tidx = tidx % self.threads_per_wg
+            epi_threads = self.threads_per_wg
+            epi_group = math_wg
+            is_store_warp = warp_idx % 4 == 0
+        else:
+            mma_tidx = tidx - self.threads_per_wg
+            epi_threads = 2 * self.threads_per_wg
+            epi_group = Int32(0)
+            is_store_warp = warp_idx == 4
+        epi_bar_id = BAR_EPI + epi_group
+
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        gD_shape_probe = cute.local_tile(tma_d, (self.tile_m, self.tile_n), (0, 0))
+        tCgD = thr_mma.partition_C(gD_shape_probe)
+        acc = cute.make_rmem_tensor(tCgD.shape, self.acc_dtype)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+
+        # Epilogue: registers -> smem (stmatrix for 16-bit output) -> TMA store.
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4),
+            cutlass.Float16,  # only fixes the thread-value layout of the source fragment
+        )
+        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.d_layout, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+        )
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sD)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
+        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.d_dtype)
+        size_rD = cute.size(tRS_rD)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, epi_threads),
+        )
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        ws = workspace.iterator.toint()
+        cta, _, _ = cute.arch.block_idx()
+        tiles_done = Int32(0)
+
+        if const_expr(self.pingpong):
+            if math_wg == 0:
+                # Warpgroup 0 holds the first mainloop token.
+                cute.arch.barrier_arrive(
+                    barrier_id=BAR_MMA_ORDER, number_of_threads=2 * self.threads_per_wg
+                )
+        problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                sched_pipe, sched, read_state
+            )
+        if const_expr(self.pingpong):
+            if math_wg == 1:
+                # Warpgroup 1 starts at the CTA's second tile: skip the first one's stages.
+                if problem >= 0:
+                    ab_state.advance(k_tiles)
+                    problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                sched_pipe, sched, read_state
+            )
+        while problem >= 0:
+            if const_expr(self.pingpong):
+                cute.arch.barrier(
+                    barrier_id=BAR_MMA_ORDER + math_wg, number_of_threads=2 * self.threads_per_wg
+                )
+            ab_state = self.mainloop(ab_pipe, ab_state, tiled_mma, acc, tCrA, tCrB, k_tiles,
+                                     num_k_blocks, math_wg)
+            self.epilogue(
+                acc, tRS_rAcc, tRS_rD, tRS_rD_out, size_rD, tiled_copy_r2s, tRS_sD, sD,
+                tma_atom_d, tma_d, store_pipe, ws, problem, m_tile, n_tile, epi_group,
+                epi_bar_id, epi_threads, is_store_warp, tiles_done,
+            )
+            if const_expr(self.trace):
+                if mma_tidx == 0:
+                    slot = cutlass.min(tiles_done * (2 if self.pingpong else 1) + math_wg,
+                                       trace.shape[1] - 1)
+                    trace[cta, slot, 0] = problem
+                    trace[cta, slot, 1] = m_tile
+                    trace[cta, slot, 2] = n_tile
+                    trace[cta, slot, 3] = math_wg
+            tiles_done = tiles_done + 1
+            problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                sched_pipe, sched, read_state
+            )
+            if const_expr(self.pingpong):
+                # The next record is the other warpgroup's tile: skip its stages.
+                if problem >= 0:
+                    ab_state.advance(k_tiles)
+                    problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                sched_pipe, sched, read_state
+            )
+        if is_store_warp:
+            store_pipe.producer_tail()
+
+    @cute.jit
+    def mainloop(
+        self,
+        ab_pipe: pipeline.PipelineTmaAsync,
+        ab_state: pipeline.PipelineState,
+        tiled_mma: cute.TiledMma,
+        acc: cute.Tensor,
+        tCrA: cute.Tensor,
+        tCrB: cute.Tensor,
+        k_tiles: Int32,
+        num_k_blocks: cutlass.Constexpr,
+        math_wg: Int32,
+    ) -> pipeline.PipelineState:
+        """acc = A_tile @ B_tile over k_tiles stages (zeros when k_tiles == 0)."""
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        release_state = ab_state.clone()
+        # One WGMMA batch stays in flight (wait_group(1)): stage s is released once the
+        # batch reading it has retired, i.e. one iteration later.
+        if k_tiles > 0:
+            ab_pipe.consumer_wait(ab_state)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, kb, ab_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            warpgroup.commit_group()
+            ab_state.advance()
+        for k in cutlass.range(1, k_tiles, 1, unroll=1):
+            ab_pipe.consumer_wait(ab_state)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, kb, ab_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+            ab_state.advance()
+        if const_expr(self.pingpong):
+            # Every WGMMA of this tile is issued: the other warpgroup's mainloop may start
+            # while this one drains and runs its epilogue.
+            cute.arch.barrier_arrive(
+                barrier_id=BAR_MMA_ORDER + 1 - math_wg, number_of_threads=2 * self.threads_per_wg
+            )
+        warpgroup.wait_group(0)
+        if k_tiles > 0:
+            ab_pipe.consumer_release(release_state)
+        return ab_state
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc: cute.Tensor,
+        tRS_rAcc: cute.Tensor,
+        tRS_rD: cute.Tensor,
+        tRS_rD_out: cute.Tensor,
+        size_rD: cutlass.Constexpr,
+        tiled_copy_r2s: cute.TiledCopy,
+        tRS_sD: cute.Tensor,
+        sD: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        tma_d: cute.Tensor,
+        store_pipe: pipeline.PipelineTmaStore,
+        ws: Int64,
+        problem: Int32,
+        m_tile: Int32,
+        n_tile: Int32,
+        epi_group: Int32,
+        epi_bar_id: Int32,
+        epi_threads: cutlass.Constexpr,
+        is_store_warp: cutlass.Boolean,
+        tiles_done: Int32,
+    ):
+        gD = cute.local_tile(tma_d, (self.tile_m, self.tile_n), (m_tile, n_tile))
+        gD_epi = cute.zipped_divide(gD, self.epi_tile)
+        bSG_sD, bSG_gD = cpasync.tma_partition(
+            tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
+        )
+        epi_count = cute.size(gD_epi, mode=[1])
+        epi_shape = gD_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        desc_d = cute.arch.make_warp_uniform(ws + Int64(problem) * (3 * DESC_BYTES) + 2 * DESC_BYTES)
+        for e in cutlass.range_constexpr(epi_count):
+            for v in cutlass.range_constexpr(size_rD):
+                tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
+            buf = epi_group * self.epi_stages + (tiles_done * epi_count + e) % self.epi_stages
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            # stmatrix writes go through the generic proxy; the TMA store reads through the
+            # async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
+            if is_store_warp:
+                cute.copy(
+                    tma_atom_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_layout.get_hier_coord(e))],
+                    tma_desc_ptr=_desc_ptr_for_copy(desc_d),
+                )
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
+
+
+def smem_estimate(tile_m: int, tile_n: int, d_bits: int, pingpong: bool, stages: int) -> int:
+    """Bytes of shared memory the kernel uses (for heuristics; the trace computes the truth)."""
+    ab = (tile_m + tile_n) * TILE_K * 2 * stages
+    epi = (64 * 32 if pingpong else 128 * 32) * d_bits // 8 * (2 * 2 if pingpong else 4)
+    return ab + epi + 2048 + SCHED_STAGES * RECORD_INTS * 4 + math.ceil(0)

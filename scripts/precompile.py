@@ -1,0 +1,75 @@
+"""Compile kernel variants into the disk cache (no GPU needed), e.g. to carry them to a GPU
+machine or to warm a server image:
+
+    MOE_GEMM_CACHE_DIR=.kcache python scripts/precompile.py --set tests -j 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def variant_set(name: str):
+    from moe_gemm.kernels.compile_sm90 import CompileKey
+
+    keys = set()
+    tiles = {"pingpong": [(128, 128), (64, 256)], "cooperative": [(128, 128), (128, 256)]}
+    for form, ab, d_same, b_major, schedule, visitor in itertools.product(
+        ["general", "varlen"], ["bfloat16", "float16"], [True, False], ["k", "n"],
+        ["pingpong", "cooperative"], ["device", "host"],
+    ):
+        d = ab if d_same else "float32"
+        for tm, tn in tiles[schedule]:
+            keys.add(CompileKey(form, ab, d, b_major, schedule, visitor, tm, tn))
+        if ab == "bfloat16" and d_same:
+            tm, tn = tiles[schedule][0]
+            keys.add(CompileKey(form, ab, d, b_major, schedule, visitor, tm, tn, None, True))
+    if name == "tests":
+        for tm, tn in [(64, 128), (128, 64), (128, 192)]:
+            for b_major in ("k", "n"):
+                keys.add(CompileKey("general", "bfloat16", "bfloat16", b_major, "pingpong",
+                                    "device", tm, tn))
+        for tm, tn in [(128, 64), (128, 192)]:
+            for b_major in ("k", "n"):
+                keys.add(CompileKey("general", "bfloat16", "bfloat16", b_major, "cooperative",
+                                    "device", tm, tn))
+    return sorted(keys, key=lambda k: k.name())
+
+
+def _compile_one(key) -> tuple[str, float, str]:
+    from moe_gemm import cache
+    from moe_gemm.kernels.compile_sm90 import compile_variant
+
+    t = time.time()
+    try:
+        cache.get_or_compile(key, key.name(), lambda: compile_variant(key))
+        return key.name(), time.time() - t, "ok"
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        return key.name(), time.time() - t, f"FAILED: {type(exc).__name__}: {exc}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--set", default="all", choices=["all", "tests"])
+    p.add_argument("-j", "--jobs", type=int, default=1)
+    args = p.parse_args()
+    keys = variant_set(args.set)
+    print(f"{len(keys)} variants -> {os.environ.get('MOE_GEMM_CACHE_DIR', '~/.cache/moe_gemm')}")
+    failed = 0
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for fut in as_completed([pool.submit(_compile_one, k) for k in keys]):
+            name, secs, status = fut.result()
+            failed += status != "ok"
+            print(f"{secs:6.1f}s {status:8s} {name}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,346 @@
+"""GPU tests of the sm90 kernels (run on the device: `pytest -m gpu`).
+
+Every case draws fresh random data, poisons the outputs with NaN before the launch (so an
+unwritten element fails), and compares with a float32 reference by the 2x rule: the kernel's
+error may be at most twice that of torch's own low-precision GEMM plus a small absolute term.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import moe_gemm
+from moe_gemm import GemmConfig
+from moe_gemm import schedule as sched
+from moe_gemm.validation import check_grouped_gemm, check_grouped_mm
+
+from .gpu_report import record
+
+pytestmark = pytest.mark.gpu
+
+SCHEDULES = ["pingpong", "cooperative"]
+VISITORS = ["device", "host"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _rand(shape, dtype, gen):
+    return (torch.randn(shape, generator=gen, device="cuda") * 0.5).to(dtype)
+
+
+def _check(name, out, ref32, low, **info):
+    """2x rule against torch's low-precision result; NaN (an unwritten element) never passes."""
+    if out.numel() == 0:
+        record(name, True, max_rel_err=0.0, **info)
+        return
+    finite = bool(torch.isfinite(out).all())
+    err = (out.float() - ref32).abs().max().item()
+    base = (low.float() - ref32).abs().max().item()
+    scale = ref32.abs().max().item() + 1e-6
+    tol = 2 * base + 1e-3 * scale
+    passed = finite and err <= tol
+    record(name, passed, max_abs_err=err, max_rel_err=err / scale, baseline_err=base,
+           finite=finite, **info)
+    assert finite, f"{name}: output has NaN/inf (unwritten elements?)"
+    assert err <= tol, f"{name}: max err {err:.3e} > tol {tol:.3e} (torch low-prec {base:.3e})"
+
+
+# ---------------------------------------------------------------------------------------------
+# General form
+
+
+def _general_case(kind: str, rng: random.Random):
+    if kind == "mixed":
+        return [(1, 64, 64), (0, 128, 64), (130, 200, 72), (256, 512, 1024), (77, 8, 16),
+                (128, 128, 0), (5, 1000, 4096), (129, 136, 7176)]
+    if kind == "many":
+        return [(rng.choice([0, 1, 3, 64, 100, 128, 200]), 8 * rng.randint(1, 40),
+                 8 * rng.randint(2, 80)) for _ in range(1100)]
+    if kind == "one":
+        return [(300, 264, 7176)]
+    if kind == "kvary":
+        base = [(1152, 768, 128), (1152, 768, 1024), (768, 1152, 128), (768, 1152, 1024)]
+        return base * 4
+    if kind == "headline":
+        return [(128, 512, 7168)] * 256
+    raise ValueError(kind)
+
+
+def _run_general(name, sizes, dtype, b_layout, config, out_dtype=None, check_subset=None):
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    a = [_rand((m, k), dtype, gen) for m, n, k in sizes]
+    if b_layout == "col":
+        b = [_rand((n, k), dtype, gen).t() for m, n, k in sizes]
+    else:
+        b = [_rand((k, n), dtype, gen) for m, n, k in sizes]
+    odt = out_dtype or dtype
+    out = [torch.full((m, n), float("nan"), dtype=odt, device="cuda") for m, n, k in sizes]
+    res = moe_gemm.grouped_gemm(a, b, out=out, config=config)
+    torch.cuda.synchronize()
+    assert all(r is o for r, o in zip(res, out))
+    idx = range(len(sizes)) if check_subset is None else check_subset
+    for i in idx:
+        ref = a[i].float() @ b[i].float()
+        low = (a[i] @ b[i]).to(odt) if a[i].shape[1] > 0 else torch.zeros_like(ref).to(odt)
+        _check(f"{name}[{i}]", out[i], ref, low, size=sizes[i])
+    # Every output element written, also outside the checked subset.
+    assert all(bool(torch.isfinite(o).all()) for o in out), f"{name}: NaN left in an output"
+
+
+@pytest.mark.parametrize("kind", ["mixed", "many", "one", "kvary"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("visitor", VISITORS)
+@pytest.mark.parametrize("sort_by_k", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_general_matrix(kind, schedule, visitor, sort_by_k, dtype):
+    rng = random.Random(7)
+    sizes = _general_case(kind, rng)
+    cfg = GemmConfig(backend="cute", schedule=schedule, visitor=visitor, sort_by_k=sort_by_k)
+    subset = None if len(sizes) < 64 else rng.sample(range(len(sizes)), 48)
+    _run_general(f"general/{kind}/{schedule}/{visitor}/sort={sort_by_k}/{dtype}", sizes,
+                 DTYPES[dtype], "col" if kind != "many" else "row", cfg, check_subset=subset)
+
+
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, None])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_general_layouts_and_out_dtype(b_layout, out_dtype, schedule):
+    sizes = _general_case("mixed", random.Random(3))
+    cfg = GemmConfig(backend="cute", schedule=schedule)
+    _run_general(f"general/layout={b_layout}/out={out_dtype}/{schedule}", sizes, torch.bfloat16,
+                 b_layout, cfg, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("tile", [(64, 128), (64, 256), (128, 64), (128, 192)])
+def test_general_pingpong_tiles(tile):
+    sizes = _general_case("mixed", random.Random(5))
+    cfg = GemmConfig(backend="cute", schedule="pingpong", tile_m=tile[0], tile_n=tile[1])
+    _run_general(f"general/pingpong-tile={tile}", sizes, torch.bfloat16, "col", cfg)
+
+
+@pytest.mark.parametrize("tile", [(128, 64), (128, 128), (128, 192)])
+def test_general_cooperative_tiles(tile):
+    sizes = _general_case("mixed", random.Random(5))
+    cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=tile[0], tile_n=tile[1])
+    _run_general(f"general/cooperative-tile={tile}", sizes, torch.bfloat16, "row", cfg)
+
+
+@pytest.mark.parametrize("config", [None, GemmConfig(backend="cute", schedule="cooperative")],
+                         ids=["default", "cooperative"])
+def test_headline(config):
+    sizes = _general_case("headline", random.Random(1))
+    name = "headline/" + ("default" if config is None else config.schedule)
+    _run_general(name, sizes, torch.bfloat16, "col", config,
+                 check_subset=random.Random(2).sample(range(256), 24))
+
+
+def test_default_picks_cute():
+    from moe_gemm.kernels.host_sm90 import last_launch
+
+    a = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)]
+    b = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)]
+    moe_gemm.grouped_gemm(a, b)
+    info = last_launch()
+    record("default_picks_cute", info is not None)
+    assert info is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen (MoE) form
+
+
+def _counts(kind: str, E: int, T: int, gen: torch.Generator) -> list[int]:
+    if kind == "zipf":
+        w = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+        w = w[torch.randperm(E, generator=gen)]
+        idx = torch.multinomial(w, T, replacement=True, generator=gen)
+        return torch.bincount(idx, minlength=E).tolist()
+    if kind == "holes":  # empty first, middle and last experts; odd sizes
+        base = [0, 1, 129, 0, 64, 300, 7, 0, 200, 0]
+        return (base * (E // len(base) + 1))[:E]
+    raise ValueError(kind)
+
+
+def _run_varlen(name, E, T, N, K, counts_kind, dtype, w_layout, config, out_mode, tail=0):
+    gen = torch.Generator().manual_seed(99)
+    counts = _counts(counts_kind, E, T - tail, gen)
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = _rand((T, K), dtype, g)
+    if w_layout == "nk_view":
+        w = _rand((E, N, K), dtype, g).transpose(1, 2)
+    else:
+        w = _rand((E, K, N), dtype, g)
+    if out_mode == "given":
+        out = torch.full((T, N), float("nan"), dtype=dtype, device="cuda")
+        out[T - tail:] = 7.0  # rows past offs[-1] must stay untouched
+        y = moe_gemm.grouped_mm(x, w, offs, out=out, config=config)
+        assert y is out
+    else:
+        y = moe_gemm.grouped_mm(x, w, offs, config=config)
+    torch.cuda.synchronize()
+    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    low = torch.zeros_like(y)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            low[start:start + c] = x[start:start + c] @ w[e]
+        start += c
+    if out_mode == "given" and tail:
+        untouched = bool((y[T - tail:] == 7.0).all())
+        record(f"{name}/tail-untouched", untouched)
+        assert untouched, "rows past offs[-1] were written"
+        _check(name, y[:T - tail], ref[:T - tail], low[:T - tail], E=E, T=T, N=N, K=K)
+    else:
+        _check(name, y, ref, low, E=E, T=T, N=N, K=K)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("visitor", VISITORS)
+@pytest.mark.parametrize("w_layout", ["kn", "nk_view"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("out_mode", ["given", "alloc"])
+def test_varlen_matrix(schedule, visitor, w_layout, dtype, out_mode):
+    cfg = GemmConfig(backend="cute", schedule=schedule, visitor=visitor)
+    _run_varlen(f"varlen/holes/{schedule}/{visitor}/{w_layout}/{dtype}/{out_mode}", 10, 1000,
+                136, 264, "holes", DTYPES[dtype], w_layout, cfg, out_mode, tail=99)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_varlen_decode_shape(schedule):
+    cfg = GemmConfig(backend="cute", schedule=schedule)
+    _run_varlen(f"varlen/decode/{schedule}", 256, 1024, 512, 7168, "zipf", torch.bfloat16,
+                "nk_view", cfg, "alloc")
+
+
+def test_varlen_default_prefill_like():
+    _run_varlen("varlen/prefill-like/default", 8, 8192, 1024, 2048, "zipf", torch.bfloat16,
+                "nk_view", None, "given", tail=17)
+
+
+def test_varlen_single_row_and_all_empty():
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3, 64, 32, device="cuda", dtype=torch.bfloat16)
+    cfg = GemmConfig(backend="cute")
+    y = moe_gemm.grouped_mm(x, w, torch.tensor([0, 1, 1], dtype=torch.int32, device="cuda"),
+                            config=cfg)
+    ref = x.float() @ w[1].float()
+    _check("varlen/single-row", y, ref, (x @ w[1]))
+    y0 = moe_gemm.grouped_mm(x, w, torch.zeros(3, dtype=torch.int32, device="cuda"), config=cfg)
+    ok = bool((y0 == 0).all())
+    record("varlen/all-empty-zero", ok)
+    assert ok
+
+
+def test_cuda_graph_replay_with_new_offsets():
+    E, T, N, K = 16, 512, 128, 256
+    dev = "cuda"
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    offs = torch.linspace(0, T, E, device=dev).round().to(torch.int32)
+    cfg = GemmConfig(backend="cute")
+    moe_gemm.grouped_mm(x, w, offs, config=cfg)  # compile + warm outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe_gemm.grouped_mm(x, w, offs, config=cfg)
+    for trial in range(3):
+        gen = torch.Generator().manual_seed(trial)
+        counts = torch.multinomial(torch.ones(E), T, replacement=True, generator=gen)
+        new = torch.bincount(counts, minlength=E).cumsum(0).to(torch.int32)
+        offs.copy_(new)
+        x.copy_(torch.randn(T, K, device=dev, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+        low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
+        _check(f"cuda-graph/replay{trial}", y, ref, low)
+
+
+def test_grouped_mm_no_host_sync():
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 128, 64, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([10, 100, 100, 250], dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(backend="cute")
+    moe_gemm.grouped_mm(x, w, offs, config=cfg)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_gemm.grouped_mm(x, w, offs, config=cfg)
+        ok = True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    record("grouped_mm/no-host-sync", ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel visits tiles exactly as moe_gemm.schedule says
+
+
+def _expected(counts, sizes_mn, tile_m, tile_n, num_ctas, swizzle):
+    owners = sched.linear_assignment(counts, num_ctas).per_cta
+    out = []
+    for cta in owners:
+        row = []
+        for p, local in cta:
+            tm = -(-sizes_mn[p][0] // tile_m)
+            tn = -(-sizes_mn[p][1] // tile_n)
+            m, n = sched.tile_coord(local, tm, tn, swizzle)
+            row.append((p, m, n))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("visitor", VISITORS)
+@pytest.mark.parametrize("sort_by_k", [False, True])
+def test_trace_general_matches_schedule(schedule, visitor, sort_by_k):
+    from moe_gemm.kernels.host_sm90 import grouped_gemm_cute, last_launch, trace_assignment
+
+    rng = random.Random(11)
+    sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 50), 8 * rng.randint(1, 90))
+             for _ in range(90)]
+    a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m, n, k in sizes]
+    b = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for m, n, k in sizes]
+    cfg = GemmConfig(backend="cute", schedule=schedule, visitor=visitor, sort_by_k=sort_by_k)
+    grouped_gemm_cute(check_grouped_gemm(a, b, None, None), cfg, trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    got = trace_assignment(info)
+    order = list(info.order)
+    ordered = [sizes[i] for i in order]
+    ch = info.choice
+    counts = sched.tiles_per_problem(ordered, ch.tile_m, ch.tile_n)
+    want = _expected(counts, [(m, n) for m, n, _ in ordered], ch.tile_m, ch.tile_n,
+                     info.num_ctas, ch.swizzle)
+    want = [[(order[p], m, n) for p, m, n in row] for row in want]
+    ok = got == want
+    record(f"trace/general/{schedule}/{visitor}/sort={sort_by_k}", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("visitor", VISITORS)
+def test_trace_varlen_matches_schedule(schedule, visitor):
+    from moe_gemm.kernels.host_sm90 import grouped_mm_cute, last_launch, trace_assignment
+
+    E, T, N, K = 40, 3000, 264, 128
+    counts = _counts("holes", E, T - 50, torch.Generator().manual_seed(1))
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16)
+    cfg = GemmConfig(backend="cute", schedule=schedule, visitor=visitor)
+    grouped_mm_cute(check_grouped_mm(x, w, offs, None, None), cfg, trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    got = trace_assignment(info)
+    rows = counts + [T - sum(counts)]  # the zero tail is problem E
+    ch = info.choice
+    tile_counts = [-(-r // ch.tile_m) * -(-N // ch.tile_n) for r in rows]
+    want = _expected(tile_counts, [(r, N) for r in rows], ch.tile_m, ch.tile_n, info.num_ctas,
+                     ch.swizzle)
+    ok = got == want
+    record(f"trace/varlen/{schedule}/{visitor}", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule"
