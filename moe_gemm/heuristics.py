@@ -8,7 +8,8 @@ of host synchronisation. The numbers behind each rule are in AGENTS.md ("Measure
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 from . import schedule as sched
 from .config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
@@ -25,6 +26,28 @@ class KernelChoice:
     stages: int | None
     sort_by_k: bool
     swizzle: int  # m-tiles per raster panel (see schedule.tile_coord)
+    a_policy: int = 0  # L2 eviction priority of A / B loads (0: set by with_l2_hints)
+    b_policy: int = 0
+
+
+# TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
+L2_POLICY = {"normal": 0x1000000000000000, "first": 0x12F0000000000000,
+             "last": 0x14F0000000000000}
+
+
+def with_l2_hints(choice: KernelChoice, m_tiles_per_problem: float, n_tiles: float
+                  ) -> KernelChoice:
+    """A is re-read by every n-tile of its problem, B by every m-tile: keep what is re-read in
+    L2 (evict_last) and stream what is read once (evict_first), so the single-use expert
+    weights of a decode or a uniform small-M batch do not push reusable rows out of L2.
+    MOE_GEMM_L2_HINTS="a,b" (first|normal|last) overrides, for tuning."""
+    env = os.environ.get("MOE_GEMM_L2_HINTS")
+    if env:
+        a, b = (v.strip() for v in env.split(","))
+    else:
+        a = "last" if n_tiles >= 2 else "first"
+        b = "first" if m_tiles_per_problem <= 1.0 else "normal"
+    return replace(choice, a_policy=L2_POLICY[a], b_policy=L2_POLICY[b])
 
 
 def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
@@ -54,7 +77,10 @@ def choose_general(
         sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
     else:
         sort = config.sort_by_k
-    return KernelChoice(schedule, visitor, tile[0], tile[1], config.stages, sort, 8)
+    choice = KernelChoice(schedule, visitor, tile[0], tile[1], config.stages, sort, 8)
+    m_tiles = sum(-(-m // tile[0]) for m, _, _ in nonempty) / max(1, len(nonempty))
+    n_tiles = sum(-(-n // tile[1]) for _, n, _ in nonempty) / max(1, len(nonempty))
+    return with_l2_hints(choice, m_tiles, n_tiles)
 
 
 def choose_varlen(
@@ -72,7 +98,8 @@ def choose_varlen(
     else:
         tile = _pick_tile(schedule, avg_m, N)
     visitor = config.visitor if config.visitor != "auto" else "device"
-    return KernelChoice(schedule, visitor, tile[0], tile[1], config.stages, False, 8)
+    choice = KernelChoice(schedule, visitor, tile[0], tile[1], config.stages, False, 8)
+    return with_l2_hints(choice, avg_m / tile[0], N / tile[1])
 
 
 @functools.lru_cache(maxsize=64)

@@ -96,7 +96,8 @@ def fake_arguments(key: CompileKey) -> tuple:
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return (
         a, w, out, meta, meta32, offs, table, workspace, trace,
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), stream,
+        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0), cutlass.Int64(0),
+        stream,
     )
 
 

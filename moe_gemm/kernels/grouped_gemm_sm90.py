@@ -58,6 +58,11 @@ DESC_BYTES = 128  # one CUtensorMap
 SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
 TRACE_INTS = 4  # debug trace record: (problem, m_tile, n_tile, warpgroup)
 
+# L2 eviction priorities for TMA loads (the createpolicy encodings CUTLASS uses, sm90).
+EVICT_NORMAL = 0x1000000000000000
+EVICT_FIRST = 0x12F0000000000000
+EVICT_LAST = 0x14F0000000000000
+
 # Named barrier ids (0 is __syncthreads). Each role owns its ids; see KERNEL-NOTES pitfalls.
 BAR_EPI = 2  # + warpgroup index in pingpong: a warpgroup's epilogue threads
 BAR_MMA_ORDER = 4  # + warpgroup index: pingpong "your mainloop may start" tokens
@@ -227,6 +232,8 @@ class GroupedGemmSm90:
         num_problems: Int32,  # general: G; varlen: E + 1 if the zero tail is on, else E
         num_ctas: Int32,
         swizzle: Int32,
+        a_policy: Int64,  # L2 eviction priority for A loads (EVICT_* above)
+        b_policy: Int64,  # and for B loads
         stream: cuda.CUstream,
     ):
         self._setup()
@@ -288,7 +295,7 @@ class GroupedGemmSm90:
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
             mA, mD, meta32, offs, table, workspace, trace, num_problems, swizzle,
-            self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
+            a_policy, b_policy, self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
@@ -404,6 +411,8 @@ class GroupedGemmSm90:
         trace: cute.Tensor,
         num_problems: Int32,
         swizzle: Int32,
+        a_policy: Int64,
+        b_policy: Int64,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -458,7 +467,7 @@ class GroupedGemmSm90:
             if warp_idx == self.load_warp:
                 self.load_warp_role(
                     ab_pipe, sched_pipe, sched, tma_atom_a, tma_a, tma_atom_b, tma_b,
-                    sA, sB, workspace,
+                    sA, sB, workspace, a_policy, b_policy,
                 )
         else:
             cute.arch.setmaxregister_increase(self.math_regs)
@@ -611,6 +620,8 @@ class GroupedGemmSm90:
         sA: cute.Tensor,
         sB: cute.Tensor,
         workspace: cute.Tensor,
+        a_policy: Int64,
+        b_policy: Int64,
     ):
         if const_expr(self.form == "varlen"):
             cpasync.prefetch_descriptor(tma_atom_a)
@@ -643,7 +654,8 @@ class GroupedGemmSm90:
             )
             # Warp-uniform descriptor addresses, computed before any elected region so ptxas
             # never needs a predicated R2UR (illegal on sm_90a, error 715).
-            desc_base = cute.arch.make_warp_uniform(ws + Int64(problem) * (3 * DESC_BYTES))
+            # (make_warp_uniform is 32-bit: apply it to the index, never to the address.)
+            desc_base = ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
             for k in cutlass.range(0, k_tiles, 1, unroll=1):
                 ab_pipe.producer_acquire(ab_state)
                 bar = ab_pipe.producer_get_barrier(ab_state)
@@ -651,20 +663,22 @@ class GroupedGemmSm90:
                     cute.copy(
                         tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
                         tma_bar_ptr=bar, tma_desc_ptr=_desc_ptr_for_copy(desc_base),
+                        cache_policy=a_policy,
                     )
                     cute.copy(
                         tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
                         tma_bar_ptr=bar,
                         tma_desc_ptr=_desc_ptr_for_copy(desc_base + DESC_BYTES),
+                        cache_policy=b_policy,
                     )
                 else:
                     cute.copy(
                         tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
-                        tma_bar_ptr=bar,
+                        tma_bar_ptr=bar, cache_policy=a_policy,
                     )
                     cute.copy(
                         tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
-                        tma_bar_ptr=bar,
+                        tma_bar_ptr=bar, cache_policy=b_policy,
                     )
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()
@@ -875,7 +889,8 @@ class GroupedGemmSm90:
         epi_count = cute.size(gD_epi, mode=[1])
         epi_shape = gD_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        desc_d = cute.arch.make_warp_uniform(ws + Int64(problem) * (3 * DESC_BYTES) + 2 * DESC_BYTES)
+        desc_d = (ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
+                  + 2 * DESC_BYTES)
         for e in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(size_rD):
                 tRS_rD[v] = tRS_rAcc[e * size_rD + v]

@@ -161,7 +161,7 @@ def grouped_gemm_cute(
     key = _compile_key("general", args.dtype, args.out_dtype, b_major, choice, trace)
     kernel = _compiled(key)
     kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table, workspace,
-           trace_t, G, num_ctas, choice.swizzle)
+           trace_t, G, num_ctas, choice.swizzle, choice.a_policy, choice.b_policy)
     _local.last = LaunchInfo(choice, num_ctas, G, tuple(order), trace_t if trace else None)
     return list(outs)
 
@@ -212,7 +212,7 @@ def grouped_mm_cute(args: GroupedMmArgs, config: GemmConfig, *, trace: bool = Fa
     key = _compile_key("varlen", args.dtype, args.out_dtype, b_major, choice, trace)
     kernel = _compiled(key)
     kernel(x, w, out, meta, meta.view(torch.int32), offs, table, workspace, trace_t,
-           num_problems, num_ctas, choice.swizzle)
+           num_problems, num_ctas, choice.swizzle, choice.a_policy, choice.b_policy)
     _local.last = LaunchInfo(choice, num_ctas, num_problems, None, trace_t if trace else None)
     return out
 

@@ -157,9 +157,13 @@ def _counts(kind: str, E: int, T: int, gen: torch.Generator) -> list[int]:
         w = w[torch.randperm(E, generator=gen)]
         idx = torch.multinomial(w, T, replacement=True, generator=gen)
         return torch.bincount(idx, minlength=E).tolist()
-    if kind == "holes":  # empty first, middle and last experts; odd sizes
+    if kind == "holes":  # empty first, middle and last experts; odd sizes; sums to T
         base = [0, 1, 129, 0, 64, 300, 7, 0, 200, 0]
-        return (base * (E // len(base) + 1))[:E]
+        counts = (base * (E // len(base) + 1))[:E]
+        scale = T / max(1, sum(counts))
+        counts = [int(c * scale) for c in counts]
+        counts[E // 2 if E > 2 else 0] += T - sum(counts)
+        return counts
     raise ValueError(kind)
 
 
