@@ -9,6 +9,7 @@ warning; with backend="cute" it raises ValueError.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ import torch
 
 from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
-from .kernels.support import grouped_gemm_unsupported, grouped_mm_unsupported
+from .kernels.support import analyze_general, grouped_mm_unsupported
 from .reference import grouped_gemm_torch, grouped_mm_torch
 from .validation import check_grouped_gemm, check_grouped_mm
 
@@ -89,10 +90,15 @@ def grouped_gemm(
     args = check_grouped_gemm(a, b, out, out_dtype)
     if not args.a:
         return []
-    if _use_cute(cfg, args.device, grouped_gemm_unsupported(args), "grouped_gemm"):
+    if cfg.backend != "torch" and cute_problem(args.device) is None:
+        layout = analyze_general(args)
+        unsupported = layout if isinstance(layout, str) else None
+    else:
+        layout, unsupported = None, None
+    if _use_cute(cfg, args.device, unsupported, "grouped_gemm"):
         from .kernels.host_sm90 import grouped_gemm_cute
 
-        return grouped_gemm_cute(args, cfg)
+        return grouped_gemm_cute(args, cfg, layout=layout)  # type: ignore[arg-type]
     return grouped_gemm_torch(args)
 
 
@@ -133,10 +139,47 @@ def grouped_mm(
         ValueError: ranks, K mismatch, offs length or values, devices or `out` shape.
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
+    key = _mm_plan_key(x, w, offs, out, config, out_dtype)
+    plan = _mm_plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan(x, w, offs, out)
     cfg = _check_config(config)
     args = check_grouped_mm(x, w, offs, out, out_dtype)
     if _use_cute(cfg, args.x.device, grouped_mm_unsupported(args, cfg), "grouped_mm"):
-        from .kernels.host_sm90 import grouped_mm_cute
+        from .kernels.host_sm90 import MmPlan
 
-        return grouped_mm_cute(args, cfg)
+        plan = MmPlan(args, cfg)
+        if key is not None and args.offs.is_contiguous():
+            if len(_mm_plans) >= _MAX_PLANS:
+                _mm_plans.clear()
+            _mm_plans[key] = plan
+        offs_c = args.offs if args.offs.is_contiguous() else args.offs.contiguous()
+        return plan(args.x, args.w, offs_c, args.out)
     return grouped_mm_torch(args)
+
+
+# grouped_mm launch plans of validated cute calls, keyed by everything validation and the
+# kernel choice depend on (shapes, strides, dtypes, devices, 16-byte alignment, config): a
+# repeated call skips validation and heuristics. offs values are never part of it (on the GPU
+# they are not read on the host at all).
+_mm_plans: dict[tuple, object] = {}
+_MAX_PLANS = 256
+
+
+def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
+    if type(x) is not torch.Tensor or type(w) is not torch.Tensor or type(offs) is not (
+        torch.Tensor
+    ) or not x.is_cuda:
+        return None
+    if out is not None and type(out) is not torch.Tensor:
+        return None
+    env = os.environ
+    if env.get("MOE_GEMM_CHECK_OFFS") or env.get("MOE_GEMM_DISABLE_CUTE"):
+        return None
+    ptrs = x.data_ptr() | w.data_ptr()
+    out_key = None
+    if out is not None:
+        out_key = (out.shape, out.stride(), out.dtype, out.device)
+        ptrs |= out.data_ptr()
+    return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, offs.shape,
+            offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config, ptrs & 15)

@@ -26,11 +26,12 @@ class GroupedGemmArgs:
     dtype: torch.dtype
     out_dtype: torch.dtype
     device: torch.device
+    sizes: list[tuple[int, int, int]] = None  # type: ignore[assignment]  # (M_i, N_i, K_i)
 
-    @property
-    def sizes(self) -> list[tuple[int, int, int]]:
-        """(M_i, N_i, K_i) per problem."""
-        return [(a.shape[0], b.shape[1], a.shape[1]) for a, b in zip(self.a, self.b)]
+    def __post_init__(self) -> None:
+        if self.sizes is None:
+            sizes = [(a.shape[0], b.shape[1], a.shape[1]) for a, b in zip(self.a, self.b)]
+            object.__setattr__(self, "sizes", sizes)
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,53 @@ def check_grouped_gemm(
         )
     if not a_list:
         return GroupedGemmArgs([], [], [] if out is not None else None, torch.bfloat16,
-                               resolve_out_dtype(torch.bfloat16, out_dtype), torch.device("cpu"))
+                               resolve_out_dtype(torch.bfloat16, out_dtype), torch.device("cpu"),
+                               [])
     dtype, device = a_list[0].dtype, a_list[0].device
+    a_shapes = [t.shape for t in a_list]
+    b_shapes = [t.shape for t in b_list]
+    # Fast path: one set per property (this runs for hundreds of problems per call); the
+    # detailed loop below only runs to say exactly what is wrong.
+    ok = (
+        dtype in SUPPORTED_DTYPES
+        and {t.dtype for t in a_list} == {dtype} == {t.dtype for t in b_list}
+        and {t.device for t in a_list} == {device} == {t.device for t in b_list}
+        and all(len(sa) == 2 and len(sb) == 2 and sa[1] == sb[0]
+                for sa, sb in zip(a_shapes, b_shapes))
+    )
+    if not ok:
+        _explain_grouped_gemm(a_list, b_list, dtype, device)
+    sizes = [(sa[0], sb[1], sa[1]) for sa, sb in zip(a_shapes, b_shapes)]
+    odt = resolve_out_dtype(dtype, out_dtype)
+    out_list = None
+    if out is not None:
+        out_list = _as_tensor_list("out", out, "(M_i, N_i)")
+        if len(out_list) != len(a_list):
+            raise ValueError(
+                f"expected one out per problem: got len(out)={len(out_list)} for "
+                f"{len(a_list)} problems"
+            )
+        if out_dtype is None:
+            odt = out_list[0].dtype
+            _check_dtype("out[0]", out_list[0])
+        for i, (oi, (m, n, _)) in enumerate(zip(out_list, sizes)):
+            want = (m, n)
+            if tuple(oi.shape) != want:
+                raise ValueError(
+                    f"out[{i}] must be (M_i, N_i) = ({want[0]}, {want[1]}); got {_shape(oi)}"
+                )
+            if oi.dtype != odt:
+                raise TypeError(f"out[{i}] must have dtype {odt}; got {oi.dtype}")
+            if oi.device != device:
+                raise ValueError(f"out[{i}] is on {oi.device} but the operands are on {device}")
+    return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device, sizes)
+
+
+def _explain_grouped_gemm(
+    a_list: list[torch.Tensor], b_list: list[torch.Tensor], dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Raise the error that names the first offending operand (the fast check failed)."""
     _check_dtype("a[0]", a_list[0])
     for i, (ai, bi) in enumerate(zip(a_list, b_list)):
         if ai.dim() != 2:
@@ -132,29 +178,7 @@ def check_grouped_gemm(
                 f"problem {i}: a[{i}] is (M, K) = {_shape(ai)}, so b[{i}] must be "
                 f"(K, N) = ({ai.shape[1]}, N); got {_shape(bi)}"
             )
-    odt = resolve_out_dtype(dtype, out_dtype)
-    out_list = None
-    if out is not None:
-        out_list = _as_tensor_list("out", out, "(M_i, N_i)")
-        if len(out_list) != len(a_list):
-            raise ValueError(
-                f"expected one out per problem: got len(out)={len(out_list)} for "
-                f"{len(a_list)} problems"
-            )
-        if out_dtype is None:
-            odt = out_list[0].dtype
-            _check_dtype("out[0]", out_list[0])
-        for i, (oi, ai, bi) in enumerate(zip(out_list, a_list, b_list)):
-            want = (ai.shape[0], bi.shape[1])
-            if tuple(oi.shape) != want:
-                raise ValueError(
-                    f"out[{i}] must be (M_i, N_i) = ({want[0]}, {want[1]}); got {_shape(oi)}"
-                )
-            if oi.dtype != odt:
-                raise TypeError(f"out[{i}] must have dtype {odt}; got {oi.dtype}")
-            if oi.device != device:
-                raise ValueError(f"out[{i}] is on {oi.device} but the operands are on {device}")
-    return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device)
+    raise AssertionError("unreachable: fast check failed but no operand is wrong")
 
 
 def offs_check_requested() -> bool:

@@ -22,7 +22,7 @@ from ..capability import sm_count
 from ..config import GemmConfig
 from ..heuristics import KernelChoice, choose_general, choose_varlen
 from ..validation import GroupedGemmArgs, GroupedMmArgs
-from .support import operand_major
+from .support import GeneralLayout, analyze_general, operand_major
 
 TILE_K = 64
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -105,47 +105,67 @@ def _trace_tensor(num_ctas: int, max_tiles: int, device: torch.device) -> torch.
     return torch.full((num_ctas, max(1, max_tiles), 4), -1, dtype=torch.int32, device=device)
 
 
+_graph_keepalive: list[torch.Tensor] = []
+
+
+def _alloc_outputs(sizes, dtype, device) -> list[torch.Tensor]:
+    """One allocation split into per-problem (M_i, N_i) views, each 16-byte aligned: one
+    allocator call instead of G (this runs per call for hundreds of problems)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    pad = max(1, 16 // elem)
+    lens = [-(-(m * n) // pad) * pad for m, n, _ in sizes]
+    flat = torch.empty(sum(lens), dtype=dtype, device=device)
+    parts = flat.split(lens)
+    return [p[: m * n].view(m, n) for p, (m, n, _) in zip(parts, sizes)]
+
+
 def grouped_gemm_cute(
-    args: GroupedGemmArgs, config: GemmConfig, *, trace: bool = False
+    args: GroupedGemmArgs, config: GemmConfig, *, layout: GeneralLayout | None = None,
+    trace: bool = False,
 ) -> list[torch.Tensor]:
+    if layout is None:
+        res = analyze_general(args)
+        if isinstance(res, str):
+            raise ValueError(f"backend='cute' cannot take this input: {res}")
+        layout = res
     device = args.device
     G = len(args.a)
-    sizes = tuple(args.sizes)
+    sizes = args.sizes
     nsm = sm_count(device)
-    choice = choose_general(config, sizes, nsm)
+    choice = choose_general(config, tuple(sizes), nsm)
+    b_major = layout.b_major
+    b_ptr, b_ld = layout.b_ptr, layout.b_ld
+    keep = []  # copies made for problems whose B had the minority layout
+    if layout.b_fix:
+        b_ptr, b_ld = list(b_ptr), list(b_ld)
+        for i in layout.b_fix:
+            b = args.b[i]
+            fixed = b.t().contiguous().t() if b_major == "k" else b.contiguous()
+            keep.append(fixed)
+            b_ptr[i] = fixed.data_ptr()
+            b_ld[i] = fixed.stride(1) if b_major == "k" else fixed.stride(0)
+    outs = args.out if args.out is not None else _alloc_outputs(sizes, args.out_dtype, device)
 
-    # B's major: the kernel takes one per launch; the minority layout is copied to match.
-    majors = [operand_major(b) if b.numel() else None for b in args.b]
-    n_major = sum(m == "row" for m in majors)
-    k_major = sum(m == "col" for m in majors)
-    b_major = "k" if k_major > n_major else "n"
-    want = "col" if b_major == "k" else "row"
-    b_list = [
-        b if (m is None or m == want) else (b.t().contiguous().t() if want == "col"
-                                            else b.contiguous())
-        for b, m in zip(args.b, majors)
-    ]
-    outs = args.out if args.out is not None else [
-        torch.empty(m, n, dtype=args.out_dtype, device=device) for m, n, _ in sizes
-    ]
-
-    order = sched.ksort_permutation(sizes) if choice.sort_by_k else list(range(G))
-    ordered_sizes = [sizes[i] for i in order]
-    counts = tuple(sched.tiles_per_problem(ordered_sizes, choice.tile_m, choice.tile_n))
+    order = sched.ksort_permutation(sizes) if choice.sort_by_k else range(G)
+    counts = tuple(sched.tiles_per_problem([sizes[i] for i in order], choice.tile_m,
+                                           choice.tile_n))
     total = sum(counts)
     if total == 0:
         return list(outs)
     num_ctas = max(1, min(nsm, total))
 
+    a_ptr, a_ld = layout.a_ptr, layout.a_ld
+    d_ptr = [o.data_ptr() for o in outs]
+    d_ld = [o.stride(0) for o in outs]
+    rows = [(a_ptr[p], b_ptr[p], d_ptr[p], a_ld[p], b_ld[p], d_ld[p],
+             sizes[p][0] | (sizes[p][1] << 32), sizes[p][2]) for p in order]
     meta = _pinned((G, 8), torch.int64)
-    m_np = meta.numpy()
-    for row, p in enumerate(order):
-        a, b, d = args.a[p], b_list[p], outs[p]
-        M, N, K = sizes[p]
-        ldb = b.stride(1) if b_major == "k" else b.stride(0)
-        m_np[row] = (a.data_ptr(), b.data_ptr(), d.data_ptr(), a.stride(0), ldb, d.stride(0),
-                     M | (N << 32), K)
+    meta.numpy()[:] = rows
     meta_dev = meta.to(device, non_blocking=True)
+    if _capturing():
+        # The captured copy reads this pinned buffer at every replay: keep it alive.
+        _graph_keepalive.append(meta)
+        _graph_keepalive.extend(keep)
 
     table = (
         _table_tensor(counts, num_ctas, device) if choice.visitor == "host"
@@ -166,55 +186,77 @@ def grouped_gemm_cute(
     return list(outs)
 
 
+class MmPlan:
+    """Everything about a grouped_mm launch that depends only on shapes, strides, dtypes and
+    the config: built once per signature (ops.grouped_mm caches it), so a repeated call costs
+    two allocations and the kernel call."""
+
+    def __init__(self, args: GroupedMmArgs, config: GemmConfig, trace: bool = False):
+        x, w = args.x, args.w
+        self.device = device = x.device
+        T, K, E, N = args.T, args.K, args.E, args.N
+        self.T, self.N, self.E = T, N, E
+        self.out_dtype = args.out_dtype
+        self.zero_tail = args.out is None
+        self.trivial = T == 0 or N == 0 or E == 0
+        if self.trivial:
+            return
+        nsm = sm_count(device)
+        self.choice = choice = choose_varlen(config, T, E, N, K, nsm)
+        b_major = "k" if operand_major(w) == "col" else "n"
+        self.num_problems = E + (1 if self.zero_tail else 0)
+        self.tiles_n = -(-N // choice.tile_n)
+        self.nsm = nsm
+        self.trace = trace
+        if choice.visitor == "device":
+            bound = (-(-T // choice.tile_m) + self.num_problems) * self.tiles_n
+            self.num_ctas = max(1, min(nsm, bound))
+            self.max_tiles = -(-bound // self.num_ctas)
+        self.meta = _small("meta", device, torch.int64, (1, 8))
+        self.meta32 = self.meta.view(torch.int32)
+        self.no_table = _small("table", device, torch.int32, (1, 1, 2))
+        self.no_trace = _small("trace", device, torch.int32, (1, 1, 4))
+        self.kernel = _compiled(_compile_key("varlen", args.dtype, args.out_dtype, b_major,
+                                             choice, trace))
+
+    def __call__(self, x, w, offs, out):
+        if out is None:
+            out = torch.empty(self.T, self.N, dtype=self.out_dtype, device=self.device)
+        if self.trivial:
+            return out.zero_() if self.zero_tail and self.E == 0 else out
+        choice = self.choice
+        if choice.visitor == "host":
+            # The host visitor needs per-expert sizes on the host: one device-to-host copy
+            # of offs (a synchronisation). "auto" never picks it for grouped_mm.
+            T = self.T
+            bounds = offs.to("cpu", torch.int64).clamp(0, T).tolist()
+            starts = [0] + bounds[:-1]
+            rows = [max(0, e - s) for s, e in zip(starts, bounds)]
+            if self.zero_tail:
+                rows.append(max(0, T - (bounds[-1] if bounds else 0)))
+            counts = tuple(-(-r // choice.tile_m) * self.tiles_n for r in rows)
+            total = sum(counts)
+            if total == 0:
+                return out
+            num_ctas = max(1, min(self.nsm, total))
+            table = _table_tensor(counts, num_ctas, self.device)
+            max_tiles = -(-total // num_ctas)
+        else:
+            num_ctas, table, max_tiles = self.num_ctas, self.no_table, self.max_tiles
+        workspace = torch.empty(self.num_problems * 48, dtype=torch.int64, device=self.device)
+        trace_t = _trace_tensor(num_ctas, max_tiles, self.device) if self.trace else self.no_trace
+        self.kernel(x, w, out, self.meta, self.meta32, offs, table, workspace, trace_t,
+                    self.num_problems, num_ctas, choice.swizzle, choice.a_policy,
+                    choice.b_policy)
+        _local.last = LaunchInfo(choice, num_ctas, self.num_problems, None,
+                                 trace_t if self.trace else None)
+        return out
+
+
 def grouped_mm_cute(args: GroupedMmArgs, config: GemmConfig, *, trace: bool = False
                     ) -> torch.Tensor:
-    x, w, offs = args.x, args.w, args.offs
-    device = x.device
-    T, K, E, N = args.T, args.K, args.E, args.N
-    zero_tail = args.out is None
-    out = args.out if args.out is not None else torch.empty(T, N, dtype=args.out_dtype,
-                                                             device=device)
-    if T == 0 or N == 0:
-        return out
-    if E == 0:
-        return out.zero_() if zero_tail else out
-    nsm = sm_count(device)
-    choice = choose_varlen(config, T, E, N, K, nsm)
-    b_major = "k" if operand_major(w) == "col" else "n"
-    num_problems = E + (1 if zero_tail else 0)
-    tiles_n = -(-N // choice.tile_n)
-
-    if choice.visitor == "host":
-        # The host visitor needs the per-expert sizes on the host: one device-to-host copy
-        # of offs (a synchronisation). "auto" never picks it for grouped_mm.
-        bounds = offs.to("cpu", torch.int64).clamp(0, T).tolist()
-        starts = [0] + bounds[:-1]
-        rows = [max(0, e - s) for s, e in zip(starts, bounds)]
-        if zero_tail:
-            rows.append(max(0, T - (bounds[-1] if bounds else 0)))
-        counts = tuple(-(-r // choice.tile_m) * tiles_n for r in rows)
-        total = sum(counts)
-        if total == 0:
-            return out
-        num_ctas = max(1, min(nsm, total))
-        table = _table_tensor(counts, num_ctas, device)
-        max_tiles = -(-total // num_ctas)
-    else:
-        bound = (-(-T // choice.tile_m) + num_problems) * tiles_n
-        num_ctas = max(1, min(nsm, bound))
-        table = _small("table", device, torch.int32, (1, 1, 2))
-        max_tiles = -(-bound // num_ctas)
-
-    meta = _small("meta", device, torch.int64, (1, 8))
-    workspace = torch.empty(num_problems * 3 * 16, dtype=torch.int64, device=device)
-    trace_t = (_trace_tensor(num_ctas, max_tiles, device) if trace
-               else _small("trace", device, torch.int32, (1, 1, 4)))
-    key = _compile_key("varlen", args.dtype, args.out_dtype, b_major, choice, trace)
-    kernel = _compiled(key)
-    kernel(x, w, out, meta, meta.view(torch.int32), offs, table, workspace, trace_t,
-           num_problems, num_ctas, choice.swizzle, choice.a_policy, choice.b_policy)
-    _local.last = LaunchInfo(choice, num_ctas, num_problems, None, trace_t if trace else None)
-    return out
+    offs = args.offs if args.offs.is_contiguous() else args.offs.contiguous()
+    return MmPlan(args, config, trace)(args.x, args.w, offs, args.out)
 
 
 def trace_assignment(info: LaunchInfo) -> list[list[tuple[int, int, int]]]:

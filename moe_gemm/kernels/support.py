@@ -8,6 +8,8 @@ Returns None when the kernel can run, else a sentence naming the first reason it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import GemmConfig
@@ -70,33 +72,77 @@ def _out_row_problem(name: str, n: int, out_dtype: torch.dtype) -> str | None:
     return None
 
 
-def grouped_gemm_unsupported(args: GroupedGemmArgs) -> str | None:
+@dataclass
+class GeneralLayout:
+    """What the host wrapper needs per problem, gathered in the same pass that checks it."""
+
+    a_ptr: list[int]
+    a_ld: list[int]
+    b_ptr: list[int]
+    b_ld: list[int]
+    b_major: str  # "k" (B stored (N, K), K contiguous) or "n"; the majority of the problems
+    b_fix: list[int]  # problems whose B has the other major (copied by the host wrapper)
+
+
+def analyze_general(args: GroupedGemmArgs) -> GeneralLayout | str:
+    """GeneralLayout when the kernel can take the problem set, else the first reason not.
+
+    One pass over the problems, reading each tensor's strides and data pointer once: this
+    runs per call, for hundreds of problems.
+    """
     why = _dtype_problem(args.dtype, args.out_dtype)
     if why:
         return why
-    if len(args.a) > MAX_PROBLEMS:
-        return f"{len(args.a)} problems exceed the kernel's {MAX_PROBLEMS}"
-    for i, (a, b) in enumerate(zip(args.a, args.b)):
-        M, K = a.shape
-        N = b.shape[1]
+    G = len(args.a)
+    if G > MAX_PROBLEMS:
+        return f"{G} problems exceed the kernel's {MAX_PROBLEMS}"
+    elem = args.a[0].element_size()
+    align = TMA_ALIGN_BYTES // elem
+    out_elem = torch.empty((), dtype=args.out_dtype).element_size()
+    a_ptr, a_ld, b_ptr, b_ld, majors = [0] * G, [0] * G, [0] * G, [0] * G, [""] * G
+    for i, ((M, N, K), a, b) in enumerate(zip(args.sizes, args.a, args.b)):
         if M == 0 or N == 0:
             continue  # no tiles: never touched by the kernel
-        if K > 0:
-            why = tma_problem(f"a[{i}]", a) or tma_problem(f"b[{i}]", b)
-            if why:
-                return why
-            if operand_major(a) != "row":
-                return f"a[{i}] must be row-major (K contiguous) for the kernel"
-        if args.out is not None:
-            o = args.out[i]
-            if o.stride(-1) != 1 and N > 1:
-                return f"out[{i}] must have unit stride along N"
-            why = tma_problem(f"out[{i}]", o)
+        if args.out is None and (N * out_elem) % TMA_ALIGN_BYTES:
+            return _out_row_problem(f"out[{i}]", N, args.out_dtype)
+        if K == 0:
+            continue  # A and B are never loaded: the tile stores zeros
+        sa = a.stride()
+        if sa[1] != 1 and K > 1:
+            return f"a[{i}] must be row-major (K contiguous) for the kernel"
+        pa = a.data_ptr()
+        if pa % TMA_ALIGN_BYTES or (M > 1 and sa[0] % align):
+            return tma_problem(f"a[{i}]", a) or f"a[{i}] is not TMA-aligned"
+        sb = b.stride()
+        pb = b.data_ptr()
+        if sb[1] == 1 or N == 1:  # (K, N) row-major: N contiguous
+            majors[i], ld = "n", sb[0]
+        elif sb[0] == 1 or K == 1:  # w.T of an (N, K) weight: K contiguous
+            majors[i], ld = "k", sb[1]
         else:
-            why = _out_row_problem(f"out[{i}]", N, args.out_dtype)
-        if why:
-            return why
-    return None
+            return f"b[{i}] has no unit-stride dimension (strides {tuple(sb)})"
+        if pb % TMA_ALIGN_BYTES or (ld % align and min(K, N) > 1):
+            return tma_problem(f"b[{i}]", b) or f"b[{i}] is not TMA-aligned"
+        a_ptr[i], a_ld[i], b_ptr[i], b_ld[i] = pa, sa[0], pb, ld
+    if args.out is not None:
+        for i, ((M, N, _), o) in enumerate(zip(args.sizes, args.out)):
+            if M == 0 or N == 0:
+                continue
+            so = o.stride()
+            if so[1] != 1 and N > 1:
+                return f"out[{i}] must have unit stride along N"
+            if o.data_ptr() % TMA_ALIGN_BYTES or (M > 1 and (so[0] * out_elem) % TMA_ALIGN_BYTES):
+                return tma_problem(f"out[{i}]", o) or f"out[{i}] is not TMA-aligned"
+    k_count = majors.count("k")
+    b_major = "k" if k_count > majors.count("n") else "n"
+    other = "n" if b_major == "k" else "k"
+    b_fix = [i for i, m in enumerate(majors) if m == other]
+    return GeneralLayout(a_ptr, a_ld, b_ptr, b_ld, b_major, b_fix)
+
+
+def grouped_gemm_unsupported(args: GroupedGemmArgs) -> str | None:
+    res = analyze_general(args)
+    return res if isinstance(res, str) else None
 
 
 def grouped_mm_unsupported(args: GroupedMmArgs, config: GemmConfig) -> str | None:

@@ -1,0 +1,349 @@
+"""The `moe-gemm-client` command: talk to a moe-gemm-server from a shell.
+
+    moe-gemm-client [--url URL] [--api-key KEY] [--timeout S] [--max-retries N] COMMAND ...
+
+    health                                   is the server live?        (exit 0 yes, 1 no)
+    ready [--wait SECONDS]                   is it ready to compute?    (exit 0 yes, 1 no)
+    list [--json]                            resident weight sets
+    info NAME                                one weight set, as JSON
+    upload NAME FILE.safetensors [--tensor KEY] [--layout w|w_t] [--progress|--no-progress]
+    delete NAME
+    grouped-mm NAME --x X (--counts C | --offs O) --out Y.npy|Y.safetensors
+    grouped-gemm --in PROBLEMS.safetensors --out D.safetensors
+
+Arrays are read from .npy files or .safetensors files (the tensor named like the option, e.g.
+"x", or the file's only tensor); counts/offs may also be given inline as "3,0,5". A .npy of
+dtype V2 (what numpy writes for an ml_dtypes.bfloat16 array) is read as bfloat16.
+Exit codes: 0 success, 1 the server said no (an HTTP error, or not live/ready), 2 bad arguments
+or files, 3 the server could not be reached (connection error or timeout).
+The URL and key default to $MOE_GEMM_BASE_URL and $MOE_GEMM_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+import numpy as np
+
+from . import __version__
+from . import _constants as C
+from ._client import Client
+from ._exceptions import APIConnectionError, APIError
+from ._tensors import BFLOAT16, decode_safetensors, encode_safetensors
+
+__all__ = ["main", "ProgressBar"]
+
+EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    """Bad arguments or input files (exit code 2)."""
+
+
+class ProgressBar:
+    """A one-line upload progress bar on a terminal stream, with no dependencies.
+
+    Used as a `progress(bytes_sent, bytes_total)` callback; redraws at most 10 times a second.
+    """
+
+    def __init__(self, label: str, stream: IO[str] | None = None, width: int = 30) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self._start = time.monotonic()
+        self._last_draw = -1.0
+        self._done = False
+
+    def __call__(self, sent: int, total: int) -> None:
+        now = time.monotonic()
+        if sent == 0:
+            self._start = now  # a retry starts the body again
+            self._done = False
+        finished = sent >= total
+        if not finished and now - self._last_draw < 0.1:
+            return
+        if self._done:
+            return
+        self._last_draw = now
+        frac = sent / total if total else 1.0
+        filled = int(frac * self.width)
+        rate = sent / max(now - self._start, 1e-9) / 2**20
+        self.stream.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac * 100:5.1f}% "
+            f"{sent / 2**20:.1f}/{total / 2**20:.1f} MiB {rate:.1f} MiB/s"
+        )
+        if finished:
+            self.stream.write("\n")
+            self._done = True
+        self.stream.flush()
+
+
+# ------------------------------------------------------------------------------------------
+# array files
+
+
+def _fix_bf16(arr: np.ndarray) -> np.ndarray:
+    # np.save writes ml_dtypes.bfloat16 as an opaque 2-byte void ("<V2"); read it back as bf16.
+    if arr.dtype.kind == "V" and arr.dtype.itemsize == 2 and arr.dtype.names is None:
+        return arr.view(BFLOAT16)
+    return arr
+
+
+def load_array(path: str, key: str) -> np.ndarray:
+    """Load one array from a .npy file or a .safetensors file (tensor `key` or the only one)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file")
+    try:
+        if path.endswith(".safetensors"):
+            with open(path, "rb") as f:
+                tensors = decode_safetensors(f.read())
+            if key in tensors:
+                return tensors[key]
+            if len(tensors) == 1:
+                return next(iter(tensors.values()))
+            raise UsageError(f"{path} holds {sorted(tensors)}; expected a tensor named {key!r} "
+                             "or a single tensor")
+        if path.endswith(".npy"):
+            return _fix_bf16(np.load(path, allow_pickle=False))
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"{path}: {exc}") from exc
+    raise UsageError(f"{path}: expected a .npy or .safetensors file")
+
+
+def load_index(spec: str, key: str) -> np.ndarray:
+    """counts/offs from a file, or inline as comma-separated ints ("3,0,5")."""
+    if spec.endswith((".npy", ".safetensors")):
+        return load_array(spec, key)
+    try:
+        return np.asarray([int(v) for v in spec.split(",") if v.strip()], dtype=np.int64)
+    except ValueError:
+        raise UsageError(f"--{key} must be a .npy/.safetensors file or comma-separated ints; "
+                         f"got {spec!r}") from None
+
+
+def save_arrays(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Write results: .safetensors (all tensors) or .npy (exactly one)."""
+    if path.endswith(".safetensors"):
+        data = encode_safetensors(tensors).to_bytes()
+    elif path.endswith(".npy"):
+        if len(tensors) != 1:
+            raise UsageError(f"{path}: .npy holds one array; use .safetensors for "
+                             f"{len(tensors)} outputs")
+        tmp = path + ".tmp.npy"
+        np.save(tmp, next(iter(tensors.values())), allow_pickle=False)
+        os.replace(tmp, path)
+        return
+    else:
+        raise UsageError(f"{path}: --out must end in .npy or .safetensors")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # a reader never sees a half-written result
+
+
+# ------------------------------------------------------------------------------------------
+# commands
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+def _cmd_health(client: Client, args: argparse.Namespace) -> int:
+    live = client.health()
+    _print_json({"live": live})
+    return EXIT_OK if live else EXIT_API
+
+
+def _cmd_ready(client: Client, args: argparse.Namespace) -> int:
+    ok = client.wait_until_ready(args.wait) if args.wait else client.ready()
+    _print_json({"ready": ok})
+    return EXIT_OK if ok else EXIT_API
+
+
+def _cmd_list(client: Client, args: argparse.Namespace) -> int:
+    weights = client.list_weights()
+    if args.json:
+        _print_json({"weights": [w.to_json() for w in weights]})
+        return EXIT_OK
+    rows = [("NAME", "E", "K", "N", "DTYPE", "LAYOUT", "MiB")]
+    rows += [(w.name, str(w.experts), str(w.k), str(w.n), w.dtype, w.layout,
+              f"{w.bytes / 2**20:.1f}") for w in weights]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip())
+    return EXIT_OK
+
+
+def _cmd_info(client: Client, args: argparse.Namespace) -> int:
+    _print_json(client.get_weights(args.name).to_json())
+    return EXIT_OK
+
+
+def _cmd_upload(client: Client, args: argparse.Namespace) -> int:
+    if not os.path.isfile(args.file):
+        raise UsageError(f"{args.file}: no such file")
+    size = os.path.getsize(args.file)
+    show = args.progress if args.progress is not None else (
+        sys.stderr.isatty() and size >= C.STREAM_THRESHOLD_BYTES)
+    progress = ProgressBar(f"upload {args.name}") if show else None
+    try:
+        info = client.upload_safetensors(args.name, args.file, tensor=args.tensor,
+                                         layout=args.layout, progress=progress)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+    _print_json(info.to_json())
+    return EXIT_OK
+
+
+def _cmd_delete(client: Client, args: argparse.Namespace) -> int:
+    _print_json({"deleted": client.delete_weights(args.name).deleted})
+    return EXIT_OK
+
+
+def _cmd_grouped_mm(client: Client, args: argparse.Namespace) -> int:
+    if not args.out.endswith((".npy", ".safetensors")):
+        raise UsageError(f"{args.out}: --out must end in .npy or .safetensors")
+    x = load_array(args.x, "x")
+    counts = load_index(args.counts, "counts") if args.counts is not None else None
+    offs = load_index(args.offs, "offs") if args.offs is not None else None
+    try:
+        y, request_id = client.grouped_mm(args.name, x, counts=counts, offs=offs,
+                                          return_request_id=True)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+    save_arrays(args.out, {"y": y})
+    print(json.dumps({"out": args.out, "shape": list(y.shape), "dtype": str(y.dtype),
+                      "request_id": request_id}))
+    return EXIT_OK
+
+
+def _cmd_grouped_gemm(client: Client, args: argparse.Namespace) -> int:
+    if not args.out.endswith(".safetensors"):
+        raise UsageError(f"{args.out}: --out must end in .safetensors")
+    if not os.path.isfile(args.inp):
+        raise UsageError(f"{args.inp}: no such file")
+    try:
+        with open(args.inp, "rb") as f:
+            tensors = decode_safetensors(f.read())
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"{args.inp}: {exc}") from exc
+    n = 0
+    while f"a.{n}" in tensors:
+        n += 1
+    if n == 0 or any(f"b.{i}" not in tensors for i in range(n)):
+        raise UsageError(f"{args.inp} must hold a.0, b.0, a.1, b.1, ...; it holds "
+                         f"{sorted(tensors)}")
+    try:
+        outs, request_id = client.grouped_gemm([tensors[f"a.{i}"] for i in range(n)],
+                                               [tensors[f"b.{i}"] for i in range(n)],
+                                               return_request_id=True)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+    save_arrays(args.out, {f"d.{i}": d for i, d in enumerate(outs)})
+    print(json.dumps({"out": args.out, "problems": n, "request_id": request_id}))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moe-gemm-client",
+        description="Command line client of moe-gemm-server.",
+        epilog="Exit codes: 0 ok, 1 server said no, 2 bad arguments/files, 3 unreachable.",
+    )
+    p.add_argument("--url", default=None,
+                   help=f"server URL (default: ${C.ENV_BASE_URL} or {C.DEFAULT_BASE_URL})")
+    p.add_argument("--api-key", default=None, help=f"API key (default: ${C.ENV_API_KEY})")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per connect/read/write (default: 5 to connect, 300 otherwise)")
+    p.add_argument("--max-retries", type=int, default=C.DEFAULT_MAX_RETRIES,
+                   help=f"retries on connection errors, 429 and 503 (default "
+                        f"{C.DEFAULT_MAX_RETRIES})")
+    p.add_argument("--version", action="version", version=f"moe-gemm-client {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("health", help="is the server live?")
+    s.set_defaults(func=_cmd_health)
+    s = sub.add_parser("ready", help="is the server ready to compute?")
+    s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="poll until ready for up to this long")
+    s.set_defaults(func=_cmd_ready)
+    s = sub.add_parser("list", help="list resident weight sets")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=_cmd_list)
+    s = sub.add_parser("info", help="show one weight set")
+    s.add_argument("name")
+    s.set_defaults(func=_cmd_info)
+    s = sub.add_parser("upload", help="upload a .safetensors tensor as a weight set")
+    s.add_argument("name")
+    s.add_argument("file", help=".safetensors file")
+    s.add_argument("--tensor", default=None,
+                   help="tensor in the file (default: w, else w_t, else the only one)")
+    s.add_argument("--layout", choices=("w", "w_t"), default=None,
+                   help="w = (E, K, N), w_t = (E, N, K) (default: the tensor's name, else w)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="always show a progress bar on stderr")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="never show one (default: on a terminal, for files of 8 MiB or more)")
+    s.set_defaults(func=_cmd_upload)
+    s = sub.add_parser("delete", help="delete a weight set")
+    s.add_argument("name")
+    s.set_defaults(func=_cmd_delete)
+    s = sub.add_parser("grouped-mm", help="y = x @ w per expert against a weight set")
+    s.add_argument("name")
+    s.add_argument("--x", required=True, help="x (T, K): .npy or .safetensors")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--counts", help="rows per expert (E,): file or '3,0,5'")
+    g.add_argument("--offs", help="cumulative end rows (E,): file or '3,3,8'")
+    s.add_argument("--out", required=True, help="y (T, N): .npy or .safetensors")
+    s.set_defaults(func=_cmd_grouped_mm)
+    s = sub.add_parser("grouped-gemm", help="D_i = A_i @ B_i from a.i/b.i tensors")
+    s.add_argument("--in", dest="inp", required=True, help=".safetensors with a.0, b.0, ...")
+    s.add_argument("--out", required=True, help=".safetensors for d.0, d.1, ...")
+    s.set_defaults(func=_cmd_grouped_gemm)
+    return p
+
+
+def _make_client(args: argparse.Namespace) -> Client:
+    timeout = C.DEFAULT_TIMEOUT if args.timeout is None else args.timeout
+    return Client(base_url=args.url, api_key=args.api_key, timeout=timeout,
+                  max_retries=args.max_retries)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        client = _make_client(args)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with client:
+            return int(args.func(client, args))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except APIConnectionError as exc:
+        print(f"error: cannot reach {client.base_url}: {exc}", file=sys.stderr)
+        return EXIT_CONNECTION
+    except APIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_API
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, TypeError) as exc:
+        # Local validation of names and arguments, raised before any request.
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,137 @@
+"""Optional integrations with other libraries; each is imported only when asked for.
+
+transformers (pip install "moe-gemm[transformers]"): `moe_gemm.integrations.transformers`
+registers "moe_gemm" as a transformers experts implementation, so that
+`model.set_experts_implementation("moe_gemm")` or
+`from_pretrained(..., experts_implementation="moe_gemm")` runs every MoE layer of a model on
+moe_gemm's grouped GEMMs.
+
+Importing transformers' MoE machinery takes seconds, so `import moe_gemm` must not do it.
+`register_transformers_lazily()` instead registers at once if transformers' MoE module is
+already imported, and otherwise installs a one-shot import hook that registers right after
+transformers imports it (which happens before any model is built). Either way the user never
+has to call anything after `import moe_gemm`.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+import warnings
+from types import ModuleType
+from typing import Any
+
+__all__ = ["register_transformers", "register_transformers_lazily"]
+
+TRANSFORMERS_MOE_MODULE = "transformers.integrations.moe"
+_lock = threading.Lock()
+_hook: _PostImportHook | None = None
+
+
+def register_transformers() -> bool:
+    """Register "moe_gemm" in transformers' ExpertsInterface now (idempotent).
+
+    Returns:
+        True if registered, False if transformers (>= 5, with ExpertsInterface) is not
+        installed.
+    """
+    if not _transformers_installed():
+        return False
+    try:
+        from .transformers import register
+    except ImportError:
+        return False
+    register()
+    return True
+
+
+def register_transformers_lazily() -> None:
+    """Register "moe_gemm" with transformers as soon as transformers loads its MoE module.
+
+    Costs nothing when transformers is absent or never imported. Safe to call many times.
+    """
+    global _hook
+    if TRANSFORMERS_MOE_MODULE in sys.modules:
+        _register_quietly()
+        return
+    if not _transformers_installed():
+        return
+    with _lock:
+        if _hook is None:
+            _hook = _PostImportHook(TRANSFORMERS_MOE_MODULE, _register_quietly)
+            sys.meta_path.insert(0, _hook)
+
+
+def _transformers_installed() -> bool:
+    try:
+        return importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):  # a broken or stubbed-out installation
+        return False
+
+
+def _register_quietly() -> None:
+    # Runs inside transformers' import: a failure here must never break that import.
+    try:
+        register_transformers()
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(
+            f"moe_gemm could not register its transformers experts implementation: {exc!r}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of one module to run a callback after it."""
+
+    def __init__(self, fullname: str, callback: Any) -> None:
+        self.fullname = fullname
+        self.callback = callback
+        self._busy = False
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.fullname or self._busy:
+            return None
+        self._busy = True  # the lookup below runs the meta path again, this finder included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _CallbackLoader(spec.loader, self)
+        return spec
+
+    def fired(self) -> None:
+        global _hook
+        with _lock:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if _hook is self:
+                _hook = None
+        self.callback()
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, hook: _PostImportHook) -> None:
+        self._loader = loader
+        self._hook = hook
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Put the real loader back first so the module looks untouched to anyone inspecting it.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._hook.fired()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)

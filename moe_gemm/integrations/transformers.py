@@ -1,0 +1,221 @@
+"""moe_gemm as a transformers 5 experts implementation.
+
+transformers' MoE models keep their experts in a module decorated with
+`@use_experts_implementation` (fused `gate_up_proj`, `down_proj`, `act_fn` and layout flags);
+its forward dispatches on `config._experts_implementation` through
+`transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`, an `ExpertsInterface` whose entries are
+`fn(self, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`.
+`register()` adds "moe_gemm" there, after which
+
+    model.set_experts_implementation("moe_gemm")
+    AutoModelForCausalLM.from_pretrained(..., experts_implementation="moe_gemm")
+
+run every MoE layer's experts on moe_gemm: the model's own router, then our device-side
+permutation, two grouped GEMMs and the fused weighted combine.
+
+`moe_gemm_experts_forward` mirrors transformers' "grouped_mm" implementation flag by flag:
+is_transposed (weights already (E, H, 2I) / (E, I, H)), has_gate (gate_up_proj and the
+module's own `_apply_gate`, so custom gates such as GPT-OSS's clamped, interleaved SwiGLU
+work unchanged; else up_proj and act_fn), has_bias (per-expert biases gathered per row),
+has_post_expert_norm, and expert-parallel sentinels (ids >= num_experts contribute nothing).
+Like the rest of moe_gemm's MoE path it is inference-only: a backward through it raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "moe_gemm.integrations.transformers needs transformers >= 5 (with "
+        'transformers.integrations.moe.ExpertsInterface): pip install "moe-gemm[transformers]"'
+    ) from exc
+
+from ..config import GemmConfig
+from ..moe import Activation, MoE, _expert_ffn, _inference_only
+
+__all__ = ["NAME", "hf_activation", "is_registered", "moe_from_hf", "moe_gemm_experts_forward",
+           "register"]
+
+NAME = "moe_gemm"
+
+
+def moe_gemm_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers experts forward on moe_gemm (the "moe_gemm" experts implementation).
+
+    Args:
+        self: the transformers experts module (MixtralExperts, DeepseekV3Experts, ...).
+        hidden_states: [T, H].
+        top_k_index: [T, k] expert ids from the model's router.
+        top_k_weights: [T, k] routing weights.
+
+    Returns:
+        [T, H] in hidden_states' dtype.
+
+    Raises:
+        ValueError: a module without the attributes `@use_experts_implementation` sets.
+    """
+    has_gate = getattr(self, "has_gate", True)
+    has_bias = getattr(self, "has_bias", False)
+    transposed = getattr(self, "is_transposed", False)
+    w_in = self.gate_up_proj if has_gate else self.up_proj
+    w_out = self.down_proj
+    if not transposed:
+        # (E, N, K) nn.Linear-style storage -> (E, K, N) views; no copy.
+        w_in, w_out = w_in.transpose(-2, -1), w_out.transpose(-2, -1)
+    if w_in.dim() != 3 or w_out.dim() != 3:
+        raise ValueError(
+            f"{type(self).__name__}: expected 3-D fused expert weights; got "
+            f"{tuple(w_in.shape)} and {tuple(w_out.shape)}"
+        )
+    gate_fn = self._apply_gate if has_gate else self.act_fn
+    bias_in = bias_out = None
+    if has_bias:
+        bias_in = self.gate_up_proj_bias if has_gate else self.up_proj_bias
+        bias_out = self.down_proj_bias
+    post_fn = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
+    # As transformers' grouped_mm path: the experts run in the weights' dtype (autocast can
+    # hand us fp32 activations with bf16 weights).
+    x = hidden_states.to(w_in.dtype)
+    num_experts = w_in.shape[0]
+    ids = top_k_index
+    if getattr(self, "num_experts", num_experts) != num_experts:
+        raise ValueError(
+            f"{type(self).__name__}.num_experts = {self.num_experts} but its weights hold "
+            f"{num_experts} experts"
+        )
+    if ids.dtype not in (torch.int64, torch.int32):
+        ids = ids.long()
+
+    def run() -> torch.Tensor:
+        return _expert_ffn(
+            x, ids, top_k_weights, w_in, w_out, gate_fn,
+            bias_gate_up=bias_in, bias_down=bias_out, post_fn=post_fn,
+        )
+
+    y = _inference_only(run, x, top_k_weights, w_in, w_out, bias_in, bias_out)
+    return y.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Add "moe_gemm" to transformers' ExpertsInterface (idempotent; global for the process)."""
+    if ExpertsInterface._global_mapping.get(NAME) is not moe_gemm_experts_forward:
+        ExpertsInterface.register(NAME, moe_gemm_experts_forward)
+
+
+def is_registered() -> bool:
+    """Whether "moe_gemm" currently resolves to moe_gemm's experts forward."""
+    return NAME in ALL_EXPERTS_FUNCTIONS and ALL_EXPERTS_FUNCTIONS[NAME] is moe_gemm_experts_forward
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE.from_hf
+
+# transformers block class -> router kind. Each was checked against the transformers 5 source
+# (router arithmetic and the block's forward) and is covered by tests/test_moe_hf.py.
+HF_BLOCKS = {
+    "MixtralSparseMoeBlock": "softmax",
+    "Qwen2MoeSparseMoeBlock": "softmax",
+    "Qwen3MoeSparseMoeBlock": "softmax",
+    "DeepseekV3MoE": "sigmoid",
+    "Glm4MoeMoE": "sigmoid",
+}
+
+
+def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> MoE:
+    """The body of `MoE.from_hf` (see there): our layer sharing a transformers block's weights."""
+    register()  # from_hf users also get the experts implementation
+    kind = HF_BLOCKS.get(type(block).__name__)
+    if kind is None:
+        raise ValueError(
+            f"MoE.from_hf does not know {type(block).__name__}; supported: "
+            f"{', '.join(sorted(HF_BLOCKS))}. For other transformers models use "
+            'model.set_experts_implementation("moe_gemm").'
+        )
+    router, experts = block.gate, block.experts
+    _check_fused_gated(experts)
+    opts: dict[str, Any] = {"activation": hf_activation(experts.act_fn), "config": config}
+    bias = None
+    if kind == "sigmoid":
+        opts.update(
+            scoring="sigmoid",
+            renormalize=bool(router.norm_topk_prob),
+            n_group=int(router.num_group),
+            topk_group=int(router.topk_group),
+            routed_scaling_factor=float(router.routed_scaling_factor),
+            router_fp32=True,
+        )
+        bias = router.e_score_correction_bias
+    else:
+        # Mixtral always renormalises; Qwen2/Qwen3-MoE iff norm_topk_prob
+        opts.update(scoring="softmax", renormalize=bool(getattr(router, "norm_topk_prob", True)))
+    shared = None
+    mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
+    if mlp is not None:
+        if hf_activation(mlp.act_fn) != opts["activation"]:
+            raise ValueError("MoE.from_hf needs the shared expert to use the experts' activation")
+        shared = {n: getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
+        gate = getattr(block, "shared_expert_gate", None)
+        if gate is not None:
+            shared["gate"] = gate.weight
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return cls._from_tensors(gate_up, down, router.weight, int(router.top_k), bias, shared, opts)
+
+
+def _check_fused_gated(experts: nn.Module) -> None:
+    """MoE holds concatenated, gated, bias-free experts with the default gate: reject others."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # a transformers without the helper
+        _default_apply_gate = None
+    problems = []
+    if not getattr(experts, "has_gate", True):
+        problems.append("has_gate=False (no gate projection)")
+    if getattr(experts, "has_bias", False):
+        problems.append("has_bias=True (expert biases)")
+    if getattr(experts, "has_post_expert_norm", False):
+        problems.append("has_post_expert_norm=True")
+    if not getattr(experts, "is_concatenated", True):
+        problems.append("is_concatenated=False (interleaved gate/up)")
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        problems.append("a custom _apply_gate")
+    if problems:
+        raise ValueError(
+            f"MoE.from_hf cannot take {type(experts).__name__} with {', '.join(problems)}; "
+            'use model.set_experts_implementation("moe_gemm") for such models'
+        )
+
+
+def hf_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
+    """Our activation name for a transformers / torch activation module, else the module."""
+    name = type(act_fn).__name__
+    inner = getattr(act_fn, "act", None)
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if name == "GELUActivation" and inner is F.gelu:
+        return "gelu"
+    if (
+        name == "GELUTanh"
+        and isinstance(inner, functools.partial)
+        and inner.func is F.gelu
+        and inner.keywords == {"approximate": "tanh"}
+    ):
+        return "gelu_tanh"
+    if isinstance(act_fn, nn.GELU):
+        return "gelu" if act_fn.approximate == "none" else "gelu_tanh"
+    return act_fn

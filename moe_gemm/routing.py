@@ -1,0 +1,249 @@
+"""Routers and the token -> expert permutation, all on the device and free of host syncs.
+
+Why this module exists: an MoE layer decides on the GPU which experts each token visits, and
+everything after that decision (sorting rows by expert, the int32 offsets `grouped_mm` reads,
+the way back to token order) must stay on the GPU too. A single `.item()`, `.tolist()`,
+`nonzero()` or `bincount()` (which reads its input's max) would stall the CPU on every layer
+and make the forward impossible to capture in a CUDA graph. Every function here therefore
+works on tensors whose shapes are known on the host: T tokens with k slots each always give
+S = T * k routed rows, whatever the routing.
+
+Routers (pure functions, matching transformers 5 exactly):
+- `softmax_topk`: Mixtral (always renormalised) and Qwen2/Qwen3-MoE (renormalised iff
+  `norm_topk_prob`): softmax in float32, top-k, then divide by the top-k sum.
+- `sigmoid_grouped_topk`: DeepSeek-V3 / GLM-4-MoE: float32 sigmoid scores; a correction bias
+  added for the *selection* only; group-limited choice (group score = sum of its two best
+  biased scores, keep `topk_group` groups); weights gathered from the unbiased scores,
+  renormalised with +1e-20, times `routed_scaling_factor`.
+
+Permutation (`permute_by_expert`): a stable sort of the S (token, slot) pairs by expert id,
+the token of every sorted row, the sorted row of every slot (the inverse, for the combine) and
+int32 cumulative offsets from `searchsorted` on the sorted ids (sync-free and deterministic,
+unlike `bincount` on CUDA). Expert ids outside [0, E) are expert-parallel sentinels: they sort
+to the tail, past offs[-1], so the grouped GEMMs never compute them, and `valid` marks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+__all__ = [
+    "ExpertPermutation",
+    "permute_by_expert",
+    "sigmoid_grouped_topk",
+    "softmax_topk",
+]
+
+
+def _check_logits(logits: object) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor (T, E); got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (T, E); got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be a floating-point tensor (T, E); got {logits.dtype}")
+    return logits
+
+
+def _check_k(k: object, E: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k (experts per token) must be an int; got {k!r}")
+    if not 1 <= k <= E:
+        raise ValueError(f"k (experts per token) must be in [1, E={E}]; got {k}")
+    return k
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    probs = softmax(logits) in float32; the k largest per token; if `renormalize`, divided by
+    their sum (transformers' `norm_topk_prob`; Mixtral always renormalises).
+
+    Args:
+        logits: [T, E] router logits, any float dtype (upcast to float32 before the softmax).
+        k: experts per token, 1 <= k <= E.
+        renormalize: divide the k weights by their sum.
+
+    Returns:
+        (weights, ids): weights [T, k] float32, ids [T, k] int64, best expert first.
+
+    Raises:
+        TypeError: logits not a float tensor, k not an int.
+        ValueError: logits not 2-D, k out of range.
+    """
+    logits = _check_logits(logits)
+    k = _check_k(k, logits.shape[1])
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def sigmoid_grouped_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with a selection-only bias and group-limited top-k (DeepSeek-V3).
+
+    scores = sigmoid(logits) in float32. Selection uses scores + bias: experts are split into
+    `n_group` equal groups, a group scores the sum of its two best biased scores, the
+    `topk_group` best groups stay eligible and the k best eligible experts are chosen. The
+    weights are the *unbiased* scores of the chosen experts, divided by (their sum + 1e-20)
+    if `renormalize`, then multiplied by `routed_scaling_factor`.
+
+    Args:
+        logits: [T, E] router logits, any float dtype (upcast to float32).
+        bias: [E] `e_score_correction_bias`, or None for no correction.
+        k: experts per token, 1 <= k <= topk_group * E / n_group.
+        n_group: expert groups; E must be a multiple, with >= 2 experts per group when
+            n_group > 1 (the group score sums two).
+        topk_group: groups kept per token, 1 <= topk_group <= n_group.
+        routed_scaling_factor: multiplies the final weights.
+        renormalize: divide the weights by their sum (+1e-20) before scaling.
+
+    Returns:
+        (weights, ids): weights [T, k] float32, ids [T, k] int64 (in torch.topk's unsorted
+        order, as transformers).
+
+    Raises:
+        TypeError: wrong argument types.
+        ValueError: shapes or group settings that do not fit.
+    """
+    logits = _check_logits(logits)
+    T, E = logits.shape
+    k = _check_k(k, E)
+    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int; got {value!r}")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group must be >= 1 and divide E={E}; got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}]; got {topk_group}")
+    per_group = E // n_group
+    grouped = n_group > 1 and topk_group < n_group
+    if grouped and per_group < 2:
+        raise ValueError(
+            f"group-limited routing scores a group by its two best experts, so E / n_group must "
+            f"be >= 2; got E={E}, n_group={n_group}"
+        )
+    if k > topk_group * per_group:
+        raise ValueError(
+            f"k={k} experts cannot be chosen from topk_group={topk_group} groups of "
+            f"{per_group} experts"
+        )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor (E,) or None; got {type(bias).__name__}")
+        if tuple(bias.shape) != (E,):
+            raise ValueError(f"bias must be (E,) = ({E},); got shape {tuple(bias.shape)}")
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias
+    if grouped:
+        # transformers' order exactly: top-2 sum per group, keep topk_group groups, mask the
+        # rest with -inf (topk_group == n_group or n_group == 1 keeps every expert, so skip).
+        group_scores = choice.view(T, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(T, n_group, per_group).reshape(T, E).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+@dataclass(frozen=True)
+class ExpertPermutation:
+    """Where each routed (token, slot) pair goes when rows are grouped by expert.
+
+    S = T * k rows; row r of the expert-sorted order holds slot `slot_order[r]` (flat index
+    t * k + j), i.e. token `token_index[r]`. Rows of expert e are offs[e-1]:offs[e]; rows past
+    offs[-1] belong to dropped slots (ids outside [0, E)).
+
+    Attributes:
+        token_index: [S] int64, the token of each sorted row (gather x with it).
+        slot_order: [S] int64, the flat slot of each sorted row.
+        row_of_slot: [T, k] int64, the sorted row of each slot (the inverse, for the combine).
+        sorted_expert: [S] int64, the expert of each sorted row (E for dropped slots).
+        offs: [E] int32 cumulative end rows, offs[-1] = number of valid slots.
+        valid: [T, k] bool, False for dropped slots.
+    """
+
+    token_index: torch.Tensor  # (S,)
+    slot_order: torch.Tensor  # (S,)
+    row_of_slot: torch.Tensor  # (T, k)
+    sorted_expert: torch.Tensor  # (S,)
+    offs: torch.Tensor  # (E,)
+    valid: torch.Tensor  # (T, k)
+
+    @property
+    def num_experts(self) -> int:
+        return self.offs.shape[0]
+
+    def counts(self) -> torch.Tensor:
+        """[E] int32 rows per expert (on the device; no sync)."""
+        return torch.diff(self.offs, prepend=self.offs.new_zeros(1))
+
+
+def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertPermutation:
+    """Group the T * k routed slots by expert, on the device, without a host sync.
+
+    A stable sort keeps rows of one expert in (token, slot) order, so the result is
+    deterministic. Ids outside [0, num_experts) (expert-parallel sentinels, -1 padding) are
+    moved past every valid row and excluded from offs.
+
+    Args:
+        topk_ids: [T, k] integer expert ids (int32 or int64).
+        num_experts: E >= 1.
+
+    Returns:
+        An ExpertPermutation on topk_ids' device.
+
+    Raises:
+        TypeError: topk_ids not an integer tensor.
+        ValueError: topk_ids not 2-D, num_experts < 1.
+    """
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor (T, k); got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D (T, k); got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in _INT_DTYPES:
+        raise TypeError(f"topk_ids must be an integer tensor (int32 or int64); got {topk_ids.dtype}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1; got {num_experts!r}")
+    T, k = topk_ids.shape
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1).long()
+    valid = (ids >= 0) & (ids < num_experts)
+    key = torch.where(valid, ids, num_experts)
+    sorted_expert, slot_order = torch.sort(key, stable=True)
+    S = ids.shape[0]
+    token_index = torch.div(slot_order, k, rounding_mode="floor") if k > 1 else slot_order
+    row_of_slot = torch.empty_like(slot_order).scatter_(
+        0, slot_order, torch.arange(S, device=device, dtype=slot_order.dtype)
+    )
+    # offs[e] = number of sorted ids <= e: cumulative ends straight from the sorted keys, with
+    # no atomics (deterministic) and no read of the data on the host.
+    experts = torch.arange(num_experts, device=device, dtype=sorted_expert.dtype)
+    offs = torch.searchsorted(sorted_expert, experts, right=True, out_int32=True)
+    return ExpertPermutation(
+        token_index=token_index,
+        slot_order=slot_order,
+        row_of_slot=row_of_slot.view(T, k),
+        sorted_expert=sorted_expert,
+        offs=offs,
+        valid=valid.view(T, k),
+    )

@@ -1,0 +1,17 @@
+"""moe_gemm_server: resident expert weights and batched grouped-GEMM inference over HTTP.
+
+FastAPI + uvicorn + pydantic around `moe_gemm.engine.Engine`: a native API (safetensors or
+JSON bodies) and the Open Inference Protocol v2 (KServe / Triton, binary tensor extension),
+a dynamic batcher that merges concurrent requests into one grouped launch, admission control,
+persistence of weight sets, Prometheus metrics. The wire contract is docs/HTTP-API.md.
+
+Start it with `moe-gemm-server` (or `python -m moe_gemm_server`); build the ASGI app yourself
+with `create_app(Settings(...))`.
+"""
+
+__version__ = "0.1.0"
+
+from .config import Settings  # noqa: E402
+from .main import create_app  # noqa: E402
+
+__all__ = ["Settings", "create_app", "__version__"]

@@ -1,0 +1,381 @@
+"""Dynamic batcher: concurrent requests merged into one grouped launch, with admission control.
+
+Requests become Jobs with a batch key: ("mm", weight set, version, x dtype, out dtype) for
+the MoE form, ("gemm", dtype) for ad-hoc problems. Jobs with one key can share a launch: for
+the MoE form the engine regroups all their rows per expert (a grouped GEMM takes ragged rows,
+so nothing is padded) and hands each job exactly its own rows back; ad-hoc problem lists are
+simply concatenated.
+
+Scheduling, on the event loop:
+- a bounded queue (`max_queue` jobs; `submit` raises QueueFull beyond it);
+- the next launch is led by the best queued job: lowest priority level first (1 = highest),
+  FIFO within a level; it then waits until that job has been queued `delay` seconds, or until
+  its key holds a full launch (max requests, rows or FLOPs), whichever comes first, and takes
+  same-key jobs in (priority, arrival) order while they fit;
+- a job whose deadline passed while queued is failed with JobTimeout, never run; a job
+  cancelled (client gone, timed out in the handler) is dropped;
+- one launch at a time, in a single worker thread (the engine's lock serializes GPU work
+  anyway), so the event loop keeps accepting requests while the device computes;
+- if a merged launch runs out of device memory, its jobs are retried one by one and only
+  those that still do not fit fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moe_gemm.engine import Engine, EngineOutOfMemory, WeightSet
+
+from .metrics import Metrics, StatsBook
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds max_queue jobs."""
+
+
+class Draining(Exception):
+    """The batcher takes no new work (shutting down)."""
+
+
+class JobTimeout(Exception):
+    """The job's deadline passed before it could run."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's work. `payload` is (x, counts) for "mm", (a_list, b_list) for "gemm"."""
+
+    kind: str
+    key: Hashable
+    payload: tuple[Any, Any]
+    rows: int
+    flops: int
+    out_dtype: torch.dtype
+    ws: WeightSet | None = None
+    priority: int = 2
+    deadline: float | None = None  # time.monotonic() seconds
+    model: str = ""
+    request_id: str = ""
+    seq: int = 0
+    t_enqueue: float = 0.0
+    t_start: float = 0.0
+    state: str = "new"  # new -> queued -> running -> done | cancelled | expired
+    future: asyncio.Future[Any] | None = field(default=None, repr=False)
+
+
+class Batcher:
+    """Queue + scheduler + single launch worker (see module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        delay_s: float,
+        max_rows: int,
+        max_flops: int,
+        max_requests: int,
+        max_queue: int,
+        metrics: Metrics,
+        stats: StatsBook,
+        run: Callable[[Engine, list[Job]], list[Any]] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.delay_s = delay_s
+        self.max_rows = max_rows
+        self.max_flops = max_flops
+        self.max_requests = max_requests
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.stats = stats
+        self._run_fn = run or run_jobs
+        self._queues: dict[Hashable, list[tuple[int, int, Job]]] = {}
+        self._agg: dict[Hashable, list[int]] = {}  # key -> [jobs, rows, flops] still queued
+        self._queued = 0
+        self._seq = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._running = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-gemm-launch")
+        self._task: asyncio.Task[None] | None = None
+        self.draining = False  # refuse new jobs
+        self.flushing = False  # run queued jobs without waiting for the batch delay
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def busy(self) -> bool:
+        return self._queued > 0 or self._running > 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="moe-gemm-batcher")
+
+    def submit(self, job: Job) -> asyncio.Future[Any]:
+        """Queue a job; its future gets the result (or JobTimeout / EngineOutOfMemory / ...).
+
+        Raises:
+            Draining: shutting down.
+            QueueFull: max_queue jobs are already waiting.
+        """
+        if self.draining:
+            self.metrics.rejections.labels("draining").inc()
+            raise Draining()
+        if self._queued >= self.max_queue:
+            self.metrics.rejections.labels("queue_full").inc()
+            raise QueueFull()
+        job.future = asyncio.get_running_loop().create_future()
+        job.seq = next(self._seq)
+        job.t_enqueue = time.monotonic()
+        job.state = "queued"
+        heapq.heappush(self._queues.setdefault(job.key, []), (job.priority, job.seq, job))
+        agg = self._agg.setdefault(job.key, [0, 0, 0])
+        agg[0] += 1
+        agg[1] += job.rows
+        agg[2] += job.flops
+        self._queued += 1
+        self.metrics.queued.set(self._queued)
+        self._wakeup.set()
+        return job.future
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """Drop a queued job (or discard a running job's result), counting `reason`."""
+        if job.state == "queued":
+            self._unaccount(job)
+            job.state = "cancelled"
+            self.metrics.rejections.labels(reason).inc()
+            self._wakeup.set()
+        elif job.state == "running":
+            job.state = "cancelled"
+            self.metrics.rejections.labels(reason).inc()
+        if job.future is not None and not job.future.done():
+            job.future.cancel()
+
+    def flush(self) -> None:
+        """From now on, launch queued work without waiting for the batch delay."""
+        self.flushing = True
+        self._wakeup.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is queued or running; False if `timeout` seconds pass first."""
+        end = time.monotonic() + timeout
+        while self.busy:
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def close(self) -> None:
+        """Stop the scheduler; fail whatever is still queued with Draining."""
+        self.draining = True
+        self.flushing = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for heap in self._queues.values():
+            for _, _, job in heap:
+                if job.state == "queued":
+                    job.state = "cancelled"
+                    if job.future is not None and not job.future.done():
+                        job.future.set_exception(Draining())
+        self._queues.clear()
+        self._agg.clear()
+        self._queued = 0
+        self.metrics.queued.set(0)
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _unaccount(self, job: Job) -> None:
+        agg = self._agg[job.key]
+        agg[0] -= 1
+        agg[1] -= job.rows
+        agg[2] -= job.flops
+        self._queued -= 1
+        self.metrics.queued.set(self._queued)
+
+    def _head(self, key: Hashable) -> Job | None:
+        heap = self._queues.get(key)
+        while heap and heap[0][2].state != "queued":
+            heapq.heappop(heap)  # lazily drop cancelled / expired jobs
+        if not heap:
+            self._queues.pop(key, None)
+            self._agg.pop(key, None)
+            return None
+        return heap[0][2]
+
+    def _best(self) -> Job | None:
+        best = None
+        for key in list(self._queues):
+            job = self._head(key)
+            if job is not None and (best is None or (job.priority, job.seq) < (best.priority,
+                                                                               best.seq)):
+                best = job
+        return best
+
+    def _full(self, key: Hashable) -> bool:
+        agg = self._agg.get(key)
+        if agg is None:
+            return False
+        return agg[0] >= self.max_requests or agg[1] >= self.max_rows or agg[2] >= self.max_flops
+
+    def _take(self, key: Hashable) -> list[Job]:
+        heap = self._queues.get(key, [])
+        batch: list[Job] = []
+        rows = flops = 0
+        now = time.monotonic()
+        while heap and len(batch) < self.max_requests:
+            job = heap[0][2]
+            if job.state != "queued":
+                heapq.heappop(heap)
+                continue
+            if job.deadline is not None and now >= job.deadline:
+                heapq.heappop(heap)
+                self._unaccount(job)
+                job.state = "expired"
+                self.metrics.rejections.labels("timeout").inc()
+                if job.future is not None and not job.future.done():
+                    job.future.set_exception(JobTimeout())
+                continue
+            if batch and (rows + job.rows > self.max_rows or flops + job.flops > self.max_flops):
+                break
+            heapq.heappop(heap)
+            self._unaccount(job)
+            job.state = "running"
+            job.t_start = now
+            batch.append(job)
+            rows += job.rows
+            flops += job.flops
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            head = self._best()
+            if head is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if self.delay_s > 0 and not self.flushing:
+                until = head.t_enqueue + self.delay_s
+                while not self._full(head.key) and head.state == "queued" and not self.flushing:
+                    remaining = until - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), remaining)
+                    except (asyncio.TimeoutError, TimeoutError):
+                        break
+                # A higher-priority job may have arrived (or the head left): lead with the
+                # best one now, without a second wait.
+                head = self._best()
+                if head is None:
+                    continue
+            batch = self._take(head.key)
+            if batch:
+                try:
+                    await self._execute(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # never let one bad launch kill the scheduler
+                    log.exception("batch execution failed")
+
+    # ------------------------------------------------------------------ execution
+
+    async def _execute(self, batch: list[Job]) -> None:
+        t0 = time.monotonic()
+        kind = batch[0].kind
+        for job in batch:
+            wait = t0 - job.t_enqueue
+            self.metrics.queue_time.labels(kind).observe(wait)
+            self.stats.queued(job.model, wait)
+        try:
+            results = await self._launch(batch)
+        except EngineOutOfMemory as e:
+            if len(batch) == 1:
+                self._fail(batch[0], e)
+                return
+            log.warning("merged launch of %d requests ran out of memory; retrying one by one",
+                        len(batch))
+            for job in batch:
+                if job.state != "running":
+                    continue
+                try:
+                    (result,) = await self._launch([job])
+                except Exception as e1:  # noqa: BLE001 - delivered to the request
+                    self._fail(job, e1)
+                else:
+                    self._deliver(job, result)
+            return
+        except Exception as e:  # noqa: BLE001 - delivered to every request of the launch
+            log.exception("launch of %d request(s) failed", len(batch))
+            for job in batch:
+                self._fail(job, e)
+            return
+        for job, result in zip(batch, results):
+            self._deliver(job, result)
+
+    async def _launch(self, jobs: list[Job]) -> list[Any]:
+        kind = jobs[0].kind
+        loop = asyncio.get_running_loop()
+        self._running += 1
+        t0 = time.monotonic()
+        try:
+            results = await loop.run_in_executor(self._executor, self._run_fn, self.engine, jobs)
+        except Exception as e:
+            self.metrics.launch_errors.labels(type(e).__name__).inc()
+            raise
+        finally:
+            self._running -= 1
+        dt = time.monotonic() - t0
+        rows = sum(j.rows for j in jobs)
+        self.metrics.compute_time.labels(kind).observe(dt)
+        self.metrics.batch_requests.labels(kind).observe(len(jobs))
+        self.metrics.batch_rows.labels(kind).observe(rows)
+        for model in {j.model for j in jobs}:
+            mine = [j for j in jobs if j.model == model]
+            self.stats.launch(model, len(mine), sum(j.rows for j in mine), dt)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("launch kind=%s requests=%d rows=%d %.3f ms ids=%s", kind, len(jobs), rows,
+                      dt * 1e3, ",".join(j.request_id for j in jobs))
+        return results
+
+    def _deliver(self, job: Job, result: Any) -> None:
+        if job.state == "running":
+            job.state = "done"
+        if job.future is not None and not job.future.done():
+            job.future.set_result(result)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if job.state == "running":
+            job.state = "done"
+        if job.future is not None and not job.future.done():
+            job.future.set_exception(exc)
+
+
+def run_jobs(engine: Engine, jobs: list[Job]) -> list[Any]:
+    """Run one launch for same-key jobs (worker thread)."""
+    first = jobs[0]
+    if first.kind == "mm":
+        assert first.ws is not None
+        return engine.grouped_mm_many(first.ws, [j.payload for j in jobs],
+                                      out_dtype=first.out_dtype)
+    if first.kind == "gemm":
+        return engine.grouped_gemm_many([j.payload for j in jobs], out_dtype=first.out_dtype)
+    raise ValueError(f"unknown job kind {first.kind!r}")

@@ -1,0 +1,300 @@
+"""Tensor wire formats of the native API: safetensors bodies and small JSON bodies.
+
+No pickle anywhere. The safetensors parser is our own, strict, and never trusts a length it
+was given: the header length must fit in the body, the header must be a JSON object with no
+duplicate names, every dtype must be known, every shape a list of non-negative ints, and the
+data offsets must tile the data region exactly (sorted, contiguous, no gaps, no overlap, the
+last one ending at the end of the body), with each tensor's byte count equal to
+prod(shape) * itemsize. Anything else is a 400 that says which rule was broken.
+Decoded tensors are zero-copy views of the body buffer when aligned (a copy otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import StrictFloat, StrictInt, TypeAdapter, ValidationError
+from safetensors.torch import save as _st_save
+
+from .errors import bad_request, unprocessable
+
+# safetensors dtype name -> torch dtype (only those torch can hold)
+ST_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+# safetensors' own cap on the header (100 MB); ours is tighter still via the body limit.
+MAX_HEADER_BYTES = 100_000_000
+
+DATA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+JSON_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def parse_safetensors_header(
+    prefix: bytes | bytearray | memoryview, total_size: int
+) -> tuple[dict[str, TensorSpec], int, dict[str, str]]:
+    """Parse and check a safetensors header.
+
+    Args:
+        prefix: at least the first 8 + header-length bytes of the body (or all of it).
+        total_size: the size of the whole body in bytes.
+
+    Returns:
+        (specs by name, byte offset where the data region starts, __metadata__).
+
+    Raises:
+        APIError(400): any violation of the format, named in the message.
+    """
+    if total_size < 8 or len(prefix) < 8:
+        raise bad_request(f"malformed safetensors: {total_size} bytes is shorter than the "
+                          "8-byte header length")
+    (n,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if n > MAX_HEADER_BYTES or 8 + n > total_size:
+        raise bad_request(
+            f"malformed safetensors: header length {n} does not fit in a body of "
+            f"{total_size} bytes"
+        )
+    if len(prefix) < 8 + n:
+        raise bad_request("malformed safetensors: truncated header")
+    raw = bytes(prefix[8:8 + n])
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad_request(f"malformed safetensors: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad_request("malformed safetensors: header must be a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise bad_request("malformed safetensors: __metadata__ must map strings to strings")
+    data_start = 8 + n
+    data_len = total_size - data_start
+    specs: dict[str, TensorSpec] = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise bad_request(f"malformed safetensors: entry {name!r} must be an object")
+        dt, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dt not in ST_DTYPES:
+            raise bad_request(f"malformed safetensors: tensor {name!r} has unknown dtype {dt!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise bad_request(
+                f"malformed safetensors: tensor {name!r} shape must be a list of ints >= 0; "
+                f"got {shape!r}"
+            )
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1] <= data_len
+        ):
+            raise bad_request(
+                f"malformed safetensors: tensor {name!r} data_offsets {offs!r} do not lie in "
+                f"the {data_len}-byte data region"
+            )
+        dtype = ST_DTYPES[dt]
+        want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if offs[1] - offs[0] != want:
+            raise bad_request(
+                f"malformed safetensors: tensor {name!r} {dt}{list(shape)} needs {want} bytes "
+                f"but its data_offsets span {offs[1] - offs[0]}"
+            )
+        specs[name] = TensorSpec(dtype, tuple(shape), offs[0], offs[1])
+    pos = 0
+    for name, spec in sorted(specs.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if spec.start != pos:
+            raise bad_request(
+                f"malformed safetensors: tensor {name!r} starts at {spec.start}, expected "
+                f"{pos} (data must be contiguous, without gaps or overlaps)"
+            )
+        pos = spec.end
+    if pos != data_len:
+        raise bad_request(
+            f"malformed safetensors: tensors cover {pos} bytes of a {data_len}-byte data region"
+        )
+    return specs, data_start, metadata
+
+
+def tensor_from_buffer(
+    buf: bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...], offset: int
+) -> torch.Tensor:
+    """A [shape] tensor of `dtype` over buf[offset:...] (zero-copy when aligned)."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    t = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    if t.data_ptr() % t.element_size():
+        t = t.clone()  # unaligned views work on the CPU but not for every op or copy path
+    return t.view(shape)
+
+
+def decode_safetensors(buf: bytearray) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors body (views of `buf`, which must stay alive)."""
+    specs, data_start, _ = parse_safetensors_header(buf, len(buf))
+    mv = memoryview(buf)
+    return {
+        name: tensor_from_buffer(mv, s.dtype, s.shape, data_start + s.start)
+        for name, s in specs.items()
+    }
+
+
+def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """A safetensors body holding `tensors` (made contiguous, on the CPU)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for k, v in tensors.items():
+        t = v.detach().to("cpu").contiguous()
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:  # views of one result (e.g. unbind of a bmm): safetensors refuses
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    return _st_save(out)
+
+
+# ----------------------------------------------------------------------------- JSON bodies
+
+_NUM = StrictFloat | StrictInt
+_ROWS = TypeAdapter(list[list[_NUM]])
+_INTS = TypeAdapter(list[StrictInt])
+_MATS = TypeAdapter(list[list[list[_NUM]]])
+
+
+def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
+    """The body as a JSON object (400 otherwise)."""
+    try:
+        obj = json.loads(bytes(body).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("malformed JSON body: expected a JSON object")
+    return obj
+
+
+def json_dtype(obj: Mapping[str, Any]) -> torch.dtype:
+    name = obj.get("dtype", "float32")
+    if name not in JSON_DTYPES:
+        raise unprocessable(
+            f"dtype must be one of {', '.join(JSON_DTYPES)}; got {name!r}"
+        )
+    return JSON_DTYPES[name]
+
+
+def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None) -> torch.Tensor:
+    """A nested list of numbers -> 2-D tensor; [] means (0, inner) when inner is known."""
+    try:
+        rows = _ROWS.validate_python(value)
+    except ValidationError:
+        raise bad_request(f"{name!r} must be a list of rows of numbers") from None
+    if not rows:
+        return torch.empty(0, inner or 0, dtype=dtype)
+    width = len(rows[0])
+    if any(len(r) != width for r in rows):
+        raise bad_request(f"{name!r} is ragged: every row must have {width} numbers")
+    return torch.from_numpy(np.asarray(rows, dtype=np.float64)).to(dtype)
+
+
+def json_int_vector(name: str, value: Any) -> torch.Tensor:
+    try:
+        ints = _INTS.validate_python(value)
+    except ValidationError:
+        raise bad_request(f"{name!r} must be a list of integers") from None
+    try:
+        return torch.tensor(ints, dtype=torch.int64).reshape(-1)
+    except (OverflowError, RuntimeError):
+        raise unprocessable(f"{name!r} has values outside the int64 range") from None
+
+
+def decode_json_grouped_mm(obj: Mapping[str, Any], K: int) -> dict[str, torch.Tensor]:
+    """{"x": [[...]], "counts"|"offs": [...], "dtype"} -> tensors named like the wire form."""
+    dtype = json_dtype(obj)
+    unknown = set(obj) - {"x", "counts", "offs", "dtype"}
+    if unknown:
+        raise bad_request(f"unexpected field(s) {sorted(unknown)}; expected x, counts or offs, "
+                          "dtype")
+    if "x" not in obj:
+        raise bad_request("missing tensor 'x' (T, K)")
+    out = {"x": _matrix("x", obj["x"], dtype, K)}
+    for key in ("counts", "offs"):
+        if key in obj:
+            out[key] = json_int_vector(key, obj[key])
+    return out
+
+
+def decode_json_grouped_gemm(obj: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """{"a": [A_0, ...], "b": [B_0, ...], "dtype"} -> {"a.i", "b.i"} tensors."""
+    dtype = json_dtype(obj)
+    unknown = set(obj) - {"a", "b", "dtype"}
+    if unknown:
+        raise bad_request(f"unexpected field(s) {sorted(unknown)}; expected a, b, dtype")
+    for key in ("a", "b"):
+        if key not in obj:
+            raise bad_request(f"missing field {key!r} (a list of matrices)")
+        if not isinstance(obj[key], list):
+            raise bad_request(f"{key!r} must be a list of matrices")
+    a, b = obj["a"], obj["b"]
+    out: dict[str, torch.Tensor] = {}
+    for i, bi in enumerate(b):
+        out[f"b.{i}"] = _matrix(f"b[{i}]", bi, dtype)
+    for i, ai in enumerate(a):
+        inner = out[f"b.{i}"].shape[0] if f"b.{i}" in out else None
+        out[f"a.{i}"] = _matrix(f"a[{i}]", ai, dtype, inner)
+    return out
+
+
+def tensor_to_json(t: torch.Tensor) -> list[Any]:
+    """Nested lists of Python floats (the exact values of the tensor's dtype)."""
+    return t.detach().to("cpu", torch.float32).tolist() if t.is_floating_point() else t.tolist()
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

@@ -1,0 +1,135 @@
+"""Settings: every knob of the service, from flags, MOE_GEMM_* environment variables or code.
+
+Precedence: command-line flag > environment variable > default. Each field `foo_bar` reads
+`MOE_GEMM_FOO_BAR`; list fields (`api_key`, `warmup_rows`) take comma-separated values there.
+Limits are on by default (body size, rows and FLOPs per request, queue bound), and the default
+host is 127.0.0.1: exposing the service is a deliberate choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def default_data_dir() -> Path:
+    """$XDG_DATA_HOME/moe-gemm-server, else ~/.local/share/moe-gemm-server."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "share")
+    return Path(base) / "moe-gemm-server"
+
+
+class Settings(BaseSettings):
+    """Service configuration (see server/README.md for the flags table)."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_GEMM_", extra="ignore")
+
+    # network
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    timeout_keep_alive: int = Field(5, ge=1, description="idle keep-alive seconds")
+
+    # persistence
+    data_dir: Path = Field(default_factory=default_data_dir)
+
+    # auth: none configured = open matmul/read routes
+    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    admin_key: str | None = None
+
+    # limits
+    max_body_bytes: int = Field(64 * MiB, ge=1)
+    max_weight_bytes: int = Field(16 * GiB, ge=1, description="body limit of PUT /v1/weights")
+    max_rows: int = Field(65536, ge=1, description="rows (T, or sum of M_i) per request")
+    max_flops: int = Field(1 << 40, ge=1, description="2*M*N*K summed, per request")
+    max_problems: int = Field(4096, ge=1, description="problems per grouped-gemm request")
+
+    # engine
+    device: str = "auto"
+    backend: Literal["auto", "cute", "torch"] = "auto"
+    warmup_rows: Annotated[list[int] | None, NoDecode] = None
+
+    # batching and admission
+    batching: bool = True
+    batch_delay_us: int = Field(0, ge=0)
+    max_batch_rows: int = Field(65536, ge=1)
+    max_batch_flops: int = Field(1 << 42, ge=1)
+    max_batch_requests: int = Field(256, ge=1)
+    max_queue: int = Field(1024, ge=1)
+    default_timeout_us: int = Field(0, ge=0, description="0 = no timeout")
+    default_priority: int = Field(2, ge=1, description="level of requests with priority 0")
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @field_validator("warmup_rows", mode="before")
+    @classmethod
+    def _split_rows(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = v.strip()
+            if v in ("", "auto"):
+                return None
+            return [int(t) for t in v.split(",") if t.strip()]
+        return v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("api_key")
+    @classmethod
+    def _keys_nonempty(cls, v: list[str]) -> list[str]:
+        for k in v:
+            if not k or any(c.isspace() for c in k):
+                raise ValueError("API keys must be non-empty and contain no whitespace")
+        return v
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_nonempty(cls, v: str | None) -> str | None:
+        if v is not None and (not v or any(c.isspace() for c in v)):
+            raise ValueError("the admin key must be non-empty and contain no whitespace")
+        return v
+
+    @field_validator("warmup_rows")
+    @classmethod
+    def _rows_nonneg(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("warmup rows must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _batching_limits(self) -> Settings:
+        if not self.batching:
+            self.max_batch_requests = 1
+        return self
+
+    @property
+    def batch_delay_s(self) -> float:
+        return self.batch_delay_us / 1e6
+
+    @property
+    def open_admin(self) -> bool:
+        """Weight changes need no key: no admin key and no API key configured."""
+        return self.admin_key is None and not self.api_key
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Settings from the environment (cached); the CLI builds its own from flags."""
+    return Settings()

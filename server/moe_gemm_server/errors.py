@@ -1,0 +1,51 @@
+"""One exception type for every answer that is not a success, and its JSON rendering.
+
+Handlers and helpers raise `APIError(status, message)`; the app turns it into
+`{"error": message, "request_id": id}` with the status and any extra headers (Retry-After,
+WWW-Authenticate). Status codes follow docs/HTTP-API.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An HTTP error answer: status code, message and optional headers."""
+
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+def bad_request(message: str) -> APIError:
+    return APIError(400, message)
+
+
+def unprocessable(message: str) -> APIError:
+    return APIError(422, message)
+
+
+def too_large(message: str) -> APIError:
+    return APIError(413, message)
+
+
+def unavailable(message: str, retry_after: int = 1) -> APIError:
+    return APIError(503, message, {"Retry-After": str(retry_after)})
+
+
+def request_id_of(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id", ""))
+
+
+def error_response(
+    status: int, message: str, request_id: str = "", headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": message, "request_id": request_id}, status_code=status, headers=dict(headers or {})
+    )

@@ -1,0 +1,88 @@
+"""create_app(): the FastAPI application, with the Service built in its lifespan.
+
+Middleware order (outermost first): ObservabilityMiddleware (request id, metrics, access
+log, last-resort 500) -> BodyLimitMiddleware (413 before reading) -> the routers. Every error
+answer is JSON {"error": ..., "request_id": ...}: our APIError, FastAPI's own 404/405 and
+request-validation errors alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
+
+from moe_gemm.engine import Engine
+
+from . import __version__
+from .config import Settings, get_settings
+from .errors import APIError, error_response, request_id_of
+from .limits import BodyLimitMiddleware
+from .middleware import ObservabilityMiddleware
+from .routers import health, matmul, metrics, v2, weights
+from .service import Service
+
+
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
+    """Build the app. `engine` replaces the one the lifespan would build (tests, embedding)."""
+    settings = settings or get_settings()
+    service = Service(settings, engine=engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(
+        title="moe-gemm-server",
+        version=__version__,
+        summary="Batched grouped-GEMM inference against resident MoE expert weights",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+
+    def limit_for(scope: Scope) -> int:
+        if scope.get("method") == "PUT" and scope.get("path", "").startswith("/v1/weights/"):
+            return settings.max_weight_bytes
+        return settings.max_body_bytes
+
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit_for=limit_for,
+        on_reject=service.metrics.rejections.labels("too_large").inc,
+    )
+    app.add_middleware(ObservabilityMiddleware, metrics=service.metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status == 413:
+            service.metrics.rejections.labels("too_large").inc()
+        return error_response(exc.status, exc.message, request_id_of(request), exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(exc.status_code, message, request_id_of(request),
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        return error_response(422, f"invalid request: {loc}: {first.get('msg', exc)}",
+                              request_id_of(request))
+
+    for module in (health, weights, matmul, v2, metrics):
+        app.include_router(module.router)
+    return app

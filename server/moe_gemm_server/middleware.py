@@ -1,0 +1,98 @@
+"""Request id, metrics, access log and last-resort error handling, as one pure ASGI layer.
+
+Pure ASGI (not BaseHTTPMiddleware) so that bodies stream through untouched and a client's
+disconnect still reaches the handler. For each HTTP request it:
+- takes `X-Request-Id` from the request if it is a sane token (<= 128 printable characters),
+  else generates one; puts it in the scope state, the logging context and the response;
+- counts requests by route template (not raw path, to bound label cardinality), method and
+  status, times them, and tracks the in-flight gauge;
+- writes one access-log line with the request id;
+- turns any exception that escaped the app into a JSON 500 (if nothing was sent yet), so a
+  bug in one request never takes the process down or leaks a traceback to the client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import APIError
+from .logs import request_id_var
+from .metrics import Metrics
+
+log = logging.getLogger("moe_gemm_server.access")
+errlog = logging.getLogger("moe_gemm_server")
+
+_RID_RE = re.compile(r"[\x21-\x7e]{1,128}")
+_QUIET = ("/metrics", "/v2/health/live", "/v2/health/ready")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+class ObservabilityMiddleware:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        rid = given if given is not None and _RID_RE.fullmatch(given) else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        t0 = state["t_arrival"] = time.monotonic()
+        token = request_id_var.set(rid)
+        status = 0
+        sent_start = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, sent_start
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                sent_start = True
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                headers.append((b"x-request-id", rid.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as e:  # noqa: BLE001 - last resort: answer 500 and keep serving
+            if isinstance(e, APIError):
+                code, msg = e.status, e.message
+            else:
+                errlog.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+                code, msg = 500, f"internal error ({type(e).__name__}); request id {rid}"
+            if not sent_start:
+                body = json.dumps({"error": msg, "request_id": rid}).encode()
+                await send_with_id({"type": "http.response.start", "status": code, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())]})
+                await send_with_id({"type": "http.response.body", "body": body})
+        finally:
+            self.metrics.in_flight.dec()
+            dt = time.monotonic() - t0
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            method = scope.get("method", "")
+            if state.get("disconnected"):
+                status = 499  # nginx's "client closed request": no answer was delivered
+            self.metrics.requests.labels(label, method, str(status or 500)).inc()
+            self.metrics.latency.labels(label, method).observe(dt)
+            path = scope.get("path", "")
+            if path not in _QUIET or status >= 400:
+                log.info("%s %s %s %.1fms", method, path, status or 500, dt * 1e3)
+            request_id_var.reset(token)

@@ -1,0 +1,60 @@
+"""Helpers shared by the routers: body format, native per-request headers, responses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import torch
+from fastapi import Request, Response
+
+from ..codecs import encode_json, encode_safetensors, tensor_to_json
+from ..errors import APIError, bad_request
+from ..service import SAFETENSORS_TYPES
+
+OCTET = "application/octet-stream"
+JSON = "application/json"
+_BIG = 256 << 10
+
+
+def body_format(request: Request) -> str:
+    """"json" or "safetensors" from Content-Type (none = safetensors); 415 otherwise."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == JSON:
+        return "json"
+    if ctype in SAFETENSORS_TYPES:
+        return "safetensors"
+    raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
+                        f"({OCTET} or application/safetensors) or {JSON}")
+
+
+def _int_header(request: Request, name: str) -> int | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise bad_request(f"{name} must be a non-negative integer; got {raw!r}") from None
+    if value < 0:
+        raise bad_request(f"{name} must be a non-negative integer; got {raw!r}")
+    return value
+
+
+def native_params(request: Request) -> tuple[int | None, int | None]:
+    """(priority, timeout in microseconds) from X-Priority / X-Timeout-Us."""
+    return _int_header(request, "x-priority"), _int_header(request, "x-timeout-us")
+
+
+async def tensors_response(tensors: Mapping[str, torch.Tensor], fmt: str,
+                           extra: Mapping[str, object] | None = None) -> Response:
+    if fmt == "json":
+        obj: dict[str, object] = {k: tensor_to_json(v) for k, v in tensors.items()}
+        obj.update(extra or {})
+        return Response(encode_json(obj), media_type=JSON)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if size > _BIG:
+        body = await asyncio.to_thread(encode_safetensors, tensors)
+    else:
+        body = encode_safetensors(tensors)
+    return Response(body, media_type=OCTET)

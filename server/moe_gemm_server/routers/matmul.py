@@ -1,0 +1,78 @@
+"""Native matmul routes: grouped-mm against a resident weight set, and ad-hoc grouped-gemm.
+
+Bodies are safetensors (or JSON for small requests); the answer uses the request's format.
+Per-request priority and timeout come from the X-Priority and X-Timeout-Us headers.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from ..codecs import (
+    decode_json_grouped_gemm,
+    decode_json_grouped_mm,
+    decode_safetensors,
+    dtype_name,
+    parse_json_object,
+)
+from ..dependencies import ReaderDep, ServiceDep
+from ..errors import request_id_of
+from ..jobs import gemm_job, mm_job
+from ..limits import read_body
+from ..service import ClientGone
+from .common import body_format, native_params, tensors_response
+
+router = APIRouter(tags=["matmul"], dependencies=[ReaderDep])
+
+
+@router.post("/v1/weights/{name}/grouped-mm")
+async def grouped_mm(name: str, request: Request, service: ServiceDep) -> Response:
+    """y (T, N): rows of x grouped by expert (counts or offs) times the set's weights."""
+    service.check_serving(request)
+    ws = service.weight_set(name)
+    fmt = body_format(request)
+    priority, timeout_us = native_params(request)
+    async with service.tracked():
+        body = await read_body(request, service.settings.max_body_bytes)
+        if fmt == "json":
+            tensors = decode_json_grouped_mm(parse_json_object(body), ws.K)
+        else:
+            tensors = decode_safetensors(body)
+        job = mm_job(ws, tensors, service.settings,
+                     priority=service.priority_level(priority),
+                     deadline=service.deadline_for(request, timeout_us),
+                     request_id=request_id_of(request))
+        try:
+            y = await service.run(request, job)
+        except ClientGone:
+            return Response(status_code=499)
+        extra = {"dtype": dtype_name(y.dtype)} if fmt == "json" else None
+        return await tensors_response({"y": y}, fmt, extra)
+
+
+@router.post("/v1/grouped-gemm")
+async def grouped_gemm(request: Request, service: ServiceDep) -> Response:
+    """d.i = a.i @ b.i for every problem i of the request."""
+    service.check_serving(request)
+    fmt = body_format(request)
+    priority, timeout_us = native_params(request)
+    async with service.tracked():
+        body = await read_body(request, service.settings.max_body_bytes)
+        if fmt == "json":
+            tensors = decode_json_grouped_gemm(parse_json_object(body))
+        else:
+            tensors = decode_safetensors(body)
+        job = gemm_job(tensors, service.settings,
+                       priority=service.priority_level(priority),
+                       deadline=service.deadline_for(request, timeout_us),
+                       request_id=request_id_of(request))
+        try:
+            d = await service.run(request, job)
+        except ClientGone:
+            return Response(status_code=499)
+        if fmt == "json":
+            return await tensors_response({}, "json", {
+                "d": [t.to("cpu").float().tolist() for t in d],
+                "dtype": dtype_name(job.out_dtype),
+            })
+        return await tensors_response({f"d.{i}": t for i, t in enumerate(d)}, fmt)

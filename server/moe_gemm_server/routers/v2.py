@@ -1,0 +1,186 @@
+"""Open Inference Protocol v2 (KServe / Triton): every weight set is a model.
+
+Model `{name}` takes inputs "x" (T, K) in the set's dtype or FP32 and "counts" (E,) INT32
+(or "offs", cumulative) and returns "y" (T, N) in x's dtype. JSON and the binary tensor data
+extension are both accepted (tritonclient sends binary data and no Content-Type); outputs
+come back binary when `binary_data_output` (request parameters) or an output's
+`binary_data` parameter says so. `parameters.priority` (1 = highest, 0 = default) and
+`parameters.timeout` (microseconds, 0 = none) feed the batcher. Only version "1" exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from moe_gemm.engine import WeightSet
+
+from .. import __version__
+from ..dependencies import ReaderDep, ServiceDep
+from ..errors import APIError, bad_request, request_id_of
+from ..jobs import mm_job
+from ..limits import read_body
+from ..service import ClientGone, Service
+from ..v2 import TORCH_TO_V2, V2Request, encode_response, parse_request
+
+router = APIRouter(prefix="/v2", tags=["v2"])
+
+VERSION = "1"
+EXTENSIONS = ["binary_tensor_data", "schedule_policy", "statistics"]
+
+
+def _check_version(version: str) -> None:
+    if version != VERSION:
+        raise APIError(404, f"unknown model version {version!r}; only version '1' exists")
+
+
+def _metadata(ws: WeightSet) -> dict[str, Any]:
+    dt = TORCH_TO_V2[ws.dtype]
+    return {
+        "name": ws.name,
+        "versions": [VERSION],
+        "platform": "moe_gemm",
+        "inputs": [
+            {"name": "x", "datatype": dt, "shape": [-1, ws.K]},
+            {"name": "counts", "datatype": "INT32", "shape": [ws.E]},
+        ],
+        "outputs": [{"name": "y", "datatype": dt, "shape": [-1, ws.N]}],
+    }
+
+
+@router.get("")
+async def server_metadata(service: ServiceDep) -> dict[str, Any]:
+    engine = service.engine
+    return {
+        "name": "moe-gemm-server",
+        "version": __version__,
+        "extensions": EXTENSIONS,
+        "device": str(engine.device) if engine else None,
+        "backend": engine.backend if engine else None,
+    }
+
+
+@router.get("/models/stats", dependencies=[ReaderDep])
+async def all_stats(service: ServiceDep) -> dict[str, Any]:
+    assert service.engine is not None
+    return {"model_stats": [service.stats.as_v2(ws.name) for ws in service.engine.weight_sets()]}
+
+
+@router.get("/models/{name}", dependencies=[ReaderDep])
+async def model_metadata(name: str, service: ServiceDep) -> dict[str, Any]:
+    return _metadata(service.weight_set(name))
+
+
+@router.get("/models/{name}/versions/{version}", dependencies=[ReaderDep])
+async def model_version_metadata(name: str, version: str, service: ServiceDep) -> dict[str, Any]:
+    _check_version(version)
+    return _metadata(service.weight_set(name))
+
+
+async def _ready(name: str, request: Request, service: Service) -> JSONResponse:
+    service.weight_set(name)
+    if not service.is_ready:
+        return JSONResponse(
+            {"name": name, "ready": False, "error": f"not ready: {service.not_ready_reason}",
+             "request_id": request_id_of(request)}, status_code=503)
+    return JSONResponse({"name": name, "ready": True})
+
+
+@router.get("/models/{name}/ready", dependencies=[ReaderDep])
+async def model_ready(name: str, request: Request, service: ServiceDep) -> JSONResponse:
+    return await _ready(name, request, service)
+
+
+@router.get("/models/{name}/versions/{version}/ready", dependencies=[ReaderDep])
+async def model_version_ready(name: str, version: str, request: Request,
+                              service: ServiceDep) -> JSONResponse:
+    _check_version(version)
+    return await _ready(name, request, service)
+
+
+@router.get("/models/{name}/stats", dependencies=[ReaderDep])
+async def model_stats(name: str, service: ServiceDep) -> dict[str, Any]:
+    service.weight_set(name)
+    return {"model_stats": [service.stats.as_v2(name)]}
+
+
+@router.get("/models/{name}/versions/{version}/stats", dependencies=[ReaderDep])
+async def model_version_stats(name: str, version: str, service: ServiceDep) -> dict[str, Any]:
+    _check_version(version)
+    service.weight_set(name)
+    return {"model_stats": [service.stats.as_v2(name)]}
+
+
+def _param_int(params: dict[str, Any], name: str) -> int | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request(f"parameters.{name} must be a non-negative integer; got {value!r}")
+    return value
+
+
+def _binary_outputs(req: V2Request) -> dict[str, bool]:
+    params = req.parameters or {}
+    default = params.get("binary_data_output", False)
+    if not isinstance(default, bool):
+        raise bad_request("parameters.binary_data_output must be a boolean")
+    if not req.outputs:
+        return {"y": default}
+    out: dict[str, bool] = {}
+    for o in req.outputs:
+        if o.name != "y":
+            raise bad_request(f"unknown output {o.name!r}; the model has one output, 'y'")
+        flag = (o.parameters or {}).get("binary_data", default)
+        if not isinstance(flag, bool):
+            raise bad_request("outputs[].parameters.binary_data must be a boolean")
+        for p in ("classification", "shared_memory_region"):
+            if p in (o.parameters or {}):
+                raise bad_request(f"output parameter {p!r} is not supported")
+        out["y"] = flag
+    return out
+
+
+async def _infer(name: str, request: Request, service: Service) -> Response:
+    service.check_serving(request)
+    ws = service.weight_set(name)
+    async with service.tracked():
+        body = await read_body(request, service.settings.max_body_bytes)
+        req, tensors = parse_request(body, request.headers.get("inference-header-content-length"))
+        unknown = set(tensors) - {"x", "counts", "offs"}
+        if unknown:
+            raise bad_request(f"unexpected input(s) {sorted(unknown)}; model {name!r} takes "
+                              "'x' and 'counts' (or 'offs')")
+        params = req.parameters or {}
+        for p in ("sequence_id", "sequence_start", "sequence_end"):
+            if params.get(p):
+                raise bad_request(f"parameters.{p}: this model is not a sequence model")
+        binary = _binary_outputs(req)
+        rid = str(req.id) if req.id is not None else request_id_of(request)
+        job = mm_job(ws, tensors, service.settings,
+                     priority=service.priority_level(_param_int(params, "priority")),
+                     deadline=service.deadline_for(request, _param_int(params, "timeout")),
+                     request_id=rid)
+        try:
+            y = await service.run(request, job)
+        except ClientGone:
+            return Response(status_code=499)
+        payload, hlen = encode_response(name, rid, {"y": y}, binary, VERSION)
+        if hlen is None:
+            return Response(payload, media_type="application/json")
+        return Response(payload, media_type="application/octet-stream",
+                        headers={"Inference-Header-Content-Length": str(hlen)})
+
+
+@router.post("/models/{name}/infer", dependencies=[ReaderDep])
+async def infer(name: str, request: Request, service: ServiceDep) -> Response:
+    return await _infer(name, request, service)
+
+
+@router.post("/models/{name}/versions/{version}/infer", dependencies=[ReaderDep])
+async def infer_version(name: str, version: str, request: Request,
+                        service: ServiceDep) -> Response:
+    _check_version(version)
+    return await _infer(name, request, service)

@@ -1,0 +1,361 @@
+"""Service: the state one app serves from (engine, store, batcher, metrics) and its lifecycle.
+
+- start(): builds the Engine (a bad --device fails the start), starts the batcher, then loads
+  every stored weight set and warms the kernels in the background: /v2/health/live answers at
+  once, /v2/health/ready only when everything it will serve is compiled.
+- run(): admission (ready, not draining, queue bound), then waits for the job's result while
+  watching its deadline and the client's connection; a timed-out or abandoned job is dropped
+  from the queue, and a late result is never sent.
+- put/delete weights: streamed to a temp file, checked, copied to the device and warmed, then
+  committed to disk atomically and swapped in; an upload is acknowledged only when durable.
+- drain(): readiness turns 503, new requests get 503, queued and in-flight work finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from starlette.requests import Request
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.engine import Engine, EngineOutOfMemory, WeightSet
+
+from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
+from .codecs import JSON_DTYPES, encode_safetensors, parse_json_object
+from .config import Settings
+from .errors import APIError, bad_request, unavailable, unprocessable
+from .limits import BodyTooLarge, read_body
+from .metrics import Metrics, StatsBook
+from .storage import WeightStore, check_name, read_weight_file
+
+log = logging.getLogger(__name__)
+
+WRITE_CHUNK = 4 << 20
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class Service:
+    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.stats = StatsBook()
+        self.engine: Engine | None = engine
+        self.store = WeightStore(settings.data_dir)
+        self.batcher: Batcher | None = None
+        self.ready = False
+        self.not_ready_reason = "starting"
+        self.draining = False
+        self.drain_started = float("inf")
+        self.inflight = 0
+        self._weights_lock: asyncio.Lock | None = None
+        self._load_task: asyncio.Task[None] | None = None
+        self.load_errors: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        s = self.settings
+        if self.engine is None:
+            self.engine = Engine(
+                s.device,
+                config=GemmConfig(backend=s.backend),
+                warmup_rows=s.warmup_rows,
+            )
+        log.info("engine on %s, backend %s%s", self.engine.device, self.engine.backend,
+                 f" ({self.engine.backend_reason})" if self.engine.backend_reason else "")
+        self._weights_lock = asyncio.Lock()
+        self.batcher = Batcher(
+            self.engine,
+            delay_s=s.batch_delay_s,
+            max_rows=s.max_batch_rows,
+            max_flops=s.max_batch_flops,
+            max_requests=s.max_batch_requests,
+            max_queue=s.max_queue,
+            metrics=self.metrics,
+            stats=self.stats,
+        )
+        self.batcher.start()
+        self.not_ready_reason = "loading weights and compiling kernels"
+        self._load_task = asyncio.get_running_loop().create_task(self._load_all())
+
+    async def _load_all(self) -> None:
+        assert self.engine is not None
+        t0 = time.monotonic()
+        await asyncio.to_thread(self.store.cleanup_temp)
+        names = await asyncio.to_thread(self.store.names)
+        for name in names:
+            try:
+                tensor, layout = await asyncio.to_thread(self.store.load, name)
+                await asyncio.to_thread(self.engine.add_weights, name, tensor, layout)
+            except (APIError, ValueError, TypeError, OSError, EngineOutOfMemory) as e:
+                msg = e.message if isinstance(e, APIError) else str(e)
+                self.load_errors[name] = msg
+                self.metrics.weight_load_errors.inc()
+                log.error("could not load weight set %r from %s: %s", name, self.store.root, msg)
+        try:
+            await asyncio.to_thread(self.engine.warm_up_grouped_gemm)
+        except Exception:  # noqa: BLE001 - the matmul path will report its own errors
+            log.exception("warm-up of the grouped_gemm path failed")
+        self._update_weight_metrics()
+        self.ready = True
+        self.not_ready_reason = ""
+        self.metrics.ready.set(1)
+        log.info("ready: %d weight set(s) loaded and warmed in %.1fs", len(names) -
+                 len(self.load_errors), time.monotonic() - t0)
+
+    async def wait_ready(self) -> None:
+        if self._load_task is not None:
+            await asyncio.shield(self._load_task)
+
+    async def drain(self, timeout: float) -> bool:
+        """Readiness 503, new work refused; wait for queued and in-flight work. True if idle."""
+        if not self.draining:
+            self.draining = True
+            self.drain_started = time.monotonic()
+            self.not_ready_reason = "draining"
+            self.metrics.ready.set(0)
+            log.info("draining: %d queued, %d in flight", self.batcher.queued if self.batcher
+                     else 0, self.inflight)
+        if self.batcher is not None:
+            self.batcher.flush()
+        end = time.monotonic() + timeout
+        while self.inflight > 0 or (self.batcher is not None and self.batcher.busy):
+            if time.monotonic() >= end:
+                log.warning("drain timed out with %d request(s) in flight", self.inflight)
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def stop(self) -> None:
+        await self.drain(self.settings.drain_timeout_s)
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._load_task
+        if self.batcher is not None:
+            await self.batcher.close()
+
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready and not self.draining
+
+    def check_serving(self, request: Request) -> None:
+        """503 unless ready and (not draining, or the request arrived before the drain)."""
+        if not self.ready:
+            self.metrics.rejections.labels("not_ready").inc()
+            raise unavailable(f"not ready: {self.not_ready_reason}")
+        if self.draining:
+            arrival = request.scope.get("state", {}).get("t_arrival", float("inf"))
+            if arrival >= self.drain_started:
+                self.metrics.rejections.labels("draining").inc()
+                raise unavailable("draining: the server is shutting down")
+
+    @contextlib.asynccontextmanager
+    async def tracked(self) -> AsyncIterator[None]:
+        """Counts the request as in flight (a drain waits for it)."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    def deadline_for(self, request: Request, timeout_us: int | None) -> float | None:
+        us = timeout_us if timeout_us else self.settings.default_timeout_us
+        if not us:
+            return None
+        arrival = request.scope.get("state", {}).get("t_arrival", time.monotonic())
+        return arrival + us / 1e6
+
+    def priority_level(self, priority: int | None) -> int:
+        return priority if priority else self.settings.default_priority
+
+    async def run(self, request: Request, job: Job) -> Any:
+        """Queue `job` and wait for its result, its deadline, or the client leaving."""
+        arrival = request.scope.get("state", {}).get("t_arrival", time.monotonic())
+        ok = False
+        try:
+            result = await self._run(request, job)
+            ok = True
+            return result
+        finally:
+            if job.model:
+                self.stats.done(job.model, ok, time.monotonic() - arrival)
+
+    async def _run(self, request: Request, job: Job) -> Any:
+        assert self.batcher is not None
+        now = time.monotonic()
+        if job.deadline is not None and now >= job.deadline:
+            self.metrics.rejections.labels("timeout").inc()
+            raise APIError(504, "the request's timeout expired before it could be queued")
+        try:
+            fut = self.batcher.submit(job)
+        except QueueFull:
+            raise APIError(429, f"queue full ({self.settings.max_queue} requests waiting); "
+                                "retry later", {"Retry-After": "1"}) from None
+        except Draining:
+            raise unavailable("draining: the server is shutting down") from None
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        timeout = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+        try:
+            done, _ = await asyncio.wait({fut, gone}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.batcher.cancel(job, "cancelled")
+            raise
+        finally:
+            if not gone.done():
+                gone.cancel()
+        if fut.done() and not fut.cancelled():
+            exc = fut.exception()
+            if exc is None:
+                return fut.result()
+            if isinstance(exc, JobTimeout):
+                raise APIError(504, "the request's timeout expired while it was queued")
+            if isinstance(exc, EngineOutOfMemory):
+                self.metrics.rejections.labels("out_of_memory").inc()
+                raise unavailable(f"device out of memory for this request: {exc}")
+            if isinstance(exc, Draining):
+                raise unavailable("draining: the server is shutting down")
+            if isinstance(exc, (ValueError, TypeError)):
+                raise unprocessable(str(exc))
+            raise exc
+        if gone in done:
+            self.batcher.cancel(job, "disconnected")
+            request.scope.setdefault("state", {})["disconnected"] = True
+            raise ClientGone()
+        self.batcher.cancel(job, "timeout")
+        raise APIError(504, "the request's timeout expired before its result was ready")
+
+    # ------------------------------------------------------------------ weights
+
+    def weight_set(self, name: str) -> WeightSet:
+        assert self.engine is not None
+        try:
+            return self.engine.get_weights(name)
+        except KeyError:
+            raise APIError(404, f"unknown weight set {name!r}") from None
+
+    def _update_weight_metrics(self) -> None:
+        assert self.engine is not None
+        self.metrics.resident_bytes.set(self.engine.resident_bytes)
+        self.metrics.weight_sets.set(len(self.engine.weight_sets()))
+
+    async def put_weights(self, name: str, request: Request) -> tuple[WeightSet, bool]:
+        """Receive, check, warm, persist and install a weight set. Returns (set, created)."""
+        assert self.engine is not None and self._weights_lock is not None
+        check_name(name)
+        temp = self.store.new_temp()
+        try:
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype == "application/json":
+                body = await read_body(request, self.settings.max_weight_bytes)
+                data = await asyncio.to_thread(_json_weights, body)
+                await asyncio.to_thread(_write_file, temp, data)
+            elif ctype in SAFETENSORS_TYPES:
+                enc = request.headers.get("content-encoding", "identity").strip().lower()
+                if enc not in ("", "identity"):
+                    raise APIError(415, "weight uploads take no Content-Encoding")
+                await _stream_to_file(request, temp, self.settings.max_weight_bytes)
+            else:
+                raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
+                                    "(application/octet-stream) or application/json")
+            tensor, layout = await asyncio.to_thread(read_weight_file, temp)
+            try:
+                ws = await asyncio.to_thread(self.engine.prepare_weights, name, tensor, layout)
+            except (ValueError, TypeError) as e:
+                raise unprocessable(str(e)) from None
+            except EngineOutOfMemory as e:
+                self.metrics.rejections.labels("out_of_memory").inc()
+                raise unavailable(f"device out of memory for this weight set: {e}") from None
+            async with self._weights_lock:
+                await asyncio.to_thread(self.store.commit, temp, name)
+                old = self.engine.install(ws)
+                self._update_weight_metrics()
+            log.info("weight set %r %s: %s", name, "replaced" if old else "created", ws.info())
+            return ws, old is None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+
+    async def delete_weights(self, name: str) -> None:
+        assert self.engine is not None and self._weights_lock is not None
+        async with self._weights_lock:
+            on_disk = await asyncio.to_thread(self.store.delete, name)
+            ws = self.engine.remove_weights(name)
+            self._update_weight_metrics()
+        if not on_disk and ws is None:
+            raise APIError(404, f"unknown weight set {name!r}")
+        self.stats.forget(name)
+        log.info("weight set %r deleted", name)
+
+
+SAFETENSORS_TYPES = ("", "application/octet-stream", "application/safetensors",
+                     "application/x-safetensors")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone (http.disconnect after the body was read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _stream_to_file(request: Request, path: Path, limit: int) -> None:
+    total = 0
+    buf = bytearray()
+    f = await asyncio.to_thread(open, path, "wb")
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise BodyTooLarge(limit)
+            buf += chunk
+            if len(buf) >= WRITE_CHUNK:
+                data, buf = bytes(buf), bytearray()
+                await asyncio.to_thread(f.write, data)
+        if buf:
+            await asyncio.to_thread(f.write, bytes(buf))
+        await asyncio.to_thread(f.flush)
+    finally:
+        await asyncio.to_thread(f.close)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json_weights(body: bytearray) -> bytes:
+    """{"w" | "w_t": [[[...]]], "dtype"} -> a safetensors body."""
+    import numpy as np
+
+    obj = parse_json_object(body)
+    dtype = JSON_DTYPES.get(obj.get("dtype", "float32"))
+    if dtype is None:
+        raise unprocessable(f"dtype must be one of {', '.join(JSON_DTYPES)}; got "
+                            f"{obj.get('dtype')!r}")
+    names = [k for k in obj if k != "dtype"]
+    if names not in (["w"], ["w_t"]):
+        raise unprocessable("expected exactly one field 'w' (E, K, N) or 'w_t' (E, N, K) "
+                            f"(plus 'dtype'); got {names}")
+    try:
+        arr = np.asarray(obj[names[0]], dtype=np.float64)
+    except (ValueError, TypeError):
+        raise bad_request(f"{names[0]!r} must be a nested list of numbers (E, K, N)") from None
+    return encode_safetensors({names[0]: torch.from_numpy(arr).to(dtype)})

@@ -1,0 +1,161 @@
+"""Durable weight sets: one `<name>.safetensors` file per set in the data directory.
+
+Every write is atomic: the bytes go to a hidden temp file in the same directory, which is
+fsynced, renamed over the final name (rename is atomic on POSIX within one filesystem) and
+followed by an fsync of the directory, so the rename itself survives a power cut. A crash at
+any point leaves either the old file or the new one under the name, never a half file; the
+hidden temp files a crash can leave behind never match a set name (names cannot start with
+".") and are removed at the next start. An upload is acknowledged only after this completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import uuid
+from pathlib import Path
+
+import torch
+
+from .codecs import parse_safetensors_header, tensor_from_buffer
+from .errors import APIError, unprocessable
+
+log = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+SUFFIX = ".safetensors"
+TEMP_PREFIX = ".upload-"
+TEMP_SUFFIX = ".tmp"
+
+
+def check_name(name: str) -> None:
+    """422 unless `name` is 1-128 characters of [A-Za-z0-9._-], not starting with '.'."""
+    if not NAME_RE.fullmatch(name):
+        raise unprocessable(
+            f"invalid weight set name {name!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            "not starting with '.'"
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_weight_file(path: Path) -> tuple[torch.Tensor, str]:
+    """Load and check a weight file: exactly one tensor, "w" (E, K, N) or "w_t" (E, N, K).
+
+    Returns:
+        (tensor on the CPU, layout "w" or "w_t").
+
+    Raises:
+        APIError: 400 malformed safetensors, 422 wrong tensor names, rank or dtype.
+    """
+    with open(path, "rb") as f:
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        view = memoryview(buf)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                raise APIError(400, "weight file is shorter than its size")
+            got += n
+    specs, data_start, _ = parse_safetensors_header(buf, len(buf))
+    names = sorted(specs)
+    if names not in (["w"], ["w_t"]):
+        raise unprocessable(
+            "expected exactly one tensor, 'w' (E, K, N) or 'w_t' (E, N, K); got "
+            f"{names if names else 'none'}"
+        )
+    layout = names[0]
+    spec = specs[layout]
+    want = "(E, K, N)" if layout == "w" else "(E, N, K)"
+    if len(spec.shape) != 3:
+        raise unprocessable(f"{layout!r} must be 3-D {want}; got shape {list(spec.shape)}")
+    if spec.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise unprocessable(f"{layout!r} must be BF16, F16 or F32; got {spec.dtype}")
+    if min(spec.shape) == 0:
+        raise unprocessable(f"{layout!r} {want} needs every dimension >= 1; got "
+                            f"{list(spec.shape)}")
+    t = tensor_from_buffer(buf, spec.dtype, spec.shape, data_start + spec.start)
+    return t, layout
+
+
+class WeightStore:
+    """The data directory: `<name>.safetensors` per weight set, written atomically."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.root, os.W_OK):
+            raise PermissionError(f"data directory {self.root} is not writable")
+
+    def path_for(self, name: str) -> Path:
+        check_name(name)
+        return self.root / f"{name}{SUFFIX}"
+
+    def new_temp(self) -> Path:
+        """A fresh hidden temp path in the data directory (same filesystem as the sets)."""
+        return self.root / f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}"
+
+    def cleanup_temp(self) -> int:
+        """Remove temp files left by a crash; returns how many."""
+        n = 0
+        for p in self.root.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
+            try:
+                p.unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+        if n:
+            log.warning("removed %d partial upload(s) left in %s", n, self.root)
+            _fsync_dir(self.root)
+        return n
+
+    def names(self) -> list[str]:
+        """Names of the stored sets (files whose stem is a valid name), sorted."""
+        out = []
+        for p in self.root.glob(f"*{SUFFIX}"):
+            stem = p.name[: -len(SUFFIX)]
+            if NAME_RE.fullmatch(stem) and p.is_file():
+                out.append(stem)
+        return sorted(out)
+
+    def commit(self, temp: Path, name: str) -> None:
+        """fsync `temp`, rename it to the set's file, fsync the directory."""
+        final = self.path_for(name)
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, final)
+        _fsync_dir(self.root)
+
+    def write(self, name: str, data: bytes) -> None:
+        """Atomically store `data` as the set's file."""
+        temp = self.new_temp()
+        try:
+            with open(temp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            self.commit(temp, name)
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def delete(self, name: str) -> bool:
+        """Remove the set's file durably; False if there was none."""
+        try:
+            self.path_for(name).unlink()
+        except FileNotFoundError:
+            return False
+        _fsync_dir(self.root)
+        return True
+
+    def load(self, name: str) -> tuple[torch.Tensor, str]:
+        return read_weight_file(self.path_for(name))

@@ -1,0 +1,205 @@
+"""Open Inference Protocol v2 (KServe / Triton) wire format, with the binary tensor extension.
+
+A request body is a JSON header, optionally followed by raw tensor bytes; the header's length
+is in `Inference-Header-Content-Length` (absent = the whole body is JSON). An input with
+`parameters.binary_data_size` takes the next that many bytes of the binary section, in the
+order the inputs appear; the sizes must add up to the section exactly. Bytes are little-endian
+and row-major. BF16 travels as raw 2-byte bfloat16 values (what tritonclient >= 2.73 sends for
+ml_dtypes.bfloat16 arrays). tritonclient sends no Content-Type, so the route parses raw bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from .codecs import encode_json, tensor_from_buffer
+from .errors import bad_request
+
+# v2 datatype -> torch dtype (BYTES has no tensor form here)
+V2_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "UINT8": torch.uint8,
+    "UINT16": torch.uint16,
+    "UINT32": torch.uint32,
+    "UINT64": torch.uint64,
+    "INT8": torch.int8,
+    "INT16": torch.int16,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "FP16": torch.float16,
+    "FP32": torch.float32,
+    "FP64": torch.float64,
+    "BF16": torch.bfloat16,
+}
+TORCH_TO_V2 = {v: k for k, v in V2_DTYPES.items()}
+
+PARAM_VALUE = str | int | float | bool
+
+
+class V2Input(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    shape: list[StrictInt]
+    datatype: str
+    parameters: dict[str, PARAM_VALUE] | None = None
+    data: Any = None
+
+
+class V2Output(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    parameters: dict[str, PARAM_VALUE] | None = None
+
+
+class V2Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | int | None = None
+    parameters: dict[str, PARAM_VALUE] | None = None
+    inputs: list[V2Input] = Field(min_length=1)
+    outputs: list[V2Output] | None = None
+
+
+def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
+    data = inp.data
+    if data is None:
+        raise bad_request(f"input {inp.name!r} has neither 'data' nor binary_data_size")
+    try:
+        arr = np.asarray(data, dtype=np.float64 if dtype.is_floating_point else np.int64)
+    except (ValueError, TypeError, OverflowError):
+        raise bad_request(
+            f"input {inp.name!r}: 'data' must be a flat or nested list of numbers"
+        ) from None
+    if arr.dtype == object:
+        raise bad_request(f"input {inp.name!r}: 'data' is ragged")
+    if arr.size != count:
+        raise bad_request(
+            f"input {inp.name!r}: shape {inp.shape} needs {count} values; 'data' has {arr.size}"
+        )
+    if dtype == torch.bool:
+        return torch.from_numpy(arr.reshape(-1) != 0)
+    return torch.from_numpy(arr.reshape(-1)).to(dtype)
+
+
+def parse_request(
+    body: bytearray, header_length: str | None
+) -> tuple[V2Request, dict[str, torch.Tensor]]:
+    """Parse an infer request body into the request header and its input tensors.
+
+    Raises:
+        APIError(400): malformed JSON, bad header length, binary sizes that do not add up,
+            unknown datatypes, data that does not match the shape.
+    """
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise bad_request(
+                f"Inference-Header-Content-Length must be an integer; got {header_length!r}"
+            ) from None
+        if not 0 < n <= len(body):
+            raise bad_request(
+                f"Inference-Header-Content-Length {n} does not fit in a body of {len(body)} bytes"
+            )
+    else:
+        n = len(body)
+    try:
+        req = V2Request.model_validate_json(bytes(body[:n]))
+    except ValidationError as e:
+        raise bad_request(f"malformed inference request: {_first_error(e)}") from None
+    mv = memoryview(body)
+    pos = n
+    tensors: dict[str, torch.Tensor] = {}
+    for inp in req.inputs:
+        if inp.name in tensors:
+            raise bad_request(f"input {inp.name!r} appears twice")
+        if inp.datatype == "BYTES":
+            raise bad_request(f"input {inp.name!r}: BYTES tensors are not supported")
+        dtype = V2_DTYPES.get(inp.datatype)
+        if dtype is None:
+            raise bad_request(f"input {inp.name!r}: unknown datatype {inp.datatype!r}")
+        if any(s < 0 for s in inp.shape):
+            raise bad_request(f"input {inp.name!r}: shape {inp.shape} has a negative dimension")
+        count = math.prod(inp.shape)
+        params = inp.parameters or {}
+        size = params.get("binary_data_size")
+        if size is not None:
+            if header_length is None:
+                raise bad_request(
+                    f"input {inp.name!r} has binary_data_size but the request has no "
+                    "Inference-Header-Content-Length header"
+                )
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise bad_request(f"input {inp.name!r}: binary_data_size must be an int >= 0")
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if size != count * itemsize:
+                raise bad_request(
+                    f"input {inp.name!r}: {inp.datatype}{inp.shape} needs {count * itemsize} "
+                    f"bytes; binary_data_size says {size}"
+                )
+            if pos + size > len(body):
+                raise bad_request(
+                    f"input {inp.name!r}: binary data runs past the end of the body "
+                    f"({pos + size} > {len(body)} bytes)"
+                )
+            t = tensor_from_buffer(mv, dtype, (count,), pos)
+            pos += size
+        else:
+            t = _json_data(inp, dtype, count)
+        tensors[inp.name] = t.reshape(inp.shape)
+    if pos != len(body):
+        raise bad_request(
+            f"the binary section has {len(body) - n} bytes but the inputs' binary_data_size "
+            f"add up to {pos - n}"
+        )
+    return req, tensors
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def encode_response(
+    model: str,
+    request_id: str,
+    outputs: dict[str, torch.Tensor],
+    binary: dict[str, bool],
+    version: str = "1",
+) -> tuple[bytes, int | None]:
+    """Body and header length (None = all JSON) of an infer response."""
+    header_outputs = []
+    blobs = []
+    for name, t in outputs.items():
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": TORCH_TO_V2[t.dtype],
+            "shape": list(t.shape),
+        }
+        if binary.get(name, False):
+            raw = _raw_bytes(t)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            flat = t.detach().to("cpu").reshape(-1)
+            entry["data"] = (flat.to(torch.float32) if t.is_floating_point() else flat).tolist()
+        header_outputs.append(entry)
+    header = encode_json(
+        {"model_name": model, "model_version": version, "id": request_id,
+         "outputs": header_outputs}
+    )
+    if not blobs:
+        return header, None
+    return header + b"".join(blobs), len(header)

@@ -1,0 +1,188 @@
+"""The moe-gemm-client command line, over a mock transport (and once as a real process)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+from moe_client_testutils import ContractHandler, grouped_mm_ref, make_client, sequence
+
+from moe_gemm_client import cli
+from moe_gemm_client._tensors import BFLOAT16, decode_safetensors, encode_safetensors
+
+
+@pytest.fixture
+def server(monkeypatch):
+    """Route the CLI's client to an in-memory ContractHandler; returns the handler."""
+    handler = ContractHandler()
+    made = []
+
+    def factory(args):
+        client = make_client(handler, api_key=args.api_key, max_retries=args.max_retries)
+        made.append(client)
+        return client
+
+    monkeypatch.setattr(cli, "_make_client", factory)
+    handler.made = made
+    return handler
+
+
+def test_health_ready_list_info_delete(server, capsys, rng):
+    assert cli.main(["health"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"live": True}
+    assert cli.main(["ready"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ready": True}
+    server.weights["alpha"] = (rng.standard_normal((2, 3, 4)).astype(np.float32), "w")
+    server.weights["beta"] = (rng.standard_normal((8, 16, 4)).astype(BFLOAT16), "w_t")
+    assert cli.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "E", "K", "N", "DTYPE", "LAYOUT", "MiB"]
+    assert lines[2].split()[:6] == ["beta", "8", "16", "4", "bfloat16", "w_t"]
+    assert cli.main(["list", "--json"]) == 0
+    assert [w["name"] for w in json.loads(capsys.readouterr().out)["weights"]] == ["alpha", "beta"]
+    assert cli.main(["info", "alpha"]) == 0
+    assert json.loads(capsys.readouterr().out)["k"] == 3
+    assert cli.main(["delete", "alpha"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"deleted": "alpha"}
+    assert "alpha" not in server.weights
+    assert all(c.is_closed or not c._owns_http for c in server.made)
+
+
+def test_api_key_flag_is_sent(server, capsys):
+    assert cli.main(["--api-key", "k1", "list"]) == 0
+    assert server.seen[-1].headers["Authorization"] == "Bearer k1"
+
+
+def test_errors_have_exit_codes(server, capsys, monkeypatch):
+    assert cli.main(["info", "missing"]) == 1
+    err = capsys.readouterr().err
+    assert "404" in err and "missing" in err
+    assert cli.main(["info", "../x"]) == 2
+    assert "A-Za-z0-9" in capsys.readouterr().err
+    handler, _ = sequence(httpx.ConnectError("refused"))
+    monkeypatch.setattr(cli, "_make_client", lambda args: make_client(handler, max_retries=0))
+    assert cli.main(["health"]) == 3
+    assert "cannot reach" in capsys.readouterr().err
+    handler, _ = sequence(httpx.Response(503, json={"ready": False}))
+    monkeypatch.setattr(cli, "_make_client", lambda args: make_client(handler))
+    assert cli.main(["ready"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"ready": False}
+
+
+def test_bad_url_is_a_usage_error(capsys):
+    assert cli.main(["--url", "nonsense://x", "health"]) == 2
+    assert "http" in capsys.readouterr().err
+
+
+def test_upload_with_progress(server, capsys, rng, tmp_path):
+    w = rng.standard_normal((4, 8, 16)).astype(np.float32)
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"w": w}, str(path))
+    assert cli.main(["upload", "up", str(path), "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["experts"] == 4
+    assert "upload up" in err and "100.0%" in err and err.endswith("\n")
+    np.testing.assert_array_equal(server.weights["up"][0], w)
+    # a named tensor uploaded transposed, without a bar
+    safetensors.numpy.save_file({"proj": w, "other": w[0]}, str(path))
+    assert cli.main(["upload", "t", str(path), "--tensor", "proj", "--layout", "w_t",
+                     "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["layout"] == "w_t" and err == ""
+    assert cli.main(["upload", "t", str(path)]) == 2
+    assert "name the tensor" in capsys.readouterr().err
+    assert cli.main(["upload", "t", str(tmp_path / "none.safetensors")]) == 2
+
+
+def test_progress_bar_draws_and_finishes():
+    stream = io.StringIO()
+    bar = cli.ProgressBar("upload x", stream=stream, width=10)
+    bar(0, 4 << 20)
+    bar(1 << 20, 4 << 20)  # throttled: within 0.1 s of the first draw
+    bar(4 << 20, 4 << 20)
+    bar(4 << 20, 4 << 20)  # already finished: nothing more
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and "[##########] 100.0%" in text and "4.0/4.0 MiB" in text
+    assert "[..........]   0.0%" in text
+
+
+@pytest.mark.parametrize("fmt", ["npy", "safetensors"])
+def test_grouped_mm_files(server, capsys, rng, tmp_path, fmt):
+    w = rng.standard_normal((3, 8, 5)).astype(np.float32)
+    server.weights["l0"] = (w, "w")
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    counts = np.array([2, 0, 4], np.int64)
+    if fmt == "npy":
+        np.save(tmp_path / "x.npy", x)
+        np.save(tmp_path / "c.npy", counts)
+        args = ["--x", str(tmp_path / "x.npy"), "--counts", str(tmp_path / "c.npy")]
+    else:
+        safetensors.numpy.save_file({"x": x, "counts": counts}, str(tmp_path / "in.safetensors"))
+        args = ["--x", str(tmp_path / "in.safetensors"), "--counts",
+                str(tmp_path / "in.safetensors")]
+    out_path = tmp_path / f"y.{fmt}"
+    assert cli.main(["grouped-mm", "l0", *args, "--out", str(out_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["shape"] == [6, 5] and summary["request_id"]
+    y = np.load(out_path) if fmt == "npy" else safetensors.numpy.load_file(str(out_path))["y"]
+    np.testing.assert_allclose(y, grouped_mm_ref(x, w, counts), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_inline_offs_and_bf16_npy(server, capsys, rng, tmp_path):
+    w = rng.standard_normal((2, 4, 3)).astype(BFLOAT16)
+    server.weights["b"] = (w, "w")
+    x = rng.standard_normal((5, 4)).astype(BFLOAT16)
+    np.save(tmp_path / "x.npy", x)  # numpy stores bfloat16 as V2
+    assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "x.npy"), "--offs", "1,5",
+                     "--out", str(tmp_path / "y.safetensors")]) == 0
+    y = decode_safetensors((tmp_path / "y.safetensors").read_bytes())["y"]
+    assert y.dtype == BFLOAT16
+    ref = grouped_mm_ref(x, w, np.array([1, 4]))
+    np.testing.assert_allclose(y.astype(np.float64), ref, rtol=3e-2, atol=3e-2)
+    assert "offs" in server.seen[-1].tensors()
+    capsys.readouterr()
+    assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "x.npy"), "--counts", "1,x",
+                     "--out", str(tmp_path / "y.npy")]) == 2
+    assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "x.npy"), "--counts", "1,4",
+                     "--out", str(tmp_path / "y.txt")]) == 2
+    assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "nope.npy"), "--counts", "1,4",
+                     "--out", str(tmp_path / "y.npy")]) == 2
+    assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "x.npy"), "--counts", "2,4",
+                     "--out", str(tmp_path / "y.npy")]) == 1  # server: 422
+    assert "422" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["grouped-mm", "b", "--x", "x.npy", "--out", "y.npy"])  # counts or offs
+
+
+def test_grouped_gemm_file(server, capsys, rng, tmp_path):
+    a = [rng.standard_normal((m, k)).astype(np.float32) for m, k in [(3, 4), (0, 2), (5, 1)]]
+    b = [rng.standard_normal((k, n)).astype(np.float32) for k, n in [(4, 6), (2, 3), (1, 7)]]
+    tensors = {**{f"a.{i}": t for i, t in enumerate(a)}, **{f"b.{i}": t for i, t in enumerate(b)}}
+    (tmp_path / "p.safetensors").write_bytes(encode_safetensors(tensors).to_bytes())
+    assert cli.main(["grouped-gemm", "--in", str(tmp_path / "p.safetensors"), "--out",
+                     str(tmp_path / "d.safetensors")]) == 0
+    assert json.loads(capsys.readouterr().out)["problems"] == 3
+    d = decode_safetensors((tmp_path / "d.safetensors").read_bytes())
+    for i in range(3):
+        np.testing.assert_allclose(d[f"d.{i}"], a[i] @ b[i], rtol=1e-5, atol=1e-6)
+    (tmp_path / "bad.safetensors").write_bytes(encode_safetensors({"a.0": a[0]}).to_bytes())
+    assert cli.main(["grouped-gemm", "--in", str(tmp_path / "bad.safetensors"), "--out",
+                     str(tmp_path / "d.safetensors")]) == 2
+
+
+def test_module_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "moe_gemm_client", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for cmd in ("health", "ready", "list", "upload", "delete", "grouped-mm"):
+        assert cmd in out.stdout
+    out = subprocess.run([sys.executable, "-m", "moe_gemm_client", "--url",
+                          "http://127.0.0.1:9", "--max-retries", "0", "health"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "cannot reach" in out.stderr

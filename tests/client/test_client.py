@@ -1,0 +1,847 @@
+"""Client and AsyncClient over httpx.MockTransport: error mapping, retries, backoff, Retry-After,
+timeouts, headers, local validation and numeric round trips. Every test runs on both clients."""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import inspect
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from moe_client_testutils import (
+    ContractHandler,
+    error,
+    grouped_mm_ref,
+    make_async_client,
+    make_client,
+    sequence,
+)
+
+import moe_gemm_client as mgc
+from moe_gemm_client import _constants as C
+from moe_gemm_client._client import _Call, parse_retry_after
+from moe_gemm_client._tensors import BFLOAT16
+
+MODES = ["sync", "async"]
+
+
+def make(mode: str, handler: Any, **kwargs: Any) -> Any:
+    return (make_client if mode == "sync" else make_async_client)(handler, **kwargs)
+
+
+def run(client: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    out = getattr(client, method)(*args, **kwargs)
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+def ok_json(data: Any, **headers: str) -> httpx.Response:
+    return httpx.Response(200, json=data, headers=headers)
+
+
+INFO = {"name": "l0", "experts": 2, "k": 3, "n": 4, "dtype": "float32", "bytes": 96,
+        "layout": "w"}
+
+
+# ------------------------------------------------------------------------------------------
+# error mapping
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "status, cls",
+    [
+        (400, mgc.BadRequestError),
+        (401, mgc.AuthenticationError),
+        (403, mgc.PermissionDeniedError),
+        (404, mgc.NotFoundError),
+        (413, mgc.PayloadTooLargeError),
+        (422, mgc.UnprocessableEntityError),
+        (429, mgc.RateLimitError),
+        (500, mgc.ServerError),
+        (503, mgc.ServiceUnavailableError),
+        (504, mgc.GatewayTimeoutError),
+        (502, mgc.ServerError),
+        (418, mgc.APIStatusError),
+    ],
+)
+def test_status_maps_to_exception_class(mode, status, cls):
+    handler, seen = sequence(error(status, f"boom {status}", request_id="rid-7",
+                                   **{"Retry-After": "3"}))
+    client = make(mode, handler, max_retries=0)
+    with pytest.raises(cls) as info:
+        run(client, "get_weights", "l0")
+    exc = info.value
+    assert type(exc) is cls
+    assert isinstance(exc, mgc.APIStatusError) and isinstance(exc, mgc.MoeGemmError)
+    assert exc.status_code == status
+    assert exc.message == f"boom {status}"
+    assert exc.request_id == "rid-7"
+    assert exc.response.status_code == status
+    assert exc.retry_after == 3.0
+    assert f"Error code: {status} - boom {status}" in str(exc) and "rid-7" in str(exc)
+    assert len(seen) == 1
+
+
+def test_5xx_hierarchy_and_aliases():
+    assert mgc.InternalServerError is mgc.ServerError
+    assert issubclass(mgc.ServiceUnavailableError, mgc.ServerError)
+    assert issubclass(mgc.GatewayTimeoutError, mgc.ServerError)
+    assert issubclass(mgc.APITimeoutError, mgc.APIConnectionError)
+    assert issubclass(mgc.APIConnectionError, mgc.APIError)
+    assert not issubclass(mgc.APIConnectionError, mgc.APIStatusError)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_error_message_from_non_json_and_fastapi_bodies(mode):
+    handler, _ = sequence(httpx.Response(502, text="<html>bad gateway</html>"))
+    with pytest.raises(mgc.ServerError) as info:
+        run(make(mode, handler, max_retries=0), "list_weights")
+    assert info.value.message == "<html>bad gateway</html>"
+    assert info.value.request_id is None
+    detail = [{"loc": ["body"], "msg": "field required"}]
+    handler, _ = sequence(httpx.Response(422, json={"detail": detail}))
+    with pytest.raises(mgc.UnprocessableEntityError) as info:
+        run(make(mode, handler), "list_weights")
+    assert "field required" in info.value.message
+    # request id only in the body
+    handler, _ = sequence(httpx.Response(400, json={"error": "bad", "request_id": "body-id"}))
+    with pytest.raises(mgc.BadRequestError) as info:
+        run(make(mode, handler), "list_weights")
+    assert info.value.request_id == "body-id"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_request_id_on_errors_falls_back_to_the_one_sent(mode):
+    handler, seen = sequence(httpx.Response(404, json={"error": "nope"}))
+    with pytest.raises(mgc.NotFoundError) as info:
+        run(make(mode, handler), "get_weights", "l0", request_id="mine-1")
+    assert seen[0].headers["X-Request-Id"] == "mine-1"
+    assert info.value.request_id == "mine-1"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_malformed_success_body_is_a_validation_error(mode):
+    for resp in (httpx.Response(200, text="not json"), ok_json({"weights": "nope"}),
+                 ok_json({"weights": [{"name": "x"}]})):
+        handler, _ = sequence(resp)
+        with pytest.raises(mgc.APIResponseValidationError):
+            run(make(mode, handler), "list_weights")
+    # a matmul answer whose y has the wrong number of rows
+    handler, _ = sequence(httpx.Response(
+        200, content=mgc._tensors.encode_safetensors({"y": np.zeros((2, 4), np.float32)})
+        .to_bytes()))
+    with pytest.raises(mgc.APIResponseValidationError, match=r"\(3, N\)"):
+        run(make(mode, handler), "grouped_mm", "l0", np.ones((3, 2), np.float32), counts=[3])
+    handler, _ = sequence(httpx.Response(200, content=b"\x00garbage"))
+    with pytest.raises(mgc.APIResponseValidationError, match="safetensors"):
+        run(make(mode, handler), "grouped_mm", "l0", np.ones((3, 2), np.float32), counts=[3])
+
+
+# ------------------------------------------------------------------------------------------
+# retries
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422, 500, 504])
+def test_no_retry_on_non_retryable_statuses(mode, status):
+    handler, seen = sequence(error(status, "no"))
+    client = make(mode, handler, max_retries=5)
+    with pytest.raises(mgc.APIStatusError):
+        run(client, "grouped_mm", "l0", np.ones((2, 2), np.float32), counts=[2])
+    assert len(seen) == 1 and client.sleeps == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("status", [408, 429, 502, 503])
+def test_retryable_statuses_then_success(mode, status):
+    handler, seen = sequence(error(status, "busy"), error(status, "busy"), ok_json(INFO))
+    client = make(mode, handler, max_retries=2)
+    client._random = lambda: 0.0  # no jitter: exact delays
+    info = run(client, "get_weights", "l0")
+    assert info == mgc.WeightInfo(**INFO)
+    assert len(seen) == 3
+    assert client.sleeps == [0.5, 1.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retries_exhausted_raise_the_last_error(mode):
+    handler, seen = sequence(error(429, "queue full"))
+    client = make(mode, handler, max_retries=3)
+    with pytest.raises(mgc.RateLimitError, match="queue full"):
+        run(client, "list_weights")
+    assert len(seen) == 4 and len(client.sleeps) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_max_retries_zero_and_per_call_override(mode):
+    handler, seen = sequence(error(503, "warming"))
+    client = make(mode, handler, max_retries=0)
+    with pytest.raises(mgc.ServiceUnavailableError):
+        run(client, "list_weights")
+    assert len(seen) == 1
+    with pytest.raises(mgc.ServiceUnavailableError):
+        run(client, "list_weights", max_retries=4)
+    assert len(seen) == 1 + 5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exponential_backoff_caps_at_8s(mode):
+    handler, seen = sequence(httpx.ConnectError("refused"))
+    client = make(mode, handler, max_retries=7)
+    client._random = lambda: 0.0
+    with pytest.raises(mgc.APIConnectionError) as info:
+        run(client, "list_weights")
+    assert not isinstance(info.value, mgc.APITimeoutError)
+    assert client.sleeps == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert len(seen) == 8
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_jitter_stays_within_25_percent(mode):
+    handler, _ = sequence(httpx.ConnectError("refused"))
+    client = make(mode, handler, max_retries=6)
+    client._random = lambda: 0.999999
+    with pytest.raises(mgc.APIConnectionError):
+        run(client, "list_weights")
+    expected = [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
+    for got, base in zip(client.sleeps, expected):
+        assert 0.75 * base <= got <= base and got < base
+    # and with the real random source the delays vary but stay in bounds
+    client = make(mode, handler, max_retries=6)
+    with pytest.raises(mgc.APIConnectionError):
+        run(client, "list_weights")
+    for got, base in zip(client.sleeps, expected):
+        assert 0.75 * base <= got <= base
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "headers, expected",
+    [
+        ({"Retry-After": "2"}, 2.0),
+        ({"Retry-After": "0.25"}, 0.25),
+        ({"Retry-After": "0"}, 0.0),
+        ({"Retry-After": "3600"}, C.MAX_RETRY_AFTER),  # capped
+        ({"Retry-After-Ms": "1500", "Retry-After": "9"}, 1.5),
+        ({"Retry-After": "soon"}, 0.5),  # unparsable: exponential backoff
+        ({"Retry-After": "-4"}, 0.5),
+    ],
+)
+def test_retry_after_is_honoured(mode, headers, expected):
+    handler, seen = sequence(error(429, "full", **headers), ok_json({"weights": []}))
+    client = make(mode, handler)
+    client._random = lambda: 0.0
+    assert run(client, "list_weights") == []
+    assert client.sleeps == [pytest.approx(expected)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retry_after_http_date(mode):
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    handler, _ = sequence(error(503, "draining", **{"Retry-After": when}), ok_json({"weights": []}))
+    client = make(mode, handler)
+    run(client, "list_weights")
+    assert 27.0 <= client.sleeps[0] <= 30.5
+    past = email.utils.formatdate(time.time() - 30, usegmt=True)
+    assert parse_retry_after(httpx.Headers({"Retry-After": past})) == 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_connection_errors_are_retried_for_every_route(mode, rng):
+    # All routes are safe to repeat, so a connection that broke mid-request is retried too,
+    # including the POST matmuls (pure functions of their body).
+    handler = ContractHandler()
+    handler.weights["l0"] = (rng.standard_normal((1, 2, 3)).astype(np.float32), "w")
+    fails = [httpx.ReadError("reset"), httpx.RemoteProtocolError("closed"),
+             httpx.WriteError("broken pipe")]
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        if fails:
+            request.read()
+            raise fails.pop(0)
+        return handler(request)
+
+    client = make(mode, flaky, max_retries=3)
+    x = rng.standard_normal((4, 2)).astype(np.float32)
+    y = run(client, "grouped_mm", "l0", x, counts=[4])
+    np.testing.assert_allclose(y, x @ handler.weights["l0"][0][0], rtol=1e-5)
+    assert len(client.sleeps) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unsafe_calls_retry_only_what_never_reached_the_server(mode):
+    # No public route is unsafe to repeat, but the rule is enforced by _Call.retry_safe.
+    handler, seen = sequence(httpx.ReadError("reset"), ok_json({}))
+    client = make(mode, handler, max_retries=3)
+    call = _Call("POST", "/v1/not-idempotent", lambda r: r.json(), retry_safe=False)
+    with pytest.raises(mgc.APIConnectionError):
+        run(client, "_request", call)
+    assert len(seen) == 1
+    handler, seen = sequence(error(503, "busy"), ok_json({}))
+    client = make(mode, handler, max_retries=3)
+    with pytest.raises(mgc.ServiceUnavailableError):
+        run(client, "_request", _Call("POST", "/v1/x", lambda r: r.json(), retry_safe=False))
+    assert len(seen) == 1
+    handler, seen = sequence(httpx.ConnectError("refused"), ok_json({"ok": 1}))
+    client = make(mode, handler, max_retries=3)
+    assert run(client, "_request", _Call("POST", "/v1/x", lambda r: r.json(),
+                                         retry_safe=False)) == {"ok": 1}
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_delete_retried_after_lost_answer_reports_success(mode):
+    handler, seen = sequence(httpx.ReadError("reset after delete"),
+                             error(404, "unknown weight set"))
+    client = make(mode, handler)
+    assert run(client, "delete_weights", "l0") == mgc.WeightDeleted(deleted="l0")
+    assert len(seen) == 2 and all(r.method == "DELETE" for r in seen)
+    # without the lost answer, a 404 is a 404
+    handler, _ = sequence(error(404, "unknown weight set"))
+    with pytest.raises(mgc.NotFoundError):
+        run(make(mode, handler), "delete_weights", "l0")
+    # after a 503 the server certainly did nothing: the 404 is real
+    handler, _ = sequence(error(503, "draining"), error(404, "unknown weight set"))
+    with pytest.raises(mgc.NotFoundError):
+        run(make(mode, handler), "delete_weights", "l0")
+
+
+# ------------------------------------------------------------------------------------------
+# timeouts
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("exc", [httpx.ReadTimeout("timed out"), httpx.WriteTimeout("slow"),
+                                 httpx.ConnectTimeout("slow"), httpx.PoolTimeout("full")])
+def test_timeouts_map_to_timeout_error_after_retries(mode, exc):
+    handler, seen = sequence(exc)
+    client = make(mode, handler, max_retries=2)
+    with pytest.raises(mgc.APITimeoutError) as info:
+        run(client, "list_weights", request_id="t-1")
+    assert isinstance(info.value, mgc.APIConnectionError)
+    assert info.value.request_id == "t-1" and info.value.status_code is None
+    assert info.value.__cause__ is exc
+    assert len(seen) == 3 and len(client.sleeps) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_read_timeout_of_an_unsafe_call_is_not_retried(mode):
+    handler, seen = sequence(httpx.ReadTimeout("timed out"), ok_json({}))
+    client = make(mode, handler, max_retries=2)
+    with pytest.raises(mgc.APITimeoutError):
+        run(client, "_request", _Call("POST", "/v1/x", lambda r: r.json(), retry_safe=False))
+    assert len(seen) == 1
+    handler, seen = sequence(httpx.ConnectTimeout("slow"), ok_json({"ok": 1}))
+    client = make(mode, handler, max_retries=2)
+    assert run(client, "_request", _Call("POST", "/v1/x", lambda r: r.json(),
+                                         retry_safe=False)) == {"ok": 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_timeouts_then_success(mode):
+    handler, seen = sequence(httpx.ConnectTimeout("slow"), httpx.ReadTimeout("stalled"),
+                             ok_json({"weights": []}))
+    client = make(mode, handler)
+    assert run(client, "list_weights") == []
+    assert len(seen) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_timeout_argument_reaches_each_request(mode):
+    handler = ContractHandler()
+    client = make(mode, handler, timeout=7.0)
+    run(client, "list_weights")
+    run(client, "list_weights", timeout=httpx.Timeout(1.0, connect=0.5))
+    run(client, "list_weights", timeout=2.5)
+    t = [s.timeout for s in handler.seen]
+    assert t[0] == {"connect": 7.0, "read": 7.0, "write": 7.0, "pool": 7.0}
+    assert t[1] == {"connect": 0.5, "read": 1.0, "write": 1.0, "pool": 1.0}
+    assert t[2]["read"] == 2.5
+    default = make(mode, handler)
+    run(default, "list_weights")
+    assert handler.seen[-1].timeout["connect"] == 5.0 and handler.seen[-1].timeout["read"] == 300
+
+
+def _silent_server() -> socket.socket:
+    """A listening socket that accepts connections (in the backlog) and never answers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    return sock
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_real_socket_read_timeout(mode):
+    sock = _silent_server()
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        client = (mgc.Client if mode == "sync" else mgc.AsyncClient)(url, timeout=0.3,
+                                                                     max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(mgc.APITimeoutError):
+            run(client, "health")
+        assert 0.25 <= time.monotonic() - t0 < 3.0
+        run(client, "close")
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_real_connection_refused_is_retried_then_raised(mode):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    client = (mgc.Client if mode == "sync" else mgc.AsyncClient)(f"http://127.0.0.1:{port}",
+                                                                 max_retries=2)
+    sleeps: list[float] = []
+    if mode == "sync":
+        client._sleep = sleeps.append
+    else:
+        async def fake(s: float) -> None:
+            sleeps.append(s)
+        client._sleep = fake
+    with pytest.raises(mgc.APIConnectionError) as info:
+        run(client, "health")
+    assert not isinstance(info.value, mgc.APITimeoutError)
+    assert len(sleeps) == 2
+    run(client, "close")
+
+
+# ------------------------------------------------------------------------------------------
+# headers, configuration
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_headers_sent(mode):
+    handler = ContractHandler()
+    client = make(mode, handler, api_key="sekret", default_headers={"X-Team": "a"})
+    run(client, "list_weights", request_id="r-1", extra_headers={"X-Extra": "1"})
+    h = handler.seen[-1].headers
+    assert h["Authorization"] == "Bearer sekret"
+    assert h["X-Request-Id"] == "r-1" and h["X-Team"] == "a" and h["X-Extra"] == "1"
+    assert h["User-Agent"].startswith(f"moe-gemm-client/{mgc.__version__}")
+    handler.weights["l0"] = (np.ones((1, 2, 2), np.float32), "w")
+    run(client, "grouped_mm", "l0", np.ones((1, 2), np.float32), counts=[1], priority=1,
+        request_timeout_us=250_000)
+    h = handler.seen[-1].headers
+    assert h["X-Priority"] == "1" and h["X-Timeout-Us"] == "250000"
+    assert h["Content-Type"] == "application/octet-stream"
+    assert int(h["Content-Length"]) == len(handler.seen[-1].body)
+    assert "X-Request-Id" not in h
+    anon = make(mode, handler)
+    run(anon, "list_weights")
+    assert "Authorization" not in handler.seen[-1].headers
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_environment_defaults(mode, monkeypatch):
+    monkeypatch.setenv("MOE_GEMM_BASE_URL", "http://example.invalid:9/prefix")
+    monkeypatch.setenv("MOE_GEMM_API_KEY", "from-env")
+    handler, seen_all = sequence(ok_json({"live": True}))
+    client = make(mode, handler)
+    assert run(client, "health") is True
+    seen = seen_all[-1]
+    assert seen.url.path == "/prefix/v2/health/live" and seen.url.port == 9
+    assert seen.headers["Authorization"] == "Bearer from-env"
+    assert "from-env" not in repr(client)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="http"):
+        mgc.Client("ftp://x")
+    with pytest.raises(ValueError, match="max_retries"):
+        mgc.Client(max_retries=-1)
+    with pytest.raises(TypeError, match="max_retries"):
+        mgc.Client(max_retries=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        mgc.Client(timeout=0)
+    with pytest.raises(TypeError, match="api_key"):
+        mgc.Client(api_key=123)  # type: ignore[arg-type]
+    c = mgc.Client(timeout=None)
+    assert c.timeout.read is None
+    c.close()
+    with pytest.raises(TypeError, match="httpx.Client"):
+        mgc.Client(http_client=httpx.AsyncClient())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="httpx.AsyncClient"):
+        mgc.AsyncClient(http_client=httpx.Client())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_per_call_options(mode):
+    client = make(mode, ContractHandler())
+    x = np.ones((1, 2), np.float32)
+    for kwargs in ({"priority": -1}, {"request_timeout_us": 0}, {"max_retries": -2}):
+        with pytest.raises(ValueError):
+            run(client, "grouped_mm", "l0", x, counts=[1], **kwargs)
+    with pytest.raises(TypeError):
+        run(client, "list_weights", request_id=5)
+
+
+def test_context_managers_close_owned_clients_only():
+    with mgc.Client() as c:
+        assert not c.is_closed
+    assert c.is_closed
+    mine = httpx.Client()
+    with mgc.Client(http_client=mine):
+        pass
+    assert not mine.is_closed
+    mine.close()
+
+    async def go() -> None:
+        async with mgc.AsyncClient() as ac:
+            assert not ac.is_closed
+        assert ac.is_closed
+
+    asyncio.run(go())
+
+
+def test_sync_and_async_have_the_same_methods():
+    names = [n for n in dir(mgc.Client) if not n.startswith("_") and callable(
+        getattr(mgc.Client, n))]
+    assert {"health", "ready", "list_weights", "put_weights", "get_weights", "delete_weights",
+            "grouped_mm", "grouped_gemm", "close", "upload_safetensors",
+            "wait_until_ready"} <= set(names)
+    for n in names:
+        a = getattr(mgc.AsyncClient, n)
+        assert inspect.iscoroutinefunction(a), n
+        ps = inspect.signature(getattr(mgc.Client, n)).parameters
+        pa = inspect.signature(a).parameters
+        assert [(p.name, p.kind, p.default) for p in ps.values()] == [
+            (p.name, p.kind, p.default) for p in pa.values()], n
+    assert hasattr(mgc.AsyncClient, "__aenter__") and hasattr(mgc.Client, "__enter__")
+
+
+# ------------------------------------------------------------------------------------------
+# health
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_health_and_ready(mode):
+    handler, seen = sequence(ok_json({"live": True}))
+    assert run(make(mode, handler), "health") is True
+    assert seen[0].url.path == "/v2/health/live"
+    handler, seen = sequence(httpx.Response(503, json={"ready": False, "reason": "warm-up"}))
+    client = make(mode, handler)
+    assert run(client, "ready") is False
+    assert len(seen) == 1 and client.sleeps == []  # a probe's 503 is an answer, not retried
+    handler, _ = sequence(httpx.Response(200))  # an empty 200 still means yes
+    assert run(make(mode, handler), "ready") is True
+    handler, _ = sequence(error(401, "key"))
+    with pytest.raises(mgc.AuthenticationError):
+        run(make(mode, handler), "ready")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_wait_until_ready(mode):
+    handler, seen = sequence(httpx.ConnectError("starting"),
+                             httpx.Response(503, json={"ready": False}),
+                             ok_json({"ready": True}))
+    client = make(mode, handler)
+    assert run(client, "wait_until_ready", 5.0, interval=0.01) is True
+    assert len(seen) == 3 and client.sleeps == [0.01, 0.01]
+    handler, seen = sequence(httpx.Response(503, json={"ready": False}))
+    client = make(mode, handler)
+    client._sleep = (lambda s: time.sleep(s)) if mode == "sync" else asyncio.sleep
+    t0 = time.monotonic()
+    assert run(client, "wait_until_ready", 0.2, interval=0.05) is False
+    assert 0.15 <= time.monotonic() - t0 < 2.0
+
+
+# ------------------------------------------------------------------------------------------
+# weights
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["f32", "f16", "bf16"])
+def test_weights_lifecycle(mode, dtype, rng):
+    handler = ContractHandler()
+    client = make(mode, handler, api_key="admin")
+    w = rng.standard_normal((3, 4, 5)).astype(dtype)
+    info = run(client, "put_weights", "layer-0.up", w)
+    assert info == mgc.WeightInfo("layer-0.up", 3, 4, 5, mgc._tensors.dtype_name(np.dtype(dtype)),
+                                  w.nbytes, "w")
+    assert info.shape == (3, 4, 5)
+    sent = handler.seen[-1]
+    assert sent.method == "PUT" and sent.path == "/v1/weights/layer-0.up"
+    t = sent.tensors()
+    assert list(t) == ["w"] and t["w"].dtype == w.dtype and t["w"].tobytes() == w.tobytes()
+    assert run(client, "list_weights") == [info]
+    assert run(client, "get_weights", "layer-0.up") == info
+    assert run(client, "delete_weights", "layer-0.up") == mgc.WeightDeleted("layer-0.up")
+    assert run(client, "list_weights") == []
+    with pytest.raises(mgc.NotFoundError):
+        run(client, "get_weights", "layer-0.up")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_put_weights_transposed_layout_and_torch(mode):
+    handler = ContractHandler()
+    client = make(mode, handler)
+    w_t = torch.randn(2, 5, 3).to(torch.bfloat16)  # (E, N, K)
+    info = run(client, "put_weights", "wt", w_t, layout="w_t")
+    assert (info.experts, info.k, info.n, info.layout, info.dtype) == (2, 3, 5, "w_t", "bfloat16")
+    t = handler.seen[-1].tensors()
+    assert list(t) == ["w_t"] and t["w_t"].dtype == BFLOAT16
+    assert t["w_t"].view(np.int16).tolist() == w_t.view(torch.int16).tolist()
+    with pytest.raises(ValueError, match="layout"):
+        run(client, "put_weights", "wt", w_t, layout="wt")
+    with pytest.raises(ValueError, match=r"3-D \(E, K, N\)"):
+        run(client, "put_weights", "wt", np.ones((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "../etc", "a b", "x" * 129, "é"])
+def test_bad_names_never_reach_the_wire(mode, name):
+    handler = ContractHandler()
+    client = make(mode, handler)
+    with pytest.raises(ValueError, match="A-Za-z0-9"):
+        run(client, "get_weights", name)
+    with pytest.raises(ValueError):
+        run(client, "grouped_mm", name, np.ones((1, 1), np.float32), counts=[1])
+    assert handler.seen == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_large_upload_streams_with_progress_and_retries_whole_body(mode, rng, monkeypatch):
+    monkeypatch.setattr(C, "STREAM_THRESHOLD_BYTES", 1000)
+    monkeypatch.setattr(C, "STREAM_CHUNK_BYTES", 256)
+    handler = ContractHandler()
+    attempts: list[int] = []
+
+    def first_busy(request: httpx.Request) -> httpx.Response:
+        attempts.append(1)
+        if len(attempts) == 1:
+            request.read()
+            return error(503, "draining", **{"Retry-After": "0"})
+        return handler(request)
+
+    client = make(mode, first_busy)
+    w = rng.standard_normal((2, 16, 24)).astype(np.float32)  # 3 KiB > threshold
+    progress: list[tuple[int, int]] = []
+    info = run(client, "put_weights", "big", w, progress=lambda s, t: progress.append((s, t)))
+    assert info.bytes == w.nbytes and len(attempts) == 2
+    body = handler.seen[-1].body
+    np.testing.assert_array_equal(handler.seen[-1].tensors()["w"], w)
+    total = len(body)
+    assert all(t == total for _, t in progress)
+    sent = [s for s, _ in progress]
+    # two passes (the 503'd attempt and the retry), each from 0 up to the total, in order
+    assert sent.count(0) == 2 and sent[-1] == total
+    second = sent[sent.index(0, 1):]
+    assert second == sorted(second) and len(second) > 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_upload_safetensors_file(mode, rng, tmp_path):
+    import safetensors.numpy
+
+    handler = ContractHandler()
+    client = make(mode, handler)
+    w = rng.standard_normal((2, 3, 4)).astype(np.float16)
+    path = tmp_path / "weights.safetensors"
+    safetensors.numpy.save_file({"bias": np.zeros(4, np.float32), "experts": w}, str(path))
+    info = run(client, "upload_safetensors", "from-file", path, tensor="experts")
+    assert (info.experts, info.k, info.n, info.dtype, info.layout) == (2, 3, 4, "float16", "w")
+    np.testing.assert_array_equal(handler.weights["from-file"][0], w)
+    info = run(client, "upload_safetensors", "t", path, tensor="experts", layout="w_t")
+    assert (info.k, info.n, info.layout) == (4, 3, "w_t")
+    with pytest.raises(ValueError, match="name the tensor"):
+        run(client, "upload_safetensors", "t", path)
+    with pytest.raises(ValueError, match="no tensor 'nope'"):
+        run(client, "upload_safetensors", "t", path, tensor="nope")
+    with pytest.raises(ValueError, match="3-D"):
+        run(client, "upload_safetensors", "t", path, tensor="bias")
+    only = tmp_path / "w_t.safetensors"
+    safetensors.numpy.save_file({"w_t": w}, str(only))
+    assert run(client, "upload_safetensors", "t2", only).layout == "w_t"
+
+
+# ------------------------------------------------------------------------------------------
+# grouped_mm
+
+
+def _setup(handler: ContractHandler, rng: np.random.Generator, dtype: Any, E: int = 4,
+           K: int = 24, N: int = 40) -> np.ndarray:
+    w = rng.standard_normal((E, K, N)).astype(np.float32).astype(dtype)
+    handler.weights["l0"] = (w, "w")
+    return w
+
+
+def _tol(dtype: Any) -> float:
+    return {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 2e-3, BFLOAT16: 1e-2}[
+        np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("counts", [[5, 0, 7, 1], [0, 0, 0, 1], [13, 0, 0, 0], [0, 0, 0, 0]])
+def test_grouped_mm_numpy_round_trip(mode, dtype, counts, rng):
+    handler = ContractHandler()
+    w = _setup(handler, rng, dtype)
+    T = sum(counts)
+    x = rng.standard_normal((T, 24)).astype(np.float32).astype(dtype)
+    y = run(make(mode, handler), "grouped_mm", "l0", x, counts=np.array(counts, np.int64))
+    assert isinstance(y, np.ndarray) and y.dtype == np.dtype(dtype) and y.shape == (T, 40)
+    ref = grouped_mm_ref(x, w, np.array(counts))
+    scale = max(np.abs(ref).max(initial=0.0), 1.0)
+    assert np.abs(y.astype(np.float64) - ref).max(initial=0.0) <= _tol(dtype) * scale * 4
+    if T:
+        assert np.abs(ref).max() > 0  # never compare zeros with zeros
+    sent = handler.seen[-1].tensors()
+    assert sent["counts"].dtype == np.int32  # counts travel as I32
+    assert sent["x"].dtype == np.dtype(dtype) and sent["x"].tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_grouped_mm_torch_in_torch_out(mode, dtype, rng):
+    handler = ContractHandler()
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16,
+                torch.bfloat16: BFLOAT16}[dtype]
+    w = _setup(handler, rng, np_dtype, E=3, K=16, N=8)
+    x = torch.randn(9, 16).to(dtype)
+    offs = torch.tensor([2, 2, 9], dtype=torch.int32)
+    y, rid = run(make(mode, handler), "grouped_mm", "l0", x, offs=offs, return_request_id=True,
+                 request_id="mine")
+    assert rid == "mine"
+    assert isinstance(y, torch.Tensor) and y.dtype == dtype and y.shape == (9, 8)
+    assert y.device == x.device
+    xs = handler.seen[-1].tensors()["x"]
+    assert xs.dtype == np.dtype(np_dtype)
+    assert xs.view(np.int16 if dtype != torch.float32 else np.int32).tobytes() == \
+        x.contiguous().view(torch.int16 if dtype != torch.float32 else torch.int32).numpy() \
+        .tobytes()
+    assert "offs" in handler.seen[-1].tensors()
+    ref = grouped_mm_ref(x.float().numpy(), w, np.array([2, 0, 7]))
+    torch.testing.assert_close(y.double(), torch.from_numpy(ref),
+                               rtol=_tol(np_dtype) * 4, atol=_tol(np_dtype) * 4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_mm_float32_x_against_bf16_weights(mode, rng):
+    handler = ContractHandler()
+    _setup(handler, rng, BFLOAT16, E=2, K=8, N=8)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    y = run(make(mode, handler), "grouped_mm", "l0", x, counts=[1, 2])
+    assert y.dtype == np.float32  # y comes back in x's dtype
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_mm_local_validation(mode):
+    handler = ContractHandler()
+    client = make(mode, handler)
+    x = np.ones((4, 3), np.float32)
+    cases = [
+        ((np.ones(4, np.float32),), {"counts": [4]}, ValueError, r"2-D \(T, K\)"),
+        ((np.ones((4, 3), np.float64),), {"counts": [4]}, TypeError, "float32"),
+        (([[1.0, 2.0]],), {"counts": [1]}, TypeError, "numpy array or torch tensor"),
+        ((x,), {}, ValueError, "neither"),
+        ((x,), {"counts": [4], "offs": [4]}, ValueError, "not both"),
+        ((x,), {"counts": [4.0]}, TypeError, "counts"),
+        ((x,), {"counts": np.array([[4]])}, ValueError, r"1-D \(E,\)"),
+        ((x,), {"offs": np.array([4.0])}, TypeError, "offs"),
+        ((x,), {"counts": 4}, TypeError, "counts"),
+    ]
+    for args, kwargs, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            run(client, "grouped_mm", "l0", *args, **kwargs)
+    assert handler.seen == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_mm_server_side_errors(mode, rng):
+    handler = ContractHandler()
+    _setup(handler, rng, np.float32, E=2, K=8, N=4)
+    client = make(mode, handler)
+    with pytest.raises(mgc.UnprocessableEntityError, match="K=8"):
+        run(client, "grouped_mm", "l0", np.ones((2, 5), np.float32), counts=[1, 1])
+    with pytest.raises(mgc.UnprocessableEntityError, match="summing"):
+        run(client, "grouped_mm", "l0", np.ones((2, 8), np.float32), counts=[1, 2])
+    with pytest.raises(mgc.NotFoundError):
+        run(client, "grouped_mm", "other", np.ones((2, 8), np.float32), counts=[1, 1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_mm_json_answer_is_understood(mode):
+    handler, _ = sequence(ok_json({"y": [[1.0, 2.0], [3.0, 4.0]], "dtype": "bfloat16"}))
+    y = run(make(mode, handler), "grouped_mm", "l0", np.ones((2, 3), BFLOAT16), counts=[2])
+    assert y.dtype == BFLOAT16 and y.astype(np.float32).tolist() == [[1, 2], [3, 4]]
+
+
+# ------------------------------------------------------------------------------------------
+# grouped_gemm
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["f32", "f16", "bf16"])
+def test_grouped_gemm_round_trip(mode, dtype, rng):
+    handler = ContractHandler()
+    sizes = [(1, 7, 5), (0, 3, 4), (17, 9, 33), (64, 1, 2)]  # (M, N, K), incl. M=0 and M=1
+    a = [rng.standard_normal((m, k)).astype(np.float32).astype(dtype) for m, n, k in sizes]
+    b = [rng.standard_normal((k, n)).astype(np.float32).astype(dtype) for m, n, k in sizes]
+    d, rid = run(make(mode, handler), "grouped_gemm", a, b, return_request_id=True)
+    assert rid == "generated-id"
+    assert len(d) == len(sizes)
+    for i, (m, n, k) in enumerate(sizes):
+        ref = a[i].astype(np.float64) @ b[i].astype(np.float64)
+        assert d[i].shape == (m, n) and d[i].dtype == np.dtype(dtype)
+        np.testing.assert_allclose(d[i].astype(np.float64), ref, rtol=_tol(dtype) * 4,
+                                   atol=_tol(dtype) * 4 * max(np.abs(ref).max(initial=0), 1))
+    names = set(handler.seen[-1].tensors())
+    assert names == {"a.0", "b.0", "a.1", "b.1", "a.2", "b.2", "a.3", "b.3"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_gemm_torch_and_validation(mode):
+    handler = ContractHandler()
+    client = make(mode, handler)
+    a = [torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(2, 5, dtype=torch.bfloat16)]
+    b = [torch.randn(4, 6, dtype=torch.bfloat16), torch.randn(5, 1, dtype=torch.bfloat16)]
+    d = run(client, "grouped_gemm", a, b)
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in d)
+    torch.testing.assert_close(d[0].float(), a[0].float() @ b[0].float(), rtol=2e-2, atol=2e-2)
+    n = len(handler.seen)
+    assert run(client, "grouped_gemm", [], []) == []
+    assert len(handler.seen) == n  # nothing to send
+    with pytest.raises(ValueError, match="one b per a"):
+        run(client, "grouped_gemm", a, b[:1])
+    with pytest.raises(TypeError, match="list or tuple"):
+        run(client, "grouped_gemm", np.ones((2, 3, 4), np.float32), [])
+    with pytest.raises(ValueError, match=r"b_list\[0\] must be 2-D"):
+        run(client, "grouped_gemm", [np.ones((2, 3), np.float32)], [np.ones(3, np.float32)])
+    with pytest.raises(mgc.UnprocessableEntityError, match="K mismatch"):
+        run(client, "grouped_gemm", [np.ones((2, 3), np.float32)],
+            [np.ones((4, 3), np.float32)])
+
+
+# ------------------------------------------------------------------------------------------
+# light: no torch unless the caller brings it
+
+
+def test_numpy_use_never_imports_torch():
+    code = """
+import sys, httpx, numpy as np
+import moe_gemm_client as mgc
+from moe_gemm_client._tensors import encode_safetensors, decode_safetensors
+def h(req):
+    t = decode_safetensors(req.read())
+    return httpx.Response(200, content=encode_safetensors({"y": t["x"] * 2}).to_bytes())
+c = mgc.Client(http_client=httpx.Client(transport=httpx.MockTransport(h)))
+y = c.grouped_mm("l0", np.ones((2, 2), np.float32), counts=[2])
+assert y.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+import moe_gemm_client.cli
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

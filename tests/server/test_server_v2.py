@@ -1,0 +1,276 @@
+"""Open Inference Protocol v2 against the real server: raw HTTP and the stock tritonclient."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import ADMIN_KEY, API_KEY
+from server_testutils import assert_close_to_ref, mm_ref, random_counts, st_body
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+E, K, N = 4, 32, 24
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def auth() -> dict[str, str]:
+    """A fresh headers dict: tritonclient writes Inference-Header-Content-Length into the dict
+    it is given, which would leak into the next request."""
+    return dict(AUTH)
+
+
+@pytest.fixture(scope="module")
+def models(main_server) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(21)
+    sets = {
+        "v2-fp32": torch.randn(E, K, N, generator=gen),
+        "v2-bf16": torch.randn(E, K, N, generator=gen).to(torch.bfloat16),
+        "v2-fp16": torch.randn(E, K, N, generator=gen).to(torch.float16),
+    }
+    with httpx.Client(base_url=main_server.url, timeout=30,
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as admin:
+        for name, w in sets.items():
+            r = admin.put(f"/v1/weights/{name}", content=st_body({"w": w}))
+            assert r.status_code in (200, 201), r.text
+    return sets
+
+
+@pytest.fixture(scope="module")
+def triton(main_server):
+    client = httpclient.InferenceServerClient(main_server.url.removeprefix("http://"),
+                                              network_timeout=60.0)
+    yield client
+    client.close()
+
+
+def _inputs(x: np.ndarray, counts: np.ndarray, datatype: str, binary: bool) -> list:
+    i0 = httpclient.InferInput("x", list(x.shape), datatype)
+    i0.set_data_from_numpy(x, binary_data=binary)
+    i1 = httpclient.InferInput("counts", list(counts.shape), "INT32")
+    i1.set_data_from_numpy(counts, binary_data=binary)
+    return [i0, i1]
+
+
+def _case(T: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(T, K, generator=gen).to(dtype), random_counts(T, E, gen, empty=1)
+
+
+def test_tritonclient_health_and_metadata(triton, models):
+    assert triton.is_server_live(headers=auth())
+    assert triton.is_server_ready(headers=auth())
+    assert triton.is_model_ready("v2-bf16", headers=auth())
+    assert not triton.is_model_ready("no-such-model", headers=auth())
+    meta = triton.get_server_metadata(headers=auth())
+    assert meta["name"] == "moe-gemm-server" and "binary_tensor_data" in meta["extensions"]
+    mm = triton.get_model_metadata("v2-bf16", headers=auth())
+    assert mm["name"] == "v2-bf16" and mm["versions"] == ["1"]
+    assert mm["inputs"] == [{"name": "x", "datatype": "BF16", "shape": [-1, K]},
+                            {"name": "counts", "datatype": "INT32", "shape": [E]}]
+    assert mm["outputs"] == [{"name": "y", "datatype": "BF16", "shape": [-1, N]}]
+    with pytest.raises(InferenceServerException) as ei:
+        triton.get_model_metadata("no-such-model", headers=auth())
+    assert "no-such-model" in ei.value.message()
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("T", [1, 45])
+def test_tritonclient_infer_fp32(triton, models, binary, T):
+    x, c = _case(T, torch.float32, T)
+    outputs = None if binary else [httpclient.InferRequestedOutput("y", binary_data=False)]
+    res = triton.infer("v2-fp32", _inputs(x.numpy(), c.numpy(), "FP32", binary),
+                       outputs=outputs, request_id=f"req-{T}", headers=auth())
+    resp = res.get_response()
+    assert resp["id"] == f"req-{T}" and resp["model_name"] == "v2-fp32"
+    out = resp["outputs"][0]
+    assert ("binary_data_size" in out.get("parameters", {})) == binary
+    y = res.as_numpy("y").copy()
+    assert y.dtype == np.float32 and y.shape == (T, N)
+    assert_close_to_ref(torch.from_numpy(y), mm_ref(x, models["v2-fp32"], c), torch.float32)
+
+
+@pytest.mark.parametrize("binary_out", [True, False])
+def test_tritonclient_infer_bf16(main_server, triton, models, binary_out):
+    x, c = _case(33, torch.bfloat16, 3)
+    x_np = x.float().numpy().astype(ml_dtypes.bfloat16)
+    inputs = _inputs(x_np, c.numpy(), "BF16", True)  # BF16 input is binary-only in tritonclient
+    outputs = [httpclient.InferRequestedOutput("y", binary_data=binary_out)]
+    res = triton.infer("v2-bf16", inputs, outputs=outputs, headers=auth())
+    y = res.as_numpy("y")
+    assert y.shape == (33, N) and y.dtype == np.dtype(ml_dtypes.bfloat16)
+    y_t = torch.from_numpy(y.astype(np.float32))
+    assert_close_to_ref(y_t, mm_ref(x, models["v2-bf16"], c), torch.bfloat16)
+    # the binary answer carries the raw bf16 bits of the engine's result, exactly
+    r = httpx.post(f"{main_server.url}/v1/weights/v2-bf16/grouped-mm", headers=auth(),
+                   content=st_body({"x": x, "counts": c}))
+    from safetensors.torch import load
+
+    assert torch.equal(load(r.content)["y"].float(), y_t)
+
+
+def test_tritonclient_infer_fp16_priority_timeout_and_compression(triton, models):
+    x, c = _case(20, torch.float16, 4)
+    res = triton.infer("v2-fp16", _inputs(x.numpy(), c.numpy(), "FP16", True),
+                       priority=1, timeout=30_000_000, headers=auth(),
+                       request_compression_algorithm="gzip")
+    y = torch.from_numpy(res.as_numpy("y").copy())
+    assert y.dtype == torch.float16
+    assert_close_to_ref(y, mm_ref(x, models["v2-fp16"], c), torch.float16)
+
+
+def test_tritonclient_errors(triton, models):
+    x, c = _case(5, torch.float32, 5)
+    with pytest.raises(InferenceServerException) as ei:
+        triton.infer("no-such-model", _inputs(x.numpy(), c.numpy(), "FP32", True), headers=auth())
+    assert ei.value.status() == "404"
+    bad_c = np.array([1, 1, 1, 1], dtype=np.int32)  # sums to 4, x has 5 rows
+    with pytest.raises(InferenceServerException) as ei:
+        triton.infer("v2-fp32", _inputs(x.numpy(), bad_c, "FP32", True), headers=auth())
+    assert ei.value.status() == "422" and "sum to T = 5" in ei.value.message()
+    with pytest.raises(InferenceServerException) as ei:
+        triton.infer("v2-fp32", _inputs(x.numpy(), c.numpy(), "FP32", True))  # no key
+    assert ei.value.status() == "401"
+    assert triton.is_server_ready()
+
+
+def test_tritonclient_stats(triton, models):
+    x, c = _case(9, torch.float32, 6)
+    for _ in range(2):
+        triton.infer("v2-fp32", _inputs(x.numpy(), c.numpy(), "FP32", True), headers=auth())
+    stats = triton.get_inference_statistics("v2-fp32", headers=auth())["model_stats"][0]
+    assert stats["name"] == "v2-fp32" and stats["version"] == "1"
+    inf = stats["inference_stats"]
+    assert inf["success"]["count"] >= 2 and inf["success"]["ns"] > 0
+    assert inf["queue"]["count"] >= 2 and inf["compute_infer"]["count"] >= 2
+    assert stats["inference_count"] >= 18 and stats["execution_count"] >= 1
+    assert sum(b["compute_infer"]["count"] for b in stats["batch_stats"]) == \
+        stats["execution_count"]
+    every = triton.get_inference_statistics(headers=auth())["model_stats"]
+    assert "v2-fp32" in [s["name"] for s in every]
+
+
+# --------------------------------------------------------------------------- raw protocol
+
+
+def _binary_body(header: dict, *blobs: bytes) -> tuple[bytes, dict[str, str]]:
+    h = json.dumps(header).encode()
+    return h + b"".join(blobs), {"Inference-Header-Content-Length": str(len(h)), **AUTH}
+
+
+def test_raw_json_infer_nested_and_flat(main_server, models):
+    x, c = _case(6, torch.float32, 7)
+    for data in (x.tolist(), x.flatten().tolist()):
+        req = {"id": "j1", "inputs": [
+            {"name": "x", "shape": [6, K], "datatype": "FP32", "data": data},
+            {"name": "counts", "shape": [E], "datatype": "INT32", "data": c.tolist()}]}
+        r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/infer", json=req, headers=auth())
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"] == "j1" and body["model_name"] == "v2-fp32"
+        out = body["outputs"][0]
+        assert out["name"] == "y" and out["shape"] == [6, N] and out["datatype"] == "FP32"
+        y = torch.tensor(out["data"]).reshape(6, N)
+        assert_close_to_ref(y, mm_ref(x, models["v2-fp32"], c), torch.float32)
+    # version path and offs input
+    req["inputs"][1] = {"name": "offs", "shape": [E], "datatype": "INT32",
+                        "data": torch.cumsum(c, 0).tolist()}
+    r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/versions/1/infer", json=req,
+                   headers=auth())
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{main_server.url}/v2/models/v2-fp32/versions/7/infer", json=req,
+                      headers=auth()).status_code == 404
+
+
+def test_raw_binary_infer_and_binary_output(main_server, models):
+    x, c = _case(10, torch.float32, 8)
+    xb, cb = x.numpy().tobytes(), c.numpy().tobytes()
+    header = {"inputs": [
+        {"name": "x", "shape": [10, K], "datatype": "FP32",
+         "parameters": {"binary_data_size": len(xb)}},
+        {"name": "counts", "shape": [E], "datatype": "INT32",
+         "parameters": {"binary_data_size": len(cb)}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}
+    body, headers = _binary_body(header, xb, cb)
+    r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/infer", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    hlen = int(r.headers["inference-header-content-length"])
+    meta = json.loads(r.content[:hlen])
+    size = meta["outputs"][0]["parameters"]["binary_data_size"]
+    assert size == 10 * N * 4 and len(r.content) == hlen + size
+    y = torch.from_numpy(np.frombuffer(r.content[hlen:], dtype=np.float32).reshape(10, N).copy())
+    assert_close_to_ref(y, mm_ref(x, models["v2-fp32"], c), torch.float32)
+    # gzip-compressed request body
+    r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/infer", content=gzip.compress(body),
+                   headers={**headers, "Content-Encoding": "gzip"})
+    assert r.status_code == 200 and r.content[hlen:] == body_y(r)
+
+
+def body_y(r: httpx.Response) -> bytes:
+    return r.content[int(r.headers["inference-header-content-length"]):]
+
+
+def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
+    x = np.ones((2, K), np.float32).tobytes()
+    c = np.array([2, 0, 0, 0], np.int32).tobytes()
+
+    def hdr(xsize: int = len(x), csize: int = len(c), xdt: str = "FP32",
+            xshape: list | None = None, extra: dict | None = None) -> dict:
+        h = {"inputs": [
+            {"name": "x", "shape": xshape or [2, K], "datatype": xdt,
+             "parameters": {"binary_data_size": xsize}},
+            {"name": "counts", "shape": [E], "datatype": "INT32",
+             "parameters": {"binary_data_size": csize}}]}
+        h.update(extra or {})
+        return h
+
+    cases = []
+    body, h = _binary_body(hdr(), x, c)
+    cases.append(("header length larger than body", body,
+                  {**h, "Inference-Header-Content-Length": str(len(body) + 1)}, 400))
+    cases.append(("header length not a number", body,
+                  {**h, "Inference-Header-Content-Length": "abc"}, 400))
+    cases.append(("header length cuts the JSON", body,
+                  {**h, "Inference-Header-Content-Length": "10"}, 400))
+    body, h = _binary_body(hdr(xsize=len(x) - 4), x, c)
+    cases.append(("binary size does not match shape", body, h, 400))
+    body, h = _binary_body(hdr(), x, c + b"\0\0\0\0")
+    cases.append(("extra trailing bytes", body, h, 400))
+    body, h = _binary_body(hdr(), x)
+    cases.append(("binary data missing", body, h, 400))
+    body, h = _binary_body(hdr(xdt="FP33"), x, c)
+    cases.append(("unknown datatype", body, h, 400))
+    body, h = _binary_body(hdr(xdt="BYTES"), x, c)
+    cases.append(("BYTES input", body, h, 400))
+    body, h = _binary_body(hdr(extra={"outputs": [{"name": "z"}]}), x, c)
+    cases.append(("unknown output", body, h, 400))
+    body, h = _binary_body(hdr(xdt="FP64", xsize=2 * len(x)), x + x, c)
+    cases.append(("wrong dtype for the model", body, h, 422))
+    body, h = _binary_body(hdr(xshape=[1, 2 * K]), x, c)
+    cases.append(("wrong K", body, h, 422))
+    j = {"inputs": [{"name": "x", "shape": [2, K], "datatype": "FP32", "data": [1.0] * 3},
+                    {"name": "counts", "shape": [E], "datatype": "INT32", "data": [2, 0, 0, 0]}]}
+    cases.append(("json data count mismatch", json.dumps(j).encode(), AUTH, 400))
+    j2 = {"inputs": [{"name": "q", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+    cases.append(("unexpected input", json.dumps(j2).encode(), AUTH, 400))
+    cases.append(("not json", b"{{{", AUTH, 400))
+    cases.append(("no inputs", b'{"inputs": []}', AUTH, 400))
+    j3 = dict(j, parameters={"priority": -1})
+    j3["inputs"][0]["data"] = [1.0] * 2 * K
+    cases.append(("negative priority", json.dumps(j3).encode(), AUTH, 400))
+    return cases
+
+
+@pytest.mark.parametrize("case", _bad_v2_cases(), ids=lambda c: c[0])
+def test_bad_v2_requests(main_server, models, case):
+    _, body, headers, status = case
+    r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/infer", content=body, headers=headers)
+    assert r.status_code == status, r.text
+    assert isinstance(r.json()["error"], str)
+    assert httpx.get(f"{main_server.url}/v2/health/ready").status_code == 200

@@ -1,0 +1,216 @@
+"""GemmConfig: defaults, immutability, and every field check with a message naming the rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from moe_gemm import GemmConfig
+from moe_gemm.config import (
+    BACKENDS,
+    CLUSTERS,
+    COOPERATIVE_TILES,
+    DEFAULT_CONFIG,
+    PINGPONG_TILES,
+    SCHEDULES,
+    VISITORS,
+)
+
+
+def test_defaults_are_auto() -> None:
+    c = GemmConfig()
+    assert (c.backend, c.schedule, c.visitor) == ("auto", "auto", "auto")
+    assert c.sort_by_k is None
+    assert (c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, c.stages) == (None,) * 5
+    assert DEFAULT_CONFIG == c
+
+
+def test_frozen_hashable_and_usable_as_cache_key() -> None:
+    c = GemmConfig(backend="torch", schedule="pingpong", tile_m=128, tile_n=128)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.backend = "cute"  # type: ignore[misc]
+    same = GemmConfig(backend="torch", schedule="pingpong", tile_m=128, tile_n=128)
+    assert c == same and hash(c) == hash(same)
+    cache = {c: 1}
+    assert cache[same] == 1
+    assert GemmConfig(backend="torch") != GemmConfig(backend="auto")
+
+
+def test_as_dict_round_trips() -> None:
+    (tm, tn), (cm, cn) = COOPERATIVE_TILES[-1], CLUSTERS[-1]
+    c = GemmConfig(schedule="cooperative", visitor="host", sort_by_k=True, tile_m=tm,
+                   tile_n=tn, cluster_m=cm, cluster_n=cn, stages=4)
+    d = c.as_dict()
+    assert d == {
+        "backend": "auto", "schedule": "cooperative", "visitor": "host", "sort_by_k": True,
+        "tile_m": tm, "tile_n": tn, "cluster_m": cm, "cluster_n": cn, "stages": 4,
+    }
+    assert GemmConfig(**d) == c
+
+
+def test_replace_changes_and_revalidates() -> None:
+    c = GemmConfig(schedule="pingpong")
+    d = c.replace(visitor="device", stages=3)
+    assert (d.schedule, d.visitor, d.stages) == ("pingpong", "device", 3)
+    assert c.visitor == "auto"  # the original is untouched
+    with pytest.raises(ValueError, match="stages must be between 2 and 12"):
+        c.replace(stages=1)
+    with pytest.raises(ValueError, match="not built for schedule 'pingpong'"):
+        c.replace(tile_m=512, tile_n=128)
+    with pytest.raises(TypeError):
+        c.replace(no_such_field=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("visitor", VISITORS)
+def test_every_valid_choice_is_accepted(backend: str, schedule: str, visitor: str) -> None:
+    c = GemmConfig(backend=backend, schedule=schedule, visitor=visitor)  # type: ignore[arg-type]
+    assert (c.backend, c.schedule, c.visitor) == (backend, schedule, visitor)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("backend", "CUTE"),
+        ("backend", "cuda"),
+        ("backend", None),
+        ("backend", ["cute"]),
+        ("schedule", "ping-pong"),
+        ("schedule", ""),
+        ("visitor", None),
+        ("visitor", "hostprecompute"),
+    ],
+)
+def test_bad_choice_names_the_allowed_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"{field} must be one of .*'auto'.*; got"):
+        GemmConfig(**{field: value})
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "true"])
+def test_sort_by_k_must_be_bool_or_none(value: object) -> None:
+    with pytest.raises(TypeError, match="sort_by_k must be None or a bool"):
+        GemmConfig(sort_by_k=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_sort_by_k_bools_accepted(value: bool) -> None:
+    assert GemmConfig(sort_by_k=value).sort_by_k is value
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tile_m": True, "tile_n": 128}, "tile_m"),
+        ({"tile_m": 128, "tile_n": 128.0}, "tile_n"),
+        ({"cluster_m": "2", "cluster_n": 1}, "cluster_m"),
+        ({"cluster_m": 1, "cluster_n": False}, "cluster_n"),
+        ({"stages": True}, "stages"),
+        ({"stages": 4.0}, "stages"),
+        ({"stages": "4"}, "stages"),
+    ],
+)
+def test_int_fields_reject_bools_and_non_ints(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(TypeError, match=rf"{field} must be None or an int"):
+        GemmConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tile_m": 0, "tile_n": 128}, "tile_m"),
+        ({"tile_m": 128, "tile_n": -128}, "tile_n"),
+        ({"cluster_m": -1, "cluster_n": 1}, "cluster_m"),
+        ({"stages": 0}, "stages"),
+    ],
+)
+def test_int_fields_must_be_positive(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"{field} must be positive"):
+        GemmConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"tile_m": 128}, {"tile_n": 128}, {"tile_m": 128, "schedule": "pingpong"}],
+)
+def test_tile_m_and_tile_n_go_together(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="tile_m and tile_n are set together"):
+        GemmConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [{"cluster_m": 2}, {"cluster_n": 1}])
+def test_cluster_m_and_cluster_n_go_together(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="cluster_m and cluster_n are set together"):
+        GemmConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tile", PINGPONG_TILES)
+def test_pingpong_tiles_accepted(tile: tuple[int, int]) -> None:
+    c = GemmConfig(schedule="pingpong", tile_m=tile[0], tile_n=tile[1])
+    assert (c.tile_m, c.tile_n) == tile
+
+
+@pytest.mark.parametrize("tile", COOPERATIVE_TILES)
+def test_cooperative_tiles_accepted(tile: tuple[int, int]) -> None:
+    c = GemmConfig(schedule="cooperative", tile_m=tile[0], tile_n=tile[1])
+    assert (c.tile_m, c.tile_n) == tile
+
+
+@pytest.mark.parametrize("tile", sorted(set(PINGPONG_TILES) | set(COOPERATIVE_TILES)))
+def test_auto_schedule_takes_any_built_tile(tile: tuple[int, int]) -> None:
+    assert GemmConfig(tile_m=tile[0], tile_n=tile[1]).tile_m == tile[0]
+
+
+def _fmt(tiles: tuple[tuple[int, int], ...]) -> str:
+    return re.escape(", ".join(f"{m}x{n}" for m, n in tiles))
+
+
+def test_tile_not_built_for_the_schedule_names_the_allowed_ones() -> None:
+    # Tiles built for the other schedule only, plus one built for neither.
+    not_pp = sorted(set(COOPERATIVE_TILES) - set(PINGPONG_TILES)) + [(512, 128)]
+    not_coop = sorted(set(PINGPONG_TILES) - set(COOPERATIVE_TILES)) + [(512, 128)]
+    for m, n in not_pp:
+        with pytest.raises(ValueError, match=rf"tile {m}x{n} is not built for schedule "
+                                             rf"'pingpong'; expected one of "
+                                             rf"{_fmt(PINGPONG_TILES)}"):
+            GemmConfig(schedule="pingpong", tile_m=m, tile_n=n)
+    for m, n in not_coop:
+        with pytest.raises(ValueError, match=rf"tile {m}x{n} is not built for schedule "
+                                             rf"'cooperative'; expected one of "
+                                             rf"{_fmt(COOPERATIVE_TILES)}"):
+            GemmConfig(schedule="cooperative", tile_m=m, tile_n=n)
+
+
+@pytest.mark.parametrize("tile", [(64, 64), (128, 96), (100, 128), (512, 128)])
+def test_unbuilt_tile_rejected_under_auto(tile: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match=rf"tile {tile[0]}x{tile[1]} is not built; expected "
+                                         r"one of .*128x128"):
+        GemmConfig(tile_m=tile[0], tile_n=tile[1])
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_supported_clusters_accepted(cluster: tuple[int, int]) -> None:
+    c = GemmConfig(cluster_m=cluster[0], cluster_n=cluster[1])
+    assert (c.cluster_m, c.cluster_n) == cluster
+
+
+@pytest.mark.parametrize(
+    "cluster", [c for c in [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4), (3, 1)] if c not in CLUSTERS]
+)
+def test_unsupported_cluster_names_the_allowed_ones(cluster: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match=rf"cluster {cluster[0]}x{cluster[1]} is not "
+                                         rf"supported; expected one of {_fmt(CLUSTERS)}$"):
+        GemmConfig(cluster_m=cluster[0], cluster_n=cluster[1])
+
+
+@pytest.mark.parametrize("stages", [2, 3, 7, 12])
+def test_stages_in_range(stages: int) -> None:
+    assert GemmConfig(stages=stages).stages == stages
+
+
+@pytest.mark.parametrize("stages", [1, 13, 100])
+def test_stages_out_of_range(stages: int) -> None:
+    with pytest.raises(ValueError, match=rf"stages must be between 2 and 12; got {stages}"):
+        GemmConfig(stages=stages)
