@@ -4,11 +4,35 @@ Public API:
     grouped_gemm(a, b)        general grouped GEMM, D_i = A_i @ B_i, any sizes per problem
     grouped_mm(x, w, offs)    MoE expert GEMM (torch.nn.functional.grouped_mm's 2D x 3D form)
     GemmConfig                backend / schedule / visitor / tile choices (frozen)
+    MoE                       an inference MoE layer (routing + fused expert FFN) on grouped_mm
 """
 
 __version__ = "0.1.0"
 
 from .config import GemmConfig  # noqa: E402
+from .integrations import register_transformers_lazily  # noqa: E402
+from .moe import MoE, moe_experts, moe_forward  # noqa: E402
 from .ops import grouped_gemm, grouped_mm  # noqa: E402
+from .routing import (  # noqa: E402
+    ExpertPermutation,
+    permute_by_expert,
+    sigmoid_grouped_topk,
+    softmax_topk,
+)
 
-__all__ = ["GemmConfig", "grouped_gemm", "grouped_mm", "__version__"]
+# `model.set_experts_implementation("moe_gemm")` works once transformers' MoE module loads.
+register_transformers_lazily()
+
+__all__ = [
+    "ExpertPermutation",
+    "GemmConfig",
+    "MoE",
+    "__version__",
+    "grouped_gemm",
+    "grouped_mm",
+    "moe_experts",
+    "moe_forward",
+    "permute_by_expert",
+    "sigmoid_grouped_topk",
+    "softmax_topk",
+]

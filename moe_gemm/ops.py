@@ -176,10 +176,11 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
     env = os.environ
     if env.get("MOE_GEMM_CHECK_OFFS") or env.get("MOE_GEMM_DISABLE_CUTE"):
         return None
+    hints = env.get("MOE_GEMM_L2_HINTS")
     ptrs = x.data_ptr() | w.data_ptr()
     out_key = None
     if out is not None:
         out_key = (out.shape, out.stride(), out.dtype, out.device)
         ptrs |= out.data_ptr()
     return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, offs.shape,
-            offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config, ptrs & 15)
+            offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config, ptrs & 15, hints)

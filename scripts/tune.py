@@ -17,22 +17,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from moe_gemm import GemmConfig, grouped_gemm, grouped_mm  # noqa: E402
+from moe_gemm.bench import Clock  # noqa: E402
 from moe_gemm.bench_suite import full_suite, make_inputs  # noqa: E402
 
 
-def timeit(fn, reps=15, warm=2):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
+def measure(fns: dict, reps: int = 12) -> dict:
+    """Back-to-back GPU ms per call (launches queued behind a sleep backlog), interleaved
+    across configs each round so clock drift hits all alike; median of `reps`."""
+    clock = Clock(torch.device("cuda"))
+    plan = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(2):
+                fn()
+            clock.sync()
+            host = statistics.median(clock.host_ms([fn], 3))
+            est = max(statistics.median(clock.single([fn], 2)), 1e-3)
+            calls = max(2, min(200, int(3.0 / est)))
+            plan[name] = (fn, calls, host * calls * 1.3 + 0.2)
+        except Exception as exc:  # noqa: BLE001
+            plan[name] = f"error: {type(exc).__name__}: {exc}"[:160]
+    samples: dict = {k: [] for k, v in plan.items() if not isinstance(v, str)}
     for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000)
-    return statistics.median(times)
+        for name in samples:
+            fn, calls, backlog = plan[name]
+            samples[name] += clock.back_to_back([fn], 1, calls, backlog)
+    return {k: (statistics.median(v) * 1000 if k in samples else plan[k])
+            for k, v in [(k, samples.get(k)) for k in plan]}
 
 
 def parse(spec):
@@ -60,25 +71,21 @@ def main():
     for shape in a.shapes.split(","):
         spec = suite[shape]
         inp = make_inputs(spec, spec.counts(0), torch.device("cuda"), 0)
-        if spec.form == "general":
-            def run(cfg):
-                return grouped_gemm(inp.a, inp.b, config=cfg)
-        else:
-            def run(cfg):
+        fns = {}
+        for cs in ["default", *filter(None, a.configs.split(","))]:
+            cfg, hints = (None, None) if cs == "default" else parse(cs)
+
+            def fn(cfg=cfg, hints=hints):
+                if hints:
+                    os.environ["MOE_GEMM_L2_HINTS"] = hints
+                else:
+                    os.environ.pop("MOE_GEMM_L2_HINTS", None)
+                if spec.form == "general":
+                    return grouped_gemm(inp.a, inp.b, config=cfg)
                 return grouped_mm(inp.x, inp.w, inp.offs, config=cfg)
-        os.environ.pop("MOE_GEMM_L2_HINTS", None)
-        rows.append((shape, "default", timeit(lambda: run(None))))
-        for cs in filter(None, a.configs.split(",")):
-            cfg, hints = parse(cs)
-            if hints:
-                os.environ["MOE_GEMM_L2_HINTS"] = hints
-            else:
-                os.environ.pop("MOE_GEMM_L2_HINTS", None)
-            try:
-                rows.append((shape, cs, timeit(lambda: run(cfg))))
-            except Exception as exc:  # noqa: BLE001
-                rows.append((shape, cs, f"error: {type(exc).__name__}: {exc}"[:160]))
-            print(rows[-1], flush=True)
+            fns[cs] = fn
+        for name, us in measure(fns).items():
+            rows.append((shape, name, us))
         inp = None  # noqa: F841  (free the inputs before the next shape)
         torch.cuda.empty_cache()
     for shape, name, us in rows:

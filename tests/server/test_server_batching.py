@@ -204,13 +204,16 @@ def heavy(batching_server):
 
 
 def test_priority_orders_the_queue(batching_server, heavy):
+    """While a long launch runs, a low-priority request queues first and a high-priority one
+    after it; the high one must be launched first. Each takes ~2 GFLOP, so the order shows
+    in the answers' arrival by a whole launch's time, not by thread-scheduling jitter."""
     url = batching_server.url
     x_big, c_big, _ = heavy
     gen = torch.Generator().manual_seed(35)
-    _put(url, "prio-a", torch.randn(2, 16, 8, generator=gen))
-    _put(url, "prio-b", torch.randn(2, 16, 8, generator=gen))
-    x = torch.randn(4, 16, generator=gen)
-    c = torch.tensor([2, 2], dtype=torch.int32)
+    _put(url, "prio-a", torch.randn(1, 1024, 1024, generator=gen))
+    _put(url, "prio-b", torch.randn(1, 1024, 1024, generator=gen))
+    x = torch.randn(1024, 1024, generator=gen)
+    c = torch.tensor([1024], dtype=torch.int32)
     done: dict[str, float] = {}
 
     def send(label: str, name: str, xx, cc, prio: str) -> None:
@@ -218,17 +221,20 @@ def test_priority_orders_the_queue(batching_server, heavy):
         assert r.status_code == 200, r.text
         done[label] = time.monotonic()
 
+    def wait_for(family: str, value: float, **labels: str) -> None:
+        deadline = time.monotonic() + 20
+        while metric(_metrics(url), family, **labels) < value:
+            assert time.monotonic() < deadline, f"{family} never reached {value}"
+            time.sleep(0.005)
+
     started = metric(_metrics(url), "moe_gemm_queue_time_seconds_count", kind="mm")
     blocker = threading.Thread(target=send, args=("blocker", "heavy", x_big, c_big, "0"))
     blocker.start()
-    # wait until the blocker's launch has started (its queue time is observed then)
-    deadline = time.monotonic() + 20
-    while metric(_metrics(url), "moe_gemm_queue_time_seconds_count", kind="mm") < started + 1:
-        assert time.monotonic() < deadline, "the blocker never started"
-        time.sleep(0.005)
+    # the blocker's launch has started when its queue time is observed
+    wait_for("moe_gemm_queue_time_seconds_count", started + 1, kind="mm")
     low = threading.Thread(target=send, args=("low", "prio-a", x, c, "7"))
     low.start()
-    time.sleep(0.02)  # low is queued first ...
+    wait_for("moe_gemm_queued_requests", 1)  # low is queued first ...
     high = threading.Thread(target=send, args=("high", "prio-b", x, c, "1"))
     high.start()  # ... high arrives later but must run first
     for t in (blocker, low, high):
