@@ -21,7 +21,7 @@ from moe_gemm.bench import Clock  # noqa: E402
 from moe_gemm.bench_suite import full_suite, make_inputs  # noqa: E402
 
 
-def measure(fns: dict, reps: int = 12) -> dict:
+def measure(fns: dict, reps: int = 20) -> dict:
     """Back-to-back GPU ms per call (launches queued behind a sleep backlog), interleaved
     across configs each round so clock drift hits all alike; median of `reps`."""
     clock = Clock(torch.device("cuda"))

@@ -279,6 +279,22 @@ def test_gemm_configs_agree_on_cpu(config: GemmConfig | None) -> None:
 # grouped_mm
 
 
+NATIVE_FP32_OUT_BUG = (
+    "BUG: reference._grouped_mm_native_ok lets bf16 in / fp32 out through to "
+    "F.grouped_mm(out_dtype=torch.float32), which raises 'Grouped gemm output dtype must match "
+    "`mat_a` dtype' on CUDA (seen with torch 2.11 on an H200)"
+)
+
+
+def _mark_native_fp32_out_bug(request: pytest.FixtureRequest, device: str, dtype: torch.dtype,
+                              out_dtype: torch.dtype) -> None:
+    """The CUDA torch backend crashes for bf16 -> fp32 through torch's grouped_mm; the shapes
+    of the tests that call this are aligned, so they take that path."""
+    if device == "cuda" and dtype == torch.bfloat16 and out_dtype == torch.float32:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=RuntimeError,
+                                              reason=NATIVE_FP32_OUT_BUG))
+
+
 def check_mm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
              out_dtype: torch.dtype) -> None:
     assert y.shape == (x.shape[0], w.shape[2])
@@ -300,7 +316,9 @@ def test_mm_basic(device: str, dtype: torch.dtype, w_layout: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_mm_out_dtype(device: str, dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+def test_mm_out_dtype(device: str, dtype: torch.dtype, out_dtype: torch.dtype,
+                     request: pytest.FixtureRequest) -> None:
+    _mark_native_fp32_out_bug(request, device, dtype, out_dtype)
     x, w, offs = make_moe_inputs(50, 4, 32, 16, dtype, device, "nk_view", total=41,
                                  generator=_gen(31))
     cfg = TORCH if device == "cuda" else None
@@ -341,7 +359,9 @@ def test_mm_tail_rows_zero_without_out(device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_mm_tail_rows_untouched_with_out(device: str, dtype: torch.dtype,
-                                         out_dtype: torch.dtype | None) -> None:
+                                         out_dtype: torch.dtype | None,
+                                         request: pytest.FixtureRequest) -> None:
+    _mark_native_fp32_out_bug(request, device, dtype, out_dtype or dtype)
     x, w, _ = make_moe_inputs(30, 3, 16, 8, dtype, device, "nk_view", generator=_gen(34))
     offs = torch.tensor([0, 12, 19], dtype=torch.int32, device=device)
     odt = out_dtype or dtype
@@ -520,7 +540,8 @@ def test_validation_comes_before_backend_choice() -> None:
         grouped_gemm(a, b + b, config=GemmConfig(backend="cute"))
 
 
-def test_auto_backend_on_cpu_is_silent() -> None:
+def test_auto_backend_on_cpu_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops_module, "_warned", set())  # an earlier warn-once must not hide one
     a, b = make_grouped_inputs([(5, 3, 9), (2, 7, 4)], torch.float32, generator=_gen(63))
     x, w, offs = make_moe_inputs(9, 2, 5, 3, torch.float16, generator=_gen(64))
     with warnings.catch_warnings():

@@ -39,10 +39,17 @@ class CompileKey:
     tile_n: int
     stages: int | None = None
     trace: bool = False
+    l2_hints: bool = False
 
     def name(self) -> str:
-        parts = [str(v) for v in astuple(self) if v is not None and v is not False]
-        return "_".join(parts).replace("True", "trace")
+        parts = [str(v) for v in astuple(self)[:8]]
+        if self.stages is not None:
+            parts.append(f"s{self.stages}")
+        if self.trace:
+            parts.append("trace")
+        if self.l2_hints:
+            parts.append("l2hints")
+        return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
         return GroupedGemmSm90(
@@ -55,6 +62,7 @@ class CompileKey:
             tile_mn=(self.tile_m, self.tile_n),
             ab_stages=self.stages,
             trace=self.trace,
+            l2_hints=self.l2_hints,
         )
 
 

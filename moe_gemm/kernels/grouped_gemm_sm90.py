@@ -109,6 +109,7 @@ class GroupedGemmSm90:
         tile_mn: tuple[int, int],
         ab_stages: int | None = None,
         trace: bool = False,
+        l2_hints: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -121,6 +122,10 @@ class GroupedGemmSm90:
         self.tile_shape_mnk = (self.tile_m, self.tile_n, TILE_K)
         self.requested_stages = ab_stages
         self.trace = trace
+        # TMA loads carry the runtime a_policy / b_policy L2 eviction hints only when built
+        # with l2_hints: without them the loads use the default policy, which measured as
+        # fast or faster on every suite shape (H200, 2026-11-21; AGENTS.md).
+        self.l2_hints = l2_hints
         self.pingpong = schedule == "pingpong"
 
         if self.pingpong:
@@ -663,22 +668,22 @@ class GroupedGemmSm90:
                     cute.copy(
                         tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
                         tma_bar_ptr=bar, tma_desc_ptr=_desc_ptr_for_copy(desc_base),
-                        cache_policy=a_policy,
+                        cache_policy=a_policy if const_expr(self.l2_hints) else None,
                     )
                     cute.copy(
                         tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
                         tma_bar_ptr=bar,
                         tma_desc_ptr=_desc_ptr_for_copy(desc_base + DESC_BYTES),
-                        cache_policy=b_policy,
+                        cache_policy=b_policy if const_expr(self.l2_hints) else None,
                     )
                 else:
                     cute.copy(
                         tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
-                        tma_bar_ptr=bar, cache_policy=a_policy,
+                        tma_bar_ptr=bar, cache_policy=a_policy if const_expr(self.l2_hints) else None,
                     )
                     cute.copy(
                         tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
-                        tma_bar_ptr=bar, cache_policy=b_policy,
+                        tma_bar_ptr=bar, cache_policy=b_policy if const_expr(self.l2_hints) else None,
                     )
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()

@@ -49,7 +49,7 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
 
     return CompileKey(
         form, _TORCH_TO_NAME[ab], _TORCH_TO_NAME[d], b_major, choice.schedule, choice.visitor,
-        choice.tile_m, choice.tile_n, choice.stages, trace,
+        choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints,
     )
 
 

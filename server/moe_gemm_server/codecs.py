@@ -243,6 +243,18 @@ def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None)
     return torch.from_numpy(np.asarray(rows, dtype=np.float64)).to(dtype)
 
 
+def json_tensor3(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A 3-level nested list of numbers -> 3-D tensor (400 if not numbers or ragged)."""
+    try:
+        mats = _MATS.validate_python(value)
+        arr = np.asarray(mats, dtype=np.float64)
+    except (ValidationError, ValueError):
+        raise bad_request(f"{name!r} must be a rectangular 3-D nested list of numbers") from None
+    if arr.ndim != 3:
+        raise bad_request(f"{name!r} must be a rectangular 3-D nested list of numbers")
+    return torch.from_numpy(arr).to(dtype)
+
+
 def json_int_vector(name: str, value: Any) -> torch.Tensor:
     try:
         ints = _INTS.validate_python(value)
@@ -250,7 +262,7 @@ def json_int_vector(name: str, value: Any) -> torch.Tensor:
         raise bad_request(f"{name!r} must be a list of integers") from None
     try:
         return torch.tensor(ints, dtype=torch.int64).reshape(-1)
-    except (OverflowError, RuntimeError):
+    except (OverflowError, RuntimeError, ValueError):
         raise unprocessable(f"{name!r} has values outside the int64 range") from None
 
 

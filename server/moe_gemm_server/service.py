@@ -22,16 +22,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from starlette.requests import Request
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.engine import Engine, EngineOutOfMemory, WeightSet
 
 from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
-from .codecs import JSON_DTYPES, encode_safetensors, parse_json_object
+from .codecs import JSON_DTYPES, encode_safetensors, json_tensor3, parse_json_object
 from .config import Settings
-from .errors import APIError, bad_request, unavailable, unprocessable
+from .errors import APIError, unavailable, unprocessable
 from .limits import BodyTooLarge, read_body
 from .metrics import Metrics, StatsBook
 from .storage import WeightStore, check_name, read_weight_file
@@ -343,8 +342,6 @@ def _write_file(path: Path, data: bytes) -> None:
 
 def _json_weights(body: bytearray) -> bytes:
     """{"w" | "w_t": [[[...]]], "dtype"} -> a safetensors body."""
-    import numpy as np
-
     obj = parse_json_object(body)
     dtype = JSON_DTYPES.get(obj.get("dtype", "float32"))
     if dtype is None:
@@ -354,8 +351,4 @@ def _json_weights(body: bytearray) -> bytes:
     if names not in (["w"], ["w_t"]):
         raise unprocessable("expected exactly one field 'w' (E, K, N) or 'w_t' (E, N, K) "
                             f"(plus 'dtype'); got {names}")
-    try:
-        arr = np.asarray(obj[names[0]], dtype=np.float64)
-    except (ValueError, TypeError):
-        raise bad_request(f"{names[0]!r} must be a nested list of numbers (E, K, N)") from None
-    return encode_safetensors({names[0]: torch.from_numpy(arr).to(dtype)})
+    return encode_safetensors({names[0]: json_tensor3(names[0], obj[names[0]], dtype)})

@@ -69,20 +69,27 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
     if data is None:
         raise bad_request(f"input {inp.name!r} has neither 'data' nor binary_data_size")
     try:
-        arr = np.asarray(data, dtype=np.float64 if dtype.is_floating_point else np.int64)
+        arr = np.asarray(data)
     except (ValueError, TypeError, OverflowError):
-        raise bad_request(
-            f"input {inp.name!r}: 'data' must be a flat or nested list of numbers"
-        ) from None
-    if arr.dtype == object:
-        raise bad_request(f"input {inp.name!r}: 'data' is ragged")
+        raise bad_request(f"input {inp.name!r}: 'data' must be a flat or nested, rectangular "
+                          "list of numbers") from None
+    if arr.size == 0 and count == 0:
+        return torch.empty(0, dtype=dtype)
+    allowed = "b" if dtype == torch.bool else ("iuf" if dtype.is_floating_point else "iu")
+    if arr.dtype.kind not in allowed:
+        kind = "booleans" if dtype == torch.bool else "numbers"
+        raise bad_request(f"input {inp.name!r}: 'data' must hold {kind} for {inp.datatype}")
     if arr.size != count:
         raise bad_request(
             f"input {inp.name!r}: shape {inp.shape} needs {count} values; 'data' has {arr.size}"
         )
+    flat = np.ascontiguousarray(arr.reshape(-1))
     if dtype == torch.bool:
-        return torch.from_numpy(arr.reshape(-1) != 0)
-    return torch.from_numpy(arr.reshape(-1)).to(dtype)
+        return torch.from_numpy(flat)
+    if not dtype.is_floating_point and arr.dtype.kind == "u" and arr.dtype.itemsize == 8:
+        raise bad_request(f"input {inp.name!r}: 'data' values are outside the int64 range")
+    return torch.from_numpy(flat.astype(np.float64 if dtype.is_floating_point else np.int64)
+                            ).to(dtype)
 
 
 def parse_request(

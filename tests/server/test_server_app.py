@@ -1,0 +1,199 @@
+"""The app in-process (FastAPI TestClient), where a real process adds nothing: engine faults
+(out of memory), readiness during start-up, auth modes, settings and the command line."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from server_testutils import mm_ref, st_body, st_load
+
+from moe_gemm.engine import Engine, EngineOutOfMemory
+from moe_gemm_server import Settings, create_app
+from moe_gemm_server.cli import build_parser, settings_from_args
+
+
+class FlakyEngine(Engine):
+    """Runs out of memory on launches over `limit` rows, like a GPU would."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__("cpu")
+        self.limit = limit
+        self.oom_launches = 0
+
+    def grouped_mm_many(self, ws, requests, *, out_dtype=None):
+        if sum(x.shape[0] for x, _ in requests) > self.limit:
+            self.oom_launches += 1
+            raise EngineOutOfMemory("out of memory on cuda:0: tried to allocate 80 GiB")
+        return super().grouped_mm_many(ws, requests, out_dtype=out_dtype)
+
+
+class SlowStartEngine(Engine):
+    """Warm-up waits for a signal, so the test can look at the server while it is starting."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.release = threading.Event()
+
+    def warm_up_grouped_gemm(self, dtypes=(torch.bfloat16,)):
+        assert self.release.wait(30)
+        super().warm_up_grouped_gemm(dtypes)
+
+
+def _wait_ready(client: TestClient) -> None:
+    deadline = time.monotonic() + 30
+    while client.get("/v2/health/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _settings(tmp_path, **kw) -> Settings:
+    return Settings(data_dir=tmp_path / "data", **kw)
+
+
+def test_out_of_memory_answers_503_and_the_server_goes_on(tmp_path):
+    engine = FlakyEngine(limit=100)
+    app = create_app(_settings(tmp_path, batch_delay_us=300_000), engine=engine)
+    w = torch.randn(2, 8, 4)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/m", content=st_body({"w": w})).status_code == 201
+        big = torch.randn(150, 8)
+        r = client.post("/v1/weights/m/grouped-mm", content=st_body(
+            {"x": big, "counts": torch.tensor([100, 50], dtype=torch.int32)}))
+        assert r.status_code == 503
+        assert "out of memory" in r.json()["error"] and r.headers["retry-after"]
+        # two requests that fit alone but not together: merged launch fails, each is retried
+        xs = [torch.randn(60, 8), torch.randn(70, 8)]
+        cs = [torch.tensor([30, 30], dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32)]
+        out: dict[int, object] = {}
+
+        def send(i: int) -> None:
+            out[i] = client.post("/v1/weights/m/grouped-mm",
+                                 content=st_body({"x": xs[i], "counts": cs[i]}))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for i in range(2):
+            assert out[i].status_code == 200, out[i].text
+            torch.testing.assert_close(st_load(out[i].content)["y"].double(),
+                                       mm_ref(xs[i], w, cs[i]), atol=1e-4, rtol=1e-4)
+        assert engine.oom_launches == 2  # the solo 150 rows, the merged 130 rows
+        assert client.get("/v2/health/ready").status_code == 200
+        metrics = client.get("/metrics").text
+        assert 'moe_gemm_rejections_total{reason="out_of_memory"} 1.0' in metrics
+        assert 'moe_gemm_launch_errors_total{error="EngineOutOfMemory"} 2.0' in metrics
+
+
+def test_not_ready_until_warm(tmp_path):
+    engine = SlowStartEngine()
+    app = create_app(_settings(tmp_path), engine=engine)
+    with TestClient(app) as client:
+        assert client.get("/v2/health/live").status_code == 200
+        r = client.get("/v2/health/ready")
+        assert r.status_code == 503 and r.json()["ready"] is False
+        r = client.post("/v1/grouped-gemm", content=st_body(
+            {"a.0": torch.randn(2, 2), "b.0": torch.randn(2, 2)}))
+        assert r.status_code == 503 and "not ready" in r.json()["error"]
+        engine.release.set()
+        _wait_ready(client)
+        r = client.post("/v1/grouped-gemm", content=st_body(
+            {"a.0": torch.randn(2, 2), "b.0": torch.randn(2, 2)}))
+        assert r.status_code == 200
+
+
+def test_open_server_allows_everything(tmp_path):
+    with TestClient(create_app(_settings(tmp_path))) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/o", content=st_body(
+            {"w": torch.randn(1, 2, 2)})).status_code == 201
+        assert client.get("/v1/weights").status_code == 200
+        assert client.delete("/v1/weights/o").status_code == 200
+
+
+def test_api_keys_without_admin_key_disable_weight_changes(tmp_path):
+    with TestClient(create_app(_settings(tmp_path, api_key=["k1"]))) as client:
+        _wait_ready(client)
+        hdr = {"Authorization": "Bearer k1"}
+        r = client.put("/v1/weights/o", content=st_body({"w": torch.randn(1, 2, 2)}),
+                       headers=hdr)
+        assert r.status_code == 403 and "admin" in r.json()["error"]
+        assert client.get("/v1/weights", headers=hdr).status_code == 200
+        assert client.get("/v1/weights").status_code == 401
+
+
+def test_admin_key_only(tmp_path):
+    """An admin key alone: reads and matmuls stay open, weight changes need the key."""
+    with TestClient(create_app(_settings(tmp_path, admin_key="adm"))) as client:
+        _wait_ready(client)
+        body = st_body({"w": torch.randn(1, 2, 2)})
+        assert client.put("/v1/weights/o", content=body).status_code == 401
+        assert client.put("/v1/weights/o", content=body,
+                          headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert client.put("/v1/weights/o", content=body,
+                          headers={"Authorization": "Bearer adm"}).status_code == 201
+        assert client.get("/v1/weights/o").status_code == 200
+
+
+def test_unhandled_error_is_a_json_500(tmp_path, monkeypatch):
+    app = create_app(_settings(tmp_path))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        _wait_ready(client)
+        import moe_gemm_server.routers.weights as weights_router
+
+        def broken(*a, **k):
+            raise RuntimeError("kaboom")
+
+        monkeypatch.setattr(weights_router, "check_name", broken)
+        r = client.put("/v1/weights/x", content=b"")
+        assert r.status_code == 500
+        assert "RuntimeError" in r.json()["error"] and r.json()["request_id"]
+        assert r.headers["x-request-id"] == r.json()["request_id"]
+        monkeypatch.undo()
+        assert client.get("/v2/health/ready").status_code == 200
+
+
+# --------------------------------------------------------------------------- settings, CLI
+
+
+def test_settings_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOE_GEMM_PORT", "9001")
+    monkeypatch.setenv("MOE_GEMM_API_KEY", "a, b")
+    monkeypatch.setenv("MOE_GEMM_MAX_BODY_BYTES", "1234")
+    monkeypatch.setenv("MOE_GEMM_BATCHING", "false")
+    monkeypatch.setenv("MOE_GEMM_WARMUP_ROWS", "1,8")
+    monkeypatch.setenv("MOE_GEMM_DATA_DIR", str(tmp_path))
+    s = Settings()
+    assert (s.port, s.api_key, s.max_body_bytes) == (9001, ["a", "b"], 1234)
+    assert s.batching is False and s.max_batch_requests == 1
+    assert s.warmup_rows == [1, 8] and s.data_dir == tmp_path
+    # flags beat the environment
+    s = settings_from_args(["--port", "9002", "--api-key", "z", "--batching"])
+    assert (s.port, s.api_key, s.batching) == (9002, ["z"], True)
+
+
+def test_settings_defaults_are_safe():
+    s = Settings(_env_file=None)
+    assert s.host == "127.0.0.1" and s.port == 8000
+    assert s.max_body_bytes == 64 << 20 and s.api_key == [] and s.admin_key is None
+    assert s.max_queue > 0 and s.max_rows > 0 and s.max_flops > 0
+
+
+def test_cli_rejects_bad_values(capsys):
+    with pytest.raises(SystemExit):
+        settings_from_args(["--port", "70000"])
+    with pytest.raises(SystemExit):
+        settings_from_args(["--max-queue", "0"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--backend", "magic"])
+    flags = build_parser().format_help()
+    for flag in ("--host", "--port", "--data-dir", "--api-key", "--admin-key",
+                 "--max-body-bytes", "--max-rows", "--max-flops", "--log-level",
+                 "--batch-delay-us", "--max-queue", "--no-batching"):
+        assert flag in flags

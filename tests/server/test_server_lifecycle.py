@@ -1,0 +1,220 @@
+"""Process lifecycle: restarts keep weights, SIGKILL mid-upload loses nothing, SIGTERM drains."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import torch
+from server_testutils import LiveServer, metric, mm_ref, st_body, st_load
+
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+def _mm(url: str, name: str, x: torch.Tensor, c: torch.Tensor) -> httpx.Response:
+    return httpx.post(f"{url}/v1/weights/{name}/grouped-mm", timeout=60,
+                      content=st_body({"x": x, "counts": c}))
+
+
+def test_restart_keeps_every_acknowledged_upload(tmp_path):
+    data = tmp_path / "data"
+    gen = torch.Generator().manual_seed(41)
+    sets = {
+        "keep-a": ({"w": torch.randn(3, 16, 8, generator=gen)}, "w"),
+        "keep.b": ({"w_t": torch.randn(2, 8, 16, generator=gen).to(torch.bfloat16)}, "w_t"),
+        "keep_c": ({"w": torch.randn(4, 16, 24, generator=gen).to(torch.float16)}, "w"),
+    }
+    x = torch.randn(6, 16, generator=gen)
+    answers = {}
+    server = LiveServer(data, "--admin-key", "adm", "--log-level", "warning").start()
+    try:
+        for name, (tensors, _) in sets.items():
+            r = httpx.put(f"{server.url}/v1/weights/{name}", content=st_body(tensors),
+                          headers=ADMIN, timeout=60)
+            assert r.status_code == 201, r.text
+        # a replaced set keeps its latest version, a deleted one stays deleted
+        r = httpx.put(f"{server.url}/v1/weights/gone", content=st_body(
+            {"w": torch.randn(1, 2, 2)}), headers=ADMIN, timeout=60)
+        assert r.status_code == 201
+        assert httpx.delete(f"{server.url}/v1/weights/gone", headers=ADMIN).status_code == 200
+        listing = httpx.get(f"{server.url}/v1/weights").json()["weights"]
+        for name, (tensors, _) in sets.items():
+            w = next(iter(tensors.values()))
+            E = w.shape[0]
+            c = torch.zeros(E, dtype=torch.int32)
+            c[0], c[E - 1] = 2, 4
+            xx = x.to(w.dtype)
+            answers[name] = st_load(_mm(server.url, name, xx, c).content)["y"]
+    finally:
+        assert server.stop() == 0
+    server2 = LiveServer(data, "--admin-key", "adm", "--log-level", "warning").start()
+    try:
+        assert httpx.get(f"{server2.url}/v1/weights").json()["weights"] == listing
+        assert httpx.get(f"{server2.url}/v1/weights/gone").status_code == 404
+        for name, (tensors, layout) in sets.items():
+            w = next(iter(tensors.values()))
+            E = w.shape[0]
+            c = torch.zeros(E, dtype=torch.int32)
+            c[0], c[E - 1] = 2, 4
+            y = st_load(_mm(server2.url, name, x.to(w.dtype), c).content)["y"]
+            assert torch.equal(y, answers[name])
+            wk = w if layout == "w" else w.transpose(1, 2)
+            ref = mm_ref(x.to(w.dtype), wk, c)
+            assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
+    finally:
+        server2.stop()
+    assert sorted(p.name for p in data.iterdir()) == [
+        "keep-a.safetensors", "keep.b.safetensors", "keep_c.safetensors"]
+
+
+def test_sigkill_mid_upload_leaves_previous_weights(tmp_path):
+    data = tmp_path / "data"
+    gen = torch.Generator().manual_seed(42)
+    w_old = torch.randn(4, 32, 16, generator=gen)
+    server = LiveServer(data, "--admin-key", "adm", "--log-level", "warning").start()
+    try:
+        r = httpx.put(f"{server.url}/v1/weights/m", content=st_body({"w": w_old}),
+                      headers=ADMIN, timeout=60)
+        assert r.status_code == 201
+        old_bytes = (data / "m.safetensors").read_bytes()
+        # start replacing it with a 8 MB body, send half, then kill the server
+        new_body = st_body({"w": torch.randn(64, 256, 128, generator=gen)})
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        head = (f"PUT /v1/weights/m HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer adm\r\n"
+                f"Content-Type: application/octet-stream\r\nContent-Length: {len(new_body)}"
+                "\r\n\r\n")
+        sock.sendall(head.encode() + new_body[: len(new_body) // 2])
+        deadline = time.monotonic() + 10
+        while not any(p.name.startswith(".upload-") for p in data.iterdir()):
+            assert time.monotonic() < deadline, "the upload never reached the disk"
+            time.sleep(0.01)
+        server.kill()  # SIGKILL
+        sock.close()
+        assert (data / "m.safetensors").read_bytes() == old_bytes
+    finally:
+        server.stop()
+    server2 = LiveServer(data, "--admin-key", "adm", "--log-level", "warning").start()
+    try:
+        info = httpx.get(f"{server2.url}/v1/weights/m").json()
+        assert (info["experts"], info["k"], info["n"]) == (4, 32, 16)
+        x = torch.randn(5, 32, generator=gen)
+        c = torch.tensor([1, 0, 4, 0], dtype=torch.int32)
+        y = st_load(_mm(server2.url, "m", x, c).content)["y"]
+        torch.testing.assert_close(y.double(), mm_ref(x, w_old, c), atol=1e-4, rtol=1e-4)
+    finally:
+        server2.stop()
+    # the partial upload was removed at start: no half file anywhere
+    assert sorted(p.name for p in data.iterdir()) == ["m.safetensors"]
+
+
+def test_corrupt_weight_file_is_skipped_not_fatal(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "broken.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0{}garbage")
+    from safetensors.torch import save
+
+    (data / "fine.safetensors").write_bytes(save({"w": torch.randn(2, 4, 4)}))
+    server = LiveServer(data, "--log-level", "warning").start()
+    try:
+        names = [i["name"] for i in httpx.get(f"{server.url}/v1/weights").json()["weights"]]
+        assert names == ["fine"]
+        assert metric(httpx.get(f"{server.url}/metrics").text,
+                      "moe_gemm_weight_load_errors_total") == 1
+    finally:
+        server.stop()
+    assert "broken" in server.log()
+
+
+def _read_http_response(sock: socket.socket) -> tuple[int, bytes]:
+    """Status and body of one HTTP/1.1 response with a Content-Length."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the response head"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    length = next(int(v) for k, _, v in (ln.partition(":") for ln in lines[1:])
+                  if k.strip().lower() == "content-length")
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the end of the body"
+        body += chunk
+    return status, body
+
+
+def test_sigterm_drains_queued_work_then_exits(tmp_path):
+    """SIGTERM with three requests queued (1 s batch delay) and one still uploading: readiness
+    turns 503 and newcomers get 503 while the server keeps listening; the queued requests run
+    at once (the delay is not waited out), the upload in progress is served, then exit 0."""
+    data = tmp_path / "data"
+    server = LiveServer(data, "--batch-delay-us", "1000000", "--log-level", "info").start()
+    gen = torch.Generator().manual_seed(43)
+    w = torch.randn(3, 16, 8, generator=gen)
+    try:
+        r = httpx.put(f"{server.url}/v1/weights/d", content=st_body({"w": w}), timeout=60)
+        assert r.status_code == 201
+        reqs = [(torch.randn(T, 16, generator=gen), torch.tensor([T, 0, 0], dtype=torch.int32))
+                for T in (1, 4, 9)]
+        results: dict[int, httpx.Response] = {}
+
+        def send(i: int) -> None:
+            results[i] = _mm(server.url, "d", *reqs[i])
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        # one more request whose body is only half sent when the signal comes
+        x_up = torch.randn(5, 16, generator=gen)
+        c_up = torch.tensor([2, 3, 0], dtype=torch.int32)
+        body = st_body({"x": x_up, "counts": c_up})
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        head = (f"POST /v1/weights/d/grouped-mm HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")
+        sock.sendall(head.encode() + body[:100])
+        deadline = time.monotonic() + 10
+        while True:
+            m = httpx.get(f"{server.url}/metrics").text
+            # 3 queued; in flight: 3 queued + the upload + this metrics request
+            if (metric(m, "moe_gemm_queued_requests") >= 3
+                    and metric(m, "moe_gemm_requests_in_flight") >= 5):
+                break
+            assert time.monotonic() < deadline, "requests did not queue"
+            time.sleep(0.01)
+        t_term = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while True:
+            r = httpx.get(f"{server.url}/v2/health/ready", timeout=5)
+            if r.status_code == 503:
+                break
+            assert time.monotonic() < deadline, "readiness never turned 503"
+            time.sleep(0.01)
+        assert "draining" in r.json()["error"]
+        assert httpx.get(f"{server.url}/v2/health/live", timeout=5).status_code == 200
+        late = _mm(server.url, "d", *reqs[0])
+        assert late.status_code == 503 and "draining" in late.json()["error"]
+        assert "retry-after" in late.headers
+        for t in threads:
+            t.join(30)
+        # queued work finished without waiting out the 1 s batch delay
+        assert time.monotonic() - t_term < 1.0
+        for i, (x, c) in enumerate(reqs):
+            assert results[i].status_code == 200, results[i].text
+            y = st_load(results[i].content)["y"]
+            torch.testing.assert_close(y.double(), mm_ref(x, w, c), atol=1e-4, rtol=1e-4)
+        assert server.proc.poll() is None  # still waiting for the upload in progress
+        sock.sendall(body[100:])
+        status, payload = _read_http_response(sock)
+        sock.close()
+        assert status == 200
+        torch.testing.assert_close(st_load(payload)["y"].double(), mm_ref(x_up, w, c_up),
+                                   atol=1e-4, rtol=1e-4)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    assert "draining" in server.log()
