@@ -50,13 +50,16 @@ def with_l2_hints(choice: KernelChoice, m_tiles_per_problem: float, n_tiles: flo
     return replace(choice, a_policy=L2_POLICY[a], b_policy=L2_POLICY[b], l2_hints=True)
 
 
-def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
+def _pick_tile(schedule: str, avg_m: float, n: int, general: bool = False) -> tuple[int, int]:
     if schedule == "cooperative":
         # 128x256: each A row feeds 256 columns, the least L2 traffic per FLOP.
         return (128, 256) if n >= 256 else (128, 128)
-    # Ping-pong: each warpgroup owns a tile; 128x128 keeps 128 fp32 accumulators/thread.
+    # Ping-pong: each warpgroup owns a tile (tile_m * tile_n / 128 fp32 accumulators per
+    # thread: 192 at 128x192, the most that fits beside the epilogue's registers).
     if avg_m <= 64 and n >= 256:
         return (64, 256)
+    if general and avg_m > 64 and n >= 192:
+        return (128, 192)  # k-varying: 122 us vs 136 at 128x128 (H200, 2026-11-21)
     return (128, 128)
 
 
@@ -67,15 +70,25 @@ def choose_general(
     nonempty = [s for s in sizes if s[0] > 0 and s[1] > 0]
     avg_m = sum(s[0] for s in nonempty) / max(1, len(nonempty))
     max_n = max((s[1] for s in nonempty), default=128)
-    # Cooperative 128x256 led on the uniform and k-varying suite shapes (H200, 2026-11-21:
-    # uniform 561.7 us vs pingpong 621.7; k-varying 127.3 vs 133.5).
-    schedule = config.schedule if config.schedule != "auto" else "cooperative"
+    # H200, 2026-11-21, back-to-back (scripts/tune.py): long-K problems want cooperative
+    # 128x256 (uniform headline: 561 us vs pingpong 128x128 620); short mainloops want
+    # ping-pong, whose epilogue hides behind the other warpgroup's mainloop (k-varying,
+    # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
+    k_tiles = [(-(-k // TILE_K)) for _, _, k in nonempty]
+    avg_k_tiles = sum(k_tiles) / max(1, len(k_tiles))
+    if config.schedule != "auto":
+        schedule = config.schedule
+    else:
+        schedule = "pingpong" if avg_k_tiles <= 16 and max_n >= 192 else "cooperative"
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
     else:
-        tile = _pick_tile(schedule, avg_m, max_n)
+        tile = _pick_tile(schedule, avg_m, max_n, general=True)
     stages = config.stages
+    if stages is None and schedule == "cooperative" and tile == (128, 256) and avg_k_tiles >= 64:
+        # Long K: 3 stages beat 4 (uniform 561 vs 568 us; moe-prefill 3189 vs 3256).
+        stages = 3
     visitor = config.visitor if config.visitor != "auto" else "device"
     if config.sort_by_k is None:
         sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
@@ -105,7 +118,10 @@ def choose_varlen(
     else:
         tile = _pick_tile(schedule, avg_m, N)
     visitor = config.visitor if config.visitor != "auto" else "device"
-    choice = KernelChoice(schedule, visitor, tile[0], tile[1], config.stages, False, 8)
+    stages = config.stages
+    if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
+        stages = 3  # long K (see choose_general)
+    choice = KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8)
     return with_l2_hints(choice, avg_m / tile[0], N / tile[1])
 
 

@@ -1,4 +1,8 @@
-"""FastAPI dependencies: the Service, its Settings, and the auth checks, as Annotated aliases."""
+"""FastAPI dependencies: the Service, its Settings, and the auth checks, as Annotated aliases.
+
+All are `async def` on purpose: FastAPI runs a plain `def` dependency in its thread pool,
+which costs a thread hop (and a GIL hand-off) per dependency per request.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,11 @@ from .config import Settings
 from .service import Service
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
     return request.app.state.service
 
 
-def get_settings_dep(request: Request) -> Settings:
+async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.service.settings
 
 
@@ -23,11 +27,11 @@ ServiceDep = Annotated[Service, Depends(get_service)]
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 
 
-def require_reader(request: Request, service: ServiceDep) -> None:
+async def require_reader(request: Request, service: ServiceDep) -> None:
     check_reader(request, service.settings)
 
 
-def require_admin(request: Request, service: ServiceDep) -> None:
+async def require_admin(request: Request, service: ServiceDep) -> None:
     check_admin(request, service.settings)
 
 
