@@ -236,7 +236,8 @@ def should_sort_by_k(
     sizes: Sequence[Size], tile_m: int, tile_n: int, tile_k: int, num_ctas: int
 ) -> bool:
     """K-sort when the cost model says it shortens the makespan by more than 2%."""
-    return _should_sort_by_k(tuple(sizes), tile_m, tile_n, tile_k, num_ctas)
+    key = tuple((int(m), int(n), int(k)) for m, n, k in sizes)  # lists, numpy rows: hashable
+    return _should_sort_by_k(key, tile_m, tile_n, tile_k, num_ctas)
 
 
 @functools.lru_cache(maxsize=256)

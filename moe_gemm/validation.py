@@ -107,6 +107,10 @@ def check_grouped_gemm(
             f"expected one b per a: got len(a)={len(a_list)} and len(b)={len(b_list)}"
         )
     if not a_list:
+        if out is not None and (n_out := len(_as_tensor_list("out", out, "(M_i, N_i)"))):
+            raise ValueError(
+                f"expected one out per problem: got len(out)={n_out} for 0 problems"
+            )
         return GroupedGemmArgs([], [], [] if out is not None else None, torch.bfloat16,
                                resolve_out_dtype(torch.bfloat16, out_dtype), torch.device("cpu"),
                                [])

@@ -377,11 +377,6 @@ def test_should_sort_by_k_matches_the_cost_model() -> None:
         assert decision == (srt < 0.98 * base)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: should_sort_by_k lru_caches on tuple(sizes), so sizes given as lists "
-    "(e.g. from JSON) or numpy rows raise TypeError: unhashable",
-)
 def test_should_sort_by_k_accepts_lists() -> None:
     sizes = [list(s) for s in CUTLASS_EXAMPLE]
     assert should_sort_by_k(sizes, 128, 128, TILE_K, 108)  # type: ignore[arg-type]

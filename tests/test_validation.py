@@ -272,21 +272,11 @@ def test_empty_problem_list_still_checks_out_dtype() -> None:
         grouped_gemm([], [], out_dtype=torch.int32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: check_grouped_gemm returns early for empty a/b without validating out "
-    "(grouped_gemm([], [], out=[t]) silently returns [])",
-)
 def test_empty_problem_list_rejects_nonempty_out() -> None:
     with pytest.raises(ValueError, match=r"expected one out per problem: got len\(out\)=1"):
         grouped_gemm([], [], out=[torch.empty(2, 2)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: check_grouped_gemm returns early for empty a/b without validating out "
-    "(a single tensor as out is accepted)",
-)
 def test_empty_problem_list_rejects_single_tensor_out() -> None:
     with pytest.raises(TypeError, match="out must be a sequence"):
         grouped_gemm([], [], out=torch.empty(2, 2))  # type: ignore[arg-type]
