@@ -1,0 +1,59 @@
+"""Device: where the host time of one call goes (cProfile), for grouped_gemm and grouped_mm."""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from moe_gemm import grouped_gemm, grouped_mm  # noqa: E402
+
+
+def per_call(fn, n=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(n):
+        fn()
+        if i % 16 == 15:
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main() -> None:
+    dev, dt = "cuda", torch.bfloat16
+    a8 = [torch.randn(8, 512, device=dev, dtype=dt) for _ in range(8)]
+    b8 = [torch.randn(512, 512, device=dev, dtype=dt) for _ in range(8)]
+    a256 = [torch.randn(128, 512, device=dev, dtype=dt) for _ in range(256)]
+    b256 = [torch.randn(512, 512, device=dev, dtype=dt) for _ in range(256)]
+    x = torch.randn(64, 512, device=dev, dtype=dt)
+    w = torch.randn(8, 512, 512, device=dev, dtype=dt)
+    offs = torch.tensor([1, 8, 19, 27, 37, 48, 58, 64], dtype=torch.int32, device=dev)
+    print(f"grouped_gemm 8 problems:   {per_call(lambda: grouped_gemm(a8, b8)):8.1f} us/call")
+    print(f"grouped_gemm 256 problems: {per_call(lambda: grouped_gemm(a256, b256), 50):8.1f} us")
+    print(f"grouped_mm E=8:            {per_call(lambda: grouped_mm(x, w, offs)):8.1f} us/call")
+    ws = torch.nn.functional.grouped_mm
+    print(f"F.grouped_mm E=8:          {per_call(lambda: ws(x, w, offs=offs)):8.1f} us/call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        grouped_gemm(a8, b8)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        grouped_mm(x, w, offs)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+
+
+if __name__ == "__main__":
+    main()
