@@ -5,9 +5,11 @@ small matmuls against them. The Engine owns exactly that state and nothing HTTP-
 
 - the device (CUDA if available, else CPU) and the backend the ops will pick there;
 - resident weight sets (name -> (E, K, N) tensor on the device), swapped in atomically;
-- warm-up: every weight set is run at a ladder of row counts and both output dtypes it can be
-  asked for before it becomes visible, so the cute backend compiles its kernels before the
-  first real request (a CuTe DSL compile takes seconds; a request must never wait for one);
+- warm-up: before a weight set becomes visible it is run once per kernel configuration the
+  heuristics can pick for it (moe_gemm.heuristics, swept over row counts up to `max_rows`),
+  with both output dtypes a request can ask for, and the ad-hoc grouped_gemm path once per
+  configuration reachable from representative shapes; so the cute backend compiles before
+  the first real request (a CuTe DSL compile takes seconds; a request must not wait for one);
 - one CUDA stream and one lock, so launches from worker threads never interleave;
 - `grouped_mm_many` / `grouped_gemm_many`: several callers' problems merged into ONE grouped
   launch and split back, which is what a dynamic batcher needs. For the MoE form the rows of
@@ -44,11 +46,17 @@ log = logging.getLogger(__name__)
 
 Layout = Literal["w", "w_t"]
 
-# Row counts each weight set is warmed at. The heuristics pick a config from (T, N, K, E), so
-# running a ladder of T covers the configs they choose for small, medium and large batches.
-# On the CPU the torch backend compiles nothing: one tiny run proves the weights work.
+# Row counts each weight set is warmed at when the heuristics cannot be asked (see
+# Engine.warmup_rows_for); with the cute backend the ladder comes from the heuristics. On the
+# CPU the torch backend compiles nothing: one tiny run proves the weights work.
 DEFAULT_WARMUP_ROWS_CUDA = (1, 64, 512, 4096)
 DEFAULT_WARMUP_ROWS_CPU = (1,)
+# Representative ad-hoc problem shapes (M, N, K): together they reach every tile / schedule /
+# stage choice of heuristics.choose_general (short and long K, narrow and wide N, few and
+# many rows); only the first shape per distinct choice is run.
+_GEMM_WARMUP_SHAPES = tuple(
+    (m, n, k) for m in (1, 64, 65, 128) for n in (64, 192, 256) for k in (64, 1024, 1088, 4096)
+)
 
 _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
     t for t in (getattr(torch, "OutOfMemoryError", None),
@@ -151,7 +159,9 @@ class Engine:
         device: "auto" (default: CUDA if available, else CPU), "cpu", "cuda" or "cuda:i".
         config: the GemmConfig every launch uses (default: all automatic).
         warmup_rows: row counts T each weight set is run at before it becomes visible;
-            default (1, 64, 512, 4096) on CUDA, (1,) on the CPU.
+            default: one T per kernel configuration the heuristics choose for T up to
+            `max_rows` (cute backend), (1,) with the torch backend.
+        max_rows: the most rows one launch will carry (the warm-up sweeps up to it).
 
     Thread safety: every public method may be called from any thread; launches, warm-ups and
     installs are serialized by one lock, and all GPU work runs on the engine's own stream.
@@ -163,18 +173,20 @@ class Engine:
         *,
         config: GemmConfig | None = None,
         warmup_rows: Sequence[int] | None = None,
+        max_rows: int = 65536,
     ) -> None:
         if config is not None and not isinstance(config, GemmConfig):
             raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got {config!r}")
         self.device = resolve_device(device)
         self.config = config or GemmConfig()
-        if warmup_rows is None:
-            warmup_rows = (
-                DEFAULT_WARMUP_ROWS_CUDA if self.device.type == "cuda" else DEFAULT_WARMUP_ROWS_CPU
-            )
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in warmup_rows):
+        if warmup_rows is not None and any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in warmup_rows
+        ):
             raise ValueError(f"warmup_rows must be non-negative ints; got {list(warmup_rows)}")
-        self.warmup_rows = tuple(warmup_rows)
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive int; got {max_rows!r}")
+        self.warmup_rows = tuple(warmup_rows) if warmup_rows is not None else None
+        self.max_rows = max_rows
         why_not = cute_problem(self.device)
         if self.config.backend == "torch":
             self.backend, self.backend_reason = "torch", "backend='torch' was configured"
@@ -286,23 +298,75 @@ class Engine:
             return
         out_dtypes = [ws.dtype] + ([torch.float32] if ws.dtype != torch.float32 else [])
         gen = torch.Generator(device="cpu").manual_seed(0)
-        for T in self.warmup_rows:
+        for T in self.warmup_rows_for(ws):
             x = torch.randn(T, ws.K, generator=gen).to(ws.dtype)
             counts = _spread(T, ws.E)
             for out_dtype in out_dtypes:
                 self.grouped_mm_many(ws, [(x, counts)], out_dtype=out_dtype)
 
+    def warmup_rows_for(self, ws: WeightSet) -> tuple[int, ...]:
+        """The row counts `warm_up(ws)` runs: one per kernel configuration the heuristics
+        pick for T = 1 .. max_rows (probing T around powers of two and of T / E, where the
+        heuristics' thresholds lie), or `warmup_rows` when given."""
+        if self.warmup_rows is not None:
+            return self.warmup_rows
+        if self.backend != "cute":
+            return DEFAULT_WARMUP_ROWS_CPU
+        try:
+            from .capability import sm_count
+            from .heuristics import choose_varlen
+
+            nsm = sm_count(self.device)
+            # thresholds are on rows per expert (T / E): probe at and just past each power
+            # of two of it, and at plain powers of two of T
+            bits = range(self.max_rows.bit_length())
+            cands = {1 << i for i in bits} | {(1 << i) + 1 for i in bits}
+            cands |= {ws.E << i for i in bits} | {(ws.E << i) + ws.E for i in bits}
+            cands = {t for t in cands if 0 < t <= self.max_rows} | {self.max_rows}
+            first: dict[object, int] = {}
+            for T in sorted(cands):
+                c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm)
+                key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints)
+                first.setdefault(key, T)
+            return tuple(sorted(first.values()))
+        except Exception:  # noqa: BLE001 - heuristics API changed: fall back to a fixed ladder
+            log.warning("could not enumerate kernel choices; warming a fixed row ladder",
+                        exc_info=True)
+            return DEFAULT_WARMUP_ROWS_CUDA
+
+    def _gemm_warmup_shapes(self) -> list[tuple[int, int, int]]:
+        if self.backend != "cute":
+            return [(1, 64, 64), (128, 64, 64)]
+        try:
+            from .capability import sm_count
+            from .heuristics import choose_general
+
+            nsm = sm_count(self.device)
+            first: dict[object, tuple[int, int, int]] = {}
+            for shape in _GEMM_WARMUP_SHAPES:
+                c = choose_general(self.config, (shape,), nsm)
+                key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints)
+                first.setdefault(key, shape)
+            return list(first.values())
+        except Exception:  # noqa: BLE001
+            log.warning("could not enumerate grouped_gemm choices; warming fixed shapes",
+                        exc_info=True)
+            return [(1, 256, 64), (128, 256, 1088), (128, 256, 4096), (128, 128, 64)]
+
     def warm_up_grouped_gemm(
         self, dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float16, torch.float32)
     ) -> None:
-        """Run a small ad-hoc grouped GEMM per dtype (row-major operands, 16-byte rows)."""
+        """Run the ad-hoc grouped GEMM once per dtype and per kernel configuration reachable
+        from representative shapes (row-major operands, as the server receives them)."""
         gen = torch.Generator(device="cpu").manual_seed(0)
+        shapes = self._gemm_warmup_shapes()
         for dtype in dtypes:
             if dtype in self._warmed_gemm:
                 continue
-            a = [torch.randn(m, 64, generator=gen).to(dtype) for m in (1, 128)]
-            b = [torch.randn(64, 64, generator=gen).to(dtype) for _ in a]
-            self.grouped_gemm_many([(a, b)])
+            for m, n, k in shapes:
+                a = [torch.randn(m, k, generator=gen).to(dtype)]
+                b = [torch.randn(k, n, generator=gen).to(dtype)]
+                self.grouped_gemm_many([(a, b)])
             self._warmed_gemm.add(dtype)
 
     # ------------------------------------------------------------------ launches

@@ -62,7 +62,8 @@ def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
     """torch's own grouped_mm: CUDA, bf16, sm80+, 16-byte aligned strides."""
     if not _HAS_GROUPED_MM or args.x.device.type != "cuda" or args.dtype != torch.bfloat16:
         return False
-    if args.out_dtype not in (torch.bfloat16, torch.float32):
+    if args.out_dtype != torch.bfloat16:
+        # torch's CUDA grouped_mm requires out dtype == input dtype (it rejects bf16 -> fp32).
         return False
     if torch.cuda.get_device_capability(args.x.device) < (8, 0):
         return False

@@ -218,6 +218,33 @@ def test_warm_up_runs_every_served_dtype(monkeypatch):
         Engine("cpu", warmup_rows=(-1,))
 
 
+def test_warm_up_ladder_covers_every_heuristic_choice(monkeypatch):
+    """With the cute backend the warm-up runs one T per kernel configuration the heuristics
+    can pick for this weight set, up to max_rows (checked here against the heuristics
+    themselves, with a pretend 132-SM device)."""
+    import moe_gemm.capability as cap
+    from moe_gemm.engine import WeightSet
+    from moe_gemm.heuristics import choose_varlen
+
+    monkeypatch.setattr(cap, "sm_count", lambda device: 132)
+    engine = Engine("cpu", max_rows=40000)
+    engine.backend = "cute"
+    assert Engine("cpu").warmup_rows_for(
+        WeightSet("x", torch.empty(2, 2, 2), "w", 1)) == (1,)  # torch backend: nothing to build
+
+    def key(c):
+        return (c.schedule, c.tile_m, c.tile_n, c.stages)
+
+    for E, K, N in [(256, 7168, 512), (8, 4096, 14336), (64, 2048, 1024)]:
+        ws = WeightSet("x", torch.empty(E, K, N), "w", 1)
+        rows = engine.warmup_rows_for(ws)
+        assert max(rows) <= 40000
+        warmed = {key(choose_varlen(engine.config, T, E, N, K, 132)) for T in rows}
+        every = {key(choose_varlen(engine.config, T, E, N, K, 132)) for T in range(1, 40001, 7)}
+        assert every <= warmed, (E, K, N, rows)
+        assert len(rows) == len(warmed)  # one run per configuration, no more
+
+
 def test_out_of_memory_is_reported_and_engine_survives(engine, monkeypatch):
     ws = engine.add_weights("m", torch.randn(2, 4, 4))
     import moe_gemm.engine as eng

@@ -279,22 +279,6 @@ def test_gemm_configs_agree_on_cpu(config: GemmConfig | None) -> None:
 # grouped_mm
 
 
-NATIVE_FP32_OUT_BUG = (
-    "BUG: reference._grouped_mm_native_ok lets bf16 in / fp32 out through to "
-    "F.grouped_mm(out_dtype=torch.float32), which raises 'Grouped gemm output dtype must match "
-    "`mat_a` dtype' on CUDA (seen with torch 2.11 on an H200)"
-)
-
-
-def _mark_native_fp32_out_bug(request: pytest.FixtureRequest, device: str, dtype: torch.dtype,
-                              out_dtype: torch.dtype) -> None:
-    """The CUDA torch backend crashes for bf16 -> fp32 through torch's grouped_mm; the shapes
-    of the tests that call this are aligned, so they take that path."""
-    if device == "cuda" and dtype == torch.bfloat16 and out_dtype == torch.float32:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                              reason=NATIVE_FP32_OUT_BUG))
-
-
 def check_mm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
              out_dtype: torch.dtype) -> None:
     assert y.shape == (x.shape[0], w.shape[2])
@@ -318,7 +302,6 @@ def test_mm_basic(device: str, dtype: torch.dtype, w_layout: str) -> None:
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mm_out_dtype(device: str, dtype: torch.dtype, out_dtype: torch.dtype,
                      request: pytest.FixtureRequest) -> None:
-    _mark_native_fp32_out_bug(request, device, dtype, out_dtype)
     x, w, offs = make_moe_inputs(50, 4, 32, 16, dtype, device, "nk_view", total=41,
                                  generator=_gen(31))
     cfg = TORCH if device == "cuda" else None
@@ -361,7 +344,6 @@ def test_mm_tail_rows_zero_without_out(device: str, dtype: torch.dtype) -> None:
 def test_mm_tail_rows_untouched_with_out(device: str, dtype: torch.dtype,
                                          out_dtype: torch.dtype | None,
                                          request: pytest.FixtureRequest) -> None:
-    _mark_native_fp32_out_bug(request, device, dtype, out_dtype or dtype)
     x, w, _ = make_moe_inputs(30, 3, 16, 8, dtype, device, "nk_view", generator=_gen(34))
     offs = torch.tensor([0, 12, 19], dtype=torch.int32, device=device)
     odt = out_dtype or dtype

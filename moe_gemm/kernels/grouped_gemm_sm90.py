@@ -83,6 +83,11 @@ def _desc_ptr_for_copy(address: Int64, *, loc=None, ip=None) -> cute.Pointer:
     return _cute_ir.recast_iter(desc_ptr_ty, generic.value, loc=loc, ip=ip)
 
 
+def _generic_ptr(address: Int64) -> cute.Pointer:
+    return cute.make_ptr(cutlass.Int8, address, cute.AddressSpace.generic,
+                         assumed_align=DESC_BYTES)
+
+
 class GroupedGemmSm90:
     """Persistent warp-specialized grouped GEMM (see the module docstring for the design).
 
@@ -372,6 +377,8 @@ class GroupedGemmSm90:
                 tD = cute.make_tensor(d_ptr, cute.make_layout((count, n), stride=(mD.stride[0], 1)))
                 atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
                 cpasync.copy_tensormap(atom_d, self._gmem_desc(ws, 2))
+        # Publish the descriptors to the tensormap proxy (the TMA unit reads them there).
+        cpasync.fence_tma_desc_release()
 
     @staticmethod
     def _gmem_desc(ws_base: Int64, slot: int) -> cute.Pointer:
@@ -661,6 +668,11 @@ class GroupedGemmSm90:
             # never needs a predicated R2UR (illegal on sm_90a, error 715).
             # (make_warp_uniform is 32-bit: apply it to the index, never to the address.)
             desc_base = ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
+            if const_expr(self.form == "general"):
+                # The workspace is rewritten every launch (same address under CUDA-graph
+                # replay): acquire the new descriptors so no stale cached copy is used.
+                cpasync.fence_tma_desc_acquire(_generic_ptr(desc_base))
+                cpasync.fence_tma_desc_acquire(_generic_ptr(desc_base + DESC_BYTES))
             for k in cutlass.range(0, k_tiles, 1, unroll=1):
                 ab_pipe.producer_acquire(ab_state)
                 bar = ab_pipe.producer_get_barrier(ab_state)
@@ -896,6 +908,8 @@ class GroupedGemmSm90:
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
         desc_d = (ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
                   + 2 * DESC_BYTES)
+        if is_store_warp:
+            cpasync.fence_tma_desc_acquire(_generic_ptr(desc_d))  # see load_warp_role
         for e in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(size_rD):
                 tRS_rD[v] = tRS_rAcc[e * size_rD + v]

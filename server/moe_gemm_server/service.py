@@ -70,6 +70,7 @@ class Service:
                 s.device,
                 config=GemmConfig(backend=s.backend),
                 warmup_rows=s.warmup_rows,
+                max_rows=max(s.max_rows, s.max_batch_rows),
             )
         log.info("engine on %s, backend %s%s", self.engine.device, self.engine.backend,
                  f" ({self.engine.backend_reason})" if self.engine.backend_reason else "")

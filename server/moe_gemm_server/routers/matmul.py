@@ -15,19 +15,20 @@ from ..codecs import (
     dtype_name,
     parse_json_object,
 )
-from ..dependencies import ReaderDep, ServiceDep
+from ..dependencies import hot_path
 from ..errors import request_id_of
 from ..jobs import gemm_job, mm_job
 from ..limits import read_body
 from ..service import ClientGone
 from .common import body_format, native_params, tensors_response
 
-router = APIRouter(tags=["matmul"], dependencies=[ReaderDep])
+router = APIRouter(tags=["matmul"])
 
 
 @router.post("/v1/weights/{name}/grouped-mm")
-async def grouped_mm(name: str, request: Request, service: ServiceDep) -> Response:
+async def grouped_mm(name: str, request: Request) -> Response:
     """y (T, N): rows of x grouped by expert (counts or offs) times the set's weights."""
+    service = hot_path(request)
     service.check_serving(request)
     ws = service.weight_set(name)
     fmt = body_format(request)
@@ -51,8 +52,9 @@ async def grouped_mm(name: str, request: Request, service: ServiceDep) -> Respon
 
 
 @router.post("/v1/grouped-gemm")
-async def grouped_gemm(request: Request, service: ServiceDep) -> Response:
+async def grouped_gemm(request: Request) -> Response:
     """d.i = a.i @ b.i for every problem i of the request."""
+    service = hot_path(request)
     service.check_serving(request)
     fmt = body_format(request)
     priority, timeout_us = native_params(request)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from moe_gemm.engine import WeightSet
 
 from .. import __version__
-from ..dependencies import ReaderDep, ServiceDep
+from ..dependencies import ReaderDep, ServiceDep, hot_path
 from ..errors import APIError, bad_request, request_id_of
 from ..jobs import mm_job
 from ..limits import read_body
@@ -174,13 +174,13 @@ async def _infer(name: str, request: Request, service: Service) -> Response:
                         headers={"Inference-Header-Content-Length": str(hlen)})
 
 
-@router.post("/models/{name}/infer", dependencies=[ReaderDep])
-async def infer(name: str, request: Request, service: ServiceDep) -> Response:
-    return await _infer(name, request, service)
+@router.post("/models/{name}/infer")
+async def infer(name: str, request: Request) -> Response:
+    return await _infer(name, request, hot_path(request))
 
 
-@router.post("/models/{name}/versions/{version}/infer", dependencies=[ReaderDep])
-async def infer_version(name: str, version: str, request: Request,
-                        service: ServiceDep) -> Response:
+@router.post("/models/{name}/versions/{version}/infer")
+async def infer_version(name: str, version: str, request: Request) -> Response:
+    service = hot_path(request)
     _check_version(version)
     return await _infer(name, request, service)
