@@ -163,8 +163,9 @@ class Engine:
             `max_rows` (cute backend), (1,) with the torch backend.
         max_rows: the most rows one launch will carry (the warm-up sweeps up to it).
 
-    Thread safety: every public method may be called from any thread; launches, warm-ups and
-    installs are serialized by one lock, and all GPU work runs on the engine's own stream.
+    Thread safety: every public method may be called from any thread. Launches and installs
+    are serialized by one lock, and run on the engine's own CUDA stream; warm-up launches run
+    on a second stream without the lock (a compile must not stall serving).
     """
 
     def __init__(
@@ -197,7 +198,12 @@ class Engine:
                 raise RuntimeError(f"backend='cute' cannot run on {self.device}: {why_not}")
             self.backend, self.backend_reason = "torch", why_not
         self._lock = threading.RLock()
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        # Warm-up launches (which may compile for seconds) run on their own stream and
+        # without the lock, so adding a weight set to a live engine does not stall serving.
+        self._warm_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._tls = threading.local()
         self._weights: dict[str, WeightSet] = {}
         self._versions = itertools.count(1)
         self._warmed_gemm: set[torch.dtype] = set()
@@ -239,7 +245,7 @@ class Engine:
             raise ValueError(f"{layout} {want} needs every dimension >= 1; got {_shape(tensor)}")
         # The copy runs on the engine's stream (synchronized on exit) but outside the lock,
         # so a large upload does not stall launches of the sets already resident.
-        with self._oom_guard(), self._on_stream():
+        with self._oom_guard(), self._on_stream(self._warm_stream):
             stored = self._to_device(tensor.detach()).contiguous()
         w = stored if layout == "w" else stored.transpose(1, 2)
         ws = WeightSet(name=name, w=w, layout=layout, version=next(self._versions))
@@ -297,12 +303,13 @@ class Engine:
             self.warm_up_grouped_gemm()
             return
         out_dtypes = [ws.dtype] + ([torch.float32] if ws.dtype != torch.float32 else [])
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        for T in self.warmup_rows_for(ws):
-            x = torch.randn(T, ws.K, generator=gen).to(ws.dtype)
-            counts = _spread(T, ws.E)
-            for out_dtype in out_dtypes:
-                self.grouped_mm_many(ws, [(x, counts)], out_dtype=out_dtype)
+        with self._warming():
+            for T in self.warmup_rows_for(ws):
+                # values do not matter for a compile; built on the device, no host round trip
+                x = torch.ones(T, ws.K, dtype=ws.dtype, device=self.device)
+                counts = _spread(T, ws.E)
+                for out_dtype in out_dtypes:
+                    self.grouped_mm_many(ws, [(x, counts)], out_dtype=out_dtype)
 
     def warmup_rows_for(self, ws: WeightSet) -> tuple[int, ...]:
         """The row counts `warm_up(ws)` runs: one per kernel configuration the heuristics
@@ -360,14 +367,15 @@ class Engine:
         from representative shapes (row-major operands, as the server receives them)."""
         gen = torch.Generator(device="cpu").manual_seed(0)
         shapes = self._gemm_warmup_shapes()
-        for dtype in dtypes:
-            if dtype in self._warmed_gemm:
-                continue
-            for m, n, k in shapes:
-                a = [torch.randn(m, k, generator=gen).to(dtype)]
-                b = [torch.randn(k, n, generator=gen).to(dtype)]
-                self.grouped_gemm_many([(a, b)])
-            self._warmed_gemm.add(dtype)
+        with self._warming():
+            for dtype in dtypes:
+                if dtype in self._warmed_gemm:
+                    continue
+                for m, n, k in shapes:
+                    a = [torch.randn(m, k, generator=gen).to(dtype)]
+                    b = [torch.randn(k, n, generator=gen).to(dtype)]
+                    self.grouped_gemm_many([(a, b)])
+                self._warmed_gemm.add(dtype)
 
     # ------------------------------------------------------------------ launches
 
@@ -433,7 +441,7 @@ class Engine:
         total = sum(rows)
         offs = torch.cumsum(C.sum(0), 0).to(torch.int32)
         perm = _merge_permutation(C, rows) if len(xs) > 1 else None
-        with self._lock, self._oom_guard(), self._on_stream():
+        with self._launch():
             x_all = torch.cat(xs) if len(xs) > 1 else xs[0]
             x_dev = self._to_device(x_all).to(ws.dtype)
             if perm is not None:
@@ -445,7 +453,8 @@ class Engine:
                 y_all.index_copy_(0, self._to_device(perm), y)
                 y = y_all
             y_host = y.to("cpu")
-            self.launches += 1
+            if not getattr(self._tls, "warming", False):
+                self.launches += 1  # serving launches (under the lock)
         assert y_host.shape[0] == total
         return list(y_host.split(rows)) if len(xs) > 1 else [y_host]
 
@@ -478,12 +487,13 @@ class Engine:
             a_all.extend(a)
             b_all.extend(b)
             sizes.append(len(a))
-        with self._lock, self._oom_guard(), self._on_stream():
+        with self._launch():
             a_dev = [self._to_device(t) for t in a_all]
             b_dev = [self._to_device(t) for t in b_all]
             d = grouped_gemm(a_dev, b_dev, config=self.config, out_dtype=out_dtype)
             d_host = [t.to("cpu") for t in d]
-            self.launches += 1
+            if not getattr(self._tls, "warming", False):
+                self.launches += 1  # serving launches (under the lock)
         out, i = [], 0
         for n in sizes:
             out.append(d_host[i:i + n])
@@ -547,13 +557,31 @@ class Engine:
         return t.to(self.device, non_blocking=False)
 
     @contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        if self._stream is None:
+    def _on_stream(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        if stream is None:
             yield
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(stream):
             yield
-        self._stream.synchronize()
+        stream.synchronize()
+
+    @contextmanager
+    def _launch(self) -> Iterator[None]:
+        if getattr(self._tls, "warming", False):
+            with self._oom_guard(), self._on_stream(self._warm_stream):
+                yield
+        else:
+            with self._lock, self._oom_guard(), self._on_stream(self._stream):
+                yield
+
+    @contextmanager
+    def _warming(self) -> Iterator[None]:
+        previous = getattr(self._tls, "warming", False)
+        self._tls.warming = True
+        try:
+            yield
+        finally:
+            self._tls.warming = previous
 
     @contextmanager
     def _oom_guard(self) -> Iterator[None]:

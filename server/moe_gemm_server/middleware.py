@@ -19,6 +19,7 @@ import re
 import time
 import uuid
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError
@@ -70,6 +71,9 @@ class ObservabilityMiddleware:
         self.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:
+            # The client went away mid-body: nobody to answer, nothing to log as an error.
+            state["disconnected"] = True
         except Exception as e:  # noqa: BLE001 - last resort: answer 500 and keep serving
             if isinstance(e, APIError):
                 code, msg = e.status, e.message

@@ -163,6 +163,14 @@ class Service:
                 self.metrics.rejections.labels("draining").inc()
                 raise unavailable("draining: the server is shutting down")
 
+    def admit(self, request: Request) -> None:
+        """check_serving, plus a 429 before the body is read when the queue is already full."""
+        self.check_serving(request)
+        if self.batcher is not None and self.batcher.queued >= self.settings.max_queue:
+            self.metrics.rejections.labels("queue_full").inc()
+            raise APIError(429, f"queue full ({self.settings.max_queue} requests waiting); "
+                                "retry later", {"Retry-After": "1"})
+
     @contextlib.asynccontextmanager
     async def tracked(self) -> AsyncIterator[None]:
         """Counts the request as in flight (a drain waits for it)."""

@@ -29,7 +29,7 @@ router = APIRouter(tags=["matmul"])
 async def grouped_mm(name: str, request: Request) -> Response:
     """y (T, N): rows of x grouped by expert (counts or offs) times the set's weights."""
     service = hot_path(request)
-    service.check_serving(request)
+    service.admit(request)
     ws = service.weight_set(name)
     fmt = body_format(request)
     priority, timeout_us = native_params(request)
@@ -55,7 +55,7 @@ async def grouped_mm(name: str, request: Request) -> Response:
 async def grouped_gemm(request: Request) -> Response:
     """d.i = a.i @ b.i for every problem i of the request."""
     service = hot_path(request)
-    service.check_serving(request)
+    service.admit(request)
     fmt = body_format(request)
     priority, timeout_us = native_params(request)
     async with service.tracked():

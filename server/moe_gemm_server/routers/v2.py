@@ -144,7 +144,7 @@ def _binary_outputs(req: V2Request) -> dict[str, bool]:
 
 
 async def _infer(name: str, request: Request, service: Service) -> Response:
-    service.check_serving(request)
+    service.admit(request)
     ws = service.weight_set(name)
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
