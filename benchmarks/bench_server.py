@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -286,8 +287,9 @@ def main() -> None:
             start += c
         refs[s] = ref
 
-    log_path = (args.out.with_suffix(".server.log") if args.out
-                else Path(tempfile.gettempdir()) / "bench_server.log")
+    load_at_start = [round(v, 2) for v in os.getloadavg()]
+    log_path = Path(tempfile.gettempdir()) / f"bench_server-{os.getpid()}.log"
+    print(f"server log: {log_path}", flush=True)
     results = []
     meta = {}
     for mode in modes:
@@ -360,7 +362,10 @@ def main() -> None:
         "server": {"device": meta.get("device"), "backend": meta.get("backend"),
                    "version": meta.get("version")},
         "host": {"cpu_count": cores, "python": platform.python_version(),
-                 "torch": torch.__version__, "platform": platform.platform()},
+                 "torch": torch.__version__, "platform": platform.platform(),
+                 "loadavg_at_start": load_at_start,
+                 "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+                 "event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"},
         "setup": {
             "weights": {"experts": E, "k": K, "n": N, "dtype": size["dtype"]},
             "rows": {s: size["rows"][s] for s in sizes},

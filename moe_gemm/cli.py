@@ -98,6 +98,11 @@ def check_variants(full: bool):
                            256))
     keys.append(CompileKey("general", "bfloat16", "bfloat16", "k", "pingpong", "device", 128, 128,
                            None, True))
+    # The variants the heuristics pick by default for the suite shapes.
+    keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                           256, 3))
+    keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device", 128, 192))
+    keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 64, 256))
     if full:
         for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):
             keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device",

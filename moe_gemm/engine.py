@@ -58,6 +58,9 @@ _GEMM_WARMUP_SHAPES = tuple(
     (m, n, k) for m in (1, 64, 65, 128) for n in (64, 192, 256) for k in (64, 1024, 1088, 4096)
 )
 
+# Staging buffers larger than this are not kept between launches (see Engine._buffer).
+_MAX_BUFFER_BYTES = 512 << 20
+
 _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
     t for t in (getattr(torch, "OutOfMemoryError", None),
                 getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None
@@ -204,6 +207,7 @@ class Engine:
         # without the lock, so adding a weight set to a live engine does not stall serving.
         self._warm_stream = torch.cuda.Stream(self.device) if cuda else None
         self._tls = threading.local()
+        self._buffers: dict[str, torch.Tensor] = {}
         self._weights: dict[str, WeightSet] = {}
         self._versions = itertools.count(1)
         self._warmed_gemm: set[torch.dtype] = set()
@@ -440,23 +444,66 @@ class Engine:
         C = torch.stack(cs)  # (R, E) int64 on the CPU
         total = sum(rows)
         offs = torch.cumsum(C.sum(0), 0).to(torch.int32)
-        perm = _merge_permutation(C, rows) if len(xs) > 1 else None
+        if len(xs) == 1:
+            with self._launch():
+                x_dev = self._to_device(xs[0]).to(ws.dtype)
+                y = grouped_mm(x_dev, ws.w, self._to_device(offs), config=self.config,
+                               out_dtype=odt)
+                y_host = y.to("cpu")
+                self._count_launch()
+            return [y_host]
+        perm = _merge_permutation(C, rows)
+        K, N = ws.K, ws.N
         with self._launch():
-            x_all = torch.cat(xs) if len(xs) > 1 else xs[0]
-            x_dev = self._to_device(x_all).to(ws.dtype)
-            if perm is not None:
-                x_dev = x_dev.index_select(0, self._to_device(perm))
-            y = grouped_mm(x_dev, ws.w, self._to_device(offs), config=self.config,
-                           out_dtype=odt)
-            if perm is not None:
-                y_all = torch.empty_like(y)
-                y_all.index_copy_(0, self._to_device(perm), y)
-                y = y_all
-            y_host = y.to("cpu")
-            if not getattr(self._tls, "warming", False):
-                self.launches += 1  # serving launches (under the lock)
-        assert y_host.shape[0] == total
-        return list(y_host.split(rows)) if len(xs) > 1 else [y_host]
+            # Staging buffers are kept between launches (pinned on CUDA: one DMA each way):
+            # a fresh host allocation of a large merged batch costs more in page faults than
+            # the copies themselves.
+            x_cat = self._buffer("x_host", (total, K), xs[0].dtype, "cpu")
+            torch.cat(xs, out=x_cat)
+            perm_dev = self._to_device(perm)
+            if self.device.type == "cpu":
+                x_m = self._buffer("x_merged", (total, K), xs[0].dtype, "cpu")
+                torch.index_select(x_cat, 0, perm_dev, out=x_m)
+                if x_m.dtype != ws.dtype:
+                    x_m = self._buffer("x_cast", (total, K), ws.dtype, "cpu").copy_(x_m)
+                y_m = self._buffer("y_merged", (total, N), odt, "cpu")
+                grouped_mm(x_m, ws.w, offs, out=y_m, config=self.config)
+                y_req = self._buffer("y_host", (total, N), odt, "cpu")
+                y_req.index_copy_(0, perm_dev, y_m)
+            else:
+                x_dev = x_cat.to(self.device, non_blocking=True).to(ws.dtype)
+                x_m = x_dev.index_select(0, perm_dev)
+                y = grouped_mm(x_m, ws.w, self._to_device(offs), config=self.config,
+                               out_dtype=odt)
+                y_dev = torch.empty_like(y)
+                y_dev.index_copy_(0, perm_dev, y)
+                y_req = self._buffer("y_host", (total, N), odt, "cpu")
+                y_req.copy_(y_dev)
+            # the buffers are reused by the next launch: hand out copies
+            outs = [t.clone() for t in y_req.split(rows)]
+            self._count_launch()
+        return outs
+
+    def _count_launch(self) -> None:
+        if not getattr(self._tls, "warming", False):
+            self.launches += 1  # serving launches (under the lock)
+
+    def _buffer(self, name: str, shape: tuple[int, int], dtype: torch.dtype, where: str
+                ) -> torch.Tensor:
+        """A [shape] view of a persistent staging buffer (grown geometrically, pinned when on
+        the host of a CUDA engine). Only for launches under the lock; very large requests get
+        a plain allocation so the engine does not hold gigabytes between batches."""
+        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        if nbytes > _MAX_BUFFER_BYTES:
+            return torch.empty(shape, dtype=dtype, device=where)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, 2 * (buf.numel() if buf is not None else 0), 1 << 20)
+            size = min(size, _MAX_BUFFER_BYTES)
+            pin = where == "cpu" and self.device.type == "cuda"
+            buf = torch.empty(size, dtype=torch.uint8, device=where, pin_memory=pin)
+            self._buffers[name] = buf
+        return buf[:nbytes].view(dtype).view(shape)
 
     def grouped_gemm_many(
         self,
@@ -492,8 +539,7 @@ class Engine:
             b_dev = [self._to_device(t) for t in b_all]
             d = grouped_gemm(a_dev, b_dev, config=self.config, out_dtype=out_dtype)
             d_host = [t.to("cpu") for t in d]
-            if not getattr(self._tls, "warming", False):
-                self.launches += 1  # serving launches (under the lock)
+            self._count_launch()
         out, i = [], 0
         for n in sizes:
             out.append(d_host[i:i + n])

@@ -63,7 +63,10 @@ def test_health_and_server_metadata(reader):
     meta = reader.get("/v2").json()
     assert meta["name"] == "moe-gemm-server"
     assert {"binary_tensor_data", "statistics"} <= set(meta["extensions"])
-    assert meta["device"] == "cpu" and meta["backend"] == "torch"
+    if torch.cuda.is_available():  # the server picks the GPU on its own ("auto")
+        assert meta["device"].startswith("cuda")
+    else:
+        assert meta["device"] == "cpu" and meta["backend"] == "torch"
 
 
 # --------------------------------------------------------------------------- weight sets
