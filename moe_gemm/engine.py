@@ -166,9 +166,10 @@ class Engine:
             `max_rows` (cute backend), (1,) with the torch backend.
         max_rows: the most rows one launch will carry (the warm-up sweeps up to it).
 
-    Thread safety: every public method may be called from any thread. Launches and installs
-    are serialized by one lock, and run on the engine's own CUDA stream; warm-up launches run
-    on a second stream without the lock (a compile must not stall serving).
+    Thread safety: every public method may be called from any thread. Launches are
+    serialized by one lock and run on the engine's own CUDA stream; warm-up launches run on
+    a second stream without it (a compile must not stall serving); installing or removing a
+    set never waits for a launch.
     """
 
     def __init__(
@@ -200,7 +201,9 @@ class Engine:
             if self.config.backend == "cute":
                 raise RuntimeError(f"backend='cute' cannot run on {self.device}: {why_not}")
             self.backend, self.backend_reason = "torch", why_not
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # launches
+        # The registry has its own lock: swapping a set in must not wait for a launch.
+        self._registry_lock = threading.Lock()
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         # Warm-up launches (which may compile for seconds) run on their own stream and
@@ -247,7 +250,7 @@ class Engine:
             )
         if min(tensor.shape) == 0:
             raise ValueError(f"{layout} {want} needs every dimension >= 1; got {_shape(tensor)}")
-        # The copy runs on the engine's stream (synchronized on exit) but outside the lock,
+        # The copy runs on the warm-up stream (synchronized on exit), outside the launch lock,
         # so a large upload does not stall launches of the sets already resident.
         with self._oom_guard(), self._on_stream(self._warm_stream):
             stored = self._to_device(tensor.detach()).contiguous()
@@ -259,7 +262,7 @@ class Engine:
 
     def install(self, ws: WeightSet) -> WeightSet | None:
         """Make `ws` visible under its name; returns the set it replaced, if any."""
-        with self._lock:
+        with self._registry_lock:
             old = self._weights.get(ws.name)
             self._weights[ws.name] = ws
             return old
@@ -274,7 +277,7 @@ class Engine:
 
     def remove_weights(self, name: str) -> WeightSet | None:
         """Forget a weight set (launches already holding it finish). Returns it, or None."""
-        with self._lock:
+        with self._registry_lock:
             return self._weights.pop(name, None)
 
     def get_weights(self, name: str) -> WeightSet:
@@ -311,6 +314,8 @@ class Engine:
             for T in self.warmup_rows_for(ws):
                 # values do not matter for a compile; built on the device, no host round trip
                 x = torch.ones(T, ws.K, dtype=ws.dtype, device=self.device)
+                if self.device.type == "cuda":  # filled on this thread's stream; used on ours
+                    torch.cuda.current_stream(self.device).synchronize()
                 counts = _spread(T, ws.E)
                 for out_dtype in out_dtypes:
                     self.grouped_mm_many(ws, [(x, counts)], out_dtype=out_dtype)

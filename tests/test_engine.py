@@ -108,6 +108,31 @@ def test_merged_launch_is_bitwise_equal_to_solo_runs_on_exact_data(engine, dtype
                            .double())
 
 
+def test_merged_launch_edge_cases(engine):
+    """All-empty requests, float32 activations against bf16 weights (converted in the
+    staging buffer), and staging buffers reused by a second, smaller batch."""
+    gen = torch.Generator().manual_seed(8)
+    E, K, N = 3, 16, 8
+    w = torch.randint(-3, 4, (E, K, N), generator=gen).to(torch.bfloat16)
+    ws = engine.add_weights("edge", w)
+    empty = [(torch.empty(0, K), torch.zeros(E, dtype=torch.int32)) for _ in range(3)]
+    out = engine.grouped_mm_many(ws, empty)
+    assert [y.shape for y in out] == [(0, N)] * 3 and all(y.dtype == torch.float32 for y in out)
+    for sizes in ((5, 0, 9, 1), (2, 3)):  # the second batch reuses the first one's buffers
+        reqs = [(torch.randint(-3, 4, (T, K), generator=gen).float(), _counts(T, E, gen))
+                for T in sizes]
+        merged = engine.grouped_mm_many(ws, reqs)
+        for (x, c), y in zip(reqs, merged):
+            assert y.dtype == torch.float32
+            assert torch.equal(y, engine.grouped_mm(ws, x, c))
+            assert torch.equal(y, grouped_mm_ref(x, w, _offs(c), torch.float64).float())
+    # answers handed out are copies: a later launch must not change them
+    kept = [y.clone() for y in merged]
+    engine.grouped_mm_many(ws, [(torch.ones(4, K), torch.tensor([4, 0, 0])),
+                                (torch.ones(1, K), torch.tensor([0, 0, 1]))])
+    assert all(torch.equal(a, b) for a, b in zip(kept, merged))
+
+
 def test_merged_launch_matches_solo_on_random_data(engine):
     """Random normal data: CPU BLAS does not promise row-invariant results (it picks a gemv
     kernel for one row and different K blocking for different M), so merged and solo runs

@@ -106,6 +106,7 @@ class Batcher:
         self._seq = itertools.count()
         self._wakeup = asyncio.Event()
         self._running = 0
+        self._current: list[Job] = []  # the batch being executed
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-gemm-launch")
         self._task: asyncio.Task[None] | None = None
         self.draining = False  # refuse new jobs
@@ -188,12 +189,12 @@ class Batcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for heap in self._queues.values():
-            for _, _, job in heap:
-                if job.state == "queued":
-                    job.state = "cancelled"
-                    if job.future is not None and not job.future.done():
-                        job.future.set_exception(Draining())
+        pending = [job for heap in self._queues.values() for _, _, job in heap]
+        for job in pending + self._current:
+            if job.state in ("queued", "running"):
+                job.state = "cancelled"
+                if job.future is not None and not job.future.done():
+                    job.future.set_exception(Draining())
         self._queues.clear()
         self._agg.clear()
         self._queued = 0
@@ -299,6 +300,13 @@ class Batcher:
     # ------------------------------------------------------------------ execution
 
     async def _execute(self, batch: list[Job]) -> None:
+        self._current = batch
+        try:
+            await self._execute_batch(batch)
+        finally:
+            self._current = []
+
+    async def _execute_batch(self, batch: list[Job]) -> None:
         t0 = time.monotonic()
         kind = batch[0].kind
         for job in batch:

@@ -124,9 +124,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of `moe-gemm-server`."""
     settings = settings_from_args(argv)
     configure_logging(settings.log_level)
+    from moe_gemm.engine import resolve_device
+
     from .main import create_app
 
-    app = create_app(settings)
+    try:
+        resolve_device(settings.device)  # fail before binding the port, with one line
+        app = create_app(settings)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"moe-gemm-server: {e}") from None
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -135,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=settings.timeout_keep_alive,
+        # after the drain, a connection that still hangs (a stalled upload) is cut after this
+        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
         lifespan="on",
     )
     server = DrainingServer(config, app)

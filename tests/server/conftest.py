@@ -6,14 +6,15 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_testutils import LiveServer
-
-API_KEY = "reader-key-1"
-API_KEY_2 = "reader-key-2"
-ADMIN_KEY = "admin-key-0"
-MAX_BODY = 1 << 20
-MAX_ROWS = 4096
-MAX_FLOPS = 2_000_000_000
+from server_testutils import (
+    ADMIN_KEY,
+    API_KEY,
+    API_KEY_2,
+    MAX_BODY,
+    MAX_FLOPS,
+    MAX_ROWS,
+    LiveServer,
+)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,14 @@ from safetensors.torch import load, save
 
 REPO = Path(__file__).resolve().parents[2]
 
+# The shared live server's keys and limits (tests/server/conftest.py starts it).
+API_KEY = "reader-key-1"
+API_KEY_2 = "reader-key-2"
+ADMIN_KEY = "admin-key-0"
+MAX_BODY = 1 << 20
+MAX_ROWS = 4096
+MAX_FLOPS = 2_000_000_000
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -197,3 +197,44 @@ def test_cli_rejects_bad_values(capsys):
                  "--max-body-bytes", "--max-rows", "--max-flops", "--log-level",
                  "--batch-delay-us", "--max-queue", "--no-batching"):
         assert flag in flags
+
+
+def test_json_answers_are_bounded(tmp_path):
+    """A JSON request whose answer would hold more than 4M numbers is refused up front (422);
+    the same request in safetensors is served."""
+    with TestClient(create_app(_settings(tmp_path))) as client:
+        _wait_ready(client)
+        w = torch.randn(1, 1, 4096)
+        assert client.put("/v1/weights/wide", content=st_body({"w": w})).status_code == 201
+        x = torch.randn(1025, 1)
+        r = client.post("/v1/weights/wide/grouped-mm",
+                        json={"x": x.tolist(), "counts": [1025]})
+        assert r.status_code == 422 and "safetensors" in r.json()["error"]
+        r = client.post("/v1/weights/wide/grouped-mm", content=st_body(
+            {"x": x, "counts": torch.tensor([1025], dtype=torch.int32)}))
+        assert r.status_code == 200
+        torch.testing.assert_close(st_load(r.content)["y"], x @ w[0], atol=1e-5, rtol=1e-5)
+        small = client.post("/v1/weights/wide/grouped-mm",
+                            json={"x": x[:20].tolist(), "counts": [20]})
+        assert small.status_code == 200 and len(small.json()["y"]) == 20
+
+
+def test_cli_fails_fast_with_one_line(tmp_path):
+    import logging
+
+    from moe_gemm_server.cli import main
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        with pytest.raises(SystemExit, match="moe-gemm-server: device must be .*'tpu'"):
+            main(["--device", "tpu", "--data-dir", str(tmp_path / "d")])
+        blocker = tmp_path / "file"
+        blocker.write_text("not a directory")
+        with pytest.raises(SystemExit, match="moe-gemm-server: .*file"):
+            main(["--data-dir", str(blocker / "data")])
+    finally:
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)

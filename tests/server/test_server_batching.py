@@ -31,6 +31,7 @@ from server_testutils import (
 
 E, K, N = 5, 64, 48
 DELAY_S = 0.15
+SLOW_DELAY_S = 2.5
 # One pooled client for the module (httpx clients are thread-safe; building one per request
 # would cost an SSL context each time).
 HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=64))
@@ -52,10 +53,10 @@ def batching_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
-    """A 1.5 s batch delay and a queue of 3: requests sit in the queue long enough to be
+    """A 2.5 s batch delay and a queue of 3: requests sit in the queue long enough to be
     refused, timed out or abandoned while queued."""
     server = LiveServer(tmp_path_factory.mktemp("slow") / "data",
-                        "--batch-delay-us", "1500000", "--max-queue", "3",
+                        "--batch-delay-us", str(int(SLOW_DELAY_S * 1e6)), "--max-queue", "3",
                         "--log-level", "warning")
     try:
         server.start()
@@ -311,7 +312,7 @@ def test_queued_timeout_answers_504_at_the_deadline(slow_server):
     r = _mm(url, "t", x, c, **{"X-Timeout-Us": "200000"})
     elapsed = time.monotonic() - t0
     assert r.status_code == 504 and "timeout" in r.json()["error"]
-    assert 0.19 <= elapsed < 1.2  # the batch delay (1.5 s) had not run out
+    assert 0.19 <= elapsed < SLOW_DELAY_S - 0.5, elapsed  # the batch delay had not run out
     # the v2 parameter works the same way
     body = {"inputs": [
         {"name": "x", "shape": [2, 8], "datatype": "FP32", "data": x.flatten().tolist()},
@@ -319,9 +320,9 @@ def test_queued_timeout_answers_504_at_the_deadline(slow_server):
         "parameters": {"timeout": 100000}}
     t0 = time.monotonic()
     r = HTTP.post(f"{url}/v2/models/t/infer", json=body)
-    assert r.status_code == 504 and time.monotonic() - t0 < 1.2
+    assert r.status_code == 504 and time.monotonic() - t0 < SLOW_DELAY_S - 0.5
     # the dropped jobs never run: no launch happens for them
-    time.sleep(1.6)
+    time.sleep(SLOW_DELAY_S + 0.1)
     after = _metrics(url)
     assert metric(after, "moe_gemm_batch_requests_sum", kind="mm") == metric(
         before, "moe_gemm_batch_requests_sum", kind="mm")
@@ -353,7 +354,7 @@ def test_disconnect_drops_queued_work(slow_server):
         assert time.monotonic() < deadline, "the disconnect was not noticed"
         time.sleep(0.01)
     assert metric(m, "moe_gemm_queued_requests") == 0
-    time.sleep(1.6)  # past the batch delay: the dropped job must not have been launched
+    time.sleep(SLOW_DELAY_S + 0.1)  # past the batch delay: the dropped job never launched
     assert metric(_metrics(url), "moe_gemm_batch_requests_sum", kind="mm") == metric(
         before, "moe_gemm_batch_requests_sum", kind="mm")
     assert HTTP.get(f"{url}/v2/health/ready").status_code == 200

@@ -9,8 +9,12 @@ import threading
 import httpx
 import pytest
 import torch
-from conftest import ADMIN_KEY, API_KEY, API_KEY_2, MAX_BODY, MAX_ROWS
 from server_testutils import (
+    ADMIN_KEY,
+    API_KEY,
+    API_KEY_2,
+    MAX_BODY,
+    MAX_ROWS,
     assert_close_to_ref,
     metric,
     mm_ref,

@@ -9,8 +9,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import ADMIN_KEY, API_KEY
-from server_testutils import assert_close_to_ref, mm_ref, random_counts, st_body
+from server_testutils import (
+    ADMIN_KEY,
+    API_KEY,
+    assert_close_to_ref,
+    mm_ref,
+    random_counts,
+    st_body,
+)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 httpclient = pytest.importorskip("tritonclient.http")

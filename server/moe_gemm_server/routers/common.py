@@ -46,12 +46,37 @@ def native_params(request: Request) -> tuple[int | None, int | None]:
     return _int_header(request, "x-priority"), _int_header(request, "x-timeout-us")
 
 
+# JSON answers are for small requests: beyond this many numbers, ask for safetensors (a JSON
+# number costs ~20 bytes and a Python float object to build; 4M of them is already ~80 MB).
+MAX_JSON_ELEMENTS = 4 << 20
+
+
+def check_json_answer(elements: int) -> None:
+    """422 before running a request whose JSON answer would be too large."""
+    if elements > MAX_JSON_ELEMENTS:
+        raise APIError(422, f"the answer has {elements} numbers, more than the "
+                            f"{MAX_JSON_ELEMENTS} a JSON answer may hold; send safetensors "
+                            "(or, on v2, ask for binary_data outputs)")
+
+
+def _json_body(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, object] | None,
+               as_list: str | None = None) -> bytes:
+    if as_list:  # {"d": [d.0, d.1, ...]} (the grouped-gemm JSON form)
+        obj: dict[str, object] = {as_list: [tensor_to_json(v) for v in tensors.values()]}
+    else:
+        obj = {k: tensor_to_json(v) for k, v in tensors.items()}
+    obj.update(extra or {})
+    return encode_json(obj)
+
+
 async def tensors_response(tensors: Mapping[str, torch.Tensor], fmt: str,
                            extra: Mapping[str, object] | None = None) -> Response:
-    if fmt == "json":
-        obj: dict[str, object] = {k: tensor_to_json(v) for k, v in tensors.items()}
-        obj.update(extra or {})
-        return Response(encode_json(obj), media_type=JSON)
+    if fmt in ("json", "json-list"):
+        as_list = "d" if fmt == "json-list" else None
+        if sum(t.numel() for t in tensors.values()) > 65536:  # keep the event loop free
+            return Response(await asyncio.to_thread(_json_body, tensors, extra, as_list),
+                            media_type=JSON)
+        return Response(_json_body(tensors, extra, as_list), media_type=JSON)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     if size > _BIG:
         body = await asyncio.to_thread(encode_safetensors, tensors)

@@ -20,7 +20,7 @@ from ..errors import request_id_of
 from ..jobs import gemm_job, mm_job
 from ..limits import read_body
 from ..service import ClientGone
-from .common import body_format, native_params, tensors_response
+from .common import body_format, check_json_answer, native_params, tensors_response
 
 router = APIRouter(tags=["matmul"])
 
@@ -43,6 +43,8 @@ async def grouped_mm(name: str, request: Request) -> Response:
                      priority=service.priority_level(priority),
                      deadline=service.deadline_for(request, timeout_us),
                      request_id=request_id_of(request))
+        if fmt == "json":
+            check_json_answer(job.rows * ws.N)
         try:
             y = await service.run(request, job)
         except ClientGone:
@@ -68,13 +70,14 @@ async def grouped_gemm(request: Request) -> Response:
                        priority=service.priority_level(priority),
                        deadline=service.deadline_for(request, timeout_us),
                        request_id=request_id_of(request))
+        if fmt == "json":
+            a, b = job.payload
+            check_json_answer(sum(ai.shape[0] * bi.shape[1] for ai, bi in zip(a, b)))
         try:
             d = await service.run(request, job)
         except ClientGone:
             return Response(status_code=499)
         if fmt == "json":
-            return await tensors_response({}, "json", {
-                "d": [t.to("cpu").float().tolist() for t in d],
-                "dtype": dtype_name(job.out_dtype),
-            })
+            return await tensors_response({f"d.{i}": t for i, t in enumerate(d)}, "json-list",
+                                          {"dtype": dtype_name(job.out_dtype)})
         return await tensors_response({f"d.{i}": t for i, t in enumerate(d)}, fmt)

@@ -10,6 +10,7 @@ come back binary when `binary_data_output` (request parameters) or an output's
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -24,6 +25,7 @@ from ..jobs import mm_job
 from ..limits import read_body
 from ..service import ClientGone, Service
 from ..v2 import TORCH_TO_V2, V2Request, encode_response, parse_request
+from .common import check_json_answer
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 
@@ -163,11 +165,17 @@ async def _infer(name: str, request: Request, service: Service) -> Response:
                      priority=service.priority_level(_param_int(params, "priority")),
                      deadline=service.deadline_for(request, _param_int(params, "timeout")),
                      request_id=rid)
+        if not binary["y"]:
+            check_json_answer(job.rows * ws.N)
         try:
             y = await service.run(request, job)
         except ClientGone:
             return Response(status_code=499)
-        payload, hlen = encode_response(name, rid, {"y": y}, binary, VERSION)
+        if binary["y"] or y.numel() <= 65536:
+            payload, hlen = encode_response(name, rid, {"y": y}, binary, VERSION)
+        else:  # a large JSON answer is built off the event loop
+            payload, hlen = await asyncio.to_thread(encode_response, name, rid, {"y": y},
+                                                    binary, VERSION)
         if hlen is None:
             return Response(payload, media_type="application/json")
         return Response(payload, media_type="application/octet-stream",
