@@ -173,6 +173,8 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None
+    if config is not None and type(config) is not GemmConfig:
+        return None  # the slow path says what is wrong with it
     env = os.environ
     if env.get("MOE_GEMM_CHECK_OFFS") or env.get("MOE_GEMM_DISABLE_CUTE"):
         return None
