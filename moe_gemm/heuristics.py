@@ -36,8 +36,7 @@ L2_POLICY = {"normal": 0x1000000000000000, "first": 0x12F0000000000000,
              "last": 0x14F0000000000000}
 
 
-def with_l2_hints(choice: KernelChoice, m_tiles_per_problem: float, n_tiles: float
-                  ) -> KernelChoice:
+def with_l2_hints(choice: KernelChoice) -> KernelChoice:
     """L2 eviction hints on the TMA loads: off by default. Measured on an H200
     (2026-11-21): the kernel without hints was as fast or faster on every suite shape, and
     evict_first on operands that are re-read (mixtral's A, re-read by 56 n-tiles) made the
@@ -94,10 +93,7 @@ def choose_general(
         sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
     else:
         sort = config.sort_by_k
-    choice = KernelChoice(schedule, visitor, tile[0], tile[1], stages, sort, 8)
-    m_tiles = sum(-(-m // tile[0]) for m, _, _ in nonempty) / max(1, len(nonempty))
-    n_tiles = sum(-(-n // tile[1]) for _, n, _ in nonempty) / max(1, len(nonempty))
-    return with_l2_hints(choice, m_tiles, n_tiles)
+    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, sort, 8))
 
 
 def choose_varlen(
@@ -121,8 +117,7 @@ def choose_varlen(
     stages = config.stages
     if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
         stages = 3  # long K (see choose_general)
-    choice = KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8)
-    return with_l2_hints(choice, avg_m / tile[0], N / tile[1])
+    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8))
 
 
 @functools.lru_cache(maxsize=64)

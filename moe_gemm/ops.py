@@ -38,10 +38,10 @@ def _check_config(config: object) -> GemmConfig:
     return config
 
 
-def _use_cute(config: GemmConfig, device: torch.device, unsupported: str | None, op: str) -> bool:
+def _use_cute(config: GemmConfig, problem: str | None, unsupported: str | None, op: str) -> bool:
+    """problem: why the cute backend cannot run here (capability.cute_problem), or None."""
     if config.backend == "torch":
         return False
-    problem = cute_problem(device)
     if config.backend == "cute":
         if problem is not None:
             raise RuntimeError(f"backend='cute' cannot run here: {problem}")
@@ -90,12 +90,10 @@ def grouped_gemm(
     args = check_grouped_gemm(a, b, out, out_dtype)
     if not args.a:
         return []
-    if cfg.backend != "torch" and cute_problem(args.device) is None:
-        layout = analyze_general(args)
-        unsupported = layout if isinstance(layout, str) else None
-    else:
-        layout, unsupported = None, None
-    if _use_cute(cfg, args.device, unsupported, "grouped_gemm"):
+    problem = cute_problem(args.device) if cfg.backend != "torch" else "torch requested"
+    layout = analyze_general(args) if problem is None else None
+    unsupported = layout if isinstance(layout, str) else None
+    if _use_cute(cfg, problem, unsupported, "grouped_gemm"):
         from .kernels.host_sm90 import grouped_gemm_cute
 
         return grouped_gemm_cute(args, cfg, layout=layout)  # type: ignore[arg-type]
@@ -145,7 +143,9 @@ def grouped_mm(
         return plan(x, w, offs, out)
     cfg = _check_config(config)
     args = check_grouped_mm(x, w, offs, out, out_dtype)
-    if _use_cute(cfg, args.x.device, grouped_mm_unsupported(args, cfg), "grouped_mm"):
+    problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
+    unsupported = grouped_mm_unsupported(args, cfg) if problem is None else None
+    if _use_cute(cfg, problem, unsupported, "grouped_mm"):
         from .kernels.host_sm90 import MmPlan
 
         plan = MmPlan(args, cfg)

@@ -33,7 +33,6 @@ checks this before we get here); tile_k = 64 (one 128-byte swizzle row of 16-bit
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import cuda.bindings.driver as cuda
@@ -340,35 +339,35 @@ class GroupedGemmSm90:
             cols = Int32(meta[p, 6] >> 32)
             depth = Int32(meta[p, 7])
             if cutlass.min(rows, cols) > 0:
-              if depth > 0:
-                  a_ptr = cute.make_ptr(
-                      self.ab_dtype, meta[p, 0], cute.AddressSpace.gmem, assumed_align=16
-                  )
-                  tA = cute.make_tensor(
-                      a_ptr, cute.make_layout((rows, depth), stride=(meta[p, 3], 1))
-                  )
-                  atom_a, _ = cpasync.make_tiled_tma_atom(
-                      op_g2s, tA, a_smem, (self.tile_m, TILE_K)
-                  )
-                  cpasync.copy_tensormap(atom_a, self._gmem_desc(ws, 0))
-                  b_ptr = cute.make_ptr(
-                      self.ab_dtype, meta[p, 1], cute.AddressSpace.gmem, assumed_align=16
-                  )
-                  if const_expr(self.b_major == "k"):
-                      b_layout = cute.make_layout((cols, depth), stride=(meta[p, 4], 1))
-                  else:
-                      b_layout = cute.make_layout((cols, depth), stride=(1, meta[p, 4]))
-                  tB = cute.make_tensor(b_ptr, b_layout)
-                  atom_b, _ = cpasync.make_tiled_tma_atom(
-                      op_g2s, tB, b_smem, (self.tile_n, TILE_K)
-                  )
-                  cpasync.copy_tensormap(atom_b, self._gmem_desc(ws, 1))
-              d_ptr = cute.make_ptr(
-                  self.d_dtype, meta[p, 2], cute.AddressSpace.gmem, assumed_align=16
-              )
-              tD = cute.make_tensor(d_ptr, cute.make_layout((rows, cols), stride=(meta[p, 5], 1)))
-              atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
-              cpasync.copy_tensormap(atom_d, self._gmem_desc(ws, 2))
+                if depth > 0:
+                    a_ptr = cute.make_ptr(
+                        self.ab_dtype, meta[p, 0], cute.AddressSpace.gmem, assumed_align=16
+                    )
+                    tA = cute.make_tensor(
+                        a_ptr, cute.make_layout((rows, depth), stride=(meta[p, 3], 1))
+                    )
+                    atom_a, _ = cpasync.make_tiled_tma_atom(
+                        op_g2s, tA, a_smem, (self.tile_m, TILE_K)
+                    )
+                    cpasync.copy_tensormap(atom_a, self._gmem_desc(ws, 0))
+                    b_ptr = cute.make_ptr(
+                        self.ab_dtype, meta[p, 1], cute.AddressSpace.gmem, assumed_align=16
+                    )
+                    if const_expr(self.b_major == "k"):
+                        b_layout = cute.make_layout((cols, depth), stride=(meta[p, 4], 1))
+                    else:
+                        b_layout = cute.make_layout((cols, depth), stride=(1, meta[p, 4]))
+                    tB = cute.make_tensor(b_ptr, b_layout)
+                    atom_b, _ = cpasync.make_tiled_tma_atom(
+                        op_g2s, tB, b_smem, (self.tile_n, TILE_K)
+                    )
+                    cpasync.copy_tensormap(atom_b, self._gmem_desc(ws, 1))
+                d_ptr = cute.make_ptr(
+                    self.d_dtype, meta[p, 2], cute.AddressSpace.gmem, assumed_align=16
+                )
+                tD = cute.make_tensor(d_ptr, cute.make_layout((rows, cols), stride=(meta[p, 5], 1)))
+                atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
+                cpasync.copy_tensormap(atom_d, self._gmem_desc(ws, 2))
         else:
             start, count = self._expert_rows(p, offs, mA.shape[0], offs.shape[0])
             n = mD.shape[1]
@@ -929,9 +928,3 @@ class GroupedGemmSm90:
                 store_pipe.producer_acquire()
             cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
 
-
-def smem_estimate(tile_m: int, tile_n: int, d_bits: int, pingpong: bool, stages: int) -> int:
-    """Bytes of shared memory the kernel uses (for heuristics; the trace computes the truth)."""
-    ab = (tile_m + tile_n) * TILE_K * 2 * stages
-    epi = (64 * 32 if pingpong else 128 * 32) * d_bits // 8 * (2 * 2 if pingpong else 4)
-    return ab + epi + 2048 + SCHED_STAGES * RECORD_INTS * 4 + math.ceil(0)
