@@ -560,14 +560,19 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
     a_list = [x[bounds[e]:bounds[e + 1]] for e in range(len(counts))]
     b_list = [w[e] for e in range(len(counts))]
     loop = loop_body(inp, run.device)
+    # The batched (3D x 3D) form on the same rows: E problems of T / E rows each.
+    x3 = x[: (x.shape[0] // len(counts)) * len(counts)].view(len(counts), -1, x.shape[1])
     calls: dict[str, Callable[[], object]] = {
         "moe_gemm.grouped_mm (default)": lambda: ops.grouped_mm(x, w, offs),
         "moe_gemm.grouped_gemm (default)": lambda: ops.grouped_gemm(a_list, b_list),
+        "moe_gemm.grouped_mm 3-D (default)": lambda: ops.grouped_mm(x3, w),
         "torch.mm loop": loop,
+        "torch.bmm": lambda: torch.bmm(x3, w),
     }
     if GROUPED_MM_FN is not None:
         gmm = GROUPED_MM_FN
         calls[GROUPED_MM_NAME] = lambda: gmm(x, w, offs=offs)
+        calls[GROUPED_MM_NAME + " 3-D"] = lambda: gmm(x3, w)
     iters = 20 if run.smoke else 300
     entries: dict[str, Any] = {}
     for name, fn in calls.items():

@@ -34,6 +34,7 @@ from .config import GemmConfig
 
 Size = tuple[int, int, int]  # (M, N, K)
 DEFAULT_NAME = "moe_gemm (default)"
+LIST_NAME = "moe_gemm grouped_gemm (list)"
 GROUPED_MM_FN = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GROUPED_MM_NAME = "F.grouped_mm" if hasattr(F, "grouped_mm") else "torch._grouped_mm"
 
@@ -438,6 +439,28 @@ def _ours(config: GemmConfig | None) -> Callable[[ShapeSpec, Inputs, torch.devic
     return build
 
 
+def _ours_batched(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+    """grouped_mm's 3D x 3D form on the operands stacked as torch.bmm gets them."""
+    sizes = _sizes_of(inp)
+    if not isinstance(inp, GeneralInputs) or len(set(sizes)) != 1:
+        raise NotApplicable("the batched form needs the same (M, N, K) for every problem")
+    A, B = torch.stack(inp.a), torch.stack(inp.b)  # copies, made outside the timed region
+
+    def run() -> object:
+        return ops.grouped_mm(A, B)
+
+    def check() -> object:
+        out = torch.full((A.shape[0], A.shape[1], B.shape[2]), float("nan"), dtype=A.dtype,
+                         device=device)
+        return ops.grouped_mm(A, B, out=out)
+
+    return Prepared(run, check)
+
+
+def uniform_problems(spec: ShapeSpec) -> bool:
+    return spec.form == "general" and len(set(spec.problems)) == 1
+
+
 def _build_bmm(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
     sizes = _sizes_of(inp)
     if len(set(sizes)) != 1 or sizes[0][0] == 0:
@@ -558,8 +581,19 @@ def _build_graph(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared
 
 def implementations(spec: ShapeSpec, variants: bool) -> list[Impl]:
     """Ours (default) first, then the peers, then the variant matrix where it applies."""
+    if uniform_problems(spec):
+        # One (M, N, K) for all: the natural call is the 3-D one torch.bmm also gets.
+        ours = [
+            Impl(DEFAULT_NAME, False, _ours_batched, default=True,
+                 notes="grouped_mm(x (G, M, K), w (G, K, N)), config=None; operands stacked "
+                 "outside the timed region, as for torch.bmm"),
+            Impl(LIST_NAME, False, _ours(None),
+                 notes="grouped_gemm on the per-problem allocations, config=None"),
+        ]
+    else:
+        ours = [Impl(DEFAULT_NAME, False, _ours(None), default=True, notes="config=None")]
     impls = [
-        Impl(DEFAULT_NAME, False, _ours(None), default=True, notes="config=None"),
+        *ours,
         Impl("torch.bmm", True, _build_bmm,
              notes="cuBLAS batched; operands stacked outside the timed region"),
         Impl(GROUPED_MM_NAME, True, _build_grouped_mm,

@@ -103,6 +103,9 @@ def check_variants(full: bool):
                            256, 3))
     keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device", 128, 192))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 64, 256))
+    keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                           256, 3))
+    keys.append(CompileKey("batched", "float16", "float32", "k", "pingpong", "device", 128, 192))
     if full:
         for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):
             keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device",

@@ -29,6 +29,7 @@ class KernelChoice:
     a_policy: int = 0  # L2 eviction priority of A / B loads, used when l2_hints is set
     b_policy: int = 0
     l2_hints: bool = False
+    epi_n: int = 32  # cooperative epilogue subtile width (compile-time)
 
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
@@ -118,6 +119,28 @@ def choose_varlen(
     if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
         stages = 3  # long K (see choose_general)
     return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8))
+
+
+@functools.lru_cache(maxsize=256)
+def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int
+                   ) -> KernelChoice:
+    """For grouped_mm's 3D x 3D form: the general rules for one (M, N, K) shared by all."""
+    k_tiles = -(-K // TILE_K)
+    if config.schedule != "auto":
+        schedule = config.schedule
+    else:
+        schedule = "pingpong" if k_tiles <= 16 and N >= 192 else "cooperative"
+    if config.tile_m is not None:
+        tile = (config.tile_m, config.tile_n)
+        _check_tile(schedule, tile)
+    else:
+        tile = _pick_tile(schedule, M, N, general=True)
+    stages = config.stages
+    if stages is None and schedule == "cooperative" and tile == (128, 256) and k_tiles >= 64:
+        stages = 3  # long K (see choose_general)
+    # Tiles are found by division (every problem has the same count): the visitor and K-sort
+    # have nothing to decide here.
+    return with_l2_hints(KernelChoice(schedule, "device", tile[0], tile[1], stages, False, 8))
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,7 +9,6 @@ warning; with backend="cute" it raises ValueError.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 
@@ -17,9 +16,10 @@ import torch
 
 from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
-from .kernels.support import analyze_general, grouped_mm_unsupported
-from .reference import grouped_gemm_torch, grouped_mm_torch
-from .validation import check_grouped_gemm, check_grouped_mm
+from .env import env_get
+from .kernels.support import analyze_general, grouped_bmm_unsupported, grouped_mm_unsupported
+from .reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
+from .validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
 
 _warned: set[str] = set()
 
@@ -103,28 +103,34 @@ def grouped_gemm(
 def grouped_mm(
     x: torch.Tensor,
     w: torch.Tensor,
-    offs: torch.Tensor,
+    offs: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The MoE expert GEMM (torch.nn.functional.grouped_mm's 2D x 3D form).
+    """The MoE expert GEMM and the batched GEMM: torch.nn.functional.grouped_mm's 2D x 3D
+    form (with offs) and its 3D x 3D form (offs=None).
 
-    Rows offs[e-1]:offs[e] of x (offs[-1] taken as 0) are multiplied by w[e].
+    With offs: rows offs[e-1]:offs[e] of x (offs[-1] taken as 0) are multiplied by w[e].
+    Without: y[g] = x[g] @ w[g] for every g (torch.bmm's semantics, fp32 accumulation); on
+    the GPU this is one launch whose host cost does not grow with G.
 
     Args:
-        x: [T, K] tokens sorted by expert; bf16, fp16 or fp32.
-        w: [E, K, N] expert weights, same dtype and device; any layout with one unit stride in
-            the last two dims, e.g. `w_t.transpose(1, 2)` of an [E, N, K] weight.
+        x: [T, K] tokens sorted by expert, or [G, M, K] (batched); bf16, fp16 or fp32.
+        w: [E, K, N] expert weights (or [G, K, N]), same dtype and device; any layout with one
+            unit stride in the last two dims, e.g. `w_t.transpose(1, 2)` of an [E, N, K]
+            weight.
         offs: [E] int32 cumulative end rows, on x's device; non-decreasing, offs[-1] <= T.
-            Experts with no rows are normal.
-        out: optional [T, N] tensor to write into; rows >= offs[-1] are left untouched.
-        config: a GemmConfig; None = automatic.
+            Experts with no rows are normal. None (the default) selects the batched form.
+        out: optional [T, N] ([G, M, N] batched) tensor to write into; with offs, rows >=
+            offs[-1] are left untouched.
+        config: a GemmConfig; None = automatic. (The batched form finds tiles by division:
+            visitor and sort_by_k have no effect on it.)
         out_dtype: output dtype (bf16, fp16 or fp32); default x's dtype.
 
     Returns:
-        y [T, N]. When `out` is None, rows >= offs[-1] are zero.
+        y [T, N] (when `out` is None, rows >= offs[-1] are zero), or [G, M, N] batched.
 
     On a CUDA device the call never synchronizes with the host (it can be captured in a CUDA
     graph and replayed with new offs), so offs values on the GPU are not checked unless
@@ -137,6 +143,8 @@ def grouped_mm(
         ValueError: ranks, K mismatch, offs length or values, devices or `out` shape.
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
+    if offs is None:
+        return _grouped_bmm(x, w, out, config, out_dtype)
     key = _mm_plan_key(x, w, offs, out, config, out_dtype)
     plan = _mm_plans.get(key) if key is not None else None
     if plan is not None:
@@ -158,6 +166,27 @@ def grouped_mm(
     return grouped_mm_torch(args)
 
 
+def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
+    key = _bmm_plan_key(x, w, out, config, out_dtype)
+    plan = _mm_plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan(x, w, out)
+    cfg = _check_config(config)
+    args = check_grouped_bmm(x, w, out, out_dtype)
+    problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
+    unsupported = grouped_bmm_unsupported(args, cfg) if problem is None else None
+    if _use_cute(cfg, problem, unsupported, "grouped_mm"):
+        from .kernels.host_sm90 import BmmPlan
+
+        plan = BmmPlan(args, cfg)
+        if key is not None:
+            if len(_mm_plans) >= _MAX_PLANS:
+                _mm_plans.clear()
+            _mm_plans[key] = plan
+        return plan(args.x, args.w, args.out)
+    return grouped_bmm_torch(args)
+
+
 # grouped_mm launch plans of validated cute calls, keyed by everything validation and the
 # kernel choice depend on (shapes, strides, dtypes, devices, 16-byte alignment, config): a
 # repeated call skips validation and heuristics. offs values are never part of it (on the GPU
@@ -175,10 +204,9 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
         return None
     if config is not None and type(config) is not GemmConfig:
         return None  # the slow path says what is wrong with it
-    env = os.environ
-    if env.get("MOE_GEMM_CHECK_OFFS") or env.get("MOE_GEMM_DISABLE_CUTE"):
+    if env_get("MOE_GEMM_CHECK_OFFS") or env_get("MOE_GEMM_DISABLE_CUTE"):
         return None
-    hints = env.get("MOE_GEMM_L2_HINTS")
+    hints = env_get("MOE_GEMM_L2_HINTS")
     ptrs = x.data_ptr() | w.data_ptr()
     out_key = None
     if out is not None:
@@ -186,3 +214,21 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
         ptrs |= out.data_ptr()
     return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, offs.shape,
             offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config, ptrs & 15, hints)
+
+
+def _bmm_plan_key(x, w, out, config, out_dtype) -> tuple | None:
+    if type(x) is not torch.Tensor or type(w) is not torch.Tensor or not x.is_cuda:
+        return None
+    if out is not None and type(out) is not torch.Tensor:
+        return None
+    if config is not None and type(config) is not GemmConfig:
+        return None
+    if env_get("MOE_GEMM_DISABLE_CUTE"):
+        return None
+    ptrs = x.data_ptr() | w.data_ptr()
+    out_key = None
+    if out is not None:
+        out_key = (out.shape, out.stride(), out.dtype, out.device)
+        ptrs |= out.data_ptr()
+    return ("bmm", x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype,
+            w.device, out_key, out_dtype, config, ptrs & 15, env_get("MOE_GEMM_L2_HINTS"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .validation import GroupedGemmArgs, GroupedMmArgs
+from .validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
 
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
@@ -101,6 +101,23 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
             y[start:end] = _mm(x[start:end], w[e], args.out_dtype)
         start = end
     return y
+
+
+def grouped_bmm_torch(args: GroupedBmmArgs) -> torch.Tensor:
+    """out[g] = x[g] @ w[g] with fp32 accumulation (cuBLAS bmm on CUDA), written into out."""
+    x, w, odt = args.x, args.w, args.out_dtype
+    if x.device.type == "cuda" and odt == x.dtype:
+        r = torch.bmm(x, w)
+    elif x.device.type == "cuda" and x.dtype != torch.float32 and odt == torch.float32:
+        try:
+            r = torch.bmm(x, w, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            r = torch.bmm(x.float(), w.float())
+    else:
+        r = torch.bmm(x.float(), w.float()).to(odt)
+    if args.out is None:
+        return r
+    return args.out.copy_(r)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,11 +8,12 @@ clamp offsets into [0, T] so that bad values on the GPU can never write out of b
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .env import env_get
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
@@ -54,6 +55,33 @@ class GroupedMmArgs:
     @property
     def E(self) -> int:
         return self.w.shape[0]
+
+    @property
+    def N(self) -> int:
+        return self.w.shape[2]
+
+
+@dataclass(frozen=True)
+class GroupedBmmArgs:
+    """The batched form: every problem has the same (M, N, K)."""
+
+    x: torch.Tensor  # (G, M, K)
+    w: torch.Tensor  # (G, K, N)
+    out: torch.Tensor | None  # (G, M, N)
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+
+    @property
+    def G(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def M(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def K(self) -> int:
+        return self.x.shape[2]
 
     @property
     def N(self) -> int:
@@ -186,7 +214,7 @@ def _explain_grouped_gemm(
 
 
 def offs_check_requested() -> bool:
-    return os.environ.get("MOE_GEMM_CHECK_OFFS", "") not in ("", "0")
+    return env_get("MOE_GEMM_CHECK_OFFS") not in (None, "", "0")
 
 
 def check_grouped_mm(
@@ -198,7 +226,8 @@ def check_grouped_mm(
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
     assert isinstance(offs, torch.Tensor)
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (T, K); got shape {_shape(x)}")
+        hint = " (3-D x (G, M, K) is the batched form: pass offs=None)" if x.dim() == 3 else ""
+        raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape {_shape(x)}{hint}")
     if w.dim() != 3:
         raise ValueError(
             f"w must be 3-D (E, K, N) (for an (E, N, K) weight pass w.transpose(1, 2)); "
@@ -257,3 +286,45 @@ def check_offs_values(offs: torch.Tensor, T: int) -> None:
         )
     if int(v[-1]) > T:
         raise ValueError(f"offs[-1] must be <= T = {T} (rows of x); got {int(v[-1])}")
+
+
+def check_grouped_bmm(
+    x: object, w: object, out: object, out_dtype: torch.dtype | None
+) -> GroupedBmmArgs:
+    """grouped_mm without offs: x (G, M, K) @ w (G, K, N) -> (G, M, N)."""
+    for name, t, hint in (("x", x, "(G, M, K)"), ("w", w, "(G, K, N)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
+    assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+    if x.dim() != 3:
+        hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
+        raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape {_shape(x)}{hint}")
+    if w.dim() != 3:
+        raise ValueError(
+            f"w must be 3-D (G, K, N) (for a (G, N, K) weight pass w.transpose(1, 2)); "
+            f"got shape {_shape(w)}"
+        )
+    _check_dtype("x", x)
+    if w.dtype != x.dtype:
+        raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
+    if w.device != x.device:
+        raise ValueError(f"w is on {w.device} but x is on {x.device}; they must be on one device")
+    G, M, K = x.shape
+    if w.shape[0] != G or w.shape[1] != K:
+        raise ValueError(f"x is (G, M, K) = {_shape(x)}, so w must be ({G}, {K}, N); "
+                         f"got {_shape(w)}")
+    N = w.shape[2]
+    odt = resolve_out_dtype(x.dtype, out_dtype)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor (G, M, N); got {type(out).__name__}")
+        if out_dtype is None:
+            odt = out.dtype
+            _check_dtype("out", out)
+        if tuple(out.shape) != (G, M, N):
+            raise ValueError(f"out must be (G, M, N) = ({G}, {M}, {N}); got {_shape(out)}")
+        if out.dtype != odt:
+            raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device} but x is on {x.device}")
+    return GroupedBmmArgs(x, w, out, x.dtype, odt)

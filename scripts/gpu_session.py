@@ -25,7 +25,8 @@ GROUPS = [
     ("trace", "trace"),
     ("varlen", "varlen or cuda_graph or no_host_sync"),
     ("general-matrix", "general_matrix"),
-    ("general-other", "layouts or tiles"),
+    ("general-other", "(layouts or tiles) and not batched"),
+    ("batched", "(batched or pdl) and not trace"),
     ("headline", "headline"),
     ("moe-layer", None),
 ]

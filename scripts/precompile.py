@@ -31,7 +31,31 @@ def variant_set(name: str):
         if ab == "bfloat16" and d_same:
             tm, tn = tiles[schedule][0]
             keys.add(CompileKey(form, ab, d, b_major, schedule, visitor, tm, tn, None, True))
+    batched_tiles = {"pingpong": [(128, 128), (64, 256), (128, 192)],
+                     "cooperative": [(128, 128), (128, 256)]}
+    for ab, d_same, b_major, schedule in itertools.product(
+        ["bfloat16", "float16"], [True, False], ["k", "n"], ["pingpong", "cooperative"],
+    ):
+        d = ab if d_same else "float32"
+        for tm, tn in batched_tiles[schedule]:
+            keys.add(CompileKey("batched", ab, d, b_major, schedule, "device", tm, tn))
+    keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                        256, 3))
+    keys.add(CompileKey("batched", "float16", "float16", "n", "cooperative", "device", 128,
+                        256, 3))
+    for tm, tn in [(128, 128), (128, 256)]:
+        keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device",
+                            tm, tn, None, True))
+    keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device", 128, 192,
+                        None, True))
     if name == "tests":
+        for tm, tn in [(64, 128), (64, 256), (128, 64)]:
+            keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device",
+                                tm, tn))
+        keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device",
+                            128, 64))
+        keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device",
+                            128, 192))
         for tm, tn in [(64, 128), (128, 64), (128, 192)]:
             for b_major in ("k", "n"):
                 keys.add(CompileKey("general", "bfloat16", "bfloat16", b_major, "pingpong",

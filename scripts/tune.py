@@ -1,7 +1,12 @@
 """Quick config sweep on suite shapes (device): median CUDA-event time per config.
 
     python scripts/tune.py --shapes uniform,mixtral --configs "cooperative:128x256:4,pingpong"
-A config is schedule[:MxN[:stages[:visitor[:a_hint/b_hint]]]] (hints: first|normal|last).
+A config is schedule[:MxN[:stages[:visitor[:a_hint/b_hint[:flag...]]]]] (hints: first|normal|
+last; flags: pdl1 = programmatic dependent launch, swN = raster panel of N m-tiles, epi64 = the
+128x64 cooperative epilogue subtile); "default" is config=None. A "3d-" prefix
+(or "3d" alone) runs a uniform general shape through grouped_mm's 3-D form on stacked operands.
+Peers, timed in the same interleaved rounds: "bmm" (torch.bmm), "gmm" (F.grouped_mm),
+"loop" (the bench's torch.mm loop).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +24,17 @@ import torch  # noqa: E402
 
 from moe_gemm import GemmConfig, grouped_gemm, grouped_mm  # noqa: E402
 from moe_gemm.bench import Clock  # noqa: E402
-from moe_gemm.bench_suite import full_suite, make_inputs  # noqa: E402
+from moe_gemm.bench_suite import (  # noqa: E402
+    GROUPED_MM_FN,
+    NotApplicable,
+    _as_varlen,
+    full_suite,
+    loop_body,
+    make_inputs,
+)
+from moe_gemm.kernels import host_sm90  # noqa: E402
+from moe_gemm.kernels.support import operand_major  # noqa: E402
+from moe_gemm.validation import check_grouped_bmm, check_grouped_mm  # noqa: E402
 
 
 def measure(fns: dict, reps: int = 20) -> dict:
@@ -57,7 +73,34 @@ def parse(spec):
     if len(parts) > 3 and parts[3]:
         kw["visitor"] = parts[3]
     hints = parts[4].replace("/", ",") if len(parts) > 4 and parts[4] else None
-    return GemmConfig(**kw), hints
+    flags = {"pdl": 0, "sw": None, "epi": None}
+    for tok in parts[5:]:
+        for name in flags:
+            if tok.startswith(name) and tok[len(name):].isdigit():
+                flags[name] = int(tok[len(name):])
+    return GemmConfig(**kw), hints, flags
+
+
+def patched_plan(form, args, cfg, flags):
+    """A launch plan with the raster swizzle / epilogue subtile overridden (tuning only)."""
+    plan = (host_sm90.BmmPlan if form == "batched" else host_sm90.MmPlan)(args, cfg)
+    changes = {}
+    if flags["sw"]:
+        changes["swizzle"] = flags["sw"]
+    if flags["epi"]:
+        changes["epi_n"] = flags["epi"]
+    plan.choice = replace(plan.choice, **changes)
+    w = args.w
+    b_major = "k" if operand_major(w) == "col" else "n"
+    plan.kernel = host_sm90._compiled(host_sm90._compile_key(
+        form, args.dtype, args.out_dtype, b_major, plan.choice, False))
+    return plan
+
+
+def _flat(out):
+    if isinstance(out, (list, tuple)):
+        return torch.cat([o.reshape(-1) for o in out])
+    return out.reshape(-1)
 
 
 def main():
@@ -71,22 +114,62 @@ def main():
     for shape in a.shapes.split(","):
         spec = suite[shape]
         inp = make_inputs(spec, spec.counts(0), torch.device("cuda"), 0)
+        A3 = B3 = None
+        if spec.form == "general" and len(set(spec.problems)) == 1:
+            A3, B3 = torch.stack(inp.a), torch.stack(inp.b)
+        try:
+            vx, vw, voffs = _as_varlen(inp, torch.device("cuda"), "tune")
+        except NotApplicable:
+            vx = vw = voffs = None
         fns = {}
         for cs in ["default", *filter(None, a.configs.split(","))]:
-            cfg, hints = (None, None) if cs == "default" else parse(cs)
+            if cs in ("bmm", "gmm", "loop"):
+                if cs == "bmm" and A3 is not None:
+                    fns[cs] = lambda: torch.bmm(A3, B3)
+                elif cs == "gmm" and GROUPED_MM_FN is not None and vx is not None:
+                    fns[cs] = lambda: GROUPED_MM_FN(vx, vw, offs=voffs)
+                elif cs == "loop":
+                    fns[cs] = loop_body(inp, torch.device("cuda"))
+                continue
+            batched = cs.startswith("3d")
+            body = cs[3:] if cs.startswith("3d-") else ("default" if batched else cs)
+            if batched and A3 is None:
+                continue
+            cfg, hints, flags = ((None, None, {"pdl": 0, "sw": None, "epi": None})
+                                 if body == "default" else parse(body))
+            plan = None
+            if flags["sw"] or flags["epi"]:
+                if batched:
+                    plan = patched_plan("batched", check_grouped_bmm(A3, B3, None, None), cfg,
+                                        flags)
+                elif spec.form == "varlen":
+                    plan = patched_plan("varlen", check_grouped_mm(inp.x, inp.w, inp.offs,
+                                                                   None, None), cfg, flags)
 
-            def fn(cfg=cfg, hints=hints):
+            def fn(cfg=cfg, hints=hints, pdl=flags["pdl"], batched=batched, plan=plan):
                 if hints:
                     os.environ["MOE_GEMM_L2_HINTS"] = hints
                 else:
                     os.environ.pop("MOE_GEMM_L2_HINTS", None)
+                host_sm90.PDL = pdl
+                if plan is not None:
+                    return plan(A3, B3, None) if batched else plan(inp.x, inp.w, inp.offs, None)
+                if batched:
+                    return grouped_mm(A3, B3, config=cfg)
                 if spec.form == "general":
                     return grouped_gemm(inp.a, inp.b, config=cfg)
                 return grouped_mm(inp.x, inp.w, inp.offs, config=cfg)
             fns[cs] = fn
         for name, us in measure(fns).items():
             rows.append((shape, name, us))
-        inp = None  # noqa: F841  (free the inputs before the next shape)
+        # Swizzle and epilogue subtile change neither the math nor its order: the result must
+        # be bitwise the default's.
+        base = fns["default"]()
+        for name, plan_fn in fns.items():
+            if any(f in name for f in (":sw", ":epi")):
+                same = _flat(plan_fn()).equal(_flat(base))
+                rows.append((shape, name + " bitwise==default", str(same)))
+        inp = A3 = B3 = vx = vw = voffs = None  # noqa: F841  (free before the next shape)
         torch.cuda.empty_cache()
     for shape, name, us in rows:
         print(f"{shape:12s} {name:44s} {us if isinstance(us, str) else f'{us:9.1f} us'}")

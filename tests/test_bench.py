@@ -302,8 +302,12 @@ def test_smoke_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert doc["shapes"][name]["input_sets"] == 2  # L2 rotation exercised
     kv = [r for r in doc["results"] if r["shape"] == "k-varying"]
     assert {r["impl"]: r["status"] for r in kv}["torch.bmm"] == "n/a"
+    lists = [r for r in doc["results"] if r["impl"] == bench_suite.LIST_NAME]
+    # Uniform shapes: the default row is the 3-D call; the list call is reported beside it.
+    assert {r["shape"] for r in lists} == {"uniform", "uniform-fp16"}
+    assert all(r["status"] == "ok" and not r["default"] for r in lists)
     variants = [r for r in doc["results"] if r["impl"].startswith("moe_gemm ")
-                and not r["default"]]
+                and not r["default"] and r["impl"] != bench_suite.LIST_NAME]
     assert len(variants) == 16  # 8 on uniform, 8 on k-varying
     assert {r["shape"] for r in variants} == {"uniform", "k-varying"}
     for r in variants:  # backend="cute" cannot run on a CPU: recorded, the run went on
@@ -311,6 +315,7 @@ def test_smoke_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert r["config"]["backend"] == "cute"
     host = doc["host_overhead"]["calls"]
     assert host["moe_gemm.grouped_mm (default)"]["cpu_us"] > 0
+    assert host["moe_gemm.grouped_mm 3-D (default)"]["cpu_us"] > 0
     assert host[bench_suite.GROUPED_MM_NAME]["cpu_us"] > 0
     assert isinstance(doc["host_overhead"]["ours_below_torch"], bool)
     assert set(doc["bar"]["shapes"]) == set(shapes)
@@ -363,8 +368,10 @@ def test_failing_and_wrong_implementations_are_recorded(
     def boom(*args: object, **kwargs: object) -> object:
         raise RuntimeError("peer exploded")
 
-    def lazy(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out=None, **kw: object):
-        return out if out is not None else torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype)
+    def lazy(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None, *, out=None,
+             **kw: object):
+        return out if out is not None else torch.zeros(*x.shape[:-1], w.shape[2],
+                                                       dtype=x.dtype)
 
     monkeypatch.setattr(bench_suite, "_build_bmm", boom)
     monkeypatch.setattr(ops, "grouped_mm", lazy)  # writes nothing: must fail the check
@@ -375,7 +382,9 @@ def test_failing_and_wrong_implementations_are_recorded(
     rows = {(r["shape"], r["impl"]): r for r in doc["results"]}
     assert rows[("uniform", "torch.bmm")]["status"] == "error"
     assert "peer exploded" in rows[("uniform", "torch.bmm")]["error"]
-    assert rows[("uniform", DEFAULT_NAME)]["status"] == "ok"  # general form unaffected
+    assert rows[("uniform", bench_suite.LIST_NAME)]["status"] == "ok"  # grouped_gemm unaffected
+    lazy_3d = rows[("uniform", DEFAULT_NAME)]  # the 3-D grouped_mm call writes nothing
+    assert lazy_3d["status"] == "error" and "wrong result" in lazy_3d["error"]
     assert rows[("uniform", "torch.mm loop")]["status"] == "ok"
     bad = rows[("moe-down", DEFAULT_NAME)]
     assert bad["status"] == "error" and "wrong result" in bad["error"]

@@ -314,7 +314,7 @@ def test_mm_non_tensor(which: str) -> None:
 @pytest.mark.parametrize("shape", [(16,), (1, 10, 16)])
 def test_mm_x_wrong_rank(shape: tuple[int, ...]) -> None:
     _, w, offs = _mm_inputs()
-    with pytest.raises(ValueError, match=r"x must be 2-D \(T, K\); got shape"):
+    with pytest.raises(ValueError, match=r"x must be 2-D \(T, K\) when offs is given; got shape"):
         grouped_mm(torch.randn(shape), w, offs)
 
 

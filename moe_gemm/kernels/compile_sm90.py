@@ -29,7 +29,7 @@ DTYPES = {
 class CompileKey:
     """Everything a compiled kernel depends on. Nothing here varies per problem set."""
 
-    form: str  # "general" | "varlen"
+    form: str  # "general" | "varlen" | "batched"
     ab_dtype: str  # "bfloat16" | "float16"
     d_dtype: str  # "bfloat16" | "float16" | "float32"
     b_major: str  # "k" | "n"
@@ -40,6 +40,7 @@ class CompileKey:
     stages: int | None = None
     trace: bool = False
     l2_hints: bool = False
+    epi_n: int = 32  # cooperative epilogue subtile width
 
     def name(self) -> str:
         parts = [str(v) for v in astuple(self)[:8]]
@@ -49,6 +50,8 @@ class CompileKey:
             parts.append("trace")
         if self.l2_hints:
             parts.append("l2hints")
+        if self.epi_n != 32:
+            parts.append(f"epi{self.epi_n}")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -63,6 +66,7 @@ class CompileKey:
             ab_stages=self.stages,
             trace=self.trace,
             l2_hints=self.l2_hints,
+            epi_n=self.epi_n,
         )
 
 
@@ -81,13 +85,18 @@ def fake_arguments(key: CompileKey) -> tuple:
     ab = DTYPES[key.ab_dtype]
     d = DTYPES[key.d_dtype]
     rows, k, n = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    # w in torch order: general (K, N); varlen (E, K, N). "k"-major = K contiguous.
+    # w in torch order: general (K, N); varlen/batched (E|G, K, N). "k"-major = K contiguous.
     if key.form == "general":
         w = _fake(ab, (k, n), leading_dim=0 if key.b_major == "k" else 1)
     else:
         w = _fake(ab, (cute.sym_int(), k, n), leading_dim=1 if key.b_major == "k" else 2)
-    a = _fake(ab, (rows, k), leading_dim=1)
-    out = _fake(d, (rows, n), leading_dim=1)
+    if key.form == "batched":
+        batch = cute.sym_int()
+        a = _fake(ab, (batch, rows, k), leading_dim=2)
+        out = _fake(d, (batch, rows, n), leading_dim=2)
+    else:
+        a = _fake(ab, (rows, k), leading_dim=1)
+        out = _fake(d, (rows, n), leading_dim=1)
     g = cute.sym_int()
     meta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (g, 8), stride_order=(1, 0))
     meta32 = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g, 16), stride_order=(1, 0))
@@ -105,7 +114,7 @@ def fake_arguments(key: CompileKey) -> tuple:
     return (
         a, w, out, meta, meta32, offs, table, workspace, trace,
         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0), cutlass.Int64(0),
-        stream,
+        cutlass.Int32(1), stream,
     )
 
 

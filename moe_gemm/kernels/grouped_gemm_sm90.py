@@ -11,6 +11,11 @@ kernel body and differ only in where operands and sizes come from:
   one descriptor each (the expert selected by coordinates); D uses a per-expert descriptor
   built on the GPU from offs, so a partial tile at an expert boundary is clipped by the TMA
   unit and never touches the neighbour's rows. No host synchronisation: CUDA-graph safe.
+- batched: x (G, M, K), w (G, K, N), out (G, M, N), the same (M, N, K) for every problem
+  (torch.bmm's and F.grouped_mm's 3D x 3D form). Every operand is one rank-3 TMA descriptor
+  whose third mode is the problem, so there is no prologue kernel, no per-problem descriptor
+  and no descriptor fence: a problem switch is only a new coordinate. The scheduler finds a
+  tile's problem by division (every problem has the same tile count).
 
 Warp roles (384 threads = 3 warpgroups):
 - warpgroup 0 (producer, 40 registers): warp 0 issues TMA loads of A and B into a
@@ -48,7 +53,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .tile_scheduler_sm90 import RECORD_INTS, WARP, ceil_div_i32, raster_tile, warp_inclusive_sum
 
-Form = Literal["general", "varlen"]
+Form = Literal["general", "varlen", "batched"]
 Schedule = Literal["cooperative", "pingpong"]
 Visitor = Literal["device", "host"]
 
@@ -114,6 +119,7 @@ class GroupedGemmSm90:
         ab_stages: int | None = None,
         trace: bool = False,
         l2_hints: bool = False,
+        epi_n: int = 32,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -146,7 +152,9 @@ class GroupedGemmSm90:
                 raise ValueError(f"cooperative tile {tile_mn} unsupported")
             self.atom_layout_mnk = (2, 1, 1)
             self.mma_tiler_mn = (64, self.tile_n)
-            self.epi_tile = (128, 32)
+            if epi_n not in (32, 64):
+                raise ValueError(f"cooperative epilogue subtile width {epi_n} unsupported")
+            self.epi_tile = (128, epi_n)
             self.num_epi_groups = 1
 
         self.threads_per_wg = 128
@@ -157,7 +165,9 @@ class GroupedGemmSm90:
         # 40 + 2 x 232 registers/thread x 128 threads = 64,512 of the SM's 65,536.
         self.load_regs = 40
         self.math_regs = 232
-        self.epi_stages = 4 if self.num_epi_groups == 1 else 2
+        # Epilogue staging: 4 x (128 x 32) subtiles cooperative (32 KiB at bf16), 2 per
+        # warpgroup in ping-pong; a 64-wide cooperative subtile halves the barriers per tile.
+        self.epi_stages = (4 * 32 // self.epi_tile[1]) if self.num_epi_groups == 1 else 2
         self.buffer_align = 1024  # 128-byte swizzle atoms need 1 KiB aligned buffers
 
     # ------------------------------------------------------------------------------------------
@@ -229,9 +239,11 @@ class GroupedGemmSm90:
     @cute.jit
     def __call__(
         self,
-        mA: cute.Tensor,  # general: seed (rows, K) of ab_dtype; varlen: x (T, K)
-        mW: cute.Tensor,  # general: seed (K, N); varlen: w (E, K, N); either major
-        mD: cute.Tensor,  # general: seed (rows, N) of d_dtype; varlen: out (T, N)
+        mA: cute.Tensor,  # general: seed (rows, K) of ab_dtype; varlen: x (T, K);
+        #                   batched: x (G, M, K)
+        mW: cute.Tensor,  # general: seed (K, N); varlen/batched: w (E|G, K, N); either major
+        mD: cute.Tensor,  # general: seed (rows, N) of d_dtype; varlen: out (T, N);
+        #                   batched: out (G, M, N)
         meta: cute.Tensor,  # general: (G, 8) int64 per problem; varlen: unused (1, 8)
         meta32: cute.Tensor,  # the same bytes as (G, 16) int32 (M, N, K at columns 12..14)
         offs: cute.Tensor,  # varlen: (E,) int32 cumulative end rows; general: unused (1,)
@@ -243,10 +255,12 @@ class GroupedGemmSm90:
         swizzle: Int32,
         a_policy: Int64,  # L2 eviction priority for A loads (EVICT_* above)
         b_policy: Int64,  # and for B loads
+        pdl: Int32,  # 1: launch the main kernel with programmatic dependent launch
         stream: cuda.CUstream,
     ):
         self._setup()
         # B in the (N, K[, E]) order the MMA and TMA atoms expect; a view, no copy.
+        mA_tma, mD_tma = mA, mD
         if const_expr(self.form == "general"):
             mB = cute.make_tensor(
                 mW.iterator,
@@ -260,6 +274,22 @@ class GroupedGemmSm90:
                     stride=(mW.stride[2], mW.stride[1], mW.stride[0]),
                 ),
             )
+        if const_expr(self.form == "batched"):
+            # (G, M, K) -> (M, K, G) and (G, M, N) -> (M, N, G): the problem is TMA mode 2.
+            mA_tma = cute.make_tensor(
+                mA.iterator,
+                cute.make_layout(
+                    (mA.shape[1], mA.shape[2], mA.shape[0]),
+                    stride=(mA.stride[1], mA.stride[2], mA.stride[0]),
+                ),
+            )
+            mD_tma = cute.make_tensor(
+                mD.iterator,
+                cute.make_layout(
+                    (mD.shape[1], mD.shape[2], mD.shape[0]),
+                    stride=(mD.stride[1], mD.stride[2], mD.stride[0]),
+                ),
+            )
 
         op_g2s = cpasync.CopyBulkTensorTileG2SOp()
         op_s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -267,12 +297,12 @@ class GroupedGemmSm90:
         b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
         d_smem = cute.slice_(self.d_smem_staged, (None, None, 0))
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            op_g2s, mA, a_smem, (self.tile_m, TILE_K)
+            op_g2s, mA_tma, a_smem, (self.tile_m, TILE_K)
         )
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
             op_g2s, mB, b_smem, (self.tile_n, TILE_K)
         )
-        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD, d_smem, self.epi_tile)
+        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD_tma, d_smem, self.epi_tile)
 
         @cute.struct
         class SharedStorage:
@@ -296,10 +326,11 @@ class GroupedGemmSm90:
 
         self.shared_storage = SharedStorage
 
-        # Build the per-problem descriptors first (stream order makes them visible).
-        self.desc_kernel(
-            mA, mB, mD, meta, offs, workspace, num_problems, a_smem, b_smem, d_smem
-        ).launch(grid=(num_problems, 1, 1), block=(WARP, 1, 1), stream=stream)
+        if const_expr(self.form != "batched"):
+            # Build the per-problem descriptors first (stream order makes them visible).
+            self.desc_kernel(
+                mA, mB, mD, meta, offs, workspace, num_problems, a_smem, b_smem, d_smem
+            ).launch(grid=(num_problems, 1, 1), block=(WARP, 1, 1), stream=stream)
 
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
@@ -311,6 +342,11 @@ class GroupedGemmSm90:
             cluster=(1, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            # Programmatic dependent launch: the main kernel's CTAs may become resident and
+            # run their prologue (barrier init, descriptor prefetch, register reallocation)
+            # while desc_kernel (or, batched, the previous kernel on the stream) finishes;
+            # every thread waits on griddepcontrol before it touches global memory.
+            use_pdl=pdl,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -330,6 +366,9 @@ class GroupedGemmSm90:
         b_smem: cute.ComposedLayout,
         d_smem: cute.ComposedLayout,
     ):
+        # The main kernel (launched with PDL) may start now; it waits for this grid to end
+        # (griddepcontrol.wait) before reading any descriptor.
+        cute.arch.griddepcontrol_launch_dependents()
         p, _, _ = cute.arch.block_idx()
         ws = workspace.iterator.toint() + Int64(p) * (3 * DESC_BYTES)
         op_g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -469,6 +508,9 @@ class GroupedGemmSm90:
         sched = storage.sched.get_tensor(cute.make_layout((RECORD_INTS, SCHED_STAGES)))
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        # Under PDL the previous grid (desc_kernel, or the producer of our inputs) may still
+        # be running: nothing above touched global memory; everything below may.
+        cute.arch.griddepcontrol_wait()
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
@@ -504,6 +546,10 @@ class GroupedGemmSm90:
             rows = meta32[p, 12]
             cols = meta32[p, 13]
             depth = meta32[p, 14]
+        elif const_expr(self.form == "batched"):
+            rows = mA.shape[1]
+            cols = mD.shape[2]
+            depth = mA.shape[2]
         else:
             E = offs.shape[0]
             row_start, rows = self._expert_rows(p, offs, mA.shape[0], E)
@@ -546,10 +592,20 @@ class GroupedGemmSm90:
         t = Int32(cta)  # this CTA's current linear tile
         slot = Int32(0)  # host visitor: row of this CTA's table
         working = cutlass.Boolean(True)
+        per_problem = Int32(0)  # batched: every problem has the same tile count
+        if const_expr(self.form == "batched"):
+            per_problem = ceil_div_i32(mA.shape[1], self.tile_m) * ceil_div_i32(
+                mD.shape[2], self.tile_n
+            )
         while working:
             problem = Int32(-1)
             start = Int32(0)
-            if const_expr(self.visitor == "host"):
+            if const_expr(self.form == "batched"):
+                if per_problem > 0:
+                    if t < num_problems * per_problem:
+                        problem = t // per_problem
+                        start = problem * per_problem
+            elif const_expr(self.visitor == "host"):
                 if slot < table.shape[1]:
                     problem = table[cta, slot, 0]
                     start = table[cta, slot, 1]
@@ -634,7 +690,7 @@ class GroupedGemmSm90:
         a_policy: Int64,
         b_policy: Int64,
     ):
-        if const_expr(self.form == "varlen"):
+        if const_expr(self.form != "general"):
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
@@ -648,6 +704,13 @@ class GroupedGemmSm90:
                 # (bM, bK, RestM, RestK) coordinates; the descriptor supplies base and bounds.
                 gA = cute.local_tile(tma_a, (self.tile_m, TILE_K), (None, None))
                 gB = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None))
+            elif const_expr(self.form == "batched"):
+                gA = cute.local_tile(
+                    tma_a[None, None, problem], (self.tile_m, TILE_K), (None, None)
+                )
+                gB = cute.local_tile(
+                    tma_b[None, None, problem], (self.tile_n, TILE_K), (None, None)
+                )
             else:
                 gA = cute.local_tile(
                     cute.domain_offset((row_start, 0), tma_a), (self.tile_m, TILE_K), (None, None)
@@ -741,7 +804,8 @@ class GroupedGemmSm90:
         tCsB = thr_mma.partition_B(sB)
         tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
-        gD_shape_probe = cute.local_tile(tma_d, (self.tile_m, self.tile_n), (0, 0))
+        tma_d_2d = tma_d[None, None, 0] if const_expr(self.form == "batched") else tma_d
+        gD_shape_probe = cute.local_tile(tma_d_2d, (self.tile_m, self.tile_n), (0, 0))
         tCgD = thr_mma.partition_C(gD_shape_probe)
         acc = cute.make_rmem_tensor(tCgD.shape, self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])
@@ -897,7 +961,11 @@ class GroupedGemmSm90:
         is_store_warp: cutlass.Boolean,
         tiles_done: Int32,
     ):
-        gD = cute.local_tile(tma_d, (self.tile_m, self.tile_n), (m_tile, n_tile))
+        if const_expr(self.form == "batched"):
+            gD = cute.local_tile(tma_d[None, None, problem], (self.tile_m, self.tile_n),
+                                 (m_tile, n_tile))
+        else:
+            gD = cute.local_tile(tma_d, (self.tile_m, self.tile_n), (m_tile, n_tile))
         gD_epi = cute.zipped_divide(gD, self.epi_tile)
         bSG_sD, bSG_gD = cpasync.tma_partition(
             tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
@@ -907,8 +975,9 @@ class GroupedGemmSm90:
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
         desc_d = (ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
                   + 2 * DESC_BYTES)
-        if is_store_warp:
-            cpasync.fence_tma_desc_acquire(_generic_ptr(desc_d))  # see load_warp_role
+        if const_expr(self.form != "batched"):
+            if is_store_warp:
+                cpasync.fence_tma_desc_acquire(_generic_ptr(desc_d))  # see load_warp_role
         for e in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(size_rD):
                 tRS_rD[v] = tRS_rAcc[e * size_rD + v]
@@ -920,10 +989,17 @@ class GroupedGemmSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
             if is_store_warp:
-                cute.copy(
-                    tma_atom_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_layout.get_hier_coord(e))],
-                    tma_desc_ptr=_desc_ptr_for_copy(desc_d),
-                )
+                if const_expr(self.form == "batched"):
+                    cute.copy(
+                        tma_atom_d, bSG_sD[(None, buf)],
+                        bSG_gD[(None, epi_layout.get_hier_coord(e))],
+                    )
+                else:
+                    cute.copy(
+                        tma_atom_d, bSG_sD[(None, buf)],
+                        bSG_gD[(None, epi_layout.get_hier_coord(e))],
+                        tma_desc_ptr=_desc_ptr_for_copy(desc_d),
+                    )
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)

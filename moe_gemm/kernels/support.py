@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import GemmConfig
-from ..validation import GroupedGemmArgs, GroupedMmArgs
+from ..validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
 
 KERNEL_IN_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -164,3 +164,52 @@ def grouped_mm_unsupported(args: GroupedMmArgs, config: GemmConfig) -> str | Non
             return "out must have unit stride along N"
         return tma_problem("out", args.out)
     return _out_row_problem("out", args.N, args.out_dtype)
+
+
+# The batched form's linear tile index (problem * tiles per problem + tile) is Int32 on the GPU.
+MAX_BATCHED_TILES = 2**31 - 1
+
+
+def grouped_bmm_unsupported(args: GroupedBmmArgs, config: GemmConfig) -> str | None:
+    why = _dtype_problem(args.dtype, args.out_dtype)
+    if why:
+        return why
+    G, M, N, K = args.G, args.M, args.N, args.K
+    if G == 0 or M == 0 or N == 0:
+        return None  # nothing to launch
+    # Smallest tile any schedule uses is 64 x 64: the most tiles one launch can have.
+    if G * -(-M // 64) * -(-N // 64) > MAX_BATCHED_TILES:
+        return f"{G} problems of {M}x{N} exceed the kernel's {MAX_BATCHED_TILES} tiles"
+    if K > 0:
+        if args.x.stride(2) != 1 and K > 1:
+            return "x must be row-major (K contiguous) for the kernel"
+        why = tma_problem("x", args.x) or tma_problem("w", args.w)
+        if why:
+            return why
+    if args.out is not None:
+        if args.out.stride(2) != 1 and N > 1:
+            return "out must have unit stride along N"
+        return tma_problem("out", args.out)
+    return _out_row_problem("out", N, args.out_dtype)
+
+
+def tma_view(t: torch.Tensor, unit_dim: int) -> torch.Tensor:
+    """`t` with every size-1 dimension given a 16-byte-multiple stride (a view, no copy).
+
+    A size-1 dimension's stride is never used to address memory, but torch leaves whatever
+    the producing op left there (e.g. K for a (G, 1, K) slice with odd K), and the compiled
+    kernel and the TMA descriptor require 16-byte multiples for every non-unit stride.
+    """
+    elem = t.element_size()
+    align = TMA_ALIGN_BYTES // elem
+    strides = list(t.stride())
+    changed = False
+    for d, size in enumerate(t.shape):
+        if size == 1 and d != unit_dim and strides[d] % align:
+            reach = max((s * n for s, n in zip(strides, t.shape) if n > 1), default=1)
+            strides[d] = -(-max(reach, 1) // align) * align
+            changed = True
+    if unit_dim >= 0 and t.shape[unit_dim] == 1 and strides[unit_dim] != 1:
+        strides[unit_dim] = 1
+        changed = True
+    return t.as_strided(t.shape, strides) if changed else t

@@ -8,6 +8,7 @@ error may be at most twice that of torch's own low-precision GEMM plus a small a
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -347,4 +348,164 @@ def test_trace_varlen_matches_schedule(schedule, visitor):
                      ch.swizzle)
     ok = got == want
     record(f"trace/varlen/{schedule}/{visitor}", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule"
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched form: grouped_mm(x (G, M, K), w (G, K, N)) without offs
+
+
+def _run_batched(name, G, M, N, K, dtype=torch.bfloat16, w_layout="kn", config=None,
+                 out_mode="alloc", out_dtype=None, x_view=False):
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
+    if x_view:  # a strided slice: problem stride > M * K, row stride > K
+        x = _rand((G, M + 3, K + 8), dtype, gen)[:, 1:M + 1, 8:]
+    else:
+        x = _rand((G, M, K), dtype, gen)
+    if w_layout == "kn":
+        w = _rand((G, K, N), dtype, gen)
+    else:  # the transpose of an (G, N, K) weight: K contiguous
+        w = _rand((G, N, K), dtype, gen).transpose(1, 2)
+    odt = out_dtype or dtype
+    out = None
+    if out_mode == "given":
+        out = torch.full((G, M, N), float("nan"), dtype=odt, device="cuda")
+    elif out_mode == "view":  # rows of a wider buffer
+        out = torch.full((G, M, N + 8), float("nan"), dtype=odt, device="cuda")[:, :, :N]
+    cfg = config or GemmConfig(backend="cute")
+    y = moe_gemm.grouped_mm(x, w, out=out, config=cfg, out_dtype=out_dtype)
+    torch.cuda.synchronize()
+    assert y.shape == (G, M, N) and y.dtype == odt
+    if out is not None:
+        assert y.data_ptr() == out.data_ptr()
+    ref = x.float() @ w.float()
+    low = torch.bmm(x, w).to(odt) if G else ref.to(odt)
+    _check(name, y, ref, low, G=G, M=M, N=N, K=K)
+    return y
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("w_layout", ["kn", "nk_view"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("out_mode", ["given", "alloc", "view"])
+def test_batched_matrix(schedule, w_layout, dtype, out_mode):
+    cfg = GemmConfig(backend="cute", schedule=schedule)
+    _run_batched(f"batched/{schedule}/{w_layout}/{dtype}/{out_mode}", 7, 130, 200, 72,
+                 DTYPES[dtype], w_layout, cfg, out_mode)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8, 16), (3, 1, 64, 64), (5, 77, 136, 7176),
+                                   (300, 64, 128, 256), (1, 1000, 4096, 128), (2, 257, 8, 8),
+                                   (9, 129, 264, 1032), (40, 16, 512, 7168)])
+@pytest.mark.parametrize("schedule", ["auto", *SCHEDULES])
+def test_batched_shapes(shape, schedule):
+    G, M, N, K = shape
+    cfg = GemmConfig(backend="cute", schedule=schedule)
+    _run_batched(f"batched/shape{shape}/{schedule}", G, M, N, K, config=cfg, out_mode="given")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_batched_out_dtype_and_strided_x(out_dtype, schedule):
+    cfg = GemmConfig(backend="cute", schedule=schedule)
+    _run_batched(f"batched/out={out_dtype}/{schedule}/x-view", 6, 100, 192, 320,
+                 config=cfg, out_mode="given", out_dtype=out_dtype, x_view=True)
+
+
+@pytest.mark.parametrize("tile", [(64, 128), (64, 256), (128, 64), (128, 128), (128, 192)])
+def test_batched_pingpong_tiles(tile):
+    cfg = GemmConfig(backend="cute", schedule="pingpong", tile_m=tile[0], tile_n=tile[1])
+    _run_batched(f"batched/pingpong{tile}", 5, 200, 264, 200, config=cfg, out_mode="given")
+
+
+@pytest.mark.parametrize("tile", [(128, 64), (128, 128), (128, 192), (128, 256)])
+def test_batched_cooperative_tiles(tile):
+    cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=tile[0], tile_n=tile[1])
+    _run_batched(f"batched/cooperative{tile}", 5, 200, 264, 200, config=cfg, out_mode="given")
+
+
+def test_batched_empty_and_zero_k():
+    cfg = GemmConfig(backend="cute")
+    for G, M, N in ((0, 4, 8), (3, 0, 8), (3, 4, 0)):
+        x = torch.randn(G, M, 16, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(G, 16, N, device="cuda", dtype=torch.bfloat16)
+        assert moe_gemm.grouped_mm(x, w, config=cfg).shape == (G, M, N)
+    x = torch.randn(3, 4, 0, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3, 0, 8, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((3, 4, 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = moe_gemm.grouped_mm(x, w, out=out, config=cfg)
+    ok = bool((y == 0).all())
+    record("batched/empty-and-zero-k", ok)
+    assert ok
+
+
+def test_batched_size_one_dims_with_odd_strides():
+    """A (G, 1, K) slice whose row stride is not 16-byte aligned (never used to address)."""
+    cfg = GemmConfig(backend="cute")
+    base = torch.randn(4, 2, 12, device="cuda", dtype=torch.bfloat16)
+    x = base[:, :1, :8]  # strides (24, 12, 1): 12 elements = 24 bytes
+    w = torch.randn(4, 8, 16, device="cuda", dtype=torch.bfloat16)
+    y = moe_gemm.grouped_mm(x, w, config=cfg)
+    torch.cuda.synchronize()
+    ref = x.float() @ w.float()
+    _check("batched/size-one-odd-stride", y, ref, torch.bmm(x, w))
+
+
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_batched_graph_replay_and_pdl(pdl, monkeypatch):
+    from moe_gemm.kernels import host_sm90
+
+    monkeypatch.setattr(host_sm90, "PDL", pdl)
+    G, M, N, K = 16, 96, 256, 512
+    x = torch.randn(G, M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, K, N, device="cuda", dtype=torch.bfloat16)
+    cfg = GemmConfig(backend="cute")
+    moe_gemm.grouped_mm(x, w, config=cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe_gemm.grouped_mm(x, w, config=cfg)
+    for trial in range(2):
+        x.copy_(torch.randn_like(x))
+        w.copy_(torch.randn_like(w))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(f"batched/graph/pdl={pdl}/{trial}", y, x.float() @ w.float(), torch.bmm(x, w))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_gemm.grouped_mm(x, w, config=cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_general_and_varlen_without_pdl(pdl, monkeypatch):
+    """Both launch modes of the descriptor prologue + main kernel pair give the same bits."""
+    from moe_gemm.kernels import host_sm90
+
+    monkeypatch.setattr(host_sm90, "PDL", pdl)
+    _run_general(f"general/pdl={pdl}", [(130, 200, 72), (256, 512, 1024), (1, 64, 64)],
+                 torch.bfloat16, "row", GemmConfig(backend="cute"))
+    _run_varlen(f"varlen/pdl={pdl}", 8, 700, 256, 512, "holes", torch.bfloat16, "kn",
+                GemmConfig(backend="cute"), "alloc")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trace_batched_matches_schedule(schedule):
+    from moe_gemm.kernels.host_sm90 import grouped_bmm_cute, last_launch, trace_assignment
+    from moe_gemm.validation import check_grouped_bmm
+
+    G, M, N, K = 37, 300, 264, 128
+    x = torch.randn(G, M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, K, N, device="cuda", dtype=torch.bfloat16)
+    cfg = GemmConfig(backend="cute", schedule=schedule)
+    grouped_bmm_cute(check_grouped_bmm(x, w, None, None), cfg, trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    got = trace_assignment(info)
+    ch = info.choice
+    counts = [-(-M // ch.tile_m) * -(-N // ch.tile_n)] * G
+    want = _expected(counts, [(M, N)] * G, ch.tile_m, ch.tile_n, info.num_ctas, ch.swizzle)
+    ok = got == want
+    record(f"trace/batched/{schedule}", ok)
     assert ok, "kernel tile visits differ from moe_gemm.schedule"
