@@ -25,8 +25,9 @@ VISITORS = ("auto", "device", "host")
 # 128x192 = 192 registers is the largest. Cooperative splits one tile over two warpgroups.
 PINGPONG_TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192))
 COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 192), (128, 256))
-# Clusters (TMA multicast) are not built yet: 1x1 only.
-CLUSTERS = ((1, 1),)
+# Thread-block clusters: 1x1, or 2x1 (two CTAs on vertically adjacent tiles share B's tile by
+# TMA multicast; cooperative schedule, device visitor, grouped_mm's varlen and batched forms).
+CLUSTERS = ((1, 1), (2, 1))
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ class GemmConfig:
             (general form only); None lets the cost model decide.
         tile_m, tile_n: output tile per CTA (cooperative) or per warpgroup (pingpong);
             None = heuristic. tile_k is 64 elements (one 128-byte swizzle row of bf16).
-        cluster_m, cluster_n: thread-block cluster shape; None = heuristic.
+        cluster_m, cluster_n: thread-block cluster shape, (1, 1) or (2, 1); None = heuristic.
+            2x1 pairs CTAs on vertically adjacent tiles that load B's tile once and multicast
+            it (cooperative schedule and device visitor only; grouped_mm only).
         stages: A/B shared-memory pipeline depth; None = as many as shared memory holds.
     """
 
@@ -95,6 +98,17 @@ class GemmConfig:
                 f"cluster {self.cluster_m}x{self.cluster_n} is not supported; expected one of "
                 f"{', '.join(f'{m}x{n}' for m, n in CLUSTERS)}"
             )
+        if self.cluster_m is not None and (self.cluster_m, self.cluster_n) != (1, 1):
+            if self.schedule == "pingpong":
+                raise ValueError(
+                    f"cluster {self.cluster_m}x{self.cluster_n} is built for the cooperative "
+                    "schedule only; use schedule='cooperative' or 'auto'"
+                )
+            if self.visitor == "host":
+                raise ValueError(
+                    f"cluster {self.cluster_m}x{self.cluster_n} is built for the device visitor "
+                    "only; use visitor='device' or 'auto'"
+                )
         if self.stages is not None and not 2 <= self.stages <= 12:
             raise ValueError(f"stages must be between 2 and 12; got {self.stages}")
 

@@ -30,6 +30,7 @@ class KernelChoice:
     b_policy: int = 0
     l2_hints: bool = False
     epi_n: int = 32  # cooperative epilogue subtile width (compile-time)
+    cluster_m: int = 1  # CTAs per cluster along M (B multicast)
 
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
@@ -67,6 +68,7 @@ def choose_general(
     config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int
 ) -> KernelChoice:
     """For grouped_gemm (sizes known on the host)."""
+    _general_cluster(config)
     nonempty = [s for s in sizes if s[0] > 0 and s[1] > 0]
     avg_m = sum(s[0] for s in nonempty) / max(1, len(nonempty))
     max_n = max((s[1] for s in nonempty), default=128)
@@ -109,6 +111,8 @@ def choose_varlen(
         # vs pingpong 203; moe-prefill and mixtral likewise); below that a ping-pong tile
         # (moe-decode, 4 rows/expert: pingpong 64x256 271 us vs cooperative 300).
         schedule = "cooperative" if avg_m >= 128 and N >= 256 else "pingpong"
+        if (config.cluster_m or 1) > 1:
+            schedule = "cooperative"
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
@@ -118,7 +122,11 @@ def choose_varlen(
     stages = config.stages
     if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
         stages = 3  # long K (see choose_general)
-    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8))
+    cluster_m = _cluster_choice(config, schedule)
+    if cluster_m > 1:
+        visitor = "device"
+    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8,
+                                      cluster_m=cluster_m))
 
 
 @functools.lru_cache(maxsize=256)
@@ -130,6 +138,8 @@ def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: 
         schedule = config.schedule
     else:
         schedule = "pingpong" if k_tiles <= 16 and N >= 192 else "cooperative"
+        if (config.cluster_m or 1) > 1:
+            schedule = "cooperative"
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
@@ -140,7 +150,26 @@ def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: 
         stages = 3  # long K (see choose_general)
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
-    return with_l2_hints(KernelChoice(schedule, "device", tile[0], tile[1], stages, False, 8))
+    return with_l2_hints(KernelChoice(schedule, "device", tile[0], tile[1], stages, False, 8,
+                                      cluster_m=_cluster_choice(config, schedule)))
+
+
+def _general_cluster(config: GemmConfig) -> None:
+    if config.cluster_m is not None and (config.cluster_m, config.cluster_n) != (1, 1):
+        raise ValueError(
+            f"cluster {config.cluster_m}x{config.cluster_n} is built for grouped_mm (its "
+            "varlen and batched forms) only; grouped_gemm runs 1x1"
+        )
+
+
+def _cluster_choice(config: GemmConfig, schedule: str) -> int:
+    """cluster_m for grouped_mm: what the config pins, else 1 (see AGENTS.md for 2x1)."""
+    if config.cluster_m is None:
+        return 1
+    if config.cluster_m > 1 and schedule != "cooperative":
+        raise ValueError(f"cluster {config.cluster_m}x{config.cluster_n} is built for the "
+                         "cooperative schedule only")
+    return config.cluster_m
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,11 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_FILE = "tests/kernels/test_grouped_gemm_gpu.py"
 GROUPS = [
     ("smoke", "test_default_picks_cute or single_row"),
-    ("trace", "trace"),
-    ("varlen", "varlen or cuda_graph or no_host_sync"),
+    ("trace", "trace and not cluster"),
+    ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster"),
     ("general-matrix", "general_matrix"),
     ("general-other", "(layouts or tiles) and not batched"),
-    ("batched", "(batched or pdl) and not trace"),
+    ("batched", "(batched or pdl) and not trace and not cluster"),
+    ("cluster", "cluster"),
     ("headline", "headline"),
     ("moe-layer", None),
 ]

@@ -48,6 +48,18 @@ def variant_set(name: str):
                             tm, tn, None, True))
     keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device", 128, 192,
                         None, True))
+    for form, ab, d_same, b_major, tile, stages in itertools.product(
+        ["varlen", "batched"], ["bfloat16", "float16"], [True, False], ["k", "n"],
+        [(128, 128), (128, 256)], [None, 3],
+    ):
+        if stages is None or tile == (128, 256):
+            keys.add(CompileKey(form, ab, ab if d_same else "float32", b_major, "cooperative",
+                                "device", *tile, stages, cluster_m=2))
+    for form in ("varlen", "batched"):
+        keys.add(CompileKey(form, "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                            256, 3, True, cluster_m=2))
+        keys.add(CompileKey(form, "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
+                            256, 3, True, cluster_m=2))
     if name == "tests":
         for tm, tn in [(64, 128), (64, 256), (128, 64)]:
             keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device",

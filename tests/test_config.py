@@ -40,11 +40,11 @@ def test_frozen_hashable_and_usable_as_cache_key() -> None:
 
 def test_as_dict_round_trips() -> None:
     (tm, tn), (cm, cn) = COOPERATIVE_TILES[-1], CLUSTERS[-1]
-    c = GemmConfig(schedule="cooperative", visitor="host", sort_by_k=True, tile_m=tm,
+    c = GemmConfig(schedule="cooperative", visitor="device", sort_by_k=True, tile_m=tm,
                    tile_n=tn, cluster_m=cm, cluster_n=cn, stages=4)
     d = c.as_dict()
     assert d == {
-        "backend": "auto", "schedule": "cooperative", "visitor": "host", "sort_by_k": True,
+        "backend": "auto", "schedule": "cooperative", "visitor": "device", "sort_by_k": True,
         "tile_m": tm, "tile_n": tn, "cluster_m": cm, "cluster_n": cn, "stages": 4,
     }
     assert GemmConfig(**d) == c
@@ -214,3 +214,12 @@ def test_stages_in_range(stages: int) -> None:
 def test_stages_out_of_range(stages: int) -> None:
     with pytest.raises(ValueError, match=rf"stages must be between 2 and 12; got {stages}"):
         GemmConfig(stages=stages)
+
+
+def test_cluster_2x1_needs_cooperative_and_device_visitor() -> None:
+    with pytest.raises(ValueError, match=r"cluster 2x1 is built for the cooperative schedule"):
+        GemmConfig(schedule="pingpong", cluster_m=2, cluster_n=1)
+    with pytest.raises(ValueError, match=r"cluster 2x1 is built for the device visitor"):
+        GemmConfig(visitor="host", cluster_m=2, cluster_n=1)
+    assert GemmConfig(schedule="cooperative", visitor="device", cluster_m=2, cluster_n=1)
+    assert GemmConfig(schedule="pingpong", cluster_m=1, cluster_n=1)

@@ -41,6 +41,7 @@ class CompileKey:
     trace: bool = False
     l2_hints: bool = False
     epi_n: int = 32  # cooperative epilogue subtile width
+    cluster_m: int = 1  # CTAs per cluster along M (B multicast)
 
     def name(self) -> str:
         parts = [str(v) for v in astuple(self)[:8]]
@@ -52,6 +53,8 @@ class CompileKey:
             parts.append("l2hints")
         if self.epi_n != 32:
             parts.append(f"epi{self.epi_n}")
+        if self.cluster_m != 1:
+            parts.append(f"c{self.cluster_m}x1")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -67,6 +70,7 @@ class CompileKey:
             trace=self.trace,
             l2_hints=self.l2_hints,
             epi_n=self.epi_n,
+            cluster_m=self.cluster_m,
         )
 
 

@@ -120,6 +120,7 @@ class GroupedGemmSm90:
         trace: bool = False,
         l2_hints: bool = False,
         epi_n: int = 32,
+        cluster_m: int = 1,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -137,6 +138,16 @@ class GroupedGemmSm90:
         # fast or faster on every suite shape (H200, 2026-11-21; AGENTS.md).
         self.l2_hints = l2_hints
         self.pingpong = schedule == "pingpong"
+        # Thread-block cluster along M: the cluster_m CTAs of a cluster compute vertically
+        # adjacent tiles of one problem and n-tile, so they share B's tile_n x 64 slice per
+        # k-step; each CTA loads 1/cluster_m of it and TMA multicasts it to all, which cuts
+        # the L2->SM traffic per CTA from (tile_m + tile_n) to (tile_m + tile_n / cluster_m)
+        # rows per k-step (128x256, 2x1: 48 -> 32 KiB).
+        if cluster_m not in (1, 2):
+            raise ValueError(f"cluster {cluster_m}x1 unsupported (1x1 or 2x1)")
+        if cluster_m > 1 and (schedule != "cooperative" or form == "general"):
+            raise ValueError("a 2x1 cluster is built for the cooperative varlen and batched forms")
+        self.cluster_m = cluster_m
 
         if self.pingpong:
             if self.tile_m not in (64, 128) or self.tile_n not in (64, 128, 192, 256):
@@ -299,8 +310,10 @@ class GroupedGemmSm90:
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
             op_g2s, mA_tma, a_smem, (self.tile_m, TILE_K)
         )
+        op_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
+            self.cluster_m > 1) else op_g2s
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            op_g2s, mB, b_smem, (self.tile_n, TILE_K)
+            op_b, mB, b_smem, (self.tile_n, TILE_K), num_multicast=self.cluster_m
         )
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD_tma, d_smem, self.epi_tile)
 
@@ -339,7 +352,7 @@ class GroupedGemmSm90:
         ).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
-            cluster=(1, 1, 1),
+            cluster=(self.cluster_m, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
             # Programmatic dependent launch: the main kernel's CTAs may become resident and
@@ -482,13 +495,17 @@ class GroupedGemmSm90:
             self.ab_dtype, b_smem
         )
         consumer_warps = 4 if const_expr(self.pingpong) else 8
+        # A stage is free once every consumer warp of every CTA it is multicast to is done
+        # with it: lane r of each consumer warp arrives on CTA r's empty barrier.
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_bars.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, consumer_warps * self.cluster_m
+            ),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
             defer_sync=True,
         )
         # Scheduler ring: one producer arrive (the scheduler warp's lane 0), one consumer
@@ -500,14 +517,14 @@ class GroupedGemmSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 8),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
         sched = storage.sched.get_tensor(cute.make_layout((RECORD_INTS, SCHED_STAGES)))
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
         # Under PDL the previous grid (desc_kernel, or the producer of our inputs) may still
         # be running: nothing above touched global memory; everything below may.
         cute.arch.griddepcontrol_wait()
@@ -567,7 +584,9 @@ class GroupedGemmSm90:
         count = Int32(0)
         if p < num_problems:
             rows, cols, _, _ = self._problem_dims(p, meta32, offs, mA, mD)
-            count = ceil_div_i32(rows, self.tile_m) * ceil_div_i32(cols, self.tile_n)
+            count = ceil_div_i32(rows, self.tile_m * self.cluster_m) * ceil_div_i32(
+                cols, self.tile_n
+            )
         return count
 
     @cute.jit
@@ -586,6 +605,13 @@ class GroupedGemmSm90:
         lane = cute.arch.lane_idx()
         cta, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
+        # With a cluster the unit of work is a cluster tile (cluster_m vertically adjacent
+        # tiles); the cluster walks the linear cluster tiles and each CTA takes its row.
+        rank = Int32(0)
+        if const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta = cta // self.cluster_m
+        grid = grid // self.cluster_m
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         base_problem = Int32(0)  # device visitor window start (forward only)
         base_tile = Int32(0)  # linear index of base_problem's first tile
@@ -594,7 +620,7 @@ class GroupedGemmSm90:
         working = cutlass.Boolean(True)
         per_problem = Int32(0)  # batched: every problem has the same tile count
         if const_expr(self.form == "batched"):
-            per_problem = ceil_div_i32(mA.shape[1], self.tile_m) * ceil_div_i32(
+            per_problem = ceil_div_i32(mA.shape[1], self.tile_m * self.cluster_m) * ceil_div_i32(
                 mD.shape[2], self.tile_n
             )
         while working:
@@ -632,11 +658,22 @@ class GroupedGemmSm90:
             n_tile = Int32(0)
             k_tiles = Int32(0)
             row_start = Int32(0)
+            valid = Int32(0)
             if problem >= 0:
                 rows, cols, depth, row_start = self._problem_dims(problem, meta32, offs, mA, mD)
                 tiles_m = ceil_div_i32(rows, self.tile_m)
                 tiles_n = ceil_div_i32(cols, self.tile_n)
-                m_tile, n_tile = raster_tile(t - start, tiles_m, tiles_n, swizzle)
+                if const_expr(self.cluster_m > 1):
+                    units_m = ceil_div_i32(rows, self.tile_m * self.cluster_m)
+                    m_unit, n_tile = raster_tile(t - start, units_m, tiles_n, swizzle)
+                    m_tile = m_unit * self.cluster_m + rank
+                    # An odd last row of tiles: this CTA still loads (its peer needs its
+                    # half of B) and computes, but stores nothing.
+                    if m_tile < tiles_m:
+                        valid = Int32(1)
+                else:
+                    m_tile, n_tile = raster_tile(t - start, tiles_m, tiles_n, swizzle)
+                    valid = Int32(1)
                 k_tiles = ceil_div_i32(depth, TILE_K)
             else:
                 working = False
@@ -647,6 +684,7 @@ class GroupedGemmSm90:
                 sched[2, state.index] = n_tile
                 sched[3, state.index] = k_tiles
                 sched[4, state.index] = row_start
+                sched[5, state.index] = valid
                 sched_pipe.producer_commit(state)
             state.advance()
             t = t + grid
@@ -665,11 +703,12 @@ class GroupedGemmSm90:
         n_tile = sched[2, state.index]
         k_tiles = sched[3, state.index]
         row_start = sched[4, state.index]
+        valid = sched[5, state.index]
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             sched_pipe.consumer_release(state)
         state.advance()
-        return problem, m_tile, n_tile, k_tiles, row_start, state
+        return problem, m_tile, n_tile, k_tiles, row_start, valid, state
 
     # ------------------------------------------------------------------------------------------
     # Load warp
@@ -696,7 +735,14 @@ class GroupedGemmSm90:
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         ws = workspace.iterator.toint()
-        problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+        # Cluster: this CTA loads slice `rank` of B's tile and multicasts it to every CTA of
+        # the cluster (mask 0b11 for 2x1); A is its own.
+        rank = Int32(0)
+        b_mask = None
+        if const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            b_mask = cutlass.Int16((1 << self.cluster_m) - 1)
+        problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
                 sched_pipe, sched, read_state
             )
         while problem >= 0:
@@ -723,7 +769,7 @@ class GroupedGemmSm90:
                 cute.group_modes(gA, 0, 2),
             )
             tBsB, tBgB = cpasync.tma_partition(
-                tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                tma_atom_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
                 cute.group_modes(gB, 0, 2),
             )
             # Warp-uniform descriptor addresses, computed before any elected region so ptxas
@@ -757,11 +803,12 @@ class GroupedGemmSm90:
                     )
                     cute.copy(
                         tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
-                        tma_bar_ptr=bar, cache_policy=b_policy if const_expr(self.l2_hints) else None,
+                        tma_bar_ptr=bar, mcast_mask=b_mask,
+                        cache_policy=b_policy if const_expr(self.l2_hints) else None,
                     )
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()
-            problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+            problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
                 sched_pipe, sched, read_state
             )
         ab_pipe.producer_tail(ab_state)
@@ -844,7 +891,7 @@ class GroupedGemmSm90:
                 cute.arch.barrier_arrive(
                     barrier_id=BAR_MMA_ORDER, number_of_threads=2 * self.threads_per_wg
                 )
-        problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+        problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
                 sched_pipe, sched, read_state
             )
         if const_expr(self.pingpong):
@@ -852,7 +899,7 @@ class GroupedGemmSm90:
                 # Warpgroup 1 starts at the CTA's second tile: skip the first one's stages.
                 if problem >= 0:
                     ab_state.advance(k_tiles)
-                    problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                    problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
                 sched_pipe, sched, read_state
             )
         while problem >= 0:
@@ -862,28 +909,29 @@ class GroupedGemmSm90:
                 )
             ab_state = self.mainloop(ab_pipe, ab_state, tiled_mma, acc, tCrA, tCrB, k_tiles,
                                      num_k_blocks, math_wg)
-            self.epilogue(
-                acc, tRS_rAcc, tRS_rD, tRS_rD_out, size_rD, tiled_copy_r2s, tRS_sD, sD,
-                tma_atom_d, tma_d, store_pipe, ws, problem, m_tile, n_tile, epi_group,
-                epi_bar_id, epi_threads, is_store_warp, tiles_done,
-            )
-            if const_expr(self.trace):
-                if mma_tidx == 0:
-                    slot = cutlass.min(tiles_done * (2 if self.pingpong else 1) + math_wg,
-                                       trace.shape[1] - 1)
-                    trace[cta, slot, 0] = problem
-                    trace[cta, slot, 1] = m_tile
-                    trace[cta, slot, 2] = n_tile
-                    trace[cta, slot, 3] = math_wg
-            tiles_done = tiles_done + 1
-            problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+            if valid != 0:  # (always, without a cluster)
+                self.epilogue(
+                    acc, tRS_rAcc, tRS_rD, tRS_rD_out, size_rD, tiled_copy_r2s, tRS_sD, sD,
+                    tma_atom_d, tma_d, store_pipe, ws, problem, m_tile, n_tile, epi_group,
+                    epi_bar_id, epi_threads, is_store_warp, tiles_done,
+                )
+                if const_expr(self.trace):
+                    if mma_tidx == 0:
+                        slot = cutlass.min(tiles_done * (2 if self.pingpong else 1) + math_wg,
+                                           trace.shape[1] - 1)
+                        trace[cta, slot, 0] = problem
+                        trace[cta, slot, 1] = m_tile
+                        trace[cta, slot, 2] = n_tile
+                        trace[cta, slot, 3] = math_wg
+                tiles_done = tiles_done + 1
+            problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
                 sched_pipe, sched, read_state
             )
             if const_expr(self.pingpong):
                 # The next record is the other warpgroup's tile: skip its stages.
                 if problem >= 0:
                     ab_state.advance(k_tiles)
-                    problem, m_tile, n_tile, k_tiles, row_start, read_state = self.read_record(
+                    problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
                 sched_pipe, sched, read_state
             )
         if is_store_warp:

@@ -68,7 +68,30 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
     return CompileKey(
         form, _TORCH_TO_NAME[ab], _TORCH_TO_NAME[d], b_major, choice.schedule, choice.visitor,
         choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints, choice.epi_n,
+        choice.cluster_m,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def max_clusters(device_index: int, cluster_m: int, nsm: int) -> int:
+    """How many cluster_m-CTA clusters of our kernel (one CTA per SM) can be resident at
+    once: the persistent grid must not exceed it, or the excess clusters would wait for the
+    first ones to finish. GPCs have an uneven SM count, so this can be below nsm / 2."""
+    if cluster_m == 1:
+        return nsm
+    try:
+        from cutlass.utils import HardwareInfo
+
+        return max(1, int(HardwareInfo(device_index).get_max_active_clusters(cluster_m)))
+    except Exception:  # noqa: BLE001 - a driver without the query: a safe lower bound
+        return max(1, nsm // (2 * cluster_m))
+
+
+def _grid(device: torch.device, nsm: int, cluster_m: int, units: int) -> tuple[int, int]:
+    """(CTAs, units per cluster upper bound) for `units` cluster tiles of work."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    clusters = max(1, min(max_clusters(idx, cluster_m, nsm), nsm // cluster_m, units))
+    return clusters * cluster_m, -(-units // clusters)
 
 
 def _compiled(key):
@@ -254,9 +277,11 @@ class MmPlan:
         self.nsm = nsm
         self.trace = trace
         if choice.visitor == "device":
-            bound = (-(-T // choice.tile_m) + self.num_problems) * self.tiles_n
-            self.num_ctas = max(1, min(nsm, bound))
-            self.max_tiles = -(-bound // self.num_ctas)
+            # Upper bound on (cluster) tiles: sum over experts of ceil(rows_e / unit) is at
+            # most ceil(T / unit) + one partial unit per problem.
+            unit = choice.tile_m * choice.cluster_m
+            bound = (-(-T // unit) + self.num_problems) * self.tiles_n
+            self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m, bound)
         self.meta = _small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)
         self.no_table = _small("table", device, torch.int32, (1, 1, 2))
@@ -322,8 +347,8 @@ class BmmPlan:
         self.choice = choice = choose_batched(config, G, M, N, K, nsm)
         self.w_major = "k" if operand_major(w) == "col" else "n"
         self.w_unit = 1 if self.w_major == "k" else 2
-        self.tiles = G * (-(-M // choice.tile_m)) * (-(-N // choice.tile_n))
-        self.num_ctas = max(1, min(nsm, self.tiles))
+        self.tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (-(-N // choice.tile_n))
+        self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m, self.tiles)
         self.trace = trace
         self.meta = _small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)
@@ -347,7 +372,7 @@ class BmmPlan:
         if self.zero:
             return out.zero_()
         choice = self.choice
-        trace_t = (_trace_tensor(self.num_ctas, -(-self.tiles // self.num_ctas), self.device)
+        trace_t = (_trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else self.no_trace)
         xv = tma_view(x, 2) if self.fix_x else x
         wv = tma_view(w, self.w_unit) if self.fix_w else w
