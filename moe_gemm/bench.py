@@ -496,7 +496,7 @@ def time_interleaved(run: Run, spec: ShapeSpec, timings: list[_Timing]) -> None:
 def run_shape(run: Run, spec: ShapeSpec) -> None:
     """Every implementation on one shape; rows appended to run.doc['results']."""
     sizes = spec.sizes(run.seed)
-    elem = torch.empty((), dtype=spec.torch_dtype).element_size()
+    elem = spec.torch_dtype.itemsize
     info = spec.describe(run.seed)
     info.update(bytes=bytes_needed(sizes, elem, elem), flops=flops(sizes))
     run.doc["shapes"][spec.name] = info

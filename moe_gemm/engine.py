@@ -498,7 +498,7 @@ class Engine:
         """A [shape] view of a persistent staging buffer (grown geometrically, pinned when on
         the host of a CUDA engine). Only for launches under the lock; very large requests get
         a plain allocation so the engine does not hold gigabytes between batches."""
-        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape[0] * shape[1] * dtype.itemsize
         if nbytes > _MAX_BUFFER_BYTES:
             return torch.empty(shape, dtype=dtype, device=where)
         buf = self._buffers.get(name)

@@ -10,7 +10,9 @@ call, which was most of its gap to torch's own grouped_mm (issue 4, host overhea
 from __future__ import annotations
 
 import os
+import sys
 
+_ENCODING = sys.getfilesystemencoding()
 _DATA = getattr(os.environ, "_data", None)
 _BYTES = isinstance(_DATA, dict) and all(isinstance(k, bytes) for k in list(_DATA)[:8])
 
@@ -18,6 +20,7 @@ _BYTES = isinstance(_DATA, dict) and all(isinstance(k, bytes) for k in list(_DAT
 def env_get(name: str) -> str | None:
     """os.environ.get(name), without the per-call encode/decode where the platform allows."""
     if _BYTES:
-        value = _DATA.get(name.encode())  # type: ignore[union-attr]
-        return None if value is None else value.decode(errors="surrogateescape")
+        # The same codec and error handler os.environ uses for its keys and values.
+        value = _DATA.get(name.encode(_ENCODING, "surrogateescape"))  # type: ignore[union-attr]
+        return None if value is None else value.decode(_ENCODING, "surrogateescape")
     return os.environ.get(name)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from moe_gemm import GemmConfig, grouped_mm
+from moe_gemm import GemmConfig, grouped_mm, heuristics
 from moe_gemm import ops as ops_module
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES
 from moe_gemm.heuristics import choose_batched
@@ -683,9 +683,9 @@ def test_tma_view_fp32_alignment_is_four_elements() -> None:
 @pytest.fixture
 def no_l2_hints(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("MOE_GEMM_L2_HINTS", raising=False)
-    choose_batched.cache_clear()
+    heuristics._choose_batched.cache_clear()
     yield
-    choose_batched.cache_clear()
+    heuristics._choose_batched.cache_clear()
 
 
 @pytest.mark.parametrize("M", [1, 64, 512, 4096])
@@ -758,12 +758,6 @@ def test_choose_batched_l2_hints_from_env(no_l2_hints: None,
     assert (c.a_policy, c.b_policy) == (0x12F0000000000000, 0x14F0000000000000)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="choose_batched is functools.lru_cache'd but reads MOE_GEMM_L2_HINTS inside "
-    "(with_l2_hints), so a change to the variable after the first call for a shape is ignored "
-    "(ops._bmm_plan_key includes the variable, so a new BmmPlan is built, with stale hints)",
-)
 def test_choose_batched_sees_l2_hints_changed_after_first_call(
     no_l2_hints: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

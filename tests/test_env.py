@@ -177,13 +177,6 @@ def test_non_ascii_name(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _same(name) == "\u00e9t\u00e9"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="env_get encodes the name with str.encode() (strict UTF-8) instead of os.fsencode "
-    "(surrogateescape), so a name holding a surrogate escape raises UnicodeEncodeError where "
-    "os.environ.get returns the value",
-)
 def test_surrogate_escaped_name() -> None:
     if not env_module._BYTES:
         pytest.skip("the fallback path is os.environ.get itself")

@@ -63,7 +63,7 @@ def _dtype_problem(dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
 
 
 def _out_row_problem(name: str, n: int, out_dtype: torch.dtype) -> str | None:
-    elem = torch.empty((), dtype=out_dtype).element_size()
+    elem = out_dtype.itemsize
     if (n * elem) % TMA_ALIGN_BYTES:
         return (
             f"{name} rows of {n} {out_dtype} elements are not a multiple of {TMA_ALIGN_BYTES} "
@@ -98,7 +98,7 @@ def analyze_general(args: GroupedGemmArgs) -> GeneralLayout | str:
         return f"{G} problems exceed the kernel's {MAX_PROBLEMS}"
     elem = args.a[0].element_size()
     align = TMA_ALIGN_BYTES // elem
-    out_elem = torch.empty((), dtype=args.out_dtype).element_size()
+    out_elem = args.out_dtype.itemsize
     a_ptr, a_ld, b_ptr, b_ld, majors = [0] * G, [0] * G, [0] * G, [0] * G, [""] * G
     for i, ((M, N, K), a, b) in enumerate(zip(args.sizes, args.a, args.b)):
         if M == 0 or N == 0:

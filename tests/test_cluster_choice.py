@@ -1,0 +1,39 @@
+"""The 2x1 cluster option: where the heuristics honour it and where they refuse it."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_gemm import GemmConfig, grouped_gemm
+from moe_gemm.heuristics import choose_batched, choose_general, choose_varlen
+
+C2 = {"cluster_m": 2, "cluster_n": 1}
+
+
+def test_varlen_honours_2x1_and_forces_cooperative_device() -> None:
+    # A decode-like shape would pick ping-pong; a pinned 2x1 cluster needs cooperative.
+    c = choose_varlen(GemmConfig(**C2), 64, 16, 512, 7168, 132)
+    assert (c.cluster_m, c.schedule, c.visitor) == (2, "cooperative", "device")
+    assert choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132).cluster_m == 1
+
+
+def test_batched_honours_2x1() -> None:
+    c = choose_batched(GemmConfig(**C2), 4, 512, 768, 128, 132)
+    assert (c.cluster_m, c.schedule) == (2, "cooperative")
+    assert choose_batched(GemmConfig(), 4, 512, 768, 128, 132).cluster_m == 1
+
+
+def test_general_form_refuses_2x1() -> None:
+    with pytest.raises(ValueError, match=r"cluster 2x1 is built for grouped_mm .* only"):
+        choose_general(GemmConfig(**C2), ((128, 128, 64),), 132)
+    c = choose_general(GemmConfig(cluster_m=1, cluster_n=1), ((128, 128, 64),), 132)
+    assert c.cluster_m == 1
+
+
+def test_grouped_gemm_torch_backend_ignores_cluster_choice() -> None:
+    import torch
+
+    a = [torch.randn(4, 8)]
+    b = [torch.randn(8, 16)]
+    out = grouped_gemm(a, b, config=GemmConfig(backend="torch", **C2))
+    torch.testing.assert_close(out[0], a[0] @ b[0])
