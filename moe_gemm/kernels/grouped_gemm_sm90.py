@@ -60,6 +60,11 @@ Visitor = Literal["device", "host"]
 TILE_K = 64
 DESC_BYTES = 128  # one CUtensorMap
 SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
+# varlen: the scheduler warp writes each record's D descriptor into a per-CTA ring of this
+# many slots. A slot is rewritten DESC_RING records later; the scheduler runs at most
+# SCHED_STAGES records ahead of the store warp, whose TMA stores of a record have all
+# drained (PipelineTmaStore keeps < 4 in flight) before it reads the next one.
+DESC_RING = 2 * SCHED_STAGES
 TRACE_INTS = 4  # debug trace record: (problem, m_tile, n_tile, warpgroup)
 
 # L2 eviction priorities for TMA loads (the createpolicy encodings CUTLASS uses, sm90).
@@ -339,7 +344,7 @@ class GroupedGemmSm90:
 
         self.shared_storage = SharedStorage
 
-        if const_expr(self.form != "batched"):
+        if const_expr(self.form == "general"):
             # Build the per-problem descriptors first (stream order makes them visible).
             self.desc_kernel(
                 mA, mB, mD, meta, offs, workspace, num_problems, a_smem, b_smem, d_smem
@@ -533,7 +538,8 @@ class GroupedGemmSm90:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == self.sched_warp:
                 self.scheduler_warp(sched_pipe, sched, meta32, offs, table, mA, mD,
-                                    num_problems, swizzle)
+                                    num_problems, swizzle, workspace,
+                                    cute.slice_(d_smem_staged, (None, None, 0)))
             if warp_idx == self.load_warp:
                 self.load_warp_role(
                     ab_pipe, sched_pipe, sched, tma_atom_a, tma_a, tma_atom_b, tma_b,
@@ -601,9 +607,14 @@ class GroupedGemmSm90:
         mD: cute.Tensor,
         num_problems: Int32,
         swizzle: Int32,
+        workspace: cute.Tensor,
+        d_smem: cute.ComposedLayout,
     ):
         lane = cute.arch.lane_idx()
         cta, _, _ = cute.arch.block_idx()
+        # varlen: this CTA's ring of D descriptors (see DESC_RING)
+        ring = workspace.iterator.toint() + Int64(cta) * (DESC_RING * DESC_BYTES)
+        records = Int32(0)
         grid, _, _ = cute.arch.grid_dim()
         # With a cluster the unit of work is a cluster tile (cluster_m vertically adjacent
         # tiles); the cluster walks the linear cluster tiles and each CTA takes its row.
@@ -659,8 +670,10 @@ class GroupedGemmSm90:
             k_tiles = Int32(0)
             row_start = Int32(0)
             valid = Int32(0)
+            expert_rows = Int32(0)
             if problem >= 0:
                 rows, cols, depth, row_start = self._problem_dims(problem, meta32, offs, mA, mD)
+                expert_rows = rows
                 tiles_m = ceil_div_i32(rows, self.tile_m)
                 tiles_n = ceil_div_i32(cols, self.tile_n)
                 if const_expr(self.cluster_m > 1):
@@ -685,11 +698,38 @@ class GroupedGemmSm90:
                 sched[3, state.index] = k_tiles
                 sched[4, state.index] = row_start
                 sched[5, state.index] = valid
+                sched[6, state.index] = records % DESC_RING
+            if const_expr(self.form == "varlen"):
+                if problem >= 0:
+                    # The expert's D view [row_start, row_start + rows) as a TMA descriptor,
+                    # so a partial tile at the expert's end is clipped by the TMA unit.
+                    self._write_d_desc(
+                        ring + Int64(records % DESC_RING) * DESC_BYTES, mD, row_start,
+                        expert_rows, d_smem,
+                    )
+                # Every lane's part of the descriptor is written and fenced before lane 0
+                # publishes the record (the store warp acquires it).
+                cute.arch.sync_warp()
+            if lane == 0:
                 sched_pipe.producer_commit(state)
             state.advance()
             t = t + grid
             slot = slot + 1
+            records = records + 1
         sched_pipe.producer_tail(state)
+
+    @cute.jit
+    def _write_d_desc(self, address: Int64, mD: cute.Tensor, row_start: Int32, count: Int32,
+                      d_smem: cute.ComposedLayout):
+        """The TMA store descriptor of out rows [row_start, row_start + count), at `address`
+        (global memory), published to the tensormap proxy."""
+        op_s2g = cpasync.CopyBulkTensorTileS2GOp()
+        d_ptr = mD.iterator + Int64(row_start) * mD.stride[0]
+        tD = cute.make_tensor(d_ptr, cute.make_layout((count, mD.shape[1]),
+                                                      stride=(mD.stride[0], 1)))
+        atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
+        cpasync.copy_tensormap(atom_d, self._gmem_desc(address, 0))
+        cpasync.fence_tma_desc_release()
 
     @cute.jit
     def read_record(
@@ -704,11 +744,12 @@ class GroupedGemmSm90:
         k_tiles = sched[3, state.index]
         row_start = sched[4, state.index]
         valid = sched[5, state.index]
+        ring_slot = sched[6, state.index]
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             sched_pipe.consumer_release(state)
         state.advance()
-        return problem, m_tile, n_tile, k_tiles, row_start, valid, state
+        return problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, state
 
     # ------------------------------------------------------------------------------------------
     # Load warp
@@ -742,9 +783,9 @@ class GroupedGemmSm90:
         if const_expr(self.cluster_m > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             b_mask = cutlass.Int16((1 << self.cluster_m) - 1)
-        problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
-                sched_pipe, sched, read_state
-            )
+        problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+            self.read_record(sched_pipe, sched, read_state)
+        )
         while problem >= 0:
             if const_expr(self.form == "general"):
                 # (bM, bK, RestM, RestK) coordinates; the descriptor supplies base and bounds.
@@ -808,8 +849,8 @@ class GroupedGemmSm90:
                     )
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()
-            problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
-                sched_pipe, sched, read_state
+            problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+                self.read_record(sched_pipe, sched, read_state)
             )
         ab_pipe.producer_tail(ab_state)
 
@@ -891,17 +932,17 @@ class GroupedGemmSm90:
                 cute.arch.barrier_arrive(
                     barrier_id=BAR_MMA_ORDER, number_of_threads=2 * self.threads_per_wg
                 )
-        problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
-                sched_pipe, sched, read_state
-            )
+        problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+            self.read_record(sched_pipe, sched, read_state)
+        )
         if const_expr(self.pingpong):
             if math_wg == 1:
                 # Warpgroup 1 starts at the CTA's second tile: skip the first one's stages.
                 if problem >= 0:
                     ab_state.advance(k_tiles)
-                    problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
-                sched_pipe, sched, read_state
-            )
+                    problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+                        self.read_record(sched_pipe, sched, read_state)
+                    )
         while problem >= 0:
             if const_expr(self.pingpong):
                 cute.arch.barrier(
@@ -912,7 +953,8 @@ class GroupedGemmSm90:
             if valid != 0:  # (always, without a cluster)
                 self.epilogue(
                     acc, tRS_rAcc, tRS_rD, tRS_rD_out, size_rD, tiled_copy_r2s, tRS_sD, sD,
-                    tma_atom_d, tma_d, store_pipe, ws, problem, m_tile, n_tile, epi_group,
+                    tma_atom_d, tma_d, store_pipe, ws, problem, m_tile, n_tile, ring_slot,
+                    epi_group,
                     epi_bar_id, epi_threads, is_store_warp, tiles_done,
                 )
                 if const_expr(self.trace):
@@ -924,16 +966,16 @@ class GroupedGemmSm90:
                         trace[cta, slot, 2] = n_tile
                         trace[cta, slot, 3] = math_wg
                 tiles_done = tiles_done + 1
-            problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
-                sched_pipe, sched, read_state
+            problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+                self.read_record(sched_pipe, sched, read_state)
             )
             if const_expr(self.pingpong):
                 # The next record is the other warpgroup's tile: skip its stages.
                 if problem >= 0:
                     ab_state.advance(k_tiles)
-                    problem, m_tile, n_tile, k_tiles, row_start, valid, read_state = self.read_record(
-                sched_pipe, sched, read_state
-            )
+                    problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+                        self.read_record(sched_pipe, sched, read_state)
+                    )
         if is_store_warp:
             store_pipe.producer_tail()
 
@@ -1003,6 +1045,7 @@ class GroupedGemmSm90:
         problem: Int32,
         m_tile: Int32,
         n_tile: Int32,
+        ring_slot: Int32,
         epi_group: Int32,
         epi_bar_id: Int32,
         epi_threads: cutlass.Constexpr,
@@ -1021,8 +1064,14 @@ class GroupedGemmSm90:
         epi_count = cute.size(gD_epi, mode=[1])
         epi_shape = gD_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        desc_d = (ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
-                  + 2 * DESC_BYTES)
+        if const_expr(self.form == "varlen"):
+            # This record's slot of the CTA's ring (written by the scheduler warp).
+            cta, _, _ = cute.arch.block_idx()
+            desc_d = ws + (Int64(cute.arch.make_warp_uniform(cta)) * DESC_RING
+                           + Int64(cute.arch.make_warp_uniform(ring_slot))) * DESC_BYTES
+        else:
+            desc_d = (ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
+                      + 2 * DESC_BYTES)
         if const_expr(self.form != "batched"):
             if is_store_warp:
                 cpasync.fence_tma_desc_acquire(_generic_ptr(desc_d))  # see load_warp_role

@@ -26,6 +26,8 @@ from ..validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
 from .support import GeneralLayout, analyze_general, operand_major, tma_view
 
 TILE_K = 64
+DESC_INTS = 16  # one 128-byte CUtensorMap in int64s
+DESC_RING = 16  # grouped_gemm_sm90.DESC_RING (not imported: that module loads the DSL)
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _local = threading.local()
 
@@ -318,7 +320,8 @@ class MmPlan:
             max_tiles = -(-total // num_ctas)
         else:
             num_ctas, table, max_tiles = self.num_ctas, self.no_table, self.max_tiles
-        workspace = _workspace(self.device, self.num_problems * 48)
+        # Per CTA, a ring of DESC_RING D descriptors that the scheduler warp writes.
+        workspace = _workspace(self.device, num_ctas * DESC_RING * DESC_INTS)
         trace_t = _trace_tensor(num_ctas, max_tiles, self.device) if self.trace else self.no_trace
         self.kernel(x, w, out, self.meta, self.meta32, offs, table, workspace, trace_t,
                     self.num_problems, num_ctas, choice.swizzle, choice.a_policy,
