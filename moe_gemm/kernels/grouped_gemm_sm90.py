@@ -1,16 +1,18 @@
 """GroupedGemmSm90: a persistent, warp-specialized grouped GEMM for sm_90a in CuTe DSL.
 
-One launch computes D_p = A_p @ B_p for every problem p of a set. Two problem forms share the
-kernel body and differ only in where operands and sizes come from:
+One launch (a single kernel) computes D_p = A_p @ B_p for every problem p of a set. Three
+problem forms share the kernel body and differ only in where operands and sizes come from:
 
-- general: G problems with separate allocations and any (M, N, K) each. A tiny prologue kernel
-  (`desc_kernel`, one block per problem) builds each problem's A, B and D TMA descriptors on the
-  GPU into a (G, 3, 128 B) workspace, so the main kernel never mutates a descriptor (no
-  in-flight-descriptor races) and the host never calls the driver per problem.
+- general: G problems with separate allocations and any (M, N, K) each, described by a
+  (G, 8) int64 metadata table. For each of its tiles the scheduler warp encodes the problem's
+  A, B and D TMA descriptors on the GPU into a slot of a per-CTA ring in the workspace
+  (DESC_RING slots, reused only after every warp is done with them), so no descriptor is ever
+  modified while in use and the host never calls the driver per problem.
 - varlen (MoE): x (T, K), w (E, K, N) in either major, offs (E,) int32 on the GPU. A and B use
   one descriptor each (the expert selected by coordinates); D uses a per-expert descriptor
-  built on the GPU from offs, so a partial tile at an expert boundary is clipped by the TMA
-  unit and never touches the neighbour's rows. No host synchronisation: CUDA-graph safe.
+  that the scheduler warp encodes from offs into the ring, so a partial tile at an expert
+  boundary is clipped by the TMA unit and never touches the neighbour's rows. No host
+  synchronisation: CUDA-graph safe.
 - batched: x (G, M, K), w (G, K, N), out (G, M, N), the same (M, N, K) for every problem
   (torch.bmm's and F.grouped_mm's 3D x 3D form). Every operand is one rank-3 TMA descriptor
   whose third mode is the problem, so there is no prologue kernel, no per-problem descriptor
@@ -60,11 +62,12 @@ Visitor = Literal["device", "host"]
 TILE_K = 64
 DESC_BYTES = 128  # one CUtensorMap
 SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
-# varlen: the scheduler warp writes each record's D descriptor into a per-CTA ring of this
-# many slots. A slot is rewritten DESC_RING records later; the scheduler runs at most
+# general / varlen: the scheduler warp writes each record's descriptors (general: A, B, D;
+# varlen: D) into a per-CTA ring of this many slots in the workspace. A slot is rewritten DESC_RING records later; the scheduler runs at most
 # SCHED_STAGES records ahead of the store warp, whose TMA stores of a record have all
 # drained (PipelineTmaStore keeps < 4 in flight) before it reads the next one.
 DESC_RING = 2 * SCHED_STAGES
+SLOT_BYTES = 3 * DESC_BYTES  # a ring slot: the record's A, B and D descriptors
 TRACE_INTS = 4  # debug trace record: (problem, m_tile, n_tile, warpgroup)
 
 # L2 eviction priorities for TMA loads (the createpolicy encodings CUTLASS uses, sm90).
@@ -264,7 +267,7 @@ class GroupedGemmSm90:
         meta32: cute.Tensor,  # the same bytes as (G, 16) int32 (M, N, K at columns 12..14)
         offs: cute.Tensor,  # varlen: (E,) int32 cumulative end rows; general: unused (1,)
         table: cute.Tensor,  # host visitor: (num_ctas, entries, 2) int32; else (1, 1, 2)
-        workspace: cute.Tensor,  # (problems * 3 * 16,) int64: per-problem TMA descriptors
+        workspace: cute.Tensor,  # (num_ctas * DESC_RING * 3 * 16,) int64: descriptor rings
         trace: cute.Tensor,  # debug: (num_ctas, max_tiles, 4) int32; else (1, 1, 4)
         num_problems: Int32,  # general: G; varlen: E + 1 if the zero tail is on, else E
         num_ctas: Int32,
@@ -344,15 +347,9 @@ class GroupedGemmSm90:
 
         self.shared_storage = SharedStorage
 
-        if const_expr(self.form == "general"):
-            # Build the per-problem descriptors first (stream order makes them visible).
-            self.desc_kernel(
-                mA, mB, mD, meta, offs, workspace, num_problems, a_smem, b_smem, d_smem
-            ).launch(grid=(num_problems, 1, 1), block=(WARP, 1, 1), stream=stream)
-
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
-            mA, mD, meta32, offs, table, workspace, trace, num_problems, swizzle,
+            mA, mD, meta, meta32, offs, table, workspace, trace, num_problems, swizzle,
             a_policy, b_policy, self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
             grid=(num_ctas, 1, 1),
@@ -360,81 +357,12 @@ class GroupedGemmSm90:
             cluster=(self.cluster_m, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
-            # Programmatic dependent launch: the main kernel's CTAs may become resident and
-            # run their prologue (barrier init, descriptor prefetch, register reallocation)
-            # while desc_kernel (or, batched, the previous kernel on the stream) finishes;
-            # every thread waits on griddepcontrol before it touches global memory.
+            # Programmatic dependent launch (opt-in): the CTAs may become resident and run
+            # their prologue (barrier init, descriptor prefetch, register reallocation) while
+            # the previous kernel on the stream finishes; every thread waits on griddepcontrol
+            # before it touches global memory.
             use_pdl=pdl,
         )
-
-    # ------------------------------------------------------------------------------------------
-    # Prologue kernel: per-problem TMA descriptors, built on the GPU
-
-    @cute.kernel
-    def desc_kernel(
-        self,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mD: cute.Tensor,
-        meta: cute.Tensor,
-        offs: cute.Tensor,
-        workspace: cute.Tensor,
-        num_problems: Int32,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        d_smem: cute.ComposedLayout,
-    ):
-        # The main kernel (launched with PDL) may start now; it waits for this grid to end
-        # (griddepcontrol.wait) before reading any descriptor.
-        cute.arch.griddepcontrol_launch_dependents()
-        p, _, _ = cute.arch.block_idx()
-        ws = workspace.iterator.toint() + Int64(p) * (3 * DESC_BYTES)
-        op_g2s = cpasync.CopyBulkTensorTileG2SOp()
-        op_s2g = cpasync.CopyBulkTensorTileS2GOp()
-        if const_expr(self.form == "general"):
-            rows = Int32(meta[p, 6] & 0xFFFFFFFF)
-            cols = Int32(meta[p, 6] >> 32)
-            depth = Int32(meta[p, 7])
-            if cutlass.min(rows, cols) > 0:
-                if depth > 0:
-                    a_ptr = cute.make_ptr(
-                        self.ab_dtype, meta[p, 0], cute.AddressSpace.gmem, assumed_align=16
-                    )
-                    tA = cute.make_tensor(
-                        a_ptr, cute.make_layout((rows, depth), stride=(meta[p, 3], 1))
-                    )
-                    atom_a, _ = cpasync.make_tiled_tma_atom(
-                        op_g2s, tA, a_smem, (self.tile_m, TILE_K)
-                    )
-                    cpasync.copy_tensormap(atom_a, self._gmem_desc(ws, 0))
-                    b_ptr = cute.make_ptr(
-                        self.ab_dtype, meta[p, 1], cute.AddressSpace.gmem, assumed_align=16
-                    )
-                    if const_expr(self.b_major == "k"):
-                        b_layout = cute.make_layout((cols, depth), stride=(meta[p, 4], 1))
-                    else:
-                        b_layout = cute.make_layout((cols, depth), stride=(1, meta[p, 4]))
-                    tB = cute.make_tensor(b_ptr, b_layout)
-                    atom_b, _ = cpasync.make_tiled_tma_atom(
-                        op_g2s, tB, b_smem, (self.tile_n, TILE_K)
-                    )
-                    cpasync.copy_tensormap(atom_b, self._gmem_desc(ws, 1))
-                d_ptr = cute.make_ptr(
-                    self.d_dtype, meta[p, 2], cute.AddressSpace.gmem, assumed_align=16
-                )
-                tD = cute.make_tensor(d_ptr, cute.make_layout((rows, cols), stride=(meta[p, 5], 1)))
-                atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
-                cpasync.copy_tensormap(atom_d, self._gmem_desc(ws, 2))
-        else:
-            start, count = self._expert_rows(p, offs, mA.shape[0], offs.shape[0])
-            n = mD.shape[1]
-            if count > 0 and n > 0:
-                d_ptr = mD.iterator + Int64(start) * mD.stride[0]
-                tD = cute.make_tensor(d_ptr, cute.make_layout((count, n), stride=(mD.stride[0], 1)))
-                atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
-                cpasync.copy_tensormap(atom_d, self._gmem_desc(ws, 2))
-        # Publish the descriptors to the tensormap proxy (the TMA unit reads them there).
-        cpasync.fence_tma_desc_release()
 
     @staticmethod
     def _gmem_desc(ws_base: Int64, slot: int) -> cute.Pointer:
@@ -472,6 +400,7 @@ class GroupedGemmSm90:
         tma_d: cute.Tensor,
         mA: cute.Tensor,
         mD: cute.Tensor,
+        meta: cute.Tensor,
         meta32: cute.Tensor,
         offs: cute.Tensor,
         table: cute.Tensor,
@@ -530,15 +459,17 @@ class GroupedGemmSm90:
         sched = storage.sched.get_tensor(cute.make_layout((RECORD_INTS, SCHED_STAGES)))
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
-        # Under PDL the previous grid (desc_kernel, or the producer of our inputs) may still
-        # be running: nothing above touched global memory; everything below may.
+        # Under PDL the previous grid (the producer of our inputs) may still be running:
+        # nothing above touched global memory; everything below may.
         cute.arch.griddepcontrol_wait()
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == self.sched_warp:
-                self.scheduler_warp(sched_pipe, sched, meta32, offs, table, mA, mD,
+                self.scheduler_warp(sched_pipe, sched, meta, meta32, offs, table, mA, mD,
                                     num_problems, swizzle, workspace,
+                                    cute.slice_(a_smem_staged, (None, None, 0)),
+                                    cute.slice_(b_smem_staged, (None, None, 0)),
                                     cute.slice_(d_smem_staged, (None, None, 0)))
             if warp_idx == self.load_warp:
                 self.load_warp_role(
@@ -600,6 +531,7 @@ class GroupedGemmSm90:
         self,
         sched_pipe: pipeline.PipelineAsync,
         sched: cute.Tensor,
+        meta: cute.Tensor,
         meta32: cute.Tensor,
         offs: cute.Tensor,
         table: cute.Tensor,
@@ -608,12 +540,13 @@ class GroupedGemmSm90:
         num_problems: Int32,
         swizzle: Int32,
         workspace: cute.Tensor,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
         d_smem: cute.ComposedLayout,
     ):
         lane = cute.arch.lane_idx()
         cta, _, _ = cute.arch.block_idx()
-        # varlen: this CTA's ring of D descriptors (see DESC_RING)
-        ring = workspace.iterator.toint() + Int64(cta) * (DESC_RING * DESC_BYTES)
+        ring = self._ring_base(workspace, cta)
         records = Int32(0)
         grid, _, _ = cute.arch.grid_dim()
         # With a cluster the unit of work is a cluster tile (cluster_m vertically adjacent
@@ -699,16 +632,21 @@ class GroupedGemmSm90:
                 sched[4, state.index] = row_start
                 sched[5, state.index] = valid
                 sched[6, state.index] = records % DESC_RING
-            if const_expr(self.form == "varlen"):
+            if const_expr(self.form != "batched"):
+                slot_addr = ring + Int64(records % DESC_RING) * SLOT_BYTES
                 if problem >= 0:
-                    # The expert's D view [row_start, row_start + rows) as a TMA descriptor,
-                    # so a partial tile at the expert's end is clipped by the TMA unit.
-                    self._write_d_desc(
-                        ring + Int64(records % DESC_RING) * DESC_BYTES, mD, row_start,
-                        expert_rows, d_smem,
-                    )
-                # Every lane's part of the descriptor is written and fenced before lane 0
-                # publishes the record (the store warp acquires it).
+                    if const_expr(self.form == "general"):
+                        self._write_general_descs(slot_addr, problem, meta, a_smem, b_smem,
+                                                  d_smem)
+                    else:
+                        # The expert's D view [row_start, row_start + rows), so a partial tile
+                        # at the expert's end is clipped by the TMA unit.
+                        self._write_d_desc(slot_addr + 2 * DESC_BYTES, mD, row_start,
+                                           expert_rows, d_smem)
+                    # Publish the descriptors to the tensormap proxy (the TMA unit reads them
+                    # there); the load and store warps acquire them per record.
+                    cpasync.fence_tma_desc_release()
+                # Every lane's writes are fenced before lane 0 publishes the record.
                 cute.arch.sync_warp()
             if lane == 0:
                 sched_pipe.producer_commit(state)
@@ -718,18 +656,56 @@ class GroupedGemmSm90:
             records = records + 1
         sched_pipe.producer_tail(state)
 
+    @staticmethod
+    def _ring_base(workspace: cute.Tensor, cta: Int32) -> Int64:
+        """This CTA's descriptor ring in the workspace (DESC_RING slots of SLOT_BYTES)."""
+        return workspace.iterator.toint() + Int64(cute.arch.make_warp_uniform(cta)) * (
+            DESC_RING * SLOT_BYTES
+        )
+
     @cute.jit
     def _write_d_desc(self, address: Int64, mD: cute.Tensor, row_start: Int32, count: Int32,
                       d_smem: cute.ComposedLayout):
         """The TMA store descriptor of out rows [row_start, row_start + count), at `address`
-        (global memory), published to the tensormap proxy."""
+        (global memory)."""
         op_s2g = cpasync.CopyBulkTensorTileS2GOp()
         d_ptr = mD.iterator + Int64(row_start) * mD.stride[0]
         tD = cute.make_tensor(d_ptr, cute.make_layout((count, mD.shape[1]),
                                                       stride=(mD.stride[0], 1)))
         atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
         cpasync.copy_tensormap(atom_d, self._gmem_desc(address, 0))
-        cpasync.fence_tma_desc_release()
+
+    @cute.jit
+    def _write_general_descs(self, address: Int64, p: Int32, meta: cute.Tensor,
+                             a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+                             d_smem: cute.ComposedLayout):
+        """Problem p's A, B (when K > 0) and D descriptors at address + 0 / 128 / 256, from
+        its metadata row: [a_ptr, b_ptr, d_ptr, a_ld, b_ld, d_ld, M | N << 32, K]."""
+        op_g2s = cpasync.CopyBulkTensorTileG2SOp()
+        op_s2g = cpasync.CopyBulkTensorTileS2GOp()
+        rows = Int32(meta[p, 6] & 0xFFFFFFFF)
+        cols = Int32(meta[p, 6] >> 32)
+        depth = Int32(meta[p, 7])
+        if depth > 0:
+            a_ptr = cute.make_ptr(self.ab_dtype, meta[p, 0], cute.AddressSpace.gmem,
+                                  assumed_align=16)
+            tA = cute.make_tensor(a_ptr, cute.make_layout((rows, depth), stride=(meta[p, 3], 1)))
+            atom_a, _ = cpasync.make_tiled_tma_atom(op_g2s, tA, a_smem, (self.tile_m, TILE_K))
+            cpasync.copy_tensormap(atom_a, self._gmem_desc(address, 0))
+            b_ptr = cute.make_ptr(self.ab_dtype, meta[p, 1], cute.AddressSpace.gmem,
+                                  assumed_align=16)
+            if const_expr(self.b_major == "k"):
+                b_layout = cute.make_layout((cols, depth), stride=(meta[p, 4], 1))
+            else:
+                b_layout = cute.make_layout((cols, depth), stride=(1, meta[p, 4]))
+            atom_b, _ = cpasync.make_tiled_tma_atom(
+                op_g2s, cute.make_tensor(b_ptr, b_layout), b_smem, (self.tile_n, TILE_K)
+            )
+            cpasync.copy_tensormap(atom_b, self._gmem_desc(address, 1))
+        d_ptr = cute.make_ptr(self.d_dtype, meta[p, 2], cute.AddressSpace.gmem, assumed_align=16)
+        tD = cute.make_tensor(d_ptr, cute.make_layout((rows, cols), stride=(meta[p, 5], 1)))
+        atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
+        cpasync.copy_tensormap(atom_d, self._gmem_desc(address, 2))
 
     @cute.jit
     def read_record(
@@ -775,7 +751,8 @@ class GroupedGemmSm90:
             cpasync.prefetch_descriptor(tma_atom_b)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        ws = workspace.iterator.toint()
+        cta, _, _ = cute.arch.block_idx()
+        ring = self._ring_base(workspace, cta)
         # Cluster: this CTA loads slice `rank` of B's tile and multicasts it to every CTA of
         # the cluster (mask 0b11 for 2x1); A is its own.
         rank = Int32(0)
@@ -816,10 +793,11 @@ class GroupedGemmSm90:
             # Warp-uniform descriptor addresses, computed before any elected region so ptxas
             # never needs a predicated R2UR (illegal on sm_90a, error 715).
             # (make_warp_uniform is 32-bit: apply it to the index, never to the address.)
-            desc_base = ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
+            desc_base = ring + Int64(cute.arch.make_warp_uniform(ring_slot)) * SLOT_BYTES
             if const_expr(self.form == "general"):
-                # The workspace is rewritten every launch (same address under CUDA-graph
-                # replay): acquire the new descriptors so no stale cached copy is used.
+                # The ring slot was (re)written by the scheduler warp for this record (and the
+                # workspace is rewritten every launch, same address under CUDA-graph replay):
+                # acquire the new descriptors so no stale cached copy is used.
                 cpasync.fence_tma_desc_acquire(_generic_ptr(desc_base))
                 cpasync.fence_tma_desc_acquire(_generic_ptr(desc_base + DESC_BYTES))
             for k in cutlass.range(0, k_tiles, 1, unroll=1):
@@ -922,8 +900,8 @@ class GroupedGemmSm90:
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        ws = workspace.iterator.toint()
         cta, _, _ = cute.arch.block_idx()
+        ring = self._ring_base(workspace, cta)
         tiles_done = Int32(0)
 
         if const_expr(self.pingpong):
@@ -953,7 +931,7 @@ class GroupedGemmSm90:
             if valid != 0:  # (always, without a cluster)
                 self.epilogue(
                     acc, tRS_rAcc, tRS_rD, tRS_rD_out, size_rD, tiled_copy_r2s, tRS_sD, sD,
-                    tma_atom_d, tma_d, store_pipe, ws, problem, m_tile, n_tile, ring_slot,
+                    tma_atom_d, tma_d, store_pipe, ring, problem, m_tile, n_tile, ring_slot,
                     epi_group,
                     epi_bar_id, epi_threads, is_store_warp, tiles_done,
                 )
@@ -1041,7 +1019,7 @@ class GroupedGemmSm90:
         tma_atom_d: cute.CopyAtom,
         tma_d: cute.Tensor,
         store_pipe: pipeline.PipelineTmaStore,
-        ws: Int64,
+        ring: Int64,
         problem: Int32,
         m_tile: Int32,
         n_tile: Int32,
@@ -1064,14 +1042,8 @@ class GroupedGemmSm90:
         epi_count = cute.size(gD_epi, mode=[1])
         epi_shape = gD_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        if const_expr(self.form == "varlen"):
-            # This record's slot of the CTA's ring (written by the scheduler warp).
-            cta, _, _ = cute.arch.block_idx()
-            desc_d = ws + (Int64(cute.arch.make_warp_uniform(cta)) * DESC_RING
-                           + Int64(cute.arch.make_warp_uniform(ring_slot))) * DESC_BYTES
-        else:
-            desc_d = (ws + Int64(cute.arch.make_warp_uniform(problem)) * (3 * DESC_BYTES)
-                      + 2 * DESC_BYTES)
+        # This record's slot of the CTA's ring (written by the scheduler warp).
+        desc_d = ring + Int64(cute.arch.make_warp_uniform(ring_slot)) * SLOT_BYTES + 2 * DESC_BYTES
         if const_expr(self.form != "batched"):
             if is_store_warp:
                 cpasync.fence_tma_desc_acquire(_generic_ptr(desc_d))  # see load_warp_role

@@ -28,6 +28,7 @@ from .support import GeneralLayout, analyze_general, operand_major, tma_view
 TILE_K = 64
 DESC_INTS = 16  # one 128-byte CUtensorMap in int64s
 DESC_RING = 16  # grouped_gemm_sm90.DESC_RING (not imported: that module loads the DSL)
+SLOT_INTS = 3 * DESC_INTS  # a ring slot: A, B, D descriptors
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _local = threading.local()
 
@@ -113,13 +114,13 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 
 def _workspace(device: torch.device, ints: int) -> torch.Tensor:
-    """The descriptor workspace (written by desc_kernel, read by the main kernel it precedes).
+    """The descriptor rings the kernel's scheduler warps write and its load/store warps read.
 
-    Reused per (device, stream, thread, size): calls from one thread on one stream run in
-    stream order, so a launch pair never sees another's descriptors, and the next pair's
-    desc_kernel (a normal launch) starts only after the previous main kernel has finished.
-    Saves an allocator call per grouped_mm (~1.5 us of host time). Never reused while a CUDA
-    graph is being captured: a captured workspace belongs to the graph.
+    Reused per (device, stream, thread, size): launches on one stream run one after the other
+    (under the opt-in PDL a kernel waits on griddepcontrol before touching global memory), so
+    no two launches ever use one workspace at once. Saves an allocator call per call (~1.5 us
+    of host time). Never reused while a CUDA graph is being captured: a captured workspace
+    belongs to the graph.
     """
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if torch._C._cuda_isCurrentStreamCapturing():
@@ -246,7 +247,8 @@ def grouped_gemm_cute(
         _table_tensor(counts, num_ctas, device) if choice.visitor == "host"
         else _small("table", device, torch.int32, (1, 1, 2))
     )
-    workspace = _workspace(device, G * 3 * 16)
+    # Per CTA, a ring of descriptor slots that the scheduler warp writes (grouped_gemm_sm90).
+    workspace = _workspace(device, num_ctas * DESC_RING * SLOT_INTS)
     trace_t = (_trace_tensor(num_ctas, math.ceil(total / num_ctas), device) if trace
                else _small("trace", device, torch.int32, (1, 1, 4)))
     seed_a = _small("seed_a", device, args.dtype, (128, 64))
@@ -321,7 +323,7 @@ class MmPlan:
         else:
             num_ctas, table, max_tiles = self.num_ctas, self.no_table, self.max_tiles
         # Per CTA, a ring of DESC_RING D descriptors that the scheduler warp writes.
-        workspace = _workspace(self.device, num_ctas * DESC_RING * DESC_INTS)
+        workspace = _workspace(self.device, num_ctas * DESC_RING * SLOT_INTS)
         trace_t = _trace_tensor(num_ctas, max_tiles, self.device) if self.trace else self.no_trace
         self.kernel(x, w, out, self.meta, self.meta32, offs, table, workspace, trace_t,
                     self.num_problems, num_ctas, choice.swizzle, choice.a_policy,
