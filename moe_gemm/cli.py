@@ -104,7 +104,9 @@ def check_variants(full: bool):
     keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device", 128, 192))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 64, 256))
     keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
-                           256, 3))
+                           256, 3, cluster_n=2))
+    keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
+                           256, 3, cluster_m=2))
     keys.append(CompileKey("batched", "float16", "float32", "k", "pingpong", "device", 128, 192))
     if full:
         for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):

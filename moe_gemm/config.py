@@ -25,9 +25,10 @@ VISITORS = ("auto", "device", "host")
 # 128x192 = 192 registers is the largest. Cooperative splits one tile over two warpgroups.
 PINGPONG_TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192))
 COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 192), (128, 256))
-# Thread-block clusters: 1x1, or 2x1 (two CTAs on vertically adjacent tiles share B's tile by
-# TMA multicast; cooperative schedule, device visitor, grouped_mm's varlen and batched forms).
-CLUSTERS = ((1, 1), (2, 1))
+# Thread-block clusters: 1x1, 2x1 (two CTAs on vertically adjacent tiles share B's tile by TMA
+# multicast) or 1x2 (horizontally adjacent, sharing A); cooperative schedule, device visitor,
+# grouped_mm's varlen and batched forms.
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,10 @@ class GemmConfig:
             (general form only); None lets the cost model decide.
         tile_m, tile_n: output tile per CTA (cooperative) or per warpgroup (pingpong);
             None = heuristic. tile_k is 64 elements (one 128-byte swizzle row of bf16).
-        cluster_m, cluster_n: thread-block cluster shape, (1, 1) or (2, 1); None = heuristic.
-            2x1 pairs CTAs on vertically adjacent tiles that load B's tile once and multicast
-            it (cooperative schedule and device visitor only; grouped_mm only).
+        cluster_m, cluster_n: thread-block cluster shape, (1, 1), (2, 1) or (1, 2); None =
+            heuristic. 2x1 pairs CTAs on vertically adjacent tiles that load B's tile once and
+            multicast it, 1x2 the same for A (cooperative schedule and device visitor only;
+            grouped_mm only).
         stages: A/B shared-memory pipeline depth; None = as many as shared memory holds.
     """
 

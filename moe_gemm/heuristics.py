@@ -31,6 +31,7 @@ class KernelChoice:
     l2_hints: bool = False
     epi_n: int = 32  # cooperative epilogue subtile width (compile-time)
     cluster_m: int = 1  # CTAs per cluster along M (B multicast)
+    cluster_n: int = 1  # CTAs per cluster along N (A multicast)
 
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
@@ -120,7 +121,7 @@ def choose_varlen(
         # vs pingpong 203; moe-prefill and mixtral likewise); below that a ping-pong tile
         # (moe-decode, 4 rows/expert: pingpong 64x256 271 us vs cooperative 300).
         schedule = "cooperative" if avg_m >= 128 and N >= 256 else "pingpong"
-        if (config.cluster_m or 1) > 1:
+        if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
             schedule = "cooperative"
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
@@ -131,11 +132,11 @@ def choose_varlen(
     stages = config.stages
     if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
         stages = 3  # long K (see choose_general)
-    cluster_m = _cluster_choice(config, schedule)
-    if cluster_m > 1:
+    cm, cn = _cluster_choice(config, schedule)
+    if cm * cn > 1:
         visitor = "device"
     return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8,
-                                      cluster_m=cluster_m))
+                                      cluster_m=cm, cluster_n=cn))
 
 
 def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int
@@ -152,7 +153,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
         schedule = config.schedule
     else:
         schedule = "pingpong" if k_tiles <= 16 and N >= 192 else "cooperative"
-        if (config.cluster_m or 1) > 1:
+        if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
             schedule = "cooperative"
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
@@ -164,8 +165,14 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
         stages = 3  # long K (see choose_general)
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
+    cm, cn = _cluster_choice(config, schedule)
+    if config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]:
+        # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
+        # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
+        # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (scripts/tune.py).
+        cm, cn = 1, 2
     return KernelChoice(schedule, "device", tile[0], tile[1], stages, False, 8,
-                        cluster_m=_cluster_choice(config, schedule))
+                        cluster_m=cm, cluster_n=cn)
 
 
 def _general_cluster(config: GemmConfig) -> None:
@@ -176,14 +183,16 @@ def _general_cluster(config: GemmConfig) -> None:
         )
 
 
-def _cluster_choice(config: GemmConfig, schedule: str) -> int:
-    """cluster_m for grouped_mm: what the config pins, else 1 (see AGENTS.md for 2x1)."""
+def _cluster_choice(config: GemmConfig, schedule: str) -> tuple[int, int]:
+    """(cluster_m, cluster_n) for grouped_mm: what the config pins, else 1x1 (AGENTS.md has
+    the 2x1 / 1x2 measurements)."""
     if config.cluster_m is None:
-        return 1
-    if config.cluster_m > 1 and schedule != "cooperative":
-        raise ValueError(f"cluster {config.cluster_m}x{config.cluster_n} is built for the "
-                         "cooperative schedule only")
-    return config.cluster_m
+        return 1, 1
+    cluster = (config.cluster_m, config.cluster_n or 1)
+    if cluster != (1, 1) and schedule != "cooperative":
+        raise ValueError(f"cluster {cluster[0]}x{cluster[1]} is built for the cooperative "
+                         "schedule only")
+    return cluster
 
 
 @functools.lru_cache(maxsize=64)

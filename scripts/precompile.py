@@ -53,13 +53,15 @@ def variant_set(name: str):
         [(128, 128), (128, 256)], [None, 3],
     ):
         if stages is None or tile == (128, 256):
-            keys.add(CompileKey(form, ab, ab if d_same else "float32", b_major, "cooperative",
-                                "device", *tile, stages, cluster_m=2))
+            for cm, cn in ((2, 1), (1, 2)):
+                keys.add(CompileKey(form, ab, ab if d_same else "float32", b_major,
+                                    "cooperative", "device", *tile, stages, cluster_m=cm,
+                                    cluster_n=cn))
     for form in ("varlen", "batched"):
-        keys.add(CompileKey(form, "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
-                            256, 3, True, cluster_m=2))
-        keys.add(CompileKey(form, "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
-                            256, 3, True, cluster_m=2))
+        for cm, cn in ((2, 1), (1, 2)):
+            for b_major in ("n", "k"):
+                keys.add(CompileKey(form, "bfloat16", "bfloat16", b_major, "cooperative",
+                                    "device", 128, 256, 3, True, cluster_m=cm, cluster_n=cn))
     if name == "tests":
         for tm, tn in [(64, 128), (64, 256), (128, 64)]:
             keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device",

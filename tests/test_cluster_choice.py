@@ -37,3 +37,24 @@ def test_grouped_gemm_torch_backend_ignores_cluster_choice() -> None:
     b = [torch.randn(8, 16)]
     out = grouped_gemm(a, b, config=GemmConfig(backend="torch", **C2))
     torch.testing.assert_close(out[0], a[0] @ b[0])
+
+
+def test_1x2_cluster_choice() -> None:
+    c = choose_batched(GemmConfig(cluster_m=1, cluster_n=2), 256, 128, 512, 7168, 132)
+    assert (c.cluster_m, c.cluster_n, c.schedule) == (1, 2, "cooperative")
+    v = choose_varlen(GemmConfig(cluster_m=1, cluster_n=2), 4096, 8, 1024, 512, 132)
+    assert (v.cluster_m, v.cluster_n, v.visitor) == (1, 2, "device")
+    with pytest.raises(ValueError, match=r"cluster 1x2 is built for grouped_mm"):
+        choose_general(GemmConfig(cluster_m=1, cluster_n=2), ((128, 128, 64),), 132)
+    with pytest.raises(ValueError, match=r"cluster 1x2 is built for the cooperative schedule"):
+        GemmConfig(schedule="pingpong", cluster_m=1, cluster_n=2)
+
+
+def test_batched_headline_defaults_to_1x2() -> None:
+    c = choose_batched(GemmConfig(), 256, 128, 512, 7168, 132)
+    assert (c.schedule, c.tile_m, c.tile_n, c.stages) == ("cooperative", 128, 256, 3)
+    assert (c.cluster_m, c.cluster_n) == (1, 2)
+    # One n-tile: nothing to pair; a pinned 1x1 is honoured.
+    assert choose_batched(GemmConfig(), 8, 512, 256, 7168, 132).cluster_n == 1
+    pinned = choose_batched(GemmConfig(cluster_m=1, cluster_n=1), 256, 128, 512, 7168, 132)
+    assert (pinned.cluster_m, pinned.cluster_n) == (1, 1)

@@ -42,6 +42,7 @@ class CompileKey:
     l2_hints: bool = False
     epi_n: int = 32  # cooperative epilogue subtile width
     cluster_m: int = 1  # CTAs per cluster along M (B multicast)
+    cluster_n: int = 1  # CTAs per cluster along N (A multicast)
 
     def name(self) -> str:
         parts = [str(v) for v in astuple(self)[:8]]
@@ -53,8 +54,8 @@ class CompileKey:
             parts.append("l2hints")
         if self.epi_n != 32:
             parts.append(f"epi{self.epi_n}")
-        if self.cluster_m != 1:
-            parts.append(f"c{self.cluster_m}x1")
+        if (self.cluster_m, self.cluster_n) != (1, 1):
+            parts.append(f"c{self.cluster_m}x{self.cluster_n}")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -71,6 +72,7 @@ class CompileKey:
             l2_hints=self.l2_hints,
             epi_n=self.epi_n,
             cluster_m=self.cluster_m,
+            cluster_n=self.cluster_n,
         )
 
 

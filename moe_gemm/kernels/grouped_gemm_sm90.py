@@ -129,6 +129,7 @@ class GroupedGemmSm90:
         l2_hints: bool = False,
         epi_n: int = 32,
         cluster_m: int = 1,
+        cluster_n: int = 1,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -146,16 +147,18 @@ class GroupedGemmSm90:
         # fast or faster on every suite shape (H200, 2026-11-21; AGENTS.md).
         self.l2_hints = l2_hints
         self.pingpong = schedule == "pingpong"
-        # Thread-block cluster along M: the cluster_m CTAs of a cluster compute vertically
-        # adjacent tiles of one problem and n-tile, so they share B's tile_n x 64 slice per
-        # k-step; each CTA loads 1/cluster_m of it and TMA multicasts it to all, which cuts
-        # the L2->SM traffic per CTA from (tile_m + tile_n) to (tile_m + tile_n / cluster_m)
-        # rows per k-step (128x256, 2x1: 48 -> 32 KiB).
-        if cluster_m not in (1, 2):
-            raise ValueError(f"cluster {cluster_m}x1 unsupported (1x1 or 2x1)")
-        if cluster_m > 1 and (schedule != "cooperative" or form == "general"):
-            raise ValueError("a 2x1 cluster is built for the cooperative varlen and batched forms")
+        # Thread-block cluster of two CTAs on adjacent tiles of one problem. 2x1 (along M):
+        # they share B's tile_n x 64 slice per k-step; each loads half and TMA multicasts it
+        # to both, cutting the L2->SM bytes per CTA from (tile_m + tile_n) to
+        # (tile_m + tile_n / 2) rows per k-step (128x256: 48 -> 32 KiB). 1x2 (along N): the
+        # same for A (48 -> 40 KiB), and each A tile is fetched once for both n-tiles.
+        if (cluster_m, cluster_n) not in ((1, 1), (2, 1), (1, 2)):
+            raise ValueError(f"cluster {cluster_m}x{cluster_n} unsupported (1x1, 2x1, 1x2)")
+        if cluster_m * cluster_n > 1 and (schedule != "cooperative" or form == "general"):
+            raise ValueError("clusters are built for the cooperative varlen and batched forms")
         self.cluster_m = cluster_m
+        self.cluster_n = cluster_n
+        self.cluster_size = cluster_m * cluster_n
 
         if self.pingpong:
             if self.tile_m not in (64, 128) or self.tile_n not in (64, 128, 192, 256):
@@ -315,8 +318,10 @@ class GroupedGemmSm90:
         a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
         b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
         d_smem = cute.slice_(self.d_smem_staged, (None, None, 0))
+        op_a = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
+            self.cluster_n > 1) else op_g2s
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            op_g2s, mA_tma, a_smem, (self.tile_m, TILE_K)
+            op_a, mA_tma, a_smem, (self.tile_m, TILE_K), num_multicast=self.cluster_n
         )
         op_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
             self.cluster_m > 1) else op_g2s
@@ -354,7 +359,7 @@ class GroupedGemmSm90:
         ).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
-            cluster=(self.cluster_m, 1, 1),
+            cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
             # Programmatic dependent launch (opt-in): the CTAs may become resident and run
@@ -436,10 +441,10 @@ class GroupedGemmSm90:
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, consumer_warps * self.cluster_m
+                pipeline.Agent.Thread, consumer_warps * self.cluster_size
             ),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
         # Scheduler ring: one producer arrive (the scheduler warp's lane 0), one consumer
@@ -451,14 +456,15 @@ class GroupedGemmSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 8),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n),
+                                      is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
         sched = storage.sched.get_tensor(cute.make_layout((RECORD_INTS, SCHED_STAGES)))
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
         # Under PDL the previous grid (the producer of our inputs) may still be running:
         # nothing above touched global memory; everything below may.
         cute.arch.griddepcontrol_wait()
@@ -522,7 +528,7 @@ class GroupedGemmSm90:
         if p < num_problems:
             rows, cols, _, _ = self._problem_dims(p, meta32, offs, mA, mD)
             count = ceil_div_i32(rows, self.tile_m * self.cluster_m) * ceil_div_i32(
-                cols, self.tile_n
+                cols, self.tile_n * self.cluster_n
             )
         return count
 
@@ -552,10 +558,10 @@ class GroupedGemmSm90:
         # With a cluster the unit of work is a cluster tile (cluster_m vertically adjacent
         # tiles); the cluster walks the linear cluster tiles and each CTA takes its row.
         rank = Int32(0)
-        if const_expr(self.cluster_m > 1):
+        if const_expr(self.cluster_size > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cta = cta // self.cluster_m
-        grid = grid // self.cluster_m
+        cta = cta // self.cluster_size
+        grid = grid // self.cluster_size
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         base_problem = Int32(0)  # device visitor window start (forward only)
         base_tile = Int32(0)  # linear index of base_problem's first tile
@@ -564,9 +570,9 @@ class GroupedGemmSm90:
         working = cutlass.Boolean(True)
         per_problem = Int32(0)  # batched: every problem has the same tile count
         if const_expr(self.form == "batched"):
-            per_problem = ceil_div_i32(mA.shape[1], self.tile_m * self.cluster_m) * ceil_div_i32(
-                mD.shape[2], self.tile_n
-            )
+            per_problem = ceil_div_i32(
+                mA.shape[1], self.tile_m * self.cluster_m
+            ) * ceil_div_i32(mD.shape[2], self.tile_n * self.cluster_n)
         while working:
             problem = Int32(-1)
             start = Int32(0)
@@ -609,14 +615,21 @@ class GroupedGemmSm90:
                 expert_rows = rows
                 tiles_m = ceil_div_i32(rows, self.tile_m)
                 tiles_n = ceil_div_i32(cols, self.tile_n)
-                if const_expr(self.cluster_m > 1):
+                if const_expr(self.cluster_size > 1):
                     units_m = ceil_div_i32(rows, self.tile_m * self.cluster_m)
-                    m_unit, n_tile = raster_tile(t - start, units_m, tiles_n, swizzle)
-                    m_tile = m_unit * self.cluster_m + rank
-                    # An odd last row of tiles: this CTA still loads (its peer needs its
-                    # half of B) and computes, but stores nothing.
+                    units_n = ceil_div_i32(cols, self.tile_n * self.cluster_n)
+                    m_unit, n_unit = raster_tile(t - start, units_m, units_n, swizzle)
+                    m_tile = m_unit * self.cluster_m
+                    n_tile = n_unit * self.cluster_n
+                    if const_expr(self.cluster_m > 1):
+                        m_tile = m_tile + rank
+                    if const_expr(self.cluster_n > 1):
+                        n_tile = n_tile + rank
+                    # An odd last row (column) of tiles: this CTA still loads (its peer needs
+                    # its half of the shared operand) and computes, but stores nothing.
                     if m_tile < tiles_m:
-                        valid = Int32(1)
+                        if n_tile < tiles_n:
+                            valid = Int32(1)
                 else:
                     m_tile, n_tile = raster_tile(t - start, tiles_m, tiles_n, swizzle)
                     valid = Int32(1)
@@ -753,13 +766,18 @@ class GroupedGemmSm90:
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         cta, _, _ = cute.arch.block_idx()
         ring = self._ring_base(workspace, cta)
-        # Cluster: this CTA loads slice `rank` of B's tile and multicasts it to every CTA of
-        # the cluster (mask 0b11 for 2x1); A is its own.
-        rank = Int32(0)
+        # Cluster: along M this CTA loads slice `rank` of B's tile and multicasts it to both
+        # CTAs (mask 0b11), A is its own; along N the same for A.
+        rank_m = Int32(0)
+        rank_n = Int32(0)
+        a_mask = None
         b_mask = None
         if const_expr(self.cluster_m > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            rank_m = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             b_mask = cutlass.Int16((1 << self.cluster_m) - 1)
+        if const_expr(self.cluster_n > 1):
+            rank_n = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            a_mask = cutlass.Int16((1 << self.cluster_n) - 1)
         problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
             self.read_record(sched_pipe, sched, read_state)
         )
@@ -783,11 +801,11 @@ class GroupedGemmSm90:
                     tma_b[None, None, problem], (self.tile_n, TILE_K), (None, None)
                 )
             tAsA, tAgA = cpasync.tma_partition(
-                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2),
                 cute.group_modes(gA, 0, 2),
             )
             tBsB, tBgB = cpasync.tma_partition(
-                tma_atom_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
+                tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
                 cute.group_modes(gB, 0, 2),
             )
             # Warp-uniform descriptor addresses, computed before any elected region so ptxas
@@ -818,7 +836,8 @@ class GroupedGemmSm90:
                 else:
                     cute.copy(
                         tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
-                        tma_bar_ptr=bar, cache_policy=a_policy if const_expr(self.l2_hints) else None,
+                        tma_bar_ptr=bar, mcast_mask=a_mask,
+                        cache_policy=a_policy if const_expr(self.l2_hints) else None,
                     )
                     cute.copy(
                         tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],

@@ -71,30 +71,30 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
     return CompileKey(
         form, _TORCH_TO_NAME[ab], _TORCH_TO_NAME[d], b_major, choice.schedule, choice.visitor,
         choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints, choice.epi_n,
-        choice.cluster_m,
+        choice.cluster_m, choice.cluster_n,
     )
 
 
 @functools.lru_cache(maxsize=16)
-def max_clusters(device_index: int, cluster_m: int, nsm: int) -> int:
-    """How many cluster_m-CTA clusters of our kernel (one CTA per SM) can be resident at
-    once: the persistent grid must not exceed it, or the excess clusters would wait for the
-    first ones to finish. GPCs have an uneven SM count, so this can be below nsm / 2."""
-    if cluster_m == 1:
+def max_clusters(device_index: int, size: int, nsm: int) -> int:
+    """How many `size`-CTA clusters of our kernel (one CTA per SM) can be resident at once:
+    the persistent grid must not exceed it, or the excess clusters would wait for the first
+    ones to finish. GPCs have an uneven SM count, so this can be below nsm / 2 (H200: 66)."""
+    if size == 1:
         return nsm
     try:
         from cutlass.utils import HardwareInfo
 
-        return max(1, int(HardwareInfo(device_index).get_max_active_clusters(cluster_m)))
+        return max(1, int(HardwareInfo(device_index).get_max_active_clusters(size)))
     except Exception:  # noqa: BLE001 - a driver without the query: a safe lower bound
-        return max(1, nsm // (2 * cluster_m))
+        return max(1, nsm // (2 * size))
 
 
-def _grid(device: torch.device, nsm: int, cluster_m: int, units: int) -> tuple[int, int]:
+def _grid(device: torch.device, nsm: int, size: int, units: int) -> tuple[int, int]:
     """(CTAs, units per cluster upper bound) for `units` cluster tiles of work."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    clusters = max(1, min(max_clusters(idx, cluster_m, nsm), nsm // cluster_m, units))
-    return clusters * cluster_m, -(-units // clusters)
+    clusters = max(1, min(max_clusters(idx, size, nsm), nsm // size, units))
+    return clusters * size, -(-units // clusters)
 
 
 def _compiled(key):
@@ -289,8 +289,10 @@ class MmPlan:
             # Upper bound on (cluster) tiles: sum over experts of ceil(rows_e / unit) is at
             # most ceil(T / unit) + one partial unit per problem.
             unit = choice.tile_m * choice.cluster_m
-            bound = (-(-T // unit) + self.num_problems) * self.tiles_n
-            self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m, bound)
+            units_n = -(-N // (choice.tile_n * choice.cluster_n))
+            bound = (-(-T // unit) + self.num_problems) * units_n
+            self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m * choice.cluster_n,
+                                                  bound)
         self.meta = _small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)
         self.no_table = _small("table", device, torch.int32, (1, 1, 2))
@@ -357,8 +359,10 @@ class BmmPlan:
         self.choice = choice = choose_batched(config, G, M, N, K, nsm)
         self.w_major = "k" if operand_major(w) == "col" else "n"
         self.w_unit = 1 if self.w_major == "k" else 2
-        self.tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (-(-N // choice.tile_n))
-        self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m, self.tiles)
+        self.tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (
+            -(-N // (choice.tile_n * choice.cluster_n)))
+        self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m * choice.cluster_n,
+                                              self.tiles)
         self.trace = trace
         self.meta = _small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)

@@ -512,53 +512,62 @@ def test_trace_batched_matches_schedule(schedule):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2x1 clusters (B multicast): grouped_mm's varlen and batched forms
+# 2x1 / 1x2 clusters (B / A multicast): grouped_mm's varlen and batched forms
 
-C2 = {"cluster_m": 2, "cluster_n": 1}
+CLUSTER_SHAPES = {"2x1": {"cluster_m": 2, "cluster_n": 1}, "1x2": {"cluster_m": 1, "cluster_n": 2}}
 
 
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
 @pytest.mark.parametrize("counts_kind", ["holes", "zipf"])
 @pytest.mark.parametrize("w_layout", ["kn", "nk_view"])
 @pytest.mark.parametrize("out_mode", ["given", "alloc"])
-def test_cluster_varlen(counts_kind, w_layout, out_mode):
-    cfg = GemmConfig(backend="cute", **C2)
-    _run_varlen(f"cluster/varlen/{counts_kind}/{w_layout}/{out_mode}", 24, 3000, 264, 200,
+def test_cluster_varlen(cl, counts_kind, w_layout, out_mode):
+    cfg = GemmConfig(backend="cute", **CLUSTER_SHAPES[cl])
+    # N = 264: 3 n-tiles of 128 (1x2: an odd last column) or 2 of 256
+    _run_varlen(f"cluster{cl}/varlen/{counts_kind}/{w_layout}/{out_mode}", 24, 3000, 264, 200,
                 counts_kind, torch.bfloat16, w_layout, cfg, out_mode, tail=37)
 
 
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_cluster_varlen_tiles_and_long_k(tile_n, dtype):
-    cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=tile_n, **C2)
-    _run_varlen(f"cluster/varlen/128x{tile_n}/{dtype}", 8, 2100, 512, 4160, "zipf",
+def test_cluster_varlen_tiles_and_long_k(cl, tile_n, dtype):
+    cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=tile_n,
+                     **CLUSTER_SHAPES[cl])
+    _run_varlen(f"cluster{cl}/varlen/128x{tile_n}/{dtype}", 8, 2100, 640, 4160, "zipf",
                 DTYPES[dtype], "nk_view", cfg, "alloc")
 
 
-def test_cluster_varlen_single_row_and_empty():
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
+def test_cluster_varlen_single_row_and_empty(cl):
+    C2 = CLUSTER_SHAPES[cl]
     cfg = GemmConfig(backend="cute", **C2)
-    _run_varlen("cluster/varlen/one-row", 4, 1, 256, 128, "holes", torch.bfloat16, "kn", cfg,
-                "alloc")
+    _run_varlen(f"cluster{cl}/varlen/one-row", 4, 1, 256, 128, "holes", torch.bfloat16, "kn",
+                cfg, "alloc")
     x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(3, 128, 256, device="cuda", dtype=torch.bfloat16)
     offs = torch.zeros(3, dtype=torch.int32, device="cuda")
     y = moe_gemm.grouped_mm(x, w, offs, config=cfg)
     torch.cuda.synchronize()
     ok = bool((y == 0).all())
-    record("cluster/varlen/all-empty", ok)
+    record(f"cluster{cl}/varlen/all-empty", ok)
     assert ok
 
 
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
 @pytest.mark.parametrize("shape", [(5, 130, 264, 200), (3, 300, 512, 1104), (7, 1, 256, 64),
-                                   (2, 513, 128, 4096)])
+                                   (2, 513, 128, 4096), (256, 128, 512, 7168)])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
-def test_cluster_batched(shape, out_dtype):
+def test_cluster_batched(cl, shape, out_dtype):
     G, M, N, K = shape
-    cfg = GemmConfig(backend="cute", **C2)
-    _run_batched(f"cluster/batched{shape}/{out_dtype}", G, M, N, K, config=cfg,
+    cfg = GemmConfig(backend="cute", **CLUSTER_SHAPES[cl])
+    _run_batched(f"cluster{cl}/batched{shape}/{out_dtype}", G, M, N, K, config=cfg,
                  out_mode="given", out_dtype=out_dtype, w_layout="nk_view")
 
 
-def test_cluster_graph_replay_with_new_offsets():
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
+def test_cluster_graph_replay_with_new_offsets(cl):
+    C2 = CLUSTER_SHAPES[cl]
     E, T, N, K = 16, 700, 256, 256
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -578,26 +587,31 @@ def test_cluster_graph_replay_with_new_offsets():
         torch.cuda.synchronize()
         ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
         low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
-        _check(f"cluster/graph/replay{trial}", y, ref, low)
+        _check(f"cluster{cl}/graph/replay{trial}", y, ref, low)
 
 
-def _expected_cluster(rows_n, tile_m, tile_n, num_ctas, swizzle, cm=2):
-    """Per CTA (problem, m_tile, n_tile) for a cm x 1 cluster grid (see scheduler_warp)."""
-    units = [-(-r // (tile_m * cm)) * -(-n // tile_n) for r, n in rows_n]
-    owners = sched.linear_assignment(units, num_ctas // cm).per_cta
+def _expected_cluster(rows_n, tile_m, tile_n, num_ctas, swizzle, cm, cn):
+    """Per CTA (problem, m_tile, n_tile) for a cm x cn cluster grid (see scheduler_warp)."""
+    size = cm * cn
+    units = [-(-r // (tile_m * cm)) * -(-n // (tile_n * cn)) for r, n in rows_n]
+    owners = sched.linear_assignment(units, num_ctas // size).per_cta
     out = [[] for _ in range(num_ctas)]
     for c, cluster in enumerate(owners):
         for p, local in cluster:
             r, n = rows_n[p]
             tiles_m, tiles_n = -(-r // tile_m), -(-n // tile_n)
-            mu, nt = sched.tile_coord(local, -(-r // (tile_m * cm)), tiles_n, swizzle)
-            for rank in range(cm):
-                if mu * cm + rank < tiles_m:
-                    out[c * cm + rank].append((p, mu * cm + rank, nt))
+            mu, nu = sched.tile_coord(local, -(-r // (tile_m * cm)), -(-n // (tile_n * cn)),
+                                      swizzle)
+            for rank in range(size):
+                m = mu * cm + (rank if cm > 1 else 0)
+                n_t = nu * cn + (rank if cn > 1 else 0)
+                if m < tiles_m and n_t < tiles_n:
+                    out[c * size + rank].append((p, m, n_t))
     return out
 
 
-def test_trace_cluster_varlen_and_batched_match_schedule():
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
+def test_trace_cluster_varlen_and_batched_match_schedule(cl):
     from moe_gemm.kernels.host_sm90 import (
         grouped_bmm_cute,
         grouped_mm_cute,
@@ -606,7 +620,8 @@ def test_trace_cluster_varlen_and_batched_match_schedule():
     )
     from moe_gemm.validation import check_grouped_bmm
 
-    cfg = GemmConfig(backend="cute", **C2)
+    cfg = GemmConfig(backend="cute", **CLUSTER_SHAPES[cl])
+    cm, cn = CLUSTER_SHAPES[cl]["cluster_m"], CLUSTER_SHAPES[cl]["cluster_n"]
     E, T, N, K = 40, 3000, 264, 128
     counts = _counts("holes", E, T - 50, torch.Generator().manual_seed(1))
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
@@ -617,11 +632,11 @@ def test_trace_cluster_varlen_and_batched_match_schedule():
     info = last_launch()
     rows = counts + [T - sum(counts)]
     ch = info.choice
-    assert ch.cluster_m == 2 and info.num_ctas % 2 == 0
+    assert (ch.cluster_m, ch.cluster_n) == (cm, cn) and info.num_ctas % 2 == 0
     want = _expected_cluster([(r, N) for r in rows], ch.tile_m, ch.tile_n, info.num_ctas,
-                             ch.swizzle)
+                             ch.swizzle, cm, cn)
     ok_varlen = trace_assignment(info) == want
-    record("trace/cluster/varlen", ok_varlen)
+    record(f"trace/cluster{cl}/varlen", ok_varlen)
 
     G, M = 9, 300
     x3 = torch.randn(G, M, K, device="cuda", dtype=torch.bfloat16)
@@ -630,7 +645,8 @@ def test_trace_cluster_varlen_and_batched_match_schedule():
     torch.cuda.synchronize()
     info = last_launch()
     ch = info.choice
-    want = _expected_cluster([(M, N)] * G, ch.tile_m, ch.tile_n, info.num_ctas, ch.swizzle)
+    want = _expected_cluster([(M, N)] * G, ch.tile_m, ch.tile_n, info.num_ctas, ch.swizzle,
+                             cm, cn)
     ok_batched = trace_assignment(info) == want
-    record("trace/cluster/batched", ok_batched)
+    record(f"trace/cluster{cl}/batched", ok_batched)
     assert ok_varlen and ok_batched, "kernel tile visits differ from the cluster schedule"
