@@ -97,6 +97,29 @@ def _grid(device: torch.device, nsm: int, size: int, units: int) -> tuple[int, i
     return clusters * size, -(-units // clusters)
 
 
+@functools.lru_cache(maxsize=256)
+def _kernel_for(form, ab, d, b_major, choice: KernelChoice, trace: bool):
+    """The compiled kernel for a launch's static choices (one dict lookup per call)."""
+    return _compiled(_compile_key(form, ab, d, b_major, choice, trace))
+
+
+@functools.lru_cache(maxsize=64)
+def _general_placeholders(device: torch.device, ab: torch.dtype, d: torch.dtype, b_major: str):
+    """The general form's unused/seed arguments (the real operands come from the metadata)."""
+    return _new_placeholders(device, ab, d, b_major)
+
+
+def _new_placeholders(device, ab, d, b_major):
+    return (
+        _new_small("seed_a", device, ab, (128, 64), "n"),
+        _new_small("seed_w", device, ab, (64, 64), b_major),
+        _new_small("seed_d", device, d, (128, 64), "n"),
+        _new_small("offs", device, torch.int32, (1,), "n"),
+        _new_small("table", device, torch.int32, (1, 1, 2), "n"),
+        _new_small("trace", device, torch.int32, (1, 1, 4), "n"),
+    )
+
+
 def _compiled(key):
     from .compile_sm90 import compile_variant
 
@@ -238,25 +261,20 @@ def grouped_gemm_cute(
     meta = _pinned((G, 8), torch.int64)
     meta.numpy()[:] = rows
     meta_dev = meta.to(device, non_blocking=True)
-    if _capturing():
+    capturing = torch._C._cuda_isCurrentStreamCapturing()
+    if capturing:
         # The captured copy reads this pinned buffer at every replay: keep it alive.
         _graph_keepalive.append(meta)
         _graph_keepalive.extend(keep)
-
-    table = (
-        _table_tensor(counts, num_ctas, device) if choice.visitor == "host"
-        else _small("table", device, torch.int32, (1, 1, 2))
-    )
+        placeholders = _new_placeholders(device, args.dtype, args.out_dtype, b_major)
+    else:
+        placeholders = _general_placeholders(device, args.dtype, args.out_dtype, b_major)
+    seed_a, seed_w, seed_d, offs, no_table, no_trace = placeholders
+    table = _table_tensor(counts, num_ctas, device) if choice.visitor == "host" else no_table
     # Per CTA, a ring of descriptor slots that the scheduler warp writes (grouped_gemm_sm90).
     workspace = _workspace(device, num_ctas * DESC_RING * SLOT_INTS)
-    trace_t = (_trace_tensor(num_ctas, math.ceil(total / num_ctas), device) if trace
-               else _small("trace", device, torch.int32, (1, 1, 4)))
-    seed_a = _small("seed_a", device, args.dtype, (128, 64))
-    seed_w = _small("seed_w", device, args.dtype, (64, 64), b_major)
-    seed_d = _small("seed_d", device, args.out_dtype, (128, 64))
-    offs = _small("offs", device, torch.int32, (1,))
-    key = _compile_key("general", args.dtype, args.out_dtype, b_major, choice, trace)
-    kernel = _compiled(key)
+    trace_t = _trace_tensor(num_ctas, math.ceil(total / num_ctas), device) if trace else no_trace
+    kernel = _kernel_for("general", args.dtype, args.out_dtype, b_major, choice, trace)
     kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table, workspace,
            trace_t, G, num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL)
     _local.raw = (choice, num_ctas, G, tuple(order), trace_t if trace else None)
