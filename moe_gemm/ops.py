@@ -17,7 +17,12 @@ import torch
 from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
 from .env import env_get
-from .kernels.support import analyze_general, grouped_bmm_unsupported, grouped_mm_unsupported
+from .kernels.support import (
+    analyze_general,
+    fast_general,
+    grouped_bmm_unsupported,
+    grouped_mm_unsupported,
+)
 from .reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
 from .validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
 
@@ -86,6 +91,15 @@ def grouped_gemm(
         ValueError: counts, ranks, inner dimensions, devices or `out` shapes that do not fit.
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
+    if out is None and (config is None or (type(config) is GemmConfig
+                                           and config.backend != "torch")):
+        # The common case in one pass (kernels/support.fast_general); anything unusual takes
+        # the detailed path below, which raises or falls back with the exact reason.
+        fast = fast_general(a, b, out_dtype)
+        if fast is not None and cute_problem(fast[0].device) is None:
+            from .kernels.host_sm90 import grouped_gemm_cute
+
+            return grouped_gemm_cute(fast[0], config or DEFAULT_CONFIG, layout=fast[1])
     cfg = _check_config(config)
     args = check_grouped_gemm(a, b, out, out_dtype)
     if not args.a:

@@ -25,7 +25,7 @@ GROUPS = [
     ("trace", "trace and not cluster"),
     ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster"),
     ("general-matrix", "general_matrix"),
-    ("general-other", "(layouts or tiles) and not batched"),
+    ("general-other", "(layouts or tiles or fast_path) and not batched"),
     ("batched", "(batched or pdl) and not trace and not cluster"),
     ("cluster", "cluster"),
     ("headline", "headline"),

@@ -213,3 +213,81 @@ def tma_view(t: torch.Tensor, unit_dim: int) -> torch.Tensor:
         strides[unit_dim] = 1
         changed = True
     return t.as_strided(t.shape, strides) if changed else t
+
+
+def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
+                 require_cuda: bool = True) -> tuple[GroupedGemmArgs, GeneralLayout] | None:
+    """grouped_gemm's per-call check and layout analysis in one pass, for the common case:
+    lists of plain CUDA tensors, one dtype and device, no `out`, every operand TMA-ready.
+
+    Returns None at the first thing outside that case (the caller then takes the detailed
+    path, which raises or falls back with the exact message), so this never decides an error.
+    One loop reading each tensor's type, dtype, device index, shape, strides and pointer once:
+    the two separate passes (validation.check_grouped_gemm, analyze_general) cost about twice
+    as much host time per problem. (require_cuda=False lets the CPU tests compare it with the
+    detailed path.)
+    """
+    if type(a) not in (list, tuple) or type(b) not in (list, tuple) or len(a) != len(b):
+        return None
+    G = len(a)
+    if G == 0 or G > MAX_PROBLEMS:
+        return None
+    a0 = a[0]
+    if type(a0) is not torch.Tensor or (require_cuda and not a0.is_cuda):
+        return None
+    dtype = a0.dtype
+    if dtype not in KERNEL_IN_DTYPES:
+        return None
+    odt = dtype if out_dtype is None else out_dtype
+    if odt not in KERNEL_OUT_DTYPES:
+        return None
+    dev = a0.get_device()
+    align = TMA_ALIGN_BYTES // dtype.itemsize
+    out_align = TMA_ALIGN_BYTES // odt.itemsize
+    Tensor = torch.Tensor
+    sizes = [(0, 0, 0)] * G
+    a_ptr, a_ld, b_ptr, b_ld, majors = [0] * G, [0] * G, [0] * G, [0] * G, [""] * G
+    for i in range(G):
+        ai = a[i]
+        bi = b[i]
+        if type(ai) is not Tensor or type(bi) is not Tensor:
+            return None
+        if ai.dtype is not dtype or bi.dtype is not dtype:
+            return None
+        if ai.get_device() != dev or bi.get_device() != dev:
+            return None
+        sa = ai.shape
+        sb = bi.shape
+        if len(sa) != 2 or len(sb) != 2 or sa[1] != sb[0]:
+            return None
+        M, K = sa
+        N = sb[1]
+        sizes[i] = (M, N, K)
+        if M == 0 or N == 0:
+            continue
+        if N % out_align:
+            return None  # output rows not 16-byte multiples: the detailed path says so
+        if K == 0:
+            continue
+        st_a = ai.stride()
+        pa = ai.data_ptr()
+        if (st_a[1] != 1 and K > 1) or pa % TMA_ALIGN_BYTES or (M > 1 and st_a[0] % align):
+            return None
+        st_b = bi.stride()
+        pb = bi.data_ptr()
+        if st_b[1] == 1 or N == 1:
+            major, ld = "n", st_b[0]
+        elif st_b[0] == 1 or K == 1:
+            major, ld = "k", st_b[1]
+        else:
+            return None
+        if pb % TMA_ALIGN_BYTES or (ld % align and min(K, N) > 1):
+            return None
+        a_ptr[i], a_ld[i], b_ptr[i], b_ld[i], majors[i] = pa, st_a[0], pb, ld, major
+    device = a0.device
+    args = GroupedGemmArgs(list(a), list(b), None, dtype, odt, device, sizes)
+    k_count = majors.count("k")
+    b_major = "k" if k_count > majors.count("n") else "n"
+    other = "n" if b_major == "k" else "k"
+    b_fix = [i for i, m in enumerate(majors) if m == other] if k_count else []
+    return args, GeneralLayout(a_ptr, a_ld, b_ptr, b_ld, b_major, b_fix)

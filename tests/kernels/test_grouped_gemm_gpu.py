@@ -650,3 +650,37 @@ def test_trace_cluster_varlen_and_batched_match_schedule(cl):
     ok_batched = trace_assignment(info) == want
     record(f"trace/cluster{cl}/batched", ok_batched)
     assert ok_varlen and ok_batched, "kernel tile visits differ from the cluster schedule"
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_gemm without `out` (the one-pass host path, kernels/support.fast_general)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "kvary", "mixed-majors", "tuple"])
+@pytest.mark.parametrize("config", [None, GemmConfig(backend="cute", schedule="pingpong")],
+                         ids=["default", "pingpong"])
+def test_general_fast_path_without_out(kind, config):
+    from moe_gemm.kernels.host_sm90 import last_launch
+
+    rng = random.Random(7)
+    sizes = _general_case("mixed" if kind in ("mixed-majors", "tuple") else kind, rng)
+    gen = torch.Generator(device="cuda").manual_seed(77)
+    a = [_rand((m, k), torch.bfloat16, gen) for m, n, k in sizes]
+    b = []
+    for i, (m, n, k) in enumerate(sizes):
+        if kind == "mixed-majors" and i % 3 == 0:
+            b.append(_rand((n, k), torch.bfloat16, gen).t())  # minority layout: copied
+        else:
+            b.append(_rand((k, n), torch.bfloat16, gen))
+    if kind == "tuple":
+        a, b = tuple(a), tuple(b)
+    before = last_launch()
+    res = moe_gemm.grouped_gemm(a, b, config=config)
+    torch.cuda.synchronize()
+    assert last_launch() is not before  # the kernel ran
+    for i, (ai, bi) in enumerate(zip(a, b)):
+        ref = ai.float() @ bi.float()
+        low = (ai @ bi) if ai.shape[1] > 0 else torch.zeros_like(ref).to(torch.bfloat16)
+        assert res[i].shape == (ai.shape[0], bi.shape[1]) and res[i].dtype == torch.bfloat16
+        _check(f"general/fast/{kind}/{'default' if config is None else 'pingpong'}[{i}]",
+               res[i], ref, low)
