@@ -7,7 +7,7 @@ last; flags: pdl1 = programmatic dependent launch, swN = raster panel of N m-til
 config=None. A "3d-" prefix
 (or "3d" alone) runs a uniform general shape through grouped_mm's 3-D form on stacked operands.
 Peers, timed in the same interleaved rounds: "bmm" (torch.bmm), "gmm" (F.grouped_mm),
-"loop" (the bench's torch.mm loop).
+"loop" (the bench's torch.mm loop), "quack" (QuACK's varlen GEMM, when importable).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from moe_gemm.bench_suite import (  # noqa: E402
     GROUPED_MM_FN,
     NotApplicable,
     _as_varlen,
+    _build_quack,
     full_suite,
     loop_body,
     make_inputs,
@@ -128,6 +129,12 @@ def main():
             vx = vw = voffs = None
         fns = {}
         for cs in ["default", *filter(None, a.configs.split(","))]:
+            if cs == "quack":
+                try:
+                    fns[cs] = _build_quack(spec, inp, torch.device("cuda")).run
+                except Exception as exc:  # noqa: BLE001 - not installed / not applicable
+                    print(f"quack: {exc}")
+                continue
             if cs in ("bmm", "gmm", "loop"):
                 if cs == "bmm" and A3 is not None:
                     fns[cs] = lambda: torch.bmm(A3, B3)
@@ -169,7 +176,7 @@ def main():
         for name, us in measure(fns).items():
             rows.append((shape, name, us))
         for name, fn in fns.items():  # the grid each of ours ran with
-            if name not in ("bmm", "gmm", "loop"):
+            if name not in ("bmm", "gmm", "loop", "quack"):
                 fn()
                 info = host_sm90.last_launch()
                 if info is not None:
