@@ -88,10 +88,24 @@ def _choose_general(
     # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
     k_tiles = [(-(-k // TILE_K)) for _, _, k in nonempty]
     avg_k_tiles = sum(k_tiles) / max(1, len(k_tiles))
+    schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
+    visitor = config.visitor if config.visitor != "auto" else "device"
+    if config.sort_by_k is None:
+        sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
+    else:
+        sort = config.sort_by_k
+    return KernelChoice(schedule, visitor, tile[0], tile[1], stages, sort, 8)
+
+
+def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: float
+                   ) -> tuple[str, tuple[int, int], int | None]:
+    """(schedule, tile, stages) for problems known on the host (general and batched forms)."""
     if config.schedule != "auto":
         schedule = config.schedule
     else:
         schedule = "pingpong" if avg_k_tiles <= 16 and max_n >= 192 else "cooperative"
+        if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
+            schedule = "cooperative"  # clusters are built for the cooperative schedule
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
@@ -101,12 +115,7 @@ def _choose_general(
     if stages is None and schedule == "cooperative" and tile == (128, 256) and avg_k_tiles >= 64:
         # Long K: 3 stages beat 4 (uniform 561 vs 568 us; moe-prefill 3189 vs 3256).
         stages = 3
-    visitor = config.visitor if config.visitor != "auto" else "device"
-    if config.sort_by_k is None:
-        sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
-    else:
-        sort = config.sort_by_k
-    return KernelChoice(schedule, visitor, tile[0], tile[1], stages, sort, 8)
+    return schedule, tile, stages
 
 
 def choose_varlen(
@@ -148,21 +157,7 @@ def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: 
 @functools.lru_cache(maxsize=256)
 def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int
                     ) -> KernelChoice:
-    k_tiles = -(-K // TILE_K)
-    if config.schedule != "auto":
-        schedule = config.schedule
-    else:
-        schedule = "pingpong" if k_tiles <= 16 and N >= 192 else "cooperative"
-        if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
-            schedule = "cooperative"
-    if config.tile_m is not None:
-        tile = (config.tile_m, config.tile_n)
-        _check_tile(schedule, tile)
-    else:
-        tile = _pick_tile(schedule, M, N, general=True)
-    stages = config.stages
-    if stages is None and schedule == "cooperative" and tile == (128, 256) and k_tiles >= 64:
-        stages = 3  # long K (see choose_general)
+    schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
     cm, cn = _cluster_choice(config, schedule)
