@@ -107,6 +107,8 @@ def check_variants(full: bool):
                            256, 3, cluster_n=2))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
                            256, 3, cluster_m=2))
+    keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
+                           256, 3, epi_whole=True))
     keys.append(CompileKey("batched", "float16", "float32", "k", "pingpong", "device", 128, 192))
     if full:
         for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):

@@ -342,7 +342,8 @@ class Engine:
             first: dict[object, int] = {}
             for T in sorted(cands):
                 c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm)
-                key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints)
+                key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints,
+                       c.epi_whole, c.cluster_m, c.cluster_n)
                 first.setdefault(key, T)
             return tuple(sorted(first.values()))
         except Exception:  # noqa: BLE001 - heuristics API changed: fall back to a fixed ladder
@@ -361,7 +362,8 @@ class Engine:
             first: dict[object, tuple[int, int, int]] = {}
             for shape in _GEMM_WARMUP_SHAPES:
                 c = choose_general(self.config, (shape,), nsm)
-                key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints)
+                key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints,
+                       c.epi_whole, c.cluster_m, c.cluster_n)
                 first.setdefault(key, shape)
             return list(first.values())
         except Exception:  # noqa: BLE001

@@ -32,6 +32,7 @@ class KernelChoice:
     epi_n: int = 32  # cooperative epilogue subtile width (compile-time)
     cluster_m: int = 1  # CTAs per cluster along M (B multicast)
     cluster_n: int = 1  # CTAs per cluster along N (A multicast)
+    epi_whole: bool = False  # whole-tile epilogue (compile-time)
 
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
@@ -119,7 +120,7 @@ def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: fl
 
 
 def choose_varlen(
-    config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int
+    config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int, out_itemsize: int = 2
 ) -> KernelChoice:
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only)."""
     avg_m = T / max(1, E)
@@ -144,8 +145,16 @@ def choose_varlen(
     cm, cn = _cluster_choice(config, schedule)
     if cm * cn > 1:
         visitor = "device"
+    # Long K, 128x256, 16-bit output: the whole-tile epilogue (2 barrier syncs per tile, not
+    # 16; its 64 KiB of staging leaves 3 A/B stages, which long K uses anyway). H200,
+    # 2026-11-21, back-to-back: mixtral 2795 vs 2825 us (QuACK 2808), moe-prefill 2958 vs
+    # 2982; at K=1408 (moe-down) the lost 4th stage costs more: 189 vs 184, so not there.
+    epi_whole = (schedule == "cooperative" and tile == (128, 256) and K >= 4096
+                 and out_itemsize == 2 and config.stages in (None, 3))
+    if epi_whole:
+        stages = 3
     return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8,
-                                      cluster_m=cm, cluster_n=cn))
+                                      cluster_m=cm, cluster_n=cn, epi_whole=epi_whole))
 
 
 def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int

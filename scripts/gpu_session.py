@@ -26,7 +26,7 @@ GROUPS = [
     ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster"),
     ("general-matrix", "general_matrix"),
     ("general-other", "(layouts or tiles or fast_path) and not batched"),
-    ("batched", "(batched or pdl) and not trace and not cluster"),
+    ("batched", "(batched or pdl or epilogue_whole) and not trace and not cluster"),
     ("cluster", "cluster"),
     ("headline", "headline"),
     ("moe-layer", None),

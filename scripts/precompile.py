@@ -62,6 +62,9 @@ def variant_set(name: str):
             for b_major in ("n", "k"):
                 keys.add(CompileKey(form, "bfloat16", "bfloat16", b_major, "cooperative",
                                     "device", 128, 256, 3, True, cluster_m=cm, cluster_n=cn))
+    for ab, b_major in itertools.product(["bfloat16", "float16"], ["k", "n"]):
+        keys.add(CompileKey("varlen", ab, ab, b_major, "cooperative", "device", 128, 256, 3,
+                            epi_whole=True))
     if name == "tests":
         for tm, tn in [(64, 128), (64, 256), (128, 64)]:
             keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device",

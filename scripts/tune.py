@@ -3,7 +3,8 @@
     python scripts/tune.py --shapes uniform,mixtral --configs "cooperative:128x256:4,pingpong"
 A config is schedule[:MxN[:stages[:visitor[:a_hint/b_hint[:flag...]]]]] (hints: first|normal|
 last; flags: pdl1 = programmatic dependent launch, swN = raster panel of N m-tiles, epi64 = the
-128x64 cooperative epilogue subtile, c2 = 2x1 cluster, cn2 = 1x2 cluster); "default" is
+128x64 cooperative epilogue subtile, ew1 = whole-tile epilogue, c2 = 2x1 cluster, cn2 = 1x2
+cluster); "default" is
 config=None. A "3d-" prefix
 (or "3d" alone) runs a uniform general shape through grouped_mm's 3-D form on stacked operands.
 Peers, timed in the same interleaved rounds: "bmm" (torch.bmm), "gmm" (F.grouped_mm),
@@ -75,7 +76,7 @@ def parse(spec):
     if len(parts) > 3 and parts[3]:
         kw["visitor"] = parts[3]
     hints = parts[4].replace("/", ",") if len(parts) > 4 and parts[4] else None
-    flags = {"pdl": 0, "sw": None, "epi": None, "cn": None, "c": None}
+    flags = {"pdl": 0, "sw": None, "epi": None, "cn": None, "c": None, "ew": None}
     for tok in parts[5:]:
         for name in flags:
             if tok.startswith(name) and tok[len(name):].isdigit():
@@ -95,6 +96,8 @@ def patched_plan(form, args, cfg, flags):
         changes["swizzle"] = flags["sw"]
     if flags["epi"]:
         changes["epi_n"] = flags["epi"]
+    if flags["ew"]:
+        changes["epi_whole"] = True
     plan.choice = replace(plan.choice, **changes)
     w = args.w
     b_major = "k" if operand_major(w) == "col" else "n"
@@ -148,10 +151,10 @@ def main():
             if batched and A3 is None:
                 continue
             cfg, hints, flags = ((None, None, {"pdl": 0, "sw": None, "epi": None, "cn": None,
-                                               "c": None})
+                                               "c": None, "ew": None})
                                  if body == "default" else parse(body))
             plan = None
-            if flags["sw"] or flags["epi"]:
+            if flags["sw"] or flags["epi"] or flags["ew"]:
                 if batched:
                     plan = patched_plan("batched", check_grouped_bmm(A3, B3, None, None), cfg,
                                         flags)
@@ -185,7 +188,7 @@ def main():
         # be bitwise the default's.
         base = fns["default"]()
         for name, plan_fn in fns.items():
-            if any(f in name for f in (":sw", ":epi", ":c2", ":cn2")):
+            if any(f in name for f in (":sw", ":epi", ":c2", ":cn2", ":ew")):
                 same = _flat(plan_fn()).equal(_flat(base))
                 rows.append((shape, name + " bitwise==default", str(same)))
         inp = A3 = B3 = vx = vw = voffs = None  # noqa: F841  (free before the next shape)

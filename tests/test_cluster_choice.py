@@ -58,3 +58,13 @@ def test_batched_headline_defaults_to_1x2() -> None:
     assert choose_batched(GemmConfig(), 8, 512, 256, 7168, 132).cluster_n == 1
     pinned = choose_batched(GemmConfig(cluster_m=1, cluster_n=1), 256, 128, 512, 7168, 132)
     assert (pinned.cluster_m, pinned.cluster_n) == (1, 1)
+
+
+def test_whole_tile_epilogue_choice() -> None:
+    # Long K, 16-bit output: the whole-tile epilogue with 3 stages (mixtral, moe-prefill).
+    c = choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132)
+    assert (c.schedule, c.tile_n, c.stages, c.epi_whole) == ("cooperative", 256, 3, True)
+    # Short K (moe-down) keeps the 4th stage; fp32 output has no room for it; pinned stages.
+    assert not choose_varlen(GemmConfig(), 16384, 64, 2048, 1408, 132).epi_whole
+    assert not choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132, 4).epi_whole
+    assert not choose_varlen(GemmConfig(stages=4), 16384, 8, 14336, 4096, 132).epi_whole

@@ -43,6 +43,7 @@ class CompileKey:
     epi_n: int = 32  # cooperative epilogue subtile width
     cluster_m: int = 1  # CTAs per cluster along M (B multicast)
     cluster_n: int = 1  # CTAs per cluster along N (A multicast)
+    epi_whole: bool = False  # whole-tile epilogue (cooperative, 16-bit output)
 
     def name(self) -> str:
         parts = [str(v) for v in astuple(self)[:8]]
@@ -56,6 +57,8 @@ class CompileKey:
             parts.append(f"epi{self.epi_n}")
         if (self.cluster_m, self.cluster_n) != (1, 1):
             parts.append(f"c{self.cluster_m}x{self.cluster_n}")
+        if self.epi_whole:
+            parts.append("ew")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -73,6 +76,7 @@ class CompileKey:
             epi_n=self.epi_n,
             cluster_m=self.cluster_m,
             cluster_n=self.cluster_n,
+            epi_whole=self.epi_whole,
         )
 
 

@@ -130,6 +130,7 @@ class GroupedGemmSm90:
         epi_n: int = 32,
         cluster_m: int = 1,
         cluster_n: int = 1,
+        epi_whole: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -190,6 +191,15 @@ class GroupedGemmSm90:
         # Epilogue staging: 4 x (128 x 32) subtiles cooperative (32 KiB at bf16), 2 per
         # warpgroup in ping-pong; a 64-wide cooperative subtile halves the barriers per tile.
         self.epi_stages = (4 * 32 // self.epi_tile[1]) if self.num_epi_groups == 1 else 2
+        # Whole-tile epilogue (cooperative, 16-bit output): a staging buffer for every subtile
+        # (128 x 256 bf16 = 64 KiB), so the warpgroups write the whole tile to shared memory
+        # between two barriers and one warp issues all its TMA stores: 2 named-barrier syncs
+        # per tile instead of 2 per subtile (16 at 128x256).
+        self.epi_whole = epi_whole
+        if epi_whole:
+            if self.pingpong or d_dtype.width != 16:
+                raise ValueError("the whole-tile epilogue is built for cooperative 16-bit output")
+            self.epi_stages = self.tile_n // self.epi_tile[1]
         self.buffer_align = 1024  # 128-byte swizzle atoms need 1 KiB aligned buffers
 
     # ------------------------------------------------------------------------------------------
@@ -1066,29 +1076,64 @@ class GroupedGemmSm90:
         if const_expr(self.form != "batched"):
             if is_store_warp:
                 cpasync.fence_tma_desc_acquire(_generic_ptr(desc_d))  # see load_warp_role
+        if const_expr(self.epi_whole):
+            self._epilogue_whole(tRS_rAcc, tRS_rD, tRS_rD_out, size_rD, tiled_copy_r2s, tRS_sD,
+                                 tma_atom_d, bSG_sD, bSG_gD, epi_layout, epi_count, desc_d,
+                                 epi_bar_id, epi_threads, is_store_warp)
+        else:
+            for e in cutlass.range_constexpr(epi_count):
+                for v in cutlass.range_constexpr(size_rD):
+                    tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+                tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
+                buf = epi_group * self.epi_stages + (tiles_done * epi_count + e) % self.epi_stages
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                # stmatrix writes go through the generic proxy; the TMA store reads through the
+                # async proxy.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
+                if is_store_warp:
+                    if const_expr(self.form == "batched"):
+                        cute.copy(
+                            tma_atom_d, bSG_sD[(None, buf)],
+                            bSG_gD[(None, epi_layout.get_hier_coord(e))],
+                        )
+                    else:
+                        cute.copy(
+                            tma_atom_d, bSG_sD[(None, buf)],
+                            bSG_gD[(None, epi_layout.get_hier_coord(e))],
+                            tma_desc_ptr=_desc_ptr_for_copy(desc_d),
+                        )
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
+
+    @cute.jit
+    def _epilogue_whole(self, tRS_rAcc, tRS_rD, tRS_rD_out, size_rD: cutlass.Constexpr,
+                        tiled_copy_r2s, tRS_sD, tma_atom_d, bSG_sD, bSG_gD, epi_layout,
+                        epi_count: cutlass.Constexpr, desc_d: Int64, epi_bar_id: Int32,
+                        epi_threads: cutlass.Constexpr, is_store_warp: cutlass.Boolean):
+        """The whole tile to shared memory, then all its TMA stores (see __init__)."""
+        if is_store_warp:
+            # The previous tile's stores have read their buffers (issued a mainloop ago).
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
         for e in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(size_rD):
                 tRS_rD[v] = tRS_rAcc[e * size_rD + v]
             tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
-            buf = epi_group * self.epi_stages + (tiles_done * epi_count + e) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-            # stmatrix writes go through the generic proxy; the TMA store reads through the
-            # async proxy.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
-            if is_store_warp:
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, e)])
+        # stmatrix writes go through the generic proxy; the TMA store reads through the async
+        # proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
+        if is_store_warp:
+            for e in cutlass.range_constexpr(epi_count):
                 if const_expr(self.form == "batched"):
-                    cute.copy(
-                        tma_atom_d, bSG_sD[(None, buf)],
-                        bSG_gD[(None, epi_layout.get_hier_coord(e))],
-                    )
+                    cute.copy(tma_atom_d, bSG_sD[(None, e)],
+                              bSG_gD[(None, epi_layout.get_hier_coord(e))])
                 else:
-                    cute.copy(
-                        tma_atom_d, bSG_sD[(None, buf)],
-                        bSG_gD[(None, epi_layout.get_hier_coord(e))],
-                        tma_desc_ptr=_desc_ptr_for_copy(desc_d),
-                    )
-                store_pipe.producer_commit()
-                store_pipe.producer_acquire()
-            cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
+                    cute.copy(tma_atom_d, bSG_sD[(None, e)],
+                              bSG_gD[(None, epi_layout.get_hier_coord(e))],
+                              tma_desc_ptr=_desc_ptr_for_copy(desc_d))
+            cute.arch.cp_async_bulk_commit_group()
 

@@ -71,7 +71,7 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
     return CompileKey(
         form, _TORCH_TO_NAME[ab], _TORCH_TO_NAME[d], b_major, choice.schedule, choice.visitor,
         choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints, choice.epi_n,
-        choice.cluster_m, choice.cluster_n,
+        choice.cluster_m, choice.cluster_n, choice.epi_whole,
     )
 
 
@@ -297,7 +297,8 @@ class MmPlan:
         if self.trivial:
             return
         nsm = sm_count(device)
-        self.choice = choice = choose_varlen(config, T, E, N, K, nsm)
+        self.choice = choice = choose_varlen(config, T, E, N, K, nsm,
+                                             args.out_dtype.itemsize)
         b_major = "k" if operand_major(w) == "col" else "n"
         self.num_problems = E + (1 if self.zero_tail else 0)
         self.tiles_n = -(-N // choice.tile_n)

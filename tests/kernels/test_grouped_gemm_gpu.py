@@ -684,3 +684,32 @@ def test_general_fast_path_without_out(kind, config):
         assert res[i].shape == (ai.shape[0], bi.shape[1]) and res[i].dtype == torch.bfloat16
         _check(f"general/fast/{kind}/{'default' if config is None else 'pingpong'}[{i}]",
                res[i], ref, low)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-tile epilogue variant (compile-time; tune.py's ew1)
+
+
+@pytest.mark.parametrize("form", ["general", "varlen", "batched"])
+def test_epilogue_whole_tile_variant(form, monkeypatch):
+    import dataclasses
+
+    from moe_gemm.kernels import host_sm90
+
+    for name in ("choose_general", "choose_varlen", "choose_batched"):
+        orig = getattr(host_sm90, name)
+        monkeypatch.setattr(host_sm90, name, lambda *a, _o=orig, **k: dataclasses.replace(
+            _o(*a, **k), epi_whole=True))
+    cfg = GemmConfig(backend="cute", schedule="cooperative")
+    if form == "general":
+        _run_general("epi-whole/general", [(130, 200, 72), (256, 512, 1024), (1, 64, 64),
+                                           (300, 264, 4096)], torch.bfloat16, "row", cfg)
+    elif form == "varlen":
+        _run_varlen("epi-whole/varlen", 12, 2500, 512, 640, "holes", torch.bfloat16, "nk_view",
+                    cfg, "given", tail=21)
+    else:
+        _run_batched("epi-whole/batched", 9, 300, 512, 1024, config=cfg, out_mode="given")
+        _run_batched("epi-whole/batched-fp16", 4, 129, 264, 200, torch.float16, config=cfg,
+                     out_mode="alloc")
+    info = host_sm90.last_launch()
+    assert info is not None and info.choice.epi_whole
