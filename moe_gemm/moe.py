@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .autograd import inference_only
 from .config import GemmConfig
 from .ops import grouped_mm
 from .routing import permute_by_expert, sigmoid_grouped_topk, softmax_topk
@@ -64,24 +65,9 @@ INFERENCE_ONLY_MESSAGE = (
 # Inference-only guard
 
 
-class _InferenceOnly(torch.autograd.Function):
-    """Runs a closure with autograd off and makes any backward through its result raise."""
-
-    @staticmethod
-    def forward(ctx: Any, run: Callable[[], torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-        return run()
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> None:
-        raise RuntimeError(INFERENCE_ONLY_MESSAGE)
-
-
 def _inference_only(run: Callable[[], torch.Tensor], *tensors: torch.Tensor | None) -> torch.Tensor:
     """run(), linked to the autograd graph only when a backward could be asked for."""
-    live = [t for t in tensors if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in live):
-        return _InferenceOnly.apply(run, *live)
-    return run()
+    return inference_only(INFERENCE_ONLY_MESSAGE, run, tensors)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .autograd import inference_only
 from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
 from .env import env_get
@@ -27,6 +28,16 @@ from .reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
 from .validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
 
 _warned: set[str] = set()
+
+NO_BACKWARD = (
+    "moe_gemm's Hopper (cute) kernels are inference-only: they have no backward. Run under "
+    "torch.no_grad() / torch.inference_mode(), or pass GemmConfig(backend='torch') for the "
+    "differentiable torch path."
+)
+
+
+def _grad_wanted(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _warn_once(message: str) -> None:
@@ -99,7 +110,11 @@ def grouped_gemm(
         if fast is not None and cute_problem(fast[0].device) is None:
             from .kernels.host_sm90 import grouped_gemm_cute
 
-            return grouped_gemm_cute(fast[0], config or DEFAULT_CONFIG, layout=fast[1])
+            args, lay = fast
+            run = lambda: grouped_gemm_cute(args, config or DEFAULT_CONFIG, layout=lay)  # noqa: E731
+            if torch.is_grad_enabled():
+                return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
+            return run()
     cfg = _check_config(config)
     args = check_grouped_gemm(a, b, out, out_dtype)
     if not args.a:
@@ -110,7 +125,8 @@ def grouped_gemm(
     if _use_cute(cfg, problem, unsupported, "grouped_gemm"):
         from .kernels.host_sm90 import grouped_gemm_cute
 
-        return grouped_gemm_cute(args, cfg, layout=layout)  # type: ignore[arg-type]
+        run = lambda: grouped_gemm_cute(args, cfg, layout=layout)  # type: ignore[arg-type]  # noqa: E731
+        return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
     return grouped_gemm_torch(args)
 
 
@@ -162,6 +178,8 @@ def grouped_mm(
     key = _mm_plan_key(x, w, offs, out, config, out_dtype)
     plan = _mm_plans.get(key) if key is not None else None
     if plan is not None:
+        if _grad_wanted(x, w):
+            return inference_only(NO_BACKWARD, lambda: plan(x, w, offs, out), [x, w])
         return plan(x, w, offs, out)
     cfg = _check_config(config)
     args = check_grouped_mm(x, w, offs, out, out_dtype)
@@ -176,7 +194,8 @@ def grouped_mm(
                 _mm_plans.clear()
             _mm_plans[key] = plan
         offs_c = args.offs if args.offs.is_contiguous() else args.offs.contiguous()
-        return plan(args.x, args.w, offs_c, args.out)
+        return inference_only(NO_BACKWARD, lambda: plan(args.x, args.w, offs_c, args.out),
+                              [args.x, args.w])
     return grouped_mm_torch(args)
 
 
@@ -184,6 +203,8 @@ def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
     key = _bmm_plan_key(x, w, out, config, out_dtype)
     plan = _mm_plans.get(key) if key is not None else None
     if plan is not None:
+        if _grad_wanted(x, w):
+            return inference_only(NO_BACKWARD, lambda: plan(x, w, out), [x, w])
         return plan(x, w, out)
     cfg = _check_config(config)
     args = check_grouped_bmm(x, w, out, out_dtype)
@@ -197,7 +218,8 @@ def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
             if len(_mm_plans) >= _MAX_PLANS:
                 _mm_plans.clear()
             _mm_plans[key] = plan
-        return plan(args.x, args.w, args.out)
+        return inference_only(NO_BACKWARD, lambda: plan(args.x, args.w, args.out),
+                              [args.x, args.w])
     return grouped_bmm_torch(args)
 
 

@@ -713,3 +713,29 @@ def test_epilogue_whole_tile_variant(form, monkeypatch):
                      out_mode="alloc")
     info = host_sm90.last_launch()
     assert info is not None and info.choice.epi_whole
+
+
+def test_default_picks_cute_and_backward_raises():
+    """The kernels have no backward: with inputs that require grad, backward says so."""
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([10, 30, 30, 64], dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(backend="cute")
+    for _ in range(2):  # first call builds the plan, the second takes the cached one
+        y = moe_gemm.grouped_mm(x, w, offs, config=cfg)
+        assert y.requires_grad
+        with pytest.raises(RuntimeError, match="inference-only"):
+            y.float().sum().backward()
+    y3 = moe_gemm.grouped_mm(x.view(4, 16, 128), w, config=cfg)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y3.float().sum().backward()
+    outs = moe_gemm.grouped_gemm([x[:10], x[10:]], [w[0], w[1]], config=cfg)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        sum(o.float().sum() for o in outs).backward()
+    with torch.no_grad():
+        assert moe_gemm.grouped_mm(x, w, offs, config=cfg).grad_fn is None
+    # The values are the kernel's either way.
+    ref = moe_gemm.reference.grouped_mm_ref(x, w.detach(), offs)
+    _check("autograd-link/values", y.detach(), ref, moe_gemm.grouped_mm(
+        x, w.detach(), offs, config=GemmConfig(backend="torch")))
+    record("autograd-link/backward-raises", True)
