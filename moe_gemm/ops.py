@@ -36,10 +36,6 @@ NO_BACKWARD = (
 )
 
 
-def _grad_wanted(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
@@ -178,7 +174,7 @@ def grouped_mm(
     key = _mm_plan_key(x, w, offs, out, config, out_dtype)
     plan = _mm_plans.get(key) if key is not None else None
     if plan is not None:
-        if _grad_wanted(x, w):
+        if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
             return inference_only(NO_BACKWARD, lambda: plan(x, w, offs, out), [x, w])
         return plan(x, w, offs, out)
     cfg = _check_config(config)
@@ -203,7 +199,7 @@ def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
     key = _bmm_plan_key(x, w, out, config, out_dtype)
     plan = _mm_plans.get(key) if key is not None else None
     if plan is not None:
-        if _grad_wanted(x, w):
+        if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
             return inference_only(NO_BACKWARD, lambda: plan(x, w, out), [x, w])
         return plan(x, w, out)
     cfg = _check_config(config)
