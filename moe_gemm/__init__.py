@@ -2,7 +2,9 @@
 
 Public API:
     grouped_gemm(a, b)        general grouped GEMM, D_i = A_i @ B_i, any sizes per problem
-    grouped_mm(x, w, offs)    MoE expert GEMM (torch.nn.functional.grouped_mm's 2D x 3D form)
+    grouped_mm(x, w, offs)    MoE expert GEMM (torch.nn.functional.grouped_mm's 2D x 3D form);
+                              grouped_mm(x, w) is the batched 3D x 3D form
+    GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
     GemmConfig                backend / schedule / visitor / tile choices (frozen)
     MoE                       an inference MoE layer (routing + fused expert FFN) on grouped_mm
 """
@@ -12,7 +14,7 @@ __version__ = "0.1.0"
 from .config import GemmConfig  # noqa: E402
 from .integrations import register_transformers_lazily  # noqa: E402
 from .moe import MoE, moe_experts, moe_forward  # noqa: E402
-from .ops import grouped_gemm, grouped_mm  # noqa: E402
+from .ops import GroupedGemmPlan, grouped_gemm, grouped_mm  # noqa: E402
 from .routing import (  # noqa: E402
     ExpertPermutation,
     permute_by_expert,
@@ -26,6 +28,7 @@ register_transformers_lazily()
 __all__ = [
     "ExpertPermutation",
     "GemmConfig",
+    "GroupedGemmPlan",
     "MoE",
     "__version__",
     "grouped_gemm",

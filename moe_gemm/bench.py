@@ -565,6 +565,7 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
     calls: dict[str, Callable[[], object]] = {
         "moe_gemm.grouped_mm (default)": lambda: ops.grouped_mm(x, w, offs),
         "moe_gemm.grouped_gemm (default)": lambda: ops.grouped_gemm(a_list, b_list),
+        "moe_gemm.GroupedGemmPlan call": ops.GroupedGemmPlan(a_list, b_list),
         "moe_gemm.grouped_mm 3-D (default)": lambda: ops.grouped_mm(x3, w),
         "torch.mm loop": loop,
         "torch.bmm": lambda: torch.bmm(x3, w),

@@ -264,3 +264,58 @@ def _bmm_plan_key(x, w, out, config, out_dtype) -> tuple | None:
         ptrs |= out.data_ptr()
     return ("bmm", x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype,
             w.device, out_key, out_dtype, config, ptrs & 15, env_get("MOE_GEMM_L2_HINTS"))
+
+
+class GroupedGemmPlan:
+    """grouped_gemm prepared once for a fixed set of tensors, for loops that call it again and
+    again on new values (serving with static buffers, benchmarks, CUDA graphs).
+
+    The constructor does all the per-problem host work of grouped_gemm (checks, layout
+    analysis, kernel choice, output allocation, metadata upload); each call only launches the
+    kernel, so its host cost does not grow with the number of problems. A call computes
+    D_i = A_i @ B_i from the tensors' values at that moment (update them in place, e.g. with
+    `copy_`), writes into `out` and returns it. Do not resize the tensors or change their
+    storage after building the plan; build a new plan instead.
+
+    Args: as grouped_gemm (a, b, out, config, out_dtype). `out`, when None, is allocated once
+    and reused by every call: copy results you want to keep before the next call.
+    """
+
+    def __init__(
+        self,
+        a: Sequence[torch.Tensor],
+        b: Sequence[torch.Tensor],
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+        config: GemmConfig | None = None,
+        out_dtype: torch.dtype | None = None,
+    ):
+        cfg = _check_config(config)
+        args = check_grouped_gemm(a, b, out, out_dtype)
+        if args.out is None:
+            outs = [torch.empty(m, n, dtype=args.out_dtype, device=args.device)
+                    for m, n, _ in args.sizes]
+            args = check_grouped_gemm(args.a, args.b, outs, args.out_dtype)
+        self.args = args
+        self.out: list[torch.Tensor] = list(args.out or [])
+        self._launch = None
+        if not args.a:
+            return
+        problem = cute_problem(args.device) if cfg.backend != "torch" else "torch requested"
+        layout = analyze_general(args) if problem is None else None
+        unsupported = layout if isinstance(layout, str) else None
+        if _use_cute(cfg, problem, unsupported, "GroupedGemmPlan"):
+            from .kernels.host_sm90 import GeneralLaunch
+
+            self._launch = GeneralLaunch(args, cfg, layout=layout, persistent=True)  # type: ignore[arg-type]
+        self.backend = "cute" if self._launch is not None else "torch"
+
+    def __call__(self) -> list[torch.Tensor]:
+        args = self.args
+        if not args.a:
+            return []
+        run = self._launch.launch if self._launch is not None else (
+            lambda: grouped_gemm_torch(args))
+        if torch.is_grad_enabled():
+            return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
+        return run()

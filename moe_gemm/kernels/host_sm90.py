@@ -222,63 +222,96 @@ def grouped_gemm_cute(
     args: GroupedGemmArgs, config: GemmConfig, *, layout: GeneralLayout | None = None,
     trace: bool = False,
 ) -> list[torch.Tensor]:
-    if layout is None:
-        res = analyze_general(args)
-        if isinstance(res, str):
-            raise ValueError(f"backend='cute' cannot take this input: {res}")
-        layout = res
-    device = args.device
-    G = len(args.a)
-    sizes = args.sizes
-    nsm = sm_count(device)
-    choice = choose_general(config, tuple(sizes), nsm)
-    b_major = layout.b_major
-    b_ptr, b_ld = layout.b_ptr, layout.b_ld
-    keep = []  # copies made for problems whose B had the minority layout
-    if layout.b_fix:
-        b_ptr, b_ld = list(b_ptr), list(b_ld)
-        for i in layout.b_fix:
-            b = args.b[i]
-            fixed = b.t().contiguous().t() if b_major == "k" else b.contiguous()
-            keep.append(fixed)
-            b_ptr[i] = fixed.data_ptr()
-            b_ld[i] = fixed.stride(1) if b_major == "k" else fixed.stride(0)
-    outs = args.out if args.out is not None else _alloc_outputs(sizes, args.out_dtype, device)
+    return GeneralLaunch(args, config, layout=layout, trace=trace).launch()
 
-    order = sched.ksort_permutation(sizes) if choice.sort_by_k else range(G)
-    counts = tuple(sched.tiles_per_problem([sizes[i] for i in order], choice.tile_m,
-                                           choice.tile_n))
-    total = sum(counts)
-    if total == 0:
-        return list(outs)
-    num_ctas = max(1, min(nsm, total))
 
-    a_ptr, a_ld = layout.a_ptr, layout.a_ld
-    d_ptr = [o.data_ptr() for o in outs]
-    d_ld = [o.stride(0) for o in outs]
-    rows = [(a_ptr[p], b_ptr[p], d_ptr[p], a_ld[p], b_ld[p], d_ld[p],
-             sizes[p][0] | (sizes[p][1] << 32), sizes[p][2]) for p in order]
-    meta = _pinned((G, 8), torch.int64)
-    meta.numpy()[:] = rows
-    meta_dev = meta.to(device, non_blocking=True)
-    capturing = torch._C._cuda_isCurrentStreamCapturing()
-    if capturing:
-        # The captured copy reads this pinned buffer at every replay: keep it alive.
-        _graph_keepalive.append(meta)
-        _graph_keepalive.extend(keep)
-        placeholders = _new_placeholders(device, args.dtype, args.out_dtype, b_major)
-    else:
-        placeholders = _general_placeholders(device, args.dtype, args.out_dtype, b_major)
-    seed_a, seed_w, seed_d, offs, no_table, no_trace = placeholders
-    table = _table_tensor(counts, num_ctas, device) if choice.visitor == "host" else no_table
-    # Per CTA, a ring of descriptor slots that the scheduler warp writes (grouped_gemm_sm90).
-    workspace = _workspace(device, num_ctas * DESC_RING * SLOT_INTS)
-    trace_t = _trace_tensor(num_ctas, math.ceil(total / num_ctas), device) if trace else no_trace
-    kernel = _kernel_for("general", args.dtype, args.out_dtype, b_major, choice, trace)
-    kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table, workspace,
-           trace_t, G, num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL)
-    _local.raw = (choice, num_ctas, G, tuple(order), trace_t if trace else None)
-    return list(outs)
+class GeneralLaunch:
+    """One general-form launch prepared: per-problem metadata on the GPU, outputs, kernel,
+    grid. grouped_gemm builds one per call; a GroupedGemmPlan keeps one (persistent=True:
+    the metadata is uploaded once and each launch only re-copies minority-layout B operands)."""
+
+    def __init__(self, args: GroupedGemmArgs, config: GemmConfig, *,
+                 layout: GeneralLayout | None = None, trace: bool = False,
+                 persistent: bool = False):
+        if layout is None:
+            res = analyze_general(args)
+            if isinstance(res, str):
+                raise ValueError(f"backend='cute' cannot take this input: {res}")
+            layout = res
+        self.device = device = args.device
+        self.G = G = len(args.a)
+        sizes = args.sizes
+        self.nsm = nsm = sm_count(device)
+        self.choice = choice = choose_general(config, tuple(sizes), nsm)
+        self.b_major = b_major = layout.b_major
+        b_ptr, b_ld = layout.b_ptr, layout.b_ld
+        self.fixes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B as given, its copy)
+        if layout.b_fix:
+            b_ptr, b_ld = list(b_ptr), list(b_ld)
+            for i in layout.b_fix:
+                b = args.b[i]
+                fixed = b.t().contiguous().t() if b_major == "k" else b.contiguous()
+                self.fixes.append((b, fixed))
+                b_ptr[i] = fixed.data_ptr()
+                b_ld[i] = fixed.stride(1) if b_major == "k" else fixed.stride(0)
+        self.outs = outs = (args.out if args.out is not None
+                            else _alloc_outputs(sizes, args.out_dtype, device))
+        self.order = order = sched.ksort_permutation(sizes) if choice.sort_by_k else range(G)
+        counts = tuple(sched.tiles_per_problem([sizes[i] for i in order], choice.tile_m,
+                                               choice.tile_n))
+        self.total = total = sum(counts)
+        self.trace = trace
+        if total == 0:
+            return
+        self.num_ctas = num_ctas = max(1, min(nsm, total))
+        a_ptr, a_ld = layout.a_ptr, layout.a_ld
+        d_ptr = [o.data_ptr() for o in outs]
+        d_ld = [o.stride(0) for o in outs]
+        rows = [(a_ptr[p], b_ptr[p], d_ptr[p], a_ld[p], b_ld[p], d_ld[p],
+                 sizes[p][0] | (sizes[p][1] << 32), sizes[p][2]) for p in order]
+        meta = _pinned((G, 8), torch.int64)
+        meta.numpy()[:] = rows
+        capturing = torch._C._cuda_isCurrentStreamCapturing()
+        if persistent:
+            if capturing:
+                raise RuntimeError("build a GroupedGemmPlan outside CUDA-graph capture (its "
+                                   "launches can be captured)")
+            self.meta_dev = meta.to(device)  # once, synchronously: the pinned buffer can go
+        else:
+            self.meta_dev = meta.to(device, non_blocking=True)
+        if capturing:
+            # The captured copy reads this pinned buffer at every replay: keep it alive.
+            _graph_keepalive.append(meta)
+            _graph_keepalive.extend(f for _, f in self.fixes)
+            placeholders = _new_placeholders(device, args.dtype, args.out_dtype, b_major)
+        else:
+            placeholders = _general_placeholders(device, args.dtype, args.out_dtype, b_major)
+        self.placeholders = placeholders
+        self.table = (_table_tensor(counts, num_ctas, device) if choice.visitor == "host"
+                      else placeholders[4])
+        self.kernel = _kernel_for("general", args.dtype, args.out_dtype, b_major, choice, trace)
+        self.persistent = persistent
+
+    def launch(self) -> list[torch.Tensor]:
+        if self.total == 0:
+            return list(self.outs)
+        if self.persistent:
+            for b, fixed in self.fixes:  # B may have new values since the plan was built
+                fixed.copy_(b)
+        seed_a, seed_w, seed_d, offs, _, no_trace = self.placeholders
+        num_ctas = self.num_ctas
+        # Per CTA, a ring of descriptor slots that the scheduler warp writes.
+        workspace = _workspace(self.device, num_ctas * DESC_RING * SLOT_INTS)
+        trace_t = (_trace_tensor(num_ctas, math.ceil(self.total / num_ctas), self.device)
+                   if self.trace else no_trace)
+        choice = self.choice
+        meta_dev = self.meta_dev
+        self.kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs,
+                    self.table, workspace, trace_t, self.G, num_ctas, choice.swizzle,
+                    choice.a_policy, choice.b_policy, PDL)
+        _local.raw = (choice, num_ctas, self.G, tuple(self.order),
+                      trace_t if self.trace else None)
+        return list(self.outs)
 
 
 class MmPlan:

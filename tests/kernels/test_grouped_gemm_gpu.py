@@ -739,3 +739,41 @@ def test_default_picks_cute_and_backward_raises():
     _check("autograd-link/values", y.detach(), ref, moe_gemm.grouped_mm(
         x, w.detach(), offs, config=GemmConfig(backend="torch")))
     record("autograd-link/backward-raises", True)
+
+
+# ---------------------------------------------------------------------------------------------
+# GroupedGemmPlan: prepared once, recomputed from current values (general-other group: fast_path)
+
+
+def test_plan_fast_path_recomputes_and_captures():
+    rng = random.Random(3)
+    sizes = _general_case("mixed", rng)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a = [_rand((m, k), torch.bfloat16, gen) for m, n, k in sizes]
+    b = [(_rand((n, k), torch.bfloat16, gen).t() if i % 3 == 0 else
+          _rand((k, n), torch.bfloat16, gen)) for i, (m, n, k) in enumerate(sizes)]
+    plan = moe_gemm.GroupedGemmPlan(a, b, config=GemmConfig(backend="cute"))
+    assert plan.backend == "cute"
+
+    def check(tag):
+        for i, (ai, bi) in enumerate(zip(a, b)):
+            ref = ai.float() @ bi.float()
+            low = (ai @ bi) if ai.shape[1] > 0 else torch.zeros_like(ref).to(torch.bfloat16)
+            _check(f"plan/{tag}[{i}]", plan.out[i], ref, low)
+
+    plan()
+    torch.cuda.synchronize()
+    check("first")
+    for t in (*a, *b):  # new values in place, minority-layout B included
+        t.copy_(_rand(t.shape, torch.bfloat16, gen))
+    plan()
+    torch.cuda.synchronize()
+    check("updated")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan()
+    for t in (*a, *b):
+        t.copy_(_rand(t.shape, torch.bfloat16, gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    check("graph")
