@@ -31,7 +31,9 @@ from server_testutils import (
 
 E, K, N = 5, 64, 48
 DELAY_S = 0.15
-SLOW_DELAY_S = 2.5
+# Long against the 100-200 ms request timeouts below, so that a starved CI machine (2 cores,
+# server and test in one box) cannot reach the end of the batch window before a timeout fires.
+SLOW_DELAY_S = 4.0
 # One pooled client for the module (httpx clients are thread-safe; building one per request
 # would cost an SSL context each time).
 HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=64))
@@ -53,7 +55,7 @@ def batching_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
-    """A 2.5 s batch delay and a queue of 3: requests sit in the queue long enough to be
+    """A 4 s batch delay and a queue of 3: requests sit in the queue long enough to be
     refused, timed out or abandoned while queued."""
     server = LiveServer(tmp_path_factory.mktemp("slow") / "data",
                         "--batch-delay-us", str(int(SLOW_DELAY_S * 1e6)), "--max-queue", "3",
