@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
+
+from .env import env_get
 
 # The kernels use wgmma, setmaxnreg and the TMA engine: sm_90a only (H100, H200, H20, H800).
 REQUIRED_CAPABILITY = (9, 0)
@@ -29,7 +30,7 @@ def cute_problem(device: torch.device | None = None) -> str | None:
 
     Otherwise a sentence saying why not. Never raises.
     """
-    if os.environ.get("MOE_GEMM_DISABLE_CUTE", "") not in ("", "0"):
+    if env_get("MOE_GEMM_DISABLE_CUTE") not in (None, "", "0"):
         return "disabled by MOE_GEMM_DISABLE_CUTE"
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}, the kernels run on CUDA sm_90a GPUs"

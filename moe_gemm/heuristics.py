@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 
 from . import schedule as sched
 from .config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
-
-TILE_K = 64
+from .kernels.constants import TILE_K
 
 
 @dataclass(frozen=True)
@@ -142,7 +141,7 @@ def choose_varlen(
     stages = config.stages
     if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
         stages = 3  # long K (see choose_general)
-    cm, cn = _cluster_choice(config, schedule)
+    cm, cn = _cluster_choice(config)
     if cm * cn > 1:
         visitor = "device"
     # Long K, 128x256, 16-bit output: the whole-tile epilogue (2 barrier syncs per tile, not
@@ -169,7 +168,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
     schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
-    cm, cn = _cluster_choice(config, schedule)
+    cm, cn = _cluster_choice(config)
     if config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]:
         # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
         # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
@@ -187,16 +186,13 @@ def _general_cluster(config: GemmConfig) -> None:
         )
 
 
-def _cluster_choice(config: GemmConfig, schedule: str) -> tuple[int, int]:
+def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
     """(cluster_m, cluster_n) for grouped_mm: what the config pins, else 1x1 (AGENTS.md has
-    the 2x1 / 1x2 measurements)."""
+    the 2x1 / 1x2 measurements). GemmConfig refuses a cluster with schedule="pingpong", and
+    "auto" picks cooperative under a cluster, so the schedule always fits."""
     if config.cluster_m is None:
         return 1, 1
-    cluster = (config.cluster_m, config.cluster_n or 1)
-    if cluster != (1, 1) and schedule != "cooperative":
-        raise ValueError(f"cluster {cluster[0]}x{cluster[1]} is built for the cooperative "
-                         "schedule only")
-    return cluster
+    return config.cluster_m, config.cluster_n or 1
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,6 +9,7 @@ warning; with backend="cute" it raises ValueError.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 
@@ -292,10 +293,10 @@ class GroupedGemmPlan:
     ):
         cfg = _check_config(config)
         args = check_grouped_gemm(a, b, out, out_dtype)
-        if args.out is None:
-            outs = [torch.empty(m, n, dtype=args.out_dtype, device=args.device)
-                    for m, n, _ in args.sizes]
-            args = check_grouped_gemm(args.a, args.b, outs, args.out_dtype)
+        if args.out is None:  # allocated once: every call writes the same tensors
+            args = dataclasses.replace(args, out=[
+                torch.empty(m, n, dtype=args.out_dtype, device=args.device)
+                for m, n, _ in args.sizes])
         self.args = args
         self.out: list[torch.Tensor] = list(args.out or [])
         self._launch = None

@@ -53,21 +53,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from .constants import DESC_BYTES, DESC_RING, SCHED_STAGES, SLOT_BYTES, TILE_K
 from .tile_scheduler_sm90 import RECORD_INTS, WARP, ceil_div_i32, raster_tile, warp_inclusive_sum
 
 Form = Literal["general", "varlen", "batched"]
 Schedule = Literal["cooperative", "pingpong"]
 Visitor = Literal["device", "host"]
 
-TILE_K = 64
-DESC_BYTES = 128  # one CUtensorMap
-SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
-# general / varlen: the scheduler warp writes each record's descriptors (general: A, B, D;
-# varlen: D) into a per-CTA ring of this many slots in the workspace. A slot is rewritten DESC_RING records later; the scheduler runs at most
-# SCHED_STAGES records ahead of the store warp, whose TMA stores of a record have all
-# drained (PipelineTmaStore keeps < 4 in flight) before it reads the next one.
-DESC_RING = 2 * SCHED_STAGES
-SLOT_BYTES = 3 * DESC_BYTES  # a ring slot: the record's A, B and D descriptors
 TRACE_INTS = 4  # debug trace record: (problem, m_tile, n_tile, warpgroup)
 
 # L2 eviction priorities for TMA loads (the createpolicy encodings CUTLASS uses, sm90).

@@ -23,12 +23,9 @@ from ..capability import sm_count
 from ..config import GemmConfig
 from ..heuristics import KernelChoice, choose_batched, choose_general, choose_varlen
 from ..validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
+from .constants import DESC_RING, SLOT_INTS
 from .support import GeneralLayout, analyze_general, operand_major, tma_view
 
-TILE_K = 64
-DESC_INTS = 16  # one 128-byte CUtensorMap in int64s
-DESC_RING = 16  # grouped_gemm_sm90.DESC_RING (not imported: that module loads the DSL)
-SLOT_INTS = 3 * DESC_INTS  # a ring slot: A, B, D descriptors
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _local = threading.local()
 
@@ -127,7 +124,9 @@ def _compiled(key):
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current stream is capturing a CUDA graph (one C call: this runs per launch;
+    everything in this module runs on CUDA devices only)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}
@@ -146,7 +145,7 @@ def _workspace(device: torch.device, ints: int) -> torch.Tensor:
     belongs to the graph.
     """
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if torch._C._cuda_isCurrentStreamCapturing():
+    if _capturing():
         return torch.empty(ints, dtype=torch.int64, device=device)
     key = (idx, _raw_stream(idx), threading.get_ident(), ints)
     ws = _workspaces.get(key)
@@ -271,7 +270,7 @@ class GeneralLaunch:
                  sizes[p][0] | (sizes[p][1] << 32), sizes[p][2]) for p in order]
         meta = _pinned((G, 8), torch.int64)
         meta.numpy()[:] = rows
-        capturing = torch._C._cuda_isCurrentStreamCapturing()
+        capturing = _capturing()
         if persistent:
             if capturing:
                 raise RuntimeError("build a GroupedGemmPlan outside CUDA-graph capture (its "
