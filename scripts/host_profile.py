@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moe_gemm import grouped_gemm, grouped_mm  # noqa: E402
+from moe_gemm import GroupedGemmPlan, grouped_gemm, grouped_mm  # noqa: E402
 
 
 def per_call(fn, n=200):
@@ -41,6 +41,19 @@ def main() -> None:
     print(f"grouped_mm E=8:            {per_call(lambda: grouped_mm(x, w, offs)):8.1f} us/call")
     ws = torch.nn.functional.grouped_mm
     print(f"F.grouped_mm E=8:          {per_call(lambda: ws(x, w, offs=offs)):8.1f} us/call")
+    plan = GroupedGemmPlan(a8, b8)
+    print(f"GroupedGemmPlan 8 call:    {per_call(plan):8.1f} us/call")
+    # The pieces a per-call general launch is made of.
+    pin = lambda: torch.empty((8, 8), dtype=torch.int64, pin_memory=True)  # noqa: E731
+    print(f"  pinned (8, 8) empty:     {per_call(pin):8.1f} us")
+    m = pin()
+    print(f"  pinned .to(cuda, nb):    {per_call(lambda: m.to(dev, non_blocking=True)):8.1f} us")
+    print(f"  torch.empty cuda:        {per_call(lambda: torch.empty(64, 512, device=dev)):8.1f} us")
+    flat = torch.empty(64, 512, device=dev, dtype=dt)
+    ms = [1, 7, 11, 8, 10, 11, 10, 6]
+    print(f"  split 8 rows:            {per_call(lambda: flat.split(ms)):8.1f} us")
+    print(f"  8 x data_ptr+stride+shape: "
+          f"{per_call(lambda: [(t.data_ptr(), t.stride(), t.shape) for t in a8]):8.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):

@@ -15,16 +15,18 @@ import os
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import cache
 from .. import schedule as sched
 from ..capability import sm_count
 from ..config import GemmConfig
+from ..env import env_get
 from ..heuristics import KernelChoice, choose_batched, choose_general, choose_varlen
 from ..validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
 from .constants import DESC_RING, SLOT_INTS
-from .support import GeneralLayout, analyze_general, operand_major, tma_view
+from .support import TMA_ALIGN_BYTES, GeneralLayout, analyze_general, operand_major, tma_view
 
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _local = threading.local()
@@ -201,20 +203,79 @@ def _trace_tensor(num_ctas: int, max_tiles: int, device: torch.device) -> torch.
 _graph_keepalive: list[torch.Tensor] = []
 
 
-def _alloc_outputs(sizes, dtype, device) -> list[torch.Tensor]:
-    """One allocation split into per-problem (M_i, N_i) views, each 16-byte aligned: one
-    allocator call instead of G (this runs per call for hundreds of problems)."""
-    if len(set(sizes)) == 1:
-        # One (M, N) for all: a (G, M, N) block unbound in one call (each view stays 16-byte
-        # aligned: N * elem is a 16-byte multiple, checked by support.analyze_general).
-        m, n, _ = sizes[0]
-        return list(torch.empty((len(sizes), m, n), dtype=dtype, device=device).unbind(0))
-    elem = dtype.itemsize
-    pad = max(1, 16 // elem)
-    lens = [-(-(m * n) // pad) * pad for m, n, _ in sizes]
-    flat = torch.empty(sum(lens), dtype=dtype, device=device)
-    parts = flat.split(lens)
-    return [p[: m * n].view(m, n) for p, (m, n, _) in zip(parts, sizes)]
+class GeneralShape:
+    """Everything about a general-form launch that depends only on the problem sizes, dtypes,
+    B's major, the config and the device's SM count: the kernel choice, problem order, grid,
+    compiled kernel, and the layout of the outputs we allocate. Built once per problem set
+    (general_shape caches it), so a repeated grouped_gemm call only gathers pointers.
+
+    Own outputs live in one allocation: with one N for all problems (every MoE layer) a
+    (sum M_i, N) block split by rows in one call; otherwise a flat block of 16-byte-padded
+    pieces. Their byte offsets from the block's start are fixed here, so the per-call
+    metadata needs the block's address only.
+    """
+
+    def __init__(self, sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
+                 config: GemmConfig, nsm: int, trace: bool):
+        self.G = G = len(sizes)
+        self.sizes = sizes
+        self.out_dtype = d
+        self.choice = choice = choose_general(config, sizes, nsm)
+        order = sched.ksort_permutation(sizes) if choice.sort_by_k else None
+        # None when the order is the caller's: the per-call metadata then skips a gather.
+        self.order = tuple(order) if order and order != list(range(G)) else None
+        self.order_np = np.asarray(self.order, dtype=np.int64) if self.order else None
+        self.launch_order = self.order or tuple(range(G))  # what LaunchInfo reports
+        ordered = [sizes[i] for i in self.order] if self.order else sizes
+        self.counts = tuple(sched.tiles_per_problem(ordered, choice.tile_m, choice.tile_n))
+        self.total = sum(self.counts)
+        self.num_ctas = max(1, min(nsm, self.total))
+        elem = d.itemsize
+        ns = {n for _, n, _ in sizes}
+        if len(ns) == 1:
+            n = ns.pop()
+            self.rows: list[int] | None = [m for m, _, _ in sizes]
+            self.out_shape = (sum(self.rows), n)
+            d_off, at = [], 0
+            for m in self.rows:
+                d_off.append(at * n * elem)  # n * elem is a 16-byte multiple (support checks)
+                at += m
+            d_ld = [n] * G
+        else:
+            self.rows = None
+            pad = max(1, TMA_ALIGN_BYTES // elem)
+            self.lens = [-(-(m * n) // pad) * pad for m, n, _ in sizes]
+            self.out_shape = (sum(self.lens),)
+            d_off, at = [], 0
+            for ln in self.lens:
+                d_off.append(at * elem)
+                at += ln
+            d_ld = [n for _, n, _ in sizes]
+        # Metadata columns that do not change between calls, in the caller's problem order:
+        # [D byte offset, D leading dim, M | N << 32, K].
+        self.static = np.array(
+            [[off, ld, m | (n << 32), k] for off, ld, (m, n, k) in zip(d_off, d_ld, sizes)],
+            dtype=np.int64).reshape(G, 4)
+        self.kernel = (_kernel_for("general", ab, d, b_major, choice, trace)
+                       if self.total else None)
+
+    def new_outputs(self, device: torch.device) -> tuple[list[torch.Tensor], int]:
+        """The G outputs as views of one fresh allocation, and its address."""
+        block = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
+        if self.rows is not None:
+            return list(block.split_with_sizes(self.rows)), block.data_ptr()
+        parts = block.split_with_sizes(self.lens)
+        return ([p[: m * n].view(m, n) for p, (m, n, _) in zip(parts, self.sizes)],
+                block.data_ptr())
+
+
+@functools.lru_cache(maxsize=256)
+def general_shape(sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
+                  config: GemmConfig, nsm: int, trace: bool, l2_env: str | None
+                  ) -> GeneralShape:
+    """The GeneralShape of a problem set, cached (l2_env: MOE_GEMM_L2_HINTS, which the kernel
+    choice reads, so a changed switch gets a new entry)."""
+    return GeneralShape(sizes, ab, d, b_major, config, nsm, trace)
 
 
 def grouped_gemm_cute(
@@ -225,9 +286,10 @@ def grouped_gemm_cute(
 
 
 class GeneralLaunch:
-    """One general-form launch prepared: per-problem metadata on the GPU, outputs, kernel,
-    grid. grouped_gemm builds one per call; a GroupedGemmPlan keeps one (persistent=True:
-    the metadata is uploaded once and each launch only re-copies minority-layout B operands)."""
+    """One general-form launch prepared: kernel and grid (from the cached GeneralShape),
+    per-problem metadata, outputs. grouped_gemm builds one per call; a GroupedGemmPlan keeps
+    one (persistent=True: the metadata is uploaded once and each launch only re-copies
+    minority-layout B operands)."""
 
     def __init__(self, args: GroupedGemmArgs, config: GemmConfig, *,
                  layout: GeneralLayout | None = None, trace: bool = False,
@@ -239,10 +301,13 @@ class GeneralLaunch:
             layout = res
         self.device = device = args.device
         self.G = G = len(args.a)
-        sizes = args.sizes
-        self.nsm = nsm = sm_count(device)
-        self.choice = choice = choose_general(config, tuple(sizes), nsm)
-        self.b_major = b_major = layout.b_major
+        self.trace = trace
+        self.persistent = persistent
+        self.shape = shape = general_shape(
+            tuple(args.sizes), args.dtype, args.out_dtype, layout.b_major, config,
+            sm_count(device), trace, env_get("MOE_GEMM_L2_HINTS"))
+        self.choice = shape.choice
+        b_major = layout.b_major
         b_ptr, b_ld = layout.b_ptr, layout.b_ld
         self.fixes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B as given, its copy)
         if layout.b_fix:
@@ -253,23 +318,28 @@ class GeneralLaunch:
                 self.fixes.append((b, fixed))
                 b_ptr[i] = fixed.data_ptr()
                 b_ld[i] = fixed.stride(1) if b_major == "k" else fixed.stride(0)
-        self.outs = outs = (args.out if args.out is not None
-                            else _alloc_outputs(sizes, args.out_dtype, device))
-        self.order = order = sched.ksort_permutation(sizes) if choice.sort_by_k else range(G)
-        counts = tuple(sched.tiles_per_problem([sizes[i] for i in order], choice.tile_m,
-                                               choice.tile_n))
-        self.total = total = sum(counts)
-        self.trace = trace
-        if total == 0:
+        if args.out is None:
+            outs, base = shape.new_outputs(device)
+        else:
+            outs, base = args.out, None
+        self.outs = outs
+        if shape.total == 0:
             return
-        self.num_ctas = num_ctas = max(1, min(nsm, total))
-        a_ptr, a_ld = layout.a_ptr, layout.a_ld
-        d_ptr = [o.data_ptr() for o in outs]
-        d_ld = [o.stride(0) for o in outs]
-        rows = [(a_ptr[p], b_ptr[p], d_ptr[p], a_ld[p], b_ld[p], d_ld[p],
-                 sizes[p][0] | (sizes[p][1] << 32), sizes[p][2]) for p in order]
         meta = _pinned((G, 8), torch.int64)
-        meta.numpy()[:] = rows
+        m = meta.numpy()
+        m[:, 0] = layout.a_ptr
+        m[:, 1] = b_ptr
+        m[:, 3] = layout.a_ld
+        m[:, 4] = b_ld
+        m[:, 6:] = shape.static[:, 2:]
+        if base is not None:
+            np.add(shape.static[:, 0], base, out=m[:, 2])
+            m[:, 5] = shape.static[:, 1]
+        else:
+            m[:, 2] = [o.data_ptr() for o in outs]
+            m[:, 5] = [o.stride(0) for o in outs]
+        if shape.order_np is not None:
+            m[:] = m[shape.order_np]
         capturing = _capturing()
         if persistent:
             if capturing:
@@ -286,29 +356,28 @@ class GeneralLaunch:
         else:
             placeholders = _general_placeholders(device, args.dtype, args.out_dtype, b_major)
         self.placeholders = placeholders
-        self.table = (_table_tensor(counts, num_ctas, device) if choice.visitor == "host"
-                      else placeholders[4])
-        self.kernel = _kernel_for("general", args.dtype, args.out_dtype, b_major, choice, trace)
-        self.persistent = persistent
+        self.table = (_table_tensor(shape.counts, shape.num_ctas, device)
+                      if shape.choice.visitor == "host" else placeholders[4])
 
     def launch(self) -> list[torch.Tensor]:
-        if self.total == 0:
+        shape = self.shape
+        if shape.total == 0:
             return list(self.outs)
         if self.persistent:
             for b, fixed in self.fixes:  # B may have new values since the plan was built
                 fixed.copy_(b)
         seed_a, seed_w, seed_d, offs, _, no_trace = self.placeholders
-        num_ctas = self.num_ctas
+        num_ctas = shape.num_ctas
         # Per CTA, a ring of descriptor slots that the scheduler warp writes.
         workspace = _workspace(self.device, num_ctas * DESC_RING * SLOT_INTS)
-        trace_t = (_trace_tensor(num_ctas, math.ceil(self.total / num_ctas), self.device)
+        trace_t = (_trace_tensor(num_ctas, math.ceil(shape.total / num_ctas), self.device)
                    if self.trace else no_trace)
-        choice = self.choice
+        choice = shape.choice
         meta_dev = self.meta_dev
-        self.kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs,
-                    self.table, workspace, trace_t, self.G, num_ctas, choice.swizzle,
-                    choice.a_policy, choice.b_policy, PDL)
-        _local.raw = (choice, num_ctas, self.G, tuple(self.order),
+        shape.kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs,
+                     self.table, workspace, trace_t, self.G, num_ctas, choice.swizzle,
+                     choice.a_policy, choice.b_policy, PDL)
+        _local.raw = (choice, num_ctas, self.G, shape.launch_order,
                       trace_t if self.trace else None)
         return list(self.outs)
 

@@ -256,12 +256,13 @@ def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
             return None
         if ai.get_device() != dev or bi.get_device() != dev:
             return None
-        sa = ai.shape
-        sb = bi.shape
-        if len(sa) != 2 or len(sb) != 2 or sa[1] != sb[0]:
+        try:
+            M, K = ai.shape
+            Kb, N = bi.shape
+        except ValueError:  # not 2-D
             return None
-        M, K = sa
-        N = sb[1]
+        if K != Kb:
+            return None
         sizes[i] = (M, N, K)
         if M == 0 or N == 0:
             continue

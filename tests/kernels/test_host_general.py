@@ -1,0 +1,187 @@
+"""The general-form host wrapper (host_sm90.GeneralShape / GeneralLaunch) on the CPU.
+
+The compiled kernel is replaced by a recorder, so these tests check everything the host
+hands the kernel: per-problem metadata rows (pointers, leading dims, sizes, K-sort order),
+the outputs it allocates (shapes, 16-byte alignment, no overlap), and the grid. The GPU
+tests (tests/kernels/test_grouped_gemm_gpu.py) check the kernel's arithmetic on the same
+metadata.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.kernels import host_sm90 as host
+from moe_gemm.kernels.support import analyze_general
+from moe_gemm.validation import check_grouped_gemm
+
+NSM = 132
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, *args: object) -> None:
+        self.calls.append(args)
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    rec = Recorder()
+    host.general_shape.cache_clear()
+    monkeypatch.setattr(host, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(host, "_capturing", lambda: False)
+    monkeypatch.setattr(host, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(host, "_workspace", lambda device, n: torch.empty(n, dtype=torch.int64))
+    monkeypatch.setattr(host, "_kernel_for", lambda *a: rec)
+    monkeypatch.setattr(host, "_general_placeholders",
+                        lambda *a: host._new_placeholders(torch.device("cpu"), *a[1:]))
+    yield rec
+    host.general_shape.cache_clear()
+
+
+def _problems(sizes, dtype=torch.bfloat16, b_col=()):
+    gen = torch.Generator().manual_seed(len(sizes))
+    a = [torch.randn(m, k, generator=gen).to(dtype) for m, n, k in sizes]
+    b = []
+    for i, (_, n, k) in enumerate(sizes):
+        if i in b_col:
+            b.append(torch.randn(n, k, generator=gen).to(dtype).t())  # K contiguous
+        else:
+            b.append(torch.randn(k, n, generator=gen).to(dtype))
+    return a, b
+
+
+def _launch(a, b, cfg=GemmConfig(), out=None, out_dtype=None):
+    args = check_grouped_gemm(a, b, out, out_dtype)
+    layout = analyze_general(args)
+    assert not isinstance(layout, str), layout
+    gl = host.GeneralLaunch(args, cfg, layout=layout)
+    return gl, gl.launch()
+
+
+def _check_rows(rec: Recorder, gl, a, b, outs, sizes) -> None:
+    (call,) = rec.calls
+    meta = call[3]
+    assert meta.shape == (len(sizes), 8) and meta.dtype == torch.int64
+    order = host.last_launch().order
+    assert sorted(order) == list(range(len(sizes)))
+    for row, p in zip(meta.tolist(), order):
+        m, n, k = sizes[p]
+        assert row[6] == m | (n << 32) and row[7] == k, (p, row)
+        if m == 0 or n == 0:
+            continue
+        assert row[2] == outs[p].data_ptr() and row[5] == outs[p].stride(0)
+        if k == 0:
+            continue
+        assert row[0] == a[p].data_ptr() and row[3] == a[p].stride(0)
+        bp = b[p]
+        if row[1] == bp.data_ptr():  # B used in place: its leading dim must be the real one
+            row_major = bp.stride(1) == 1 or n == 1
+            assert row[4] == (bp.stride(0) if row_major else bp.stride(1))
+    # The kernel is told the problem count and grid the shape computed.
+    assert call[9] == len(sizes) and call[10] == gl.shape.num_ctas
+
+
+def _check_outputs(outs, sizes, dtype) -> None:
+    spans = []
+    for o, (m, n, _) in zip(outs, sizes):
+        assert o.shape == (m, n) and o.dtype == dtype
+        if m * n:
+            assert o.is_contiguous() and o.data_ptr() % 16 == 0
+            spans.append((o.data_ptr(), o.data_ptr() + m * n * o.element_size()))
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, "outputs overlap"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_metadata_rows_match_tensors(kernel: Recorder, seed: int) -> None:
+    rng = random.Random(seed)
+    n_common = 8 * rng.randint(1, 40)
+    same_n = seed % 2 == 0
+    sizes = [(rng.choice([0, 1, 5, 64, 129, 300]),
+              n_common if same_n else 8 * rng.randint(1, 40),
+              8 * rng.randint(1, 40) if rng.random() > 0.1 else 0) for _ in range(rng.randint(1, 40))]
+    a, b = _problems(sizes)
+    gl, outs = _launch(a, b)
+    _check_outputs(outs, sizes, torch.bfloat16)
+    if gl.shape.total:
+        _check_rows(kernel, gl, a, b, outs, sizes)
+    else:
+        assert kernel.calls == []
+
+
+def test_k_sort_permutes_rows(kernel: Recorder) -> None:
+    sizes = [(128, 256, 64), (128, 256, 4096), (128, 256, 512), (128, 256, 2048)]
+    a, b = _problems(sizes)
+    gl, outs = _launch(a, b, GemmConfig(sort_by_k=True))
+    assert host.last_launch().order == (1, 3, 2, 0)
+    assert gl.shape.counts == (1, 1, 1, 1)  # one 128x256 tile each (cooperative default)
+    _check_rows(kernel, gl, a, b, outs, sizes)
+    meta = kernel.calls[0][3]
+    assert [r[7] for r in meta.tolist()] == [4096, 2048, 512, 64]
+
+
+def test_unsorted_keeps_caller_order(kernel: Recorder) -> None:
+    sizes = [(64, 128, 64), (64, 128, 4096)]
+    a, b = _problems(sizes)
+    gl, outs = _launch(a, b, GemmConfig(sort_by_k=False))
+    assert gl.shape.order is None and host.last_launch().order == (0, 1)
+    _check_rows(kernel, gl, a, b, outs, sizes)
+
+
+def test_out_given_and_fp32_out(kernel: Recorder) -> None:
+    sizes = [(5, 24, 40), (9, 16, 8), (0, 8, 8)]
+    a, b = _problems(sizes)
+    out = [torch.empty(m, n, dtype=torch.float32) for m, n, _ in sizes]
+    gl, outs = _launch(a, b, out=out)
+    assert all(o is u for o, u in zip(outs, out))
+    _check_rows(kernel, gl, a, b, outs, sizes)
+
+
+def test_own_outputs_fp32_unequal_n(kernel: Recorder) -> None:
+    sizes = [(3, 8, 16), (7, 24, 16), (1, 40, 16)]
+    a, b = _problems(sizes)
+    gl, outs = _launch(a, b, out_dtype=torch.float32)
+    _check_outputs(outs, sizes, torch.float32)
+    _check_rows(kernel, gl, a, b, outs, sizes)
+
+
+def test_minority_b_layout_is_copied(kernel: Recorder) -> None:
+    sizes = [(16, 64, 64)] * 5
+    a, b = _problems(sizes, b_col=(3,))  # four row-major B, one K-contiguous
+    gl, outs = _launch(a, b)
+    meta = kernel.calls[0][3].tolist()
+    for p in range(5):
+        if p == 3:
+            assert meta[p][1] != b[3].data_ptr()  # a row-major copy, not the caller's tensor
+            fixed = gl.fixes[0][1]
+            assert meta[p][1] == fixed.data_ptr() and torch.equal(fixed, b[3])
+        else:
+            assert meta[p][1] == b[p].data_ptr()
+
+
+def test_shape_is_cached_per_problem_set(kernel: Recorder) -> None:
+    sizes = [(10, 64, 64), (3, 64, 128)]
+    a, b = _problems(sizes)
+    g1, o1 = _launch(a, b)
+    g2, o2 = _launch(a, b)
+    assert g1.shape is g2.shape
+    # Each call's outputs are a fresh allocation the caller may keep.
+    assert o1[0].data_ptr() != o2[0].data_ptr()
+    a2, b2 = _problems([(11, 64, 64), (3, 64, 128)])
+    g3, _ = _launch(a2, b2)
+    assert g3.shape is not g1.shape
+
+
+def test_all_empty_launches_nothing(kernel: Recorder) -> None:
+    sizes = [(0, 64, 64), (5, 0, 64)]
+    a, b = _problems(sizes)
+    gl, outs = _launch(a, b)
+    assert kernel.calls == [] and [tuple(o.shape) for o in outs] == [(0, 64), (5, 0)]
