@@ -124,7 +124,7 @@ def fake_arguments(key: CompileKey) -> tuple:
     return (
         a, w, out, meta, meta32, offs, table, workspace, trace,
         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0), cutlass.Int64(0),
-        cutlass.Int32(1), stream,
+        cutlass.Int32(1), cutlass.Int64(0), stream,
     )
 
 

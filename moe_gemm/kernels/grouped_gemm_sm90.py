@@ -280,6 +280,8 @@ class GroupedGemmSm90:
         a_policy: Int64,  # L2 eviction priority for A loads (EVICT_* above)
         b_policy: Int64,  # and for B loads
         pdl: Int32,  # 1: launch the main kernel with programmatic dependent launch
+        d_base: Int64,  # general: added to every row's D address (the host's output block,
+        #                 so one metadata upload serves calls whose outputs are new); else 0
         stream: cuda.CUstream,
     ):
         self._setup()
@@ -357,7 +359,7 @@ class GroupedGemmSm90:
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
             mA, mD, meta, meta32, offs, table, workspace, trace, num_problems, swizzle,
-            a_policy, b_policy, self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
+            a_policy, b_policy, d_base, self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
@@ -417,6 +419,7 @@ class GroupedGemmSm90:
         swizzle: Int32,
         a_policy: Int64,
         b_policy: Int64,
+        d_base: Int64,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -475,7 +478,7 @@ class GroupedGemmSm90:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == self.sched_warp:
                 self.scheduler_warp(sched_pipe, sched, meta, meta32, offs, table, mA, mD,
-                                    num_problems, swizzle, workspace,
+                                    num_problems, swizzle, d_base, workspace,
                                     cute.slice_(a_smem_staged, (None, None, 0)),
                                     cute.slice_(b_smem_staged, (None, None, 0)),
                                     cute.slice_(d_smem_staged, (None, None, 0)))
@@ -547,6 +550,7 @@ class GroupedGemmSm90:
         mD: cute.Tensor,
         num_problems: Int32,
         swizzle: Int32,
+        d_base: Int64,
         workspace: cute.Tensor,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -651,8 +655,8 @@ class GroupedGemmSm90:
                 slot_addr = ring + Int64(records % DESC_RING) * SLOT_BYTES
                 if problem >= 0:
                     if const_expr(self.form == "general"):
-                        self._write_general_descs(slot_addr, problem, meta, a_smem, b_smem,
-                                                  d_smem)
+                        self._write_general_descs(slot_addr, problem, meta, d_base, a_smem,
+                                                  b_smem, d_smem)
                     else:
                         # The expert's D view [row_start, row_start + rows), so a partial tile
                         # at the expert's end is clipped by the TMA unit.
@@ -691,11 +695,11 @@ class GroupedGemmSm90:
         cpasync.copy_tensormap(atom_d, self._gmem_desc(address, 0))
 
     @cute.jit
-    def _write_general_descs(self, address: Int64, p: Int32, meta: cute.Tensor,
+    def _write_general_descs(self, address: Int64, p: Int32, meta: cute.Tensor, d_base: Int64,
                              a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
                              d_smem: cute.ComposedLayout):
         """Problem p's A, B (when K > 0) and D descriptors at address + 0 / 128 / 256, from
-        its metadata row: [a_ptr, b_ptr, d_ptr, a_ld, b_ld, d_ld, M | N << 32, K]."""
+        its metadata row: [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld, M | N << 32, K]."""
         op_g2s = cpasync.CopyBulkTensorTileG2SOp()
         op_s2g = cpasync.CopyBulkTensorTileS2GOp()
         rows = Int32(meta[p, 6] & 0xFFFFFFFF)
@@ -717,7 +721,8 @@ class GroupedGemmSm90:
                 op_g2s, cute.make_tensor(b_ptr, b_layout), b_smem, (self.tile_n, TILE_K)
             )
             cpasync.copy_tensormap(atom_b, self._gmem_desc(address, 1))
-        d_ptr = cute.make_ptr(self.d_dtype, meta[p, 2], cute.AddressSpace.gmem, assumed_align=16)
+        d_ptr = cute.make_ptr(self.d_dtype, meta[p, 2] + d_base, cute.AddressSpace.gmem,
+                              assumed_align=16)
         tD = cute.make_tensor(d_ptr, cute.make_layout((rows, cols), stride=(meta[p, 5], 1)))
         atom_d, _ = cpasync.make_tiled_tma_atom(op_s2g, tD, d_smem, self.epi_tile)
         cpasync.copy_tensormap(atom_d, self._gmem_desc(address, 2))

@@ -34,7 +34,10 @@ class Recorder:
 def kernel(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     rec = Recorder()
     host.general_shape.cache_clear()
+    host._meta_cache.clear()
     monkeypatch.setattr(host, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(host, "_device_index", lambda device: 0)
+    monkeypatch.setattr(host, "_raw_stream", lambda idx: 0)
     monkeypatch.setattr(host, "_capturing", lambda: False)
     monkeypatch.setattr(host, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     monkeypatch.setattr(host, "_workspace", lambda device, n: torch.empty(n, dtype=torch.int64))
@@ -43,6 +46,7 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> Recorder:
                         lambda *a: host._new_placeholders(torch.device("cpu"), *a[1:]))
     yield rec
     host.general_shape.cache_clear()
+    host._meta_cache.clear()
 
 
 def _problems(sizes, dtype=torch.bfloat16, b_col=()):
@@ -66,8 +70,8 @@ def _launch(a, b, cfg=GemmConfig(), out=None, out_dtype=None):
 
 
 def _check_rows(rec: Recorder, gl, a, b, outs, sizes) -> None:
-    (call,) = rec.calls
-    meta = call[3]
+    call = rec.calls[-1]
+    meta, d_base = call[3], call[15]
     assert meta.shape == (len(sizes), 8) and meta.dtype == torch.int64
     order = host.last_launch().order
     assert sorted(order) == list(range(len(sizes)))
@@ -76,7 +80,7 @@ def _check_rows(rec: Recorder, gl, a, b, outs, sizes) -> None:
         assert row[6] == m | (n << 32) and row[7] == k, (p, row)
         if m == 0 or n == 0:
             continue
-        assert row[2] == outs[p].data_ptr() and row[5] == outs[p].stride(0)
+        assert row[2] + d_base == outs[p].data_ptr() and row[5] == outs[p].stride(0)
         if k == 0:
             continue
         assert row[0] == a[p].data_ptr() and row[3] == a[p].stride(0)
@@ -142,7 +146,13 @@ def test_out_given_and_fp32_out(kernel: Recorder) -> None:
     out = [torch.empty(m, n, dtype=torch.float32) for m, n, _ in sizes]
     gl, outs = _launch(a, b, out=out)
     assert all(o is u for o, u in zip(outs, out))
+    assert kernel.calls[-1][15] == 0  # absolute addresses in the rows
     _check_rows(kernel, gl, a, b, outs, sizes)
+    # Other out tensors: other rows (the cached upload is keyed by the out addresses too).
+    out2 = [torch.empty(m, n, dtype=torch.float32) for m, n, _ in sizes]
+    gl2, outs2 = _launch(a, b, out=out2)
+    assert kernel.calls[-1][3] is not kernel.calls[-2][3]
+    _check_rows(kernel, gl2, a, b, outs2, sizes)
 
 
 def test_own_outputs_fp32_unequal_n(kernel: Recorder) -> None:
@@ -185,3 +195,44 @@ def test_all_empty_launches_nothing(kernel: Recorder) -> None:
     a, b = _problems(sizes)
     gl, outs = _launch(a, b)
     assert kernel.calls == [] and [tuple(o.shape) for o in outs] == [(0, 64), (5, 0)]
+
+
+def test_repeated_call_reuses_uploaded_metadata(kernel: Recorder) -> None:
+    sizes = [(7, 64, 128), (0, 64, 128), (33, 64, 64)]
+    a, b = _problems(sizes)
+    gl1, o1 = _launch(a, b)
+    gl2, o2 = _launch(a, b)
+    first, second = kernel.calls
+    assert second[3] is first[3]  # one upload serves both calls
+    assert first[15] != second[15]  # each call's own output block
+    _check_rows(kernel, gl2, a, b, o2, sizes)
+    # New operand addresses: a new upload with the new pointers.
+    a3, b3 = _problems(sizes)
+    gl3, o3 = _launch(a3, b3)
+    assert kernel.calls[-1][3] is not first[3]
+    _check_rows(kernel, gl3, a3, b3, o3, sizes)
+    # A view with another leading dim at the same address is another key.
+    wide = torch.randn(7, 256).to(torch.bfloat16)
+    a4 = [wide[:, :128], a[1], a[2]]
+    gl4, o4 = _launch(a4, b)
+    assert kernel.calls[-1][3] is not first[3]
+    _check_rows(kernel, gl4, a4, b, o4, sizes)
+
+
+def test_metadata_cache_is_bounded(kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "META_CACHE_ENTRIES", 2)
+    sizes = [(8, 64, 64)]
+    alive = [_problems(sizes) for _ in range(5)]  # five distinct sets of addresses
+    for a, b in alive:
+        _launch(a, b)
+    assert len(host._meta_cache) == 2
+    assert len({id(c[3]) for c in kernel.calls}) == 5
+
+
+def test_minority_b_layout_is_not_cached(kernel: Recorder) -> None:
+    sizes = [(16, 64, 64)] * 3
+    a, b = _problems(sizes, b_col=(1,))
+    _launch(a, b)
+    _launch(a, b)
+    assert host._meta_cache == {}  # the copy of b[1] is new each call
+    assert kernel.calls[0][3] is not kernel.calls[1][3]
