@@ -686,6 +686,53 @@ def test_general_fast_path_without_out(kind, config):
                res[i], ref, low)
 
 
+@pytest.mark.parametrize("config", [None, GemmConfig(sort_by_k=True, visitor="host")])
+def test_general_fast_path_repeated_calls_reuse_metadata(config):
+    """Repeated grouped_gemm calls on the same buffers reuse one metadata upload (host_sm90's
+    cache): every call must still write its own fresh outputs, see values updated in place,
+    and work from another stream; `out=` tensors that change between calls are honoured."""
+    from moe_gemm.kernels import host_sm90
+
+    sizes = [(37, 256, 512), (0, 256, 64), (128, 256, 4096), (1, 256, 72), (200, 256, 1024)]
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    a = [_rand((m, k), torch.bfloat16, gen) for m, n, k in sizes]
+    b = [_rand((k, n), torch.bfloat16, gen) for m, n, k in sizes]
+    host_sm90._meta_cache.clear()
+
+    def check(tag, res):
+        for i, (ai, bi) in enumerate(zip(a, b)):
+            ref = ai.float() @ bi.float()
+            _check(f"general/meta-cache/{tag}[{i}]", res[i], ref, ai @ bi)
+
+    first = moe_gemm.grouped_gemm(a, b, config=config)
+    entries = len(host_sm90._meta_cache)
+    assert entries == 1
+    torch.cuda.synchronize()
+    check("first", first)
+    kept = [r.clone() for r in first]
+    for t in a:  # new values, same addresses
+        t.copy_(_rand(t.shape, torch.bfloat16, gen))
+    second = moe_gemm.grouped_gemm(a, b, config=config)
+    assert len(host_sm90._meta_cache) == entries  # reused, not uploaded again
+    torch.cuda.synchronize()
+    check("second", second)
+    assert all(torch.equal(x, y) for x, y in zip(first, kept))  # first results untouched
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        third = moe_gemm.grouped_gemm(a, b, config=config)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    check("side-stream", third)
+    for rep in range(2):
+        out = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+               for m, n, _ in sizes]
+        res = moe_gemm.grouped_gemm(a, b, out=out, config=config)
+        torch.cuda.synchronize()
+        assert all(r is o for r, o in zip(res, out))
+        check(f"out{rep}", res)
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole-tile epilogue variant (compile-time; tune.py's ew1)
 
