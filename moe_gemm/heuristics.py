@@ -152,8 +152,15 @@ def choose_varlen(
                  and out_itemsize == 2 and config.stages in (None, 3))
     if epi_whole:
         stages = 3
-    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, 8,
-                                      cluster_m=cm, cluster_n=cn, epi_whole=epi_whole))
+    # Raster panel (m-tiles per panel, see schedule.tile_coord): 16 for the same long-K case.
+    # A wider panel re-reads each expert's B from HBM fewer times (mixtral: 17 m-tiles per
+    # expert, B 117 MB each: 3 passes at 8, 2 at 16), which saves power, and under sustained
+    # load these shapes run at the 700 W cap. H200, 2026-11-21, each alone for ~1 s
+    # (scripts/isolation_probe.py): mixtral 2860-2887 us vs 2925-2934 at 8, moe-prefill 3091
+    # vs 3114; interleaved with other kernels (the bench) panels of 4-16 measured the same.
+    swizzle = 16 if epi_whole else 8
+    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False,
+                                      swizzle, cluster_m=cm, cluster_n=cn, epi_whole=epi_whole))
 
 
 def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int

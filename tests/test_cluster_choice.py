@@ -68,3 +68,12 @@ def test_whole_tile_epilogue_choice() -> None:
     assert not choose_varlen(GemmConfig(), 16384, 64, 2048, 1408, 132).epi_whole
     assert not choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132, 4).epi_whole
     assert not choose_varlen(GemmConfig(stages=4), 16384, 8, 14336, 4096, 132).epi_whole
+
+
+def test_raster_panel_choice() -> None:
+    # Long-K 128x256 (mixtral, moe-prefill): panels of 16 m-tiles; everything else 8.
+    assert choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132).swizzle == 16
+    assert choose_varlen(GemmConfig(), 32768, 32, 4096, 7168, 132).swizzle == 16
+    assert choose_varlen(GemmConfig(), 16384, 64, 2048, 1408, 132).swizzle == 8
+    assert choose_varlen(GemmConfig(), 1024, 256, 512, 7168, 132).swizzle == 8
+    assert choose_varlen(GemmConfig(stages=4), 16384, 8, 14336, 4096, 132).swizzle == 8
