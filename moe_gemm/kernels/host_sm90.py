@@ -345,7 +345,8 @@ class GeneralLaunch:
         if not (persistent or capturing or self.fixes):
             idx = _device_index(device)
             key = (shape, idx, _raw_stream(idx), tuple(layout.a_ptr + b_ptr + layout.a_ld + b_ld),
-                   None if args.out is None else tuple(o.data_ptr() for o in outs))
+                   None if args.out is None else
+                   tuple([o.data_ptr() for o in outs] + [o.stride(0) for o in outs]))
             meta_dev = _meta_cache.get(key)
         else:
             meta_dev = None
@@ -363,7 +364,8 @@ class GeneralLaunch:
                 if len(_meta_cache) >= META_CACHE_ENTRIES:
                     # Oldest first. Safe while a launch may still read it: the entry was made
                     # on this key's stream, so the allocator reuses it only after that work.
-                    del _meta_cache[next(iter(_meta_cache))]
+                    # (pop, not del: another thread may have evicted the same entry)
+                    _meta_cache.pop(next(iter(_meta_cache), None), None)
                 _meta_cache[key] = meta_dev
         self.meta_dev = meta_dev
         if capturing:

@@ -153,6 +153,13 @@ def test_out_given_and_fp32_out(kernel: Recorder) -> None:
     gl2, outs2 = _launch(a, b, out=out2)
     assert kernel.calls[-1][3] is not kernel.calls[-2][3]
     _check_rows(kernel, gl2, a, b, outs2, sizes)
+    # The same addresses with another row stride (views of a wider buffer): another key.
+    wide = [torch.empty(m, 2 * n, dtype=torch.float32) for m, n, _ in sizes]
+    narrow = [w[:, :n] for w, (_, n, _) in zip(wide, sizes)]
+    _launch(a, b, out=[w.view(-1)[: m * n].view(m, n) for w, (m, n, _) in zip(wide, sizes)])
+    gl3, outs3 = _launch(a, b, out=narrow)
+    assert kernel.calls[-1][3] is not kernel.calls[-2][3]
+    _check_rows(kernel, gl3, a, b, outs3, sizes)
 
 
 def test_own_outputs_fp32_unequal_n(kernel: Recorder) -> None:
