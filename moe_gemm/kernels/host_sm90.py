@@ -10,6 +10,7 @@ TVM-FFI. grouped_mm never reads GPU values on the host unless visitor="host" is 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import threading
@@ -206,7 +207,7 @@ def _trace_tensor(num_ctas: int, max_tiles: int, device: torch.device) -> torch.
 
 _graph_keepalive: list[torch.Tensor] = []
 # Uploaded general-form metadata by (shape, device, stream, operand addresses and leading
-# dims[, out addresses]); see GeneralLaunch. 64 entries of G * 64 bytes of GPU memory.
+# dims, out addresses and strides); see GeneralLaunch. 64 entries of G * 64 bytes of GPU memory.
 META_CACHE_ENTRIES = 64
 _meta_cache: dict[tuple, torch.Tensor] = {}
 
@@ -240,25 +241,18 @@ class GeneralShape:
         self.num_ctas = max(1, min(nsm, self.total))
         elem = d.itemsize
         ns = {n for _, n, _ in sizes}
-        if len(ns) == 1:
+        if len(ns) == 1:  # rows of one width: every piece starts on a row, 16-byte aligned
             n = ns.pop()
             self.rows: list[int] | None = [m for m, _, _ in sizes]
             self.out_shape = (sum(self.rows), n)
-            d_off, at = [], 0
-            for m in self.rows:
-                d_off.append(at * n * elem)  # n * elem is a 16-byte multiple (support checks)
-                at += m
-            d_ld = [n] * G
+            pieces = [m * n for m in self.rows]  # n * elem is a 16-byte multiple (support)
         else:
             self.rows = None
             pad = max(1, TMA_ALIGN_BYTES // elem)
-            self.lens = [-(-(m * n) // pad) * pad for m, n, _ in sizes]
+            self.lens = pieces = [-(-(m * n) // pad) * pad for m, n, _ in sizes]
             self.out_shape = (sum(self.lens),)
-            d_off, at = [], 0
-            for ln in self.lens:
-                d_off.append(at * elem)
-                at += ln
-            d_ld = [n for _, n, _ in sizes]
+        d_off = [start * elem for start in itertools.accumulate(pieces, initial=0)][:G]
+        d_ld = [n for _, n, _ in sizes]
         # Metadata columns that do not change between calls, in the caller's problem order:
         # [D byte offset, D leading dim, M | N << 32, K].
         self.static = np.array(
@@ -341,17 +335,19 @@ class GeneralLaunch:
         # outputs enter as offsets from d_base, a kernel argument): a repeated call on the
         # same buffers, the usual serving loop, reuses the uploaded copy and skips the
         # pinned staging buffer and the host-to-device copy (~10 us of the per-call cost).
+        # A caller's `out`: its addresses and row strides are metadata columns (d_base is 0).
+        out_cols = (None if args.out is None else
+                    ([o.data_ptr() for o in outs], [o.stride(0) for o in outs]))
         key = None
         if not (persistent or capturing or self.fixes):
             idx = _device_index(device)
             key = (shape, idx, _raw_stream(idx), tuple(layout.a_ptr + b_ptr + layout.a_ld + b_ld),
-                   None if args.out is None else
-                   tuple([o.data_ptr() for o in outs] + [o.stride(0) for o in outs]))
+                   None if out_cols is None else tuple(out_cols[0] + out_cols[1]))
             meta_dev = _meta_cache.get(key)
         else:
             meta_dev = None
         if meta_dev is None:
-            meta = self._metadata(layout.a_ptr, b_ptr, layout.a_ld, b_ld, args.out)
+            meta = self._metadata(layout.a_ptr, b_ptr, layout.a_ld, b_ld, out_cols)
             if persistent:
                 meta_dev = meta.to(device)  # once, synchronously: the pinned buffer can go
             else:
@@ -376,7 +372,7 @@ class GeneralLaunch:
         self.table = (_table_tensor(shape.counts, shape.num_ctas, device)
                       if shape.choice.visitor == "host" else placeholders[4])
 
-    def _metadata(self, a_ptr, b_ptr, a_ld, b_ld, out) -> torch.Tensor:
+    def _metadata(self, a_ptr, b_ptr, a_ld, b_ld, out_cols) -> torch.Tensor:
         """The (G, 8) int64 rows [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld, M | N << 32,
         K] in launch order, in pinned host memory, filled column by column (numpy)."""
         shape = self.shape
@@ -387,12 +383,11 @@ class GeneralLaunch:
         m[:, 3] = a_ld
         m[:, 4] = b_ld
         m[:, 6:] = shape.static[:, 2:]
-        if out is None:
+        if out_cols is None:
             m[:, 2] = shape.static[:, 0]
             m[:, 5] = shape.static[:, 1]
         else:
-            m[:, 2] = [o.data_ptr() for o in out]
-            m[:, 5] = [o.stride(0) for o in out]
+            m[:, 2], m[:, 5] = out_cols
         if shape.order_np is not None:
             m[:] = m[shape.order_np]
         return meta
