@@ -55,7 +55,14 @@ def info_dict() -> dict[str, object]:
             "torch": "usable",
         },
         "auto_picks": "cute" if problem is None else "torch",
+        "grouped_gemm_scan": _scan_status(),
     }
+
+
+def _scan_status() -> str:
+    from .kernels.native import status
+
+    return status()
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -77,6 +84,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name, status in backends.items():
         print(f"backend {name:5s} {status}")
     print(f"backend='auto' uses: {info['auto_picks']}")
+    print(f"grouped_gemm operand scan: {info['grouped_gemm_scan']}")
     return 0
 
 
@@ -155,6 +163,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             failures += bool(missing)
             print(f"{status:4s}  {label}  [{time.time() - t0:.1f}s]", flush=True)
     print(f"checked {len(keys)} variants: {len(keys) - failures} ok, {failures} failed")
+    print(f"grouped_gemm operand scan: {_scan_status()}")  # builds it once per machine
     return 1 if failures else 0
 
 

@@ -10,6 +10,7 @@ warning; with backend="cute" it raises ValueError.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ from .autograd import inference_only
 from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
 from .env import env_get
+from .kernels.native import native_general
 from .kernels.support import (
     analyze_general,
     fast_general,
@@ -29,6 +31,7 @@ from .reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
 from .validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
 
 _warned: set[str] = set()
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 NO_BACKWARD = (
     "moe_gemm's Hopper (cute) kernels are inference-only: they have no backward. Run under "
@@ -103,13 +106,15 @@ def grouped_gemm(
                                            and config.backend != "torch")):
         # The common case in one pass (kernels/support.fast_general); anything unusual takes
         # the detailed path below, which raises or falls back with the exact reason.
-        fast = fast_general(a, b, out_dtype)
+        # The C++ scan (kernels/native.py) where it is built, else the same checks in Python.
+        fast = native_general(a, b, out_dtype) or fast_general(a, b, out_dtype)
         if fast is not None and cute_problem(fast[0].device) is None:
             from .kernels.host_sm90 import grouped_gemm_cute
 
             args, lay = fast
             run = lambda: grouped_gemm_cute(args, config or DEFAULT_CONFIG, layout=lay)  # noqa: E731
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and (any(map(_REQUIRES_GRAD, args.a))
+                                            or any(map(_REQUIRES_GRAD, args.b))):
                 return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
             return run()
     cfg = _check_config(config)

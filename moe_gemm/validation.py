@@ -34,6 +34,16 @@ class GroupedGemmArgs:
             sizes = [(a.shape[0], b.shape[1], a.shape[1]) for a, b in zip(self.a, self.b)]
             object.__setattr__(self, "sizes", sizes)
 
+    @classmethod
+    def trusted(cls, a, b, dtype, out_dtype, device, sizes) -> GroupedGemmArgs:
+        """Built by grouped_gemm's per-call scans, which have checked every field: one dict
+        update instead of the frozen dataclass's seven guarded setattrs (~1 us per call on
+        an H200 host, a few percent of a small grouped_gemm)."""
+        self = object.__new__(cls)
+        self.__dict__.update(a=a, b=b, out=None, dtype=dtype, out_dtype=out_dtype,
+                             device=device, sizes=sizes)
+        return self
+
 
 @dataclass(frozen=True)
 class GroupedMmArgs:

@@ -312,7 +312,7 @@ class GeneralLaunch:
         b_major = layout.b_major
         b_ptr, b_ld = layout.b_ptr, layout.b_ld
         self.fixes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B as given, its copy)
-        if layout.b_fix:
+        if layout.b_fix:  # (never from the C++ scan, which leaves mixed layouts to Python)
             b_ptr, b_ld = list(b_ptr), list(b_ld)
             for i in layout.b_fix:
                 b = args.b[i]
@@ -341,7 +341,10 @@ class GeneralLaunch:
         key = None
         if not (persistent or capturing or self.fixes):
             idx = _device_index(device)
-            key = (shape, idx, _raw_stream(idx), tuple(layout.a_ptr + b_ptr + layout.a_ld + b_ld),
+            # The C++ scan's columns key by their bytes (no per-problem Python objects).
+            operands = (layout.packed.tobytes() if layout.packed is not None else
+                        tuple(layout.a_ptr + b_ptr + layout.a_ld + b_ld))
+            key = (shape, idx, _raw_stream(idx), operands,
                    None if out_cols is None else tuple(out_cols[0] + out_cols[1]))
             meta_dev = _meta_cache.get(key)
         else:

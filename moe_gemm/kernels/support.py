@@ -82,6 +82,9 @@ class GeneralLayout:
     b_ld: list[int]
     b_major: str  # "k" (B stored (N, K), K contiguous) or "n"; the majority of the problems
     b_fix: list[int]  # problems whose B has the other major (copied by the host wrapper)
+    # From the C++ scan (kernels/native.py): the four columns above as one (4, G) int64 numpy
+    # array [a_ptr, b_ptr, a_ld, b_ld], whose bytes key the uploaded-metadata cache.
+    packed: object = None
 
 
 def analyze_general(args: GroupedGemmArgs) -> GeneralLayout | str:
@@ -286,7 +289,7 @@ def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
             return None
         a_ptr[i], a_ld[i], b_ptr[i], b_ld[i], majors[i] = pa, st_a[0], pb, ld, major
     device = a0.device
-    args = GroupedGemmArgs(list(a), list(b), None, dtype, odt, device, sizes)
+    args = GroupedGemmArgs.trusted(list(a), list(b), dtype, odt, device, sizes)
     k_count = majors.count("k")
     b_major = "k" if k_count > majors.count("n") else "n"
     other = "n" if b_major == "k" else "k"

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.kernels import host_sm90 as host
+from moe_gemm.kernels import native
 from moe_gemm.kernels.support import analyze_general
 from moe_gemm.validation import check_grouped_gemm
 
@@ -243,3 +245,30 @@ def test_minority_b_layout_is_not_cached(kernel: Recorder) -> None:
     _launch(a, b)
     assert host._meta_cache == {}  # the copy of b[1] is new each call
     assert kernel.calls[0][3] is not kernel.calls[1][3]
+
+
+@pytest.mark.skipif(native.scan_function() is None, reason="C++ scan unavailable")
+@pytest.mark.parametrize("seed", range(4))
+def test_native_scan_gives_the_same_launch(kernel: Recorder, seed: int) -> None:
+    """The C++ scan's layout (numpy columns, bytes cache key) yields the metadata rows, output
+    layout and grid of the Python scan's, and its repeated calls hit the metadata cache."""
+    rng = random.Random(100 + seed)
+    sizes = [(rng.choice([0, 1, 5, 64, 129]), 8 * rng.randint(1, 40),
+              8 * rng.randint(0, 40)) for _ in range(rng.randint(1, 24))]
+    a, b = _problems(sizes, b_col=range(len(sizes)) if seed % 2 else ())
+    res = native.native_general(a, b, None, require_cuda=False)
+    assert res is not None and isinstance(res[1].packed, np.ndarray)
+    args, layout = res
+    gl = host.GeneralLaunch(args, GemmConfig(), layout=layout)
+    outs = gl.launch()
+    _check_outputs(outs, sizes, torch.bfloat16)
+    if not gl.shape.total:
+        assert kernel.calls == []
+        return
+    _check_rows(kernel, gl, a, b, outs, sizes)
+    native_meta = kernel.calls[-1][3]
+    _launch(a, b)  # the Python scan: same rows (its key differs in type, so a new upload)
+    assert torch.equal(kernel.calls[-1][3], native_meta)
+    args2, layout2 = native.native_general(a, b, None, require_cuda=False)
+    host.GeneralLaunch(args2, GemmConfig(), layout=layout2).launch()
+    assert kernel.calls[-1][3] is native_meta  # same operands again: the cached upload
