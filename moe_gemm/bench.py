@@ -549,12 +549,6 @@ def run_shape(run: Run, spec: ShapeSpec) -> None:
     run.save()
 
 
-def _scan_status() -> str:
-    from .kernels import native
-
-    return native.status()
-
-
 def measure_host_overhead(run: Run) -> dict[str, Any]:
     """CPU time of one call and the call-to-kernel gap on a small MoE case (issue 4 item 4)."""
     spec = host_overhead_shape(run.smoke)
@@ -576,20 +570,15 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
         "torch.mm loop": loop,
         "torch.bmm": lambda: torch.bmm(x3, w),
     }
-    if run.device.type == "cuda":
-        from .kernels import native
+    from .kernels import native
 
-        if native.scan_function() is not None:
-            # The same call with the Python operand scan (what runs without a C++ compiler).
-            def python_scan() -> object:
-                native._state["fn"] = None
-                try:
-                    return ops.grouped_gemm(a_list, b_list)
-                finally:
-                    native._state["fn"] = native_fn
+    if run.device.type == "cuda" and native.scan_function() is not None:
+        # The same call with the Python operand scan (what runs without a C++ compiler).
+        def python_scan() -> object:
+            with native.python_scan():
+                return ops.grouped_gemm(a_list, b_list)
 
-            native_fn = native.scan_function()
-            calls["moe_gemm.grouped_gemm (python scan)"] = python_scan
+        calls["moe_gemm.grouped_gemm (python scan)"] = python_scan
     if GROUPED_MM_FN is not None:
         gmm = GROUPED_MM_FN
         calls[GROUPED_MM_NAME] = lambda: gmm(x, w, offs=offs)
@@ -627,7 +616,7 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
         "shape": {"experts": spec.experts, "rows": spec.rows, "N": spec.n, "K": spec.k,
                   "dtype": spec.dtype, "counts": counts},
         "calls": entries,
-        "grouped_gemm_scan": _scan_status(),
+        "grouped_gemm_scan": native.status(),
         "ours_below_torch": None if ours is None or theirs is None else ours < theirs,
         "method": f"cpu_us: time.perf_counter around one call, no sync, median of {iters} "
         "(synchronized every 16 calls outside the timed region); single_us: events around one "

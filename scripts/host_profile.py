@@ -40,11 +40,10 @@ def main() -> None:
 
     print(f"operand scan: {native.status()}")
     print(f"grouped_gemm 8 problems:   {per_call(lambda: grouped_gemm(a8, b8)):8.1f} us/call")
-    fn = native.scan_function()
-    native._state["fn"] = None  # the Python scan, as without a C++ compiler
-    print(f"  ... python scan:         {per_call(lambda: grouped_gemm(a8, b8)):8.1f} us/call")
-    print(f"  ... 256, python scan:    {per_call(lambda: grouped_gemm(a256, b256), 50):8.1f} us")
-    native._state["fn"] = fn
+    with native.python_scan():  # as without a C++ compiler
+        print(f"  ... python scan:         {per_call(lambda: grouped_gemm(a8, b8)):8.1f} us/call")
+        print(f"  ... 256, python scan:    "
+              f"{per_call(lambda: grouped_gemm(a256, b256), 50):8.1f} us")
     print(f"grouped_gemm 256 problems: {per_call(lambda: grouped_gemm(a256, b256), 50):8.1f} us")
     print(f"grouped_mm E=8:            {per_call(lambda: grouped_mm(x, w, offs)):8.1f} us/call")
     ws = torch.nn.functional.grouped_mm

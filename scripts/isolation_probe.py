@@ -45,25 +45,15 @@ def smi() -> str:
         return f"<{exc}>"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="mixtral")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--idle", type=float, default=3.0)
-    p.add_argument("--out", default="")
-    p.add_argument("--configs", default="",
-                   help="extra moe_gemm configs in tune.py's syntax (schedule:MxN:stages:...)")
-    p.add_argument("--alone-only", action="store_true")
-    a = p.parse_args()
-    dev = torch.device("cuda")
-    spec = {s.name: s for s in full_suite()}[a.shape]
-    inp = make_inputs(spec, spec.counts(0), dev, 0)
+def build_impls(spec, inp, dev, configs: str, quack: bool = True) -> dict:
+    """Name -> zero-argument call for a suite shape: our default, each extra config (tune.py's
+    syntax), the torch peers, and QuACK (when importable and `quack`)."""
     impls = {}
     if spec.form == "general":
         impls["moe_gemm"] = lambda: grouped_gemm(inp.a, inp.b)
     else:
         impls["moe_gemm"] = lambda: grouped_mm(inp.x, inp.w, inp.offs)
-    for cs in filter(None, a.configs.split(",")):
+    for cs in filter(None, configs.split(",")):
         cfg, _, flags = parse(cs)
         if spec.form == "general":
             impls[cs] = lambda cfg=cfg: grouped_gemm(inp.a, inp.b, config=cfg)
@@ -80,10 +70,28 @@ def main() -> None:
         a3, b3 = torch.stack(inp.a), torch.stack(inp.b)
         impls["moe_gemm 3-D"] = lambda: grouped_mm(a3, b3)
         impls["torch.bmm"] = lambda: torch.bmm(a3, b3)
-    try:
-        impls["QuACK"] = _build_quack(spec, inp, dev).run
-    except Exception as exc:  # noqa: BLE001
-        print(f"QuACK: {exc}")
+    if quack:
+        try:
+            impls["QuACK"] = _build_quack(spec, inp, dev).run
+        except Exception as exc:  # noqa: BLE001
+            print(f"QuACK: {exc}")
+    return impls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="mixtral")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--idle", type=float, default=3.0)
+    p.add_argument("--out", default="")
+    p.add_argument("--configs", default="",
+                   help="extra moe_gemm configs in tune.py's syntax (schedule:MxN:stages:...)")
+    p.add_argument("--alone-only", action="store_true")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    spec = {s.name: s for s in full_suite()}[a.shape]
+    inp = make_inputs(spec, spec.counts(0), dev, 0)
+    impls = build_impls(spec, inp, dev, a.configs)
     clock = Clock(dev)
     for fn in impls.values():
         for _ in range(3):

@@ -5,7 +5,8 @@ cuBLAS's names), which is where a compute-bound comparison starts. With --one IM
 single warm call of that implementation instead, for `ncu`:
 
     python3 scripts/peer_kernels.py --shape mixtral
-    ncu --profile-from-start off -c 1 --metrics ... python3 scripts/peer_kernels.py --shape mixtral --one mm
+    ncu --profile-from-start off -c 1 --metrics ... \
+        python3 scripts/peer_kernels.py --shape mixtral --one 'torch.mm loop'
 """
 
 from __future__ import annotations
@@ -19,34 +20,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moe_gemm import grouped_gemm, grouped_mm  # noqa: E402
-from moe_gemm.bench_suite import _build_quack, full_suite, loop_body, make_inputs  # noqa: E402
+from moe_gemm.bench_suite import full_suite, make_inputs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tune import parse  # noqa: E402
+from isolation_probe import build_impls  # noqa: E402
 
 
 def impls(shape: str, configs: str, only: str = ""):
+    """isolation_probe's implementations of a suite shape (only: just that one)."""
     dev = torch.device("cuda")
     spec = {s.name: s for s in full_suite()}[shape]
     inp = make_inputs(spec, spec.counts(0), dev, 0)
-    out = {}
-    if spec.form == "general":
-        out["ours"] = lambda: grouped_gemm(inp.a, inp.b)
-    else:
-        out["ours"] = lambda: grouped_mm(inp.x, inp.w, inp.offs)
-    for cs in filter(None, configs.split(",")):
-        cfg = parse(cs)[0]
-        if spec.form == "general":
-            out[cs] = lambda cfg=cfg: grouped_gemm(inp.a, inp.b, config=cfg)
-        else:
-            out[cs] = lambda cfg=cfg: grouped_mm(inp.x, inp.w, inp.offs, config=cfg)
-    out["mm"] = loop_body(inp, dev)
-    if not only or only == "quack":
-        try:
-            out["quack"] = _build_quack(spec, inp, dev).run
-        except Exception as exc:  # noqa: BLE001
-            print(f"QuACK: {exc}")
+    out = build_impls(spec, inp, dev, configs, quack=not only or only == "QuACK")
     return {only: out[only]} if only else out
 
 
@@ -54,7 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="mixtral")
     p.add_argument("--configs", default="")
-    p.add_argument("--one", default="")
+    p.add_argument("--one", default="", help="one name: moe_gemm, a config, torch.mm loop, QuACK, ...")
     a = p.parse_args()
     fns = impls(a.shape, a.configs, a.one)
     for fn in fns.values():

@@ -15,6 +15,7 @@ inputs (tests/kernels/test_native.py compares the two); `status()` says which on
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +104,21 @@ def scan_function():
                 except Exception as exc:  # noqa: BLE001 - the Python scan still works
                     _state["why"] = f"build or load failed: {exc}"
     return _state["fn"]
+
+
+@contextlib.contextmanager
+def python_scan() -> Iterator[None]:
+    """Within the block grouped_gemm uses the Python scan, as on a machine without a C++
+    compiler (benchmarks and tests compare the two in one process; not thread-safe)."""
+    saved = _state.get("fn", False)
+    _state["fn"] = None
+    try:
+        yield
+    finally:
+        if saved is False:
+            _state.pop("fn", None)
+        else:
+            _state["fn"] = saved
 
 
 def status() -> str:

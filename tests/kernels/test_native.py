@@ -185,3 +185,12 @@ def test_builds_into_a_fresh_cache_dir(monkeypatch, tmp_path):
     assert native.status() == "native"
     libs = list(tmp_path.rglob("scan_general.so"))
     assert len(libs) == 1 and not [p for p in libs[0].parent.iterdir() if p != libs[0]]
+
+
+def test_python_scan_block_switches_and_restores():
+    t = torch.zeros(8, 16, dtype=torch.bfloat16)
+    args = ([t], [t.t().contiguous()], None)
+    assert native.native_general(*args, require_cuda=False) is not None
+    with native.python_scan():
+        assert native.native_general(*args, require_cuda=False) is None
+    assert native.native_general(*args, require_cuda=False) is not None
