@@ -23,10 +23,12 @@ TEST_FILE = "tests/kernels/test_grouped_gemm_gpu.py"
 GROUPS = [
     ("smoke", "test_default_picks_cute or single_row"),
     ("trace", "trace and not cluster"),
-    ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster"),
+    ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster and not edge_rows"),
     ("general-matrix", "general_matrix"),
     ("general-other", "(layouts or tiles or fast_path) and not batched"),
-    ("batched", "(batched or pdl or epilogue_whole) and not trace and not cluster"),
+    ("batched", "(batched or pdl or epilogue_whole) and not trace and not cluster "
+                "and not edge_rows"),
+    ("edge-rows", "edge_rows"),
     ("cluster", "cluster"),
     ("headline", "headline"),
     ("moe-layer", None),

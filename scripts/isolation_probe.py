@@ -87,10 +87,11 @@ def main() -> None:
     p.add_argument("--configs", default="",
                    help="extra moe_gemm configs in tune.py's syntax (schedule:MxN:stages:...)")
     p.add_argument("--alone-only", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="routing and data seed (bench: 1234)")
     a = p.parse_args()
     dev = torch.device("cuda")
     spec = {s.name: s for s in full_suite()}[a.shape]
-    inp = make_inputs(spec, spec.counts(0), dev, 0)
+    inp = make_inputs(spec, spec.counts(a.seed), dev, a.seed)
     impls = build_impls(spec, inp, dev, a.configs)
     clock = Clock(dev)
     for fn in impls.values():

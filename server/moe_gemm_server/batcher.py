@@ -283,8 +283,14 @@ class Batcher:
                         await asyncio.wait_for(self._wakeup.wait(), remaining)
                     except (asyncio.TimeoutError, TimeoutError):
                         break
-                # A higher-priority job may have arrived (or the head left): lead with the
-                # best one now, without a second wait.
+                if head.state != "queued" and not self.flushing:
+                    # The head left while it waited (cancelled, timed out): the next head waits
+                    # out its own delay from its own arrival. (Launching it at once ran a job
+                    # queued a moment ago with no batching, past a deadline it should have
+                    # missed.)
+                    continue
+                # A higher-priority job may have arrived: lead with the best one now, without
+                # a second wait.
                 head = self._best()
                 if head is None:
                     continue

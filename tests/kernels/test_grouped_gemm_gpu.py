@@ -158,6 +158,12 @@ def _counts(kind: str, E: int, T: int, gen: torch.Generator) -> list[int]:
         w = w[torch.randperm(E, generator=gen)]
         idx = torch.multinomial(w, T, replacement=True, generator=gen)
         return torch.bincount(idx, minlength=E).tolist()
+    if kind == "edges":  # last m-tile of 1, 63, 64, 65, 127, 128 rows...
+        base = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 320, 385, 448]
+        counts = (base * (E // len(base) + 1))[:E]
+        counts[-1] += T - sum(counts)
+        assert counts[-1] >= 0, "T too small for the edge pattern"
+        return counts
     if kind == "holes":  # empty first, middle and last experts; odd sizes; sums to T
         base = [0, 1, 129, 0, 64, 300, 7, 0, 200, 0]
         counts = (base * (E // len(base) + 1))[:E]
@@ -512,6 +518,37 @@ def test_trace_batched_matches_schedule(schedule):
 
 
 # ---------------------------------------------------------------------------------------------
+# Problems that end on both sides of the 64-row line inside a 128-row tile (where each math
+# warpgroup's m64 slice starts), in every form, with and without clusters; the rows past the
+# last expert stay untouched.
+
+EDGE_ROWS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 385, 448]
+
+
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)], ids=["1x1", "2x1", "1x2"])
+@pytest.mark.parametrize("k", [72, 4160])
+def test_edge_rows_varlen(cluster, k):
+    cfg = GemmConfig(backend="cute", schedule="cooperative", cluster_m=cluster[0],
+                     cluster_n=cluster[1])
+    _run_varlen(f"edge-rows/varlen/c{cluster[0]}x{cluster[1]}/K={k}", 16, 2800, 520, k, "edges",
+                torch.bfloat16, "nk_view", cfg, "given", tail=33)
+
+
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_edge_rows_general(tile_n):
+    sizes = [(m, 8 * (17 + i), 64 * (1 + i % 5)) for i, m in enumerate(EDGE_ROWS)]
+    cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=tile_n)
+    _run_general(f"edge-rows/general/128x{tile_n}", sizes, torch.bfloat16, "col", cfg)
+
+
+@pytest.mark.parametrize("m", [1, 64, 65, 193])
+def test_edge_rows_batched(m):
+    cfg = GemmConfig(backend="cute", schedule="cooperative", cluster_m=2, cluster_n=1)
+    _run_batched(f"edge-rows/batched/M={m}/c2x1", 5, m, 264, 136, config=cfg, out_mode="given")
+    _run_batched(f"edge-rows/batched/M={m}", 5, m, 264, 136,
+                 config=GemmConfig(backend="cute", schedule="cooperative"), out_mode="view")
+
+
 # 2x1 / 1x2 clusters (B / A multicast): grouped_mm's varlen and batched forms
 
 CLUSTER_SHAPES = {"2x1": {"cluster_m": 2, "cluster_n": 1}, "1x2": {"cluster_m": 1, "cluster_n": 2}}
