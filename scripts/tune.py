@@ -4,9 +4,10 @@
 A config is schedule[:MxN[:stages[:visitor[:a_hint/b_hint[:flag...]]]]] (hints: first|normal|
 last; flags: pdl1 = programmatic dependent launch, swN = raster panel of N m-tiles, epi64 = the
 128x64 cooperative epilogue subtile, ew1 = whole-tile epilogue, c2 = 2x1 cluster, cn2 = 1x2
-cluster); "default" is
-config=None. A "3d-" prefix
-(or "3d" alone) runs a uniform general shape through grouped_mm's 3-D form on stacked operands.
+cluster); "default" is config=None, and "default" with flags (e.g. "default::::::sw32") the
+default choice with only those changed. A "3d-" prefix (or "3d" alone) runs a uniform general
+shape through grouped_mm's 3-D form on stacked operands. --seed picks the routing and data
+(the bench uses 1234).
 Peers, timed in the same interleaved rounds: "bmm" (torch.bmm), "gmm" (F.grouped_mm),
 "loop" (the bench's torch.mm loop), "quack" (QuACK's varlen GEMM, when importable).
 """

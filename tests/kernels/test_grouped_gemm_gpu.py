@@ -152,14 +152,18 @@ def test_default_picks_cute():
 # Varlen (MoE) form
 
 
+# Row counts on both sides of the 64-row line of a 128-row tile (edge-rows tests below).
+EDGE_ROWS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 385, 448]
+
+
 def _counts(kind: str, E: int, T: int, gen: torch.Generator) -> list[int]:
     if kind == "zipf":
         w = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
         w = w[torch.randperm(E, generator=gen)]
         idx = torch.multinomial(w, T, replacement=True, generator=gen)
         return torch.bincount(idx, minlength=E).tolist()
-    if kind == "edges":  # last m-tile of 1, 63, 64, 65, 127, 128 rows...
-        base = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 320, 385, 448]
+    if kind == "edges":  # EDGE_ROWS (last m-tiles of 1, 63, 64, 65, 127, 128 rows...), an empty one
+        base = [*EDGE_ROWS[:10], 0, *EDGE_ROWS[10:]]
         counts = (base * (E // len(base) + 1))[:E]
         counts[-1] += T - sum(counts)
         assert counts[-1] >= 0, "T too small for the edge pattern"
@@ -521,9 +525,6 @@ def test_trace_batched_matches_schedule(schedule):
 # Problems that end on both sides of the 64-row line inside a 128-row tile (where each math
 # warpgroup's m64 slice starts), in every form, with and without clusters; the rows past the
 # last expert stay untouched.
-
-EDGE_ROWS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 385, 448]
-
 
 @pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)], ids=["1x1", "2x1", "1x2"])
 @pytest.mark.parametrize("k", [72, 4160])
