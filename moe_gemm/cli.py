@@ -116,7 +116,11 @@ def check_variants(full: bool):
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
                            256, 3, cluster_m=2))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
-                           256, 3, epi_whole=True))
+                           256, 3, epi_whole=True, tail_split=True))
+    keys.append(CompileKey("varlen", "bfloat16", "float32", "n", "cooperative", "device", 128,
+                           256, 3, tail_split=True))
+    keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                           256, 3, tail_split=True))
     keys.append(CompileKey("batched", "float16", "float32", "k", "pingpong", "device", 128, 192))
     if full:
         for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):

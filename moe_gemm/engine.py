@@ -343,7 +343,7 @@ class Engine:
             for T in sorted(cands):
                 c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm)
                 key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints,
-                       c.epi_whole, c.cluster_m, c.cluster_n)
+                       c.epi_whole, c.cluster_m, c.cluster_n, c.tail_split)
                 first.setdefault(key, T)
             return tuple(sorted(first.values()))
         except Exception:  # noqa: BLE001 - heuristics API changed: fall back to a fixed ladder
@@ -363,7 +363,7 @@ class Engine:
             for shape in _GEMM_WARMUP_SHAPES:
                 c = choose_general(self.config, (shape,), nsm)
                 key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints,
-                       c.epi_whole, c.cluster_m, c.cluster_n)
+                       c.epi_whole, c.cluster_m, c.cluster_n, c.tail_split)
                 first.setdefault(key, shape)
             return list(first.values())
         except Exception:  # noqa: BLE001

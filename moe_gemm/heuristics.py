@@ -32,6 +32,7 @@ class KernelChoice:
     cluster_m: int = 1  # CTAs per cluster along M (B multicast)
     cluster_n: int = 1  # CTAs per cluster along N (A multicast)
     epi_whole: bool = False  # whole-tile epilogue (compile-time)
+    tail_split: bool = False  # a short last wave split over K (kernels/constants.py)
 
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
@@ -159,8 +160,23 @@ def choose_varlen(
     # (scripts/isolation_probe.py): mixtral 2860-2887 us vs 2925-2934 at 8, moe-prefill 3091
     # vs 3114; interleaved with other kernels (the bench) panels of 4-16 measured the same.
     swizzle = 16 if epi_whole else 8
+    # Tail split (kernels/constants.py) for long K: when the last wave of tiles fills at most
+    # half the grid, two CTAs share each of its tiles, half of K each (mixtral: 7448 tiles of
+    # 128x256 on 132 SMs leave 56 in the last wave). Decided on the GPU per launch (the tile
+    # count lives there); where the tail is too full, nothing is split.
+    tail_split = (schedule == "cooperative" and visitor == "device" and cm * cn == 1
+                  and K >= 4096 and tail_split_enabled())
     return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False,
-                                      swizzle, cluster_m=cm, cluster_n=cn, epi_whole=epi_whole))
+                                      swizzle, cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
+                                      tail_split=tail_split))
+
+
+def tail_split_enabled() -> bool:
+    """MOE_GEMM_TAIL_SPLIT=0 turns the tail split off (read when a launch plan is built). Its
+    finisher CTAs wait for publisher CTAs of lower index, which relies on the persistent grid
+    (at most one CTA per SM) being resident at once, as on a GPU of one's own; switch it off
+    where SMs are fenced off below the device's count (e.g. an MPS active-thread limit)."""
+    return os.environ.get("MOE_GEMM_TAIL_SPLIT", "1") not in ("0", "false", "no")
 
 
 def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int

@@ -19,6 +19,10 @@ plain Python/numpy so it runs (and is tested) anywhere:
   `host_precompute_table` builds the per-CTA table of (problem_idx, problem_start_tile) that
   the host visitor uploads (CUTLASS kHostPrecompute). Both must assign identically.
 - `cost_model` gives each CTA's work in k-iterations and the makespan, which decides K-sort.
+- Tail split (cooperative varlen/batched kernels for long K, `tail_split_assignment`): when
+  the last wave holds rem <= G/2 tiles, its units full+j (full = the tiles of the whole
+  waves) are half tiles: tile full + j mod rem over the lower half of K for j < rem (CTA j
+  publishes an fp32 partial) and the upper half for j >= rem (CTA j adds it and stores).
 """
 
 from __future__ import annotations
@@ -150,6 +154,59 @@ def device_visit(tile_counts: Sequence[int], num_ctas: int) -> Assignment:
             t += num_ctas
         owners.append(tuple(mine))
     return Assignment(tuple(owners))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tail split.
+
+
+def tail_split_units(total: int, num_ctas: int) -> tuple[int, int] | None:
+    """(full, rem) when the kernel splits the last wave of `total` tiles on `num_ctas` CTAs:
+    full = the tiles of the whole waves, rem = the last wave's tiles, 0 < 2 * rem <= num_ctas.
+    None where it does not split (no partial wave, or one more than half full)."""
+    from .kernels.constants import SPLIT_MAX_CTAS
+
+    full = total // num_ctas * num_ctas
+    rem = total - full
+    if rem > 0 and 2 * rem <= num_ctas <= SPLIT_MAX_CTAS:
+        return full, rem
+    return None
+
+
+def tail_split_assignment(
+    tile_counts: Sequence[int], k_tiles: Sequence[int], num_ctas: int
+) -> Assignment:
+    """Per CTA, the (problem, tile_in_problem) whose results it stores, in order, for a
+    tail-split kernel (what its trace records). A split tile is stored by its finisher, CTA
+    rem + i; a last-wave tile with fewer than SPLIT_MIN_K_TILES k-tiles is not split and CTA
+    i computes it whole, as without the split."""
+    from .kernels.constants import SPLIT_MIN_K_TILES
+
+    counts = list(tile_counts)
+    total = sum(counts)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    owners: list[list[tuple[int, int]]] = [[] for _ in range(num_ctas)]
+    split = tail_split_units(total, num_ctas)
+    full, rem = split if split is not None else (total, 0)
+    for c in range(num_ctas):
+        t = c
+        while True:
+            part = 0
+            lin = t
+            if split is not None and t >= full:
+                j = t - full
+                if j >= 2 * rem:
+                    break
+                part, lin = (1, full + j) if j < rem else (2, full + j - rem)
+            elif t >= total:
+                break
+            # The last problem starting at or before lin (empty ones share the next's start).
+            p = int(np.searchsorted(starts, lin, side="right")) - 1
+            whole = k_tiles[p] < SPLIT_MIN_K_TILES
+            if part == 0 or (part == 2) != whole:
+                owners[c].append((p, lin - int(starts[p])))
+            t += num_ctas
+    return Assignment(tuple(tuple(o) for o in owners))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,13 +22,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_FILE = "tests/kernels/test_grouped_gemm_gpu.py"
 GROUPS = [
     ("smoke", "test_default_picks_cute or single_row"),
-    ("trace", "trace and not cluster"),
-    ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster and not edge_rows"),
+    ("trace", "trace and not cluster and not tail_split"),
+    ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster and not edge_rows "
+               "and not tail_split"),
     ("general-matrix", "general_matrix"),
     ("general-other", "(layouts or tiles or fast_path) and not batched"),
     ("batched", "(batched or pdl or epilogue_whole) and not trace and not cluster "
-                "and not edge_rows"),
+                "and not edge_rows and not tail_split"),
     ("edge-rows", "edge_rows"),
+    ("tail-split", "tail_split"),
     ("cluster", "cluster"),
     ("headline", "headline"),
     ("moe-layer", None),

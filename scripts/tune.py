@@ -4,8 +4,8 @@
 A config is schedule[:MxN[:stages[:visitor[:a_hint/b_hint[:flag...]]]]] (hints: first|normal|
 last; flags: pdl1 = programmatic dependent launch, swN = raster panel of N m-tiles, epi64 = the
 128x64 cooperative epilogue subtile, ew1 = whole-tile epilogue, c2 = 2x1 cluster, cn2 = 1x2
-cluster); "default" is config=None, and "default" with flags (e.g. "default::::::sw32") the
-default choice with only those changed. A "3d-" prefix (or "3d" alone) runs a uniform general
+cluster, ts0 / ts1 = tail split off / on); "default" is config=None, and "default" with flags
+(e.g. "default::::::sw32") the default choice with only those changed. A "3d-" prefix (or "3d" alone) runs a uniform general
 shape through grouped_mm's 3-D form on stacked operands. --seed picks the routing and data
 (the bench uses 1234).
 Peers, timed in the same interleaved rounds: "bmm" (torch.bmm), "gmm" (F.grouped_mm),
@@ -30,6 +30,7 @@ from moe_gemm.bench import Clock  # noqa: E402
 from moe_gemm.bench_suite import (  # noqa: E402
     GROUPED_MM_FN,
     NotApplicable,
+    ShapeSpec,
     _as_varlen,
     _build_quack,
     full_suite,
@@ -78,7 +79,8 @@ def parse(spec):
     if len(parts) > 3 and parts[3]:
         kw["visitor"] = parts[3]
     hints = parts[4].replace("/", ",") if len(parts) > 4 and parts[4] else None
-    flags = {"pdl": 0, "sw": None, "epi": None, "cn": None, "c": None, "ew": None}
+    flags = {"pdl": 0, "sw": None, "epi": None, "cn": None, "c": None, "ew": None,
+             "ts": None}
     for tok in parts[5:]:
         for name in flags:
             if tok.startswith(name) and tok[len(name):].isdigit():
@@ -101,6 +103,8 @@ def patched_plan(form, args, cfg, flags):
         changes["epi_n"] = flags["epi"]
     if flags["ew"]:
         changes["epi_whole"] = True
+    if flags["ts"] is not None:
+        changes["tail_split"] = bool(flags["ts"])
     plan.choice = replace(plan.choice, **changes)
     w = args.w
     b_major = "k" if operand_major(w) == "col" else "n"
@@ -121,12 +125,25 @@ def main():
     p.add_argument("--configs", default="")
     p.add_argument("--out", default="")
     p.add_argument("--seed", type=int, default=0, help="routing and data seed (bench: 1234)")
+    p.add_argument("--custom", default="", help="extra varlen shapes, comma-separated "
+                   "name:E:T:N:K[:zipf_s] (zipf_s 0 = experts equally likely), usable in --shapes")
     a = p.parse_args()
     suite = {s.name: s for s in full_suite()}
+    for item in filter(None, a.custom.split(",")):
+        name, *nums = item.split(":")
+        E, T, N, K = (int(v) for v in nums[:4])
+        suite[name] = ShapeSpec(name, "varlen", "bf16", f"custom E={E} T={T} N={N} K={K}",
+                                experts=E, rows=T, n=N, k=K,
+                                zipf_s=float(nums[4]) if len(nums) > 4 else 0.0)
     rows = []
     for shape in a.shapes.split(","):
         spec = suite[shape]
-        inp = make_inputs(spec, spec.counts(a.seed), torch.device("cuda"), a.seed)
+        counts = spec.counts(a.seed)
+        inp = make_inputs(spec, counts, torch.device("cuda"), a.seed)
+        if spec.form == "varlen":  # 128x256 tiles and waves on the device's SMs
+            tiles = sum(-(-c // 128) for c in counts) * -(-spec.n // 256)
+            nsm = torch.cuda.get_device_properties(0).multi_processor_count
+            rows.append((shape, "128x256 tiles / waves", f"{tiles} / {tiles / nsm:.2f}"))
         A3 = B3 = None
         if spec.form == "general" and len(set(spec.problems)) == 1:
             A3, B3 = torch.stack(inp.a), torch.stack(inp.b)
@@ -156,7 +173,7 @@ def main():
                 continue
             cfg, hints, flags = parse(body)
             plan = None
-            if flags["sw"] or flags["epi"] or flags["ew"]:
+            if flags["sw"] or flags["epi"] or flags["ew"] or flags["ts"] is not None:
                 if batched:
                     plan = patched_plan("batched", check_grouped_bmm(A3, B3, None, None), cfg,
                                         flags)
@@ -200,6 +217,13 @@ def main():
                 except Exception:  # noqa: BLE001 - reported above
                     continue
                 rows.append((shape, name + " bitwise==default", str(same)))
+            elif ":ts" in name:  # the split tail tiles add two fp32 halves: not bitwise
+                try:
+                    got, ref = _flat(plan_fn()).float(), _flat(base).float()
+                except Exception:  # noqa: BLE001 - reported above
+                    continue
+                err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                rows.append((shape, name + " max|diff|/max|default|", f"{err:.2e}"))
         inp = A3 = B3 = vx = vw = voffs = None  # noqa: F841  (free before the next shape)
         torch.cuda.empty_cache()
     for shape, name, us in rows:

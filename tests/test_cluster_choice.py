@@ -70,6 +70,25 @@ def test_whole_tile_epilogue_choice() -> None:
     assert not choose_varlen(GemmConfig(stages=4), 16384, 8, 14336, 4096, 132).epi_whole
 
 
+def test_tail_split_choice(monkeypatch) -> None:
+    # Cooperative varlen with K >= 4096 (mixtral, moe-prefill, fp32 output too): built in;
+    # the GPU decides per launch whether the last wave is short enough to split.
+    assert choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132).tail_split
+    assert choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132, 4).tail_split
+    assert choose_varlen(GemmConfig(schedule="cooperative"), 1024, 256, 512, 7168,
+                         132).tail_split
+    # Short K, ping-pong (moe-decode's default), a cluster or the host visitor: not built.
+    assert not choose_varlen(GemmConfig(), 16384, 64, 2048, 1408, 132).tail_split
+    assert not choose_varlen(GemmConfig(), 1024, 256, 512, 7168, 132).tail_split
+    assert not choose_varlen(GemmConfig(cluster_m=2, cluster_n=1), 16384, 8, 14336, 4096,
+                             132).tail_split
+    assert not choose_varlen(GemmConfig(visitor="host"), 16384, 8, 14336, 4096, 132).tail_split
+    # Never for the general and batched forms by default.
+    assert not choose_batched(GemmConfig(), 256, 128, 512, 7168, 132).tail_split
+    monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")
+    assert not choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132).tail_split
+
+
 def test_raster_panel_choice() -> None:
     # Long-K 128x256 (mixtral, moe-prefill): panels of 16 m-tiles; everything else 8.
     assert choose_varlen(GemmConfig(), 16384, 8, 14336, 4096, 132).swizzle == 16

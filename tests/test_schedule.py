@@ -380,3 +380,68 @@ def test_should_sort_by_k_matches_the_cost_model() -> None:
 def test_should_sort_by_k_accepts_lists() -> None:
     sizes = [list(s) for s in CUTLASS_EXAMPLE]
     assert should_sort_by_k(sizes, 128, 128, TILE_K, 108)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tail split: the last wave's tiles as half-K units (kernels with tail_split).
+
+
+@pytest.mark.parametrize(
+    "total,num_ctas,want",
+    [
+        (7448, 132, (7392, 56)),  # mixtral (seed 1234): 56.42 waves
+        (4336, 132, None),  # moe-prefill: 112 tiles in the last wave, more than half
+        (264, 132, None),  # whole waves only
+        (133, 132, (132, 1)),
+        (66, 132, (0, 66)),  # one half-full wave: every tile split
+        (67, 132, None),
+        (0, 132, None),
+        (5, 1, None),
+        (600, 300, None),  # more CTAs than the counters hold
+    ],
+)
+def test_tail_split_units(total: int, num_ctas: int, want) -> None:
+    from moe_gemm.schedule import tail_split_units
+
+    assert tail_split_units(total, num_ctas) == want
+
+
+def _tail_expected(counts: list[int], ks: list[int], num_ctas: int) -> Assignment:
+    """Independent of the module: split tiles move from CTA i to CTA rem + i."""
+    base = [list(o) for o in expected_assignment(counts, num_ctas).per_cta]
+    total = sum(counts)
+    rem = total % num_ctas
+    if rem == 0 or 2 * rem > num_ctas:
+        return Assignment(tuple(tuple(o) for o in base))
+    for i in range(rem):
+        tile = base[i][-1]  # CTA i's last tile is linear tile full + i
+        if ks[tile[0]] >= 16:
+            base[i].pop()
+            base[rem + i].append(tile)
+    return Assignment(tuple(tuple(o) for o in base))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tail_split_assignment_random(seed: int) -> None:
+    from moe_gemm.schedule import tail_split_assignment
+
+    rng = random.Random(seed)
+    num_ctas = rng.choice([8, 33, 132])
+    counts = [rng.choice([0, 0, 1, 3, 8, 17]) for _ in range(rng.randint(1, 50))]
+    ks = [rng.choice([0, 2, 15, 16, 64]) for _ in counts]
+    got = tail_split_assignment(counts, ks, num_ctas)
+    assert got == _tail_expected(counts, ks, num_ctas)
+    assert_exactly_once(got, counts)
+
+
+def test_tail_split_assignment_mixtral() -> None:
+    from moe_gemm.schedule import tail_split_assignment
+
+    counts = [16 * 56, 17 * 56, 17 * 56, 17 * 56, 17 * 56, 16 * 56, 16 * 56, 17 * 56]
+    got = tail_split_assignment(counts, [64] * 8, 132)
+    assert sum(counts) == 7448
+    # CTAs 0..55 publish their last unit (store 56 tiles), 56..111 finish one (57 stored).
+    assert [len(o) for o in got.per_cta] == [56] * 56 + [57] * 56 + [56] * 20
+    assert got.per_cta[56][-1] == (7, 17 * 56 - 56)  # tail tile 0: expert 7's first last-wave
+    # K too short to split (and the zero tail, K = 0): the plain round robin.
+    assert tail_split_assignment(counts, [8] * 8, 132) == linear_assignment(counts, 132)

@@ -44,6 +44,7 @@ class CompileKey:
     cluster_m: int = 1  # CTAs per cluster along M (B multicast)
     cluster_n: int = 1  # CTAs per cluster along N (A multicast)
     epi_whole: bool = False  # whole-tile epilogue (cooperative, 16-bit output)
+    tail_split: bool = False  # split a short last wave over K (constants.py)
 
     def name(self) -> str:
         parts = [str(v) for v in astuple(self)[:8]]
@@ -59,6 +60,8 @@ class CompileKey:
             parts.append(f"c{self.cluster_m}x{self.cluster_n}")
         if self.epi_whole:
             parts.append("ew")
+        if self.tail_split:
+            parts.append("ts")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -77,6 +80,7 @@ class CompileKey:
             cluster_m=self.cluster_m,
             cluster_n=self.cluster_n,
             epi_whole=self.epi_whole,
+            tail_split=self.tail_split,
         )
 
 

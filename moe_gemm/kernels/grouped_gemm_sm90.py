@@ -33,6 +33,13 @@ Warp roles (384 threads = 3 warpgroups):
     The shared A/B ring is consumed in tile order: a warpgroup skips the other's tile by
     advancing its ring state by that tile's own k-tile count (K differs per problem).
 
+Tail split (compile-time `tail_split`; cooperative, device visitor, 1x1 cluster, varlen and
+batched forms): the scheduler warp first counts all T tiles; when the last wave holds
+rem = T mod grid <= grid / 2 tiles, CTA j < rem computes tail tile j over the lower half of K
+and publishes its fp32 accumulators to a workspace slot (counter += 1, release), and CTA
+rem + j computes the upper half, acquires the counter, adds the partial, stores the tile and
+resets the counter. The last wave then takes about half a tile's time instead of a whole one.
+
 Constraints: bf16/fp16 inputs, fp32 accumulation, bf16/fp16/fp32 output; A K-major; B K- or
 N-major; every TMA operand 16-byte aligned with 16-byte-multiple strides (kernels/support.py
 checks this before we get here); tile_k = 64 (one 128-byte swizzle row of 16-bit data).
@@ -53,7 +60,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from .constants import DESC_BYTES, DESC_RING, SCHED_STAGES, SLOT_BYTES, TILE_K
+from .constants import (
+    DESC_BYTES,
+    DESC_RING,
+    SCHED_STAGES,
+    SLOT_BYTES,
+    SPLIT_COUNTER_BYTES,
+    SPLIT_MAX_CTAS,
+    SPLIT_MIN_K_TILES,
+    TILE_K,
+)
 from .tile_scheduler_sm90 import RECORD_INTS, WARP, ceil_div_i32, raster_tile, warp_inclusive_sum
 
 Form = Literal["general", "varlen", "batched"]
@@ -70,6 +86,14 @@ EVICT_LAST = 0x14F0000000000000
 # Named barrier ids (0 is __syncthreads). Each role owns its ids; see KERNEL-NOTES pitfalls.
 BAR_EPI = 2  # + warpgroup index in pingpong: a warpgroup's epilogue threads
 BAR_MMA_ORDER = 4  # + warpgroup index: pingpong "your mainloop may start" tokens
+BAR_SPLIT = 6  # tail split: both math warpgroups, around the partial-tile handoff
+
+# Record field 5 ("valid") of a tail-split kernel: the low 2 bits are the tile's role, the rest
+# its index in the split tail (its counter and partial slot).
+ROLE_SKIP = 0  # computed but not stored (a cluster's CTA past the problem's edge)
+ROLE_TILE = 1  # an ordinary tile
+ROLE_FINISH = 2  # the upper half of K: add the partial, then the epilogue
+ROLE_PUBLISH = 3  # the lower half of K: write the fp32 partial, no epilogue
 
 
 @dsl_user_op
@@ -105,6 +129,7 @@ class GroupedGemmSm90:
         tile_mn: (tile_m, tile_n) per CTA (cooperative) or per warpgroup (pingpong).
         ab_stages: A/B ring depth; None = as many as shared memory holds.
         trace: record (problem, m_tile, n_tile, warpgroup) per executed tile (debug).
+        tail_split: split a last wave of at most half the grid over K (module docstring).
     """
 
     def __init__(
@@ -123,6 +148,7 @@ class GroupedGemmSm90:
         cluster_m: int = 1,
         cluster_n: int = 1,
         epi_whole: bool = False,
+        tail_split: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -152,6 +178,13 @@ class GroupedGemmSm90:
         self.cluster_m = cluster_m
         self.cluster_n = cluster_n
         self.cluster_size = cluster_m * cluster_n
+        # Tail split (constants.py): a last wave that fills at most half the grid runs each
+        # tile as two half-K units on two CTAs, joined through an fp32 workspace slot.
+        if tail_split and (schedule != "cooperative" or visitor != "device"
+                           or self.cluster_size > 1 or form == "general"):
+            raise ValueError("the tail split is built for the varlen and batched forms, "
+                             "cooperative schedule, device visitor and 1x1 cluster")
+        self.tail_split = tail_split
 
         if self.pingpong:
             if self.tile_m not in (64, 128) or self.tile_n not in (64, 128, 192, 256):
@@ -579,13 +612,54 @@ class GroupedGemmSm90:
             per_problem = ceil_div_i32(
                 mA.shape[1], self.tile_m * self.cluster_m
             ) * ceil_div_i32(mD.shape[2], self.tile_n * self.cluster_n)
+        # Tail split: with T tiles on `grid` CTAs, the last wave holds rem = T mod grid tiles.
+        # When 2 * rem <= grid, unit j of the last wave (linear index full + j) is half of
+        # tail tile j mod rem: j < rem the lower half of K (publisher), else the upper
+        # (finisher). The publisher CTA has the lower index, so it is launched first: a
+        # finisher never waits on a CTA that is not yet resident.
+        total = Int32(0)
+        full = Int32(0)
+        rem = Int32(0)
+        split = cutlass.Boolean(False)
+        if const_expr(self.tail_split):
+            if const_expr(self.form == "batched"):
+                total = num_problems * per_problem
+            else:
+                p0 = Int32(0)
+                while p0 < num_problems:
+                    cnt = self._tile_count(p0 + lane, num_problems, meta32, offs, mA, mD)
+                    total = total + cute.arch.shuffle_sync(warp_inclusive_sum(cnt, lane),
+                                                           WARP - 1)
+                    p0 = p0 + WARP
+            full = (total // grid) * grid
+            rem = total - full
+            if rem > 0:
+                if 2 * rem <= grid:
+                    if grid <= SPLIT_MAX_CTAS:
+                        split = True
         while working:
             problem = Int32(-1)
             start = Int32(0)
+            lin = t  # the linear tile this record computes (all of it, or half of its K)
+            part = Int32(0)  # tail split: 0 whole tile, 1 publisher, 2 finisher
+            tail_i = Int32(0)
+            if const_expr(self.tail_split):
+                if split:
+                    if t >= full:
+                        j = t - full
+                        if j < 2 * rem:
+                            part = Int32(1)
+                            tail_i = j
+                            if j >= rem:
+                                part = Int32(2)
+                                tail_i = j - rem
+                            lin = full + tail_i
+                        else:
+                            lin = total  # past the last tile: the search ends this CTA
             if const_expr(self.form == "batched"):
                 if per_problem > 0:
-                    if t < num_problems * per_problem:
-                        problem = t // per_problem
+                    if lin < num_problems * per_problem:
+                        problem = lin // per_problem
                         start = problem * per_problem
             elif const_expr(self.visitor == "host"):
                 if slot < table.shape[1]:
@@ -597,8 +671,8 @@ class GroupedGemmSm90:
                     cnt = self._tile_count(base_problem + lane, num_problems, meta32, offs, mA, mD)
                     end = base_tile + warp_inclusive_sum(cnt, lane)
                     window_end = cute.arch.shuffle_sync(end, WARP - 1)
-                    if t < window_end:
-                        hit = cute.arch.popc(cute.arch.vote_ballot_sync(end <= t))
+                    if lin < window_end:
+                        hit = cute.arch.popc(cute.arch.vote_ballot_sync(end <= lin))
                         start = cute.arch.shuffle_sync(end - cnt, hit)
                         problem = base_problem + hit
                         base_problem = problem
@@ -613,6 +687,7 @@ class GroupedGemmSm90:
             m_tile = Int32(0)
             n_tile = Int32(0)
             k_tiles = Int32(0)
+            k_start = Int32(0)
             row_start = Int32(0)
             valid = Int32(0)
             expert_rows = Int32(0)
@@ -637,10 +712,24 @@ class GroupedGemmSm90:
                         if n_tile < tiles_n:
                             valid = Int32(1)
                 else:
-                    m_tile, n_tile = raster_tile(t - start, tiles_m, tiles_n, swizzle)
-                    valid = Int32(1)
+                    m_tile, n_tile = raster_tile(lin - start, tiles_m, tiles_n, swizzle)
+                    valid = Int32(ROLE_TILE)
                 k_tiles = ceil_div_i32(depth, TILE_K)
-            else:
+                if const_expr(self.tail_split):
+                    if part != 0:
+                        if k_tiles >= SPLIT_MIN_K_TILES:
+                            half = k_tiles // 2
+                            if part == 1:
+                                k_tiles = half
+                                valid = ROLE_PUBLISH | (tail_i << 2)
+                            else:
+                                k_start = half
+                                k_tiles = k_tiles - half
+                                valid = ROLE_FINISH | (tail_i << 2)
+                        elif part == 2:
+                            problem = Int32(-1)  # too short to split: the publisher's CTA
+                            #                      computes it whole
+            if problem < 0:
                 working = False
             sched_pipe.producer_acquire(state)
             if lane == 0:
@@ -651,6 +740,7 @@ class GroupedGemmSm90:
                 sched[4, state.index] = row_start
                 sched[5, state.index] = valid
                 sched[6, state.index] = records % DESC_RING
+                sched[7, state.index] = k_start
             if const_expr(self.form != "batched"):
                 slot_addr = ring + Int64(records % DESC_RING) * SLOT_BYTES
                 if problem >= 0:
@@ -741,11 +831,12 @@ class GroupedGemmSm90:
         row_start = sched[4, state.index]
         valid = sched[5, state.index]
         ring_slot = sched[6, state.index]
+        k_start = sched[7, state.index]
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             sched_pipe.consumer_release(state)
         state.advance()
-        return problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, state
+        return problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start, state
 
     # ------------------------------------------------------------------------------------------
     # Load warp
@@ -785,7 +876,7 @@ class GroupedGemmSm90:
         if const_expr(self.cluster_n > 1):
             rank_n = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             a_mask = cutlass.Int16((1 << self.cluster_n) - 1)
-        problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+        problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start, read_state = (
             self.read_record(sched_pipe, sched, read_state)
         )
         while problem >= 0:
@@ -825,7 +916,8 @@ class GroupedGemmSm90:
                 # acquire the new descriptors so no stale cached copy is used.
                 cpasync.fence_tma_desc_acquire(_generic_ptr(desc_base))
                 cpasync.fence_tma_desc_acquire(_generic_ptr(desc_base + DESC_BYTES))
-            for k in cutlass.range(0, k_tiles, 1, unroll=1):
+            for kk in cutlass.range(0, k_tiles, 1, unroll=1):
+                k = kk + k_start  # (0 unless this is a tail split's upper half)
                 ab_pipe.producer_acquire(ab_state)
                 bar = ab_pipe.producer_get_barrier(ab_state)
                 if const_expr(self.form == "general"):
@@ -853,7 +945,7 @@ class GroupedGemmSm90:
                     )
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()
-            problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+            problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start, read_state = (
                 self.read_record(sched_pipe, sched, read_state)
             )
         ab_pipe.producer_tail(ab_state)
@@ -936,7 +1028,7 @@ class GroupedGemmSm90:
                 cute.arch.barrier_arrive(
                     barrier_id=BAR_MMA_ORDER, number_of_threads=2 * self.threads_per_wg
                 )
-        problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+        problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start, read_state = (
             self.read_record(sched_pipe, sched, read_state)
         )
         if const_expr(self.pingpong):
@@ -944,7 +1036,7 @@ class GroupedGemmSm90:
                 # Warpgroup 1 starts at the CTA's second tile: skip the first one's stages.
                 if problem >= 0:
                     ab_state.advance(k_tiles)
-                    problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+                    problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start, read_state = (
                         self.read_record(sched_pipe, sched, read_state)
                     )
         while problem >= 0:
@@ -954,7 +1046,14 @@ class GroupedGemmSm90:
                 )
             ab_state = self.mainloop(ab_pipe, ab_state, tiled_mma, acc, tCrA, tCrB, k_tiles,
                                      num_k_blocks, math_wg)
-            if valid != 0:  # (always, without a cluster)
+            if const_expr(self.tail_split):
+                role = valid & 3
+                if role == ROLE_PUBLISH:
+                    self._split_publish(acc, workspace, valid >> 2, mma_tidx)
+                    valid = Int32(ROLE_SKIP)
+                if role == ROLE_FINISH:
+                    self._split_absorb(acc, workspace, valid >> 2, mma_tidx)
+            if valid != 0:  # (always, without a cluster or a tail split)
                 self.epilogue(
                     acc, tRS_rAcc, tRS_rD, tRS_rD_out, size_rD, tiled_copy_r2s, tRS_sD, sD,
                     tma_atom_d, tma_d, store_pipe, ring, problem, m_tile, n_tile, ring_slot,
@@ -970,18 +1069,71 @@ class GroupedGemmSm90:
                         trace[cta, slot, 2] = n_tile
                         trace[cta, slot, 3] = math_wg
                 tiles_done = tiles_done + 1
-            problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+            problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start, read_state = (
                 self.read_record(sched_pipe, sched, read_state)
             )
             if const_expr(self.pingpong):
                 # The next record is the other warpgroup's tile: skip its stages.
                 if problem >= 0:
                     ab_state.advance(k_tiles)
-                    problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, read_state = (
+                    problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start, read_state = (
                         self.read_record(sched_pipe, sched, read_state)
                     )
         if is_store_warp:
             store_pipe.producer_tail()
+
+    @cute.jit
+    def _split_addresses(self, workspace: cute.Tensor, tail_i: Int32):
+        """(counter, partial tile) of tail tile `tail_i` (constants.split_workspace_bytes)."""
+        grid, _, _ = cute.arch.grid_dim()
+        base = workspace.iterator.toint() + Int64(grid) * (DESC_RING * SLOT_BYTES)
+        counter = cute.make_ptr(Int32, base + Int64(tail_i) * 4, cute.AddressSpace.gmem,
+                                assumed_align=4)
+        partial = base + SPLIT_COUNTER_BYTES + Int64(tail_i) * (self.tile_m * self.tile_n * 4)
+        return counter, partial
+
+    @cute.jit
+    def _partial_tensor(self, acc: cute.Tensor, partial: Int64) -> cute.Tensor:
+        """The slot as (accumulator index, math thread): each thread's fragment element i at
+        i * 256 + thread, so a warp's stores and loads of one element are one 128-byte line."""
+        n = cute.size(acc)
+        threads = 2 * self.threads_per_wg
+        return cute.make_tensor(
+            cute.make_ptr(cutlass.Float32, partial, cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((n, threads), stride=(threads, 1)),
+        )
+
+    @cute.jit
+    def _split_publish(self, acc: cute.Tensor, workspace: cute.Tensor, tail_i: Int32,
+                       mma_tidx: Int32):
+        """Lower half of a split tile: fp32 accumulators to the slot, then counter += 1
+        (release: every math thread's stores are fenced and joined at a barrier first)."""
+        counter, partial = self._split_addresses(workspace, tail_i)
+        part = self._partial_tensor(acc, partial)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            part[i, mma_tidx] = acc[i]
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.threads_per_wg)
+        if mma_tidx == 0:
+            cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _split_absorb(self, acc: cute.Tensor, workspace: cute.Tensor, tail_i: Int32,
+                      mma_tidx: Int32):
+        """Upper half of a split tile: wait for the publisher's counter (acquire), add its
+        partial into acc, reset the counter to 0 for the next launch."""
+        counter, partial = self._split_addresses(workspace, tail_i)
+        if mma_tidx == 0:
+            seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
+            while seen == 0:
+                seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
+        cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.threads_per_wg)
+        cute.arch.fence_acq_rel_gpu()
+        part = self._partial_tensor(acc, partial)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = acc[i] + part[i, mma_tidx]
+        if mma_tidx == 0:
+            cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
 
     @cute.jit
     def mainloop(

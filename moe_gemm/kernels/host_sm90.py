@@ -26,7 +26,7 @@ from ..config import GemmConfig
 from ..env import env_get
 from ..heuristics import KernelChoice, choose_batched, choose_general, choose_varlen
 from ..validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
-from .constants import DESC_RING, SLOT_INTS
+from .constants import DESC_RING, SLOT_INTS, split_workspace_bytes
 from .support import TMA_ALIGN_BYTES, GeneralLayout, analyze_general, operand_major, tma_view
 
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -71,7 +71,7 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
     return CompileKey(
         form, _TORCH_TO_NAME[ab], _TORCH_TO_NAME[d], b_major, choice.schedule, choice.visitor,
         choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints, choice.epi_n,
-        choice.cluster_m, choice.cluster_n, choice.epi_whole,
+        choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split,
     )
 
 
@@ -142,7 +142,16 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 )
 
 
-def _workspace(device: torch.device, ints: int) -> torch.Tensor:
+def _kernel_workspace(device: torch.device, num_ctas: int, choice: KernelChoice) -> torch.Tensor:
+    """The launch's workspace: the CTAs' descriptor rings, and with the tail split its
+    counters (zero between launches: each finisher resets its own) and partial tiles."""
+    if not choice.tail_split:
+        return _workspace(device, num_ctas * DESC_RING * SLOT_INTS)
+    total = split_workspace_bytes(num_ctas, choice.tile_m, choice.tile_n)[2]
+    return _workspace(device, -(-total // 8), zeroed=True)
+
+
+def _workspace(device: torch.device, ints: int, zeroed: bool = False) -> torch.Tensor:
     """The descriptor rings the kernel's scheduler warps write and its load/store warps read.
 
     Reused per (device, stream, thread, size): launches on one stream run one after the other
@@ -152,14 +161,17 @@ def _workspace(device: torch.device, ints: int) -> torch.Tensor:
     belongs to the graph.
     """
     idx = _device_index(device)
+    new = torch.zeros if zeroed else torch.empty
     if _capturing():
-        return torch.empty(ints, dtype=torch.int64, device=device)
-    key = (idx, _raw_stream(idx), threading.get_ident(), ints)
+        return new(ints, dtype=torch.int64, device=device)  # (a zeroing is captured too)
+    # `zeroed` in the key: a tail-split kernel's counters must never share memory with
+    # another kernel's descriptor rings.
+    key = (idx, _raw_stream(idx), threading.get_ident(), ints, zeroed)
     ws = _workspaces.get(key)
     if ws is None:
         if len(_workspaces) >= 256:
             _workspaces.clear()  # the caching allocator keeps the memory stream-ordered
-        ws = _workspaces[key] = torch.empty(ints, dtype=torch.int64, device=device)
+        ws = _workspaces[key] = new(ints, dtype=torch.int64, device=device)
     return ws
 
 
@@ -405,7 +417,7 @@ class GeneralLaunch:
         seed_a, seed_w, seed_d, offs, _, no_trace = self.placeholders
         num_ctas = shape.num_ctas
         # Per CTA, a ring of descriptor slots that the scheduler warp writes.
-        workspace = _workspace(self.device, num_ctas * DESC_RING * SLOT_INTS)
+        workspace = _kernel_workspace(self.device, num_ctas, shape.choice)
         trace_t = (_trace_tensor(num_ctas, math.ceil(shape.total / num_ctas), self.device)
                    if self.trace else no_trace)
         choice = shape.choice
@@ -481,7 +493,7 @@ class MmPlan:
         else:
             num_ctas, table, max_tiles = self.num_ctas, self.no_table, self.max_tiles
         # Per CTA, a ring of DESC_RING D descriptors that the scheduler warp writes.
-        workspace = _workspace(self.device, num_ctas * DESC_RING * SLOT_INTS)
+        workspace = _kernel_workspace(self.device, num_ctas, choice)
         trace_t = _trace_tensor(num_ctas, max_tiles, self.device) if self.trace else self.no_trace
         self.kernel(x, w, out, self.meta, self.meta32, offs, table, workspace, trace_t,
                     self.num_problems, num_ctas, choice.swizzle, choice.a_policy,
@@ -547,8 +559,10 @@ class BmmPlan:
         xv = tma_view(x, 2) if self.fix_x else x
         wv = tma_view(w, self.w_unit) if self.fix_w else w
         ov = tma_view(out, 2) if self.fix_out else out
+        workspace = (_kernel_workspace(self.device, self.num_ctas, choice)
+                     if choice.tail_split else self.workspace)
         self.kernel(xv, wv, ov, self.meta,
-                    self.meta32, self.offs, self.no_table, self.workspace, trace_t,
+                    self.meta32, self.offs, self.no_table, workspace, trace_t,
                     self.shape[0], self.num_ctas, choice.swizzle, choice.a_policy,
                     choice.b_policy, PDL, 0)
         _local.raw = (choice, self.num_ctas, self.shape[0], None,

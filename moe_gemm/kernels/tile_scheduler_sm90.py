@@ -6,9 +6,12 @@ window. Running it once per tile in one warp, ahead of the mainloop, keeps that 
 the load warp and the math warpgroups: they read a finished 32-byte record from shared memory.
 
 Record (8 x Int32) per tile, in the order the CTA executes its tiles:
-    [problem, m_tile, n_tile, k_tiles, row_start, 0, 0, 0]
+    [problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start]
 `problem == -1` is the end-of-work sentinel. `row_start` is the varlen form's first row of
-the expert in x (0 in the general form). The assignment is the one `moe_gemm.schedule`
+the expert in x (0 in the general form). `valid` is 1, or 0 for a cluster CTA past the
+problem's edge (computes, stores nothing); with the tail split its low 2 bits are the role
+(grouped_gemm_sm90.ROLE_*) and the rest the tail tile's index. `ring_slot` is the descriptor
+ring slot; `k_start` the first k-tile (a tail split's upper half; else 0). The assignment is the one `moe_gemm.schedule`
 defines (round robin over linear tiles; `tile_coord` rasterization), so the Python emulation
 there and this code must change together.
 """

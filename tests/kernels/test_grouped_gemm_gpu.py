@@ -48,6 +48,13 @@ def _check(name, out, ref32, low, **info):
     assert err <= tol, f"{name}: max err {err:.3e} > tol {tol:.3e} (torch low-prec {base:.3e})"
 
 
+def _check_mm(name, y, x, w, offs):
+    """grouped_mm's result against the fp32 reference, torch's bf16 experts as the baseline."""
+    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
+    _check(name, y, ref, low)
+
+
 # ---------------------------------------------------------------------------------------------
 # General form
 
@@ -269,9 +276,7 @@ def test_cuda_graph_replay_with_new_offsets():
         x.copy_(torch.randn(T, K, device=dev, dtype=torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
-        low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
-        _check(f"cuda-graph/replay{trial}", y, ref, low)
+        _check_mm(f"cuda-graph/replay{trial}", y, x, w, offs)
 
 
 def test_grouped_mm_no_host_sync():
@@ -623,9 +628,7 @@ def test_cluster_graph_replay_with_new_offsets(cl):
         x.copy_(torch.randn(T, K, device="cuda", dtype=torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
-        low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
-        _check(f"cluster{cl}/graph/replay{trial}", y, ref, low)
+        _check_mm(f"cluster{cl}/graph/replay{trial}", y, x, w, offs)
 
 
 def _expected_cluster(rows_n, tile_m, tile_n, num_ctas, swizzle, cm, cn):
@@ -895,3 +898,172 @@ def test_plan_fast_path_recomputes_and_captures():
     graph.replay()
     torch.cuda.synchronize()
     check("graph")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tail split (cooperative, K >= 4096 by default; kernels/constants.py): a last wave of at most
+# half the grid runs as half-K units on two CTAs joined through an fp32 workspace slot.
+
+TS_N = 2048  # 8 n-tiles of 128x256
+
+
+def _tail_split_counts(num_ctas: int, zero_tail_tiles: int) -> list[int]:
+    """Expert rows (empty experts, 1 row, edges of a 128-row tile) whose tile count (plus
+    the zero tail's m-tiles, when the kernel writes it) leaves a last wave of at most half the
+    grid, so the kernel splits it."""
+    counts = [1, 0, 700, 129, 1000, 300, 77, 0, 64]
+    while True:
+        m_tiles = sum(-(-c // 128) for c in counts) + zero_tail_tiles
+        if sched.tail_split_units(m_tiles * TS_N // 256, num_ctas) is not None:
+            return counts
+        counts[2] += 128
+
+
+def _nsm() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+@pytest.mark.parametrize("dtype,out_dtype,w_layout,out_mode", [
+    ("bf16", None, "nk_view", "given"),
+    ("bf16", None, "kn", "alloc"),
+    ("fp16", None, "nk_view", "alloc"),
+    ("bf16", torch.float32, "nk_view", "alloc"),
+])
+def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
+    from moe_gemm.kernels.host_sm90 import last_launch
+
+    K, zero_tail = 4096, 50
+    # The kernel zeroes rows past offs[-1] only in the output it allocates.
+    counts = _tail_split_counts(_nsm(), 1 if out_mode == "alloc" else 0)
+    E, T = len(counts), sum(counts) + zero_tail
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    g = torch.Generator(device="cuda").manual_seed(31)
+    dt = DTYPES[dtype]
+    x = _rand((T, K), dt, g)
+    w = (_rand((E, TS_N, K), dt, g).transpose(1, 2) if w_layout == "nk_view"
+         else _rand((E, K, TS_N), dt, g))
+    odt = out_dtype or dt
+    out = None
+    if out_mode == "given":
+        out = torch.full((T, TS_N), float("nan"), dtype=odt, device="cuda")
+        out[T - zero_tail:] = 7.0  # rows past offs[-1] must stay untouched
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, out_dtype=out_dtype)
+    torch.cuda.synchronize()
+    info = last_launch()
+    assert info.choice.tail_split and info.choice.schedule == "cooperative"
+    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    low = torch.zeros((T, TS_N), dtype=odt, device="cuda")
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            low[start:start + c] = (x[start:start + c] @ w[e]).to(odt)
+        start += c
+    name = f"tail-split/{dtype}/{out_dtype}/{w_layout}/{out_mode}"
+    if out_mode == "given":
+        untouched = bool((y[T - zero_tail:] == 7.0).all())
+        record(f"{name}/tail-untouched", untouched)
+        assert untouched
+        _check(name, y[:T - zero_tail], ref[:T - zero_tail], low[:T - zero_tail], T=T, K=K)
+    else:
+        zeros = bool((y[T - zero_tail:] == 0).all())
+        record(f"{name}/zero-tail", zeros)
+        assert zeros
+        _check(name, y, ref, low, T=T, K=K)
+    again = moe_gemm.grouped_mm(x, w, offs, out_dtype=out_dtype)
+    same = torch.equal(again[:T - zero_tail], y[:T - zero_tail])
+    record(f"{name}/run-to-run-bitwise", same)
+    assert same
+
+
+@pytest.mark.parametrize("extra_rows", [0, 40 * 128])
+def test_tail_split_visits(extra_rows):
+    """The trace (tiles stored per CTA) is schedule.tail_split_assignment: split tiles are
+    stored by their finisher CTA; with a last wave over half the grid, plain round robin."""
+    from moe_gemm.kernels.host_sm90 import grouped_mm_cute, last_launch, trace_assignment
+
+    K = 4096
+    counts = _tail_split_counts(_nsm(), 0)
+    counts[4] += extra_rows
+    nsm = _nsm()
+    while extra_rows and sched.tail_split_units(
+            sum(-(-c // 128) for c in counts) * 8, nsm) is not None:
+        counts[4] += 128  # make the last wave more than half full
+    T = sum(counts)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(counts), K, TS_N, device="cuda", dtype=torch.bfloat16)
+    grouped_mm_cute(check_grouped_mm(x, w, offs, None, None), GemmConfig(backend="cute"),
+                    trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    assert info.choice.tail_split
+    got = trace_assignment(info)
+    ch = info.choice
+    tiles = [-(-r // ch.tile_m) * (TS_N // ch.tile_n) for r in counts]
+    owners = sched.tail_split_assignment(tiles, [K // 64] * len(counts), info.num_ctas).per_cta
+    want = [[(p, *sched.tile_coord(local, -(-counts[p] // ch.tile_m), TS_N // ch.tile_n,
+                                   ch.swizzle)) for p, local in cta] for cta in owners]
+    ok = got == want
+    split = sched.tail_split_units(sum(tiles), info.num_ctas) is not None
+    assert split == (not extra_rows)
+    record(f"tail-split/visits/split={split}", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule.tail_split_assignment"
+
+
+def test_tail_split_replays_reset_counters():
+    """Every finisher resets its counter: eager launches and CUDA-graph replays on new data
+    stay right, and the counters read zero afterwards."""
+    from moe_gemm.kernels import host_sm90
+    from moe_gemm.kernels.constants import split_workspace_bytes
+
+    K = 4096
+    counts = _tail_split_counts(_nsm(), 0)
+    T, E = sum(counts), len(counts)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, TS_N, K, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    for trial in range(3):
+        x.copy_(torch.randn(T, K, device="cuda", dtype=torch.bfloat16))
+        y = moe_gemm.grouped_mm(x, w, offs)
+        torch.cuda.synchronize()
+        _check_mm(f"tail-split/eager{trial}", y, x, w, offs)
+    info = host_sm90.last_launch()
+    assert info.choice.tail_split
+    counters, _, total = split_workspace_bytes(info.num_ctas, info.choice.tile_m,
+                                               info.choice.tile_n)
+    spaces = [ws for key, ws in host_sm90._workspaces.items()
+              if key[-1] and key[-2] == -(-total // 8)]
+    assert spaces, "no tail-split workspace cached"
+    for ws in spaces:
+        raw = ws.view(torch.int32)[counters // 4:counters // 4 + info.num_ctas]
+        zero = bool((raw == 0).all())
+        record("tail-split/counters-zero-after-eager", zero)
+        assert zero
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = moe_gemm.grouped_mm(x, w, offs)
+    for trial in range(3):
+        x.copy_(torch.randn(T, K, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_mm(f"tail-split/graph-replay{trial}", yg, x, w, offs)
+        eager = moe_gemm.grouped_mm(x, w, offs)
+        same = torch.equal(eager, yg)
+        record(f"tail-split/graph-replay{trial}/eager-bitwise", same)
+        assert same
+
+
+@pytest.mark.parametrize("G,M,N", [(37, 200, 512), (67, 1, 512), (70, 64, 264)])
+def test_tail_split_bmm(G, M, N, monkeypatch):
+    """The 3-D form with the tail split forced (not a default choice there)."""
+    import dataclasses
+
+    from moe_gemm.kernels import host_sm90
+
+    orig = host_sm90.choose_batched
+    monkeypatch.setattr(host_sm90, "choose_batched", lambda *a, **k: dataclasses.replace(
+        orig(*a, **k), tail_split=True, cluster_m=1, cluster_n=1))
+    cfg = GemmConfig(backend="cute", schedule="cooperative")
+    _run_batched(f"tail-split/bmm/{G}x{M}x{N}", G, M, N, 4096, config=cfg, out_mode="given")
+    info = host_sm90.last_launch()
+    assert info.choice.tail_split
