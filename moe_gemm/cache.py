@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .env import env_switch
+
 EXPORT_NAME = "moe_gemm_kernel"
 _KERNEL_DIR = Path(__file__).parent / "kernels"
 
@@ -35,7 +37,7 @@ stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
 
 
 def disk_cache_enabled() -> bool:
-    return os.environ.get("MOE_GEMM_DISK_CACHE", "1") not in ("0", "false", "no")
+    return env_switch("MOE_GEMM_DISK_CACHE")
 
 
 def cache_root() -> Path:

@@ -24,3 +24,9 @@ def env_get(name: str) -> str | None:
         value = _DATA.get(name.encode(_ENCODING, "surrogateescape"))  # type: ignore[union-attr]
         return None if value is None else value.decode(_ENCODING, "surrogateescape")
     return os.environ.get(name)
+
+
+def env_switch(name: str) -> bool:
+    """A default-on MOE_GEMM_* switch: off when set to 0, false or no (any case)."""
+    value = env_get(name)
+    return value is None or value.strip().lower() not in ("0", "false", "no")

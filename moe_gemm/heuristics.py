@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from . import schedule as sched
 from .config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
+from .env import env_switch
 from .kernels.constants import TILE_K
 
 
@@ -34,6 +35,8 @@ class KernelChoice:
     epi_whole: bool = False  # whole-tile epilogue (compile-time)
     tail_split: bool = False  # a short last wave split over K (kernels/constants.py)
 
+
+TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
 L2_POLICY = {"normal": 0x1000000000000000, "first": 0x12F0000000000000,
@@ -172,11 +175,12 @@ def choose_varlen(
 
 
 def tail_split_enabled() -> bool:
-    """MOE_GEMM_TAIL_SPLIT=0 turns the tail split off (read when a launch plan is built). Its
-    finisher CTAs wait for publisher CTAs of lower index, which relies on the persistent grid
-    (at most one CTA per SM) being resident at once, as on a GPU of one's own; switch it off
-    where SMs are fenced off below the device's count (e.g. an MPS active-thread limit)."""
-    return os.environ.get("MOE_GEMM_TAIL_SPLIT", "1") not in ("0", "false", "no")
+    """MOE_GEMM_TAIL_SPLIT=0 turns the tail split off (grouped_mm's plan cache keys on it, as
+    on MOE_GEMM_L2_HINTS, so a change applies to the next call). Its finisher CTAs wait for
+    publisher CTAs of lower index, which relies on the persistent grid (at most one CTA per
+    SM) being resident at once, as on a GPU of one's own; switch it off where SMs are fenced
+    off below the device's count (e.g. an MPS active-thread limit)."""
+    return env_switch(TAIL_SPLIT_ENV)
 
 
 def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int

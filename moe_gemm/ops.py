@@ -20,6 +20,7 @@ from .autograd import inference_only
 from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
 from .env import env_get
+from .heuristics import TAIL_SPLIT_ENV
 from .kernels.native import native_general
 from .kernels.support import (
     analyze_general,
@@ -244,7 +245,8 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
         return None  # the slow path says what is wrong with it
     if env_get("MOE_GEMM_CHECK_OFFS") or env_get("MOE_GEMM_DISABLE_CUTE"):
         return None
-    hints = env_get("MOE_GEMM_L2_HINTS")
+    # Switches the kernel choice reads: a change makes a new plan.
+    hints = (env_get("MOE_GEMM_L2_HINTS"), env_get(TAIL_SPLIT_ENV))
     ptrs = x.data_ptr() | w.data_ptr()
     out_key = None
     if out is not None:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kernels.constants import SPLIT_MAX_CTAS, SPLIT_MIN_K_TILES
+
 Size = tuple[int, int, int]  # (M, N, K)
 WARP = 32
 
@@ -164,8 +166,6 @@ def tail_split_units(total: int, num_ctas: int) -> tuple[int, int] | None:
     """(full, rem) when the kernel splits the last wave of `total` tiles on `num_ctas` CTAs:
     full = the tiles of the whole waves, rem = the last wave's tiles, 0 < 2 * rem <= num_ctas.
     None where it does not split (no partial wave, or one more than half full)."""
-    from .kernels.constants import SPLIT_MAX_CTAS
-
     full = total // num_ctas * num_ctas
     rem = total - full
     if rem > 0 and 2 * rem <= num_ctas <= SPLIT_MAX_CTAS:
@@ -180,8 +180,6 @@ def tail_split_assignment(
     tail-split kernel (what its trace records). A split tile is stored by its finisher, CTA
     rem + i; a last-wave tile with fewer than SPLIT_MIN_K_TILES k-tiles is not split and CTA
     i computes it whole, as without the split."""
-    from .kernels.constants import SPLIT_MIN_K_TILES
-
     counts = list(tile_counts)
     total = sum(counts)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)

@@ -208,3 +208,14 @@ def test_offs_check_switch_follows_env(path: str, monkeypatch: pytest.MonkeyPatc
     for value, expected in (("1", True), ("0", False), ("", False), ("yes", True)):
         monkeypatch.setenv("MOE_GEMM_CHECK_OFFS", value)
         assert offs_check_requested() is expected
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("yes", True), ("", True),
+                                      ("0", False), ("false", False), ("No", False),
+                                      (" FALSE ", False)])
+def test_env_switch_default_on(path: str, clean: pytest.MonkeyPatch, value, on: bool) -> None:
+    from moe_gemm.env import env_switch
+
+    if value is not None:
+        os.environ[NAME] = value
+    assert env_switch(NAME) is on

@@ -416,11 +416,11 @@ class GeneralLaunch:
                 fixed.copy_(b)
         seed_a, seed_w, seed_d, offs, _, no_trace = self.placeholders
         num_ctas = shape.num_ctas
+        choice = shape.choice
         # Per CTA, a ring of descriptor slots that the scheduler warp writes.
-        workspace = _kernel_workspace(self.device, num_ctas, shape.choice)
+        workspace = _kernel_workspace(self.device, num_ctas, choice)
         trace_t = (_trace_tensor(num_ctas, math.ceil(shape.total / num_ctas), self.device)
                    if self.trace else no_trace)
-        choice = shape.choice
         meta_dev = self.meta_dev
         shape.kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs,
                      self.table, workspace, trace_t, self.G, num_ctas, choice.swizzle,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..cache import cache_root
+from ..env import env_switch
 from ..validation import GroupedGemmArgs
 from .support import MAX_PROBLEMS, GeneralLayout
 
@@ -46,7 +47,7 @@ _devices: dict[int, torch.device] = {}
 
 
 def _enabled() -> bool:
-    return os.environ.get("MOE_GEMM_NATIVE", "1") not in ("0", "false", "no")
+    return env_switch("MOE_GEMM_NATIVE")
 
 
 def _compiler() -> str | None:

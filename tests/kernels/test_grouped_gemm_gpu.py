@@ -1053,6 +1053,30 @@ def test_tail_split_replays_reset_counters():
         assert same
 
 
+def test_tail_split_switch_applies_to_next_call(monkeypatch):
+    """MOE_GEMM_TAIL_SPLIT=0 takes effect on the next call of a shape already planned, and
+    unset again brings the split back; results stay right either way."""
+    from moe_gemm.kernels.host_sm90 import last_launch
+
+    counts = _tail_split_counts(_nsm(), 0)
+    T, E, K = sum(counts), len(counts), 4096
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, K, TS_N, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
+    for value, want in ((None, True), ("0", False), (None, True)):
+        if value is None:
+            monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
+        else:
+            monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", value)
+        y = moe_gemm.grouped_mm(x, w, offs)
+        torch.cuda.synchronize()
+        got = last_launch().choice.tail_split
+        record(f"tail-split/switch={value}/applied", got == want)
+        assert got == want
+        _check_mm(f"tail-split/switch={value}", y, x, w, offs)
+
+
 @pytest.mark.parametrize("G,M,N", [(37, 200, 512), (67, 1, 512), (70, 64, 264)])
 def test_tail_split_bmm(G, M, N, monkeypatch):
     """The 3-D form with the tail split forced (not a default choice there)."""
