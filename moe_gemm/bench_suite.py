@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .capability import cute_problem
 from .config import GemmConfig
 
 Size = tuple[int, int, int]  # (M, N, K)
@@ -412,6 +413,8 @@ def _sizes_of(inp: Inputs) -> list[tuple[int, int, int]]:
 
 def _ours(config: GemmConfig | None) -> Callable[[ShapeSpec, Inputs, torch.device], Prepared]:
     def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+        if config is not None and config.backend == "cute" and (why := cute_problem(device)):
+            raise NotApplicable(f"the Hopper kernels cannot run here: {why}")
         nan = float("nan")
         if isinstance(inp, GeneralInputs):
             a, b = inp.a, inp.b

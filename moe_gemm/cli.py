@@ -111,6 +111,7 @@ def check_variants(full: bool):
                            256, 3))
     keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device", 128, 192))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 64, 256))
+    keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 128, 192))
     keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
                            256, 3, cluster_n=2))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
@@ -132,6 +133,21 @@ def check_variants(full: bool):
     return keys
 
 
+def _key_extras(key) -> str:
+    """The CompileKey fields beyond the basic ones, so that no two check lines read alike."""
+    extras = []
+    if key.stages is not None:
+        extras.append(f"stages={key.stages}")
+    if (key.cluster_m, key.cluster_n) != (1, 1):
+        extras.append(f"cluster={key.cluster_m}x{key.cluster_n}")
+    for flag in ("epi_whole", "tail_split", "l2_hints", "trace"):
+        if getattr(key, flag):
+            extras.append(flag)
+    if key.epi_n != 32:
+        extras.append(f"epi_n={key.epi_n}")
+    return "".join(" " + e for e in extras)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from .capability import cutlass_dsl_problem
@@ -148,7 +164,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         for key in keys:
             label = (f"form={key.form} schedule={key.schedule} visitor={key.visitor} "
                      f"dtype={key.ab_dtype}->{key.d_dtype} b_major={key.b_major} "
-                     f"tile={key.tile_m}x{key.tile_n}" + (" trace" if key.trace else ""))
+                     f"tile={key.tile_m}x{key.tile_n}" + _key_extras(key))
             t0 = time.time()
             try:
                 kdir = os.path.join(tmp, key.name())

@@ -48,7 +48,9 @@ class GemmConfig:
         sort_by_k: order problems by K descending before the round-robin tile assignment
             (general form only); None lets the cost model decide.
         tile_m, tile_n: output tile per CTA (cooperative) or per warpgroup (pingpong);
-            None = heuristic. tile_k is 64 elements (one 128-byte swizzle row of bf16).
+            None = heuristic. tile_k is 64 elements (one 128-byte swizzle row of bf16). With
+            schedule="auto", a tile built for one schedule only (e.g. 128x256 cooperative,
+            64x256 ping-pong) selects that schedule.
         cluster_m, cluster_n: thread-block cluster shape, (1, 1), (2, 1) or (1, 2); None =
             heuristic. 2x1 pairs CTAs on vertically adjacent tiles that load B's tile once and
             multicast it, 1x2 the same for A (cooperative schedule and device visitor only;

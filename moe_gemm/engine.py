@@ -597,6 +597,9 @@ class Engine:
             c = counts.detach().to("cpu", torch.int64)
             if ws.E and int(c.min()) < 0:
                 raise ValueError(f"request {r}: counts must be >= 0; got min {int(c.min())}")
+            if ws.E and int(c.max()) > x.shape[0]:  # checked before the sum, which could wrap
+                raise ValueError(f"request {r}: counts must be <= T = {x.shape[0]}; got max "
+                                 f"{int(c.max())}")
             if int(c.sum()) != x.shape[0]:
                 raise ValueError(
                     f"request {r}: counts must sum to T = {x.shape[0]}; they sum to "

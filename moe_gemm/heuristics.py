@@ -37,6 +37,8 @@ class KernelChoice:
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
+# Mainloops of at most this many k-tiles (K <= 1024 at TILE_K = 64) take the ping-pong schedule.
+SHORT_K_TILES = 16
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
 L2_POLICY = {"normal": 0x1000000000000000, "first": 0x12F0000000000000,
@@ -56,7 +58,7 @@ def with_l2_hints(choice: KernelChoice) -> KernelChoice:
     return replace(choice, a_policy=L2_POLICY[a], b_policy=L2_POLICY[b], l2_hints=True)
 
 
-def _pick_tile(schedule: str, avg_m: float, n: int, general: bool = False) -> tuple[int, int]:
+def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
     if schedule == "cooperative":
         # 128x256: each A row feeds 256 columns, the least L2 traffic per FLOP.
         return (128, 256) if n >= 256 else (128, 128)
@@ -64,8 +66,12 @@ def _pick_tile(schedule: str, avg_m: float, n: int, general: bool = False) -> tu
     # thread: 192 at 128x192, the most that fits beside the epilogue's registers).
     if avg_m <= 64 and n >= 256:
         return (64, 256)
-    if general and avg_m > 64 and n >= 192:
-        return (128, 192)  # k-varying: 122 us vs 136 at 128x128 (H200, 2026-11-21)
+    if avg_m > 64 and n >= 192:
+        # 128x192 over 128x128 wherever it was measured (H200, 2026-11-21, back-to-back):
+        # k-varying 122 us vs 136; varlen, E=8 N=14336 K=4096 at 128 rows/expert 313 vs 356,
+        # E=128 N=2048 K=768 at 256 rows/expert 213 vs 233, E=128 N=5760 K=2880 1349 vs 1422
+        # (benchmarks/results/tune/tune-user-shapes-2026-11-21.json).
+        return (128, 192)
     return (128, 128)
 
 
@@ -107,14 +113,16 @@ def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: fl
     if config.schedule != "auto":
         schedule = config.schedule
     else:
-        schedule = "pingpong" if avg_k_tiles <= 16 and max_n >= 192 else "cooperative"
+        schedule = ("pingpong" if avg_k_tiles <= SHORT_K_TILES and max_n >= 192
+                    else "cooperative")
+        schedule = _schedule_for_tile(schedule, config)
         if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
             schedule = "cooperative"  # clusters are built for the cooperative schedule
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
     else:
-        tile = _pick_tile(schedule, avg_m, max_n, general=True)
+        tile = _pick_tile(schedule, avg_m, max_n)
     stages = config.stages
     if stages is None and schedule == "cooperative" and tile == (128, 256) and avg_k_tiles >= 64:
         # Long K: 3 stages beat 4 (uniform 561 vs 568 us; moe-prefill 3189 vs 3256).
@@ -134,6 +142,13 @@ def choose_varlen(
         # vs pingpong 203; moe-prefill and mixtral likewise); below that a ping-pong tile
         # (moe-decode, 4 rows/expert: pingpong 64x256 271 us vs cooperative 300).
         schedule = "cooperative" if avg_m >= 128 and N >= 256 else "pingpong"
+        if schedule == "cooperative" and -(-K // TILE_K) <= SHORT_K_TILES and N >= 192:
+            # Short K: ping-pong hides each tile's epilogue behind the other warpgroup's
+            # mainloop, as for grouped_gemm's short problems. E=128, N=2048, K=768, 256
+            # rows/expert: pingpong 128x192 213 / 216 us vs cooperative 128x256 222 / 221 (two
+            # runs, H200, 2026-11-21); at K=1408 (moe-down) cooperative still wins, 191 vs 200.
+            schedule = "pingpong"
+        schedule = _schedule_for_tile(schedule, config)
         if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
             schedule = "cooperative"
     if config.tile_m is not None:
@@ -223,6 +238,19 @@ def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=64)
+def _schedule_for_tile(schedule: str, config: GemmConfig) -> str:
+    """The automatic schedule, kept to one that builds the config's own tile (a tile given
+    with schedule="auto", e.g. 128x256, is built for one schedule only)."""
+    if config.tile_m is None:
+        return schedule
+    tile = (config.tile_m, config.tile_n)
+    if schedule == "pingpong" and tile not in PINGPONG_TILES:
+        return "cooperative"
+    if schedule == "cooperative" and tile not in COOPERATIVE_TILES:
+        return "pingpong"
+    return schedule
+
+
 def _check_tile(schedule: str, tile: tuple[int, int]) -> None:
     allowed = PINGPONG_TILES if schedule == "pingpong" else COOPERATIVE_TILES
     if tile not in allowed:

@@ -271,6 +271,7 @@ def _check_routing(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    renormalize: bool = True,
 ) -> None:
     for name, value in (("num_experts", num_experts), ("top_k", top_k)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -290,6 +291,13 @@ def _check_routing(
         routed_scaling_factor, bool
     ):
         raise TypeError(f"routed_scaling_factor must be a float; got {routed_scaling_factor!r}")
+    if scoring == "softmax" and routed_scaling_factor != 1.0:
+        raise ValueError(
+            "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
+            f"{routed_scaling_factor} with softmax (scale the layer's output instead)"
+        )
+    if not isinstance(renormalize, (bool, int)) or isinstance(renormalize, float):
+        raise TypeError(f"renormalize must be a bool; got {renormalize!r}")
     if scoring == "sigmoid":
         # Same checks the router runs per call, done once here so bad settings fail early.
         sigmoid_grouped_topk(
@@ -377,7 +385,7 @@ def moe_forward(
         raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {_shape(router_weight)}")
     if router_weight.device != x.device:
         raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
-    _check_routing(E, top_k, scoring, n_group, topk_group, routed_scaling_factor)
+    _check_routing(E, top_k, scoring, n_group, topk_group, routed_scaling_factor, renormalize)
     if correction_bias is not None and scoring != "sigmoid":
         raise ValueError("correction_bias is used by scoring='sigmoid' only")
     fp32 = scoring == "sigmoid" if router_fp32 is None else bool(router_fp32)
@@ -490,14 +498,17 @@ class MoE(nn.Module):
             ("intermediate_size", intermediate_size),
             ("shared_intermediate_size", shared_intermediate_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int; got {value!r}")
+            if value < 0:
                 raise ValueError(f"{name} must be an int >= 0; got {value!r}")
         if hidden_size < 1 or intermediate_size < 1:
             raise ValueError(
                 f"hidden_size and intermediate_size must be >= 1; got {hidden_size}, "
                 f"{intermediate_size}"
             )
-        _check_routing(num_experts, top_k, scoring, n_group, topk_group, routed_scaling_factor)
+        _check_routing(num_experts, top_k, scoring, n_group, topk_group, routed_scaling_factor,
+                       renormalize)
         if correction_bias is None:
             correction_bias = scoring == "sigmoid"
         if correction_bias and scoring != "sigmoid":
@@ -617,10 +628,14 @@ class MoE(nn.Module):
         )
         y = y.to(x.dtype)
         if self.shared_experts is not None:
-            shared = self.shared_experts(x2)
+            # In the shared expert's own dtype too (the layer may have been cast after
+            # loading); the sum is in the caller's dtype.
+            xs = x2.to(self.shared_experts.gate_proj.weight.dtype)
+            shared = self.shared_experts(xs)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
-            y = y + shared
+                gate = self.shared_expert_gate(xs.to(self.shared_expert_gate.weight.dtype))
+                shared = torch.sigmoid(gate) * shared
+            y = y + shared.to(x.dtype)
         return y.view(x.shape)
 
     def extra_repr(self) -> str:
@@ -851,12 +866,26 @@ class MoE(nn.Module):
                     "shared must hold 'gate_proj', 'up_proj', 'down_proj' (and optionally "
                     f"'gate'); got keys {sorted(shared)}"
                 )
+            for name, t in shared.items():
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"shared[{name!r}] must be a torch.Tensor; got "
+                                    f"{type(t).__name__}")
             shared_size = shared["gate_proj"].shape[0]
             want = {"gate_proj": (shared_size, H), "up_proj": (shared_size, H),
                     "down_proj": (H, shared_size), "gate": (1, H)}
             for name, t in shared.items():
                 if tuple(t.shape) != want[name]:
                     raise ValueError(f"shared[{name!r}] must be {want[name]}; got {_shape(t)}")
+                if t.device != device:
+                    raise ValueError(f"shared[{name!r}] is on {t.device} but the expert "
+                                     f"weights are on {device}")
+            mlp_dtypes = {shared[n].dtype for n in ("gate_proj", "up_proj", "down_proj")}
+            if len(mlp_dtypes) != 1 or next(iter(mlp_dtypes)) not in _FLOAT_DTYPES:
+                raise TypeError("shared gate_proj, up_proj and down_proj must share one dtype "
+                                f"among bf16, fp16, fp32; got {sorted(map(str, mlp_dtypes))}")
+            if "gate" in shared and shared["gate"].dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"shared['gate'] must be bf16, fp16 or fp32; got "
+                                f"{shared['gate'].dtype}")
         opts = dict(options)
         if bias is not None:
             opts.setdefault("scoring", "sigmoid")

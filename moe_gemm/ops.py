@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .aliasing import overlaps_any
 from .autograd import inference_only
 from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
@@ -122,6 +123,16 @@ def grouped_gemm(
     args = check_grouped_gemm(a, b, out, out_dtype)
     if not args.a:
         return []
+    if args.out_aliased:
+        # Outputs sharing memory with an operand: computed into fresh tensors, then copied.
+        given = args.out
+        tmp = list(given)
+        for i in args.out_aliased:
+            tmp[i] = torch.empty_like(given[i])
+        res = grouped_gemm(args.a, args.b, out=tmp, config=cfg, out_dtype=args.out_dtype)
+        for i in args.out_aliased:
+            given[i].copy_(res[i])
+        return [given[i] if i in args.out_aliased else r for i, r in enumerate(res)]
     problem = cute_problem(args.device) if cfg.backend != "torch" else "torch requested"
     layout = analyze_general(args) if problem is None else None
     unsupported = layout if isinstance(layout, str) else None
@@ -176,6 +187,15 @@ def grouped_mm(
         ValueError: ranks, K mismatch, offs length or values, devices or `out` shape.
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
+    if out is not None and _out_shares_memory(out, x, w, offs):
+        # Computed into a copy of out (rows past offs[-1] keep their values), then copied.
+        _check_config(config)
+        if offs is None:
+            check_grouped_bmm(x, w, out, out_dtype)
+        else:
+            check_grouped_mm(x, w, offs, out, out_dtype)
+        y = grouped_mm(x, w, offs, out=out.clone(), config=config, out_dtype=out_dtype)
+        return out.copy_(y)
     if offs is None:
         return _grouped_bmm(x, w, out, config, out_dtype)
     key = _mm_plan_key(x, w, offs, out, config, out_dtype)
@@ -200,6 +220,12 @@ def grouped_mm(
         return inference_only(NO_BACKWARD, lambda: plan(args.x, args.w, offs_c, args.out),
                               [args.x, args.w])
     return grouped_mm_torch(args)
+
+
+def _out_shares_memory(out, *inputs) -> bool:
+    if type(out) is not torch.Tensor or torch.compiler.is_compiling():
+        return False  # validation names a non-tensor; under tracing there is no memory
+    return overlaps_any(out, inputs)
 
 
 def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
@@ -250,7 +276,7 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
     ptrs = x.data_ptr() | w.data_ptr()
     out_key = None
     if out is not None:
-        out_key = (out.shape, out.stride(), out.dtype, out.device)
+        out_key = (out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
         ptrs |= out.data_ptr()
     return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, offs.shape,
             offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config, ptrs & 15, hints)
@@ -268,7 +294,7 @@ def _bmm_plan_key(x, w, out, config, out_dtype) -> tuple | None:
     ptrs = x.data_ptr() | w.data_ptr()
     out_key = None
     if out is not None:
-        out_key = (out.shape, out.stride(), out.dtype, out.device)
+        out_key = (out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
         ptrs |= out.data_ptr()
     return ("bmm", x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype,
             w.device, out_key, out_dtype, config, ptrs & 15, env_get("MOE_GEMM_L2_HINTS"))
@@ -304,9 +330,19 @@ class GroupedGemmPlan:
             args = dataclasses.replace(args, out=[
                 torch.empty(m, n, dtype=args.out_dtype, device=args.device)
                 for m, n, _ in args.sizes])
-        self.args = args
         self.out: list[torch.Tensor] = list(args.out or [])
+        # Outputs sharing memory with an operand: the plan writes private tensors and each
+        # call copies them into the given ones (moe_gemm/aliasing.py).
+        self._copy_back = [(self.out[i], torch.empty_like(self.out[i]))
+                           for i in args.out_aliased]
+        if self._copy_back:
+            private = list(self.out)
+            for i, (_, tmp) in zip(args.out_aliased, self._copy_back):
+                private[i] = tmp
+            args = dataclasses.replace(args, out=private, out_aliased=())
+        self.args = args
         self._launch = None
+        self.backend = "torch"
         if not args.a:
             return
         problem = cute_problem(args.device) if cfg.backend != "torch" else "torch requested"
@@ -322,8 +358,14 @@ class GroupedGemmPlan:
         args = self.args
         if not args.a:
             return []
-        run = self._launch.launch if self._launch is not None else (
-            lambda: grouped_gemm_torch(args))
-        if torch.is_grad_enabled():
-            return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
-        return run()
+        if self._launch is None:  # the torch backend: differentiable like grouped_gemm's
+            res = grouped_gemm_torch(args)
+        elif torch.is_grad_enabled():
+            res = inference_only(NO_BACKWARD, self._launch.launch, [*args.a, *args.b])
+        else:
+            res = self._launch.launch()
+        if not self._copy_back:
+            return res
+        for given, tmp in self._copy_back:
+            given.copy_(tmp)
+        return list(self.out)

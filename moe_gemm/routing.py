@@ -148,6 +148,10 @@ def sigmoid_grouped_topk(
             raise TypeError(f"bias must be a torch.Tensor (E,) or None; got {type(bias).__name__}")
         if tuple(bias.shape) != (E,):
             raise ValueError(f"bias must be (E,) = ({E},); got shape {tuple(bias.shape)}")
+        if bias.device != logits.device:
+            raise ValueError(f"bias is on {bias.device} but logits are on {logits.device}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a float tensor; got {bias.dtype}")
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias
     if grouped:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .aliasing import has_internal_overlap, outputs_aliasing_inputs
 from .env import env_get
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -28,6 +29,9 @@ class GroupedGemmArgs:
     out_dtype: torch.dtype
     device: torch.device
     sizes: list[tuple[int, int, int]] = None  # type: ignore[assignment]  # (M_i, N_i, K_i)
+    # out indices that may share memory with an operand: the op computes those into fresh
+    # tensors and copies (moe_gemm/aliasing.py)
+    out_aliased: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.sizes is None:
@@ -135,6 +139,16 @@ def _as_tensor_list(name: str, seq: object, shape_hint: str) -> list[torch.Tenso
     return items
 
 
+def _check_writable_out(name: str, out: torch.Tensor) -> None:
+    """An output the op can write: distinct elements, and not a tensor autograd tracks."""
+    if has_internal_overlap(out):
+        raise ValueError(f"{name} has elements that share memory (an expanded or zero-stride "
+                         f"tensor); pass a tensor whose elements are distinct")
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad: an output written in place cannot be "
+                         f"differentiated; pass out=None for a differentiable result")
+
+
 def check_grouped_gemm(
     a: object, b: object, out: object, out_dtype: torch.dtype | None
 ) -> GroupedGemmArgs:
@@ -189,6 +203,10 @@ def check_grouped_gemm(
                 raise TypeError(f"out[{i}] must have dtype {odt}; got {oi.dtype}")
             if oi.device != device:
                 raise ValueError(f"out[{i}] is on {oi.device} but the operands are on {device}")
+            _check_writable_out(f"out[{i}]", oi)
+        if not torch.compiler.is_compiling():
+            aliased = tuple(outputs_aliasing_inputs(out_list, a_list + b_list))
+            return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device, sizes, aliased)
     return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device, sizes)
 
 
@@ -277,6 +295,7 @@ def check_grouped_mm(
             raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
         if out.device != x.device:
             raise ValueError(f"out is on {out.device} but x is on {x.device}")
+        _check_writable_out("out", out)
     return GroupedMmArgs(x, w, offs, out, x.dtype, odt)
 
 
@@ -337,4 +356,5 @@ def check_grouped_bmm(
             raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
         if out.device != x.device:
             raise ValueError(f"out is on {out.device} but x is on {x.device}")
+        _check_writable_out("out", out)
     return GroupedBmmArgs(x, w, out, x.dtype, odt)

@@ -33,6 +33,7 @@ GROUPS = [
     ("tail-split", "tail_split"),
     ("cluster", "cluster"),
     ("headline", "headline"),
+    ("aliasing", "aliasing"),
     ("moe-layer", None),
 ]
 

@@ -72,6 +72,9 @@ def variant_set(name: str):
                             tail_split=True))
     keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
                         256, 3, tail_split=True))
+    for ab, b_major in itertools.product(["bfloat16", "float16"], ["k", "n"]):
+        # varlen ping-pong 128x192: the default for short K or 65-127 rows per expert
+        keys.add(CompileKey("varlen", ab, ab, b_major, "pingpong", "device", 128, 192))
     if name == "tests":
         for tm, tn in [(64, 128), (64, 256), (128, 64)]:
             keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device",

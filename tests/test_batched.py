@@ -743,11 +743,15 @@ def test_choose_batched_visitor_and_sort_fixed(no_l2_hints: None, visitor: str,
         assert c.visitor == "device" and c.sort_by_k is False
 
 
-def test_choose_batched_tile_not_built_for_chosen_schedule(no_l2_hints: None) -> None:
-    # 64x256 is a ping-pong tile; long K picks cooperative.
+def test_choose_batched_tile_picks_the_schedule_that_builds_it(no_l2_hints: None) -> None:
+    # 64x256 is a ping-pong tile; long K alone would pick cooperative. With schedule="auto"
+    # the given tile decides; with the schedule named, the mismatch is an error.
     assert (64, 256) in PINGPONG_TILES and (64, 256) not in COOPERATIVE_TILES
+    c = choose_batched(GemmConfig(tile_m=64, tile_n=256), 8, 512, 512, 7168, NUM_SMS)
+    assert (c.schedule, c.tile_m, c.tile_n) == ("pingpong", 64, 256)
     with pytest.raises(ValueError, match=r"tile 64x256 is not built for schedule 'cooperative'"):
-        choose_batched(GemmConfig(tile_m=64, tile_n=256), 8, 512, 512, 7168, NUM_SMS)
+        choose_batched(GemmConfig(schedule="cooperative", tile_m=64, tile_n=256), 8, 512, 512,
+                       7168, NUM_SMS)
 
 
 def test_choose_batched_l2_hints_from_env(no_l2_hints: None,

@@ -3,6 +3,7 @@ edge cases, every weight loader, the inference-only contract and the argument ch
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 
@@ -424,6 +425,11 @@ def test_backward_raises() -> None:
         ({"hidden_size": 0}, ValueError, "must be >= 1"),
         ({"intermediate_size": -1}, ValueError, "intermediate_size must be an int >= 0"),
         ({"dtype": torch.float64}, TypeError, "dtype must be"),
+        ({"hidden_size": 32.0}, TypeError, "hidden_size must be an int"),
+        ({"top_k": 2.0}, TypeError, "top_k must be an int"),
+        ({"routed_scaling_factor": 2.5}, ValueError,
+         "routed_scaling_factor is defined for scoring='sigmoid'"),
+        ({"renormalize": "no"}, TypeError, "renormalize must be a bool"),
     ],
 )
 def test_constructor_rejects(kwargs: dict, exc: type[Exception], pattern: str) -> None:
@@ -505,3 +511,42 @@ def test_benchmark_smoke(tmp_path) -> None:
     assert all(r["ratio"] is None or r["ratio"] > 0 for r in report["results"])
     for check in report["checks"]:  # present when transformers is installed
         assert check["calc_diff_vs_transformers"] < 1e-4
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_shared_expert_runs_in_its_own_dtype(x_dtype: torch.dtype) -> None:
+    # A layer cast to fp16 (shared expert and gate included) fed another dtype: experts and
+    # shared expert both compute in fp16, the result comes back in the input's dtype.
+    torch.manual_seed(0)
+    moe = _randomize(MoE(16, 8, 4, 2, shared_intermediate_size=6, shared_expert_gate=True))
+    ref_layer = copy.deepcopy(moe).float()
+    moe = moe.half()
+    x = torch.randn(5, 16, dtype=x_dtype)
+    y = moe(x)
+    assert y.dtype == x_dtype and y.shape == x.shape
+    want = ref_layer(x.float())
+    err = ((y.float() - want).abs().max() / want.abs().max()).item()
+    assert err < 2e-2, err
+
+
+def test_from_fused_checks_the_shared_weights() -> None:
+    E, H, I, Is = 4, 16, 8, 6
+    gu, dn, rw = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, H)
+    shared = {"gate_proj": torch.randn(Is, H).half(), "up_proj": torch.randn(Is, H),
+              "down_proj": torch.randn(H, Is)}
+    with pytest.raises(TypeError, match="shared gate_proj, up_proj and down_proj must share"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+    shared["gate_proj"] = torch.randn(Is, H, device="meta")
+    with pytest.raises(ValueError, match=r"shared\['gate_proj'\] is on meta"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+    shared["gate_proj"] = [[0.0]]
+    with pytest.raises(TypeError, match=r"shared\['gate_proj'\] must be a torch.Tensor"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+
+
+def test_functional_correction_bias_on_another_device_is_a_clear_error() -> None:
+    x, wg, wd, rw = torch.randn(4, 32), torch.randn(8, 32, 48), torch.randn(8, 24, 32), \
+        torch.randn(8, 32)
+    with pytest.raises(ValueError, match="bias is on meta"):
+        moe_forward(x, rw, wg, wd, 2, scoring="sigmoid",
+                    correction_bias=torch.zeros(8, device="meta"))

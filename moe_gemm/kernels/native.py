@@ -166,6 +166,8 @@ def native_general(a: object, b: object, out_dtype: torch.dtype | None, *,
     types.update(map(type, b))
     if len(types) != 1 or Tensor not in types:
         return None
+    if out_dtype is not None and type(out_dtype) is not torch.dtype:
+        return None  # validation names what is expected
     odt = -1 if out_dtype is None else _DTYPE_INDEX.get(out_dtype, -9)
     if odt == -9:
         return None

@@ -321,12 +321,17 @@ class Batcher:
             self.stats.queued(job.model, wait)
         try:
             results = await self._launch(batch)
-        except EngineOutOfMemory as e:
+        except Exception as e:  # noqa: BLE001 - delivered to the request(s) it belongs to
             if len(batch) == 1:
+                if not isinstance(e, EngineOutOfMemory):
+                    log.exception("launch of 1 request failed")
                 self._fail(batch[0], e)
                 return
-            log.warning("merged launch of %d requests ran out of memory; retrying one by one",
-                        len(batch))
+            # A merged launch fails as a whole (out of memory, or one request the checks
+            # let through that the launch cannot take): each request runs alone, so only the
+            # one at fault gets the error.
+            log.warning("merged launch of %d requests failed (%s: %s); retrying one by one",
+                        len(batch), type(e).__name__, str(e)[:200])
             for job in batch:
                 if job.state != "running":
                     continue
@@ -336,11 +341,6 @@ class Batcher:
                     self._fail(job, e1)
                 else:
                     self._deliver(job, result)
-            return
-        except Exception as e:  # noqa: BLE001 - delivered to every request of the launch
-            log.exception("launch of %d request(s) failed", len(batch))
-            for job in batch:
-                self._fail(job, e)
             return
         for job, result in zip(batch, results):
             self._deliver(job, result)

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-rows", type=int, help="rows per request (default 65536)")
     a("--max-flops", type=int, help="FLOPs (2*M*N*K summed) per request (default 2^40)")
     a("--max-problems", type=int, help="problems per grouped-gemm request (default 4096)")
+    a("--max-output-bytes", type=int, help="bytes of one request's result (default 1 GiB)")
     a("--device", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N")
     a("--backend", choices=["auto", "cute", "torch"], help="kernel backend (default auto)")
     a("--warmup-rows", help="comma-separated row counts each weight set is warmed at "

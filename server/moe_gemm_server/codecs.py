@@ -59,6 +59,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Largest dimension a tensor may declare (int32 row/column indices in the kernels); larger,
+# even in an empty tensor, is a 400 rather than an allocation error.
+MAX_DIM = (1 << 31) - 1
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     dtype: torch.dtype
@@ -124,10 +129,11 @@ def parse_safetensors_header(
         if dt not in ST_DTYPES:
             raise bad_request(f"malformed safetensors: tensor {name!r} has unknown dtype {dt!r}")
         if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM for s in shape
         ):
             raise bad_request(
-                f"malformed safetensors: tensor {name!r} shape must be a list of ints >= 0; "
+                f"malformed safetensors: tensor {name!r} shape must be a list of ints in "
+                f"[0, {MAX_DIM}]; "
                 f"got {shape!r}"
             )
         if (
@@ -215,6 +221,8 @@ def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
         obj = json.loads(bytes(body).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise bad_request("malformed JSON body: nested too deeply") from None
     if not isinstance(obj, dict):
         raise bad_request("malformed JSON body: expected a JSON object")
     return obj
@@ -240,7 +248,11 @@ def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None)
     width = len(rows[0])
     if any(len(r) != width for r in rows):
         raise bad_request(f"{name!r} is ragged: every row must have {width} numbers")
-    return torch.from_numpy(np.asarray(rows, dtype=np.float64)).to(dtype)
+    try:
+        arr = np.asarray(rows, dtype=np.float64)
+    except (OverflowError, ValueError):  # e.g. an integer beyond float64's range
+        raise bad_request(f"{name!r} holds a number float64 cannot represent") from None
+    return torch.from_numpy(arr).to(dtype)
 
 
 def json_tensor3(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -248,7 +260,7 @@ def json_tensor3(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
     try:
         mats = _MATS.validate_python(value)
         arr = np.asarray(mats, dtype=np.float64)
-    except (ValidationError, ValueError):
+    except (ValidationError, ValueError, OverflowError):
         raise bad_request(f"{name!r} must be a rectangular 3-D nested list of numbers") from None
     if arr.ndim != 3:
         raise bad_request(f"{name!r} must be a rectangular 3-D nested list of numbers")

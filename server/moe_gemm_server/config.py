@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     max_rows: int = Field(65536, ge=1, description="rows (T, or sum of M_i) per request")
     max_flops: int = Field(1 << 40, ge=1, description="2*M*N*K summed, per request")
     max_problems: int = Field(4096, ge=1, description="problems per grouped-gemm request")
+    max_output_bytes: int = Field(1 * GiB, ge=1, description="bytes of one request's result "
+                                  "(sum of M_i*N_i*itemsize; bounds K=0 problems too)")
 
     # engine
     device: str = "auto"

@@ -28,13 +28,16 @@ def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
-def _check_limits(rows: int, flops: int, settings: Settings) -> None:
+def _check_limits(rows: int, flops: int, settings: Settings, out_bytes: int = 0) -> None:
     if rows > settings.max_rows:
         raise APIError(413, f"request has {rows} rows; the per-request limit is "
                             f"{settings.max_rows} (--max-rows)")
     if flops > settings.max_flops:
         raise unprocessable(f"request needs {flops} FLOPs; the per-request limit is "
                             f"{settings.max_flops} (--max-flops)")
+    if out_bytes > settings.max_output_bytes:
+        raise unprocessable(f"the result would take {out_bytes} bytes; the per-request limit "
+                            f"is {settings.max_output_bytes} (--max-output-bytes)")
 
 
 def counts_from(
@@ -59,12 +62,19 @@ def counts_from(
         if E and int(v.min()) < 0:
             i = int(torch.nonzero(v < 0)[0])
             raise unprocessable(f"counts must be >= 0; got counts[{i}] = {int(v[i])}")
+        if E and int(v.max()) > T:  # before summing: int64 counts could wrap the sum to T
+            i = int(torch.nonzero(v > T)[0])
+            raise unprocessable(f"counts must be <= T = {T} (rows of x); got counts[{i}] = "
+                                f"{int(v[i])}")
         total = int(v.sum()) if E else 0
         if total != T:
             raise unprocessable(f"counts must sum to T = {T} (rows of x); they sum to {total}")
         return v
     if E and int(v[0]) < 0:
         raise unprocessable(f"offs must be >= 0; got offs[0] = {int(v[0])}")
+    if E and (bool((v < 0).any()) or bool((v > T).any())):  # before differencing (int64 wrap)
+        i = int(torch.nonzero((v < 0) | (v > T))[0])
+        raise unprocessable(f"offs must lie in [0, T = {T}]; got offs[{i}] = {int(v[i])}")
     d = torch.diff(v, prepend=torch.zeros(1, dtype=torch.int64))
     if E and bool((d < 0).any()):
         i = int(torch.nonzero(d < 0)[0])
@@ -105,7 +115,7 @@ def mm_job(
     T = x.shape[0]
     counts = counts_from(tensors, ws.E, T)
     flops = 2 * T * ws.K * ws.N
-    _check_limits(T, flops, settings)
+    _check_limits(T, flops, settings, T * ws.N * x.element_size())
     return Job(
         kind="mm",
         key=("mm", ws.name, ws.version, x.dtype, x.dtype),
@@ -152,7 +162,7 @@ def gemm_job(
     dtype = a[0].dtype
     if dtype not in DATA_DTYPES:
         raise unprocessable(f"'a.0' must be bfloat16, float16 or float32; got {dtype_name(dtype)}")
-    rows = flops = 0
+    rows = flops = out_elems = 0
     for i, (ai, bi) in enumerate(zip(a, b)):
         for name, t in ((f"a.{i}", ai), (f"b.{i}", bi)):
             if t.dtype != dtype:
@@ -165,7 +175,8 @@ def gemm_job(
                                 f"be (K, N) = ({ai.shape[1]}, N); got {_shape(bi)}")
         rows += ai.shape[0]
         flops += 2 * ai.shape[0] * ai.shape[1] * bi.shape[1]
-    _check_limits(rows, flops, settings)
+        out_elems += ai.shape[0] * bi.shape[1]
+    _check_limits(rows, flops, settings, out_elems * a[0].element_size())
     return Job(
         kind="gemm",
         key=("gemm", dtype),

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 WRITE_CHUNK = 4 << 20
 
 
+MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
@@ -185,7 +187,8 @@ class Service:
         if not us:
             return None
         arrival = request.scope.get("state", {}).get("t_arrival", time.monotonic())
-        return arrival + us / 1e6
+        # Beyond a year a timeout means none (and a huge integer would overflow a float).
+        return None if us > MAX_TIMEOUT_US else arrival + us / 1e6
 
     def priority_level(self, priority: int | None) -> int:
         return priority if priority else self.settings.default_priority

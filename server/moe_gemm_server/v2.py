@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from .codecs import encode_json, tensor_from_buffer
+from .codecs import MAX_DIM, encode_json, tensor_from_buffer
 from .errors import bad_request
 
 # v2 datatype -> torch dtype (BYTES has no tensor form here)
@@ -88,6 +88,12 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
         return torch.from_numpy(flat)
     if not dtype.is_floating_point and arr.dtype.kind == "u" and arr.dtype.itemsize == 8:
         raise bad_request(f"input {inp.name!r}: 'data' values are outside the int64 range")
+    if not dtype.is_floating_point and flat.size:
+        info = torch.iinfo(dtype)  # a value the declared type cannot hold is an error, not a wrap
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise bad_request(f"input {inp.name!r}: {bad} does not fit {inp.datatype}")
     return torch.from_numpy(flat.astype(np.float64 if dtype.is_floating_point else np.int64)
                             ).to(dtype)
 
@@ -131,6 +137,9 @@ def parse_request(
             raise bad_request(f"input {inp.name!r}: unknown datatype {inp.datatype!r}")
         if any(s < 0 for s in inp.shape):
             raise bad_request(f"input {inp.name!r}: shape {inp.shape} has a negative dimension")
+        if any(s > MAX_DIM for s in inp.shape):
+            raise bad_request(f"input {inp.name!r}: shape {inp.shape} has a dimension over "
+                              f"{MAX_DIM}")
         count = math.prod(inp.shape)
         params = inp.parameters or {}
         size = params.get("binary_data_size")

@@ -242,6 +242,63 @@ def test_varlen_default_prefill_like():
                 "nk_view", None, "given", tail=17)
 
 
+def test_varlen_default_short_k():
+    # K <= 1024 with >= 128 rows per expert: the default is ping-pong 128x192.
+    from moe_gemm.kernels.host_sm90 import last_launch
+
+    _run_varlen("varlen/short-k/default", 24, 6000, 392, 768, "edges", torch.bfloat16,
+                "nk_view", None, "given", tail=5)
+    info = last_launch()
+    c = info.choice if info is not None else None
+    ok = c is not None and (c.schedule, c.tile_m, c.tile_n) == ("pingpong", 128, 192)
+    record("varlen/short-k/default-is-pingpong-128x192", ok)
+    assert ok, c
+
+
+@pytest.mark.parametrize("tile", [(64, 256), (128, 128), (128, 192)])
+@pytest.mark.parametrize("w_layout", ["kn", "nk_view"])
+def test_varlen_pingpong_tile_shapes(tile, w_layout):
+    cfg = GemmConfig(backend="cute", schedule="pingpong", tile_m=tile[0], tile_n=tile[1])
+    _run_varlen(f"varlen/pingpong-tile={tile}/{w_layout}", 14, 2600, 520, 1000, "edges",
+                torch.float16, w_layout, cfg, "alloc")
+
+
+def test_aliasing_out_sharing_memory_with_operands():
+    # The kernels read A and B while other CTAs store D: an out overlapping an operand runs
+    # through a temporary (moe_gemm/aliasing.py) and must equal the result on clones.
+    cfg = GemmConfig(backend="cute")
+    g = torch.Generator(device="cuda").manual_seed(21)
+    E, T, K = 4, 300, 256
+    buf = _rand((T + 64, K), torch.bfloat16, g)
+    x = buf[:T]
+    w = _rand((E, K, K), torch.bfloat16, g)
+    offs = torch.tensor([50, 120, 120, 290], dtype=torch.int32, device="cuda")
+    want = moe_gemm.grouped_mm(x.clone(), w.clone(), offs, config=cfg)
+    tail = buf[64 + 290:64 + T].clone()
+    y = moe_gemm.grouped_mm(x, w, offs, out=buf[64:], config=cfg)  # out 64 rows past x
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(y[:290], want[:290])) and bool(torch.equal(y[290:], tail))
+    record("aliasing/grouped_mm-out-over-x", ok)
+    assert ok
+    xb = _rand((3, 128, K), torch.bfloat16, g)
+    wb = _rand((3, K, K), torch.bfloat16, g)
+    want = moe_gemm.grouped_mm(xb.clone(), wb, config=cfg)
+    y = moe_gemm.grouped_mm(xb, wb, out=xb, config=cfg)  # batched, in place over x
+    torch.cuda.synchronize()
+    ok = y is xb and bool(torch.equal(y, want))
+    record("aliasing/batched-out-is-x", ok)
+    assert ok
+    a = [_rand((96, K), torch.bfloat16, g) for _ in range(3)]
+    b = [_rand((K, K), torch.bfloat16, g) for _ in range(3)]
+    want = moe_gemm.grouped_gemm([t.clone() for t in a], [t.clone() for t in b], config=cfg)
+    out = [torch.empty(96, K, device="cuda", dtype=torch.bfloat16), a[0][:, :K], a[2]]
+    res = moe_gemm.grouped_gemm(a, b, out=out, config=cfg)
+    torch.cuda.synchronize()
+    ok = all(r is o and torch.equal(r, w_) for r, o, w_ in zip(res, out, want))
+    record("aliasing/grouped_gemm-out-is-a", ok)
+    assert ok
+
+
 def test_varlen_single_row_and_all_empty():
     x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(3, 64, 32, device="cuda", dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import moe_gemm
 from moe_gemm.kernels import native
 from moe_gemm.kernels.support import fast_general
 
@@ -194,3 +195,16 @@ def test_python_scan_block_switches_and_restores():
     with native.python_scan():
         assert native.native_general(*args, require_cuda=False) is None
     assert native.native_general(*args, require_cuda=False) is not None
+
+
+@pytest.mark.parametrize("bad", [[torch.float32], {}, "float32"])
+def test_out_dtype_of_the_wrong_type_names_what_is_expected_with_the_scan_loaded(bad):
+    # The scan declines anything but a torch.dtype, so validation names the expected type
+    # whether or not the C++ scan has been loaded.
+    from moe_gemm.kernels import native
+
+    native.status()  # loads (or builds) the scan where a compiler exists
+    t = torch.randn(4, 4)
+    with pytest.raises(TypeError, match="out_dtype must be a torch.dtype or None"):
+        moe_gemm.grouped_gemm([t], [t], out_dtype=bad)
+    assert native.native_general([t], [t], bad, require_cuda=False) is None

@@ -238,3 +238,114 @@ def test_cli_fails_fast_with_one_line(tmp_path):
             if h not in handlers:
                 root.removeHandler(h)
         root.setLevel(level)
+
+
+class PoisonEngine(Engine):
+    """A launch holding a request of 13 rows fails (as a launch the checks let through
+    might); every other launch runs."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.failed_launches = 0
+
+    def grouped_mm_many(self, ws, requests, *, out_dtype=None):
+        if any(x.shape[0] == 13 for x, _ in requests):
+            self.failed_launches += 1
+            raise RuntimeError("launch failed")
+        return super().grouped_mm_many(ws, requests, out_dtype=out_dtype)
+
+
+def test_a_failing_request_does_not_fail_the_others_merged_with_it(tmp_path):
+    engine = PoisonEngine()
+    app = create_app(_settings(tmp_path, batch_delay_us=300_000), engine=engine)
+    w = torch.randn(2, 8, 4)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/m", content=st_body({"w": w})).status_code == 201
+        rows = [20, 13, 30]
+        xs = [torch.randn(m, 8) for m in rows]
+        cs = [torch.tensor([m // 2, m - m // 2], dtype=torch.int32) for m in rows]
+        out: dict[int, object] = {}
+
+        def send(i: int) -> None:
+            out[i] = client.post("/v1/weights/m/grouped-mm",
+                                 content=st_body({"x": xs[i], "counts": cs[i]}))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert out[1].status_code == 500 and "RuntimeError" in out[1].json()["error"]
+        for i in (0, 2):
+            assert out[i].status_code == 200, out[i].text
+            torch.testing.assert_close(st_load(out[i].content)["y"].double(),
+                                       mm_ref(xs[i], w, cs[i]), atol=1e-4, rtol=1e-4)
+        assert engine.failed_launches == 2  # the merged launch, then the 13-row one alone
+        assert client.get("/v2/health/ready").status_code == 200
+
+
+def _raw_st(header: dict, data: bytes = b"") -> bytes:
+    import json
+    import struct
+
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def test_hostile_inputs_get_4xx_with_a_json_error(tmp_path):
+    app = create_app(_settings(tmp_path))
+    w = torch.randn(4, 32, 4)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/m", content=st_body({"w": w})).status_code == 201
+        x = torch.randn(10, 32)
+
+        def mm(body, **headers):
+            return client.post("/v1/weights/m/grouped-mm", content=body, headers=headers)
+
+        # int64 counts whose sum wraps around to T
+        big = torch.tensor([3, 2**63 - 2**32, 2**63 - 2**32, 2**33 + 7], dtype=torch.int64)
+        r = mm(st_body({"x": x, "counts": big}))
+        assert r.status_code == 422 and "counts must be <= T = 10" in r.json()["error"]
+        offs = torch.tensor([2**62, -2**63 + 5, 3, 10], dtype=torch.int64)
+        r = mm(st_body({"x": x, "offs": offs}))
+        assert r.status_code == 422 and "offs must" in r.json()["error"]
+        # a K=0 problem has no FLOPs but a 2 GiB answer
+        body = st_body({"a.0": torch.zeros(8, 0), "b.0": torch.zeros(0, 1 << 26)})
+        r = client.post("/v1/grouped-gemm", content=body)
+        assert r.status_code == 422 and "--max-output-bytes" in r.json()["error"]
+        # zero-size tensors declaring dimensions past int64 / int32
+        for shape in ([2**64, 0], [2**32, 2**32, 0]):
+            body = _raw_st({"a.0": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]},
+                            "b.0": {"dtype": "F32", "shape": [0, 4], "data_offsets": [0, 0]}})
+            r = client.post("/v1/grouped-gemm", content=body)
+            assert r.status_code == 400 and "shape must be a list of ints in" in r.json()["error"]
+        # JSON: an integer beyond float64, a body nested past the parser's recursion limit
+        js = {"content-type": "application/json"}
+        r = client.post("/v1/weights/m/grouped-mm", headers=js,
+                        content=b'{"x": [[' + b"1" * 400 + b"]], \"counts\": [1, 0, 0, 0]}")
+        assert r.status_code == 400 and "float64" in r.json()["error"]
+        r = client.post("/v1/weights/m/grouped-mm", headers=js,
+                        content=b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+        assert r.status_code == 400 and "JSON" in r.json()["error"]
+        # timeouts: a number too long for a float, digits with underscores
+        ok_body = st_body({"x": x, "counts": torch.tensor([1, 2, 3, 4], dtype=torch.int32)})
+        for bad in ("1" + "0" * 400, "1_000_000", "+5"):
+            r = mm(ok_body, **{"x-timeout-us": bad})
+            assert r.status_code == 400 and "x-timeout-us must be" in r.json()["error"], bad
+        assert mm(ok_body, **{"x-timeout-us": "999999999999999999"}).status_code == 200
+        # v2: a value that does not fit the declared INT32, a shape past int32
+        req = {"inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [10, 32], "data": x.tolist()},
+            {"name": "counts", "datatype": "INT32", "shape": [4], "data": [2**32 + 3, 0, 5, 2]}]}
+        r = client.post("/v2/models/m/infer", json=req)
+        assert r.status_code == 400 and "does not fit INT32" in r.json()["error"]
+        req["inputs"][1]["data"] = [3, 0, 5, 2]
+        req["parameters"] = {"timeout": 10**400}
+        r = client.post("/v2/models/m/infer", json=req)
+        assert r.status_code == 200, r.text  # beyond a year: no timeout (was a 500)
+        req.pop("parameters")
+        req["inputs"][0] = {"name": "x", "datatype": "FP32", "shape": [2**63, 0], "data": []}
+        r = client.post("/v2/models/m/infer", json=req)
+        assert r.status_code == 400 and "dimension over" in r.json()["error"]

@@ -65,9 +65,9 @@ def test_safetensors_unaligned_offsets_are_copied():
         (_raw({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
          "needs 8 bytes"),
         (_raw({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
-         "ints >= 0"),
+         "shape must be a list of ints in"),
         (_raw({"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4),
-         "ints >= 0"),
+         "shape must be a list of ints in"),
         (_raw({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 4),
          "do not lie"),
         (_raw({"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4),
@@ -81,8 +81,10 @@ def test_safetensors_unaligned_offsets_are_copied():
          "unknown dtype"),
         (_raw({"x": [1, 2]}), "must be an object"),
         (_raw({"__metadata__": {"a": 1}}), "__metadata__"),
-        (_raw({"x": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 4]}},
+        (_raw({"x": {"dtype": "F32", "shape": [2**31 - 1, 2**31 - 1], "data_offsets": [0, 4]}},
               b"\0" * 4), "needs"),
+        (_raw({"x": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 4]}},
+              b"\0" * 4), "shape must be a list of ints in"),
     ],
 )
 def test_safetensors_lies_are_400(body, match):

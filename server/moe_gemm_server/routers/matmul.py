@@ -20,7 +20,13 @@ from ..errors import request_id_of
 from ..jobs import gemm_job, mm_job
 from ..limits import read_body
 from ..service import ClientGone
-from .common import body_format, check_json_answer, native_params, tensors_response
+from .common import (
+    body_format,
+    check_json_answer,
+    native_params,
+    off_loop_if_large,
+    tensors_response,
+)
 
 router = APIRouter(tags=["matmul"])
 
@@ -36,7 +42,8 @@ async def grouped_mm(name: str, request: Request) -> Response:
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
         if fmt == "json":
-            tensors = decode_json_grouped_mm(parse_json_object(body), ws.K)
+            tensors = await off_loop_if_large(
+                body, lambda: decode_json_grouped_mm(parse_json_object(body), ws.K))
         else:
             tensors = decode_safetensors(body)
         job = mm_job(ws, tensors, service.settings,
@@ -63,7 +70,8 @@ async def grouped_gemm(request: Request) -> Response:
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
         if fmt == "json":
-            tensors = decode_json_grouped_gemm(parse_json_object(body))
+            tensors = await off_loop_if_large(
+                body, lambda: decode_json_grouped_gemm(parse_json_object(body)))
         else:
             tensors = decode_safetensors(body)
         job = gemm_job(tensors, service.settings,

@@ -25,7 +25,7 @@ from ..jobs import mm_job
 from ..limits import read_body
 from ..service import ClientGone, Service
 from ..v2 import TORCH_TO_V2, V2Request, encode_response, parse_request
-from .common import check_json_answer
+from .common import check_json_answer, off_loop_if_large
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 
@@ -150,7 +150,8 @@ async def _infer(name: str, request: Request, service: Service) -> Response:
     ws = service.weight_set(name)
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
-        req, tensors = parse_request(body, request.headers.get("inference-header-content-length"))
+        hlen = request.headers.get("inference-header-content-length")
+        req, tensors = await off_loop_if_large(body, lambda: parse_request(body, hlen))
         unknown = set(tensors) - {"x", "counts", "offs"}
         if unknown:
             raise bad_request(f"unexpected input(s) {sorted(unknown)}; model {name!r} takes "

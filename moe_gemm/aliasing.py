@@ -1,0 +1,109 @@
+"""Does an output share memory with an input or with another output?
+
+The kernels read A and B while other CTAs already store D, and the torch backend writes one
+expert at a time, so an `out` that overlaps an operand would give a silently wrong result.
+The ops run such a call into a temporary and copy it into `out` (the result is then exactly
+as if the operands had been cloned); outputs that overlap each other are an error, as they are
+for torch's own out= functions.
+
+Checks are host-only (shapes, strides, addresses) and cheap for the common cases: tensors in
+different allocations are disjoint by their byte spans; two row-major 2-D views of one buffer
+(e.g. column blocks of a wider matrix) are decided exactly; anything else whose spans meet is
+treated as overlapping (a copy too many, never a wrong answer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first byte, one past the last byte] that t's elements can touch (None if empty)."""
+    if t.numel() == 0:
+        return None
+    lo = hi = t.data_ptr()
+    size = t.element_size()
+    for n, s in zip(t.shape, t.stride()):
+        ext = (n - 1) * s * size
+        if ext < 0:
+            lo += ext
+        else:
+            hi += ext
+    return lo, hi + size
+
+
+def _rows_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact for two 2-D views with unit column stride, one row stride and one element size:
+    True when no element of one is an element of the other."""
+    if a.dim() != 2 or b.dim() != 2 or a.element_size() != b.element_size():
+        return False
+    (ma, na), (mb, nb) = a.shape, b.shape
+    s0 = a.stride(0)
+    if s0 != b.stride(0) or (na > 1 and a.stride(1) != 1) or (nb > 1 and b.stride(1) != 1):
+        return False
+    if s0 < max(na, nb) or s0 <= 0:
+        return False
+    d, rem = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if rem:
+        return False
+    # b's row j starts at a's row q + j plus r elements (0 <= r < s0): it can meet a's row
+    # q + j (when r < na) or a's row q + j + 1 (when r + nb > s0).
+    q, r = divmod(d, s0)
+
+    def rows_meet(shift: int) -> bool:  # some j in [0, mb) with 0 <= q + j + shift < ma
+        return max(0, -(q + shift)) < min(mb, ma - (q + shift))
+
+    return not ((r < na and rows_meet(0)) or (r + nb > s0 and rows_meet(1)))
+
+
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """False only when a and b certainly share no element."""
+    sa, sb = _span(a), _span(b)
+    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
+        return False
+    return not _rows_disjoint(a, b)
+
+
+def overlaps_any(out: torch.Tensor, tensors) -> bool:
+    """may_overlap(out, t) for any t. First by allocation (one storage address per tensor,
+    the per-call cost on grouped_mm's out= path); spans only for tensors in out's one."""
+    base = out.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == base and may_overlap(out, t)
+               for t in tensors if isinstance(t, torch.Tensor))
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Two of t's indices address one element (an expanded or zero-stride tensor)."""
+    return torch._debug_has_internal_overlap(t) == 1
+
+
+def outputs_aliasing_inputs(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[int]:
+    """Indices of the outputs that may share memory with an input, after checking that no two
+    outputs share memory (ValueError naming them). One sweep over the byte spans sorted by
+    start (O(n log n) when nothing meets; inputs may overlap each other freely)."""
+    items = []
+    for i, o in enumerate(outs):
+        if (sp := _span(o)) is not None:
+            items.append((sp[0], sp[1], True, i))
+    for j, t in enumerate(inputs):
+        if (sp := _span(t)) is not None:
+            items.append((sp[0], sp[1], False, j))
+    items.sort(key=lambda it: it[0])
+    aliased: set[int] = set()
+    active: list[tuple[int, bool, int]] = []  # (end, is_out, index) of spans still open
+    for lo, hi, is_out, idx in items:
+        active = [a for a in active if a[0] > lo]
+        for _, other_out, jdx in active:
+            if not (is_out or other_out):
+                continue
+            if is_out and other_out:
+                if not _rows_disjoint(outs[jdx], outs[idx]):
+                    a, b = sorted((idx, jdx))
+                    raise ValueError(f"out[{a}] and out[{b}] share memory; each problem "
+                                     f"needs its own output")
+                continue
+            o, t = (idx, jdx) if is_out else (jdx, idx)
+            if o not in aliased and not _rows_disjoint(outs[o], inputs[t]):
+                aliased.add(o)
+        active.append((hi, is_out, idx))
+    return sorted(aliased)
