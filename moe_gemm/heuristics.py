@@ -113,11 +113,8 @@ def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: fl
     if config.schedule != "auto":
         schedule = config.schedule
     else:
-        schedule = ("pingpong" if avg_k_tiles <= SHORT_K_TILES and max_n >= 192
-                    else "cooperative")
-        schedule = _schedule_for_tile(schedule, config)
-        if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
-            schedule = "cooperative"  # clusters are built for the cooperative schedule
+        schedule = _fit_schedule("pingpong" if avg_k_tiles <= SHORT_K_TILES and max_n >= 192
+                                 else "cooperative", config)
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
@@ -148,9 +145,7 @@ def choose_varlen(
             # rows/expert: pingpong 128x192 213 / 216 us vs cooperative 128x256 222 / 221 (two
             # runs, H200, 2026-11-21); at K=1408 (moe-down) cooperative still wins, 191 vs 200.
             schedule = "pingpong"
-        schedule = _schedule_for_tile(schedule, config)
-        if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
-            schedule = "cooperative"
+        schedule = _fit_schedule(schedule, config)
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
@@ -237,20 +232,23 @@ def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
     return config.cluster_m, config.cluster_n or 1
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule_for_tile(schedule: str, config: GemmConfig) -> str:
-    """The automatic schedule, kept to one that builds the config's own tile (a tile given
-    with schedule="auto", e.g. 128x256, is built for one schedule only)."""
-    if config.tile_m is None:
-        return schedule
-    tile = (config.tile_m, config.tile_n)
-    if schedule == "pingpong" and tile not in PINGPONG_TILES:
-        return "cooperative"
-    if schedule == "cooperative" and tile not in COOPERATIVE_TILES:
-        return "pingpong"
+def _fit_schedule(schedule: str, config: GemmConfig) -> str:
+    """The rule's schedule (for schedule="auto"), fitted to what the config fixes: a given tile
+    built for one schedule only (e.g. 128x256 cooperative) selects it, and clusters are built
+    for the cooperative schedule (a ping-pong-only tile with a cluster then fails
+    _check_tile with the reason)."""
+    if config.tile_m is not None:
+        tile = (config.tile_m, config.tile_n)
+        if schedule == "pingpong" and tile not in PINGPONG_TILES:
+            schedule = "cooperative"
+        elif schedule == "cooperative" and tile not in COOPERATIVE_TILES:
+            schedule = "pingpong"
+    if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
+        schedule = "cooperative"
     return schedule
 
 
+@functools.lru_cache(maxsize=64)
 def _check_tile(schedule: str, tile: tuple[int, int]) -> None:
     allowed = PINGPONG_TILES if schedule == "pingpong" else COOPERATIVE_TILES
     if tile not in allowed:

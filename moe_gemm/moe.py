@@ -296,7 +296,7 @@ def _check_routing(
             "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
             f"{routed_scaling_factor} with softmax (scale the layer's output instead)"
         )
-    if not isinstance(renormalize, (bool, int)) or isinstance(renormalize, float):
+    if not isinstance(renormalize, int):  # a bool (or 0 / 1)
         raise TypeError(f"renormalize must be a bool; got {renormalize!r}")
     if scoring == "sigmoid":
         # Same checks the router runs per call, done once here so bad settings fail early.

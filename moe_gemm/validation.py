@@ -183,6 +183,7 @@ def check_grouped_gemm(
     sizes = [(sa[0], sb[1], sa[1]) for sa, sb in zip(a_shapes, b_shapes)]
     odt = resolve_out_dtype(dtype, out_dtype)
     out_list = None
+    aliased: tuple[int, ...] = ()
     if out is not None:
         out_list = _as_tensor_list("out", out, "(M_i, N_i)")
         if len(out_list) != len(a_list):
@@ -204,10 +205,9 @@ def check_grouped_gemm(
             if oi.device != device:
                 raise ValueError(f"out[{i}] is on {oi.device} but the operands are on {device}")
             _check_writable_out(f"out[{i}]", oi)
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():  # (under tracing there is no memory to compare)
             aliased = tuple(outputs_aliasing_inputs(out_list, a_list + b_list))
-            return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device, sizes, aliased)
-    return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device, sizes)
+    return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device, sizes, aliased)
 
 
 def _explain_grouped_gemm(

@@ -323,9 +323,7 @@ class Batcher:
             results = await self._launch(batch)
         except Exception as e:  # noqa: BLE001 - delivered to the request(s) it belongs to
             if len(batch) == 1:
-                if not isinstance(e, EngineOutOfMemory):
-                    log.exception("launch of 1 request failed")
-                self._fail(batch[0], e)
+                self._fail_launch(batch[0], e)
                 return
             # A merged launch fails as a whole (out of memory, or one request the checks
             # let through that the launch cannot take): each request runs alone, so only the
@@ -338,7 +336,7 @@ class Batcher:
                 try:
                     (result,) = await self._launch([job])
                 except Exception as e1:  # noqa: BLE001 - delivered to the request
-                    self._fail(job, e1)
+                    self._fail_launch(job, e1)
                 else:
                     self._deliver(job, result)
             return
@@ -375,6 +373,12 @@ class Batcher:
             job.state = "done"
         if job.future is not None and not job.future.done():
             job.future.set_result(result)
+
+    def _fail_launch(self, job: Job, exc: BaseException) -> None:
+        """A launch of this job alone failed: logged (out of memory is expected, not a bug)."""
+        if not isinstance(exc, EngineOutOfMemory):
+            log.error("launch of request %s failed", job.request_id, exc_info=exc)
+        self._fail(job, exc)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         if job.state == "running":

@@ -50,6 +50,21 @@ def _wait_ready(client: TestClient) -> None:
         time.sleep(0.01)
 
 
+def _post_concurrently(client: TestClient, url: str, bodies: list[bytes]) -> dict[int, object]:
+    """POST every body at once (one thread each, so the batcher can merge them); i -> reply."""
+    out: dict[int, object] = {}
+
+    def send(i: int) -> None:
+        out[i] = client.post(url, content=bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
 def _settings(tmp_path, **kw) -> Settings:
     return Settings(data_dir=tmp_path / "data", **kw)
 
@@ -69,17 +84,8 @@ def test_out_of_memory_answers_503_and_the_server_goes_on(tmp_path):
         # two requests that fit alone but not together: merged launch fails, each is retried
         xs = [torch.randn(60, 8), torch.randn(70, 8)]
         cs = [torch.tensor([30, 30], dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32)]
-        out: dict[int, object] = {}
-
-        def send(i: int) -> None:
-            out[i] = client.post("/v1/weights/m/grouped-mm",
-                                 content=st_body({"x": xs[i], "counts": cs[i]}))
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        out = _post_concurrently(client, "/v1/weights/m/grouped-mm",
+                                 [st_body({"x": x, "counts": c}) for x, c in zip(xs, cs)])
         for i in range(2):
             assert out[i].status_code == 200, out[i].text
             torch.testing.assert_close(st_load(out[i].content)["y"].double(),
@@ -265,17 +271,8 @@ def test_a_failing_request_does_not_fail_the_others_merged_with_it(tmp_path):
         rows = [20, 13, 30]
         xs = [torch.randn(m, 8) for m in rows]
         cs = [torch.tensor([m // 2, m - m // 2], dtype=torch.int32) for m in rows]
-        out: dict[int, object] = {}
-
-        def send(i: int) -> None:
-            out[i] = client.post("/v1/weights/m/grouped-mm",
-                                 content=st_body({"x": xs[i], "counts": cs[i]}))
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        out = _post_concurrently(client, "/v1/weights/m/grouped-mm",
+                                 [st_body({"x": x, "counts": c}) for x, c in zip(xs, cs)])
         assert out[1].status_code == 500 and "RuntimeError" in out[1].json()["error"]
         for i in (0, 2):
             assert out[i].status_code == 200, out[i].text
