@@ -572,7 +572,7 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
     }
     from .kernels import native
 
-    if run.device.type == "cuda" and native.scan_function() is not None:
+    if run.device.type == "cuda" and native.status() == "native":
         # The same call with the Python operand scan (what runs without a C++ compiler).
         def python_scan() -> object:
             with native.python_scan():

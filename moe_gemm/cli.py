@@ -60,8 +60,11 @@ def info_dict() -> dict[str, object]:
 
 
 def _scan_status() -> str:
+    from .capability import cute_problem
     from .kernels.native import status
 
+    if cute_problem() is not None:
+        return "unused here (the Hopper kernels do not run on this machine)"
     return status()
 
 

@@ -387,6 +387,12 @@ class Engine:
                     b = [torch.randn(k, n, generator=gen).to(dtype)]
                     self.grouped_gemm_many([(a, b)])
                 self._warmed_gemm.add(dtype)
+            if self.device.type == "cuda":
+                # grouped_gemm's C++ host path builds in the background on first use (~10-20 s
+                # once per machine, then loaded from the cache dir): ready means built.
+                from .kernels import native
+
+                log.info("grouped_gemm host path: %s", native.wait(timeout=300))
 
     # ------------------------------------------------------------------ launches
 

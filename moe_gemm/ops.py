@@ -22,7 +22,7 @@ from .capability import cute_problem
 from .config import DEFAULT_CONFIG, GemmConfig
 from .env import env_get
 from .heuristics import TAIL_SPLIT_ENV
-from .kernels.native import native_general
+from .kernels import native
 from .kernels.support import (
     analyze_general,
     fast_general,
@@ -106,10 +106,15 @@ def grouped_gemm(
     """
     if out is None and (config is None or (type(config) is GemmConfig
                                            and config.backend != "torch")):
-        # The common case in one pass (kernels/support.fast_general); anything unusual takes
-        # the detailed path below, which raises or falls back with the exact reason.
-        # The C++ scan (kernels/native.py) where it is built, else the same checks in Python.
-        fast = native_general(a, b, out_dtype) or fast_general(a, b, out_dtype)
+        # The common case: the C++ module (kernels/native.py) reads the operands, makes the
+        # outputs and launches a repeated call from a cached record; it declines anything
+        # unusual. Before it is built (or without a compiler) the same checks run in Python
+        # (kernels/support.fast_general). Anything else takes the detailed path below, which
+        # raises or falls back with the exact reason.
+        outs = native.general_call(a, b, out_dtype, config)
+        if outs is not None:
+            return outs
+        fast = fast_general(a, b, out_dtype)
         if fast is not None and cute_problem(fast[0].device) is None:
             from .kernels.host_sm90 import grouped_gemm_cute
 

@@ -114,11 +114,16 @@ def main() -> int:
     keys = variant_set(args.set)
     print(f"{len(keys)} variants -> {os.environ.get('MOE_GEMM_CACHE_DIR', '~/.cache/moe_gemm')}")
     failed = 0
+    # grouped_gemm's C++ module (kernels/native.py) builds beside the kernels.
+    from moe_gemm.kernels import native
+
+    native.start()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for fut in as_completed([pool.submit(_compile_one, k) for k in keys]):
             name, secs, status = fut.result()
             failed += status != "ok"
             print(f"{secs:6.1f}s {status:8s} {name}", flush=True)
+    print(f"grouped_gemm host path: {native.status()}", flush=True)
     return 1 if failed else 0
 
 

@@ -240,7 +240,9 @@ class GeneralShape:
                  config: GemmConfig, nsm: int, trace: bool):
         self.G = G = len(sizes)
         self.sizes = sizes
+        self.ab_dtype = ab
         self.out_dtype = d
+        self.b_major = b_major
         self.choice = choice = choose_general(config, sizes, nsm)
         order = sched.ksort_permutation(sizes) if choice.sort_by_k else None
         # None when the order is the caller's: the per-call metadata then skips a gather.
@@ -282,6 +284,32 @@ class GeneralShape:
         return ([p[: m * n].view(m, n) for p, (m, n, _) in zip(parts, self.sizes)],
                 block.data_ptr())
 
+    def output_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(block shape, element offset of each output in it): what new_outputs makes, for
+        the C++ module (kernels/native.py), which makes the same outputs without Python."""
+        pieces = [m * n for m, n, _ in self.sizes] if self.rows is not None else self.lens
+        return self.out_shape, tuple(itertools.accumulate(pieces, initial=0))[: self.G]
+
+    def metadata(self, a_ptr, b_ptr, a_ld, b_ld, out_cols=None) -> torch.Tensor:
+        """The (G, 8) int64 rows [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld, M | N << 32,
+        K] in launch order, in pinned host memory, filled column by column (numpy).
+        out_cols: a caller's outputs (addresses, row strides); None = our block's layout."""
+        meta = _pinned((self.G, 8), torch.int64)
+        m = meta.numpy()
+        m[:, 0] = a_ptr
+        m[:, 1] = b_ptr
+        m[:, 3] = a_ld
+        m[:, 4] = b_ld
+        m[:, 6:] = self.static[:, 2:]
+        if out_cols is None:
+            m[:, 2] = self.static[:, 0]
+            m[:, 5] = self.static[:, 1]
+        else:
+            m[:, 2], m[:, 5] = out_cols
+        if self.order_np is not None:
+            m[:] = m[self.order_np]
+        return meta
+
 
 @functools.lru_cache(maxsize=256)
 def general_shape(sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
@@ -297,6 +325,27 @@ def grouped_gemm_cute(
     trace: bool = False,
 ) -> list[torch.Tensor]:
     return GeneralLaunch(args, config, layout=layout, trace=trace).launch()
+
+
+def general_record(shape: GeneralShape, device: torch.device, a_ptr, b_ptr, a_ld, b_ld
+                   ) -> tuple[object, tuple, tuple]:
+    """A launch record for the C++ module (kernels/native.py): (kernel, its arguments but the
+    last, d_base; LaunchInfo's raw tuple). Its metadata is uploaded here, once; the module keys
+    the record by operand addresses, leading dims, stream and thread, so the metadata and the
+    workspace are only ever used on the stream they were made on. Never called while a CUDA
+    graph is captured (the module declines then)."""
+    meta_dev = shape.metadata(a_ptr, b_ptr, a_ld, b_ld).to(device, non_blocking=True)
+    choice = shape.choice
+    seed_a, seed_w, seed_d, offs, no_table, no_trace = _general_placeholders(
+        device, shape.ab_dtype, shape.out_dtype, shape.b_major)
+    table = (_table_tensor(shape.counts, shape.num_ctas, device)
+             if choice.visitor == "host" else no_table)
+    workspace = _kernel_workspace(device, shape.num_ctas, choice)
+    args = (seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table,
+            workspace, no_trace, shape.G, shape.num_ctas, choice.swizzle, choice.a_policy,
+            choice.b_policy, PDL)
+    raw = (choice, shape.num_ctas, shape.G, shape.launch_order, None)
+    return shape.kernel, args, raw
 
 
 class GeneralLaunch:
@@ -362,7 +411,7 @@ class GeneralLaunch:
         else:
             meta_dev = None
         if meta_dev is None:
-            meta = self._metadata(layout.a_ptr, b_ptr, layout.a_ld, b_ld, out_cols)
+            meta = shape.metadata(layout.a_ptr, b_ptr, layout.a_ld, b_ld, out_cols)
             if persistent:
                 meta_dev = meta.to(device)  # once, synchronously: the pinned buffer can go
             else:
@@ -386,26 +435,6 @@ class GeneralLaunch:
         self.placeholders = placeholders
         self.table = (_table_tensor(shape.counts, shape.num_ctas, device)
                       if shape.choice.visitor == "host" else placeholders[4])
-
-    def _metadata(self, a_ptr, b_ptr, a_ld, b_ld, out_cols) -> torch.Tensor:
-        """The (G, 8) int64 rows [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld, M | N << 32,
-        K] in launch order, in pinned host memory, filled column by column (numpy)."""
-        shape = self.shape
-        meta = _pinned((self.G, 8), torch.int64)
-        m = meta.numpy()
-        m[:, 0] = a_ptr
-        m[:, 1] = b_ptr
-        m[:, 3] = a_ld
-        m[:, 4] = b_ld
-        m[:, 6:] = shape.static[:, 2:]
-        if out_cols is None:
-            m[:, 2] = shape.static[:, 0]
-            m[:, 5] = shape.static[:, 1]
-        else:
-            m[:, 2], m[:, 5] = out_cols
-        if shape.order_np is not None:
-            m[:] = m[shape.order_np]
-        return meta
 
     def launch(self) -> list[torch.Tensor]:
         shape = self.shape

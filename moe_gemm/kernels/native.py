@@ -1,26 +1,33 @@
-"""grouped_gemm's per-call operand scan in C++ (native/scan_general.cc), built on first use.
+"""grouped_gemm's per-call host work in C++ (native/general_call.cc), built in the background.
 
-The list API reads every tensor's dtype, device, shape, strides and address on every call. In
-Python that is six attribute calls per tensor (~1.2 us per problem on an H200 host, the
-largest part of a grouped_gemm call); the C++ scan reads the same fields from one DLPack
-conversion per tensor, done by TVM-FFI (the CuTe DSL's own dependency) in C.
+A grouped_gemm call on lists reads every operand (dtype, device, shape, strides, address),
+allocates G outputs and launches. In Python that is ~1.2 us per problem plus ~0.9 us per output
+view on an H200 host; the C++ module reads the at::Tensors directly, makes the outputs as plain
+tensors on one fresh allocation, and launches a repeated call from a cached record (the
+uploaded metadata for the same operand addresses, the serving loop) without entering the
+Python host wrapper. See general_call.cc for the two caches and what they key on.
 
-The module is compiled once per machine with the system C++ compiler (`$CXX`, else `c++`)
-against TVM-FFI's headers and stable C ABI (no torch headers: ~3 s), into
-`<cache dir>/native/<hash of source, TVM-FFI version, compiler>/`, written under a temporary
-name and renamed into place. Without a compiler, or with MOE_GEMM_NATIVE=0, grouped_gemm uses
-the Python scan (kernels/support.fast_general), which accepts and rejects exactly the same
-inputs (tests/kernels/test_native.py compares the two); `status()` says which one runs and why.
+It is compiled once per machine and torch/Python version with the system C++ compiler
+(`$CXX`, else `c++`) against torch's and Python's headers (~10-20 s), into
+`<cache dir>/native/<hash>/`, written under a temporary name and renamed into place. The build
+starts in a background thread on the first grouped_gemm call where the kernels run (or on
+`wait()` / `status()`); until it is loaded, and without a compiler or Python headers, or with
+MOE_GEMM_NATIVE=0, grouped_gemm uses the Python scan (kernels/support.fast_general), which
+accepts and rejects exactly the same inputs (tests/kernels/test_native.py compares them).
+`status()` says which one runs and why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -34,15 +41,20 @@ from ..env import env_switch
 from ..validation import GroupedGemmArgs
 from .support import MAX_PROBLEMS, GeneralLayout
 
-SOURCE = Path(__file__).parent / "native" / "scan_general.cc"
-ROWS = 7  # a_ptr, b_ptr, a_ld, b_ld, M, N, K (scan_general.cc's Row enum)
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # scan_general.cc's dtype index
+SOURCE = Path(__file__).parent / "native" / "general_call.cc"
+MODULE_NAME = "_moe_gemm_native"  # general_call.cc's PyInit__moe_gemm_native
+ROWS = 7  # a_ptr, b_ptr, a_ld, b_ld, M, N, K (general_call.cc's Row enum)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # general_call.cc's dtype index
 _DTYPE_INDEX = {d: i for i, d in enumerate(_DTYPES)}
+BUILD_TIMEOUT_S = 600
 
 SIZES_CACHE_ENTRIES = 1024
 _sizes: dict[bytes, tuple[tuple[int, int, int], ...]] = {}
 _lock = threading.Lock()
+# "thread": the build; "why": None once loaded, else why the Python scan runs.
 _state: dict[str, object] = {}
+_mod = None  # the loaded module (read on every grouped_gemm call)
+_paused = 0  # python_scan() blocks open
 _devices: dict[int, torch.device] = {}
 
 
@@ -55,26 +67,34 @@ def _compiler() -> str | None:
     return cxx if cxx else shutil.which("c++") or shutil.which("g++")
 
 
-def _build(cxx: str) -> Path:
-    import tvm_ffi
-    from tvm_ffi import libinfo
+def _python_include() -> Path:
+    return Path(sysconfig.get_paths()["include"])
 
+
+def _build(cxx: str) -> Path:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(
-        src + f"|{tvm_ffi.__version__}|{cxx}|{sys.platform}".encode()).hexdigest()[:16]
+        src + f"|{torch.__version__}|{torch_dir}|{sys.version}|{cxx}|{sys.platform}|{abi}"
+        .encode()).hexdigest()[:16]
     out_dir = cache_root() / "native" / tag
-    lib = out_dir / "scan_general.so"
+    lib = out_dir / f"{MODULE_NAME}{suffix}"
     if lib.exists():
         return lib
+    if not (_python_include() / "Python.h").exists():
+        raise RuntimeError(f"no Python headers at {_python_include()} (install python3-dev)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib_dir = os.path.dirname(libinfo.find_libtvm_ffi())
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    lib_dir = torch_dir / "lib"
+    fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
     os.close(fd)
     cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-           f"-I{libinfo.find_include_path()}", f"-I{libinfo.find_dlpack_include_path()}",
-           str(SOURCE), f"-L{lib_dir}", "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}", "-o", tmp]
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{_python_include()}",
+           f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
+           "-ltorch_python", f"-Wl,-rpath,{lib_dir}", "-o", tmp]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: a concurrent build or a killed one leaves no half file
@@ -84,48 +104,96 @@ def _build(cxx: str) -> Path:
     return lib
 
 
-def scan_function():
-    """The loaded C++ scan, or None (status() says why); built on the first call."""
-    fn = _state.get("fn", False)
-    if fn is not False:
-        return fn
-    with _lock:
-        if "fn" not in _state:
-            _state["fn"] = None
-            if not _enabled():
-                _state["why"] = "disabled by MOE_GEMM_NATIVE=0"
-            elif (cxx := _compiler()) is None:
-                _state["why"] = "no C++ compiler (set CXX or install g++)"
-            else:
-                try:
-                    import tvm_ffi
+def _load(lib: Path):
+    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(lib))
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, str(lib), loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    from . import host_sm90
 
-                    _state["fn"] = tvm_ffi.load_module(str(_build(cxx)))["scan_general"]
-                    _state["why"] = None
-                except Exception as exc:  # noqa: BLE001 - the Python scan still works
-                    _state["why"] = f"build or load failed: {exc}"
-    return _state["fn"]
+    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    mod.init(capturing if torch.cuda.is_available() else None, host_sm90._local)
+    return mod
+
+
+def _build_and_load() -> None:
+    global _mod
+    why: str | None
+    mod = None
+    if not _enabled():
+        why = "disabled by MOE_GEMM_NATIVE=0"
+    elif (cxx := _compiler()) is None:
+        why = "no C++ compiler (set CXX or install g++)"
+    else:
+        try:
+            mod = _load(_build(cxx))
+            why = None
+        except Exception as exc:  # noqa: BLE001 - the Python scan still works
+            why = f"build or load failed: {exc}"
+    with _lock:
+        _state["why"] = why
+        _state["module"] = mod
+        if why is None and not _paused:
+            _mod = mod
+
+
+def start() -> threading.Thread:
+    """Starts the build (once per process); returns its thread."""
+    with _lock:
+        thread = _state.get("thread")
+        if thread is None:
+            thread = _state["thread"] = threading.Thread(
+                target=_build_and_load, name="moe_gemm-native-build", daemon=True)
+            thread.start()
+    return thread  # type: ignore[return-value]
+
+
+def wait(timeout: float | None = None) -> str:
+    """Starts the build if needed, waits for it (at most `timeout` s); returns status()."""
+    start().join(timeout)
+    return status(wait=False)
+
+
+def status(wait: bool = True) -> str:
+    """'native', 'python (<why>)' or 'python (building)': what grouped_gemm uses here.
+    By default waits for the build (status is a diagnostic)."""
+    if wait:
+        start().join()
+    if "why" not in _state:
+        return "python (building)" if "thread" in _state else "python (not built yet)"
+    why = _state["why"]
+    return "native" if why is None else f"python ({why})"
+
+
+def loaded():
+    """The loaded module (building first, synchronously, if needed), or None."""
+    start().join()
+    return _state.get("module")
 
 
 @contextlib.contextmanager
 def python_scan() -> Iterator[None]:
     """Within the block grouped_gemm uses the Python scan, as on a machine without a C++
     compiler (benchmarks and tests compare the two in one process; not thread-safe)."""
-    saved = _state.get("fn", False)
-    _state["fn"] = None
+    global _mod, _paused
+    with _lock:
+        _paused += 1
+        _mod = None
     try:
         yield
     finally:
-        if saved is False:
-            _state.pop("fn", None)
-        else:
-            _state["fn"] = saved
+        with _lock:
+            _paused -= 1
+            if not _paused:
+                _mod = _state.get("module")
 
 
-def status() -> str:
-    """'native' or 'python (<why>)': which scan grouped_gemm uses here."""
-    fn = scan_function()
-    return "native" if fn is not None else f"python ({_state.get('why')})"
+def forget() -> None:
+    """Drops the module's cached problem sets and launch records (tests)."""
+    mod = _state.get("module")
+    if mod is not None:
+        mod.forget()
 
 
 def _device(index: int) -> torch.device:
@@ -138,51 +206,98 @@ def _device(index: int) -> torch.device:
 def _kernels_run_on(a) -> bool:
     from ..capability import cute_problem
 
-    a0 = a[0] if a else None
-    return type(a0) is torch.Tensor and a0.is_cuda and cute_problem(a0.device) is None
+    a0 = a[0] if type(a) in (list, tuple) and a else None
+    return isinstance(a0, torch.Tensor) and a0.is_cuda and cute_problem(a0.device) is None
+
+
+def _out_index(out_dtype) -> int | None:
+    if out_dtype is None:
+        return -1
+    if type(out_dtype) is not torch.dtype:
+        return None  # validation names what is expected
+    return _DTYPE_INDEX.get(out_dtype)
+
+
+def general_call(a: object, b: object, out_dtype: torch.dtype | None, config: object, *,
+                 require_cuda: bool = True) -> list[torch.Tensor] | None:
+    """grouped_gemm(a, b) launched through the C++ module: its outputs, or None where the
+    module declines (anything outside the common case, grad-requiring operands under grad
+    mode, CUDA-graph capture) or is not loaded yet: the caller then takes the Python path.
+    config: None or a GemmConfig whose backend is not "torch" (the caller checks)."""
+    mod = _mod
+    if mod is None:
+        if "thread" not in _state and not _paused and require_cuda and _kernels_run_on(a):
+            start()
+        return None
+    odt = _out_index(out_dtype)
+    if odt is None:
+        return None
+    res = mod.call(a, b, odt, config, require_cuda)
+    if res is None or type(res) is list:
+        return res
+    return _first_calls(mod, res, a, b, odt, out_dtype, config, require_cuda)
+
+
+def _first_calls(mod, res, a, b, odt, out_dtype, config, require_cuda):
+    """A problem set or operand addresses seen for the first time: register, then launch."""
+    from ..capability import cute_problem
+    from ..config import DEFAULT_CONFIG
+    from ..env import env_get
+    from . import host_sm90 as host
+
+    if len(res) == 2:  # a new problem set: its GeneralShape and output layout
+        code, cols = res
+        device = _device(code >> 4 & 255) if require_cuda else torch.device("cpu")
+        if require_cuda and cute_problem(device) is not None:
+            return None
+        c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
+        sizes = tuple(zip(c[4].tolist(), c[5].tolist(), c[6].tolist()))
+        dtype = _DTYPES[code & 15]
+        odtype = dtype if out_dtype is None else out_dtype
+        shape = host.general_shape(sizes, dtype, odtype, "k" if code >> 20 & 1 else "n",
+                                   config or DEFAULT_CONFIG, host.sm_count(device), False,
+                                   env_get("MOE_GEMM_L2_HINTS"))
+        block_shape, offsets = shape.output_layout()
+        mod.remember_shape(cols, code, odt, config, shape, _DTYPE_INDEX[odtype], block_shape,
+                           offsets)
+        res = mod.call(a, b, odt, config, require_cuda)
+        if res is None or type(res) is list or len(res) == 2:
+            return res if type(res) is list else None
+    shape, outs, d_base, code, cols = res
+    if shape.total == 0:
+        return outs  # every problem empty: nothing to launch
+    device = _device(code >> 4 & 255) if require_cuda else torch.device("cpu")
+    c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
+    record = host.general_record(shape, device, c[0], c[1], c[2], c[3])
+    mod.remember_launch(cols, code, odt, config, require_cuda, record)
+    kernel, args, raw = record
+    kernel(*args, d_base)
+    host._local.raw = raw
+    return outs
 
 
 def native_general(a: object, b: object, out_dtype: torch.dtype | None, *,
                    require_cuda: bool = True) -> tuple[GroupedGemmArgs, GeneralLayout] | None:
-    """support.fast_general's result from the C++ scan, or None where it declines (anything
-    outside the common case, mixed B layouts included) or is unavailable: the caller then
-    runs the Python scan, which handles those cases or names the error."""
-    if type(a) not in (list, tuple) or type(b) not in (list, tuple):
-        return None
-    fn = _state.get("fn", False)
-    if fn is False:
-        # First use: build only where the kernels run (a CPU-only caller never pays it).
-        if require_cuda and not _kernels_run_on(a):
-            return None
-        fn = scan_function()
-    if fn is None:
+    """support.fast_general's result from the C++ scan, or None where it declines or is not
+    loaded (GroupedGemmPlan and the tests; grouped_gemm itself uses general_call)."""
+    mod = _mod
+    if mod is None or type(a) not in (list, tuple) or type(b) not in (list, tuple):
         return None
     G = len(a)
     if G == 0 or G > MAX_PROBLEMS or len(b) != G:
         return None
-    # Plain tensors only, as in the Python scan (a subclass may not own plain memory).
-    Tensor = torch.Tensor
-    types = set(map(type, a))
-    types.update(map(type, b))
-    if len(types) != 1 or Tensor not in types:
+    odt = _out_index(out_dtype)
+    if odt is None:
         return None
-    if out_dtype is not None and type(out_dtype) is not torch.dtype:
-        return None  # validation names what is expected
-    odt = -1 if out_dtype is None else _DTYPE_INDEX.get(out_dtype, -9)
-    if odt == -9:
+    res = mod.scan(a, b, odt, 1 if require_cuda else 0)
+    if res is None:
         return None
-    cols = np.empty((ROWS, G), dtype=np.int64)
-    try:
-        code = fn(a, b, odt, 1 if require_cuda else 0, cols)
-    except Exception:  # noqa: BLE001 - e.g. a tensor DLPack cannot export: Python decides
-        return None
-    if code < 0:
-        return None
+    code, raw = res
+    cols = np.frombuffer(raw, dtype=np.int64).reshape(ROWS, G)
     dtype = _DTYPES[code & 15]
     device = _device(code >> 4 & 255) if require_cuda else a[0].device
-    # The (M, N, K) tuples of a problem set seen before, by the bytes of its size columns: a
-    # serving loop repeats a few sets, and building G tuples costs ~0.2 us per problem.
-    size_key = cols[4:].tobytes()
+    # The (M, N, K) tuples of a problem set seen before, by the bytes of its size columns.
+    size_key = raw[4 * 8 * G:]
     sizes = _sizes.get(size_key)
     if sizes is None:
         if len(_sizes) >= SIZES_CACHE_ENTRIES:

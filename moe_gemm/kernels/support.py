@@ -21,6 +21,10 @@ TMA_ALIGN_BYTES = 16
 # Per-problem TMA descriptors live in a (G, 3, 128 B) workspace and the device visitor scans
 # problem sizes 32 at a time; 65,535 keeps every index comfortably in Int32 arithmetic.
 MAX_PROBLEMS = 65535
+# Tensor types grouped_gemm's fast scans take (a Parameter is a plain tensor with a flag; other
+# subclasses may not own plain memory: FakeTensor, DTensor, ...). native/general_call.cc's
+# THPVariable_CheckExact is the same pair.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def operand_major(t: torch.Tensor) -> str | None:
@@ -236,7 +240,7 @@ def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
     if G == 0 or G > MAX_PROBLEMS:
         return None
     a0 = a[0]
-    if type(a0) is not torch.Tensor or (require_cuda and not a0.is_cuda):
+    if type(a0) not in PLAIN_TENSORS or (require_cuda and not a0.is_cuda):
         return None
     dtype = a0.dtype
     if dtype not in KERNEL_IN_DTYPES:
@@ -247,13 +251,13 @@ def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
     dev = a0.get_device()
     align = TMA_ALIGN_BYTES // dtype.itemsize
     out_align = TMA_ALIGN_BYTES // odt.itemsize
-    Tensor = torch.Tensor
+    plain = PLAIN_TENSORS
     sizes = [(0, 0, 0)] * G
     a_ptr, a_ld, b_ptr, b_ld, majors = [0] * G, [0] * G, [0] * G, [0] * G, [""] * G
     for i in range(G):
         ai = a[i]
         bi = b[i]
-        if type(ai) is not Tensor or type(bi) is not Tensor:
+        if type(ai) not in plain or type(bi) not in plain:
             return None
         if ai.dtype is not dtype or bi.dtype is not dtype:
             return None

@@ -786,16 +786,23 @@ def test_general_fast_path_without_out(kind, config):
 
 @pytest.mark.parametrize("config", [None, GemmConfig(sort_by_k=True, visitor="host")])
 def test_general_fast_path_repeated_calls_reuse_metadata(config):
-    """Repeated grouped_gemm calls on the same buffers reuse one metadata upload (host_sm90's
-    cache): every call must still write its own fresh outputs, see values updated in place,
-    and work from another stream; `out=` tensors that change between calls are honoured."""
-    from moe_gemm.kernels import host_sm90
+    """Repeated grouped_gemm calls on the same buffers reuse one metadata upload (the C++
+    module's launch record, or host_sm90's cache on the Python scan): every call must still
+    write its own fresh outputs, see values updated in place, and work from another stream;
+    `out=` tensors that change between calls are honoured."""
+    from moe_gemm.kernels import host_sm90, native
+
+    mod = native.loaded()
+
+    def uploads():
+        return mod.stats()[1] if mod is not None else len(host_sm90._meta_cache)
 
     sizes = [(37, 256, 512), (0, 256, 64), (128, 256, 4096), (1, 256, 72), (200, 256, 1024)]
     gen = torch.Generator(device="cuda").manual_seed(21)
     a = [_rand((m, k), torch.bfloat16, gen) for m, n, k in sizes]
     b = [_rand((k, n), torch.bfloat16, gen) for m, n, k in sizes]
     host_sm90._meta_cache.clear()
+    native.forget()
 
     def check(tag, res):
         for i, (ai, bi) in enumerate(zip(a, b)):
@@ -803,7 +810,7 @@ def test_general_fast_path_repeated_calls_reuse_metadata(config):
             _check(f"general/meta-cache/{tag}[{i}]", res[i], ref, ai @ bi)
 
     first = moe_gemm.grouped_gemm(a, b, config=config)
-    entries = len(host_sm90._meta_cache)
+    entries = uploads()
     assert entries == 1
     torch.cuda.synchronize()
     check("first", first)
@@ -811,7 +818,8 @@ def test_general_fast_path_repeated_calls_reuse_metadata(config):
     for t in a:  # new values, same addresses
         t.copy_(_rand(t.shape, torch.bfloat16, gen))
     second = moe_gemm.grouped_gemm(a, b, config=config)
-    assert len(host_sm90._meta_cache) == entries  # reused, not uploaded again
+    assert uploads() == entries  # reused, not uploaded again
+    assert second[0].data_ptr() != first[0].data_ptr()
     torch.cuda.synchronize()
     check("second", second)
     assert all(torch.equal(x, y) for x, y in zip(first, kept))  # first results untouched
@@ -862,6 +870,103 @@ def test_general_fast_path_native_scan(seed):
     same = all(torch.equal(x, y) for x, y in zip(res, again))
     record(f"general/native-scan/{seed}/python-scan-bitwise", same)
     assert same
+    repeat = moe_gemm.grouped_gemm(a, b)  # from the launch record
+    torch.cuda.synchronize()
+    same = all(torch.equal(x, y) for x, y in zip(res, repeat))
+    record(f"general/native-scan/{seed}/record-bitwise", same)
+    assert same
+
+
+def _general_problems(seed, sizes=((64, 256, 512), (0, 256, 64), (129, 256, 1024),
+                                   (1, 256, 72), (300, 256, 264))):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = [_rand((m, k), torch.bfloat16, gen) for m, n, k in sizes]
+    b = [_rand((k, n), torch.bfloat16, gen) for m, n, k in sizes]
+    return a, b, gen
+
+
+def _check_general(tag, res, a, b):
+    for i, (ai, bi) in enumerate(zip(a, b)):
+        ref = ai.float() @ bi.float()
+        low = (ai @ bi) if ai.shape[1] else torch.zeros_like(ref).to(torch.bfloat16)
+        _check(f"{tag}[{i}]", res[i], ref, low)
+
+
+def test_general_fast_path_graph_capture_after_records():
+    """grouped_gemm captured in a CUDA graph after eager calls made launch records: the
+    capture takes the Python path (the module declines while capturing) and replays with
+    new operand values in place."""
+    a, b, gen = _general_problems(31)
+    for _ in range(2):
+        eager = moe_gemm.grouped_gemm(a, b)
+    torch.cuda.synchronize()
+    _check_general("general/fast-path-graph/eager", eager, a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_gemm.grouped_gemm(a, b)
+    for trial in range(3):
+        for t in (*a, *b):
+            t.copy_(_rand(t.shape, torch.bfloat16, gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_general(f"general/fast-path-graph/replay{trial}", captured, a, b)
+        again = moe_gemm.grouped_gemm(a, b)
+        torch.cuda.synchronize()
+        same = all(torch.equal(x, y) for x, y in zip(again, captured))
+        record(f"general/fast-path-graph/replay{trial}/eager-bitwise", same)
+        assert same
+
+
+def test_general_fast_path_threads():
+    """Threads calling grouped_gemm at once (each its own operands, then shared ones): every
+    result right; records are per thread and stream."""
+    import threading
+
+    sets = [_general_problems(40 + i) for i in range(4)]
+    shared = _general_problems(50)
+    results: dict[tuple, list] = {}
+    errors: list[BaseException] = []
+
+    def work(i):
+        try:
+            for rep in range(5):
+                a, b, _ = sets[i]
+                results[(i, rep)] = moe_gemm.grouped_gemm(a, b)
+                results[(i, rep, "shared")] = moe_gemm.grouped_gemm(shared[0], shared[1])
+            torch.cuda.current_stream().synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    for key, res in results.items():
+        a, b = (shared[0], shared[1]) if "shared" in key else sets[key[0]][:2]
+        _check_general(f"general/fast-path-threads/{key}", res, a, b)
+
+
+def test_general_fast_path_grad_and_no_grad():
+    """Operands requiring grad: under no_grad grouped_gemm runs from the launch record; under
+    grad mode (a record exists by then) it takes the Python path, whose outputs are linked to
+    the graph so that backward raises (inference-only kernels)."""
+    a, b, _ = _general_problems(60)
+    w = [t.clone().requires_grad_() for t in b]
+    with torch.no_grad():
+        first = moe_gemm.grouped_gemm(a, w)
+        second = moe_gemm.grouped_gemm(a, w)
+    torch.cuda.synchronize()
+    _check_general("general/fast-path-grad/no-grad", second, a, b)
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+    linked = moe_gemm.grouped_gemm(a, w)
+    torch.cuda.synchronize()
+    assert all(r.requires_grad for r in linked if r.numel())
+    _check_general("general/fast-path-grad/grad-mode", [r.detach() for r in linked], a, b)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        sum(r.float().sum() for r in linked).backward()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -247,7 +247,7 @@ def test_minority_b_layout_is_not_cached(kernel: Recorder) -> None:
     assert kernel.calls[0][3] is not kernel.calls[1][3]
 
 
-@pytest.mark.skipif(native.scan_function() is None, reason="C++ scan unavailable")
+@pytest.mark.skipif(native.status() != "native", reason="C++ module unavailable")
 @pytest.mark.parametrize("seed", range(4))
 def test_native_scan_gives_the_same_launch(kernel: Recorder, seed: int) -> None:
     """The C++ scan's layout (numpy columns, bytes cache key) yields the metadata rows, output

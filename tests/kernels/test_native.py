@@ -20,7 +20,7 @@ from moe_gemm.kernels import native
 from moe_gemm.kernels.support import fast_general
 
 pytestmark = pytest.mark.skipif(
-    native.scan_function() is None, reason=f"C++ scan unavailable: {native.status()}")
+    native.status() != "native", reason=f"C++ module unavailable: {native.status()}")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -109,7 +109,6 @@ def test_declines_what_the_kernel_cannot_take():
         "empty": ([], []),
         "not a tensor": ([ok_a, "x"], [ok_b, ok_b]),
         "a numpy array": ([ok_a.float().numpy()], [ok_b.float()]),
-        "a Parameter": ([torch.nn.Parameter(ok_a, requires_grad=False)], [ok_b]),
     }
     for name, (a, b) in cases.items():
         nat = native.native_general(a, b, None, require_cuda=False)
@@ -120,6 +119,19 @@ def test_declines_what_the_kernel_cannot_take():
     assert native.native_general([ok_a], [ok_b], torch.int8, require_cuda=False) is None
     # CPU tensors when CUDA is required.
     assert native.native_general([ok_a], [ok_b], None) is None
+
+
+def test_parameters_are_plain_tensors_to_both_scans():
+    gen = torch.Generator().manual_seed(8)
+    a = [torch.nn.Parameter(_t((16, 64), torch.bfloat16, gen))]
+    b = [torch.nn.Parameter(_t((64, 32), torch.bfloat16, gen), requires_grad=False)]
+    assert _assert_same(a, b) is not None
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = [_t((16, 64), torch.bfloat16, gen).as_subclass(Sub)]
+    assert _both(sub, b) == (None, None)
 
 
 def test_size_one_dims_and_views():
@@ -164,6 +176,7 @@ def test_repeated_sets_share_size_tuples():
 
 def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_mod", None)
     monkeypatch.setenv("MOE_GEMM_NATIVE", "0")
     assert native.status() == "python (disabled by MOE_GEMM_NATIVE=0)"
     t = torch.zeros(8, 16, dtype=torch.bfloat16)
@@ -181,10 +194,11 @@ def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
                     reason="no C++ compiler")
 def test_builds_into_a_fresh_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_mod", None)
     monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     assert native.status() == "native"
-    libs = list(tmp_path.rglob("scan_general.so"))
+    libs = list(tmp_path.rglob(f"{native.MODULE_NAME}*"))
     assert len(libs) == 1 and not [p for p in libs[0].parent.iterdir() if p != libs[0]]
 
 

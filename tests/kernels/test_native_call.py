@@ -1,0 +1,256 @@
+"""grouped_gemm's C++ call path (kernels/native.py general_call) on the CPU.
+
+The compiled kernel is replaced by a recorder, and CPU tensors stand in for CUDA ones
+(require_cuda=False), so these tests check everything the module hands the kernel and the
+caller: the outputs it makes without Python (shapes, strides, one fresh allocation per call,
+no overlap), the metadata rows (the same as the Python host wrapper's), and its two caches
+(problem set -> shape; operand addresses -> launch record). tests/kernels/test_grouped_gemm_gpu.py
+runs the same path on the GPU with real arithmetic.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.kernels import host_sm90 as host
+from moe_gemm.kernels import native
+from moe_gemm.kernels.support import analyze_general
+from moe_gemm.validation import check_grouped_gemm
+
+pytestmark = pytest.mark.skipif(
+    native.status() != "native", reason=f"C++ module unavailable: {native.status()}")
+
+NSM = 132
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.fail: Exception | None = None
+
+    def __call__(self, *args: object) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(args)
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    rec = Recorder()
+    host.general_shape.cache_clear()
+    host._meta_cache.clear()
+    native.forget()
+    monkeypatch.setattr(host, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(host, "_device_index", lambda device: 0)
+    monkeypatch.setattr(host, "_raw_stream", lambda idx: 0)
+    monkeypatch.setattr(host, "_capturing", lambda: False)
+    monkeypatch.setattr(host, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(host, "_workspace", lambda device, n: torch.empty(n, dtype=torch.int64))
+    monkeypatch.setattr(host, "_kernel_for", lambda *a: rec)
+    monkeypatch.setattr(host, "_general_placeholders",
+                        lambda *a: host._new_placeholders(torch.device("cpu"), *a[1:]))
+    monkeypatch.delenv("MOE_GEMM_DISABLE_CUTE", raising=False)
+    monkeypatch.delenv("MOE_GEMM_L2_HINTS", raising=False)
+    yield rec
+    native.forget()
+    host.general_shape.cache_clear()
+    host._meta_cache.clear()
+
+
+def call(a, b, out_dtype=None, config=None):
+    return native.general_call(a, b, out_dtype, config, require_cuda=False)
+
+
+def stats() -> tuple[int, int]:
+    return native.loaded().stats()
+
+
+def _problems(sizes, dtype=torch.bfloat16, k_major=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = [torch.randn(m, k, generator=gen).to(dtype) for m, n, k in sizes]
+    if k_major:
+        b = [torch.randn(n, k, generator=gen).to(dtype).t() for m, n, k in sizes]
+    else:
+        b = [torch.randn(k, n, generator=gen).to(dtype) for m, n, k in sizes]
+    return a, b
+
+
+def _python_launch(a, b, out_dtype=None, config=GemmConfig()):
+    """The Python host wrapper's launch on the same operands: (metadata, outputs)."""
+    args = check_grouped_gemm(a, b, None, out_dtype)
+    layout = analyze_general(args)
+    assert not isinstance(layout, str), layout
+    gl = host.GeneralLaunch(args, config, layout=layout)
+    return gl, gl.launch()
+
+
+def _check_outputs(outs, sizes, dtype) -> None:
+    assert [tuple(o.shape) for o in outs] == [(m, n) for m, n, _ in sizes]
+    spans = []
+    for o, (m, n, _) in zip(outs, sizes):
+        assert o.dtype == dtype and o.device.type == "cpu"
+        assert o.is_contiguous() and not o.requires_grad and o.grad_fn is None
+        assert o.data_ptr() % 16 == 0 or m * n == 0
+        if m * n:
+            spans.append((o.data_ptr(), o.data_ptr() + m * n * o.element_size()))
+    spans.sort()
+    assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:])), "outputs overlap"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_same_metadata_and_outputs_as_the_python_wrapper(kernel: Recorder, seed: int) -> None:
+    rng = random.Random(seed)
+    one_n = seed % 2 == 0  # one N (one block split by rows) or several (flat padded pieces)
+    n0 = 8 * rng.randint(1, 40)
+    sizes = [(rng.choice([0, 1, 5, 64, 129]), n0 if one_n else 8 * rng.randint(1, 40),
+              8 * rng.randint(0, 40)) for _ in range(rng.randint(1, 24))]
+    a, b = _problems(sizes, k_major=seed % 3 == 0, seed=seed)
+    out_dtype = [None, torch.float32, torch.float16][seed % 3]
+    outs = call(a, b, out_dtype)
+    assert outs is not None
+    dtype = out_dtype or torch.bfloat16
+    _check_outputs(outs, sizes, dtype)
+    gl, py_outs = _python_launch(a, b, out_dtype)
+    if not gl.shape.total:
+        assert kernel.calls == []
+        return
+    ours, theirs = kernel.calls[0], kernel.calls[1]
+    assert len(ours) == len(theirs) == 16
+    assert torch.equal(ours[3], theirs[3])  # metadata rows
+    for i in (9, 10, 11, 12, 13, 14):  # G, CTAs, swizzle, policies, PDL
+        assert ours[i] == theirs[i]
+    # d_base is the block's start: each output sits at its metadata offset from it.
+    d_base = ours[15]
+    rows = {p: r for p, r in zip(host.last_launch().order, ours[3].tolist())}
+    for i, o in enumerate(outs):
+        if o.numel():
+            assert o.data_ptr() - d_base == rows[i][2]
+            assert o.stride(0) == rows[i][5]
+    # The Python wrapper's outputs have the same layout relative to its block.
+    assert [o.data_ptr() - d_base for o in outs if o.numel()] == [
+        o.data_ptr() - theirs[15] for o in py_outs if o.numel()]
+
+
+def test_repeated_call_launches_from_the_record(kernel: Recorder) -> None:
+    sizes = [(64, 128, 256), (17, 128, 64), (0, 128, 32), (1, 128, 128)]
+    a, b = _problems(sizes)
+    first = call(a, b)
+    assert stats() == (1, 1)
+    second = call(a, b)
+    assert stats() == (1, 1) and len(kernel.calls) == 2
+    # Same metadata upload and arguments; a fresh output block each call.
+    assert kernel.calls[0][3] is kernel.calls[1][3]
+    assert kernel.calls[0][:15] == kernel.calls[1][:15]
+    assert kernel.calls[1][15] == second[0].data_ptr() != first[0].data_ptr()
+    first[1].fill_(3.0)
+    assert not torch.equal(second[1], first[1])  # no shared memory between calls
+    info = host.last_launch()
+    assert info is not None and info.num_problems == len(sizes)
+    # New operand addresses: the same problem set, a new launch record.
+    a2 = [t.clone() for t in a]
+    call(a2, b)
+    assert stats() == (1, 2)
+    assert kernel.calls[2][3] is not kernel.calls[0][3]
+    assert kernel.calls[2][3][:, 0].tolist() != kernel.calls[0][3][:, 0].tolist()
+
+
+def test_problem_set_key(kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = _problems([(32, 64, 64), (16, 64, 64)])
+    call(a, b)
+    call(a, b, torch.float32)  # output dtype
+    cfg = GemmConfig(schedule="cooperative")
+    call(a, b, None, cfg)  # config
+    call(a, b, None, cfg)
+    assert stats() == (3, 3)
+    monkeypatch.setenv("MOE_GEMM_L2_HINTS", "first,normal")  # the kernel choice reads it
+    call(a, b)
+    assert stats() == (4, 4)
+    a3, b3 = _problems([(32, 64, 64), (16, 64, 128)])
+    call(a3, b3)  # sizes
+    assert stats() == (5, 5)
+
+
+def test_outputs_are_independent_tensors(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64)] * 3)
+    outs = call(a, b)
+    assert all(o._base is None for o in outs)
+    outs[0].zero_()
+    outs[1].fill_(1.0)
+    assert outs[0].abs().sum() == 0 and torch.equal(outs[1], torch.ones(8, 32, dtype=outs[1].dtype))
+    v0 = outs[0]._version
+    outs[1].add_(1)
+    assert outs[0]._version == v0  # own version counters
+    y = outs[2].float().requires_grad_()
+    (y * 2).sum().backward()  # usable in autograd like any tensor
+    assert torch.equal(y.grad, torch.full_like(y, 2.0))
+
+
+def test_declines_grad_under_grad_mode_only(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64)] * 2)
+    w = [t.clone().requires_grad_() for t in b]
+    assert call(a, w) is None
+    with torch.no_grad():
+        assert call(a, w) is not None
+    with torch.inference_mode():
+        assert call(a, w) is not None
+    params = [torch.nn.Parameter(t.clone()) for t in b]
+    assert call(a, params) is None
+    with torch.no_grad():
+        assert call(a, params) is not None
+
+
+def test_declines_when_cute_is_disabled(kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = _problems([(8, 32, 64)])
+    assert call(a, b) is not None
+    monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "1")
+    assert call(a, b) is None
+    monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "0")
+    assert call(a, b) is not None
+
+
+def test_declines_what_the_python_scan_declines(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64), (8, 32, 64)])
+    assert call(a, [b[0], b[1].t().contiguous().t()]) is None  # mixed B majors
+    assert call([a[0]], b) is None  # counts differ
+    assert call(a, b, torch.int8) is None
+    assert call(a, b, "float32") is None
+    assert call(tuple(a), tuple(b)) is not None
+    assert call(iter(a), b) is None
+    assert kernel.calls and stats()[0] == 1
+
+
+def test_all_empty_problem_set_launches_nothing(kernel: Recorder) -> None:
+    a, b = _problems([(0, 32, 64), (5, 0, 16)])
+    for _ in range(2):
+        outs = call(a, b)
+        assert [tuple(o.shape) for o in outs] == [(0, 32), (5, 0)]
+    assert kernel.calls == []
+
+
+def test_a_failing_launch_raises_and_returns_nothing(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64)])
+    call(a, b)
+    kernel.fail = RuntimeError("launch failed")
+    with pytest.raises(RuntimeError, match="launch failed"):
+        call(a, b)
+    kernel.fail = None
+    assert call(a, b) is not None
+
+
+def test_launch_records_are_bounded(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64)])
+    for _ in range(70):
+        call([a[0].clone()], b)
+        assert stats()[1] <= 64
+    assert stats()[0] == 1
+
+
+def test_python_scan_block_bypasses_the_module(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64)])
+    with native.python_scan():
+        assert call(a, b) is None
+    assert call(a, b) is not None
