@@ -268,7 +268,7 @@ _MAX_PLANS = 256
 def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
     if type(x) is not torch.Tensor or type(w) is not torch.Tensor or type(offs) is not (
         torch.Tensor
-    ) or not x.is_cuda:
+    ) or not x.is_cuda or x.is_neg() or w.is_neg():
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None
@@ -288,7 +288,8 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
 
 
 def _bmm_plan_key(x, w, out, config, out_dtype) -> tuple | None:
-    if type(x) is not torch.Tensor or type(w) is not torch.Tensor or not x.is_cuda:
+    if type(x) is not torch.Tensor or type(w) is not torch.Tensor or not x.is_cuda or (
+            x.is_neg() or w.is_neg()):
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None

@@ -34,6 +34,7 @@ GROUPS = [
     ("cluster", "cluster"),
     ("headline", "headline"),
     ("aliasing", "aliasing"),
+    ("expanded", "expanded"),
     ("moe-layer", None),
 ]
 

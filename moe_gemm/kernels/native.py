@@ -13,7 +13,9 @@ It is compiled once per machine and torch/Python version with the system C++ com
 starts in a background thread on the first grouped_gemm call where the kernels run (or on
 `wait()` / `status()`); until it is loaded, and without a compiler or Python headers, or with
 MOE_GEMM_NATIVE=0, grouped_gemm uses the Python scan (kernels/support.fast_general), which
-accepts and rejects exactly the same inputs (tests/kernels/test_native.py compares them).
+accepts the same problem sets (tests/kernels/test_native.py compares them on random sets); the
+C++ side also declines mixed B layouts (copied per call in Python) and tensors or thread states
+that only torch should handle (functorch transforms, dispatch modes).
 `status()` says which one runs and why.
 """
 
@@ -24,6 +26,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,6 +38,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialized across processes
+    fcntl = None  # type: ignore[assignment]
 
 from ..cache import cache_root
 from ..env import env_switch
@@ -56,6 +64,11 @@ _state: dict[str, object] = {}
 _mod = None  # the loaded module (read on every grouped_gemm call)
 _paused = 0  # python_scan() blocks open
 _devices: dict[int, torch.device] = {}
+# GemmConfigs by value: the module keys a config by identity, so equal configs made per call
+# share one entry (hashing a frozen dataclass ~1 us; config=None, the default, skips it).
+_configs: dict[object, object] = {}
+CONFIGS_KEPT = 256
+REQUIRE_CUDA, PDL_FLAG = 1, 2  # general_call.cc's kRequireCuda, kPdl
 
 
 def _enabled() -> bool:
@@ -67,6 +80,21 @@ def _compiler() -> str | None:
     return cxx if cxx else shutil.which("c++") or shutil.which("g++")
 
 
+@contextlib.contextmanager
+def _build_lock(out_dir: Path) -> Iterator[None]:
+    """One build per cache dir across processes (ranks of one job start together): the
+    others wait here, then find the library."""
+    if fcntl is None:
+        yield
+        return
+    with open(out_dir / "build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _python_include() -> Path:
     return Path(sysconfig.get_paths()["include"])
 
@@ -76,9 +104,11 @@ def _build(cxx: str) -> Path:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     src = SOURCE.read_bytes()
+    # The torch build (git hash) and install path, not only its version: the module links
+    # against that libtorch's C++ ABI.
     tag = hashlib.sha256(
-        src + f"|{torch.__version__}|{torch_dir}|{sys.version}|{cxx}|{sys.platform}|{abi}"
-        .encode()).hexdigest()[:16]
+        src + f"|{torch.__version__}|{torch.version.git_version}|{torch_dir}|{sys.version}|"
+              f"{cxx}|{sys.platform}|{abi}".encode()).hexdigest()[:16]
     out_dir = cache_root() / "native" / tag
     lib = out_dir / f"{MODULE_NAME}{suffix}"
     if lib.exists():
@@ -86,21 +116,26 @@ def _build(cxx: str) -> Path:
     if not (_python_include() / "Python.h").exists():
         raise RuntimeError(f"no Python headers at {_python_include()} (install python3-dev)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib_dir = torch_dir / "lib"
-    fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
-    os.close(fd)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{_python_include()}",
-           f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
-           "-ltorch_python", f"-Wl,-rpath,{lib_dir}", "-o", tmp]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, lib)  # atomic: a concurrent build or a killed one leaves no half file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _build_lock(out_dir):
+        if lib.exists():  # another process built it while this one waited
+            return lib
+        lib_dir = torch_dir / "lib"
+        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
+        os.close(fd)
+        cmd = [*shlex.split(cxx), "-O2", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC",
+               "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               f"-I{_python_include()}", f"-I{torch_dir / 'include'}", str(SOURCE),
+               f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch_python",
+               f"-Wl,-rpath,{lib_dir}", "-o", tmp]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if res.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
+            os.replace(tmp, lib)  # atomic: a concurrent or killed build leaves no half file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return lib
 
 
@@ -136,6 +171,19 @@ def _build_and_load() -> None:
         _state["module"] = mod
         if why is None and not _paused:
             _mod = mod
+
+
+def _after_fork_in_child() -> None:
+    """A fork during the build leaves the child without the build thread (and maybe with the
+    lock held by it): start over in the child on the next use."""
+    global _lock
+    _lock = threading.Lock()
+    if "why" not in _state:
+        _state.pop("thread", None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def start() -> threading.Thread:
@@ -222,7 +270,8 @@ def general_call(a: object, b: object, out_dtype: torch.dtype | None, config: ob
                  require_cuda: bool = True) -> list[torch.Tensor] | None:
     """grouped_gemm(a, b) launched through the C++ module: its outputs, or None where the
     module declines (anything outside the common case, grad-requiring operands under grad
-    mode, CUDA-graph capture) or is not loaded yet: the caller then takes the Python path.
+    mode, CUDA-graph capture, dispatch modes and functorch transforms) or is not loaded yet:
+    the caller then takes the Python path.
     config: None or a GemmConfig whose backend is not "torch" (the caller checks)."""
     mod = _mod
     if mod is None:
@@ -232,19 +281,35 @@ def general_call(a: object, b: object, out_dtype: torch.dtype | None, config: ob
     odt = _out_index(out_dtype)
     if odt is None:
         return None
-    res = mod.call(a, b, odt, config, require_cuda)
+    if config is not None:
+        config = _configs.get(config) or _intern(config)
+    req = (REQUIRE_CUDA if require_cuda else 0) | (PDL_FLAG if _host().PDL else 0)
+    res = mod.call(a, b, odt, config, req)
     if res is None or type(res) is list:
         return res
-    return _first_calls(mod, res, a, b, odt, out_dtype, config, require_cuda)
+    return _first_calls(mod, res, a, b, odt, out_dtype, config, req)
 
 
-def _first_calls(mod, res, a, b, odt, out_dtype, config, require_cuda):
+def _intern(config: object) -> object:
+    if len(_configs) >= CONFIGS_KEPT:
+        _configs.clear()
+    return _configs.setdefault(config, config)
+
+
+def _host():
+    from . import host_sm90
+
+    return host_sm90
+
+
+def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
     """A problem set or operand addresses seen for the first time: register, then launch."""
     from ..capability import cute_problem
     from ..config import DEFAULT_CONFIG
     from ..env import env_get
-    from . import host_sm90 as host
 
+    host = _host()
+    require_cuda = bool(req & REQUIRE_CUDA)
     if len(res) == 2:  # a new problem set: its GeneralShape and output layout
         code, cols = res
         device = _device(code >> 4 & 255) if require_cuda else torch.device("cpu")
@@ -258,9 +323,9 @@ def _first_calls(mod, res, a, b, odt, out_dtype, config, require_cuda):
                                    config or DEFAULT_CONFIG, host.sm_count(device), False,
                                    env_get("MOE_GEMM_L2_HINTS"))
         block_shape, offsets = shape.output_layout()
-        mod.remember_shape(cols, code, odt, config, shape, _DTYPE_INDEX[odtype], block_shape,
-                           offsets)
-        res = mod.call(a, b, odt, config, require_cuda)
+        mod.remember_shape(cols, code, odt, req, config, shape, _DTYPE_INDEX[odtype],
+                           block_shape, offsets)
+        res = mod.call(a, b, odt, config, req)
         if res is None or type(res) is list or len(res) == 2:
             return res if type(res) is list else None
     shape, outs, d_base, code, cols = res
@@ -269,7 +334,7 @@ def _first_calls(mod, res, a, b, odt, out_dtype, config, require_cuda):
     device = _device(code >> 4 & 255) if require_cuda else torch.device("cpu")
     c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
     record = host.general_record(shape, device, c[0], c[1], c[2], c[3])
-    mod.remember_launch(cols, code, odt, config, require_cuda, record)
+    mod.remember_launch(cols, code, odt, req, config, record)
     kernel, args, raw = record
     kernel(*args, d_base)
     host._local.raw = raw
@@ -279,7 +344,7 @@ def _first_calls(mod, res, a, b, odt, out_dtype, config, require_cuda):
 def native_general(a: object, b: object, out_dtype: torch.dtype | None, *,
                    require_cuda: bool = True) -> tuple[GroupedGemmArgs, GeneralLayout] | None:
     """support.fast_general's result from the C++ scan, or None where it declines or is not
-    loaded (GroupedGemmPlan and the tests; grouped_gemm itself uses general_call)."""
+    loaded (the tests compare the two scans with it; grouped_gemm uses general_call)."""
     mod = _mod
     if mod is None or type(a) not in (list, tuple) or type(b) not in (list, tuple):
         return None

@@ -21,6 +21,8 @@ TMA_ALIGN_BYTES = 16
 # Per-problem TMA descriptors live in a (G, 3, 128 B) workspace and the device visitor scans
 # problem sizes 32 at a time; 65,535 keeps every index comfortably in Int32 arithmetic.
 MAX_PROBLEMS = 65535
+# Largest M, N or K of one problem: the metadata packs M | N << 32 and the kernel's K is Int32.
+MAX_DIM = 2**31 - 1
 # Tensor types grouped_gemm's fast scans take (a Parameter is a plain tensor with a flag; other
 # subclasses may not own plain memory: FakeTensor, DTensor, ...). native/general_call.cc's
 # THPVariable_CheckExact is the same pair.
@@ -55,6 +57,13 @@ def tma_problem(name: str, t: torch.Tensor) -> str | None:
                 f"{name} stride {t.stride(d)} (dim {d}) is not a multiple of "
                 f"{TMA_ALIGN_BYTES // elem} elements ({TMA_ALIGN_BYTES} bytes), as TMA needs"
             )
+    return None
+
+
+def _neg_problem(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    if x.is_neg() or w.is_neg():
+        return ("x or w is a lazily negated view (the kernel reads memory, not the sign bit; "
+                "call .resolve_neg())")
     return None
 
 
@@ -114,6 +123,9 @@ def analyze_general(args: GroupedGemmArgs) -> GeneralLayout | str:
             return _out_row_problem(f"out[{i}]", N, args.out_dtype)
         if K == 0:
             continue  # A and B are never loaded: the tile stores zeros
+        if a.is_neg() or b.is_neg():
+            return (f"a[{i}] or b[{i}] is a lazily negated view (the kernel reads memory, not "
+                    "the sign bit; call .resolve_neg())")
         sa = a.stride()
         if sa[1] != 1 and K > 1:
             return f"a[{i}] must be row-major (K contiguous) for the kernel"
@@ -122,13 +134,15 @@ def analyze_general(args: GroupedGemmArgs) -> GeneralLayout | str:
             return tma_problem(f"a[{i}]", a) or f"a[{i}] is not TMA-aligned"
         sb = b.stride()
         pb = b.data_ptr()
+        # ld strides the dimension that is not contiguous (K for N-major, N for K-major):
+        # TMA needs it 16-byte aligned wherever that dimension has more than one element.
         if sb[1] == 1 or N == 1:  # (K, N) row-major: N contiguous
-            majors[i], ld = "n", sb[0]
+            majors[i], ld, strided = "n", sb[0], K
         elif sb[0] == 1 or K == 1:  # w.T of an (N, K) weight: K contiguous
-            majors[i], ld = "k", sb[1]
+            majors[i], ld, strided = "k", sb[1], N
         else:
             return f"b[{i}] has no unit-stride dimension (strides {tuple(sb)})"
-        if pb % TMA_ALIGN_BYTES or (ld % align and min(K, N) > 1):
+        if pb % TMA_ALIGN_BYTES or (ld % align and strided > 1):
             return tma_problem(f"b[{i}]", b) or f"b[{i}] is not TMA-aligned"
         a_ptr[i], a_ld[i], b_ptr[i], b_ld[i] = pa, sa[0], pb, ld
     if args.out is not None:
@@ -161,7 +175,7 @@ def grouped_mm_unsupported(args: GroupedMmArgs, config: GemmConfig) -> str | Non
     if args.T == 0 or args.E == 0 or args.N == 0:
         return None
     if args.K > 0:
-        why = tma_problem("x", args.x) or tma_problem("w", args.w)
+        why = _neg_problem(args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
         if why:
             return why
         if operand_major(args.x) != "row":
@@ -190,7 +204,7 @@ def grouped_bmm_unsupported(args: GroupedBmmArgs, config: GemmConfig) -> str | N
     if K > 0:
         if args.x.stride(2) != 1 and K > 1:
             return "x must be row-major (K contiguous) for the kernel"
-        why = tma_problem("x", args.x) or tma_problem("w", args.w)
+        why = _neg_problem(args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
         if why:
             return why
     if args.out is not None:
@@ -268,7 +282,7 @@ def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
             Kb, N = bi.shape
         except ValueError:  # not 2-D
             return None
-        if K != Kb:
+        if K != Kb or M > MAX_DIM or N > MAX_DIM or K > MAX_DIM:
             return None
         sizes[i] = (M, N, K)
         if M == 0 or N == 0:
@@ -277,6 +291,8 @@ def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
             return None  # output rows not 16-byte multiples: the detailed path says so
         if K == 0:
             continue
+        if ai.is_neg() or bi.is_neg():
+            return None  # the detailed path falls back to torch, which resolves the sign
         st_a = ai.stride()
         pa = ai.data_ptr()
         if (st_a[1] != 1 and K > 1) or pa % TMA_ALIGN_BYTES or (M > 1 and st_a[0] % align):
@@ -284,12 +300,12 @@ def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
         st_b = bi.stride()
         pb = bi.data_ptr()
         if st_b[1] == 1 or N == 1:
-            major, ld = "n", st_b[0]
+            major, ld, strided = "n", st_b[0], K
         elif st_b[0] == 1 or K == 1:
-            major, ld = "k", st_b[1]
+            major, ld, strided = "k", st_b[1], N
         else:
             return None
-        if pb % TMA_ALIGN_BYTES or (ld % align and min(K, N) > 1):
+        if pb % TMA_ALIGN_BYTES or (ld % align and strided > 1):
             return None
         a_ptr[i], a_ld[i], b_ptr[i], b_ld[i], majors[i] = pa, st_a[0], pb, ld, major
     device = a0.device

@@ -1253,3 +1253,77 @@ def test_tail_split_bmm(G, M, N, monkeypatch):
     _run_batched(f"tail-split/bmm/{G}x{M}x{N}", G, M, N, 4096, config=cfg, out_mode="given")
     info = host_sm90.last_launch()
     assert info.choice.tail_split
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands whose memory is not plainly their value: stride-0 (expanded) dims, lazily negated
+# views, a K == 1 B whose N stride is not 16-byte aligned. Each op must return the right values
+# (on our kernels where they can take the layout, else on the torch backend).
+
+
+def test_expanded_or_negated_operands_general():
+    gen = torch.Generator(device="cuda").manual_seed(70)
+    bf = torch.bfloat16
+    row = _rand((1, 256), bf, gen)
+    cols = _rand((1, 128), bf, gen)
+    w = _rand((256, 128), bf, gen)
+    w33 = _rand((128, 33), bf, gen)
+    cases = {
+        "a-expanded-rows": ([row.expand(64, 256)], [w]),
+        "b-expanded-k": ([_rand((64, 256), bf, gen)], [cols.expand(256, 128)]),
+        "b-neg-view": ([_rand((64, 256), bf, gen)], [torch._neg_view(w)]),
+        "a-neg-view": ([torch._neg_view(_rand((64, 256), bf, gen))], [w]),
+        "b-k1-odd-n-stride": ([_rand((64, 1), bf, gen)], [w33[:, :1].t()]),
+    }
+    import warnings
+
+    for name, (a, b) in cases.items():
+        for rep in range(2):  # the second call from the C++ module's record where it took it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                res = moe_gemm.grouped_gemm(a, b)
+            torch.cuda.synchronize()
+            for i, (ai, bi) in enumerate(zip(a, b)):
+                ref = ai.float() @ bi.float()
+                _check(f"expanded/general/{name}/{rep}[{i}]", res[i], ref,
+                       (ai.resolve_neg() @ bi.resolve_neg()))
+
+
+def test_expanded_or_negated_operands_grouped_mm():
+    gen = torch.Generator(device="cuda").manual_seed(71)
+    bf = torch.bfloat16
+    E, K, N, T = 4, 256, 128, 300
+    offs = torch.tensor([50, 50, 170, 300], dtype=torch.int32, device="cuda")
+    x = _rand((T, K), bf, gen)
+    w1 = _rand((1, K, N), bf, gen)
+    w = _rand((E, K, N), bf, gen)
+    cases = {
+        "w-expanded-experts": (x, w1.expand(E, K, N)),
+        "x-expanded-rows": (_rand((1, K), bf, gen).expand(T, K), w),
+        "w-neg-view": (x, torch._neg_view(w)),
+        "x-neg-view": (torch._neg_view(x), w),
+    }
+    import warnings
+
+    for name, (xi, wi) in cases.items():
+        for rep in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                y = moe_gemm.grouped_mm(xi, wi, offs)
+            torch.cuda.synchronize()
+            _check_mm(f"expanded/grouped_mm/{name}/{rep}", y, xi.resolve_neg(),
+                      wi.resolve_neg(), offs)
+    # The batched form.
+    G, M = 3, 64
+    xb = _rand((1, M, K), bf, gen)
+    wb = _rand((G, K, N), bf, gen)
+    for name, (xi, wi) in {"x-expanded-batch": (xb.expand(G, M, K), wb),
+                           "w-expanded-batch": (_rand((G, M, K), bf, gen),
+                                                wb[:1].expand(G, K, N)),
+                           "w-neg-view": (_rand((G, M, K), bf, gen), torch._neg_view(wb))}.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            y = moe_gemm.grouped_mm(xi, wi)
+        torch.cuda.synchronize()
+        ref = xi.float() @ wi.resolve_neg().float()
+        _check(f"expanded/batched/{name}", y, ref, torch.bmm(xi.resolve_neg(), wi.resolve_neg()))

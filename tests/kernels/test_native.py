@@ -199,7 +199,10 @@ def test_builds_into_a_fresh_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("CXX", raising=False)
     assert native.status() == "native"
     libs = list(tmp_path.rglob(f"{native.MODULE_NAME}*"))
-    assert len(libs) == 1 and not [p for p in libs[0].parent.iterdir() if p != libs[0]]
+    assert len(libs) == 1
+    # Beside it only the cross-process build lock: no temporary left behind.
+    assert [p.name for p in libs[0].parent.iterdir() if p != libs[0]] == ["build.lock"]
+    assert libs[0].stat().st_mode & 0o044 == 0o044  # readable by other users of the cache
 
 
 def test_python_scan_block_switches_and_restores():

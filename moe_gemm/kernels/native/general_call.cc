@@ -24,8 +24,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/DispatchKeySet.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
@@ -44,7 +47,13 @@ constexpr int64_t kMaxProblems = 65535;  // kernels/support.py MAX_PROBLEMS
 // Cache bounds: problem sets as general_shape's lru_cache; launch records (each holds G * 64
 // bytes of device metadata) as host_sm90.META_CACHE_ENTRIES.
 constexpr size_t kMaxShapes = 256;
-constexpr size_t kMaxLaunches = 64;
+constexpr size_t kMaxLaunches = 1024;
+constexpr int64_t kMaxLaunchMetaBytes = int64_t{64} << 20;
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // metadata packs M | N << 32; K is Int32
+
+// `req` flags of call / remember_launch.
+constexpr int64_t kRequireCuda = 1;  // else CPU tensors (tests)
+constexpr int64_t kPdl = 2;          // host_sm90.PDL at the call: launch records differ
 
 // Column rows of a scan: (kRows, G) int64, row-major.
 enum Row : int64_t { kAPtr = 0, kBPtr, kALd, kBLd, kM, kN, kK, kRows };
@@ -88,15 +97,39 @@ struct Scan {
   std::vector<int64_t> cols;  // kRows x G
 };
 
-// A plain strided 2-D tensor's fields, or false (the Python path decides).
+// Dispatch keys of tensors and thread states whose memory is not what the kernel should read
+// or whose results must go through torch (functorch's vmap/grad wrappers, functionalization,
+// Python subclasses and modes, lazily negated or conjugated views, zero tensors).
+c10::DispatchKeySet NotPlainKeys() {
+  using K = c10::DispatchKey;
+  return c10::DispatchKeySet({K::Functionalize, K::FuncTorchBatched, K::FuncTorchVmapMode,
+                              K::FuncTorchGradWrapper, K::FuncTorchDynamicLayerFrontMode,
+                              K::FuncTorchDynamicLayerBackMode, K::Python,
+                              K::PythonTLSSnapshot, K::PythonDispatcher, K::Conjugate,
+                              K::Negative, K::ZeroTensor});
+}
+
+const c10::DispatchKeySet& NotPlain() {
+  static const auto* keys = new c10::DispatchKeySet(NotPlainKeys());
+  return *keys;
+}
+
+// A plain strided 2-D tensor with its own storage, or false (the Python path decides).
 bool Plain2D(PyObject* obj, const at::Tensor** out) {
   // Tensor or Parameter only: a subclass may not own plain memory (FakeTensor, DTensor, ...).
   if (!THPVariable_CheckExact(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.defined() || t.is_nested() || t.layout() != c10::kStrided || t.dim() != 2) return false;
-  if (t.is_neg() || t.is_conj()) return false;  // lazily negated views: memory is not the value
+  if (!t.has_storage() || t.key_set().has_any(NotPlain())) return false;
   *out = &t;
   return true;
+}
+
+// Thread states under which torch must see the call: a TorchDispatchMode (FakeTensorMode,
+// ...), functionalization or functorch transforms in the thread-local included keys.
+bool ThreadIsPlain() {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
+  return !c10::impl::tls_local_dispatch_key_set().included_.has_any(NotPlain());
 }
 
 // The same checks and columns as kernels/support.py fast_general (tests/kernels/test_native.py
@@ -140,7 +173,7 @@ bool ScanOperands(PyObject* a, PyObject* b, int64_t out_dtype_index, bool requir
     grad = grad || ta->requires_grad() || tb->requires_grad();
     const int64_t M = ta->sizes()[0], K = ta->sizes()[1];
     const int64_t Kb = tb->sizes()[0], N = tb->sizes()[1];
-    if (Kb != K) return false;
+    if (Kb != K || M > kMaxDim || N > kMaxDim || K > kMaxDim) return false;
     at(kM, i) = M;
     at(kN, i) = N;
     at(kK, i) = K;
@@ -151,18 +184,22 @@ bool ScanOperands(PyObject* a, PyObject* b, int64_t out_dtype_index, bool requir
     const int64_t pa = reinterpret_cast<int64_t>(ta->const_data_ptr());
     if ((sa1 != 1 && K > 1) || pa % kTmaAlignBytes || (M > 1 && sa0 % align)) return false;
     const int64_t sb0 = tb->strides()[0], sb1 = tb->strides()[1];
-    int64_t ld;
+    // ld strides the dimension that is not contiguous: K for an N-major B, N for a K-major
+    // one; TMA needs it 16-byte aligned wherever that dimension has more than one element.
+    int64_t ld, strided;
     if (sb1 == 1 || N == 1) {
       ld = sb0;
+      strided = K;
       ++n_major;
     } else if (sb0 == 1 || K == 1) {
       ld = sb1;
+      strided = N;
       ++k_major;
     } else {
       return false;
     }
     const int64_t pb = reinterpret_cast<int64_t>(tb->const_data_ptr());
-    if (pb % kTmaAlignBytes || (ld % align && (K < N ? K : N) > 1)) return false;
+    if (pb % kTmaAlignBytes || (ld % align && strided > 1)) return false;
     at(kAPtr, i) = pa;
     at(kALd, i) = sa0;
     at(kBPtr, i) = pb;
@@ -171,7 +208,8 @@ bool ScanOperands(PyObject* a, PyObject* b, int64_t out_dtype_index, bool requir
   // Mixed B layouts need per-call copies of the minority: the Python path does that.
   if (k_major && n_major) return false;
   s->any_requires_grad = grad;
-  s->code = dtype | (dev_id << 4) | ((k_major ? int64_t{1} : 0) << 20);
+  s->code = dtype | (dev_id << 4) | ((k_major ? int64_t{1} : 0) << 20) |
+            ((dev.is_cpu() ? int64_t{1} : 0) << 21);
   return true;
 }
 
@@ -188,23 +226,26 @@ struct ShapeEntry {
   Ref config;  // held: its address is part of the key and must not be reused
   std::shared_ptr<const OutputLayout> out;
   std::unordered_map<std::string, Ref> launches;  // -> (kernel, args, raw LaunchInfo)
+  int64_t meta_bytes = 0;                          // of its launch records' metadata
 };
 
 // Heap-allocated and never destroyed: static destructors run after the interpreter has
 // finalized, when releasing a Python reference would crash the exiting process.
 auto& g_shapes = *new std::unordered_map<std::string, ShapeEntry>();
 size_t g_launch_count = 0;
+int64_t g_launch_meta_bytes = 0;  // G * 64 per record: the device metadata they keep
 auto& g_is_capturing = *new Ref();  // torch._C._cuda_isCurrentStreamCapturing
 auto& g_local = *new Ref();         // host_sm90._local (thread-local LaunchInfo)
 
 void Append(std::string* key, int64_t v) { key->append(reinterpret_cast<const char*>(&v), 8); }
 
-// Problem-set key: code, out dtype, config identity, L2-hints switch, sizes.
-std::string ShapeKey(const Scan& s, int64_t odt, PyObject* config) {
+// Problem-set key: code, out dtype, flags (PDL), config identity, L2-hints switch, sizes.
+std::string ShapeKey(const Scan& s, int64_t odt, int64_t req, PyObject* config) {
   std::string key;
-  key.reserve(48 + 24 * s.G);
+  key.reserve(56 + 24 * s.G);
   Append(&key, s.code);
   Append(&key, odt);
+  Append(&key, req);
   Append(&key, reinterpret_cast<int64_t>(config));
   const char* l2 = std::getenv("MOE_GEMM_L2_HINTS");  // os.environ writes go through putenv
   Append(&key, l2 ? static_cast<int64_t>(std::strlen(l2)) : -1);
@@ -256,10 +297,17 @@ PyObject* NewOutputs(const Scan& s, const OutputLayout& lay, bool require_cuda,
         ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(s.code >> 4 & 255))
         : c10::Device(c10::DeviceType::CPU);
     block = at::empty(lay.block_shape, at::TensorOptions().dtype(lay.type).device(dev));
+    // Only a plain tensor on that device with real memory (ThreadIsPlain already ruled out
+    // modes that would hand back something else; this is the last word).
+    if (!block.has_storage() || block.key_set().has_any(NotPlain()) ||
+        block.device().type() != dev.type() ||
+        (block.numel() > 0 && block.const_data_ptr() == nullptr)) {
+      return nullptr;
+    }
+    *d_base = reinterpret_cast<int64_t>(block.const_data_ptr());
   } catch (const std::exception&) {
     return nullptr;  // e.g. out of memory: declined, torch.empty on the Python path raises it
   }
-  *d_base = reinterpret_cast<int64_t>(block.const_data_ptr());
   const c10::Storage& storage = block.storage();
   const int64_t* M = s.cols.data() + kM * s.G;
   const int64_t* N = s.cols.data() + kN * s.G;
@@ -326,6 +374,16 @@ PyObject* Init(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+// A C++ exception must not cross into Python (it would terminate the process): anything
+// torch throws while reading tensors or allocating declines the call instead.
+#define DECLINE_ON_THROW(body)                     \
+  try {                                            \
+    body                                           \
+  } catch (const std::exception&) {                \
+    if (PyErr_Occurred()) return nullptr;          \
+    Py_RETURN_NONE;                                \
+  }
+
 // scan(a, b, out_dtype_index, require_cuda) -> None | (code, cols bytes)
 PyObject* ScanFn(PyObject*, PyObject* const* args, Py_ssize_t n) {
   int64_t odt, req;
@@ -333,34 +391,26 @@ PyObject* ScanFn(PyObject*, PyObject* const* args, Py_ssize_t n) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "scan(a, b, odt, require_cuda)");
     return nullptr;
   }
-  Scan s;
-  if (!ScanOperands(args[0], args[1], odt, req != 0, &s)) Py_RETURN_NONE;
-  return Py_BuildValue("(LN)", static_cast<long long>(s.code), ColsBytes(s));
+  DECLINE_ON_THROW({
+    Scan s;
+    if (!ScanOperands(args[0], args[1], odt, req != 0, &s)) Py_RETURN_NONE;
+    return Py_BuildValue("(LN)", static_cast<long long>(s.code), ColsBytes(s));
+  })
 }
 
-// call(a, b, out_dtype_index, config, require_cuda) ->
-//   None                                  declined: the Python path decides
-//   list                                  launched from a record: the outputs
-//   (shape, outs, d_base, code, cols)     known problem set, new operands: the caller makes
-//                                         the launch record (remember_launch) and launches
-//   (code, cols)                          new problem set: the caller registers its shape
-//                                         (remember_shape) and calls again
-PyObject* Call(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int64_t odt, req;
-  if (n != 5 || !ParseInt(args[2], &odt) || !ParseInt(args[4], &req)) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "call(a, b, odt, config, req)");
-    return nullptr;
-  }
-  const bool require_cuda = req != 0;
+PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
+  const bool require_cuda = (req & kRequireCuda) != 0;
   Scan s;
-  if (!ScanOperands(args[0], args[1], odt, require_cuda, &s)) Py_RETURN_NONE;
+  if (!ThreadIsPlain() || !ScanOperands(args[0], args[1], odt, require_cuda, &s)) {
+    Py_RETURN_NONE;
+  }
   // Inference-only kernels: a grad-requiring operand under grad mode takes the Python path,
-  // which raises or runs the differentiable backend as configured.
+  // which links the outputs so that backward raises, or runs the torch backend as configured.
   if ((s.any_requires_grad && at::GradMode::is_enabled()) || CuteDisabled()) Py_RETURN_NONE;
   const int capturing = Capturing(require_cuda);
   if (capturing < 0) return nullptr;
   if (capturing) Py_RETURN_NONE;
-  auto it = g_shapes.find(ShapeKey(s, odt, args[3]));
+  auto it = g_shapes.find(ShapeKey(s, odt, req, args[3]));
   if (it == g_shapes.end()) {
     return Py_BuildValue("(LN)", static_cast<long long>(s.code), ColsBytes(s));
   }
@@ -368,11 +418,7 @@ PyObject* Call(PyObject*, PyObject* const* args, Py_ssize_t n) {
   // anything that can run Python code (wrapping tensors can start a garbage collection whose
   // finalizers could call back in and drop entries).
   std::string lkey;
-  try {
-    LaunchKey(s, require_cuda, &lkey);
-  } catch (const std::exception&) {
-    Py_RETURN_NONE;
-  }
+  LaunchKey(s, require_cuda, &lkey);
   Ref shape(it->second.shape.get());
   const std::shared_ptr<const OutputLayout> layout = it->second.out;
   auto li = it->second.launches.find(lkey);
@@ -392,6 +438,23 @@ PyObject* Call(PyObject*, PyObject* const* args, Py_ssize_t n) {
     return nullptr;
   }
   return outs;
+}
+
+// call(a, b, out_dtype_index, config, req) ->
+//   None                                  declined: the Python path decides
+//   list                                  launched from a record: the outputs
+//   (shape, outs, d_base, code, cols)     known problem set, new operands: the caller makes
+//                                         the launch record (remember_launch) and launches
+//   (code, cols)                          new problem set: the caller registers its shape
+//                                         (remember_shape) and calls again
+// req: kRequireCuda | kPdl flags.
+PyObject* Call(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t odt, req;
+  if (n != 5 || !ParseInt(args[2], &odt) || !ParseInt(args[4], &req)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "call(a, b, odt, config, req)");
+    return nullptr;
+  }
+  DECLINE_ON_THROW({ return CallImpl(args, odt, req); })
 }
 
 bool ScanFromBytes(PyObject* cols, int64_t code, Scan* s) {
@@ -414,44 +477,60 @@ void ForgetAll() {
   std::unordered_map<std::string, ShapeEntry> old;
   old.swap(g_shapes);
   g_launch_count = 0;
+  g_launch_meta_bytes = 0;
 }
 
-// remember_shape(cols, code, odt, config, shape, out_type_index, block_shape, offsets)
+// Drops every launch record, keeping the problem sets. Each record's metadata was allocated
+// on its key's stream, so the allocator reuses it only after that stream's work.
+void ForgetLaunches() {
+  std::vector<std::unordered_map<std::string, Ref>> old;
+  for (auto& kv : g_shapes) {
+    old.emplace_back();
+    old.back().swap(kv.second.launches);
+    kv.second.meta_bytes = 0;
+  }
+  g_launch_count = 0;
+  g_launch_meta_bytes = 0;
+}
+
+// remember_shape(cols, code, odt, req, config, shape, out_type_index, block_shape, offsets)
 PyObject* RememberShape(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int64_t code, odt, out_type;
-  if (n != 8 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
-      !ParseInt(args[5], &out_type) || !PyTuple_Check(args[6]) || !PyTuple_Check(args[7])) {
+  int64_t code, odt, req, out_type;
+  if (n != 9 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
+      !ParseInt(args[3], &req) || !ParseInt(args[6], &out_type) || !PyTuple_Check(args[7]) ||
+      !PyTuple_Check(args[8])) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "remember_shape(...)");
     return nullptr;
   }
   Scan s;
   if (!ScanFromBytes(args[0], code, &s)) return nullptr;
-  if (out_type < 0 || out_type > 2 || PyTuple_GET_SIZE(args[7]) != s.G) {
+  if (out_type < 0 || out_type > 2 || PyTuple_GET_SIZE(args[8]) != s.G) {
     PyErr_SetString(PyExc_ValueError, "remember_shape: bad output layout");
     return nullptr;
   }
   OutputLayout lay;
   lay.type = kTypes[out_type];
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[6]); ++i) {
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[7]); ++i) {
     int64_t v;
-    if (!ParseInt(PyTuple_GET_ITEM(args[6], i), &v)) return nullptr;
+    if (!ParseInt(PyTuple_GET_ITEM(args[7], i), &v)) return nullptr;
     lay.block_shape.push_back(v);
   }
   for (Py_ssize_t i = 0; i < s.G; ++i) {
     int64_t v;
-    if (!ParseInt(PyTuple_GET_ITEM(args[7], i), &v)) return nullptr;
+    if (!ParseInt(PyTuple_GET_ITEM(args[8], i), &v)) return nullptr;
     lay.offsets.push_back(v);
   }
   if (g_shapes.size() >= kMaxShapes) ForgetAll();
   ShapeEntry entry;
-  entry.shape = Ref(args[4]);
-  entry.config = Ref(args[3]);
+  entry.shape = Ref(args[5]);
+  entry.config = Ref(args[4]);
   entry.out = std::make_shared<const OutputLayout>(std::move(lay));
-  std::string key = ShapeKey(s, odt, args[3]);
+  std::string key = ShapeKey(s, odt, req, args[4]);
   auto it = g_shapes.find(key);
   if (it != g_shapes.end()) {
     ShapeEntry old = std::move(it->second);  // released after the map holds the new one
     g_launch_count -= old.launches.size();
+    g_launch_meta_bytes -= old.meta_bytes;
     it->second = std::move(entry);
   } else {
     g_shapes.emplace(std::move(key), std::move(entry));
@@ -459,11 +538,11 @@ PyObject* RememberShape(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
-// remember_launch(cols, code, odt, config, require_cuda, record)
+// remember_launch(cols, code, odt, req, config, record) -> registered (bool)
 PyObject* RememberLaunch(PyObject*, PyObject* const* args, Py_ssize_t n) {
   int64_t code, odt, req;
   if (n != 6 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
-      !ParseInt(args[4], &req) || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 3 ||
+      !ParseInt(args[3], &req) || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 3 ||
       !PyTuple_Check(PyTuple_GET_ITEM(args[5], 1))) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "remember_launch(...)");
     return nullptr;
@@ -472,22 +551,16 @@ PyObject* RememberLaunch(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (!ScanFromBytes(args[0], code, &s)) return nullptr;
   std::string lkey;
   try {
-    LaunchKey(s, req != 0, &lkey);
+    LaunchKey(s, (req & kRequireCuda) != 0, &lkey);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
-  if (g_launch_count >= kMaxLaunches) {
-    // Oldest-agnostic: drop every launch record (problem sets stay). Each record's metadata
-    // was allocated on its key's stream, so the allocator reuses it only after that work.
-    std::vector<std::unordered_map<std::string, Ref>> old;
-    for (auto& kv : g_shapes) {
-      old.emplace_back();
-      old.back().swap(kv.second.launches);
-    }
-    g_launch_count = 0;
+  const int64_t bytes = 64 * s.G;
+  if (g_launch_count >= kMaxLaunches || g_launch_meta_bytes + bytes > kMaxLaunchMetaBytes) {
+    ForgetLaunches();
   }
-  auto it = g_shapes.find(ShapeKey(s, odt, args[3]));
+  auto it = g_shapes.find(ShapeKey(s, odt, req, args[4]));
   if (it == g_shapes.end()) Py_RETURN_FALSE;  // forgotten meanwhile: the next call rebuilds
   auto li = it->second.launches.find(lkey);
   if (li != it->second.launches.end()) {
@@ -495,7 +568,9 @@ PyObject* RememberLaunch(PyObject*, PyObject* const* args, Py_ssize_t n) {
     li->second = Ref(args[5]);
   } else {
     it->second.launches.emplace(std::move(lkey), Ref(args[5]));
+    it->second.meta_bytes += bytes;
     ++g_launch_count;
+    g_launch_meta_bytes += bytes;
   }
   Py_RETURN_TRUE;
 }
@@ -516,7 +591,7 @@ PyObject* Stats(PyObject*, PyObject* const*, Py_ssize_t) {
 PyMethodDef kMethods[] = {
     {"init", FASTCALL(Init), METH_FASTCALL, "init(is_capturing, local)"},
     {"scan", FASTCALL(ScanFn), METH_FASTCALL, "scan(a, b, odt, require_cuda)"},
-    {"call", FASTCALL(Call), METH_FASTCALL, "call(a, b, odt, config, require_cuda)"},
+    {"call", FASTCALL(Call), METH_FASTCALL, "call(a, b, odt, config, req)"},
     {"remember_shape", FASTCALL(RememberShape), METH_FASTCALL, "remember_shape(...)"},
     {"remember_launch", FASTCALL(RememberLaunch), METH_FASTCALL, "remember_launch(...)"},
     {"forget", FASTCALL(Forget), METH_FASTCALL, "forget()"},
