@@ -69,8 +69,11 @@ def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
         return False
 
     def aligned(t: torch.Tensor) -> bool:
-        s = t.stride()[-2:]
-        return (s[-1] == 1 and s[-2] % 8 == 0) or (s[-2] == 1 and s[-1] % 8 == 0)
+        # One unit stride and the other a 16-byte multiple; torch rejects a 0 stride (an
+        # expanded dim), which the loop below handles like any other view.
+        s, n = t.stride()[-2:], t.shape[-2:]
+        return ((s[-1] == 1 and s[-2] % 8 == 0 and (s[-2] > 0 or n[-2] <= 1))
+                or (s[-2] == 1 and s[-1] % 8 == 0 and (s[-1] > 0 or n[-1] <= 1)))
 
     return aligned(args.x) and aligned(args.w) and args.x.data_ptr() % 16 == 0
 
