@@ -327,6 +327,24 @@ def grouped_gemm_cute(
     return GeneralLaunch(args, config, layout=layout, trace=trace).launch()
 
 
+def _general_table(shape: GeneralShape, device: torch.device, placeholders: tuple):
+    """The host visitor's tile table, or the unused placeholder for the device visitor."""
+    if shape.choice.visitor == "host":
+        return _table_tensor(shape.counts, shape.num_ctas, device)
+    return placeholders[4]
+
+
+def _general_args(shape: GeneralShape, placeholders: tuple, meta_dev: torch.Tensor, table,
+                  workspace: torch.Tensor, trace_t: torch.Tensor) -> tuple:
+    """The general kernel's arguments but the last (d_base), in its signature's order: one
+    place for GeneralLaunch and the C++ module's launch records."""
+    choice = shape.choice
+    seed_a, seed_w, seed_d, offs = placeholders[:4]
+    return (seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table,
+            workspace, trace_t, shape.G, shape.num_ctas, choice.swizzle, choice.a_policy,
+            choice.b_policy, PDL)
+
+
 def general_record(shape: GeneralShape, device: torch.device, a_ptr, b_ptr, a_ld, b_ld
                    ) -> tuple[object, tuple, tuple]:
     """A launch record for the C++ module (kernels/native.py): (kernel, its arguments but the
@@ -335,16 +353,12 @@ def general_record(shape: GeneralShape, device: torch.device, a_ptr, b_ptr, a_ld
     workspace are only ever used on the stream they were made on. Never called while a CUDA
     graph is captured (the module declines then)."""
     meta_dev = shape.metadata(a_ptr, b_ptr, a_ld, b_ld).to(device, non_blocking=True)
-    choice = shape.choice
-    seed_a, seed_w, seed_d, offs, no_table, no_trace = _general_placeholders(
-        device, shape.ab_dtype, shape.out_dtype, shape.b_major)
-    table = (_table_tensor(shape.counts, shape.num_ctas, device)
-             if choice.visitor == "host" else no_table)
-    workspace = _kernel_workspace(device, shape.num_ctas, choice)
-    args = (seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table,
-            workspace, no_trace, shape.G, shape.num_ctas, choice.swizzle, choice.a_policy,
-            choice.b_policy, PDL)
-    raw = (choice, shape.num_ctas, shape.G, shape.launch_order, None)
+    placeholders = _general_placeholders(device, shape.ab_dtype, shape.out_dtype, shape.b_major)
+    args = _general_args(shape, placeholders, meta_dev,
+                         _general_table(shape, device, placeholders),
+                         _kernel_workspace(device, shape.num_ctas, shape.choice),
+                         placeholders[5])
+    raw = (shape.choice, shape.num_ctas, shape.G, shape.launch_order, None)
     return shape.kernel, args, raw
 
 
@@ -433,8 +447,7 @@ class GeneralLaunch:
         else:
             placeholders = _general_placeholders(device, args.dtype, args.out_dtype, b_major)
         self.placeholders = placeholders
-        self.table = (_table_tensor(shape.counts, shape.num_ctas, device)
-                      if shape.choice.visitor == "host" else placeholders[4])
+        self.table = _general_table(shape, device, placeholders)
 
     def launch(self) -> list[torch.Tensor]:
         shape = self.shape
@@ -443,18 +456,14 @@ class GeneralLaunch:
         if self.persistent:
             for b, fixed in self.fixes:  # B may have new values since the plan was built
                 fixed.copy_(b)
-        seed_a, seed_w, seed_d, offs, _, no_trace = self.placeholders
         num_ctas = shape.num_ctas
-        choice = shape.choice
         # Per CTA, a ring of descriptor slots that the scheduler warp writes.
-        workspace = _kernel_workspace(self.device, num_ctas, choice)
+        workspace = _kernel_workspace(self.device, num_ctas, shape.choice)
         trace_t = (_trace_tensor(num_ctas, math.ceil(shape.total / num_ctas), self.device)
-                   if self.trace else no_trace)
-        meta_dev = self.meta_dev
-        shape.kernel(seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs,
-                     self.table, workspace, trace_t, self.G, num_ctas, choice.swizzle,
-                     choice.a_policy, choice.b_policy, PDL, self.d_base)
-        _local.raw = (choice, num_ctas, self.G, shape.launch_order,
+                   if self.trace else self.placeholders[5])
+        shape.kernel(*_general_args(shape, self.placeholders, self.meta_dev, self.table,
+                                    workspace, trace_t), self.d_base)
+        _local.raw = (shape.choice, num_ctas, self.G, shape.launch_order,
                       trace_t if self.trace else None)
         return list(self.outs)
 

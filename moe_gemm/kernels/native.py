@@ -62,6 +62,7 @@ _lock = threading.Lock()
 # "thread": the build; "why": None once loaded, else why the Python scan runs.
 _state: dict[str, object] = {}
 _mod = None  # the loaded module (read on every grouped_gemm call)
+_host = None  # kernels.host_sm90, bound when the module loads (no import on the hot path)
 _paused = 0  # python_scan() blocks open
 _devices: dict[int, torch.device] = {}
 # GemmConfigs by value: the module keys a config by identity, so equal configs made per call
@@ -145,8 +146,10 @@ def _load(lib: Path):
     assert spec is not None
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
+    global _host
     from . import host_sm90
 
+    _host = host_sm90
     capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
     mod.init(capturing if torch.cuda.is_available() else None, host_sm90._local)
     return mod
@@ -283,7 +286,7 @@ def general_call(a: object, b: object, out_dtype: torch.dtype | None, config: ob
         return None
     if config is not None:
         config = _configs.get(config) or _intern(config)
-    req = (REQUIRE_CUDA if require_cuda else 0) | (PDL_FLAG if _host().PDL else 0)
+    req = (REQUIRE_CUDA if require_cuda else 0) | (PDL_FLAG if _host.PDL else 0)
     res = mod.call(a, b, odt, config, req)
     if res is None or type(res) is list:
         return res
@@ -296,19 +299,13 @@ def _intern(config: object) -> object:
     return _configs.setdefault(config, config)
 
 
-def _host():
-    from . import host_sm90
-
-    return host_sm90
-
-
 def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
     """A problem set or operand addresses seen for the first time: register, then launch."""
     from ..capability import cute_problem
     from ..config import DEFAULT_CONFIG
     from ..env import env_get
 
-    host = _host()
+    host = _host
     require_cuda = bool(req & REQUIRE_CUDA)
     if len(res) == 2:  # a new problem set: its GeneralShape and output layout
         code, cols = res

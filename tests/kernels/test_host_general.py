@@ -21,34 +21,7 @@ from moe_gemm.kernels import native
 from moe_gemm.kernels.support import analyze_general
 from moe_gemm.validation import check_grouped_gemm
 
-NSM = 132
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def __call__(self, *args: object) -> None:
-        self.calls.append(args)
-
-
-@pytest.fixture
-def kernel(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    rec = Recorder()
-    host.general_shape.cache_clear()
-    host._meta_cache.clear()
-    monkeypatch.setattr(host, "sm_count", lambda device: NSM)
-    monkeypatch.setattr(host, "_device_index", lambda device: 0)
-    monkeypatch.setattr(host, "_raw_stream", lambda idx: 0)
-    monkeypatch.setattr(host, "_capturing", lambda: False)
-    monkeypatch.setattr(host, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
-    monkeypatch.setattr(host, "_workspace", lambda device, n: torch.empty(n, dtype=torch.int64))
-    monkeypatch.setattr(host, "_kernel_for", lambda *a: rec)
-    monkeypatch.setattr(host, "_general_placeholders",
-                        lambda *a: host._new_placeholders(torch.device("cpu"), *a[1:]))
-    yield rec
-    host.general_shape.cache_clear()
-    host._meta_cache.clear()
+from .host_fakes import Recorder, check_outputs
 
 
 def _problems(sizes, dtype=torch.bfloat16, b_col=()):
@@ -94,18 +67,6 @@ def _check_rows(rec: Recorder, gl, a, b, outs, sizes) -> None:
     assert call[9] == len(sizes) and call[10] == gl.shape.num_ctas
 
 
-def _check_outputs(outs, sizes, dtype) -> None:
-    spans = []
-    for o, (m, n, _) in zip(outs, sizes):
-        assert o.shape == (m, n) and o.dtype == dtype
-        if m * n:
-            assert o.is_contiguous() and o.data_ptr() % 16 == 0
-            spans.append((o.data_ptr(), o.data_ptr() + m * n * o.element_size()))
-    spans.sort()
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        assert end <= start, "outputs overlap"
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_metadata_rows_match_tensors(kernel: Recorder, seed: int) -> None:
     rng = random.Random(seed)
@@ -116,7 +77,7 @@ def test_metadata_rows_match_tensors(kernel: Recorder, seed: int) -> None:
               8 * rng.randint(1, 40) if rng.random() > 0.1 else 0) for _ in range(rng.randint(1, 40))]
     a, b = _problems(sizes)
     gl, outs = _launch(a, b)
-    _check_outputs(outs, sizes, torch.bfloat16)
+    check_outputs(outs, sizes, torch.bfloat16)
     if gl.shape.total:
         _check_rows(kernel, gl, a, b, outs, sizes)
     else:
@@ -168,7 +129,7 @@ def test_own_outputs_fp32_unequal_n(kernel: Recorder) -> None:
     sizes = [(3, 8, 16), (7, 24, 16), (1, 40, 16)]
     a, b = _problems(sizes)
     gl, outs = _launch(a, b, out_dtype=torch.float32)
-    _check_outputs(outs, sizes, torch.float32)
+    check_outputs(outs, sizes, torch.float32)
     _check_rows(kernel, gl, a, b, outs, sizes)
 
 
@@ -261,7 +222,7 @@ def test_native_scan_gives_the_same_launch(kernel: Recorder, seed: int) -> None:
     args, layout = res
     gl = host.GeneralLaunch(args, GemmConfig(), layout=layout)
     outs = gl.launch()
-    _check_outputs(outs, sizes, torch.bfloat16)
+    check_outputs(outs, sizes, torch.bfloat16)
     if not gl.shape.total:
         assert kernel.calls == []
         return

@@ -255,7 +255,7 @@ std::string ShapeKey(const Scan& s, int64_t odt, int64_t req, PyObject* config) 
 }
 
 // Operand key: current stream, thread, addresses and leading dims.
-bool LaunchKey(const Scan& s, bool require_cuda, std::string* key) {
+void LaunchKey(const Scan& s, bool require_cuda, std::string* key) {
   int64_t stream = 0;
   if (require_cuda) {
     const c10::Device dev(c10::DeviceType::CUDA,
@@ -268,7 +268,6 @@ bool LaunchKey(const Scan& s, bool require_cuda, std::string* key) {
   Append(key, stream);
   Append(key, static_cast<int64_t>(PyThread_get_thread_ident()));
   key->append(reinterpret_cast<const char*>(s.cols.data()), 4 * 8 * s.G);
-  return true;
 }
 
 bool CuteDisabled() {
