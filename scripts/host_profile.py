@@ -40,12 +40,12 @@ def main() -> None:
 
     print(f"grouped_gemm host path: {native.status()}")
     print(f"grouped_gemm 8 problems:   {per_call(lambda: grouped_gemm(a8, b8)):8.1f} us/call")
-    # New operand addresses every call: 100 sets in turn, more than the C++ module keeps
-    # launch records for (64), so each call builds and uploads its metadata.
-    sets = [[torch.randn(8, 512, device=dev, dtype=dt) for _ in range(8)] for _ in range(100)]
-    turn = iter(range(1 << 30))
+    # New operand addresses every call: per_call's 210 calls each take a set never seen
+    # before, so each builds a launch record and uploads its metadata.
+    sets = [[torch.randn(8, 512, device=dev, dtype=dt) for _ in range(8)] for _ in range(256)]
+    turn = iter(range(256))
     print(f"  ... new A addresses:     "
-          f"{per_call(lambda: grouped_gemm(sets[next(turn) % 100], b8)):8.1f} us/call")
+          f"{per_call(lambda: grouped_gemm(sets[next(turn)], b8)):8.1f} us/call")
     with native.python_scan():  # as without a C++ compiler
         print(f"  ... python scan:         {per_call(lambda: grouped_gemm(a8, b8)):8.1f} us/call")
         print(f"  ... 256, python scan:    "
