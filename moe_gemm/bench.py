@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import os
@@ -549,6 +550,9 @@ def run_shape(run: Run, spec: ShapeSpec) -> None:
     run.save()
 
 
+FRESH_SETS = 1031  # operand sets the "new operand addresses" row rotates through
+
+
 def measure_host_overhead(run: Run) -> dict[str, Any]:
     """CPU time of one call and the call-to-kernel gap on a small MoE case (issue 4 item 4)."""
     spec = host_overhead_shape(run.smoke)
@@ -570,6 +574,15 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
         "torch.mm loop": loop,
         "torch.bmm": lambda: torch.bmm(x3, w),
     }
+    # Operand addresses never seen before at every call (fresh activations each step): views
+    # of one buffer at FRESH_SETS row offsets, more than the launch records the C++ module
+    # keeps (1024), so no call finds a record of its addresses.
+    rows = x.shape[0]
+    fresh = torch.randn(FRESH_SETS * rows, x.shape[1], dtype=x.dtype, device=x.device)
+    fresh_sets = itertools.cycle([[fresh[r * rows + bounds[e]:r * rows + bounds[e + 1]]
+                                   for e in range(len(counts))] for r in range(FRESH_SETS)])
+    calls["moe_gemm.grouped_gemm (new operand addresses)"] = (
+        lambda: ops.grouped_gemm(next(fresh_sets), b_list))
     from .kernels import native
 
     if run.device.type == "cuda" and native.status() == "native":
@@ -624,6 +637,8 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
         # Issue 4: one call of each of our ops below torch's grouped_mm in CPU time.
         "ours_below_torch": below("moe_gemm.grouped_mm (default)"),
         "grouped_gemm_below_torch": below("moe_gemm.grouped_gemm (default)"),
+        "grouped_gemm_new_addresses_below_torch": below(
+            "moe_gemm.grouped_gemm (new operand addresses)"),
         "method": f"cpu_us: time.perf_counter around one call, no sync, median of {iters} "
         "(synchronized every 16 calls outside the timed region); single_us: events around one "
         "call with the GPU idle; gpu_us: back-to-back behind a backlog; launch_gap_us = "

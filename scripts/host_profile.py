@@ -46,6 +46,13 @@ def main() -> None:
     turn = iter(range(256))
     print(f"  ... new A addresses:     "
           f"{per_call(lambda: grouped_gemm(sets[next(turn)], b8)):8.1f} us/call")
+    # A new problem set every call (row counts change: routed tokens through the list API):
+    # each builds its GeneralShape (kernel choice, schedule) in Python first.
+    rows = [[torch.randn(1 + i if j == 0 else 1 + (5 * i + 37 * j) % 64, 512, device=dev,
+                         dtype=dt) for j in range(8)] for i in range(256)]
+    turn2 = iter(range(256))
+    print(f"  ... new sizes each call: "
+          f"{per_call(lambda: grouped_gemm(rows[next(turn2)], b8)):8.1f} us/call")
     with native.python_scan():  # as without a C++ compiler
         print(f"  ... python scan:         {per_call(lambda: grouped_gemm(a8, b8)):8.1f} us/call")
         print(f"  ... 256, python scan:    "
@@ -71,6 +78,14 @@ def main() -> None:
     prof.enable()
     for _ in range(50):
         grouped_gemm(a8, b8)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    more = [[torch.randn(300 + i if j == 0 else 1 + (3 * i + 29 * j) % 64, 512, device=dev,
+                         dtype=dt) for j in range(8)] for i in range(50)]
+    prof = cProfile.Profile()
+    prof.enable()
+    for a in more:  # a new problem set each call
+        grouped_gemm(a, b8)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     prof = cProfile.Profile()

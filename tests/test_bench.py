@@ -320,6 +320,8 @@ def test_smoke_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert host[bench_suite.GROUPED_MM_NAME]["cpu_us"] > 0
     assert isinstance(doc["host_overhead"]["ours_below_torch"], bool)
     assert isinstance(doc["host_overhead"]["grouped_gemm_below_torch"], bool)
+    assert host["moe_gemm.grouped_gemm (new operand addresses)"]["cpu_us"] > 0
+    assert isinstance(doc["host_overhead"]["grouped_gemm_new_addresses_below_torch"], bool)
     assert set(doc["bar"]["shapes"]) == set(shapes)
 
     printed = capsys.readouterr().out.strip().splitlines()

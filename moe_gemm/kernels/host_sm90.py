@@ -337,7 +337,8 @@ def _general_table(shape: GeneralShape, device: torch.device, placeholders: tupl
 def _general_args(shape: GeneralShape, placeholders: tuple, meta_dev: torch.Tensor, table,
                   workspace: torch.Tensor, trace_t: torch.Tensor) -> tuple:
     """The general kernel's arguments but the last (d_base), in its signature's order: one
-    place for GeneralLaunch and the C++ module's launch records."""
+    place for GeneralLaunch and the C++ module's launch records (which replace the metadata
+    and its int32 view, arguments 3 and 4: general_call.cc's kMetaArg)."""
     choice = shape.choice
     seed_a, seed_w, seed_d, offs = placeholders[:4]
     return (seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table,

@@ -300,7 +300,8 @@ def _intern(config: object) -> object:
 
 
 def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
-    """A problem set or operand addresses seen for the first time: register, then launch."""
+    """A problem set seen for the first time, or its first launch on this stream and thread:
+    register, then launch (later operand addresses get their launch records in C++)."""
     from ..capability import cute_problem
     from ..config import DEFAULT_CONFIG
     from ..env import env_get
@@ -321,7 +322,8 @@ def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
                                    env_get("MOE_GEMM_L2_HINTS"))
         block_shape, offsets = shape.output_layout()
         mod.remember_shape(cols, code, odt, req, config, shape, _DTYPE_INDEX[odtype],
-                           block_shape, offsets)
+                           block_shape, offsets, shape.static.tobytes(),
+                           None if shape.order_np is None else shape.order_np.tobytes())
         res = mod.call(a, b, odt, config, req)
         if res is None or type(res) is list or len(res) == 2:
             return res if type(res) is list else None

@@ -31,7 +31,13 @@ def call(a, b, out_dtype=None, config=None):
 
 
 def stats() -> tuple[int, int]:
-    return native.loaded().stats()
+    """(problem sets, launch records) the module keeps."""
+    return native.loaded().stats()[:2]
+
+
+def made_here() -> int:
+    """Launch records the module has made itself (new operand addresses) so far."""
+    return native.loaded().stats()[2]
 
 
 def _problems(sizes, dtype=torch.bfloat16, k_major=False, seed=0):
@@ -109,12 +115,91 @@ def test_repeated_call_launches_from_the_record(kernel: Recorder) -> None:
     assert not torch.equal(second[1], first[1])  # no shared memory between calls
     info = host.last_launch()
     assert info is not None and info.num_problems == len(sizes)
-    # New operand addresses: the same problem set, a new launch record.
+    # New operand addresses: the same problem set, a new launch record (made in C++).
     a2 = [t.clone() for t in a]
+    before = made_here()
     call(a2, b)
-    assert stats() == (1, 2)
+    assert stats() == (1, 2) and made_here() == before + 1
     assert kernel.calls[2][3] is not kernel.calls[0][3]
     assert kernel.calls[2][3][:, 0].tolist() != kernel.calls[0][3][:, 0].tolist()
+    call(a2, b)  # and then launched from it
+    assert stats() == (1, 2) and made_here() == before + 1
+    assert kernel.calls[3][3] is kernel.calls[2][3]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_records_for_new_addresses_match_the_python_wrapper(kernel: Recorder, seed: int) -> None:
+    """A launch record the module makes for new operand addresses (from the problem set's
+    last record on this stream and thread) hands the kernel what the Python host wrapper
+    would: metadata rows in launch order (K-sorted sets included), and every other argument."""
+    rng = random.Random(100 + seed)
+    one_n = seed % 2 == 0
+    n0 = 8 * rng.randint(1, 40)
+    # Varied K (the default K-sorts such sets) with empty problems and M = 1 among them.
+    sizes = [(rng.choice([0, 1, 5, 64, 129, 300]), n0 if one_n else 8 * rng.randint(1, 40),
+              8 * rng.randint(0, 96)) for _ in range(rng.randint(2, 40))]
+    sizes[0] = (64, sizes[0][1], 512)  # at least one tile of work
+    k_major = seed % 3 == 0
+    out_dtype = [None, torch.float32, torch.float16][seed % 3]
+    config = {1: GemmConfig(schedule="cooperative"), 3: GemmConfig(sort_by_k=True)}.get(seed % 4)
+    a, b = _problems(sizes, k_major=k_major, seed=seed)
+    assert call(a, b, out_dtype, config) is not None  # the Python-made record (the template)
+    before = made_here()
+    for turn in range(3):  # new A each time, then new B too
+        a = [t.clone() for t in a]
+        if turn == 2:
+            b = [t.clone() if not k_major else t.t().clone().t() for t in b]
+        outs = call(a, b, out_dtype, config)
+        assert made_here() == before + turn + 1
+        ours = kernel.calls[-1]
+        _check_outputs(outs, sizes, out_dtype or torch.bfloat16)
+        gl, _ = _python_launch(a, b, out_dtype, config or GemmConfig())
+        theirs = kernel.calls[-1]
+        assert torch.equal(ours[3], theirs[3])  # metadata rows, launch order
+        assert ours[3].dtype == torch.int64 and ours[3].shape == (len(sizes), 8)
+        assert ours[4].dtype == torch.int32 and ours[4].data_ptr() == ours[3].data_ptr()
+        assert torch.equal(ours[4], ours[3].view(torch.int32))
+        for i in (0, 1, 2, 5, 6):  # placeholders and the tile table: the template's
+            assert ours[i].shape == theirs[i].shape and ours[i].dtype == theirs[i].dtype
+        for i in (9, 10, 11, 12, 13, 14):  # G, CTAs, swizzle, policies, PDL
+            assert ours[i] == theirs[i]
+        assert ours[15] == outs[0].data_ptr() - outs[0].storage_offset() * outs[0].element_size()
+        assert host.last_launch().order == gl.shape.launch_order
+        if seed % 4 == 3:  # K-sorted: rows in an order that is not the caller's
+            assert gl.shape.order is not None
+
+
+def test_records_for_new_addresses_are_per_stream_and_thread(kernel: Recorder) -> None:
+    """Another thread's first launch of a problem set goes through Python (its workspace is
+    the thread's own); after that its new addresses get records made in C++ too."""
+    import threading
+
+    a, b = _problems([(32, 64, 128), (16, 64, 64)])
+    call(a, b)
+    before = made_here()
+    made = []
+
+    def other_thread() -> None:
+        call([t.clone() for t in a], b)
+        made.append(made_here())
+        call([t.clone() for t in a], b)
+        made.append(made_here())
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert made == [before, before + 1]
+    assert stats() == (1, 3)
+
+
+def test_a_failing_launch_from_a_made_record(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64)])
+    call(a, b)
+    kernel.fail = RuntimeError("launch failed")
+    with pytest.raises(RuntimeError, match="launch failed"):
+        call([a[0].clone()], b)
+    kernel.fail = None
+    assert call([a[0].clone()], b) is not None
 
 
 def test_problem_set_key(kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:

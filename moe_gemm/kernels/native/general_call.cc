@@ -14,6 +14,11 @@
 //   operands:    addresses and leading dims, current stream, thread
 //     -> a launch record (kernel, its arguments but d_base, LaunchInfo), whose uploaded
 //        metadata stays valid while the same addresses come back (the serving loop).
+// New operand addresses for a known problem set (fresh activations each step) get their
+// record made here from the last record of that problem set on the same stream and thread:
+// the metadata rows filled in C++, one pinned buffer, one asynchronous copy. Only the first
+// launch of a problem set on a stream and thread goes through Python (host_sm90.general_record:
+// ~35 us for 8 problems on an H200 host against a few here).
 // Everything outside the common case (kernels/support.fast_general's: plain 2-D tensors of
 // one dtype on one CUDA device, TMA-ready, one B major) is declined: the Python path then
 // decides, and words any error. The GIL is held throughout; nothing here blocks on the GPU.
@@ -24,6 +29,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/view.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -57,6 +63,16 @@ constexpr int64_t kPdl = 2;          // host_sm90.PDL at the call: launch record
 
 // Column rows of a scan: (kRows, G) int64, row-major.
 enum Row : int64_t { kAPtr = 0, kBPtr, kALd, kBLd, kM, kN, kK, kRows };
+
+// The general kernel's arguments (host_sm90._general_args): the metadata rows at kMetaArg,
+// their int32 view right after it. A metadata row (host_sm90.GeneralShape.metadata):
+// [a_ptr, b_ptr, D offset, a_ld, b_ld, D ld, M | N << 32, K], in launch order.
+constexpr Py_ssize_t kMetaArg = 3;
+constexpr int64_t kMetaCols = 8;
+// GeneralShape.static, per problem in the caller's order: [D offset, D ld, M | N << 32, K].
+constexpr int64_t kStaticCols = 4;
+// Launch-record templates kept per problem set (one per stream and thread).
+constexpr size_t kMaxTemplates = 64;
 
 // A strong reference to a Python object.
 class Ref {
@@ -221,12 +237,22 @@ struct OutputLayout {
   std::vector<int64_t> offsets;
 };
 
+// What a problem set's metadata rows take from its GeneralShape rather than the operands.
+struct MetaLayout {
+  std::vector<int64_t> fixed;  // G x kStaticCols (GeneralShape.static)
+  std::vector<int64_t> order;  // launch order (GeneralShape.order); empty: the caller's
+};
+
 struct ShapeEntry {
   Ref shape;   // host_sm90.GeneralShape
   Ref config;  // held: its address is part of the key and must not be reused
   std::shared_ptr<const OutputLayout> out;
+  std::shared_ptr<const MetaLayout> meta;
   std::unordered_map<std::string, Ref> launches;  // -> (kernel, args, raw LaunchInfo)
-  int64_t meta_bytes = 0;                          // of its launch records' metadata
+  // Stream and thread (a launch key's first 16 bytes) -> the last record made there: what a
+  // record for new operand addresses is made from (its workspace belongs to that stream).
+  std::unordered_map<std::string, Ref> templates;
+  int64_t meta_bytes = 0;  // of its launch records' metadata
 };
 
 // Heap-allocated and never destroyed: static destructors run after the interpreter has
@@ -234,6 +260,7 @@ struct ShapeEntry {
 auto& g_shapes = *new std::unordered_map<std::string, ShapeEntry>();
 size_t g_launch_count = 0;
 int64_t g_launch_meta_bytes = 0;  // G * 64 per record: the device metadata they keep
+int64_t g_records_made = 0;       // launch records made here (stats; tests)
 auto& g_is_capturing = *new Ref();  // torch._C._cuda_isCurrentStreamCapturing
 auto& g_local = *new Ref();         // host_sm90._local (thread-local LaunchInfo)
 
@@ -269,6 +296,10 @@ void LaunchKey(const Scan& s, bool require_cuda, std::string* key) {
   Append(key, static_cast<int64_t>(PyThread_get_thread_ident()));
   key->append(reinterpret_cast<const char*>(s.cols.data()), 4 * 8 * s.G);
 }
+
+constexpr size_t kStreamThreadBytes = 16;  // a launch key's prefix: stream, thread
+
+std::string StreamThread(const std::string& lkey) { return lkey.substr(0, kStreamThreadBytes); }
 
 bool CuteDisabled() {
   const char* v = std::getenv("MOE_GEMM_DISABLE_CUTE");
@@ -350,6 +381,66 @@ bool Launch(PyObject* record, int64_t d_base) {
   return true;
 }
 
+// A launch record for new operand addresses from `tmpl`, a record of the same problem set made
+// on the same stream and thread: its kernel, LaunchInfo and arguments, but new metadata rows
+// (filled here as GeneralShape.metadata does, uploaded with one asynchronous copy from pinned
+// memory: torch's copy keeps the pinned block until the copy has run) at kMetaArg and
+// kMetaArg + 1. New reference, or nullptr (a Python error set, or none: declined).
+PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool require_cuda) {
+  PyObject* targs = PyTuple_GET_ITEM(tmpl, 1);
+  const Py_ssize_t n = PyTuple_GET_SIZE(targs);
+  if (n <= kMetaArg + 1 || !THPVariable_Check(PyTuple_GET_ITEM(targs, kMetaArg))) return nullptr;
+  const int64_t G = s.G;
+  if (static_cast<int64_t>(lay.fixed.size()) != kStaticCols * G) return nullptr;
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor host = at::empty({G, kMetaCols}, opts.pinned_memory(require_cuda));
+  int64_t* m = host.mutable_data_ptr<int64_t>();
+  const int64_t* c = s.cols.data();
+  const bool reorder = !lay.order.empty();
+  for (int64_t j = 0; j < G; ++j) {
+    const int64_t i = reorder ? lay.order[j] : j;
+    const int64_t* f = lay.fixed.data() + kStaticCols * i;
+    int64_t* r = m + kMetaCols * j;
+    r[0] = c[kAPtr * G + i];
+    r[1] = c[kBPtr * G + i];
+    r[2] = f[0];
+    r[3] = c[kALd * G + i];
+    r[4] = c[kBLd * G + i];
+    r[5] = f[1];
+    r[6] = f[2];
+    r[7] = f[3];
+  }
+  at::Tensor meta = host;
+  if (require_cuda) {
+    const c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(s.code >> 4 & 255));
+    meta = at::empty({G, kMetaCols}, opts.device(dev));
+    meta.copy_(host, /*non_blocking=*/true);
+  }
+  at::Tensor meta32 = meta.view(at::kInt);
+  PyObject* args = PyTuple_New(n);
+  if (args == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v;
+    if (i == kMetaArg) {
+      v = THPVariable_Wrap(std::move(meta));
+    } else if (i == kMetaArg + 1) {
+      v = THPVariable_Wrap(std::move(meta32));
+    } else {
+      v = PyTuple_GET_ITEM(targs, i);
+      Py_INCREF(v);
+    }
+    if (v == nullptr) {
+      Py_DECREF(args);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(args, i, v);
+  }
+  PyObject* rec = PyTuple_Pack(3, PyTuple_GET_ITEM(tmpl, 0), args, PyTuple_GET_ITEM(tmpl, 2));
+  Py_DECREF(args);
+  if (rec != nullptr) ++g_records_made;
+  return rec;
+}
+
 PyObject* ColsBytes(const Scan& s) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(s.cols.data()),
                                    static_cast<Py_ssize_t>(8 * s.cols.size()));
@@ -397,65 +488,6 @@ PyObject* ScanFn(PyObject*, PyObject* const* args, Py_ssize_t n) {
   })
 }
 
-PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
-  const bool require_cuda = (req & kRequireCuda) != 0;
-  Scan s;
-  if (!ThreadIsPlain() || !ScanOperands(args[0], args[1], odt, require_cuda, &s)) {
-    Py_RETURN_NONE;
-  }
-  // Inference-only kernels: a grad-requiring operand under grad mode takes the Python path,
-  // which links the outputs so that backward raises, or runs the torch backend as configured.
-  if ((s.any_requires_grad && at::GradMode::is_enabled()) || CuteDisabled()) Py_RETURN_NONE;
-  const int capturing = Capturing(require_cuda);
-  if (capturing < 0) return nullptr;
-  if (capturing) Py_RETURN_NONE;
-  auto it = g_shapes.find(ShapeKey(s, odt, req, args[3]));
-  if (it == g_shapes.end()) {
-    return Py_BuildValue("(LN)", static_cast<long long>(s.code), ColsBytes(s));
-  }
-  // Everything needed from the entry is taken (strong references, shared layout) before
-  // anything that can run Python code (wrapping tensors can start a garbage collection whose
-  // finalizers could call back in and drop entries).
-  std::string lkey;
-  LaunchKey(s, require_cuda, &lkey);
-  Ref shape(it->second.shape.get());
-  const std::shared_ptr<const OutputLayout> layout = it->second.out;
-  auto li = it->second.launches.find(lkey);
-  Ref record(li == it->second.launches.end() ? nullptr : li->second.get());
-  int64_t d_base = 0;
-  PyObject* outs = NewOutputs(s, *layout, require_cuda, &d_base);
-  if (outs == nullptr) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_NONE;
-  }
-  if (record.get() == nullptr) {
-    return Py_BuildValue("(ONLLN)", shape.get(), outs, static_cast<long long>(d_base),
-                         static_cast<long long>(s.code), ColsBytes(s));
-  }
-  if (!Launch(record.get(), d_base)) {
-    Py_DECREF(outs);
-    return nullptr;
-  }
-  return outs;
-}
-
-// call(a, b, out_dtype_index, config, req) ->
-//   None                                  declined: the Python path decides
-//   list                                  launched from a record: the outputs
-//   (shape, outs, d_base, code, cols)     known problem set, new operands: the caller makes
-//                                         the launch record (remember_launch) and launches
-//   (code, cols)                          new problem set: the caller registers its shape
-//                                         (remember_shape) and calls again
-// req: kRequireCuda | kPdl flags.
-PyObject* Call(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int64_t odt, req;
-  if (n != 5 || !ParseInt(args[2], &odt) || !ParseInt(args[4], &req)) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "call(a, b, odt, config, req)");
-    return nullptr;
-  }
-  DECLINE_ON_THROW({ return CallImpl(args, odt, req); })
-}
-
 bool ScanFromBytes(PyObject* cols, int64_t code, Scan* s) {
   char* buf;
   Py_ssize_t len;
@@ -479,23 +511,157 @@ void ForgetAll() {
   g_launch_meta_bytes = 0;
 }
 
-// Drops every launch record, keeping the problem sets. Each record's metadata was allocated
-// on its key's stream, so the allocator reuses it only after that stream's work.
+// Drops every launch record and template, keeping the problem sets. Each record's metadata
+// was allocated on its key's stream, so the allocator reuses it only after that stream's work.
 void ForgetLaunches() {
   std::vector<std::unordered_map<std::string, Ref>> old;
   for (auto& kv : g_shapes) {
     old.emplace_back();
     old.back().swap(kv.second.launches);
+    old.emplace_back();
+    old.back().swap(kv.second.templates);
     kv.second.meta_bytes = 0;
   }
   g_launch_count = 0;
   g_launch_meta_bytes = 0;
 }
 
-// remember_shape(cols, code, odt, req, config, shape, out_type_index, block_shape, offsets)
+// Keeps `record` under the problem set `skey` and operands `lkey`, and as the template of its
+// stream and thread. False where the problem set was forgotten meanwhile (the next call
+// rebuilds). Replaced references are released after the maps are consistent again.
+bool StoreLaunch(const std::string& skey, std::string lkey, PyObject* record, int64_t G) {
+  const int64_t bytes = 64 * G;
+  if (g_launch_count >= kMaxLaunches || g_launch_meta_bytes + bytes > kMaxLaunchMetaBytes) {
+    ForgetLaunches();
+  }
+  auto it = g_shapes.find(skey);
+  if (it == g_shapes.end()) return false;
+  ShapeEntry& e = it->second;
+  Ref old_record, old_template;
+  std::unordered_map<std::string, Ref> old_templates;
+  if (e.templates.size() >= kMaxTemplates) old_templates.swap(e.templates);
+  Ref& slot = e.templates[StreamThread(lkey)];
+  old_template = std::move(slot);
+  slot = Ref(record);
+  auto li = e.launches.find(lkey);
+  if (li != e.launches.end()) {
+    old_record = std::move(li->second);
+    li->second = Ref(record);
+  } else {
+    e.launches.emplace(std::move(lkey), Ref(record));
+    e.meta_bytes += bytes;
+    ++g_launch_count;
+    g_launch_meta_bytes += bytes;
+  }
+  return true;
+}
+
+PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
+  const bool require_cuda = (req & kRequireCuda) != 0;
+  Scan s;
+  if (!ThreadIsPlain() || !ScanOperands(args[0], args[1], odt, require_cuda, &s)) {
+    Py_RETURN_NONE;
+  }
+  // Inference-only kernels: a grad-requiring operand under grad mode takes the Python path,
+  // which links the outputs so that backward raises, or runs the torch backend as configured.
+  if ((s.any_requires_grad && at::GradMode::is_enabled()) || CuteDisabled()) Py_RETURN_NONE;
+  const int capturing = Capturing(require_cuda);
+  if (capturing < 0) return nullptr;
+  if (capturing) Py_RETURN_NONE;
+  std::string skey = ShapeKey(s, odt, req, args[3]);
+  auto it = g_shapes.find(skey);
+  if (it == g_shapes.end()) {
+    return Py_BuildValue("(LN)", static_cast<long long>(s.code), ColsBytes(s));
+  }
+  // Everything needed from the entry is taken (strong references, shared layouts) before
+  // anything that can run Python code (wrapping tensors can start a garbage collection whose
+  // finalizers could call back in and drop entries).
+  std::string lkey;
+  LaunchKey(s, require_cuda, &lkey);
+  const ShapeEntry& e = it->second;
+  Ref shape(e.shape.get());
+  const std::shared_ptr<const OutputLayout> layout = e.out;
+  const std::shared_ptr<const MetaLayout> meta = e.meta;
+  auto li = e.launches.find(lkey);
+  Ref record(li == e.launches.end() ? nullptr : li->second.get());
+  Ref tmpl;
+  if (record.get() == nullptr && meta) {
+    auto ti = e.templates.find(StreamThread(lkey));
+    if (ti != e.templates.end()) tmpl = Ref(ti->second.get());
+  }
+  int64_t d_base = 0;
+  PyObject* outs = NewOutputs(s, *layout, require_cuda, &d_base);
+  if (outs == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  if (record.get() == nullptr && tmpl.get() != nullptr) {
+    // New operand addresses on a stream and thread this problem set has launched on.
+    PyObject* made = nullptr;
+    try {
+      made = NewRecord(s, *meta, tmpl.get(), require_cuda);
+    } catch (const std::exception&) {
+      made = nullptr;  // e.g. out of memory: the Python path below makes it (or raises)
+    }
+    if (made == nullptr && PyErr_Occurred()) {
+      Py_DECREF(outs);
+      return nullptr;
+    }
+    record = Ref(made);
+    Py_XDECREF(made);
+    if (record.get() != nullptr) StoreLaunch(skey, std::move(lkey), record.get(), s.G);
+  }
+  if (record.get() == nullptr) {
+    return Py_BuildValue("(ONLLN)", shape.get(), outs, static_cast<long long>(d_base),
+                         static_cast<long long>(s.code), ColsBytes(s));
+  }
+  if (!Launch(record.get(), d_base)) {
+    Py_DECREF(outs);
+    return nullptr;
+  }
+  return outs;
+}
+
+// call(a, b, out_dtype_index, config, req) ->
+//   None                                  declined: the Python path decides
+//   list                                  launched (from a record, or one made here): the
+//                                         outputs
+//   (shape, outs, d_base, code, cols)     known problem set, new operands, no record of it on
+//                                         this stream and thread yet: the caller makes the
+//                                         launch record (remember_launch) and launches
+//   (code, cols)                          new problem set: the caller registers its shape
+//                                         (remember_shape) and calls again
+// req: kRequireCuda | kPdl flags.
+PyObject* Call(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t odt, req;
+  if (n != 5 || !ParseInt(args[2], &odt) || !ParseInt(args[4], &req)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "call(a, b, odt, config, req)");
+    return nullptr;
+  }
+  DECLINE_ON_THROW({ return CallImpl(args, odt, req); })
+}
+
+// int64 values from a bytes object of `count` of them (count < 0: any), appended to `out`.
+bool Int64s(PyObject* o, int64_t count, std::vector<int64_t>* out) {
+  char* buf;
+  Py_ssize_t len;
+  if (PyBytes_AsStringAndSize(o, &buf, &len) < 0) return false;
+  if (len % 8 || (count >= 0 && len != 8 * count)) {
+    PyErr_SetString(PyExc_ValueError, "remember_shape: bad metadata layout");
+    return false;
+  }
+  out->resize(len / 8);
+  std::memcpy(out->data(), buf, len);
+  return true;
+}
+
+// remember_shape(cols, code, odt, req, config, shape, out_type_index, block_shape, offsets,
+//                static_rows, order)
+// static_rows: GeneralShape.static's bytes (G x 4 int64); order: GeneralShape.order_np's
+// bytes, or None for the caller's order.
 PyObject* RememberShape(PyObject*, PyObject* const* args, Py_ssize_t n) {
   int64_t code, odt, req, out_type;
-  if (n != 9 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
+  if (n != 11 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
       !ParseInt(args[3], &req) || !ParseInt(args[6], &out_type) || !PyTuple_Check(args[7]) ||
       !PyTuple_Check(args[8])) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "remember_shape(...)");
@@ -519,11 +685,25 @@ PyObject* RememberShape(PyObject*, PyObject* const* args, Py_ssize_t n) {
     if (!ParseInt(PyTuple_GET_ITEM(args[8], i), &v)) return nullptr;
     lay.offsets.push_back(v);
   }
+  MetaLayout meta;
+  if (!Int64s(args[9], kStaticCols * s.G, &meta.fixed)) return nullptr;
+  if (args[10] != Py_None) {
+    if (!Int64s(args[10], s.G, &meta.order)) return nullptr;
+    std::vector<bool> seen(s.G, false);
+    for (const int64_t i : meta.order) {  // a permutation, or rows would be read out of bounds
+      if (i < 0 || i >= s.G || seen[i]) {
+        PyErr_SetString(PyExc_ValueError, "remember_shape: order is not a permutation");
+        return nullptr;
+      }
+      seen[i] = true;
+    }
+  }
   if (g_shapes.size() >= kMaxShapes) ForgetAll();
   ShapeEntry entry;
   entry.shape = Ref(args[5]);
   entry.config = Ref(args[4]);
   entry.out = std::make_shared<const OutputLayout>(std::move(lay));
+  entry.meta = std::make_shared<const MetaLayout>(std::move(meta));
   std::string key = ShapeKey(s, odt, req, args[4]);
   auto it = g_shapes.find(key);
   if (it != g_shapes.end()) {
@@ -555,23 +735,10 @@ PyObject* RememberLaunch(PyObject*, PyObject* const* args, Py_ssize_t n) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
-  const int64_t bytes = 64 * s.G;
-  if (g_launch_count >= kMaxLaunches || g_launch_meta_bytes + bytes > kMaxLaunchMetaBytes) {
-    ForgetLaunches();
+  if (StoreLaunch(ShapeKey(s, odt, req, args[4]), std::move(lkey), args[5], s.G)) {
+    Py_RETURN_TRUE;
   }
-  auto it = g_shapes.find(ShapeKey(s, odt, req, args[4]));
-  if (it == g_shapes.end()) Py_RETURN_FALSE;  // forgotten meanwhile: the next call rebuilds
-  auto li = it->second.launches.find(lkey);
-  if (li != it->second.launches.end()) {
-    Ref old(std::move(li->second));
-    li->second = Ref(args[5]);
-  } else {
-    it->second.launches.emplace(std::move(lkey), Ref(args[5]));
-    it->second.meta_bytes += bytes;
-    ++g_launch_count;
-    g_launch_meta_bytes += bytes;
-  }
-  Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
 }
 
 PyObject* Forget(PyObject*, PyObject* const*, Py_ssize_t) {
@@ -579,10 +746,11 @@ PyObject* Forget(PyObject*, PyObject* const*, Py_ssize_t) {
   Py_RETURN_NONE;
 }
 
-// stats() -> (problem sets, launch records)
+// stats() -> (problem sets, launch records, records made here so far)
 PyObject* Stats(PyObject*, PyObject* const*, Py_ssize_t) {
-  return Py_BuildValue("(nn)", static_cast<Py_ssize_t>(g_shapes.size()),
-                       static_cast<Py_ssize_t>(g_launch_count));
+  return Py_BuildValue("(nnL)", static_cast<Py_ssize_t>(g_shapes.size()),
+                       static_cast<Py_ssize_t>(g_launch_count),
+                       static_cast<long long>(g_records_made));
 }
 
 #define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f))
