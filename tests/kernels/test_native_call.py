@@ -36,8 +36,13 @@ def stats() -> tuple[int, int]:
 
 
 def made_here() -> int:
-    """Launch records the module has made itself (new operand addresses) so far."""
+    """Launch records the module has made itself (addresses seen a second time) so far."""
     return native.loaded().stats()[2]
+
+
+def one_offs() -> int:
+    """Launches through a template's scratch metadata (addresses seen once) so far."""
+    return native.loaded().stats()[3]
 
 
 def _problems(sizes, dtype=torch.bfloat16, k_major=False, seed=0):
@@ -115,16 +120,23 @@ def test_repeated_call_launches_from_the_record(kernel: Recorder) -> None:
     assert not torch.equal(second[1], first[1])  # no shared memory between calls
     info = host.last_launch()
     assert info is not None and info.num_problems == len(sizes)
-    # New operand addresses: the same problem set, a new launch record (made in C++).
+    # New operand addresses, seen once: launched through the template's scratch rows (made in
+    # C++, no record kept); seen again: a launch record of their own; then launched from it.
     a2 = [t.clone() for t in a]
-    before = made_here()
+    made, once = made_here(), one_offs()
     call(a2, b)
-    assert stats() == (1, 2) and made_here() == before + 1
-    assert kernel.calls[2][3] is not kernel.calls[0][3]
-    assert kernel.calls[2][3][:, 0].tolist() != kernel.calls[0][3][:, 0].tolist()
-    call(a2, b)  # and then launched from it
-    assert stats() == (1, 2) and made_here() == before + 1
-    assert kernel.calls[3][3] is kernel.calls[2][3]
+    assert stats() == (1, 1) and (made_here(), one_offs()) == (made, once + 1)
+    scratch = kernel.calls[2][3]
+    assert scratch is not kernel.calls[0][3]
+    assert scratch[:, 0].tolist() != kernel.calls[0][3][:, 0].tolist()
+    call(a2, b)
+    assert stats() == (1, 2) and (made_here(), one_offs()) == (made + 1, once + 1)
+    assert kernel.calls[3][3] is not scratch and torch.equal(kernel.calls[3][3], scratch)
+    call(a2, b)
+    assert stats() == (1, 2) and (made_here(), one_offs()) == (made + 1, once + 1)
+    assert kernel.calls[4][3] is kernel.calls[3][3]
+    call([t.clone() for t in a], b)  # the scratch rows are reused for the next one-off
+    assert kernel.calls[5][3] is scratch and one_offs() == once + 2
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -144,13 +156,14 @@ def test_records_for_new_addresses_match_the_python_wrapper(kernel: Recorder, se
     config = {1: GemmConfig(schedule="cooperative"), 3: GemmConfig(sort_by_k=True)}.get(seed % 4)
     a, b = _problems(sizes, k_major=k_major, seed=seed)
     assert call(a, b, out_dtype, config) is not None  # the Python-made record (the template)
-    before = made_here()
-    for turn in range(3):  # new A each time, then new B too
-        a = [t.clone() for t in a]
-        if turn == 2:
+    made, once = made_here(), one_offs()
+    for turn in range(6):  # new A, then the same again (a record); new B too from turn 4
+        if turn % 2 == 0:
+            a = [t.clone() for t in a]
+        if turn == 4:
             b = [t.clone() if not k_major else t.t().clone().t() for t in b]
         outs = call(a, b, out_dtype, config)
-        assert made_here() == before + turn + 1
+        assert (made_here(), one_offs()) == (made + (turn + 1) // 2, once + turn // 2 + 1)
         ours = kernel.calls[-1]
         _check_outputs(outs, sizes, out_dtype or torch.bfloat16)
         gl, _ = _python_launch(a, b, out_dtype, config or GemmConfig())
@@ -181,24 +194,32 @@ def test_records_for_new_addresses_are_per_stream_and_thread(kernel: Recorder) -
 
     def other_thread() -> None:
         call([t.clone() for t in a], b)
-        made.append(made_here())
-        call([t.clone() for t in a], b)
-        made.append(made_here())
+        made.append((made_here(), one_offs()))
+        a2 = [t.clone() for t in a]
+        call(a2, b)
+        made.append((made_here(), one_offs()))
+        call(a2, b)
+        made.append((made_here(), one_offs()))
 
+    once = one_offs()
     worker = threading.Thread(target=other_thread)
     worker.start()
     worker.join()
-    assert made == [before, before + 1]
+    assert made == [(before, once), (before, once + 1), (before + 1, once + 1)]
     assert stats() == (1, 3)
 
 
 def test_a_failing_launch_from_a_made_record(kernel: Recorder) -> None:
     a, b = _problems([(8, 32, 64)])
     call(a, b)
+    a1 = [a[0].clone()]
     kernel.fail = RuntimeError("launch failed")
     with pytest.raises(RuntimeError, match="launch failed"):
-        call([a[0].clone()], b)
+        call(a1, b)  # one-off launch
+    with pytest.raises(RuntimeError, match="launch failed"):
+        call(a1, b)  # from a record made here
     kernel.fail = None
+    assert call(a1, b) is not None
     assert call([a[0].clone()], b) is not None
 
 
@@ -287,10 +308,15 @@ def test_a_failing_launch_raises_and_returns_nothing(kernel: Recorder) -> None:
 
 def test_launch_records_are_bounded(kernel: Recorder) -> None:
     a, b = _problems([(8, 32, 64)])
+    most, kept = 0, []
     for _ in range(1030):
-        call([a[0].clone()], b)
+        a1 = [a[0].clone()]
+        kept.append(a1)  # no address comes back
+        call(a1, b)  # seen once: no record
+        call(a1, b)  # seen again: a record
+        most = max(most, stats()[1])
         assert stats()[1] <= 1024
-    assert stats()[0] == 1
+    assert most == 1024 and stats()[0] == 1
 
 
 def test_python_scan_block_bypasses_the_module(kernel: Recorder) -> None:

@@ -14,11 +14,12 @@
 //   operands:    addresses and leading dims, current stream, thread
 //     -> a launch record (kernel, its arguments but d_base, LaunchInfo), whose uploaded
 //        metadata stays valid while the same addresses come back (the serving loop).
-// New operand addresses for a known problem set (fresh activations each step) get their
-// record made here from the last record of that problem set on the same stream and thread:
-// the metadata rows filled in C++, one pinned buffer, one asynchronous copy. Only the first
-// launch of a problem set on a stream and thread goes through Python (host_sm90.general_record:
-// ~35 us for 8 problems on an H200 host against a few here).
+// New operand addresses for a known problem set (fresh activations each step) launch from a
+// template, the problem set's last record on the same stream and thread: the metadata rows
+// are filled here and copied (one pinned buffer, one asynchronous copy) into the template's
+// scratch rows, or, for addresses seen a second time, into a record of their own. Only the
+// first launch of a problem set on a stream and thread goes through Python
+// (host_sm90.general_record: ~35 us for 8 problems on an H200 host).
 // Everything outside the common case (kernels/support.fast_general's: plain 2-D tensors of
 // one dtype on one CUDA device, TMA-ready, one B major) is declined: the Python path then
 // decides, and words any error. The GIL is held throughout; nothing here blocks on the GPU.
@@ -43,6 +44,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -243,15 +245,22 @@ struct MetaLayout {
   std::vector<int64_t> order;  // launch order (GeneralShape.order); empty: the caller's
 };
 
+// What new operand addresses on one stream and thread launch from (see CallImpl).
+struct Template {
+  Ref record;               // the last launch record made there
+  Ref scratch;              // its one-off twin: the same arguments but scratch_meta's rows
+  at::Tensor scratch_meta;  // rewritten before each one-off launch
+};
+
 struct ShapeEntry {
   Ref shape;   // host_sm90.GeneralShape
   Ref config;  // held: its address is part of the key and must not be reused
   std::shared_ptr<const OutputLayout> out;
   std::shared_ptr<const MetaLayout> meta;
   std::unordered_map<std::string, Ref> launches;  // -> (kernel, args, raw LaunchInfo)
-  // Stream and thread (a launch key's first 16 bytes) -> the last record made there: what a
-  // record for new operand addresses is made from (its workspace belongs to that stream).
-  std::unordered_map<std::string, Ref> templates;
+  // Stream and thread (a launch key's first 16 bytes) -> what new operand addresses launch
+  // from there (the workspace in its arguments belongs to that stream).
+  std::unordered_map<std::string, std::shared_ptr<Template>> templates;
   int64_t meta_bytes = 0;  // of its launch records' metadata
 };
 
@@ -261,6 +270,10 @@ auto& g_shapes = *new std::unordered_map<std::string, ShapeEntry>();
 size_t g_launch_count = 0;
 int64_t g_launch_meta_bytes = 0;  // G * 64 per record: the device metadata they keep
 int64_t g_records_made = 0;       // launch records made here (stats; tests)
+int64_t g_one_off_launches = 0;   // launches through a template's scratch (stats; tests)
+// Hashes of operand keys seen once without a record: the second sighting makes one.
+auto& g_seen = *new std::unordered_set<size_t>();
+constexpr size_t kMaxSeen = 65536;
 auto& g_is_capturing = *new Ref();  // torch._C._cuda_isCurrentStreamCapturing
 auto& g_local = *new Ref();         // host_sm90._local (thread-local LaunchInfo)
 
@@ -381,19 +394,13 @@ bool Launch(PyObject* record, int64_t d_base) {
   return true;
 }
 
-// A launch record for new operand addresses from `tmpl`, a record of the same problem set made
-// on the same stream and thread: its kernel, LaunchInfo and arguments, but new metadata rows
-// (filled here as GeneralShape.metadata does, uploaded with one asynchronous copy from pinned
-// memory: torch's copy keeps the pinned block until the copy has run) at kMetaArg and
-// kMetaArg + 1. New reference, or nullptr (a Python error set, or none: declined).
-PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool require_cuda) {
-  PyObject* targs = PyTuple_GET_ITEM(tmpl, 1);
-  const Py_ssize_t n = PyTuple_GET_SIZE(targs);
-  if (n <= kMetaArg + 1 || !THPVariable_Check(PyTuple_GET_ITEM(targs, kMetaArg))) return nullptr;
+// The metadata rows of operands `s` for a problem set (as GeneralShape.metadata fills them),
+// in a fresh host tensor: pinned where they go to a GPU (torch's asynchronous copy then keeps
+// the block until the copy has run).
+at::Tensor FillMeta(const Scan& s, const MetaLayout& lay, bool pinned) {
   const int64_t G = s.G;
-  if (static_cast<int64_t>(lay.fixed.size()) != kStaticCols * G) return nullptr;
-  const auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor host = at::empty({G, kMetaCols}, opts.pinned_memory(require_cuda));
+  at::Tensor host = at::empty({G, kMetaCols},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
   int64_t* m = host.mutable_data_ptr<int64_t>();
   const int64_t* c = s.cols.data();
   const bool reorder = !lay.order.empty();
@@ -410,12 +417,22 @@ PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool r
     r[6] = f[2];
     r[7] = f[3];
   }
-  at::Tensor meta = host;
-  if (require_cuda) {
-    const c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(s.code >> 4 & 255));
-    meta = at::empty({G, kMetaCols}, opts.device(dev));
-    meta.copy_(host, /*non_blocking=*/true);
-  }
+  return host;
+}
+
+// Whether `tmpl` is a record whose arguments this module knows how to rewrite.
+bool Rewritable(PyObject* tmpl, const MetaLayout& lay, int64_t G) {
+  PyObject* targs = PyTuple_GET_ITEM(tmpl, 1);
+  return PyTuple_GET_SIZE(targs) > kMetaArg + 1 &&
+         THPVariable_Check(PyTuple_GET_ITEM(targs, kMetaArg)) &&
+         static_cast<int64_t>(lay.fixed.size()) == kStaticCols * G;
+}
+
+// The record `tmpl` with `meta` (device rows) and its int32 view as the metadata arguments.
+// New reference or nullptr (a Python error set).
+PyObject* WithMeta(PyObject* tmpl, at::Tensor meta) {
+  PyObject* targs = PyTuple_GET_ITEM(tmpl, 1);
+  const Py_ssize_t n = PyTuple_GET_SIZE(targs);
   at::Tensor meta32 = meta.view(at::kInt);
   PyObject* args = PyTuple_New(n);
   if (args == nullptr) return nullptr;
@@ -437,8 +454,54 @@ PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool r
   }
   PyObject* rec = PyTuple_Pack(3, PyTuple_GET_ITEM(tmpl, 0), args, PyTuple_GET_ITEM(tmpl, 2));
   Py_DECREF(args);
+  return rec;
+}
+
+c10::Device DeviceOf(const Scan& s, bool require_cuda) {
+  return require_cuda
+      ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(s.code >> 4 & 255))
+      : c10::Device(c10::DeviceType::CPU);
+}
+
+// A launch record for new operand addresses from `tmpl` (a record of the same problem set
+// made on the same stream and thread): its kernel, LaunchInfo and arguments, with metadata
+// rows of its own uploaded once. New reference, or nullptr (a Python error set, or none:
+// declined).
+PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool require_cuda) {
+  if (!Rewritable(tmpl, lay, s.G)) return nullptr;
+  at::Tensor host = FillMeta(s, lay, require_cuda);
+  at::Tensor meta = host;
+  if (require_cuda) {
+    meta = at::empty({s.G, kMetaCols},
+                     at::TensorOptions().dtype(at::kLong).device(DeviceOf(s, true)));
+    meta.copy_(host, /*non_blocking=*/true);
+  }
+  PyObject* rec = WithMeta(tmpl, std::move(meta));
   if (rec != nullptr) ++g_records_made;
   return rec;
+}
+
+// Launches operands `s` once through `t`'s scratch record, whose metadata rows are rewritten
+// for each such launch (made on first use). Safe without events: the scratch belongs to one
+// stream (and thread), so each copy into it runs after the previous launch that read it.
+// 1 launched, 0 declined, -1 a Python error set.
+int OneOffLaunch(const Scan& s, const MetaLayout& lay, Template* t, bool require_cuda,
+                 int64_t d_base) {
+  if (t->scratch.get() == nullptr) {
+    if (!Rewritable(t->record.get(), lay, s.G)) return 0;
+    at::Tensor meta = at::empty({s.G, kMetaCols},
+                                at::TensorOptions().dtype(at::kLong).device(DeviceOf(s, require_cuda)));
+    PyObject* rec = WithMeta(t->record.get(), meta);
+    if (rec == nullptr) return -1;
+    t->scratch = Ref(rec);
+    Py_DECREF(rec);
+    t->scratch_meta = std::move(meta);
+  }
+  t->scratch_meta.copy_(FillMeta(s, lay, require_cuda), /*non_blocking=*/true);
+  Ref rec(t->scratch.get());  // held through the launch (its Python code could drop `t`'s)
+  if (!Launch(rec.get(), d_base)) return -1;
+  ++g_one_off_launches;
+  return 1;
 }
 
 PyObject* ColsBytes(const Scan& s) {
@@ -507,6 +570,7 @@ bool ScanFromBytes(PyObject* cols, int64_t code, Scan* s) {
 void ForgetAll() {
   std::unordered_map<std::string, ShapeEntry> old;
   old.swap(g_shapes);
+  g_seen.clear();
   g_launch_count = 0;
   g_launch_meta_bytes = 0;
 }
@@ -515,11 +579,12 @@ void ForgetAll() {
 // was allocated on its key's stream, so the allocator reuses it only after that stream's work.
 void ForgetLaunches() {
   std::vector<std::unordered_map<std::string, Ref>> old;
+  std::vector<std::unordered_map<std::string, std::shared_ptr<Template>>> old_templates;
   for (auto& kv : g_shapes) {
     old.emplace_back();
     old.back().swap(kv.second.launches);
-    old.emplace_back();
-    old.back().swap(kv.second.templates);
+    old_templates.emplace_back();
+    old_templates.back().swap(kv.second.templates);
     kv.second.meta_bytes = 0;
   }
   g_launch_count = 0;
@@ -538,11 +603,12 @@ bool StoreLaunch(const std::string& skey, std::string lkey, PyObject* record, in
   if (it == g_shapes.end()) return false;
   ShapeEntry& e = it->second;
   Ref old_record, old_template;
-  std::unordered_map<std::string, Ref> old_templates;
+  std::unordered_map<std::string, std::shared_ptr<Template>> old_templates;
   if (e.templates.size() >= kMaxTemplates) old_templates.swap(e.templates);
-  Ref& slot = e.templates[StreamThread(lkey)];
-  old_template = std::move(slot);
-  slot = Ref(record);
+  std::shared_ptr<Template>& slot = e.templates[StreamThread(lkey)];
+  if (!slot) slot = std::make_shared<Template>();
+  old_template = std::move(slot->record);  // its scratch stays: same stream, same arguments
+  slot->record = Ref(record);
   auto li = e.launches.find(lkey);
   if (li != e.launches.end()) {
     old_record = std::move(li->second);
@@ -584,10 +650,10 @@ PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
   const std::shared_ptr<const MetaLayout> meta = e.meta;
   auto li = e.launches.find(lkey);
   Ref record(li == e.launches.end() ? nullptr : li->second.get());
-  Ref tmpl;
+  std::shared_ptr<Template> tmpl;
   if (record.get() == nullptr && meta) {
     auto ti = e.templates.find(StreamThread(lkey));
-    if (ti != e.templates.end()) tmpl = Ref(ti->second.get());
+    if (ti != e.templates.end()) tmpl = ti->second;
   }
   int64_t d_base = 0;
   PyObject* outs = NewOutputs(s, *layout, require_cuda, &d_base);
@@ -595,21 +661,41 @@ PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
   }
-  if (record.get() == nullptr && tmpl.get() != nullptr) {
-    // New operand addresses on a stream and thread this problem set has launched on.
+  if (record.get() == nullptr && tmpl) {
+    // New operand addresses on a stream and thread this problem set has launched on. Seen
+    // once: launched through the template's scratch metadata (fresh activations every step
+    // keep no record). Seen again (an allocator handing the same blocks back): a record of
+    // their own, so that later calls launch without any upload.
+    const size_t seen = std::hash<std::string>{}(lkey);
+    const bool again = g_seen.count(seen) != 0;
     PyObject* made = nullptr;
+    int launched = 0;
     try {
-      made = NewRecord(s, *meta, tmpl.get(), require_cuda);
+      if (again) {
+        made = NewRecord(s, *meta, tmpl->record.get(), require_cuda);
+      } else {
+        launched = OneOffLaunch(s, *meta, tmpl.get(), require_cuda, d_base);
+      }
     } catch (const std::exception&) {
       made = nullptr;  // e.g. out of memory: the Python path below makes it (or raises)
+      launched = 0;
     }
-    if (made == nullptr && PyErr_Occurred()) {
+    if (launched < 0 || (made == nullptr && PyErr_Occurred())) {
+      Py_XDECREF(made);
       Py_DECREF(outs);
       return nullptr;
     }
+    if (launched > 0) {
+      if (g_seen.size() >= kMaxSeen) g_seen.clear();
+      g_seen.insert(seen);
+      return outs;
+    }
     record = Ref(made);
     Py_XDECREF(made);
-    if (record.get() != nullptr) StoreLaunch(skey, std::move(lkey), record.get(), s.G);
+    if (record.get() != nullptr) {
+      g_seen.erase(seen);
+      StoreLaunch(skey, std::move(lkey), record.get(), s.G);
+    }
   }
   if (record.get() == nullptr) {
     return Py_BuildValue("(ONLLN)", shape.get(), outs, static_cast<long long>(d_base),
@@ -746,11 +832,12 @@ PyObject* Forget(PyObject*, PyObject* const*, Py_ssize_t) {
   Py_RETURN_NONE;
 }
 
-// stats() -> (problem sets, launch records, records made here so far)
+// stats() -> (problem sets, launch records, records made here so far, one-off launches so far)
 PyObject* Stats(PyObject*, PyObject* const*, Py_ssize_t) {
-  return Py_BuildValue("(nnL)", static_cast<Py_ssize_t>(g_shapes.size()),
+  return Py_BuildValue("(nnLL)", static_cast<Py_ssize_t>(g_shapes.size()),
                        static_cast<Py_ssize_t>(g_launch_count),
-                       static_cast<long long>(g_records_made));
+                       static_cast<long long>(g_records_made),
+                       static_cast<long long>(g_one_off_launches));
 }
 
 #define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f))
