@@ -3,9 +3,12 @@
 A grouped_gemm call on lists reads every operand (dtype, device, shape, strides, address),
 allocates G outputs and launches. In Python that is ~1.2 us per problem plus ~0.9 us per output
 view on an H200 host; the C++ module reads the at::Tensors directly, makes the outputs as plain
-tensors on one fresh allocation, and launches a repeated call from a cached record (the
-uploaded metadata for the same operand addresses, the serving loop) without entering the
-Python host wrapper. See general_call.cc for the two caches and what they key on.
+tensors on one fresh allocation, and launches without entering the Python host wrapper: a
+repeated call from a cached record (the uploaded metadata for the same operand addresses, the
+serving loop), new operand addresses of a known problem set from its template on that stream
+(metadata rows filled in C++; a record of their own when they come back). Only a problem set's
+first launch on a stream and thread comes here (_first_calls). See general_call.cc for the
+caches and what they key on.
 
 It is compiled once per machine and torch/Python version with the system C++ compiler
 (`$CXX`, else `c++`) against torch's and Python's headers (~10-20 s), into
