@@ -60,9 +60,9 @@ def tma_problem(name: str, t: torch.Tensor) -> str | None:
     return None
 
 
-def _neg_problem(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    if x.is_neg() or w.is_neg():
-        return ("x or w is a lazily negated view (the kernel reads memory, not the sign bit; "
+def _neg_problem(names: str, *tensors: torch.Tensor) -> str | None:
+    if any(t.is_neg() for t in tensors):
+        return (f"{names} is a lazily negated view (the kernel reads memory, not the sign bit; "
                 "call .resolve_neg())")
     return None
 
@@ -123,9 +123,8 @@ def analyze_general(args: GroupedGemmArgs) -> GeneralLayout | str:
             return _out_row_problem(f"out[{i}]", N, args.out_dtype)
         if K == 0:
             continue  # A and B are never loaded: the tile stores zeros
-        if a.is_neg() or b.is_neg():
-            return (f"a[{i}] or b[{i}] is a lazily negated view (the kernel reads memory, not "
-                    "the sign bit; call .resolve_neg())")
+        if neg := _neg_problem(f"a[{i}] or b[{i}]", a, b):
+            return neg
         sa = a.stride()
         if sa[1] != 1 and K > 1:
             return f"a[{i}] must be row-major (K contiguous) for the kernel"
@@ -175,7 +174,7 @@ def grouped_mm_unsupported(args: GroupedMmArgs, config: GemmConfig) -> str | Non
     if args.T == 0 or args.E == 0 or args.N == 0:
         return None
     if args.K > 0:
-        why = _neg_problem(args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
+        why = _neg_problem("x or w", args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
         if why:
             return why
         if operand_major(args.x) != "row":
@@ -204,7 +203,7 @@ def grouped_bmm_unsupported(args: GroupedBmmArgs, config: GemmConfig) -> str | N
     if K > 0:
         if args.x.stride(2) != 1 and K > 1:
             return "x must be row-major (K contiguous) for the kernel"
-        why = _neg_problem(args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
+        why = _neg_problem("x or w", args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
         if why:
             return why
     if args.out is not None:

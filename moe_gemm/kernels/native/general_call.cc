@@ -421,11 +421,10 @@ at::Tensor FillMeta(const Scan& s, const MetaLayout& lay, bool pinned) {
 }
 
 // Whether `tmpl` is a record whose arguments this module knows how to rewrite.
-bool Rewritable(PyObject* tmpl, const MetaLayout& lay, int64_t G) {
+bool Rewritable(PyObject* tmpl) {
   PyObject* targs = PyTuple_GET_ITEM(tmpl, 1);
   return PyTuple_GET_SIZE(targs) > kMetaArg + 1 &&
-         THPVariable_Check(PyTuple_GET_ITEM(targs, kMetaArg)) &&
-         static_cast<int64_t>(lay.fixed.size()) == kStaticCols * G;
+         THPVariable_Check(PyTuple_GET_ITEM(targs, kMetaArg));
 }
 
 // The record `tmpl` with `meta` (device rows) and its int32 view as the metadata arguments.
@@ -457,10 +456,12 @@ PyObject* WithMeta(PyObject* tmpl, at::Tensor meta) {
   return rec;
 }
 
-c10::Device DeviceOf(const Scan& s, bool require_cuda) {
-  return require_cuda
+// Uninitialized metadata rows for operands `s` where the kernel reads them.
+at::Tensor NewRows(const Scan& s, bool require_cuda) {
+  const c10::Device dev = require_cuda
       ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(s.code >> 4 & 255))
       : c10::Device(c10::DeviceType::CPU);
+  return at::empty({s.G, kMetaCols}, at::TensorOptions().dtype(at::kLong).device(dev));
 }
 
 // A launch record for new operand addresses from `tmpl` (a record of the same problem set
@@ -468,15 +469,10 @@ c10::Device DeviceOf(const Scan& s, bool require_cuda) {
 // rows of its own uploaded once. New reference, or nullptr (a Python error set, or none:
 // declined).
 PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool require_cuda) {
-  if (!Rewritable(tmpl, lay, s.G)) return nullptr;
-  at::Tensor host = FillMeta(s, lay, require_cuda);
-  at::Tensor meta = host;
-  if (require_cuda) {
-    meta = at::empty({s.G, kMetaCols},
-                     at::TensorOptions().dtype(at::kLong).device(DeviceOf(s, true)));
-    meta.copy_(host, /*non_blocking=*/true);
-  }
-  PyObject* rec = WithMeta(tmpl, std::move(meta));
+  if (!Rewritable(tmpl)) return nullptr;
+  at::Tensor rows = NewRows(s, require_cuda);
+  rows.copy_(FillMeta(s, lay, require_cuda), /*non_blocking=*/true);
+  PyObject* rec = WithMeta(tmpl, std::move(rows));
   if (rec != nullptr) ++g_records_made;
   return rec;
 }
@@ -488,14 +484,13 @@ PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool r
 int OneOffLaunch(const Scan& s, const MetaLayout& lay, Template* t, bool require_cuda,
                  int64_t d_base) {
   if (t->scratch.get() == nullptr) {
-    if (!Rewritable(t->record.get(), lay, s.G)) return 0;
-    at::Tensor meta = at::empty({s.G, kMetaCols},
-                                at::TensorOptions().dtype(at::kLong).device(DeviceOf(s, require_cuda)));
-    PyObject* rec = WithMeta(t->record.get(), meta);
+    if (!Rewritable(t->record.get())) return 0;
+    at::Tensor rows = NewRows(s, require_cuda);
+    PyObject* rec = WithMeta(t->record.get(), rows);
     if (rec == nullptr) return -1;
     t->scratch = Ref(rec);
     Py_DECREF(rec);
-    t->scratch_meta = std::move(meta);
+    t->scratch_meta = std::move(rows);
   }
   t->scratch_meta.copy_(FillMeta(s, lay, require_cuda), /*non_blocking=*/true);
   Ref rec(t->scratch.get());  // held through the launch (its Python code could drop `t`'s)
