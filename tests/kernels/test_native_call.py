@@ -157,11 +157,15 @@ def test_records_for_new_addresses_match_the_python_wrapper(kernel: Recorder, se
     a, b = _problems(sizes, k_major=k_major, seed=seed)
     assert call(a, b, out_dtype, config) is not None  # the Python-made record (the template)
     made, once = made_here(), one_offs()
+    # Every operand list stays alive to the end: a freed block handed back by the allocator
+    # would be a second sighting (or a hit on an earlier record), not the new address meant.
+    alive = [a, b]
     for turn in range(6):  # new A, then the same again (a record); new B too from turn 4
         if turn % 2 == 0:
             a = [t.clone() for t in a]
         if turn == 4:
             b = [t.clone() if not k_major else t.t().clone().t() for t in b]
+        alive += [a, b]
         outs = call(a, b, out_dtype, config)
         assert (made_here(), one_offs()) == (made + (turn + 1) // 2, once + turn // 2 + 1)
         ours = kernel.calls[-1]
@@ -193,7 +197,8 @@ def test_records_for_new_addresses_are_per_stream_and_thread(kernel: Recorder) -
     made = []
 
     def other_thread() -> None:
-        call([t.clone() for t in a], b)
+        a1 = [t.clone() for t in a]  # kept alive, so a2 cannot reuse its blocks
+        call(a1, b)
         made.append((made_here(), one_offs()))
         a2 = [t.clone() for t in a]
         call(a2, b)
