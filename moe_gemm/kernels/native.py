@@ -53,6 +53,7 @@ from ..validation import GroupedGemmArgs
 from .support import MAX_PROBLEMS, GeneralLayout
 
 SOURCE = Path(__file__).parent / "native" / "general_call.cc"
+HEADERS = (Path(__file__).parent / "native" / "upload_ring.h",)  # included by SOURCE
 MODULE_NAME = "_moe_gemm_native"  # general_call.cc's PyInit__moe_gemm_native
 ROWS = 7  # a_ptr, b_ptr, a_ld, b_ld, M, N, K (general_call.cc's Row enum)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # general_call.cc's dtype index
@@ -107,7 +108,7 @@ def _build(cxx: str) -> Path:
     torch_dir = Path(torch.__file__).parent
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    src = SOURCE.read_bytes()
+    src = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
     # The torch build (git hash) and install path, not only its version: the module links
     # against that libtorch's C++ ABI.
     tag = hashlib.sha256(
@@ -129,7 +130,7 @@ def _build(cxx: str) -> Path:
         cmd = [*shlex.split(cxx), "-O2", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC",
                "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                f"-I{_python_include()}", f"-I{torch_dir / 'include'}", str(SOURCE),
-               f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch_python",
+               f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch_python", "-ldl",
                f"-Wl,-rpath,{lib_dir}", "-o", tmp]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -336,7 +337,10 @@ def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
     device = _device(code >> 4 & 255) if require_cuda else torch.device("cpu")
     c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
     record = host.general_record(shape, device, c[0], c[1], c[2], c[3])
-    mod.remember_launch(cols, code, odt, req, config, record)
+    # The stream's raw handle: later metadata uploads on it go through the module's pinned
+    # ring and the driver's copy (upload_ring.h) rather than torch's.
+    stream = host._raw_stream(code >> 4 & 255) if require_cuda else 0
+    mod.remember_launch(cols, code, odt, req, config, record, stream)
     kernel, args, raw = record
     kernel(*args, d_base)
     host._local.raw = raw

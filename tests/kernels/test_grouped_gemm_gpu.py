@@ -907,12 +907,12 @@ def test_general_fast_path_new_addresses(config):
              (17, 256, 2056))
     a, b, gen = _general_problems(70, sizes)
     moe_gemm.grouped_gemm(a, b, config=config)  # the problem set's first launch (Python)
-    _, _, made, once = mod.stats()
+    made, once, ring, _ = mod.stats()[2:6]
     side = torch.cuda.Stream()
     kept = [a]
     for step in range(6):
         if step == 3:  # steps 0-2: new addresses each, launched once, then from a record
-            assert mod.stats()[2:] == (made + 3, once + 3)
+            assert mod.stats()[2:4] == (made + 3, once + 3)
         if step == 4:
             kept.clear()  # old inputs freed: their addresses come back with new values
         a = [_rand(t.shape, torch.bfloat16, gen) for t in a]
@@ -933,7 +933,49 @@ def test_general_fast_path_new_addresses(config):
         same = all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(res, again, res2))
         record(f"general/new-addresses/{step}/python-scan-and-repeat-bitwise", same)
         assert same
-    assert sum(mod.stats()[2:]) >= made + once + 8
+    assert sum(mod.stats()[2:4]) >= made + once + 8
+    # Their metadata went up through the module's pinned ring (the driver was found).
+    assert mod.stats()[4] >= ring + 8
+
+
+def test_general_fast_path_upload_ring_behind_the_host():
+    """The GPU held back (a sleep kernel) while the host makes ~100 launches on new addresses
+    through a small ring (1 KiB chunks, 40 uploads a lap): the ring declines to torch's copy
+    once a lap is used instead of writing over rows a queued copy has yet to read. Every
+    output right against float32, one-off launches and made records alike."""
+    from moe_gemm.kernels import native
+
+    mod = native.loaded()
+    assert mod is not None, native.status()
+    sizes = ((64, 256, 512), (5, 256, 1024), (130, 256, 264))
+    a, b, gen = _general_problems(71, sizes)
+    mod.upload_testing(0, 1024, 0)  # rings made from now on: 1 KiB chunks
+    try:
+        side = torch.cuda.Stream()  # a new stream: a new ring
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            moe_gemm.grouped_gemm(a, b)  # the problem set's first launch here (Python)
+            inputs = [[_rand(t.shape, torch.bfloat16, gen) for t in a] for _ in range(60)]
+            ring, torch_copies = mod.stats()[4:6]
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of everything below
+            results = []
+            for i, a1 in enumerate(inputs):
+                results.append(moe_gemm.grouped_gemm(a1, b))  # seen once
+                if i % 2:
+                    results.append(moe_gemm.grouped_gemm(a1, b))  # again: a record
+            queued = mod.stats()[4:6]
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    finally:
+        mod.upload_testing(0, 0, 0)
+    record("general/upload-ring/declined-while-behind", queued[1] > torch_copies,
+           ring=queued[0] - ring, torch=queued[1] - torch_copies)
+    assert queued[0] - ring >= 40 and queued[1] > torch_copies
+    pairs = [(a1, 1 + i % 2) for i, a1 in enumerate(inputs)]
+    it = iter(results)
+    for i, (a1, times) in enumerate(pairs):
+        for j in range(times):
+            _check_general(f"general/upload-ring/{i}/{j}", next(it), a1, b)
 
 
 def test_general_fast_path_graph_capture_after_records():

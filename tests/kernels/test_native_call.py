@@ -403,3 +403,145 @@ def test_equal_configs_share_entries(kernel: Recorder) -> None:
     for _ in range(5):
         call(a, b, None, GemmConfig(schedule="cooperative"))
     assert stats() == (1, 1)
+
+
+# Metadata uploads through the module's pinned ring (upload_ring.h). On the CPU the driver is
+# replaced by fakes: copies run at once or queue until flushed (a GPU behind the host), and
+# events complete once nothing is queued, unless told not to.
+
+def uploads() -> tuple[int, int]:
+    """Metadata uploads so far: (through the ring, through torch's copy)."""
+    return native.loaded().stats()[4:6]
+
+
+@pytest.fixture
+def ring():
+    """The fake driver, with 512-byte chunks (two uploads of three problems each)."""
+    mod = native.loaded()
+
+    def set_state(not_ready: bool = False, fail: bool = False, defer: bool = False,
+                  flush: bool = False) -> None:
+        mod.upload_testing(1, 512, not_ready | fail << 1 | defer << 2 | flush << 3)
+
+    set_state()
+    yield set_state
+    mod.upload_testing(0, 0, 0)
+
+
+def _one_off_rows(kernel: Recorder, a, b, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the metadata rows a call on new addresses hands the kernel, the Python wrapper's)."""
+    call(a, b, None, config)
+    ours = kernel.calls[-1][3].clone()  # scratch rows: rewritten by the next one-off
+    _python_launch(a, b, None, config or GemmConfig())
+    return ours, kernel.calls[-1][3]
+
+
+def test_without_a_driver_uploads_go_through_torch(kernel: Recorder) -> None:
+    a, b = _problems([(8, 32, 64), (3, 32, 16)])
+    call(a, b)
+    before = uploads()
+    kept = [[t.clone() for t in a] for _ in range(3)]
+    for a1 in kept:
+        call(a1, b)
+    assert uploads() == (before[0], before[1] + 3)
+
+
+@pytest.mark.parametrize("config", [None, GemmConfig(sort_by_k=True)])
+def test_ring_uploads_the_same_rows_as_the_python_wrapper(kernel: Recorder, ring,
+                                                          config) -> None:
+    """Many laps of the ring (16 uploads a lap here), one-off launches and made records,
+    K-sorted rows: every call's rows equal the Python wrapper's."""
+    sizes = [(64, 32, 512), (0, 32, 64), (5, 32, 1024)]
+    a, b = _problems(sizes)
+    call(a, b, None, config)
+    before, kept = uploads(), []
+    for i in range(50):
+        a1 = [t.clone() for t in a]
+        kept.append(a1)
+        ours, theirs = _one_off_rows(kernel, a1, b, config)
+        assert torch.equal(ours, theirs), i
+        if i % 5 == 0:  # seen again: a record of its own, uploaded through the ring too
+            call(a1, b, None, config)
+            assert torch.equal(kernel.calls[-1][3], theirs)
+    assert uploads() == (before[0] + 60, before[1])
+
+
+def test_ring_declines_while_the_gpu_is_a_lap_behind(kernel: Recorder, ring) -> None:
+    """A chunk whose fence has not completed is not written: the upload goes through torch
+    (still the right rows) until the GPU catches up."""
+    a, b = _problems([(64, 32, 512), (7, 32, 64), (5, 32, 128)])
+    call(a, b)
+    kept = []
+
+    def one_off() -> None:
+        a1 = [t.clone() for t in a]
+        kept.append(a1)
+        ours, theirs = _one_off_rows(kernel, a1, b)
+        assert torch.equal(ours, theirs)
+
+    before = uploads()
+    ring(not_ready=True)  # fences recorded from now on never complete
+    for _ in range(16):  # a lap: 8 chunks of 2, none fenced yet
+        one_off()
+    assert uploads() == (before[0] + 16, before[1])
+    for _ in range(3):  # back at the first chunk: its fence is pending
+        one_off()
+    assert uploads() == (before[0] + 16, before[1] + 3)
+    ring(not_ready=False)  # caught up
+    one_off()
+    assert uploads() == (before[0] + 17, before[1] + 3)
+
+
+def test_ring_copy_failure_falls_back_to_torch(kernel: Recorder, ring) -> None:
+    a, b = _problems([(64, 32, 512), (9, 32, 64)])
+    call(a, b)
+    before = uploads()
+    ring(fail=True)
+    a1 = [t.clone() for t in a]
+    ours, theirs = _one_off_rows(kernel, a1, b)
+    assert torch.equal(ours, theirs)
+    assert uploads() == (before[0], before[1] + 1)
+    ring(fail=False)
+    a2 = [t.clone() for t in a]
+    ours, theirs = _one_off_rows(kernel, a2, b)
+    assert torch.equal(ours, theirs)
+    assert uploads() == (before[0] + 1, before[1] + 1)
+
+
+def test_ring_takes_uploads_up_to_a_chunk(kernel: Recorder, ring) -> None:
+    """Rows larger than a chunk (512 bytes: 8 problems) go through torch."""
+    sizes = [(16, 32, 64)] * 8
+    a, b = _problems(sizes)
+    call(a, b)
+    a1 = [t.clone() for t in a]
+    before = uploads()
+    ours, theirs = _one_off_rows(kernel, a1, b)
+    assert torch.equal(ours, theirs) and uploads() == (before[0] + 1, before[1])
+    a9, b9 = _problems(sizes + [(16, 32, 64)])
+    call(a9, b9)
+    a10 = [t.clone() for t in a9]
+    ours, theirs = _one_off_rows(kernel, a10, b9)
+    assert torch.equal(ours, theirs) and uploads() == (before[0] + 1, before[1] + 1)
+
+
+def test_ring_never_overwrites_rows_a_queued_copy_reads(kernel: Recorder, ring) -> None:
+    """Copies queued behind the host (the fakes run them only when flushed) read their rows
+    when they run: records made meanwhile each get their own rows, past a lap too (the ring
+    then declines to torch rather than write over a queued copy's rows)."""
+    sizes = [(64, 32, 512), (3, 32, 64), (5, 32, 1024)]
+    a, b = _problems(sizes)
+    call(a, b)
+    ring(defer=True)
+    before = uploads()
+    kept = [[t.clone() for t in a] for _ in range(10)]
+    for a1 in kept:  # seen once: the scratch rows (ring chunks 0-4)
+        call(a1, b)
+    made = []
+    for a1 in kept:  # seen again: records of their own, two to a chunk (5-7), then torch
+        call(a1, b)
+        made.append(kernel.calls[-1][3])
+    ring(flush=True)
+    assert uploads() == (before[0] + 16, before[1] + 4)  # a lap of 16, then torch
+    for rows, a1 in zip(made, kept):
+        _python_launch(a1, b)
+        assert torch.equal(rows, kernel.calls[-1][3])

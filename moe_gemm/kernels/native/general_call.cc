@@ -16,8 +16,9 @@
 //        metadata stays valid while the same addresses come back (the serving loop).
 // New operand addresses for a known problem set (fresh activations each step) launch from a
 // template, the problem set's last record on the same stream and thread: the metadata rows
-// are filled here and copied (one pinned buffer, one asynchronous copy) into the template's
-// scratch rows, or, for addresses seen a second time, into a record of their own. Only the
+// are filled here and copied (upload_ring.h: a pinned ring per stream and the driver's
+// asynchronous copy; torch's copy where that declines) into the template's scratch rows, or,
+// for addresses seen a second time, into a record of their own. Only the
 // first launch of a problem set on a stream and thread goes through Python
 // (host_sm90.general_record: ~35 us for 8 problems on an H200 host).
 // Everything outside the common case (kernels/support.fast_general's: plain 2-D tensors of
@@ -37,6 +38,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include "upload_ring.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -248,6 +251,7 @@ struct MetaLayout {
 // What new operand addresses on one stream and thread launch from (see CallImpl).
 struct Template {
   Ref record;               // the last launch record made there
+  int64_t stream = -1;      // that stream's raw CUstream handle (-1: unknown, torch copies)
   Ref scratch;              // its one-off twin: the same arguments but scratch_meta's rows
   at::Tensor scratch_meta;  // rewritten before each one-off launch
 };
@@ -271,6 +275,8 @@ size_t g_launch_count = 0;
 int64_t g_launch_meta_bytes = 0;  // G * 64 per record: the device metadata they keep
 int64_t g_records_made = 0;       // launch records made here (stats; tests)
 int64_t g_one_off_launches = 0;   // launches through a template's scratch (stats; tests)
+int64_t g_ring_uploads = 0;       // metadata uploads through upload_ring.h (stats; tests)
+int64_t g_torch_uploads = 0;      // the same through torch's copy (stats; tests)
 // Hashes of operand keys seen once without a record: the second sighting makes one.
 auto& g_seen = *new std::unordered_set<size_t>();
 constexpr size_t kMaxSeen = 65536;
@@ -394,14 +400,10 @@ bool Launch(PyObject* record, int64_t d_base) {
   return true;
 }
 
-// The metadata rows of operands `s` for a problem set (as GeneralShape.metadata fills them),
-// in a fresh host tensor: pinned where they go to a GPU (torch's asynchronous copy then keeps
-// the block until the copy has run).
-at::Tensor FillMeta(const Scan& s, const MetaLayout& lay, bool pinned) {
+// The metadata rows of operands `s` for a problem set (as GeneralShape.metadata fills them)
+// into `m` (G x kMetaCols int64).
+void FillRows(const Scan& s, const MetaLayout& lay, int64_t* m) {
   const int64_t G = s.G;
-  at::Tensor host = at::empty({G, kMetaCols},
-                              at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
-  int64_t* m = host.mutable_data_ptr<int64_t>();
   const int64_t* c = s.cols.data();
   const bool reorder = !lay.order.empty();
   for (int64_t j = 0; j < G; ++j) {
@@ -417,7 +419,31 @@ at::Tensor FillMeta(const Scan& s, const MetaLayout& lay, bool pinned) {
     r[6] = f[2];
     r[7] = f[3];
   }
-  return host;
+}
+
+// Copies operands `s`'s metadata rows into `rows` (where the kernel reads them) on the
+// template's stream: through its pinned ring where it can, else through torch (a pinned
+// block that its asynchronous copy keeps until the copy has run).
+void UploadRows(const Scan& s, const MetaLayout& lay, const Template& t, at::Tensor& rows,
+                bool require_cuda) {
+  const int64_t bytes = 8 * kMetaCols * s.G;
+  if (t.stream >= 0) {
+    upload::Ring* ring = upload::RingFor(t.stream, static_cast<int>(s.code >> 4 & 255),
+                                         require_cuda);
+    char* p = ring != nullptr ? ring->Reserve(bytes) : nullptr;
+    if (p != nullptr) {
+      FillRows(s, lay, reinterpret_cast<int64_t*>(p));
+      if (ring->Send(p, bytes, reinterpret_cast<uint64_t>(rows.mutable_data_ptr()))) {
+        ++g_ring_uploads;
+        return;
+      }
+    }
+  }
+  at::Tensor host = at::empty({s.G, kMetaCols},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(require_cuda));
+  FillRows(s, lay, host.mutable_data_ptr<int64_t>());
+  rows.copy_(host, /*non_blocking=*/true);
+  ++g_torch_uploads;
 }
 
 // Whether `tmpl` is a record whose arguments this module knows how to rewrite.
@@ -464,15 +490,15 @@ at::Tensor NewRows(const Scan& s, bool require_cuda) {
   return at::empty({s.G, kMetaCols}, at::TensorOptions().dtype(at::kLong).device(dev));
 }
 
-// A launch record for new operand addresses from `tmpl` (a record of the same problem set
-// made on the same stream and thread): its kernel, LaunchInfo and arguments, with metadata
-// rows of its own uploaded once. New reference, or nullptr (a Python error set, or none:
-// declined).
-PyObject* NewRecord(const Scan& s, const MetaLayout& lay, PyObject* tmpl, bool require_cuda) {
-  if (!Rewritable(tmpl)) return nullptr;
+// A launch record for new operand addresses from template `t` (the last record of the same
+// problem set made on the same stream and thread): its kernel, LaunchInfo and arguments, with
+// metadata rows of its own uploaded once. New reference, or nullptr (a Python error set, or
+// none: declined).
+PyObject* NewRecord(const Scan& s, const MetaLayout& lay, const Template& t, bool require_cuda) {
+  if (!Rewritable(t.record.get())) return nullptr;
   at::Tensor rows = NewRows(s, require_cuda);
-  rows.copy_(FillMeta(s, lay, require_cuda), /*non_blocking=*/true);
-  PyObject* rec = WithMeta(tmpl, std::move(rows));
+  UploadRows(s, lay, t, rows, require_cuda);
+  PyObject* rec = WithMeta(t.record.get(), std::move(rows));
   if (rec != nullptr) ++g_records_made;
   return rec;
 }
@@ -492,7 +518,7 @@ int OneOffLaunch(const Scan& s, const MetaLayout& lay, Template* t, bool require
     Py_DECREF(rec);
     t->scratch_meta = std::move(rows);
   }
-  t->scratch_meta.copy_(FillMeta(s, lay, require_cuda), /*non_blocking=*/true);
+  UploadRows(s, lay, *t, t->scratch_meta, require_cuda);
   Ref rec(t->scratch.get());  // held through the launch (its Python code could drop `t`'s)
   if (!Launch(rec.get(), d_base)) return -1;
   ++g_one_off_launches;
@@ -589,7 +615,9 @@ void ForgetLaunches() {
 // Keeps `record` under the problem set `skey` and operands `lkey`, and as the template of its
 // stream and thread. False where the problem set was forgotten meanwhile (the next call
 // rebuilds). Replaced references are released after the maps are consistent again.
-bool StoreLaunch(const std::string& skey, std::string lkey, PyObject* record, int64_t G) {
+// `stream`: the raw handle of the key's stream (-1: unknown, or kept from the template).
+bool StoreLaunch(const std::string& skey, std::string lkey, PyObject* record, int64_t G,
+                 int64_t stream) {
   const int64_t bytes = 64 * G;
   if (g_launch_count >= kMaxLaunches || g_launch_meta_bytes + bytes > kMaxLaunchMetaBytes) {
     ForgetLaunches();
@@ -604,6 +632,7 @@ bool StoreLaunch(const std::string& skey, std::string lkey, PyObject* record, in
   if (!slot) slot = std::make_shared<Template>();
   old_template = std::move(slot->record);  // its scratch stays: same stream, same arguments
   slot->record = Ref(record);
+  if (stream >= 0) slot->stream = stream;
   auto li = e.launches.find(lkey);
   if (li != e.launches.end()) {
     old_record = std::move(li->second);
@@ -667,7 +696,7 @@ PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
     int launched = 0;
     try {
       if (again) {
-        made = NewRecord(s, *meta, tmpl->record.get(), require_cuda);
+        made = NewRecord(s, *meta, *tmpl, require_cuda);
       } else {
         launched = OneOffLaunch(s, *meta, tmpl.get(), require_cuda, d_base);
       }
@@ -689,7 +718,7 @@ PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
     Py_XDECREF(made);
     if (record.get() != nullptr) {
       g_seen.erase(seen);
-      StoreLaunch(skey, std::move(lkey), record.get(), s.G);
+      StoreLaunch(skey, std::move(lkey), record.get(), s.G, -1);
     }
   }
   if (record.get() == nullptr) {
@@ -798,11 +827,14 @@ PyObject* RememberShape(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
-// remember_launch(cols, code, odt, req, config, record) -> registered (bool)
+// remember_launch(cols, code, odt, req, config, record, stream) -> registered (bool)
+// stream: the current stream's raw handle (torch.cuda.current_stream().cuda_stream; 0 for the
+// CPU tests), or -1: metadata uploads then go through torch.
 PyObject* RememberLaunch(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int64_t code, odt, req;
-  if (n != 6 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
-      !ParseInt(args[3], &req) || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 3 ||
+  int64_t code, odt, req, stream;
+  if (n != 7 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
+      !ParseInt(args[3], &req) || !ParseInt(args[6], &stream) || !PyTuple_Check(args[5]) ||
+      PyTuple_GET_SIZE(args[5]) != 3 ||
       !PyTuple_Check(PyTuple_GET_ITEM(args[5], 1))) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "remember_launch(...)");
     return nullptr;
@@ -816,7 +848,7 @@ PyObject* RememberLaunch(PyObject*, PyObject* const* args, Py_ssize_t n) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
-  if (StoreLaunch(ShapeKey(s, odt, req, args[4]), std::move(lkey), args[5], s.G)) {
+  if (StoreLaunch(ShapeKey(s, odt, req, args[4]), std::move(lkey), args[5], s.G, stream)) {
     Py_RETURN_TRUE;
   }
   Py_RETURN_FALSE;
@@ -827,12 +859,43 @@ PyObject* Forget(PyObject*, PyObject* const*, Py_ssize_t) {
   Py_RETURN_NONE;
 }
 
-// stats() -> (problem sets, launch records, records made here so far, one-off launches so far)
+// stats() -> (problem sets, launch records, records made here so far, one-off launches so far,
+//             metadata uploads through the ring so far, through torch so far)
 PyObject* Stats(PyObject*, PyObject* const*, Py_ssize_t) {
-  return Py_BuildValue("(nnLL)", static_cast<Py_ssize_t>(g_shapes.size()),
+  return Py_BuildValue("(nnLLLL)", static_cast<Py_ssize_t>(g_shapes.size()),
                        static_cast<Py_ssize_t>(g_launch_count),
                        static_cast<long long>(g_records_made),
-                       static_cast<long long>(g_one_off_launches));
+                       static_cast<long long>(g_one_off_launches),
+                       static_cast<long long>(g_ring_uploads),
+                       static_cast<long long>(g_torch_uploads));
+}
+
+// upload_testing(fake, chunk_bytes, flags): the ring's test hook. fake: upload_ring.h's fakes
+// on or off (fresh rings where that or chunk_bytes changes; chunk_bytes applies to rings made
+// afterwards, real ones too; 0: the default). flags: 1 fences never complete, 2 copies fail,
+// 4 copies queue until flushed, 8 flush the queued copies now.
+PyObject* UploadTesting(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t fake, chunk, flags;
+  if (n != 3 || !ParseInt(args[0], &fake) || !ParseInt(args[1], &chunk) ||
+      !ParseInt(args[2], &flags)) {
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_TypeError, "upload_testing(fake, chunk_bytes, flags)");
+    }
+    return nullptr;
+  }
+  if (chunk < 0 || chunk > (int64_t{1} << 24)) {
+    PyErr_SetString(PyExc_ValueError, "upload_testing: chunk_bytes out of range");
+    return nullptr;
+  }
+  if (flags & 8) upload::FlushFakes();
+  if ((fake != 0) != upload::TheDriver().fake ||
+      (chunk > 0 ? chunk : upload::kDefaultChunkBytes) != upload::g_chunk_bytes) {
+    upload::InstallFakes(fake != 0, chunk);  // fresh rings; else the ring state carries on
+  }
+  upload::g_fake_not_ready = (flags & 1) != 0;
+  upload::g_fake_fail = (flags & 2) != 0;
+  upload::g_fake_defer = (flags & 4) != 0;
+  Py_RETURN_NONE;
 }
 
 #define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f))
@@ -845,6 +908,8 @@ PyMethodDef kMethods[] = {
     {"remember_launch", FASTCALL(RememberLaunch), METH_FASTCALL, "remember_launch(...)"},
     {"forget", FASTCALL(Forget), METH_FASTCALL, "forget()"},
     {"stats", FASTCALL(Stats), METH_FASTCALL, "stats()"},
+    {"upload_testing", FASTCALL(UploadTesting), METH_FASTCALL,
+     "upload_testing(fake, chunk_bytes, flags)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_moe_gemm_native",
