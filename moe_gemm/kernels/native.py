@@ -6,7 +6,8 @@ view on an H200 host; the C++ module reads the at::Tensors directly, makes the o
 tensors on one fresh allocation, and launches without entering the Python host wrapper: a
 repeated call from a cached record (the uploaded metadata for the same operand addresses, the
 serving loop), new operand addresses of a known problem set from its template on that stream
-(metadata rows filled in C++; a record of their own when they come back). Only a problem set's
+(metadata rows filled in C++ and copied up through a pinned ring per stream, native/upload_ring.h;
+a record of their own when they come back). Only a problem set's
 first launch on a stream and thread comes here (_first_calls). See general_call.cc for the
 caches and what they key on.
 
