@@ -80,8 +80,11 @@ def _load(path: Path) -> Any:
     return module[EXPORT_NAME]
 
 
-def get_or_compile(key: Any, name: str, compile_fn: Callable[[], Any]) -> Any:
-    """The compiled kernel for `key` (name: a filesystem-safe rendering of key)."""
+def get_or_compile(key: Any, name: str | Callable[[], str], compile_fn: Callable[[], Any]
+                   ) -> Any:
+    """The compiled kernel for `key` (name: a filesystem-safe rendering of key, or a function
+    that renders it, called on a miss only: rendering took ~75 us on the CPU-only dev machine,
+    too much for a lookup that runs on every new problem set)."""
     fn = _memory.get(key)
     if fn is not None:
         stats["memory_hits"] += 1
@@ -95,6 +98,8 @@ def get_or_compile(key: Any, name: str, compile_fn: Callable[[], Any]) -> Any:
             fn = compile_fn()
             _memory[key] = fn
             return fn
+        if callable(name):
+            name = name()
         directory = cache_root() / fingerprint()
         obj = directory / f"{name}.o"
         with _file_lock(directory / f"{name}.lock"):
@@ -123,4 +128,6 @@ def get_or_compile(key: Any, name: str, compile_fn: Callable[[], Any]) -> Any:
 
 
 def clear_memory() -> None:
+    """Forgets the loaded kernels (kernels/host_sm90._kernel_for keeps its own per-choice
+    memo of those already looked up: they stay valid)."""
     _memory.clear()

@@ -8,12 +8,11 @@ of host synchronisation. The numbers behind each rule are in AGENTS.md ("Measure
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 from . import schedule as sched
 from .config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
-from .env import env_switch
+from .env import env_get, env_switch
 from .kernels.constants import TILE_K
 
 
@@ -51,7 +50,7 @@ def with_l2_hints(choice: KernelChoice) -> KernelChoice:
     evict_first on operands that are re-read (mixtral's A, re-read by 56 n-tiles) made the
     time bimodal (2.78 to 4.13 ms). MOE_GEMM_L2_HINTS="a,b" (first|normal|last) builds the
     hinted variant, for tuning."""
-    env = os.environ.get("MOE_GEMM_L2_HINTS")
+    env = env_get("MOE_GEMM_L2_HINTS")
     if not env:
         return choice
     a, b = (v.strip() for v in env.split(","))
@@ -89,22 +88,38 @@ def _choose_general(
     config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int
 ) -> KernelChoice:
     _general_cluster(config)
-    nonempty = [s for s in sizes if s[0] > 0 and s[1] > 0]
-    avg_m = sum(s[0] for s in nonempty) / max(1, len(nonempty))
-    max_n = max((s[1] for s in nonempty), default=128)
+    # One pass over the problems (a new problem set every call comes here every call).
+    count = sum_m = sum_k_tiles = 0
+    max_n = None
+    for m, n, k in sizes:
+        if m > 0 and n > 0:
+            count += 1
+            sum_m += m
+            sum_k_tiles += -(-k // TILE_K)
+            max_n = n if max_n is None or n > max_n else max_n
+    avg_m = sum_m / max(1, count)
+    max_n = 128 if max_n is None else max_n
     # H200, 2026-11-21, back-to-back (scripts/tune.py): long-K problems want cooperative
     # 128x256 (uniform headline: 561 us vs pingpong 128x128 620); short mainloops want
     # ping-pong, whose epilogue hides behind the other warpgroup's mainloop (k-varying,
     # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
-    k_tiles = [(-(-k // TILE_K)) for _, _, k in nonempty]
-    avg_k_tiles = sum(k_tiles) / max(1, len(k_tiles))
+    avg_k_tiles = sum_k_tiles / max(1, count)
     schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
     visitor = config.visitor if config.visitor != "auto" else "device"
     if config.sort_by_k is None:
         sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
     else:
         sort = config.sort_by_k
-    return KernelChoice(schedule, visitor, tile[0], tile[1], stages, sort, 8)
+    return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort)
+
+
+@functools.lru_cache(maxsize=64)
+def _general_choice(schedule: str, visitor: str, tile_m: int, tile_n: int, stages: int | None,
+                    sort: bool) -> KernelChoice:
+    """One KernelChoice per distinct value: building the frozen dataclass (14 fields, each set
+    through object.__setattr__) took ~12 us on the CPU-only dev machine, paid on every new
+    problem set."""
+    return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, 8)
 
 
 def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: float

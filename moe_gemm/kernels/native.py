@@ -49,7 +49,9 @@ except ImportError:  # not POSIX: builds are not serialized across processes
     fcntl = None  # type: ignore[assignment]
 
 from ..cache import cache_root
-from ..env import env_switch
+from ..capability import cute_problem
+from ..config import DEFAULT_CONFIG
+from ..env import env_get, env_switch
 from ..validation import GroupedGemmArgs
 from .support import MAX_PROBLEMS, GeneralLayout
 
@@ -70,6 +72,7 @@ _mod = None  # the loaded module (read on every grouped_gemm call)
 _host = None  # kernels.host_sm90, bound when the module loads (no import on the hot path)
 _paused = 0  # python_scan() blocks open
 _devices: dict[int, torch.device] = {}
+_CPU = torch.device("cpu")
 # GemmConfigs by value: the module keys a config by identity, so equal configs made per call
 # share one entry (hashing a frozen dataclass ~1 us; config=None, the default, skips it).
 _configs: dict[object, object] = {}
@@ -306,20 +309,16 @@ def _intern(config: object) -> object:
 
 def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
     """A problem set seen for the first time, or its first launch on this stream and thread:
-    register, then launch (later operand addresses get their launch records in C++)."""
-    from ..capability import cute_problem
-    from ..config import DEFAULT_CONFIG
-    from ..env import env_get
-
+    register, then launch (later operand addresses get their launch records in C++).
+    A new problem set every call (row counts that change) comes here every call: keep it lean."""
     host = _host
     require_cuda = bool(req & REQUIRE_CUDA)
     if len(res) == 2:  # a new problem set: its GeneralShape and output layout
         code, cols = res
-        device = _device(code >> 4 & 255) if require_cuda else torch.device("cpu")
+        device = _device(code >> 4 & 255) if require_cuda else _CPU
         if require_cuda and cute_problem(device) is not None:
             return None
-        c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
-        sizes = tuple(zip(c[4].tolist(), c[5].tolist(), c[6].tolist()))
+        sizes = tuple(zip(*np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)[4:].tolist()))
         dtype = _DTYPES[code & 15]
         odtype = dtype if out_dtype is None else out_dtype
         shape = host.general_shape(sizes, dtype, odtype, "k" if code >> 20 & 1 else "n",
@@ -335,12 +334,16 @@ def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
     shape, outs, d_base, code, cols = res
     if shape.total == 0:
         return outs  # every problem empty: nothing to launch
-    device = _device(code >> 4 & 255) if require_cuda else torch.device("cpu")
-    c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
-    record = host.general_record(shape, device, c[0], c[1], c[2], c[3])
-    # The stream's raw handle: later metadata uploads on it go through the module's pinned
-    # ring and the driver's copy (upload_ring.h) rather than torch's.
+    device = _device(code >> 4 & 255) if require_cuda else _CPU
+    # The stream's raw handle: metadata uploads on it go through the module's pinned ring and
+    # the driver's copy (upload_ring.h) rather than torch's, this one too.
     stream = host._raw_stream(code >> 4 & 255) if require_cuda else 0
+    rows = mod.upload_rows(cols, code, odt, req, config, stream)
+    if rows is None:  # the problem set was forgotten meanwhile: the rows are made here
+        c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
+        record = host.general_record(shape, device, c[0], c[1], c[2], c[3])
+    else:
+        record = host.general_record(shape, device, None, None, None, None, rows)
     mod.remember_launch(cols, code, odt, req, config, record, stream)
     kernel, args, raw = record
     kernel(*args, d_base)

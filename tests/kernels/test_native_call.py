@@ -453,7 +453,12 @@ def test_ring_uploads_the_same_rows_as_the_python_wrapper(kernel: Recorder, ring
     K-sorted rows: every call's rows equal the Python wrapper's."""
     sizes = [(64, 32, 512), (0, 32, 64), (5, 32, 1024)]
     a, b = _problems(sizes)
-    call(a, b, None, config)
+    before = uploads()
+    call(a, b, None, config)  # the first launch's rows go up through the ring too
+    first = kernel.calls[-1][3].clone()
+    _python_launch(a, b, None, config or GemmConfig())
+    assert torch.equal(first, kernel.calls[-1][3])
+    assert uploads() == (before[0] + 1, before[1])
     before, kept = uploads(), []
     for i in range(50):
         a1 = [t.clone() for t in a]
@@ -470,7 +475,6 @@ def test_ring_declines_while_the_gpu_is_a_lap_behind(kernel: Recorder, ring) -> 
     """A chunk whose fence has not completed is not written: the upload goes through torch
     (still the right rows) until the GPU catches up."""
     a, b = _problems([(64, 32, 512), (7, 32, 64), (5, 32, 128)])
-    call(a, b)
     kept = []
 
     def one_off() -> None:
@@ -481,7 +485,8 @@ def test_ring_declines_while_the_gpu_is_a_lap_behind(kernel: Recorder, ring) -> 
 
     before = uploads()
     ring(not_ready=True)  # fences recorded from now on never complete
-    for _ in range(16):  # a lap: 8 chunks of 2, none fenced yet
+    call(a, b)  # the first launch: the lap's first upload
+    for _ in range(15):  # the rest of the lap: 8 chunks of 2, none fenced yet
         one_off()
     assert uploads() == (before[0] + 16, before[1])
     for _ in range(3):  # back at the first chunk: its fence is pending
@@ -521,7 +526,7 @@ def test_ring_takes_uploads_up_to_a_chunk(kernel: Recorder, ring) -> None:
     call(a9, b9)
     a10 = [t.clone() for t in a9]
     ours, theirs = _one_off_rows(kernel, a10, b9)
-    assert torch.equal(ours, theirs) and uploads() == (before[0] + 1, before[1] + 1)
+    assert torch.equal(ours, theirs) and uploads() == (before[0] + 1, before[1] + 2)
 
 
 def test_ring_never_overwrites_rows_a_queued_copy_reads(kernel: Recorder, ring) -> None:
@@ -530,18 +535,37 @@ def test_ring_never_overwrites_rows_a_queued_copy_reads(kernel: Recorder, ring) 
     then declines to torch rather than write over a queued copy's rows)."""
     sizes = [(64, 32, 512), (3, 32, 64), (5, 32, 1024)]
     a, b = _problems(sizes)
-    call(a, b)
     ring(defer=True)
     before = uploads()
+    call(a, b)  # the lap's first upload
     kept = [[t.clone() for t in a] for _ in range(10)]
-    for a1 in kept:  # seen once: the scratch rows (ring chunks 0-4)
+    first = kernel.calls[-1][3]
+    for a1 in kept:  # seen once: the scratch rows (the rest of chunk 0, chunks 1-5)
         call(a1, b)
     made = []
-    for a1 in kept:  # seen again: records of their own, two to a chunk (5-7), then torch
+    for a1 in kept:  # seen again: records of their own, two to a chunk (6-7), then torch
         call(a1, b)
         made.append(kernel.calls[-1][3])
     ring(flush=True)
-    assert uploads() == (before[0] + 16, before[1] + 4)  # a lap of 16, then torch
+    assert uploads() == (before[0] + 16, before[1] + 5)  # a lap of 16, then torch
+    made.append(first)
+    kept.append(a)
     for rows, a1 in zip(made, kept):
         _python_launch(a1, b)
         assert torch.equal(rows, kernel.calls[-1][3])
+
+
+def test_upload_rows_of_an_unknown_problem_set_is_none(kernel: Recorder) -> None:
+    """The first launch's rows come from the module only for a remembered problem set; else
+    the caller makes them (general_record)."""
+    mod = native.loaded()
+    a, b = _problems([(8, 32, 64), (3, 32, 16)])
+    code, cols = mod.scan(a, b, -1, 0)
+    req = native.PDL_FLAG if host.PDL else 0  # as general_call's for CPU tensors
+    assert mod.upload_rows(cols, code, -1, req, None, 0) is None
+    call(a, b)  # remembered now
+    rows = mod.upload_rows(cols, code, -1, req, None, 0)
+    _python_launch(a, b)
+    assert torch.equal(rows, kernel.calls[-1][3])
+    with pytest.raises(TypeError):
+        mod.upload_rows(cols, code, -1, req, None)

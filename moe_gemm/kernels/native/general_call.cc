@@ -421,14 +421,14 @@ void FillRows(const Scan& s, const MetaLayout& lay, int64_t* m) {
   }
 }
 
-// Copies operands `s`'s metadata rows into `rows` (where the kernel reads them) on the
-// template's stream: through its pinned ring where it can, else through torch (a pinned
-// block that its asynchronous copy keeps until the copy has run).
-void UploadRows(const Scan& s, const MetaLayout& lay, const Template& t, at::Tensor& rows,
+// Copies operands `s`'s metadata rows into `rows` (where the kernel reads them) on `stream`
+// (a raw handle, the current stream's; -1: unknown): through its pinned ring where it can,
+// else through torch (a pinned block that its asynchronous copy keeps until the copy has run).
+void UploadRows(const Scan& s, const MetaLayout& lay, int64_t stream, at::Tensor& rows,
                 bool require_cuda) {
   const int64_t bytes = 8 * kMetaCols * s.G;
-  if (t.stream >= 0) {
-    upload::Ring* ring = upload::RingFor(t.stream, static_cast<int>(s.code >> 4 & 255),
+  if (stream >= 0) {
+    upload::Ring* ring = upload::RingFor(stream, static_cast<int>(s.code >> 4 & 255),
                                          require_cuda);
     char* p = ring != nullptr ? ring->Reserve(bytes) : nullptr;
     if (p != nullptr) {
@@ -497,7 +497,7 @@ at::Tensor NewRows(const Scan& s, bool require_cuda) {
 PyObject* NewRecord(const Scan& s, const MetaLayout& lay, const Template& t, bool require_cuda) {
   if (!Rewritable(t.record.get())) return nullptr;
   at::Tensor rows = NewRows(s, require_cuda);
-  UploadRows(s, lay, t, rows, require_cuda);
+  UploadRows(s, lay, t.stream, rows, require_cuda);
   PyObject* rec = WithMeta(t.record.get(), std::move(rows));
   if (rec != nullptr) ++g_records_made;
   return rec;
@@ -518,7 +518,7 @@ int OneOffLaunch(const Scan& s, const MetaLayout& lay, Template* t, bool require
     Py_DECREF(rec);
     t->scratch_meta = std::move(rows);
   }
-  UploadRows(s, lay, *t, t->scratch_meta, require_cuda);
+  UploadRows(s, lay, t->stream, t->scratch_meta, require_cuda);
   Ref rec(t->scratch.get());  // held through the launch (its Python code could drop `t`'s)
   if (!Launch(rec.get(), d_base)) return -1;
   ++g_one_off_launches;
@@ -854,6 +854,33 @@ PyObject* RememberLaunch(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_FALSE;
 }
 
+// upload_rows(cols, code, odt, req, config, stream) -> the metadata rows of operands `cols`
+// for their (remembered) problem set, on their device, uploaded on `stream` (as
+// remember_launch's); None where the problem set is not (or no longer) remembered: the caller
+// makes them. A problem set's first launch on a stream (kernels/native.py _first_calls).
+PyObject* UploadRowsFn(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t code, odt, req, stream;
+  if (n != 6 || !ParseInt(args[1], &code) || !ParseInt(args[2], &odt) ||
+      !ParseInt(args[3], &req) || !ParseInt(args[5], &stream)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "upload_rows(...)");
+    return nullptr;
+  }
+  Scan s;
+  if (!ScanFromBytes(args[0], code, &s)) return nullptr;
+  auto it = g_shapes.find(ShapeKey(s, odt, req, args[4]));
+  if (it == g_shapes.end() || !it->second.meta) Py_RETURN_NONE;
+  const std::shared_ptr<const MetaLayout> meta = it->second.meta;
+  const bool require_cuda = (req & kRequireCuda) != 0;
+  try {
+    at::Tensor rows = NewRows(s, require_cuda);
+    UploadRows(s, *meta, stream, rows, require_cuda);
+    return THPVariable_Wrap(std::move(rows));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 PyObject* Forget(PyObject*, PyObject* const*, Py_ssize_t) {
   ForgetAll();
   Py_RETURN_NONE;
@@ -906,6 +933,7 @@ PyMethodDef kMethods[] = {
     {"call", FASTCALL(Call), METH_FASTCALL, "call(a, b, odt, config, req)"},
     {"remember_shape", FASTCALL(RememberShape), METH_FASTCALL, "remember_shape(...)"},
     {"remember_launch", FASTCALL(RememberLaunch), METH_FASTCALL, "remember_launch(...)"},
+    {"upload_rows", FASTCALL(UploadRowsFn), METH_FASTCALL, "upload_rows(...)"},
     {"forget", FASTCALL(Forget), METH_FASTCALL, "forget()"},
     {"stats", FASTCALL(Stats), METH_FASTCALL, "stats()"},
     {"upload_testing", FASTCALL(UploadTesting), METH_FASTCALL,
