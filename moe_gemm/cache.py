@@ -83,8 +83,8 @@ def _load(path: Path) -> Any:
 def get_or_compile(key: Any, name: str | Callable[[], str], compile_fn: Callable[[], Any]
                    ) -> Any:
     """The compiled kernel for `key` (name: a filesystem-safe rendering of key, or a function
-    that renders it, called on a miss only: rendering took ~75 us on the CPU-only dev machine,
-    too much for a lookup that runs on every new problem set)."""
+    that renders it, called on a memory miss only: CompileKey.name() took ~75 us on the
+    CPU-only dev machine, paid by every grouped_mm plan built for a new signature)."""
     fn = _memory.get(key)
     if fn is not None:
         stats["memory_hits"] += 1

@@ -102,11 +102,8 @@ def _grid(device: torch.device, nsm: int, size: int, units: int) -> tuple[int, i
 
 
 @functools.lru_cache(maxsize=256)
-@functools.lru_cache(maxsize=256)
 def _kernel_for(form, ab, d, b_major, choice: KernelChoice, trace: bool):
-    """The compiled kernel for a launch's static choices, memoized: building the CompileKey
-    alone took ~17 us on the CPU-only dev machine, paid by every new problem set
-    (GeneralShape)."""
+    """The compiled kernel for a launch's static choices (one dict lookup per call)."""
     return _compiled(_compile_key(form, ab, d, b_major, choice, trace))
 
 
@@ -349,16 +346,13 @@ def _general_args(shape: GeneralShape, placeholders: tuple, meta_dev: torch.Tens
             choice.b_policy, PDL)
 
 
-def general_record(shape: GeneralShape, device: torch.device, a_ptr, b_ptr, a_ld, b_ld,
-                   meta_dev: torch.Tensor | None = None) -> tuple[object, tuple, tuple]:
+def general_record(shape: GeneralShape, device: torch.device, meta_dev: torch.Tensor
+                   ) -> tuple[object, tuple, tuple]:
     """A launch record for the C++ module (kernels/native.py): (kernel, its arguments but the
-    last, d_base; LaunchInfo's raw tuple). meta_dev: the metadata rows already on the device
-    (the module's upload_rows), else they are uploaded here, once; the module keys the record
-    by operand addresses, leading dims, stream and thread, so the metadata and the workspace
-    are only ever used on the stream they were made on. Never called while a CUDA graph is
-    captured (the module declines then)."""
-    if meta_dev is None:
-        meta_dev = shape.metadata(a_ptr, b_ptr, a_ld, b_ld).to(device, non_blocking=True)
+    last, d_base; LaunchInfo's raw tuple), around `meta_dev`, the metadata rows already on the
+    device. The module keys the record by operand addresses, leading dims, stream and thread,
+    so the metadata and the workspace are only ever used on the stream they were made on.
+    Never called while a CUDA graph is captured (the module declines then)."""
     placeholders = _general_placeholders(device, shape.ab_dtype, shape.out_dtype, shape.b_major)
     args = _general_args(shape, placeholders, meta_dev,
                          _general_table(shape, device, placeholders),

@@ -341,9 +341,8 @@ def _first_calls(mod, res, a, b, odt, out_dtype, config, req):
     rows = mod.upload_rows(cols, code, odt, req, config, stream)
     if rows is None:  # the problem set was forgotten meanwhile: the rows are made here
         c = np.frombuffer(cols, dtype=np.int64).reshape(ROWS, -1)
-        record = host.general_record(shape, device, c[0], c[1], c[2], c[3])
-    else:
-        record = host.general_record(shape, device, None, None, None, None, rows)
+        rows = shape.metadata(c[0], c[1], c[2], c[3]).to(device, non_blocking=True)
+    record = host.general_record(shape, device, rows)
     mod.remember_launch(cols, code, odt, req, config, record, stream)
     kernel, args, raw = record
     kernel(*args, d_base)

@@ -557,7 +557,7 @@ def test_ring_never_overwrites_rows_a_queued_copy_reads(kernel: Recorder, ring) 
 
 def test_upload_rows_of_an_unknown_problem_set_is_none(kernel: Recorder) -> None:
     """The first launch's rows come from the module only for a remembered problem set; else
-    the caller makes them (general_record)."""
+    the caller makes them (GeneralShape.metadata)."""
     mod = native.loaded()
     a, b = _problems([(8, 32, 64), (3, 32, 16)])
     code, cols = mod.scan(a, b, -1, 0)
@@ -569,3 +569,16 @@ def test_upload_rows_of_an_unknown_problem_set_is_none(kernel: Recorder) -> None
     assert torch.equal(rows, kernel.calls[-1][3])
     with pytest.raises(TypeError):
         mod.upload_rows(cols, code, -1, req, None)
+
+
+def test_first_launch_rows_made_in_python_where_the_module_has_none(
+        kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """upload_rows answers None when the problem set was forgotten between remember_shape and
+    the launch (another thread filled the cache): the rows are then made in Python, the same."""
+    mod = native.loaded()
+    monkeypatch.setattr(mod, "upload_rows", lambda *args: None)
+    a, b = _problems([(40, 32, 64), (0, 32, 16), (9, 32, 128)])
+    call(a, b)
+    ours = kernel.calls[-1][3]
+    _python_launch(a, b)
+    assert torch.equal(ours, kernel.calls[-1][3]) and ours.dtype == torch.int64
