@@ -224,14 +224,15 @@ inline std::map<std::pair<void*, void*>, std::unique_ptr<Ring>>& Rings() {
 }
 inline int64_t g_chunk_bytes = kDefaultChunkBytes;  // for rings made from now on (tests)
 
+// The driver for a copy to device memory (`cuda`) or, under the fakes, to host memory; a
+// device copy while the fakes are installed is left to torch (a fake memcpy there would crash).
 inline const Driver* Active(bool cuda) {
-  if (TheDriver().fake) return &TheDriver();
+  if (TheDriver().fake) return cuda ? nullptr : &TheDriver();
   return cuda ? Cuda() : nullptr;
 }
 
 // The ring of `stream` (a raw CUstream) in the current context, where it can copy to
-// `device`'s memory; nullptr: use torch. `cuda`: the destination is device memory (else only
-// the fakes apply).
+// `device`'s memory; nullptr: use torch. `cuda`: the destination is device memory.
 inline Ring* RingFor(int64_t stream, int device, bool cuda) {
   const Driver* d = Active(cuda);
   if (d == nullptr) return nullptr;
