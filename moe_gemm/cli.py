@@ -117,6 +117,10 @@ def check_variants(full: bool):
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 128, 192))
     keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
                            256, 3, cluster_n=2))
+    keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                           256, 3, cluster_n=2))
+    keys.append(CompileKey("general", "float16", "float32", "k", "cooperative", "device", 128,
+                           128, cluster_m=2))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,
                            256, 3, cluster_m=2))
     keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "cooperative", "device", 128,

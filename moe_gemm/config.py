@@ -27,7 +27,7 @@ PINGPONG_TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192))
 COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 192), (128, 256))
 # Thread-block clusters: 1x1, 2x1 (two CTAs on vertically adjacent tiles share B's tile by TMA
 # multicast) or 1x2 (horizontally adjacent, sharing A); cooperative schedule, device visitor,
-# grouped_mm's varlen and batched forms.
+# every form (grouped_gemm's lists too).
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 
 
@@ -53,8 +53,7 @@ class GemmConfig:
             64x256 ping-pong) selects that schedule.
         cluster_m, cluster_n: thread-block cluster shape, (1, 1), (2, 1) or (1, 2); None =
             heuristic. 2x1 pairs CTAs on vertically adjacent tiles that load B's tile once and
-            multicast it, 1x2 the same for A (cooperative schedule and device visitor only;
-            grouped_mm only).
+            multicast it, 1x2 the same for A (cooperative schedule and device visitor only).
         stages: A/B shared-memory pipeline depth; None = as many as shared memory holds.
     """
 

@@ -87,7 +87,6 @@ def choose_general(
 def _choose_general(
     config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int
 ) -> KernelChoice:
-    _general_cluster(config)
     # One pass over the problems (a new problem set every call comes here every call).
     count = sum_m = sum_k_tiles = 0
     max_n = None
@@ -106,20 +105,49 @@ def _choose_general(
     avg_k_tiles = sum_k_tiles / max(1, count)
     schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
     visitor = config.visitor if config.visitor != "auto" else "device"
+    cm, cn = _cluster_choice(config)
+    if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
+            and tile[1] == 256 and _pairs_fill(sizes, tile[0], tile[1])):
+        # 1x2, as for the batched form: the two CTAs of a cluster take adjacent n-tiles of one
+        # m-tile and multicast A. Uniform headline as 256 lists (H200, 2026-11-21,
+        # interleaved): 541 us vs 543 at 1x1 (fp16 543 vs 545), torch.bmm 545; a small gain
+        # (tune/tune-general-cluster-2026-11-21.json).
+        cm, cn = 1, 2
+    if cm * cn > 1:
+        visitor = "device"  # (GemmConfig refuses a pinned cluster with visitor="host")
     if config.sort_by_k is None:
         sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
     else:
         sort = config.sort_by_k
-    return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort)
+    return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn)
+
+
+# A 1x2 cluster idles the second CTA of a pair wherever a problem has an odd n-tile count (it
+# loads its half of A for its peer and stores nothing): picked automatically only when such
+# idle tiles are at most this fraction of the work.
+PAIR_IDLE_MAX = 1 / 16
+
+
+def _pairs_fill(sizes: tuple[tuple[int, int, int], ...], tile_m: int, tile_n: int) -> bool:
+    """Whether n-tile pairs cover the set's tiles with little idle work (PAIR_IDLE_MAX)."""
+    work = idle = 0
+    for m, n, k in sizes:
+        if m > 0 and n > 0:
+            tiles_m, tiles_n = -(-m // tile_m), -(-n // tile_n)
+            k_tiles = max(1, -(-k // TILE_K))
+            work += tiles_m * tiles_n * k_tiles
+            idle += tiles_m * (tiles_n & 1) * k_tiles
+    return work > 0 and idle <= work * PAIR_IDLE_MAX
 
 
 @functools.lru_cache(maxsize=64)
 def _general_choice(schedule: str, visitor: str, tile_m: int, tile_n: int, stages: int | None,
-                    sort: bool) -> KernelChoice:
+                    sort: bool, cluster_m: int = 1, cluster_n: int = 1) -> KernelChoice:
     """One KernelChoice per distinct value: building the frozen dataclass (14 fields, each set
     through object.__setattr__) took ~12 us on the CPU-only dev machine, paid on every new
     problem set."""
-    return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, 8)
+    return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, 8,
+                        cluster_m=cluster_m, cluster_n=cluster_n)
 
 
 def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: float
@@ -230,18 +258,11 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
                         cluster_m=cm, cluster_n=cn)
 
 
-def _general_cluster(config: GemmConfig) -> None:
-    if config.cluster_m is not None and (config.cluster_m, config.cluster_n) != (1, 1):
-        raise ValueError(
-            f"cluster {config.cluster_m}x{config.cluster_n} is built for grouped_mm (its "
-            "varlen and batched forms) only; grouped_gemm runs 1x1"
-        )
-
-
 def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
-    """(cluster_m, cluster_n) for grouped_mm: what the config pins, else 1x1 (AGENTS.md has
-    the 2x1 / 1x2 measurements). GemmConfig refuses a cluster with schedule="pingpong", and
-    "auto" picks cooperative under a cluster, so the schedule always fits."""
+    """(cluster_m, cluster_n): what the config pins, else 1x1 (AGENTS.md has the 2x1 / 1x2
+    measurements; the general and batched rules may then pick 1x2). GemmConfig refuses a
+    cluster with schedule="pingpong", and "auto" picks cooperative under a cluster, so the
+    schedule always fits."""
     if config.cluster_m is None:
         return 1, 1
     return config.cluster_m, config.cluster_n or 1

@@ -61,6 +61,33 @@ def main() -> None:
     print(f"grouped_mm E=8:            {per_call(lambda: grouped_mm(x, w, offs)):8.1f} us/call")
     ws = torch.nn.functional.grouped_mm
     print(f"F.grouped_mm E=8:          {per_call(lambda: ws(x, w, offs=offs)):8.1f} us/call")
+    # The batched (3-D) form on the same rows, and where its call's time goes.
+    x3 = x.view(8, 8, 512)
+    print(f"grouped_mm 3-D:            {per_call(lambda: grouped_mm(x3, w)):8.1f} us/call")
+    print(f"F.grouped_mm 3-D:          {per_call(lambda: ws(x3, w)):8.1f} us/call")
+    print(f"torch.bmm 3-D:             {per_call(lambda: torch.bmm(x3, w)):8.1f} us/call")
+    from moe_gemm import ops
+    from moe_gemm.kernels import host_sm90
+
+    key = ops._bmm_plan_key(x3, w, None, None, None)
+    bplan = ops._mm_plans[key]
+    print(f"  plan key:                {per_call(lambda: ops._bmm_plan_key(x3, w, None, None, None)):8.1f} us")  # noqa: E501
+    print(f"  BmmPlan call:            {per_call(lambda: bplan(x3, w, None)):8.1f} us")
+    out3 = torch.empty(8, 8, 512, device=dev, dtype=dt)
+    kargs = (x3, w, out3, bplan.meta, bplan.meta32, bplan.offs, bplan.no_table, bplan.workspace,
+             bplan.no_trace, 8, bplan.num_ctas, bplan.choice.swizzle, 0, 0, 0, 0)
+    print(f"  kernel call alone:       {per_call(lambda: bplan.kernel(*kargs)):8.1f} us "
+          f"({bplan.choice.schedule} {bplan.choice.tile_m}x{bplan.choice.tile_n}, "
+          f"{bplan.num_ctas} CTAs)")
+    mkey = ops._mm_plan_key(x, w, offs, None, None, None)
+    mplan = ops._mm_plans[mkey]
+    out2 = torch.empty(64, 512, device=dev, dtype=dt)
+    ws2 = host_sm90._kernel_workspace(x.device, mplan.num_ctas, mplan.choice)
+    margs = (x, w, out2, mplan.meta, mplan.meta32, offs, mplan.no_table, ws2, mplan.no_trace,
+             mplan.num_problems, mplan.num_ctas, mplan.choice.swizzle, 0, 0, 0, 0)
+    print(f"  2-D kernel call alone:   {per_call(lambda: mplan.kernel(*margs)):8.1f} us "
+          f"({mplan.choice.schedule} {mplan.choice.tile_m}x{mplan.choice.tile_n}, "
+          f"{mplan.num_ctas} CTAs)")
     plan = GroupedGemmPlan(a8, b8)
     print(f"GroupedGemmPlan 8 call:    {per_call(plan):8.1f} us/call")
     # The pieces a per-call general launch is made of.
@@ -88,12 +115,13 @@ def main() -> None:
         grouped_gemm(a, b8)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        grouped_mm(x, w, offs)
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+    for args in ((x, w, offs), (x3, w)):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            grouped_mm(*args)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(10)
 
 
 if __name__ == "__main__":

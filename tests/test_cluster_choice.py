@@ -1,4 +1,5 @@
-"""The 2x1 cluster option: where the heuristics honour it and where they refuse it."""
+"""Thread-block clusters (2x1, 1x2): where the heuristics pick or honour them and where they
+refuse them."""
 
 from __future__ import annotations
 
@@ -23,11 +24,37 @@ def test_batched_honours_2x1() -> None:
     assert choose_batched(GemmConfig(), 4, 512, 768, 128, 132).cluster_m == 1
 
 
-def test_general_form_refuses_2x1() -> None:
-    with pytest.raises(ValueError, match=r"cluster 2x1 is built for grouped_mm .* only"):
-        choose_general(GemmConfig(**C2), ((128, 128, 64),), 132)
-    c = choose_general(GemmConfig(cluster_m=1, cluster_n=1), ((128, 128, 64),), 132)
-    assert c.cluster_m == 1
+def test_general_form_honours_a_pinned_cluster() -> None:
+    # A short-K, narrow set would pick ping-pong; a pinned cluster needs cooperative and the
+    # device visitor.
+    for cm, cn in ((2, 1), (1, 2)):
+        c = choose_general(GemmConfig(cluster_m=cm, cluster_n=cn), ((128, 128, 64),), 132)
+        assert (c.cluster_m, c.cluster_n, c.schedule, c.visitor) == (cm, cn, "cooperative",
+                                                                     "device")
+    c = choose_general(GemmConfig(cluster_m=1, cluster_n=1), ((128, 512, 7168),) * 256, 132)
+    assert (c.cluster_m, c.cluster_n) == (1, 1)
+
+
+def test_general_form_picks_1x2_where_pairs_fill() -> None:
+    # The uniform headline as lists: two n-tiles per problem, cooperative 128x256.
+    c = choose_general(GemmConfig(), ((128, 512, 7168),) * 256, 132)
+    assert (c.schedule, c.tile_n, c.cluster_m, c.cluster_n, c.visitor) == (
+        "cooperative", 256, 1, 2, "device")
+    # One n-tile per problem: the pair's second CTA would idle on every tile.
+    assert choose_general(GemmConfig(), ((128, 256, 7168),) * 64, 132).cluster_n == 1
+    # Three n-tiles: a third of the work idles.
+    assert choose_general(GemmConfig(), ((128, 768, 7168),) * 64, 132).cluster_n == 1
+    # Mostly pairs, one odd problem in 40: within PAIR_IDLE_MAX.
+    sizes = ((256, 1024, 4096),) * 39 + ((256, 768, 4096),)
+    assert choose_general(GemmConfig(), sizes, 132).cluster_n == 2
+    # Short K sets go ping-pong (k-varying): no cluster; the host visitor: no cluster.
+    assert choose_general(GemmConfig(), ((1152, 768, 128),) * 64, 132).cluster_n == 1
+    assert choose_general(GemmConfig(visitor="host"), ((128, 512, 7168),) * 256,
+                          132).cluster_n == 1
+    # Empty problems count for nothing; a set of only empty problems picks no cluster.
+    assert choose_general(GemmConfig(), ((0, 512, 7168),) * 4, 132).cluster_n == 1
+    assert choose_general(GemmConfig(), ((0, 256, 64),) + ((128, 512, 7168),) * 8,
+                          132).cluster_n == 2
 
 
 def test_grouped_gemm_torch_backend_ignores_cluster_choice() -> None:
@@ -44,8 +71,6 @@ def test_1x2_cluster_choice() -> None:
     assert (c.cluster_m, c.cluster_n, c.schedule) == (1, 2, "cooperative")
     v = choose_varlen(GemmConfig(cluster_m=1, cluster_n=2), 4096, 8, 1024, 512, 132)
     assert (v.cluster_m, v.cluster_n, v.visitor) == (1, 2, "device")
-    with pytest.raises(ValueError, match=r"cluster 1x2 is built for grouped_mm"):
-        choose_general(GemmConfig(cluster_m=1, cluster_n=2), ((128, 128, 64),), 132)
     with pytest.raises(ValueError, match=r"cluster 1x2 is built for the cooperative schedule"):
         GemmConfig(schedule="pingpong", cluster_m=1, cluster_n=2)
 

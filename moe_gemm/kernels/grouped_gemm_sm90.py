@@ -173,8 +173,9 @@ class GroupedGemmSm90:
         # same for A (48 -> 40 KiB), and each A tile is fetched once for both n-tiles.
         if (cluster_m, cluster_n) not in ((1, 1), (2, 1), (1, 2)):
             raise ValueError(f"cluster {cluster_m}x{cluster_n} unsupported (1x1, 2x1, 1x2)")
-        if cluster_m * cluster_n > 1 and (schedule != "cooperative" or form == "general"):
-            raise ValueError("clusters are built for the cooperative varlen and batched forms")
+        if cluster_m * cluster_n > 1 and (schedule != "cooperative" or visitor != "device"):
+            raise ValueError("clusters are built for the cooperative schedule and the device "
+                             "visitor")
         self.cluster_m = cluster_m
         self.cluster_n = cluster_n
         self.cluster_size = cluster_m * cluster_n
@@ -790,7 +791,12 @@ class GroupedGemmSm90:
                              d_smem: cute.ComposedLayout):
         """Problem p's A, B (when K > 0) and D descriptors at address + 0 / 128 / 256, from
         its metadata row: [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld, M | N << 32, K]."""
-        op_g2s = cpasync.CopyBulkTensorTileG2SOp()
+        # Under a cluster the shared operand's descriptor has the multicast box (each CTA
+        # loads 1 / cluster of the tile's rows for both), as the host-made atoms have.
+        op_a = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
+            self.cluster_n > 1) else cpasync.CopyBulkTensorTileG2SOp()
+        op_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
+            self.cluster_m > 1) else cpasync.CopyBulkTensorTileG2SOp()
         op_s2g = cpasync.CopyBulkTensorTileS2GOp()
         rows = Int32(meta[p, 6] & 0xFFFFFFFF)
         cols = Int32(meta[p, 6] >> 32)
@@ -799,7 +805,8 @@ class GroupedGemmSm90:
             a_ptr = cute.make_ptr(self.ab_dtype, meta[p, 0], cute.AddressSpace.gmem,
                                   assumed_align=16)
             tA = cute.make_tensor(a_ptr, cute.make_layout((rows, depth), stride=(meta[p, 3], 1)))
-            atom_a, _ = cpasync.make_tiled_tma_atom(op_g2s, tA, a_smem, (self.tile_m, TILE_K))
+            atom_a, _ = cpasync.make_tiled_tma_atom(op_a, tA, a_smem, (self.tile_m, TILE_K),
+                                                    num_multicast=self.cluster_n)
             cpasync.copy_tensormap(atom_a, self._gmem_desc(address, 0))
             b_ptr = cute.make_ptr(self.ab_dtype, meta[p, 1], cute.AddressSpace.gmem,
                                   assumed_align=16)
@@ -808,7 +815,8 @@ class GroupedGemmSm90:
             else:
                 b_layout = cute.make_layout((cols, depth), stride=(1, meta[p, 4]))
             atom_b, _ = cpasync.make_tiled_tma_atom(
-                op_g2s, cute.make_tensor(b_ptr, b_layout), b_smem, (self.tile_n, TILE_K)
+                op_b, cute.make_tensor(b_ptr, b_layout), b_smem, (self.tile_n, TILE_K),
+                num_multicast=self.cluster_m,
             )
             cpasync.copy_tensormap(atom_b, self._gmem_desc(address, 1))
         d_ptr = cute.make_ptr(self.d_dtype, meta[p, 2] + d_base, cute.AddressSpace.gmem,
@@ -921,15 +929,20 @@ class GroupedGemmSm90:
                 ab_pipe.producer_acquire(ab_state)
                 bar = ab_pipe.producer_get_barrier(ab_state)
                 if const_expr(self.form == "general"):
+                    # Under a cluster both CTAs hold the same problem's descriptors (the
+                    # scheduler gives a cluster one problem and m-tile); each multicasts its
+                    # share of the shared operand through its own copy.
                     cute.copy(
                         tma_atom_a, tAgA[(None, m_tile, k)], tAsA[(None, ab_state.index)],
                         tma_bar_ptr=bar, tma_desc_ptr=_desc_ptr_for_copy(desc_base),
+                        mcast_mask=a_mask,
                         cache_policy=a_policy if const_expr(self.l2_hints) else None,
                     )
                     cute.copy(
                         tma_atom_b, tBgB[(None, n_tile, k)], tBsB[(None, ab_state.index)],
                         tma_bar_ptr=bar,
                         tma_desc_ptr=_desc_ptr_for_copy(desc_base + DESC_BYTES),
+                        mcast_mask=b_mask,
                         cache_policy=b_policy if const_expr(self.l2_hints) else None,
                     )
                 else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -90,8 +89,11 @@ def max_clusters(device_index: int, size: int, nsm: int) -> int:
         return max(1, nsm // (2 * size))
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+def _device_index(device: torch.device | None) -> int:
+    """A CUDA device's index (None or no index: the current device)."""
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def _grid(device: torch.device, nsm: int, size: int, units: int) -> tuple[int, int]:
@@ -252,7 +254,15 @@ class GeneralShape:
         ordered = [sizes[i] for i in self.order] if self.order else sizes
         self.counts = tuple(sched.tiles_per_problem(ordered, choice.tile_m, choice.tile_n))
         self.total = sum(self.counts)
-        self.num_ctas = max(1, min(nsm, self.total))
+        size = choice.cluster_m * choice.cluster_n
+        if size == 1:
+            self.num_ctas = max(1, min(nsm, self.total))
+            self.max_tiles = -(-self.total // self.num_ctas)  # records per CTA, at most
+        else:
+            # A cluster walks cluster tiles (units): pairs of adjacent tiles of one problem.
+            units = sum(sched.tiles_per_problem(ordered, choice.tile_m * choice.cluster_m,
+                                                choice.tile_n * choice.cluster_n))
+            self.num_ctas, self.max_tiles = _grid(None, nsm, size, units)
         elem = d.itemsize
         ns = {n for _, n, _ in sizes}
         if len(ns) == 1:  # rows of one width: every piece starts on a row, 16-byte aligned
@@ -459,7 +469,7 @@ class GeneralLaunch:
         num_ctas = shape.num_ctas
         # Per CTA, a ring of descriptor slots that the scheduler warp writes.
         workspace = _kernel_workspace(self.device, num_ctas, shape.choice)
-        trace_t = (_trace_tensor(num_ctas, math.ceil(shape.total / num_ctas), self.device)
+        trace_t = (_trace_tensor(num_ctas, shape.max_tiles, self.device)
                    if self.trace else self.placeholders[5])
         shape.kernel(*_general_args(shape, self.placeholders, self.meta_dev, self.table,
                                     workspace, trace_t), self.d_base)

@@ -389,9 +389,13 @@ def test_trace_general_matches_schedule(schedule, visitor, sort_by_k):
     order = list(info.order)
     ordered = [sizes[i] for i in order]
     ch = info.choice
-    counts = sched.tiles_per_problem(ordered, ch.tile_m, ch.tile_n)
-    want = _expected(counts, [(m, n) for m, n, _ in ordered], ch.tile_m, ch.tile_n,
-                     info.num_ctas, ch.swizzle)
+    if ch.cluster_m * ch.cluster_n > 1:  # (the rules may pair n-tiles: the cluster schedule)
+        want = _expected_cluster([(m, n) for m, n, _ in ordered], ch.tile_m, ch.tile_n,
+                                 info.num_ctas, ch.swizzle, ch.cluster_m, ch.cluster_n)
+    else:
+        counts = sched.tiles_per_problem(ordered, ch.tile_m, ch.tile_n)
+        want = _expected(counts, [(m, n) for m, n, _ in ordered], ch.tile_m, ch.tile_n,
+                         info.num_ctas, ch.swizzle)
     want = [[(order[p], m, n) for p, m, n in row] for row in want]
     ok = got == want
     record(f"trace/general/{schedule}/{visitor}/sort={sort_by_k}", ok)
@@ -612,7 +616,8 @@ def test_edge_rows_batched(m):
                  config=GemmConfig(backend="cute", schedule="cooperative"), out_mode="view")
 
 
-# 2x1 / 1x2 clusters (B / A multicast): grouped_mm's varlen and batched forms
+# 2x1 / 1x2 clusters (B / A multicast): grouped_mm's varlen and batched forms (the general
+# form below)
 
 CLUSTER_SHAPES = {"2x1": {"cluster_m": 2, "cluster_n": 1}, "1x2": {"cluster_m": 1, "cluster_n": 2}}
 
@@ -748,6 +753,123 @@ def test_trace_cluster_varlen_and_batched_match_schedule(cl):
     ok_batched = trace_assignment(info) == want
     record(f"trace/cluster{cl}/batched", ok_batched)
     assert ok_varlen and ok_batched, "kernel tile visits differ from the cluster schedule"
+
+
+# 2x1 / 1x2 clusters in the general form (grouped_gemm's lists): both CTAs of a cluster encode
+# the same problem's descriptors, with the multicast box for the shared operand.
+
+GENERAL_CLUSTER_CASES = {
+    # M=1, empty, K=0, sizes off the tiles, odd n-tile counts (1x2: the pair's second CTA
+    # past the edge) and odd m-tile counts (2x1), N not a multiple of 8 * 16.
+    "mixed": [(1, 64, 64), (0, 128, 64), (130, 200, 72), (256, 512, 1024), (77, 8, 16),
+              (128, 128, 0), (5, 1000, 4096), (129, 136, 7176), (300, 520, 200)],
+    "edges": [(m, 8 * (17 + 5 * i), 64 * (1 + i % 5)) for i, m in enumerate(EDGE_ROWS)],
+    "pairs": [(m, 512, 1088) for m in (1, 64, 127, 128, 129, 200, 255, 256, 384, 0)],
+}
+
+
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
+@pytest.mark.parametrize("kind", list(GENERAL_CLUSTER_CASES))
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+@pytest.mark.parametrize("sort_by_k", [False, True])
+def test_cluster_general(cl, kind, b_layout, sort_by_k):
+    from moe_gemm.kernels.host_sm90 import last_launch
+
+    cfg = GemmConfig(backend="cute", sort_by_k=sort_by_k, **CLUSTER_SHAPES[cl])
+    _run_general(f"cluster{cl}/general/{kind}/{b_layout}/sort={sort_by_k}",
+                 GENERAL_CLUSTER_CASES[kind], torch.bfloat16, b_layout, cfg)
+    c = last_launch().choice
+    assert (c.cluster_m, c.cluster_n, c.schedule) == (CLUSTER_SHAPES[cl]["cluster_m"],
+                                                      CLUSTER_SHAPES[cl]["cluster_n"],
+                                                      "cooperative")
+
+
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("dtype,out_dtype", [("bf16", None), ("fp16", None),
+                                             ("bf16", torch.float32)])
+def test_cluster_general_tiles_and_dtypes(cl, tile_n, dtype, out_dtype):
+    cfg = GemmConfig(backend="cute", tile_m=128, tile_n=tile_n, **CLUSTER_SHAPES[cl])
+    _run_general(f"cluster{cl}/general/128x{tile_n}/{dtype}/{out_dtype}",
+                 GENERAL_CLUSTER_CASES["mixed"], DTYPES[dtype], "col", cfg,
+                 out_dtype=out_dtype)
+
+
+def test_cluster_general_many_problems():
+    sizes = _general_case("many", random.Random(17))
+    cfg = GemmConfig(backend="cute", cluster_m=1, cluster_n=2)
+    _run_general("cluster1x2/general/many", sizes, torch.bfloat16, "row", cfg,
+                 check_subset=random.Random(3).sample(range(len(sizes)), 64))
+
+
+def test_cluster_general_default_headline_and_fast_path():
+    """The default picks 1x2 for a set whose problems have pairs of n-tiles (cooperative
+    128x256): right through grouped_gemm's every route (first call, launch record, new
+    operand addresses, `out=`, a GroupedGemmPlan, a captured CUDA graph)."""
+    from moe_gemm.kernels.host_sm90 import last_launch
+
+    sizes = ((128, 512, 1088), (1, 512, 2056), (0, 512, 64), (200, 1024, 1088),
+             (129, 512, 4096), (64, 512, 1088))
+    a, b, gen = _general_problems(91, sizes)
+    res = moe_gemm.grouped_gemm(a, b)
+    c = last_launch().choice
+    ok = (c.schedule, c.tile_n, c.cluster_m, c.cluster_n) == ("cooperative", 256, 1, 2)
+    record("cluster1x2/general/default-picks-1x2", ok, choice=str(c))
+    assert ok, c
+    torch.cuda.synchronize()
+    _check_general("cluster1x2/general/default/first", res, a, b)
+    again = moe_gemm.grouped_gemm(a, b)  # from a launch record
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(res, again))
+    for step in range(3):  # new operand addresses: one-off, then records
+        a = [_rand(t.shape, torch.bfloat16, gen) for t in a]
+        res = moe_gemm.grouped_gemm(a, b)
+        torch.cuda.synchronize()
+        _check_general(f"cluster1x2/general/default/new-addresses{step}", res, a, b)
+    out = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+           for m, n, _ in sizes]
+    moe_gemm.grouped_gemm(a, b, out=out)
+    torch.cuda.synchronize()
+    _check_general("cluster1x2/general/default/out", out, a, b)
+    plan = moe_gemm.GroupedGemmPlan(a, b)
+    for t in a:
+        t.copy_(_rand(t.shape, torch.bfloat16, gen))
+    torch.cuda.synchronize()
+    _check_general("cluster1x2/general/default/plan", plan(), a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_gemm.grouped_gemm(a, b)
+    for t in (*a, *b):
+        t.copy_(_rand(t.shape, torch.bfloat16, gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_general("cluster1x2/general/default/graph", captured, a, b)
+
+
+@pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
+@pytest.mark.parametrize("sort_by_k", [False, True])
+def test_trace_cluster_general_matches_schedule(cl, sort_by_k):
+    from moe_gemm.kernels.host_sm90 import grouped_gemm_cute, last_launch, trace_assignment
+
+    rng = random.Random(12)
+    sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 80), 8 * rng.randint(1, 90))
+             for _ in range(70)]
+    a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m, n, k in sizes]
+    b = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for m, n, k in sizes]
+    cfg = GemmConfig(backend="cute", sort_by_k=sort_by_k, **CLUSTER_SHAPES[cl])
+    grouped_gemm_cute(check_grouped_gemm(a, b, None, None), cfg, trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    ch = info.choice
+    assert (ch.cluster_m, ch.cluster_n) == (CLUSTER_SHAPES[cl]["cluster_m"],
+                                            CLUSTER_SHAPES[cl]["cluster_n"])
+    order = list(info.order)
+    want = _expected_cluster([(sizes[i][0], sizes[i][1]) for i in order], ch.tile_m, ch.tile_n,
+                             info.num_ctas, ch.swizzle, ch.cluster_m, ch.cluster_n)
+    want = [[(order[p], m, n) for p, m, n in row] for row in want]
+    ok = trace_assignment(info) == want
+    record(f"trace/cluster{cl}/general/sort={sort_by_k}", ok)
+    assert ok, "kernel tile visits differ from the cluster schedule"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -954,9 +1076,10 @@ def test_general_fast_path_upload_ring_behind_the_host():
         side = torch.cuda.Stream()  # a new stream: a new ring
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            moe_gemm.grouped_gemm(a, b)  # the problem set's first launch here (Python)
             inputs = [[_rand(t.shape, torch.bfloat16, gen) for t in a] for _ in range(60)]
+            # (taken before the first launch, whose rows also go up through the ring)
             ring, torch_copies = mod.stats()[4:6]
+            moe_gemm.grouped_gemm(a, b)  # the problem set's first launch here (Python)
             torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of everything below
             results = []  # (tag, inputs, outputs)
             for i, a1 in enumerate(inputs):
