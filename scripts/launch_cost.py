@@ -125,8 +125,8 @@ def main() -> None:
     print(f"TVMFFIFunctionCall via ctypes:   {per_call(direct):6.2f} us")
     nop = ctypes.CDLL(None).getpid
     print(f"  (a ctypes call alone:          {per_call(nop):6.2f} us)")
-    # What the generated host function does per call besides the launch: it encodes the TMA
-    # descriptors of A, B and D (cuTensorMapEncodeTiled). One encode, through ctypes:
+    # For reference, the driver's TMA descriptor encoder (the DSL's host function does not
+    # call it: it packs its descriptors inline; AGENTS.md). One encode, through ctypes:
     cu = ctypes.CDLL("libcuda.so.1")
     enc = cu.cuTensorMapEncodeTiled
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
