@@ -109,9 +109,9 @@ def _choose_general(
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
             and tile[1] == 256 and _pairs_fill(sizes, tile[0], tile[1])):
         # 1x2, as for the batched form: the two CTAs of a cluster take adjacent n-tiles of one
-        # m-tile and multicast A. Uniform headline as 256 lists (H200, 2026-11-21,
-        # interleaved): 541 us vs 543 at 1x1 (fp16 543 vs 545), torch.bmm 545; a small gain
-        # (tune/tune-general-cluster-2026-11-21.json).
+        # m-tile and multicast A. Uniform headline as 256 lists (H200s, 2026-11-21,
+        # interleaved, tune/tune-general-cluster-2026-11-21.json): 528 us vs 542 at 1x1 and
+        # torch.bmm 533 (two runs); on another machine 541 vs 543, bmm 545.
         cm, cn = 1, 2
     if cm * cn > 1:
         visitor = "device"  # (GemmConfig refuses a pinned cluster with visitor="host")
