@@ -39,6 +39,15 @@ SLOW_DELAY_S = 4.0
 HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=64))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_http():
+    """Close HTTP once the module's tests are done: its pool keeps the last keep-alive
+    connection after the servers stop, and nothing else closes that socket before interpreter
+    exit (an "unclosed socket" ResourceWarning at the end of the full run)."""
+    yield
+    HTTP.close()
+
+
 @pytest.fixture(scope="module")
 def batching_server(tmp_path_factory):
     """Merging on: the oldest request waits up to 150 ms for others to join its launch; a
