@@ -48,8 +48,10 @@ def variant_set(name: str):
                             tm, tn, None, True))
     keys.add(CompileKey("batched", "bfloat16", "bfloat16", "n", "pingpong", "device", 128, 192,
                         None, True))
+    # Clusters in every form (bf16 / fp16 / fp32 out, both B majors, the 128x128 and 128x256
+    # tiles; the default 1x2 of the batched and general forms is 128x256 with 3 stages).
     for form, ab, d_same, b_major, tile, stages in itertools.product(
-        ["varlen", "batched"], ["bfloat16", "float16"], [True, False], ["k", "n"],
+        ["general", "varlen", "batched"], ["bfloat16", "float16"], [True, False], ["k", "n"],
         [(128, 128), (128, 256)], [None, 3],
     ):
         if stages is None or tile == (128, 256):
@@ -57,16 +59,6 @@ def variant_set(name: str):
                 keys.add(CompileKey(form, ab, ab if d_same else "float32", b_major,
                                     "cooperative", "device", *tile, stages, cluster_m=cm,
                                     cluster_n=cn))
-    # General-form clusters: what the tests pin (bf16 / fp16 / fp32 out, 128x128 and
-    # 128x256, both B majors) and the default 1x2 (128x256, 3 stages for long K).
-    for ab, d, b_major, tile, stages, cluster in itertools.product(
-        ["bfloat16", "float16"], ["same", "float32"], ["k", "n"], [(128, 128), (128, 256)],
-        [None, 3], [(2, 1), (1, 2)],
-    ):
-        if stages is None or tile == (128, 256):
-            keys.add(CompileKey("general", ab, ab if d == "same" else d, b_major, "cooperative",
-                                "device", *tile, stages, cluster_m=cluster[0],
-                                cluster_n=cluster[1]))
     for form in ("varlen", "batched"):
         for cm, cn in ((2, 1), (1, 2)):
             for b_major in ("n", "k"):
