@@ -192,6 +192,12 @@ def grouped_mm(
         ValueError: ranks, K mismatch, offs length or values, devices or `out` shape.
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
+    # The common repeated call: launched by the C++ module from its entry for this call
+    # (kernels/native/mm_call.h); False: no entry yet (made below once a cached plan ran);
+    # None: declined, or the module is not loaded.
+    fast = native.mm_call(x, w, offs, out, config, out_dtype)
+    if fast is not None and fast is not False:
+        return fast
     if out is not None and _out_shares_memory(out, x, w, offs):
         # Computed into a copy of out (rows past offs[-1] keep their values), then copied.
         _check_config(config)
@@ -202,13 +208,16 @@ def grouped_mm(
         y = grouped_mm(x, w, offs, out=out.clone(), config=config, out_dtype=out_dtype)
         return out.copy_(y)
     if offs is None:
-        return _grouped_bmm(x, w, out, config, out_dtype)
+        return _grouped_bmm(x, w, out, config, out_dtype, fast is False)
     key = _mm_plan_key(x, w, offs, out, config, out_dtype)
     plan = _mm_plans.get(key) if key is not None else None
     if plan is not None:
         if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
             return inference_only(NO_BACKWARD, lambda: plan(x, w, offs, out), [x, w])
-        return plan(x, w, offs, out)
+        y = plan(x, w, offs, out)
+        if fast is False:
+            native.remember_mm(x, w, offs, out, config, out_dtype, plan)
+        return y
     cfg = _check_config(config)
     args = check_grouped_mm(x, w, offs, out, out_dtype)
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
@@ -233,13 +242,16 @@ def _out_shares_memory(out, *inputs) -> bool:
     return overlaps_any(out, inputs)
 
 
-def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
+def _grouped_bmm(x, w, out, config, out_dtype, remember: bool = False) -> torch.Tensor:
     key = _bmm_plan_key(x, w, out, config, out_dtype)
     plan = _mm_plans.get(key) if key is not None else None
     if plan is not None:
         if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
             return inference_only(NO_BACKWARD, lambda: plan(x, w, out), [x, w])
-        return plan(x, w, out)
+        y = plan(x, w, out)
+        if remember:  # the C++ module launches this call from now on (native.mm_call)
+            native.remember_mm(x, w, None, out, config, out_dtype, plan)
+        return y
     cfg = _check_config(config)
     args = check_grouped_bmm(x, w, out, out_dtype)
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
@@ -265,12 +277,15 @@ _mm_plans: dict[tuple, object] = {}
 _MAX_PLANS = 256
 
 
+# Plain tensors: a subclass (FakeTensor, DTensor, ...) may not own plain memory.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
-    if type(x) is not torch.Tensor or type(w) is not torch.Tensor or type(offs) is not (
-        torch.Tensor
-    ) or not x.is_cuda or x.is_neg() or w.is_neg():
+    if type(x) not in _PLAIN or type(w) not in _PLAIN or type(offs) not in _PLAIN or (
+            not x.is_cuda or x.is_neg() or w.is_neg()):
         return None
-    if out is not None and type(out) is not torch.Tensor:
+    if out is not None and type(out) not in _PLAIN:
         return None
     if config is not None and type(config) is not GemmConfig:
         return None  # the slow path says what is wrong with it
@@ -283,15 +298,16 @@ def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
     if out is not None:
         out_key = (out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
         ptrs |= out.data_ptr()
-    return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, offs.shape,
-            offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config, ptrs & 15, hints)
+    return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
+            offs.shape, offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config,
+            ptrs & 15, hints)
 
 
 def _bmm_plan_key(x, w, out, config, out_dtype) -> tuple | None:
-    if type(x) is not torch.Tensor or type(w) is not torch.Tensor or not x.is_cuda or (
+    if type(x) not in _PLAIN or type(w) not in _PLAIN or not x.is_cuda or (
             x.is_neg() or w.is_neg()):
         return None
-    if out is not None and type(out) is not torch.Tensor:
+    if out is not None and type(out) not in _PLAIN:
         return None
     if config is not None and type(config) is not GemmConfig:
         return None

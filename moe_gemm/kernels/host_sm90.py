@@ -550,6 +550,21 @@ class MmPlan:
                       trace_t if self.trace else None)
         return out
 
+    def native_entry(self):
+        """What kernels/native.remember_mm keeps to launch this plan's calls from C++ on the
+        current stream and thread: (kernel, its argument tuple with None in the call's slots
+        x, w, out and offs, the output's shape, LaunchInfo's tuple); None where a call needs
+        Python (trivial sizes, the host visitor's table, a trace, a capture under way)."""
+        if self.trivial or self.trace or self.choice.visitor != "device" or _capturing():
+            return None
+        choice = self.choice
+        workspace = _kernel_workspace(self.device, self.num_ctas, choice)
+        args = (None, None, None, self.meta, self.meta32, None, self.no_table, workspace,
+                self.no_trace, self.num_problems, self.num_ctas, choice.swizzle,
+                choice.a_policy, choice.b_policy, PDL, 0)
+        raw = (choice, self.num_ctas, self.num_problems, None, None)
+        return self.kernel, args, (self.T, self.N), raw
+
 
 def grouped_mm_cute(args: GroupedMmArgs, config: GemmConfig, *, trace: bool = False
                     ) -> torch.Tensor:
@@ -616,6 +631,21 @@ class BmmPlan:
         _local.raw = (choice, self.num_ctas, self.shape[0], None,
                       trace_t if self.trace else None)
         return out
+
+    def native_entry(self):
+        """As MmPlan.native_entry (offs here is the plan's placeholder); None also where an
+        operand's view is rewritten per call (tma_view)."""
+        if (self.trivial or self.zero or self.trace or self.fix_x or self.fix_w
+                or self.fix_out or _capturing()):
+            return None
+        choice = self.choice
+        workspace = (_kernel_workspace(self.device, self.num_ctas, choice)
+                     if choice.tail_split else self.workspace)
+        args = (None, None, None, self.meta, self.meta32, self.offs, self.no_table, workspace,
+                self.no_trace, self.shape[0], self.num_ctas, choice.swizzle, choice.a_policy,
+                choice.b_policy, PDL, 0)
+        raw = (choice, self.num_ctas, self.shape[0], None, None)
+        return self.kernel, args, self.shape, raw
 
 
 def grouped_bmm_cute(args: GroupedBmmArgs, config: GemmConfig, *, trace: bool = False

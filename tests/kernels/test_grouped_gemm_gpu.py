@@ -1533,3 +1533,182 @@ def test_expanded_or_negated_operands_grouped_mm():
         torch.cuda.synchronize()
         ref = xi.float() @ wi.resolve_neg().float()
         _check(f"expanded/batched/{name}", y, ref, torch.bmm(xi.resolve_neg(), wi.resolve_neg()))
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_mm's C++ path (kernels/native/mm_call.h): repeated calls launched from an entry
+# through the compiled function's TVM-FFI C call
+
+
+def _mm_launches() -> int:
+    from moe_gemm.kernels import native
+
+    stats = native.mm_stats()
+    return -1 if stats is None else stats[2]
+
+
+def _native_ready() -> None:
+    from moe_gemm.kernels import native
+
+    if native.status() != "native":
+        pytest.skip(f"C++ module unavailable: {native.status()}")
+
+
+MM_FAST_CASES = {
+    # name: (T, row counts, N, K, dtype, out_dtype, w K-major, out given, config)
+    "skewed": (1000, [0, 1, 300, 0, 99, 600], 256, 512, torch.bfloat16, None, False, False,
+               None),
+    "fp16-kmajor-fp32out": (515, [64, 1, 0, 450], 136, 264, torch.float16, torch.float32,
+                            True, False, None),
+    "out-given": (700, [200, 0, 500], 512, 1024, torch.bfloat16, None, False, True, None),
+    "cooperative-256": (2048, [512] * 4, 1024, 2048, torch.bfloat16, None, True, False,
+                        GemmConfig(schedule="cooperative", tile_m=128, tile_n=256)),
+    "cluster-2x1": (1030, [7, 1000, 23], 512, 512, torch.bfloat16, None, False, False,
+                    GemmConfig(schedule="cooperative", cluster_m=2, cluster_n=1)),
+    "tail-split-default": (8192, [1024] * 8, 2048, 4096, torch.bfloat16, None, True, False,
+                           None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MM_FAST_CASES))
+def test_mm_fast_path_matches_reference(case):
+    """Calls 1-2 run through Python (the plan, then the entry); later ones from the C++ entry,
+    with new x values at the same address, a new x tensor, new offs values, new outputs."""
+    _native_ready()
+    T, counts, N, K, dtype, out_dtype, k_major, with_out, cfg = MM_FAST_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.encode()))
+    E = len(counts)
+    w = (_rand((E, N, K), dtype, gen).transpose(1, 2) if k_major
+         else _rand((E, K, N), dtype, gen))
+    x = _rand((T, K), dtype, gen)
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    odt = out_dtype or dtype
+    out = torch.empty(T, N, dtype=odt, device="cuda") if with_out else None
+
+    def run(xv, ov):
+        return moe_gemm.grouped_mm(xv, w, offs, out=ov, config=cfg, out_dtype=out_dtype)
+
+    run(x, out)
+    run(x, out)
+    before = _mm_launches()
+    for step in range(4):
+        if step == 1:
+            x.copy_(_rand((T, K), dtype, gen))  # same address, new values
+        if step == 2:
+            x = _rand((T, K), dtype, gen)  # a new tensor (same alignment)
+        if step == 3:  # new offs values, same shape (the kernel reads them on the GPU)
+            cuts = sorted(random.Random(step).sample(range(T - 4), E - 1))
+            offs.copy_(torch.tensor(cuts + [T - 5], dtype=torch.int32))
+        ov = torch.full((T, N), float("nan"), dtype=odt, device="cuda") if with_out else None
+        y = run(x, ov)
+        if with_out:
+            assert y is ov
+        ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+        low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
+        end = int(offs[-1])
+        if with_out:  # rows past offs[-1] are the caller's (left as they were)
+            y, ref, low = y[:end], ref[:end], low[:end]
+        else:
+            assert bool((y[end:] == 0).all())
+        _check(f"mm-fast/{case}/{step}", y, ref, low.to(odt))
+    assert _mm_launches() == before + 4, "the repeated calls did not launch from the entry"
+
+
+def test_mm_fast_path_batched_matches_reference():
+    _native_ready()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for G, M, N, K, k_major in ((6, 100, 264, 512, False), (3, 1, 512, 1024, True),
+                                (64, 128, 512, 7168, False)):
+        w = (_rand((G, N, K), torch.bfloat16, gen).transpose(1, 2) if k_major
+             else _rand((G, K, N), torch.bfloat16, gen))
+        x = _rand((G, M, K), torch.bfloat16, gen)
+        moe_gemm.grouped_mm(x, w)
+        moe_gemm.grouped_mm(x, w)
+        before = _mm_launches()
+        for _ in range(2):
+            x = _rand((G, M, K), torch.bfloat16, gen)
+            y = moe_gemm.grouped_mm(x, w)
+            ref = torch.bmm(x.float(), w.float())
+            _check(f"mm-fast/batched/{G}x{M}x{N}x{K}", y, ref, torch.bmm(x, w))
+        assert _mm_launches() == before + 2
+
+
+def test_mm_fast_path_launches_on_the_current_stream():
+    """The entry launches on the caller's current stream (the TVM-FFI environment stream set
+    per call): behind a long sleep on a side stream, then a copy into x on it, the kernel must
+    read the new x."""
+    _native_ready()
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = _rand((512, 256), torch.bfloat16, gen)
+    w = _rand((4, 256, 128), torch.bfloat16, gen)
+    offs = torch.tensor([100, 200, 400, 512], dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    new_x = _rand((512, 256), torch.bfloat16, gen)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        for _ in range(3):  # plan, entry, then launches from the entry on this stream
+            moe_gemm.grouped_mm(x, w, offs)
+        before = _mm_launches()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s at ~2 GHz
+        x.copy_(new_x)
+        y = moe_gemm.grouped_mm(x, w, offs)
+        assert _mm_launches() == before + 1
+    side.synchronize()
+    ref = moe_gemm.reference.grouped_mm_ref(new_x, w, offs)
+    low = moe_gemm.grouped_mm(new_x, w, offs, config=GemmConfig(backend="torch"))
+    _check("mm-fast/side-stream", y, ref, low)
+    # And the default stream's own entry is another one (its workspace is its own).
+    torch.cuda.synchronize()
+    for _ in range(3):
+        y2 = moe_gemm.grouped_mm(new_x, w, offs)
+    torch.cuda.synchronize()
+    _check("mm-fast/default-stream", y2, ref, low)
+
+
+def test_mm_fast_path_declines_during_graph_capture():
+    _native_ready()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = _rand((300, 128), torch.bfloat16, gen)
+    w = _rand((3, 128, 256), torch.bfloat16, gen)
+    offs = torch.tensor([100, 100, 290], dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        moe_gemm.grouped_mm(x, w, offs)
+    torch.cuda.synchronize()
+    before = _mm_launches()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            y = moe_gemm.grouped_mm(x, w, offs)
+    assert _mm_launches() == before, "a launch from an entry was captured"
+    x.copy_(_rand((300, 128), torch.bfloat16, gen))
+    offs.copy_(torch.tensor([0, 150, 300], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
+    _check("mm-fast/graph-replay", y, ref, low)
+    z = moe_gemm.grouped_mm(x, w, offs)  # after the capture: from the entry again
+    assert _mm_launches() == before + 1
+    _check("mm-fast/after-capture", z, ref, low)
+
+
+def test_mm_fast_path_grad_mode():
+    """Grad-requiring weights under grad mode take the Python path (backward raises); under
+    no_grad the entry launches."""
+    _native_ready()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = _rand((256, 128), torch.bfloat16, gen)
+    w = torch.nn.Parameter(_rand((2, 128, 128), torch.bfloat16, gen))
+    offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            moe_gemm.grouped_mm(x, w, offs)
+        before = _mm_launches()
+        moe_gemm.grouped_mm(x, w, offs)
+        assert _mm_launches() == before + 1
+    y = moe_gemm.grouped_mm(x, w, offs)
+    assert _mm_launches() == before + 1
+    with pytest.raises(RuntimeError):
+        y.float().sum().backward()

@@ -1,4 +1,5 @@
-// grouped_gemm's per-call host work in C++ (moe_gemm/kernels/native.py builds and loads it).
+// grouped_gemm's per-call host work in C++ (moe_gemm/kernels/native.py builds and loads it);
+// grouped_mm's repeated calls are in mm_call.h, the kernels' TVM-FFI C call in ffi_call.h.
 //
 // A grouped_gemm call on lists reads every operand's dtype, device, shape, strides and address,
 // allocates the outputs and launches. In Python that is ~1.2 us per problem to read the
@@ -379,10 +380,19 @@ PyObject* NewOutputs(const Scan& s, const OutputLayout& lay, bool require_cuda,
   return list;
 }
 
+// The TVM-FFI C call of compiled kernels (its own file; it uses Ref).
+#include "ffi_call.h"
+
 // Calls record = (kernel, args, raw): kernel(*args, d_base); host_sm90._local.raw = raw.
-bool Launch(PyObject* record, int64_t d_base) {
+// `stream`: the current stream's raw handle where known (the C call, ffi_call.h), else -1
+// (the Python call, which reads torch's current stream itself).
+bool Launch(PyObject* record, int64_t d_base, int64_t stream) {
   PyObject* kernel = PyTuple_GET_ITEM(record, 0);
   PyObject* args = PyTuple_GET_ITEM(record, 1);
+  if (stream >= 0 && ffi::CallRecord(kernel, args, d_base, stream)) {
+    return g_local.get() == nullptr ||
+           PyObject_SetAttrString(g_local.get(), "raw", PyTuple_GET_ITEM(record, 2)) >= 0;
+  }
   const Py_ssize_t n = PyTuple_GET_SIZE(args);
   std::vector<PyObject*> argv(n + 1);
   for (Py_ssize_t i = 0; i < n; ++i) argv[i] = PyTuple_GET_ITEM(args, i);
@@ -520,7 +530,7 @@ int OneOffLaunch(const Scan& s, const MetaLayout& lay, Template* t, bool require
   }
   UploadRows(s, lay, t->stream, t->scratch_meta, require_cuda);
   Ref rec(t->scratch.get());  // held through the launch (its Python code could drop `t`'s)
-  if (!Launch(rec.get(), d_base)) return -1;
+  if (!Launch(rec.get(), d_base, require_cuda ? t->stream : -1)) return -1;
   ++g_one_off_launches;
   return 1;
 }
@@ -557,6 +567,9 @@ PyObject* Init(PyObject*, PyObject* const* args, Py_ssize_t n) {
     if (PyErr_Occurred()) return nullptr;          \
     Py_RETURN_NONE;                                \
   }
+
+// grouped_mm's repeated calls (its own file; it uses the helpers above).
+#include "mm_call.h"
 
 // scan(a, b, out_dtype_index, require_cuda) -> None | (code, cols bytes)
 PyObject* ScanFn(PyObject*, PyObject* const* args, Py_ssize_t n) {
@@ -674,18 +687,19 @@ PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
   const std::shared_ptr<const MetaLayout> meta = e.meta;
   auto li = e.launches.find(lkey);
   Ref record(li == e.launches.end() ? nullptr : li->second.get());
-  std::shared_ptr<Template> tmpl;
-  if (record.get() == nullptr && meta) {
+  std::shared_ptr<Template> tmpl;  // this stream and thread's (its raw stream handle too)
+  {
     auto ti = e.templates.find(StreamThread(lkey));
     if (ti != e.templates.end()) tmpl = ti->second;
   }
+  const int64_t raw_stream = require_cuda && tmpl ? tmpl->stream : -1;
   int64_t d_base = 0;
   PyObject* outs = NewOutputs(s, *layout, require_cuda, &d_base);
   if (outs == nullptr) {
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
   }
-  if (record.get() == nullptr && tmpl) {
+  if (record.get() == nullptr && tmpl && meta) {
     // New operand addresses on a stream and thread this problem set has launched on. Seen
     // once: launched through the template's scratch metadata (fresh activations every step
     // keep no record). Seen again (an allocator handing the same blocks back): a record of
@@ -725,7 +739,7 @@ PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
     return Py_BuildValue("(ONLLN)", shape.get(), outs, static_cast<long long>(d_base),
                          static_cast<long long>(s.code), ColsBytes(s));
   }
-  if (!Launch(record.get(), d_base)) {
+  if (!Launch(record.get(), d_base, raw_stream)) {
     Py_DECREF(outs);
     return nullptr;
   }
@@ -883,6 +897,7 @@ PyObject* UploadRowsFn(PyObject*, PyObject* const* args, Py_ssize_t n) {
 
 PyObject* Forget(PyObject*, PyObject* const*, Py_ssize_t) {
   ForgetAll();
+  mm::Forget();
   Py_RETURN_NONE;
 }
 
@@ -935,6 +950,10 @@ PyMethodDef kMethods[] = {
     {"remember_launch", FASTCALL(RememberLaunch), METH_FASTCALL, "remember_launch(...)"},
     {"upload_rows", FASTCALL(UploadRowsFn), METH_FASTCALL, "upload_rows(...)"},
     {"forget", FASTCALL(Forget), METH_FASTCALL, "forget()"},
+    {"mm_call", FASTCALL(mm::Call), METH_FASTCALL, "mm_call(x, w, offs, out, config, odt, req)"},
+    {"remember_mm", FASTCALL(mm::Remember), METH_FASTCALL, "remember_mm(...)"},
+    {"init_ffi", FASTCALL(ffi::InitFfi), METH_FASTCALL, "init_ffi(path)"},
+    {"mm_stats", FASTCALL(mm::Stats), METH_FASTCALL, "mm_stats()"},
     {"stats", FASTCALL(Stats), METH_FASTCALL, "stats()"},
     {"upload_testing", FASTCALL(UploadTesting), METH_FASTCALL,
      "upload_testing(fake, chunk_bytes, flags)"},
