@@ -173,6 +173,11 @@ def test_out_sharing_memory_with_an_operand_is_declined(kernel: Recorder) -> Non
     x, out = buf[0], buf[1]
     assert remember(x, w, offs, plan_for(x, w, offs, out=out), out=out)
     assert call(x, w, offs, out=out) is None
+    # Another storage over the same memory (a second tensor made from the same buffer).
+    alias = torch.from_dlpack(buf[1].__dlpack__()) if hasattr(buf, "__dlpack__") else None
+    if alias is not None:
+        assert alias.untyped_storage().data_ptr() == buf[1].data_ptr()
+        assert call(x, w, offs, out=alias) is None
     other = torch.empty(200, 96, dtype=torch.bfloat16)
     assert remember(x, w, offs, plan_for(x, w, offs, out=other), out=other)
     assert call(x, w, offs, out=other) is other

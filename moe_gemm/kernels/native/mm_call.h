@@ -130,8 +130,16 @@ void EntryKey(const Operands& o, int64_t odt, int64_t req, PyObject* config, boo
   AppendEnv(key, "MOE_GEMM_TAIL_SPLIT");  // heuristics.TAIL_SPLIT_ENV
 }
 
-bool SameStorage(const at::Tensor& a, const at::Tensor& b) {
-  return a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl();
+// Whether a and b's allocations meet (the same storage, or storages over the same memory).
+// Coarser than aliasing.py's element spans: a meeting pair declines, and ops.grouped_mm
+// decides exactly (computing into a copy where the elements do overlap).
+bool MayShareMemory(const at::Tensor& a, const at::Tensor& b) {
+  const c10::Storage& sa = a.storage();
+  const c10::Storage& sb = b.storage();
+  if (sa.unsafeGetStorageImpl() == sb.unsafeGetStorageImpl()) return true;
+  const auto pa = reinterpret_cast<uintptr_t>(sa.data());
+  const auto pb = reinterpret_cast<uintptr_t>(sb.data());
+  return pa < pb + sb.nbytes() && pb < pa + sa.nbytes();
 }
 
 // Launches `e` on operands `o` with output `out`. False with a Python error set, or false
@@ -194,8 +202,8 @@ PyObject* CallImpl(PyObject* const* args, int64_t odt, int64_t req) {
   auto it = g_entries.find(key);
   if (it == g_entries.end()) Py_RETURN_FALSE;
   const std::shared_ptr<Entry> e = it->second;  // held through the launch
-  if (o.out && (SameStorage(*o.out, *o.x) || SameStorage(*o.out, *o.w) ||
-                (o.offs && SameStorage(*o.out, *o.offs)))) {
+  if (o.out && (MayShareMemory(*o.out, *o.x) || MayShareMemory(*o.out, *o.w) ||
+                (o.offs && MayShareMemory(*o.out, *o.offs)))) {
     Py_RETURN_NONE;  // ops.grouped_mm computes into a copy
   }
   at::Tensor fresh;
