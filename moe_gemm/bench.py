@@ -632,10 +632,9 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
             _after_error(run, spec.name, name, exc)
     run.mark(None)
     fresh.clear()
-    theirs = entries.get(GROUPED_MM_NAME, {}).get("cpu_us")
-
-    def below(name: str) -> bool | None:
-        ours = entries.get(name, {}).get("cpu_us")
+    def below(name: str, field: str = "cpu_us", peer: str = GROUPED_MM_NAME) -> bool | None:
+        ours = entries.get(name, {}).get(field)
+        theirs = entries.get(peer, {}).get(field)
         return None if ours is None or theirs is None else ours < theirs
 
     return {
@@ -648,6 +647,15 @@ def measure_host_overhead(run: Run) -> dict[str, Any]:
         "grouped_gemm_below_torch": below("moe_gemm.grouped_gemm (default)"),
         "grouped_gemm_new_addresses_below_torch": below(
             "moe_gemm.grouped_gemm (new operand addresses)"),
+        # ... and the gap from the call to its kernel starting (the 3-D form against torch's).
+        "launch_gap_below_torch": {
+            "grouped_mm": below("moe_gemm.grouped_mm (default)", "launch_gap_us"),
+            "grouped_mm 3-D": below("moe_gemm.grouped_mm 3-D (default)", "launch_gap_us",
+                                    GROUPED_MM_NAME + " 3-D"),
+            "grouped_gemm": below("moe_gemm.grouped_gemm (default)", "launch_gap_us"),
+            "grouped_gemm new operand addresses": below(
+                "moe_gemm.grouped_gemm (new operand addresses)", "launch_gap_us"),
+        },
         "method": f"cpu_us: time.perf_counter around one call, no sync, median of {iters} "
         "(synchronized every 16 calls outside the timed region); single_us: events around one "
         "call with the GPU idle; gpu_us: back-to-back behind a backlog; launch_gap_us = "

@@ -764,6 +764,9 @@ def format_table(doc: dict[str, Any]) -> str:
         parts = [f"{k.replace('moe_gemm.', 'ours ').replace(' (default)', '')} "
                  f"{v['cpu_us']:.1f}" for k, v in host.items() if "cpu_us" in v]
         lines.append("host CPU us/call: " + "; ".join(parts))
+        gaps = [f"{k.replace('moe_gemm.', 'ours ').replace(' (default)', '')} "
+                f"{v['launch_gap_us']:.1f}" for k, v in host.items() if "launch_gap_us" in v]
+        lines.append("host call-to-kernel us: " + "; ".join(gaps))
     bad = [r for r in doc["results"] if r.get("status") == "error"]
     na = sum(1 for r in doc["results"] if r.get("status") == "n/a")
     if bad or na:

@@ -322,6 +322,10 @@ def test_smoke_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert isinstance(doc["host_overhead"]["grouped_gemm_below_torch"], bool)
     assert host["moe_gemm.grouped_gemm (new operand addresses)"]["cpu_us"] > 0
     assert isinstance(doc["host_overhead"]["grouped_gemm_new_addresses_below_torch"], bool)
+    gaps = doc["host_overhead"]["launch_gap_below_torch"]
+    assert set(gaps) == {"grouped_mm", "grouped_mm 3-D", "grouped_gemm",
+                         "grouped_gemm new operand addresses"}
+    assert all(isinstance(v, bool) for v in gaps.values())
     assert set(doc["bar"]["shapes"]) == set(shapes)
 
     printed = capsys.readouterr().out.strip().splitlines()
