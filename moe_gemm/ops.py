@@ -237,7 +237,7 @@ def grouped_mm(
 
 
 def _out_shares_memory(out, *inputs) -> bool:
-    if type(out) is not torch.Tensor or torch.compiler.is_compiling():
+    if type(out) not in _PLAIN or torch.compiler.is_compiling():
         return False  # validation names a non-tensor; under tracing there is no memory
     return overlaps_any(out, inputs)
 

@@ -86,6 +86,21 @@ def test_grouped_mm_out_overlapping_w_or_x_is_computed_as_on_copies():
     torch.testing.assert_close(y[:9], want[:9], rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_mm_parameter_out_overlapping_x_is_computed_as_on_copies():
+    """A Parameter is a plain tensor to the ops (and to the C++ path): an overlapping one is
+    caught like a Tensor."""
+    g = torch.Generator().manual_seed(4)
+    xb = torch.randn(12, 5, generator=g)
+    w = torch.randn(3, 5, 5, generator=g)
+    offs = torch.tensor([3, 6, 10], dtype=torch.int32)
+    x = xb[:10]
+    want = moe_gemm.grouped_mm(x.clone(), w, offs, config=TORCH)
+    out = torch.nn.Parameter(xb[2:], requires_grad=False)
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, config=TORCH)
+    assert y is out
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
 def test_batched_out_overlapping_w():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(3, 4, 4, generator=g)

@@ -64,9 +64,11 @@ bool DlType(c10::ScalarType t, DLType* d) {
 }
 
 // A DLTensor viewing `t` (its sizes and strides arrays: valid while `t` lives).
-bool ToDl(const at::Tensor& t, DLTensorC* d) {
+// `written`: the kernel writes through it (its mutable pointer: a copy-on-write tensor is
+// materialized first, as torch's own DLPack export does).
+bool ToDl(const at::Tensor& t, DLTensorC* d, bool written = false) {
   if (!DlType(t.scalar_type(), &d->dtype)) return false;
-  d->data = const_cast<void*>(t.const_data_ptr());
+  d->data = written ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
   const c10::Device dev = t.device();
   d->device = {dev.is_cuda() ? kDLCUDA : kDLCPU, dev.has_index() ? dev.index() : 0};
   d->ndim = static_cast<int32_t>(t.dim());
@@ -139,7 +141,8 @@ bool CallRecord(PyObject* kernel, PyObject* args, int64_t last, int64_t stream) 
     argv[i].pad = 0;
     if (THPVariable_Check(a)) {
       const at::Tensor& t = THPVariable_Unpack(a);
-      if (!t.defined() || !t.is_cuda() || !ToDl(t, &dl[i])) return false;
+      // (Written through: the kernel's outputs and workspace come in as tensors too.)
+      if (!t.defined() || !t.is_cuda() || !ToDl(t, &dl[i], true)) return false;
       dev = dl[i].device.id;
       argv[i].type_index = kFfiDLTensorPtr;
       argv[i].v = reinterpret_cast<int64_t>(&dl[i]);

@@ -27,6 +27,10 @@ constexpr Py_ssize_t kArgs = 16;
 constexpr Py_ssize_t kTensorArgs = 9;
 constexpr Py_ssize_t kX = 0, kW = 1, kOut = 2, kOffs = 5;
 constexpr size_t kMaxEntries = 1024;
+// Device memory the entries keep alive (their workspaces above all: a tail-split one holds
+// partial tiles, ~9 MB at 66 CTAs of 128x256): past this, all entries are dropped, as past
+// kMaxEntries. Counted per entry, so a workspace shared by entries counts more than once.
+constexpr int64_t kMaxEntryBytes = int64_t{256} << 20;
 
 // `req` flags of mm_call / remember_mm (general_call.cc's kRequireCuda, kPdl).
 struct Entry {
@@ -42,12 +46,14 @@ struct Entry {
   std::vector<int64_t> out_shape;
   c10::ScalarType out_type = c10::ScalarType::BFloat16;
   int64_t stream = 0;  // the key stream's raw handle
+  int64_t bytes = 0;   // of the allocations of `held`
   bool batched = false;
 };
 
 auto& g_entries = *new std::unordered_map<std::string, std::shared_ptr<Entry>>();
 int64_t g_fast_launches = 0;  // launches from an entry (stats; tests)
 int64_t g_entries_made = 0;   // (stats; tests)
+int64_t g_entry_bytes = 0;    // the entries' `bytes`
 
 // A plain strided tensor with its own storage (Tensor or Parameter), or null.
 const at::Tensor* Plain(PyObject* obj) {
@@ -147,7 +153,9 @@ bool MayShareMemory(const at::Tensor& a, const at::Tensor& b) {
 // raises its error with the whole message).
 bool LaunchEntry(const Entry& e, const Operands& o, const at::Tensor& out, PyObject* const* args,
                  PyObject* out_obj) {
-  if (e.handle == nullptr) {  // the Python call (no TVM-FFI handle: CPU tests)
+  // The Python call: no TVM-FFI handle (CPU tests), the C entry points dropped since the
+  // entry was made (init_ffi("")), or tensors not on a CUDA device.
+  if (e.handle == nullptr || !FfiReady() || !o.x->is_cuda()) {
     PyObject* tmpl = e.args.get();
     std::vector<PyObject*> argv(kArgs);
     for (Py_ssize_t i = 0; i < kArgs; ++i) argv[i] = PyTuple_GET_ITEM(tmpl, i);
@@ -162,7 +170,9 @@ bool LaunchEntry(const Entry& e, const Operands& o, const at::Tensor& out, PyObj
   }
   DLTensorC dl[kTensorArgs];
   std::memcpy(dl, e.fixed, sizeof(dl));
-  if (!ToDl(*o.x, &dl[kX]) || !ToDl(*o.w, &dl[kW]) || !ToDl(out, &dl[kOut])) return false;
+  if (!ToDl(*o.x, &dl[kX]) || !ToDl(*o.w, &dl[kW]) || !ToDl(out, &dl[kOut], true)) {
+    return false;
+  }
   if (!e.batched && !ToDl(*o.offs, &dl[kOffs])) return false;
   FfiAny argv[kArgs];
   for (Py_ssize_t i = 0; i < kTensorArgs; ++i) {
@@ -297,6 +307,7 @@ PyObject* RememberImpl(PyObject* const* args, int64_t odt, int64_t req) {
       }
       e->held.push_back(*t);
       const at::Tensor& h = e->held.back();
+      e->bytes += static_cast<int64_t>(h.storage().nbytes());
       if (!ToDl(h, &e->fixed[i])) {
         PyErr_SetString(PyExc_TypeError, "remember_mm: a fixed argument's dtype");
         return nullptr;
@@ -313,17 +324,21 @@ PyObject* RememberImpl(PyObject* const* args, int64_t odt, int64_t req) {
   }
   std::string key;
   EntryKey(o, odt, req, args[4], require_cuda, &key);
-  if (g_entries.size() >= kMaxEntries) {
+  const int64_t bytes = e->bytes;
+  if (g_entries.size() >= kMaxEntries || g_entry_bytes + bytes > kMaxEntryBytes) {
     auto old = std::move(g_entries);  // released after the map is consistent again
     g_entries = {};
     g_entries.emplace(std::move(key), std::move(e));
+    g_entry_bytes = bytes;
   } else {
     auto it = g_entries.find(key);
     if (it != g_entries.end()) {
       std::shared_ptr<Entry> old = std::move(it->second);
+      g_entry_bytes += bytes - old->bytes;
       it->second = std::move(e);
     } else {
       g_entries.emplace(std::move(key), std::move(e));
+      g_entry_bytes += bytes;
     }
   }
   ++g_entries_made;
@@ -354,6 +369,7 @@ PyObject* Stats(PyObject*, PyObject* const*, Py_ssize_t) {
 void Forget() {
   auto old = std::move(g_entries);
   g_entries = {};
+  g_entry_bytes = 0;
 }
 
 }  // namespace mm
