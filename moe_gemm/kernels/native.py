@@ -4,7 +4,7 @@ the background.
 grouped_mm (native/mm_call.h): a call that Python has launched through a cached plan on this
 stream and thread gets an entry (remember_mm); later calls with the same shapes, strides,
 dtypes, devices, alignment, config and switches are launched from it (mm_call): the output
-from at::empty and the kernel through TVM-FFI's C ABI (native/ffi_call.h), 6.5-8.2 us per
+from at::empty and the kernel through TVM-FFI's C ABI (native/ffi_call.h), 6.5-9.5 us per
 call on H200 hosts against ~13 through Python (session 12).
 
 A grouped_gemm call on lists reads every operand (dtype, device, shape, strides, address),
