@@ -309,12 +309,10 @@ def general_call(a: object, b: object, out_dtype: torch.dtype | None, config: ob
         if "thread" not in _state and not _paused and require_cuda and _kernels_run_on(a):
             start()
         return None
-    odt = _out_index(out_dtype)
-    if odt is None:
+    margs = _module_args(out_dtype, config, require_cuda)
+    if margs is None:
         return None
-    if config is not None:
-        config = _configs.get(config) or _intern(config)
-    req = (REQUIRE_CUDA if require_cuda else 0) | (PDL_FLAG if _host.PDL else 0)
+    odt, config, req = margs
     res = mod.call(a, b, odt, config, req)
     if res is None or type(res) is list:
         return res
@@ -332,15 +330,23 @@ def mm_call(x: object, w: object, offs: object, out: object, config: object,
                 and x.is_cuda and cute_problem(x.device) is None):
             start()
         return None
+    margs = _module_args(out_dtype, config, require_cuda)
+    if margs is None:
+        return None
+    odt, config, req = margs
+    return mod.mm_call(x, w, offs, out, config, odt, req)
+
+
+def _module_args(out_dtype: object, config: object, require_cuda: bool
+                 ) -> tuple[int, object, int] | None:
+    """(out dtype index, the interned config, req flags) for the module's calls; None where
+    it cannot take them (validation on the Python path names what is wrong)."""
     odt = _out_index(out_dtype)
-    if odt is None:
+    if odt is None or (config is not None and type(config) is not GemmConfig):
         return None
     if config is not None:
-        if type(config) is not GemmConfig:
-            return None  # validation names what is expected
         config = _configs.get(config) or _intern(config)
-    return mod.mm_call(x, w, offs, out, config, odt,
-                       (REQUIRE_CUDA if require_cuda else 0) | (PDL_FLAG if _host.PDL else 0))
+    return odt, config, (REQUIRE_CUDA if require_cuda else 0) | (PDL_FLAG if _host.PDL else 0)
 
 
 def remember_mm(x: object, w: object, offs: object, out: object, config: object,
@@ -351,18 +357,16 @@ def remember_mm(x: object, w: object, offs: object, out: object, config: object,
     mod = _mod
     if mod is None:
         return False
-    entry = plan.native_entry()  # type: ignore[attr-defined]
-    odt = _out_index(out_dtype)
-    if entry is None or odt is None or (config is not None and type(config) is not GemmConfig):
+    margs = _module_args(out_dtype, config, require_cuda)
+    entry = plan.native_entry() if margs is not None else None  # type: ignore[attr-defined]
+    if entry is None:
         return False
-    if config is not None:
-        config = _configs.get(config) or _intern(config)
+    odt, config, req = margs  # type: ignore[misc]
     kernel, args, out_shape, raw = entry
     inner = getattr(kernel, "_tvm_ffi_function", None)
     handle = inner.__chandle__() if inner is not None and hasattr(inner, "__chandle__") else 0
     idx = x.device.index if require_cuda else 0  # type: ignore[attr-defined]
     stream = _host._raw_stream(idx) if require_cuda else 0
-    req = (REQUIRE_CUDA if require_cuda else 0) | (PDL_FLAG if _host.PDL else 0)
     return bool(mod.remember_mm(x, w, offs, out, config, odt, req, kernel, handle, args,
                                 out_shape, _DTYPE_INDEX[plan.out_dtype], raw, stream))  # type: ignore[attr-defined]
 
