@@ -87,7 +87,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name, status in backends.items():
         print(f"backend {name:5s} {status}")
     print(f"backend='auto' uses: {info['auto_picks']}")
-    print(f"grouped_gemm host path: {info['grouped_gemm_scan']}")
+    print(f"C++ host path (grouped_gemm, repeated grouped_mm): {info['grouped_gemm_scan']}")
     return 0
 
 
@@ -193,7 +193,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .kernels.native import status
 
     # Built here even where the kernels do not run (CI): proves the C++ host path compiles.
-    print(f"grouped_gemm host path: {status()}")
+    print(f"C++ host path (grouped_gemm, repeated grouped_mm): {status()}")
     return 1 if failures else 0
 
 

@@ -392,7 +392,8 @@ class Engine:
                 # once per machine, then loaded from the cache dir): ready means built.
                 from .kernels import native
 
-                log.info("grouped_gemm host path: %s", native.wait(timeout=300))
+                log.info("C++ host path (grouped_gemm, repeated grouped_mm): %s",
+                         native.wait(timeout=300))
 
     # ------------------------------------------------------------------ launches
 
