@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import moe_gemm  # noqa: E402
 from moe_gemm.capability import cute_problem  # noqa: E402
 from moe_gemm.config import GemmConfig  # noqa: E402
-from moe_gemm.moe import MoE, moe_experts  # noqa: E402
+from moe_gemm.layers.moe import MoE, moe_experts  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]

@@ -11,16 +11,16 @@ Public API:
 
 __version__ = "0.1.0"
 
-from .config import GemmConfig  # noqa: E402
-from .integrations import register_transformers_lazily  # noqa: E402
-from .moe import MoE, moe_experts, moe_forward  # noqa: E402
-from .ops import GroupedGemmPlan, grouped_gemm, grouped_mm  # noqa: E402
-from .routing import (  # noqa: E402
+from moe_gemm.config import GemmConfig  # noqa: E402
+from moe_gemm.integrations import register_transformers_lazily  # noqa: E402
+from moe_gemm.layers.moe import MoE, moe_experts, moe_forward  # noqa: E402
+from moe_gemm.layers.routing import (  # noqa: E402
     ExpertPermutation,
     permute_by_expert,
     sigmoid_grouped_topk,
     softmax_topk,
 )
+from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm  # noqa: E402
 
 # `model.set_experts_implementation("moe_gemm")` works once transformers' MoE module loads.
 register_transformers_lazily()

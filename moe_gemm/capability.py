@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from .env import env_get
+from moe_gemm.env import env_get
 
 # The kernels use wgmma, setmaxnreg and the TMA engine: sm_90a only (H100, H200, H20, H800).
 REQUIRED_CAPABILITY = (9, 0)

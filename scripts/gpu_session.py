@@ -105,7 +105,7 @@ def main() -> int:
             summary["groups"].append(res)
             print(json.dumps(res), flush=True)
     if args.bench:
-        cmd = f"{sys.executable} -m moe_gemm.bench --out {args.out}/bench.json " \
+        cmd = f"{sys.executable} -m benchmarks.bench --out {args.out}/bench.json " \
               f"--png {args.out}/bench.png {args.bench_args}"
         t = time.time()
         rc = subprocess.run(cmd, shell=True, cwd=ROOT, timeout=560).returncode

@@ -70,8 +70,8 @@ def main() -> None:
     print(f"grouped_mm 3-D:            {per_call(lambda: grouped_mm(x3, w)):8.1f} us/call")
     print(f"F.grouped_mm 3-D:          {per_call(lambda: ws(x3, w)):8.1f} us/call")
     print(f"torch.bmm 3-D:             {per_call(lambda: torch.bmm(x3, w)):8.1f} us/call")
-    from moe_gemm import ops
-    from moe_gemm.kernels import host_sm90
+    from moe_gemm.ops import api as ops
+    from moe_gemm.ops import launch as host_sm90
 
     key = ops._bmm_plan_key(x3, w, None, None, None)
     bplan = ops._mm_plans[key]

@@ -21,16 +21,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moe_gemm import grouped_gemm, grouped_mm  # noqa: E402
-from moe_gemm.bench import Clock  # noqa: E402
-from moe_gemm.bench_suite import (  # noqa: E402
+from benchmarks.bench import Clock  # noqa: E402
+from benchmarks.suite import (  # noqa: E402
     GROUPED_MM_FN,
     _build_quack,
     full_suite,
     loop_body,
     make_inputs,
 )
-from moe_gemm.validation import check_grouped_mm  # noqa: E402
+from moe_gemm import grouped_gemm, grouped_mm  # noqa: E402
+from moe_gemm.ops.validation import check_grouped_mm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune import parse, patched_plan  # noqa: E402

@@ -72,8 +72,9 @@ def main() -> None:
     import tvm_ffi
     from tvm_ffi import libinfo
 
-    from moe_gemm import grouped_mm, ops
-    from moe_gemm.kernels import host_sm90
+    from moe_gemm import grouped_mm
+    from moe_gemm.ops import api as ops
+    from moe_gemm.ops import launch as host_sm90
 
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(64, 512, device=dev, dtype=dt)

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.suite import full_suite, make_inputs  # noqa: E402
 from moe_gemm import grouped_mm  # noqa: E402
-from moe_gemm.bench_suite import full_suite, make_inputs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune import parse  # noqa: E402

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moe_gemm.bench_suite import full_suite, make_inputs  # noqa: E402
+from benchmarks.suite import full_suite, make_inputs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from isolation_probe import build_impls  # noqa: E402

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def variant_set(name: str):
-    from moe_gemm.kernels.compile_sm90 import CompileKey
+    from moe_gemm.kernels.sm90.compile import CompileKey
 
     keys = set()
     tiles = {"pingpong": [(128, 128), (64, 256)], "cooperative": [(128, 128), (128, 256)]}
@@ -97,8 +97,8 @@ def variant_set(name: str):
 
 
 def _compile_one(key) -> tuple[str, float, str]:
-    from moe_gemm import cache
-    from moe_gemm.kernels.compile_sm90 import compile_variant
+    from moe_gemm.kernels.sm90.compile import compile_variant
+    from moe_gemm.ops import kernel_cache as cache
 
     t = time.time()
     try:

@@ -25,9 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moe_gemm import GemmConfig, grouped_gemm, grouped_mm  # noqa: E402
-from moe_gemm.bench import Clock  # noqa: E402
-from moe_gemm.bench_suite import (  # noqa: E402
+from benchmarks.bench import Clock  # noqa: E402
+from benchmarks.suite import (  # noqa: E402
     GROUPED_MM_FN,
     NotApplicable,
     ShapeSpec,
@@ -37,9 +36,10 @@ from moe_gemm.bench_suite import (  # noqa: E402
     loop_body,
     make_inputs,
 )
-from moe_gemm.kernels import host_sm90  # noqa: E402
-from moe_gemm.kernels.support import operand_major  # noqa: E402
-from moe_gemm.validation import check_grouped_bmm, check_grouped_mm  # noqa: E402
+from moe_gemm import GemmConfig, grouped_gemm, grouped_mm  # noqa: E402
+from moe_gemm.ops import launch as host_sm90  # noqa: E402
+from moe_gemm.ops.support import operand_major  # noqa: E402
+from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_mm  # noqa: E402
 
 
 def measure(fns: dict, reps: int = 20) -> dict:

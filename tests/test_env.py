@@ -201,7 +201,7 @@ def test_real_switches_agree(path: str, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_offs_check_switch_follows_env(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moe_gemm.validation import offs_check_requested
+    from moe_gemm.ops.validation import offs_check_requested
 
     _unset(monkeypatch, "MOE_GEMM_CHECK_OFFS")
     assert offs_check_requested() is False

@@ -41,7 +41,7 @@ def register_transformers() -> bool:
     if not _transformers_installed():
         return False
     try:
-        from .transformers import register
+        from moe_gemm.integrations.transformers import register
     except ImportError:
         return False
     register()

@@ -39,8 +39,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         'transformers.integrations.moe.ExpertsInterface): pip install "moe-gemm[transformers]"'
     ) from exc
 
-from ..config import GemmConfig
-from ..moe import Activation, MoE, _expert_ffn, _inference_only
+from moe_gemm.config import GemmConfig
+from moe_gemm.layers.moe import Activation, MoE, _expert_ffn, _inference_only
 
 __all__ = ["NAME", "hf_activation", "is_registered", "moe_from_hf", "moe_gemm_experts_forward",
            "register"]

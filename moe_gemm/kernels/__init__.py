@@ -1,2 +1,2 @@
-"""CuTe DSL kernels for sm_90a. Importing this package does not import the DSL: the kernel
-modules (grouped_gemm_sm90, host_sm90) do, lazily, on first use."""
+"""CuTe DSL kernels, one subpackage per architecture. Importing this package does not import
+the DSL: the kernel modules do, when the host side first compiles or loads a variant."""

@@ -1,6 +1,6 @@
 """moe_gemm_server: resident expert weights and batched grouped-GEMM inference over HTTP.
 
-FastAPI + uvicorn + pydantic around `moe_gemm.engine.Engine`: a native API (safetensors or
+FastAPI + uvicorn + pydantic around `moe_gemm_server.engine.Engine`: a native API (safetensors or
 JSON bodies) and the Open Inference Protocol v2 (KServe / Triton, binary tensor extension),
 a dynamic batcher that merges concurrent requests into one grouped launch, admission control,
 persistence of weight sets, Prometheus metrics. The wire contract is docs/HTTP-API.md.

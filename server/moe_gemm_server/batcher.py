@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from moe_gemm.engine import Engine, EngineOutOfMemory, WeightSet
+from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
 
 from .metrics import Metrics, StatsBook
 

@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of `moe-gemm-server`."""
     settings = settings_from_args(argv)
     configure_logging(settings.log_level)
-    from moe_gemm.engine import resolve_device
+    from moe_gemm_server.engine import resolve_device
 
     from .main import create_app
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from moe_gemm.engine import WeightSet
+from moe_gemm_server.engine import WeightSet
 
 from .batcher import Job
 from .codecs import DATA_DTYPES, dtype_name

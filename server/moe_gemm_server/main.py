@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
-from moe_gemm.engine import Engine
+from moe_gemm_server.engine import Engine
 
 from . import __version__
 from .config import Settings, get_settings

@@ -25,7 +25,7 @@ from typing import Any
 from starlette.requests import Request
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.engine import Engine, EngineOutOfMemory, WeightSet
+from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
 
 from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
 from .codecs import JSON_DTYPES, encode_safetensors, json_tensor3, parse_json_object

@@ -15,8 +15,8 @@ import torch
 
 import moe_gemm
 from moe_gemm import GemmConfig
-from moe_gemm import schedule as sched
-from moe_gemm.validation import check_grouped_gemm, check_grouped_mm
+from moe_gemm.ops import schedule as sched
+from moe_gemm.ops.validation import check_grouped_gemm, check_grouped_mm
 
 from .gpu_report import record
 
@@ -50,7 +50,7 @@ def _check(name, out, ref32, low, **info):
 
 def _check_mm(name, y, x, w, offs):
     """grouped_mm's result against the fp32 reference, torch's bf16 experts as the baseline."""
-    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
     low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
     _check(name, y, ref, low)
 
@@ -145,7 +145,7 @@ def test_headline(config):
 
 
 def test_default_picks_cute():
-    from moe_gemm.kernels.host_sm90 import last_launch
+    from moe_gemm.ops.launch import last_launch
 
     a = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)]
     b = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)]
@@ -203,7 +203,7 @@ def _run_varlen(name, E, T, N, K, counts_kind, dtype, w_layout, config, out_mode
     else:
         y = moe_gemm.grouped_mm(x, w, offs, config=config)
     torch.cuda.synchronize()
-    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
     low = torch.zeros_like(y)
     start = 0
     for e, c in enumerate(counts):
@@ -244,7 +244,7 @@ def test_varlen_default_prefill_like():
 
 def test_varlen_default_short_k():
     # K <= 1024 with >= 128 rows per expert: the default is ping-pong 128x192.
-    from moe_gemm.kernels.host_sm90 import last_launch
+    from moe_gemm.ops.launch import last_launch
 
     _run_varlen("varlen/short-k/default", 24, 6000, 392, 768, "edges", torch.bfloat16,
                 "nk_view", None, "given", tail=5)
@@ -374,7 +374,7 @@ def _expected(counts, sizes_mn, tile_m, tile_n, num_ctas, swizzle):
 @pytest.mark.parametrize("visitor", VISITORS)
 @pytest.mark.parametrize("sort_by_k", [False, True])
 def test_trace_general_matches_schedule(schedule, visitor, sort_by_k):
-    from moe_gemm.kernels.host_sm90 import grouped_gemm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch import grouped_gemm_cute, last_launch, trace_assignment
 
     rng = random.Random(11)
     sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 50), 8 * rng.randint(1, 90))
@@ -405,7 +405,7 @@ def test_trace_general_matches_schedule(schedule, visitor, sort_by_k):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("visitor", VISITORS)
 def test_trace_varlen_matches_schedule(schedule, visitor):
-    from moe_gemm.kernels.host_sm90 import grouped_mm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch import grouped_mm_cute, last_launch, trace_assignment
 
     E, T, N, K = 40, 3000, 264, 128
     counts = _counts("holes", E, T - 50, torch.Generator().manual_seed(1))
@@ -529,7 +529,7 @@ def test_batched_size_one_dims_with_odd_strides():
 
 @pytest.mark.parametrize("pdl", [0, 1])
 def test_batched_graph_replay_and_pdl(pdl, monkeypatch):
-    from moe_gemm.kernels import host_sm90
+    from moe_gemm.ops import launch as host_sm90
 
     monkeypatch.setattr(host_sm90, "PDL", pdl)
     G, M, N, K = 16, 96, 256, 512
@@ -557,7 +557,7 @@ def test_batched_graph_replay_and_pdl(pdl, monkeypatch):
 @pytest.mark.parametrize("pdl", [0, 1])
 def test_general_and_varlen_without_pdl(pdl, monkeypatch):
     """Both launch modes of the descriptor prologue + main kernel pair give the same bits."""
-    from moe_gemm.kernels import host_sm90
+    from moe_gemm.ops import launch as host_sm90
 
     monkeypatch.setattr(host_sm90, "PDL", pdl)
     _run_general(f"general/pdl={pdl}", [(130, 200, 72), (256, 512, 1024), (1, 64, 64)],
@@ -568,8 +568,8 @@ def test_general_and_varlen_without_pdl(pdl, monkeypatch):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_trace_batched_matches_schedule(schedule):
-    from moe_gemm.kernels.host_sm90 import grouped_bmm_cute, last_launch, trace_assignment
-    from moe_gemm.validation import check_grouped_bmm
+    from moe_gemm.ops.launch import grouped_bmm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.validation import check_grouped_bmm
 
     G, M, N, K = 37, 300, 264, 128
     x = torch.randn(G, M, K, device="cuda", dtype=torch.bfloat16)
@@ -715,13 +715,13 @@ def _expected_cluster(rows_n, tile_m, tile_n, num_ctas, swizzle, cm, cn):
 
 @pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
 def test_trace_cluster_varlen_and_batched_match_schedule(cl):
-    from moe_gemm.kernels.host_sm90 import (
+    from moe_gemm.ops.launch import (
         grouped_bmm_cute,
         grouped_mm_cute,
         last_launch,
         trace_assignment,
     )
-    from moe_gemm.validation import check_grouped_bmm
+    from moe_gemm.ops.validation import check_grouped_bmm
 
     cfg = GemmConfig(backend="cute", **CLUSTER_SHAPES[cl])
     cm, cn = CLUSTER_SHAPES[cl]["cluster_m"], CLUSTER_SHAPES[cl]["cluster_n"]
@@ -773,7 +773,7 @@ GENERAL_CLUSTER_CASES = {
 @pytest.mark.parametrize("b_layout", ["row", "col"])
 @pytest.mark.parametrize("sort_by_k", [False, True])
 def test_cluster_general(cl, kind, b_layout, sort_by_k):
-    from moe_gemm.kernels.host_sm90 import last_launch
+    from moe_gemm.ops.launch import last_launch
 
     cfg = GemmConfig(backend="cute", sort_by_k=sort_by_k, **CLUSTER_SHAPES[cl])
     _run_general(f"cluster{cl}/general/{kind}/{b_layout}/sort={sort_by_k}",
@@ -806,7 +806,7 @@ def test_cluster_general_default_headline_and_fast_path():
     """The default picks 1x2 for a set whose problems have pairs of n-tiles (cooperative
     128x256): right through grouped_gemm's every route (first call, launch record, new
     operand addresses, `out=`, a GroupedGemmPlan, a captured CUDA graph)."""
-    from moe_gemm.kernels.host_sm90 import last_launch
+    from moe_gemm.ops.launch import last_launch
 
     sizes = ((128, 512, 1088), (1, 512, 2056), (0, 512, 64), (200, 1024, 1088),
              (129, 512, 4096), (64, 512, 1088))
@@ -849,7 +849,7 @@ def test_cluster_general_default_headline_and_fast_path():
 @pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
 @pytest.mark.parametrize("sort_by_k", [False, True])
 def test_trace_cluster_general_matches_schedule(cl, sort_by_k):
-    from moe_gemm.kernels.host_sm90 import grouped_gemm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch import grouped_gemm_cute, last_launch, trace_assignment
 
     rng = random.Random(12)
     sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 80), 8 * rng.randint(1, 90))
@@ -880,7 +880,7 @@ def test_trace_cluster_general_matches_schedule(cl, sort_by_k):
 @pytest.mark.parametrize("config", [None, GemmConfig(backend="cute", schedule="pingpong")],
                          ids=["default", "pingpong"])
 def test_general_fast_path_without_out(kind, config):
-    from moe_gemm.kernels.host_sm90 import last_launch
+    from moe_gemm.ops.launch import last_launch
 
     rng = random.Random(7)
     sizes = _general_case("mixed" if kind in ("mixed-majors", "tuple") else kind, rng)
@@ -912,7 +912,8 @@ def test_general_fast_path_repeated_calls_reuse_metadata(config):
     module's launch record, or host_sm90's cache on the Python scan): every call must still
     write its own fresh outputs, see values updated in place, and work from another stream;
     `out=` tensors that change between calls are honoured."""
-    from moe_gemm.kernels import host_sm90, native
+    from moe_gemm.ops import launch as host_sm90
+    from moe_gemm.ops import native
 
     mod = native.loaded()
 
@@ -966,7 +967,8 @@ def test_general_fast_path_native_scan(seed):
     """grouped_gemm without `out` reads its operands through the C++ scan (kernels/native.py):
     fresh random problem sets (empty, M=1, K=0, sizes off the tiles, K-major B for odd seeds)
     match the float32 reference and, bitwise, the same call through the Python scan."""
-    from moe_gemm.kernels import host_sm90, native
+    from moe_gemm.ops import launch as host_sm90
+    from moe_gemm.ops import native
 
     assert native.status() == "native", native.status()
     rng = random.Random(seed)
@@ -1183,7 +1185,7 @@ def test_general_fast_path_grad_and_no_grad():
 def test_epilogue_whole_tile_variant(form, monkeypatch):
     import dataclasses
 
-    from moe_gemm.kernels import host_sm90
+    from moe_gemm.ops import launch as host_sm90
 
     for name in ("choose_general", "choose_varlen", "choose_batched"):
         orig = getattr(host_sm90, name)
@@ -1224,7 +1226,7 @@ def test_default_picks_cute_and_backward_raises():
     with torch.no_grad():
         assert moe_gemm.grouped_mm(x, w, offs, config=cfg).grad_fn is None
     # The values are the kernel's either way.
-    ref = moe_gemm.reference.grouped_mm_ref(x, w.detach(), offs)
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x, w.detach(), offs)
     _check("autograd-link/values", y.detach(), ref, moe_gemm.grouped_mm(
         x, w.detach(), offs, config=GemmConfig(backend="torch")))
     record("autograd-link/backward-raises", True)
@@ -1298,7 +1300,7 @@ def _nsm() -> int:
     ("bf16", torch.float32, "nk_view", "alloc"),
 ])
 def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
-    from moe_gemm.kernels.host_sm90 import last_launch
+    from moe_gemm.ops.launch import last_launch
 
     K, zero_tail = 4096, 50
     # The kernel zeroes rows past offs[-1] only in the output it allocates.
@@ -1319,7 +1321,7 @@ def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
     torch.cuda.synchronize()
     info = last_launch()
     assert info.choice.tail_split and info.choice.schedule == "cooperative"
-    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
     low = torch.zeros((T, TS_N), dtype=odt, device="cuda")
     start = 0
     for e, c in enumerate(counts):
@@ -1347,7 +1349,7 @@ def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
 def test_tail_split_visits(extra_rows):
     """The trace (tiles stored per CTA) is schedule.tail_split_assignment: split tiles are
     stored by their finisher CTA; with a last wave over half the grid, plain round robin."""
-    from moe_gemm.kernels.host_sm90 import grouped_mm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch import grouped_mm_cute, last_launch, trace_assignment
 
     K = 4096
     counts = _tail_split_counts(_nsm(), 0)
@@ -1381,8 +1383,8 @@ def test_tail_split_visits(extra_rows):
 def test_tail_split_replays_reset_counters():
     """Every finisher resets its counter: eager launches and CUDA-graph replays on new data
     stay right, and the counters read zero afterwards."""
-    from moe_gemm.kernels import host_sm90
-    from moe_gemm.kernels.constants import split_workspace_bytes
+    from moe_gemm.kernels.sm90.constants import split_workspace_bytes
+    from moe_gemm.ops import launch as host_sm90
 
     K = 4096
     counts = _tail_split_counts(_nsm(), 0)
@@ -1424,7 +1426,7 @@ def test_tail_split_replays_reset_counters():
 def test_tail_split_switch_applies_to_next_call(monkeypatch):
     """MOE_GEMM_TAIL_SPLIT=0 takes effect on the next call of a shape already planned, and
     unset again brings the split back; results stay right either way."""
-    from moe_gemm.kernels.host_sm90 import last_launch
+    from moe_gemm.ops.launch import last_launch
 
     counts = _tail_split_counts(_nsm(), 0)
     T, E, K = sum(counts), len(counts), 4096
@@ -1450,7 +1452,7 @@ def test_tail_split_bmm(G, M, N, monkeypatch):
     """The 3-D form with the tail split forced (not a default choice there)."""
     import dataclasses
 
-    from moe_gemm.kernels import host_sm90
+    from moe_gemm.ops import launch as host_sm90
 
     orig = host_sm90.choose_batched
     monkeypatch.setattr(host_sm90, "choose_batched", lambda *a, **k: dataclasses.replace(
@@ -1603,7 +1605,7 @@ def test_mm_fast_path_matches_reference(case):
         y = run(x, ov)
         if with_out:
             assert y is ov
-        ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+        ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
         low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
         end = int(offs[-1])
         if with_out:  # rows past offs[-1] are the caller's (left as they were)
@@ -1654,7 +1656,7 @@ def test_mm_fast_path_launches_on_the_current_stream():
         y = moe_gemm.grouped_mm(x, w, offs)
         assert _mm_launches() == before + 1
     side.synchronize()
-    ref = moe_gemm.reference.grouped_mm_ref(new_x, w, offs)
+    ref = moe_gemm.ops.reference.grouped_mm_ref(new_x, w, offs)
     low = moe_gemm.grouped_mm(new_x, w, offs, config=GemmConfig(backend="torch"))
     _check("mm-fast/side-stream", y, ref, low)
     # And the default stream's own entry is another one (its workspace is its own).
@@ -1686,7 +1688,7 @@ def test_mm_fast_path_declines_during_graph_capture():
     offs.copy_(torch.tensor([0, 150, 300], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
-    ref = moe_gemm.reference.grouped_mm_ref(x, w, offs)
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
     low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
     _check("mm-fast/graph-replay", y, ref, low)
     z = moe_gemm.grouped_mm(x, w, offs)  # after the capture: from the entry again

@@ -11,9 +11,9 @@ import torch
 from fastapi.testclient import TestClient
 from server_testutils import mm_ref, st_body, st_load
 
-from moe_gemm.engine import Engine, EngineOutOfMemory
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server.cli import build_parser, settings_from_args
+from moe_gemm_server.engine import Engine, EngineOutOfMemory
 
 
 class FlakyEngine(Engine):

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from moe_gemm.engine import WeightSet
+from moe_gemm_server.engine import WeightSet
 
 from .. import __version__
 from ..dependencies import ReaderDep, ServiceDep, hot_path

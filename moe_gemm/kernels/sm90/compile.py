@@ -1,0 +1,141 @@
+"""Compile GroupedGemmSm90 variants from static choices only, with fake tensors.
+
+A compile key holds dtypes, majors, form, schedule, visitor, tile, stages and the trace flag;
+sizes, group counts and grid are runtime arguments, so a new problem set never recompiles.
+Compiling needs no GPU (CUTE_DSL_ARCH=sm_90a), which is how `moe-gemm check` proves every
+variant builds on a CPU machine and how the PTX is inspected.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import astuple, dataclass
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+
+from .grouped_gemm import GroupedGemmSm90  # noqa: E402
+
+DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "float32": cutlass.Float32,
+}
+
+
+@dataclass(frozen=True)
+class CompileKey:
+    """Everything a compiled kernel depends on. Nothing here varies per problem set."""
+
+    form: str  # "general" | "varlen" | "batched"
+    ab_dtype: str  # "bfloat16" | "float16"
+    d_dtype: str  # "bfloat16" | "float16" | "float32"
+    b_major: str  # "k" | "n"
+    schedule: str  # "pingpong" | "cooperative"
+    visitor: str  # "device" | "host"
+    tile_m: int
+    tile_n: int
+    stages: int | None = None
+    trace: bool = False
+    l2_hints: bool = False
+    epi_n: int = 32  # cooperative epilogue subtile width
+    cluster_m: int = 1  # CTAs per cluster along M (B multicast)
+    cluster_n: int = 1  # CTAs per cluster along N (A multicast)
+    epi_whole: bool = False  # whole-tile epilogue (cooperative, 16-bit output)
+    tail_split: bool = False  # split a short last wave over K (constants.py)
+
+    def name(self) -> str:
+        parts = [str(v) for v in astuple(self)[:8]]
+        if self.stages is not None:
+            parts.append(f"s{self.stages}")
+        if self.trace:
+            parts.append("trace")
+        if self.l2_hints:
+            parts.append("l2hints")
+        if self.epi_n != 32:
+            parts.append(f"epi{self.epi_n}")
+        if (self.cluster_m, self.cluster_n) != (1, 1):
+            parts.append(f"c{self.cluster_m}x{self.cluster_n}")
+        if self.epi_whole:
+            parts.append("ew")
+        if self.tail_split:
+            parts.append("ts")
+        return "_".join(parts)
+
+    def kernel(self) -> GroupedGemmSm90:
+        return GroupedGemmSm90(
+            ab_dtype=DTYPES[self.ab_dtype],
+            d_dtype=DTYPES[self.d_dtype],
+            b_major=self.b_major,  # type: ignore[arg-type]
+            form=self.form,  # type: ignore[arg-type]
+            schedule=self.schedule,  # type: ignore[arg-type]
+            visitor=self.visitor,  # type: ignore[arg-type]
+            tile_mn=(self.tile_m, self.tile_n),
+            ab_stages=self.stages,
+            trace=self.trace,
+            l2_hints=self.l2_hints,
+            epi_n=self.epi_n,
+            cluster_m=self.cluster_m,
+            cluster_n=self.cluster_n,
+            epi_whole=self.epi_whole,
+            tail_split=self.tail_split,
+        )
+
+
+def _fake(dtype, shape, leading_dim: int):
+    """A fake tensor whose `leading_dim` has unit stride and every other stride is a runtime
+    value that is a multiple of 16 bytes (the TMA rule kernels/support.py enforces)."""
+    align_elems = max(1, 128 // dtype.width)
+    stride = tuple(
+        1 if i == leading_dim else cute.sym_int64(divisibility=align_elems)
+        for i in range(len(shape))
+    )
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def fake_arguments(key: CompileKey) -> tuple:
+    ab = DTYPES[key.ab_dtype]
+    d = DTYPES[key.d_dtype]
+    rows, k, n = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    # w in torch order: general (K, N); varlen/batched (E|G, K, N). "k"-major = K contiguous.
+    if key.form == "general":
+        w = _fake(ab, (k, n), leading_dim=0 if key.b_major == "k" else 1)
+    else:
+        w = _fake(ab, (cute.sym_int(), k, n), leading_dim=1 if key.b_major == "k" else 2)
+    if key.form == "batched":
+        batch = cute.sym_int()
+        a = _fake(ab, (batch, rows, k), leading_dim=2)
+        out = _fake(d, (batch, rows, n), leading_dim=2)
+    else:
+        a = _fake(ab, (rows, k), leading_dim=1)
+        out = _fake(d, (rows, n), leading_dim=1)
+    g = cute.sym_int()
+    meta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (g, 8), stride_order=(1, 0))
+    meta32 = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g, 16), stride_order=(1, 0))
+    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),))
+    table = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 2), stride_order=(2, 1, 0)
+    )
+    workspace = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int64, (cute.sym_int(),), assumed_align=128
+    )
+    trace = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0)
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return (
+        a, w, out, meta, meta32, offs, table, workspace, trace,
+        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0), cutlass.Int64(0),
+        cutlass.Int32(1), cutlass.Int64(0), stream,
+    )
+
+
+def compile_variant(key: CompileKey, keep_dir: str | None = None):
+    """cute.compile the variant; with keep_dir, PTX and cubin are written there."""
+    options = "--enable-tvm-ffi --opt-level 3"
+    if keep_dir is not None:
+        os.makedirs(keep_dir, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    return cute.compile(key.kernel(), *fake_arguments(key), options=options)

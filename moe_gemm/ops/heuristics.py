@@ -1,0 +1,294 @@
+"""Pick a kernel configuration from problem shapes: pure functions, cached.
+
+Every choice a GemmConfig leaves at "auto" is decided here from host-known facts only (shapes
+known on the host, dtype, SM count), never from values on the GPU, so the MoE path stays free
+of host synchronisation. The numbers behind each rule are in AGENTS.md ("Measured facts").
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
+from moe_gemm.env import env_get, env_switch
+from moe_gemm.kernels.sm90.constants import TILE_K
+from moe_gemm.ops import schedule as sched
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    schedule: str  # "pingpong" | "cooperative"
+    visitor: str  # "device" | "host"
+    tile_m: int
+    tile_n: int
+    stages: int | None
+    sort_by_k: bool
+    swizzle: int  # m-tiles per raster panel (see schedule.tile_coord)
+    a_policy: int = 0  # L2 eviction priority of A / B loads, used when l2_hints is set
+    b_policy: int = 0
+    l2_hints: bool = False
+    epi_n: int = 32  # cooperative epilogue subtile width (compile-time)
+    cluster_m: int = 1  # CTAs per cluster along M (B multicast)
+    cluster_n: int = 1  # CTAs per cluster along N (A multicast)
+    epi_whole: bool = False  # whole-tile epilogue (compile-time)
+    tail_split: bool = False  # a short last wave split over K (kernels/constants.py)
+
+
+TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
+# Mainloops of at most this many k-tiles (K <= 1024 at TILE_K = 64) take the ping-pong schedule.
+SHORT_K_TILES = 16
+
+# TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
+L2_POLICY = {"normal": 0x1000000000000000, "first": 0x12F0000000000000,
+             "last": 0x14F0000000000000}
+
+
+def with_l2_hints(choice: KernelChoice) -> KernelChoice:
+    """L2 eviction hints on the TMA loads: off by default. Measured on an H200
+    (2026-11-21): the kernel without hints was as fast or faster on every suite shape, and
+    evict_first on operands that are re-read (mixtral's A, re-read by 56 n-tiles) made the
+    time bimodal (2.78 to 4.13 ms). MOE_GEMM_L2_HINTS="a,b" (first|normal|last) builds the
+    hinted variant, for tuning."""
+    env = env_get("MOE_GEMM_L2_HINTS")
+    if not env:
+        return choice
+    a, b = (v.strip() for v in env.split(","))
+    return replace(choice, a_policy=L2_POLICY[a], b_policy=L2_POLICY[b], l2_hints=True)
+
+
+def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
+    if schedule == "cooperative":
+        # 128x256: each A row feeds 256 columns, the least L2 traffic per FLOP.
+        return (128, 256) if n >= 256 else (128, 128)
+    # Ping-pong: each warpgroup owns a tile (tile_m * tile_n / 128 fp32 accumulators per
+    # thread: 192 at 128x192, the most that fits beside the epilogue's registers).
+    if avg_m <= 64 and n >= 256:
+        return (64, 256)
+    if avg_m > 64 and n >= 192:
+        # 128x192 over 128x128 wherever it was measured (H200, 2026-11-21, back-to-back):
+        # k-varying 122 us vs 136; varlen, E=8 N=14336 K=4096 at 128 rows/expert 313 vs 356,
+        # E=128 N=2048 K=768 at 256 rows/expert 213 vs 233, E=128 N=5760 K=2880 1349 vs 1422
+        # (benchmarks/results/tune/tune-user-shapes-2026-11-21.json).
+        return (128, 192)
+    return (128, 128)
+
+
+def choose_general(
+    config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int
+) -> KernelChoice:
+    """For grouped_gemm (sizes known on the host). Cached per problem set: a repeated call
+    with the same sizes costs one tuple hash (~1 us for 8 problems) instead of the rules and
+    the K-sort cost model (~30 us)."""
+    return with_l2_hints(_choose_general(config, sizes, num_sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_general(
+    config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int
+) -> KernelChoice:
+    # One pass over the problems (a new problem set every call comes here every call).
+    count = sum_m = sum_k_tiles = 0
+    max_n = None
+    for m, n, k in sizes:
+        if m > 0 and n > 0:
+            count += 1
+            sum_m += m
+            sum_k_tiles += -(-k // TILE_K)
+            max_n = n if max_n is None or n > max_n else max_n
+    avg_m = sum_m / max(1, count)
+    max_n = 128 if max_n is None else max_n
+    # H200, 2026-11-21, back-to-back (scripts/tune.py): long-K problems want cooperative
+    # 128x256 (uniform headline: 561 us vs pingpong 128x128 620); short mainloops want
+    # ping-pong, whose epilogue hides behind the other warpgroup's mainloop (k-varying,
+    # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
+    avg_k_tiles = sum_k_tiles / max(1, count)
+    schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
+    visitor = config.visitor if config.visitor != "auto" else "device"
+    cm, cn = _cluster_choice(config)
+    if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
+            and tile[1] == 256 and _pairs_fill(sizes, tile[0], tile[1])):
+        # 1x2, as for the batched form: the two CTAs of a cluster take adjacent n-tiles of one
+        # m-tile and multicast A. Uniform headline as 256 lists (H200s, 2026-11-21,
+        # interleaved, tune/tune-general-cluster-2026-11-21.json): 528 us vs 542 at 1x1 and
+        # torch.bmm 533 (two runs); on another machine 541 vs 543, bmm 545.
+        cm, cn = 1, 2
+    if cm * cn > 1:
+        visitor = "device"  # (GemmConfig refuses a pinned cluster with visitor="host")
+    if config.sort_by_k is None:
+        sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
+    else:
+        sort = config.sort_by_k
+    return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn)
+
+
+# A 1x2 cluster idles the second CTA of a pair wherever a problem has an odd n-tile count (it
+# loads its half of A for its peer and stores nothing): picked automatically only when such
+# idle tiles are at most this fraction of the work.
+PAIR_IDLE_MAX = 1 / 16
+
+
+def _pairs_fill(sizes: tuple[tuple[int, int, int], ...], tile_m: int, tile_n: int) -> bool:
+    """Whether n-tile pairs cover the set's tiles with little idle work (PAIR_IDLE_MAX)."""
+    work = idle = 0
+    for m, n, k in sizes:
+        if m > 0 and n > 0:
+            tiles_m, tiles_n = -(-m // tile_m), -(-n // tile_n)
+            k_tiles = max(1, -(-k // TILE_K))
+            work += tiles_m * tiles_n * k_tiles
+            idle += tiles_m * (tiles_n & 1) * k_tiles
+    return work > 0 and idle <= work * PAIR_IDLE_MAX
+
+
+@functools.lru_cache(maxsize=64)
+def _general_choice(schedule: str, visitor: str, tile_m: int, tile_n: int, stages: int | None,
+                    sort: bool, cluster_m: int = 1, cluster_n: int = 1) -> KernelChoice:
+    """One KernelChoice per distinct value: building the frozen dataclass (14 fields, each set
+    through object.__setattr__) took ~12 us on the CPU-only dev machine, paid on every new
+    problem set."""
+    return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, 8,
+                        cluster_m=cluster_m, cluster_n=cluster_n)
+
+
+def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: float
+                   ) -> tuple[str, tuple[int, int], int | None]:
+    """(schedule, tile, stages) for problems known on the host (general and batched forms)."""
+    if config.schedule != "auto":
+        schedule = config.schedule
+    else:
+        schedule = _fit_schedule("pingpong" if avg_k_tiles <= SHORT_K_TILES and max_n >= 192
+                                 else "cooperative", config)
+    if config.tile_m is not None:
+        tile = (config.tile_m, config.tile_n)
+        _check_tile(schedule, tile)
+    else:
+        tile = _pick_tile(schedule, avg_m, max_n)
+    stages = config.stages
+    if stages is None and schedule == "cooperative" and tile == (128, 256) and avg_k_tiles >= 64:
+        # Long K: 3 stages beat 4 (uniform 561 vs 568 us; moe-prefill 3189 vs 3256).
+        stages = 3
+    return schedule, tile, stages
+
+
+def choose_varlen(
+    config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int, out_itemsize: int = 2
+) -> KernelChoice:
+    """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only)."""
+    avg_m = T / max(1, E)
+    if config.schedule != "auto":
+        schedule = config.schedule
+    else:
+        # Cooperative 128x256 from 128 rows per expert up (moe-down, 256 rows/expert: 191 us
+        # vs pingpong 203; moe-prefill and mixtral likewise); below that a ping-pong tile
+        # (moe-decode, 4 rows/expert: pingpong 64x256 271 us vs cooperative 300).
+        schedule = "cooperative" if avg_m >= 128 and N >= 256 else "pingpong"
+        if schedule == "cooperative" and -(-K // TILE_K) <= SHORT_K_TILES and N >= 192:
+            # Short K: ping-pong hides each tile's epilogue behind the other warpgroup's
+            # mainloop, as for grouped_gemm's short problems. E=128, N=2048, K=768, 256
+            # rows/expert: pingpong 128x192 213 / 216 us vs cooperative 128x256 222 / 221 (two
+            # runs, H200, 2026-11-21); at K=1408 (moe-down) cooperative still wins, 191 vs 200.
+            schedule = "pingpong"
+        schedule = _fit_schedule(schedule, config)
+    if config.tile_m is not None:
+        tile = (config.tile_m, config.tile_n)
+        _check_tile(schedule, tile)
+    else:
+        tile = _pick_tile(schedule, avg_m, N)
+    visitor = config.visitor if config.visitor != "auto" else "device"
+    stages = config.stages
+    if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
+        stages = 3  # long K (see choose_general)
+    cm, cn = _cluster_choice(config)
+    if cm * cn > 1:
+        visitor = "device"
+    # Long K, 128x256, 16-bit output: the whole-tile epilogue (2 barrier syncs per tile, not
+    # 16; its 64 KiB of staging leaves 3 A/B stages, which long K uses anyway). H200,
+    # 2026-11-21, back-to-back: mixtral 2795 vs 2825 us (QuACK 2808), moe-prefill 2958 vs
+    # 2982; at K=1408 (moe-down) the lost 4th stage costs more: 189 vs 184, so not there.
+    epi_whole = (schedule == "cooperative" and tile == (128, 256) and K >= 4096
+                 and out_itemsize == 2 and config.stages in (None, 3))
+    if epi_whole:
+        stages = 3
+    # Raster panel (m-tiles per panel, see schedule.tile_coord): 16 for the same long-K case.
+    # A wider panel re-reads each expert's B from HBM fewer times (mixtral: 17 m-tiles per
+    # expert, B 117 MB each: 3 passes at 8, 2 at 16), which saves power, and under sustained
+    # load these shapes run at the 700 W cap. H200, 2026-11-21, each alone for ~1 s
+    # (scripts/isolation_probe.py): mixtral 2860-2887 us vs 2925-2934 at 8, moe-prefill 3091
+    # vs 3114; interleaved with other kernels (the bench) panels of 4-16 measured the same.
+    swizzle = 16 if epi_whole else 8
+    # Tail split (kernels/constants.py) for long K: when the last wave of tiles fills at most
+    # half the grid, two CTAs share each of its tiles, half of K each (mixtral: 7448 tiles of
+    # 128x256 on 132 SMs leave 56 in the last wave). Decided on the GPU per launch (the tile
+    # count lives there); where the tail is too full, nothing is split.
+    tail_split = (schedule == "cooperative" and visitor == "device" and cm * cn == 1
+                  and K >= 4096 and tail_split_enabled())
+    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False,
+                                      swizzle, cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
+                                      tail_split=tail_split))
+
+
+def tail_split_enabled() -> bool:
+    """MOE_GEMM_TAIL_SPLIT=0 turns the tail split off (grouped_mm's plan cache keys on it, as
+    on MOE_GEMM_L2_HINTS, so a change applies to the next call). Its finisher CTAs wait for
+    publisher CTAs of lower index, which relies on the persistent grid (at most one CTA per
+    SM) being resident at once, as on a GPU of one's own; switch it off where SMs are fenced
+    off below the device's count (e.g. an MPS active-thread limit)."""
+    return env_switch(TAIL_SPLIT_ENV)
+
+
+def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int
+                   ) -> KernelChoice:
+    """For grouped_mm's 3D x 3D form: the general rules for one (M, N, K) shared by all."""
+    return with_l2_hints(_choose_batched(config, G, M, N, K, num_sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int
+                    ) -> KernelChoice:
+    schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
+    # Tiles are found by division (every problem has the same count): the visitor and K-sort
+    # have nothing to decide here.
+    cm, cn = _cluster_choice(config)
+    if config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]:
+        # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
+        # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
+        # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (scripts/tune.py).
+        cm, cn = 1, 2
+    return KernelChoice(schedule, "device", tile[0], tile[1], stages, False, 8,
+                        cluster_m=cm, cluster_n=cn)
+
+
+def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
+    """(cluster_m, cluster_n): what the config pins, else 1x1 (AGENTS.md has the 2x1 / 1x2
+    measurements; the general and batched rules may then pick 1x2). GemmConfig refuses a
+    cluster with schedule="pingpong", and "auto" picks cooperative under a cluster, so the
+    schedule always fits."""
+    if config.cluster_m is None:
+        return 1, 1
+    return config.cluster_m, config.cluster_n or 1
+
+
+def _fit_schedule(schedule: str, config: GemmConfig) -> str:
+    """The rule's schedule (for schedule="auto"), fitted to what the config fixes: a given tile
+    built for one schedule only (e.g. 128x256 cooperative) selects it, and clusters are built
+    for the cooperative schedule (a ping-pong-only tile with a cluster then fails
+    _check_tile with the reason)."""
+    if config.tile_m is not None:
+        tile = (config.tile_m, config.tile_n)
+        if schedule == "pingpong" and tile not in PINGPONG_TILES:
+            schedule = "cooperative"
+        elif schedule == "cooperative" and tile not in COOPERATIVE_TILES:
+            schedule = "pingpong"
+    if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
+        schedule = "cooperative"
+    return schedule
+
+
+@functools.lru_cache(maxsize=64)
+def _check_tile(schedule: str, tile: tuple[int, int]) -> None:
+    allowed = PINGPONG_TILES if schedule == "pingpong" else COOPERATIVE_TILES
+    if tile not in allowed:
+        raise ValueError(
+            f"tile {tile[0]}x{tile[1]} is not built for schedule {schedule!r}; expected one of "
+            + ", ".join(f"{m}x{n}" for m, n in allowed)
+        )

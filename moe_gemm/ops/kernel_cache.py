@@ -1,0 +1,133 @@
+"""Compiled-kernel cache: in memory per process, and on disk across processes.
+
+A CuTe DSL compile of one GroupedGemmSm90 variant takes seconds; loading an exported object
+file takes about a millisecond. So a kernel is compiled once per compile key per machine:
+- memory: a dict keyed by the CompileKey;
+- disk: `<cache dir>/<fingerprint>/<key>.o`, written by `export_to_c` to a temporary file and
+  renamed into place (a killed process never leaves a truncated object), guarded by a per-key
+  file lock so parallel processes compile a key once.
+The fingerprint hashes the kernel sources and the DSL / TVM-FFI versions, so editing a kernel
+or upgrading the DSL never loads a stale object. Environment:
+  MOE_GEMM_CACHE_DIR   where objects live (default ~/.cache/moe_gemm)
+  MOE_GEMM_DISK_CACHE  0 disables the disk cache (memory cache only)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from moe_gemm.env import env_switch
+
+EXPORT_NAME = "moe_gemm_kernel"
+_KERNEL_DIR = Path(__file__).parents[1] / "kernels"
+
+_memory: dict[Any, Any] = {}
+# cute.compile is not thread-safe; one compile at a time per process.
+_compile_lock = threading.Lock()
+stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
+
+
+def disk_cache_enabled() -> bool:
+    return env_switch("MOE_GEMM_DISK_CACHE")
+
+
+def cache_root() -> Path:
+    root = os.environ.get("MOE_GEMM_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "moe_gemm"
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """Hash of every kernel source file plus the DSL and TVM-FFI versions."""
+    h = hashlib.sha256()
+    for src in sorted(_KERNEL_DIR.rglob("*.py")):
+        h.update(str(src.relative_to(_KERNEL_DIR)).encode())
+        h.update(src.read_bytes())
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            from importlib.metadata import version
+
+            h.update(f"{dist}={version(dist)}".encode())
+        except Exception:  # noqa: BLE001 - a missing dist just changes the hash
+            h.update(f"{dist}=?".encode())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load(path: Path) -> Any:
+    import cutlass.cute as cute
+
+    module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    return module[EXPORT_NAME]
+
+
+def get_or_compile(key: Any, name: str | Callable[[], str], compile_fn: Callable[[], Any]
+                   ) -> Any:
+    """The compiled kernel for `key` (name: a filesystem-safe rendering of key, or a function
+    that renders it, called on a memory miss only: CompileKey.name() took ~75 us on the
+    CPU-only dev machine, paid by every grouped_mm plan built for a new signature)."""
+    fn = _memory.get(key)
+    if fn is not None:
+        stats["memory_hits"] += 1
+        return fn
+    with _compile_lock:
+        fn = _memory.get(key)
+        if fn is not None:
+            return fn
+        if not disk_cache_enabled():
+            stats["compiles"] += 1
+            fn = compile_fn()
+            _memory[key] = fn
+            return fn
+        if callable(name):
+            name = name()
+        directory = cache_root() / fingerprint()
+        obj = directory / f"{name}.o"
+        with _file_lock(directory / f"{name}.lock"):
+            if obj.exists():
+                try:
+                    fn = _load(obj)
+                    stats["disk_hits"] += 1
+                except Exception as exc:  # noqa: BLE001 - a bad object is a miss
+                    warnings.warn(f"moe_gemm cache: reloading {obj} failed ({exc}); recompiling",
+                                  RuntimeWarning, stacklevel=2)
+                    obj.unlink(missing_ok=True)
+                    fn = None
+            if fn is None:
+                stats["compiles"] += 1
+                fn = compile_fn()
+                tmp = obj.with_suffix(f".o.tmp{os.getpid()}")
+                try:
+                    fn.export_to_c(object_file_path=str(tmp), function_name=EXPORT_NAME)
+                    os.replace(tmp, obj)
+                except Exception as exc:  # noqa: BLE001 - export is an optimisation
+                    tmp.unlink(missing_ok=True)
+                    warnings.warn(f"moe_gemm cache: could not write {obj} ({exc})",
+                                  RuntimeWarning, stacklevel=2)
+        _memory[key] = fn
+        return fn
+
+
+def clear_memory() -> None:
+    """Forgets the loaded kernels (kernels/host_sm90._kernel_for keeps its own per-choice
+    memo of those already looked up: they stay valid)."""
+    _memory.clear()

@@ -1,0 +1,148 @@
+"""The torch backend: both ops in plain torch, on the CPU and on any CUDA GPU.
+
+Two kinds of function live here:
+- `grouped_gemm_torch` / `grouped_mm_torch`: the production fallback that `backend="auto"`
+  uses wherever the Hopper kernels cannot run. fp32 accumulation, output in the requested
+  dtype; bmm for uniform groups on CUDA, torch's grouped_mm where it applies, a loop otherwise.
+- `grouped_gemm_ref` / `grouped_mm_ref`: float32 (or float64) references for tests, as simple
+  as possible so that they are obviously right.
+
+Both assume arguments already checked by `moe_gemm.validation`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_gemm.ops.validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
+
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with fp32 accumulation, result in out_dtype."""
+    if a.device.type == "cuda":
+        # cuBLAS accumulates bf16/fp16 products in fp32; fp32 inputs stay fp32 (no TF32 here
+        # unless the user turned it on globally).
+        if out_dtype == a.dtype:
+            return torch.mm(a, b)
+        if a.dtype != torch.float32 and out_dtype == torch.float32:
+            try:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            except (RuntimeError, TypeError):
+                pass
+        return torch.mm(a.float(), b.float()).to(out_dtype)
+    # CPU: compute in fp32 explicitly so every dtype gets fp32 accumulation.
+    if a.dtype == torch.float32:
+        r = torch.mm(a, b)
+    else:
+        r = torch.mm(a.float(), b.float())
+    return r if out_dtype == torch.float32 else r.to(out_dtype)
+
+
+def grouped_gemm_torch(args: GroupedGemmArgs) -> list[torch.Tensor]:
+    """D_i = A_i @ B_i for every problem, written into args.out when given."""
+    a, b, odt = args.a, args.b, args.out_dtype
+    sizes = args.sizes
+    uniform = len(a) > 1 and all(s == sizes[0] for s in sizes) and min(sizes[0]) > 0
+    if uniform and args.device.type == "cuda" and odt == args.dtype:
+        d = torch.bmm(torch.stack(a), torch.stack(b))
+        results = list(d.unbind(0))
+    else:
+        results = [_mm(ai, bi, odt) for ai, bi in zip(a, b)]
+    if args.out is None:
+        return results
+    for o, r in zip(args.out, results):
+        o.copy_(r)
+    return list(args.out)
+
+
+def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
+    """torch's own grouped_mm: CUDA, bf16, sm80+, 16-byte aligned strides."""
+    if not _HAS_GROUPED_MM or args.x.device.type != "cuda" or args.dtype != torch.bfloat16:
+        return False
+    if args.out_dtype != torch.bfloat16:
+        # torch's CUDA grouped_mm requires out dtype == input dtype (it rejects bf16 -> fp32).
+        return False
+    if torch.cuda.get_device_capability(args.x.device) < (8, 0):
+        return False
+
+    def aligned(t: torch.Tensor) -> bool:
+        # One unit stride and the other a 16-byte multiple; torch rejects a 0 stride (an
+        # expanded dim), which the loop below handles like any other view.
+        s, n = t.stride()[-2:], t.shape[-2:]
+        return ((s[-1] == 1 and s[-2] % 8 == 0 and (s[-2] > 0 or n[-2] <= 1))
+                or (s[-2] == 1 and s[-1] % 8 == 0 and (s[-1] > 0 or n[-1] <= 1)))
+
+    return aligned(args.x) and aligned(args.w) and args.x.data_ptr() % 16 == 0
+
+
+def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]; rows past offs[-1] are zero (or untouched in out)."""
+    x, w, offs = args.x, args.w, args.offs
+    T, N = args.T, args.N
+    if args.E == 0 or T == 0:
+        if args.out is not None:
+            return args.out
+        return torch.zeros(T, N, dtype=args.out_dtype, device=x.device)
+    if _grouped_mm_native_ok(args):
+        # No host sync: torch's kernel reads offs on the GPU.
+        y = F.grouped_mm(x, w, offs=offs, out_dtype=args.out_dtype)
+        tail = torch.arange(T, device=x.device) >= offs[-1].clamp(0, T)
+        if args.out is not None:
+            args.out.copy_(torch.where(tail[:, None], args.out, y))
+            return args.out
+        return y.masked_fill_(tail[:, None], 0)
+    bounds = offs.detach().to("cpu", torch.int64).clamp(0, T).tolist()
+    y = args.out if args.out is not None else torch.zeros(T, N, dtype=args.out_dtype,
+                                                          device=x.device)
+    start = 0
+    for e, end in enumerate(bounds):
+        end = max(end, start)  # a decreasing entry (unchecked on the GPU) is an empty expert
+        if end > start:
+            y[start:end] = _mm(x[start:end], w[e], args.out_dtype)
+        start = end
+    return y
+
+
+def grouped_bmm_torch(args: GroupedBmmArgs) -> torch.Tensor:
+    """out[g] = x[g] @ w[g] with fp32 accumulation (cuBLAS bmm on CUDA), written into out."""
+    x, w, odt = args.x, args.w, args.out_dtype
+    if x.device.type == "cuda" and odt == x.dtype:
+        r = torch.bmm(x, w)
+    elif x.device.type == "cuda" and x.dtype != torch.float32 and odt == torch.float32:
+        try:
+            r = torch.bmm(x, w, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            r = torch.bmm(x.float(), w.float())
+    else:
+        r = torch.bmm(x.float(), w.float()).to(odt)
+    if args.out is None:
+        return r
+    return args.out.copy_(r)
+
+
+# ---------------------------------------------------------------------------------------------
+# References for tests: float32 (default) or float64, no shortcuts.
+
+
+def grouped_gemm_ref(
+    a: list[torch.Tensor], b: list[torch.Tensor], dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """[A_i @ B_i] computed in `dtype` (float32 or float64)."""
+    return [ai.to(dtype) @ bi.to(dtype) for ai, bi in zip(a, b)]
+
+
+def grouped_mm_ref(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(T, N) in `dtype`; rows of expert e are x[rows] @ w[e]; rows past offs[-1] are zero."""
+    T, N = x.shape[0], w.shape[2]
+    y = torch.zeros(T, N, dtype=dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(offs.to("cpu", torch.int64).tolist()):
+        if end > start:
+            y[start:end] = x[start:end].to(dtype) @ w[e].to(dtype)
+        start = max(start, end)
+    return y

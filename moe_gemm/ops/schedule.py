@@ -1,0 +1,312 @@
+"""The tile schedule: which CTA computes which output tile of which problem.
+
+This module is the single source of truth for the persistent kernels' work assignment, in
+plain Python/numpy so it runs (and is tested) anywhere:
+
+- A problem (M, N, K) is cut into ceil(M/tile_m) x ceil(N/tile_n) output tiles; each tile runs
+  ceil(K/tile_k) k-iterations (K = 0 still has tiles: they store zeros). M = 0 or N = 0 gives
+  no tiles.
+- Problems are laid end to end (optionally in K-descending order, `ksort_permutation`) and
+  their tiles numbered 0..total-1. CTA c of a grid of G takes linear tiles c, c+G, c+2G, ...
+  (round robin, as CUTLASS's grouped schedulers do). In the ping-pong kernel the CTA's two
+  consumer warpgroups take its tiles alternately.
+- Inside a problem, `tile_coord` rasterizes a tile index to (m_tile, n_tile): M fastest within
+  panels of `swizzle` m-tiles, so consecutive tiles share B's columns (B, the expert weights,
+  is most of the bytes) and a panel's A rows stay in L2.
+- Two visitors find (problem, tile) for a linear tile index: `device_visit` emulates exactly
+  the warp-wide search the kernel runs on the GPU (CUTLASS kDeviceOnly: a window of 32 problem
+  sizes, an inclusive prefix sum by shuffles, a ballot, forward only), and
+  `host_precompute_table` builds the per-CTA table of (problem_idx, problem_start_tile) that
+  the host visitor uploads (CUTLASS kHostPrecompute). Both must assign identically.
+- `cost_model` gives each CTA's work in k-iterations and the makespan, which decides K-sort.
+- Tail split (cooperative varlen/batched kernels for long K, `tail_split_assignment`): when
+  the last wave holds rem <= G/2 tiles, its units full+j (full = the tiles of the whole
+  waves) are half tiles: tile full + j mod rem over the lower half of K for j < rem (CTA j
+  publishes an fp32 partial) and the upper half for j >= rem (CTA j adds it and stores).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_gemm.kernels.sm90.constants import SPLIT_MAX_CTAS, SPLIT_MIN_K_TILES
+
+Size = tuple[int, int, int]  # (M, N, K)
+WARP = 32
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tiles_per_problem(sizes: Sequence[Size], tile_m: int, tile_n: int) -> list[int]:
+    """Output tiles of each problem: ceil(M/tile_m) * ceil(N/tile_n) (0 if M or N is 0)."""
+    return [-(-m // tile_m) * -(-n // tile_n) for m, n, _ in sizes]  # inline: once per new set
+
+
+def k_tiles(k: int, tile_k: int) -> int:
+    """k-iterations of one output tile of a problem with this K."""
+    return ceil_div(k, tile_k)
+
+
+def tile_coord(
+    t: int, tiles_m: int, tiles_n: int, swizzle: int = 1 << 30
+) -> tuple[int, int]:
+    """(m_tile, n_tile) of tile `t` (0 <= t < tiles_m * tiles_n) inside one problem.
+
+    Tiles go M fastest inside panels of `swizzle` m-tiles, panel after panel; the last
+    panel may be shorter. With swizzle >= tiles_m this is plain column-major (M fastest).
+    """
+    if not 0 <= t < tiles_m * tiles_n:
+        raise ValueError(f"tile {t} outside a {tiles_m}x{tiles_n} problem")
+    s = max(1, min(swizzle, tiles_m))
+    panel_tiles = s * tiles_n
+    panel, r = divmod(t, panel_tiles)
+    rows = min(s, tiles_m - panel * s)
+    return panel * s + r % rows, r // rows
+
+
+def ksort_permutation(sizes: Sequence[Size]) -> list[int]:
+    """Problem order by K descending; stable, so equal K keep their given order."""
+    return sorted(range(len(sizes)), key=lambda i: -sizes[i][2])
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Per CTA, the (problem, tile_in_problem) it computes, in order."""
+
+    per_cta: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def num_ctas(self) -> int:
+        return len(self.per_cta)
+
+
+def linear_assignment(tile_counts: Sequence[int], num_ctas: int) -> Assignment:
+    """The assignment by definition: linear tile t goes to CTA t % num_ctas."""
+    owners: list[list[tuple[int, int]]] = [[] for _ in range(num_ctas)]
+    t = 0
+    for p, count in enumerate(tile_counts):
+        for j in range(count):
+            owners[t % num_ctas].append((p, j))
+            t += 1
+    return Assignment(tuple(tuple(o) for o in owners))
+
+
+# ---------------------------------------------------------------------------------------------
+# Device visitor (kDeviceOnly), emulated lane by lane.
+
+
+@dataclass
+class DeviceVisitorState:
+    """What the kernel's scheduler warp keeps between searches (forward only)."""
+
+    base_problem: int = 0  # first problem of the window
+    base_tile: int = 0  # linear index of base_problem's first tile
+    windows_loaded: int = 0  # statistics: 32-problem windows read from GPU memory
+
+
+def device_next(
+    state: DeviceVisitorState, t: int, tile_counts: Sequence[int]
+) -> tuple[int, int] | None:
+    """(problem, problem_start_tile) of linear tile t, or None past the last tile.
+
+    The kernel's algorithm, step for step: lane i loads problem base+i's tile count (0 past
+    the last problem), an inclusive warp prefix sum gives each lane's end tile; if t is below
+    the window's end, popc(ballot(end <= t)) is the hit lane, else the window moves 32
+    problems on. The window then restarts at the hit problem, so the next search (t grows
+    by the grid size) usually finds its tile in the first window.
+    """
+    G = len(tile_counts)
+    while True:
+        state.windows_loaded += 1
+        counts = [
+            tile_counts[state.base_problem + lane] if state.base_problem + lane < G else 0
+            for lane in range(WARP)
+        ]
+        incl = list(np.cumsum(counts))  # the 5-step shuffle-up scan
+        ends = [state.base_tile + int(v) for v in incl]
+        window_end = ends[WARP - 1]
+        if t < window_end:
+            hit = sum(1 for e in ends if e <= t)  # popc(ballot(end <= t))
+            start = ends[hit] - counts[hit]
+            state.base_problem += hit
+            state.base_tile = start
+            return state.base_problem, start
+        if state.base_problem + WARP >= G:
+            return None
+        state.base_problem += WARP
+        state.base_tile = window_end
+
+
+def device_visit(tile_counts: Sequence[int], num_ctas: int) -> Assignment:
+    """The whole grid's assignment as the device visitor computes it."""
+    owners = []
+    for c in range(num_ctas):
+        state = DeviceVisitorState()
+        mine = []
+        t = c
+        while (hit := device_next(state, t, tile_counts)) is not None:
+            problem, start = hit
+            mine.append((problem, t - start))
+            t += num_ctas
+        owners.append(tuple(mine))
+    return Assignment(tuple(owners))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tail split.
+
+
+def tail_split_units(total: int, num_ctas: int) -> tuple[int, int] | None:
+    """(full, rem) when the kernel splits the last wave of `total` tiles on `num_ctas` CTAs:
+    full = the tiles of the whole waves, rem = the last wave's tiles, 0 < 2 * rem <= num_ctas.
+    None where it does not split (no partial wave, or one more than half full)."""
+    full = total // num_ctas * num_ctas
+    rem = total - full
+    if rem > 0 and 2 * rem <= num_ctas <= SPLIT_MAX_CTAS:
+        return full, rem
+    return None
+
+
+def tail_split_assignment(
+    tile_counts: Sequence[int], k_tiles: Sequence[int], num_ctas: int
+) -> Assignment:
+    """Per CTA, the (problem, tile_in_problem) whose results it stores, in order, for a
+    tail-split kernel (what its trace records). A split tile is stored by its finisher, CTA
+    rem + i; a last-wave tile with fewer than SPLIT_MIN_K_TILES k-tiles is not split and CTA
+    i computes it whole, as without the split."""
+    counts = list(tile_counts)
+    total = sum(counts)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    owners: list[list[tuple[int, int]]] = [[] for _ in range(num_ctas)]
+    split = tail_split_units(total, num_ctas)
+    full, rem = split if split is not None else (total, 0)
+    for c in range(num_ctas):
+        t = c
+        while True:
+            part = 0
+            lin = t
+            if split is not None and t >= full:
+                j = t - full
+                if j >= 2 * rem:
+                    break
+                part, lin = (1, full + j) if j < rem else (2, full + j - rem)
+            elif t >= total:
+                break
+            # The last problem starting at or before lin (empty ones share the next's start).
+            p = int(np.searchsorted(starts, lin, side="right")) - 1
+            whole = k_tiles[p] < SPLIT_MIN_K_TILES
+            if part == 0 or (part == 2) != whole:
+                owners[c].append((p, lin - int(starts[p])))
+            t += num_ctas
+    return Assignment(tuple(tuple(o) for o in owners))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host visitor (kHostPrecompute).
+
+
+def host_precompute_table(tile_counts: Sequence[int], num_ctas: int) -> np.ndarray:
+    """(num_ctas, entries, 2) int32: slot s of CTA c holds linear tile s*num_ctas + c as
+    (problem_idx, problem_start_tile); slots past the last tile hold (-1, -1).
+
+    entries = ceil(total_tiles / num_ctas) (at least 1, so the table is never empty).
+    """
+    counts = np.asarray(tile_counts, dtype=np.int64)
+    total = int(counts.sum())
+    entries = max(1, ceil_div(total, num_ctas))
+    table = np.full((num_ctas, entries, 2), -1, dtype=np.int32)
+    if total:
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        problem_of_tile = np.repeat(np.arange(len(counts)), counts)
+        t = np.arange(total)
+        table[t % num_ctas, t // num_ctas, 0] = problem_of_tile
+        table[t % num_ctas, t // num_ctas, 1] = starts[problem_of_tile]
+    return table
+
+
+def table_assignment(table: np.ndarray, tile_counts: Sequence[int]) -> Assignment:
+    """Read a host table back the way the kernel does: slot by slot until a -1 entry."""
+    num_ctas, entries, _ = table.shape
+    owners = []
+    for c in range(num_ctas):
+        mine = []
+        for s in range(entries):
+            problem, start = int(table[c, s, 0]), int(table[c, s, 1])
+            if problem < 0:
+                break
+            mine.append((problem, s * num_ctas + c - start))
+        owners.append(tuple(mine))
+    return Assignment(tuple(owners))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model and K-sort.
+
+
+@dataclass(frozen=True)
+class Cost:
+    per_cta: np.ndarray  # k-iterations (plus per-tile overhead) per CTA
+    makespan: float  # the busiest CTA's work
+    mean: float  # ideal balanced work per CTA
+
+    @property
+    def efficiency(self) -> float:
+        """mean / makespan: 1.0 is perfect balance."""
+        return self.mean / self.makespan if self.makespan else 1.0
+
+
+def cost_model(
+    sizes: Sequence[Size],
+    tile_m: int,
+    tile_n: int,
+    tile_k: int,
+    num_ctas: int,
+    order: Sequence[int] | None = None,
+    per_tile_overhead: float = 0.0,
+) -> Cost:
+    """Each CTA's work in k-iterations under round-robin assignment of `order`'s tiles.
+
+    per_tile_overhead adds a fixed cost (in k-iteration units) per tile, e.g. the epilogue.
+    """
+    idx = list(range(len(sizes))) if order is None else list(order)
+    ordered = [sizes[i] for i in idx]
+    counts = np.asarray(tiles_per_problem(ordered, tile_m, tile_n), dtype=np.int64)
+    work = np.asarray([k_tiles(k, tile_k) for _, _, k in ordered], dtype=np.float64)
+    work = work + per_tile_overhead
+    total = int(counts.sum())
+    if total == 0:
+        return Cost(np.zeros(num_ctas), 0.0, 0.0)
+    tile_work = np.repeat(work, counts)
+    per_cta = np.bincount(np.arange(total) % num_ctas, weights=tile_work, minlength=num_ctas)
+    return Cost(per_cta, float(per_cta.max()), float(tile_work.sum() / num_ctas))
+
+
+def should_sort_by_k(
+    sizes: Sequence[Size], tile_m: int, tile_n: int, tile_k: int, num_ctas: int
+) -> bool:
+    """K-sort when the cost model says it shortens the makespan by more than 2%."""
+    if len({s[2] for s in sizes}) <= 1:
+        return False  # one K (every MoE layer): no order to gain, and no key to build
+    key = tuple((int(m), int(n), int(k)) for m, n, k in sizes)  # lists, numpy rows: hashable
+    return _should_sort_by_k(key, tile_m, tile_n, tile_k, num_ctas)
+
+
+@functools.lru_cache(maxsize=256)
+def _should_sort_by_k(
+    sizes: tuple[Size, ...], tile_m: int, tile_n: int, tile_k: int, num_ctas: int
+) -> bool:
+    ks = {k for _, _, k in sizes}
+    if len(ks) <= 1:
+        return False
+    base = cost_model(sizes, tile_m, tile_n, tile_k, num_ctas)
+    perm = ksort_permutation(sizes)
+    if perm == list(range(len(sizes))):
+        return False
+    better = cost_model(sizes, tile_m, tile_n, tile_k, num_ctas, perm)
+    return better.makespan < 0.98 * base.makespan

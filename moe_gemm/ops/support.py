@@ -1,0 +1,312 @@
+"""What the sm90 kernels can take, decided from shapes, strides and dtypes alone.
+
+Pure torch (no CuTe import), so `backend="auto"` can decide on any machine. The rules come
+from the hardware: TMA descriptors need a 16-byte aligned base address and 16-byte multiples
+for every stride but the unit one; WGMMA takes 16-bit inputs from shared memory (bf16, fp16).
+Returns None when the kernel can run, else a sentence naming the first reason it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.ops.validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
+
+KERNEL_IN_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TMA_ALIGN_BYTES = 16
+# Per-problem TMA descriptors live in a (G, 3, 128 B) workspace and the device visitor scans
+# problem sizes 32 at a time; 65,535 keeps every index comfortably in Int32 arithmetic.
+MAX_PROBLEMS = 65535
+# Largest M, N or K of one problem: the metadata packs M | N << 32 and the kernel's K is Int32.
+MAX_DIM = 2**31 - 1
+# Tensor types grouped_gemm's fast scans take (a Parameter is a plain tensor with a flag; other
+# subclasses may not own plain memory: FakeTensor, DTensor, ...).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def operand_major(t: torch.Tensor) -> str | None:
+    """'row' if the last dim has unit stride, 'col' if the one before it does, else None."""
+    if t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return "row"
+    if t.shape[-2] <= 1 or t.stride(-2) == 1:
+        return "col"
+    return None
+
+
+def tma_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why `t` (2-D or 3-D) cannot be a TMA operand, or None."""
+    if t.numel() == 0:
+        return None
+    elem = t.element_size()
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        return f"{name}'s data pointer is not {TMA_ALIGN_BYTES}-byte aligned"
+    major = operand_major(t)
+    if major is None:
+        return f"{name} has no unit-stride dimension among its last two (strides {t.stride()})"
+    unit_dim = t.dim() - 1 if major == "row" else t.dim() - 2
+    for d in range(t.dim()):
+        if d == unit_dim or t.shape[d] == 1:
+            continue
+        if (t.stride(d) * elem) % TMA_ALIGN_BYTES:
+            return (
+                f"{name} stride {t.stride(d)} (dim {d}) is not a multiple of "
+                f"{TMA_ALIGN_BYTES // elem} elements ({TMA_ALIGN_BYTES} bytes), as TMA needs"
+            )
+    return None
+
+
+def _neg_problem(names: str, *tensors: torch.Tensor) -> str | None:
+    if any(t.is_neg() for t in tensors):
+        return (f"{names} is a lazily negated view (the kernel reads memory, not the sign bit; "
+                "call .resolve_neg())")
+    return None
+
+
+def _dtype_problem(dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
+    if dtype not in KERNEL_IN_DTYPES:
+        return f"the kernels take bf16 or fp16 inputs, not {dtype}"
+    if out_dtype not in KERNEL_OUT_DTYPES:
+        return f"the kernels write bf16, fp16 or fp32, not {out_dtype}"
+    return None
+
+
+def _out_row_problem(name: str, n: int, out_dtype: torch.dtype) -> str | None:
+    elem = out_dtype.itemsize
+    if (n * elem) % TMA_ALIGN_BYTES:
+        return (
+            f"{name} rows of {n} {out_dtype} elements are not a multiple of {TMA_ALIGN_BYTES} "
+            "bytes, as the TMA store needs"
+        )
+    return None
+
+
+@dataclass
+class GeneralLayout:
+    """What the host wrapper needs per problem, gathered in the same pass that checks it."""
+
+    a_ptr: list[int]
+    a_ld: list[int]
+    b_ptr: list[int]
+    b_ld: list[int]
+    b_major: str  # "k" (B stored (N, K), K contiguous) or "n"; the majority of the problems
+    b_fix: list[int]  # problems whose B has the other major (copied by the host wrapper)
+
+
+def analyze_general(args: GroupedGemmArgs) -> GeneralLayout | str:
+    """GeneralLayout when the kernel can take the problem set, else the first reason not.
+
+    One pass over the problems, reading each tensor's strides and data pointer once: this
+    runs per call, for hundreds of problems.
+    """
+    why = _dtype_problem(args.dtype, args.out_dtype)
+    if why:
+        return why
+    G = len(args.a)
+    if G > MAX_PROBLEMS:
+        return f"{G} problems exceed the kernel's {MAX_PROBLEMS}"
+    elem = args.a[0].element_size()
+    align = TMA_ALIGN_BYTES // elem
+    out_elem = args.out_dtype.itemsize
+    a_ptr, a_ld, b_ptr, b_ld, majors = [0] * G, [0] * G, [0] * G, [0] * G, [""] * G
+    for i, ((M, N, K), a, b) in enumerate(zip(args.sizes, args.a, args.b)):
+        if M == 0 or N == 0:
+            continue  # no tiles: never touched by the kernel
+        if args.out is None and (N * out_elem) % TMA_ALIGN_BYTES:
+            return _out_row_problem(f"out[{i}]", N, args.out_dtype)
+        if K == 0:
+            continue  # A and B are never loaded: the tile stores zeros
+        if neg := _neg_problem(f"a[{i}] or b[{i}]", a, b):
+            return neg
+        sa = a.stride()
+        if sa[1] != 1 and K > 1:
+            return f"a[{i}] must be row-major (K contiguous) for the kernel"
+        pa = a.data_ptr()
+        if pa % TMA_ALIGN_BYTES or (M > 1 and sa[0] % align):
+            return tma_problem(f"a[{i}]", a) or f"a[{i}] is not TMA-aligned"
+        sb = b.stride()
+        pb = b.data_ptr()
+        # ld strides the dimension that is not contiguous (K for N-major, N for K-major):
+        # TMA needs it 16-byte aligned wherever that dimension has more than one element.
+        if sb[1] == 1 or N == 1:  # (K, N) row-major: N contiguous
+            majors[i], ld, strided = "n", sb[0], K
+        elif sb[0] == 1 or K == 1:  # w.T of an (N, K) weight: K contiguous
+            majors[i], ld, strided = "k", sb[1], N
+        else:
+            return f"b[{i}] has no unit-stride dimension (strides {tuple(sb)})"
+        if pb % TMA_ALIGN_BYTES or (ld % align and strided > 1):
+            return tma_problem(f"b[{i}]", b) or f"b[{i}] is not TMA-aligned"
+        a_ptr[i], a_ld[i], b_ptr[i], b_ld[i] = pa, sa[0], pb, ld
+    if args.out is not None:
+        for i, ((M, N, _), o) in enumerate(zip(args.sizes, args.out)):
+            if M == 0 or N == 0:
+                continue
+            so = o.stride()
+            if so[1] != 1 and N > 1:
+                return f"out[{i}] must have unit stride along N"
+            if o.data_ptr() % TMA_ALIGN_BYTES or (M > 1 and (so[0] * out_elem) % TMA_ALIGN_BYTES):
+                return tma_problem(f"out[{i}]", o) or f"out[{i}] is not TMA-aligned"
+    k_count = majors.count("k")
+    b_major = "k" if k_count > majors.count("n") else "n"
+    other = "n" if b_major == "k" else "k"
+    b_fix = [i for i, m in enumerate(majors) if m == other]
+    return GeneralLayout(a_ptr, a_ld, b_ptr, b_ld, b_major, b_fix)
+
+
+def grouped_gemm_unsupported(args: GroupedGemmArgs) -> str | None:
+    res = analyze_general(args)
+    return res if isinstance(res, str) else None
+
+
+def grouped_mm_unsupported(args: GroupedMmArgs, config: GemmConfig) -> str | None:
+    why = _dtype_problem(args.dtype, args.out_dtype)
+    if why:
+        return why
+    if args.E > MAX_PROBLEMS:
+        return f"{args.E} experts exceed the kernel's {MAX_PROBLEMS}"
+    if args.T == 0 or args.E == 0 or args.N == 0:
+        return None
+    if args.K > 0:
+        why = _neg_problem("x or w", args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
+        if why:
+            return why
+        if operand_major(args.x) != "row":
+            return "x must be row-major (K contiguous) for the kernel"
+    if args.out is not None:
+        if args.out.stride(-1) != 1 and args.N > 1:
+            return "out must have unit stride along N"
+        return tma_problem("out", args.out)
+    return _out_row_problem("out", args.N, args.out_dtype)
+
+
+# The batched form's linear tile index (problem * tiles per problem + tile) is Int32 on the GPU.
+MAX_BATCHED_TILES = 2**31 - 1
+
+
+def grouped_bmm_unsupported(args: GroupedBmmArgs, config: GemmConfig) -> str | None:
+    why = _dtype_problem(args.dtype, args.out_dtype)
+    if why:
+        return why
+    G, M, N, K = args.G, args.M, args.N, args.K
+    if G == 0 or M == 0 or N == 0:
+        return None  # nothing to launch
+    # Smallest tile any schedule uses is 64 x 64: the most tiles one launch can have.
+    if G * -(-M // 64) * -(-N // 64) > MAX_BATCHED_TILES:
+        return f"{G} problems of {M}x{N} exceed the kernel's {MAX_BATCHED_TILES} tiles"
+    if K > 0:
+        if args.x.stride(2) != 1 and K > 1:
+            return "x must be row-major (K contiguous) for the kernel"
+        why = _neg_problem("x or w", args.x, args.w) or tma_problem("x", args.x) or tma_problem("w", args.w)
+        if why:
+            return why
+    if args.out is not None:
+        if args.out.stride(2) != 1 and N > 1:
+            return "out must have unit stride along N"
+        return tma_problem("out", args.out)
+    return _out_row_problem("out", N, args.out_dtype)
+
+
+def tma_view(t: torch.Tensor, unit_dim: int) -> torch.Tensor:
+    """`t` with every size-1 dimension given a 16-byte-multiple stride (a view, no copy).
+
+    A size-1 dimension's stride is never used to address memory, but torch leaves whatever
+    the producing op left there (e.g. K for a (G, 1, K) slice with odd K), and the compiled
+    kernel and the TMA descriptor require 16-byte multiples for every non-unit stride.
+    """
+    elem = t.element_size()
+    align = TMA_ALIGN_BYTES // elem
+    strides = list(t.stride())
+    changed = False
+    for d, size in enumerate(t.shape):
+        if size == 1 and d != unit_dim and strides[d] % align:
+            reach = max((s * n for s, n in zip(strides, t.shape) if n > 1), default=1)
+            strides[d] = -(-max(reach, 1) // align) * align
+            changed = True
+    if unit_dim >= 0 and t.shape[unit_dim] == 1 and strides[unit_dim] != 1:
+        strides[unit_dim] = 1
+        changed = True
+    return t.as_strided(t.shape, strides) if changed else t
+
+
+def fast_general(a: object, b: object, out_dtype: torch.dtype | None, *,
+                 require_cuda: bool = True) -> tuple[GroupedGemmArgs, GeneralLayout] | None:
+    """grouped_gemm's per-call check and layout analysis in one pass, for the common case:
+    lists of plain CUDA tensors, one dtype and device, no `out`, every operand TMA-ready.
+
+    Returns None at the first thing outside that case (the caller then takes the detailed
+    path, which raises or falls back with the exact message), so this never decides an error.
+    One loop reading each tensor's type, dtype, device index, shape, strides and pointer once:
+    the two separate passes (validation.check_grouped_gemm, analyze_general) cost about twice
+    as much host time per problem. (require_cuda=False lets the CPU tests compare it with the
+    detailed path.)
+    """
+    if type(a) not in (list, tuple) or type(b) not in (list, tuple) or len(a) != len(b):
+        return None
+    G = len(a)
+    if G == 0 or G > MAX_PROBLEMS:
+        return None
+    a0 = a[0]
+    if type(a0) not in PLAIN_TENSORS or (require_cuda and not a0.is_cuda):
+        return None
+    dtype = a0.dtype
+    if dtype not in KERNEL_IN_DTYPES:
+        return None
+    odt = dtype if out_dtype is None else out_dtype
+    if odt not in KERNEL_OUT_DTYPES:
+        return None
+    dev = a0.get_device()
+    align = TMA_ALIGN_BYTES // dtype.itemsize
+    out_align = TMA_ALIGN_BYTES // odt.itemsize
+    plain = PLAIN_TENSORS
+    sizes = [(0, 0, 0)] * G
+    a_ptr, a_ld, b_ptr, b_ld, majors = [0] * G, [0] * G, [0] * G, [0] * G, [""] * G
+    for i in range(G):
+        ai = a[i]
+        bi = b[i]
+        if type(ai) not in plain or type(bi) not in plain:
+            return None
+        if ai.dtype is not dtype or bi.dtype is not dtype:
+            return None
+        if ai.get_device() != dev or bi.get_device() != dev:
+            return None
+        try:
+            M, K = ai.shape
+            Kb, N = bi.shape
+        except ValueError:  # not 2-D
+            return None
+        if K != Kb or M > MAX_DIM or N > MAX_DIM or K > MAX_DIM:
+            return None
+        sizes[i] = (M, N, K)
+        if M == 0 or N == 0:
+            continue
+        if N % out_align:
+            return None  # output rows not 16-byte multiples: the detailed path says so
+        if K == 0:
+            continue
+        if ai.is_neg() or bi.is_neg():
+            return None  # the detailed path falls back to torch, which resolves the sign
+        st_a = ai.stride()
+        pa = ai.data_ptr()
+        if (st_a[1] != 1 and K > 1) or pa % TMA_ALIGN_BYTES or (M > 1 and st_a[0] % align):
+            return None
+        st_b = bi.stride()
+        pb = bi.data_ptr()
+        if st_b[1] == 1 or N == 1:
+            major, ld, strided = "n", st_b[0], K
+        elif st_b[0] == 1 or K == 1:
+            major, ld, strided = "k", st_b[1], N
+        else:
+            return None
+        if pb % TMA_ALIGN_BYTES or (ld % align and strided > 1):
+            return None
+        a_ptr[i], a_ld[i], b_ptr[i], b_ld[i], majors[i] = pa, st_a[0], pb, ld, major
+    device = a0.device
+    args = GroupedGemmArgs.trusted(list(a), list(b), dtype, odt, device, sizes)
+    k_count = majors.count("k")
+    b_major = "k" if k_count > majors.count("n") else "n"
+    other = "n" if b_major == "k" else "k"
+    b_fix = [i for i, m in enumerate(majors) if m == other] if k_count else []
+    return args, GeneralLayout(a_ptr, a_ld, b_ptr, b_ld, b_major, b_fix)

@@ -1,0 +1,552 @@
+"""moe_gemm.moe on the CPU: the layer and the functional forms against a naive per-token loop,
+edge cases, every weight loader, the inference-only contract and the argument checks."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_gemm import GemmConfig
+from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
+from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
+from moe_gemm.testing import assert_close_to_ref, calc_diff
+
+ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
+def naive_experts(
+    x: torch.Tensor,  # (T, H)
+    ids: torch.Tensor,  # (T, k)
+    weights: torch.Tensor,  # (T, k)
+    gate_up_proj: torch.Tensor,  # (E, 2I, H), transformers layout
+    down_proj: torch.Tensor,  # (E, H, I)
+    act=F.silu,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """One token, one slot at a time, in `dtype`; ids outside [0, E) contribute nothing."""
+    E, two_i, _ = gate_up_proj.shape
+    I = two_i // 2
+    out = torch.zeros(x.shape, dtype=dtype)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < E:
+                continue
+            v = x[t].to(dtype)
+            gate = gate_up_proj[e, :I].to(dtype) @ v
+            up = gate_up_proj[e, I:].to(dtype) @ v
+            out[t] += weights[t, j].to(dtype) * (down_proj[e].to(dtype) @ (act(gate) * up))
+    return out
+
+
+def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The whole layer in float64 from its own routing decision."""
+    x2 = x.reshape(-1, moe.hidden_size)
+    weights, ids = moe.route(x2)
+    act = ACTS[moe.activation] if isinstance(moe.activation, str) else moe.activation
+    y = naive_experts(x2, ids, weights, moe.gate_up_proj, moe.down_proj, act)
+    if moe.shared_experts is not None:
+        s = moe.shared_experts
+        v = x2.double()
+        h = s.down_proj.weight.double() @ (
+            act(v @ s.gate_proj.weight.double().T) * (v @ s.up_proj.weight.double().T)
+        ).T
+        h = h.T
+        if moe.shared_expert_gate is not None:
+            h = torch.sigmoid(v @ moe.shared_expert_gate.weight.double().T) * h
+        y = y + h
+    return y.view(*x.shape[:-1], moe.hidden_size)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def _randomize(moe: MoE, scale: float = 0.3) -> MoE:
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+        if moe.e_score_correction_bias is not None:
+            moe.e_score_correction_bias.copy_(torch.randn(moe.num_experts, generator=g) * 0.2)
+    return moe
+
+
+CONFIGS = [
+    pytest.param(dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2), id="mixtral"),
+    pytest.param(
+        dict(hidden_size=48, intermediate_size=24, num_experts=6, top_k=3, renormalize=False),
+        id="qwen-no-renorm",
+    ),
+    pytest.param(
+        dict(hidden_size=64, intermediate_size=40, num_experts=16, top_k=4, scoring="sigmoid",
+             n_group=4, topk_group=2, routed_scaling_factor=2.5, shared_intermediate_size=32),
+        id="deepseek",
+    ),
+    pytest.param(
+        dict(hidden_size=40, intermediate_size=48, num_experts=12, top_k=2,
+             shared_intermediate_size=20, shared_expert_gate=True, activation="gelu"),
+        id="qwen2-shared-gelu",
+    ),
+    pytest.param(
+        dict(hidden_size=32, intermediate_size=16, num_experts=4, top_k=1, activation="gelu_tanh"),
+        id="top1-gelu-tanh",
+    ),
+    pytest.param(
+        dict(hidden_size=36, intermediate_size=20, num_experts=5, top_k=5, renormalize=False),
+        id="topk-equals-E",
+    ),
+]
+
+
+@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_layer_matches_naive_fp32(cfg: dict, T: int) -> None:
+    moe = _randomize(MoE(**cfg))
+    x = torch.randn(T, cfg["hidden_size"])
+    y = moe(x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert rel_err(y, naive_moe(moe, x)) < 1e-5
+
+
+def test_layer_keeps_leading_dims() -> None:
+    moe = _randomize(MoE(32, 16, 8, 2))
+    x = torch.randn(3, 5, 32)
+    y = moe(x)
+    assert y.shape == (3, 5, 32)
+    assert rel_err(y, naive_moe(moe, x)) < 1e-5
+    torch.testing.assert_close(y.reshape(15, 32), moe(x.reshape(15, 32)), rtol=0, atol=0)
+
+
+def test_callable_activation() -> None:
+    moe = _randomize(MoE(32, 16, 8, 2, activation=torch.tanh))
+    x = torch.randn(9, 32)
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+
+
+def test_experts_without_tokens_and_single_token() -> None:
+    # 16 experts, 2 tokens, top-1: at least 14 experts are empty
+    moe = _randomize(MoE(32, 16, 16, 1))
+    x = torch.randn(2, 32)
+    _, ids = moe.route(x)
+    assert len(set(ids.reshape(-1).tolist())) <= 2
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+    one = torch.randn(1, 32)
+    assert rel_err(moe(one), naive_moe(moe, one)) < 1e-5
+
+
+def test_all_tokens_to_one_expert() -> None:
+    moe = _randomize(MoE(32, 16, 8, 2, scoring="sigmoid", renormalize=True))
+    with torch.no_grad():
+        assert moe.e_score_correction_bias is not None
+        moe.e_score_correction_bias.copy_(torch.tensor([0, 0, 0, 50.0, 0, 0, 50.0, 0]))
+    x = torch.randn(20, 32)
+    _, ids = moe.route(x)
+    assert sorted(set(ids.reshape(-1).tolist())) == [3, 6]
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+
+
+def test_zero_tokens() -> None:
+    moe = _randomize(MoE(32, 16, 8, 2, shared_intermediate_size=8))
+    y = moe(torch.randn(0, 32))
+    assert y.shape == (0, 32)
+    assert moe(torch.randn(2, 0, 32)).shape == (2, 0, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_two_x_rule(dtype: torch.dtype) -> None:
+    moe32 = _randomize(MoE(64, 32, 8, 2, shared_intermediate_size=16))
+    moe = MoE(64, 32, 8, 2, shared_intermediate_size=16, dtype=dtype)
+    moe.load_state_dict({k: v.to(dtype) for k, v in moe32.state_dict().items()})
+    x = torch.randn(50, 64).to(dtype)
+    y = moe(x)
+    assert y.dtype == dtype
+    # reference: the same (low-precision) weights and routing, in float64
+    ref = naive_moe(moe, x)
+    # baseline: transformers' eager arithmetic in the low precision (per expert F.linear,
+    # weighted index_add_ in the output dtype)
+    x2 = x.reshape(-1, 64)
+    weights, ids = moe.route(x2)
+    base = torch.zeros_like(x2)
+    for e in range(moe.num_experts):
+        tok, slot = torch.where(ids == e)
+        gate, up = F.linear(x2[tok], moe.gate_up_proj[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, moe.down_proj[e]) * weights[tok, slot, None].to(dtype)
+        base.index_add_(0, tok, h.to(dtype))
+    base = base + moe.shared_experts(x2)
+    # Two chained GEMMs round three intermediates, so even torch's own bf16 result sits above
+    # the single-GEMM calc_diff ceiling of 1e-5: hold calc_diff to the same 2x rule.
+    max_diff = max(1e-5, 2 * calc_diff(base, ref))
+    assert_close_to_ref(y, ref, base, max_calc_diff=max_diff, name=f"MoE {dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# functional forms
+
+
+def test_moe_experts_matches_naive_and_drops_sentinels() -> None:
+    T, H, I, E, k = 11, 32, 24, 6, 3
+    x = torch.randn(T, H)
+    gate_up = torch.randn(E, 2 * I, H) * 0.3
+    down = torch.randn(E, H, I) * 0.3
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ids[0, 1] = E  # expert-parallel sentinel: not a local expert
+    ids[4, 0] = -1
+    ids[7, 2] = E + 3
+    weights = torch.rand(T, k)
+    y = moe_experts(x, ids, weights, gate_up.transpose(1, 2), down.transpose(1, 2))
+    assert rel_err(y, naive_experts(x, ids, weights, gate_up, down)) < 1e-5
+    # int32 ids, a contiguous (E, K, N) layout and a forced torch backend give the same
+    y2 = moe_experts(
+        x, ids.int(), weights, gate_up.transpose(1, 2).contiguous(),
+        down.transpose(1, 2).contiguous(), config=GemmConfig(backend="torch"),
+    )
+    torch.testing.assert_close(y2, y, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_forward_matches_module() -> None:
+    moe = _randomize(MoE(32, 16, 8, 3, scoring="sigmoid", n_group=4, topk_group=2,
+                         routed_scaling_factor=1.7))
+    x = torch.randn(13, 32)
+    y = moe_forward(
+        x, moe.router_weight, moe.w_gate_up, moe.w_down, 3, scoring="sigmoid", n_group=4,
+        topk_group=2, routed_scaling_factor=1.7, correction_bias=moe.e_score_correction_bias,
+    )
+    torch.testing.assert_close(y, moe(x), rtol=0, atol=0)
+    assert rel_err(y, naive_moe(moe, x)) < 1e-5
+    # softmax routing, checked against the router function and the naive experts
+    x = torch.randn(9, 32)
+    y = moe_forward(x, moe.router_weight, moe.w_gate_up, moe.w_down, 2, renormalize=False)
+    w, i = softmax_topk(F.linear(x, moe.router_weight), 2, False)
+    assert rel_err(y, naive_experts(x, i, w, moe.gate_up_proj, moe.down_proj)) < 1e-5
+
+
+def test_router_precision_follows_transformers() -> None:
+    # bf16 Mixtral/Qwen compute logits in bf16, DeepSeek in fp32: check both paths are used
+    moe = MoE(32, 16, 8, 2, dtype=torch.bfloat16)
+    x = torch.randn(40, 32).to(torch.bfloat16)
+    w, i = moe.route(x)
+    w_ref, i_ref = softmax_topk(F.linear(x, moe.router_weight), 2)
+    assert torch.equal(i, i_ref) and torch.equal(w, w_ref)
+    moe = MoE(32, 16, 8, 2, scoring="sigmoid", dtype=torch.bfloat16)
+    w, i = moe.route(x)
+    logits = F.linear(x.float(), moe.router_weight.float())
+    w_ref, i_ref = sigmoid_grouped_topk(logits, moe.e_score_correction_bias, 2)
+    assert torch.equal(i, i_ref) and torch.equal(w, w_ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# loaders
+
+
+def _expert_tensors(E: int = 4, H: int = 32, I: int = 16):
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(E, I, H, generator=g) * 0.3
+    up = torch.randn(E, I, H, generator=g) * 0.3
+    down = torch.randn(E, H, I, generator=g) * 0.3
+    router = torch.randn(E, H, generator=g)
+    return gate, up, down, router
+
+
+def test_from_fused_aliases_storage() -> None:
+    gate, up, down, router = _expert_tensors()
+    gate_up = torch.cat([gate, up], dim=1)
+    moe = MoE.from_fused(gate_up, down, router, 2)
+    assert moe.gate_up_proj.data_ptr() == gate_up.data_ptr()
+    assert moe.w_gate_up.data_ptr() == gate_up.data_ptr()
+    assert moe.w_gate_up.shape == (4, 32, 32) and moe.w_down.shape == (4, 16, 32)
+    x = torch.randn(10, 32)
+    w, i = softmax_topk(x @ router.T, 2)
+    ref = naive_experts(x, i, w, gate_up, down)
+    assert rel_err(moe(x), ref) < 1e-5
+    # canonical (E, K, N) tensors with transposed=True, and vLLM's names
+    t = MoE.from_fused(gate_up.transpose(1, 2), down.transpose(1, 2), router, 2, transposed=True)
+    assert t.gate_up_proj.data_ptr() == gate_up.data_ptr()
+    torch.testing.assert_close(t(x), moe(x), rtol=0, atol=0)
+    v = MoE.from_vllm(gate_up, down, router, 2)
+    torch.testing.assert_close(v(x), moe(x), rtol=0, atol=0)
+    assert not moe.gate_up_proj.requires_grad
+
+
+@pytest.mark.parametrize("naming", ["mixtral", "qwen"])
+def test_from_state_dict_per_expert(naming: str) -> None:
+    gate, up, down, router = _expert_tensors()
+    names = ("w1", "w3", "w2") if naming == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    prefix = "model.layers.1.block_sparse_moe." if naming == "mixtral" else "model.layers.1.mlp."
+    sd = {prefix + "gate.weight": router, "lm_head.weight": torch.randn(3, 3)}
+    for e in range(4):
+        sd[f"{prefix}experts.{e}.{names[0]}.weight"] = gate[e]
+        sd[f"{prefix}experts.{e}.{names[1]}.weight"] = up[e]
+        sd[f"{prefix}experts.{e}.{names[2]}.weight"] = down[e]
+    moe = MoE.from_state_dict(sd, 2, prefix=prefix)
+    ref = MoE.from_fused(torch.cat([gate, up], dim=1), down, router, 2)
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(moe(x), ref(x), rtol=0, atol=0)
+
+
+def test_from_state_dict_deepseek_and_qwen2_shared() -> None:
+    gate, up, down, router = _expert_tensors(E=8)
+    bias = torch.randn(8) * 0.1
+    sg, su, sd_ = torch.randn(24, 32) * 0.3, torch.randn(24, 32) * 0.3, torch.randn(32, 24) * 0.3
+    sd = {"gate.weight": router, "gate.e_score_correction_bias": bias,
+          "experts.gate_up_proj": torch.cat([gate, up], dim=1), "experts.down_proj": down,
+          "shared_experts.gate_proj.weight": sg, "shared_experts.up_proj.weight": su,
+          "shared_experts.down_proj.weight": sd_}
+    moe = MoE.from_state_dict(sd, 2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    assert moe.scoring == "sigmoid" and moe.router_fp32
+    assert moe.e_score_correction_bias is bias
+    assert moe.shared_experts is not None and moe.shared_expert_gate is None
+    x = torch.randn(12, 32)
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+    w, i = sigmoid_grouped_topk(x @ router.T, bias, 2, 4, 2, 2.5)
+    torch.testing.assert_close(moe.route(x)[1], i, rtol=0, atol=0)
+
+    sdq = {"gate.weight": router, "experts.w13_weight": torch.cat([gate, up], dim=1),
+           "experts.w2_weight": down, "shared_expert.gate_proj.weight": sg,
+           "shared_expert.up_proj.weight": su, "shared_expert.down_proj.weight": sd_,
+           "shared_expert_gate.weight": torch.randn(1, 32)}
+    moe = MoE.from_state_dict(sdq, 2, renormalize=False)
+    assert moe.scoring == "softmax" and moe.shared_expert_gate is not None
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+
+
+def test_from_state_dict_errors() -> None:
+    gate, up, down, router = _expert_tensors()
+    sd = {"gate.weight": router}
+    for e in range(4):
+        sd[f"experts.{e}.w1.weight"] = gate[e]
+        sd[f"experts.{e}.w3.weight"] = up[e]
+        sd[f"experts.{e}.w2.weight"] = down[e]
+    with pytest.raises(ValueError, match="does not use"):
+        MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2)
+    MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2, strict=False)
+    missing = {k: v for k, v in sd.items() if k != "experts.2.w3.weight"}
+    with pytest.raises(ValueError, match=r"expert 2 has no experts\.2\.w3\.weight"):
+        MoE.from_state_dict(missing, 2)
+    gap = {k: v for k, v in sd.items() if not k.startswith("experts.1.")}
+    with pytest.raises(ValueError, match="numbered 0..E-1"):
+        MoE.from_state_dict(gap, 2)
+    with pytest.raises(KeyError, match="no router weight"):
+        MoE.from_state_dict({k: v for k, v in sd.items() if k != "gate.weight"}, 2)
+    with pytest.raises(KeyError, match="no expert weights"):
+        MoE.from_state_dict({"gate.weight": router}, 2)
+    with pytest.raises(ValueError, match="go together"):
+        MoE.from_state_dict({"gate.weight": router, "experts.gate_up_proj": gate}, 2)
+
+
+def test_from_fused_shape_errors() -> None:
+    gate, up, down, router = _expert_tensors()
+    gu = torch.cat([gate, up], dim=1)
+    with pytest.raises(ValueError, match=r"down_proj must be \(E, H, I\) = \(4, 32, 16\)"):
+        MoE.from_fused(gu, down.transpose(1, 2), router, 2)
+    with pytest.raises(ValueError, match=r"router_weight must be \(E, H\) = \(4, 32\)"):
+        MoE.from_fused(gu, down, router[:3], 2)
+    with pytest.raises(ValueError, match=r"gate_up_proj must be \(E, 2I, H\)"):
+        MoE.from_fused(gu[:, :-1], down, router, 2)
+    with pytest.raises(TypeError, match="share one dtype"):
+        MoE.from_fused(gu, down.double(), router, 2)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        MoE.from_fused(gu, down, router, 5)
+    with pytest.raises(ValueError, match=r"shared\['up_proj'\] must be \(8, 32\)"):
+        MoE.from_fused(gu, down, router, 2, shared={
+            "gate_proj": torch.zeros(8, 32), "up_proj": torch.zeros(8, 31),
+            "down_proj": torch.zeros(32, 8)})
+
+
+def test_state_dict_round_trip() -> None:
+    moe = _randomize(MoE(32, 16, 8, 2, scoring="sigmoid", n_group=2, topk_group=1,
+                         shared_intermediate_size=8))
+    copy = MoE(32, 16, 8, 2, scoring="sigmoid", n_group=2, topk_group=1,
+               shared_intermediate_size=8)
+    copy.load_state_dict(moe.state_dict())
+    x = torch.randn(6, 32)
+    torch.testing.assert_close(copy(x), moe(x), rtol=0, atol=0)
+    assert set(moe.state_dict()) == {
+        "router_weight", "gate_up_proj", "down_proj", "e_score_correction_bias",
+        "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# inference only
+
+
+def test_backward_raises() -> None:
+    moe = _randomize(MoE(32, 16, 8, 2))
+    assert not any(p.requires_grad for p in moe.parameters())
+    x = torch.randn(5, 32, requires_grad=True)
+    y = moe(x)
+    assert y.requires_grad  # the forward runs; only the backward is refused
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.sum().backward()
+    moe.requires_grad_(True)
+    y = moe(torch.randn(5, 32))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert not moe(x).requires_grad
+    with torch.inference_mode():
+        assert rel_err(moe(x), naive_moe(moe, x.detach())) < 1e-5
+    g = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        moe_experts(torch.randn(4, 32), torch.zeros(4, 3, dtype=torch.long), g,
+                    moe.w_gate_up.detach(), moe.w_down.detach()).sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        ({"top_k": 9}, ValueError, r"top_k must be in \[1, num_experts=8\]"),
+        ({"top_k": 0}, ValueError, "top_k must be in"),
+        ({"num_experts": 0}, ValueError, "num_experts must be >= 1"),
+        ({"scoring": "relu"}, ValueError, "scoring must be 'softmax' or 'sigmoid'"),
+        ({"n_group": 2}, ValueError, "defined for scoring='sigmoid'"),
+        ({"scoring": "sigmoid", "n_group": 3}, ValueError, "divide E=8"),
+        ({"scoring": "sigmoid", "n_group": 4, "topk_group": 5}, ValueError, "topk_group"),
+        ({"correction_bias": True}, ValueError, "correction_bias is used by scoring='sigmoid'"),
+        ({"activation": "relu3"}, ValueError, "activation must be one of"),
+        ({"activation": 3}, TypeError, "activation must be a str or a callable"),
+        ({"shared_expert_gate": True}, ValueError, "needs a shared expert"),
+        ({"config": {"backend": "torch"}}, TypeError, "config must be a moe_gemm.GemmConfig"),
+        ({"hidden_size": 0}, ValueError, "must be >= 1"),
+        ({"intermediate_size": -1}, ValueError, "intermediate_size must be an int >= 0"),
+        ({"dtype": torch.float64}, TypeError, "dtype must be"),
+        ({"hidden_size": 32.0}, TypeError, "hidden_size must be an int"),
+        ({"top_k": 2.0}, TypeError, "top_k must be an int"),
+        ({"routed_scaling_factor": 2.5}, ValueError,
+         "routed_scaling_factor is defined for scoring='sigmoid'"),
+        ({"renormalize": "no"}, TypeError, "renormalize must be a bool"),
+    ],
+)
+def test_constructor_rejects(kwargs: dict, exc: type[Exception], pattern: str) -> None:
+    args = dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        MoE(**args)
+
+
+def test_forward_rejects() -> None:
+    moe = MoE(32, 16, 8, 2)
+    with pytest.raises(ValueError, match=re.escape("(..., H) = (..., 32); got (4, 31)")):
+        moe(torch.randn(4, 31))
+    with pytest.raises(TypeError, match="hidden_states must be torch.bfloat16"):
+        moe(torch.randn(4, 32).double())
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
+        moe([[0.0] * 32])
+    with pytest.raises(ValueError, match="hidden_states is on meta"):
+        moe(torch.randn(4, 32, device="meta"))
+
+
+def test_functional_rejects() -> None:
+    x = torch.randn(4, 32)
+    wg = torch.randn(8, 32, 48)
+    wd = torch.randn(8, 24, 32)
+    ids = torch.zeros(4, 2, dtype=torch.long)
+    w = torch.rand(4, 2)
+    cases = [
+        ((x, ids, w, wg.transpose(1, 2), wd), ValueError, r"w_gate_up must be \(E, H, 2I\)"),
+        ((x, ids, w, wg, wd.transpose(1, 2)), ValueError, r"w_down must be \(E, I, H\) = \(8, 24, 32\)"),
+        ((x, ids[:3], w, wg, wd), ValueError, r"topk_ids must be \(T, k\) = \(4, k >= 1\)"),
+        ((x, ids.float(), w, wg, wd), TypeError, "topk_ids must be int64 or int32"),
+        ((x, ids, w[:, :1], wg, wd), ValueError, "topk_weights must match topk_ids"),
+        ((x, ids, w.long(), wg, wd), TypeError, "topk_weights must be a float tensor"),
+        ((x.bfloat16(), ids, w, wg, wd), TypeError, "w_gate_up has dtype torch.float32 but x has"),
+        ((x[None], ids, w, wg, wd), ValueError, r"x must be 2-D \(T, H\)"),
+        ((x.long(), ids, w, wg, wd), TypeError, "x must be torch.bfloat16"),
+        ((x, ids, w, wg, "w"), TypeError, r"w_down must be a torch.Tensor \(E, I, H\)"),
+        ((x, ids, w, wg.to("meta"), wd), ValueError, "w_gate_up is on meta"),
+    ]
+    for args, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            moe_experts(*args)
+    with pytest.raises(ValueError, match=r"router_weight must be \(E, H\) = \(8, 32\)"):
+        moe_forward(x, torch.randn(8, 31), wg, wd, 2)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        moe_forward(x, torch.randn(8, 32), wg, wd, 9)
+    with pytest.raises(ValueError, match="correction_bias is used by scoring='sigmoid'"):
+        moe_forward(x, torch.randn(8, 32), wg, wd, 2, correction_bias=torch.zeros(8))
+
+
+def test_gemm_config_is_used() -> None:
+    moe = MoE(32, 16, 8, 2, config=GemmConfig(backend="cute"))
+    with pytest.raises(RuntimeError, match="backend='cute' cannot run here"):
+        moe(torch.randn(3, 32))
+    moe.config = GemmConfig(backend="torch")
+    assert moe(torch.randn(3, 32)).shape == (3, 32)
+
+
+@pytest.mark.slow  # CPU timings of 3 token counts x 4 implementations: a few seconds
+def test_benchmark_smoke(tmp_path) -> None:
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "moe.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["shape"]["E"] == 8 and report["shape"]["top_k"] == 2
+    impls = {r["impl"] for r in report["results"]}
+    assert "moe_gemm" in impls
+    assert {r["tokens"] for r in report["results"]} == {1, 7, 33}
+    assert all(r["us"] > 0 for r in report["results"])
+    assert all(r["ratio"] is None or r["ratio"] > 0 for r in report["results"])
+    for check in report["checks"]:  # present when transformers is installed
+        assert check["calc_diff_vs_transformers"] < 1e-4
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_shared_expert_runs_in_its_own_dtype(x_dtype: torch.dtype) -> None:
+    # A layer cast to fp16 (shared expert and gate included) fed another dtype: experts and
+    # shared expert both compute in fp16, the result comes back in the input's dtype.
+    torch.manual_seed(0)
+    moe = _randomize(MoE(16, 8, 4, 2, shared_intermediate_size=6, shared_expert_gate=True))
+    ref_layer = copy.deepcopy(moe).float()
+    moe = moe.half()
+    x = torch.randn(5, 16, dtype=x_dtype)
+    y = moe(x)
+    assert y.dtype == x_dtype and y.shape == x.shape
+    want = ref_layer(x.float())
+    err = ((y.float() - want).abs().max() / want.abs().max()).item()
+    assert err < 2e-2, err
+
+
+def test_from_fused_checks_the_shared_weights() -> None:
+    E, H, I, Is = 4, 16, 8, 6
+    gu, dn, rw = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, H)
+    shared = {"gate_proj": torch.randn(Is, H).half(), "up_proj": torch.randn(Is, H),
+              "down_proj": torch.randn(H, Is)}
+    with pytest.raises(TypeError, match="shared gate_proj, up_proj and down_proj must share"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+    shared["gate_proj"] = torch.randn(Is, H, device="meta")
+    with pytest.raises(ValueError, match=r"shared\['gate_proj'\] is on meta"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+    shared["gate_proj"] = [[0.0]]
+    with pytest.raises(TypeError, match=r"shared\['gate_proj'\] must be a torch.Tensor"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+
+
+def test_functional_correction_bias_on_another_device_is_a_clear_error() -> None:
+    x, wg, wd, rw = torch.randn(4, 32), torch.randn(8, 32, 48), torch.randn(8, 24, 32), \
+        torch.randn(8, 32)
+    with pytest.raises(ValueError, match="bias is on meta"):
+        moe_forward(x, rw, wg, wd, 2, scoring="sigmoid",
+                    correction_bias=torch.zeros(8, device="meta"))

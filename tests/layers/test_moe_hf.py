@@ -1,0 +1,351 @@
+"""moe_gemm with transformers 5 on the CPU: MoE.from_hf against the real blocks, and the
+"moe_gemm" experts implementation inside transformers models. Skipped without transformers
+(CI installs it: pip install "transformers>=5,<6")."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("needs transformers >= 5 (ExpertsInterface)", allow_module_level=True)
+
+from transformers import (  # noqa: E402
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    GptOssConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+    NemotronHConfig,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+)
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts  # noqa: E402
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
+
+from moe_gemm.integrations import register_transformers  # noqa: E402
+from moe_gemm.integrations import transformers as hf_integration  # noqa: E402
+from moe_gemm.layers.moe import MoE  # noqa: E402
+from moe_gemm.testing import assert_close_to_ref, calc_diff  # noqa: E402
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def _randomize(module: torch.nn.Module, seed: int, scale: float = 0.2) -> torch.nn.Module:
+    """Random weights (transformers' init leaves several of them empty or zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return module.eval()
+
+
+def _block(cls: type, config: object, seed: int) -> torch.nn.Module:
+    config._experts_implementation = "eager"  # the reference: transformers' per-expert loop
+    return _randomize(cls(config), seed)
+
+
+BLOCKS = [
+    pytest.param(
+        MixtralSparseMoeBlock,
+        lambda: MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=8,
+                              num_experts_per_tok=2),
+        id="mixtral",
+    ),
+    pytest.param(
+        MixtralSparseMoeBlock,
+        lambda: MixtralConfig(hidden_size=48, intermediate_size=40, num_local_experts=4,
+                              num_experts_per_tok=4, hidden_act="gelu"),
+        id="mixtral-topk=E-gelu",
+    ),
+    pytest.param(
+        Qwen2MoeSparseMoeBlock,
+        lambda: Qwen2MoeConfig(hidden_size=40, moe_intermediate_size=24,
+                               shared_expert_intermediate_size=48, num_experts=12,
+                               num_experts_per_tok=3, norm_topk_prob=False),
+        id="qwen2-moe",
+    ),
+    pytest.param(
+        Qwen2MoeSparseMoeBlock,
+        lambda: Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=16, num_experts=4,
+                               num_experts_per_tok=1, norm_topk_prob=True),
+        id="qwen2-moe-top1-renorm",
+    ),
+    pytest.param(
+        Qwen3MoeSparseMoeBlock,
+        lambda: Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=16,
+                               num_experts_per_tok=4, norm_topk_prob=True),
+        id="qwen3-moe",
+    ),
+    pytest.param(
+        Qwen3MoeSparseMoeBlock,
+        lambda: Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=48, num_experts=6,
+                               num_experts_per_tok=2, norm_topk_prob=False,
+                               hidden_act="gelu_pytorch_tanh"),
+        id="qwen3-moe-no-renorm-gelu-tanh",
+    ),
+    pytest.param(
+        DeepseekV3MoE,
+        lambda: DeepseekV3Config(hidden_size=64, moe_intermediate_size=16, n_routed_experts=16,
+                                 num_experts_per_tok=4, n_group=4, topk_group=2,
+                                 n_shared_experts=2, routed_scaling_factor=2.5),
+        id="deepseek-v3",
+    ),
+    pytest.param(
+        DeepseekV3MoE,
+        lambda: DeepseekV3Config(hidden_size=32, moe_intermediate_size=24, n_routed_experts=8,
+                                 num_experts_per_tok=8, n_group=1, topk_group=1,
+                                 n_shared_experts=1, routed_scaling_factor=1.0,
+                                 norm_topk_prob=False),
+        id="deepseek-v3-topk=E-no-renorm",
+    ),
+    pytest.param(
+        Glm4MoeMoE,
+        lambda: Glm4MoeConfig(hidden_size=48, moe_intermediate_size=32, n_routed_experts=12,
+                              num_experts_per_tok=3, n_group=3, topk_group=2,
+                              n_shared_experts=1, routed_scaling_factor=1.8),
+        id="glm4-moe",
+    ),
+]
+
+
+@pytest.mark.parametrize("cls,make_config", BLOCKS)
+def test_from_hf_matches_block_fp32(cls: type, make_config) -> None:
+    block = _block(cls, make_config(), seed=1)
+    moe = MoE.from_hf(block)
+    for shape in [(2, 7), (1, 1), (1, 33)]:
+        x = torch.randn(*shape, block.experts.hidden_dim)
+        with torch.no_grad():
+            ref = block(x)
+            y = moe(x)
+        assert y.shape == ref.shape and y.dtype == ref.dtype
+        assert rel_err(y, ref) < 1e-5, f"shape {shape}"
+
+
+@pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6]])
+def test_from_hf_also_matches_transformers_grouped_mm(cls: type, make_config) -> None:
+    block = _block(cls, make_config(), seed=2)
+    moe = MoE.from_hf(block)
+    block.experts.config._experts_implementation = "grouped_mm"  # transformers' default
+    x = torch.randn(3, 11, block.experts.hidden_dim)
+    with torch.no_grad():
+        assert rel_err(moe(x), block(x)) < 1e-5
+
+
+@pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6]])
+def test_from_hf_bf16_two_x_rule(cls: type, make_config) -> None:
+    block32 = _block(cls, make_config(), seed=3)
+    block = _block(cls, make_config(), seed=3).to(torch.bfloat16)
+    block.experts.config._experts_implementation = "grouped_mm"
+    moe = MoE.from_hf(block)
+    x = torch.randn(4, 16, block.experts.hidden_dim).to(torch.bfloat16)
+    with torch.no_grad():
+        y = moe(x)
+        base = block(x)  # transformers in bf16
+        # The fp32 reference routes like the bf16 model does, so that a near-tie flipped by
+        # bf16 rounding of the router does not count as an arithmetic error.
+        _, w_bf16, i_bf16 = block.gate(x.view(-1, x.shape[-1]))
+        x32 = x.float().view(-1, x.shape[-1])
+        ref = block32.experts(x32, i_bf16, w_bf16.float())
+        if hasattr(block32, "shared_experts"):
+            ref = ref + block32.shared_experts(x32)
+        if hasattr(block32, "shared_expert"):
+            ref = ref + torch.sigmoid(block32.shared_expert_gate(x32)) * block32.shared_expert(x32)
+        ref = ref.view(x.shape)
+    assert y.dtype == torch.bfloat16
+    assert_close_to_ref(
+        y, ref, base, max_calc_diff=max(1e-5, 2 * calc_diff(base, ref)), name=cls.__name__
+    )
+
+
+def test_from_hf_shares_the_blocks_weights() -> None:
+    block = _block(DeepseekV3MoE, BLOCKS[6].values[1](), seed=4)
+    moe = MoE.from_hf(block)
+    assert moe.gate_up_proj is block.experts.gate_up_proj
+    assert moe.down_proj is block.experts.down_proj
+    assert moe.router_weight is block.gate.weight
+    assert moe.e_score_correction_bias is block.gate.e_score_correction_bias
+    assert moe.shared_experts is not None
+    assert moe.shared_experts.down_proj.weight is block.shared_experts.down_proj.weight
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        block.experts.down_proj.mul_(2.0)  # a change to the block shows in the layer
+        assert rel_err(moe(x), block(x)) < 1e-5
+
+
+def test_from_hf_rejects_unknown_blocks() -> None:
+    config = GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4,
+                          num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="does not know GptOssMLP.*set_experts_implementation"):
+        MoE.from_hf(GptOssMLP(config))
+    with pytest.raises(ValueError, match="does not know Linear"):
+        MoE.from_hf(torch.nn.Linear(3, 3))
+
+
+def test_from_hf_backward_raises() -> None:
+    block = _block(MixtralSparseMoeBlock, BLOCKS[0].values[1](), seed=5)
+    moe = MoE.from_hf(block)
+    assert block.experts.gate_up_proj.requires_grad  # shared Parameters keep their flags
+    y = moe(torch.randn(3, 32))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# the "moe_gemm" experts implementation
+
+
+def test_register_is_idempotent() -> None:
+    assert register_transformers()
+    assert register_transformers()
+    hf_integration.register()
+    assert hf_integration.is_registered()
+    assert list(ALL_EXPERTS_FUNCTIONS.keys()).count("moe_gemm") == 1
+    assert ALL_EXPERTS_FUNCTIONS["moe_gemm"] is hf_integration.moe_gemm_experts_forward
+
+
+def _tiny(model_cls: type, config: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _randomize(model_cls(config), seed=6, scale=0.1)
+
+
+@pytest.mark.parametrize(
+    "model_cls,config",
+    [
+        pytest.param(
+            MixtralForCausalLM,
+            MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          num_local_experts=8, num_experts_per_tok=2,
+                          max_position_embeddings=64),
+            id="mixtral",
+        ),
+        pytest.param(
+            Qwen2MoeForCausalLM,
+            Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                           moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_experts=8, num_experts_per_tok=2, max_position_embeddings=64),
+            id="qwen2-moe",
+        ),
+    ],
+)
+def test_set_experts_implementation_whole_model(model_cls: type, config: object) -> None:
+    register_transformers()
+    model = _tiny(model_cls, config)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        model.set_experts_implementation("grouped_mm")
+        ref = model(ids).logits
+        model.set_experts_implementation("moe_gemm")
+        assert model.config._experts_implementation == "moe_gemm"
+        out = model(ids).logits
+        model.set_experts_implementation("eager")
+        eager = model(ids).logits
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, eager) < 1e-5
+    model.set_experts_implementation("moe_gemm")
+    with pytest.raises(RuntimeError, match="inference-only"):
+        model(ids).logits.sum().backward()
+
+
+def _experts_pair(module: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
+    with torch.no_grad():
+        module.config._experts_implementation = "grouped_mm"
+        ref = module(x, ids, w)
+        module.config._experts_implementation = "moe_gemm"
+        out = module(x, ids, w)
+    return out, ref
+
+
+def test_gpt_oss_experts_bias_transposed_custom_gate() -> None:
+    register_transformers()
+    config = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=8,
+                          num_experts_per_tok=2)
+    experts = _randomize(GptOssExperts(config), seed=7, scale=0.3)
+    assert experts.has_bias and experts.is_transposed and not experts.is_concatenated
+    x = torch.randn(13, 32)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(13)])
+    out, ref = _experts_pair(experts, x, ids, torch.rand(13, 2))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_non_gated_experts() -> None:
+    register_transformers()
+    config = NemotronHConfig(hidden_size=32, moe_intermediate_size=24, n_routed_experts=6,
+                             num_experts_per_tok=2)
+    experts = _randomize(NemotronHExperts(config), seed=8, scale=0.3)
+    assert not experts.has_gate
+    x = torch.randn(10, 32)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(10)])
+    out, ref = _experts_pair(experts, x, ids, torch.rand(10, 2))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_expert_parallel_sentinels_are_dropped() -> None:
+    register_transformers()
+    block = _block(MixtralSparseMoeBlock, BLOCKS[0].values[1](), seed=9)
+    experts = block.experts
+    experts._is_expert_parallel = True
+    x = torch.randn(12, 32)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(12)])
+    ids[::3, 0] = 8  # off-rank experts, as transformers' EP dispatch marks them
+    w = torch.rand(12, 2)
+    out, ref = _experts_pair(experts, x, ids, w)
+    assert rel_err(out, ref) < 1e-5
+    keep = ids < 8
+    out_masked, _ = _experts_pair(experts, x, torch.where(keep, ids, 0), torch.where(keep, w, 0))
+    assert rel_err(out, out_masked) < 1e-5
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~20 s on 2 cores
+def test_lazy_registration_on_transformers_import() -> None:
+    # A fresh interpreter: the hook must register "moe_gemm" when transformers loads its MoE
+    # module, without the user importing moe_gemm.integrations.transformers.
+    code = textwrap.dedent(
+        """
+        import sys
+        import moe_gemm.integrations as integrations
+        integrations.register_transformers_lazily()
+        integrations.register_transformers_lazily()
+        assert "transformers.integrations.moe" not in sys.modules
+        from transformers import MixtralConfig, MixtralForCausalLM
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        assert "moe_gemm" in ALL_EXPERTS_FUNCTIONS, list(ALL_EXPERTS_FUNCTIONS)
+        assert not any(type(f).__name__ == "_PostImportHook" for f in sys.meta_path)
+        cfg = MixtralConfig(vocab_size=16, hidden_size=16, intermediate_size=8,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            num_local_experts=4, num_experts_per_tok=2,
+                            experts_implementation="moe_gemm")
+        model = MixtralForCausalLM(cfg)
+        assert model.config._experts_implementation == "moe_gemm"
+        print("ok")
+        """
+    )
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+        env=env,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -1,0 +1,262 @@
+"""moe_gemm.routing: the routers against per-token Python references, and the permutation.
+
+The references here are written differently from the vectorised code on purpose (plain loops
+over tokens and groups, float64), so a shared mistake cannot pass both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_gemm.layers.routing import permute_by_expert, sigmoid_grouped_topk, softmax_topk
+
+
+def _softmax_topk_ref(logits: torch.Tensor, k: int, renormalize: bool) -> list[dict[int, float]]:
+    """Per token: {expert: weight} in float64."""
+    out = []
+    for row in logits.double().tolist():
+        m = max(row)
+        ex = [math.exp(v - m) for v in row]
+        s = sum(ex)
+        probs = [v / s for v in ex]
+        top = sorted(range(len(row)), key=lambda e: -probs[e])[:k]
+        w = {e: probs[e] for e in top}
+        if renormalize:
+            tot = sum(w.values())
+            w = {e: v / tot for e, v in w.items()}
+        out.append(w)
+    return out
+
+
+def _sigmoid_grouped_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+    renormalize: bool,
+) -> list[dict[int, float]]:
+    E = logits.shape[1]
+    per = E // n_group
+    b = [0.0] * E if bias is None else bias.double().tolist()
+    out = []
+    for row in logits.double().tolist():
+        scores = [1.0 / (1.0 + math.exp(-v)) for v in row]
+        choice = [s + bb for s, bb in zip(scores, b)]
+        groups = []
+        for g in range(n_group):
+            members = sorted(choice[g * per:(g + 1) * per], reverse=True)
+            groups.append((sum(members[:2]) if per >= 2 else members[0], g))
+        kept = {g for _, g in sorted(groups, reverse=True)[:topk_group]}
+        eligible = [e for e in range(E) if e // per in kept]
+        top = sorted(eligible, key=lambda e: -choice[e])[:k]
+        w = {e: scores[e] for e in top}
+        if renormalize:
+            tot = sum(w.values()) + 1e-20
+            w = {e: v / tot for e, v in w.items()}
+        out.append({e: v * scale for e, v in w.items()})
+    return out
+
+
+def _as_dicts(weights: torch.Tensor, ids: torch.Tensor) -> list[dict[int, float]]:
+    return [
+        dict(zip(i, w)) for i, w in zip(ids.tolist(), weights.double().tolist())
+    ]
+
+
+def _assert_routing_equal(got: list[dict[int, float]], want: list[dict[int, float]]) -> None:
+    assert len(got) == len(want)
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert set(g) == set(w), f"token {t}: experts {sorted(g)} != {sorted(w)}"
+        for e in w:
+            assert g[e] == pytest.approx(w[e], rel=1e-6, abs=1e-7), f"token {t} expert {e}"
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("T,E,k", [(1, 4, 1), (9, 8, 2), (33, 16, 5), (5, 6, 6)])
+def test_softmax_topk_matches_reference(T: int, E: int, k: int, renormalize: bool) -> None:
+    logits = torch.randn(T, E) * 2
+    weights, ids = softmax_topk(logits, k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert weights.shape == ids.shape == (T, k)
+    _assert_routing_equal(_as_dicts(weights, ids), _softmax_topk_ref(logits, k, renormalize))
+    # best expert first, as torch.topk(sorted=True) and transformers
+    assert bool((weights[:, :-1] >= weights[:, 1:]).all())
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(T), rtol=0, atol=1e-6)
+
+
+def test_softmax_topk_upcasts_low_precision_logits() -> None:
+    logits = (torch.randn(17, 8) * 3).to(torch.bfloat16)
+    weights, ids = softmax_topk(logits, 3, True)
+    assert weights.dtype == torch.float32
+    _assert_routing_equal(_as_dicts(weights, ids), _softmax_topk_ref(logits.float(), 3, True))
+
+
+@pytest.mark.parametrize(
+    "E,k,n_group,topk_group,scale,renormalize,use_bias",
+    [
+        (8, 2, 1, 1, 1.0, True, False),
+        (16, 4, 4, 2, 2.5, True, True),
+        (16, 3, 8, 3, 1.0, False, True),
+        (32, 8, 8, 4, 2.5, True, True),  # DeepSeek-V3's ratios, scaled down
+        (12, 6, 3, 3, 1.5, True, True),  # topk_group == n_group keeps every group
+        (6, 6, 1, 1, 1.0, True, True),  # k = E
+    ],
+)
+def test_sigmoid_grouped_topk_matches_reference(
+    E: int, k: int, n_group: int, topk_group: int, scale: float, renormalize: bool, use_bias: bool
+) -> None:
+    T = 23
+    logits = torch.randn(T, E) * 2
+    bias = torch.randn(E) * 0.5 if use_bias else None
+    weights, ids = sigmoid_grouped_topk(logits, bias, k, n_group, topk_group, scale, renormalize)
+    assert weights.shape == ids.shape == (T, k)
+    assert weights.dtype == torch.float32
+    want = _sigmoid_grouped_ref(logits, bias, k, n_group, topk_group, scale, renormalize)
+    _assert_routing_equal(_as_dicts(weights, ids), want)
+    if use_bias:
+        # the bias changes the choice but never the weights' values: weights are the plain
+        # sigmoid scores of the chosen experts (before renormalising)
+        raw = torch.sigmoid(logits).gather(1, ids)
+        if renormalize:
+            raw = raw / (raw.sum(-1, keepdim=True) + 1e-20)
+        torch.testing.assert_close(weights, raw * scale, rtol=1e-6, atol=1e-7)
+
+
+def test_sigmoid_bias_changes_selection_only() -> None:
+    logits = torch.randn(64, 8)
+    bias = torch.zeros(8)
+    bias[3] = 10.0  # expert 3 is chosen by everyone, whatever its score
+    weights, ids = sigmoid_grouped_topk(logits, bias, 2, renormalize=False)
+    assert bool((ids == 3).any(dim=1).all())
+    chosen = torch.sigmoid(logits).gather(1, ids)
+    torch.testing.assert_close(weights, chosen, rtol=0, atol=0)
+
+
+def test_group_limit_excludes_groups() -> None:
+    # group 0 (experts 0-3) scores highest by far; with topk_group=1 only it is eligible, even
+    # for k=4 where expert 7 alone would beat some of its members.
+    logits = torch.full((1, 8), -5.0)
+    logits[0, :4] = torch.tensor([3.0, 2.9, -4.0, -4.5])
+    logits[0, 7] = 2.0
+    _, ids = sigmoid_grouped_topk(logits, None, 4, n_group=2, topk_group=1)
+    assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
+    _, ids = sigmoid_grouped_topk(logits, None, 4, n_group=2, topk_group=2)
+    assert 7 in ids[0].tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        ({"k": 0}, ValueError, r"k \(experts per token\) must be in \[1, E=16\]"),
+        ({"k": 17}, ValueError, r"must be in \[1, E=16\]"),
+        ({"k": 2.0}, TypeError, "must be an int"),
+        ({"n_group": 3}, ValueError, "n_group must be >= 1 and divide E=16"),
+        ({"n_group": 4, "topk_group": 5}, ValueError, r"topk_group must be in \[1, n_group=4\]"),
+        ({"n_group": 16, "topk_group": 2}, ValueError, "E / n_group must be >= 2"),
+        ({"n_group": 4, "topk_group": 1, "k": 5}, ValueError, "cannot be chosen from"),
+        ({"bias": torch.zeros(15)}, ValueError, r"bias must be \(E,\) = \(16,\)"),
+        ({"bias": [0.0] * 16}, TypeError, "bias must be a torch.Tensor"),
+    ],
+)
+def test_sigmoid_grouped_topk_rejects_bad_settings(
+    kwargs: dict, exc: type[Exception], pattern: str
+) -> None:
+    args = {"bias": None, "k": 2, "n_group": 1, "topk_group": 1}
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        sigmoid_grouped_topk(torch.randn(3, 16), **args)
+
+
+@pytest.mark.parametrize(
+    "logits,exc,pattern",
+    [
+        (torch.randn(3, 4, 2), ValueError, r"logits must be 2-D \(T, E\)"),
+        (torch.randint(0, 3, (3, 4)), TypeError, "floating-point"),
+        ([[1.0, 2.0]], TypeError, "logits must be a torch.Tensor"),
+    ],
+)
+def test_routers_reject_bad_logits(logits: object, exc: type[Exception], pattern: str) -> None:
+    with pytest.raises(exc, match=pattern):
+        softmax_topk(logits, 1)  # type: ignore[arg-type]
+    with pytest.raises(exc, match=pattern):
+        sigmoid_grouped_topk(logits, None, 1)  # type: ignore[arg-type]
+
+
+def test_routers_handle_zero_tokens() -> None:
+    w, i = softmax_topk(torch.randn(0, 8), 2)
+    assert w.shape == i.shape == (0, 2)
+    w, i = sigmoid_grouped_topk(torch.randn(0, 8), torch.zeros(8), 2, 4, 2)
+    assert w.shape == i.shape == (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# permute_by_expert
+
+
+def _check_permutation(ids: torch.Tensor, E: int) -> None:
+    T, k = ids.shape
+    p = permute_by_expert(ids, E)
+    S = T * k
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    counts = torch.bincount(flat[valid], minlength=E)
+    assert p.offs.dtype == torch.int32 and p.offs.shape == (E,)
+    assert p.offs.tolist() == torch.cumsum(counts, 0).tolist()
+    assert p.counts().tolist() == counts.tolist()
+    assert p.valid.shape == (T, k) and p.valid.reshape(-1).tolist() == valid.tolist()
+    assert sorted(p.slot_order.tolist()) == list(range(S))  # a permutation
+    # rows are grouped by expert, dropped slots last, each group in (token, slot) order
+    assert p.sorted_expert.tolist() == flat.where(valid, E)[p.slot_order].tolist()
+    assert p.sorted_expert.tolist() == sorted(p.sorted_expert.tolist())
+    start = 0
+    bounds = p.offs.tolist() + [S]
+    for end in bounds:
+        group = p.slot_order[start:end].tolist()
+        assert group == sorted(group), "stable sort keeps slots of one expert in order"
+        start = end
+    assert p.token_index.tolist() == [s // k for s in p.slot_order.tolist()]
+    # row_of_slot inverts slot_order
+    assert p.row_of_slot.shape == (T, k)
+    assert p.slot_order[p.row_of_slot.reshape(-1)].tolist() == list(range(S))
+
+
+@pytest.mark.parametrize(
+    "T,k,E", [(1, 1, 1), (1, 4, 4), (7, 2, 8), (64, 8, 16), (100, 3, 257), (0, 2, 4)]
+)
+def test_permutation_random(T: int, k: int, E: int) -> None:
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+    _check_permutation(ids.long(), E)
+
+
+def test_permutation_skewed_with_empty_experts() -> None:
+    ids = torch.tensor([[5, 2], [5, 1], [2, 5], [5, 2]])  # experts 0, 3, 4, 6, 7 get nothing
+    _check_permutation(ids, 8)
+    p = permute_by_expert(ids, 8)
+    assert p.offs.tolist() == [0, 1, 4, 4, 4, 8, 8, 8]
+
+
+def test_permutation_drops_out_of_range_ids() -> None:
+    # expert-parallel sentinels (>= E) and -1 padding belong to no local expert
+    ids = torch.tensor([[0, 4], [-1, 1], [3, 9]], dtype=torch.int32)
+    _check_permutation(ids, 4)
+    p = permute_by_expert(ids, 4)
+    assert p.offs.tolist() == [1, 2, 2, 3]
+    assert p.valid.tolist() == [[True, False], [False, True], [True, False]]
+    assert p.sorted_expert[-3:].tolist() == [4, 4, 4]
+
+
+def test_permutation_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match=r"topk_ids must be 2-D \(T, k\)"):
+        permute_by_expert(torch.zeros(4, dtype=torch.long), 4)
+    with pytest.raises(TypeError, match="integer tensor"):
+        permute_by_expert(torch.zeros(2, 2), 4)
+    with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor"):
+        permute_by_expert([[0, 1]], 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_experts must be an int >= 1"):
+        permute_by_expert(torch.zeros(2, 2, dtype=torch.long), 0)

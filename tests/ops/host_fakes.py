@@ -1,0 +1,57 @@
+"""The general-form host wrapper on the CPU: a recorder in place of the compiled kernel, the
+patches that let ops/launch.py run with CPU tensors (the `kernel` fixture in conftest.py), and
+the output checks."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_gemm.ops import launch as host
+
+NSM = 132
+
+
+class Recorder:
+    """Records every kernel call's arguments; raises `fail` instead when it is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.fail: Exception | None = None
+
+    def __call__(self, *args: object) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(args)
+
+
+def clear_caches() -> None:
+    host.general_shape.cache_clear()
+    host._meta_cache.clear()
+
+
+def install(monkeypatch, rec: Recorder) -> None:
+    """host_sm90 on the CPU with `rec` as the kernel."""
+    monkeypatch.setattr(host, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(host, "_device_index", lambda device: 0)
+    monkeypatch.setattr(host, "_raw_stream", lambda idx: 0)
+    monkeypatch.setattr(host, "_capturing", lambda: False)
+    monkeypatch.setattr(host, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(host, "_workspace", lambda device, n: torch.empty(n, dtype=torch.int64))
+    monkeypatch.setattr(host, "_kernel_for", lambda *a: rec)
+    monkeypatch.setattr(host, "_general_placeholders",
+                        lambda *a: host._new_placeholders(torch.device("cpu"), *a[1:]))
+    monkeypatch.delenv("MOE_GEMM_DISABLE_CUTE", raising=False)
+    monkeypatch.delenv("MOE_GEMM_L2_HINTS", raising=False)
+
+
+def check_outputs(outs, sizes, dtype) -> None:
+    """Shapes and dtype as asked; non-empty outputs contiguous, 16-byte aligned, disjoint."""
+    spans = []
+    for o, (m, n, _) in zip(outs, sizes):
+        assert o.shape == (m, n) and o.dtype == dtype
+        if m * n:
+            assert o.is_contiguous() and o.data_ptr() % 16 == 0
+            spans.append((o.data_ptr(), o.data_ptr() + m * n * o.element_size()))
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, "outputs overlap"

@@ -1,0 +1,166 @@
+"""aliasing.py and the ops' handling of outputs that share memory with operands (CPU)."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import moe_gemm
+from moe_gemm import GemmConfig, GroupedGemmPlan
+from moe_gemm.ops.aliasing import may_overlap, outputs_aliasing_inputs
+
+TORCH = GemmConfig(backend="torch")
+
+
+def _addresses(t: torch.Tensor) -> set[int]:
+    """Every byte t's elements occupy (brute force, small tensors only)."""
+    size = t.element_size()
+    out = set()
+    for idx in itertools.product(*(range(n) for n in t.shape)):
+        off = sum(i * s for i, s in zip(idx, t.stride()))
+        base = t.data_ptr() + off * size
+        out.update(range(base, base + size))
+    return out
+
+
+def _random_view(buf: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    R, C = buf.shape
+    r0, c0 = rng.randrange(R), rng.randrange(C)
+    m, n = rng.randint(0, R - r0), rng.randint(0, C - c0)
+    v = buf[r0:r0 + m, c0:c0 + n]
+    kind = rng.random()
+    if kind < 0.2:
+        v = v.t()
+    elif kind < 0.3 and v.numel():
+        v = buf.view(-1)[rng.randrange(buf.numel()):][: rng.randint(1, 12)].view(-1, 1)
+    return v
+
+
+def test_may_overlap_is_never_wrong_and_exact_for_row_views():
+    rng = random.Random(0)
+    buf = torch.zeros(9, 11)
+    exact = 0
+    for _ in range(3000):
+        a, b = _random_view(buf, rng), _random_view(buf, rng)
+        truth = bool(_addresses(a) & _addresses(b))
+        got = may_overlap(a, b)
+        assert got or not truth, (a.shape, a.stride(), b.shape, b.stride())
+        rowlike = all(t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) and
+                      t.stride(0) == 11 for t in (a, b))
+        if rowlike:
+            exact += 1
+            assert got == truth, (a.storage_offset(), a.shape, b.storage_offset(), b.shape)
+    assert exact > 1000
+    assert not may_overlap(torch.zeros(3), torch.zeros(3))  # separate allocations
+
+
+def test_outputs_aliasing_inputs_and_outputs_sharing_memory():
+    buf = torch.zeros(6, 10)
+    x = torch.zeros(6, 4)
+    outs = [buf[:, :5], buf[:, 5:]]  # column blocks of one buffer: disjoint
+    assert outputs_aliasing_inputs(outs, [x, buf[2:3, 7:8]]) == [1]
+    assert outputs_aliasing_inputs(outs, [x, x]) == []
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] share memory"):
+        outputs_aliasing_inputs([buf[:, :6], buf[:, 5:]], [x])
+
+
+def test_grouped_mm_out_overlapping_w_or_x_is_computed_as_on_copies():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 5, generator=g)
+    w = torch.randn(3, 5, 5, generator=g)
+    offs = torch.tensor([3, 6, 9], dtype=torch.int32)
+    # out overlaps w[1], w[2]; the row past offs[-1] must keep its value
+    want = moe_gemm.grouped_mm(x.clone(), w.clone(), offs, config=TORCH).double()
+    out = w.view(15, 5)[5:15]
+    tail = out[9].clone()
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, config=TORCH)
+    assert y is out
+    torch.testing.assert_close(y[:9].double(), want[:9], rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[9], tail)
+    # out two rows ahead of x in one buffer
+    xb = torch.randn(12, 5, generator=g)
+    x2 = xb[:10]
+    want = moe_gemm.grouped_mm(x2.clone(), w, offs, config=TORCH)
+    y = moe_gemm.grouped_mm(x2, w, offs, out=xb[2:], config=TORCH)
+    torch.testing.assert_close(y[:9], want[:9], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_parameter_out_overlapping_x_is_computed_as_on_copies():
+    """A Parameter is a plain tensor to the ops (and to the C++ path): an overlapping one is
+    caught like a Tensor."""
+    g = torch.Generator().manual_seed(4)
+    xb = torch.randn(12, 5, generator=g)
+    w = torch.randn(3, 5, 5, generator=g)
+    offs = torch.tensor([3, 6, 10], dtype=torch.int32)
+    x = xb[:10]
+    want = moe_gemm.grouped_mm(x.clone(), w, offs, config=TORCH)
+    out = torch.nn.Parameter(xb[2:], requires_grad=False)
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, config=TORCH)
+    assert y is out
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_out_overlapping_w():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 4, 4, generator=g)
+    x = torch.randn(3, 4, 4, generator=g)
+    want = torch.bmm(x, w)
+    y = moe_gemm.grouped_mm(x, w, out=w, config=TORCH)  # in place over w
+    assert y is w
+    torch.testing.assert_close(y, want)
+
+
+def test_grouped_gemm_out_overlapping_an_operand_and_plan():
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(4, 4, generator=g) for _ in range(3)]
+    b = [torch.randn(4, 4, generator=g) for _ in range(3)]
+    want = [x @ y for x, y in zip(a, b)]
+    out = [torch.empty(4, 4), b[0], a[2]]  # out[1] is b[0] (read by problem 0), out[2] is a[2]
+    res = moe_gemm.grouped_gemm(a, b, out=out, config=TORCH)
+    assert all(r is o for r, o in zip(res, out))
+    for r, w_ in zip(res, want):
+        torch.testing.assert_close(r, w_)
+    a = [torch.randn(4, 4, generator=g) for _ in range(3)]
+    b = [torch.randn(4, 4, generator=g) for _ in range(3)]
+    want = [x @ y for x, y in zip(a, b)]
+    plan = GroupedGemmPlan(a, b, out=[torch.empty(4, 4), a[1], torch.empty(4, 4)], config=TORCH)
+    res = plan()
+    assert res[1] is a[1]
+    for r, w_ in zip(res, want):
+        torch.testing.assert_close(r, w_)
+
+
+def test_outputs_that_cannot_be_written_are_clear_errors():
+    a = [torch.randn(4, 6), torch.randn(4, 6)]
+    b = [torch.randn(6, 6), torch.randn(6, 6)]
+    x, w = torch.randn(4, 6), torch.randn(2, 6, 6)
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    expanded = torch.zeros(1, 6).expand(4, 6)
+    with pytest.raises(ValueError, match=r"out\[0\] has elements that share memory"):
+        moe_gemm.grouped_gemm(a, b, out=[expanded, torch.empty(4, 6)])
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        moe_gemm.grouped_mm(x, w, offs, out=expanded)
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        moe_gemm.grouped_mm(torch.randn(2, 4, 6), w, out=torch.zeros(1, 1, 6).expand(2, 4, 6))
+    leaf = torch.zeros(4, 6, requires_grad=True)
+    with pytest.raises(ValueError, match="out requires grad"):
+        moe_gemm.grouped_mm(x, w, offs, out=leaf)
+    with pytest.raises(ValueError, match=r"out\[1\] requires grad"):
+        moe_gemm.grouped_gemm(a, b, out=[torch.empty(4, 6), leaf])
+    with torch.no_grad():  # allowed where autograd is off, as for torch's out= ops
+        moe_gemm.grouped_mm(x, w, offs, out=leaf)
+    same = torch.empty(4, 6)
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] share memory"):
+        moe_gemm.grouped_gemm(a, b, out=[same, same])
+
+
+def test_plan_on_the_torch_backend_is_differentiable_and_empty_plan_has_backend():
+    a = [torch.randn(4, 3, requires_grad=True)]
+    b = [torch.randn(3, 5)]
+    plan = GroupedGemmPlan(a, b, config=TORCH)
+    assert plan.backend == "torch"
+    plan()[0].sum().backward()
+    torch.testing.assert_close(a[0].grad, torch.ones(4, 5) @ b[0].t())
+    empty = GroupedGemmPlan([], [])
+    assert empty.backend == "torch" and empty() == []
