@@ -14,6 +14,9 @@ is not there yet. The choice, in order:
    index serves one (a local `+cpu` version sorts above the plain one) and otherwise the plain
    wheel, which on Linux x86_64 PyPI is the CUDA build.
 
+$MOE_GEMM_TORCH_BUILD=cpu or =cuda skips the GPU detection (e.g. building an image for GPU
+machines on a machine without one); an installed torch is still kept.
+
     python scripts/install_torch.py [--dry-run] [--cpu-index URL] [--dev-dir DIR]
 
 --dry-run prints the decision and the pip command without running it (the tests use it with a
@@ -38,6 +41,7 @@ MIN_TORCH = (2, 9)
 TORCH_PIN = "2.13.0"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CPU_INDEX_ENV = "MOE_GEMM_TORCH_CPU_INDEX"
+BUILD_ENV = "MOE_GEMM_TORCH_BUILD"
 # Reaching the index is a request or two; a dead route fails at once, a black-holed one must
 # not stall setup for pip's 15 s x 5 retries.
 PROBE_TIMEOUT_S = 10.0
@@ -107,8 +111,15 @@ def probe_index(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
 
 
 def decide(*, path: str | None = None, dev_dir: str = "/dev",
-           cpu_index: str | None = None) -> Plan:
-    """The plan for this interpreter and machine (reads the environment, installs nothing)."""
+           cpu_index: str | None = None, build: str | None = None) -> Plan:
+    """The plan for this interpreter and machine (reads the environment, installs nothing).
+
+    `build` ("auto", "cpu", "cuda"; default $MOE_GEMM_TORCH_BUILD or "auto") skips the GPU
+    detection when not "auto".
+    """
+    build = (build or os.environ.get(BUILD_ENV) or "auto").strip().lower()
+    if build not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"{BUILD_ENV} must be auto, cpu or cuda; got {build!r}")
     have = installed_torch()
     if have is not None:
         if version_tuple(have) >= MIN_TORCH:
@@ -118,24 +129,25 @@ def decide(*, path: str | None = None, dev_dir: str = "/dev",
     else:
         why_new = "torch is not installed; "
     pin = f"torch=={TORCH_PIN}"
-    gpu = nvidia_gpu(path, dev_dir)
-    if gpu:
-        return Plan("install", why_new + f"NVIDIA GPU ({gpu}): {pin} from the configured "
-                    "package index (the CUDA build on Linux)", "cuda", [pin])
+    gpu = nvidia_gpu(path, dev_dir) if build == "auto" else None
+    if build == "cuda" or gpu:
+        why = f"NVIDIA GPU ({gpu})" if gpu else f"{BUILD_ENV}=cuda"
+        return Plan("install", why_new + f"{why}: {pin} from the configured package index (the "
+                    "CUDA build on Linux)", "cuda", [pin])
+    why = "no NVIDIA GPU" if build == "auto" else f"{BUILD_ENV}=cpu"
     index = cpu_index or os.environ.get(CPU_INDEX_ENV) or CPU_INDEX
     problem = probe_index(index)
     if problem is None:
-        return Plan("install", why_new + f"no NVIDIA GPU: {pin}, the CPU-only build, from "
-                    f"{index}", "cpu", [pin, "--index-url", index])
+        return Plan("install", why_new + f"{why}: {pin}, the CPU-only build, from {index}",
+                    "cpu", [pin, "--index-url", index])
     return Plan(
         "install",
-        why_new + f"no NVIDIA GPU, and PyTorch's CPU-only index cannot be used: {problem}; "
-        f"{pin} from the configured package index instead",
+        why_new + f"{why}, and PyTorch's CPU-only index cannot be used: {problem}; {pin} from "
+        "the configured package index instead",
         "configured index", [pin],
         warning="where the configured index serves only the plain torch wheel (PyPI on Linux "
         "x86_64) that is the CUDA build, several GB of nvidia-* packages; to get the CPU-only "
         f"build set {CPU_INDEX_ENV} to a reachable copy of {CPU_INDEX} and run setup again")
-
 
 def pip_command(plan: Plan, python: str = sys.executable) -> list[str]:
     return [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *plan.pip_args]
@@ -150,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CPU_INDEX})")
     parser.add_argument("--dev-dir", default="/dev", help="where to look for /dev/nvidia<N>")
     args = parser.parse_args(argv)
-    plan = decide(dev_dir=args.dev_dir, cpu_index=args.cpu_index)
+    try:
+        plan = decide(dev_dir=args.dev_dir, cpu_index=args.cpu_index)
+    except ValueError as exc:
+        print(f"torch: {exc}", file=sys.stderr)
+        return 2
     print(f"torch: {plan.reason}", flush=True)
     if plan.warning:
         print(f"torch: warning: {plan.warning}", file=sys.stderr, flush=True)
