@@ -275,7 +275,7 @@ def table(results: list[dict], pre: dict | None) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for gpu-tests.json and gpu-logs.txt")
     p.add_argument("--groups", default="", help="comma-separated group names or patterns")

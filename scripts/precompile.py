@@ -84,7 +84,7 @@ def compile_all(keys: list, jobs: int, timeout: float) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", default="tests", choices=["tests", "check"])
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
