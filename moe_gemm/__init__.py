@@ -7,12 +7,15 @@ Public API:
     GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
     GemmConfig                backend / schedule / visitor / tile choices (frozen)
     MoE                       an inference MoE layer (routing + fused expert FFN) on grouped_mm
+    ExpertParallelMoE         the MoE layer with its experts split over a process group
 """
 
 __version__ = "0.1.0"
 
 from moe_gemm.config import GemmConfig  # noqa: E402
 from moe_gemm.integrations import register_transformers_lazily  # noqa: E402
+from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher  # noqa: E402
+from moe_gemm.layers.expert_parallel import ExpertParallelMoE  # noqa: E402
 from moe_gemm.layers.moe import MoE, moe_experts, moe_forward  # noqa: E402
 from moe_gemm.layers.routing import (  # noqa: E402
     ExpertPermutation,
@@ -26,6 +29,9 @@ from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm  # noqa: 
 register_transformers_lazily()
 
 __all__ = [
+    "AllToAllDispatcher",
+    "Dispatcher",
+    "ExpertParallelMoE",
     "ExpertPermutation",
     "GemmConfig",
     "GroupedGemmPlan",
