@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from . import __version__
 from .config import Settings
 from .logs import configure_logging
+from .security import check_exposure, check_tls
 
 log = logging.getLogger("moe_gemm_server")
 
@@ -47,13 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     a("--data-dir", help="where weight sets persist (default $XDG_DATA_HOME/moe-gemm-server)")
     a("--api-key", action="append", help="accepted API key for matmul/read routes; repeatable "
       "(none = open)")
-    a("--admin-key", help="key for weight uploads and deletes")
+    a("--admin-key", help="key for weight uploads and deletes (required with a non-loopback "
+      "--host)")
+    a("--insecure-no-auth", action="store_true", default=None,
+      help="allow a non-loopback --host without an admin key (warns at every start)")
+    a("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
+    a("--ssl-keyfile", help="the certificate's PEM private key (if not in --ssl-certfile)")
     a("--max-body-bytes", type=int, help="request body limit (default 64 MiB)")
     a("--max-weight-bytes", type=int, help="body limit of weight uploads (default 16 GiB)")
     a("--max-rows", type=int, help="rows per request (default 65536)")
     a("--max-flops", type=int, help="FLOPs (2*M*N*K summed) per request (default 2^40)")
     a("--max-problems", type=int, help="problems per grouped-gemm request (default 4096)")
     a("--max-output-bytes", type=int, help="bytes of one request's result (default 1 GiB)")
+    a("--max-resident-bytes", type=int, help="budget for resident weight sets on the device; "
+      "an upload past it gets 507 (default: device memory)")
     a("--device", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N")
     a("--backend", choices=["auto", "cute", "torch"], help="kernel backend (default auto)")
     a("--warmup-rows", help="comma-separated row counts each weight set is warmed at "
@@ -130,7 +138,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .main import create_app
 
     try:
-        resolve_device(settings.device)  # fail before binding the port, with one line
+        # fail before binding the port, with one line
+        for warning in check_exposure(settings):
+            log.warning("%s", warning)
+        check_tls(settings)
+        resolve_device(settings.device)
         app = create_app(settings)
     except (ValueError, OSError) as e:
         raise SystemExit(f"moe-gemm-server: {e}") from None
@@ -145,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # after the drain, a connection that still hangs (a stalled upload) is cut after this
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
         lifespan="on",
+        ssl_certfile=str(settings.ssl_certfile) if settings.ssl_certfile else None,
+        ssl_keyfile=str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
     )
     server = DrainingServer(config, app)
     server.run()

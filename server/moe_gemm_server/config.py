@@ -43,6 +43,12 @@ class Settings(BaseSettings):
     # auth: none configured = open matmul/read routes
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_key: str | None = None
+    # a non-loopback host without an admin key refuses to start unless this is set
+    insecure_no_auth: bool = False
+
+    # TLS (uvicorn's): a PEM certificate (chain) and its private key
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
 
     # limits
     max_body_bytes: int = Field(64 * MiB, ge=1)
@@ -52,6 +58,8 @@ class Settings(BaseSettings):
     max_problems: int = Field(4096, ge=1, description="problems per grouped-gemm request")
     max_output_bytes: int = Field(1 * GiB, ge=1, description="bytes of one request's result "
                                   "(sum of M_i*N_i*itemsize; bounds K=0 problems too)")
+    max_resident_bytes: int | None = Field(None, ge=1, description="budget for the resident "
+                                           "weight sets on the device (None = device memory)")
 
     # engine
     device: str = "auto"
