@@ -5,6 +5,10 @@ variable. On the first SIGTERM or SIGINT the server does not stop listening: rea
 503 (so a load balancer stops sending), new requests get 503, queued and in-flight requests
 finish (at most --drain-timeout-s), and only then uvicorn shuts down; the process exits 0. A
 second signal stops at once.
+
+A sticky device error (an illegal address: faults.py) turns the server not-ready and exits with
+status 70 once the requests in flight are answered, so that the supervisor starts a new
+process; the stored weight sets are loaded again on that start.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pydantic import ValidationError
 
 from . import __version__
 from .config import Settings
+from .faults import EXIT_DEVICE_FAILED
 from .logs import configure_logging
 from .security import check_exposure, check_tls
 
@@ -105,6 +110,13 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
+        app.state.service.on_fatal = self.fail
+
+    def fail(self, reason: str) -> None:
+        """A sticky device error (faults.py): stop now and exit with EXIT_DEVICE_FAILED."""
+        self.exit_code = EXIT_DEVICE_FAILED
+        self.should_exit = True
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -162,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     server = DrainingServer(config, app)
     server.run()
+    if server.exit_code:
+        sys.exit(server.exit_code)
     if not server.started:
         sys.exit(3)
 
