@@ -39,6 +39,8 @@ class Settings(BaseSettings):
 
     # persistence
     data_dir: Path = Field(default_factory=default_data_dir)
+    # rescan the data directory for sets other servers wrote or deleted (0 = never; sync.py)
+    sync_interval_s: float = Field(2.0, ge=0)
 
     # auth: none configured = open matmul/read routes
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -35,6 +35,7 @@ from .faults import device_failure, is_no_space
 from .limits import BodyTooLarge, read_body
 from .metrics import Metrics, StatsBook
 from .storage import WeightStore, check_name, read_weight_file
+from .sync import StoreWatcher
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class Service:
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self._reserved_bytes = 0  # uploads admitted under the budget, not yet installed
+        self.watcher = StoreWatcher(self)
+        self._sync_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -103,10 +106,12 @@ class Service:
         await asyncio.to_thread(self.store.cleanup_temp)
         names = await asyncio.to_thread(self.store.names)
         for name in names:
+            fid = self.watcher.file_id(name)  # before reading: a later rewrite is noticed
             try:
                 tensor, layout = await asyncio.to_thread(self.store.load, name)
                 self._check_budget(name, tensor.numel() * tensor.element_size())
                 await asyncio.to_thread(self.engine.add_weights, name, tensor, layout)
+                self.watcher.record(name, fid)
             except Exception as e:
                 if self._check_fatal(e):
                     return
@@ -114,6 +119,8 @@ class Service:
                                       EngineOutOfMemory)):
                     raise
                 msg = e.message if isinstance(e, APIError) else str(e)
+                if fid is not None:
+                    self.watcher.failed[name] = fid
                 self.load_errors[name] = msg
                 self.metrics.weight_load_errors.inc()
                 log.error("could not load weight set %r from %s: %s", name, self.store.root, msg)
@@ -127,6 +134,9 @@ class Service:
         self.metrics.ready.set(1)
         log.info("ready: %d weight set(s) loaded and warmed in %.1fs", len(names) -
                  len(self.load_errors), time.monotonic() - t0)
+        if self.settings.sync_interval_s > 0:  # sets written by other servers (sync.py)
+            self._sync_task = asyncio.get_running_loop().create_task(
+                self.watcher.run(self.settings.sync_interval_s))
 
     async def wait_ready(self) -> None:
         if self._load_task is not None:
@@ -153,6 +163,10 @@ class Service:
 
     async def stop(self) -> None:
         await self.drain(self.settings.drain_timeout_s)
+        if self._sync_task is not None and not self._sync_task.done():
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sync_task
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -331,6 +345,7 @@ class Service:
                 async with self._weights_lock:
                     await asyncio.to_thread(self.store.commit, temp, name)
                     old = self.engine.install(ws)
+                    self.watcher.record(name, self.watcher.file_id(name))
                     self._update_weight_metrics()
             finally:
                 self._reserved_bytes -= nbytes
@@ -385,6 +400,7 @@ class Service:
         async with self._weights_lock:
             on_disk = await asyncio.to_thread(self.store.delete, name)
             ws = self.engine.remove_weights(name)
+            self.watcher.record(name, None)
             self._update_weight_metrics()
         if not on_disk and ws is None:
             raise APIError(404, f"unknown weight set {name!r}")
