@@ -120,7 +120,6 @@ class Report:
     restarts: int = 0
     restart_s: list[float] = field(default_factory=list)
     uploads_acked: int = 0
-    upload_retries: int = 0
     contended_bursts: int = 0
     contended_failures: list[str] = field(default_factory=list)
     durability_checks: int = 0
