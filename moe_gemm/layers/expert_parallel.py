@@ -67,9 +67,15 @@ def local_expert_ffn(
     h = grouped_mm(xs, w_gate_up, perm.offs, config=config)  # (S, 2I)
     gate, up = h.chunk(2, dim=-1)
     a = resolve_activation(activation)(gate) * up
-    y = grouped_mm(a, w_down, perm.offs, config=config)  # (S, H)
-    # One zero row for the slots that are not here: embedding_bag gathers it with weight 0.
-    y = torch.cat([y, y.new_zeros(1, H)])
+    # y gets one extra zero row, which the slots that are not here gather (with weight 0).
+    # With the valid count known every row below S is written (S = offs[-1]); otherwise the
+    # rows past offs[-1], which the GEMM leaves alone in `out`, must be zeros too.
+    if num_valid_slots is None:
+        y = a.new_zeros(S + 1, H)
+    else:
+        y = a.new_empty(S + 1, H)
+        y[S:].zero_()
+    grouped_mm(a, w_down, perm.offs, out=y[:S], config=config)  # (S, H)
     rows = perm.row_of_slot.clamp(max=S)
     w = torch.where(perm.valid, weights, 0).to(y.dtype)
     return F.embedding_bag(rows, y, per_sample_weights=w, mode="sum")
