@@ -7,6 +7,7 @@ Public API:
     GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
     GemmConfig                backend / schedule / visitor / tile choices (frozen)
     MoE                       an inference MoE layer (routing + fused expert FFN) on grouped_mm
+    ExpertParallelMoE         the MoE layer with its experts split over a process group
 
 `import moe_gemm` is light: torch and the ops load on first use of any public name (PEP 562
 module __getattr__), so that `moe-gemm --help`, `--version` and tools that only read the
@@ -24,6 +25,8 @@ from moe_gemm.integrations import register_transformers_lazily
 
 if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
     from moe_gemm.config import GemmConfig
+    from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
+    from moe_gemm.layers.expert_parallel import ExpertParallelMoE
     from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
     from moe_gemm.layers.routing import (
         ExpertPermutation,
@@ -38,6 +41,9 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
 register_transformers_lazily()
 
 __all__ = [
+    "AllToAllDispatcher",
+    "Dispatcher",
+    "ExpertParallelMoE",
     "ExpertPermutation",
     "GemmConfig",
     "GroupedGemmPlan",
@@ -67,6 +73,8 @@ def _load() -> None:
         _state = 1
         try:
             from moe_gemm.config import GemmConfig
+            from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
+            from moe_gemm.layers.expert_parallel import ExpertParallelMoE
             from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
             from moe_gemm.layers.routing import (
                 ExpertPermutation,
@@ -79,6 +87,9 @@ def _load() -> None:
             _state = 0  # e.g. torch missing: the next use raises the same ImportError again
             raise
         globals().update(
+            AllToAllDispatcher=AllToAllDispatcher,
+            Dispatcher=Dispatcher,
+            ExpertParallelMoE=ExpertParallelMoE,
             ExpertPermutation=ExpertPermutation,
             GemmConfig=GemmConfig,
             GroupedGemmPlan=GroupedGemmPlan,

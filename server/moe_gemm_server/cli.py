@@ -5,6 +5,10 @@ variable. On the first SIGTERM or SIGINT the server does not stop listening: rea
 503 (so a load balancer stops sending), new requests get 503, queued and in-flight requests
 finish (at most --drain-timeout-s), and only then uvicorn shuts down; the process exits 0. A
 second signal stops at once.
+
+A sticky device error (an illegal address: faults.py) turns the server not-ready and exits with
+status 70 once the requests in flight are answered, so that the supervisor starts a new
+process; the stored weight sets are loaded again on that start.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from pydantic import ValidationError
 
 from . import __version__
 from .config import Settings
+from .faults import EXIT_DEVICE_FAILED
 from .logs import configure_logging
+from .security import check_exposure, check_tls
 
 log = logging.getLogger("moe_gemm_server")
 
@@ -47,15 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", help="interface to bind (default 127.0.0.1)")
     a("--port", type=int, help="port (default 8000; 0 = any free port)")
     a("--data-dir", help="where weight sets persist (default $XDG_DATA_HOME/moe-gemm-server)")
+    a("--sync-interval-s", type=float, help="rescan the data directory for sets other servers "
+      "sharing it wrote or deleted, every this many seconds (default 2; 0 = never)")
     a("--api-key", action="append", help="accepted API key for matmul/read routes; repeatable "
       "(none = open)")
-    a("--admin-key", help="key for weight uploads and deletes")
+    a("--admin-key", help="key for weight uploads and deletes (required with a non-loopback "
+      "--host)")
+    a("--insecure-no-auth", action="store_true", default=None,
+      help="allow a non-loopback --host without an admin key (warns at every start)")
+    a("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
+    a("--ssl-keyfile", help="the certificate's PEM private key (if not in --ssl-certfile)")
     a("--max-body-bytes", type=int, help="request body limit (default 64 MiB)")
     a("--max-weight-bytes", type=int, help="body limit of weight uploads (default 16 GiB)")
     a("--max-rows", type=int, help="rows per request (default 65536)")
     a("--max-flops", type=int, help="FLOPs (2*M*N*K summed) per request (default 2^40)")
     a("--max-problems", type=int, help="problems per grouped-gemm request (default 4096)")
     a("--max-output-bytes", type=int, help="bytes of one request's result (default 1 GiB)")
+    a("--max-resident-bytes", type=int, help="budget for resident weight sets on the device; "
+      "an upload past it gets 507 (default: device memory)")
     a("--device", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N")
     a("--backend", choices=["auto", "cute", "torch"], help="kernel backend (default auto)")
     a("--warmup-rows", help="comma-separated row counts each weight set is warmed at "
@@ -99,6 +114,13 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
+        app.state.service.on_fatal = self.fail
+
+    def fail(self, reason: str) -> None:
+        """A sticky device error (faults.py): stop now and exit with EXIT_DEVICE_FAILED."""
+        self.exit_code = EXIT_DEVICE_FAILED
+        self.should_exit = True
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -198,6 +220,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = settings_from_args(argv)
     configure_logging(settings.log_level)
     try:
+        # exposure (a non-loopback bind needs an admin key) and TLS files: refused with one
+        # line before the port is bound
+        for warning in check_exposure(settings):
+            log.warning("%s", warning)
+        check_tls(settings)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"moe-gemm-server: {e}") from None
+    try:
         sockets = listen(settings.host, settings.port)
     except OSError as e:
         raise SystemExit(f"moe-gemm-server: {e}") from None
@@ -218,12 +248,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         # after the drain, a connection that still hangs (a stalled upload) is cut after this
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
         lifespan="on",
+        ssl_certfile=str(settings.ssl_certfile) if settings.ssl_certfile else None,
+        ssl_keyfile=str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
     )
     scheme = "https" if config.is_ssl else "http"
     for sock in sockets:
         log.info("listening on %s://%s", scheme, _address(sock.getsockname()))
     server = DrainingServer(config, app)
     server.run(sockets=sockets)
+    if server.exit_code:
+        sys.exit(server.exit_code)
     if not server.started:
         sys.exit(3)
 

@@ -39,10 +39,18 @@ class Settings(BaseSettings):
 
     # persistence
     data_dir: Path = Field(default_factory=default_data_dir)
+    # rescan the data directory for sets other servers wrote or deleted (0 = never; sync.py)
+    sync_interval_s: float = Field(2.0, ge=0)
 
     # auth: none configured = open matmul/read routes
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_key: str | None = None
+    # a non-loopback host without an admin key refuses to start unless this is set
+    insecure_no_auth: bool = False
+
+    # TLS (uvicorn's): a PEM certificate (chain) and its private key
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
 
     # limits
     max_body_bytes: int = Field(64 * MiB, ge=1)
@@ -52,6 +60,8 @@ class Settings(BaseSettings):
     max_problems: int = Field(4096, ge=1, description="problems per grouped-gemm request")
     max_output_bytes: int = Field(1 * GiB, ge=1, description="bytes of one request's result "
                                   "(sum of M_i*N_i*itemsize; bounds K=0 problems too)")
+    max_resident_bytes: int | None = Field(None, ge=1, description="budget for the resident "
+                                           "weight sets on the device (None = device memory)")
 
     # engine
     device: str = "auto"

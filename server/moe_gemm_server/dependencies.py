@@ -12,6 +12,8 @@ from fastapi import Depends, Request
 
 from .auth import check_admin, check_reader
 from .config import Settings
+from .errors import APIError
+from .security import AuditRecord, write_audit
 from .service import Service
 
 
@@ -32,7 +34,14 @@ async def require_reader(request: Request, service: ServiceDep) -> None:
 
 
 async def require_admin(request: Request, service: ServiceDep) -> None:
-    check_admin(request, service.settings)
+    try:
+        check_admin(request, service.settings)
+    except APIError as e:  # a refused admin action is audited too (with the key's id)
+        action = {"PUT": "put_weights", "DELETE": "delete_weights"}.get(request.method,
+                                                                       request.method)
+        write_audit(request, AuditRecord(action, str(request.path_params.get("name", "-")),
+                                         e.status, e.message), 0.0)
+        raise
 
 
 async def require_serving(request: Request, service: ServiceDep) -> None:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,11 @@ from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
 from .codecs import JSON_DTYPES, encode_safetensors, json_tensor3, parse_json_object
 from .config import Settings
 from .errors import APIError, unavailable, unprocessable
+from .faults import device_failure, is_no_space
 from .limits import WEIGHT_FLAG, BodyTooLarge, read_body
 from .metrics import Metrics, StatsBook
 from .storage import WeightStore, check_name, read_weight_file
+from .sync import StoreWatcher
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,13 @@ class Service:
         self._weights_lock: asyncio.Lock | None = None
         self._load_task: asyncio.Task[None] | None = None
         self.load_errors: dict[str, str] = {}
+        # A sticky device error: the process must be replaced (see faults.py). on_fatal is
+        # how the command line's server is told to exit non-zero.
+        self.fatal_error: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+        self._reserved_bytes = 0  # uploads admitted under the budget, not yet installed
+        self.watcher = StoreWatcher(self)
+        self._sync_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -103,11 +112,21 @@ class Service:
         await asyncio.to_thread(self.store.cleanup_temp)
         names = await asyncio.to_thread(self.store.names)
         for name in names:
+            fid = self.watcher.file_id(name)  # before reading: a later rewrite is noticed
             try:
                 tensor, layout = await asyncio.to_thread(self.store.load, name)
+                self._check_budget(name, tensor.numel() * tensor.element_size())
                 await asyncio.to_thread(self.engine.add_weights, name, tensor, layout)
-            except (APIError, ValueError, TypeError, OSError, EngineOutOfMemory) as e:
+                self.watcher.record(name, fid)
+            except Exception as e:
+                if self._check_fatal(e):
+                    return
+                if not isinstance(e, (APIError, ValueError, TypeError, OSError,
+                                      EngineOutOfMemory)):
+                    raise
                 msg = e.message if isinstance(e, APIError) else str(e)
+                if fid is not None:
+                    self.watcher.failed[name] = fid
                 self.load_errors[name] = msg
                 self.metrics.weight_load_errors.inc()
                 log.error("could not load weight set %r from %s: %s", name, self.store.root, msg)
@@ -121,6 +140,9 @@ class Service:
         self.metrics.ready.set(1)
         log.info("ready: %d weight set(s) loaded and warmed in %.1fs", len(names) -
                  len(self.load_errors), time.monotonic() - t0)
+        if self.settings.sync_interval_s > 0:  # sets written by other servers (sync.py)
+            self._sync_task = asyncio.get_running_loop().create_task(
+                self.watcher.run(self.settings.sync_interval_s))
 
     async def wait_ready(self) -> None:
         if self._load_task is not None:
@@ -147,6 +169,10 @@ class Service:
 
     async def stop(self) -> None:
         await self.drain(self.settings.drain_timeout_s)
+        if self._sync_task is not None and not self._sync_task.done():
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sync_task
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -159,6 +185,26 @@ class Service:
     @property
     def is_ready(self) -> bool:
         return self.ready and not self.draining
+
+    def fail_device(self, reason: str) -> None:
+        """A sticky device error: not ready from now on, and the process is to exit non-zero
+        (on_fatal) so that its supervisor replaces it. Idempotent."""
+        if self.fatal_error is not None:
+            return
+        self.fatal_error = reason
+        self.ready = False
+        self.not_ready_reason = f"device failed ({reason}); the server is restarting"
+        self.metrics.ready.set(0)
+        log.critical("unrecoverable device error: %s; exiting so the supervisor restarts the "
+                     "server (stored weight sets are reloaded on start)", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def _check_fatal(self, exc: BaseException) -> bool:
+        reason = device_failure(exc)
+        if reason is not None:
+            self.fail_device(reason)
+        return reason is not None
 
     def check_serving(self, request: Request) -> None:
         """503 unless ready and (not draining, or the request arrived before the drain)."""
@@ -239,6 +285,9 @@ class Service:
             exc = fut.exception()
             if exc is None:
                 return fut.result()
+            if self._check_fatal(exc):
+                self.metrics.rejections.labels("device_failed").inc()
+                raise unavailable(f"not ready: {self.not_ready_reason}")
             if isinstance(exc, JobTimeout):
                 raise APIError(504, "the request's timeout expired while it was queued")
             if isinstance(exc, EngineOutOfMemory):
@@ -291,28 +340,74 @@ class Service:
                 raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
                                     "(application/octet-stream) or application/json")
             tensor, layout = await asyncio.to_thread(read_weight_file, temp)
+            nbytes = tensor.numel() * tensor.element_size()
+            self._check_budget(name, nbytes)
+            self._reserved_bytes += nbytes  # no await since the check: admission is atomic
             try:
-                ws = await asyncio.to_thread(self.engine.prepare_weights, name, tensor, layout)
-            except (ValueError, TypeError) as e:
-                raise unprocessable(str(e)) from None
-            except EngineOutOfMemory as e:
-                self.metrics.rejections.labels("out_of_memory").inc()
-                raise unavailable(f"device out of memory for this weight set: {e}") from None
-            async with self._weights_lock:
-                await asyncio.to_thread(self.store.commit, temp, name)
-                old = self.engine.install(ws)
-                self._update_weight_metrics()
+                try:
+                    ws = await asyncio.to_thread(self.engine.prepare_weights, name, tensor,
+                                                 layout)
+                except (ValueError, TypeError) as e:
+                    raise unprocessable(str(e)) from None
+                async with self._weights_lock:
+                    await asyncio.to_thread(self.store.commit, temp, name)
+                    old = self.engine.install(ws)
+                    self.watcher.record(name, self.watcher.file_id(name))
+                    self._update_weight_metrics()
+            finally:
+                self._reserved_bytes -= nbytes
             log.info("weight set %r %s: %s", name, "replaced" if old else "created", ws.info())
             return ws, old is None
+        except EngineOutOfMemory as e:
+            self.metrics.rejections.labels("out_of_memory").inc()
+            raise APIError(507, f"weight set {name!r} does not fit in device memory "
+                                f"({self.engine.resident_bytes} bytes held by "
+                                f"{len(self.engine.weight_sets())} resident set(s)): {e}; "
+                                "delete a set or set --max-resident-bytes") from None
+        except OSError as e:
+            if is_no_space(e):
+                self.metrics.rejections.labels("no_space").inc()
+                raise APIError(507, f"the data directory {self.store.root} is full "
+                                    f"({e.strerror}); weight set {name!r} was not stored and "
+                                    "its previous version, if any, is unchanged") from None
+            raise
+        except Exception as e:
+            if self._check_fatal(e):
+                raise unavailable(f"not ready: {self.not_ready_reason}") from None
+            raise
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
+
+    def _check_budget(self, name: str, nbytes: int) -> None:
+        """507 if a set of `nbytes` would take the resident sets past --max-resident-bytes
+        (a replaced set's bytes count as freed: the swap releases them)."""
+        budget = self.settings.max_resident_bytes
+        if budget is None:
+            return
+        assert self.engine is not None
+        try:
+            replaced = self.engine.get_weights(name).nbytes
+        except KeyError:
+            replaced = 0
+        resident = self.engine.resident_bytes + self._reserved_bytes
+        if resident - replaced + nbytes > budget:
+            self.metrics.rejections.labels("over_budget").inc()
+            raise APIError(
+                507,
+                f"weight set {name!r} needs {nbytes} bytes but only "
+                f"{max(0, budget - resident + replaced)} of the {budget}-byte resident budget "
+                f"(--max-resident-bytes) are free ({resident} bytes held by "
+                f"{len(self.engine.weight_sets())} set(s) and uploads in progress); delete a "
+                "set or raise the budget",
+            )
 
     async def delete_weights(self, name: str) -> None:
         assert self.engine is not None and self._weights_lock is not None
         async with self._weights_lock:
             on_disk = await asyncio.to_thread(self.store.delete, name)
             ws = self.engine.remove_weights(name)
+            self.watcher.record(name, None)
             self._update_weight_metrics()
         if not on_disk and ws is None:
             raise APIError(404, f"unknown weight set {name!r}")

@@ -12,9 +12,16 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/v2/health/live")
-async def live() -> dict[str, bool]:
-    """200 while the process serves."""
-    return {"live": True}
+async def live(request: Request, service: ServiceDep) -> JSONResponse:
+    """200 while the process serves; 503 once a sticky device error has made it unusable (it
+    is then exiting; a liveness probe restarts it should the exit hang)."""
+    if service.fatal_error is None:
+        return JSONResponse({"live": True})
+    return JSONResponse(
+        {"live": False, "error": f"device failed: {service.fatal_error}",
+         "request_id": request_id_of(request)},
+        status_code=503,
+    )
 
 
 @router.get("/v2/health/ready")

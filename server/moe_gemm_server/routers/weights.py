@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..dependencies import AdminDep, ReaderDep, ServiceDep, ServingDep
+from ..security import audited
 from ..storage import check_name
 
 router = APIRouter(prefix="/v1/weights", tags=["weights"])
@@ -14,11 +15,14 @@ router = APIRouter(prefix="/v1/weights", tags=["weights"])
 @router.put("/{name}", dependencies=[AdminDep])
 async def put_weights(name: str, request: Request, service: ServiceDep) -> JSONResponse:
     """Upload a safetensors body with "w" (E, K, N) or "w_t" (E, N, K); 201 new, 200 replaced."""
-    check_name(name)
-    service.check_serving(request)
-    async with service.tracked():
-        ws, created = await service.put_weights(name, request)
-    return JSONResponse(ws.info(), status_code=201 if created else 200)
+    with audited(request, "put_weights", name) as record:
+        check_name(name)
+        service.check_serving(request)
+        async with service.tracked():
+            ws, created = await service.put_weights(name, request)
+        record.status = 201 if created else 200
+        record.detail = f"{ws.E}x{ws.K}x{ws.N} {ws.info()['dtype']} {ws.nbytes} bytes"
+    return JSONResponse(ws.info(), status_code=record.status)
 
 
 @router.get("", dependencies=[ReaderDep, ServingDep])
@@ -34,7 +38,9 @@ async def get_weights(name: str, service: ServiceDep) -> dict[str, object]:
 
 @router.delete("/{name}", dependencies=[AdminDep])
 async def delete_weights(name: str, request: Request, service: ServiceDep) -> dict[str, str]:
-    check_name(name)
-    service.check_serving(request)
-    await service.delete_weights(name)
+    with audited(request, "delete_weights", name) as record:
+        check_name(name)
+        service.check_serving(request)
+        await service.delete_weights(name)
+        record.status = 200
     return {"deleted": name}

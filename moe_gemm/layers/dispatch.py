@@ -1,0 +1,245 @@
+"""Token dispatch and combine for expert parallelism: the interface and the all-to-all default.
+
+Expert parallelism splits the E experts of a layer over the W ranks of a process group: rank r
+holds experts [r * E/W, (r + 1) * E/W). After routing, every rank must send each of its tokens
+to the ranks that hold one of the token's experts (dispatch), run its own experts on what it
+received, and send the partial outputs back, where each token sums the partials of every rank
+it visited (combine).
+
+The data model is DeepEP's (deepseek-ai/DeepEP `Buffer.dispatch` / `Buffer.combine`), so its
+kernels plug in behind the same interface (docs/DEPLOYING.md shows the adapter):
+- a token goes to a rank at most once, whatever the number of its experts there (a top-8 token
+  with three experts on one rank crosses the link once, not three times);
+- the receiving rank gets, per token, all k slots with the *local* expert id of each slot on
+  this rank and -1 for slots whose expert lives elsewhere, and the routing weight of each slot;
+  it returns one row per received token: the weighted sum over its local experts;
+- combine sums, for every original token, the rows that came back from the ranks it visited.
+
+`AllToAllDispatcher` implements this on `torch.distributed.all_to_all_single` (NCCL on GPUs,
+gloo on CPUs). Send counts are exchanged on the device with one all-to-all of W integers; the
+variable-size token all-to-all then needs those counts as host lists, which costs one host read
+of 2 * W integers per forward. `static_splits=True` removes that read: every rank sends a fixed
+T rows to every rank (a token visits a rank at most once, so T always suffices), padding rows
+carrying no valid slot, at W times the link traffic; that path never waits for the host and can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["AllToAllDispatcher", "Dispatched", "Dispatcher", "expert_range"]
+
+
+def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of the experts rank `rank` holds when E experts are split over W ranks.
+
+    Raises:
+        ValueError: E not a positive multiple of W, or rank outside [0, W).
+    """
+    if world_size < 1 or num_experts < 1 or num_experts % world_size:
+        raise ValueError(
+            f"expert parallelism splits the experts evenly: num_experts={num_experts} must be "
+            f"a positive multiple of the group size {world_size}"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
+    per = num_experts // world_size
+    return rank * per, (rank + 1) * per
+
+
+@dataclass
+class Dispatched:
+    """What one rank received for its local experts.
+
+    Attributes:
+        x: [R, H] the received tokens, in the activation dtype.
+        local_ids: [R, k] int64 local expert id of each slot on this rank, -1 where the slot's
+            expert lives on another rank (and on padding rows).
+        weights: [R, k] float32 routing weight of each slot (0 where local_ids is -1).
+        num_valid_slots: slots with a local expert, when known on the host without a sync
+            (the expert GEMMs then gather only those rows); None = unknown.
+        handle: opaque state `combine` needs (layouts, split sizes).
+    """
+
+    x: torch.Tensor  # (R, H)
+    local_ids: torch.Tensor  # (R, k)
+    weights: torch.Tensor  # (R, k)
+    num_valid_slots: int | None
+    handle: Any
+
+
+@runtime_checkable
+class Dispatcher(Protocol):
+    """Moves tokens to the ranks holding their experts and the expert outputs back.
+
+    Implementations must be called by every rank of the group for every forward (they run
+    collectives), including ranks with no tokens.
+
+    Attributes:
+        rank: this rank's index in the expert-parallel group.
+        world_size: the group's size W (rank r holds experts expert_range(E, r, W)).
+    """
+
+    rank: int
+    world_size: int
+
+    def dispatch(
+        self,
+        x: torch.Tensor,  # (T, H)
+        topk_ids: torch.Tensor,  # (T, k) global expert ids
+        topk_weights: torch.Tensor,  # (T, k)
+        num_experts: int,
+        *,
+        during: Callable[[], Any] | None = None,
+    ) -> tuple[Dispatched, Any]:
+        """Send every token once to each rank holding one of its experts.
+
+        `during` is work to run while the tokens are in flight (e.g. the shared experts); its
+        result is returned second.
+        """
+        ...
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        """[R, H] per-received-token partial outputs -> [T, H] summed per original token."""
+        ...
+
+
+@dataclass
+class _Handle:
+    T: int
+    send_rows: int  # rows this rank sent (static: W * T)
+    pos_of_pair: torch.Tensor  # (T, W) row of each (token, rank) pair in the send order
+    send_splits: list[int] | None  # None: static splits
+    recv_splits: list[int] | None
+
+
+class AllToAllDispatcher:
+    """The default Dispatcher, on torch.distributed all-to-all.
+
+    Args:
+        group: the expert-parallel process group (None = the default group).
+        static_splits: send T rows to every rank (no host read of the counts, graph
+            capturable, W times the traffic) instead of exactly the rows each rank needs.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, static_splits: bool = False):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "expert parallelism needs torch.distributed initialized "
+                "(torch.distributed.init_process_group) before the dispatcher is built"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.static_splits = bool(static_splits)
+
+    def __repr__(self) -> str:
+        return (f"AllToAllDispatcher(rank={self.rank}, world_size={self.world_size}, "
+                f"static_splits={self.static_splits})")
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_experts: int,
+        *,
+        during: Callable[[], Any] | None = None,
+    ) -> tuple[Dispatched, Any]:
+        W, group = self.world_size, self.group
+        T, k = topk_ids.shape
+        H = x.shape[1]
+        device = x.device
+        per = expert_range(num_experts, 0, W)[1]
+        ids = topk_ids.long()
+        valid = (ids >= 0) & (ids < num_experts)
+        dest = torch.where(valid, torch.div(ids, per, rounding_mode="floor"), W)  # (T, k)
+        ranks = torch.arange(W, device=device)
+        hits = dest.unsqueeze(2) == ranks.view(1, 1, W)  # (T, k, W)
+        is_sent = hits.any(dim=1)  # (T, W): token t visits rank r (one row, however many
+        slot_counts = hits.sum(dim=(0, 1))  # (W,)   of its experts live there)
+        # Send order: rank-major, token-minor; a stable sort of the (rank, token) pairs on the
+        # device (no host sync). Pair q = r * T + t; rows past the live ones are never sent.
+        key = torch.where(is_sent.t(), ranks.view(W, 1), W).reshape(-1)  # (W*T,)
+        sorted_key, pair_order = torch.sort(key, stable=True)
+        ends = torch.searchsorted(sorted_key, ranks, right=True)
+        send_counts = torch.diff(ends, prepend=ends.new_zeros(1))  # (W,)
+        tok = pair_order % max(T, 1)  # token of each send-order row
+        pos = torch.empty_like(pair_order).scatter_(
+            0, pair_order, torch.arange(W * T, device=device)
+        )  # (W*T,) send-order row of each pair
+        # Per send row: the k slots' local ids (-1 elsewhere) and weights, packed as float32
+        # (ids < 2^24 are exact) so that one all-to-all carries both.
+        row_dest = sorted_key.clamp(max=W - 1).unsqueeze(1)  # (W*T, 1)
+        here = dest.index_select(0, tok) == row_dest  # (W*T, k)
+        local = torch.where(here, ids.index_select(0, tok) - row_dest * per, -1)
+        wts = torch.where(here, topk_weights.index_select(0, tok).float(), 0.0)
+        meta = torch.cat([local.float(), wts], dim=1)  # (W*T, 2k)
+        # Counts on the device: (tokens, slots) each rank sends to each rank.
+        counts = torch.stack([send_counts, slot_counts], dim=1)  # (W, 2)
+        counts_recv = torch.empty_like(counts)
+        dist.all_to_all_single(counts_recv, counts, group=group)
+        if self.static_splits:
+            # Row r*T + j of the send buffer is the j-th token sent to rank r; the rest of
+            # each block is padding whose slots all say -1 (the receiver computes nothing
+            # for them). Rows that are not sent land in a scratch row past the buffer.
+            start = ends - send_counts
+            rank_of_pair = torch.arange(W * T, device=device) // max(T, 1)
+            pos = rank_of_pair * T + (pos - start[rank_of_pair])
+            live = sorted_key < W
+            dst = torch.where(live, pos.index_select(0, pair_order), W * T)
+            send_x = x.new_zeros(W * T + 1, H)
+            send_x.index_copy_(0, dst, x.index_select(0, tok))
+            send_meta = torch.cat([meta.new_full((W * T + 1, k), -1.0),
+                                   meta.new_zeros(W * T + 1, k)], dim=1)
+            send_meta.index_copy_(0, dst, meta)
+            send_x, send_meta = send_x[: W * T], send_meta[: W * T]
+            send_splits = recv_splits = None
+            send_rows = recv_rows = W * T
+            num_valid = None
+        else:
+            # The one host read of the forward: 2W + 1 integers for the split sizes.
+            host = torch.cat([send_counts, counts_recv[:, 0], counts_recv[:, 1].sum()[None]])
+            host = host.tolist()
+            send_splits, recv_splits, num_valid = host[:W], host[W:2 * W], host[2 * W]
+            send_rows, recv_rows = sum(send_splits), sum(recv_splits)
+            send_x = x.index_select(0, tok[:send_rows])
+            send_meta = meta[:send_rows]
+        recv_x = x.new_empty(recv_rows, H)
+        recv_meta = meta.new_empty(recv_rows, 2 * k)
+        works = [
+            dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=group,
+                                   async_op=True),
+            dist.all_to_all_single(recv_meta, send_meta.contiguous(), recv_splits, send_splits,
+                                   group=group, async_op=True),
+        ]
+        extra = during() if during is not None else None
+        for work in works:
+            work.wait()
+        pos_of_pair = torch.where(is_sent, pos.view(W, T).t(), send_rows)  # (T, W)
+        handle = _Handle(T, send_rows, pos_of_pair, send_splits, recv_splits)
+        dispatched = Dispatched(recv_x, recv_meta[:, :k].long(), recv_meta[:, k:].contiguous(),
+                                num_valid, handle)
+        return dispatched, extra
+
+    # -- combine -------------------------------------------------------------------------
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        if not isinstance(handle, _Handle):
+            raise TypeError("combine takes the handle its own dispatch returned")
+        H = y.shape[1]
+        back = y.new_empty(handle.send_rows + 1, H)
+        back[handle.send_rows:].zero_()  # the row unsent (token, rank) pairs read
+        dist.all_to_all_single(back[: handle.send_rows], y.contiguous(), handle.send_splits,
+                               handle.recv_splits, group=self.group)
+        # Sum over the ranks each token visited: deterministic (no atomics), one read of back.
+        return F.embedding_bag(handle.pos_of_pair, back, mode="sum")

@@ -1,0 +1,365 @@
+"""Expert-parallel MoE: the experts of one layer split over the ranks of a process group.
+
+    weights, ids = route(x)                        (T, k), every rank routes its own tokens
+    recv = dispatcher.dispatch(x, ids, weights)    each token once to each rank it visits
+    part = local experts on recv                   (R, H): two grouped GEMMs over E/W experts
+    out  = dispatcher.combine(part)                (T, H): partials summed per token
+    out += shared experts(x)                       computed while the tokens are in flight
+
+Every rank holds the router (E, H) and the shared experts whole, and E/W routed experts:
+rank r holds experts [r * E/W, (r + 1) * E/W) (moe_gemm.layers.dispatch.expert_range). The
+result is the single-process `MoE`'s up to the rounding of the per-rank partial sums to the
+activation dtype (bit-for-bit the same arithmetic in float32 up to summation order).
+
+Loading: `from_moe` shards an existing layer (slices, optionally copied so the full tensors
+can be freed), `from_hf` a transformers block, and `from_state_dict` reads only the local
+experts' keys of a checkpoint mapping (with a lazy mapping such as safetensors' `safe_open`,
+the other ranks' experts are never read). All three go through MoE's own loaders, so every
+checkpoint layout MoE accepts is accepted here.
+
+Dispatch and combine are behind the `Dispatcher` interface (moe_gemm.layers.dispatch):
+`AllToAllDispatcher` on torch.distributed is the default; DeepEP's kernels plug in instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
+from moe_gemm.layers.moe import MoE, resolve_activation
+from moe_gemm.layers.routing import permute_by_expert, sigmoid_grouped_topk, softmax_topk
+from moe_gemm.ops.api import grouped_mm
+
+__all__ = ["ExpertParallelMoE"]
+
+_ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
+            "router_fp32")
+
+
+def local_expert_ffn(
+    x: torch.Tensor,  # (R, H)
+    local_ids: torch.Tensor,  # (R, k), -1 = not on this rank
+    weights: torch.Tensor,  # (R, k)
+    w_gate_up: torch.Tensor,  # (E_local, H, 2I)
+    w_down: torch.Tensor,  # (E_local, I, H)
+    activation: Any,
+    config: GemmConfig | None,
+    num_valid_slots: int | None = None,
+) -> torch.Tensor:
+    """Per received token, the weighted sum of its local experts' FFNs. Returns (R, H).
+
+    Slots of other ranks (-1) sort past every local slot; when their number is known on the
+    host, only the valid rows are gathered (a top-8 token received by one of 8 ranks has ~1
+    valid slot of 8), otherwise all R * k rows are, and the GEMMs skip the invalid tail.
+    """
+    R, H = x.shape
+    E = w_gate_up.shape[0]
+    perm = permute_by_expert(local_ids, E)
+    S = perm.token_index.shape[0] if num_valid_slots is None else num_valid_slots
+    xs = x.index_select(0, perm.token_index[:S])  # (S, H), rows grouped by local expert
+    h = grouped_mm(xs, w_gate_up, perm.offs, config=config)  # (S, 2I)
+    gate, up = h.chunk(2, dim=-1)
+    a = resolve_activation(activation)(gate) * up
+    # y gets one extra zero row, which the slots that are not here gather (with weight 0).
+    # With the valid count known every row below S is written (S = offs[-1]); otherwise the
+    # rows past offs[-1], which the GEMM leaves alone in `out`, must be zeros too.
+    if num_valid_slots is None:
+        y = a.new_zeros(S + 1, H)
+    else:
+        y = a.new_empty(S + 1, H)
+        y[S:].zero_()
+    grouped_mm(a, w_down, perm.offs, out=y[:S], config=config)  # (S, H)
+    rows = perm.row_of_slot.clamp(max=S)
+    w = torch.where(perm.valid, weights, 0).to(y.dtype)
+    return F.embedding_bag(rows, y, per_sample_weights=w, mode="sum")
+
+
+class ExpertParallelMoE(nn.Module):
+    """A MoE layer whose routed experts are split over a process group. Inference only.
+
+    Build it with `from_moe`, `from_hf` or `from_state_dict` (every rank of the group calls
+    the same constructor with the same arguments); each rank then calls it on its own tokens,
+    all ranks for every forward (it runs collectives), a rank with no tokens included.
+
+    Args:
+        moe: a MoE holding this rank's E/W experts only (any router: it is not used).
+        router: the full layer's routing: router_weight [E, H], e_score_correction_bias [E]
+            or None, and the routing options (top_k, scoring, renormalize, n_group,
+            topk_group, routed_scaling_factor, router_fp32).
+        num_experts: E, all ranks together.
+        group: the process group (None = the default group); ignored if `dispatcher` given.
+        dispatcher: a Dispatcher (default: AllToAllDispatcher(group)).
+    """
+
+    def __init__(
+        self,
+        moe: MoE,
+        router: Mapping[str, Any],
+        num_experts: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(moe, MoE):
+            raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
+        self.dispatcher: Dispatcher = dispatcher or AllToAllDispatcher(group)
+        if not isinstance(self.dispatcher, Dispatcher):
+            raise TypeError("dispatcher must have dispatch(...) and combine(...) methods")
+        self.rank = self.dispatcher.rank
+        self.world_size = self.dispatcher.world_size
+        start, end = expert_range(num_experts, self.rank, self.world_size)
+        if moe.num_experts != end - start:
+            raise ValueError(
+                f"rank {self.rank} of {self.world_size} holds {end - start} of {num_experts} "
+                f"experts; the local MoE has {moe.num_experts}"
+            )
+        self.num_experts = num_experts
+        self.expert_start = start
+        self.hidden_size = moe.hidden_size
+        self.intermediate_size = moe.intermediate_size
+        self.local = moe
+        rw = router["router_weight"]
+        if tuple(rw.shape) != (num_experts, moe.hidden_size):
+            raise ValueError(f"router_weight must be (E, H) = ({num_experts}, "
+                             f"{moe.hidden_size}); got {tuple(rw.shape)}")
+        self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", router.get("e_score_correction_bias"))
+        for name in _ROUTING:
+            setattr(self, name, router[name])
+        # the routing options are checked by a full-size MoE's own validation
+        MoE(moe.hidden_size, 1, num_experts, self.top_k, scoring=self.scoring,
+            renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor, device="meta")
+
+    # -- constructors ----------------------------------------------------------------------
+
+    @classmethod
+    def from_moe(
+        cls,
+        moe: MoE,
+        *,
+        group: dist.ProcessGroup | None = None,
+        dispatcher: Dispatcher | None = None,
+        copy: bool = True,
+    ) -> ExpertParallelMoE:
+        """This rank's shard of a whole MoE layer.
+
+        Args:
+            moe: the full layer (every rank passes an equal one).
+            group, dispatcher: see the class.
+            copy: copy the local experts (so the full tensors can be freed); False keeps
+                views into `moe`'s storage.
+        """
+        if not isinstance(moe, MoE):
+            raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
+        dispatcher = dispatcher or AllToAllDispatcher(group)
+        start, end = expert_range(moe.num_experts, dispatcher.rank, dispatcher.world_size)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            part = t[start:end]
+            return part.clone() if copy else part
+
+        shared = None
+        if moe.shared_experts is not None:
+            shared = {n: getattr(moe.shared_experts, n).weight
+                      for n in ("gate_proj", "up_proj", "down_proj")}
+            if moe.shared_expert_gate is not None:
+                shared["gate"] = moe.shared_expert_gate.weight
+        local = MoE.from_fused(
+            take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
+            shared=shared, activation=moe.activation, config=moe.config,
+        )
+        return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher)
+
+    @classmethod
+    def from_hf(
+        cls,
+        block: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        dispatcher: Dispatcher | None = None,
+        config: GemmConfig | None = None,
+        copy: bool = True,
+    ) -> ExpertParallelMoE:
+        """This rank's shard of a transformers MoE block (the blocks `MoE.from_hf` takes)."""
+        return cls.from_moe(MoE.from_hf(block, config=config), group=group,
+                            dispatcher=dispatcher, copy=copy)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        top_k: int,
+        *,
+        prefix: str = "",
+        strict: bool = True,
+        group: dist.ProcessGroup | None = None,
+        dispatcher: Dispatcher | None = None,
+        **options: Any,
+    ) -> ExpertParallelMoE:
+        """This rank's shard of one MoE block of a checkpoint; reads only the local experts.
+
+        Accepts every layout `MoE.from_state_dict` does. Per-expert keys
+        ("experts.{e}.w1.weight", "experts.{e}.gate_proj.weight", ...) of other ranks' experts
+        are never read; fused ones ("experts.gate_up_proj" [E, 2I, H], vLLM's "w13_weight")
+        are sliced to the local experts (read lazily by a mapping whose tensors are lazy).
+
+        Args:
+            state_dict: name -> tensor (any Mapping; only the needed keys are indexed).
+            top_k, prefix, strict, **options: as `MoE.from_state_dict` (routing options).
+            group, dispatcher: see the class.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+        dispatcher = dispatcher or AllToAllDispatcher(group)
+        router_key = prefix + "gate.weight"
+        if router_key not in state_dict:
+            raise KeyError(f"no router weight {router_key!r} in the state dict")
+        router_weight = state_dict[router_key]
+        E = router_weight.shape[0]
+        start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
+        local_sd = _LocalShard(state_dict, prefix, start, end)
+        bias = local_sd.full_bias
+        routing = {k: v for k, v in options.items() if k not in ("activation", "config")}
+        if bias is not None:
+            routing.setdefault("scoring", "sigmoid")
+        # The local MoE sees the local experts and the local rows of the router (never used:
+        # routing is over all E experts), so MoE's loader validates and stacks them.
+        local_opts = {k: options[k] for k in ("activation", "config") if k in options}
+        local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
+        # A full-size MoE on the meta device checks the routing options and fills defaults.
+        probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", **routing)
+        router = _router_of(probe)
+        router["router_weight"] = router_weight
+        if probe.e_score_correction_bias is None:
+            if bias is not None:
+                raise ValueError("the checkpoint has an e_score_correction_bias but the "
+                                 "routing options say correction_bias=False")
+        elif bias is None:
+            router["e_score_correction_bias"] = torch.zeros(E, device=router_weight.device)
+        else:
+            router["e_score_correction_bias"] = bias
+        return cls(local, router, E, dispatcher=dispatcher)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, ids [T, k] int64 global expert ids) for x [T, H]."""
+        if self.router_fp32:
+            logits = F.linear(x.float(), self.router_weight.float())
+        else:
+            logits = F.linear(x.to(self.router_weight.dtype), self.router_weight)
+        if self.scoring == "softmax":
+            return softmax_topk(logits, self.top_k, self.renormalize)
+        return sigmoid_grouped_topk(
+            logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+            self.routed_scaling_factor, self.renormalize,
+        )
+
+    def experts(self, d: Dispatched) -> torch.Tensor:
+        """This rank's experts on what it received: [R, H] partial outputs."""
+        m = self.local
+        x = d.x.to(m.gate_up_proj.dtype)
+        return local_expert_ffn(x, d.local_ids, d.weights, m.w_gate_up, m.w_down,
+                                m.activation, m.config, d.num_valid_slots)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts on this rank's own tokens [T, H], or None without any."""
+        m = self.local
+        if m.shared_experts is None:
+            return None
+        xs = x.to(m.shared_experts.gate_proj.weight.dtype)
+        out = m.shared_experts(xs)
+        if m.shared_expert_gate is not None:
+            out = torch.sigmoid(m.shared_expert_gate(xs.to(m.shared_expert_gate.weight.dtype))) * out
+        return out
+
+    @torch.no_grad()
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens [..., H] -> [..., H]; every rank of the group must call it."""
+        x = hidden_states
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got "
+                            f"{type(x).__name__}")
+        H = self.hidden_size
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got "
+                             f"{tuple(x.shape)}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"hidden_states must be bf16, fp16 or fp32; got {x.dtype}")
+        if x.device != self.router_weight.device:
+            raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on "
+                             f"{self.router_weight.device}")
+        x2 = x.reshape(-1, H)
+        weights, ids = self.route(x2)
+        xe = x2.to(self.local.gate_up_proj.dtype)
+        d, shared = self.dispatcher.dispatch(xe, ids, weights, self.num_experts,
+                                             during=lambda: self.shared(x2))
+        y = self.dispatcher.combine(self.experts(d), d.handle).to(x.dtype)
+        if shared is not None:
+            y = y + shared.to(x.dtype)
+        return y.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"num_experts={self.num_experts}, local_experts=[{self.expert_start}, "
+                f"{self.expert_start + self.local.num_experts}), top_k={self.top_k}, "
+                f"scoring={self.scoring!r}, rank={self.rank}/{self.world_size}")
+
+
+def _router_of(moe: MoE) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(moe, name) for name in _ROUTING}
+    out["router_weight"] = moe.router_weight
+    out["e_score_correction_bias"] = moe.e_score_correction_bias
+    return out
+
+
+class _LocalShard(Mapping[str, torch.Tensor]):
+    """The view of a checkpoint mapping that one rank loads: local experts renumbered from 0,
+    fused expert tensors and the router sliced to the local rows; other keys as they are.
+    Keys of other ranks' experts are hidden and their tensors never indexed."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, start: int, end: int):
+        self.sd, self.prefix, self.start, self.end = sd, prefix, start, end
+        self.keys_map: dict[str, str | tuple[str, int, int]] = {}
+        sliced = ("gate.weight", "experts.gate_up_proj", "experts.down_proj",
+                  "experts.w13_weight", "experts.w2_weight")
+        self.full_bias: torch.Tensor | None = None
+        for key in sd:
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            parts = rest.split(".")
+            if rest == "gate.e_score_correction_bias":
+                self.full_bias = sd[key]
+                self.keys_map[key] = (key, start, end)
+            elif rest in sliced:
+                self.keys_map[key] = (key, start, end)
+            elif parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():
+                e = int(parts[1])
+                if start <= e < end:
+                    local = ".".join([prefix + "experts", str(e - start), *parts[2:]])
+                    self.keys_map[local] = key
+            else:
+                self.keys_map[key] = key
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        src = self.keys_map[key]
+        if isinstance(src, tuple):
+            name, a, b = src
+            return self.sd[name][a:b]
+        return self.sd[src]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.keys_map)
+
+    def __len__(self) -> int:
+        return len(self.keys_map)

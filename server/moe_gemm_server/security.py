@@ -1,0 +1,150 @@
+"""Secure by default: exposure checks at start-up, TLS settings, and the audit log of admin actions.
+
+- A server bound to anything but a loopback address without an admin key would let anyone who
+  can reach it upload and delete weight sets: `check_exposure` refuses that start with one line,
+  unless --insecure-no-auth says it is meant (then every start logs a warning).
+- TLS is uvicorn's: --ssl-certfile / --ssl-keyfile; the files are checked before binding.
+- Every admin action (weight upload, delete), allowed or refused, writes one `audit` line with
+  the action, the set, the outcome, the client address and the key's id: the first 12 hex
+  digits of its SHA-256, never the key (the same id names the same key across lines and
+  restarts, so an operator can tell keys apart without the log revealing any).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from .auth import bearer_token
+from .config import Settings
+from .errors import APIError
+
+log = logging.getLogger("moe_gemm_server")
+audit_log = logging.getLogger("moe_gemm_server.audit")
+# Audit lines are written whatever --log-level says (a warning-level server still audits).
+audit_log.setLevel(logging.INFO)
+
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+class InsecureStart(ValueError):
+    """The settings would expose weight changes without a key."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and the names of localhost; False for 0.0.0.0, ::, other
+    addresses and other names (a name may resolve to a public address)."""
+    h = host.strip().strip("[]").lower()
+    if h in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(settings: Settings) -> list[str]:
+    """Refuse an exposed start without an admin key; returns the warnings to log.
+
+    Raises:
+        InsecureStart: non-loopback host, no admin key and no --insecure-no-auth.
+    """
+    warnings = []
+    exposed = not is_loopback(settings.host)
+    if exposed and settings.admin_key is None:
+        if not settings.insecure_no_auth:
+            raise InsecureStart(
+                f"refusing to listen on {settings.host} without an admin key: anyone who can "
+                "reach it could upload and delete weight sets; set --admin-key (or "
+                "MOE_GEMM_ADMIN_KEY), bind to 127.0.0.1, or pass --insecure-no-auth to run "
+                "exposed without one"
+            )
+        warnings.append(
+            f"INSECURE: listening on {settings.host} with --insecure-no-auth and no admin key"
+            + ("; weight changes are open to anyone who can reach this port"
+               if settings.open_admin else "; weight changes are disabled (no admin key)")
+        )
+    if exposed and not settings.api_key:
+        warnings.append(f"matmul and read routes on {settings.host} need no key (no --api-key)")
+    if exposed and settings.ssl_certfile is None:
+        warnings.append(f"listening on {settings.host} without TLS: keys cross the network in "
+                        "clear text (see --ssl-certfile / --ssl-keyfile)")
+    return warnings
+
+
+def check_tls(settings: Settings) -> None:
+    """The certificate and key files exist and are readable (before binding the port).
+
+    Raises:
+        ValueError: a key without a certificate, or a file that cannot be read.
+    """
+    if settings.ssl_keyfile is not None and settings.ssl_certfile is None:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile")
+    for flag, path in (("--ssl-certfile", settings.ssl_certfile),
+                       ("--ssl-keyfile", settings.ssl_keyfile)):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+
+
+def key_id(token: str | None) -> str:
+    """A stable, non-reversible id of a key for logs: "sha256:" + 12 hex digits, or "none"."""
+    if token is None:
+        return "none"
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+@dataclass
+class AuditRecord:
+    action: str
+    name: str
+    status: int = 0
+    detail: str = ""
+
+
+def _client(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c is not None else "-"
+
+
+def write_audit(request: Request, record: AuditRecord, elapsed_s: float) -> None:
+    outcome = "ok" if 200 <= record.status < 300 else "refused"
+    audit_log.info(
+        "audit action=%s name=%s outcome=%s status=%d key_id=%s client=%s elapsed_ms=%.1f%s",
+        record.action, record.name, outcome, record.status,
+        key_id(bearer_token(request)), _client(request), elapsed_s * 1e3,
+        f" detail={record.detail!r}" if record.detail else "",
+    )
+
+
+@contextlib.contextmanager
+def audited(request: Request, action: str, name: str) -> Iterator[AuditRecord]:
+    """Audit one admin action: the block sets `record.status` on success; an APIError (or any
+    other exception, as 500) is audited with its status and re-raised."""
+    record = AuditRecord(action, name)
+    t0 = time.monotonic()
+    try:
+        yield record
+    except APIError as e:
+        record.status, record.detail = e.status, e.message[:200]
+        raise
+    except asyncio.CancelledError:
+        record.status, record.detail = 499, "client disconnected"
+        raise
+    except BaseException:
+        record.status, record.detail = 500, "internal error"
+        raise
+    finally:
+        write_audit(request, record, time.monotonic() - t0)

@@ -1,0 +1,279 @@
+"""Expert-parallel MoE on CPU processes (gloo): equal to the single-process MoE on 2 and 4 ranks.
+
+Each world size is one spawn of W processes that runs every case (a spawn costs seconds on the
+2-core CI machine; the cases cost milliseconds). Every rank builds the same full layer from a
+shared seed, shards it, runs its own tokens (different counts per rank, one rank with none)
+and compares with the full layer on the same tokens; the results come back through a queue.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher, expert_range
+from moe_gemm.layers.expert_parallel import ExpertParallelMoE
+from moe_gemm.layers.moe import MoE
+from moe_gemm.testing import calc_diff
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full_moe(seed: int, dtype: torch.dtype, **kw: object) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(16, 8, kw.pop("E", 8), kw.pop("top_k", 2), dtype=dtype, **kw)  # type: ignore[arg-type]
+    if moe.e_score_correction_bias is not None:
+        moe.e_score_correction_bias.uniform_(-0.1, 0.1)  # a bias that changes the selection
+    return moe
+
+
+def _tokens(rank: int, seed: int, dtype: torch.dtype, T: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    n = T if T is not None else (0 if rank == 1 else 5 + 7 * rank)  # rank 1 has no tokens
+    return torch.randn(n, 16, generator=g).to(dtype)
+
+
+def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> str | None:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{name}: {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
+    if want.numel() == 0:
+        return None
+    err = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    if not err <= tol * scale or not calc_diff(got, want) < 1e-5:
+        return f"{name}: max error {err:.3g} vs scale {scale:.3g} (tol {tol})"
+    return None
+
+
+CASES: dict[str, Callable[[int, int], list[str]]] = {}
+
+
+def case(fn: Callable[[int, int], list[str]]) -> Callable[[int, int], list[str]]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+@case
+def softmax_fp32(rank: int, world: int) -> list[str]:
+    moe = _full_moe(1, torch.float32)
+    ep = ExpertParallelMoE.from_moe(moe)
+    x = _tokens(rank, 1, torch.float32)
+    return [m for m in [_check("softmax fp32", ep(x), moe(x), 1e-5)] if m]
+
+
+@case
+def static_splits_3d_input(rank: int, world: int) -> list[str]:
+    moe = _full_moe(2, torch.float32, top_k=3)
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=AllToAllDispatcher(static_splits=True))
+    x = _tokens(rank, 2, torch.float32, T=6).view(2, 3, 16)
+    return [m for m in [_check("static splits", ep(x), moe(x), 1e-5)] if m]
+
+
+@case
+def deepseek_sigmoid_shared_bf16(rank: int, world: int) -> list[str]:
+    moe = _full_moe(3, torch.bfloat16, E=16, top_k=4, scoring="sigmoid", n_group=4,
+                    topk_group=2, routed_scaling_factor=2.5, shared_intermediate_size=8)
+    ep = ExpertParallelMoE.from_moe(moe, copy=False)
+    x = _tokens(rank, 3, torch.bfloat16, T=40)
+    # bf16: each rank's partial is rounded once before the sum (the single-process layer
+    # rounds once at the end), so the bound is a few bf16 ulps of the output scale.
+    return [m for m in [_check("deepseek bf16", ep(x), moe(x), 2 ** -6)] if m]
+
+
+@case
+def qwen2_gated_shared_all_to_one_rank(rank: int, world: int) -> list[str]:
+    moe = _full_moe(4, torch.float32, shared_intermediate_size=8, shared_expert_gate=True)
+    # a router that sends every token to experts 0 and 1 (both on rank 0): skewed traffic
+    with torch.no_grad():
+        moe.router_weight.zero_()
+        moe.router_weight[0].fill_(5.0)
+        moe.router_weight[1].fill_(4.0)
+    ep = ExpertParallelMoE.from_moe(moe)
+    x = _tokens(rank, 4, torch.float32).abs()
+    return [m for m in [_check("skewed", ep(x), moe(x), 1e-5)] if m]
+
+
+class _Recording(dict):  # type: ignore[type-arg]
+    """A state dict that records which keys were read."""
+
+    def __init__(self, *a: object) -> None:
+        super().__init__(*a)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+@case
+def state_dict_reads_local_experts_only(rank: int, world: int) -> list[str]:
+    moe = _full_moe(5, torch.float32)
+    E, I = moe.num_experts, moe.intermediate_size
+    sd = _Recording({"model.layers.0.block_sparse_moe.gate.weight": moe.router_weight})
+    for e in range(E):
+        base = f"model.layers.0.block_sparse_moe.experts.{e}."
+        sd[base + "w1.weight"] = moe.gate_up_proj[e, :I]
+        sd[base + "w3.weight"] = moe.gate_up_proj[e, I:]
+        sd[base + "w2.weight"] = moe.down_proj[e]
+    ep = ExpertParallelMoE.from_state_dict(sd, 2, prefix="model.layers.0.block_sparse_moe.")
+    errs = []
+    start, end = expert_range(E, rank, world)
+    others = {k for k in sd if ".experts." in k and not start <= int(k.split(".")[5]) < end}
+    if sd.read & others:
+        errs.append(f"rank {rank} read other ranks' experts: {sorted(sd.read & others)[:3]}")
+    if ep.local.num_experts != E // world:
+        errs.append(f"rank {rank} holds {ep.local.num_experts} experts")
+    x = _tokens(rank, 5, torch.float32)
+    errs += [m for m in [_check("state dict", ep(x), moe(x), 1e-5)] if m]
+    # a DeepSeek-style fused checkpoint with a correction bias: routing options pass through
+    ds = _full_moe(6, torch.float32, scoring="sigmoid", n_group=2, topk_group=1)
+    fused = {"gate.weight": ds.router_weight, "gate.e_score_correction_bias":
+             ds.e_score_correction_bias, "experts.gate_up_proj": ds.gate_up_proj,
+             "experts.down_proj": ds.down_proj}
+    ep2 = ExpertParallelMoE.from_state_dict(fused, 2, n_group=2, topk_group=1)
+    errs += [m for m in [_check("fused sigmoid", ep2(x), ds(x), 1e-5)] if m]
+    return errs
+
+
+@case
+def from_hf_deepseek_v3_block(rank: int, world: int) -> list[str]:
+    """A transformers DeepseekV3MoE block, sharded: equal to the block's own output.
+    On 2 ranks only: importing transformers costs seconds per process on the CI machine."""
+    if world != 2:
+        return []
+    try:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    except ImportError:  # transformers is a dev dependency: CI has it
+        return ["transformers is not installed"]
+    config = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=16,
+                              num_experts_per_tok=4, n_group=4, topk_group=2,
+                              n_shared_experts=1, routed_scaling_factor=2.5)
+    config._experts_implementation = "eager"
+    torch.manual_seed(9)
+    block = DeepseekV3MoE(config).eval()
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        block.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
+    ep = ExpertParallelMoE.from_hf(block)
+    x = torch.randn(1, 9 + rank, 32, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        want = block(x)
+    return [m for m in [_check("from_hf", ep(x), want, 1e-5)] if m]
+
+
+@case
+def custom_dispatcher_is_used(rank: int, world: int) -> list[str]:
+    """A user dispatcher (e.g. DeepEP's) replaces the all-to-all: the layer calls it."""
+
+    class Counting(AllToAllDispatcher):
+        calls = 0
+
+        def dispatch(self, *a, **k):  # type: ignore[no-untyped-def]
+            Counting.calls += 1
+            return super().dispatch(*a, **k)
+
+    moe = _full_moe(7, torch.float32)
+    disp = Counting()
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=disp)
+    x = _tokens(rank, 7, torch.float32)
+    errs = [m for m in [_check("custom", ep(x), moe(x), 1e-5)] if m]
+    if Counting.calls != 1 or not isinstance(disp, Dispatcher):
+        errs.append(f"custom dispatcher called {Counting.calls} times")
+    return errs
+
+
+@case
+def bad_arguments(rank: int, world: int) -> list[str]:
+    errs = []
+    moe = MoE(16, 8, 6, 2) if world == 4 else MoE(16, 8, 5, 2)  # E not a multiple of W
+    try:
+        ExpertParallelMoE.from_moe(moe)
+        errs.append("E not a multiple of the group size was accepted")
+    except ValueError as e:
+        if "multiple of the group size" not in str(e):
+            errs.append(f"unclear message: {e}")
+    ep = ExpertParallelMoE.from_moe(_full_moe(8, torch.float32))
+    try:
+        ep(torch.randn(3, 15))
+        errs.append("wrong hidden size accepted")
+    except ValueError as e:
+        if "(..., 16)" not in str(e):
+            errs.append(f"unclear message: {e}")
+    return errs
+
+
+def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A rank that fails inside a case leaves the others in a collective: time out, not hang.
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    results: dict[str, list[str]] = {}
+    try:
+        for name, fn in CASES.items():
+            try:
+                results[name] = fn(rank, world)
+            except Exception:  # noqa: BLE001 - reported to the test
+                results[name] = [traceback.format_exc()]
+            dist.barrier()
+    finally:
+        queue.put((rank, results))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def ep_results(request: pytest.FixtureRequest) -> dict[int, dict[str, list[str]]]:
+    world = request.param
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.start_processes(_worker, args=(world, _free_port(), queue), nprocs=world,
+                               join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not procs.join(timeout=1) and time.monotonic() < deadline:
+            pass
+    except Exception:  # noqa: BLE001 - a rank died; what the others reported still counts
+        pass
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    out = {}
+    while not queue.empty():
+        rank, res = queue.get()
+        out[rank] = res
+    assert len(out) == world, f"only ranks {sorted(out)} of {world} reported"
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_parallel_equals_single_process(ep_results, name: str) -> None:
+    errors = {rank: res[name] for rank, res in ep_results.items() if res[name]}
+    assert not errors, errors
+
+
+def test_expert_range_and_dispatcher_needs_init() -> None:
+    assert expert_range(8, 0, 2) == (0, 4) and expert_range(8, 3, 4) == (6, 8)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        expert_range(6, 0, 4)
+    with pytest.raises(ValueError, match="rank must be in"):
+        expert_range(8, 2, 2)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            AllToAllDispatcher()
