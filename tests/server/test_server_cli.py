@@ -70,6 +70,9 @@ def test_every_start_up_refusal_is_one_line(tmp_path, restore_logging):
     msg = _refusal(["--device", "cuda:99", "--data-dir", data])
     assert "cuda:99" in msg
     msg = _refusal(["--host", "no-such-host.invalid", "--data-dir", data])
+    assert "no-such-host.invalid" in msg and "admin key" in msg  # exposure is checked first
+    msg = _refusal(["--host", "no-such-host.invalid", "--admin-key", "k" * 32,
+                    "--data-dir", data])
     assert "--host 'no-such-host.invalid'" in msg
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
