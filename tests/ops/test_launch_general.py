@@ -13,13 +13,12 @@ import random
 
 import pytest
 import torch
+from host_fakes import Recorder, check_outputs
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops import launch as host
 from moe_gemm.ops.support import analyze_general
 from moe_gemm.ops.validation import check_grouped_gemm
-
-from host_fakes import Recorder, check_outputs
 
 
 def _problems(sizes, dtype=torch.bfloat16, b_col=()):
