@@ -81,7 +81,7 @@ def main() -> None:
     w = torch.randn(8, 512, 512, device=dev, dtype=dt)
     offs = torch.tensor([1, 8, 19, 27, 37, 48, 58, 64], dtype=torch.int32, device=dev)
     grouped_mm(x, w, offs)
-    plan = ops._mm_plans[ops._mm_plan_key(x, w, offs, None, None, None)]
+    plan = ops.cached_mm_plan(x, w, offs)
     out = torch.empty(64, 512, device=dev, dtype=dt)
     ws = host_sm90._kernel_workspace(x.device, plan.num_ctas, plan.choice)
     tensors = (x, w, out, plan.meta, plan.meta32, offs, plan.no_table, ws, plan.no_trace)

@@ -69,6 +69,11 @@ NO_BACKWARD = (
 # taken (the signature includes the flags, so it still does).
 _mm_plans = PlanCache(per_bucket=8, buckets=256)  # buckets: (form, x.shape)
 _general_plans = PlanCache(per_bucket=4, buckets=64)  # buckets: the problem count
+# A grouped_gemm layout gets a signature when grouped_gemm's scan meets it again within this
+# many scans (a layout that recurs), at most MAX_SIGNATURES times (other tensor modes).
+RECENT_SCANS = 16
+MAX_SIGNATURES = 4
+_scans = 0
 
 # Switches a cached plan depends on: a change makes the next call miss its plan.
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
@@ -128,6 +133,17 @@ def _use_cute(config: GemmConfig, problem: str | None, unsupported: str | None, 
         _warn_once(f"moe_gemm.{op}: using the torch backend because {unsupported}")
         return False
     return True
+
+
+def cached_mm_plan(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None, *,
+                   config: GemmConfig | None = None, out_dtype: torch.dtype | None = None
+                   ) -> object | None:
+    """The launch plan (MmPlan / BmmPlan) a grouped_mm call with these arguments would take
+    now, or None: for scripts that time a call's parts."""
+    bucket = ("bmm", x.shape) if offs is None else ("mm", x.shape)
+    entry = _mm_plans.find(bucket, (config, out_dtype, _switches()),
+                           (x, w) if offs is None else (x, w, offs))
+    return None if entry is None else entry[0]
 
 
 def _clear_plans() -> None:
@@ -216,11 +232,13 @@ def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] 
         plan = launch.GeneralPlan(shape, scan.device, scan.a_ld, scan.b_ld)
     else:
         plan = launch.general_plan(shape, scan.device, scan.a_ld, scan.b_ld)
-        plan.sightings += 1
-        n = plan.sightings
-        if n & (n - 1) == 0 and n > 1 and _cacheable(switches):
-            # Seen again (2, 4, 8... calls): worth a signature (~0.6 us per tensor to build),
-            # which a layout seen once (routing that changes every call) never pays.
+        global _scans
+        _scans += 1
+        recent, plan.last_scan = _scans - plan.last_scan <= RECENT_SCANS, _scans
+        if recent and plan.signatures < MAX_SIGNATURES and _cacheable(switches):
+            # Seen again soon: worth a signature (~0.6 us per tensor to build), which a
+            # layout seen once (routing that changes every call) never pays.
+            plan.signatures += 1
             link = any(map(_REQUIRES_GRAD, a)) or any(map(_REQUIRES_GRAD, b))
             _general_plans.add(len(a), extra, (*a, *b), (plan, link, False))
     if torch.is_grad_enabled() and (any(map(_REQUIRES_GRAD, a))

@@ -21,6 +21,7 @@ Python, slower but equal.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -47,14 +48,35 @@ def _python_check(expected: tuple) -> Callable[..., bool]:
 
 
 def _guards_check(tensors: Sequence[torch.Tensor]) -> Callable[..., bool]:
+    """check(*tensors) through TensorGuards. TensorGuards also requires its tensors to be
+    distinct objects (torch.compile guards aliasing apart), while one tensor may well serve
+    several problems here (`[w] * G`): a tensor that repeats is compared by identity with its
+    first occurrence and left out of the guards."""
     from torch._C._dynamo.guards import TensorGuards
 
+    first: dict[int, int] = {}
+    unique, repeats = [], []
+    for i, t in enumerate(tensors):
+        j = first.setdefault(id(t), i)
+        (unique if j == i else repeats).append((i, j))
+    kept = [tensors[i] for i, _ in unique]
     guards = TensorGuards(
-        *tensors,
-        dynamic_dims_sizes=[list(t.shape) for t in tensors],
-        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        *kept,
+        dynamic_dims_sizes=[list(t.shape) for t in kept],
+        dynamic_dims_strides=[list(t.stride()) for t in kept],
     )
-    return guards.check  # (given another number of tensors it raises TypeError)
+    if not repeats:
+        return guards.check  # (given another number of tensors it raises TypeError)
+    check = guards.check
+    pick = [i for i, _ in unique]
+    again = [i for i, _ in repeats]
+    of = [j for _, j in repeats]
+
+    def check_with_repeats(*args: Any) -> bool:
+        return (check(*[args[i] for i in pick])
+                and all(map(operator.is_, [args[i] for i in again], [args[j] for j in of])))
+
+    return check_with_repeats
 
 
 @functools.lru_cache(maxsize=1)

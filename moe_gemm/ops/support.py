@@ -8,7 +8,6 @@ Returns None when the kernel can run, else a sentence naming the first reason it
 
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import dataclass
 
@@ -282,33 +281,30 @@ def scan_general(a: object, b: object, out_dtype: torch.dtype | None) -> General
     G = len(a)
     if G == 0 or G > MAX_PROBLEMS or len(b) != G:
         return None
-    types = set(map(type, a))
-    types.update(map(type, b))
-    if not types <= _PLAIN_SET:
+    ab = (*a, *b)
+    if not set(map(type, ab)) <= _PLAIN_SET:
         return None
-    dtypes = set(map(_DTYPE, a))
-    dtypes.update(map(_DTYPE, b))
+    dtypes = set(map(_DTYPE, ab))
     if len(dtypes) != 1:
         return None
     dtype = dtypes.pop()
     odt = dtype if out_dtype is None else out_dtype
     if dtype not in KERNEL_IN_DTYPES or odt not in KERNEL_OUT_DTYPES:
         return None
-    devices = set(map(_T.get_device, a))
-    devices.update(map(_T.get_device, b))
-    if len(devices) != 1:
+    if len(set(map(_T.get_device, ab))) != 1:
         return None
-    if any(map(_T.is_neg, a)) or any(map(_T.is_neg, b)):
+    if any(map(_T.is_neg, ab)):
         return None  # the detailed path falls back to torch, which resolves the sign
-    sa, sb = list(map(_SHAPE, a)), list(map(_SHAPE, b))
-    if set(map(len, sa)) != _TWO or set(map(len, sb)) != _TWO:
+    shapes = list(map(_SHAPE, ab))
+    if set(map(len, shapes)) != _TWO:
         return None
-    Ms, Ks = zip(*sa)
-    Kb, Ns = zip(*sb)
+    Ms, Ks = zip(*shapes[:G])
+    Kb, Ns = zip(*shapes[G:])
     if Ks != Kb or max(Ms) > MAX_DIM or max(Ns) > MAX_DIM or max(Ks) > MAX_DIM:
         return None
-    lda, a_unit = zip(*map(_T.stride, a))
-    s0b, s1b = zip(*map(_T.stride, b))
+    strides = list(map(_T.stride, ab))
+    lda, a_unit = zip(*strides[:G])
+    s0b, s1b = zip(*strides[G:])
     if set(s1b) == _ONE:  # (K, N) row-major: N contiguous
         b_major, ldb = "n", s0b
     elif set(s0b) == _ONE:  # w.T of an (N, K) weight: K contiguous
@@ -317,8 +313,7 @@ def scan_general(a: object, b: object, out_dtype: torch.dtype | None) -> General
         return None  # mixed majors (one is copied) or a size-1 dim's odd stride
     align = TMA_ALIGN_BYTES // dtype.itemsize
     out_align = TMA_ALIGN_BYTES // odt.itemsize
-    ptrs = np.fromiter(itertools.chain(map(_T.data_ptr, a), map(_T.data_ptr, b)), np.int64,
-                       2 * G)
+    ptrs = np.fromiter(map(_T.data_ptr, ab), np.int64, 2 * G)
     if 0 in Ms or 0 in Ns or 0 in Ks:
         if not _active_ok(Ms, Ns, Ks, lda, a_unit, ldb, b_major, ptrs, align, out_align):
             return None

@@ -68,6 +68,16 @@ def test_signature_accepts_equal_metadata_and_rejects_each_change(which: str) ->
     assert not sig.check(x, "not a tensor")
 
 
+def test_signature_of_a_tensor_used_twice(which: str) -> None:
+    w, x = torch.randn(8, 16), torch.randn(4, 8)
+    sig = TensorSignature([x, w, w])  # one weight for two problems
+    assert sig.check(torch.randn(4, 8), w, w)
+    w2 = torch.randn(8, 16)
+    assert sig.check(torch.randn(4, 8), w2, w2)
+    assert not sig.check(x, w, torch.randn(8, 17))
+    assert not sig.check(x, w, w.t())
+
+
 def test_plan_cache_recent_first_and_bounded() -> None:
     cache = PlanCache(per_bucket=2, buckets=2)
     ts = [torch.randn(n, 4) for n in (1, 2, 3)]
@@ -255,6 +265,16 @@ def test_repeated_grouped_gemm_skips_the_scan(cute: Recorder, scans: list[int]) 
     a3, b3 = _lists(ms=(5, 1, 17, 8))
     grouped_gemm(a3, b3)
     assert scans == [4, 4, 4]
+
+
+def test_one_weight_for_every_problem_skips_the_scan_too(cute: Recorder,
+                                                          scans: list[int]) -> None:
+    a, _ = _lists(ms=(3, 9, 4))
+    w = torch.randn(16, 32).to(BF16).t()
+    for _ in range(3):
+        grouped_gemm(a, [w] * 3)
+    assert scans == [3, 3] and len(cute.calls) == 3
+    _rows_point_at(cute.calls[-1], a, [w] * 3)
 
 
 def test_grouped_gemm_signature_misses(cute: Recorder, scans: list[int]) -> None:
