@@ -56,6 +56,7 @@ _warned: set[str] = set()
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _PTR = torch.Tensor.data_ptr
 _SEQUENCES = (list, tuple)
+_PLAIN_SET = frozenset(PLAIN_TENSORS)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 NO_BACKWARD = (
@@ -99,6 +100,8 @@ def _traced() -> bool:
 def _symbolic(*tensors: object) -> bool:
     """Tensors without memory of their own (fake, or functionalized as by torch.func): they
     go through the registered op (its fake implementation, or the functionalized call)."""
+    if set(map(type, tensors)) <= _PLAIN_SET:  # (one C call each: this sees every operand)
+        return any(map(torch._is_functional_tensor, tensors))
     return any(isinstance(t, torch.Tensor) and (is_fake(t) or torch._is_functional_tensor(t))
                for t in tensors)
 
@@ -366,7 +369,7 @@ def grouped_mm_eager(x, w, offs, out, config, out_dtype) -> torch.Tensor:
 
 def _detailed_grouped_mm(x, w, offs, out, config, out_dtype) -> torch.Tensor:
     cfg = _check_config(config)
-    if _symbolic(x, w, offs, out):
+    if _symbolic(*(t for t in (x, w, offs, out) if t is not None)):
         return custom_ops.grouped_mm(x, w, offs, out=out, config=config, out_dtype=out_dtype)
     if out is not None and type(out) in PLAIN_TENSORS and overlaps_any(out, (x, w, offs)):
         # Computed into a copy of out (rows past offs[-1] keep their values), then copied.

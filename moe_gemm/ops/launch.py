@@ -347,7 +347,6 @@ class GeneralShape:
         self.loads = np.array([m > 0 and n > 0 and k > 0 for m, n, k in sizes], dtype=bool)
         self.kernel = (_kernel_for("general", ab, d, b_major, choice, trace)
                        if self.total else None)
-        self.record = (choice, self.num_ctas, G, self.launch_order, None)  # for last_launch
 
     def new_outputs(self, device: torch.device) -> tuple[list[torch.Tensor], int]:
         """The G outputs as views of one fresh allocation, and its address."""
@@ -480,8 +479,8 @@ class GeneralPlan:
                      self.workspace.get(), ph[5] if trace_t is None else trace_t, shape.G,
                      shape.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL,
                      d_base)
-        _local.raw = shape.record if trace_t is None else (
-            choice, shape.num_ctas, shape.G, shape.launch_order, trace_t)
+        # A new tuple per launch: last_launch() tells launches apart by identity.
+        _local.raw = (choice, shape.num_ctas, shape.G, shape.launch_order, trace_t)
 
     def launch_pointers(self, ptrs: np.ndarray) -> list[torch.Tensor]:
         """grouped_gemm for operands of this plan's layout (ops/api.py checked their
@@ -614,7 +613,6 @@ class MmPlan:
             self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m * choice.cluster_n,
                                                   bound)
             self.workspace = WorkspaceSlot(device, self.num_ctas, choice)
-            self.record = (choice, self.num_ctas, self.num_problems, None, None)
         self.meta = _small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)
         self.no_table = _small("table", device, torch.int32, (1, 1, 2))
@@ -636,7 +634,7 @@ class MmPlan:
         self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
                     self.workspace.get(), self.no_trace, self.num_problems, self.num_ctas,
                     choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
-        _local.raw = self.record
+        _local.raw = (choice, self.num_ctas, self.num_problems, None, None)
         return out
 
     def _host_visitor(self, x, w, offs, out):
@@ -714,7 +712,6 @@ class BmmPlan:
         self.fix_x = tma_view(x, 2) is not x
         self.fix_w = tma_view(w, self.w_unit) is not w
         self.fix_out = args.out is not None and tma_view(args.out, 2) is not args.out
-        self.record = (choice, self.num_ctas, G, None, None)
 
     def __call__(self, x, w, out):
         if out is None:
@@ -733,8 +730,7 @@ class BmmPlan:
         self.kernel(xv, wv, ov, self.meta, self.meta32, self.offs, self.no_table, workspace,
                     self.no_trace if trace_t is None else trace_t, self.shape[0],
                     self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
-        _local.raw = self.record if trace_t is None else (
-            choice, self.num_ctas, self.shape[0], None, trace_t)
+        _local.raw = (choice, self.num_ctas, self.shape[0], None, trace_t)
         return out
 
 

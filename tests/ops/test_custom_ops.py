@@ -173,6 +173,23 @@ def test_make_fx_records_the_ops() -> None:
         torch.testing.assert_close(g, r, rtol=0, atol=0)
 
 
+def test_functionalized_tensors_go_through_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.func.functionalize wraps tensors without a tensor mode: the op must still be the
+    # one that runs (a wrapper has no data pointer of its own).
+    routed: list[str] = []
+    real = custom_ops.grouped_mm
+    monkeypatch.setattr(custom_ops, "grouped_mm",
+                        lambda *a, **k: routed.append("grouped_mm") or real(*a, **k))
+    x, w, offs = _moe(11)
+
+    def f(x, w, offs):
+        return grouped_mm(x, w, offs) * 2
+
+    torch.testing.assert_close(torch.func.functionalize(f)(x, w, offs), f(x, w, offs),
+                               rtol=0, atol=0)
+    assert routed == ["grouped_mm"]
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile of the ops
 

@@ -122,8 +122,10 @@ def plans_built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_repeated_grouped_mm_reuses_its_plan(cute: Recorder, plans_built: list[str]) -> None:
     x, w, offs = _mm_inputs()
     y1 = grouped_mm(x, w, offs)
+    first = launch.last_launch()
     x2 = torch.randn_like(x)
     y2 = grouped_mm(x2, w, offs)
+    assert launch.last_launch() is not first  # each launch is told apart (benchmarks do)
     assert plans_built == ["MmPlan"] and len(cute.calls) == 2
     assert cute.calls[1][0] is x2 and cute.calls[1][2] is y2 and y1 is not y2
     assert y2.shape == (24, 16) and y2.dtype == BF16
@@ -249,8 +251,11 @@ def _rows_point_at(call: tuple, a, b) -> None:
 
 def test_repeated_grouped_gemm_skips_the_scan(cute: Recorder, scans: list[int]) -> None:
     a, b = _lists()
+    infos = []
     for _ in range(3):
         outs = grouped_gemm(a, b)
+        infos.append(launch.last_launch())
+    assert len({id(i) for i in infos}) == 3
     # The scan runs on the first two calls (the second takes the signature), not after.
     assert scans == [4, 4] and len(cute.calls) == 3
     assert [o.shape for o in outs] == [(5, 16), (0, 16), (17, 16), (8, 16)]
