@@ -246,10 +246,9 @@ _T = torch.Tensor
 class GeneralScan:
     """grouped_gemm's operands as the kernel needs them, read by scan_general.
 
-    sizes: G (M, N, K); a_ld / b_ld: leading dims (inactive problems' values are whatever
-    the tensors hold: the kernel never reads them); ptrs: A's then B's data pointers (2G
-    int64); loads: per problem, whether the kernel loads its A and B (M, N, K > 0), or None
-    when all do.
+    sizes: G (M, N, K); a_ld / b_ld: leading dims (for problems without work, whatever the
+    tensors hold: the kernel never reads them); b_major: "n" or "k" for every B; ptrs: A's
+    then B's data pointers (2G int64), those the kernel loads checked 16-byte aligned.
     """
 
     __slots__ = ("sizes", "dtype", "out_dtype", "device", "a_ld", "b_ld", "b_major", "ptrs")
@@ -273,8 +272,9 @@ def scan_general(a: object, b: object, out_dtype: torch.dtype | None) -> General
     path, which raises or falls back with the exact message), so this never decides an error.
     Each property is read for all operands at once through map() (a C loop per property, no
     Python bytecode per problem) and checked on its distinct values; problems without work
-    (M, N or K = 0, an expert with no tokens) get numpy masks. The per-problem loop it
-    replaced cost about twice as much.
+    (M, N or K = 0, an expert with no tokens) get numpy masks. ~1.35 us per problem on the
+    CPU-only dev machine (the per-problem loop it replaced: ~1.5); a call whose operands match
+    an earlier signature skips it (ops/api.py).
     """
     if type(a) not in _SEQUENCES or type(b) not in _SEQUENCES:
         return None

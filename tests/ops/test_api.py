@@ -566,8 +566,9 @@ def test_auto_falls_back_with_one_warning(fake_hopper: Recorder) -> None:
     # fp32 inputs: the kernels take bf16/fp16 only, so auto warns once and uses torch.
     a, b = make_grouped_inputs([(5, 8, 8)], torch.float32, generator=_gen(67))
     with pytest.warns(RuntimeWarning, match="using the torch backend because the kernels take "
-                                            "bf16 or fp16 inputs"):
+                                            "bf16 or fp16 inputs") as record:
         outs = grouped_gemm(a, b)
+    assert record[0].filename == __file__  # the warning points at the caller's line
     check_gemm(outs, a, b, torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
