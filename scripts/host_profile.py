@@ -70,7 +70,7 @@ def main() -> None:
     print(f"  plan lookup:             {per_call(lambda: ops.cached_mm_plan(x3, w)):8.1f} us")
     print(f"  BmmPlan call:            {per_call(lambda: bplan(x3, w, None)):8.1f} us")
     out3 = torch.empty(8, 8, 512, device=dev, dtype=dt)
-    bws = bplan.no_workspace if bplan.workspace is None else bplan.workspace.get()
+    bws = bplan.workspace.get(bplan.choice) if bplan.choice.tail_split else bplan.no_workspace
     kargs = (x3, w, out3, bplan.meta, bplan.meta32, bplan.offs, bplan.no_table, bws,
              bplan.no_trace, 8, bplan.num_ctas, bplan.choice.swizzle, 0, 0, 0, 0)
     print(f"  kernel call alone:       {per_call(lambda: bplan.kernel(*kargs)):8.1f} us "

@@ -185,22 +185,32 @@ def _workspace(device: torch.device, idx: int, stream: int, ints: int, zeroed: b
 class WorkspaceSlot:
     """A plan's workspace: looked up per stream, the last (stream, tensor) pair remembered (one
     attribute, so a thread never pairs one stream with another's tensor). Never reused while a
-    CUDA graph is being captured: a captured workspace belongs to the graph."""
+    CUDA graph is being captured: a captured workspace belongs to the graph.
 
-    __slots__ = ("device", "idx", "ints", "zeroed", "last")
+    get() takes the plan's current kernel choice: its size follows the choice's tail split,
+    and scripts/tune.py swaps a plan's choice after building it.
+    """
+
+    __slots__ = ("device", "idx", "num_ctas", "choice", "ints", "zeroed", "last")
 
     def __init__(self, device: torch.device, num_ctas: int, choice: KernelChoice):
         self.device = device
         self.idx = _device_index(device)
+        self.num_ctas = num_ctas
+        self._size(choice)
+
+    def _size(self, choice: KernelChoice) -> None:
+        self.choice = choice
         if choice.tail_split:
-            self.ints = -(-split_workspace_bytes(num_ctas, choice.tile_m, choice.tile_n)[2] // 8)
-            self.zeroed = True
+            total = split_workspace_bytes(self.num_ctas, choice.tile_m, choice.tile_n)[2]
+            self.ints, self.zeroed = -(-total // 8), True
         else:
-            self.ints = num_ctas * DESC_RING * SLOT_INTS
-            self.zeroed = False
+            self.ints, self.zeroed = self.num_ctas * DESC_RING * SLOT_INTS, False
         self.last: tuple[int, torch.Tensor] | None = None
 
-    def get(self) -> torch.Tensor:
+    def get(self, choice: KernelChoice) -> torch.Tensor:
+        if choice is not self.choice:
+            self._size(choice)
         if _capturing():
             new = torch.zeros if self.zeroed else torch.empty
             return new(self.ints, dtype=torch.int64, device=self.device)  # (zeroing captured)
@@ -215,7 +225,7 @@ class WorkspaceSlot:
 
 def _kernel_workspace(device: torch.device, num_ctas: int, choice: KernelChoice) -> torch.Tensor:
     """The workspace of one launch (for callers without a plan: scripts, tests)."""
-    return WorkspaceSlot(device, num_ctas, choice).get()
+    return WorkspaceSlot(device, num_ctas, choice).get(choice)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +486,7 @@ class GeneralPlan:
         shape, ph = self.shape, self.placeholders
         choice = shape.choice
         shape.kernel(ph[0], ph[1], ph[2], meta[0], meta[1], ph[3], self.table,
-                     self.workspace.get(), ph[5] if trace_t is None else trace_t, shape.G,
+                     self.workspace.get(choice), ph[5] if trace_t is None else trace_t, shape.G,
                      shape.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL,
                      d_base)
         # A new tuple per launch: last_launch() tells launches apart by identity.
@@ -630,9 +640,9 @@ class MmPlan:
             return self._host_visitor(x, w, offs, out)
         if self.trace:
             return self._launch(x, w, offs, out, self.num_ctas, self.no_table, self.max_tiles,
-                                self.workspace.get())
+                                self.workspace.get(choice))
         self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
-                    self.workspace.get(), self.no_trace, self.num_problems, self.num_ctas,
+                    self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
                     choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
         _local.raw = (choice, self.num_ctas, self.num_problems, None, None)
         return out
@@ -702,8 +712,7 @@ class BmmPlan:
         self.no_trace = _small("trace", device, torch.int32, (1, 1, 4))
         # Without the tail split the kernel never touches its workspace (one descriptor per
         # operand, no ring): a small placeholder does.
-        self.workspace = (WorkspaceSlot(device, self.num_ctas, choice) if choice.tail_split
-                          else None)
+        self.workspace = WorkspaceSlot(device, self.num_ctas, choice)
         self.no_workspace = _small("workspace", device, torch.int64, (16,))
         self.kernel = _compiled(_compile_key("batched", args.dtype, args.out_dtype,
                                              self.w_major, choice, trace))
@@ -726,7 +735,7 @@ class BmmPlan:
         xv = tma_view(x, 2) if self.fix_x else x
         wv = tma_view(w, self.w_unit) if self.fix_w else w
         ov = tma_view(out, 2) if self.fix_out else out
-        workspace = self.no_workspace if self.workspace is None else self.workspace.get()
+        workspace = (self.workspace.get(choice) if choice.tail_split else self.no_workspace)
         self.kernel(xv, wv, ov, self.meta, self.meta32, self.offs, self.no_table, workspace,
                     self.no_trace if trace_t is None else trace_t, self.shape[0],
                     self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)

@@ -307,3 +307,21 @@ def test_grouped_gemm_grad_operands_are_linked(cute: Recorder) -> None:
         assert all(o.requires_grad for o in outs)
     with pytest.raises(RuntimeError, match="inference-only"):
         outs[0].float().sum().backward()
+
+
+def test_workspace_follows_the_plans_choice(cute: Recorder) -> None:
+    import dataclasses
+
+    from moe_gemm.kernels.sm90.constants import DESC_RING, SLOT_INTS, split_workspace_bytes
+
+    x, w, offs = _mm_inputs()
+    grouped_mm(x, w, offs)
+    plan = api.cached_mm_plan(x, w, offs)
+    assert plan is not None and not plan.choice.tail_split
+    assert cute.calls[-1][7].numel() == plan.num_ctas * DESC_RING * SLOT_INTS
+    # A tuning script swaps the choice of a built plan: the workspace must grow with it.
+    plan.choice = dataclasses.replace(plan.choice, tail_split=True)
+    grouped_mm(x, w, offs)
+    ws = cute.calls[-1][7]
+    total = split_workspace_bytes(plan.num_ctas, plan.choice.tile_m, plan.choice.tile_n)[2]
+    assert ws.numel() * 8 >= total and bool((ws == 0).all())  # (counters start at zero)
