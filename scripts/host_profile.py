@@ -72,24 +72,23 @@ def main() -> None:
     from moe_gemm.ops import api as ops
     from moe_gemm.ops import launch as host_sm90
 
-    key = ops._bmm_plan_key(x3, w, None, None, None)
-    bplan = ops._mm_plans[key]
-    print(f"  plan key:                {per_call(lambda: ops._bmm_plan_key(x3, w, None, None, None)):8.1f} us")  # noqa: E501
+    bplan = ops.cached_mm_plan(x3, w)
+    print(f"  plan lookup:             {per_call(lambda: ops.cached_mm_plan(x3, w)):8.1f} us")
     print(f"  BmmPlan call:            {per_call(lambda: bplan(x3, w, None)):8.1f} us")
     out3 = torch.empty(8, 8, 512, device=dev, dtype=dt)
-    kargs = (x3, w, out3, bplan.meta, bplan.meta32, bplan.offs, bplan.no_table, bplan.workspace,
+    bws = bplan.workspace.get(bplan.choice) if bplan.choice.tail_split else bplan.no_workspace
+    kargs = (x3, w, out3, bplan.meta, bplan.meta32, bplan.offs, bplan.no_table, bws,
              bplan.no_trace, 8, bplan.num_ctas, bplan.choice.swizzle, 0, 0, 0, 0)
     print(f"  kernel call alone:       {per_call(lambda: bplan.kernel(*kargs)):8.1f} us "
           f"({bplan.choice.schedule} {bplan.choice.tile_m}x{bplan.choice.tile_n}, "
           f"{bplan.num_ctas} CTAs)")
-    mkey = ops._mm_plan_key(x, w, offs, None, None, None)
-    mplan = ops._mm_plans[mkey]
+    mplan = ops.cached_mm_plan(x, w, offs)
     out2 = torch.empty(64, 512, device=dev, dtype=dt)
     ws2 = host_sm90._kernel_workspace(x.device, mplan.num_ctas, mplan.choice)
     margs = (x, w, out2, mplan.meta, mplan.meta32, offs, mplan.no_table, ws2, mplan.no_trace,
              mplan.num_problems, mplan.num_ctas, mplan.choice.swizzle, 0, 0, 0, 0)
-    print(f"  2-D plan key:            "
-          f"{per_call(lambda: ops._mm_plan_key(x, w, offs, None, None, None)):8.1f} us")
+    print(f"  2-D plan lookup:         "
+          f"{per_call(lambda: ops.cached_mm_plan(x, w, offs)):8.1f} us")
     print(f"  MmPlan call:             {per_call(lambda: mplan(x, w, offs, None)):8.1f} us")
     print(f"  2-D kernel call alone:   {per_call(lambda: mplan.kernel(*margs)):8.1f} us "
           f"({mplan.choice.schedule} {mplan.choice.tile_m}x{mplan.choice.tile_n}, "

@@ -40,7 +40,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.layers.moe import Activation, MoE, _expert_ffn, _inference_only
+from moe_gemm.layers.checkpoints import moe_from_tensors
+from moe_gemm.layers.experts import Activation, expert_ffn
+from moe_gemm.layers.moe import MoE
 
 __all__ = ["NAME", "hf_activation", "is_registered", "moe_from_hf", "moe_gemm_experts_forward",
            "register"]
@@ -100,13 +102,8 @@ def moe_gemm_experts_forward(
     if ids.dtype not in (torch.int64, torch.int32):
         ids = ids.long()
 
-    def run() -> torch.Tensor:
-        return _expert_ffn(
-            x, ids, top_k_weights, w_in, w_out, gate_fn,
-            bias_gate_up=bias_in, bias_down=bias_out, post_fn=post_fn,
-        )
-
-    y = _inference_only(run, x, top_k_weights, w_in, w_out, bias_in, bias_out)
+    y = expert_ffn(x, ids, top_k_weights, w_in, w_out, gate_fn, bias_gate_up=bias_in,
+                   bias_down=bias_out, post_fn=post_fn)
     return y.to(hidden_states.dtype)
 
 
@@ -125,7 +122,7 @@ def is_registered() -> bool:
 # MoE.from_hf
 
 # transformers block class -> router kind. Each was checked against the transformers 5 source
-# (router arithmetic and the block's forward) and is covered by tests/test_moe_hf.py.
+# (router arithmetic and the block's forward) and is covered by tests/layers/test_moe_hf.py.
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
     "Qwen2MoeSparseMoeBlock": "softmax",
@@ -174,7 +171,8 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if getattr(experts, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    return cls._from_tensors(gate_up, down, router.weight, int(router.top_k), bias, shared, opts)
+    return moe_from_tensors(cls, gate_up, down, router.weight, int(router.top_k), bias, shared,
+                            opts)
 
 
 def _check_fused_gated(experts: nn.Module) -> None:

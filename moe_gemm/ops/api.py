@@ -1,38 +1,66 @@
-"""The torch-facing API: grouped_gemm and grouped_mm.
+"""The torch-facing API: grouped_gemm, grouped_mm and GroupedGemmPlan.
 
 Each op validates its arguments (messages name the expected shape and dtype), picks a backend
 (`cute` on an sm90a GPU with the CuTe DSL, `torch` elsewhere), and runs. Kernel-specific layout
 limits (16-byte aligned rows for TMA, bf16/fp16 inputs) are checked before any compile: with
 backend="auto" an input the kernel cannot take falls back to the torch backend with a one-time
 warning; with backend="cute" it raises ValueError.
+
+Three ways through an op, cheapest first:
+- a repeated call: its tensors match a cached plan's signature (ops/signature.py: types,
+  dtypes, devices, sizes, strides, autograd flags) and its config and switches are the plan's,
+  so it reads its data pointers and launches (on the CPU-only dev machine, the kernel call
+  aside: grouped_mm ~4.5 us, grouped_gemm over 256 problems ~0.75 us per problem, most of it
+  the 256 output views);
+- grouped_gemm's scan (ops/support.scan_general): the common case checked and analysed in one
+  pass, then the plan of that layout;
+- the detailed path: validation that names what is wrong, the backend choice and its one-time
+  warnings, outputs that share memory with an operand.
+Under torch.compile, make_fx or a fake/functional tensor mode the ops go through their
+torch.library registrations instead (ops/custom_ops.py); eager calls never pay that dispatch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import DEFAULT_CONFIG, GemmConfig
 from moe_gemm.env import env_get
+from moe_gemm.ops import custom_ops
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
 from moe_gemm.ops.heuristics import TAIL_SPLIT_ENV
 from moe_gemm.ops.reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
+from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import (
+    PLAIN_TENSORS,
     analyze_general,
-    fast_general,
     grouped_bmm_unsupported,
     grouped_mm_unsupported,
+    scan_general,
 )
-from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
+from moe_gemm.ops.validation import (
+    check_grouped_bmm,
+    check_grouped_gemm,
+    check_grouped_mm,
+    offs_check_requested,
+)
 
 _warned: set[str] = set()
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_PTR = torch.Tensor.data_ptr
+_SEQUENCES = (list, tuple)
+_PLAIN_SET = frozenset(PLAIN_TENSORS)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 NO_BACKWARD = (
     "moe_gemm's Hopper (cute) kernels are inference-only: they have no backward. Run under "
@@ -40,11 +68,62 @@ NO_BACKWARD = (
     "differentiable torch path."
 )
 
+# Cached plans, found by their tensors' signatures (ops/signature.py). Entries are
+# (plan, link, out_requires_grad): link says an input required grad when the signature was
+# taken (the signature includes the flags, so it still does).
+_mm_plans = PlanCache(per_bucket=8, buckets=256)  # buckets: (form, x.shape)
+_general_plans = PlanCache(per_bucket=4, buckets=64)  # buckets: the problem count
+# A grouped_gemm layout gets a signature when grouped_gemm's scan meets it again within this
+# many scans (a layout that recurs), at most MAX_SIGNATURES times (other tensor modes).
+RECENT_SCANS = 16
+MAX_SIGNATURES = 4
+_scans = 0
+
+# Switches a cached plan depends on: a change makes the next call miss its plan.
+_PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
+                  TAIL_SPLIT_ENV)
+
+
+def _switches() -> tuple:
+    return tuple(map(env_get, _PLAN_SWITCHES))
+
+
+def _cacheable(switches: tuple) -> bool:
+    """Plans made while cute is disabled or offs values are checked per call are not kept."""
+    return switches[0] in (None, "", "0") and switches[1] in (None, "", "0")
+
+
+def _traced() -> bool:
+    """Whether this call is being traced or run by a tensor mode (torch.compile, make_fx,
+    FakeTensorMode, FlopCounterMode...): then it goes through the registered torch.library
+    op, which the tracer records and the modes see."""
+    return torch.compiler.is_compiling() or _dispatch_modes() > 0
+
+
+def _symbolic(*tensors: object) -> bool:
+    """Tensors without memory of their own (fake, or functionalized as by torch.func): they
+    go through the registered op (its fake implementation, or the functionalized call)."""
+    if set(map(type, tensors)) <= _PLAIN_SET:  # (one C call each: this sees every operand)
+        return any(map(torch._is_functional_tensor, tensors))
+    return any(isinstance(t, torch.Tensor) and (is_fake(t) or torch._is_functional_tensor(t))
+               for t in tensors)
+
 
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_level())
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel of the first frame outside moe_gemm (the user's call)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_config(config: object) -> GemmConfig:
@@ -71,6 +150,27 @@ def _use_cute(config: GemmConfig, problem: str | None, unsupported: str | None, 
         _warn_once(f"moe_gemm.{op}: using the torch backend because {unsupported}")
         return False
     return True
+
+
+def cached_mm_plan(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None, *,
+                   config: GemmConfig | None = None, out_dtype: torch.dtype | None = None
+                   ) -> object | None:
+    """The launch plan (MmPlan / BmmPlan) a grouped_mm call with these arguments would take
+    now, or None: for scripts that time a call's parts."""
+    bucket = ("bmm", x.shape) if offs is None else ("mm", x.shape)
+    entry = _mm_plans.find(bucket, (config, out_dtype, _switches()),
+                           (x, w) if offs is None else (x, w, offs))
+    return None if entry is None else entry[0]
+
+
+def _clear_plans() -> None:
+    """Forget every cached plan (tests that fake the launch module)."""
+    _mm_plans.clear()
+    _general_plans.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_gemm
 
 
 def grouped_gemm(
@@ -103,21 +203,72 @@ def grouped_gemm(
         ValueError: counts, ranks, inner dimensions, devices or `out` shapes that do not fit.
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
-    if out is None and (config is None or (type(config) is GemmConfig
-                                           and config.backend != "torch")):
-        # The common case, checked and analysed in one pass (ops/support.fast_general); anything
-        # else takes the detailed path below, which raises or falls back with the exact reason.
-        fast = fast_general(a, b, out_dtype)
-        if fast is not None and cute_problem(fast[0].device) is None:
-            from moe_gemm.ops.launch import grouped_gemm_cute
+    if _traced():
+        return custom_ops.grouped_gemm(a, b, out=out, config=config, out_dtype=out_dtype)
+    return grouped_gemm_eager(a, b, out, config, out_dtype)
 
-            args, lay = fast
-            run = lambda: grouped_gemm_cute(args, config or DEFAULT_CONFIG, layout=lay)  # noqa: E731
-            if torch.is_grad_enabled() and (any(map(_REQUIRES_GRAD, args.a))
-                                            or any(map(_REQUIRES_GRAD, args.b))):
-                return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
-            return run()
+
+def grouped_gemm_eager(a, b, out, config, out_dtype) -> list[torch.Tensor]:
+    """grouped_gemm without the tracing check (the registered op's implementation)."""
+    if out is None and (config is None or (type(config) is GemmConfig
+                                           and config.backend != "torch")) and (
+            type(a) in _SEQUENCES and type(b) in _SEQUENCES and len(a) == len(b) and a):
+        switches = _switches()
+        extra = (config, out_dtype, switches)
+        entry = _general_plans.find(len(a), extra, (*a, *b))
+        if entry is not None:
+            plan, link, _ = entry
+            ptrs = plan.pointers(a, b)
+            if ptrs is not None:
+                if link and torch.is_grad_enabled():
+                    return inference_only(NO_BACKWARD, lambda: plan.launch_pointers(ptrs),
+                                          [*a, *b])
+                return plan.launch_pointers(ptrs)
+        res = _scanned_grouped_gemm(a, b, config, out_dtype, extra)
+        if res is not None:
+            return res
+    return _detailed_grouped_gemm(a, b, out, config, out_dtype)
+
+
+def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] | None:
+    """The common case through scan_general and the plan of its layout (None: not the
+    common case, or not on the cute backend)."""
+    a0 = a[0]
+    if type(a0) not in PLAIN_TENSORS or cute_problem(a0.device) is not None:
+        return None
+    scan = scan_general(a, b, out_dtype)
+    if scan is None:
+        return None
+    from moe_gemm.ops import launch
+
+    cfg = config or DEFAULT_CONFIG
+    switches = extra[2]
+    shape = launch.general_shape(scan.sizes, scan.dtype, scan.out_dtype, scan.b_major, cfg,
+                                 launch.sm_count(scan.device), False, switches[2])
+    if launch._capturing():
+        plan = launch.GeneralPlan(shape, scan.device, scan.a_ld, scan.b_ld)
+    else:
+        plan = launch.general_plan(shape, scan.device, scan.a_ld, scan.b_ld)
+        global _scans
+        _scans += 1
+        recent, plan.last_scan = _scans - plan.last_scan <= RECENT_SCANS, _scans
+        if recent and plan.signatures < MAX_SIGNATURES and _cacheable(switches):
+            # Seen again soon: worth a signature (~0.6 us per tensor to build), which a
+            # layout seen once (routing that changes every call) never pays.
+            plan.signatures += 1
+            link = any(map(_REQUIRES_GRAD, a)) or any(map(_REQUIRES_GRAD, b))
+            _general_plans.add(len(a), extra, (*a, *b), (plan, link, False))
+    if torch.is_grad_enabled() and (any(map(_REQUIRES_GRAD, a))
+                                    or any(map(_REQUIRES_GRAD, b))):
+        return inference_only(NO_BACKWARD, lambda: plan.launch_pointers(scan.ptrs), [*a, *b])
+    return plan.launch_pointers(scan.ptrs)
+
+
+def _detailed_grouped_gemm(a, b, out, config, out_dtype) -> list[torch.Tensor]:
     cfg = _check_config(config)
+    if _symbolic(*(a if type(a) in _SEQUENCES else ()), *(b if type(b) in _SEQUENCES else ()),
+                 *(out if type(out) in _SEQUENCES else ())):
+        return custom_ops.grouped_gemm(a, b, out=out, config=config, out_dtype=out_dtype)
     args = check_grouped_gemm(a, b, out, out_dtype)
     if not args.a:
         return []
@@ -127,7 +278,7 @@ def grouped_gemm(
         tmp = list(given)
         for i in args.out_aliased:
             tmp[i] = torch.empty_like(given[i])
-        res = grouped_gemm(args.a, args.b, out=tmp, config=cfg, out_dtype=args.out_dtype)
+        res = grouped_gemm_eager(args.a, args.b, tmp, cfg, args.out_dtype)
         for i in args.out_aliased:
             given[i].copy_(res[i])
         return [given[i] if i in args.out_aliased else r for i, r in enumerate(res)]
@@ -140,6 +291,10 @@ def grouped_gemm(
         run = lambda: grouped_gemm_cute(args, cfg, layout=layout)  # type: ignore[arg-type]  # noqa: E731
         return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
     return grouped_gemm_torch(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_mm
 
 
 def grouped_mm(
@@ -185,24 +340,61 @@ def grouped_mm(
         ValueError: ranks, K mismatch, offs length or values, devices or `out` shape.
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
-    if out is not None and _out_shares_memory(out, x, w, offs):
+    if _traced():
+        return custom_ops.grouped_mm(x, w, offs, out=out, config=config, out_dtype=out_dtype)
+    return grouped_mm_eager(x, w, offs, out, config, out_dtype)
+
+
+def grouped_mm_eager(x, w, offs, out, config, out_dtype) -> torch.Tensor:
+    """grouped_mm without the tracing check (the registered op's implementation)."""
+    if type(x) in PLAIN_TENSORS and (config is None or type(config) is GemmConfig):
+        extra = (config, out_dtype, _switches())
+        if out is None:
+            if offs is None:
+                entry = _mm_plans.find(("bmm", x.shape), extra, (x, w))
+                if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
+                    plan = entry[0]
+                    if entry[1] and torch.is_grad_enabled():
+                        return inference_only(NO_BACKWARD, lambda: plan(x, w, None), [x, w])
+                    return plan(x, w, None)
+            else:
+                entry = _mm_plans.find(("mm", x.shape), extra, (x, w, offs))
+                if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
+                    plan = entry[0]
+                    if entry[1] and torch.is_grad_enabled():
+                        return inference_only(NO_BACKWARD, lambda: plan(x, w, offs, None),
+                                              [x, w])
+                    return plan(x, w, offs, None)
+        elif type(out) in PLAIN_TENSORS and not overlaps_any(out, (x, w, offs)):
+            if offs is None:
+                entry = _mm_plans.find(("bmm_out", x.shape), extra, (x, w, out))
+            else:
+                entry = _mm_plans.find(("mm_out", x.shape), extra, (x, w, offs, out))
+            if entry is not None and not (_PTR(x) | _PTR(w) | _PTR(out)) & 15 and not (
+                    entry[2] and torch.is_grad_enabled()):
+                plan = entry[0]
+                run = ((lambda: plan(x, w, out)) if offs is None
+                       else (lambda: plan(x, w, offs, out)))
+                if entry[1] and torch.is_grad_enabled():
+                    return inference_only(NO_BACKWARD, run, [x, w])
+                return run()
+    return _detailed_grouped_mm(x, w, offs, out, config, out_dtype)
+
+
+def _detailed_grouped_mm(x, w, offs, out, config, out_dtype) -> torch.Tensor:
+    cfg = _check_config(config)
+    if _symbolic(*(t for t in (x, w, offs, out) if t is not None)):
+        return custom_ops.grouped_mm(x, w, offs, out=out, config=config, out_dtype=out_dtype)
+    if out is not None and type(out) in PLAIN_TENSORS and overlaps_any(out, (x, w, offs)):
         # Computed into a copy of out (rows past offs[-1] keep their values), then copied.
-        _check_config(config)
         if offs is None:
             check_grouped_bmm(x, w, out, out_dtype)
         else:
             check_grouped_mm(x, w, offs, out, out_dtype)
-        y = grouped_mm(x, w, offs, out=out.clone(), config=config, out_dtype=out_dtype)
+        y = grouped_mm_eager(x, w, offs, out.clone(), config, out_dtype)
         return out.copy_(y)
     if offs is None:
-        return _grouped_bmm(x, w, out, config, out_dtype)
-    key = _mm_plan_key(x, w, offs, out, config, out_dtype)
-    plan = _mm_plans.get(key) if key is not None else None
-    if plan is not None:
-        if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
-            return inference_only(NO_BACKWARD, lambda: plan(x, w, offs, out), [x, w])
-        return plan(x, w, offs, out)
-    cfg = _check_config(config)
+        return _detailed_grouped_bmm(x, w, out, cfg, config, out_dtype)
     args = check_grouped_mm(x, w, offs, out, out_dtype)
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
     unsupported = grouped_mm_unsupported(args, cfg) if problem is None else None
@@ -210,30 +402,17 @@ def grouped_mm(
         from moe_gemm.ops.launch import MmPlan
 
         plan = MmPlan(args, cfg)
-        if key is not None and args.offs.is_contiguous():
-            if len(_mm_plans) >= _MAX_PLANS:
-                _mm_plans.clear()
-            _mm_plans[key] = plan
         offs_c = args.offs if args.offs.is_contiguous() else args.offs.contiguous()
+        if offs_c is args.offs:
+            bucket = ("mm", x.shape) if out is None else ("mm_out", x.shape)
+            tensors = (x, w, offs) if out is None else (x, w, offs, out)
+            _remember(bucket, config, out_dtype, tensors, plan, out)
         return inference_only(NO_BACKWARD, lambda: plan(args.x, args.w, offs_c, args.out),
                               [args.x, args.w])
     return grouped_mm_torch(args)
 
 
-def _out_shares_memory(out, *inputs) -> bool:
-    if type(out) not in _PLAIN or torch.compiler.is_compiling():
-        return False  # validation names a non-tensor; under tracing there is no memory
-    return overlaps_any(out, inputs)
-
-
-def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
-    key = _bmm_plan_key(x, w, out, config, out_dtype)
-    plan = _mm_plans.get(key) if key is not None else None
-    if plan is not None:
-        if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
-            return inference_only(NO_BACKWARD, lambda: plan(x, w, out), [x, w])
-        return plan(x, w, out)
-    cfg = _check_config(config)
+def _detailed_grouped_bmm(x, w, out, cfg, config, out_dtype) -> torch.Tensor:
     args = check_grouped_bmm(x, w, out, out_dtype)
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
     unsupported = grouped_bmm_unsupported(args, cfg) if problem is None else None
@@ -241,66 +420,32 @@ def _grouped_bmm(x, w, out, config, out_dtype) -> torch.Tensor:
         from moe_gemm.ops.launch import BmmPlan
 
         plan = BmmPlan(args, cfg)
-        if key is not None:
-            if len(_mm_plans) >= _MAX_PLANS:
-                _mm_plans.clear()
-            _mm_plans[key] = plan
+        bucket = ("bmm", x.shape) if out is None else ("bmm_out", x.shape)
+        _remember(bucket, config, out_dtype, (x, w) if out is None else (x, w, out), plan, out)
         return inference_only(NO_BACKWARD, lambda: plan(args.x, args.w, args.out),
                               [args.x, args.w])
     return grouped_bmm_torch(args)
 
 
-# grouped_mm launch plans of validated cute calls, keyed by everything validation and the
-# kernel choice depend on (shapes, strides, dtypes, devices, 16-byte alignment, config): a
-# repeated call skips validation and heuristics. offs values are never part of it (on the GPU
-# they are not read on the host at all).
-_mm_plans: dict[tuple, object] = {}
-_MAX_PLANS = 256
-
-
-# Plain tensors: a subclass (FakeTensor, DTensor, ...) may not own plain memory.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _mm_plan_key(x, w, offs, out, config, out_dtype) -> tuple | None:
-    if type(x) not in _PLAIN or type(w) not in _PLAIN or type(offs) not in _PLAIN or (
-            not x.is_cuda or x.is_neg() or w.is_neg()):
-        return None
-    if out is not None and type(out) not in _PLAIN:
-        return None
+def _remember(bucket, config, out_dtype, tensors, plan, out) -> None:
+    """Keep a plan for calls with this signature (plain tensors, a cached config, switches
+    that allow it, and not built while capturing a CUDA graph)."""
     if config is not None and type(config) is not GemmConfig:
-        return None  # the slow path says what is wrong with it
-    if env_get("MOE_GEMM_CHECK_OFFS") or env_get("MOE_GEMM_DISABLE_CUTE"):
-        return None
-    # Switches the kernel choice reads: a change makes a new plan.
-    hints = (env_get("MOE_GEMM_L2_HINTS"), env_get(TAIL_SPLIT_ENV))
-    ptrs = x.data_ptr() | w.data_ptr()
-    out_key = None
-    if out is not None:
-        out_key = (out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
-        ptrs |= out.data_ptr()
-    return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
-            offs.shape, offs.stride(), offs.dtype, offs.device, out_key, out_dtype, config,
-            ptrs & 15, hints)
+        return
+    if any(type(t) not in PLAIN_TENSORS for t in tensors) or not getattr(plan, "cacheable",
+                                                                          True):
+        return
+    switches = _switches()
+    if not _cacheable(switches) or offs_check_requested():
+        return
+    x, w = tensors[0], tensors[1]
+    link = x.requires_grad or w.requires_grad
+    _mm_plans.add(bucket, (config, out_dtype, switches), tensors,
+                  (plan, link, out is not None and out.requires_grad))
 
 
-def _bmm_plan_key(x, w, out, config, out_dtype) -> tuple | None:
-    if type(x) not in _PLAIN or type(w) not in _PLAIN or not x.is_cuda or (
-            x.is_neg() or w.is_neg()):
-        return None
-    if out is not None and type(out) not in _PLAIN:
-        return None
-    if config is not None and type(config) is not GemmConfig:
-        return None
-    if env_get("MOE_GEMM_DISABLE_CUTE"):
-        return None
-    ptrs = x.data_ptr() | w.data_ptr()
-    out_key = None
-    if out is not None:
-        out_key = (out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
-        ptrs |= out.data_ptr()
-    return ("bmm", x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype,
-            w.device, out_key, out_dtype, config, ptrs & 15, env_get("MOE_GEMM_L2_HINTS"))
+# ---------------------------------------------------------------------------------------------
+# GroupedGemmPlan
 
 
 class GroupedGemmPlan:
@@ -335,7 +480,7 @@ class GroupedGemmPlan:
                 for m, n, _ in args.sizes])
         self.out: list[torch.Tensor] = list(args.out or [])
         # Outputs sharing memory with an operand: the plan writes private tensors and each
-        # call copies them into the given ones (moe_gemm/aliasing.py).
+        # call copies them into the given ones (ops/aliasing.py).
         self._copy_back = [(self.out[i], torch.empty_like(self.out[i]))
                            for i in args.out_aliased]
         if self._copy_back:
@@ -345,6 +490,7 @@ class GroupedGemmPlan:
             args = dataclasses.replace(args, out=private, out_aliased=())
         self.args = args
         self._launch = None
+        self._operands = (*args.a, *args.b)
         self.backend = "torch"
         if not args.a:
             return
@@ -358,15 +504,13 @@ class GroupedGemmPlan:
         self.backend = "cute" if self._launch is not None else "torch"
 
     def __call__(self) -> list[torch.Tensor]:
-        args = self.args
-        if not args.a:
-            return []
-        if self._launch is None:  # the torch backend: differentiable like grouped_gemm's
-            res = grouped_gemm_torch(args)
-        elif torch.is_grad_enabled():
-            res = inference_only(NO_BACKWARD, self._launch.launch, [*args.a, *args.b])
+        launch = self._launch
+        if launch is None:  # the torch backend: differentiable like grouped_gemm's
+            res = grouped_gemm_torch(self.args) if self.args.a else []
+        elif torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, self._operands)):
+            res = inference_only(NO_BACKWARD, launch.launch, self._operands)
         else:
-            res = self._launch.launch()
+            res = launch.launch()
         if not self._copy_back:
             return res
         for given, tmp in self._copy_back:

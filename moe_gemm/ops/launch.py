@@ -1,16 +1,22 @@
-"""Host wrapper for GroupedGemmSm90: torch tensors in, one grouped launch out.
+"""Host side of GroupedGemmSm90: torch tensors in, one grouped launch out.
 
-Turns validated arguments (moe_gemm.validation) into launch arguments: picks the kernel
-choice (moe_gemm.heuristics), builds the per-problem metadata (pointers, leading dims, sizes)
-in pinned memory and copies it to the GPU in one transfer, builds or reuses the host
-visitor's table, and calls the compiled kernel (moe_gemm.cache) on the current stream through
-TVM-FFI. grouped_mm never reads GPU values on the host unless visitor="host" is asked for.
+Turns validated arguments (ops/validation.py) into launch arguments: the kernel choice
+(ops/heuristics.py), the per-problem metadata of the general form (pointers, leading dims,
+sizes) staged in pinned memory and copied to the GPU in one transfer, the host visitor's table,
+and the compiled kernel (ops/kernel_cache.py), called on the current stream through TVM-FFI.
+grouped_mm never reads GPU values on the host unless visitor="host" is asked for.
+
+Everything that follows from shapes, strides, dtypes and the config is built once per
+signature and kept in a plan (MmPlan, BmmPlan, GeneralPlan): ops/api.py finds the plan of a
+repeated call (ops/signature.py) and the call itself then only allocates its output, looks up
+its workspace and calls the kernel. Nothing here reads a GPU value or synchronizes.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -36,12 +42,13 @@ from moe_gemm.ops.validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmAr
 
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _local = threading.local()
+_PTR = torch.Tensor.data_ptr
 
 # Programmatic dependent launch of the main kernel (see GroupedGemmSm90.__call__): opt-in
 # (MOE_GEMM_PDL=1). Measured neutral on an H200 (2026-11-21, scripts/tune.py back-to-back,
 # on / off): mixtral 2831 / 2826 us, uniform list 559 / 555, moe-decode 288 / 283,
-# k-varying 122 / 124; the GPU tests pass both ways. A module attribute so tune.py can
-# compare both in one process.
+# k-varying 122 / 124; the GPU tests pass both ways. A module attribute (read at every launch)
+# so tune.py can compare both in one process.
 PDL = 1 if os.environ.get("MOE_GEMM_PDL", "0") not in ("", "0") else 0
 
 
@@ -102,7 +109,7 @@ def _device_index(device: torch.device | None) -> int:
     return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
-def _grid(device: torch.device, nsm: int, size: int, units: int) -> tuple[int, int]:
+def _grid(device: torch.device | None, nsm: int, size: int, units: int) -> tuple[int, int]:
     """(CTAs, units per cluster upper bound) for `units` cluster tiles of work."""
     idx = _device_index(device)
     clusters = max(1, min(max_clusters(idx, size, nsm), nsm // size, units))
@@ -144,44 +151,85 @@ def _capturing() -> bool:
     return torch._C._cuda_isCurrentStreamCapturing()
 
 
-_workspaces: dict[tuple, torch.Tensor] = {}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda idx: torch.cuda.current_stream(idx).cuda_stream
 )
 
+# ---------------------------------------------------------------------------------------------
+# Workspaces: the CTAs' descriptor rings (and the tail split's counters and partial tiles)
 
-def _kernel_workspace(device: torch.device, num_ctas: int, choice: KernelChoice) -> torch.Tensor:
-    """The launch's workspace: the CTAs' descriptor rings, and with the tail split its
-    counters (zero between launches: each finisher resets its own) and partial tiles."""
-    if not choice.tail_split:
-        return _workspace(device, num_ctas * DESC_RING * SLOT_INTS)
-    total = split_workspace_bytes(num_ctas, choice.tile_m, choice.tile_n)[2]
-    return _workspace(device, -(-total // 8), zeroed=True)
+_workspaces: dict[tuple, torch.Tensor] = {}
 
 
-def _workspace(device: torch.device, ints: int, zeroed: bool = False) -> torch.Tensor:
-    """The descriptor rings the kernel's scheduler warps write and its load/store warps read.
+def _workspace(device: torch.device, idx: int, stream: int, ints: int, zeroed: bool
+               ) -> torch.Tensor:
+    """The workspace of `ints` int64 for launches on `stream`, shared by every plan.
 
-    Reused per (device, stream, thread, size): launches on one stream run one after the other
-    (under the opt-in PDL a kernel waits on griddepcontrol before touching global memory), so
-    no two launches ever use one workspace at once. Saves an allocator call per call (~1.5 us
-    of host time). Never reused while a CUDA graph is being captured: a captured workspace
-    belongs to the graph.
+    Launches on one stream run one after the other, whichever thread issues them (under the
+    opt-in PDL a kernel waits on griddepcontrol before touching global memory), so no two
+    launches ever use one workspace at once; reusing it saves an allocator call per call
+    (~1.5 us of host time). `zeroed` is in the key: a tail-split kernel's counters (zero
+    between launches: each finisher resets its own) never share memory with another kernel's
+    descriptor rings.
     """
-    idx = _device_index(device)
-    new = torch.zeros if zeroed else torch.empty
-    if _capturing():
-        return new(ints, dtype=torch.int64, device=device)  # (a zeroing is captured too)
-    # `zeroed` in the key: a tail-split kernel's counters must never share memory with
-    # another kernel's descriptor rings.
-    key = (idx, _raw_stream(idx), threading.get_ident(), ints, zeroed)
+    key = (idx, stream, ints, zeroed)
     ws = _workspaces.get(key)
     if ws is None:
         if len(_workspaces) >= 256:
             _workspaces.clear()  # the caching allocator keeps the memory stream-ordered
+        new = torch.zeros if zeroed else torch.empty
         ws = _workspaces[key] = new(ints, dtype=torch.int64, device=device)
     return ws
 
+
+class WorkspaceSlot:
+    """A plan's workspace: looked up per stream, the last (stream, tensor) pair remembered (one
+    attribute, so a thread never pairs one stream with another's tensor). Never reused while a
+    CUDA graph is being captured: a captured workspace belongs to the graph.
+
+    get() takes the plan's current kernel choice: its size follows the choice's tail split,
+    and scripts/tune.py swaps a plan's choice after building it.
+    """
+
+    __slots__ = ("device", "idx", "num_ctas", "choice", "ints", "zeroed", "last")
+
+    def __init__(self, device: torch.device, num_ctas: int, choice: KernelChoice):
+        self.device = device
+        self.idx = _device_index(device)
+        self.num_ctas = num_ctas
+        self._size(choice)
+
+    def _size(self, choice: KernelChoice) -> None:
+        self.choice = choice
+        if choice.tail_split:
+            total = split_workspace_bytes(self.num_ctas, choice.tile_m, choice.tile_n)[2]
+            self.ints, self.zeroed = -(-total // 8), True
+        else:
+            self.ints, self.zeroed = self.num_ctas * DESC_RING * SLOT_INTS, False
+        self.last: tuple[int, torch.Tensor] | None = None
+
+    def get(self, choice: KernelChoice) -> torch.Tensor:
+        if choice is not self.choice:
+            self._size(choice)
+        if _capturing():
+            new = torch.zeros if self.zeroed else torch.empty
+            return new(self.ints, dtype=torch.int64, device=self.device)  # (zeroing captured)
+        stream = _raw_stream(self.idx)
+        last = self.last
+        if last is not None and last[0] == stream:
+            return last[1]
+        ws = _workspace(self.device, self.idx, stream, self.ints, self.zeroed)
+        self.last = (stream, ws)
+        return ws
+
+
+def _kernel_workspace(device: torch.device, num_ctas: int, choice: KernelChoice) -> torch.Tensor:
+    """The workspace of one launch (for callers without a plan: scripts, tests)."""
+    return WorkspaceSlot(device, num_ctas, choice).get(choice)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small device tensors
 
 @functools.lru_cache(maxsize=64)
 def _cached_small(kind: str, device: torch.device, dtype: torch.dtype, shape: tuple, major: str):
@@ -225,23 +273,27 @@ def _trace_tensor(num_ctas: int, max_tiles: int, device: torch.device) -> torch.
     return torch.full((num_ctas, max(1, max_tiles), 4), -1, dtype=torch.int32, device=device)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# The general form: grouped_gemm's lists
+
 _graph_keepalive: list[torch.Tensor] = []
-# Uploaded general-form metadata by (shape, device, stream, operand addresses and leading
-# dims, out addresses and strides); see GeneralLaunch. 64 entries of G * 64 bytes of GPU memory.
+# Uploaded general-form metadata by (plan, stream, operand addresses, out addresses and row
+# strides); see GeneralPlan.metadata. 64 entries of G * 64 bytes of GPU memory.
 META_CACHE_ENTRIES = 64
-_meta_cache: dict[tuple, torch.Tensor] = {}
+_meta_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class GeneralShape:
     """Everything about a general-form launch that depends only on the problem sizes, dtypes,
     B's major, the config and the device's SM count: the kernel choice, problem order, grid,
     compiled kernel, and the layout of the outputs we allocate. Built once per problem set
-    (general_shape caches it), so a repeated grouped_gemm call only gathers pointers.
+    (general_shape caches it).
 
-    Own outputs live in one allocation: with one N for all problems (every MoE layer) a
-    (sum M_i, N) block split by rows in one call; otherwise a flat block of 16-byte-padded
-    pieces. Their byte offsets from the block's start are fixed here, so the per-call
-    metadata needs the block's address only.
+    Own outputs live in one allocation: for each distinct N a (sum of its M_i, N) region
+    split by rows (one region and one split for an MoE layer's experts). Their byte offsets
+    from the block's start are fixed here, so the per-call metadata needs the block's address
+    only.
     """
 
     def __init__(self, sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
@@ -270,55 +322,62 @@ class GeneralShape:
                                                 choice.tile_n * choice.cluster_n))
             self.num_ctas, self.max_tiles = _grid(None, nsm, size, units)
         elem = d.itemsize
-        ns = {n for _, n, _ in sizes}
-        if len(ns) == 1:  # rows of one width: every piece starts on a row, 16-byte aligned
-            n = ns.pop()
-            self.rows: list[int] | None = [m for m, _, _ in sizes]
-            self.out_shape = (sum(self.rows), n)
-            pieces = [m * n for m in self.rows]  # n * elem is a 16-byte multiple (support)
-        else:
-            self.rows = None
-            pad = max(1, TMA_ALIGN_BYTES // elem)
-            self.lens = pieces = [-(-(m * n) // pad) * pad for m, n, _ in sizes]
-            self.out_shape = (sum(self.lens),)
-        d_off = [start * elem for start in itertools.accumulate(pieces, initial=0)][:G]
+        by_n: dict[int, list[int]] = {}
+        for i, (_, n, _) in enumerate(sizes):
+            by_n.setdefault(n, []).append(i)
+        # One region of the block per distinct N, (rows, N), split by rows: a row is a 16-byte
+        # multiple wherever it holds anything (ops/support.py), so every region and every
+        # output starts 16-byte aligned, with no padding.
+        self.regions: list[tuple[int, int, int, list[int]]] = []  # (start, rows, N, per problem)
+        d_off = [0] * G
+        start = 0
+        for n, members in by_n.items():
+            rows = [sizes[i][0] for i in members]
+            row = 0
+            for i, m in zip(members, rows):
+                d_off[i] = (start + row * n) * elem
+                row += m
+            self.regions.append((start, row, n, rows))
+            start += row * n
+        self.out_elems = start
+        region_order = [i for members in by_n.values() for i in members]
+        position = [0] * G
+        for p, i in enumerate(region_order):
+            position[i] = p
+        # The outputs in the caller's order, from the regions' (None: already that order).
+        self.unpermute = (None if region_order == list(range(G))
+                          else operator.itemgetter(*position))
         d_ld = [n for _, n, _ in sizes]
         # Metadata columns that do not change between calls, in the caller's problem order:
         # [D byte offset, D leading dim, M | N << 32, K].
         self.static = np.array(
             [[off, ld, m | (n << 32), k] for off, ld, (m, n, k) in zip(d_off, d_ld, sizes)],
             dtype=np.int64).reshape(G, 4)
+        # Problems whose A and B the kernel loads (the others' pointers are never read).
+        self.loads = np.array([m > 0 and n > 0 and k > 0 for m, n, k in sizes], dtype=bool)
         self.kernel = (_kernel_for("general", ab, d, b_major, choice, trace)
                        if self.total else None)
 
     def new_outputs(self, device: torch.device) -> tuple[list[torch.Tensor], int]:
         """The G outputs as views of one fresh allocation, and its address."""
-        block = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
-        if self.rows is not None:
-            return list(block.split_with_sizes(self.rows)), block.data_ptr()
-        parts = block.split_with_sizes(self.lens)
-        return ([p[: m * n].view(m, n) for p, (m, n, _) in zip(parts, self.sizes)],
-                block.data_ptr())
+        block = torch.empty(self.out_elems, dtype=self.out_dtype, device=device)
+        # The views are made below autograd's view tracking: they never overlap and the
+        # block is never seen, so there is nothing to track, and 256 views take ~70 us on the
+        # CPU-only dev machine instead of ~90.
+        with _untracked_views():
+            if len(self.regions) == 1:
+                _, rows, n, per = self.regions[0]
+                pieces = block.view(rows, n).split_with_sizes(per)
+            else:
+                pieces = []
+                for start, rows, n, per in self.regions:
+                    region = block[start:start + rows * n].view(rows, n)
+                    pieces.extend(region.split_with_sizes(per) if len(per) > 1 else (region,))
+        outs = list(pieces if self.unpermute is None else self.unpermute(pieces))
+        return outs, block.data_ptr()
 
-    def metadata(self, a_ptr, b_ptr, a_ld, b_ld, out_cols=None) -> torch.Tensor:
-        """The (G, 8) int64 rows [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld, M | N << 32,
-        K] in launch order, in pinned host memory, filled column by column (numpy).
-        out_cols: a caller's outputs (addresses, row strides); None = our block's layout."""
-        meta = _pinned((self.G, 8), torch.int64)
-        m = meta.numpy()
-        m[:, 0] = a_ptr
-        m[:, 1] = b_ptr
-        m[:, 3] = a_ld
-        m[:, 4] = b_ld
-        m[:, 6:] = self.static[:, 2:]
-        if out_cols is None:
-            m[:, 2] = self.static[:, 0]
-            m[:, 5] = self.static[:, 1]
-        else:
-            m[:, 2], m[:, 5] = out_cols
-        if self.order_np is not None:
-            m[:] = m[self.order_np]
-        return meta
+
+_untracked_views = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 @functools.lru_cache(maxsize=256)
@@ -330,6 +389,127 @@ def general_shape(sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
     return GeneralShape(sizes, ab, d, b_major, config, nsm, trace)
 
 
+class GeneralPlan:
+    """A general-form launch for one layout: the GeneralShape plus the operands' leading dims,
+    so that a call only reads its operands' data pointers.
+
+    The (G, 8) int64 metadata rows [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld,
+    M | N << 32, K] are kept here in launch order with the pointer columns empty; a call fills
+    them in pinned memory and uploads them, or reuses the upload of an earlier call with the
+    same addresses (the usual serving loop: ~10 us of host time and a copy on the GPU saved).
+    Our own outputs enter the rows as offsets from d_base, a kernel argument, so that reuse
+    holds while every call gets fresh outputs.
+    """
+
+    def __init__(self, shape: GeneralShape, device: torch.device, a_ld: tuple, b_ld: tuple):
+        self.shape = shape
+        self.device = device
+        self.G = G = shape.G
+        self.idx = _device_index(device)
+        rows = np.zeros((G, 8), dtype=np.int64)
+        rows[:, 2] = shape.static[:, 0]
+        rows[:, 3] = a_ld
+        rows[:, 4] = b_ld
+        rows[:, 5] = shape.static[:, 1]
+        rows[:, 6:] = shape.static[:, 2:]
+        self.rows = rows if shape.order_np is None else rows[shape.order_np]
+        loads = shape.loads
+        # The pointers a call must check for 16-byte alignment: A's then B's, loaded only.
+        self.load_mask = None if loads.all() else np.concatenate([loads, loads])
+        self.last_scan = -(1 << 62)  # when grouped_gemm's scan last led here (ops/api.py)
+        self.signatures = 0  # ... and how many signatures it made for this plan
+        if not shape.total:
+            return
+        self.workspace = WorkspaceSlot(device, shape.num_ctas, shape.choice)
+        if _capturing():
+            ph = _new_placeholders(device, shape.ab_dtype, shape.out_dtype, shape.b_major)
+        else:
+            ph = _general_placeholders(device, shape.ab_dtype, shape.out_dtype, shape.b_major)
+        self.placeholders = ph
+        self.table = (_table_tensor(shape.counts, shape.num_ctas, device)
+                      if shape.choice.visitor == "host" else ph[4])
+
+    def pointers(self, a, b) -> np.ndarray | None:
+        """A's then B's data pointers (2G int64), or None if one the kernel loads is not
+        16-byte aligned (TMA needs aligned base addresses; the caller then takes the path that
+        says why or falls back)."""
+        G = self.G
+        ptrs = np.fromiter(itertools.chain(map(_PTR, a), map(_PTR, b)), np.int64, 2 * G)
+        loaded = ptrs if self.load_mask is None else ptrs[self.load_mask]
+        if loaded.size and int(np.bitwise_or.reduce(loaded)) % TMA_ALIGN_BYTES:
+            return None
+        return ptrs
+
+    def metadata(self, ptrs: np.ndarray, out_cols: np.ndarray | None = None, *,
+                 persistent: bool = False, reuse: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows on the device (int64 and its int32 view) for these pointers (and a caller's
+        outputs: out_cols = [addresses, row strides], 2G int64). reuse: look the upload up by
+        its addresses (not for copies made for this call, which are new every time)."""
+        capturing = _capturing()
+        key = None
+        if reuse and not (persistent or capturing):
+            addr = ptrs.tobytes() if out_cols is None else ptrs.tobytes() + out_cols.tobytes()
+            key = (self, _raw_stream(self.idx), addr)
+            hit = _meta_cache.get(key)
+            if hit is not None:
+                return hit
+        G, order = self.G, self.shape.order_np
+        meta = _pinned((G, 8), torch.int64)
+        m = meta.numpy()
+        m[:] = self.rows
+        pa, pb = ptrs[:G], ptrs[G:]
+        m[:, 0] = pa if order is None else pa[order]
+        m[:, 1] = pb if order is None else pb[order]
+        if out_cols is not None:
+            po, lo = out_cols[:G], out_cols[G:]
+            m[:, 2] = po if order is None else po[order]
+            m[:, 5] = lo if order is None else lo[order]
+        # A plan's rows are uploaded once, synchronously (its pinned buffer can go); a call's
+        # are copied in stream order.
+        dev = meta.to(self.device, non_blocking=not persistent)
+        uploaded = (dev, dev.view(torch.int32))
+        if capturing:
+            _graph_keepalive.append(meta)  # the captured copy reads it at every replay
+        elif key is not None:
+            if len(_meta_cache) >= META_CACHE_ENTRIES:
+                # Oldest first. Safe while a launch may still read it: the entry was made on
+                # this key's stream, so the allocator reuses it only after that work. (pop,
+                # not del: another thread may have evicted the same entry)
+                _meta_cache.pop(next(iter(_meta_cache), None), None)
+            _meta_cache[key] = uploaded
+        return uploaded
+
+    def run(self, meta: tuple[torch.Tensor, torch.Tensor], d_base: int,
+            trace_t: torch.Tensor | None = None) -> None:
+        """Launch the kernel on the current stream (shape.total > 0)."""
+        shape, ph = self.shape, self.placeholders
+        choice = shape.choice
+        shape.kernel(ph[0], ph[1], ph[2], meta[0], meta[1], ph[3], self.table,
+                     self.workspace.get(choice), ph[5] if trace_t is None else trace_t, shape.G,
+                     shape.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL,
+                     d_base)
+        # A new tuple per launch: last_launch() tells launches apart by identity.
+        _local.raw = (choice, shape.num_ctas, shape.G, shape.launch_order, trace_t)
+
+    def launch_pointers(self, ptrs: np.ndarray) -> list[torch.Tensor]:
+        """grouped_gemm for operands of this plan's layout (ops/api.py checked their
+        signature) at these checked addresses (`pointers`): fresh outputs."""
+        shape = self.shape
+        outs, d_base = shape.new_outputs(self.device)
+        if shape.total:
+            self.run(self.metadata(ptrs), d_base)
+        return outs
+
+
+@functools.lru_cache(maxsize=256)
+def general_plan(shape: GeneralShape, device: torch.device, a_ld: tuple, b_ld: tuple
+                 ) -> GeneralPlan:
+    """The GeneralPlan of a layout, cached (never called during CUDA-graph capture: a plan
+    holds placeholders that must outlive any one graph)."""
+    return GeneralPlan(shape, device, a_ld, b_ld)
+
+
 def grouped_gemm_cute(
     args: GroupedGemmArgs, config: GemmConfig, *, layout: GeneralLayout | None = None,
     trace: bool = False,
@@ -337,27 +517,10 @@ def grouped_gemm_cute(
     return GeneralLaunch(args, config, layout=layout, trace=trace).launch()
 
 
-def _general_table(shape: GeneralShape, device: torch.device, placeholders: tuple):
-    """The host visitor's tile table, or the unused placeholder for the device visitor."""
-    if shape.choice.visitor == "host":
-        return _table_tensor(shape.counts, shape.num_ctas, device)
-    return placeholders[4]
-
-
-def _general_args(shape: GeneralShape, placeholders: tuple, meta_dev: torch.Tensor, table,
-                  workspace: torch.Tensor, trace_t: torch.Tensor) -> tuple:
-    """The general kernel's arguments but the last (d_base), in its signature's order."""
-    choice = shape.choice
-    seed_a, seed_w, seed_d, offs = placeholders[:4]
-    return (seed_a, seed_w, seed_d, meta_dev, meta_dev.view(torch.int32), offs, table,
-            workspace, trace_t, shape.G, shape.num_ctas, choice.swizzle, choice.a_policy,
-            choice.b_policy, PDL)
-
-
 class GeneralLaunch:
-    """One general-form launch prepared: kernel and grid (from the cached GeneralShape),
-    per-problem metadata, outputs. grouped_gemm builds one per call; a GroupedGemmPlan keeps
-    one (persistent=True: the metadata is uploaded once and each launch only re-copies
+    """A general-form launch from checked arguments (any `out`, minority-layout B operands,
+    tracing). grouped_gemm's detailed path builds one per call; a GroupedGemmPlan keeps one
+    (persistent=True: the metadata is uploaded once and each launch only re-copies
     minority-layout B operands)."""
 
     def __init__(self, args: GroupedGemmArgs, config: GemmConfig, *,
@@ -398,70 +561,39 @@ class GeneralLaunch:
         if capturing and persistent:
             raise RuntimeError("build a GroupedGemmPlan outside CUDA-graph capture (its "
                                "launches can be captured)")
-        # The metadata depends on the operands' addresses and leading dims only (our own
-        # outputs enter as offsets from d_base, a kernel argument): a repeated call on the
-        # same buffers, the usual serving loop, reuses the uploaded copy and skips the
-        # pinned staging buffer and the host-to-device copy (~10 us of the per-call cost).
-        # A caller's `out`: its addresses and row strides are metadata columns (d_base is 0).
-        out_cols = (None if args.out is None else
-                    ([o.data_ptr() for o in outs], [o.stride(0) for o in outs]))
-        key = None
-        if not (persistent or capturing or self.fixes):
-            idx = _device_index(device)
-            operands = tuple(layout.a_ptr + b_ptr + layout.a_ld + b_ld)
-            key = (shape, idx, _raw_stream(idx), operands,
-                   None if out_cols is None else tuple(out_cols[0] + out_cols[1]))
-            meta_dev = _meta_cache.get(key)
-        else:
-            meta_dev = None
-        if meta_dev is None:
-            meta = shape.metadata(layout.a_ptr, b_ptr, layout.a_ld, b_ld, out_cols)
-            if persistent:
-                meta_dev = meta.to(device)  # once, synchronously: the pinned buffer can go
-            else:
-                meta_dev = meta.to(device, non_blocking=True)
-            if capturing:
-                # The captured copy reads this pinned buffer at every replay: keep it alive.
-                _graph_keepalive.append(meta)
-                _graph_keepalive.extend(f for _, f in self.fixes)
-            elif key is not None:
-                if len(_meta_cache) >= META_CACHE_ENTRIES:
-                    # Oldest first. Safe while a launch may still read it: the entry was made
-                    # on this key's stream, so the allocator reuses it only after that work.
-                    # (pop, not del: another thread may have evicted the same entry)
-                    _meta_cache.pop(next(iter(_meta_cache), None), None)
-                _meta_cache[key] = meta_dev
-        self.meta_dev = meta_dev
+        a_ld, b_ld = tuple(layout.a_ld), tuple(b_ld)
+        self.plan = plan = (GeneralPlan(shape, device, a_ld, b_ld) if capturing
+                            else general_plan(shape, device, a_ld, b_ld))
+        ptrs = np.array(layout.a_ptr + list(b_ptr), dtype=np.int64)
+        out_cols = None
+        if args.out is not None:  # a caller's out: addresses and row strides (d_base is 0)
+            out_cols = np.array([o.data_ptr() for o in outs] + [o.stride(0) for o in outs],
+                                dtype=np.int64)
         if capturing:
-            placeholders = _new_placeholders(device, args.dtype, args.out_dtype, b_major)
-        else:
-            placeholders = _general_placeholders(device, args.dtype, args.out_dtype, b_major)
-        self.placeholders = placeholders
-        self.table = _general_table(shape, device, placeholders)
+            _graph_keepalive.extend(f for _, f in self.fixes)
+        self.meta = plan.metadata(ptrs, out_cols, persistent=persistent,
+                                  reuse=not self.fixes)
 
     def launch(self) -> list[torch.Tensor]:
-        shape = self.shape
-        if shape.total == 0:
+        if self.shape.total == 0:
             return list(self.outs)
         if self.persistent:
             for b, fixed in self.fixes:  # B may have new values since the plan was built
                 fixed.copy_(b)
-        num_ctas = shape.num_ctas
-        # Per CTA, a ring of descriptor slots that the scheduler warp writes.
-        workspace = _kernel_workspace(self.device, num_ctas, shape.choice)
-        trace_t = (_trace_tensor(num_ctas, shape.max_tiles, self.device)
-                   if self.trace else self.placeholders[5])
-        shape.kernel(*_general_args(shape, self.placeholders, self.meta_dev, self.table,
-                                    workspace, trace_t), self.d_base)
-        _local.raw = (shape.choice, num_ctas, self.G, shape.launch_order,
-                      trace_t if self.trace else None)
+        trace_t = (_trace_tensor(self.shape.num_ctas, self.shape.max_tiles, self.device)
+                   if self.trace else None)
+        self.plan.run(self.meta, self.d_base, trace_t)
         return list(self.outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_mm: the MoE (varlen) form and the batched form
 
 
 class MmPlan:
     """Everything about a grouped_mm launch that depends only on shapes, strides, dtypes and
-    the config: built once per signature (ops.grouped_mm caches it), so a repeated call costs
-    two allocations and the kernel call."""
+    the config: built once per signature (ops/api.py caches it), so a repeated call costs its
+    output's allocation and the kernel call."""
 
     def __init__(self, args: GroupedMmArgs, config: GemmConfig, trace: bool = False):
         x, w = args.x, args.w
@@ -471,6 +603,7 @@ class MmPlan:
         self.out_dtype = args.out_dtype
         self.zero_tail = args.out is None
         self.trivial = T == 0 or N == 0 or E == 0
+        self.cacheable = not _capturing()  # (placeholders made while capturing are the graph's)
         if self.trivial:
             return
         nsm = sm_count(device)
@@ -489,6 +622,7 @@ class MmPlan:
             bound = (-(-T // unit) + self.num_problems) * units_n
             self.num_ctas, self.max_tiles = _grid(device, nsm, choice.cluster_m * choice.cluster_n,
                                                   bound)
+            self.workspace = WorkspaceSlot(device, self.num_ctas, choice)
         self.meta = _small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)
         self.no_table = _small("table", device, torch.int32, (1, 1, 2))
@@ -503,32 +637,43 @@ class MmPlan:
             return out.zero_() if self.zero_tail and self.E == 0 else out
         choice = self.choice
         if choice.visitor == "host":
-            # The host visitor needs per-expert sizes on the host: one device-to-host copy
-            # of offs (a synchronisation). "auto" never picks it for grouped_mm.
-            T = self.T
-            bounds = offs.to("cpu", torch.int64).clamp(0, T).tolist()
-            starts = [0] + bounds[:-1]
-            rows = [max(0, e - s) for s, e in zip(starts, bounds)]
-            if self.zero_tail:
-                rows.append(max(0, T - (bounds[-1] if bounds else 0)))
-            counts = tuple(-(-r // choice.tile_m) * self.tiles_n for r in rows)
-            total = sum(counts)
-            if total == 0:
-                return out
-            num_ctas = max(1, min(self.nsm, total))
-            table = _table_tensor(counts, num_ctas, self.device)
-            max_tiles = -(-total // num_ctas)
-        else:
-            num_ctas, table, max_tiles = self.num_ctas, self.no_table, self.max_tiles
-        # Per CTA, a ring of DESC_RING D descriptors that the scheduler warp writes.
-        workspace = _kernel_workspace(self.device, num_ctas, choice)
-        trace_t = _trace_tensor(num_ctas, max_tiles, self.device) if self.trace else self.no_trace
-        self.kernel(x, w, out, self.meta, self.meta32, offs, table, workspace, trace_t,
-                    self.num_problems, num_ctas, choice.swizzle, choice.a_policy,
-                    choice.b_policy, PDL, 0)
-        _local.raw = (choice, num_ctas, self.num_problems, None,
-                      trace_t if self.trace else None)
+            return self._host_visitor(x, w, offs, out)
+        if self.trace:
+            return self._launch(x, w, offs, out, self.num_ctas, self.no_table, self.max_tiles,
+                                self.workspace.get(choice))
+        self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
+                    self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
+                    choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
+        _local.raw = (choice, self.num_ctas, self.num_problems, None, None)
         return out
+
+    def _host_visitor(self, x, w, offs, out):
+        # The host visitor needs per-expert sizes on the host: one device-to-host copy of offs
+        # (a synchronisation). "auto" never picks it for grouped_mm.
+        choice, T = self.choice, self.T
+        bounds = offs.to("cpu", torch.int64).clamp(0, T).tolist()
+        starts = [0] + bounds[:-1]
+        rows = [max(0, e - s) for s, e in zip(starts, bounds)]
+        if self.zero_tail:
+            rows.append(max(0, T - (bounds[-1] if bounds else 0)))
+        counts = tuple(-(-r // choice.tile_m) * self.tiles_n for r in rows)
+        total = sum(counts)
+        if total == 0:
+            return out
+        num_ctas = max(1, min(self.nsm, total))
+        table = _table_tensor(counts, num_ctas, self.device)
+        workspace = _kernel_workspace(self.device, num_ctas, choice)
+        return self._launch(x, w, offs, out, num_ctas, table, -(-total // num_ctas), workspace)
+
+    def _launch(self, x, w, offs, out, num_ctas, table, max_tiles, workspace):
+        choice = self.choice
+        trace_t = _trace_tensor(num_ctas, max_tiles, self.device) if self.trace else None
+        self.kernel(x, w, out, self.meta, self.meta32, offs, table, workspace,
+                    self.no_trace if trace_t is None else trace_t, self.num_problems, num_ctas,
+                    choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
+        _local.raw = (choice, num_ctas, self.num_problems, None, trace_t)
+        return out
+
 
 def grouped_mm_cute(args: GroupedMmArgs, config: GemmConfig, *, trace: bool = False
                     ) -> torch.Tensor:
@@ -548,6 +693,7 @@ class BmmPlan:
         self.out_dtype = args.out_dtype
         self.trivial = G == 0 or M == 0 or N == 0
         self.zero = K == 0
+        self.cacheable = not _capturing()
         if self.trivial or self.zero:
             return
         nsm = sm_count(device)
@@ -564,11 +710,14 @@ class BmmPlan:
         self.offs = _small("offs", device, torch.int32, (1,))
         self.no_table = _small("table", device, torch.int32, (1, 1, 2))
         self.no_trace = _small("trace", device, torch.int32, (1, 1, 4))
-        self.workspace = _small("workspace", device, torch.int64, (16,))
+        # Without the tail split the kernel never touches its workspace (one descriptor per
+        # operand, no ring): a small placeholder does.
+        self.workspace = WorkspaceSlot(device, self.num_ctas, choice)
+        self.no_workspace = _small("workspace", device, torch.int64, (16,))
         self.kernel = _compiled(_compile_key("batched", args.dtype, args.out_dtype,
                                              self.w_major, choice, trace))
-        # Plans are cached per strides (ops._bmm_plan_key), so whether a size-1 dimension's
-        # stride needs rewriting is known here; our own `out` is contiguous and never does.
+        # Plans are cached per strides (ops/api.py), so whether a size-1 dimension's stride
+        # needs rewriting is known here; our own `out` is contiguous and never does.
         self.fix_x = tma_view(x, 2) is not x
         self.fix_w = tma_view(w, self.w_unit) is not w
         self.fix_out = args.out is not None and tma_view(args.out, 2) is not args.out
@@ -582,19 +731,17 @@ class BmmPlan:
             return out.zero_()
         choice = self.choice
         trace_t = (_trace_tensor(self.num_ctas, self.max_tiles, self.device)
-                   if self.trace else self.no_trace)
+                   if self.trace else None)
         xv = tma_view(x, 2) if self.fix_x else x
         wv = tma_view(w, self.w_unit) if self.fix_w else w
         ov = tma_view(out, 2) if self.fix_out else out
-        workspace = (_kernel_workspace(self.device, self.num_ctas, choice)
-                     if choice.tail_split else self.workspace)
-        self.kernel(xv, wv, ov, self.meta,
-                    self.meta32, self.offs, self.no_table, workspace, trace_t,
-                    self.shape[0], self.num_ctas, choice.swizzle, choice.a_policy,
-                    choice.b_policy, PDL, 0)
-        _local.raw = (choice, self.num_ctas, self.shape[0], None,
-                      trace_t if self.trace else None)
+        workspace = (self.workspace.get(choice) if choice.tail_split else self.no_workspace)
+        self.kernel(xv, wv, ov, self.meta, self.meta32, self.offs, self.no_table, workspace,
+                    self.no_trace if trace_t is None else trace_t, self.shape[0],
+                    self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
+        _local.raw = (choice, self.num_ctas, self.shape[0], None, trace_t)
         return out
+
 
 def grouped_bmm_cute(args: GroupedBmmArgs, config: GemmConfig, *, trace: bool = False
                      ) -> torch.Tensor:
@@ -615,4 +762,3 @@ def trace_assignment(info: LaunchInfo) -> list[list[tuple[int, int, int]]]:
             for r in rows
         ])
     return per_cta
-

@@ -150,8 +150,9 @@ def _check_writable_out(name: str, out: torch.Tensor) -> None:
 
 
 def check_grouped_gemm(
-    a: object, b: object, out: object, out_dtype: torch.dtype | None
+    a: object, b: object, out: object, out_dtype: torch.dtype | None, *, concrete: bool = True
 ) -> GroupedGemmArgs:
+    """concrete=False (fake tensors): skip the checks that read memory addresses."""
     a_list = _as_tensor_list("a", a, "(M_i, K_i)")
     b_list = _as_tensor_list("b", b, "(K_i, N_i)")
     if len(a_list) != len(b_list):
@@ -205,7 +206,7 @@ def check_grouped_gemm(
             if oi.device != device:
                 raise ValueError(f"out[{i}] is on {oi.device} but the operands are on {device}")
             _check_writable_out(f"out[{i}]", oi)
-        if not torch.compiler.is_compiling():  # (under tracing there is no memory to compare)
+        if concrete and not torch.compiler.is_compiling():  # (traced: no memory to compare)
             aliased = tuple(outputs_aliasing_inputs(out_list, a_list + b_list))
     return GroupedGemmArgs(a_list, b_list, out_list, dtype, odt, device, sizes, aliased)
 
@@ -246,8 +247,10 @@ def offs_check_requested() -> bool:
 
 
 def check_grouped_mm(
-    x: object, w: object, offs: object, out: object, out_dtype: torch.dtype | None
+    x: object, w: object, offs: object, out: object, out_dtype: torch.dtype | None, *,
+    concrete: bool = True,
 ) -> GroupedMmArgs:
+    """concrete=False (fake tensors): skip the check that reads offs values."""
     for name, t, hint in (("x", x, "(T, K)"), ("w", w, "(E, K, N)"), ("offs", offs, "(E,)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
@@ -280,7 +283,7 @@ def check_grouped_mm(
         raise ValueError(f"x is (T, K) = {_shape(x)}, so w must be (E, {K}, N); got {_shape(w)}")
     if offs.shape[0] != E:
         raise ValueError(f"offs must have one entry per expert: ({E},); got {_shape(offs)}")
-    if offs.device.type == "cpu" or offs_check_requested():
+    if concrete and (offs.device.type == "cpu" or offs_check_requested()):
         check_offs_values(offs, T)
     odt = resolve_out_dtype(x.dtype, out_dtype)
     if out is not None:

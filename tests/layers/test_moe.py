@@ -1,85 +1,21 @@
-"""moe_gemm.moe on the CPU: the layer and the functional forms against a naive per-token loop,
-edge cases, every weight loader, the inference-only contract and the argument checks."""
+"""layers/moe.py and layers/experts.py on the CPU: the layer and the functional forms against
+a naive per-token loop, edge cases, the inference-only contract and the argument checks (the
+loaders: test_checkpoints.py)."""
 
 from __future__ import annotations
 
 import copy
-import functools
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_testutils import naive_experts, naive_moe, randomize, rel_err
 
 from moe_gemm import GemmConfig
 from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
 from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
 from moe_gemm.testing import assert_close_to_ref, calc_diff
-
-ACTS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-}
-
-
-def naive_experts(
-    x: torch.Tensor,  # (T, H)
-    ids: torch.Tensor,  # (T, k)
-    weights: torch.Tensor,  # (T, k)
-    gate_up_proj: torch.Tensor,  # (E, 2I, H), transformers layout
-    down_proj: torch.Tensor,  # (E, H, I)
-    act=F.silu,
-    dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """One token, one slot at a time, in `dtype`; ids outside [0, E) contribute nothing."""
-    E, two_i, _ = gate_up_proj.shape
-    I = two_i // 2
-    out = torch.zeros(x.shape, dtype=dtype)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if not 0 <= e < E:
-                continue
-            v = x[t].to(dtype)
-            gate = gate_up_proj[e, :I].to(dtype) @ v
-            up = gate_up_proj[e, I:].to(dtype) @ v
-            out[t] += weights[t, j].to(dtype) * (down_proj[e].to(dtype) @ (act(gate) * up))
-    return out
-
-
-def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The whole layer in float64 from its own routing decision."""
-    x2 = x.reshape(-1, moe.hidden_size)
-    weights, ids = moe.route(x2)
-    act = ACTS[moe.activation] if isinstance(moe.activation, str) else moe.activation
-    y = naive_experts(x2, ids, weights, moe.gate_up_proj, moe.down_proj, act)
-    if moe.shared_experts is not None:
-        s = moe.shared_experts
-        v = x2.double()
-        h = s.down_proj.weight.double() @ (
-            act(v @ s.gate_proj.weight.double().T) * (v @ s.up_proj.weight.double().T)
-        ).T
-        h = h.T
-        if moe.shared_expert_gate is not None:
-            h = torch.sigmoid(v @ moe.shared_expert_gate.weight.double().T) * h
-        y = y + h
-    return y.view(*x.shape[:-1], moe.hidden_size)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
-
-
-def _randomize(moe: MoE, scale: float = 0.3) -> MoE:
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
-        if moe.e_score_correction_bias is not None:
-            moe.e_score_correction_bias.copy_(torch.randn(moe.num_experts, generator=g) * 0.2)
-    return moe
-
 
 CONFIGS = [
     pytest.param(dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2), id="mixtral"),
@@ -111,7 +47,7 @@ CONFIGS = [
 @pytest.mark.parametrize("T", [1, 37])
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_layer_matches_naive_fp32(cfg: dict, T: int) -> None:
-    moe = _randomize(MoE(**cfg))
+    moe = randomize(MoE(**cfg))
     x = torch.randn(T, cfg["hidden_size"])
     y = moe(x)
     assert y.shape == x.shape and y.dtype == torch.float32
@@ -119,7 +55,7 @@ def test_layer_matches_naive_fp32(cfg: dict, T: int) -> None:
 
 
 def test_layer_keeps_leading_dims() -> None:
-    moe = _randomize(MoE(32, 16, 8, 2))
+    moe = randomize(MoE(32, 16, 8, 2))
     x = torch.randn(3, 5, 32)
     y = moe(x)
     assert y.shape == (3, 5, 32)
@@ -128,14 +64,14 @@ def test_layer_keeps_leading_dims() -> None:
 
 
 def test_callable_activation() -> None:
-    moe = _randomize(MoE(32, 16, 8, 2, activation=torch.tanh))
+    moe = randomize(MoE(32, 16, 8, 2, activation=torch.tanh))
     x = torch.randn(9, 32)
     assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
 
 
 def test_experts_without_tokens_and_single_token() -> None:
     # 16 experts, 2 tokens, top-1: at least 14 experts are empty
-    moe = _randomize(MoE(32, 16, 16, 1))
+    moe = randomize(MoE(32, 16, 16, 1))
     x = torch.randn(2, 32)
     _, ids = moe.route(x)
     assert len(set(ids.reshape(-1).tolist())) <= 2
@@ -145,7 +81,7 @@ def test_experts_without_tokens_and_single_token() -> None:
 
 
 def test_all_tokens_to_one_expert() -> None:
-    moe = _randomize(MoE(32, 16, 8, 2, scoring="sigmoid", renormalize=True))
+    moe = randomize(MoE(32, 16, 8, 2, scoring="sigmoid", renormalize=True))
     with torch.no_grad():
         assert moe.e_score_correction_bias is not None
         moe.e_score_correction_bias.copy_(torch.tensor([0, 0, 0, 50.0, 0, 0, 50.0, 0]))
@@ -156,7 +92,7 @@ def test_all_tokens_to_one_expert() -> None:
 
 
 def test_zero_tokens() -> None:
-    moe = _randomize(MoE(32, 16, 8, 2, shared_intermediate_size=8))
+    moe = randomize(MoE(32, 16, 8, 2, shared_intermediate_size=8))
     y = moe(torch.randn(0, 32))
     assert y.shape == (0, 32)
     assert moe(torch.randn(2, 0, 32)).shape == (2, 0, 32)
@@ -164,7 +100,7 @@ def test_zero_tokens() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_two_x_rule(dtype: torch.dtype) -> None:
-    moe32 = _randomize(MoE(64, 32, 8, 2, shared_intermediate_size=16))
+    moe32 = randomize(MoE(64, 32, 8, 2, shared_intermediate_size=16))
     moe = MoE(64, 32, 8, 2, shared_intermediate_size=16, dtype=dtype)
     moe.load_state_dict({k: v.to(dtype) for k, v in moe32.state_dict().items()})
     x = torch.randn(50, 64).to(dtype)
@@ -214,7 +150,7 @@ def test_moe_experts_matches_naive_and_drops_sentinels() -> None:
 
 
 def test_moe_forward_matches_module() -> None:
-    moe = _randomize(MoE(32, 16, 8, 3, scoring="sigmoid", n_group=4, topk_group=2,
+    moe = randomize(MoE(32, 16, 8, 3, scoring="sigmoid", n_group=4, topk_group=2,
                          routed_scaling_factor=1.7))
     x = torch.randn(13, 32)
     y = moe_forward(
@@ -245,144 +181,11 @@ def test_router_precision_follows_transformers() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# loaders
-
-
-def _expert_tensors(E: int = 4, H: int = 32, I: int = 16):
-    g = torch.Generator().manual_seed(3)
-    gate = torch.randn(E, I, H, generator=g) * 0.3
-    up = torch.randn(E, I, H, generator=g) * 0.3
-    down = torch.randn(E, H, I, generator=g) * 0.3
-    router = torch.randn(E, H, generator=g)
-    return gate, up, down, router
-
-
-def test_from_fused_aliases_storage() -> None:
-    gate, up, down, router = _expert_tensors()
-    gate_up = torch.cat([gate, up], dim=1)
-    moe = MoE.from_fused(gate_up, down, router, 2)
-    assert moe.gate_up_proj.data_ptr() == gate_up.data_ptr()
-    assert moe.w_gate_up.data_ptr() == gate_up.data_ptr()
-    assert moe.w_gate_up.shape == (4, 32, 32) and moe.w_down.shape == (4, 16, 32)
-    x = torch.randn(10, 32)
-    w, i = softmax_topk(x @ router.T, 2)
-    ref = naive_experts(x, i, w, gate_up, down)
-    assert rel_err(moe(x), ref) < 1e-5
-    # canonical (E, K, N) tensors with transposed=True, and vLLM's names
-    t = MoE.from_fused(gate_up.transpose(1, 2), down.transpose(1, 2), router, 2, transposed=True)
-    assert t.gate_up_proj.data_ptr() == gate_up.data_ptr()
-    torch.testing.assert_close(t(x), moe(x), rtol=0, atol=0)
-    v = MoE.from_vllm(gate_up, down, router, 2)
-    torch.testing.assert_close(v(x), moe(x), rtol=0, atol=0)
-    assert not moe.gate_up_proj.requires_grad
-
-
-@pytest.mark.parametrize("naming", ["mixtral", "qwen"])
-def test_from_state_dict_per_expert(naming: str) -> None:
-    gate, up, down, router = _expert_tensors()
-    names = ("w1", "w3", "w2") if naming == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    prefix = "model.layers.1.block_sparse_moe." if naming == "mixtral" else "model.layers.1.mlp."
-    sd = {prefix + "gate.weight": router, "lm_head.weight": torch.randn(3, 3)}
-    for e in range(4):
-        sd[f"{prefix}experts.{e}.{names[0]}.weight"] = gate[e]
-        sd[f"{prefix}experts.{e}.{names[1]}.weight"] = up[e]
-        sd[f"{prefix}experts.{e}.{names[2]}.weight"] = down[e]
-    moe = MoE.from_state_dict(sd, 2, prefix=prefix)
-    ref = MoE.from_fused(torch.cat([gate, up], dim=1), down, router, 2)
-    x = torch.randn(8, 32)
-    torch.testing.assert_close(moe(x), ref(x), rtol=0, atol=0)
-
-
-def test_from_state_dict_deepseek_and_qwen2_shared() -> None:
-    gate, up, down, router = _expert_tensors(E=8)
-    bias = torch.randn(8) * 0.1
-    sg, su, sd_ = torch.randn(24, 32) * 0.3, torch.randn(24, 32) * 0.3, torch.randn(32, 24) * 0.3
-    sd = {"gate.weight": router, "gate.e_score_correction_bias": bias,
-          "experts.gate_up_proj": torch.cat([gate, up], dim=1), "experts.down_proj": down,
-          "shared_experts.gate_proj.weight": sg, "shared_experts.up_proj.weight": su,
-          "shared_experts.down_proj.weight": sd_}
-    moe = MoE.from_state_dict(sd, 2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
-    assert moe.scoring == "sigmoid" and moe.router_fp32
-    assert moe.e_score_correction_bias is bias
-    assert moe.shared_experts is not None and moe.shared_expert_gate is None
-    x = torch.randn(12, 32)
-    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
-    w, i = sigmoid_grouped_topk(x @ router.T, bias, 2, 4, 2, 2.5)
-    torch.testing.assert_close(moe.route(x)[1], i, rtol=0, atol=0)
-
-    sdq = {"gate.weight": router, "experts.w13_weight": torch.cat([gate, up], dim=1),
-           "experts.w2_weight": down, "shared_expert.gate_proj.weight": sg,
-           "shared_expert.up_proj.weight": su, "shared_expert.down_proj.weight": sd_,
-           "shared_expert_gate.weight": torch.randn(1, 32)}
-    moe = MoE.from_state_dict(sdq, 2, renormalize=False)
-    assert moe.scoring == "softmax" and moe.shared_expert_gate is not None
-    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
-
-
-def test_from_state_dict_errors() -> None:
-    gate, up, down, router = _expert_tensors()
-    sd = {"gate.weight": router}
-    for e in range(4):
-        sd[f"experts.{e}.w1.weight"] = gate[e]
-        sd[f"experts.{e}.w3.weight"] = up[e]
-        sd[f"experts.{e}.w2.weight"] = down[e]
-    with pytest.raises(ValueError, match="does not use"):
-        MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2)
-    MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2, strict=False)
-    missing = {k: v for k, v in sd.items() if k != "experts.2.w3.weight"}
-    with pytest.raises(ValueError, match=r"expert 2 has no experts\.2\.w3\.weight"):
-        MoE.from_state_dict(missing, 2)
-    gap = {k: v for k, v in sd.items() if not k.startswith("experts.1.")}
-    with pytest.raises(ValueError, match="numbered 0..E-1"):
-        MoE.from_state_dict(gap, 2)
-    with pytest.raises(KeyError, match="no router weight"):
-        MoE.from_state_dict({k: v for k, v in sd.items() if k != "gate.weight"}, 2)
-    with pytest.raises(KeyError, match="no expert weights"):
-        MoE.from_state_dict({"gate.weight": router}, 2)
-    with pytest.raises(ValueError, match="go together"):
-        MoE.from_state_dict({"gate.weight": router, "experts.gate_up_proj": gate}, 2)
-
-
-def test_from_fused_shape_errors() -> None:
-    gate, up, down, router = _expert_tensors()
-    gu = torch.cat([gate, up], dim=1)
-    with pytest.raises(ValueError, match=r"down_proj must be \(E, H, I\) = \(4, 32, 16\)"):
-        MoE.from_fused(gu, down.transpose(1, 2), router, 2)
-    with pytest.raises(ValueError, match=r"router_weight must be \(E, H\) = \(4, 32\)"):
-        MoE.from_fused(gu, down, router[:3], 2)
-    with pytest.raises(ValueError, match=r"gate_up_proj must be \(E, 2I, H\)"):
-        MoE.from_fused(gu[:, :-1], down, router, 2)
-    with pytest.raises(TypeError, match="share one dtype"):
-        MoE.from_fused(gu, down.double(), router, 2)
-    with pytest.raises(ValueError, match="top_k must be in"):
-        MoE.from_fused(gu, down, router, 5)
-    with pytest.raises(ValueError, match=r"shared\['up_proj'\] must be \(8, 32\)"):
-        MoE.from_fused(gu, down, router, 2, shared={
-            "gate_proj": torch.zeros(8, 32), "up_proj": torch.zeros(8, 31),
-            "down_proj": torch.zeros(32, 8)})
-
-
-def test_state_dict_round_trip() -> None:
-    moe = _randomize(MoE(32, 16, 8, 2, scoring="sigmoid", n_group=2, topk_group=1,
-                         shared_intermediate_size=8))
-    copy = MoE(32, 16, 8, 2, scoring="sigmoid", n_group=2, topk_group=1,
-               shared_intermediate_size=8)
-    copy.load_state_dict(moe.state_dict())
-    x = torch.randn(6, 32)
-    torch.testing.assert_close(copy(x), moe(x), rtol=0, atol=0)
-    assert set(moe.state_dict()) == {
-        "router_weight", "gate_up_proj", "down_proj", "e_score_correction_bias",
-        "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
-        "shared_experts.down_proj.weight",
-    }
-
-
-# ---------------------------------------------------------------------------------------------
 # inference only
 
 
 def test_backward_raises() -> None:
-    moe = _randomize(MoE(32, 16, 8, 2))
+    moe = randomize(MoE(32, 16, 8, 2))
     assert not any(p.requires_grad for p in moe.parameters())
     x = torch.randn(5, 32, requires_grad=True)
     y = moe(x)
@@ -518,7 +321,7 @@ def test_shared_expert_runs_in_its_own_dtype(x_dtype: torch.dtype) -> None:
     # A layer cast to fp16 (shared expert and gate included) fed another dtype: experts and
     # shared expert both compute in fp16, the result comes back in the input's dtype.
     torch.manual_seed(0)
-    moe = _randomize(MoE(16, 8, 4, 2, shared_intermediate_size=6, shared_expert_gate=True))
+    moe = randomize(MoE(16, 8, 4, 2, shared_intermediate_size=6, shared_expert_gate=True))
     ref_layer = copy.deepcopy(moe).float()
     moe = moe.half()
     x = torch.randn(5, 16, dtype=x_dtype)
@@ -527,21 +330,6 @@ def test_shared_expert_runs_in_its_own_dtype(x_dtype: torch.dtype) -> None:
     want = ref_layer(x.float())
     err = ((y.float() - want).abs().max() / want.abs().max()).item()
     assert err < 2e-2, err
-
-
-def test_from_fused_checks_the_shared_weights() -> None:
-    E, H, I, Is = 4, 16, 8, 6
-    gu, dn, rw = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, H)
-    shared = {"gate_proj": torch.randn(Is, H).half(), "up_proj": torch.randn(Is, H),
-              "down_proj": torch.randn(H, Is)}
-    with pytest.raises(TypeError, match="shared gate_proj, up_proj and down_proj must share"):
-        MoE.from_fused(gu, dn, rw, 2, shared=shared)
-    shared["gate_proj"] = torch.randn(Is, H, device="meta")
-    with pytest.raises(ValueError, match=r"shared\['gate_proj'\] is on meta"):
-        MoE.from_fused(gu, dn, rw, 2, shared=shared)
-    shared["gate_proj"] = [[0.0]]
-    with pytest.raises(TypeError, match=r"shared\['gate_proj'\] must be a torch.Tensor"):
-        MoE.from_fused(gu, dn, rw, 2, shared=shared)
 
 
 def test_functional_correction_bias_on_another_device_is_a_clear_error() -> None:

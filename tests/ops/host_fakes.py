@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_gemm.ops import api
 from moe_gemm.ops import launch as host
 
 NSM = 132
@@ -26,18 +27,21 @@ class Recorder:
 
 def clear_caches() -> None:
     host.general_shape.cache_clear()
+    host.general_plan.cache_clear()
     host._meta_cache.clear()
+    host._workspaces.clear()
+    api._clear_plans()
 
 
 def install(monkeypatch, rec: Recorder) -> None:
-    """host_sm90 on the CPU with `rec` as the kernel."""
+    """ops/launch.py on the CPU with `rec` as the kernel."""
     monkeypatch.setattr(host, "sm_count", lambda device: NSM)
     monkeypatch.setattr(host, "_device_index", lambda device: 0)
     monkeypatch.setattr(host, "_raw_stream", lambda idx: 0)
     monkeypatch.setattr(host, "_capturing", lambda: False)
     monkeypatch.setattr(host, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
-    monkeypatch.setattr(host, "_workspace", lambda device, n: torch.empty(n, dtype=torch.int64))
     monkeypatch.setattr(host, "_kernel_for", lambda *a: rec)
+    monkeypatch.setattr(host, "_compiled", lambda key: rec)
     monkeypatch.setattr(host, "_general_placeholders",
                         lambda *a: host._new_placeholders(torch.device("cpu"), *a[1:]))
     monkeypatch.delenv("MOE_GEMM_DISABLE_CUTE", raising=False)

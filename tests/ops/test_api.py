@@ -7,19 +7,19 @@ bmm / torch grouped_mm paths of moe_gemm.ops.reference.
 
 from __future__ import annotations
 
-import sys
-import types
 import warnings
 from collections.abc import Sequence
 
 import pytest
 import torch
 import torch.nn.functional as F
+from host_fakes import Recorder
 
 import moe_gemm
 from moe_gemm import GemmConfig, grouped_gemm, grouped_mm
 from moe_gemm.config import CLUSTERS, COOPERATIVE_TILES
 from moe_gemm.ops import api as ops_module
+from moe_gemm.ops import launch
 from moe_gemm.testing import (
     assert_close_to_ref,
     make_grouped_inputs,
@@ -533,32 +533,15 @@ def test_auto_backend_on_cpu_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
-    """Pretend the cute backend can run: capability says yes and a fake host module records
-    the calls it receives (the real kernels need an H100)."""
-    calls: dict[str, list[object]] = {"grouped_gemm": [], "grouped_mm": []}
-    fake = types.ModuleType("moe_gemm.ops.launch")
-
-    def grouped_gemm_cute(args: object, cfg: object, **_: object) -> str:
-        calls["grouped_gemm"].append((args, cfg))
-        return "cute-gemm"
-
-    class MmPlan:  # ops builds a plan per signature, then calls it
-        def __init__(self, args: object, cfg: object) -> None:
-            calls["grouped_mm"].append((args, cfg))
-
-        def __call__(self, *_: object) -> str:
-            return "cute-mm"
-
-    fake.grouped_gemm_cute = grouped_gemm_cute  # type: ignore[attr-defined]
-    fake.MmPlan = MmPlan  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "moe_gemm.ops.launch", fake)
+def fake_hopper(kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Pretend the cute backend can run: capability says yes and the host path runs on the
+    CPU with a recorder in place of the compiled kernel (the real kernels need an H100)."""
     monkeypatch.setattr(ops_module, "cute_problem", lambda device=None: None)
     monkeypatch.setattr(ops_module, "_warned", set())
-    return calls
+    return kernel
 
 
-def test_dispatch_to_cute_when_it_can_run(fake_hopper: dict[str, list[object]]) -> None:
+def test_dispatch_to_cute_when_it_can_run(fake_hopper: Recorder) -> None:
     a, b = make_grouped_inputs([(8, 16, 32)], torch.bfloat16, b_layout="col",
                                generator=_gen(65))
     x, w, offs = make_moe_inputs(16, 2, 32, 16, torch.bfloat16, w_layout="nk_view",
@@ -566,39 +549,42 @@ def test_dispatch_to_cute_when_it_can_run(fake_hopper: dict[str, list[object]]) 
     cfg = GemmConfig(schedule="pingpong")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert grouped_gemm(a, b, config=cfg) == "cute-gemm"
-        assert grouped_mm(x, w, offs) == "cute-mm"
-    (gargs, gcfg), = fake_hopper["grouped_gemm"]
-    assert gcfg is cfg and gargs.sizes == [(8, 16, 32)]
-    (margs, mcfg), = fake_hopper["grouped_mm"]
-    assert mcfg == GemmConfig() and margs.E == 2
+        outs = grouped_gemm(a, b, config=cfg)
+        assert len(fake_hopper.calls) == 1 and [o.shape for o in outs] == [(8, 16)]
+        assert launch.last_launch().choice.schedule == "pingpong"
+        y = grouped_mm(x, w, offs)
+    assert len(fake_hopper.calls) == 2 and y.shape == (16, 16) and y.dtype == torch.bfloat16
+    info = launch.last_launch()
+    assert info.num_problems == 3  # two experts and the rows past offs[-1] (zeroed)
+    assert fake_hopper.calls[-1][0] is x and fake_hopper.calls[-1][5] is offs
     # backend="torch" never dispatches, even where cute could run.
-    grouped_gemm(a, b, config=TORCH)
-    assert len(fake_hopper["grouped_gemm"]) == 1
+    check_gemm(grouped_gemm(a, b, config=TORCH), a, b, torch.bfloat16)
+    assert len(fake_hopper.calls) == 2
 
 
-def test_auto_falls_back_with_one_warning(fake_hopper: dict[str, list[object]]) -> None:
+def test_auto_falls_back_with_one_warning(fake_hopper: Recorder) -> None:
     # fp32 inputs: the kernels take bf16/fp16 only, so auto warns once and uses torch.
     a, b = make_grouped_inputs([(5, 8, 8)], torch.float32, generator=_gen(67))
     with pytest.warns(RuntimeWarning, match="using the torch backend because the kernels take "
-                                            "bf16 or fp16 inputs"):
+                                            "bf16 or fp16 inputs") as record:
         outs = grouped_gemm(a, b)
+    assert record[0].filename == __file__  # the warning points at the caller's line
     check_gemm(outs, a, b, torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         grouped_gemm(a, b)  # the same reason warns only once
-    assert fake_hopper["grouped_gemm"] == []
+    assert fake_hopper.calls == []
 
 
-def test_auto_falls_back_for_misaligned_mm(fake_hopper: dict[str, list[object]]) -> None:
+def test_auto_falls_back_for_misaligned_mm(fake_hopper: Recorder) -> None:
     x, w, offs = make_moe_inputs(12, 2, 12, 8, torch.bfloat16, generator=_gen(68))  # K = 12
     with pytest.warns(RuntimeWarning, match="16 bytes"):
         y = grouped_mm(x, w, offs)
     check_mm(y, x, w, offs, torch.bfloat16)
-    assert fake_hopper["grouped_mm"] == []
+    assert fake_hopper.calls == []
 
 
-def test_forced_cute_rejects_unsupported_input(fake_hopper: dict[str, list[object]]) -> None:
+def test_forced_cute_rejects_unsupported_input(fake_hopper: Recorder) -> None:
     a, b = make_grouped_inputs([(5, 8, 8)], torch.float32, generator=_gen(69))
     with pytest.raises(ValueError, match=r"backend='cute' cannot take this input: the kernels "
                                          r"take bf16 or fp16 inputs, not torch\.float32"):

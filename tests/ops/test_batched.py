@@ -23,6 +23,7 @@ from moe_gemm.ops import api as ops_module
 from moe_gemm.ops import heuristics
 from moe_gemm.ops.heuristics import choose_batched
 from moe_gemm.ops.reference import grouped_bmm_torch
+from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import grouped_bmm_unsupported, tma_view
 from moe_gemm.ops.validation import GroupedBmmArgs, check_grouped_bmm
 from moe_gemm.testing import assert_close_to_ref, poison_
@@ -460,6 +461,7 @@ def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     monkeypatch.setitem(sys.modules, "moe_gemm.ops.launch", fake)
     monkeypatch.setattr(ops_module, "cute_problem", lambda device=None: None)
     monkeypatch.setattr(ops_module, "_warned", set())
+    monkeypatch.setattr(ops_module, "_mm_plans", PlanCache())  # the fake plans stay here
     return calls
 
 

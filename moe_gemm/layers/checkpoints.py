@@ -1,0 +1,270 @@
+"""Loaders: an MoE layer over weights that already exist, in the layouts users have.
+
+Fused tensors (transformers 5, vLLM, GPT-OSS-style transposed), one block of a checkpoint's
+state dict (per-expert Mixtral / Qwen / DeepSeek keys, fused keys, shared experts), and the
+common end of every loader, `moe_from_tensors`, which checks the tensors against each other and
+makes them the layer's parameters without a copy. The MoE class exposes these as its from_*
+classmethods; transformers blocks (MoE.from_hf) go through integrations/transformers.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from moe_gemm.layers.experts import FLOAT_DTYPES, shape_str
+
+if TYPE_CHECKING:
+    from moe_gemm.layers.moe import MoE
+
+__all__ = ["moe_from_fused", "moe_from_state_dict", "moe_from_tensors"]
+
+
+def moe_from_fused(
+    cls: type[MoE],
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    router_weight: torch.Tensor,
+    top_k: int,
+    *,
+    transposed: bool = False,
+    e_score_correction_bias: torch.Tensor | None = None,
+    shared: Mapping[str, torch.Tensor] | None = None,
+    **options: Any,
+) -> MoE:
+    """MoE.from_fused (see there): a `cls` layer over fused expert tensors, no copy."""
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj),
+                    ("router_weight", router_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if transposed:
+        gate_up_proj = gate_up_proj.transpose(-2, -1)
+        down_proj = down_proj.transpose(-2, -1)
+    return moe_from_tensors(
+        cls, gate_up_proj, down_proj, router_weight, top_k, e_score_correction_bias, shared, options
+    )
+
+
+def moe_from_state_dict(
+    cls: type[MoE],
+    state_dict: Mapping[str, torch.Tensor],
+    top_k: int,
+    *,
+    prefix: str = "",
+    strict: bool = True,
+    **options: Any,
+) -> MoE:
+    """MoE.from_state_dict (see there for the arguments): a `cls` layer from one MoE block of
+    a checkpoint.
+
+    Keys are read under `prefix` (e.g. "model.layers.3.mlp."):
+        router: "gate.weight" [E, H]; "gate.e_score_correction_bias" [E] (DeepSeek).
+        experts, one of:
+          per expert, Mixtral: "experts.{e}.w1.weight" (gate), "w3" (up), "w2" (down);
+          per expert, Qwen/DeepSeek: "experts.{e}.gate_proj.weight", "up_proj", "down_proj";
+          transformers 5 fused: "experts.gate_up_proj" [E, 2I, H], "experts.down_proj";
+          vLLM: "experts.w13_weight" [E, 2I, H], "experts.w2_weight" [E, H, I].
+        shared expert: "shared_experts.{gate,up,down}_proj.weight" (DeepSeek) or
+          "shared_expert.{...}.weight" and "shared_expert_gate.weight" (Qwen2-MoE).
+    Mixtral hub files put the block under "block_sparse_moe." rather than "mlp.".
+
+    Per-expert tensors are stacked (a copy); fused ones are aliased.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+    keys = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor | None:
+        if name in keys:
+            used.add(name)
+            return state_dict[keys[name]]
+        return None
+
+    router_weight = take("gate.weight")
+    if router_weight is None:
+        raise KeyError(f"no router weight {prefix + 'gate.weight'!r} in the state dict")
+    bias = take("gate.e_score_correction_bias")
+    gate_up, down = _experts_from_keys(take, keys, prefix)
+    shared: dict[str, torch.Tensor] | None = None
+    for base in ("shared_experts.", "shared_expert."):
+        parts = {n: take(f"{base}{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")}
+        if any(v is not None for v in parts.values()):
+            missing = [n for n, v in parts.items() if v is None]
+            if missing:
+                raise ValueError(f"shared expert under {prefix + base!r} lacks {missing}")
+            shared = {n: v for n, v in parts.items() if v is not None}
+    gate = take("shared_expert_gate.weight")
+    if gate is not None:
+        if shared is None:
+            raise ValueError("shared_expert_gate.weight without a shared expert")
+        shared["gate"] = gate
+    unused = sorted(keys[k] for k in set(keys) - used)
+    if strict and unused:
+        raise ValueError(
+            f"keys under {prefix!r} this layer does not use (biases and norms are not "
+            f"supported; pass strict=False to ignore): {unused[:8]}"
+        )
+    if bias is not None and "scoring" not in options:
+        options["scoring"] = "sigmoid"
+    return moe_from_tensors(cls, gate_up, down, router_weight, top_k, bias, shared, options)
+
+
+def moe_from_tensors(
+    cls: type[MoE],
+    gate_up_proj: torch.Tensor,  # (E, 2I, H), any strides
+    down_proj: torch.Tensor,  # (E, H, I)
+    router_weight: torch.Tensor,  # (E, H)
+    top_k: int,
+    bias: torch.Tensor | None,  # (E,)
+    shared: Mapping[str, torch.Tensor] | None,
+    options: Mapping[str, Any],
+) -> MoE:
+    """A `cls` layer whose parameters are these tensors (aliased, or the Parameters
+    themselves), after checking that they fit together: what every loader ends with.
+
+    Args:
+        gate_up_proj: [E, 2I, H] (transformers / vLLM layout), any strides.
+        down_proj: [E, H, I].
+        router_weight: [E, H].
+        top_k: experts per token.
+        bias: [E] e_score_correction_bias (selects sigmoid routing), or None.
+        shared: {"gate_proj", "up_proj", "down_proj"[, "gate"]} shared expert weights, or
+            None.
+        options: the MoE constructor's routing/activation/config keywords.
+
+    Raises:
+        TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
+    """
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
+        raise ValueError(
+            f"gate_up_proj must be (E, 2I, H) (or (E, H, 2I) with transposed=True); got "
+            f"{shape_str(gate_up_proj)}"
+        )
+    E, two_i, H = gate_up_proj.shape
+    I = two_i // 2
+    if tuple(down_proj.shape) != (E, H, I):
+        raise ValueError(
+            f"down_proj must be (E, H, I) = ({E}, {H}, {I}) to match gate_up_proj "
+            f"{shape_str(gate_up_proj)} (or (E, I, H) with transposed=True); got {shape_str(down_proj)}"
+        )
+    if tuple(router_weight.shape) != (E, H):
+        raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {shape_str(router_weight)}")
+    if gate_up_proj.dtype not in FLOAT_DTYPES or down_proj.dtype != gate_up_proj.dtype:
+        raise TypeError(
+            f"expert weights must share one dtype among bf16, fp16, fp32; got "
+            f"{gate_up_proj.dtype} and {down_proj.dtype}"
+        )
+    device = gate_up_proj.device
+    for name, t in (("down_proj", down_proj), ("router_weight", router_weight), ("bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but gate_up_proj is on {device}")
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"e_score_correction_bias must be (E,) = ({E},); got {shape_str(bias)}")
+    shared_size = 0
+    if shared is not None:
+        unknown = set(shared) - {"gate_proj", "up_proj", "down_proj", "gate"}
+        if unknown or not {"gate_proj", "up_proj", "down_proj"} <= set(shared):
+            raise ValueError(
+                "shared must hold 'gate_proj', 'up_proj', 'down_proj' (and optionally "
+                f"'gate'); got keys {sorted(shared)}"
+            )
+        for name, t in shared.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"shared[{name!r}] must be a torch.Tensor; got "
+                                f"{type(t).__name__}")
+        shared_size = shared["gate_proj"].shape[0]
+        want = {"gate_proj": (shared_size, H), "up_proj": (shared_size, H),
+                "down_proj": (H, shared_size), "gate": (1, H)}
+        for name, t in shared.items():
+            if tuple(t.shape) != want[name]:
+                raise ValueError(f"shared[{name!r}] must be {want[name]}; got {shape_str(t)}")
+            if t.device != device:
+                raise ValueError(f"shared[{name!r}] is on {t.device} but the expert "
+                                 f"weights are on {device}")
+        mlp_dtypes = {shared[n].dtype for n in ("gate_proj", "up_proj", "down_proj")}
+        if len(mlp_dtypes) != 1 or next(iter(mlp_dtypes)) not in FLOAT_DTYPES:
+            raise TypeError("shared gate_proj, up_proj and down_proj must share one dtype "
+                            f"among bf16, fp16, fp32; got {sorted(map(str, mlp_dtypes))}")
+        if "gate" in shared and shared["gate"].dtype not in FLOAT_DTYPES:
+            raise TypeError(f"shared['gate'] must be bf16, fp16 or fp32; got "
+                            f"{shared['gate'].dtype}")
+    opts = dict(options)
+    if bias is not None:
+        opts.setdefault("scoring", "sigmoid")
+        if opts.setdefault("correction_bias", True) is False:
+            raise ValueError("an e_score_correction_bias was given with correction_bias=False")
+    opts.setdefault("correction_bias", None)
+    moe = cls(
+        H, I, E, top_k,
+        shared_intermediate_size=shared_size,
+        shared_expert_gate=shared is not None and "gate" in shared,
+        device="meta",
+        **opts,
+    )
+    moe.router_weight = _as_param(router_weight)
+    moe.gate_up_proj = _as_param(gate_up_proj)
+    moe.down_proj = _as_param(down_proj)
+    if moe.e_score_correction_bias is not None:
+        moe.e_score_correction_bias = (
+            bias if bias is not None else torch.zeros(E, device=device, dtype=torch.float32)
+        )
+    if shared is not None:
+        assert moe.shared_experts is not None
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(moe.shared_experts, name).weight = _as_param(shared[name])
+        if "gate" in shared:
+            assert moe.shared_expert_gate is not None
+            moe.shared_expert_gate.weight = _as_param(shared["gate"])
+    return moe
+
+
+def _as_param(t: torch.Tensor) -> nn.Parameter:
+    """The tensor itself if it is a Parameter (shared with its owner), else a frozen alias."""
+    if isinstance(t, nn.Parameter):
+        return t
+    return nn.Parameter(t.detach(), requires_grad=False)
+
+
+def _experts_from_keys(
+    take: Callable[[str], torch.Tensor | None], keys: Mapping[str, str], prefix: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up (E, 2I, H), down (E, H, I)) from fused or per-expert checkpoint keys."""
+    for gu_name, d_name in (("experts.gate_up_proj", "experts.down_proj"),
+                            ("experts.w13_weight", "experts.w2_weight")):
+        gate_up, down = take(gu_name), take(d_name)
+        if gate_up is not None or down is not None:
+            if gate_up is None or down is None:
+                raise ValueError(f"{prefix + gu_name!r} and {prefix + d_name!r} go together")
+            return gate_up, down
+    for gate_n, up_n, down_n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")):
+        ids = sorted(
+            {int(k.split(".")[1]) for k in keys
+             if k.startswith("experts.") and k.split(".")[1].isdigit()
+             and k.split(".")[2:3] == [gate_n]}
+        )
+        if not ids:
+            continue
+        if ids != list(range(len(ids))):
+            raise ValueError(f"experts under {prefix!r} must be numbered 0..E-1; got {ids}")
+        gate_up_list, down_list = [], []
+        for e in ids:
+            t = {}
+            for n in (gate_n, up_n, down_n):
+                v = take(f"experts.{e}.{n}.weight")
+                if v is None:
+                    v = take(f"experts.{e}.{n}")
+                if v is None:
+                    raise ValueError(f"expert {e} has no {prefix}experts.{e}.{n}.weight")
+                t[n] = v
+            gate_up_list.append(torch.cat([t[gate_n], t[up_n]], dim=0))
+            down_list.append(t[down_n])
+        return torch.stack(gate_up_list), torch.stack(down_list)
+    raise KeyError(
+        f"no expert weights under {prefix!r}: expected experts.{{e}}.w1/w3/w2, "
+        "experts.{e}.gate_proj/up_proj/down_proj, experts.gate_up_proj/down_proj or "
+        "experts.w13_weight/w2_weight"
+    )

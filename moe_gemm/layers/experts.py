@@ -1,0 +1,263 @@
+"""The routed experts as functions: activation, the expert FFN for a given routing, checks.
+
+    perm = permute_by_expert(ids)                    stable sort on the device, int32 offs
+    h = grouped_mm(x[perm.token_index], w_gate_up)   (S, 2I), S = T * k, one launch
+    a = act(h[:, :I]) * h[:, I:]                     (S, I), SwiGLU by default
+    y = grouped_mm(a, w_down)                        (S, H), one launch
+    out[t] = sum_j weights[t, j] * y[row of (t, j)]  (T, H), fp32 accumulation
+
+Why the pieces are chosen as they are:
+- Every shape is fixed by T and k (S = T * k routed rows, whatever the routing), so on CUDA the
+  forward never waits for the host and can be captured in a CUDA graph, as long as the
+  grouped GEMMs run on the cute backend or torch's native bf16 grouped_mm (the torch backend's
+  fp32/fp16 loop reads offs on the host). For the same reason there is no data-dependent
+  Python control flow: torch.compile(fullgraph=True) traces it whole.
+- Weights live in the layout transformers and vLLM store: gate_up_proj (E, 2I, H) and
+  down_proj (E, H, I). The GEMMs take their transposed views (E, H, 2I) and (E, I, H), with no
+  copy; that K-major B operand is also the one WGMMA reads natively.
+- The combine is one `embedding_bag(mode="sum", per_sample_weights=...)`: a gather by the
+  inverse permutation fused with the weighted sum over the k slots, accumulated in fp32 and
+  rounded once, deterministic (no atomics) and reading the (S, H) expert output only once.
+
+Inference only: there is no backward. Calling with gradients enabled on inputs or weights
+works, but `.backward()` through the result raises a RuntimeError.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.layers.routing import permute_by_expert
+from moe_gemm.ops.api import grouped_mm
+from moe_gemm.ops.autograd import inference_only
+
+__all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
+           "check_tokens", "expert_ffn", "gated", "moe_experts", "resolve_activation",
+           "shape_str"]
+
+Activation = str | Callable[[torch.Tensor], torch.Tensor]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,  # SwiGLU: silu(gate) * up
+    "gelu": F.gelu,  # GEGLU with the exact (erf) GELU
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),  # GEGLU, tanh approximation
+}
+_ACTIVATION_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+INFERENCE_ONLY_MESSAGE = (
+    "moe_gemm's MoE layer is inference-only: it has no backward. Run it under "
+    "torch.no_grad() / torch.inference_mode(), or use transformers' 'grouped_mm' experts "
+    "implementation for training."
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def resolve_activation(activation: Activation) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise function for a name ("silu", "gelu", "gelu_tanh") or a callable."""
+    if isinstance(activation, str):
+        name = _ACTIVATION_ALIASES.get(activation, activation)
+        if name not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {', '.join(map(repr, ACTIVATIONS))} or a callable; "
+                f"got {activation!r}"
+            )
+        return ACTIVATIONS[name]
+    if callable(activation):
+        return activation
+    raise TypeError(f"activation must be a str or a callable; got {type(activation).__name__}")
+
+
+def gated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(S, 2I) [gate | up] -> (S, I) act(gate) * up, transformers' concatenated layout."""
+
+    def gate_fn(h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return gate_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed experts, given a routing
+
+
+def expert_ffn(
+    x: torch.Tensor,  # (T, H)
+    topk_ids: torch.Tensor,  # (T, k)
+    topk_weights: torch.Tensor,  # (T, k)
+    w_gate_up: torch.Tensor,  # (E, H, N1)
+    w_down: torch.Tensor,  # (E, I, H)
+    gate_fn: Callable[[torch.Tensor], torch.Tensor],  # (S, N1) -> (S, I)
+    *,
+    bias_gate_up: torch.Tensor | None = None,  # (E, N1)
+    bias_down: torch.Tensor | None = None,  # (E, H)
+    post_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,  # (S, H) -> (S, H)
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts for checked arguments: sort, two grouped GEMMs, combine.
+
+    What moe_experts, the MoE layer and the transformers integration run once their own
+    checks are done. Inference only: when autograd could ask for a gradient (grad mode on
+    and an input or weight requires grad) the result is linked so that a backward raises
+    (under torch.compile the grouped GEMMs' registered ops carry that backward instead).
+
+    Returns:
+        (T, H) in the GEMMs' dtype.
+    """
+    run = functools.partial(_expert_ffn, x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn,
+                            bias_gate_up=bias_gate_up, bias_down=bias_down, post_fn=post_fn,
+                            config=config)
+    if torch.compiler.is_compiling():
+        return run()
+    return inference_only(INFERENCE_ONLY_MESSAGE, run,
+                          (x, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down))
+
+
+def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_gate_up,
+                bias_down, post_fn, config) -> torch.Tensor:
+    E = w_gate_up.shape[0]
+    perm = permute_by_expert(topk_ids, E)
+    xs = x.index_select(0, perm.token_index)  # (S, H), rows grouped by expert
+    h = grouped_mm(xs, w_gate_up, perm.offs, config=config)  # (S, N1)
+    if bias_gate_up is not None or bias_down is not None:
+        # dropped slots sort last with expert id E: clamp so the bias gather stays in bounds
+        # (their rows are past offs[-1] and carry weight 0 below).
+        expert = perm.sorted_expert.clamp(max=E - 1)
+    if bias_gate_up is not None:
+        h = h + bias_gate_up.index_select(0, expert).to(h.dtype)
+    a = gate_fn(h)  # (S, I)
+    y = grouped_mm(a, w_down, perm.offs, config=config)  # (S, H)
+    if bias_down is not None:
+        y = y + bias_down.index_select(0, expert).to(y.dtype)
+    if post_fn is not None:
+        y = post_fn(y)
+    # Dropped slots (ids outside [0, E)) get weight 0. Their rows of y are finite (grouped_mm
+    # leaves rows past offs[-1] zero; a bias or norm keeps them finite), so they add nothing.
+    w = torch.where(perm.valid, topk_weights, 0).to(y.dtype)
+    return F.embedding_bag(perm.row_of_slot, y, per_sample_weights=w, mode="sum")
+
+
+def shape_str(t: torch.Tensor) -> str:
+    """(2, 3) for a 2 x 3 tensor, for messages."""
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_tokens(x: object) -> torch.Tensor:
+    """x must be a (T, H) float tensor (TypeError / ValueError naming the expectation)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor (T, H); got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (T, H); got shape {shape_str(x)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be torch.bfloat16, torch.float16 or torch.float32; got {x.dtype}")
+    return x
+
+
+def _check_experts(
+    x: object,
+    topk_ids: object,
+    topk_weights: object,
+    w_gate_up: object,
+    w_down: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    hints = (
+        ("x", x, "(T, H)"),
+        ("topk_ids", topk_ids, "(T, k)"),
+        ("topk_weights", topk_weights, "(T, k)"),
+        ("w_gate_up", w_gate_up, "(E, H, 2I)"),
+        ("w_down", w_down, "(E, I, H)"),
+    )
+    for name, t, hint in hints:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
+    assert isinstance(x, torch.Tensor) and isinstance(topk_ids, torch.Tensor)
+    assert isinstance(topk_weights, torch.Tensor) and isinstance(w_gate_up, torch.Tensor)
+    assert isinstance(w_down, torch.Tensor)
+    check_tokens(x)
+    T, H = x.shape
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] != H or w_gate_up.shape[2] % 2:
+        raise ValueError(
+            f"w_gate_up must be (E, H, 2I) = (E, {H}, 2I) (for transformers' (E, 2I, H) "
+            f"gate_up_proj pass gate_up_proj.transpose(1, 2)); got {shape_str(w_gate_up)}"
+        )
+    E, _, two_i = w_gate_up.shape
+    if E < 1:
+        raise ValueError(f"w_gate_up must hold at least one expert; got {shape_str(w_gate_up)}")
+    I = two_i // 2
+    if w_down.dim() != 3 or tuple(w_down.shape) != (E, I, H):
+        raise ValueError(
+            f"w_down must be (E, I, H) = ({E}, {I}, {H}) (for transformers' (E, H, I) down_proj "
+            f"pass down_proj.transpose(1, 2)); got {shape_str(w_down)}"
+        )
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but x has {x.dtype}; they must match")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be (T, k) = ({T}, k >= 1); got {shape_str(topk_ids)}")
+    if topk_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"topk_ids must be int64 or int32; got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"topk_weights must match topk_ids {shape_str(topk_ids)}; got {shape_str(topk_weights)}"
+        )
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be a float tensor; got {topk_weights.dtype}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    return x, topk_ids, topk_weights, w_gate_up, w_down
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    activation: Activation = "silu",
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The routed expert FFN for a given routing (what vLLM's fused_experts computes).
+
+    out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]), with
+    FFN_e(v) = (act(v @ Wg_e) * (v @ Wu_e)) @ Wd_e, as two grouped GEMMs over all experts.
+    Inference only (no backward). Never synchronizes with the host on CUDA (see the module
+    docstring for the backend condition).
+
+    Args:
+        x: [T, H] tokens; bf16, fp16 or fp32.
+        topk_ids: [T, k] int64/int32 expert per slot. Ids outside [0, E) are dropped
+            (expert-parallel sentinels): they contribute nothing.
+        topk_weights: [T, k] float weight per slot (cast to x's dtype for the combine).
+        w_gate_up: [E, H, 2I] fused gate then up weights, same dtype and device as x; any
+            layout with one unit stride in the last two dims, e.g.
+            `gate_up_proj.transpose(1, 2)` of transformers' / vLLM's (E, 2I, H) weight.
+        w_down: [E, I, H] down weights, e.g. `down_proj.transpose(1, 2)` of an (E, H, I) one.
+        activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh" or a callable applied to
+            the gate half.
+        config: GemmConfig for both grouped GEMMs; None = automatic.
+
+    Returns:
+        [T, H] in x's dtype (fp32 accumulation, one final rounding). T = 0 gives (0, H).
+
+    Raises:
+        TypeError: non-tensors or wrong dtypes.
+        ValueError: shapes or devices that do not fit.
+    """
+    x, topk_ids, topk_weights, w_gate_up, w_down = _check_experts(
+        x, topk_ids, topk_weights, w_gate_up, w_down
+    )
+    gate_fn = gated(resolve_activation(activation))
+    return expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, config=config)

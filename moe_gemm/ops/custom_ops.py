@@ -1,0 +1,229 @@
+"""grouped_mm and grouped_gemm registered as torch.library custom ops.
+
+torch.compile, torch.export, make_fx and the fake / functional tensor modes cannot look inside
+the host path (it reads data pointers and calls a compiled kernel through TVM-FFI), so under
+them the public ops (ops/api.py) call these registered ops instead: the tracer records one
+opaque node whose fake implementation gives shapes and dtypes, and at run time the node runs
+the same eager path as any other call (cached plans, CUDA-graph safe, the torch backend where
+the kernels cannot run). Eager calls never come here: they skip the custom-op dispatch.
+
+    moe_gemm::_grouped_mm(Tensor x, Tensor w, Tensor? offs, str config,
+                          ScalarType? out_dtype) -> Tensor
+    moe_gemm::_grouped_mm_out(Tensor x, Tensor w, Tensor? offs, Tensor(a!) out, str config,
+                              ScalarType? out_dtype) -> ()
+    moe_gemm::_grouped_gemm(Tensor[] a, Tensor[] b, str config,
+                            ScalarType? out_dtype) -> Tensor[]
+    moe_gemm::_grouped_gemm_out(Tensor[] a, Tensor[] b, Tensor(a!)[] out, str config,
+                                ScalarType? out_dtype) -> ()
+    moe_gemm::_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, str message) -> Tensor
+
+The ops are underscored: the Python functions are the API. A GemmConfig crosses the schema as
+a string, "" for None, else a dict literal of the fields that differ from the defaults
+(encode_config: plain Python, so torch.compile folds it to a constant and guards on the
+config; decode_config parses each string once). The ops are inference-only like the kernels:
+their registered backward is `_no_backward`, which raises when a backward actually runs, so a
+model whose parameters require grad still compiles and a backward through it fails as in eager.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
+
+__all__ = ["decode_config", "encode_config", "grouped_gemm", "grouped_mm"]
+
+NO_BACKWARD = (
+    "moe_gemm's grouped GEMMs are inference-only: the moe_gemm::{op} op traced by "
+    "torch.compile has no backward. Run the model under torch.no_grad() / "
+    "torch.inference_mode(), or call moe_gemm eagerly with GemmConfig(backend='torch') for "
+    "the differentiable torch path."
+)
+_FIELDS = tuple((f.name, f.default) for f in dataclasses.fields(GemmConfig))
+
+
+def encode_config(config: GemmConfig | None) -> str:
+    """The `config` argument of the ops for a GemmConfig (see the module docstring)."""
+    if config is None:
+        return ""
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got {type(config).__name__}")
+    items = [f"{name!r}: {getattr(config, name)!r}" for name, default in _FIELDS
+             if getattr(config, name) != default]
+    return "{" + ", ".join(items) + "}"
+
+
+@functools.lru_cache(maxsize=256)
+def decode_config(text: str) -> GemmConfig | None:
+    """The GemmConfig an encode_config string stands for (validated like a new one)."""
+    if not text:
+        return None
+    fields = ast.literal_eval(text)
+    if not isinstance(fields, dict):
+        raise ValueError(f"not an encoded GemmConfig: {text!r}")
+    return GemmConfig(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Python side: what ops/api.py calls while tracing
+
+
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor | None = None, *, out: Tensor | None = None,
+               config: GemmConfig | None = None, out_dtype: torch.dtype | None = None
+               ) -> Tensor:
+    text = encode_config(config)
+    if out is None:
+        return torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out_dtype)
+    torch.ops.moe_gemm._grouped_mm_out(x, w, offs, out, text, out_dtype)
+    return out
+
+
+def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None = None,
+                 out_dtype: torch.dtype | None = None) -> list[Tensor]:
+    text = encode_config(config)
+    a, b = _tensor_list("a", a), _tensor_list("b", b)
+    if out is None:
+        return list(torch.ops.moe_gemm._grouped_gemm(a, b, text, out_dtype))
+    out = _tensor_list("out", out)
+    torch.ops.moe_gemm._grouped_gemm_out(a, b, out, text, out_dtype)
+    return out
+
+
+def _tensor_list(name: str, seq: Any) -> list[Tensor]:
+    if not isinstance(seq, (list, tuple)):
+        raise TypeError(f"{name} must be a sequence (list or tuple) of 2-D tensors; got "
+                        f"{type(seq).__name__}")
+    return list(seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registrations
+
+
+def _eager() -> Any:
+    from moe_gemm.ops import api  # (api imports this module)
+
+    return api
+
+
+@torch.library.custom_op(
+    "moe_gemm::_grouped_mm", mutates_args=(),
+    schema="(Tensor x, Tensor w, Tensor? offs, str config, ScalarType? out_dtype) -> Tensor")
+def _grouped_mm(x, w, offs, config, out_dtype):
+    with torch.no_grad():  # (the op's registered autograd links the result)
+        return _eager().grouped_mm_eager(x, w, offs, None, decode_config(config), out_dtype)
+
+
+@_grouped_mm.register_fake
+def _grouped_mm_fake(x, w, offs, config, out_dtype):
+    if offs is None:
+        bmm = check_grouped_bmm(x, w, None, out_dtype)
+        return x.new_empty((bmm.G, bmm.M, bmm.N), dtype=bmm.out_dtype)
+    mm = check_grouped_mm(x, w, offs, None, out_dtype, concrete=False)
+    return x.new_empty((mm.T, mm.N), dtype=mm.out_dtype)
+
+
+@torch.library.custom_op(
+    "moe_gemm::_grouped_mm_out", mutates_args=("out",),
+    schema="(Tensor x, Tensor w, Tensor? offs, Tensor(a!) out, str config, "
+           "ScalarType? out_dtype) -> ()")
+def _grouped_mm_out(x, w, offs, out, config, out_dtype):
+    with torch.no_grad():
+        _eager().grouped_mm_eager(x, w, offs, out, decode_config(config), out_dtype)
+
+
+@_grouped_mm_out.register_fake
+def _grouped_mm_out_fake(x, w, offs, out, config, out_dtype):
+    if offs is None:
+        check_grouped_bmm(x, w, out, out_dtype)
+    else:
+        check_grouped_mm(x, w, offs, out, out_dtype, concrete=False)
+
+
+@torch.library.custom_op(
+    "moe_gemm::_grouped_gemm", mutates_args=(),
+    schema="(Tensor[] a, Tensor[] b, str config, ScalarType? out_dtype) -> Tensor[]")
+def _grouped_gemm(a, b, config, out_dtype):
+    # An op's outputs must not share storage (torch.library's aliasing rule), and the eager
+    # path's own outputs are views of one block: here each gets its own allocation.
+    args = check_grouped_gemm(a, b, None, out_dtype)
+    outs = [torch.empty(m, n, dtype=args.out_dtype, device=args.device)
+            for m, n, _ in args.sizes]
+    with torch.no_grad():
+        _eager().grouped_gemm_eager(a, b, outs, decode_config(config), args.out_dtype)
+    return outs
+
+
+@_grouped_gemm.register_fake
+def _grouped_gemm_fake(a, b, config, out_dtype):
+    args = check_grouped_gemm(a, b, None, out_dtype, concrete=False)
+    return [ai.new_empty((m, n), dtype=args.out_dtype) for ai, (m, n, _) in zip(args.a,
+                                                                                   args.sizes)]
+
+
+@torch.library.custom_op(
+    "moe_gemm::_grouped_gemm_out", mutates_args=("out",),
+    schema="(Tensor[] a, Tensor[] b, Tensor(a!)[] out, str config, ScalarType? out_dtype) -> ()")
+def _grouped_gemm_out(a, b, out, config, out_dtype):
+    with torch.no_grad():
+        _eager().grouped_gemm_eager(a, b, out, decode_config(config), out_dtype)
+
+
+@_grouped_gemm_out.register_fake
+def _grouped_gemm_out_fake(a, b, out, config, out_dtype):
+    check_grouped_gemm(a, b, out, out_dtype, concrete=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: a backward that raises when it runs
+
+
+@torch.library.custom_op(
+    "moe_gemm::_no_backward", mutates_args=(),
+    schema="(Tensor grad, SymInt[] size, ScalarType dtype, str message) -> Tensor")
+def _no_backward(grad, size, dtype, message):
+    raise RuntimeError(message)
+
+
+@_no_backward.register_fake
+def _no_backward_fake(grad, size, dtype, message):
+    return grad.new_empty(size, dtype=dtype)
+
+
+def _raising_grad(grad: Tensor, like: tuple, op: str) -> Tensor:
+    return torch.ops.moe_gemm._no_backward(grad, like[0], like[1], NO_BACKWARD.format(op=op))
+
+
+def _mm_setup(ctx, inputs, output) -> None:
+    x, w = inputs[0], inputs[1]
+    ctx.metas = ((x.shape, x.dtype), (w.shape, w.dtype))
+
+
+def _mm_backward(ctx, grad):
+    gx, gw = (_raising_grad(grad, m, "_grouped_mm") if need else None
+              for m, need in zip(ctx.metas, ctx.needs_input_grad[:2]))
+    return gx, gw, None, None, None
+
+
+def _gemm_setup(ctx, inputs, output) -> None:
+    ctx.metas = ([(t.shape, t.dtype) for t in inputs[0]], [(t.shape, t.dtype) for t in inputs[1]])
+
+
+def _gemm_backward(ctx, grads):
+    grad = next((g for g in grads if g is not None), None)
+    if grad is None:
+        return None, None, None, None
+    ga = [_raising_grad(grad, m, "_grouped_gemm") for m in ctx.metas[0]]
+    gb = [_raising_grad(grad, m, "_grouped_gemm") for m in ctx.metas[1]]
+    return ga, gb, None, None
+
+
+_grouped_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
+_grouped_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)

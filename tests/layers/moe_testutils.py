@@ -1,0 +1,74 @@
+"""Helpers of the MoE layer tests: float64 per-token references and random weights."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from moe_gemm.layers.moe import MoE
+
+ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
+def naive_experts(
+    x: torch.Tensor,  # (T, H)
+    ids: torch.Tensor,  # (T, k)
+    weights: torch.Tensor,  # (T, k)
+    gate_up_proj: torch.Tensor,  # (E, 2I, H), transformers layout
+    down_proj: torch.Tensor,  # (E, H, I)
+    act=F.silu,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """One token, one slot at a time, in `dtype`; ids outside [0, E) contribute nothing."""
+    E, two_i, _ = gate_up_proj.shape
+    I = two_i // 2
+    out = torch.zeros(x.shape, dtype=dtype)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < E:
+                continue
+            v = x[t].to(dtype)
+            gate = gate_up_proj[e, :I].to(dtype) @ v
+            up = gate_up_proj[e, I:].to(dtype) @ v
+            out[t] += weights[t, j].to(dtype) * (down_proj[e].to(dtype) @ (act(gate) * up))
+    return out
+
+
+def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The whole layer in float64 from its own routing decision."""
+    x2 = x.reshape(-1, moe.hidden_size)
+    weights, ids = moe.route(x2)
+    act = ACTS[moe.activation] if isinstance(moe.activation, str) else moe.activation
+    y = naive_experts(x2, ids, weights, moe.gate_up_proj, moe.down_proj, act)
+    if moe.shared_experts is not None:
+        s = moe.shared_experts
+        v = x2.double()
+        h = s.down_proj.weight.double() @ (
+            act(v @ s.gate_proj.weight.double().T) * (v @ s.up_proj.weight.double().T)
+        ).T
+        h = h.T
+        if moe.shared_expert_gate is not None:
+            h = torch.sigmoid(v @ moe.shared_expert_gate.weight.double().T) * h
+        y = y + h
+    return y.view(*x.shape[:-1], moe.hidden_size)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def randomize(moe: MoE, scale: float = 0.3) -> MoE:
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+        if moe.e_score_correction_bias is not None:
+            moe.e_score_correction_bias.copy_(torch.randn(moe.num_experts, generator=g) * 0.2)
+    return moe

@@ -1,0 +1,155 @@
+"""layers/checkpoints.py: every weight loader of the MoE layer (fused tensors, vLLM, state
+dicts in per-expert and fused layouts, shared experts) and their checks, on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_testutils import naive_experts, naive_moe, randomize, rel_err
+
+from moe_gemm.layers.moe import MoE
+from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
+
+
+def _expert_tensors(E: int = 4, H: int = 32, I: int = 16):
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(E, I, H, generator=g) * 0.3
+    up = torch.randn(E, I, H, generator=g) * 0.3
+    down = torch.randn(E, H, I, generator=g) * 0.3
+    router = torch.randn(E, H, generator=g)
+    return gate, up, down, router
+
+
+def test_from_fused_aliases_storage() -> None:
+    gate, up, down, router = _expert_tensors()
+    gate_up = torch.cat([gate, up], dim=1)
+    moe = MoE.from_fused(gate_up, down, router, 2)
+    assert moe.gate_up_proj.data_ptr() == gate_up.data_ptr()
+    assert moe.w_gate_up.data_ptr() == gate_up.data_ptr()
+    assert moe.w_gate_up.shape == (4, 32, 32) and moe.w_down.shape == (4, 16, 32)
+    x = torch.randn(10, 32)
+    w, i = softmax_topk(x @ router.T, 2)
+    ref = naive_experts(x, i, w, gate_up, down)
+    assert rel_err(moe(x), ref) < 1e-5
+    # canonical (E, K, N) tensors with transposed=True, and vLLM's names
+    t = MoE.from_fused(gate_up.transpose(1, 2), down.transpose(1, 2), router, 2, transposed=True)
+    assert t.gate_up_proj.data_ptr() == gate_up.data_ptr()
+    torch.testing.assert_close(t(x), moe(x), rtol=0, atol=0)
+    v = MoE.from_vllm(gate_up, down, router, 2)
+    torch.testing.assert_close(v(x), moe(x), rtol=0, atol=0)
+    assert not moe.gate_up_proj.requires_grad
+
+
+@pytest.mark.parametrize("naming", ["mixtral", "qwen"])
+def test_from_state_dict_per_expert(naming: str) -> None:
+    gate, up, down, router = _expert_tensors()
+    names = ("w1", "w3", "w2") if naming == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    prefix = "model.layers.1.block_sparse_moe." if naming == "mixtral" else "model.layers.1.mlp."
+    sd = {prefix + "gate.weight": router, "lm_head.weight": torch.randn(3, 3)}
+    for e in range(4):
+        sd[f"{prefix}experts.{e}.{names[0]}.weight"] = gate[e]
+        sd[f"{prefix}experts.{e}.{names[1]}.weight"] = up[e]
+        sd[f"{prefix}experts.{e}.{names[2]}.weight"] = down[e]
+    moe = MoE.from_state_dict(sd, 2, prefix=prefix)
+    ref = MoE.from_fused(torch.cat([gate, up], dim=1), down, router, 2)
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(moe(x), ref(x), rtol=0, atol=0)
+
+
+def test_from_state_dict_deepseek_and_qwen2_shared() -> None:
+    gate, up, down, router = _expert_tensors(E=8)
+    bias = torch.randn(8) * 0.1
+    sg, su, sd_ = torch.randn(24, 32) * 0.3, torch.randn(24, 32) * 0.3, torch.randn(32, 24) * 0.3
+    sd = {"gate.weight": router, "gate.e_score_correction_bias": bias,
+          "experts.gate_up_proj": torch.cat([gate, up], dim=1), "experts.down_proj": down,
+          "shared_experts.gate_proj.weight": sg, "shared_experts.up_proj.weight": su,
+          "shared_experts.down_proj.weight": sd_}
+    moe = MoE.from_state_dict(sd, 2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    assert moe.scoring == "sigmoid" and moe.router_fp32
+    assert moe.e_score_correction_bias is bias
+    assert moe.shared_experts is not None and moe.shared_expert_gate is None
+    x = torch.randn(12, 32)
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+    w, i = sigmoid_grouped_topk(x @ router.T, bias, 2, 4, 2, 2.5)
+    torch.testing.assert_close(moe.route(x)[1], i, rtol=0, atol=0)
+
+    sdq = {"gate.weight": router, "experts.w13_weight": torch.cat([gate, up], dim=1),
+           "experts.w2_weight": down, "shared_expert.gate_proj.weight": sg,
+           "shared_expert.up_proj.weight": su, "shared_expert.down_proj.weight": sd_,
+           "shared_expert_gate.weight": torch.randn(1, 32)}
+    moe = MoE.from_state_dict(sdq, 2, renormalize=False)
+    assert moe.scoring == "softmax" and moe.shared_expert_gate is not None
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+
+
+def test_from_state_dict_errors() -> None:
+    gate, up, down, router = _expert_tensors()
+    sd = {"gate.weight": router}
+    for e in range(4):
+        sd[f"experts.{e}.w1.weight"] = gate[e]
+        sd[f"experts.{e}.w3.weight"] = up[e]
+        sd[f"experts.{e}.w2.weight"] = down[e]
+    with pytest.raises(ValueError, match="does not use"):
+        MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2)
+    MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2, strict=False)
+    missing = {k: v for k, v in sd.items() if k != "experts.2.w3.weight"}
+    with pytest.raises(ValueError, match=r"expert 2 has no experts\.2\.w3\.weight"):
+        MoE.from_state_dict(missing, 2)
+    gap = {k: v for k, v in sd.items() if not k.startswith("experts.1.")}
+    with pytest.raises(ValueError, match="numbered 0..E-1"):
+        MoE.from_state_dict(gap, 2)
+    with pytest.raises(KeyError, match="no router weight"):
+        MoE.from_state_dict({k: v for k, v in sd.items() if k != "gate.weight"}, 2)
+    with pytest.raises(KeyError, match="no expert weights"):
+        MoE.from_state_dict({"gate.weight": router}, 2)
+    with pytest.raises(ValueError, match="go together"):
+        MoE.from_state_dict({"gate.weight": router, "experts.gate_up_proj": gate}, 2)
+
+
+def test_from_fused_shape_errors() -> None:
+    gate, up, down, router = _expert_tensors()
+    gu = torch.cat([gate, up], dim=1)
+    with pytest.raises(ValueError, match=r"down_proj must be \(E, H, I\) = \(4, 32, 16\)"):
+        MoE.from_fused(gu, down.transpose(1, 2), router, 2)
+    with pytest.raises(ValueError, match=r"router_weight must be \(E, H\) = \(4, 32\)"):
+        MoE.from_fused(gu, down, router[:3], 2)
+    with pytest.raises(ValueError, match=r"gate_up_proj must be \(E, 2I, H\)"):
+        MoE.from_fused(gu[:, :-1], down, router, 2)
+    with pytest.raises(TypeError, match="share one dtype"):
+        MoE.from_fused(gu, down.double(), router, 2)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        MoE.from_fused(gu, down, router, 5)
+    with pytest.raises(ValueError, match=r"shared\['up_proj'\] must be \(8, 32\)"):
+        MoE.from_fused(gu, down, router, 2, shared={
+            "gate_proj": torch.zeros(8, 32), "up_proj": torch.zeros(8, 31),
+            "down_proj": torch.zeros(32, 8)})
+
+
+def test_state_dict_round_trip() -> None:
+    moe = randomize(MoE(32, 16, 8, 2, scoring="sigmoid", n_group=2, topk_group=1,
+                         shared_intermediate_size=8))
+    copy = MoE(32, 16, 8, 2, scoring="sigmoid", n_group=2, topk_group=1,
+               shared_intermediate_size=8)
+    copy.load_state_dict(moe.state_dict())
+    x = torch.randn(6, 32)
+    torch.testing.assert_close(copy(x), moe(x), rtol=0, atol=0)
+    assert set(moe.state_dict()) == {
+        "router_weight", "gate_up_proj", "down_proj", "e_score_correction_bias",
+        "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight",
+    }
+
+
+def test_from_fused_checks_the_shared_weights() -> None:
+    E, H, I, Is = 4, 16, 8, 6
+    gu, dn, rw = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, H)
+    shared = {"gate_proj": torch.randn(Is, H).half(), "up_proj": torch.randn(Is, H),
+              "down_proj": torch.randn(H, Is)}
+    with pytest.raises(TypeError, match="shared gate_proj, up_proj and down_proj must share"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+    shared["gate_proj"] = torch.randn(Is, H, device="meta")
+    with pytest.raises(ValueError, match=r"shared\['gate_proj'\] is on meta"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+    shared["gate_proj"] = [[0.0]]
+    with pytest.raises(TypeError, match=r"shared\['gate_proj'\] must be a torch.Tensor"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)

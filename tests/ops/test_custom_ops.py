@@ -1,0 +1,264 @@
+"""ops/custom_ops.py on the CPU: the torch.library registrations (opcheck: schema, fake
+implementations, autograd registration, AOT dispatch), the config encoding, when the public
+ops go through the registered ops (tracing, tensor modes, fake tensors) and when they do not
+(eager), and torch.compile(fullgraph=True) of each op against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.library import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moe_gemm
+from moe_gemm import GemmConfig, grouped_gemm, grouped_mm
+from moe_gemm.ops import api, custom_ops
+from moe_gemm.ops.custom_ops import decode_config, encode_config
+from moe_gemm.testing import make_grouped_inputs, make_moe_inputs
+
+OPS = torch.ops.moe_gemm
+# A backward through the ops raises by design, so opcheck's AOT test (which runs one) is
+# left out wherever an input requires grad.
+NO_AOT = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _moe(seed: int, dtype=torch.float32, T=19, E=4, K=16, N=8):
+    return make_moe_inputs(T, E, K, N, dtype, empty_fraction=0.25, generator=_gen(seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# config across the schema
+
+
+@pytest.mark.parametrize("config", [
+    None,
+    GemmConfig(),
+    GemmConfig(backend="torch"),
+    GemmConfig(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1, cluster_n=2,
+               stages=3, visitor="device", sort_by_k=False),
+    GemmConfig(schedule="pingpong", tile_m=64, tile_n=256, visitor="host", sort_by_k=True),
+])
+def test_config_round_trip(config: GemmConfig | None) -> None:
+    text = encode_config(config)
+    assert isinstance(text, str)
+    assert decode_config(text) == config
+    assert (text == "") == (config is None)
+
+
+def test_config_encoding_is_only_the_non_defaults() -> None:
+    assert encode_config(GemmConfig()) == "{}"
+    assert encode_config(GemmConfig(stages=4)) == "{'stages': 4}"
+
+
+def test_bad_configs_are_clear_errors() -> None:
+    with pytest.raises(TypeError, match="config must be a moe_gemm.GemmConfig or None"):
+        encode_config("torch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not an encoded GemmConfig"):
+        decode_config("[1, 2]")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        decode_config("{'schedule': 'zigzag'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_grouped_mm(dtype: torch.dtype) -> None:
+    x, w, offs = _moe(1, dtype)
+    opcheck(OPS._grouped_mm.default, (x, w, offs, "", None))
+    opcheck(OPS._grouped_mm.default, (x, w, offs, "{'backend': 'torch'}", torch.float32))
+    x3, w3 = torch.randn(3, 5, 16).to(dtype), torch.randn(3, 16, 8).to(dtype)
+    opcheck(OPS._grouped_mm.default, (x3, w3, None, "", None))
+    out = torch.full((x.shape[0], 8), 7.0, dtype=dtype)
+    opcheck(OPS._grouped_mm_out.default, (x, w, offs, out, "", None))
+    opcheck(OPS._grouped_mm_out.default, (x3, w3, None, torch.empty(3, 5, 8, dtype=dtype), "",
+                                          None))
+
+
+def test_opcheck_grouped_mm_with_grad_inputs() -> None:
+    x, w, offs = _moe(2)
+    opcheck(OPS._grouped_mm.default, (x.requires_grad_(), w.requires_grad_(), offs, "", None),
+            test_utils=NO_AOT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_opcheck_grouped_gemm(dtype: torch.dtype) -> None:
+    sizes = [(5, 8, 16), (0, 8, 16), (7, 24, 16), (3, 8, 0)]
+    a, b = make_grouped_inputs(sizes, dtype, b_layout="mixed", generator=_gen(3))
+    opcheck(OPS._grouped_gemm.default, (a, b, "", None))
+    opcheck(OPS._grouped_gemm.default, (a, b, "", torch.float32))
+    outs = [torch.full((m, n), 3.0, dtype=dtype) for m, n, _ in sizes]
+    opcheck(OPS._grouped_gemm_out.default, (a, b, outs, "", None))
+    opcheck(OPS._grouped_gemm.default, ([t.requires_grad_() for t in a], b, "", None),
+            test_utils=NO_AOT)
+
+
+# ---------------------------------------------------------------------------------------------
+# when the public ops go through the registered ops
+
+
+class _SeenOps(TorchDispatchMode):
+    """Records the ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_skip_the_registered_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    routed: list[str] = []
+    for name in ("grouped_mm", "grouped_gemm"):
+        real = getattr(custom_ops, name)
+        monkeypatch.setattr(custom_ops, name,
+                            lambda *a, _n=name, _r=real, **k: routed.append(_n) or _r(*a, **k))
+    x, w, offs = _moe(4)
+    a, b = make_grouped_inputs([(3, 8, 16), (5, 8, 16)], torch.float32, generator=_gen(5))
+    y, outs = grouped_mm(x, w, offs), grouped_gemm(a, b)
+    assert routed == []
+    # Under a tensor mode the same calls are the registered ops, which the mode sees.
+    with _SeenOps() as mode:
+        y_mode, outs_mode = grouped_mm(x, w, offs), grouped_gemm(a, b)
+    assert routed == ["grouped_mm", "grouped_gemm"]
+    assert "moe_gemm._grouped_mm.default" in mode.ops
+    assert "moe_gemm._grouped_gemm.default" in mode.ops
+    torch.testing.assert_close(y_mode, y, rtol=0, atol=0)
+    for o, r in zip(outs_mode, outs):
+        torch.testing.assert_close(o, r, rtol=0, atol=0)
+
+
+def test_fake_tensors_give_shapes_and_dtypes() -> None:
+    with FakeTensorMode():
+        x, w = torch.empty(37, 64, dtype=torch.bfloat16), torch.empty(6, 64, 24,
+                                                                       dtype=torch.bfloat16)
+        offs = torch.empty(6, dtype=torch.int32)
+        y = grouped_mm(x, w, offs, out_dtype=torch.float32)
+        y3 = grouped_mm(torch.empty(4, 5, 64, dtype=torch.bfloat16),
+                        torch.empty(4, 64, 24, dtype=torch.bfloat16))
+        outs = grouped_gemm([torch.empty(3, 64), torch.empty(0, 64)],
+                            [torch.empty(64, 8), torch.empty(64, 16)])
+        with pytest.raises(ValueError, match=r"so w must be \(E, 64, N\)"):
+            grouped_mm(x, w[:, :32], offs)
+        with pytest.raises(ValueError, match=r"problem 1: a\[1\] is \(M, K\)"):
+            grouped_gemm([torch.empty(3, 64), torch.empty(2, 8)],
+                         [torch.empty(64, 8), torch.empty(64, 16)])
+    assert isinstance(y, FakeTensor) and y.shape == (37, 24) and y.dtype == torch.float32
+    assert y3.shape == (4, 5, 24) and y3.dtype == torch.bfloat16
+    assert [tuple(o.shape) for o in outs] == [(3, 8), (0, 16)]
+
+
+def test_make_fx_records_the_ops() -> None:
+    x, w, offs = _moe(6)
+    a, b = make_grouped_inputs([(3, 8, 16), (5, 8, 16)], torch.float32, generator=_gen(7))
+
+    def f(x, w, offs, a0, a1, b0, b1):
+        return grouped_mm(x, w, offs), *grouped_gemm([a0, a1], [b0, b1])
+
+    gm = make_fx(f, tracing_mode="fake")(x, w, offs, *a, *b)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert {"moe_gemm._grouped_mm.default", "moe_gemm._grouped_gemm.default"} <= targets
+    got = gm(x, w, offs, *a, *b)
+    want = f(x, w, offs, *a, *b)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def test_functionalized_tensors_go_through_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.func.functionalize wraps tensors without a tensor mode: the op must still be the
+    # one that runs (a wrapper has no data pointer of its own).
+    routed: list[str] = []
+    real = custom_ops.grouped_mm
+    monkeypatch.setattr(custom_ops, "grouped_mm",
+                        lambda *a, **k: routed.append("grouped_mm") or real(*a, **k))
+    x, w, offs = _moe(11)
+
+    def f(x, w, offs):
+        return grouped_mm(x, w, offs) * 2
+
+    torch.testing.assert_close(torch.func.functionalize(f)(x, w, offs), f(x, w, offs),
+                               rtol=0, atol=0)
+    assert routed == ["grouped_mm"]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile of the ops
+
+
+@pytest.fixture
+def dynamo():
+    """A fresh torch._dynamo with its graph-break counters cleared."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+def test_compile_grouped_mm_fullgraph(dynamo) -> None:
+    x, w, offs = _moe(8)
+    cfg = GemmConfig(backend="torch")
+
+    def f(x, w, offs, out):
+        y = grouped_mm(x, w, offs, config=cfg)
+        grouped_mm(x, w, offs, out=out)  # the mutating op
+        return y * 2, grouped_mm(x[: 12].view(3, 4, 16), w[:3])
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=False)
+    out_c, out_e = torch.full((x.shape[0], 8), 5.0), torch.full((x.shape[0], 8), 5.0)
+    got, want = compiled(x, w, offs, out_c), f(x, w, offs, out_e)
+    for g, r in zip((*got, out_c), (*want, out_e)):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert dynamo["graph_break"] == {}
+    # New offs values, same shapes: no recompile, new rows.
+    offs2 = torch.tensor([0, 10, 10, 19], dtype=torch.int32)
+    torch.testing.assert_close(compiled(x, w, offs2, out_c)[0], f(x, w, offs2, out_e)[0],
+                               rtol=0, atol=0)
+    assert dynamo["stats"]["unique_graphs"] == 1
+
+
+def test_compile_grouped_gemm_fullgraph(dynamo) -> None:
+    sizes = [(5, 8, 16), (0, 8, 16), (7, 24, 16)]
+    a, b = make_grouped_inputs(sizes, torch.float32, generator=_gen(9))
+
+    def f(a0, a1, a2, b0, b1, b2):
+        outs = grouped_gemm([a0, a1, a2], [b0, b1, b2], out_dtype=torch.float16)
+        return [o + 1 for o in outs]
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*a, *b)
+    want = f(*a, *b)
+    assert [o.dtype for o in got] == [torch.float16] * 3
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert dynamo["graph_break"] == {}
+
+
+def test_compiled_backward_raises_at_run_time(dynamo) -> None:
+    x, w, offs = _moe(10)
+    w = w.requires_grad_()
+    # Compiling a graph whose inputs require grad works (the registered backward is traced,
+    # not run) ...
+    y = torch.compile(lambda x, w, offs: grouped_mm(x, w, offs).sum(), fullgraph=True,
+                      backend="aot_eager")(x, w, offs)
+    assert y.requires_grad
+    # ... and a backward through it raises, as in eager.
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.backward()
+
+
+def test_public_names_unchanged() -> None:
+    for name in ("grouped_gemm", "grouped_mm", "GroupedGemmPlan", "GemmConfig", "MoE",
+                 "moe_experts", "moe_forward", "permute_by_expert", "softmax_topk",
+                 "sigmoid_grouped_topk", "ExpertPermutation"):
+        assert hasattr(moe_gemm, name), name
+    assert moe_gemm.grouped_mm is api.grouped_mm and moe_gemm.grouped_gemm is api.grouped_gemm

@@ -1,0 +1,124 @@
+"""The registered ops on an sm90 GPU with our kernels: opcheck (schema, fake implementations,
+autograd registration, AOT dispatch), torch.compile(fullgraph=True) of each op (inductor)
+equal to eager, and a compiled graph captured in a CUDA graph and replayed with new routing.
+
+backend="cute" is forced, so a kernel that could not take an input would raise instead of
+silently running the torch backend. MOE_GEMM_TEST_MOE_BACKEND=torch puts the torch backend in
+its place (to check the tests themselves where the kernels are not available).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from moe_gemm import GemmConfig, grouped_gemm, grouped_mm
+from moe_gemm.ops import launch
+from moe_gemm.ops.custom_ops import encode_config
+from moe_gemm.testing import assert_close_to_ref, make_grouped_inputs, make_moe_inputs
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+BF16 = torch.bfloat16
+BACKEND = os.environ.get("MOE_GEMM_TEST_MOE_BACKEND", "cute")
+CFG = GemmConfig(backend=BACKEND)  # type: ignore[arg-type]
+OPS = torch.ops.moe_gemm
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _moe(seed: int, T=300, E=8, K=512, N=256, w_layout="nk_view"):
+    return make_moe_inputs(T, E, K, N, BF16, DEVICE, w_layout=w_layout, empty_fraction=0.25,
+                           generator=_gen(seed))
+
+
+@pytest.fixture
+def dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+def _ran_kernels(fn):
+    """fn() and whether it launched one of our kernels on this thread."""
+    before = launch.last_launch()
+    res = fn()
+    torch.cuda.synchronize()
+    after = launch.last_launch()
+    return res, after is not None and after is not before
+
+
+def test_opcheck_on_our_kernels() -> None:
+    cfg = encode_config(CFG)
+    x, w, offs = _moe(1)
+    opcheck(OPS._grouped_mm.default, (x, w, offs, cfg, None))
+    opcheck(OPS._grouped_mm.default, (x, w, offs, cfg, torch.float32))
+    opcheck(OPS._grouped_mm_out.default, (x, w, offs, torch.zeros(x.shape[0], 256, dtype=BF16,
+                                                                  device=DEVICE), cfg, None))
+    x3 = torch.randn(4, 64, 512, dtype=BF16, device=DEVICE)
+    opcheck(OPS._grouped_mm.default, (x3, w[:4], None, cfg, None))
+    sizes = [(64, 256, 512), (0, 256, 512), (130, 128, 256), (7, 64, 128)]
+    a, b = make_grouped_inputs(sizes, BF16, DEVICE, b_layout="col", generator=_gen(2))
+    opcheck(OPS._grouped_gemm.default, (a, b, cfg, None))
+    outs = [torch.zeros(m, n, dtype=BF16, device=DEVICE) for m, n, _ in sizes]
+    opcheck(OPS._grouped_gemm_out.default, (a, b, outs, cfg, None))
+
+
+def test_compiled_ops_equal_eager_and_run_our_kernels(dynamo) -> None:
+    x, w, offs = _moe(3)
+    sizes = [(64, 256, 512), (0, 256, 512), (130, 128, 256)]
+    a, b = make_grouped_inputs(sizes, BF16, DEVICE, b_layout="col", generator=_gen(4))
+
+    def f(x, w, offs, a0, a1, a2, b0, b1, b2):
+        y = grouped_mm(x, w, offs, config=CFG)
+        y3 = grouped_mm(x[:256].view(4, 64, 512), w[:4], config=CFG)
+        outs = grouped_gemm([a0, a1, a2], [b0, b1, b2], config=CFG)
+        return y, y3, *outs
+
+    compiled = torch.compile(f, fullgraph=True)
+    with torch.no_grad():
+        got, ran = _ran_kernels(lambda: compiled(x, w, offs, *a, *b))
+        want = f(x, w, offs, *a, *b)
+    assert ran or BACKEND == "torch"
+    assert dynamo["graph_break"] == {}
+    for g, r in zip(got, want):  # the same kernels on the same operands: bitwise equal
+        assert torch.equal(g, r)
+
+
+def test_compiled_grouped_mm_in_a_cuda_graph_with_new_routing(dynamo) -> None:
+    T, E = 384, 8
+    x, w, offs = _moe(5, T=T, E=E)
+    compiled = torch.compile(lambda x, w, offs: torch.relu(grouped_mm(x, w, offs, config=CFG)),
+                             fullgraph=True)
+    static_x, static_offs = x.clone(), offs.clone()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and warm up outside the capture
+                compiled(static_x, w, static_offs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = compiled(static_x, w, static_offs)
+        for trial in range(3):
+            x2, _, offs2 = _moe(10 + trial, T=T, E=E)
+            static_x.copy_(x2)
+            static_offs.copy_(offs2)
+            graph.replay()
+            eager = torch.relu(grouped_mm(x2, w, offs2, config=CFG))
+            torch.cuda.synchronize()
+            assert torch.equal(static_y, eager), f"replay {trial} differs from eager"
+            ref = torch.relu(grouped_mm(x2.float(), w.float(), offs2,
+                                        config=GemmConfig(backend="torch")))
+            assert_close_to_ref(static_y, ref, name=f"replay {trial}")
+    assert dynamo["graph_break"] == {}

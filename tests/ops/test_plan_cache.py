@@ -1,0 +1,327 @@
+"""Repeated calls on the CPU (the kernel replaced by a recorder): ops/signature.py's matching,
+and which calls ops/api.py sends to a cached plan and which it must not (another dtype,
+stride, neg bit, subclass or autograd flag, a misaligned address, a changed switch, an `out`
+that overlaps an operand)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from host_fakes import Recorder
+
+from moe_gemm import GemmConfig, grouped_gemm, grouped_mm
+from moe_gemm.ops import api, launch, signature
+from moe_gemm.ops.signature import PlanCache, TensorSignature
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def cute(kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """The cute path on CPU tensors (capability says yes; the recorder is the kernel)."""
+    monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
+    monkeypatch.setattr(api, "_warned", set())
+    for name in ("MOE_GEMM_CHECK_OFFS", "MOE_GEMM_TAIL_SPLIT"):
+        monkeypatch.delenv(name, raising=False)
+    return kernel
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values, same shape and strides, at an address 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype)
+    off = next(i for i in range(8) if (flat.data_ptr() + i * t.element_size()) % 16 == 2)
+    return flat[off:off + t.numel()].view(t.shape).copy_(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorSignature and PlanCache
+
+
+@pytest.fixture(params=["guards", "python"])
+def which(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a signature compares: torch's C++ tensor guards and the Python fallback."""
+    if request.param == "python":
+        monkeypatch.setattr(signature, "guards_usable", lambda: False)
+    else:
+        assert signature.guards_usable(), "TensorGuards should pass its self-test here"
+    return request.param
+
+
+def test_signature_accepts_equal_metadata_and_rejects_each_change(which: str) -> None:
+    x, w = torch.randn(6, 16, dtype=BF16), torch.randn(3, 8, 16, dtype=BF16).transpose(1, 2)
+    sig = TensorSignature([x, w])
+    assert sig.check(torch.randn(6, 16, dtype=BF16), torch.randn(3, 8, 16).to(BF16).mT)
+    changed = {
+        "sizes": torch.randn(7, 16, dtype=BF16),
+        "strides": torch.randn(16, 6, dtype=BF16).t(),
+        "dtype": torch.randn(6, 16, dtype=torch.float16),
+        "neg bit": torch._neg_view(torch.randn(6, 16, dtype=BF16)),
+        "requires_grad": torch.randn(6, 16, dtype=BF16, requires_grad=True),
+        "type": torch.nn.Parameter(torch.randn(6, 16, dtype=BF16), requires_grad=False),
+        "inference tensor": torch.inference_mode()(lambda: torch.randn(6, 16, dtype=BF16))(),
+    }
+    for what, t in changed.items():
+        assert not sig.check(t, w), f"a change of {what} must not match"
+    assert not sig.check(x, w.contiguous())  # w's strides
+    assert not sig.check(x, "not a tensor")
+
+
+def test_signature_of_a_tensor_used_twice(which: str) -> None:
+    w, x = torch.randn(8, 16), torch.randn(4, 8)
+    sig = TensorSignature([x, w, w])  # one weight for two problems
+    assert sig.check(torch.randn(4, 8), w, w)
+    w2 = torch.randn(8, 16)
+    assert sig.check(torch.randn(4, 8), w2, w2)
+    assert not sig.check(x, w, torch.randn(8, 17))
+    assert not sig.check(x, w, w.t())
+
+
+def test_plan_cache_recent_first_and_bounded() -> None:
+    cache = PlanCache(per_bucket=2, buckets=2)
+    ts = [torch.randn(n, 4) for n in (1, 2, 3)]
+    for i, t in enumerate(ts):
+        cache.add("b", "x", [t], f"plan{i}")
+    assert len(cache) == 2  # plan0 evicted (least recently added)
+    assert cache.find("b", "x", [torch.randn(1, 4)]) is None
+    assert cache.find("b", "x", [torch.randn(2, 4)]) == "plan1"
+    assert cache.find("b", "other extra", [torch.randn(2, 4)]) is None
+    cache.add("b", "x", [torch.randn(9, 4)], "plan9")  # evicts plan2, not the one just used
+    assert cache.find("b", "x", [torch.randn(2, 4)]) == "plan1"
+    assert cache.find("b", "x", [torch.randn(3, 4)]) is None
+    cache.add("c", "x", [torch.randn(1, 4)], "c")
+    cache.add("d", "x", [torch.randn(1, 4)], "d")  # a third bucket: the cache starts over
+    assert cache.find("b", "x", [torch.randn(2, 4)]) is None
+    assert cache.find("d", "x", [torch.randn(1, 4)]) == "d"
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_mm
+
+
+def _mm_inputs(T=24, E=3, K=32, N=16, dtype=BF16):
+    x = torch.randn(T, K).to(dtype)
+    w = torch.randn(E, N, K).to(dtype).transpose(1, 2)  # K-major, as MoE weights are
+    offs = torch.tensor([5, 5, T - 2], dtype=torch.int32)[:E]
+    return x, w, offs
+
+
+@pytest.fixture
+def plans_built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Counts the MmPlan / BmmPlan constructions."""
+    built: list[str] = []
+    for name in ("MmPlan", "BmmPlan"):
+        cls = getattr(launch, name)
+        sub = type(name, (cls,), {"__init__": lambda self, *a, _c=cls, _n=name, **k: (
+            built.append(_n), _c.__init__(self, *a, **k))[1]})
+        monkeypatch.setattr(launch, name, sub)
+    return built
+
+
+def test_repeated_grouped_mm_reuses_its_plan(cute: Recorder, plans_built: list[str]) -> None:
+    x, w, offs = _mm_inputs()
+    y1 = grouped_mm(x, w, offs)
+    first = launch.last_launch()
+    x2 = torch.randn_like(x)
+    y2 = grouped_mm(x2, w, offs)
+    assert launch.last_launch() is not first  # each launch is told apart (benchmarks do)
+    assert plans_built == ["MmPlan"] and len(cute.calls) == 2
+    assert cute.calls[1][0] is x2 and cute.calls[1][2] is y2 and y1 is not y2
+    assert y2.shape == (24, 16) and y2.dtype == BF16
+    # The batched form and an out= call are their own signatures.
+    x3 = torch.randn(3, 8, 32).to(BF16)
+    grouped_mm(x3, w)
+    grouped_mm(x3, w)
+    out = torch.empty(24, 16, dtype=BF16)
+    assert grouped_mm(x, w, offs, out=out) is out
+    assert grouped_mm(x2, w, offs, out=out) is out
+    assert plans_built == ["MmPlan", "BmmPlan", "MmPlan"] and len(cute.calls) == 6
+    assert cute.calls[-1][2] is out
+
+
+@pytest.mark.parametrize("change", ["neg", "misaligned", "dtype", "config", "out_dtype",
+                                    "disable-switch"])
+def test_grouped_mm_changes_that_must_miss_the_plan(
+    cute: Recorder, plans_built: list[str], monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    x, w, offs = _mm_inputs()
+    grouped_mm(x, w, offs)
+    calls = len(cute.calls)
+    kwargs: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the torch fallbacks warn once)
+        if change == "neg":
+            y = grouped_mm(x, torch._neg_view(w), offs)
+            assert len(cute.calls) == calls  # the kernel reads memory, not the sign bit
+            want = grouped_mm(x, -w, offs, config=GemmConfig(backend="torch"))
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+        elif change == "misaligned":
+            y = grouped_mm(_misaligned(x), w, offs)
+            assert len(cute.calls) == calls  # TMA needs 16-byte aligned addresses
+            want = grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+        elif change == "dtype":
+            grouped_mm(x.half(), w.half(), offs)
+            assert plans_built == ["MmPlan", "MmPlan"]
+        elif change in ("config", "out_dtype"):
+            kwargs = ({"config": GemmConfig(schedule="cooperative")} if change == "config"
+                      else {"out_dtype": torch.float32})
+            y = grouped_mm(x, w, offs, **kwargs)
+            assert plans_built == ["MmPlan", "MmPlan"]
+            assert y.dtype == (torch.float32 if change == "out_dtype" else BF16)
+        else:
+            monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "1")
+            monkeypatch.setattr(api, "cute_problem",
+                                lambda device=None: "disabled by MOE_GEMM_DISABLE_CUTE")
+            y = grouped_mm(x, w, offs)
+            assert len(cute.calls) == calls
+            want = grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+def test_offs_check_switch_bypasses_the_plan(cute: Recorder,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w, offs = _mm_inputs()
+    grouped_mm(x, w, offs)
+    monkeypatch.setenv("MOE_GEMM_CHECK_OFFS", "1")
+    bad = torch.tensor([5, 3, 22], dtype=torch.int32)  # decreasing: unchecked on a plan
+    with pytest.raises(ValueError, match="offs must be non-decreasing"):
+        grouped_mm(x, w, bad)
+    # Calls made while the switch is on keep no plan either (the next would skip the check).
+    grouped_mm(x, w, offs)
+    grouped_mm(x, w, offs)
+    with pytest.raises(ValueError, match="offs must be non-decreasing"):
+        grouped_mm(x, w, bad)
+
+
+def test_grad_inputs_on_a_plan_are_linked(cute: Recorder) -> None:
+    x, w, offs = _mm_inputs(dtype=torch.float16)
+    grouped_mm(x, w, offs)
+    grouped_mm(x, w, offs)  # the plan, without a link
+    xg = x.clone().requires_grad_()
+    y = grouped_mm(xg, w, offs)
+    y2 = grouped_mm(xg, w, offs)  # again: now from the plan of this signature
+    assert y.requires_grad and y2.requires_grad
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y2.float().sum().backward()
+    with torch.no_grad():
+        assert not grouped_mm(xg, w, offs).requires_grad
+
+
+def test_out_that_overlaps_an_operand_is_never_written_directly(cute: Recorder) -> None:
+    x, w, offs = _mm_inputs(T=24, K=16, N=16)
+    out = torch.empty(24, 16, dtype=BF16)
+    grouped_mm(x, w, offs, out=out)
+    grouped_mm(x, w, offs, out=out)  # a plan for out= calls of this signature
+    y = grouped_mm(out, w, offs, out=out)  # out is also x: computed elsewhere, then copied
+    assert y is out and cute.calls[-1][2] is not out and cute.calls[-1][0] is out
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_gemm
+
+
+def _lists(ms=(5, 0, 17, 8), K=32, N=16):
+    a = [torch.randn(m, K).to(BF16) for m in ms]
+    b = [torch.randn(N, K).to(BF16).t() for _ in ms]
+    return a, b
+
+
+@pytest.fixture
+def scans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts api's scan_general calls."""
+    seen: list[int] = []
+    real = api.scan_general
+
+    def counting(a, b, out_dtype):
+        seen.append(len(a))
+        return real(a, b, out_dtype)
+
+    monkeypatch.setattr(api, "scan_general", counting)
+    return seen
+
+
+def _rows_point_at(call: tuple, a, b) -> None:
+    meta, order = call[3], launch.last_launch().order
+    for row, p in zip(meta.tolist(), order):
+        if a[p].shape[0]:
+            assert row[0] == a[p].data_ptr() and row[1] == b[p].data_ptr()
+
+
+def test_repeated_grouped_gemm_skips_the_scan(cute: Recorder, scans: list[int]) -> None:
+    a, b = _lists()
+    infos = []
+    for _ in range(3):
+        outs = grouped_gemm(a, b)
+        infos.append(launch.last_launch())
+    assert len({id(i) for i in infos}) == 3
+    # The scan runs on the first two calls (the second takes the signature), not after.
+    assert scans == [4, 4] and len(cute.calls) == 3
+    assert [o.shape for o in outs] == [(5, 16), (0, 16), (17, 16), (8, 16)]
+    _rows_point_at(cute.calls[-1], a, b)
+    assert cute.calls[2][3] is cute.calls[1][3]  # the same addresses: one metadata upload
+    # New addresses, same signature: no scan, new rows.
+    a2, _ = _lists()
+    grouped_gemm(a2, b)
+    assert scans == [4, 4] and cute.calls[-1][3] is not cute.calls[1][3]
+    _rows_point_at(cute.calls[-1], a2, b)
+    # Another problem set: the scan again.
+    a3, b3 = _lists(ms=(5, 1, 17, 8))
+    grouped_gemm(a3, b3)
+    assert scans == [4, 4, 4]
+
+
+def test_one_weight_for_every_problem_skips_the_scan_too(cute: Recorder,
+                                                          scans: list[int]) -> None:
+    a, _ = _lists(ms=(3, 9, 4))
+    w = torch.randn(16, 32).to(BF16).t()
+    for _ in range(3):
+        grouped_gemm(a, [w] * 3)
+    assert scans == [3, 3] and len(cute.calls) == 3
+    _rows_point_at(cute.calls[-1], a, [w] * 3)
+
+
+def test_grouped_gemm_signature_misses(cute: Recorder, scans: list[int]) -> None:
+    a, b = _lists()
+    grouped_gemm(a, b)
+    grouped_gemm(a, b)
+    n = len(cute.calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = grouped_gemm([_misaligned(a[0]), *a[1:]], b)  # same signature, bad address
+        assert len(cute.calls) == n  # the torch backend took it
+        want = grouped_gemm(a, b, config=GemmConfig(backend="torch"))
+        torch.testing.assert_close(outs[0], want[0], rtol=0, atol=0)
+        grouped_gemm(a, [torch._neg_view(b[0]), *b[1:]])
+        assert len(cute.calls) == n
+    grouped_gemm(a, b, out_dtype=torch.float32)  # another extra: the scan
+    assert scans[-1] == 4 and len(cute.calls) == n + 1
+
+
+def test_grouped_gemm_grad_operands_are_linked(cute: Recorder) -> None:
+    a, b = _lists()
+    b = [t.detach().requires_grad_() for t in b]
+    for _ in range(3):  # the scan, the scan taking the signature, the signature
+        outs = grouped_gemm(a, b)
+        assert all(o.requires_grad for o in outs)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        outs[0].float().sum().backward()
+
+
+def test_workspace_follows_the_plans_choice(cute: Recorder) -> None:
+    import dataclasses
+
+    from moe_gemm.kernels.sm90.constants import DESC_RING, SLOT_INTS, split_workspace_bytes
+
+    x, w, offs = _mm_inputs()
+    grouped_mm(x, w, offs)
+    plan = api.cached_mm_plan(x, w, offs)
+    assert plan is not None and not plan.choice.tail_split
+    assert cute.calls[-1][7].numel() == plan.num_ctas * DESC_RING * SLOT_INTS
+    # A tuning script swaps the choice of a built plan: the workspace must grow with it.
+    plan.choice = dataclasses.replace(plan.choice, tail_split=True)
+    grouped_mm(x, w, offs)
+    ws = cute.calls[-1][7]
+    total = split_workspace_bytes(plan.num_ctas, plan.choice.tile_m, plan.choice.tile_n)[2]
+    assert ws.numel() * 8 >= total and bool((ws == 0).all())  # (counters start at zero)
