@@ -111,13 +111,14 @@ class Epilogue:
         shape = (cfg.tile_m // cfg.epi_tile[0], cfg.tile_n // cfg.epi_tile[1])
         return cute.make_layout(shape, stride=(shape[1], 1))
 
-    def subtile_coords(self, frags: EpilogueFrags, e: int) -> cute.Tensor:
-        """The (row, col) in the tile of each value of subtile e's fragment (tRS_rD's order)."""
+    def subtile_coords(self, thr_copy_r2s, e: int) -> cute.Tensor:
+        """The (row, col) in the tile of each value of subtile e's fragment (tRS_rD's order),
+        for the thread whose slice of the epilogue copy `thr_copy_r2s` is."""
         cfg = self.cfg
         m_sub, n_sub = self.subtile_layout().get_hier_coord(e)
         tile = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
         sub = cute.local_tile(tile, cfg.epi_tile, (m_sub, n_sub))
-        return frags.thr_copy_r2s.partition_S(sub)
+        return thr_copy_r2s.partition_S(sub)
 
     # -- per tile ------------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ class Epilogue:
         for v in cutlass.range_constexpr(frags.size_rD):
             frags.tRS_rD[v] = frags.tRS_rAcc[e * frags.size_rD + v]
         if const_expr(self.has_row_scale):
-            self.row_scale(frags.tRS_rD, self.subtile_coords(frags, e), work)
+            self.row_scale(frags.tRS_rD, self.subtile_coords(frags.thr_copy_r2s, e), work)
         if const_expr(self.has_activation):
             self.activation(frags.tRS_rD)
         frags.tRS_rD_out.store(frags.tRS_rD.load().to(self.cfg.d_dtype))

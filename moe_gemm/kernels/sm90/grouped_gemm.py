@@ -688,7 +688,8 @@ class GroupedGemmSm90:
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         cta, _, _ = cute.arch.block_idx()
         ring = ring_base(run.workspace, cta)
-        tiles_done = Int32(0)
+        tiles_done = Int32(0)  # tiles this warpgroup stored (rotates the staging buffers)
+        seen = Int32(0)  # tiles this warpgroup computed, stored or not (the trace slot)
 
         if const_expr(self.pingpong):
             if math_wg == 0:
@@ -723,14 +724,19 @@ class GroupedGemmSm90:
                                epi_bar_id, epi_threads, is_store_warp, tiles_done)
                 if const_expr(self.trace):
                     if mma_tidx == 0:
+                        # Slot = the tile's index among the CTA's tiles (ping-pong: the
+                        # warpgroups alternate), so a tile that stores nothing (a cluster
+                        # rank past the edge, a publisher) leaves its slot at -1 and the
+                        # stored ones stay in order.
                         trace = run.trace
-                        slot = cutlass.min(tiles_done * (2 if self.pingpong else 1) + math_wg,
+                        slot = cutlass.min(seen * (2 if self.pingpong else 1) + math_wg,
                                            trace.shape[1] - 1)
                         trace[cta, slot, 0] = work.problem
                         trace[cta, slot, 1] = work.m_tile
                         trace[cta, slot, 2] = work.n_tile
                         trace[cta, slot, 3] = math_wg
                 tiles_done = tiles_done + 1
+            seen = seen + 1
             work, read_state = consume_work(sched_pipe, sched, read_state)
             if const_expr(self.pingpong):
                 # The next record is the other warpgroup's tile: skip its stages.

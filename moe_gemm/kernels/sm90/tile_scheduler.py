@@ -23,6 +23,9 @@ from cutlass import Int32, Int64, const_expr
 
 from .constants import (
     DESC_RING,
+    RASTER_ALONG_N,
+    RASTER_PANEL_MASK,
+    RASTER_SERPENTINE,
     SCHED_STAGES,
     SLOT_BYTES,
     TILE_K,
@@ -129,20 +132,39 @@ def ceil_div_i32(a: Int32, b: Int32) -> Int32:
 
 @cute.jit
 def raster_tile(
-    local: Int32, tiles_m: Int32, tiles_n: Int32, swizzle: Int32
+    local: Int32, tiles_m: Int32, tiles_n: Int32, raster: Int32
 ) -> tuple[Int32, Int32]:
     """(m_tile, n_tile) of tile `local` inside one problem; mirrors schedule.tile_coord.
 
-    M fastest inside panels of `swizzle` m-tiles: consecutive tiles share B's columns and a
-    panel's rows of A stay in L2.
+    `raster` (constants.raster_code): panels of `panel` tiles along M (or N), the panel's axis
+    fastest, panel after panel; serpentine walks the other axis backwards in odd panels.
+    Panel 0: one panel (column-major along M). The plain 8 / 16 the heuristics pass are
+    panels of 8 / 16 m-tiles.
     """
-    s = cutlass.min(swizzle, tiles_m)
-    panel_tiles = s * tiles_n
-    panel = local // panel_tiles
-    r = local - panel * panel_tiles
-    rows = cutlass.min(s, tiles_m - panel * s)
-    m_tile = panel * s + r % rows
-    n_tile = r // rows
+    panel = raster & RASTER_PANEL_MASK
+    along_n = (raster & RASTER_ALONG_N) != 0
+    fast = tiles_m
+    slow = tiles_n
+    if along_n:
+        fast = tiles_n
+        slow = tiles_m
+    s = fast
+    if panel > 0:
+        s = cutlass.min(panel, fast)
+    panel_tiles = s * slow
+    p = local // panel_tiles
+    r = local - p * panel_tiles
+    width = cutlass.min(s, fast - p * s)
+    f = p * s + r % width
+    w = r // width
+    if (raster & RASTER_SERPENTINE) != 0:
+        if p % 2 == 1:
+            w = slow - 1 - w
+    m_tile = f
+    n_tile = w
+    if along_n:
+        m_tile = w
+        n_tile = f
     return m_tile, n_tile
 
 
