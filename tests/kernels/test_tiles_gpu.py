@@ -15,7 +15,13 @@ must stay 7.0.
 
 Parallel runs: MOE_GEMM_TEST_SHARD=i/n runs the i-th of n disjoint shares of the cases (a
 share by a hash of the test id), so n processes can split the file (with a shared
-MOE_GEMM_CACHE_DIR, a kernel compiled by one is loaded by the others).
+MOE_GEMM_CACHE_DIR, a kernel compiled by one is loaded by the others). About 90 kernels
+compile (~1-3 s each on the device), e.g. eight processes on one GPU:
+
+    export MOE_GEMM_CACHE_DIR=/tmp/kcache PYTHONUNBUFFERED=1
+    for i in 0 1 2 3 4 5 6 7; do MOE_GEMM_TEST_SHARD=$i/8 MOE_GEMM_GPU_REPORT=/tmp/tiles-$i.jsonl \
+      timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_tiles_gpu.py \
+      > /tmp/tiles-$i.log 2>&1 & done; wait
 """
 
 from __future__ import annotations
@@ -209,14 +215,19 @@ def test_varlen(schedule, tile, w_major):
 
 @pytest.mark.parametrize("schedule,tile", NEW_TILES, ids=TILE_IDS)
 def test_varlen_long_k_and_allocated_out(schedule, tile):
-    # K = 4160 (65 k-tiles): the cooperative tiles run with the tail split (a short last
-    # wave, here every tile, computed as two half-K units joined through the workspace).
-    cfg = _cfg(schedule, tile)
-    _varlen(f"tiles/varlen-longk/{schedule}{tile}", [tile[0] + 3, 0, 1, 2 * tile[0] - 1],
-            tile[1] + 40, 4160, "k", cfg, out_mode="alloc", tail=29)
+    # K = 4160 (65 k-tiles): the cooperative tiles run with the tail split. Twenty empty
+    # experts keep the grid (sized from T and E on the host) over twice the 12 real tiles,
+    # so every tile is split into two half-K units joined through the workspace.
     from moe_gemm.ops.launch import last_launch
 
-    split = last_launch().choice.tail_split
+    cfg = _cfg(schedule, tile)
+    counts = [tile[0] + 3, 0, 1, 2 * tile[0] - 1] + [0] * 20
+    N = tile[1] + 40
+    _varlen(f"tiles/varlen-longk/{schedule}{tile}", counts, N, 4160, "k", cfg, out_mode="alloc",
+            tail=29)
+    info = last_launch()
+    tiles = sum(-(-r // tile[0]) for r in counts + [29]) * -(-N // tile[1])
+    split = info.choice.tail_split and sched.tail_split_units(tiles, info.num_ctas) is not None
     record(f"tiles/varlen-longk/{schedule}{tile}/tail-split", split == (schedule == "cooperative"))
     assert split == (schedule == "cooperative")
 
@@ -448,9 +459,14 @@ def test_trace_new_tiles_batched(schedule, tile):
 
 
 def test_trace_tail_split_256_rows():
-    # K = 4160 and 256x208 tiles: few enough tiles that every one is split in two halves.
+    # K = 4160, 256x208 tiles, 9 experts of 1000 rows and 4 n-tiles: 144 tiles, so on a
+    # 132-SM grid a last wave of 12 split tiles after a full one (fewer SMs: other splits).
+    from moe_gemm.ops.launch import last_launch
+
     _trace_varlen("tiles/trace/varlen-tail-split/256x208", _cfg("cooperative", (256, 208)),
-                  [300, 0, 1, 513, 90], 440, K=4160)
+                  [1000] * 9, 4 * 208, K=4160)
+    info = last_launch()
+    assert info.choice.tail_split
 
 
 @pytest.mark.parametrize("cl", list(CLUSTERS))

@@ -164,7 +164,7 @@ class GroupedGemmSm90:
         ab_stages: A/B ring depth; None = as many as shared memory holds.
         trace: record (problem, m_tile, n_tile, warpgroup) per executed tile (debug).
         l2_hints: TMA loads carry the run-time a_policy / b_policy L2 eviction hints.
-        epi_n: epilogue subtile width (the largest divisor of tile_n it divides is used).
+        epi_n: cooperative epilogue subtile width; gcd(epi_n, tile_n) columns are used.
         cluster_m, cluster_n: (1, 1), (2, 1) or (1, 2); the device visitor.
         epi_whole: whole-tile epilogue (cooperative 128-row tiles, 16-bit output).
         tail_split: split a last wave of at most half the grid over K (tail_split.py).
