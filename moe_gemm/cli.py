@@ -84,6 +84,7 @@ CHECK_MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
 
 
 def check_variants(full: bool):
+    from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES
     from moe_gemm.kernels.sm90.compile import CompileKey
 
     keys = []
@@ -119,10 +120,42 @@ def check_variants(full: bool):
     keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
                            256, 3, tail_split=True))
     keys.append(CompileKey("batched", "float16", "float32", "k", "pingpong", "device", 128, 192))
+    # The tile family: every tile beyond 128x{64..256} at least once, in every form, both B
+    # majors, 16-bit and fp32 output; the 208-accumulator tiles (24/240 registers); ping-pong
+    # clusters; 256-row tiles with a cluster and with the tail split.
+    def add(form, ab, d, b_major, schedule, tile, **extra):
+        keys.append(CompileKey(form, ab, d, b_major, schedule, "device", *tile, **extra))
+
+    add("varlen", "bfloat16", "bfloat16", "n", "pingpong", (128, 160))
+    add("general", "bfloat16", "bfloat16", "k", "pingpong", (128, 208))
+    add("varlen", "bfloat16", "float32", "n", "pingpong", (128, 208))
+    add("batched", "float16", "float16", "n", "pingpong", (64, 192))
+    add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (128, 160))
+    add("general", "bfloat16", "bfloat16", "n", "cooperative", (128, 224))
+    add("batched", "bfloat16", "bfloat16", "k", "cooperative", (256, 128))
+    add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 160))
+    add("general", "float16", "float16", "k", "cooperative", (256, 192))
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 208))
+    add("varlen", "bfloat16", "float32", "n", "cooperative", (256, 208), tail_split=True)
+    add("varlen", "bfloat16", "bfloat16", "n", "pingpong", (128, 192), cluster_m=2)
+    add("general", "bfloat16", "bfloat16", "k", "pingpong", (128, 208), cluster_n=2)
+    add("batched", "bfloat16", "bfloat16", "n", "pingpong", (64, 256), cluster_m=2)
+    add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 192), cluster_n=2)
+    add("general", "bfloat16", "bfloat16", "n", "cooperative", (128, 160), cluster_m=2)
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 224), stages=3,
+        epi_whole=True, tail_split=True)
     if full:
-        for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):
-            keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "pingpong", "device",
-                                   *tile))
+        # Every listed tile in every form, B majors alternating (the default list above has
+        # the rest).
+        seen = set(keys)
+        tiles = ([("pingpong", t) for t in PINGPONG_TILES]
+                 + [("cooperative", t) for t in COOPERATIVE_TILES])
+        for i, (schedule, tile) in enumerate(tiles):
+            for j, form in enumerate(("general", "varlen", "batched")):
+                key = CompileKey(form, "bfloat16", "bfloat16", "nk"[(i + j) % 2], schedule,
+                                 "device", *tile)
+                if key not in seen:
+                    keys.append(key)
         for tile in ((128, 64), (128, 192), (128, 256)):
             keys.append(CompileKey("varlen", "float16", "float32", "k", "cooperative", "host",
                                    *tile))

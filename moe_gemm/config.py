@@ -19,15 +19,22 @@ BACKENDS = ("auto", "cute", "torch")
 SCHEDULES = ("auto", "pingpong", "cooperative")
 VISITORS = ("auto", "device", "host")
 
-# Tile shapes the sm90 kernel is built for. WGMMA's M is 64 per warpgroup; N is a multiple of
-# 8 up to 256. Ping-pong gives each consumer warpgroup a whole tile, so its accumulator
-# (tile_m * tile_n / 128 fp32 registers per thread) must fit in the 232-240 register budget:
-# 128x192 = 192 registers is the largest. Cooperative splits one tile over two warpgroups.
-PINGPONG_TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192))
-COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 192), (128, 256))
+# Tile shapes the sm90 kernel is built and tested for (kernels/sm90/constants.tile_problem has
+# the rules). WGMMA's M is 64 per warpgroup instruction; N here is a multiple of 16 up to 256.
+# Ping-pong gives each consumer warpgroup a whole tile of 64 or 128 rows, so its accumulator
+# (tile_m * tile_n / 128 fp32 registers per thread) must fit beside the epilogue: 128x208 =
+# 208 registers is the largest (its math warpgroups get 240 registers, the producer 24).
+# Cooperative splits one tile over two warpgroups: 128 rows (one m64 WGMMA each per k-block)
+# or 256 rows (two each; 256x208 = 208 accumulator registers per thread). N not a multiple of
+# 64 (160, 208, 224) stores through 32- or 16-column epilogue subtiles and, with an N-major B,
+# uses 64- or 32-byte swizzled B tiles.
+PINGPONG_TILES = ((64, 128), (64, 192), (64, 256), (128, 64), (128, 128), (128, 160),
+                  (128, 192), (128, 208))
+COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 160), (128, 192), (128, 224), (128, 256),
+                     (256, 128), (256, 160), (256, 192), (256, 208))
 # Thread-block clusters: 1x1, 2x1 (two CTAs on vertically adjacent tiles share B's tile by TMA
-# multicast) or 1x2 (horizontally adjacent, sharing A); cooperative schedule, device visitor,
-# every form (grouped_gemm's lists too).
+# multicast) or 1x2 (horizontally adjacent, sharing A); both schedules, device visitor, every
+# form (grouped_gemm's lists too). The two tiles of a pair always belong to one problem.
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 
 
@@ -53,7 +60,7 @@ class GemmConfig:
             64x256 ping-pong) selects that schedule.
         cluster_m, cluster_n: thread-block cluster shape, (1, 1), (2, 1) or (1, 2); None =
             heuristic. 2x1 pairs CTAs on vertically adjacent tiles that load B's tile once and
-            multicast it, 1x2 the same for A (cooperative schedule and device visitor only).
+            multicast it, 1x2 the same for A (device visitor only; either schedule).
         stages: A/B shared-memory pipeline depth; None = as many as shared memory holds.
     """
 
@@ -102,11 +109,6 @@ class GemmConfig:
                 f"{', '.join(f'{m}x{n}' for m, n in CLUSTERS)}"
             )
         if self.cluster_m is not None and (self.cluster_m, self.cluster_n) != (1, 1):
-            if self.schedule == "pingpong":
-                raise ValueError(
-                    f"cluster {self.cluster_m}x{self.cluster_n} is built for the cooperative "
-                    "schedule only; use schedule='cooperative' or 'auto'"
-                )
             if self.visitor == "host":
                 raise ValueError(
                     f"cluster {self.cluster_m}x{self.cluster_n} is built for the device visitor "

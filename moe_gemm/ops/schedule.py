@@ -10,9 +10,10 @@ plain Python/numpy so it runs (and is tested) anywhere:
   their tiles numbered 0..total-1. CTA c of a grid of G takes linear tiles c, c+G, c+2G, ...
   (round robin, as CUTLASS's grouped schedulers do). In the ping-pong kernel the CTA's two
   consumer warpgroups take its tiles alternately.
-- Inside a problem, `tile_coord` rasterizes a tile index to (m_tile, n_tile): M fastest within
-  panels of `swizzle` m-tiles, so consecutive tiles share B's columns (B, the expert weights,
-  is most of the bytes) and a panel's A rows stay in L2.
+- Inside a problem, `tile_coord` rasterizes a tile index to (m_tile, n_tile) by a raster code
+  (`swizzle`, kernels/sm90/constants.raster_code): panels of m-tiles (or n-tiles), the
+  panel's axis fastest, optionally serpentine. With panels of m-tiles consecutive tiles share
+  B's columns (B, the expert weights, is most of the bytes) and a panel's A rows stay in L2.
 - Two visitors find (problem, tile) for a linear tile index: `device_visit` emulates exactly
   the warp-wide search the kernel runs on the GPU (CUTLASS kDeviceOnly: a window of 32 problem
   sizes, an inclusive prefix sum by shuffles, a ballot, forward only), and
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_gemm.kernels.sm90.constants import SPLIT_MAX_CTAS, SPLIT_MIN_K_TILES
+from moe_gemm.kernels.sm90.constants import SPLIT_MAX_CTAS, SPLIT_MIN_K_TILES, raster_fields
 
 Size = tuple[int, int, int]  # (M, N, K)
 WARP = 32
@@ -53,21 +54,27 @@ def k_tiles(k: int, tile_k: int) -> int:
     return ceil_div(k, tile_k)
 
 
-def tile_coord(
-    t: int, tiles_m: int, tiles_n: int, swizzle: int = 1 << 30
-) -> tuple[int, int]:
+def tile_coord(t: int, tiles_m: int, tiles_n: int, swizzle: int = 0) -> tuple[int, int]:
     """(m_tile, n_tile) of tile `t` (0 <= t < tiles_m * tiles_n) inside one problem.
 
-    Tiles go M fastest inside panels of `swizzle` m-tiles, panel after panel; the last
-    panel may be shorter. With swizzle >= tiles_m this is plain column-major (M fastest).
+    `swizzle` is a raster code (kernels/sm90/constants.raster_code; the kernel's
+    tile_scheduler.raster_tile computes the same): tiles go in panels of `panel` tiles along
+    M (or N), the panel's own axis fastest, panel after panel (the last may be narrower);
+    serpentine walks the other axis backwards in odd panels, so a panel starts where the
+    previous one ended. A plain positive number is panels of that many m-tiles; panel 0 (or
+    one at least the problem's extent) is plain column-major (M fastest).
     """
     if not 0 <= t < tiles_m * tiles_n:
         raise ValueError(f"tile {t} outside a {tiles_m}x{tiles_n} problem")
-    s = max(1, min(swizzle, tiles_m))
-    panel_tiles = s * tiles_n
-    panel, r = divmod(t, panel_tiles)
-    rows = min(s, tiles_m - panel * s)
-    return panel * s + r % rows, r // rows
+    panel, along, serpentine = raster_fields(swizzle)
+    fast, slow = (tiles_n, tiles_m) if along == "n" else (tiles_m, tiles_n)
+    s = min(panel, fast) if panel > 0 else fast
+    p, r = divmod(t, s * slow)
+    width = min(s, fast - p * s)
+    f, w = p * s + r % width, r // width
+    if serpentine and p % 2 == 1:
+        w = slow - 1 - w
+    return (w, f) if along == "n" else (f, w)
 
 
 def ksort_permutation(sizes: Sequence[Size]) -> list[int]:
@@ -95,6 +102,75 @@ def linear_assignment(tile_counts: Sequence[int], num_ctas: int) -> Assignment:
             owners[t % num_ctas].append((p, j))
             t += 1
     return Assignment(tuple(tuple(o) for o in owners))
+
+
+def cta_tiles(
+    sizes_mn: Sequence[tuple[int, int]],
+    tile_m: int,
+    tile_n: int,
+    num_ctas: int,
+    swizzle: int = 0,
+    cluster_m: int = 1,
+    cluster_n: int = 1,
+) -> list[list[tuple[int, int, int]]]:
+    """Per CTA, the (problem, m_tile, n_tile) tiles it stores, in order: what the kernel's
+    trace records (either visitor; both schedules: a ping-pong CTA's warpgroups take its tiles
+    alternately, in this order).
+
+    With a cm x cn cluster the unit of work is a cluster tile (cm x cn adjacent tiles of one
+    problem, `swizzle` ordering the cluster tiles); cluster c = cta // (cm * cn) takes linear
+    cluster tiles round robin and its CTA of rank r the tile (mu * cm + r, nu) (2x1) or
+    (mu, nu * cn + r) (1x2). A rank past the problem's last m-tile (n-tile) computes but
+    stores nothing, so it has no entry here.
+    """
+    size = cluster_m * cluster_n
+    units = [ceil_div(m, tile_m * cluster_m) * ceil_div(n, tile_n * cluster_n)
+             for m, n in sizes_mn]
+    owners = linear_assignment(units, num_ctas // size).per_cta
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(num_ctas)]
+    for c, cluster in enumerate(owners):
+        for p, local in cluster:
+            m, n = sizes_mn[p]
+            mu, nu = tile_coord(local, ceil_div(m, tile_m * cluster_m),
+                                ceil_div(n, tile_n * cluster_n), swizzle)
+            for rank in range(size):
+                mt = mu * cluster_m + (rank if cluster_m > 1 else 0)
+                nt = nu * cluster_n + (rank if cluster_n > 1 else 0)
+                if mt < ceil_div(m, tile_m) and nt < ceil_div(n, tile_n):
+                    out[c * size + rank].append((p, mt, nt))
+    return out
+
+
+@dataclass(frozen=True)
+class MmaWork:
+    """Tensor-core work of a problem set in multiply-adds: what the problems need and what
+    the kernel's tiles compute (every tile is computed whole; a cluster's rank past the edge
+    computes its tile too)."""
+
+    useful: int
+    computed: int
+
+    @property
+    def wasted_fraction(self) -> float:
+        """Computed work beyond the useful, as a fraction of the useful (0.05 = 5% extra)."""
+        return (self.computed - self.useful) / self.useful if self.useful else 0.0
+
+
+def mma_work(
+    sizes: Sequence[Size], tile_m: int, tile_n: int, tile_k: int = 64,
+    cluster_m: int = 1, cluster_n: int = 1,
+) -> MmaWork:
+    """Useful and computed multiply-adds of `sizes` under a tile (and cluster) shape: M and N
+    round up to whole (cluster) tiles, K to whole k-tiles."""
+    useful = computed = 0
+    for m, n, k in sizes:
+        if m <= 0 or n <= 0 or k <= 0:
+            continue
+        useful += m * n * k
+        rows = ceil_div(m, tile_m * cluster_m) * tile_m * cluster_m
+        cols = ceil_div(n, tile_n * cluster_n) * tile_n * cluster_n
+        computed += rows * cols * ceil_div(k, tile_k) * tile_k
+    return MmaWork(useful, computed)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,8 +71,18 @@ def test_1x2_cluster_choice() -> None:
     assert (c.cluster_m, c.cluster_n, c.schedule) == (1, 2, "cooperative")
     v = choose_varlen(GemmConfig(cluster_m=1, cluster_n=2), 4096, 8, 1024, 512, 132)
     assert (v.cluster_m, v.cluster_n, v.visitor) == (1, 2, "device")
-    with pytest.raises(ValueError, match=r"cluster 1x2 is built for the cooperative schedule"):
-        GemmConfig(schedule="pingpong", cluster_m=1, cluster_n=2)
+
+
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
+def test_pingpong_cluster_is_honoured(cluster) -> None:
+    # The kernel builds 2x1 / 1x2 clusters for the ping-pong schedule too: a pinned pair is
+    # kept in every form (device visitor).
+    cfg = GemmConfig(schedule="pingpong", cluster_m=cluster[0], cluster_n=cluster[1])
+    for c in (choose_varlen(cfg, 4096, 8, 1024, 512, 132),
+              choose_batched(cfg, 8, 512, 768, 256, 132),
+              choose_general(cfg, ((256, 512, 1024),) * 8, 132)):
+        assert (c.schedule, c.cluster_m, c.cluster_n, c.visitor) == (
+            "pingpong", *cluster, "device")
 
 
 def test_batched_headline_defaults_to_1x2() -> None:

@@ -1,5 +1,7 @@
-"""Numbers the sm90 kernel and its host side must agree on. No DSL import, so the host wrapper
-and the heuristics can use them without loading the CuTe DSL."""
+"""Numbers and rules the sm90 kernel and its host side must agree on. No DSL import, so the host
+wrapper, the config checks and the heuristics can use them without loading the CuTe DSL."""
+
+from __future__ import annotations
 
 TILE_K = 64  # one 128-byte swizzle row of 16-bit data
 DESC_BYTES = 128  # one CUtensorMap
@@ -30,3 +32,89 @@ def split_workspace_bytes(num_ctas: int, tile_m: int, tile_n: int) -> tuple[int,
     counters = num_ctas * DESC_RING * SLOT_BYTES
     partials = counters + SPLIT_COUNTER_BYTES
     return counters, partials, partials + (num_ctas // 2) * tile_m * tile_n * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Raster: the order of one problem's tiles (run-time, the kernel's `swizzle` argument).
+#
+# Tiles go in panels: `panel` consecutive m-tiles (along "m") or n-tiles (along "n"), the panel's
+# own axis fastest, then across the other axis, panel after panel. With the persistent grid
+# running ~one wave of consecutive tiles at a time, a panel keeps its rows of A (along "m") in
+# L2 while B's columns stream through once per panel. Serpentine: odd panels walk the other
+# axis backwards, so a panel starts on the columns (rows) the previous one ended on, still in
+# L2. A panel of 0 means one panel spanning the problem (plain column-major along "m").
+# The code packs the three choices into one int32, so the kernel's argument list is unchanged:
+# bits 0-15 panel, bit 16 along "n", bit 17 serpentine. The plain numbers the heuristics have
+# always passed (8, 16: panels of 8 or 16 m-tiles) keep their meaning.
+
+RASTER_PANEL_MASK = 0xFFFF
+RASTER_ALONG_N = 1 << 16
+RASTER_SERPENTINE = 1 << 17
+
+
+def raster_code(panel: int, along: str = "m", serpentine: bool = False) -> int:
+    """The `swizzle` value of a raster: `panel` tiles per panel (0: one panel) along "m" or
+    "n", odd panels reversed when `serpentine`."""
+    if isinstance(panel, bool) or not isinstance(panel, int) or not 0 <= panel <= RASTER_PANEL_MASK:
+        raise ValueError(f"raster panel must be an int in [0, {RASTER_PANEL_MASK}]; got {panel!r}")
+    if along not in ("m", "n"):
+        raise ValueError(f"raster along must be 'm' or 'n'; got {along!r}")
+    return panel | (RASTER_ALONG_N if along == "n" else 0) | (
+        RASTER_SERPENTINE if serpentine else 0)
+
+
+def raster_fields(code: int) -> tuple[int, str, bool]:
+    """(panel, along, serpentine) of a raster code (the inverse of raster_code)."""
+    return (code & RASTER_PANEL_MASK, "n" if code & RASTER_ALONG_N else "m",
+            bool(code & RASTER_SERPENTINE))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles the kernel can build, and its register split.
+
+# setmaxnreg budgets (registers per thread, multiples of 8): producer warpgroup / each of the
+# two math warpgroups. 128 x 40 + 256 x 232 = 64,512 of the SM's 65,536. Accumulators of
+# 208 fp32 registers per thread or more (128x208 ping-pong, 256x208 cooperative) leave too
+# few of 232 for the epilogue's fragments and addresses (ptxas spilled ~3 KiB at 232): the
+# producer drops to 24, the math warpgroups get 240 (128 x 24 + 256 x 240 = 64,512).
+REGS_DEFAULT = (40, 232)
+REGS_HEAVY = (24, 240)
+HEAVY_ACC_REGS = 208
+MAX_ACC_REGS = 208  # beyond this the epilogue no longer fits beside the accumulators
+
+
+def acc_regs(schedule: str, tile_m: int, tile_n: int) -> int:
+    """fp32 accumulator registers per math thread: a ping-pong warpgroup (128 threads) holds a
+    whole tile, the two cooperative warpgroups (256 threads) one tile between them."""
+    return tile_m * tile_n // (128 if schedule == "pingpong" else 256)
+
+
+def register_split(schedule: str, tile_m: int, tile_n: int) -> tuple[int, int]:
+    """(producer, math) registers per thread for setmaxnreg."""
+    heavy = acc_regs(schedule, tile_m, tile_n) >= HEAVY_ACC_REGS
+    return REGS_HEAVY if heavy else REGS_DEFAULT
+
+
+def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
+    """Why the kernel cannot build this tile for this schedule, or None if it can.
+
+    WGMMA is m64 per warpgroup instruction and N a multiple of 8 up to 256; the epilogue's
+    stmatrix (four 8x8 matrices per warp) and its subtiles need N a multiple of 16. Ping-pong:
+    one warpgroup per tile of 64 or 128 rows (one or two m64 WGMMAs per k-block). Cooperative:
+    two warpgroups split 128 rows (one m64 each) or 256 rows (two m64 each, interleaved: warp-
+    group 0 takes rows 0-63 and 128-191)."""
+    if schedule == "pingpong":
+        if tile_m not in (64, 128):
+            return f"ping-pong tiles have 64 or 128 rows; got {tile_m}"
+    elif schedule == "cooperative":
+        if tile_m not in (128, 256):
+            return f"cooperative tiles have 128 or 256 rows; got {tile_m}"
+    else:
+        return f"unknown schedule {schedule!r}"
+    if tile_n % 16 or not 16 <= tile_n <= 256:
+        return f"tile_n must be a multiple of 16 in [16, 256]; got {tile_n}"
+    regs = acc_regs(schedule, tile_m, tile_n)
+    if regs > MAX_ACC_REGS:
+        return (f"{schedule} {tile_m}x{tile_n} needs {regs} accumulator registers per thread "
+                f"(at most {MAX_ACC_REGS} fit beside the epilogue)")
+    return None

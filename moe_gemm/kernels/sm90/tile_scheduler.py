@@ -3,27 +3,114 @@
 Why a dedicated warp: the device visitor is a warp-wide search (32 problem sizes per window,
 a 5-step shuffle prefix sum, a ballot) with a global-memory read latency of ~600 cycles per
 window. Running it once per tile in one warp, ahead of the mainloop, keeps that latency off
-the load warp and the math warpgroups: they read a finished 32-byte record from shared memory.
+the load warp and the math warpgroups: they read a finished 32-byte record (a WorkTile) from
+shared memory.
 
-Record (8 x Int32) per tile, in the order the CTA executes its tiles:
-    [problem, m_tile, n_tile, k_tiles, row_start, valid, ring_slot, k_start]
-`problem == -1` is the end-of-work sentinel. `row_start` is the varlen form's first row of
-the expert in x (0 in the general form). `valid` is 1, or 0 for a cluster CTA past the
-problem's edge (computes, stores nothing); with the tail split its low 2 bits are the role
-(grouped_gemm_sm90.ROLE_*) and the rest the tail tile's index. `ring_slot` is the descriptor
-ring slot; `k_start` the first k-tile (a tail split's upper half; else 0). The assignment is the one `moe_gemm.schedule`
-defines (round robin over linear tiles; `tile_coord` rasterization), so the Python emulation
-there and this code must change together.
+The assignment is the one `moe_gemm.ops.schedule` defines (round robin over linear tiles of
+the problems laid end to end; `raster_tile` orders one problem's tiles; a cluster walks
+cluster tiles and each CTA takes its row or column), so the Python emulation there and this
+code must change together: the GPU trace tests compare them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+import cutlass.pipeline as pipeline
+from cutlass import Int32, Int64, const_expr
 
-RECORD_INTS = 8
+from .constants import (
+    DESC_RING,
+    RASTER_ALONG_N,
+    RASTER_PANEL_MASK,
+    RASTER_SERPENTINE,
+    SCHED_STAGES,
+    SLOT_BYTES,
+    TILE_K,
+)
+
 WARP = 32
+
+# WorkTile.role, low 2 bits: what the math warpgroups do with the tile. With the tail split
+# the rest of the bits hold the tail tile's index (its counter and partial slot).
+ROLE_SKIP = 0  # computed but not stored (a cluster's CTA past the problem's edge)
+ROLE_TILE = 1  # an ordinary tile
+ROLE_FINISH = 2  # the upper half of K: add the partial, then the epilogue
+ROLE_PUBLISH = 3  # the lower half of K: write the fp32 partial, no epilogue
+
+
+class WorkTile:
+    """One tile of a CTA's work, as the scheduler warp publishes it and every other warp reads
+    it (a RECORD_INTS x int32 record of the shared-memory ring).
+
+    problem: the problem index (-1: no more work); m_tile, n_tile: the output tile;
+    k_tiles: its k-iterations; k_start: the first one (a tail split's upper half, else 0);
+    row_start: the varlen form's first row of the expert in x (else 0); role: ROLE_* in the
+    low 2 bits (see above); ring_slot: this record's descriptor slot in the CTA's ring.
+    Loop-carried through the DSL's dynamic loops like any Int32 (the two mlir methods).
+    """
+
+    FIELDS = ("problem", "m_tile", "n_tile", "k_tiles", "row_start", "role", "ring_slot",
+              "k_start")
+
+    def __init__(self, problem, m_tile, n_tile, k_tiles, row_start, role, ring_slot, k_start):
+        self.problem = Int32(problem)
+        self.m_tile = Int32(m_tile)
+        self.n_tile = Int32(n_tile)
+        self.k_tiles = Int32(k_tiles)
+        self.row_start = Int32(row_start)
+        self.role = Int32(role)
+        self.ring_slot = Int32(ring_slot)
+        self.k_start = Int32(k_start)
+
+    def values(self) -> tuple[Int32, ...]:
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    def __extract_mlir_values__(self):
+        return [v.ir_value() for v in self.values()]
+
+    def __new_from_mlir_values__(self, values):
+        return WorkTile(*(Int32(v) for v in values))
+
+    def has_work(self):
+        return self.problem >= 0
+
+    def stores(self):
+        """Whether the tile's result is stored (ROLE_TILE or ROLE_FINISH)."""
+        return self.role != ROLE_SKIP
+
+    def kind(self) -> Int32:
+        return self.role & 3
+
+    def tail_index(self) -> Int32:
+        return self.role >> 2
+
+
+RECORD_INTS = len(WorkTile.FIELDS)
+
+
+@cute.jit
+def publish_work(sched: cute.Tensor, index: Int32, work: WorkTile):
+    """Lane 0 of the scheduler warp: the record into ring entry `index`."""
+    values = work.values()
+    for i in cutlass.range_constexpr(RECORD_INTS):
+        sched[i, index] = values[i]
+
+
+@cute.jit
+def consume_work(sched_pipe: pipeline.PipelineAsync, sched: cute.Tensor,
+                 state: pipeline.PipelineState):
+    """(next WorkTile, advanced state): every reading warp calls this once per record, in order
+    (its lane 0 releases the ring entry)."""
+    sched_pipe.consumer_wait(state)
+    work = WorkTile(*(sched[i, state.index] for i in range(RECORD_INTS)))
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        sched_pipe.consumer_release(state)
+    state.advance()
+    return work, state
 
 
 @cute.jit
@@ -45,18 +132,224 @@ def ceil_div_i32(a: Int32, b: Int32) -> Int32:
 
 @cute.jit
 def raster_tile(
-    local: Int32, tiles_m: Int32, tiles_n: Int32, swizzle: Int32
+    local: Int32, tiles_m: Int32, tiles_n: Int32, raster: Int32
 ) -> tuple[Int32, Int32]:
     """(m_tile, n_tile) of tile `local` inside one problem; mirrors schedule.tile_coord.
 
-    M fastest inside panels of `swizzle` m-tiles: consecutive tiles share B's columns and a
-    panel's rows of A stay in L2.
+    `raster` (constants.raster_code): panels of `panel` tiles along M (or N), the panel's axis
+    fastest, panel after panel; serpentine walks the other axis backwards in odd panels.
+    Panel 0: one panel (column-major along M). The plain 8 / 16 the heuristics pass are
+    panels of 8 / 16 m-tiles.
     """
-    s = cutlass.min(swizzle, tiles_m)
-    panel_tiles = s * tiles_n
-    panel = local // panel_tiles
-    r = local - panel * panel_tiles
-    rows = cutlass.min(s, tiles_m - panel * s)
-    m_tile = panel * s + r % rows
-    n_tile = r // rows
+    panel = raster & RASTER_PANEL_MASK
+    along_n = (raster & RASTER_ALONG_N) != 0
+    fast = tiles_m
+    slow = tiles_n
+    if along_n:
+        fast = tiles_n
+        slow = tiles_m
+    s = fast
+    if panel > 0:
+        s = cutlass.min(panel, fast)
+    panel_tiles = s * slow
+    p = local // panel_tiles
+    r = local - p * panel_tiles
+    width = cutlass.min(s, fast - p * s)
+    f = p * s + r % width
+    w = r // width
+    if (raster & RASTER_SERPENTINE) != 0:
+        if p % 2 == 1:
+            w = slow - 1 - w
+    m_tile = f
+    n_tile = w
+    if along_n:
+        m_tile = w
+        n_tile = f
     return m_tile, n_tile
+
+
+@dataclass(frozen=True, eq=False)
+class TileScheduler:
+    """The scheduler warp: for each of its CTA's tiles, in order, find (problem, tile), encode
+    the problem's descriptors into the record's ring slot and publish the WorkTile.
+
+    Finding a linear tile's problem: batched by division (every problem has the same count);
+    host visitor from the per-CTA table the host built (schedule.host_precompute_table);
+    device visitor by a warp-wide search of 32-problem windows (schedule.device_next), forward
+    only from where the last search ended. With a cluster the unit of work is a cluster tile
+    (cluster_m x cluster_n adjacent tiles of one problem): the cluster walks the linear cluster
+    tiles and each CTA takes its rank's tile; a rank past the problem's edge computes (its peer
+    needs its half of the shared operand) and stores nothing (ROLE_SKIP).
+    """
+
+    cfg: object  # the kernel: tile, cluster, visitor
+    problems: object  # problems.Problems of the launch's form
+    tail: object  # tail_split.TailSplit or None
+
+    @cute.jit
+    def _search(self, lin: Int32, base_problem: Int32, base_tile: Int32, lane: Int32):
+        """Device visitor: (problem, its first linear tile, window start, window tile) of
+        linear tile `lin`; problem -1 past the last tile."""
+        cfg = self.cfg
+        unit_m = cfg.tile_m * cfg.cluster_m
+        unit_n = cfg.tile_n * cfg.cluster_n
+        num_problems = self.problems.num_problems
+        problem = Int32(-1)
+        start = Int32(0)
+        searching = cutlass.Boolean(True)
+        while searching:
+            cnt = self.problems.tile_count(base_problem + lane, unit_m, unit_n)
+            end = base_tile + warp_inclusive_sum(cnt, lane)
+            window_end = cute.arch.shuffle_sync(end, WARP - 1)
+            if lin < window_end:
+                hit = cute.arch.popc(cute.arch.vote_ballot_sync(end <= lin))
+                start = cute.arch.shuffle_sync(end - cnt, hit)
+                problem = base_problem + hit
+                base_problem = problem
+                base_tile = start
+                searching = False
+            else:
+                if base_problem + WARP >= num_problems:
+                    searching = False
+                else:
+                    base_problem = base_problem + WARP
+                    base_tile = window_end
+        return problem, start, base_problem, base_tile
+
+    @cute.jit
+    def count_all(self, lane: Int32) -> Int32:
+        """Every problem's tiles, summed by the warp (the tail split's plan needs the total)."""
+        cfg = self.cfg
+        total = Int32(0)
+        if const_expr(self.problems.uniform):
+            total = self.problems.num_problems * self.problems.tiles_each(cfg.tile_m,
+                                                                            cfg.tile_n)
+        else:
+            p0 = Int32(0)
+            while p0 < self.problems.num_problems:
+                cnt = self.problems.tile_count(p0 + lane, cfg.tile_m, cfg.tile_n)
+                total = total + cute.arch.shuffle_sync(warp_inclusive_sum(cnt, lane), WARP - 1)
+                p0 = p0 + WARP
+        return total
+
+    @cute.jit
+    def run(self, sched_pipe: pipeline.PipelineAsync, sched: cute.Tensor, table: cute.Tensor,
+            raster: Int32, ring: Int64, a_smem: cute.ComposedLayout,
+            b_smem: cute.ComposedLayout, d_smem: cute.ComposedLayout):
+        cfg = self.cfg
+        problems = self.problems
+        lane = cute.arch.lane_idx()
+        cta, _, _ = cute.arch.block_idx()
+        records = Int32(0)
+        grid, _, _ = cute.arch.grid_dim()
+        # With a cluster the unit of work is a cluster tile (cluster_m x cluster_n adjacent
+        # tiles); the cluster walks the linear cluster tiles and each CTA takes its rank's.
+        rank = Int32(0)
+        if const_expr(cfg.cluster_size > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta = cta // cfg.cluster_size
+        grid = grid // cfg.cluster_size
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        base_problem = Int32(0)  # device visitor window start (forward only)
+        base_tile = Int32(0)  # linear index of base_problem's first tile
+        t = Int32(cta)  # this CTA's current linear tile
+        slot = Int32(0)  # host visitor: row of this CTA's table
+        working = cutlass.Boolean(True)
+        per_problem = Int32(0)  # batched: every problem has the same tile count
+        if const_expr(problems.uniform):
+            per_problem = problems.tiles_each(cfg.tile_m * cfg.cluster_m,
+                                              cfg.tile_n * cfg.cluster_n)
+        plan = None
+        if const_expr(self.tail is not None):
+            plan = self.tail.plan(self.count_all(lane), grid)
+        while working:
+            lin = t  # the linear tile this record computes (all of it, or half of its K)
+            part = Int32(0)  # tail split: 0 whole tile, 1 publisher, 2 finisher
+            tail_i = Int32(0)
+            if const_expr(self.tail is not None):
+                lin, part, tail_i = self.tail.unit(plan, t)
+            problem = Int32(-1)
+            start = Int32(0)
+            if const_expr(problems.uniform):
+                if per_problem > 0:
+                    if lin < problems.num_problems * per_problem:
+                        problem = lin // per_problem
+                        start = problem * per_problem
+            elif const_expr(cfg.visitor == "host"):
+                if slot < table.shape[1]:
+                    problem = table[cta, slot, 0]
+                    start = table[cta, slot, 1]
+            else:
+                problem, start, base_problem, base_tile = self._search(
+                    lin, base_problem, base_tile, lane)
+            work = WorkTile(-1, 0, 0, 0, 0, ROLE_SKIP, records % DESC_RING, 0)
+            expert_rows = Int32(0)
+            if problem >= 0:
+                rows, cols, depth, row_start = problems.dims(problem)
+                expert_rows = rows
+                m_tile, n_tile, role = self._tile_of(lin - start, t - start, rows, cols,
+                                                     rank, raster)
+                work = WorkTile(problem, m_tile, n_tile, ceil_div_i32(depth, TILE_K),
+                                row_start, role, records % DESC_RING, 0)
+                if const_expr(self.tail is not None):
+                    work = self.tail.split_k(work, part, tail_i)
+            if work.problem < 0:
+                working = False
+            sched_pipe.producer_acquire(state)
+            if lane == 0:
+                publish_work(sched, state.index, work)
+            if const_expr(problems.uses_ring):
+                slot_addr = ring + Int64(records % DESC_RING) * SLOT_BYTES
+                if work.problem >= 0:
+                    problems.write_descs(slot_addr, work.problem, expert_rows, work.row_start,
+                                         a_smem, b_smem, d_smem)
+                    # Publish the descriptors to the tensormap proxy (the TMA unit reads them
+                    # there); the load and store warps acquire them per record.
+                    cute.nvgpu.cpasync.fence_tma_desc_release()
+                # Every lane's writes are fenced before lane 0 publishes the record.
+                cute.arch.sync_warp()
+            if lane == 0:
+                sched_pipe.producer_commit(state)
+            state.advance()
+            t = t + grid
+            slot = slot + 1
+            records = records + 1
+        sched_pipe.producer_tail(state)
+
+    @cute.jit
+    def _tile_of(self, local: Int32, local_unit: Int32, rows: Int32, cols: Int32, rank: Int32,
+                 raster: Int32):
+        """(m_tile, n_tile, role) of this CTA's tile: local is the tile's index in its problem
+        (1x1), local_unit the cluster tile's (clusters)."""
+        cfg = self.cfg
+        tiles_m = ceil_div_i32(rows, cfg.tile_m)
+        tiles_n = ceil_div_i32(cols, cfg.tile_n)
+        m_tile = Int32(0)
+        n_tile = Int32(0)
+        role = Int32(ROLE_SKIP)
+        if const_expr(cfg.cluster_size > 1):
+            units_m = ceil_div_i32(rows, cfg.tile_m * cfg.cluster_m)
+            units_n = ceil_div_i32(cols, cfg.tile_n * cfg.cluster_n)
+            m_unit, n_unit = raster_tile(local_unit, units_m, units_n, raster)
+            m_tile = m_unit * cfg.cluster_m
+            n_tile = n_unit * cfg.cluster_n
+            if const_expr(cfg.cluster_m > 1):
+                m_tile = m_tile + rank
+            if const_expr(cfg.cluster_n > 1):
+                n_tile = n_tile + rank
+            # An odd last row (column) of tiles: this CTA still loads (its peer needs its half
+            # of the shared operand) and computes, but stores nothing.
+            if m_tile < tiles_m:
+                if n_tile < tiles_n:
+                    role = Int32(ROLE_TILE)
+        else:
+            m_tile, n_tile = raster_tile(local, tiles_m, tiles_n, raster)
+            role = Int32(ROLE_TILE)
+        return m_tile, n_tile, role
+
+
+def ring_base(workspace: cute.Tensor, cta: Int32) -> Int64:
+    """This CTA's descriptor ring in the workspace (DESC_RING slots of SLOT_BYTES)."""
+    return workspace.iterator.toint() + Int64(cute.arch.make_warp_uniform(cta)) * (
+        DESC_RING * SLOT_BYTES
+    )

@@ -1,0 +1,203 @@
+"""The sm90 kernel's integer helpers, executed on the CPU against moe_gemm.ops.schedule.
+
+The CuTe DSL runs a @cute.jit function's host code on the CPU, so the very functions the
+scheduler warp runs (tile_scheduler.raster_tile, tail_split.TailSplit, problems.VarlenProblems)
+are compiled once each and called here on many inputs: the raster order, the tail split's
+units and the clamping of unchecked offsets are proven equal to the Python schedule (which
+the GPU trace tests prove the whole kernel follows) without a GPU.
+"""
+
+# (No `from __future__ import annotations`: the DSL evaluates the probes' annotations, and
+# `cute` is imported inside the fixtures, where the DSL is known to be present.)
+import itertools
+import os
+import random
+
+import pytest
+import torch
+
+from moe_gemm.capability import cutlass_dsl_problem
+from moe_gemm.kernels.sm90.constants import SPLIT_MIN_K_TILES, raster_code
+from moe_gemm.ops import schedule as sched
+
+pytestmark = pytest.mark.skipif(cutlass_dsl_problem() is not None,
+                                reason=f"CuTe DSL: {cutlass_dsl_problem()}")
+
+ROWS = 4096  # output rows of the raster probe (tiles_m * tiles_n at most)
+
+
+@pytest.fixture(scope="module")
+def dsl():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+
+    return cutlass, cute, from_dlpack
+
+
+@pytest.fixture(scope="module")
+def raster_fn(dsl):
+    cutlass, cute, from_dlpack = dsl
+    from cutlass import Int32
+
+    from moe_gemm.kernels.sm90.tile_scheduler import raster_tile
+
+    @cute.jit
+    def probe(out: cute.Tensor, tiles_m: Int32, tiles_n: Int32, raster: Int32):
+        for i in cutlass.range(tiles_m * tiles_n):
+            m, n = raster_tile(i, tiles_m, tiles_n, raster)
+            out[i, 0] = m
+            out[i, 1] = n
+
+    out = torch.full((ROWS, 2), -1, dtype=torch.int32)
+    compiled = cute.compile(probe, from_dlpack(out), Int32(1), Int32(1), Int32(0))
+
+    def run(tiles_m, tiles_n, code):
+        out.fill_(-1)
+        compiled(from_dlpack(out), Int32(tiles_m), Int32(tiles_n), Int32(code))
+        return [tuple(r) for r in out[:tiles_m * tiles_n].tolist()]
+
+    return run
+
+
+CODES = [0, 1, 2, 3, 8, 16, 1 << 30, raster_code(4, "m", True), raster_code(3, "n"),
+         raster_code(2, "n", True), raster_code(5, "m", True), raster_code(0, "n", True),
+         raster_code(1, "n", True), -3]
+
+
+def test_raster_matches_schedule(raster_fn):
+    rng = random.Random(5)
+    shapes = [(1, 1), (1, 7), (7, 1), (5, 3), (17, 56), (3, 40), (64, 2), (9, 9)] + [
+        (rng.randint(1, 40), rng.randint(1, 40)) for _ in range(6)]
+    for (tm, tn), code in itertools.product(shapes, CODES):
+        want = [sched.tile_coord(t, tm, tn, code) for t in range(tm * tn)]
+        assert raster_fn(tm, tn, code) == want, (tm, tn, hex(code & 0xFFFFFFFF))
+        assert len(set(want)) == tm * tn  # a bijection onto the problem's tiles
+
+
+def test_serpentine_panels_start_where_the_previous_ended():
+    # 5 x 3 tiles, panels of 2 m-tiles: the second panel walks N backwards, so its first
+    # tiles reuse the columns (B) the first panel ended on.
+    got = [sched.tile_coord(t, 5, 3, raster_code(2, "m", True)) for t in range(15)]
+    assert got == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2),
+                   (2, 2), (3, 2), (2, 1), (3, 1), (2, 0), (3, 0),
+                   (4, 0), (4, 1), (4, 2)]
+    # Panels of n-tiles: N fastest inside a panel.
+    got = [sched.tile_coord(t, 2, 3, raster_code(2, "n")) for t in range(6)]
+    assert got == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (1, 2)]
+    # The plain numbers keep their meaning (panels of m-tiles, no serpentine).
+    assert [sched.tile_coord(t, 3, 2, 2) for t in range(6)] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+
+
+@pytest.mark.parametrize("panel,along,serp", [(-1, "m", False), (1 << 16, "m", False),
+                                              (4, "k", False), (True, "m", False)])
+def test_raster_code_refuses_bad_fields(panel, along, serp):
+    with pytest.raises(ValueError):
+        raster_code(panel, along, serp)
+
+
+@pytest.fixture(scope="module")
+def split_fn(dsl):
+    cutlass, cute, from_dlpack = dsl
+    from cutlass import Int32
+
+    from moe_gemm.kernels.sm90.tail_split import TailSplit
+    from moe_gemm.kernels.sm90.tile_scheduler import ROLE_TILE, WorkTile
+
+    class Cfg:
+        tile_m, tile_n, threads_per_wg = 128, 256, 128
+
+    @cute.jit
+    def probe(out: cute.Tensor, total: Int32, grid: Int32, k_tiles: Int32):
+        tail = TailSplit(Cfg())
+        plan = tail.plan(total, grid)
+        for t in cutlass.range(total + grid):
+            lin, part, tail_i = tail.unit(plan, t)
+            work = tail.split_k(WorkTile(7, 1, 2, k_tiles, 0, ROLE_TILE, 0, 0), part, tail_i)
+            out[t, 0] = lin
+            out[t, 1] = part
+            out[t, 2] = work.problem
+            out[t, 3] = work.k_tiles
+            out[t, 4] = work.k_start
+            out[t, 5] = work.role
+
+    out = torch.zeros(1024, 6, dtype=torch.int32)
+    compiled = cute.compile(probe, from_dlpack(out), Int32(1), Int32(1), Int32(1))
+
+    def run(total, grid, k_tiles):
+        out.fill_(-9)
+        compiled(from_dlpack(out), Int32(total), Int32(grid), Int32(k_tiles))
+        return out[:total + grid].tolist()
+
+    return run
+
+
+@pytest.mark.parametrize("total,grid", [(10, 8), (13, 8), (16, 8), (7, 8), (3, 8), (0, 8),
+                                        (300, 132), (310, 132), (264, 132), (197, 132)])
+@pytest.mark.parametrize("k_tiles", [SPLIT_MIN_K_TILES - 1, SPLIT_MIN_K_TILES, 57])
+def test_tail_split_units_match_schedule(split_fn, total, grid, k_tiles):
+    from moe_gemm.kernels.sm90.tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, ROLE_TILE
+
+    split = sched.tail_split_units(total, grid)
+    for t, (lin, part, problem, kt, k_start, role) in enumerate(split_fn(total, grid,
+                                                                         k_tiles)):
+        if split is None or t < split[0]:
+            assert (lin, part, problem, kt, k_start, role) == (t, 0, 7, k_tiles, 0, ROLE_TILE)
+            continue
+        full, rem = split
+        j = t - full
+        if j >= 2 * rem:
+            assert lin == total  # past the last tile: the search ends the CTA
+            continue
+        tail_i = j % rem
+        assert lin == full + tail_i and part == (1 if j < rem else 2)
+        if k_tiles < SPLIT_MIN_K_TILES:  # not split: the publisher computes it whole
+            want = (7, k_tiles, 0, ROLE_TILE) if j < rem else (-1,)
+            assert (problem, kt, k_start, role)[:len(want)] == want
+        elif j < rem:
+            assert (problem, kt, k_start, role) == (7, k_tiles // 2, 0,
+                                                    ROLE_PUBLISH | tail_i << 2)
+        else:
+            assert (problem, kt, k_start, role) == (7, k_tiles - k_tiles // 2, k_tiles // 2,
+                                                    ROLE_FINISH | tail_i << 2)
+
+
+def test_varlen_rows_clamp_unchecked_offsets(dsl):
+    cutlass, cute, from_dlpack = dsl
+    from cutlass import Int32
+
+    from moe_gemm.kernels.sm90.problems import VarlenProblems
+
+    class Cfg:
+        tile_m, tile_n = 128, 256
+
+    @cute.jit
+    def probe(out: cute.Tensor, x: cute.Tensor, y: cute.Tensor, offs: cute.Tensor,
+              num_problems: Int32):
+        problems = VarlenProblems(Cfg(), num_problems, x, y, offs)
+        for p in cutlass.range(num_problems):
+            rows, cols, depth, start = problems.dims(p)
+            out[p, 0] = start
+            out[p, 1] = rows
+            out[p, 2] = depth
+            out[p, 3] = problems.tile_count(p, 128, 256)
+
+    T, K, N = 300, 24, 520
+    x = torch.zeros(T, K, dtype=torch.int32)
+    y = torch.zeros(T, N, dtype=torch.int32)
+    for offs_list in ([0, 1, 129, 129, 300], [-5, 400, 200, 100, 310], [7, 3, -1, 299, 300]):
+        offs = torch.tensor(offs_list, dtype=torch.int32)
+        E = len(offs_list)
+        out = torch.full((E + 1, 4), -9, dtype=torch.int32)
+        cute.compile(probe, from_dlpack(out), from_dlpack(x), from_dlpack(y), from_dlpack(offs),
+                     Int32(E + 1))(from_dlpack(out), from_dlpack(x), from_dlpack(y),
+                                   from_dlpack(offs), Int32(E + 1))
+        ends = [min(max(o, 0), T) for o in offs_list] + [T]
+        for p in range(E + 1):
+            start = 0 if p == 0 else ends[p - 1]
+            rows = max(ends[p] - start, 0)
+            want = [start, rows, K if p < E else 0, -(-rows // 128) * -(-N // 256)]
+            assert out[p].tolist() == want, (offs_list, p)
+            assert 0 <= start and start + rows <= T  # never outside x or out
