@@ -65,7 +65,7 @@ def variant_set(name: str):
                 keys.add(CompileKey(form, "bfloat16", "bfloat16", b_major, "cooperative",
                                     "device", 128, 256, 3, True, cluster_m=cm, cluster_n=cn))
     for ab, b_major in itertools.product(["bfloat16", "float16"], ["k", "n"]):
-        for ts in (False, True):  # K >= 4096 picks the tail split (tune.py's ts0 drops it)
+        for ts in (False, True):  # K >= 4096 picks the tail split (tail_split=False drops it)
             keys.add(CompileKey("varlen", ab, ab, b_major, "cooperative", "device", 128, 256, 3,
                                 epi_whole=True, tail_split=ts))
         keys.add(CompileKey("varlen", ab, "float32", b_major, "cooperative", "device", 128,
