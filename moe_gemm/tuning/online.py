@@ -94,6 +94,27 @@ def ensure_tuned_batched(args, config: GemmConfig) -> None:
     _ensure(args.x.device, key, G * M, shape)
 
 
+def tune_once(device: torch.device, E: int, N: int, K: int, T: int, counts: list[int], *,
+              dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype | None = None,
+              layout: str = "ENK") -> None:
+    """Tune grouped_mm(x (T, K), w (E, K, N), offs) for this routing once, as a call with
+    MOE_GEMM_AUTOTUNE=1 would (a server tuning its weight sets at start); a shape with an
+    exact table entry, or already tried in this process, is left alone."""
+    if min(T, E, N, K) <= 0 or len(counts) != E or sum(counts) != T:
+        raise ValueError(f"tune_once needs E counts summing to T > 0; got E={E}, T={T}, "
+                         f"{len(counts)} counts summing to {sum(counts)}")
+    key = tuned.Key("varlen", _NAMES[dtype], _NAMES[out_dtype or dtype], E, N, K,
+                    tuned.rows_bucket(T / E))
+
+    def shape():
+        from moe_gemm.tuning.tuner import TuneShape
+
+        return TuneShape("varlen", E, N, K, T, tuple(counts), key.dtype, key.out_dtype,
+                         layout, f"E={E} N={N} K={K}")
+
+    _ensure(device, key, T, shape)
+
+
 def _layout(w: torch.Tensor) -> str:
     return "ENK" if w.stride(-2) == 1 else "EKN"  # K contiguous: the (E, N, K) storage
 

@@ -42,6 +42,8 @@ def _fp32_exact():
 class ShapeRunner:
     """Implements tuner.Runner on a CUDA device for one TuneShape."""
 
+    backend = "cute"  # what candidates run on (tests drive the search on the torch backend)
+
     def __init__(self, shape: TuneShape, device: torch.device, pool: CompilePool, *,
                  seed: int = 0, l2_bytes: int = 50 << 20, mem_fraction: float = 0.4,
                  inputs: tuple | None = None) -> None:
@@ -203,7 +205,10 @@ class ShapeRunner:
         err = self.pool.wait([key])[key]
         if err is not None:
             return f"compile: {err}"
-        return self.check(space.config_of(fields))
+        return self.check(self._config(fields))
+
+    def _config(self, fields: dict) -> GemmConfig:
+        return space.config_of(fields, backend=self.backend)
 
     def _fns(self, cfg: GemmConfig) -> list[Callable[[], object]]:
         return [lambda i=i: self._call(cfg, i) for i in range(len(self.sets))]
@@ -214,7 +219,7 @@ class ShapeRunner:
             name = space.name_of(f)
             t = self._timed.get(name)
             if t is None:
-                fns = self._fns(space.config_of(f))
+                fns = self._fns(self._config(f))
                 est = timing.estimate_ms(fns, self.device)
                 calls = timing.calls_per_graph(est, len(fns))
                 t = self._timed[name] = timing.capture(name, fns, calls, self.device)

@@ -73,6 +73,7 @@ class Service:
                 config=GemmConfig(backend=s.backend),
                 warmup_rows=s.warmup_rows,
                 max_rows=max(s.max_rows, s.max_batch_rows),
+                tune=s.tune_at_start,
             )
         log.info("engine on %s, backend %s%s", self.engine.device, self.engine.backend,
                  f" ({self.engine.backend_reason})" if self.engine.backend_reason else "")
