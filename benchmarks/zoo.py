@@ -56,10 +56,8 @@ from benchmarks.suite import (
 from moe_gemm import __version__
 from moe_gemm.tuning import zoo as models
 
-DEFAULT_MODELS = ("Mixtral-8x7B", "Mixtral-8x22B", "Qwen2-57B-A14B", "Qwen3-30B-A3B",
-                  "Qwen3-235B-A22B", "DeepSeek-V3", "DeepSeek-V3-EP8", "gpt-oss-120b",
-                  "Llama-4-Scout", "GLM-4.5")
-DEFAULT_TOKENS = (16, 2048)
+DEFAULT_MODELS = models.DEFAULT_MODELS
+DEFAULT_TOKENS = models.DEFAULT_TOKENS
 DEFAULT_REPS = 15
 DEFAULT_BUDGET_S = 480.0
 QUACK_TUNE_CAP_S = 60.0
@@ -245,7 +243,9 @@ def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> 
 
 
 def run(args: argparse.Namespace, argv: list[str], device: torch.device,
-        out_path: Path, log) -> dict[str, Any]:
+        out_path: Path, png: Path | None, log) -> dict[str, Any]:
+    """Every case that fits the budget; the JSON (and the PNG) rewritten after each, so a
+    run stopped at any point leaves what finished."""
     t0 = time.monotonic()
     cases = build_cases(args.models, args.tokens, args.proj, args.seed, args.smoke)
     doc = new_doc(device, args, argv)
@@ -298,6 +298,8 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             doc["results"] += rows
             doc["bar"] = zoo_report.bar(doc["results"])
             write_json(out_path, doc, compact=True)
+            if png is not None:
+                zoo_report.plot_png(doc, png)
             if r.poisoned:
                 doc["not_run"] = [s.name for s, _ in cases[i + 1:]]
                 doc["stopped"] = f"CUDA context poisoned: {r.poisoned}"
@@ -337,6 +339,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--out", help="JSON path (default benchmarks/results/zoo-<device>-<date>."
                    "json)")
+    p.add_argument("--out-dir", help="write zoo-<device>-<date>.json (and the PNG) here "
+                   "instead")
     p.add_argument("--png", help="PNG path (default beside the JSON; 'none' to skip)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
     p.add_argument("--skip-impl", action="append", metavar="NAME", help="leave out an "
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     out_path = Path(args.out) if args.out else (
-        Path("benchmarks/results") / f"zoo-{device_slug(name)}-{date}.json")
+        Path(args.out_dir or "benchmarks/results") / f"zoo-{device_slug(name)}-{date}.json")
     png = None if (args.png or "").lower() == "none" else (
         Path(args.png) if args.png else out_path.with_suffix(".png"))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -395,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # smoke timings mean nothing; keep a loaded CI machine calm
     try:
-        doc = run(args, argv, device, out_path, log)
+        doc = run(args, argv, device, out_path, png, log)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

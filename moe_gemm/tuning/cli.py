@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--out-dtype", choices=["bf16", "fp16", "fp32"], help="default: --dtype")
     p.add_argument("--out", help="table to write/update (default ./tuned-<device>.json)")
+    p.add_argument("--out-dir", help="write/update <device>.json here instead (the name the "
+                   "package ships it under in moe_gemm/tables)")
     p.add_argument("--no-merge", action="store_true",
                    help="start a new table instead of adding to the one at --out")
     p.add_argument("--budget-s", type=float, default=None,
@@ -207,7 +209,9 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         print(f"moe-gemm tune: our kernels cannot run here: {why}", file=sys.stderr)
         return 2
     name, nsm = device_name(device), sm_count(device)
-    out = Path(args.out or f"tuned-{tuned.device_slug(name)}.json")
+    slug = tuned.device_slug(name)
+    out = Path(args.out) if args.out else (
+        Path(args.out_dir) / f"{slug}.json" if args.out_dir else Path(f"tuned-{slug}.json"))
     doc, why = (None, None) if args.no_merge else table_io.load_existing(out, name)
     if why:
         log(f"[tune] {why}")

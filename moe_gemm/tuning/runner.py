@@ -2,10 +2,10 @@
 
 Every candidate runs through the public ops (grouped_mm / grouped_gemm with a GemmConfig that
 pins it), exactly as a caller's config would. Its first output goes into a NaN-poisoned
-buffer and must pass the project's accuracy rule against a float32 reference:
-max|out - ref| <= 2 * max|torch - ref| + 1e-5, where `torch` is the same product computed by
-torch.mm in the output dtype (moe_gemm.testing's 2x rule), so an unwritten element, a wrong
-tile or a race fails, and only fp32-accumulation-order differences pass.
+buffer and must pass the accuracy rule of the kernel tests against a float32 reference:
+max|out - ref| <= 2 * max|torch - ref| + 1e-3 * max|ref|, where `torch` is the same product
+computed by torch.mm in the inputs' dtype (the 2x rule), so an unwritten element, a wrong tile
+or a race fails, and only fp32-accumulation-order differences pass.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from moe_gemm.tuning.tuner import TuneShape
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 INPUT_SCALE = 0.1  # randn * 0.1: never zeros, K=7168 sums far from bf16 overflow
-ATOL = 1e-5
+REL_TOL = 1e-3  # of max|ref|: the kernel tests' absolute slack (fp32 outputs need it)
 
 
 @contextlib.contextmanager
@@ -45,8 +45,7 @@ class ShapeRunner:
     backend = "cute"  # what candidates run on (tests drive the search on the torch backend)
 
     def __init__(self, shape: TuneShape, device: torch.device, pool: CompilePool, *,
-                 seed: int = 0, l2_bytes: int = 50 << 20, mem_fraction: float = 0.4,
-                 inputs: tuple | None = None) -> None:
+                 seed: int = 0, l2_bytes: int = 50 << 20, mem_fraction: float = 0.4) -> None:
         self.shape = shape
         self.device = device
         self.pool = pool
@@ -57,17 +56,14 @@ class ShapeRunner:
         self._timed: dict[str, timing.Timed] = {}
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
-        if inputs is not None:  # the caller's own operands (online autotune): one set
-            self.sets = [inputs]
-        else:
-            first = self._new_set(gen)
-            set_bytes = sum(t.numel() * t.element_size() for t in _tensors(first))
-            free, _ = torch.cuda.mem_get_info(device)
-            cap = max(1, int(free * mem_fraction) // max(1, set_bytes))
-            n = min(cap, timing.sets_needed(set_bytes, l2_bytes))
-            self.sets = [first] + [self._new_set(gen) for _ in range(n - 1)]
+        first = self._new_set(gen)
+        set_bytes = sum(t.numel() * t.element_size() for t in _tensors(first))
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = max(1, int(free * mem_fraction) // max(1, set_bytes))
+        n = min(cap, timing.sets_needed(set_bytes, l2_bytes))
+        self.sets = [first] + [self._new_set(gen) for _ in range(n - 1)]
         self.outs = [self._new_out() for _ in self.sets]
-        self.ref, self.base_err = self._reference()
+        self.ref, self.base_err, self.ref_scale = self._reference()
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -129,16 +125,18 @@ class ShapeRunner:
             start += c
         return pairs
 
-    def _reference(self) -> tuple[object, float]:
-        """The float32 reference (per problem) and torch's own error against it."""
-        refs, base_err = [], 0.0
+    def _reference(self) -> tuple[list[torch.Tensor], float, float]:
+        """The float32 reference per problem, torch's own error against it, and max|ref|."""
+        refs, errs, scales = [], [], []
         with _fp32_exact():
             for a, b, _ in self._pairs():
                 ref = a.float() @ b.float()
-                low = torch.mm(a, b).float() if self.d != torch.float32 else a.float() @ b.float()
-                base_err = max(base_err, (low - ref).abs().max().item())
+                errs.append((torch.mm(a, b).float() - ref).abs().max())
+                scales.append(ref.abs().max())
                 refs.append(ref)
-        return refs, base_err
+        if not refs:
+            return refs, 0.0, 0.0
+        return refs, torch.stack(errs).max().item(), torch.stack(scales).max().item()
 
     def _pieces(self, out) -> list[torch.Tensor]:
         s = self.shape
@@ -163,14 +161,13 @@ class ShapeRunner:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - reported as this candidate's error
             return f"run failed: {type(exc).__name__}: {exc}"[:400]
-        bound = 2 * self.base_err + ATOL
-        err = 0.0
-        for piece, ref in zip(self._pieces(out), self.ref):
-            e = (piece.float() - ref).abs().max().item()
-            if not e <= bound:  # NaN (an unwritten element) fails here too
-                return (f"wrong result: max|out - ref| = {e:.3g} > {bound:.3g} (2 x torch's "
-                        f"{self.base_err:.3g})")
-            err = max(err, e)
+        bound = 2 * self.base_err + REL_TOL * self.ref_scale
+        errs = [(piece.float() - ref).abs().max() for piece, ref in zip(self._pieces(out),
+                                                                       self.ref)]
+        e = torch.stack(errs).max().item() if errs else 0.0
+        if not e <= bound:  # NaN (an unwritten element) fails here too
+            return (f"wrong result: max|out - ref| = {e:.3g} > {bound:.3g} (2 x torch's "
+                    f"{self.base_err:.3g} + {REL_TOL:g} x max|ref|)")
         return None
 
     # -- tuner.Runner -------------------------------------------------------------------------
