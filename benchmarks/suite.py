@@ -534,10 +534,11 @@ QUACK_TUNE_CONFIGS = 22
 
 def quack_autotune_seconds(call_ms: float) -> float:
     """About how long QuACK's autotuner takes on a shape whose call takes `call_ms`: per
-    config a warm-up of max(200 ms, 50 calls) and a captured graph of 200 timed calls
-    (quack/bench/bench_utils.py), plus compiles, which its own process pool runs once per
-    config and layout (QUACK_CACHE_DIR keeps them)."""
-    per_config = max(200.0, 50 * call_ms) + 200 * call_ms + 50.0
+    config a warm-up of max(200 ms, 50 calls) (a Python loop: short kernels are host-bound
+    there), a captured graph of 200 timed calls and ~0.3 s of capture and priming
+    (quack/bench/bench_utils.py); not counted: the first compiles, which its own process pool
+    runs once per config and layout (QUACK_CACHE_DIR keeps them, and its results)."""
+    per_config = max(200.0, 50 * call_ms) + 200 * call_ms + 300.0
     return QUACK_TUNE_CONFIGS * per_config / 1e3
 
 

@@ -130,11 +130,16 @@ def test_estimate_grows_with_the_case():
     ceil = {"copy_bytes_per_s": 3e12, "mm_flops_per_s": 7e14}
     small = {"E": 8, "N": 512, "K": 512, "rows": 16}
     big = {"E": 256, "N": 4096, "K": 7168, "rows": 262144}
-    a = zoo.estimate_case_s(small, ceil, 15, True, 60.0, 1.0)
-    b = zoo.estimate_case_s(big, ceil, 15, True, 60.0, 1.0)
+    a = zoo.estimate_case_s(small, ceil, 15, False, 60.0, 1.0)
+    b = zoo.estimate_case_s(big, ceil, 15, False, 60.0, 1.0)
     assert 2 < a < b
-    assert zoo.estimate_case_s(big, ceil, 15, False, 60.0, 1.0) < b
-    assert zoo.estimate_case_s(big, ceil, 15, True, 60.0, 2.0) == pytest.approx(2 * b)
+    assert zoo.estimate_case_s(big, ceil, 15, False, 60.0, 2.0) == pytest.approx(2 * b)
+    # QuACK's autotune adds its estimate, unless that is over the cap (then it is skipped).
+    tune = zoo.quack_autotune_seconds(30.0)
+    with_tune = zoo.estimate_case_s(big, ceil, 15, True, 1e9, 1.0)
+    assert with_tune - b > 10
+    assert zoo.estimate_case_s(big, ceil, 15, True, 1.0, 1.0) == pytest.approx(b)
+    assert tune > 100  # a 30 ms call: 22 configs x 250 calls
 
 
 def test_cli(tmp_path, capsys):
