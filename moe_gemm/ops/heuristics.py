@@ -126,7 +126,7 @@ def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | N
 
 
 def _general_hit(config, sizes, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
-    if device is None or config.tuning_pinned:
+    if device is None or config.tuning_pinned or not tuned.has_form(device, "general"):
         return None
     found = _general_key(sizes, dtype, out_dtype)
     return None if found is None else tuned.lookup(device, found[0], found[1], num_sms)

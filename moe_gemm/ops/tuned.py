@@ -361,6 +361,21 @@ def tables_for(device: str) -> list[Table]:
         return [t for t in found if t is not None]
 
 
+def has_form(device: str, form: str) -> bool:
+    """Whether any table for `device` holds an entry or a model for `form` (lets the general
+    form skip building a key, an O(problems) pass, when no table can answer it)."""
+    return _has_form(device, form, state())
+
+
+@functools.lru_cache(maxsize=32)
+def _has_form(device: str, form: str, _state: tuple) -> bool:
+    for t in tables_for(device):
+        if any(k.form == form for k in t.entries) or (
+                t.model is not None and form in t.model.forms):
+            return True
+    return False
+
+
 def lookup(device: str, key: Key, rows: int, nsm: int) -> Hit | None:
     """The tuned fields for `key` on `device` (see the module docstring), or None."""
     tables = tables_for(device)
@@ -386,6 +401,12 @@ def lookup(device: str, key: Key, rows: int, nsm: int) -> Hit | None:
             if found is not None:
                 return Hit(found[0], "model", t.path, found[1])
     return None
+
+
+def clear_caches() -> None:
+    """Forget every parsed table (tests; a process never sees a shipped table change)."""
+    for fn in (_shipped, _user, _online, _has_form):
+        fn.cache_clear()
 
 
 def bump_generation() -> None:

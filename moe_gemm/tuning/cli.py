@@ -34,6 +34,7 @@ DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 SHAPE_BUDGET_S = 30.0
+REFIT_EVERY_S = 60.0  # the cost model is refitted this often during a run, and at its end
 FIRST_SHAPE_EST_S = 10.0
 
 
@@ -58,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                    "package ships it under in moe_gemm/tables)")
     p.add_argument("--no-merge", action="store_true",
                    help="start a new table instead of adding to the one at --out")
+    p.add_argument("--resume", action="store_true",
+                   help="skip shapes the table at --out already has an entry for (continue an "
+                   "earlier run; without it, shapes already there are tuned again)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new shapes so the run ends within this many seconds")
     p.add_argument("--shape-budget-s", type=float, default=SHAPE_BUDGET_S,
@@ -220,11 +224,17 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         doc = table_io.new_table(name, nsm, runtime_versions(name), ceilings)
     else:
         doc["ceilings"], doc["versions"] = ceilings, runtime_versions(name)
+    if args.resume:
+        have = {table_io.entry_key(e) for e in doc["entries"]}
+        before = len(shapes)
+        shapes = [s for s in shapes if _key_tuple(s.key()) not in have]
+        log(f"[tune] --resume: {before - len(shapes)} shapes already in {out}")
     l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20)
     log(f"[tune] {name}: {len(shapes)} shapes -> {out}; copy "
         f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, mm "
         f"{ceilings['mm_flops_per_s'] / 1e12:.0f} TFLOP/s")
     done, stopped, slowest = 0, None, FIRST_SHAPE_EST_S
+    last_fit = time.monotonic()
     os.environ.setdefault("MOE_GEMM_TUNED_TABLES", "1")
     with CompilePool(args.workers) as pool:
         _precompile(shapes, pool, nsm, log)
@@ -252,17 +262,25 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             table_io.add_result(doc, res.entry(), res.samples())
             doc.setdefault("failures", [])
             doc["failures"] += [{"shape": shape.describe(), **f} for f in res.failures()]
-            table_io.refit(doc)
+            if time.monotonic() - last_fit > REFIT_EVERY_S:
+                table_io.refit(doc)  # (seconds with many samples: not after every shape)
+                last_fit = time.monotonic()
             table_io.write(out, doc)
             w, r = res.winner, res.rules
             gain = f" ({r.ms / w.ms:.3f}x the rules' {r.name})" if w and r and r.samples else ""
             log(f"[tune] {i + 1}/{len(shapes)} {shape.describe()}: "
                 + (f"{w.name} {w.ms * 1e3:.1f} us{gain}" if w else f"none ({res.stopped})")
                 + f" [{res.seconds:.1f} s]")
+    table_io.refit(doc)
+    table_io.write(out, doc)
     total = time.monotonic() - t_start
     print(f"tuned {done} of {len(shapes)} shapes in {total:.0f} s -> {out}"
           + (f"; stopped early ({stopped})" if stopped else ""))
     return 0
+
+
+def _key_tuple(k) -> tuple:
+    return (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
 
 
 def _precompile(shapes: list, pool, nsm: int, log) -> None:

@@ -44,7 +44,7 @@ def load_existing(path: Path, device: str) -> tuple[dict[str, Any] | None, str |
     return doc, None
 
 
-def _entry_key(e: dict) -> tuple:
+def entry_key(e: dict) -> tuple:
     return (e["form"], e["dtype"], e.get("out_dtype", e["dtype"]), e["E"], e["N"], e["K"],
             e["bucket"])
 
@@ -58,8 +58,8 @@ def add_result(doc: dict[str, Any], entry: dict | None, samples: list[dict]) -> 
     """Put one shape's entry (replacing one for the same key) and samples (replacing those of
     the same shape) into the table."""
     if entry is not None:
-        key = _entry_key(entry)
-        doc["entries"] = [e for e in doc["entries"] if _entry_key(e) != key] + [entry]
+        key = entry_key(entry)
+        doc["entries"] = [e for e in doc["entries"] if entry_key(e) != key] + [entry]
     if samples:
         shapes = {_sample_shape(s) for s in samples}
         doc["samples"] = [s for s in doc["samples"] if _sample_shape(s) not in shapes] + samples
@@ -79,7 +79,7 @@ def refit(doc: dict[str, Any]) -> None:
 def write(path: Path, doc: dict[str, Any]) -> None:
     """Atomic write: a reader (or a crash) never sees half a table."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc["entries"].sort(key=_entry_key)
+    doc["entries"].sort(key=entry_key)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, path)

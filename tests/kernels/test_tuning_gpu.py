@@ -37,12 +37,10 @@ def few_candidates(monkeypatch, tmp_path):
         if {k for k in parent if parent[k] != v[k]} <= {"raster_panel", "stages"}])
     monkeypatch.setattr(tuned, "TABLES_DIR", tmp_path / "shipped")
     monkeypatch.delenv(tuned.USER_TABLE_ENV, raising=False)
-    for fn in (tuned._shipped, tuned._user, tuned._online):
-        fn.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
     yield
-    for fn in (tuned._shipped, tuned._user, tuned._online):
-        fn.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
 
 

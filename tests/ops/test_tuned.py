@@ -32,12 +32,10 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.delenv(tuned.TABLES_ENV, raising=False)
     monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
     monkeypatch.setattr(tuned, "_warned", set())
-    for fn in (tuned._shipped, tuned._user, tuned._online):
-        fn.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
     yield shipped
-    for fn in (tuned._shipped, tuned._user, tuned._online):
-        fn.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
 
 
@@ -58,7 +56,7 @@ def write(path: Path, doc) -> Path:
 
 
 def ship(shipped: Path, doc, device=DEV) -> Path:
-    tuned._shipped.cache_clear()
+    tuned.clear_caches()
     return write(shipped / f"{tuned.device_slug(device)}.json", doc)
 
 

@@ -41,13 +41,13 @@ def pretend_cute(monkeypatch, tmp_path):
     monkeypatch.setattr(cap, "sm_count", lambda device: 132)
     monkeypatch.setattr(tuned, "TABLES_DIR", tmp_path)
     monkeypatch.delenv(tuned.USER_TABLE_ENV, raising=False)
-    tuned._shipped.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
     engine = Engine("cpu", max_rows=40000, tune=True)
     engine.backend = "cute"
     monkeypatch.setattr(engine, "_device_name", lambda: DEV)
     yield engine, tmp_path
-    tuned._shipped.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
 
 
@@ -77,7 +77,7 @@ def test_kernel_report_names_configs_and_sources(pretend_cute):
                         "raster_panel": 4}}
     (tables / f"{tuned.device_slug(DEV)}.json").write_text(json.dumps(
         {"format": tuned.FORMAT, "device": DEV, "entries": [entry]}))
-    tuned._shipped.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()  # (shipped tables never change while a process runs)
     report = engine.kernel_report(ws)
     ladder = engine.warmup_rows_for(ws)  # follows the table: its config gets a row count too

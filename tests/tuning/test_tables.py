@@ -33,12 +33,10 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(tuned.USER_TABLE_ENV, raising=False)
     monkeypatch.delenv(online.AUTOTUNE_ENV, raising=False)
-    for fn in (tuned._shipped, tuned._user, tuned._online):
-        fn.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
     yield
-    for fn in (tuned._shipped, tuned._user, tuned._online):
-        fn.cache_clear()
+    tuned.clear_caches()
     heuristics.clear_caches()
 
 
