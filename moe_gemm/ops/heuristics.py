@@ -129,7 +129,10 @@ def _general_hit(config, sizes, num_sms, device, dtype, out_dtype) -> tuned.Hit 
     if device is None or config.tuning_pinned or not tuned.has_form(device, "general"):
         return None
     found = _general_key(sizes, dtype, out_dtype)
-    return None if found is None else tuned.lookup(device, found[0], found[1], num_sms)
+    if found is None:
+        return None
+    rules = _choose_general(config, sizes, num_sms, _ITEMSIZE.get(out_dtype, 2))
+    return tuned.lookup(device, found[0], found[1], num_sms, choice_fields(rules, "general"))
 
 
 _unusable_warned: set = set()
@@ -289,7 +292,28 @@ def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype) -> tuned.
     if device is None or config.tuning_pinned or T <= 0 or E <= 0:
         return None
     key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
-    return tuned.lookup(device, key, T, num_sms)
+    rules = _varlen_rules(config, T, E, N, K, _ITEMSIZE.get(out_dtype, 2), tail_split_enabled())
+    return tuned.lookup(device, key, T, num_sms, choice_fields(rules, "varlen"))
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def choice_fields(choice: KernelChoice, form: str) -> dict:
+    """The explicit GemmConfig fields that reproduce a KernelChoice (for the tuner's candidates
+    and for comparing the rules' choice with a tuned table's)."""
+    fields = {
+        "schedule": choice.schedule, "visitor": choice.visitor,
+        "tile_m": choice.tile_m, "tile_n": choice.tile_n,
+        "cluster_m": choice.cluster_m, "cluster_n": choice.cluster_n,
+        "stages": choice.stages, "raster_panel": choice.swizzle,
+        "whole_epilogue": choice.epi_whole,
+    }
+    if form != "general":
+        fields["tail_split"] = choice.tail_split
+    else:
+        fields["sort_by_k"] = choice.sort_by_k
+    return fields
 
 
 def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsize: int,
@@ -392,7 +416,9 @@ def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned
     if device is None or config.tuning_pinned or G <= 0 or M <= 0:
         return None
     key = tuned.Key("batched", dtype, out_dtype, G, N, K, tuned.rows_bucket(M))
-    return tuned.lookup(device, key, G * M, num_sms)
+    rules = _choose_batched(config, G, M, N, K, num_sms, _ITEMSIZE.get(out_dtype, 2),
+                            tail_split_enabled())
+    return tuned.lookup(device, key, G * M, num_sms, choice_fields(rules, "batched"))
 
 
 @functools.lru_cache(maxsize=256)

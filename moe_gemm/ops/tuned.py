@@ -9,7 +9,9 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
 2. nearest: the same (form, dtypes, E, N, K) at the nearest bucket, at most NEAREST_MAX
    buckets (a factor of 4 in rows per problem) away;
 3. model: the table's calibrated cost model (moe_gemm.ops.cost_model) picks among the configs
-   it was fitted on, for shapes inside the range it was fitted over;
+   it was fitted on, for shapes inside the range it was fitted over, and only when it predicts
+   its pick at least MODEL_MIN_GAIN faster than the rules' own config (when that config was
+   fitted too: a model is not trusted over the rules for a few percent);
 4. nothing: the heuristics' rules decide.
 
 Buckets: rows per problem r (varlen: T / E; batched: M; general: mean M) rounded in log2,
@@ -51,6 +53,7 @@ NEAREST_MAX = 2
 MODEL_MARGIN = 1.0
 # Fitted configs whose RMS log error exceeds this (a factor of ~1.2) are not offered.
 MODEL_MAX_ERR = 0.2
+MODEL_MIN_GAIN = 1.05
 FORMS = ("varlen", "batched", "general")
 
 
@@ -118,17 +121,24 @@ class Model:
                 and self.log2_k[0] - m <= math.log2(max(1, key.K)) <= self.log2_k[1] + m
                 and self.buckets[0] - m <= key.bucket <= self.buckets[1] + m)
 
-    def best(self, key: Key, rows: int, nsm: int) -> tuple[tuple, float] | None:
+    def best(self, key: Key, rows: int, nsm: int, baseline: tuple | None = None
+             ) -> tuple[tuple, float] | None:
+        """The fitted config predicted fastest (fields, us); None when `baseline` (normalized
+        fields, see normalize) is fitted and predicted within MODEL_MIN_GAIN of it."""
         shape = Shape(key.form, key.E, key.N, key.K, rows, nsm,
                       _ITEMSIZE.get(key.dtype, 2), _ITEMSIZE.get(key.out_dtype, 2))
-        best = None
+        best, base_us = None, None
         for fields, params in self.configs:
             cfg = dict(fields)
             if not _fits_form(cfg, key):
                 continue
             us = predict_us(cfg, params, shape, self.mm_flops_per_s, self.copy_bytes_per_s)
+            if fields == baseline:
+                base_us = us
             if best is None or us < best[1]:
                 best = (fields, us)
+        if best is not None and base_us is not None and best[1] * MODEL_MIN_GAIN > base_us:
+            return None
         return best
 
 
@@ -162,6 +172,11 @@ class TableError(ValueError):
     """Why a table file cannot be used (foreign, corrupt, wrong versions)."""
 
 
+def normalize(fields: dict) -> tuple[tuple[str, Any], ...]:
+    """The comparable form of tuned fields: sorted, without None / "auto"."""
+    return tuple(sorted((k, v) for k, v in fields.items() if v is not None and v != "auto"))
+
+
 def config_fields(raw: Any) -> tuple[tuple[str, Any], ...]:
     """Validated tuned fields of an entry's "config" (raises TableError when unusable).
 
@@ -178,7 +193,7 @@ def config_fields(raw: Any) -> tuple[tuple[str, Any], ...]:
         raise TableError(f"invalid config: {exc}") from None
     if cfg.schedule == "auto" or cfg.tile_m is None:
         raise TableError("config pins no schedule and tile")
-    return tuple(sorted((k, v) for k, v in raw.items() if v is not None and v != "auto"))
+    return normalize(raw)
 
 
 def key_of(raw: dict) -> Key:
@@ -376,8 +391,10 @@ def _has_form(device: str, form: str, _state: tuple) -> bool:
     return False
 
 
-def lookup(device: str, key: Key, rows: int, nsm: int) -> Hit | None:
-    """The tuned fields for `key` on `device` (see the module docstring), or None."""
+def lookup(device: str, key: Key, rows: int, nsm: int,
+           baseline: dict | None = None) -> Hit | None:
+    """The tuned fields for `key` on `device` (see the module docstring), or None.
+    baseline: the rules' config for the call (the model must beat it clearly)."""
     tables = tables_for(device)
     for t in tables:
         hit = t.entries.get(key)
@@ -397,7 +414,8 @@ def lookup(device: str, key: Key, rows: int, nsm: int) -> Hit | None:
         return best[1]
     for t in tables:
         if t.model is not None and t.model.covers(key):
-            found = t.model.best(key, rows, nsm)
+            found = t.model.best(key, rows, nsm,
+                                 None if baseline is None else normalize(baseline))
             if found is not None:
                 return Hit(found[0], "model", t.path, found[1])
     return None

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from moe_gemm import config as cfgmod
 from moe_gemm.config import GemmConfig
-from moe_gemm.ops.heuristics import KernelChoice
+from moe_gemm.ops.heuristics import KernelChoice, choice_fields
 
 STAGES = (None, 3, 4)
 PANELS = (4, 8, 16)
@@ -27,18 +27,7 @@ Fields = dict  # tuned GemmConfig fields, every one explicit
 
 def fields_of(choice: KernelChoice, form: str) -> Fields:
     """The explicit GemmConfig fields that reproduce a KernelChoice."""
-    fields: Fields = {
-        "schedule": choice.schedule, "visitor": choice.visitor,
-        "tile_m": choice.tile_m, "tile_n": choice.tile_n,
-        "cluster_m": choice.cluster_m, "cluster_n": choice.cluster_n,
-        "stages": choice.stages, "raster_panel": choice.swizzle,
-        "whole_epilogue": choice.epi_whole,
-    }
-    if form != "general":
-        fields["tail_split"] = choice.tail_split
-    else:
-        fields["sort_by_k"] = choice.sort_by_k
-    return fields
+    return choice_fields(choice, form)
 
 
 def config_of(fields: Fields, backend: str = "cute") -> GemmConfig:

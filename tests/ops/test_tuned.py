@@ -314,3 +314,26 @@ def test_active_experts():
     assert cost_model.active_experts(256, 1) == pytest.approx(1.0)
     assert 7.8 < cost_model.active_experts(256, 8) < 8.0
     assert cost_model.active_experts(8, 100000) == pytest.approx(8.0)
+
+
+def test_model_must_clearly_beat_the_rules_config(_isolated):
+    small = {**PP_64x256}
+    big = {**COOP_128x192, "raster_panel": 8}
+    ship(_isolated, table([], model=_model_block([
+        {"config": small, "eff": 0.5, "tile_us": 0.5, "mem": 1.1, "rms_log_err": 0.05},
+        {"config": big, "eff": 0.8, "tile_us": 2.0, "mem": 1.3, "rms_log_err": 0.05}])))
+    prefill = key(E=128, N=2048, K=4096, bucket=9)
+    decode = key(E=128, N=2048, K=4096, bucket=-1)
+    # The rules' config is the model's own pick: the rules keep the call.
+    assert tuned.lookup(DEV, prefill, 128 * 512, 132, baseline=big) is None
+    # Predicted clearly faster than the rules' config: the model's pick.
+    hit = tuned.lookup(DEV, decode, 64, 132, baseline=big)
+    assert hit.how == "model" and dict(hit.fields)["tile_m"] == 64
+    # A rules' config the model was not fitted on cannot be compared: the model decides.
+    other = {**big, "tile_n": 128}
+    assert tuned.lookup(DEV, prefill, 128 * 512, 132, baseline=other).how == "model"
+    # Through the heuristics, the rules' choice is the baseline.
+    rules = choose_varlen(GemmConfig(), 64, 128, 2048, 4096, 132)
+    chosen = choose_varlen(GemmConfig(), 64, 128, 2048, 4096, 132, device=DEV)
+    assert (rules.tile_m, rules.tile_n) == (64, 256)  # here the model agrees with the rules
+    assert (chosen.tile_m, chosen.tile_n) == (64, 256)
