@@ -7,22 +7,34 @@ Public API:
     GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
     GemmConfig                backend / schedule / visitor / tile choices (frozen)
     MoE                       an inference MoE layer (routing + fused expert FFN) on grouped_mm
+
+`import moe_gemm` is light: torch and the ops load on first use of any public name (PEP 562
+module __getattr__), so that `moe-gemm --help`, `--version` and tools that only read the
+version do not pay the ~1.5-4 s of importing torch. After the first use the package is exactly
+what an eager import would have made (every submodule the ops import is an attribute).
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from moe_gemm.config import GemmConfig  # noqa: E402
-from moe_gemm.integrations import register_transformers_lazily  # noqa: E402
-from moe_gemm.layers.moe import MoE, moe_experts, moe_forward  # noqa: E402
-from moe_gemm.layers.routing import (  # noqa: E402
-    ExpertPermutation,
-    permute_by_expert,
-    sigmoid_grouped_topk,
-    softmax_topk,
-)
-from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm  # noqa: E402
+import threading
+from typing import TYPE_CHECKING, Any
 
-# `model.set_experts_implementation("moe_gemm")` works once transformers' MoE module loads.
+from moe_gemm._version import __version__
+from moe_gemm.integrations import register_transformers_lazily
+
+if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
+    from moe_gemm.config import GemmConfig
+    from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
+    from moe_gemm.layers.routing import (
+        ExpertPermutation,
+        permute_by_expert,
+        sigmoid_grouped_topk,
+        softmax_topk,
+    )
+    from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
+
+# `model.set_experts_implementation("moe_gemm")` works once transformers' MoE module loads
+# (the hook imports nothing heavy until then).
 register_transformers_lazily()
 
 __all__ = [
@@ -39,3 +51,59 @@ __all__ = [
     "sigmoid_grouped_topk",
     "softmax_topk",
 ]
+
+# 0: not loaded, 1: loading (a module below touching `moe_gemm.X` sees what is there so far,
+# as with an eager circular import), 2: loaded.
+_load_lock = threading.RLock()
+_state = 0
+
+
+def _load() -> None:
+    """Import the public API into this module's namespace (once; thread-safe)."""
+    global _state
+    with _load_lock:
+        if _state:
+            return
+        _state = 1
+        try:
+            from moe_gemm.config import GemmConfig
+            from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
+            from moe_gemm.layers.routing import (
+                ExpertPermutation,
+                permute_by_expert,
+                sigmoid_grouped_topk,
+                softmax_topk,
+            )
+            from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
+        except BaseException:
+            _state = 0  # e.g. torch missing: the next use raises the same ImportError again
+            raise
+        globals().update(
+            ExpertPermutation=ExpertPermutation,
+            GemmConfig=GemmConfig,
+            GroupedGemmPlan=GroupedGemmPlan,
+            MoE=MoE,
+            grouped_gemm=grouped_gemm,
+            grouped_mm=grouped_mm,
+            moe_experts=moe_experts,
+            moe_forward=moe_forward,
+            permute_by_expert=permute_by_expert,
+            sigmoid_grouped_topk=sigmoid_grouped_topk,
+            softmax_topk=softmax_topk,
+        )
+        _state = 2
+
+
+def __getattr__(name: str) -> Any:
+    # Dunder probes (copy, pickle, inspect, pytest) must not pull in torch. Another thread's
+    # first use waits in _load() until the names are there.
+    if not name.startswith("__") and _state != 2:
+        _load()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module 'moe_gemm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    _load()
+    return sorted(globals())

@@ -1,25 +1,21 @@
-"""`moe-gemm`: info, check, bench, demo.
+"""The `moe-gemm` command: info, check, demo, bench, tune.
 
-    moe-gemm info            versions, device, SM count, which backends run here and why not
-    moe-gemm check           compile every kernel variant for sm_90a (no GPU needed) and verify
-                             each one's PTX holds wgmma.mma_async, cp.async.bulk.tensor, setmaxnreg
-    moe-gemm bench [...]     the benchmark suite (from a checkout; benchmarks/README.md)
-    moe-gemm demo            a short run of the library on the embedded default
+Arguments are parsed before anything heavy loads: `--help` and `--version` import neither torch
+nor the ops (~1.5-4 s), and each command imports what it needs when it runs. `bench` and `tune`
+hand their arguments to their own modules (benchmarks/bench.py in a checkout,
+moe_gemm.tuning.cli).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
-import tempfile
-import time
-from importlib.metadata import PackageNotFoundError, version
 
 
 def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -27,9 +23,11 @@ def _version(dist: str) -> str:
 
 
 def info_dict() -> dict[str, object]:
+    import platform
+
     import torch
 
-    from moe_gemm import __version__
+    from moe_gemm._version import __version__
     from moe_gemm.capability import cute_problem
 
     device: dict[str, object] = {"cuda_available": torch.cuda.is_available()}
@@ -61,6 +59,8 @@ def info_dict() -> dict[str, object]:
 def cmd_info(args: argparse.Namespace) -> int:
     info = info_dict()
     if args.json:
+        import json
+
         print(json.dumps(info, indent=2))
         return 0
     print(f"moe_gemm {info['moe_gemm']}  (python {info['python']}, torch {info['torch']}, "
@@ -145,6 +145,9 @@ def _key_extras(key) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from moe_gemm.capability import cutlass_dsl_problem
 
@@ -227,21 +230,89 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(argv: list[str]) -> int:
+    import importlib
+
+    try:
+        tuning_cli = importlib.import_module("moe_gemm.tuning.cli")
+    except ModuleNotFoundError as exc:
+        # Only the tuning module itself missing is "not available"; a dependency missing inside
+        # it is a real error and keeps its traceback.
+        if exc.name not in ("moe_gemm.tuning", "moe_gemm.tuning.cli"):
+            raise
+        print("moe-gemm tune: not available in this installation (the module moe_gemm.tuning "
+              "is missing)", file=sys.stderr)
+        return 2
+    rc = tuning_cli.main(argv)
+    return 0 if rc is None else int(rc)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.HelpFormatter(prog, max_help_position=14, width=100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moe_gemm._version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="moe-gemm",
+        description="Grouped GEMMs for Mixture-of-Experts on Hopper GPUs (H100/H200), with a "
+        "torch backend everywhere else. `moe-gemm COMMAND --help` for a command's options.",
+        formatter_class=_formatter)
+    parser.add_argument("--version", action="version", version=f"moe-gemm {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description,
+                              formatter_class=_formatter)
+
+    p_info = command(
+        "info", "versions, the GPU (if any) and which backend runs here, and why not the other",
+        "Print the versions of moe_gemm, Python, torch and the CuTe DSL, the GPU (if any), and "
+        "which backend backend='auto' uses here; for a backend that cannot run, the reason.")
+    p_info.add_argument("--json", action="store_true", help="print the same as JSON")
+    p_info.set_defaults(func=cmd_info)
+    p_check = command(
+        "check", "compile every kernel variant for sm_90a (no GPU needed) and check the "
+        "instructions each one uses",
+        "Compile every kernel variant for sm_90a (works without a GPU) and check that each "
+        "one's PTX uses wgmma.mma_async, cp.async.bulk.tensor (TMA) and setmaxnreg. Exit 1 if "
+        "any fails.")
+    p_check.add_argument("--full", action="store_true", help="also every extra tile shape")
+    p_check.set_defaults(func=cmd_check)
+    p_demo = command(
+        "demo", "run a few small grouped matmuls here (the GPU if there is one, else the CPU) "
+        "and print their error against a float32 reference: a quick check that the install "
+        "works",
+        "Run a few small grouped matmuls on the GPU if there is one, else on the CPU: "
+        "grouped_gemm on four problems of different sizes (one of them empty) and an MoE "
+        "grouped_mm over four experts. Each result is compared with a float32 reference and "
+        "the largest error printed. Takes seconds.")
+    p_demo.set_defaults(func=cmd_demo)
+    # Listed for --help; their arguments are parsed by their own modules (see main).
+    sub.add_parser("bench", help="time the benchmark suite against other implementations "
+                   "(from a checkout; moe-gemm bench --help)", add_help=False)
+    sub.add_parser("tune", help="search kernel configurations for your shapes "
+                   "(moe-gemm tune --help)", add_help=False)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="moe-gemm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_info = sub.add_parser("info", help="versions, device and usable backends")
-    p_info.add_argument("--json", action="store_true")
-    p_check = sub.add_parser("check", help="compile every kernel variant for sm_90a")
-    p_check.add_argument("--full", action="store_true", help="also every extra tile shape")
-    sub.add_parser("bench", help="benchmark suite (moe-gemm bench --help)")
-    sub.add_parser("demo", help="a short library demo")
-    args = parser.parse_args(argv)
-    return {"info": cmd_info, "check": cmd_check, "demo": cmd_demo}[args.cmd](args)
+    if argv and argv[0] == "tune":
+        return cmd_tune(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        print(f"moe-gemm {args.cmd}: needs torch, which is not installed here "
+              "(scripts/setup.sh installs the right build for this machine)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,127 +1,363 @@
-"""One device call: GPU tests (in crash-isolated groups) and benchmarks, results under --out.
+"""All GPU tests on a Hopper machine in one command, bounded in time, results in one JSON:
 
-Run on the GPU machine from the repo root after the CuTe DSL is unpacked (see AGENTS.md):
-    PYTHONUNBUFFERED=1 python3 scripts/gpu_session.py --out $OUT --tests --bench
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_session.py --out $OUT
 
-Each pytest group runs in its own process with a wall-clock limit, so a kernel fault or hang
-costs one group, not the session. Every finished case is appended to gpu-cases.jsonl at once.
+1. Probe the machine (GPU, torch, CuTe DSL). If the kernels cannot run here it stops with
+   exit 2: every GPU test would skip and pass.
+2. Compile every kernel variant the tests launch (scripts/precompile.py, one spawned worker
+   per core) while pytest collects the tests marked `gpu` under tests/ (any file, so new GPU
+   tests join without editing this script).
+3. Run the tests in groups (one per file; big files split by test name), --jobs pytest
+   processes at a time on the one GPU, each in its own process group with a wall-clock
+   limit, so a fault or hang costs one group, never the session; nothing starts or keeps
+   running past --budget.
+4. Write $OUT/gpu-tests.json (machine, precompile, per-group and per-test results, checked
+   cases, kernels compiled inside tests) and $OUT/gpu-logs.txt (every process's output),
+   then print a table. Exit 1 on any failed or unfinished test, collection error, group
+   timeout or precompile failure.
+
+Select with --groups (names or shell patterns, see --list), -k (pytest's expression) and
+--paths (files or folders to collect from).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEST_FILE = "tests/kernels/test_grouped_gemm_gpu.py"
-GROUPS = [
-    ("smoke", "test_default_picks_cute or single_row"),
-    ("trace", "trace and not cluster and not tail_split"),
-    ("varlen", "(varlen or cuda_graph or no_host_sync) and not cluster and not edge_rows "
-               "and not tail_split"),
-    ("general-matrix", "general_matrix"),
-    ("general-other", "(layouts or tiles or fast_path) and not batched"),
-    ("batched", "(batched or pdl or epilogue_whole) and not trace and not cluster "
-                "and not edge_rows and not tail_split"),
-    ("edge-rows", "edge_rows"),
-    ("tail-split", "tail_split"),
-    ("cluster", "cluster"),
-    ("headline", "headline"),
-    ("aliasing", "aliasing"),
-    ("expanded", "expanded"),
-    ("moe-layer", None),
-]
+
+# Files split into several groups by test name (first match wins) so the parallel processes
+# finish together; any other file with GPU tests is one group named after it.
+SPLITS = {
+    "tests/kernels/test_general_gpu.py": [("general-matrix", "test_general_matrix*"),
+                                          ("general", "*")],
+    "tests/kernels/test_clusters_gpu.py": [("clusters-general", "test_cluster_general*"),
+                                           ("clusters", "*")],
+}
+OUTCOME_ORDER = ("passed", "xfailed", "skipped", "xpassed", "failed", "error")
 
 
-def sh(cmd: str) -> str:
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60).stdout
-    except Exception as exc:  # noqa: BLE001
-        return f"<{exc}>"
+@dataclass
+class Group:
+    name: str
+    tests: list[str] = field(default_factory=list)
+    rc: int | str | None = None  # pytest's exit status, "timeout" or "not run"
+    seconds: float = 0.0
+    log: str = ""
+    report: str = ""
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    deadline: float = 0.0
 
 
-def run_group(name: str, expr: str | None, out: str, timeout: int, extra: list[str]) -> dict:
-    target = [TEST_FILE, "-k", expr] if expr else ["tests/test_moe_gpu.py"]
-    if expr is None and not os.path.exists(os.path.join(ROOT, "tests/test_moe_gpu.py")):
-        return {"group": name, "rc": None, "skipped": "no file"}
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x" if False else "-q",
-           "-p", "no:cacheprovider", "--tb=line", *target, *extra]
-    t = time.time()
-    log = os.path.join(out, f"pytest-{name}.log")
+def group_name(nodeid: str) -> str:
+    path, _, test = nodeid.partition("::")
+    for name, pattern in SPLITS.get(path, []):
+        if fnmatch.fnmatchcase(test, pattern):
+            return name
+    stem = os.path.basename(path).removesuffix(".py").removeprefix("test_").removesuffix("_gpu")
+    folder = os.path.basename(os.path.dirname(path))
+    return stem.replace("_", "-") if folder == "kernels" else f"{folder}-{stem}".replace("_", "-")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # tests/: the report plugin is `kernels.gpu_report`, the name pytest gives tests/kernels.
+    paths = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "server"),
+             os.path.join(ROOT, "client")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("MOE_GEMM_CACHE_DIR", "/tmp/kcache")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def start(cmd: list[str], log: str, env: dict[str, str]) -> subprocess.Popen:
+    """A child in its own session (so a timeout kills it with everything it started)."""
     with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    tail = open(log).read().strip().splitlines()[-3:]
-    return {"group": name, "rc": rc, "seconds": round(time.time() - t, 1), "tail": tail}
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def wait(proc: subprocess.Popen, seconds: float) -> int | str:
+    try:
+        return proc.wait(timeout=max(0.0, seconds))
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        return "timeout"
+
+
+PROBE = """
+import importlib.util, json, torch
+from importlib.metadata import version
+from moe_gemm.capability import cute_problem
+info = {"torch": torch.__version__, "problem": cute_problem(),
+        "pytest_timeout": importlib.util.find_spec("pytest_timeout") is not None}
+try:
+    info["cutlass_dsl"] = version("nvidia-cutlass-dsl")
+except Exception as exc:
+    info["cutlass_dsl"] = repr(exc)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30))
+print(json.dumps(info))
+"""
+
+
+def _sh(cmd: list[str]) -> str | None:
+    """A command's output, or None where it is missing or fails (git, nvidia-smi)."""
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def probe() -> dict:
+    res = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    try:
+        info = json.loads(res.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        info = {"problem": f"probe failed: {res.stderr.strip()[-500:]}"}
+    info["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    info["commit"] = _sh(["git", "rev-parse", "--short", "HEAD"])
+    info["uncommitted_files"] = len((_sh(["git", "status", "--porcelain"]) or "").splitlines())
+    info["cpus"] = os.cpu_count()
+    info["nvidia_smi"] = _sh(["nvidia-smi", "--format=csv,noheader",
+                              "--query-gpu=name,driver_version,clocks.max.sm,memory.total"])
+    return info
+
+
+def collect(paths: list[str], kexpr: str | None, log: str) -> tuple[list[str], list[str]]:
+    """(node ids of the gpu-marked tests, collection errors)."""
+    ids_file = log + ".json"
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+           "-p", "no:cacheprovider", "-p", "kernels.gpu_report",
+           "--continue-on-collection-errors", *paths]
+    if kexpr:
+        cmd += ["-k", kexpr]
+    rc = wait(start(cmd, log, child_env({"MOE_GEMM_GPU_COLLECT": ids_file})), 180)
+    ids = json.load(open(ids_file)) if os.path.exists(ids_file) else []
+    errors = [ln for ln in open(log).read().splitlines() if ln.startswith("ERROR ")]
+    if rc not in (0, 5) and not errors:
+        errors.append(f"collection exited with {rc}")
+    return ids, errors
+
+
+def summarize(group: Group) -> dict:
+    """Per-test outcomes (the worst of a test's rows), cases and compiles from the report."""
+    outcome: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    messages: dict[str, str] = {}
+    cases, compiles = [], []
+    if os.path.exists(group.report):
+        for line in open(group.report):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if row.get("kind") == "test":
+                node, new = row["nodeid"], row["outcome"]
+                old = outcome.get(node, "passed")
+                if node not in outcome or OUTCOME_ORDER.index(new) > OUTCOME_ORDER.index(old):
+                    outcome[node] = new
+                seconds[node] = seconds.get(node, 0.0) + row["seconds"]
+                if "message" in row:
+                    messages[node] = row["message"]
+            elif row.get("kind") == "compile":
+                compiles.append(row)
+            else:
+                cases.append(row)
+    for node in group.tests:
+        outcome.setdefault(node, "unfinished")
+    tests = [{"nodeid": n, "group": group.name, "outcome": outcome[n],
+              "seconds": round(seconds.get(n, 0.0), 3),
+              **({"message": messages[n]} if n in messages else {})} for n in group.tests]
+    counts = {k: sum(t["outcome"] == k for t in tests)
+              for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed",
+                        "unfinished")}
+    ok = (group.rc in (0, 5) and not counts["failed"] and not counts["error"]
+          and not counts["unfinished"] and not counts["xpassed"])
+    return {"group": group.name, "rc": group.rc, "seconds": round(group.seconds, 1),
+            "tests": len(group.tests), **counts, "compiled_in_tests": len(compiles),
+            "ok": ok, "_tests": tests, "_cases": cases, "_compiles": compiles}
+
+
+def run_groups(groups: list[Group], jobs: int, group_timeout: float, deadline: float,
+               pytest_args: list[str], work: str) -> None:
+    """Runs the groups, largest first, at most `jobs` at once, none past `deadline`."""
+    pending = sorted(groups, key=lambda g: -len(g.tests))
+    running: list[Group] = []
+    while pending or running:
+        while pending and len(running) < jobs:
+            if deadline - time.monotonic() < 30:  # too late to start one: say so
+                for g in pending:
+                    g.rc = "not run"
+                pending.clear()
+                break
+            g = pending.pop(0)
+            g.log = os.path.join(work, f"{g.name}.log")
+            g.report = os.path.join(work, f"{g.name}.jsonl")
+            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                   "-p", "no:randomly", "-p", "kernels.gpu_report", "--tb=short", "-rfE",
+                   *pytest_args, *g.tests]
+            g.proc = start(cmd, g.log, child_env({"MOE_GEMM_GPU_REPORT": g.report}))
+            g.started = time.monotonic()
+            g.deadline = min(g.started + group_timeout, deadline)
+            running.append(g)
+            print(f"started {g.name} ({len(g.tests)} tests)", flush=True)
+        time.sleep(0.2)
+        for g in list(running):
+            rc = g.proc.poll()
+            if rc is None and time.monotonic() >= g.deadline:
+                stop(g.proc)
+                rc = "timeout"
+            if rc is not None:
+                g.rc, g.seconds = rc, time.monotonic() - g.started
+                running.remove(g)
+                print(f"finished {g.name}: rc={rc} in {g.seconds:.1f} s", flush=True)
+
+
+def precompile(jobs: int, timeout: float, log: str) -> subprocess.Popen:
+    cmd = [sys.executable, "scripts/precompile.py", "--set", "tests", "-j", str(jobs),
+           "--timeout", str(timeout)]
+    return start(cmd, log, child_env())
+
+
+def read_precompile(log: str, rc: int | str, seconds: float) -> dict:
+    lines = open(log).read().splitlines() if os.path.exists(log) else []
+    summary = next((ln for ln in reversed(lines) if " compiled, " in ln), None)
+    return {"rc": rc, "seconds": round(seconds, 1), "summary": summary,
+            "failed": [ln for ln in lines if ln.startswith("FAILED")][:20]}
+
+
+def table(results: list[dict], pre: dict | None) -> str:
+    cols = ("tests", "passed", "failed", "other", "skipped", "compiled")
+    head = f"{'group':20s} " + " ".join(f"{c:>8s}" for c in cols) + f" {'seconds':>8s}  status"
+    lines = [head, "-" * len(head)]
+    for r in [*results, None]:
+        if r is None:  # the total line
+            r = {k: sum(x[k] for x in results) for k in ("tests", "passed", "failed", "error",
+                                                          "unfinished", "xpassed", "skipped",
+                                                          "compiled_in_tests", "seconds")}
+            r.update(group="total", ok=all(x["ok"] for x in results), rc="-")
+        row = {**r, "other": r["error"] + r["unfinished"] + r["xpassed"],
+               "compiled": r["compiled_in_tests"]}
+        status = "ok" if r["ok"] else f"FAILED (rc={r['rc']})"
+        lines.append(f"{r['group']:20s} " + " ".join(f"{row[c]:8d}" for c in cols)
+                     + f" {r['seconds']:8.1f}  {status}")
+    if pre is not None:
+        lines.append(f"precompile: rc={pre['rc']} in {pre['seconds']} s: {pre['summary']}")
+    lines.append("other = errors + unfinished + strict xpasses; compiled = kernels compiled "
+                 "inside the tests (missed by the precompile); seconds: total = sum")
+    return "\n".join(lines)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--tests", action="store_true")
-    p.add_argument("--groups", default="")
-    p.add_argument("--bench", action="store_true")
-    p.add_argument("--bench-args", default="")
-    p.add_argument("--group-timeout", type=int, default=240)
-    p.add_argument("--precompile", type=int, default=0, help="compile variants with N jobs first")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for gpu-tests.json and gpu-logs.txt")
+    p.add_argument("--groups", default="", help="comma-separated group names or patterns")
+    p.add_argument("-k", dest="kexpr", default=None, help="pytest -k expression")
+    p.add_argument("--paths", nargs="*", default=["tests"], help="where to collect")
+    p.add_argument("--jobs", type=int, default=4, help="pytest processes at once")
+    p.add_argument("--compile-jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-precompile", action="store_true")
+    p.add_argument("--precompile-timeout", type=float, default=200)
+    p.add_argument("--group-timeout", type=float, default=300)
+    p.add_argument("--test-timeout", type=float, default=240, help="per test (pytest-timeout)")
+    p.add_argument("--budget", type=float, default=480, help="seconds for the whole session")
+    p.add_argument("--list", action="store_true", help="list the groups and exit")
+    p.add_argument("--allow-no-gpu", action="store_true",
+                   help="run even where the kernels cannot (the GPU tests then skip)")
     args = p.parse_args()
+    t0 = time.monotonic()
+    deadline = t0 + args.budget
     os.makedirs(args.out, exist_ok=True)
-    carried = os.path.join(ROOT, ".kcache")
-    if os.path.isdir(carried):
-        shutil.copytree(carried, "/tmp/kcache", dirs_exist_ok=True)
-    os.environ.setdefault("MOE_GEMM_CACHE_DIR", "/tmp/kcache")
-    os.environ["MOE_GEMM_GPU_REPORT"] = os.path.join(args.out, "gpu-cases.jsonl")
-    env = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": sh("nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader"),
-        "torch": sh(f"{sys.executable} -c 'import torch;print(torch.__version__)'").strip(),
+    work = tempfile.mkdtemp(prefix="gpu_session_")
+    info = probe()
+    print(json.dumps(info), flush=True)
+    if info.get("problem") and not (args.allow_no_gpu or args.list):
+        print(f"the kernels cannot run here: {info['problem']}", file=sys.stderr)
+        return 2
+
+    pre_log = os.path.join(work, "precompile.log")
+    pre_proc = None
+    if not (args.no_precompile or args.list):
+        pre_proc = precompile(args.compile_jobs, args.precompile_timeout, pre_log)
+    pre_start = time.monotonic()
+    ids, collect_errors = collect(args.paths, args.kexpr, os.path.join(work, "collect.log"))
+    groups: dict[str, Group] = {}
+    for node in ids:
+        groups.setdefault(group_name(node), Group(group_name(node))).tests.append(node)
+    if args.groups:
+        wanted = [w.strip() for w in args.groups.split(",") if w.strip()]
+        groups = {n: g for n, g in groups.items()
+                  if any(fnmatch.fnmatchcase(n, w) for w in wanted)}
+    if args.list:
+        for name, g in sorted(groups.items()):
+            print(f"{name:20s} {len(g.tests):4d} tests")
+        for err in collect_errors:
+            print(err)
+        return 0
+    pre = None
+    if pre_proc is not None:
+        rc = wait(pre_proc, args.precompile_timeout + 30 - (time.monotonic() - pre_start))
+        pre = read_precompile(pre_log, rc, time.monotonic() - pre_start)
+        print(f"precompile: {pre}", flush=True)
+
+    pytest_args = []
+    if info.get("pytest_timeout"):
+        pytest_args = [f"--timeout={args.test_timeout:.0f}", "--timeout-method=thread"]
+    run_groups(list(groups.values()), args.jobs, args.group_timeout, deadline, pytest_args, work)
+
+    results = [summarize(g) for g in sorted(groups.values(), key=lambda g: g.name)]
+    report = {
+        "machine": info, "command": sys.argv, "seconds": round(time.monotonic() - t0, 1),
+        "precompile": pre, "collection_errors": collect_errors,
+        "groups": [{k: v for k, v in r.items() if not k.startswith("_")} for r in results],
+        "tests": [t for r in results for t in r["_tests"]],
+        "cases": [c for r in results for c in r["_cases"]],
+        "compiled_in_tests": [c for r in results for c in r["_compiles"]],
     }
-    print(json.dumps(env), flush=True)
-    summary = {"env": env, "groups": []}
-    if args.precompile:
-        t = time.time()
-        r = subprocess.run([sys.executable, "scripts/precompile.py", "--set", "tests", "-j",
-                            str(args.precompile)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=400)
-        fails = [ln for ln in r.stdout.splitlines() if "FAILED" in ln]
-        summary["precompile"] = {"rc": r.returncode, "seconds": round(time.time() - t, 1),
-                                 "failed": fails[:10]}
-        print(json.dumps(summary["precompile"]), flush=True)
-    if args.tests:
-        wanted = set(args.groups.split(",")) if args.groups else None
-        for name, expr in GROUPS:
-            if wanted and name not in wanted:
-                continue
-            res = run_group(name, expr, args.out, args.group_timeout, [])
-            summary["groups"].append(res)
-            print(json.dumps(res), flush=True)
-    if args.bench:
-        cmd = f"{sys.executable} -m benchmarks.bench --out {args.out}/bench.json " \
-              f"--png {args.out}/bench.png {args.bench_args}"
-        t = time.time()
-        rc = subprocess.run(cmd, shell=True, cwd=ROOT, timeout=560).returncode
-        summary["bench"] = {"rc": rc, "seconds": round(time.time() - t, 1)}
-    with open(os.path.join(args.out, "session.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    cases = os.environ["MOE_GEMM_GPU_REPORT"]
-    if os.path.exists(cases):
-        rows = [json.loads(line) for line in open(cases)]
-        bad = [r for r in rows if not r["passed"]]
-        print(f"cases: {len(rows)} recorded, {len(bad)} failed")
-        for r in bad[:15]:
-            print("FAIL", r["name"], {k: r.get(k) for k in ("max_rel_err", "baseline_err")})
-    for g in summary["groups"]:
-        print(f"{g['group']:16s} rc={g.get('rc')} {g.get('seconds', '')}s {g.get('tail', '')[-1:]}")
-    return 0
+    with open(os.path.join(args.out, "gpu-tests.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(args.out, "gpu-logs.txt"), "w") as f:
+        logs = [("precompile", pre_log), ("collection", os.path.join(work, "collect.log"))]
+        logs += [(g.name, g.log) for g in groups.values() if g.log]
+        for name, path in logs:
+            if os.path.exists(path):
+                f.write(f"\n===== {name} =====\n{open(path).read()}")
+    failed = [t for t in report["tests"] if t["outcome"] in ("failed", "error", "xpassed")]
+    for t in failed[:20]:
+        print(f"{t['outcome'].upper():8s} {t['nodeid']}\n  {t.get('message', '')[-300:]}")
+    for err in collect_errors:
+        print(err)
+    print(table(results, pre))
+    bad = (collect_errors or not results or any(not r["ok"] for r in results)
+           or (pre is not None and (pre["rc"] != 0 or pre["failed"])))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

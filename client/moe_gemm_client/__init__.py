@@ -18,7 +18,9 @@ Public API:
 
 __version__ = "0.1.0"
 
-from ._client import AsyncClient, Client, ProgressCallback, TimeoutTypes  # noqa: E402
+from ._async_client import AsyncClient  # noqa: E402
+from ._calls import ProgressCallback, TimeoutTypes  # noqa: E402
+from ._client import Client  # noqa: E402
 from ._constants import (  # noqa: E402
     DEFAULT_BASE_URL,
     DEFAULT_MAX_RETRIES,

@@ -9,9 +9,25 @@ Start it with `moe-gemm-server` (or `python -m moe_gemm_server`); build the ASGI
 with `create_app(Settings(...))`.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from .config import Settings  # noqa: E402
-from .main import create_app  # noqa: E402
+
+if TYPE_CHECKING:
+    from .main import create_app
 
 __all__ = ["Settings", "create_app", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # create_app pulls in torch and the engine (~2-4 s); `moe-gemm-server --help` and
+    # `--version` import this package and must not pay for that.
+    if name == "create_app":
+        from .main import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

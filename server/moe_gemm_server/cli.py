@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -108,11 +110,14 @@ class DrainingServer(uvicorn.Server):
         if self._loop is None or self._drain_task is not None or self.should_exit:
             super().handle_exit(sig, frame)  # second signal: stop now
             return
-        log.info("received %s: draining", signal.Signals(sig).name)
-        self._loop.call_soon_threadsafe(self._start_drain)
+        # A signal handler runs in whatever context the main thread is in when the signal
+        # lands, often a request's task: its request id would tag the drain's log lines. The
+        # drain starts in a fresh context instead (call_soon_threadsafe would copy this one).
+        self._loop.call_soon_threadsafe(self._start_drain, sig, context=contextvars.Context())
 
-    def _start_drain(self) -> None:
+    def _start_drain(self, sig: int) -> None:
         if self._drain_task is None:
+            log.info("received %s: draining", signal.Signals(sig).name)
             self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
@@ -123,19 +128,87 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point of `moe-gemm-server`."""
-    settings = settings_from_args(argv)
-    configure_logging(settings.log_level)
-    from moe_gemm_server.engine import resolve_device
+def _address(addr: tuple[Any, ...]) -> str:
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Bound sockets for every address `host` resolves to (port 0: one free port for all).
+
+    Bound before anything else starts, so that a busy port or an unknown host is refused with
+    one line (uvicorn binds only after the app has started, and logs a failure as several).
+
+    Raises:
+        OSError: the host does not resolve or an address cannot be bound; the message names
+            the address and the flags.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on --host {host!r}: {e.strerror}") from None
+    sockets: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            if port == 0 and sockets:  # the same free port on every address
+                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio does: v6 sockets take v6 only
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise OSError(f"cannot listen on {_address(addr)} (--host/--port): "
+                              f"{e.strerror or e}") from None
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _build_app(settings: Settings) -> Any:
+    """The app with its engine built now: a device or backend that cannot run, or a data
+    directory that cannot be used, is refused before serving starts. Raises SystemExit."""
     from .main import create_app
+    from .service import build_engine
 
     try:
-        resolve_device(settings.device)  # fail before binding the port, with one line
-        app = create_app(settings)
-    except (ValueError, OSError) as e:
+        engine = build_engine(settings)
+    except (ValueError, RuntimeError) as e:
         raise SystemExit(f"moe-gemm-server: {e}") from None
+    try:
+        return create_app(settings, engine=engine)
+    except OSError as e:
+        raise SystemExit(f"moe-gemm-server: cannot use --data-dir {settings.data_dir}: "
+                         f"{e.strerror or e}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of `moe-gemm-server`.
+
+    Every refusal to start (bad flags, a device or backend that cannot run here, an unusable
+    data directory, an address that cannot be bound) prints one line and exits 1.
+    """
+    settings = settings_from_args(argv)
+    configure_logging(settings.log_level)
+    try:
+        sockets = listen(settings.host, settings.port)
+    except OSError as e:
+        raise SystemExit(f"moe-gemm-server: {e}") from None
+    try:
+        app = _build_app(settings)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -148,8 +221,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
         lifespan="on",
     )
+    scheme = "https" if config.is_ssl else "http"
+    for sock in sockets:
+        log.info("listening on %s://%s", scheme, _address(sock.getsockname()))
     server = DrainingServer(config, app)
-    server.run()
+    server.run(sockets=sockets)
     if not server.started:
         sys.exit(3)
 

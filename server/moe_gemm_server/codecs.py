@@ -237,11 +237,44 @@ def json_dtype(obj: Mapping[str, Any]) -> torch.dtype:
     return JSON_DTYPES[name]
 
 
-def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None) -> torch.Tensor:
+def nested_shape(value: Any) -> tuple[int, ...] | None:
+    """The shape of a rectangular nested list of JSON numbers (any depth), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return ()
+    if not isinstance(value, list):
+        return None
+    if not value:
+        return (0,)
+    try:
+        inner = {nested_shape(v) for v in value}
+    except RecursionError:
+        return None
+    if len(inner) != 1 or None in inner:
+        return None
+    return (len(value), *inner.pop())
+
+
+def _wrong_rank(name: str, value: Any, ndim: int, hint: str) -> None:
+    """422 when `value` is a well-formed list of numbers of another rank than `ndim`.
+
+    A list of the wrong rank is the same mistake as a safetensors tensor of the wrong rank,
+    and gets the same status; a list that is not numbers, or ragged, stays a 400.
+    """
+    shape = nested_shape(value)
+    if shape is not None and len(shape) != ndim:
+        raise unprocessable(f"{name!r} must be {ndim}-D {hint}; got a {len(shape)}-D list of "
+                            f"shape {shape}")
+
+
+def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None,
+            hint: str = "(rows, columns)") -> torch.Tensor:
     """A nested list of numbers -> 2-D tensor; [] means (0, inner) when inner is known."""
     try:
         rows = _ROWS.validate_python(value)
     except ValidationError:
+        _wrong_rank(name, value, 2, hint)
         raise bad_request(f"{name!r} must be a list of rows of numbers") from None
     if not rows:
         return torch.empty(0, inner or 0, dtype=dtype)
@@ -255,14 +288,17 @@ def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None)
     return torch.from_numpy(arr).to(dtype)
 
 
-def json_tensor3(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A 3-level nested list of numbers -> 3-D tensor (400 if not numbers or ragged)."""
+def json_tensor3(name: str, value: Any, dtype: torch.dtype, hint: str = "") -> torch.Tensor:
+    """A 3-level nested list of numbers -> 3-D tensor (400 if not numbers or ragged, 422 if
+    well-formed but of another rank)."""
     try:
         mats = _MATS.validate_python(value)
         arr = np.asarray(mats, dtype=np.float64)
     except (ValidationError, ValueError, OverflowError):
+        _wrong_rank(name, value, 3, hint)
         raise bad_request(f"{name!r} must be a rectangular 3-D nested list of numbers") from None
     if arr.ndim != 3:
+        _wrong_rank(name, value, 3, hint)
         raise bad_request(f"{name!r} must be a rectangular 3-D nested list of numbers")
     return torch.from_numpy(arr).to(dtype)
 
@@ -287,7 +323,7 @@ def decode_json_grouped_mm(obj: Mapping[str, Any], K: int) -> dict[str, torch.Te
                           "dtype")
     if "x" not in obj:
         raise bad_request("missing tensor 'x' (T, K)")
-    out = {"x": _matrix("x", obj["x"], dtype, K)}
+    out = {"x": _matrix("x", obj["x"], dtype, K, "(T, K)")}
     for key in ("counts", "offs"):
         if key in obj:
             out[key] = json_int_vector(key, obj[key])
@@ -308,10 +344,10 @@ def decode_json_grouped_gemm(obj: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     a, b = obj["a"], obj["b"]
     out: dict[str, torch.Tensor] = {}
     for i, bi in enumerate(b):
-        out[f"b.{i}"] = _matrix(f"b[{i}]", bi, dtype)
+        out[f"b.{i}"] = _matrix(f"b[{i}]", bi, dtype, hint="(K_i, N_i)")
     for i, ai in enumerate(a):
         inner = out[f"b.{i}"].shape[0] if f"b.{i}" in out else None
-        out[f"a.{i}"] = _matrix(f"a[{i}]", ai, dtype, inner)
+        out[f"a.{i}"] = _matrix(f"a[{i}]", ai, dtype, inner, "(M_i, K_i)")
     return out
 
 

@@ -35,8 +35,15 @@ async def require_admin(request: Request, service: ServiceDep) -> None:
     check_admin(request, service.settings)
 
 
+async def require_serving(request: Request, service: ServiceDep) -> None:
+    service.check_serving(request)
+
+
 ReaderDep = Depends(require_reader)
 AdminDep = Depends(require_admin)
+# 503 while starting or draining: every route but the health probes and /metrics has it (the
+# matmul routes check the same through Service.admit).
+ServingDep = Depends(require_serving)
 
 
 def hot_path(request: Request) -> Service:

@@ -658,9 +658,10 @@ class Engine:
                     f"{ws.name!r}; got {_shape(x)}"
                 )
             if x.dtype not in (ws.dtype, torch.float32):
+                allowed = "" if ws.dtype == torch.float32 else " or float32"
                 raise TypeError(
-                    f"request {r}: x must be {str(ws.dtype)[6:]} (the weight set's dtype) or "
-                    f"float32; got {str(x.dtype)[6:]}"
+                    f"request {r}: x must be {str(ws.dtype)[6:]} (the weight set's dtype)"
+                    f"{allowed}; got {str(x.dtype)[6:]}"
                 )
             if dtype is None:
                 dtype = x.dtype

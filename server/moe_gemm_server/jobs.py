@@ -108,8 +108,9 @@ def mm_job(
         raise unprocessable(f"{x_name!r} must be (T, K) = (T, {ws.K}) for weight set "
                             f"{ws.name!r}; got {_shape(x)}")
     if x.dtype not in (ws.dtype, torch.float32):
+        allowed = "" if ws.dtype == torch.float32 else " or float32"
         raise unprocessable(
-            f"{x_name!r} must be {dtype_name(ws.dtype)} (the weight set's dtype) or float32; "
+            f"{x_name!r} must be {dtype_name(ws.dtype)} (the weight set's dtype){allowed}; "
             f"got {dtype_name(x.dtype)}"
         )
     T = x.shape[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,9 +24,20 @@ from .logs import request_id_var
 MiB = 1 << 20
 
 
+BODY_FLAG = "--max-body-bytes"
+WEIGHT_FLAG = "--max-weight-bytes"
+
+
+class BodyLimit(NamedTuple):
+    """A body limit in bytes and the flag that sets it (named in the 413's message)."""
+
+    bytes: int
+    flag: str = BODY_FLAG
+
+
 class BodyTooLarge(APIError):
-    def __init__(self, limit: int, what: str = "request body") -> None:
-        super().__init__(413, f"{what} exceeds the limit of {limit} bytes")
+    def __init__(self, limit: int, what: str = "request body", flag: str = BODY_FLAG) -> None:
+        super().__init__(413, f"{what} exceeds the limit of {limit} bytes ({flag})")
 
 
 def content_length(scope: Scope) -> int | None:
@@ -44,7 +56,7 @@ def content_length(scope: Scope) -> int | None:
 class BodyLimitMiddleware:
     """413 for bodies over `limit_for(scope)` bytes, decided before reading them."""
 
-    def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], int],
+    def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], BodyLimit],
                  on_reject: Callable[[], None] | None = None) -> None:
         self.app = app
         self.limit_for = limit_for
@@ -54,7 +66,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit_for(scope)
+        limit, flag = self.limit_for(scope)
         try:
             declared = content_length(scope)
         except APIError as e:
@@ -64,7 +76,7 @@ class BodyLimitMiddleware:
             if self.on_reject is not None:
                 self.on_reject()
             await _send_error(send, 413, f"request body of {declared} bytes exceeds the limit of "
-                                         f"{limit} bytes", close=True)
+                                         f"{limit} bytes ({flag})", close=True)
             return
         received = 0
 
@@ -74,7 +86,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, flag=flag)
             return message
 
         await self.app(scope, limited_receive, send)
@@ -91,7 +103,8 @@ async def _send_error(send: Send, status: int, message: str, close: bool = False
     await send({"type": "http.response.body", "body": body})
 
 
-def _decompress(data: bytes | bytearray, encoding: str, limit: int) -> bytearray:
+def _decompress(data: bytes | bytearray, encoding: str, limit: int,
+                flag: str = BODY_FLAG) -> bytearray:
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
     d = zlib.decompressobj(wbits)
     out = bytearray()
@@ -101,19 +114,20 @@ def _decompress(data: bytes | bytearray, encoding: str, limit: int) -> bytearray
         while d.unconsumed_tail and len(out) <= limit:
             out += d.decompress(d.unconsumed_tail, limit + 1 - len(out))
         if len(out) > limit:
-            raise BodyTooLarge(limit, "decompressed request body")
+            raise BodyTooLarge(limit, "decompressed request body", flag)
         out += d.flush()
     except zlib.error as e:
         raise bad_request(f"request body is not valid {encoding} data: {e}") from None
     if len(out) > limit:
-        raise BodyTooLarge(limit, "decompressed request body")
+        raise BodyTooLarge(limit, "decompressed request body", flag)
     if not d.eof:
         raise bad_request(f"request body is truncated {encoding} data")
     return out
 
 
-async def read_body(request: Request, limit: int, *, allow_encoding: bool = True) -> bytearray:
-    """The whole request body (decompressed), at most `limit` bytes, else 413."""
+async def read_body(request: Request, limit: int, *, allow_encoding: bool = True,
+                    flag: str = BODY_FLAG) -> bytearray:
+    """The whole request body (decompressed), at most `limit` bytes (set by `flag`), else 413."""
     declared = content_length(request.scope)
     if declared is not None and declared <= limit:
         # One allocation of the announced size, filled in place: no regrowth copies of a
@@ -135,10 +149,10 @@ async def read_body(request: Request, limit: int, *, allow_encoding: bool = True
         async for chunk in request.stream():
             buf += chunk
             if len(buf) > limit:
-                raise BodyTooLarge(limit)
+                raise BodyTooLarge(limit, flag=flag)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
         return buf
     if encoding in ("gzip", "deflate") and allow_encoding:
-        return _decompress(buf, encoding, limit)
+        return _decompress(buf, encoding, limit, flag)
     raise APIError(415, f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")

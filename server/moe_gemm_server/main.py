@@ -22,7 +22,7 @@ from moe_gemm_server.engine import Engine
 from . import __version__
 from .config import Settings, get_settings
 from .errors import APIError, error_response, request_id_of
-from .limits import BodyLimitMiddleware
+from .limits import BODY_FLAG, WEIGHT_FLAG, BodyLimit, BodyLimitMiddleware
 from .middleware import ObservabilityMiddleware
 from .routers import health, matmul, metrics, v2, weights
 from .service import Service
@@ -49,10 +49,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     )
     app.state.service = service
 
-    def limit_for(scope: Scope) -> int:
+    def limit_for(scope: Scope) -> BodyLimit:
         if scope.get("method") == "PUT" and scope.get("path", "").startswith("/v1/weights/"):
-            return settings.max_weight_bytes
-        return settings.max_body_bytes
+            return BodyLimit(settings.max_weight_bytes, WEIGHT_FLAG)
+        return BodyLimit(settings.max_body_bytes, BODY_FLAG)
 
     app.add_middleware(
         BodyLimitMiddleware,

@@ -31,7 +31,7 @@ from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
 from .codecs import JSON_DTYPES, encode_safetensors, json_tensor3, parse_json_object
 from .config import Settings
 from .errors import APIError, unavailable, unprocessable
-from .limits import BodyTooLarge, read_body
+from .limits import WEIGHT_FLAG, BodyTooLarge, read_body
 from .metrics import Metrics, StatsBook
 from .storage import WeightStore, check_name, read_weight_file
 
@@ -41,6 +41,18 @@ WRITE_CHUNK = 4 << 20
 
 
 MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
+
+
+def build_engine(settings: Settings) -> Engine:
+    """The Engine `settings` describe. Raises ValueError (device) or RuntimeError (backend)."""
+    return Engine(
+        settings.device,
+        config=GemmConfig(backend=settings.backend),
+        warmup_rows=settings.warmup_rows,
+        max_rows=max(settings.max_rows, settings.max_batch_rows),
+        tune=settings.tune_at_start,
+    )
+
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
@@ -68,13 +80,7 @@ class Service:
     async def start(self) -> None:
         s = self.settings
         if self.engine is None:
-            self.engine = Engine(
-                s.device,
-                config=GemmConfig(backend=s.backend),
-                warmup_rows=s.warmup_rows,
-                max_rows=max(s.max_rows, s.max_batch_rows),
-                tune=s.tune_at_start,
-            )
+            self.engine = build_engine(s)
         log.info("engine on %s, backend %s%s", self.engine.device, self.engine.backend,
                  f" ({self.engine.backend_reason})" if self.engine.backend_reason else "")
         self._weights_lock = asyncio.Lock()
@@ -273,7 +279,8 @@ class Service:
         try:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype == "application/json":
-                body = await read_body(request, self.settings.max_weight_bytes)
+                body = await read_body(request, self.settings.max_weight_bytes,
+                                       flag=WEIGHT_FLAG)
                 data = await asyncio.to_thread(_json_weights, body)
                 await asyncio.to_thread(_write_file, temp, data)
             elif ctype in SAFETENSORS_TYPES:
@@ -334,7 +341,7 @@ async def _stream_to_file(request: Request, path: Path, limit: int) -> None:
         async for chunk in request.stream():
             total += len(chunk)
             if total > limit:
-                raise BodyTooLarge(limit)
+                raise BodyTooLarge(limit, flag=WEIGHT_FLAG)
             buf += chunk
             if len(buf) >= WRITE_CHUNK:
                 data, buf = bytes(buf), bytearray()
@@ -364,4 +371,5 @@ def _json_weights(body: bytearray) -> bytes:
     if names not in (["w"], ["w_t"]):
         raise unprocessable("expected exactly one field 'w' (E, K, N) or 'w_t' (E, N, K) "
                             f"(plus 'dtype'); got {names}")
-    return encode_safetensors({names[0]: json_tensor3(names[0], obj[names[0]], dtype)})
+    hint = "(E, K, N)" if names[0] == "w" else "(E, N, K)"
+    return encode_safetensors({names[0]: json_tensor3(names[0], obj[names[0]], dtype, hint)})

@@ -27,7 +27,8 @@ from moe_client_testutils import (
 
 import moe_gemm_client as mgc
 from moe_gemm_client import _constants as C
-from moe_gemm_client._client import _Call, parse_retry_after
+from moe_gemm_client._base import parse_retry_after
+from moe_gemm_client._calls import _Call
 from moe_gemm_client._tensors import BFLOAT16
 
 MODES = ["sync", "async"]

@@ -15,7 +15,7 @@ import torch
 from moe_client_testutils import grouped_mm_ref, running_server
 
 import moe_gemm_client as mgc
-from moe_gemm_client._client import _Call
+from moe_gemm_client._calls import _Call
 from moe_gemm_client._tensors import BFLOAT16, BytesPayload
 
 pytest.importorskip("moe_gemm_server")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from host_fakes import Recorder, clear_caches, install
 
 

@@ -3,8 +3,8 @@
 The compiled kernel is replaced by a recorder, so these tests check everything the host
 hands the kernel: per-problem metadata rows (pointers, leading dims, sizes, K-sort order),
 the outputs it allocates (shapes, 16-byte alignment, no overlap), and the grid. The GPU
-tests (tests/kernels/test_grouped_gemm_gpu.py) check the kernel's arithmetic on the same
-metadata.
+tests (tests/kernels/test_general_gpu.py, test_repeated_calls_gpu.py) check the kernel's
+arithmetic on the same metadata.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import random
 
 import pytest
 import torch
+from host_fakes import Recorder, check_outputs
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops import launch as host
 from moe_gemm.ops.support import analyze_general
 from moe_gemm.ops.validation import check_grouped_gemm
-
-from host_fakes import Recorder, check_outputs
 
 
 def _problems(sizes, dtype=torch.bfloat16, b_col=()):

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from moe_gemm_server.engine import WeightSet
 
 from .. import __version__
-from ..dependencies import ReaderDep, ServiceDep, hot_path
+from ..dependencies import ReaderDep, ServiceDep, ServingDep, hot_path
 from ..errors import APIError, bad_request, request_id_of
 from ..jobs import mm_job
 from ..limits import read_body
@@ -52,7 +52,7 @@ def _metadata(ws: WeightSet) -> dict[str, Any]:
     }
 
 
-@router.get("")
+@router.get("", dependencies=[ServingDep])
 async def server_metadata(service: ServiceDep) -> dict[str, Any]:
     engine = service.engine
     return {
@@ -64,29 +64,32 @@ async def server_metadata(service: ServiceDep) -> dict[str, Any]:
     }
 
 
-@router.get("/models/stats", dependencies=[ReaderDep])
+@router.get("/models/stats", dependencies=[ReaderDep, ServingDep])
 async def all_stats(service: ServiceDep) -> dict[str, Any]:
     assert service.engine is not None
     return {"model_stats": [service.stats.as_v2(ws.name) for ws in service.engine.weight_sets()]}
 
 
-@router.get("/models/{name}", dependencies=[ReaderDep])
+@router.get("/models/{name}", dependencies=[ReaderDep, ServingDep])
 async def model_metadata(name: str, service: ServiceDep) -> dict[str, Any]:
     return _metadata(service.weight_set(name))
 
 
-@router.get("/models/{name}/versions/{version}", dependencies=[ReaderDep])
+@router.get("/models/{name}/versions/{version}", dependencies=[ReaderDep, ServingDep])
 async def model_version_metadata(name: str, version: str, service: ServiceDep) -> dict[str, Any]:
     _check_version(version)
     return _metadata(service.weight_set(name))
 
 
 async def _ready(name: str, request: Request, service: Service) -> JSONResponse:
-    service.weight_set(name)
+    """A model's readiness probe: 503 while the server starts or drains (checked first: a set
+    that is still loading is not unknown), 404 for an unknown model, else 200."""
     if not service.is_ready:
         return JSONResponse(
             {"name": name, "ready": False, "error": f"not ready: {service.not_ready_reason}",
-             "request_id": request_id_of(request)}, status_code=503)
+             "request_id": request_id_of(request)}, status_code=503,
+            headers={"Retry-After": "1"})
+    service.weight_set(name)
     return JSONResponse({"name": name, "ready": True})
 
 
@@ -102,13 +105,13 @@ async def model_version_ready(name: str, version: str, request: Request,
     return await _ready(name, request, service)
 
 
-@router.get("/models/{name}/stats", dependencies=[ReaderDep])
+@router.get("/models/{name}/stats", dependencies=[ReaderDep, ServingDep])
 async def model_stats(name: str, service: ServiceDep) -> dict[str, Any]:
     service.weight_set(name)
     return {"model_stats": [service.stats.as_v2(name)]}
 
 
-@router.get("/models/{name}/versions/{version}/stats", dependencies=[ReaderDep])
+@router.get("/models/{name}/versions/{version}/stats", dependencies=[ReaderDep, ServingDep])
 async def model_version_stats(name: str, version: str, service: ServiceDep) -> dict[str, Any]:
     _check_version(version)
     service.weight_set(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..dependencies import AdminDep, ReaderDep, ServiceDep
+from ..dependencies import AdminDep, ReaderDep, ServiceDep, ServingDep
 from ..storage import check_name
 
 router = APIRouter(prefix="/v1/weights", tags=["weights"])
@@ -21,13 +21,13 @@ async def put_weights(name: str, request: Request, service: ServiceDep) -> JSONR
     return JSONResponse(ws.info(), status_code=201 if created else 200)
 
 
-@router.get("", dependencies=[ReaderDep])
+@router.get("", dependencies=[ReaderDep, ServingDep])
 async def list_weights(service: ServiceDep) -> dict[str, object]:
     assert service.engine is not None
     return {"weights": [ws.info() for ws in service.engine.weight_sets()]}
 
 
-@router.get("/{name}", dependencies=[ReaderDep])
+@router.get("/{name}", dependencies=[ReaderDep, ServingDep])
 async def get_weights(name: str, service: ServiceDep) -> dict[str, object]:
     return service.weight_set(name).info()
 

@@ -1,0 +1,204 @@
+"""`AsyncClient`: the asynchronous client of moe-gemm-server; `Client`'s methods as coroutines.
+
+Works under asyncio and trio (through anyio, as httpx does). The calls and the decisions on
+answers are shared with `Client` (`_calls.py`, `_base.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar, overload
+
+import anyio  # a hard dependency of httpx, so always present alongside it
+import httpx
+
+from . import _calls as calls
+from . import _constants as C
+from ._base import _BaseClient, _Done
+from ._calls import ProgressCallback, TimeoutTypes, _Call
+from ._exceptions import APIConnectionError
+from .types import WeightDeleted, WeightInfo
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+__all__ = ["AsyncClient"]
+
+
+class AsyncClient(_BaseClient):
+    """Asynchronous client of moe-gemm-server; the same arguments and methods as `Client`,
+    as coroutines. Works under asyncio and trio (through anyio, as httpx does).
+
+    Args:
+        base_url, api_key, timeout, max_retries, default_headers: As for `Client`.
+        http_client: An `httpx.AsyncClient` to send with; not closed by `close()`.
+    """
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL | None = None,
+        api_key: str | None = None,
+        timeout: TimeoutTypes = C.DEFAULT_TIMEOUT,
+        max_retries: int = C.DEFAULT_MAX_RETRIES,
+        *,
+        default_headers: Mapping[str, str] | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout,
+                         max_retries=max_retries, default_headers=default_headers)
+        if http_client is not None and not isinstance(http_client, httpx.AsyncClient):
+            raise TypeError(f"http_client must be an httpx.AsyncClient; got "
+                            f"{type(http_client).__name__}")
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(limits=C.DEFAULT_CONNECTION_LIMITS,
+                                                      follow_redirects=False)
+        self._sleep: Callable[[float], Any] = anyio.sleep
+
+    async def close(self) -> None:
+        """Close the connection pool (not an http_client passed in)."""
+        if self._owns_http:
+            await self._http.aclose()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _request(self, call: _Call[R]) -> R:
+        state = self._state(call)
+        while True:
+            request = self._build_request(self._http, call, asynchronous=True)
+            try:
+                response = await self._http.send(request)
+            except httpx.HTTPError as exc:
+                delay = self._on_transport_error(call, request, exc, state)
+            else:
+                outcome = self._on_response(call, response, state)
+                if isinstance(outcome, _Done):
+                    return outcome.value
+                delay = outcome
+            await self._sleep(delay)
+
+    async def health(self, *, request_id: str | None = None, timeout: TimeoutTypes = None,
+                     max_retries: int | None = None,
+                     extra_headers: Mapping[str, str] | None = None) -> bool:
+        """Whether the server process is live; see `Client.health`."""
+        return await self._request(calls.health_call(
+            "/v2/health/live", "live", request_id=request_id, timeout=timeout,
+            max_retries=max_retries, extra_headers=extra_headers))
+
+    async def ready(self, *, request_id: str | None = None, timeout: TimeoutTypes = None,
+                    max_retries: int | None = None,
+                    extra_headers: Mapping[str, str] | None = None) -> bool:
+        """Whether the server is ready to compute; see `Client.ready`."""
+        return await self._request(calls.health_call(
+            "/v2/health/ready", "ready", request_id=request_id, timeout=timeout,
+            max_retries=max_retries, extra_headers=extra_headers))
+
+    async def wait_until_ready(self, timeout: float = 60.0, *, interval: float = 0.25) -> bool:
+        """Poll ready() until it says yes or `timeout` seconds pass; see `Client`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if await self.ready(max_retries=0, timeout=max(min(left, 5.0), 0.05)):
+                    return True
+            except APIConnectionError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await self._sleep(min(interval, left))
+
+    async def list_weights(self, *, request_id: str | None = None, timeout: TimeoutTypes = None,
+                           max_retries: int | None = None,
+                           extra_headers: Mapping[str, str] | None = None) -> list[WeightInfo]:
+        """The resident weight sets; see `Client.list_weights`."""
+        return await self._request(calls.list_call(
+            request_id=request_id, timeout=timeout, max_retries=max_retries,
+            extra_headers=extra_headers))
+
+    async def get_weights(self, name: str, *, request_id: str | None = None,
+                          timeout: TimeoutTypes = None, max_retries: int | None = None,
+                          extra_headers: Mapping[str, str] | None = None) -> WeightInfo:
+        """Metadata of one weight set; see `Client.get_weights`."""
+        return await self._request(calls.get_call(
+            name, request_id=request_id, timeout=timeout, max_retries=max_retries,
+            extra_headers=extra_headers))
+
+    async def put_weights(self, name: str, w: Any, *, layout: Literal["w", "w_t"] = "w",
+                          progress: ProgressCallback | None = None,
+                          request_id: str | None = None, timeout: TimeoutTypes = None,
+                          max_retries: int | None = None,
+                          extra_headers: Mapping[str, str] | None = None) -> WeightInfo:
+        """Upload (or replace) a weight set; see `Client.put_weights`."""
+        return await self._request(calls.put_call(
+            name, w, layout, progress, request_id=request_id, timeout=timeout,
+            max_retries=max_retries, extra_headers=extra_headers))
+
+    async def upload_safetensors(self, name: str, path: str | os.PathLike[str], *,
+                                 tensor: str | None = None,
+                                 layout: Literal["w", "w_t"] | None = None,
+                                 progress: ProgressCallback | None = None,
+                                 request_id: str | None = None, timeout: TimeoutTypes = None,
+                                 max_retries: int | None = None,
+                                 extra_headers: Mapping[str, str] | None = None) -> WeightInfo:
+        """Upload one tensor of a .safetensors file; see `Client.upload_safetensors`."""
+        return await self._request(calls.upload_file_call(
+            name, path, tensor, layout, progress, request_id=request_id, timeout=timeout,
+            max_retries=max_retries, extra_headers=extra_headers))
+
+    async def delete_weights(self, name: str, *, request_id: str | None = None,
+                             timeout: TimeoutTypes = None, max_retries: int | None = None,
+                             extra_headers: Mapping[str, str] | None = None) -> WeightDeleted:
+        """Delete a weight set; see `Client.delete_weights`."""
+        return await self._request(calls.delete_call(
+            name, request_id=request_id, timeout=timeout, max_retries=max_retries,
+            extra_headers=extra_headers))
+
+    @overload
+    async def grouped_mm(self, name: str, x: T, counts: Any = None, offs: Any = None, *,
+                         return_request_id: Literal[False] = False, priority: int | None = None,
+                         request_timeout_us: int | None = None, request_id: str | None = None,
+                         timeout: TimeoutTypes = None, max_retries: int | None = None,
+                         extra_headers: Mapping[str, str] | None = None) -> T: ...
+
+    @overload
+    async def grouped_mm(self, name: str, x: T, counts: Any = None, offs: Any = None, *,
+                         return_request_id: Literal[True], priority: int | None = None,
+                         request_timeout_us: int | None = None, request_id: str | None = None,
+                         timeout: TimeoutTypes = None, max_retries: int | None = None,
+                         extra_headers: Mapping[str, str] | None = None
+                         ) -> tuple[T, str | None]: ...
+
+    async def grouped_mm(self, name: str, x: Any, counts: Any = None, offs: Any = None, *,
+                         return_request_id: bool = False, priority: int | None = None,
+                         request_timeout_us: int | None = None, request_id: str | None = None,
+                         timeout: TimeoutTypes = None, max_retries: int | None = None,
+                         extra_headers: Mapping[str, str] | None = None) -> Any:
+        """y = x @ w per expert; see `Client.grouped_mm`."""
+        return await self._request(calls.grouped_mm_call(
+            name, x, counts, offs, return_request_id, priority, request_timeout_us,
+            request_id=request_id, timeout=timeout, max_retries=max_retries,
+            extra_headers=extra_headers))
+
+    async def grouped_gemm(self, a_list: Sequence[Any], b_list: Sequence[Any], *,
+                           return_request_id: bool = False, priority: int | None = None,
+                           request_timeout_us: int | None = None, request_id: str | None = None,
+                           timeout: TimeoutTypes = None, max_retries: int | None = None,
+                           extra_headers: Mapping[str, str] | None = None) -> Any:
+        """D_i = A_i @ B_i; see `Client.grouped_gemm`."""
+        call = calls.grouped_gemm_call(
+            a_list, b_list, return_request_id, priority, request_timeout_us,
+            request_id=request_id, timeout=timeout, max_retries=max_retries,
+            extra_headers=extra_headers)
+        if call is None:
+            return calls.empty_grouped_gemm(return_request_id)
+        return await self._request(call)

@@ -1,0 +1,309 @@
+"""`_BaseClient`: what `Client` and `AsyncClient` share, so that they cannot drift apart.
+
+Every request is first described as a `_Call` (method, path, headers, body, how to parse the
+answer; `_calls.py`), and every answer and failure goes through the same `_on_response` /
+`_on_transport_error` decisions here. The only code that differs between the two clients is
+the loop that sends and sleeps (`send` vs `await send`: `_client.py`, `_async_client.py`).
+
+Retries (the rule, also in the README):
+- Every route of this API is safe to repeat: GET, PUT (a full replacement of one weight set) and
+  DELETE are idempotent by HTTP semantics, and the two POST matmul routes are pure functions of
+  their body that change no server state. A request is retried when
+  * no answer came back: the connection was refused, reset or closed, a protocol error, or a
+    timeout (connect, read, write or pool; as in openai-python, each attempt gets the full
+    `timeout` again); or
+  * the server answered 408, 429, 502 or 503 (429 and 503 come with Retry-After).
+- Never retried: other 4xx (the same request would fail the same way), 500 (a server bug
+  repeats), 504 (the request's own X-Timeout-Us deadline passed), and setup errors (a bad
+  URL scheme, a proxy error).
+- A request marked not safe to repeat (`_Call.retry_safe=False`; no public route is, today) is
+  retried only when it certainly never reached the server (connect errors and timeouts, pool
+  timeouts).
+- Delay: the server's Retry-After (seconds or an HTTP date; Retry-After-Ms too) capped at 60 s;
+  otherwise 0.5 s doubling per retry up to 8 s, times a jitter factor in (0.75, 1].
+- A DELETE retried after a lost answer may find the weight set already gone (the first try did
+  delete it); that 404 is reported as success.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import math
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import httpx
+
+from . import _constants as C
+from ._calls import ProgressCallback, TimeoutTypes, _Call, answer_request_id
+from ._exceptions import (
+    APIConnectionError,
+    APIError,
+    APIResponseValidationError,
+    APIStatusError,
+    APITimeoutError,
+    status_error_class,
+)
+from ._tensors import Payload
+
+R = TypeVar("R")
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+
+def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float | None:
+    """Seconds the server asks us to wait: Retry-After-Ms, else Retry-After (seconds or date)."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            value = float(ms) / 1000.0
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value >= 0:
+            return value
+    ra = headers.get("retry-after")
+    if ra is None:
+        return None
+    try:
+        value = float(ra)
+    except ValueError:
+        parsed = email.utils.parsedate_tz(ra)
+        if parsed is None:
+            return None
+        value = email.utils.mktime_tz(parsed) - (time.time() if now is None else now)
+        value = max(value, 0.0)
+    if not math.isfinite(value) or value < 0:
+        return None
+    return value
+
+
+
+@dataclass
+class _RetryState:
+    retries_left: int
+    retries_done: int = 0
+    # True once an attempt may have reached the server without us seeing the answer.
+    in_doubt: bool = False
+
+
+@dataclass
+class _Done(Generic[R]):
+    value: R
+
+
+
+class _BaseClient:
+    """Everything Client and AsyncClient share: configuration, request building, answers."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str | httpx.URL | None,
+        api_key: str | None,
+        timeout: TimeoutTypes,
+        max_retries: int,
+        default_headers: Mapping[str, str] | None,
+    ) -> None:
+        if base_url is None:
+            base_url = os.environ.get(C.ENV_BASE_URL) or C.DEFAULT_BASE_URL
+        url = httpx.URL(str(base_url))
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"base_url must be an http(s) URL such as {C.DEFAULT_BASE_URL}; "
+                             f"got {str(base_url)!r}")
+        # A trailing slash makes join() keep a path prefix (a server behind /moe/ on a proxy).
+        self.base_url = httpx.URL(str(url).rstrip("/") + "/")
+        if api_key is None:
+            api_key = os.environ.get(C.ENV_API_KEY) or None
+        if api_key is not None and not isinstance(api_key, str):
+            raise TypeError(f"api_key must be a str or None; got {type(api_key).__name__}")
+        self.api_key = api_key
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int):
+            raise TypeError(f"max_retries must be an int; got {max_retries!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0; got {max_retries}")
+        self.max_retries = max_retries
+        self.timeout = self._check_timeout(timeout)
+        self.default_headers = dict(default_headers or {})
+        self._random: Callable[[], float] = random.random
+
+    def __repr__(self) -> str:
+        key = "set" if self.api_key else "none"
+        return (f"{type(self).__name__}(base_url={str(self.base_url)!r}, api_key=<{key}>, "
+                f"max_retries={self.max_retries})")
+
+    @staticmethod
+    def _check_timeout(timeout: object) -> httpx.Timeout:
+        if isinstance(timeout, httpx.Timeout):
+            return timeout
+        if timeout is None:
+            return httpx.Timeout(None)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be seconds > 0, an httpx.Timeout or None; got "
+                             f"{timeout!r}")
+        return httpx.Timeout(float(timeout))
+
+    # -- request building ------------------------------------------------------------------
+
+    def _headers(self, call: _Call[Any]) -> dict[str, str]:
+        headers = {
+            "User-Agent": f"moe-gemm-client/{_version()} httpx/{httpx.__version__}",
+            "Accept": "application/json",
+        }
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers.update(self.default_headers)
+        headers.update(call.headers)
+        if call.body is not None:
+            headers["Content-Type"] = call.body.content_type
+            headers["Content-Length"] = str(call.body.nbytes)
+        return headers
+
+    def _build_request(self, http: httpx.Client | httpx.AsyncClient, call: _Call[Any],
+                       *, asynchronous: bool) -> httpx.Request:
+        content: Any = None
+        body = call.body
+        if body is not None:
+            if call.progress is None and body.nbytes <= C.STREAM_THRESHOLD_BYTES:
+                content = body.to_bytes()
+            elif asynchronous:
+                content = _aiter_body(body, call.progress)
+            else:
+                content = _iter_body(body, call.progress)
+        timeout = self.timeout if call.timeout is None else self._check_timeout(call.timeout)
+        return http.build_request(
+            call.method,
+            self.base_url.join(call.path.lstrip("/")),
+            content=content,
+            headers=self._headers(call),
+            timeout=timeout,
+        )
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def _retry_delay(self, state: _RetryState, response: httpx.Response | None) -> float:
+        if response is not None:
+            after = parse_retry_after(response.headers)
+            if after is not None:
+                return min(after, C.MAX_RETRY_AFTER)
+        base = min(C.INITIAL_RETRY_DELAY * 2.0**state.retries_done, C.MAX_RETRY_DELAY)
+        return base * (1.0 - C.RETRY_JITTER * self._random())
+
+    def _take_retry(self, state: _RetryState, response: httpx.Response | None) -> float:
+        delay = self._retry_delay(state, response)
+        state.retries_left -= 1
+        state.retries_done += 1
+        return delay
+
+    def _on_transport_error(self, call: _Call[Any], request: httpx.Request, exc: Exception,
+                            state: _RetryState) -> float:
+        """Decide after a failure with no answer: the delay before retrying, or raise."""
+        never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+        err: APIError
+        if isinstance(exc, httpx.TimeoutException):
+            err = APITimeoutError(f"Request timed out: {type(exc).__name__}: {exc}".rstrip(": "),
+                                  request=request, request_id=call.request_id)
+            retryable = True
+        elif isinstance(exc, httpx.TransportError):
+            err = APIConnectionError(f"Connection error: {type(exc).__name__}: {exc}".rstrip(": "),
+                                     request=request, request_id=call.request_id)
+            # ConnectError/Read/Write/RemoteProtocol: the network or the server went away.
+            # UnsupportedProtocol, ProxyError, LocalProtocolError: our setup; retrying is futile.
+            retryable = isinstance(exc, httpx.NetworkError) or isinstance(
+                exc, httpx.RemoteProtocolError)
+        elif isinstance(exc, httpx.RequestError):
+            # DecodingError (a corrupt compressed body), TooManyRedirects: not worth repeating.
+            raise APIError(f"{type(exc).__name__}: {exc}", request=request,
+                           request_id=call.request_id) from exc
+        else:
+            raise exc
+        if not never_sent:
+            state.in_doubt = True
+            retryable = retryable and call.retry_safe
+        if retryable and state.retries_left > 0:
+            return self._take_retry(state, None)
+        raise err from exc
+
+    def _on_response(self, call: _Call[R], response: httpx.Response,
+                     state: _RetryState) -> _Done[R] | float:
+        """Decide after an answer: the parsed result, the delay before retrying, or raise."""
+        status = response.status_code
+        if 200 <= status < 300 or status in call.answer_statuses:
+            return _Done(self._parse(call, response))
+        if status == 404 and state.in_doubt and call.gone_after_retry is not None:
+            return _Done(call.gone_after_retry())
+        if status in C.RETRYABLE_STATUSES and call.retry_safe and state.retries_left > 0:
+            return self._take_retry(state, response)
+        raise self._status_error(call, response)
+
+    def _request_id(self, call: _Call[Any], response: httpx.Response) -> str | None:
+        return answer_request_id(call, response)
+
+    def _parse(self, call: _Call[R], response: httpx.Response) -> R:
+        try:
+            return call.parse(response)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise APIResponseValidationError(
+                f"unexpected answer to {call.method} {call.path}: {exc}",
+                response=response,
+                request_id=self._request_id(call, response),
+            ) from exc
+
+    def _status_error(self, call: _Call[Any], response: httpx.Response) -> APIStatusError:
+        body: Any
+        try:
+            body = response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            body = response.text
+        request_id = response.headers.get(C.REQUEST_ID_HEADER)
+        message: Any = None
+        if isinstance(body, dict):
+            message = body.get("error") or body.get("detail") or body.get("message")
+            request_id = request_id or (body.get("request_id") if isinstance(
+                body.get("request_id"), str) else None)
+        elif isinstance(body, str) and body.strip():
+            message = body.strip()[:500]
+        if message is None:
+            message = response.reason_phrase or f"HTTP {response.status_code}"
+        elif not isinstance(message, str):
+            message = json.dumps(message)
+        cls = status_error_class(response.status_code)
+        return cls(
+            message,
+            response=response,
+            request_id=request_id or call.request_id,
+            body=body,
+            retry_after=parse_retry_after(response.headers),
+        )
+
+    # -- the calls -------------------------------------------------------------------------
+
+    def _state(self, call: _Call[Any]) -> _RetryState:
+        n = self.max_retries if call.max_retries is None else call.max_retries
+        return _RetryState(retries_left=n)
+
+
+def _iter_body(body: Payload, progress: ProgressCallback | None) -> Iterator[bytes]:
+    total, sent = body.nbytes, 0
+    if progress is not None:
+        progress(0, total)
+    for chunk in body.iter_chunks(C.STREAM_CHUNK_BYTES):
+        yield chunk  # returns once the transport has taken the chunk
+        sent += len(chunk)
+        if progress is not None:
+            progress(sent, total)
+
+
+async def _aiter_body(body: Payload, progress: ProgressCallback | None) -> AsyncIterator[bytes]:
+    # File chunks are read synchronously: 1 MiB from a local file is far shorter than sending it.
+    for chunk in _iter_body(body, progress):
+        yield chunk

@@ -1,0 +1,192 @@
+"""CPU tests of the GPU-run tooling: the variant list the precompile step compiles
+(variants.py) against the launch path's own compile keys, the session's grouping and
+summaries (scripts/gpu_session.py), and the report plugin (gpu_report.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from moe_gemm import GemmConfig
+from moe_gemm.ops import launch
+from moe_gemm.ops.support import analyze_general
+from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
+
+from . import helpers as h
+from .variants import Variants, kernel_test_variants
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
+                                                                      f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def keys_of_launches(monkeypatch: pytest.MonkeyPatch):
+    """The launch path on the CPU, its compiled kernel replaced by the CompileKey it asks for."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "_capturing", lambda: False)
+    monkeypatch.setattr(launch, "_compiled", lambda key: key)
+    monkeypatch.setattr(launch, "_kernel_for", lambda *a: launch._compile_key(*a))
+    monkeypatch.delenv("MOE_GEMM_L2_HINTS", raising=False)
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
+
+
+def _one(v: Variants):
+    assert len(v.keys) == 1
+    return next(iter(v.keys))
+
+
+def _empty(shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype)  # (the values never matter to the key)
+
+
+@pytest.mark.parametrize("sizes,layout,config,out_dtype", [
+    (h.general_case("mixed", random.Random(7)), "col", GemmConfig(schedule="pingpong",
+                                                                   tile_m=64, tile_n=256), None),
+    (h.general_case("mixed", random.Random(7)), "row", GemmConfig(schedule="cooperative"),
+     torch.float32),
+    (h.general_case("many", random.Random(7)), "row", GemmConfig(visitor="host"), None),
+    (h.general_case("kvary", random.Random(7)), "col", GemmConfig(cluster_m=1, cluster_n=2),
+     None),
+    ([(128, 512, 1088), (200, 1024, 1088), (129, 512, 4096)], "row", GemmConfig(), None),
+])
+@pytest.mark.parametrize("trace", [False, True])
+def test_general_variant_is_the_launch_key(keys_of_launches, sizes, layout, config, out_dtype,
+                                           trace):
+    a = [_empty((m, k)) for m, n, k in sizes]
+    b = [_empty((n, k)).t() if layout == "col" else _empty((k, n)) for m, n, k in sizes]
+    args = check_grouped_gemm(a, b, None, out_dtype)
+    lay = analyze_general(args)
+    shape = launch.GeneralShape(tuple(args.sizes), args.dtype, args.out_dtype, lay.b_major,
+                                config, 132, trace)
+    v = Variants()
+    v.general(sizes, config, out_dtype=out_dtype, b_major="k" if layout == "col" else "n",
+              trace=trace)
+    assert shape.kernel == _one(v)
+
+
+@pytest.mark.parametrize("T,E,N,K,layout,config,dtype,out_dtype", [
+    (1000, 10, 136, 264, "nk_view", GemmConfig(schedule="pingpong", visitor="host"),
+     torch.float16, None),
+    (1024, 256, 512, 7168, "nk_view", GemmConfig(), torch.bfloat16, None),
+    (8192, 8, 2048, 4096, "kn", GemmConfig(), torch.bfloat16, None),  # tail split, whole epi
+    (8192, 8, 2048, 4096, "nk_view", GemmConfig(), torch.bfloat16, torch.float32),
+    (3000, 24, 264, 200, "kn", GemmConfig(cluster_m=2, cluster_n=1), torch.bfloat16, None),
+    (6000, 24, 392, 768, "nk_view", None, torch.bfloat16, None),
+])
+def test_varlen_variant_is_the_launch_key(keys_of_launches, T, E, N, K, layout, config, dtype,
+                                          out_dtype):
+    x = _empty((T, K), dtype)
+    w = _empty((E, N, K), dtype).transpose(1, 2) if layout == "nk_view" else _empty((E, K, N),
+                                                                                  dtype)
+    offs = torch.linspace(0, T, E).round().to(torch.int32)  # (sorted: validation checks them)
+    plan = launch.MmPlan(check_grouped_mm(x, w, offs, None, out_dtype), config or GemmConfig())
+    v = Variants()
+    v.varlen(T, E, N, K, config, dtype, out_dtype, b_major="k" if layout == "nk_view" else "n")
+    assert plan.kernel == _one(v)
+
+
+@pytest.mark.parametrize("G,M,N,K,layout,config,out_dtype", [
+    (7, 130, 200, 72, "nk_view", GemmConfig(schedule="pingpong"), None),
+    (256, 128, 512, 7168, "kn", GemmConfig(), None),  # the 1x2 default
+    (6, 100, 192, 320, "kn", GemmConfig(schedule="cooperative"), torch.float16),
+    (5, 65, 264, 136, "nk_view", GemmConfig(cluster_m=2, cluster_n=1), torch.float32),
+])
+def test_batched_variant_is_the_launch_key(keys_of_launches, G, M, N, K, layout, config,
+                                           out_dtype):
+    x = _empty((G, M, K))
+    w = _empty((G, N, K)).transpose(1, 2) if layout == "nk_view" else _empty((G, K, N))
+    plan = launch.BmmPlan(check_grouped_bmm(x, w, None, out_dtype), config)
+    v = Variants()
+    v.batched(G, M, N, K, config, out_dtype=out_dtype,
+              b_major="k" if layout == "nk_view" else "n")
+    assert plan.kernel == _one(v)
+
+
+def test_test_variants_cover_every_kind():
+    keys = kernel_test_variants()
+    names = [k.name() for k in keys]
+    assert len(names) == len(set(names))
+    assert {k.form for k in keys} == {"general", "varlen", "batched"}
+    for flag in ("trace", "tail_split", "epi_whole"):
+        assert any(getattr(k, flag) for k in keys), flag
+    assert {(k.cluster_m, k.cluster_n) for k in keys} >= {(1, 1), (2, 1), (1, 2)}
+    assert {k.visitor for k in keys} == {"device", "host"}
+
+
+def test_session_groups_split_big_files_and_name_the_rest():
+    gs = _load_script("gpu_session")
+    assert gs.group_name("tests/kernels/test_general_gpu.py::test_general_matrix[a]") == \
+        "general-matrix"
+    assert gs.group_name("tests/kernels/test_general_gpu.py::test_headline[x]") == "general"
+    assert gs.group_name("tests/kernels/test_clusters_gpu.py::test_cluster_general[1]") == \
+        "clusters-general"
+    assert gs.group_name("tests/kernels/test_tail_split_gpu.py::test_tail_split_bmm") == \
+        "tail-split"
+    assert gs.group_name("tests/layers/test_moe_gpu.py::test_x") == "layers-moe"
+    assert gs.group_name("tests/server/test_engine.py::test_y") == "server-engine"
+
+
+def test_session_summary_counts_the_worst_outcome_and_unfinished_tests(tmp_path):
+    gs = _load_script("gpu_session")
+    report = tmp_path / "g.jsonl"
+    rows = [{"kind": "test", "nodeid": "t::a", "outcome": "passed", "seconds": 1.0},
+            {"kind": "test", "nodeid": "t::a", "outcome": "error", "seconds": 0.5},
+            {"kind": "test", "nodeid": "t::b", "outcome": "skipped", "seconds": 0.0},
+            {"kind": "case", "name": "c", "passed": True},
+            {"kind": "compile", "name": "k", "seconds": 2.0}]
+    report.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut')
+    group = gs.Group("g", tests=["t::a", "t::b", "t::c"], rc=1, report=str(report))
+    s = gs.summarize(group)
+    assert (s["passed"], s["error"], s["skipped"], s["unfinished"]) == (0, 1, 1, 1)
+    assert s["compiled_in_tests"] == 1 and len(s["_cases"]) == 1 and not s["ok"]
+    assert [t["seconds"] for t in s["_tests"]] == [1.5, 0.0, 0.0]
+    group = gs.Group("g", tests=["t::b"], rc=0, report=str(report))
+    assert gs.summarize(group)["ok"]
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_report_plugin_writes_tests_cases_and_collected_ids(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")])))
+    report, ids = pytester.path / "r.jsonl", pytester.path / "ids.json"
+    monkeypatch.setenv("MOE_GEMM_GPU_REPORT", str(report))
+    monkeypatch.setenv("MOE_GEMM_GPU_COLLECT", str(ids))
+    pytester.makepyfile(test_inner="""
+        import pytest
+        from kernels.gpu_report import record
+
+        def test_ok():
+            record("case-ok", True, err=0.5)
+
+        def test_bad():
+            assert False
+
+        @pytest.mark.skip(reason="no")
+        def test_skip():
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-p", "kernels.gpu_report", "-q")
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    rows = [json.loads(line) for line in report.read_text().splitlines()]
+    tests = {r["nodeid"].split("::")[1]: r["outcome"] for r in rows if r["kind"] == "test"}
+    assert tests == {"test_ok": "passed", "test_bad": "failed", "test_skip": "skipped"}
+    cases = [r for r in rows if r["kind"] == "case"]
+    assert cases[0]["name"] == "case-ok" and cases[0]["test"].endswith("::test_ok")
+    assert [i.split("::")[1] for i in json.loads(ids.read_text())] == [
+        "test_ok", "test_bad", "test_skip"]

@@ -1,0 +1,201 @@
+"""GPU tests of the tail split (cooperative, K >= 4096 by default; kernels/sm90/constants.py):
+a last wave of at most half the grid runs as half-K units on two CTAs joined through an fp32
+workspace slot and a counter that each finisher resets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_gemm
+from moe_gemm import GemmConfig
+from moe_gemm.ops import schedule as sched
+from moe_gemm.ops.validation import check_grouped_mm
+
+from .gpu_report import record
+from .helpers import (
+    DTYPES,
+    TS_K,
+    TS_N,
+    check,
+    check_mm,
+    num_sms,
+    rand,
+    run_batched,
+    tail_split_counts,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype,out_dtype,w_layout,out_mode", [
+    ("bf16", None, "nk_view", "given"),
+    ("bf16", None, "kn", "alloc"),
+    ("fp16", None, "nk_view", "alloc"),
+    ("bf16", torch.float32, "nk_view", "alloc"),
+])
+def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
+    from moe_gemm.ops.launch import last_launch
+
+    K, zero_tail = TS_K, 50
+    # The kernel zeroes rows past offs[-1] only in the output it allocates.
+    counts = tail_split_counts(num_sms(), 1 if out_mode == "alloc" else 0)
+    E, T = len(counts), sum(counts) + zero_tail
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    g = torch.Generator(device="cuda").manual_seed(31)
+    dt = DTYPES[dtype]
+    x = rand((T, K), dt, g)
+    w = (rand((E, TS_N, K), dt, g).transpose(1, 2) if w_layout == "nk_view"
+         else rand((E, K, TS_N), dt, g))
+    odt = out_dtype or dt
+    out = None
+    if out_mode == "given":
+        out = torch.full((T, TS_N), float("nan"), dtype=odt, device="cuda")
+        out[T - zero_tail:] = 7.0  # rows past offs[-1] must stay untouched
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, out_dtype=out_dtype)
+    torch.cuda.synchronize()
+    info = last_launch()
+    assert info.choice.tail_split and info.choice.schedule == "cooperative"
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
+    low = torch.zeros((T, TS_N), dtype=odt, device="cuda")
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            low[start:start + c] = (x[start:start + c] @ w[e]).to(odt)
+        start += c
+    name = f"tail-split/{dtype}/{out_dtype}/{w_layout}/{out_mode}"
+    if out_mode == "given":
+        untouched = bool((y[T - zero_tail:] == 7.0).all())
+        record(f"{name}/tail-untouched", untouched)
+        assert untouched
+        check(name, y[:T - zero_tail], ref[:T - zero_tail], low[:T - zero_tail], T=T, K=K)
+    else:
+        zeros = bool((y[T - zero_tail:] == 0).all())
+        record(f"{name}/zero-tail", zeros)
+        assert zeros
+        check(name, y, ref, low, T=T, K=K)
+    again = moe_gemm.grouped_mm(x, w, offs, out_dtype=out_dtype)
+    same = torch.equal(again[:T - zero_tail], y[:T - zero_tail])
+    record(f"{name}/run-to-run-bitwise", same)
+    assert same
+
+
+@pytest.mark.parametrize("extra_rows", [0, 40 * 128])
+def test_tail_split_visits(extra_rows):
+    """The trace (tiles stored per CTA) is schedule.tail_split_assignment: split tiles are
+    stored by their finisher CTA; with a last wave over half the grid, plain round robin."""
+    from moe_gemm.ops.launch import grouped_mm_cute, last_launch, trace_assignment
+
+    K = TS_K
+    nsm = num_sms()
+    counts = tail_split_counts(nsm, 0)
+    counts[4] += extra_rows
+    while extra_rows and sched.tail_split_units(
+            sum(-(-c // 128) for c in counts) * 8, nsm) is not None:
+        counts[4] += 128  # make the last wave more than half full
+    T = sum(counts)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(counts), K, TS_N, device="cuda", dtype=torch.bfloat16)
+    grouped_mm_cute(check_grouped_mm(x, w, offs, None, None), GemmConfig(backend="cute"),
+                    trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    assert info.choice.tail_split
+    got = trace_assignment(info)
+    ch = info.choice
+    tiles = [-(-r // ch.tile_m) * (TS_N // ch.tile_n) for r in counts]
+    owners = sched.tail_split_assignment(tiles, [K // 64] * len(counts), info.num_ctas).per_cta
+    want = [[(p, *sched.tile_coord(local, -(-counts[p] // ch.tile_m), TS_N // ch.tile_n,
+                                   ch.swizzle)) for p, local in cta] for cta in owners]
+    ok = got == want
+    split = sched.tail_split_units(sum(tiles), info.num_ctas) is not None
+    assert split == (not extra_rows)
+    record(f"tail-split/visits/split={split}", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule.tail_split_assignment"
+
+
+def test_tail_split_replays_reset_counters():
+    """Every finisher resets its counter: eager launches and CUDA-graph replays on new data
+    stay right, and the counters read zero afterwards."""
+    from moe_gemm.kernels.sm90.constants import split_workspace_bytes
+    from moe_gemm.ops import launch
+
+    K = TS_K
+    counts = tail_split_counts(num_sms(), 0)
+    T, E = sum(counts), len(counts)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, TS_N, K, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    for trial in range(3):
+        x.copy_(torch.randn(T, K, device="cuda", dtype=torch.bfloat16))
+        y = moe_gemm.grouped_mm(x, w, offs)
+        torch.cuda.synchronize()
+        check_mm(f"tail-split/eager{trial}", y, x, w, offs)
+    info = launch.last_launch()
+    assert info.choice.tail_split
+    counters, _, total = split_workspace_bytes(info.num_ctas, info.choice.tile_m,
+                                               info.choice.tile_n)
+    spaces = [ws for key, ws in launch._workspaces.items()
+              if key[-1] and key[-2] == -(-total // 8)]
+    assert spaces, "no tail-split workspace cached"
+    for ws in spaces:
+        raw = ws.view(torch.int32)[counters // 4:counters // 4 + info.num_ctas]
+        zero = bool((raw == 0).all())
+        record("tail-split/counters-zero-after-eager", zero)
+        assert zero
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = moe_gemm.grouped_mm(x, w, offs)
+    for trial in range(3):
+        x.copy_(torch.randn(T, K, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_mm(f"tail-split/graph-replay{trial}", yg, x, w, offs)
+        eager = moe_gemm.grouped_mm(x, w, offs)
+        same = torch.equal(eager, yg)
+        record(f"tail-split/graph-replay{trial}/eager-bitwise", same)
+        assert same
+
+
+def test_tail_split_switch_applies_to_next_call(monkeypatch):
+    """MOE_GEMM_TAIL_SPLIT=0 takes effect on the next call of a shape already planned, and
+    unset again brings the split back; results stay right either way."""
+    from moe_gemm.ops.launch import last_launch
+
+    counts = tail_split_counts(num_sms(), 0)
+    T, E, K = sum(counts), len(counts), TS_K
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, K, TS_N, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
+    for value, want in ((None, True), ("0", False), (None, True)):
+        if value is None:
+            monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
+        else:
+            monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", value)
+        y = moe_gemm.grouped_mm(x, w, offs)
+        torch.cuda.synchronize()
+        got = last_launch().choice.tail_split
+        record(f"tail-split/switch={value}/applied", got == want)
+        assert got == want
+        check_mm(f"tail-split/switch={value}", y, x, w, offs)
+
+
+TAIL_SPLIT_BMM_SHAPES = [(37, 200, 512), (67, 1, 512), (70, 64, 264)]
+
+
+@pytest.mark.parametrize("G,M,N", TAIL_SPLIT_BMM_SHAPES)
+def test_tail_split_bmm(G, M, N, monkeypatch):
+    """The 3-D form with the tail split forced (not a default choice there)."""
+    import dataclasses
+
+    from moe_gemm.ops import launch
+
+    orig = launch.choose_batched
+    monkeypatch.setattr(launch, "choose_batched", lambda *a, **k: dataclasses.replace(
+        orig(*a, **k), tail_split=True, cluster_m=1, cluster_n=1))
+    cfg = GemmConfig(backend="cute", schedule="cooperative")
+    run_batched(f"tail-split/bmm/{G}x{M}x{N}", G, M, N, TS_K, config=cfg, out_mode="given")
+    info = launch.last_launch()
+    assert info.choice.tail_split

@@ -1,0 +1,318 @@
+"""The kernel variants (CompileKeys) the GPU tests launch, derived from their cases through the
+library's own kernel choice (moe_gemm.ops.heuristics), so a device run can compile them all
+in parallel before the tests start (scripts/precompile.py --set tests).
+
+No GPU is needed: the choice reads shapes, dtypes and the config only. The SM count does not
+enter a CompileKey (the grid and the tail split are launch-time values); 132 (H100 SXM and
+H200) only feeds the K-sort decision, which is not a key field either. A case listed here
+that a test no longer runs costs one needless compile; a launch missing here compiles inside
+the test (scripts/gpu_session.py reports those per group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import random
+
+import torch
+
+from moe_gemm import GemmConfig
+from moe_gemm.ops import heuristics
+
+from . import helpers as h
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+NUM_SMS = 132
+CUTE = GemmConfig(backend="cute")
+
+
+class Variants:
+    """Collects the CompileKey of each launch a test makes (b_major: "n" for row-major B or
+    w, "k" for K-major views; force: KernelChoice fields a test patches in)."""
+
+    def __init__(self, nsm: int = NUM_SMS):
+        self.nsm = nsm
+        self.keys: set = set()
+
+    def _add(self, form, dtype, out_dtype, b_major, choice, trace, force):
+        from moe_gemm.ops.launch import _compile_key
+
+        if force:
+            choice = dataclasses.replace(choice, **force)
+        self.keys.add(_compile_key(form, dtype, out_dtype or dtype, b_major, choice, trace))
+
+    def general(self, sizes, config=None, dtype=BF16, out_dtype=None, b_major="n",
+                trace=False, **force):
+        sizes = tuple(tuple(s) for s in sizes)
+        if not any(m and n for m, n, _ in sizes):
+            return  # nothing to launch
+        choice = heuristics.choose_general(config or GemmConfig(), sizes, self.nsm)
+        self._add("general", dtype, out_dtype, b_major, choice, trace, force)
+
+    def varlen(self, T, E, N, K, config=None, dtype=BF16, out_dtype=None, b_major="n",
+               trace=False, **force):
+        if T == 0 or E == 0 or N == 0:
+            return
+        itemsize = (out_dtype or dtype).itemsize
+        choice = heuristics.choose_varlen(config or GemmConfig(), T, E, N, K, self.nsm, itemsize)
+        self._add("varlen", dtype, out_dtype, b_major, choice, trace, force)
+
+    def batched(self, G, M, N, K, config=None, dtype=BF16, out_dtype=None, b_major="n",
+                trace=False, **force):
+        if G == 0 or M == 0 or N == 0 or K == 0:
+            return  # trivial or all zeros: no launch
+        choice = heuristics.choose_batched(config or GemmConfig(), G, M, N, K, self.nsm)
+        self._add("batched", dtype, out_dtype, b_major, choice, trace, force)
+
+
+def _cfg(**kw) -> GemmConfig:
+    return GemmConfig(backend="cute", **kw)
+
+
+def _major(layout: str) -> str:
+    """A test's B / w layout name -> the kernel's b_major."""
+    return "k" if layout in ("col", "nk_view") else "n"
+
+
+def _general_tests(v: Variants) -> None:
+    for kind in ("mixed", "many", "one", "kvary"):
+        sizes = h.general_case(kind, random.Random(7))
+        for schedule in h.SCHEDULES:
+            for visitor in h.VISITORS:
+                for sort in (False, True):
+                    for dt in h.DTYPES.values():
+                        v.general(sizes, _cfg(schedule=schedule, visitor=visitor,
+                                              sort_by_k=sort), dt,
+                                  b_major="n" if kind == "many" else "k")
+    mixed = h.general_case("mixed", random.Random(3))
+    for layout in ("row", "col"):
+        for out_dtype in (FP32, None):
+            for schedule in h.SCHEDULES:
+                v.general(mixed, _cfg(schedule=schedule), out_dtype=out_dtype,
+                          b_major=_major(layout))
+    for tile in ((64, 128), (64, 256), (128, 64), (128, 192)):
+        v.general(mixed, _cfg(schedule="pingpong", tile_m=tile[0], tile_n=tile[1]), b_major="k")
+    for tile in ((128, 64), (128, 128), (128, 192)):
+        v.general(mixed, _cfg(schedule="cooperative", tile_m=tile[0], tile_n=tile[1]))
+    headline = h.general_case("headline", random.Random(1))
+    for config in (None, _cfg(schedule="cooperative")):
+        v.general(headline, config, b_major="k")
+    v.general([(64, 64, 64)])
+    for kind in ("mixed", "kvary"):
+        for config in (None, _cfg(schedule="pingpong")):
+            v.general(h.general_case(kind, random.Random(7)), config)
+    for seed in range(3):  # test_general_fast_path_random_sets
+        rng = random.Random(seed)
+        sizes = [(rng.choice([0, 1, 7, 64, 130, 300]), 8 * rng.randint(1, 48),
+                  rng.choice([0, 8, 72, 520, 2056])) for _ in range(rng.randint(3, 20))]
+        v.general(sizes, b_major="k" if seed % 2 else "n")
+
+
+def _varlen_tests(v: Variants) -> None:
+    for schedule in h.SCHEDULES:
+        for visitor in h.VISITORS:
+            for layout in ("kn", "nk_view"):
+                for dt in h.DTYPES.values():
+                    v.varlen(1000, 10, 136, 264, _cfg(schedule=schedule, visitor=visitor), dt,
+                             b_major=_major(layout))
+        v.varlen(1024, 256, 512, 7168, _cfg(schedule=schedule), b_major="k")
+    v.varlen(8192, 8, 1024, 2048, b_major="k")
+    v.varlen(6000, 24, 392, 768, b_major="k")
+    for tile in ((64, 256), (128, 128), (128, 192)):
+        for layout in ("kn", "nk_view"):
+            v.varlen(2600, 14, 520, 1000, _cfg(schedule="pingpong", tile_m=tile[0],
+                                               tile_n=tile[1]), FP16, b_major=_major(layout))
+    v.varlen(1, 3, 32, 64, CUTE)
+
+
+def _batched_tests(v: Variants) -> None:
+    from .test_batched_gpu import BATCHED_SHAPES
+
+    for schedule in h.SCHEDULES:
+        for layout in ("kn", "nk_view"):
+            for dt in h.DTYPES.values():
+                v.batched(7, 130, 200, 72, _cfg(schedule=schedule), dt, b_major=_major(layout))
+        for out_dtype in (FP32, FP16):
+            v.batched(6, 100, 192, 320, _cfg(schedule=schedule), out_dtype=out_dtype)
+    for shape in BATCHED_SHAPES:
+        for schedule in ("auto", *h.SCHEDULES):
+            v.batched(*shape, _cfg(schedule=schedule))
+    for tile in ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192)):
+        v.batched(5, 200, 264, 200, _cfg(schedule="pingpong", tile_m=tile[0], tile_n=tile[1]))
+    for tile in ((128, 64), (128, 128), (128, 192), (128, 256)):
+        v.batched(5, 200, 264, 200, _cfg(schedule="cooperative", tile_m=tile[0],
+                                         tile_n=tile[1]))
+    v.batched(4, 1, 16, 8, CUTE)
+
+
+def _cluster_tests(v: Variants) -> None:
+    from .test_clusters_gpu import (
+        CLUSTER_BATCHED_SHAPES,
+        DEFAULT_1X2_SIZES,
+        GENERAL_CLUSTER_CASES,
+    )
+
+    for cl in h.CLUSTER_SHAPES.values():
+        for layout in ("kn", "nk_view"):
+            v.varlen(3000, 24, 264, 200, _cfg(**cl), b_major=_major(layout))
+        for tile_n in (128, 256):
+            for dt in h.DTYPES.values():
+                v.varlen(2100, 8, 640, 4160, _cfg(schedule="cooperative", tile_m=128,
+                                                  tile_n=tile_n, **cl), dt, b_major="k")
+        v.varlen(1, 4, 256, 128, _cfg(**cl))
+        v.varlen(64, 3, 256, 128, _cfg(**cl))
+        for shape in CLUSTER_BATCHED_SHAPES:
+            for out_dtype in (None, FP32):
+                v.batched(*shape, _cfg(**cl), out_dtype=out_dtype, b_major="k")
+        for sizes in GENERAL_CLUSTER_CASES.values():
+            for layout in ("row", "col"):
+                for sort in (False, True):
+                    v.general(sizes, _cfg(sort_by_k=sort, **cl), b_major=_major(layout))
+        for tile_n in (128, 256):
+            for dt, out_dtype in ((BF16, None), (FP16, None), (BF16, FP32)):
+                v.general(GENERAL_CLUSTER_CASES["mixed"], _cfg(tile_m=128, tile_n=tile_n, **cl),
+                          dt, out_dtype, b_major="k")
+    v.general(h.general_case("many", random.Random(17)), _cfg(cluster_m=1, cluster_n=2))
+    v.general(DEFAULT_1X2_SIZES)
+
+
+def _tail_split_tests(v: Variants) -> None:
+    from .test_tail_split_gpu import TAIL_SPLIT_BMM_SHAPES
+
+    for zero_tail_tiles in (0, 1):
+        T = sum(h.tail_split_counts(v.nsm, zero_tail_tiles)) + 50
+        E = len(h.tail_split_counts(v.nsm, zero_tail_tiles))
+        for dt, out_dtype, layout in ((BF16, None, "nk_view"), (BF16, None, "kn"),
+                                      (FP16, None, "nk_view"), (BF16, FP32, "nk_view")):
+            v.varlen(T, E, h.TS_N, h.TS_K, None, dt, out_dtype, b_major=_major(layout))
+    counts = h.tail_split_counts(v.nsm, 0)
+    T, E = sum(counts), len(counts)
+    for extra in (0, 40 * 128):  # test_tail_split_visits (more rows: no split, same key)
+        v.varlen(T + extra, E, h.TS_N, h.TS_K, CUTE, trace=True)
+    v.varlen(T, E, h.TS_N, h.TS_K, b_major="k")
+    v.varlen(T, E, h.TS_N, h.TS_K)
+    v.varlen(T, E, h.TS_N, h.TS_K, tail_split=False)  # MOE_GEMM_TAIL_SPLIT=0
+    for G, M, N in TAIL_SPLIT_BMM_SHAPES:
+        v.batched(G, M, N, h.TS_K, _cfg(schedule="cooperative"), tail_split=True, cluster_m=1,
+                  cluster_n=1)
+
+
+def _trace_tests(v: Variants) -> None:
+    rng = random.Random(11)
+    sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 50), 8 * rng.randint(1, 90))
+             for _ in range(90)]
+    for schedule in h.SCHEDULES:
+        for visitor in h.VISITORS:
+            for sort in (False, True):
+                v.general(sizes, _cfg(schedule=schedule, visitor=visitor, sort_by_k=sort),
+                          trace=True)
+            v.varlen(3000, 40, 264, 128, _cfg(schedule=schedule, visitor=visitor), trace=True)
+        v.batched(37, 300, 264, 128, _cfg(schedule=schedule), trace=True)
+    rng = random.Random(12)
+    sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 80), 8 * rng.randint(1, 90))
+             for _ in range(70)]
+    for cl in h.CLUSTER_SHAPES.values():
+        v.varlen(3000, 40, 264, 128, _cfg(**cl), trace=True)
+        v.batched(9, 300, 264, 128, _cfg(**cl), trace=True)
+        for sort in (False, True):
+            v.general(sizes, _cfg(sort_by_k=sort, **cl), trace=True)
+
+
+def _edge_rows_tests(v: Variants) -> None:
+    from .test_edge_rows_gpu import edge_rows_general_sizes
+
+    for cm, cn in ((1, 1), (2, 1), (1, 2)):
+        for k in (72, 4160):
+            v.varlen(2800, 16, 520, k, _cfg(schedule="cooperative", cluster_m=cm,
+                                            cluster_n=cn), b_major="k")
+    for tile_n in (128, 256):
+        v.general(edge_rows_general_sizes(), _cfg(schedule="cooperative", tile_m=128,
+                                                  tile_n=tile_n), b_major="k")
+    for m in (1, 64, 65, 193):
+        v.batched(5, m, 264, 136, _cfg(schedule="cooperative", cluster_m=2, cluster_n=1))
+        v.batched(5, m, 264, 136, _cfg(schedule="cooperative"))
+
+
+def _other_tests(v: Variants) -> None:
+    """Graphs, operands, repeated calls, determinism and kernel options."""
+    from .test_kernel_options_gpu import EPI_WHOLE_GENERAL_SIZES
+    from .test_repeated_calls_gpu import GENERAL_CONFIGS, MM_REPEAT_CASES
+
+    v.varlen(512, 16, 128, 256, CUTE, b_major="k")  # graph replay
+    v.varlen(256, 4, 64, 128, CUTE)  # no host sync
+    v.varlen(300, 3, 256, 128)  # capture after eager calls
+    for cl in h.CLUSTER_SHAPES.values():
+        v.varlen(700, 16, 256, 256, _cfg(**cl), b_major="k")
+    v.batched(16, 96, 256, 512, CUTE)
+    default_sets = [(64, 256, 512), (0, 256, 64), (129, 256, 1024), (1, 256, 72),
+                    (300, 256, 264)]
+    v.general(default_sets)
+    # Operands: aliasing and expanded / negated views (those our kernels take).
+    v.varlen(300, 4, 256, 256, CUTE)
+    v.batched(3, 128, 256, 256, CUTE)
+    v.general([(96, 256, 256)] * 3, CUTE)
+    v.general([(64, 128, 256)])
+    v.varlen(300, 4, 128, 256)
+    v.batched(3, 64, 128, 256)
+    # Repeated calls.
+    for config in GENERAL_CONFIGS:
+        v.general([(37, 256, 512), (0, 256, 64), (128, 256, 4096), (1, 256, 72),
+                   (200, 256, 1024)], config)
+        v.general([*default_sets, (17, 256, 2056)], config)
+    v.general([(64, 256, 512), (5, 256, 1024), (130, 256, 264)])
+    mixed = h.general_case("mixed", random.Random(3))
+    v.general(mixed, CUTE, b_major="n")
+    for T, counts, N, K, dt, out_dtype, k_major, _, config in MM_REPEAT_CASES.values():
+        v.varlen(T, len(counts), N, K, config, dt, out_dtype, b_major="k" if k_major else "n")
+    for G, M, N, K, k_major in ((6, 100, 264, 512, False), (3, 1, 512, 1024, True),
+                                (64, 128, 512, 7168, False)):
+        v.batched(G, M, N, K, b_major="k" if k_major else "n")
+    v.varlen(512, 4, 128, 256)
+    v.varlen(256, 2, 128, 128)
+    v.varlen(64, 4, 64, 128, CUTE)
+    v.batched(4, 16, 64, 128, CUTE)
+    v.general([(10, 64, 128), (54, 64, 128)], CUTE)
+    # Determinism.
+    for config in (None, _cfg(schedule="pingpong", tile_m=64, tile_n=256),
+                   _cfg(schedule="pingpong"), _cfg(schedule="cooperative")):
+        v.varlen(384, 32, 512, 512, config, b_major="k")
+    v.general([(1, 384, 256), (77, 384, 256), (130, 384, 256), (256, 384, 256)])
+    # Kernel options: PDL (a launch-time flag) and the whole-tile epilogue forced.
+    v.general([(130, 200, 72), (256, 512, 1024), (1, 64, 64)], CUTE)
+    v.varlen(700, 8, 256, 512, CUTE)
+    coop = _cfg(schedule="cooperative")
+    v.general(EPI_WHOLE_GENERAL_SIZES, coop, epi_whole=True)
+    v.varlen(2500, 12, 512, 640, coop, b_major="k", epi_whole=True)
+    v.batched(9, 300, 512, 1024, coop, epi_whole=True)
+    v.batched(4, 129, 264, 200, coop, FP16, epi_whole=True)
+
+
+def _layer_tests(v: Variants) -> None:
+    """tests/layers/test_moe_gpu.py: the MoE layer's two grouped_mm per forward, over all
+    T * k routed slots, on transposed views of the (E, 2I, H) and (E, H, I) weights."""
+    path = os.path.join(os.path.dirname(__file__), "..", "layers", "test_moe_gpu.py")
+    shapes = [(1, 256, 128, 16, 4), (96, 512, 256, 32, 4), (200, 1024, 256, 64, 8)]
+    shapes += [(T, 512, 256, 64, 8) for T in (1, 100, 257)]
+    try:  # the parametrized shapes, from the test module itself
+        spec = importlib.util.spec_from_file_location("_moe_gpu_cases", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        shapes += [shape[:5] for shape in getattr(module, "SHAPES", [])]
+    except Exception:  # noqa: BLE001 - the layer tests moved or changed: compile in-test
+        pass
+    for T, H, I, E, k in shapes:
+        v.varlen(T * k, E, 2 * I, H, b_major="k")
+        v.varlen(T * k, E, H, I, b_major="k")
+
+
+def kernel_test_variants(nsm: int = NUM_SMS) -> list:
+    """The CompileKeys the GPU tests launch, sorted by name."""
+    v = Variants(nsm)
+    for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
+                    _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
+                    _layer_tests):
+        collect(v)
+    return sorted(v.keys, key=lambda k: k.name())
+

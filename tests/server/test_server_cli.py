@@ -1,0 +1,146 @@
+"""The `moe-gemm-server` command line: a fast --help/--version, one-line start-up refusals,
+and a drain whose log lines carry no request id of the request the signal interrupted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import uvicorn
+from server_testutils import REPO
+
+from moe_gemm_server import __version__
+from moe_gemm_server.cli import DrainingServer, listen, main
+from moe_gemm_server.logs import RequestIdFilter, request_id_var
+
+ENV_PATH = f"{REPO}:{REPO / 'server'}"
+
+
+def _run(*args: str, code: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "moe_gemm_server",
+                                                     *args]
+    env = {"PYTHONPATH": ENV_PATH, "PATH": "/usr/bin:/bin"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_do_not_import_torch(flag):
+    """Parsing comes first: --help and --version answer without importing torch (~3 s)."""
+    code = ("import sys\nfrom moe_gemm_server.cli import main\n"
+            f"try:\n    main([{flag!r}])\nexcept SystemExit as e:\n    assert e.code == 0, e\n"
+            "print('torch imported:', 'torch' in sys.modules)\n")
+    out = _run(code=code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().endswith("torch imported: False"), out.stdout
+    if flag == "--version":
+        assert out.stdout.splitlines()[0] == f"moe-gemm-server {__version__}"
+    else:
+        assert "--max-body-bytes" in out.stdout and "--backend" in out.stdout
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)
+
+
+def _refusal(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value.code)
+    assert message.startswith("moe-gemm-server: ") and "\n" not in message, message
+    return message
+
+
+def test_every_start_up_refusal_is_one_line(tmp_path, restore_logging):
+    data = str(tmp_path / "data")
+    msg = _refusal(["--device", "cpu", "--backend", "cute", "--data-dir", data])
+    assert "backend='cute' cannot run on cpu" in msg
+    msg = _refusal(["--device", "cuda:99", "--data-dir", data])
+    assert "cuda:99" in msg
+    msg = _refusal(["--host", "no-such-host.invalid", "--data-dir", data])
+    assert "--host 'no-such-host.invalid'" in msg
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        msg = _refusal(["--port", str(port), "--data-dir", data])
+        assert f"127.0.0.1:{port}" in msg and "--port" in msg
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    msg = _refusal(["--device", "cpu", "--data-dir", str(blocker / "data")])
+    assert "--data-dir" in msg and str(blocker) in msg
+    msg = _refusal(["--max-queue", "0"])
+    assert "max_queue" in msg
+
+
+def test_refused_backend_in_a_real_process_prints_one_line(tmp_path):
+    """What a user sees: one line on stderr, exit 1, no traceback, nothing bound."""
+    out = _run("--device", "cpu", "--backend", "cute", "--data-dir", str(tmp_path / "d"),
+               "--port", "0")
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "moe-gemm-server:" in ln]
+    assert lines == [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "backend='cute' cannot run on cpu" in lines[0]
+
+
+def test_listen_binds_one_port_for_every_address():
+    socks = listen("127.0.0.1", 0)
+    try:
+        assert len(socks) == 1 and socks[0].getsockname()[1] > 0
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_drain_after_a_signal_runs_outside_the_interrupted_request(caplog):
+    """A signal handler runs in the context of whatever the main thread was doing, often a
+    request's task; the drain it starts (and the drain's log lines) must not inherit that
+    request's id."""
+    seen: dict[str, str] = {}
+
+    class FakeService:
+        settings = SimpleNamespace(drain_timeout_s=1.0)
+
+        async def drain(self, timeout: float) -> bool:
+            seen["request_id"] = request_id_var.get()
+            logging.getLogger("moe_gemm_server.service").info("draining: 0 queued")
+            return True
+
+    app = SimpleNamespace(state=SimpleNamespace(service=FakeService()))
+    server = DrainingServer(uvicorn.Config(app=lambda scope, receive, send: None), app)
+    caplog.set_level(logging.INFO)
+    caplog.handler.addFilter(RequestIdFilter())
+
+    async def scenario() -> None:
+        server._loop = asyncio.get_running_loop()
+
+        async def request() -> None:
+            request_id_var.set("req-in-flight")
+            server.handle_exit(signal.SIGTERM, None)  # the signal lands during this request
+
+        await asyncio.create_task(request())
+        for _ in range(200):
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.005)
+
+    asyncio.run(scenario())
+    assert server.should_exit
+    assert seen["request_id"] == "-"
+    drain_lines = [r for r in caplog.records if "draining" in r.getMessage()]
+    assert len(drain_lines) == 2  # "received SIGTERM: draining" and the service's own
+    assert all(r.request_id == "-" for r in drain_lines), [
+        (r.getMessage(), r.request_id) for r in drain_lines]

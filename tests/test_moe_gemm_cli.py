@@ -1,0 +1,231 @@
+"""The `moe-gemm` command (moe_gemm/cli.py) and the light `import moe_gemm`.
+
+--help and --version must not import torch (it costs seconds); the lazy package must still
+offer every public name exactly as an eager import did.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import moe_gemm
+from moe_gemm import cli
+from moe_gemm._version import __version__
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "numpy", "cutlass", "tvm_ffi", "moe_gemm.ops", "moe_gemm.layers")
+
+
+def _run(*code_or_args: str, module: bool = True) -> subprocess.CompletedProcess[str]:
+    """`python -X importtime -m moe_gemm.cli ARGS` (or `-c CODE`) in a fresh interpreter."""
+    cmd = [sys.executable, "-X", "importtime"]
+    cmd += ["-m", "moe_gemm.cli", *code_or_args] if module else ["-c", *code_or_args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+def _imported(stderr: str) -> set[str]:
+    """Module names from -X importtime's lines ("import time: self | cumulative | name")."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "imported package":  # the header line
+                names.add(name)
+    return names
+
+
+def _heavy(names: set[str]) -> set[str]:
+    return {n for n in names if any(n == h or n.startswith(h + ".") for h in HEAVY)}
+
+
+def _program_stderr(stderr: str) -> str:
+    return "\n".join(ln for ln in stderr.splitlines() if not ln.startswith("import time:"))
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["info", "--help"],
+                                  ["check", "--help"], ["demo", "--help"], []])
+def test_help_and_version_import_no_torch(args: list[str]) -> None:
+    out = _run(*args)
+    names = _imported(out.stderr)
+    assert {"moe_gemm", "moe_gemm._version", "argparse"} <= names  # the probe sees imports
+    assert not _heavy(names), sorted(_heavy(names))
+    assert out.returncode == (2 if not args else 0), out  # no command: usage error
+    if not args:
+        assert "required: COMMAND" in _program_stderr(out.stderr)
+
+
+def test_version_prints_the_package_version() -> None:
+    out = _run("--version")
+    assert out.stdout.strip() == f"moe-gemm {__version__}"
+    assert moe_gemm.__version__ == __version__
+    assert __version__.count(".") >= 1 and all(p.isdigit() for p in __version__.split(".")[:2])
+
+
+def test_pyproject_reads_the_version_from_the_light_module() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'version = { attr = "moe_gemm._version.__version__" }' in text
+    assert 'moe-gemm = "moe_gemm.cli:main"' in text
+
+
+def test_help_names_every_command_and_says_what_demo_does() -> None:
+    out = _run("--help")
+    for command in ("info", "check", "demo", "bench", "tune"):
+        assert f"\n    {command} " in out.stdout, command
+    assert "float32 reference" in out.stdout and "install works" in out.stdout
+    demo = _run("demo", "--help").stdout
+    assert "GPU if there is one, else on the CPU" in demo and "grouped_mm" in demo
+
+
+def test_tune_dispatches_to_the_tuning_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("moe_gemm.tuning.cli")
+    fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "moe_gemm.tuning", types.ModuleType("moe_gemm.tuning"))
+    monkeypatch.setitem(sys.modules, "moe_gemm.tuning.cli", fake)
+    assert cli.main(["tune", "--shapes", "mixtral", "--help"]) == 3
+    assert seen == [["--shapes", "mixtral", "--help"]]
+    fake.main = lambda argv: None  # type: ignore[attr-defined]
+    assert cli.main(["tune"]) == 0
+
+
+def test_tune_without_the_tuning_module_says_so_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "moe_gemm.tuning", None)  # as if not installed
+    assert cli.main(["tune", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "moe-gemm tune: not available" in err
+    assert "moe_gemm.tuning" in err
+
+
+def test_tune_missing_module_in_a_fresh_process() -> None:
+    if importlib.util.find_spec("moe_gemm.tuning") is not None:
+        pytest.skip("moe_gemm.tuning is installed here; the dispatch test covers it")
+    out = _run("tune", "--shapes", "x")
+    err = _program_stderr(out.stderr)
+    assert out.returncode == 2 and "Traceback" not in err
+    assert err.strip().startswith("moe-gemm tune: not available") and err.count("\n") == 0
+
+
+def test_tune_keeps_the_traceback_of_a_broken_tuning_module(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A tuning module that exists but needs something missing is a real error, not "absent".
+    (tmp_path / "tuning").mkdir()
+    (tmp_path / "tuning/__init__.py").write_text("")
+    (tmp_path / "tuning/cli.py").write_text("import a_dependency_that_is_not_there_9f3\n")
+    monkeypatch.setattr(moe_gemm, "__path__", [*moe_gemm.__path__, str(tmp_path)])
+    for name in ("moe_gemm.tuning", "moe_gemm.tuning.cli"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_that_is_not_there_9f3"):
+        cli.main(["tune"])
+
+
+def test_a_command_without_torch_says_so_in_one_line() -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from moe_gemm.cli import main\n"
+            "sys.exit(main(['info']))")
+    out = _run(code, module=False)
+    err = _program_stderr(out.stderr)
+    assert out.returncode == 2 and "Traceback" not in err, err
+    assert "moe-gemm info: needs torch" in err
+
+
+def test_demo_runs_and_checks_its_results(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "grouped_gemm: 4 problems" in out and "rows past offs[-1] zero: True" in out
+
+
+def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["moe_gemm"] == __version__ and info["auto_picks"] in ("cute", "torch")
+
+
+def test_bench_outside_a_checkout_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # An installed package has no benchmarks/ beside it: cli.py resolves the root from its file.
+    fake_pkg = tmp_path / "site/moe_gemm"
+    fake_pkg.mkdir(parents=True)
+    monkeypatch.setattr(cli, "__file__", str(fake_pkg / "cli.py"))
+    assert cli.cmd_bench(["--list"]) == 2
+    assert "runs from a checkout" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# import moe_gemm: light, and the same public API as an eager import
+
+
+def test_import_moe_gemm_is_light_until_a_public_name_is_used() -> None:
+    out = _run("import moe_gemm; print(moe_gemm.__version__)", module=False)
+    assert out.returncode == 0 and out.stdout.strip() == __version__
+    assert not _heavy(_imported(out.stderr)), sorted(_heavy(_imported(out.stderr)))
+    out = _run("import moe_gemm; moe_gemm.grouped_mm", module=False)
+    assert out.returncode == 0 and {"torch", "moe_gemm.ops.api"} <= _imported(out.stderr)
+
+
+def test_star_import_and_every_public_name() -> None:
+    code = ("from moe_gemm import *\n"
+            "import moe_gemm\n"
+            "names = [n for n in moe_gemm.__all__ if n != '__version__']\n"
+            "missing = [n for n in names if n not in globals()]\n"
+            "assert not missing, missing\n"
+            "assert grouped_mm is moe_gemm.grouped_mm and MoE is moe_gemm.MoE\n"
+            "from moe_gemm.ops.api import grouped_gemm as g\n"
+            "assert g is grouped_gemm\n"
+            "assert set(moe_gemm.__all__) <= set(dir(moe_gemm))\n"
+            # Submodules the ops load stay attributes, as after an eager import.
+            "assert moe_gemm.ops.reference.grouped_mm_ref and moe_gemm.layers.routing\n"
+            "print(len(names))")
+    out = _run(code, module=False)
+    assert out.returncode == 0, _program_stderr(out.stderr)
+    assert int(out.stdout) == len(moe_gemm.__all__) - 1 >= 11
+
+
+def test_unknown_and_dunder_names_raise_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        moe_gemm.not_a_name  # noqa: B018
+    assert not hasattr(moe_gemm, "__wrapped__")
+    out = _run("import moe_gemm; assert not hasattr(moe_gemm, '__wrapped__'); "
+               "assert not hasattr(moe_gemm, '__test__'); print('ok')", module=False)
+    assert out.stdout.strip() == "ok" and "torch" not in _imported(out.stderr)
+
+
+def test_first_use_from_many_threads_sees_one_api() -> None:
+    code = ("import threading, moe_gemm\n"
+            "got, errors = [], []\n"
+            "def use():\n"
+            "    try:\n"
+            "        got.append((moe_gemm.grouped_mm, moe_gemm.GemmConfig, moe_gemm.MoE))\n"
+            "    except Exception as exc:\n"
+            "        errors.append(repr(exc))\n"
+            "ts = [threading.Thread(target=use) for _ in range(16)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "assert not errors, errors\n"
+            "assert len(got) == 16 and len(set(got)) == 1\n"
+            "print('ok')")
+    out = _run(code, module=False)
+    assert out.stdout.strip() == "ok", _program_stderr(out.stderr)
+
+
+def test_a_failed_first_use_fails_again_not_silently() -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import moe_gemm\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        moe_gemm.grouped_mm\n"
+            "    except ImportError as exc:\n"
+            "        print(type(exc).__name__)\n")
+    out = _run(code, module=False)
+    assert out.stdout.split() == ["ModuleNotFoundError", "ModuleNotFoundError"], out
+
