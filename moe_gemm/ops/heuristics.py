@@ -162,7 +162,7 @@ def _choose_general(
             max_n = n if max_n is None or n > max_n else max_n
     avg_m = sum_m / max(1, count)
     max_n = 128 if max_n is None else max_n
-    # H200, 2026-11-21, back-to-back (scripts/tune.py): long-K problems want cooperative
+    # H200, 2026-11-21, interleaved back-to-back A/B: long-K problems want cooperative
     # 128x256 (uniform headline: 561 us vs pingpong 128x128 620); short mainloops want
     # ping-pong, whose epilogue hides behind the other warpgroup's mainloop (k-varying,
     # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
@@ -431,7 +431,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
     if config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]:
         # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
         # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
-        # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (scripts/tune.py).
+        # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (interleaved A/B).
         cm, cn = 1, 2
     epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
     tail_split = bool(config.tail_split)

@@ -132,6 +132,11 @@ def _new_placeholders(device, ab, d, b_major):
     )
 
 
+def _table_device(device: torch.device | None) -> str | None:
+    """The name tuned tables are keyed by: the CUDA device's, None elsewhere (rules only)."""
+    return device_name(device) if device is not None and device.type == "cuda" else None
+
+
 def _maybe_autotune(form: str, args, config: GemmConfig) -> None:
     """Online autotune (MOE_GEMM_AUTOTUNE=1, moe_gemm.tuning.online) of a new grouped_mm
     signature, before its kernel is chosen; never while a CUDA graph is being captured."""
@@ -256,14 +261,14 @@ class GeneralShape:
     """
 
     def __init__(self, sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
-                 config: GemmConfig, nsm: int, trace: bool, device: torch.device):
+                 config: GemmConfig, nsm: int, trace: bool, device: torch.device | None = None):
         self.G = G = len(sizes)
         self.sizes = sizes
         self.ab_dtype = ab
         self.out_dtype = d
         self.b_major = b_major
         self.choice = choice = choose_general(
-            config, sizes, nsm, d.itemsize, device=device_name(device),
+            config, sizes, nsm, d.itemsize, device=_table_device(device),
             dtype=_TORCH_TO_NAME[ab], out_dtype=_TORCH_TO_NAME[d])
         order = sched.ksort_permutation(sizes) if choice.sort_by_k else None
         # None when the order is the caller's: the per-call metadata then skips a gather.
@@ -490,7 +495,7 @@ class MmPlan:
         nsm = sm_count(device)
         _maybe_autotune("varlen", args, config)
         self.choice = choice = choose_varlen(
-            config, T, E, N, K, nsm, args.out_dtype.itemsize, device=device_name(device),
+            config, T, E, N, K, nsm, args.out_dtype.itemsize, device=_table_device(device),
             dtype=_TORCH_TO_NAME[args.dtype], out_dtype=_TORCH_TO_NAME[args.out_dtype])
         b_major = "k" if operand_major(w) == "col" else "n"
         self.num_problems = E + (1 if self.zero_tail else 0)
@@ -569,7 +574,7 @@ class BmmPlan:
         nsm = sm_count(device)
         _maybe_autotune("batched", args, config)
         self.choice = choice = choose_batched(
-            config, G, M, N, K, nsm, args.out_dtype.itemsize, device=device_name(device),
+            config, G, M, N, K, nsm, args.out_dtype.itemsize, device=_table_device(device),
             dtype=_TORCH_TO_NAME[args.dtype], out_dtype=_TORCH_TO_NAME[args.out_dtype])
         self.w_major = "k" if operand_major(w) == "col" else "n"
         self.w_unit = 1 if self.w_major == "k" else 2

@@ -331,3 +331,7 @@ def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,6 +37,7 @@ def few_candidates(monkeypatch, tmp_path):
         if {k for k in parent if parent[k] != v[k]} <= {"raster_panel", "stages"}])
     monkeypatch.setattr(tuned, "TABLES_DIR", tmp_path / "shipped")
     monkeypatch.delenv(tuned.USER_TABLE_ENV, raising=False)
+    monkeypatch.delenv(tuned.TABLES_ENV, raising=False)
     tuned.clear_caches()
     heuristics.clear_caches()
     yield

@@ -41,6 +41,7 @@ def pretend_cute(monkeypatch, tmp_path):
     monkeypatch.setattr(cap, "sm_count", lambda device: 132)
     monkeypatch.setattr(tuned, "TABLES_DIR", tmp_path)
     monkeypatch.delenv(tuned.USER_TABLE_ENV, raising=False)
+    monkeypatch.delenv(tuned.TABLES_ENV, raising=False)
     tuned.clear_caches()
     heuristics.clear_caches()
     engine = Engine("cpu", max_rows=40000, tune=True)

@@ -33,6 +33,7 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(tuned.USER_TABLE_ENV, raising=False)
     monkeypatch.delenv(online.AUTOTUNE_ENV, raising=False)
+    monkeypatch.delenv(tuned.TABLES_ENV, raising=False)
     tuned.clear_caches()
     heuristics.clear_caches()
     yield
