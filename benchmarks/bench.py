@@ -102,7 +102,7 @@ def run_in_process(args: argparse.Namespace, argv: list[str], device: torch.devi
                    out_path: Path | None) -> dict[str, Any]:
     doc = _new_doc(device, args, argv)
     if args.reps < 20 and not args.smoke:
-        doc["warning"] = f"reps={args.reps}: the issue asks for medians of at least 20"
+        doc["warning"] = f"reps={args.reps}: reported numbers need medians of at least 20"
     _, _, l2 = _device_info(device)
     run = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed,
               smoke=args.smoke, variants=args.variants, skip=frozenset(args.skip_impl or ()),

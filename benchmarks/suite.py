@@ -305,7 +305,7 @@ def variant_name(schedule: str, visitor: str, sort_by_k: bool) -> str:
 
 
 def full_suite() -> list[ShapeSpec]:
-    """The issue-4 suite (bf16 unless named)."""
+    """The suite (bf16 unless named)."""
     headline = ((128, 512, 7168),) * 256
     return [
         ShapeSpec("uniform", "general", "bf16",
@@ -351,15 +351,6 @@ def smoke_suite() -> list[ShapeSpec]:
         ShapeSpec("uniform-fp16", "general", "fp16", "smoke: the headline stand-in in fp16",
                   problems=((16, 32, 64),) * 8),
     ]
-
-
-def host_overhead_shape(smoke: bool) -> ShapeSpec:
-    """The small case for host-overhead timing (issue 4 item 4)."""
-    if smoke:
-        return ShapeSpec("host-overhead", "varlen", "bf16", "smoke: E=4, 16 rows, N=K=32",
-                         experts=4, rows=16, n=32, k=32, zipf_s=0.0)
-    return ShapeSpec("host-overhead", "varlen", "bf16", "E=8, 64 rows, N=K=512",
-                     experts=8, rows=64, n=512, k=512, zipf_s=0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def build_cases(model_names: str | None, tokens: str | None, projs: list[str], s
 
 def implementations(run: Run, quack_tuned: bool, cap_s: float,
                     budget_left) -> list[Impl]:
-    """Ours (default), then the peers the config-choice issue names."""
+    """Ours (default), then the peers: torch's grouped_mm, the mm loop in a CUDA graph, QuACK."""
     impls = [
         Impl(DEFAULT_NAME, False, _ours(None), default=True,
              notes="grouped_mm(x, w, offs), config=None (tuned tables, then the rules)"),

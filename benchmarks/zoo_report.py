@@ -3,8 +3,8 @@
 Per row (one implementation on one zoo case), from the case's bytes needed and FLOPs and the
 ceilings measured in the run that timed it: `floor_ms` (the roofline floor), `tflops`, `gbps`,
 `fraction_of_floor` (floor / time) and `vs_best_peer` (the fastest peer's time / this time,
-> 1: faster than every peer). The bar (the config-choice issue's): our default at least as
-fast as the best peer on at least BAR_SHARE of the cases and at least BAR_MIN on every case.
+> 1: faster than every peer). The bar: our default at least as fast as the best peer on at
+least BAR_SHARE of the cases and at least BAR_MIN on every case.
 """
 
 from __future__ import annotations
