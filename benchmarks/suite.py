@@ -1,4 +1,4 @@
-"""What `moe-gemm bench` measures and how it scores it; `benchmarks.bench` does the timing.
+"""What `moe-gemm bench` measures; `benchmarks.bench` runs it, `benchmarks.scoring` scores it.
 
 Plain Python/torch, runs on any machine:
 - the suites (`full_suite`, `smoke_suite`): shapes in two problem forms, as in the library:
@@ -10,9 +10,9 @@ Plain Python/torch, runs on any machine:
   permutation of the experts, rows drawn one by one. It uses only `random.Random.random()`,
   whose stream Python keeps stable across versions, so a seed routes the same everywhere;
 - input generation (fresh `randn * 0.1`, never zeros) and the L2 rotation count;
-- the implementations (ours and the peers) bound to inputs, with a float32 reference;
-- the arithmetic: bytes needed, FLOPs, the roofline floor, and `derive`/`format_table`, which
-  turn raw timings into TFLOP/s, GB/s, fraction of floor, ratio to the best peer and the bar.
+- the implementations (ours and the peers) bound to inputs, with a float32 reference.
+The arithmetic (bytes needed, FLOPs, floors, the derived columns and the table) is in
+`benchmarks.scoring`.
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class ShapeSpec:
         zipf_s: varlen routing exponent; 0 = every expert equally likely.
         variants: whether the variant matrix (schedule x visitor x K-sort) runs here.
         headline: the shape the roofline bar (>= 0.95 of the floor) applies to.
+        fixed_counts: varlen only: rows per expert given outright (then `rows` must be their
+            sum) instead of drawn by zipf_counts.
+        layout: varlen only: the weights' storage, "ENK" ((E, N, K) K-contiguous, passed as
+            w_t.transpose(1, 2)) or "EKN" ((E, K, N) N-contiguous, passed as is).
     """
 
     name: str
@@ -88,6 +92,8 @@ class ShapeSpec:
     zipf_s: float = ZIPF_S
     variants: bool = False
     headline: bool = False
+    fixed_counts: tuple[int, ...] = ()
+    layout: str = "ENK"
 
     def __post_init__(self) -> None:
         if self.form not in ("general", "varlen"):
@@ -98,6 +104,12 @@ class ShapeSpec:
             raise ValueError(f"{self.name}: a general-form shape needs problems")
         if self.form == "varlen" and min(self.experts, self.n, self.k) <= 0:
             raise ValueError(f"{self.name}: a varlen shape needs experts, n and k > 0")
+        if self.fixed_counts and (len(self.fixed_counts) != self.experts
+                                  or sum(self.fixed_counts) != self.rows):
+            raise ValueError(f"{self.name}: fixed_counts must hold `experts` counts summing "
+                             "to rows")
+        if self.layout not in ("ENK", "EKN"):
+            raise ValueError(f"{self.name}: layout must be 'ENK' or 'EKN'; got {self.layout!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -107,6 +119,8 @@ class ShapeSpec:
         """Rows per problem (varlen: the routing draw for `seed`; general: each M)."""
         if self.form == "general":
             return [m for m, _, _ in self.problems]
+        if self.fixed_counts:
+            return list(self.fixed_counts)
         return zipf_counts(self.experts, self.rows, self.zipf_s, seed)
 
     def sizes(self, seed: int) -> list[Size]:
@@ -136,18 +150,22 @@ class ShapeSpec:
             info["layout"] = "a[i] (M,K) and b[i] (K,N) row-major, one allocation per problem"
         else:
             info.update(experts=self.experts, N=self.n, K=self.k)
-            info["routing"] = {
-                "kind": "zipf" if self.zipf_s > 0 else "uniform",
-                "s": self.zipf_s,
-                "seed": seed,
-                "generator": "benchmarks.suite.zipf_counts: p(rank r) ~ r^-s over a "
-                "seeded permutation of experts, one random.Random(seed) draw per row",
-                "counts": ms,
-            }
+            if self.fixed_counts:
+                info["routing"] = {"kind": "given", "counts": ms}
+            else:
+                info["routing"] = {
+                    "kind": "zipf" if self.zipf_s > 0 else "uniform",
+                    "s": self.zipf_s,
+                    "seed": seed,
+                    "generator": "benchmarks.suite.zipf_counts: p(rank r) ~ r^-s over a "
+                    "seeded permutation of experts, one random.Random(seed) draw per row",
+                    "counts": ms,
+                }
             info["layout"] = (
                 "x (T,K) row-major; w = w_t.transpose(1, 2) of an (E,N,K) contiguous weight; "
-                "offs int32 cumulative row ends on the device"
-            )
+                "offs int32 cumulative row ends on the device" if self.layout == "ENK" else
+                "x (T,K) row-major; w (E,K,N) contiguous (N fastest); offs int32 cumulative "
+                "row ends on the device")
         return info
 
 
@@ -197,33 +215,7 @@ def offsets(counts: Sequence[int]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Arithmetic: what any implementation must move and compute
-
-
-def bytes_needed(sizes: Sequence[Size], in_elem: int, out_elem: int) -> int:
-    """Fewest DRAM bytes: each needed input read once, each output written once.
-
-    A problem with M_i = 0 (an expert with no rows) reads no weights and costs nothing.
-    """
-    return sum(
-        (m * k + k * n) * in_elem + m * n * out_elem for m, n, k in sizes if m > 0
-    )
-
-
-def flops(sizes: Sequence[Size]) -> int:
-    """2 * M * N * K summed over problems."""
-    return sum(2 * m * n * k for m, n, k in sizes)
-
-
-def floor_ms(
-    nbytes: int, nflops: int, copy_bytes_per_s: float, mm_flops_per_s: float
-) -> tuple[float, str]:
-    """The roofline floor in ms and which ceiling sets it ("memory" or "compute")."""
-    if copy_bytes_per_s <= 0 or mm_flops_per_s <= 0:
-        raise ValueError("ceilings must be positive")
-    mem_ms = nbytes / copy_bytes_per_s * 1e3
-    cmp_ms = nflops / mm_flops_per_s * 1e3
-    return (mem_ms, "memory") if mem_ms >= cmp_ms else (cmp_ms, "compute")
+# L2 rotation
 
 
 def input_sets_needed(set_bytes: int, l2_bytes: int, max_sets: int) -> int:
@@ -250,8 +242,8 @@ class GeneralInputs:
 @dataclass
 class VarlenInputs:
     x: torch.Tensor  # (T, K)
-    w: torch.Tensor  # (E, K, N), the transposed view of w_t
-    w_t: torch.Tensor  # (E, N, K) contiguous storage
+    w: torch.Tensor  # (E, K, N): the transposed view of w_t, or the storage itself ("EKN")
+    w_t: torch.Tensor  # the weights' contiguous storage: (E, N, K), or w for "EKN"
     offs: torch.Tensor  # (E,) int32 on the device
     counts: list[int]  # rows per expert, on the host
 
@@ -277,8 +269,11 @@ def make_inputs(
         return GeneralInputs(a, b)
     T = sum(counts)
     x = _randn((T, spec.k), dtype, device, gen)
-    w_t = _randn((spec.experts, spec.n, spec.k), dtype, device, gen)
     offs = torch.tensor(offsets(counts), dtype=torch.int32, device=device)
+    if spec.layout == "EKN":
+        w = _randn((spec.experts, spec.k, spec.n), dtype, device, gen)
+        return VarlenInputs(x, w, w, offs, list(counts))
+    w_t = _randn((spec.experts, spec.n, spec.k), dtype, device, gen)
     return VarlenInputs(x, w_t.transpose(1, 2), w_t, offs, list(counts))
 
 
@@ -310,7 +305,7 @@ def variant_name(schedule: str, visitor: str, sort_by_k: bool) -> str:
 
 
 def full_suite() -> list[ShapeSpec]:
-    """The issue-4 suite (bf16 unless named)."""
+    """The suite (bf16 unless named)."""
     headline = ((128, 512, 7168),) * 256
     return [
         ShapeSpec("uniform", "general", "bf16",
@@ -356,15 +351,6 @@ def smoke_suite() -> list[ShapeSpec]:
         ShapeSpec("uniform-fp16", "general", "fp16", "smoke: the headline stand-in in fp16",
                   problems=((16, 32, 64),) * 8),
     ]
-
-
-def host_overhead_shape(smoke: bool) -> ShapeSpec:
-    """The small case for host-overhead timing (issue 4 item 4)."""
-    if smoke:
-        return ShapeSpec("host-overhead", "varlen", "bf16", "smoke: E=4, 16 rows, N=K=32",
-                         experts=4, rows=16, n=32, k=32, zipf_s=0.0)
-    return ShapeSpec("host-overhead", "varlen", "bf16", "E=8, 64 rows, N=K=512",
-                     experts=8, rows=64, n=512, k=512, zipf_s=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,6 +518,35 @@ def _build_quack(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared
     return Prepared(run, run)
 
 
+# QuACK's SM90 autotune space for a varlen GEMM (quack-kernels 0.6.5 gemm_config.py): 6
+# cooperative and 5 ping-pong tiles x 2 clusters (swap-AB is pruned for varlen).
+QUACK_TUNE_CONFIGS = 22
+
+
+def quack_autotune_seconds(call_ms: float) -> float:
+    """About how long QuACK's autotuner takes on a shape whose call takes `call_ms`: per
+    config a warm-up of max(200 ms, 50 calls) (a Python loop: short kernels are host-bound
+    there), a captured graph of 200 timed calls and ~0.3 s of capture and priming
+    (quack/bench/bench_utils.py); not counted: the first compiles, which its own process pool
+    runs once per config and layout (QUACK_CACHE_DIR keeps them, and its results)."""
+    per_config = max(200.0, 50 * call_ms) + 200 * call_ms + 300.0
+    return QUACK_TUNE_CONFIGS * per_config / 1e3
+
+
+def _build_quack_tuned(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+    """QuACK with tuned=True: its autotuner picks among its configs on the first call (per
+    shape, cached in memory and, with QUACK_CACHE_AUTOTUNING=1, on disk)."""
+    if device.type != "cuda":
+        raise NotApplicable("QuACK needs a CUDA GPU (not imported here)")
+    fn, why = _quack_gemm()
+    if fn is None:
+        raise NotApplicable(why or "QuACK unavailable")
+    x, w, offs = _as_varlen(inp, device, "QuACK varlen_m")
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
+    run = lambda: fn(x, w, cu_seqlens_m=cu, tuned=True)  # noqa: E731
+    return Prepared(run, run)
+
+
 def loop_body(inp: Inputs, device: torch.device) -> Callable[[], object]:
     """One torch.mm per non-empty problem, views and outputs built outside the timed region."""
     if isinstance(inp, GeneralInputs):
@@ -582,7 +597,11 @@ def _build_graph(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared
     return Prepared(replay, replay)
 
 
-def implementations(spec: ShapeSpec, variants: bool) -> list[Impl]:
+QUACK_NAME = "QuACK varlen"
+QUACK_TUNED_NAME = "QuACK varlen (tuned)"
+
+
+def implementations(spec: ShapeSpec, variants: bool, quack_tuned: bool = False) -> list[Impl]:
     """Ours (default) first, then the peers, then the variant matrix where it applies."""
     if uniform_problems(spec):
         # One (M, N, K) for all: the natural call is the 3-D one torch.bmm also gets.
@@ -607,9 +626,13 @@ def implementations(spec: ShapeSpec, variants: bool) -> list[Impl]:
              "skipped: the ideal host-known loop"),
         Impl("torch.mm loop (CUDA graph)", True, _build_graph,
              notes="the same loop captured once per input set and replayed"),
-        Impl("QuACK varlen", True, _build_quack,
+        Impl(QUACK_NAME, True, _build_quack,
              notes="quack.gemm_interface.gemm(x, w, cu_seqlens_m=..., tuned=False)"),
     ]
+    if quack_tuned:
+        impls.append(Impl(QUACK_TUNED_NAME, True, _build_quack_tuned,
+                          notes="quack.gemm_interface.gemm(..., tuned=True): QuACK's "
+                          "autotuner on the first call"))
     if variants and spec.variants:
         for schedule, visitor, ksort in VARIANTS:
             cfg = GemmConfig(backend="cute", schedule=schedule, visitor=visitor,  # type: ignore[arg-type]
@@ -665,124 +688,3 @@ def rel_err(out: object, ref: torch.Tensor) -> float:
     num = torch.linalg.vector_norm(flat.float() - ref).item()
     den = torch.linalg.vector_norm(ref).item()
     return num / den if den > 0 else num
-
-
-# ---------------------------------------------------------------------------------------------
-# Results: derived numbers, the bar and the table
-
-
-def derive(doc: dict[str, Any]) -> None:
-    """Fill floors, TFLOP/s, GB/s, fraction of floor, ratio to best peer and the bar."""
-    ceil = doc.get("ceilings") or {}
-    bw, rate = ceil.get("copy_bytes_per_s"), ceil.get("mm_flops_per_s")
-    shapes = doc.get("shapes", {})
-    for info in shapes.values():
-        if bw and rate:
-            info["floor_ms"], info["floor_bound"] = floor_ms(info["bytes"], info["flops"], bw,
-                                                             rate)
-    best: dict[str, tuple[float, str]] = {}
-    for row in doc["results"]:
-        if row.get("peer") and row.get("status") == "ok" and row.get("ms"):
-            cur = best.get(row["shape"])
-            if cur is None or row["ms"] < cur[0]:
-                best[row["shape"]] = (row["ms"], row["impl"])
-    for row in doc["results"]:
-        info = shapes.get(row["shape"])
-        if info is None:
-            row.setdefault("floor_ms", None)
-            continue
-        row.update(bytes=info["bytes"], flops=info["flops"], floor_ms=info.get("floor_ms"),
-                   floor_bound=info.get("floor_bound"))
-        ms = row.get("ms")
-        if row.get("status") != "ok" or not ms:
-            continue
-        row["tflops"] = info["flops"] / ms / 1e9
-        row["gbps"] = info["bytes"] / ms / 1e6
-        if row["floor_ms"]:
-            row["fraction_of_floor"] = row["floor_ms"] / ms
-        if row["shape"] in best:
-            row["best_peer"] = best[row["shape"]][1]
-            row["vs_best_peer"] = best[row["shape"]][0] / ms
-    bar: dict[str, Any] = {"shapes": {}}
-    for name, info in shapes.items():
-        default = next((r for r in doc["results"] if r["shape"] == name and r.get("default")),
-                       None)
-        entry: dict[str, Any] = {"best_peer": best.get(name, (None, None))[1],
-                                 "best_peer_ms": best.get(name, (None, None))[0]}
-        if default is None or default.get("status") != "ok":
-            entry.update(default_ms=None, ok=False,
-                         why=(default or {}).get("error", "default not measured"))
-        else:
-            entry.update(default_ms=default["ms"], vs_best_peer=default.get("vs_best_peer"),
-                         fraction_of_floor=default.get("fraction_of_floor"))
-            entry["ok"] = None if name not in best else default["ms"] <= best[name][0]
-        if info.get("headline"):
-            frac = entry.get("fraction_of_floor")
-            entry["floor_ok"] = frac is not None and frac >= 0.95
-            bar["headline"] = name
-            bar["headline_fraction_of_floor"] = frac
-        bar["shapes"][name] = entry
-    oks = [e["ok"] for e in bar["shapes"].values() if e["ok"] is not None]
-    bar["default_at_least_best_peer"] = f"{sum(oks)}/{len(oks)}"
-    floor_ok = [e["floor_ok"] for e in bar["shapes"].values() if "floor_ok" in e]
-    bar["pass"] = bool(oks) and all(oks) and all(floor_ok)
-    doc["bar"] = bar
-
-
-def _table_rows(doc: dict[str, Any], shape: str) -> list[dict[str, Any]]:
-    rows = [r for r in doc["results"] if r["shape"] == shape and r.get("status") == "ok"]
-    return sorted(rows, key=lambda r: (not r.get("default"), not r.get("peer"), r["ms"]))
-
-
-def format_table(doc: dict[str, Any]) -> str:
-    """The compact table printed last: one line per shape x implementation."""
-    ceil = doc.get("ceilings") or {}
-    lines = [f"moe-gemm bench | {doc.get('device')} | {doc.get('date')} | copy "
-             f"{ceil.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s, bf16 mm "
-             f"{ceil.get('mm_flops_per_s', 0) / 1e12:.0f} TFLOP/s"]
-    head = f"{'shape':12} | {'impl':37} | {'us':>8} | {'TFLOP/s':>7} | {'GB/s':>6} | " \
-           f"{'floor%':>6} | vs best peer"
-    lines += [head, "-" * len(head)]
-    for shape, info in doc.get("shapes", {}).items():
-        if info.get("floor_ms"):
-            lines.append(f"{shape:12} | {'(roofline floor, ' + info['floor_bound'] + ')':37} | "
-                         f"{info['floor_ms'] * 1e3:8.1f} | {'':>7} | {'':>6} | {'100':>6} |")
-        for r in _table_rows(doc, shape):
-            vs = f"{r['vs_best_peer']:.2f}x" if r.get("vs_best_peer") else "-"
-            frac = f"{100 * r['fraction_of_floor']:.0f}" if r.get("fraction_of_floor") else "-"
-            lines.append(f"{shape:12} | {r['impl'][:37]:37} | {r['ms'] * 1e3:8.1f} | "
-                         f"{_num(r.get('tflops'), 7)} | {_num(r.get('gbps'), 6)} | {frac:>6} | "
-                         f"{vs}")
-    bar = doc.get("bar") or {}
-    if bar:
-        frac = bar.get("headline_fraction_of_floor")
-        lines.append(f"bar: default >= best peer on {bar.get('default_at_least_best_peer')} "
-                     f"shapes; headline at {'-' if frac is None else f'{100 * frac:.0f}'}% of "
-                     f"floor (need 95); {'PASS' if bar.get('pass') else 'not met'}")
-    host = (doc.get("host_overhead") or {}).get("calls") or {}
-    if host:
-        parts = [f"{k.replace('moe_gemm.', 'ours ').replace(' (default)', '')} "
-                 f"{v['cpu_us']:.1f}" for k, v in host.items() if "cpu_us" in v]
-        lines.append("host CPU us/call: " + "; ".join(parts))
-        gaps = [f"{k.replace('moe_gemm.', 'ours ').replace(' (default)', '')} "
-                f"{v['launch_gap_us']:.1f}" for k, v in host.items() if "launch_gap_us" in v]
-        lines.append("host call-to-kernel us: " + "; ".join(gaps))
-    bad = [r for r in doc["results"] if r.get("status") == "error"]
-    na = sum(1 for r in doc["results"] if r.get("status") == "n/a")
-    if bad or na:
-        lines.append(f"{len(bad)} failed, {na} n/a (errors and reasons in the JSON)")
-    by_error: dict[str, list[dict[str, Any]]] = {}
-    for r in bad:
-        by_error.setdefault(str(r.get("error")), []).append(r)
-    for error, rows in list(by_error.items())[:6]:
-        more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
-        lines.append(f"  FAILED {rows[0]['shape']} / {rows[0]['impl']}{more}: {error}")
-    return "\n".join(ln if len(ln) <= 120 else ln[:117] + "..." for ln in lines)
-
-
-def _num(x: float | None, width: int) -> str:
-    if not x:
-        return f"{'-':>{width}}"
-    if x >= 10:
-        return f"{x:{width}.1f}"
-    return f"{x:{width}.3g}" if x >= 0.01 else f"{x:{width}.1e}"

@@ -58,3 +58,14 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=16)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name ("NVIDIA H100 80GB HBM3"): what tuned tables are keyed by."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_name(index)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)

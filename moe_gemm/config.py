@@ -36,6 +36,12 @@ COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 160), (128, 192), (128, 224), 
 # multicast) or 1x2 (horizontally adjacent, sharing A); both schedules, device visitor, every
 # form (grouped_gemm's lists too). The two tiles of a pair always belong to one problem.
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
+# Raster panels wider than this gain nothing: an H100/H200 runs at most 132 CTAs at once, and
+# 64 m-tiles of 128 rows already cover an 8k-row expert.
+MAX_RASTER_PANEL = 64
+# The fields a tuned table sets (moe_gemm.ops.tuned); backend stays the caller's.
+TUNED_FIELDS = ("schedule", "visitor", "sort_by_k", "tile_m", "tile_n", "cluster_m",
+                "cluster_n", "stages", "raster_panel", "tail_split", "whole_epilogue")
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,23 @@ class GemmConfig:
             heuristic. 2x1 pairs CTAs on vertically adjacent tiles that load B's tile once and
             multicast it, 1x2 the same for A (device visitor only; either schedule).
         stages: A/B shared-memory pipeline depth; None = as many as shared memory holds.
+        raster_panel: m-tiles per raster panel: a problem's tiles go M fastest inside panels
+            of this many m-tiles, so CTAs running at once share B's (the expert weights')
+            columns in L2; 1 to 64, None = heuristic.
+        tail_split: when the last wave of tiles fills at most half the grid, two CTAs share
+            each of its tiles, half of K each (grouped_mm only: its 2-D and 3-D forms;
+            cooperative schedule, device visitor, 1x1 cluster). None = heuristic. The split
+            adds two fp32 halves, so results may differ from an unsplit run in the last bit.
+            MOE_GEMM_TAIL_SPLIT=0 turns it off everywhere, pinned or not (it relies on the
+            whole persistent grid being resident: see heuristics.tail_split_enabled).
+        whole_epilogue: stage a whole output tile in shared memory and store it with two
+            barrier syncs instead of two per 32-column subtile (cooperative schedule, 16-bit
+            output; it costs A/B pipeline stages). None = heuristic.
+
+    Which kernel an all-"auto" config runs is looked up in tuned tables first (see
+    moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,
+    cluster, stages, raster_panel, tail_split or whole_epilogue runs by the rules with those
+    pins honoured.
     """
 
     backend: Backend = "auto"
@@ -73,14 +96,19 @@ class GemmConfig:
     cluster_m: int | None = None
     cluster_n: int | None = None
     stages: int | None = None
+    raster_panel: int | None = None
+    tail_split: bool | None = None
+    whole_epilogue: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("visitor", self.visitor, VISITORS)
-        if self.sort_by_k is not None and not isinstance(self.sort_by_k, bool):
-            raise TypeError(f"sort_by_k must be None or a bool; got {self.sort_by_k!r}")
-        for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages"):
+        for name in ("sort_by_k", "tail_split", "whole_epilogue"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be None or a bool; got {value!r}")
+        for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "raster_panel"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name} must be None or an int; got {value!r}")
@@ -116,6 +144,25 @@ class GemmConfig:
                 )
         if self.stages is not None and not 2 <= self.stages <= 12:
             raise ValueError(f"stages must be between 2 and 12; got {self.stages}")
+        if self.raster_panel is not None and self.raster_panel > MAX_RASTER_PANEL:
+            raise ValueError(f"raster_panel must be between 1 and {MAX_RASTER_PANEL}; got "
+                             f"{self.raster_panel}")
+        if self.tail_split:
+            if self.schedule == "pingpong" or self.visitor == "host":
+                raise ValueError("tail_split=True is built for the cooperative schedule and the "
+                                 "device visitor; use schedule='cooperative' or 'auto' and "
+                                 "visitor='device' or 'auto'")
+            if self.cluster_m is not None and (self.cluster_m, self.cluster_n) != (1, 1):
+                raise ValueError("tail_split=True is built for the 1x1 cluster only; got "
+                                 f"cluster {self.cluster_m}x{self.cluster_n}")
+        if self.whole_epilogue and self.schedule == "pingpong":
+            raise ValueError("whole_epilogue=True is built for the cooperative schedule; use "
+                             "schedule='cooperative' or 'auto'")
+
+    @property
+    def tuning_pinned(self) -> bool:
+        """Whether any field the tuned tables choose is pinned (then the rules decide)."""
+        return any(getattr(self, name) not in (None, "auto") for name in TUNED_FIELDS)
 
     def replace(self, **changes: object) -> GemmConfig:
         """A copy with some fields changed (validated like a new config)."""
@@ -123,7 +170,6 @@ class GemmConfig:
 
     def as_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

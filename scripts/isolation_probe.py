@@ -2,7 +2,7 @@
 
 Times each implementation alone after an idle pause ("alone": the GPU starts cool, as in a
 one-implementation script) and interleaved round by round with the others (as `moe-gemm
-bench` and tune.py do), with the SM clock and power read after each block.
+bench` and `moe-gemm tune` do), with the SM clock and power read after each block.
 
     python3 scripts/isolation_probe.py --shape mixtral [--rounds 3] [--out $OUT/probe.json]
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.bench import Clock  # noqa: E402
+from benchmarks.clock import Clock  # noqa: E402
 from benchmarks.suite import (  # noqa: E402
     GROUPED_MM_FN,
     _build_quack,
@@ -30,10 +30,7 @@ from benchmarks.suite import (  # noqa: E402
     make_inputs,
 )
 from moe_gemm import grouped_gemm, grouped_mm  # noqa: E402
-from moe_gemm.ops.validation import check_grouped_mm  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tune import parse, patched_plan  # noqa: E402
+from moe_gemm.tuning.space import config_of, parse_name  # noqa: E402
 
 
 def smi() -> str:
@@ -46,21 +43,18 @@ def smi() -> str:
 
 
 def build_impls(spec, inp, dev, configs: str, quack: bool = True) -> dict:
-    """Name -> zero-argument call for a suite shape: our default, each extra config (tune.py's
-    syntax), the torch peers, and QuACK (when importable and `quack`)."""
+    """Name -> zero-argument call for a suite shape: our default, each extra config (named as
+    `moe-gemm tune` prints them, e.g. "coop 128x256 c1x2 s3 p16"), the torch peers, and QuACK
+    (when importable and `quack`)."""
     impls = {}
     if spec.form == "general":
         impls["moe_gemm"] = lambda: grouped_gemm(inp.a, inp.b)
     else:
         impls["moe_gemm"] = lambda: grouped_mm(inp.x, inp.w, inp.offs)
-    for cs in filter(None, configs.split(",")):
-        cfg, _, flags = parse(cs)
+    for cs in filter(None, (c.strip() for c in configs.split(";"))):
+        cfg = config_of(parse_name(cs, spec.form))
         if spec.form == "general":
             impls[cs] = lambda cfg=cfg: grouped_gemm(inp.a, inp.b, config=cfg)
-        elif flags["sw"] or flags["epi"] or flags["ew"]:  # a plan with the choice patched
-            plan = patched_plan("varlen", check_grouped_mm(inp.x, inp.w, inp.offs, None, None),
-                                cfg, flags)
-            impls[cs] = lambda plan=plan: plan(inp.x, inp.w, inp.offs, None)
         else:
             impls[cs] = lambda cfg=cfg: grouped_mm(inp.x, inp.w, inp.offs, config=cfg)
     impls["torch.mm loop"] = loop_body(inp, dev)
@@ -85,7 +79,8 @@ def main() -> None:
     p.add_argument("--idle", type=float, default=3.0)
     p.add_argument("--out", default="")
     p.add_argument("--configs", default="",
-                   help="extra moe_gemm configs in tune.py's syntax (schedule:MxN:stages:...)")
+                   help="extra moe_gemm configs, ';'-separated, named as `moe-gemm tune` "
+                   "prints them (e.g. 'coop 128x256 c1x2 s3 p16;pp 128x192')")
     p.add_argument("--alone-only", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="routing and data seed (bench: 1234)")
     a = p.parse_args()

@@ -23,6 +23,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def _no_tuned_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests see the rules, whatever tuned tables this machine's device has (a shipped table or
+    an online-autotune cache would change which kernel a default config picks); the tests of
+    the tables re-enable them on tables of their own."""
+    monkeypatch.setenv("MOE_GEMM_TUNED_TABLES", "0")
+
+
+@pytest.fixture(autouse=True)
 def _seed() -> None:
     """Every test starts from the same RNG state; tests draw fresh random data from it."""
     torch.manual_seed(0)

@@ -41,11 +41,13 @@ def test_frozen_hashable_and_usable_as_cache_key() -> None:
 def test_as_dict_round_trips() -> None:
     (tm, tn), (cm, cn) = COOPERATIVE_TILES[-1], CLUSTERS[-1]
     c = GemmConfig(schedule="cooperative", visitor="device", sort_by_k=True, tile_m=tm,
-                   tile_n=tn, cluster_m=cm, cluster_n=cn, stages=4)
+                   tile_n=tn, cluster_m=cm, cluster_n=cn, stages=4, raster_panel=16,
+                   tail_split=False, whole_epilogue=True)
     d = c.as_dict()
     assert d == {
         "backend": "auto", "schedule": "cooperative", "visitor": "device", "sort_by_k": True,
         "tile_m": tm, "tile_n": tn, "cluster_m": cm, "cluster_n": cn, "stages": 4,
+        "raster_panel": 16, "tail_split": False, "whole_epilogue": True,
     }
     assert GemmConfig(**d) == c
 

@@ -100,6 +100,7 @@ def test_tune_dispatches_to_the_tuning_module(monkeypatch: pytest.MonkeyPatch) -
 def test_tune_without_the_tuning_module_says_so_in_one_line(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "moe_gemm.tuning", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "moe_gemm.tuning.cli", raising=False)
     assert cli.main(["tune", "--help"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "moe-gemm tune: not available" in err
@@ -121,7 +122,7 @@ def test_tune_keeps_the_traceback_of_a_broken_tuning_module(
     (tmp_path / "tuning").mkdir()
     (tmp_path / "tuning/__init__.py").write_text("")
     (tmp_path / "tuning/cli.py").write_text("import a_dependency_that_is_not_there_9f3\n")
-    monkeypatch.setattr(moe_gemm, "__path__", [*moe_gemm.__path__, str(tmp_path)])
+    monkeypatch.setattr(moe_gemm, "__path__", [str(tmp_path), *moe_gemm.__path__])
     for name in ("moe_gemm.tuning", "moe_gemm.tuning.cli"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(ModuleNotFoundError, match="a_dependency_that_is_not_there_9f3"):

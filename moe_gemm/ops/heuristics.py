@@ -1,19 +1,25 @@
 """Pick a kernel configuration from problem shapes: pure functions, cached.
 
 Every choice a GemmConfig leaves at "auto" is decided here from host-known facts only (shapes
-known on the host, dtype, SM count), never from values on the GPU, so the MoE path stays free
-of host synchronisation. The numbers behind each rule are in AGENTS.md ("Measured facts").
+known on the host, dtype, SM count, device name), never from values on the GPU, so the MoE
+path stays free of host synchronisation. Given the device's name (the host wrappers pass it),
+a config with every tuned field at "auto" is first looked up in the tuned tables
+(moe_gemm.ops.tuned: exact shape, nearest bucket, calibrated cost model); what they do not
+answer, and every config that pins a tuned field, is decided by the rules below (the numbers
+behind each rule are in the comments and AGENTS.md).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.env import env_get, env_switch
 from moe_gemm.kernels.sm90.constants import TILE_K
 from moe_gemm.ops import schedule as sched
+from moe_gemm.ops import tuned
 
 
 @dataclass(frozen=True)
@@ -75,17 +81,75 @@ def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
 
 
 def choose_general(
-    config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int
+    config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int,
+    out_itemsize: int = 2, *, device: str | None = None, dtype: str = "bfloat16",
+    out_dtype: str | None = None,
 ) -> KernelChoice:
     """For grouped_gemm (sizes known on the host). Cached per problem set: a repeated call
     with the same sizes costs one tuple hash (~1 us for 8 problems) instead of the rules and
-    the K-sort cost model (~30 us)."""
-    return with_l2_hints(_choose_general(config, sizes, num_sms))
+    the K-sort cost model (~30 us). device: the GPU's name, for the tuned tables (None:
+    rules only); dtype / out_dtype: torch dtype names of the inputs and the output."""
+    state = tuned.state() if device else None
+    return with_l2_hints(_choose_general_tuned(config, sizes, num_sms, out_itemsize, device,
+                                               dtype, out_dtype or dtype, state))
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_general_tuned(config, sizes, num_sms, out_itemsize, device, dtype, out_dtype,
+                          state) -> KernelChoice:
+    hit = _general_hit(config, sizes, num_sms, device, dtype, out_dtype)
+    if hit is not None:
+        try:
+            return _choose_general(hit.apply(config), sizes, num_sms, out_itemsize)
+        except ValueError as exc:
+            _unusable(hit, exc)
+    return _choose_general(config, sizes, num_sms, out_itemsize)
+
+
+def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | None:
+    """(key, rows) for a problem set the tables can hold: non-empty problems sharing N, K
+    (one pass, stopping at the first N or K that differs)."""
+    n0 = k0 = None
+    rows = live = 0
+    for m, n, k in sizes:
+        if m > 0 and n > 0:
+            if n0 is None:
+                n0, k0 = n, k
+            elif n != n0 or k != k0:
+                return None
+            rows += m
+            live += 1
+    if not live:
+        return None
+    return tuned.Key("general", dtype, out_dtype, live, n0, k0,
+                     tuned.rows_bucket(rows / live)), rows
+
+
+def _general_hit(config, sizes, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
+    if device is None or config.tuning_pinned or not tuned.has_form(device, "general"):
+        return None
+    found = _general_key(sizes, dtype, out_dtype)
+    if found is None:
+        return None
+    rules = _choose_general(config, sizes, num_sms, _ITEMSIZE.get(out_dtype, 2))
+    return tuned.lookup(device, found[0], found[1], num_sms, choice_fields(rules, "general"))
+
+
+_unusable_warned: set = set()
+
+
+def _unusable(hit: tuned.Hit, exc: Exception) -> None:
+    """A table entry the rules refuse for this call (it then runs by the rules): warn once."""
+    if hit.fields not in _unusable_warned:
+        _unusable_warned.add(hit.fields)
+        warnings.warn(f"moe_gemm: tuned config {dict(hit.fields)} from {hit.source} cannot run "
+                      f"here ({exc}); using the rules", RuntimeWarning, stacklevel=5)
 
 
 @functools.lru_cache(maxsize=256)
 def _choose_general(
-    config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int
+    config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int,
+    out_itemsize: int = 2,
 ) -> KernelChoice:
     # One pass over the problems (a new problem set every call comes here every call).
     count = sum_m = sum_k_tiles = 0
@@ -98,7 +162,7 @@ def _choose_general(
             max_n = n if max_n is None or n > max_n else max_n
     avg_m = sum_m / max(1, count)
     max_n = 128 if max_n is None else max_n
-    # H200, 2026-11-21, back-to-back (scripts/tune.py): long-K problems want cooperative
+    # H200, 2026-11-21, interleaved back-to-back A/B: long-K problems want cooperative
     # 128x256 (uniform headline: 561 us vs pingpong 128x128 620); short mainloops want
     # ping-pong, whose epilogue hides behind the other warpgroup's mainloop (k-varying,
     # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
@@ -119,7 +183,13 @@ def _choose_general(
         sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
     else:
         sort = config.sort_by_k
-    return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn)
+    if config.tail_split:
+        raise ValueError("tail_split=True is built for grouped_mm (its 2-D and 3-D forms), "
+                         "not for grouped_gemm's lists")
+    epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
+    swizzle = config.raster_panel or 8
+    return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn, swizzle,
+                           epi_whole)
 
 
 # A 1x2 cluster idles the second CTA of a pair wherever a problem has an odd n-tile count (it
@@ -142,12 +212,36 @@ def _pairs_fill(sizes: tuple[tuple[int, int, int], ...], tile_m: int, tile_n: in
 
 @functools.lru_cache(maxsize=64)
 def _general_choice(schedule: str, visitor: str, tile_m: int, tile_n: int, stages: int | None,
-                    sort: bool, cluster_m: int = 1, cluster_n: int = 1) -> KernelChoice:
+                    sort: bool, cluster_m: int = 1, cluster_n: int = 1, swizzle: int = 8,
+                    epi_whole: bool = False) -> KernelChoice:
     """One KernelChoice per distinct value: building the frozen dataclass (14 fields, each set
     through object.__setattr__) took ~12 us on the CPU-only dev machine, paid on every new
     problem set."""
-    return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, 8,
-                        cluster_m=cluster_m, cluster_n=cluster_n)
+    return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, swizzle,
+                        cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole)
+
+
+def _pinned_whole_epilogue(config: GemmConfig, schedule: str, out_itemsize: int) -> bool:
+    """config.whole_epilogue where the rules do not decide it (general and batched forms)."""
+    if not config.whole_epilogue:
+        return False
+    _check_whole_epilogue(schedule, out_itemsize)
+    return True
+
+
+def _check_whole_epilogue(schedule: str, out_itemsize: int) -> None:
+    if schedule != "cooperative":
+        raise ValueError("whole_epilogue=True is built for the cooperative schedule; the "
+                         f"configured tile runs {schedule}")
+    if out_itemsize != 2:
+        raise ValueError("whole_epilogue=True is built for 16-bit (bf16/fp16) output")
+
+
+def _check_tail_split(schedule: str, visitor: str, cm: int, cn: int) -> None:
+    if schedule != "cooperative" or visitor != "device" or cm * cn != 1:
+        raise ValueError("tail_split=True is built for the cooperative schedule, the device "
+                         f"visitor and a 1x1 cluster; this config runs {schedule}, visitor "
+                         f"{visitor}, cluster {cm}x{cn}")
 
 
 def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: float
@@ -171,9 +265,59 @@ def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: fl
 
 
 def choose_varlen(
-    config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int, out_itemsize: int = 2
+    config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int, out_itemsize: int = 2,
+    *, device: str | None = None, dtype: str = "bfloat16", out_dtype: str | None = None,
 ) -> KernelChoice:
-    """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only)."""
+    """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
+    device: the GPU's name, for the tuned tables (None: rules only)."""
+    state = tuned.state() if device else None
+    return with_l2_hints(_choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device,
+                                              dtype, out_dtype or dtype, state,
+                                              tail_split_enabled()))
+
+
+@functools.lru_cache(maxsize=512)
+def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype,
+                         state, split_ok) -> KernelChoice:
+    hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype)
+    if hit is not None:
+        try:
+            return _varlen_rules(hit.apply(config), T, E, N, K, out_itemsize, split_ok)
+        except ValueError as exc:
+            _unusable(hit, exc)
+    return _varlen_rules(config, T, E, N, K, out_itemsize, split_ok)
+
+
+def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
+    if device is None or config.tuning_pinned or T <= 0 or E <= 0:
+        return None
+    key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
+    rules = _varlen_rules(config, T, E, N, K, _ITEMSIZE.get(out_dtype, 2), tail_split_enabled())
+    return tuned.lookup(device, key, T, num_sms, choice_fields(rules, "varlen"))
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def choice_fields(choice: KernelChoice, form: str) -> dict:
+    """The explicit GemmConfig fields that reproduce a KernelChoice (for the tuner's candidates
+    and for comparing the rules' choice with a tuned table's)."""
+    fields = {
+        "schedule": choice.schedule, "visitor": choice.visitor,
+        "tile_m": choice.tile_m, "tile_n": choice.tile_n,
+        "cluster_m": choice.cluster_m, "cluster_n": choice.cluster_n,
+        "stages": choice.stages, "raster_panel": choice.swizzle,
+        "whole_epilogue": choice.epi_whole,
+    }
+    if form != "general":
+        fields["tail_split"] = choice.tail_split
+    else:
+        fields["sort_by_k"] = choice.sort_by_k
+    return fields
+
+
+def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsize: int,
+                  split_ok: bool) -> KernelChoice:
     avg_m = T / max(1, E)
     if config.schedule != "auto":
         schedule = config.schedule
@@ -205,26 +349,34 @@ def choose_varlen(
     # 16; its 64 KiB of staging leaves 3 A/B stages, which long K uses anyway). H200,
     # 2026-11-21, back-to-back: mixtral 2795 vs 2825 us (QuACK 2808), moe-prefill 2958 vs
     # 2982; at K=1408 (moe-down) the lost 4th stage costs more: 189 vs 184, so not there.
-    epi_whole = (schedule == "cooperative" and tile == (128, 256) and K >= 4096
-                 and out_itemsize == 2 and config.stages in (None, 3))
-    if epi_whole:
-        stages = 3
+    if config.whole_epilogue is None:
+        epi_whole = (schedule == "cooperative" and tile == (128, 256) and K >= 4096
+                     and out_itemsize == 2 and config.stages in (None, 3))
+        if epi_whole:
+            stages = 3
+    else:
+        epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
     # Raster panel (m-tiles per panel, see schedule.tile_coord): 16 for the same long-K case.
     # A wider panel re-reads each expert's B from HBM fewer times (mixtral: 17 m-tiles per
     # expert, B 117 MB each: 3 passes at 8, 2 at 16), which saves power, and under sustained
     # load these shapes run at the 700 W cap. H200, 2026-11-21, each alone for ~1 s
     # (scripts/isolation_probe.py): mixtral 2860-2887 us vs 2925-2934 at 8, moe-prefill 3091
     # vs 3114; interleaved with other kernels (the bench) panels of 4-16 measured the same.
-    swizzle = 16 if epi_whole else 8
+    swizzle = config.raster_panel or (16 if epi_whole else 8)
     # Tail split (kernels/constants.py) for long K: when the last wave of tiles fills at most
     # half the grid, two CTAs share each of its tiles, half of K each (mixtral: 7448 tiles of
     # 128x256 on 132 SMs leave 56 in the last wave). Decided on the GPU per launch (the tile
     # count lives there); where the tail is too full, nothing is split.
-    tail_split = (schedule == "cooperative" and visitor == "device" and cm * cn == 1
-                  and K >= 4096 and tail_split_enabled())
-    return with_l2_hints(KernelChoice(schedule, visitor, tile[0], tile[1], stages, False,
-                                      swizzle, cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
-                                      tail_split=tail_split))
+    if config.tail_split is None:
+        tail_split = (schedule == "cooperative" and visitor == "device" and cm * cn == 1
+                      and K >= 4096)
+    else:
+        tail_split = config.tail_split
+        if tail_split:
+            _check_tail_split(schedule, visitor, cm, cn)
+    return KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, swizzle,
+                        cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
+                        tail_split=tail_split and split_ok)
 
 
 def tail_split_enabled() -> bool:
@@ -236,15 +388,42 @@ def tail_split_enabled() -> bool:
     return env_switch(TAIL_SPLIT_ENV)
 
 
-def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int
-                   ) -> KernelChoice:
-    """For grouped_mm's 3D x 3D form: the general rules for one (M, N, K) shared by all."""
-    return with_l2_hints(_choose_batched(config, G, M, N, K, num_sms))
+def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int,
+                   out_itemsize: int = 2, *, device: str | None = None, dtype: str = "bfloat16",
+                   out_dtype: str | None = None) -> KernelChoice:
+    """For grouped_mm's 3D x 3D form: the general rules for one (M, N, K) shared by all.
+    device: the GPU's name, for the tuned tables (None: rules only)."""
+    state = tuned.state() if device else None
+    return with_l2_hints(_choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize,
+                                               device, dtype, out_dtype or dtype, state,
+                                               tail_split_enabled()))
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int
-                    ) -> KernelChoice:
+def _choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize, device, dtype, out_dtype,
+                          state, split_ok) -> KernelChoice:
+    hit = _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype)
+    if hit is not None:
+        try:
+            return _choose_batched(hit.apply(config), G, M, N, K, num_sms, out_itemsize,
+                                   split_ok)
+        except ValueError as exc:
+            _unusable(hit, exc)
+    return _choose_batched(config, G, M, N, K, num_sms, out_itemsize, split_ok)
+
+
+def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
+    if device is None or config.tuning_pinned or G <= 0 or M <= 0:
+        return None
+    key = tuned.Key("batched", dtype, out_dtype, G, N, K, tuned.rows_bucket(M))
+    rules = _choose_batched(config, G, M, N, K, num_sms, _ITEMSIZE.get(out_dtype, 2),
+                            tail_split_enabled())
+    return tuned.lookup(device, key, G * M, num_sms, choice_fields(rules, "batched"))
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int,
+                    out_itemsize: int = 2, split_ok: bool = True) -> KernelChoice:
     schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
@@ -252,10 +431,15 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
     if config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]:
         # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
         # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
-        # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (scripts/tune.py).
+        # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (interleaved A/B).
         cm, cn = 1, 2
-    return KernelChoice(schedule, "device", tile[0], tile[1], stages, False, 8,
-                        cluster_m=cm, cluster_n=cn)
+    epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
+    tail_split = bool(config.tail_split)
+    if tail_split:
+        _check_tail_split(schedule, "device", cm, cn)
+    return KernelChoice(schedule, "device", tile[0], tile[1], stages, False,
+                        config.raster_panel or 8, cluster_m=cm, cluster_n=cn,
+                        epi_whole=epi_whole, tail_split=tail_split and split_ok)
 
 
 def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
@@ -281,6 +465,8 @@ def _fit_schedule(schedule: str, config: GemmConfig) -> str:
             schedule = "pingpong"
     if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
         schedule = "cooperative"
+    if config.tail_split or config.whole_epilogue:
+        schedule = "cooperative"  # (a ping-pong-only tile then fails _check_tile)
     return schedule
 
 
@@ -292,3 +478,28 @@ def _check_tile(schedule: str, tile: tuple[int, int]) -> None:
             f"tile {tile[0]}x{tile[1]} is not built for schedule {schedule!r}; expected one of "
             + ", ".join(f"{m}x{n}" for m, n in allowed)
         )
+
+
+def tuned_hit(form: str, config: GemmConfig, num_sms: int, *, device: str | None,
+              dtype: str = "bfloat16", out_dtype: str | None = None,
+              shape: tuple = ()) -> tuned.Hit | None:
+    """The tuned-table answer the choice for this call starts from, or None (rules only).
+
+    shape: (T, E, N, K) for "varlen", (G, M, N, K) for "batched", the sizes for "general".
+    For reports (benchmarks, the server's warm-up log); the choose_* functions use the same
+    lookups."""
+    out_dtype = out_dtype or dtype
+    if form == "varlen":
+        return _varlen_hit(config, *shape, num_sms, device, dtype, out_dtype)
+    if form == "batched":
+        return _batched_hit(config, *shape, num_sms, device, dtype, out_dtype)
+    if form == "general":
+        return _general_hit(config, tuple(shape), num_sms, device, dtype, out_dtype)
+    raise ValueError(f"form must be 'varlen', 'batched' or 'general'; got {form!r}")
+
+
+def clear_caches() -> None:
+    """Forget every cached choice (tests; the online autotuner after adding an entry)."""
+    for fn in (_choose_general_tuned, _choose_general, _choose_varlen_tuned,
+               _choose_batched_tuned, _choose_batched):
+        fn.cache_clear()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_gemm.capability import sm_count
+from moe_gemm.capability import device_name, sm_count
 from moe_gemm.config import GemmConfig
 from moe_gemm.env import env_get
 from moe_gemm.kernels.sm90.constants import DESC_RING, SLOT_INTS, split_workspace_bytes
@@ -137,6 +137,22 @@ def _new_placeholders(device, ab, d, b_major):
         _new_small("table", device, torch.int32, (1, 1, 2), "n"),
         _new_small("trace", device, torch.int32, (1, 1, 4), "n"),
     )
+
+
+def _table_device(device: torch.device | None) -> str | None:
+    """The name tuned tables are keyed by: the CUDA device's, None elsewhere (rules only)."""
+    return device_name(device) if device is not None and device.type == "cuda" else None
+
+
+def _maybe_autotune(form: str, args, config: GemmConfig) -> None:
+    """Online autotune (MOE_GEMM_AUTOTUNE=1, moe_gemm.tuning.online) of a new grouped_mm
+    signature, before its kernel is chosen; never while a CUDA graph is being captured."""
+    if env_get("MOE_GEMM_AUTOTUNE") and not _capturing():
+        from moe_gemm.tuning import online
+
+        if online.requested(config):
+            tune = online.ensure_tuned_varlen if form == "varlen" else online.ensure_tuned_batched
+            tune(args, config)
 
 
 def _compiled(key):
@@ -297,13 +313,15 @@ class GeneralShape:
     """
 
     def __init__(self, sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
-                 config: GemmConfig, nsm: int, trace: bool):
+                 config: GemmConfig, nsm: int, trace: bool, device: torch.device | None = None):
         self.G = G = len(sizes)
         self.sizes = sizes
         self.ab_dtype = ab
         self.out_dtype = d
         self.b_major = b_major
-        self.choice = choice = choose_general(config, sizes, nsm)
+        self.choice = choice = choose_general(
+            config, sizes, nsm, d.itemsize, device=_table_device(device),
+            dtype=_TORCH_TO_NAME[ab], out_dtype=_TORCH_TO_NAME[d])
         order = sched.ksort_permutation(sizes) if choice.sort_by_k else None
         # None when the order is the caller's: the per-call metadata then skips a gather.
         self.order = tuple(order) if order and order != list(range(G)) else None
@@ -382,11 +400,12 @@ _untracked_views = torch._C._AutoDispatchBelowADInplaceOrView
 
 @functools.lru_cache(maxsize=256)
 def general_shape(sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
-                  config: GemmConfig, nsm: int, trace: bool, l2_env: str | None
-                  ) -> GeneralShape:
+                  config: GemmConfig, nsm: int, trace: bool, l2_env: str | None,
+                  device: torch.device) -> GeneralShape:
     """The GeneralShape of a problem set, cached (l2_env: MOE_GEMM_L2_HINTS, which the kernel
-    choice reads, so a changed switch gets a new entry)."""
-    return GeneralShape(sizes, ab, d, b_major, config, nsm, trace)
+    choice reads, so a changed switch gets a new entry; device: its name picks tuned
+    tables)."""
+    return GeneralShape(sizes, ab, d, b_major, config, nsm, trace, device)
 
 
 class GeneralPlan:
@@ -537,7 +556,7 @@ class GeneralLaunch:
         self.persistent = persistent
         self.shape = shape = general_shape(
             tuple(args.sizes), args.dtype, args.out_dtype, layout.b_major, config,
-            sm_count(device), trace, env_get("MOE_GEMM_L2_HINTS"))
+            sm_count(device), trace, env_get("MOE_GEMM_L2_HINTS"), device)
         self.choice = shape.choice
         b_major = layout.b_major
         b_ptr, b_ld = layout.b_ptr, layout.b_ld
@@ -607,8 +626,10 @@ class MmPlan:
         if self.trivial:
             return
         nsm = sm_count(device)
-        self.choice = choice = choose_varlen(config, T, E, N, K, nsm,
-                                             args.out_dtype.itemsize)
+        _maybe_autotune("varlen", args, config)
+        self.choice = choice = choose_varlen(
+            config, T, E, N, K, nsm, args.out_dtype.itemsize, device=_table_device(device),
+            dtype=_TORCH_TO_NAME[args.dtype], out_dtype=_TORCH_TO_NAME[args.out_dtype])
         b_major = "k" if operand_major(w) == "col" else "n"
         self.num_problems = E + (1 if self.zero_tail else 0)
         self.tiles_n = -(-N // choice.tile_n)
@@ -697,7 +718,10 @@ class BmmPlan:
         if self.trivial or self.zero:
             return
         nsm = sm_count(device)
-        self.choice = choice = choose_batched(config, G, M, N, K, nsm)
+        _maybe_autotune("batched", args, config)
+        self.choice = choice = choose_batched(
+            config, G, M, N, K, nsm, args.out_dtype.itemsize, device=_table_device(device),
+            dtype=_TORCH_TO_NAME[args.dtype], out_dtype=_TORCH_TO_NAME[args.out_dtype])
         self.w_major = "k" if operand_major(w) == "col" else "n"
         self.w_unit = 1 if self.w_major == "k" else 2
         self.tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (

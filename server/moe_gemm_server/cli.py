@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--backend", choices=["auto", "cute", "torch"], help="kernel backend (default auto)")
     a("--warmup-rows", help="comma-separated row counts each weight set is warmed at "
       "(default: 1,64,512,4096 on CUDA, 1 on CPU)")
+    _bool_flag(p, "tune-at-start", "tune each weight set's kernel configs on this GPU before "
+               "warming it (once per shape; cached on disk; default off)")
     _bool_flag(p, "batching", "merge concurrent requests into one launch (default on)")
     a("--batch-delay-us", type=int, help="how long the oldest request may wait for others "
       "to join its launch (default 0: only what queued during the previous launch)")

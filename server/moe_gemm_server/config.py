@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     device: str = "auto"
     backend: Literal["auto", "cute", "torch"] = "auto"
     warmup_rows: Annotated[list[int] | None, NoDecode] = None
+    tune_at_start: bool = Field(False, description="tune each weight set's shapes before "
+                                "warming it (online autotune, cached on disk)")
 
     # batching and admission
     batching: bool = True

@@ -10,6 +10,10 @@ small matmuls against them. The Engine owns exactly that state and nothing HTTP-
   with both output dtypes a request can ask for, and the ad-hoc grouped_gemm path once per
   configuration reachable from representative shapes; so the cute backend compiles before
   the first real request (a CuTe DSL compile takes seconds; a request must not wait for one);
+- optional tuning at start (`tune=True`): each set's shapes are tuned by the online autotuner
+  (moe_gemm.tuning.online, results cached on disk) before the warm-up, and every set reports
+  the kernel config each warmed row count runs and where it came from (a tuned table or the
+  rules) in `WeightSet.kernels`;
 - one CUDA stream and one lock, so launches from worker threads never interleave;
 - `grouped_mm_many` / `grouped_gemm_many`: several callers' problems merged into ONE grouped
   launch and split back, which is what a dynamic batcher needs. For the MoE form the rows of
@@ -24,6 +28,7 @@ server can answer one request with 503 and carry on.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -51,6 +56,9 @@ Layout = Literal["w", "w_t"]
 # CPU the torch backend compiles nothing: one tiny run proves the weights work.
 DEFAULT_WARMUP_ROWS_CUDA = (1, 64, 512, 4096)
 DEFAULT_WARMUP_ROWS_CPU = (1,)
+# Rows per expert tune_weights tunes at (times E): decode to prefill, a factor of 8 apart.
+TUNE_ROWS_PER_EXPERT = (1 / 8, 1, 8, 64, 512)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Representative ad-hoc problem shapes (M, N, K): together they reach every tile / schedule /
 # stage choice of heuristics.choose_general (short and long K, narrow and wide N, few and
 # many rows); only the first shape per distinct choice is run.
@@ -89,6 +97,9 @@ class WeightSet:
     layout: Layout
     version: int
     created: float = field(default_factory=time.time)
+    # Per warmed row count: {"rows", "config" (a name as `moe-gemm tune` prints it),
+    # "source" ("table:exact" | "table:nearest" | "table:model" | "rules")}; cute only.
+    kernels: tuple[dict[str, object], ...] = ()
 
     @property
     def E(self) -> int:
@@ -111,8 +122,9 @@ class WeightSet:
         return self.w.numel() * self.w.element_size()
 
     def info(self) -> dict[str, object]:
-        """Plain-data description (name, experts, k, n, dtype, bytes, layout)."""
-        return {
+        """Plain-data description (name, experts, k, n, dtype, bytes, layout, and the kernels
+        its warmed row counts run when the cute backend serves it)."""
+        info: dict[str, object] = {
             "name": self.name,
             "experts": self.E,
             "k": self.K,
@@ -121,6 +133,9 @@ class WeightSet:
             "bytes": self.nbytes,
             "layout": self.layout,
         }
+        if self.kernels:
+            info["kernels"] = [dict(k) for k in self.kernels]
+        return info
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -165,6 +180,10 @@ class Engine:
             default: one T per kernel configuration the heuristics choose for T up to
             `max_rows` (cute backend), (1,) with the torch backend.
         max_rows: the most rows one launch will carry (the warm-up sweeps up to it).
+        tune: tune each weight set's shapes with the online autotuner before warming it
+            (cute backend only; TUNE_ROWS_PER_EXPERT x E rows, up to max_rows; each new shape
+            takes up to MOE_GEMM_AUTOTUNE_BUDGET_S seconds once, then comes from the disk
+            cache).
 
     Thread safety: every public method may be called from any thread. Launches are
     serialized by one lock and run on the engine's own CUDA stream; warm-up launches run on
@@ -179,6 +198,7 @@ class Engine:
         config: GemmConfig | None = None,
         warmup_rows: Sequence[int] | None = None,
         max_rows: int = 65536,
+        tune: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, GemmConfig):
             raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got {config!r}")
@@ -192,6 +212,7 @@ class Engine:
             raise ValueError(f"max_rows must be a positive int; got {max_rows!r}")
         self.warmup_rows = tuple(warmup_rows) if warmup_rows is not None else None
         self.max_rows = max_rows
+        self.tune = bool(tune)
         why_not = cute_problem(self.device)
         if self.config.backend == "torch":
             self.backend, self.backend_reason = "torch", "backend='torch' was configured"
@@ -258,6 +279,10 @@ class Engine:
         ws = WeightSet(name=name, w=w, layout=layout, version=next(self._versions))
         if warm:
             self.warm_up(ws)
+            ws = dataclasses.replace(ws, kernels=self.kernel_report(ws))
+            for k in ws.kernels:
+                log.info("weight set %r: %s rows -> %s (%s)", name, k["rows"], k["config"],
+                         k["source"])
         return ws
 
     def install(self, ws: WeightSet) -> WeightSet | None:
@@ -310,6 +335,8 @@ class Engine:
             self.warm_up_grouped_gemm()
             return
         out_dtypes = [ws.dtype] + ([torch.float32] if ws.dtype != torch.float32 else [])
+        if self.tune and self.backend == "cute":
+            self.tune_weights(ws)
         with self._warming():
             for T in self.warmup_rows_for(ws):
                 # values do not matter for a compile; built on the device, no host round trip
@@ -340,8 +367,10 @@ class Engine:
             cands |= {ws.E << i for i in bits} | {(ws.E << i) + ws.E for i in bits}
             cands = {t for t in cands if 0 < t <= self.max_rows} | {self.max_rows}
             first: dict[object, int] = {}
+            name = self._device_name()
             for T in sorted(cands):
-                c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm)
+                c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm, device=name,
+                                  dtype=_DTYPE_NAMES.get(ws.dtype, "bfloat16"))
                 key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints,
                        c.epi_whole, c.cluster_m, c.cluster_n, c.tail_split)
                 first.setdefault(key, T)
@@ -350,6 +379,59 @@ class Engine:
             log.warning("could not enumerate kernel choices; warming a fixed row ladder",
                         exc_info=True)
             return DEFAULT_WARMUP_ROWS_CUDA
+
+    def _device_name(self) -> str | None:
+        """The GPU's name (what tuned tables are keyed by), None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        from moe_gemm.capability import device_name
+
+        return device_name(self.device)
+
+    def tune_rows_for(self, ws: WeightSet) -> tuple[int, ...]:
+        """Row counts tune_weights tunes: E x TUNE_ROWS_PER_EXPERT, within max_rows. Steps of
+        8x leave every row count within 1.5 buckets of a tuned one (the tables answer up to 2
+        buckets away)."""
+        rows = {max(1, int(ws.E * r)) for r in TUNE_ROWS_PER_EXPERT}
+        return tuple(sorted(t for t in rows if t <= self.max_rows))
+
+    def tune_weights(self, ws: WeightSet) -> None:
+        """Tune `ws`'s shapes once each (online autotune, disk-cached), evenly routed."""
+        from moe_gemm.tuning import online
+
+        layout = "ENK" if ws.w.stride(1) == 1 else "EKN"
+        for T in self.tune_rows_for(ws):
+            counts = [int(c) for c in _spread(T, ws.E).tolist()]
+            t0 = time.monotonic()
+            online.tune_once(self.device, ws.E, ws.N, ws.K, T, counts, dtype=ws.dtype,
+                             layout=layout)
+            log.info("weight set %r: tuned %d rows in %.1fs", ws.name, T, time.monotonic() - t0)
+
+    def kernel_report(self, ws: WeightSet) -> tuple[dict[str, object], ...]:
+        """For each warmed row count: the kernel config it runs and where that came from."""
+        if self.backend != "cute":
+            return ()
+        try:
+            from moe_gemm.capability import sm_count
+            from moe_gemm.ops.heuristics import choose_varlen, tuned_hit
+            from moe_gemm.tuning.space import fields_of, name_of
+
+            nsm, name = sm_count(self.device), self._device_name()
+            dtype = _DTYPE_NAMES.get(ws.dtype, "bfloat16")
+            report = []
+            for T in self.warmup_rows_for(ws):
+                if T <= 0:
+                    continue
+                c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm, device=name,
+                                  dtype=dtype)
+                hit = tuned_hit("varlen", self.config, nsm, device=name, dtype=dtype,
+                                shape=(T, ws.E, ws.N, ws.K))
+                report.append({"rows": T, "config": name_of(fields_of(c, "varlen")),
+                               "source": "rules" if hit is None else f"table:{hit.how}"})
+            return tuple(report)
+        except Exception:  # noqa: BLE001 - a report must never fail a weight upload
+            log.warning("could not report the kernel choices of %r", ws.name, exc_info=True)
+            return ()
 
     def _gemm_warmup_shapes(self) -> list[tuple[int, int, int]]:
         if self.backend != "cute":

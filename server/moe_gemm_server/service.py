@@ -52,6 +52,7 @@ def build_engine(settings: Settings) -> Engine:
         config=GemmConfig(backend=settings.backend),
         warmup_rows=settings.warmup_rows,
         max_rows=max(settings.max_rows, settings.max_batch_rows),
+        tune=settings.tune_at_start,
     )
 
 

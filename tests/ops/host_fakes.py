@@ -36,6 +36,7 @@ def clear_caches() -> None:
 def install(monkeypatch, rec: Recorder) -> None:
     """ops/launch.py on the CPU with `rec` as the kernel."""
     monkeypatch.setattr(host, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(host, "device_name", lambda device: "Test GPU")  # no tuned table
     monkeypatch.setattr(host, "_device_index", lambda device: 0)
     monkeypatch.setattr(host, "_raw_stream", lambda idx: 0)
     monkeypatch.setattr(host, "_capturing", lambda: False)

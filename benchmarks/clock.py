@@ -1,0 +1,126 @@
+"""Timing callables on one device: CUDA events on a GPU, perf_counter on the CPU.
+
+Three measurements (benchmarks/README.md says which number is which):
+- `single`: one call with the GPU idle before it (what a call costs a caller, launch gap
+  included);
+- `back_to_back`: N calls queued behind a `torch.cuda._sleep` backlog between two events,
+  divided by N: GPU time with the host's enqueue hidden (for kernels under ~100 us,
+  per-launch events mostly time the launch gap);
+- `host_ms`: CPU time of one call, no synchronisation inside the timed region.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+# Back-to-back samples queue enough launches for ~5 ms of GPU work: long enough that event
+# resolution (~0.5 us) and the inter-launch gaps are noise, short enough for 30 samples.
+B2B_TARGET_MS = 5.0
+MAX_BACKLOG_MS = 200.0
+
+
+class Clock:
+    """Times callables on one device: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._cycles_per_ms: float | None = None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _events(self) -> tuple[Any, Any]:
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _calibrate(self) -> float:
+        torch.cuda._sleep(100_000)
+        start, end = self._events()
+        cycles = 20_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        self._cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+        return self._cycles_per_ms
+
+    def backlog(self, ms: float) -> None:
+        """Keep the GPU busy for about `ms` so the launches after it queue up behind it."""
+        if not self.cuda or ms <= 0 or not hasattr(torch.cuda, "_sleep"):
+            return
+        rate = self._cycles_per_ms or self._calibrate()
+        torch.cuda._sleep(int(min(ms, MAX_BACKLOG_MS) * rate))
+
+    def single(self, fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+        """ms of one call each rep, the device idle before it (launch gap included)."""
+        samples = []
+        for r in range(reps):
+            fn = fns[r % len(fns)]
+            self.sync()
+            if self.cuda:
+                start, end = self._events()
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+        return samples
+
+    def back_to_back(
+        self, fns: Sequence[Callable[[], object]], reps: int, calls: int, backlog_ms: float
+    ) -> list[float]:
+        """ms per call, `calls` calls queued between two events behind a GPU backlog."""
+        samples = []
+        k = 0
+        for _ in range(reps):
+            self.sync()
+            self.backlog(backlog_ms)
+            if self.cuda:
+                start, end = self._events()
+                start.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[k % len(fns)]()
+                k += 1
+            if self.cuda:
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / calls)
+            else:
+                samples.append((time.perf_counter() - t0) * 1e3 / calls)
+        return samples
+
+    def host_ms(
+        self, fns: Sequence[Callable[[], object]], reps: int, sync_every: int = 1
+    ) -> list[float]:
+        """CPU ms of one call (no sync inside the timed region)."""
+        samples = []
+        for r in range(reps):
+            if r % sync_every == 0:
+                self.sync()  # keep the launch queue from filling: outside the timed region
+            fn = fns[r % len(fns)]
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        self.sync()
+        return samples
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return float(s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))])
+

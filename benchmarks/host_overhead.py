@@ -1,0 +1,222 @@
+"""Host overhead: what one call costs the CPU, and how long until its kernel starts.
+
+    python -m benchmarks.host_overhead --out host.json [--smoke] [--reps N]
+
+Small problems, so the GPU work is short and the host path shows. Every case is measured in
+the same process as torch's own grouped_mm, so the comparison holds on whatever CPU the GPU
+machine has:
+
+| case | call |
+| --- | --- |
+| grouped_mm 2-D | ours and torch's: x (64, 512), w (8, 512, 512), offs on the GPU |
+| grouped_mm 3-D | ours and torch's: x (8, 8, 512), w (8, 512, 512) |
+| GroupedGemmPlan call | a plan over 8 problems, called again and again |
+| grouped_gemm (8 problems), (256 problems) | separate allocations per problem, the same tensors every call |
+| torch.mm loop (8 problems), (256 problems) | the host-known loop, for scale |
+
+Per case: `cpu_us`, time.perf_counter around one call without synchronising (median of many,
+the GPU synchronised every 16 calls outside the timed region so the launch queue never
+fills); `single_us`, CUDA events around one call with the GPU idle; `gpu_us`, the
+back-to-back time behind a GPU backlog (the kernel alone); `launch_gap_us = single_us -
+gpu_us`, the time from the call to its kernel starting. `checks` holds the targets: our
+grouped_mm at or below torch's in CPU time and gap (2-D and 3-D), a repeated plan call at most
+10 us of CPU, grouped_gemm on 256 problems at most 250 us of CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.clock import Clock, median, quantile
+from benchmarks.suite import GROUPED_MM_FN, GROUPED_MM_NAME, short_error
+from moe_gemm.ops import api as ops
+
+PLAN_CPU_US_MAX = 10.0
+GEMM_256_CPU_US_MAX = 250.0
+OURS_MM2 = "moe_gemm grouped_mm 2-D"
+OURS_MM3 = "moe_gemm grouped_mm 3-D"
+TORCH_MM2 = f"{GROUPED_MM_NAME} 2-D"
+TORCH_MM3 = f"{GROUPED_MM_NAME} 3-D"
+PLAN = "moe_gemm GroupedGemmPlan call"
+GEMM8 = "moe_gemm grouped_gemm (8 problems)"
+GEMM256 = "moe_gemm grouped_gemm (256 problems)"
+
+
+def _sizes(smoke: bool) -> dict[str, int]:
+    if smoke:
+        return {"E": 4, "rows": 16, "N": 32, "K": 32, "M3": 4, "many_m": 2}
+    return {"E": 8, "rows": 64, "N": 512, "K": 512, "M3": 8, "many_m": 8}
+
+
+def build_cases(device: torch.device, smoke: bool, seed: int = 0
+                ) -> tuple[dict[str, Callable[[], object]], dict[str, Any]]:
+    """Name -> zero-argument call, and the sizes used."""
+    s = _sizes(smoke)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.1
+
+    E, T, N, K = s["E"], s["rows"], s["N"], s["K"]
+    x = randn(T, K)
+    w = randn(E, N, K).transpose(1, 2)  # the (E, N, K) checkpoint layout, as users pass it
+    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (T // E)
+    x3 = randn(E, s["M3"], K)
+    m = s["many_m"]
+    a8, b8 = [randn(m, K) for _ in range(8)], [randn(K, N) for _ in range(8)]
+    a256, b256 = [randn(m, K) for _ in range(256)], [randn(K, N) for _ in range(256)]
+    plan = ops.GroupedGemmPlan(a8, b8)
+    cases: dict[str, Callable[[], object]] = {
+        OURS_MM2: lambda: ops.grouped_mm(x, w, offs),
+        OURS_MM3: lambda: ops.grouped_mm(x3, w),
+    }
+    if GROUPED_MM_FN is not None:
+        gmm = GROUPED_MM_FN
+        cases[TORCH_MM2] = lambda: gmm(x, w, offs=offs)
+        cases[TORCH_MM3] = lambda: gmm(x3, w)
+    cases[PLAN] = plan
+    cases[GEMM8] = lambda: ops.grouped_gemm(a8, b8)
+    cases[GEMM256] = lambda: ops.grouped_gemm(a256, b256)
+    out8 = [torch.empty(m, N, device=device, dtype=torch.bfloat16) for _ in range(8)]
+    out256 = [torch.empty(m, N, device=device, dtype=torch.bfloat16) for _ in range(256)]
+
+    def loop(a, b, out) -> Callable[[], object]:
+        def body() -> object:
+            for ai, bi, oi in zip(a, b, out):
+                torch.mm(ai, bi, out=oi)
+            return out
+        return body
+
+    cases["torch.mm loop (8 problems)"] = loop(a8, b8, out8)
+    cases["torch.mm loop (256 problems)"] = loop(a256, b256, out256)
+    info = {"grouped_mm 2-D": {"T": T, "E": E, "N": N, "K": K},
+            "grouped_mm 3-D": {"G": E, "M": s["M3"], "N": N, "K": K},
+            "lists": {"M": m, "N": N, "K": K}, "dtype": "bf16",
+            "w_layout": "(E, N, K) storage passed as w_t.transpose(1, 2)"}
+    return cases, info
+
+
+def measure_case(clock: Clock, fn: Callable[[], object], reps: int, iters: int,
+                 smoke: bool) -> dict[str, float]:
+    for _ in range(5):
+        fn()
+    cpu = clock.host_ms([fn], iters, sync_every=16)
+    single = clock.single([fn], reps)
+    calls = 1 if smoke else 200
+    b2b = clock.back_to_back([fn], reps, calls, median(cpu) * calls * 1.25 + 0.1)
+    return {"cpu_us": median(cpu) * 1e3, "cpu_us_p10": quantile(cpu, 0.1) * 1e3,
+            "cpu_us_p90": quantile(cpu, 0.9) * 1e3, "single_us": median(single) * 1e3,
+            "gpu_us": median(b2b) * 1e3,
+            "launch_gap_us": (median(single) - median(b2b)) * 1e3}
+
+
+def checks(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The host-cost targets, each {"value", "limit" or "torch", "ok"} (ok None: not measured)."""
+    def get(name: str, field: str) -> float | None:
+        return entries.get(name, {}).get(field)
+
+    out: dict[str, dict[str, Any]] = {}
+    for label, ours, theirs in (("grouped_mm 2-D", OURS_MM2, TORCH_MM2),
+                                ("grouped_mm 3-D", OURS_MM3, TORCH_MM3)):
+        for field in ("cpu_us", "launch_gap_us"):
+            v, t = get(ours, field), get(theirs, field)
+            out[f"{label} {field} <= torch"] = {
+                "value": v, "torch": t, "ok": None if v is None or t is None else v <= t}
+    for label, name, limit in (("GroupedGemmPlan call cpu_us", PLAN, PLAN_CPU_US_MAX),
+                               ("grouped_gemm 256 problems cpu_us", GEMM256,
+                                GEMM_256_CPU_US_MAX)):
+        v = get(name, "cpu_us")
+        out[f"{label} <= {limit:g}"] = {"value": v, "limit": limit,
+                                         "ok": None if v is None else v <= limit}
+    return out
+
+
+def measure_host_overhead(clock: Clock, *, smoke: bool, reps: int, skip: frozenset[str] = frozenset(),
+                          mark: Callable[[str | None], None] = lambda name: None,
+                          on_error: Callable[[str, BaseException], None] = lambda n, e: None,
+                          seed: int = 0) -> dict[str, Any]:
+    """Every case's numbers and the checks (a case that raises records its error)."""
+    cases, info = build_cases(clock.device, smoke, seed)
+    iters = 20 if smoke else 300
+    entries: dict[str, dict[str, Any]] = {}
+    for name, fn in cases.items():
+        if name in skip:
+            continue
+        mark(name)
+        try:
+            entries[name] = measure_case(clock, fn, reps, iters, smoke)
+        except Exception as exc:  # one failing case must not lose the others
+            entries[name] = {"error": short_error(exc)}
+            on_error(name, exc)
+    mark(None)
+    return {
+        "shape": info, "calls": entries, "checks": checks(entries),
+        "method": f"cpu_us: time.perf_counter around one call, no sync, median of {iters} "
+        "(synchronized every 16 calls outside the timed region); single_us: events around one "
+        "call with the GPU idle; gpu_us: back-to-back behind a backlog; launch_gap_us = "
+        "single_us - gpu_us, the time from the call to its kernel starting (plus any gaps "
+        "between its kernels)",
+    }
+
+
+def format_lines(result: dict[str, Any]) -> list[str]:
+    lines = [f"{'case':40} | {'cpu us':>8} | {'gap us':>8} | {'gpu us':>8}"]
+    for name, e in result["calls"].items():
+        if "error" in e:
+            lines.append(f"{name[:40]:40} | error: {e['error'][:60]}")
+        else:
+            lines.append(f"{name[:40]:40} | {e['cpu_us']:8.1f} | {e['launch_gap_us']:8.1f} | "
+                         f"{e['gpu_us']:8.1f}")
+    for name, c in result["checks"].items():
+        verdict = {True: "ok", False: "MISSED", None: "not measured"}[c["ok"]]
+        lines.append(f"check {name}: {verdict}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead", description=(
+        "CPU time per call and call-to-kernel gap: our ops against torch's grouped_mm."))
+    p.add_argument("--out", help="JSON path (default: print only)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, few reps (CPU is fine)")
+    p.add_argument("--reps", type=int, default=None, help="samples per measurement")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
+    args = p.parse_args(argv)
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(dev)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("error: no CUDA GPU is visible", file=sys.stderr)
+            return 2
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif not args.smoke:
+        print("error: host overhead is measured on a GPU; use --smoke on the CPU",
+              file=sys.stderr)
+        return 2
+    reps = args.reps or (3 if args.smoke else 30)
+    result = measure_host_overhead(Clock(device), smoke=args.smoke, reps=reps)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"cpu ({platform.machine()})")
+    doc = {"device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+           "torch": torch.__version__, "python": platform.python_version(), **result}
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+    print("\n".join(format_lines(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

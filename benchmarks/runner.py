@@ -1,0 +1,354 @@
+"""Running one benchmark case: every implementation checked, then timed interleaved.
+
+`run_shape` builds a case's input sets (rotated when one set would fit in L2) and its float32
+reference, then for each implementation `prepare_impl` builds it, makes its first call,
+checks the result (ours into a NaN-poisoned `out`) and warms it up, and `time_interleaved`
+samples every implementation that passed once per round. Nothing here raises: a failing
+implementation becomes an "error" row with its message, one that cannot take the case an
+"n/a" row with the reason, and a sticky CUDA error marks the rest "not run".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import sys
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.clock import B2B_TARGET_MS, Clock, median, quantile
+from benchmarks.report import write_json
+from benchmarks.scoring import bytes_needed, flops
+from benchmarks.suite import (
+    TOLERANCE,
+    Impl,
+    Inputs,
+    NotApplicable,
+    Prepared,
+    ShapeSpec,
+    implementations,
+    input_bytes,
+    input_sets_needed,
+    make_inputs,
+    reference,
+    rel_err,
+    short_error,
+)
+
+# Fault injection for testing --isolate: "SHAPE/IMPL" makes that implementation abort the
+# process the moment it starts ("SHAPE/IMPL@timing": at its first timed sample), like a crash
+# that takes the CUDA context with it.
+ABORT_ENV = "MOE_GEMM_BENCH_ABORT_IN"
+# Substrings of errors after which the CUDA context cannot be trusted (sticky errors).
+_STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
+           "unspecified launch failure", "device-side assert", "an illegal", "launch timeout")
+
+
+def _context_alive(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return (torch.ones(1, device=device) + 1).item() == 2.0
+    except Exception:
+        return False
+
+
+@dataclass
+class Run:
+    """Settings and accumulated results of one bench process."""
+
+    device: torch.device
+    clock: Clock
+    reps: int
+    seed: int
+    smoke: bool
+    variants: bool
+    skip: frozenset[str]
+    doc: dict[str, Any]
+    out_path: Path | None
+    l2_bytes: int = 0
+    progress: bool = True
+
+    def save(self) -> None:
+        if self.out_path is not None:
+            write_json(self.out_path, self.doc, compact=True)
+
+    def mark(self, shape: str | None, impl: str | None = None) -> None:
+        """Record what is running in a sidecar file (cheap enough to call per sample), so a
+        parent process can tell which implementation a hard crash happened in."""
+        if self.out_path is None:
+            return
+        side = progress_path(self.out_path)
+        if shape is None:
+            side.unlink(missing_ok=True)
+            return
+        tmp = side.with_name(side.name + ".tmp")
+        tmp.write_text(json.dumps({"shape": shape, "impl": impl}))
+        os.replace(tmp, side)
+
+    @property
+    def poisoned(self) -> dict[str, Any] | None:
+        return self.doc.get("poisoned_by")
+
+    def log(self, msg: str) -> None:
+        if self.progress:
+            print(msg, file=sys.stderr, flush=True)
+
+
+def progress_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + ".inprogress")
+
+
+def _shape_seed(seed: int, name: str, index: int) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode()) * 101 + index) % (2**63)
+
+
+def after_error(run: Run, shape: str, impl: str, exc: BaseException) -> None:
+    if run.device.type != "cuda":
+        return
+    if not _context_alive(run.device):
+        run.doc["poisoned_by"] = {"shape": shape, "impl": impl, "error": short_error(exc)}
+    elif any(s in str(exc).lower() for s in _STICKY):
+        # The error text says sticky but a probe still works: note it, keep going.
+        run.doc.setdefault("sticky_errors", []).append({"shape": shape, "impl": impl})
+    else:
+        gc.collect()
+        torch.cuda.empty_cache()  # after an OOM or a half-built implementation
+
+
+def _poison_note(run: Run) -> str:
+    p = run.poisoned or {}
+    return (f"not run: CUDA context poisoned by {p.get('impl')} on {p.get('shape')} "
+            "(use --isolate)")
+
+
+def _not_run_row(spec: ShapeSpec, impl: Impl, why: str) -> dict[str, Any]:
+    return {"shape": spec.name, "impl": impl.name, "peer": impl.peer, "default": impl.default,
+            "status": "error", "ms": None, "error": why, "not_run": True}
+
+
+def _last_launch() -> object | None:
+    """What our host wrapper last launched on this thread, if it was ever loaded."""
+    host = sys.modules.get("moe_gemm.ops.launch")  # loaded only once cute has run
+    fn = getattr(host, "last_launch", None)
+    try:
+        return fn() if callable(fn) else None
+    except Exception:
+        return None
+
+
+def _launch_fields(before: object | None, after: object | None) -> dict[str, Any]:
+    """backend (and the kernel choice the heuristics made) for one of our calls."""
+    if after is None or after is before:
+        return {"backend": "torch"}
+    fields: dict[str, Any] = {"backend": "cute"}
+    choice = getattr(after, "choice", None)
+    if dataclasses.is_dataclass(choice) and not isinstance(choice, type):
+        fields["kernel"] = dataclasses.asdict(choice)
+    elif choice is not None:
+        fields["kernel"] = repr(choice)
+    if isinstance(getattr(after, "num_ctas", None), int):
+        fields["num_ctas"] = after.num_ctas  # type: ignore[attr-defined]
+    return fields
+
+
+@dataclass(eq=False)  # identity semantics: `t in active` must not compare tensors
+class _Timing:
+    """An implementation that passed its check, waiting for its interleaved samples."""
+
+    impl: Impl
+    row: dict[str, Any]
+    prepared: list[Prepared]
+    calls: int
+    backlog_ms: float
+    single: list[float] = field(default_factory=list)
+    b2b: list[float] = field(default_factory=list)
+    repeat: list[float] = field(default_factory=list)
+
+    @property
+    def fns(self) -> list[Callable[[], object]]:
+        return [p.run for p in self.prepared]
+
+
+def prepare_impl(
+    run: Run, spec: ShapeSpec, impl: Impl, sets: list[Inputs], ref: torch.Tensor
+) -> tuple[dict[str, Any], _Timing | None]:
+    """Build, first-call, check and warm up one implementation; never raises.
+
+    Returns its row ("pending" when it passed and waits for timing, else "n/a" or "error")
+    and the timing state for the pending ones.
+    """
+    row: dict[str, Any] = {"shape": spec.name, "impl": impl.name, "peer": impl.peer,
+                           "default": impl.default, "status": "pending", "ms": None}
+    if impl.notes:
+        row["notes"] = impl.notes
+    if impl.config is not None:
+        row["config"] = impl.config.as_dict()
+    if run.poisoned:
+        return _not_run_row(spec, impl, _poison_note(run)), None
+    run.mark(spec.name, impl.name)
+    if os.environ.get(ABORT_ENV) == f"{spec.name}/{impl.name}":
+        os.abort()  # fault injection: a hard crash, as an illegal address can end a process
+    clock = run.clock
+    try:
+        prepared = [impl.build(spec, s, run.device) for s in sets]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            before = _last_launch()
+            t0 = time.perf_counter()
+            prepared[0].run()
+            clock.sync()
+            row["first_call_s"] = time.perf_counter() - t0  # includes any JIT compile
+            if not impl.peer:
+                row.update(_launch_fields(before, _last_launch()))
+            out = prepared[0].check()
+            clock.sync()
+        if caught:
+            row["warnings"] = sorted({str(w.message)[:300] for w in caught})[:5]
+        err = rel_err(out, ref)
+        del out
+        row["rel_err"] = err
+        tol = TOLERANCE[spec.dtype]
+        if not err <= tol:
+            row.update(status="error", error=f"wrong result: relative error {err:.3g} > {tol}")
+            return row, None
+        fns = [p.run for p in prepared]
+        for i in range(max(3, len(fns))):
+            fns[i % len(fns)]()
+        host = clock.host_ms(fns, 5)
+        est = max(median(clock.single(fns, 3)), 1e-4)
+        calls = 1 if run.smoke else max(1, min(1000, math.ceil(B2B_TARGET_MS / est)))
+        row["host_us"] = median(host) * 1e3
+        row["est_ms"] = est
+        return row, _Timing(impl, row, prepared, calls, median(host) * calls * 1.25 + 0.1)
+    except NotApplicable as exc:
+        row.update(status="n/a", reason=str(exc))
+        return row, None
+    except Exception as exc:  # one failing implementation must never abort the run
+        row.update(status="error", error=short_error(exc))
+        after_error(run, spec.name, impl.name, exc)
+        return row, None
+
+
+def time_interleaved(run: Run, spec: ShapeSpec, timings: list[_Timing]) -> None:
+    """Sample every pending implementation once per round, `reps` rounds.
+
+    Interleaving puts clock and power drift (seen: 6% between two timings of the same kernel
+    10 s apart on an H200 running large GEMMs) on every implementation alike instead of on
+    whichever ran last. Each round starts one implementation later, and the default is sampled
+    again at the end of each round (`ms_repeat`): its spread against `ms` is the noise floor.
+    """
+    clock, active = run.clock, list(timings)
+    default = next((t for t in timings if t.impl.default), None)
+    for r in range(run.reps):
+        if not active or run.poisoned:
+            break
+        k = r % len(active)
+        order = active[k:] + active[:k]
+        if default is not None and default in active:
+            order.append(default)
+        seen: set[int] = set()
+        for t in order:
+            if t not in active:
+                continue
+            run.mark(spec.name, t.impl.name)
+            if os.environ.get(ABORT_ENV) == f"{spec.name}/{t.impl.name}@timing":
+                os.abort()
+            try:
+                fns = t.fns
+                if id(t) in seen:
+                    t.repeat += clock.back_to_back(fns, 1, t.calls, t.backlog_ms)
+                    continue
+                seen.add(id(t))
+                t.single += clock.single([fns[r % len(fns)]], 1)
+                t.b2b += clock.back_to_back(fns, 1, t.calls, t.backlog_ms)
+            except Exception as exc:
+                t.row.update(status="error", error=short_error(exc))
+                active.remove(t)
+                after_error(run, spec.name, t.impl.name, exc)
+                if run.poisoned:
+                    break
+    for t in timings:
+        if t.row["status"] != "pending":
+            continue
+        if run.poisoned or len(t.b2b) < run.reps:
+            t.row.update(status="error", error=_poison_note(run), not_run=True)
+            continue
+        t.row.update(
+            status="ok", ms=median(t.b2b), ms_p10=quantile(t.b2b, 0.1),
+            ms_p90=quantile(t.b2b, 0.9), ms_single=median(t.single),
+            ms_single_p10=quantile(t.single, 0.1), ms_single_p90=quantile(t.single, 0.9),
+            calls_per_sample=t.calls, reps=run.reps, input_sets=len(t.prepared),
+        )
+        if t.repeat:
+            t.row["ms_repeat"] = median(t.repeat)
+
+
+def run_shape(run: Run, spec: ShapeSpec, impls: Sequence[Impl] | None = None) -> None:
+    """Every implementation (default: the suite's for `spec`) on one shape; rows appended to
+    run.doc['results']."""
+    sizes = spec.sizes(run.seed)
+    elem = spec.torch_dtype.itemsize
+    info = spec.describe(run.seed)
+    info.update(bytes=bytes_needed(sizes, elem, elem), flops=flops(sizes))
+    run.doc["shapes"][spec.name] = info
+    if impls is None:
+        impls = implementations(spec, run.variants)
+    impls = [i for i in impls if i.name not in run.skip]
+    results = run.doc["results"]
+    if run.poisoned:
+        results.extend(_not_run_row(spec, i, _poison_note(run)) for i in impls)
+        run.save()
+        return
+    t_shape = time.perf_counter()
+    sets: list[Inputs] = []
+    try:
+        run.mark(spec.name, "input generation")
+        counts = spec.counts(run.seed)
+        sets.append(make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, 0)))
+        set_bytes = input_bytes(sets[0])
+        nsets = input_sets_needed(set_bytes, run.l2_bytes, 2 if run.smoke else 64)
+        for i in range(1, nsets):
+            sets.append(make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, i)))
+        info.update(input_sets=nsets, set_bytes=set_bytes)
+        ref = reference(sets[0])
+    except Exception as exc:
+        results.extend(_not_run_row(spec, i, f"input generation failed: {short_error(exc)}")
+                       for i in impls)
+        after_error(run, spec.name, "input generation", exc)
+        run.save()
+        return
+    timings: list[_Timing] = []
+    for impl in impls:
+        row, timing = prepare_impl(run, spec, impl, sets, ref)
+        results.append(row)
+        run.save()
+        if timing is not None:
+            timings.append(timing)
+        else:
+            why = row.get("error") or row.get("reason") or ""
+            run.log(f"[bench] {spec.name:13s} {impl.name:37s} {row['status']}: {why[:100]}")
+    del ref
+    time_interleaved(run, spec, timings)
+    for t in timings:
+        status = f"{t.row['ms'] * 1e3:.1f} us" if t.row["status"] == "ok" else (
+            f"{t.row['status']}: {str(t.row.get('error'))[:100]}")
+        run.log(f"[bench] {spec.name:13s} {t.impl.name:37s} {status}")
+    info["wall_s"] = time.perf_counter() - t_shape
+    del sets, timings
+    gc.collect()
+    if run.device.type == "cuda" and not run.poisoned:
+        torch.cuda.empty_cache()
+    run.mark(None)
+    run.save()

@@ -1,0 +1,421 @@
+"""The model-zoo benchmark: real MoE models' expert GEMMs, ours against the peers.
+
+    python -m benchmarks.zoo [--models M,...] [--tokens T,...] [--budget-s S] [--out FILE]
+    moe-gemm bench --suite zoo ...
+
+Each case is one projection (gate_up or down) of one model (moe_gemm.tuning.zoo: configs and
+checkpoint layouts) at one token count, routed with the zoo's seeded top-k routing. Per case,
+in one process and interleaved round by round (benchmarks.runner): our grouped_mm with no
+config (`default`: what users get, tuned tables included), torch's grouped_mm, the torch.mm
+loop captured in a CUDA graph, QuACK's varlen GEMM untuned and with tuned=True. Every output
+is checked against a float32 reference before it is timed. Rows carry time, TFLOP/s, GB/s,
+the fraction of the roofline floor (ceilings measured in the same run) and the ratio to the
+best peer; the JSON and a PNG heat map of that ratio are written after every case.
+
+The default subset (DEFAULT_MODELS x both projections x DEFAULT_TOKENS) fits about nine
+minutes on an H100 with --budget-s 480; --budget-s stops before a case that would not fit and
+lists the rest under "not_run"; --resume FILE adds the missing cases of an earlier run's JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import zoo_report
+from benchmarks.ceilings import measure_ceilings
+from benchmarks.clock import B2B_TARGET_MS, Clock
+from benchmarks.report import write_json
+from benchmarks.runner import Run, run_shape
+from benchmarks.suite import (
+    DEFAULT_NAME,
+    GROUPED_MM_NAME,
+    QUACK_NAME,
+    QUACK_TUNED_NAME,
+    Impl,
+    Inputs,
+    NotApplicable,
+    Prepared,
+    ShapeSpec,
+    _build_graph,
+    _build_grouped_mm,
+    _build_quack,
+    _build_quack_tuned,
+    _ours,
+    quack_autotune_seconds,
+)
+from moe_gemm import __version__
+from moe_gemm.tuning import zoo as models
+
+DEFAULT_MODELS = models.DEFAULT_MODELS
+DEFAULT_TOKENS = models.DEFAULT_TOKENS
+DEFAULT_REPS = 15
+DEFAULT_BUDGET_S = 480.0
+QUACK_TUNE_CAP_S = 40.0
+GRAPH_NAME = "torch.mm loop (CUDA graph)"
+SMOKE_SCALE = 64  # smoke mode: N and K divided by this (at least 16), E at most 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+
+
+def case_name(model: str, proj: str, tokens: int) -> str:
+    return f"{model}/{proj}/{tokens}"
+
+
+def build_cases(model_names: str | None, tokens: str | None, projs: list[str], seed: int,
+                smoke: bool) -> list[tuple[ShapeSpec, dict[str, Any]]]:
+    """(ShapeSpec, zoo fields) per case, token count by token count (priority order)."""
+    picked = models.select_models(model_names or ",".join(DEFAULT_MODELS))
+    default_tokens = (1, 16) if smoke else DEFAULT_TOKENS
+    cases = []
+    for t in models.parse_tokens(tokens, default_tokens):
+        for m in picked:
+            for p in m.projections():
+                if p.proj not in projs:
+                    continue
+                E, N, K = p.E, p.N, p.K
+                if smoke:  # tiny, with rows still 16-byte multiples (the TMA rule)
+                    E = min(E, 8)
+                    N, K = (max(16, v // SMOKE_SCALE // 16 * 16) for v in (N, K))
+                counts = models.topk_counts(E, t, min(p.top_k, E), seed)
+                rows = sum(counts)
+                name = case_name(m.name, p.proj, t)
+                spec = ShapeSpec(name, "varlen", "bf16",
+                                 f"{m.name} {p.proj}: {t} tokens x top-{p.top_k}, E={E} N={N} "
+                                 f"K={K}, weights {p.layout}", experts=E, rows=rows, n=N, k=K,
+                                 fixed_counts=tuple(counts), layout=p.layout)
+                fields = {"model": m.name, "proj": p.proj, "tokens": t, "E": E, "N": N,
+                          "K": K, "rows": rows, "top_k": p.top_k, "layout": p.layout,
+                          "shape": f"E={E} N={N} K={K} rows={rows}"}
+                cases.append((spec, fields))
+    return cases
+
+
+def implementations(run: Run, quack_tuned: bool, cap_s: float,
+                    budget_left) -> list[Impl]:
+    """Ours (default), then the peers: torch's grouped_mm, the mm loop in a CUDA graph, QuACK."""
+    impls = [
+        Impl(DEFAULT_NAME, False, _ours(None), default=True,
+             notes="grouped_mm(x, w, offs), config=None (tuned tables, then the rules)"),
+        Impl(GROUPED_MM_NAME, True, _build_grouped_mm, notes="torch's grouped_mm, 2D x 3D"),
+        Impl(GRAPH_NAME, True, _build_graph,
+             notes="one torch.mm per non-empty expert, offsets known on the host, captured "
+             "once per input set and replayed"),
+        Impl(QUACK_NAME, True, _build_quack,
+             notes="quack.gemm_interface.gemm(x, w, cu_seqlens_m=..., tuned=False)"),
+    ]
+    if quack_tuned:
+        impls.append(Impl(QUACK_TUNED_NAME, True, _guarded_quack_tuned(run, cap_s, budget_left),
+                          notes="quack.gemm_interface.gemm(..., tuned=True): QuACK's "
+                          "autotuner on the first call"))
+    return impls
+
+
+def _guarded_quack_tuned(run: Run, cap_s: float, budget_left):
+    """QuACK tuned=True, unless its autotune would take longer than cap_s or the budget left
+    (estimated from the untuned QuACK call's time on this case): then n/a, with why."""
+
+    def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+        untuned = next((r for r in reversed(run.doc["results"]) if r["shape"] == spec.name
+                        and r["impl"] == QUACK_NAME), None)
+        if untuned is None or untuned.get("status") != "pending" or not untuned.get("est_ms"):
+            raise NotApplicable("QuACK untuned did not run here")
+        est = quack_autotune_seconds(untuned["est_ms"])
+        limit = min(cap_s, budget_left() - 10.0)
+        if est > limit:
+            raise NotApplicable(f"QuACK's autotune would take ~{est:.0f} s here, over the "
+                                f"{limit:.0f} s allowed (--quack-tune-cap-s, --budget-s)")
+        return _build_quack_tuned(spec, inp, device)
+
+    return build
+
+
+def estimate_case_s(fields: dict[str, Any], ceilings: dict[str, Any], reps: int,
+                    quack_tuned: bool, cap_s: float, history: float) -> float:
+    """Seconds a case should take, from its floor: checks, interleaved timing, QuACK's
+    autotune; `history` scales it by how far earlier estimates were off (>= 1)."""
+    elem = 2
+    E, N, K, rows = fields["E"], fields["N"], fields["K"], fields["rows"]
+    nbytes = (rows * K + E * N * K + rows * N) * elem
+    nflops = 2 * rows * N * K
+    bw = ceilings.get("copy_bytes_per_s") or 3e12
+    rate = ceilings.get("mm_flops_per_s") or 6e14
+    call_ms = max(nbytes / bw, nflops / rate) * 1e3 * 1.5 + 0.01
+    timing = reps * 6 * max(B2B_TARGET_MS, call_ms) * 1.5 / 1e3
+    checks = 6 * 12 * call_ms / 1e3 + nflops / 4e13  # first calls, warm-up, fp32 reference
+    tune = quack_autotune_seconds(call_ms) if quack_tuned else 0.0
+    tune = tune if tune <= cap_s else 0.0  # over the cap it is skipped
+    return (2.0 + timing + checks + tune) * history
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _device_info(device: torch.device) -> tuple[str, dict[str, Any], int]:
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                            "moe_gemm": __version__}
+    if device.type != "cuda":
+        return f"cpu ({platform.machine()})", info, 0
+    props = torch.cuda.get_device_properties(device)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 0) or 50 * 2**20
+    info.update(name=props.name, capability=f"sm_{props.major}{props.minor}",
+                sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                l2_mib=round(l2 / 2**20, 1), cuda=torch.version.cuda)
+    try:
+        from importlib.metadata import version
+
+        info["quack_kernels"] = version("quack-kernels")
+    except Exception:  # noqa: BLE001 - not installed
+        info["quack_kernels"] = None
+    return props.name, info, l2
+
+
+def _choice_source(fields: dict[str, Any], device: torch.device) -> str:
+    """How our default picked its kernel here: a tuned table (exact / nearest / model) or
+    the rules."""
+    if device.type != "cuda":
+        return "torch backend"
+    from moe_gemm.capability import device_name, sm_count
+    from moe_gemm.config import GemmConfig
+    from moe_gemm.ops.heuristics import tuned_hit
+
+    hit = tuned_hit("varlen", GemmConfig(), sm_count(device), device=device_name(device),
+                    shape=(fields["rows"], fields["E"], fields["N"], fields["K"]))
+    return "rules" if hit is None else f"table:{hit.how}"
+
+
+def _precompile(cases, device: torch.device, log) -> Any:
+    """Start compiling every case's default kernel in worker processes (the disk cache's
+    per-kernel lock makes the first call wait for its worker instead of compiling again)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from moe_gemm.capability import cute_problem, device_name, sm_count
+        from moe_gemm.config import GemmConfig
+        from moe_gemm.ops.heuristics import choose_varlen
+        from moe_gemm.ops.launch import _compile_key
+        from moe_gemm.tuning.compile_pool import CompilePool
+
+        if cute_problem(device):
+            return None
+        name, nsm = device_name(device), sm_count(device)
+        keys = []
+        for spec, f in cases:
+            choice = choose_varlen(GemmConfig(), f["rows"], f["E"], f["N"], f["K"], nsm,
+                                   device=name)
+            keys.append(_compile_key("varlen", torch.bfloat16, torch.bfloat16,
+                                     "k" if f["layout"] == "ENK" else "n", choice, False))
+        pool = CompilePool()
+        if pool.inline:
+            return None
+        pool.submit(dict.fromkeys(keys))
+        log(f"[zoo] compiling {len(set(keys))} kernels in {pool.workers} processes")
+        return pool
+    except Exception as exc:  # noqa: BLE001 - precompiling is an optimisation
+        log(f"[zoo] no precompile: {type(exc).__name__}: {exc}")
+        return None
+
+
+def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    name, info, _ = _device_info(device)
+    return {
+        "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "complete": False, "device_info": info, "argv": argv,
+        "settings": {"reps": args.reps, "seed": args.seed, "smoke": args.smoke,
+                     "budget_s": args.budget_s, "quack_tuned": args.quack_tuned,
+                     "routing": f"moe_gemm.tuning.zoo.topk_counts: top-k distinct experts per "
+                     f"token, log-normal popularity sigma={models.ROUTING_SIGMA}",
+                     "timing": "ms: back-to-back median of interleaved rounds (GPU time, "
+                     "host enqueue hidden); ms_single: per-launch events median"},
+        "ceilings": {}, "runs": [], "cases": {}, "results": [], "not_run": [],
+    }
+
+
+def run(args: argparse.Namespace, argv: list[str], device: torch.device,
+        out_path: Path, png: Path | None, log) -> dict[str, Any]:
+    """Every case that fits the budget; the JSON (and the PNG) rewritten after each, so a
+    run stopped at any point leaves what finished."""
+    t0 = time.monotonic()
+    cases = build_cases(args.models, args.tokens, args.proj, args.seed, args.smoke)
+    doc = new_doc(device, args, argv)
+    if args.resume:
+        old = json.loads(Path(args.resume).read_text())
+        if old.get("device") != doc["device"]:
+            raise ValueError(f"--resume {args.resume} was measured on {old.get('device')}, "
+                             f"this is {doc['device']}")
+        done = {c for c, info in old.get("cases", {}).items() if info.get("complete")}
+        doc["results"] = [r for r in old.get("results", []) if r.get("case") in done]
+        doc["cases"] = {c: old["cases"][c] for c in done}
+        doc["runs"] = list(old.get("runs", []))
+        cases = [(s, f) for s, f in cases if s.name not in done]
+    pool = _precompile(cases, device, log)
+    _, _, l2 = _device_info(device)
+    run_doc: dict[str, Any] = {"ceilings": {}, "shapes": {}, "results": []}
+    r = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed,
+            smoke=args.smoke, variants=False, skip=frozenset(args.skip_impl or ()),
+            doc=run_doc, out_path=None, l2_bytes=l2 if not args.smoke else 1 << 20,
+            progress=not args.quiet)
+    ceilings = measure_ceilings(r.clock, args.smoke, args.reps)
+    doc["ceilings"] = ceilings
+    doc["runs"].append({"date": doc["date"], "argv": argv, "ceilings": ceilings})
+    budget_left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
+    impls = implementations(r, args.quack_tuned, args.quack_tune_cap_s, budget_left)
+    history = 1.0
+    try:
+        for i, (spec, fields) in enumerate(cases):
+            est = estimate_case_s(fields, ceilings, args.reps, args.quack_tuned,
+                                  args.quack_tune_cap_s, history)
+            if budget_left() < est:
+                doc["not_run"] = [s.name for s, _ in cases[i:]]
+                doc["stopped"] = (f"budget: {budget_left():.0f} s left, the next case needs "
+                                  f"~{est:.0f} s")
+                break
+            t_case = time.monotonic()
+            run_shape(r, spec, impls)
+            took = time.monotonic() - t_case
+            history = max(1.0, 0.5 * history + 0.5 * took / max(est / history, 1e-3))
+            rows = [x for x in run_doc["results"] if x["shape"] == spec.name]
+            info = {**run_doc["shapes"][spec.name], **fields, "seconds": round(took, 1),
+                    "complete": not any(x.get("not_run") for x in rows)}
+            for x in rows:
+                x["case"] = spec.name
+                x.update({k: v for k, v in fields.items()})
+                if x.get("default"):
+                    x["choice_source"] = _choice_source(fields, device)
+            zoo_report.derive_case(rows, info, ceilings)
+            doc["cases"][spec.name] = info
+            doc["results"] += rows
+            doc["bar"] = zoo_report.bar(doc["results"])
+            write_json(out_path, doc, compact=True)
+            if png is not None:
+                zoo_report.plot_png(doc, png)
+            if r.poisoned:
+                doc["not_run"] = [s.name for s, _ in cases[i + 1:]]
+                doc["stopped"] = f"CUDA context poisoned: {r.poisoned}"
+                break
+            run_doc["results"].clear()
+            gc.collect()
+    finally:
+        if pool is not None:
+            pool.close()
+    doc["complete"] = not doc["not_run"]
+    doc["bar"] = zoo_report.bar(doc["results"])
+    doc["seconds"] = round(time.monotonic() - t0, 1)
+    return doc
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-gemm bench --suite zoo", description=(
+        "Time our default against torch's grouped_mm, the mm loop in a CUDA graph and QuACK "
+        "(untuned and tuned) on real MoE models' expert GEMMs; write JSON and a PNG."))
+    p.add_argument("--models", help="comma-separated model names, 'all' (default: "
+                   f"{','.join(DEFAULT_MODELS)}); --list shows them")
+    p.add_argument("--tokens", help="token counts, in order ('all' = "
+                   f"{','.join(map(str, models.TOKENS))}; default "
+                   f"{','.join(map(str, DEFAULT_TOKENS))})")
+    p.add_argument("--proj", default="gate_up,down", help="projections (default both)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="wall seconds for the whole run; cases that would not fit are listed "
+                   "as not run (default %(default)s)")
+    p.add_argument("--reps", type=int, default=None,
+                   help=f"interleaved rounds per case (default {DEFAULT_REPS})")
+    p.add_argument("--quack-tuned", action=argparse.BooleanOptionalAction, default=True,
+                   help="time QuACK with tuned=True (default on)")
+    p.add_argument("--quack-tune-cap-s", type=float, default=QUACK_TUNE_CAP_S,
+                   help="skip QuACK tuned where its autotune would take longer (default "
+                   "%(default)s)")
+    p.add_argument("--resume", metavar="FILE", help="keep FILE's finished cases, run the rest")
+    p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/zoo-<device>-<date>."
+                   "json)")
+    p.add_argument("--out-dir", help="write zoo-<device>-<date>.json (and the PNG) here "
+                   "instead")
+    p.add_argument("--png", help="PNG path (default beside the JSON; 'none' to skip)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
+    p.add_argument("--skip-impl", action="append", metavar="NAME", help="leave out an "
+                   "implementation by exact name (repeatable)")
+    p.add_argument("--smoke", action="store_true", help="tiny stand-ins, torch backend: checks "
+                   "the harness (CPU is fine)")
+    p.add_argument("--list", action="store_true", help="list the models and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m benchmarks.zoo` and `moe-gemm bench --suite zoo`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.list:
+        for m in models.MODELS:
+            star = "*" if m.name in DEFAULT_MODELS else " "
+            print(f"{star} {m.name:18s} E={m.experts:<4d} top-{m.top_k} hidden={m.hidden:<5d} "
+                  f"intermediate={m.intermediate:<5d} {m.layout}  {m.hf_id}")
+        print("(* = in the default subset)")
+        return 0
+    args.reps = args.reps or (2 if args.smoke else DEFAULT_REPS)
+    args.proj = [p.strip() for p in args.proj.split(",") if p.strip()]
+    if args.reps < 1 or not set(args.proj) <= {"gate_up", "down"} or not args.proj:
+        print("error: --reps must be >= 1 and --proj a subset of gate_up,down", file=sys.stderr)
+        return 2
+    try:
+        build_cases(args.models, args.tokens, args.proj, args.seed, True)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(dev)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+            return 2
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif not args.smoke:
+        print("error: the zoo needs a CUDA GPU (GBs of weights); use --smoke on the CPU",
+              file=sys.stderr)
+        return 2
+    name, _, _ = _device_info(device)
+    from moe_gemm.ops.tuned import device_slug
+
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    out_path = Path(args.out) if args.out else (
+        Path(args.out_dir or "benchmarks/results") / f"zoo-{device_slug(name)}-{date}.json")
+    png = None if (args.png or "").lower() == "none" else (
+        Path(args.png) if args.png else out_path.with_suffix(".png"))
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # smoke timings mean nothing; keep a loaded CI machine calm
+    try:
+        doc = run(args, argv, device, out_path, png, log)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(threads)
+    write_json(out_path, doc)
+    notes = [f"wrote {out_path}"]
+    if png is not None:
+        why = zoo_report.plot_png(doc, png)
+        notes.append(f"wrote {png}" if why is None else f"warning: {why}")
+    print("; ".join(notes), flush=True)
+    print(zoo_report.format_table(doc), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,150 @@
+"""Scoring and reporting the zoo benchmark: per-row numbers, the bar, the table, the PNG.
+
+Per row (one implementation on one zoo case), from the case's bytes needed and FLOPs and the
+ceilings measured in the run that timed it: `floor_ms` (the roofline floor), `tflops`, `gbps`,
+`fraction_of_floor` (floor / time) and `vs_best_peer` (the fastest peer's time / this time,
+> 1: faster than every peer). The bar: our default at least as fast as the best peer on at
+least BAR_SHARE of the cases and at least BAR_MIN on every case.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.scoring import floor_ms
+
+BAR_SHARE = 0.90
+BAR_MIN = 0.97
+
+
+def derive_case(rows: list[dict[str, Any]], info: dict[str, Any],
+                ceilings: dict[str, Any]) -> None:
+    """Fill the derived columns of one case's rows (in place)."""
+    bw, rate = ceilings.get("copy_bytes_per_s"), ceilings.get("mm_flops_per_s")
+    floor = bound = None
+    if bw and rate:
+        floor, bound = floor_ms(info["bytes"], info["flops"], bw, rate)
+    peers = [r for r in rows if r.get("peer") and r.get("status") == "ok" and r.get("ms")]
+    best = min(peers, key=lambda r: r["ms"]) if peers else None
+    for r in rows:
+        r.update(floor_ms=floor, floor_bound=bound, bytes=info["bytes"], flops=info["flops"])
+        ms = r.get("ms")
+        if r.get("status") != "ok" or not ms:
+            continue
+        r["tflops"] = info["flops"] / ms / 1e9
+        r["gbps"] = info["bytes"] / ms / 1e6
+        if floor:
+            r["fraction_of_floor"] = floor / ms
+        if best is not None:
+            r["best_peer"] = best["impl"]
+            r["vs_best_peer"] = best["ms"] / ms
+
+
+def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bar over every case whose default and at least one peer were timed."""
+    ratios: dict[str, tuple[float, dict[str, Any]]] = {}
+    for r in results:
+        if r.get("default") and r.get("status") == "ok" and r.get("vs_best_peer"):
+            ratios[r["case"]] = (r["vs_best_peer"], r)
+    if not ratios:
+        return {"cases": 0, "pass": False, "why": "no case with the default and a peer timed"}
+    values = [v for v, _ in ratios.values()]
+    wins = sum(1 for v in values if v >= 1.0)
+    losses = sorted(((v, r) for v, r in ratios.values() if v < 1.0), key=lambda x: x[0])
+    return {
+        "cases": len(values), "default_at_least_best_peer": wins,
+        "share": wins / len(values), "min_vs_best_peer": min(values),
+        "pass": wins >= BAR_SHARE * len(values) and min(values) >= BAR_MIN,
+        "rule": f"default >= best peer on >= {BAR_SHARE:.0%} of cases and >= {BAR_MIN}x on "
+        "every case",
+        "peer_wins": [{"case": r["case"], "vs_best_peer": round(v, 4),
+                       "best_peer": r.get("best_peer"), "default_ms": r["ms"]}
+                      for v, r in losses],
+    }
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """One line per case: our default, the best peer, the ratio; the bar last."""
+    ceil = doc.get("ceilings") or {}
+    lines = [f"moe-gemm zoo | {doc.get('device')} | {doc.get('date')} | copy "
+             f"{ceil.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s, bf16 mm "
+             f"{ceil.get('mm_flops_per_s', 0) / 1e12:.0f} TFLOP/s"]
+    head = (f"{'case':34} | {'ours us':>9} | {'floor%':>6} | {'best peer':24} | "
+            f"{'peer us':>9} | {'ratio':>6} | choice")
+    lines += [head, "-" * len(head)]
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in doc["results"]:
+        by_case.setdefault(r["case"], []).append(r)
+    for case, rows in by_case.items():
+        ours = next((r for r in rows if r.get("default")), None)
+        if ours is None:
+            continue
+        peers = [r for r in rows if r.get("peer") and r.get("status") == "ok"]
+        best = min(peers, key=lambda r: r["ms"]) if peers else None
+        if ours.get("status") != "ok":
+            lines.append(f"{case[:34]:34} | {'error':>9} | {'':6} | "
+                         f"{str(ours.get('error') or ours.get('reason'))[:60]}")
+            continue
+        frac = ours.get("fraction_of_floor")
+        frac_s = "-" if frac is None else f"{100 * frac:.0f}"
+        peer_name = best["impl"] if best else "-"
+        peer_us = f"{best['ms'] * 1e3:9.1f}" if best else "-"
+        ratio = ours.get("vs_best_peer")
+        ratio_s = "-" if ratio is None else f"{ratio:.3f}"
+        lines.append(
+            f"{case[:34]:34} | {ours['ms'] * 1e3:9.1f} | {frac_s:>6} | {peer_name[:24]:24} | "
+            f"{peer_us:>9} | {ratio_s:>6} | {ours.get('choice_source', '-')}")
+    b = doc.get("bar") or {}
+    if b.get("cases"):
+        lines.append(f"bar: default >= best peer on {b['default_at_least_best_peer']}/"
+                     f"{b['cases']} cases ({100 * b['share']:.0f}%, need "
+                     f"{100 * BAR_SHARE:.0f}%), min ratio {b['min_vs_best_peer']:.3f} (need "
+                     f"{BAR_MIN}): {'PASS' if b['pass'] else 'not met'}")
+    if doc.get("not_run"):
+        lines.append(f"not run ({doc.get('stopped', 'budget')}): {len(doc['not_run'])} cases")
+    bad = [r for r in doc["results"] if r.get("status") == "error"]
+    if bad:
+        lines.append(f"{len(bad)} failed rows (errors in the JSON); first: {bad[0]['case']} / "
+                     f"{bad[0]['impl']}: {str(bad[0].get('error'))[:80]}")
+    return "\n".join(ln if len(ln) <= 140 else ln[:137] + "..." for ln in lines)
+
+
+def plot_png(doc: dict[str, Any], path: Path) -> str | None:
+    """Heat map of our default's ratio to the best peer, per model/projection (rows) and
+    token count (columns); None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG"
+    cells: dict[tuple[str, int], float] = {}
+    for r in doc["results"]:
+        if r.get("default") and r.get("vs_best_peer"):
+            cells[(f"{r['model']} / {r['proj']}", int(r["tokens"]))] = r["vs_best_peer"]
+    if not cells:
+        return "nothing measured: no PNG"
+    ylabels = list(dict.fromkeys(k[0] for k in cells))
+    xlabels = sorted({k[1] for k in cells})
+    grid = [[cells.get((y, x), float("nan")) for x in xlabels] for y in ylabels]
+    fig, ax = plt.subplots(figsize=(2.0 + 1.1 * len(xlabels), 1.2 + 0.32 * len(ylabels)))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.2, aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:  # not NaN
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(xlabels)))
+    ax.set_xticklabels([str(x) for x in xlabels])
+    ax.set_yticks(range(len(ylabels)))
+    ax.set_yticklabels(ylabels, fontsize=7)
+    ax.set_xlabel("tokens")
+    ax.set_title(f"moe_gemm default / best peer (>1: faster): {doc.get('device')}, "
+                 f"{doc.get('date')}", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

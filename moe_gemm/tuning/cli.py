@@ -1,0 +1,337 @@
+"""`moe-gemm tune`: time our kernel configs on shapes and write a tuned table.
+
+    moe-gemm tune --zoo [--models M,...] [--tokens T,...] [--out FILE] [--budget-s S]
+    moe-gemm tune --shapes 128,1536,2048,4096,32768 --shapes 8,28672,4096,16384
+    moe-gemm tune --shapes 8,28672,4096,16384 --configs "coop 128x256 s3;pp 128x192 c2x1"
+                                        time only these configs and the rules' choice (an A/B,
+                                        printed; no table is written)
+    moe-gemm tune --list --zoo          what would be tuned (no GPU needed)
+    moe-gemm tune --refit FILE          refit a table's cost model on its samples (no GPU)
+
+A --shapes item is E,N,K,ROWS[,ROWS...]: E experts with (N, K) weights, one shape per ROWS
+(routed rows for grouped_mm, rows per problem for --form batched). --zoo takes the MoE
+projections of moe_gemm.tuning.zoo at the token counts given (tokens x top_k rows), in
+priority order: every model at the first token count, then at the next, and so on.
+
+The table at --out (default ./tuned-<device>.json) is updated shape by shape and rewritten
+atomically after each, so --budget-s (total wall seconds, compiles included) can stop the run
+at any shape and the file holds everything that finished. Point MOE_GEMM_TUNED_TABLE at it to
+use it, or ship it as moe_gemm/tables/<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from moe_gemm.tuning import zoo
+
+DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+               "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+SHAPE_BUDGET_S = 30.0
+REFIT_EVERY_S = 60.0  # the cost model is refitted this often during a run, and at its end
+FIRST_SHAPE_EST_S = 10.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-gemm tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--zoo", action="store_true", help="tune the model zoo's projections")
+    p.add_argument("--models", help="with --zoo: comma-separated model names (default all)")
+    p.add_argument("--tokens", help="with --zoo: token counts, in priority order (default "
+                   f"{','.join(map(str, DEFAULT_TOKENS))}; 'all')")
+    p.add_argument("--shapes", action="append", default=[], metavar="E,N,K,ROWS[,ROWS...]",
+                   help="shapes to tune (repeatable)")
+    p.add_argument("--form", choices=["varlen", "batched", "general"], default="varlen",
+                   help="for --shapes: grouped_mm 2-D (varlen), 3-D (batched) or grouped_gemm "
+                   "lists (general)")
+    p.add_argument("--layout", choices=["ENK", "EKN"], default="ENK",
+                   help="for --shapes: weights stored (E, N, K) K-contiguous or (E, K, N)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--out-dtype", choices=["bf16", "fp16", "fp32"], help="default: --dtype")
+    p.add_argument("--out", help="table to write/update (default ./tuned-<device>.json)")
+    p.add_argument("--out-dir", help="write/update <device>.json here instead (the name the "
+                   "package ships it under in moe_gemm/tables)")
+    p.add_argument("--no-merge", action="store_true",
+                   help="start a new table instead of adding to the one at --out")
+    p.add_argument("--resume", action="store_true",
+                   help="skip shapes the table at --out already has an entry for (continue an "
+                   "earlier run; without it, shapes already there are tuned again)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting new shapes so the run ends within this many seconds")
+    p.add_argument("--shape-budget-s", type=float, default=SHAPE_BUDGET_S,
+                   help="at most this long on one shape's search")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of the final stage")
+    p.add_argument("--workers", type=int, default=None, help="compile processes")
+    p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
+    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
+    p.add_argument("--configs", help="';'-separated config names (as printed, e.g. 'coop "
+                   "128x256 c1x2 s3 p16'): time only these and the rules' choice, print, and "
+                   "write no table")
+    p.add_argument("--report", help="with --configs: also write the timings as JSON here")
+    p.add_argument("--list", action="store_true", help="print the shapes and exit")
+    p.add_argument("--refit", metavar="FILE", help="refit FILE's cost model and exit")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_dtype: str,
+                      seed: int) -> list:
+    """TuneShapes from --shapes items (ValueError naming the bad item)."""
+    from moe_gemm.tuning.tuner import TuneShape
+
+    shapes = []
+    for item in items:
+        try:
+            nums = [int(v) for v in item.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...] integers"
+                             ) from None
+        if len(nums) < 4 or min(nums) <= 0:
+            raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...], all > 0")
+        E, N, K = nums[:3]
+        for rows in nums[3:]:
+            if form == "batched":
+                shapes.append(TuneShape("batched", E, N, K, rows * E, dtype=dtype,
+                                        out_dtype=out_dtype, layout=layout,
+                                        label=f"E={E} N={N} K={K} M={rows}"))
+                continue
+            counts = tuple(zoo.topk_counts(E, rows, 1, seed))
+            shapes.append(TuneShape(form, E, N, K, rows, counts, dtype, out_dtype, layout,
+                                    f"E={E} N={N} K={K}"))
+    return shapes
+
+
+def zoo_shapes(models: str | None, tokens: str | None, dtype: str, out_dtype: str,
+               seed: int) -> list:
+    """The zoo's projections, token count by token count (priority order)."""
+    from moe_gemm.tuning.tuner import TuneShape
+
+    picked = zoo.select_models(models)
+    shapes = []
+    for t in zoo.parse_tokens(tokens, DEFAULT_TOKENS):
+        for m in picked:
+            counts = tuple(zoo.topk_counts(m.experts, t, m.top_k, seed))
+            for p in m.projections():
+                shapes.append(TuneShape("varlen", p.E, p.N, p.K, p.rows(t), counts, dtype,
+                                        out_dtype, p.layout, f"{p.label} tokens={t}"))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `moe-gemm tune`; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    if args.refit:
+        return _refit(Path(args.refit))
+    dtype = DTYPE_NAMES[args.dtype]
+    out_dtype = DTYPE_NAMES[args.out_dtype or args.dtype]
+    try:
+        shapes = parse_shape_items(args.shapes, args.form, args.layout, dtype, out_dtype,
+                                   args.seed)
+        if args.zoo:
+            shapes += zoo_shapes(args.models, args.tokens, dtype, out_dtype, args.seed)
+    except ValueError as exc:
+        print(f"moe-gemm tune: {exc}", file=sys.stderr)
+        return 2
+    if not shapes:
+        print("moe-gemm tune: nothing to tune: give --zoo and/or --shapes", file=sys.stderr)
+        return 2
+    configs = []
+    if args.configs:
+        from moe_gemm.tuning.space import parse_name
+
+        try:
+            configs = [parse_name(c, args.form) for c in args.configs.split(";") if c.strip()]
+        except ValueError as exc:
+            print(f"moe-gemm tune: {exc}", file=sys.stderr)
+            return 2
+    if args.list:
+        for s in shapes:
+            k = s.key()
+            print(f"{s.describe():58s} {k.form} E={k.E} N={k.N} K={k.K} bucket={k.bucket} "
+                  f"{s.layout}")
+        return 0
+    if args.budget_s is not None and args.budget_s <= 0:
+        print("moe-gemm tune: --budget-s must be positive", file=sys.stderr)
+        return 2
+    if configs:
+        return run_compare(args, shapes, configs, log)
+    return run(args, shapes, log)
+
+
+def _refit(path: Path) -> int:
+    import json
+
+    from moe_gemm.tuning import table_io
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"moe-gemm tune: cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(doc, dict) or "entries" not in doc:
+        print(f"moe-gemm tune: {path} is not a tuned table", file=sys.stderr)
+        return 2
+    table_io.refit(doc)
+    table_io.write(path, doc)
+    n = len((doc.get("model") or {}).get("configs", []))
+    print(f"refitted {path}: {n} configs in the cost model")
+    return 0
+
+
+def run(args: argparse.Namespace, shapes: list, log) -> int:
+    """Tune `shapes` on the GPU (imports torch and the DSL only here)."""
+    t_start = time.monotonic()
+    import torch
+
+    from moe_gemm.capability import cute_problem, device_name, sm_count
+    from moe_gemm.ops import tuned
+    from moe_gemm.ops.versions import runtime_versions
+    from moe_gemm.tuning import table_io
+    from moe_gemm.tuning.ceilings import measure_ceilings
+    from moe_gemm.tuning.compile_pool import CompilePool
+    from moe_gemm.tuning.runner import ShapeRunner
+    from moe_gemm.tuning.tuner import tune_shape
+
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        print("moe-gemm tune: needs a CUDA GPU (use --list or --refit without one)",
+              file=sys.stderr)
+        return 2
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    why = cute_problem(device)
+    if why:
+        print(f"moe-gemm tune: our kernels cannot run here: {why}", file=sys.stderr)
+        return 2
+    name, nsm = device_name(device), sm_count(device)
+    slug = tuned.device_slug(name)
+    out = Path(args.out) if args.out else (
+        Path(args.out_dir) / f"{slug}.json" if args.out_dir else Path(f"tuned-{slug}.json"))
+    doc, why = (None, None) if args.no_merge else table_io.load_existing(out, name)
+    if why:
+        log(f"[tune] {why}")
+    ceilings = measure_ceilings(device)
+    if doc is None:
+        doc = table_io.new_table(name, nsm, runtime_versions(name), ceilings)
+    else:
+        doc["ceilings"], doc["versions"] = ceilings, runtime_versions(name)
+    if args.resume:
+        have = {table_io.entry_key(e) for e in doc["entries"]}
+        before = len(shapes)
+        shapes = [s for s in shapes if _key_tuple(s.key()) not in have]
+        log(f"[tune] --resume: {before - len(shapes)} shapes already in {out}")
+    l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20)
+    log(f"[tune] {name}: {len(shapes)} shapes -> {out}; copy "
+        f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, mm "
+        f"{ceilings['mm_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    done, stopped, slowest = 0, None, FIRST_SHAPE_EST_S
+    last_fit = time.monotonic()
+    os.environ.setdefault("MOE_GEMM_TUNED_TABLES", "1")
+    with CompilePool(args.workers) as pool:
+        _precompile(shapes, pool, nsm, log)
+        for i, shape in enumerate(shapes):
+            left = math.inf if args.budget_s is None else (
+                args.budget_s - (time.monotonic() - t_start))
+            if left < min(slowest * 1.2, args.shape_budget_s) + 5:
+                stopped = f"budget: {left:.0f} s left, a shape takes up to {slowest:.0f} s"
+                break
+            deadline = time.monotonic() + min(args.shape_budget_s, left - 5)
+            runner = None
+            try:
+                runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2)
+                res = tune_shape(shape, runner, rounds=args.rounds, deadline=deadline,
+                                 out_itemsize=torch.empty(0, dtype=runner.d).element_size(),
+                                 log=log)
+            except torch.cuda.OutOfMemoryError as exc:
+                log(f"[tune] {shape.describe()}: out of memory ({str(exc)[:120]}); skipped")
+                continue
+            finally:
+                if runner is not None:
+                    runner.close()
+            slowest = max(slowest if done else 0.0, res.seconds)
+            done += 1
+            table_io.add_result(doc, res.entry(), res.samples())
+            doc.setdefault("failures", [])
+            doc["failures"] += [{"shape": shape.describe(), **f} for f in res.failures()]
+            if time.monotonic() - last_fit > REFIT_EVERY_S:
+                table_io.refit(doc)  # (seconds with many samples: not after every shape)
+                last_fit = time.monotonic()
+            table_io.write(out, doc)
+            w, r = res.winner, res.rules
+            gain = f" ({r.ms / w.ms:.3f}x the rules' {r.name})" if w and r and r.samples else ""
+            log(f"[tune] {i + 1}/{len(shapes)} {shape.describe()}: "
+                + (f"{w.name} {w.ms * 1e3:.1f} us{gain}" if w else f"none ({res.stopped})")
+                + f" [{res.seconds:.1f} s]")
+    table_io.refit(doc)
+    table_io.write(out, doc)
+    total = time.monotonic() - t_start
+    print(f"tuned {done} of {len(shapes)} shapes in {total:.0f} s -> {out}"
+          + (f"; stopped early ({stopped})" if stopped else ""))
+    return 0
+
+
+def _key_tuple(k) -> tuple:
+    return (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
+
+
+def _precompile(shapes: list, pool, nsm: int, log) -> None:
+    """Submit every shape's rules choice and stage-1 kernels to the pool at once."""
+    from moe_gemm.tuning.runner import stage1_keys
+
+    keys = []
+    for s in shapes:
+        keys += stage1_keys(s, nsm)
+    keys = list(dict.fromkeys(keys))
+    pool.submit(keys)
+    log(f"[tune] compiling {len(keys)} kernel variants in {pool.workers} processes")
+
+
+def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log) -> int:
+    """--configs: an interleaved A/B of the given configs and the rules' choice per shape."""
+    import json
+
+    import torch
+
+    from moe_gemm.capability import cute_problem, sm_count
+    from moe_gemm.tuning.compile_pool import CompilePool
+    from moe_gemm.tuning.runner import ShapeRunner
+    from moe_gemm.tuning.tuner import compare_configs
+
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available() or cute_problem(device):
+        print("moe-gemm tune: --configs needs a GPU our kernels run on", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(device)
+    l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20)
+    report = []
+    with CompilePool(args.workers) as pool:
+        for i, shape in enumerate(shapes):
+            runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2)
+            try:
+                res = compare_configs(shape, runner, configs, rounds=max(args.rounds, 10))
+            finally:
+                runner.close()
+            print(shape.describe())
+            for o in res.outcomes:
+                t = f"{o.ms * 1e3:10.1f} us" if o.samples else f"error: {o.error}"
+                mark = " <- fastest" if o is res.winner else ""
+                print(f"  {o.origin:5s} {o.name:40s} {t}{mark}")
+                report.append({"shape": shape.describe(), "sm_count": sm_count(device),
+                               "config": o.fields, "name": o.name, "origin": o.origin,
+                               "us": o.ms * 1e3 if o.samples else None, "error": o.error})
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

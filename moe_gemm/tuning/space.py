@@ -1,0 +1,177 @@
+"""The configs the tuner tries: built from the kernel's own lists, read when called.
+
+Stage 1 crosses schedule x tile x cluster from moe_gemm.config (PINGPONG_TILES,
+COOPERATIVE_TILES, CLUSTERS; whatever the kernel builds today), each with the default stages,
+raster panel 8, no tail split and the subtile epilogue; GemmConfig's validation decides what
+is buildable, so a tile or cluster added to (or removed from) the lists is tried (or not)
+without a change here. The rules' own choice for the shape is always a candidate, so a tuned
+entry is never slower than the rules as measured.
+
+Stage 2 varies one field at a time around the best few of stage 1: pipeline stages, raster
+panel, tail split, whole-tile epilogue, and for grouped_gemm's lists the visitor and K-sort.
+A last candidate combines every stage-2 change that beat its parent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from moe_gemm import config as cfgmod
+from moe_gemm.config import GemmConfig
+from moe_gemm.ops.heuristics import KernelChoice, choice_fields
+
+STAGES = (None, 3, 4)
+PANELS = (4, 8, 16)
+Fields = dict  # tuned GemmConfig fields, every one explicit
+
+
+def fields_of(choice: KernelChoice, form: str) -> Fields:
+    """The explicit GemmConfig fields that reproduce a KernelChoice."""
+    return choice_fields(choice, form)
+
+
+def config_of(fields: Fields, backend: str = "cute") -> GemmConfig:
+    """A GemmConfig pinning `fields` (ValueError if not buildable)."""
+    return GemmConfig(backend=backend, **{k: v for k, v in fields.items() if v is not None})  # type: ignore[arg-type]
+
+
+def name_of(fields: Fields) -> str:
+    """A short readable name: 'coop 128x256 c1x2 s3 p16 ts ew'."""
+    parts = ["pp" if fields["schedule"] == "pingpong" else "coop",
+             f"{fields['tile_m']}x{fields['tile_n']}"]
+    cm, cn = fields.get("cluster_m") or 1, fields.get("cluster_n") or 1
+    if (cm, cn) != (1, 1):
+        parts.append(f"c{cm}x{cn}")
+    if fields.get("stages"):
+        parts.append(f"s{fields['stages']}")
+    parts.append(f"p{fields.get('raster_panel') or 8}")
+    if fields.get("tail_split"):
+        parts.append("ts")
+    if fields.get("whole_epilogue"):
+        parts.append("ew")
+    if fields.get("visitor") == "host":
+        parts.append("host")
+    if fields.get("sort_by_k"):
+        parts.append("ksort")
+    return " ".join(parts)
+
+
+_NAME_SCHEDULES = {"pp": "pingpong", "pingpong": "pingpong", "coop": "cooperative",
+                   "cooperative": "cooperative"}
+
+
+def parse_name(text: str, form: str = "varlen") -> Fields:
+    """The fields of a config written as name_of writes it ('coop 128x256 c1x2 s3 p16 ts ew';
+    ':' or ',' may separate the words). Unnamed fields take stage 1's defaults. Raises
+    ValueError naming the word it does not understand."""
+    words = [w for w in text.replace(":", " ").replace(",", " ").split() if w]
+    if len(words) < 2 or words[0] not in _NAME_SCHEDULES:
+        raise ValueError(f"config {text!r}: expected 'pp|coop MxN [cMxN] [sS] [pP] [ts] [ew] "
+                         "[host] [ksort]'")
+    fields: Fields = {"schedule": _NAME_SCHEDULES[words[0]], "visitor": "device",
+                      "cluster_m": 1, "cluster_n": 1, "stages": None, "raster_panel": 8,
+                      "whole_epilogue": False}
+    fields["sort_by_k" if form == "general" else "tail_split"] = False
+    try:
+        fields["tile_m"], fields["tile_n"] = (int(v) for v in words[1].split("x"))
+        for w in words[2:]:
+            if w == "ts":
+                fields["tail_split"] = True
+            elif w == "ew":
+                fields["whole_epilogue"] = True
+            elif w == "host":
+                fields["visitor"] = "host"
+            elif w == "ksort":
+                fields["sort_by_k"] = True
+            elif w[0] == "c" and "x" in w:
+                fields["cluster_m"], fields["cluster_n"] = (int(v) for v in w[1:].split("x"))
+            elif w[0] == "s":
+                fields["stages"] = int(w[1:])
+            elif w[0] == "p":
+                fields["raster_panel"] = int(w[1:])
+            else:
+                raise ValueError(w)
+    except ValueError as exc:
+        raise ValueError(f"config {text!r}: cannot read {exc}") from None
+    return fields
+
+
+def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
+    try:
+        cfg = config_of(fields)
+    except (TypeError, ValueError):
+        return False
+    if fields.get("whole_epilogue") and out_itemsize != 2:
+        return False
+    if form == "general" and fields.get("tail_split"):
+        return False
+    if form != "general" and (fields.get("visitor") == "host" or fields.get("sort_by_k")):
+        return False
+    # A cluster needs the cooperative schedule today; GemmConfig says which pairs build.
+    return cfg.schedule != "auto"
+
+
+def stage1(form: str, out_itemsize: int = 2) -> list[Fields]:
+    """schedule x tile x cluster, everything else at its plain default."""
+    out = []
+    tiles = {"pingpong": cfgmod.PINGPONG_TILES, "cooperative": cfgmod.COOPERATIVE_TILES}
+    for schedule, tile_list in tiles.items():
+        for tm, tn in tile_list:
+            for cm, cn in cfgmod.CLUSTERS:
+                fields: Fields = {"schedule": schedule, "visitor": "device", "tile_m": tm,
+                                  "tile_n": tn, "cluster_m": cm, "cluster_n": cn,
+                                  "stages": None, "raster_panel": 8, "whole_epilogue": False}
+                if form == "general":
+                    fields["sort_by_k"] = False
+                else:
+                    fields["tail_split"] = False
+                if _buildable(fields, form, out_itemsize):
+                    out.append(fields)
+    return out
+
+
+def stage2(parent: Fields, form: str, out_itemsize: int = 2) -> list[Fields]:
+    """One-field variations of `parent` (those that build)."""
+    variants: list[Fields] = []
+
+    def add(**change: object) -> None:
+        f = {**parent, **change}
+        if f != parent and _buildable(f, form, out_itemsize):
+            variants.append(f)
+
+    for s in STAGES:
+        add(stages=s)
+    for p in PANELS:
+        add(raster_panel=p)
+    cluster1 = (parent.get("cluster_m") or 1) * (parent.get("cluster_n") or 1) == 1
+    if parent["schedule"] == "cooperative":
+        add(whole_epilogue=not parent.get("whole_epilogue"))
+        if form != "general" and cluster1:
+            add(tail_split=not parent.get("tail_split"))
+    if form == "general":
+        add(sort_by_k=not parent.get("sort_by_k"))
+        if cluster1:
+            add(visitor="host" if parent.get("visitor") == "device" else "device")
+    return variants
+
+
+def combine(parent: Fields, winners: Iterable[Fields], form: str,
+            out_itemsize: int = 2) -> Fields | None:
+    """`parent` with every field a winning variation changed; None if it adds nothing new or
+    does not build."""
+    merged = dict(parent)
+    for w in winners:
+        merged.update({k: v for k, v in w.items() if v != parent.get(k)})
+    if merged == parent or any(merged == w for w in winners):
+        return None
+    return merged if _buildable(merged, form, out_itemsize) else None
+
+
+def dedupe(candidates: Iterable[Fields]) -> list[Fields]:
+    seen, out = set(), []
+    for f in candidates:
+        key = tuple(sorted(f.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out

@@ -1,0 +1,85 @@
+"""Writing tuned tables (the format moe_gemm.ops.tuned reads).
+
+    {"format": "moe_gemm.tuned-table/1", "device": "NVIDIA H100 80GB HBM3", "sm_count": 132,
+     "created": "2026-11-25", "versions": {...}, "ceilings": {"mm_flops_per_s",
+     "copy_bytes_per_s"},
+     "entries": [{"form", "dtype", "out_dtype", "E", "N", "K", "bucket", "rows",
+                  "config": {GemmConfig fields}, "us", "rules_us", "name", ...}],
+     "samples": [{"form", ..., "rows", "config", "us"}],   every timed candidate
+     "model": {cost-model block, fitted on the samples}}
+
+A table is rewritten whole, atomically (a temporary file renamed into place), after every
+shape, so a run stopped at any point leaves a valid table of what finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from moe_gemm.ops import tuned
+from moe_gemm.tuning.fit import fit_model
+
+
+def new_table(device: str, nsm: int, versions: dict[str, Any],
+              ceilings: dict[str, float]) -> dict[str, Any]:
+    return {"format": tuned.FORMAT, "device": device, "sm_count": nsm,
+            "created": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+            "versions": versions, "ceilings": ceilings, "entries": [], "samples": []}
+
+
+def load_existing(path: Path, device: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A table at `path` to add to: (doc, None), or (None, why it cannot be reused)."""
+    try:
+        doc = json.loads(path.read_text())
+        tuned.parse_table(doc, str(path), device)
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as exc:  # TableError is a ValueError
+        return None, f"{path} is not a table for this device ({exc}); starting a new one"
+    doc.setdefault("samples", [])
+    return doc, None
+
+
+def entry_key(e: dict) -> tuple:
+    return (e["form"], e["dtype"], e.get("out_dtype", e["dtype"]), e["E"], e["N"], e["K"],
+            e["bucket"])
+
+
+def _sample_shape(s: dict) -> tuple:
+    return (s["form"], s["dtype"], s.get("out_dtype", s["dtype"]), s["E"], s["N"], s["K"],
+            s["rows"])
+
+
+def add_result(doc: dict[str, Any], entry: dict | None, samples: list[dict]) -> None:
+    """Put one shape's entry (replacing one for the same key) and samples (replacing those of
+    the same shape) into the table."""
+    if entry is not None:
+        key = entry_key(entry)
+        doc["entries"] = [e for e in doc["entries"] if entry_key(e) != key] + [entry]
+    if samples:
+        shapes = {_sample_shape(s) for s in samples}
+        doc["samples"] = [s for s in doc["samples"] if _sample_shape(s) not in shapes] + samples
+
+
+def refit(doc: dict[str, Any]) -> None:
+    """Fit the cost model on the table's samples (drops the block when nothing fits)."""
+    ceil = doc.get("ceilings") or {}
+    model = fit_model(doc.get("samples") or [], float(ceil.get("mm_flops_per_s") or 0),
+                      float(ceil.get("copy_bytes_per_s") or 0), int(doc.get("sm_count") or 132))
+    if model is None:
+        doc.pop("model", None)
+    else:
+        doc["model"] = model
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    """Atomic write: a reader (or a crash) never sees half a table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc["entries"].sort(key=entry_key)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)

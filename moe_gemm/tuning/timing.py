@@ -1,0 +1,127 @@
+"""Timing candidates as the tuner does: L2-cold CUDA-graph replays, interleaved.
+
+For each candidate one CUDA graph is captured holding `calls` launches that cycle through
+several independent input sets (enough that together they are at least L2_FACTOR times the
+L2, so no launch finds its operands left in L2 by the previous one; a set that alone is that
+big is used alone). A sample is one replay between two events, divided by `calls`: GPU time
+per call with no host gap between the launches. Samples are taken in rounds, one per
+candidate per round, the starting candidate rotating, so clock and power drift (several
+percent over seconds on an H100/H200 under sustained GEMM load) falls on all candidates alike;
+this is the scheme of QuACK's autotuner. Each graph is replayed a few times before its first
+sample, and the GPU is first kept busy for WARMUP_MS so the first candidate does not run on a
+cool, boosting GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+L2_FACTOR = 3  # input bytes across the rotated sets per L2 size
+TARGET_MS = 2.0  # GPU time of one replay (one sample), at least
+MAX_CALLS = 64  # launches per graph: each captured launch holds its own workspace
+WARMUP_MS = 200.0
+
+
+def sets_needed(set_bytes: int, l2_bytes: int, max_sets: int = 16) -> int:
+    """Input sets to rotate so that their total is at least L2_FACTOR x the L2 (1 when one
+    set alone is), capped at max_sets."""
+    if l2_bytes <= 0 or set_bytes >= L2_FACTOR * l2_bytes:
+        return 1
+    return max(2, min(max_sets, math.ceil(L2_FACTOR * l2_bytes / max(1, set_bytes))))
+
+
+def calls_per_graph(est_ms: float, n_sets: int, target_ms: float = TARGET_MS,
+                    max_calls: int = MAX_CALLS) -> int:
+    """Launches per graph: about target_ms of work, a whole number of passes over the sets."""
+    calls = max(1, math.ceil(target_ms / max(est_ms, 1e-4)))
+    calls = min(max(calls, n_sets), max(max_calls, n_sets))
+    return max(n_sets, calls // n_sets * n_sets)
+
+
+def gpu_warmup(device: torch.device, ms: float = WARMUP_MS) -> None:
+    """Keep the GPU at work for about `ms` (bf16 4096^2 matmuls)."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    b = a @ a
+    end.record()
+    end.synchronize()
+    per = max(start.elapsed_time(end), 1e-3)
+    for _ in range(int(ms / per)):
+        b = a @ a
+    torch.cuda.synchronize(device)
+    del a, b
+
+
+def estimate_ms(fns: Sequence[Callable[[], object]], device: torch.device) -> float:
+    """Median event time of a few single launches (after two warm-up calls each)."""
+    for fn in fns[:2]:
+        fn()
+        fn()
+    samples = []
+    for i in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+@dataclass(eq=False)
+class Timed:
+    """One candidate's captured graph and its samples (ms per call)."""
+
+    name: str
+    graph: torch.cuda.CUDAGraph
+    calls: int
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples) if self.samples else math.inf
+
+
+def capture(name: str, fns: Sequence[Callable[[], object]], calls: int,
+            device: torch.device) -> Timed:
+    """A graph of `calls` launches cycling through `fns` (one per input set); each fn has run
+    outside capture before (plans built, kernels loaded)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    for _ in range(2):
+        graph.replay()
+    return Timed(name, graph, calls)
+
+
+def sample_rounds(timed: Sequence[Timed], rounds: int, device: torch.device) -> None:
+    """`rounds` interleaved samples of every graph (starting one later each round)."""
+    if not timed:
+        return
+    for r in range(rounds):
+        k = r % len(timed)
+        order = list(timed[k:]) + list(timed[:k])
+        events = []
+        for t in order:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t.graph.replay()
+            end.record()
+            events.append((t, start, end))
+        torch.cuda.synchronize(device)
+        for t, start, end in events:
+            t.samples.append(start.elapsed_time(end) / t.calls)

@@ -1,0 +1,186 @@
+"""The model zoo: the routed-expert GEMMs of public MoE models, and a routing model.
+
+Each model contributes two grouped GEMMs per MoE layer, both `grouped_mm(x, w, offs)`:
+- gate_up: x (T, hidden) @ w (E, hidden, 2 * intermediate): the fused gate and up projections;
+- down: x (T, intermediate) @ w (E, intermediate, hidden).
+T = tokens * top_k routed rows. The weights are laid out as the public checkpoints store them
+once loaded by transformers: "ENK" keeps each expert's weight as (N, K), K contiguous (Mixtral,
+Qwen, DeepSeek, Kimi, OLMoE, GLM: gate_up_proj (E, 2I, H), down_proj (E, H, I)), passed as the
+transposed view w_t.transpose(1, 2); "EKN" stores (K, N), N contiguous (gpt-oss and Llama 4:
+gate_up_proj (E, H, 2I), down_proj (E, I, H)).
+
+The configs are the models' config.json values (hidden_size, moe_intermediate_size or
+intermediate_size, the routed expert count, experts per token). Shared experts are dense
+GEMMs, not part of the grouped call, and are left out.
+
+Routing (`topk_counts`): each expert gets a popularity exp(sigma * z), z standard normal
+(seeded), and every token picks top_k distinct experts by weighted sampling without
+replacement. sigma = 0.5 puts the busiest of 256 experts at ~3-4x the mean load at prefill
+sizes and ~2x among 8, the range reported for trained routers with load balancing; decode
+batches leave most experts empty. Only `random.Random` is used, whose stream Python keeps
+stable across versions, so a seed routes the same everywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+ROUTING_SIGMA = 0.5
+# Tokens per call, decode to prefill (the routed rows are tokens * top_k).
+TOKENS = (1, 16, 128, 512, 2048, 8192, 32768)
+# The subset the zoo benchmark runs by default, which the tuner also takes first at every token
+# count: 8 to 256 experts, top-1 to top-8, both weight layouts, decode and prefill; with QuACK's
+# autotuner as a peer (10-40 s per case) it fits about nine minutes on an H100.
+DEFAULT_MODELS = ("Mixtral-8x7B", "Qwen3-30B-A3B", "DeepSeek-V3", "gpt-oss-120b",
+                  "Llama-4-Scout")
+DEFAULT_TOKENS = (16, 2048)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One grouped GEMM of a model: E experts, (N, K) per expert."""
+
+    model: str
+    proj: str  # "gate_up" | "down"
+    E: int
+    N: int
+    K: int
+    top_k: int
+    layout: str  # "ENK" | "EKN"
+
+    def rows(self, tokens: int) -> int:
+        return tokens * self.top_k
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}/{self.proj}"
+
+
+@dataclass(frozen=True)
+class MoEModel:
+    name: str
+    hf_id: str
+    experts: int  # routed experts in one MoE layer (on one rank for a shard)
+    top_k: int
+    hidden: int
+    intermediate: int  # per expert
+    layout: str = "ENK"
+    note: str = ""
+
+    def projections(self) -> tuple[Projection, Projection]:
+        return (Projection(self.name, "gate_up", self.experts, 2 * self.intermediate,
+                           self.hidden, self.top_k, self.layout),
+                Projection(self.name, "down", self.experts, self.hidden, self.intermediate,
+                           self.top_k, self.layout))
+
+
+MODELS: tuple[MoEModel, ...] = (
+    MoEModel("Mixtral-8x7B", "mistralai/Mixtral-8x7B-v0.1", 8, 2, 4096, 14336),
+    MoEModel("Mixtral-8x22B", "mistralai/Mixtral-8x22B-v0.1", 8, 2, 6144, 16384),
+    MoEModel("Qwen2-57B-A14B", "Qwen/Qwen2-57B-A14B", 64, 8, 3584, 2560),
+    MoEModel("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", 128, 8, 2048, 768),
+    MoEModel("Qwen3-235B-A22B", "Qwen/Qwen3-235B-A22B", 128, 8, 4096, 1536),
+    MoEModel("DeepSeek-V3", "deepseek-ai/DeepSeek-V3", 256, 8, 7168, 2048),
+    MoEModel("DeepSeek-V3-EP8", "deepseek-ai/DeepSeek-V3", 32, 8, 7168, 2048,
+             note="one rank of 8-way expert parallelism: 32 of the 256 experts; tokens are "
+             "per rank, and the all-to-all brings the rank tokens * top_k rows on average"),
+    MoEModel("Kimi-K2", "moonshotai/Kimi-K2-Instruct", 384, 8, 7168, 2048),
+    MoEModel("gpt-oss-20b", "openai/gpt-oss-20b", 32, 4, 2880, 2880, "EKN"),
+    MoEModel("gpt-oss-120b", "openai/gpt-oss-120b", 128, 4, 2880, 2880, "EKN"),
+    MoEModel("Llama-4-Scout", "meta-llama/Llama-4-Scout-17B-16E", 16, 1, 5120, 8192, "EKN"),
+    MoEModel("Llama-4-Maverick", "meta-llama/Llama-4-Maverick-17B-128E", 128, 1, 5120, 8192,
+             "EKN"),
+    MoEModel("OLMoE-1B-7B", "allenai/OLMoE-1B-7B-0924", 64, 8, 2048, 1024),
+    MoEModel("GLM-4.5", "zai-org/GLM-4.5", 160, 8, 5120, 1536),
+    MoEModel("GLM-4.5-Air", "zai-org/GLM-4.5-Air", 128, 8, 4096, 1408),
+)
+BY_NAME = {m.name: m for m in MODELS}
+
+
+def select_models(spec: str | None) -> list[MoEModel]:
+    """Models named in a comma-separated list ('all' or None: every model, DEFAULT_MODELS
+    first; 'default': DEFAULT_MODELS); case-insensitive. Raises ValueError naming the
+    unknown ones and the known names."""
+    if not spec or spec.strip().lower() == "all":
+        return sorted(MODELS, key=lambda m: m.name not in DEFAULT_MODELS)
+    if spec.strip().lower() == "default":
+        return [BY_NAME[n] for n in DEFAULT_MODELS]
+    lower = {m.name.lower(): m for m in MODELS}
+    picked, unknown = [], []
+    for name in (s.strip() for s in spec.split(",")):
+        if not name:
+            continue
+        model = lower.get(name.lower())
+        if model is None:
+            unknown.append(name)
+        elif model not in picked:
+            picked.append(model)
+    if unknown or not picked:
+        raise ValueError(f"unknown model(s) {', '.join(unknown) or '(none)'}; known: "
+                         + ", ".join(m.name for m in MODELS))
+    return picked
+
+
+def parse_tokens(spec: str | None, default: tuple[int, ...]) -> list[int]:
+    """Token counts from '16,2048' ('all': TOKENS; None: default). ValueError when bad."""
+    if spec is None:
+        return list(default)
+    if spec.strip().lower() == "all":
+        return list(TOKENS)
+    try:
+        values = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"tokens must be comma-separated positive integers; got {spec!r}"
+                         ) from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"tokens must be comma-separated positive integers; got {spec!r}")
+    return list(dict.fromkeys(values))
+
+
+def popularity(experts: int, sigma: float, seed: int) -> list[float]:
+    """Per-expert routing weights exp(sigma * z), z ~ N(0, 1) from random.Random(seed)."""
+    rng = random.Random(seed)
+    return [math.exp(sigma * rng.gauss(0.0, 1.0)) for _ in range(experts)]
+
+
+def topk_counts(experts: int, tokens: int, top_k: int, seed: int,
+                sigma: float = ROUTING_SIGMA) -> list[int]:
+    """Rows per expert when `tokens` tokens each pick `top_k` distinct experts.
+
+    Args:
+        experts: E > 0.
+        tokens: tokens >= 0.
+        top_k: 1 <= top_k <= E.
+        seed: any int; the same seed gives the same counts on every machine.
+        sigma: spread of the log-normal expert popularity (0: uniform).
+
+    Returns:
+        E non-negative ints summing to tokens * top_k, none above `tokens`.
+    """
+    if experts <= 0:
+        raise ValueError(f"experts must be positive; got {experts}")
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0; got {tokens}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be between 1 and experts ({experts}); got {top_k}")
+    if sigma < 0 or not math.isfinite(sigma):
+        raise ValueError(f"sigma must be a finite number >= 0; got {sigma}")
+    weights = popularity(experts, sigma, seed)
+    total = sum(weights)
+    cdf = list(itertools.accumulate(w / total for w in weights))
+    rng = random.Random(seed * 7919 + 1)
+    counts = [0] * experts
+    for _ in range(tokens):
+        chosen: set[int] = set()
+        while len(chosen) < top_k:
+            # Rejection of repeats: the busiest expert holds a few percent of the mass, so a
+            # token needs about top_k draws (at most ~top_k / (1 - top share)).
+            e = min(bisect.bisect_right(cdf, rng.random()), experts - 1)
+            chosen.add(e)
+        for e in chosen:
+            counts[e] += 1
+    return counts

@@ -1,0 +1,157 @@
+"""The model-zoo benchmark on the CPU (--smoke: tiny stand-ins, torch backend): the JSON's
+shape, the ratio arithmetic, the budget stop and --resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench, zoo, zoo_report
+from benchmarks.suite import DEFAULT_NAME, GROUPED_MM_NAME
+
+ROW_KEYS = {"model", "proj", "tokens", "shape", "impl", "ms", "peer", "default", "floor_ms",
+            "status", "case"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(tmp_path: Path, *extra: str, name: str = "zoo.json") -> dict:
+    out = tmp_path / name
+    argv = ["--smoke", "--out", str(out), "--quiet", *extra]
+    assert zoo.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_smoke_json_shape_and_ratios(tmp_path, capsys):
+    doc = _run(tmp_path, "--models", "DeepSeek-V3,gpt-oss-20b", "--tokens", "1,16")
+    assert isinstance(doc["device"], str) and isinstance(doc["date"], str)
+    assert doc["complete"] is True and doc["not_run"] == []
+    cases = {(r["model"], r["proj"], r["tokens"]) for r in doc["results"]}
+    assert cases == {(m, p, t) for m in ("DeepSeek-V3", "gpt-oss-20b")
+                     for p in ("gate_up", "down") for t in (1, 16)}
+    for r in doc["results"]:
+        assert ROW_KEYS <= set(r), r
+        assert isinstance(r["peer"], bool) and isinstance(r["default"], bool)
+        assert isinstance(r["tokens"], int) and isinstance(r["shape"], str)
+    ceil = doc["ceilings"]
+    for case in {r["case"] for r in doc["results"]}:
+        rows = [r for r in doc["results"] if r["case"] == case]
+        defaults = [r for r in rows if r["default"]]
+        assert len(defaults) == 1 and defaults[0]["impl"] == DEFAULT_NAME  # one row per impl
+        assert len({r["impl"] for r in rows}) == len(rows)
+        d = defaults[0]
+        assert d["status"] == "ok" and d["backend"] == "torch" and d["rel_err"] < 1e-2
+        info = doc["cases"][case]
+        assert d["shape"] == f"E={info['E']} N={info['N']} K={info['K']} rows={info['rows']}"
+        # The arithmetic, from the case's bytes and FLOPs and the run's ceilings.
+        mem = info["bytes"] / ceil["copy_bytes_per_s"] * 1e3
+        cmp = info["flops"] / ceil["mm_flops_per_s"] * 1e3
+        assert d["floor_ms"] == pytest.approx(max(mem, cmp))
+        assert d["fraction_of_floor"] == pytest.approx(d["floor_ms"] / d["ms"])
+        assert d["tflops"] == pytest.approx(info["flops"] / d["ms"] / 1e9)
+        assert d["gbps"] == pytest.approx(info["bytes"] / d["ms"] / 1e6)
+        peers = [r for r in rows if r["peer"] and r["status"] == "ok"]
+        if peers:
+            best = min(peers, key=lambda r: r["ms"])
+            assert d["best_peer"] == best["impl"]
+            assert d["vs_best_peer"] == pytest.approx(best["ms"] / d["ms"])
+        # Peers that cannot run on a CPU say why.
+        by = {r["impl"]: r for r in rows}
+        assert by[zoo.GRAPH_NAME]["status"] == "n/a"
+        assert "CUDA" in by[zoo.QUACK_NAME]["reason"]
+    # gpt-oss stores its weights (E, K, N): the layout travels into the case.
+    assert {r["layout"] for r in doc["results"] if r["model"] == "gpt-oss-20b"} == {"EKN"}
+    assert {r["impl"] for r in doc["results"]} >= {DEFAULT_NAME, GROUPED_MM_NAME}
+    assert doc["bar"]["cases"] == len({r["case"] for r in doc["results"]
+                                       if r["default"] and r.get("vs_best_peer")})
+    png = tmp_path / "zoo.png"
+    if png.exists():
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    else:
+        pytest.importorskip("matplotlib")
+        pytest.fail("matplotlib is installed but no PNG was written")
+    table = capsys.readouterr().out
+    assert "bar: default >= best peer on" in table and "DeepSeek-V3/gate_up/1" in table
+
+
+def test_bar_and_derive_hand_computed():
+    rows = [
+        {"case": "a", "impl": "ours", "peer": False, "default": True, "status": "ok", "ms": 2.0},
+        {"case": "a", "impl": "p1", "peer": True, "default": False, "status": "ok", "ms": 2.5},
+        {"case": "a", "impl": "p2", "peer": True, "default": False, "status": "ok", "ms": 3.0},
+        {"case": "a", "impl": "p3", "peer": True, "default": False, "status": "n/a",
+         "ms": None},
+    ]
+    info = {"bytes": 4_000_000_000, "flops": 10**12}
+    zoo_report.derive_case(rows, info, {"copy_bytes_per_s": 2e12, "mm_flops_per_s": 1e15})
+    ours = rows[0]
+    assert ours["floor_ms"] == pytest.approx(2.0) and ours["floor_bound"] == "memory"
+    assert ours["fraction_of_floor"] == pytest.approx(1.0)
+    assert ours["vs_best_peer"] == pytest.approx(1.25) and ours["best_peer"] == "p1"
+    assert rows[2]["vs_best_peer"] == pytest.approx(2.5 / 3.0)
+    assert "tflops" not in rows[3]
+
+    def case(name, ratio):
+        return {"case": name, "default": True, "status": "ok", "vs_best_peer": ratio,
+                "ms": 1.0, "best_peer": "p"}
+
+    # 9 of 10 at least as fast, none under 0.97: passes; one more loss or a 0.96: not.
+    results = [case(str(i), 1.0 + i / 100) for i in range(9)] + [case("9", 0.98)]
+    b = zoo_report.bar(results)
+    assert b["pass"] and b["default_at_least_best_peer"] == 9 and b["cases"] == 10
+    assert [w["case"] for w in b["peer_wins"]] == ["9"]
+    assert not zoo_report.bar(results[:8] + [case("8", 0.99), case("9", 0.98)])["pass"]
+    assert not zoo_report.bar(results[:9] + [case("9", 0.96)])["pass"]
+    assert zoo_report.bar([])["pass"] is False
+
+
+def test_budget_stops_cleanly_and_resume_finishes(tmp_path):
+    # A budget that fits nothing: no case runs, the JSON says which were left and why.
+    doc = _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "1,16", "--budget-s", "0.01")
+    assert doc["results"] == [] and doc["complete"] is False
+    assert doc["not_run"] == [f"OLMoE-1B-7B/{p}/{t}" for t in (1, 16)
+                              for p in ("gate_up", "down")]
+    assert doc["stopped"].startswith("budget")
+    # Run part of it, then resume with more: the finished cases are kept, not rerun.
+    first = _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "1", name="part.json")
+    done = {r["case"] for r in first["results"]}
+    assert done == {"OLMoE-1B-7B/gate_up/1", "OLMoE-1B-7B/down/1"}
+    both = _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "1,16", "--resume",
+                str(tmp_path / "part.json"), name="all.json")
+    assert {r["case"] for r in both["results"]} == done | {"OLMoE-1B-7B/gate_up/16",
+                                                            "OLMoE-1B-7B/down/16"}
+    kept = [r for r in both["results"] if r["case"] in done]
+    assert kept == first["results"]  # the earlier rows, untouched
+    assert len(both["runs"]) == 2 and both["complete"] is True
+
+
+def test_estimate_grows_with_the_case():
+    ceil = {"copy_bytes_per_s": 3e12, "mm_flops_per_s": 7e14}
+    small = {"E": 8, "N": 512, "K": 512, "rows": 16}
+    big = {"E": 256, "N": 4096, "K": 7168, "rows": 262144}
+    a = zoo.estimate_case_s(small, ceil, 15, False, 60.0, 1.0)
+    b = zoo.estimate_case_s(big, ceil, 15, False, 60.0, 1.0)
+    assert 2 < a < b
+    assert zoo.estimate_case_s(big, ceil, 15, False, 60.0, 2.0) == pytest.approx(2 * b)
+    # QuACK's autotune adds its estimate, unless that is over the cap (then it is skipped).
+    tune = zoo.quack_autotune_seconds(30.0)
+    with_tune = zoo.estimate_case_s(big, ceil, 15, True, 1e9, 1.0)
+    assert with_tune - b > 10
+    assert zoo.estimate_case_s(big, ceil, 15, True, 1.0, 1.0) == pytest.approx(b)
+    assert tune > 100  # a 30 ms call: 22 configs x 250 calls
+
+
+def test_cli(tmp_path, capsys):
+    assert bench.main(["--suite", "zoo", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "DeepSeek-V3-EP8" in listed and "Kimi-K2" in listed and "*" in listed
+    assert bench.main(["--suite", "nope"]) == 2
+    assert zoo.main(["--smoke", "--models", "Nope"]) == 2
+    assert zoo.main(["--smoke", "--proj", "up"]) == 2
+    assert zoo.main(["--smoke", "--tokens", "-1"]) == 2
+    (tmp_path / "other.json").write_text(json.dumps({"device": "NVIDIA H200", "cases": {},
+                                                     "results": []}))
+    assert zoo.main(["--smoke", "--resume", str(tmp_path / "other.json"), "--out",
+                     str(tmp_path / "x.json")]) == 2
+    assert "measured on NVIDIA H200" in capsys.readouterr().err

@@ -1,0 +1,31 @@
+"""Every table shipped in moe_gemm/tables is valid for its device: the file is named after the
+device, every entry and the cost model parse, and every entry names a config this build
+runs (a tile removed from the kernel's lists would make an entry unusable: retune)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_gemm.ops import tuned
+
+SHIPPED = sorted(tuned.TABLES_DIR.glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_table_is_valid(path):
+    doc = json.loads(path.read_text())
+    assert path.stem == tuned.device_slug(doc["device"])
+    table = tuned.parse_table(doc, str(path), doc["device"])
+    assert table.skipped == 0, f"{table.skipped} entries this build cannot use"
+    assert table.entries, "a shipped table with no entries"
+    for key, (fields, us) in table.entries.items():
+        assert us is not None and us > 0, key
+    if doc.get("model") is not None:
+        assert table.model is not None and table.model.configs
+    assert {"moe_gemm", "nvidia-cutlass-dsl", "driver", "device"} <= set(doc["versions"])
+
+
+def test_tables_folder_is_package_data():
+    assert tuned.TABLES_DIR.is_dir() and (tuned.TABLES_DIR / "README.md").is_file()

@@ -1,0 +1,106 @@
+"""GemmConfig's tuned fields (raster_panel, tail_split, whole_epilogue): validation, and how
+each reaches the KernelChoice in every form."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_gemm import GemmConfig
+from moe_gemm.config import TUNED_FIELDS
+from moe_gemm.ops import heuristics
+from moe_gemm.ops.heuristics import choose_batched, choose_general, choose_varlen
+
+# mixtral-like: long K, 128 rows per expert and more: the rules pick cooperative 128x256 with
+# the whole-tile epilogue, panel 16 and the tail split.
+MIX = (16384, 8, 14336, 4096, 132)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
+    heuristics.clear_caches()
+    yield
+    heuristics.clear_caches()
+
+
+def test_validation():
+    for bad in (0, -1, 65):
+        with pytest.raises(ValueError, match="raster_panel"):
+            GemmConfig(raster_panel=bad)
+    with pytest.raises(TypeError, match="raster_panel"):
+        GemmConfig(raster_panel=8.0)
+    with pytest.raises(TypeError, match="raster_panel"):
+        GemmConfig(raster_panel=True)
+    for name in ("tail_split", "whole_epilogue"):
+        with pytest.raises(TypeError, match=name):
+            GemmConfig(**{name: 1})
+    with pytest.raises(ValueError, match="tail_split=True is built for the cooperative"):
+        GemmConfig(tail_split=True, schedule="pingpong")
+    with pytest.raises(ValueError, match="tail_split=True is built for the cooperative"):
+        GemmConfig(tail_split=True, visitor="host")
+    with pytest.raises(ValueError, match="1x1 cluster"):
+        GemmConfig(tail_split=True, cluster_m=2, cluster_n=1)
+    with pytest.raises(ValueError, match="whole_epilogue=True is built for the cooperative"):
+        GemmConfig(whole_epilogue=True, schedule="pingpong")
+    # False is always fine, and the configs stay hashable and comparable.
+    a = GemmConfig(tail_split=False, schedule="pingpong", whole_epilogue=False, raster_panel=1)
+    assert hash(a) == hash(GemmConfig(tail_split=False, schedule="pingpong",
+                                      whole_epilogue=False, raster_panel=1))
+    assert GemmConfig(raster_panel=64).raster_panel == 64
+
+
+def test_tuning_pinned():
+    assert set(TUNED_FIELDS) >= {"raster_panel", "tail_split", "whole_epilogue", "stages"}
+    assert not GemmConfig().tuning_pinned
+    assert not GemmConfig(backend="cute").tuning_pinned
+    for change in ({"schedule": "pingpong"}, {"raster_panel": 4}, {"tail_split": False},
+                   {"whole_epilogue": False}, {"sort_by_k": False}, {"stages": 3},
+                   {"visitor": "device"}, {"tile_m": 128, "tile_n": 128}):
+        assert GemmConfig(**change).tuning_pinned, change
+
+
+def test_varlen_crossing():
+    rules = choose_varlen(GemmConfig(), *MIX)
+    assert (rules.swizzle, rules.epi_whole, rules.tail_split) == (16, True, True)
+    c = choose_varlen(GemmConfig(raster_panel=4), *MIX)
+    assert c.swizzle == 4 and c.epi_whole  # only the panel changed
+    c = choose_varlen(GemmConfig(tail_split=False, whole_epilogue=False), *MIX)
+    assert (c.tail_split, c.epi_whole, c.swizzle) == (False, False, 8)
+    # Pinned on where the rules say no (short K, ping-pong by rule): forces cooperative.
+    short = (32768, 128, 2048, 768, 132)
+    assert choose_varlen(GemmConfig(), *short).schedule == "pingpong"
+    c = choose_varlen(GemmConfig(tail_split=True, whole_epilogue=True), *short)
+    assert (c.schedule, c.tail_split, c.epi_whole) == ("cooperative", True, True)
+
+
+def test_pinned_fields_refused_with_the_reason():
+    with pytest.raises(ValueError, match="not built for schedule 'cooperative'"):
+        choose_varlen(GemmConfig(tile_m=64, tile_n=256, tail_split=True), *MIX)
+    with pytest.raises(ValueError, match="16-bit"):
+        choose_varlen(GemmConfig(whole_epilogue=True), *MIX, out_itemsize=4)
+    with pytest.raises(ValueError, match="grouped_mm"):
+        choose_general(GemmConfig(tail_split=True), ((256, 512, 4096),) * 4, 132)
+    # A cluster pinned beside tail_split is caught by GemmConfig already; a cluster the rules
+    # pick (1x2 for the batched headline) with a pinned tail split is refused here.
+    with pytest.raises(ValueError, match="1x1 cluster"):
+        choose_batched(GemmConfig(tail_split=True), 256, 128, 512, 7168, 132)
+
+
+def test_env_switch_still_turns_a_pinned_tail_split_off(monkeypatch):
+    monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")
+    assert not choose_varlen(GemmConfig(tail_split=True), *MIX).tail_split
+    assert not choose_batched(GemmConfig(tail_split=True, cluster_m=1, cluster_n=1), 64, 256,
+                              512, 7168, 132).tail_split
+
+
+def test_general_and_batched_crossing():
+    sizes = ((256, 512, 4096),) * 4
+    g = choose_general(GemmConfig(raster_panel=2, whole_epilogue=True), sizes, 132)
+    assert (g.swizzle, g.epi_whole, g.schedule) == (2, True, "cooperative")
+    assert choose_general(GemmConfig(), sizes, 132).swizzle == 8
+    with pytest.raises(ValueError, match="16-bit"):
+        choose_general(GemmConfig(whole_epilogue=True), sizes, 132, 4)
+    b = choose_batched(GemmConfig(raster_panel=32, tail_split=True, cluster_m=1, cluster_n=1),
+                       64, 256, 512, 7168, 132)
+    assert (b.swizzle, b.tail_split, b.cluster_n) == (32, True, 1)
+    assert choose_batched(GemmConfig(whole_epilogue=True), 64, 256, 512, 7168, 132).epi_whole

@@ -1,0 +1,154 @@
+"""The tuner's device side (ShapeRunner) driven on the CPU: CUDA events, streams and graphs
+replaced by host stand-ins, candidates run by the torch backend. This exercises inputs, the
+reference, the 2x-rule check, graph bookkeeping and the search end to end; the GPU tests run
+the same code on the kernels (tests/kernels/test_tuning_gpu.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_gemm.tuning import runner as runner_mod
+from moe_gemm.tuning import space, timing
+from moe_gemm.tuning.tuner import TuneShape, tune_shape
+from moe_gemm.tuning.zoo import topk_counts
+
+
+class _Event:
+    def __init__(self, enable_timing=True):
+        self.t = 0.0
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+class _Graph:
+    def __init__(self):
+        self.calls = []
+
+    def replay(self):
+        for fn in self.calls:
+            fn()
+
+
+class _Pool:
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, keys):
+        self.submitted += list(keys)
+
+    def wait(self, keys, timeout_s=None):
+        return {k: None for k in keys}
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
+    monkeypatch.setattr(runner_mod, "sm_count", lambda device: 132)
+
+    def capture(name, fns, calls, device):
+        g = _Graph()  # one pass over the sets: the host stand-in needs no 2 ms of work
+        g.calls = list(fns)
+        return timing.Timed(name, g, len(fns))
+
+    monkeypatch.setattr(timing, "capture", capture)
+    monkeypatch.setattr(runner_mod.ShapeRunner, "backend", "torch")
+
+
+def _shape(form="varlen", layout="ENK"):
+    if form == "batched":
+        return TuneShape("batched", 4, 48, 64, 4 * 24, layout=layout)
+    counts = tuple(topk_counts(6, 40, 2, seed=1))
+    return TuneShape(form, 6, 48, 64, 80, counts, layout=layout)
+
+
+@pytest.mark.parametrize("form,layout", [("varlen", "ENK"), ("varlen", "EKN"),
+                                         ("batched", "ENK"), ("general", "EKN")])
+def test_search_end_to_end(fake_cuda, form, layout):
+    shape = _shape(form, layout)
+    pool = _Pool()
+    r = runner_mod.ShapeRunner(shape, torch.device("cpu"), pool, seed=3, l2_bytes=1 << 14)
+    assert len(r.sets) >= 2  # small sets rotate to defeat L2
+    assert r.base_err > 0
+    res = tune_shape(shape, r, rounds=2)
+    assert res.winner is not None and not res.failures()
+    assert pool.submitted  # compiles were handed to the pool before the checks
+    e = res.entry()
+    assert e["form"] == form and e["E"] == shape.problems and e["layout"] == layout
+    assert all(s["us"] > 0 for s in res.samples())
+    r.close()
+
+
+def test_check_catches_wrong_and_unwritten_results(fake_cuda, monkeypatch):
+    shape = _shape()
+    r = runner_mod.ShapeRunner(shape, torch.device("cpu"), _Pool(), seed=3)
+    cfg = space.config_of(r.rules_fields(), backend="torch")
+    assert r.check(cfg) is None
+    real = runner_mod.grouped_mm
+
+    def off_by_a_bit(x, w, offs=None, *, out=None, config=None):
+        y = real(x, w, offs, out=out, config=config)
+        y[3, 5] += 0.25
+        return y
+
+    monkeypatch.setattr(runner_mod, "grouped_mm", off_by_a_bit)
+    assert "wrong result" in r.check(cfg)
+
+    def writes_nothing(x, w, offs=None, *, out=None, config=None):
+        return out
+
+    monkeypatch.setattr(runner_mod, "grouped_mm", writes_nothing)
+    assert "wrong result" in r.check(cfg)  # NaN-poisoned output
+
+    def raises(*a, **k):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(runner_mod, "grouped_mm", raises)
+    assert "run failed: RuntimeError: launch failed" in r.check(cfg)
+
+
+def test_prepare_reports_compile_errors_and_refusals(fake_cuda):
+    shape = _shape()
+
+    class Failing(_Pool):
+        def wait(self, keys, timeout_s=None):
+            return {k: "ValueError: 5 stages do not fit; at most 4" for k in keys}
+
+    r = runner_mod.ShapeRunner(shape, torch.device("cpu"), Failing(), seed=3)
+    assert r.prepare(r.rules_fields()).startswith("compile: ValueError")
+    refused = {**r.rules_fields(), "schedule": "pingpong", "tile_m": 128, "tile_n": 256}
+    assert r.prepare(refused).startswith("refused:")
+    assert r.identity(refused)[0] == "refused"
+
+
+def test_stage1_keys_follow_layout_and_dtype():
+    shape = _shape("varlen", "EKN")
+    keys = runner_mod.stage1_keys(shape, 132)
+    assert keys and all(k.b_major == "n" and k.form == "varlen" for k in keys)
+    assert len(keys) == len(set(keys))
+    fp32 = TuneShape("varlen", 6, 48, 64, 80, shape.counts, out_dtype="float32")
+    assert all(k.d_dtype == "float32" and not k.epi_whole
+               for k in runner_mod.stage1_keys(fp32, 132))
+
+
+def test_sets_and_calls_arithmetic():
+    l2 = 50 << 20
+    assert timing.sets_needed(200 << 20, l2) == 1
+    assert timing.sets_needed(10 << 20, l2) == 15
+    assert timing.sets_needed(1, l2) == 16  # capped
+    assert timing.calls_per_graph(0.01, 4) == 64  # 2 ms of 10 us calls, capped at 64
+    assert timing.calls_per_graph(0.5, 3) == 3  # whole passes over the sets
+    assert timing.calls_per_graph(25.0, 1) == 1
+    assert timing.calls_per_graph(0.001, 100) == 100
+

@@ -1,0 +1,242 @@
+"""The tuner's search space and search logic on the CPU (a fake runner stands in for the GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moe_gemm import config as cfgmod
+from moe_gemm.config import GemmConfig
+from moe_gemm.tuning import space
+from moe_gemm.tuning.tuner import TuneShape, compare_configs, tune_shape
+
+# ---------------------------------------------------------------------------------------------
+# The space
+
+
+def test_stage1_follows_the_config_lists(monkeypatch):
+    names = {space.name_of(f) for f in space.stage1("varlen")}
+    assert {"pp 64x256 p8", "coop 128x256 p8", "coop 128x256 c1x2 p8"} <= names
+    assert len(names) == len(space.stage1("varlen"))  # no duplicates
+    for f in space.stage1("varlen"):
+        assert space.config_of(f).tuning_pinned and f["tail_split"] is False
+    # A tile added to the kernel's list is tried; one removed is not.
+    monkeypatch.setattr(cfgmod, "COOPERATIVE_TILES", cfgmod.COOPERATIVE_TILES + ((256, 160),))
+    monkeypatch.setattr(cfgmod, "PINGPONG_TILES", tuple(t for t in cfgmod.PINGPONG_TILES
+                                                         if t != (64, 256)))
+    names = {space.name_of(f) for f in space.stage1("varlen")}
+    assert "coop 256x160 p8" in names and "coop 256x160 c2x1 p8" in names
+    assert not any(n.startswith("pp 64x256") for n in names)
+
+
+def test_stage1_clusters_follow_validation(monkeypatch):
+    # Today GemmConfig builds clusters for the cooperative schedule only.
+    assert not any(f["schedule"] == "pingpong" and (f["cluster_m"], f["cluster_n"]) != (1, 1)
+                   for f in space.stage1("varlen"))
+    # Where validation accepts ping-pong clusters, stage 1 tries them.
+    real = GemmConfig.__post_init__
+
+    def relaxed(self):
+        if self.schedule == "pingpong" and self.cluster_m not in (None, 1):
+            object.__setattr__(self, "schedule", "cooperative")
+            try:
+                real(self)
+            finally:
+                object.__setattr__(self, "schedule", "pingpong")
+            return
+        real(self)
+
+    monkeypatch.setattr(GemmConfig, "__post_init__", relaxed)
+    assert any(f["schedule"] == "pingpong" and f["cluster_m"] == 2
+               for f in space.stage1("varlen"))
+
+
+def test_stage2_varies_one_field_and_only_what_builds():
+    parent = next(f for f in space.stage1("varlen") if space.name_of(f) == "coop 128x256 p8")
+    variants = space.stage2(parent, "varlen")
+    for v in variants:
+        diff = {k for k in parent if parent[k] != v[k]}
+        assert len(diff) == 1, (v, diff)
+    changed = {next(k for k in parent if parent[k] != v[k]) for v in variants}
+    assert changed == {"stages", "raster_panel", "whole_epilogue", "tail_split"}
+    # A clustered parent never gets a tail split; ping-pong never a whole epilogue; fp32
+    # output never a whole epilogue; general lists get visitor and K-sort instead.
+    clustered = {**parent, "cluster_m": 2}
+    assert not any(v.get("tail_split") for v in space.stage2(clustered, "varlen"))
+    pp = next(f for f in space.stage1("varlen") if f["schedule"] == "pingpong")
+    assert not any(v.get("whole_epilogue") for v in space.stage2(pp, "varlen"))
+    assert not any(v.get("whole_epilogue") for v in space.stage2(parent, "varlen", 4))
+    gen_parent = next(f for f in space.stage1("general") if f["schedule"] == "cooperative")
+    changed = {next(k for k in gen_parent if gen_parent[k] != v[k])
+               for v in space.stage2(gen_parent, "general")}
+    assert {"sort_by_k", "visitor"} <= changed and "tail_split" not in changed
+
+
+def test_combine_and_names_round_trip():
+    parent = next(f for f in space.stage1("varlen") if space.name_of(f) == "coop 128x256 p8")
+    a = {**parent, "stages": 3}
+    b = {**parent, "raster_panel": 16}
+    merged = space.combine(parent, [a, b], "varlen")
+    assert merged == {**parent, "stages": 3, "raster_panel": 16}
+    assert space.combine(parent, [a], "varlen") is None  # nothing new beyond `a` itself
+    assert space.combine(parent, [], "varlen") is None
+    for f in space.stage1("varlen") + space.stage2(parent, "varlen") + [merged]:
+        assert space.parse_name(space.name_of(f)) == f
+    assert space.parse_name("coop:128x256:c1x2:s3:p16:ts:ew")["cluster_n"] == 2
+    with pytest.raises(ValueError, match="cannot read"):
+        space.parse_name("coop 128x256 z9")
+    with pytest.raises(ValueError, match="expected"):
+        space.parse_name("fast")
+
+
+def test_fields_of_reproduces_the_rules_choice():
+    from moe_gemm.ops.heuristics import choose_varlen
+
+    for args in ((16384, 8, 14336, 4096, 132), (1024, 256, 512, 7168, 132),
+                 (32768, 128, 2048, 768, 132)):
+        rules = choose_varlen(GemmConfig(), *args)
+        again = choose_varlen(space.config_of(space.fields_of(rules, "varlen")), *args)
+        assert again == rules
+
+
+# ---------------------------------------------------------------------------------------------
+# The search, on a fake device
+
+
+class FakeRunner:
+    """Times from a formula; `broken` configs fail their check, `uncompilable` their compile.
+    Kernels are identified by their name without the raster panel when `panel_free`."""
+
+    def __init__(self, cost, broken=(), uncompilable=(), noise=0.0):
+        self.cost = cost
+        self.broken = set(broken)
+        self.uncompilable = set(uncompilable)
+        self.prepared: list[str] = []
+        self.measured: dict[str, int] = {}
+        self.released: set[str] = set()
+        self.noise = noise
+
+    def rules_fields(self):
+        return space.parse_name("coop 128x256 s3 p16 ts ew")
+
+    def identity(self, fields):
+        return space.name_of({**fields, "stages": fields.get("stages") or 3})
+
+    def submit(self, candidates):
+        pass
+
+    def prepare(self, fields):
+        name = space.name_of(fields)
+        self.prepared.append(name)
+        if name in self.uncompilable:
+            return "compile: too many stages"
+        if name in self.broken:
+            return "wrong result: max|out - ref| = nan"
+        return None
+
+    def measure(self, candidates, rounds):
+        out = {}
+        for i, f in enumerate(candidates):
+            name = space.name_of(f)
+            self.measured[name] = self.measured.get(name, 0) + rounds
+            out[name] = [self.cost(f) * (1 + self.noise * ((i + r) % 3 - 1))
+                         for r in range(rounds)]
+        return out
+
+    def release(self, names):
+        self.released.update(names)
+
+
+SHAPE = TuneShape("varlen", 8, 14336, 4096, 16384, (2048,) * 8)
+
+
+def cost_by_tile(f):
+    base = {256: 1.0, 192: 1.05, 128: 1.3, 64: 2.0}[f["tile_n"]]
+    base *= 1.0 if f["schedule"] == "cooperative" else 1.1
+    if f.get("stages") == 4:
+        base *= 0.97
+    if f.get("raster_panel") == 16:
+        base *= 0.98
+    if (f.get("cluster_m"), f.get("cluster_n")) == (1, 2):
+        base *= 0.99
+    return base
+
+
+def test_search_finds_the_fastest_and_keeps_samples():
+    runner = FakeRunner(cost_by_tile)
+    res = tune_shape(SHAPE, runner)
+    w = res.winner
+    assert (w.fields["tile_n"], w.fields["schedule"]) == (256, "cooperative")
+    # stage 2 found the better stages and panel, stage 3 combined them with the cluster
+    assert w.fields["stages"] == 4 and w.fields["raster_panel"] == 16
+    assert w.fields["cluster_n"] == 2 and w.origin == "combined"
+    assert w.ms == pytest.approx(0.97 * 0.98 * 0.99)
+    assert res.rules is not None and res.rules.origin == "rules" and res.rules.samples
+    e = res.entry()
+    assert e["config"] == {k: v for k, v in w.fields.items() if v is not None}
+    assert e["us"] == pytest.approx(w.ms * 1e3, rel=1e-3) and e["rules_us"] > e["us"]
+    assert (e["E"], e["N"], e["K"], e["bucket"], e["form"]) == (8, 14336, 4096, 11, "varlen")
+    samples = res.samples()
+    assert len(samples) == sum(1 for o in res.outcomes if o.status == "ok" and o.samples)
+    assert all(s["rows"] == 16384 and s["us"] > 0 for s in samples)
+    # Every graph is released at the end; losers were released early.
+    assert set(runner.measured) <= runner.released
+
+
+def test_a_config_that_fails_its_check_never_wins():
+    fastest = "coop 128x192 p8"
+    runner = FakeRunner(lambda f: 0.1 if space.name_of(f) == fastest else cost_by_tile(f),
+                        broken={fastest}, uncompilable={"coop 128x128 p8"})
+    res = tune_shape(SHAPE, runner)
+    assert res.winner.name != fastest
+    failed = {f["name"]: f["error"] for f in res.failures()}
+    assert "wrong result" in failed[fastest] and "compile" in failed["coop 128x128 p8"]
+    assert fastest not in runner.measured  # checked before timing: never timed
+
+
+def test_duplicates_are_timed_once():
+    runner = FakeRunner(cost_by_tile)
+    res = tune_shape(SHAPE, runner)
+    dups = [o for o in res.outcomes if o.status == "duplicate"]
+    # "coop 128x256 p8" with stages None is the same kernel as the rules' stages 3 variant
+    # under this fake's identity, and so on: none of them was prepared or timed.
+    for o in dups:
+        assert o.name not in runner.prepared and o.name not in runner.measured
+
+
+def test_deadline_stops_after_stage1_with_a_winner():
+    runner = FakeRunner(cost_by_tile)
+    res = tune_shape(SHAPE, runner, deadline=0.0)
+    assert res.stopped == "deadline after stage 1"
+    assert res.winner is not None and res.winner.origin in ("stage1", "rules")
+    assert not any(o.origin == "stage2" for o in res.outcomes)
+
+
+def test_nothing_passes():
+    runner = FakeRunner(cost_by_tile, broken={space.name_of(f) for f in space.stage1("varlen")}
+                        | {"coop 128x256 s3 p16 ts ew"})
+    res = tune_shape(SHAPE, runner)
+    assert res.winner is None and res.entry() is None and "no candidate" in res.stopped
+
+
+def test_compare_configs():
+    runner = FakeRunner(cost_by_tile, broken={"pp 128x128 p8"})
+    configs = [space.parse_name("coop 128x192 p8"), space.parse_name("pp 128x128 p8")]
+    res = compare_configs(SHAPE, runner, configs, rounds=3)
+    assert [o.origin for o in res.outcomes] == ["rules", "given", "given"]
+    assert res.outcomes[2].status == "error" and not res.outcomes[2].samples
+    assert res.winner.name == "coop 128x256 s3 p16 ts ew"  # the rules' choice (1.0 x 0.98)
+    assert all(len(o.samples) == 3 for o in res.outcomes[:2])
+
+
+def test_tune_shape_validation():
+    with pytest.raises(ValueError, match="counts"):
+        TuneShape("varlen", 4, 64, 64, 10, (1, 2, 3, 5))
+    with pytest.raises(ValueError, match="multiple"):
+        TuneShape("batched", 4, 64, 64, 10)
+    with pytest.raises(ValueError, match="layout"):
+        TuneShape("batched", 4, 64, 64, 8, layout="KNE")
+    g = TuneShape("general", 4, 64, 64, 10, (0, 5, 5, 0))
+    assert g.problems == 2 and g.key().E == 2 and g.key().bucket == round(math.log2(5))
+    assert TuneShape("batched", 4, 64, 64, 512).key().bucket == 7

@@ -1,0 +1,264 @@
+"""Writing tables, fitting their cost model, the CLI's CPU paths, the online cache, the zoo."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from moe_gemm import GemmConfig
+from moe_gemm.ops import cost_model, heuristics, tuned
+from moe_gemm.tuning import cli, fit, online, table_io, zoo
+from moe_gemm.tuning.tuner import TuneShape
+
+DEV = "NVIDIA Test GPU 80GB"
+CEIL = {"copy_bytes_per_s": 3.0e12, "mm_flops_per_s": 7.0e14}
+CONFIGS = {
+    "small": {"schedule": "pingpong", "tile_m": 64, "tile_n": 256, "visitor": "device",
+              "raster_panel": 8},
+    "mid": {"schedule": "pingpong", "tile_m": 128, "tile_n": 192, "visitor": "device",
+            "raster_panel": 8},
+    "big": {"schedule": "cooperative", "tile_m": 128, "tile_n": 256, "visitor": "device",
+            "raster_panel": 8, "tail_split": False},
+}
+TRUE = {"small": cost_model.Params(0.45, 0.3, 1.05), "mid": cost_model.Params(0.75, 0.8, 1.1),
+        "big": cost_model.Params(0.85, 3.0, 1.35)}
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuned, "TABLES_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(tuned.USER_TABLE_ENV, raising=False)
+    monkeypatch.delenv(online.AUTOTUNE_ENV, raising=False)
+    monkeypatch.delenv(tuned.TABLES_ENV, raising=False)
+    tuned.clear_caches()
+    heuristics.clear_caches()
+    yield
+    tuned.clear_caches()
+    heuristics.clear_caches()
+
+
+def synthetic_samples(shapes, noise=0.03, seed=0):
+    """Times from the cost model with known parameters, plus multiplicative noise."""
+    rng = random.Random(seed)
+    out = []
+    for E, N, K, rows in shapes:
+        s = cost_model.Shape("varlen", E, N, K, rows, 132)
+        for name, cfg in CONFIGS.items():
+            us = cost_model.predict_us(cfg, TRUE[name], s, CEIL["mm_flops_per_s"],
+                                       CEIL["copy_bytes_per_s"])
+            out.append({"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": E,
+                        "N": N, "K": K, "rows": rows, "config": cfg,
+                        "us": us * (1 + rng.uniform(-noise, noise))})
+    return out
+
+
+TRAIN = [(E, N, K, rows) for E in (8, 64, 256) for N, K in ((4096, 7168), (1536, 2048),
+                                                            (28672, 4096))
+         for rows in (16, 256, 4096, 65536)]
+
+
+def test_fit_recovers_the_ranking_on_unseen_shapes():
+    model = fit.fit_model(synthetic_samples(TRAIN), CEIL["mm_flops_per_s"],
+                          CEIL["copy_bytes_per_s"], 132)
+    assert model["kind"] == tuned.MODEL_KIND
+    assert sorted(c["config"]["tile_n"] for c in model["configs"]) == [192, 256, 256]
+    assert all(c["rms_log_err"] < 0.1 for c in model["configs"])
+    parsed = tuned.parse_model(model)
+    # Held-out shapes (other E, N, K, rows): the model's pick is within 5% of the truth's best.
+    for E, N, K, rows in [(32, 5760, 2880, 512), (128, 3072, 4096, 16), (16, 16384, 5120, 8192),
+                          (160, 3072, 5120, 40000)]:
+        key = tuned.Key("varlen", "bfloat16", "bfloat16", E, N, K,
+                        tuned.rows_bucket(rows / E))
+        assert parsed.covers(key), key
+        fields, _ = parsed.best(key, rows, 132)
+        s = cost_model.Shape("varlen", E, N, K, rows, 132)
+        truth = {n: cost_model.predict_us(c, TRUE[n], s, CEIL["mm_flops_per_s"],
+                                          CEIL["copy_bytes_per_s"]) for n, c in CONFIGS.items()}
+        picked = next(n for n, c in CONFIGS.items() if tuple(sorted(c.items())) == fields)
+        assert truth[picked] <= 1.05 * min(truth.values()), (E, N, K, rows, picked, truth)
+
+
+def test_fit_offers_only_proven_configs():
+    samples = synthetic_samples(TRAIN)
+    slow = {**CONFIGS["big"], "raster_panel": 4}
+    for s in list(samples):
+        if s["config"] is CONFIGS["big"]:
+            samples.append({**s, "config": slow, "us": s["us"] * 1.5})
+    model = fit.fit_model(samples, CEIL["mm_flops_per_s"], CEIL["copy_bytes_per_s"], 132)
+    assert all(c["config"] != slow for c in model["configs"])  # never within 3% of a winner
+    assert fit.fit_model([], 1, 1, 132) is None
+
+
+def _result_doc(path: Path):
+    doc = table_io.new_table(DEV, 132, {"moe_gemm": "test"}, CEIL)
+    entry = {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": 8,
+             "N": 28672, "K": 4096, "bucket": 11, "rows": 16384,
+             "config": CONFIGS["big"], "us": 1234.5}
+    table_io.add_result(doc, entry, synthetic_samples(TRAIN))
+    table_io.refit(doc)
+    table_io.write(path, doc)
+    return doc
+
+
+def test_written_table_reads_back_and_merges(tmp_path):
+    path = tmp_path / "t.json"
+    doc = _result_doc(path)
+    back, why = table_io.load_existing(path, DEV)
+    assert why is None and back["entries"] == doc["entries"] and "model" in back
+    parsed = tuned.parse_table(back, str(path), DEV)
+    assert len(parsed.entries) == 1 and parsed.model is not None and parsed.skipped == 0
+    # A new result for the same key replaces the entry; its samples replace that shape's.
+    newer = {**doc["entries"][0], "config": CONFIGS["mid"], "us": 1000.0}
+    shape_samples = [s for s in back["samples"]
+                     if (s["E"], s["N"], s["K"], s["rows"]) == (8, 4096, 7168, 16)]
+    assert len(shape_samples) == len(CONFIGS)
+    table_io.add_result(back, newer, [{**shape_samples[0], "us": 1.0}])
+    assert len(back["entries"]) == 1 and back["entries"][0]["config"] == CONFIGS["mid"]
+    assert len(back["samples"]) == len(doc["samples"]) - len(shape_samples) + 1
+    # Another device's table, or garbage, is not merged into.
+    assert table_io.load_existing(path, "NVIDIA H200")[0] is None
+    (tmp_path / "bad.json").write_text("{")
+    assert "not a table" in table_io.load_existing(tmp_path / "bad.json", DEV)[1]
+    assert table_io.load_existing(tmp_path / "none.json", DEV) == (None, None)
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave nothing behind
+
+
+def test_cli_refit_list_and_errors(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    doc = _result_doc(path)
+    doc.pop("model")
+    path.write_text(json.dumps(doc))
+    assert cli.main(["--refit", str(path)]) == 0
+    assert "model" in json.loads(path.read_text())
+    assert cli.main(["--refit", str(tmp_path / "missing.json")]) == 2
+    capsys.readouterr()
+    assert cli.main(["--list", "--zoo", "--models", "DeepSeek-V3", "--tokens", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "E=256 N=4096 K=7168" in out[0] and "bucket=-1" in out[0]
+    assert cli.main(["--list", "--shapes", "128,1536,2048,4096,32768"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    for bad in (["--shapes", "1,2,3"], ["--shapes", "a,b,c,d"], ["--zoo", "--models", "Nope"],
+                ["--zoo", "--tokens", "0"], []):
+        assert cli.main(bad) == 2, bad
+    assert cli.main(["--shapes", "8,64,64,64", "--configs", "coop 128x256 z9"]) == 2
+    if not __import__("torch").cuda.is_available():
+        assert cli.main(["--shapes", "8,64,64,64"]) == 2  # needs a GPU
+        assert "CUDA" in capsys.readouterr().err
+
+
+def test_cli_shape_items():
+    shapes = cli.parse_shape_items(["8,64,32,100,200"], "varlen", "EKN", "bfloat16", "float32",
+                                   1)
+    assert [(s.rows, s.layout, s.out_dtype) for s in shapes] == [(100, "EKN", "float32"),
+                                                                 (200, "EKN", "float32")]
+    assert sum(shapes[0].counts) == 100 and len(shapes[0].counts) == 8
+    b = cli.parse_shape_items(["4,64,32,16"], "batched", "ENK", "bfloat16", "bfloat16", 1)[0]
+    assert (b.form, b.rows, b.key().bucket) == ("batched", 64, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Online autotune: the switch and the cache (the GPU search is in tests/kernels)
+
+
+def test_requested(monkeypatch):
+    assert not online.requested(GemmConfig())
+    monkeypatch.setenv(online.AUTOTUNE_ENV, "1")
+    assert online.requested(GemmConfig()) and online.requested(GemmConfig(backend="cute"))
+    assert not online.requested(GemmConfig(stages=3))  # a pinned config is the caller's
+    monkeypatch.setenv(online.AUTOTUNE_ENV, "0")
+    assert not online.requested(GemmConfig())
+
+
+def test_store_feeds_lookups_and_replaces_other_versions(monkeypatch):
+    entry = {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": 8, "N": 512,
+             "K": 256, "bucket": 3, "rows": 64, "config": CONFIGS["mid"], "us": 12.0}
+    key = tuned.Key("varlen", "bfloat16", "bfloat16", 8, 512, 256, 3)
+    assert tuned.lookup(DEV, key, 64, 132) is None
+    path = online.store(DEV, 132, entry, [])
+    hit = tuned.lookup(DEV, key, 64, 132)
+    assert hit.how == "exact" and hit.source == str(path)
+    c = heuristics.choose_varlen(GemmConfig(), 64, 8, 512, 256, 132, device=DEV)
+    assert (c.schedule, c.tile_m, c.tile_n) == ("pingpong", 128, 192)
+    # A later library version ignores the file and starts a new one on the next store.
+    from moe_gemm.ops import versions
+
+    real = versions.runtime_versions(DEV)
+    monkeypatch.setattr(versions, "runtime_versions",
+                        lambda device: {**real, "moe_gemm": "9.9"})
+    monkeypatch.setattr(online, "runtime_versions", versions.runtime_versions)
+    tuned._online.cache_clear()
+    with pytest.warns(RuntimeWarning, match="other versions"):
+        assert tuned.lookup(DEV, key, 64, 132) is None
+    other = {**entry, "N": 1024}
+    online.store(DEV, 132, other, [])
+    doc = json.loads(path.read_text())
+    assert doc["versions"]["moe_gemm"] == "9.9" and [e["N"] for e in doc["entries"]] == [1024]
+
+
+def test_varlen_shape_from_offs(monkeypatch):
+    import torch
+
+    from moe_gemm.ops.validation import check_grouped_mm
+
+    seen = {}
+    monkeypatch.setattr(online, "_ensure", lambda device, key, rows, make: seen.update(
+        key=key, rows=rows, shape=make()))
+    x = torch.randn(10, 32, dtype=torch.bfloat16)
+    w = torch.randn(3, 16, 32, dtype=torch.bfloat16).transpose(1, 2)
+    offs = torch.tensor([4, 4, 9], dtype=torch.int32)
+    args = check_grouped_mm(x, w, offs, None, None)
+    online.ensure_tuned_varlen(args, GemmConfig())
+    s = seen["shape"]
+    assert (s.E, s.N, s.K, s.rows, s.layout) == (3, 16, 32, 10, "ENK")
+    assert s.counts == (4, 0, 6)  # rows past offs[-1] are timed with the last expert
+    assert seen["key"].bucket == tuned.rows_bucket(10 / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The zoo's data
+
+
+def test_zoo_models_and_routing():
+    assert len(zoo.MODELS) >= 10 and len({m.name for m in zoo.MODELS}) == len(zoo.MODELS)
+    ds = zoo.BY_NAME["DeepSeek-V3"]
+    up, down = ds.projections()
+    assert (up.E, up.N, up.K, down.N, down.K) == (256, 4096, 7168, 7168, 2048)
+    assert zoo.BY_NAME["gpt-oss-120b"].layout == "EKN"
+    for m in zoo.MODELS:
+        for p in m.projections():
+            assert p.N * 2 % 16 == 0 and p.K * 2 % 16 == 0  # bf16 rows on 16-byte multiples
+    counts = zoo.topk_counts(256, 2048, 8, seed=3)
+    assert sum(counts) == 2048 * 8 and max(counts) <= 2048
+    assert counts == zoo.topk_counts(256, 2048, 8, seed=3)
+    assert counts != zoo.topk_counts(256, 2048, 8, seed=4)
+    mean = 2048 * 8 / 256
+    assert 1.5 * mean < max(counts) < 8 * mean  # skewed, not degenerate
+    decode = zoo.topk_counts(256, 1, 8, seed=0)
+    assert sorted(decode, reverse=True)[:8] == [1] * 8 and sum(decode) == 8
+    flat = zoo.topk_counts(8, 4000, 2, seed=0, sigma=0.0)
+    assert max(flat) < 1.1 * 1000 and min(flat) > 0.9 * 1000
+    for bad in ((0, 1, 1), (4, -1, 1), (4, 1, 5)):
+        with pytest.raises(ValueError):
+            zoo.topk_counts(*bad, seed=0)
+    with pytest.raises(ValueError, match="unknown model"):
+        zoo.select_models("DeepSeek-V3,Nope")
+    assert [m.name for m in zoo.select_models("deepseek-v3, Kimi-K2")] == ["DeepSeek-V3",
+                                                                          "Kimi-K2"]
+    assert zoo.parse_tokens("all", (1,)) == list(zoo.TOKENS)
+    assert zoo.parse_tokens(None, (5,)) == [5]
+    with pytest.raises(ValueError):
+        zoo.parse_tokens("1,x", (1,))
+
+
+def test_tune_shape_keys_match_lookup_keys():
+    """What the tuner writes for a zoo shape is what grouped_mm looks up for that call."""
+    shapes = cli.zoo_shapes("Qwen3-30B-A3B", "512", "bfloat16", "bfloat16", 1)
+    for s in shapes:
+        assert isinstance(s, TuneShape)
+        k = s.key()
+        assert k == tuned.Key("varlen", "bfloat16", "bfloat16", s.E, s.N, s.K,
+                              tuned.rows_bucket(s.rows / s.E))
