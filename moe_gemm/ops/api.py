@@ -245,7 +245,7 @@ def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] 
     switches = extra[2]
     shape = launch.general_shape(scan.sizes, scan.dtype, scan.out_dtype, scan.b_major, cfg,
                                  launch.sm_count(scan.device), False, switches[2], scan.device)
-    if launch._capturing():
+    if launch._fresh():
         plan = launch.GeneralPlan(shape, scan.device, scan.a_ld, scan.b_ld)
     else:
         plan = launch.general_plan(shape, scan.device, scan.a_ld, scan.b_ld)

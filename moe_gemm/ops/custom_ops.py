@@ -27,6 +27,8 @@ model whose parameters require grad still compiles and a backward through it fai
 
 from __future__ import annotations
 
+import contextlib
+
 import ast
 import dataclasses
 import functools
@@ -113,11 +115,23 @@ def _eager() -> Any:
     return api
 
 
+def _in_graph() -> Any:
+    """No grad (the op's registered autograd links the result) and nothing the launch
+    allocates kept past the call: a compiled graph's memory may be a CUDA-graph pool
+    (ops/launch.graph_owned)."""
+    from moe_gemm.ops import launch
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(launch.graph_owned())
+    return stack
+
+
 @torch.library.custom_op(
     "moe_gemm::_grouped_mm", mutates_args=(),
     schema="(Tensor x, Tensor w, Tensor? offs, str config, ScalarType? out_dtype) -> Tensor")
 def _grouped_mm(x, w, offs, config, out_dtype):
-    with torch.no_grad():  # (the op's registered autograd links the result)
+    with _in_graph():
         return _eager().grouped_mm_eager(x, w, offs, None, decode_config(config), out_dtype)
 
 
@@ -135,7 +149,7 @@ def _grouped_mm_fake(x, w, offs, config, out_dtype):
     schema="(Tensor x, Tensor w, Tensor? offs, Tensor(a!) out, str config, "
            "ScalarType? out_dtype) -> ()")
 def _grouped_mm_out(x, w, offs, out, config, out_dtype):
-    with torch.no_grad():
+    with _in_graph():
         _eager().grouped_mm_eager(x, w, offs, out, decode_config(config), out_dtype)
 
 
@@ -156,7 +170,7 @@ def _grouped_gemm(a, b, config, out_dtype):
     args = check_grouped_gemm(a, b, None, out_dtype)
     outs = [torch.empty(m, n, dtype=args.out_dtype, device=args.device)
             for m, n, _ in args.sizes]
-    with torch.no_grad():
+    with _in_graph():
         _eager().grouped_gemm_eager(a, b, outs, decode_config(config), args.out_dtype)
     return outs
 
@@ -172,7 +186,7 @@ def _grouped_gemm_fake(a, b, config, out_dtype):
     "moe_gemm::_grouped_gemm_out", mutates_args=("out",),
     schema="(Tensor[] a, Tensor[] b, Tensor(a!)[] out, str config, ScalarType? out_dtype) -> ()")
 def _grouped_gemm_out(a, b, out, config, out_dtype):
-    with torch.no_grad():
+    with _in_graph():
         _eager().grouped_gemm_eager(a, b, out, decode_config(config), out_dtype)
 
 

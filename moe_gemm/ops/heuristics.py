@@ -75,7 +75,7 @@ def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
         # 128x192 over 128x128 wherever it was measured (H200, 2026-11-21, back-to-back):
         # k-varying 122 us vs 136; varlen, E=8 N=14336 K=4096 at 128 rows/expert 313 vs 356,
         # E=128 N=2048 K=768 at 256 rows/expert 213 vs 233, E=128 N=5760 K=2880 1349 vs 1422
-        # (benchmarks/results/tune/tune-user-shapes-2026-11-21.json).
+        # (docs/measurements.md).
         return (128, 192)
     return (128, 128)
 
@@ -174,7 +174,7 @@ def _choose_general(
             and tile[1] == 256 and _pairs_fill(sizes, tile[0], tile[1])):
         # 1x2, as for the batched form: the two CTAs of a cluster take adjacent n-tiles of one
         # m-tile and multicast A. Uniform headline as 256 lists (H200s, 2026-11-21,
-        # interleaved, tune/tune-general-cluster-2026-11-21.json): 528 us vs 542 at 1x1 and
+        # interleaved, docs/measurements.md): 528 us vs 542 at 1x1 and
         # torch.bmm 533 (two runs); on another machine 541 vs 543, bmm 545.
         cm, cn = 1, 2
     if cm * cn > 1:

@@ -14,11 +14,13 @@ its workspace and calls the kernel. Nothing here reads a GPU value or synchroniz
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,6 +169,32 @@ def _capturing() -> bool:
     return torch._C._cuda_isCurrentStreamCapturing()
 
 
+# Launches made by a compiled graph (the torch.library ops of ops/custom_ops.py): under
+# torch.compile's CUDA-graph trees (mode="reduce-overhead") the graph's warm-up run allocates
+# from the graph's private memory pool without capturing, and a tensor of that pool still alive
+# after the run (a workspace, placeholder or metadata upload kept in one of this module's
+# caches) makes the graph refuse to record ("tensors in the cudagraph pool not tracked as
+# outputs"). Inside graph_owned() nothing allocated is kept past the call. A plain counter (not
+# thread-local): a concurrent eager call that sees it only allocates afresh, which is safe.
+_graph_owned = 0
+
+
+@contextlib.contextmanager
+def graph_owned() -> Iterator[None]:
+    global _graph_owned
+    _graph_owned += 1
+    try:
+        yield
+    finally:
+        _graph_owned -= 1
+
+
+def _fresh() -> bool:
+    """Whether this launch must allocate everything afresh and cache nothing: a CUDA-graph
+    capture (allocations then belong to the graph) or a compiled graph's call."""
+    return _graph_owned > 0 or _capturing()
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda idx: torch.cuda.current_stream(idx).cuda_stream
 )
@@ -227,7 +255,7 @@ class WorkspaceSlot:
     def get(self, choice: KernelChoice) -> torch.Tensor:
         if choice is not self.choice:
             self._size(choice)
-        if _capturing():
+        if _fresh():
             new = torch.zeros if self.zeroed else torch.empty
             return new(self.ints, dtype=torch.int64, device=self.device)  # (zeroing captured)
         stream = _raw_stream(self.idx)
@@ -261,13 +289,13 @@ def _new_small(kind: str, device: torch.device, dtype: torch.dtype, shape: tuple
 def _small(kind, device, dtype, shape, major="n"):
     """Placeholder tensors (seeds, unused slots). Cached, except while a CUDA graph is being
     captured (an allocation made then belongs to the graph's private pool)."""
-    if _capturing():
+    if _fresh():
         return _new_small(kind, device, dtype, shape, major)
     return _cached_small(kind, device, dtype, shape, major)
 
 
 def _table_tensor(counts: tuple[int, ...], num_ctas: int, device: torch.device) -> torch.Tensor:
-    if _capturing():
+    if _fresh():
         return torch.from_numpy(sched.host_precompute_table(counts, num_ctas)).to(device)
     return _cached_table(counts, num_ctas, device)
 
@@ -440,7 +468,7 @@ class GeneralPlan:
         if not shape.total:
             return
         self.workspace = WorkspaceSlot(device, shape.num_ctas, shape.choice)
-        if _capturing():
+        if _fresh():
             ph = _new_placeholders(device, shape.ab_dtype, shape.out_dtype, shape.b_major)
         else:
             ph = _general_placeholders(device, shape.ab_dtype, shape.out_dtype, shape.b_major)
@@ -467,7 +495,7 @@ class GeneralPlan:
         its addresses (not for copies made for this call, which are new every time)."""
         capturing = _capturing()
         key = None
-        if reuse and not (persistent or capturing):
+        if reuse and not (persistent or _fresh()):
             addr = ptrs.tobytes() if out_cols is None else ptrs.tobytes() + out_cols.tobytes()
             key = (self, _raw_stream(self.idx), addr)
             hit = _meta_cache.get(key)
@@ -581,7 +609,7 @@ class GeneralLaunch:
             raise RuntimeError("build a GroupedGemmPlan outside CUDA-graph capture (its "
                                "launches can be captured)")
         a_ld, b_ld = tuple(layout.a_ld), tuple(b_ld)
-        self.plan = plan = (GeneralPlan(shape, device, a_ld, b_ld) if capturing
+        self.plan = plan = (GeneralPlan(shape, device, a_ld, b_ld) if _fresh()
                             else general_plan(shape, device, a_ld, b_ld))
         ptrs = np.array(layout.a_ptr + list(b_ptr), dtype=np.int64)
         out_cols = None
@@ -622,7 +650,7 @@ class MmPlan:
         self.out_dtype = args.out_dtype
         self.zero_tail = args.out is None
         self.trivial = T == 0 or N == 0 or E == 0
-        self.cacheable = not _capturing()  # (placeholders made while capturing are the graph's)
+        self.cacheable = not _fresh()  # (placeholders made while capturing are the graph's)
         if self.trivial:
             return
         nsm = sm_count(device)
@@ -714,7 +742,7 @@ class BmmPlan:
         self.out_dtype = args.out_dtype
         self.trivial = G == 0 or M == 0 or N == 0
         self.zero = K == 0
-        self.cacheable = not _capturing()
+        self.cacheable = not _fresh()
         if self.trivial or self.zero:
             return
         nsm = sm_count(device)

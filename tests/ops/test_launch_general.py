@@ -203,3 +203,24 @@ def test_minority_b_layout_is_not_cached(kernel: Recorder) -> None:
     _launch(a, b)
     assert host._meta_cache == {}  # the copy of b[1] is new each call
     assert kernel.calls[0][3] is not kernel.calls[1][3]
+
+
+def test_graph_owned_launches_keep_nothing(kernel: Recorder) -> None:
+    """A compiled graph's launches (the torch.library ops) may allocate from a CUDA-graph
+    pool: inside launch.graph_owned() nothing they allocate is cached past the call, so a
+    second call gets new workspace and metadata tensors and the caches stay as they were."""
+    sizes = [(16, 64, 64), (5, 64, 128)]
+    a, b = _problems(sizes)
+    host._workspaces.clear()
+    with host.graph_owned():
+        _launch(a, b)
+        _launch(a, b)
+    first, second = kernel.calls[-2], kernel.calls[-1]
+    assert first[3] is not second[3]  # metadata uploaded per call, never from the cache
+    assert first[7] is not second[7]  # a fresh workspace each call
+    assert host._meta_cache == {} and host._workspaces == {}
+    # Outside it the same launches reuse both.
+    _launch(a, b)
+    _launch(a, b)
+    assert kernel.calls[-2][3] is kernel.calls[-1][3]
+    assert kernel.calls[-2][7] is kernel.calls[-1][7]
