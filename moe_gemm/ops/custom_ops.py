@@ -27,9 +27,8 @@ model whose parameters require grad still compiles and a backward through it fai
 
 from __future__ import annotations
 
-import contextlib
-
 import ast
+import contextlib
 import dataclasses
 import functools
 from typing import Any
