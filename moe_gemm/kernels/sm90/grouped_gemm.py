@@ -76,6 +76,7 @@ from .tile_scheduler import (
     ROLE_PUBLISH,
     ROLE_SKIP,
     TileScheduler,
+    WorkTile,
     consume_work,
     ring_base,
 )
@@ -172,6 +173,10 @@ class GroupedGemmSm90:
     Every refusal is a ValueError raised here, before anything is traced.
     """
 
+    # K per pipeline stage: one 128-byte swizzle row of the input dtype (64 16-bit values;
+    # the FP8 subclass, grouped_gemm_fp8.py, takes 128).
+    tile_k: int = TILE_K
+
     def __init__(
         self,
         ab_dtype: type[cutlass.Numeric],
@@ -198,7 +203,7 @@ class GroupedGemmSm90:
         self.schedule = schedule
         self.visitor = visitor
         self.tile_m, self.tile_n = tile_mn
-        self.tile_shape_mnk = (self.tile_m, self.tile_n, TILE_K)
+        self.tile_shape_mnk = (self.tile_m, self.tile_n, self.tile_k)
         self.trace = trace
         # TMA loads carry the runtime a_policy / b_policy L2 eviction hints only when built
         # with l2_hints: without them the loads use the default policy, which measured as
@@ -282,7 +287,7 @@ class GroupedGemmSm90:
         When the epilogue's default depth would leave fewer than 3 A/B stages (256-row tiles
         with fp32 output), it shrinks (to 2 subtiles) to make room: the mainloop needs a
         stage in flight while one is consumed and one refilled."""
-        ab_bytes = (self.tile_m + self.tile_n) * TILE_K * self.ab_dtype.width // 8
+        ab_bytes = (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
         subtile_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8
         smem = get_smem_capacity_in_bytes("sm_90")
 
@@ -313,10 +318,10 @@ class GroupedGemmSm90:
         self.d_layout = LayoutEnum.ROW_MAJOR
         self.tiled_mma = self.make_tiled_mma()
         self.a_smem_staged = self._staged_smem_layout(
-            (self.tile_m, TILE_K), self.a_layout, self.ab_dtype, self.ab_stages, k_major=True
+            (self.tile_m, self.tile_k), self.a_layout, self.ab_dtype, self.ab_stages, k_major=True
         )
         self.b_smem_staged = self._staged_smem_layout(
-            (self.tile_n, TILE_K), self.b_layout, self.ab_dtype, self.ab_stages,
+            (self.tile_n, self.tile_k), self.b_layout, self.ab_dtype, self.ab_stages,
             k_major=self.b_major == "k",
         )
         d_atom = warpgroup.make_smem_layout_atom(
@@ -422,12 +427,12 @@ class GroupedGemmSm90:
         op_a = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
             self.cluster_n > 1) else op_g2s
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            op_a, mA_tma, a_smem, (self.tile_m, TILE_K), num_multicast=self.cluster_n
+            op_a, mA_tma, a_smem, (self.tile_m, self.tile_k), num_multicast=self.cluster_n
         )
         op_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
             self.cluster_m > 1) else op_g2s
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            op_b, mB, b_smem, (self.tile_n, TILE_K), num_multicast=self.cluster_m
+            op_b, mB, b_smem, (self.tile_n, self.tile_k), num_multicast=self.cluster_m
         )
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD_tma, d_smem, self.epi_tile)
 
@@ -455,7 +460,7 @@ class GroupedGemmSm90:
 
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
-            ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base),
+            self.problem_args(mA, mD, meta, meta32, offs, table, num_problems, d_base),
             RunArgs(workspace, trace, swizzle, a_policy, b_policy),
             self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
@@ -470,6 +475,11 @@ class GroupedGemmSm90:
             # before it touches global memory.
             use_pdl=pdl,
         )
+
+    def problem_args(self, mA, mD, meta, meta32, offs, table, num_problems, d_base
+                     ) -> ProblemArgs:
+        """The kernel's problem arguments (a subclass may add its own fields)."""
+        return ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base)
 
     def make_problems(self, args: ProblemArgs):
         """The launch's problem accessor (problems.py)."""
@@ -710,7 +720,7 @@ class GroupedGemmSm90:
                     barrier_id=BAR_MMA_ORDER + math_wg, number_of_threads=2 * self.threads_per_wg
                 )
             ab_state = self.mainloop(ab_pipe, ab_state, tiled_mma, acc, tCrA, tCrB,
-                                     work.k_tiles, num_k_blocks, math_wg)
+                                     work.k_tiles, num_k_blocks, math_wg, work, problems)
             role = work.role
             if const_expr(self.tail_split):
                 kind = work.kind()
@@ -758,8 +768,11 @@ class GroupedGemmSm90:
         k_tiles: Int32,
         num_k_blocks: cutlass.Constexpr,
         math_wg: Int32,
+        work: WorkTile,
+        problems,
     ) -> pipeline.PipelineState:
-        """acc = A_tile @ B_tile over k_tiles stages (zeros when k_tiles == 0)."""
+        """acc = A_tile @ B_tile over k_tiles stages (zeros when k_tiles == 0). (work and
+        problems: the tile and its accessor, for subclasses whose mainloop needs them.)"""
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.fence()

@@ -29,7 +29,7 @@ from cutlass import Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .constants import DESC_BYTES, TILE_K
+from .constants import DESC_BYTES
 from .tile_scheduler import WorkTile, ceil_div_i32
 
 
@@ -149,7 +149,7 @@ class GeneralProblems(Problems):
             a_ptr = cute.make_ptr(cfg.ab_dtype, meta[p, 0], cute.AddressSpace.gmem,
                                   assumed_align=16)
             tA = cute.make_tensor(a_ptr, cute.make_layout((rows, depth), stride=(meta[p, 3], 1)))
-            atom_a, _ = cpasync.make_tiled_tma_atom(op_a, tA, a_smem, (cfg.tile_m, TILE_K),
+            atom_a, _ = cpasync.make_tiled_tma_atom(op_a, tA, a_smem, (cfg.tile_m, cfg.tile_k),
                                                     num_multicast=cfg.cluster_n)
             cpasync.copy_tensormap(atom_a, gmem_desc(address, 0))
             b_ptr = cute.make_ptr(cfg.ab_dtype, meta[p, 1], cute.AddressSpace.gmem,
@@ -159,7 +159,7 @@ class GeneralProblems(Problems):
             else:
                 b_layout = cute.make_layout((cols, depth), stride=(1, meta[p, 4]))
             atom_b, _ = cpasync.make_tiled_tma_atom(
-                op_b, cute.make_tensor(b_ptr, b_layout), b_smem, (cfg.tile_n, TILE_K),
+                op_b, cute.make_tensor(b_ptr, b_layout), b_smem, (cfg.tile_n, cfg.tile_k),
                 num_multicast=cfg.cluster_m,
             )
             cpasync.copy_tensormap(atom_b, gmem_desc(address, 1))
@@ -170,8 +170,8 @@ class GeneralProblems(Problems):
     def load_views(self, tma_a: cute.Tensor, tma_b: cute.Tensor, work: WorkTile):
         # (bM, bK, RestM, RestK) coordinates; the record's descriptors supply base and bounds.
         cfg = self.cfg
-        return (cute.local_tile(tma_a, (cfg.tile_m, TILE_K), (None, None)),
-                cute.local_tile(tma_b, (cfg.tile_n, TILE_K), (None, None)))
+        return (cute.local_tile(tma_a, (cfg.tile_m, cfg.tile_k), (None, None)),
+                cute.local_tile(tma_b, (cfg.tile_n, cfg.tile_k), (None, None)))
 
     def load_desc(self, desc_base: Int64, which: int):
         # Under a cluster both CTAs hold the same problem's descriptors (the scheduler gives
@@ -234,8 +234,8 @@ class VarlenProblems(Problems):
     def load_views(self, tma_a: cute.Tensor, tma_b: cute.Tensor, work: WorkTile):
         cfg = self.cfg
         return (cute.local_tile(cute.domain_offset((work.row_start, 0), tma_a),
-                                (cfg.tile_m, TILE_K), (None, None)),
-                cute.local_tile(tma_b[None, None, work.problem], (cfg.tile_n, TILE_K),
+                                (cfg.tile_m, cfg.tile_k), (None, None)),
+                cute.local_tile(tma_b[None, None, work.problem], (cfg.tile_n, cfg.tile_k),
                                 (None, None)))
 
 
@@ -259,9 +259,9 @@ class BatchedProblems(Problems):
 
     def load_views(self, tma_a: cute.Tensor, tma_b: cute.Tensor, work: WorkTile):
         cfg = self.cfg
-        return (cute.local_tile(tma_a[None, None, work.problem], (cfg.tile_m, TILE_K),
+        return (cute.local_tile(tma_a[None, None, work.problem], (cfg.tile_m, cfg.tile_k),
                                 (None, None)),
-                cute.local_tile(tma_b[None, None, work.problem], (cfg.tile_n, TILE_K),
+                cute.local_tile(tma_b[None, None, work.problem], (cfg.tile_n, cfg.tile_k),
                                 (None, None)))
 
     def store_desc(self, desc_d: Int64):

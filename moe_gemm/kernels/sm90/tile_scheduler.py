@@ -28,7 +28,6 @@ from .constants import (
     RASTER_SERPENTINE,
     SCHED_STAGES,
     SLOT_BYTES,
-    TILE_K,
 )
 
 WARP = 32
@@ -289,7 +288,7 @@ class TileScheduler:
                 expert_rows = rows
                 m_tile, n_tile, role = self._tile_of(lin - start, t - start, rows, cols,
                                                      rank, raster)
-                work = WorkTile(problem, m_tile, n_tile, ceil_div_i32(depth, TILE_K),
+                work = WorkTile(problem, m_tile, n_tile, ceil_div_i32(depth, cfg.tile_k),
                                 row_start, role, records % DESC_RING, 0)
                 if const_expr(self.tail is not None):
                     work = self.tail.split_k(work, part, tail_i)

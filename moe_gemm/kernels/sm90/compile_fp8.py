@@ -1,0 +1,131 @@
+"""Compile GroupedGemmFp8Sm90 variants from static choices only, with fake tensors (as
+compile.py does for the 16-bit kernel; no GPU needed with CUTE_DSL_ARCH=sm_90a)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+
+from .compile import DTYPES, _fake  # noqa: E402
+from .grouped_gemm_fp8 import SMETA_INTS, GroupedGemmFp8Sm90  # noqa: E402
+
+FP8_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
+
+
+@dataclass(frozen=True)
+class Fp8CompileKey:
+    """Everything a compiled FP8 kernel depends on (B is always K-major). Nothing here varies
+    per problem set."""
+
+    form: str  # "general" | "varlen" | "batched"
+    ab_dtype: str  # "float8_e4m3fn" | "float8_e5m2"
+    d_dtype: str  # "bfloat16" | "float16" | "float32"
+    scale_mode: str  # "block" | "outer"
+    schedule: str  # "pingpong" | "cooperative"
+    visitor: str  # "device" | "host"
+    tile_m: int
+    tile_n: int
+    stages: int | None = None
+    trace: bool = False
+    l2_hints: bool = False
+    epi_n: int = 32
+    cluster_m: int = 1
+    cluster_n: int = 1
+    epi_whole: bool = False
+    tail_split: bool = False
+
+    def name(self) -> str:
+        parts = ["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode, self.schedule,
+                 self.visitor, str(self.tile_m), str(self.tile_n)]
+        if self.stages is not None:
+            parts.append(f"s{self.stages}")
+        if self.trace:
+            parts.append("trace")
+        if self.l2_hints:
+            parts.append("l2hints")
+        if self.epi_n != 32:
+            parts.append(f"epi{self.epi_n}")
+        if (self.cluster_m, self.cluster_n) != (1, 1):
+            parts.append(f"c{self.cluster_m}x{self.cluster_n}")
+        if self.epi_whole:
+            parts.append("ew")
+        if self.tail_split:
+            parts.append("ts")
+        return "_".join(parts)
+
+    def kernel(self) -> GroupedGemmFp8Sm90:
+        return GroupedGemmFp8Sm90(
+            FP8_DTYPES[self.ab_dtype], DTYPES[self.d_dtype], self.form, self.schedule,
+            self.visitor, (self.tile_m, self.tile_n), self.scale_mode, ab_stages=self.stages,
+            trace=self.trace, l2_hints=self.l2_hints, epi_n=self.epi_n,
+            cluster_m=self.cluster_m, cluster_n=self.cluster_n, epi_whole=self.epi_whole,
+            tail_split=self.tail_split,
+        )
+
+
+def _fake_scales(shape):
+    """fp32 scales with any strides (the math threads load them one by one)."""
+    return cute.runtime.make_fake_tensor(
+        cutlass.Float32, shape, stride=tuple(cute.sym_int64() for _ in shape), assumed_align=4)
+
+
+def fake_arguments(key: Fp8CompileKey) -> tuple:
+    ab = FP8_DTYPES[key.ab_dtype]
+    d = DTYPES[key.d_dtype]
+    rows, k, n = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    # w in torch order, K contiguous: general (K, N); varlen / batched (E|G, K, N).
+    if key.form == "general":
+        w = _fake(ab, (k, n), leading_dim=0)
+    else:
+        w = _fake(ab, (cute.sym_int(), k, n), leading_dim=1)
+    kb, cols = cute.sym_int(), cute.sym_int()
+    if key.form == "batched":
+        batch = cute.sym_int()
+        a = _fake(ab, (batch, rows, k), leading_dim=2)
+        out = _fake(d, (batch, rows, n), leading_dim=2)
+        sfa = _fake_scales((batch, rows, kb))
+        sfb = _fake_scales((batch, kb, cols))
+    else:
+        a = _fake(ab, (rows, k), leading_dim=1)
+        out = _fake(d, (rows, n), leading_dim=1)
+        if key.form == "varlen":
+            sfa = _fake_scales((rows, kb))
+            sfb = _fake_scales((cute.sym_int(), kb, cols))
+        else:
+            sfa = _fake_scales((1, 1))
+            sfb = _fake_scales((1, 1, 1))
+    g = cute.sym_int()
+    smeta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(), SMETA_INTS),
+                                                  stride_order=(1, 0))
+    meta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (g, 8), stride_order=(1, 0))
+    meta32 = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g, 16), stride_order=(1, 0))
+    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),))
+    table = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 2), stride_order=(2, 1, 0)
+    )
+    workspace = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int64, (cute.sym_int(),), assumed_align=128
+    )
+    trace = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0)
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return (
+        a, w, out, sfa, sfb, smeta, meta, meta32, offs, table, workspace, trace,
+        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0), cutlass.Int64(0),
+        cutlass.Int32(1), cutlass.Int64(0), stream,
+    )
+
+
+def compile_fp8_variant(key: Fp8CompileKey, keep_dir: str | None = None):
+    """cute.compile the FP8 variant; with keep_dir, PTX and cubin are written there."""
+    options = "--enable-tvm-ffi --opt-level 3"
+    if keep_dir is not None:
+        os.makedirs(keep_dir, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    return cute.compile(key.kernel(), *fake_arguments(key), options=options)

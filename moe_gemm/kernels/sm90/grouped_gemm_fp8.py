@@ -1,0 +1,354 @@
+"""GroupedGemmFp8Sm90: the grouped GEMM on FP8 (e4m3 / e5m2) operands with fp32 scales.
+
+D_p = dequant(A_p) @ dequant(B_p) for every problem p, where dequant multiplies each FP8 value
+by its scale: DeepSeek-V3's recipe ("block": A scales per row per 128-K block, B scales per
+128x128 block) or row-wise ("outer": a scale per row of A and per column of B; per-tensor
+scales are that with equal entries). Everything but the mainloop is GroupedGemmSm90's (the
+scheduler warp, the three problem forms, the TMA load warp, clusters, the tail split and the
+epilogue); this class changes:
+
+- tile_k = 128: one 128-byte swizzle row of 8-bit data per stage, which is also one scale
+  block along K. FP8 WGMMA reads both operands K-major from shared memory, so B is (N, K)
+  K-contiguous (torch's column-major w, a checkpoint's (N, K) weight).
+- the two-level accumulation: each stage's four m64nNk32 WGMMAs write a temporary fp32
+  accumulator (the first with scale-d = 0), and the math warpgroup then adds it into the main
+  accumulator: acc += tmp * a_scale[row, kb] * b_scale[n_block, kb] ("block"), or acc += tmp
+  ("outer", whose scales multiply the finished tile once). Hopper's FP8 tensor cores keep
+  fewer accumulator bits than fp32; promoting every 128 of K keeps long-K sums (K = 7168,
+  14336) at fp32 accuracy, as DeepGEMM and CUTLASS's non-fast-accum FP8 kernels do.
+- scales are read by the math threads straight from global memory (they are tiny: a 128x128
+  tile's stage needs 128 A scales and one or two B scales, 0.5 KiB beside 32 KiB of operands),
+  one stage ahead of their use, so the latency hides behind the stage's WGMMAs. Any strides
+  are accepted; the row index is clamped into the scale tensor, so rows past an expert's end
+  or past T read a valid (unused) scale.
+
+The promotion costs the tensor cores nothing in the cooperative schedule (one warpgroup
+promotes while the other's WGMMAs run) and keeps a second accumulator per thread, which caps
+the tiles (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to
+192 or 128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176
+and 208 columns are refused); a tile whose columns straddle a block boundary picks each
+8-column group's B scale by a run-time split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from .constants_fp8 import (
+    FP8_TILE_K,
+    SCALE_BLOCK,
+    SCALE_MODES,
+    fp8_register_split,
+    fp8_tile_problem,
+    scale_blocks_spanned,
+)
+from .grouped_gemm import BAR_MMA_ORDER, GroupedGemmSm90, ProblemArgs
+from .problems import BatchedProblems, GeneralProblems, VarlenProblems
+from .tile_scheduler import WorkTile, ceil_div_i32
+
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+SMETA_INTS = 8  # general form: (G, 8) int64 per problem, see Fp8GeneralProblems
+
+
+class Fp8ProblemArgs(ProblemArgs):
+    """ProblemArgs plus the scales: sfa / sfb (varlen, batched) or the general form's table."""
+
+    FIELDS = ProblemArgs.FIELDS + ("sfa", "sfb", "smeta")
+
+
+# The scale accessors extend the problem accessors (problems.py) with `scale_views(work)`:
+# (A scales of the problem as (rows, k blocks), its row count, B scales as (k blocks, cols),
+# its column count), where "outer" has one k block and a column per output column, and
+# "block" has K/128 k blocks and ceil(N/128) column blocks. Frozen like their bases.
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8VarlenProblems(VarlenProblems):
+    sfa: cute.Tensor  # (T, KB) fp32
+    sfb: cute.Tensor  # (E, KB, C) fp32
+
+    def scale_views(self, work: WorkTile):
+        return (self.sfa, self.sfa.shape[0], self.sfb[work.problem, None, None],
+                self.sfb.shape[2])
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8BatchedProblems(BatchedProblems):
+    sfa: cute.Tensor  # (G, M, KB) fp32
+    sfb: cute.Tensor  # (G, KB, C) fp32
+
+    def scale_views(self, work: WorkTile):
+        return (self.sfa[work.problem, None, None], self.sfa.shape[1],
+                self.sfb[work.problem, None, None], self.sfb.shape[2])
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8GeneralProblems(GeneralProblems):
+    # (G, 8) int64 per problem: [sfa address, its row stride, its k-block stride, sfb address,
+    # its k-block stride, its column stride, 0, 0] (strides in elements). sfa is (M, KB) and
+    # sfb (KB, C) with KB and C as in the module docstring.
+    smeta: cute.Tensor
+
+    @cute.jit
+    def scale_views(self, work: WorkTile):
+        p = work.problem
+        rows, cols, depth, _ = self.dims(p)
+        kb = Int32(1)
+        ncols = cols
+        if const_expr(self.cfg.scale_mode == "block"):
+            kb = ceil_div_i32(depth, SCALE_BLOCK)
+            ncols = ceil_div_i32(cols, SCALE_BLOCK)
+        sm = self.smeta
+        sa = cute.make_tensor(
+            cute.make_ptr(Float32, sm[p, 0], cute.AddressSpace.gmem, assumed_align=4),
+            cute.make_layout((rows, kb), stride=(sm[p, 1], sm[p, 2])))
+        sb = cute.make_tensor(
+            cute.make_ptr(Float32, sm[p, 3], cute.AddressSpace.gmem, assumed_align=4),
+            cute.make_layout((kb, ncols), stride=(sm[p, 4], sm[p, 5])))
+        return sa, rows, sb, ncols
+
+
+@dataclass(frozen=True)
+class FragmentMap:
+    """Where one math thread's accumulator values sit, as far as the scales care; read at trace
+    time from the tiled MMA's C partition of thread 0 (a thread's coordinates are thread 0's
+    plus its own offset, which is below 8 columns: tests/kernels/test_fp8_layouts.py proves
+    both for every tile on the CPU).
+
+    row_slot[i]: which of the thread's distinct rows value i is on (row_rep[s]: a value on
+    row s); col8[i]: value i's column in thread 0, rounded down to 8 (its 8-column group);
+    col_slot[i] / col_rep[q]: the same for the distinct columns."""
+
+    row_slot: tuple[int, ...]
+    row_rep: tuple[int, ...]
+    col8: tuple[int, ...]
+    col_slot: tuple[int, ...]
+    col_rep: tuple[int, ...]
+
+
+def fragment_map(coords: list[tuple[int, int]]) -> FragmentMap:
+    """The FragmentMap of thread 0's (row, col) per accumulator value (plain Python)."""
+    rows = sorted({r for r, _ in coords})
+    cols = sorted({c for _, c in coords})
+    row_slot = tuple(rows.index(r) for r, _ in coords)
+    col_slot = tuple(cols.index(c) for _, c in coords)
+    return FragmentMap(row_slot, tuple(row_slot.index(s) for s in range(len(rows))),
+                       tuple(c & ~7 for _, c in coords), col_slot,
+                       tuple(col_slot.index(q) for q in range(len(cols))))
+
+
+class GroupedGemmFp8Sm90(GroupedGemmSm90):
+    """The FP8 grouped GEMM (see the module docstring).
+
+    Args (compile-time): as GroupedGemmSm90, except
+        ab_dtype: cutlass.Float8E4M3FN or cutlass.Float8E5M2 (A and B alike).
+        scale_mode: "block" (1x128 A, 128x128 B scales) or "outer" (row-wise A, column-wise B).
+    B is always K-major.
+
+    Launch arguments (__call__): GroupedGemmSm90's, plus after mD:
+        mSFA: varlen (T, KB); batched (G, M, KB); general: unused (1, 1). fp32, any strides.
+        mSFB: varlen (E, KB, C); batched (G, KB, C); general: unused (1, 1, 1).
+        smeta: general: (G, 8) int64 (Fp8GeneralProblems); else unused (1, 8).
+    KB = K / 128 and C = ceil(N / 128) in "block" mode; KB = 1 and C = N in "outer" mode.
+    """
+
+    tile_k = FP8_TILE_K
+
+    def __init__(self, ab_dtype, d_dtype, form, schedule, visitor, tile_mn, scale_mode: str,
+                 ab_stages=None, trace=False, l2_hints=False, epi_n=32, cluster_m=1,
+                 cluster_n=1, epi_whole=False, tail_split=False):
+        if ab_dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
+            raise ValueError(f"the FP8 kernel takes float8 e4m3 or e5m2 inputs; got {ab_dtype}")
+        why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode)
+        if why is not None:
+            raise ValueError(why)
+        self.scale_mode = scale_mode
+        super().__init__(ab_dtype, d_dtype, "k", form, schedule, visitor, tile_mn,
+                         ab_stages=ab_stages, trace=trace, l2_hints=l2_hints, epi_n=epi_n,
+                         cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
+                         tail_split=tail_split)
+        self.load_regs, self.math_regs = fp8_register_split(schedule, *tile_mn)
+        self.blocks_spanned = scale_blocks_spanned(self.tile_n)
+        assert scale_mode in SCALE_MODES
+
+    # ------------------------------------------------------------------------------------------
+    # Host entry
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # FP8, as GroupedGemmSm90's
+        mW: cute.Tensor,  # FP8, K-major
+        mD: cute.Tensor,
+        mSFA: cute.Tensor,  # see the class docstring
+        mSFB: cute.Tensor,
+        smeta: cute.Tensor,
+        meta: cute.Tensor,
+        meta32: cute.Tensor,
+        offs: cute.Tensor,
+        table: cute.Tensor,
+        workspace: cute.Tensor,
+        trace: cute.Tensor,
+        num_problems: Int32,
+        num_ctas: Int32,
+        swizzle: Int32,
+        a_policy: Int64,
+        b_policy: Int64,
+        pdl: Int32,
+        d_base: Int64,
+        stream,
+    ):
+        # The scales enter the kernel through problem_args (below); the rest is the base's.
+        self._scales = (mSFA, mSFB, smeta)
+        GroupedGemmSm90.__call__(self, mA, mW, mD, meta, meta32, offs, table, workspace, trace,
+                                 num_problems, num_ctas, swizzle, a_policy, b_policy, pdl,
+                                 d_base, stream)
+
+    def problem_args(self, mA, mD, meta, meta32, offs, table, num_problems, d_base):
+        return Fp8ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base,
+                              *self._scales)
+
+    def make_problems(self, args: Fp8ProblemArgs):
+        if const_expr(self.form == "general"):
+            return Fp8GeneralProblems(self, args.num_problems, args.meta, args.meta32,
+                                      args.d_base, args.smeta)
+        if const_expr(self.form == "varlen"):
+            return Fp8VarlenProblems(self, args.num_problems, args.mA, args.mD, args.offs,
+                                     args.sfa, args.sfb)
+        return Fp8BatchedProblems(self, args.num_problems, args.mA, args.mD, args.sfa,
+                                  args.sfb)
+
+    # ------------------------------------------------------------------------------------------
+    # Mainloop with promotion
+
+    def fragment_map(self, tiled_mma: cute.TiledMma) -> FragmentMap:
+        """Thread 0's accumulator coordinates, static at trace time (see FragmentMap)."""
+        tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        c0 = tiled_mma.get_slice(0).partition_C(tile)
+        return fragment_map([tuple(c0[i]) for i in range(cute.size(c0))])
+
+    @cute.jit
+    def mainloop(
+        self,
+        ab_pipe: pipeline.PipelineTmaAsync,
+        ab_state: pipeline.PipelineState,
+        tiled_mma: cute.TiledMma,
+        acc: cute.Tensor,
+        tCrA: cute.Tensor,
+        tCrB: cute.Tensor,
+        k_tiles: Int32,
+        num_k_blocks: cutlass.Constexpr,
+        math_wg: Int32,
+        work: WorkTile,
+        problems,
+    ) -> pipeline.PipelineState:
+        """acc = the scaled A_tile @ B_tile over k_tiles stages of 128 (zeros when k_tiles is
+        0), promoted stage by stage (see the module docstring)."""
+        fmap = self.fragment_map(tiled_mma)
+        tidx, _, _ = cute.arch.thread_idx()
+        mma_tidx = tidx - self.threads_per_wg
+        if const_expr(self.pingpong):
+            mma_tidx = tidx % self.threads_per_wg
+        coords = tiled_mma.get_slice(mma_tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tmp = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        n_vals = cute.size(acc)
+        n_rows = len(fmap.row_rep)
+
+        sa, rows_lim, sb, cols_lim = problems.scale_views(work)
+        row0 = work.row_start + work.m_tile * self.tile_m  # the tile's first row in sa
+        n0 = work.n_tile * self.tile_n  # the tile's first column of the output
+        # This thread's rows of sa, clamped (rows past an expert's end or past T read a valid
+        # scale that nothing stores).
+        my_rows = [cutlass.min(row0 + coords[fmap.row_rep[s]][0], rows_lim - 1)
+                   for s in range(n_rows)]
+
+        acc.fill(0.0)
+        if const_expr(self.scale_mode == "block"):
+            two = self.blocks_spanned == 2
+            nb0 = n0 // SCALE_BLOCK
+            nb1 = cutlass.min(nb0 + 1, cols_lim - 1)
+            # The tile column where the second 128-column block starts (two-block tiles).
+            split = SCALE_BLOCK - (n0 % SCALE_BLOCK)
+            # Scales of the stage in use (cur) and of the next one (nxt, loaded a stage
+            # ahead): the thread's rows' A scales, then the tile's one or two B scales.
+            n_sc = n_rows + (2 if two else 1)
+            cur = cute.make_rmem_tensor((n_sc,), Float32)
+            nxt = cute.make_rmem_tensor((n_sc,), Float32)
+            prod = cute.make_rmem_tensor((2 * n_rows,), Float32)
+            if k_tiles > 0:
+                kb = work.k_start
+                for s in cutlass.range_constexpr(n_rows):
+                    cur[s] = sa[my_rows[s], kb]
+                cur[n_rows] = sb[kb, nb0]
+                if const_expr(two):
+                    cur[n_rows + 1] = sb[kb, nb1]
+        warpgroup.fence()
+        for k in cutlass.range(0, k_tiles, 1, unroll=1):
+            if const_expr(self.scale_mode == "block"):
+                # The next stage's scales (the last stage reloads its own: branch-free).
+                kb = work.k_start + cutlass.min(k + 1, k_tiles - 1)
+                for s in cutlass.range_constexpr(n_rows):
+                    nxt[s] = sa[my_rows[s], kb]
+                nxt[n_rows] = sb[kb, nb0]
+                if const_expr(two):
+                    nxt[n_rows + 1] = sb[kb, nb1]
+            ab_pipe.consumer_wait(ab_state)
+            # The promotion below read tmp: order those reads before the WGMMAs rewrite it.
+            warpgroup.fence()
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for kb_i in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, kb_i, ab_state.index)
+                cute.gemm(tiled_mma, tmp, tCrA[coord], tCrB[coord], tmp)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            ab_pipe.consumer_release(ab_state)
+            ab_state.advance()
+            if const_expr(self.scale_mode == "block"):
+                for s in cutlass.range_constexpr(n_rows):
+                    prod[s] = cur[s] * cur[n_rows]
+                    if const_expr(two):
+                        prod[n_rows + s] = cur[s] * cur[n_rows + 1]
+                for i in cutlass.range_constexpr(n_vals):
+                    scale = prod[fmap.row_slot[i]]
+                    if const_expr(two):
+                        scale = Float32(cutlass.select_(Int32(fmap.col8[i]) >= split,
+                                                        prod[n_rows + fmap.row_slot[i]], scale))
+                    acc[i] = cute.math.fma(tmp[i], scale, acc[i])
+                for s in cutlass.range_constexpr(n_sc):
+                    cur[s] = nxt[s]
+            else:
+                for i in cutlass.range_constexpr(n_vals):
+                    acc[i] = acc[i] + tmp[i]
+        if const_expr(self.pingpong):
+            # Every WGMMA of this tile has retired: the other warpgroup's mainloop may start.
+            cute.arch.barrier_arrive(
+                barrier_id=BAR_MMA_ORDER + 1 - math_wg, number_of_threads=2 * self.threads_per_wg
+            )
+        if const_expr(self.scale_mode == "outer"):
+            if k_tiles > 0:
+                self._scale_outer(acc, fmap, coords, sa, my_rows, sb, n0, cols_lim)
+        return ab_state
+
+    @cute.jit
+    def _scale_outer(self, acc: cute.Tensor, fmap: cutlass.Constexpr, coords: cute.Tensor,
+                     sa: cute.Tensor, my_rows, sb: cute.Tensor, n0: Int32, cols_lim: Int32):
+        """acc[row, col] *= sa[row] * sb[col], once per tile (row-wise / per-tensor)."""
+        n_rows = len(fmap.row_rep)
+        n_cols = len(fmap.col_rep)
+        ra = cute.make_rmem_tensor((n_rows,), Float32)
+        cb = cute.make_rmem_tensor((n_cols,), Float32)
+        for s in cutlass.range_constexpr(n_rows):
+            ra[s] = sa[my_rows[s], 0]
+        for q in cutlass.range_constexpr(n_cols):
+            col = cutlass.min(n0 + coords[fmap.col_rep[q]][1], cols_lim - 1)
+            cb[q] = sb[0, col]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = acc[i] * (ra[fmap.row_slot[i]] * cb[fmap.col_slot[i]])
