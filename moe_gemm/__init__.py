@@ -5,6 +5,10 @@ Public API:
     grouped_mm(x, w, offs)    MoE expert GEMM (torch.nn.functional.grouped_mm's 2D x 3D form);
                               grouped_mm(x, w) is the batched 3D x 3D form
     GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
+    scaled_grouped_mm(x, w, scale_a, scale_b, offs)   the FP8 expert GEMM (block-wise
+                              1x128 / 128x128, row-wise or per-tensor scales); and
+                              scaled_grouped_gemm for lists
+    quantize_fp8_per_token_group / _per_block / _per_row / _per_tensor, dequantize_fp8
     GemmConfig                backend / schedule / visitor / tile choices (frozen)
     MoE                       an inference MoE layer (routing + fused expert FFN) on grouped_mm
     ExpertParallelMoE         the MoE layer with its experts split over a process group
@@ -35,6 +39,14 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
         softmax_topk,
     )
     from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
+    from moe_gemm.ops.quantize import (
+        dequantize_fp8,
+        quantize_fp8_per_block,
+        quantize_fp8_per_row,
+        quantize_fp8_per_tensor,
+        quantize_fp8_per_token_group,
+    )
+    from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
 
 # `model.set_experts_implementation("moe_gemm")` works once transformers' MoE module loads
 # (the hook imports nothing heavy until then).
@@ -49,11 +61,18 @@ __all__ = [
     "GroupedGemmPlan",
     "MoE",
     "__version__",
+    "dequantize_fp8",
     "grouped_gemm",
     "grouped_mm",
     "moe_experts",
     "moe_forward",
     "permute_by_expert",
+    "quantize_fp8_per_block",
+    "quantize_fp8_per_row",
+    "quantize_fp8_per_tensor",
+    "quantize_fp8_per_token_group",
+    "scaled_grouped_gemm",
+    "scaled_grouped_mm",
     "sigmoid_grouped_topk",
     "softmax_topk",
 ]
@@ -83,6 +102,14 @@ def _load() -> None:
                 softmax_topk,
             )
             from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
+            from moe_gemm.ops.quantize import (
+                dequantize_fp8,
+                quantize_fp8_per_block,
+                quantize_fp8_per_row,
+                quantize_fp8_per_tensor,
+                quantize_fp8_per_token_group,
+            )
+            from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
         except BaseException:
             _state = 0  # e.g. torch missing: the next use raises the same ImportError again
             raise
@@ -101,6 +128,13 @@ def _load() -> None:
             permute_by_expert=permute_by_expert,
             sigmoid_grouped_topk=sigmoid_grouped_topk,
             softmax_topk=softmax_topk,
+            dequantize_fp8=dequantize_fp8,
+            quantize_fp8_per_block=quantize_fp8_per_block,
+            quantize_fp8_per_row=quantize_fp8_per_row,
+            quantize_fp8_per_tensor=quantize_fp8_per_tensor,
+            quantize_fp8_per_token_group=quantize_fp8_per_token_group,
+            scaled_grouped_gemm=scaled_grouped_gemm,
+            scaled_grouped_mm=scaled_grouped_mm,
         )
         _state = 2
 

@@ -3,7 +3,11 @@ backend).
 
 Modules, top to bottom (imports only go down):
     api          grouped_gemm, grouped_mm, GroupedGemmPlan: the public ops
-    custom_ops   the same ops registered with torch.library (torch.compile, fake tensors)
+    scaled       scaled_grouped_mm, scaled_grouped_gemm: the FP8 ops (scaled_validation,
+                 scaled_support, scaled_launch, scaled_reference, heuristics_fp8 beside them)
+    quantize     FP8 quantization helpers (1x128 groups, 128x128 blocks, rows, tensors)
+    custom_ops   the same ops registered with torch.library (torch.compile, fake tensors;
+                 custom_ops_fp8 for the FP8 ones)
     launch       torch tensors -> kernel arguments: cached plans, workspaces, the launch
     heuristics   config choice from host-known shapes (tuned tables first, then rules)
     schedule     the tile schedule in plain Python: the truth the kernel follows

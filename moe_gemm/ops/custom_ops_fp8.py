@@ -1,0 +1,150 @@
+"""The FP8 ops registered as torch.library custom ops (torch.compile, export, fake tensors),
+as ops/custom_ops.py does for the 16-bit ones:
+
+    moe_gemm::_scaled_grouped_mm(Tensor x, Tensor w, Tensor scale_a, Tensor scale_b,
+                                 Tensor? offs, str config, ScalarType? out_dtype) -> Tensor
+    moe_gemm::_scaled_grouped_mm_out(Tensor x, Tensor w, Tensor scale_a, Tensor scale_b,
+                                     Tensor? offs, Tensor(a!) out, str config,
+                                     ScalarType? out_dtype) -> ()
+    moe_gemm::_scaled_grouped_gemm(Tensor[] a, Tensor[] b, Tensor[] scale_a,
+                                   Tensor[] scale_b, str config,
+                                   ScalarType? out_dtype) -> Tensor[]
+
+The public functions (ops/scaled.py) are the API; they call these only while traced. The
+backward raises when it runs (inference-only, as the kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.ops.custom_ops import (
+    _in_graph,
+    _raising_grad,
+    _tensor_list,
+    decode_config,
+    encode_config,
+)
+from moe_gemm.ops.scaled_validation import (
+    check_scaled_grouped_gemm,
+    check_scaled_grouped_mm,
+    resolve_fp8_out_dtype,
+)
+
+
+def _eager() -> Any:
+    from moe_gemm.ops import scaled  # (scaled imports this module)
+
+    return scaled
+
+
+def scaled_grouped_mm(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor,
+                      offs: Tensor | None = None, *, out: Tensor | None = None,
+                      out_dtype: torch.dtype | None = None,
+                      config: GemmConfig | None = None) -> Tensor:
+    text = encode_config(config)
+    if out is None:
+        return torch.ops.moe_gemm._scaled_grouped_mm(x, w, scale_a, scale_b, offs, text,
+                                                     out_dtype)
+    torch.ops.moe_gemm._scaled_grouped_mm_out(x, w, scale_a, scale_b, offs, out, text,
+                                              out_dtype)
+    return out
+
+
+def scaled_grouped_gemm(a: Any, b: Any, scale_a: Any, scale_b: Any, *, out: Any = None,
+                        out_dtype: torch.dtype | None = None,
+                        config: GemmConfig | None = None) -> list[Tensor]:
+    text = encode_config(config)
+    lists = [_tensor_list(n, s) for n, s in (("a", a), ("b", b), ("scale_a", scale_a),
+                                              ("scale_b", scale_b))]
+    if out is not None:
+        # (written by the eager path inside the op: no out variant is registered)
+        res = torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, out_dtype)
+        outs = _tensor_list("out", out)
+        for o, r in zip(outs, res):
+            o.copy_(r)
+        return outs
+    return list(torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, out_dtype))
+
+
+@torch.library.custom_op(
+    "moe_gemm::_scaled_grouped_mm", mutates_args=(),
+    schema="(Tensor x, Tensor w, Tensor scale_a, Tensor scale_b, Tensor? offs, str config, "
+           "ScalarType? out_dtype) -> Tensor")
+def _scaled_grouped_mm(x, w, scale_a, scale_b, offs, config, out_dtype):
+    with _in_graph():
+        return _eager().scaled_grouped_mm_eager(x, w, scale_a, scale_b, offs, None, out_dtype,
+                                                decode_config(config))
+
+
+@_scaled_grouped_mm.register_fake
+def _scaled_grouped_mm_fake(x, w, scale_a, scale_b, offs, config, out_dtype):
+    args = check_scaled_grouped_mm(x, w, scale_a, scale_b, offs, None, out_dtype,
+                                   concrete=False)
+    return x.new_empty((*x.shape[:-1], args.N), dtype=args.out_dtype)
+
+
+@torch.library.custom_op(
+    "moe_gemm::_scaled_grouped_mm_out", mutates_args=("out",),
+    schema="(Tensor x, Tensor w, Tensor scale_a, Tensor scale_b, Tensor? offs, Tensor(a!) out, "
+           "str config, ScalarType? out_dtype) -> ()")
+def _scaled_grouped_mm_out(x, w, scale_a, scale_b, offs, out, config, out_dtype):
+    with _in_graph():
+        _eager().scaled_grouped_mm_eager(x, w, scale_a, scale_b, offs, out, out_dtype,
+                                         decode_config(config))
+
+
+@_scaled_grouped_mm_out.register_fake
+def _scaled_grouped_mm_out_fake(x, w, scale_a, scale_b, offs, out, config, out_dtype):
+    check_scaled_grouped_mm(x, w, scale_a, scale_b, offs, out, out_dtype, concrete=False)
+
+
+@torch.library.custom_op(
+    "moe_gemm::_scaled_grouped_gemm", mutates_args=(),
+    schema="(Tensor[] a, Tensor[] b, Tensor[] scale_a, Tensor[] scale_b, str config, "
+           "ScalarType? out_dtype) -> Tensor[]")
+def _scaled_grouped_gemm(a, b, scale_a, scale_b, config, out_dtype):
+    # An op's outputs must not share storage: each gets its own allocation here.
+    args = check_scaled_grouped_gemm(a, b, scale_a, scale_b, None, out_dtype)
+    outs = [torch.empty(m, n, dtype=args.out_dtype, device=args.device)
+            for m, n, _ in args.sizes]
+    with _in_graph():
+        _eager().scaled_grouped_gemm_eager(a, b, scale_a, scale_b, outs, args.out_dtype,
+                                           decode_config(config))
+    return outs
+
+
+@_scaled_grouped_gemm.register_fake
+def _scaled_grouped_gemm_fake(a, b, scale_a, scale_b, config, out_dtype):
+    odt = resolve_fp8_out_dtype(out_dtype, None)
+    return [ai.new_empty((ai.shape[0], bi.shape[1]), dtype=odt) for ai, bi in zip(a, b)]
+
+
+def _mm_setup(ctx, inputs, output) -> None:
+    ctx.metas = tuple((t.shape, t.dtype) for t in inputs[:4])
+
+
+def _mm_backward(ctx, grad):
+    grads = tuple(_raising_grad(grad, m, "_scaled_grouped_mm") if need else None
+                  for m, need in zip(ctx.metas, ctx.needs_input_grad[:4]))
+    return (*grads, None, None, None)
+
+
+def _gemm_setup(ctx, inputs, output) -> None:
+    ctx.metas = tuple([(t.shape, t.dtype) for t in seq] for seq in inputs[:4])
+
+
+def _gemm_backward(ctx, grads):
+    grad = next((g for g in grads if g is not None), None)
+    if grad is None:
+        return None, None, None, None, None, None
+    return (*([_raising_grad(grad, m, "_scaled_grouped_gemm") for m in metas]
+              for metas in ctx.metas), None, None)
+
+
+_scaled_grouped_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
+_scaled_grouped_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)

@@ -1,0 +1,90 @@
+"""Kernel choice for the FP8 ops, from host-known shapes only (never a GPU value).
+
+The FP8 kernel (kernels/sm90/grouped_gemm_fp8.py) builds a narrower tile family than the
+16-bit one: its promotion keeps a second accumulator, so cooperative tiles are 128 x up to 192
+and ping-pong tiles 64 x up to 192 or 128 x up to 96 (constants_fp8.fp8_tile_problem); it
+always runs the device visitor. A GemmConfig's pins are honoured where the FP8 kernel builds
+them and refused with the reason otherwise. There are no tuned FP8 tables yet: the rules
+below decide what a config leaves at "auto" (benchmarks/bench_fp8.py measures alternatives).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.kernels.sm90.constants_fp8 import FP8_TILE_K, fp8_tile_problem
+from moe_gemm.ops.heuristics import KernelChoice, tail_split_enabled, with_l2_hints
+
+
+def kernel_scale_mode(granularity: str) -> str:
+    """The kernel's compile-time scale mode of a user-facing granularity."""
+    return "block" if granularity == "block" else "outer"
+
+
+def choose_fp8(form: str, config: GemmConfig, avg_m: float, N: int, K: int,
+               out_itemsize: int, granularity: str) -> KernelChoice:
+    """The FP8 kernel for grouped rows of about avg_m per problem (varlen: T / E), N columns
+    and depth K. Raises ValueError for pins the FP8 kernel does not build."""
+    return with_l2_hints(_choose(form, config, avg_m, N, K, out_itemsize,
+                                 kernel_scale_mode(granularity), tail_split_enabled()))
+
+
+def _default_tile_n(N: int) -> int:
+    # 128 columns: one 128x128 weight-scale block per tile (no per-column block selection in
+    # the promotion) and 2 x 64 accumulator registers per thread. Narrow outputs get the
+    # smallest multiple of 16 that covers them.
+    return 128 if N >= 128 else max(16, -(-N // 16) * 16)
+
+
+@functools.lru_cache(maxsize=512)
+def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
+            mode: str, split_ok: bool) -> KernelChoice:
+    if config.visitor == "host":
+        raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
+                         "'auto'")
+    if config.sort_by_k:
+        raise ValueError("sort_by_k=True is not built for the FP8 kernels")
+    cm, cn = (1, 1) if config.cluster_m is None else (config.cluster_m, config.cluster_n)
+    if config.tile_m is not None:
+        tile = (config.tile_m, config.tile_n)
+        schedule = config.schedule
+        if schedule == "auto":
+            # A 64-row tile is ping-pong only; otherwise the one that builds it, cooperative
+            # first.
+            schedule = "pingpong" if tile[0] == 64 else (
+                "cooperative" if fp8_tile_problem("cooperative", *tile, mode) is None
+                else "pingpong")
+    else:
+        if config.schedule != "auto":
+            schedule = config.schedule
+        elif config.tail_split or config.whole_epilogue or cm * cn > 1:
+            schedule = "cooperative"
+        else:
+            # Up to 64 rows per problem (decode: a few tokens per expert) a 64-row ping-pong
+            # tile wastes half the MMA rows a 128-row tile would; beyond, both warpgroups
+            # share a 128-row tile and one promotes while the other's WGMMAs run.
+            schedule = "pingpong" if avg_m <= 64 else "cooperative"
+        tile = ((64 if schedule == "pingpong" else 128), _default_tile_n(N))
+    why = fp8_tile_problem(schedule, tile[0], tile[1], mode)
+    if why is not None:
+        raise ValueError(f"FP8: {why}")
+    if config.tail_split is None:
+        tail_split = (schedule == "cooperative" and cm * cn == 1 and form != "general"
+                      and K >= 32 * FP8_TILE_K)
+    else:
+        tail_split = config.tail_split
+        if tail_split and (schedule != "cooperative" or cm * cn != 1 or form == "general"):
+            raise ValueError("tail_split=True is built for grouped_mm's forms, the cooperative "
+                             "schedule and a 1x1 cluster")
+    epi_whole = bool(config.whole_epilogue)
+    if epi_whole and (schedule != "cooperative" or out_itemsize != 2 or tile[0] != 128):
+        raise ValueError("whole_epilogue=True is built for cooperative 128-row tiles with "
+                         "16-bit output")
+    return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
+                        config.raster_panel or 8, cluster_m=cm, cluster_n=cn,
+                        epi_whole=epi_whole, tail_split=tail_split and split_ok)
+
+
+def clear_caches() -> None:
+    _choose.cache_clear()

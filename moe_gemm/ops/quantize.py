@@ -1,0 +1,234 @@
+"""FP8 quantization: the operands and scales the FP8 ops take (ops/scaled.py).
+
+Every helper returns (q, scale) with x ~= q * scale, scale float32 ("decoding" scales, as
+torch's scaled matmuls and DeepSeek-V3's `weight_scale_inv` use them), saturating to the FP8
+range (448 for e4m3, 57344 for e5m2) with scale = max|x| / FP8_MAX per group:
+
+    quantize_fp8_per_token_group(x)  x (..., K) -> scale (..., K/128)  activations, 1x128
+    quantize_fp8_per_block(w)        w (..., N, K) -> scale (..., ceil(N/128), ceil(K/128))
+    quantize_fp8_per_row(x)          x (..., K) -> scale (...)          tokens / channels
+    quantize_fp8_per_tensor(x)       x -> scale ()
+    dequantize_fp8(q, scale, granularity)   the inverse, in float32
+
+The per-token-group one runs on every FP8 layer call: on an sm90a GPU with the CuTe DSL it is
+one kernel (kernels/sm90/quantize_fp8.py: one pass over x, ~1 launch); elsewhere (and with
+MOE_GEMM_FP8_QUANT=torch) a torch op sequence that computes the same values bit for bit.
+The others run once per weight (load time) and are plain torch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_gemm.env import env_get
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+MIN_AMAX = 1e-10  # kernels/sm90/quantize_fp8.MIN_AMAX: a zero group's scale stays finite
+QUANT_ENV = "MOE_GEMM_FP8_QUANT"  # "torch": the torch op sequence even where the kernel runs
+GRANULARITIES = ("group", "block", "row", "tensor")
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_input(name: str, x: object, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32; got {x.dtype}")
+    if dtype not in FP8_MAX:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2; got {dtype}")
+    return x
+
+
+def _check_block(name: str, size: object) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{name} must be a positive int; got {size!r}")
+    return size
+
+
+def _to_fp8(x32: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * (FP8_MAX / amax), saturated, in the FP8 dtype (amax broadcast over x)."""
+    top = FP8_MAX[dtype]
+    return (x32 * (top / amax)).clamp_(-top, top).to(dtype)
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
+                                 dtype: torch.dtype = torch.float8_e4m3fn
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations in 1 x group_size groups along the last dim (DeepSeek-V3's recipe).
+
+    Args:
+        x: [..., K] bf16, fp16 or fp32, K a multiple of group_size.
+        group_size: values per scale (128 for the FP8 ops' block scales).
+        dtype: torch.float8_e4m3fn (default) or torch.float8_e5m2.
+
+    Returns:
+        q [..., K] in dtype and scale [..., K / group_size] float32, x ~= q * scale.
+    """
+    x = _check_input("x", x, dtype)
+    g = _check_block("group_size", group_size)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., K)")
+    K = x.shape[-1]
+    if K % g:
+        raise ValueError(f"the last dim of x (K={K}) must be a multiple of group_size={g}")
+    lead = x.shape[:-1]
+    if x.numel() == 0:
+        return (torch.empty(x.shape, dtype=dtype, device=x.device),
+                torch.empty(*lead, K // g, dtype=torch.float32, device=x.device))
+    if g == 128 and _kernel_ok(x):
+        q, s = _quantize_kernel(x.reshape(-1, K), dtype)
+        return q.view(x.shape), s.view(*lead, K // g)
+    return _per_token_group_torch(x, g, dtype)
+
+
+def _per_token_group_torch(x: torch.Tensor, g: int, dtype: torch.dtype):
+    K = x.shape[-1]
+    xg = x.reshape(-1, K // g, g).float()
+    amax = xg.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_AMAX)
+    q = _to_fp8(xg, amax, dtype)
+    scale = amax.squeeze(-1) / FP8_MAX[dtype]
+    return q.view(x.shape), scale.view(*x.shape[:-1], K // g)
+
+
+def _kernel_ok(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda" or env_get(QUANT_ENV) == "torch":
+        return False
+    from moe_gemm.capability import cute_problem
+
+    if cute_problem(x.device) is not None:
+        return False
+    # One vector load per lane: K contiguous and 16-byte aligned rows.
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        return False
+    return all(s * x.element_size() % 16 == 0 for s, n in zip(x.stride()[:-1], x.shape[:-1])
+               if n > 1)
+
+
+_DSL_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32",
+              torch.float8_e4m3fn: "Float8E4M3FN", torch.float8_e5m2: "Float8E5M2"}
+
+
+@functools.lru_cache(maxsize=16)
+def _quant_kernel(in_dtype: torch.dtype, out_dtype: torch.dtype):
+    from moe_gemm.ops import kernel_cache as cache
+
+    key = ("fp8_group_quant", in_dtype, out_dtype)
+    name = f"fp8quant_{_DSL_NAMES[in_dtype]}_{_DSL_NAMES[out_dtype]}"
+    return cache.get_or_compile(key, name, lambda: compile_quant_kernel(in_dtype, out_dtype))
+
+
+def compile_quant_kernel(in_dtype: torch.dtype, out_dtype: torch.dtype, keep_dir=None):
+    """cute.compile the 1x128 quantizer for these dtypes (no GPU needed)."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass
+    import cutlass.cute as cute
+
+    from moe_gemm.kernels.sm90.quantize_fp8 import Fp8GroupQuantSm90
+
+    ind = getattr(cutlass, _DSL_NAMES[in_dtype])
+    outd = getattr(cutlass, _DSL_NAMES[out_dtype])
+    x = cute.runtime.make_fake_tensor(
+        ind, (cute.sym_int(), cute.sym_int(divisibility=128)),
+        stride=(cute.sym_int64(divisibility=128 // ind.width), 1), assumed_align=16)
+    q = cute.runtime.make_fake_tensor(
+        outd, (cute.sym_int(), cute.sym_int(divisibility=128)),
+        stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+    s = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                              stride_order=(1, 0))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi --opt-level 3"
+    if keep_dir is not None:
+        os.makedirs(keep_dir, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    return cute.compile(Fp8GroupQuantSm90(ind, outd), x, q, s, cutlass.Int32(1), stream,
+                        options=options)
+
+
+def _quantize_kernel(x2: torch.Tensor, dtype: torch.dtype):
+    T, K = x2.shape
+    q = torch.empty(T, K, dtype=dtype, device=x2.device)
+    s = torch.empty(T, K // 128, dtype=torch.float32, device=x2.device)
+    if T:
+        if T == 1 and x2.stride(0) % (16 // x2.element_size()):
+            x2 = x2.as_strided((1, K), (K, 1))  # (a size-1 dim's stride is never used)
+        _quant_kernel(x2.dtype, dtype)(x2, q, s, T * (K // 128))
+    return q, s
+
+
+def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,
+                           dtype: torch.dtype = torch.float8_e4m3fn
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights in block_size x block_size blocks over the last two dims (DeepSeek-V3's
+    128x128 `weight_scale_inv` layout; partial edge blocks are scaled by their own values).
+
+    Args:
+        w: [..., N, K] bf16, fp16 or fp32 (a checkpoint's orientation: K last).
+
+    Returns:
+        q [..., N, K] in dtype and scale [..., ceil(N/block), ceil(K/block)] float32. For
+        scaled_grouped_mm pass `q.transpose(-1, -2)` and `scale.transpose(-1, -2)`.
+    """
+    w = _check_input("w", w, dtype)
+    b = _check_block("block_size", block_size)
+    if w.dim() < 2:
+        raise ValueError(f"w must have at least two dimensions (..., N, K); got {w.dim()}")
+    N, K = w.shape[-2:]
+    lead = w.shape[:-2]
+    nb, kb = -(-N // b), -(-K // b)
+    padded = torch.zeros(*lead, nb * b, kb * b, dtype=torch.float32, device=w.device)
+    padded[..., :N, :K] = w
+    blocks = padded.view(*lead, nb, b, kb, b)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp_(min=MIN_AMAX)
+    q = _to_fp8(blocks, amax, dtype).view(*lead, nb * b, kb * b)[..., :N, :K]
+    scale = amax.view(*lead, nb, kb) / FP8_MAX[dtype]
+    return q.contiguous(), scale
+
+
+def quantize_fp8_per_row(x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row over the last dim: per token (activations [T, K]) or per output
+    channel (weights [..., N, K]). Returns q like x and scale [...] (x.shape[:-1])."""
+    x = _check_input("x", x, dtype)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., K)")
+    x32 = x.float()
+    amax = (x32.abs().amax(dim=-1, keepdim=True) if x.shape[-1]
+            else x32.new_zeros(*x.shape[:-1], 1)).clamp_(min=MIN_AMAX)
+    return _to_fp8(x32, amax, dtype), amax.squeeze(-1) / FP8_MAX[dtype]
+
+
+def quantize_fp8_per_tensor(x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor: q like x and a 0-d scale."""
+    x = _check_input("x", x, dtype)
+    x32 = x.float()
+    amax = (x32.abs().amax() if x.numel() else x32.new_zeros(())).clamp_(min=MIN_AMAX)
+    return _to_fp8(x32, amax, dtype), amax / FP8_MAX[dtype]
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
+                   block_size: int = 128) -> torch.Tensor:
+    """q * scale in float32, the scale expanded over its granularity's blocks ("group":
+    [..., K/block] along the last dim; "block": [..., ceil(N/block), ceil(K/block)] over the
+    last two; "row": [...]; "tensor": a single value)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got "
+                         f"{granularity!r}")
+    if q.dtype not in FP8_MAX:
+        raise TypeError(f"q must be an FP8 tensor; got {q.dtype}")
+    b = _check_block("block_size", block_size)
+    v = q.float()
+    s = scale.float()
+    if granularity == "tensor":
+        return v * s.reshape(())
+    if granularity == "row":
+        return v * s.unsqueeze(-1)
+    if granularity == "group":
+        K = v.shape[-1]
+        return v * s.repeat_interleave(b, dim=-1)[..., :K]
+    N, K = v.shape[-2:]
+    return v * s.repeat_interleave(b, dim=-2)[..., :N, :].repeat_interleave(b, dim=-1)[..., :K]

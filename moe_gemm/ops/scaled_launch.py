@@ -1,0 +1,283 @@
+"""Host side of GroupedGemmFp8Sm90: torch tensors in, one grouped FP8 launch out.
+
+The FP8 counterpart of ops/launch.py, built from its parts (the grid, workspaces, placeholder
+tensors, the compiled-kernel cache, LaunchInfo): Fp8MmPlan (varlen) and Fp8BmmPlan (batched)
+are built once per signature and cached by ops/scaled.py, so a repeated call allocates its
+output and calls the kernel; Fp8GeneralLaunch uploads the general form's per-problem tables
+(operands and scales) in one copy per call. Nothing here reads a GPU value or synchronizes:
+the varlen form reads offs on the GPU (CUDA-graph safe, bad offsets clamped by the kernel).
+
+Scales reach the kernel as the views of ops/scaled_validation.py (A (..., rows, KB), B
+(..., KB, C)), any strides; a single per-tensor value is expanded into a small tensor per call
+(the kernel reads each row's and column's scale from memory).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_gemm.capability import sm_count
+from moe_gemm.config import GemmConfig
+from moe_gemm.ops import kernel_cache as cache
+from moe_gemm.ops import launch as L
+from moe_gemm.ops.heuristics_fp8 import choose_fp8, kernel_scale_mode
+from moe_gemm.ops.scaled_validation import (
+    ScaledGemmArgs,
+    ScaledMmArgs,
+    a_scale_view,
+    b_scale_view,
+)
+from moe_gemm.ops.support import tma_view
+
+_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
+          torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+SMETA_INTS = 8  # kernels/sm90/grouped_gemm_fp8.SMETA_INTS (no DSL import here)
+
+
+def fp8_compile_key(form: str, ab: torch.dtype, d: torch.dtype, granularity: str, choice,
+                    trace: bool = False):
+    from moe_gemm.kernels.sm90.compile_fp8 import Fp8CompileKey
+
+    return Fp8CompileKey(
+        form, _NAMES[ab], _NAMES[d], kernel_scale_mode(granularity), choice.schedule,
+        choice.visitor, choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints,
+        choice.epi_n, choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split)
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel(key):
+    from moe_gemm.kernels.sm90.compile_fp8 import compile_fp8_variant
+
+    return cache.get_or_compile(key, key.name, lambda: compile_fp8_variant(key))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A scale view with a repeated (stride-0) dimension, copied into its own memory."""
+    if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+        return t.contiguous()
+    return t
+
+
+def _placeholders(device):
+    return (L._small("meta", device, torch.int64, (1, 8)),
+            L._small("smeta", device, torch.int64, (1, SMETA_INTS)),
+            L._small("table", device, torch.int32, (1, 1, 2)),
+            L._small("trace", device, torch.int32, (1, 1, 4)))
+
+
+class Fp8MmPlan:
+    """scaled_grouped_mm's MoE (varlen) launch, built once per signature."""
+
+    def __init__(self, args: ScaledMmArgs, config: GemmConfig, trace: bool = False):
+        x = args.x
+        self.device = device = x.device
+        T, K, E, N = args.rows, args.K, args.E, args.N
+        self.T, self.N, self.E = T, N, E
+        self.out_dtype = args.out_dtype
+        self.granularity = args.granularity
+        self.zero_tail = args.out is None
+        self.trivial = T == 0 or N == 0 or E == 0
+        self.cacheable = not L._fresh()
+        if self.trivial:
+            return
+        nsm = sm_count(device)
+        self.choice = choice = choose_fp8("varlen", config, T / E, N, K,
+                                          args.out_dtype.itemsize, args.granularity)
+        self.num_problems = E + (1 if self.zero_tail else 0)
+        unit = choice.tile_m * choice.cluster_m
+        units_n = -(-N // (choice.tile_n * choice.cluster_n))
+        bound = (-(-T // unit) + self.num_problems) * units_n
+        self.num_ctas, self.max_tiles = L._grid(device, nsm, choice.cluster_m * choice.cluster_n,
+                                                bound)
+        self.workspace = L.WorkspaceSlot(device, self.num_ctas, choice)
+        self.meta, self.smeta, self.no_table, self.no_trace = _placeholders(device)
+        self.meta32 = self.meta.view(torch.int32)
+        self.trace = trace
+        self.kernel = _kernel(fp8_compile_key("varlen", args.dtype, args.out_dtype,
+                                              args.granularity, choice, trace))
+        # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse.
+        self.fix_x = tma_view(x, 1) is not x
+        self.fix_w = tma_view(args.w, 1) is not args.w
+        self.fix_out = args.out is not None and tma_view(args.out, 1) is not args.out
+
+    def __call__(self, x, w, scale_a, scale_b, offs, out):
+        if out is None:
+            out = torch.empty(self.T, self.N, dtype=self.out_dtype, device=self.device)
+        if self.trivial:
+            return out.zero_() if self.zero_tail and self.E == 0 else out
+        g = self.granularity
+        sfa = _dense(a_scale_view(scale_a, g, (), self.T))
+        sfb = _dense(b_scale_view(scale_b, g, (self.E,), self.N))
+        choice = self.choice
+        trace_t = (L._trace_tensor(self.num_ctas, self.max_tiles, self.device)
+                   if self.trace else None)
+        self.kernel(tma_view(x, 1) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,
+                    tma_view(out, 1) if self.fix_out else out, sfa, sfb, self.smeta, self.meta,
+                    self.meta32, offs, self.no_table, self.workspace.get(choice),
+                    self.no_trace if trace_t is None else trace_t, self.num_problems,
+                    self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, L.PDL, 0)
+        L._local.raw = (choice, self.num_ctas, self.num_problems, None, trace_t)
+        return out
+
+
+class Fp8BmmPlan:
+    """scaled_grouped_mm's batched (3D x 3D) launch: one descriptor per operand."""
+
+    def __init__(self, args: ScaledMmArgs, config: GemmConfig, trace: bool = False):
+        x, w = args.x, args.w
+        self.device = device = x.device
+        G, M, N, K = x.shape[0], x.shape[1], args.N, args.K
+        self.shape = (G, M, N)
+        self.out_dtype = args.out_dtype
+        self.granularity = args.granularity
+        self.trivial = G == 0 or M == 0 or N == 0
+        self.zero = K == 0
+        self.cacheable = not L._fresh()
+        if self.trivial or self.zero:
+            return
+        nsm = sm_count(device)
+        self.choice = choice = choose_fp8("batched", config, M, N, K, args.out_dtype.itemsize,
+                                          args.granularity)
+        tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (
+            -(-N // (choice.tile_n * choice.cluster_n)))
+        self.num_ctas, self.max_tiles = L._grid(device, nsm, choice.cluster_m * choice.cluster_n,
+                                                tiles)
+        self.workspace = L.WorkspaceSlot(device, self.num_ctas, choice)
+        self.no_workspace = L._small("workspace", device, torch.int64, (16,))
+        self.meta, self.smeta, self.no_table, self.no_trace = _placeholders(device)
+        self.meta32 = self.meta.view(torch.int32)
+        self.offs = L._small("offs", device, torch.int32, (1,))
+        self.trace = trace
+        self.kernel = _kernel(fp8_compile_key("batched", args.dtype, args.out_dtype,
+                                              args.granularity, choice, trace))
+        self.fix_x = tma_view(x, 2) is not x
+        self.fix_w = tma_view(w, 1) is not w
+        self.fix_out = args.out is not None and tma_view(args.out, 2) is not args.out
+
+    def __call__(self, x, w, scale_a, scale_b, out):
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+        if self.trivial:
+            return out
+        if self.zero:
+            return out.zero_()
+        G, M, N = self.shape
+        g = self.granularity
+        sfa = _dense(a_scale_view(scale_a, g, (G,), M))
+        sfb = _dense(b_scale_view(scale_b, g, (G,), N))
+        choice = self.choice
+        trace_t = (L._trace_tensor(self.num_ctas, self.max_tiles, self.device)
+                   if self.trace else None)
+        workspace = self.workspace.get(choice) if choice.tail_split else self.no_workspace
+        self.kernel(tma_view(x, 2) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,
+                    tma_view(out, 2) if self.fix_out else out, sfa, sfb, self.smeta, self.meta,
+                    self.meta32, self.offs, self.no_table, workspace,
+                    self.no_trace if trace_t is None else trace_t, G, self.num_ctas,
+                    choice.swizzle, choice.a_policy, choice.b_policy, L.PDL, 0)
+        L._local.raw = (choice, self.num_ctas, G, None, trace_t)
+        return out
+
+
+class Fp8GeneralLaunch:
+    """scaled_grouped_gemm's lists in one launch. Per call the (G, 8) operand rows
+    [a_ptr, b_ptr, d_ptr, a_ld, b_ld, d_ld, M | N << 32, K] and the (G, 8) scale rows
+    [sa_ptr, sa row stride, sa k-block stride, sb_ptr, sb k-block stride, sb column stride,
+    0, 0] (kernels/sm90/grouped_gemm_fp8.Fp8GeneralProblems) go up in one pinned copy."""
+
+    def __init__(self, args: ScaledGemmArgs, config: GemmConfig, trace: bool = False):
+        self.args = args
+        self.device = device = args.device
+        sizes = args.sizes
+        self.G = len(sizes)
+        live = [(m, n, k) for m, n, k in sizes if m > 0 and n > 0]
+        avg_m = sum(m for m, _, _ in live) / max(1, len(live))
+        max_n = max((n for _, n, _ in live), default=128)
+        max_k = max((k for _, _, k in live), default=0)
+        self.choice = choice = choose_fp8("general", config, avg_m, max_n, max_k,
+                                          args.out_dtype.itemsize, args.granularity)
+        tm, tn = choice.tile_m * choice.cluster_m, choice.tile_n * choice.cluster_n
+        self.total = sum(-(-m // tm) * -(-n // tn) for m, n, _ in live)
+        if not self.total:
+            return
+        nsm = sm_count(device)
+        self.num_ctas, self.max_tiles = L._grid(device, nsm, choice.cluster_m * choice.cluster_n,
+                                                self.total)
+        self.workspace = L.WorkspaceSlot(device, self.num_ctas, choice)
+        _, _, self.no_table, self.no_trace = _placeholders(device)
+        self.seed_a = L._small("seed_a8", device, args.dtype, (128, 128), "n")
+        self.seed_w = L._small("seed_w8", device, args.dtype, (128, 128), "k")
+        self.seed_d = L._small("seed_d", device, args.out_dtype, (128, 64), "n")
+        self.seed_sa = L._small("seed_sa", device, torch.float32, (1, 1))
+        self.seed_sb = L._small("seed_sb", device, torch.float32, (1, 1, 1))
+        self.trace = trace
+        self.kernel = _kernel(fp8_compile_key("general", args.dtype, args.out_dtype,
+                                              args.granularity, choice, trace))
+
+    def launch(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """D_i = the scaled A_i @ B_i into outs (one per problem)."""
+        if not self.total:
+            return outs  # (every problem is empty: M = 0 or N = 0)
+        args, G = self.args, self.G
+        g = args.granularity
+        host = L._pinned((2, G, 8), torch.int64)
+        rows = host.numpy()
+        rows[:] = 0
+        dense = []  # expanded single scales: alive until the launch below is enqueued
+        for i, (a, b, sa, sb, o, (m, n, k)) in enumerate(zip(args.a, args.b, args.scale_a,
+                                                             args.scale_b, outs, args.sizes)):
+            if m == 0 or n == 0:
+                rows[0, i, 6] = m | (n << 32)
+                continue
+            va = _dense(a_scale_view(sa, g, (), m))
+            vb = _dense(b_scale_view(sb, g, (), n))
+            rows[0, i] = (a.data_ptr(), b.data_ptr(), o.data_ptr(), a.stride(0), b.stride(1),
+                          o.stride(0), m | (n << 32), k)
+            rows[1, i, :6] = (va.data_ptr(), va.stride(0), va.stride(1), vb.data_ptr(),
+                              vb.stride(0), vb.stride(1))
+            dense.append((va, vb))
+        dev = host.to(self.device, non_blocking=True)
+        if L._capturing():
+            L._graph_keepalive.append(host)  # the captured copy reads it at every replay
+        meta, smeta = dev[0], dev[1]
+        choice = self.choice
+        trace_t = (L._trace_tensor(self.num_ctas, self.max_tiles, self.device)
+                   if self.trace else None)
+        self.kernel(self.seed_a, self.seed_w, self.seed_d, self.seed_sa, self.seed_sb, smeta,
+                    meta, meta.view(torch.int32), L._small("offs", self.device, torch.int32,
+                                                           (1,)),
+                    self.no_table, self.workspace.get(choice),
+                    self.no_trace if trace_t is None else trace_t, G, self.num_ctas,
+                    choice.swizzle, choice.a_policy, choice.b_policy, L.PDL, 0)
+        L._local.raw = (choice, self.num_ctas, G, None, trace_t)
+        # The scale copies in `dense` may go now: the caching allocator reuses their memory
+        # only for work ordered after this launch on the stream.
+        return outs
+
+
+def new_outputs(sizes, dtype, device) -> list[torch.Tensor]:
+    """The general form's outputs as row blocks of one allocation per distinct N (rows are
+    16-byte multiples wherever the kernel stores them, so every output starts aligned)."""
+    by_n: dict[int, list[int]] = {}
+    for i, (_, n, _) in enumerate(sizes):
+        by_n.setdefault(n, []).append(i)
+    outs: list[torch.Tensor | None] = [None] * len(sizes)
+    for n, members in by_n.items():
+        per = [sizes[i][0] for i in members]
+        block = torch.empty(sum(per), n, dtype=dtype, device=device)
+        for i, piece in zip(members, block.split_with_sizes(per)):
+            outs[i] = piece
+    return outs  # type: ignore[return-value]
+
+
+def trace_fp8(args: ScaledMmArgs, config: GemmConfig):
+    """Run scaled_grouped_mm with the tile trace on (tests): (out, LaunchInfo)."""
+    plan = (Fp8BmmPlan(args, config, trace=True) if args.batched
+            else Fp8MmPlan(args, config, trace=True))
+    if args.batched:
+        out = plan(args.x, args.w, args.scale_a, args.scale_b, args.out)
+    else:
+        out = plan(args.x, args.w, args.scale_a, args.scale_b, args.offs.contiguous(), args.out)
+    return out, L.last_launch()
+

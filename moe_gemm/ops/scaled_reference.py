@@ -1,0 +1,118 @@
+"""The FP8 ops' torch backend and references: dequantize, then matmul in fp32 (or fp64).
+
+`scaled_grouped_mm_torch` / `scaled_grouped_gemm_torch` run wherever the Hopper kernel cannot
+(the CPU, other GPUs, layouts the kernel refuses): each problem's operands are dequantized
+(fp8 value x its scale) in fp32 one problem at a time, so memory stays one expert's weight in
+fp32, and multiplied with fp32 accumulation. `scaled_grouped_mm_ref` is the same in fp64 for
+tests: the exact product of the dequantized operands.
+
+Arguments are checked (ops/scaled_validation.py) before they get here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_gemm.ops.scaled_validation import (
+    SCALE_BLOCK,
+    ScaledGemmArgs,
+    ScaledMmArgs,
+    a_scale_view,
+    b_scale_view,
+)
+
+
+def dequantize_rows(x: torch.Tensor, sa: torch.Tensor, dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+    """x (R, K) fp8 times its A-scale view sa (R, KB): KB = K / 128 blocks or 1 (row-wise)."""
+    v = x.to(dtype)
+    s = sa.to(dtype)
+    if s.shape[-1] == 1:
+        return v * s
+    R, K = v.shape
+    return (v.view(R, K // SCALE_BLOCK, SCALE_BLOCK) * s[:, :, None]).view(R, K)
+
+
+def dequantize_cols(w: torch.Tensor, sb: torch.Tensor, block: bool,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w (K, N) fp8 times its B-scale view sb (KB, C): 128x128 blocks (block) or (1, N)."""
+    v = w.to(dtype)
+    s = sb.to(dtype)
+    if not block:
+        return v * s
+    K, N = v.shape
+    return v * s.repeat_interleave(SCALE_BLOCK, 0)[:K].repeat_interleave(SCALE_BLOCK, 1)[:, :N]
+
+
+def _product(x, sa, w, sb, block, dtype):
+    return dequantize_rows(x, sa, dtype) @ dequantize_cols(w, sb, block, dtype)
+
+
+def scaled_grouped_mm_torch(args: ScaledMmArgs, dtype: torch.dtype = torch.float32
+                            ) -> torch.Tensor:
+    """The torch backend (dtype float32) or the reference (float64) of scaled_grouped_mm.
+    Writes into args.out when given (rows past offs[-1] untouched), else returns a new tensor
+    (those rows zero)."""
+    x, w = args.x, args.w
+    block = args.granularity == "block"
+    odt = args.out_dtype if dtype == torch.float32 else dtype
+    if args.batched:
+        G, M, N = x.shape[0], x.shape[1], args.N
+        sa = a_scale_view(args.scale_a, args.granularity, (G,), M)
+        sb = b_scale_view(args.scale_b, args.granularity, (G,), N)
+        y = torch.empty(G, M, N, dtype=odt, device=x.device)
+        for g in range(G):
+            y[g] = _product(x[g], sa[g], w[g], sb[g], block, dtype).to(odt)
+        return y if args.out is None else args.out.copy_(y)
+    T, E, N = x.shape[0], args.E, args.N
+    sa = a_scale_view(args.scale_a, args.granularity, (), T)
+    sb = b_scale_view(args.scale_b, args.granularity, (E,), N)
+    y = args.out if args.out is not None and dtype == torch.float32 else None
+    if y is None:
+        y = torch.zeros(T, N, dtype=odt, device=x.device)
+    # The sizes are needed on the host: one device-to-host copy of offs (a synchronisation
+    # on CUDA; this is the fallback). Clamped, and a decreasing entry is an empty expert, as
+    # the kernel reads them.
+    bounds = args.offs.detach().to("cpu", torch.int64).clamp(0, T).tolist() if E else []
+    start = 0
+    for e, end in enumerate(bounds):
+        end = max(end, start)
+        if end > start:
+            y[start:end] = _product(x[start:end], sa[start:end], w[e], sb[e], block,
+                                    dtype).to(y.dtype)
+        start = end
+    return y
+
+
+def scaled_grouped_gemm_torch(args: ScaledGemmArgs, dtype: torch.dtype = torch.float32
+                              ) -> list[torch.Tensor]:
+    """The torch backend (float32) or the reference (float64) of scaled_grouped_gemm."""
+    block = args.granularity == "block"
+    odt = args.out_dtype if dtype == torch.float32 else dtype
+    res = []
+    for ai, bi, sai, sbi, (M, N, _) in zip(args.a, args.b, args.scale_a, args.scale_b,
+                                           args.sizes):
+        sa = a_scale_view(sai, args.granularity, (), M)
+        sb = b_scale_view(sbi, args.granularity, (), N)
+        res.append(_product(ai, sa, bi, sb, block, dtype).to(odt))
+    if args.out is None or dtype != torch.float32:
+        return res
+    for o, r in zip(args.out, res):
+        o.copy_(r)
+    return list(args.out)
+
+
+def scaled_grouped_mm_ref(x, w, scale_a, scale_b, offs=None, dtype=torch.float64):
+    """The exact (fp64) product of the dequantized operands, for tests: (T, N) with rows past
+    offs[-1] zero, or (G, M, N) batched."""
+    from moe_gemm.ops.scaled_validation import check_scaled_grouped_mm
+
+    return scaled_grouped_mm_torch(
+        check_scaled_grouped_mm(x, w, scale_a, scale_b, offs, None, None), dtype)
+
+
+def scaled_grouped_gemm_ref(a, b, scale_a, scale_b, dtype=torch.float64):
+    from moe_gemm.ops.scaled_validation import check_scaled_grouped_gemm
+
+    return scaled_grouped_gemm_torch(
+        check_scaled_grouped_gemm(a, b, scale_a, scale_b, None, None), dtype)
