@@ -68,7 +68,7 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
         tile = ((64 if schedule == "pingpong" else 128), _default_tile_n(N))
     why = fp8_tile_problem(schedule, tile[0], tile[1], mode)
     if why is not None:
-        raise ValueError(f"FP8: {why}")
+        raise ValueError(f"the FP8 kernel cannot build this tile: {why}")
     if config.tail_split is None:
         tail_split = (schedule == "cooperative" and cm * cn == 1 and form != "general"
                       and K >= 32 * FP8_TILE_K)

@@ -4,7 +4,7 @@ The FP8 counterpart of ops/launch.py, built from its parts (the grid, workspaces
 tensors, the compiled-kernel cache, LaunchInfo): Fp8MmPlan (varlen) and Fp8BmmPlan (batched)
 are built once per signature and cached by ops/scaled.py, so a repeated call allocates its
 output and calls the kernel; Fp8GeneralLaunch uploads the general form's per-problem tables
-(operands and scales) in one copy per call. Nothing here reads a GPU value or synchronizes:
+(operands and scales, addresses and strides) in one copy per call. Nothing here reads a GPU value or synchronizes:
 the varlen form reads offs on the GPU (CUDA-graph safe, bad offsets clamped by the kernel).
 
 Scales reach the kernel as the views of ops/scaled_validation.py (A (..., rows, KB), B
@@ -224,19 +224,19 @@ class Fp8GeneralLaunch:
         host = L._pinned((2, G, 8), torch.int64)
         rows = host.numpy()
         rows[:] = 0
-        dense = []  # expanded single scales: alive until the launch below is enqueued
         for i, (a, b, sa, sb, o, (m, n, k)) in enumerate(zip(args.a, args.b, args.scale_a,
                                                              args.scale_b, outs, args.sizes)):
+            rows[0, i, 6] = m | (n << 32)
             if m == 0 or n == 0:
-                rows[0, i, 6] = m | (n << 32)
-                continue
-            va = _dense(a_scale_view(sa, g, (), m))
-            vb = _dense(b_scale_view(sb, g, (), n))
+                continue  # no tiles: nothing else of the row is read
+            # The scale views' strides go into the table as they are: a single per-tensor
+            # value is read through zero strides, with no copy.
+            va = a_scale_view(sa, g, (), m)
+            vb = b_scale_view(sb, g, (), n)
             rows[0, i] = (a.data_ptr(), b.data_ptr(), o.data_ptr(), a.stride(0), b.stride(1),
                           o.stride(0), m | (n << 32), k)
             rows[1, i, :6] = (va.data_ptr(), va.stride(0), va.stride(1), vb.data_ptr(),
                               vb.stride(0), vb.stride(1))
-            dense.append((va, vb))
         dev = host.to(self.device, non_blocking=True)
         if L._capturing():
             L._graph_keepalive.append(host)  # the captured copy reads it at every replay
@@ -251,8 +251,6 @@ class Fp8GeneralLaunch:
                     self.no_trace if trace_t is None else trace_t, G, self.num_ctas,
                     choice.swizzle, choice.a_policy, choice.b_policy, L.PDL, 0)
         L._local.raw = (choice, self.num_ctas, G, None, trace_t)
-        # The scale copies in `dense` may go now: the caching allocator reuses their memory
-        # only for work ordered after this launch on the stream.
         return outs
 
 

@@ -11,7 +11,8 @@ granularities, told apart by the scale shapes alone:
     "row"        (T,) / (G, M)                    (E, N)                   per token, channel
     "tensor"     () or (1,)                       (), (1,) or (E,)         per tensor (expert)
 
-scale_a may also be a single value with row-wise scale_b. grouped_gemm's lists take the same
+Row-wise and per-tensor scales mix ("row" then): per-token scale_a with per-tensor (or per
+expert) scale_b, as dynamically quantized activations against per-tensor weights are. grouped_gemm's lists take the same
 per problem without the expert dimension: a_i (M_i, K_i) with (M_i, K_i/128) / (M_i,) / ();
 b_i (K_i, N_i) with (K_i/128, ceil(N_i/128)) / (N_i,) / (). Block scales need K a multiple of
 128 (DeepSeek-V3's recipe; the blocks tile K exactly).
@@ -132,11 +133,12 @@ def granularity_of(sa: torch.Tensor, sb: torch.Tensor, lead: tuple[int, ...], ro
         want_a, want_b = (*a_lead, rows, kb), (*lead, kb, _ceil(N, SCALE_BLOCK))
         if sa_shape == want_a and sb_shape == want_b:
             return "block"
-    elif sb.dim() == len(lead) + 1 and sb_shape == (*lead, N) and (
-            sa_shape == (*a_lead, rows) or _is_single(sa)):
-        return "row"
-    elif _is_single(sa) and (_is_single(sb) or (lead and sb_shape == lead)):
-        return "tensor"
+    else:
+        a_rows = sa_shape == (*a_lead, rows)
+        b_cols = sb.dim() == len(lead) + 1 and sb_shape == (*lead, N)
+        b_one = _is_single(sb) or bool(lead and sb_shape == lead)
+        if (a_rows or _is_single(sa)) and (b_cols or b_one):
+            return "tensor" if _is_single(sa) and b_one else "row"
     a_rows = _dims((*a_lead, rows))
     raise ValueError(
         "scale shapes match no granularity: expected block scales scale_a "
@@ -315,7 +317,7 @@ def b_scale_view(sb: torch.Tensor, granularity: str, lead: tuple[int, ...], N: i
                  ) -> torch.Tensor:
     if granularity == "block":
         return sb
-    if granularity == "row":
+    if sb.dim() == len(lead) + 1 and tuple(sb.shape) == (*lead, N):
         return sb.unsqueeze(-2)
     if _is_single(sb):
         return sb.reshape(()).expand(*lead, 1, N)

@@ -1,0 +1,139 @@
+"""Test helpers for the FP8 ops: random quantized operands with their scales in every
+granularity, and the accuracy check against the exact (fp64) product of the dequantized
+operands.
+
+The operands are made the way a model makes them: random real values quantized by
+moe_gemm.ops.quantize (activations per token in 1x128 groups, weights in 128x128 blocks, or
+row-wise / per-tensor), so the scales span the ranges real ones do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_gemm.ops.quantize import (
+    quantize_fp8_per_block,
+    quantize_fp8_per_row,
+    quantize_fp8_per_tensor,
+    quantize_fp8_per_token_group,
+)
+from moe_gemm.testing import calc_diff, random_offs
+
+GRANULARITIES = ("block", "row", "tensor")
+
+
+def quantize_acts(x: torch.Tensor, granularity: str, dtype=torch.float8_e4m3fn):
+    """(q, scale_a) of activations [..., K] in the op's scale_a layout."""
+    if granularity == "block":
+        return quantize_fp8_per_token_group(x, dtype=dtype)
+    if granularity == "row":
+        return quantize_fp8_per_row(x, dtype=dtype)
+    return quantize_fp8_per_tensor(x, dtype=dtype)
+
+
+def quantize_weights(w_nk: torch.Tensor, granularity: str, dtype=torch.float8_e4m3fn,
+                     per_expert: bool = True):
+    """(w, scale_b) of weights [..., N, K] in the op's layout: w [..., K, N] K-major (a
+    transposed view) and scale_b [..., K/128, ceil(N/128)] / [..., N] / per expert [...]."""
+    if granularity == "block":
+        q, s = quantize_fp8_per_block(w_nk, dtype=dtype)
+        return q.transpose(-1, -2), s.transpose(-1, -2)
+    if granularity == "row":
+        q, s = quantize_fp8_per_row(w_nk, dtype=dtype)
+        return q.transpose(-1, -2), s
+    if per_expert and w_nk.dim() == 3:
+        pairs = [quantize_fp8_per_tensor(w, dtype=dtype) for w in w_nk]
+        return (torch.stack([q for q, _ in pairs]).transpose(-1, -2),
+                torch.stack([s for _, s in pairs]))
+    q, s = quantize_fp8_per_tensor(w_nk, dtype=dtype)
+    return q.transpose(-1, -2), s
+
+
+def make_fp8_moe_inputs(T: int, E: int, K: int, N: int, granularity: str, *,
+                        dtype: torch.dtype = torch.float8_e4m3fn,
+                        device: torch.device | str = "cpu", empty_fraction: float = 0.0,
+                        total: int | None = None, generator: torch.Generator | None = None,
+                        x_scale: float = 1.0):
+    """(x, w, scale_a, scale_b, offs) for scaled_grouped_mm's MoE form: x [T, K], w [E, K, N]
+    K-major, scales of `granularity`, offs [E] int32 (see moe_gemm.testing.random_offs).
+    Rows are given different magnitudes (x_scale times a per-row factor in [0.1, 10]) so that
+    per-row and per-group scales differ."""
+    x = torch.randn(T, K, generator=generator) * x_scale
+    x *= 10.0 ** (torch.rand(T, 1, generator=generator) * 2 - 1)
+    w = torch.randn(E, N, K, generator=generator) / K ** 0.5
+    xq, sa = quantize_acts(x, granularity, dtype)
+    wq, sb = quantize_weights(w, granularity, dtype)
+    offs = random_offs(T, E, empty_fraction, generator, total=total)
+    d = torch.device(device)
+    return (xq.to(d), wq.to(d), sa.to(d), sb.to(d), offs.to(d))
+
+
+def make_fp8_batched_inputs(G: int, M: int, K: int, N: int, granularity: str, *,
+                            dtype: torch.dtype = torch.float8_e4m3fn,
+                            device: torch.device | str = "cpu",
+                            generator: torch.Generator | None = None):
+    """(x [G, M, K], w [G, K, N] K-major, scale_a, scale_b) for the batched form."""
+    x = torch.randn(G, M, K, generator=generator)
+    x *= 10.0 ** (torch.rand(G, M, 1, generator=generator) * 2 - 1)
+    w = torch.randn(G, N, K, generator=generator) / K ** 0.5
+    if granularity == "tensor":
+        xq, sa = quantize_fp8_per_tensor(x, dtype=dtype)
+    else:
+        xq, sa = quantize_acts(x, granularity, dtype)
+    wq, sb = quantize_weights(w, granularity, dtype)
+    d = torch.device(device)
+    return xq.to(d), wq.to(d), sa.to(d), sb.to(d)
+
+
+def make_fp8_grouped_inputs(sizes, granularity: str, *,
+                            dtype: torch.dtype = torch.float8_e4m3fn,
+                            device: torch.device | str = "cpu",
+                            generator: torch.Generator | None = None):
+    """Lists (a, b, scale_a, scale_b) for scaled_grouped_gemm: a_i [M_i, K_i], b_i [K_i, N_i]
+    K-major."""
+    a, b, sa, sb = [], [], [], []
+    d = torch.device(device)
+    for m, n, k in sizes:
+        x = torch.randn(m, k, generator=generator)
+        w = torch.randn(n, k, generator=generator) / max(1, k) ** 0.5
+        xq, s1 = quantize_acts(x, granularity, dtype)
+        wq, s2 = quantize_weights(w, granularity, dtype, per_expert=False)
+        a.append(xq.to(d))
+        b.append(wq.to(d))
+        sa.append(s1.to(d))
+        sb.append(s2.to(d))
+    return a, b, sa, sb
+
+
+def fp8_errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """{"rel": ||out - ref|| / ||ref|| (Frobenius), "max_rel": max |out - ref| / max |ref|,
+    "calc_diff": DeepGEMM's similarity distance}, in float64."""
+    o = out.detach().double().cpu()
+    r = ref.detach().double().cpu()
+    norm = float(r.norm())
+    top = float(r.abs().max()) if r.numel() else 0.0
+    return {
+        "rel": float((o - r).norm()) / norm if norm else float((o - r).norm()),
+        "max_rel": float((o - r).abs().max()) / top if top else 0.0,
+        "calc_diff": calc_diff(o, r),
+    }
+
+
+# Accuracy bars against the fp64 product of the dequantized operands. The output's own rounding
+# dominates: bf16 keeps 8 significant bits (relative error up to 2^-9, ~1.1e-3 rms), fp16 11,
+# fp32 24; a correct kernel's accumulation (fp32, promoted every 128 of K) adds ~1e-6.
+REL_BOUND = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 1e-4}
+
+
+def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, name: str = "out") -> None:
+    """out within REL_BOUND[out.dtype] of ref (Frobenius) and no element off by more than
+    2% of ref's largest magnitude; NaN anywhere (a poisoned output never written) fails."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+    if out.numel() == 0:
+        return
+    bad = ~torch.isfinite(out.detach().double().cpu())
+    assert not bool(bad.any()), f"{name}: {int(bad.sum())} non-finite values"
+    e = fp8_errors(out, ref)
+    bound = REL_BOUND.get(out.dtype, 1e-4)
+    assert e["rel"] <= bound, f"{name}: relative error {e['rel']:.3g} > {bound:g} ({e})"
+    assert e["max_rel"] <= 2e-2, f"{name}: max error {e['max_rel']:.3g} of max|ref| ({e})"

@@ -1,0 +1,115 @@
+"""ops/custom_ops_fp8.py on the CPU: the FP8 ops' torch.library registrations (opcheck), fake
+tensors, make_fx and torch.compile(fullgraph=True) against eager, the raising backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.library import opcheck
+
+from moe_gemm import GemmConfig, scaled_grouped_gemm, scaled_grouped_mm
+from moe_gemm.testing_fp8 import (
+    make_fp8_batched_inputs,
+    make_fp8_grouped_inputs,
+    make_fp8_moe_inputs,
+)
+
+OPS = torch.ops.moe_gemm
+# opcheck's schema test compares inputs before and after with torch.allclose, which torch
+# does not implement for float8 on the CPU: the other tests run. (A backward through the ops
+# raises by design, so the AOT test is also left out where an input requires grad.)
+UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+NO_AOT = ("test_autograd_registration", "test_faketensor")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_opcheck_scaled_grouped_mm(granularity):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(19, 4, 256, 24, granularity, empty_fraction=0.25,
+                                             generator=_gen(1))
+    opcheck(OPS._scaled_grouped_mm.default, (x, w, sa, sb, offs, "", None), test_utils=UTILS)
+    opcheck(OPS._scaled_grouped_mm.default, (x, w, sa, sb, offs, "{'backend': 'torch'}",
+                                             torch.float32), test_utils=UTILS)
+    out = torch.full((19, 24), 7.0, dtype=torch.bfloat16)
+    opcheck(OPS._scaled_grouped_mm_out.default, (x, w, sa, sb, offs, out, "", None),
+            test_utils=UTILS)
+    x3, w3, sa3, sb3 = make_fp8_batched_inputs(2, 5, 128, 16, granularity, generator=_gen(2))
+    opcheck(OPS._scaled_grouped_mm.default, (x3, w3, sa3, sb3, None, "", torch.float16),
+            test_utils=UTILS)
+    opcheck(OPS._scaled_grouped_mm.default,
+            (x, w, sa.clone().requires_grad_(), sb, offs, "", None), test_utils=NO_AOT)
+
+
+def test_opcheck_scaled_grouped_gemm():
+    a, b, sa, sb = make_fp8_grouped_inputs([(5, 16, 128), (0, 16, 128), (3, 32, 256)],
+                                           "block", generator=_gen(3))
+    opcheck(OPS._scaled_grouped_gemm.default, (a, b, sa, sb, "", None), test_utils=UTILS)
+    opcheck(OPS._scaled_grouped_gemm.default, (a, b, sa, sb, "", torch.float32),
+            test_utils=UTILS)
+
+
+def test_fake_tensors_give_shapes_and_dtypes():
+    with FakeTensorMode():
+        x = torch.empty(37, 256, dtype=torch.float8_e4m3fn)
+        w = torch.empty(6, 24, 256, dtype=torch.float8_e4m3fn).transpose(1, 2)
+        sa, sb = torch.empty(37, 2), torch.empty(6, 2, 1)
+        offs = torch.empty(6, dtype=torch.int32)
+        y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.float32)
+        with pytest.raises(ValueError, match="match no granularity"):
+            scaled_grouped_mm(x, w, sa[:, :1], sb, offs)
+        outs = scaled_grouped_gemm([x[:3]], [w[0]], [sa[:3]], [sb[0]])
+    assert isinstance(y, FakeTensor) and y.shape == (37, 24) and y.dtype == torch.float32
+    assert outs[0].shape == (3, 24) and outs[0].dtype == torch.bfloat16
+
+
+def test_make_fx_and_compile_match_eager():
+    import torch._dynamo
+
+    x, w, sa, sb, offs = make_fp8_moe_inputs(23, 3, 256, 40, "block", generator=_gen(4))
+    a, b, sa2, sb2 = make_fp8_grouped_inputs([(4, 32, 128), (2, 16, 128)], "row",
+                                             generator=_gen(5))
+    cfg = GemmConfig(backend="torch")
+
+    def f(x, w, sa, sb, offs, a0, a1, b0, b1, s0, s1, t0, t1):
+        y = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+        outs = scaled_grouped_gemm([a0, a1], [b0, b1], [s0, s1], [t0, t1])
+        return y.float() * 2, *outs
+
+    args = (x, w, sa, sb, offs, *a, *b, *sa2, *sb2)
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert {"moe_gemm._scaled_grouped_mm.default",
+            "moe_gemm._scaled_grouped_gemm.default"} <= targets
+    want = f(*args)
+    for g, r in zip(gm(*args), want):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        got = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=False)(*args)
+        assert torch._dynamo.utils.counters["graph_break"] == {}
+    finally:
+        torch._dynamo.reset()
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def test_compiled_backward_raises():
+    import torch._dynamo
+
+    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "row", generator=_gen(6))
+    sa = sa.clone().requires_grad_()
+    torch._dynamo.reset()
+    try:
+        y = torch.compile(lambda *t: scaled_grouped_mm(*t).float().sum(), fullgraph=True,
+                          backend="aot_eager")(x, w, sa, sb, offs)
+    finally:
+        torch._dynamo.reset()
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.backward()

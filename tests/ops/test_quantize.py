@@ -1,0 +1,138 @@
+"""ops/quantize.py on the CPU: FP8 quantization round trips, scale layouts, saturation, edge
+cases and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_gemm import (
+    dequantize_fp8,
+    quantize_fp8_per_block,
+    quantize_fp8_per_row,
+    quantize_fp8_per_tensor,
+    quantize_fp8_per_token_group,
+)
+from moe_gemm.ops.quantize import FP8_MAX, MIN_AMAX
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Relative rounding error of a normal FP8 value: half a step of 3 (e4m3) or 2 (e5m2) mantissa
+# bits; values below the smallest normal (2^-6 / 2^-14 of the scale unit) are rounded to the
+# subnormal grid (2^-9 / 2^-16 of it).
+HALF_STEP = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
+SUBNORMAL = {E4M3: 2.0 ** -9, E5M2: 2.0 ** -16}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _check_round_trip(x, deq, scale_per_value, dtype):
+    err = (deq - x.float()).abs()
+    bound = HALF_STEP[dtype] * x.float().abs() + SUBNORMAL[dtype] * scale_per_value * 0.5001
+    assert bool((err <= bound + 1e-30).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
+def test_per_token_group_round_trip(dtype, src):
+    x = (torch.randn(7, 3, 384, generator=_gen(1)) * 10.0 ** torch.randint(-3, 4, (7, 3, 1),
+         generator=_gen(2))).to(src)
+    q, s = quantize_fp8_per_token_group(x, dtype=dtype)
+    assert q.shape == x.shape and q.dtype == dtype
+    assert s.shape == (7, 3, 3) and s.dtype == torch.float32
+    groups = x.float().view(7, 3, 3, 128)
+    # The scale is the group's max magnitude over the FP8 maximum, and that value maps to
+    # +-FP8_MAX exactly.
+    torch.testing.assert_close(s, groups.abs().amax(-1) / FP8_MAX[dtype], rtol=0, atol=0)
+    qg = q.float().view(7, 3, 3, 128)
+    assert torch.equal(qg.abs().amax(-1), torch.full((7, 3, 3), FP8_MAX[dtype]))
+    deq = dequantize_fp8(q, s, "group")
+    _check_round_trip(x, deq, s.repeat_interleave(128, -1), dtype)
+
+
+def test_per_token_group_zeros_small_and_saturation():
+    x = torch.zeros(2, 256)
+    x[1, 128:] = 1e-30  # far below any sensible scale: still finite
+    q, s = quantize_fp8_per_token_group(x)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert torch.equal(q[0].float(), torch.zeros(256))
+    assert float(s[0, 0]) == pytest.approx(MIN_AMAX / 448.0)
+    # Values that round above the maximum saturate (e4m3 has no infinity).
+    y = torch.tensor([[448.0, -448.0] + [1.0] * 126]) * 3.0
+    qy, sy = quantize_fp8_per_token_group(y)
+    assert torch.isfinite(qy.float()).all()
+    assert float(qy.float().abs().max()) == 448.0
+
+
+def test_per_token_group_errors():
+    with pytest.raises(ValueError, match="multiple of group_size=128"):
+        quantize_fp8_per_token_group(torch.randn(4, 100))
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        quantize_fp8_per_token_group(torch.zeros(4, 128, dtype=torch.int32))
+    with pytest.raises(TypeError, match="float8_e4m3fn or torch.float8_e5m2"):
+        quantize_fp8_per_token_group(torch.zeros(4, 128), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        quantize_fp8_per_token_group(torch.zeros(4, 128), group_size=0)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        quantize_fp8_per_token_group([1.0] * 128)  # type: ignore[arg-type]
+    q, s = quantize_fp8_per_token_group(torch.zeros(0, 256))
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+    q, s = quantize_fp8_per_token_group(torch.randn(5, 64), group_size=32)
+    assert s.shape == (5, 2)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (3, 200, 300), (1, 128, 128), (2, 1, 1)])
+def test_per_block_round_trip(shape):
+    w = torch.randn(*shape, generator=_gen(3))
+    w[..., : min(shape[-2], 5), :] *= 100.0  # one block row much larger: its own scale
+    q, s = quantize_fp8_per_block(w)
+    N, K = shape[-2:]
+    assert q.shape == w.shape and s.shape == (*shape[:-2], -(-N // 128), -(-K // 128))
+    # Each scale is its block's own max (partial edge blocks included) over 448.
+    for idx in [(0, 0), (s.shape[-2] - 1, s.shape[-1] - 1)]:
+        r, c = idx
+        block = w[..., r * 128:(r + 1) * 128, c * 128:(c + 1) * 128]
+        want = block.abs().flatten(-2).amax(-1) / 448.0
+        torch.testing.assert_close(s[..., r, c], want, rtol=0, atol=0)
+    deq = dequantize_fp8(q, s, "block")
+    per_value = s.repeat_interleave(128, -2)[..., :N, :].repeat_interleave(128, -1)[..., :K]
+    _check_round_trip(w, deq, per_value, E4M3)
+
+
+def test_per_row_and_per_tensor_round_trip():
+    x = torch.randn(9, 300, generator=_gen(4)) * torch.logspace(-2, 2, 9)[:, None]
+    q, s = quantize_fp8_per_row(x)
+    assert s.shape == (9,)
+    torch.testing.assert_close(s, x.abs().amax(-1) / 448.0, rtol=0, atol=0)
+    _check_round_trip(x, dequantize_fp8(q, s, "row"), s[:, None].expand_as(x), E4M3)
+    q, s = quantize_fp8_per_tensor(x, dtype=E5M2)
+    assert s.shape == () and q.dtype == E5M2
+    _check_round_trip(x, dequantize_fp8(q, s, "tensor"), s.expand_as(x), E5M2)
+    # Empty tensors and an empty last dim keep finite scales.
+    q, s = quantize_fp8_per_row(torch.zeros(3, 0))
+    assert q.shape == (3, 0) and torch.isfinite(s).all()
+    q, s = quantize_fp8_per_tensor(torch.zeros(0))
+    assert torch.isfinite(s)
+
+
+def test_dequantize_errors():
+    q = torch.zeros(2, 128, dtype=E4M3)
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        dequantize_fp8(q, torch.ones(2, 1), "channel")
+    with pytest.raises(TypeError, match="FP8"):
+        dequantize_fp8(q.float(), torch.ones(2, 1), "group")
+    with pytest.raises(ValueError, match="at least two dimensions"):
+        quantize_fp8_per_block(torch.randn(128))
+
+
+def test_torch_path_matches_the_kernel_formula():
+    """The torch path computes q = sat(x * (448 / amax)) and s = amax / 448 in fp32, the
+    formula of kernels/sm90/quantize_fp8.py, so the GPU kernel can be checked bit for bit."""
+    x = torch.randn(4, 256, generator=_gen(5)).bfloat16()
+    q, s = quantize_fp8_per_token_group(x)
+    g = x.float().view(4, 2, 128)
+    amax = g.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX)
+    want = (g * (448.0 / amax)).clamp(-448, 448).to(E4M3).view(4, 256)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(s, (amax / 448.0).view(4, 2))

@@ -1,0 +1,252 @@
+"""The FP8 ops on the CPU (the torch backend): numerics against the fp64 product of the
+dequantized operands for every granularity and form, edge cases (empty experts, M=1, long K,
+out=, rows past offs[-1]), and every argument error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_gemm
+from moe_gemm import GemmConfig, dequantize_fp8, scaled_grouped_gemm, scaled_grouped_mm
+from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
+from moe_gemm.testing import poison_
+from moe_gemm.testing_fp8 import (
+    GRANULARITIES,
+    assert_fp8_close,
+    fp8_errors,
+    make_fp8_batched_inputs,
+    make_fp8_grouped_inputs,
+    make_fp8_moe_inputs,
+)
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _independent_ref(x, w, sa, sb, offs, granularity):
+    """fp64 reference through dequantize_fp8 (not the ops' own scale views)."""
+    T = x.shape[0]
+    y = torch.zeros(T, w.shape[2], dtype=torch.float64)
+    xd = {"block": lambda: dequantize_fp8(x, sa, "group"),
+          "row": lambda: dequantize_fp8(x, sa, "row"),
+          "tensor": lambda: dequantize_fp8(x, sa, "tensor")}[granularity]().double()
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        wn = w[e].transpose(0, 1)  # (N, K)
+        if granularity == "block":
+            wd = dequantize_fp8(wn, sb[e].transpose(0, 1), "block")
+        elif granularity == "row":
+            wd = dequantize_fp8(wn, sb[e], "row")
+        else:
+            wd = dequantize_fp8(wn, sb[e] if sb.dim() else sb, "tensor")
+        y[start:end] = xd[start:end] @ wd.double().t()
+        start = end
+    return y
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_varlen_matches_fp64(granularity, out_dtype):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(67, 5, 384, 200, granularity, empty_fraction=0.3,
+                                             generator=_gen(1))
+    y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=out_dtype)
+    assert y.dtype == out_dtype and y.shape == (67, 200)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+    assert_fp8_close(y, ref)
+    # The reference itself against one built from dequantize_fp8 independently (which
+    # rounds each dequantized value to fp32: ~2^-24 relative).
+    torch.testing.assert_close(ref, _independent_ref(x, w, sa, sb, offs, granularity),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_default_out_dtype_is_bf16_and_rows_past_offs_are_zero():
+    x, w, sa, sb, offs = make_fp8_moe_inputs(40, 3, 256, 64, "block", total=30,
+                                             generator=_gen(2))
+    y = scaled_grouped_mm(x, w, sa, sb, offs)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y[30:].float(), torch.zeros(10, 64))
+    out = poison_(torch.empty(40, 64, dtype=torch.float32))
+    got = scaled_grouped_mm(x, w, sa, sb, offs, out=out)
+    assert got is out
+    assert torch.isnan(out[30:]).all()  # rows past offs[-1] untouched
+    assert_fp8_close(out[:30], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:30])
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_batched_matches_fp64(granularity):
+    x, w, sa, sb = make_fp8_batched_inputs(3, 33, 256, 80, granularity, generator=_gen(3))
+    y = scaled_grouped_mm(x, w, sa, sb, out_dtype=torch.float32)
+    assert y.shape == (3, 33, 80)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb)
+    assert_fp8_close(y, ref)
+    # Problem by problem through the varlen form: the same product.
+    offs = torch.tensor([33, 66, 99], dtype=torch.int32)
+    if granularity == "tensor":
+        sa2 = sa
+    else:
+        sa2 = sa.reshape(99, *sa.shape[2:])
+    y2 = scaled_grouped_mm(x.reshape(99, 256), w, sa2, sb, offs, out_dtype=torch.float32)
+    torch.testing.assert_close(y2.view(3, 33, 80), y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_grouped_gemm_matches_fp64(granularity):
+    sizes = [(5, 64, 256), (0, 32, 128), (17, 200, 384), (1, 16, 128), (9, 48, 0)]
+    if granularity == "block":
+        sizes[-1] = (9, 48, 128)
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, granularity, generator=_gen(4))
+    outs = scaled_grouped_gemm(a, b, sa, sb, out_dtype=torch.float32)
+    refs = scaled_grouped_gemm_ref(a, b, sa, sb)
+    assert len(outs) == len(sizes)
+    for o, r, (m, n, _) in zip(outs, refs, sizes):
+        assert o.shape == (m, n)
+        assert_fp8_close(o, r)
+    given = [poison_(torch.empty(m, n, dtype=torch.bfloat16)) for m, n, _ in sizes]
+    res = scaled_grouped_gemm(a, b, sa, sb, out=given)
+    assert all(r is g for r, g in zip(res, given))
+    for o, r in zip(given, refs):
+        assert_fp8_close(o, r)
+    assert scaled_grouped_gemm([], [], [], []) == []
+
+
+@pytest.mark.parametrize("K", [7168, 14336])
+def test_long_k_accuracy(K):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(6, 2, K, 32, "block", generator=_gen(5))
+    y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.float32)
+    e = fp8_errors(y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    assert e["rel"] < 1e-5, e  # fp32 accumulation of the dequantized products
+
+
+def test_edge_cases():
+    # M = 1, every expert but one empty, E = 1, N not a multiple of 128.
+    x, w, sa, sb, offs = make_fp8_moe_inputs(1, 4, 128, 24, "block", empty_fraction=0.9,
+                                             generator=_gen(6))
+    assert_fp8_close(scaled_grouped_mm(x, w, sa, sb, offs),
+                     scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    # E = 0 and T = 0.
+    x0 = torch.zeros(5, 128, dtype=E4M3)
+    y = scaled_grouped_mm(x0, torch.zeros(0, 128, 16, dtype=E4M3), torch.ones(5, 1),
+                          torch.ones(0, 1, 1), torch.zeros(0, dtype=torch.int32))
+    assert torch.equal(y.float(), torch.zeros(5, 16))
+    y = scaled_grouped_mm(torch.zeros(0, 128, dtype=E4M3), w, torch.ones(0, 1), sb,
+                          torch.zeros(4, dtype=torch.int32))
+    assert y.shape == (0, 24)
+    # A single global B scale with row-wise A scales (the outer product still applies).
+    x, w, sa, sb, offs = make_fp8_moe_inputs(9, 2, 128, 16, "row", generator=_gen(7))
+    y = scaled_grouped_mm(x, w, sa, torch.tensor(0.5), offs, out_dtype=torch.float32)
+    ref = scaled_grouped_mm_ref(x, w, sa, torch.tensor(0.5).expand(2), offs)
+    assert_fp8_close(y, ref)
+
+
+def test_backward_through_the_torch_backend():
+    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "row", generator=_gen(8))
+    sa = sa.clone().requires_grad_(True)
+    y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.float32,
+                          config=GemmConfig(backend="torch"))
+    y.sum().backward()
+    assert sa.grad is not None and sa.grad.shape == sa.shape
+
+
+def test_backend_cute_refused_on_cpu():
+    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "block", generator=_gen(9))
+    with pytest.raises(RuntimeError, match="backend='cute' cannot run here"):
+        scaled_grouped_mm(x, w, sa, sb, offs, config=GemmConfig(backend="cute"))
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def _args(granularity="block", T=6, E=2, K=256, N=64):
+    return list(make_fp8_moe_inputs(T, E, K, N, granularity, generator=_gen(10)))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a.__setitem__(0, a[0].float()), TypeError, "x must be torch.float8_e4m3fn"),
+    (lambda a: a.__setitem__(1, a[1].to(torch.float8_e5m2)), TypeError, "must match"),
+    (lambda a: a.__setitem__(0, "x"), TypeError, "x must be a torch.Tensor"),
+    (lambda a: a.__setitem__(2, a[2].double()), TypeError, "scale_a must be float32"),
+    (lambda a: a.__setitem__(3, a[3].bfloat16()), TypeError, "scale_b must be float32"),
+    (lambda a: a.__setitem__(3, [1.0]), TypeError, "scale_b must be a torch.Tensor"),
+    (lambda a: a.__setitem__(4, a[4].long()), TypeError, "offs must be int32"),
+    (lambda a: a.__setitem__(4, a[4][:1]), ValueError, "one entry per expert"),
+    (lambda a: a.__setitem__(4, torch.tensor([4, 2], dtype=torch.int32)), ValueError,
+     "non-decreasing"),
+    (lambda a: a.__setitem__(4, torch.tensor([4, 9], dtype=torch.int32)), ValueError,
+     "offs\\[-1\\] must be <= T"),
+    (lambda a: a.__setitem__(0, a[0][None]), ValueError, "x must be 2-D"),
+    (lambda a: a.__setitem__(1, a[1][0]), ValueError, "w must be 3-D"),
+    (lambda a: a.__setitem__(1, a[1][:, :128]), ValueError, "so w must be"),
+    (lambda a: a.__setitem__(2, a[2][:, :1]), ValueError, "match no granularity"),
+    (lambda a: a.__setitem__(3, a[3][:, :, :0]), ValueError, "match no granularity"),
+    (lambda a: a.__setitem__(3, a[3].transpose(1, 2)), ValueError, "match no granularity"),
+    (lambda a: a.__setitem__(2, torch.ones(6)), ValueError, "match no granularity"),
+])
+def test_argument_errors(change, error, match):
+    a = _args()
+    change(a)
+    with pytest.raises(error, match=match):
+        scaled_grouped_mm(*a)
+
+
+def test_k_not_a_multiple_of_128_for_block_scales():
+    x = torch.zeros(4, 200, dtype=E4M3)
+    w = torch.zeros(2, 200, 32, dtype=E4M3)
+    with pytest.raises(ValueError, match="multiple of 128; got K=200"):
+        scaled_grouped_mm(x, w, torch.ones(4, 1), torch.ones(2, 1, 1),
+                          torch.tensor([2, 4], dtype=torch.int32))
+    # Row-wise scales take any K.
+    y = scaled_grouped_mm(x, w, torch.ones(4), torch.ones(2, 32),
+                          torch.tensor([2, 4], dtype=torch.int32))
+    assert torch.equal(y.float(), torch.zeros(4, 32))
+
+
+def test_out_and_out_dtype_errors():
+    x, w, sa, sb, offs = _args()
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.int8)
+    with pytest.raises(TypeError, match="out_dtype must be a torch.dtype"):
+        scaled_grouped_mm(x, w, sa, sb, offs, out_dtype="bf16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out must be"):
+        scaled_grouped_mm(x, w, sa, sb, offs, out=torch.empty(6, 63, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        scaled_grouped_mm(x, w, sa, sb, offs, out=torch.empty(6, 64, dtype=torch.float16),
+                          out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="share memory"):
+        scaled_grouped_mm(x, w, sa, sb, offs,
+                          out=torch.empty(1, 64, dtype=torch.bfloat16).expand(6, 64))
+    with pytest.raises(TypeError, match="config must be a moe_gemm.GemmConfig"):
+        scaled_grouped_mm(x, w, sa, sb, offs, config="torch")  # type: ignore[arg-type]
+
+
+def test_batched_and_list_errors():
+    x, w, sa, sb = make_fp8_batched_inputs(2, 4, 128, 32, "row", generator=_gen(11))
+    with pytest.raises(ValueError, match="x must be 3-D"):
+        scaled_grouped_mm(x[0], w, sa, sb)
+    with pytest.raises(ValueError, match="match no granularity"):
+        scaled_grouped_mm(x, w, sa[:, :3], sb)
+    a, b, sa, sb = make_fp8_grouped_inputs([(4, 32, 128), (2, 16, 256)], "block",
+                                           generator=_gen(12))
+    with pytest.raises(ValueError, match="one b, scale_a and scale_b per a"):
+        scaled_grouped_gemm(a, b, sa[:1], sb)
+    with pytest.raises(ValueError, match="problem 1: .*match no granularity"):
+        scaled_grouped_gemm(a, b, [sa[0], sa[1][:, :1]], sb)
+    with pytest.raises(ValueError, match="problem 1 has row scales"):
+        scaled_grouped_gemm(a, b, [sa[0], torch.ones(2)], [sb[0], torch.ones(16)])
+    with pytest.raises(TypeError, match="single tensor"):
+        scaled_grouped_gemm(a[0], b, sa, sb)
+    with pytest.raises(TypeError, match="share one FP8 dtype"):
+        scaled_grouped_gemm(a, [b[0], b[1].to(torch.float8_e5m2)], sa, sb)
+    with pytest.raises(ValueError, match="must be \\(K, N\\)"):
+        scaled_grouped_gemm(a, [b[1], b[0]], sa, sb)
+
+
+def test_public_names():
+    for name in ("scaled_grouped_mm", "scaled_grouped_gemm", "quantize_fp8_per_token_group",
+                 "quantize_fp8_per_block", "quantize_fp8_per_row", "quantize_fp8_per_tensor",
+                 "dequantize_fp8"):
+        assert name in moe_gemm.__all__ and callable(getattr(moe_gemm, name))

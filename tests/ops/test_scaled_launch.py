@@ -1,0 +1,176 @@
+"""ops/scaled_launch.py and the FP8 kernel choice on the CPU, with the compiled kernel replaced
+by an emulator that computes what the kernel computes from the arguments it is given
+(fp8_fakes.py): every form and granularity against the fp64 reference, the arguments the
+kernel sees (scale views, tables, zero tail, grid), cached plans, pins and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_fakes import KernelFactory, Memory, install
+
+from moe_gemm import GemmConfig, scaled_grouped_gemm, scaled_grouped_mm
+from moe_gemm.ops import heuristics_fp8, launch, scaled_launch
+from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
+from moe_gemm.testing import poison_
+from moe_gemm.testing_fp8 import (
+    GRANULARITIES,
+    assert_fp8_close,
+    make_fp8_batched_inputs,
+    make_fp8_grouped_inputs,
+    make_fp8_moe_inputs,
+)
+
+
+@pytest.fixture
+def fp8_kernel(monkeypatch):
+    factory = KernelFactory()
+    install(monkeypatch, factory)
+    heuristics_fp8.clear_caches()
+    yield factory
+    heuristics_fp8.clear_caches()
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("T,E", [(300, 4), (37, 16)])
+def test_varlen(fp8_kernel, granularity, T, E):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(T, E, 384, 200, granularity, empty_fraction=0.3,
+                                             generator=_gen(T))
+    y = scaled_grouped_mm(x, w, sa, sb, offs)
+    assert len(fp8_kernel.calls) == 1
+    call = fp8_kernel.calls[0]
+    assert_fp8_close(y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    key = fp8_kernel.made[0].key
+    assert key.form == "varlen" and key.scale_mode == ("block" if granularity == "block"
+                                                        else "outer")
+    # The zero tail is problem E (out is ours); the scale views the kernel reads have no
+    # repeated dimension.
+    assert call[8] == E + 1
+    for s in (call[3], call[4]):
+        assert all(st != 0 or n == 1 for st, n in zip(s.stride(), s.shape))
+    info = launch.last_launch()
+    assert info.num_problems == E + 1 and info.choice.tile_m == key.tile_m
+
+
+def test_varlen_plan_is_cached_and_sees_new_values(fp8_kernel):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(64, 4, 256, 128, "block", generator=_gen(1))
+    scaled_grouped_mm(x, w, sa, sb, offs)
+    x2, _, sa2, _, offs2 = make_fp8_moe_inputs(64, 4, 256, 128, "block", generator=_gen(2))
+    x.copy_(x2)
+    sa.copy_(sa2)
+    offs.copy_(offs2)
+    y = scaled_grouped_mm(x, w, sa, sb, offs)
+    assert len(fp8_kernel.made) == 1 and len(fp8_kernel.calls) == 2
+    assert_fp8_close(y, scaled_grouped_mm_ref(x2, w, sa2, sb, offs2))
+    # Another out_dtype is another plan.
+    scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.float32)
+    assert len(fp8_kernel.made) == 2
+
+
+def test_varlen_out_rows_past_offs_untouched(fp8_kernel):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(50, 3, 128, 64, "row", total=41, generator=_gen(3))
+    out = poison_(torch.empty(50, 64, dtype=torch.float32))
+    assert scaled_grouped_mm(x, w, sa, sb, offs, out=out) is out
+    assert torch.isnan(out[41:]).all()
+    assert_fp8_close(out[:41], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:41])
+    assert fp8_kernel.calls[0][8] == 3  # no zero tail into a caller's out
+
+
+def test_varlen_odd_layouts(fp8_kernel):
+    # T = 1 taken from a wider tensor, offs non-contiguous, a single expert.
+    x, w, sa, sb, offs = make_fp8_moe_inputs(1, 1, 256, 32, "block", generator=_gen(4))
+    wide = torch.zeros(1, 512 + 16, dtype=x.dtype)
+    wide[:, 16:272] = x
+    xv = wide[:, 16:272]
+    offs2 = torch.tensor([1, 7], dtype=torch.int32)[::2]
+    y = scaled_grouped_mm(xv, w, sa, sb, offs2)
+    assert_fp8_close(y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    assert fp8_kernel.calls[0][7].is_contiguous()
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_batched(fp8_kernel, granularity):
+    x, w, sa, sb = make_fp8_batched_inputs(3, 70, 256, 144, granularity, generator=_gen(5))
+    y = scaled_grouped_mm(x, w, sa, sb, out_dtype=torch.float16)
+    assert y.dtype == torch.float16
+    assert_fp8_close(y, scaled_grouped_mm_ref(x, w, sa, sb))
+    assert fp8_kernel.made[0].key.form == "batched"
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_general(fp8_kernel, granularity, monkeypatch):
+    sizes = [(40, 64, 256), (0, 32, 128), (7, 144, 384), (1, 16, 128), (9, 48, 128)]
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, granularity, generator=_gen(6))
+    fp8_kernel.memory = memory = Memory([*a, *b, *sa, *sb])
+    made = scaled_launch.new_outputs
+
+    def new_outputs(*args):  # the outputs the op allocates, made known to the emulator
+        outs = made(*args)
+        memory.tensors.extend(outs)
+        return outs
+
+    monkeypatch.setattr(scaled_launch, "new_outputs", new_outputs)
+    outs = scaled_grouped_gemm(a, b, sa, sb, out_dtype=torch.float32)
+    refs = scaled_grouped_gemm_ref(a, b, sa, sb)
+    assert len(fp8_kernel.calls) == 1
+    for o, r in zip(outs, refs):
+        assert_fp8_close(o, r)
+
+
+def test_general_out_given_and_zero_k(fp8_kernel):
+    sizes = [(5, 32, 128), (6, 16, 0), (0, 16, 128)]
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, "row", generator=_gen(7))
+    given = [poison_(torch.empty(m, n, dtype=torch.bfloat16)) for m, n, _ in sizes]
+    fp8_kernel.memory = Memory([*a, *b, *sa, *sb, *given])
+    res = scaled_grouped_gemm(a, b, sa, sb, out=given)
+    assert all(r is g for r, g in zip(res, given))
+    assert torch.equal(given[1].float(), torch.zeros(6, 16))  # K = 0: zeros
+    assert_fp8_close(given[0], scaled_grouped_gemm_ref(a, b, sa, sb)[0])
+
+
+@pytest.mark.parametrize("avg,schedule,tile", [(4, "pingpong", (64, 128)),
+                                               (64, "pingpong", (64, 128)),
+                                               (256, "cooperative", (128, 128))])
+def test_default_choice(fp8_kernel, avg, schedule, tile):
+    choice = heuristics_fp8.choose_fp8("varlen", GemmConfig(), avg, 2048, 7168, 2, "block")
+    assert (choice.schedule, (choice.tile_m, choice.tile_n)) == (schedule, tile)
+    assert choice.visitor == "device"
+    assert choice.tail_split == (schedule == "cooperative")
+    narrow = heuristics_fp8.choose_fp8("batched", GemmConfig(), 128, 40, 512, 2, "row")
+    assert narrow.tile_n == 48 and not narrow.tail_split
+
+
+def test_pins_honoured_and_refused(fp8_kernel):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(64, 2, 256, 192, "block", generator=_gen(8))
+    cfg = GemmConfig(schedule="cooperative", tile_m=128, tile_n=192, cluster_m=2, cluster_n=1,
+                     stages=4, raster_panel=4)
+    y = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+    key = fp8_kernel.made[-1].key
+    assert (key.tile_m, key.tile_n, key.cluster_m, key.stages) == (128, 192, 2, 4)
+    assert fp8_kernel.calls[-1][-1] % 2 == 0  # a whole number of clusters
+    assert_fp8_close(y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    with pytest.raises(ValueError, match="FP8 kernel cannot build .*registers"):
+        scaled_grouped_mm(x, w, sa, sb, offs, config=GemmConfig(tile_m=128, tile_n=256))
+    with pytest.raises(ValueError, match="device visitor"):
+        scaled_grouped_mm(x, w, sa, sb, offs, config=GemmConfig(visitor="host"))
+    with pytest.raises(ValueError, match="tail_split"):
+        scaled_grouped_gemm([x[:4]], [w[0]], [sa[:4]], [sb[0]],
+                            config=GemmConfig(tail_split=True))
+
+
+def test_layouts_the_kernel_refuses(fp8_kernel):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(16, 2, 256, 64, "block", generator=_gen(9))
+    w_n_major = w.contiguous()  # (E, K, N) with N contiguous
+    with pytest.warns(RuntimeWarning, match="K-major"):
+        y = scaled_grouped_mm(x, w_n_major, sa, sb, offs)
+    assert not fp8_kernel.calls  # the torch backend ran
+    assert_fp8_close(y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    with pytest.raises(ValueError, match="K-major"):
+        scaled_grouped_mm(x, w_n_major, sa, sb, offs, config=GemmConfig(backend="cute"))
+    xr, wr, sar, sbr, offsr = make_fp8_moe_inputs(16, 2, 136, 64, "row", generator=_gen(10))
+    with pytest.raises(ValueError, match="16 bytes"):
+        scaled_grouped_mm(xr, wr, sar, sbr, offsr, config=GemmConfig(backend="cute"))
