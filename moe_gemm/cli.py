@@ -81,6 +81,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 CHECK_MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
+# FP8 variants also: e4m3/e5m2 WGMMAs and the promotion's fp32 adds (FMAs with block scales).
+FP8_MARKERS = {"float8_e4m3fn": ".e4m3.e4m3", "float8_e5m2": ".e5m2.e5m2"}
 
 
 def check_variants(full: bool):
@@ -159,6 +161,9 @@ def check_variants(full: bool):
         for tile in ((128, 64), (128, 192), (128, 256)):
             keys.append(CompileKey("varlen", "float16", "float32", "k", "cooperative", "host",
                                    *tile))
+    from moe_gemm.kernels.sm90.compile_fp8 import fp8_check_variants
+
+    keys.extend(fp8_check_variants())
     return keys
 
 
@@ -174,6 +179,8 @@ def _key_extras(key) -> str:
             extras.append(flag)
     if key.epi_n != 32:
         extras.append(f"epi_n={key.epi_n}")
+    if hasattr(key, "scale_mode"):
+        extras.append(f"scales={key.scale_mode}")
     return "".join(" " + e for e in extras)
 
 
@@ -188,25 +195,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     if problem:
         print(f"check: cannot compile: {problem}", file=sys.stderr)
         return 2
-    from moe_gemm.kernels.sm90.compile import compile_variant
+    from moe_gemm.kernels.sm90.compile_fp8 import compile_any
 
     keys = check_variants(args.full)
     failures = 0
     with tempfile.TemporaryDirectory(prefix="moe_gemm_check_") as tmp:
         for key in keys:
             label = (f"form={key.form} schedule={key.schedule} visitor={key.visitor} "
-                     f"dtype={key.ab_dtype}->{key.d_dtype} b_major={key.b_major} "
+                     f"dtype={key.ab_dtype}->{key.d_dtype} "
+                     f"b_major={getattr(key, 'b_major', 'k')} "
                      f"tile={key.tile_m}x{key.tile_n}" + _key_extras(key))
             t0 = time.time()
             try:
                 kdir = os.path.join(tmp, key.name())
-                compiled = compile_variant(key, keep_dir=kdir)
+                compiled = compile_any(key, keep_dir=kdir)
                 ptx_path = getattr(compiled, "__ptx__", None)
                 ptx = open(ptx_path).read() if ptx_path and os.path.exists(ptx_path) else ""
                 if not ptx:
                     found = [f for f in os.listdir(kdir) if f.endswith(".ptx")]
                     ptx = open(os.path.join(kdir, found[0])).read() if found else ""
-                missing = [m for m in CHECK_MARKERS if m not in ptx]
+                markers = list(CHECK_MARKERS)
+                if key.ab_dtype in FP8_MARKERS:
+                    markers.append(FP8_MARKERS[key.ab_dtype])
+                    markers.append("fma.rn.f32" if key.scale_mode == "block" else "add.f32")
+                missing = [m for m in markers if m not in ptx]
                 if not ptx.startswith("//") and ".target sm_90a" not in ptx:
                     missing.append(".target sm_90a")
             except Exception as exc:  # noqa: BLE001 - report every variant

@@ -49,59 +49,69 @@ def quantize_weights(w_nk: torch.Tensor, granularity: str, dtype=torch.float8_e4
     return q.transpose(-1, -2), s
 
 
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _acts(shape, gen, device, x_scale=1.0):
+    """Random activations whose rows differ in magnitude (a factor in [0.1, 10] per row), so
+    per-row and per-group scales differ."""
+    x = torch.randn(shape, generator=gen, device=device) * x_scale
+    return x * 10.0 ** (torch.rand(*shape[:-1], 1, generator=gen, device=device) * 2 - 1)
+
+
 def make_fp8_moe_inputs(T: int, E: int, K: int, N: int, granularity: str, *,
                         dtype: torch.dtype = torch.float8_e4m3fn,
                         device: torch.device | str = "cpu", empty_fraction: float = 0.0,
-                        total: int | None = None, generator: torch.Generator | None = None,
-                        x_scale: float = 1.0):
+                        total: int | None = None, seed: int = 0, x_scale: float = 1.0,
+                        skew: float = 0.0):
     """(x, w, scale_a, scale_b, offs) for scaled_grouped_mm's MoE form: x [T, K], w [E, K, N]
-    K-major, scales of `granularity`, offs [E] int32 (see moe_gemm.testing.random_offs).
-    Rows are given different magnitudes (x_scale times a per-row factor in [0.1, 10]) so that
-    per-row and per-group scales differ."""
-    x = torch.randn(T, K, generator=generator) * x_scale
-    x *= 10.0 ** (torch.rand(T, 1, generator=generator) * 2 - 1)
-    w = torch.randn(E, N, K, generator=generator) / K ** 0.5
+    K-major, scales of `granularity`, offs [E] int32 (moe_gemm.testing.random_offs), drawn
+    and quantized on `device`."""
+    d = torch.device(device)
+    gen = _generator(seed, d)
+    x = _acts((T, K), gen, d, x_scale)
+    w = torch.randn(E, N, K, generator=gen, device=d) / K ** 0.5
     xq, sa = quantize_acts(x, granularity, dtype)
     wq, sb = quantize_weights(w, granularity, dtype)
-    offs = random_offs(T, E, empty_fraction, generator, total=total)
-    d = torch.device(device)
-    return (xq.to(d), wq.to(d), sa.to(d), sb.to(d), offs.to(d))
+    offs = random_offs(T, E, empty_fraction, _generator(seed, torch.device("cpu")), total=total,
+                       skew=skew)
+    return xq, wq, sa, sb, offs.to(d)
 
 
 def make_fp8_batched_inputs(G: int, M: int, K: int, N: int, granularity: str, *,
                             dtype: torch.dtype = torch.float8_e4m3fn,
-                            device: torch.device | str = "cpu",
-                            generator: torch.Generator | None = None):
+                            device: torch.device | str = "cpu", seed: int = 0):
     """(x [G, M, K], w [G, K, N] K-major, scale_a, scale_b) for the batched form."""
-    x = torch.randn(G, M, K, generator=generator)
-    x *= 10.0 ** (torch.rand(G, M, 1, generator=generator) * 2 - 1)
-    w = torch.randn(G, N, K, generator=generator) / K ** 0.5
+    d = torch.device(device)
+    gen = _generator(seed, d)
+    x = _acts((G, M, K), gen, d)
+    w = torch.randn(G, N, K, generator=gen, device=d) / K ** 0.5
     if granularity == "tensor":
         xq, sa = quantize_fp8_per_tensor(x, dtype=dtype)
     else:
         xq, sa = quantize_acts(x, granularity, dtype)
     wq, sb = quantize_weights(w, granularity, dtype)
-    d = torch.device(device)
-    return xq.to(d), wq.to(d), sa.to(d), sb.to(d)
+    return xq, wq, sa, sb
 
 
 def make_fp8_grouped_inputs(sizes, granularity: str, *,
                             dtype: torch.dtype = torch.float8_e4m3fn,
-                            device: torch.device | str = "cpu",
-                            generator: torch.Generator | None = None):
+                            device: torch.device | str = "cpu", seed: int = 0):
     """Lists (a, b, scale_a, scale_b) for scaled_grouped_gemm: a_i [M_i, K_i], b_i [K_i, N_i]
     K-major."""
-    a, b, sa, sb = [], [], [], []
     d = torch.device(device)
+    gen = _generator(seed, d)
+    a, b, sa, sb = [], [], [], []
     for m, n, k in sizes:
-        x = torch.randn(m, k, generator=generator)
-        w = torch.randn(n, k, generator=generator) / max(1, k) ** 0.5
+        x = _acts((m, k), gen, d)
+        w = torch.randn(n, k, generator=gen, device=d) / max(1, k) ** 0.5
         xq, s1 = quantize_acts(x, granularity, dtype)
         wq, s2 = quantize_weights(w, granularity, dtype, per_expert=False)
-        a.append(xq.to(d))
-        b.append(wq.to(d))
-        sa.append(s1.to(d))
-        sb.append(s2.to(d))
+        a.append(xq)
+        b.append(wq)
+        sa.append(s1)
+        sb.append(s2)
     return a, b, sa, sb
 
 

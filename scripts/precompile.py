@@ -40,13 +40,13 @@ def variant_set(name: str) -> list:
 
 def _compile_one(key) -> tuple[str, float, str]:
     """In a worker: (name, seconds, "compiled" | "cached" | "FAILED: ...")."""
-    from moe_gemm.kernels.sm90.compile import compile_variant
+    from moe_gemm.kernels.sm90.compile_fp8 import compile_any
     from moe_gemm.ops import kernel_cache as cache
 
     t = time.perf_counter()
     before = cache.stats["compiles"]
     try:
-        cache.get_or_compile(key, key.name, lambda: compile_variant(key))
+        cache.get_or_compile(key, key.name, lambda: compile_any(key))
     except Exception as exc:  # noqa: BLE001 - report and go on
         return key.name(), time.perf_counter() - t, f"FAILED: {type(exc).__name__}: {exc}"
     status = "compiled" if cache.stats["compiles"] > before else "cached"

@@ -24,21 +24,18 @@ UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dyn
 NO_AOT = ("test_autograd_registration", "test_faketensor")
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
 
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
 def test_opcheck_scaled_grouped_mm(granularity):
     x, w, sa, sb, offs = make_fp8_moe_inputs(19, 4, 256, 24, granularity, empty_fraction=0.25,
-                                             generator=_gen(1))
+                                             seed=1)
     opcheck(OPS._scaled_grouped_mm.default, (x, w, sa, sb, offs, "", None), test_utils=UTILS)
     opcheck(OPS._scaled_grouped_mm.default, (x, w, sa, sb, offs, "{'backend': 'torch'}",
                                              torch.float32), test_utils=UTILS)
     out = torch.full((19, 24), 7.0, dtype=torch.bfloat16)
     opcheck(OPS._scaled_grouped_mm_out.default, (x, w, sa, sb, offs, out, "", None),
             test_utils=UTILS)
-    x3, w3, sa3, sb3 = make_fp8_batched_inputs(2, 5, 128, 16, granularity, generator=_gen(2))
+    x3, w3, sa3, sb3 = make_fp8_batched_inputs(2, 5, 128, 16, granularity, seed=2)
     opcheck(OPS._scaled_grouped_mm.default, (x3, w3, sa3, sb3, None, "", torch.float16),
             test_utils=UTILS)
     opcheck(OPS._scaled_grouped_mm.default,
@@ -47,7 +44,7 @@ def test_opcheck_scaled_grouped_mm(granularity):
 
 def test_opcheck_scaled_grouped_gemm():
     a, b, sa, sb = make_fp8_grouped_inputs([(5, 16, 128), (0, 16, 128), (3, 32, 256)],
-                                           "block", generator=_gen(3))
+                                           "block", seed=3)
     opcheck(OPS._scaled_grouped_gemm.default, (a, b, sa, sb, "", None), test_utils=UTILS)
     opcheck(OPS._scaled_grouped_gemm.default, (a, b, sa, sb, "", torch.float32),
             test_utils=UTILS)
@@ -70,9 +67,9 @@ def test_fake_tensors_give_shapes_and_dtypes():
 def test_make_fx_and_compile_match_eager():
     import torch._dynamo
 
-    x, w, sa, sb, offs = make_fp8_moe_inputs(23, 3, 256, 40, "block", generator=_gen(4))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(23, 3, 256, 40, "block", seed=4)
     a, b, sa2, sb2 = make_fp8_grouped_inputs([(4, 32, 128), (2, 16, 128)], "row",
-                                             generator=_gen(5))
+                                             seed=5)
     cfg = GemmConfig(backend="torch")
 
     def f(x, w, sa, sb, offs, a0, a1, b0, b1, s0, s1, t0, t1):
@@ -102,7 +99,7 @@ def test_make_fx_and_compile_match_eager():
 def test_compiled_backward_raises():
     import torch._dynamo
 
-    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "row", generator=_gen(6))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "row", seed=6)
     sa = sa.clone().requires_grad_()
     torch._dynamo.reset()
     try:

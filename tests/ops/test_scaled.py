@@ -23,9 +23,6 @@ from moe_gemm.testing_fp8 import (
 E4M3 = torch.float8_e4m3fn
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
 
 def _independent_ref(x, w, sa, sb, offs, granularity):
     """fp64 reference through dequantize_fp8 (not the ops' own scale views)."""
@@ -52,7 +49,7 @@ def _independent_ref(x, w, sa, sb, offs, granularity):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_varlen_matches_fp64(granularity, out_dtype):
     x, w, sa, sb, offs = make_fp8_moe_inputs(67, 5, 384, 200, granularity, empty_fraction=0.3,
-                                             generator=_gen(1))
+                                             seed=1)
     y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=out_dtype)
     assert y.dtype == out_dtype and y.shape == (67, 200)
     ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
@@ -65,7 +62,7 @@ def test_varlen_matches_fp64(granularity, out_dtype):
 
 def test_default_out_dtype_is_bf16_and_rows_past_offs_are_zero():
     x, w, sa, sb, offs = make_fp8_moe_inputs(40, 3, 256, 64, "block", total=30,
-                                             generator=_gen(2))
+                                             seed=2)
     y = scaled_grouped_mm(x, w, sa, sb, offs)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y[30:].float(), torch.zeros(10, 64))
@@ -78,7 +75,7 @@ def test_default_out_dtype_is_bf16_and_rows_past_offs_are_zero():
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_batched_matches_fp64(granularity):
-    x, w, sa, sb = make_fp8_batched_inputs(3, 33, 256, 80, granularity, generator=_gen(3))
+    x, w, sa, sb = make_fp8_batched_inputs(3, 33, 256, 80, granularity, seed=3)
     y = scaled_grouped_mm(x, w, sa, sb, out_dtype=torch.float32)
     assert y.shape == (3, 33, 80)
     ref = scaled_grouped_mm_ref(x, w, sa, sb)
@@ -98,7 +95,7 @@ def test_grouped_gemm_matches_fp64(granularity):
     sizes = [(5, 64, 256), (0, 32, 128), (17, 200, 384), (1, 16, 128), (9, 48, 0)]
     if granularity == "block":
         sizes[-1] = (9, 48, 128)
-    a, b, sa, sb = make_fp8_grouped_inputs(sizes, granularity, generator=_gen(4))
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, granularity, seed=4)
     outs = scaled_grouped_gemm(a, b, sa, sb, out_dtype=torch.float32)
     refs = scaled_grouped_gemm_ref(a, b, sa, sb)
     assert len(outs) == len(sizes)
@@ -115,7 +112,7 @@ def test_grouped_gemm_matches_fp64(granularity):
 
 @pytest.mark.parametrize("K", [7168, 14336])
 def test_long_k_accuracy(K):
-    x, w, sa, sb, offs = make_fp8_moe_inputs(6, 2, K, 32, "block", generator=_gen(5))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(6, 2, K, 32, "block", seed=5)
     y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.float32)
     e = fp8_errors(y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
     assert e["rel"] < 1e-5, e  # fp32 accumulation of the dequantized products
@@ -124,7 +121,7 @@ def test_long_k_accuracy(K):
 def test_edge_cases():
     # M = 1, every expert but one empty, E = 1, N not a multiple of 128.
     x, w, sa, sb, offs = make_fp8_moe_inputs(1, 4, 128, 24, "block", empty_fraction=0.9,
-                                             generator=_gen(6))
+                                             seed=6)
     assert_fp8_close(scaled_grouped_mm(x, w, sa, sb, offs),
                      scaled_grouped_mm_ref(x, w, sa, sb, offs))
     # E = 0 and T = 0.
@@ -136,14 +133,14 @@ def test_edge_cases():
                           torch.zeros(4, dtype=torch.int32))
     assert y.shape == (0, 24)
     # A single global B scale with row-wise A scales (the outer product still applies).
-    x, w, sa, sb, offs = make_fp8_moe_inputs(9, 2, 128, 16, "row", generator=_gen(7))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(9, 2, 128, 16, "row", seed=7)
     y = scaled_grouped_mm(x, w, sa, torch.tensor(0.5), offs, out_dtype=torch.float32)
     ref = scaled_grouped_mm_ref(x, w, sa, torch.tensor(0.5).expand(2), offs)
     assert_fp8_close(y, ref)
 
 
 def test_backward_through_the_torch_backend():
-    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "row", generator=_gen(8))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "row", seed=8)
     sa = sa.clone().requires_grad_(True)
     y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.float32,
                           config=GemmConfig(backend="torch"))
@@ -152,7 +149,7 @@ def test_backward_through_the_torch_backend():
 
 
 def test_backend_cute_refused_on_cpu():
-    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "block", generator=_gen(9))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "block", seed=9)
     with pytest.raises(RuntimeError, match="backend='cute' cannot run here"):
         scaled_grouped_mm(x, w, sa, sb, offs, config=GemmConfig(backend="cute"))
 
@@ -162,7 +159,7 @@ def test_backend_cute_refused_on_cpu():
 
 
 def _args(granularity="block", T=6, E=2, K=256, N=64):
-    return list(make_fp8_moe_inputs(T, E, K, N, granularity, generator=_gen(10)))
+    return list(make_fp8_moe_inputs(T, E, K, N, granularity, seed=10))
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -224,13 +221,13 @@ def test_out_and_out_dtype_errors():
 
 
 def test_batched_and_list_errors():
-    x, w, sa, sb = make_fp8_batched_inputs(2, 4, 128, 32, "row", generator=_gen(11))
+    x, w, sa, sb = make_fp8_batched_inputs(2, 4, 128, 32, "row", seed=11)
     with pytest.raises(ValueError, match="x must be 3-D"):
         scaled_grouped_mm(x[0], w, sa, sb)
     with pytest.raises(ValueError, match="match no granularity"):
         scaled_grouped_mm(x, w, sa[:, :3], sb)
     a, b, sa, sb = make_fp8_grouped_inputs([(4, 32, 128), (2, 16, 256)], "block",
-                                           generator=_gen(12))
+                                           seed=12)
     with pytest.raises(ValueError, match="one b, scale_a and scale_b per a"):
         scaled_grouped_gemm(a, b, sa[:1], sb)
     with pytest.raises(ValueError, match="problem 1: .*match no granularity"):

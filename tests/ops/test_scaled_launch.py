@@ -31,15 +31,12 @@ def fp8_kernel(monkeypatch):
     heuristics_fp8.clear_caches()
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("T,E", [(300, 4), (37, 16)])
 def test_varlen(fp8_kernel, granularity, T, E):
     x, w, sa, sb, offs = make_fp8_moe_inputs(T, E, 384, 200, granularity, empty_fraction=0.3,
-                                             generator=_gen(T))
+                                             seed=T)
     y = scaled_grouped_mm(x, w, sa, sb, offs)
     assert len(fp8_kernel.calls) == 1
     call = fp8_kernel.calls[0]
@@ -57,9 +54,9 @@ def test_varlen(fp8_kernel, granularity, T, E):
 
 
 def test_varlen_plan_is_cached_and_sees_new_values(fp8_kernel):
-    x, w, sa, sb, offs = make_fp8_moe_inputs(64, 4, 256, 128, "block", generator=_gen(1))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(64, 4, 256, 128, "block", seed=1)
     scaled_grouped_mm(x, w, sa, sb, offs)
-    x2, _, sa2, _, offs2 = make_fp8_moe_inputs(64, 4, 256, 128, "block", generator=_gen(2))
+    x2, _, sa2, _, offs2 = make_fp8_moe_inputs(64, 4, 256, 128, "block", seed=2)
     x.copy_(x2)
     sa.copy_(sa2)
     offs.copy_(offs2)
@@ -72,7 +69,7 @@ def test_varlen_plan_is_cached_and_sees_new_values(fp8_kernel):
 
 
 def test_varlen_out_rows_past_offs_untouched(fp8_kernel):
-    x, w, sa, sb, offs = make_fp8_moe_inputs(50, 3, 128, 64, "row", total=41, generator=_gen(3))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(50, 3, 128, 64, "row", total=41, seed=3)
     out = poison_(torch.empty(50, 64, dtype=torch.float32))
     assert scaled_grouped_mm(x, w, sa, sb, offs, out=out) is out
     assert torch.isnan(out[41:]).all()
@@ -82,7 +79,7 @@ def test_varlen_out_rows_past_offs_untouched(fp8_kernel):
 
 def test_varlen_odd_layouts(fp8_kernel):
     # T = 1 taken from a wider tensor, offs non-contiguous, a single expert.
-    x, w, sa, sb, offs = make_fp8_moe_inputs(1, 1, 256, 32, "block", generator=_gen(4))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(1, 1, 256, 32, "block", seed=4)
     wide = torch.zeros(1, 512 + 16, dtype=x.dtype)
     wide[:, 16:272] = x
     xv = wide[:, 16:272]
@@ -94,7 +91,7 @@ def test_varlen_odd_layouts(fp8_kernel):
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_batched(fp8_kernel, granularity):
-    x, w, sa, sb = make_fp8_batched_inputs(3, 70, 256, 144, granularity, generator=_gen(5))
+    x, w, sa, sb = make_fp8_batched_inputs(3, 70, 256, 144, granularity, seed=5)
     y = scaled_grouped_mm(x, w, sa, sb, out_dtype=torch.float16)
     assert y.dtype == torch.float16
     assert_fp8_close(y, scaled_grouped_mm_ref(x, w, sa, sb))
@@ -104,7 +101,7 @@ def test_batched(fp8_kernel, granularity):
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_general(fp8_kernel, granularity, monkeypatch):
     sizes = [(40, 64, 256), (0, 32, 128), (7, 144, 384), (1, 16, 128), (9, 48, 128)]
-    a, b, sa, sb = make_fp8_grouped_inputs(sizes, granularity, generator=_gen(6))
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, granularity, seed=6)
     fp8_kernel.memory = memory = Memory([*a, *b, *sa, *sb])
     made = scaled_launch.new_outputs
 
@@ -123,7 +120,7 @@ def test_general(fp8_kernel, granularity, monkeypatch):
 
 def test_general_out_given_and_zero_k(fp8_kernel):
     sizes = [(5, 32, 128), (6, 16, 0), (0, 16, 128)]
-    a, b, sa, sb = make_fp8_grouped_inputs(sizes, "row", generator=_gen(7))
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, "row", seed=7)
     given = [poison_(torch.empty(m, n, dtype=torch.bfloat16)) for m, n, _ in sizes]
     fp8_kernel.memory = Memory([*a, *b, *sa, *sb, *given])
     res = scaled_grouped_gemm(a, b, sa, sb, out=given)
@@ -145,7 +142,7 @@ def test_default_choice(fp8_kernel, avg, schedule, tile):
 
 
 def test_pins_honoured_and_refused(fp8_kernel):
-    x, w, sa, sb, offs = make_fp8_moe_inputs(64, 2, 256, 192, "block", generator=_gen(8))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(64, 2, 256, 192, "block", seed=8)
     cfg = GemmConfig(schedule="cooperative", tile_m=128, tile_n=192, cluster_m=2, cluster_n=1,
                      stages=4, raster_panel=4)
     y = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
@@ -163,7 +160,7 @@ def test_pins_honoured_and_refused(fp8_kernel):
 
 
 def test_layouts_the_kernel_refuses(fp8_kernel):
-    x, w, sa, sb, offs = make_fp8_moe_inputs(16, 2, 256, 64, "block", generator=_gen(9))
+    x, w, sa, sb, offs = make_fp8_moe_inputs(16, 2, 256, 64, "block", seed=9)
     w_n_major = w.contiguous()  # (E, K, N) with N contiguous
     with pytest.warns(RuntimeWarning, match="K-major"):
         y = scaled_grouped_mm(x, w_n_major, sa, sb, offs)
@@ -171,6 +168,6 @@ def test_layouts_the_kernel_refuses(fp8_kernel):
     assert_fp8_close(y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
     with pytest.raises(ValueError, match="K-major"):
         scaled_grouped_mm(x, w_n_major, sa, sb, offs, config=GemmConfig(backend="cute"))
-    xr, wr, sar, sbr, offsr = make_fp8_moe_inputs(16, 2, 136, 64, "row", generator=_gen(10))
+    xr, wr, sar, sbr, offsr = make_fp8_moe_inputs(16, 2, 136, 64, "row", seed=10)
     with pytest.raises(ValueError, match="16 bytes"):
         scaled_grouped_mm(xr, wr, sar, sbr, offsr, config=GemmConfig(backend="cute"))

@@ -129,3 +129,30 @@ def compile_fp8_variant(key: Fp8CompileKey, keep_dir: str | None = None):
         os.makedirs(keep_dir, exist_ok=True)
         options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
     return cute.compile(key.kernel(), *fake_arguments(key), options=options)
+
+
+def compile_any(key, keep_dir: str | None = None):
+    """Compile a CompileKey (16-bit kernel) or an Fp8CompileKey."""
+    if isinstance(key, Fp8CompileKey):
+        return compile_fp8_variant(key, keep_dir)
+    from .compile import compile_variant
+
+    return compile_variant(key, keep_dir)
+
+
+def fp8_check_variants() -> list[Fp8CompileKey]:
+    """The FP8 variants `moe-gemm check` compiles (a few seconds each, so a handful): each
+    form, both scale modes, both schedules, a two-scale-block tile, a cluster, the tail split,
+    e5m2 and every output dtype at least once."""
+    def key(form, ab, d, mode, schedule, tile, **extra):
+        return Fp8CompileKey(form, ab, d, mode, schedule, "device", *tile, **extra)
+
+    e4, e5 = "float8_e4m3fn", "float8_e5m2"
+    return [
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), tail_split=True),
+        key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128)),
+        key("varlen", e4, "float32", "outer", "cooperative", (128, 192), cluster_m=2),
+        key("batched", e4, "bfloat16", "block", "cooperative", (128, 160)),
+        key("general", e5, "float16", "block", "pingpong", (128, 96)),
+        key("general", e4, "bfloat16", "outer", "cooperative", (128, 128), cluster_n=2),
+    ]
