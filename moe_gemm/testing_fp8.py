@@ -130,9 +130,12 @@ def fp8_errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 # Accuracy bars against the fp64 product of the dequantized operands. The output's own rounding
-# dominates: bf16 keeps 8 significant bits (relative error up to 2^-9, ~1.1e-3 rms), fp16 11,
-# fp32 24; a correct kernel's accumulation (fp32, promoted every 128 of K) adds ~1e-6.
-REL_BOUND = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 1e-4}
+# dominates in 16 bits: bf16 keeps 8 significant bits (relative error up to 2^-9, ~1e-3 rms),
+# fp16 11. With fp32 output the kernel's own error shows: Hopper's FP8 tensor cores keep ~14
+# accumulator bits inside a WGMMA chain (DeepSeek-V3's measurement), so a 128-K block's partial
+# is good to ~1e-4 and the promotion into fp32 keeps it there for any K; without it, long K
+# drifts to ~1e-2 (DeepSeek-V3: up to 2% at K = 4096).
+REL_BOUND = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 5e-4}
 
 
 def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, name: str = "out") -> None:
@@ -144,6 +147,6 @@ def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, name: str = "out") ->
     bad = ~torch.isfinite(out.detach().double().cpu())
     assert not bool(bad.any()), f"{name}: {int(bad.sum())} non-finite values"
     e = fp8_errors(out, ref)
-    bound = REL_BOUND.get(out.dtype, 1e-4)
+    bound = REL_BOUND.get(out.dtype, 5e-4)
     assert e["rel"] <= bound, f"{name}: relative error {e['rel']:.3g} > {bound:g} ({e})"
     assert e["max_rel"] <= 2e-2, f"{name}: max error {e['max_rel']:.3g} of max|ref| ({e})"

@@ -106,46 +106,17 @@ def _kernel_ok(x: torch.Tensor) -> bool:
                if n > 1)
 
 
-_DSL_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32",
-              torch.float8_e4m3fn: "Float8E4M3FN", torch.float8_e5m2: "Float8E5M2"}
+_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+          torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
 @functools.lru_cache(maxsize=16)
 def _quant_kernel(in_dtype: torch.dtype, out_dtype: torch.dtype):
+    from moe_gemm.kernels.sm90.compile_fp8 import QuantCompileKey, compile_quant
     from moe_gemm.ops import kernel_cache as cache
 
-    key = ("fp8_group_quant", in_dtype, out_dtype)
-    name = f"fp8quant_{_DSL_NAMES[in_dtype]}_{_DSL_NAMES[out_dtype]}"
-    return cache.get_or_compile(key, name, lambda: compile_quant_kernel(in_dtype, out_dtype))
-
-
-def compile_quant_kernel(in_dtype: torch.dtype, out_dtype: torch.dtype, keep_dir=None):
-    """cute.compile the 1x128 quantizer for these dtypes (no GPU needed)."""
-    import os
-
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    import cutlass
-    import cutlass.cute as cute
-
-    from moe_gemm.kernels.sm90.quantize_fp8 import Fp8GroupQuantSm90
-
-    ind = getattr(cutlass, _DSL_NAMES[in_dtype])
-    outd = getattr(cutlass, _DSL_NAMES[out_dtype])
-    x = cute.runtime.make_fake_tensor(
-        ind, (cute.sym_int(), cute.sym_int(divisibility=128)),
-        stride=(cute.sym_int64(divisibility=128 // ind.width), 1), assumed_align=16)
-    q = cute.runtime.make_fake_tensor(
-        outd, (cute.sym_int(), cute.sym_int(divisibility=128)),
-        stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
-    s = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
-                                              stride_order=(1, 0))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi --opt-level 3"
-    if keep_dir is not None:
-        os.makedirs(keep_dir, exist_ok=True)
-        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
-    return cute.compile(Fp8GroupQuantSm90(ind, outd), x, q, s, cutlass.Int32(1), stream,
-                        options=options)
+    key = QuantCompileKey(_NAMES[in_dtype], _NAMES[out_dtype])
+    return cache.get_or_compile(key, key.name, lambda: compile_quant(key))
 
 
 def _quantize_kernel(x2: torch.Tensor, dtype: torch.dtype):

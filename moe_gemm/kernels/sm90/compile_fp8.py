@@ -131,10 +131,46 @@ def compile_fp8_variant(key: Fp8CompileKey, keep_dir: str | None = None):
     return cute.compile(key.kernel(), *fake_arguments(key), options=options)
 
 
+@dataclass(frozen=True)
+class QuantCompileKey:
+    """The 1x128 activation quantizer (quantize_fp8.Fp8GroupQuantSm90) for one dtype pair."""
+
+    in_dtype: str  # "bfloat16" | "float16" | "float32"
+    out_dtype: str  # "float8_e4m3fn" | "float8_e5m2"
+
+    def name(self) -> str:
+        return f"fp8quant_{self.in_dtype}_{self.out_dtype}"
+
+
+def compile_quant(key: QuantCompileKey, keep_dir: str | None = None):
+    """cute.compile the quantizer: x (T, K) with K a multiple of 128 and 16-byte aligned rows,
+    q (T, K) likewise, s (T, K/128) compact."""
+    from .quantize_fp8 import Fp8GroupQuantSm90
+
+    ind, outd = DTYPES[key.in_dtype], FP8_DTYPES[key.out_dtype]
+    x = cute.runtime.make_fake_tensor(
+        ind, (cute.sym_int(), cute.sym_int(divisibility=128)),
+        stride=(cute.sym_int64(divisibility=128 // ind.width), 1), assumed_align=16)
+    q = cute.runtime.make_fake_tensor(
+        outd, (cute.sym_int(), cute.sym_int(divisibility=128)),
+        stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+    s = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                              stride_order=(1, 0))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi --opt-level 3"
+    if keep_dir is not None:
+        os.makedirs(keep_dir, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    return cute.compile(Fp8GroupQuantSm90(ind, outd), x, q, s, cutlass.Int32(1), stream,
+                        options=options)
+
+
 def compile_any(key, keep_dir: str | None = None):
-    """Compile a CompileKey (16-bit kernel) or an Fp8CompileKey."""
+    """Compile a CompileKey (16-bit kernel), an Fp8CompileKey or a QuantCompileKey."""
     if isinstance(key, Fp8CompileKey):
         return compile_fp8_variant(key, keep_dir)
+    if isinstance(key, QuantCompileKey):
+        return compile_quant(key, keep_dir)
     from .compile import compile_variant
 
     return compile_variant(key, keep_dir)

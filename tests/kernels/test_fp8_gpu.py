@@ -1,0 +1,316 @@
+"""GPU tests of the FP8 grouped GEMM (GroupedGemmFp8Sm90) and the 1x128 quantization kernel.
+
+Every variant is checked against the exact (fp64) product of the dequantized operands
+(moe_gemm.ops.scaled_reference), outputs poisoned with NaN first so an unwritten element
+fails: the varlen form with empty experts, tail rows and both output modes, every
+granularity and schedule, the FP8 tile family (two-scale-block tiles, 128-row ping-pong),
+clusters, the tail split, long K (7168, 14336) accuracy, M = 1 and edge row counts, bad offs
+(never a write outside out), CUDA-graph replay with new offs and no host synchronisation,
+the batched form (the decode headline 256 x 128x512x7168) and the general lists, e5m2 and
+every output dtype, and the quantization kernel bit for bit against its torch formula.
+
+Run alone (device machine, DSL unpacked):
+    python3 scripts/precompile.py --set fp8 -j 16 && python3 scripts/gpu_session.py --out $OUT \
+        --paths tests/kernels/test_fp8_gpu.py --no-precompile
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_gemm import (
+    GemmConfig,
+    quantize_fp8_per_token_group,
+    scaled_grouped_gemm,
+    scaled_grouped_mm,
+)
+from moe_gemm.ops import launch
+from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch
+from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
+from moe_gemm.testing import poison_
+from moe_gemm.testing_fp8 import (
+    GRANULARITIES,
+    REL_BOUND,
+    fp8_errors,
+    make_fp8_batched_inputs,
+    make_fp8_grouped_inputs,
+    make_fp8_moe_inputs,
+)
+
+from .gpu_report import record
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def cute(**fields) -> GemmConfig:
+    return GemmConfig(backend="cute", **fields)
+
+
+def _ran_kernel(before) -> bool:
+    """Whether a kernel launch was recorded since `before` (launch._local.raw's identity)."""
+    return getattr(launch._local, "raw", None) is not before
+
+
+def check(name, out, ref, **info):
+    """out against the fp64 reference: relative (Frobenius) error within REL_BOUND of the
+    output dtype, no element off by 2% of max|ref|, nothing non-finite."""
+    if out.numel() == 0:
+        record(name, True, **info)
+        return
+    finite = bool(torch.isfinite(out).all())
+    e = fp8_errors(out, ref)
+    bound = REL_BOUND[out.dtype]
+    passed = finite and e["rel"] <= bound and e["max_rel"] <= 2e-2
+    record(name, passed, finite=finite, bound=bound, **e, **info)
+    assert finite, f"{name}: output has NaN/inf (unwritten elements?)"
+    assert e["rel"] <= bound, f"{name}: relative error {e['rel']:.3g} > {bound:g} ({e})"
+    assert e["max_rel"] <= 2e-2, f"{name}: max error {e['max_rel']:.3g} of max|ref| ({e})"
+
+
+def run_mm(name, T, E, K, N, granularity, config, out_mode="alloc", *, total=None,
+           empty=0.3, seed=0, out_dtype=BF16, fp8=E4M3, skew=0.0):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(T, E, K, N, granularity, dtype=fp8, device=DEV,
+                                             empty_fraction=empty, total=total, seed=seed,
+                                             skew=skew)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+    end = int(offs[-1]) if E else 0
+    before = getattr(launch._local, "raw", None)
+    if out_mode == "given":
+        out = poison_(torch.empty(T, N, dtype=out_dtype, device=DEV))
+        y = scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=config)
+        assert y is out
+        untouched = bool(torch.isnan(out[end:].float()).all())
+        record(f"{name}/rows-past-offs-untouched", untouched)
+        assert untouched, f"{name}: rows past offs[-1] were written"
+        y, ref = y[:end], ref[:end]
+    else:
+        y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=out_dtype, config=config)
+    torch.cuda.synchronize()
+    assert _ran_kernel(before) or T * E * N == 0, f"{name}: the FP8 kernel did not run"
+    info = launch.last_launch()
+    c = info.choice
+    check(name, y, ref, tile=f"{c.schedule} {c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}",
+          tail_split=c.tail_split)
+    return x, w, sa, sb, offs, y
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("schedule,tile", [("cooperative", (128, 128)), ("pingpong", (64, 128))])
+@pytest.mark.parametrize("out_mode", ["alloc", "given"])
+def test_varlen_matrix(granularity, schedule, tile, out_mode):
+    cfg = cute(schedule=schedule, tile_m=tile[0], tile_n=tile[1])
+    run_mm(f"fp8/varlen/{granularity}/{schedule}/{out_mode}", 1000, 10, 384, 264, granularity,
+           cfg, out_mode, total=901, seed=1)
+
+
+@pytest.mark.parametrize("schedule,tile", [("cooperative", (128, 192)),
+                                           ("cooperative", (128, 160)),
+                                           ("cooperative", (128, 64)),
+                                           ("pingpong", (64, 192)), ("pingpong", (128, 64))])
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_varlen_tile_family(schedule, tile, granularity):
+    # N = 712: tiles starting at every offset within a 128-column scale block, a partial last
+    # tile and a partial last scale block; K = 640 (5 scale blocks).
+    cfg = cute(schedule=schedule, tile_m=tile[0], tile_n=tile[1])
+    run_mm(f"fp8/varlen/tile={schedule}-{tile[0]}x{tile[1]}/{granularity}", 700, 6, 640, 712,
+           granularity, cfg, "given", total=650, seed=2)
+
+
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
+def test_varlen_clusters(cluster):
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, cluster_m=cluster[0],
+               cluster_n=cluster[1])
+    run_mm(f"fp8/varlen/cluster={cluster[0]}x{cluster[1]}", 1500, 8, 512, 392, "block", cfg,
+           "alloc", seed=3)
+
+
+def test_varlen_tail_split():
+    # 8 x 300 rows, N = 1024: 24 x 8 = 192 tiles of 128x128 on 132 SMs: a last wave of 60 tiles
+    # (<= half the grid) split in two halves of K = 4096.
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
+    counts = [300] * 8
+    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=4)
+    offs.copy_(torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32))
+    y = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+    info = launch.last_launch()
+    assert info.choice.tail_split
+    check("fp8/varlen/tail-split", y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    unsplit = scaled_grouped_mm(x, w, sa, sb, offs, config=cute(schedule="cooperative",
+                                                                 tile_m=128, tile_n=128,
+                                                                 tail_split=False))
+    diff = float((unsplit.float() - y.float()).abs().max())
+    record("fp8/varlen/tail-split-vs-unsplit", diff <= 1e-2 * float(y.float().abs().max()),
+           max_abs_diff=diff)
+
+
+@pytest.mark.parametrize("K", [7168, 14336])
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_long_k_accuracy(K, granularity):
+    """fp32 output, so the error is the kernel's own: the promotion every 128 of K keeps it at
+    fp32-accumulation level (DeepGEMM-class: well under 1e-3 relative)."""
+    run_mm(f"fp8/long-k/K={K}/{granularity}", 512, 4, K, 256, granularity, None, "alloc",
+           empty=0.0, seed=5, out_dtype=FP32)
+
+
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_edge_rows_and_single_rows(schedule):
+    # Experts of 1, 63, 64, 65, 127, 128, 129, 0, 191, 193 rows: every side of the 64-row
+    # line of a tile and of the tile itself; then T = 1.
+    counts = [1, 63, 64, 65, 127, 128, 129, 0, 191, 193]
+    T = sum(counts) + 7
+    x, w, sa, sb, offs = make_fp8_moe_inputs(T, len(counts), 256, 136, "block", device=DEV,
+                                             seed=6)
+    offs.copy_(torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32))
+    y = scaled_grouped_mm(x, w, sa, sb, offs, config=cute(schedule=schedule))
+    check(f"fp8/edge-rows/{schedule}", y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    run_mm(f"fp8/M=1/{schedule}", 1, 4, 256, 136, "block", cute(schedule=schedule), "alloc",
+           empty=0.0, seed=7)
+
+
+def test_decode_and_prefill_defaults():
+    """The default choices on the issue's shapes: E=256 decode routing (~8 rows per expert,
+    N=512 K=7168) and a DeepSeek-V3 EP-shard prefill slice (E=8 local experts, 8k rows)."""
+    run_mm("fp8/default/decode-E256", 2048, 256, 7168, 512, "block", None, "alloc", empty=0.0,
+           seed=8, skew=1.0)
+    run_mm("fp8/default/prefill-E8", 8192, 8, 7168, 2048, "block", None, "given", empty=0.0,
+           seed=9)
+
+
+def test_out_dtypes_and_e5m2():
+    for odt in (BF16, FP16, FP32):
+        run_mm(f"fp8/out={odt}", 600, 5, 256, 200, "block", None, "alloc", seed=10,
+               out_dtype=odt)
+    run_mm("fp8/e5m2/block", 600, 5, 256, 200, "block", None, "given", seed=11, fp8=E5M2)
+    run_mm("fp8/e5m2/row", 600, 5, 256, 200, "row", None, "alloc", seed=12, fp8=E5M2)
+
+
+def test_bad_offs_never_write_outside_out():
+    T, N = 300, 64
+    x, w, sa, sb, offs = make_fp8_moe_inputs(T, 4, 256, N, "block", device=DEV, seed=13)
+    buf = poison_(torch.empty(T + 256, N, dtype=BF16, device=DEV))
+    out = buf[128:128 + T]
+    for bad in ([-7, T + 50, 3, T + 1000], [5, 2, 2**31 - 1, -2**31], [T, T, T, T]):
+        offs.copy_(torch.tensor(bad, dtype=torch.int32, device=DEV))
+        scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cute())
+        torch.cuda.synchronize()
+        intact = bool(torch.isnan(buf[:128].float()).all() and
+                      torch.isnan(buf[128 + T:].float()).all())
+        record(f"fp8/bad-offs/{bad}", intact)
+        assert intact, f"bad offs {bad} wrote outside out"
+        y = scaled_grouped_mm(x, w, sa, sb, offs, config=cute())
+        assert bool(torch.isfinite(y.float()).all())
+
+
+def test_cuda_graph_replay_and_no_host_sync():
+    E, T, K, N = 16, 512, 512, 256
+    x, w, sa, sb, offs = make_fp8_moe_inputs(T, E, K, N, "block", device=DEV, seed=14)
+    cfg = cute()
+    scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)  # compile + plan outside capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
+    try:
+        scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    record("fp8/no-host-sync", True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+    for trial in range(3):
+        x2, _, sa2, _, offs2 = make_fp8_moe_inputs(T, E, K, N, "block", device=DEV,
+                                                   seed=100 + trial, empty_fraction=0.3)
+        x.copy_(x2)
+        sa.copy_(sa2)
+        offs.copy_(offs2)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(f"fp8/cuda-graph/replay{trial}", y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+
+
+def test_deterministic():
+    x, w, sa, sb, offs = make_fp8_moe_inputs(3000, 16, 2048, 512, "block", device=DEV, seed=15)
+    a = scaled_grouped_mm(x, w, sa, sb, offs, config=cute())
+    b = scaled_grouped_mm(x, w, sa, sb, offs, config=cute())
+    same = bool(torch.equal(a, b))
+    record("fp8/deterministic", same)
+    assert same
+
+
+# ---------------------------------------------------------------------------------------------
+# batched and general
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_batched(granularity):
+    x, w, sa, sb = make_fp8_batched_inputs(12, 200, 384, 264, granularity, device=DEV, seed=16)
+    out = poison_(torch.empty(12, 200, 264, dtype=BF16, device=DEV))
+    y = scaled_grouped_mm(x, w, sa, sb, out=out, config=cute())
+    check(f"fp8/batched/{granularity}", y, scaled_grouped_mm_ref(x, w, sa, sb))
+
+
+def test_batched_decode_headline():
+    """256 x (128 x 512 x 7168), each problem its own weights: the FP8 decode headline."""
+    x, w, sa, sb = make_fp8_batched_inputs(256, 128, 7168, 512, "block", device=DEV, seed=17)
+    y = scaled_grouped_mm(x, w, sa, sb)
+    c = launch.last_launch().choice
+    check("fp8/batched/headline-256x128x512x7168", y, scaled_grouped_mm_ref(x, w, sa, sb),
+          tile=f"{c.schedule} {c.tile_m}x{c.tile_n}")
+    # M = 1 problems.
+    x, w, sa, sb = make_fp8_batched_inputs(64, 1, 1024, 256, "row", device=DEV, seed=18)
+    check("fp8/batched/M=1", scaled_grouped_mm(x, w, sa, sb, config=cute()),
+          scaled_grouped_mm_ref(x, w, sa, sb))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("out_mode", ["alloc", "given"])
+def test_general(granularity, out_mode):
+    sizes = [(300, 256, 512), (0, 128, 256), (1, 64, 128), (129, 520, 384), (64, 16, 1024),
+             (77, 200, 128), (5, 48, 0 if granularity != "block" else 128)]
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, granularity, device=DEV, seed=19)
+    refs = scaled_grouped_gemm_ref(a, b, sa, sb)
+    if out_mode == "given":
+        outs = [poison_(torch.empty(m, n, dtype=FP16, device=DEV)) for m, n, _ in sizes]
+        res = scaled_grouped_gemm(a, b, sa, sb, out=outs, config=cute())
+        assert all(r is o for r, o in zip(res, outs))
+    else:
+        res = scaled_grouped_gemm(a, b, sa, sb, config=cute())
+    for i, (r, ref) in enumerate(zip(res, refs)):
+        check(f"fp8/general/{granularity}/{out_mode}/{i}", r, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# the 1x128 quantization kernel
+
+
+@pytest.mark.parametrize("src", [BF16, FP16, FP32])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_quantize_kernel_matches_torch_bit_for_bit(src, fp8):
+    gen = torch.Generator(device=DEV).manual_seed(20)
+    for T, K in ((1, 128), (777, 7168), (64, 2048)):
+        x = (torch.randn(T, K, generator=gen, device=DEV)
+             * 10.0 ** torch.randint(-3, 4, (T, 1), generator=gen, device=DEV)).to(src)
+        x[0, :128] = 0  # an all-zero group
+        assert _kernel_ok(x)  # the DSL kernel, not the torch formula, runs below
+        q, s = quantize_fp8_per_token_group(x, dtype=fp8)
+        qt, st = _per_token_group_torch(x, 128, fp8)
+        same = bool(torch.equal(q.view(torch.uint8), qt.view(torch.uint8))
+                    and torch.equal(s, st))
+        record(f"fp8/quantize/{src}->{fp8}/T={T},K={K}", same)
+        assert same, f"kernel and torch quantization differ ({src} -> {fp8}, {T}x{K})"
+    # A strided view (rows of a wider tensor) and 3-D input.
+    wide = torch.randn(33, 1024 + 256, generator=gen, device=DEV).to(src)
+    q, s = quantize_fp8_per_token_group(wide[:, 256:], dtype=fp8)
+    qt, st = _per_token_group_torch(wide[:, 256:], 128, fp8)
+    assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s, st)
+    x3 = torch.randn(2, 5, 384, generator=gen, device=DEV).to(src)
+    q, s = quantize_fp8_per_token_group(x3, dtype=fp8)
+    assert q.shape == x3.shape and s.shape == (2, 5, 3)

@@ -1,0 +1,68 @@
+"""The FP8 kernel variants the GPU tests launch (test_fp8_gpu.py, the FP8 layer tests), derived
+from their cases through the library's own FP8 kernel choice, so scripts/precompile.py
+--set fp8 compiles them all in parallel before the tests start (no GPU needed). A case added
+to the tests and missed here compiles inside the test."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_gemm import GemmConfig
+from moe_gemm.ops.heuristics_fp8 import choose_fp8
+from moe_gemm.ops.scaled_launch import fp8_compile_key
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def fp8_test_variants() -> list:
+    from moe_gemm.kernels.sm90.compile_fp8 import QuantCompileKey, fp8_check_variants
+
+    keys: set = set(fp8_check_variants())
+
+    def add(form, granularity, config, avg_m, N, K, out=BF16, fp8=E4M3):
+        choice = choose_fp8(form, config or GemmConfig(), avg_m, N, K, out.itemsize,
+                            granularity)
+        keys.add(fp8_compile_key(form, fp8, out, granularity, choice))
+
+    def cute(**f):
+        return GemmConfig(backend="cute", **f)
+
+    for g in ("block", "row", "tensor"):
+        for sched, tile in (("cooperative", (128, 128)), ("pingpong", (64, 128))):
+            add("varlen", g, cute(schedule=sched, tile_m=tile[0], tile_n=tile[1]), 100, 264, 384)
+        add("batched", g, cute(), 200, 264, 384)
+        add("general", g, cute(), 96, 520, 1024, FP16)
+        add("general", g, cute(), 96, 520, 1024)
+    for sched, tile in (("cooperative", (128, 192)), ("cooperative", (128, 160)),
+                        ("cooperative", (128, 64)), ("pingpong", (64, 192)),
+                        ("pingpong", (128, 64))):
+        for g in ("block", "row"):
+            add("varlen", g, cute(schedule=sched, tile_m=tile[0], tile_n=tile[1]), 116, 712, 640)
+    for cm, cn in ((2, 1), (1, 2)):
+        add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
+                                    cluster_m=cm, cluster_n=cn), 187, 392, 512)
+    for ts in (True, False):
+        add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
+                                    tail_split=ts), 300, 1024, 4096)
+    for K in (7168, 14336):
+        for g in ("block", "row"):
+            add("varlen", g, None, 128, 256, K, FP32)
+    for sched in ("cooperative", "pingpong"):
+        add("varlen", "block", cute(schedule=sched), 96, 136, 256)
+        add("varlen", "block", cute(schedule=sched), 0.25, 136, 256)
+    add("varlen", "block", None, 8, 512, 7168)
+    add("varlen", "block", None, 1024, 2048, 7168)
+    for out in (BF16, FP16, FP32):
+        add("varlen", "block", None, 120, 200, 256, out)
+    add("varlen", "block", None, 120, 200, 256, BF16, E5M2)
+    add("varlen", "row", None, 120, 200, 256, BF16, E5M2)
+    add("varlen", "block", cute(), 75, 64, 256)
+    add("varlen", "block", cute(), 32, 256, 512)
+    add("varlen", "block", cute(), 187, 512, 2048)
+    add("batched", "block", None, 128, 512, 7168)
+    add("batched", "row", cute(), 1, 256, 1024)
+    for src in ("bfloat16", "float16", "float32"):
+        for dst in ("float8_e4m3fn", "float8_e5m2"):
+            keys.add(QuantCompileKey(src, dst))
+    return sorted(keys, key=lambda k: k.name())
