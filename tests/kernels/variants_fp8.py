@@ -62,6 +62,22 @@ def fp8_test_variants() -> list:
     add("varlen", "block", cute(), 187, 512, 2048)
     add("batched", "block", None, 128, 512, 7168)
     add("batched", "row", cute(), 1, 256, 1024)
+    # The FP8 benchmark's shapes, its default and sweep configs (benchmarks/bench_fp8.py).
+    try:
+        from benchmarks import bench_fp8
+    except ImportError:  # (an installed package without the checkout's benchmarks/)
+        bench_fp8 = None
+    for shape in bench_fp8.SHAPES if bench_fp8 else ():
+        avg = shape.rows if shape.form == "batched" else shape.rows / shape.groups
+        for g in ("block", "row"):
+            add(shape.form, g, None, avg, shape.N, shape.K)
+        for cfg in bench_fp8.sweep_configs(shape).values():
+            add(shape.form, "block", cfg, avg, shape.N, shape.K)
+    for g in ("block", "row"):
+        add("varlen", g, None, 128, 256, 7168)
+        add("varlen", g, None, 128, 256, 14336)
+        add("varlen", g, None, 128, 256, 7168, FP32)
+        add("varlen", g, None, 128, 256, 14336, FP32)
     for src in ("bfloat16", "float16", "float32"):
         for dst in ("float8_e4m3fn", "float8_e5m2"):
             keys.add(QuantCompileKey(src, dst))

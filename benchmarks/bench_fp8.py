@@ -1,0 +1,513 @@
+"""The FP8 grouped GEMM against its peers, on one GPU, in one process, in bounded time:
+
+    python -m benchmarks.bench_fp8 --out fp8.json [--budget-s 270] [--smoke] [--no-sweep]
+
+1. Ceilings measured in the same run: device-to-device copy bandwidth (the floor of the
+   memory-bound decode rows) and, per compute-bound shape, the dense FP8 torch._scaled_mm of
+   the same M x N x K (row-wise scales; and per-tensor with fast accumulation, the fastest
+   dense FP8 path torch has).
+2. Shapes: the FP8 decode headline (256 x 128x512x7168, each problem its own weights, the
+   batched form), E=256 decode routing (256 and 2048 routed rows, N=512, K=7168), and
+   DeepSeek-V3 / Kimi-K2 expert-parallel prefill shards (4k-32k rows; up 4096x7168, down
+   7168x2048; DeepGEMM's published 4 x 8192 rows among them).
+3. Per shape, interleaved round by round, each captured in a CUDA graph: ours (block scales,
+   the default config, and with --sweep a few alternative configs), ours row-wise,
+   torch._scaled_grouped_mm (row-wise, where the installed torch has it), torch's
+   block-scaled grouped mm (where it exists), our bf16 kernel and torch's bf16 grouped_mm on
+   the same shape, and the dense FP8 ceiling. Each implementation's result is spot-checked
+   against the fp64 product of its own dequantized operands (256 sampled rows) first.
+4. Accuracy on long K (7168, 14336): relative error against fp64 with fp32 output.
+5. The activation quantizer (1x128 groups): our kernel against the torch op sequence.
+
+Times are medians of back-to-back CUDA-graph replays between events (benchmarks.clock),
+in us; TFLOP/s count 2*M*N*K; bytes are the compulsory ones (FP8 operands read once, scales,
+bf16 output written). The JSON is written after every shape, so a run cut short keeps what
+finished. On a machine without the Hopper kernels --smoke checks the harness on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.clock import Clock
+
+E4M3 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    form: str  # "batched" | "varlen"
+    groups: int  # G (batched) or E (varlen)
+    rows: int  # M per problem (batched) or T routed rows (varlen)
+    N: int
+    K: int
+    bound: str  # "memory" | "compute"
+    note: str = ""
+
+
+SHAPES = [
+    Shape("decode-headline", "batched", 256, 128, 512, 7168, "memory",
+          "256 problems of 128x512x7168, each its own weights"),
+    Shape("decode-e256-rows256", "varlen", 256, 256, 512, 7168, "memory",
+          "DeepSeek-V3 gate_up at TP8, 32 tokens x top-8"),
+    Shape("decode-e256-rows2048", "varlen", 256, 2048, 512, 7168, "memory",
+          "DeepSeek-V3 gate_up at TP8, 256 tokens x top-8"),
+    Shape("dsv3-ep32-up-8k", "varlen", 8, 8192, 4096, 7168, "compute",
+          "DeepSeek-V3 EP32 shard (8 experts) gate_up, 8k rows"),
+    Shape("dsv3-ep32-down-8k", "varlen", 8, 8192, 7168, 2048, "compute",
+          "DeepSeek-V3 EP32 shard down, 8k rows"),
+    Shape("deepgemm-4x8192-up", "varlen", 4, 32768, 4096, 7168, "compute",
+          "DeepGEMM's contiguous 4 x 8192 rows, N4096 K7168"),
+    Shape("deepgemm-4x8192-down", "varlen", 4, 32768, 7168, 2048, "compute",
+          "DeepGEMM's contiguous 4 x 8192 rows, N7168 K2048"),
+    Shape("kimi-k2-ep32-up-16k", "varlen", 12, 16384, 4096, 7168, "compute",
+          "Kimi-K2 EP32 shard (12 of 384 experts) gate_up, 16k rows"),
+]
+SMOKE_SHAPES = [
+    Shape("smoke-batched", "batched", 4, 64, 128, 256, "memory"),
+    Shape("smoke-varlen", "varlen", 4, 100, 128, 256, "compute"),
+]
+
+
+def sweep_configs(shape: Shape) -> dict[str, Any]:
+    """Alternative FP8 configs timed beside the default (--sweep)."""
+    from moe_gemm import GemmConfig
+
+    c = {
+        "coop-128x128": GemmConfig(schedule="cooperative", tile_m=128, tile_n=128,
+                                   tail_split=False),
+        "coop-128x192": GemmConfig(schedule="cooperative", tile_m=128, tile_n=192,
+                                   tail_split=False),
+        "coop-128x160": GemmConfig(schedule="cooperative", tile_m=128, tile_n=160,
+                                   tail_split=False),
+        "pp-64x128": GemmConfig(schedule="pingpong", tile_m=64, tile_n=128),
+        "pp-64x192": GemmConfig(schedule="pingpong", tile_m=64, tile_n=192),
+    }
+    if shape.form == "batched":
+        c["coop-128x128-c1x2"] = GemmConfig(schedule="cooperative", tile_m=128, tile_n=128,
+                                            cluster_m=1, cluster_n=2)
+    else:
+        c["coop-128x128-c2x1"] = GemmConfig(schedule="cooperative", tile_m=128, tile_n=128,
+                                            cluster_m=2, cluster_n=1)
+        if shape.bound == "compute":
+            c["coop-128x128-ts"] = GemmConfig(schedule="cooperative", tile_m=128, tile_n=128,
+                                              tail_split=True)
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# operands
+
+
+def routed_offs(T: int, E: int, seed: int, device) -> torch.Tensor:
+    """Rows per expert as top-8-of-E routing gives them: a log-normal expert popularity (the
+    busiest expert ~3x the mean), every row one expert."""
+    gen = torch.Generator().manual_seed(seed)
+    pop = torch.randn(E, generator=gen).mul(0.6).exp()
+    picks = torch.multinomial(pop / pop.sum(), T, replacement=True, generator=gen)
+    return torch.bincount(picks, minlength=E).cumsum(0).to(torch.int32).to(device)
+
+
+def fp8_weights(G: int, N: int, K: int, seed: int, device) -> dict[str, torch.Tensor]:
+    """Block-scaled and row-wise FP8 weights [G, K, N] (K-major views) and bf16 ones, built a
+    few experts at a time (a 256 x 512 x 7168 fp32 draw would be 3.7 GB)."""
+    from moe_gemm import quantize_fp8_per_block, quantize_fp8_per_row
+
+    wb = torch.empty(G, N, K, dtype=E4M3, device=device)
+    wr = torch.empty(G, N, K, dtype=E4M3, device=device)
+    w16 = torch.empty(G, N, K, dtype=BF16, device=device)
+    sb = torch.empty(G, -(-N // 128), -(-K // 128), device=device)
+    sr = torch.empty(G, N, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    step = max(1, (1 << 27) // (N * K))
+    for g in range(0, G, step):
+        w = torch.randn(min(step, G - g), N, K, generator=gen, device=device) / K ** 0.5
+        q, s = quantize_fp8_per_block(w)
+        wb[g:g + len(w)], sb[g:g + len(w)] = q, s
+        q, s = quantize_fp8_per_row(w)
+        wr[g:g + len(w)], sr[g:g + len(w)] = q, s
+        w16[g:g + len(w)] = w
+    return {"wb": wb.transpose(1, 2), "sb": sb.transpose(1, 2), "wr": wr.transpose(1, 2),
+            "sr": sr, "w16": w16.transpose(1, 2)}
+
+
+def fp8_acts(shape_lead: tuple[int, ...], K: int, seed: int, device) -> dict[str, torch.Tensor]:
+    from moe_gemm import quantize_fp8_per_row, quantize_fp8_per_token_group
+
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.randn(*shape_lead, K, generator=gen, device=device).to(BF16)
+    xb, sa = quantize_fp8_per_token_group(x)
+    xr, sar = quantize_fp8_per_row(x)
+    return {"x16": x, "xb": xb, "sa": sa, "xr": xr, "sar": sar}
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+
+
+def spot_error(y: torch.Tensor, x, w, sa, sb, offs, granularity: str, rows: int = 256) -> float:
+    """Relative (Frobenius) error of `rows` sampled output rows against the fp64 product of
+    the dequantized operands (bf16 operands when sa is None), each problem's weight
+    dequantized once."""
+    from moe_gemm.ops.scaled_validation import a_scale_view, b_scale_view
+
+    gen = torch.Generator().manual_seed(5)
+    batched = offs is None
+    if batched:
+        G, M = x.shape[0], x.shape[1]
+        pick = torch.randint(0, G * M, (min(rows, G * M),), generator=gen)
+        pairs = list(zip((pick // M).tolist(), (pick % M).tolist()))
+    else:
+        bounds = offs.cpu().tolist()
+        picked = torch.randperm(bounds[-1], generator=gen)[:rows].tolist() if bounds else []
+        edges = torch.tensor(bounds)
+        pairs = [(int(torch.searchsorted(edges, r, right=True)), r) for r in picked]
+    if sa is not None:
+        lead = (x.shape[0],) if batched else ()
+        sav = a_scale_view(sa, granularity, lead, x.shape[-2])
+        sbv = b_scale_view(sb, granularity, (w.shape[0],), w.shape[2])
+    by_problem: dict[int, list[int]] = {}
+    for p, r in pairs:
+        by_problem.setdefault(p, []).append(r)
+    errs = norms = 0.0
+    for p, rs in by_problem.items():
+        idx = torch.tensor(rs, device=x.device)
+        xs = (x[p] if batched else x).index_select(0, idx).double()
+        ys = (y[p] if batched else y).index_select(0, idx).double()
+        b = w[p].double()
+        if sa is not None:
+            s_a = (sav[p] if batched else sav).index_select(0, idx).double()
+            s_b = sbv[p].double()
+            if granularity == "block":
+                xs = xs * s_a.repeat_interleave(128, 1)[:, : xs.shape[1]]
+                K, N = b.shape
+                b = b * s_b.repeat_interleave(128, 0)[:K].repeat_interleave(128, 1)[:, :N]
+            else:
+                xs, b = xs * s_a, b * s_b
+        ref = xs @ b
+        errs += float((ys - ref).pow(2).sum())
+        norms += float(ref.pow(2).sum())
+    return (errs / norms) ** 0.5 if norms else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# implementations
+
+
+def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Callable, dict]]:
+    """name -> (call, operands for the spot check) for one shape's operands."""
+    import torch.nn.functional as F
+
+    import moe_gemm
+
+    x, w, o = ops["acts"], ops["w"], ops.get("offs")
+    impls: dict[str, tuple[Callable, dict]] = {}
+    block = {"x": x["xb"], "w": w["wb"], "sa": x["sa"], "sb": w["sb"], "g": "block"}
+    row = {"x": x["xr"], "w": w["wr"], "sa": x["sar"], "sb": w["sr"], "g": "row"}
+    bf16 = {"x": x["x16"], "w": w["w16"], "sa": None, "sb": None, "g": "bf16"}
+
+    def ours(a, cfg=None):
+        return lambda: moe_gemm.scaled_grouped_mm(a["x"], a["w"], a["sa"], a["sb"], o,
+                                                  config=cfg)
+
+    impls["ours-fp8-block"] = (ours(block), block)
+    impls["ours-fp8-row"] = (ours(row), row)
+    if sweep:
+        for name, cfg in sweep_configs(shape).items():
+            impls[f"ours-fp8-block/{name}"] = (ours(block, cfg), block)
+    if hasattr(torch, "_scaled_grouped_mm"):
+        impls["torch-scaled-grouped-mm-row"] = (
+            lambda: torch._scaled_grouped_mm(row["x"], row["w"], row["sa"], row["sb"], offs=o,
+                                             out_dtype=BF16), row)
+    blockwise = getattr(F, "scaled_grouped_mm", None)
+    scaling = getattr(F, "ScalingType", None)
+    if blockwise is not None and scaling is not None and hasattr(scaling, "BlockWise1x128"):
+        impls["torch-scaled-grouped-mm-block"] = (
+            lambda: blockwise(block["x"], block["w"], block["sa"], scaling.BlockWise1x128,
+                              block["sb"], scaling.BlockWise128x128, offs=o,
+                              output_dtype=BF16), block)
+    impls["ours-bf16"] = (lambda: moe_gemm.grouped_mm(bf16["x"], bf16["w"], o), bf16)
+    if x["x16"].device.type != "cuda":
+        return impls
+    if hasattr(F, "grouped_mm"):
+        impls["torch-grouped-mm-bf16"] = (lambda: F.grouped_mm(bf16["x"], bf16["w"], offs=o),
+                                          bf16)
+    if shape.form == "batched":
+        impls["torch-bmm-bf16"] = (lambda: torch.bmm(bf16["x"], bf16["w"]), bf16)
+    return impls
+
+
+def dense_ceilings(shape: Shape, device) -> dict[str, Callable]:
+    """The dense FP8 GEMM of the shape's total M x N x K (one weight): row-wise scales, and
+    per-tensor scales with fast accumulation."""
+    if not hasattr(torch, "_scaled_mm") or torch.device(device).type != "cuda":
+        return {}
+    M = shape.groups * shape.rows if shape.form == "batched" else shape.rows
+    gen = torch.Generator(device=device).manual_seed(3)
+    a = torch.randn(M, shape.K, generator=gen, device=device).to(E4M3)
+    b = torch.randn(shape.N, shape.K, generator=gen, device=device).to(E4M3).t()
+    sa, sb = torch.ones(M, 1, device=device), torch.ones(1, shape.N, device=device)
+    one = torch.ones((), device=device)
+    return {
+        "dense-fp8-row": lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=BF16),
+        "dense-fp8-tensor-fast": lambda: torch._scaled_mm(a, b, one, one, out_dtype=BF16,
+                                                          use_fast_accum=True),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def graphed(fn: Callable[[], Any], device) -> Callable[[], Any]:
+    """fn captured in a CUDA graph (its inputs static tensors): the replay (fn on the CPU)."""
+    if torch.device(device).type != "cuda":
+        return fn
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def time_round_robin(clock: Clock, fns: dict[str, Callable], reps: int) -> dict[str, float]:
+    """Median us per call of each fn, sampled round by round (each sample: back-to-back calls
+    for ~5 ms of GPU work behind a 1 ms backlog)."""
+    calls = {}
+    for name, fn in fns.items():
+        est = statistics.median(clock.single([fn], 3))
+        calls[name] = max(1, min(200, int(5.0 / max(est, 1e-3))))
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            samples[name] += clock.back_to_back([fn], 1, calls[name], 1.0)
+    return {n: statistics.median(s) * 1e3 for n, s in samples.items()}
+
+
+def compulsory_bytes(shape: Shape, offs: torch.Tensor | None, fp8: bool) -> int:
+    e = 1 if fp8 else 2
+    if shape.form == "batched":
+        G, M, N, K = shape.groups, shape.rows, shape.N, shape.K
+        scales = G * (M * K // 128 + (K // 128) * -(-N // 128)) * 4 if fp8 else 0
+        return G * (M * K * e + K * N * e + M * N * 2) + scales
+    T, N, K = shape.rows, shape.N, shape.K
+    counts = torch.diff(offs.cpu(), prepend=torch.zeros(1, dtype=offs.dtype))
+    active = int((counts > 0).sum())
+    scales = (T * K // 128 + active * (K // 128) * -(-N // 128)) * 4 if fp8 else 0
+    return T * K * e + active * K * N * e + T * N * 2 + scales
+
+
+def copy_bandwidth(clock: Clock, device, smoke: bool) -> float:
+    """Bytes per second (read + written) of a 1 GiB device-to-device copy (4 MiB smoke)."""
+    src = torch.empty(1 << (22 if smoke else 30), dtype=torch.uint8, device=device).random_()
+    src = src.view(BF16)
+    dst = torch.empty_like(src)
+    ms = statistics.median(clock.back_to_back([lambda: dst.copy_(src)], 10, 2, 1.0))
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def run_shape(shape: Shape, clock: Clock, device, reps: int, sweep: bool, copy_bps: float
+              ) -> dict[str, Any]:
+    res: dict[str, Any] = {**asdict(shape), "impls": {}}
+    if shape.form == "batched":
+        ops = {"acts": fp8_acts((shape.groups, shape.rows), shape.K, 0, device),
+               "w": fp8_weights(shape.groups, shape.N, shape.K, 0, device), "offs": None}
+        flops = 2 * shape.groups * shape.rows * shape.N * shape.K
+    else:
+        ops = {"acts": fp8_acts((shape.rows,), shape.K, 0, device),
+               "w": fp8_weights(shape.groups, shape.N, shape.K, 0, device),
+               "offs": routed_offs(shape.rows, shape.groups, 0, device)}
+        flops = 2 * shape.rows * shape.N * shape.K
+    offs = ops["offs"]
+    fns: dict[str, Callable] = {}
+    for name, (fn, a) in implementations(shape, ops, sweep).items():
+        try:
+            y = fn()
+            clock.sync()
+            err = spot_error(y, a["x"], a["w"], a["sa"], a["sb"], offs, a["g"])
+            fns[name] = graphed(fn, device)
+            res["impls"][name] = {"spot_rel_err": err}
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot take the shape
+            res["impls"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    dense = {}
+    if shape.bound == "compute":
+        for name, fn in dense_ceilings(shape, device).items():
+            try:
+                fn()
+                dense[name] = graphed(fn, device)
+            except Exception as exc:  # noqa: BLE001
+                res["impls"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    times = time_round_robin(clock, {**fns, **dense}, reps)
+    fp8_floor_us = compulsory_bytes(shape, offs, True) / copy_bps * 1e6
+    bf16_floor_us = compulsory_bytes(shape, offs, False) / copy_bps * 1e6
+    for name, us in times.items():
+        entry = res["impls"].setdefault(name, {})
+        fp8 = "bf16" not in name
+        entry.update(us=round(us, 2), tflops=round(flops / us / 1e6, 1),
+                     floor_fraction=round((fp8_floor_us if fp8 else bf16_floor_us) / us, 3))
+    res["fp8_floor_us"] = round(fp8_floor_us, 2)
+    res["bf16_floor_us"] = round(bf16_floor_us, 2)
+    ours = times.get("ours-fp8-block")
+    if ours:
+        peers = {n: t for n, t in times.items() if not n.startswith(("ours", "dense"))
+                 and "bf16" not in n}
+        if peers:
+            best = min(peers, key=peers.get)
+            res["best_fp8_peer"] = best
+            res["ours_speedup_vs_best_fp8_peer"] = round(peers[best] / ours, 3)
+        if dense:
+            ceiling = min(times[n] for n in dense)
+            res["dense_ceiling_us"] = round(ceiling, 2)
+            res["ours_fraction_of_dense"] = round(ceiling / ours, 3)
+        if "ours-bf16" in times:
+            res["ours_fp8_speedup_vs_ours_bf16"] = round(times["ours-bf16"] / ours, 3)
+        sweep_best = min((t, n) for n, t in times.items() if n.startswith("ours-fp8-block"))
+        res["best_ours_config"] = sweep_best[1]
+    del ops
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def accuracy(device, smoke: bool) -> list[dict[str, Any]]:
+    import moe_gemm
+    from moe_gemm.ops.scaled_reference import scaled_grouped_mm_ref
+    from moe_gemm.testing_fp8 import fp8_errors, make_fp8_moe_inputs
+
+    out = []
+    for K in ((256,) if smoke else (7168, 14336)):
+        for g in ("block", "row"):
+            x, w, sa, sb, offs = make_fp8_moe_inputs(512, 4, K, 256, g, device=device, seed=K)
+            ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+            row = {"K": K, "granularity": g}
+            y = moe_gemm.scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=torch.float32)
+            row["ours_fp32_out"] = fp8_errors(y, ref)
+            y = moe_gemm.scaled_grouped_mm(x, w, sa, sb, offs)
+            row["ours_bf16_out"] = fp8_errors(y, ref)
+            if g == "row" and hasattr(torch, "_scaled_grouped_mm"):
+                try:
+                    yt = torch._scaled_grouped_mm(x, w, sa, sb, offs=offs, out_dtype=BF16)
+                    row["torch_scaled_grouped_mm_bf16_out"] = fp8_errors(yt, ref)
+                except Exception as exc:  # noqa: BLE001
+                    row["torch_scaled_grouped_mm_bf16_out"] = {"error": str(exc)[:200]}
+            out.append(row)
+    return out
+
+
+def quantize_cost(clock: Clock, device, smoke: bool, reps: int) -> list[dict[str, Any]]:
+    from moe_gemm import quantize_fp8_per_token_group
+    from moe_gemm.ops.quantize import _per_token_group_torch
+
+    rows = []
+    for T in ((64,) if smoke else (256, 2048, 8192, 32768)):
+        K = 256 if smoke else 7168
+        x = torch.randn(T, K, device=device).to(BF16)
+        fns = {"ours-kernel": graphed(lambda: quantize_fp8_per_token_group(x), device),
+               "torch-ops": graphed(lambda: _per_token_group_torch(x, 128, E4M3), device)}
+        times = time_round_robin(clock, fns, reps)
+        moved = T * K * (2 + 1) + T * K // 128 * 4
+        rows.append({"T": T, "K": K, **{f"{n}_us": round(t, 2) for n, t in times.items()},
+                     "ours_gbps": round(moved / times["ours-kernel"] / 1e3, 1)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--budget-s", type=float, default=270.0, help="stop starting shapes after")
+    p.add_argument("--reps", type=int, default=7, help="round-robin rounds per shape")
+    p.add_argument("--only", default="", help="comma-separated shape names")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false",
+                   help="time only the default config of ours")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (harness check)")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    clock = Clock(device)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.only:
+        wanted = set(args.only.split(","))
+        shapes = [s for s in shapes if s.name in wanted]
+    import moe_gemm
+
+    doc: dict[str, Any] = {
+        "suite": "fp8",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "torch": torch.__version__, "moe_gemm": moe_gemm.__version__,
+        "python": platform.python_version(), "shapes": [],
+        "method": "back-to-back CUDA-graph replays between events, median of --reps rounds "
+                  "interleaved across implementations; us per call",
+    }
+    out = Path(args.out)
+
+    def save():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, default=str))
+
+    doc["copy_bytes_per_s"] = copy_bps = copy_bandwidth(clock, device, args.smoke)
+    save()
+    for sections in (("quantize", lambda: quantize_cost(clock, device, args.smoke, args.reps)),
+                     ("accuracy", lambda: accuracy(device, args.smoke))):
+        try:
+            doc[sections[0]] = sections[1]()
+        except Exception:  # noqa: BLE001 - keep going: the shapes matter most
+            doc[sections[0]] = {"error": traceback.format_exc()[-600:]}
+        save()
+    for shape in shapes:
+        if time.monotonic() - t0 > args.budget_s:
+            doc["shapes"].append({"name": shape.name, "skipped": "time budget"})
+            continue
+        try:
+            doc["shapes"].append(run_shape(shape, clock, device, args.reps, args.sweep,
+                                           copy_bps))
+        except Exception:  # noqa: BLE001
+            doc["shapes"].append({"name": shape.name, "error": traceback.format_exc()[-800:]})
+        save()
+        print(_line(doc["shapes"][-1]), flush=True)
+    doc["seconds"] = round(time.monotonic() - t0, 1)
+    save()
+    return 0
+
+
+def _line(r: dict[str, Any]) -> str:
+    if "impls" not in r:
+        return f"{r['name']}: {r.get('skipped') or r.get('error', '')[-200:]}"
+    parts = [f"{r['name']}:"]
+    for n, e in r["impls"].items():
+        parts.append(f"  {n} {e.get('us', '-')} us {e.get('tflops', '')} TF "
+                     f"floor {e.get('floor_fraction', '')} err {e.get('spot_rel_err', '')}"
+                     + (f" ERROR {e['error'][:80]}" if "error" in e else ""))
+    for k in ("fp8_floor_us", "dense_ceiling_us", "ours_fraction_of_dense",
+              "ours_speedup_vs_best_fp8_peer", "best_fp8_peer", "best_ours_config"):
+        if k in r:
+            parts.append(f"  {k}: {r[k]}")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
