@@ -150,3 +150,51 @@ def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, name: str = "out") ->
     bound = REL_BOUND.get(out.dtype, 5e-4)
     assert e["rel"] <= bound, f"{name}: relative error {e['rel']:.3g} > {bound:g} ({e})"
     assert e["max_rel"] <= 2e-2, f"{name}: max error {e['max_rel']:.3g} of max|ref| ({e})"
+
+
+def moe_fp8_reference(layer, hidden_states: torch.Tensor) -> torch.Tensor:
+    """What an FP8 MoE layer computes, in fp64 where the layer accumulates: the layer's own
+    routing; per slot, the token quantized as the layer quantizes it (1x128 groups for block
+    scales, per token otherwise) and multiplied by its expert's dequantized weights; the
+    intermediate rounded to the compute dtype, gated, quantized again, through the down
+    weights; the slots summed with their weights; plus the layer's shared expert."""
+    from moe_gemm.layers.experts import gated, resolve_activation
+    from moe_gemm.ops.quantize import dequantize_fp8
+
+    H = layer.hidden_size
+    x = hidden_states.reshape(-1, H)
+    dt = x.dtype
+    weights, ids = layer.route(x)
+    g = layer.fp8
+    fp8 = layer.gate_up_proj.dtype
+
+    def fake_quant(v: torch.Tensor) -> torch.Tensor:
+        if g == "block":
+            q, s = quantize_fp8_per_token_group(v, dtype=fp8)
+            return dequantize_fp8(q, s, "group").double()
+        q, s = quantize_fp8_per_row(v, dtype=fp8)
+        return dequantize_fp8(q, s, "row").double()
+
+    def weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8(q, s, "block" if g == "block" else "row").double()
+
+    gate_fn = gated(resolve_activation(layer.activation))
+    xq = fake_quant(x)
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64, device=x.device)
+    for e in range(layer.num_experts):
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        if t.numel() == 0:
+            continue
+        w1 = weight(layer.gate_up_proj[e], layer.gate_up_proj_scale_inv[e])  # (2I, H)
+        w2 = weight(layer.down_proj[e], layer.down_proj_scale_inv[e])  # (H, I)
+        h = (xq[t] @ w1.t()).to(dt)
+        a = gate_fn(h)
+        y = (fake_quant(a) @ w2.t()).to(dt)
+        out.index_add_(0, t, y.double() * weights[t, j].to(dt).double()[:, None])
+    if layer.shared_experts is not None:
+        xs = x.to(layer.shared_experts.gate_proj.weight.dtype)
+        shared = layer.shared_experts(xs)
+        if layer.shared_expert_gate is not None:
+            shared = torch.sigmoid(layer.shared_expert_gate(xs)) * shared
+        out += shared.double()
+    return out.view(*hidden_states.shape[:-1], H)

@@ -133,7 +133,10 @@ HF_BLOCKS = {
 
 
 def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> MoE:
-    """The body of `MoE.from_hf` (see there): our layer sharing a transformers block's weights."""
+    """The body of `MoE.from_hf` (see there): our layer sharing a transformers block's weights
+    (FP8 experts stay FP8, with their scales)."""
+    from moe_gemm.layers.experts_fp8 import hf_fp8_scales
+
     register()  # from_hf users also get the experts implementation
     kind = HF_BLOCKS.get(type(block).__name__)
     if kind is None:
@@ -171,12 +174,16 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if getattr(experts, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    # transformers' FP8Experts (FP8 checkpoints): the experts stay FP8 with their scales.
+    scales = hf_fp8_scales(experts)
     return moe_from_tensors(cls, gate_up, down, router.weight, int(router.top_k), bias, shared,
-                            opts)
+                            opts, scales=scales)
 
 
 def _check_fused_gated(experts: nn.Module) -> None:
     """MoE holds concatenated, gated, bias-free experts with the default gate: reject others."""
+    from moe_gemm.layers.experts_fp8 import hf_fp8_gate_is_default, hf_fp8_scales
+
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:  # a transformers without the helper
@@ -191,7 +198,8 @@ def _check_fused_gated(experts: nn.Module) -> None:
     if not getattr(experts, "is_concatenated", True):
         problems.append("is_concatenated=False (interleaved gate/up)")
     if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        problems.append("a custom _apply_gate")
+        if hf_fp8_scales(experts) is None or not hf_fp8_gate_is_default(experts):
+            problems.append("a custom _apply_gate")
     if problems:
         raise ValueError(
             f"MoE.from_hf cannot take {type(experts).__name__} with {', '.join(problems)}; "

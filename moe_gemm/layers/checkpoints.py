@@ -16,6 +16,13 @@ import torch
 from torch import nn
 
 from moe_gemm.layers.experts import FLOAT_DTYPES, shape_str
+from moe_gemm.layers.experts_fp8 import (
+    FP8_DTYPES,
+    SCALE_BLOCK,
+    check_fp8_experts,
+    dequantize_weight,
+    row_scale,
+)
 
 if TYPE_CHECKING:
     from moe_gemm.layers.moe import MoE
@@ -33,6 +40,7 @@ def moe_from_fused(
     transposed: bool = False,
     e_score_correction_bias: torch.Tensor | None = None,
     shared: Mapping[str, torch.Tensor] | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     **options: Any,
 ) -> MoE:
     """MoE.from_fused (see there): a `cls` layer over fused expert tensors, no copy."""
@@ -43,8 +51,11 @@ def moe_from_fused(
     if transposed:
         gate_up_proj = gate_up_proj.transpose(-2, -1)
         down_proj = down_proj.transpose(-2, -1)
+        if scales is not None and scales[0].dim() == 3:  # block scales follow their weights
+            scales = (scales[0].transpose(-2, -1), scales[1].transpose(-2, -1))
     return moe_from_tensors(
-        cls, gate_up_proj, down_proj, router_weight, top_k, e_score_correction_bias, shared, options
+        cls, gate_up_proj, down_proj, router_weight, top_k, e_score_correction_bias, shared,
+        options, scales=scales,
     )
 
 
@@ -70,6 +81,13 @@ def moe_from_state_dict(
         shared expert: "shared_experts.{gate,up,down}_proj.weight" (DeepSeek) or
           "shared_expert.{...}.weight" and "shared_expert_gate.weight" (Qwen2-MoE).
     Mixtral hub files put the block under "block_sparse_moe." rather than "mlp.".
+    FP8 checkpoints: each FP8 weight comes with its decoding scale, "<name>.weight_scale_inv"
+    (DeepSeek-V3, Kimi-K2, Qwen3-FP8: 128x128 blocks) or "<name>.weight_scale" (compressed-
+    tensors: per channel or per tensor; Quark: blocks); the fused forms use
+    "experts.gate_up_proj_scale_inv" / "experts.down_proj_scale_inv" (transformers 5) or
+    "experts.w13_weight_scale[_inv]" / "experts.w2_weight_scale[_inv]" (vLLM). The routed
+    experts stay FP8; static "input_scale"s are read and not used (activations are quantized
+    per token on the fly); an FP8 shared expert is dequantized to bf16 (it is one dense MLP).
 
     Per-expert tensors are stacked (a copy); fused ones are aliased.
     """
@@ -88,10 +106,11 @@ def moe_from_state_dict(
     if router_weight is None:
         raise KeyError(f"no router weight {prefix + 'gate.weight'!r} in the state dict")
     bias = take("gate.e_score_correction_bias")
-    gate_up, down = _experts_from_keys(take, keys, prefix)
+    gate_up, down, scales = _experts_from_keys(take, keys, prefix)
     shared: dict[str, torch.Tensor] | None = None
     for base in ("shared_experts.", "shared_expert."):
-        parts = {n: take(f"{base}{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")}
+        parts = {n: _dense_weight(take, f"{base}{n}") for n in ("gate_proj", "up_proj",
+                                                                 "down_proj")}
         if any(v is not None for v in parts.values()):
             missing = [n for n, v in parts.items() if v is None]
             if missing:
@@ -110,7 +129,8 @@ def moe_from_state_dict(
         )
     if bias is not None and "scoring" not in options:
         options["scoring"] = "sigmoid"
-    return moe_from_tensors(cls, gate_up, down, router_weight, top_k, bias, shared, options)
+    return moe_from_tensors(cls, gate_up, down, router_weight, top_k, bias, shared, options,
+                            scales=scales)
 
 
 def moe_from_tensors(
@@ -122,6 +142,7 @@ def moe_from_tensors(
     bias: torch.Tensor | None,  # (E,)
     shared: Mapping[str, torch.Tensor] | None,
     options: Mapping[str, Any],
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> MoE:
     """A `cls` layer whose parameters are these tensors (aliased, or the Parameters
     themselves), after checking that they fit together: what every loader ends with.
@@ -135,6 +156,9 @@ def moe_from_tensors(
         shared: {"gate_proj", "up_proj", "down_proj"[, "gate"]} shared expert weights, or
             None.
         options: the MoE constructor's routing/activation/config keywords.
+        scales: FP8 experts' decoding scales (gate_up, down): 128x128 blocks
+            [E, 2I/128, H/128] and [E, H/128, I/128], or per channel [E, 2I] and [E, H]
+            (layers/experts_fp8.py); None for 16-bit experts.
 
     Raises:
         TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
@@ -153,7 +177,9 @@ def moe_from_tensors(
         )
     if tuple(router_weight.shape) != (E, H):
         raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {shape_str(router_weight)}")
-    if gate_up_proj.dtype not in FLOAT_DTYPES or down_proj.dtype != gate_up_proj.dtype:
+    if gate_up_proj.dtype in FP8_DTYPES or scales is not None:
+        check_fp8_experts(gate_up_proj, down_proj, *(scales or (None, None)))
+    elif gate_up_proj.dtype not in FLOAT_DTYPES or down_proj.dtype != gate_up_proj.dtype:
         raise TypeError(
             f"expert weights must share one dtype among bf16, fp16, fp32; got "
             f"{gate_up_proj.dtype} and {down_proj.dtype}"
@@ -208,6 +234,9 @@ def moe_from_tensors(
     moe.router_weight = _as_param(router_weight)
     moe.gate_up_proj = _as_param(gate_up_proj)
     moe.down_proj = _as_param(down_proj)
+    if scales is not None:
+        moe.gate_up_proj_scale_inv = _as_param(scales[0])
+        moe.down_proj_scale_inv = _as_param(scales[1])
     if moe.e_score_correction_bias is not None:
         moe.e_score_correction_bias = (
             bias if bias is not None else torch.zeros(E, device=device, dtype=torch.float32)
@@ -229,17 +258,94 @@ def _as_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach(), requires_grad=False)
 
 
+_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+
+
+def _dense_weight(take: Callable[[str], torch.Tensor | None], base: str
+                  ) -> torch.Tensor | None:
+    """"<base>.weight", dequantized to bf16 when it is FP8 (its scale next to it)."""
+    w = take(f"{base}.weight")
+    if w is None or w.dtype not in FP8_DTYPES:
+        return w
+    scale = next((s for s in (take(f"{base}.{n}") for n in _SCALE_SUFFIXES) if s is not None),
+                 None)
+    if scale is None:
+        raise ValueError(f"FP8 weight {base}.weight has no weight_scale_inv / weight_scale")
+    take(f"{base}.input_scale")
+    return dequantize_weight(w, scale, torch.bfloat16)
+
+
+def _proj_scale(take: Callable[[str], torch.Tensor | None], base: str, w: torch.Tensor
+                ) -> tuple[str, torch.Tensor] | None:
+    """(granularity, scale) of the FP8 projection weight w [N, K] at `base`: its 128x128
+    block scale [N/128, K/128], or a per-channel / per-tensor one as [N]; None if w is not
+    FP8."""
+    scale = next((s for s in (take(f"{base}.{n}") for n in _SCALE_SUFFIXES) if s is not None),
+                 None)
+    take(f"{base}.input_scale")  # static activation scales: activations are quantized per token
+    if w.dtype not in FP8_DTYPES:
+        if scale is not None:
+            raise ValueError(f"{base} has a weight scale but its weight is {w.dtype}, not FP8")
+        return None
+    if scale is None:
+        raise ValueError(f"FP8 weight {base}.weight has no weight_scale_inv / weight_scale")
+    N, K = w.shape
+    if scale.numel() == 1 or tuple(scale.shape) in ((N,), (N, 1)):
+        return "row", row_scale(scale, N)
+    if tuple(scale.shape) == (-(-N // SCALE_BLOCK), -(-K // SCALE_BLOCK)):
+        return "block", scale.float()
+    raise ValueError(f"{base}: weight scale {shape_str(scale)} is neither 128x128 blocks "
+                     f"({-(-N // SCALE_BLOCK)}, {-(-K // SCALE_BLOCK)}) nor per channel ({N},) "
+                     f"for weight {shape_str(w)}")
+
+
+def _fused_scales(take: Callable[[str], torch.Tensor | None], names: tuple[tuple[str, ...], ...],
+                  gate_up: torch.Tensor, down: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused FP8 experts' scales (first present name of each group), as the layer keeps
+    them: blocks [E, N/128, K/128], or [E, N] for per-channel, per-expert or single ones."""
+    found = [next((t for t in (take(n) for n in group) if t is not None), None)
+             for group in names]
+    if found == [None, None] and gate_up.dtype not in FP8_DTYPES:
+        return None
+    if None in found:
+        raise ValueError(f"FP8 fused experts need both scales {names[0][0]!r} and "
+                         f"{names[1][0]!r}")
+    return _fused_scale(found[0], gate_up), _fused_scale(found[1], down)
+
+
+def _fused_scale(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    E, N, K = w.shape
+    s = s.float()
+    if s.dim() == 3 and tuple(s.shape) == (E, -(-N // SCALE_BLOCK), -(-K // SCALE_BLOCK)) and (
+            s.shape[1] != N or N == 1):
+        return s
+    if s.numel() == 1:
+        return s.reshape(()).expand(E, N).contiguous()
+    if s.numel() == E:
+        return s.reshape(E, 1).expand(E, N).contiguous()
+    if s.numel() == E * N and s.shape[0] == E:
+        return s.reshape(E, N)
+    raise ValueError(f"fused expert scale {shape_str(s)} fits no granularity of weight "
+                     f"{shape_str(w)}")
+
+
 def _experts_from_keys(
     take: Callable[[str], torch.Tensor | None], keys: Mapping[str, str], prefix: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up (E, 2I, H), down (E, H, I)) from fused or per-expert checkpoint keys."""
-    for gu_name, d_name in (("experts.gate_up_proj", "experts.down_proj"),
-                            ("experts.w13_weight", "experts.w2_weight")):
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(gate_up (E, 2I, H), down (E, H, I), FP8 scales or None) from fused or per-expert
+    checkpoint keys."""
+    for gu_name, d_name, gu_scale, d_scale in (
+            ("experts.gate_up_proj", "experts.down_proj", ("experts.gate_up_proj_scale_inv",),
+             ("experts.down_proj_scale_inv",)),
+            ("experts.w13_weight", "experts.w2_weight",
+             ("experts.w13_weight_scale_inv", "experts.w13_weight_scale"),
+             ("experts.w2_weight_scale_inv", "experts.w2_weight_scale"))):
         gate_up, down = take(gu_name), take(d_name)
         if gate_up is not None or down is not None:
             if gate_up is None or down is None:
                 raise ValueError(f"{prefix + gu_name!r} and {prefix + d_name!r} go together")
-            return gate_up, down
+            return gate_up, down, _fused_scales(take, (gu_scale, d_scale), gate_up, down)
     for gate_n, up_n, down_n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")):
         ids = sorted(
             {int(k.split(".")[1]) for k in keys
@@ -250,9 +356,10 @@ def _experts_from_keys(
             continue
         if ids != list(range(len(ids))):
             raise ValueError(f"experts under {prefix!r} must be numbered 0..E-1; got {ids}")
-        gate_up_list, down_list = [], []
+        gate_up_list, down_list, s_gate_up, s_down = [], [], [], []
+        kinds: set[str | None] = set()
         for e in ids:
-            t = {}
+            t, sc = {}, {}
             for n in (gate_n, up_n, down_n):
                 v = take(f"experts.{e}.{n}.weight")
                 if v is None:
@@ -260,9 +367,27 @@ def _experts_from_keys(
                 if v is None:
                     raise ValueError(f"expert {e} has no {prefix}experts.{e}.{n}.weight")
                 t[n] = v
+                found = _proj_scale(take, f"experts.{e}.{n}", v)
+                kinds.add(found[0] if found else None)
+                sc[n] = found[1] if found else None
             gate_up_list.append(torch.cat([t[gate_n], t[up_n]], dim=0))
             down_list.append(t[down_n])
-        return torch.stack(gate_up_list), torch.stack(down_list)
+            s_gate_up.append(None if sc[gate_n] is None else
+                             torch.cat([sc[gate_n], sc[up_n]], dim=0))
+            s_down.append(sc[down_n])
+        if len(kinds) > 1:
+            raise ValueError(f"experts under {prefix!r} mix weight formats "
+                             f"({sorted(map(str, kinds))}); one FP8 granularity for all")
+        scales = None
+        if kinds == {"block"}:
+            inter = t[gate_n].shape[0]
+            if inter % SCALE_BLOCK:
+                raise ValueError(
+                    f"block-scaled experts need an intermediate size that is a multiple of "
+                    f"{SCALE_BLOCK} (gate and up blocks are concatenated); got {inter}")
+        if kinds & {"block", "row"}:
+            scales = (torch.stack(s_gate_up), torch.stack(s_down))
+        return torch.stack(gate_up_list), torch.stack(down_list), scales
     raise KeyError(
         f"no expert weights under {prefix!r}: expected experts.{{e}}.w1/w3/w2, "
         "experts.{e}.gate_proj/up_proj/down_proj, experts.gate_up_proj/down_proj or "

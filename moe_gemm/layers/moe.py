@@ -37,6 +37,7 @@ from moe_gemm.layers.experts import (
     resolve_activation,
     shape_str,
 )
+from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, quantize_experts, scale_granularity
 from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
 
 __all__ = ["GatedMLP", "MoE", "moe_experts", "moe_forward"]
@@ -347,6 +348,10 @@ class MoE(nn.Module):
         self.router_weight = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
+        # FP8 experts (layers/experts_fp8.py): the weights' decoding scales, transformers'
+        # FP8Experts names; None while the experts are 16-bit (see quantize_fp8).
+        self.register_parameter("gate_up_proj_scale_inv", None)
+        self.register_parameter("down_proj_scale_inv", None)
         bias = torch.zeros(E, device=device, dtype=torch.float32) if correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.shared_experts: GatedMLP | None = None
@@ -376,6 +381,31 @@ class MoE(nn.Module):
                 lin.reset_parameters()
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.reset_parameters()
+
+    @property
+    def fp8(self) -> str | None:
+        """The FP8 experts' scale granularity ("block" or "row"), or None (16-bit experts)."""
+        s = self.gate_up_proj_scale_inv
+        return None if s is None else scale_granularity(s)
+
+    @torch.no_grad()
+    def quantize_fp8(self, granularity: str = "block",
+                     dtype: torch.dtype = torch.float8_e4m3fn) -> MoE:
+        """Turn the 16-bit expert weights into FP8 in place (the router and the shared expert
+        stay as they are) and return the layer. granularity "block": 128x128 weight blocks
+        with activations in 1x128 groups (hidden and intermediate sizes multiples of 128);
+        "row": a scale per output channel, activations per token."""
+        if self.fp8 is not None:
+            raise ValueError(f"the experts are FP8 already ({self.fp8} scales)")
+        q1, s1, q2, s2 = quantize_experts(self.gate_up_proj, self.down_proj, granularity, dtype)
+        from moe_gemm.layers.experts_fp8 import check_fp8_experts
+
+        check_fp8_experts(q1, q2, s1, s2)
+        self.gate_up_proj = nn.Parameter(q1, requires_grad=False)
+        self.down_proj = nn.Parameter(q2, requires_grad=False)
+        self.gate_up_proj_scale_inv = nn.Parameter(s1, requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(s2, requires_grad=False)
+        return self
 
     @property
     def w_gate_up(self) -> torch.Tensor:
@@ -415,10 +445,16 @@ class MoE(nn.Module):
         x = _check_hidden(hidden_states, self.hidden_size, self.gate_up_proj.device)
         x2 = x.reshape(-1, self.hidden_size)
         weights, ids = self.route(x2)
-        xe = x2.to(self.gate_up_proj.dtype)
         gate_fn = gated(resolve_activation(self.activation))
-        y = expert_ffn(xe, ids, weights, self.w_gate_up, self.w_down, gate_fn,
-                       config=self.config).to(x.dtype)
+        if self.gate_up_proj_scale_inv is not None:
+            # FP8 experts: the activations are quantized on the fly; the GEMMs write x's dtype.
+            y = expert_ffn_fp8(x2, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                               self.down_proj, self.down_proj_scale_inv, gate_fn,
+                               config=self.config)
+        else:
+            xe = x2.to(self.gate_up_proj.dtype)
+            y = expert_ffn(xe, ids, weights, self.w_gate_up, self.w_down, gate_fn,
+                           config=self.config).to(x.dtype)
         if self.shared_experts is not None:
             # In the shared expert's own dtype too (the layer may have been cast after
             # loading); the sum is in the caller's dtype.
@@ -436,6 +472,8 @@ class MoE(nn.Module):
         if self.scoring == "sigmoid":
             names += ["n_group", "topk_group", "routed_scaling_factor"]
         parts = [f"{n}={getattr(self, n)!r}" for n in names]
+        if self.fp8 is not None:
+            parts.append(f"fp8={self.fp8!r}")
         act = self.activation if isinstance(self.activation, str) else type(self.activation).__name__
         return ", ".join([*parts, f"activation={act!r}"])
 
@@ -453,6 +491,7 @@ class MoE(nn.Module):
         transposed: bool = False,
         e_score_correction_bias: torch.Tensor | None = None,
         shared: Mapping[str, torch.Tensor] | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         **options: Any,
     ) -> MoE:
         """A layer over existing fused expert tensors, sharing their storage (no copy).
@@ -469,6 +508,10 @@ class MoE(nn.Module):
             shared: shared expert weights {"gate_proj": [Is, H], "up_proj": [Is, H],
                 "down_proj": [H, Is]} and optionally "gate": [1, H] (Qwen2-MoE's
                 shared_expert_gate).
+            scales: for FP8 expert weights, their float32 decoding scales (gate_up, down):
+                128x128 blocks [E, 2I/128, H/128] and [E, H/128, I/128] (transformers'
+                gate_up_proj_scale_inv / down_proj_scale_inv), or per channel [E, 2I] and
+                [E, H]; in the orientation of the weights as given.
             **options: the MoE constructor's routing/activation/config keywords.
 
         Returns:
@@ -479,7 +522,8 @@ class MoE(nn.Module):
         """
         return moe_from_fused(
             cls, gate_up_proj, down_proj, router_weight, top_k, transposed=transposed,
-            e_score_correction_bias=e_score_correction_bias, shared=shared, **options,
+            e_score_correction_bias=e_score_correction_bias, shared=shared, scales=scales,
+            **options,
         )
     @classmethod
     def from_vllm(

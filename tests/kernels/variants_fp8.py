@@ -78,6 +78,13 @@ def fp8_test_variants() -> list:
         add("varlen", g, None, 128, 256, 14336)
         add("varlen", g, None, 128, 256, 7168, FP32)
         add("varlen", g, None, 128, 256, 14336, FP32)
+    # The FP8 layer tests (tests/layers/test_moe_fp8_gpu.py): up and down GEMMs.
+    for g in ("block", "row"):
+        for avg in (8 / 64, 512 * 8 / 64):
+            add("varlen", g, None, avg, 2048, 2048)
+            add("varlen", g, None, avg, 2048, 1024)
+    add("varlen", "block", None, 32, 1024, 1024)
+    add("varlen", "block", None, 32, 1024, 512)
     for src in ("bfloat16", "float16", "float32"):
         for dst in ("float8_e4m3fn", "float8_e5m2"):
             keys.add(QuantCompileKey(src, dst))

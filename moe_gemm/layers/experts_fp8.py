@@ -1,0 +1,238 @@
+"""The routed experts on FP8 weights: the FP8 counterpart of layers/experts.expert_ffn.
+
+    xq, sx = quantize(x)                              (T, H) FP8 + scales, one pass
+    h = scaled_grouped_mm(xq[perm], w_gate_up, ...)   (S, 2I) in the compute dtype
+    a = act(h[:, :I]) * h[:, I:]                      (S, I)
+    aq, sa = quantize(a)
+    y = scaled_grouped_mm(aq, w_down, ...)            (S, H)
+    out[t] = sum_j weights[t, j] * y[row of (t, j)]   (T, H), fp32 accumulation
+
+The weights stay FP8 (never dequantized): e4m3 expert weights with their decoding scales, as
+FP8 checkpoints store them, in one of two granularities:
+- "block": 128x128 weight blocks (DeepSeek-V3, Kimi-K2, Qwen3-FP8 `weight_scale_inv`,
+  transformers' FP8Experts), activations quantized per token in 1x128 groups;
+- "row": one scale per output channel or per expert (compressed-tensors FP8 dynamic, per-
+  tensor checkpoints), activations quantized per token.
+Activations are quantized on the fly on the GPU (ops/quantize.py), tokens once before the
+gather (T rows, not T * k). Like expert_ffn: no host synchronisation on CUDA, no data-
+dependent Python control flow, inference only.
+
+Weight layouts (transformers 5 / vLLM orientation, views taken here):
+    gate_up_proj [E, 2I, H] FP8, gate_up_scale: block [E, 2I/128, H/128] or row [E, 2I]
+    down_proj    [E, H, I]  FP8, down_scale:    block [E, H/128, I/128] or row [E, H]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.layers.routing import permute_by_expert
+from moe_gemm.ops.autograd import inference_only
+from moe_gemm.ops.quantize import (
+    FP8_MAX,
+    dequantize_fp8,
+    quantize_fp8_per_block,
+    quantize_fp8_per_row,
+    quantize_fp8_per_token_group,
+)
+from moe_gemm.ops.scaled import scaled_grouped_mm
+
+FP8_DTYPES = tuple(FP8_MAX)
+SCALE_BLOCK = 128
+
+INFERENCE_ONLY_MESSAGE = (
+    "moe_gemm's FP8 MoE layer is inference-only: it has no backward. Run it under "
+    "torch.no_grad() / torch.inference_mode()."
+)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def scale_granularity(scale: torch.Tensor) -> str:
+    """"block" for an [E, rows/128, cols/128] weight scale, "row" for [E, rows]."""
+    return "block" if scale.dim() == 3 else "row"
+
+
+def check_fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: object,
+                      down_scale: object) -> str:
+    """Check FP8 expert weights [E, 2I, H] / [E, H, I] against their scales; returns the
+    granularity. ValueError / TypeError naming the expected shapes."""
+    E, two_i, H = gate_up.shape
+    I = two_i // 2
+    if gate_up.dtype not in FP8_DTYPES or down.dtype != gate_up.dtype:
+        raise TypeError(f"FP8 expert weights must share one dtype among float8_e4m3fn and "
+                        f"float8_e5m2; got {gate_up.dtype} and {down.dtype}")
+    for name, s in (("gate_up scale", gate_up_scale), ("down scale", down_scale)):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"FP8 expert weights need their {name} (a float32 tensor); got "
+                            f"{type(s).__name__}")
+        if s.dtype != torch.float32:
+            raise TypeError(f"the {name} must be float32 (decoding scales); got {s.dtype}")
+        if s.device != gate_up.device:
+            raise ValueError(f"the {name} is on {s.device} but the weights are on "
+                             f"{gate_up.device}")
+    assert isinstance(gate_up_scale, torch.Tensor) and isinstance(down_scale, torch.Tensor)
+    g = scale_granularity(gate_up_scale)
+    if g == "block":
+        want_gu = (E, -(-two_i // SCALE_BLOCK), -(-H // SCALE_BLOCK))
+        want_d = (E, -(-H // SCALE_BLOCK), -(-I // SCALE_BLOCK))
+        if H % SCALE_BLOCK or I % SCALE_BLOCK:
+            raise ValueError(
+                f"128x128 block-scaled experts need hidden ({H}) and intermediate ({I}) sizes "
+                "that are multiples of 128: the FP8 GEMMs' scale blocks tile K (requantize "
+                "row-wise with MoE.quantize_fp8(granularity='row') otherwise)")
+    else:
+        want_gu, want_d = (E, two_i), (E, H)
+        if H % 16 or I % 16:
+            raise ValueError(f"FP8 experts need hidden ({H}) and intermediate ({I}) sizes that "
+                             "are multiples of 16 (16-byte FP8 rows)")
+    if tuple(gate_up_scale.shape) != want_gu or tuple(down_scale.shape) != want_d:
+        raise ValueError(
+            f"FP8 expert scales must be {g}-wise gate_up {want_gu} and down {want_d} for "
+            f"weights {_shape(gate_up)} and {_shape(down)}; got {_shape(gate_up_scale)} and "
+            f"{_shape(down_scale)}")
+    return g
+
+
+def expert_ffn_fp8(
+    x: torch.Tensor,  # (T, H) float
+    topk_ids: torch.Tensor,  # (T, k)
+    topk_weights: torch.Tensor,  # (T, k)
+    gate_up: torch.Tensor,  # (E, 2I, H) FP8
+    gate_up_scale: torch.Tensor,  # (E, 2I/128, H/128) or (E, 2I)
+    down: torch.Tensor,  # (E, H, I) FP8
+    down_scale: torch.Tensor,  # (E, H/128, I/128) or (E, H)
+    gate_fn: Callable[[torch.Tensor], torch.Tensor],  # (S, 2I) -> (S, I)
+    *,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts on FP8 weights for checked arguments (module docstring).
+
+    Returns:
+        (T, H) in x's dtype.
+    """
+    run = functools.partial(_expert_ffn_fp8, x, topk_ids, topk_weights, gate_up, gate_up_scale,
+                            down, down_scale, gate_fn, config)
+    if torch.compiler.is_compiling():
+        return run()
+    return inference_only(INFERENCE_ONLY_MESSAGE, run, (x, topk_weights))
+
+
+def _quantize_acts(x: torch.Tensor, granularity: str, dtype: torch.dtype):
+    if granularity == "block":
+        return quantize_fp8_per_token_group(x, dtype=dtype)
+    return quantize_fp8_per_row(x, dtype=dtype)
+
+
+def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] for any dtype (FP8 rows move as bytes)."""
+    if t.dtype in FP8_DTYPES:
+        return t.view(torch.uint8).index_select(0, index).view(t.dtype)
+    return t.index_select(0, index)
+
+
+def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, down_scale,
+                    gate_fn, config) -> torch.Tensor:
+    E = gate_up.shape[0]
+    g = scale_granularity(gate_up_scale)
+    perm = permute_by_expert(topk_ids, E)
+    xq, sx = _quantize_acts(x, g, gate_up.dtype)  # T rows, before the gather
+    xs = _gather_rows(xq, perm.token_index)  # (S, H), rows grouped by expert
+    ss = sx.index_select(0, perm.token_index)
+    # (E, K, N) K-major views of the (E, N, K) weights and of their block scales: no copy.
+    s1, s2 = gate_up_scale, down_scale
+    if g == "block":
+        s1, s2 = s1.transpose(1, 2), s2.transpose(1, 2)
+    h = scaled_grouped_mm(xs, gate_up.transpose(1, 2), ss, s1, perm.offs, out_dtype=x.dtype,
+                          config=config)
+    a = gate_fn(h)  # (S, I)
+    aq, sa = _quantize_acts(a, g, gate_up.dtype)
+    y = scaled_grouped_mm(aq, down.transpose(1, 2), sa, s2, perm.offs, out_dtype=x.dtype,
+                          config=config)
+    w = torch.where(perm.valid, topk_weights, 0).to(y.dtype)
+    return F.embedding_bag(perm.row_of_slot, y, per_sample_weights=w, mode="sum")
+
+
+# ---------------------------------------------------------------------------------------------
+# Converting weights
+
+
+def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, granularity: str = "block",
+                     dtype: torch.dtype = torch.float8_e4m3fn):
+    """16-bit expert weights [E, 2I, H] / [E, H, I] to FP8 with scales (block: 128x128
+    blocks; row: one scale per output channel). Returns (gate_up, gate_up_scale, down,
+    down_scale)."""
+    if granularity == "block":
+        q1, s1 = quantize_fp8_per_block(gate_up, dtype=dtype)
+        q2, s2 = quantize_fp8_per_block(down, dtype=dtype)
+    elif granularity == "row":
+        q1, s1 = quantize_fp8_per_row(gate_up, dtype=dtype)
+        q2, s2 = quantize_fp8_per_row(down, dtype=dtype)
+    else:
+        raise ValueError(f"granularity must be 'block' or 'row'; got {granularity!r}")
+    return q1, s1, q2, s2
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint's FP8 weight [..., N, K] with its scale (128x128 blocks, per channel or per
+    tensor, told by the scale's shape) in `dtype`: for the parts the layer keeps dense (the
+    shared expert)."""
+    N, K = q.shape[-2:]
+    blocks = (-(-N // SCALE_BLOCK), -(-K // SCALE_BLOCK))
+    if scale.numel() == 1:
+        return dequantize_fp8(q, scale.reshape(()), "tensor").to(dtype)
+    if scale.numel() == q.shape[:-1].numel() and (scale.dim() < 2 or scale.shape[-1] == 1):
+        return dequantize_fp8(q, scale.reshape(q.shape[:-1]), "row").to(dtype)
+    if scale.dim() >= 2 and tuple(scale.shape[-2:]) == blocks:
+        return dequantize_fp8(q, scale, "block").to(dtype)
+    raise ValueError(f"weight scale {_shape(scale)} fits no granularity of weight {_shape(q)}")
+
+
+def row_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A per-channel ([N], [N, 1]) or per-tensor ([], [1]) weight scale as [N] float32."""
+    s = scale.float()
+    if s.numel() == 1:
+        return s.reshape(()).expand(rows).clone()
+    if s.numel() == rows:
+        return s.reshape(rows)
+    raise ValueError(f"weight scale {_shape(scale)} is neither per channel ({rows},) nor per "
+                     "tensor")
+
+
+def hf_fp8_scales(experts) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The scales of transformers' FP8Experts (gate_up_proj_scale_inv [E, 2I/128, H/128],
+    down_proj_scale_inv) as the layer keeps them, or None for 16-bit experts. Blocks are
+    shared (no copy); per-tensor scales (block_size None: [E, 1, 1]) become per channel;
+    UE8M0 scales (powers of two) are widened to float32 exactly."""
+    s1 = getattr(experts, "gate_up_proj_scale_inv", None)
+    s2 = getattr(experts, "down_proj_scale_inv", None)
+    if s1 is None or s2 is None:
+        return None
+    block = getattr(experts, "block_size", None)
+    if block is not None and tuple(block) != (SCALE_BLOCK, SCALE_BLOCK):
+        raise ValueError(f"FP8 experts with weight blocks {tuple(block)} are not supported "
+                         f"(128x128 blocks or per-tensor scales)")
+
+    def widen(s: torch.Tensor) -> torch.Tensor:
+        return s if s.dtype == torch.float32 else s.float()
+
+    s1, s2 = widen(s1), widen(s2)
+    if block is None:  # one value per expert
+        E = experts.gate_up_proj.shape[0]
+        s1 = s1.reshape(E, 1).expand(E, experts.gate_up_proj.shape[1]).contiguous()
+        s2 = s2.reshape(E, 1).expand(E, experts.down_proj.shape[1]).contiguous()
+    return s1, s2
+
+
+def hf_fp8_gate_is_default(experts) -> bool:
+    """Whether transformers' FP8Experts gate is plain act(gate) * up (no soft caps, no SwiGLU
+    limit, no custom alpha)."""
+    return all(getattr(experts, n, None) is None
+               for n in ("gate_softcap", "up_softcap", "limit", "swiglu_limit", "swiglu_alpha"))
