@@ -45,6 +45,8 @@ from moe_gemm.config import GemmConfig
 from moe_gemm.ops.api import grouped_gemm, grouped_mm
 from moe_gemm.ops.validation import SUPPORTED_DTYPES
 
+from .fp8_weights import FP8_DTYPES, check_fp8_scale, fp8_mm, fp8_warm_choices
+
 __all__ = ["Engine", "EngineOutOfMemory", "WeightSet", "resolve_device"]
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,23 @@ class WeightSet:
     # Per warmed row count: {"rows", "config" (a name as `moe-gemm tune` prints it),
     # "source" ("table:exact" | "table:nearest" | "table:model" | "rules")}; cute only.
     kernels: tuple[dict[str, object], ...] = ()
+    # FP8 sets (w float8): the decoding scales in the op's orientation (fp8_weights.py):
+    # (E, K/128, ceil(N/128)) block-wise, (E, N) per channel, (E,) per expert; else None.
+    scale: torch.Tensor | None = None
+    granularity: str | None = None  # "block" | "row" | "tensor" for FP8 sets
+
+    @property
+    def request_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The activation dtypes requests may send: the set's own or float32 (FP8 sets: any
+        of bfloat16, float16, float32; the engine quantizes them)."""
+        if self.scale is not None:
+            return (torch.bfloat16, torch.float16, torch.float32)
+        return (self.dtype,) if self.dtype == torch.float32 else (self.dtype, torch.float32)
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The activation dtype a request sends by default (bfloat16 for FP8 sets)."""
+        return torch.bfloat16 if self.scale is not None else self.dtype
 
     @property
     def E(self) -> int:
@@ -119,7 +138,8 @@ class WeightSet:
 
     @property
     def nbytes(self) -> int:
-        return self.w.numel() * self.w.element_size()
+        scale = 0 if self.scale is None else self.scale.numel() * 4
+        return self.w.numel() * self.w.element_size() + scale
 
     def info(self) -> dict[str, object]:
         """Plain-data description (name, experts, k, n, dtype, bytes, layout, and the kernels
@@ -133,6 +153,8 @@ class WeightSet:
             "bytes": self.nbytes,
             "layout": self.layout,
         }
+        if self.scale is not None:
+            info["scales"] = self.granularity
         if self.kernels:
             info["kernels"] = [dict(k) for k in self.kernels]
         return info
@@ -240,15 +262,22 @@ class Engine:
     # ------------------------------------------------------------------ weight sets
 
     def prepare_weights(
-        self, name: str, tensor: torch.Tensor, layout: Layout = "w", *, warm: bool = True
+        self, name: str, tensor: torch.Tensor, layout: Layout = "w", *, warm: bool = True,
+        scale: torch.Tensor | None = None,
     ) -> WeightSet:
         """Validate, move to the device and warm up a weight set without installing it.
 
         Args:
             name: the set's name (any string; the server validates names).
-            tensor: [E, K, N] for layout "w", [E, N, K] for layout "w_t"; bf16, fp16 or fp32.
+            tensor: [E, K, N] for layout "w", [E, N, K] for layout "w_t"; bf16, fp16 or fp32,
+                or FP8 (float8_e4m3fn / float8_e5m2) with its `scale`.
             layout: "w" or "w_t".
             warm: run the warm-up ladder (compiles the kernels this set will use).
+            scale: an FP8 tensor's float32 decoding scale (w ~= fp8 * scale) in the
+                tensor's own orientation: 128x128 blocks ([E, K/128, ceil(N/128)] for "w",
+                [E, ceil(N/128), K/128] for "w_t"), per output channel [E, N], or per
+                expert [E] / one value; requests are then quantized by the engine
+                (1x128 groups per token for block scales, per token otherwise).
 
         Returns:
             A WeightSet to pass to `install`.
@@ -265,18 +294,25 @@ class Engine:
         want = "(E, K, N)" if layout == "w" else "(E, N, K)"
         if tensor.dim() != 3:
             raise ValueError(f"{layout} must be 3-D {want}; got shape {_shape(tensor)}")
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        if tensor.dtype not in SUPPORTED_DTYPES + FP8_DTYPES:
             raise TypeError(
-                f"{layout} must be bfloat16, float16 or float32; got {str(tensor.dtype)[6:]}"
+                f"{layout} must be bfloat16, float16, float32 or FP8 (float8_e4m3fn, "
+                f"float8_e5m2, with its scale); got {str(tensor.dtype)[6:]}"
             )
         if min(tensor.shape) == 0:
             raise ValueError(f"{layout} {want} needs every dimension >= 1; got {_shape(tensor)}")
+        granularity = check_fp8_scale(tensor, layout, scale)  # (None for 16/32-bit sets)
         # The copy runs on the warm-up stream (synchronized on exit), outside the launch lock,
         # so a large upload does not stall launches of the sets already resident.
         with self._oom_guard(), self._on_stream(self._warm_stream):
             stored = self._to_device(tensor.detach()).contiguous()
+            stored_scale = (None if scale is None
+                            else self._to_device(scale.detach().float()).contiguous())
         w = stored if layout == "w" else stored.transpose(1, 2)
-        ws = WeightSet(name=name, w=w, layout=layout, version=next(self._versions))
+        if stored_scale is not None and granularity == "block" and layout == "w_t":
+            stored_scale = stored_scale.transpose(1, 2)  # blocks follow their weights
+        ws = WeightSet(name=name, w=w, layout=layout, version=next(self._versions),
+                       scale=stored_scale, granularity=granularity)
         if warm:
             self.warm_up(ws)
             ws = dataclasses.replace(ws, kernels=self.kernel_report(ws))
@@ -293,10 +329,11 @@ class Engine:
             return old
 
     def add_weights(
-        self, name: str, tensor: torch.Tensor, layout: Layout = "w", *, warm: bool = True
+        self, name: str, tensor: torch.Tensor, layout: Layout = "w", *, warm: bool = True,
+        scale: torch.Tensor | None = None,
     ) -> WeightSet:
         """prepare_weights + install. Returns the installed WeightSet."""
-        ws = self.prepare_weights(name, tensor, layout, warm=warm)
+        ws = self.prepare_weights(name, tensor, layout, warm=warm, scale=scale)
         self.install(ws)
         return ws
 
@@ -334,17 +371,20 @@ class Engine:
                 self.warm_up(one)
             self.warm_up_grouped_gemm()
             return
-        out_dtypes = [ws.dtype] + ([torch.float32] if ws.dtype != torch.float32 else [])
-        if self.tune and self.backend == "cute":
+        act = ws.act_dtype
+        out_dtypes = [act] + ([torch.float32] if act != torch.float32 else [])
+        if self.tune and self.backend == "cute" and ws.scale is None:
             self.tune_weights(ws)
         with self._warming():
             for T in self.warmup_rows_for(ws):
                 # values do not matter for a compile; built on the device, no host round trip
-                x = torch.ones(T, ws.K, dtype=ws.dtype, device=self.device)
-                if self.device.type == "cuda":  # filled on this thread's stream; used on ours
-                    torch.cuda.current_stream(self.device).synchronize()
                 counts = _spread(T, ws.E)
                 for out_dtype in out_dtypes:
+                    # an FP8 set's activations come in the output dtype and are quantized
+                    x = torch.ones(T, ws.K, dtype=act if ws.scale is None else out_dtype,
+                                   device=self.device)
+                    if self.device.type == "cuda":  # filled on this stream; used on ours
+                        torch.cuda.current_stream(self.device).synchronize()
                     self.grouped_mm_many(ws, [(x, counts)], out_dtype=out_dtype)
 
     def warmup_rows_for(self, ws: WeightSet) -> tuple[int, ...]:
@@ -366,6 +406,8 @@ class Engine:
             cands = {1 << i for i in bits} | {(1 << i) + 1 for i in bits}
             cands |= {ws.E << i for i in bits} | {(ws.E << i) + ws.E for i in bits}
             cands = {t for t in cands if 0 < t <= self.max_rows} | {self.max_rows}
+            if ws.scale is not None:
+                return fp8_warm_choices(ws, self.config, sorted(cands))[0]
             first: dict[object, int] = {}
             name = self._device_name()
             for T in sorted(cands):
@@ -411,6 +453,8 @@ class Engine:
         """For each warmed row count: the kernel config it runs and where that came from."""
         if self.backend != "cute":
             return ()
+        if ws.scale is not None:
+            return fp8_warm_choices(ws, self.config, self.warmup_rows_for(ws))[1]
         try:
             from moe_gemm.capability import sm_count
             from moe_gemm.ops.heuristics import choose_varlen, tuned_hit
@@ -535,9 +579,8 @@ class Engine:
         offs = torch.cumsum(C.sum(0), 0).to(torch.int32)
         if len(xs) == 1:
             with self._launch():
-                x_dev = self._to_device(xs[0]).to(ws.dtype)
-                y = grouped_mm(x_dev, ws.w, self._to_device(offs), config=self.config,
-                               out_dtype=odt)
+                x_dev = self._to_device(xs[0])
+                y = self._mm(ws, x_dev, self._to_device(offs), odt)
                 y_host = y.to("cpu")
                 self._count_launch()
             return [y_host]
@@ -553,17 +596,16 @@ class Engine:
             if self.device.type == "cpu":
                 x_m = self._buffer("x_merged", (total, K), xs[0].dtype, "cpu")
                 torch.index_select(x_cat, 0, perm_dev, out=x_m)
-                if x_m.dtype != ws.dtype:
+                if x_m.dtype != ws.dtype and ws.scale is None:
                     x_m = self._buffer("x_cast", (total, K), ws.dtype, "cpu").copy_(x_m)
                 y_m = self._buffer("y_merged", (total, N), odt, "cpu")
-                grouped_mm(x_m, ws.w, offs, out=y_m, config=self.config)
+                self._mm(ws, x_m, offs, odt, out=y_m)
                 y_req = self._buffer("y_host", (total, N), odt, "cpu")
                 y_req.index_copy_(0, perm_dev, y_m)
             else:
-                x_dev = x_cat.to(self.device, non_blocking=True).to(ws.dtype)
+                x_dev = x_cat.to(self.device, non_blocking=True)
                 x_m = x_dev.index_select(0, perm_dev)
-                y = grouped_mm(x_m, ws.w, self._to_device(offs), config=self.config,
-                               out_dtype=odt)
+                y = self._mm(ws, x_m, self._to_device(offs), odt)
                 y_dev = torch.empty_like(y)
                 y_dev.index_copy_(0, perm_dev, y)
                 y_req = self._buffer("y_host", (total, N), odt, "cpu")
@@ -572,6 +614,17 @@ class Engine:
             outs = [t.clone() for t in y_req.split(rows)]
             self._count_launch()
         return outs
+
+    def _mm(self, ws: WeightSet, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """The set's grouped GEMM: grouped_mm, or for an FP8 set the activations quantized
+        on the device and scaled_grouped_mm (fp8_weights.fp8_mm)."""
+        if ws.scale is not None:
+            return fp8_mm(ws, x, offs, out_dtype, self.config, out)
+        x = x.to(ws.dtype)
+        if out is not None:
+            return grouped_mm(x, ws.w, offs, out=out, config=self.config)
+        return grouped_mm(x, ws.w, offs, config=self.config, out_dtype=out_dtype)
 
     def _count_launch(self) -> None:
         if not getattr(self._tls, "warming", False):
@@ -657,7 +710,12 @@ class Engine:
                     f"request {r}: x must be (T, K) = (T, {ws.K}) for weight set "
                     f"{ws.name!r}; got {_shape(x)}"
                 )
-            if x.dtype not in (ws.dtype, torch.float32):
+            if x.dtype not in ws.request_dtypes:
+                if ws.scale is not None:
+                    raise TypeError(
+                        f"request {r}: x must be bfloat16, float16 or float32 (weight set "
+                        f"{ws.name!r} is FP8: the engine quantizes activations); got "
+                        f"{str(x.dtype)[6:]}")
                 allowed = "" if ws.dtype == torch.float32 else " or float32"
                 raise TypeError(
                     f"request {r}: x must be {str(ws.dtype)[6:]} (the weight set's dtype)"

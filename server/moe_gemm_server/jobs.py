@@ -107,7 +107,11 @@ def mm_job(
     if x.dim() != 2 or x.shape[1] != ws.K:
         raise unprocessable(f"{x_name!r} must be (T, K) = (T, {ws.K}) for weight set "
                             f"{ws.name!r}; got {_shape(x)}")
-    if x.dtype not in (ws.dtype, torch.float32):
+    if x.dtype not in ws.request_dtypes:
+        if ws.scale is not None:
+            raise unprocessable(f"{x_name!r} must be bfloat16, float16 or float32 (weight set "
+                                f"{ws.name!r} is FP8: the server quantizes activations); got "
+                                f"{dtype_name(x.dtype)}")
         allowed = "" if ws.dtype == torch.float32 else " or float32"
         raise unprocessable(
             f"{x_name!r} must be {dtype_name(ws.dtype)} (the weight set's dtype){allowed}; "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -115,9 +116,10 @@ class Service:
         for name in names:
             fid = self.watcher.file_id(name)  # before reading: a later rewrite is noticed
             try:
-                tensor, layout = await asyncio.to_thread(self.store.load, name)
+                tensor, layout, scale = await asyncio.to_thread(self.store.load, name)
                 self._check_budget(name, tensor.numel() * tensor.element_size())
-                await asyncio.to_thread(self.engine.add_weights, name, tensor, layout)
+                await asyncio.to_thread(functools.partial(self.engine.add_weights, name, tensor,
+                                                          layout, scale=scale))
                 self.watcher.record(name, fid)
             except Exception as e:
                 if self._check_fatal(e):
@@ -340,14 +342,14 @@ class Service:
             else:
                 raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
                                     "(application/octet-stream) or application/json")
-            tensor, layout = await asyncio.to_thread(read_weight_file, temp)
+            tensor, layout, scale = await asyncio.to_thread(read_weight_file, temp)
             nbytes = tensor.numel() * tensor.element_size()
             self._check_budget(name, nbytes)
             self._reserved_bytes += nbytes  # no await since the check: admission is atomic
             try:
                 try:
-                    ws = await asyncio.to_thread(self.engine.prepare_weights, name, tensor,
-                                                 layout)
+                    ws = await asyncio.to_thread(functools.partial(
+                        self.engine.prepare_weights, name, tensor, layout, scale=scale))
                 except (ValueError, TypeError) as e:
                     raise unprocessable(str(e)) from None
                 async with self._weights_lock:

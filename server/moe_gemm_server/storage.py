@@ -20,6 +20,7 @@ import torch
 
 from .codecs import parse_safetensors_header, tensor_from_buffer
 from .errors import APIError, unprocessable
+from .fp8_weights import check_fp8_scale
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_weight_file(path: Path) -> tuple[torch.Tensor, str]:
-    """Load and check a weight file: exactly one tensor, "w" (E, K, N) or "w_t" (E, N, K).
+def read_weight_file(path: Path) -> tuple[torch.Tensor, str, torch.Tensor | None]:
+    """Load and check a weight file: one tensor, "w" (E, K, N) or "w_t" (E, N, K), in BF16,
+    F16, F32 or FP8 (F8_E4M3, F8_E5M2); an FP8 one with its F32 "scale" (fp8_weights.py).
 
     Returns:
-        (tensor on the CPU, layout "w" or "w_t").
+        (tensor on the CPU, layout "w" or "w_t", scale or None).
 
     Raises:
         APIError: 400 malformed safetensors, 422 wrong tensor names, rank or dtype.
@@ -66,23 +68,34 @@ def read_weight_file(path: Path) -> tuple[torch.Tensor, str]:
             got += n
     specs, data_start, _ = parse_safetensors_header(buf, len(buf))
     names = sorted(specs)
-    if names not in (["w"], ["w_t"]):
+    weights = [n for n in names if n != "scale"]
+    if weights not in (["w"], ["w_t"]):
         raise unprocessable(
-            "expected exactly one tensor, 'w' (E, K, N) or 'w_t' (E, N, K); got "
-            f"{names if names else 'none'}"
+            "expected one tensor, 'w' (E, K, N) or 'w_t' (E, N, K) (and 'scale' for FP8 "
+            f"weights); got {names if names else 'none'}"
         )
-    layout = names[0]
+    layout = weights[0]
     spec = specs[layout]
     want = "(E, K, N)" if layout == "w" else "(E, N, K)"
     if len(spec.shape) != 3:
         raise unprocessable(f"{layout!r} must be 3-D {want}; got shape {list(spec.shape)}")
-    if spec.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise unprocessable(f"{layout!r} must be BF16, F16 or F32; got {spec.dtype}")
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if spec.dtype not in (torch.bfloat16, torch.float16, torch.float32) + fp8:
+        raise unprocessable(f"{layout!r} must be BF16, F16, F32, F8_E4M3 or F8_E5M2; got "
+                            f"{spec.dtype}")
     if min(spec.shape) == 0:
         raise unprocessable(f"{layout!r} {want} needs every dimension >= 1; got "
                             f"{list(spec.shape)}")
     t = tensor_from_buffer(buf, spec.dtype, spec.shape, data_start + spec.start)
-    return t, layout
+    scale = None
+    if "scale" in specs:
+        ss = specs["scale"]
+        scale = tensor_from_buffer(buf, ss.dtype, ss.shape, data_start + ss.start)
+    try:
+        check_fp8_scale(t, layout, scale)
+    except (ValueError, TypeError) as e:
+        raise unprocessable(str(e)) from None
+    return t, layout, scale
 
 
 class WeightStore:
@@ -157,5 +170,5 @@ class WeightStore:
         _fsync_dir(self.root)
         return True
 
-    def load(self, name: str) -> tuple[torch.Tensor, str]:
+    def load(self, name: str) -> tuple[torch.Tensor, str, torch.Tensor | None]:
         return read_weight_file(self.path_for(name))

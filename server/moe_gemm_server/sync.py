@@ -17,6 +17,7 @@ atomically as for an upload.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -83,9 +84,10 @@ class StoreWatcher:
         svc = self.service
         assert svc.engine is not None and svc._weights_lock is not None
         try:
-            tensor, layout = await asyncio.to_thread(svc.store.load, name)
+            tensor, layout, scale = await asyncio.to_thread(svc.store.load, name)
             svc._check_budget(name, tensor.numel() * tensor.element_size())
-            ws = await asyncio.to_thread(svc.engine.prepare_weights, name, tensor, layout)
+            ws = await asyncio.to_thread(functools.partial(svc.engine.prepare_weights, name,
+                                                           tensor, layout, scale=scale))
         except FileNotFoundError:
             return 0  # deleted meanwhile: the next pass sees it
         except Exception as e:

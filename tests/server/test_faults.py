@@ -202,11 +202,11 @@ class OomOnUploadEngine(Engine):
         super().__init__("cpu", warmup_rows=[1])
         self.limit = limit
 
-    def prepare_weights(self, name, tensor, layout="w", *, warm=True):
+    def prepare_weights(self, name, tensor, layout="w", *, warm=True, scale=None):
         if self.resident_bytes + tensor.numel() * tensor.element_size() > self.limit:
             raise EngineOutOfMemory("out of memory on cuda:0: CUDA out of memory. Tried to "
                                     "allocate 64.00 MiB")
-        return super().prepare_weights(name, tensor, layout, warm=warm)
+        return super().prepare_weights(name, tensor, layout, warm=warm, scale=scale)
 
 
 def test_resident_budget_refuses_with_507_and_the_budget(tmp_path: Path) -> None:

@@ -181,8 +181,8 @@ def test_store_writes_atomically(tmp_path):
     body = save({"w": torch.randn(2, 3, 4)})
     store.write("s", body)
     assert (tmp_path / "d" / "s.safetensors").read_bytes() == body
-    t, layout = store.load("s")
-    assert layout == "w" and t.shape == (2, 3, 4)
+    t, layout, scale = store.load("s")
+    assert layout == "w" and t.shape == (2, 3, 4) and scale is None
     # leftovers of a crashed upload are invisible and removed at start
     (tmp_path / "d" / ".upload-dead.tmp").write_bytes(b"half")
     assert store.names() == ["s"]

@@ -39,7 +39,7 @@ def _check_version(version: str) -> None:
 
 
 def _metadata(ws: WeightSet) -> dict[str, Any]:
-    dt = TORCH_TO_V2[ws.dtype]
+    dt = TORCH_TO_V2[ws.act_dtype]  # (FP8 sets take and return bf16: the server quantizes)
     return {
         "name": ws.name,
         "versions": [VERSION],

@@ -1,0 +1,143 @@
+"""FP8 weight sets in the engine and over HTTP, on the CPU: an F8_E4M3 tensor with its F32
+scale uploads (both layouts, block / per-channel / per-expert scales), persists across a
+restart, serves bf16 and fp32 requests (quantized by the server) alone and merged in one
+launch, and every malformed upload is a 4xx that says what was expected."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from server_testutils import st_body, st_load
+
+from moe_gemm import quantize_fp8_per_block, quantize_fp8_per_row, quantize_fp8_per_token_group
+from moe_gemm.ops.scaled_reference import scaled_grouped_mm_ref
+from moe_gemm.testing_fp8 import assert_fp8_close
+from moe_gemm_server import Settings, create_app
+from moe_gemm_server.engine import Engine
+
+E, N, K = 3, 64, 256
+
+
+def _weights(granularity: str, layout: str, seed: int = 0):
+    """(tensor as uploaded, scale as uploaded, w (E, K, N) view, scale_b for the op)."""
+    g = torch.Generator().manual_seed(seed)
+    w_nk = torch.randn(E, N, K, generator=g) / K ** 0.5
+    if granularity == "block":
+        q, s = quantize_fp8_per_block(w_nk)  # (E, N, K), (E, N/128, K/128)
+        op_scale = s.transpose(1, 2)
+    elif granularity == "row":
+        q, s = quantize_fp8_per_row(w_nk)  # (E, N)
+        op_scale = s
+    else:
+        pairs = [quantize_fp8_per_row(w.flatten()) for w in w_nk]
+        s = torch.stack([p[1] for p in pairs])  # (E,)
+        q = torch.stack([p[0].view(N, K) for p in pairs])
+        op_scale = s[:, None].expand(E, N)
+    w = q.transpose(1, 2)
+    if layout == "w_t":
+        return q, s, w, op_scale
+    up = q.transpose(1, 2).contiguous()
+    return up, (s.transpose(1, 2).contiguous() if granularity == "block" else s), w, op_scale
+
+
+def _expected(x: torch.Tensor, counts: torch.Tensor, w, op_scale, granularity) -> torch.Tensor:
+    if granularity == "block":
+        xq, sa = quantize_fp8_per_token_group(x)
+    else:
+        xq, sa = quantize_fp8_per_row(x)
+    offs = counts.cumsum(0).to(torch.int32)
+    return scaled_grouped_mm_ref(xq, w, sa, op_scale, offs)
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+@pytest.mark.parametrize("layout", ["w", "w_t"])
+def test_engine_serves_fp8_sets(granularity, layout):
+    engine = Engine("cpu")
+    tensor, scale, w, op_scale = _weights(granularity, layout)
+    ws = engine.add_weights("f", tensor, layout, scale=scale)
+    assert ws.granularity == granularity and ws.dtype == torch.float8_e4m3fn
+    info = ws.info()
+    assert info["dtype"] == "float8_e4m3fn" and info["scales"] == granularity
+    assert info["bytes"] == tensor.numel() + scale.numel() * 4
+    g = torch.Generator().manual_seed(1)
+    c1, c2 = torch.tensor([5, 0, 9]), torch.tensor([2, 7, 1])
+    x1 = torch.randn(14, K, generator=g).bfloat16()
+    x2 = torch.randn(10, K, generator=g).bfloat16()
+    (y,) = engine.grouped_mm_many(ws, [(x1, c1)])
+    assert y.dtype == torch.bfloat16
+    assert_fp8_close(y, _expected(x1, c1, w, op_scale, granularity))
+    y1, y2 = engine.grouped_mm_many(ws, [(x1, c1), (x2, c2)])  # merged in one launch
+    assert_fp8_close(y1, _expected(x1, c1, w, op_scale, granularity))
+    assert_fp8_close(y2, _expected(x2, c2, w, op_scale, granularity))
+    y32 = engine.grouped_mm(ws, x1.float(), c1)
+    assert y32.dtype == torch.float32
+    with pytest.raises(TypeError, match="is FP8: the engine quantizes"):
+        engine.grouped_mm(ws, x1.to(torch.float8_e4m3fn), c1)
+
+
+def test_engine_refuses_bad_fp8_sets():
+    engine = Engine("cpu")
+    tensor, scale, _, _ = _weights("block", "w_t")
+    with pytest.raises(ValueError, match="need their float32 'scale'"):
+        engine.add_weights("f", tensor, "w_t")
+    with pytest.raises(ValueError, match="fits no granularity"):
+        engine.add_weights("f", tensor, "w_t", scale=scale[:, :, :1])
+    with pytest.raises(TypeError, match="'scale' must be float32"):
+        engine.add_weights("f", tensor, "w_t", scale=scale.double())
+    with pytest.raises(ValueError, match="goes with FP8 weights only"):
+        engine.add_weights("f", torch.randn(E, K, N), "w", scale=scale)
+    odd = torch.zeros(E, N, 200, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="K a multiple of 16"):
+        engine.add_weights("f", odd, "w_t", scale=torch.ones(E))
+    blocky = torch.zeros(E, N, 144, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block scales need K a multiple of 128"):
+        engine.add_weights("f", blocky, "w_t", scale=torch.ones(E, 1, 1))
+
+
+def _wait_ready(client: TestClient) -> None:
+    deadline = time.monotonic() + 30
+    while client.get("/v2/health/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_http_upload_persist_and_serve_fp8(tmp_path):
+    tensor, scale, w, op_scale = _weights("block", "w_t", seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, K, generator=g).bfloat16()
+    counts = torch.tensor([4, 0, 5], dtype=torch.int32)
+    want = _expected(x, counts.long(), w, op_scale, "block")
+    settings = Settings(data_dir=tmp_path / "d")
+    with TestClient(create_app(settings)) as client:
+        _wait_ready(client)
+        r = client.put("/v1/weights/ds", content=st_body({"w_t": tensor, "scale": scale}))
+        assert r.status_code == 201, r.text
+        assert r.json()["dtype"] == "float8_e4m3fn" and r.json()["scales"] == "block"
+        r = client.post("/v1/weights/ds/grouped-mm", content=st_body({"x": x, "counts": counts}))
+        assert r.status_code == 200, r.text
+        assert_fp8_close(st_load(r.content)["y"], want)
+        # Malformed FP8 uploads: 422 naming the expectation, the stored set unchanged.
+        r = client.put("/v1/weights/ds", content=st_body({"w_t": tensor}))
+        assert r.status_code == 422 and "'scale'" in r.json()["error"]
+        r = client.put("/v1/weights/ds", content=st_body({"w_t": tensor, "scale": scale[0]}))
+        assert r.status_code == 422 and "fits no granularity" in r.json()["error"]
+        r = client.put("/v1/weights/x", content=st_body({"w": torch.randn(E, K, N),
+                                                         "scale": scale}))
+        assert r.status_code == 422 and "FP8 weights only" in r.json()["error"]
+        r = client.put("/v1/weights/x", content=st_body({"w": tensor, "s": scale}))
+        assert r.status_code == 422 and "expected one tensor" in r.json()["error"]
+        r = client.post("/v1/weights/ds/grouped-mm", content=st_body(
+            {"x": x.to(torch.float8_e4m3fn), "counts": counts}))
+        assert r.status_code == 422 and "FP8: the server quantizes" in r.json()["error"]
+        # KServe v2 metadata advertises the activations' dtype.
+        meta = client.get("/v2/models/ds").json()
+        assert meta["inputs"][0]["datatype"] == "BF16"
+    with TestClient(create_app(settings)) as client:  # a restart reloads it from the disk
+        _wait_ready(client)
+        assert client.get("/v1/weights/ds").json()["scales"] == "block"
+        r = client.post("/v1/weights/ds/grouped-mm", content=st_body({"x": x, "counts": counts}))
+        assert r.status_code == 200
+        assert_fp8_close(st_load(r.content)["y"], want)
