@@ -141,3 +141,21 @@ def test_http_upload_persist_and_serve_fp8(tmp_path):
         r = client.post("/v1/weights/ds/grouped-mm", content=st_body({"x": x, "counts": counts}))
         assert r.status_code == 200
         assert_fp8_close(st_load(r.content)["y"], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_engine_serves_fp8_sets_on_the_gpu(granularity):
+    """The engine on an sm90 GPU: FP8 kernels and the quantizer, one request and a merge."""
+    engine = Engine("cuda")
+    assert engine.backend == "cute"
+    tensor, scale, w, op_scale = _weights(granularity, "w_t", seed=4)
+    ws = engine.add_weights("f", tensor, "w_t", scale=scale)
+    assert ws.w.is_cuda and ws.kernels and all(k["config"].startswith("fp8") for k in ws.kernels)
+    g = torch.Generator().manual_seed(5)
+    c1, c2 = torch.tensor([30, 0, 70]), torch.tensor([5, 1, 2])
+    x1 = torch.randn(100, K, generator=g).bfloat16()
+    x2 = torch.randn(8, K, generator=g).bfloat16()
+    y1, y2 = engine.grouped_mm_many(ws, [(x1, c1), (x2, c2)])
+    assert_fp8_close(y1, _expected(x1, c1, w, op_scale, granularity))
+    assert_fp8_close(y2, _expected(x2, c2, w, op_scale, granularity))
