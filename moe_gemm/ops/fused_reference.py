@@ -28,6 +28,8 @@ def split_gate_up(h: torch.Tensor, gate_layout: str) -> tuple[torch.Tensor, torc
     if gate_layout == "concat":
         gate, up = h.chunk(2, dim=-1)
         return gate, up
+    if gate_layout == "alternating":
+        return h[:, 0::2], h[:, 1::2]
     S, N = h.shape
     pairs = h.reshape(S, N // (2 * GATE_BLOCK), 2, GATE_BLOCK)
     return pairs[:, :, 0].reshape(S, N // 2), pairs[:, :, 1].reshape(S, N // 2)

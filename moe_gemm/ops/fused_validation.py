@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_gemm.kernels.sm90.constants import GATE_BLOCK, GATES
+from moe_gemm.kernels.sm90.constants import GATE_BLOCK, GATE_LAYOUTS, GATES
 from moe_gemm.ops.validation import (
     _check_dtype,
     _check_writable_out,
@@ -18,7 +18,6 @@ from moe_gemm.ops.validation import (
 )
 
 GATE_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-GATE_LAYOUTS = ("concat", "interleaved")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 

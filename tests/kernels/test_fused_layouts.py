@@ -53,6 +53,8 @@ def _gate_columns(j: int, tile_n: int, gate_layout: str) -> tuple[int, int]:
     weight layouts define: constants.py)."""
     if gate_layout == "concat":
         return j, tile_n // 2 + j
+    if gate_layout == "alternating":
+        return 2 * j, 2 * j + 1
     block = 8
     gate = (j // block) * 2 * block + j % block
     return gate, gate + block
@@ -62,7 +64,7 @@ def _gated_mapping(k, gate_layout: str):
     import cutlass
     import cutlass.cute as cute
 
-    from moe_gemm.kernels.sm90.fused_epilogue import pair_views_layout
+    from moe_gemm.kernels.sm90.fused_epilogue import alternating_sources, pair_views_layout
 
     k._setup()
     epi = k.epi
@@ -78,16 +80,38 @@ def _gated_mapping(k, gate_layout: str):
                 for e in range(cute.size(layout))]
     fake_acc = cute.make_tensor(cute.make_ptr(cutlass.Float32, 0, cute.AddressSpace.gmem),
                                 k.tiled_mma.get_slice(0).partition_C(acc_tile).shape)
-    gate_view, up_view = epi.acc_views(fake_acc)
-    assert str(gate_view.layout) == str(up_view.layout)
+    views = epi.acc_views(fake_acc)
     m_rep = cute.size(fake_acc, mode=[1])
+    acc_of = [_coords(k.tiled_mma.get_slice(t).partition_C(acc_tile)) for t in range(threads)]
+    written: set = set()
+    bad = 0
+    if gate_layout == "alternating":
+        # Each stored value is pulled from a lane of the quad (fused_epilogue._load_alternating):
+        # follow the shuffle to the lane whose registers computed it.
+        assert len(views) == 1
+        retiled = tiled_copy.retile(views[0]).layout
+        for t in range(threads):
+            lane, q = t % 32, t % 4
+            thr_copy = tiled_copy.get_slice(t)
+            size = cute.size(cute.shape(thr_copy.partition_S(sD))[:3])
+            for e, sub in enumerate(subtiles):
+                sources = alternating_sources(retiled, k.tile_n, e, size)
+                for v, (row, j) in enumerate(_coords(thr_copy.partition_S(sub))):
+                    (g_first, g_second), p = sources[v]
+                    src = t - lane + (lane - q) + (2 * q + p) % 4
+                    reg = g_first if q < 2 else g_second
+                    g_col, u_col = _gate_columns(j, k.tile_n, gate_layout)
+                    bad += acc_of[src][reg] != (row, g_col)
+                    bad += acc_of[src][reg + 1] != (row, u_col)
+                    written.add((row, j))
+        return bad, written, 1
+    gate_view, up_view = views
+    assert str(gate_view.layout) == str(up_view.layout)
     _, up_off = pair_views_layout(k.tile_n, m_rep, gate_layout)
     gate_regs = _offsets(tiled_copy.retile(gate_view).layout)
     up_regs = _offsets(tiled_copy.retile(up_view).layout)
-    written: set = set()
-    bad = 0
     for t in range(threads):
-        acc = _coords(k.tiled_mma.get_slice(t).partition_C(acc_tile))
+        acc = acc_of[t]
         thr_copy = tiled_copy.get_slice(t)
         size = cute.size(cute.shape(thr_copy.partition_S(sD))[:3])
         assert len(gate_regs) == len(subtiles) * size == len(up_regs)
@@ -104,7 +128,7 @@ GATED = [("cooperative", (128, 256)), ("cooperative", (256, 192)), ("cooperative
          ("pingpong", (128, 192)), ("pingpong", (64, 256)), ("pingpong", (128, 64))]
 
 
-@pytest.mark.parametrize("gate_layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("gate_layout", ["concat", "interleaved", "alternating"])
 @pytest.mark.parametrize("schedule,tile", GATED, ids=[f"{s}-{m}x{n}" for s, (m, n) in GATED])
 def test_gated_epilogue_pairs_gate_and_up_of_each_output(schedule, tile, gate_layout):
     k = _key(schedule, tile, gate="silu", gate_layout=gate_layout).kernel()

@@ -134,10 +134,14 @@ def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
 #   accumulator chunk c pairs with chunk c + tile_n / 16. Needs a K-major B (the halves are
 #   whole swizzle atoms of K-contiguous rows).
 # - "interleaved": gate and up alternate in blocks of GATE_BLOCK columns (gate 0-7, up 0-7,
-#   gate 8-15, ...): chunk 2c pairs with 2c + 1; any B major, one TMA box. Other interleaves
-#   (gpt-oss alternates single columns) are repacked into it once at load time.
+#   gate 8-15, ...): chunk 2c pairs with 2c + 1; any B major, one TMA box.
+# - "alternating": gate and up alternate column by column (gpt-oss: gate = h[:, ::2]). Each
+#   thread's two adjacent columns are then one (gate, up) pair: it computes the output of
+#   column 4c + lane % 4 of every chunk c, and a quad of lanes exchanges values by two
+#   shuffles per output so each lane holds the two adjacent output columns stmatrix stores
+#   (fused_epilogue.py); any B major, one TMA box, no repacked copy of the weight.
 GATES = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
-GATE_LAYOUTS = ("concat", "interleaved")
+GATE_LAYOUTS = ("concat", "interleaved", "alternating")
 GATE_BLOCK = 8
 # Gather-A: two warps of the producer warpgroup (2 and 3; warp 0 keeps B's TMA, warp 1 the
 # scheduler) load A's rows by index with cp.async (kernels/sm90/gather.py). Each thread keeps
