@@ -170,7 +170,11 @@ def check_fused_mm(
         if bias.device != device:
             raise ValueError(f"bias is on {bias.device} but x is on {device}")
     if concrete and (offs.device.type == "cpu" or offs_check_requested()):
-        check_offs_values(offs, S)
+        try:
+            check_offs_values(offs, S)
+        except ValueError as exc:  # (offs count the routed rows: S, not x's rows under a gather)
+            raise ValueError(str(exc).replace(f"T = {S} (rows of x)",
+                                              f"S = {S} (routed rows)")) from None
     odt = resolve_out_dtype(x.dtype, out_dtype)
     n_out = N // 2 if gate_name else N
     if out is not None:
