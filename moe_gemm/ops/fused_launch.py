@@ -6,7 +6,8 @@ shape: S routed rows, N = w's columns, K; tuned tables included) and is then fit
 the fused options can build (fit_fused): a gated tile needs tile_n a multiple of 32; gather-A
 needs at most 128 rows and 128 accumulator registers per thread and no A multicast; and the
 fused epilogue's extra registers (bias, row weights, activation) are kept off the heaviest
-accumulators (> 192 registers: ptxas spilled a few bytes there).
+accumulators (> 192 registers: ptxas spilled a few bytes there), and with both a bias and row
+weights from the whole-tile epilogue.
 """
 
 from __future__ import annotations
@@ -62,8 +63,13 @@ def fused_unsupported(args: FusedMmArgs) -> str | None:
     return _out_row_problem("out", args.N_out, args.out_dtype)
 
 
-def fit_fused(choice: KernelChoice, gate: bool, gather: bool) -> KernelChoice:
-    """grouped_mm's choice fitted to the fused options (see the module docstring)."""
+def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
+              bias_and_scale: bool = False) -> KernelChoice:
+    """grouped_mm's choice fitted to the fused options (see the module docstring). With a
+    bias and row weights both, the whole-tile epilogue (every subtile's loads at once) spilled
+    32 bytes under ptxas: those kernels store subtile by subtile."""
+    if bias_and_scale and choice.epi_whole:
+        choice = dataclasses.replace(choice, epi_whole=False)
     schedule, tm, tn = choice.schedule, choice.tile_m, choice.tile_n
     cm, cn = choice.cluster_m, choice.cluster_n
     if gate and tn % 32:
@@ -92,7 +98,8 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
         config, args.S, args.E, args.N, args.K, nsm, args.out_dtype.itemsize,
         device=launch._table_device(device), dtype=launch._TORCH_TO_NAME[args.dtype],
         out_dtype=launch._TORCH_TO_NAME[args.out_dtype])
-    fitted = fit_fused(choice, args.gate is not None, args.row_index is not None)
+    fitted = fit_fused(choice, args.gate is not None, args.row_index is not None,
+                       args.bias is not None and args.row_weight is not None)
     b_major = "k" if operand_major(args.w) == "col" else "n"
     why = fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, b_major,
                         fitted.cluster_n, args.gate or "", args.gate_layout,

@@ -125,13 +125,13 @@ def check_fused_mm(
         if row_index.device != device:
             raise ValueError(f"row_index is on {row_index.device} but x is on {device}")
         S = row_index.shape[0]
-        if concrete and row_index.device.type == "cpu" and S and T:
+        if S and not T:
+            raise ValueError(f"row_index selects {S} rows of x, but x has no rows")
+        if concrete and row_index.device.type == "cpu" and S:
             lo, hi = int(row_index.min()), int(row_index.max())
             if lo < 0 or hi >= T:
                 raise ValueError(f"row_index values must be rows of x in [0, {T}); got "
                                  f"[{lo}, {hi}]")
-        elif concrete and row_index.device.type == "cpu" and S and not T:
-            raise ValueError("row_index selects rows of x, but x has no rows")
     gate_name = resolve_gate(gate)
     if gate_layout not in GATE_LAYOUTS:
         raise ValueError(f"gate_layout must be one of {GATE_LAYOUTS}; got {gate_layout!r}")

@@ -67,6 +67,49 @@ class Variants:
         self._add("batched", dtype, out_dtype, b_major, choice, trace, force)
 
 
+def fused_key(S, T, E, N, K, *, gate=None, layout="concat", w_major="k", gather=True,
+              bias=False, scale=False, config=None, dtype=BF16, out_dtype=None,
+              gate_alpha=1.702, gate_limit=7.0, nsm=NUM_SMS):
+    """The CompileKey of a fused_grouped_mm launch (ops/fused_launch.py's choice), from meta
+    tensors: no GPU, no data."""
+    from moe_gemm.ops.fused_launch import fused_choice
+    from moe_gemm.ops.fused_launch import fused_key as key_of
+    from moe_gemm.ops.fused_validation import check_fused_mm
+
+    meta = torch.device("meta")
+    x = torch.empty(T if gather else S, K, dtype=dtype, device=meta)
+    w = (torch.empty(E, N, K, dtype=dtype, device=meta).transpose(1, 2) if w_major == "k"
+         else torch.empty(E, K, N, dtype=dtype, device=meta))
+    args = check_fused_mm(
+        x, w, torch.empty(E, dtype=torch.int32, device=meta),
+        row_index=torch.empty(S, dtype=torch.int64, device=meta) if gather else None,
+        bias=torch.empty(E, N, device=meta) if bias else None,
+        row_weight=torch.empty(S, device=meta) if scale else None, gate=gate,
+        gate_layout=layout, gate_alpha=gate_alpha, gate_limit=gate_limit,
+        out_dtype=out_dtype, concrete=False)
+    choice = fused_choice(args, config or GemmConfig(), nsm, meta)
+    return key_of(args, choice, w_major)
+
+
+def _fused_tests(v: Variants) -> None:
+    """tests/kernels/test_fused_moe_gpu.py: every case's launch, from the test module's own
+    case list."""
+    from . import test_fused_moe_gpu as t
+
+    for c in t.ALL_CASES:
+        if c["S"] - c["tail"] <= 0 and c["tail"] == 0:
+            continue
+        extra = t.CLAMP if c["gate"] == "clamped_swiglu" else {}
+        v.keys.add(fused_key(c["S"], c["T"], c["E"], c["N"], c["K"], gate=c["gate"],
+                             layout=c["layout"], w_major=c["w_major"], gather=c["gather"],
+                             bias=c["bias"], scale=c["scale"], config=c["config"],
+                             dtype=c["dtype"], out_dtype=c["out_dtype"], **extra, nsm=v.nsm))
+    # The clamp, repeat and graph tests.
+    v.keys.add(fused_key(120, 50, 3, 64, 64, gate="silu", nsm=v.nsm))
+    v.keys.add(fused_key(777, 300, 10, 400, 264, gate="silu", bias=True, nsm=v.nsm))
+    v.keys.add(fused_key(512, 256, 8, 256, 256, gate="silu", scale=True, nsm=v.nsm))
+
+
 def _cfg(**kw) -> GemmConfig:
     return GemmConfig(backend="cute", **kw)
 
@@ -305,6 +348,11 @@ def _layer_tests(v: Variants) -> None:
     for T, H, I, E, k in shapes:
         v.varlen(T * k, E, 2 * I, H, b_major="k")
         v.varlen(T * k, E, H, I, b_major="k")
+        # The fused expert path (the layer's default on the GPU): gate-up with the gather,
+        # down with the routing weights.
+        for act in ("silu", "gelu_tanh"):
+            v.keys.add(fused_key(T * k, T, E, 2 * I, H, gate=act, nsm=v.nsm))
+        v.keys.add(fused_key(T * k, T, E, H, I, gather=False, scale=True, nsm=v.nsm))
 
 
 def kernel_test_variants(nsm: int = NUM_SMS) -> list:
@@ -312,7 +360,7 @@ def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     v = Variants(nsm)
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
-                    _layer_tests):
+                    _layer_tests, _fused_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 

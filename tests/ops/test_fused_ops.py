@@ -100,6 +100,7 @@ def _bad(**kw):
     (dict(row_index=torch.tensor([0, 9])), ValueError, r"rows of x in \[0, 9\)"),
     (dict(row_index=torch.tensor([-1, 2])), ValueError, "rows of x"),
     (dict(row_index=[0, 1]), TypeError, "row_index must be a torch.Tensor"),
+    (dict(x=torch.zeros(0, 40)), ValueError, "x has no rows"),
     (dict(gate="relu"), ValueError, "gate must be one of"),
     (dict(gate=3), TypeError, "gate must be a str"),
     (dict(gate="silu", gate_layout="halves"), ValueError, "gate_layout must be one of"),
@@ -234,6 +235,7 @@ def test_fit_fused_gives_buildable_tiles(choice, gate, gather):
         assert fitted.epi_whole == choice.epi_whole
     else:
         assert not fitted.epi_whole and fitted.stages is None
+    assert not fit_fused(choice, gate, gather, bias_and_scale=True).epi_whole
 
 
 def test_fused_key_and_unsupported_reasons():
