@@ -5,7 +5,8 @@ tests, a benchmark or a server image start without compiling:
 
 Sets: "tests" = the variants the GPU tests launch (tests/kernels/variants.py, derived from
 their cases through the library's kernel choice) plus "check"; "check" = `moe-gemm check
---full`'s list (the defaults for the benchmark suite shapes). --list prints the names only.
+--full`'s list (the defaults for the benchmark suite shapes); "fused" = those of the fused
+kernel's and the MoE layer's GPU tests only. --list prints the names only.
 
 Each worker is a fresh interpreter (spawn, never fork: a forked child inherits the parent's
 threads' locks and any CUDA state, and one hung worker stalls the pool) that compiles one
@@ -30,6 +31,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # moe_gemm; tests/kernels as
 def variant_set(name: str) -> list:
     from moe_gemm.cli import check_variants
 
+    if name == "fused":
+        from kernels.variants import fused_test_variants
+
+        return fused_test_variants()
     keys = set(check_variants(full=True))
     if name == "tests":
         from kernels.variants import kernel_test_variants
@@ -86,7 +91,7 @@ def compile_all(keys: list, jobs: int, timeout: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--set", default="tests", choices=["tests", "check"])
+    p.add_argument("--set", default="tests", choices=["tests", "check", "fused"])
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--list", action="store_true", help="print the variant names and exit")

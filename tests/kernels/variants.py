@@ -110,6 +110,53 @@ def _fused_tests(v: Variants) -> None:
     v.keys.add(fused_key(512, 256, 8, 256, 256, gate="silu", scale=True, nsm=v.nsm))
 
 
+def _layer_keys(v: Variants, T: int, H: int, I: int, E: int, k: int, act: str = "silu",
+                unfused: bool = True) -> None:
+    """A layer forward's launches: fused (gate-up with the gather, down with the routing
+    weights) and, with `unfused`, the two plain grouped_mm."""
+    S = T * k
+    v.keys.add(fused_key(S, T, E, 2 * I, H, gate=act, nsm=v.nsm))
+    v.keys.add(fused_key(S, T, E, H, I, gather=False, scale=True, nsm=v.nsm))
+    if unfused:
+        v.varlen(S, E, 2 * I, H, b_major="k")
+        v.varlen(S, E, H, I, b_major="k")
+
+
+def _fused_layer_tests(v: Variants) -> None:
+    """tests/layers/test_fused_layer_gpu.py and test_compile_gpu.py."""
+    path = os.path.join(os.path.dirname(__file__), "..", "layers", "test_fused_layer_gpu.py")
+    try:
+        spec = importlib.util.spec_from_file_location("_fused_layer_gpu_cases", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for T, H, I, E, k, extra in getattr(module, "SHAPES", []):
+            _layer_keys(v, T, H, I, E, k, extra.get("activation", "silu"))
+    except Exception:  # noqa: BLE001 - the layer tests moved or changed: compile in-test
+        pass
+    for T, H, I, E, k in [(96, 512, 256, 32, 4), (1, 512, 256, 32, 4), (100, 512, 256, 32, 4),
+                          (257, 512, 256, 32, 4), (400, 1024, 256, 64, 8),
+                          (77, 512, 256, 16, 4), (20, 512, 256, 8, 2),
+                          (300, 1024, 512, 8, 2), (300, 512, 128, 64, 8),
+                          (300, 1024, 256, 64, 8), (1, 1024, 384, 32, 8),
+                          (77, 1024, 384, 32, 8), (513, 1024, 384, 32, 8)]:
+        _layer_keys(v, T, H, I, E, k, unfused=False)
+    # GPT-OSS's experts: clamped SwiGLU over alternating columns with biases, (E, H, 2I) and
+    # (E, I, H) weights as stored (N-major).
+    v.keys.add(fused_key(800, 200, 32, 512, 512, gate="clamped_swiglu", layout="alternating",
+                         w_major="n", bias=True, nsm=v.nsm))
+    v.keys.add(fused_key(800, 200, 32, 512, 256, gather=False, w_major="n", bias=True,
+                         scale=True, nsm=v.nsm))
+
+
+def fused_test_variants(nsm: int = NUM_SMS) -> list:
+    """The CompileKeys of the fused kernel's GPU tests and the MoE layer's GPU tests (the set
+    `scripts/precompile.py --set fused` compiles), sorted by name."""
+    v = Variants(nsm)
+    for collect in (_fused_tests, _layer_tests, _fused_layer_tests):
+        collect(v)
+    return sorted(v.keys, key=lambda k: k.name())
+
+
 def _cfg(**kw) -> GemmConfig:
     return GemmConfig(backend="cute", **kw)
 
@@ -360,7 +407,7 @@ def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     v = Variants(nsm)
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
-                    _layer_tests, _fused_tests):
+                    _layer_tests, _fused_tests, _fused_layer_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 
