@@ -60,8 +60,7 @@ class FusedMoeGemmSm90(GroupedGemmSm90):
         bias: cute.Tensor,  # (E, N) fp32 (bias)
         stream: cuda.CUstream,
     ):
-        self.launch(mA, mW, mD,
-                    FusedProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base,
-                                     row_index, row_weight, bias),
-                    RunArgs(workspace, trace, swizzle, a_policy, b_policy), num_ctas, pdl,
-                    stream)
+        self.build_and_launch(
+            mA, mW, mD, FusedProblemArgs(mA, mD, meta, meta32, offs, table, num_problems,
+                                         d_base, row_index, row_weight, bias),
+            RunArgs(workspace, trace, swizzle, a_policy, b_policy), num_ctas, pdl, stream)

@@ -45,6 +45,12 @@ Tail split (compile-time `tail_split`; cooperative, device visitor, 1x1 cluster,
 batched forms; tail_split.py): a last wave that fills at most half the grid runs each tile as
 two half-K units on two CTAs, joined through an fp32 workspace slot.
 
+Fused MoE options (compile-time, varlen form, all off by default; constants.fused_problem,
+fused_moe.FusedMoeGemmSm90 takes their tensors): a gated epilogue that stores act(gate) * up
+(fused_epilogue.py; the "concat" gate layout loads B's tile as two half boxes), a per-expert
+bias, per-row weights, and gather-A (gather.py: warps 2 and 3 load A's rows through an index
+with cp.async, completing the stage's full barrier beside B's TMA).
+
 Constraints: bf16/fp16 inputs, fp32 accumulation, bf16/fp16/fp32 output; A K-major; B K- or
 N-major; every TMA operand 16-byte aligned with 16-byte-multiple strides (ops/support.py
 checks this before we get here); tile_k = 64 (one 128-byte swizzle row of 16-bit data).
@@ -434,13 +440,14 @@ class GroupedGemmSm90:
         #                 so one metadata upload serves calls whose outputs are new); else 0
         stream: cuda.CUstream,
     ):
-        self.launch(mA, mW, mD, ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems,
-                                            d_base),
-                    RunArgs(workspace, trace, swizzle, a_policy, b_policy), num_ctas, pdl, stream)
+        self.build_and_launch(
+            mA, mW, mD, ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base),
+            RunArgs(workspace, trace, swizzle, a_policy, b_policy), num_ctas, pdl, stream)
 
     @cute.jit
-    def launch(self, mA: cute.Tensor, mW: cute.Tensor, mD: cute.Tensor, args: ProblemArgs,
-               run: RunArgs, num_ctas: Int32, pdl: Int32, stream: cuda.CUstream):
+    def build_and_launch(self, mA: cute.Tensor, mW: cute.Tensor, mD: cute.Tensor,
+                         args: ProblemArgs, run: RunArgs, num_ctas: Int32, pdl: Int32,
+                         stream: cuda.CUstream):
         """The body of __call__ (traced inside it), shared with the fused kernel's entry,
         whose `args` carry its extra tensors (fused_moe.FusedMoeGemmSm90)."""
         self._setup()
