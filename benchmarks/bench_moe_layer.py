@@ -20,6 +20,10 @@ grouped_mm" (the block itself with transformers' default experts implementation)
 SwiGLU, without DeepSeek's shared expert; where the package imports and runs: what happened
 is recorded either way).
 
+Before timing, a child process runs one fused forward per model against the unfused layer
+(a fault there cannot poison the timed process); should it fail, the run goes on without the
+in-kernel gather, or without the fused rows, and the JSON says so ("fused_probe").
+
 Timing: each implementation as a CUDA-graph replay where it captures (eager otherwise; the row
 says which), after warm-up, batches of calls timed by CUDA events, implementations
 interleaved round by round, the median batch per call. Kernels are compiled before timing, in
@@ -50,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_gemm  # noqa: E402
+from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -63,6 +68,8 @@ TOKENS = [1, 16, 128, 1024, 4096, 16384]
 FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers grouped_mm",
                              "sonicmoe")
 CHECK_TOKENS = 128
+PROBE_TOKENS = 256
+PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +329,13 @@ def run(args: argparse.Namespace) -> dict:
         for n in names:
             keys |= kernel_keys(models[n], tokens, device)
         result["precompile"] = precompile(keys, args.jobs, args.compile_timeout)
+    impl_names = [FUSED, UNFUSED, HF]
+    if not smoke:
+        result["fused_probe"] = probe_in_subprocess(names, args.probe_timeout)
+        if not result["fused_probe"]["ok"]:
+            impl_names.remove(FUSED)
+        elif result["fused_probe"].get("gather") is False:
+            os.environ[GATHER_ENV] = "0"  # the fused path without the in-kernel gather
     sonic_ok = not smoke and not args.no_sonic
     if sonic_ok:
         result["sonicmoe"] = {"status": "trying"}
@@ -335,6 +349,7 @@ def run(args: argparse.Namespace) -> dict:
             UNFUSED: ours(m["kind"], block, False),
             HF: transformers_layer(m["kind"], block),
         }
+        impls = {name: fn for name, fn in impls.items() if name in impl_names}
         if sonic_ok:
             try:
                 impls[SONIC] = sonic_layer(m, device, dtype)
@@ -391,6 +406,52 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+# ---------------------------------------------------------------------------------------------
+# The probe: one fused forward per model in a child process before anything is timed, so a
+# fault in a kernel costs the child, not the run (a CUDA fault poisons its process).
+
+
+def probe(names: list[str]) -> dict:
+    """In the child: each model's fused layer against the unfused one at PROBE_TOKENS."""
+    device, out = torch.device("cuda"), {}
+    for n in names:
+        m = MODELS[n]
+        block = hf_block(m["kind"], m["H"], m["I"], m["E"], m["k"], device, torch.bfloat16, 1)
+        x = torch.randn(1, PROBE_TOKENS, m["H"], device=device).to(torch.bfloat16)
+        with torch.inference_mode():
+            fused = ours(m["kind"], block, None)(x).float()
+            base = ours(m["kind"], block, False)(x).float()
+            torch.cuda.synchronize()
+        out[n] = calc_diff(fused, base)
+        del block
+        torch.cuda.empty_cache()
+    return out
+
+
+def probe_in_subprocess(names: list[str], timeout: float) -> dict:
+    """{"ok", "gather", "diffs" | "error"}: the fused path as is, else without the in-kernel
+    gather (MOE_GEMM_FUSED_GATHER=0), else not at all."""
+    import subprocess
+
+    tried = []
+    for gather in (True, False):
+        env = dict(os.environ, **({} if gather else {GATHER_ENV: "0"}))
+        cmd = [sys.executable, "-m", "benchmarks.bench_moe_layer", "--probe", "--models",
+               ",".join(names)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                                  cwd=str(Path(__file__).resolve().parents[1]))
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            diffs = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+            if diffs is not None and all(d < PROBE_MAX_DIFF for d in diffs.values()):
+                return {"ok": True, "gather": gather, "diffs": diffs, "tried": tried}
+            tried.append({"gather": gather, "rc": proc.returncode, "diffs": diffs,
+                          "stderr": proc.stderr[-1500:]})
+        except subprocess.TimeoutExpired:
+            tried.append({"gather": gather, "error": f"timed out after {timeout:.0f} s"})
+    return {"ok": False, "tried": tried}
+
+
 def _agreement(timed: dict[str, Timed]) -> dict[str, float]:
     """calc_diff of each implementation's output against the unfused layer's (SonicMoE routes
     with its own router and weights: not comparable, left out)."""
@@ -421,7 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sonic", action="store_true", help="skip SonicMoE")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
+    p.add_argument("--probe", action="store_true",
+                   help="(the child process) one fused forward per model; prints JSON")
+    p.add_argument("--probe-timeout", type=float, default=150.0)
     args = p.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args.models.split(",") if args.models else list(MODELS))))
+        return 0
     if not args.smoke and not torch.cuda.is_available():
         print("bench_moe_layer: no CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
         return 2

@@ -35,11 +35,15 @@ from moe_gemm.env import env_switch
 from moe_gemm.layers.routing import permute_by_expert
 from moe_gemm.ops.fused import fused_grouped_mm
 
-__all__ = ["FUSED_ENV", "FusedGate", "fused_expert_ffn", "fused_gate_for", "use_fused"]
+__all__ = ["FUSED_ENV", "GATHER_ENV", "FusedGate", "fused_expert_ffn", "fused_gate_for",
+           "use_fused"]
 
 # MOE_GEMM_FUSED=0 keeps the MoE layers on the unfused path where they would fuse (read when
 # a layer decides, i.e. per forward; a compiled graph keeps the decision it was traced with).
+# MOE_GEMM_FUSED_GATHER=0 keeps the fused path but gathers the tokens with index_select
+# instead of inside the kernel (the gather-A loader off).
 FUSED_ENV = "MOE_GEMM_FUSED"
+GATHER_ENV = "MOE_GEMM_FUSED_GATHER"
 _NAMED_GATES = ("silu", "gelu", "gelu_tanh")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -62,6 +66,11 @@ def fused_gate_for(activation: object, layout: str = "concat") -> FusedGate | No
     if isinstance(activation, str) and activation in _NAMED_GATES:
         return FusedGate(activation, layout)
     return None
+
+
+@torch.compiler.assume_constant_result
+def _gather_in_kernel() -> bool:
+    return env_switch(GATHER_ENV)
 
 
 @torch.compiler.assume_constant_result
@@ -120,7 +129,11 @@ def fused_expert_ffn(
     # and the kernels store zeros there without reading it).
     weight = torch.where(perm.valid, topk_weights, 0).reshape(-1).float().index_select(
         0, perm.slot_order)
-    a = fused_grouped_mm(x, w_gate_up, perm.offs, row_index=token, bias=bias_gate_up,
+    if _gather_in_kernel():
+        xs, index = x, token
+    else:
+        xs, index = x.index_select(0, perm.token_index), None
+    a = fused_grouped_mm(xs, w_gate_up, perm.offs, row_index=index, bias=bias_gate_up,
                          gate=spec.gate, gate_layout=spec.layout, gate_alpha=spec.alpha,
                          gate_limit=spec.limit, config=config)
     y = fused_grouped_mm(a, w_down, perm.offs, bias=bias_down, row_weight=weight,

@@ -43,3 +43,32 @@ def test_precompiled_variants_cover_both_paths(model):
         k.kernel()  # every variant is one the kernel builds (ValueError otherwise)
     if model == "gpt-oss-120b":
         assert all(k.gate_layout == "alternating" and k.bias for k in fused if k.gate)
+
+
+def test_probe_falls_back_to_no_gather_then_to_no_fused_rows(monkeypatch):
+    import subprocess
+
+    answers = []
+
+    class Done:
+        def __init__(self, rc, diffs):
+            self.returncode, self.stderr = rc, "boom" if rc else ""
+            self.stdout = "compiling...\n" + (json.dumps(diffs) if diffs is not None else "")
+
+    def fake_run(cmd, env, **kw):
+        answer = answers.pop(0)
+        if answer == "timeout":
+            raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+        assert ("--probe" in cmd) and (env.get(bml.GATHER_ENV) == ("0" if answer[2] else None))
+        return Done(answer[0], answer[1])
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    answers[:] = [(0, {"m": 1e-6}, False)]
+    assert bml.probe_in_subprocess(["m"], 5) == {"ok": True, "gather": True,
+                                                 "diffs": {"m": 1e-6}, "tried": []}
+    answers[:] = [(1, None, False), (0, {"m": 2e-6}, True)]
+    res = bml.probe_in_subprocess(["m"], 5)
+    assert res["ok"] and res["gather"] is False and res["tried"][0]["rc"] == 1
+    answers[:] = [(0, {"m": 0.5}, False), "timeout"]  # wrong results, then a hang
+    res = bml.probe_in_subprocess(["m"], 5)
+    assert not res["ok"] and "timed out" in res["tried"][1]["error"]

@@ -139,6 +139,22 @@ def test_kernel_fit_rules(monkeypatch):
     assert use_fused(True, silu, bf16, k_major, w2, None)
 
 
+def test_gather_switch_gives_the_same_result(monkeypatch):
+    torch.manual_seed(5)
+    moe = randomize(MoE(32, 16, 8, 2, fused=True))
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        y = moe(x)
+        monkeypatch.setenv(fused_experts.GATHER_ENV, "0")
+        calls = []
+        real = fused_experts.fused_grouped_mm
+        monkeypatch.setattr(fused_experts, "fused_grouped_mm",
+                            lambda *a, **kw: calls.append(kw.get("row_index")) or real(*a, **kw))
+        y2 = moe(x)
+    assert calls and all(index is None for index in calls)  # no gather in the kernel
+    assert torch.allclose(y, y2, atol=1e-6)
+
+
 def test_fused_layer_validates_its_switch():
     with pytest.raises(TypeError, match="fused must be a bool or None"):
         MoE(16, 8, 4, 2, fused="yes")  # type: ignore[arg-type]
