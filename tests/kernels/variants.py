@@ -138,7 +138,8 @@ def _fused_layer_tests(v: Variants) -> None:
                           (77, 512, 256, 16, 4), (20, 512, 256, 8, 2),
                           (300, 1024, 512, 8, 2), (300, 512, 128, 64, 8),
                           (300, 1024, 256, 64, 8), (1, 1024, 384, 32, 8),
-                          (77, 1024, 384, 32, 8), (513, 1024, 384, 32, 8)]:
+                          (77, 1024, 384, 32, 8), (513, 1024, 384, 32, 8),
+                          (64, 512, 256, 16, 2), (66, 256, 128, 8, 2)]:
         _layer_keys(v, T, H, I, E, k, unfused=False)
     # GPT-OSS's experts: clamped SwiGLU over alternating columns with biases, (E, H, 2I) and
     # (E, I, H) weights as stored (N-major).
