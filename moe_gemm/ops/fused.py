@@ -113,7 +113,8 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
     options = (gate, gate_layout, gate_alpha, gate_limit, row_index is None,
                row_weight is None, bias is None, out is None)
     present = tuple(t for t in tensors if t is not None)
-    if type(x) in PLAIN_TENSORS and (config is None or type(config) is GemmConfig):
+    if type(x) in PLAIN_TENSORS and (config is None or type(config) is GemmConfig) and (
+            out is None or not _overlaps(out, x, w, offs, row_index, row_weight, bias)):
         extra = (config, out_dtype, api._switches())
         entry = _plans.find((x.shape, options), extra, present)
         if entry is not None and not (x.data_ptr() | w.data_ptr() | (
@@ -161,11 +162,15 @@ def _grad_inputs(x, w, row_weight, bias) -> list[torch.Tensor]:
 
 
 def _out_overlaps(args: FusedMmArgs) -> bool:
+    return _overlaps(args.out, args.x, args.w, args.offs, args.row_index, args.row_weight,
+                     args.bias)
+
+
+def _overlaps(out, *inputs) -> bool:
     from moe_gemm.ops.aliasing import overlaps_any
 
-    inputs = tuple(t for t in (args.x, args.w, args.offs, args.row_index, args.row_weight,
-                               args.bias) if t is not None)
-    return overlaps_any(args.out, inputs)
+    return type(out) in PLAIN_TENSORS and overlaps_any(
+        out, tuple(t for t in inputs if t is not None))
 
 
 def _remember(x, options, config, out_dtype, present, plan, args: FusedMmArgs) -> None:
