@@ -3,6 +3,9 @@ backend).
 
 Modules, top to bottom (imports only go down):
     api          grouped_gemm, grouped_mm, GroupedGemmPlan: the public ops
+    fused        fused_grouped_mm: grouped_mm with the MoE gather, bias, gate and row
+                 weights in the kernel (fused_validation, fused_launch, fused_reference,
+                 fused_custom_ops: its checks, host side, torch backend, registered ops)
     custom_ops   the same ops registered with torch.library (torch.compile, fake tensors)
     launch       torch tensors -> kernel arguments: cached plans, workspaces, the launch
     heuristics   config choice from host-known shapes (tuned tables first, then rules)
