@@ -4,6 +4,9 @@ Public API:
     grouped_gemm(a, b)        general grouped GEMM, D_i = A_i @ B_i, any sizes per problem
     grouped_mm(x, w, offs)    MoE expert GEMM (torch.nn.functional.grouped_mm's 2D x 3D form);
                               grouped_mm(x, w) is the batched 3D x 3D form
+    fused_grouped_mm(...)     grouped_mm with the MoE layer's token gather, bias, gated
+                              activation and routing weights fused into the kernel
+    interleave_gate_up(w)     a gate-up weight repacked for the interleaved gate layout
     GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
     scaled_grouped_mm(x, w, scale_a, scale_b, offs)   the FP8 expert GEMM (block-wise
                               1x128 / 128x128, row-wise or per-tensor scales); and
@@ -47,6 +50,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
         quantize_fp8_per_token_group,
     )
     from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
+    from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
 
 # `model.set_experts_implementation("moe_gemm")` works once transformers' MoE module loads
 # (the hook imports nothing heavy until then).
@@ -62,8 +66,10 @@ __all__ = [
     "MoE",
     "__version__",
     "dequantize_fp8",
+    "fused_grouped_mm",
     "grouped_gemm",
     "grouped_mm",
+    "interleave_gate_up",
     "moe_experts",
     "moe_forward",
     "permute_by_expert",
@@ -110,6 +116,7 @@ def _load() -> None:
                 quantize_fp8_per_token_group,
             )
             from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
+            from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
         except BaseException:
             _state = 0  # e.g. torch missing: the next use raises the same ImportError again
             raise
@@ -123,6 +130,8 @@ def _load() -> None:
             MoE=MoE,
             grouped_gemm=grouped_gemm,
             grouped_mm=grouped_mm,
+            fused_grouped_mm=fused_grouped_mm,
+            interleave_gate_up=interleave_gate_up,
             moe_experts=moe_experts,
             moe_forward=moe_forward,
             permute_by_expert=permute_by_expert,

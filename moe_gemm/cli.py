@@ -146,6 +146,18 @@ def check_variants(full: bool):
     add("general", "bfloat16", "bfloat16", "n", "cooperative", (128, 160), cluster_m=2)
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 224), stages=3,
         epi_whole=True, tail_split=True)
+    # The fused MoE kernel (FusedMoeGemmSm90): the layer's gate-up (gather-A, gated epilogue,
+    # each gate layout) and down (row weights, bias) launches, on the tiles its rules pick.
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), gate="silu",
+        gate_layout="concat", gather=True)
+    add("varlen", "bfloat16", "bfloat16", "n", "pingpong", (64, 192), gate="clamped_swiglu",
+        gate_layout="alternating", gate_alpha=1.702, gate_limit=7.0, bias=True, gather=True)
+    add("varlen", "bfloat16", "bfloat16", "n", "pingpong", (128, 192), gate="gelu",
+        gate_layout="interleaved")
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), row_scale=True,
+        bias=True)
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), stages=3,
+        epi_whole=True, tail_split=True, row_scale=True)
     if full:
         # Every listed tile in every form, B majors alternating (the default list above has
         # the rest).
@@ -181,6 +193,11 @@ def _key_extras(key) -> str:
         extras.append(f"epi_n={key.epi_n}")
     if hasattr(key, "scale_mode"):
         extras.append(f"scales={key.scale_mode}")
+    if getattr(key, "gate", ""):
+        extras.append(f"gate={key.gate}/{key.gate_layout}")
+    for flag in ("bias", "row_scale", "gather"):
+        if getattr(key, flag, False):
+            extras.append(flag)
     return "".join(" " + e for e in extras)
 
 

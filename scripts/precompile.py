@@ -6,7 +6,8 @@ tests, a benchmark or a server image start without compiling:
 Sets: "tests" = the variants the GPU tests launch (tests/kernels/variants.py, derived from
 their cases through the library's kernel choice) plus "check"; "check" = `moe-gemm check
 --full`'s list (the defaults for the benchmark suite shapes); "fp8" = the FP8 kernels and
-quantizers the FP8 GPU tests launch (tests/kernels/variants_fp8.py). --list prints the names only.
+quantizers the FP8 GPU tests launch (tests/kernels/variants_fp8.py); "fused" = those of the
+fused kernel's and the MoE layer's GPU tests only. --list prints the names only.
 
 Each worker is a fresh interpreter (spawn, never fork: a forked child inherits the parent's
 threads' locks and any CUDA state, and one hung worker stalls the pool) that compiles one
@@ -35,6 +36,10 @@ def variant_set(name: str) -> list:
         return fp8_test_variants()
     from moe_gemm.cli import check_variants
 
+    if name == "fused":
+        from kernels.variants import fused_test_variants
+
+        return fused_test_variants()
     keys = set(check_variants(full=True))
     if name == "tests":
         from kernels.variants import kernel_test_variants
@@ -91,7 +96,7 @@ def compile_all(keys: list, jobs: int, timeout: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--set", default="tests", choices=["tests", "check", "fp8"])
+    p.add_argument("--set", default="tests", choices=["tests", "check", "fp8", "fused"])
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--list", action="store_true", help="print the variant names and exit")

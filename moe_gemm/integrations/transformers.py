@@ -18,7 +18,11 @@ is_transposed (weights already (E, H, 2I) / (E, I, H)), has_gate (gate_up_proj a
 module's own `_apply_gate`, so custom gates such as GPT-OSS's clamped, interleaved SwiGLU
 work unchanged; else up_proj and act_fn), has_bias (per-expert biases gathered per row),
 has_post_expert_norm, and expert-parallel sentinels (ids >= num_experts contribute nothing).
-Like the rest of moe_gemm's MoE path it is inference-only: a backward through it raises.
+On a Hopper GPU, gates the fused kernel knows (the default act_fn(gate) * up with silu / gelu /
+gelu_tanh, GPT-OSS's clamped SwiGLU) run on it (layers/fused_experts.py); set
+`experts.moe_gemm_fused = False` on a module to keep it on the unfused path (True forces the
+fused ops, their torch backend off the GPU). Like the rest of moe_gemm's MoE path it is
+inference-only: a backward through it raises.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.checkpoints import moe_from_tensors
 from moe_gemm.layers.experts import Activation, expert_ffn
+from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
 from moe_gemm.layers.moe import MoE
 
 __all__ = ["NAME", "hf_activation", "is_registered", "moe_from_hf", "moe_gemm_experts_forward",
@@ -103,8 +108,44 @@ def moe_gemm_experts_forward(
         ids = ids.long()
 
     y = expert_ffn(x, ids, top_k_weights, w_in, w_out, gate_fn, bias_gate_up=bias_in,
-                   bias_down=bias_out, post_fn=post_fn)
+                   bias_down=bias_out, post_fn=post_fn,
+                   fused_gate=hf_fused_gate(self) if has_gate else None,
+                   fused=getattr(self, "moe_gemm_fused", None))
     return y.to(hidden_states.dtype)
+
+
+def hf_fused_gate(experts: nn.Module) -> FusedGate | None:
+    """What the experts module's `_apply_gate` computes, as the fused kernel does it, or None
+    (a gate only the module itself can apply: the unfused path runs it).
+
+    transformers' default gate is act_fn(gate) * up over concatenated halves; GPT-OSS's is the
+    clamped SwiGLU over alternating columns with the module's alpha and limit (its
+    _apply_gate, checked by identity, so a subclass that changes it is not taken for it)."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    if gate is not None and gate is _default_apply_gate():
+        return fused_gate_for(hf_activation(experts.act_fn), "concat")
+    if gate is not None and gate is _gpt_oss_apply_gate():
+        return FusedGate("clamped_swiglu", "alternating", float(experts.alpha),
+                         float(experts.limit))
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _default_apply_gate() -> Any:
+    try:
+        from transformers.integrations.moe import _default_apply_gate as fn
+    except ImportError:  # a transformers without the helper
+        return None
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt_oss_apply_gate() -> Any:
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:  # a transformers without GPT-OSS
+        return None
+    return GptOssExperts._apply_gate
 
 
 def register() -> None:

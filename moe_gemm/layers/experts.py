@@ -1,5 +1,10 @@
 """The routed experts as functions: activation, the expert FFN for a given routing, checks.
 
+On a Hopper GPU the experts of a named activation run on the fused kernel by default
+(layers/fused_experts.py: the gather, gated activation and routing weights inside the two
+GEMMs). The unfused path below is the reference, the torch backend's path and the one for
+callable activations and post-expert norms:
+
     perm = permute_by_expert(ids)                    stable sort on the device, int32 offs
     h = grouped_mm(x[perm.token_index], w_gate_up)   (S, 2I), S = T * k, one launch
     a = act(h[:, :I]) * h[:, I:]                     (S, I), SwiGLU by default
@@ -32,13 +37,14 @@ import torch
 import torch.nn.functional as F
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.layers.fused_experts import FusedGate, fused_expert_ffn, fused_gate_for, use_fused
 from moe_gemm.layers.routing import permute_by_expert
 from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only
 
 __all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
-           "check_tokens", "expert_ffn", "gated", "moe_experts", "resolve_activation",
-           "shape_str"]
+           "canonical_activation", "check_tokens", "expert_ffn", "gated", "moe_experts",
+           "resolve_activation", "shape_str"]
 
 Activation = str | Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,6 +82,13 @@ def resolve_activation(activation: Activation) -> Callable[[torch.Tensor], torch
     raise TypeError(f"activation must be a str or a callable; got {type(activation).__name__}")
 
 
+def canonical_activation(activation: Activation) -> Activation:
+    """A name with its aliases resolved ("swish" -> "silu"); callables unchanged."""
+    if isinstance(activation, str):
+        return _ACTIVATION_ALIASES.get(activation, activation)
+    return activation
+
+
 def gated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """(S, 2I) [gate | up] -> (S, I) act(gate) * up, transformers' concatenated layout."""
 
@@ -102,20 +115,30 @@ def expert_ffn(
     bias_down: torch.Tensor | None = None,  # (E, H)
     post_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,  # (S, H) -> (S, H)
     config: GemmConfig | None = None,
+    fused_gate: FusedGate | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """The routed experts for checked arguments: sort, two grouped GEMMs, combine.
 
     What moe_experts, the MoE layer and the transformers integration run once their own
-    checks are done. Inference only: when autograd could ask for a gradient (grad mode on
-    and an input or weight requires grad) the result is linked so that a backward raises
-    (under torch.compile the grouped GEMMs' registered ops carry that backward instead).
+    checks are done. With `fused_gate` (what gate_fn computes, as the fused kernel does it)
+    they run on the fused kernel where layers/fused_experts.use_fused says so (`fused`: None
+    = where the Hopper kernel runs, True = always, False = never), else on the grouped GEMMs
+    below. Inference only: when autograd could ask for a gradient (grad mode on and an input
+    or weight requires grad) the result is linked so that a backward raises (under
+    torch.compile the grouped GEMMs' registered ops carry that backward instead).
 
     Returns:
         (T, H) in the GEMMs' dtype.
     """
-    run = functools.partial(_expert_ffn, x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn,
-                            bias_gate_up=bias_gate_up, bias_down=bias_down, post_fn=post_fn,
-                            config=config)
+    if use_fused(fused, fused_gate, x, w_gate_up, w_down, config, post_fn):
+        run = functools.partial(fused_expert_ffn, x, topk_ids, topk_weights, w_gate_up, w_down,
+                                fused_gate, bias_gate_up=bias_gate_up, bias_down=bias_down,
+                                config=config)
+    else:
+        run = functools.partial(_expert_ffn, x, topk_ids, topk_weights, w_gate_up, w_down,
+                                gate_fn, bias_gate_up=bias_gate_up, bias_down=bias_down,
+                                post_fn=post_fn, config=config)
     if torch.compiler.is_compiling():
         return run()
     return inference_only(INFERENCE_ONLY_MESSAGE, run,
@@ -228,6 +251,7 @@ def moe_experts(
     *,
     activation: Activation = "silu",
     config: GemmConfig | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """The routed expert FFN for a given routing (what vLLM's fused_experts computes).
 
@@ -248,6 +272,10 @@ def moe_experts(
         activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh" or a callable applied to
             the gate half.
         config: GemmConfig for both grouped GEMMs; None = automatic.
+        fused: run on the fused kernel (gather, gated activation and routing weights inside
+            the GEMMs; layers/fused_experts.py): None = where the Hopper kernel runs (named
+            activations), True = always (the fused ops' torch backend elsewhere), False =
+            the unfused grouped GEMMs.
 
     Returns:
         [T, H] in x's dtype (fp32 accumulation, one final rounding). T = 0 gives (0, H).
@@ -260,4 +288,5 @@ def moe_experts(
         x, topk_ids, topk_weights, w_gate_up, w_down
     )
     gate_fn = gated(resolve_activation(activation))
-    return expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, config=config)
+    return expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, config=config,
+                      fused_gate=fused_gate_for(canonical_activation(activation)), fused=fused)

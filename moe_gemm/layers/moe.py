@@ -30,6 +30,7 @@ from moe_gemm.layers.checkpoints import moe_from_fused, moe_from_state_dict
 from moe_gemm.layers.experts import (
     FLOAT_DTYPES,
     Activation,
+    canonical_activation,
     check_tokens,
     expert_ffn,
     gated,
@@ -38,6 +39,7 @@ from moe_gemm.layers.experts import (
     shape_str,
 )
 from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, quantize_experts, scale_granularity
+from moe_gemm.layers.fused_experts import fused_gate_for
 from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
 
 __all__ = ["GatedMLP", "MoE", "moe_experts", "moe_forward"]
@@ -130,6 +132,7 @@ def moe_forward(
     router_fp32: bool | None = None,
     activation: Activation = "silu",
     config: GemmConfig | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Functional MoE: route, then the routed experts (no shared experts). Inference only.
 
@@ -150,6 +153,7 @@ def moe_forward(
             dtype (Mixtral, Qwen); None = True for sigmoid, False for softmax.
         activation: "silu", "gelu", "gelu_tanh" or a callable.
         config: GemmConfig for the grouped GEMMs.
+        fused: the fused expert kernel (moe_experts): None = where it runs, True / False.
 
     Returns:
         [T, H] in x's dtype.
@@ -178,7 +182,8 @@ def moe_forward(
         x, router_weight, top_k, scoring, renormalize, n_group, topk_group,
         float(routed_scaling_factor), correction_bias, fp32,
     )
-    return moe_experts(x, ids, weights, w_gate_up, w_down, activation=activation, config=config)
+    return moe_experts(x, ids, weights, w_gate_up, w_down, activation=activation, config=config,
+                       fused=fused)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +307,11 @@ class MoE(nn.Module):
             (DeepSeek: moe_intermediate_size * n_shared_experts); 0 = none.
         shared_expert_gate: scale the shared expert by sigmoid(Linear(H, 1)(x)) (Qwen2-MoE).
         config: GemmConfig for the grouped GEMMs (e.g. GemmConfig(backend="torch")).
+        fused: the experts on the fused kernel (the token gather, gated activation and
+            routing weights inside the two GEMMs; layers/fused_experts.py): None (default) =
+            on a Hopper GPU with a named activation, True = always (the fused ops' torch
+            backend elsewhere), False = the unfused grouped GEMMs. An attribute: set
+            `moe.fused` to switch a built layer.
         device, dtype: where and in what dtype to create the parameters.
     """
 
@@ -323,10 +333,13 @@ class MoE(nn.Module):
         shared_intermediate_size: int = 0,
         shared_expert_gate: bool = False,
         config: GemmConfig | None = None,
+        fused: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be a bool or None; got {fused!r}")
         correction_bias = _check_layer(
             hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
             scoring, renormalize, n_group, topk_group, routed_scaling_factor, correction_bias,
@@ -343,6 +356,7 @@ class MoE(nn.Module):
         self.router_fp32 = scoring == "sigmoid" if router_fp32 is None else bool(router_fp32)
         self.activation = activation
         self.config = config
+        self.fused = fused
         E, H, I = num_experts, hidden_size, intermediate_size
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.router_weight = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)
@@ -454,7 +468,9 @@ class MoE(nn.Module):
         else:
             xe = x2.to(self.gate_up_proj.dtype)
             y = expert_ffn(xe, ids, weights, self.w_gate_up, self.w_down, gate_fn,
-                           config=self.config).to(x.dtype)
+                           config=self.config,
+                           fused_gate=fused_gate_for(canonical_activation(self.activation)),
+                           fused=self.fused).to(x.dtype)
         if self.shared_experts is not None:
             # In the shared expert's own dtype too (the layer may have been cast after
             # loading); the sum is in the caller's dtype.

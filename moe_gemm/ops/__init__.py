@@ -6,6 +6,9 @@ Modules, top to bottom (imports only go down):
     scaled       scaled_grouped_mm, scaled_grouped_gemm: the FP8 ops (scaled_validation,
                  scaled_support, scaled_launch, scaled_reference, heuristics_fp8 beside them)
     quantize     FP8 quantization helpers (1x128 groups, 128x128 blocks, rows, tensors)
+    fused        fused_grouped_mm: grouped_mm with the MoE gather, bias, gate and row
+                 weights in the kernel (fused_validation, fused_launch, fused_reference,
+                 fused_custom_ops: its checks, host side, torch backend, registered ops)
     custom_ops   the same ops registered with torch.library (torch.compile, fake tensors;
                  custom_ops_fp8 for the FP8 ones)
     launch       torch tensors -> kernel arguments: cached plans, workspaces, the launch

@@ -172,6 +172,7 @@ def test_varlen_rows_clamp_unchecked_offsets(dsl):
 
     class Cfg:
         tile_m, tile_n = 128, 256
+        gate = None
 
     @cute.jit
     def probe(out: cute.Tensor, x: cute.Tensor, y: cute.Tensor, offs: cute.Tensor,

@@ -67,6 +67,97 @@ class Variants:
         self._add("batched", dtype, out_dtype, b_major, choice, trace, force)
 
 
+def fused_key(S, T, E, N, K, *, gate=None, layout="concat", w_major="k", gather=True,
+              bias=False, scale=False, config=None, dtype=BF16, out_dtype=None,
+              gate_alpha=1.702, gate_limit=7.0, nsm=NUM_SMS):
+    """The CompileKey of a fused_grouped_mm launch (ops/fused_launch.py's choice), from meta
+    tensors: no GPU, no data."""
+    from moe_gemm.ops.fused_launch import fused_choice
+    from moe_gemm.ops.fused_launch import fused_key as key_of
+    from moe_gemm.ops.fused_validation import check_fused_mm
+
+    meta = torch.device("meta")
+    x = torch.empty(T if gather else S, K, dtype=dtype, device=meta)
+    w = (torch.empty(E, N, K, dtype=dtype, device=meta).transpose(1, 2) if w_major == "k"
+         else torch.empty(E, K, N, dtype=dtype, device=meta))
+    args = check_fused_mm(
+        x, w, torch.empty(E, dtype=torch.int32, device=meta),
+        row_index=torch.empty(S, dtype=torch.int64, device=meta) if gather else None,
+        bias=torch.empty(E, N, device=meta) if bias else None,
+        row_weight=torch.empty(S, device=meta) if scale else None, gate=gate,
+        gate_layout=layout, gate_alpha=gate_alpha, gate_limit=gate_limit,
+        out_dtype=out_dtype, concrete=False)
+    choice = fused_choice(args, config or GemmConfig(), nsm, meta)
+    return key_of(args, choice, w_major)
+
+
+def _fused_tests(v: Variants) -> None:
+    """tests/kernels/test_fused_moe_gpu.py: every case's launch, from the test module's own
+    case list."""
+    from . import test_fused_moe_gpu as t
+
+    for c in t.ALL_CASES:
+        if c["S"] - c["tail"] <= 0 and c["tail"] == 0:
+            continue
+        extra = t.CLAMP if c["gate"] == "clamped_swiglu" else {}
+        v.keys.add(fused_key(c["S"], c["T"], c["E"], c["N"], c["K"], gate=c["gate"],
+                             layout=c["layout"], w_major=c["w_major"], gather=c["gather"],
+                             bias=c["bias"], scale=c["scale"], config=c["config"],
+                             dtype=c["dtype"], out_dtype=c["out_dtype"], **extra, nsm=v.nsm))
+    # The clamp, repeat and graph tests.
+    v.keys.add(fused_key(120, 50, 3, 64, 64, gate="silu", nsm=v.nsm))
+    v.keys.add(fused_key(777, 300, 10, 400, 264, gate="silu", bias=True, nsm=v.nsm))
+    v.keys.add(fused_key(512, 256, 8, 256, 256, gate="silu", scale=True, nsm=v.nsm))
+
+
+def _layer_keys(v: Variants, T: int, H: int, I: int, E: int, k: int, act: str = "silu",
+                unfused: bool = True) -> None:
+    """A layer forward's launches: fused (gate-up with the gather, down with the routing
+    weights) and, with `unfused`, the two plain grouped_mm."""
+    S = T * k
+    v.keys.add(fused_key(S, T, E, 2 * I, H, gate=act, nsm=v.nsm))
+    v.keys.add(fused_key(S, T, E, H, I, gather=False, scale=True, nsm=v.nsm))
+    if unfused:
+        v.varlen(S, E, 2 * I, H, b_major="k")
+        v.varlen(S, E, H, I, b_major="k")
+
+
+def _fused_layer_tests(v: Variants) -> None:
+    """tests/layers/test_fused_layer_gpu.py and test_compile_gpu.py."""
+    path = os.path.join(os.path.dirname(__file__), "..", "layers", "test_fused_layer_gpu.py")
+    try:
+        spec = importlib.util.spec_from_file_location("_fused_layer_gpu_cases", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for T, H, I, E, k, extra in getattr(module, "SHAPES", []):
+            _layer_keys(v, T, H, I, E, k, extra.get("activation", "silu"))
+    except Exception:  # noqa: BLE001 - the layer tests moved or changed: compile in-test
+        pass
+    for T, H, I, E, k in [(96, 512, 256, 32, 4), (1, 512, 256, 32, 4), (100, 512, 256, 32, 4),
+                          (257, 512, 256, 32, 4), (400, 1024, 256, 64, 8),
+                          (77, 512, 256, 16, 4), (20, 512, 256, 8, 2),
+                          (300, 1024, 512, 8, 2), (300, 512, 128, 64, 8),
+                          (300, 1024, 256, 64, 8), (1, 1024, 384, 32, 8),
+                          (77, 1024, 384, 32, 8), (513, 1024, 384, 32, 8),
+                          (64, 512, 256, 16, 2), (66, 256, 128, 8, 2)]:
+        _layer_keys(v, T, H, I, E, k, unfused=False)
+    # GPT-OSS's experts: clamped SwiGLU over alternating columns with biases, (E, H, 2I) and
+    # (E, I, H) weights as stored (N-major).
+    v.keys.add(fused_key(800, 200, 32, 512, 512, gate="clamped_swiglu", layout="alternating",
+                         w_major="n", bias=True, nsm=v.nsm))
+    v.keys.add(fused_key(800, 200, 32, 512, 256, gather=False, w_major="n", bias=True,
+                         scale=True, nsm=v.nsm))
+
+
+def fused_test_variants(nsm: int = NUM_SMS) -> list:
+    """The CompileKeys of the fused kernel's GPU tests and the MoE layer's GPU tests (the set
+    `scripts/precompile.py --set fused` compiles), sorted by name."""
+    v = Variants(nsm)
+    for collect in (_fused_tests, _layer_tests, _fused_layer_tests):
+        collect(v)
+    return sorted(v.keys, key=lambda k: k.name())
+
+
 def _cfg(**kw) -> GemmConfig:
     return GemmConfig(backend="cute", **kw)
 
@@ -305,6 +396,11 @@ def _layer_tests(v: Variants) -> None:
     for T, H, I, E, k in shapes:
         v.varlen(T * k, E, 2 * I, H, b_major="k")
         v.varlen(T * k, E, H, I, b_major="k")
+        # The fused expert path (the layer's default on the GPU): gate-up with the gather,
+        # down with the routing weights.
+        for act in ("silu", "gelu_tanh"):
+            v.keys.add(fused_key(T * k, T, E, 2 * I, H, gate=act, nsm=v.nsm))
+        v.keys.add(fused_key(T * k, T, E, H, I, gather=False, scale=True, nsm=v.nsm))
 
 
 def kernel_test_variants(nsm: int = NUM_SMS) -> list:
@@ -312,7 +408,7 @@ def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     v = Variants(nsm)
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
-                    _layer_tests):
+                    _layer_tests, _fused_tests, _fused_layer_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 

@@ -14,6 +14,7 @@ ACTS = {
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
+ACTS["swish"] = ACTS["silu"]
 
 
 def naive_experts(

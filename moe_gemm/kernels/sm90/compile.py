@@ -16,6 +16,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
+from .fused_moe import FusedMoeGemmSm90  # noqa: E402
 from .grouped_gemm import GroupedGemmSm90  # noqa: E402
 
 DTYPES = {
@@ -45,6 +46,18 @@ class CompileKey:
     cluster_n: int = 1  # CTAs per cluster along N (A multicast)
     epi_whole: bool = False  # whole-tile epilogue (cooperative, 16-bit output)
     tail_split: bool = False  # split a short last wave over K (constants.py)
+    # Fused MoE options (constants.fused_problem; varlen only): the FusedMoeGemmSm90 kernel.
+    gate: str = ""  # "" | "silu" | "gelu" | "gelu_tanh" | "clamped_swiglu"
+    gate_layout: str = ""  # "concat" | "interleaved" (with a gate)
+    gate_alpha: float = 0.0  # clamped_swiglu's alpha and limit (compile-time constants)
+    gate_limit: float = 0.0
+    bias: bool = False  # per-expert bias on the accumulators
+    row_scale: bool = False  # each row times its weight
+    gather: bool = False  # A's rows read through an index (gather-A)
+
+    @property
+    def fused(self) -> bool:
+        return bool(self.gate or self.bias or self.row_scale or self.gather)
 
     def name(self) -> str:
         parts = [str(v) for v in astuple(self)[:8]]
@@ -62,10 +75,27 @@ class CompileKey:
             parts.append("ew")
         if self.tail_split:
             parts.append("ts")
+        if self.gate:
+            parts.append(f"gate-{self.gate}-{self.gate_layout}")
+            if self.gate == "clamped_swiglu":
+                parts.append(f"a{self.gate_alpha:g}-l{self.gate_limit:g}")
+        if self.bias:
+            parts.append("bias")
+        if self.row_scale:
+            parts.append("rowscale")
+        if self.gather:
+            parts.append("gather")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
-        return GroupedGemmSm90(
+        cls = GroupedGemmSm90
+        fused = {}
+        if self.fused:
+            cls = FusedMoeGemmSm90
+            fused = {"gate": self.gate or None, "gate_layout": self.gate_layout or "concat",
+                     "gate_alpha": self.gate_alpha, "gate_limit": self.gate_limit,
+                     "bias": self.bias, "row_scale": self.row_scale, "gather_a": self.gather}
+        return cls(
             ab_dtype=DTYPES[self.ab_dtype],
             d_dtype=DTYPES[self.d_dtype],
             b_major=self.b_major,  # type: ignore[arg-type]
@@ -81,6 +111,7 @@ class CompileKey:
             cluster_n=self.cluster_n,
             epi_whole=self.epi_whole,
             tail_split=self.tail_split,
+            **fused,
         )
 
 
@@ -110,7 +141,10 @@ def fake_arguments(key: CompileKey) -> tuple:
         out = _fake(d, (batch, rows, n), leading_dim=2)
     else:
         a = _fake(ab, (rows, k), leading_dim=1)
-        out = _fake(d, (rows, n), leading_dim=1)
+        # Gather-A: out has the routed rows, x the tokens (two sizes); a gated output has
+        # its own width (half of w's N).
+        out_rows = cute.sym_int() if key.gather else rows
+        out = _fake(d, (out_rows, cute.sym_int() if key.gate else n), leading_dim=1)
     g = cute.sym_int()
     meta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (g, 8), stride_order=(1, 0))
     meta32 = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g, 16), stride_order=(1, 0))
@@ -125,11 +159,19 @@ def fake_arguments(key: CompileKey) -> tuple:
         cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0)
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (
-        a, w, out, meta, meta32, offs, table, workspace, trace,
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0), cutlass.Int64(0),
-        cutlass.Int32(1), cutlass.Int64(0), stream,
-    )
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0),
+               cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0))
+    if not key.fused:
+        return (a, w, out, meta, meta32, offs, table, workspace, trace, *scalars, stream)
+    # The fused kernel's tensors: (S,) int32 row index, (S,) fp32 row weights, (E, N) fp32
+    # bias, each of any size (one-element placeholders where an option is off).
+    row_index = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),))
+    row_weight = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),))
+    bias = cute.runtime.make_fake_compact_tensor(cutlass.Float32,
+                                                 (cute.sym_int(), cute.sym_int()),
+                                                 stride_order=(1, 0))
+    return (a, w, out, meta, meta32, offs, table, workspace, trace, *scalars, row_index,
+            row_weight, bias, stream)
 
 
 def compile_variant(key: CompileKey, keep_dir: str | None = None):

@@ -118,3 +118,66 @@ def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
         return (f"{schedule} {tile_m}x{tile_n} needs {regs} accumulator registers per thread "
                 f"(at most {MAX_ACC_REGS} fit beside the epilogue)")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused MoE options (compile-time; varlen form only; all off = the plain grouped GEMM).
+#
+# Gated epilogue: the gate-up GEMM computes 2 * I accumulator columns and stores I outputs,
+# act(gate + b_gate) * (up + b_up), so every output needs its gate and up accumulator in the
+# same thread. A WGMMA accumulator gives each thread two adjacent columns of every 8-column
+# chunk (the same two in every chunk), so pairing whole 8-column chunks keeps each pair in one
+# thread and leaves the output fragment laid out like the accumulator of a tile half as wide:
+# the ordinary stmatrix epilogue then stores it. Two weight layouts pair chunks that way:
+# - "concat": gate columns [0, I), up columns [I, 2I) (transformers, vLLM w13). The load warp
+#   fetches B's tile as two TMA boxes of tile_n / 2 rows, the gate half then the up half, so
+#   accumulator chunk c pairs with chunk c + tile_n / 16. Needs a K-major B (the halves are
+#   whole swizzle atoms of K-contiguous rows).
+# - "interleaved": gate and up alternate in blocks of GATE_BLOCK columns (gate 0-7, up 0-7,
+#   gate 8-15, ...): chunk 2c pairs with 2c + 1; any B major, one TMA box.
+# - "alternating": gate and up alternate column by column (gpt-oss: gate = h[:, ::2]). Each
+#   thread's two adjacent columns are then one (gate, up) pair: it computes the output of
+#   column 4c + lane % 4 of every chunk c, and a quad of lanes exchanges values by two
+#   shuffles per output so each lane holds the two adjacent output columns stmatrix stores
+#   (fused_epilogue.py); any B major, one TMA box, no repacked copy of the weight.
+GATES = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+GATE_LAYOUTS = ("concat", "interleaved", "alternating")
+GATE_BLOCK = 8
+# Gather-A: two warps of the producer warpgroup (2 and 3; warp 0 keeps B's TMA, warp 1 the
+# scheduler) load A's rows by index with cp.async (kernels/sm90/gather.py). Each thread keeps
+# the row indices and addresses of its tile_m / 16 rows in registers, more than the default
+# 40-register producer budget holds: gather kernels split 56 / 224 (128 x 56 + 256 x 224 =
+# 64,512 of 65,536; ptxas: no spills at 128 x 256), so the accumulators may hold at most 128
+# registers per thread (cooperative 128 x 256, ping-pong 64 x 256 or 128 x 128).
+GATHER_WARPS = 2
+GATHER_FIRST_WARP = 2
+REGS_GATHER = (56, 224)
+GATHER_MAX_ACC_REGS = 128
+GATHER_MAX_TILE_M = 128
+
+
+def fused_problem(form: str, schedule: str, tile_m: int, tile_n: int, b_major: str,
+                  cluster_n: int, gate: str, gate_layout: str, gather: bool) -> str | None:
+    """Why the kernel cannot build these fused options, or None if it can."""
+    if form != "varlen":
+        return f"the fused MoE options are built for the varlen form; got {form!r}"
+    if gate:
+        if gate not in GATES:
+            return f"unknown gate {gate!r}; expected one of {', '.join(GATES)}"
+        if gate_layout not in GATE_LAYOUTS:
+            return f"unknown gate layout {gate_layout!r}; expected one of {GATE_LAYOUTS}"
+        if tile_n % 32:
+            # The output tile (tile_n / 2 columns) must be a multiple of 16 for stmatrix.
+            return f"a gated tile needs tile_n a multiple of 32; got {tile_n}"
+        if gate_layout == "concat" and b_major != "k":
+            return "the concat gate layout needs a K-major weight (w = gate_up_proj.transpose)"
+    if gather:
+        if cluster_n != 1:
+            return "gather-A loads A per CTA: no 1x2 cluster (A multicast)"
+        if tile_m > GATHER_MAX_TILE_M:
+            return f"gather-A tiles have at most {GATHER_MAX_TILE_M} rows; got {tile_m}"
+        if acc_regs(schedule, tile_m, tile_n) > GATHER_MAX_ACC_REGS:
+            return (f"gather-A leaves the math warpgroups {REGS_GATHER[1]} registers: "
+                    f"{schedule} {tile_m}x{tile_n} needs {acc_regs(schedule, tile_m, tile_n)} "
+                    f"accumulator registers (at most {GATHER_MAX_ACC_REGS})")
+    return None

@@ -16,7 +16,10 @@ for every tile against the MMA's own partition, on the CPU.
 
 Hooks (identity here, compiled away unless a subclass turns them on): `activation` sees one
 subtile's fp32 values, `row_scale` the same with each value's row in the problem (the MoE
-layer's routing weights are per row). The fused-MoE kernels override them.
+layer's routing weights are per row). A subclass may also replace `load_subtile` whole, which
+gets the launch's problem accessor (the fused MoE epilogue, fused_epilogue.py, reads its bias
+and row weights through it), and `acc_views` / `copy_mma` (a gated epilogue stores a tile of
+d_tile_n = tile_n / 2 columns from pairs of accumulator columns).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class EpilogueFrags:
     tRS_rD_out: cute.Tensor  # the same converted to the output dtype
     size_rD: int
     store_pipe: object
+    tRS_rExtra: tuple = ()  # further accumulator views (a gated epilogue's up columns)
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,13 +92,23 @@ class Epilogue:
         )
         return cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
 
+    def copy_mma(self, tiled_mma: cute.TiledMma) -> cute.TiledMma:
+        """The MMA whose C fragment the epilogue copy follows: the kernel's own."""
+        return tiled_mma
+
+    def acc_views(self, acc: cute.Tensor) -> tuple:
+        """The accumulator tensors the epilogue reads, each shaped like copy_mma's C
+        fragment: the accumulators themselves."""
+        return (acc,)
+
     def partition(self, tiled_mma: cute.TiledMma, sD: cute.Tensor, acc: cute.Tensor,
                   mma_tidx, epi_threads: int) -> EpilogueFrags:
         cfg = self.cfg
-        tiled_copy_r2s = self.tiled_copy(tiled_mma)
+        tiled_copy_r2s = self.tiled_copy(self.copy_mma(tiled_mma))
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
         tRS_sD = thr_copy_r2s.partition_D(sD)
-        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        views = self.acc_views(acc)
+        tRS_rAcc = tiled_copy_r2s.retile(views[0])
         rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
         tRS_rD = cute.make_rmem_tensor(rD_shape[:3], cfg.acc_dtype)
         tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], cfg.d_dtype)
@@ -102,13 +116,14 @@ class Epilogue:
             num_stages=cfg.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, epi_threads),
         )
+        extra = tuple(tiled_copy_r2s.retile(v) for v in views[1:])
         return EpilogueFrags(tiled_copy_r2s, thr_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out,
-                             cute.size(tRS_rD), store_pipe)
+                             cute.size(tRS_rD), store_pipe, extra)
 
     def subtile_layout(self):
         """e -> (m_sub, n_sub): subtiles along N first, then the next M block."""
         cfg = self.cfg
-        shape = (cfg.tile_m // cfg.epi_tile[0], cfg.tile_n // cfg.epi_tile[1])
+        shape = (cfg.tile_m // cfg.epi_tile[0], cfg.d_tile_n // cfg.epi_tile[1])
         return cute.make_layout(shape, stride=(shape[1], 1))
 
     def subtile_coords(self, thr_copy_r2s, e: int) -> cute.Tensor:
@@ -116,14 +131,15 @@ class Epilogue:
         for the thread whose slice of the epilogue copy `thr_copy_r2s` is."""
         cfg = self.cfg
         m_sub, n_sub = self.subtile_layout().get_hier_coord(e)
-        tile = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+        tile = cute.make_identity_tensor((cfg.tile_m, cfg.d_tile_n))
         sub = cute.local_tile(tile, cfg.epi_tile, (m_sub, n_sub))
         return thr_copy_r2s.partition_S(sub)
 
     # -- per tile ------------------------------------------------------------------------------
 
     @cute.jit
-    def load_subtile(self, frags: EpilogueFrags, e: cutlass.Constexpr, work: WorkTile):
+    def load_subtile(self, frags: EpilogueFrags, e: cutlass.Constexpr, work: WorkTile,
+                     problems):
         """Subtile e's fp32 values into tRS_rD, hooks applied."""
         for v in cutlass.range_constexpr(frags.size_rD):
             frags.tRS_rD[v] = frags.tRS_rAcc[e * frags.size_rD + v]
@@ -156,7 +172,7 @@ class Epilogue:
                               desc_d, work, epi_bar_id, epi_threads, is_store_warp)
         else:
             for e in cutlass.range_constexpr(epi_count):
-                self.load_subtile(frags, e, work)
+                self.load_subtile(frags, e, work, problems)
                 buf = epi_group * cfg.epi_stages + (tiles_done * epi_count + e) % cfg.epi_stages
                 cute.copy(frags.tiled_copy_r2s, frags.tRS_rD_out,
                           frags.tRS_sD[(None, None, None, buf)])
@@ -186,7 +202,7 @@ class Epilogue:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
         for e in cutlass.range_constexpr(epi_count):
-            self.load_subtile(frags, e, work)
+            self.load_subtile(frags, e, work, problems)
             cute.copy(frags.tiled_copy_r2s, frags.tRS_rD_out, frags.tRS_sD[(None, None, None, e)])
         # stmatrix writes go through the generic proxy; the TMA store reads through the async
         # proxy.

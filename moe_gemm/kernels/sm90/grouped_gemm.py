@@ -45,6 +45,12 @@ Tail split (compile-time `tail_split`; cooperative, device visitor, 1x1 cluster,
 batched forms; tail_split.py): a last wave that fills at most half the grid runs each tile as
 two half-K units on two CTAs, joined through an fp32 workspace slot.
 
+Fused MoE options (compile-time, varlen form, all off by default; constants.fused_problem,
+fused_moe.FusedMoeGemmSm90 takes their tensors): a gated epilogue that stores act(gate) * up
+(fused_epilogue.py; the "concat" gate layout loads B's tile as two half boxes), a per-expert
+bias, per-row weights, and gather-A (gather.py: warps 2 and 3 load A's rows through an index
+with cp.async, completing the stage's full barrier beside B's TMA).
+
 Constraints: bf16/fp16 inputs, fp32 accumulation, bf16/fp16/fp32 output; A K-major; B K- or
 N-major; every TMA operand 16-byte aligned with 16-byte-multiple strides (ops/support.py
 checks this before we get here); tile_k = 64 (one 128-byte swizzle row of 16-bit data).
@@ -66,8 +72,19 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
 from cutlass.tensor_utils import LayoutEnum
 
-from .constants import SCHED_STAGES, SLOT_BYTES, TILE_K, register_split, tile_problem
+from .constants import (
+    GATHER_FIRST_WARP,
+    GATHER_WARPS,
+    REGS_GATHER,
+    SCHED_STAGES,
+    SLOT_BYTES,
+    TILE_K,
+    fused_problem,
+    register_split,
+    tile_problem,
+)
 from .epilogue import BAR_EPI, Epilogue
+from .gather import gather_role
 from .problems import BatchedProblems, GeneralProblems, VarlenProblems
 from .tail_split import TailSplit
 from .tile_scheduler import (
@@ -169,6 +186,10 @@ class GroupedGemmSm90:
         cluster_m, cluster_n: (1, 1), (2, 1) or (1, 2); the device visitor.
         epi_whole: whole-tile epilogue (cooperative 128-row tiles, 16-bit output).
         tail_split: split a last wave of at most half the grid over K (tail_split.py).
+        gate, gate_layout, gate_alpha, gate_limit, bias, row_scale, gather_a: the fused MoE
+            options (varlen form; constants.fused_problem; all off by default). The fused
+            epilogue (fused_epilogue.py) and the extra tensors they read come with
+            fused_moe.FusedMoeGemmSm90, whose launch takes them.
 
     Every refusal is a ValueError raised here, before anything is traced.
     """
@@ -194,6 +215,13 @@ class GroupedGemmSm90:
         cluster_n: int = 1,
         epi_whole: bool = False,
         tail_split: bool = False,
+        gate: str | None = None,
+        gate_layout: str = "concat",
+        gate_alpha: float = 0.0,
+        gate_limit: float = 0.0,
+        bias: bool = False,
+        row_scale: bool = False,
+        gather_a: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -238,6 +266,23 @@ class GroupedGemmSm90:
             raise ValueError("the tail split is built for the varlen and batched forms, "
                              "cooperative schedule, device visitor and 1x1 cluster")
         self.tail_split = tail_split
+        # Fused MoE options (constants.py): a gated epilogue stores one output column per
+        # gate/up pair of accumulator columns, so the stored tile is half as wide.
+        self.gate = gate or None
+        self.gate_layout = gate_layout
+        self.gate_alpha = float(gate_alpha)
+        self.gate_limit = float(gate_limit)
+        self.has_bias = bias
+        self.row_scale = row_scale
+        self.gather_a = gather_a
+        self.fused = bool(self.gate or bias or row_scale or gather_a)
+        if self.fused:
+            why = fused_problem(form, schedule, self.tile_m, self.tile_n, b_major, cluster_n,
+                                self.gate or "", gate_layout, gather_a)
+            if why is not None:
+                raise ValueError(why)
+        self.gate_halves = self.gate is not None and gate_layout == "concat"
+        self.d_tile_n = self.tile_n // 2 if self.gate else self.tile_n
 
         if self.pingpong:
             self.atom_layout_mnk = (1, 1, 1)
@@ -253,7 +298,7 @@ class GroupedGemmSm90:
         # The subtile must divide the tile (a wider one would write the neighbour tile's
         # columns): 128x208 stores 13 subtiles of 16 columns. Ping-pong always uses 32 (its
         # two warpgroups' staging is per warpgroup; epi_n is the cooperative choice).
-        self.epi_tile = (epi_m, math.gcd(32 if self.pingpong else epi_n, self.tile_n))
+        self.epi_tile = (epi_m, math.gcd(32 if self.pingpong else epi_n, self.d_tile_n))
 
         self.threads_per_wg = 128
         self.num_math_wgs = 2
@@ -261,6 +306,8 @@ class GroupedGemmSm90:
         self.load_warp = 0
         self.sched_warp = 1
         self.load_regs, self.math_regs = register_split(schedule, self.tile_m, self.tile_n)
+        if gather_a:
+            self.load_regs, self.math_regs = REGS_GATHER
         # Epilogue staging: 4 x (128 x 32) subtiles cooperative (32 KiB at bf16), 2 x (64 x 32)
         # per warpgroup in ping-pong; narrower subtiles get proportionally more buffers.
         if self.num_epi_groups == 1:
@@ -276,10 +323,14 @@ class GroupedGemmSm90:
             if self.pingpong or d_dtype.width != 16 or self.tile_m != 128:
                 raise ValueError("the whole-tile epilogue is built for cooperative 128-row "
                                  "tiles with 16-bit output")
-            self.epi_stages = self.tile_n // self.epi_tile[1]
+            self.epi_stages = self.d_tile_n // self.epi_tile[1]
         self.buffer_align = 1024  # 128-byte swizzle atoms need 1 KiB aligned buffers
         self.ab_stages = self._stage_count(ab_stages)
-        self.epi = Epilogue(self)
+        self.epi = self.make_epilogue()
+
+    def make_epilogue(self) -> Epilogue:
+        """The epilogue object (fused_moe.FusedMoeGemmSm90 makes the fused one)."""
+        return Epilogue(self)
 
     def _stage_count(self, requested: int | None) -> int:
         """A/B ring depth in the 227 KiB of shared memory an sm90 CTA may use, beside the
@@ -317,6 +368,9 @@ class GroupedGemmSm90:
         self.b_layout = LayoutEnum.ROW_MAJOR if self.b_major == "k" else LayoutEnum.COL_MAJOR
         self.d_layout = LayoutEnum.ROW_MAJOR
         self.tiled_mma = self.make_tiled_mma()
+        # The epilogue's copy is laid out as the C fragment of this MMA: the kernel's own, or
+        # for a gated epilogue one of half the width (the output tile; fused_epilogue.py).
+        self.epi_mma = self.make_tiled_mma(self.d_tile_n) if self.gate else self.tiled_mma
         self.a_smem_staged = self._staged_smem_layout(
             (self.tile_m, self.tile_k), self.a_layout, self.ab_dtype, self.ab_stages, k_major=True
         )
@@ -324,6 +378,11 @@ class GroupedGemmSm90:
             (self.tile_n, self.tile_k), self.b_layout, self.ab_dtype, self.ab_stages,
             k_major=self.b_major == "k",
         )
+        if self.gate_halves:
+            # One half of B's tile (K-major): tile_n / 2 rows of 128 bytes, a multiple of the
+            # 8-row swizzle atom, so the half at row tile_n / 2 has the same swizzle phase.
+            self.b_half_smem = self._staged_smem_layout(
+                (self.tile_n // 2, self.tile_k), self.b_layout, self.ab_dtype, 1, k_major=True)
         d_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(self.d_layout, self.d_dtype, self.epi_tile[1]),
             self.d_dtype,
@@ -334,7 +393,7 @@ class GroupedGemmSm90:
             order=(0, 1, 2),
         )
 
-    def make_tiled_mma(self) -> cute.TiledMma:
+    def make_tiled_mma(self, tile_n: int | None = None) -> cute.TiledMma:
         """WGMMA m64 x tile_n per warpgroup; cooperative stacks the two warpgroups along M."""
         b_major = OperandMajorMode.K if self.b_major == "k" else OperandMajorMode.MN
         return sm90_utils.make_trivial_tiled_mma(
@@ -344,7 +403,7 @@ class GroupedGemmSm90:
             b_major,
             self.acc_dtype,
             self.atom_layout_mnk,
-            tiler_mn=self.mma_tiler_mn,
+            tiler_mn=self.mma_tiler_mn if tile_n is None else (64, tile_n),
         )
 
     @staticmethod
@@ -386,6 +445,16 @@ class GroupedGemmSm90:
         #                 so one metadata upload serves calls whose outputs are new); else 0
         stream: cuda.CUstream,
     ):
+        self.build_and_launch(
+            mA, mW, mD, ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base),
+            RunArgs(workspace, trace, swizzle, a_policy, b_policy), num_ctas, pdl, stream)
+
+    @cute.jit
+    def build_and_launch(self, mA: cute.Tensor, mW: cute.Tensor, mD: cute.Tensor,
+                         args: ProblemArgs, run: RunArgs, num_ctas: Int32, pdl: Int32,
+                         stream: cuda.CUstream):
+        """The body of __call__ (traced inside it), shared with the fused kernel's entry,
+        whose `args` carry its extra tensors (fused_moe.FusedMoeGemmSm90)."""
         self._setup()
         # B in the (N, K[, E]) order the MMA and TMA atoms expect; a view, no copy.
         mA_tma, mD_tma = mA, mD
@@ -431,8 +500,13 @@ class GroupedGemmSm90:
         )
         op_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(
             self.cluster_m > 1) else op_g2s
+        b_box = self.tile_n
+        if const_expr(self.gate_halves):
+            # The concat gate layout loads B's tile as two boxes of half its rows.
+            b_box = self.tile_n // 2
+            b_smem = cute.slice_(self.b_half_smem, (None, None, 0))
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            op_b, mB, b_smem, (self.tile_n, self.tile_k), num_multicast=self.cluster_m
+            op_b, mB, b_smem, (b_box, self.tile_k), num_multicast=self.cluster_m
         )
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD_tma, d_smem, self.epi_tile)
 
@@ -459,9 +533,7 @@ class GroupedGemmSm90:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
-            self.problem_args(mA, mD, meta, meta32, offs, table, num_problems, d_base),
-            RunArgs(workspace, trace, swizzle, a_policy, b_policy),
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, args, run,
             self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
             grid=(num_ctas, 1, 1),
@@ -475,11 +547,6 @@ class GroupedGemmSm90:
             # before it touches global memory.
             use_pdl=pdl,
         )
-
-    def problem_args(self, mA, mD, meta, meta32, offs, table, num_problems, d_base
-                     ) -> ProblemArgs:
-        """The kernel's problem arguments (a subclass may add its own fields)."""
-        return ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base)
 
     def make_problems(self, args: ProblemArgs):
         """The launch's problem accessor (problems.py)."""
@@ -519,9 +586,13 @@ class GroupedGemmSm90:
         # A/B ring: TMA-filled, released by one warpgroup (pingpong) or both (cooperative).
         a_smem = cute.slice_(a_smem_staged, (None, None, 0))
         b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(
-            self.ab_dtype, b_smem
-        )
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, b_smem)
+        # Gather-A: A's stage is filled by the gather warps' cp.async, each of whose threads
+        # arrives on the full barrier when its copies land (cp.async.mbarrier.arrive.noinc):
+        # the barrier expects those arrivals, and the TMA bytes of B only.
+        gather_threads = GATHER_WARPS * 32 if const_expr(self.gather_a) else 0
+        if const_expr(not self.gather_a):
+            tx_bytes = tx_bytes + cute.size_in_bytes(self.ab_dtype, a_smem)
         consumer_warps = 4 if const_expr(self.pingpong) else 8
         # A stage is free once every consumer warp of every CTA it is multicast to is done
         # with it: lane r of each consumer warp arrives on CTA r's empty barrier. (Ping-pong
@@ -530,7 +601,8 @@ class GroupedGemmSm90:
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_bars.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                      1 + gather_threads),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, consumer_warps * self.cluster_size
             ),
@@ -539,12 +611,14 @@ class GroupedGemmSm90:
             defer_sync=True,
         )
         # Scheduler ring: one producer arrive (the scheduler warp's lane 0), one consumer
-        # arrive per reading warp (the load warp + 8 math warps).
+        # arrive per reading warp (the load warp + 8 math warps [+ the gather warps]).
         sched_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.sched_bars.data_ptr(),
             num_stages=SCHED_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 8),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 1 + 8 + (GATHER_WARPS if const_expr(self.gather_a)
+                                                else 0)),
             defer_sync=True,
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n),
@@ -575,6 +649,11 @@ class GroupedGemmSm90:
                               cute.slice_(d_smem_staged, (None, None, 0)))
             if warp_idx == self.load_warp:
                 self.load_role(ab_pipe, sched_pipe, sched, tma, problems, sA, sB, run)
+            if const_expr(self.gather_a):
+                if warp_idx >= GATHER_FIRST_WARP:
+                    gather_role(self, ab_pipe, sched_pipe, sched, problems,
+                                storage.sA.data_ptr().toint(), a_smem_staged,
+                                tidx - GATHER_FIRST_WARP * 32)
         else:
             cute.arch.setmaxregister_increase(self.math_regs)
             self.math_role(ab_pipe, sched_pipe, sched, tiled_mma, sA, sB, sD, tma,
@@ -616,16 +695,30 @@ class GroupedGemmSm90:
             a_mask = cutlass.Int16((1 << self.cluster_n) - 1)
         a_policy = run.a_policy if const_expr(self.l2_hints) else None
         b_policy = run.b_policy if const_expr(self.l2_hints) else None
+        sB_load = sB
+        if const_expr(self.gate_halves):
+            # The concat gate layout: rows [0, tile_n / 2) of the B stage take the gate box,
+            # the rest the up box (fused_epilogue.py pairs accumulator chunk c with
+            # c + tile_n / 16).
+            sB_halves = cute.flat_divide(sB, (self.tile_n // 2, self.tile_k))
+            sB_load = sB_halves[None, None, 0, 0, None]
+            sB_up = sB_halves[None, None, 1, 0, None]
         work, read_state = consume_work(sched_pipe, sched, read_state)
         while work.has_work():
             gA, gB = problems.load_views(tma.tma_a, tma.tma_b, work)
+            if const_expr(self.gate_halves):
+                gB, gB_up = problems.b_halves(tma.tma_b, work)
+                tBsB_up, tBgB_up = cpasync.tma_partition(
+                    tma.atom_b, rank_m, cute.make_layout(self.cluster_m),
+                    cute.group_modes(sB_up, 0, 2), cute.group_modes(gB_up, 0, 2),
+                )
             tAsA, tAgA = cpasync.tma_partition(
                 tma.atom_a, rank_n, cute.make_layout(self.cluster_n),
                 cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
             )
             tBsB, tBgB = cpasync.tma_partition(
                 tma.atom_b, rank_m, cute.make_layout(self.cluster_m),
-                cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+                cute.group_modes(sB_load, 0, 2), cute.group_modes(gB, 0, 2),
             )
             # Warp-uniform descriptor addresses, computed before any elected region so ptxas
             # never needs a predicated R2UR (illegal on sm_90a, error 715).
@@ -636,16 +729,24 @@ class GroupedGemmSm90:
                 k = kk + work.k_start  # (0 unless this is a tail split's upper half)
                 ab_pipe.producer_acquire(ab_state)
                 bar = ab_pipe.producer_get_barrier(ab_state)
-                cute.copy(
-                    tma.atom_a, tAgA[(None, work.m_tile, k)], tAsA[(None, ab_state.index)],
-                    tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 0),
-                    mcast_mask=a_mask, cache_policy=a_policy,
-                )
+                if const_expr(not self.gather_a):  # (gather-A: the gather warps load A)
+                    cute.copy(
+                        tma.atom_a, tAgA[(None, work.m_tile, k)], tAsA[(None, ab_state.index)],
+                        tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 0),
+                        mcast_mask=a_mask, cache_policy=a_policy,
+                    )
                 cute.copy(
                     tma.atom_b, tBgB[(None, work.n_tile, k)], tBsB[(None, ab_state.index)],
                     tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 1),
                     mcast_mask=b_mask, cache_policy=b_policy,
                 )
+                if const_expr(self.gate_halves):
+                    cute.copy(
+                        tma.atom_b, tBgB_up[(None, work.n_tile, k)],
+                        tBsB_up[(None, ab_state.index)],
+                        tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 1),
+                        mcast_mask=b_mask, cache_policy=b_policy,
+                    )
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()
             work, read_state = consume_work(sched_pipe, sched, read_state)
@@ -781,6 +882,7 @@ class GroupedGemmSm90:
         # batch reading it has retired, i.e. one iteration later.
         if k_tiles > 0:
             ab_pipe.consumer_wait(ab_state)
+            self._acquire_gathered()
             for kb in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, kb, ab_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -788,6 +890,7 @@ class GroupedGemmSm90:
             ab_state.advance()
         for k in cutlass.range(1, k_tiles, 1, unroll=1):
             ab_pipe.consumer_wait(ab_state)
+            self._acquire_gathered()
             for kb in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, kb, ab_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -806,3 +909,12 @@ class GroupedGemmSm90:
         if k_tiles > 0:
             ab_pipe.consumer_release(release_state)
         return ab_state
+
+    @cute.jit
+    def _acquire_gathered(self):
+        """Gather-A: the stage's A rows were written by cp.async (the generic proxy) and the
+        WGMMAs read shared memory through the async proxy. The full barrier made the writes
+        visible to this thread; this fence orders them before its WGMMAs (the TMA-only
+        kernels need none: TMA writes through the async proxy)."""
+        if const_expr(self.gather_a):
+            cute.arch.fence_proxy("async.shared", space="cta")

@@ -48,7 +48,7 @@ from .constants_fp8 import (
     fp8_tile_problem,
     scale_blocks_spanned,
 )
-from .grouped_gemm import BAR_MMA_ORDER, GroupedGemmSm90, ProblemArgs
+from .grouped_gemm import BAR_MMA_ORDER, GroupedGemmSm90, ProblemArgs, RunArgs
 from .problems import BatchedProblems, GeneralProblems, VarlenProblems
 from .tile_scheduler import WorkTile, ceil_div_i32
 
@@ -204,15 +204,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         d_base: Int64,
         stream,
     ):
-        # The scales enter the kernel through problem_args (below); the rest is the base's.
-        self._scales = (mSFA, mSFB, smeta)
-        GroupedGemmSm90.__call__(self, mA, mW, mD, meta, meta32, offs, table, workspace, trace,
-                                 num_problems, num_ctas, swizzle, a_policy, b_policy, pdl,
-                                 d_base, stream)
-
-    def problem_args(self, mA, mD, meta, meta32, offs, table, num_problems, d_base):
-        return Fp8ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base,
-                              *self._scales)
+        # The base's body with the scales among the problem arguments.
+        self.build_and_launch(
+            mA, mW, mD,
+            Fp8ProblemArgs(mA, mD, meta, meta32, offs, table, num_problems, d_base,
+                           mSFA, mSFB, smeta),
+            RunArgs(workspace, trace, swizzle, a_policy, b_policy), num_ctas, pdl, stream)
 
     def make_problems(self, args: Fp8ProblemArgs):
         if const_expr(self.form == "general"):

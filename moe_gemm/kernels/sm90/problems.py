@@ -103,8 +103,9 @@ class Problems:
             cpasync.fence_tma_desc_acquire(generic_ptr(desc_d))
 
     def store_view(self, tma_d: cute.Tensor, work: WorkTile) -> cute.Tensor:
-        """The (tile_m, tile_n) output tile of `work` in the D descriptor's coordinates."""
-        return cute.local_tile(tma_d, (self.cfg.tile_m, self.cfg.tile_n),
+        """The (tile_m, d_tile_n) output tile of `work` in the D descriptor's coordinates
+        (d_tile_n = tile_n, or tile_n / 2 for a gated epilogue)."""
+        return cute.local_tile(tma_d, (self.cfg.tile_m, self.cfg.d_tile_n),
                                (work.m_tile, work.n_tile))
 
     def _write_d(self, address: Int64, d_ptr, rows: Int32, cols: Int32, ld, d_smem):
@@ -200,10 +201,11 @@ class VarlenProblems(Problems):
         """(first row, row count) of expert p; p == E is the zero tail [offs[-1], T).
 
         Offsets are clamped into [0, T] and a decreasing entry gives an empty expert, so
-        unchecked offsets on the GPU can never address rows outside x or out.
+        unchecked offsets on the GPU can never address rows outside x or out. T is out's row
+        count (x's too, except under gather-A, where x has the tokens and out the routed rows).
         """
         offs = self.offs
-        T = self.mA.shape[0]
+        T = self.mD.shape[0]
         E = offs.shape[0]
         start = Int32(0)
         if p > 0:
@@ -215,11 +217,16 @@ class VarlenProblems(Problems):
 
     @cute.jit
     def dims(self, p: Int32) -> tuple[Int32, Int32, Int32, Int32]:
+        """(rows, accumulator columns, depth, first row): a gated epilogue stores one output
+        column per two accumulator columns, so tiles are counted over 2 * out's width."""
         row_start, rows = self.expert_rows(p)
         depth = self.mA.shape[1]
         if p >= self.offs.shape[0]:
             depth = Int32(0)  # the zero tail: store zeros, load nothing
-        return rows, self.mD.shape[1], depth, row_start
+        cols = self.mD.shape[1]
+        if const_expr(self.cfg.gate is not None):
+            cols = cols * 2
+        return rows, cols, depth, row_start
 
     @cute.jit
     def write_descs(self, address: Int64, p: Int32, rows: Int32, row_start: Int32,
@@ -237,6 +244,31 @@ class VarlenProblems(Problems):
                                 (cfg.tile_m, cfg.tile_k), (None, None)),
                 cute.local_tile(tma_b[None, None, work.problem], (cfg.tile_n, cfg.tile_k),
                                 (None, None)))
+
+    def b_halves(self, tma_b: cute.Tensor, work: WorkTile):
+        """The concat gate layout's two B views, (tile_n / 2, TILE_K) boxes: n-tile j loads
+        gate rows [j * tile_n / 2, ...) and up rows [N / 2 + j * tile_n / 2, ...) of w's N.
+        A last gate box past N / 2 reads up rows (their outputs are past out's width, clipped
+        at the store); an up box past N is zero-filled by the TMA unit."""
+        cfg = self.cfg
+        half = (cfg.tile_n // 2, TILE_K)
+        b = tma_b[None, None, work.problem]
+        return (cute.local_tile(b, half, (None, None)),
+                cute.local_tile(cute.domain_offset((self.mD.shape[1], 0), b), half,
+                                (None, None)))
+
+
+@dataclass(frozen=True, eq=False)
+class FusedVarlenProblems(VarlenProblems):
+    """The varlen form with the fused MoE kernel's extra tensors (fused_moe.py): placeholders
+    of one element where an option is off."""
+
+    row_index: cute.Tensor  # (T,) int32: the row of x each routed row is (gather-A)
+    row_weight: cute.Tensor  # (T,) fp32: each row's factor (row_scale)
+    bias: cute.Tensor  # (E, N) fp32 in w's column order (bias)
+
+    def num_experts(self) -> Int32:
+        return self.offs.shape[0]
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,504 @@
+"""The whole MoE layer forward: the fused layer, our unfused layer, transformers' default
+grouped_mm experts and SonicMoE, on four real models' layer shapes and 1 to 16k tokens.
+
+    python -m benchmarks.bench_moe_layer --out moe-layer.json     # ~5 min on an H100
+    python -m benchmarks.bench_moe_layer --smoke --out smoke.json # CPU: the script works
+
+Models (one layer each, bf16, random weights of transformers' layouts):
+- deepseek-v3-ep8: one rank of 8-way expert parallelism: 32 local experts, H=7168, I=2048,
+  top-8 (sigmoid, group-limited, every slot local) and the shared expert (I=2048);
+- qwen3-30b-a3b: 128 experts, H=2048, I=768, top-8 softmax, renormalised;
+- gpt-oss-120b: 128 experts, H=2880, I=2880, top-4, biases, clamped SwiGLU over alternating
+  gate/up columns (transformers' GptOssMLP: its router, then the experts implementation);
+- mixtral-8x7b: 8 experts, H=4096, I=14336, top-2.
+
+Implementations (impl names): "moe_gemm fused" (MoE.from_hf(block), or the "moe_gemm" experts
+of GPT-OSS, on the fused kernel: the layer's default on Hopper), "moe_gemm unfused" (the same
+with fused=False: two grouped_mm launches and torch ops between them), "transformers
+grouped_mm" (the block itself with transformers' default experts implementation) and
+"sonicmoe" (sonicmoe.MoE of the same H, I, E, k with its own top-k softmax router and plain
+SwiGLU, without DeepSeek's shared expert; where the package imports and runs: what happened
+is recorded either way).
+
+Before timing, a child process runs one fused forward per model against the unfused layer
+(a fault there cannot poison the timed process); should it fail, the run goes on without the
+in-kernel gather, or without the fused rows, and the JSON says so ("fused_probe").
+
+Timing: each implementation as a CUDA-graph replay where it captures (eager otherwise; the row
+says which), after warm-up, batches of calls timed by CUDA events, implementations
+interleaved round by round, the median batch per call. Kernels are compiled before timing, in
+parallel (every variant the fused and unfused layers will launch, from the library's own
+choice). The JSON keeps device, date, versions, per-row times with the speedup over the
+unfused layer, and per model the agreement of the implementations at 128 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import moe_gemm  # noqa: E402
+from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
+from moe_gemm.testing import calc_diff  # noqa: E402
+
+MODELS: dict[str, dict[str, Any]] = {
+    "deepseek-v3-ep8": dict(kind="deepseek", H=7168, I=2048, E=32, k=8),
+    "qwen3-30b-a3b": dict(kind="qwen3", H=2048, I=768, E=128, k=8),
+    "gpt-oss-120b": dict(kind="gpt-oss", H=2880, I=2880, E=128, k=4),
+    "mixtral-8x7b": dict(kind="mixtral", H=4096, I=14336, E=8, k=2),
+}
+SMOKE_MODELS = {name: dict(m, H=64, I=32, E=16, k=min(m["k"], 4)) for name, m in MODELS.items()}
+TOKENS = [1, 16, 128, 1024, 4096, 16384]
+FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers grouped_mm",
+                             "sonicmoe")
+CHECK_TOKENS = 128
+PROBE_TOKENS = 256
+PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def hf_block(kind: str, H: int, I: int, E: int, k: int, device: torch.device,
+             dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """The transformers block of a model kind, built on `meta` and materialized on the device
+    in `dtype` with randn / sqrt(fan_in) weights (never a full fp32 copy)."""
+    import transformers as tf
+
+    if kind == "deepseek":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as cls
+        cfg = tf.DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
+                                  num_experts_per_tok=k, n_group=8, topk_group=4,
+                                  n_shared_experts=1, routed_scaling_factor=2.5)
+    elif kind == "qwen3":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+            Qwen3MoeSparseMoeBlock as cls,
+        )
+        cfg = tf.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                                num_experts_per_tok=k, norm_topk_prob=True)
+    elif kind == "gpt-oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as cls
+        cfg = tf.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E,
+                              num_experts_per_tok=k)
+    else:
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as cls
+        cfg = tf.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E,
+                               num_experts_per_tok=k)
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("meta"):
+        block = cls(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in block.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            fan_in = p.shape[-1] if p.dim() > 1 else H
+            if kind == "gpt-oss" and name in ("gate_up_proj", "down_proj"):
+                fan_in = p.shape[-2]  # (E, K, N): K is the contraction
+            t = torch.randn(tuple(p.shape), device=device, generator=gen) / fan_in ** 0.5
+            setattr(module, name, torch.nn.Parameter(t.to(dtype), requires_grad=False))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.zeros(b.shape, device=device, dtype=b.dtype))
+    return block.eval()
+
+
+def experts_of(block: torch.nn.Module) -> torch.nn.Module:
+    return block.experts
+
+
+def ours(kind: str, block: torch.nn.Module, fused: bool | None) -> Callable:
+    """Our layer over the block's weights: MoE.from_hf, or GPT-OSS's block with the moe_gemm
+    experts implementation (its router and biases are transformers')."""
+    from moe_gemm.integrations import register_transformers
+    from moe_gemm.layers.moe import MoE
+
+    register_transformers()
+    if kind == "gpt-oss":
+        def run(x: torch.Tensor) -> torch.Tensor:
+            experts = block.experts
+            experts.config._experts_implementation = "moe_gemm"
+            experts.moe_gemm_fused = fused
+            return block(x)[0]
+
+        return run
+    moe = MoE.from_hf(block)
+    moe.fused = fused
+    return moe
+
+
+def transformers_layer(kind: str, block: torch.nn.Module) -> Callable:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        block.experts.config._experts_implementation = "grouped_mm"
+        y = block(x)
+        return y[0] if isinstance(y, tuple) else y
+
+    return run
+
+
+def sonic_layer(m: dict, device: torch.device, dtype: torch.dtype) -> Callable:
+    """SonicMoE's MoE module of the same shape (raises what importing or building raises)."""
+    import sonicmoe
+    from sonicmoe.enums import ActivationType
+
+    layer = sonicmoe.MoE(num_experts=m["E"], num_experts_per_tok=m["k"], hidden_size=m["H"],
+                         intermediate_size=m["I"], activation_function=ActivationType.SWIGLU,
+                         add_bias=m["kind"] == "gpt-oss", std=0.02).to(device, dtype).eval()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return layer(x.reshape(-1, x.shape[-1]),
+                     kernel_backend_moe=sonicmoe.KernelBackendMoE.sonicmoe,
+                     is_inference_mode=True)[0]
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: compiled in parallel before timing
+
+
+def kernel_keys(m: dict, tokens: list[int], device: torch.device) -> set:
+    """Every CompileKey the fused and unfused layers launch for these token counts (the
+    library's own choices for this device, tuned tables included)."""
+    from moe_gemm.capability import sm_count
+    from moe_gemm.config import GemmConfig
+    from moe_gemm.ops import launch
+    from moe_gemm.ops.fused_launch import fused_choice, fused_key
+    from moe_gemm.ops.fused_validation import check_fused_mm
+    from moe_gemm.ops.heuristics import choose_varlen
+
+    H, I, E, k = m["H"], m["I"], m["E"], m["k"]
+    gpt = m["kind"] == "gpt-oss"
+    nsm = sm_count(device) if device.type == "cuda" else 132  # (CPU: an H100's, for tests)
+    cfg, meta = GemmConfig(), torch.device("meta")
+    table = launch._table_device(device)
+    bf16 = torch.bfloat16
+    keys = set()
+    for T in tokens:
+        S = T * k
+        for N, K in ((2 * I, H), (H, I)):  # gate-up, down: unfused grouped_mm
+            choice = choose_varlen(cfg, S, E, N, K, nsm, 2, device=table)
+            keys.add(launch._compile_key("varlen", bf16, bf16, "n" if gpt else "k", choice,
+                                         False))
+        w1 = (torch.empty(E, H, 2 * I, dtype=bf16, device=meta) if gpt
+              else torch.empty(E, 2 * I, H, dtype=bf16, device=meta).transpose(1, 2))
+        w2 = (torch.empty(E, I, H, dtype=bf16, device=meta) if gpt
+              else torch.empty(E, H, I, dtype=bf16, device=meta).transpose(1, 2))
+        offs = torch.empty(E, dtype=torch.int32, device=meta)
+        up = check_fused_mm(torch.empty(T, H, dtype=bf16, device=meta), w1, offs,
+                            row_index=torch.empty(S, dtype=torch.int32, device=meta),
+                            bias=torch.empty(E, 2 * I, device=meta) if gpt else None,
+                            gate="clamped_swiglu" if gpt else "silu",
+                            gate_layout="alternating" if gpt else "concat", concrete=False)
+        down = check_fused_mm(torch.empty(S, I, dtype=bf16, device=meta), w2, offs,
+                              bias=torch.empty(E, H, device=meta) if gpt else None,
+                              row_weight=torch.empty(S, device=meta), concrete=False)
+        for args, major in ((up, "n" if gpt else "k"), (down, "n" if gpt else "k")):
+            keys.add(fused_key(args, fused_choice(args, cfg, nsm, device), major))
+    return keys
+
+
+def precompile(keys: set, jobs: int, timeout: float) -> dict:
+    path = Path(__file__).resolve().parents[1] / "scripts" / "precompile.py"
+    spec = importlib.util.spec_from_file_location("_moe_gemm_precompile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compile_all(sorted(keys, key=lambda k: k.name()), jobs, timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+class Timed:
+    """One implementation's forward on a fixed input: a CUDA-graph replay where it captures."""
+
+    def __init__(self, fn: Callable, x: torch.Tensor, graph: bool):
+        self.fn, self.x, self.graph, self.mode = fn, x, None, "eager"
+        with torch.inference_mode():
+            for _ in range(2):
+                self.y = fn(x)
+            if graph and x.device.type == "cuda":
+                try:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        fn(x)
+                    torch.cuda.current_stream().wait_stream(side)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        self.y = fn(x)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    self.graph, self.mode = g, "graph"
+                except Exception:  # noqa: BLE001 - not capturable: timed eagerly
+                    torch.cuda.synchronize()
+                    self.graph = None
+
+    def call(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with torch.inference_mode():
+                self.fn(self.x)
+
+
+def time_batch(t: Timed, calls: int, device: torch.device) -> float:
+    """Milliseconds per call over one batch of `calls`."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            t.call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        t.call()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def measure(timed: dict[str, Timed], device: torch.device, rounds: int,
+            target_ms: float) -> dict[str, float]:
+    """Median ms per call of each implementation, interleaved round by round."""
+    first = {name: time_batch(t, 1, device) for name, t in timed.items()}
+    calls = {name: max(2, min(200, int(target_ms / max(ms, 1e-3)))) for name, ms in first.items()}
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, t in timed.items():
+            samples[name].append(time_batch(t, calls[name], device))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def layer_flops(m: dict, T: int) -> float:
+    """Routed expert GEMMs (and DeepSeek's shared expert) in FLOP."""
+    H, I, k = m["H"], m["I"], m["k"]
+    routed = 2 * T * k * (H * 2 * I + I * H)
+    return routed + (2 * T * 3 * H * I if m["kind"] == "deepseek" else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def run(args: argparse.Namespace) -> dict:
+    smoke = args.smoke
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    models = SMOKE_MODELS if smoke else MODELS
+    names = args.models.split(",") if args.models else list(models)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (
+        [1, 5] if smoke else TOKENS)
+    result: dict[str, Any] = {
+        "suite": "moe-layer",
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": {"moe_gemm": moe_gemm.__version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "dtype": str(dtype).removeprefix("torch."),
+        "timing": "CUDA-graph replays where they capture (row 'mode'), interleaved rounds, "
+                  "median ms per call",
+        "models": {n: models[n] for n in names},
+        "rows": [],
+        "accuracy": {},
+        "sonicmoe": {"status": "not tried"},
+        "precompile": None,
+    }
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        result["error"] = "transformers is not installed: the layers are its blocks"
+        return result
+    if not smoke:
+        keys = set()
+        for n in names:
+            keys |= kernel_keys(models[n], tokens, device)
+        result["precompile"] = precompile(keys, args.jobs, args.compile_timeout)
+    impl_names = [FUSED, UNFUSED, HF]
+    if not smoke:
+        result["fused_probe"] = probe_in_subprocess(names, args.probe_timeout)
+        if not result["fused_probe"]["ok"]:
+            impl_names.remove(FUSED)
+        elif result["fused_probe"].get("gather") is False:
+            os.environ[GATHER_ENV] = "0"  # the fused path without the in-kernel gather
+    sonic_ok = not smoke and not args.no_sonic
+    if sonic_ok:
+        result["sonicmoe"] = {"status": "trying"}
+    started = time.monotonic()
+    sonic_spent = 0.0
+    for n in names:
+        m = models[n]
+        block = hf_block(m["kind"], m["H"], m["I"], m["E"], m["k"], device, dtype, seed=1)
+        impls: dict[str, Callable] = {
+            FUSED: ours(m["kind"], block, True if smoke else None),
+            UNFUSED: ours(m["kind"], block, False),
+            HF: transformers_layer(m["kind"], block),
+        }
+        impls = {name: fn for name, fn in impls.items() if name in impl_names}
+        if sonic_ok:
+            try:
+                impls[SONIC] = sonic_layer(m, device, dtype)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                result["sonicmoe"] = {"status": "failed to build", "error": _error(exc)}
+                sonic_ok = False
+        for T in tokens:
+            if time.monotonic() - started > args.budget_s:
+                result["stopped"] = f"time budget of {args.budget_s} s reached"
+                break
+            gen = torch.Generator(device=device).manual_seed(T)
+            # (1, T, H): transformers' blocks take (batch, sequence, hidden)
+            x = torch.randn(1, T, m["H"], device=device, generator=gen).to(dtype)
+            timed: dict[str, Timed] = {}
+            for name, fn in list(impls.items()):
+                t0 = time.monotonic()
+                try:
+                    timed[name] = Timed(fn, x, graph=not smoke)
+                except Exception as exc:  # noqa: BLE001 - a peer that fails is recorded
+                    if name != SONIC:
+                        raise
+                    result["sonicmoe"] = {"status": "forward failed", "model": n, "tokens": T,
+                                          "error": _error(exc)}
+                    impls.pop(SONIC)
+                    sonic_ok = False
+                if name == SONIC:
+                    # Its kernels compile on first use (QuACK's JIT): bounded apart.
+                    sonic_spent += time.monotonic() - t0
+                    if sonic_spent > args.sonic_budget_s and SONIC in impls:
+                        impls.pop(SONIC)
+                        sonic_ok = False
+                        result["sonicmoe"]["stopped"] = (
+                            f"after {sonic_spent:.0f} s of first calls (its compiles), past "
+                            f"--sonic-budget-s; later rows have no sonicmoe")
+            if T == min(max(tokens), CHECK_TOKENS) or T == CHECK_TOKENS:
+                result["accuracy"][n] = _agreement(timed)
+            ms = measure(timed, device, args.rounds, args.target_ms)
+            base = ms[UNFUSED]
+            for name, t in timed.items():
+                row = {"model": n, "tokens": T, "impl": name, "ms": round(ms[name], 4),
+                       "mode": t.mode, "speedup_vs_unfused": round(base / ms[name], 3),
+                       "tflops": round(layer_flops(m, T) / ms[name] / 1e9, 2)}
+                result["rows"].append(row)
+                print(f"{n:16s} T={T:6d} {name:24s} {ms[name]:9.4f} ms  x{row['speedup_vs_unfused']:.2f} "
+                      f"vs unfused  [{t.mode}]", flush=True)
+            if SONIC in timed and result["sonicmoe"].get("status") == "trying":
+                result["sonicmoe"]["status"] = "ran"
+            del timed, x
+            gc.collect()
+        del impls, block
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The probe: one fused forward per model in a child process before anything is timed, so a
+# fault in a kernel costs the child, not the run (a CUDA fault poisons its process).
+
+
+def probe(names: list[str]) -> dict:
+    """In the child: each model's fused layer against the unfused one at PROBE_TOKENS."""
+    device, out = torch.device("cuda"), {}
+    for n in names:
+        m = MODELS[n]
+        block = hf_block(m["kind"], m["H"], m["I"], m["E"], m["k"], device, torch.bfloat16, 1)
+        x = torch.randn(1, PROBE_TOKENS, m["H"], device=device).to(torch.bfloat16)
+        with torch.inference_mode():
+            fused = ours(m["kind"], block, None)(x).float()
+            base = ours(m["kind"], block, False)(x).float()
+            torch.cuda.synchronize()
+        out[n] = calc_diff(fused, base)
+        del block
+        torch.cuda.empty_cache()
+    return out
+
+
+def probe_in_subprocess(names: list[str], timeout: float) -> dict:
+    """{"ok", "gather", "diffs" | "error"}: the fused path as is, else without the in-kernel
+    gather (MOE_GEMM_FUSED_GATHER=0), else not at all."""
+    import subprocess
+
+    tried = []
+    for gather in (True, False):
+        env = dict(os.environ, **({} if gather else {GATHER_ENV: "0"}))
+        cmd = [sys.executable, "-m", "benchmarks.bench_moe_layer", "--probe", "--models",
+               ",".join(names)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                                  cwd=str(Path(__file__).resolve().parents[1]))
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            diffs = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+            if diffs is not None and all(d < PROBE_MAX_DIFF for d in diffs.values()):
+                return {"ok": True, "gather": gather, "diffs": diffs, "tried": tried}
+            tried.append({"gather": gather, "rc": proc.returncode, "diffs": diffs,
+                          "stderr": proc.stderr[-1500:]})
+        except subprocess.TimeoutExpired:
+            tried.append({"gather": gather, "error": f"timed out after {timeout:.0f} s"})
+    return {"ok": False, "tried": tried}
+
+
+def _agreement(timed: dict[str, Timed]) -> dict[str, float]:
+    """calc_diff of each implementation's output against the unfused layer's (SonicMoE routes
+    with its own router and weights: not comparable, left out)."""
+    base = timed[UNFUSED].y.float()
+    return {name: calc_diff(t.y.float(), base) for name, t in timed.items()
+            if name not in (UNFUSED, SONIC)}
+
+
+def _error(exc: BaseException) -> str:
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(exc).__name__}: {exc}"[:600] + where
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)}")
+    p.add_argument("--tokens", help="comma-separated token counts (default 1..16384)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case")
+    p.add_argument("--target-ms", type=float, default=20.0, help="length of a timed batch")
+    p.add_argument("--budget-s", type=float, default=200.0, help="stop timing past this")
+    p.add_argument("--sonic-budget-s", type=float, default=60.0,
+                   help="stop trying SonicMoE once its first calls took this long")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile workers")
+    p.add_argument("--compile-timeout", type=float, default=300.0)
+    p.add_argument("--no-sonic", action="store_true", help="skip SonicMoE")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
+    p.add_argument("--probe", action="store_true",
+                   help="(the child process) one fused forward per model; prints JSON")
+    p.add_argument("--probe-timeout", type=float, default=150.0)
+    args = p.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args.models.split(",") if args.models else list(MODELS))))
+        return 0
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench_moe_layer: no CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+        return 2
+    result = run(args)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote {args.out}")
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

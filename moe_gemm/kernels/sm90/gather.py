@@ -1,0 +1,119 @@
+"""Gather-A: the fused MoE kernel's A operand loaded row by row through an index.
+
+The MoE layer's gate-up GEMM multiplies each routed row r (sorted by expert) by its token's
+row x[row_index[r]]. Hopper's TMA copies boxes of consecutive rows, so instead of a permuted
+copy of x (S x H elements written and read again) two warps of the producer warpgroup load the
+tile's rows with cp.async, 16 bytes a copy: four threads share a row's 128-byte K slice, two
+16-byte chunks each (one warp instruction reads 64 contiguous bytes of 8 rows). The row
+indices of the thread's tile_m / 16 rows are read once per tile and kept in registers (8 for
+128-row tiles: with eight per thread instead, the 64-bit row addresses spilled under the
+producer's register budget, constants.REGS_GATHER).
+
+Completion: every gather thread arrives on the stage's full barrier once its copies of the
+stage have landed (cp.async.mbarrier.arrive.noinc: the barrier was initialised expecting those
+arrivals beside the TMA thread's), so the math warpgroups wait on one barrier as before; they
+fence the async proxy before their WGMMAs read the rows (GroupedGemmSm90._acquire_gathered).
+
+Bounds: a row past out's rows (S) or a K chunk past K is not read and its 16 bytes are zero
+filled (cp.async with a source size of 0); an index outside [0, T) of x is clamped into it, so
+unchecked indices on the GPU can give wrong rows but never read outside x.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, Int64
+from cutlass.cute.nvgpu import cpasync
+
+from .constants import SCHED_STAGES, TILE_K
+from .tile_scheduler import consume_work
+
+CHUNK = 8  # 16-bit elements per 16-byte cp.async
+THREADS_PER_ROW = 4  # each copies 2 of the row's 8 chunks: 64 contiguous bytes a warp step
+CHUNKS_PER_THREAD = TILE_K // CHUNK // THREADS_PER_ROW
+ROWS_PER_PASS = 16  # rows the 64 gather threads cover in one pass
+
+
+# A's stages are K-major with the 128-byte swizzle (TILE_K = 64 16-bit values: one 128-byte row
+# per tile row), which the TMA unit applies when it writes them and the WGMMA descriptors
+# assume when they read them: in each 1024-byte block (8 rows), the 16-byte chunk index (byte
+# address bits 4-6) is XORed with the row within the block (bits 7-9). The gather writes the
+# same bytes the TMA load would have.
+SWIZZLE_MASK = 0x7 << 4
+
+
+def swizzle_128b(offset):
+    """Byte offset (from a 1024-byte aligned base) -> its 128-byte-swizzled offset."""
+    return offset ^ ((offset >> 3) & SWIZZLE_MASK)
+
+
+@cute.jit
+def smem_chunk(sA_staged: cute.ComposedLayout, base, row: Int32, col: Int32, stage: Int32,
+               dtype: cutlass.Constexpr) -> cute.Tensor:
+    """The 16-byte chunk of A's stage `stage` at (row, col) as a (CHUNK,) tensor. The staged
+    layout's outer part gives the unswizzled element offset (row * TILE_K + col + stage *
+    tile_m * TILE_K); the swizzle is applied to the byte offset, as the TMA unit does."""
+    offset = cute.crd2idx((row, col, stage), sA_staged.outer) * (dtype.width // 8)
+    ptr = cute.make_ptr(dtype, base + swizzle_128b(offset), cute.AddressSpace.smem,
+                        assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(((CHUNK,), 1)))
+
+
+@cute.jit
+def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.PipelineAsync,
+                sched: cute.Tensor, problems, s_base,
+                a_smem_staged: cute.ComposedLayout, gtid: Int32):
+    """The gather warps (threads gtid in [0, 64)): for every record of the CTA, in order, fill
+    A's stages of its k-tiles with the tile's rows of x. s_base: the address of A's staging
+    in shared memory; a_smem_staged: its (swizzled) layout."""
+    dtype = cfg.ab_dtype
+    rows_per_thread = cfg.tile_m // ROWS_PER_PASS
+    r0 = gtid // THREADS_PER_ROW  # this thread's first row of the tile
+    c = gtid % THREADS_PER_ROW  # its first 16-byte chunk of the 128-byte K slice
+    mA = problems.mA  # x (T, K)
+    x_base = mA.iterator.toint()
+    row_bytes = Int64(mA.stride[0]) * (dtype.width // 8)
+    K = mA.shape[1]
+    T = mA.shape[0]
+    S = problems.mD.shape[0]
+    index = problems.row_index
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                               dtype, num_bits_per_copy=128)
+    # Per row of the thread: the row of x, or -1 past out's rows (nothing to load).
+    rows = cute.make_rmem_tensor(cute.make_layout((rows_per_thread,)), Int32)
+    pred = cute.make_rmem_tensor(cute.make_layout(((CHUNK,), 1), stride=((0,), 1)),
+                                 cutlass.Boolean)
+    read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+    ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
+    work, read_state = consume_work(sched_pipe, sched, read_state)
+    while work.has_work():
+        first = work.row_start + work.m_tile * cfg.tile_m + r0
+        for i in cutlass.range_constexpr(rows_per_thread):
+            r = first + i * ROWS_PER_PASS
+            t = Int32(-1)
+            if r < S:
+                t = cutlass.max(cutlass.min(index[r], T - 1), Int32(0))
+            rows[i] = t
+        for kk in cutlass.range(0, work.k_tiles, 1, unroll=1):
+            k0 = (kk + work.k_start) * TILE_K
+            ab_pipe.sync_object_empty.wait(ab_state.index, ab_state.phase)
+            for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                chunk = c + j * THREADS_PER_ROW
+                col = k0 + chunk * CHUNK
+                col_ok = col < K
+                for i in cutlass.range_constexpr(rows_per_thread):
+                    row = rows[i]
+                    src_ptr = cute.make_ptr(
+                        dtype, x_base + Int64(cutlass.max(row, Int32(0))) * row_bytes
+                        + Int64(col) * (dtype.width // 8), cute.AddressSpace.gmem,
+                        assumed_align=16)
+                    src = cute.make_tensor(src_ptr, cute.make_layout(((CHUNK,), 1)))
+                    dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
+                                     chunk * CHUNK, ab_state.index, dtype)
+                    pred[0] = row >= 0 and col_ok
+                    cute.copy(atom, src, dst, pred=pred)
+            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(ab_state))
+            ab_state.advance()
+        work, read_state = consume_work(sched_pipe, sched, read_state)

@@ -1,0 +1,179 @@
+"""Host side of the fused MoE grouped GEMM (kernels/sm90/fused_moe.py): kernel choice, the
+TMA rules of its operands, and FusedPlan, built once per signature like launch.MmPlan.
+
+The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator
+shape: S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what
+the fused options can build (fit_fused): a gated tile needs tile_n a multiple of 32; gather-A
+needs at most 128 rows and 128 accumulator registers per thread and no A multicast; and the
+fused epilogue's extra registers (bias, row weights, activation) are kept off the heaviest
+accumulators (> 192 registers: ptxas spilled a few bytes there), and with both a bias and row
+weights from the whole-tile epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe_gemm.capability import sm_count
+from moe_gemm.config import COOPERATIVE_TILES, GemmConfig
+from moe_gemm.kernels.sm90.constants import acc_regs, fused_problem
+from moe_gemm.ops import launch
+from moe_gemm.ops.fused_validation import FusedMmArgs
+from moe_gemm.ops.heuristics import KernelChoice, choose_varlen
+from moe_gemm.ops.support import (
+    MAX_PROBLEMS,
+    _dtype_problem,
+    _neg_problem,
+    _out_row_problem,
+    operand_major,
+    tma_problem,
+)
+
+FUSED_MAX_ACC_REGS = 192
+_GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
+
+
+def fused_unsupported(args: FusedMmArgs) -> str | None:
+    """Why the fused kernel cannot take these arguments (the torch backend then runs), or
+    None."""
+    why = _dtype_problem(args.dtype, args.out_dtype)
+    if why:
+        return why
+    if args.E > MAX_PROBLEMS:
+        return f"{args.E} experts exceed the kernel's {MAX_PROBLEMS}"
+    if args.S == 0 or args.E == 0 or args.N_out == 0:
+        return None
+    if args.K > 0:
+        why = (_neg_problem("x or w", args.x, args.w) or tma_problem("x", args.x)
+               or tma_problem("w", args.w))
+        if why:
+            return why
+        if operand_major(args.x) != "row":
+            return "x must be row-major (K contiguous) for the kernel"
+    if args.gate is not None and args.gate_layout == "concat" and operand_major(args.w) != "col":
+        return ("the concat gate layout needs a K-major w (gate_up_proj (E, 2I, H) passed as "
+                "gate_up_proj.transpose(1, 2)); repack other layouts with "
+                "moe_gemm.fused.interleave_gate_up")
+    if args.out is not None:
+        if args.out.stride(-1) != 1 and args.N_out > 1:
+            return "out must have unit stride along N"
+        return tma_problem("out", args.out)
+    return _out_row_problem("out", args.N_out, args.out_dtype)
+
+
+def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
+              bias_and_scale: bool = False) -> KernelChoice:
+    """grouped_mm's choice fitted to the fused options (see the module docstring). With a
+    bias and row weights both, the whole-tile epilogue (every subtile's loads at once) spilled
+    32 bytes under ptxas: those kernels store subtile by subtile."""
+    if bias_and_scale and choice.epi_whole:
+        choice = dataclasses.replace(choice, epi_whole=False)
+    schedule, tm, tn = choice.schedule, choice.tile_m, choice.tile_n
+    cm, cn = choice.cluster_m, choice.cluster_n
+    if gate and tn % 32:
+        tn -= tn % 32  # 208 -> 192
+    if acc_regs(schedule, tm, tn) > FUSED_MAX_ACC_REGS:
+        tm, tn = (128, 256) if schedule == "cooperative" else (128, 192)
+    if gather:
+        cn = 1
+        if schedule == "cooperative":
+            tm = 128
+        elif acc_regs(schedule, tm, tn) > 128:
+            tm, tn = 64, next(n for n in _GATHER_PINGPONG_N if n >= min(tn, 256))
+    if schedule == "cooperative" and (tm, tn) not in COOPERATIVE_TILES:
+        tm, tn = 128, 256
+    if (tm, tn, cn) == (choice.tile_m, choice.tile_n, choice.cluster_n):
+        return dataclasses.replace(choice, visitor="device")
+    # A new tile: the stage count and the whole-tile epilogue were chosen for the old one.
+    return dataclasses.replace(choice, visitor="device", tile_m=tm, tile_n=tn, cluster_n=cn,
+                               stages=None, epi_whole=False,
+                               tail_split=choice.tail_split and cm * cn == 1)
+
+
+def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
+                 device: torch.device) -> KernelChoice:
+    choice = choose_varlen(
+        config, args.S, args.E, args.N, args.K, nsm, args.out_dtype.itemsize,
+        device=launch._table_device(device), dtype=launch._TORCH_TO_NAME[args.dtype],
+        out_dtype=launch._TORCH_TO_NAME[args.out_dtype])
+    fitted = fit_fused(choice, args.gate is not None, args.row_index is not None,
+                       args.bias is not None and args.row_weight is not None)
+    b_major = "k" if operand_major(args.w) == "col" else "n"
+    why = fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, b_major,
+                        fitted.cluster_n, args.gate or "", args.gate_layout,
+                        args.row_index is not None)
+    if why is not None:  # (a config that pins what the options cannot build)
+        raise ValueError(f"the fused kernel cannot use this config: {why}")
+    return fitted
+
+
+def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str):
+    key = launch._compile_key("varlen", args.dtype, args.out_dtype, b_major, choice, False)
+    gate = args.gate or ""
+    clamped = gate == "clamped_swiglu"
+    return dataclasses.replace(
+        key, gate=gate, gate_layout=args.gate_layout if gate else "",
+        gate_alpha=args.gate_alpha if clamped else 0.0,
+        gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
+        row_scale=args.row_weight is not None, gather=args.row_index is not None)
+
+
+class FusedPlan:
+    """Everything about a fused launch that follows from shapes, strides, dtypes, the options
+    and the config (ops/fused.py caches it per signature); a call converts the small per-row
+    tensors when needed, allocates its output and launches."""
+
+    def __init__(self, args: FusedMmArgs, config: GemmConfig):
+        self.device = device = args.x.device
+        self.S, self.N_out, self.E = args.S, args.N_out, args.E
+        self.out_dtype = args.out_dtype
+        self.zero_tail = args.out is None
+        self.trivial = self.S == 0 or self.N_out == 0 or self.E == 0
+        self.cacheable = not launch._fresh()
+        if self.trivial:
+            return
+        nsm = sm_count(device)
+        self.choice = choice = fused_choice(args, config, nsm, device)
+        b_major = "k" if operand_major(args.w) == "col" else "n"
+        self.num_problems = self.E + (1 if self.zero_tail else 0)
+        unit = choice.tile_m * choice.cluster_m
+        units_n = -(-args.N // (choice.tile_n * choice.cluster_n))
+        bound = (-(-self.S // unit) + self.num_problems) * units_n
+        self.num_ctas, _ = launch._grid(device, nsm, choice.cluster_m * choice.cluster_n, bound)
+        self.workspace = launch.WorkspaceSlot(device, self.num_ctas, choice)
+        self.meta = launch._small("meta", device, torch.int64, (1, 8))
+        self.meta32 = self.meta.view(torch.int32)
+        self.no_table = launch._small("table", device, torch.int32, (1, 1, 2))
+        self.no_trace = launch._small("trace", device, torch.int32, (1, 1, 4))
+        self.no_index = launch._small("fused_index", device, torch.int32, (1,))
+        self.no_weight = launch._small("fused_weight", device, torch.float32, (1,))
+        self.no_bias = launch._small("fused_bias", device, torch.float32, (1, 1))
+        self.key = fused_key(args, choice, b_major)
+        self.kernel = launch._compiled(self.key)
+
+    def __call__(self, x, w, offs, row_index, row_weight, bias, out):
+        if out is None:
+            out = torch.empty(self.S, self.N_out, dtype=self.out_dtype, device=self.device)
+        if self.trivial:
+            return out.zero_() if self.zero_tail and self.E == 0 else out
+        choice = self.choice
+        index = self.no_index
+        if row_index is not None:
+            index = row_index if row_index.dtype == torch.int32 else row_index.int()
+            index = index if index.is_contiguous() else index.contiguous()
+        weight = self.no_weight
+        if row_weight is not None:
+            weight = row_weight.float() if row_weight.dtype != torch.float32 else row_weight
+            weight = weight if weight.is_contiguous() else weight.contiguous()
+        b = self.no_bias
+        if bias is not None:
+            b = bias.float() if bias.dtype != torch.float32 else bias
+            b = b if b.is_contiguous() else b.contiguous()
+        self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
+                    self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
+                    choice.swizzle, choice.a_policy, choice.b_policy, launch.PDL, 0, index,
+                    weight, b)
+        launch._local.raw = (choice, self.num_ctas, self.num_problems, None, None)
+        return out

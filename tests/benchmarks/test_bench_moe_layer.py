@@ -1,0 +1,74 @@
+"""benchmarks/bench_moe_layer.py on the CPU: the smoke run end to end (JSON fields, impl names,
+the implementations agreeing), and the kernel variants it precompiles for the real shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_moe_layer as bml
+
+pytest.importorskip("transformers")
+
+
+def test_smoke_run_writes_the_json(tmp_path):
+    out = tmp_path / "moe-layer.json"
+    rc = bml.main(["--smoke", "--models", "mixtral-8x7b,gpt-oss-120b,deepseek-v3-ep8",
+                   "--tokens", "1,3", "--rounds", "2", "--target-ms", "1", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["suite"] == "moe-layer" and data["device"] == "cpu" and data["date"]
+    impls = {r["impl"] for r in data["rows"]}
+    assert impls == {bml.FUSED, bml.UNFUSED, bml.HF}
+    assert any("fused" in i and "unfused" not in i for i in impls) and bml.UNFUSED in impls
+    assert len(data["rows"]) == 3 * 2 * 3
+    for row in data["rows"]:
+        assert row["ms"] > 0 and row["mode"] == "eager" and row["tflops"] >= 0
+    for model, diffs in data["accuracy"].items():
+        assert set(diffs) == {bml.FUSED, bml.HF}
+        assert all(d < 1e-6 for d in diffs.values()), (model, diffs)
+
+
+@pytest.mark.parametrize("model", list(bml.MODELS))
+def test_precompiled_variants_cover_both_paths(model):
+    keys = bml.kernel_keys(bml.MODELS[model], [1, 128, 16384], torch.device("cpu"))
+    fused = [k for k in keys if k.fused]
+    plain = [k for k in keys if not k.fused]
+    assert fused and plain
+    assert any(k.gather and k.gate for k in fused)  # the gate-up launch
+    assert any(k.row_scale and not k.gate for k in fused)  # the down launch
+    for k in fused:
+        k.kernel()  # every variant is one the kernel builds (ValueError otherwise)
+    if model == "gpt-oss-120b":
+        assert all(k.gate_layout == "alternating" and k.bias for k in fused if k.gate)
+
+
+def test_probe_falls_back_to_no_gather_then_to_no_fused_rows(monkeypatch):
+    import subprocess
+
+    answers = []
+
+    class Done:
+        def __init__(self, rc, diffs):
+            self.returncode, self.stderr = rc, "boom" if rc else ""
+            self.stdout = "compiling...\n" + (json.dumps(diffs) if diffs is not None else "")
+
+    def fake_run(cmd, env, **kw):
+        answer = answers.pop(0)
+        if answer == "timeout":
+            raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+        assert ("--probe" in cmd) and (env.get(bml.GATHER_ENV) == ("0" if answer[2] else None))
+        return Done(answer[0], answer[1])
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    answers[:] = [(0, {"m": 1e-6}, False)]
+    assert bml.probe_in_subprocess(["m"], 5) == {"ok": True, "gather": True,
+                                                 "diffs": {"m": 1e-6}, "tried": []}
+    answers[:] = [(1, None, False), (0, {"m": 2e-6}, True)]
+    res = bml.probe_in_subprocess(["m"], 5)
+    assert res["ok"] and res["gather"] is False and res["tried"][0]["rc"] == 1
+    answers[:] = [(0, {"m": 0.5}, False), "timeout"]  # wrong results, then a hang
+    res = bml.probe_in_subprocess(["m"], 5)
+    assert not res["ok"] and "timed out" in res["tried"][1]["error"]

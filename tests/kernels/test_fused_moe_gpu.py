@@ -1,0 +1,256 @@
+"""GPU tests of the fused MoE kernel (fused_grouped_mm on the cute backend) against the fp32
+loop reference, with NaN-poisoned outputs, empty experts, rows past offs[-1], single rows,
+sizes off the tile, long K, every gate and gate layout, bias, row weights and gather-A, the
+default tile choices and forced ones (schedules, 256-row tiles, clusters, the tail split, the
+whole-tile epilogue).
+
+The 2x rule (helpers.check): max error against the fp32 reference at most twice that of the
+same computation done by torch in the inputs' precision (the unfused path's rounding: bf16
+GEMM output, bf16 bias, activation and weight), plus 1e-3 of the result's scale.
+
+    python3 scripts/gpu_session.py --paths tests/kernels/test_fused_moe_gpu.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import moe_gemm
+from moe_gemm import GemmConfig
+from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
+
+from .gpu_report import record
+from .helpers import check
+
+pytestmark = pytest.mark.gpu
+
+BF16 = torch.bfloat16
+# A limit the test values reach (|h| ~ 1), so the clamps are exercised; gpt-oss's 7.0 runs in
+# the layer tests.
+CLAMP = dict(gate_alpha=1.702, gate_limit=1.0)
+
+
+def case(name, *, T=300, S=777, E=10, K=264, N=400, gate=None, layout="concat", w_major="k",
+         gather=True, bias=False, scale=False, empty=(1, 4, 7), tail=23, config=None,
+         out_mode="given", dtype=BF16, out_dtype=None):
+    """One launch's arguments as a dict (the GPU run and kernels/variants.py read it)."""
+    return dict(name=name, T=T, S=S, E=E, K=K, N=N, gate=gate, layout=layout, w_major=w_major,
+                gather=gather, bias=bias, scale=scale, empty=empty, tail=tail, config=config,
+                out_mode=out_mode, dtype=dtype, out_dtype=out_dtype)
+
+
+def routed_counts(c: dict, gen: torch.Generator) -> list[int]:
+    """Rows per expert: random, the `empty` experts 0, S - tail rows in all."""
+    E, live = c["E"], c["S"] - c["tail"]
+    keep = [e for e in range(E) if e not in c["empty"]] or [0]
+    picks = torch.randint(0, len(keep), (live,), generator=gen)
+    counts = [0] * E
+    for i, n in enumerate(torch.bincount(picks, minlength=len(keep)).tolist()):
+        counts[keep[i]] = n
+    return counts
+
+
+def inputs(c: dict):
+    gen = torch.Generator().manual_seed(zlib.crc32(c["name"].encode()))
+    T, S, E, K, N, dtype = c["T"], c["S"], c["E"], c["K"], c["N"], c["dtype"]
+    counts = routed_counts(c, gen)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    rows = T if c["gather"] else S
+    x = (torch.randn(rows, K, generator=gen) * 0.5).to(dtype).cuda()
+    w = torch.randn(E, K, N, generator=gen) * (0.5 / K ** 0.5) * 4
+    if c["w_major"] == "k":
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    w = w.to(dtype).cuda()
+    kw = {}
+    if c["gather"]:
+        kw["row_index"] = torch.randint(0, T, (S,), generator=gen).cuda()
+    if c["bias"]:
+        kw["bias"] = (torch.randn(E, N, generator=gen) * 0.5).cuda()
+    if c["scale"]:
+        kw["row_weight"] = torch.rand(S, generator=gen).cuda()
+    if c["gate"]:
+        kw.update(gate=c["gate"], gate_layout=c["layout"])
+        if c["gate"] == "clamped_swiglu":
+            kw.update(CLAMP)
+    return x, w, offs, kw
+
+
+def run_case(c: dict):
+    x, w, offs, kw = inputs(c)
+    S, live = c["S"], c["S"] - c["tail"]
+    n_out = c["N"] // 2 if c["gate"] else c["N"]
+    odt = c["out_dtype"] or c["dtype"]
+    cfg = c["config"] or GemmConfig(backend="cute")
+    if c["out_mode"] == "given":
+        out = torch.full((S, n_out), float("nan"), dtype=odt, device="cuda")
+        y = moe_gemm.fused_grouped_mm(x, w, offs, out=out, config=cfg, out_dtype=c["out_dtype"],
+                                      **kw)
+        assert y is out
+    else:
+        y = moe_gemm.fused_grouped_mm(x, w, offs, config=cfg, out_dtype=c["out_dtype"], **kw)
+    torch.cuda.synchronize()
+    assert y.shape == (S, n_out) and y.dtype == odt
+    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **kw)
+    low = fused_grouped_mm_ref(x, w, offs, dtype=c["dtype"], **kw)
+    from moe_gemm.ops.launch import last_launch
+
+    info = last_launch()
+    tile = None if info is None else (info.choice.schedule, info.choice.tile_m,
+                                      info.choice.tile_n)
+    if c["tail"]:
+        tail = y[live:]
+        ok = bool(torch.isnan(tail).all()) if c["out_mode"] == "given" else bool(
+            (tail == 0).all())
+        record(f"{c['name']}/tail", ok, tile=tile)
+        assert ok, "rows past offs[-1] must stay untouched (given out) or be zero (ours)"
+    check(c["name"], y[:live], ref[:live], low[:live], tile=tile)
+
+
+GATE_CASES = [
+    case(f"gate/{g}/{lay}/{m}", gate=g, layout=lay, w_major=m)
+    for g in ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+    for lay, m in (("concat", "k"), ("interleaved", "n"), ("alternating", "n"))
+] + [
+    case("gate/silu/interleaved/k", gate="silu", layout="interleaved", w_major="k"),
+    case("gate/silu/alternating/k", gate="silu", layout="alternating", w_major="k"),
+]
+
+OPTION_CASES = [
+    case("plain/gather", gather=True),
+    case("plain/no-gather", gather=False, w_major="n"),
+    case("down/bias+scale", gather=False, bias=True, scale=True, w_major="n", N=328),
+    case("down/scale/alloc", gather=False, scale=True, out_mode="alloc"),
+    case("down/scale/fp32-out", gather=False, scale=True, out_dtype=torch.float32),
+    case("up/bias/concat", gate="silu", bias=True),
+    case("up/bias/clamped/alternating", gate="clamped_swiglu", layout="alternating",
+         w_major="n", bias=True),
+    case("up/bias/gelu/interleaved", gate="gelu", layout="interleaved", w_major="n", bias=True),
+    case("up/all-options/fp16", gate="silu", bias=True, scale=True, dtype=torch.float16),
+    case("up/no-gather/alloc", gate="gelu_tanh", gather=False, out_mode="alloc"),
+]
+
+EDGE_CASES = [
+    case("edge/one-row", T=1, S=1, E=3, tail=0, empty=(0, 2), gate="silu"),
+    case("edge/one-row-down", T=1, S=1, E=3, tail=0, empty=(0, 2), gather=False, scale=True,
+         bias=True),
+    case("edge/all-empty", E=4, empty=(0, 1, 2, 3), tail=777, gate="silu", bias=True),
+    case("edge/one-expert", E=1, empty=(), gate="silu", layout="alternating", w_major="n"),
+    case("edge/off-tile", T=77, S=203, E=5, K=72, N=208, gate="silu", bias=True),
+    case("edge/narrow", T=40, S=90, E=3, K=16, N=32, gate="gelu", layout="interleaved",
+         w_major="n", scale=True),
+    case("edge/long-k-gather", T=512, S=1500, E=6, K=7176, N=256, gate="silu"),
+    case("edge/long-k-down", T=512, S=1500, E=6, K=4104, N=520, gather=False, scale=True,
+         bias=True, w_major="n"),
+    case("edge/many-experts", T=256, S=2048, E=128, K=512, N=384, gate="silu",
+         empty=tuple(range(0, 128, 3))),
+]
+
+_P, _C = "pingpong", "cooperative"
+FORCED_CASES = [
+    case(f"forced/{s}-{m}x{n}{'-c' + str(cm) + 'x1' if cm > 1 else ''}{'-ts' if ts else ''}"
+         f"{'-ew' if ew else ''}/{g or 'plain'}/{'gather' if ga else 'rows'}",
+         T=700, S=2100, E=8, K=1032 if not ts else 4168, N=512, gate=g, gather=ga,
+         scale=not g, bias=True, config=GemmConfig(
+             backend="cute", schedule=s, tile_m=m, tile_n=n,
+             cluster_m=cm if cm > 1 else None, cluster_n=1 if cm > 1 else None,
+             tail_split=ts or None, whole_epilogue=ew or None, stages=3 if ew else None))
+    for s, m, n, cm, ts, ew, g, ga in [
+        (_P, 128, 192, 1, False, False, "silu", False),
+        (_P, 64, 256, 1, False, False, "silu", True),
+        (_P, 128, 128, 2, False, False, "gelu", True),
+        (_P, 128, 160, 1, False, False, None, False),
+        (_C, 128, 256, 1, False, False, "silu", True),
+        (_C, 256, 192, 1, False, False, "silu", False),
+        (_C, 256, 128, 2, False, False, None, False),
+        (_C, 128, 256, 2, False, False, "clamped_swiglu", True),
+        (_C, 128, 256, 1, True, False, "silu", True),
+        (_C, 128, 256, 1, True, True, "silu", False),
+        (_C, 128, 224, 1, False, False, None, False),
+    ]
+]
+
+ALL_CASES = GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES
+
+
+@pytest.mark.parametrize("c", GATE_CASES, ids=[c["name"] for c in GATE_CASES])
+def test_gates_and_layouts(c):
+    run_case(c)
+
+
+@pytest.mark.parametrize("c", OPTION_CASES, ids=[c["name"] for c in OPTION_CASES])
+def test_options(c):
+    run_case(c)
+
+
+@pytest.mark.parametrize("c", EDGE_CASES, ids=[c["name"] for c in EDGE_CASES])
+def test_edges(c):
+    run_case(c)
+
+
+@pytest.mark.parametrize("c", FORCED_CASES, ids=[c["name"] for c in FORCED_CASES])
+def test_forced_configs(c):
+    run_case(c)
+
+
+def test_unchecked_indices_are_clamped_never_read_out_of_bounds():
+    c = case("clamp", T=50, S=120, E=3, K=64, N=64, gate="silu", tail=0, empty=())
+    x, w, offs, kw = inputs(c)
+    bad = kw["row_index"].clone()
+    bad[::7] = 50 + 1000  # past x's rows
+    bad[3::11] = -5
+    y = moe_gemm.fused_grouped_mm(x, w, offs, config=GemmConfig(backend="cute"),
+                                  **{**kw, "row_index": bad})
+    torch.cuda.synchronize()
+    clamped = bad.clamp(0, 49)
+    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **{**kw, "row_index": clamped})
+    low = fused_grouped_mm_ref(x, w, offs, dtype=BF16, **{**kw, "row_index": clamped})
+    check("clamp/indices", y, ref, low)
+
+
+def test_repeated_calls_reuse_the_plan_and_follow_new_values():
+    c = case("repeat", gate="silu", bias=True, out_mode="alloc")
+    x, w, offs, kw = inputs(c)
+    cfg = GemmConfig(backend="cute")
+    first = moe_gemm.fused_grouped_mm(x, w, offs, config=cfg, **kw)
+    x2 = torch.randn_like(x)
+    kw["row_index"] = kw["row_index"].flip(0).contiguous()
+    second = moe_gemm.fused_grouped_mm(x2, w, offs, config=cfg, **kw)
+    torch.cuda.synchronize()
+    live = c["S"] - c["tail"]
+    ref = fused_grouped_mm_ref(x2, w, offs, dtype=torch.float32, **kw)
+    low = fused_grouped_mm_ref(x2, w, offs, dtype=BF16, **kw)
+    check("repeat/second-call", second[:live], ref[:live], low[:live])
+    record("repeat/differs", not torch.equal(first, second))
+
+
+def test_cuda_graph_replay_with_new_routing():
+    c = case("graph", T=256, S=512, E=8, K=256, N=256, gate="silu", scale=True, tail=0,
+             empty=(2,), out_mode="alloc")
+    x, w, offs, kw = inputs(c)
+    cfg = GemmConfig(backend="cute")
+    moe_gemm.fused_grouped_mm(x, w, offs, config=cfg, **kw)  # compile and plan outside
+    static = dict(x=x.clone(), offs=offs.clone(), index=kw["row_index"].clone(),
+                  weight=kw["row_weight"].clone())
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y = moe_gemm.fused_grouped_mm(static["x"], w, static["offs"], gate="silu",
+                                      row_index=static["index"], row_weight=static["weight"],
+                                      config=cfg)
+    gen = torch.Generator().manual_seed(3)
+    for replay in range(3):
+        counts = torch.bincount(torch.randint(0, 8, (512,), generator=gen), minlength=8)
+        new_offs = counts.cumsum(0).to(torch.int32).cuda()
+        static["x"].copy_(torch.randn(x.shape, generator=gen).to(BF16))
+        static["offs"].copy_(new_offs)
+        static["index"].copy_(torch.randint(0, 256, (512,), generator=gen))
+        static["weight"].copy_(torch.rand(512, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        args = dict(row_index=static["index"], row_weight=static["weight"], gate="silu")
+        ref = fused_grouped_mm_ref(static["x"], w, static["offs"], dtype=torch.float32, **args)
+        low = fused_grouped_mm_ref(static["x"], w, static["offs"], dtype=BF16, **args)
+        check(f"graph/replay-{replay}", y, ref, low)

@@ -1,0 +1,264 @@
+"""fused_grouped_mm on the CPU: the torch backend against the float64 reference for every
+option, the argument checks (each error path), the registered ops (fake tensors,
+torch.compile(fullgraph=True), the raising backward), interleave_gate_up, and the host rules
+of the kernel path that need no GPU (the config fitting, the TMA rules, the compile keys)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import moe_gemm
+from moe_gemm import GemmConfig
+from moe_gemm.kernels.sm90.constants import acc_regs, fused_problem
+from moe_gemm.ops.fused_launch import fit_fused, fused_key, fused_unsupported
+from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
+from moe_gemm.ops.fused_validation import check_fused_mm
+from moe_gemm.ops.heuristics import KernelChoice
+
+GATES = [None, "silu", "gelu", "gelu_tanh", "clamped_swiglu"]
+LAYOUTS = ["concat", "interleaved", "alternating"]
+
+
+def _case(seed: int, T=9, K=40, E=4, N=64, S=13, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    w = (torch.randn(E, K, N, generator=g) / 4).to(dtype)
+    index = torch.randint(0, T, (S,), generator=g)
+    counts = torch.tensor([3, 0, 6, 2])[:E]  # an empty expert; 2 rows past offs[-1]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    return x, w, offs, index, g
+
+
+@pytest.mark.parametrize("gate,layout", [(g, lay) for g in GATES for lay in LAYOUTS
+                                         if g is not None or lay == "concat"])
+@pytest.mark.parametrize("gather,bias,scale", list(itertools.product([False, True], repeat=3)))
+def test_torch_backend_matches_float64(gate, layout, gather, bias, scale):
+    x, w, offs, index, g = _case(len(str((gate, layout))))
+    E, N = w.shape[0], w.shape[2]
+    if not gather:
+        x = x[index]  # the routed rows themselves (S = 13, offs[-1] = 11)
+    S = index.shape[0]
+    kw = dict(row_index=index if gather else None,
+              bias=torch.randn(E, N, generator=g) if bias else None,
+              row_weight=torch.rand(S, generator=g) if scale else None,
+              gate=gate, gate_layout=layout, gate_limit=1.5)
+    y = moe_gemm.fused_grouped_mm(x, w, offs, **kw)
+    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float64, **kw)
+    assert y.shape == (S, N // 2 if gate else N) and y.dtype == x.dtype
+    assert torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-5)
+    end = int(offs[-1])
+    assert end < S and bool((y[end:] == 0).all())  # rows past offs[-1]: zero
+
+
+def test_out_keeps_rows_past_offs_and_out_dtype():
+    x, w, offs, index, _ = _case(3)
+    S = index.shape[0]
+    out = torch.full((S, 32), 7.0)
+    y = moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, gate="silu", out=out)
+    assert y is out
+    end = int(offs[-1])
+    assert bool((out[end:] == 7.0).all())
+    ref = fused_grouped_mm_ref(x, w, offs, row_index=index, gate="silu")
+    assert torch.allclose(out[:end], ref[:end], atol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    y32 = moe_gemm.fused_grouped_mm(xb, wb, offs, row_index=index, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32
+
+
+def test_empty_and_expertless_calls():
+    x, w, offs, _, _ = _case(4)
+    empty = moe_gemm.fused_grouped_mm(x[:0], w, torch.zeros(4, dtype=torch.int32), gate="silu")
+    assert empty.shape == (0, 32)
+    none = moe_gemm.fused_grouped_mm(x, w[:0], torch.zeros(0, dtype=torch.int32))
+    assert none.shape == (9, 64) and bool((none == 0).all())
+    no_rows = moe_gemm.fused_grouped_mm(x, w, torch.zeros(4, dtype=torch.int32),
+                                        row_index=torch.zeros(0, dtype=torch.int64))
+    assert no_rows.shape == (0, 64)
+
+
+def _bad(**kw):
+    x, w, offs, index, _ = _case(5)
+    args = dict(x=x, w=w, offs=offs, row_index=index)
+    args.update(kw)
+    return args
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(x=[1.0]), TypeError, "x must be a torch.Tensor"),
+    (dict(x=torch.zeros(9, 40, 1)), ValueError, "x must be 2-D"),
+    (dict(w=torch.zeros(40, 64)), ValueError, "w must be 3-D"),
+    (dict(x=torch.zeros(9, 40, dtype=torch.int32)), TypeError, "bfloat16"),
+    (dict(w=torch.zeros(4, 40, 64, dtype=torch.float64)), TypeError, "w has dtype"),
+    (dict(offs=torch.zeros(4, dtype=torch.int64)), TypeError, "offs must be int32"),
+    (dict(offs=torch.zeros(3, dtype=torch.int32)), ValueError, "one entry per expert"),
+    (dict(w=torch.zeros(4, 41, 64)), ValueError, r"must be \(E, 40, N\)"),
+    (dict(row_index=torch.zeros(3, 2, dtype=torch.int64)), ValueError, "row_index must be 1-D"),
+    (dict(row_index=torch.zeros(3)), TypeError, "row_index must be int32 or int64"),
+    (dict(row_index=torch.tensor([0, 9])), ValueError, r"rows of x in \[0, 9\)"),
+    (dict(row_index=torch.tensor([-1, 2])), ValueError, "rows of x"),
+    (dict(row_index=[0, 1]), TypeError, "row_index must be a torch.Tensor"),
+    (dict(x=torch.zeros(0, 40)), ValueError, "x has no rows"),
+    (dict(gate="relu"), ValueError, "gate must be one of"),
+    (dict(gate=3), TypeError, "gate must be a str"),
+    (dict(gate="silu", gate_layout="halves"), ValueError, "gate_layout must be one of"),
+    (dict(gate="silu", w=torch.zeros(4, 40, 63)), ValueError, "N must be even"),
+    (dict(gate="silu", gate_layout="interleaved", w=torch.zeros(4, 40, 40)), ValueError,
+     "multiple of 16"),
+    (dict(gate="clamped_swiglu", gate_limit=0.0), ValueError, "gate_limit must be > 0"),
+    (dict(gate_alpha="1"), TypeError, "gate_alpha must be a float"),
+    (dict(gate_limit=float("nan")), ValueError, "gate_limit must be finite"),
+    (dict(row_weight=torch.zeros(5)), ValueError, r"row_weight must be \(S,\) = \(13,\)"),
+    (dict(row_weight=torch.zeros(13, dtype=torch.int32)), TypeError, "row_weight must be a float"),
+    (dict(row_weight=1.0), TypeError, "row_weight must be a torch.Tensor"),
+    (dict(bias=torch.zeros(4, 32)), ValueError, r"bias must be \(E, N\) = \(4, 64\)"),
+    (dict(bias=torch.zeros(4, 64, dtype=torch.int64)), TypeError, "bias must be a float"),
+    (dict(bias="b"), TypeError, "bias must be a torch.Tensor"),
+    (dict(offs=torch.tensor([3, 2, 8, 9], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (dict(offs=torch.tensor([3, 3, 8, 14], dtype=torch.int32)), ValueError,
+     r"offs\[-1\] must be <= S = 13 \(routed rows\)"),
+    (dict(out=torch.zeros(13, 32)), ValueError, r"out must be \(S, N\) = \(13, 64\)"),
+    (dict(out=torch.zeros(13, 64, dtype=torch.float64)), TypeError, "bfloat16"),
+    (dict(out="o"), TypeError, "out must be a torch.Tensor"),
+    (dict(config="fast"), TypeError, "config must be a moe_gemm.GemmConfig"),
+])
+def test_argument_errors_name_the_expectation(change, error, match):
+    args = _bad(**change)
+    with pytest.raises(error, match=match):
+        moe_gemm.fused_grouped_mm(args.pop("x"), args.pop("w"), args.pop("offs"), **args)
+
+
+def test_out_sharing_memory_with_an_input_is_refused():
+    x, w, offs, index, _ = _case(6)
+    buf = torch.zeros(13 * 64 + 9 * 40)
+    x2 = buf[:9 * 40].view(9, 40).copy_(x)
+    out = buf[9 * 40 - 64:9 * 40 - 64 + 13 * 64].view(13, 64)
+    with pytest.raises(ValueError, match="shares memory"):
+        moe_gemm.fused_grouped_mm(x2, w, offs, row_index=index, out=out)
+
+
+def test_forced_cute_backend_raises_off_the_gpu():
+    x, w, offs, index, _ = _case(7)
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        moe_gemm.fused_grouped_mm(x, w, offs, row_index=index,
+                                  config=GemmConfig(backend="cute"))
+
+
+def test_interleave_gate_up_layouts():
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(3, 5, 32, generator=g)
+    x = torch.randn(4, 5, generator=g)
+    offs = torch.tensor([1, 3, 4], dtype=torch.int32)
+    ref = moe_gemm.fused_grouped_mm(x, w, offs, gate="silu")
+    packed = moe_gemm.interleave_gate_up(w)
+    assert torch.allclose(moe_gemm.fused_grouped_mm(x, packed, offs, gate="silu",
+                                                    gate_layout="interleaved"), ref)
+    alternating = torch.stack([w[..., :16], w[..., 16:]], -1).reshape(3, 5, 32)
+    assert torch.equal(moe_gemm.interleave_gate_up(alternating, "alternating"), packed)
+    assert torch.allclose(moe_gemm.fused_grouped_mm(x, alternating, offs, gate="silu",
+                                                    gate_layout="alternating"), ref)
+    k_major = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert moe_gemm.interleave_gate_up(k_major).stride(1) == 1
+    with pytest.raises(ValueError, match="multiple of 16"):
+        moe_gemm.interleave_gate_up(torch.zeros(2, 24))
+    with pytest.raises(ValueError, match="source must be"):
+        moe_gemm.interleave_gate_up(w, "halves")
+    with pytest.raises(TypeError):
+        moe_gemm.interleave_gate_up([1, 2])
+
+
+def test_fake_tensor_shapes_and_compiled_graph():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w, offs, index, _ = _case(9)
+    with FakeTensorMode() as mode:
+        fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+        fo, fi = mode.from_tensor(offs), mode.from_tensor(index)
+        y = moe_gemm.fused_grouped_mm(fx, fw, fo, row_index=fi, gate="gelu")
+        assert tuple(y.shape) == (13, 32) and y.dtype == x.dtype
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def fn(x, w, offs, index, rw):
+        return moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, row_weight=rw,
+                                         gate="silu") * 2
+
+    rw = torch.rand(13)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    assert torch.allclose(compiled(x, w, offs, index, rw), fn(x, w, offs, index, rw))
+    torch._dynamo.reset()
+
+
+def test_backward_raises_eager_and_compiled():
+    x, w, offs, index, _ = _case(10)
+    w = w.clone().requires_grad_(True)
+    y = moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, gate="silu",
+                                  config=GemmConfig(backend="torch"))
+    y.sum().backward()  # the torch backend is differentiable
+    assert w.grad is not None
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: moe_gemm.fused_grouped_mm(
+        x, w, offs, row_index=index, gate="silu"), backend="aot_eager", fullgraph=True)
+    out = compiled(x, w)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.sum().backward()
+    torch._dynamo.reset()
+
+
+def _choice(schedule, tm, tn, cm=1, cn=1, **kw):
+    return KernelChoice(schedule, "device", tm, tn, None, False, 8, cluster_m=cm, cluster_n=cn,
+                        **kw)
+
+
+@pytest.mark.parametrize("choice", [
+    _choice("cooperative", 128, 256), _choice("cooperative", 256, 208),
+    _choice("cooperative", 256, 128, cm=2), _choice("cooperative", 128, 256, cn=2),
+    _choice("pingpong", 128, 208), _choice("pingpong", 128, 192, cm=2),
+    _choice("pingpong", 64, 256), _choice("pingpong", 128, 160),
+    _choice("cooperative", 128, 256, epi_whole=True, tail_split=True),
+])
+@pytest.mark.parametrize("gate,gather", [(True, True), (True, False), (False, True),
+                                         (False, False)])
+def test_fit_fused_gives_buildable_tiles(choice, gate, gather):
+    fitted = fit_fused(choice, gate, gather)
+    assert fitted.visitor == "device"
+    assert fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, "k",
+                         fitted.cluster_n, "silu" if gate else "", "concat", gather) is None
+    assert acc_regs(fitted.schedule, fitted.tile_m, fitted.tile_n) <= 192
+    if (fitted.tile_m, fitted.tile_n) == (choice.tile_m, choice.tile_n):
+        assert fitted.epi_whole == choice.epi_whole
+    else:
+        assert not fitted.epi_whole and fitted.stages is None
+    assert not fit_fused(choice, gate, gather, bias_and_scale=True).epi_whole
+
+
+def test_fused_key_and_unsupported_reasons():
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    w_k = torch.zeros(4, 128, 64, dtype=torch.bfloat16).transpose(1, 2)  # K-major (E, 64, 128)
+    w_n = torch.zeros(4, 64, 128, dtype=torch.bfloat16)
+    offs = torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+    args = check_fused_mm(x, w_k, offs, gate="silu", row_index=torch.arange(8),
+                          bias=torch.zeros(4, 128), row_weight=torch.ones(8))
+    assert fused_unsupported(args) is None
+    key = fused_key(args, _choice("cooperative", 128, 256), "k")
+    assert (key.gate, key.gate_layout, key.bias, key.row_scale, key.gather) == (
+        "silu", "concat", True, True, True)
+    assert key.gate_alpha == 0.0  # only clamped_swiglu bakes its constants in
+    n_major = check_fused_mm(x, w_n, offs, gate="silu")
+    assert "K-major" in fused_unsupported(n_major)
+    assert fused_unsupported(check_fused_mm(x, w_n, offs, gate="silu",
+                                            gate_layout="alternating")) is None
+    odd = check_fused_mm(torch.zeros(8, 60, dtype=torch.bfloat16),
+                         torch.zeros(4, 60, 128, dtype=torch.bfloat16), offs)
+    assert "stride" in fused_unsupported(odd)
+    f32 = check_fused_mm(x.float(), w_n.float(), offs)
+    assert "bf16 or fp16" in fused_unsupported(f32)
+    narrow = check_fused_mm(x, torch.zeros(4, 64, 12, dtype=torch.bfloat16), offs, gate="silu",
+                            gate_layout="alternating")
+    assert "16 bytes" in fused_unsupported(narrow)
