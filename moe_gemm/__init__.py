@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
         softmax_topk,
     )
     from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
+    from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
     from moe_gemm.ops.quantize import (
         dequantize_fp8,
         quantize_fp8_per_block,
@@ -50,7 +51,6 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
         quantize_fp8_per_token_group,
     )
     from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
-    from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
 
 # `model.set_experts_implementation("moe_gemm")` works once transformers' MoE module loads
 # (the hook imports nothing heavy until then).
@@ -108,6 +108,7 @@ def _load() -> None:
                 softmax_topk,
             )
             from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
+            from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
             from moe_gemm.ops.quantize import (
                 dequantize_fp8,
                 quantize_fp8_per_block,
@@ -116,7 +117,6 @@ def _load() -> None:
                 quantize_fp8_per_token_group,
             )
             from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
-            from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
         except BaseException:
             _state = 0  # e.g. torch missing: the next use raises the same ImportError again
             raise

@@ -246,12 +246,12 @@ class VarlenProblems(Problems):
                                 (None, None)))
 
     def b_halves(self, tma_b: cute.Tensor, work: WorkTile):
-        """The concat gate layout's two B views, (tile_n / 2, TILE_K) boxes: n-tile j loads
+        """The concat gate layout's two B views, (tile_n / 2, tile_k) boxes: n-tile j loads
         gate rows [j * tile_n / 2, ...) and up rows [N / 2 + j * tile_n / 2, ...) of w's N.
         A last gate box past N / 2 reads up rows (their outputs are past out's width, clipped
         at the store); an up box past N is zero-filled by the TMA unit."""
         cfg = self.cfg
-        half = (cfg.tile_n // 2, TILE_K)
+        half = (cfg.tile_n // 2, cfg.tile_k)
         b = tma_b[None, None, work.problem]
         return (cute.local_tile(b, half, (None, None)),
                 cute.local_tile(cute.domain_offset((self.mD.shape[1], 0), b), half,
