@@ -3,9 +3,9 @@ tests, a benchmark or a server image start without compiling:
 
     MOE_GEMM_CACHE_DIR=/tmp/kcache python3 scripts/precompile.py --set tests -j 16
 
-Sets: "tests" = the variants the GPU tests launch (tests/kernels/variants.py, derived from
-their cases through the library's kernel choice) plus "check"; "check" = `moe-gemm check
---full`'s list (the defaults for the benchmark suite shapes); "fp8" = the FP8 kernels and
+Sets: "tests" = the variants the GPU tests launch (tests/kernels/variants.py and
+variants_fp8.py, derived from their cases through the library's kernel choice) plus "check";
+"check" = `moe-gemm check --full`'s list (the defaults for the benchmark suite shapes); "fp8" = the FP8 kernels and
 quantizers the FP8 GPU tests launch (tests/kernels/variants_fp8.py); "fused" = those of the
 fused kernel's and the MoE layer's GPU tests only. --list prints the names only.
 
@@ -44,7 +44,10 @@ def variant_set(name: str) -> list:
     if name == "tests":
         from kernels.variants import kernel_test_variants
 
+        from kernels.variants_fp8 import fp8_test_variants
+
         keys.update(kernel_test_variants())
+        keys.update(fp8_test_variants())
     return sorted(keys, key=lambda k: k.name())
 
 

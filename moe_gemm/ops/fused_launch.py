@@ -171,9 +171,9 @@ class FusedPlan:
         if bias is not None:
             b = bias.float() if bias.dtype != torch.float32 else bias
             b = b if b.is_contiguous() else b.contiguous()
+        fused_args = (index, weight, b) if self.key.fused else ()  # (no option: the plain kernel)
         self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
                     self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
-                    choice.swizzle, choice.a_policy, choice.b_policy, launch.PDL, 0, index,
-                    weight, b)
+                    choice.swizzle, choice.a_policy, choice.b_policy, launch.PDL, 0, *fused_args)
         launch._local.raw = (choice, self.num_ctas, self.num_problems, None, None)
         return out

@@ -50,7 +50,17 @@ def _check_block(name: str, size: object) -> int:
 def _to_fp8(x32: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x * (FP8_MAX / amax), saturated, in the FP8 dtype (amax broadcast over x)."""
     top = FP8_MAX[dtype]
-    return (x32 * (top / amax)).clamp_(-top, top).to(dtype)
+    return (x32 * _ieee_div(top, amax)).clamp_(-top, top).to(dtype)
+
+
+def _ieee_div(a: float | torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """a / b rounded once, as the quantization kernel's div.rn.f32 does. Written with two
+    tensors on purpose: torch evaluates `scalar / t` as reciprocal(t) * scalar and, on CUDA,
+    `t / scalar` as t * (1 / scalar), each rounded twice, which differs in the last bit."""
+    t = a if isinstance(a, torch.Tensor) else b
+    a = a if isinstance(a, torch.Tensor) else torch.full_like(t, a)
+    b = b if isinstance(b, torch.Tensor) else torch.full_like(t, b)
+    return torch.div(a, b)
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
@@ -88,7 +98,7 @@ def _per_token_group_torch(x: torch.Tensor, g: int, dtype: torch.dtype):
     xg = x.reshape(-1, K // g, g).float()
     amax = xg.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_AMAX)
     q = _to_fp8(xg, amax, dtype)
-    scale = amax.squeeze(-1) / FP8_MAX[dtype]
+    scale = _ieee_div(amax.squeeze(-1), FP8_MAX[dtype])
     return q.view(x.shape), scale.view(*x.shape[:-1], K // g)
 
 
@@ -155,7 +165,7 @@ def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,
     blocks = padded.view(*lead, nb, b, kb, b)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp_(min=MIN_AMAX)
     q = _to_fp8(blocks, amax, dtype).view(*lead, nb * b, kb * b)[..., :N, :K]
-    scale = amax.view(*lead, nb, kb) / FP8_MAX[dtype]
+    scale = _ieee_div(amax.view(*lead, nb, kb), FP8_MAX[dtype])
     return q.contiguous(), scale
 
 
@@ -169,7 +179,7 @@ def quantize_fp8_per_row(x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e
     x32 = x.float()
     amax = (x32.abs().amax(dim=-1, keepdim=True) if x.shape[-1]
             else x32.new_zeros(*x.shape[:-1], 1)).clamp_(min=MIN_AMAX)
-    return _to_fp8(x32, amax, dtype), amax.squeeze(-1) / FP8_MAX[dtype]
+    return _to_fp8(x32, amax, dtype), _ieee_div(amax.squeeze(-1), FP8_MAX[dtype])
 
 
 def quantize_fp8_per_tensor(x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn
@@ -178,7 +188,7 @@ def quantize_fp8_per_tensor(x: torch.Tensor, *, dtype: torch.dtype = torch.float
     x = _check_input("x", x, dtype)
     x32 = x.float()
     amax = (x32.abs().amax() if x.numel() else x32.new_zeros(())).clamp_(min=MIN_AMAX)
-    return _to_fp8(x32, amax, dtype), amax / FP8_MAX[dtype]
+    return _to_fp8(x32, amax, dtype), _ieee_div(amax, FP8_MAX[dtype])
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
