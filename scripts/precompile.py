@@ -43,7 +43,6 @@ def variant_set(name: str) -> list:
     keys = set(check_variants(full=True))
     if name == "tests":
         from kernels.variants import kernel_test_variants
-
         from kernels.variants_fp8 import fp8_test_variants
 
         keys.update(kernel_test_variants())
