@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -208,15 +207,19 @@ def kernel_keys(m: dict, tokens: list[int], device: torch.device) -> set:
                               bias=torch.empty(E, H, device=meta) if gpt else None,
                               row_weight=torch.empty(S, device=meta), concrete=False)
         for args, major in ((up, "n" if gpt else "k"), (down, "n" if gpt else "k")):
-            keys.add(fused_key(args, fused_choice(args, cfg, nsm, device), major))
+            choice, in_kernel = fused_choice(args, cfg, nsm, device)
+            keys.add(fused_key(args, choice, major, in_kernel))
     return keys
 
 
 def precompile(keys: set, jobs: int, timeout: float) -> dict:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "precompile.py"
-    spec = importlib.util.spec_from_file_location("_moe_gemm_precompile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # Imported by name from a path entry: the spawned workers import the same module to find
+    # its worker function (a module loaded from a file location has no importable name).
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import precompile as module
+
     return module.compile_all(sorted(keys, key=lambda k: k.name()), jobs, timeout)
 
 

@@ -64,17 +64,19 @@ def fused_unsupported(args: FusedMmArgs) -> str | None:
 
 
 def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
-              bias_and_scale: bool = False) -> KernelChoice:
+              bias_and_scale: bool = False, heavy_epilogue: bool = True) -> KernelChoice:
     """grouped_mm's choice fitted to the fused options (see the module docstring). With a
     bias and row weights both, the whole-tile epilogue (every subtile's loads at once) spilled
-    32 bytes under ptxas: those kernels store subtile by subtile."""
+    32 bytes under ptxas: those kernels store subtile by subtile. heavy_epilogue: a gate or a
+    bias (their per-column values and the activation need registers beside the accumulator);
+    row weights alone (one value per row) keep grouped_mm's tile."""
     if bias_and_scale and choice.epi_whole:
         choice = dataclasses.replace(choice, epi_whole=False)
     schedule, tm, tn = choice.schedule, choice.tile_m, choice.tile_n
     cm, cn = choice.cluster_m, choice.cluster_n
     if gate and tn % 32:
         tn -= tn % 32  # 208 -> 192
-    if acc_regs(schedule, tm, tn) > FUSED_MAX_ACC_REGS:
+    if heavy_epilogue and acc_regs(schedule, tm, tn) > FUSED_MAX_ACC_REGS:
         tm, tn = (128, 256) if schedule == "cooperative" else (128, 192)
     if gather:
         cn = 1
@@ -92,24 +94,44 @@ def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
                                tail_split=choice.tail_split and cm * cn == 1)
 
 
+def _same_tile(a: KernelChoice, b: KernelChoice) -> bool:
+    return (a.schedule, a.tile_m, a.tile_n, a.cluster_m, a.cluster_n) == (
+        b.schedule, b.tile_m, b.tile_n, b.cluster_m, b.cluster_n)
+
+
 def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
-                 device: torch.device) -> KernelChoice:
+                 device: torch.device) -> tuple[KernelChoice, bool]:
+    """(the kernel's config, whether the kernel gathers A's rows itself).
+
+    With a row_index, the in-kernel gather is used only where it keeps the tile the options
+    would get without it: gather-A caps the tile (at most 128 rows, 128 accumulator registers
+    per thread, no A multicast), and on an H100 (2026-11-25) a capped tile lost 1.3-2x on
+    prefill shapes (Mixtral 8x7B gate-up at 2k routed rows: 1.76 ms gathered in a 64x192 tile
+    against 0.96 ms for a 128x192 tile after a 0.02 ms index_select). Otherwise the plan
+    gathers with index_select and the kernel reads the routed rows."""
     choice = choose_varlen(
         config, args.S, args.E, args.N, args.K, nsm, args.out_dtype.itemsize,
         device=launch._table_device(device), dtype=launch._TORCH_TO_NAME[args.dtype],
         out_dtype=launch._TORCH_TO_NAME[args.out_dtype])
-    fitted = fit_fused(choice, args.gate is not None, args.row_index is not None,
-                       args.bias is not None and args.row_weight is not None)
+    gate = args.gate is not None
+    extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
+                 heavy_epilogue=gate or args.bias is not None)
+    fitted = fit_fused(choice, gate, False, **extra)
+    gather = args.row_index is not None
+    if gather:
+        gathered = fit_fused(choice, gate, True, **extra)
+        gather = _same_tile(gathered, fitted)
+        if gather:
+            fitted = gathered
     b_major = "k" if operand_major(args.w) == "col" else "n"
     why = fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, b_major,
-                        fitted.cluster_n, args.gate or "", args.gate_layout,
-                        args.row_index is not None)
+                        fitted.cluster_n, args.gate or "", args.gate_layout, gather)
     if why is not None:  # (a config that pins what the options cannot build)
         raise ValueError(f"the fused kernel cannot use this config: {why}")
-    return fitted
+    return fitted, gather
 
 
-def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str):
+def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: bool):
     key = launch._compile_key("varlen", args.dtype, args.out_dtype, b_major, choice, False)
     gate = args.gate or ""
     clamped = gate == "clamped_swiglu"
@@ -117,7 +139,7 @@ def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str):
         key, gate=gate, gate_layout=args.gate_layout if gate else "",
         gate_alpha=args.gate_alpha if clamped else 0.0,
         gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
-        row_scale=args.row_weight is not None, gather=args.row_index is not None)
+        row_scale=args.row_weight is not None, gather=gather)
 
 
 class FusedPlan:
@@ -135,7 +157,10 @@ class FusedPlan:
         if self.trivial:
             return
         nsm = sm_count(device)
-        self.choice = choice = fused_choice(args, config, nsm, device)
+        choice, self.gather = fused_choice(args, config, nsm, device)
+        self.choice = choice
+        # With a row_index the kernel does not gather itself: the plan does (index_select).
+        self.host_gather = args.row_index is not None and not self.gather
         b_major = "k" if operand_major(args.w) == "col" else "n"
         self.num_problems = self.E + (1 if self.zero_tail else 0)
         unit = choice.tile_m * choice.cluster_m
@@ -150,7 +175,7 @@ class FusedPlan:
         self.no_index = launch._small("fused_index", device, torch.int32, (1,))
         self.no_weight = launch._small("fused_weight", device, torch.float32, (1,))
         self.no_bias = launch._small("fused_bias", device, torch.float32, (1, 1))
-        self.key = fused_key(args, choice, b_major)
+        self.key = fused_key(args, choice, b_major, self.gather)
         self.kernel = launch._compiled(self.key)
 
     def __call__(self, x, w, offs, row_index, row_weight, bias, out):
@@ -160,7 +185,11 @@ class FusedPlan:
             return out.zero_() if self.zero_tail and self.E == 0 else out
         choice = self.choice
         index = self.no_index
-        if row_index is not None:
+        if self.host_gather:
+            # Clamped as the kernel's gather clamps: unchecked indices on the GPU may give
+            # wrong rows, never an out-of-bounds read (index_select would fault the context).
+            x = x.index_select(0, row_index.clamp(0, x.shape[0] - 1))
+        elif row_index is not None:
             index = row_index if row_index.dtype == torch.int32 else row_index.int()
             index = index if index.is_contiguous() else index.contiguous()
         weight = self.no_weight

@@ -208,7 +208,8 @@ class Fp8GeneralLaunch:
         _, _, self.no_table, self.no_trace = _placeholders(device)
         self.seed_a = L._small("seed_a8", device, args.dtype, (128, 128), "n")
         self.seed_w = L._small("seed_w8", device, args.dtype, (128, 128), "k")
-        self.seed_d = L._small("seed_d", device, args.out_dtype, (128, 64), "n")
+        # (N as the weight seed's: the compiled call checks that out and w share N)
+        self.seed_d = L._small("seed_d8", device, args.out_dtype, (128, 128), "n")
         self.seed_sa = L._small("seed_sa", device, torch.float32, (1, 1))
         self.seed_sb = L._small("seed_sb", device, torch.float32, (1, 1, 1))
         self.trace = trace

@@ -172,7 +172,18 @@ FORCED_CASES = [
     ]
 ]
 
-ALL_CASES = GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES
+# Gather-A where the in-kernel gather would cap the tile: the plan gathers (index_select) and
+# the kernel reads routed rows (ops/fused_launch.fused_choice); a cluster along N forces it on
+# a small shape, a Mixtral-like gate-up takes it by default.
+PLAN_GATHER_CASES = [
+    case("plan-gather/cluster-n", T=200, S=600, E=6, K=256, N=512, gate="silu",
+         config=GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=256,
+                           cluster_m=1, cluster_n=2)),
+    case("plan-gather/default-large", T=1024, S=2048, E=8, K=1024, N=4096, gate="silu",
+         empty=(3,), tail=64),
+]
+
+ALL_CASES = GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES + PLAN_GATHER_CASES
 
 
 @pytest.mark.parametrize("c", GATE_CASES, ids=[c["name"] for c in GATE_CASES])
@@ -208,6 +219,40 @@ def test_unchecked_indices_are_clamped_never_read_out_of_bounds():
     ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **{**kw, "row_index": clamped})
     low = fused_grouped_mm_ref(x, w, offs, dtype=BF16, **{**kw, "row_index": clamped})
     check("clamp/indices", y, ref, low)
+
+
+def _gathers_in_kernel(c: dict, x, w, offs, kw) -> bool:
+    from moe_gemm.capability import sm_count
+    from moe_gemm.ops.fused_launch import fused_choice
+    from moe_gemm.ops.fused_validation import check_fused_mm
+
+    args = check_fused_mm(x, w, offs, **kw)
+    return fused_choice(args, c["config"] or GemmConfig(), sm_count(x.device), x.device)[1]
+
+
+@pytest.mark.parametrize("c", PLAN_GATHER_CASES, ids=[c["name"] for c in PLAN_GATHER_CASES])
+def test_gather_by_the_plan_where_the_kernel_gather_caps_the_tile(c):
+    x, w, offs, kw = inputs(c)
+    assert not _gathers_in_kernel(c, x, w, offs, kw)
+    run_case(c)
+
+
+def test_plan_gather_clamps_unchecked_indices():
+    c = PLAN_GATHER_CASES[0]
+    x, w, offs, kw = inputs(c)
+    T = x.shape[0]
+    bad = kw["row_index"].clone()
+    bad[::5] = T + 777
+    bad[2::9] = -3
+    kw = {**kw, "row_index": bad}
+    assert not _gathers_in_kernel(c, x, w, offs, kw)
+    y = moe_gemm.fused_grouped_mm(x, w, offs, config=c["config"], **kw)
+    torch.cuda.synchronize()
+    live = c["S"] - c["tail"]
+    clamped = {**kw, "row_index": bad.clamp(0, T - 1)}
+    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **clamped)
+    low = fused_grouped_mm_ref(x, w, offs, dtype=BF16, **clamped)
+    check("plan-gather/clamp", y[:live], ref[:live], low[:live])
 
 
 def test_repeated_calls_reuse_the_plan_and_follow_new_values():

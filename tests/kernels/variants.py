@@ -87,8 +87,8 @@ def fused_key(S, T, E, N, K, *, gate=None, layout="concat", w_major="k", gather=
         row_weight=torch.empty(S, device=meta) if scale else None, gate=gate,
         gate_layout=layout, gate_alpha=gate_alpha, gate_limit=gate_limit,
         out_dtype=out_dtype, concrete=False)
-    choice = fused_choice(args, config or GemmConfig(), nsm, meta)
-    return key_of(args, choice, w_major)
+    choice, in_kernel = fused_choice(args, config or GemmConfig(), nsm, meta)
+    return key_of(args, choice, w_major, in_kernel)
 
 
 def _fused_tests(v: Variants) -> None:

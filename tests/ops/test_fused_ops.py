@@ -5,6 +5,7 @@ of the kernel path that need no GPU (the config fitting, the TMA rules, the comp
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -238,6 +239,49 @@ def test_fit_fused_gives_buildable_tiles(choice, gate, gather):
     assert not fit_fused(choice, gate, gather, bias_and_scale=True).epi_whole
 
 
+def test_row_weights_alone_keep_grouped_mms_tile():
+    # One weight per row needs no registers beside the accumulator worth a smaller tile.
+    big = dataclasses.replace(_choice("pingpong", 128, 208), stages=4)
+    assert acc_regs("pingpong", 128, 208) > 192
+    kept = fit_fused(big, False, False, heavy_epilogue=False)
+    assert (kept.tile_m, kept.tile_n, kept.stages) == (128, 208, 4)
+    assert (fit_fused(big, False, False).tile_m, fit_fused(big, False, False).tile_n) != (
+        128, 208)
+
+
+def _meta_args(T, S, E, N, K, **kw):
+    meta = torch.device("meta")
+    return check_fused_mm(
+        torch.empty(T, K, dtype=torch.bfloat16, device=meta),
+        torch.empty(E, N, K, dtype=torch.bfloat16, device=meta).transpose(1, 2),
+        torch.empty(E, dtype=torch.int32, device=meta),
+        row_index=torch.empty(S, dtype=torch.int32, device=meta), concrete=False, **kw)
+
+
+def test_the_kernel_gathers_only_where_that_keeps_the_tile():
+    from moe_gemm import GemmConfig
+    from moe_gemm.ops.fused_launch import fused_choice
+
+    meta = torch.device("meta")
+    # A cluster along N multicasts A, which the gather cannot: the plan gathers instead.
+    pinned = GemmConfig(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1,
+                        cluster_n=2)
+    choice, in_kernel = fused_choice(_meta_args(200, 600, 6, 512, 256, gate="silu"), pinned,
+                                     132, meta)
+    assert not in_kernel and (choice.tile_m, choice.tile_n, choice.cluster_n) == (128, 256, 2)
+    # Without a cluster along N the same pinned tile gathers in the kernel.
+    pinned1 = GemmConfig(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1,
+                         cluster_n=1)
+    choice, in_kernel = fused_choice(_meta_args(200, 600, 6, 512, 256, gate="silu"), pinned1,
+                                     132, meta)
+    assert in_kernel and (choice.tile_m, choice.tile_n) == (128, 256)
+    # A ping-pong 128-row tile: the gather caps it (64 rows), so the plan gathers.
+    pp = GemmConfig(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=1, cluster_n=1)
+    choice, in_kernel = fused_choice(_meta_args(200, 600, 6, 512, 256, gate="silu"), pp, 132,
+                                     meta)
+    assert not in_kernel and (choice.tile_m, choice.tile_n) == (128, 192)
+
+
 def test_fused_key_and_unsupported_reasons():
     x = torch.zeros(8, 64, dtype=torch.bfloat16)
     w_k = torch.zeros(4, 128, 64, dtype=torch.bfloat16).transpose(1, 2)  # K-major (E, 64, 128)
@@ -246,7 +290,7 @@ def test_fused_key_and_unsupported_reasons():
     args = check_fused_mm(x, w_k, offs, gate="silu", row_index=torch.arange(8),
                           bias=torch.zeros(4, 128), row_weight=torch.ones(8))
     assert fused_unsupported(args) is None
-    key = fused_key(args, _choice("cooperative", 128, 256), "k")
+    key = fused_key(args, _choice("cooperative", 128, 256), "k", True)
     assert (key.gate, key.gate_layout, key.bias, key.row_scale, key.gather) == (
         "silu", "concat", True, True, True)
     assert key.gate_alpha == 0.0  # only clamped_swiglu bakes its constants in
