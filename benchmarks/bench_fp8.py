@@ -42,9 +42,16 @@ from typing import Any
 import torch
 
 from benchmarks.clock import Clock
-
-E4M3 = torch.float8_e4m3fn
-BF16 = torch.bfloat16
+from benchmarks.fp8_operands import (
+    BF16,
+    CHUNK_ELEMS,
+    E4M3,
+    quantize_acts,
+    quantize_weights,
+    spot_error,
+    torch_blockwise_grouped_mm,
+    torch_scaled_grouped_mm,
+)
 
 
 @dataclass(frozen=True)
@@ -123,93 +130,35 @@ def routed_offs(T: int, E: int, seed: int, device) -> torch.Tensor:
 
 
 def fp8_weights(G: int, N: int, K: int, seed: int, device) -> dict[str, torch.Tensor]:
-    """Block-scaled and row-wise FP8 weights [G, K, N] (K-major views) and bf16 ones, built a
-    few experts at a time (a 256 x 512 x 7168 fp32 draw would be 3.7 GB)."""
-    from moe_gemm import quantize_fp8_per_block, quantize_fp8_per_row
-
-    wb = torch.empty(G, N, K, dtype=E4M3, device=device)
-    wr = torch.empty(G, N, K, dtype=E4M3, device=device)
+    """bf16 weights [G, K, N] (K-major views, as checkpoints store [G, N, K]) and their
+    block-scaled and row-wise FP8 forms, drawn a few experts at a time (a 256 x 512 x 7168
+    fp32 draw would be 3.7 GB)."""
     w16 = torch.empty(G, N, K, dtype=BF16, device=device)
-    sb = torch.empty(G, -(-N // 128), -(-K // 128), device=device)
-    sr = torch.empty(G, N, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    step = max(1, (1 << 27) // (N * K))
+    step = max(1, CHUNK_ELEMS // (N * K))
     for g in range(0, G, step):
-        w = torch.randn(min(step, G - g), N, K, generator=gen, device=device) / K ** 0.5
-        q, s = quantize_fp8_per_block(w)
-        wb[g:g + len(w)], sb[g:g + len(w)] = q, s
-        q, s = quantize_fp8_per_row(w)
-        wr[g:g + len(w)], sr[g:g + len(w)] = q, s
-        w16[g:g + len(w)] = w
-    return {"wb": wb.transpose(1, 2), "sb": sb.transpose(1, 2), "wr": wr.transpose(1, 2),
-            "sr": sr, "w16": w16.transpose(1, 2)}
+        w16[g:g + step] = torch.randn(min(step, G - g), N, K, generator=gen,
+                                      device=device) / K ** 0.5
+    wb, sb = quantize_weights(w16, "block")
+    wr, sr = quantize_weights(w16, "row")
+    return {"wb": wb, "sb": sb, "wr": wr, "sr": sr, "w16": w16.transpose(1, 2)}
 
 
 def fp8_acts(shape_lead: tuple[int, ...], K: int, seed: int, device) -> dict[str, torch.Tensor]:
-    from moe_gemm import quantize_fp8_per_row, quantize_fp8_per_token_group
-
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     x = torch.randn(*shape_lead, K, generator=gen, device=device).to(BF16)
-    xb, sa = quantize_fp8_per_token_group(x)
-    xr, sar = quantize_fp8_per_row(x)
+    xb, sa = quantize_acts(x, "block")
+    xr, sar = quantize_acts(x, "row")
     return {"x16": x, "xb": xb, "sa": sa, "xr": xr, "sar": sar}
-
-
-# ---------------------------------------------------------------------------------------------
-# checks
-
-
-def spot_error(y: torch.Tensor, x, w, sa, sb, offs, granularity: str, rows: int = 256) -> float:
-    """Relative (Frobenius) error of `rows` sampled output rows against the fp64 product of
-    the dequantized operands (bf16 operands when sa is None), each problem's weight
-    dequantized once."""
-    from moe_gemm.ops.scaled_validation import a_scale_view, b_scale_view
-
-    gen = torch.Generator().manual_seed(5)
-    batched = offs is None
-    if batched:
-        G, M = x.shape[0], x.shape[1]
-        pick = torch.randint(0, G * M, (min(rows, G * M),), generator=gen)
-        pairs = list(zip((pick // M).tolist(), (pick % M).tolist()))
-    else:
-        bounds = offs.cpu().tolist()
-        picked = torch.randperm(bounds[-1], generator=gen)[:rows].tolist() if bounds else []
-        edges = torch.tensor(bounds)
-        pairs = [(int(torch.searchsorted(edges, r, right=True)), r) for r in picked]
-    if sa is not None:
-        lead = (x.shape[0],) if batched else ()
-        sav = a_scale_view(sa, granularity, lead, x.shape[-2])
-        sbv = b_scale_view(sb, granularity, (w.shape[0],), w.shape[2])
-    by_problem: dict[int, list[int]] = {}
-    for p, r in pairs:
-        by_problem.setdefault(p, []).append(r)
-    errs = norms = 0.0
-    for p, rs in by_problem.items():
-        idx = torch.tensor(rs, device=x.device)
-        xs = (x[p] if batched else x).index_select(0, idx).double()
-        ys = (y[p] if batched else y).index_select(0, idx).double()
-        b = w[p].double()
-        if sa is not None:
-            s_a = (sav[p] if batched else sav).index_select(0, idx).double()
-            s_b = sbv[p].double()
-            if granularity == "block":
-                xs = xs * s_a.repeat_interleave(128, 1)[:, : xs.shape[1]]
-                K, N = b.shape
-                b = b * s_b.repeat_interleave(128, 0)[:K].repeat_interleave(128, 1)[:, :N]
-            else:
-                xs, b = xs * s_a, b * s_b
-        ref = xs @ b
-        errs += float((ys - ref).pow(2).sum())
-        norms += float(ref.pow(2).sum())
-    return (errs / norms) ** 0.5 if norms else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
 # implementations
 
 
-def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Callable, dict]]:
-    """name -> (call, operands for the spot check) for one shape's operands."""
+def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any, Any]]:
+    """name -> (call, operands for the spot check) for one shape's operands; (None, why) for a
+    peer that cannot run here."""
     import torch.nn.functional as F
 
     import moe_gemm
@@ -229,17 +178,13 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Cal
     if sweep:
         for name, cfg in sweep_configs(shape).items():
             impls[f"ours-fp8-block/{name}"] = (ours(block, cfg), block)
-    if hasattr(torch, "_scaled_grouped_mm"):
-        impls["torch-scaled-grouped-mm-row"] = (
-            lambda: torch._scaled_grouped_mm(row["x"], row["w"], row["sa"], row["sb"], offs=o,
-                                             out_dtype=BF16), row)
-    blockwise = getattr(F, "scaled_grouped_mm", None)
-    scaling = getattr(F, "ScalingType", None)
-    if blockwise is not None and scaling is not None and hasattr(scaling, "BlockWise1x128"):
-        impls["torch-scaled-grouped-mm-block"] = (
-            lambda: blockwise(block["x"], block["w"], block["sa"], scaling.BlockWise1x128,
-                              block["sb"], scaling.BlockWise128x128, offs=o,
-                              output_dtype=BF16), block)
+    device = x["x16"].device
+    row_mm, why = torch_scaled_grouped_mm(device)
+    impls["torch-scaled-grouped-mm-row"] = (None, why) if row_mm is None else (
+        lambda: row_mm(row["x"], row["w"], row["sa"], row["sb"], offs=o, out_dtype=BF16), row)
+    block_mm, why = torch_blockwise_grouped_mm(device)
+    impls["torch-scaled-grouped-mm-block"] = (None, why) if block_mm is None else (
+        lambda: block_mm(block["x"], block["w"], block["sa"], block["sb"], offs=o), block)
     impls["ours-bf16"] = (lambda: moe_gemm.grouped_mm(bf16["x"], bf16["w"], o), bf16)
     if x["x16"].device.type != "cuda":
         return impls
@@ -344,6 +289,9 @@ def run_shape(shape: Shape, clock: Clock, device, reps: int, sweep: bool, copy_b
     offs = ops["offs"]
     fns: dict[str, Callable] = {}
     for name, (fn, a) in implementations(shape, ops, sweep).items():
+        if fn is None:
+            res["impls"][name] = {"error": a}
+            continue
         try:
             y = fn()
             clock.sync()
