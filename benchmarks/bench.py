@@ -1,8 +1,9 @@
 """`moe-gemm bench`: our grouped GEMM against its peers, on one GPU, in one process.
 
-`--suite zoo` runs the model-zoo benchmark instead (`benchmarks.zoo`); the modules: clock
+`--suite fp8` runs the FP8 shapes (`benchmarks.suite_fp8`) through the same harness;
+`--suite zoo` runs the model-zoo benchmark instead (`benchmarks.zoo`). The modules: clock
 (timing), ceilings, runner (one case: check, then interleaved timing), report (JSON, PNG),
-host_overhead, suite (shapes, implementations, scoring), zoo.
+host_overhead, suite (shapes, implementations), suite_fp8, scoring, zoo.
 
 What one run does (see benchmarks/README.md for the columns):
 
@@ -45,14 +46,17 @@ from typing import Any
 
 import torch
 
+from benchmarks import suite_fp8
 from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock, median
 from benchmarks.host_overhead import measure_host_overhead
 from benchmarks.report import plot_png, write_json
 from benchmarks.runner import ABORT_ENV, Run, after_error, progress_path, run_shape
-from benchmarks.scoring import derive, format_table
+from benchmarks.scoring import derive, format_table, fp8_compute_bound
 from benchmarks.suite import (
+    FP8,
     TOLERANCE,
+    Impl,
     ShapeSpec,
     full_suite,
     implementations,
@@ -97,6 +101,15 @@ def _new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) ->
     }
 
 
+def shape_implementations(spec: ShapeSpec, args: argparse.Namespace, seed: int,
+                          ceilings: dict[str, Any]) -> list[Impl]:
+    """The suite's rows for one shape: an fp8 shape's (the dense FP8 ceiling where `ceilings`
+    make it compute-bound), else ours, the peers and the variants."""
+    if spec.dtype == FP8:
+        return suite_fp8.implementations(spec, fp8_compute_bound(spec.sizes(seed), ceilings))
+    return implementations(spec, args.variants, args.quack_tuned)
+
+
 def run_in_process(args: argparse.Namespace, argv: list[str], device: torch.device,
                    specs: list[ShapeSpec], host_overhead: bool,
                    out_path: Path | None) -> dict[str, Any]:
@@ -109,13 +122,14 @@ def run_in_process(args: argparse.Namespace, argv: list[str], device: torch.devi
               doc=doc, out_path=out_path, l2_bytes=l2 if not args.smoke else 1 << 20,
               progress=not args.quiet)
     try:
-        doc["ceilings"] = measure_ceilings(run.clock, args.smoke, args.reps)
+        doc["ceilings"] = measure_ceilings(run.clock, args.smoke, args.reps,
+                                           fp8=any(s.dtype == FP8 for s in specs))
     except Exception as exc:
         doc["ceilings"] = {"error": short_error(exc)}
         after_error(run, "ceilings", "ceilings", exc)
     run.save()
     for spec in specs:
-        run_shape(run, spec, implementations(spec, args.variants, args.quack_tuned))
+        run_shape(run, spec, shape_implementations(spec, args, args.seed, doc["ceilings"]))
     if host_overhead:
         try:
             doc["host_overhead"] = measure_host_overhead(
@@ -132,7 +146,8 @@ def run_in_process(args: argparse.Namespace, argv: list[str], device: torch.devi
 
 
 def _child_argv(args: argparse.Namespace, only: str, out: Path, skip: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "benchmarks.bench", "--only", only, "--out", str(out),
+    cmd = [sys.executable, "-m", "benchmarks.bench", "--suite", args.suite_name,
+           "--only", only, "--out", str(out),
            "--png", "none", "--no-table", "--quiet", "--reps", str(args.reps),
            "--seed", str(args.seed), "--device", args.device or "auto",
            "--variants" if args.variants else "--no-variants"]
@@ -189,7 +204,7 @@ def run_isolated(args: argparse.Namespace, argv: list[str], device: torch.device
                     break  # nothing to skip that would make the next attempt get further
                 if not any(r["impl"] == culprit["impl"] for r in rows):
                     known = {i.name: i for s in suite if s.name == name
-                             for i in implementations(s, True)}
+                             for i in shape_implementations(s, args, args.seed, {})}
                     impl = known.get(culprit["impl"])
                     doc["results"].append({
                         "shape": name, "impl": culprit["impl"],
@@ -225,7 +240,8 @@ def _parser() -> argparse.ArgumentParser:
         "Time moe_gemm against torch.bmm, torch grouped_mm, torch.mm loops (eager and CUDA "
         "graph) and QuACK on one GPU; print a table, write JSON and a PNG."))
     p.add_argument("--suite", choices=SUITES, default="bench",
-                   help="bench: the shapes below (default); zoo: real models' expert GEMMs "
+                   help="bench: the shapes below (default); fp8: the FP8 shapes, ours "
+                   "against torch's FP8 grouped GEMMs; zoo: real models' expert GEMMs "
                    "(moe-gemm bench --suite zoo --help)")
     p.add_argument("--quack-tuned", action="store_true",
                    help="also time QuACK with tuned=True (its autotuner: seconds to minutes "
@@ -256,7 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-SUITES = ("bench", "zoo")
+SUITES = ("bench", "fp8", "zoo")
+SHAPES = {"bench": (full_suite, smoke_suite),
+          "fp8": (suite_fp8.fp8_suite, suite_fp8.fp8_smoke_suite)}
 
 
 def split_suite(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -288,18 +306,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return zoo.main(argv)
     args = _parser().parse_args(argv)
-    suite = smoke_suite() if args.smoke else full_suite()
+    args.suite_name = suite_name
+    full, smoke = SHAPES[suite_name]
+    suite = smoke() if args.smoke else full()
+    extra = [HOST_OVERHEAD] if suite_name == "bench" else []
     if args.list:
         for s in suite:
             print(f"{s.name:13s} {s.form:8s} {s.dtype}  {s.description}")
-        print(f"{HOST_OVERHEAD:13s} host CPU time per call (small MoE case)")
+        if extra:
+            print(f"{HOST_OVERHEAD:13s} host CPU time per call (small MoE case)")
         return 0
     if args.reps is None:
         args.reps = SMOKE_REPS if args.smoke else DEFAULT_REPS
     if args.reps < 1:
         print("error: --reps must be at least 1", file=sys.stderr)
         return 2
-    known = [s.name for s in suite] + [HOST_OVERHEAD]
+    known = [s.name for s in suite] + extra
     names = known if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
@@ -325,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    out_path = Path(args.out) if args.out else Path("benchmarks/results") / f"bench-{date}.json"
+    stem = "bench" if suite_name == "bench" else f"bench-{suite_name}"
+    out_path = Path(args.out) if args.out else Path("benchmarks/results") / f"{stem}-{date}.json"
     png_path = None if (args.png or "").lower() == "none" else (
         Path(args.png) if args.png else out_path.with_suffix(".png"))
     specs = [s for s in suite if s.name in names]

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.clock import B2B_TARGET_MS, Clock, median, quantile
 from benchmarks.report import write_json
-from benchmarks.scoring import bytes_needed, flops
+from benchmarks.scoring import flops, shape_bytes
 from benchmarks.suite import (
     TOLERANCE,
     Impl,
@@ -190,7 +190,12 @@ def prepare_impl(
     and the timing state for the pending ones.
     """
     row: dict[str, Any] = {"shape": spec.name, "impl": impl.name, "peer": impl.peer,
-                           "default": impl.default, "status": "pending", "ms": None}
+                           "default": impl.default, "status": "pending", "ms": None,
+                           "dtype": impl.dtype or spec.dtype}
+    if impl.scale:
+        row["scale"] = impl.scale
+    if impl.ceiling:
+        row["ceiling"] = True
     if impl.notes:
         row["notes"] = impl.notes
     if impl.config is not None:
@@ -216,10 +221,11 @@ def prepare_impl(
             clock.sync()
         if caught:
             row["warnings"] = sorted({str(w.message)[:300] for w in caught})[:5]
-        err = rel_err(out, ref)
+        own = prepared[0]
+        err = own.error(out) if own.error is not None else rel_err(out, ref)
         del out
         row["rel_err"] = err
-        tol = TOLERANCE[spec.dtype]
+        tol = own.tolerance if own.tolerance is not None else TOLERANCE[spec.dtype]
         if not err <= tol:
             row.update(status="error", error=f"wrong result: relative error {err:.3g} > {tol}")
             return row, None
@@ -299,9 +305,8 @@ def run_shape(run: Run, spec: ShapeSpec, impls: Sequence[Impl] | None = None) ->
     """Every implementation (default: the suite's for `spec`) on one shape; rows appended to
     run.doc['results']."""
     sizes = spec.sizes(run.seed)
-    elem = spec.torch_dtype.itemsize
     info = spec.describe(run.seed)
-    info.update(bytes=bytes_needed(sizes, elem, elem), flops=flops(sizes))
+    info.update(shape_bytes(sizes, spec.dtype), flops=flops(sizes))
     run.doc["shapes"][spec.name] = info
     if impls is None:
         impls = implementations(spec, run.variants)

@@ -1,6 +1,11 @@
 """The arithmetic of a benchmark result: bytes needed, FLOPs, the roofline floor, and
 `derive` / `format_table`, which turn raw timings into TFLOP/s, GB/s, fraction of floor,
-ratio to the best peer and the bar. Plain Python, no torch."""
+ratio to the best peer and the bar. Plain Python, no torch.
+
+Rows of an fp8 shape carry their operands' `dtype` ("fp8" or "bf16") and FP8 `scale`
+("block", "row"): each row's floor counts the bytes its own operands need and the matmul rate
+of its dtype (the dense FP8 rate for FP8 rows), and a dense FP8 ceiling row, where one was
+timed, gives the FP8 rows `fraction_of_dense`."""
 
 from __future__ import annotations
 
@@ -18,6 +23,92 @@ def bytes_needed(sizes: Sequence[Size], in_elem: int, out_elem: int) -> int:
     return sum(
         (m * k + k * n) * in_elem + m * n * out_elem for m, n, k in sizes if m > 0
     )
+
+
+def fp8_bytes_needed(sizes: Sequence[Size], granularity: str, out_elem: int = 2) -> int:
+    """bytes_needed for FP8 operands (one byte each) plus their float32 scales: block, one per
+    1x128 group of A and per 128x128 block of B; row, one per row of A and column of B."""
+    total = 0
+    for m, n, k in sizes:
+        if m <= 0:
+            continue
+        kb, nb = -(-k // 128), -(-n // 128)
+        scales = m * kb + kb * nb if granularity == "block" else m + n
+        total += m * k + k * n + m * n * out_elem + 4 * scales
+    return total
+
+
+def shape_bytes(sizes: Sequence[Size], dtype: str) -> dict[str, Any]:
+    """A shape's `bytes` (what its default reads: block-scaled FP8 for an fp8 shape) and, for
+    an fp8 shape, `bytes_by_mode` (per row mode_of: "fp8-block", "fp8-row", "bf16")."""
+    if dtype != "fp8":
+        elem = {"fp32": 4}.get(dtype, 2)
+        return {"bytes": bytes_needed(sizes, elem, elem)}
+    by_mode = {"fp8-block": fp8_bytes_needed(sizes, "block"),
+               "fp8-row": fp8_bytes_needed(sizes, "row"), "bf16": bytes_needed(sizes, 2, 2)}
+    return {"bytes": by_mode["fp8-block"], "bytes_by_mode": by_mode}
+
+
+def mode_of(row: dict[str, Any]) -> str:
+    """"fp8-block", "fp8-row", "bf16", ...: the key of a row's bytes in bytes_by_mode."""
+    dtype = str(row.get("dtype") or "")
+    return f"{dtype}-{row['scale']}" if row.get("scale") else dtype
+
+
+def mm_rate(ceilings: dict[str, Any], dtype: str | None) -> float | None:
+    """The dense matmul rate bounding a row of `dtype` (FP8: the measured dense FP8 rate)."""
+    if dtype == "fp8":
+        return ceilings.get("fp8_mm_flops_per_s")
+    return ceilings.get("mm_flops_per_s")
+
+
+def fp8_compute_bound(sizes: Sequence[Size], ceilings: dict[str, Any]) -> bool:
+    """Whether block-scaled FP8 on `sizes` is bound by the dense FP8 rate rather than by the
+    copy bandwidth (False when either ceiling is missing)."""
+    bw, rate = ceilings.get("copy_bytes_per_s"), ceilings.get("fp8_mm_flops_per_s")
+    if not bw or not rate:
+        return False
+    return floor_ms(fp8_bytes_needed(sizes, "block"), flops(sizes), bw, rate)[1] == "compute"
+
+
+def fill_row(row: dict[str, Any], info: dict[str, Any], ceilings: dict[str, Any]) -> None:
+    """A row's bytes, FLOPs, floor (from its own operands' bytes and its dtype's rate),
+    TFLOP/s, GB/s and fraction of the floor, in place. A ceiling row (a different
+    computation of the same FLOPs) gets TFLOP/s only."""
+    ms = row.get("ms")
+    timed = row.get("status") == "ok" and bool(ms)
+    if row.get("ceiling"):
+        row.update(flops=info["flops"], floor_ms=None, floor_bound=None)
+        if timed:
+            row["tflops"] = info["flops"] / ms / 1e9
+        return
+    nbytes = (info.get("bytes_by_mode") or {}).get(mode_of(row), info["bytes"])
+    bw, rate = ceilings.get("copy_bytes_per_s"), mm_rate(ceilings, row.get("dtype"))
+    floor = bound = None
+    if bw and rate:
+        floor, bound = floor_ms(nbytes, info["flops"], bw, rate)
+    row.update(bytes=nbytes, flops=info["flops"], floor_ms=floor, floor_bound=bound)
+    if not timed:
+        return
+    row["tflops"] = info["flops"] / ms / 1e9
+    row["gbps"] = nbytes / ms / 1e6
+    if floor:
+        row["fraction_of_floor"] = floor / ms
+
+
+def fill_dense(rows: list[dict[str, Any]]) -> float | None:
+    """`dense_ms` and `fraction_of_dense` (dense time / this time) on the FP8 rows of one shape
+    whose dense FP8 ceiling was timed; returns the dense time (None: not timed)."""
+    dense = next((r for r in rows if r.get("ceiling") and r.get("status") == "ok"
+                  and r.get("ms")), None)
+    if dense is None:
+        return None
+    for r in rows:
+        if r.get("dtype") == "fp8" and not r.get("ceiling") and r.get("status") == "ok" \
+                and r.get("ms"):
+            r["dense_ms"] = dense["ms"]
+            r["fraction_of_dense"] = dense["ms"] / r["ms"]
+    return dense["ms"]
 
 
 def flops(sizes: Sequence[Size]) -> int:
@@ -40,9 +131,10 @@ def floor_ms(
 def derive(doc: dict[str, Any]) -> None:
     """Fill floors, TFLOP/s, GB/s, fraction of floor, ratio to best peer and the bar."""
     ceil = doc.get("ceilings") or {}
-    bw, rate = ceil.get("copy_bytes_per_s"), ceil.get("mm_flops_per_s")
+    bw = ceil.get("copy_bytes_per_s")
     shapes = doc.get("shapes", {})
     for info in shapes.values():
+        rate = mm_rate(ceil, info.get("dtype"))
         if bw and rate:
             info["floor_ms"], info["floor_bound"] = floor_ms(info["bytes"], info["flops"], bw,
                                                              rate)
@@ -52,20 +144,19 @@ def derive(doc: dict[str, Any]) -> None:
             cur = best.get(row["shape"])
             if cur is None or row["ms"] < cur[0]:
                 best[row["shape"]] = (row["ms"], row["impl"])
+    for name, info in shapes.items():
+        dense = fill_dense([r for r in doc["results"] if r["shape"] == name])
+        if dense is not None:
+            info["dense_ms"] = dense
     for row in doc["results"]:
         info = shapes.get(row["shape"])
         if info is None:
             row.setdefault("floor_ms", None)
             continue
-        row.update(bytes=info["bytes"], flops=info["flops"], floor_ms=info.get("floor_ms"),
-                   floor_bound=info.get("floor_bound"))
+        fill_row(row, info, ceil)
         ms = row.get("ms")
-        if row.get("status") != "ok" or not ms:
+        if row.get("status") != "ok" or not ms or row.get("ceiling"):
             continue
-        row["tflops"] = info["flops"] / ms / 1e9
-        row["gbps"] = info["bytes"] / ms / 1e6
-        if row["floor_ms"]:
-            row["fraction_of_floor"] = row["floor_ms"] / ms
         if row["shape"] in best:
             row["best_peer"] = best[row["shape"]][1]
             row["vs_best_peer"] = best[row["shape"]][0] / ms
@@ -103,9 +194,11 @@ def _table_rows(doc: dict[str, Any], shape: str) -> list[dict[str, Any]]:
 def format_table(doc: dict[str, Any]) -> str:
     """The compact table printed last: one line per shape x implementation."""
     ceil = doc.get("ceilings") or {}
+    fp8 = f", FP8 mm {ceil['fp8_mm_flops_per_s'] / 1e12:.0f} TFLOP/s" if ceil.get(
+        "fp8_mm_flops_per_s") else ""
     lines = [f"moe-gemm bench | {doc.get('device')} | {doc.get('date')} | copy "
              f"{ceil.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s, bf16 mm "
-             f"{ceil.get('mm_flops_per_s', 0) / 1e12:.0f} TFLOP/s"]
+             f"{ceil.get('mm_flops_per_s', 0) / 1e12:.0f} TFLOP/s{fp8}"]
     head = f"{'shape':12} | {'impl':37} | {'us':>8} | {'TFLOP/s':>7} | {'GB/s':>6} | " \
            f"{'floor%':>6} | vs best peer"
     lines += [head, "-" * len(head)]

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.fp8_operands import Scaled, scaled_operands
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops import api as ops
@@ -40,9 +41,14 @@ GROUPED_MM_FN = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", 
 GROUPED_MM_NAME = "F.grouped_mm" if hasattr(F, "grouped_mm") else "torch._grouped_mm"
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# An "fp8" shape draws bf16 inputs (its bf16 rows' operands and output dtype) and quantizes
+# them for its FP8 rows (benchmarks.suite_fp8).
+FP8 = "fp8"
 # Relative Frobenius error allowed against the float32 reference: bf16/fp16 output rounding
-# alone gives ~2e-3 / ~3e-4; anything past these is a wrong result, not rounding.
-TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}
+# alone gives ~2e-3 / ~3e-4; anything past these is a wrong result, not rounding. FP8 rows are
+# checked against the product of their own dequantized operands, so quantization error is not
+# counted and only the bf16 output rounding remains.
+TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4, FP8: 1e-2}
 # Zipf exponent for the skewed MoE shapes: at s=1.2 the top expert of 256 takes about a quarter
 # of the rows and the tail ranks expect well under one row each, so decode leaves ~100 of 256
 # experts empty (seed 1234: 97).
@@ -67,7 +73,8 @@ class ShapeSpec:
     Args:
         name: short id used by --only and in the JSON.
         form: "general" (grouped_gemm on lists) or "varlen" (grouped_mm on x, w, offs).
-        dtype: "bf16", "fp16" or "fp32" (inputs and output).
+        dtype: "bf16", "fp16" or "fp32" (inputs and output), or "fp8" (bf16 inputs, quantized
+            for the FP8 rows; the general form then needs one (M, N, K) for all problems).
         description: one line for the README/JSON.
         problems: general form only, (M, N, K) per problem.
         experts, rows, n, k: varlen form only: E, T, N, K.
@@ -98,8 +105,12 @@ class ShapeSpec:
     def __post_init__(self) -> None:
         if self.form not in ("general", "varlen"):
             raise ValueError(f"form must be 'general' or 'varlen'; got {self.form!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != FP8:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, {FP8}; got "
+                             f"{self.dtype!r}")
+        if self.dtype == FP8 and self.form == "general" and len(set(self.problems)) != 1:
+            raise ValueError(f"{self.name}: an fp8 general-form shape needs one (M, N, K) for "
+                             "all problems (the batched form)")
         if self.form == "general" and not self.problems:
             raise ValueError(f"{self.name}: a general-form shape needs problems")
         if self.form == "varlen" and min(self.experts, self.n, self.k) <= 0:
@@ -113,7 +124,8 @@ class ShapeSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The inputs' (and output's) 16/32-bit dtype; bf16 for an fp8 shape."""
+        return DTYPES.get(self.dtype, torch.bfloat16)
 
     def counts(self, seed: int) -> list[int]:
         """Rows per problem (varlen: the routing draw for `seed`; general: each M)."""
@@ -237,6 +249,7 @@ def input_sets_needed(set_bytes: int, l2_bytes: int, max_sets: int) -> int:
 class GeneralInputs:
     a: list[torch.Tensor]  # each (M_i, K_i)
     b: list[torch.Tensor]  # each (K_i, N_i)
+    fp8: dict[str, Scaled] | None = None  # fp8 shapes: stacked, quantized per granularity
 
 
 @dataclass
@@ -246,6 +259,7 @@ class VarlenInputs:
     w_t: torch.Tensor  # the weights' contiguous storage: (E, N, K), or w for "EKN"
     offs: torch.Tensor  # (E,) int32 on the device
     counts: list[int]  # rows per expert, on the host
+    fp8: dict[str, Scaled] | None = None  # fp8 shapes: x and w quantized per granularity
 
 
 def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -257,31 +271,43 @@ def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 def make_inputs(
     spec: ShapeSpec, counts: Sequence[int], device: torch.device, seed: int
 ) -> GeneralInputs | VarlenInputs:
-    """One fresh random input set for `spec` (the caller varies `seed` per set)."""
+    """One fresh random input set for `spec` (the caller varies `seed` per set); an fp8
+    shape's also carries its FP8 operands (quantized here, outside any timed region)."""
     dtype = spec.torch_dtype
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    inp: GeneralInputs | VarlenInputs
     if spec.form == "general":
         a, b = [], []
         for m, n, k in spec.problems:
             a.append(_randn((m, k), dtype, device, gen))
             b.append(_randn((k, n), dtype, device, gen))
-        return GeneralInputs(a, b)
+        inp = GeneralInputs(a, b)
+        if spec.dtype == FP8:  # the batched form: x (G, M, K), w (G, K, N)
+            inp.fp8 = scaled_operands(torch.stack(a), torch.stack(b).transpose(1, 2), None)
+        return inp
     T = sum(counts)
     x = _randn((T, spec.k), dtype, device, gen)
     offs = torch.tensor(offsets(counts), dtype=torch.int32, device=device)
     if spec.layout == "EKN":
         w = _randn((spec.experts, spec.k, spec.n), dtype, device, gen)
-        return VarlenInputs(x, w, w, offs, list(counts))
-    w_t = _randn((spec.experts, spec.n, spec.k), dtype, device, gen)
-    return VarlenInputs(x, w_t.transpose(1, 2), w_t, offs, list(counts))
+        inp = VarlenInputs(x, w, w, offs, list(counts))
+    else:
+        w_t = _randn((spec.experts, spec.n, spec.k), dtype, device, gen)
+        inp = VarlenInputs(x, w_t.transpose(1, 2), w_t, offs, list(counts))
+    if spec.dtype == FP8:
+        inp.fp8 = scaled_operands(x, inp.w.transpose(1, 2), offs)
+    return inp
 
 
 Inputs = GeneralInputs | VarlenInputs
 
 
 def input_bytes(inputs: Inputs) -> int:
-    """Bytes one input set occupies (what must fall out of L2 between runs)."""
+    """Bytes one input set occupies (what must fall out of L2 between runs); for an fp8 set
+    the smallest FP8 operand set, the least any of its rows streams."""
+    if inputs.fp8:
+        return min(s.nbytes() for s in inputs.fp8.values())
     if isinstance(inputs, GeneralInputs):
         return sum(t.numel() * t.element_size() for t in itertools.chain(inputs.a, inputs.b))
     return inputs.x.numel() * inputs.x.element_size() + (
@@ -373,6 +399,10 @@ class Prepared:
 
     run: Callable[[], object]
     check: Callable[[], object]
+    # An implementation with its own reference (FP8: the product of its own dequantized
+    # operands): check()'s output -> relative error, and the error allowed.
+    error: Callable[[object], float] | None = None
+    tolerance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -389,6 +419,9 @@ class Impl:
     default: bool = False
     config: GemmConfig | None = None
     notes: str = ""
+    dtype: str | None = None  # the operands it reads, when not the shape's ("bf16", "fp8")
+    scale: str | None = None  # FP8 scale granularity ("block", "row")
+    ceiling: bool = False  # a bound to compare against (dense FP8), not a peer
 
 
 def _sizes_of(inp: Inputs) -> list[tuple[int, int, int]]:

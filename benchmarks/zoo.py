@@ -1,6 +1,6 @@
 """The model-zoo benchmark: real MoE models' expert GEMMs, ours against the peers.
 
-    python -m benchmarks.zoo [--models M,...] [--tokens T,...] [--budget-s S] [--out FILE]
+    python -m benchmarks.zoo [--fp8] [--models M,...] [--tokens T,...] [--budget-s S] [--out FILE]
     moe-gemm bench --suite zoo ...
 
 Each case is one projection (gate_up or down) of one model (moe_gemm.tuning.zoo: configs and
@@ -11,6 +11,15 @@ loop captured in a CUDA graph, QuACK's varlen GEMM untuned and with tuned=True. 
 is checked against a float32 reference before it is timed. Rows carry time, TFLOP/s, GB/s,
 the fraction of the roofline floor (ceilings measured in the same run) and the ratio to the
 best peer; the JSON and a PNG heat map of that ratio are written after every case.
+
+With --fp8, the models that ship FP8 checkpoints (FP8_MODELS) in FP8 instead: per case, our
+scaled_grouped_mm block-scaled (1x128 / 128x128, the default row) and row-wise, torch's FP8
+grouped GEMMs (the peers: torch._scaled_grouped_mm row-wise, F.scaled_grouped_mm block-wise;
+n/a with torch's reason where missing or refused), our bf16 default for reference and, where
+the case is compute-bound, the dense FP8 torch._scaled_mm of the same M x N x K
+(benchmarks.suite_fp8). Each row's floor counts its own operands' bytes and its dtype's dense
+rate (the FP8 rate measured in the run for the FP8 rows); `vs_best_peer` is against the best
+FP8 peer.
 
 The default subset (DEFAULT_MODELS x both projections x DEFAULT_TOKENS) fits about nine
 minutes on an H100 with --budget-s 480; --budget-s stops before a case that would not fit and
@@ -31,13 +40,15 @@ from typing import Any
 
 import torch
 
-from benchmarks import zoo_report
+from benchmarks import suite_fp8, zoo_report
 from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock
 from benchmarks.report import write_json
 from benchmarks.runner import Run, run_shape
+from benchmarks.scoring import fp8_compute_bound
 from benchmarks.suite import (
     DEFAULT_NAME,
+    FP8,
     GROUPED_MM_NAME,
     QUACK_NAME,
     QUACK_TUNED_NAME,
@@ -57,6 +68,7 @@ from moe_gemm import __version__
 from moe_gemm.tuning import zoo as models
 
 DEFAULT_MODELS = models.DEFAULT_MODELS
+FP8_MODELS = models.FP8_MODELS
 DEFAULT_TOKENS = models.DEFAULT_TOKENS
 DEFAULT_REPS = 15
 DEFAULT_BUDGET_S = 480.0
@@ -69,14 +81,19 @@ SMOKE_SCALE = 64  # smoke mode: N and K divided by this (at least 16), E at most
 # Cases
 
 
-def case_name(model: str, proj: str, tokens: int) -> str:
-    return f"{model}/{proj}/{tokens}"
+def case_name(model: str, proj: str, tokens: int, fp8: bool = False) -> str:
+    return f"{model}/{proj}/{tokens}" + ("/fp8" if fp8 else "")
 
 
 def build_cases(model_names: str | None, tokens: str | None, projs: list[str], seed: int,
-                smoke: bool) -> list[tuple[ShapeSpec, dict[str, Any]]]:
-    """(ShapeSpec, zoo fields) per case, token count by token count (priority order)."""
-    picked = models.select_models(model_names or ",".join(DEFAULT_MODELS))
+                smoke: bool, fp8: bool = False) -> list[tuple[ShapeSpec, dict[str, Any]]]:
+    """(ShapeSpec, zoo fields) per case, token count by token count (priority order); with
+    fp8, FP8 shapes of models that ship FP8 checkpoints (ValueError naming any other)."""
+    picked = models.select_models(model_names or ",".join(FP8_MODELS if fp8 else
+                                                          DEFAULT_MODELS))
+    if fp8 and (no_fp8 := [m.name for m in picked if not m.fp8_id]):
+        raise ValueError(f"no FP8 checkpoint is published for {', '.join(no_fp8)}; --fp8 "
+                         f"takes {', '.join(FP8_MODELS)}")
     default_tokens = (1, 16) if smoke else DEFAULT_TOKENS
     cases = []
     for t in models.parse_tokens(tokens, default_tokens):
@@ -88,16 +105,20 @@ def build_cases(model_names: str | None, tokens: str | None, projs: list[str], s
                 if smoke:  # tiny, with rows still 16-byte multiples (the TMA rule)
                     E = min(E, 8)
                     N, K = (max(16, v // SMOKE_SCALE // 16 * 16) for v in (N, K))
+                    if fp8:  # whole 128-wide scale blocks along K
+                        K = max(128, K // 128 * 128)
                 counts = models.topk_counts(E, t, min(p.top_k, E), seed)
                 rows = sum(counts)
-                name = case_name(m.name, p.proj, t)
-                spec = ShapeSpec(name, "varlen", "bf16",
+                name = case_name(m.name, p.proj, t, fp8)
+                spec = ShapeSpec(name, "varlen", FP8 if fp8 else "bf16",
                                  f"{m.name} {p.proj}: {t} tokens x top-{p.top_k}, E={E} N={N} "
                                  f"K={K}, weights {p.layout}", experts=E, rows=rows, n=N, k=K,
                                  fixed_counts=tuple(counts), layout=p.layout)
                 fields = {"model": m.name, "proj": p.proj, "tokens": t, "E": E, "N": N,
                           "K": K, "rows": rows, "top_k": p.top_k, "layout": p.layout,
                           "shape": f"E={E} N={N} K={K} rows={rows}"}
+                if fp8:
+                    fields["checkpoint"] = m.fp8_id
                 cases.append((spec, fields))
     return cases
 
@@ -182,11 +203,13 @@ def _device_info(device: torch.device) -> tuple[str, dict[str, Any], int]:
     return props.name, info, l2
 
 
-def _choice_source(fields: dict[str, Any], device: torch.device) -> str:
+def _choice_source(fields: dict[str, Any], device: torch.device, fp8: bool = False) -> str:
     """How our default picked its kernel here: a tuned table (exact / nearest / model) or
-    the rules."""
+    the rules (FP8: always the rules, moe_gemm.ops.heuristics_fp8 has no tables)."""
     if device.type != "cuda":
         return "torch backend"
+    if fp8:
+        return "rules"
     from moe_gemm.capability import device_name, sm_count
     from moe_gemm.config import GemmConfig
     from moe_gemm.ops.heuristics import tuned_hit
@@ -233,7 +256,8 @@ def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> 
     return {
         "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "complete": False, "device_info": info, "argv": argv,
-        "settings": {"reps": args.reps, "seed": args.seed, "smoke": args.smoke,
+        "settings": {"dtype": FP8 if args.fp8 else "bf16",
+                     "reps": args.reps, "seed": args.seed, "smoke": args.smoke,
                      "budget_s": args.budget_s, "quack_tuned": args.quack_tuned,
                      "routing": f"moe_gemm.tuning.zoo.topk_counts: top-k distinct experts per "
                      f"token, log-normal popularity sigma={models.ROUTING_SIGMA}",
@@ -248,13 +272,17 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
     """Every case that fits the budget; the JSON (and the PNG) rewritten after each, so a
     run stopped at any point leaves what finished."""
     t0 = time.monotonic()
-    cases = build_cases(args.models, args.tokens, args.proj, args.seed, args.smoke)
+    cases = build_cases(args.models, args.tokens, args.proj, args.seed, args.smoke, args.fp8)
     doc = new_doc(device, args, argv)
     if args.resume:
         old = json.loads(Path(args.resume).read_text())
         if old.get("device") != doc["device"]:
             raise ValueError(f"--resume {args.resume} was measured on {old.get('device')}, "
                              f"this is {doc['device']}")
+        old_dtype = (old.get("settings") or {}).get("dtype", "bf16")
+        if old_dtype != doc["settings"]["dtype"]:
+            raise ValueError(f"--resume {args.resume} is a {old_dtype} run, this is "
+                             f"{doc['settings']['dtype']}")
         done = {c for c, info in old.get("cases", {}).items() if info.get("complete")}
         doc["results"] = [r for r in old.get("results", []) if r.get("case") in done]
         doc["cases"] = {c: old["cases"][c] for c in done}
@@ -267,15 +295,16 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             smoke=args.smoke, variants=False, skip=frozenset(args.skip_impl or ()),
             doc=run_doc, out_path=None, l2_bytes=l2 if not args.smoke else 1 << 20,
             progress=not args.quiet)
-    ceilings = measure_ceilings(r.clock, args.smoke, args.reps)
+    ceilings = measure_ceilings(r.clock, args.smoke, args.reps, fp8=args.fp8)
     doc["ceilings"] = ceilings
     doc["runs"].append({"date": doc["date"], "argv": argv, "ceilings": ceilings})
     budget_left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
-    impls = implementations(r, args.quack_tuned, args.quack_tune_cap_s, budget_left)
+    quack_tuned = args.quack_tuned and not args.fp8
+    impls = implementations(r, quack_tuned, args.quack_tune_cap_s, budget_left)
     history = 1.0
     try:
         for i, (spec, fields) in enumerate(cases):
-            est = estimate_case_s(fields, ceilings, args.reps, args.quack_tuned,
+            est = estimate_case_s(fields, ceilings, args.reps, quack_tuned,
                                   args.quack_tune_cap_s, history)
             if budget_left() < est:
                 doc["not_run"] = [s.name for s, _ in cases[i:]]
@@ -283,7 +312,8 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
                                   f"~{est:.0f} s")
                 break
             t_case = time.monotonic()
-            run_shape(r, spec, impls)
+            run_shape(r, spec, suite_fp8.implementations(
+                spec, fp8_compute_bound(spec.sizes(args.seed), ceilings)) if args.fp8 else impls)
             took = time.monotonic() - t_case
             history = max(1.0, 0.5 * history + 0.5 * took / max(est / history, 1e-3))
             rows = [x for x in run_doc["results"] if x["shape"] == spec.name]
@@ -293,7 +323,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
                 x["case"] = spec.name
                 x.update({k: v for k, v in fields.items()})
                 if x.get("default"):
-                    x["choice_source"] = _choice_source(fields, device)
+                    x["choice_source"] = _choice_source(fields, device, args.fp8)
             zoo_report.derive_case(rows, info, ceilings)
             doc["cases"][spec.name] = info
             doc["results"] += rows
@@ -320,8 +350,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-gemm bench --suite zoo", description=(
         "Time our default against torch's grouped_mm, the mm loop in a CUDA graph and QuACK "
         "(untuned and tuned) on real MoE models' expert GEMMs; write JSON and a PNG."))
+    p.add_argument("--fp8", action="store_true", help="FP8: our scaled_grouped_mm "
+                   "(block-scaled and row-wise) against torch's FP8 grouped GEMMs, on the "
+                   "models that ship FP8 checkpoints")
     p.add_argument("--models", help="comma-separated model names, 'all' (default: "
-                   f"{','.join(DEFAULT_MODELS)}); --list shows them")
+                   f"{','.join(DEFAULT_MODELS)}; with --fp8 {','.join(FP8_MODELS)}); --list "
+                   "shows them")
     p.add_argument("--tokens", help="token counts, in order ('all' = "
                    f"{','.join(map(str, models.TOKENS))}; default "
                    f"{','.join(map(str, DEFAULT_TOKENS))})")
@@ -360,9 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for m in models.MODELS:
             star = "*" if m.name in DEFAULT_MODELS else " "
+            fp8 = f"  FP8: {m.fp8_id}" if m.fp8_id else ""
             print(f"{star} {m.name:18s} E={m.experts:<4d} top-{m.top_k} hidden={m.hidden:<5d} "
-                  f"intermediate={m.intermediate:<5d} {m.layout}  {m.hf_id}")
-        print("(* = in the default subset)")
+                  f"intermediate={m.intermediate:<5d} {m.layout}  {m.hf_id}{fp8}")
+        print("(* = in the default subset; --fp8 takes the models with an FP8 checkpoint)")
         return 0
     args.reps = args.reps or (2 if args.smoke else DEFAULT_REPS)
     args.proj = [p.strip() for p in args.proj.split(",") if p.strip()]
@@ -370,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --reps must be >= 1 and --proj a subset of gate_up,down", file=sys.stderr)
         return 2
     try:
-        build_cases(args.models, args.tokens, args.proj, args.seed, True)
+        build_cases(args.models, args.tokens, args.proj, args.seed, True, args.fp8)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -391,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gemm.ops.tuned import device_slug
 
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    stem = "zoo-fp8" if args.fp8 else "zoo"
     out_path = Path(args.out) if args.out else (
-        Path(args.out_dir or "benchmarks/results") / f"zoo-{device_slug(name)}-{date}.json")
+        Path(args.out_dir or "benchmarks/results") / f"{stem}-{device_slug(name)}-{date}.json")
     png = None if (args.png or "").lower() == "none" else (
         Path(args.png) if args.png else out_path.with_suffix(".png"))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))

@@ -3,7 +3,9 @@
 Per row (one implementation on one zoo case), from the case's bytes needed and FLOPs and the
 ceilings measured in the run that timed it: `floor_ms` (the roofline floor), `tflops`, `gbps`,
 `fraction_of_floor` (floor / time) and `vs_best_peer` (the fastest peer's time / this time,
-> 1: faster than every peer). The bar: our default at least as fast as the best peer on at
+> 1: faster than every peer). In an FP8 run each row's floor counts its own operands' bytes
+(FP8 values and scales, or bf16) and its dtype's dense rate, the peers are torch's FP8 grouped
+GEMMs, and where the dense FP8 ceiling was timed the FP8 rows get `fraction_of_dense`. The bar: our default at least as fast as the best peer on at
 least BAR_SHARE of the cases and at least BAR_MIN on every case.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scoring import floor_ms
+from benchmarks.scoring import fill_dense, fill_row
 
 BAR_SHARE = 0.90
 BAR_MIN = 0.97
@@ -21,24 +23,18 @@ BAR_MIN = 0.97
 def derive_case(rows: list[dict[str, Any]], info: dict[str, Any],
                 ceilings: dict[str, Any]) -> None:
     """Fill the derived columns of one case's rows (in place)."""
-    bw, rate = ceilings.get("copy_bytes_per_s"), ceilings.get("mm_flops_per_s")
-    floor = bound = None
-    if bw and rate:
-        floor, bound = floor_ms(info["bytes"], info["flops"], bw, rate)
     peers = [r for r in rows if r.get("peer") and r.get("status") == "ok" and r.get("ms")]
     best = min(peers, key=lambda r: r["ms"]) if peers else None
+    dense = fill_dense(rows)
+    if dense is not None:
+        info["dense_ms"] = dense
     for r in rows:
-        r.update(floor_ms=floor, floor_bound=bound, bytes=info["bytes"], flops=info["flops"])
-        ms = r.get("ms")
-        if r.get("status") != "ok" or not ms:
+        fill_row(r, info, ceilings)
+        if r.get("status") != "ok" or not r.get("ms") or r.get("ceiling"):
             continue
-        r["tflops"] = info["flops"] / ms / 1e9
-        r["gbps"] = info["bytes"] / ms / 1e6
-        if floor:
-            r["fraction_of_floor"] = floor / ms
         if best is not None:
             r["best_peer"] = best["impl"]
-            r["vs_best_peer"] = best["ms"] / ms
+            r["vs_best_peer"] = best["ms"] / r["ms"]
 
 
 def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -67,10 +63,13 @@ def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
 def format_table(doc: dict[str, Any]) -> str:
     """One line per case: our default, the best peer, the ratio; the bar last."""
     ceil = doc.get("ceilings") or {}
-    lines = [f"moe-gemm zoo | {doc.get('device')} | {doc.get('date')} | copy "
-             f"{ceil.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s, bf16 mm "
-             f"{ceil.get('mm_flops_per_s', 0) / 1e12:.0f} TFLOP/s"]
-    head = (f"{'case':34} | {'ours us':>9} | {'floor%':>6} | {'best peer':24} | "
+    fp8 = (doc.get("settings") or {}).get("dtype") == "fp8"
+    rate = f", FP8 mm {ceil.get('fp8_mm_flops_per_s', 0) / 1e12:.0f} TFLOP/s" if fp8 else ""
+    lines = [f"moe-gemm zoo{' fp8' if fp8 else ''} | {doc.get('device')} | {doc.get('date')} | "
+             f"copy {ceil.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s, bf16 mm "
+             f"{ceil.get('mm_flops_per_s', 0) / 1e12:.0f} TFLOP/s{rate}"]
+    dense_col = f" | {'dense%':>6}" if fp8 else ""
+    head = (f"{'case':34} | {'ours us':>9} | {'floor%':>6}{dense_col} | {'best peer':24} | "
             f"{'peer us':>9} | {'ratio':>6} | choice")
     lines += [head, "-" * len(head)]
     by_case: dict[str, list[dict[str, Any]]] = {}
@@ -92,9 +91,12 @@ def format_table(doc: dict[str, Any]) -> str:
         peer_us = f"{best['ms'] * 1e3:9.1f}" if best else "-"
         ratio = ours.get("vs_best_peer")
         ratio_s = "-" if ratio is None else f"{ratio:.3f}"
+        dense = ours.get("fraction_of_dense")
+        dense_s = (f" | {'-' if dense is None else f'{100 * dense:.0f}':>6}" if fp8 else "")
         lines.append(
-            f"{case[:34]:34} | {ours['ms'] * 1e3:9.1f} | {frac_s:>6} | {peer_name[:24]:24} | "
-            f"{peer_us:>9} | {ratio_s:>6} | {ours.get('choice_source', '-')}")
+            f"{case[:34]:34} | {ours['ms'] * 1e3:9.1f} | {frac_s:>6}{dense_s} | "
+            f"{peer_name[:24]:24} | {peer_us:>9} | {ratio_s:>6} | "
+            f"{ours.get('choice_source', '-')}")
     b = doc.get("bar") or {}
     if b.get("cases"):
         lines.append(f"bar: default >= best peer on {b['default_at_least_best_peer']}/"

@@ -70,6 +70,7 @@ class MoEModel:
     intermediate: int  # per expert
     layout: str = "ENK"
     note: str = ""
+    fp8_id: str = ""  # the published FP8 checkpoint ("" where none is published)
 
     def projections(self) -> tuple[Projection, Projection]:
         return (Projection(self.name, "gate_up", self.experts, 2 * self.intermediate,
@@ -82,23 +83,33 @@ MODELS: tuple[MoEModel, ...] = (
     MoEModel("Mixtral-8x7B", "mistralai/Mixtral-8x7B-v0.1", 8, 2, 4096, 14336),
     MoEModel("Mixtral-8x22B", "mistralai/Mixtral-8x22B-v0.1", 8, 2, 6144, 16384),
     MoEModel("Qwen2-57B-A14B", "Qwen/Qwen2-57B-A14B", 64, 8, 3584, 2560),
-    MoEModel("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", 128, 8, 2048, 768),
-    MoEModel("Qwen3-235B-A22B", "Qwen/Qwen3-235B-A22B", 128, 8, 4096, 1536),
-    MoEModel("DeepSeek-V3", "deepseek-ai/DeepSeek-V3", 256, 8, 7168, 2048),
+    MoEModel("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", 128, 8, 2048, 768,
+             fp8_id="Qwen/Qwen3-30B-A3B-FP8"),
+    MoEModel("Qwen3-235B-A22B", "Qwen/Qwen3-235B-A22B", 128, 8, 4096, 1536,
+             fp8_id="Qwen/Qwen3-235B-A22B-FP8"),
+    MoEModel("DeepSeek-V3", "deepseek-ai/DeepSeek-V3", 256, 8, 7168, 2048,
+             fp8_id="deepseek-ai/DeepSeek-V3"),
     MoEModel("DeepSeek-V3-EP8", "deepseek-ai/DeepSeek-V3", 32, 8, 7168, 2048,
              note="one rank of 8-way expert parallelism: 32 of the 256 experts; tokens are "
-             "per rank, and the all-to-all brings the rank tokens * top_k rows on average"),
-    MoEModel("Kimi-K2", "moonshotai/Kimi-K2-Instruct", 384, 8, 7168, 2048),
+             "per rank, and the all-to-all brings the rank tokens * top_k rows on average",
+             fp8_id="deepseek-ai/DeepSeek-V3"),
+    MoEModel("Kimi-K2", "moonshotai/Kimi-K2-Instruct", 384, 8, 7168, 2048,
+             fp8_id="moonshotai/Kimi-K2-Instruct"),
     MoEModel("gpt-oss-20b", "openai/gpt-oss-20b", 32, 4, 2880, 2880, "EKN"),
     MoEModel("gpt-oss-120b", "openai/gpt-oss-120b", 128, 4, 2880, 2880, "EKN"),
     MoEModel("Llama-4-Scout", "meta-llama/Llama-4-Scout-17B-16E", 16, 1, 5120, 8192, "EKN"),
     MoEModel("Llama-4-Maverick", "meta-llama/Llama-4-Maverick-17B-128E", 128, 1, 5120, 8192,
              "EKN"),
     MoEModel("OLMoE-1B-7B", "allenai/OLMoE-1B-7B-0924", 64, 8, 2048, 1024),
-    MoEModel("GLM-4.5", "zai-org/GLM-4.5", 160, 8, 5120, 1536),
-    MoEModel("GLM-4.5-Air", "zai-org/GLM-4.5-Air", 128, 8, 4096, 1408),
+    MoEModel("GLM-4.5", "zai-org/GLM-4.5", 160, 8, 5120, 1536, fp8_id="zai-org/GLM-4.5-FP8"),
+    MoEModel("GLM-4.5-Air", "zai-org/GLM-4.5-Air", 128, 8, 4096, 1408,
+             fp8_id="zai-org/GLM-4.5-Air-FP8"),
 )
 BY_NAME = {m.name: m for m in MODELS}
+# The models that ship FP8 checkpoints (those with an fp8_id; DeepSeek-V3 and Kimi-K2 are
+# published in FP8, with 128x128 weight blocks), in the order an FP8 run takes them.
+FP8_MODELS = ("DeepSeek-V3", "DeepSeek-V3-EP8", "Kimi-K2", "Qwen3-30B-A3B", "Qwen3-235B-A22B",
+              "GLM-4.5", "GLM-4.5-Air")
 
 
 def select_models(spec: str | None) -> list[MoEModel]:
