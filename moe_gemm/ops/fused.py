@@ -118,7 +118,10 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
     if type(x) in PLAIN_TENSORS and (config is None or type(config) is GemmConfig) and (
             out is None or not _overlaps(out, x, w, offs, row_index, row_weight, bias)):
         extra = (config, out_dtype, api._switches())
-        entry = _plans.find((x.shape, options), extra, present)
+        try:
+            entry = _plans.find((x.shape, options), extra, present)
+        except TypeError:  # (unhashable options: the checks below name what was expected)
+            entry = None
         if entry is not None and not (x.data_ptr() | w.data_ptr() | (
                 0 if out is None else out.data_ptr())) & 15:
             plan, link = entry
