@@ -370,14 +370,15 @@ def _experts_from_keys(
                 found = _proj_scale(take, f"experts.{e}.{n}", v)
                 kinds.add(found[0] if found else None)
                 sc[n] = found[1] if found else None
+            if len(kinds) > 1:  # (before the gate and up scales are concatenated)
+                raise ValueError(f"experts under {prefix!r} mix weight formats "
+                                 f"({sorted(map(str, kinds))}, expert {e}); one FP8 "
+                                 "granularity for all")
             gate_up_list.append(torch.cat([t[gate_n], t[up_n]], dim=0))
             down_list.append(t[down_n])
             s_gate_up.append(None if sc[gate_n] is None else
                              torch.cat([sc[gate_n], sc[up_n]], dim=0))
             s_down.append(sc[down_n])
-        if len(kinds) > 1:
-            raise ValueError(f"experts under {prefix!r} mix weight formats "
-                             f"({sorted(map(str, kinds))}); one FP8 granularity for all")
         scales = None
         if kinds == {"block"}:
             inter = t[gate_n].shape[0]

@@ -195,6 +195,30 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     raise ValueError(f"weight scale {_shape(scale)} fits no granularity of weight {_shape(q)}")
 
 
+def keep_fp8_dtypes(fn: Callable[[torch.Tensor], torch.Tensor], fp8: tuple[torch.Tensor, ...]
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """nn.Module._apply's `fn`, changed for the FP8 weights and scales in `fp8`: where fn would
+    change their dtype (module.to(torch.bfloat16), .half(), .float(): FP8 counts as floating
+    point to torch), they only follow fn's device, so the experts stay FP8 with float32
+    scales; every other tensor, and every other conversion (device moves, to_empty,
+    share_memory), is fn's."""
+    ids = {id(t) for t in fp8}
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in ids:
+            return fn(t)
+        probe = fn(t.new_empty(0))  # (where and as what fn would put it, without a copy)
+        if probe.dtype == t.dtype:
+            return fn(t)
+        if t.device == probe.device:
+            return t
+        if t.is_meta:
+            return torch.empty_like(t, device=probe.device)
+        return t.to(probe.device)
+
+    return apply
+
+
 def row_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
     """A per-channel ([N], [N, 1]) or per-tensor ([], [1]) weight scale as [N] float32."""
     s = scale.float()

@@ -38,7 +38,12 @@ from moe_gemm.layers.experts import (
     resolve_activation,
     shape_str,
 )
-from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, quantize_experts, scale_granularity
+from moe_gemm.layers.experts_fp8 import (
+    expert_ffn_fp8,
+    keep_fp8_dtypes,
+    quantize_experts,
+    scale_granularity,
+)
 from moe_gemm.layers.fused_experts import fused_gate_for
 from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
 
@@ -420,6 +425,13 @@ class MoE(nn.Module):
         self.gate_up_proj_scale_inv = nn.Parameter(s1, requires_grad=False)
         self.down_proj_scale_inv = nn.Parameter(s2, requires_grad=False)
         return self
+
+    def _apply(self, fn, recurse=True):
+        # FP8 experts keep their dtypes under module.to(dtype) / .half() (experts_fp8).
+        if self.gate_up_proj_scale_inv is not None:
+            fn = keep_fp8_dtypes(fn, (self.gate_up_proj, self.down_proj,
+                                      self.gate_up_proj_scale_inv, self.down_proj_scale_inv))
+        return super()._apply(fn, recurse)
 
     @property
     def w_gate_up(self) -> torch.Tensor:

@@ -101,11 +101,13 @@ def _traced() -> bool:
 
 
 def _symbolic(*tensors: object) -> bool:
-    """Tensors without memory of their own (fake, or functionalized as by torch.func): they
-    go through the registered op (its fake implementation, or the functionalized call)."""
+    """Tensors without memory of their own (fake, meta, or functionalized as by torch.func):
+    they go through the registered op (its fake implementation, which also serves the meta
+    device, or the functionalized call)."""
     if set(map(type, tensors)) <= _PLAIN_SET:  # (one C call each: this sees every operand)
-        return any(map(torch._is_functional_tensor, tensors))
-    return any(isinstance(t, torch.Tensor) and (is_fake(t) or torch._is_functional_tensor(t))
+        return any(t.is_meta or torch._is_functional_tensor(t) for t in tensors)
+    return any(isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t)
+                                                or torch._is_functional_tensor(t))
                for t in tensors)
 
 

@@ -20,8 +20,8 @@ Gates: "silu" (SwiGLU), "gelu" (GEGLU, erf), "gelu_tanh", "clamped_swiglu" (gpt-
 gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
 Gate layouts of w's N columns: "concat" (gate [0, I), up [I, 2I): transformers, vLLM; on the
 GPU w must be K-major, i.e. gate_up_proj (E, 2I, H).transpose(1, 2)) or "interleaved"
-(blocks of 8 gate then 8 up columns: any major; `interleave_gate_up` repacks a weight, e.g.
-gpt-oss's alternating columns, into it once).
+(blocks of 8 gate then 8 up columns: any major; `interleave_gate_up` repacks a weight into
+it once) or "alternating" (gate at even columns, up at odd: gpt-oss; any major, no repack).
 
 Backends as grouped_mm's: the Hopper kernel where it runs, else (or with backend="torch")
 plain torch (ops/fused_reference.py). On CUDA nothing reads a GPU value on the host (CUDA-graph
@@ -78,7 +78,7 @@ def fused_grouped_mm(
         bias: [E, N] float, added per expert in w's column order; None: no bias.
         gate: None, "silu", "gelu", "gelu_tanh" or "clamped_swiglu" (aliases "swish",
             "gelu_pytorch_tanh"): the output is act(gate) * up, N / 2 columns.
-        gate_layout: "concat" or "interleaved" (see the module docstring).
+        gate_layout: "concat", "interleaved" or "alternating" (see the module docstring).
         gate_alpha, gate_limit: clamped_swiglu's alpha and limit (gpt-oss: 1.702, 7.0).
         row_weight: [S] float: each routed row's result times its weight.
         out: optional [S, N or N / 2] to write into; rows >= offs[-1] are then left as they
@@ -118,7 +118,10 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
     if type(x) in PLAIN_TENSORS and (config is None or type(config) is GemmConfig) and (
             out is None or not _overlaps(out, x, w, offs, row_index, row_weight, bias)):
         extra = (config, out_dtype, api._switches())
-        entry = _plans.find((x.shape, options), extra, present)
+        try:
+            entry = _plans.find((x.shape, options), extra, present)
+        except TypeError:  # (unhashable options: the checks below name what was expected)
+            entry = None
         if entry is not None and not (x.data_ptr() | w.data_ptr() | (
                 0 if out is None else out.data_ptr())) & 15:
             plan, link = entry

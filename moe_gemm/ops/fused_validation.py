@@ -3,6 +3,7 @@ expected shape and dtype; the checked arguments as one FusedMmArgs."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,7 @@ def resolve_gate(gate: object) -> str | None:
 
 
 def _check_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float; got {value!r}")
     v = float(value)
     if v != v or v in (float("inf"), float("-inf")):

@@ -194,14 +194,33 @@ def quantize_fp8_per_tensor(x: torch.Tensor, *, dtype: torch.dtype = torch.float
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
                    block_size: int = 128) -> torch.Tensor:
     """q * scale in float32, the scale expanded over its granularity's blocks ("group":
-    [..., K/block] along the last dim; "block": [..., ceil(N/block), ceil(K/block)] over the
-    last two; "row": [...]; "tensor": a single value)."""
+    [..., ceil(K/block)] along the last dim; "block": [..., ceil(N/block), ceil(K/block)] over
+    the last two; "row": [...] (q.shape[:-1]); "tensor": a single value, [] or [1]).
+
+    Raises:
+        TypeError: q not an FP8 tensor, scale not a float tensor.
+        ValueError: an unknown granularity, or a scale shape that is not the granularity's.
+    """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got "
                          f"{granularity!r}")
-    if q.dtype not in FP8_MAX:
-        raise TypeError(f"q must be an FP8 tensor; got {q.dtype}")
+    if not isinstance(q, torch.Tensor) or q.dtype not in FP8_MAX:
+        got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        raise TypeError(f"q must be an FP8 tensor (torch.float8_e4m3fn or torch.float8_e5m2); got "
+                        f"{got}")
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"scale must be a float tensor (decoding scales); got {got}")
     b = _check_block("block_size", block_size)
+    want = _scale_shape(tuple(q.shape), granularity, b)
+    if want is None:
+        raise ValueError(f"{granularity} scales need q with at least "
+                         f"{2 if granularity == 'block' else 1} dimension(s); got shape "
+                         f"{tuple(q.shape)}")
+    got = tuple(scale.shape)
+    if got != want and not (granularity == "tensor" and got == (1,)):
+        raise ValueError(f"{granularity} scales of q {tuple(q.shape)} (block_size {b}) must "
+                         f"have shape {want}; got {got}")
     v = q.float()
     s = scale.float()
     if granularity == "tensor":
@@ -213,3 +232,17 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
         return v * s.repeat_interleave(b, dim=-1)[..., :K]
     N, K = v.shape[-2:]
     return v * s.repeat_interleave(b, dim=-2)[..., :N, :].repeat_interleave(b, dim=-1)[..., :K]
+
+
+def _scale_shape(shape: tuple[int, ...], granularity: str, b: int) -> tuple[int, ...] | None:
+    """The scale shape dequantize_fp8 expects for q of `shape`, None if q's rank cannot have
+    one."""
+    if granularity == "tensor":
+        return ()
+    if not shape or (granularity == "block" and len(shape) < 2):
+        return None
+    if granularity == "row":
+        return shape[:-1]
+    if granularity == "group":
+        return (*shape[:-1], -(-shape[-1] // b))
+    return (*shape[:-2], -(-shape[-2] // b), -(-shape[-1] // b))

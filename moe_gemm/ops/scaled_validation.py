@@ -97,15 +97,15 @@ def _ceil(a: int, b: int) -> int:
 
 def resolve_fp8_out_dtype(out_dtype: object, out: object) -> torch.dtype:
     """The output dtype: out_dtype, else out's dtype, else bf16 (torch's scaled mm default)."""
+    name = "out_dtype"
     if out_dtype is None:
-        if isinstance(out, torch.Tensor):
-            out_dtype = out.dtype
-        else:
+        if not isinstance(out, torch.Tensor):
             return torch.bfloat16
+        name, out_dtype = "out's dtype", out.dtype
     if not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype or None; got {out_dtype!r}")
     if out_dtype not in FP8_OUT_DTYPES:
-        raise TypeError(f"out_dtype must be {_OUT_NAMES}; got {out_dtype}")
+        raise TypeError(f"{name} must be {_OUT_NAMES}; got {out_dtype}")
     return out_dtype
 
 

@@ -47,6 +47,9 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
         N, K = tensor.shape[1], tensor.shape[2]
         block = (E, -(-N // BLOCK), K // BLOCK)
     got = tuple(scale.shape)
+    if scale.numel() and not bool(torch.isfinite(scale).all()):
+        # (a NaN or infinite decoding scale turns every product it touches into NaN / inf)
+        raise ValueError("'scale' must hold finite values; got NaN or infinity")
     if K % 16:
         raise ValueError(f"FP8 weights need K a multiple of 16 (16-byte rows); got K={K}")
     if got == block and scale.dim() == 3:

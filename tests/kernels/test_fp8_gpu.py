@@ -161,6 +161,21 @@ def test_long_k_accuracy(K, granularity):
            empty=0.0, seed=5, out_dtype=FP32)
 
 
+@pytest.mark.parametrize("N", [16, 40, 104])
+@pytest.mark.parametrize("rows", [4, 300])
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_narrow_outputs_take_their_own_tiles(N, rows, granularity):
+    """N < 128: the default tile is the narrowest multiple of 16 that covers N (16, 48, 112:
+    tiles outside the 16-bit kernel's tile sets), ping-pong 64-row at a few rows per expert and
+    cooperative 128-row beyond; each against the fp64 reference."""
+    E = 8
+    run_mm(f"fp8/narrow-N/N={N}/rows={rows}/{granularity}", rows * E, E, 256, N, granularity,
+           cute(), "alloc", empty=0.0, seed=N + rows)
+    c = launch.last_launch().choice
+    assert c.tile_n == max(16, -(-N // 16) * 16)
+    assert (c.schedule, c.tile_m) == (("pingpong", 64) if rows <= 64 else ("cooperative", 128))
+
+
 @pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
 def test_edge_rows_and_single_rows(schedule):
     # Experts of 1, 63, 64, 65, 127, 128, 129, 0, 191, 193 rows: every side of the 64-row

@@ -239,3 +239,48 @@ def test_from_hf_fp8_experts():
         y = moe(x)
         assert fp8_errors(y, moe_fp8_reference(moe, x))["rel"] < 1e-4  # fp32 compute
         assert fp8_errors(y, y16)["rel"] < 8e-2
+
+
+def test_fp8_layer_keeps_its_dtypes_under_module_casts():
+    """module.to(dtype) / .half() / .float() (FP8 is floating point to torch) cast the router and
+    the shared expert, never the FP8 experts or their float32 scales; device moves still apply."""
+    moe = _layer(shared=128, seed=12).quantize_fp8()
+    x = _x(seed=13)
+    with torch.no_grad():
+        want = moe_fp8_reference(moe, x)
+    q_bytes = moe.gate_up_proj.detach().view(torch.uint8).clone()
+    s = moe.down_proj_scale_inv.detach().clone()
+    for cast, dtype in ((lambda m: m.to(torch.float16), torch.float16),
+                        (lambda m: m.half(), torch.float16),
+                        (lambda m: m.float(), torch.float32),
+                        (lambda m: torch.nn.Sequential(m).to("cpu", torch.float32)[0],
+                         torch.float32)):
+        m = cast(_layer(shared=128, seed=12).quantize_fp8())
+        assert m.gate_up_proj.dtype == E4M3 and m.down_proj.dtype == E4M3
+        assert m.gate_up_proj_scale_inv.dtype == torch.float32
+        assert isinstance(m.gate_up_proj, torch.nn.Parameter)
+        assert torch.equal(m.gate_up_proj.detach().view(torch.uint8), q_bytes)
+        assert torch.equal(m.down_proj_scale_inv, s)
+        assert m.router_weight.dtype == dtype
+        assert m.shared_experts.gate_proj.weight.dtype == dtype
+        with torch.no_grad():
+            y = m(x.to(dtype))
+        assert y.dtype == dtype
+        assert fp8_errors(y, want)["rel"] < 2e-2
+    meta = _layer(seed=12).quantize_fp8().to("meta")
+    assert meta.gate_up_proj.device.type == "meta" and meta.gate_up_proj.dtype == E4M3
+    meta.to_empty(device="cpu")
+    assert meta.down_proj.device.type == "cpu" and meta.down_proj.dtype == E4M3
+    assert meta.down_proj_scale_inv.dtype == torch.float32
+
+
+def test_per_expert_checkpoint_mixing_formats_within_an_expert():
+    """Gate and up projections of one expert in different granularities: a clear error (their
+    scales were concatenated first, failing inside torch.cat)."""
+    moe16 = _layer(seed=14)
+    sd = _deepseek_state_dict(moe16, "inv")
+    mixed = dict(sd)
+    q, s = quantize_fp8_per_tensor(moe16.gate_up_proj[0, 128:].detach())
+    mixed["experts.0.up_proj.weight"], mixed["experts.0.up_proj.weight_scale_inv"] = q, s
+    with pytest.raises(ValueError, match="mix weight formats .*expert 0"):
+        MoE.from_state_dict(mixed, 2)

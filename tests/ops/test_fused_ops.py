@@ -105,6 +105,8 @@ def _bad(**kw):
     (dict(gate="relu"), ValueError, "gate must be one of"),
     (dict(gate=3), TypeError, "gate must be a str"),
     (dict(gate="silu", gate_layout="halves"), ValueError, "gate_layout must be one of"),
+    (dict(gate="silu", gate_layout=["concat"]), ValueError, "gate_layout must be one of"),
+    (dict(gate=["silu"]), TypeError, "gate must be a str"),
     (dict(gate="silu", w=torch.zeros(4, 40, 63)), ValueError, "N must be even"),
     (dict(gate="silu", gate_layout="interleaved", w=torch.zeros(4, 40, 40)), ValueError,
      "multiple of 16"),
@@ -129,6 +131,18 @@ def test_argument_errors_name_the_expectation(change, error, match):
     args = _bad(**change)
     with pytest.raises(error, match=match):
         moe_gemm.fused_grouped_mm(args.pop("x"), args.pop("w"), args.pop("offs"), **args)
+
+
+def test_gate_constants_take_any_real_number():
+    """numpy scalars (a config read with numpy) are floats to the gate: np.float32 is not a
+    Python float subclass, and was refused."""
+    np = pytest.importorskip("numpy")
+    x, w, offs, index, _ = _case(11)
+    want = moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, gate="clamped_swiglu",
+                                     gate_alpha=1.5, gate_limit=3.0)
+    got = moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, gate="clamped_swiglu",
+                                    gate_alpha=np.float32(1.5), gate_limit=np.int64(3))
+    assert torch.equal(got, want)
 
 
 def test_out_sharing_memory_with_an_input_is_refused():

@@ -136,3 +136,29 @@ def test_torch_path_matches_the_kernel_formula():
     want = (g * (448.0 / amax)).clamp(-448, 448).to(E4M3).view(4, 256)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(s, (amax / 448.0).view(4, 2))
+
+
+def test_dequantize_checks_the_scale_shape():
+    """A scale that is not its granularity's shape is refused: too many groups were cut off and
+    too few broadcast, giving a silently wrong tensor or a bare broadcast error."""
+    q, s = quantize_fp8_per_token_group(torch.randn(2, 256))
+    for granularity, bad in (("group", torch.ones(2, 3)), ("group", torch.ones(2, 1)),
+                             ("row", torch.ones(1)), ("row", torch.ones(3)),
+                             ("block", torch.ones(5, 5)), ("block", torch.ones(1, 1)),
+                             ("tensor", torch.ones(2))):
+        with pytest.raises(ValueError, match=f"{granularity} scales of q"):
+            dequantize_fp8(q, bad, granularity)
+    with pytest.raises(TypeError, match="q must be"):
+        dequantize_fp8([1.0], torch.ones(()), "tensor")
+    with pytest.raises(TypeError, match="scale must be a float tensor"):
+        dequantize_fp8(q, 2.0, "tensor")
+    with pytest.raises(TypeError, match="scale must be a float tensor"):
+        dequantize_fp8(q, torch.ones(2, 2, dtype=torch.int32), "group")
+    with pytest.raises(ValueError, match="at least 2 dimension"):
+        dequantize_fp8(q[0], torch.ones(1, 2), "block")
+    # The shapes the quantizers return (ceil for partial blocks) and [1] per tensor pass.
+    w = torch.randn(3, 200, 300)
+    qw, sw = quantize_fp8_per_block(w)
+    ref = qw.float() * sw.repeat_interleave(128, 1)[:, :200].repeat_interleave(128, 2)[:, :, :300]
+    assert torch.equal(dequantize_fp8(qw, sw, "block"), ref)
+    assert torch.equal(dequantize_fp8(q, torch.full((1,), 2.0), "tensor"), q.float() * 2)

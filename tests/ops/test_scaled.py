@@ -216,6 +216,12 @@ def test_out_and_out_dtype_errors():
     with pytest.raises(ValueError, match="share memory"):
         scaled_grouped_mm(x, w, sa, sb, offs,
                           out=torch.empty(1, 64, dtype=torch.bfloat16).expand(6, 64))
+    # An out of an unsupported dtype (no out_dtype): the message names out, not out_dtype.
+    with pytest.raises(TypeError, match="out's dtype must be torch.bfloat16"):
+        scaled_grouped_mm(x, w, sa, sb, offs, out=torch.empty(6, 64, dtype=torch.int32))
+    with pytest.raises(TypeError, match="out's dtype must be"):
+        scaled_grouped_gemm([x], [w[0]], [sa], [sb[0]],
+                            out=[torch.empty(6, 64, dtype=torch.float64)])
     with pytest.raises(TypeError, match="config must be a moe_gemm.GemmConfig"):
         scaled_grouped_mm(x, w, sa, sb, offs, config="torch")  # type: ignore[arg-type]
 

@@ -89,6 +89,13 @@ def test_engine_refuses_bad_fp8_sets():
         engine.add_weights("f", tensor, "w_t", scale=scale.double())
     with pytest.raises(ValueError, match="goes with FP8 weights only"):
         engine.add_weights("f", torch.randn(E, K, N), "w", scale=scale)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        wrong = scale.clone()
+        wrong[1, 0, 1] = bad
+        with pytest.raises(ValueError, match="'scale' must hold finite values"):
+            engine.add_weights("f", tensor, "w_t", scale=wrong)
+    with pytest.raises(KeyError):
+        engine.get_weights("f")  # nothing was installed
     odd = torch.zeros(E, N, 200, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="K a multiple of 16"):
         engine.add_weights("f", odd, "w_t", scale=torch.ones(E))
@@ -127,6 +134,12 @@ def test_http_upload_persist_and_serve_fp8(tmp_path):
         r = client.put("/v1/weights/x", content=st_body({"w": torch.randn(E, K, N),
                                                          "scale": scale}))
         assert r.status_code == 422 and "FP8 weights only" in r.json()["error"]
+        r = client.put("/v1/weights/ds", content=st_body(
+            {"w_t": tensor, "scale": torch.full_like(scale, float("nan"))}))
+        assert r.status_code == 422 and "finite" in r.json()["error"]
+        r = client.post("/v1/weights/ds/grouped-mm", content=st_body({"x": x, "counts": counts}))
+        assert r.status_code == 200  # the stored set still serves
+        assert_fp8_close(st_load(r.content)["y"], want)
         r = client.put("/v1/weights/x", content=st_body({"w": tensor, "s": scale}))
         assert r.status_code == 422 and "expected one tensor" in r.json()["error"]
         r = client.post("/v1/weights/ds/grouped-mm", content=st_body(
