@@ -26,6 +26,28 @@ DTYPES = {
 }
 
 
+def option_parts(key) -> list[str]:
+    """The name parts of the compile-time options every kernel key has (stages, trace, L2
+    hints, epilogue width, cluster, whole-tile epilogue, tail split): one spelling for the
+    bf16 and FP8 keys, so cache names stay comparable."""
+    parts = []
+    if key.stages is not None:
+        parts.append(f"s{key.stages}")
+    if key.trace:
+        parts.append("trace")
+    if key.l2_hints:
+        parts.append("l2hints")
+    if key.epi_n != 32:
+        parts.append(f"epi{key.epi_n}")
+    if (key.cluster_m, key.cluster_n) != (1, 1):
+        parts.append(f"c{key.cluster_m}x{key.cluster_n}")
+    if key.epi_whole:
+        parts.append("ew")
+    if key.tail_split:
+        parts.append("ts")
+    return parts
+
+
 @dataclass(frozen=True)
 class CompileKey:
     """Everything a compiled kernel depends on. Nothing here varies per problem set."""
@@ -60,21 +82,7 @@ class CompileKey:
         return bool(self.gate or self.bias or self.row_scale or self.gather)
 
     def name(self) -> str:
-        parts = [str(v) for v in astuple(self)[:8]]
-        if self.stages is not None:
-            parts.append(f"s{self.stages}")
-        if self.trace:
-            parts.append("trace")
-        if self.l2_hints:
-            parts.append("l2hints")
-        if self.epi_n != 32:
-            parts.append(f"epi{self.epi_n}")
-        if (self.cluster_m, self.cluster_n) != (1, 1):
-            parts.append(f"c{self.cluster_m}x{self.cluster_n}")
-        if self.epi_whole:
-            parts.append("ew")
-        if self.tail_split:
-            parts.append("ts")
+        parts = [str(v) for v in astuple(self)[:8]] + option_parts(self)
         if self.gate:
             parts.append(f"gate-{self.gate}-{self.gate_layout}")
             if self.gate == "clamped_swiglu":

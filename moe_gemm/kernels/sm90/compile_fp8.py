@@ -11,7 +11,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from .compile import DTYPES, _fake  # noqa: E402
+from .compile import DTYPES, _fake, option_parts  # noqa: E402
 from .grouped_gemm_fp8 import SMETA_INTS, GroupedGemmFp8Sm90  # noqa: E402
 
 FP8_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
@@ -40,23 +40,9 @@ class Fp8CompileKey:
     tail_split: bool = False
 
     def name(self) -> str:
-        parts = ["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode, self.schedule,
-                 self.visitor, str(self.tile_m), str(self.tile_n)]
-        if self.stages is not None:
-            parts.append(f"s{self.stages}")
-        if self.trace:
-            parts.append("trace")
-        if self.l2_hints:
-            parts.append("l2hints")
-        if self.epi_n != 32:
-            parts.append(f"epi{self.epi_n}")
-        if (self.cluster_m, self.cluster_n) != (1, 1):
-            parts.append(f"c{self.cluster_m}x{self.cluster_n}")
-        if self.epi_whole:
-            parts.append("ew")
-        if self.tail_split:
-            parts.append("ts")
-        return "_".join(parts)
+        return "_".join(["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode,
+                         self.schedule, self.visitor, str(self.tile_m), str(self.tile_n)]
+                        + option_parts(self))
 
     def kernel(self) -> GroupedGemmFp8Sm90:
         return GroupedGemmFp8Sm90(
