@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moe_gemm.ops.reference import grouped_gemm_ref, grouped_mm_ref
-from moe_gemm_server.engine import Engine, EngineOutOfMemory, _merge_permutation, resolve_device
+from moe_gemm_server.engine import Engine, EngineOutOfMemory, resolve_device
+from moe_gemm_server.engine_launches import _merge_permutation
 
 
 def _counts(T: int, E: int, gen: torch.Generator, empty: tuple[int, ...] = ()) -> torch.Tensor:
@@ -272,7 +273,7 @@ def test_warm_up_ladder_covers_every_heuristic_choice(monkeypatch):
 
 def test_out_of_memory_is_reported_and_engine_survives(engine, monkeypatch):
     ws = engine.add_weights("m", torch.randn(2, 4, 4))
-    import moe_gemm_server.engine as eng
+    import moe_gemm_server.engine_launches as eng
 
     def boom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")

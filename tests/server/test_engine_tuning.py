@@ -12,7 +12,8 @@ from moe_gemm.ops import heuristics, tuned
 from moe_gemm.tuning import online
 from moe_gemm_server.cli import settings_from_args
 from moe_gemm_server.config import Settings
-from moe_gemm_server.engine import TUNE_ROWS_PER_EXPERT, Engine, WeightSet
+from moe_gemm_server.engine import Engine, WeightSet
+from moe_gemm_server.engine_warmup import TUNE_ROWS_PER_EXPERT
 
 DEV = "NVIDIA Test GPU"
 
