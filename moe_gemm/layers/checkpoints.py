@@ -4,7 +4,8 @@ Fused tensors (transformers 5, vLLM, GPT-OSS-style transposed), one block of a c
 state dict (per-expert Mixtral / Qwen / DeepSeek keys, fused keys, shared experts), and the
 common end of every loader, `moe_from_tensors`, which checks the tensors against each other and
 makes them the layer's parameters without a copy. The MoE class exposes these as its from_*
-classmethods; transformers blocks (MoE.from_hf) go through integrations/transformers.py.
+classmethods (the MoELoaders mixin here); transformers blocks (MoE.from_hf) go through
+integrations/transformers.py.
 """
 
 from __future__ import annotations
@@ -25,9 +26,133 @@ from moe_gemm.layers.experts_fp8 import (
 )
 
 if TYPE_CHECKING:
+    from moe_gemm.config import GemmConfig
     from moe_gemm.layers.moe import MoE
 
-__all__ = ["moe_from_fused", "moe_from_state_dict", "moe_from_tensors"]
+__all__ = ["MoELoaders", "moe_from_fused", "moe_from_state_dict", "moe_from_tensors"]
+
+
+class MoELoaders:
+    """MoE's checkpoint constructors (MoE inherits them): each builds a `cls` layer through
+    the loader functions below, or integrations/transformers.py for from_hf."""
+
+    @classmethod
+    def from_fused(
+        cls,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        router_weight: torch.Tensor,
+        top_k: int,
+        *,
+        transposed: bool = False,
+        e_score_correction_bias: torch.Tensor | None = None,
+        shared: Mapping[str, torch.Tensor] | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **options: Any,
+    ) -> MoE:
+        """A layer over existing fused expert tensors, sharing their storage (no copy).
+
+        Args:
+            gate_up_proj: transformers 5 / vLLM w13 layout [E, 2I, H] (gate rows, then up
+                rows); with transposed=True our canonical [E, H, 2I] (GPT-OSS-style
+                is_transposed checkpoints).
+            down_proj: [E, H, I]; with transposed=True [E, I, H].
+            router_weight: [E, H].
+            top_k: experts per token.
+            transposed: the tensors are already (E, K, N) = x @ w[e].
+            e_score_correction_bias: [E] (sigmoid routing); None = zeros.
+            shared: shared expert weights {"gate_proj": [Is, H], "up_proj": [Is, H],
+                "down_proj": [H, Is]} and optionally "gate": [1, H] (Qwen2-MoE's
+                shared_expert_gate).
+            scales: for FP8 expert weights, their float32 decoding scales (gate_up, down):
+                128x128 blocks [E, 2I/128, H/128] and [E, H/128, I/128] (transformers'
+                gate_up_proj_scale_inv / down_proj_scale_inv), or per channel [E, 2I] and
+                [E, H]; in the orientation of the weights as given.
+            **options: the MoE constructor's routing/activation/config keywords.
+
+        Returns:
+            The MoE, its parameters aliasing the given tensors.
+
+        Raises:
+            TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
+        """
+        return moe_from_fused(
+            cls, gate_up_proj, down_proj, router_weight, top_k, transposed=transposed,
+            e_score_correction_bias=e_score_correction_bias, shared=shared, scales=scales,
+            **options,
+        )
+
+    @classmethod
+    def from_vllm(
+        cls,
+        w13_weight: torch.Tensor,
+        w2_weight: torch.Tensor,
+        router_weight: torch.Tensor,
+        top_k: int,
+        **options: Any,
+    ) -> MoE:
+        """A layer over vLLM FusedMoE weights: w13_weight [E, 2I, H] (w1 = gate rows first,
+        then w3 = up), w2_weight [E, H, I]. Same as `from_fused`; no copy."""
+        return cls.from_fused(w13_weight, w2_weight, router_weight, top_k, **options)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        top_k: int,
+        *,
+        prefix: str = "",
+        strict: bool = True,
+        **options: Any,
+    ) -> MoE:
+        """A layer from one MoE block of a checkpoint, in any of the layouts users have.
+
+        Per-expert keys (Mixtral's w1/w3/w2, Qwen/DeepSeek's gate/up/down_proj) are stacked (a
+        copy); fused ones (transformers 5, vLLM) are aliased; routers, correction biases and
+        shared experts come along (the key table: layers/checkpoints.moe_from_state_dict).
+
+        Args:
+            state_dict: name -> tensor.
+            top_k: experts per token.
+            prefix: the block's key prefix.
+            strict: raise if a key under the prefix is not used (e.g. an expert bias this
+                layer would silently ignore).
+            **options: the MoE constructor's routing/activation/config keywords (e.g.
+                scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5).
+
+        Returns:
+            The MoE.
+
+        Raises:
+            KeyError: no router or no experts under the prefix.
+            ValueError: inconsistent shapes, missing experts, unused keys with strict=True.
+        """
+        return moe_from_state_dict(cls, state_dict, top_k, prefix=prefix, strict=strict,
+                                   **options)
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, *, config: GemmConfig | None = None) -> MoE:
+        """Our layer for a transformers 5 MoE block, sharing its weights (no copy).
+
+        Supported blocks: MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock (with its gated shared
+        expert), Qwen3MoeSparseMoeBlock, DeepseekV3MoE and Glm4MoeMoE (sigmoid group-limited
+        routing, shared experts). The result gives the same outputs as `block` (fp32: within
+        float rounding). For other models use `model.set_experts_implementation("moe_gemm")`,
+        which keeps the model's own router and runs its experts on moe_gemm.
+
+        Args:
+            block: the transformers module (e.g. `model.model.layers[i].mlp`).
+            config: GemmConfig for the grouped GEMMs.
+
+        Returns:
+            The MoE, its parameters being the block's own Parameter objects.
+
+        Raises:
+            ValueError: an unsupported block, or experts with a layout this layer cannot take.
+        """
+        from moe_gemm.integrations.transformers import moe_from_hf
+
+        return moe_from_hf(cls, block, config)
 
 
 def moe_from_fused(

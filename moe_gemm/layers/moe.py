@@ -6,8 +6,9 @@
     out += shared experts (DeepSeek), optionally times sigmoid(x @ g) (Qwen2-MoE)
 
 `moe_forward` is the functional form (route + experts), `MoE` the nn.Module with transformers'
-parameter names and layouts; its loaders (from_fused, from_vllm, from_state_dict) live in
-layers/checkpoints.py, its transformers constructor (from_hf) in integrations/transformers.py.
+parameter names and layouts; its loaders (from_fused, from_vllm, from_state_dict, from_hf)
+come from the MoELoaders mixin in layers/checkpoints.py, from_hf's work is done in
+integrations/transformers.py.
 The forward has no data-dependent Python control flow and never synchronizes on CUDA:
 torch.compile(fullgraph=True) traces it whole, and a CUDA graph captures it.
 
@@ -18,7 +19,6 @@ weights works, but `.backward()` through it raises a RuntimeError.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.layers.checkpoints import moe_from_fused, moe_from_state_dict
+from moe_gemm.layers.checkpoints import MoELoaders
 from moe_gemm.layers.experts import (
     FLOAT_DTYPES,
     Activation,
@@ -268,7 +268,7 @@ class GatedMLP(nn.Module):
         return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MoE(nn.Module):
+class MoE(MoELoaders, nn.Module):
     """A mixture-of-experts FFN layer on moe_gemm's grouped GEMMs. Inference only.
 
     out = sum over the top-k experts e of weight_e * down_e(act(gate_e(x)) * up_e(x))
@@ -504,122 +504,3 @@ class MoE(nn.Module):
             parts.append(f"fp8={self.fp8!r}")
         act = self.activation if isinstance(self.activation, str) else type(self.activation).__name__
         return ", ".join([*parts, f"activation={act!r}"])
-
-    # -- loaders ---------------------------------------------------------------------------
-
-
-    @classmethod
-    def from_fused(
-        cls,
-        gate_up_proj: torch.Tensor,
-        down_proj: torch.Tensor,
-        router_weight: torch.Tensor,
-        top_k: int,
-        *,
-        transposed: bool = False,
-        e_score_correction_bias: torch.Tensor | None = None,
-        shared: Mapping[str, torch.Tensor] | None = None,
-        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **options: Any,
-    ) -> MoE:
-        """A layer over existing fused expert tensors, sharing their storage (no copy).
-
-        Args:
-            gate_up_proj: transformers 5 / vLLM w13 layout [E, 2I, H] (gate rows, then up
-                rows); with transposed=True our canonical [E, H, 2I] (GPT-OSS-style
-                is_transposed checkpoints).
-            down_proj: [E, H, I]; with transposed=True [E, I, H].
-            router_weight: [E, H].
-            top_k: experts per token.
-            transposed: the tensors are already (E, K, N) = x @ w[e].
-            e_score_correction_bias: [E] (sigmoid routing); None = zeros.
-            shared: shared expert weights {"gate_proj": [Is, H], "up_proj": [Is, H],
-                "down_proj": [H, Is]} and optionally "gate": [1, H] (Qwen2-MoE's
-                shared_expert_gate).
-            scales: for FP8 expert weights, their float32 decoding scales (gate_up, down):
-                128x128 blocks [E, 2I/128, H/128] and [E, H/128, I/128] (transformers'
-                gate_up_proj_scale_inv / down_proj_scale_inv), or per channel [E, 2I] and
-                [E, H]; in the orientation of the weights as given.
-            **options: the MoE constructor's routing/activation/config keywords.
-
-        Returns:
-            The MoE, its parameters aliasing the given tensors.
-
-        Raises:
-            TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
-        """
-        return moe_from_fused(
-            cls, gate_up_proj, down_proj, router_weight, top_k, transposed=transposed,
-            e_score_correction_bias=e_score_correction_bias, shared=shared, scales=scales,
-            **options,
-        )
-    @classmethod
-    def from_vllm(
-        cls,
-        w13_weight: torch.Tensor,
-        w2_weight: torch.Tensor,
-        router_weight: torch.Tensor,
-        top_k: int,
-        **options: Any,
-    ) -> MoE:
-        """A layer over vLLM FusedMoE weights: w13_weight [E, 2I, H] (w1 = gate rows first,
-        then w3 = up), w2_weight [E, H, I]. Same as `from_fused`; no copy."""
-        return cls.from_fused(w13_weight, w2_weight, router_weight, top_k, **options)
-
-    @classmethod
-    def from_state_dict(
-        cls,
-        state_dict: Mapping[str, torch.Tensor],
-        top_k: int,
-        *,
-        prefix: str = "",
-        strict: bool = True,
-        **options: Any,
-    ) -> MoE:
-        """A layer from one MoE block of a checkpoint, in any of the layouts users have.
-
-        Per-expert keys (Mixtral's w1/w3/w2, Qwen/DeepSeek's gate/up/down_proj) are stacked (a
-        copy); fused ones (transformers 5, vLLM) are aliased; routers, correction biases and
-        shared experts come along (the key table: layers/checkpoints.moe_from_state_dict).
-
-        Args:
-            state_dict: name -> tensor.
-            top_k: experts per token.
-            prefix: the block's key prefix.
-            strict: raise if a key under the prefix is not used (e.g. an expert bias this
-                layer would silently ignore).
-            **options: the MoE constructor's routing/activation/config keywords (e.g.
-                scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5).
-
-        Returns:
-            The MoE.
-
-        Raises:
-            KeyError: no router or no experts under the prefix.
-            ValueError: inconsistent shapes, missing experts, unused keys with strict=True.
-        """
-        return moe_from_state_dict(cls, state_dict, top_k, prefix=prefix, strict=strict,
-                                   **options)
-    @classmethod
-    def from_hf(cls, block: nn.Module, *, config: GemmConfig | None = None) -> MoE:
-        """Our layer for a transformers 5 MoE block, sharing its weights (no copy).
-
-        Supported blocks: MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock (with its gated shared
-        expert), Qwen3MoeSparseMoeBlock, DeepseekV3MoE and Glm4MoeMoE (sigmoid group-limited
-        routing, shared experts). The result gives the same outputs as `block` (fp32: within
-        float rounding). For other models use `model.set_experts_implementation("moe_gemm")`,
-        which keeps the model's own router and runs its experts on moe_gemm.
-
-        Args:
-            block: the transformers module (e.g. `model.model.layers[i].mlp`).
-            config: GemmConfig for the grouped GEMMs.
-
-        Returns:
-            The MoE, its parameters being the block's own Parameter objects.
-
-        Raises:
-            ValueError: an unsupported block, or experts with a layout this layer cannot take.
-        """
-        from moe_gemm.integrations.transformers import moe_from_hf
-
-        return moe_from_hf(cls, block, config)
