@@ -6,8 +6,9 @@
 - run(): admission (ready, not draining, queue bound), then waits for the job's result while
   watching its deadline and the client's connection; a timed-out or abandoned job is dropped
   from the queue, and a late result is never sent.
-- put/delete weights: streamed to a temp file, checked, copied to the device and warmed, then
-  committed to disk atomically and swapped in; an upload is acknowledged only when durable.
+- put/delete weights (service_weights.py, a mixin Service inherits): streamed to a temp file,
+  checked, copied to the device and warmed, then committed to disk atomically and swapped in;
+  an upload is acknowledged only when durable.
 - drain(): readiness turns 503, new requests get 503, queued and in-flight work finishes.
 """
 
@@ -17,30 +18,25 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
 
 from moe_gemm.config import GemmConfig
-from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
+from moe_gemm_server.engine import Engine, EngineOutOfMemory
 
 from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
-from .codecs import JSON_DTYPES, encode_safetensors, json_tensor3, parse_json_object
 from .config import Settings
 from .errors import APIError, unavailable, unprocessable
-from .faults import device_failure, is_no_space
-from .limits import WEIGHT_FLAG, BodyTooLarge, read_body
+from .faults import device_failure
 from .metrics import Metrics, StatsBook
-from .storage import WeightStore, check_name, read_weight_file
+from .service_weights import WeightsMixin
+from .storage import WeightStore
 from .sync import StoreWatcher
 
 log = logging.getLogger(__name__)
-
-WRITE_CHUNK = 4 << 20
 
 
 MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
@@ -61,7 +57,7 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-class Service:
+class Service(WeightsMixin):
     def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
@@ -308,119 +304,6 @@ class Service:
         self.batcher.cancel(job, "timeout")
         raise APIError(504, "the request's timeout expired before its result was ready")
 
-    # ------------------------------------------------------------------ weights
-
-    def weight_set(self, name: str) -> WeightSet:
-        assert self.engine is not None
-        try:
-            return self.engine.get_weights(name)
-        except KeyError:
-            raise APIError(404, f"unknown weight set {name!r}") from None
-
-    def _update_weight_metrics(self) -> None:
-        assert self.engine is not None
-        self.metrics.resident_bytes.set(self.engine.resident_bytes)
-        self.metrics.weight_sets.set(len(self.engine.weight_sets()))
-
-    async def put_weights(self, name: str, request: Request) -> tuple[WeightSet, bool]:
-        """Receive, check, warm, persist and install a weight set. Returns (set, created)."""
-        assert self.engine is not None and self._weights_lock is not None
-        check_name(name)
-        temp = self.store.new_temp()
-        try:
-            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype == "application/json":
-                body = await read_body(request, self.settings.max_weight_bytes,
-                                       flag=WEIGHT_FLAG)
-                data = await asyncio.to_thread(_json_weights, body)
-                await asyncio.to_thread(_write_file, temp, data)
-            elif ctype in SAFETENSORS_TYPES:
-                enc = request.headers.get("content-encoding", "identity").strip().lower()
-                if enc not in ("", "identity"):
-                    raise APIError(415, "weight uploads take no Content-Encoding")
-                await _stream_to_file(request, temp, self.settings.max_weight_bytes)
-            else:
-                raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
-                                    "(application/octet-stream) or application/json")
-            tensor, layout, scale = await asyncio.to_thread(read_weight_file, temp)
-            nbytes = tensor.numel() * tensor.element_size()
-            self._check_budget(name, nbytes)
-            self._reserved_bytes += nbytes  # no await since the check: admission is atomic
-            try:
-                try:
-                    ws = await asyncio.to_thread(functools.partial(
-                        self.engine.prepare_weights, name, tensor, layout, scale=scale))
-                except (ValueError, TypeError) as e:
-                    raise unprocessable(str(e)) from None
-                async with self._weights_lock:
-                    await asyncio.to_thread(self.store.commit, temp, name)
-                    old = self.engine.install(ws)
-                    self.watcher.record(name, self.watcher.file_id(name))
-                    self._update_weight_metrics()
-            finally:
-                self._reserved_bytes -= nbytes
-            log.info("weight set %r %s: %s", name, "replaced" if old else "created", ws.info())
-            return ws, old is None
-        except EngineOutOfMemory as e:
-            self.metrics.rejections.labels("out_of_memory").inc()
-            raise APIError(507, f"weight set {name!r} does not fit in device memory "
-                                f"({self.engine.resident_bytes} bytes held by "
-                                f"{len(self.engine.weight_sets())} resident set(s)): {e}; "
-                                "delete a set or set --max-resident-bytes") from None
-        except OSError as e:
-            if is_no_space(e):
-                self.metrics.rejections.labels("no_space").inc()
-                raise APIError(507, f"the data directory {self.store.root} is full "
-                                    f"({e.strerror}); weight set {name!r} was not stored and "
-                                    "its previous version, if any, is unchanged") from None
-            raise
-        except Exception as e:
-            if self._check_fatal(e):
-                raise unavailable(f"not ready: {self.not_ready_reason}") from None
-            raise
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
-
-    def _check_budget(self, name: str, nbytes: int) -> None:
-        """507 if a set of `nbytes` would take the resident sets past --max-resident-bytes
-        (a replaced set's bytes count as freed: the swap releases them)."""
-        budget = self.settings.max_resident_bytes
-        if budget is None:
-            return
-        assert self.engine is not None
-        try:
-            replaced = self.engine.get_weights(name).nbytes
-        except KeyError:
-            replaced = 0
-        resident = self.engine.resident_bytes + self._reserved_bytes
-        if resident - replaced + nbytes > budget:
-            self.metrics.rejections.labels("over_budget").inc()
-            raise APIError(
-                507,
-                f"weight set {name!r} needs {nbytes} bytes but only "
-                f"{max(0, budget - resident + replaced)} of the {budget}-byte resident budget "
-                f"(--max-resident-bytes) are free ({resident} bytes held by "
-                f"{len(self.engine.weight_sets())} set(s) and uploads in progress); delete a "
-                "set or raise the budget",
-            )
-
-    async def delete_weights(self, name: str) -> None:
-        assert self.engine is not None and self._weights_lock is not None
-        async with self._weights_lock:
-            on_disk = await asyncio.to_thread(self.store.delete, name)
-            ws = self.engine.remove_weights(name)
-            self.watcher.record(name, None)
-            self._update_weight_metrics()
-        if not on_disk and ws is None:
-            raise APIError(404, f"unknown weight set {name!r}")
-        self.stats.forget(name)
-        log.info("weight set %r deleted", name)
-
-
-SAFETENSORS_TYPES = ("", "application/octet-stream", "application/safetensors",
-                     "application/x-safetensors")
-
 
 async def _wait_disconnect(request: Request) -> None:
     """Returns when the client has gone (http.disconnect after the body was read)."""
@@ -428,45 +311,3 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-async def _stream_to_file(request: Request, path: Path, limit: int) -> None:
-    total = 0
-    buf = bytearray()
-    f = await asyncio.to_thread(open, path, "wb")
-    try:
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                raise BodyTooLarge(limit, flag=WEIGHT_FLAG)
-            buf += chunk
-            if len(buf) >= WRITE_CHUNK:
-                data, buf = bytes(buf), bytearray()
-                await asyncio.to_thread(f.write, data)
-        if buf:
-            await asyncio.to_thread(f.write, bytes(buf))
-        await asyncio.to_thread(f.flush)
-    finally:
-        await asyncio.to_thread(f.close)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _json_weights(body: bytearray) -> bytes:
-    """{"w" | "w_t": [[[...]]], "dtype"} -> a safetensors body."""
-    obj = parse_json_object(body)
-    dtype = JSON_DTYPES.get(obj.get("dtype", "float32"))
-    if dtype is None:
-        raise unprocessable(f"dtype must be one of {', '.join(JSON_DTYPES)}; got "
-                            f"{obj.get('dtype')!r}")
-    names = [k for k in obj if k != "dtype"]
-    if names not in (["w"], ["w_t"]):
-        raise unprocessable("expected exactly one field 'w' (E, K, N) or 'w_t' (E, N, K) "
-                            f"(plus 'dtype'); got {names}")
-    hint = "(E, K, N)" if names[0] == "w" else "(E, N, K)"
-    return encode_safetensors({names[0]: json_tensor3(names[0], obj[names[0]], dtype, hint)})

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from server_testutils import REPO, LiveServer, free_port, mm_ref, st_body, st_load
 
 from moe_gemm_server import Settings, create_app
-from moe_gemm_server import service as service_mod
+from moe_gemm_server import service_weights as service_mod
 from moe_gemm_server import storage as storage_mod
 from moe_gemm_server.engine import Engine, EngineOutOfMemory
 from moe_gemm_server.faults import EXIT_DEVICE_FAILED, device_failure, is_no_space

@@ -11,7 +11,7 @@ from fastapi import Request, Response
 
 from ..codecs import encode_json, encode_safetensors, tensor_to_json
 from ..errors import APIError, bad_request
-from ..service import SAFETENSORS_TYPES
+from ..service_weights import SAFETENSORS_TYPES
 
 OCTET = "application/octet-stream"
 JSON = "application/json"
