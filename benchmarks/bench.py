@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,15 @@ from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock, median
 from benchmarks.host_overhead import measure_host_overhead
 from benchmarks.report import plot_png, write_json
-from benchmarks.runner import ABORT_ENV, Run, after_error, progress_path, run_shape
+from benchmarks.runner import (
+    ABORT_ENV,
+    Run,
+    after_error,
+    bench_device,
+    device_info,
+    progress_path,
+    run_shape,
+)
 from benchmarks.scoring import derive, format_table, fp8_compute_bound
 from benchmarks.suite import (
     FP8,
@@ -72,22 +79,10 @@ DEFAULT_REPS = 30
 SMOKE_REPS = 3
 
 
-def _device_info(device: torch.device) -> tuple[str, dict[str, Any], int]:
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
-    if device.type != "cuda":
-        return f"cpu ({platform.machine()})", info, 0
-    props = torch.cuda.get_device_properties(device)
-    l2 = int(getattr(props, "L2_cache_size", 0) or 0) or 50 * 2**20
-    info.update(name=props.name, capability=f"sm_{props.major}{props.minor}",
-                sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-                l2_mib=round(l2 / 2**20, 1), cuda=torch.version.cuda)
-    return props.name, info, l2
-
-
 def _new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     from moe_gemm.capability import cute_problem
 
-    name, info, _ = _device_info(device)
+    name, info, _ = device_info(device)
     info["cute_backend"] = cute_problem(device) or "available"
     return {
         "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
@@ -116,7 +111,7 @@ def run_in_process(args: argparse.Namespace, argv: list[str], device: torch.devi
     doc = _new_doc(device, args, argv)
     if args.reps < 20 and not args.smoke:
         doc["warning"] = f"reps={args.reps}: reported numbers need medians of at least 20"
-    _, _, l2 = _device_info(device)
+    _, _, l2 = device_info(device)
     run = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed,
               smoke=args.smoke, variants=args.variants, skip=frozenset(args.skip_impl or ()),
               doc=doc, out_path=out_path, l2_bytes=l2 if not args.smoke else 1 << 20,
@@ -328,23 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown shape(s) {', '.join(unknown) or '(none)'}; expected some of "
               f"{', '.join(known)}", file=sys.stderr)
         return 2
-    dev_name = args.device if args.device not in (None, "auto") else (
-        "cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(dev_name)
-    except RuntimeError as exc:
-        print(f"error: bad --device {dev_name!r}: {exc}", file=sys.stderr)
-        return 2
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
-            return 2
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    elif not args.smoke:
-        print("error: the full suite needs a CUDA GPU (GBs of inputs); use --smoke on the CPU",
-              file=sys.stderr)
+        device = bench_device(args.device, args.smoke, "the full suite (GBs of inputs)")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = "bench" if suite_name == "bench" else f"bench-{suite_name}"

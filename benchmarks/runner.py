@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import os
+import platform
 import sys
 import time
 import warnings
@@ -52,6 +53,50 @@ ABORT_ENV = "MOE_GEMM_BENCH_ABORT_IN"
 # Substrings of errors after which the CUDA context cannot be trusted (sticky errors).
 _STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
            "unspecified launch failure", "device-side assert", "an illegal", "launch timeout")
+
+
+def device_info(device: torch.device) -> tuple[str, dict[str, Any], int]:
+    """(device name, versions and properties for a results file, L2 bytes; 0 off the GPU)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from moe_gemm import __version__
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                            "moe_gemm": __version__}
+    try:
+        info["quack_kernels"] = version("quack-kernels")
+    except PackageNotFoundError:
+        info["quack_kernels"] = None
+    if device.type != "cuda":
+        return f"cpu ({platform.machine()})", info, 0
+    props = torch.cuda.get_device_properties(device)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 0) or 50 * 2**20
+    info.update(name=props.name, capability=f"sm_{props.major}{props.minor}",
+                sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                l2_mib=round(l2 / 2**20, 1), cuda=torch.version.cuda)
+    return props.name, info, l2
+
+
+def bench_device(requested: str | None, smoke: bool, needs: str) -> torch.device:
+    """The device a benchmark runs on: `requested` ("cuda", "cuda:1", "cpu"; None or "auto":
+    the GPU if there is one), made current when it is a GPU. Raises ValueError with the line to
+    print for a bad name, a missing GPU, or a CPU without --smoke (`needs`: what the full run
+    needs the GPU for)."""
+    name = requested if requested not in (None, "auto") else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"bad --device {name!r}: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but no CUDA GPU is visible")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif not smoke:
+        raise ValueError(f"{needs} needs a CUDA GPU; use --smoke on the CPU")
+    return device
 
 
 def _context_alive(device: torch.device) -> bool:

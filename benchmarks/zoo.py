@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import sys
 import time
 from datetime import datetime, timezone
@@ -44,7 +43,7 @@ from benchmarks import suite_fp8, zoo_report
 from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock
 from benchmarks.report import write_json
-from benchmarks.runner import Run, run_shape
+from benchmarks.runner import Run, bench_device, device_info, run_shape
 from benchmarks.scoring import fp8_compute_bound
 from benchmarks.suite import (
     DEFAULT_NAME,
@@ -64,7 +63,6 @@ from benchmarks.suite import (
     _ours,
     quack_autotune_seconds,
 )
-from moe_gemm import __version__
 from moe_gemm.tuning import zoo as models
 
 DEFAULT_MODELS = models.DEFAULT_MODELS
@@ -184,25 +182,6 @@ def estimate_case_s(fields: dict[str, Any], ceilings: dict[str, Any], reps: int,
 # Running
 
 
-def _device_info(device: torch.device) -> tuple[str, dict[str, Any], int]:
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                            "moe_gemm": __version__}
-    if device.type != "cuda":
-        return f"cpu ({platform.machine()})", info, 0
-    props = torch.cuda.get_device_properties(device)
-    l2 = int(getattr(props, "L2_cache_size", 0) or 0) or 50 * 2**20
-    info.update(name=props.name, capability=f"sm_{props.major}{props.minor}",
-                sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-                l2_mib=round(l2 / 2**20, 1), cuda=torch.version.cuda)
-    try:
-        from importlib.metadata import version
-
-        info["quack_kernels"] = version("quack-kernels")
-    except Exception:  # noqa: BLE001 - not installed
-        info["quack_kernels"] = None
-    return props.name, info, l2
-
-
 def _choice_source(fields: dict[str, Any], device: torch.device, fp8: bool = False) -> str:
     """How our default picked its kernel here: a tuned table (exact / nearest / model) or
     the rules (FP8: always the rules, moe_gemm.ops.heuristics_fp8 has no tables)."""
@@ -252,7 +231,7 @@ def _precompile(cases, device: torch.device, log) -> Any:
 
 
 def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    name, info, _ = _device_info(device)
+    name, info, _ = device_info(device)
     return {
         "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "complete": False, "device_info": info, "argv": argv,
@@ -289,7 +268,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
         doc["runs"] = list(old.get("runs", []))
         cases = [(s, f) for s, f in cases if s.name not in done]
     pool = _precompile(cases, device, log)
-    _, _, l2 = _device_info(device)
+    _, _, l2 = device_info(device)
     run_doc: dict[str, Any] = {"ceilings": {}, "shapes": {}, "results": []}
     r = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed,
             smoke=args.smoke, variants=False, skip=frozenset(args.skip_impl or ()),
@@ -409,20 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(dev)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
-            return 2
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    elif not args.smoke:
-        print("error: the zoo needs a CUDA GPU (GBs of weights); use --smoke on the CPU",
-              file=sys.stderr)
+    try:
+        device = bench_device(args.device, args.smoke, "the zoo (GBs of weights)")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    name, _, _ = _device_info(device)
+    name, _, _ = device_info(device)
     from moe_gemm.ops.tuned import device_slug
 
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")

@@ -39,6 +39,7 @@ from moe_gemm.kernels.sm90.constants import raster_code
 from moe_gemm.ops import schedule as sched
 
 from .gpu_report import record
+from .helpers import check, rand
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -70,27 +71,6 @@ def _gen(name):
     return torch.Generator(device=DEV).manual_seed(zlib.crc32(name.encode()))
 
 
-def _rand(shape, dtype, gen):
-    return (torch.randn(shape, generator=gen, device=DEV) * 0.5).to(dtype)
-
-
-def _check(name, out, ref32, low, **info):
-    """2x rule against torch's low-precision result; NaN (an unwritten element) never passes."""
-    if out.numel() == 0:
-        record(name, True, max_rel_err=0.0, **info)
-        return
-    finite = bool(torch.isfinite(out).all())
-    err = (out.float() - ref32).abs().max().item()
-    base = (low.float() - ref32).abs().max().item()
-    scale = ref32.abs().max().item() + 1e-6
-    tol = 2 * base + 1e-3 * scale
-    passed = finite and err <= tol
-    record(name, passed, max_abs_err=err, max_rel_err=err / scale, baseline_err=base,
-           finite=finite, **info)
-    assert finite, f"{name}: output has NaN/inf (unwritten elements?)"
-    assert err <= tol, f"{name}: max err {err:.3e} > tol {tol:.3e} (torch low-prec {base:.3e})"
-
-
 def _assert_choice(name, cfg):
     """The launch ran the config's tile, schedule and cluster (nothing chose around it)."""
     from moe_gemm.ops.launch import last_launch
@@ -109,11 +89,11 @@ def _assert_choice(name, cfg):
 
 def _general(name, sizes, b_major, cfg, dtype=torch.bfloat16, out_dtype=None):
     gen = _gen(name)
-    a = [_rand((m, k), dtype, gen) for m, n, k in sizes]
+    a = [rand((m, k), dtype, gen) for m, n, k in sizes]
     if b_major == "k":  # (K, N) views of (N, K) tensors: K contiguous
-        b = [_rand((n, k), dtype, gen).t() for m, n, k in sizes]
+        b = [rand((n, k), dtype, gen).t() for m, n, k in sizes]
     else:
-        b = [_rand((k, n), dtype, gen) for m, n, k in sizes]
+        b = [rand((k, n), dtype, gen) for m, n, k in sizes]
     odt = out_dtype or dtype
     out = [torch.full((m, n), float("nan"), dtype=odt, device=DEV) for m, n, k in sizes]
     res = moe_gemm.grouped_gemm(a, b, out=out, config=cfg)
@@ -123,7 +103,7 @@ def _general(name, sizes, b_major, cfg, dtype=torch.bfloat16, out_dtype=None):
     for i, (m, n, k) in enumerate(sizes):
         ref = a[i].float() @ b[i].float()
         low = (a[i] @ b[i]).to(odt)
-        _check(f"{name}[{i}]", out[i], ref, low, size=sizes[i])
+        check(f"{name}[{i}]", out[i], ref, low, size=sizes[i])
 
 
 def _general_sizes(tile):
@@ -140,11 +120,11 @@ def _varlen(name, counts, N, K, w_major, cfg, dtype=torch.bfloat16, out_dtype=No
     T = sum(counts) + tail
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEV)
     gen = _gen(name)
-    x = _rand((T, K), dtype, gen)
+    x = rand((T, K), dtype, gen)
     if w_major == "k":  # the transpose of an (E, N, K) weight (what transformers stores)
-        w = _rand((E, N, K), dtype, gen).transpose(1, 2)
+        w = rand((E, N, K), dtype, gen).transpose(1, 2)
     else:
-        w = _rand((E, K, N), dtype, gen)
+        w = rand((E, K, N), dtype, gen)
     odt = out_dtype or dtype
     if out_mode == "given":
         out = torch.full((T, N), float("nan"), dtype=odt, device=DEV)
@@ -166,9 +146,9 @@ def _varlen(name, counts, N, K, w_major, cfg, dtype=torch.bfloat16, out_dtype=No
         untouched = bool((y[T - tail:] == 7.0).all())
         record(f"{name}/tail-untouched", untouched)
         assert untouched, "rows past offs[-1] were written"
-        _check(name, y[:T - tail], ref[:T - tail], low[:T - tail], E=E, T=T, N=N, K=K)
+        check(name, y[:T - tail], ref[:T - tail], low[:T - tail], E=E, T=T, N=N, K=K)
     else:
-        _check(name, y, ref, low, E=E, T=T, N=N, K=K)
+        check(name, y, ref, low, E=E, T=T, N=N, K=K)
 
 
 def _edge_counts(tile_m):
@@ -180,18 +160,18 @@ def _edge_counts(tile_m):
 
 def _batched(name, G, M, N, K, w_major, cfg, dtype=torch.bfloat16, out_dtype=None):
     gen = _gen(name)
-    x = _rand((G, M, K), dtype, gen)
+    x = rand((G, M, K), dtype, gen)
     if w_major == "k":
-        w = _rand((G, N, K), dtype, gen).transpose(1, 2)
+        w = rand((G, N, K), dtype, gen).transpose(1, 2)
     else:
-        w = _rand((G, K, N), dtype, gen)
+        w = rand((G, K, N), dtype, gen)
     odt = out_dtype or dtype
     out = torch.full((G, M, N), float("nan"), dtype=odt, device=DEV)
     y = moe_gemm.grouped_mm(x, w, out=out, config=cfg)
     torch.cuda.synchronize()
     _assert_choice(name, cfg)
     assert y.data_ptr() == out.data_ptr()
-    _check(name, y, x.float() @ w.float(), torch.bmm(x, w).to(odt), G=G, M=M, N=N, K=K)
+    check(name, y, x.float() @ w.float(), torch.bmm(x, w).to(odt), G=G, M=M, N=N, K=K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +306,7 @@ def test_pingpong_cluster_graph_replay_with_new_offsets(cl):
         torch.cuda.synchronize()
         ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
         low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
-        _check(f"tiles/pp-cluster{cl}/graph/replay{trial}", y, ref, low)
+        check(f"tiles/pp-cluster{cl}/graph/replay{trial}", y, ref, low)
 
 
 @pytest.mark.parametrize("cl", list(CLUSTERS))

@@ -134,6 +134,29 @@ def _fake(dtype, shape, leading_dim: int):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
 
 
+def fake_launch_arguments() -> tuple[tuple, tuple, object]:
+    """The launch arguments every kernel form takes after its operands, as fake tensors and
+    placeholder scalars: (meta, meta32, offs, table, workspace, trace), (num_problems,
+    num_ctas, swizzle, a_policy, b_policy, pdl, d_base), stream."""
+    g = cute.sym_int()
+    meta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (g, 8), stride_order=(1, 0))
+    meta32 = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g, 16), stride_order=(1, 0))
+    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),))
+    table = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 2), stride_order=(2, 1, 0)
+    )
+    workspace = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int64, (cute.sym_int(),), assumed_align=128
+    )
+    trace = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0)
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0),
+               cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0))
+    return (meta, meta32, offs, table, workspace, trace), scalars, stream
+
+
 def fake_arguments(key: CompileKey) -> tuple:
     ab = DTYPES[key.ab_dtype]
     d = DTYPES[key.d_dtype]
@@ -153,22 +176,7 @@ def fake_arguments(key: CompileKey) -> tuple:
         # its own width (half of w's N).
         out_rows = cute.sym_int() if key.gather else rows
         out = _fake(d, (out_rows, cute.sym_int() if key.gate else n), leading_dim=1)
-    g = cute.sym_int()
-    meta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (g, 8), stride_order=(1, 0))
-    meta32 = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g, 16), stride_order=(1, 0))
-    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),))
-    table = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 2), stride_order=(2, 1, 0)
-    )
-    workspace = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int64, (cute.sym_int(),), assumed_align=128
-    )
-    trace = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0)
-    )
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0),
-               cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0))
+    (meta, meta32, offs, table, workspace, trace), scalars, stream = fake_launch_arguments()
     if not key.fused:
         return (a, w, out, meta, meta32, offs, table, workspace, trace, *scalars, stream)
     # The fused kernel's tensors: (S,) int32 row index, (S,) fp32 row weights, (E, N) fp32

@@ -11,7 +11,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from .compile import DTYPES, _fake, option_parts  # noqa: E402
+from .compile import DTYPES, _fake, fake_launch_arguments, option_parts  # noqa: E402
 from .grouped_gemm_fp8 import SMETA_INTS, GroupedGemmFp8Sm90  # noqa: E402
 
 FP8_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
@@ -85,27 +85,10 @@ def fake_arguments(key: Fp8CompileKey) -> tuple:
         else:
             sfa = _fake_scales((1, 1))
             sfb = _fake_scales((1, 1, 1))
-    g = cute.sym_int()
     smeta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(), SMETA_INTS),
                                                   stride_order=(1, 0))
-    meta = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (g, 8), stride_order=(1, 0))
-    meta32 = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g, 16), stride_order=(1, 0))
-    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),))
-    table = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 2), stride_order=(2, 1, 0)
-    )
-    workspace = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int64, (cute.sym_int(),), assumed_align=128
-    )
-    trace = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0)
-    )
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (
-        a, w, out, sfa, sfb, smeta, meta, meta32, offs, table, workspace, trace,
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int64(0), cutlass.Int64(0),
-        cutlass.Int32(1), cutlass.Int64(0), stream,
-    )
+    launch, scalars, stream = fake_launch_arguments()
+    return (a, w, out, sfa, sfb, smeta, *launch, *scalars, stream)
 
 
 def compile_fp8_variant(key: Fp8CompileKey, keep_dir: str | None = None):
