@@ -1,0 +1,118 @@
+"""Where the call-to-kernel gap of one call goes, on a GPU machine.
+
+For each host-overhead case (benchmarks/host_overhead.py) called with the GPU idle, it splits
+the time from the call to its kernel's start into: CPU time before the launch API call, the
+launch API call itself, and the driver-to-GPU latency; and it reports the kernel's duration on
+the idle GPU. Timestamps come from the torch profiler (CUPTI), which records runtime and
+driver launch calls (cudaLaunchKernel, cuLaunchKernelEx) and kernel activity on one clock.
+
+    python scripts/launch_gap_probe.py [--reps 50] [--out gap.json]
+
+Prints a table; --out writes every case's medians as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from benchmarks.host_overhead import build_cases  # noqa: E402
+
+LAUNCH_NAMES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                "cudaLaunchKernelEx")
+
+
+def _probe(fn, reps: int) -> dict[str, float]:
+    cpu_after_sync = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        time.sleep(0.001)
+        t = time.perf_counter()
+        fn()
+        cpu_after_sync.append((time.perf_counter() - t) * 1e6)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            torch.cuda.synchronize()
+            time.sleep(0.001)
+            with record_function(f"probe_call_{i}"):
+                fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    calls = sorted((e for e in events if e.name.startswith("probe_call_")),
+                   key=lambda e: e.time_range.start)
+    launches = sorted((e for e in events if e.name in LAUNCH_NAMES),
+                      key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.name not in LAUNCH_NAMES and not e.name.startswith("probe_call")
+                      and "Memcpy" not in e.name and "Memset" not in e.name),
+                     key=lambda e: e.time_range.start)
+    rows = []
+    for c in calls:
+        c0, c1 = c.time_range.start, c.time_range.end
+        ls = [e for e in launches if c0 <= e.time_range.start <= c1]
+        ks = [e for e in kernels if c0 <= e.time_range.start <= c1 + 200]
+        if not ls or not ks:
+            continue
+        last_l, first_k = ls[-1], ks[0]
+        rows.append({
+            "call_us": c1 - c0,
+            "before_launch_us": last_l.time_range.start - c0,
+            "launch_api_us": last_l.time_range.end - last_l.time_range.start,
+            "after_launch_us": c1 - last_l.time_range.end,
+            "api_to_kernel_us": first_k.time_range.start - last_l.time_range.start,
+            "call_to_kernel_us": first_k.time_range.start - c0,
+            "kernel_us": sum(k.time_range.end - k.time_range.start for k in ks),
+            "launches": len(ls), "kernels": len(ks),
+        })
+    out = {"cpu_after_sync_us": statistics.median(cpu_after_sync), "traced": len(rows)}
+    if rows:
+        for key in rows[0]:
+            out[key] = statistics.median(r[key] for r in rows)
+        out["kernel_names"] = sorted({k.name[:80] for k in kernels})[:4]
+        out["launch_names"] = sorted({e.name for e in launches})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    cases, _ = build_cases(device, smoke=False)
+    result = {"device": torch.cuda.get_device_name(device), "cases": {}}
+    for name, fn in cases.items():
+        if "256" in name:
+            continue
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        try:
+            result["cases"][name] = _probe(fn, args.reps)
+        except Exception as exc:  # noqa: BLE001 - one case's failure must not lose the others
+            result["cases"][name] = {"error": repr(exc)[:300]}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    keys = ("cpu_after_sync_us", "before_launch_us", "launch_api_us", "api_to_kernel_us",
+            "call_to_kernel_us", "kernel_us", "launches")
+    print(f"{'case':40} | " + " | ".join(k.replace("_us", "")[:14] for k in keys))
+    for name, r in result["cases"].items():
+        if "error" in r:
+            print(f"{name[:40]:40} | error {r['error'][:80]}")
+            continue
+        print(f"{name[:40]:40} | " + " | ".join(f"{r.get(k, float('nan')):14.1f}" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
