@@ -26,6 +26,20 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from benchmarks.host_overhead import build_cases  # noqa: E402
+from moe_gemm.ops import launch  # noqa: E402
+
+
+def _mark_plan_calls() -> None:
+    """Wrap the plans' __call__ in a profiler range, so the trace shows when a call reaches
+    its plan (the lookup and checks before it) and how long the plan takes to launch."""
+    for cls in (launch.MmPlan, launch.BmmPlan):
+        inner = cls.__call__
+
+        def call(self, *a, __inner=inner, **k):
+            with record_function("plan_call"):
+                return __inner(self, *a, **k)
+
+        cls.__call__ = call
 
 LAUNCH_NAMES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
                 "cudaLaunchKernelEx")
@@ -49,6 +63,7 @@ def _probe(fn, reps: int) -> dict[str, float]:
     events = prof.events()
     calls = sorted((e for e in events if e.name.startswith("probe_call_")),
                    key=lambda e: e.time_range.start)
+    plans = sorted((e for e in events if e.name == "plan_call"), key=lambda e: e.time_range.start)
     launches = sorted((e for e in events if e.name in LAUNCH_NAMES),
                       key=lambda e: e.time_range.start)
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
@@ -63,7 +78,11 @@ def _probe(fn, reps: int) -> dict[str, float]:
         if not ls or not ks:
             continue
         last_l, first_k = ls[-1], ks[0]
-        rows.append({
+        ps = [e for e in plans if c0 <= e.time_range.start <= c1]
+        extra = ({"to_plan_us": ps[0].time_range.start - c0,
+                  "plan_to_launch_us": last_l.time_range.start - ps[0].time_range.start}
+                 if ps else {})
+        rows.append({**extra,
             "call_us": c1 - c0,
             "before_launch_us": last_l.time_range.start - c0,
             "launch_api_us": last_l.time_range.end - last_l.time_range.start,
@@ -75,8 +94,9 @@ def _probe(fn, reps: int) -> dict[str, float]:
         })
     out = {"cpu_after_sync_us": statistics.median(cpu_after_sync), "traced": len(rows)}
     if rows:
-        for key in rows[0]:
-            out[key] = statistics.median(r[key] for r in rows)
+        for key in rows[-1]:
+            vals = [r[key] for r in rows if key in r]
+            out[key] = statistics.median(vals)
         out["kernel_names"] = sorted({k.name[:80] for k in kernels})[:4]
         out["launch_names"] = sorted({e.name for e in launches})
     return out
@@ -88,6 +108,7 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     device = torch.device("cuda")
+    _mark_plan_calls()
     cases, _ = build_cases(device, smoke=False)
     result = {"device": torch.cuda.get_device_name(device), "cases": {}}
     for name, fn in cases.items():
@@ -103,7 +124,7 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    keys = ("cpu_after_sync_us", "before_launch_us", "launch_api_us", "api_to_kernel_us",
+    keys = ("cpu_after_sync_us", "to_plan_us", "plan_to_launch_us", "before_launch_us", "launch_api_us", "api_to_kernel_us",
             "call_to_kernel_us", "kernel_us", "launches")
     print(f"{'case':40} | " + " | ".join(k.replace("_us", "")[:14] for k in keys))
     for name, r in result["cases"].items():
