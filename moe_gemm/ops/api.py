@@ -221,15 +221,16 @@ def grouped_gemm_eager(a, b, out, config, out_dtype) -> list[torch.Tensor]:
             type(a) in _SEQUENCES and type(b) in _SEQUENCES and len(a) == len(b) and a):
         switches = _switches()
         extra = (config, out_dtype, switches)
-        entry = _general_plans.find(len(a), extra, (*a, *b))
+        ab = (*a, *b)  # (built once: the signature check and the address read both take it)
+        entry = _general_plans.find(len(a), extra, ab)
         if entry is not None:
             plan, link, _ = entry
-            ptrs = plan.pointers(a, b)
-            if ptrs is not None:
-                if link and torch.is_grad_enabled():
-                    return inference_only(NO_BACKWARD, lambda: plan.launch_pointers(ptrs),
-                                          [*a, *b])
-                return plan.launch_pointers(ptrs)
+            if not (link and torch.is_grad_enabled()):
+                res = plan.launch_operands(ab)
+                if res is not None:
+                    return res
+            elif (ptrs := plan.pointers(a, b)) is not None:
+                return inference_only(NO_BACKWARD, lambda: plan.launch_pointers(ptrs), ab)
         res = _scanned_grouped_gemm(a, b, config, out_dtype, extra)
         if res is not None:
             return res

@@ -252,13 +252,16 @@ class WorkspaceSlot:
             self.ints, self.zeroed = self.num_ctas * DESC_RING * SLOT_INTS, False
         self.last: tuple[int, torch.Tensor] | None = None
 
-    def get(self, choice: KernelChoice) -> torch.Tensor:
+    def get(self, choice: KernelChoice, stream: int | None = None) -> torch.Tensor:
+        """stream: the current stream's raw handle when the caller has just read it outside
+        CUDA-graph capture (it then skips both queries); None: read here."""
         if choice is not self.choice:
             self._size(choice)
-        if _fresh():
-            new = torch.zeros if self.zeroed else torch.empty
-            return new(self.ints, dtype=torch.int64, device=self.device)  # (zeroing captured)
-        stream = _raw_stream(self.idx)
+        if stream is None:
+            if _fresh():
+                new = torch.zeros if self.zeroed else torch.empty
+                return new(self.ints, dtype=torch.int64, device=self.device)  # (zeroing captured)
+            stream = _raw_stream(self.idx)
         last = self.last
         if last is not None and last[0] == stream:
             return last[1]
@@ -326,6 +329,19 @@ _graph_keepalive: list[torch.Tensor] = []
 # strides); see GeneralPlan.metadata. 64 entries of G * 64 bytes of GPU memory.
 META_CACHE_ENTRIES = 64
 _meta_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _remember_upload(key: tuple, uploaded: tuple) -> tuple:
+    """Keep an upload under its key (plan, stream, addresses): only for addresses that were
+    checked, since a later call with the same key launches without checking them again
+    (GeneralPlan.launch_operands)."""
+    if len(_meta_cache) >= META_CACHE_ENTRIES:
+        # Oldest first. Safe while a launch may still read it: the entry was made on this
+        # key's stream, so the allocator reuses it only after that work. (pop, not del:
+        # another thread may have evicted the same entry)
+        _meta_cache.pop(next(iter(_meta_cache), None), None)
+    _meta_cache[key] = uploaded
+    return uploaded
 
 
 class GeneralShape:
@@ -480,12 +496,13 @@ class GeneralPlan:
         """A's then B's data pointers (2G int64), or None if one the kernel loads is not
         16-byte aligned (TMA needs aligned base addresses; the caller then takes the path that
         says why or falls back)."""
-        G = self.G
-        ptrs = np.fromiter(itertools.chain(map(_PTR, a), map(_PTR, b)), np.int64, 2 * G)
+        ptrs = np.fromiter(itertools.chain(map(_PTR, a), map(_PTR, b)), np.int64, 2 * self.G)
+        return ptrs if self._aligned(ptrs) else None
+
+    def _aligned(self, ptrs: np.ndarray) -> bool:
+        """Whether every pointer the kernel loads is 16-byte aligned."""
         loaded = ptrs if self.load_mask is None else ptrs[self.load_mask]
-        if loaded.size and int(np.bitwise_or.reduce(loaded)) % TMA_ALIGN_BYTES:
-            return None
-        return ptrs
+        return not (loaded.size and int(np.bitwise_or.reduce(loaded)) % TMA_ALIGN_BYTES)
 
     def metadata(self, ptrs: np.ndarray, out_cols: np.ndarray | None = None, *,
                  persistent: bool = False, reuse: bool = True
@@ -494,13 +511,18 @@ class GeneralPlan:
         outputs: out_cols = [addresses, row strides], 2G int64). reuse: look the upload up by
         its addresses (not for copies made for this call, which are new every time)."""
         capturing = _capturing()
-        key = None
-        if reuse and not (persistent or _fresh()):
-            addr = ptrs.tobytes() if out_cols is None else ptrs.tobytes() + out_cols.tobytes()
-            key = (self, _raw_stream(self.idx), addr)
-            hit = _meta_cache.get(key)
-            if hit is not None:
-                return hit
+        if not reuse or persistent or capturing or _graph_owned > 0:
+            return self._upload(ptrs, out_cols, persistent, capturing)
+        addr = ptrs.tobytes() if out_cols is None else ptrs.tobytes() + out_cols.tobytes()
+        key = (self, _raw_stream(self.idx), addr)
+        hit = _meta_cache.get(key)
+        if hit is None:
+            hit = _remember_upload(key, self._upload(ptrs, out_cols, False, False))
+        return hit
+
+    def _upload(self, ptrs: np.ndarray, out_cols: np.ndarray | None, persistent: bool,
+                capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the rows in pinned memory and copy them to the device."""
         G, order = self.G, self.shape.order_np
         meta = _pinned((G, 8), torch.int64)
         m = meta.numpy()
@@ -515,25 +537,47 @@ class GeneralPlan:
         # A plan's rows are uploaded once, synchronously (its pinned buffer can go); a call's
         # are copied in stream order.
         dev = meta.to(self.device, non_blocking=not persistent)
-        uploaded = (dev, dev.view(torch.int32))
         if capturing:
             _graph_keepalive.append(meta)  # the captured copy reads it at every replay
-        elif key is not None:
-            if len(_meta_cache) >= META_CACHE_ENTRIES:
-                # Oldest first. Safe while a launch may still read it: the entry was made on
-                # this key's stream, so the allocator reuses it only after that work. (pop,
-                # not del: another thread may have evicted the same entry)
-                _meta_cache.pop(next(iter(_meta_cache), None), None)
-            _meta_cache[key] = uploaded
-        return uploaded
+        return dev, dev.view(torch.int32)
+
+    def launch_operands(self, ab: tuple) -> list[torch.Tensor] | None:
+        """grouped_gemm for operands of this plan's signature (A's then B's; ops/api.py
+        checked it) at their current addresses: fresh outputs, or None if an address the
+        kernel loads is not 16-byte aligned (the caller then takes the path that says why).
+
+        The repeated call's path, so each step is done once: the addresses are read in one
+        pass, the capture state and the stream are queried once, and an upload found by its
+        addresses needs no alignment check (only checked addresses are ever uploaded under
+        a key: see _remember_upload)."""
+        ptrs = np.fromiter(map(_PTR, ab), np.int64, 2 * self.G)
+        capturing = _capturing()
+        if capturing or _graph_owned > 0:
+            if not self._aligned(ptrs):
+                return None
+            return self.launch_pointers(ptrs)
+        stream = _raw_stream(self.idx)
+        key = (self, stream, ptrs.tobytes())
+        meta = _meta_cache.get(key)
+        if meta is None:
+            if not self._aligned(ptrs):
+                return None
+            if not self.shape.total:
+                return self.shape.new_outputs(self.device)[0]
+            meta = _remember_upload(key, self._upload(ptrs, None, False, False))
+        outs, d_base = self.shape.new_outputs(self.device)
+        self.run(meta, d_base, None, stream)
+        return outs
 
     def run(self, meta: tuple[torch.Tensor, torch.Tensor], d_base: int,
-            trace_t: torch.Tensor | None = None) -> None:
-        """Launch the kernel on the current stream (shape.total > 0)."""
+            trace_t: torch.Tensor | None = None, stream: int | None = None) -> None:
+        """Launch the kernel on the current stream (shape.total > 0); stream: its raw
+        handle if the caller read it outside capture (WorkspaceSlot.get)."""
         shape, ph = self.shape, self.placeholders
         choice = shape.choice
         shape.kernel(ph[0], ph[1], ph[2], meta[0], meta[1], ph[3], self.table,
-                     self.workspace.get(choice), ph[5] if trace_t is None else trace_t, shape.G,
+                     self.workspace.get(choice, stream), ph[5] if trace_t is None else trace_t,
+                     shape.G,
                      shape.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL,
                      d_base)
         # A new tuple per launch: last_launch() tells launches apart by identity.
