@@ -19,6 +19,7 @@ import functools
 import itertools
 import operator
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -297,6 +298,26 @@ def _small(kind, device, dtype, shape, major="n"):
     return _cached_small(kind, device, dtype, shape, major)
 
 
+def kernel_constants(kernel: object, *tensors: torch.Tensor) -> tuple:
+    """A plan's constant tensor arguments (placeholders, metadata uploads) in the form the
+    kernel call takes fastest.
+
+    A compiled kernel is a TVM-FFI function, which converts every torch tensor argument
+    through DLPack at every call (~0.1 us each on the CPU-only dev machine, a few times that on
+    a GPU host); a tvm_ffi.Tensor made once from the same tensor (it keeps the tensor alive)
+    is passed as is, and the kernel sees the same DLTensor. The launch stream still comes
+    from the call's torch tensors (TVM-FFI takes the current stream of the first CUDA one), so
+    every launch keeps at least one as a torch tensor: its operands or its workspace.
+    Anything else (a test's recorder) gets the torch tensors, as does a torch without the
+    C DLPack exchange API (a conversion then goes through Python and may synchronize).
+    """
+    ffi = sys.modules.get("tvm_ffi")
+    if (ffi is None or not isinstance(kernel, ffi.Function)
+            or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__")):
+        return tensors
+    return tuple(ffi.from_dlpack(t) for t in tensors)
+
+
 def _table_tensor(counts: tuple[int, ...], num_ctas: int, device: torch.device) -> torch.Tensor:
     if _fresh():
         return torch.from_numpy(sched.host_precompute_table(counts, num_ctas)).to(device)
@@ -491,6 +512,9 @@ class GeneralPlan:
         self.placeholders = ph
         self.table = (_table_tensor(shape.counts, shape.num_ctas, device)
                       if shape.choice.visitor == "host" else ph[4])
+        # The kernel's constant arguments: seeds A, B, D, offs, table, trace.
+        self.constants = kernel_constants(shape.kernel, ph[0], ph[1], ph[2], ph[3], self.table,
+                                          ph[5])
 
     def pointers(self, a, b) -> np.ndarray | None:
         """A's then B's data pointers (2G int64), or None if one the kernel loads is not
@@ -539,7 +563,7 @@ class GeneralPlan:
         dev = meta.to(self.device, non_blocking=not persistent)
         if capturing:
             _graph_keepalive.append(meta)  # the captured copy reads it at every replay
-        return dev, dev.view(torch.int32)
+        return kernel_constants(self.shape.kernel, dev, dev.view(torch.int32))
 
     def launch_operands(self, ab: tuple) -> list[torch.Tensor] | None:
         """grouped_gemm for operands of this plan's signature (A's then B's; ops/api.py
@@ -573,10 +597,11 @@ class GeneralPlan:
             trace_t: torch.Tensor | None = None, stream: int | None = None) -> None:
         """Launch the kernel on the current stream (shape.total > 0); stream: its raw
         handle if the caller read it outside capture (WorkspaceSlot.get)."""
-        shape, ph = self.shape, self.placeholders
+        shape, c = self.shape, self.constants
         choice = shape.choice
-        shape.kernel(ph[0], ph[1], ph[2], meta[0], meta[1], ph[3], self.table,
-                     self.workspace.get(choice, stream), ph[5] if trace_t is None else trace_t,
+        # (the workspace, a torch tensor, carries the stream: see kernel_constants)
+        shape.kernel(c[0], c[1], c[2], meta[0], meta[1], c[3], c[4],
+                     self.workspace.get(choice, stream), c[5] if trace_t is None else trace_t,
                      shape.G,
                      shape.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL,
                      d_base)
@@ -722,6 +747,8 @@ class MmPlan:
         self.no_trace = _small("trace", device, torch.int32, (1, 1, 4))
         self.kernel = _compiled(_compile_key("varlen", args.dtype, args.out_dtype, b_major,
                                              choice, trace))
+        self.constants = kernel_constants(self.kernel, self.meta, self.meta32, self.no_table,
+                                          self.no_trace)
 
     def __call__(self, x, w, offs, out):
         if out is None:
@@ -734,9 +761,10 @@ class MmPlan:
         if self.trace:
             return self._launch(x, w, offs, out, self.num_ctas, self.no_table, self.max_tiles,
                                 self.workspace.get(choice))
-        self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
-                    self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
-                    choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
+        meta, meta32, no_table, no_trace = self.constants
+        self.kernel(x, w, out, meta, meta32, offs, no_table, self.workspace.get(choice),
+                    no_trace, self.num_problems, self.num_ctas, choice.swizzle, choice.a_policy,
+                    choice.b_policy, PDL, 0)
         _local.raw = (choice, self.num_ctas, self.num_problems, None, None)
         return out
 
@@ -812,6 +840,8 @@ class BmmPlan:
         self.no_workspace = _small("workspace", device, torch.int64, (16,))
         self.kernel = _compiled(_compile_key("batched", args.dtype, args.out_dtype,
                                              self.w_major, choice, trace))
+        self.constants = kernel_constants(self.kernel, self.meta, self.meta32, self.offs,
+                                          self.no_table, self.no_trace, self.no_workspace)
         # Plans are cached per strides (ops/api.py), so whether a size-1 dimension's stride
         # needs rewriting is known here; our own `out` is contiguous and never does.
         self.fix_x = tma_view(x, 2) is not x
@@ -831,9 +861,10 @@ class BmmPlan:
         xv = tma_view(x, 2) if self.fix_x else x
         wv = tma_view(w, self.w_unit) if self.fix_w else w
         ov = tma_view(out, 2) if self.fix_out else out
-        workspace = (self.workspace.get(choice) if choice.tail_split else self.no_workspace)
-        self.kernel(xv, wv, ov, self.meta, self.meta32, self.offs, self.no_table, workspace,
-                    self.no_trace if trace_t is None else trace_t, self.shape[0],
+        meta, meta32, offs, no_table, no_trace, no_workspace = self.constants
+        workspace = self.workspace.get(choice) if choice.tail_split else no_workspace
+        self.kernel(xv, wv, ov, meta, meta32, offs, no_table, workspace,
+                    no_trace if trace_t is None else trace_t, self.shape[0],
                     self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
         _local.raw = (choice, self.num_ctas, self.shape[0], None, trace_t)
         return out
