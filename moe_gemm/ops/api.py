@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import DEFAULT_CONFIG, GemmConfig
-from moe_gemm.env import env_get
+from moe_gemm.env import env_reader
 from moe_gemm.ops import custom_ops
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
@@ -84,8 +84,7 @@ _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_H
                   TAIL_SPLIT_ENV)
 
 
-def _switches() -> tuple:
-    return tuple(map(env_get, _PLAN_SWITCHES))
+_switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call
 
 
 def _cacheable(switches: tuple) -> bool:
