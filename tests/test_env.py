@@ -219,3 +219,17 @@ def test_env_switch_default_on(path: str, clean: pytest.MonkeyPatch, value, on: 
     if value is not None:
         os.environ[NAME] = value
     assert env_switch(NAME) is on
+
+
+def test_env_reader_follows_every_change(path: str, clean: pytest.MonkeyPatch) -> None:
+    other = NAME + "_OTHER"
+    _unset(clean, other)
+    read = env_module.env_reader((NAME, other))
+    assert read() == (None, None)
+    clean.setenv(NAME, "1")
+    assert read() == ("1", None)
+    os.environ[other] = "é,x"  # (a non-ASCII value decodes as os.environ does)
+    assert read() == ("1", "é,x") == (os.environ.get(NAME), os.environ.get(other))
+    clean.delenv(NAME)
+    del os.environ[other]
+    assert read() == (None, None)

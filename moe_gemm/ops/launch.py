@@ -19,6 +19,7 @@ import functools
 import itertools
 import operator
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -252,13 +253,16 @@ class WorkspaceSlot:
             self.ints, self.zeroed = self.num_ctas * DESC_RING * SLOT_INTS, False
         self.last: tuple[int, torch.Tensor] | None = None
 
-    def get(self, choice: KernelChoice) -> torch.Tensor:
+    def get(self, choice: KernelChoice, stream: int | None = None) -> torch.Tensor:
+        """stream: the current stream's raw handle when the caller has just read it outside
+        CUDA-graph capture (it then skips both queries); None: read here."""
         if choice is not self.choice:
             self._size(choice)
-        if _fresh():
-            new = torch.zeros if self.zeroed else torch.empty
-            return new(self.ints, dtype=torch.int64, device=self.device)  # (zeroing captured)
-        stream = _raw_stream(self.idx)
+        if stream is None:
+            if _fresh():
+                new = torch.zeros if self.zeroed else torch.empty
+                return new(self.ints, dtype=torch.int64, device=self.device)  # (zeroing captured)
+            stream = _raw_stream(self.idx)
         last = self.last
         if last is not None and last[0] == stream:
             return last[1]
@@ -294,6 +298,26 @@ def _small(kind, device, dtype, shape, major="n"):
     return _cached_small(kind, device, dtype, shape, major)
 
 
+def kernel_constants(kernel: object, *tensors: torch.Tensor) -> tuple:
+    """A plan's constant tensor arguments (placeholders, metadata uploads) in the form the
+    kernel call takes fastest.
+
+    A compiled kernel is a TVM-FFI function, which converts every torch tensor argument
+    through DLPack at every call (~0.1 us each on the CPU-only dev machine, a few times that on
+    a GPU host); a tvm_ffi.Tensor made once from the same tensor (it keeps the tensor alive)
+    is passed as is, and the kernel sees the same DLTensor. The launch stream still comes
+    from the call's torch tensors (TVM-FFI takes the current stream of the first CUDA one), so
+    every launch keeps at least one as a torch tensor: its operands or its workspace.
+    Anything else (a test's recorder) gets the torch tensors, as does a torch without the
+    C DLPack exchange API (a conversion then goes through Python and may synchronize).
+    """
+    ffi = sys.modules.get("tvm_ffi")
+    if (ffi is None or not isinstance(kernel, ffi.Function)
+            or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__")):
+        return tensors
+    return tuple(ffi.from_dlpack(t) for t in tensors)
+
+
 def _table_tensor(counts: tuple[int, ...], num_ctas: int, device: torch.device) -> torch.Tensor:
     if _fresh():
         return torch.from_numpy(sched.host_precompute_table(counts, num_ctas)).to(device)
@@ -326,6 +350,19 @@ _graph_keepalive: list[torch.Tensor] = []
 # strides); see GeneralPlan.metadata. 64 entries of G * 64 bytes of GPU memory.
 META_CACHE_ENTRIES = 64
 _meta_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _remember_upload(key: tuple, uploaded: tuple) -> tuple:
+    """Keep an upload under its key (plan, stream, addresses): only for addresses that were
+    checked, since a later call with the same key launches without checking them again
+    (GeneralPlan.launch_operands)."""
+    if len(_meta_cache) >= META_CACHE_ENTRIES:
+        # Oldest first. Safe while a launch may still read it: the entry was made on this
+        # key's stream, so the allocator reuses it only after that work. (pop, not del:
+        # another thread may have evicted the same entry)
+        _meta_cache.pop(next(iter(_meta_cache), None), None)
+    _meta_cache[key] = uploaded
+    return uploaded
 
 
 class GeneralShape:
@@ -475,17 +512,21 @@ class GeneralPlan:
         self.placeholders = ph
         self.table = (_table_tensor(shape.counts, shape.num_ctas, device)
                       if shape.choice.visitor == "host" else ph[4])
+        # The kernel's constant arguments: seeds A, B, D, offs, table, trace.
+        self.constants = kernel_constants(shape.kernel, ph[0], ph[1], ph[2], ph[3], self.table,
+                                          ph[5])
 
     def pointers(self, a, b) -> np.ndarray | None:
         """A's then B's data pointers (2G int64), or None if one the kernel loads is not
         16-byte aligned (TMA needs aligned base addresses; the caller then takes the path that
         says why or falls back)."""
-        G = self.G
-        ptrs = np.fromiter(itertools.chain(map(_PTR, a), map(_PTR, b)), np.int64, 2 * G)
+        ptrs = np.fromiter(itertools.chain(map(_PTR, a), map(_PTR, b)), np.int64, 2 * self.G)
+        return ptrs if self._aligned(ptrs) else None
+
+    def _aligned(self, ptrs: np.ndarray) -> bool:
+        """Whether every pointer the kernel loads is 16-byte aligned."""
         loaded = ptrs if self.load_mask is None else ptrs[self.load_mask]
-        if loaded.size and int(np.bitwise_or.reduce(loaded)) % TMA_ALIGN_BYTES:
-            return None
-        return ptrs
+        return not (loaded.size and int(np.bitwise_or.reduce(loaded)) % TMA_ALIGN_BYTES)
 
     def metadata(self, ptrs: np.ndarray, out_cols: np.ndarray | None = None, *,
                  persistent: bool = False, reuse: bool = True
@@ -494,13 +535,18 @@ class GeneralPlan:
         outputs: out_cols = [addresses, row strides], 2G int64). reuse: look the upload up by
         its addresses (not for copies made for this call, which are new every time)."""
         capturing = _capturing()
-        key = None
-        if reuse and not (persistent or _fresh()):
-            addr = ptrs.tobytes() if out_cols is None else ptrs.tobytes() + out_cols.tobytes()
-            key = (self, _raw_stream(self.idx), addr)
-            hit = _meta_cache.get(key)
-            if hit is not None:
-                return hit
+        if not reuse or persistent or capturing or _graph_owned > 0:
+            return self._upload(ptrs, out_cols, persistent, capturing)
+        addr = ptrs.tobytes() if out_cols is None else ptrs.tobytes() + out_cols.tobytes()
+        key = (self, _raw_stream(self.idx), addr)
+        hit = _meta_cache.get(key)
+        if hit is None:
+            hit = _remember_upload(key, self._upload(ptrs, out_cols, False, False))
+        return hit
+
+    def _upload(self, ptrs: np.ndarray, out_cols: np.ndarray | None, persistent: bool,
+                capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the rows in pinned memory and copy them to the device."""
         G, order = self.G, self.shape.order_np
         meta = _pinned((G, 8), torch.int64)
         m = meta.numpy()
@@ -515,25 +561,48 @@ class GeneralPlan:
         # A plan's rows are uploaded once, synchronously (its pinned buffer can go); a call's
         # are copied in stream order.
         dev = meta.to(self.device, non_blocking=not persistent)
-        uploaded = (dev, dev.view(torch.int32))
         if capturing:
             _graph_keepalive.append(meta)  # the captured copy reads it at every replay
-        elif key is not None:
-            if len(_meta_cache) >= META_CACHE_ENTRIES:
-                # Oldest first. Safe while a launch may still read it: the entry was made on
-                # this key's stream, so the allocator reuses it only after that work. (pop,
-                # not del: another thread may have evicted the same entry)
-                _meta_cache.pop(next(iter(_meta_cache), None), None)
-            _meta_cache[key] = uploaded
-        return uploaded
+        return kernel_constants(self.shape.kernel, dev, dev.view(torch.int32))
+
+    def launch_operands(self, ab: tuple) -> list[torch.Tensor] | None:
+        """grouped_gemm for operands of this plan's signature (A's then B's; ops/api.py
+        checked it) at their current addresses: fresh outputs, or None if an address the
+        kernel loads is not 16-byte aligned (the caller then takes the path that says why).
+
+        The repeated call's path, so each step is done once: the addresses are read in one
+        pass, the capture state and the stream are queried once, and an upload found by its
+        addresses needs no alignment check (only checked addresses are ever uploaded under
+        a key: see _remember_upload)."""
+        ptrs = np.fromiter(map(_PTR, ab), np.int64, 2 * self.G)
+        capturing = _capturing()
+        if capturing or _graph_owned > 0:
+            if not self._aligned(ptrs):
+                return None
+            return self.launch_pointers(ptrs)
+        stream = _raw_stream(self.idx)
+        key = (self, stream, ptrs.tobytes())
+        meta = _meta_cache.get(key)
+        if meta is None:
+            if not self._aligned(ptrs):
+                return None
+            if not self.shape.total:
+                return self.shape.new_outputs(self.device)[0]
+            meta = _remember_upload(key, self._upload(ptrs, None, False, False))
+        outs, d_base = self.shape.new_outputs(self.device)
+        self.run(meta, d_base, None, stream)
+        return outs
 
     def run(self, meta: tuple[torch.Tensor, torch.Tensor], d_base: int,
-            trace_t: torch.Tensor | None = None) -> None:
-        """Launch the kernel on the current stream (shape.total > 0)."""
-        shape, ph = self.shape, self.placeholders
+            trace_t: torch.Tensor | None = None, stream: int | None = None) -> None:
+        """Launch the kernel on the current stream (shape.total > 0); stream: its raw
+        handle if the caller read it outside capture (WorkspaceSlot.get)."""
+        shape, c = self.shape, self.constants
         choice = shape.choice
-        shape.kernel(ph[0], ph[1], ph[2], meta[0], meta[1], ph[3], self.table,
-                     self.workspace.get(choice), ph[5] if trace_t is None else trace_t, shape.G,
+        # (the workspace, a torch tensor, carries the stream: see kernel_constants)
+        shape.kernel(c[0], c[1], c[2], meta[0], meta[1], c[3], c[4],
+                     self.workspace.get(choice, stream), c[5] if trace_t is None else trace_t,
+                     shape.G,
                      shape.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL,
                      d_base)
         # A new tuple per launch: last_launch() tells launches apart by identity.
@@ -678,6 +747,8 @@ class MmPlan:
         self.no_trace = _small("trace", device, torch.int32, (1, 1, 4))
         self.kernel = _compiled(_compile_key("varlen", args.dtype, args.out_dtype, b_major,
                                              choice, trace))
+        self.constants = kernel_constants(self.kernel, self.meta, self.meta32, self.no_table,
+                                          self.no_trace)
 
     def __call__(self, x, w, offs, out):
         if out is None:
@@ -690,9 +761,10 @@ class MmPlan:
         if self.trace:
             return self._launch(x, w, offs, out, self.num_ctas, self.no_table, self.max_tiles,
                                 self.workspace.get(choice))
-        self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
-                    self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
-                    choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
+        meta, meta32, no_table, no_trace = self.constants
+        self.kernel(x, w, out, meta, meta32, offs, no_table, self.workspace.get(choice),
+                    no_trace, self.num_problems, self.num_ctas, choice.swizzle, choice.a_policy,
+                    choice.b_policy, PDL, 0)
         _local.raw = (choice, self.num_ctas, self.num_problems, None, None)
         return out
 
@@ -768,6 +840,8 @@ class BmmPlan:
         self.no_workspace = _small("workspace", device, torch.int64, (16,))
         self.kernel = _compiled(_compile_key("batched", args.dtype, args.out_dtype,
                                              self.w_major, choice, trace))
+        self.constants = kernel_constants(self.kernel, self.meta, self.meta32, self.offs,
+                                          self.no_table, self.no_trace, self.no_workspace)
         # Plans are cached per strides (ops/api.py), so whether a size-1 dimension's stride
         # needs rewriting is known here; our own `out` is contiguous and never does.
         self.fix_x = tma_view(x, 2) is not x
@@ -787,9 +861,10 @@ class BmmPlan:
         xv = tma_view(x, 2) if self.fix_x else x
         wv = tma_view(w, self.w_unit) if self.fix_w else w
         ov = tma_view(out, 2) if self.fix_out else out
-        workspace = (self.workspace.get(choice) if choice.tail_split else self.no_workspace)
-        self.kernel(xv, wv, ov, self.meta, self.meta32, self.offs, self.no_table, workspace,
-                    self.no_trace if trace_t is None else trace_t, self.shape[0],
+        meta, meta32, offs, no_table, no_trace, no_workspace = self.constants
+        workspace = self.workspace.get(choice) if choice.tail_split else no_workspace
+        self.kernel(xv, wv, ov, meta, meta32, offs, no_table, workspace,
+                    no_trace if trace_t is None else trace_t, self.shape[0],
                     self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, PDL, 0)
         _local.raw = (choice, self.num_ctas, self.shape[0], None, trace_t)
         return out
