@@ -129,16 +129,39 @@ def test_general_out_given_and_zero_k(fp8_kernel):
     assert_fp8_close(given[0], scaled_grouped_gemm_ref(a, b, sa, sb)[0])
 
 
-@pytest.mark.parametrize("avg,schedule,tile", [(4, "pingpong", (64, 128)),
-                                               (64, "pingpong", (64, 128)),
-                                               (256, "cooperative", (128, 128))])
-def test_default_choice(fp8_kernel, avg, schedule, tile):
-    choice = heuristics_fp8.choose_fp8("varlen", GemmConfig(), avg, 2048, 7168, 2, "block")
+@pytest.mark.parametrize("avg,N,schedule,tile,cluster,tail_split", [
+    (4, 2048, "pingpong", (64, 128), (1, 1), False),
+    (32, 2048, "pingpong", (64, 128), (1, 1), False),
+    (33, 2048, "cooperative", (128, 128), (1, 2), False),  # pairs of column tiles
+    (64, 4096, "cooperative", (128, 128), (1, 2), False),
+    (128, 2048, "cooperative", (128, 128), (1, 2), False),
+    (64, 200, "cooperative", (128, 128), (1, 1), True),  # two column tiles only: no pair
+    (256, 2048, "cooperative", (128, 128), (1, 1), True),
+    (1023, 2048, "cooperative", (128, 128), (1, 1), True),
+    (1024, 2048, "cooperative", (128, 128), (2, 1), False),  # pairs of row tiles
+])
+def test_default_choice(fp8_kernel, avg, N, schedule, tile, cluster, tail_split):
+    choice = heuristics_fp8.choose_fp8("varlen", GemmConfig(), avg, N, 7168, 2, "block")
     assert (choice.schedule, (choice.tile_m, choice.tile_n)) == (schedule, tile)
+    assert (choice.cluster_m, choice.cluster_n) == cluster
     assert choice.visitor == "device"
-    assert choice.tail_split == (schedule == "cooperative")
+    assert choice.tail_split == tail_split
     narrow = heuristics_fp8.choose_fp8("batched", GemmConfig(), 128, 40, 512, 2, "row")
     assert narrow.tile_n == 48 and not narrow.tail_split
+
+
+def test_default_cluster_only_where_the_config_leaves_it(fp8_kernel):
+    """Pinned clusters, tail split, whole epilogue, other forms: no cluster of ours."""
+    for cfg in (GemmConfig(cluster_m=1, cluster_n=1), GemmConfig(tail_split=True),
+                GemmConfig(whole_epilogue=True)):
+        c = heuristics_fp8.choose_fp8("varlen", cfg, 64, 4096, 7168, 2, "block")
+        assert (c.cluster_m, c.cluster_n) == (1, 1)
+    for form in ("batched", "general"):
+        c = heuristics_fp8.choose_fp8(form, GemmConfig(), 64, 4096, 7168, 2, "block")
+        assert (c.cluster_m, c.cluster_n) == (1, 1)
+    pinned = heuristics_fp8.choose_fp8("varlen", GemmConfig(cluster_m=2, cluster_n=1), 64,
+                                       4096, 7168, 2, "block")
+    assert (pinned.cluster_m, pinned.cluster_n) == (2, 1)
 
 
 def test_pins_honoured_and_refused(fp8_kernel):
