@@ -37,28 +37,20 @@ def _default_tile_n(N: int) -> int:
     return 128 if N >= 128 else max(16, -(-N // 16) * 16)
 
 
-# Measured on an H100 80GB HBM3 (2026-11-28, block scales, CUDA-graph replays against torch's
-# row-wise grouped mm; docs/measurements.md): E=256/384 experts of ~64 routed rows, N=4096,
-# K=7168 ran 3-7% faster as cooperative 128x128 tiles in 1x2 clusters (the pair shares its A
-# rows through multicast) than as 64x128 ping-pong tiles; ~128 rows (Qwen3-30B down) 3% faster
-# than a lone 128x128; at 16 rows per expert ping-pong stayed ahead. At ~2048 rows per expert
-# (DeepSeek-V3 expert-parallel shard, 65k rows) a 2x1 cluster sharing the weight tile won 5%
-# over the tail split; at 512 rows it lost 8%.
+# Measured on an H100 80GB HBM3 (2026-11-28, block scales, CUDA-graph replays; the rows in
+# docs/measurements.md): on routed experts of 48 to 2048 rows (E=32 to 384, N=1536 to 7168,
+# K=1536 to 7168; 17 shapes) cooperative 128x128 tiles in 1x2 clusters, whose two CTAs share
+# their A rows through multicast, were never slower than the lone tile (with or without the
+# tail split) beyond run-to-run noise (~1.5%) and up to 10% faster; 2x1 clusters lost up to 50%
+# at 64 rows per expert and won only one of three shapes at 1024-2048. At 16 rows and fewer
+# per expert the 64x128 ping-pong tile stayed ahead.
 FP8_PINGPONG_MAX_ROWS = 32
-FP8_PAIR_N_MAX_ROWS = 128
-FP8_PAIR_M_MIN_ROWS = 1024
 
 
-def _default_cluster(form: str, avg_m: float, N: int, tile_n: int) -> tuple[int, int]:
-    """The cluster of a cooperative FP8 tile the config leaves to us (varlen form only: the
-    measurements above are routed MoE rows)."""
-    if form != "varlen":
-        return 1, 1
-    if avg_m <= FP8_PAIR_N_MAX_ROWS and N >= 2 * tile_n:  # two column tiles to pair
-        return 1, 2
-    if avg_m >= FP8_PAIR_M_MIN_ROWS:
-        return 2, 1
-    return 1, 1
+def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
+    """The cluster of a cooperative FP8 tile the config leaves to us: a pair of column tiles
+    where there are two (varlen form only: the measurements above are routed MoE rows)."""
+    return (1, 2) if form == "varlen" and N >= 2 * tile_n else (1, 1)
 
 
 @functools.lru_cache(maxsize=512)
@@ -92,7 +84,7 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
         tile = ((64 if schedule == "pingpong" else 128), _default_tile_n(N))
         if config.cluster_m is None and schedule == "cooperative" and not (
                 config.tail_split or config.whole_epilogue):
-            cm, cn = _default_cluster(form, avg_m, N, tile[1])
+            cm, cn = _default_cluster(form, N, tile[1])
     why = fp8_tile_problem(schedule, tile[0], tile[1], mode)
     if why is not None:
         raise ValueError(f"the FP8 kernel cannot build this tile: {why}")

@@ -135,10 +135,10 @@ def test_general_out_given_and_zero_k(fp8_kernel):
     (33, 2048, "cooperative", (128, 128), (1, 2), False),  # pairs of column tiles
     (64, 4096, "cooperative", (128, 128), (1, 2), False),
     (128, 2048, "cooperative", (128, 128), (1, 2), False),
-    (64, 200, "cooperative", (128, 128), (1, 1), True),  # two column tiles only: no pair
-    (256, 2048, "cooperative", (128, 128), (1, 1), True),
-    (1023, 2048, "cooperative", (128, 128), (1, 1), True),
-    (1024, 2048, "cooperative", (128, 128), (2, 1), False),  # pairs of row tiles
+    (64, 200, "cooperative", (128, 128), (1, 1), True),  # second column tile partial: no pair
+    (256, 2048, "cooperative", (128, 128), (1, 2), False),
+    (2048, 4096, "cooperative", (128, 128), (1, 2), False),
+    (2048, 128, "cooperative", (128, 128), (1, 1), True),
 ])
 def test_default_choice(fp8_kernel, avg, N, schedule, tile, cluster, tail_split):
     choice = heuristics_fp8.choose_fp8("varlen", GemmConfig(), avg, N, 7168, 2, "block")
