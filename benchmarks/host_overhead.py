@@ -106,18 +106,67 @@ def build_cases(device: torch.device, smoke: bool, seed: int = 0
     return cases, info
 
 
-def measure_case(clock: Clock, fn: Callable[[], object], reps: int, iters: int,
-                 smoke: bool) -> dict[str, float]:
-    for _ in range(5):
-        fn()
-    cpu = clock.host_ms([fn], iters, sync_every=16)
-    single = clock.single([fn], reps)
-    calls = 1 if smoke else 200
-    b2b = clock.back_to_back([fn], reps, calls, median(cpu) * calls * 1.25 + 0.1)
+ROUNDS = 6  # each measurement is taken in this many interleaved rounds over all cases
+
+
+def _summary(cpu: list[float], single: list[float], b2b: list[float]) -> dict[str, float]:
     return {"cpu_us": median(cpu) * 1e3, "cpu_us_p10": quantile(cpu, 0.1) * 1e3,
             "cpu_us_p90": quantile(cpu, 0.9) * 1e3, "single_us": median(single) * 1e3,
             "gpu_us": median(b2b) * 1e3,
             "launch_gap_us": (median(single) - median(b2b)) * 1e3}
+
+
+def measure_cases(clock: Clock, cases: dict[str, Callable[[], object]], reps: int, iters: int,
+                  smoke: bool, mark: Callable[[str | None], None] = lambda name: None,
+                  on_error: Callable[[str, BaseException], None] = lambda n, e: None
+                  ) -> dict[str, dict[str, Any]]:
+    """Every case's numbers, sampled interleaved: each of ROUNDS rounds takes a share of every
+    case's samples, starting one case later each round, so that warm-up, clock and power
+    drift fall on all cases alike (the first case measured alone once showed a gap ~10 us
+    larger than in later positions). A case that raises records its error and drops out."""
+    entries: dict[str, dict[str, Any]] = {}
+    live: dict[str, Callable[[], object]] = {}
+
+    def attempt(name: str, step: Callable[[], object]) -> bool:
+        try:
+            step()
+            return True
+        except Exception as exc:  # one failing case must not lose the others
+            entries[name] = {"error": short_error(exc)}
+            live.pop(name, None)
+            on_error(name, exc)
+            return False
+
+    for name, fn in cases.items():
+        mark(name)
+        live[name] = fn
+        attempt(name, lambda fn=fn: [fn() for _ in range(5)])
+    mark(None)
+    rounds = 2 if smoke else ROUNDS
+    share_iters, share_reps = max(1, iters // rounds), max(1, -(-reps // rounds))
+    calls = 1 if smoke else 200
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {
+        name: ([], [], []) for name in live}
+    for r in range(rounds):
+        names = list(live)
+        order = names[r % len(names):] + names[:r % len(names)] if names else []
+        for name in order:
+            if name in live:
+                cpu = samples[name][0]
+                attempt(name, lambda: cpu.extend(
+                    clock.host_ms([live[name]], share_iters, sync_every=16)))
+        for name in order:
+            if name in live:
+                attempt(name, lambda: samples[name][1].extend(
+                    clock.single([live[name]], share_reps)))
+        for name in order:
+            if name in live:
+                backlog = median(samples[name][0]) * calls * 1.25 + 0.1
+                attempt(name, lambda: samples[name][2].extend(
+                    clock.back_to_back([live[name]], share_reps, calls, backlog)))
+    for name in live:
+        entries[name] = _summary(*samples[name])
+    return {name: entries[name] for name in cases if name in entries}
 
 
 def checks(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -148,22 +197,14 @@ def measure_host_overhead(clock: Clock, *, smoke: bool, reps: int, skip: frozens
     """Every case's numbers and the checks (a case that raises records its error)."""
     cases, info = build_cases(clock.device, smoke, seed)
     iters = 20 if smoke else 300
-    entries: dict[str, dict[str, Any]] = {}
-    for name, fn in cases.items():
-        if name in skip:
-            continue
-        mark(name)
-        try:
-            entries[name] = measure_case(clock, fn, reps, iters, smoke)
-        except Exception as exc:  # one failing case must not lose the others
-            entries[name] = {"error": short_error(exc)}
-            on_error(name, exc)
-    mark(None)
+    cases = {name: fn for name, fn in cases.items() if name not in skip}
+    entries = measure_cases(clock, cases, reps, iters, smoke, mark, on_error)
     return {
         "shape": info, "calls": entries, "checks": checks(entries),
         "method": f"cpu_us: time.perf_counter around one call, no sync, median of {iters} "
         "(synchronized every 16 calls outside the timed region); single_us: events around one "
-        "call with the GPU idle; gpu_us: back-to-back behind a backlog; launch_gap_us = "
+        "call with the GPU idle; every measurement interleaved over the cases in "
+        f"{2 if smoke else ROUNDS} rounds; gpu_us: back-to-back behind a backlog; launch_gap_us = "
         "single_us - gpu_us, the time from the call to its kernel starting (plus any gaps "
         "between its kernels)",
     }
