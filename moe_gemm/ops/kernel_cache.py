@@ -19,11 +19,14 @@ import fcntl
 import functools
 import hashlib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from moe_gemm.env import env_switch
 
@@ -131,3 +134,23 @@ def clear_memory() -> None:
     """Forgets the loaded kernels (kernels/host_sm90._kernel_for keeps its own per-choice
     memo of those already looked up: they stay valid)."""
     _memory.clear()
+
+
+def kernel_constants(kernel: object, *tensors: torch.Tensor) -> tuple:
+    """A plan's constant tensor arguments (placeholders, metadata uploads) in the form the
+    kernel call takes fastest.
+
+    A compiled kernel is a TVM-FFI function, which converts every torch tensor argument
+    through DLPack at every call (~0.1 us each on the CPU-only dev machine, a few times that on
+    a GPU host); a tvm_ffi.Tensor made once from the same tensor (it keeps the tensor alive)
+    is passed as is, and the kernel sees the same DLTensor. The launch stream still comes
+    from the call's torch tensors (TVM-FFI takes the current stream of the first CUDA one), so
+    every launch keeps at least one as a torch tensor: its operands or its workspace.
+    Anything else (a test's recorder) gets the torch tensors, as does a torch without the
+    C DLPack exchange API (a conversion then goes through Python and may synchronize).
+    """
+    ffi = sys.modules.get("tvm_ffi")
+    if (ffi is None or not isinstance(kernel, ffi.Function)
+            or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__")):
+        return tensors
+    return tuple(ffi.from_dlpack(t) for t in tensors)

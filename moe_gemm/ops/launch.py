@@ -19,10 +19,7 @@ import functools
 import itertools
 import operator
 import os
-import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,6 +31,10 @@ from moe_gemm.kernels.sm90.constants import DESC_RING, SLOT_INTS, split_workspac
 from moe_gemm.ops import kernel_cache as cache
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops.heuristics import KernelChoice, choose_batched, choose_general, choose_varlen
+from moe_gemm.ops.kernel_cache import kernel_constants
+
+# LaunchInfo, last_launch and trace_assignment are re-exported: callers read launch.last_launch().
+from moe_gemm.ops.launch_info import LaunchInfo, _local, last_launch, trace_assignment  # noqa: F401
 from moe_gemm.ops.support import (
     TMA_ALIGN_BYTES,
     GeneralLayout,
@@ -44,7 +45,6 @@ from moe_gemm.ops.support import (
 from moe_gemm.ops.validation import GroupedBmmArgs, GroupedGemmArgs, GroupedMmArgs
 
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_local = threading.local()
 _PTR = torch.Tensor.data_ptr
 
 # Programmatic dependent launch of the main kernel (see GroupedGemmSm90.__call__): opt-in
@@ -53,31 +53,6 @@ _PTR = torch.Tensor.data_ptr
 # k-varying 122 / 124; the GPU tests pass both ways. A module attribute (read at every launch)
 # so tune.py can compare both in one process.
 PDL = 1 if os.environ.get("MOE_GEMM_PDL", "0") not in ("", "0") else 0
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """What the last launch on this thread used (for tests, benchmarks and `trace`)."""
-
-    choice: KernelChoice
-    num_ctas: int
-    num_problems: int
-    order: tuple[int, ...] | None
-    trace: torch.Tensor | None
-
-
-def last_launch() -> LaunchInfo | None:
-    """The LaunchInfo of this thread's last launch (the same object until the next launch).
-
-    Launches record a plain tuple (cheaper on the per-call path); it becomes a LaunchInfo here.
-    """
-    raw = getattr(_local, "raw", None)
-    if raw is None:
-        return None
-    if getattr(_local, "info_of", None) is not raw:
-        _local.info = LaunchInfo(*raw)
-        _local.info_of = raw
-    return _local.info
 
 
 def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
@@ -296,26 +271,6 @@ def _small(kind, device, dtype, shape, major="n"):
     if _fresh():
         return _new_small(kind, device, dtype, shape, major)
     return _cached_small(kind, device, dtype, shape, major)
-
-
-def kernel_constants(kernel: object, *tensors: torch.Tensor) -> tuple:
-    """A plan's constant tensor arguments (placeholders, metadata uploads) in the form the
-    kernel call takes fastest.
-
-    A compiled kernel is a TVM-FFI function, which converts every torch tensor argument
-    through DLPack at every call (~0.1 us each on the CPU-only dev machine, a few times that on
-    a GPU host); a tvm_ffi.Tensor made once from the same tensor (it keeps the tensor alive)
-    is passed as is, and the kernel sees the same DLTensor. The launch stream still comes
-    from the call's torch tensors (TVM-FFI takes the current stream of the first CUDA one), so
-    every launch keeps at least one as a torch tensor: its operands or its workspace.
-    Anything else (a test's recorder) gets the torch tensors, as does a torch without the
-    C DLPack exchange API (a conversion then goes through Python and may synchronize).
-    """
-    ffi = sys.modules.get("tvm_ffi")
-    if (ffi is None or not isinstance(kernel, ffi.Function)
-            or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__")):
-        return tensors
-    return tuple(ffi.from_dlpack(t) for t in tensors)
 
 
 def _table_tensor(counts: tuple[int, ...], num_ctas: int, device: torch.device) -> torch.Tensor:
@@ -873,19 +828,3 @@ class BmmPlan:
 def grouped_bmm_cute(args: GroupedBmmArgs, config: GemmConfig, *, trace: bool = False
                      ) -> torch.Tensor:
     return BmmPlan(args, config, trace)(args.x, args.w, args.out)
-
-
-def trace_assignment(info: LaunchInfo) -> list[list[tuple[int, int, int]]]:
-    """Per CTA, the (problem, m_tile, n_tile) records the kernel wrote, in tile order, with
-    problems mapped back to the caller's indices (K-sort undone)."""
-    assert info.trace is not None
-    t = info.trace.cpu().numpy()
-    order = info.order
-    per_cta = []
-    for c in range(t.shape[0]):
-        rows = [r for r in t[c] if r[0] >= 0]
-        per_cta.append([
-            (int(order[r[0]]) if order is not None else int(r[0]), int(r[1]), int(r[2]))
-            for r in rows
-        ])
-    return per_cta

@@ -1,5 +1,5 @@
 """A compiled kernel is a TVM-FFI function: plans hand it their constant tensors converted once
-(launch.kernel_constants). On the CPU, with the recorder wrapped as a TVM-FFI function, every
+(ops/kernel_cache.kernel_constants). On the CPU, with the recorder wrapped as a TVM-FFI function, every
 op must pass the kernel the same arguments as with the plain recorder (same addresses, shapes,
 strides, dtypes and scalars), and keep a torch tensor among them (it carries the stream)."""
 
