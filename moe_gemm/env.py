@@ -2,7 +2,7 @@
 
 `os.environ.get` encodes the key and decodes the value on every call (~0.5 us each on the
 H200 host, 2 us on the CI machine); grouped_mm's cached-plan path checks three switches per
-call, which was most of its gap to torch's own grouped_mm (issue 4, host overhead). On POSIX
+call, which was most of its gap to torch's own grouped_mm. On POSIX
 `os.environ` keeps its bytes mapping in `_data`, kept in step by `os.environ[...] = ...`,
 `del` and pytest's monkeypatch, so a lookup there sees every change made through os.environ.
 """

@@ -39,6 +39,7 @@ class KernelChoice:
     cluster_n: int = 1  # CTAs per cluster along N (A multicast)
     epi_whole: bool = False  # whole-tile epilogue (compile-time)
     tail_split: bool = False  # a short last wave split over K (kernels/constants.py)
+    promote_lag: bool = False  # FP8: promotion one stage behind the WGMMAs (heuristics_fp8)
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"

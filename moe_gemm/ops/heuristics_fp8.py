@@ -13,8 +13,21 @@ from __future__ import annotations
 import functools
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.env import env_get
 from moe_gemm.kernels.sm90.constants_fp8 import FP8_TILE_K, fp8_tile_problem
 from moe_gemm.ops.heuristics import KernelChoice, tail_split_enabled, with_l2_hints
+
+# Opt-in: the block-scaled kernel's promotion one stage behind the WGMMAs
+# (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. Built
+# and compiled for sm_90a (ptxas keeps the WGMMAs asynchronous, no spills); not yet timed
+# against the plain loop on a GPU, hence off unless MOE_GEMM_FP8_PROMOTE_LAG=1. The plan
+# caches key on it (ops/api.py's switches).
+PROMOTE_LAG_ENV = "MOE_GEMM_FP8_PROMOTE_LAG"
+
+
+def promote_lag_requested() -> bool:
+    value = env_get(PROMOTE_LAG_ENV)
+    return value is not None and value.strip().lower() in ("1", "true", "yes")
 
 
 def kernel_scale_mode(granularity: str) -> str:
@@ -27,7 +40,8 @@ def choose_fp8(form: str, config: GemmConfig, avg_m: float, N: int, K: int,
     """The FP8 kernel for grouped rows of about avg_m per problem (varlen: T / E), N columns
     and depth K. Raises ValueError for pins the FP8 kernel does not build."""
     return with_l2_hints(_choose(form, config, avg_m, N, K, out_itemsize,
-                                 kernel_scale_mode(granularity), tail_split_enabled()))
+                                 kernel_scale_mode(granularity), tail_split_enabled(),
+                                 promote_lag_requested()))
 
 
 def _default_tile_n(N: int) -> int:
@@ -55,7 +69,7 @@ def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=512)
 def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
-            mode: str, split_ok: bool) -> KernelChoice:
+            mode: str, split_ok: bool, lag: bool = False) -> KernelChoice:
     if config.visitor == "host":
         raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
                          "'auto'")
@@ -100,9 +114,12 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     if epi_whole and (schedule != "cooperative" or out_itemsize != 2 or tile[0] != 128):
         raise ValueError("whole_epilogue=True is built for cooperative 128-row tiles with "
                          "16-bit output")
+    # The lag where asked for and built (block scales, room for a third accumulator).
+    lag = lag and fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
                         config.raster_panel or 8, cluster_m=cm, cluster_n=cn,
-                        epi_whole=epi_whole, tail_split=tail_split and split_ok)
+                        epi_whole=epi_whole, tail_split=tail_split and split_ok,
+                        promote_lag=lag)
 
 
 def clear_caches() -> None:

@@ -26,6 +26,7 @@ from moe_gemm import (
     scaled_grouped_mm,
 )
 from moe_gemm.ops import launch
+from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
 from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
 from moe_gemm.testing import poison_
@@ -39,6 +40,7 @@ from moe_gemm.testing_fp8 import (
 )
 
 from .gpu_report import record
+from .variants_fp8 import LAG_CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -150,6 +152,81 @@ def test_varlen_tail_split():
     diff = float((unsplit.float() - y.float()).abs().max())
     record("fp8/varlen/tail-split-vs-unsplit", diff <= 1e-2 * float(y.float().abs().max()),
            max_abs_diff=diff)
+
+
+# The lagged promotion (opt-in, MOE_GEMM_FP8_PROMOTE_LAG=1): the same FMAs in the same order
+# as the plain loop, so the output is bit for bit the plain kernel's.
+
+
+def _plain_and_lagged(monkeypatch, run):
+    monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
+    plain = run()
+    assert not launch.last_launch().choice.promote_lag
+    monkeypatch.setenv(PROMOTE_LAG_ENV, "1")
+    lagged = run()
+    assert launch.last_launch().choice.promote_lag, "the lagged kernel did not run"
+    monkeypatch.delenv(PROMOTE_LAG_ENV)
+    return plain, lagged
+
+
+@pytest.mark.parametrize("K", [128, 256, 384, 512, 640])  # 1 to 5 stages: both parities
+@pytest.mark.parametrize("case", LAG_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-c{c[2]}x{c[3]}")
+def test_lagged_promotion_equals_plain_loop(monkeypatch, case, K):
+    sched, tile, cm, cn = case
+    cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+               tail_split=False)
+    x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, "block", device=DEV,
+                                             empty_fraction=0.3, total=650, seed=11 + K)
+    end = int(offs[-1])
+
+    def run():
+        out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
+        return scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
+
+    plain, lagged = _plain_and_lagged(monkeypatch, run)
+    name = f"fp8/lagged/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
+    check(name, lagged[:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
+    same = torch.equal(lagged[:end], plain[:end])
+    record(f"{name}/equals-plain", same)
+    assert same, f"{name}: differs from the plain loop"
+    assert bool(torch.isnan(lagged[end:].float()).all()), f"{name}: rows past offs written"
+
+
+def test_lagged_promotion_long_k_tail_split_and_forms(monkeypatch):
+    # long K with the tail split (each CTA's K range starts mid-way), the batched and the
+    # general forms
+    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=21)
+    offs.copy_(torch.tensor([300] * 8, device=DEV).cumsum(0).to(torch.int32))
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
+    plain, lagged = _plain_and_lagged(
+        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg))
+    assert launch.last_launch().choice.tail_split
+    check("fp8/lagged/tail-split", lagged, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    diff = float((lagged.float() - plain.float()).abs().max())
+    bound = 1e-2 * float(plain.float().abs().max())  # the split's halves may add in any order
+    record("fp8/lagged/tail-split-vs-plain", diff <= bound, max_abs_diff=diff)
+    assert diff <= bound
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128)
+    xb, wb, sab, sbb = make_fp8_batched_inputs(5, 100, 384, 264, "block", device=DEV, seed=22)
+    plain, lagged = _plain_and_lagged(
+        monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg))
+    check("fp8/lagged/batched", lagged, scaled_grouped_mm_ref(xb, wb, sab, sbb))
+    assert torch.equal(lagged, plain)
+    # a narrow output: the default 128x48 tile spans two 128-column scale blocks
+    x, w, sa, sb, offs = make_fp8_moe_inputs(300, 4, 640, 40, "block", device=DEV, seed=24)
+    plain, lagged = _plain_and_lagged(
+        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs))
+    assert launch.last_launch().choice.tile_n == 48
+    check("fp8/lagged/narrow", lagged, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    assert torch.equal(lagged, plain)
+    a, b, ga, gb = make_fp8_grouped_inputs([(100, 264, 384), (37, 136, 256), (0, 64, 128)],
+                                           "block", device=DEV, seed=23)
+    plain, lagged = _plain_and_lagged(
+        monkeypatch, lambda: scaled_grouped_gemm(a, b, ga, gb, config=cfg))
+    for i, (p, q, r) in enumerate(zip(plain, lagged, scaled_grouped_gemm_ref(a, b, ga, gb))):
+        check(f"fp8/lagged/general/{i}", q, r)
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("K", [7168, 14336])

@@ -12,12 +12,16 @@ and, for every tile start a block-scaled tile can have, that the run-time split 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 
 from moe_gemm.capability import cutlass_dsl_problem
+from moe_gemm.kernels.sm90.constants import REGS_DEFAULT, REGS_HEAVY
 from moe_gemm.kernels.sm90.constants_fp8 import (
     FP8_MAX_ACC_REGS,
+    fp8_register_split,
     fp8_tile_problem,
     scale_blocks_spanned,
 )
@@ -31,12 +35,12 @@ TILES = [(s, (m, n)) for s, m, top in (("cooperative", 128, 192), ("pingpong", 6
          for n in range(16, top + 1, 16) if fp8_tile_problem(s, m, n, "block") is None]
 
 
-def _kernel(schedule, tile, mode="block"):
+def _kernel(schedule, tile, mode="block", promote_lag=False):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from moe_gemm.kernels.sm90.compile_fp8 import Fp8CompileKey
 
     return Fp8CompileKey("varlen", "float8_e4m3fn", "bfloat16", mode, schedule, "device",
-                         *tile).kernel()
+                         *tile, promote_lag=promote_lag).kernel()
 
 
 def _flatten(x):
@@ -168,3 +172,41 @@ def test_builds_fit(schedule, tile):
     assert 2 * tile[0] * tile[1] // (128 if schedule == "pingpong" else 256) <= 2 * FP8_MAX_ACC_REGS
     assert kernel.ab_stages >= 3  # 128 x (tile_m + tile_n) bytes per stage
     assert kernel.load_regs * 128 + kernel.math_regs * 256 <= 65536
+
+
+def test_lagged_promotion_rules():
+    """The lagged promotion keeps a third accumulator: block scales and tiles of at most 64
+    accumulator registers per thread; the heavy register split once the three take 160."""
+    assert fp8_tile_problem("cooperative", 128, 128, "block", promote_lag=True) is None
+    assert fp8_tile_problem("pingpong", 64, 128, "block", promote_lag=True) is None
+    assert fp8_tile_problem("pingpong", 128, 64, "block", promote_lag=True) is None
+    assert "three accumulators" in fp8_tile_problem("cooperative", 128, 192, "block",
+                                                    promote_lag=True)
+    assert "block scales" in fp8_tile_problem("cooperative", 128, 128, "outer",
+                                              promote_lag=True)
+    assert fp8_register_split("cooperative", 128, 128) == REGS_DEFAULT
+    assert fp8_register_split("cooperative", 128, 128, promote_lag=True) == REGS_HEAVY
+    assert fp8_register_split("cooperative", 128, 64, promote_lag=True) == REGS_DEFAULT
+    with pytest.raises(ValueError, match="block scales"):
+        _kernel("cooperative", (128, 128), "outer", promote_lag=True)
+    kernel = _kernel("cooperative", (128, 128), promote_lag=True)
+    assert kernel.promote_lag and kernel.math_regs == REGS_HEAVY[1]
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+@pytest.mark.parametrize("lag", [False, True], ids=["plain", "lagged"])
+def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, lag):
+    """The lagged loop only pays if the WGMMAs stay asynchronous while the promotion reads the
+    other temporary: ptxas serializes them (info C7514) when it cannot prove which group a
+    read waits for, and spills if the three accumulators do not fit. Compile for sm_90a and
+    ask ptxas."""
+    from moe_gemm.kernels.sm90.compile_fp8 import Fp8CompileKey, compile_fp8_variant
+
+    key = Fp8CompileKey("varlen", "float8_e4m3fn", "bfloat16", "block", "cooperative",
+                        "device", 128, 128, cluster_n=2, promote_lag=lag)
+    compile_fp8_variant(key, keep_dir=str(tmp_path))
+    (ptx,) = tmp_path.glob("*.ptx")
+    res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-O3", str(ptx), "-o",
+                          str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True)
+    assert "C7514" not in res.stderr, "ptxas serialized the WGMMAs"
+    assert "0 bytes spill stores" in res.stderr and "0 bytes spill loads" in res.stderr

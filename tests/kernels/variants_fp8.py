@@ -5,6 +5,8 @@ to the tests and missed here compiles inside the test."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moe_gemm import GemmConfig
@@ -15,15 +17,24 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
+# (schedule, tile, cluster_m, cluster_n) of the lagged promotion's GPU tests
+LAG_CASES = [("cooperative", (128, 128), 1, 1), ("cooperative", (128, 128), 1, 2),
+             ("cooperative", (128, 128), 2, 1), ("pingpong", (64, 128), 1, 1),
+             ("cooperative", (128, 64), 1, 1), ("pingpong", (128, 64), 1, 1)]
+
+
 def fp8_test_variants() -> list:
     from moe_gemm.kernels.sm90.compile_fp8 import QuantCompileKey, fp8_check_variants
 
     keys: set = set(fp8_check_variants())
 
-    def add(form, granularity, config, avg_m, N, K, out=BF16, fp8=E4M3):
+    def add(form, granularity, config, avg_m, N, K, out=BF16, fp8=E4M3, lag=False):
         choice = choose_fp8(form, config or GemmConfig(), avg_m, N, K, out.itemsize,
                             granularity)
         keys.add(fp8_compile_key(form, fp8, out, granularity, choice))
+        if lag:  # the same choice with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1)
+            keys.add(fp8_compile_key(form, fp8, out, granularity,
+                                     dataclasses.replace(choice, promote_lag=True)))
 
     def cute(**f):
         return GemmConfig(backend="cute", **f)
@@ -64,6 +75,17 @@ def fp8_test_variants() -> list:
     add("varlen", "block", cute(), 187, 512, 2048)
     add("batched", "block", None, 128, 512, 7168)
     add("batched", "row", cute(), 1, 256, 1024)
+    # test_fp8_gpu.py's lagged-promotion cases
+    for sched, tile, cm, cn in LAG_CASES:
+        cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+                   tail_split=False)
+        add("varlen", "block", cfg, 108, 392, 640, lag=True)
+    add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
+                                tail_split=True), 300, 1024, 4096, lag=True)
+    for form in ("batched", "general"):
+        add(form, "block", cute(schedule="cooperative", tile_m=128, tile_n=128), 100, 264,
+            384, lag=True)
+    add("varlen", "block", None, 300 / 4, 40, 640, lag=True)  # a narrow two-block tile
     # The FP8 benchmark's shapes, its default and sweep configs (benchmarks/bench_fp8.py).
     try:
         from benchmarks import bench_fp8

@@ -164,6 +164,32 @@ def test_default_cluster_only_where_the_config_leaves_it(fp8_kernel):
     assert (pinned.cluster_m, pinned.cluster_n) == (2, 1)
 
 
+def test_lagged_promotion_is_opt_in(fp8_kernel, monkeypatch):
+    """MOE_GEMM_FP8_PROMOTE_LAG=1 asks for the lagged promotion; it is taken where it is built
+    (block scales, a tile with room for a third accumulator), and a repeated call's cached
+    plan follows the switch."""
+    choose = heuristics_fp8.choose_fp8
+    monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV, raising=False)
+    assert not choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
+    monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "1")
+    assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
+    assert choose("varlen", GemmConfig(), 4, 4096, 7168, 2, "block").promote_lag  # ping-pong
+    assert not choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row").promote_lag
+    assert not choose("varlen", GemmConfig(tile_m=128, tile_n=192), 64, 4096, 7168, 2,
+                      "block").promote_lag
+    x, w, sa, sb, offs = make_fp8_moe_inputs(200, 3, 256, 256, "block", seed=9)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+    for lag in (False, True, False):
+        monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "1" if lag else "0")
+        for _ in range(2):  # the second call takes the cached plan
+            before = [len(e.calls) for e in fp8_kernel.made]
+            assert_fp8_close(scaled_grouped_mm(x, w, sa, sb, offs), ref)
+            ran = [e for i, e in enumerate(fp8_kernel.made)
+                   if len(e.calls) > (before[i] if i < len(before) else 0)]
+            assert len(ran) == 1
+            assert ran[0].key.promote_lag == lag and ran[0].key.name().endswith("_lag") == lag
+
+
 def test_pins_honoured_and_refused(fp8_kernel):
     x, w, sa, sb, offs = make_fp8_moe_inputs(64, 2, 256, 192, "block", seed=8)
     cfg = GemmConfig(schedule="cooperative", tile_m=128, tile_n=192, cluster_m=2, cluster_n=1,

@@ -29,9 +29,15 @@ SCALE_MODES = ("block", "outer")
 FP8_MAX_ACC_REGS = 96
 
 
-def fp8_acc_regs(schedule: str, tile_m: int, tile_n: int) -> int:
-    """fp32 registers per math thread of the main and the temporary accumulator together."""
-    return 2 * acc_regs(schedule, tile_m, tile_n)
+# The lagged promotion (GroupedGemmFp8Sm90._mainloop_lagged) keeps a third accumulator, the
+# next stage's WGMMA target: 3 x 64 = 192 registers (cooperative 128x128, ping-pong 64x128) is
+# the most that leaves the heavy split's 240 room for addresses and scales.
+FP8_LAG_MAX_ACC_REGS = 64
+
+
+def fp8_acc_regs(schedule: str, tile_m: int, tile_n: int, promote_lag: bool = False) -> int:
+    """fp32 registers per math thread of the main and the temporary accumulators together."""
+    return (3 if promote_lag else 2) * acc_regs(schedule, tile_m, tile_n)
 
 
 def scale_blocks_spanned(tile_n: int) -> int:
@@ -41,7 +47,8 @@ def scale_blocks_spanned(tile_n: int) -> int:
     return -(-(worst_start + tile_n) // SCALE_BLOCK)
 
 
-def fp8_tile_problem(schedule: str, tile_m: int, tile_n: int, scale_mode: str) -> str | None:
+def fp8_tile_problem(schedule: str, tile_m: int, tile_n: int, scale_mode: str,
+                     promote_lag: bool = False) -> str | None:
     """Why the FP8 kernel cannot build this tile, or None if it can (on top of the 16-bit
     kernel's rules, constants.tile_problem)."""
     why = tile_problem(schedule, tile_m, tile_n)
@@ -54,13 +61,22 @@ def fp8_tile_problem(schedule: str, tile_m: int, tile_n: int, scale_mode: str) -
         return (f"FP8 {schedule} {tile_m}x{tile_n} needs 2 x {regs} accumulator registers per "
                 f"thread (the promotion keeps a second accumulator; at most "
                 f"2 x {FP8_MAX_ACC_REGS} fit)")
+    if promote_lag and scale_mode != "block":
+        return ("the lagged promotion is built for block scales (row-wise and per-tensor "
+                "scales promote with a plain add, where it made ptxas serialize the WGMMAs)")
+    if promote_lag and regs > FP8_LAG_MAX_ACC_REGS:
+        return (f"the lagged promotion keeps three accumulators: FP8 {schedule} "
+                f"{tile_m}x{tile_n} needs 3 x {regs} registers per thread (at most "
+                f"3 x {FP8_LAG_MAX_ACC_REGS} fit)")
     if scale_mode == "block" and scale_blocks_spanned(tile_n) > 2:
         return (f"tile_n {tile_n} can span {scale_blocks_spanned(tile_n)} 128-column scale "
                 "blocks; the block-scaled kernel takes tiles that span at most two")
     return None
 
 
-def fp8_register_split(schedule: str, tile_m: int, tile_n: int) -> tuple[int, int]:
-    """(producer, math) registers per thread: the heavy split (24 / 240) once both
+def fp8_register_split(schedule: str, tile_m: int, tile_n: int,
+                       promote_lag: bool = False) -> tuple[int, int]:
+    """(producer, math) registers per thread: the heavy split (24 / 240) once the
     accumulators take 160 registers or more."""
-    return REGS_HEAVY if fp8_acc_regs(schedule, tile_m, tile_n) >= 160 else REGS_DEFAULT
+    heavy = fp8_acc_regs(schedule, tile_m, tile_n, promote_lag) >= 160
+    return REGS_HEAVY if heavy else REGS_DEFAULT

@@ -22,8 +22,12 @@ epilogue); this class changes:
   are accepted; the row index is clamped into the scale tensor, so rows past an expert's end
   or past T read a valid (unused) scale.
 
-The promotion costs the tensor cores nothing in the cooperative schedule (one warpgroup
-promotes while the other's WGMMAs run) and keeps a second accumulator per thread, which caps
+In the plain stage loop each warpgroup waits for its stage's WGMMAs, then promotes: the tensor
+cores stay busy only while the other warpgroup's WGMMAs run. The lagged loop (promote_lag,
+block scales; opt-in through MOE_GEMM_FP8_PROMOTE_LAG=1 until it is timed on a GPU) issues
+stage k's WGMMAs before promoting stage k-1 within each warpgroup, at the cost of a third
+accumulator (tiles of at most 64 accumulator registers per thread); the promotions add in the
+same order, so its output is bit for bit the plain loop's. The second accumulator caps
 the tiles (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to
 192 or 128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176
 and 208 columns are refused); a tile whose columns straddle a block boundary picks each
@@ -162,18 +166,19 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     def __init__(self, ab_dtype, d_dtype, form, schedule, visitor, tile_mn, scale_mode: str,
                  ab_stages=None, trace=False, l2_hints=False, epi_n=32, cluster_m=1,
-                 cluster_n=1, epi_whole=False, tail_split=False):
+                 cluster_n=1, epi_whole=False, tail_split=False, promote_lag=False):
         if ab_dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
             raise ValueError(f"the FP8 kernel takes float8 e4m3 or e5m2 inputs; got {ab_dtype}")
-        why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode)
+        why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode, promote_lag)
         if why is not None:
             raise ValueError(why)
         self.scale_mode = scale_mode
+        self.promote_lag = promote_lag
         super().__init__(ab_dtype, d_dtype, "k", form, schedule, visitor, tile_mn,
                          ab_stages=ab_stages, trace=trace, l2_hints=l2_hints, epi_n=epi_n,
                          cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
                          tail_split=tail_split)
-        self.load_regs, self.math_regs = fp8_register_split(schedule, *tile_mn)
+        self.load_regs, self.math_regs = fp8_register_split(schedule, *tile_mn, promote_lag)
         self.blocks_spanned = scale_blocks_spanned(self.tile_n)
         assert scale_mode in SCALE_MODES
 
@@ -255,7 +260,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         coords = tiled_mma.get_slice(mma_tidx).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tmp = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        n_vals = cute.size(acc)
         n_rows = len(fmap.row_rep)
 
         sa, rows_lim, sb, cols_lim = problems.scale_views(work)
@@ -265,65 +269,45 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         # scale that nothing stores).
         my_rows = [cutlass.min(row0 + coords[fmap.row_rep[s]][0], rows_lim - 1)
                    for s in range(n_rows)]
+        # Block mode: the tile's first 128-column scale block, the second one (two-block
+        # tiles), and the tile column where the second starts.
+        nb0 = n0 // SCALE_BLOCK
+        nb1 = cutlass.min(nb0 + 1, cols_lim - 1)
+        split = SCALE_BLOCK - (n0 % SCALE_BLOCK)
+        # A stage's scales: the thread's rows' A scales, then the tile's one or two B scales.
+        n_sc = n_rows + (2 if self.blocks_spanned == 2 else 1)
+        prod = cute.make_rmem_tensor((2 * n_rows,), Float32)
 
         acc.fill(0.0)
-        if const_expr(self.scale_mode == "block"):
-            two = self.blocks_spanned == 2
-            nb0 = n0 // SCALE_BLOCK
-            nb1 = cutlass.min(nb0 + 1, cols_lim - 1)
-            # The tile column where the second 128-column block starts (two-block tiles).
-            split = SCALE_BLOCK - (n0 % SCALE_BLOCK)
-            # Scales of the stage in use (cur) and of the next one (nxt, loaded a stage
-            # ahead): the thread's rows' A scales, then the tile's one or two B scales.
-            n_sc = n_rows + (2 if two else 1)
+        if const_expr(self.promote_lag):
+            tmp1 = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+            sc0 = cute.make_rmem_tensor((n_sc,), Float32)
+            sc1 = cute.make_rmem_tensor((n_sc,), Float32)
+            ab_state = self._mainloop_lagged(
+                ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, sc0, sc1, prod, tCrA, tCrB,
+                k_tiles, num_k_blocks, work, fmap, sa, my_rows, sb, nb0, nb1, split)
+        else:
+            # Scales of the stage in use (cur) and of the next one (nxt, loaded a stage ahead).
             cur = cute.make_rmem_tensor((n_sc,), Float32)
             nxt = cute.make_rmem_tensor((n_sc,), Float32)
-            prod = cute.make_rmem_tensor((2 * n_rows,), Float32)
-            if k_tiles > 0:
-                kb = work.k_start
-                for s in cutlass.range_constexpr(n_rows):
-                    cur[s] = sa[my_rows[s], kb]
-                cur[n_rows] = sb[kb, nb0]
-                if const_expr(two):
-                    cur[n_rows + 1] = sb[kb, nb1]
-        warpgroup.fence()
-        for k in cutlass.range(0, k_tiles, 1, unroll=1):
             if const_expr(self.scale_mode == "block"):
-                # The next stage's scales (the last stage reloads its own: branch-free).
-                kb = work.k_start + cutlass.min(k + 1, k_tiles - 1)
-                for s in cutlass.range_constexpr(n_rows):
-                    nxt[s] = sa[my_rows[s], kb]
-                nxt[n_rows] = sb[kb, nb0]
-                if const_expr(two):
-                    nxt[n_rows + 1] = sb[kb, nb1]
-            ab_pipe.consumer_wait(ab_state)
-            # The promotion below read tmp: order those reads before the WGMMAs rewrite it.
+                if k_tiles > 0:
+                    self._load_scales(cur, work.k_start, fmap, sa, my_rows, sb, nb0, nb1)
             warpgroup.fence()
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for kb_i in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb_i, ab_state.index)
-                cute.gemm(tiled_mma, tmp, tCrA[coord], tCrB[coord], tmp)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            ab_pipe.consumer_release(ab_state)
-            ab_state.advance()
-            if const_expr(self.scale_mode == "block"):
-                for s in cutlass.range_constexpr(n_rows):
-                    prod[s] = cur[s] * cur[n_rows]
-                    if const_expr(two):
-                        prod[n_rows + s] = cur[s] * cur[n_rows + 1]
-                for i in cutlass.range_constexpr(n_vals):
-                    scale = prod[fmap.row_slot[i]]
-                    if const_expr(two):
-                        scale = Float32(cutlass.select_(Int32(fmap.col8[i]) >= split,
-                                                        prod[n_rows + fmap.row_slot[i]], scale))
-                    acc[i] = cute.math.fma(tmp[i], scale, acc[i])
-                for s in cutlass.range_constexpr(n_sc):
-                    cur[s] = nxt[s]
-            else:
-                for i in cutlass.range_constexpr(n_vals):
-                    acc[i] = acc[i] + tmp[i]
+            for k in cutlass.range(0, k_tiles, 1, unroll=1):
+                if const_expr(self.scale_mode == "block"):
+                    # The next stage's scales (the last stage reloads its own: branch-free).
+                    self._load_scales(nxt, work.k_start + cutlass.min(k + 1, k_tiles - 1),
+                                      fmap, sa, my_rows, sb, nb0, nb1)
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                                              num_k_blocks)
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(ab_state)
+                ab_state.advance()
+                self._promote(acc, tmp, cur, prod, fmap, split)
+                if const_expr(self.scale_mode == "block"):
+                    for s in cutlass.range_constexpr(n_sc):
+                        cur[s] = nxt[s]
         if const_expr(self.pingpong):
             # Every WGMMA of this tile has retired: the other warpgroup's mainloop may start.
             cute.arch.barrier_arrive(
@@ -333,6 +317,124 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             if k_tiles > 0:
                 self._scale_outer(acc, fmap, coords, sa, my_rows, sb, n0, cols_lim)
         return ab_state
+
+    @cute.jit
+    def _mainloop_lagged(self, ab_pipe, ab_state, tiled_mma, acc, tmp0, tmp1, sc0, sc1, prod,
+                         tCrA, tCrB, k_tiles: Int32, num_k_blocks: cutlass.Constexpr,
+                         work: WorkTile, fmap: cutlass.Constexpr, sa, my_rows, sb, nb0, nb1,
+                         split):
+        """The stage loop with the promotion one stage behind the WGMMAs: stage k's WGMMAs
+        are issued before stage k-1's partials are promoted, so the tensor cores work while
+        this warpgroup promotes (in the plain loop both warpgroups of a cooperative tile wait
+        for their WGMMAs, then promote, and the tensor cores idle meanwhile). Two temporary
+        accumulators alternate (tmp0: even stages, tmp1: odd; the loop runs two stages per
+        iteration so each has a static role), and a stage's smem is released once its WGMMAs
+        retire, one stage later than in the plain loop. Costs a third accumulator
+        (constants_fp8.fp8_tile_problem)."""
+        release_state = ab_state.clone()
+        if k_tiles > 0:
+            # Stage 0 into tmp0; then pairs of stages with static roles (no branch inside the
+            # loop, so that ptxas can see which WGMMA group each read waits for).
+            tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA, tCrB,
+                                          num_k_blocks)
+            ab_state.advance()
+            if const_expr(self.scale_mode == "block"):
+                self._load_scales(sc0, work.k_start, fmap, sa, my_rows, sb, nb0, nb1)
+            for kk in cutlass.range(0, (k_tiles - 1) // 2, 1, unroll=1):
+                k1 = 2 * kk + 1
+                # Stage k1 into tmp1 while stage k1 - 1 (tmp0) is promoted.
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
+                                              tCrB, num_k_blocks)
+                ab_state.advance()
+                if const_expr(self.scale_mode == "block"):
+                    self._load_scales(sc1, work.k_start + k1, fmap, sa, my_rows, sb, nb0, nb1)
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
+                # Stage k1 + 1 into tmp0 while stage k1 (tmp1) is promoted.
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA,
+                                              tCrB, num_k_blocks)
+                ab_state.advance()
+                if const_expr(self.scale_mode == "block"):
+                    self._load_scales(sc0, work.k_start + k1 + 1, fmap, sa, my_rows, sb, nb0,
+                                      nb1)
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 1, acc, tmp1, sc1, prod, fmap, split)
+            if k_tiles % 2 == 0:
+                # The last stage into tmp1 while the one before (tmp0) is promoted.
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
+                                              tCrB, num_k_blocks)
+                ab_state.advance()
+                if const_expr(self.scale_mode == "block"):
+                    self._load_scales(sc1, work.k_start + k_tiles - 1, fmap, sa, my_rows, sb,
+                                      nb0, nb1)
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 0, acc, tmp1, sc1, prod, fmap, split)
+            else:
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 0, acc, tmp0, sc0, prod, fmap, split)
+        return ab_state
+
+    @cute.jit
+    def _retire_and_promote(self, ab_pipe, release_state, pending: cutlass.Constexpr, acc,
+                            tmp, sc, prod, fmap: cutlass.Constexpr, split):
+        """Wait until at most `pending` WGMMA groups are in flight (the older one, into tmp,
+        has retired), release its stage's smem and promote tmp into acc."""
+        warpgroup.wait_group(pending)
+        ab_pipe.consumer_release(release_state)
+        release_state.advance()
+        self._promote(acc, tmp, sc, prod, fmap, split)
+        return release_state
+
+    @cute.jit
+    def _load_scales(self, buf: cute.Tensor, kb: Int32, fmap: cutlass.Constexpr,
+                     sa: cute.Tensor, my_rows, sb: cute.Tensor, nb0: Int32, nb1: Int32):
+        """buf = k-block kb's scales: the thread's rows' A scales, then the B scale(s)."""
+        n_rows = len(fmap.row_rep)
+        for s in cutlass.range_constexpr(n_rows):
+            buf[s] = sa[my_rows[s], kb]
+        buf[n_rows] = sb[kb, nb0]
+        if const_expr(self.blocks_spanned == 2):
+            buf[n_rows + 1] = sb[kb, nb1]
+
+    @cute.jit
+    def _issue_stage(self, ab_pipe, ab_state, tiled_mma, tmp: cute.Tensor, tCrA, tCrB,
+                     num_k_blocks: cutlass.Constexpr):
+        """Wait for a stage's A/B tiles and issue its WGMMAs into tmp (overwritten)."""
+        ab_pipe.consumer_wait(ab_state)
+        # The promotion read tmp: order those reads before the WGMMAs rewrite it.
+        warpgroup.fence()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for kb_i in cutlass.range_constexpr(num_k_blocks):
+            coord = (None, None, kb_i, ab_state.index)
+            cute.gemm(tiled_mma, tmp, tCrA[coord], tCrB[coord], tmp)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        # Returned for the caller to rebind: the accumulate flag is a staged value, and a
+        # TiledMma carried across loops and branches must be rebound there to be threaded.
+        return tiled_mma
+
+    @cute.jit
+    def _promote(self, acc: cute.Tensor, tmp: cute.Tensor, sc: cute.Tensor, prod: cute.Tensor,
+                 fmap: cutlass.Constexpr, split: Int32):
+        """acc += tmp scaled by the stage's scales sc ("block"), or acc += tmp ("outer")."""
+        n_rows = len(fmap.row_rep)
+        if const_expr(self.scale_mode == "block"):
+            two = self.blocks_spanned == 2
+            for s in cutlass.range_constexpr(n_rows):
+                prod[s] = sc[s] * sc[n_rows]
+                if const_expr(two):
+                    prod[n_rows + s] = sc[s] * sc[n_rows + 1]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                scale = prod[fmap.row_slot[i]]
+                if const_expr(two):
+                    scale = Float32(cutlass.select_(Int32(fmap.col8[i]) >= split,
+                                                    prod[n_rows + fmap.row_slot[i]], scale))
+                acc[i] = cute.math.fma(tmp[i], scale, acc[i])
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + tmp[i]
 
     @cute.jit
     def _scale_outer(self, acc: cute.Tensor, fmap: cutlass.Constexpr, coords: cute.Tensor,
