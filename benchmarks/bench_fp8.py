@@ -46,6 +46,7 @@ from benchmarks.fp8_operands import (
     BF16,
     CHUNK_ELEMS,
     E4M3,
+    promote_lag,
     quantize_acts,
     quantize_weights,
     spot_error,
@@ -173,8 +174,15 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
         return lambda: moe_gemm.scaled_grouped_mm(a["x"], a["w"], a["sa"], a["sb"], o,
                                                   config=cfg)
 
+    def ours_lagged(a):  # the opt-in lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1)
+        def run():
+            with promote_lag():
+                return ours(a)()
+        return run
+
     impls["ours-fp8-block"] = (ours(block), block)
     impls["ours-fp8-row"] = (ours(row), row)
+    impls["ours-fp8-block-lag"] = (ours_lagged(block), block)
     if sweep:
         for name, cfg in sweep_configs(shape).items():
             impls[f"ours-fp8-block/{name}"] = (ours(block, cfg), block)

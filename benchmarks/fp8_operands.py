@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -182,3 +184,21 @@ def torch_blockwise_grouped_mm(device: torch.device) -> tuple[Callable | None, s
                   output_dtype=BF16)
 
     return call, None
+
+
+@contextlib.contextmanager
+def promote_lag() -> Iterator[None]:
+    """Our FP8 kernels with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) inside the block:
+    the benchmarks' `ours-fp8-block-lag` rows. Plans key on the switch, so a call inside and
+    one outside never share a plan; a CUDA graph captured inside keeps the lagged kernel."""
+    from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
+
+    old = os.environ.get(PROMOTE_LAG_ENV)
+    os.environ[PROMOTE_LAG_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[PROMOTE_LAG_ENV]
+        else:
+            os.environ[PROMOTE_LAG_ENV] = old

@@ -7,6 +7,8 @@ every other row (benchmarks.runner):
 - `ours-fp8-block` (the default row): scaled_grouped_mm, 1x128 activation / 128x128 weight
   scales, config=None;
 - `ours-fp8-row`: the same with row-wise scales (per token, per output channel);
+- `ours-fp8-block-lag`: the block-scaled default with the lagged promotion (opt-in,
+  MOE_GEMM_FP8_PROMOTE_LAG=1; not the default until it measures faster);
 - `torch-scaled-grouped-mm-row` (peer): torch._scaled_grouped_mm, row-wise;
 - `torch-scaled-grouped-mm-block` (peer): F.scaled_grouped_mm with BlockWise1x128 /
   BlockWise128x128, where the installed torch has it;
@@ -21,6 +23,7 @@ is missing or raises is `n/a` with torch's message.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -29,6 +32,7 @@ from benchmarks.fp8_operands import (
     BF16,
     Scaled,
     checked_error,
+    promote_lag,
     torch_blockwise_grouped_mm,
     torch_scaled_grouped_mm,
 )
@@ -48,6 +52,7 @@ from benchmarks.suite import (
 
 OURS_BLOCK = "ours-fp8-block"
 OURS_ROW = "ours-fp8-row"
+OURS_BLOCK_LAG = "ours-fp8-block-lag"
 TORCH_ROW = "torch-scaled-grouped-mm-row"
 TORCH_BLOCK = "torch-scaled-grouped-mm-block"
 OURS_BF16 = "ours-bf16"
@@ -92,18 +97,22 @@ def _checked(run: Callable[[], object], check: Callable[[], object], s: Scaled) 
                     tolerance=TOLERANCE[FP8])
 
 
-def _ours_fp8(granularity: str) -> Callable[[ShapeSpec, Inputs, torch.device], Prepared]:
+def _ours_fp8(granularity: str, lag: bool = False
+              ) -> Callable[[ShapeSpec, Inputs, torch.device], Prepared]:
     def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
         import moe_gemm
 
         s = _operands(inp, granularity)
+        switch = promote_lag if lag else contextlib.nullcontext
 
         def run() -> object:
-            return moe_gemm.scaled_grouped_mm(s.x, s.w, s.sa, s.sb, s.offs)
+            with switch():
+                return moe_gemm.scaled_grouped_mm(s.x, s.w, s.sa, s.sb, s.offs)
 
         def check() -> object:
             out = torch.full(s.out_shape, float("nan"), dtype=BF16, device=device)
-            return moe_gemm.scaled_grouped_mm(s.x, s.w, s.sa, s.sb, s.offs, out=out)
+            with switch():
+                return moe_gemm.scaled_grouped_mm(s.x, s.w, s.sa, s.sb, s.offs, out=out)
 
         return _checked(run, check, s)
 
@@ -170,6 +179,8 @@ def implementations(spec: ShapeSpec, compute_bound: bool) -> list[Impl]:
              notes=f"{notes}), 1x128 / 128x128 block scales, config=None"),
         Impl(OURS_ROW, False, _ours_fp8("row"), dtype=FP8, scale="row",
              notes=f"{notes}), per-token / per-channel scales, config=None"),
+        Impl(OURS_BLOCK_LAG, False, _ours_fp8("block", lag=True), dtype=FP8, scale="block",
+             notes=f"{notes}), block scales, config=None, MOE_GEMM_FP8_PROMOTE_LAG=1"),
         Impl(TORCH_ROW, True, _torch_peer("row"), dtype=FP8, scale="row",
              notes="torch._scaled_grouped_mm(x, w, scale_a, scale_b, offs=..., "
              "out_dtype=bf16), row-wise"),

@@ -7,6 +7,7 @@ checked)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from benchmarks.scoring import derive, fp8_bytes_needed, shape_bytes
 from moe_gemm.ops.scaled_reference import scaled_grouped_mm_ref
 from moe_gemm.tuning import zoo as models
 
-FP8_IMPLS = {suite_fp8.OURS_BLOCK, suite_fp8.OURS_ROW, suite_fp8.TORCH_ROW,
-             suite_fp8.TORCH_BLOCK, suite_fp8.OURS_BF16, suite_fp8.DENSE}
+FP8_IMPLS = {suite_fp8.OURS_BLOCK, suite_fp8.OURS_ROW, suite_fp8.OURS_BLOCK_LAG,
+             suite_fp8.TORCH_ROW, suite_fp8.TORCH_BLOCK, suite_fp8.OURS_BF16, suite_fp8.DENSE}
 ROW_KEYS = {"model", "proj", "tokens", "shape", "impl", "ms", "peer", "default", "floor_ms",
             "status", "case", "dtype"}
 
@@ -230,3 +231,18 @@ def test_checked_error_catches_unwritten_and_wrong_outputs():
         assert checked_error(ref * 1.1, s) == pytest.approx(0.1, rel=0.05)
         with pytest.raises(RuntimeError, match="expected"):
             checked_error(ref[:, :32], s)
+
+
+def test_promote_lag_switch_is_scoped(monkeypatch):
+    from benchmarks.fp8_operands import promote_lag
+    from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, promote_lag_requested
+
+    for before in (None, "0"):
+        if before is None:
+            monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PROMOTE_LAG_ENV, before)
+        assert not promote_lag_requested()
+        with promote_lag():
+            assert promote_lag_requested()
+        assert os.environ.get(PROMOTE_LAG_ENV) == before
