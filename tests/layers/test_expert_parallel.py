@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
-import time
 import traceback
 from collections.abc import Callable
 
@@ -19,17 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ep_testutils import spawn_ranks
 
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher, expert_range
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE
 from moe_gemm.layers.moe import MoE
 from moe_gemm.testing import calc_diff
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_moe(seed: int, dtype: torch.dtype, **kw: object) -> MoE:
@@ -240,24 +233,7 @@ def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def ep_results(request: pytest.FixtureRequest) -> dict[int, dict[str, list[str]]]:
     world = request.param
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(world, _free_port(), queue), nprocs=world,
-                               join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    try:
-        while not procs.join(timeout=1) and time.monotonic() < deadline:
-            pass
-    except Exception:  # noqa: BLE001 - a rank died; what the others reported still counts
-        pass
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-    out = {}
-    while not queue.empty():
-        rank, res = queue.get()
-        out[rank] = res
+    out = spawn_ranks(_worker, world, 240)
     assert len(out) == world, f"only ranks {sorted(out)} of {world} reported"
     return out
 

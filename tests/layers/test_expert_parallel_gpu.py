@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
-import time
 import traceback
 from collections.abc import Callable
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ep_testutils import spawn_ranks
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.layers.dispatch import AllToAllDispatcher
@@ -39,11 +38,6 @@ H, I = 256, 128  # multiples of our tiles' alignment; large enough to run the cu
 # kernel launches: a few bf16 ulps of the output's scale.
 TOL = 2 ** -6
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _moe(seed: int, device: torch.device, **kw: object) -> MoE:
@@ -178,24 +172,7 @@ def ep_results(request: pytest.FixtureRequest) -> dict[int, dict[str, list[str]]
     if reason:
         pytest.skip(reason)
     world = request.param
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(world, _free_port(), queue), nprocs=world,
-                               join=False, start_method="spawn")
-    deadline = time.monotonic() + 420
-    try:
-        while not procs.join(timeout=1) and time.monotonic() < deadline:
-            pass
-    except Exception:  # noqa: BLE001 - a rank died; what the others reported still counts
-        pass
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-    out = {}
-    while not queue.empty():
-        rank, res = queue.get()
-        out[rank] = res
+    out = spawn_ranks(_worker, world, 420)
     assert len(out) == world, f"only ranks {sorted(out)} of {world} reported"
     return out
 
