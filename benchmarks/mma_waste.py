@@ -1,0 +1,95 @@
+"""Wasted tensor-core work of our default kernel choice on real models' routings (no GPU).
+
+Routed experts end in partial tiles (an expert of 130 rows fills a 128-row tile and 2 rows of
+a second), and a cluster along M computes whole cluster tiles (the pair's CTA past an expert's
+end loads and computes but stores nothing). For each zoo projection and token count this
+takes the seeded skewed top-k routing of the model zoo (moe_gemm.tuning.zoo.topk_counts), the
+kernel our default picks for it (the tuned table of --device, then the rules), and reports
+what the schedule module computes (moe_gemm.ops.schedule.mma_work): multiply-adds computed
+beyond the useful ones, as a fraction of the useful.
+
+    python -m benchmarks.mma_waste [--models all] [--tokens 2048,8192] \
+        [--device "NVIDIA H100 80GB HBM3"] [--out waste.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.ops import schedule as sched
+from moe_gemm.ops.heuristics import choose_varlen
+from moe_gemm.tuning import zoo as models
+
+H100 = "NVIDIA H100 80GB HBM3"
+NUM_SMS = 132
+TILE_K = 64  # the 16-bit kernel's k-tile (a K tail rounds up to it)
+
+
+def waste_rows(model_names: str | None, tokens: list[int], device: str | None,
+               seed: int = 1234) -> list[dict[str, Any]]:
+    """One row per projection and token count: the default choice and its wasted fraction."""
+    rows = []
+    for t in tokens:
+        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
+            for p in m.projections():
+                counts = models.topk_counts(p.E, t, min(p.top_k, p.E), seed)
+                T = sum(counts)
+                c = choose_varlen(GemmConfig(), T, p.E, p.N, p.K, NUM_SMS, 2, device=device)
+                work = sched.mma_work([(r, p.N, p.K) for r in counts], c.tile_m, c.tile_n,
+                                      TILE_K, c.cluster_m, c.cluster_n)
+                rows.append({
+                    "model": m.name, "proj": p.proj, "tokens": t, "top_k": p.top_k, "E": p.E,
+                    "N": p.N, "K": p.K, "rows": T, "rows_per_expert": T / p.E,
+                    "choice": f"{c.schedule} {c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}",
+                    "wasted_fraction": work.wasted_fraction,
+                    # the same tile without the cluster: what the M rounding alone costs
+                    "wasted_without_cluster": sched.mma_work(
+                        [(r, p.N, p.K) for r in counts], c.tile_m, c.tile_n,
+                        TILE_K).wasted_fraction,
+                })
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    w = [r["wasted_fraction"] for r in rows]
+    if not w:
+        return {"cases": 0}
+    return {"cases": len(w), "median": statistics.median(w), "max": max(w),
+            "above_5_percent": sum(x > 0.05 for x in w)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mma_waste", description=__doc__
+                                .split("\n\n")[0])
+    p.add_argument("--models", default=None, help="comma-separated zoo models, or 'all'")
+    p.add_argument("--tokens", default="2048,8192", help="token counts (default 2048,8192)")
+    p.add_argument("--device", default=H100, help="tuned table to choose from ('' = rules)")
+    p.add_argument("--seed", type=int, default=1234, help="routing seed (the zoo's)")
+    p.add_argument("--out", help="write the rows and the summary as JSON")
+    args = p.parse_args(argv)
+    tokens = models.parse_tokens(args.tokens, (2048, 8192))
+    rows = waste_rows(args.models, tokens, args.device or None, args.seed)
+    doc = {"device_table": args.device or None, "tokens": tokens, "rows": rows,
+           "summary": summary(rows)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(f"{'case':34} | {'rows/expert':>11} | {'choice':24} | {'waste':>6} | {'no cluster':>10}")
+    for r in rows:
+        case = f"{r['model']}/{r['proj']}/{r['tokens']}"
+        print(f"{case[:34]:34} | {r['rows_per_expert']:11.1f} | {r['choice']:24} | "
+              f"{100 * r['wasted_fraction']:5.1f}% | {100 * r['wasted_without_cluster']:9.1f}%")
+    s = doc["summary"]
+    if s["cases"]:
+        print(f"median {100 * s['median']:.1f}%, max {100 * s['max']:.1f}%, above 5% on "
+              f"{s['above_5_percent']} of {s['cases']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""benchmarks.mma_waste: the default choice's wasted MMA work on zoo routings, from the
+schedule module (CPU only)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import mma_waste
+from moe_gemm.ops import schedule as sched
+from moe_gemm.tuning import zoo as models
+
+
+def test_rows_follow_the_schedule_module(tmp_path, capsys):
+    out = tmp_path / "waste.json"
+    assert mma_waste.main(["--models", "Mixtral-8x7B,DeepSeek-V3", "--tokens", "2048",
+                           "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert {(r["model"], r["proj"]) for r in rows} == {
+        (m, p) for m in ("Mixtral-8x7B", "DeepSeek-V3") for p in ("gate_up", "down")}
+    for r in rows:
+        assert r["wasted_fraction"] >= r["wasted_without_cluster"] >= 0
+        counts = models.topk_counts(r["E"], 2048, min(r["top_k"], r["E"]), 1234)
+        assert sum(counts) == r["rows"]
+        tile_m, tile_n = (int(v) for v in r["choice"].split()[1].split("x"))
+        cm, cn = (int(v) for v in r["choice"].split()[2][1:].split("x"))
+        want = sched.mma_work([(c, r["N"], r["K"]) for c in counts], tile_m, tile_n, 64, cm, cn)
+        assert r["wasted_fraction"] == want.wasted_fraction
+    s = doc["summary"]
+    assert s["cases"] == 4 and s["max"] >= s["median"] >= 0
+    assert "DeepSeek-V3/gate_up/2048" in capsys.readouterr().out
+
+
+def test_rules_only_and_no_rows():
+    rows = mma_waste.waste_rows("OLMoE-1B-7B", [16], None)
+    assert len(rows) == 2 and all(r["tokens"] == 16 for r in rows)
+    assert mma_waste.summary([]) == {"cases": 0}
