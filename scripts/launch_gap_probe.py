@@ -6,7 +6,7 @@ launch API call itself, and the driver-to-GPU latency; and it reports the kernel
 the idle GPU. Timestamps come from the torch profiler (CUPTI), which records runtime and
 driver launch calls (cudaLaunchKernel, cuLaunchKernelEx) and kernel activity on one clock.
 
-    python scripts/launch_gap_probe.py [--reps 50] [--out gap.json]
+    python scripts/launch_gap_probe.py [--reps 50] [--idle-ms 0] [--out gap.json]
 
 Prints a table; --out writes every case's medians as JSON.
 """
@@ -45,18 +45,22 @@ LAUNCH_NAMES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cu
                 "cudaLaunchKernelEx")
 
 
-def _probe(fn, reps: int) -> dict[str, float]:
+def _probe(fn, reps: int, idle_s: float) -> dict[str, float]:
+    """idle_s: a pause after each synchronisation (0: none; a pause lets the CPU's clock and
+    caches cool, which inflated every case's CPU time ~3x on one host)."""
     cpu_after_sync = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        time.sleep(0.001)
+        if idle_s:
+            time.sleep(idle_s)
         t = time.perf_counter()
         fn()
         cpu_after_sync.append((time.perf_counter() - t) * 1e6)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(reps):
             torch.cuda.synchronize()
-            time.sleep(0.001)
+            if idle_s:
+                time.sleep(idle_s)
             with record_function(f"probe_call_{i}"):
                 fn()
         torch.cuda.synchronize()
@@ -105,6 +109,8 @@ def _probe(fn, reps: int) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="pause after each synchronisation (default none)")
     p.add_argument("--out")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -118,7 +124,7 @@ def main() -> int:
             fn()
         torch.cuda.synchronize()
         try:
-            result["cases"][name] = _probe(fn, args.reps)
+            result["cases"][name] = _probe(fn, args.reps, args.idle_ms / 1e3)
         except Exception as exc:  # noqa: BLE001 - one case's failure must not lose the others
             result["cases"][name] = {"error": repr(exc)[:300]}
     if args.out:
