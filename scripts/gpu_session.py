@@ -204,6 +204,17 @@ def summarize(group: Group) -> dict:
             "ok": ok, "_tests": tests, "_cases": cases, "_compiles": compiles}
 
 
+def select_groups(groups: dict, spec: str) -> dict:
+    """The groups named by `spec` (comma-separated names or shell patterns). ValueError naming
+    the patterns that match no group, and the groups there are."""
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    unmatched = [w for w in wanted if not any(fnmatch.fnmatchcase(n, w) for n in groups)]
+    if unmatched or not wanted:
+        raise ValueError(f"--groups {', '.join(unmatched) or repr(spec)} matches no group; "
+                         f"the groups: {', '.join(sorted(groups))}")
+    return {n: g for n, g in groups.items() if any(fnmatch.fnmatchcase(n, w) for w in wanted)}
+
+
 def run_groups(groups: list[Group], jobs: int, group_timeout: float, deadline: float,
                pytest_args: list[str], work: str) -> None:
     """Runs the groups, largest first, at most `jobs` at once, none past `deadline`."""
@@ -312,9 +323,11 @@ def main() -> int:
     for node in ids:
         groups.setdefault(group_name(node), Group(group_name(node))).tests.append(node)
     if args.groups:
-        wanted = [w.strip() for w in args.groups.split(",") if w.strip()]
-        groups = {n: g for n, g in groups.items()
-                  if any(fnmatch.fnmatchcase(n, w) for w in wanted)}
+        try:
+            groups = select_groups(groups, args.groups)
+        except ValueError as exc:  # a typo must not cost a device call running nothing
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if args.list:
         for name, g in sorted(groups.items()):
             print(f"{name:20s} {len(g.tests):4d} tests")

@@ -140,6 +140,16 @@ def test_session_groups_split_big_files_and_name_the_rest():
     assert gs.group_name("tests/server/test_engine.py::test_y") == "server-engine"
 
 
+def test_session_group_selection_refuses_patterns_that_match_nothing():
+    gs = _load_script("gpu_session")
+    groups = {n: gs.Group(n) for n in ("fp8", "layers-moe", "layers-moe-fp8", "tiles")}
+    assert set(gs.select_groups(groups, "fp8, layers-*")) == {"fp8", "layers-moe",
+                                                              "layers-moe-fp8"}
+    for bad in ("fp9", "fp8,server-*", " , "):
+        with pytest.raises(ValueError, match="matches no group; the groups: fp8, layers-moe"):
+            gs.select_groups(groups, bad)
+
+
 def test_session_summary_counts_the_worst_outcome_and_unfinished_tests(tmp_path):
     gs = _load_script("gpu_session")
     report = tmp_path / "g.jsonl"
