@@ -150,6 +150,33 @@ def test_session_group_selection_refuses_patterns_that_match_nothing():
             gs.select_groups(groups, bad)
 
 
+def test_ptxas_audit_reads_spills_and_wgmma_notes(monkeypatch):
+    audit = _load_script("ptxas_audit")
+    stderr = (
+        "ptxas info    : (C7517) warpgroup.wait is injected in around line 1388 by compiler\n"
+        "ptxas info    : (C7519) warpgroup.arrive is injected in around line 1277\n"
+        "ptxas info    : (C7519) warpgroup.arrive is injected in around line 1509\n"
+        "    32 bytes stack frame, 36 bytes spill stores, 32 bytes spill loads\n")
+
+    class Done:
+        returncode = 0
+
+    def run(cmd, **kw):
+        assert cmd[:3] == ["ptxas", "-arch=sm_90a", "-v"]
+        done = Done()
+        done.stderr = stderr
+        return done
+
+    monkeypatch.setattr(audit.subprocess, "run", run)
+    rep = audit.ptxas_report("k.ptx")
+    assert rep["notes"] == {"C7517": 1, "C7519": 2} and not rep["serialized"]
+    assert (rep["spill_stores"], rep["spill_loads"]) == (36, 32)
+    stderr = "ptxas info    : (C7514) Potential Performance Loss: wgmma serialized\n" \
+             "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    rep = audit.ptxas_report("k.ptx")
+    assert rep["serialized"] and rep["spill_stores"] == 0
+
+
 def test_session_summary_counts_the_worst_outcome_and_unfinished_tests(tmp_path):
     gs = _load_script("gpu_session")
     report = tmp_path / "g.jsonl"
