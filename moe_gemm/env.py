@@ -33,6 +33,12 @@ def env_switch(name: str) -> bool:
     return value is None or value.strip().lower() not in ("0", "false", "no")
 
 
+def env_flag(name: str) -> bool:
+    """A default-off MOE_GEMM_* switch: on when set to 1, true, yes or on (any case)."""
+    value = env_get(name)
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def env_reader(names: tuple[str, ...]) -> Callable[[], tuple[str | None, ...]]:
     """A function that returns tuple(env_get(name) for name in names), for switches read at
     every call: the keys are encoded once and the decoded values are kept per tuple of raw

@@ -221,6 +221,16 @@ def test_env_switch_default_on(path: str, clean: pytest.MonkeyPatch, value, on: 
     assert env_switch(NAME) is on
 
 
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("no", False),
+                                      ("1", True), ("true", True), (" Yes ", True), ("ON", True)])
+def test_env_flag_default_off(path: str, clean: pytest.MonkeyPatch, value, on: bool) -> None:
+    from moe_gemm.env import env_flag
+
+    if value is not None:
+        os.environ[NAME] = value
+    assert env_flag(NAME) is on
+
+
 def test_env_reader_follows_every_change(path: str, clean: pytest.MonkeyPatch) -> None:
     other = NAME + "_OTHER"
     _unset(clean, other)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import env_get
+from moe_gemm.env import env_flag, env_get
 from moe_gemm.ops import heuristics, tuned
 from moe_gemm.ops.versions import runtime_versions
 
@@ -42,9 +42,7 @@ _lock = threading.Lock()
 
 def requested(config: GemmConfig) -> bool:
     """Whether a plan for `config` should be tuned online (cheap: checked per new plan)."""
-    value = env_get(AUTOTUNE_ENV)
-    return (value is not None and value.strip().lower() in ("1", "true", "yes", "on")
-            and not config.tuning_pinned)
+    return env_flag(AUTOTUNE_ENV) and not config.tuning_pinned
 
 
 def _budget_s() -> float:
