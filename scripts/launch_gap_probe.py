@@ -107,11 +107,11 @@ def _probe(fn, reps: int, idle_s: float) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--reps", type=int, default=50)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=50, help="calls traced per case (default 50)")
     p.add_argument("--idle-ms", type=float, default=0.0,
                    help="pause after each synchronisation (default none)")
-    p.add_argument("--out")
+    p.add_argument("--out", help="write every case's medians as JSON here")
     args = p.parse_args()
     device = torch.device("cuda")
     _mark_plan_calls()
