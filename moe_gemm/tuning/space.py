@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from moe_gemm import config as cfgmod
 from moe_gemm.config import GemmConfig
+from moe_gemm.kernels.sm90.constants import TILE_K, ab_stage_limit, epilogue_staging
 from moe_gemm.ops.heuristics import KernelChoice, choice_fields
 
 STAGES = (None, 3, 4)
@@ -107,8 +108,26 @@ def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
         return False
     if form != "general" and (fields.get("visitor") == "host" or fields.get("sort_by_k")):
         return False
+    if fields.get("whole_epilogue") and fields["tile_m"] != 128:
+        return False
+    if not _stages_fit(fields, out_itemsize):
+        return False
     # A cluster needs the cooperative schedule today; GemmConfig says which pairs build.
     return cfg.schedule != "auto"
+
+
+def _stages_fit(fields: Fields, out_itemsize: int) -> bool:
+    """Whether pinned stages fit in shared memory beside the epilogue (the kernel's own rule,
+    so the tuner never spends a compile on a config the kernel refuses)."""
+    stages = fields.get("stages")
+    if not stages:
+        return True
+    whole = bool(fields.get("whole_epilogue"))
+    # (The tuner leaves the cooperative subtile width at its default, 32 columns.)
+    subtile, buffers, groups = epilogue_staging(fields["schedule"], fields["tile_n"], 32, whole)
+    limit, _ = ab_stage_limit(fields["tile_m"], fields["tile_n"], TILE_K, 16, 8 * out_itemsize,
+                              subtile, buffers, groups, whole)
+    return stages <= limit
 
 
 def stage1(form: str, out_itemsize: int = 2) -> list[Fields]:

@@ -181,3 +181,28 @@ def test_refusals_are_value_errors_before_tracing():
     with pytest.raises(ValueError, match="whole-tile epilogue"):
         CompileKey("varlen", "bfloat16", "bfloat16", "n", "cooperative", "device", 256, 128,
                    epi_whole=True).kernel()
+
+
+@pytest.mark.parametrize("schedule,tile", TILES, ids=[f"{s}-{m}x{n}" for s, (m, n) in TILES])
+def test_host_side_stage_limit_is_the_kernels(schedule, tile):
+    # The tuner asks constants.ab_stage_limit which pinned stage counts build; the kernel must
+    # accept exactly those (one more is refused with the limit in the message).
+    from moe_gemm.kernels.sm90.compile import CompileKey
+    from moe_gemm.kernels.sm90.constants import TILE_K, ab_stage_limit, epilogue_staging
+
+    wholes = [False, True] if schedule == "cooperative" and tile[0] == 128 else [False]
+    for d_dtype, d_bits in (("bfloat16", 16), ("float32", 32)):
+        for whole in wholes:
+            if whole and d_bits != 16:
+                continue
+            key = CompileKey("varlen", "bfloat16", d_dtype, "k", schedule, "device", *tile,
+                             epi_whole=whole)
+            k = key.kernel()
+            subtile, buffers, groups = epilogue_staging(schedule, tile[1], 32, whole)
+            limit, buffers = ab_stage_limit(*tile, TILE_K, 16, d_bits, subtile, buffers,
+                                            groups, whole)
+            assert (k.ab_stages, k.epi_tile, k.epi_stages, k.num_epi_groups) == (
+                limit, subtile, buffers, groups), (d_dtype, whole)
+            with pytest.raises(ValueError, match=f"at most {limit}"):
+                CompileKey("varlen", "bfloat16", d_dtype, "k", schedule, "device", *tile,
+                           stages=limit + 1, epi_whole=whole).kernel()

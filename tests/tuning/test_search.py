@@ -71,6 +71,30 @@ def test_stage2_varies_one_field_and_only_what_builds():
     assert {"sort_by_k", "visitor"} <= changed and "tail_split" not in changed
 
 
+def test_no_candidate_pins_more_stages_than_shared_memory_holds():
+    # Seen in tuning runs before this rule: 'coop 128x256 s4 ew' and 'coop 256x192 s4' were
+    # compiled only to be refused by the kernel. Every stage-2 variant the tuner proposes now
+    # fits, and those two are refused up front.
+    from moe_gemm.kernels.sm90.constants import TILE_K, ab_stage_limit, epilogue_staging
+
+    for out_itemsize in (2, 4):
+        for parent in space.stage1("varlen", out_itemsize):
+            for v in space.stage2(parent, "varlen", out_itemsize):
+                if not v.get("stages"):
+                    continue
+                whole = bool(v.get("whole_epilogue"))
+                sub, bufs, groups = epilogue_staging(v["schedule"], v["tile_n"], 32, whole)
+                limit, _ = ab_stage_limit(v["tile_m"], v["tile_n"], TILE_K, 16,
+                                          8 * out_itemsize, sub, bufs, groups, whole)
+                assert v["stages"] <= limit, space.name_of(v)
+    too_deep = space.parse_name("coop 128x256 s4 p16 ts ew")
+    assert not space._buildable(too_deep, "varlen", 2)
+    assert space._buildable({**too_deep, "stages": 3}, "varlen", 2)
+    assert not space._buildable(space.parse_name("coop 256x192 s4"), "varlen", 2)
+    assert space._buildable(space.parse_name("coop 256x192 s3"), "varlen", 2)
+    assert not space._buildable(space.parse_name("coop 256x208 ew"), "varlen", 2)
+
+
 def test_combine_and_names_round_trip():
     parent = next(f for f in space.stage1("varlen") if space.name_of(f) == "coop 128x256 p8")
     a = {**parent, "stages": 3}

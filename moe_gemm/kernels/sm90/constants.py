@@ -3,6 +3,8 @@ wrapper, the config checks and the heuristics can use them without loading the C
 
 from __future__ import annotations
 
+import math
+
 TILE_K = 64  # one 128-byte swizzle row of 16-bit data
 DESC_BYTES = 128  # one CUtensorMap
 SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
@@ -93,6 +95,50 @@ def register_split(schedule: str, tile_m: int, tile_n: int) -> tuple[int, int]:
     """(producer, math) registers per thread for setmaxnreg."""
     heavy = acc_regs(schedule, tile_m, tile_n) >= HEAVY_ACC_REGS
     return REGS_HEAVY if heavy else REGS_DEFAULT
+
+
+SM90_SMEM_BYTES = 227 * 1024  # shared memory one sm90 CTA may use (the opt-in maximum)
+SMEM_RESERVED = 2048  # the pipelines' mbarriers and buffer alignment
+RECORD_INTS = 8  # int32 fields of a scheduler record (tile_scheduler.WorkTile)
+
+
+def epilogue_staging(schedule: str, d_tile_n: int, epi_n: int = 32,
+                     epi_whole: bool = False) -> tuple[tuple[int, int], int, int]:
+    """(subtile (rows, columns), staging buffers per group, groups) of the epilogue.
+
+    Ping-pong: each warpgroup stages its own 64-row subtiles (2 x 64x32 per warpgroup);
+    cooperative: 4 x 128 x epi_n shared by both. The subtile width divides the stored tile (a
+    wider one would write the neighbour tile's columns: 128x208 stores 13 subtiles of 16), and
+    narrower subtiles get proportionally more buffers. The whole-tile epilogue has a buffer
+    for every subtile of the tile."""
+    pingpong = schedule == "pingpong"
+    subtile = (64 if pingpong else 128, math.gcd(32 if pingpong else epi_n, d_tile_n))
+    if epi_whole:
+        buffers = d_tile_n // subtile[1]
+    else:
+        buffers = (2 if pingpong else 4) * 32 // subtile[1]
+    return subtile, buffers, 2 if pingpong else 1
+
+
+def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: int,
+                   subtile: tuple[int, int], buffers: int, groups: int, epi_whole: bool,
+                   smem_bytes: int = SM90_SMEM_BYTES) -> tuple[int, int]:
+    """(most A/B stages, epilogue buffers per group) that fit in `smem_bytes` beside the
+    epilogue staging, the scheduler ring and the barriers. When the default staging would
+    leave fewer than 3 A/B stages (256-row tiles with fp32 output), it shrinks to 2 buffers:
+    the mainloop needs a stage in flight while one is consumed and one refilled."""
+    ab_bytes = (tile_m + tile_n) * tile_k * ab_bits // 8
+    subtile_bytes = subtile[0] * subtile[1] * d_bits // 8
+
+    def fit(n_buffers: int) -> int:
+        reserved = (SMEM_RESERVED + subtile_bytes * n_buffers * groups
+                    + SCHED_STAGES * RECORD_INTS * 4)
+        return (smem_bytes - reserved) // ab_bytes
+
+    stages = fit(buffers)
+    if stages < 3 and not epi_whole and fit(2) > stages:
+        return fit(2), 2
+    return stages, buffers
 
 
 def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:

@@ -58,7 +58,6 @@ checks this before we get here); tile_k = 64 (one 128-byte swizzle row of 16-bit
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,6 +78,8 @@ from .constants import (
     SCHED_STAGES,
     SLOT_BYTES,
     TILE_K,
+    ab_stage_limit,
+    epilogue_staging,
     fused_problem,
     register_split,
     tile_problem,
@@ -284,21 +285,12 @@ class GroupedGemmSm90:
         self.gate_halves = self.gate is not None and gate_layout == "concat"
         self.d_tile_n = self.tile_n // 2 if self.gate else self.tile_n
 
-        if self.pingpong:
-            self.atom_layout_mnk = (1, 1, 1)
-            epi_m = 64  # one warpgroup's m64 row block
-            self.num_epi_groups = 2  # each math warpgroup has its own epilogue buffers
-        else:
-            self.atom_layout_mnk = (2, 1, 1)
-            epi_m = 128  # both warpgroups' m64 row blocks
-            self.num_epi_groups = 1
+        # Ping-pong: each warpgroup's m64 row block, its own epilogue buffers; cooperative:
+        # the two warpgroups' row blocks stacked, one set of buffers.
+        self.atom_layout_mnk = (1, 1, 1) if self.pingpong else (2, 1, 1)
         self.mma_tiler_mn = (64, self.tile_n)
         if epi_n not in (16, 32, 64):
             raise ValueError(f"epilogue subtile width {epi_n} unsupported (16, 32, 64)")
-        # The subtile must divide the tile (a wider one would write the neighbour tile's
-        # columns): 128x208 stores 13 subtiles of 16 columns. Ping-pong always uses 32 (its
-        # two warpgroups' staging is per warpgroup; epi_n is the cooperative choice).
-        self.epi_tile = (epi_m, math.gcd(32 if self.pingpong else epi_n, self.d_tile_n))
 
         self.threads_per_wg = 128
         self.num_math_wgs = 2
@@ -308,22 +300,18 @@ class GroupedGemmSm90:
         self.load_regs, self.math_regs = register_split(schedule, self.tile_m, self.tile_n)
         if gather_a:
             self.load_regs, self.math_regs = REGS_GATHER
-        # Epilogue staging: 4 x (128 x 32) subtiles cooperative (32 KiB at bf16), 2 x (64 x 32)
-        # per warpgroup in ping-pong; narrower subtiles get proportionally more buffers.
-        if self.num_epi_groups == 1:
-            self.epi_stages = 4 * 32 // self.epi_tile[1]
-        else:
-            self.epi_stages = 2 * 32 // self.epi_tile[1]
-        # Whole-tile epilogue (cooperative 128-row tiles, 16-bit output): a staging buffer for
-        # every subtile (128 x 256 bf16 = 64 KiB), so the warpgroups write the whole tile to
-        # shared memory between two barriers and one warp issues all its TMA stores: 2 named-
-        # barrier syncs per tile instead of 2 per subtile (16 at 128x256).
+        # Epilogue staging (constants.epilogue_staging): 4 x (128 x 32) subtiles cooperative
+        # (32 KiB at bf16), 2 x (64 x 32) per warpgroup in ping-pong. The whole-tile epilogue
+        # (cooperative 128-row tiles, 16-bit output) has a buffer for every subtile (128 x 256
+        # bf16 = 64 KiB), so the warpgroups write the whole tile to shared memory between two
+        # barriers and one warp issues all its TMA stores: 2 named-barrier syncs per tile
+        # instead of 2 per subtile (16 at 128x256).
         self.epi_whole = epi_whole
-        if epi_whole:
-            if self.pingpong or d_dtype.width != 16 or self.tile_m != 128:
-                raise ValueError("the whole-tile epilogue is built for cooperative 128-row "
-                                 "tiles with 16-bit output")
-            self.epi_stages = self.d_tile_n // self.epi_tile[1]
+        if epi_whole and (self.pingpong or d_dtype.width != 16 or self.tile_m != 128):
+            raise ValueError("the whole-tile epilogue is built for cooperative 128-row "
+                             "tiles with 16-bit output")
+        self.epi_tile, self.epi_stages, self.num_epi_groups = epilogue_staging(
+            schedule, self.d_tile_n, epi_n, epi_whole)
         self.buffer_align = 1024  # 128-byte swizzle atoms need 1 KiB aligned buffers
         self.ab_stages = self._stage_count(ab_stages)
         self.epi = self.make_epilogue()
@@ -333,24 +321,12 @@ class GroupedGemmSm90:
         return Epilogue(self)
 
     def _stage_count(self, requested: int | None) -> int:
-        """A/B ring depth in the 227 KiB of shared memory an sm90 CTA may use, beside the
-        epilogue staging, the scheduler ring and the barriers (<= 2 KiB with alignment).
-        When the epilogue's default depth would leave fewer than 3 A/B stages (256-row tiles
-        with fp32 output), it shrinks (to 2 subtiles) to make room: the mainloop needs a
-        stage in flight while one is consumed and one refilled."""
-        ab_bytes = (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
-        subtile_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8
-        smem = get_smem_capacity_in_bytes("sm_90")
-
-        def fit(epi_stages: int) -> int:
-            reserved = (2048 + subtile_bytes * epi_stages * self.num_epi_groups
-                        + SCHED_STAGES * RECORD_INTS * 4)
-            return (smem - reserved) // ab_bytes
-
-        stages = fit(self.epi_stages)
-        if stages < 3 and not self.epi_whole and fit(2) > stages:
-            self.epi_stages = 2
-            stages = fit(2)
+        """A/B ring depth in the shared memory an sm90 CTA may use (constants.ab_stage_limit,
+        which may shrink the epilogue staging to make room for 3 stages)."""
+        stages, self.epi_stages = ab_stage_limit(
+            self.tile_m, self.tile_n, self.tile_k, self.ab_dtype.width, self.d_dtype.width,
+            self.epi_tile, self.epi_stages, self.num_epi_groups, self.epi_whole,
+            get_smem_capacity_in_bytes("sm_90"))
         if requested is not None:
             if requested > stages:
                 raise ValueError(f"{requested} A/B stages of {self.tile_m}x{self.tile_n} do not "
@@ -874,8 +850,11 @@ class GroupedGemmSm90:
     ) -> pipeline.PipelineState:
         """acc = A_tile @ B_tile over k_tiles stages (zeros when k_tiles == 0). (work and
         problems: the tile and its accessor, for subclasses whose mainloop needs them.)"""
-        acc.fill(0.0)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        if k_tiles == 0:
+            acc.fill(0.0)  # (an empty K: the tile is zeros)
+        # The first k-block's WGMMAs overwrite the accumulators (scale-d 0) instead of adding
+        # to zeros written by the math threads: register writes between the WGMMAs of a tile
+        # with two m64 blocks made ptxas inject a warpgroup.wait into every tile (C7517).
         warpgroup.fence()
         release_state = ab_state.clone()
         # One WGMMA batch stays in flight (wait_group(1)): stage s is released once the
@@ -884,10 +863,12 @@ class GroupedGemmSm90:
             ab_pipe.consumer_wait(ab_state)
             self._acquire_gathered()
             for kb in cutlass.range_constexpr(num_k_blocks):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
                 coord = (None, None, kb, ab_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
             warpgroup.commit_group()
             ab_state.advance()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range(1, k_tiles, 1, unroll=1):
             ab_pipe.consumer_wait(ab_state)
             self._acquire_gathered()

@@ -26,6 +26,7 @@ from .constants import (
     RASTER_ALONG_N,
     RASTER_PANEL_MASK,
     RASTER_SERPENTINE,
+    RECORD_INTS,
     SCHED_STAGES,
     SLOT_BYTES,
 )
@@ -87,7 +88,8 @@ class WorkTile:
         return self.role >> 2
 
 
-RECORD_INTS = len(WorkTile.FIELDS)
+# The record's size is a host-side constant too (the shared-memory budget counts the ring).
+assert len(WorkTile.FIELDS) == RECORD_INTS, "constants.RECORD_INTS must match WorkTile.FIELDS"
 
 
 @cute.jit
