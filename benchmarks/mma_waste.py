@@ -55,6 +55,25 @@ def waste_rows(model_names: str | None, tokens: list[int], device: str | None,
     return rows
 
 
+def granularity_floor(model_names: str | None, tokens: list[int], seed: int = 1234,
+                      steps: tuple[int, ...] = (128, 64, 32, 16, 8)) -> list[dict[str, Any]]:
+    """The waste that rounding each expert's rows up to `g` alone costs, for each g (no N or K
+    rounding, no cluster): the least any tiling can waste whose row tiles are multiples of g.
+    A WGMMA's M side is 64 rows per warpgroup, its N side a multiple of 8, so below 64 rows
+    only a tile with the expert's rows on the N side (swap-AB) gets finer."""
+    counts_all = []
+    for t in tokens:
+        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
+            for p in m.projections():
+                counts_all.append(models.topk_counts(p.E, t, min(p.top_k, p.E), seed))
+    out = []
+    for g in steps:
+        w = [sum(-(-r // g) * g for r in c) / max(1, sum(c)) - 1 for c in counts_all]
+        out.append({"rows_granularity": g, "median": statistics.median(w), "max": max(w),
+                    "above_5_percent": sum(x > 0.05 for x in w), "cases": len(w)})
+    return out
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     w = [r["wasted_fraction"] for r in rows]
     if not w:
@@ -74,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tokens = models.parse_tokens(args.tokens, (2048, 8192))
     rows = waste_rows(args.models, tokens, args.device or None, args.seed)
+    floor = granularity_floor(args.models, tokens, args.seed)
     doc = {"device_table": args.device or None, "tokens": tokens, "rows": rows,
-           "summary": summary(rows)}
+           "summary": summary(rows), "rows_granularity_floor": floor}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -88,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     if s["cases"]:
         print(f"median {100 * s['median']:.1f}%, max {100 * s['max']:.1f}%, above 5% on "
               f"{s['above_5_percent']} of {s['cases']}")
+    print("least waste of any tiling whose row tiles are multiples of g (rows rounding alone):")
+    for f in floor:
+        print(f"  g={f['rows_granularity']:3d}: median {100 * f['median']:5.1f}%, max "
+              f"{100 * f['max']:6.1f}%, above 5% on {f['above_5_percent']} of {f['cases']}")
     return 0
 
 

@@ -35,3 +35,15 @@ def test_rules_only_and_no_rows():
     rows = mma_waste.waste_rows("OLMoE-1B-7B", [16], None)
     assert len(rows) == 2 and all(r["tokens"] == 16 for r in rows)
     assert mma_waste.summary([]) == {"cases": 0}
+
+
+def test_granularity_floor_is_the_rounding_of_each_experts_rows():
+    floor = mma_waste.granularity_floor("Mixtral-8x7B", [2048], steps=(128, 64, 8, 1))
+    counts = [models.topk_counts(8, 2048, 2, 1234)] * 2  # both projections share the routing
+    for f in floor:
+        g = f["rows_granularity"]
+        want = [sum(-(-r // g) * g for r in c) / sum(c) - 1 for c in counts]
+        assert f["cases"] == 2 and abs(f["median"] - want[0]) < 1e-12
+    # Coarser row tiles never waste less; one-row granularity wastes nothing.
+    medians = [f["median"] for f in floor]
+    assert medians == sorted(medians, reverse=True) and medians[-1] == 0
