@@ -1,0 +1,264 @@
+"""DRAM and L2 bytes of our default and the peers on zoo projections, measured by ncu (GPU).
+
+    python -m benchmarks.dram_traffic [--models M,...] [--tokens 2048,8192] \
+        [--impls ours,grouped_mm,mm_loop,quack,quack_tuned] [--out traffic.json]
+
+For each case (a zoo projection at a token count, the zoo's seeded routing) and implementation,
+a worker process (this module with --worker) builds the inputs, runs the implementation twice
+(compiles, autotunes, warms caches of handles), then once between cudaProfilerStart and
+cudaProfilerStop; ncu (--profile-from-start off, caches flushed before each kernel) measures
+every kernel of that call: DRAM bytes read and written, L2 (lts) bytes, GPU time. A row sums
+them over the call's kernels (the mm loop launches one per expert) and divides the DRAM bytes
+read by the compulsory ones: x read once and the weights of every expert that has rows read
+once. Re-reads of a weight or activation panel that left L2 before its next use show up as a
+ratio above 1; the kernel v2 target is <= 1.15 on compute-bound shapes.
+
+ncu serializes and replays kernels: its times are for reading beside the bytes, not for
+comparing speed (that is `moe-gemm bench --suite zoo`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+METRICS = {
+    "dram__bytes_read.sum": "dram_read",
+    "dram__bytes_write.sum": "dram_write",
+    "lts__t_bytes.sum": "l2_bytes",
+    "gpu__time_duration.sum": "gpu_ns",
+}
+IMPLS = ("ours", "grouped_mm", "mm_loop", "quack", "quack_tuned")
+DEFAULT_IMPLS = ("ours", "quack", "mm_loop")
+WORKER_TIMEOUT_S = 600.0
+
+
+def compulsory_bytes(counts: list[int], n: int, k: int, itemsize: int = 2) -> tuple[int, int]:
+    """(bytes read, bytes written) that any implementation must move: x (rows x K) and the
+    (K x N) weights of every expert with rows, read once; the (rows x N) output written once."""
+    rows = sum(counts)
+    used = sum(1 for c in counts if c > 0)
+    return (rows * k + used * k * n) * itemsize, rows * n * itemsize
+
+
+def _number(raw: str) -> float:
+    raw = raw.replace(",", "").strip()
+    return float(raw) if raw not in ("", "n/a") else 0.0
+
+
+def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
+    """The kernels of `ncu --csv --print-units base` output, one dict per kernel with METRICS'
+    short names (plus "kernel"), in launch order. Reads both layouts: `--page raw` (a row per
+    kernel, a column per metric, then a units row without an ID) and the details page (a row
+    per kernel and metric: "Metric Name", "Metric Value"). Lines that are not CSV (ncu's
+    ==PROF== notes, the program's prints) are skipped; thousands separators are tolerated.
+    ValueError when the output has CSV but not the metrics asked for."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if not lines:
+        return []
+    reader = csv.reader(io.StringIO("\n".join(lines)))
+    header = next(reader)
+    col = {name: i for i, name in enumerate(header)}
+    if "ID" not in col:
+        raise ValueError("ncu output has no ID column")
+    kernels: dict[int, dict[str, Any]] = {}
+    long_form = "Metric Name" in col and "Metric Value" in col
+    for row in reader:
+        if len(row) != len(header) or not row[col["ID"]].strip().isdigit():
+            continue
+        rec = kernels.setdefault(int(row[col["ID"]]), {
+            "kernel": row[col["Kernel Name"]] if "Kernel Name" in col else ""})
+        if long_form:
+            short = METRICS.get(row[col["Metric Name"]])
+            if short is not None:
+                rec[short] = _number(row[col["Metric Value"]])
+        else:
+            for metric, short in METRICS.items():
+                if metric in col:
+                    rec[short] = _number(row[col[metric]])
+    out = [kernels[i] for i in sorted(kernels)]
+    missing = sorted({m for m, short in METRICS.items() for r in out if short not in r})
+    if missing:
+        raise ValueError(f"ncu output lacks {', '.join(missing)}")
+    return out
+
+
+def summarize(kernels: list[dict[str, Any]], counts: list[int], n: int, k: int) -> dict[str, Any]:
+    """One row's sums and ratios from its kernels."""
+    read, write = compulsory_bytes(counts, n, k)
+    tot = {short: sum(kr[short] for kr in kernels) for short in METRICS.values()}
+    return {
+        "kernels": len(kernels),
+        "kernel_names": sorted({kr["kernel"][:80] for kr in kernels}),
+        **tot,
+        "us": tot["gpu_ns"] / 1e3,
+        "compulsory_read": read,
+        "compulsory_write": write,
+        "read_ratio": tot["dram_read"] / read if read else None,
+        "write_ratio": tot["dram_write"] / write if write else None,
+        "l2_per_compulsory": tot["l2_bytes"] / (read + write) if read + write else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one implementation, one case, one profiled call
+
+
+def _impl(name: str):
+    from benchmarks import suite
+
+    return {
+        "ours": suite._ours(None),
+        "grouped_mm": suite._build_grouped_mm,
+        "mm_loop": suite._build_loop,
+        "quack": suite._build_quack,
+        "quack_tuned": suite._build_quack_tuned,
+    }[name]
+
+
+def worker(case: str, impl: str, seed: int) -> int:
+    import torch
+
+    from benchmarks.zoo import build_cases
+
+    model, proj, tokens = case.split("/")
+    cases = [c for c in build_cases(model, tokens, [proj], seed, smoke=False)
+             if c[0].name == case]
+    if not cases:
+        print(f"error: no zoo case {case!r}", file=sys.stderr)
+        return 2
+    spec, _ = cases[0]
+    device = torch.device("cuda")
+    from benchmarks.suite import make_inputs
+
+    inp = make_inputs(spec, spec.counts(seed), device, seed)
+    prepared = _impl(impl)(spec, inp, device)
+    for _ in range(2):
+        prepared.run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    prepared.run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+def ncu_command(ncu: str, case: str, impl: str, seed: int) -> list[str]:
+    return [ncu, "--profile-from-start", "off", "--cache-control", "all",
+            "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
+            sys.executable, "-m", "benchmarks.dram_traffic", "--worker", case, impl,
+            "--seed", str(seed)]
+
+
+def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
+            counts: list[int]) -> dict[str, Any]:
+    row: dict[str, Any] = {"case": case, "impl": impl, **fields}
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(ncu_command(ncu, case, impl, seed), capture_output=True,
+                             text=True, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": "error", "error": f"timed out after {WORKER_TIMEOUT_S:.0f} s"}
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    kernels = []
+    try:
+        kernels = parse_ncu_csv(res.stdout)
+    except ValueError as exc:
+        row["error"] = str(exc)
+    if res.returncode != 0 or not kernels:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        return {**row, "status": "error", "returncode": res.returncode,
+                "error": row.get("error") or " | ".join(tail) or "no kernel profiled"}
+    return {**row, "status": "ok", **summarize(kernels, counts, fields["N"], fields["K"])}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dram_traffic",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None, help="comma-separated zoo models, or 'all' "
+                   "(default: the zoo's default models)")
+    p.add_argument("--tokens", default="2048,8192", help="token counts (default 2048,8192)")
+    p.add_argument("--proj", default="gate_up,down", help="projections (default both)")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"comma-separated, from {', '.join(IMPLS)} (default "
+                   f"{','.join(DEFAULT_IMPLS)})")
+    p.add_argument("--seed", type=int, default=1234, help="routing and data seed (the zoo's)")
+    p.add_argument("--out", help="write the rows as JSON")
+    p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH)")
+    p.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        return worker(args.worker[0], args.worker[1], args.seed)
+    impls = [s for s in args.impls.split(",") if s]
+    if bad := [s for s in impls if s not in IMPLS]:
+        print(f"error: unknown implementation(s) {', '.join(bad)}; expected some of "
+              f"{', '.join(IMPLS)}", file=sys.stderr)
+        return 2
+    projs = [s for s in args.proj.split(",") if s]
+    if bad := [s for s in projs if s not in ("gate_up", "down")]:
+        print(f"error: unknown projection(s) {', '.join(bad)}; expected gate_up, down",
+              file=sys.stderr)
+        return 2
+    ncu = args.ncu or shutil.which("ncu")
+    if not ncu or not os.path.exists(ncu):
+        print("error: ncu (Nsight Compute) is not on PATH; pass --ncu", file=sys.stderr)
+        return 2
+    from benchmarks.zoo import build_cases
+
+    try:
+        cases = build_cases(args.models, args.tokens, projs, args.seed, smoke=False)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    doc: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).date().isoformat(),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "method": "ncu --cache-control all --profile-from-start off: one call after two "
+                  "warm-up calls; bytes summed over the call's kernels",
+        "rows": [],
+    }
+    try:
+        import torch
+
+        doc["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - the name is informative only
+        doc["device"] = None
+    print(f"{'case':34} | {'impl':11} | {'us':>8} | {'DRAM rd GB':>10} | {'x compulsory':>12} "
+          f"| {'L2 GB':>7}", flush=True)
+    for spec, fields in cases:
+        counts = spec.counts(args.seed)
+        for impl in impls:
+            row = measure(ncu, spec.name, impl, args.seed, fields, counts)
+            doc["rows"].append(row)
+            if row["status"] == "ok":
+                print(f"{spec.name[:34]:34} | {impl:11} | {row['us']:8.1f} | "
+                      f"{row['dram_read'] / 1e9:10.3f} | {row['read_ratio']:12.2f} | "
+                      f"{row['l2_bytes'] / 1e9:7.2f}", flush=True)
+            else:
+                print(f"{spec.name[:34]:34} | {impl:11} | error: {row['error'][:60]}",
+                      flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(doc, f, indent=1)
+    return 0 if all(r["status"] == "ok" for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

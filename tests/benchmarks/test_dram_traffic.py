@@ -1,0 +1,121 @@
+"""benchmarks.dram_traffic: ncu output parsing, compulsory bytes and the driver, with a stand-in
+for ncu (the real one needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+import sys
+
+import pytest
+
+from benchmarks import dram_traffic as dt
+from moe_gemm.tuning import zoo as models
+
+RAW = "\n".join([
+    "==PROF== Connected to process 4242",
+    "some line the program printed",
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+    '"dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum","lts__t_bytes.sum"',
+    '"","","","","","","","byte","byte","nsecond","byte"',
+    '"0","4242","python3","h","kernel_a(...)","1","7","1,000,000","2000","1500","3,000,000"',
+    '"1","4242","python3","h","kernel_b(...)","1","7","500","n/a","2500","700"',
+    "==PROF== Disconnected from process 4242",
+])
+
+LONG = "\n".join([
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+    '"Section Name","Metric Name","Metric Unit","Metric Value"',
+] + [
+    f'"{i}","1","p","h","k{i}","1","7","Command line profiler metrics","{m}","byte","{v}"'
+    for i, vals in enumerate([(10, 20, 30, 40), (1, 2, 3, 4)])
+    for m, v in zip(dt.METRICS, vals)
+])
+
+
+def test_parse_raw_page():
+    ks = dt.parse_ncu_csv(RAW)
+    assert [k["kernel"] for k in ks] == ["kernel_a(...)", "kernel_b(...)"]
+    assert ks[0]["dram_read"] == 1e6 and ks[0]["l2_bytes"] == 3e6 and ks[0]["gpu_ns"] == 1500
+    assert ks[1]["dram_write"] == 0.0 and ks[1]["dram_read"] == 500
+
+
+def test_parse_details_page():
+    ks = dt.parse_ncu_csv(LONG)
+    assert len(ks) == 2
+    assert (ks[0]["dram_read"], ks[0]["dram_write"], ks[0]["l2_bytes"], ks[0]["gpu_ns"]) == (
+        10, 20, 30, 40)
+
+
+def test_parse_refuses_output_without_the_metrics_and_ignores_no_csv():
+    assert dt.parse_ncu_csv("==PROF== nothing profiled\n") == []
+    bad = '"ID","Kernel Name","dram__bytes_read.sum"\n"0","k","5"\n'
+    with pytest.raises(ValueError, match="lacks"):
+        dt.parse_ncu_csv(bad)
+
+
+def test_compulsory_bytes_count_used_experts_once():
+    read, write = dt.compulsory_bytes([3, 0, 5], n=16, k=32)
+    assert read == (8 * 32 + 2 * 32 * 16) * 2 and write == 8 * 16 * 2
+    row = dt.summarize(dt.parse_ncu_csv(RAW), [3, 0, 5], 16, 32)
+    assert row["kernels"] == 2 and row["dram_read"] == 1_000_500
+    assert row["read_ratio"] == pytest.approx(1_000_500 / read)
+    assert row["us"] == pytest.approx(4.0)
+
+
+def test_cli_errors_are_exit_2(capsys):
+    assert dt.main(["--impls", "ours,bogus", "--ncu", sys.executable]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert dt.main(["--proj", "up", "--ncu", sys.executable]) == 2
+    assert dt.main(["--ncu", "/nonexistent/ncu"]) == 2
+    assert "ncu" in capsys.readouterr().err
+    assert dt.main(["--models", "NoSuchModel", "--ncu", sys.executable]) == 2
+
+
+def test_driver_with_a_stand_in_ncu(tmp_path, capsys):
+    # A stand-in that checks it was asked for the metrics and the worker, then prints what a
+    # real ncu would for a two-kernel call.
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\n"
+                    'case "$*" in *dram__bytes_read.sum*--worker*) ;; *) exit 9;; esac\n'
+                    f"cat {tmp_path / 'out.csv'}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "out.csv").write_text(RAW + "\n")
+    out = tmp_path / "t.json"
+    rc = dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
+                  "ours,quack", "--ncu", str(fake), "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [r["impl"] for r in doc["rows"]] == ["ours", "quack"]
+    counts = models.topk_counts(64, 16, 8, 1234)
+    read, _ = dt.compulsory_bytes(counts, 2048, 1024)
+    assert doc["rows"][0]["compulsory_read"] == read
+    assert doc["rows"][0]["read_ratio"] == pytest.approx(1_000_500 / read)
+    assert "OLMoE-1B-7B/down/16" in capsys.readouterr().out
+
+
+def test_driver_reports_a_failing_worker(tmp_path):
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\necho 'worker died' >&2\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "t.json"
+    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
+                    "ours", "--ncu", str(fake), "--out", str(out)]) == 1
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "error" and "worker died" in row["error"]
+    assert row["returncode"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(shutil.which("ncu") is None, reason="needs ncu (Nsight Compute)")
+def test_real_ncu_on_one_case(tmp_path):
+    out = tmp_path / "t.json"
+    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "2048", "--proj", "down",
+                    "--impls", "ours,mm_loop", "--out", str(out)]) == 0
+    ours, loop = json.loads(out.read_text())["rows"]
+    # Caches are flushed before each kernel: every operand byte comes from DRAM at least once.
+    assert ours["read_ratio"] >= 0.99 and loop["read_ratio"] >= 0.99
+    # (cuBLAS may add a reduction kernel to an expert's mm.)
+    assert ours["kernels"] >= 1 and loop["kernels"] >= sum(
+        1 for c in models.topk_counts(64, 2048, 8, 1234) if c)
