@@ -7,8 +7,9 @@ For each case (a zoo projection at a token count, the zoo's seeded routing) and 
 a worker process (this module with --worker) builds the inputs, runs the implementation twice
 (compiles, autotunes, warms caches of handles), then once between cudaProfilerStart and
 cudaProfilerStop; ncu (--profile-from-start off, caches flushed before each kernel) measures
-every kernel of that call: DRAM bytes read and written, L2 (lts) bytes, GPU time. A row sums
-them over the call's kernels (the mm loop launches one per expert) and divides the DRAM bytes
+every kernel of that call: DRAM bytes read and written, L2 (lts) bytes, GPU time, and the
+tensor pipe's, L2's and DRAM's utilization (percent of peak). A row sums the bytes over the
+call's kernels (the mm loop launches one per expert) and divides the DRAM bytes
 read by the compulsory ones: x read once and the weights of every expert that has rows read
 once. Re-reads of a weight or activation panel that left L2 before its next use show up as a
 ratio above 1; the kernel v2 target is <= 1.15 on compute-bound shapes.
@@ -37,6 +38,14 @@ METRICS = {
     "lts__t_bytes.sum": "l2_bytes",
     "gpu__time_duration.sum": "gpu_ns",
 }
+# Utilizations (percent of peak), read beside the bytes: where the time goes. Averaged over a
+# call's kernels weighted by their time. (ncu metric names for sm_90; a run whose ncu refuses
+# one is repeated without them.)
+UTILIZATION = {
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pct",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_pct",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+}
 IMPLS = ("ours", "grouped_mm", "mm_loop", "quack", "quack_tuned")
 DEFAULT_IMPLS = ("ours", "quack", "mm_loop")
 WORKER_TIMEOUT_S = 600.0
@@ -55,7 +64,7 @@ def _number(raw: str) -> float:
     return float(raw) if raw not in ("", "n/a") else 0.0
 
 
-def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
+def parse_ncu_csv(text: str, metrics: dict[str, str] = METRICS) -> list[dict[str, Any]]:
     """The kernels of `ncu --csv --print-units base` output, one dict per kernel with METRICS'
     short names (plus "kernel"), in launch order. Reads both layouts: `--page raw` (a row per
     kernel, a column per metric, then a units row without an ID) and the details page (a row
@@ -78,15 +87,15 @@ def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
         rec = kernels.setdefault(int(row[col["ID"]]), {
             "kernel": row[col["Kernel Name"]] if "Kernel Name" in col else ""})
         if long_form:
-            short = METRICS.get(row[col["Metric Name"]])
+            short = metrics.get(row[col["Metric Name"]])
             if short is not None:
                 rec[short] = _number(row[col["Metric Value"]])
         else:
-            for metric, short in METRICS.items():
+            for metric, short in metrics.items():
                 if metric in col:
                     rec[short] = _number(row[col[metric]])
     out = [kernels[i] for i in sorted(kernels)]
-    missing = sorted({m for m, short in METRICS.items() for r in out if short not in r})
+    missing = sorted({m for m, short in metrics.items() for r in out if short not in r})
     if missing:
         raise ValueError(f"ncu output lacks {', '.join(missing)}")
     return out
@@ -96,6 +105,9 @@ def summarize(kernels: list[dict[str, Any]], counts: list[int], n: int, k: int) 
     """One row's sums and ratios from its kernels."""
     read, write = compulsory_bytes(counts, n, k)
     tot = {short: sum(kr[short] for kr in kernels) for short in METRICS.values()}
+    for short in UTILIZATION.values():
+        if all(short in kr for kr in kernels) and tot["gpu_ns"] > 0:
+            tot[short] = sum(kr[short] * kr["gpu_ns"] for kr in kernels) / tot["gpu_ns"]
     return {
         "kernels": len(kernels),
         "kernel_names": sorted({kr["kernel"][:80] for kr in kernels}),
@@ -156,32 +168,44 @@ def worker(case: str, impl: str, seed: int) -> int:
 # The driver
 
 
-def ncu_command(ncu: str, case: str, impl: str, seed: int) -> list[str]:
+def ncu_command(ncu: str, case: str, impl: str, seed: int,
+                metrics: dict[str, str] = METRICS) -> list[str]:
     return [ncu, "--profile-from-start", "off", "--cache-control", "all",
-            "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
+            "--metrics", ",".join(metrics), "--csv", "--page", "raw", "--print-units", "base",
             sys.executable, "-m", "benchmarks.dram_traffic", "--worker", case, impl,
             "--seed", str(seed)]
 
 
-def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
-            counts: list[int]) -> dict[str, Any]:
-    row: dict[str, Any] = {"case": case, "impl": impl, **fields}
-    t0 = time.perf_counter()
+def _profile(ncu: str, case: str, impl: str, seed: int, metrics: dict[str, str]):
+    """(kernels, error, returncode) of one profiled worker run."""
     try:
-        res = subprocess.run(ncu_command(ncu, case, impl, seed), capture_output=True,
+        res = subprocess.run(ncu_command(ncu, case, impl, seed, metrics), capture_output=True,
                              text=True, timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return {**row, "status": "error", "error": f"timed out after {WORKER_TIMEOUT_S:.0f} s"}
-    row["wall_s"] = round(time.perf_counter() - t0, 1)
-    kernels = []
+        return [], f"timed out after {WORKER_TIMEOUT_S:.0f} s", None
     try:
-        kernels = parse_ncu_csv(res.stdout)
+        kernels = parse_ncu_csv(res.stdout, metrics)
     except ValueError as exc:
-        row["error"] = str(exc)
+        return [], str(exc), res.returncode
     if res.returncode != 0 or not kernels:
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        return {**row, "status": "error", "returncode": res.returncode,
-                "error": row.get("error") or " | ".join(tail) or "no kernel profiled"}
+        return [], " | ".join(tail) or "no kernel profiled", res.returncode
+    return kernels, None, 0
+
+
+def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
+            counts: list[int], utilization: bool = True) -> dict[str, Any]:
+    row: dict[str, Any] = {"case": case, "impl": impl, **fields}
+    t0 = time.perf_counter()
+    metrics = {**METRICS, **UTILIZATION} if utilization else METRICS
+    kernels, error, rc = _profile(ncu, case, impl, seed, metrics)
+    if error and utilization:  # an ncu that refuses a utilization metric: bytes alone
+        kernels, error2, rc = _profile(ncu, case, impl, seed, METRICS)
+        row["utilization_error"] = error
+        error = error2
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    if error:
+        return {**row, "status": "error", "returncode": rc, "error": error}
     return {**row, "status": "ok", **summarize(kernels, counts, fields["N"], fields["K"])}
 
 
@@ -198,6 +222,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed (the zoo's)")
     p.add_argument("--out", help="write the rows as JSON")
     p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH)")
+    p.add_argument("--bytes-only", action="store_true",
+                   help="leave out the utilization metrics (tensor pipe, L2, DRAM percent)")
     p.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     return p
 
@@ -241,16 +267,20 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - the name is informative only
         doc["device"] = None
     print(f"{'case':34} | {'impl':11} | {'us':>8} | {'DRAM rd GB':>10} | {'x compulsory':>12} "
-          f"| {'L2 GB':>7}", flush=True)
+          f"| {'L2 GB':>7} | {'tensor%':>7} | {'L2%':>5}", flush=True)
     for spec, fields in cases:
         counts = spec.counts(args.seed)
         for impl in impls:
-            row = measure(ncu, spec.name, impl, args.seed, fields, counts)
+            row = measure(ncu, spec.name, impl, args.seed, fields, counts,
+                          utilization=not args.bytes_only)
             doc["rows"].append(row)
             if row["status"] == "ok":
+                tensor, l2 = row.get("tensor_pct"), row.get("l2_pct")
                 print(f"{spec.name[:34]:34} | {impl:11} | {row['us']:8.1f} | "
                       f"{row['dram_read'] / 1e9:10.3f} | {row['read_ratio']:12.2f} | "
-                      f"{row['l2_bytes'] / 1e9:7.2f}", flush=True)
+                      f"{row['l2_bytes'] / 1e9:7.2f} | "
+                      f"{'-' if tensor is None else f'{tensor:.0f}':>7} | "
+                      f"{'-' if l2 is None else f'{l2:.0f}':>5}", flush=True)
             else:
                 print(f"{spec.name[:34]:34} | {impl:11} | error: {row['error'][:60]}",
                       flush=True)

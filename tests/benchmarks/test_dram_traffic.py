@@ -93,6 +93,21 @@ def test_driver_with_a_stand_in_ncu(tmp_path, capsys):
     assert doc["rows"][0]["compulsory_read"] == read
     assert doc["rows"][0]["read_ratio"] == pytest.approx(1_000_500 / read)
     assert "OLMoE-1B-7B/down/16" in capsys.readouterr().out
+    # The stand-in prints no utilization columns: the run is repeated for the bytes alone.
+    assert "lacks" in doc["rows"][0]["utilization_error"]
+    assert "tensor_pct" not in doc["rows"][0]
+
+
+def test_utilization_is_time_weighted():
+    both = {**dt.METRICS, **dt.UTILIZATION}
+    names = list(both)
+    text = "\n".join(['"ID","Kernel Name",' + ",".join(f'"{n}"' for n in names)] + [
+        f'"{i}","k{i}",' + ",".join(f'"{v}"' for v in vals)
+        for i, vals in enumerate([(100, 0, 10, 1000, 90, 50, 20), (100, 0, 10, 3000, 50, 10, 60)])])
+    ks = dt.parse_ncu_csv(text, both)
+    row = dt.summarize(ks, [64], 64, 64)
+    assert row["tensor_pct"] == pytest.approx((90 * 1000 + 50 * 3000) / 4000)
+    assert row["dram_pct"] == pytest.approx((20 * 1000 + 60 * 3000) / 4000)
 
 
 def test_driver_reports_a_failing_worker(tmp_path):
