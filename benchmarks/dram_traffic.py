@@ -1,7 +1,7 @@
 """DRAM and L2 bytes of our default and the peers on zoo projections, measured by ncu (GPU).
 
     python -m benchmarks.dram_traffic [--models M,...] [--tokens 2048,8192] \
-        [--impls ours,grouped_mm,mm_loop,quack,quack_tuned] [--out traffic.json]
+        [--impls ours,grouped_mm,mm_loop,quack,quack_tuned] [--fp8] [--out traffic.json]
 
 For each case (a zoo projection at a token count, the zoo's seeded routing) and implementation,
 a worker process (this module with --worker) builds the inputs, runs the implementation twice
@@ -47,16 +47,19 @@ UTILIZATION = {
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
 }
 IMPLS = ("ours", "grouped_mm", "mm_loop", "quack", "quack_tuned")
+FP8_IMPLS = ("ours_fp8_block", "ours_fp8_row", "torch_fp8_row")
 DEFAULT_IMPLS = ("ours", "quack", "mm_loop")
 WORKER_TIMEOUT_S = 600.0
 
 
-def compulsory_bytes(counts: list[int], n: int, k: int, itemsize: int = 2) -> tuple[int, int]:
+def compulsory_bytes(counts: list[int], n: int, k: int, itemsize: int = 2,
+                     out_itemsize: int = 2) -> tuple[int, int]:
     """(bytes read, bytes written) that any implementation must move: x (rows x K) and the
-    (K x N) weights of every expert with rows, read once; the (rows x N) output written once."""
+    (K x N) weights of every expert with rows, read once (FP8: 1 byte each, scales not
+    counted); the (rows x N) output written once (bf16)."""
     rows = sum(counts)
     used = sum(1 for c in counts if c > 0)
-    return (rows * k + used * k * n) * itemsize, rows * n * itemsize
+    return (rows * k + used * k * n) * itemsize, rows * n * out_itemsize
 
 
 def _number(raw: str) -> float:
@@ -101,9 +104,10 @@ def parse_ncu_csv(text: str, metrics: dict[str, str] = METRICS) -> list[dict[str
     return out
 
 
-def summarize(kernels: list[dict[str, Any]], counts: list[int], n: int, k: int) -> dict[str, Any]:
-    """One row's sums and ratios from its kernels."""
-    read, write = compulsory_bytes(counts, n, k)
+def summarize(kernels: list[dict[str, Any]], counts: list[int], n: int, k: int,
+              itemsize: int = 2) -> dict[str, Any]:
+    """One row's sums and ratios from its kernels (itemsize: the operands', 1 for FP8)."""
+    read, write = compulsory_bytes(counts, n, k, itemsize)
     tot = {short: sum(kr[short] for kr in kernels) for short in METRICS.values()}
     for short in UTILIZATION.values():
         if all(short in kr for kr in kernels) and tot["gpu_ns"] > 0:
@@ -126,7 +130,7 @@ def summarize(kernels: list[dict[str, Any]], counts: list[int], n: int, k: int) 
 
 
 def _impl(name: str):
-    from benchmarks import suite
+    from benchmarks import suite, suite_fp8
 
     return {
         "ours": suite._ours(None),
@@ -134,6 +138,9 @@ def _impl(name: str):
         "mm_loop": suite._build_loop,
         "quack": suite._build_quack,
         "quack_tuned": suite._build_quack_tuned,
+        "ours_fp8_block": suite_fp8._ours_fp8("block"),
+        "ours_fp8_row": suite_fp8._ours_fp8("row"),
+        "torch_fp8_row": suite_fp8._torch_peer("row"),
     }[name]
 
 
@@ -142,8 +149,8 @@ def worker(case: str, impl: str, seed: int) -> int:
 
     from benchmarks.zoo import build_cases
 
-    model, proj, tokens = case.split("/")
-    cases = [c for c in build_cases(model, tokens, [proj], seed, smoke=False)
+    model, proj, tokens, *fp8 = case.split("/")
+    cases = [c for c in build_cases(model, tokens, [proj], seed, smoke=False, fp8=bool(fp8))
              if c[0].name == case]
     if not cases:
         print(f"error: no zoo case {case!r}", file=sys.stderr)
@@ -206,7 +213,9 @@ def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if error:
         return {**row, "status": "error", "returncode": rc, "error": error}
-    return {**row, "status": "ok", **summarize(kernels, counts, fields["N"], fields["K"])}
+    itemsize = 1 if impl in FP8_IMPLS else 2
+    return {**row, "status": "ok", **summarize(kernels, counts, fields["N"], fields["K"],
+                                               itemsize)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -216,9 +225,12 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: the zoo's default models)")
     p.add_argument("--tokens", default="2048,8192", help="token counts (default 2048,8192)")
     p.add_argument("--proj", default="gate_up,down", help="projections (default both)")
-    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+    p.add_argument("--impls", default=None,
                    help=f"comma-separated, from {', '.join(IMPLS)} (default "
-                   f"{','.join(DEFAULT_IMPLS)})")
+                   f"{','.join(DEFAULT_IMPLS)}); with --fp8 from {', '.join(FP8_IMPLS)} "
+                   "(default all)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the FP8 zoo cases (models with FP8 checkpoints), FP8 implementations")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed (the zoo's)")
     p.add_argument("--out", help="write the rows as JSON")
     p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH)")
@@ -232,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
         return worker(args.worker[0], args.worker[1], args.seed)
-    impls = [s for s in args.impls.split(",") if s]
-    if bad := [s for s in impls if s not in IMPLS]:
-        print(f"error: unknown implementation(s) {', '.join(bad)}; expected some of "
-              f"{', '.join(IMPLS)}", file=sys.stderr)
+    allowed = FP8_IMPLS if args.fp8 else IMPLS
+    impls = [s for s in (args.impls or ",".join(FP8_IMPLS if args.fp8 else DEFAULT_IMPLS))
+             .split(",") if s]
+    if bad := [s for s in impls if s not in allowed]:
+        print(f"error: unknown implementation(s) {', '.join(bad)}{' for --fp8' * args.fp8}; "
+              f"expected some of {', '.join(allowed)}", file=sys.stderr)
         return 2
     projs = [s for s in args.proj.split(",") if s]
     if bad := [s for s in projs if s not in ("gate_up", "down")]:
@@ -249,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.zoo import build_cases
 
     try:
-        cases = build_cases(args.models, args.tokens, projs, args.seed, smoke=False)
+        cases = build_cases(args.models, args.tokens, projs, args.seed, smoke=False,
+                            fp8=args.fp8)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -134,3 +134,21 @@ def test_real_ncu_on_one_case(tmp_path):
     # (cuBLAS may add a reduction kernel to an expert's mm.)
     assert ours["kernels"] >= 1 and loop["kernels"] >= sum(
         1 for c in models.topk_counts(64, 2048, 8, 1234) if c)
+
+
+def test_fp8_cases_and_implementations(tmp_path, capsys):
+    assert dt.main(["--fp8", "--impls", "ours", "--ncu", sys.executable]) == 2
+    assert "for --fp8" in capsys.readouterr().err
+    assert dt.main(["--fp8", "--models", "Mixtral-8x7B", "--ncu", sys.executable]) == 2
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!/bin/sh\ncat {tmp_path / 'out.csv'}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "out.csv").write_text(RAW + "\n")
+    out = tmp_path / "t.json"
+    assert dt.main(["--fp8", "--models", "Qwen3-30B-A3B", "--tokens", "16", "--proj", "down",
+                    "--ncu", str(fake), "--out", str(out), "--bytes-only"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == list(dt.FP8_IMPLS)
+    assert all(r["case"] == "Qwen3-30B-A3B/down/16/fp8" for r in rows)
+    counts = models.topk_counts(128, 16, 8, 1234)
+    assert rows[0]["compulsory_read"] == dt.compulsory_bytes(counts, 2048, 768, 1)[0]
