@@ -5,7 +5,8 @@ package ships one per device kind in moe_gemm/tables/<device-slug>.json. For a c
 GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here, in order:
 
 1. exact: an entry for (form, dtypes, E, N, K, rows-per-problem bucket) in the user table
-   (MOE_GEMM_TUNED_TABLE=path), the online-autotune cache, then the shipped table;
+   (MOE_GEMM_TUNED_TABLE=path), the online-autotune cache, then the shipped table (the
+   device's own, or for a Hopper part without one its sibling's: SIBLINGS);
 2. nearest: the same (form, dtypes, E, N, K) at the nearest bucket, at most NEAREST_MAX
    buckets (a factor of 4 in rows per problem) away;
 3. model: the table's calibrated cost model (moe_gemm.ops.cost_model) picks among the configs
@@ -310,8 +311,30 @@ def _read(path: Path, device: str, versions: dict[str, Any] | None) -> Table | N
     return table
 
 
+# The shipped table that stands in for a Hopper device none is named after: the same SM
+# architecture with the closest memory system. H800 and the H100 PCIe / NVL parts get the H100
+# SXM table (HBM2e/HBM3, 3.3-3.9 TB/s; the PCIe part has 114 SMs, not 132); the H200 NVL and
+# the GH200 (the H100 die with HBM3/HBM3e, 4.0-4.9 TB/s, a higher power limit) the H200's.
+# A table's configs all compute the same result, so a stand-in can only cost speed.
+SIBLINGS = (
+    (re.compile(r"\b(H200|GH200)\b"), "NVIDIA H200"),
+    (re.compile(r"\b(H100|H800)\b"), "NVIDIA H100 80GB HBM3"),
+)
+
+
+def shipped_device(device: str) -> str | None:
+    """The device whose shipped table applies to `device`: its own, else its sibling's
+    (SIBLINGS), else None."""
+    if (TABLES_DIR / f"{device_slug(device)}.json").is_file():
+        return device
+    for pattern, sibling in SIBLINGS:
+        if pattern.search(device) and (TABLES_DIR / f"{device_slug(sibling)}.json").is_file():
+            return sibling
+    return None
+
+
 def shipped_path(device: str) -> Path:
-    return TABLES_DIR / f"{device_slug(device)}.json"
+    return TABLES_DIR / f"{device_slug(shipped_device(device) or device)}.json"
 
 
 def online_path(device: str) -> Path:
@@ -322,7 +345,8 @@ def online_path(device: str) -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _shipped(device: str) -> Table | None:
-    return _read(shipped_path(device), device, None)
+    own = shipped_device(device)
+    return None if own is None else _read(shipped_path(own), own, None)
 
 
 @functools.lru_cache(maxsize=8)

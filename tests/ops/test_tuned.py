@@ -97,6 +97,28 @@ def test_exact_nearest_and_none(_isolated):
     assert tuned.lookup("NVIDIA Other GPU", key(), 64 * 256, 132) is None
 
 
+@pytest.mark.parametrize("device,sibling", [
+    ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"), ("NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3"),
+    ("NVIDIA H800", "NVIDIA H100 80GB HBM3"), ("NVIDIA H200 NVL", "NVIDIA H200"),
+    ("NVIDIA GH200 480GB", "NVIDIA H200"), ("NVIDIA A100-SXM4-80GB", None),
+    ("NVIDIA H20", None)])
+def test_a_hopper_part_without_its_own_table_uses_its_siblings(_isolated, device, sibling):
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    ship(_isolated, table([entry(config=dict(COOP_128x192))], device=h100), device=h100)
+    ship(_isolated, table([entry(config=dict(PP_64x256))], device=h200), device=h200)
+    assert tuned.shipped_device(device) == sibling
+    hit = tuned.lookup(device, key(), 64 * 256, 114)
+    if sibling is None:
+        assert hit is None
+        return
+    assert hit.how == "exact" and hit.source.endswith(f"{tuned.device_slug(sibling)}.json")
+    assert dict(hit.fields)["tile_n"] == (192 if sibling == h100 else 256)
+    # A table of the device's own name wins over the sibling's.
+    ship(_isolated, table([entry(config=dict(PP_64x256, tile_n=128))], device=device),
+         device=device)
+    assert dict(tuned.lookup(device, key(), 64 * 256, 114).fields)["tile_n"] == 128
+
+
 def test_user_table_wins_over_shipped(_isolated, tmp_path, monkeypatch):
     ship(_isolated, table([entry()]))
     user = write(tmp_path / "mine.json", table([entry(config=dict(PP_64x256))]))
