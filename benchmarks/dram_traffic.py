@@ -129,9 +129,18 @@ def summarize(kernels: list[dict[str, Any]], counts: list[int], n: int, k: int,
 # The worker: one implementation, one case, one profiled call
 
 
+def _config_of(name: str):
+    """The GemmConfig of an "ours:<config>" implementation (ValueError if unreadable)."""
+    from moe_gemm.tuning.space import config_of, parse_name
+
+    return config_of(parse_name(name.split(":", 1)[1]))
+
+
 def _impl(name: str):
     from benchmarks import suite, suite_fp8
 
+    if name.startswith("ours:"):
+        return suite._ours(_config_of(name))
     return {
         "ours": suite._ours(None),
         "grouped_mm": suite._build_grouped_mm,
@@ -226,9 +235,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default="2048,8192", help="token counts (default 2048,8192)")
     p.add_argument("--proj", default="gate_up,down", help="projections (default both)")
     p.add_argument("--impls", default=None,
-                   help=f"comma-separated, from {', '.join(IMPLS)} (default "
-                   f"{','.join(DEFAULT_IMPLS)}); with --fp8 from {', '.join(FP8_IMPLS)} "
-                   "(default all)")
+                   help=f"comma-separated, from {', '.join(IMPLS)} and ours:<config> (our "
+                   "kernel pinned to a config as `moe-gemm tune` names it: 'ours:pp 128x192 "
+                   f"c2x1') (default {','.join(DEFAULT_IMPLS)}); with --fp8 from "
+                   f"{', '.join(FP8_IMPLS)} (default all)")
     p.add_argument("--fp8", action="store_true",
                    help="the FP8 zoo cases (models with FP8 checkpoints), FP8 implementations")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed (the zoo's)")
@@ -247,10 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     allowed = FP8_IMPLS if args.fp8 else IMPLS
     impls = [s for s in (args.impls or ",".join(FP8_IMPLS if args.fp8 else DEFAULT_IMPLS))
              .split(",") if s]
-    if bad := [s for s in impls if s not in allowed]:
+    if bad := [s for s in impls if s not in allowed and (args.fp8 or not s.startswith("ours:"))]:
         print(f"error: unknown implementation(s) {', '.join(bad)}{' for --fp8' * args.fp8}; "
-              f"expected some of {', '.join(allowed)}", file=sys.stderr)
+              f"expected some of {', '.join(allowed)}" + ("" if args.fp8 else
+              " or ours:<config> (e.g. 'ours:pp 128x192 c2x1')"), file=sys.stderr)
         return 2
+    for s in impls:
+        if s.startswith("ours:"):
+            try:
+                _config_of(s)
+            except (TypeError, ValueError) as exc:
+                print(f"error: {s!r}: {exc}", file=sys.stderr)
+                return 2
     projs = [s for s in args.proj.split(",") if s]
     if bad := [s for s in projs if s not in ("gate_up", "down")]:
         print(f"error: unknown projection(s) {', '.join(bad)}; expected gate_up, down",

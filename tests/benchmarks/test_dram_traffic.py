@@ -152,3 +152,22 @@ def test_fp8_cases_and_implementations(tmp_path, capsys):
     assert all(r["case"] == "Qwen3-30B-A3B/down/16/fp8" for r in rows)
     counts = models.topk_counts(128, 16, 8, 1234)
     assert rows[0]["compulsory_read"] == dt.compulsory_bytes(counts, 2048, 768, 1)[0]
+
+
+def test_ours_pinned_to_a_config(tmp_path, capsys):
+    assert dt.main(["--impls", "ours:pp 999x1", "--ncu", sys.executable]) == 2
+    assert "ours:pp 999x1" in capsys.readouterr().err
+    assert dt.main(["--fp8", "--impls", "ours:pp 128x192", "--ncu", sys.executable]) == 2
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\n"
+                    'case "$*" in *"ours:coop 128x256 c1x2"*) ;; *) exit 9;; esac\n'
+                    f"cat {tmp_path / 'out.csv'}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "out.csv").write_text(RAW + "\n")
+    out = tmp_path / "t.json"
+    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
+                    "ours:coop 128x256 c1x2", "--ncu", str(fake), "--out", str(out),
+                    "--bytes-only"]) == 0
+    assert json.loads(out.read_text())["rows"][0]["impl"] == "ours:coop 128x256 c1x2"
+    cfg = dt._config_of("ours:coop 128x256 c1x2")
+    assert (cfg.schedule, cfg.tile_m, cfg.tile_n, cfg.cluster_n) == ("cooperative", 128, 256, 2)
