@@ -112,7 +112,7 @@ def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
         return False
     if not _stages_fit(fields, out_itemsize):
         return False
-    # A cluster needs the cooperative schedule today; GemmConfig says which pairs build.
+    # A candidate pins its schedule (GemmConfig decided above which tiles and clusters build).
     return cfg.schedule != "auto"
 
 
