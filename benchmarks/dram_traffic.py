@@ -215,7 +215,9 @@ def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
     t0 = time.perf_counter()
     metrics = {**METRICS, **UTILIZATION} if utilization else METRICS
     kernels, error, rc = _profile(ncu, case, impl, seed, metrics)
-    if error and utilization:  # an ncu that refuses a utilization metric: bytes alone
+    if error and utilization and ("metric" in error.lower() or "lacks" in error):
+        # An ncu that refuses (or does not report) a utilization metric: the bytes alone. Any
+        # other failure (the worker's own) would only fail again.
         kernels, error2, rc = _profile(ncu, case, impl, seed, METRICS)
         row["utilization_error"] = error
         error = error2

@@ -34,6 +34,17 @@ LONG = "\n".join([
 ])
 
 
+def stand_in_ncu(tmp_path, expect: str = "*", output: str = RAW):
+    """An executable standing in for ncu: exits 9 unless its arguments match the shell pattern
+    `expect`, else prints `output` as a real ncu would for a two-kernel call."""
+    fake = tmp_path / "ncu"
+    (tmp_path / "out.csv").write_text(output + "\n")
+    fake.write_text(f'#!/bin/sh\ncase "$*" in {expect}) ;; *) exit 9;; esac\n'
+                    f"cat {tmp_path / 'out.csv'}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return fake
+
+
 def test_parse_raw_page():
     ks = dt.parse_ncu_csv(RAW)
     assert [k["kernel"] for k in ks] == ["kernel_a(...)", "kernel_b(...)"]
@@ -74,14 +85,8 @@ def test_cli_errors_are_exit_2(capsys):
 
 
 def test_driver_with_a_stand_in_ncu(tmp_path, capsys):
-    # A stand-in that checks it was asked for the metrics and the worker, then prints what a
-    # real ncu would for a two-kernel call.
-    fake = tmp_path / "ncu"
-    fake.write_text("#!/bin/sh\n"
-                    'case "$*" in *dram__bytes_read.sum*--worker*) ;; *) exit 9;; esac\n'
-                    f"cat {tmp_path / 'out.csv'}\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    (tmp_path / "out.csv").write_text(RAW + "\n")
+    # The stand-in checks it was asked for the metrics and the worker.
+    fake = stand_in_ncu(tmp_path, "*dram__bytes_read.sum*--worker*")
     out = tmp_path / "t.json"
     rc = dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
                   "ours,quack", "--ncu", str(fake), "--out", str(out)])
@@ -120,6 +125,7 @@ def test_driver_reports_a_failing_worker(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["status"] == "error" and "worker died" in row["error"]
     assert row["returncode"] == 3
+    assert "utilization_error" not in row  # a worker's own failure is not run twice
 
 
 @pytest.mark.gpu
@@ -140,10 +146,7 @@ def test_fp8_cases_and_implementations(tmp_path, capsys):
     assert dt.main(["--fp8", "--impls", "ours", "--ncu", sys.executable]) == 2
     assert "for --fp8" in capsys.readouterr().err
     assert dt.main(["--fp8", "--models", "Mixtral-8x7B", "--ncu", sys.executable]) == 2
-    fake = tmp_path / "ncu"
-    fake.write_text(f"#!/bin/sh\ncat {tmp_path / 'out.csv'}\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    (tmp_path / "out.csv").write_text(RAW + "\n")
+    fake = stand_in_ncu(tmp_path)
     out = tmp_path / "t.json"
     assert dt.main(["--fp8", "--models", "Qwen3-30B-A3B", "--tokens", "16", "--proj", "down",
                     "--ncu", str(fake), "--out", str(out), "--bytes-only"]) == 0
@@ -158,12 +161,7 @@ def test_ours_pinned_to_a_config(tmp_path, capsys):
     assert dt.main(["--impls", "ours:pp 999x1", "--ncu", sys.executable]) == 2
     assert "ours:pp 999x1" in capsys.readouterr().err
     assert dt.main(["--fp8", "--impls", "ours:pp 128x192", "--ncu", sys.executable]) == 2
-    fake = tmp_path / "ncu"
-    fake.write_text("#!/bin/sh\n"
-                    'case "$*" in *"ours:coop 128x256 c1x2"*) ;; *) exit 9;; esac\n'
-                    f"cat {tmp_path / 'out.csv'}\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    (tmp_path / "out.csv").write_text(RAW + "\n")
+    fake = stand_in_ncu(tmp_path, '*"ours:coop 128x256 c1x2"*')
     out = tmp_path / "t.json"
     assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
                     "ours:coop 128x256 c1x2", "--ncu", str(fake), "--out", str(out),

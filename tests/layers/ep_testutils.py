@@ -38,3 +38,15 @@ def spawn_ranks(worker: Callable, world: int, timeout_s: float) -> dict[int, dic
         rank, res = queue.get()
         out[rank] = res
     return out
+
+
+def run_world(worker: Callable, world: int, timeout_s: float) -> dict[int, dict[str, list[str]]]:
+    """spawn_ranks, and every rank must have reported."""
+    out = spawn_ranks(worker, world, timeout_s)
+    assert len(out) == world, f"only ranks {sorted(out)} of {world} reported"
+    return out
+
+
+def rank_errors(results: dict[int, dict[str, list[str]]], case: str) -> dict[int, list[str]]:
+    """{rank: errors} of the ranks that reported errors for `case`."""
+    return {rank: res[case] for rank, res in results.items() if res[case]}

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ep_testutils import spawn_ranks
+from ep_testutils import rank_errors, run_world
 
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher, expert_range
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE
@@ -233,14 +233,12 @@ def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def ep_results(request: pytest.FixtureRequest) -> dict[int, dict[str, list[str]]]:
     world = request.param
-    out = spawn_ranks(_worker, world, 240)
-    assert len(out) == world, f"only ranks {sorted(out)} of {world} reported"
-    return out
+    return run_world(_worker, world, 240)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_equals_single_process(ep_results, name: str) -> None:
-    errors = {rank: res[name] for rank, res in ep_results.items() if res[name]}
+    errors = rank_errors(ep_results, name)
     assert not errors, errors
 
 

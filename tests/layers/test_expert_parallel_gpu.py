@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ep_testutils import spawn_ranks
+from ep_testutils import rank_errors, run_world
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.layers.dispatch import AllToAllDispatcher
@@ -172,12 +172,10 @@ def ep_results(request: pytest.FixtureRequest) -> dict[int, dict[str, list[str]]
     if reason:
         pytest.skip(reason)
     world = request.param
-    out = spawn_ranks(_worker, world, 420)
-    assert len(out) == world, f"only ranks {sorted(out)} of {world} reported"
-    return out
+    return run_world(_worker, world, 420)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_gpu_equals_single_gpu(ep_results, name: str) -> None:
-    errors = {rank: res[name] for rank, res in ep_results.items() if res[name]}
+    errors = rank_errors(ep_results, name)
     assert not errors, errors
