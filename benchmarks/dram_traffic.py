@@ -39,10 +39,11 @@ METRICS = {
     "gpu__time_duration.sum": "gpu_ns",
 }
 # Utilizations (percent of peak), read beside the bytes: where the time goes. Averaged over a
-# call's kernels weighted by their time. (ncu metric names for sm_90; a run whose ncu refuses
-# one is repeated without them.)
+# call's kernels weighted by their time. The tensor pipe's counter covers wgmma on sm_90 (ncu
+# on an H200 did not report the gmma-specific sm__pipe_tensor_op_gmma_* name). One that ncu
+# does not report is left out of the row; a run whose ncu refuses one is repeated without them.
 UTILIZATION = {
-    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pct",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pct",
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_pct",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
 }
@@ -67,7 +68,8 @@ def _number(raw: str) -> float:
     return float(raw) if raw not in ("", "n/a") else 0.0
 
 
-def parse_ncu_csv(text: str, metrics: dict[str, str] = METRICS) -> list[dict[str, Any]]:
+def parse_ncu_csv(text: str, metrics: dict[str, str] = METRICS,
+                  optional: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The kernels of `ncu --csv --print-units base` output, one dict per kernel with METRICS'
     short names (plus "kernel"), in launch order. Reads both layouts: `--page raw` (a row per
     kernel, a column per metric, then a units row without an ID) and the details page (a row
@@ -98,7 +100,8 @@ def parse_ncu_csv(text: str, metrics: dict[str, str] = METRICS) -> list[dict[str
                 if metric in col:
                     rec[short] = _number(row[col[metric]])
     out = [kernels[i] for i in sorted(kernels)]
-    missing = sorted({m for m, short in metrics.items() for r in out if short not in r})
+    missing = sorted({m for m, short in metrics.items() for r in out
+                      if short not in r and m not in optional})
     if missing:
         raise ValueError(f"ncu output lacks {', '.join(missing)}")
     return out
@@ -200,7 +203,7 @@ def _profile(ncu: str, case: str, impl: str, seed: int, metrics: dict[str, str])
     except subprocess.TimeoutExpired:
         return [], f"timed out after {WORKER_TIMEOUT_S:.0f} s", None
     try:
-        kernels = parse_ncu_csv(res.stdout, metrics)
+        kernels = parse_ncu_csv(res.stdout, metrics, optional=tuple(UTILIZATION))
     except ValueError as exc:
         return [], str(exc), res.returncode
     if res.returncode != 0 or not kernels:
@@ -215,12 +218,17 @@ def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
     t0 = time.perf_counter()
     metrics = {**METRICS, **UTILIZATION} if utilization else METRICS
     kernels, error, rc = _profile(ncu, case, impl, seed, metrics)
-    if error and utilization and ("metric" in error.lower() or "lacks" in error):
-        # An ncu that refuses (or does not report) a utilization metric: the bytes alone. Any
-        # other failure (the worker's own) would only fail again.
+    if error and utilization and "metric" in error.lower():
+        # An ncu that refuses a utilization metric's name: the bytes alone. Any other failure
+        # (the worker's own) would only fail again.
         kernels, error2, rc = _profile(ncu, case, impl, seed, METRICS)
         row["utilization_error"] = error
         error = error2
+    elif utilization and kernels:
+        unreported = [m for m, short in UTILIZATION.items()
+                      if not all(short in kr for kr in kernels)]
+        if unreported:
+            row["utilization_error"] = f"ncu did not report {', '.join(unreported)}"
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if error:
         return {**row, "status": "error", "returncode": rc, "error": error}

@@ -98,8 +98,8 @@ def test_driver_with_a_stand_in_ncu(tmp_path, capsys):
     assert doc["rows"][0]["compulsory_read"] == read
     assert doc["rows"][0]["read_ratio"] == pytest.approx(1_000_500 / read)
     assert "OLMoE-1B-7B/down/16" in capsys.readouterr().out
-    # The stand-in prints no utilization columns: the run is repeated for the bytes alone.
-    assert "lacks" in doc["rows"][0]["utilization_error"]
+    # The stand-in prints no utilization columns: the bytes alone, from the same run.
+    assert "did not report" in doc["rows"][0]["utilization_error"]
     assert "tensor_pct" not in doc["rows"][0]
 
 
@@ -113,6 +113,29 @@ def test_utilization_is_time_weighted():
     row = dt.summarize(ks, [64], 64, 64)
     assert row["tensor_pct"] == pytest.approx((90 * 1000 + 50 * 3000) / 4000)
     assert row["dram_pct"] == pytest.approx((20 * 1000 + 60 * 3000) / 4000)
+
+
+def test_unreported_utilization_keeps_the_rest_without_a_second_run(tmp_path):
+    # ncu reports the bytes and two of the three utilizations: one profile, the two kept.
+    names = list(dt.METRICS) + list(dt.UTILIZATION)[1:]
+    text = "\n".join(['"ID","Kernel Name",' + ",".join(f'"{n}"' for n in names),
+                      '"0","k0","100","0","10","1000","40","70"'])
+    runs = tmp_path / "runs"
+    fake = tmp_path / "ncu"
+    (tmp_path / "out.csv").write_text(text + "\n")
+    fake.write_text(f"#!/bin/sh\necho run >> {runs}\ncat {tmp_path / 'out.csv'}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    row = dt.measure(str(fake), "OLMoE-1B-7B/down/16", "ours", 1234,
+                     {"N": 64, "K": 64}, [64])
+    assert row["status"] == "ok" and runs.read_text().count("run") == 1
+    assert row["l2_pct"] == 40 and row["dram_pct"] == 70 and "tensor_pct" not in row
+    assert list(dt.UTILIZATION)[0] in row["utilization_error"]
+
+
+def test_parse_refuses_output_lacking_a_required_metric_even_with_optional_ones():
+    bad = '"ID","Kernel Name","dram__bytes_read.sum"\n"0","k","5"\n'
+    with pytest.raises(ValueError, match="lacks"):
+        dt.parse_ncu_csv(bad, {**dt.METRICS, **dt.UTILIZATION}, optional=tuple(dt.UTILIZATION))
 
 
 def test_driver_reports_a_failing_worker(tmp_path):
