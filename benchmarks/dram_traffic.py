@@ -1,17 +1,21 @@
-"""DRAM and L2 bytes of our default and the peers on zoo projections, measured by ncu (GPU).
+"""DRAM and L2 bytes of our default and the peers on zoo projections or the benchmark suite,
+measured by ncu (GPU).
 
     python -m benchmarks.dram_traffic [--models M,...] [--tokens 2048,8192] \
         [--impls ours,grouped_mm,mm_loop,quack,quack_tuned] [--fp8] [--out traffic.json]
+    python -m benchmarks.dram_traffic --suite [--only moe-prefill,...] [--out traffic.json]
 
-For each case (a zoo projection at a token count, the zoo's seeded routing) and implementation,
+For each case (a zoo projection at a token count with the zoo's seeded routing, or a shape of
+`moe-gemm bench`'s suite with its routing) and implementation,
 a worker process (this module with --worker) builds the inputs, runs the implementation twice
 (compiles, autotunes, warms caches of handles), then once between cudaProfilerStart and
 cudaProfilerStop; ncu (--profile-from-start off, caches flushed before each kernel) measures
 every kernel of that call: DRAM bytes read and written, L2 (lts) bytes, GPU time, and the
 tensor pipe's, L2's and DRAM's utilization (percent of peak). A row sums the bytes over the
 call's kernels (the mm loop launches one per expert) and divides the DRAM bytes
-read by the compulsory ones: x read once and the weights of every expert that has rows read
-once. Re-reads of a weight or activation panel that left L2 before its next use show up as a
+read by the compulsory ones: every problem's A rows read once and the weights of every
+problem (expert) that has rows read once. An implementation that does not take a case's
+form (QuACK's varlen GEMM on separate per-problem lists) is listed as not applicable. Re-reads of a weight or activation panel that left L2 before its next use show up as a
 ratio above 1; the kernel v2 target is <= 1.15 on compute-bound shapes.
 
 ncu serializes and replays kernels: its times are for reading beside the bytes, not for
@@ -58,9 +62,17 @@ def compulsory_bytes(counts: list[int], n: int, k: int, itemsize: int = 2,
     """(bytes read, bytes written) that any implementation must move: x (rows x K) and the
     (K x N) weights of every expert with rows, read once (FP8: 1 byte each, scales not
     counted); the (rows x N) output written once (bf16)."""
-    rows = sum(counts)
-    used = sum(1 for c in counts if c > 0)
-    return (rows * k + used * k * n) * itemsize, rows * n * out_itemsize
+    return compulsory_of_sizes([(m, n, k) for m in counts], itemsize, out_itemsize)
+
+
+def compulsory_of_sizes(sizes: list[tuple[int, int, int]], itemsize: int = 2,
+                        out_itemsize: int = 2) -> tuple[int, int]:
+    """compulsory_bytes for problems of any sizes (M, N, K), each with its own A and B: a
+    problem with rows reads its A and B once and writes its C once; an empty one moves
+    nothing."""
+    used = [(m, n, k) for m, n, k in sizes if m > 0]
+    return (sum(m * k + k * n for m, n, k in used) * itemsize,
+            sum(m * n for m, n, _ in used) * out_itemsize)
 
 
 def _number(raw: str) -> float:
@@ -107,10 +119,11 @@ def parse_ncu_csv(text: str, metrics: dict[str, str] = METRICS,
     return out
 
 
-def summarize(kernels: list[dict[str, Any]], counts: list[int], n: int, k: int,
+def summarize(kernels: list[dict[str, Any]], sizes: list[tuple[int, int, int]],
               itemsize: int = 2) -> dict[str, Any]:
-    """One row's sums and ratios from its kernels (itemsize: the operands', 1 for FP8)."""
-    read, write = compulsory_bytes(counts, n, k, itemsize)
+    """One row's sums and ratios from its kernels: sizes are the problems' (M, N, K); itemsize
+    the operands' (1 for FP8)."""
+    read, write = compulsory_of_sizes(sizes, itemsize)
     tot = {short: sum(kr[short] for kr in kernels) for short in METRICS.values()}
     for short in UTILIZATION.values():
         if all(short in kr for kr in kernels) and tot["gpu_ns"] > 0:
@@ -156,23 +169,56 @@ def _impl(name: str):
     }[name]
 
 
+SUITE_PREFIX = "suite/"
+NOT_APPLICABLE_RC = 4  # the worker's exit status when the implementation does not take the case
+
+
+def suite_cases(only: str | None) -> list[tuple[Any, dict[str, Any]]]:
+    """(ShapeSpec, fields) of the benchmark suite's 16-bit shapes (all of them, or the names in
+    `only`; ValueError naming an unknown one)."""
+    from benchmarks.suite import full_suite
+
+    specs = full_suite()
+    names = [s for s in (only or "").split(",") if s]
+    if bad := [n for n in names if n not in {s.name for s in specs}]:
+        raise ValueError(f"unknown suite shape(s) {', '.join(bad)}; expected some of "
+                         f"{', '.join(s.name for s in specs)}")
+    return [(s, {"suite": s.name, "form": s.form, "dtype": s.dtype, "shape": s.description})
+            for s in specs if not names or s.name in names]
+
+
+def _case_spec(case: str, seed: int):
+    """The ShapeSpec a worker's case name stands for, or None."""
+    if case.startswith(SUITE_PREFIX):
+        from benchmarks.suite import full_suite
+
+        return next((s for s in full_suite() if s.name == case[len(SUITE_PREFIX):]), None)
+    from benchmarks.zoo import build_cases
+
+    model, proj, tokens, *fp8 = case.split("/") + [""] * 2
+    try:
+        cases = build_cases(model, tokens, [proj], seed, smoke=False, fp8=bool(fp8[0]))
+    except ValueError:
+        return None
+    return next((spec for spec, _ in cases if spec.name == case), None)
+
+
 def worker(case: str, impl: str, seed: int) -> int:
     import torch
 
-    from benchmarks.zoo import build_cases
+    from benchmarks.suite import NotApplicable, make_inputs
 
-    model, proj, tokens, *fp8 = case.split("/")
-    cases = [c for c in build_cases(model, tokens, [proj], seed, smoke=False, fp8=bool(fp8))
-             if c[0].name == case]
-    if not cases:
-        print(f"error: no zoo case {case!r}", file=sys.stderr)
+    spec = _case_spec(case, seed)
+    if spec is None:
+        print(f"error: no zoo or suite case {case!r}", file=sys.stderr)
         return 2
-    spec, _ = cases[0]
     device = torch.device("cuda")
-    from benchmarks.suite import make_inputs
-
     inp = make_inputs(spec, spec.counts(seed), device, seed)
-    prepared = _impl(impl)(spec, inp, device)
+    try:
+        prepared = _impl(impl)(spec, inp, device)
+    except NotApplicable as exc:
+        print(f"not applicable: {exc}", file=sys.stderr)
+        return NOT_APPLICABLE_RC
     for _ in range(2):
         prepared.run()
     torch.cuda.synchronize()
@@ -213,7 +259,8 @@ def _profile(ncu: str, case: str, impl: str, seed: int, metrics: dict[str, str])
 
 
 def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
-            counts: list[int], utilization: bool = True) -> dict[str, Any]:
+            sizes: list[tuple[int, int, int]], utilization: bool = True) -> dict[str, Any]:
+    """One profiled row: sizes are the case's problems (M, N, K)."""
     row: dict[str, Any] = {"case": case, "impl": impl, **fields}
     t0 = time.perf_counter()
     metrics = {**METRICS, **UTILIZATION} if utilization else METRICS
@@ -230,11 +277,13 @@ def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
         if unreported:
             row["utilization_error"] = f"ncu did not report {', '.join(unreported)}"
     row["wall_s"] = round(time.perf_counter() - t0, 1)
+    if error and (rc == NOT_APPLICABLE_RC or "not applicable:" in error):
+        # (the worker's exit status, or its message where ncu returns a status of its own)
+        return {**row, "status": "not_applicable", "why": error}
     if error:
         return {**row, "status": "error", "returncode": rc, "error": error}
     itemsize = 1 if impl in FP8_IMPLS else 2
-    return {**row, "status": "ok", **summarize(kernels, counts, fields["N"], fields["K"],
-                                               itemsize)}
+    return {**row, "status": "ok", **summarize(kernels, sizes, itemsize)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -251,6 +300,10 @@ def _parser() -> argparse.ArgumentParser:
                    f"{', '.join(FP8_IMPLS)} (default all)")
     p.add_argument("--fp8", action="store_true",
                    help="the FP8 zoo cases (models with FP8 checkpoints), FP8 implementations")
+    p.add_argument("--suite", action="store_true",
+                   help="the shapes of `moe-gemm bench`'s suite instead of zoo projections")
+    p.add_argument("--only", default=None,
+                   help="with --suite: comma-separated suite shape names (default all)")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed (the zoo's)")
     p.add_argument("--out", help="write the rows as JSON")
     p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH)")
@@ -279,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
             except (TypeError, ValueError) as exc:
                 print(f"error: {s!r}: {exc}", file=sys.stderr)
                 return 2
+    if args.suite and (args.fp8 or args.models):
+        print("error: --suite takes the suite's shapes; leave out --fp8 and --models",
+              file=sys.stderr)
+        return 2
+    if args.only and not args.suite:
+        print("error: --only names suite shapes; it needs --suite", file=sys.stderr)
+        return 2
     projs = [s for s in args.proj.split(",") if s]
     if bad := [s for s in projs if s not in ("gate_up", "down")]:
         print(f"error: unknown projection(s) {', '.join(bad)}; expected gate_up, down",
@@ -291,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.zoo import build_cases
 
     try:
-        cases = build_cases(args.models, args.tokens, projs, args.seed, smoke=False,
-                            fp8=args.fp8)
+        if args.suite:
+            cases = [(spec, {**fields, "case": SUITE_PREFIX + spec.name})
+                     for spec, fields in suite_cases(args.only)]
+        else:
+            cases = build_cases(args.models, args.tokens, projs, args.seed, smoke=False,
+                                fp8=args.fp8)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -312,25 +376,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':34} | {'impl':11} | {'us':>8} | {'DRAM rd GB':>10} | {'x compulsory':>12} "
           f"| {'L2 GB':>7} | {'tensor%':>7} | {'L2%':>5}", flush=True)
     for spec, fields in cases:
-        counts = spec.counts(args.seed)
+        case = fields.pop("case", spec.name)
         for impl in impls:
-            row = measure(ncu, spec.name, impl, args.seed, fields, counts,
+            row = measure(ncu, case, impl, args.seed, fields, spec.sizes(args.seed),
                           utilization=not args.bytes_only)
             doc["rows"].append(row)
             if row["status"] == "ok":
                 tensor, l2 = row.get("tensor_pct"), row.get("l2_pct")
-                print(f"{spec.name[:34]:34} | {impl:11} | {row['us']:8.1f} | "
+                print(f"{case[:34]:34} | {impl:11} | {row['us']:8.1f} | "
                       f"{row['dram_read'] / 1e9:10.3f} | {row['read_ratio']:12.2f} | "
                       f"{row['l2_bytes'] / 1e9:7.2f} | "
                       f"{'-' if tensor is None else f'{tensor:.0f}':>7} | "
                       f"{'-' if l2 is None else f'{l2:.0f}':>5}", flush=True)
             else:
-                print(f"{spec.name[:34]:34} | {impl:11} | error: {row['error'][:60]}",
-                      flush=True)
+                what = (f"not applicable: {row['why'][:50]}" if row["status"] == "not_applicable"
+                        else f"error: {row['error'][:60]}")
+                print(f"{case[:34]:34} | {impl:11} | {what}", flush=True)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(doc, f, indent=1)
-    return 0 if all(r["status"] == "ok" for r in doc["rows"]) else 1
+    return 0 if all(r["status"] in ("ok", "not_applicable") for r in doc["rows"]) else 1
 
 
 if __name__ == "__main__":

@@ -69,10 +69,67 @@ def test_parse_refuses_output_without_the_metrics_and_ignores_no_csv():
 def test_compulsory_bytes_count_used_experts_once():
     read, write = dt.compulsory_bytes([3, 0, 5], n=16, k=32)
     assert read == (8 * 32 + 2 * 32 * 16) * 2 and write == 8 * 16 * 2
-    row = dt.summarize(dt.parse_ncu_csv(RAW), [3, 0, 5], 16, 32)
+    row = dt.summarize(dt.parse_ncu_csv(RAW), [(3, 16, 32), (0, 16, 32), (5, 16, 32)])
     assert row["kernels"] == 2 and row["dram_read"] == 1_000_500
     assert row["read_ratio"] == pytest.approx(1_000_500 / read)
     assert row["us"] == pytest.approx(4.0)
+
+
+def test_compulsory_bytes_of_separate_problems():
+    # Each problem its own A and B; an empty problem moves nothing; fp16 output.
+    read, write = dt.compulsory_of_sizes([(4, 8, 16), (0, 32, 32), (2, 24, 8)])
+    assert read == (4 * 16 + 16 * 8 + 2 * 8 + 8 * 24) * 2
+    assert write == (4 * 8 + 2 * 24) * 2
+    assert dt.compulsory_of_sizes([(3, 16, 32), (0, 16, 32), (5, 16, 32)]) == \
+        dt.compulsory_bytes([3, 0, 5], 16, 32)
+
+
+def test_suite_cases_and_their_errors():
+    names = [spec.name for spec, _ in dt.suite_cases(None)]
+    assert "uniform" in names and "moe-prefill" in names
+    picked = dt.suite_cases("moe-decode,k-varying")
+    assert [f["suite"] for _, f in picked] == ["moe-decode", "k-varying"]
+    assert {f["form"] for _, f in picked} == {"varlen", "general"}
+    with pytest.raises(ValueError, match="bogus"):
+        dt.suite_cases("moe-decode,bogus")
+
+
+def test_driver_on_suite_shapes_with_a_stand_in_ncu(tmp_path, capsys):
+    from benchmarks.suite import full_suite
+
+    fake = stand_in_ncu(tmp_path, "*--worker*suite/*")
+    out = tmp_path / "t.json"
+    assert dt.main(["--suite", "--only", "uniform,moe-decode", "--impls", "ours",
+                    "--ncu", str(fake), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["suite"]) for r in rows] == [
+        ("suite/uniform", "uniform"), ("suite/moe-decode", "moe-decode")]
+    specs = {s.name: s for s in full_suite()}
+    for r in rows:  # the compulsory bytes of each shape's own problems
+        read, _ = dt.compulsory_of_sizes(specs[r["suite"]].sizes(1234))
+        assert r["compulsory_read"] == read
+        assert r["read_ratio"] == pytest.approx(1_000_500 / read)
+    assert rows[0]["compulsory_read"] == 256 * (128 * 7168 + 7168 * 512) * 2
+    assert "suite/moe-decode" in capsys.readouterr().out
+
+
+def test_an_implementation_that_does_not_take_the_case_is_not_applicable(tmp_path):
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!/bin/sh\necho 'not applicable: needs one (M, N, K)' >&2\n"
+                    f"exit {dt.NOT_APPLICABLE_RC}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "t.json"
+    assert dt.main(["--suite", "--only", "k-varying", "--impls", "quack", "--ncu", str(fake),
+                    "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "not_applicable" and "one (M, N, K)" in row["why"]
+
+
+def test_worker_names_an_unknown_case():
+    assert dt._case_spec("suite/bogus", 1234) is None
+    assert dt._case_spec("NoSuchModel/down/16", 1234) is None
+    assert dt._case_spec("OLMoE-1B-7B/down/16", 1234).name == "OLMoE-1B-7B/down/16"
+    assert dt._case_spec("suite/mixtral", 1234).name == "mixtral"
 
 
 def test_cli_errors_are_exit_2(capsys):
@@ -82,6 +139,10 @@ def test_cli_errors_are_exit_2(capsys):
     assert dt.main(["--ncu", "/nonexistent/ncu"]) == 2
     assert "ncu" in capsys.readouterr().err
     assert dt.main(["--models", "NoSuchModel", "--ncu", sys.executable]) == 2
+    assert dt.main(["--suite", "--fp8", "--ncu", sys.executable]) == 2
+    assert dt.main(["--only", "uniform", "--ncu", sys.executable]) == 2
+    assert dt.main(["--suite", "--only", "bogus", "--ncu", sys.executable]) == 2
+    assert "bogus" in capsys.readouterr().err
 
 
 def test_driver_with_a_stand_in_ncu(tmp_path, capsys):
@@ -110,7 +171,7 @@ def test_utilization_is_time_weighted():
         f'"{i}","k{i}",' + ",".join(f'"{v}"' for v in vals)
         for i, vals in enumerate([(100, 0, 10, 1000, 90, 50, 20), (100, 0, 10, 3000, 50, 10, 60)])])
     ks = dt.parse_ncu_csv(text, both)
-    row = dt.summarize(ks, [64], 64, 64)
+    row = dt.summarize(ks, [(64, 64, 64)])
     assert row["tensor_pct"] == pytest.approx((90 * 1000 + 50 * 3000) / 4000)
     assert row["dram_pct"] == pytest.approx((20 * 1000 + 60 * 3000) / 4000)
 
@@ -126,7 +187,7 @@ def test_unreported_utilization_keeps_the_rest_without_a_second_run(tmp_path):
     fake.write_text(f"#!/bin/sh\necho run >> {runs}\ncat {tmp_path / 'out.csv'}\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     row = dt.measure(str(fake), "OLMoE-1B-7B/down/16", "ours", 1234,
-                     {"N": 64, "K": 64}, [64])
+                     {"N": 64, "K": 64}, [(64, 64, 64)])
     assert row["status"] == "ok" and runs.read_text().count("run") == 1
     assert row["l2_pct"] == 40 and row["dram_pct"] == 70 and "tensor_pct" not in row
     assert list(dt.UTILIZATION)[0] in row["utilization_error"]
@@ -192,3 +253,12 @@ def test_ours_pinned_to_a_config(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"][0]["impl"] == "ours:coop 128x256 c1x2"
     cfg = dt._config_of("ours:coop 128x256 c1x2")
     assert (cfg.schedule, cfg.tile_m, cfg.tile_n, cfg.cluster_n) == ("cooperative", 128, 256, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(shutil.which("ncu") is None, reason="needs ncu (Nsight Compute)")
+def test_real_ncu_on_a_suite_shape(tmp_path):
+    out = tmp_path / "t.json"
+    assert dt.main(["--suite", "--only", "moe-down", "--impls", "ours", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and row["read_ratio"] >= 0.99
