@@ -4,7 +4,7 @@ Every choice a GemmConfig leaves at "auto" is decided here from host-known facts
 known on the host, dtype, SM count, device name), never from values on the GPU, so the MoE
 path stays free of host synchronisation. Given the device's name (the host wrappers pass it),
 a config with every tuned field at "auto" is first looked up in the tuned tables
-(moe_gemm.ops.tuned: exact shape, nearest bucket, calibrated cost model); what they do not
+(moe_gemm.ops.tuned: the exact shape, else the vote of the nearest timed shapes); what they do not
 answer, and every config that pins a tuned field, is decided by the rules below (the numbers
 behind each rule are in the comments and AGENTS.md).
 """

@@ -7,13 +7,16 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
 1. exact: an entry for (form, dtypes, E, N, K, rows-per-problem bucket) in the user table
    (MOE_GEMM_TUNED_TABLE=path), the online-autotune cache, then the shipped table (the
    device's own, or for a Hopper part without one its sibling's: SIBLINGS);
-2. nearest: the same (form, dtypes, E, N, K) at the nearest bucket, at most NEAREST_MAX
-   buckets (a factor of 4 in rows per problem) away;
-3. model: the table's calibrated cost model (moe_gemm.ops.cost_model) picks among the configs
-   it was fitted on, for shapes inside the range it was fitted over, and only when it predicts
-   its pick at least MODEL_MIN_GAIN faster than the rules' own config (when that config was
-   fitted too: a model is not trusted over the rules for a few percent);
-4. nothing: the heuristics' rules decide.
+2. neighbours: the table's timed shapes (every candidate the tuner timed, its "samples") of
+   the same form and dtypes nearest to the call's shape (NEIGHBOURS of them, distance in
+   octaves of N, K and rows per problem, none farther than NEIGHBOUR_REACH): the config with
+   the smallest mean log time over each neighbour's best, among those timed on all of them;
+   the rules' own config keeps the call unless the pick scores RULES_MARGIN better. Measured
+   on the shipped tables, leaving each zoo model out (benchmarks/choice_generalization.py):
+   a median 1.01-1.02x of the best measured config on the held-out model's shapes, against
+   1.03-1.05x for the rules and 1.04-1.05x for the same projection's entry at the nearest
+   rows-per-expert bucket (which the lookup took before; docs/measurements.md);
+3. nothing: the heuristics' rules decide.
 
 Buckets: rows per problem r (varlen: T / E; batched: M; general: mean M) rounded in log2,
 bucket = round(log2 r), so bucket b covers r in [2^(b-0.5), 2^(b+0.5)).
@@ -41,20 +44,18 @@ from typing import Any
 
 from moe_gemm.config import TUNED_FIELDS, GemmConfig
 from moe_gemm.env import env_get, env_switch
-from moe_gemm.ops.cost_model import Params, Shape, predict_us
 
 FORMAT = "moe_gemm.tuned-table/1"
-MODEL_KIND = "moe_gemm.cost/1"
 TABLES_DIR = Path(__file__).resolve().parents[1] / "tables"
 USER_TABLE_ENV = "MOE_GEMM_TUNED_TABLE"
 TABLES_ENV = "MOE_GEMM_TUNED_TABLES"
-NEAREST_MAX = 2
-# A fitted model is trusted for shapes within this many octaves of what it was fitted on
-# (per N, K and rows per problem).
-MODEL_MARGIN = 1.0
-# Fitted configs whose RMS log error exceeds this (a factor of ~1.2) are not offered.
-MODEL_MAX_ERR = 0.2
-MODEL_MIN_GAIN = 1.05
+# Neighbours: how many timed shapes vote, how far (summed octaves of N, K and rows per
+# problem) the farthest may be, and how much better (mean log time) a pick must score than the
+# rules' config. Leave-one-model-out on both shipped tables: 4-8 neighbours all land within
+# 1.013-1.018x median; 6 had the smallest tail (p90 1.06-1.07x, max 1.18-1.34x).
+NEIGHBOURS = 6
+NEIGHBOUR_REACH = 4.0
+RULES_MARGIN = math.log(1.01)
 FORMS = ("varlen", "batched", "general")
 
 
@@ -93,54 +94,59 @@ class Hit:
     """A lookup's answer: the tuned fields, how they were found and where."""
 
     fields: tuple[tuple[str, Any], ...]
-    how: str  # "exact" | "nearest" | "model"
+    how: str  # "exact" | "neighbours"
     source: str  # the table's path
-    us: float | None = None  # measured (exact/nearest) or predicted (model) time
+    us: float | None = None  # the entry's measured time (exact); None for neighbours
 
     def apply(self, base: GemmConfig) -> GemmConfig:
         """`base` (the caller's all-auto config: backend etc.) with the tuned fields set."""
         return base.replace(**dict(self.fields))
 
 
-@dataclass
-class Model:
-    """A table's fitted cost model (moe_gemm.ops.cost_model)."""
+@dataclass(frozen=True)
+class TimedShape:
+    """One shape the tuner timed: where it lies (log2 N, log2 K, log2 rows per problem) and
+    every config's time there as a multiple of the shape's best, in log."""
 
-    configs: list[tuple[tuple[tuple[str, Any], ...], Params]]
-    mm_flops_per_s: float
-    copy_bytes_per_s: float
-    forms: frozenset[str]
-    dtypes: frozenset[tuple[str, str]]
-    log2_n: tuple[float, float]
-    log2_k: tuple[float, float]
-    buckets: tuple[int, int]
+    family: tuple  # Key.family() without E: form, dtype, out_dtype
+    at: tuple[float, float, float]
+    log_regret: dict[tuple[tuple[str, Any], ...], float]
 
-    def covers(self, key: Key) -> bool:
-        m = MODEL_MARGIN
-        return (key.form in self.forms and (key.dtype, key.out_dtype) in self.dtypes
-                and self.log2_n[0] - m <= math.log2(max(1, key.N)) <= self.log2_n[1] + m
-                and self.log2_k[0] - m <= math.log2(max(1, key.K)) <= self.log2_k[1] + m
-                and self.buckets[0] - m <= key.bucket <= self.buckets[1] + m)
 
-    def best(self, key: Key, rows: int, nsm: int, baseline: tuple | None = None
-             ) -> tuple[tuple, float] | None:
-        """The fitted config predicted fastest (fields, us); None when `baseline` (normalized
-        fields, see normalize) is fitted and predicted within MODEL_MIN_GAIN of it."""
-        shape = Shape(key.form, key.E, key.N, key.K, rows, nsm,
-                      _ITEMSIZE.get(key.dtype, 2), _ITEMSIZE.get(key.out_dtype, 2))
-        best, base_us = None, None
-        for fields, params in self.configs:
-            cfg = dict(fields)
-            if not _fits_form(cfg, key):
-                continue
-            us = predict_us(cfg, params, shape, self.mm_flops_per_s, self.copy_bytes_per_s)
-            if fields == baseline:
-                base_us = us
-            if best is None or us < best[1]:
-                best = (fields, us)
-        if best is not None and base_us is not None and best[1] * MODEL_MIN_GAIN > base_us:
-            return None
-        return best
+def _place(n: int, k: int, rows_per_problem: float) -> tuple[float, float, float]:
+    return (math.log2(max(1, n)), math.log2(max(1, k)), math.log2(max(rows_per_problem, 0.5)))
+
+
+def quantized_rows(rows_per_problem: float) -> float:
+    """Rows per problem to a quarter octave: the vote moves with whole octaves, and a lookup
+    per distinct row count (a serving batch's tokens x top-k) can reuse an earlier one's."""
+    if rows_per_problem <= 0:
+        return 0.0
+    return 2.0 ** (round(4 * math.log2(rows_per_problem)) / 4)
+
+
+def neighbours_pick(shapes: list[TimedShape], key: Key, rows: int,
+                    baseline: tuple | None = None) -> tuple | None:
+    """The config the NEIGHBOURS timed shapes nearest to `key` (with `rows` rows over key.E
+    problems) favour (normalized fields), or None: too few shapes within reach, no config
+    timed on all of them, or `baseline` (the rules' config) scoring within RULES_MARGIN."""
+    at = _place(key.N, key.K, quantized_rows(rows / max(1, key.E)))
+    fam = (key.form, key.dtype, key.out_dtype)
+    near = sorted((sum(abs(a - b) for a, b in zip(at, s.at)), i)
+                  for i, s in enumerate(shapes) if s.family == fam)[:NEIGHBOURS]
+    if len(near) < NEIGHBOURS or near[-1][0] > NEIGHBOUR_REACH:
+        return None
+    voters = [shapes[i].log_regret for _, i in near]
+    scores = {}
+    for fields in voters[0]:
+        if all(fields in v for v in voters[1:]) and _fits_form(dict(fields), key):
+            scores[fields] = sum(v[fields] for v in voters) / len(voters)
+    if not scores:
+        return None
+    pick = min(scores, key=lambda f: (scores[f], f))
+    if baseline in scores and scores[baseline] - scores[pick] <= RULES_MARGIN:
+        return None
+    return pick
 
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -164,7 +170,8 @@ class Table:
     path: str
     device: str
     entries: dict[Key, tuple[tuple[tuple[str, Any], ...], float | None]]
-    model: Model | None = None
+    timed: list[TimedShape] = field(default_factory=list)
+    picks: dict[tuple, tuple | None] = field(default_factory=dict)  # neighbours_pick's answers
     versions: dict[str, Any] = field(default_factory=dict)
     skipped: int = 0
 
@@ -233,42 +240,44 @@ def parse_table(doc: Any, path: str, device: str,
                                   float(us) if isinstance(us, (int, float)) else None)
         except TableError:
             table.skipped += 1
-    if doc.get("model") is not None:
-        try:
-            table.model = parse_model(doc["model"])
-        except TableError:
-            table.skipped += 1
+    table.timed = parse_samples(doc.get("samples"))
     return table
 
 
-def parse_model(raw: Any) -> Model:
-    if not isinstance(raw, dict) or raw.get("kind") != MODEL_KIND:
-        raise TableError(f"model is not a {MODEL_KIND} block")
-    try:
-        configs = []
-        for item in raw["configs"]:
-            if float(item.get("rms_log_err", 0.0)) > MODEL_MAX_ERR:
-                continue
-            try:
-                fields = config_fields(item["config"])
-            except TableError:
-                continue  # a config this build lacks: not offered
-            p = Params(float(item["eff"]), float(item["tile_us"]), float(item["mem"]))
-            if not (0 < p.eff <= 1.5 and p.tile_us >= 0 and p.mem > 0):
-                continue
-            configs.append((fields, p))
-        dom = raw["domain"]
-        model = Model(
-            configs, float(raw["mm_flops_per_s"]), float(raw["copy_bytes_per_s"]),
-            frozenset(dom["forms"]), frozenset(tuple(d) for d in dom["dtypes"]),
-            (float(dom["log2_N"][0]), float(dom["log2_N"][1])),
-            (float(dom["log2_K"][0]), float(dom["log2_K"][1])),
-            (int(dom["bucket"][0]), int(dom["bucket"][1])))
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise TableError(f"bad model block ({type(exc).__name__}: {exc})") from None
-    if model.mm_flops_per_s <= 0 or model.copy_bytes_per_s <= 0 or not configs:
-        raise TableError("model block has no usable configs or ceilings")
-    return model
+def parse_samples(raw: Any) -> list[TimedShape]:
+    """The timed shapes of a table's "samples" (the tuner's every timing: form, dtypes, E, N,
+    K, rows, config, us); samples that do not parse or name a config this build lacks are left
+    out, a malformed list gives none."""
+    if not isinstance(raw, list):
+        return []
+    by_shape: dict[tuple, dict[tuple, float]] = {}
+    known: dict[tuple, tuple | None] = {}  # a table's ~10k samples share ~100 configs
+    for s in raw:
+        try:
+            shape = (str(s["form"]), str(s["dtype"]), str(s.get("out_dtype", s["dtype"])),
+                     int(s["E"]), int(s["N"]), int(s["K"]), int(s["rows"]))
+            us = float(s["us"])
+            raw_cfg = tuple(sorted(s["config"].items()))
+            if raw_cfg not in known:
+                try:
+                    known[raw_cfg] = config_fields(s["config"])
+                except TableError:
+                    known[raw_cfg] = None
+            fields = known[raw_cfg]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if fields is None:
+            continue
+        if shape[0] not in FORMS or min(shape[3:6]) <= 0 or shape[6] < 0 or not us > 0:
+            continue
+        times = by_shape.setdefault(shape, {})
+        times[fields] = min(times.get(fields, math.inf), us)
+    out = []
+    for (form, dtype, out_dtype, E, N, K, rows), times in by_shape.items():
+        best = min(times.values())
+        out.append(TimedShape((form, dtype, out_dtype), _place(N, K, rows / E),
+                              {f: math.log(t / best) for f, t in times.items()}))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,7 +410,7 @@ def tables_for(device: str) -> list[Table]:
 
 
 def has_form(device: str, form: str) -> bool:
-    """Whether any table for `device` holds an entry or a model for `form` (lets the general
+    """Whether any table for `device` holds an entry or a timed shape for `form` (lets the general
     form skip building a key, an O(problems) pass, when no table can answer it)."""
     return _has_form(device, form, state())
 
@@ -409,8 +418,8 @@ def has_form(device: str, form: str) -> bool:
 @functools.lru_cache(maxsize=32)
 def _has_form(device: str, form: str, _state: tuple) -> bool:
     for t in tables_for(device):
-        if any(k.form == form for k in t.entries) or (
-                t.model is not None and form in t.model.forms):
+        if any(k.form == form for k in t.entries) or any(
+                s.family[0] == form for s in t.timed):
             return True
     return False
 
@@ -418,30 +427,22 @@ def _has_form(device: str, form: str, _state: tuple) -> bool:
 def lookup(device: str, key: Key, rows: int, nsm: int,
            baseline: dict | None = None) -> Hit | None:
     """The tuned fields for `key` on `device` (see the module docstring), or None.
-    baseline: the rules' config for the call (the model must beat it clearly)."""
+    baseline: the rules' config for the call (a neighbours pick must beat it clearly); nsm
+    is the device's SM count (each table is for one device kind already)."""
     tables = tables_for(device)
     for t in tables:
         hit = t.entries.get(key)
         if hit is not None:
             return Hit(hit[0], "exact", t.path, hit[1])
-    family = key.family()
-    best = None
+    base = None if baseline is None else normalize(baseline)
+    q = quantized_rows(rows / max(1, key.E))
     for t in tables:
-        for k, (fields, us) in t.entries.items():
-            if k.family() == family:
-                d = abs(k.bucket - key.bucket)
-                # Ties go to the larger bucket: more rows per problem is the costlier side.
-                rank = (d, -k.bucket)
-                if d <= NEAREST_MAX and (best is None or rank < best[0]):
-                    best = (rank, Hit(fields, "nearest", t.path, us))
-    if best is not None:
-        return best[1]
-    for t in tables:
-        if t.model is not None and t.model.covers(key):
-            found = t.model.best(key, rows, nsm,
-                                 None if baseline is None else normalize(baseline))
-            if found is not None:
-                return Hit(found[0], "model", t.path, found[1])
+        memo = (key, q, base)
+        if memo not in t.picks:
+            t.picks[memo] = neighbours_pick(t.timed, key, rows, base)
+        found = t.picks[memo]
+        if found is not None:
+            return Hit(found, "neighbours", t.path)
     return None
 
 

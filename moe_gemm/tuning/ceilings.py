@@ -1,7 +1,7 @@
 """The device's two ceilings, measured where the tuner runs: copy bandwidth and bf16 mm rate.
 
-The cost model (moe_gemm.ops.cost_model) scales its terms by them, so a table's model
-carries the ceilings of the run that calibrated it.
+A table records those of the run that measured it, beside its timings (a reader can tell a
+slower clock or a throttled part from a slower config).
 """
 
 from __future__ import annotations

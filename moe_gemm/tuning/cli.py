@@ -6,7 +6,6 @@
                                         time only these configs and the rules' choice (an A/B,
                                         printed; no table is written)
     moe-gemm tune --list --zoo          what would be tuned (no GPU needed)
-    moe-gemm tune --refit FILE          refit a table's cost model on its samples (no GPU)
 
 A --shapes item is E,N,K,ROWS[,ROWS...]: E experts with (N, K) weights, one shape per ROWS
 (routed rows for grouped_mm, rows per problem for --form batched). --zoo takes the MoE
@@ -34,7 +33,6 @@ DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 SHAPE_BUDGET_S = 30.0
-REFIT_EVERY_S = 60.0  # the cost model is refitted this often during a run, and at its end
 FIRST_SHAPE_EST_S = 10.0
 
 
@@ -75,7 +73,6 @@ def _parser() -> argparse.ArgumentParser:
                    "write no table")
     p.add_argument("--report", help="with --configs: also write the timings as JSON here")
     p.add_argument("--list", action="store_true", help="print the shapes and exit")
-    p.add_argument("--refit", metavar="FILE", help="refit FILE's cost model and exit")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -128,8 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    if args.refit:
-        return _refit(Path(args.refit))
     dtype = DTYPE_NAMES[args.dtype]
     out_dtype = DTYPE_NAMES[args.out_dtype or args.dtype]
     try:
@@ -166,26 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     return run(args, shapes, log)
 
 
-def _refit(path: Path) -> int:
-    import json
-
-    from moe_gemm.tuning import table_io
-
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        print(f"moe-gemm tune: cannot read {path}: {exc}", file=sys.stderr)
-        return 2
-    if not isinstance(doc, dict) or "entries" not in doc:
-        print(f"moe-gemm tune: {path} is not a tuned table", file=sys.stderr)
-        return 2
-    table_io.refit(doc)
-    table_io.write(path, doc)
-    n = len((doc.get("model") or {}).get("configs", []))
-    print(f"refitted {path}: {n} configs in the cost model")
-    return 0
-
-
 def run(args: argparse.Namespace, shapes: list, log) -> int:
     """Tune `shapes` on the GPU (imports torch and the DSL only here)."""
     t_start = time.monotonic()
@@ -202,7 +177,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
 
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        print("moe-gemm tune: needs a CUDA GPU (use --list or --refit without one)",
+        print("moe-gemm tune: needs a CUDA GPU (use --list without one)",
               file=sys.stderr)
         return 2
     if device.index is None:
@@ -234,7 +209,6 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, mm "
         f"{ceilings['mm_flops_per_s'] / 1e12:.0f} TFLOP/s")
     done, stopped, slowest = 0, None, FIRST_SHAPE_EST_S
-    last_fit = time.monotonic()
     os.environ.setdefault("MOE_GEMM_TUNED_TABLES", "1")
     with CompilePool(args.workers) as pool:
         _precompile(shapes, pool, nsm, log)
@@ -262,16 +236,12 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             table_io.add_result(doc, res.entry(), res.samples())
             doc.setdefault("failures", [])
             doc["failures"] += [{"shape": shape.describe(), **f} for f in res.failures()]
-            if time.monotonic() - last_fit > REFIT_EVERY_S:
-                table_io.refit(doc)  # (seconds with many samples: not after every shape)
-                last_fit = time.monotonic()
             table_io.write(out, doc)
             w, r = res.winner, res.rules
             gain = f" ({r.ms / w.ms:.3f}x the rules' {r.name})" if w and r and r.samples else ""
             log(f"[tune] {i + 1}/{len(shapes)} {shape.describe()}: "
                 + (f"{w.name} {w.ms * 1e3:.1f} us{gain}" if w else f"none ({res.stopped})")
                 + f" [{res.seconds:.1f} s]")
-    table_io.refit(doc)
     table_io.write(out, doc)
     total = time.monotonic() - t_start
     print(f"tuned {done} of {len(shapes)} shapes in {total:.0f} s -> {out}"

@@ -5,8 +5,8 @@
      "copy_bytes_per_s"},
      "entries": [{"form", "dtype", "out_dtype", "E", "N", "K", "bucket", "rows",
                   "config": {GemmConfig fields}, "us", "rules_us", "name", ...}],
-     "samples": [{"form", ..., "rows", "config", "us"}],   every timed candidate
-     "model": {cost-model block, fitted on the samples}}
+     "samples": [{"form", ..., "rows", "config", "us"}]}   every timed candidate (the
+                                                           lookup's neighbours step reads them)
 
 A table is rewritten whole, atomically (a temporary file renamed into place), after every
 shape, so a run stopped at any point leaves a valid table of what finished.
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from moe_gemm.ops import tuned
-from moe_gemm.tuning.fit import fit_model
 
 
 def new_table(device: str, nsm: int, versions: dict[str, Any],
@@ -65,21 +64,11 @@ def add_result(doc: dict[str, Any], entry: dict | None, samples: list[dict]) -> 
         doc["samples"] = [s for s in doc["samples"] if _sample_shape(s) not in shapes] + samples
 
 
-def refit(doc: dict[str, Any]) -> None:
-    """Fit the cost model on the table's samples (drops the block when nothing fits)."""
-    ceil = doc.get("ceilings") or {}
-    model = fit_model(doc.get("samples") or [], float(ceil.get("mm_flops_per_s") or 0),
-                      float(ceil.get("copy_bytes_per_s") or 0), int(doc.get("sm_count") or 132))
-    if model is None:
-        doc.pop("model", None)
-    else:
-        doc["model"] = model
-
-
 def write(path: Path, doc: dict[str, Any]) -> None:
     """Atomic write: a reader (or a crash) never sees half a table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     doc["entries"].sort(key=entry_key)
+    doc.pop("model", None)  # the cost-model block earlier tables carried: no reader left
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, path)

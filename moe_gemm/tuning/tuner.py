@@ -14,7 +14,7 @@ through the stages of moe_gemm.tuning.space:
    K-sort) of the best TOP configs, and a config combining every variation that won;
 4. a final set of rounds for the leaders and the rules' choice; the lowest median wins.
 
-Every candidate's median is kept as a sample for the cost model (moe_gemm.tuning.fit).
+Every candidate's median is kept as a sample (the lookup's neighbours step votes with them).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class ShapeResult:
         return entry
 
     def samples(self) -> list[dict]:
-        """Every timed candidate's median (for the cost-model fit)."""
+        """Every timed candidate's median (the table's samples)."""
         k = self.shape.key()
         return [{"form": k.form, "dtype": k.dtype, "out_dtype": k.out_dtype, "E": k.E,
                  "N": k.N, "K": k.K, "rows": self.shape.rows, "config": o.fields,

@@ -1,5 +1,5 @@
 """Tuned tables (moe_gemm.ops.tuned) and how the heuristics use them, on the CPU: every lookup
-path, bucket logic, bad tables, version checks and the cost model's sanity."""
+path, bucket logic, bad tables, version checks and the nearest timed shapes' vote."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moe_gemm import GemmConfig
-from moe_gemm.ops import cost_model, heuristics, tuned, versions
+from moe_gemm.ops import heuristics, tuned, versions
 from moe_gemm.ops.heuristics import choose_batched, choose_general, choose_varlen
 
 DEV = "NVIDIA Test GPU 80GB"
@@ -83,16 +83,13 @@ def test_slug_and_buckets():
 # Lookup paths
 
 
-def test_exact_nearest_and_none(_isolated):
+def test_exact_and_none(_isolated):
     ship(_isolated, table([entry(bucket=8), entry(bucket=4, config=dict(PP_64x256))]))
     hit = tuned.lookup(DEV, key(bucket=8), 64 * 256, 132)
     assert hit.how == "exact" and dict(hit.fields)["tile_n"] == 192 and hit.us == 100.0
-    near = tuned.lookup(DEV, key(bucket=9), 64 * 512, 132)
-    assert near.how == "nearest" and dict(near.fields)["tile_n"] == 192
-    # Equidistant (6 is 2 from both 4 and 8): the larger bucket wins.
-    assert dict(tuned.lookup(DEV, key(bucket=6), 64 * 64, 132).fields)["tile_n"] == 192
-    assert dict(tuned.lookup(DEV, key(bucket=3), 64 * 8, 132).fields)["tile_n"] == 256
-    assert tuned.lookup(DEV, key(bucket=11), 64 * 2048, 132) is None  # 3 buckets away
+    assert dict(tuned.lookup(DEV, key(bucket=4), 64 * 16, 132).fields)["tile_n"] == 256
+    # Another bucket of the same projection, with no timed shapes to vote: the rules decide.
+    assert tuned.lookup(DEV, key(bucket=9), 64 * 512, 132) is None
     assert tuned.lookup(DEV, key(N=2048), 64 * 256, 132) is None  # another family
     assert tuned.lookup("NVIDIA Other GPU", key(), 64 * 256, 132) is None
 
@@ -167,8 +164,7 @@ def test_entries_this_build_cannot_use_are_skipped(_isolated):
                            entry(bucket=8)]))
     with pytest.warns(RuntimeWarning, match="4 entries"):
         assert tuned.lookup(DEV, key(bucket=8), 1, 132).how == "exact"
-    assert tuned.lookup(DEV, key(bucket=7), 1, 132).how == "nearest"
-    for b in (1, 2, 3):  # the skipped entries count for nothing, not even as nearest
+    for b in (1, 2, 3):  # the skipped entries count for nothing
         assert tuned.lookup(DEV, key(bucket=b), 1, 132) is None
 
 
@@ -272,90 +268,82 @@ def test_online_cache_entries_need_matching_versions(_isolated, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# The cost model
+# Neighbours: the timed shapes nearest to a shape no entry holds
 
 
-def _model_block(configs, forms=("varlen",), n=(9, 13), k=(9, 13), buckets=(0, 10)):
-    return {"kind": tuned.MODEL_KIND, "mm_flops_per_s": 7e14, "copy_bytes_per_s": 3e12,
-            "nsm": 132, "configs": configs,
-            "domain": {"forms": list(forms), "dtypes": [["bfloat16", "bfloat16"]],
-                       "log2_N": list(n), "log2_K": list(k), "bucket": list(buckets)}}
+SMALL = {**PP_64x256}
+BIG = {**COOP_128x192, "raster_panel": 8}
 
 
-def test_model_answers_inside_its_domain_only(_isolated):
-    small = {**PP_64x256}
-    big = {**COOP_128x192, "raster_panel": 8}
-    model = _model_block([
-        {"config": small, "eff": 0.5, "tile_us": 0.5, "mem": 1.1, "rms_log_err": 0.05},
-        {"config": big, "eff": 0.8, "tile_us": 2.0, "mem": 1.3, "rms_log_err": 0.05},
-        {"config": {**big, "tile_n": 128}, "eff": 1.0, "tile_us": 0.0, "mem": 0.9,
-         "rms_log_err": 0.9},  # fits badly: never offered
-    ])
-    ship(_isolated, table([], model=model))
-    decode = tuned.lookup(DEV, key(E=128, N=2048, K=4096, bucket=-1), 64, 132)
-    assert decode.how == "model" and dict(decode.fields)["tile_m"] == 64
-    prefill = tuned.lookup(DEV, key(E=128, N=2048, K=4096, bucket=9), 128 * 512, 132)
-    assert prefill.how == "model" and dict(prefill.fields)["tile_m"] == 128
-    assert dict(prefill.fields)["tile_n"] == 192  # the badly fitted 128x128 is not offered
-    assert tuned.lookup(DEV, key(E=128, N=65536, K=4096, bucket=9), 1, 132) is None  # N 2^16
-    assert tuned.lookup(DEV, key(E=8, N=2048, K=4096, bucket=13), 1, 132) is None
-    assert tuned.lookup(DEV, key(form="batched", E=8, N=2048, K=4096), 1, 132) is None
+def samples(E, N, K, rows, times, form="varlen"):
+    """One timed shape's samples: {name: (config, us)}."""
+    return [{"form": form, "dtype": "bfloat16", "out_dtype": "bfloat16", "E": E, "N": N,
+             "K": K, "rows": rows, "config": cfg, "us": us} for cfg, us in times]
 
 
-def test_cost_model_sanity():
-    cfg = {"tile_m": 128, "tile_n": 256, "cluster_m": 1, "cluster_n": 1}
-    p = cost_model.Params(eff=0.8, tile_us=1.0, mem=1.2)
-
-    def t(rows, E=64, N=4096, K=4096, form="varlen", cfg=cfg, p=p):
-        s = cost_model.Shape(form, E, N, K, rows, 132)
-        return cost_model.predict_us(cfg, p, s, 7e14, 3e12)
-
-    sizes = [1, 8, 64, 512, 4096, 32768, 262144]
-    times = [t(r) for r in sizes]
-    assert times == sorted(times) and times[0] > cost_model.LAUNCH_US
-    # Decode: weight reads dominate; doubling the active experts' weights ~doubles time.
-    assert t(64, E=64) > 1.5 * t(64, E=64, N=2048)
-    # Prefill is compute-bound: time tracks FLOPs within the wave quantisation.
-    big, bigger = t(262144), t(2 * 262144)
-    assert 1.8 < bigger / big < 2.2
-    # A more efficient config is never predicted slower.
-    assert t(262144, p=cost_model.Params(0.9, 1.0, 1.2)) <= big
-    # Nothing to do costs the launch only.
-    assert t(0) == cost_model.LAUNCH_US
-    # The tail split halves the cost of a short last wave (compute-bound, K long).
-    one_wave_and_a_bit = 132 * 128 + 128 * 10  # rows for 132 + 10 m-tiles of one N tile
-    split = {**cfg, "tail_split": True}
-    s = cost_model.Shape("batched", 1, 256, 8192, one_wave_and_a_bit, 132)
-    a = cost_model.terms(cfg, s, 7e14, 3e12)
-    b = cost_model.terms(split, s, 7e14, 3e12)
-    assert a.waves == 2 and b.waves == pytest.approx(1.55)  # 142 tiles on 132 CTAs
+def timed_grid(decode_small=50.0, decode_big=80.0, prefill_small=900.0, prefill_big=600.0):
+    """Shapes around N=2048..8192, K=4096: the small tile wins decode (2 rows per expert),
+    the big tile wins prefill (512 rows per expert)."""
+    out = []
+    for N in (2048, 4096, 8192):
+        for K in (2048, 4096, 8192):
+            out += samples(128, N, K, 256, [(SMALL, decode_small), (BIG, decode_big)])
+            out += samples(128, N, K, 128 * 512, [(SMALL, prefill_small), (BIG, prefill_big)])
+    return out
 
 
-def test_active_experts():
-    assert cost_model.active_experts(256, 0) == 0
-    assert cost_model.active_experts(256, 1) == pytest.approx(1.0)
-    assert 7.8 < cost_model.active_experts(256, 8) < 8.0
-    assert cost_model.active_experts(8, 100000) == pytest.approx(8.0)
+def test_neighbours_answer_unseen_shapes_from_the_nearest_timed_ones(_isolated):
+    ship(_isolated, table([], samples=timed_grid()))
+    decode = tuned.lookup(DEV, key(E=96, N=3000, K=5000, bucket=1), 96 * 2, 132)
+    assert decode.how == "neighbours" and dict(decode.fields)["tile_m"] == 64
+    assert decode.us is None
+    prefill = tuned.lookup(DEV, key(E=96, N=3000, K=5000, bucket=9), 96 * 512, 132)
+    assert prefill.how == "neighbours" and dict(prefill.fields)["tile_n"] == 192
+    # Out of reach (N 2^16, four octaves past the grid), another form: the rules decide.
+    assert tuned.lookup(DEV, key(E=96, N=1 << 17, K=4096, bucket=9), 96 * 512, 132) is None
+    assert tuned.lookup(DEV, key(form="batched", E=8, N=2048, K=4096), 8 * 512, 132) is None
+    # Through the heuristics.
+    c = choose_varlen(GemmConfig(), 96 * 512, 96, 3000, 5000, 132, device=DEV)
+    assert (c.schedule, c.tile_m, c.tile_n) == ("cooperative", 128, 192)
 
 
-def test_model_must_clearly_beat_the_rules_config(_isolated):
-    small = {**PP_64x256}
-    big = {**COOP_128x192, "raster_panel": 8}
-    ship(_isolated, table([], model=_model_block([
-        {"config": small, "eff": 0.5, "tile_us": 0.5, "mem": 1.1, "rms_log_err": 0.05},
-        {"config": big, "eff": 0.8, "tile_us": 2.0, "mem": 1.3, "rms_log_err": 0.05}])))
-    prefill = key(E=128, N=2048, K=4096, bucket=9)
-    decode = key(E=128, N=2048, K=4096, bucket=-1)
-    # The rules' config is the model's own pick: the rules keep the call.
-    assert tuned.lookup(DEV, prefill, 128 * 512, 132, baseline=big) is None
-    # Predicted clearly faster than the rules' config: the model's pick.
-    hit = tuned.lookup(DEV, decode, 64, 132, baseline=big)
-    assert hit.how == "model" and dict(hit.fields)["tile_m"] == 64
-    # A rules' config the model was not fitted on cannot be compared: the model decides.
-    other = {**big, "tile_n": 128}
-    assert tuned.lookup(DEV, prefill, 128 * 512, 132, baseline=other).how == "model"
-    # Through the heuristics, the rules' choice is the baseline.
-    rules = choose_varlen(GemmConfig(), 64, 128, 2048, 4096, 132)
-    chosen = choose_varlen(GemmConfig(), 64, 128, 2048, 4096, 132, device=DEV)
-    assert (rules.tile_m, rules.tile_n) == (64, 256)  # here the model agrees with the rules
-    assert (chosen.tile_m, chosen.tile_n) == (64, 256)
+def test_neighbours_keep_the_rules_unless_clearly_better(_isolated):
+    # Near-ties (within 1%): the rules' config keeps the call.
+    ship(_isolated, table([], samples=timed_grid(prefill_small=601.0)))
+    prefill = key(E=96, N=3000, K=5000, bucket=9)
+    assert tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=SMALL) is None
+    assert tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=BIG) is None
+    # Clearly better than the rules' config: the pick.
+    ship(_isolated, table([], samples=timed_grid()))
+    hit = tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=SMALL)
+    assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 192
+    # A rules' config never timed there cannot be compared: the vote decides.
+    other = {**BIG, "tile_n": 128}
+    assert tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=other).how == "neighbours"
+
+
+def test_neighbours_need_enough_shapes_and_a_config_timed_on_all(_isolated):
+    few = samples(128, 4096, 4096, 256, [(SMALL, 50.0), (BIG, 80.0)])
+    ship(_isolated, table([], samples=few * 3))  # one shape (three copies): too few voters
+    assert tuned.lookup(DEV, key(E=96, N=3000, K=5000, bucket=1), 96 * 2, 132) is None
+    # Each config timed on only some voters: none can be compared on all of them.
+    split = []
+    for i, N in enumerate((1024, 2048, 4096, 8192, 16384, 32768)):
+        split += samples(128, N, 4096, 256, [(SMALL if i % 2 else BIG, 50.0)])
+    ship(_isolated, table([], samples=split))
+    assert tuned.lookup(DEV, key(E=96, N=4096, K=4096, bucket=1), 96 * 2, 132) is None
+
+
+def test_bad_samples_are_left_out_not_fatal(_isolated):
+    good = timed_grid()
+    bad = [{"form": "varlen"}, "x", {**good[0], "us": "fast"}, {**good[0], "us": -1.0},
+           {**good[0], "config": {"tile_m": 7}}, {**good[0], "form": "sideways"},
+           {**good[0], "E": 0}]
+    ship(_isolated, table([], samples=bad + good))
+    t = tuned.tables_for(DEV)[0]
+    assert len(t.timed) == 18  # the grid's shapes, nothing of the bad ones
+    ship(_isolated, table([], samples="not a list"))
+    assert tuned.tables_for(DEV)[0].timed == []
+    assert tuned.has_form(DEV, "varlen") is False
+    ship(_isolated, table([], samples=good))
+    assert tuned.has_form(DEV, "varlen") is True and tuned.has_form(DEV, "general") is False
