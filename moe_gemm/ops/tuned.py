@@ -143,7 +143,7 @@ def neighbours_pick(shapes: list[TimedShape], key: Key, rows: int,
             scores[fields] = sum(v[fields] for v in voters) / len(voters)
     if not scores:
         return None
-    pick = min(scores, key=lambda f: (scores[f], f))
+    pick = min(scores, key=lambda f: (scores[f], repr(f)))
     if baseline in scores and scores[baseline] - scores[pick] <= RULES_MARGIN:
         return None
     return pick
