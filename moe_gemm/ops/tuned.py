@@ -7,8 +7,9 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
 1. exact: an entry for (form, dtypes, E, N, K, rows-per-problem bucket) in the user table
    (MOE_GEMM_TUNED_TABLE=path), the online-autotune cache, then the shipped table (the
    device's own, or for a Hopper part without one its sibling's: SIBLINGS);
-2. neighbours: the table's timed shapes (every candidate the tuner timed, its "samples") of
-   the same form and dtypes nearest to the call's shape (NEIGHBOURS of them, distance in
+2. neighbours: the timed shapes of those tables together (every candidate the tuner timed, a
+   table's "samples"; a shape in two tables counts once, from the first) of the same form and
+   dtypes nearest to the call's shape (NEIGHBOURS of them, distance in
    octaves of N, K and rows per problem, none farther than NEIGHBOUR_REACH): the config with
    the smallest mean log time over each neighbour's best, among those timed on all of them;
    the rules' own config keeps the call unless the pick scores RULES_MARGIN better. Measured
@@ -110,6 +111,7 @@ class TimedShape:
 
     family: tuple  # Key.family() without E: form, dtype, out_dtype
     at: tuple[float, float, float]
+    shape: tuple  # form, dtype, out_dtype, E, N, K, rows: the shape's identity across tables
     log_regret: dict[tuple[tuple[str, Any], ...], float]
 
 
@@ -171,7 +173,6 @@ class Table:
     device: str
     entries: dict[Key, tuple[tuple[tuple[str, Any], ...], float | None]]
     timed: list[TimedShape] = field(default_factory=list)
-    picks: dict[tuple, tuple | None] = field(default_factory=dict)  # neighbours_pick's answers
     versions: dict[str, Any] = field(default_factory=dict)
     skipped: int = 0
 
@@ -275,8 +276,9 @@ def parse_samples(raw: Any) -> list[TimedShape]:
     out = []
     for (form, dtype, out_dtype, E, N, K, rows), times in by_shape.items():
         best = min(times.values())
-        out.append(TimedShape((form, dtype, out_dtype), _place(N, K, rows / E),
-                              {f: math.log(t / best) for f, t in times.items()}))
+        out.append(TimedShape(family=(form, dtype, out_dtype), at=_place(N, K, rows / E),
+                              shape=(form, dtype, out_dtype, E, N, K, rows),
+                              log_regret={f: math.log(t / best) for f, t in times.items()}))
     return out
 
 
@@ -285,6 +287,8 @@ def parse_samples(raw: Any) -> list[TimedShape]:
 
 
 _warned: set[str] = set()
+# lookup's neighbours answers: (device, state(), key, quantized rows, baseline) -> fields
+_picks: dict[tuple, tuple | None] = {}
 _lock = threading.RLock()
 _generation = 0
 
@@ -434,22 +438,30 @@ def lookup(device: str, key: Key, rows: int, nsm: int,
         hit = t.entries.get(key)
         if hit is not None:
             return Hit(hit[0], "exact", t.path, hit[1])
+    if not tables:
+        return None
     base = None if baseline is None else normalize(baseline)
-    q = quantized_rows(rows / max(1, key.E))
-    for t in tables:
-        memo = (key, q, base)
-        if memo not in t.picks:
-            t.picks[memo] = neighbours_pick(t.timed, key, rows, base)
-        found = t.picks[memo]
-        if found is not None:
-            return Hit(found, "neighbours", t.path)
-    return None
+    memo = (device, state(), key, quantized_rows(rows / max(1, key.E)), base)
+    if memo not in _picks:
+        seen: set[tuple] = set()
+        timed = []
+        for t in tables:  # in priority order: a shape timed twice votes with the first
+            for s in t.timed:
+                if s.shape not in seen:
+                    seen.add(s.shape)
+                    timed.append(s)
+        if len(_picks) > 4096:
+            _picks.clear()
+        _picks[memo] = neighbours_pick(timed, key, rows, base)
+    found = _picks[memo]
+    return None if found is None else Hit(found, "neighbours", ",".join(t.path for t in tables))
 
 
 def clear_caches() -> None:
     """Forget every parsed table (tests; a process never sees a shipped table change)."""
     for fn in (_shipped, _user, _online, _has_form):
         fn.cache_clear()
+    _picks.clear()
 
 
 def bump_generation() -> None:

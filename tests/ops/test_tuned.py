@@ -347,3 +347,32 @@ def test_bad_samples_are_left_out_not_fatal(_isolated):
     assert tuned.has_form(DEV, "varlen") is False
     ship(_isolated, table([], samples=good))
     assert tuned.has_form(DEV, "varlen") is True and tuned.has_form(DEV, "general") is False
+
+
+def test_neighbours_vote_across_tables_and_a_shape_counts_once(_isolated, tmp_path,
+                                                               monkeypatch):
+    prefill = [(N, K) for N in (2048, 4096, 8192) for K in (2048, 4096)]
+    shipped = [s for N, K in prefill[:3]
+               for s in samples(128, N, K, 128 * 512, [(SMALL, 900.0), (BIG, 600.0)])]
+    user = [s for N, K in prefill[3:]
+            for s in samples(128, N, K, 128 * 512, [(SMALL, 900.0), (BIG, 600.0)])]
+    ship(_isolated, table([], samples=shipped))
+    q = key(E=96, N=4096, K=4096, bucket=9)
+    assert tuned.lookup(DEV, q, 96 * 512, 132) is None  # three shapes: too few alone
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(write(tmp_path / "mine.json",
+                                                       table([], samples=user))))
+    tuned.clear_caches()
+    hit = tuned.lookup(DEV, q, 96 * 512, 132)
+    assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 192
+    assert "mine.json" in hit.source
+    # A shape in both tables votes once, with the first table's (the user's) timings: the
+    # shipped copy (BIG 3x faster) would outvote the user's next-nearest shape otherwise.
+    monkeypatch.setattr(tuned, "NEIGHBOURS", 2)
+    ship(_isolated, table([], samples=samples(128, 2048, 2048, 128 * 512,
+                                              [(SMALL, 900.0), (BIG, 300.0)])))
+    mine = (samples(128, 2048, 2048, 128 * 512, [(SMALL, 500.0), (BIG, 600.0)])
+            + samples(128, 2048, 4096, 128 * 512, [(SMALL, 500.0), (BIG, 520.0)]))
+    write(tmp_path / "mine.json", table([], samples=mine))
+    tuned.clear_caches()
+    at_shape = tuned.lookup(DEV, key(E=128, N=2048, K=2048, bucket=9), 128 * 512, 132)
+    assert dict(at_shape.fields)["tile_m"] == 64
