@@ -49,20 +49,11 @@ def _model_of(entry: dict) -> str:
     return str(entry.get("label", "?")).split("/", 1)[0]
 
 
-def _name(config: dict) -> str:
-    return name_of({k: v for k, v in config.items()})
-
-
 def _family(name: str) -> str:
     """The plain-default member of a config's schedule x tile x cluster family, by name."""
     words = name.split()
     base = " ".join(w for w in words[:3] if not w.startswith(("s", "p")) or w == "pp")
     return name_of(parse_name(base))
-
-
-def _key(entry: dict) -> tuned.Key:
-    return tuned.Key(entry["form"], entry["dtype"], entry.get("out_dtype", entry["dtype"]),
-                     int(entry["E"]), int(entry["N"]), int(entry["K"]), int(entry["bucket"]))
 
 
 def evaluate(doc: dict) -> dict[str, Any]:
@@ -72,7 +63,7 @@ def evaluate(doc: dict) -> dict[str, Any]:
     timed: dict[tuple, dict[str, float]] = defaultdict(dict)
     for s in samples:
         names = timed[_shape_key(s)]
-        name = _name(s["config"])
+        name = name_of(s["config"])
         names[name] = min(names.get(name, math.inf), float(s["us"]))
     shape_model = {_shape_key(e): _model_of(e) for e in entries}
 
@@ -81,7 +72,7 @@ def evaluate(doc: dict) -> dict[str, Any]:
         train = [s for s in samples if shape_model.get(_shape_key(s)) != held]
         timed_train = tuned.parse_samples(train)
         for e in (e for e in entries if _model_of(e) == held):
-            key, shape = _key(e), _shape_key(e)
+            key, shape = tuned.key_of(e), _shape_key(e)
             times = timed.get(shape, {})
             if not times:
                 continue
@@ -109,7 +100,7 @@ def evaluate(doc: dict) -> dict[str, Any]:
             # the rules' config; else the rules.
             baseline = tuned.normalize(parse_name(rules_name)) if rules_name else None
             found = tuned.neighbours_pick(timed_train, key, int(e["rows"]), baseline)
-            pick = _name(dict(found)) if found is not None else None
+            pick = name_of(dict(found)) if found is not None else None
             score("neighbours", pick or rules_name)
             row["neighbours"]["used_pick"] = pick is not None
             if pick is None:
@@ -118,12 +109,12 @@ def evaluate(doc: dict) -> dict[str, Any]:
             # Nearest: the same projection's other token counts stay in the table.
             near = None
             for o in entries:
-                if o is e or _key(o).family() != key.family():
+                if o is e or tuned.key_of(o).family() != key.family():
                     continue
                 d = abs(int(o["bucket"]) - key.bucket)
                 rank = (d, -int(o["bucket"]))
                 if d <= NEAREST_MAX and (near is None or rank < near[0]):
-                    near = (rank, _name(o["config"]))
+                    near = (rank, name_of(o["config"]))
             if near is not None:
                 score("nearest", near[1])
             rows.append(row)

@@ -195,9 +195,12 @@ def _case_spec(case: str, seed: int):
         return next((s for s in full_suite() if s.name == case[len(SUITE_PREFIX):]), None)
     from benchmarks.zoo import build_cases
 
-    model, proj, tokens, *fp8 = case.split("/") + [""] * 2
+    parts = case.split("/")  # model/proj/tokens, and /fp8 for an FP8 case
+    if len(parts) < 3:
+        return None
     try:
-        cases = build_cases(model, tokens, [proj], seed, smoke=False, fp8=bool(fp8[0]))
+        cases = build_cases(parts[0], parts[2], [parts[1]], seed, smoke=False,
+                            fp8=parts[3:] == ["fp8"])
     except ValueError:
         return None
     return next((spec for spec, _ in cases if spec.name == case), None)

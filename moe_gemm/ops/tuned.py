@@ -109,10 +109,14 @@ class TimedShape:
     """One shape the tuner timed: where it lies (log2 N, log2 K, log2 rows per problem) and
     every config's time there as a multiple of the shape's best, in log."""
 
-    family: tuple  # Key.family() without E: form, dtype, out_dtype
-    at: tuple[float, float, float]
     shape: tuple  # form, dtype, out_dtype, E, N, K, rows: the shape's identity across tables
+    at: tuple[float, float, float]
     log_regret: dict[tuple[tuple[str, Any], ...], float]
+
+    @property
+    def family(self) -> tuple:
+        """form, dtype, out_dtype: the shapes that can vote for one another."""
+        return self.shape[:3]
 
 
 def _place(n: int, k: int, rows_per_problem: float) -> tuple[float, float, float]:
@@ -276,8 +280,8 @@ def parse_samples(raw: Any) -> list[TimedShape]:
     out = []
     for (form, dtype, out_dtype, E, N, K, rows), times in by_shape.items():
         best = min(times.values())
-        out.append(TimedShape(family=(form, dtype, out_dtype), at=_place(N, K, rows / E),
-                              shape=(form, dtype, out_dtype, E, N, K, rows),
+        out.append(TimedShape(shape=(form, dtype, out_dtype, E, N, K, rows),
+                              at=_place(N, K, rows / E),
                               log_regret={f: math.log(t / best) for f, t in times.items()}))
     return out
 
