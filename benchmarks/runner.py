@@ -226,6 +226,16 @@ class _Timing:
         return [p.run for p in self.prepared]
 
 
+def _describe(prepared: Prepared) -> str | None:
+    """The implementation's own account of what it chose; never raises (it is a note)."""
+    if prepared.describe is None:
+        return None
+    try:
+        return prepared.describe()
+    except Exception:
+        return None
+
+
 def prepare_impl(
     run: Run, spec: ShapeSpec, impl: Impl, sets: list[Inputs], ref: torch.Tensor
 ) -> tuple[dict[str, Any], _Timing | None]:
@@ -264,6 +274,9 @@ def prepare_impl(
                 row.update(_launch_fields(before, _last_launch()))
             out = prepared[0].check()
             clock.sync()
+            chosen = _describe(prepared[0])
+            if chosen:
+                row["chosen"] = chosen
         if caught:
             row["warnings"] = sorted({str(w.message)[:300] for w in caught})[:5]
         own = prepared[0]

@@ -403,6 +403,9 @@ class Prepared:
     # operands): check()'s output -> relative error, and the error allowed.
     error: Callable[[object], float] | None = None
     tolerance: float | None = None
+    # What the implementation chose on its first call (a peer's autotuned config), as text
+    # for the row: where a peer wins, the row says with which tile.
+    describe: Callable[[], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -577,7 +580,18 @@ def _build_quack_tuned(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Pr
     x, w, offs = _as_varlen(inp, device, "QuACK varlen_m")
     cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
     run = lambda: fn(x, w, cu_seqlens_m=cu, tuned=True)  # noqa: E731
-    return Prepared(run, run)
+    return Prepared(run, run, describe=_quack_tuned_choice)
+
+
+def _quack_tuned_choice() -> str | None:
+    """The config QuACK's autotuner chose for its latest call (its Autotuner object keeps it
+    as best_config), or None where this QuACK does not say."""
+    try:
+        from quack import gemm_interface  # type: ignore[import-not-found]
+    except Exception:
+        return None
+    best = getattr(getattr(gemm_interface, "gemm_tuned", None), "best_config", None)
+    return None if best is None else str(best)[:300]
 
 
 def loop_body(inp: Inputs, device: torch.device) -> Callable[[], object]:

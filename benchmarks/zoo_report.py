@@ -35,6 +35,9 @@ def derive_case(rows: list[dict[str, Any]], info: dict[str, Any],
         if best is not None:
             r["best_peer"] = best["impl"]
             r["vs_best_peer"] = best["ms"] / r["ms"]
+            r.pop("best_peer_chosen", None)  # (a resumed run derives its rows again)
+            if best.get("chosen"):
+                r["best_peer_chosen"] = best["chosen"]  # e.g. QuACK tuned's tile
 
 
 def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -55,7 +58,9 @@ def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
         "rule": f"default >= best peer on >= {BAR_SHARE:.0%} of cases and >= {BAR_MIN}x on "
         "every case",
         "peer_wins": [{"case": r["case"], "vs_best_peer": round(v, 4),
-                       "best_peer": r.get("best_peer"), "default_ms": r["ms"]}
+                       "best_peer": r.get("best_peer"), "default_ms": r["ms"],
+                       **({"best_peer_chosen": r["best_peer_chosen"]}
+                          if r.get("best_peer_chosen") else {})}
                       for v, r in losses],
     }
 

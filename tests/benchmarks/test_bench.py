@@ -448,3 +448,49 @@ def test_error_while_timing_drops_only_that_implementation(
     assert rows[DEFAULT_NAME]["status"] == "ok" and len(rows) == 6
     assert rows[DEFAULT_NAME]["reps"] == 4 and "ms_repeat" in rows[DEFAULT_NAME]
     assert not list(tmp_path.glob("*.inprogress"))  # the progress sidecar is cleared
+
+
+def test_a_peers_own_choice_is_recorded_and_a_failing_account_is_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_loop, real_bmm = bench_suite._build_loop, bench_suite._build_bmm
+
+    def told(spec: ShapeSpec, inp: object, device: torch.device) -> bench_suite.Prepared:
+        p = real_loop(spec, inp, device)
+        return bench_suite.Prepared(p.run, p.check, describe=lambda: f"tile for {spec.name}")
+
+    def mute(spec: ShapeSpec, inp: object, device: torch.device) -> bench_suite.Prepared:
+        def fail() -> str:
+            raise RuntimeError("no account")
+        p = real_bmm(spec, inp, device)
+        return bench_suite.Prepared(p.run, p.check, describe=fail)
+
+    monkeypatch.setattr(bench_suite, "_build_loop", told)
+    monkeypatch.setattr(bench_suite, "_build_bmm", mute)
+    out = tmp_path / "c.json"
+    assert bench.main(["--smoke", "--only", "uniform", "--no-variants", "--quiet",
+                       "--png", "none", "--no-table", "--out", str(out)]) == 0
+    rows = {r["impl"]: r for r in _load(out)["results"]}
+    assert rows["torch.mm loop"]["chosen"] == "tile for uniform"
+    assert rows["torch.mm loop"]["status"] == "ok"
+    assert rows["torch.bmm"]["status"] == "ok" and "chosen" not in rows["torch.bmm"]
+    assert "chosen" not in rows[DEFAULT_NAME]
+
+
+def test_quack_tuned_choice_reads_the_autotuners_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    class Pick:
+        def __str__(self) -> str:
+            return "config: GemmConfig(tile_m=128, tile_n=192, pingpong=True)"
+
+    iface = types.ModuleType("quack.gemm_interface")
+    iface.gemm_tuned = types.SimpleNamespace(best_config=Pick())
+    pkg = types.ModuleType("quack")
+    pkg.gemm_interface = iface
+    monkeypatch.setitem(sys.modules, "quack", pkg)
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", iface)
+    assert bench_suite._quack_tuned_choice() == str(Pick())
+    iface.gemm_tuned = types.SimpleNamespace()  # a QuACK that keeps no pick
+    assert bench_suite._quack_tuned_choice() is None

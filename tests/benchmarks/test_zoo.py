@@ -155,3 +155,22 @@ def test_cli(tmp_path, capsys):
     assert zoo.main(["--smoke", "--resume", str(tmp_path / "other.json"), "--out",
                      str(tmp_path / "x.json")]) == 2
     assert "measured on NVIDIA H200" in capsys.readouterr().err
+
+
+def test_the_winning_peers_choice_reaches_the_row_and_the_bar():
+    rows = [
+        {"case": "a", "impl": "ours", "peer": False, "default": True, "status": "ok", "ms": 3.0},
+        {"case": "a", "impl": "q", "peer": True, "default": False, "status": "ok", "ms": 2.7,
+         "chosen": "tile 128x192 pingpong"},
+        {"case": "a", "impl": "m", "peer": True, "default": False, "status": "ok", "ms": 2.9},
+    ]
+    zoo_report.derive_case(rows, {"bytes": 10**9, "flops": 10**12},
+                           {"copy_bytes_per_s": 2e12, "mm_flops_per_s": 1e15})
+    assert rows[0]["best_peer"] == "q" and rows[0]["best_peer_chosen"] == "tile 128x192 pingpong"
+    wins = zoo_report.bar(rows)["peer_wins"]
+    assert wins == [{"case": "a", "vs_best_peer": 0.9, "best_peer": "q", "default_ms": 3.0,
+                     "best_peer_chosen": "tile 128x192 pingpong"}]
+    rows[1]["ms"] = 3.5  # the loop wins now, and it says nothing of a choice
+    zoo_report.derive_case(rows, {"bytes": 10**9, "flops": 10**12},
+                           {"copy_bytes_per_s": 2e12, "mm_flops_per_s": 1e15})
+    assert rows[0]["best_peer"] == "m" and "best_peer_chosen" not in rows[0]
