@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.gpu_state import GpuState, open_gpu_state
+
 # Back-to-back samples queue enough launches for ~5 ms of GPU work: long enough that event
 # resolution (~0.5 us) and the inter-launch gaps are noise, short enough for 30 samples.
 B2B_TARGET_MS = 5.0
@@ -27,10 +29,16 @@ MAX_BACKLOG_MS = 200.0
 class Clock:
     """Times callables on one device: CUDA events on a GPU, perf_counter on the CPU."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, gpu_state: GpuState | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self._cycles_per_ms: float | None = None
+        if gpu_state is None and self.cuda:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            gpu_state = open_gpu_state(index)
+        self.gpu_state = gpu_state or GpuState()
+        # (SM MHz, W) read while each sample of the latest back_to_back call ran
+        self.last_states: list[tuple[float | None, float | None]] = []
 
     def sync(self) -> None:
         if self.cuda:
@@ -79,8 +87,10 @@ class Clock:
     def back_to_back(
         self, fns: Sequence[Callable[[], object]], reps: int, calls: int, backlog_ms: float
     ) -> list[float]:
-        """ms per call, `calls` calls queued between two events behind a GPU backlog."""
+        """ms per call, `calls` calls queued between two events behind a GPU backlog; the
+        SM clock and power read while each sample runs go to `last_states`."""
         samples = []
+        self.last_states = []
         k = 0
         for _ in range(reps):
             self.sync()
@@ -94,6 +104,9 @@ class Clock:
                 k += 1
             if self.cuda:
                 end.record()
+                if self.gpu_state.available:
+                    start.synchronize()  # the backlog is over: the timed calls are running
+                    self.last_states.append(self.gpu_state.reading())
                 end.synchronize()
                 samples.append(start.elapsed_time(end) / calls)
             else:

@@ -220,6 +220,7 @@ class _Timing:
     single: list[float] = field(default_factory=list)
     b2b: list[float] = field(default_factory=list)
     repeat: list[float] = field(default_factory=list)
+    states: list[tuple[float | None, float | None]] = field(default_factory=list)
 
     @property
     def fns(self) -> list[Callable[[], object]]:
@@ -305,6 +306,19 @@ def prepare_impl(
         return row, None
 
 
+def state_fields(states: Sequence[tuple[float | None, float | None]]) -> dict[str, float]:
+    """Median SM clock (MHz) and board power (W) over an implementation's timed samples,
+    where NVML read them (nothing where it did not)."""
+    out: dict[str, float] = {}
+    mhz = [m for m, _ in states if m is not None]
+    watts = [w for _, w in states if w is not None]
+    if mhz:
+        out["sm_mhz"] = median(mhz)
+    if watts:
+        out["power_w"] = median(watts)
+    return out
+
+
 def time_interleaved(run: Run, spec: ShapeSpec, timings: list[_Timing]) -> None:
     """Sample every pending implementation once per round, `reps` rounds.
 
@@ -337,6 +351,7 @@ def time_interleaved(run: Run, spec: ShapeSpec, timings: list[_Timing]) -> None:
                 seen.add(id(t))
                 t.single += clock.single([fns[r % len(fns)]], 1)
                 t.b2b += clock.back_to_back(fns, 1, t.calls, t.backlog_ms)
+                t.states += clock.last_states
             except Exception as exc:
                 t.row.update(status="error", error=short_error(exc))
                 active.remove(t)
@@ -357,6 +372,7 @@ def time_interleaved(run: Run, spec: ShapeSpec, timings: list[_Timing]) -> None:
         )
         if t.repeat:
             t.row["ms_repeat"] = median(t.repeat)
+        t.row.update(state_fields(t.states))
 
 
 def run_shape(run: Run, spec: ShapeSpec, impls: Sequence[Impl] | None = None) -> None:

@@ -65,6 +65,13 @@ def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _clocks(ours: dict[str, Any], best: dict[str, Any] | None) -> str:
+    """' | MHz ours/peer' where NVML read the SM clock of both while they ran."""
+    if best is None or not ours.get("sm_mhz") or not best.get("sm_mhz"):
+        return ""
+    return f" | MHz {ours['sm_mhz']:.0f}/{best['sm_mhz']:.0f}"
+
+
 def format_table(doc: dict[str, Any]) -> str:
     """One line per case: our default, the best peer, the ratio; the bar last."""
     ceil = doc.get("ceilings") or {}
@@ -101,7 +108,7 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(
             f"{case[:34]:34} | {ours['ms'] * 1e3:9.1f} | {frac_s:>6}{dense_s} | "
             f"{peer_name[:24]:24} | {peer_us:>9} | {ratio_s:>6} | "
-            f"{ours.get('choice_source', '-')}")
+            f"{ours.get('choice_source', '-')}{_clocks(ours, best)}")
     b = doc.get("bar") or {}
     if b.get("cases"):
         lines.append(f"bar: default >= best peer on {b['default_at_least_best_peer']}/"

@@ -174,3 +174,20 @@ def test_the_winning_peers_choice_reaches_the_row_and_the_bar():
     zoo_report.derive_case(rows, {"bytes": 10**9, "flops": 10**12},
                            {"copy_bytes_per_s": 2e12, "mm_flops_per_s": 1e15})
     assert rows[0]["best_peer"] == "m" and "best_peer_chosen" not in rows[0]
+
+
+def test_table_shows_clocks_only_where_both_were_read():
+    def doc(ours_mhz, peer_mhz):
+        ours = {"case": "m/up/8", "impl": "ours", "default": True, "peer": False, "status": "ok",
+                "ms": 2.0, "vs_best_peer": 0.9, "choice_source": "table:exact"}
+        peer = {"case": "m/up/8", "impl": "q", "default": False, "peer": True, "status": "ok",
+                "ms": 1.8}
+        if ours_mhz:
+            ours["sm_mhz"] = ours_mhz
+        if peer_mhz:
+            peer["sm_mhz"] = peer_mhz
+        return {"device": "d", "date": "x", "ceilings": {}, "results": [ours, peer]}
+
+    assert "MHz 1605/1755" in zoo_report.format_table(doc(1605.0, 1755.0))
+    assert "MHz" not in zoo_report.format_table(doc(1605.0, None))
+    assert "MHz" not in zoo_report.format_table(doc(None, None))

@@ -1,0 +1,83 @@
+"""The GPU's SM clock and board power while a timed sample runs, read through NVML.
+
+An H100 or H200 SXM running large GEMMs back to back meets its 700 W power limit and lowers
+its SM clock below the 1980 MHz boost; two kernels of equal instruction efficiency then differ
+in speed by how much energy each spends per multiply-add (shared-memory and L2 traffic cost
+power). Recording the clock and power beside each implementation's time tells a kernel that
+is slow per cycle from one that runs at fewer cycles per second.
+
+NVML is the driver's own library (libnvidia-ml.so.1, present wherever the driver is); it is
+bound here with ctypes, so nothing needs installing. Without it every reading is None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+NVML_CLOCK_SM = 1  # nvmlClockType_t: NVML_CLOCK_SM
+NVML_SUCCESS = 0
+
+
+class GpuState:
+    """Reads one GPU's current SM clock (MHz) and power draw (W); None where it cannot."""
+
+    def __init__(self, handle: Any = None, lib: Any = None) -> None:
+        self._lib = lib
+        self._handle = handle
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def sm_mhz(self) -> float | None:
+        if self._handle is None:
+            return None
+        mhz = ctypes.c_uint(0)
+        if self._lib.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(mhz)):
+            return None
+        return float(mhz.value)
+
+    def power_w(self) -> float | None:
+        if self._handle is None:
+            return None
+        mw = ctypes.c_uint(0)
+        if self._lib.nvmlDeviceGetPowerUsage(self._handle, ctypes.byref(mw)):
+            return None
+        return mw.value / 1000.0
+
+    def reading(self) -> tuple[float | None, float | None]:
+        return self.sm_mhz(), self.power_w()
+
+
+def nvml_index(torch_index: int, visible: str | None) -> int | str:
+    """NVML's name for the torch device `torch_index`: NVML counts every GPU of the machine,
+    CUDA only those CUDA_VISIBLE_DEVICES lists (by index or by UUID)."""
+    if not visible:
+        return torch_index
+    items = [v.strip() for v in visible.split(",") if v.strip()]
+    if torch_index >= len(items):
+        raise ValueError(f"device {torch_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    item = items[torch_index]
+    return int(item) if item.isdigit() else item
+
+
+def open_gpu_state(torch_index: int, loader: Any = None) -> GpuState:
+    """A GpuState for the torch device `torch_index`, or one that reads None (no NVML, a
+    MIG instance, an unknown device): the benchmark runs the same either way."""
+    try:
+        lib = (loader or ctypes.CDLL)("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != NVML_SUCCESS:
+            return GpuState()
+        which = nvml_index(torch_index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        handle = ctypes.c_void_p()
+        if isinstance(which, int):
+            rc = lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(which), ctypes.byref(handle))
+        else:
+            rc = lib.nvmlDeviceGetHandleByUUID(which.encode(), ctypes.byref(handle))
+        if rc != NVML_SUCCESS:
+            return GpuState()
+        return GpuState(handle, lib)
+    except (OSError, AttributeError, ValueError):
+        return GpuState()
