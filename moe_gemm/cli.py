@@ -146,6 +146,9 @@ def check_variants(full: bool):
     add("general", "bfloat16", "bfloat16", "n", "cooperative", (128, 160), cluster_m=2)
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 224), stages=3,
         epi_whole=True, tail_split=True)
+    # Five A/B stages where the default epilogue staging holds four (D staged in 2 buffers).
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 192), stages=5, cluster_n=2)
+    add("general", "bfloat16", "bfloat16", "n", "pingpong", (128, 208), stages=5, cluster_m=2)
     # The fused MoE kernel (FusedMoeGemmSm90): the layer's gate-up (gather-A, gated epilogue,
     # each gate layout) and down (row weights, bias) launches, on the tiles its rules pick.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), gate="silu",
@@ -158,6 +161,8 @@ def check_variants(full: bool):
         bias=True)
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), stages=3,
         epi_whole=True, tail_split=True, row_scale=True)
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 192), stages=5,
+        gate="silu", gate_layout="concat")
     if full:
         # Every listed tile in every form, B majors alternating (the default list above has
         # the rest).

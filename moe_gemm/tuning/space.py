@@ -21,7 +21,11 @@ from moe_gemm.config import GemmConfig
 from moe_gemm.kernels.sm90.constants import TILE_K, ab_stage_limit, epilogue_staging
 from moe_gemm.ops.heuristics import KernelChoice, choice_fields
 
-STAGES = (None, 3, 4)
+# 5: a depth the default epilogue staging leaves no room for on the 40-42 KiB stages of
+# cooperative 128x192 / 128x208 and ping-pong 128x208 (the kernel then stages D in two buffers);
+# tried only where it is that trade.
+DEEP_STAGES = 5
+STAGES = (None, 3, 4, DEEP_STAGES)
 PANELS = (4, 8, 16)
 Fields = dict  # tuned GemmConfig fields, every one explicit
 
@@ -116,18 +120,22 @@ def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
     return cfg.schedule != "auto"
 
 
-def _stages_fit(fields: Fields, out_itemsize: int) -> bool:
-    """Whether pinned stages fit in shared memory beside the epilogue (the kernel's own rule,
-    so the tuner never spends a compile on a config the kernel refuses)."""
-    stages = fields.get("stages")
-    if not stages:
-        return True
+def _stage_limit(fields: Fields, out_itemsize: int, want: int | None = None) -> int:
+    """The most A/B stages the kernel builds for these fields (constants.ab_stage_limit, the
+    kernel's own rule); with `want`, counting a staging shrunk to make room for it."""
     whole = bool(fields.get("whole_epilogue"))
     # (The tuner leaves the cooperative subtile width at its default, 32 columns.)
     subtile, buffers, groups = epilogue_staging(fields["schedule"], fields["tile_n"], 32, whole)
     limit, _ = ab_stage_limit(fields["tile_m"], fields["tile_n"], TILE_K, 16, 8 * out_itemsize,
-                              subtile, buffers, groups, whole)
-    return stages <= limit
+                              subtile, buffers, groups, whole, want=want)
+    return limit
+
+
+def _stages_fit(fields: Fields, out_itemsize: int) -> bool:
+    """Whether pinned stages fit in shared memory beside the epilogue (so the tuner never
+    spends a compile on a config the kernel refuses)."""
+    stages = fields.get("stages")
+    return not stages or stages <= _stage_limit(fields, out_itemsize, want=stages)
 
 
 def stage1(form: str, out_itemsize: int = 2) -> list[Fields]:
@@ -159,6 +167,8 @@ def stage2(parent: Fields, form: str, out_itemsize: int = 2) -> list[Fields]:
             variants.append(f)
 
     for s in STAGES:
+        if s == DEEP_STAGES and _stage_limit({**parent, "stages": None}, out_itemsize) >= s:
+            continue  # the default staging holds it already: the same kernel as stages=None
         add(stages=s)
     for p in PANELS:
         add(raster_panel=p)

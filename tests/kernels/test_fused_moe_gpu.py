@@ -170,6 +170,12 @@ FORCED_CASES = [
         (_C, 128, 256, 1, True, True, "silu", False),
         (_C, 128, 224, 1, False, False, None, False),
     ]
+] + [
+    # Five A/B stages, the epilogue staged in two buffers (constants.ab_stage_limit's want).
+    case(f"forced/{s}-{m}x{n}-s5/{g or 'plain'}", T=700, S=2100, E=8, K=1032, N=512, gate=g,
+         gather=False, scale=not g, bias=True, config=GemmConfig(
+             backend="cute", schedule=s, tile_m=m, tile_n=n, stages=5))
+    for s, m, n, g in [(_C, 128, 192, "silu"), (_P, 128, 208, None)]
 ]
 
 # Gather-A where the in-kernel gather would cap the tile: the plan gathers (index_select) and

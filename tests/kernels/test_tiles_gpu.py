@@ -321,6 +321,31 @@ def test_cooperative_256_row_clusters(cl):
 
 
 # ---------------------------------------------------------------------------------------------
+# Five A/B stages where the default epilogue staging holds four (D staged in two buffers)
+
+
+DEEP = [("cooperative", (128, 192), (1, 2)), ("pingpong", (128, 208), (2, 1)),
+        ("cooperative", (128, 192), (1, 1)), ("pingpong", (128, 208), (1, 1))]
+
+
+@pytest.mark.parametrize("schedule,tile,cl", DEEP,
+                         ids=[f"{s[:4]}{t[0]}x{t[1]}-c{c[0]}x{c[1]}" for s, t, c in DEEP])
+def test_five_stages_with_two_staging_buffers(schedule, tile, cl):
+    from moe_gemm.ops.launch import last_launch
+
+    cfg = _cfg(schedule, tile, cl, stages=5)
+    name = f"tiles/s5/{schedule}{tile}/c{cl[0]}x{cl[1]}"
+    # Long K (65 k-tiles) so the five-deep ring wraps many times; experts end inside tiles and
+    # cluster pairs; then every subtile of several tiles goes through the two buffers.
+    _varlen(f"{name}/varlen", _edge_counts(tile[0]), 2 * tile[1] + 24, 4160, "k", cfg)
+    assert last_launch().choice.stages == 5
+    _general(f"{name}/general", _general_sizes(tile), "n", cfg)
+    # (fp32 output leaves room for four stages only: 16 KiB subtiles.)
+    _batched(f"{name}/batched-fp16", 3, 2 * tile[0] + 5, tile[1] + 40, 1000, "k", cfg,
+             dtype=torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
 # The kernel visits tiles exactly as moe_gemm.ops.schedule says
 
 

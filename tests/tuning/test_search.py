@@ -85,7 +85,8 @@ def test_no_candidate_pins_more_stages_than_shared_memory_holds():
                 whole = bool(v.get("whole_epilogue"))
                 sub, bufs, groups = epilogue_staging(v["schedule"], v["tile_n"], 32, whole)
                 limit, _ = ab_stage_limit(v["tile_m"], v["tile_n"], TILE_K, 16,
-                                          8 * out_itemsize, sub, bufs, groups, whole)
+                                          8 * out_itemsize, sub, bufs, groups, whole,
+                                          want=v["stages"])
                 assert v["stages"] <= limit, space.name_of(v)
     too_deep = space.parse_name("coop 128x256 s4 p16 ts ew")
     assert not space._buildable(too_deep, "varlen", 2)
@@ -262,3 +263,15 @@ def test_tune_shape_validation():
     g = TuneShape("general", 4, 64, 64, 10, (0, 5, 5, 0))
     assert g.problems == 2 and g.key().E == 2 and g.key().bucket == round(math.log2(5))
     assert TuneShape("batched", 4, 64, 64, 512).key().bucket == 7
+
+
+def test_five_stages_are_tried_only_where_the_default_staging_holds_four():
+    deep = {space.name_of(p): [space.name_of(v) for v in space.stage2(p, "varlen")
+                               if v.get("stages") == space.DEEP_STAGES]
+            for p in space.stage1("varlen")}
+    assert deep["coop 128x192 c1x2 p8"] == ["coop 128x192 c1x2 s5 p8"]
+    assert deep["pp 128x208 c2x1 p8"] == ["pp 128x208 c2x1 s5 p8"]
+    assert deep["pp 128x192 c2x1 p8"] == []  # five already, with the default staging
+    assert deep["coop 128x256 p8"] == []  # 48 KiB a stage: four either way
+    assert space._buildable(space.parse_name("coop 128x192 c1x2 s5 p8"), "varlen", 2)
+    assert not space._buildable(space.parse_name("coop 128x256 s5"), "varlen", 2)

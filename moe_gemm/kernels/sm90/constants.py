@@ -122,11 +122,19 @@ def epilogue_staging(schedule: str, d_tile_n: int, epi_n: int = 32,
 
 def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: int,
                    subtile: tuple[int, int], buffers: int, groups: int, epi_whole: bool,
-                   smem_bytes: int = SM90_SMEM_BYTES) -> tuple[int, int]:
+                   smem_bytes: int = SM90_SMEM_BYTES,
+                   want: int | None = None) -> tuple[int, int]:
     """(most A/B stages, epilogue buffers per group) that fit in `smem_bytes` beside the
     epilogue staging, the scheduler ring and the barriers. When the default staging would
     leave fewer than 3 A/B stages (256-row tiles with fp32 output), it shrinks to 2 buffers:
-    the mainloop needs a stage in flight while one is consumed and one refilled."""
+    the mainloop needs a stage in flight while one is consumed and one refilled.
+
+    `want`: a pinned A/B depth. Where the default staging cannot hold it but 2 buffers per
+    group can, the staging shrinks to 2 (each subtile's TMA store then overlaps one stmatrix
+    instead of three). That is the trade QuACK makes by default (A/B stages first, two D
+    buffers): cooperative 128x192 and 128x208 and ping-pong 128x208 get a fifth stage at bf16
+    (40-42 KiB a stage; the default staging, 16-32 KiB, leaves room for four). Which one is
+    faster is the tuner's question, so the default (want None) keeps the staging."""
     ab_bytes = (tile_m + tile_n) * tile_k * ab_bits // 8
     subtile_bytes = subtile[0] * subtile[1] * d_bits // 8
 
@@ -137,6 +145,8 @@ def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: 
 
     stages = fit(buffers)
     if stages < 3 and not epi_whole and fit(2) > stages:
+        return fit(2), 2
+    if want is not None and want > stages and not epi_whole and fit(2) > stages:
         return fit(2), 2
     return stages, buffers
 

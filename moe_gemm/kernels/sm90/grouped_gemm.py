@@ -322,11 +322,12 @@ class GroupedGemmSm90:
 
     def _stage_count(self, requested: int | None) -> int:
         """A/B ring depth in the shared memory an sm90 CTA may use (constants.ab_stage_limit,
-        which may shrink the epilogue staging to make room for 3 stages)."""
+        which may shrink the epilogue staging to make room for 3 stages, or for a pinned
+        depth the default staging cannot hold)."""
         stages, self.epi_stages = ab_stage_limit(
             self.tile_m, self.tile_n, self.tile_k, self.ab_dtype.width, self.d_dtype.width,
             self.epi_tile, self.epi_stages, self.num_epi_groups, self.epi_whole,
-            get_smem_capacity_in_bytes("sm_90"))
+            get_smem_capacity_in_bytes("sm_90"), want=requested)
         if requested is not None:
             if requested > stages:
                 raise ValueError(f"{requested} A/B stages of {self.tile_m}x{self.tile_n} do not "
