@@ -146,7 +146,7 @@ def check_variants(full: bool):
     add("general", "bfloat16", "bfloat16", "n", "cooperative", (128, 160), cluster_m=2)
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 224), stages=3,
         epi_whole=True, tail_split=True)
-    # Five A/B stages where the default epilogue staging holds four (D staged in 2 buffers).
+    # Five A/B stages where the default epilogue staging holds four (D staged in 3 buffers).
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 192), stages=5, cluster_n=2)
     add("general", "bfloat16", "bfloat16", "n", "pingpong", (128, 208), stages=5, cluster_m=2)
     # The fused MoE kernel (FusedMoeGemmSm90): the layer's gate-up (gather-A, gated epilogue,

@@ -69,8 +69,9 @@ class GemmConfig:
             multicast it, 1x2 the same for A (device visitor only; either schedule).
         stages: A/B shared-memory pipeline depth; None = as many as shared memory holds
             beside the default epilogue staging. A deeper pin that fits once the output is
-            staged in two buffers gets them (e.g. 5 for cooperative 128x192 at bf16, whose
-            default holds 4); one that does not fit is a ValueError naming the limit.
+            staged in fewer buffers (at least 2) gets them (e.g. 5 for cooperative 128x192 at
+            bf16, whose default holds 4); one that does not fit is a ValueError naming the
+            limit.
         raster_panel: m-tiles per raster panel: a problem's tiles go M fastest inside panels
             of this many m-tiles, so CTAs running at once share B's (the expert weights')
             columns in L2; 1 to 64, None = heuristic.

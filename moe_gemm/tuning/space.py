@@ -22,7 +22,7 @@ from moe_gemm.kernels.sm90.constants import TILE_K, ab_stage_limit, epilogue_sta
 from moe_gemm.ops.heuristics import KernelChoice, choice_fields
 
 # 5: a depth the default epilogue staging leaves no room for on the 40-42 KiB stages of
-# cooperative 128x192 / 128x208 and ping-pong 128x208 (the kernel then stages D in two buffers);
+# cooperative 128x192 and ping-pong 128x208 (the kernel then stages D in 3 buffers, not 4);
 # tried only where it is that trade.
 DEEP_STAGES = 5
 STAGES = (None, 3, 4, DEEP_STAGES)

@@ -171,7 +171,7 @@ FORCED_CASES = [
         (_C, 128, 224, 1, False, False, None, False),
     ]
 ] + [
-    # Five A/B stages, the epilogue staged in two buffers (constants.ab_stage_limit's want).
+    # Five A/B stages, the epilogue staged in fewer buffers (constants.ab_stage_limit's want).
     case(f"forced/{s}-{m}x{n}-s5/{g or 'plain'}", T=700, S=2100, E=8, K=1032, N=512, gate=g,
          gather=False, scale=not g, bias=True, config=GemmConfig(
              backend="cute", schedule=s, tile_m=m, tile_n=n, stages=5))

@@ -203,15 +203,17 @@ def test_host_side_stage_limit_is_the_kernels(schedule, tile):
                                             groups, whole)
             assert (k.ab_stages, k.epi_tile, k.epi_stages, k.num_epi_groups) == (
                 limit, subtile, buffers, groups), (d_dtype, whole)
-            # One stage deeper than the default staging holds: built with the staging shrunk
-            # to 2 buffers where that makes room, else refused with the true limit.
-            deepest, small = ab_stage_limit(*tile, TILE_K, 16, d_bits, subtile, buffers,
-                                            groups, whole, want=limit + 1)
-            if deepest > limit:
-                assert small == 2 and not whole
+            # One stage deeper than the default staging holds: built with fewer staging
+            # buffers (at least 2) where that makes room, else refused with the true limit.
+            deeper, fewer = ab_stage_limit(*tile, TILE_K, 16, d_bits, subtile, buffers,
+                                           groups, whole, want=limit + 1)
+            deepest, _ = ab_stage_limit(*tile, TILE_K, 16, d_bits, subtile, buffers, groups,
+                                        whole, want=99)
+            if deeper > limit:
+                assert 2 <= fewer < buffers and not whole
                 deep = CompileKey("varlen", "bfloat16", d_dtype, "k", schedule, "device", *tile,
-                                  stages=deepest).kernel()
-                assert (deep.ab_stages, deep.epi_stages) == (deepest, 2), (d_dtype, whole)
+                                  stages=limit + 1).kernel()
+                assert (deep.ab_stages, deep.epi_stages) == (limit + 1, fewer), (d_dtype, whole)
             else:
                 assert deepest == limit
             with pytest.raises(ValueError, match=f"at most {deepest}"):
@@ -222,18 +224,20 @@ def test_host_side_stage_limit_is_the_kernels(schedule, tile):
 def test_a_fifth_stage_shrinks_the_staging_only_where_it_must():
     # bf16 A/B and D, tile_k 64: cooperative 128x192 and ping-pong 128x208 hold four stages
     # beside the default staging (4 x 128x32 shared; 4 x 64x16 per ping-pong warpgroup) and
-    # five beside two buffers; ping-pong 128x192 holds five with its default staging, and
-    # cooperative 128x256 (48 KiB a stage) holds four either way.
+    # five beside three buffers (a sixth fits nowhere: the deepest, 2 buffers, still holds
+    # five); ping-pong 128x192 holds five with its default staging, and cooperative 128x256
+    # (48 KiB a stage) holds four either way.
     from moe_gemm.kernels.sm90.constants import TILE_K, ab_stage_limit, epilogue_staging
 
-    def limits(schedule, tile):
+    def limits(schedule, tile, want=5):
         sub, bufs, groups = epilogue_staging(schedule, tile[1], 32, False)
         default = ab_stage_limit(*tile, TILE_K, 16, 16, sub, bufs, groups, False)
-        deep = ab_stage_limit(*tile, TILE_K, 16, 16, sub, bufs, groups, False, want=5)
+        deep = ab_stage_limit(*tile, TILE_K, 16, 16, sub, bufs, groups, False, want=want)
         return default, deep
 
-    assert limits("cooperative", (128, 192)) == ((4, 4), (5, 2))
-    assert limits("pingpong", (128, 208)) == ((4, 4), (5, 2))
+    assert limits("cooperative", (128, 192)) == ((4, 4), (5, 3))
+    assert limits("pingpong", (128, 208)) == ((4, 4), (5, 3))
+    assert limits("cooperative", (128, 192), want=6) == ((4, 4), (5, 2))
     assert limits("pingpong", (128, 192)) == ((5, 2), (5, 2))
     assert limits("cooperative", (128, 256)) == ((4, 4), (4, 4))
     # The whole-tile epilogue keeps a buffer per subtile: never shrunk for depth.

@@ -321,7 +321,7 @@ def test_cooperative_256_row_clusters(cl):
 
 
 # ---------------------------------------------------------------------------------------------
-# Five A/B stages where the default epilogue staging holds four (D staged in two buffers)
+# Five A/B stages where the default epilogue staging holds four (D staged in fewer buffers)
 
 
 DEEP = [("cooperative", (128, 192), (1, 2)), ("pingpong", (128, 208), (2, 1)),
@@ -330,13 +330,13 @@ DEEP = [("cooperative", (128, 192), (1, 2)), ("pingpong", (128, 208), (2, 1)),
 
 @pytest.mark.parametrize("schedule,tile,cl", DEEP,
                          ids=[f"{s[:4]}{t[0]}x{t[1]}-c{c[0]}x{c[1]}" for s, t, c in DEEP])
-def test_five_stages_with_two_staging_buffers(schedule, tile, cl):
+def test_five_stages_with_fewer_staging_buffers(schedule, tile, cl):
     from moe_gemm.ops.launch import last_launch
 
     cfg = _cfg(schedule, tile, cl, stages=5)
     name = f"tiles/s5/{schedule}{tile}/c{cl[0]}x{cl[1]}"
     # Long K (65 k-tiles) so the five-deep ring wraps many times; experts end inside tiles and
-    # cluster pairs; then every subtile of several tiles goes through the two buffers.
+    # cluster pairs; every subtile of several tiles goes through the three staging buffers.
     _varlen(f"{name}/varlen", _edge_counts(tile[0]), 2 * tile[1] + 24, 4160, "k", cfg)
     assert last_launch().choice.stages == 5
     _general(f"{name}/general", _general_sizes(tile), "n", cfg)

@@ -129,12 +129,12 @@ def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: 
     leave fewer than 3 A/B stages (256-row tiles with fp32 output), it shrinks to 2 buffers:
     the mainloop needs a stage in flight while one is consumed and one refilled.
 
-    `want`: a pinned A/B depth. Where the default staging cannot hold it but 2 buffers per
-    group can, the staging shrinks to 2 (each subtile's TMA store then overlaps one stmatrix
-    instead of three). That is the trade QuACK makes by default (A/B stages first, two D
-    buffers): cooperative 128x192 and 128x208 and ping-pong 128x208 get a fifth stage at bf16
-    (40-42 KiB a stage; the default staging, 16-32 KiB, leaves room for four). Which one is
-    faster is the tuner's question, so the default (want None) keeps the staging."""
+    `want`: a pinned A/B depth. Where the default staging cannot hold it, the staging keeps
+    the most buffers per group (at least 2) that leave room for it: fewer subtiles' TMA stores
+    in flight while the next are written, for one more A/B stage. That is the trade QuACK makes
+    by default (A/B stages first): cooperative 128x192 and ping-pong 128x208 get a fifth stage
+    at bf16 (40-42 KiB a stage) with 3 buffers instead of 4. Which one is faster is the
+    tuner's question, so the default (want None) keeps the staging."""
     ab_bytes = (tile_m + tile_n) * tile_k * ab_bits // 8
     subtile_bytes = subtile[0] * subtile[1] * d_bits // 8
 
@@ -147,7 +147,9 @@ def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: 
     if stages < 3 and not epi_whole and fit(2) > stages:
         return fit(2), 2
     if want is not None and want > stages and not epi_whole and fit(2) > stages:
-        return fit(2), 2
+        # The most buffers that hold `want` stages; 2 (the deepest ring) if none does.
+        fewer = next((b for b in range(buffers - 1, 1, -1) if fit(b) >= want), 2)
+        return fit(fewer), fewer
     return stages, buffers
 
 
