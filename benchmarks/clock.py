@@ -105,8 +105,11 @@ class Clock:
             if self.cuda:
                 end.record()
                 if self.gpu_state.available:
-                    start.synchronize()  # the backlog is over: the timed calls are running
-                    self.last_states.append(self.gpu_state.reading())
+                    # Read while the timed calls run: from the start event (the backlog, a
+                    # low-power sleep kernel, is over) until the end event completes.
+                    start.synchronize()
+                    self.last_states.append(
+                        self.gpu_state.sample_while(lambda e=end: not e.query()))
                 end.synchronize()
                 samples.append(start.elapsed_time(end) / calls)
             else:

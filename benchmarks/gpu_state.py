@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 NVML_CLOCK_SM = 1  # nvmlClockType_t: NVML_CLOCK_SM
@@ -49,6 +52,25 @@ class GpuState:
 
     def reading(self) -> tuple[float | None, float | None]:
         return self.sm_mhz(), self.power_w()
+
+    def sample_while(self, running: Callable[[], bool], every_s: float = 5e-4,
+                     max_reads: int = 2000) -> tuple[float | None, float | None]:
+        """Median (SM MHz, W) of readings taken every `every_s` while `running()` is true
+        (the work's own clocks: the idle or sleeping GPU before it boosts higher); the
+        first reading counts even when the work ends before a second."""
+        if self._handle is None:
+            return None, None
+        reads: list[tuple[float | None, float | None]] = []
+        while len(reads) < max_reads:
+            r = self.reading()
+            if reads and not running():
+                break  # the work may have ended before this reading: not its clock
+            reads.append(r)
+            time.sleep(every_s)
+        mhz = [m for m, _ in reads if m is not None]
+        watts = [w for _, w in reads if w is not None]
+        return (statistics.median(mhz) if mhz else None,
+                statistics.median(watts) if watts else None)
 
 
 def nvml_index(torch_index: int, visible: str | None) -> int | str:

@@ -113,3 +113,19 @@ def test_rows_carry_the_clock_and_power_of_their_samples(tmp_path, monkeypatch) 
                        "--png", "none", "--no-table", "--out", str(out)]) == 0
     rows = [r for r in json.loads(out.read_text())["results"] if r["status"] == "ok"]
     assert rows and all(r["sm_mhz"] == 1650.0 and r["power_w"] == 695.0 for r in rows)
+
+
+def test_sample_while_reads_only_while_the_work_runs() -> None:
+    lib = FakeNvml()
+    state = open_gpu_state(0, loader=lib)
+    clocks = iter([1980, 1700, 1650, 1600, 1990, 1990])
+    lib.nvmlDeviceGetClockInfo = lambda h, kind, out: setattr(out._obj, "value",
+                                                            next(clocks)) or 0
+    # The first reading is kept; each later one only if the work still runs after it.
+    polls = iter([True, True, False])
+    mhz, watts = state.sample_while(lambda: next(polls), every_s=0)
+    assert mhz == 1700.0 and watts == 698.5  # median of 1980, 1700, 1650 (1600: after the end)
+    lib2 = FakeNvml()
+    quick = open_gpu_state(0, loader=lib2)
+    assert quick.sample_while(lambda: False, every_s=0) == (1755.0, 698.5)  # one reading
+    assert GpuState().sample_while(lambda: True) == (None, None)
