@@ -51,6 +51,22 @@ UTILIZATION = {
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_pct",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
 }
+# With --stalls: why warps did not issue, as warps stalled per issued instruction for each
+# reason (ncu's WarpStateStats ratios), and the issue slots' use. Between two kernels of the
+# same tile the reason that grows tells where cycles go: `barrier` (named barriers: the
+# epilogue's, ping-pong's order), `long_scoreboard` (global/L2 loads), `wait` (fixed-latency
+# dependences: wgmma waits), `sleeping`/`branch_resolving` (mbarrier try-wait loops),
+# `math_pipe_throttle` (the tensor pipe busy), `mio_throttle` / `short_scoreboard` (shared
+# memory, stmatrix), `membar` (fences).
+STALL_REASONS = ("barrier", "long_scoreboard", "short_scoreboard", "wait", "math_pipe_throttle",
+                 "mio_throttle", "membar", "sleeping", "branch_resolving", "dispatch_stall",
+                 "no_instruction", "lg_throttle")
+STALLS = {
+    **{f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio": f"stall_{r}"
+       for r in STALL_REASONS},
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_pct",
+}
+OPTIONAL = {**UTILIZATION, **STALLS}
 IMPLS = ("ours", "grouped_mm", "mm_loop", "quack", "quack_tuned")
 FP8_IMPLS = ("ours_fp8_block", "ours_fp8_row", "torch_fp8_row")
 DEFAULT_IMPLS = ("ours", "quack", "mm_loop")
@@ -125,7 +141,7 @@ def summarize(kernels: list[dict[str, Any]], sizes: list[tuple[int, int, int]],
     the operands' (1 for FP8)."""
     read, write = compulsory_of_sizes(sizes, itemsize)
     tot = {short: sum(kr[short] for kr in kernels) for short in METRICS.values()}
-    for short in UTILIZATION.values():
+    for short in OPTIONAL.values():
         if all(short in kr for kr in kernels) and tot["gpu_ns"] > 0:
             tot[short] = sum(kr[short] * kr["gpu_ns"] for kr in kernels) / tot["gpu_ns"]
     return {
@@ -252,7 +268,7 @@ def _profile(ncu: str, case: str, impl: str, seed: int, metrics: dict[str, str])
     except subprocess.TimeoutExpired:
         return [], f"timed out after {WORKER_TIMEOUT_S:.0f} s", None
     try:
-        kernels = parse_ncu_csv(res.stdout, metrics, optional=tuple(UTILIZATION))
+        kernels = parse_ncu_csv(res.stdout, metrics, optional=tuple(OPTIONAL))
     except ValueError as exc:
         return [], str(exc), res.returncode
     if res.returncode != 0 or not kernels:
@@ -261,24 +277,45 @@ def _profile(ncu: str, case: str, impl: str, seed: int, metrics: dict[str, str])
     return kernels, None, 0
 
 
+def _merged(*groups: dict[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for g in groups:
+        out.update(g)
+    return out
+
+
+def stall_summary(row: dict[str, Any], top: int = 4) -> str:
+    """'issue 41% | long_scoreboard 2.10, barrier 0.84, ...': the row's largest stall ratios."""
+    ratios = sorted(((row[f"stall_{r}"], r) for r in STALL_REASONS if f"stall_{r}" in row),
+                    reverse=True)[:top]
+    if not ratios:
+        return ""
+    issue = row.get("issue_pct")
+    head = "" if issue is None else f"issue {issue:.0f}% | "
+    return head + ", ".join(f"{r} {v:.2f}" for v, r in ratios)
+
+
 def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
-            sizes: list[tuple[int, int, int]], utilization: bool = True) -> dict[str, Any]:
+            sizes: list[tuple[int, int, int]], utilization: bool = True,
+            stalls: bool = False) -> dict[str, Any]:
     """One profiled row: sizes are the case's problems (M, N, K)."""
     row: dict[str, Any] = {"case": case, "impl": impl, **fields}
     t0 = time.perf_counter()
-    metrics = {**METRICS, **UTILIZATION} if utilization else METRICS
-    kernels, error, rc = _profile(ncu, case, impl, seed, metrics)
-    if error and utilization and "metric" in error.lower():
-        # An ncu that refuses a utilization metric's name: the bytes alone. Any other failure
-        # (the worker's own) would only fail again.
-        kernels, error2, rc = _profile(ncu, case, impl, seed, METRICS)
-        row["utilization_error"] = error
-        error = error2
-    elif utilization and kernels:
-        unreported = [m for m, short in UTILIZATION.items()
-                      if not all(short in kr for kr in kernels)]
-        if unreported:
-            row["utilization_error"] = f"ncu did not report {', '.join(unreported)}"
+    groups = [g for g, on in ((UTILIZATION, utilization), (STALLS, stalls)) if on]
+    kernels, error, rc = _profile(ncu, case, impl, seed, _merged(METRICS, *groups))
+    while error and groups and "metric" in error.lower():
+        # An ncu that refuses an optional metric's name: without the last group asked for
+        # (the stall ratios, then the utilizations). Any other failure (the worker's own)
+        # would only fail again.
+        dropped = groups.pop()
+        row["stall_error" if dropped is STALLS else "utilization_error"] = error
+        kernels, error, rc = _profile(ncu, case, impl, seed, _merged(METRICS, *groups))
+    if kernels:
+        for group, key in ((UTILIZATION, "utilization_error"), (STALLS, "stall_error")):
+            unreported = [m for m, short in group.items()
+                          if not all(short in kr for kr in kernels)]
+            if any(g is group for g in groups) and unreported:
+                row[key] = f"ncu did not report {', '.join(unreported)}"
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if error and (rc == NOT_APPLICABLE_RC or "not applicable:" in error):
         # (the worker's exit status, or its message where ncu returns a status of its own)
@@ -312,6 +349,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH)")
     p.add_argument("--bytes-only", action="store_true",
                    help="leave out the utilization metrics (tensor pipe, L2, DRAM percent)")
+    p.add_argument("--stalls", action="store_true",
+                   help="also the warp stall ratios per issued instruction by reason and the "
+                   "issue slots' use (a line under each row: its largest stalls)")
     p.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     return p
 
@@ -382,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         case = fields.pop("case", spec.name)
         for impl in impls:
             row = measure(ncu, case, impl, args.seed, fields, spec.sizes(args.seed),
-                          utilization=not args.bytes_only)
+                          utilization=not args.bytes_only, stalls=args.stalls)
             doc["rows"].append(row)
             if row["status"] == "ok":
                 tensor, l2 = row.get("tensor_pct"), row.get("l2_pct")
@@ -391,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['l2_bytes'] / 1e9:7.2f} | "
                       f"{'-' if tensor is None else f'{tensor:.0f}':>7} | "
                       f"{'-' if l2 is None else f'{l2:.0f}':>5}", flush=True)
+                if args.stalls and (summary := stall_summary(row)):
+                    print(f"{'':34} | {'':11} | stalls/issue: {summary}", flush=True)
             else:
                 what = (f"not applicable: {row['why'][:50]}" if row["status"] == "not_applicable"
                         else f"error: {row['error'][:60]}")

@@ -262,3 +262,53 @@ def test_real_ncu_on_a_suite_shape(tmp_path):
     assert dt.main(["--suite", "--only", "moe-down", "--impls", "ours", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok" and row["read_ratio"] >= 0.99
+
+
+def test_stall_ratios_are_time_weighted_and_summarized(tmp_path, capsys):
+    names = list(dt.METRICS) + list(dt.STALLS)
+    reasons = {"stall_barrier": (1.0, 3.0), "stall_long_scoreboard": (2.0, 0.0),
+               "stall_wait": (0.25, 0.25), "issue_pct": (40.0, 60.0)}
+
+    def value(short, i):
+        return reasons.get(short, (0.0, 0.0))[i]
+
+    shorts = list(dt.STALLS.values())
+    rows = [(100, 0, 10, 1000), (100, 0, 10, 3000)]
+    text = "\n".join(['"ID","Kernel Name",' + ",".join(f'"{n}"' for n in names)] + [
+        f'"{i}","k{i}",' + ",".join(f'"{v}"' for v in rows[i])
+        + "," + ",".join(f'"{value(s, i)}"' for s in shorts) for i in range(2)])
+    fake = stand_in_ncu(tmp_path, "*stalled_barrier_per_issue_active*--worker*", text)
+    out = tmp_path / "s.json"
+    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
+                    "ours", "--bytes-only", "--stalls", "--ncu", str(fake),
+                    "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["stall_barrier"] == pytest.approx((1.0 * 1000 + 3.0 * 3000) / 4000)
+    assert row["stall_long_scoreboard"] == pytest.approx(0.5)
+    assert row["issue_pct"] == pytest.approx(55.0)
+    assert "stall_error" not in row and "utilization_error" not in row
+    assert dt.stall_summary(row, top=2) == "issue 55% | barrier 2.50, long_scoreboard 0.50"
+    assert "stalls/issue: issue 55% | barrier 2.50" in capsys.readouterr().out
+    assert dt.stall_summary({"issue_pct": 50.0}) == ""
+
+
+def test_an_ncu_that_refuses_the_stall_names_keeps_the_utilizations(tmp_path):
+    # First run (stall names asked): ncu refuses them; second run: bytes and utilizations.
+    names = list(dt.METRICS) + list(dt.UTILIZATION)
+    ok = "\n".join(['"ID","Kernel Name",' + ",".join(f'"{n}"' for n in names),
+                    '"0","k0","100","0","10","1000","80","40","70"'])
+    (tmp_path / "ok.csv").write_text(ok + "\n")
+    runs = tmp_path / "runs"
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\n"
+                    f"echo run >> {runs}\n"
+                    'case "$*" in *stalled*) echo "==ERROR== Failed to find metric '
+                    'smsp__average_warps_issue_stalled_x" >&2; exit 1;; esac\n'
+                    f"cat {tmp_path / 'ok.csv'}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    row = dt.measure(str(fake), "OLMoE-1B-7B/down/16", "ours", 1234, {"N": 64, "K": 64},
+                     [(64, 64, 64)], stalls=True)
+    assert row["status"] == "ok" and runs.read_text().count("run") == 2
+    assert "Failed to find metric" in row["stall_error"]
+    assert row["tensor_pct"] == 80 and "utilization_error" not in row
+    assert not any(k.startswith("stall_") and k != "stall_error" for k in row)
