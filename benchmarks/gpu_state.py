@@ -7,7 +7,9 @@ power). Recording the clock and power beside each implementation's time tells a 
 is slow per cycle from one that runs at fewer cycles per second.
 
 NVML is the driver's own library (libnvidia-ml.so.1, present wherever the driver is); it is
-bound here with ctypes, so nothing needs installing. Without it every reading is None.
+bound here with ctypes, so nothing needs installing. Without it every reading is None. The SM
+clock is instantaneous; NVML's power reading is averaged by the driver (over about a second on
+recent GPUs), so beside a few-millisecond sample it also spans the samples before it.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ class GpuState:
 
     def sample_while(self, running: Callable[[], bool], every_s: float = 5e-4,
                      max_reads: int = 2000) -> tuple[float | None, float | None]:
-        """Median (SM MHz, W) of readings taken every `every_s` while `running()` is true
-        (the work's own clocks: the idle or sleeping GPU before it boosts higher); the
-        first reading counts even when the work ends before a second."""
+        """Median (SM MHz, W) of readings taken every `every_s` while `running()` is true: the
+        work's own clock, not that of the idle or sleeping GPU before it (which boosts
+        higher). The first reading counts even when the work ends before a second."""
         if self._handle is None:
             return None, None
         reads: list[tuple[float | None, float | None]] = []
