@@ -277,13 +277,6 @@ def _profile(ncu: str, case: str, impl: str, seed: int, metrics: dict[str, str])
     return kernels, None, 0
 
 
-def _merged(*groups: dict[str, str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for g in groups:
-        out.update(g)
-    return out
-
-
 def stall_summary(row: dict[str, Any], top: int = 4) -> str:
     """'issue 41% | long_scoreboard 2.10, barrier 0.84, ...': the row's largest stall ratios."""
     ratios = sorted(((row[f"stall_{r}"], r) for r in STALL_REASONS if f"stall_{r}" in row),
@@ -301,21 +294,25 @@ def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
     """One profiled row: sizes are the case's problems (M, N, K)."""
     row: dict[str, Any] = {"case": case, "impl": impl, **fields}
     t0 = time.perf_counter()
-    groups = [g for g, on in ((UTILIZATION, utilization), (STALLS, stalls)) if on]
-    kernels, error, rc = _profile(ncu, case, impl, seed, _merged(METRICS, *groups))
+    # The optional metric groups asked for, each with the row key that says what it lacks.
+    groups = [(g, key) for g, key, on in ((UTILIZATION, "utilization_error", utilization),
+                                          (STALLS, "stall_error", stalls)) if on]
+
+    def asked() -> dict[str, str]:
+        return {**METRICS, **{m: short for g, _ in groups for m, short in g.items()}}
+
+    kernels, error, rc = _profile(ncu, case, impl, seed, asked())
     while error and groups and "metric" in error.lower():
         # An ncu that refuses an optional metric's name: without the last group asked for
         # (the stall ratios, then the utilizations). Any other failure (the worker's own)
         # would only fail again.
-        dropped = groups.pop()
-        row["stall_error" if dropped is STALLS else "utilization_error"] = error
-        kernels, error, rc = _profile(ncu, case, impl, seed, _merged(METRICS, *groups))
-    if kernels:
-        for group, key in ((UTILIZATION, "utilization_error"), (STALLS, "stall_error")):
-            unreported = [m for m, short in group.items()
-                          if not all(short in kr for kr in kernels)]
-            if any(g is group for g in groups) and unreported:
-                row[key] = f"ncu did not report {', '.join(unreported)}"
+        _, key = groups.pop()
+        row[key] = error
+        kernels, error, rc = _profile(ncu, case, impl, seed, asked())
+    for group, key in groups if kernels else ():
+        unreported = [m for m, short in group.items() if not all(short in kr for kr in kernels)]
+        if unreported:
+            row[key] = f"ncu did not report {', '.join(unreported)}"
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if error and (rc == NOT_APPLICABLE_RC or "not applicable:" in error):
         # (the worker's exit status, or its message where ncu returns a status of its own)
