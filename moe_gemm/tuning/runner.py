@@ -180,7 +180,7 @@ class ShapeRunner:
 
     def identity(self, fields: dict) -> object:
         try:
-            return self._choice(fields)
+            return space.kernel_identity(self._choice(fields), self.d.itemsize)
         except ValueError as exc:  # refused by the rules: unique, fails in prepare
             return ("refused", str(exc), space.name_of(fields))
 

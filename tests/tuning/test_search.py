@@ -275,3 +275,25 @@ def test_five_stages_are_tried_only_where_the_default_staging_holds_four():
     assert deep["coop 128x256 p8"] == []  # 48 KiB a stage: four either way
     assert space._buildable(space.parse_name("coop 128x192 c1x2 s5 p8"), "varlen", 2)
     assert not space._buildable(space.parse_name("coop 128x256 s5"), "varlen", 2)
+
+
+def test_kernel_identity_resolves_the_default_depth():
+    # coop 128x256 at bf16 holds 4 A/B stages: None and 4 are one kernel, 3 another; a
+    # pinned depth the default staging cannot hold (5 on coop 128x192) stays itself.
+    from moe_gemm.ops.heuristics import KernelChoice
+
+    def choice(tile_n, stages, whole=False):
+        return KernelChoice("cooperative", "device", 128, tile_n, stages, False, 8,
+                            epi_whole=whole)
+
+    ident = space.kernel_identity
+    assert ident(choice(256, None), 2) == ident(choice(256, 4), 2)
+    assert ident(choice(256, None), 2).stages == 4
+    assert ident(choice(256, 3), 2) != ident(choice(256, None), 2)
+    assert ident(choice(192, 5), 2).stages == 5
+    assert ident(choice(192, 5), 2) != ident(choice(192, None), 2)
+    # fp32 output: 16 KiB subtiles leave coop 128x256 three stages; the whole-tile epilogue
+    # (a buffer per subtile) leaves it three at bf16.
+    assert ident(choice(256, None), 4).stages == 3
+    assert ident(choice(256, None, whole=True), 2).stages == 3
+    assert ident(choice(256, 3, whole=True), 2) == ident(choice(256, None, whole=True), 2)
