@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     t_start = time.monotonic()
     import torch
 
-    from moe_gemm.capability import cute_problem, device_name, sm_count
+    from moe_gemm.capability import device_name, sm_count
     from moe_gemm.ops import tuned
     from moe_gemm.ops.versions import runtime_versions
     from moe_gemm.tuning import table_io
@@ -175,17 +175,9 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     from moe_gemm.tuning.runner import ShapeRunner
     from moe_gemm.tuning.tuner import tune_shape
 
-    device = torch.device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        print("moe-gemm tune: needs a CUDA GPU (use --list without one)",
-              file=sys.stderr)
-        return 2
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    why = cute_problem(device)
+    device, why = kernel_device(args.device)
     if why:
-        print(f"moe-gemm tune: our kernels cannot run here: {why}", file=sys.stderr)
+        print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
     name, nsm = device_name(device), sm_count(device)
     slug = tuned.device_slug(name)
@@ -265,22 +257,46 @@ def _precompile(shapes: list, pool, nsm: int, log) -> None:
     log(f"[tune] compiling {len(keys)} kernel variants in {pool.workers} processes")
 
 
+def kernel_device(spec: str):
+    """(torch.device with its index, None) for a CUDA GPU our kernels run on, else (None, why).
+
+    "cuda" names the current device: torch.cuda.set_device refuses a device without an index."""
+    import torch
+
+    from moe_gemm.capability import cute_problem
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError) as exc:
+        return None, f"--device {spec!r} is not a device: {exc}"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, "needs a CUDA GPU (use --list without one)"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif device.index >= torch.cuda.device_count():
+        return None, f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s)"
+    why = cute_problem(device)
+    if why:
+        return None, f"our kernels cannot run here: {why}"
+    torch.cuda.set_device(device)
+    return device, None
+
+
 def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log) -> int:
     """--configs: an interleaved A/B of the given configs and the rules' choice per shape."""
     import json
 
     import torch
 
-    from moe_gemm.capability import cute_problem, sm_count
+    from moe_gemm.capability import sm_count
     from moe_gemm.tuning.compile_pool import CompilePool
     from moe_gemm.tuning.runner import ShapeRunner
     from moe_gemm.tuning.tuner import compare_configs
 
-    device = torch.device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available() or cute_problem(device):
-        print("moe-gemm tune: --configs needs a GPU our kernels run on", file=sys.stderr)
+    device, why = kernel_device(args.device)
+    if why:
+        print(f"moe-gemm tune --configs: {why}", file=sys.stderr)
         return 2
-    torch.cuda.set_device(device)
     l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20)
     report = []
     with CompilePool(args.workers) as pool:

@@ -1,0 +1,51 @@
+"""moe_gemm.tuning.cli's device resolution on the CPU (torch.cuda's answers stood in)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_gemm import capability
+from moe_gemm.tuning import cli
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """Two CUDA GPUs our kernels run on, the second current; records set_device's argument."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(capability, "cute_problem", lambda device: None)
+    return chosen
+
+
+def test_plain_cuda_names_the_current_gpu_with_its_index(two_gpus):
+    # torch.cuda.set_device(torch.device("cuda")) raises: the tuner's A/B (--configs) did.
+    device, why = cli.kernel_device("cuda")
+    assert why is None and device == torch.device("cuda", 1)
+    assert two_gpus == [torch.device("cuda", 1)] and two_gpus[0].index == 1
+
+
+def test_an_indexed_gpu_is_kept(two_gpus):
+    device, why = cli.kernel_device("cuda:0")
+    assert why is None and device.index == 0 and two_gpus == [device]
+
+
+@pytest.mark.parametrize("spec, words", [("cuda:5", "has 2 GPU"), ("cpu", "needs a CUDA GPU"),
+                                         ("gpu", "is not a device")])
+def test_a_device_that_cannot_run_says_why(two_gpus, spec, words):
+    device, why = cli.kernel_device(spec)
+    assert device is None and words in why and two_gpus == []
+
+
+def test_a_gpu_our_kernels_refuse_says_why(two_gpus, monkeypatch):
+    monkeypatch.setattr(capability, "cute_problem", lambda device: "sm_80 is not sm_90a")
+    device, why = cli.kernel_device("cuda")
+    assert device is None and "sm_80 is not sm_90a" in why and two_gpus == []
+
+
+def test_no_cuda_at_all(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.kernel_device("cuda") == (None, "needs a CUDA GPU (use --list without one)")
