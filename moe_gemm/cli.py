@@ -149,6 +149,12 @@ def check_variants(full: bool):
     # Five A/B stages where the default epilogue staging holds four (D staged in 3 buffers).
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 192), stages=5, cluster_n=2)
     add("general", "bfloat16", "bfloat16", "n", "pingpong", (128, 208), stages=5, cluster_m=2)
+    # 192-row ping-pong (three m64 WGMMAs per k-block): the H100 table's most frequent prefill
+    # pick, in a 1x2 cluster; an N-major B with fp32 out; gated (fused) in a 2x1 cluster.
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (192, 128), cluster_n=2)
+    add("general", "bfloat16", "float32", "n", "pingpong", (192, 128))
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (192, 128), cluster_m=2, gate="silu",
+        gate_layout="concat")
     # The fused MoE kernel (FusedMoeGemmSm90): the layer's gate-up (gather-A, gated epilogue,
     # each gate layout) and down (row weights, bias) launches, on the tiles its rules pick.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), gate="silu",

@@ -21,15 +21,18 @@ VISITORS = ("auto", "device", "host")
 
 # Tile shapes the sm90 kernel is built and tested for (kernels/sm90/constants.tile_problem has
 # the rules). WGMMA's M is 64 per warpgroup instruction; N here is a multiple of 16 up to 256.
-# Ping-pong gives each consumer warpgroup a whole tile of 64 or 128 rows, so its accumulator
-# (tile_m * tile_n / 128 fp32 registers per thread) must fit beside the epilogue: 128x208 =
-# 208 registers is the largest (its math warpgroups get 240 registers, the producer 24).
+# Ping-pong gives each consumer warpgroup a whole tile of 64, 128 or 192 rows, so its
+# accumulator (tile_m * tile_n / 128 fp32 registers per thread) must fit beside the epilogue:
+# 128x208 = 208 registers is the largest (its math warpgroups get 240 registers, the producer
+# 24). 192x128 (three m64 WGMMAs of n128 per k-block, 192 registers) is the tile QuACK's tuner
+# picks on mid-size experts; on the H100 it won 25 of the 60 prefill projections of the zoo
+# (docs/measurements.md, 2026-11-28).
 # Cooperative splits one tile over two warpgroups: 128 rows (one m64 WGMMA each per k-block)
 # or 256 rows (two each; 256x208 = 208 accumulator registers per thread). N not a multiple of
 # 64 (160, 208, 224) stores through 32- or 16-column epilogue subtiles and, with an N-major B,
 # uses 64- or 32-byte swizzled B tiles.
 PINGPONG_TILES = ((64, 128), (64, 192), (64, 256), (128, 64), (128, 128), (128, 160),
-                  (128, 192), (128, 208))
+                  (128, 192), (128, 208), (192, 128))
 COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 160), (128, 192), (128, 224), (128, 256),
                      (256, 128), (256, 160), (256, 192), (256, 208))
 # Thread-block clusters: 1x1, 2x1 (two CTAs on vertically adjacent tiles share B's tile by TMA

@@ -169,6 +169,8 @@ FORCED_CASES = [
         (_C, 128, 256, 1, True, False, "silu", True),
         (_C, 128, 256, 1, True, True, "silu", False),
         (_C, 128, 224, 1, False, False, None, False),
+        (_P, 192, 128, 1, False, False, "silu", False),
+        (_P, 192, 128, 2, False, False, None, False),
     ]
 ] + [
     # Five A/B stages, the epilogue staged in fewer buffers (constants.ab_stage_limit's want).

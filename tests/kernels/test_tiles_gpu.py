@@ -1,6 +1,6 @@
 """GPU tests of the sm90 tile family, ping-pong clusters and raster orders (`pytest -m gpu`).
 
-Every new tile (ping-pong 64x192, 128x160, 128x208; cooperative 128x160, 128x224 and the
+Every new tile (ping-pong 64x192, 128x160, 128x208, 192x128; cooperative 128x160, 128x224 and the
 256-row 256x{128,160,192,208}) in all three forms (general lists, varlen MoE, batched), both
 B majors, with M = 1, empty problems, K = 0, sizes off the tiles, long K (which turns on the
 tail split for cooperative varlen), 16-bit and fp32 output; ping-pong with 2x1 / 1x2 clusters
@@ -46,6 +46,7 @@ DEV = "cuda"
 
 # (schedule, tile) of every tile this file covers beyond 128x{64,128,192,256} and 64x{128,256}.
 NEW_TILES = [("pingpong", (64, 192)), ("pingpong", (128, 160)), ("pingpong", (128, 208)),
+             ("pingpong", (192, 128)),
              ("cooperative", (128, 160)), ("cooperative", (128, 224)),
              ("cooperative", (256, 128)), ("cooperative", (256, 160)),
              ("cooperative", (256, 192)), ("cooperative", (256, 208))]
@@ -255,7 +256,7 @@ def test_dtypes(schedule, tile, dtype, out_dtype):
 # Clusters: ping-pong (new) and the 256-row cooperative tiles
 
 
-PP_CLUSTER_TILES = [(128, 192), (128, 208), (64, 256)]
+PP_CLUSTER_TILES = [(128, 192), (128, 208), (64, 256), (192, 128)]
 
 
 @pytest.mark.parametrize("cl", list(CLUSTERS))
@@ -445,7 +446,9 @@ HOLES = [0, 1, 129, 0, 64, 300, 7, 0, 200, 0] * 4 + [513, 257]
 @pytest.mark.parametrize("schedule,tile,visitor", [
     ("pingpong", (128, 208), "device"), ("cooperative", (256, 208), "device"),
     ("pingpong", (64, 192), "host"), ("cooperative", (256, 160), "host"),
-], ids=["pp128x208-dev", "co256x208-dev", "pp64x192-host", "co256x160-host"])
+    ("pingpong", (192, 128), "device"), ("pingpong", (192, 128), "host"),
+], ids=["pp128x208-dev", "co256x208-dev", "pp64x192-host", "co256x160-host", "pp192x128-dev",
+        "pp192x128-host"])
 def test_trace_new_tiles_varlen(schedule, tile, visitor):
     _trace_varlen(f"tiles/trace/varlen/{schedule}{tile}/{visitor}",
                   _cfg(schedule, tile, visitor=visitor), HOLES, 2 * tile[1] + 24)

@@ -158,12 +158,13 @@ def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
 
     WGMMA is m64 per warpgroup instruction and N a multiple of 8 up to 256; the epilogue's
     stmatrix (four 8x8 matrices per warp) and its subtiles need N a multiple of 16. Ping-pong:
-    one warpgroup per tile of 64 or 128 rows (one or two m64 WGMMAs per k-block). Cooperative:
+    one warpgroup per tile of 64, 128 or 192 rows (one to three m64 WGMMAs per k-block; the
+    epilogue stores 64-row subtiles). Cooperative:
     two warpgroups split 128 rows (one m64 each) or 256 rows (two m64 each, interleaved: warp-
     group 0 takes rows 0-63 and 128-191)."""
     if schedule == "pingpong":
-        if tile_m not in (64, 128):
-            return f"ping-pong tiles have 64 or 128 rows; got {tile_m}"
+        if tile_m not in (64, 128, 192):
+            return f"ping-pong tiles have 64, 128 or 192 rows; got {tile_m}"
     elif schedule == "cooperative":
         if tile_m not in (128, 256):
             return f"cooperative tiles have 128 or 256 rows; got {tile_m}"
