@@ -56,6 +56,12 @@ def _family(name: str) -> str:
     return name_of(parse_name(base))
 
 
+def _tile(name: str) -> tuple:
+    """A config's schedule and tile, by name ('pp 192x128 c1x2 s4 p8' -> pingpong 192 x 128)."""
+    f = parse_name(name)
+    return f["schedule"], f["tile_m"], f["tile_n"]
+
+
 def evaluate(doc: dict) -> dict[str, Any]:
     """Per held-out shape: the best measured time and what each choice path picks and costs."""
     samples = doc["samples"]
@@ -91,6 +97,10 @@ def evaluate(doc: dict) -> dict[str, Any]:
                 _row[path] = {"choice": name, "us": us, "approx": approx,
                               "regret": None if us is None else us / _best,
                               "family_regret": min(fam) / _best if fam else None}
+                if us is None and name is not None:
+                    # A tile the shape's tuning never timed at all: the shape was tuned before
+                    # the tile was built (a table retuned in parts), not a gap in the vote.
+                    _row[path]["newer_tile"] = all(_tile(n) != _tile(name) for n in _times)
 
             score("rules", rules_name)
             if row["rules"]["us"] is None and e.get("rules_us"):
@@ -127,6 +137,7 @@ def summarize(rows: list[dict], path: str) -> dict[str, Any]:
     scored = [r[path] for r in rows if path in r]
     regrets = sorted(x["regret"] for x in scored if x["regret"] is not None)
     out: dict[str, Any] = {"shapes": len(scored), "untimed": len(scored) - len(regrets),
+                           "untimed_newer_tile": sum(1 for x in scored if x.get("newer_tile")),
                            "approx": sum(1 for x in scored if x.get("approx"))}
     if regrets:
         out.update(median=statistics.median(regrets),
@@ -185,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                       "| (nothing timed)")
                 continue
             extra = f"  (the vote's own pick on {s['picked']})" if "picked" in s else ""
+            if s["untimed_newer_tile"]:
+                extra += (f"  ({s['untimed_newer_tile']} untimed: a tile newer than that "
+                          "shape's tuning)")
             print(f"  {path_name:10} | {s['shapes']:6d} | {s['approx']:6d} | {s['untimed']:7d} | "
                   f"{s['median']:6.3f} | {s['p90']:6.3f} | {s['max']:6.3f} | "
                   f"{s['within_3pct']:9.0%} | {s['family_median']:14.3f} | "

@@ -58,6 +58,24 @@ def test_held_out_models_are_scored_against_their_own_timings(monkeypatch):
     assert s["nearest"]["shapes"] == 0  # each projection has one bucket per model here
 
 
+def test_a_pick_whose_tile_the_held_out_shape_never_timed_is_untimed_and_says_why(monkeypatch):
+    # M1's prefill shape was tuned before BIG's tile existed: no sample of it there at all.
+    monkeypatch.setattr(tuned, "NEIGHBOURS", 2)
+    doc = _doc()
+    doc["samples"] = [x for x in doc["samples"]
+                      if not (x["N"] == 4096 and x["K"] == 4096 and x["rows"] == 65536
+                              and x["config"]["tile_m"] == 128)]
+    res = cg.evaluate(doc)
+    prefill = {r["label"]: r for r in res["rows"]}["M1/gate_up tokens=65536"]
+    assert prefill["neighbours"]["choice"] == "coop 128x192 p4"
+    assert prefill["neighbours"]["regret"] is None and prefill["neighbours"]["newer_tile"]
+    nb = res["summary"]["neighbours"]
+    assert nb["untimed"] == nb["untimed_newer_tile"] == 1
+    # A pick whose tile was timed there (only its variation was not) is scored, not excused.
+    other = {r["label"]: r for r in cg.evaluate(_doc())["rows"]}["M1/gate_up tokens=65536"]
+    assert "newer_tile" not in other["neighbours"]
+
+
 def test_an_untimed_variation_is_scored_by_its_family():
     assert cg._family("coop 128x192 c1x2 s4 p4 ts") == "coop 128x192 c1x2 p8"
     assert cg._family("pp 64x256 p8") == "pp 64x256 p8"
@@ -82,4 +100,10 @@ def test_shipped_tables_score():
     for r in res:
         s = r["summary"]
         assert s["rules"]["shapes"] == s["neighbours"]["shapes"] == len(r["rows"]) > 100
-        assert s["neighbours"]["untimed"] == 0 and s["neighbours"]["median"] >= 1.0
+        # Every vote pick is scored on the held-out shape, except where the shape was tuned
+        # before the pick's tile existed (a table retuned in parts: the H100 table's rows at
+        # 16-512 tokens predate ping-pong 192x128); those stay few, and a full retune makes
+        # them none.
+        nb = s["neighbours"]
+        assert nb["untimed"] == nb["untimed_newer_tile"] <= len(r["rows"]) // 20
+        assert nb["median"] >= 1.0
