@@ -44,7 +44,9 @@ CLUSTERS = ((1, 1), (2, 1), (1, 2))
 MAX_RASTER_PANEL = 64
 # The fields a tuned table sets (moe_gemm.ops.tuned); backend stays the caller's.
 TUNED_FIELDS = ("schedule", "visitor", "sort_by_k", "tile_m", "tile_n", "cluster_m",
-                "cluster_n", "stages", "raster_panel", "tail_split", "whole_epilogue")
+                "cluster_n", "stages", "raster_panel", "tail_split", "whole_epilogue",
+                "raster_along", "raster_serpentine")
+RASTER_AXES = ("m", "n")
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,14 @@ class GemmConfig:
             staged in fewer buffers (at least 2) gets them (e.g. 5 for cooperative 128x192 at
             bf16, whose default holds 4); one that does not fit is a ValueError naming the
             limit.
-        raster_panel: m-tiles per raster panel: a problem's tiles go M fastest inside panels
-            of this many m-tiles, so CTAs running at once share B's (the expert weights')
-            columns in L2; 1 to 64, None = heuristic.
+        raster_panel: tiles per raster panel: a problem's tiles go along the panel's axis
+            fastest inside panels of this many tiles (m-tiles by default), so CTAs running at
+            once share B's (the expert weights') columns in L2; 1 to 64, None = heuristic.
+        raster_along: the panels' axis, "m" (panels of m-tiles, the default) or "n" (panels
+            of n-tiles: CTAs running at once share A's rows; QuACK's order for varlen-M).
+            None = "m".
+        raster_serpentine: odd panels walk the other axis backwards, so a panel starts on the
+            tiles the previous one ended on (still in L2). None = False.
         tail_split: when the last wave of tiles fills at most half the grid, two CTAs share
             each of its tiles, half of K each (grouped_mm only: its 2-D and 3-D forms;
             cooperative schedule, device visitor, 1x1 cluster). None = heuristic. The split
@@ -90,8 +97,8 @@ class GemmConfig:
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,
-    cluster, stages, raster_panel, tail_split or whole_epilogue runs by the rules with those
-    pins honoured.
+    cluster, stages, raster_panel, raster_along, raster_serpentine, tail_split or
+    whole_epilogue runs by the rules with those pins honoured.
     """
 
     backend: Backend = "auto"
@@ -106,12 +113,16 @@ class GemmConfig:
     raster_panel: int | None = None
     tail_split: bool | None = None
     whole_epilogue: bool | None = None
+    raster_along: str | None = None
+    raster_serpentine: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("visitor", self.visitor, VISITORS)
-        for name in ("sort_by_k", "tail_split", "whole_epilogue"):
+        if self.raster_along is not None:
+            _check_choice("raster_along", self.raster_along, RASTER_AXES)
+        for name in ("sort_by_k", "tail_split", "whole_epilogue", "raster_serpentine"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be None or a bool; got {value!r}")

@@ -42,14 +42,24 @@ def test_as_dict_round_trips() -> None:
     (tm, tn), (cm, cn) = COOPERATIVE_TILES[-1], CLUSTERS[-1]
     c = GemmConfig(schedule="cooperative", visitor="device", sort_by_k=True, tile_m=tm,
                    tile_n=tn, cluster_m=cm, cluster_n=cn, stages=4, raster_panel=16,
-                   tail_split=False, whole_epilogue=True)
+                   tail_split=False, whole_epilogue=True, raster_along="n",
+                   raster_serpentine=True)
     d = c.as_dict()
     assert d == {
         "backend": "auto", "schedule": "cooperative", "visitor": "device", "sort_by_k": True,
         "tile_m": tm, "tile_n": tn, "cluster_m": cm, "cluster_n": cn, "stages": 4,
-        "raster_panel": 16, "tail_split": False, "whole_epilogue": True,
+        "raster_panel": 16, "tail_split": False, "whole_epilogue": True, "raster_along": "n",
+        "raster_serpentine": True,
     }
     assert GemmConfig(**d) == c
+
+
+def test_raster_order_pins_are_checked() -> None:
+    assert GemmConfig(raster_along="m", raster_serpentine=False).raster_along == "m"
+    with pytest.raises(ValueError, match="raster_along must be one of 'm', 'n'; got 'k'"):
+        GemmConfig(raster_along="k")
+    with pytest.raises(TypeError, match="raster_serpentine must be None or a bool"):
+        GemmConfig(raster_serpentine=1)  # type: ignore[arg-type]
 
 
 def test_replace_changes_and_revalidates() -> None:

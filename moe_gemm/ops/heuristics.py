@@ -17,9 +17,16 @@ from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.env import env_get, env_switch
-from moe_gemm.kernels.sm90.constants import TILE_K
+from moe_gemm.kernels.sm90.constants import TILE_K, raster_code, raster_fields
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
+
+
+def raster_of(config: GemmConfig, default_panel: int) -> int:
+    """The kernel's raster code for a config's raster pins, the panel defaulting to
+    `default_panel` (m-tiles per panel, no serpentine, unless pinned)."""
+    return raster_code(config.raster_panel or default_panel, config.raster_along or "m",
+                       bool(config.raster_serpentine))
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,7 @@ class KernelChoice:
     tile_n: int
     stages: int | None
     sort_by_k: bool
-    swizzle: int  # m-tiles per raster panel (see schedule.tile_coord)
+    swizzle: int  # the raster code: panel, axis, serpentine (constants.raster_code)
     a_policy: int = 0  # L2 eviction priority of A / B loads, used when l2_hints is set
     b_policy: int = 0
     l2_hints: bool = False
@@ -188,7 +195,7 @@ def _choose_general(
         raise ValueError("tail_split=True is built for grouped_mm (its 2-D and 3-D forms), "
                          "not for grouped_gemm's lists")
     epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
-    swizzle = config.raster_panel or 8
+    swizzle = raster_of(config, 8)
     return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn, swizzle,
                            epi_whole)
 
@@ -303,13 +310,18 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 def choice_fields(choice: KernelChoice, form: str) -> dict:
     """The explicit GemmConfig fields that reproduce a KernelChoice (for the tuner's candidates
     and for comparing the rules' choice with a tuned table's)."""
+    panel, along, serpentine = raster_fields(choice.swizzle)
     fields = {
         "schedule": choice.schedule, "visitor": choice.visitor,
         "tile_m": choice.tile_m, "tile_n": choice.tile_n,
         "cluster_m": choice.cluster_m, "cluster_n": choice.cluster_n,
-        "stages": choice.stages, "raster_panel": choice.swizzle,
+        "stages": choice.stages, "raster_panel": panel,
         "whole_epilogue": choice.epi_whole,
     }
+    if along != "m":
+        fields["raster_along"] = along
+    if serpentine:
+        fields["raster_serpentine"] = True
     if form != "general":
         fields["tail_split"] = choice.tail_split
     else:
@@ -363,7 +375,7 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # load these shapes run at the 700 W cap. H200, 2026-11-21, each alone for ~1 s
     # (scripts/isolation_probe.py): mixtral 2860-2887 us vs 2925-2934 at 8, moe-prefill 3091
     # vs 3114; interleaved with other kernels (the bench) panels of 4-16 measured the same.
-    swizzle = config.raster_panel or (16 if epi_whole else 8)
+    swizzle = raster_of(config, 16 if epi_whole else 8)
     # Tail split (kernels/constants.py) for long K: when the last wave of tiles fills at most
     # half the grid, two CTAs share each of its tiles, half of K each (mixtral: 7448 tiles of
     # 128x256 on 132 SMs leave 56 in the last wave). Decided on the GPU per launch (the tile
@@ -439,7 +451,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
     if tail_split:
         _check_tail_split(schedule, "device", cm, cn)
     return KernelChoice(schedule, "device", tile[0], tile[1], stages, False,
-                        config.raster_panel or 8, cluster_m=cm, cluster_n=cn,
+                        raster_of(config, 8), cluster_m=cm, cluster_n=cn,
                         epi_whole=epi_whole, tail_split=tail_split and split_ok)
 
 

@@ -15,7 +15,7 @@ import functools
 from moe_gemm.config import GemmConfig
 from moe_gemm.env import env_flag
 from moe_gemm.kernels.sm90.constants_fp8 import FP8_TILE_K, fp8_tile_problem
-from moe_gemm.ops.heuristics import KernelChoice, tail_split_enabled, with_l2_hints
+from moe_gemm.ops.heuristics import KernelChoice, raster_of, tail_split_enabled, with_l2_hints
 
 # Opt-in: the block-scaled kernel's promotion one stage behind the WGMMAs
 # (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. Built
@@ -116,7 +116,7 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     # The lag where asked for and built (block scales, room for a third accumulator).
     lag = lag and fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
-                        config.raster_panel or 8, cluster_m=cm, cluster_n=cn,
+                        raster_of(config, 8), cluster_m=cm, cluster_n=cn,
                         epi_whole=epi_whole, tail_split=tail_split and split_ok,
                         promote_lag=lag)
 

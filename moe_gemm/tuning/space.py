@@ -50,7 +50,10 @@ def name_of(fields: Fields) -> str:
         parts.append(f"c{cm}x{cn}")
     if fields.get("stages"):
         parts.append(f"s{fields['stages']}")
-    parts.append(f"p{fields.get('raster_panel') or 8}")
+    # The raster: p<panel>, "n" for panels of n-tiles, "s" for serpentine ('p8ns').
+    parts.append(f"p{fields.get('raster_panel') or 8}"
+                 f"{'n' if fields.get('raster_along') == 'n' else ''}"
+                 f"{'s' if fields.get('raster_serpentine') else ''}")
     if fields.get("tail_split"):
         parts.append("ts")
     if fields.get("whole_epilogue"):
@@ -72,8 +75,8 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
     ValueError naming the word it does not understand."""
     words = [w for w in text.replace(":", " ").replace(",", " ").split() if w]
     if len(words) < 2 or words[0] not in _NAME_SCHEDULES:
-        raise ValueError(f"config {text!r}: expected 'pp|coop MxN [cMxN] [sS] [pP] [ts] [ew] "
-                         "[host] [ksort]'")
+        raise ValueError(f"config {text!r}: expected 'pp|coop MxN [cMxN] [sS] [pP[n][s]] [ts] "
+                         "[ew] [host] [ksort]'")
     fields: Fields = {"schedule": _NAME_SCHEDULES[words[0]], "visitor": "device",
                       "cluster_m": 1, "cluster_n": 1, "stages": None, "raster_panel": 8,
                       "whole_epilogue": False}
@@ -94,7 +97,15 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
             elif w[0] == "s":
                 fields["stages"] = int(w[1:])
             elif w[0] == "p":
-                fields["raster_panel"] = int(w[1:])
+                body = w[1:]
+                serpentine = body.endswith("s")
+                body = body[:-1] if serpentine else body
+                along_n = body.endswith("n")
+                fields["raster_panel"] = int(body[:-1] if along_n else body)
+                if along_n:
+                    fields["raster_along"] = "n"
+                if serpentine:
+                    fields["raster_serpentine"] = True
             else:
                 raise ValueError(w)
     except ValueError as exc:
@@ -185,6 +196,9 @@ def stage2(parent: Fields, form: str, out_itemsize: int = 2) -> list[Fields]:
         add(stages=s)
     for p in PANELS:
         add(raster_panel=p)
+    # Panels of n-tiles, serpentine (QuACK's varlen-M order): the CTAs running at once share
+    # A's rows and walk B's columns back and forth.
+    add(raster_along="n", raster_serpentine=True)
     cluster1 = (parent.get("cluster_m") or 1) * (parent.get("cluster_n") or 1) == 1
     if parent["schedule"] == "cooperative":
         add(whole_epilogue=not parent.get("whole_epilogue"))

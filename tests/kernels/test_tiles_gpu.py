@@ -352,8 +352,9 @@ def test_five_stages_with_fewer_staging_buffers(schedule, tile, cl):
 
 @pytest.fixture
 def with_raster(monkeypatch):
-    """Run launches with a given raster code in place of the heuristics' (until the config
-    carries one): wraps the three choices the launch module calls."""
+    """Run launches with a given raster code in place of the heuristics' (any code, also
+    those the config cannot pin, e.g. one panel): wraps the three choices the launch module
+    calls."""
     from moe_gemm.ops import api, launch
     from moe_gemm.ops.signature import PlanCache
 
@@ -510,6 +511,20 @@ def test_trace_raster_orders(raster, with_raster):
     from moe_gemm.ops.launch import last_launch
 
     assert last_launch().choice.swizzle == RASTERS[raster]
+
+
+def test_raster_pinned_by_the_config():
+    # GemmConfig's raster pins reach the kernel: panels of 8 n-tiles, serpentine (QuACK's
+    # varlen-M order), on the 192-row ping-pong tile in a 1x2 cluster; order and numbers.
+    from moe_gemm.ops.launch import last_launch
+
+    cfg = _cfg("pingpong", (192, 128), (1, 2), raster_panel=8, raster_along="n",
+               raster_serpentine=True)
+    _trace_varlen("tiles/trace/raster-config/varlen", cfg, [1100, 0, 700, 129, 2000],
+                  17 * 128 - 8)
+    assert last_launch().choice.swizzle == raster_code(8, "n", True)
+    _varlen("tiles/raster-config/varlen", _edge_counts(192) * 2, 17 * 128 - 8, 520, "k", cfg)
+    assert last_launch().choice.swizzle == raster_code(8, "n", True)
 
 
 @pytest.mark.parametrize("raster", ["m4-serp", "n2-serp"])

@@ -1,5 +1,5 @@
-"""GemmConfig's tuned fields (raster_panel, tail_split, whole_epilogue): validation, and how
-each reaches the KernelChoice in every form."""
+"""GemmConfig's tuned fields (raster_panel, raster_along, raster_serpentine, tail_split,
+whole_epilogue): validation, and how each reaches the KernelChoice in every form."""
 
 from __future__ import annotations
 
@@ -104,3 +104,32 @@ def test_general_and_batched_crossing():
                        64, 256, 512, 7168, 132)
     assert (b.swizzle, b.tail_split, b.cluster_n) == (32, True, 1)
     assert choose_batched(GemmConfig(whole_epilogue=True), 64, 256, 512, 7168, 132).epi_whole
+
+
+def test_raster_pins_reach_the_kernel_code_in_every_form():
+    from moe_gemm.kernels.sm90.constants import raster_code
+    from moe_gemm.ops.heuristics import choice_fields
+    from moe_gemm.ops.heuristics_fp8 import choose_fp8
+
+    pinned = GemmConfig(raster_panel=8, raster_along="n", raster_serpentine=True)
+    want = raster_code(8, "n", serpentine=True)
+    varlen = choose_varlen(pinned, 32768, 128, 2048, 768, 132)
+    assert varlen.swizzle == want
+    assert choose_batched(pinned, 8, 512, 1024, 1024, 132).swizzle == want
+    assert choose_general(pinned, ((256, 512, 1024),) * 4, 132).swizzle == want
+    assert choose_fp8("varlen", pinned, 512.0, 2048, 1024, 2, "block").swizzle == want
+    # Axis or serpentine alone; the panel from the rules when not pinned.
+    assert choose_varlen(GemmConfig(raster_along="n"), 32768, 128, 2048, 768,
+                         132).swizzle == raster_code(8, "n")
+    assert choose_varlen(GemmConfig(raster_serpentine=True), 32768, 128, 2048, 768,
+                         132).swizzle == raster_code(8, "m", serpentine=True)
+    # Unpinned: the plain m-panel codes the kernel always took.
+    assert choose_varlen(GemmConfig(), 32768, 128, 2048, 768, 132).swizzle in (8, 16)
+    # The tuner's fields for a choice reproduce it.
+    fields = choice_fields(varlen, "varlen")
+    assert (fields["raster_panel"], fields["raster_along"], fields["raster_serpentine"]) == (
+        8, "n", True)
+    again = choose_varlen(GemmConfig(**fields), 32768, 128, 2048, 768, 132)
+    assert again.swizzle == want and again.tile_m == varlen.tile_m
+    assert "raster_along" not in choice_fields(
+        choose_varlen(GemmConfig(), 32768, 128, 2048, 768, 132), "varlen")
