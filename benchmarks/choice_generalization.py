@@ -100,7 +100,8 @@ def evaluate(doc: dict) -> dict[str, Any]:
                 if us is None and name is not None:
                     # A tile the shape's tuning never timed at all: the shape was tuned before
                     # the tile was built (a table retuned in parts), not a gap in the vote.
-                    _row[path]["newer_tile"] = all(_tile(n) != _tile(name) for n in _times)
+                    tile = _tile(name)
+                    _row[path]["newer_tile"] = all(_tile(n) != tile for n in _times)
 
             score("rules", rules_name)
             if row["rules"]["us"] is None and e.get("rules_us"):

@@ -23,7 +23,8 @@ FP8 peer.
 
 The default subset (DEFAULT_MODELS x both projections x DEFAULT_TOKENS) fits about nine
 minutes on an H100 with --budget-s 480; --budget-s stops before a case that would not fit and
-lists the rest under "not_run"; --resume FILE adds the missing cases of an earlier run's JSON.
+lists the rest under "not_run"; --resume FILE adds the missing cases of an earlier run's JSON
+(--rerun: measures the selected cases again, replacing theirs).
 """
 
 from __future__ import annotations
@@ -263,6 +264,8 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             raise ValueError(f"--resume {args.resume} is a {old_dtype} run, this is "
                              f"{doc['settings']['dtype']}")
         done = {c for c, info in old.get("cases", {}).items() if info.get("complete")}
+        if args.rerun:  # this run's cases are measured again; their old rows go
+            done -= {s.name for s, _ in cases}
         doc["results"] = [r for r in old.get("results", []) if r.get("case") in done]
         doc["cases"] = {c: old["cases"][c] for c in done}
         doc["runs"] = list(old.get("runs", []))
@@ -297,7 +300,8 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             history = max(1.0, 0.5 * history + 0.5 * took / max(est / history, 1e-3))
             rows = [x for x in run_doc["results"] if x["shape"] == spec.name]
             info = {**run_doc["shapes"][spec.name], **fields, "seconds": round(took, 1),
-                    "complete": not any(x.get("not_run") for x in rows)}
+                    "complete": not any(x.get("not_run") for x in rows),
+                    "run": len(doc["runs"]) - 1}  # which of doc["runs"] measured it
             for x in rows:
                 x["case"] = spec.name
                 x.update({k: v for k, v in fields.items()})
@@ -350,6 +354,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip QuACK tuned where its autotune would take longer (default "
                    "%(default)s)")
     p.add_argument("--resume", metavar="FILE", help="keep FILE's finished cases, run the rest")
+    p.add_argument("--rerun", action="store_true", help="with --resume: measure this run's "
+                   "cases again where FILE has them too (e.g. after a retune), keeping FILE's "
+                   "other cases; each case records which run measured it")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--out", help="JSON path (default benchmarks/results/zoo-<device>-<date>."
                    "json)")
@@ -382,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     args.proj = [p.strip() for p in args.proj.split(",") if p.strip()]
     if args.reps < 1 or not set(args.proj) <= {"gate_up", "down"} or not args.proj:
         print("error: --reps must be >= 1 and --proj a subset of gate_up,down", file=sys.stderr)
+        return 2
+    if args.rerun and not args.resume:
+        print("error: --rerun re-measures cases of a --resume FILE; give one", file=sys.stderr)
         return 2
     try:
         build_cases(args.models, args.tokens, args.proj, args.seed, True, args.fp8)

@@ -258,7 +258,8 @@ def _precompile(shapes: list, pool, nsm: int, log) -> None:
 
 
 def kernel_device(spec: str):
-    """(torch.device with its index, None) for a CUDA GPU our kernels run on, else (None, why).
+    """(torch.device with its index, None) for a CUDA GPU our kernels run on, made the current
+    device; else (None, why).
 
     "cuda" names the current device: torch.cuda.set_device refuses a device without an index."""
     import torch

@@ -124,6 +124,19 @@ def test_budget_stops_cleanly_and_resume_finishes(tmp_path):
     kept = [r for r in both["results"] if r["case"] in done]
     assert kept == first["results"]  # the earlier rows, untouched
     assert len(both["runs"]) == 2 and both["complete"] is True
+    assert {both["cases"][c]["run"] for c in done} == {0}  # measured by the first run
+    assert {both["cases"][c]["run"] for c in set(both["cases"]) - done} == {1}
+    # --rerun: the selected cases are measured again and replace theirs; the others stay.
+    again = _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down",
+                 "--resume", str(tmp_path / "all.json"), "--rerun", name="again.json")
+    assert len(again["runs"]) == 3 and again["complete"] is True
+    assert sorted(r["case"] for r in again["results"]) == sorted(
+        r["case"] for r in both["results"])  # one row set per case, none lost or doubled
+    assert again["cases"]["OLMoE-1B-7B/down/16"]["run"] == 2
+    assert again["cases"]["OLMoE-1B-7B/gate_up/16"]["run"] == 1
+    assert ([r for r in again["results"] if r["case"] == "OLMoE-1B-7B/gate_up/1"]
+            == [r for r in both["results"] if r["case"] == "OLMoE-1B-7B/gate_up/1"])
+    assert zoo.main(["--smoke", "--rerun", "--out", str(tmp_path / "x.json")]) == 2
 
 
 def test_estimate_grows_with_the_case():
