@@ -243,7 +243,7 @@ def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> 
                      f"token, log-normal popularity sigma={models.ROUTING_SIGMA}",
                      "timing": "ms: back-to-back median of interleaved rounds (GPU time, "
                      "host enqueue hidden); ms_single: per-launch events median"},
-        "ceilings": {}, "runs": [], "cases": {}, "results": [], "not_run": [],
+        "ceilings": {}, "runs": [], "cases": {}, "results": [], "not_run": [], "not_rerun": [],
     }
 
 
@@ -264,12 +264,13 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             raise ValueError(f"--resume {args.resume} is a {old_dtype} run, this is "
                              f"{doc['settings']['dtype']}")
         done = {c for c, info in old.get("cases", {}).items() if info.get("complete")}
-        if args.rerun:  # this run's cases are measured again; their old rows go
-            done -= {s.name for s, _ in cases}
+        # Kept until measured again: with --rerun a case that the budget leaves out keeps
+        # FILE's measurement (listed under "not_rerun"), it is never lost.
         doc["results"] = [r for r in old.get("results", []) if r.get("case") in done]
         doc["cases"] = {c: old["cases"][c] for c in done}
         doc["runs"] = list(old.get("runs", []))
-        cases = [(s, f) for s, f in cases if s.name not in done]
+        if not args.rerun:
+            cases = [(s, f) for s, f in cases if s.name not in done]
     pool = _precompile(cases, device, log)
     _, _, l2 = device_info(device)
     run_doc: dict[str, Any] = {"ceilings": {}, "shapes": {}, "results": []}
@@ -289,7 +290,9 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             est = estimate_case_s(fields, ceilings, args.reps, quack_tuned,
                                   args.quack_tune_cap_s, history)
             if budget_left() < est:
-                doc["not_run"] = [s.name for s, _ in cases[i:]]
+                left = [s.name for s, _ in cases[i:]]
+                doc["not_run"] = [c for c in left if c not in doc["cases"]]
+                doc["not_rerun"] = [c for c in left if c in doc["cases"]]
                 doc["stopped"] = (f"budget: {budget_left():.0f} s left, the next case needs "
                                   f"~{est:.0f} s")
                 break
@@ -309,13 +312,15 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
                     x["choice_source"] = _choice_source(fields, device, args.fp8)
             zoo_report.derive_case(rows, info, ceilings)
             doc["cases"][spec.name] = info
-            doc["results"] += rows
+            doc["results"] = [x for x in doc["results"] if x.get("case") != spec.name] + rows
             doc["bar"] = zoo_report.bar(doc["results"])
             write_json(out_path, doc, compact=True)
             if png is not None:
                 zoo_report.plot_png(doc, png)
             if r.poisoned:
-                doc["not_run"] = [s.name for s, _ in cases[i + 1:]]
+                left = [s.name for s, _ in cases[i + 1:]]
+                doc["not_run"] = [c for c in left if c not in doc["cases"]]
+                doc["not_rerun"] = [c for c in left if c in doc["cases"]]
                 doc["stopped"] = f"CUDA context poisoned: {r.poisoned}"
                 break
             run_doc["results"].clear()

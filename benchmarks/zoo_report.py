@@ -117,6 +117,9 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"{BAR_MIN}): {'PASS' if b['pass'] else 'not met'}")
     if doc.get("not_run"):
         lines.append(f"not run ({doc.get('stopped', 'budget')}): {len(doc['not_run'])} cases")
+    if doc.get("not_rerun"):
+        lines.append(f"not measured again ({doc.get('stopped', 'budget')}): "
+                     f"{len(doc['not_rerun'])} cases keep the earlier run's rows")
     bad = [r for r in doc["results"] if r.get("status") == "error"]
     if bad:
         lines.append(f"{len(bad)} failed rows (errors in the JSON); first: {bad[0]['case']} / "

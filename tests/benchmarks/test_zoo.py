@@ -136,6 +136,14 @@ def test_budget_stops_cleanly_and_resume_finishes(tmp_path):
     assert again["cases"]["OLMoE-1B-7B/gate_up/16"]["run"] == 1
     assert ([r for r in again["results"] if r["case"] == "OLMoE-1B-7B/gate_up/1"]
             == [r for r in both["results"] if r["case"] == "OLMoE-1B-7B/gate_up/1"])
+    # A --rerun the budget cuts short loses nothing: the cases it could not measure again
+    # keep the earlier rows and are listed as not re-measured (not as not run).
+    short = _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "1,16", "--budget-s", "0.01",
+                 "--resume", str(tmp_path / "again.json"), "--rerun", name="short.json")
+    assert short["results"] == again["results"] and short["cases"] == again["cases"]
+    assert short["not_run"] == [] and short["complete"] is True
+    assert sorted(short["not_rerun"]) == sorted(again["cases"])
+    assert "keep the earlier run's rows" in zoo_report.format_table(short)
     assert zoo.main(["--smoke", "--rerun", "--out", str(tmp_path / "x.json")]) == 2
 
 
