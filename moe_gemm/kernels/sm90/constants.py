@@ -99,7 +99,7 @@ def register_split(schedule: str, tile_m: int, tile_n: int) -> tuple[int, int]:
 
 SM90_SMEM_BYTES = 227 * 1024  # shared memory one sm90 CTA may use (the opt-in maximum)
 SMEM_RESERVED = 2048  # the pipelines' mbarriers and buffer alignment
-RECORD_INTS = 8  # int32 fields of a scheduler record (tile_scheduler.WorkTile)
+RECORD_INTS = 9  # int32 fields of a scheduler record (tile_scheduler.WorkTile)
 
 
 def epilogue_staging(schedule: str, d_tile_n: int, epi_n: int = 32,

@@ -10,10 +10,11 @@ problem forms share the kernel body and differ only in where operands and sizes 
   (DESC_RING slots, reused only after every warp is done with them), so no descriptor is ever
   modified while in use and the host never calls the driver per problem.
 - varlen (MoE): x (T, K), w (E, K, N) in either major, offs (E,) int32 on the GPU. A and B use
-  one descriptor each (the expert selected by coordinates); D uses a per-expert descriptor
-  that the scheduler warp encodes from offs into the ring, so a partial tile at an expert
-  boundary is clipped by the TMA unit and never touches the neighbour's rows. No host
-  synchronisation: CUDA-graph safe.
+  one descriptor each (the expert selected by coordinates); D is one descriptor of out seen
+  as a ragged (T, N, T + 1) tensor (problems.ragged_rows) in which each expert's rows end at
+  the TMA unit's row bound, so a partial tile at an expert boundary is clipped and never
+  touches the neighbour's rows, with nothing encoded on the GPU. No host synchronisation:
+  CUDA-graph safe.
 - batched: x (G, M, K), w (G, K, N), out (G, M, N), the same (M, N, K) for every problem
   (torch.bmm's and F.grouped_mm's 3D x 3D form). Every operand is one rank-3 TMA descriptor
   whose third mode is the problem, so there is no prologue kernel, no per-problem descriptor
@@ -86,7 +87,7 @@ from .constants import (
 )
 from .epilogue import BAR_EPI, Epilogue
 from .gather import gather_role
-from .problems import BatchedProblems, GeneralProblems, VarlenProblems
+from .problems import BatchedProblems, GeneralProblems, VarlenProblems, ragged_rows
 from .tail_split import TailSplit
 from .tile_scheduler import (
     RECORD_INTS,
@@ -464,6 +465,8 @@ class GroupedGemmSm90:
                     stride=(mD.stride[1], mD.stride[2], mD.stride[0]),
                 ),
             )
+        if const_expr(self.form == "varlen"):
+            mD_tma = ragged_rows(mD)  # one descriptor for every expert's rows (problems.py)
 
         op_g2s = cpasync.CopyBulkTensorTileG2SOp()
         op_s2g = cpasync.CopyBulkTensorTileS2GOp()

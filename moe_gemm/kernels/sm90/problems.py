@@ -11,9 +11,11 @@ stores (`store_view`), with the descriptor pointers each TMA copy takes (`load_d
   metadata table [a_ptr, b_ptr, d_ptr - d_base, a_ld, b_ld, d_ld, M | N << 32, K]. A, B and D
   descriptors are encoded per record (the launch-time atoms only fix dtype, major and box).
 - varlen: x (T, K) rows [offs[p-1], offs[p]) against w[p]; problem E is the zero tail
-  [offs[-1], T) when the host asks for it (num_problems = E + 1). A and B use the launch-time
-  descriptors (the expert is a coordinate); D is encoded per record over the expert's rows, so
-  the TMA unit clips a partial tile at the expert's end.
+  [offs[-1], T) when the host asks for it (num_problems = E + 1). Every descriptor is the
+  launch-time one: A and B take the expert as a coordinate, and D is out seen as a ragged
+  (T, N, T + 1) tensor (`ragged_rows`) whose coordinates put each expert's end at the TMA
+  unit's row bound, so a partial tile is clipped at the expert's end with nothing encoded on
+  the GPU (no ring writes, fences or descriptor fetches per tile).
 - batched: x (G, M, K), w (G, K, N), out (G, M, N): the problem is the third TMA mode of every
   launch-time descriptor; nothing is encoded on the GPU.
 """
@@ -59,6 +61,22 @@ def gmem_desc(ws_base: Int64, slot: int) -> cute.Pointer:
         cutlass.Int64, ws_base + slot * DESC_BYTES, cute.AddressSpace.gmem,
         assumed_align=DESC_BYTES,
     )
+
+
+def ragged_rows(mD: cute.Tensor) -> cute.Tensor:
+    """out (T, N) as a (T, N, T + 1) tensor whose one TMA descriptor serves every expert.
+
+    Element (T - rows + r, n, start + rows) is out[start + r, n]: the pointer is moved back
+    T rows, and the third mode (out's row stride again) adds them back with the expert's end.
+    The TMA unit bounds the first coordinate by T, so r >= rows (a row past the expert's end)
+    is clipped exactly as a per-expert descriptor of `rows` rows would clip it. Coordinates
+    stay in [0, T] (int32: out's rows are at most 2^31 - 2). The moved-back base address is
+    only ever offset forward again by the TMA unit, never dereferenced (the same trick as
+    Triton's ragged TMA descriptors)."""
+    rows, ld = mD.shape[0], mD.stride[0]
+    base = mD.iterator + (-(Int64(rows) * ld))
+    return cute.make_tensor(
+        base, cute.make_layout((rows, mD.shape[1], rows + 1), stride=(ld, mD.stride[1], ld)))
 
 
 # Frozen dataclasses: the DSL carries a mutable object that a dynamic loop calls a method of
@@ -195,6 +213,7 @@ class VarlenProblems(Problems):
     offs: cute.Tensor  # (E,) int32 cumulative end rows, on the GPU
 
     form: ClassVar[str] = "varlen"
+    uses_ring: ClassVar[bool] = False  # the launch-time descriptors serve every expert
 
     @cute.jit
     def expert_rows(self, p: Int32) -> tuple[Int32, Int32]:
@@ -228,15 +247,20 @@ class VarlenProblems(Problems):
             cols = cols * 2
         return rows, cols, depth, row_start
 
+    def store_desc(self, desc_d: Int64):
+        return None
+
     @cute.jit
-    def write_descs(self, address: Int64, p: Int32, rows: Int32, row_start: Int32,
-                    a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-                    d_smem: cute.ComposedLayout):
-        """The expert's D view [row_start, row_start + rows), so a partial tile at the
-        expert's end is clipped by the TMA unit."""
-        mD = self.mD
-        d_ptr = mD.iterator + Int64(row_start) * mD.stride[0]
-        self._write_d(address, d_ptr, rows, mD.shape[1], mD.stride[0], d_smem)
+    def acquire_store_desc(self, desc_d: Int64, is_store_warp: cutlass.Boolean):
+        pass
+
+    def store_view(self, tma_d: cute.Tensor, work: WorkTile) -> cute.Tensor:
+        """The tile in the ragged D (`ragged_rows`): the expert's rows end at the TMA unit's
+        row bound T, so its row r is coordinate T - rows + r of the slice at start + rows."""
+        cfg = self.cfg
+        end = work.row_start + work.rows
+        expert = cute.domain_offset((self.mD.shape[0] - work.rows, 0), tma_d[None, None, end])
+        return cute.local_tile(expert, (cfg.tile_m, cfg.d_tile_n), (work.m_tile, work.n_tile))
 
     def load_views(self, tma_a: cute.Tensor, tma_b: cute.Tensor, work: WorkTile):
         cfg = self.cfg

@@ -98,7 +98,7 @@ class TailSplit:
             elif part == 2:
                 problem = Int32(-1)
         return WorkTile(problem, work.m_tile, work.n_tile, k_tiles, work.row_start, role,
-                        work.ring_slot, k_start)
+                        work.ring_slot, k_start, work.rows)
 
     # -- math warpgroups -----------------------------------------------------------------------
 

@@ -48,14 +48,16 @@ class WorkTile:
     problem: the problem index (-1: no more work); m_tile, n_tile: the output tile;
     k_tiles: its k-iterations; k_start: the first one (a tail split's upper half, else 0);
     row_start: the varlen form's first row of the expert in x (else 0); role: ROLE_* in the
-    low 2 bits (see above); ring_slot: this record's descriptor slot in the CTA's ring.
+    low 2 bits (see above); ring_slot: this record's descriptor slot in the CTA's ring;
+    rows: the problem's row count (the varlen form's expert rows: where its stores end).
     Loop-carried through the DSL's dynamic loops like any Int32 (the two mlir methods).
     """
 
     FIELDS = ("problem", "m_tile", "n_tile", "k_tiles", "row_start", "role", "ring_slot",
-              "k_start")
+              "k_start", "rows")
 
-    def __init__(self, problem, m_tile, n_tile, k_tiles, row_start, role, ring_slot, k_start):
+    def __init__(self, problem, m_tile, n_tile, k_tiles, row_start, role, ring_slot, k_start,
+                 rows=0):
         self.problem = Int32(problem)
         self.m_tile = Int32(m_tile)
         self.n_tile = Int32(n_tile)
@@ -64,6 +66,7 @@ class WorkTile:
         self.role = Int32(role)
         self.ring_slot = Int32(ring_slot)
         self.k_start = Int32(k_start)
+        self.rows = Int32(rows)
 
     def values(self) -> tuple[Int32, ...]:
         return tuple(getattr(self, f) for f in self.FIELDS)
@@ -291,7 +294,7 @@ class TileScheduler:
                 m_tile, n_tile, role = self._tile_of(lin - start, t - start, rows, cols,
                                                      rank, raster)
                 work = WorkTile(problem, m_tile, n_tile, ceil_div_i32(depth, cfg.tile_k),
-                                row_start, role, records % DESC_RING, 0)
+                                row_start, role, records % DESC_RING, 0, rows)
                 if const_expr(self.tail is not None):
                     work = self.tail.split_k(work, part, tail_i)
             if work.problem < 0:
