@@ -11,7 +11,7 @@ problem forms share the kernel body and differ only in where operands and sizes 
   modified while in use and the host never calls the driver per problem.
 - varlen (MoE): x (T, K), w (E, K, N) in either major, offs (E,) int32 on the GPU. A and B use
   one descriptor each (the expert selected by coordinates); D is one descriptor of out seen
-  as a ragged (T, N, T + 1) tensor (problems.ragged_rows) in which each expert's rows end at
+  as a ragged (T, N, T) tensor (problems.ragged_rows) in which each expert's rows end at
   the TMA unit's row bound, so a partial tile at an expert boundary is clipped and never
   touches the neighbour's rows, with nothing encoded on the GPU. No host synchronisation:
   CUDA-graph safe.

@@ -13,7 +13,7 @@ stores (`store_view`), with the descriptor pointers each TMA copy takes (`load_d
 - varlen: x (T, K) rows [offs[p-1], offs[p]) against w[p]; problem E is the zero tail
   [offs[-1], T) when the host asks for it (num_problems = E + 1). Every descriptor is the
   launch-time one: A and B take the expert as a coordinate, and D is out seen as a ragged
-  (T, N, T + 1) tensor (`ragged_rows`) whose coordinates put each expert's end at the TMA
+  (T, N, T) tensor (`ragged_rows`) whose coordinates put each expert's end at the TMA
   unit's row bound, so a partial tile is clipped at the expert's end with nothing encoded on
   the GPU (no ring writes, fences or descriptor fetches per tile).
 - batched: x (G, M, K), w (G, K, N), out (G, M, N): the problem is the third TMA mode of every
@@ -64,19 +64,19 @@ def gmem_desc(ws_base: Int64, slot: int) -> cute.Pointer:
 
 
 def ragged_rows(mD: cute.Tensor) -> cute.Tensor:
-    """out (T, N) as a (T, N, T + 1) tensor whose one TMA descriptor serves every expert.
+    """out (T, N) as a (T, N, T) tensor whose one TMA descriptor serves every expert.
 
-    Element (T - rows + r, n, start + rows) is out[start + r, n]: the pointer is moved back
-    T rows, and the third mode (out's row stride again) adds them back with the expert's end.
-    The TMA unit bounds the first coordinate by T, so r >= rows (a row past the expert's end)
-    is clipped exactly as a per-expert descriptor of `rows` rows would clip it. Coordinates
-    stay in [0, T] (int32: out's rows are at most 2^31 - 2). The moved-back base address is
-    only ever offset forward again by the TMA unit, never dereferenced (the same trick as
-    Triton's ragged TMA descriptors)."""
+    Element (T - rows + r, n, start + rows - 1) is out[start + r, n]: the pointer is moved
+    back T - 1 rows, and the third mode (out's row stride again) adds them back with the
+    expert's last row. The TMA unit bounds the first coordinate by T, so r >= rows (a row past
+    the expert's end) is clipped exactly as a per-expert descriptor of `rows` rows would clip
+    it. Every coordinate stays in [0, T) (an expert with rows has a last row). The moved-back
+    base address is only ever offset forward again by the TMA unit, never dereferenced (the
+    idea of Triton's ragged TMA descriptors)."""
     rows, ld = mD.shape[0], mD.stride[0]
-    base = mD.iterator + (-(Int64(rows) * ld))
+    base = mD.iterator + (-(Int64(rows - 1) * ld))
     return cute.make_tensor(
-        base, cute.make_layout((rows, mD.shape[1], rows + 1), stride=(ld, mD.stride[1], ld)))
+        base, cute.make_layout((rows, mD.shape[1], rows), stride=(ld, mD.stride[1], ld)))
 
 
 # Frozen dataclasses: the DSL carries a mutable object that a dynamic loop calls a method of
@@ -256,10 +256,10 @@ class VarlenProblems(Problems):
 
     def store_view(self, tma_d: cute.Tensor, work: WorkTile) -> cute.Tensor:
         """The tile in the ragged D (`ragged_rows`): the expert's rows end at the TMA unit's
-        row bound T, so its row r is coordinate T - rows + r of the slice at start + rows."""
+        row bound T, so its row r is coordinate T - rows + r of the slice at its last row."""
         cfg = self.cfg
-        end = work.row_start + work.rows
-        expert = cute.domain_offset((self.mD.shape[0] - work.rows, 0), tma_d[None, None, end])
+        last = work.row_start + work.rows - 1
+        expert = cute.domain_offset((self.mD.shape[0] - work.rows, 0), tma_d[None, None, last])
         return cute.local_tile(expert, (cfg.tile_m, cfg.d_tile_n), (work.m_tile, work.n_tile))
 
     def load_views(self, tma_a: cute.Tensor, tma_b: cute.Tensor, work: WorkTile):
