@@ -203,3 +203,51 @@ def test_fused_compile_key_names_are_distinct():
     assert not base.fused
     # The plain kernels' names (and disk-cache entries) are unchanged.
     assert base.name() == "varlen_bfloat16_bfloat16_k_cooperative_device_128_256"
+
+
+def _shared_loads(k):
+    """For every thread and subtile: whether the epilogue's one load per static row / column
+    offset (fused_epilogue.static_offsets) serves exactly the values of that row / column."""
+    import cutlass.cute as cute
+
+    from moe_gemm.kernels.sm90.fused_epilogue import static_offsets
+
+    k._setup()
+    epi = k.epi
+    tiled_copy = epi.tiled_copy(epi.copy_mma(k.tiled_mma))
+    threads = 128 if k.pingpong else 256
+    layout = epi.subtile_layout()
+    bad = loads = values = 0
+    for t in range(threads):
+        thr_copy = tiled_copy.get_slice(t)
+        for e in range(cute.size(layout)):
+            coords = epi.subtile_coords(thr_copy, e)
+            offsets = static_offsets(coords)
+            actual = _coords(coords)
+            base = actual[0]
+            bad += any((base[0] + r - offsets[0][0], base[1] + c - offsets[0][1]) != a
+                       for (r, c), a in zip(offsets, actual))
+            for axis in (0, 1):  # one load per distinct offset covers every value's row/col
+                first = {}
+                for off, a in zip(offsets, actual):
+                    bad += first.setdefault(off[axis], a[axis]) != a[axis]
+                loads += len(first)
+            values += len(actual)
+    return bad, loads, values
+
+
+SHARED = [("pingpong", (128, 192), {}), ("pingpong", (192, 128), {}),
+          ("cooperative", (256, 192), {}), ("pingpong", (128, 192),
+                                            dict(gate="silu", gate_layout="interleaved"))]
+
+
+@pytest.mark.parametrize("schedule,tile,fused", SHARED,
+                         ids=[f"{s}-{m}x{n}{'-gated' if f else ''}" for s, (m, n), f in SHARED])
+def test_bias_and_row_weight_loads_are_shared_by_static_offset(schedule, tile, fused):
+    # The fused epilogue loads each bias (column) and row weight (row) once per subtile, for
+    # the first value at that static offset: valid only if the offsets are the same for every
+    # thread and equal offsets mean equal rows / columns.
+    k = _key(schedule, tile, bias=True, row_scale=True, **fused).kernel()
+    bad, loads, values = _trace(lambda: _shared_loads(k))
+    assert bad == 0, f"{bad} values would take another row's or column's bias or weight"
+    assert loads < values  # (the sharing saves loads: a thread holds 2 rows x 8 columns)

@@ -139,32 +139,47 @@ class FusedEpilogue(Epilogue):
         last_row = problems.mD.shape[0] - 1
         bias_cols = problems.bias.shape[1]
         first_row = work.row_start + work.m_tile * cfg.tile_m
+        # Values of a subtile share rows and columns (a thread holds 2 rows x 8 columns of a
+        # 64 x 32 subtile): each bias and row weight is loaded once, for the first value of
+        # its column or row (loaded per value, ptxas kept every copy: 16 loads of 2 row
+        # weights, and the spills of their addresses).
+        offsets = static_offsets(coords)
+        biases, weights = {}, {}
         for v in cutlass.range_constexpr(size):
             g = frags.tRS_rAcc[e * size + v]
             u = Float32(0.0)
             if const_expr(cfg.gate is not None):
                 u = frags.tRS_rExtra[0][e * size + v]
-            if const_expr(cfg.has_bias):
+            if const_expr(cfg.has_bias and offsets[v][1] in biases):
+                bg, bu = biases[offsets[v][1]]
+                g = g + bg
+                if const_expr(cfg.gate is not None):
+                    u = u + bu
+            elif const_expr(cfg.has_bias):
                 col = coords[v][1]
                 if const_expr(cfg.gate is None):
                     gcol = work.n_tile * cfg.tile_n + col
                 elif const_expr(cfg.gate_layout == "concat"):
                     gcol = work.n_tile * cfg.d_tile_n + col
-                    ucol = cutlass.min(out_cols + gcol, bias_cols - 1)
+                    ucol = out_cols + gcol
                 else:
                     gcol = (work.n_tile * cfg.tile_n + (col // GATE_BLOCK) * 2 * GATE_BLOCK
                             + col % GATE_BLOCK)
-                    ucol = cutlass.min(gcol + GATE_BLOCK, bias_cols - 1)
-                gcol = cutlass.min(gcol, bias_cols - 1)
-                bias = problems.bias
-                g = g + Float32(cutlass.select_(live, bias[expert, gcol], Float32(0.0)))
+                    ucol = gcol + GATE_BLOCK
+                bg = _bias_at(problems.bias, expert, gcol, bias_cols, live, cfg.gate is None)
+                bu = Float32(0.0)
                 if const_expr(cfg.gate is not None):
-                    u = u + Float32(cutlass.select_(live, bias[expert, ucol], Float32(0.0)))
+                    bu = _bias_at(problems.bias, expert, ucol, bias_cols, live, False)
+                biases[offsets[v][1]] = (bg, bu)
+                g = g + bg
+                u = u + bu
             if const_expr(cfg.gate is not None):
                 g = gate_value(cfg.gate, g, u, cfg.gate_alpha, cfg.gate_limit)
             if const_expr(cfg.row_scale):
-                r = cutlass.min(first_row + coords[v][0], last_row)
-                g = g * Float32(cutlass.select_(live, problems.row_weight[r], Float32(1.0)))
+                if const_expr(offsets[v][0] not in weights):
+                    weights[offsets[v][0]] = _row_weight_at(
+                        problems.row_weight, first_row + coords[v][0], last_row, live)
+                g = g * weights[offsets[v][0]]
             frags.tRS_rD[v] = g
         frags.tRS_rD_out.store(frags.tRS_rD.load().to(cfg.d_dtype))
 
@@ -187,6 +202,8 @@ class FusedEpilogue(Epilogue):
         last_row = problems.mD.shape[0] - 1
         lane = cute.arch.lane_idx()
         q = lane % 4
+        offsets = static_offsets(coords)
+        weights = {}
         for v in cutlass.range_constexpr(size):
             (g_first, g_second), p = sources[v]
             own_first = self._own_output(acc, acc_coords, g_first, live, expert, bias_cols,
@@ -198,8 +215,10 @@ class FusedEpilogue(Epilogue):
             second = cute.arch.shuffle_sync(own_second, src)
             val = Float32(cutlass.select_(q < 2, first, second))
             if const_expr(cfg.row_scale):
-                r = cutlass.min(first_row + coords[v][0], last_row)
-                val = val * Float32(cutlass.select_(live, problems.row_weight[r], Float32(1.0)))
+                if const_expr(offsets[v][0] not in weights):
+                    weights[offsets[v][0]] = _row_weight_at(
+                        problems.row_weight, first_row + coords[v][0], last_row, live)
+                val = val * weights[offsets[v][0]]
             frags.tRS_rD[v] = val
         frags.tRS_rD_out.store(frags.tRS_rD.load().to(cfg.d_dtype))
 
@@ -212,11 +231,54 @@ class FusedEpilogue(Epilogue):
         u = acc[g_idx + 1]
         if const_expr(cfg.has_bias):
             col = col0 + acc_coords[g_idx][1]
-            bg = problems.bias[expert, cutlass.min(col, bias_cols - 1)]
-            bu = problems.bias[expert, cutlass.min(col + 1, bias_cols - 1)]
-            g = g + Float32(cutlass.select_(live, bg, Float32(0.0)))
-            u = u + Float32(cutlass.select_(live, bu, Float32(0.0)))
+            g = g + _bias_at(problems.bias, expert, col, bias_cols, live, False)
+            u = u + _bias_at(problems.bias, expert, col + 1, bias_cols, live, False)
         return gate_value(cfg.gate, g, u, cfg.gate_alpha, cfg.gate_limit)
+
+
+@cute.jit
+def _bias_at(bias: cute.Tensor, expert, col, bias_cols, live, predicated: cutlass.Constexpr):
+    """bias[expert, col] where the tile is not the zero tail, else 0. A column past the bias
+    (a partial last tile's, never stored) reads 0 by a predicated load (`predicated`) or the
+    last column. Which one ptxas keeps off the stack differs (spill bytes, sm_90a, per
+    thread): without a gate the predicated load's address is the tile's base plus a constant
+    (128x192 bias: 0 against 404 bytes clamped; 192x128: 12 against 408), with a gate the
+    clamped column (clamped SwiGLU 128x192: 0 against 148-176 predicated)."""
+    if const_expr(predicated):
+        value = Float32(0.0)
+        if col < bias_cols:
+            value = Float32(bias[expert, col])
+        return Float32(cutlass.select_(live, value, Float32(0.0)))
+    return Float32(cutlass.select_(live, bias[expert, cutlass.min(col, bias_cols - 1)],
+                                   Float32(0.0)))
+
+
+@cute.jit
+def _row_weight_at(row_weight: cute.Tensor, row, last_row, live):
+    """row_weight[row] (clamped to the last row: rows past it are never stored) where the
+    tile is not the zero tail, else 1."""
+    return Float32(cutlass.select_(live, row_weight[cutlass.min(row, last_row)], Float32(1.0)))
+
+
+def static_offsets(coords: cute.Tensor) -> list[tuple[int, int]]:
+    """Each element's (row, col) in a coordinate tensor (a thread's partition of an identity
+    tensor) less the thread's own base: the static part of its layout, known at trace time,
+    so elements at the same offset are the same row or column for every thread."""
+    shape, stride = _flat(coords.layout.shape), _flat(coords.layout.stride)
+    size = 1
+    for n in shape:
+        size *= n
+    out = []
+    for i in range(size):
+        crd, rest = [0, 0], i
+        for n, d in zip(shape, stride):
+            idx, rest = rest % n, rest // n
+            if isinstance(d, int):  # a broadcast mode (stride 0) moves no coordinate
+                continue
+            mode = d.mode[0] if isinstance(d.mode, (list, tuple)) else d.mode
+            crd[mode] += idx * d.value
+        out.append((crd[0], crd[1]))
+    return out
 
 
 def flat_offsets(layout) -> list[int]:
