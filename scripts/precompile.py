@@ -7,7 +7,13 @@ Sets: "tests" = the variants the GPU tests launch (tests/kernels/variants.py and
 variants_fp8.py, derived from their cases through the library's kernel choice) plus "check";
 "check" = `moe-gemm check --full`'s list (the defaults for the benchmark suite shapes); "fp8" = the FP8 kernels and
 quantizers the FP8 GPU tests launch (tests/kernels/variants_fp8.py); "fused" = those of the
-fused kernel's and the MoE layer's GPU tests only. --list prints the names only.
+fused kernel's and the MoE layer's GPU tests only; "zoo" = the kernel our default picks for
+every model-zoo projection at every token count on a GPU of that name (--device, its shipped
+table: what a benchmark or a server on that GPU launches). --list prints the names only.
+
+The cache is keyed by the kernel sources and the DSL and TVM-FFI versions, not by the machine:
+objects compiled here load on any GPU host with the same versions (a load that fails is
+compiled again there).
 
 Each worker is a fresh interpreter (spawn, never fork: a forked child inherits the parent's
 threads' locks and any CUDA state, and one hung worker stalls the pool) that compiles one
@@ -29,7 +35,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # moe_gemm; tests/kernels as pytest names it
 
 
-def variant_set(name: str) -> list:
+def zoo_variants(device: str, nsm: int = 132) -> list:
+    """Our default kernel for every zoo projection and token count on `device`."""
+    import torch
+
+    from moe_gemm.config import GemmConfig
+    from moe_gemm.ops.heuristics import choose_varlen
+    from moe_gemm.ops.launch import _compile_key
+    from moe_gemm.tuning import zoo
+
+    keys = set()
+    for tokens in zoo.parse_tokens("all", ()):
+        for m in zoo.select_models("all"):
+            for proj in m.projections():
+                rows = proj.rows(tokens)
+                choice = choose_varlen(GemmConfig(), rows, proj.E, proj.N, proj.K, nsm,
+                                       device=device)
+                keys.add(_compile_key("varlen", torch.bfloat16, torch.bfloat16,
+                                      "k" if proj.layout == "ENK" else "n", choice, False))
+    return sorted(keys, key=lambda k: k.name())
+
+
+def variant_set(name: str, device: str | None = None) -> list:
+    if name == "zoo":
+        if not device:
+            raise SystemExit("--set zoo needs --device (a shipped table's GPU name)")
+        return zoo_variants(device)
     if name == "fp8":
         from kernels.variants_fp8 import fp8_test_variants
 
@@ -98,12 +129,13 @@ def compile_all(keys: list, jobs: int, timeout: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--set", default="tests", choices=["tests", "check", "fp8", "fused"])
+    p.add_argument("--set", default="tests", choices=["tests", "check", "fp8", "fused", "zoo"])
+    p.add_argument("--device", help="--set zoo: the GPU's name, e.g. 'NVIDIA H100 80GB HBM3'")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--list", action="store_true", help="print the variant names and exit")
     args = p.parse_args()
-    keys = variant_set(args.set)
+    keys = variant_set(args.set, args.device)
     if args.list:
         print("\n".join(k.name() for k in keys))
         return 0

@@ -227,3 +227,25 @@ def test_report_plugin_writes_tests_cases_and_collected_ids(pytester, monkeypatc
     assert cases[0]["name"] == "case-ok" and cases[0]["test"].endswith("::test_ok")
     assert [i.split("::")[1] for i in json.loads(ids.read_text())] == [
         "test_ok", "test_bad", "test_skip"]
+
+
+def test_precompile_zoo_set_is_what_the_zoo_launches(monkeypatch):
+    # scripts/precompile.py --set zoo: every zoo projection's default kernel on the named
+    # GPU (its shipped table), as the launch path keys it; an unknown GPU gets the rules'.
+    monkeypatch.setenv("MOE_GEMM_TUNED_TABLES", "1")  # (the shipped tables, as a user has)
+    from moe_gemm.ops.heuristics import choose_varlen
+    from moe_gemm.tuning import zoo
+
+    pre = _load_script("precompile")
+    h100 = pre.zoo_variants("NVIDIA H100 80GB HBM3")
+    assert len(h100) >= 10 and {k.form for k in h100} == {"varlen"}
+    model = zoo.select_models("Qwen3-235B-A22B")[0]
+    proj = model.projections()[0]
+    choice = choose_varlen(GemmConfig(), proj.rows(8192), proj.E, proj.N, proj.K, 132,
+                           device="NVIDIA H100 80GB HBM3")
+    key = launch._compile_key("varlen", torch.bfloat16, torch.bfloat16,
+                              "k" if proj.layout == "ENK" else "n", choice, False)
+    assert key in h100
+    assert pre.zoo_variants("a GPU with no table") != h100
+    with pytest.raises(SystemExit, match="needs --device"):
+        pre.variant_set("zoo")
