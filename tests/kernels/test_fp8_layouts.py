@@ -43,41 +43,13 @@ def _kernel(schedule, tile, mode="block", promote_lag=False):
                          *tile, promote_lag=promote_lag).kernel()
 
 
-def _flatten(x):
-    if isinstance(x, tuple):
-        for y in x:
-            yield from _flatten(y)
-    else:
-        yield x
-
-
-def _offsets(layout) -> list[tuple[int, int]]:
-    """Every value's (row, col) offset of a coordinate layout (strides are scaled bases of
-    the identity tensor's modes), in flat (column-major) order, in plain Python."""
-    shape = list(_flatten(layout.shape))
-    stride = list(_flatten(layout.stride))
-    size = 1
-    for n in shape:
-        size *= n
-    out = []
-    for i in range(size):
-        crd, rest = [0, 0], i
-        for n, d in zip(shape, stride):
-            idx, rest = rest % n, rest // n
-            if isinstance(d, int):
-                assert d == 0
-                continue
-            mode = d.mode[0] if isinstance(d.mode, (list, tuple)) else d.mode
-            crd[mode] += idx * d.value
-        out.append(tuple(crd))
-    return out
-
-
 def _thread_coords(kernel):
     """[thread][value] -> (row, col) in the tile, for every math thread of one tile, and the
     kernel's FragmentMap (all read inside one DSL trace). Each thread's partition is its own
     base coordinate and a value layout; the value layout is checked to be the same for all."""
     import cutlass.cute as cute
+
+    from moe_gemm.kernels.sm90.fused_epilogue import coord_offsets
 
     box = {}
 
@@ -89,7 +61,7 @@ def _thread_coords(kernel):
         parts = [mma.get_slice(t).partition_C(tile) for t in range(threads)]
         layouts = {str(c.layout) for c in parts}
         assert len(layouts) == 1, layouts
-        offs = _offsets(parts[0].layout)
+        offs = coord_offsets(parts[0].layout)  # raises on a malformed coordinate stride
         box["coords"] = [[(r + b[0], c + b[1]) for r, c in offs]
                          for b in (tuple(p.iterator) for p in parts)]
         # Spot check against the DSL's own element access.

@@ -264,37 +264,43 @@ def static_offsets(coords: cute.Tensor) -> list[tuple[int, int]]:
     """Each element's (row, col) in a coordinate tensor (a thread's partition of an identity
     tensor) less the thread's own base: the static part of its layout, known at trace time,
     so elements at the same offset are the same row or column for every thread."""
-    shape, stride = _flat(coords.layout.shape), _flat(coords.layout.stride)
-    size = 1
-    for n in shape:
-        size *= n
+    return coord_offsets(coords.layout)
+
+
+def coord_offsets(layout) -> list[tuple[int, int]]:
+    """Every element's (row, col) offset of a coordinate layout (its strides are scaled bases
+    of the identity tensor's two modes; an integer stride must be 0, a broadcast mode), in flat
+    (column-major) order."""
     out = []
-    for i in range(size):
-        crd, rest = [0, 0], i
-        for n, d in zip(shape, stride):
-            idx, rest = rest % n, rest // n
-            if isinstance(d, int):  # a broadcast mode (stride 0) moves no coordinate
+    for parts in _mode_indices(layout):
+        crd = [0, 0]
+        for idx, d in parts:
+            if isinstance(d, int):
+                if d:
+                    raise ValueError(f"integer stride {d} in a coordinate layout {layout}")
                 continue
-            mode = d.mode[0] if isinstance(d.mode, (list, tuple)) else d.mode
-            crd[mode] += idx * d.value
+            crd[d.mode[0] if isinstance(d.mode, (list, tuple)) else d.mode] += idx * d.value
         out.append((crd[0], crd[1]))
     return out
 
 
 def flat_offsets(layout) -> list[int]:
     """Every offset of a static integer layout, in its flat (column-major) order."""
+    return [sum(idx * d for idx, d in parts) for parts in _mode_indices(layout)]
+
+
+def _mode_indices(layout):
+    """For each flat (column-major) index of a static layout: its (index, stride) per mode."""
     shape, stride = _flat(layout.shape), _flat(layout.stride)
     size = 1
     for n in shape:
         size *= n
-    out = []
     for i in range(size):
-        off, rest = 0, i
+        parts, rest = [], i
         for n, d in zip(shape, stride):
-            off += (rest % n) * d
+            parts.append((rest % n, d))
             rest //= n
-        out.append(off)
-    return out
+        yield parts
 
 
 def _flat(t) -> list:
