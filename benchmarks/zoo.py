@@ -206,20 +206,13 @@ def _precompile(cases, device: torch.device, log) -> Any:
         return None
     try:
         from moe_gemm.capability import cute_problem, device_name, sm_count
-        from moe_gemm.config import GemmConfig
-        from moe_gemm.ops.heuristics import choose_varlen
-        from moe_gemm.ops.launch import _compile_key
         from moe_gemm.tuning.compile_pool import CompilePool
 
         if cute_problem(device):
             return None
         name, nsm = device_name(device), sm_count(device)
-        keys = []
-        for spec, f in cases:
-            choice = choose_varlen(GemmConfig(), f["rows"], f["E"], f["N"], f["K"], nsm,
-                                   device=name)
-            keys.append(_compile_key("varlen", torch.bfloat16, torch.bfloat16,
-                                     "k" if f["layout"] == "ENK" else "n", choice, False))
+        keys = [models.default_kernel_key(f["E"], f["N"], f["K"], f["rows"], f["layout"], name,
+                                          nsm) for _, f in cases]
         pool = CompilePool()
         if pool.inline:
             return None
@@ -290,9 +283,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             est = estimate_case_s(fields, ceilings, args.reps, quack_tuned,
                                   args.quack_tune_cap_s, history)
             if budget_left() < est:
-                left = [s.name for s, _ in cases[i:]]
-                doc["not_run"] = [c for c in left if c not in doc["cases"]]
-                doc["not_rerun"] = [c for c in left if c in doc["cases"]]
+                _leave(doc, cases[i:])
                 doc["stopped"] = (f"budget: {budget_left():.0f} s left, the next case needs "
                                   f"~{est:.0f} s")
                 break
@@ -318,9 +309,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
             if png is not None:
                 zoo_report.plot_png(doc, png)
             if r.poisoned:
-                left = [s.name for s, _ in cases[i + 1:]]
-                doc["not_run"] = [c for c in left if c not in doc["cases"]]
-                doc["not_rerun"] = [c for c in left if c in doc["cases"]]
+                _leave(doc, cases[i + 1:])
                 doc["stopped"] = f"CUDA context poisoned: {r.poisoned}"
                 break
             run_doc["results"].clear()
@@ -332,6 +321,13 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
     doc["bar"] = zoo_report.bar(doc["results"])
     doc["seconds"] = round(time.monotonic() - t0, 1)
     return doc
+
+
+def _leave(doc: dict[str, Any], cases: list) -> None:
+    """Cases a run stops before: not run, or (with --rerun) kept from the earlier run."""
+    left = [spec.name for spec, _ in cases]
+    doc["not_run"] = [c for c in left if c not in doc["cases"]]
+    doc["not_rerun"] = [c for c in left if c in doc["cases"]]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -37,22 +37,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # moe_gemm; tests/kernels as
 
 def zoo_variants(device: str, nsm: int = 132) -> list:
     """Our default kernel for every zoo projection and token count on `device`."""
-    import torch
-
-    from moe_gemm.config import GemmConfig
-    from moe_gemm.ops.heuristics import choose_varlen
-    from moe_gemm.ops.launch import _compile_key
     from moe_gemm.tuning import zoo
 
-    keys = set()
-    for tokens in zoo.parse_tokens("all", ()):
-        for m in zoo.select_models("all"):
-            for proj in m.projections():
-                rows = proj.rows(tokens)
-                choice = choose_varlen(GemmConfig(), rows, proj.E, proj.N, proj.K, nsm,
-                                       device=device)
-                keys.add(_compile_key("varlen", torch.bfloat16, torch.bfloat16,
-                                      "k" if proj.layout == "ENK" else "n", choice, False))
+    keys = {zoo.default_kernel_key(p.E, p.N, p.K, p.rows(t), p.layout, device, nsm)
+            for t in zoo.TOKENS for m in zoo.select_models("all") for p in m.projections()}
     return sorted(keys, key=lambda k: k.name())
 
 

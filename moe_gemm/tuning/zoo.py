@@ -195,3 +195,19 @@ def topk_counts(experts: int, tokens: int, top_k: int, seed: int,
         for e in chosen:
             counts[e] += 1
     return counts
+
+
+def default_kernel_key(E: int, N: int, K: int, rows: int, layout: str, device: str | None,
+                       nsm: int = 132):
+    """The CompileKey our default (no config) launches for a bf16 zoo projection of `rows`
+    routed rows on a GPU named `device` (its tuned table, else the rules): what the zoo
+    benchmark and `scripts/precompile.py --set zoo` compile ahead."""
+    import torch
+
+    from moe_gemm.config import GemmConfig
+    from moe_gemm.ops.heuristics import choose_varlen
+    from moe_gemm.ops.launch import _compile_key
+
+    choice = choose_varlen(GemmConfig(), rows, E, N, K, nsm, device=device)
+    return _compile_key("varlen", torch.bfloat16, torch.bfloat16,
+                        "k" if layout == "ENK" else "n", choice, False)
