@@ -357,7 +357,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="FILE", help="keep FILE's finished cases, run the rest")
     p.add_argument("--rerun", action="store_true", help="with --resume: measure this run's "
                    "cases again where FILE has them too (e.g. after a retune), keeping FILE's "
-                   "other cases; each case records which run measured it")
+                   "other cases (and the earlier rows of any the budget leaves: not_rerun); each case "
+                   "records which run measured it")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--out", help="JSON path (default benchmarks/results/zoo-<device>-<date>."
                    "json)")

@@ -11,9 +11,8 @@ fused kernel's and the MoE layer's GPU tests only; "zoo" = the kernel our defaul
 every model-zoo projection at every token count on a GPU of that name (--device, its shipped
 table: what a benchmark or a server on that GPU launches). --list prints the names only.
 
-The cache is keyed by the kernel sources and the DSL and TVM-FFI versions, not by the machine:
-objects compiled here load on any GPU host with the same versions (a load that fails is
-compiled again there).
+The cache is keyed by the kernel sources and the DSL and TVM-FFI versions, not by the machine
+(a cached object that fails to load is compiled again).
 
 Each worker is a fresh interpreter (spawn, never fork: a forked child inherits the parent's
 threads' locks and any CUDA state, and one hung worker stalls the pool) that compiles one
