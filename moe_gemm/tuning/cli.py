@@ -36,6 +36,17 @@ SHAPE_BUDGET_S = 30.0
 FIRST_SHAPE_EST_S = 10.0
 
 
+def _rest_ms(text: str) -> float:
+    """--rest-ms: a finite number of milliseconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return v
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-gemm tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shape-budget-s", type=float, default=SHAPE_BUDGET_S,
                    help="at most this long on one shape's search")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds of the final stage")
+    p.add_argument("--rest-ms", type=_rest_ms, default=None, help="GPU rest before each timed "
+                   "sample, ms (default 1.0, as the benchmarks sample; 0: back to back, the "
+                   "sustained power-limited regime, which ranks configs differently)")
     p.add_argument("--workers", type=int, default=None, help="compile processes")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
@@ -213,7 +227,8 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             deadline = time.monotonic() + min(args.shape_budget_s, left - 5)
             runner = None
             try:
-                runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2)
+                runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
+                                     **_rest(args))
                 res = tune_shape(shape, runner, rounds=args.rounds, deadline=deadline,
                                  out_itemsize=torch.empty(0, dtype=runner.d).element_size(),
                                  log=log)
@@ -283,6 +298,11 @@ def kernel_device(spec: str):
     return device, None
 
 
+def _rest(args: argparse.Namespace) -> dict:
+    """ShapeRunner's rest_ms when --rest-ms was given (its default otherwise)."""
+    return {} if args.rest_ms is None else {"rest_ms": args.rest_ms}
+
+
 def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log) -> int:
     """--configs: an interleaved A/B of the given configs and the rules' choice per shape."""
     import json
@@ -302,7 +322,8 @@ def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log
     report = []
     with CompilePool(args.workers) as pool:
         for i, shape in enumerate(shapes):
-            runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2)
+            runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
+                                     **_rest(args))
             try:
                 res = compare_configs(shape, runner, configs, rounds=max(args.rounds, 10))
             finally:

@@ -45,8 +45,10 @@ class ShapeRunner:
     backend = "cute"  # what candidates run on (tests drive the search on the torch backend)
 
     def __init__(self, shape: TuneShape, device: torch.device, pool: CompilePool, *,
-                 seed: int = 0, l2_bytes: int = 50 << 20, mem_fraction: float = 0.4) -> None:
+                 seed: int = 0, l2_bytes: int = 50 << 20, mem_fraction: float = 0.4,
+                 rest_ms: float = timing.REST_MS) -> None:
         self.shape = shape
+        self.rest_ms = rest_ms
         self.device = device
         self.pool = pool
         self.nsm = sm_count(device)
@@ -222,7 +224,7 @@ class ShapeRunner:
                 t = self._timed[name] = timing.capture(name, fns, calls, self.device)
             timed.append(t)
         before = {t.name: len(t.samples) for t in timed}
-        timing.sample_rounds(timed, rounds, self.device)
+        timing.sample_rounds(timed, rounds, self.device, self.rest_ms)
         return {t.name: t.samples[before[t.name]:] for t in timed}
 
     def release(self, names: list[str]) -> None:

@@ -1,15 +1,23 @@
-"""Timing candidates as the tuner does: L2-cold CUDA-graph replays, interleaved.
+"""Timing candidates as the tuner does: L2-cold CUDA-graph replays, interleaved, each
+after a short rest.
 
 For each candidate one CUDA graph is captured holding `calls` launches that cycle through
 several independent input sets (enough that together they are at least L2_FACTOR times the
 L2, so no launch finds its operands left in L2 by the previous one; a set that alone is that
 big is used alone). A sample is one replay between two events, divided by `calls`: GPU time
 per call with no host gap between the launches. Samples are taken in rounds, one per
-candidate per round, the starting candidate rotating, so clock and power drift (several
-percent over seconds on an H100/H200 under sustained GEMM load) falls on all candidates alike;
-this is the scheme of QuACK's autotuner. Each graph is replayed a few times before its first
-sample, and the GPU is first kept busy for WARMUP_MS so the first candidate does not run on a
-cool, boosting GPU.
+candidate per round, the starting candidate rotating, so clock and power drift falls on all
+candidates alike. Each graph is replayed a few times before its first sample, and the GPU is
+first kept busy for WARMUP_MS so the first candidate does not run on a cool, boosting GPU.
+
+Each sample starts after REST_MS of a low-power wait on the GPU (`torch.cuda._sleep`), as
+the benchmarks take theirs (benchmarks/clock.py: every back-to-back sample queued behind a
+sleep backlog). Without it, samples run back to back for the whole round at the power
+limit, and the ranking changes: on an H200 the same graphs of one varlen shape (E=128,
+N=2048, K=768, 65536 rows) took 7-18% longer back to back than with the rest, cluster
+configs the most (ping-pong 128x192 2x1: 424 against 360 us; 128x128 1x2: 370 against 338),
+so a tuner sampling back to back picked configs that lost in the benchmarks. rest_ms=0
+(`moe-gemm tune --rest-ms 0`) keeps the back-to-back regime for those who tune for it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ L2_FACTOR = 3  # input bytes across the rotated sets per L2 size
 TARGET_MS = 2.0  # GPU time of one replay (one sample), at least
 MAX_CALLS = 64  # launches per graph: each captured launch holds its own workspace
 WARMUP_MS = 200.0
+REST_MS = 1.0  # GPU rest before each sample (module docstring)
 
 
 def sets_needed(set_bytes: int, l2_bytes: int, max_sets: int = 16) -> int:
@@ -107,8 +116,36 @@ def capture(name: str, fns: Sequence[Callable[[], object]], calls: int,
     return Timed(name, graph, calls)
 
 
-def sample_rounds(timed: Sequence[Timed], rounds: int, device: torch.device) -> None:
-    """`rounds` interleaved samples of every graph (starting one later each round)."""
+_sleep_rate: dict[int, float] = {}
+
+
+def sleep_cycles_per_ms(device: torch.device) -> float:
+    """torch.cuda._sleep's cycles per millisecond on `device` (measured once per device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    rate = _sleep_rate.get(idx)
+    if rate is None:
+        with torch.cuda.device(idx):
+            torch.cuda._sleep(100_000)  # (the GPU leaves idle clocks first)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 10_000_000
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            rate = _sleep_rate[idx] = cycles / max(start.elapsed_time(end), 1e-3)
+    return rate
+
+
+def rest(device: torch.device, ms: float) -> None:
+    """Queue about `ms` of a low-power wait on the current stream (CUDA devices only)."""
+    if ms > 0 and device.type == "cuda":
+        torch.cuda._sleep(int(ms * sleep_cycles_per_ms(device)))
+
+
+def sample_rounds(timed: Sequence[Timed], rounds: int, device: torch.device,
+                  rest_ms: float = REST_MS) -> None:
+    """`rounds` interleaved samples of every graph (starting one later each round), each
+    after `rest_ms` of rest."""
     if not timed:
         return
     for r in range(rounds):
@@ -118,6 +155,7 @@ def sample_rounds(timed: Sequence[Timed], rounds: int, device: torch.device) -> 
         for t in order:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
+            rest(device, rest_ms)
             start.record()
             t.graph.replay()
             end.record()

@@ -152,3 +152,46 @@ def test_sets_and_calls_arithmetic():
     assert timing.calls_per_graph(25.0, 1) == 1
     assert timing.calls_per_graph(0.001, 100) == 100
 
+
+
+def test_each_sample_starts_after_a_rest(monkeypatch):
+    """On a CUDA device every sample is queued behind its rest: sleep, start event, replay,
+    end event; rest_ms=0 samples back to back (no sleep at all)."""
+    log = []
+
+    class Event(_Event):
+        def record(self, stream=None):
+            log.append("event")
+            super().record(stream)
+
+    class Graph(_Graph):
+        def replay(self):
+            log.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
+    monkeypatch.setitem(timing._sleep_rate, 0, 2_000_000.0)  # cycles per ms, as if measured
+    device = torch.device("cuda", 0)
+    timed = [timing.Timed("a", Graph(), 4), timing.Timed("b", Graph(), 4)]
+    timing.sample_rounds(timed, 3, device, rest_ms=0.5)
+    assert log == [("sleep", 1_000_000), "event", "replay", "event"] * 6
+    assert all(len(t.samples) == 3 for t in timed)
+    log.clear()
+    timing.sample_rounds(timed, 1, device, rest_ms=0)
+    assert log == ["event", "replay", "event"] * 2
+    log.clear()
+    timing.rest(torch.device("cpu"), 1.0)  # the CPU stand-ins never sleep
+    assert log == []
+
+
+def test_the_runner_samples_with_its_rest(fake_cuda, monkeypatch):
+    seen = []
+    monkeypatch.setattr(timing, "sample_rounds",
+                        lambda timed, rounds, device, rest_ms: seen.append(rest_ms))
+    shape = _shape()
+    for kwargs, want in (({}, timing.REST_MS), ({"rest_ms": 0.0}, 0.0)):
+        r = runner_mod.ShapeRunner(shape, torch.device("cpu"), _Pool(), seed=3, **kwargs)
+        r.measure([r.rules_fields()], 1)
+        assert seen[-1] == want
+        r.close()

@@ -49,3 +49,16 @@ def test_a_gpu_our_kernels_refuse_says_why(two_gpus, monkeypatch):
 def test_no_cuda_at_all(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.kernel_device("cuda") == (None, "needs a CUDA GPU (use --list without one)")
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "soon"])
+def test_rest_ms_must_be_a_finite_non_negative_number(text, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli._parser().parse_args(["--zoo", "--rest-ms", text])
+    assert exc.value.code == 2
+    assert "--rest-ms: expected milliseconds >= 0" in capsys.readouterr().err
+
+
+def test_rest_ms_reaches_the_runner_only_when_given():
+    assert cli._rest(cli._parser().parse_args(["--zoo"])) == {}
+    assert cli._rest(cli._parser().parse_args(["--zoo", "--rest-ms", "0"])) == {"rest_ms": 0.0}
