@@ -1,0 +1,39 @@
+"""benchmarks.same_config on the CPU: its arguments and the config QuACK is given (the timing
+itself needs a Hopper GPU and QuACK)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import same_config
+
+
+def test_cases_parse_and_bad_ones_are_named():
+    assert same_config.parse_cases("OLMoE-1B-7B/down/8192, GLM-4.5/gate_up/2048") == [
+        ("OLMoE-1B-7B", "down", 8192), ("GLM-4.5", "gate_up", 2048)]
+    for bad in ("OLMoE-1B-7B/up/8192", "OLMoE-1B-7B/down", "OLMoE-1B-7B/down/many", ""):
+        with pytest.raises(ValueError, match="MODEL/gate_up|down/TOKENS|no case"):
+            same_config.parse_cases(bad)
+
+
+def test_configs_map_to_the_same_quack_tile_schedule_and_cluster():
+    pp, coop = same_config.parse_configs("pp 128x192 c2x1; coop 256x128 c1x2")
+    assert same_config.quack_config(pp) == {
+        "tile_m": 128, "tile_n": 192, "pingpong": True, "cluster_m": 2, "cluster_n": 1,
+        "device_capacity": 9, "is_dynamic_persistent": False, "max_swizzle_size": 8}
+    q = same_config.quack_config(coop)
+    assert (q["tile_m"], q["tile_n"], q["pingpong"], q["cluster_m"], q["cluster_n"]) == (
+        256, 128, False, 1, 2)
+    with pytest.raises(ValueError):
+        same_config.parse_configs("pp 100x100")
+    with pytest.raises(ValueError, match="no config"):
+        same_config.parse_configs(" ; ")
+
+
+def test_the_defaults_are_valid_and_a_cpu_run_says_what_it_needs(capsys):
+    assert len(same_config.parse_cases(",".join(same_config.DEFAULT_CASES))) == 4
+    assert len(same_config.parse_configs(";".join(same_config.DEFAULT_CONFIGS))) == 5
+    assert same_config.main(["--device", "cpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert same_config.main(["--cases", "X/sideways/1"]) == 2
+    assert same_config.main(["--reps", "0"]) == 2
