@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import zoo
+from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
 DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
@@ -75,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop starting new shapes so the run ends within this many seconds")
     p.add_argument("--shape-budget-s", type=float, default=SHAPE_BUDGET_S,
                    help="at most this long on one shape's search")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds of the final stage")
+    p.add_argument("--rounds", type=int, default=FINAL_ROUNDS,
+                   help="timed rounds of the final stage (default %(default)s)")
     p.add_argument("--rest-ms", type=_rest_ms, default=None, help="GPU rest before each timed "
                    "sample, ms (default 1.0, as the benchmarks sample; 0: back to back, the "
                    "sustained power-limited regime, which ranks configs differently)")

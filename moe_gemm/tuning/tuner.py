@@ -12,7 +12,9 @@ through the stages of moe_gemm.tuning.space:
    within PRUNE of the best;
 3. one-field variations (stages, raster panel, tail split, whole-tile epilogue, visitor,
    K-sort) of the best TOP configs, and a config combining every variation that won;
-4. a final set of rounds for the leaders and the rules' choice; the lowest median wins.
+4. a final set of rounds for the leaders and the rules' choice, all of them in the same
+   rounds: the lowest median of those rounds wins (earlier samples were taken among other
+   candidates, at other moments, and only rank within their stage).
 
 Every candidate's median is kept as a sample (the lookup's neighbours step votes with them).
 """
@@ -33,6 +35,7 @@ PRUNE = 1.25  # after the first rounds, keep candidates within this factor of th
 KEEP = 8  # ... but at most this many
 TOP = 3  # stage-2 parents
 WIN = 0.99  # a variation "wins" when its median is below this fraction of its parent's
+FINAL_ROUNDS = 10  # the final stage's rounds (a round of ~6 leaders is ~20-60 ms of GPU time)
 
 
 @dataclass(frozen=True)
@@ -106,10 +109,17 @@ class Outcome:
     status: str = "pending"  # "ok" | "error" | "duplicate"
     error: str | None = None
     samples: list[float] = field(default_factory=list)
+    final: list[float] = field(default_factory=list)  # its samples of the final rounds
 
     @property
     def ms(self) -> float:
+        """The median of every sample (what each stage ranks by)."""
         return statistics.median(self.samples) if self.samples else math.inf
+
+    @property
+    def decisive_ms(self) -> float:
+        """The median of the final rounds when it took part in them, else of every sample."""
+        return statistics.median(self.final) if self.final else self.ms
 
 
 @dataclass
@@ -129,11 +139,11 @@ class ShapeResult:
         entry = {"form": k.form, "dtype": k.dtype, "out_dtype": k.out_dtype, "E": k.E,
                  "N": k.N, "K": k.K, "bucket": k.bucket, "rows": self.shape.rows,
                  "config": {f: v for f, v in self.winner.fields.items() if v is not None},
-                 "us": round(self.winner.ms * 1e3, 2), "name": self.winner.name,
+                 "us": round(self.winner.decisive_ms * 1e3, 2), "name": self.winner.name,
                  "layout": self.shape.layout,
                  "candidates": sum(1 for o in self.outcomes if o.status == "ok")}
         if self.rules is not None and self.rules.samples:
-            entry["rules_us"] = round(self.rules.ms * 1e3, 2)
+            entry["rules_us"] = round(self.rules.decisive_ms * 1e3, 2)
             entry["rules_name"] = self.rules.name
         if self.shape.label:
             entry["label"] = self.shape.label
@@ -152,7 +162,7 @@ class ShapeResult:
                 for o in self.outcomes if o.status == "error"]
 
 
-def tune_shape(shape: TuneShape, runner: Runner, *, rounds: int = 5,
+def tune_shape(shape: TuneShape, runner: Runner, *, rounds: int = FINAL_ROUNDS,
                deadline: float | None = None, out_itemsize: int = 2,
                log: Callable[[str], None] = lambda s: None) -> ShapeResult:
     """Search `shape` with `runner`; deadline: time.monotonic() after which no new stage
@@ -187,10 +197,12 @@ def tune_shape(shape: TuneShape, runner: Runner, *, rounds: int = 5,
                 log(f"  {o.name}: {err}")
         return ok
 
-    def measure(items: list[Outcome], n: int) -> None:
+    def measure(items: list[Outcome], n: int, final: bool = False) -> None:
         got = runner.measure([o.fields for o in items], n)
         for o in items:
             o.samples.extend(got.get(o.name, []))
+            if final:
+                o.final = list(got.get(o.name, []))
 
     def late() -> bool:
         return deadline is not None and time.monotonic() > deadline
@@ -238,11 +250,15 @@ def tune_shape(shape: TuneShape, runner: Runner, *, rounds: int = 5,
             runner.release([o.name for o in second if o not in leaders and o is not rules])
             if not late():
                 final = leaders + ([rules] if rules and rules not in leaders else [])
-                measure(final, rounds)
+                measure(final, rounds, final=True)
         elif late():
             stopped = "deadline before stage 2"
     timed = [o for o in outcomes.values() if o.status == "ok" and o.samples]
-    winner = min(timed, key=lambda o: o.ms) if timed else None
+    finalists = [o for o in timed if o.final]
+    if finalists:  # ranked by the rounds they ran together
+        winner = min(finalists, key=lambda o: o.decisive_ms)
+    else:
+        winner = min(timed, key=lambda o: o.ms) if timed else None
     runner.release(list(outcomes))
     return ShapeResult(shape, list(outcomes.values()), winner, rules, time.monotonic() - t0,
                        stopped)

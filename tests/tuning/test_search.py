@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
 from moe_gemm import config as cfgmod
 from moe_gemm.config import GemmConfig
 from moe_gemm.tuning import space
-from moe_gemm.tuning.tuner import TuneShape, compare_configs, tune_shape
+from moe_gemm.tuning.tuner import FINAL_ROUNDS, TuneShape, compare_configs, tune_shape
 
 # ---------------------------------------------------------------------------------------------
 # The space
@@ -308,3 +309,24 @@ def test_kernel_identity_resolves_the_default_depth():
     assert ident(choice(256, None), 4).stages == 3
     assert ident(choice(256, None, whole=True), 2).stages == 3
     assert ident(choice(256, 3, whole=True), 2) == ident(choice(256, None, whole=True), 2)
+
+
+def test_the_final_rounds_decide():
+    """Early samples only rank within their stage: in the final rounds every leader runs in
+    the same rounds, and those rounds alone pick the winner and its time."""
+
+    class Drifting(FakeRunner):
+        def measure(self, candidates, rounds):
+            got = super().measure(candidates, rounds)
+            if rounds == FINAL_ROUNDS:  # the final stage: the order reverses
+                got = {n: [3.0 - v for v in vs] for n, vs in got.items()}
+            return got
+
+    runner = Drifting(cost_by_tile)
+    res = tune_shape(SHAPE, runner)
+    finalists = [o for o in res.outcomes if o.final]
+    assert len(finalists) >= 2 and all(len(o.final) == FINAL_ROUNDS for o in finalists)
+    best = min(finalists, key=lambda o: statistics.median(o.final))
+    assert res.winner is best
+    assert best is not min(finalists, key=lambda o: cost_by_tile(o.fields))
+    assert res.entry()["us"] == pytest.approx(statistics.median(best.final) * 1e3, rel=1e-3)
