@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_state import GpuState, open_gpu_state
+from moe_gemm.tuning.timing import sleep_cycles_per_ms
 
 # Back-to-back samples queue enough launches for ~5 ms of GPU work: long enough that event
 # resolution (~0.5 us) and the inter-launch gaps are noise, short enough for 30 samples.
@@ -32,7 +33,6 @@ class Clock:
     def __init__(self, device: torch.device, gpu_state: GpuState | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self._cycles_per_ms: float | None = None
         if gpu_state is None and self.cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
             gpu_state = open_gpu_state(index)
@@ -47,23 +47,11 @@ class Clock:
     def _events(self) -> tuple[Any, Any]:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def _calibrate(self) -> float:
-        torch.cuda._sleep(100_000)
-        start, end = self._events()
-        cycles = 20_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        self._cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
-        return self._cycles_per_ms
-
     def backlog(self, ms: float) -> None:
         """Keep the GPU busy for about `ms` so the launches after it queue up behind it."""
         if not self.cuda or ms <= 0 or not hasattr(torch.cuda, "_sleep"):
             return
-        rate = self._cycles_per_ms or self._calibrate()
-        torch.cuda._sleep(int(min(ms, MAX_BACKLOG_MS) * rate))
+        torch.cuda._sleep(int(min(ms, MAX_BACKLOG_MS) * sleep_cycles_per_ms(self.device)))
 
     def single(self, fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
         """ms of one call each rep, the device idle before it (launch gap included)."""

@@ -127,7 +127,7 @@ def sleep_cycles_per_ms(device: torch.device) -> float:
         with torch.cuda.device(idx):
             torch.cuda._sleep(100_000)  # (the GPU leaves idle clocks first)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            cycles = 10_000_000
+            cycles = 20_000_000  # ~10 ms at a boost clock: events resolve ~0.5 us
             start.record()
             torch.cuda._sleep(cycles)
             end.record()
