@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_state import GpuState, open_gpu_state
-from moe_gemm.tuning.timing import sleep_cycles_per_ms
+from moe_gemm.tuning.timing import rest
 
 # Back-to-back samples queue enough launches for ~5 ms of GPU work: long enough that event
 # resolution (~0.5 us) and the inter-launch gaps are noise, short enough for 30 samples.
@@ -49,9 +49,8 @@ class Clock:
 
     def backlog(self, ms: float) -> None:
         """Keep the GPU busy for about `ms` so the launches after it queue up behind it."""
-        if not self.cuda or ms <= 0 or not hasattr(torch.cuda, "_sleep"):
-            return
-        torch.cuda._sleep(int(min(ms, MAX_BACKLOG_MS) * sleep_cycles_per_ms(self.device)))
+        if self.cuda and hasattr(torch.cuda, "_sleep"):
+            rest(self.device, min(ms, MAX_BACKLOG_MS))
 
     def single(self, fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
         """ms of one call each rep, the device idle before it (launch gap included)."""

@@ -1,19 +1,18 @@
 """Same config, same process: our varlen kernel against QuACK's, both pinned to one config.
 
     python -m benchmarks.same_config [--cases MODEL/PROJ/TOKENS,...] [--configs "pp 128x128 c1x2;..."]
-        [--reps 12] [--out FILE]
+        [--reps 15] [--out FILE]
 
 The model zoo compares our default (a tuned table's pick) with QuACK's own pick, so a row we
 lose mixes two questions: is our kernel slower than QuACK's at the same tile, cluster and
-schedule, or did we pick a worse config? This benchmark answers the first. Per zoo case and
-per config (named as `moe-gemm tune` names them: 'pp 128x192 c2x1' is ping-pong, a 128x192
-tile, clusters of 2 along M), our grouped_mm with that config and QuACK's varlen GEMM with the
-same tile, schedule and cluster (quack.gemm_interface.gemm_tuned.fn with a fixed GemmConfig,
-its raster swizzle 8 like our panel 8) run in one process on the same inputs, each output
-checked against a float32 reference first, then timed as the zoo times (benchmarks.clock:
-back-to-back calls behind a sleep backlog, rounds interleaved, the starting implementation
-rotating). Rows carry time, TFLOP/s and, on ours, `vs_quack` = QuACK's time / ours (above 1:
-ours faster).
+schedule, or did we pick a worse config? This benchmark answers the first. Per zoo case, and
+per config named as `moe-gemm tune` names them ('pp 128x192 c2x1': ping-pong, a 128x192 tile,
+clusters of 2 along M), our grouped_mm with that config and QuACK's varlen GEMM with the same
+tile, schedule and cluster (quack.gemm_interface.gemm_tuned.fn with a fixed GemmConfig, its
+raster swizzle 8 like our panel 8) go through the zoo's harness (benchmarks.runner: the zoo's
+inputs and routing, every output checked against a float32 reference first, then back-to-back
+samples behind a sleep backlog, interleaved round by round). Rows are the harness's; ours carry
+`vs_quack` = QuACK's time / ours (above 1: ours faster).
 
 Only configs both kernels build are meaningful: ping-pong 128x{128,160,192,208} and 192x128,
 cooperative 256x{128,160,192,208} and 128x{224,256}, clusters 1x1, 1x2 and 2x1.
@@ -22,17 +21,26 @@ cooperative 256x{128,160,192,208} and 128x{224,256}, clusters 1x1, 1x2 and 2x1.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.clock import Clock, quantile
-from benchmarks.runner import device_info
-from benchmarks.suite import _quack_gemm
+from benchmarks.clock import Clock
+from benchmarks.runner import Run, device_info, run_shape
+from benchmarks.suite import (
+    Impl,
+    Inputs,
+    NotApplicable,
+    Prepared,
+    ShapeSpec,
+    _as_varlen,
+    _ours,
+    _quack_gemm,
+)
 from benchmarks.zoo import build_cases
 from moe_gemm.tuning import space
 
@@ -40,8 +48,7 @@ DEFAULT_CASES = ("OLMoE-1B-7B/gate_up/2048", "OLMoE-1B-7B/down/8192",
                  "Qwen3-30B-A3B/down/8192", "GLM-4.5/down/8192")
 DEFAULT_CONFIGS = ("pp 128x128 c1x2", "pp 128x128 c2x1", "pp 128x192 c2x1", "pp 128x160 c1x2",
                    "coop 256x128 c2x1")
-TARGET_MS = 5.0  # GPU work per sample, as the zoo's samples
-ERR_TOL = 2e-2  # max |out - ref| / max |ref| for a bf16 output of an fp32 accumulation
+OURS, QUACK = "moe_gemm", "QuACK"
 
 
 def parse_cases(text: str) -> list[tuple[str, str, int]]:
@@ -76,99 +83,57 @@ def quack_config(fields: dict) -> dict:
             "device_capacity": 9, "is_dynamic_persistent": False, "max_swizzle_size": 8}
 
 
-def _inputs(f: dict, counts: tuple[int, ...], device: torch.device, seed: int):
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    E, N, K, T = f["E"], f["N"], f["K"], sum(counts)
-    x = torch.randn(T, K, device=device, dtype=torch.bfloat16, generator=gen)
-    if f["layout"] == "ENK":  # checkpoint (E, N, K), passed as its (E, K, N) view
-        w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16, generator=gen).transpose(1, 2)
-    else:
-        w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16, generator=gen)
-    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-    return x, w, offs
+def _quack_pinned(fields: dict):
+    """An implementation builder: QuACK's varlen GEMM pinned to `fields`' tile and cluster."""
 
-
-def _reference(x, w, counts) -> torch.Tensor:
-    ref = torch.empty(x.shape[0], w.shape[2], device=x.device, dtype=torch.float32)
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            ref[start:start + c] = x[start:start + c].float() @ w[e].float()
-        start += c
-    return ref
-
-
-def run_case(clock: Clock, f: dict, counts, configs: list[dict], reps: int, seed: int,
-             log) -> list[dict[str, Any]]:
-    """Every config of one case, ours and QuACK's, interleaved; one row per implementation."""
-    import moe_gemm
-
-    device = clock.device
-    qfn, why = _quack_gemm()
-    if qfn is not None:
+    def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+        if device.type != "cuda":
+            raise NotApplicable("QuACK needs a CUDA GPU (not imported here)")
+        fn, why = _quack_gemm()
+        if fn is None:
+            raise NotApplicable(why or "QuACK unavailable")
         from quack.gemm_config import GemmConfig as QuackConfig
         from quack.gemm_interface import gemm_tuned
-    x, w, offs = _inputs(f, counts, device, seed)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
-    ref = _reference(x, w, counts)
-    scale = ref.abs().max().item() or 1.0
-    T, N, K = x.shape[0], w.shape[2], x.shape[1]
-    flops = 2.0 * T * N * K
-    live, rows = [], []
+
+        x, w, offs = _as_varlen(inp, device, "QuACK varlen_m")
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
+        out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=device)
+        cfg = QuackConfig(**quack_config(fields))
+        run = lambda: gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)  # noqa: E731
+        return Prepared(run, run)
+
+    return build
+
+
+def implementations(configs: list[dict]) -> list[Impl]:
+    impls = []
     for fields in configs:
-        name = space.name_of(fields)
-        out_ours = torch.empty(T, N, device=device, dtype=torch.bfloat16)
-        cfg = space.config_of(fields)
-        calls = [("moe_gemm", lambda cfg=cfg, o=out_ours: moe_gemm.grouped_mm(
-            x, w, offs, config=cfg, out=o), out_ours, None)]
-        if qfn is not None:
-            out_q = torch.empty(T, N, device=device, dtype=torch.bfloat16)
-            qc = QuackConfig(**quack_config(fields))
-            calls.append(("QuACK", lambda qc=qc, o=out_q: gemm_tuned.fn(
-                x, w, o, cu_seqlens_m=cu, config=qc), out_q, None))
-        else:
-            calls.append(("QuACK", None, None, why))
-        for impl, fn, out, reason in calls:
-            row = {"config": name, "impl": impl, "status": "ok"}
-            rows.append(row)
-            if fn is None:
-                row.update(status="n/a", notes=reason)
-                continue
-            try:
-                fn()
-                torch.cuda.synchronize(device)
-                err = ((out.float() - ref).abs().max().item()) / scale
-            except Exception as exc:  # noqa: BLE001 - this implementation's row says why
-                row.update(status="error", notes=f"{type(exc).__name__}: {exc}"[:300])
-                continue
-            row["rel_err"] = err
-            if not err <= ERR_TOL:
-                row.update(status="wrong", notes=f"max error {err:.3g} of max|ref|")
-                continue
-            host_ms = statistics.median(clock.host_ms([fn], 5))
-            est = statistics.median(clock.back_to_back([fn], 3, 2, host_ms * 2.5 + 0.1))
-            n = max(2, int(TARGET_MS / max(est, 1e-3)))
-            live.append((row, fn, n, host_ms * n * 1.25 + 0.1, []))
-    for r in range(reps):  # interleaved, the starting implementation rotating
-        k = r % max(1, len(live))
-        for row, fn, n, backlog, samples in live[k:] + live[:k]:
-            samples += clock.back_to_back([fn], 1, n, backlog)
-    for row, _, n, _, samples in live:
-        ms = statistics.median(samples)
-        row.update(ms=ms, ms_p10=quantile(samples, 0.1), ms_p90=quantile(samples, 0.9),
-                   calls_per_sample=n, tflops=flops / ms / 1e9)
-    by = {(r["config"], r["impl"]): r for r in rows}
-    for fields in configs:
-        name = space.name_of(fields)
-        ours, quack = by[(name, "moe_gemm")], by[(name, "QuACK")]
-        if "ms" in ours and "ms" in quack:
-            ours["vs_quack"] = quack["ms"] / ours["ms"]
+        name, cfg = space.name_of(fields), space.config_of(fields)
+        impls.append(Impl(f"{OURS} {name}", peer=False, build=_ours(cfg), config=cfg))
+        impls.append(Impl(f"{QUACK} {name}", peer=True, build=_quack_pinned(fields)))
+    return impls
+
+
+def add_ratios(rows: list[dict[str, Any]], flops: float) -> list[str]:
+    """TFLOP/s on every timed row and `vs_quack` on ours; the table's lines."""
+    by = {r["impl"]: r for r in rows}
+    lines = []
+    for r in rows:
+        if r.get("ms"):
+            r["tflops"] = flops / r["ms"] / 1e9
+    for r in rows:
+        if not r["impl"].startswith(OURS + " "):
+            continue
+        name = r["impl"][len(OURS) + 1:]
+        q = by.get(f"{QUACK} {name}", {})
+        if r.get("ms") and q.get("ms"):
+            r["vs_quack"] = q["ms"] / r["ms"]
         nan = float("nan")
-        log(f"  {name:20s} | ours {ours.get('ms', nan) * 1e3:8.1f} us "
-            f"{ours.get('tflops', nan):6.1f} TFLOP/s | QuACK {quack.get('ms', nan) * 1e3:8.1f} us "
-            f"{quack.get('tflops', nan):6.1f} TFLOP/s | QuACK/ours {ours.get('vs_quack', nan):.3f}")
-    return rows
+        lines.append(f"  {name:20s} | ours {(r.get('ms') or nan) * 1e3:8.1f} us "
+                     f"{r.get('tflops', nan):6.1f} TFLOP/s | QuACK "
+                     f"{(q.get('ms') or nan) * 1e3:8.1f} us {q.get('tflops', nan):6.1f} TFLOP/s"
+                     f" | QuACK/ours {r.get('vs_quack', nan):.3f}")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -179,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
                    help="';'-separated configs as `moe-gemm tune` names them "
                    "(default: %(default)s)")
-    p.add_argument("--reps", type=int, default=12, help="interleaved rounds (default 12)")
+    p.add_argument("--reps", type=int, default=15, help="interleaved rounds (default 15)")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
     p.add_argument("--out", help="write the rows as JSON here")
@@ -202,14 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         print("same_config: needs a CUDA GPU (our kernels and QuACK's are Hopper kernels)",
               file=sys.stderr)
         return 2
-    name, info, _ = device_info(device)
+    torch.cuda.set_device(device)
+    name, info, l2 = device_info(device)
     doc: dict[str, Any] = {
         "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "device_info": info, "argv": list(sys.argv[1:] if argv is None else argv),
         "settings": {"reps": args.reps, "seed": args.seed, "timing": (
-            "ms: back-to-back median of interleaved rounds behind a sleep backlog, as the "
-            "zoo")}, "results": []}
-    clock = Clock(device)
+            "ms: back-to-back median of interleaved rounds behind a sleep backlog (the zoo's "
+            "harness)")}, "shapes": {}, "results": []}
+    run = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed, smoke=False,
+              variants=False, skip=frozenset(), doc=doc,
+              out_path=Path(args.out) if args.out else None, l2_bytes=l2)
+    impls = implementations(configs)
     for model, proj, tokens in cases:
         try:
             spec, f = build_cases(model, str(tokens), [proj], args.seed, False)[0]
@@ -218,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"{spec.name}: E={f['E']} N={f['N']} K={f['K']} rows={f['rows']} {f['layout']}",
               flush=True)
-        for row in run_case(clock, f, spec.fixed_counts, configs, args.reps, args.seed,
-                            lambda s: print(s, flush=True)):
-            doc["results"].append({"case": spec.name, **{k: f[k] for k in (
-                "model", "proj", "tokens", "E", "N", "K", "rows", "layout")}, **row})
-        torch.cuda.empty_cache()
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(doc, fh, indent=1)
+        first = len(doc["results"])
+        run_shape(run, spec, impls)
+        rows = doc["results"][first:]
+        for r in rows:
+            r.update(case=spec.name, **{k: f[k] for k in ("model", "proj", "tokens", "E", "N",
+                                                           "K", "rows", "layout")})
+        print("\n".join(add_ratios(rows, 2.0 * f["rows"] * f["N"] * f["K"])), flush=True)
+        run.save()
     ratios = sorted(r["vs_quack"] for r in doc["results"] if "vs_quack" in r)
     if ratios:
         print(f"QuACK/ours over {len(ratios)} case x config pairs: median "

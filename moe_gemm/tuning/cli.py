@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import zoo
+from moe_gemm.tuning.timing import REST_MS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
 DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
@@ -78,9 +79,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="at most this long on one shape's search")
     p.add_argument("--rounds", type=int, default=FINAL_ROUNDS,
                    help="timed rounds of the final stage (default %(default)s)")
-    p.add_argument("--rest-ms", type=_rest_ms, default=None, help="GPU rest before each timed "
-                   "sample, ms (default 1.0, as the benchmarks sample; 0: back to back, the "
-                   "sustained power-limited regime, which ranks configs differently)")
+    p.add_argument("--rest-ms", type=_rest_ms, default=REST_MS, help="GPU rest before each "
+                   "timed sample, ms (default %(default)s, as the benchmarks sample; 0: back to "
+                   "back, the sustained power-limited regime, which ranks configs differently)")
     p.add_argument("--workers", type=int, default=None, help="compile processes")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             runner = None
             try:
                 runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
-                                     **_rest(args))
+                                     rest_ms=args.rest_ms)
                 res = tune_shape(shape, runner, rounds=args.rounds, deadline=deadline,
                                  out_itemsize=torch.empty(0, dtype=runner.d).element_size(),
                                  log=log)
@@ -300,11 +301,6 @@ def kernel_device(spec: str):
     return device, None
 
 
-def _rest(args: argparse.Namespace) -> dict:
-    """ShapeRunner's rest_ms when --rest-ms was given (its default otherwise)."""
-    return {} if args.rest_ms is None else {"rest_ms": args.rest_ms}
-
-
 def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log) -> int:
     """--configs: an interleaved A/B of the given configs and the rules' choice per shape."""
     import json
@@ -325,7 +321,7 @@ def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log
     with CompilePool(args.workers) as pool:
         for i, shape in enumerate(shapes):
             runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
-                                     **_rest(args))
+                                     rest_ms=args.rest_ms)
             try:
                 res = compare_configs(shape, runner, configs, rounds=max(args.rounds, 10))
             finally:

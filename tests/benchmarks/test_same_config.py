@@ -37,3 +37,40 @@ def test_the_defaults_are_valid_and_a_cpu_run_says_what_it_needs(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert same_config.main(["--cases", "X/sideways/1"]) == 2
     assert same_config.main(["--reps", "0"]) == 2
+
+
+def test_each_config_runs_ours_and_quack_through_the_zoo_harness_on_cpu():
+    """On the CPU both sides are not applicable (Hopper kernels), and say so in their rows."""
+    import torch
+
+    from benchmarks.clock import Clock
+    from benchmarks.runner import Run, run_shape
+    from benchmarks.zoo import build_cases
+
+    configs = same_config.parse_configs("pp 128x128 c1x2; coop 256x128 c2x1")
+    impls = same_config.implementations(configs)
+    assert [i.name for i in impls] == ["moe_gemm pp 128x128 c1x2 p8", "QuACK pp 128x128 c1x2 p8",
+                                       "moe_gemm coop 256x128 c2x1 p8",
+                                       "QuACK coop 256x128 c2x1 p8"]
+    assert [i.peer for i in impls] == [False, True, False, True]
+    spec, _ = build_cases("OLMoE-1B-7B", "16", ["down"], 1234, smoke=True)[0]
+    cpu = torch.device("cpu")
+    run = Run(device=cpu, clock=Clock(cpu), reps=1, seed=1234, smoke=True, variants=False,
+              skip=frozenset(), doc={"shapes": {}, "results": []}, out_path=None)
+    run_shape(run, spec, impls)
+    rows = run.doc["results"]
+    assert [r["impl"] for r in rows] == [i.name for i in impls]
+    assert all(r["status"] == "n/a" for r in rows)
+    assert "Hopper kernels" in rows[0]["reason"] and "QuACK" in rows[1]["reason"]
+
+
+def test_ratios_are_quack_over_ours_per_config():
+    rows = [{"impl": "moe_gemm pp 128x128 c1x2 p8", "ms": 0.25},
+            {"impl": "QuACK pp 128x128 c1x2 p8", "ms": 0.26},
+            {"impl": "moe_gemm coop 256x128 c2x1 p8", "ms": None},
+            {"impl": "QuACK coop 256x128 c2x1 p8", "ms": 0.4}]
+    lines = same_config.add_ratios(rows, 2e12)
+    assert rows[0]["vs_quack"] == pytest.approx(0.26 / 0.25)
+    assert rows[0]["tflops"] == pytest.approx(2e12 / 0.25 / 1e9)
+    assert "vs_quack" not in rows[2] and "tflops" not in rows[2]
+    assert len(lines) == 2 and "1.040" in lines[0] and "nan" in lines[1]

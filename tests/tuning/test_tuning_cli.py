@@ -59,6 +59,8 @@ def test_rest_ms_must_be_a_finite_non_negative_number(text, capsys):
     assert "--rest-ms: expected milliseconds >= 0" in capsys.readouterr().err
 
 
-def test_rest_ms_reaches_the_runner_only_when_given():
-    assert cli._rest(cli._parser().parse_args(["--zoo"])) == {}
-    assert cli._rest(cli._parser().parse_args(["--zoo", "--rest-ms", "0"])) == {"rest_ms": 0.0}
+def test_rest_ms_defaults_to_the_tuners_rest():
+    from moe_gemm.tuning.timing import REST_MS
+
+    assert cli._parser().parse_args(["--zoo"]).rest_ms == REST_MS
+    assert cli._parser().parse_args(["--zoo", "--rest-ms", "0"]).rest_ms == 0.0
