@@ -31,16 +31,7 @@ import torch
 
 from benchmarks.clock import Clock
 from benchmarks.runner import Run, device_info, run_shape
-from benchmarks.suite import (
-    Impl,
-    Inputs,
-    NotApplicable,
-    Prepared,
-    ShapeSpec,
-    _as_varlen,
-    _ours,
-    _quack_gemm,
-)
+from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, quack_operands
 from benchmarks.zoo import build_cases
 from moe_gemm.tuning import space
 
@@ -87,16 +78,10 @@ def _quack_pinned(fields: dict):
     """An implementation builder: QuACK's varlen GEMM pinned to `fields`' tile and cluster."""
 
     def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
-        if device.type != "cuda":
-            raise NotApplicable("QuACK needs a CUDA GPU (not imported here)")
-        fn, why = _quack_gemm()
-        if fn is None:
-            raise NotApplicable(why or "QuACK unavailable")
+        _, x, w, cu = quack_operands(inp, device)
         from quack.gemm_config import GemmConfig as QuackConfig
         from quack.gemm_interface import gemm_tuned
 
-        x, w, offs = _as_varlen(inp, device, "QuACK varlen_m")
-        cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
         out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=device)
         cfg = QuackConfig(**quack_config(fields))
         run = lambda: gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)  # noqa: E731

@@ -541,14 +541,20 @@ def _quack_gemm() -> tuple[Callable[..., Any] | None, str | None]:
     return _quack_cache["fn"], _quack_cache["why"]
 
 
-def _build_quack(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+def quack_operands(inp: Inputs, device: torch.device):
+    """QuACK's gemm and the varlen operands it takes: (gemm, x, w, cu_seqlens_m);
+    NotApplicable where QuACK cannot run or the inputs are not its kind."""
     if device.type != "cuda":
         raise NotApplicable("QuACK needs a CUDA GPU (not imported here)")
     fn, why = _quack_gemm()
     if fn is None:
         raise NotApplicable(why or "QuACK unavailable")
     x, w, offs = _as_varlen(inp, device, "QuACK varlen_m")
-    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
+    return fn, x, w, torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
+
+
+def _build_quack(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+    fn, x, w, cu = quack_operands(inp, device)
     # tuned=False: QuACK's default (heuristic) config; its autotuner would take minutes.
     run = lambda: fn(x, w, cu_seqlens_m=cu, tuned=False)  # noqa: E731
     return Prepared(run, run)
@@ -572,13 +578,7 @@ def quack_autotune_seconds(call_ms: float) -> float:
 def _build_quack_tuned(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
     """QuACK with tuned=True: its autotuner picks among its configs on the first call (per
     shape, cached in memory and, with QUACK_CACHE_AUTOTUNING=1, on disk)."""
-    if device.type != "cuda":
-        raise NotApplicable("QuACK needs a CUDA GPU (not imported here)")
-    fn, why = _quack_gemm()
-    if fn is None:
-        raise NotApplicable(why or "QuACK unavailable")
-    x, w, offs = _as_varlen(inp, device, "QuACK varlen_m")
-    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), offs])
+    fn, x, w, cu = quack_operands(inp, device)
     run = lambda: fn(x, w, cu_seqlens_m=cu, tuned=True)  # noqa: E731
     return Prepared(run, run, describe=_quack_tuned_choice)
 
