@@ -24,7 +24,10 @@ FP8 peer.
 The default subset (DEFAULT_MODELS x both projections x DEFAULT_TOKENS) fits about nine
 minutes on an H100 with --budget-s 480; --budget-s stops before a case that would not fit and
 lists the rest under "not_run"; --resume FILE adds the missing cases of an earlier run's JSON
-(--rerun: measures the selected cases again, replacing theirs).
+(--rerun: measures the selected cases again, replacing theirs). On a machine of several GPUs,
+`--shard I/N` (one process per GPU, CUDA_VISIBLE_DEVICES=I, each with its own --out) splits
+the cases, and `--merge FILE --merge FILE ...` joins the shards' JSON (or puts a rerun of some
+cases on top of a whole run) without a GPU.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from benchmarks.suite import (
     quack_autotune_seconds,
 )
 from moe_gemm.tuning import zoo as models
+from moe_gemm.tuning.shards import parse_shard, take_shard
 
 DEFAULT_MODELS = models.DEFAULT_MODELS
 FP8_MODELS = models.FP8_MODELS
@@ -245,7 +249,8 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
     """Every case that fits the budget; the JSON (and the PNG) rewritten after each, so a
     run stopped at any point leaves what finished."""
     t0 = time.monotonic()
-    cases = build_cases(args.models, args.tokens, args.proj, args.seed, args.smoke, args.fp8)
+    cases = take_shard(build_cases(args.models, args.tokens, args.proj, args.seed, args.smoke,
+                                   args.fp8), args.shard)
     doc = new_doc(device, args, argv)
     if args.resume:
         old = json.loads(Path(args.resume).read_text())
@@ -370,9 +375,41 @@ def _parser() -> argparse.ArgumentParser:
                    "implementation by exact name (repeatable)")
     p.add_argument("--smoke", action="store_true", help="tiny stand-ins, torch backend: checks "
                    "the harness (CPU is fine)")
+    p.add_argument("--shard", type=parse_shard, metavar="I/N", help="run shard I of N of the "
+                   "cases (every N-th, from the I-th): one process per GPU "
+                   "(CUDA_VISIBLE_DEVICES=I), each with its own --out; --merge joins them")
+    p.add_argument("--merge", action="append", default=[], metavar="FILE",
+                   help="join these runs' JSON (repeatable, in order: a later file's case "
+                   "replaces an earlier one's) into --out (or the default path) with the bar "
+                   "derived again, and exit; no GPU needed")
     p.add_argument("--list", action="store_true", help="list the models and exit")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def merge(args: argparse.Namespace) -> int:
+    """`--merge`: one document from several runs' (see zoo_report.merge_docs)."""
+    from moe_gemm.ops.tuned import device_slug
+
+    try:
+        docs = [(f, json.loads(Path(f).read_text())) for f in args.merge]
+        doc = zoo_report.merge_docs(docs)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"error: --merge: {exc}", file=sys.stderr)
+        return 2
+    stem = "zoo-fp8" if doc.get("settings", {}).get("dtype") == FP8 else "zoo"
+    out_path = Path(args.out) if args.out else (
+        Path(args.out_dir or "benchmarks/results")
+        / f"{stem}-{device_slug(str(doc.get('device')))}-{doc.get('date')}.json")
+    write_json(out_path, doc)
+    notes = [f"wrote {out_path} ({len(doc['cases'])} cases from {len(docs)} files)"]
+    if (args.png or "").lower() != "none":
+        png = Path(args.png) if args.png else out_path.with_suffix(".png")
+        why = zoo_report.plot_png(doc, png)
+        notes.append(f"wrote {png}" if why is None else f"warning: {why}")
+    print("; ".join(notes), flush=True)
+    print(zoo_report.format_table(doc), flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"intermediate={m.intermediate:<5d} {m.layout}  {m.hf_id}{fp8}")
         print("(* = in the default subset; --fp8 takes the models with an FP8 checkpoint)")
         return 0
+    if args.merge:
+        return merge(args)
     args.reps = args.reps or (2 if args.smoke else DEFAULT_REPS)
     args.proj = [p.strip() for p in args.proj.split(",") if p.strip()]
     if args.reps < 1 or not set(args.proj) <= {"gate_up", "down"} or not args.proj:

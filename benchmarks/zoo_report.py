@@ -11,6 +11,7 @@ least BAR_SHARE of the cases and at least BAR_MIN on every case.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,52 @@ def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
                           if r.get("best_peer_chosen") else {})}
                       for v, r in losses],
     }
+
+
+# Settings that must agree for two runs' cases to sit in one table (the routing, the data,
+# the method); the budget may differ.
+SAME_SETTINGS = ("dtype", "reps", "seed", "smoke", "quack_tuned", "routing", "timing")
+
+
+def merge_docs(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One zoo document from several runs' (e.g. one shard per GPU, or a rerun of some cases
+    on top of a whole run), in order: a later document's case replaces an earlier one's, rows
+    and all. Each case keeps which run measured it ("run" indexes the merged "runs"); the bar
+    is derived again. ValueError if the runs were on other devices or with other settings."""
+    for name, d in docs:
+        if not (isinstance(d, dict) and isinstance(d.get("cases"), dict)
+                and isinstance(d.get("results"), list)):
+            raise ValueError(f"{name} is not a zoo run (an object with cases and results)")
+    (first_name, first), rest = docs[0], docs[1:]
+    out = copy.deepcopy(first)
+    for name, d in rest:
+        if d.get("device") != out.get("device"):
+            raise ValueError(f"{name} was measured on {d.get('device')}, {first_name} on "
+                             f"{out.get('device')}")
+        a, b = out.get("settings") or {}, d.get("settings") or {}
+        if diff := [k for k in SAME_SETTINGS if a.get(k) != b.get(k)]:
+            raise ValueError(f"{name} and {first_name} differ in {', '.join(diff)}")
+        offset = len(out.get("runs") or [])
+        out["runs"] = list(out.get("runs") or []) + copy.deepcopy(d.get("runs") or [])
+        done = {c: info for c, info in (d.get("cases") or {}).items() if info.get("complete")}
+        for c, info in done.items():
+            info = copy.deepcopy(info)
+            info["run"] = int(info.get("run", 0)) + offset
+            out["cases"][c] = info
+        out["results"] = [r for r in out.get("results") or [] if r.get("case") not in done] + [
+            copy.deepcopy(r) for r in d.get("results") or [] if r.get("case") in done]
+        out["not_run"] = list(dict.fromkeys((out.get("not_run") or []) + (d.get("not_run")
+                                                                         or [])))
+        out["ceilings"] = d.get("ceilings") or out.get("ceilings")
+        out["date"] = max(str(out.get("date", "")), str(d.get("date", "")))
+    out["not_run"] = [c for c in out.get("not_run") or [] if c not in out["cases"]]
+    out.pop("not_rerun", None)
+    out.pop("stopped", None)
+    out.pop("seconds", None)
+    out["merged"] = [name for name, _ in docs]
+    out["complete"] = not out["not_run"]
+    out["bar"] = bar(out["results"])
+    return out
 
 
 def _clocks(ours: dict[str, Any], best: dict[str, Any] | None) -> str:

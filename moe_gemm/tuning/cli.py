@@ -6,6 +6,9 @@
                                         time only these configs and the rules' choice (an A/B,
                                         printed; no table is written)
     moe-gemm tune --list --zoo          what would be tuned (no GPU needed)
+    moe-gemm tune --zoo --shard 1/4 --no-merge --out t1.json   shard 1 of 4 (one per GPU)
+    moe-gemm tune --merge t0.json --merge t1.json ... --out T.json
+                                        add shards' tables into T (no GPU needed)
 
 A --shapes item is E,N,K,ROWS[,ROWS...]: E experts with (N, K) weights, one shape per ROWS
 (routed rows for grouped_mm, rows per problem for --form batched). --zoo takes the MoE
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import zoo
+from moe_gemm.tuning.shards import parse_shard, take_shard
 from moe_gemm.tuning.timing import REST_MS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
@@ -89,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
                    "128x256 c1x2 s3 p16'): time only these and the rules' choice, print, and "
                    "write no table")
     p.add_argument("--report", help="with --configs: also write the timings as JSON here")
+    p.add_argument("--shard", type=parse_shard, metavar="I/N", help="tune shard I of N of "
+                   "the shapes (every N-th, from the I-th): one process per GPU, each with its "
+                   "own --out; --merge puts them together")
+    p.add_argument("--merge", action="append", default=[], metavar="FILE",
+                   help="add this table's entries and samples into the table at --out "
+                   "(repeatable; later files win on the same key) and exit; no GPU needed")
     p.add_argument("--list", action="store_true", help="print the shapes and exit")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -142,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    if args.merge:
+        return merge(args.merge, args.out, log)
     dtype = DTYPE_NAMES[args.dtype]
     out_dtype = DTYPE_NAMES[args.out_dtype or args.dtype]
     try:
@@ -155,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if not shapes:
         print("moe-gemm tune: nothing to tune: give --zoo and/or --shapes", file=sys.stderr)
         return 2
+    shapes = take_shard(shapes, args.shard)
     configs = []
     if args.configs:
         from moe_gemm.tuning.space import parse_name
@@ -176,6 +189,48 @@ def main(argv: list[str] | None = None) -> int:
     if configs:
         return run_compare(args, shapes, configs, log)
     return run(args, shapes, log)
+
+
+def merge(files: list[str], out: str | None, log) -> int:
+    """`--merge`: the entries, samples and failures of `files` added into the table at `out`
+    (a new table with the first file's header when absent), in order, so a later file's entry
+    replaces an earlier one's for the same key. Every file must be a valid table of one
+    device."""
+    import json
+
+    from moe_gemm.tuning import table_io
+
+    if not out:
+        print("moe-gemm tune: --merge needs --out (the table to add into)", file=sys.stderr)
+        return 2
+    docs = []
+    for f in files:
+        try:
+            docs.append((f, table_io.read_table(Path(f))))
+        except (OSError, ValueError) as exc:
+            print(f"moe-gemm tune: --merge {f}: {exc}", file=sys.stderr)
+            return 2
+    device = docs[0][1]["device"]
+    if others := sorted({d["device"] for _, d in docs} - {device}):
+        print(f"moe-gemm tune: --merge takes tables of one device; got {device} and "
+              f"{', '.join(others)}", file=sys.stderr)
+        return 2
+    out_path = Path(out)
+    if out_path.exists():
+        try:
+            doc = table_io.read_table(out_path, device)
+        except (OSError, ValueError) as exc:
+            print(f"moe-gemm tune: --out {out}: {exc}", file=sys.stderr)
+            return 2
+    else:  # the first file's header; every file's valid entries are added below
+        doc = {**json.loads(json.dumps(docs[0][1])), "entries": [], "samples": [],
+               "failures": []}
+    for f, other in docs:
+        n = table_io.merge_into(doc, other)
+        log(f"[tune] --merge {f}: {n} entries")
+    table_io.write(out_path, doc)
+    print(f"merged {len(files)} tables into {out_path}: {len(doc['entries'])} entries")
+    return 0
 
 
 def run(args: argparse.Namespace, shapes: list, log) -> int:

@@ -43,6 +43,45 @@ def load_existing(path: Path, device: str) -> tuple[dict[str, Any] | None, str |
     return doc, None
 
 
+def read_table(path: Path, device: str | None = None) -> dict[str, Any]:
+    """A valid table from `path` (of `device` when given): OSError or ValueError (naming the
+    file and what is wrong) otherwise."""
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict) or not isinstance(doc.get("device"), str):
+        raise ValueError(f"{path} is not a tuned table (no device name)")
+    tuned.parse_table(doc, str(path), device or doc["device"])
+    doc.setdefault("samples", [])
+    doc.setdefault("failures", [])
+    return doc
+
+
+def merge_into(doc: dict[str, Any], other: dict[str, Any]) -> int:
+    """Add `other`'s valid entries, samples and failures into `doc` (other wins on equal
+    keys); returns how many entries were added (an entry the reader would skip is left out)."""
+    add_result(doc, None, [s for s in other.get("samples") or [] if _valid_sample(s)])
+    added = 0
+    for e in other["entries"]:
+        try:
+            tuned.key_of(e)
+            tuned.config_fields(e.get("config"))
+        except (tuned.TableError, AttributeError):
+            continue
+        add_result(doc, e, [])
+        added += 1
+    doc.setdefault("failures", [])
+    seen = {json.dumps(f, sort_keys=True) for f in doc["failures"]}
+    doc["failures"] += [f for f in other.get("failures") or []
+                        if json.dumps(f, sort_keys=True) not in seen]
+    return added
+
+
+def _valid_sample(s: Any) -> bool:
+    try:
+        return len(tuned.parse_samples([s])) == 1
+    except (tuned.TableError, TypeError, KeyError, ValueError):
+        return False
+
+
 def entry_key(e: dict) -> tuple:
     return (e["form"], e["dtype"], e.get("out_dtype", e["dtype"]), e["E"], e["N"], e["K"],
             e["bucket"])

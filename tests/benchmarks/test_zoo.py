@@ -212,3 +212,59 @@ def test_table_shows_clocks_only_where_both_were_read():
     assert "MHz 1605/1755" in zoo_report.format_table(doc(1605.0, 1755.0))
     assert "MHz" not in zoo_report.format_table(doc(1605.0, None))
     assert "MHz" not in zoo_report.format_table(doc(None, None))
+
+
+def test_shards_run_disjoint_cases_and_merge_into_one_run(tmp_path, capsys):
+    sel = ("--models", "OLMoE-1B-7B,gpt-oss-20b", "--tokens", "1,16")
+    whole = _run(tmp_path, *sel, name="whole.json")
+    parts = [_run(tmp_path, *sel, "--shard", f"{i}/3", name=f"s{i}.json") for i in range(3)]
+    names = [sorted(p["cases"]) for p in parts]
+    assert sorted(sum(names, [])) == sorted(whole["cases"])  # every case once
+    assert all(names) and not set(names[0]) & set(names[1])
+    out = tmp_path / "merged.json"
+    assert zoo.main(["--merge", str(tmp_path / "s0.json"), "--merge", str(tmp_path / "s1.json"),
+                     "--merge", str(tmp_path / "s2.json"), "--out", str(out)]) == 0
+    assert "3 files" in capsys.readouterr().out
+    merged = json.loads(out.read_text())
+    assert sorted(merged["cases"]) == sorted(whole["cases"]) and merged["complete"] is True
+    assert len(merged["runs"]) == 3 and merged["not_run"] == []
+    for i, p in enumerate(parts):  # each case says which shard's run measured it
+        assert {merged["cases"][c]["run"] for c in p["cases"]} == {i}
+        assert ([r for r in merged["results"] if r["case"] in p["cases"]]
+                == p["results"])
+    assert merged["bar"] == zoo_report.bar(merged["results"])
+    assert merged["bar"]["cases"] == len(whole["cases"])
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_merge_replaces_cases_in_order_and_refuses_other_runs(tmp_path, capsys):
+    sel = ("--models", "OLMoE-1B-7B", "--tokens", "1,16")
+    base = _run(tmp_path, *sel, name="base.json")
+    redo = _run(tmp_path, *sel, "--proj", "down", "--tokens", "16", name="redo.json")
+    out = tmp_path / "m.json"
+    assert zoo.main(["--merge", str(tmp_path / "base.json"), "--merge",
+                     str(tmp_path / "redo.json"), "--out", str(out), "--png", "none"]) == 0
+    m = json.loads(out.read_text())
+    assert sorted(m["cases"]) == sorted(base["cases"])
+    assert m["cases"]["OLMoE-1B-7B/down/16"]["run"] == 1
+    assert ([r for r in m["results"] if r["case"] == "OLMoE-1B-7B/down/16"]
+            == [r for r in redo["results"] if r["case"] == "OLMoE-1B-7B/down/16"])
+    assert ([r for r in m["results"] if r["case"] == "OLMoE-1B-7B/down/1"]
+            == [r for r in base["results"] if r["case"] == "OLMoE-1B-7B/down/1"])
+    assert not out.with_suffix(".png").exists()
+    capsys.readouterr()
+    # Another seed (other routing), another device, a missing or broken file: exit 2.
+    _run(tmp_path, *sel, "--seed", "7", name="seed7.json")
+    other = dict(base, device="Some Other GPU")
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    (tmp_path / "bad.json").write_text("[")
+    (tmp_path / "list.json").write_text("[]")
+    for f, words in (("seed7.json", "seed"), ("other.json", "Some Other GPU"),
+                     ("list.json", "not a zoo run"),
+                     ("missing.json", "missing.json"), ("bad.json", "--merge")):
+        assert zoo.main(["--merge", str(tmp_path / "base.json"), "--merge",
+                         str(tmp_path / f), "--out", str(tmp_path / "x.json")]) == 2, f
+        assert words in capsys.readouterr().err, f
+    assert not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):
+        zoo.main(["--smoke", "--shard", "2/2"])

@@ -1,0 +1,132 @@
+"""Sharding a work list over GPUs (`--shard I/N`) and merging the shards' tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from moe_gemm.tuning import cli, table_io
+from moe_gemm.tuning.shards import parse_shard, take_shard
+
+DEV = "NVIDIA H200"
+CEIL = {"mm_flops_per_s": 7.0e14, "copy_bytes_per_s": 4.0e12}
+
+
+def test_parse_shard_accepts_i_of_n_and_names_the_form_otherwise():
+    assert parse_shard("0/4") == (0, 4) and parse_shard("3/4") == (3, 4)
+    assert parse_shard("0/1") == (0, 1)
+    for bad in ("4/4", "-1/4", "1/0", "1", "a/b", "1/2/3", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="I/N"):
+            parse_shard(bad)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_shards_cover_every_item_once_and_are_balanced(n):
+    items = list(range(23))
+    parts = [take_shard(items, (i, n)) for i in range(n)]
+    assert sorted(x for p in parts for x in p) == items
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert parts[0][0] == 0 and all(p == sorted(p) for p in parts)  # priority order kept
+    assert take_shard(items, None) == items
+
+
+def test_cli_shard_lists_its_share(capsys):
+    assert cli.main(["--list", "--zoo", "--models", "DeepSeek-V3,OLMoE-1B-7B",
+                     "--tokens", "16,2048"]) == 0
+    every = capsys.readouterr().out.splitlines()
+    shares = []
+    for i in range(3):
+        assert cli.main(["--list", "--zoo", "--models", "DeepSeek-V3,OLMoE-1B-7B",
+                         "--tokens", "16,2048", "--shard", f"{i}/3"]) == 0
+        shares.append(capsys.readouterr().out.splitlines())
+    assert sorted(sum(shares, [])) == sorted(every) and len(every) == 8
+    assert shares[1] == every[1::3]
+    with pytest.raises(SystemExit):
+        cli.main(["--list", "--zoo", "--shard", "3/3"])
+    assert "I/N" in capsys.readouterr().err
+
+
+def _entry(E, us, tile_n=128, bucket=5):
+    return {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": E, "N": 512,
+            "K": 1024, "bucket": bucket, "rows": 32 * E,
+            "config": {"schedule": "pingpong", "tile_m": 128, "tile_n": tile_n}, "us": us}
+
+
+def _sample(E, us, tile_n=128):
+    return {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": E, "N": 512,
+            "K": 1024, "rows": 32 * E,
+            "config": {"schedule": "pingpong", "tile_m": 128, "tile_n": tile_n}, "us": us}
+
+
+def _table(path, entries, samples=(), device=DEV, failures=()):
+    doc = table_io.new_table(device, 132, {"moe_gemm": "test"}, CEIL)
+    for e in entries:
+        table_io.add_result(doc, e, [])
+    table_io.add_result(doc, None, list(samples))
+    doc["failures"] = list(failures)
+    table_io.write(path, doc)
+    return path
+
+
+def test_merge_adds_shards_into_the_table_and_later_files_win(tmp_path, capsys):
+    base = _table(tmp_path / "base.json", [_entry(8, 100.0), _entry(16, 200.0)],
+                  [_sample(8, 100.0), _sample(16, 200.0)])
+    s0 = _table(tmp_path / "s0.json", [_entry(8, 90.0, tile_n=192)],
+                [_sample(8, 90.0, tile_n=192), _sample(8, 95.0)],
+                failures=[{"shape": "a", "config": "x", "why": "oom"}])
+    s1 = _table(tmp_path / "s1.json", [_entry(32, 300.0), _entry(8, 80.0, tile_n=160)])
+    assert cli.main(["--merge", str(s0), "--merge", str(s1), "--out", str(base)]) == 0
+    assert "3 entries" in capsys.readouterr().out
+    doc = json.loads(base.read_text())
+    by_e = {e["E"]: e for e in doc["entries"]}
+    assert sorted(by_e) == [8, 16, 32]
+    assert by_e[8]["us"] == 80.0 and by_e[8]["config"]["tile_n"] == 160  # s1 came last
+    assert by_e[16]["us"] == 200.0  # untouched
+    # The E=8 shape's samples are s0's (they replace the base's for that shape), E=16 kept.
+    assert sorted((s["E"], s["us"]) for s in doc["samples"]) == [(8, 90.0), (8, 95.0),
+                                                                  (16, 200.0)]
+    assert doc["failures"] == [{"shape": "a", "config": "x", "why": "oom"}]
+    # Merging the same shard again changes nothing and duplicates no failure.
+    assert cli.main(["--merge", str(s1), "--merge", str(s0), "--out", str(base)]) == 0
+    again = json.loads(base.read_text())
+    assert len(again["entries"]) == 3 and len(again["failures"]) == 1
+    assert {e["E"]: e["us"] for e in again["entries"]}[8] == 90.0  # s0 last now
+
+
+def test_merge_into_a_new_file_and_bad_inputs(tmp_path, capsys):
+    s0 = _table(tmp_path / "s0.json", [_entry(8, 90.0)])
+    s1 = _table(tmp_path / "s1.json", [_entry(16, 80.0)])
+    out = tmp_path / "new.json"
+    assert cli.main(["--merge", str(s0), "--merge", str(s1), "--out", str(out)]) == 0
+    assert sorted(e["E"] for e in json.loads(out.read_text())["entries"]) == [8, 16]
+    capsys.readouterr()
+    # No --out, a missing or corrupt file, another device's table: exit 2 with the reason,
+    # and the table at --out is left as it was.
+    before = out.read_text()
+    other = _table(tmp_path / "h100.json", [_entry(8, 1.0)], device="NVIDIA H100 80GB HBM3")
+    (tmp_path / "bad.json").write_text("{")
+    cases = [(["--merge", str(s0)], "needs --out"),
+             (["--merge", str(tmp_path / "missing.json"), "--out", str(out)], "missing.json"),
+             (["--merge", str(tmp_path / "bad.json"), "--out", str(out)], "bad.json"),
+             (["--merge", str(s0), "--merge", str(other), "--out", str(out)], "one device"),
+             (["--merge", str(other), "--out", str(out)], "H100")]
+    for argv, words in cases:
+        assert cli.main(argv) == 2, argv
+        assert words in capsys.readouterr().err, argv
+        assert out.read_text() == before
+
+
+def test_merge_leaves_out_entries_the_reader_would_skip(tmp_path):
+    s0 = _table(tmp_path / "s0.json", [_entry(8, 90.0)])
+    doc = json.loads(s0.read_text())
+    doc["entries"] += [{"form": "varlen", "E": 8}, "junk",
+                       {**_entry(16, 1.0), "config": {"tile_m": 128, "bogus": 1}}]
+    doc["samples"] = [{"E": 1}, _sample(8, 90.0)]
+    s0.write_text(json.dumps(doc))
+    out = tmp_path / "out.json"
+    assert cli.main(["--merge", str(s0), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [e["E"] for e in merged["entries"]] == [8]
+    assert [s["E"] for s in merged["samples"]] == [8]
