@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.clock import Clock
-from benchmarks.runner import Run, device_info, run_shape
+from benchmarks.runner import Run, bench_device, device_info, run_shape
 from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, quack_operands
 from benchmarks.zoo import build_cases
 from moe_gemm.tuning import space
@@ -147,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         print("same_config: --reps must be at least 1", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        print("same_config: needs a CUDA GPU (our kernels and QuACK's are Hopper kernels)",
-              file=sys.stderr)
+    needs = "same_config: needs a CUDA GPU (our kernels and QuACK's are Hopper kernels)"
+    if not torch.cuda.is_available() or not str(args.device).startswith("cuda"):
+        print(needs, file=sys.stderr)
         return 2
-    torch.cuda.set_device(device)
+    try:  # (a plain "cuda" becomes the current GPU with its index, and is made current)
+        device = bench_device(args.device, False, "same_config")
+    except ValueError as exc:
+        print(f"same_config: {exc}", file=sys.stderr)
+        return 2
     name, info, l2 = device_info(device)
     doc: dict[str, Any] = {
         "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
