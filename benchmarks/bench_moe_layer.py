@@ -175,7 +175,7 @@ def kernel_keys(m: dict, tokens: list[int], device: torch.device) -> set:
     library's own choices for this device, tuned tables included)."""
     from moe_gemm.capability import sm_count
     from moe_gemm.config import GemmConfig
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import launch_kernel
     from moe_gemm.ops.fused_launch import fused_choice, fused_key
     from moe_gemm.ops.fused_validation import check_fused_mm
     from moe_gemm.ops.heuristics import choose_varlen
@@ -184,15 +184,15 @@ def kernel_keys(m: dict, tokens: list[int], device: torch.device) -> set:
     gpt = m["kind"] == "gpt-oss"
     nsm = sm_count(device) if device.type == "cuda" else 132  # (CPU: an H100's, for tests)
     cfg, meta = GemmConfig(), torch.device("meta")
-    table = launch._table_device(device)
+    table = launch_kernel._table_device(device)
     bf16 = torch.bfloat16
     keys = set()
     for T in tokens:
         S = T * k
         for N, K in ((2 * I, H), (H, I)):  # gate-up, down: unfused grouped_mm
             choice = choose_varlen(cfg, S, E, N, K, nsm, 2, device=table)
-            keys.add(launch._compile_key("varlen", bf16, bf16, "n" if gpt else "k", choice,
-                                         False))
+            keys.add(launch_kernel._compile_key("varlen", bf16, bf16, "n" if gpt else "k",
+                                                choice, False))
         w1 = (torch.empty(E, H, 2 * I, dtype=bf16, device=meta) if gpt
               else torch.empty(E, 2 * I, H, dtype=bf16, device=meta).transpose(1, 2))
         w2 = (torch.empty(E, I, H, dtype=bf16, device=meta) if gpt

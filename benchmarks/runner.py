@@ -185,7 +185,7 @@ def _not_run_row(spec: ShapeSpec, impl: Impl, why: str) -> dict[str, Any]:
 
 def _last_launch() -> object | None:
     """What our host wrapper last launched on this thread, if it was ever loaded."""
-    host = sys.modules.get("moe_gemm.ops.launch")  # loaded only once cute has run
+    host = sys.modules.get("moe_gemm.ops.launch_info")  # loaded only once cute has run
     fn = getattr(host, "last_launch", None)
     try:
         return fn() if callable(fn) else None

@@ -1,12 +1,13 @@
 """Host cost per call of each op's cute path, measured on the CPU (no GPU needed).
 
 The compiled kernel is replaced by a no-op that counts its calls, capability says the cute
-backend can run, and the CUDA-only pieces of ops/launch.py (stream, capture state, pinned
-staging, SM count) get CPU stand-ins; everything else is the real per-call path: the plan
-lookup, validation or the scan, the metadata, the output allocation, the kernel's argument
-list. What it leaves out: the kernel call through TVM-FFI (~4-5 us on an H200 host), CUDA's
-allocator (torch.empty is ~1 us slower there) and the pinned host-to-device copy of a
-metadata miss. Numbers from this machine compare with each other, not with a GPU host's.
+backend can run, and the CUDA-only pieces of the launch path (ops/launch_resources.py: stream,
+capture state, pinned staging; ops/launch_kernel.py: SM count) get CPU stand-ins; everything
+else is the real per-call path: the plan lookup, validation or the scan, the metadata, the
+output allocation, the kernel's argument list. What it leaves out: the kernel call through
+TVM-FFI (~4-5 us on an H200 host), CUDA's allocator (torch.empty is ~1 us slower there) and the
+pinned host-to-device copy of a metadata miss. Numbers from this machine compare with each
+other, not with a GPU host's.
 
     python scripts/host_cpu_profile.py                 # every case, us per call
     python scripts/host_cpu_profile.py --profile "grouped_gemm 256"   # cProfile of one case
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import moe_gemm  # noqa: E402
-from moe_gemm.ops import api, launch  # noqa: E402
+from moe_gemm.ops import api, launch_kernel, launch_resources  # noqa: E402
 
 
 class NoKernel:
@@ -46,13 +47,13 @@ class NoKernel:
 def install_cpu_launch(kernel: NoKernel) -> None:
     """The cute path on CPU tensors, `kernel` as every compiled kernel."""
     api.cute_problem = lambda device=None: None
-    launch.sm_count = lambda device: 132
-    launch._device_index = lambda device: 0
-    launch._raw_stream = lambda idx: 0
-    launch._capturing = lambda: False
-    launch._pinned = lambda shape, dtype: torch.empty(shape, dtype=dtype)
-    launch._kernel_for = lambda *a: kernel
-    launch._compiled = lambda key: kernel
+    launch_kernel.sm_count = lambda device: 132
+    launch_resources._device_index = lambda device: 0
+    launch_resources._raw_stream = lambda idx: 0
+    launch_resources._capturing = lambda: False
+    launch_resources._pinned = lambda shape, dtype: torch.empty(shape, dtype=dtype)
+    launch_kernel._kernel_for = lambda *a: kernel
+    launch_kernel._compiled = lambda key: kernel
     os.environ.pop("MOE_GEMM_DISABLE_CUTE", None)
 
 

@@ -70,7 +70,7 @@ def main() -> None:
     print(f"F.grouped_mm 3-D:          {per_call(lambda: ws(x3, w)):8.1f} us/call")
     print(f"torch.bmm 3-D:             {per_call(lambda: torch.bmm(x3, w)):8.1f} us/call")
     from moe_gemm.ops import api as ops
-    from moe_gemm.ops import launch as host_sm90
+    from moe_gemm.ops import launch_resources
 
     bplan = ops.cached_mm_plan(x3, w)
     print(f"  plan lookup:             {per_call(lambda: ops.cached_mm_plan(x3, w)):8.1f} us")
@@ -84,7 +84,7 @@ def main() -> None:
           f"{bplan.num_ctas} CTAs)")
     mplan = ops.cached_mm_plan(x, w, offs)
     out2 = torch.empty(64, 512, device=dev, dtype=dt)
-    ws2 = host_sm90._kernel_workspace(x.device, mplan.num_ctas, mplan.choice)
+    ws2 = launch_resources._kernel_workspace(x.device, mplan.num_ctas, mplan.choice)
     margs = (x, w, out2, mplan.meta, mplan.meta32, offs, mplan.no_table, ws2, mplan.no_trace,
              mplan.num_problems, mplan.num_ctas, mplan.choice.swizzle, 0, 0, 0, 0)
     print(f"  2-D plan lookup:         "

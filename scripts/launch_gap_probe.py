@@ -26,13 +26,13 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from benchmarks.host_overhead import build_cases  # noqa: E402
-from moe_gemm.ops import launch  # noqa: E402
+from moe_gemm.ops import mm_launch  # noqa: E402
 
 
 def _mark_plan_calls() -> None:
     """Wrap the plans' __call__ in a profiler range, so the trace shows when a call reaches
     its plan (the lookup and checks before it) and how long the plan takes to launch."""
-    for cls in (launch.MmPlan, launch.BmmPlan):
+    for cls in (mm_launch.MmPlan, mm_launch.BmmPlan):
         inner = cls.__call__
 
         def call(self, *a, __inner=inner, **k):

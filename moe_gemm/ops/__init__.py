@@ -11,7 +11,14 @@ Modules, top to bottom (imports only go down):
                  fused_custom_ops: its checks, host side, torch backend, registered ops)
     custom_ops   the same ops registered with torch.library (torch.compile, fake tensors;
                  custom_ops_fp8 for the FP8 ones)
-    launch       torch tensors -> kernel arguments: cached plans, workspaces, the launch
+    mm_launch    torch tensors -> kernel arguments for grouped_mm: varlen and batched plans
+    general_launch
+                 the same for grouped_gemm's lists: plans, per-problem metadata uploads
+    launch_kernel
+                 the compiled kernel of a choice, its grid, the PDL switch
+    launch_resources
+                 workspaces, placeholder tensors, pinned staging, capture and stream state
+    launch_info  what the last launch used (last_launch, trace_assignment)
     heuristics   config choice from host-known shapes (tuned tables first, then rules)
     schedule     the tile schedule in plain Python: the truth the kernel follows
     support      what the sm90 kernels can take (16-byte TMA rules), pure torch

@@ -246,16 +246,17 @@ def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] 
     scan = scan_general(a, b, out_dtype)
     if scan is None:
         return None
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import general_launch, launch_kernel, launch_resources
 
     cfg = config or DEFAULT_CONFIG
     switches = extra[2]
-    shape = launch.general_shape(scan.sizes, scan.dtype, scan.out_dtype, scan.b_major, cfg,
-                                 launch.sm_count(scan.device), False, switches[2], scan.device)
-    if launch._fresh():
-        plan = launch.GeneralPlan(shape, scan.device, scan.a_ld, scan.b_ld)
+    shape = general_launch.general_shape(
+        scan.sizes, scan.dtype, scan.out_dtype, scan.b_major, cfg,
+        launch_kernel.sm_count(scan.device), False, switches[2], scan.device)
+    if launch_resources._fresh():
+        plan = general_launch.GeneralPlan(shape, scan.device, scan.a_ld, scan.b_ld)
     else:
-        plan = launch.general_plan(shape, scan.device, scan.a_ld, scan.b_ld)
+        plan = general_launch.general_plan(shape, scan.device, scan.a_ld, scan.b_ld)
         global _scans
         _scans += 1
         recent, plan.last_scan = _scans - plan.last_scan <= RECENT_SCANS, _scans
@@ -293,7 +294,7 @@ def _detailed_grouped_gemm(a, b, out, config, out_dtype) -> list[torch.Tensor]:
     layout = analyze_general(args) if problem is None else None
     unsupported = layout if isinstance(layout, str) else None
     if _use_cute(cfg, problem, unsupported, "grouped_gemm"):
-        from moe_gemm.ops.launch import grouped_gemm_cute
+        from moe_gemm.ops.general_launch import grouped_gemm_cute
 
         run = lambda: grouped_gemm_cute(args, cfg, layout=layout)  # type: ignore[arg-type]  # noqa: E731
         return inference_only(NO_BACKWARD, run, [*args.a, *args.b])
@@ -406,7 +407,7 @@ def _detailed_grouped_mm(x, w, offs, out, config, out_dtype) -> torch.Tensor:
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
     unsupported = grouped_mm_unsupported(args, cfg) if problem is None else None
     if _use_cute(cfg, problem, unsupported, "grouped_mm"):
-        from moe_gemm.ops.launch import MmPlan
+        from moe_gemm.ops.mm_launch import MmPlan
 
         plan = MmPlan(args, cfg)
         offs_c = args.offs if args.offs.is_contiguous() else args.offs.contiguous()
@@ -424,7 +425,7 @@ def _detailed_grouped_bmm(x, w, out, cfg, config, out_dtype) -> torch.Tensor:
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
     unsupported = grouped_bmm_unsupported(args, cfg) if problem is None else None
     if _use_cute(cfg, problem, unsupported, "grouped_mm"):
-        from moe_gemm.ops.launch import BmmPlan
+        from moe_gemm.ops.mm_launch import BmmPlan
 
         plan = BmmPlan(args, cfg)
         bucket = ("bmm", x.shape) if out is None else ("bmm_out", x.shape)
@@ -505,7 +506,7 @@ class GroupedGemmPlan:
         layout = analyze_general(args) if problem is None else None
         unsupported = layout if isinstance(layout, str) else None
         if _use_cute(cfg, problem, unsupported, "GroupedGemmPlan"):
-            from moe_gemm.ops.launch import GeneralLaunch
+            from moe_gemm.ops.general_launch import GeneralLaunch
 
             self._launch = GeneralLaunch(args, cfg, layout=layout, persistent=True)  # type: ignore[arg-type]
         self.backend = "cute" if self._launch is not None else "torch"

@@ -117,12 +117,12 @@ def _eager() -> Any:
 def _in_graph() -> Any:
     """No grad (the op's registered autograd links the result) and nothing the launch
     allocates kept past the call: a compiled graph's memory may be a CUDA-graph pool
-    (ops/launch.graph_owned)."""
-    from moe_gemm.ops import launch
+    (ops/launch_resources.graph_owned)."""
+    from moe_gemm.ops import launch_resources
 
     stack = contextlib.ExitStack()
     stack.enter_context(torch.no_grad())
-    stack.enter_context(launch.graph_owned())
+    stack.enter_context(launch_resources.graph_owned())
     return stack
 
 

@@ -1,5 +1,5 @@
 """Host side of the fused MoE grouped GEMM (kernels/sm90/fused_moe.py): kernel choice, the
-TMA rules of its operands, and FusedPlan, built once per signature like launch.MmPlan.
+TMA rules of its operands, and FusedPlan, built once per signature like mm_launch.MmPlan.
 
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator
 shape: S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what
@@ -19,7 +19,7 @@ import torch
 from moe_gemm.capability import sm_count
 from moe_gemm.config import COOPERATIVE_TILES, GemmConfig
 from moe_gemm.kernels.sm90.constants import acc_regs, fused_problem
-from moe_gemm.ops import launch
+from moe_gemm.ops import launch_info, launch_kernel, launch_resources
 from moe_gemm.ops.fused_validation import FusedMmArgs
 from moe_gemm.ops.heuristics import KernelChoice, choose_varlen
 from moe_gemm.ops.support import (
@@ -111,8 +111,9 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     gathers with index_select and the kernel reads the routed rows."""
     choice = choose_varlen(
         config, args.S, args.E, args.N, args.K, nsm, args.out_dtype.itemsize,
-        device=launch._table_device(device), dtype=launch._TORCH_TO_NAME[args.dtype],
-        out_dtype=launch._TORCH_TO_NAME[args.out_dtype])
+        device=launch_kernel._table_device(device),
+        dtype=launch_kernel._TORCH_TO_NAME[args.dtype],
+        out_dtype=launch_kernel._TORCH_TO_NAME[args.out_dtype])
     gate = args.gate is not None
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)
@@ -132,7 +133,7 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
 
 
 def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: bool):
-    key = launch._compile_key("varlen", args.dtype, args.out_dtype, b_major, choice, False)
+    key = launch_kernel._compile_key("varlen", args.dtype, args.out_dtype, b_major, choice, False)
     gate = args.gate or ""
     clamped = gate == "clamped_swiglu"
     return dataclasses.replace(
@@ -153,7 +154,7 @@ class FusedPlan:
         self.out_dtype = args.out_dtype
         self.zero_tail = args.out is None
         self.trivial = self.S == 0 or self.N_out == 0 or self.E == 0
-        self.cacheable = not launch._fresh()
+        self.cacheable = not launch_resources._fresh()
         if self.trivial:
             return
         nsm = sm_count(device)
@@ -166,17 +167,18 @@ class FusedPlan:
         unit = choice.tile_m * choice.cluster_m
         units_n = -(-args.N // (choice.tile_n * choice.cluster_n))
         bound = (-(-self.S // unit) + self.num_problems) * units_n
-        self.num_ctas, _ = launch._grid(device, nsm, choice.cluster_m * choice.cluster_n, bound)
-        self.workspace = launch.WorkspaceSlot(device, self.num_ctas, choice)
-        self.meta = launch._small("meta", device, torch.int64, (1, 8))
+        self.num_ctas, _ = launch_kernel._grid(device, nsm, choice.cluster_m * choice.cluster_n,
+                                               bound)
+        self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
+        self.meta = launch_resources._small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)
-        self.no_table = launch._small("table", device, torch.int32, (1, 1, 2))
-        self.no_trace = launch._small("trace", device, torch.int32, (1, 1, 4))
-        self.no_index = launch._small("fused_index", device, torch.int32, (1,))
-        self.no_weight = launch._small("fused_weight", device, torch.float32, (1,))
-        self.no_bias = launch._small("fused_bias", device, torch.float32, (1, 1))
+        self.no_table = launch_resources._small("table", device, torch.int32, (1, 1, 2))
+        self.no_trace = launch_resources._small("trace", device, torch.int32, (1, 1, 4))
+        self.no_index = launch_resources._small("fused_index", device, torch.int32, (1,))
+        self.no_weight = launch_resources._small("fused_weight", device, torch.float32, (1,))
+        self.no_bias = launch_resources._small("fused_bias", device, torch.float32, (1, 1))
         self.key = fused_key(args, choice, b_major, self.gather)
-        self.kernel = launch._compiled(self.key)
+        self.kernel = launch_kernel._compiled(self.key)
 
     def __call__(self, x, w, offs, row_index, row_weight, bias, out):
         if out is None:
@@ -203,6 +205,7 @@ class FusedPlan:
         fused_args = (index, weight, b) if self.key.fused else ()  # (no option: the plain kernel)
         self.kernel(x, w, out, self.meta, self.meta32, offs, self.no_table,
                     self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
-                    choice.swizzle, choice.a_policy, choice.b_policy, launch.PDL, 0, *fused_args)
-        launch._local.raw = (choice, self.num_ctas, self.num_problems, None, None)
+                    choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0,
+                    *fused_args)
+        launch_info._local.raw = (choice, self.num_ctas, self.num_problems, None, None)
         return out

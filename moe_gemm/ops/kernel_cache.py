@@ -131,7 +131,7 @@ def get_or_compile(key: Any, name: str | Callable[[], str], compile_fn: Callable
 
 
 def clear_memory() -> None:
-    """Forgets the loaded kernels (kernels/host_sm90._kernel_for keeps its own per-choice
+    """Forgets the loaded kernels (ops/launch_kernel._kernel_for keeps its own per-choice
     memo of those already looked up: they stay valid)."""
     _memory.clear()
 

@@ -1,11 +1,13 @@
 """Host side of GroupedGemmFp8Sm90: torch tensors in, one grouped FP8 launch out.
 
-The FP8 counterpart of ops/launch.py, built from its parts (the grid, workspaces, placeholder
-tensors, the compiled-kernel cache, LaunchInfo): Fp8MmPlan (varlen) and Fp8BmmPlan (batched)
-are built once per signature and cached by ops/scaled.py, so a repeated call allocates its
-output and calls the kernel; Fp8GeneralLaunch uploads the general form's per-problem tables
-(operands and scales, addresses and strides) in one copy per call. Nothing here reads a GPU value or synchronizes:
-the varlen form reads offs on the GPU (CUDA-graph safe, bad offsets clamped by the kernel).
+The FP8 counterpart of ops/mm_launch.py and ops/general_launch.py, built from the same parts
+(the grid: launch_kernel.py; workspaces, placeholder tensors, pinned staging:
+launch_resources.py; the compiled-kernel cache; LaunchInfo): Fp8MmPlan (varlen) and Fp8BmmPlan
+(batched) are built once per signature and cached by ops/scaled.py, so a repeated call
+allocates its output and calls the kernel; Fp8GeneralLaunch uploads the general form's
+per-problem tables (operands and scales, addresses and strides) in one copy per call. Nothing
+here reads a GPU value or synchronizes: the varlen form reads offs on the GPU (CUDA-graph safe,
+bad offsets clamped by the kernel).
 
 Scales reach the kernel as the views of ops/scaled_validation.py (A (..., rows, KB), B
 (..., KB, C)), any strides; a single per-tensor value is expanded into a small tensor per call
@@ -21,7 +23,7 @@ import torch
 from moe_gemm.capability import sm_count
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops import kernel_cache as cache
-from moe_gemm.ops import launch as L
+from moe_gemm.ops import launch_info, launch_kernel, launch_resources
 from moe_gemm.ops.heuristics_fp8 import choose_fp8, kernel_scale_mode
 from moe_gemm.ops.scaled_validation import (
     ScaledGemmArgs,
@@ -62,10 +64,10 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _placeholders(device):
-    return (L._small("meta", device, torch.int64, (1, 8)),
-            L._small("smeta", device, torch.int64, (1, SMETA_INTS)),
-            L._small("table", device, torch.int32, (1, 1, 2)),
-            L._small("trace", device, torch.int32, (1, 1, 4)))
+    return (launch_resources._small("meta", device, torch.int64, (1, 8)),
+            launch_resources._small("smeta", device, torch.int64, (1, SMETA_INTS)),
+            launch_resources._small("table", device, torch.int32, (1, 1, 2)),
+            launch_resources._small("trace", device, torch.int32, (1, 1, 4)))
 
 
 class Fp8MmPlan:
@@ -80,7 +82,7 @@ class Fp8MmPlan:
         self.granularity = args.granularity
         self.zero_tail = args.out is None
         self.trivial = T == 0 or N == 0 or E == 0
-        self.cacheable = not L._fresh()
+        self.cacheable = not launch_resources._fresh()
         if self.trivial:
             return
         nsm = sm_count(device)
@@ -90,9 +92,9 @@ class Fp8MmPlan:
         unit = choice.tile_m * choice.cluster_m
         units_n = -(-N // (choice.tile_n * choice.cluster_n))
         bound = (-(-T // unit) + self.num_problems) * units_n
-        self.num_ctas, self.max_tiles = L._grid(device, nsm, choice.cluster_m * choice.cluster_n,
-                                                bound)
-        self.workspace = L.WorkspaceSlot(device, self.num_ctas, choice)
+        self.num_ctas, self.max_tiles = launch_kernel._grid(
+            device, nsm, choice.cluster_m * choice.cluster_n, bound)
+        self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
         self.meta, self.smeta, self.no_table, self.no_trace = _placeholders(device)
         self.meta32 = self.meta.view(torch.int32)
         self.trace = trace
@@ -112,14 +114,15 @@ class Fp8MmPlan:
         sfa = _dense(a_scale_view(scale_a, g, (), self.T))
         sfb = _dense(b_scale_view(scale_b, g, (self.E,), self.N))
         choice = self.choice
-        trace_t = (L._trace_tensor(self.num_ctas, self.max_tiles, self.device)
+        trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
         self.kernel(tma_view(x, 1) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,
                     tma_view(out, 1) if self.fix_out else out, sfa, sfb, self.smeta, self.meta,
                     self.meta32, offs, self.no_table, self.workspace.get(choice),
                     self.no_trace if trace_t is None else trace_t, self.num_problems,
-                    self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy, L.PDL, 0)
-        L._local.raw = (choice, self.num_ctas, self.num_problems, None, trace_t)
+                    self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy,
+                    launch_kernel.PDL, 0)
+        launch_info._local.raw = (choice, self.num_ctas, self.num_problems, None, trace_t)
         return out
 
 
@@ -135,7 +138,7 @@ class Fp8BmmPlan:
         self.granularity = args.granularity
         self.trivial = G == 0 or M == 0 or N == 0
         self.zero = K == 0
-        self.cacheable = not L._fresh()
+        self.cacheable = not launch_resources._fresh()
         if self.trivial or self.zero:
             return
         nsm = sm_count(device)
@@ -143,13 +146,13 @@ class Fp8BmmPlan:
                                           args.granularity)
         tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (
             -(-N // (choice.tile_n * choice.cluster_n)))
-        self.num_ctas, self.max_tiles = L._grid(device, nsm, choice.cluster_m * choice.cluster_n,
-                                                tiles)
-        self.workspace = L.WorkspaceSlot(device, self.num_ctas, choice)
-        self.no_workspace = L._small("workspace", device, torch.int64, (16,))
+        self.num_ctas, self.max_tiles = launch_kernel._grid(
+            device, nsm, choice.cluster_m * choice.cluster_n, tiles)
+        self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
+        self.no_workspace = launch_resources._small("workspace", device, torch.int64, (16,))
         self.meta, self.smeta, self.no_table, self.no_trace = _placeholders(device)
         self.meta32 = self.meta.view(torch.int32)
-        self.offs = L._small("offs", device, torch.int32, (1,))
+        self.offs = launch_resources._small("offs", device, torch.int32, (1,))
         self.trace = trace
         self.kernel = _kernel(fp8_compile_key("batched", args.dtype, args.out_dtype,
                                               args.granularity, choice, trace))
@@ -169,15 +172,15 @@ class Fp8BmmPlan:
         sfa = _dense(a_scale_view(scale_a, g, (G,), M))
         sfb = _dense(b_scale_view(scale_b, g, (G,), N))
         choice = self.choice
-        trace_t = (L._trace_tensor(self.num_ctas, self.max_tiles, self.device)
+        trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
         workspace = self.workspace.get(choice) if choice.tail_split else self.no_workspace
         self.kernel(tma_view(x, 2) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,
                     tma_view(out, 2) if self.fix_out else out, sfa, sfb, self.smeta, self.meta,
                     self.meta32, self.offs, self.no_table, workspace,
                     self.no_trace if trace_t is None else trace_t, G, self.num_ctas,
-                    choice.swizzle, choice.a_policy, choice.b_policy, L.PDL, 0)
-        L._local.raw = (choice, self.num_ctas, G, None, trace_t)
+                    choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0)
+        launch_info._local.raw = (choice, self.num_ctas, G, None, trace_t)
         return out
 
 
@@ -203,16 +206,16 @@ class Fp8GeneralLaunch:
         if not self.total:
             return
         nsm = sm_count(device)
-        self.num_ctas, self.max_tiles = L._grid(device, nsm, choice.cluster_m * choice.cluster_n,
-                                                self.total)
-        self.workspace = L.WorkspaceSlot(device, self.num_ctas, choice)
+        self.num_ctas, self.max_tiles = launch_kernel._grid(
+            device, nsm, choice.cluster_m * choice.cluster_n, self.total)
+        self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
         _, _, self.no_table, self.no_trace = _placeholders(device)
-        self.seed_a = L._small("seed_a8", device, args.dtype, (128, 128), "n")
-        self.seed_w = L._small("seed_w8", device, args.dtype, (128, 128), "k")
+        self.seed_a = launch_resources._small("seed_a8", device, args.dtype, (128, 128), "n")
+        self.seed_w = launch_resources._small("seed_w8", device, args.dtype, (128, 128), "k")
         # (N as the weight seed's: the compiled call checks that out and w share N)
-        self.seed_d = L._small("seed_d8", device, args.out_dtype, (128, 128), "n")
-        self.seed_sa = L._small("seed_sa", device, torch.float32, (1, 1))
-        self.seed_sb = L._small("seed_sb", device, torch.float32, (1, 1, 1))
+        self.seed_d = launch_resources._small("seed_d8", device, args.out_dtype, (128, 128), "n")
+        self.seed_sa = launch_resources._small("seed_sa", device, torch.float32, (1, 1))
+        self.seed_sb = launch_resources._small("seed_sb", device, torch.float32, (1, 1, 1))
         self.trace = trace
         self.kernel = _kernel(fp8_compile_key("general", args.dtype, args.out_dtype,
                                               args.granularity, choice, trace))
@@ -223,7 +226,7 @@ class Fp8GeneralLaunch:
             return outs  # (every problem is empty: M = 0 or N = 0)
         args, G = self.args, self.G
         g = args.granularity
-        host = L._pinned((2, G, 8), torch.int64)
+        host = launch_resources._pinned((2, G, 8), torch.int64)
         rows = host.numpy()
         rows[:] = 0
         for i, (a, b, sa, sb, o, (m, n, k)) in enumerate(zip(args.a, args.b, args.scale_a,
@@ -240,19 +243,20 @@ class Fp8GeneralLaunch:
             rows[1, i, :6] = (va.data_ptr(), va.stride(0), va.stride(1), vb.data_ptr(),
                               vb.stride(0), vb.stride(1))
         dev = host.to(self.device, non_blocking=True)
-        if L._capturing():
-            L._graph_keepalive.append(host)  # the captured copy reads it at every replay
+        if launch_resources._capturing():
+            # The captured copy reads it at every replay.
+            launch_resources._graph_keepalive.append(host)
         meta, smeta = dev[0], dev[1]
         choice = self.choice
-        trace_t = (L._trace_tensor(self.num_ctas, self.max_tiles, self.device)
+        trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
         self.kernel(self.seed_a, self.seed_w, self.seed_d, self.seed_sa, self.seed_sb, smeta,
-                    meta, meta.view(torch.int32), L._small("offs", self.device, torch.int32,
-                                                           (1,)),
+                    meta, meta.view(torch.int32),
+                    launch_resources._small("offs", self.device, torch.int32, (1,)),
                     self.no_table, self.workspace.get(choice),
                     self.no_trace if trace_t is None else trace_t, G, self.num_ctas,
-                    choice.swizzle, choice.a_policy, choice.b_policy, L.PDL, 0)
-        L._local.raw = (choice, self.num_ctas, G, None, trace_t)
+                    choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0)
+        launch_info._local.raw = (choice, self.num_ctas, G, None, trace_t)
         return outs
 
 
@@ -279,5 +283,5 @@ def trace_fp8(args: ScaledMmArgs, config: GemmConfig):
         out = plan(args.x, args.w, args.scale_a, args.scale_b, args.out)
     else:
         out = plan(args.x, args.w, args.scale_a, args.scale_b, args.offs.contiguous(), args.out)
-    return out, L.last_launch()
+    return out, launch_info.last_launch()
 

@@ -1,8 +1,9 @@
 """Recognising a repeated call by its tensors' metadata, for the cached launch plans.
 
-A launch plan (ops/launch.py) holds everything that follows from its operands' types, dtypes,
-devices, sizes, strides and autograd flags: a later call whose tensors agree on all of these
-skips validation, layout analysis and the kernel choice, and reads only its data pointers.
+A launch plan (ops/mm_launch.py, ops/general_launch.py) holds everything that follows from its
+operands' types, dtypes, devices, sizes, strides and autograd flags: a later call whose tensors
+agree on all of these skips validation, layout analysis and the kernel choice, and reads only
+its data pointers.
 `TensorSignature.check(*tensors)` answers "do these tensors agree" in one call, and
 `PlanCache` keeps a few plans per bucket (a cheap key such as the problem count) behind their
 signatures.

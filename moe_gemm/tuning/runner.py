@@ -256,7 +256,7 @@ def rules_fields(shape: TuneShape, nsm: int) -> dict:
 
 def compile_key_for(shape: TuneShape, fields: dict, nsm: int):
     """The CompileKey a candidate runs (ValueError when the rules refuse it)."""
-    from moe_gemm.ops.launch import _compile_key
+    from moe_gemm.ops.launch_kernel import _compile_key
 
     return _compile_key(shape.form, DTYPES[shape.dtype], DTYPES[shape.out_dtype],
                         "k" if shape.layout == "ENK" else "n",

@@ -98,7 +98,7 @@ GENERAL_CLUSTER_CASES = {
 @pytest.mark.parametrize("b_layout", ["row", "col"])
 @pytest.mark.parametrize("sort_by_k", [False, True])
 def test_cluster_general(cl, kind, b_layout, sort_by_k):
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     cfg = GemmConfig(backend="cute", sort_by_k=sort_by_k, **CLUSTER_SHAPES[cl])
     run_general(f"cluster{cl}/general/{kind}/{b_layout}/sort={sort_by_k}",
@@ -135,7 +135,7 @@ def test_cluster_general_default_through_every_route():
     """The default picks 1x2 for a set whose problems have pairs of n-tiles (cooperative
     128x256): right through grouped_gemm's every route (first call, a repeated call, new
     operand addresses, `out=`, a GroupedGemmPlan, a captured CUDA graph)."""
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     sizes = DEFAULT_1X2_SIZES
     a, b, gen = general_problems(91, sizes)

@@ -25,7 +25,7 @@ from moe_gemm import (
     scaled_grouped_gemm,
     scaled_grouped_mm,
 )
-from moe_gemm.ops import launch
+from moe_gemm.ops import launch_info
 from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
 from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
@@ -54,8 +54,8 @@ def cute(**fields) -> GemmConfig:
 
 
 def _ran_kernel(before) -> bool:
-    """Whether a kernel launch was recorded since `before` (launch._local.raw's identity)."""
-    return getattr(launch._local, "raw", None) is not before
+    """Whether a kernel launch was recorded since `before` (launch_info._local.raw's identity)."""
+    return getattr(launch_info._local, "raw", None) is not before
 
 
 def check(name, out, ref, **info):
@@ -81,7 +81,7 @@ def run_mm(name, T, E, K, N, granularity, config, out_mode="alloc", *, total=Non
                                              skew=skew)
     ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
     end = int(offs[-1]) if E else 0
-    before = getattr(launch._local, "raw", None)
+    before = getattr(launch_info._local, "raw", None)
     if out_mode == "given":
         out = poison_(torch.empty(T, N, dtype=out_dtype, device=DEV))
         y = scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=config)
@@ -94,7 +94,7 @@ def run_mm(name, T, E, K, N, granularity, config, out_mode="alloc", *, total=Non
         y = scaled_grouped_mm(x, w, sa, sb, offs, out_dtype=out_dtype, config=config)
     torch.cuda.synchronize()
     assert _ran_kernel(before) or T * E * N == 0, f"{name}: the FP8 kernel did not run"
-    info = launch.last_launch()
+    info = launch_info.last_launch()
     c = info.choice
     check(name, y, ref, tile=f"{c.schedule} {c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}",
           tail_split=c.tail_split)
@@ -143,7 +143,7 @@ def test_varlen_tail_split():
     x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=4)
     offs.copy_(torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32))
     y = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
-    info = launch.last_launch()
+    info = launch_info.last_launch()
     assert info.choice.tail_split
     check("fp8/varlen/tail-split", y, scaled_grouped_mm_ref(x, w, sa, sb, offs))
     unsplit = scaled_grouped_mm(x, w, sa, sb, offs, config=cute(schedule="cooperative",
@@ -161,10 +161,10 @@ def test_varlen_tail_split():
 def _plain_and_lagged(monkeypatch, run):
     monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
     plain = run()
-    assert not launch.last_launch().choice.promote_lag
+    assert not launch_info.last_launch().choice.promote_lag
     monkeypatch.setenv(PROMOTE_LAG_ENV, "1")
     lagged = run()
-    assert launch.last_launch().choice.promote_lag, "the lagged kernel did not run"
+    assert launch_info.last_launch().choice.promote_lag, "the lagged kernel did not run"
     monkeypatch.delenv(PROMOTE_LAG_ENV)
     return plain, lagged
 
@@ -201,7 +201,7 @@ def test_lagged_promotion_long_k_tail_split_and_forms(monkeypatch):
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
     plain, lagged = _plain_and_lagged(
         monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg))
-    assert launch.last_launch().choice.tail_split
+    assert launch_info.last_launch().choice.tail_split
     check("fp8/lagged/tail-split", lagged, scaled_grouped_mm_ref(x, w, sa, sb, offs))
     diff = float((lagged.float() - plain.float()).abs().max())
     bound = 1e-2 * float(plain.float().abs().max())  # the split's halves may add in any order
@@ -217,7 +217,7 @@ def test_lagged_promotion_long_k_tail_split_and_forms(monkeypatch):
     x, w, sa, sb, offs = make_fp8_moe_inputs(300, 4, 640, 40, "block", device=DEV, seed=24)
     plain, lagged = _plain_and_lagged(
         monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs))
-    assert launch.last_launch().choice.tile_n == 48
+    assert launch_info.last_launch().choice.tile_n == 48
     check("fp8/lagged/narrow", lagged, scaled_grouped_mm_ref(x, w, sa, sb, offs))
     assert torch.equal(lagged, plain)
     a, b, ga, gb = make_fp8_grouped_inputs([(100, 264, 384), (37, 136, 256), (0, 64, 128)],
@@ -248,7 +248,7 @@ def test_narrow_outputs_take_their_own_tiles(N, rows, granularity):
     E = 8
     run_mm(f"fp8/narrow-N/N={N}/rows={rows}/{granularity}", rows * E, E, 256, N, granularity,
            cute(), "alloc", empty=0.0, seed=N + rows)
-    c = launch.last_launch().choice
+    c = launch_info.last_launch().choice
     assert c.tile_n == max(16, -(-N // 16) * 16)
     assert (c.schedule, c.tile_m) == (("pingpong", 64) if rows <= 64 else ("cooperative", 128))
 
@@ -353,7 +353,7 @@ def test_batched_decode_headline():
     """256 x (128 x 512 x 7168), each problem its own weights: the FP8 decode headline."""
     x, w, sa, sb = make_fp8_batched_inputs(256, 128, 7168, 512, "block", device=DEV, seed=17)
     y = scaled_grouped_mm(x, w, sa, sb)
-    c = launch.last_launch().choice
+    c = launch_info.last_launch().choice
     check("fp8/batched/headline-256x128x512x7168", y, scaled_grouped_mm_ref(x, w, sa, sb),
           tile=f"{c.schedule} {c.tile_m}x{c.tile_n}")
     # M = 1 problems.

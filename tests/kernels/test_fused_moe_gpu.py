@@ -95,7 +95,7 @@ def run_case(c: dict):
     assert y.shape == (S, n_out) and y.dtype == odt
     ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **kw)
     low = fused_grouped_mm_ref(x, w, offs, dtype=c["dtype"], **kw)
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     info = last_launch()
     tile = None if info is None else (info.choice.schedule, info.choice.tile_m,

@@ -68,7 +68,7 @@ def test_headline(config):
 
 
 def test_default_picks_cute():
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     a = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)]
     b = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)]
@@ -87,7 +87,7 @@ def test_default_picks_cute():
 @pytest.mark.parametrize("config", [None, GemmConfig(backend="cute", schedule="pingpong")],
                          ids=["default", "pingpong"])
 def test_general_fast_path_without_out(kind, config):
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     rng = random.Random(7)
     sizes = general_case("mixed" if kind in ("mixed-majors", "tuple") else kind, rng)

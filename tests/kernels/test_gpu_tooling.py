@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_gemm import GemmConfig
-from moe_gemm.ops import launch
+from moe_gemm.ops import general_launch, launch_kernel, launch_resources, mm_launch
 from moe_gemm.ops.support import analyze_general
 from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
 
@@ -36,10 +36,10 @@ def _load_script(name: str):
 @pytest.fixture
 def keys_of_launches(monkeypatch: pytest.MonkeyPatch):
     """The launch path on the CPU, its compiled kernel replaced by the CompileKey it asks for."""
-    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    monkeypatch.setattr(launch, "_capturing", lambda: False)
-    monkeypatch.setattr(launch, "_compiled", lambda key: key)
-    monkeypatch.setattr(launch, "_kernel_for", lambda *a: launch._compile_key(*a))
+    monkeypatch.setattr(launch_kernel, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch_resources, "_capturing", lambda: False)
+    monkeypatch.setattr(launch_kernel, "_compiled", lambda key: key)
+    monkeypatch.setattr(launch_kernel, "_kernel_for", lambda *a: launch_kernel._compile_key(*a))
     monkeypatch.delenv("MOE_GEMM_L2_HINTS", raising=False)
     monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
 
@@ -70,8 +70,8 @@ def test_general_variant_is_the_launch_key(keys_of_launches, sizes, layout, conf
     b = [_empty((n, k)).t() if layout == "col" else _empty((k, n)) for m, n, k in sizes]
     args = check_grouped_gemm(a, b, None, out_dtype)
     lay = analyze_general(args)
-    shape = launch.GeneralShape(tuple(args.sizes), args.dtype, args.out_dtype, lay.b_major,
-                                config, 132, trace)
+    shape = general_launch.GeneralShape(tuple(args.sizes), args.dtype, args.out_dtype,
+                                        lay.b_major, config, 132, trace)
     v = Variants()
     v.general(sizes, config, out_dtype=out_dtype, b_major="k" if layout == "col" else "n",
               trace=trace)
@@ -93,7 +93,7 @@ def test_varlen_variant_is_the_launch_key(keys_of_launches, T, E, N, K, layout, 
     w = _empty((E, N, K), dtype).transpose(1, 2) if layout == "nk_view" else _empty((E, K, N),
                                                                                   dtype)
     offs = torch.linspace(0, T, E).round().to(torch.int32)  # (sorted: validation checks them)
-    plan = launch.MmPlan(check_grouped_mm(x, w, offs, None, out_dtype), config or GemmConfig())
+    plan = mm_launch.MmPlan(check_grouped_mm(x, w, offs, None, out_dtype), config or GemmConfig())
     v = Variants()
     v.varlen(T, E, N, K, config, dtype, out_dtype, b_major="k" if layout == "nk_view" else "n")
     assert plan.kernel == _one(v)
@@ -109,7 +109,7 @@ def test_batched_variant_is_the_launch_key(keys_of_launches, G, M, N, K, layout,
                                            out_dtype):
     x = _empty((G, M, K))
     w = _empty((G, N, K)).transpose(1, 2) if layout == "nk_view" else _empty((G, K, N))
-    plan = launch.BmmPlan(check_grouped_bmm(x, w, None, out_dtype), config)
+    plan = mm_launch.BmmPlan(check_grouped_bmm(x, w, None, out_dtype), config)
     v = Variants()
     v.batched(G, M, N, K, config, out_dtype=out_dtype,
               b_major="k" if layout == "nk_view" else "n")
@@ -243,8 +243,8 @@ def test_precompile_zoo_set_is_what_the_zoo_launches(monkeypatch):
     proj = model.projections()[0]
     choice = choose_varlen(GemmConfig(), proj.rows(8192), proj.E, proj.N, proj.K, 132,
                            device="NVIDIA H100 80GB HBM3")
-    key = launch._compile_key("varlen", torch.bfloat16, torch.bfloat16,
-                              "k" if proj.layout == "ENK" else "n", choice, False)
+    key = launch_kernel._compile_key("varlen", torch.bfloat16, torch.bfloat16,
+                                     "k" if proj.layout == "ENK" else "n", choice, False)
     assert key in h100
     assert pre.zoo_variants("a GPU with no table") != h100
     with pytest.raises(SystemExit, match="needs --device"):

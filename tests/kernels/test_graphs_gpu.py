@@ -105,9 +105,9 @@ def test_cluster_graph_replay_with_new_offsets(cl):
 
 @pytest.mark.parametrize("pdl", [0, 1])
 def test_batched_graph_replay_and_pdl(pdl, monkeypatch):
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import launch_kernel
 
-    monkeypatch.setattr(launch, "PDL", pdl)
+    monkeypatch.setattr(launch_kernel, "PDL", pdl)
     G, M, N, K = 16, 96, 256, 512
     x = torch.randn(G, M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(G, K, N, device="cuda", dtype=torch.bfloat16)

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [0, 1])
 def test_general_and_varlen_with_and_without_pdl(pdl, monkeypatch):
     """Both launch modes of the descriptor prologue + main kernel pair give right results."""
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import launch_kernel
 
-    monkeypatch.setattr(launch, "PDL", pdl)
+    monkeypatch.setattr(launch_kernel, "PDL", pdl)
     run_general(f"general/pdl={pdl}", [(130, 200, 72), (256, 512, 1024), (1, 64, 64)],
                 torch.bfloat16, "row", GemmConfig(backend="cute"))
     run_varlen(f"varlen/pdl={pdl}", 8, 700, 256, 512, "holes", torch.bfloat16, "kn",
@@ -33,11 +33,12 @@ EPI_WHOLE_GENERAL_SIZES = [(130, 200, 72), (256, 512, 1024), (1, 64, 64), (300, 
 
 @pytest.mark.parametrize("form", ["general", "varlen", "batched"])
 def test_epilogue_whole_tile_variant(form, monkeypatch):
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import general_launch, launch_info, mm_launch
 
-    for name in ("choose_general", "choose_varlen", "choose_batched"):
-        orig = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda *a, _o=orig, **k: dataclasses.replace(
+    for module, name in ((general_launch, "choose_general"), (mm_launch, "choose_varlen"),
+                         (mm_launch, "choose_batched")):
+        orig = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=orig, **k: dataclasses.replace(
             _o(*a, **k), epi_whole=True))
     cfg = GemmConfig(backend="cute", schedule="cooperative")
     if form == "general":
@@ -49,5 +50,5 @@ def test_epilogue_whole_tile_variant(form, monkeypatch):
         run_batched("epi-whole/batched", 9, 300, 512, 1024, config=cfg, out_mode="given")
         run_batched("epi-whole/batched-fp16", 4, 129, 264, 200, torch.float16, config=cfg,
                     out_mode="alloc")
-    info = launch.last_launch()
+    info = launch_info.last_launch()
     assert info is not None and info.choice.epi_whole

@@ -35,27 +35,27 @@ def test_general_repeated_calls_reuse_metadata(config):
     """Repeated grouped_gemm calls on the same buffers reuse one metadata upload: every call
     must still write its own fresh outputs, see values updated in place, and work from another
     stream; `out=` tensors that change between calls are honoured."""
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import general_launch
 
     sizes = [(37, 256, 512), (0, 256, 64), (128, 256, 4096), (1, 256, 72), (200, 256, 1024)]
     gen = torch.Generator(device="cuda").manual_seed(21)
     a = [rand((m, k), torch.bfloat16, gen) for m, n, k in sizes]
     b = [rand((k, n), torch.bfloat16, gen) for m, n, k in sizes]
-    launch._meta_cache.clear()
+    general_launch._meta_cache.clear()
 
     def verify(tag, res):
         for i, (ai, bi) in enumerate(zip(a, b)):
             check(f"general/meta-cache/{tag}[{i}]", res[i], ai.float() @ bi.float(), ai @ bi)
 
     first = moe_gemm.grouped_gemm(a, b, config=config)
-    assert len(launch._meta_cache) == 1
+    assert len(general_launch._meta_cache) == 1
     torch.cuda.synchronize()
     verify("first", first)
     kept = [r.clone() for r in first]
     for t in a:  # new values, same addresses
         t.copy_(rand(t.shape, torch.bfloat16, gen))
     second = moe_gemm.grouped_gemm(a, b, config=config)
-    assert len(launch._meta_cache) == 1  # reused, not uploaded again
+    assert len(general_launch._meta_cache) == 1  # reused, not uploaded again
     assert second[0].data_ptr() != first[0].data_ptr()
     torch.cuda.synchronize()
     verify("second", second)

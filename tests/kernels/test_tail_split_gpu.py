@@ -35,7 +35,7 @@ pytestmark = pytest.mark.gpu
     ("bf16", torch.float32, "nk_view", "alloc"),
 ])
 def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     K, zero_tail = TS_K, 50
     # The kernel zeroes rows past offs[-1] only in the output it allocates.
@@ -84,7 +84,8 @@ def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
 def test_tail_split_visits(extra_rows):
     """The trace (tiles stored per CTA) is schedule.tail_split_assignment: split tiles are
     stored by their finisher CTA; with a last wave over half the grid, plain round robin."""
-    from moe_gemm.ops.launch import grouped_mm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_mm_cute
 
     K = TS_K
     nsm = num_sms()
@@ -119,7 +120,7 @@ def test_tail_split_replays_reset_counters():
     """Every finisher resets its counter: eager launches and CUDA-graph replays on new data
     stay right, and the counters read zero afterwards."""
     from moe_gemm.kernels.sm90.constants import split_workspace_bytes
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import launch_info, launch_resources
 
     K = TS_K
     counts = tail_split_counts(num_sms(), 0)
@@ -132,11 +133,11 @@ def test_tail_split_replays_reset_counters():
         y = moe_gemm.grouped_mm(x, w, offs)
         torch.cuda.synchronize()
         check_mm(f"tail-split/eager{trial}", y, x, w, offs)
-    info = launch.last_launch()
+    info = launch_info.last_launch()
     assert info.choice.tail_split
     counters, _, total = split_workspace_bytes(info.num_ctas, info.choice.tile_m,
                                                info.choice.tile_n)
-    spaces = [ws for key, ws in launch._workspaces.items()
+    spaces = [ws for key, ws in launch_resources._workspaces.items()
               if key[-1] and key[-2] == -(-total // 8)]
     assert spaces, "no tail-split workspace cached"
     for ws in spaces:
@@ -161,7 +162,7 @@ def test_tail_split_replays_reset_counters():
 def test_tail_split_switch_applies_to_next_call(monkeypatch):
     """MOE_GEMM_TAIL_SPLIT=0 takes effect on the next call of a shape already planned, and
     unset again brings the split back; results stay right either way."""
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     counts = tail_split_counts(num_sms(), 0)
     T, E, K = sum(counts), len(counts), TS_K
@@ -190,12 +191,12 @@ def test_tail_split_bmm(G, M, N, monkeypatch):
     """The 3-D form with the tail split forced (not a default choice there)."""
     import dataclasses
 
-    from moe_gemm.ops import launch
+    from moe_gemm.ops import launch_info, mm_launch
 
-    orig = launch.choose_batched
-    monkeypatch.setattr(launch, "choose_batched", lambda *a, **k: dataclasses.replace(
+    orig = mm_launch.choose_batched
+    monkeypatch.setattr(mm_launch, "choose_batched", lambda *a, **k: dataclasses.replace(
         orig(*a, **k), tail_split=True, cluster_m=1, cluster_n=1))
     cfg = GemmConfig(backend="cute", schedule="cooperative")
     run_batched(f"tail-split/bmm/{G}x{M}x{N}", G, M, N, TS_K, config=cfg, out_mode="given")
-    info = launch.last_launch()
+    info = launch_info.last_launch()
     assert info.choice.tail_split

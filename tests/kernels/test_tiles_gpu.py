@@ -74,7 +74,7 @@ def _gen(name):
 
 def _assert_choice(name, cfg):
     """The launch ran the config's tile, schedule and cluster (nothing chose around it)."""
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     c = last_launch().choice
     got = (c.schedule, c.tile_m, c.tile_n, c.cluster_m, c.cluster_n)
@@ -199,7 +199,7 @@ def test_varlen_long_k_and_allocated_out(schedule, tile):
     # K = 4160 (65 k-tiles): the cooperative tiles run with the tail split. Twenty empty
     # experts keep the grid (sized from T and E on the host) over twice the 12 real tiles,
     # so every tile is split into two half-K units joined through the workspace.
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     cfg = _cfg(schedule, tile)
     counts = [tile[0] + 3, 0, 1, 2 * tile[0] - 1] + [0] * 20
@@ -332,7 +332,7 @@ DEEP = [("cooperative", (128, 192), (1, 2)), ("pingpong", (128, 208), (2, 1)),
 @pytest.mark.parametrize("schedule,tile,cl", DEEP,
                          ids=[f"{s[:4]}{t[0]}x{t[1]}-c{c[0]}x{c[1]}" for s, t, c in DEEP])
 def test_five_stages_with_fewer_staging_buffers(schedule, tile, cl):
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     cfg = _cfg(schedule, tile, cl, stages=5)
     name = f"tiles/s5/{schedule}{tile}/c{cl[0]}x{cl[1]}"
@@ -353,28 +353,30 @@ def test_five_stages_with_fewer_staging_buffers(schedule, tile, cl):
 @pytest.fixture
 def with_raster(monkeypatch):
     """Run launches with a given raster code in place of the heuristics' (any code, also
-    those the config cannot pin, e.g. one panel): wraps the three choices the launch module
-    calls."""
-    from moe_gemm.ops import api, launch
+    those the config cannot pin, e.g. one panel): wraps the three choices the launch modules
+    call."""
+    from moe_gemm.ops import api, general_launch, mm_launch
     from moe_gemm.ops.signature import PlanCache
 
     def use(code):
-        for name in ("choose_general", "choose_varlen", "choose_batched"):
-            fn = getattr(launch, name)
+        for module, name in ((general_launch, "choose_general"), (mm_launch, "choose_varlen"),
+                             (mm_launch, "choose_batched")):
+            fn = getattr(module, name)
             monkeypatch.setattr(
-                launch, name,
+                module, name,
                 lambda *a, _fn=fn, **k: dataclasses.replace(_fn(*a, **k), swizzle=code))
-        launch.general_shape.cache_clear()
+        general_launch.general_shape.cache_clear()
         # plans made before hold the old raster
         monkeypatch.setattr(api, "_mm_plans", PlanCache(per_bucket=8, buckets=256))
         monkeypatch.setattr(api, "_general_plans", PlanCache(per_bucket=4, buckets=64))
 
     yield use
-    launch.general_shape.cache_clear()
+    general_launch.general_shape.cache_clear()
 
 
 def _trace_varlen(name, cfg, counts, N, K=128):
-    from moe_gemm.ops.launch import grouped_mm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_mm_cute
     from moe_gemm.ops.validation import check_grouped_mm
 
     T = sum(counts) + 50
@@ -403,7 +405,8 @@ def _trace_varlen(name, cfg, counts, N, K=128):
 def _trace_general(name, cfg, seed=11):
     import random
 
-    from moe_gemm.ops.launch import grouped_gemm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.general_launch import grouped_gemm_cute
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
     from moe_gemm.ops.validation import check_grouped_gemm
 
     rng = random.Random(seed)
@@ -425,7 +428,8 @@ def _trace_general(name, cfg, seed=11):
 
 
 def _trace_batched(name, cfg, G=9, M=300, N=264, K=128):
-    from moe_gemm.ops.launch import grouped_bmm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_bmm_cute
     from moe_gemm.ops.validation import check_grouped_bmm
 
     x = torch.randn(G, M, K, device=DEV, dtype=torch.bfloat16)
@@ -473,7 +477,7 @@ def test_trace_new_tiles_batched(schedule, tile):
 def test_trace_tail_split_256_rows():
     # K = 4160, 256x208 tiles, 9 experts of 1000 rows and 4 n-tiles: 144 tiles, so on a
     # 132-SM grid a last wave of 12 split tiles after a full one (fewer SMs: other splits).
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     _trace_varlen("tiles/trace/varlen-tail-split/256x208", _cfg("cooperative", (256, 208)),
                   [1000] * 9, 4 * 208, K=4160)
@@ -508,7 +512,7 @@ def test_trace_raster_orders(raster, with_raster):
                    G=3, M=1100, N=904)
     _trace_general(f"tiles/trace/raster-{raster}/general",
                    _cfg("pingpong", (128, 208), (2, 1), sort_by_k=False), seed=13)
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     assert last_launch().choice.swizzle == RASTERS[raster]
 
@@ -516,7 +520,7 @@ def test_trace_raster_orders(raster, with_raster):
 def test_raster_pinned_by_the_config():
     # GemmConfig's raster pins reach the kernel: panels of 8 n-tiles, serpentine (QuACK's
     # varlen-M order), on the 192-row ping-pong tile in a 1x2 cluster; order and numbers.
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     cfg = _cfg("pingpong", (192, 128), (1, 2), raster_panel=8, raster_along="n",
                raster_serpentine=True)

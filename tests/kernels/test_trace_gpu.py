@@ -58,7 +58,8 @@ def expected_cluster(rows_n, tile_m, tile_n, num_ctas, swizzle, cm, cn):
 @pytest.mark.parametrize("visitor", VISITORS)
 @pytest.mark.parametrize("sort_by_k", [False, True])
 def test_trace_general_matches_schedule(schedule, visitor, sort_by_k):
-    from moe_gemm.ops.launch import grouped_gemm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.general_launch import grouped_gemm_cute
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
 
     rng = random.Random(11)
     sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 50), 8 * rng.randint(1, 90))
@@ -89,7 +90,8 @@ def test_trace_general_matches_schedule(schedule, visitor, sort_by_k):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("visitor", VISITORS)
 def test_trace_varlen_matches_schedule(schedule, visitor):
-    from moe_gemm.ops.launch import grouped_mm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_mm_cute
 
     E, T, N, K = 40, 3000, 264, 128
     counts = expert_counts("holes", E, T - 50, torch.Generator().manual_seed(1))
@@ -113,7 +115,8 @@ def test_trace_varlen_matches_schedule(schedule, visitor):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_trace_batched_matches_schedule(schedule):
-    from moe_gemm.ops.launch import grouped_bmm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_bmm_cute
 
     G, M, N, K = 37, 300, 264, 128
     x = torch.randn(G, M, K, device="cuda", dtype=torch.bfloat16)
@@ -133,12 +136,8 @@ def test_trace_batched_matches_schedule(schedule):
 
 @pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
 def test_trace_cluster_varlen_and_batched_match_schedule(cl):
-    from moe_gemm.ops.launch import (
-        grouped_bmm_cute,
-        grouped_mm_cute,
-        last_launch,
-        trace_assignment,
-    )
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_bmm_cute, grouped_mm_cute
 
     cfg = GemmConfig(backend="cute", **CLUSTER_SHAPES[cl])
     cm, cn = CLUSTER_SHAPES[cl]["cluster_m"], CLUSTER_SHAPES[cl]["cluster_n"]
@@ -175,7 +174,8 @@ def test_trace_cluster_varlen_and_batched_match_schedule(cl):
 @pytest.mark.parametrize("cl", list(CLUSTER_SHAPES))
 @pytest.mark.parametrize("sort_by_k", [False, True])
 def test_trace_cluster_general_matches_schedule(cl, sort_by_k):
-    from moe_gemm.ops.launch import grouped_gemm_cute, last_launch, trace_assignment
+    from moe_gemm.ops.general_launch import grouped_gemm_cute
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
 
     rng = random.Random(12)
     sizes = [(rng.choice([0, 1, 130, 257, 600]), 8 * rng.randint(1, 80), 8 * rng.randint(1, 90))

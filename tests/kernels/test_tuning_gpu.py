@@ -13,7 +13,7 @@ import torch
 
 import moe_gemm
 from moe_gemm import GemmConfig
-from moe_gemm.ops import heuristics, tuned
+from moe_gemm.ops import heuristics, launch_info, tuned
 from moe_gemm.tuning import online, space
 from moe_gemm.tuning.compile_pool import CompilePool
 from moe_gemm.tuning.runner import ShapeRunner
@@ -100,7 +100,7 @@ def test_online_autotune_tunes_once_and_caches(few_candidates, monkeypatch, tmp_
     assert len(doc["entries"]) == 1 and doc["versions"]["device"] == name
     key = tuned.Key("varlen", "bfloat16", "bfloat16", E, N, K, tuned.rows_bucket(T / E))
     assert tuned.lookup(name, key, T, 132).how == "exact"
-    info = moe_gemm.ops.launch.last_launch()
+    info = launch_info.last_launch()
     entry = doc["entries"][0]["config"]
     assert (info.choice.tile_m, info.choice.tile_n) == (entry["tile_m"], entry["tile_n"])
     # A new plan for the same key (the plan cache cleared) does not tune again.

@@ -41,7 +41,7 @@ def test_varlen_default_prefill_like():
 
 def test_varlen_default_short_k():
     # K <= 1024 with >= 128 rows per expert: the default is ping-pong 128x192.
-    from moe_gemm.ops.launch import last_launch
+    from moe_gemm.ops.launch_info import last_launch
 
     run_varlen("varlen/short-k/default", 24, 6000, 392, 768, "edges", torch.bfloat16,
                "nk_view", None, "given", tail=5)

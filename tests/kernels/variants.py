@@ -37,7 +37,7 @@ class Variants:
         self.keys: set = set()
 
     def _add(self, form, dtype, out_dtype, b_major, choice, trace, force):
-        from moe_gemm.ops.launch import _compile_key
+        from moe_gemm.ops.launch_kernel import _compile_key
 
         if force:
             choice = dataclasses.replace(choice, **force)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_gemm import GemmConfig, MoE, moe_experts
-from moe_gemm.ops import launch
+from moe_gemm.ops import launch_info
 from moe_gemm.testing import assert_close_to_ref, calc_diff
 
 pytestmark = pytest.mark.gpu
@@ -93,10 +93,10 @@ def test_compiled_moe_matches_reference_without_breaks_or_syncs(dynamo) -> None:
     with torch.no_grad():
         for T in (1, 77, 513):
             x = _x(T, 1024, T)
-            before = launch.last_launch()
+            before = launch_info.last_launch()
             y = compiled(x)
             torch.cuda.synchronize()
-            assert BACKEND == "torch" or launch.last_launch() is not before
+            assert BACKEND == "torch" or launch_info.last_launch() is not before
             _check(y, moe(x), _reference(moe, x), f"compiled MoE T={T}")
         x = _x(77, 1024, 5)
         torch.cuda.synchronize()
@@ -166,12 +166,12 @@ def test_compiled_transformers_model_with_moe_gemm_experts(dynamo) -> None:
     ids = torch.randint(0, 256, (2, 33), device=DEVICE)
     with torch.no_grad():
         eager = model(ids, use_cache=False).logits
-        before = launch.last_launch()
+        before = launch_info.last_launch()
         # aot_eager: the rest of the model runs the same kernels as eager, so the logits must
         # agree (inductor's own fusions are the MoE layer tests' business, above).
         got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids,
                                                                         use_cache=False).logits
         torch.cuda.synchronize()
-        assert BACKEND == "torch" or launch.last_launch() is not before
+        assert BACKEND == "torch" or launch_info.last_launch() is not before
     torch.testing.assert_close(got, eager)
     assert dynamo["graph_break"] == {}

@@ -8,7 +8,8 @@ from host_fakes import Recorder, clear_caches, install
 
 @pytest.fixture
 def kernel(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    """host_sm90 on the CPU, its compiled kernel replaced by a recorder; caches cleared."""
+    """The launch modules on the CPU, the compiled kernel replaced by a recorder; caches
+    cleared."""
     rec = Recorder()
     clear_caches()
     install(monkeypatch, rec)

@@ -1,13 +1,12 @@
 """The general-form host wrapper on the CPU: a recorder in place of the compiled kernel, the
-patches that let ops/launch.py run with CPU tensors (the `kernel` fixture in conftest.py), and
-the output checks."""
+patches that let the launch modules run with CPU tensors (the `kernel` fixture in
+conftest.py), and the output checks."""
 
 from __future__ import annotations
 
 import torch
 
-from moe_gemm.ops import api
-from moe_gemm.ops import launch as host
+from moe_gemm.ops import api, general_launch, launch_kernel, launch_resources
 
 NSM = 132
 
@@ -26,25 +25,26 @@ class Recorder:
 
 
 def clear_caches() -> None:
-    host.general_shape.cache_clear()
-    host.general_plan.cache_clear()
-    host._meta_cache.clear()
-    host._workspaces.clear()
+    general_launch.general_shape.cache_clear()
+    general_launch.general_plan.cache_clear()
+    general_launch._meta_cache.clear()
+    launch_resources._workspaces.clear()
     api._clear_plans()
 
 
 def install(monkeypatch, rec: Recorder) -> None:
-    """ops/launch.py on the CPU with `rec` as the kernel."""
-    monkeypatch.setattr(host, "sm_count", lambda device: NSM)
-    monkeypatch.setattr(host, "device_name", lambda device: "Test GPU")  # no tuned table
-    monkeypatch.setattr(host, "_device_index", lambda device: 0)
-    monkeypatch.setattr(host, "_raw_stream", lambda idx: 0)
-    monkeypatch.setattr(host, "_capturing", lambda: False)
-    monkeypatch.setattr(host, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
-    monkeypatch.setattr(host, "_kernel_for", lambda *a: rec)
-    monkeypatch.setattr(host, "_compiled", lambda key: rec)
-    monkeypatch.setattr(host, "_general_placeholders",
-                        lambda *a: host._new_placeholders(torch.device("cpu"), *a[1:]))
+    """The launch modules on the CPU with `rec` as the kernel."""
+    monkeypatch.setattr(launch_kernel, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(launch_kernel, "device_name", lambda device: "Test GPU")  # no table
+    monkeypatch.setattr(launch_resources, "_device_index", lambda device: 0)
+    monkeypatch.setattr(launch_resources, "_raw_stream", lambda idx: 0)
+    monkeypatch.setattr(launch_resources, "_capturing", lambda: False)
+    monkeypatch.setattr(launch_resources, "_pinned",
+                        lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(launch_kernel, "_kernel_for", lambda *a: rec)
+    monkeypatch.setattr(launch_kernel, "_compiled", lambda key: rec)
+    monkeypatch.setattr(general_launch, "_general_placeholders",
+                        lambda *a: general_launch._new_placeholders(torch.device("cpu"), *a[1:]))
     monkeypatch.delenv("MOE_GEMM_DISABLE_CUTE", raising=False)
     monkeypatch.delenv("MOE_GEMM_L2_HINTS", raising=False)
 

@@ -19,7 +19,7 @@ import moe_gemm
 from moe_gemm import GemmConfig, grouped_gemm, grouped_mm
 from moe_gemm.config import CLUSTERS, COOPERATIVE_TILES
 from moe_gemm.ops import api as ops_module
-from moe_gemm.ops import launch
+from moe_gemm.ops import launch_info
 from moe_gemm.testing import (
     assert_close_to_ref,
     make_grouped_inputs,
@@ -551,10 +551,10 @@ def test_dispatch_to_cute_when_it_can_run(fake_hopper: Recorder) -> None:
         warnings.simplefilter("error")
         outs = grouped_gemm(a, b, config=cfg)
         assert len(fake_hopper.calls) == 1 and [o.shape for o in outs] == [(8, 16)]
-        assert launch.last_launch().choice.schedule == "pingpong"
+        assert launch_info.last_launch().choice.schedule == "pingpong"
         y = grouped_mm(x, w, offs)
     assert len(fake_hopper.calls) == 2 and y.shape == (16, 16) and y.dtype == torch.bfloat16
-    info = launch.last_launch()
+    info = launch_info.last_launch()
     assert info.num_problems == 3  # two experts and the rows past offs[-1] (zeroed)
     assert fake_hopper.calls[-1][0] is x and fake_hopper.calls[-1][5] is offs
     # backend="torch" never dispatches, even where cute could run.

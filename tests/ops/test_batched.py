@@ -448,7 +448,7 @@ def test_auto_backend_on_cpu_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
 def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Capability says yes and a fake host module records the BmmPlans that ops builds."""
     calls: list[object] = []
-    fake = types.ModuleType("moe_gemm.ops.launch")
+    fake = types.ModuleType("moe_gemm.ops.mm_launch")
 
     class BmmPlan:
         def __init__(self, args: object, cfg: object) -> None:
@@ -458,7 +458,7 @@ def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> list[object]:
             return "cute-bmm"
 
     fake.BmmPlan = BmmPlan  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "moe_gemm.ops.launch", fake)
+    monkeypatch.setitem(sys.modules, "moe_gemm.ops.mm_launch", fake)
     monkeypatch.setattr(ops_module, "cute_problem", lambda device=None: None)
     monkeypatch.setattr(ops_module, "_warned", set())
     monkeypatch.setattr(ops_module, "_mm_plans", PlanCache())  # the fake plans stay here

@@ -14,7 +14,7 @@ import torch
 from moe_gemm.config import CLUSTERS, COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.kernels.sm90.constants import fused_problem, tile_problem
 from moe_gemm.kernels.sm90.constants_fp8 import fp8_tile_problem
-from moe_gemm.ops import fused_launch, launch
+from moe_gemm.ops import fused_launch, launch_kernel
 from moe_gemm.ops.fused_validation import check_fused_mm
 from moe_gemm.ops.heuristics_fp8 import choose_fp8, kernel_scale_mode
 
@@ -51,7 +51,7 @@ def _assert_buildable(choice, tiles_ok=True):
 
 @pytest.mark.parametrize("device", [None, "NVIDIA H100 80GB HBM3"])
 def test_fused_choices_are_buildable(device, monkeypatch):
-    monkeypatch.setattr(launch, "_table_device", lambda _: device)  # tuned tables or rules
+    monkeypatch.setattr(launch_kernel, "_table_device", lambda _: device)  # tables or rules
     for S, N, K in itertools.product((1, 64, 4096), (96, 768, 14336), (128, 7168)):
         for gate, layout, gather, bias, weight in itertools.product(
                 (None, "silu"), ("concat", "interleaved", "alternating"), (False, True),

@@ -16,7 +16,7 @@ import torch
 from torch.library import opcheck
 
 from moe_gemm import GemmConfig, grouped_gemm, grouped_mm
-from moe_gemm.ops import launch
+from moe_gemm.ops import launch_info
 from moe_gemm.ops.custom_ops import encode_config
 from moe_gemm.testing import assert_close_to_ref, make_grouped_inputs, make_moe_inputs
 
@@ -50,10 +50,10 @@ def dynamo():
 
 def _ran_kernels(fn):
     """fn() and whether it launched one of our kernels on this thread."""
-    before = launch.last_launch()
+    before = launch_info.last_launch()
     res = fn()
     torch.cuda.synchronize()
-    after = launch.last_launch()
+    after = launch_info.last_launch()
     return res, after is not None and after is not before
 
 

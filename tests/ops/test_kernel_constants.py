@@ -10,7 +10,8 @@ import torch
 from host_fakes import Recorder, clear_caches
 
 import moe_gemm
-from moe_gemm.ops import api, launch
+from moe_gemm.ops import api, launch_kernel
+from moe_gemm.ops.kernel_cache import kernel_constants
 
 tvm_ffi = pytest.importorskip("tvm_ffi")
 
@@ -60,8 +61,8 @@ def test_ffi_kernel_gets_the_same_arguments(case: str, kernel: Recorder,
         kernel.calls.clear()
         if form == "ffi":
             ffi_kernel = tvm_ffi.convert(lambda *args: kernel.calls.append(args))
-            monkeypatch.setattr(launch, "_kernel_for", lambda *a: ffi_kernel)
-            monkeypatch.setattr(launch, "_compiled", lambda key: ffi_kernel)
+            monkeypatch.setattr(launch_kernel, "_kernel_for", lambda *a: ffi_kernel)
+            monkeypatch.setattr(launch_kernel, "_compiled", lambda key: ffi_kernel)
         call = _cases()[case]
         # Three calls: the detailed path, then the plan's repeated path (twice).
         for _ in range(3):
@@ -92,8 +93,8 @@ def test_plans_convert_constants_once_and_keep_a_torch_tensor(
         calls.append(args)
 
     ffi_kernel = tvm_ffi.convert(record)
-    monkeypatch.setattr(launch, "_kernel_for", lambda *a: ffi_kernel)
-    monkeypatch.setattr(launch, "_compiled", lambda key: ffi_kernel)
+    monkeypatch.setattr(launch_kernel, "_kernel_for", lambda *a: ffi_kernel)
+    monkeypatch.setattr(launch_kernel, "_compiled", lambda key: ffi_kernel)
     a = [torch.randn(16, 32, dtype=BF16) for _ in range(2)]
     b = [torch.randn(32, 48, dtype=BF16) for _ in range(2)]
     plan = moe_gemm.GroupedGemmPlan(a, b)
@@ -103,4 +104,4 @@ def test_plans_convert_constants_once_and_keep_a_torch_tensor(
     # The workspace goes to the kernel as a torch tensor: TVM-FFI reads the stream from it.
     assert isinstance(gplan.workspace.get(gplan.shape.choice), torch.Tensor)
     # A recorder that is no TVM-FFI function gets torch tensors.
-    assert launch.kernel_constants(kernel, a[0]) == (a[0],)
+    assert kernel_constants(kernel, a[0]) == (a[0],)

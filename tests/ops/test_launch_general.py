@@ -1,4 +1,4 @@
-"""The general-form host wrapper (host_sm90.GeneralShape / GeneralLaunch) on the CPU.
+"""The general-form host wrapper (general_launch.GeneralShape / GeneralLaunch) on the CPU.
 
 The compiled kernel is replaced by a recorder, so these tests check everything the host
 hands the kernel: per-problem metadata rows (pointers, leading dims, sizes, K-sort order),
@@ -16,7 +16,8 @@ import torch
 from host_fakes import Recorder, check_outputs
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.ops import launch as host
+from moe_gemm.ops import general_launch, launch_resources
+from moe_gemm.ops.launch_info import last_launch
 from moe_gemm.ops.support import analyze_general
 from moe_gemm.ops.validation import check_grouped_gemm
 
@@ -37,7 +38,7 @@ def _launch(a, b, cfg=GemmConfig(), out=None, out_dtype=None):
     args = check_grouped_gemm(a, b, out, out_dtype)
     layout = analyze_general(args)
     assert not isinstance(layout, str), layout
-    gl = host.GeneralLaunch(args, cfg, layout=layout)
+    gl = general_launch.GeneralLaunch(args, cfg, layout=layout)
     return gl, gl.launch()
 
 
@@ -45,7 +46,7 @@ def _check_rows(rec: Recorder, gl, a, b, outs, sizes) -> None:
     call = rec.calls[-1]
     meta, d_base = call[3], call[15]
     assert meta.shape == (len(sizes), 8) and meta.dtype == torch.int64
-    order = host.last_launch().order
+    order = last_launch().order
     assert sorted(order) == list(range(len(sizes)))
     for row, p in zip(meta.tolist(), order):
         m, n, k = sizes[p]
@@ -85,7 +86,7 @@ def test_k_sort_permutes_rows(kernel: Recorder) -> None:
     sizes = [(128, 256, 64), (128, 256, 4096), (128, 256, 512), (128, 256, 2048)]
     a, b = _problems(sizes)
     gl, outs = _launch(a, b, GemmConfig(sort_by_k=True))
-    assert host.last_launch().order == (1, 3, 2, 0)
+    assert last_launch().order == (1, 3, 2, 0)
     assert gl.shape.counts == (1, 1, 1, 1)  # one 128x256 tile each (cooperative default)
     _check_rows(kernel, gl, a, b, outs, sizes)
     meta = kernel.calls[0][3]
@@ -96,7 +97,7 @@ def test_unsorted_keeps_caller_order(kernel: Recorder) -> None:
     sizes = [(64, 128, 64), (64, 128, 4096)]
     a, b = _problems(sizes)
     gl, outs = _launch(a, b, GemmConfig(sort_by_k=False))
-    assert gl.shape.order is None and host.last_launch().order == (0, 1)
+    assert gl.shape.order is None and last_launch().order == (0, 1)
     _check_rows(kernel, gl, a, b, outs, sizes)
 
 
@@ -187,12 +188,12 @@ def test_repeated_call_reuses_uploaded_metadata(kernel: Recorder) -> None:
 
 
 def test_metadata_cache_is_bounded(kernel: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host, "META_CACHE_ENTRIES", 2)
+    monkeypatch.setattr(general_launch, "META_CACHE_ENTRIES", 2)
     sizes = [(8, 64, 64)]
     alive = [_problems(sizes) for _ in range(5)]  # five distinct sets of addresses
     for a, b in alive:
         _launch(a, b)
-    assert len(host._meta_cache) == 2
+    assert len(general_launch._meta_cache) == 2
     assert len({id(c[3]) for c in kernel.calls}) == 5
 
 
@@ -201,24 +202,25 @@ def test_minority_b_layout_is_not_cached(kernel: Recorder) -> None:
     a, b = _problems(sizes, b_col=(1,))
     _launch(a, b)
     _launch(a, b)
-    assert host._meta_cache == {}  # the copy of b[1] is new each call
+    assert general_launch._meta_cache == {}  # the copy of b[1] is new each call
     assert kernel.calls[0][3] is not kernel.calls[1][3]
 
 
 def test_graph_owned_launches_keep_nothing(kernel: Recorder) -> None:
     """A compiled graph's launches (the torch.library ops) may allocate from a CUDA-graph
-    pool: inside launch.graph_owned() nothing they allocate is cached past the call, so a
-    second call gets new workspace and metadata tensors and the caches stay as they were."""
+    pool: inside launch_resources.graph_owned() nothing they allocate is cached past the call,
+    so a second call gets new workspace and metadata tensors and the caches stay as they
+    were."""
     sizes = [(16, 64, 64), (5, 64, 128)]
     a, b = _problems(sizes)
-    host._workspaces.clear()
-    with host.graph_owned():
+    launch_resources._workspaces.clear()
+    with launch_resources.graph_owned():
         _launch(a, b)
         _launch(a, b)
     first, second = kernel.calls[-2], kernel.calls[-1]
     assert first[3] is not second[3]  # metadata uploaded per call, never from the cache
     assert first[7] is not second[7]  # a fresh workspace each call
-    assert host._meta_cache == {} and host._workspaces == {}
+    assert general_launch._meta_cache == {} and launch_resources._workspaces == {}
     # Outside it the same launches reuse both.
     _launch(a, b)
     _launch(a, b)

@@ -12,7 +12,8 @@ import torch
 from host_fakes import Recorder
 
 from moe_gemm import GemmConfig, grouped_gemm, grouped_mm
-from moe_gemm.ops import api, launch, signature
+from moe_gemm.ops import api, mm_launch, signature
+from moe_gemm.ops.launch_info import last_launch
 from moe_gemm.ops.signature import PlanCache, TensorSignature
 
 BF16 = torch.bfloat16
@@ -112,20 +113,20 @@ def plans_built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Counts the MmPlan / BmmPlan constructions."""
     built: list[str] = []
     for name in ("MmPlan", "BmmPlan"):
-        cls = getattr(launch, name)
+        cls = getattr(mm_launch, name)
         sub = type(name, (cls,), {"__init__": lambda self, *a, _c=cls, _n=name, **k: (
             built.append(_n), _c.__init__(self, *a, **k))[1]})
-        monkeypatch.setattr(launch, name, sub)
+        monkeypatch.setattr(mm_launch, name, sub)
     return built
 
 
 def test_repeated_grouped_mm_reuses_its_plan(cute: Recorder, plans_built: list[str]) -> None:
     x, w, offs = _mm_inputs()
     y1 = grouped_mm(x, w, offs)
-    first = launch.last_launch()
+    first = last_launch()
     x2 = torch.randn_like(x)
     y2 = grouped_mm(x2, w, offs)
-    assert launch.last_launch() is not first  # each launch is told apart (benchmarks do)
+    assert last_launch() is not first  # each launch is told apart (benchmarks do)
     assert plans_built == ["MmPlan"] and len(cute.calls) == 2
     assert cute.calls[1][0] is x2 and cute.calls[1][2] is y2 and y1 is not y2
     assert y2.shape == (24, 16) and y2.dtype == BF16
@@ -243,7 +244,7 @@ def scans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _rows_point_at(call: tuple, a, b) -> None:
-    meta, order = call[3], launch.last_launch().order
+    meta, order = call[3], last_launch().order
     for row, p in zip(meta.tolist(), order):
         if a[p].shape[0]:
             assert row[0] == a[p].data_ptr() and row[1] == b[p].data_ptr()
@@ -254,7 +255,7 @@ def test_repeated_grouped_gemm_skips_the_scan(cute: Recorder, scans: list[int]) 
     infos = []
     for _ in range(3):
         outs = grouped_gemm(a, b)
-        infos.append(launch.last_launch())
+        infos.append(last_launch())
     assert len({id(i) for i in infos}) == 3
     # The scan runs on the first two calls (the second takes the signature), not after.
     assert scans == [4, 4] and len(cute.calls) == 3

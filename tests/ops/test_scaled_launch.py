@@ -10,7 +10,7 @@ import torch
 from fp8_fakes import KernelFactory, Memory, install
 
 from moe_gemm import GemmConfig, scaled_grouped_gemm, scaled_grouped_mm
-from moe_gemm.ops import heuristics_fp8, launch, scaled_launch
+from moe_gemm.ops import heuristics_fp8, launch_info, scaled_launch
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
 from moe_gemm.testing import poison_
 from moe_gemm.testing_fp8 import (
@@ -49,7 +49,7 @@ def test_varlen(fp8_kernel, granularity, T, E):
     assert call[8] == E + 1
     for s in (call[3], call[4]):
         assert all(st != 0 or n == 1 for st, n in zip(s.stride(), s.shape))
-    info = launch.last_launch()
+    info = launch_info.last_launch()
     assert info.num_problems == E + 1 and info.choice.tile_m == key.tile_m
 
 
