@@ -106,7 +106,7 @@ def merge_docs(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     out.pop("not_rerun", None)
     out.pop("stopped", None)
     out.pop("seconds", None)
-    out["merged"] = [name for name, _ in docs]
+    out["merged"] = [Path(name).name for name, _ in docs]
     out["complete"] = not out["not_run"]
     out["bar"] = bar(out["results"])
     return out

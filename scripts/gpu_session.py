@@ -17,7 +17,9 @@
    timeout or precompile failure.
 
 Select with --groups (names or shell patterns, see --list), -k (pytest's expression) and
---paths (files or folders to collect from).
+--paths (files or folders to collect from). On a machine of several GPUs, run one session per
+GPU (CUDA_VISIBLE_DEVICES=i, its own --groups and --out) and join their reports with
+`--merge g0/gpu-tests.json g1/gpu-tests.json ... --out DIR`.
 """
 
 from __future__ import annotations
@@ -285,6 +287,46 @@ def table(results: list[dict], pre: dict | None) -> str:
     return "\n".join(lines)
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several sessions' (one per GPU of a machine, each with its own
+    --groups): each session's machine, command, time and precompile under "sessions", the
+    groups, tests, cases and compiles of all. ValueError if two sessions ran one group (a
+    test would count twice)."""
+    merged: dict = {"sessions": [], "collection_errors": [], "groups": [], "tests": [],
+                    "cases": [], "compiled_in_tests": [], "seconds": 0.0}
+    seen: set[str] = set()
+    for r in reports:
+        # (a report merged before is a list of sessions already)
+        sessions = r.get("sessions") or [{k: r.get(k) for k in ("machine", "command",
+                                                                 "seconds", "precompile")}]
+        twice = seen & {g["group"] for g in r.get("groups", [])}
+        if twice:
+            raise ValueError(f"groups {sorted(twice)} are in two reports")
+        seen |= {g["group"] for g in r.get("groups", [])}
+        merged["sessions"] += sessions
+        for key in ("collection_errors", "groups", "tests", "cases", "compiled_in_tests"):
+            merged[key] += r.get(key) or []
+        merged["seconds"] = max(merged["seconds"], float(r.get("seconds") or 0.0))
+    merged["groups"].sort(key=lambda g: g["group"])
+    return merged
+
+
+def merge_main(files: list[str], out: str) -> int:
+    """--merge: join the reports in `files` into `out`/gpu-tests.json; print the table."""
+    try:
+        reports = [json.load(open(f)) for f in files]
+        merged = merge_reports(reports)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"error: --merge: {exc}", file=sys.stderr)
+        return 2
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu-tests.json"), "w") as f:
+        json.dump(merged, f, indent=1, default=str)
+    print(table(merged["groups"], None))
+    ok = all(g.get("ok") for g in merged["groups"]) and not merged["collection_errors"]
+    return 0 if ok and merged["groups"] else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,7 +344,12 @@ def main() -> int:
     p.add_argument("--list", action="store_true", help="list the groups and exit")
     p.add_argument("--allow-no-gpu", action="store_true",
                    help="run even where the kernels cannot (the GPU tests then skip)")
+    p.add_argument("--merge", nargs="+", metavar="FILE", help="join these gpu-tests.json "
+                   "(one session per GPU of a machine, each with its own --groups) into "
+                   "--out/gpu-tests.json and exit; no GPU needed")
     args = p.parse_args()
+    if args.merge:
+        return merge_main(args.merge, args.out)
     t0 = time.monotonic()
     deadline = t0 + args.budget
     os.makedirs(args.out, exist_ok=True)

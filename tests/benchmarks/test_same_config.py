@@ -74,3 +74,36 @@ def test_ratios_are_quack_over_ours_per_config():
     assert rows[0]["tflops"] == pytest.approx(2e12 / 0.25 / 1e9)
     assert "vs_quack" not in rows[2] and "tflops" not in rows[2]
     assert len(lines) == 2 and "1.040" in lines[0] and "nan" in lines[1]
+
+
+def test_quack_pinned_hands_the_check_its_output_not_quacks_return_value(monkeypatch):
+    """gemm_tuned.fn writes `out` and returns a tuple of its own: the run must return out (the
+    harness checks what the run returns against the reference)."""
+    import sys
+    import types
+
+    import torch
+
+    calls = []
+
+    def fn(x, w, out, cu_seqlens_m, config):
+        calls.append(config)
+        out.copy_(torch.ones_like(out))
+        return (None, "something QuACK returns")
+
+    quack = types.ModuleType("quack")
+    gemm_config = types.ModuleType("quack.gemm_config")
+    gemm_config.GemmConfig = lambda **kw: kw
+    gemm_interface = types.ModuleType("quack.gemm_interface")
+    gemm_interface.gemm_tuned = types.SimpleNamespace(fn=fn)
+    monkeypatch.setitem(sys.modules, "quack", quack)
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", gemm_config)
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", gemm_interface)
+    x, w = torch.zeros(6, 4), torch.zeros(2, 4, 3)
+    monkeypatch.setattr(same_config, "quack_operands",
+                        lambda inp, device: (None, x, w, torch.tensor([0, 2, 6])))
+    (fields,) = same_config.parse_configs("pp 128x192 c2x1")
+    prepared = same_config._quack_pinned(fields)(None, None, torch.device("cpu"))
+    got = prepared.run()
+    assert isinstance(got, torch.Tensor) and got.shape == (6, 3) and bool((got == 1).all())
+    assert calls == [same_config.quack_config(fields)]

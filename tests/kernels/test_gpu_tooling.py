@@ -249,3 +249,48 @@ def test_precompile_zoo_set_is_what_the_zoo_launches(monkeypatch):
     assert pre.zoo_variants("a GPU with no table") != h100
     with pytest.raises(SystemExit, match="needs --device"):
         pre.variant_set("zoo")
+
+
+def _session_report(groups: dict[str, list[str]], seconds: float) -> dict:
+    tests = [{"nodeid": f"{g}::{t}", "outcome": o, "seconds": 1.0}
+             for g, ts in groups.items() for t, o in (x.split(":") for x in ts)]
+    rows = []
+    for g, ts in groups.items():
+        outs = [x.split(":")[1] for x in ts]
+        rows.append({"group": g, "tests": len(ts), "passed": outs.count("passed"),
+                     "failed": outs.count("failed"), "error": 0, "unfinished": 0,
+                     "xpassed": 0, "skipped": 0, "compiled_in_tests": 0, "seconds": 1.0,
+                     "ok": "failed" not in outs, "rc": 0 if "failed" not in outs else 1})
+    return {"machine": {"gpu": "H200"}, "command": ["gpu_session.py", "--groups",
+                                                    ",".join(groups)],
+            "seconds": seconds, "precompile": None, "collection_errors": [], "groups": rows,
+            "tests": tests, "cases": [{"name": g} for g in groups], "compiled_in_tests": []}
+
+
+def test_session_reports_of_several_gpus_merge_into_one(tmp_path, capsys, monkeypatch):
+    gs = _load_script("gpu_session")
+    a = _session_report({"tiles": ["x:passed", "y:passed"]}, 200.0)
+    b = _session_report({"fp8": ["z:passed"], "graphs": ["w:passed"]}, 300.0)
+    merged = gs.merge_reports([a, b])
+    assert [g["group"] for g in merged["groups"]] == ["fp8", "graphs", "tiles"]
+    assert len(merged["tests"]) == 4 and len(merged["sessions"]) == 2
+    assert merged["seconds"] == 300.0 and merged["sessions"][1]["command"][-1] == "fp8,graphs"
+    # A merged report merges again (its sessions kept); one group in two reports is refused.
+    c = _session_report({"varlen": ["v:failed"]}, 10.0)
+    again = gs.merge_reports([merged, c])
+    assert len(again["sessions"]) == 3 and len(again["tests"]) == 5
+    with pytest.raises(ValueError, match="tiles"):
+        gs.merge_reports([a, a])
+    # The command line: files in, one report out; exit 1 when a merged group failed.
+    for name, doc in (("a", a), ("b", b), ("c", c)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    argv = ["gpu_session.py", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+            "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert gs.main() == 0
+    assert json.loads((tmp_path / "out" / "gpu-tests.json").read_text()) == merged
+    assert "total" in capsys.readouterr().out
+    argv[2:4] = [str(tmp_path / "a.json"), str(tmp_path / "c.json")]
+    assert gs.main() == 1
+    argv[2:4] = [str(tmp_path / "a.json"), str(tmp_path / "missing.json")]
+    assert gs.main() == 2
