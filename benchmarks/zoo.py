@@ -68,7 +68,7 @@ from benchmarks.suite import (
     quack_autotune_seconds,
 )
 from moe_gemm.tuning import zoo as models
-from moe_gemm.tuning.shards import parse_shard, take_shard
+from moe_gemm.tuning.shards import gpu_ids, parse_shard, run_shards, take_shard
 
 DEFAULT_MODELS = models.DEFAULT_MODELS
 FP8_MODELS = models.FP8_MODELS
@@ -378,6 +378,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=parse_shard, metavar="I/N", help="run shard I of N of the "
                    "cases (every N-th, from the I-th): one process per GPU "
                    "(CUDA_VISIBLE_DEVICES=I), each with its own --out; --merge joins them")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="run on N GPUs at once "
+                   "(the first N visible): one shard per GPU, joined into --out at the end")
     p.add_argument("--merge", action="append", default=[], metavar="FILE",
                    help="join these runs' JSON (repeatable, in order: a later file's case "
                    "replaces an earlier one's) into --out (or the default path) with the bar "
@@ -385,6 +387,42 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the models and exit")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def run_on_gpus(args: argparse.Namespace, argv: list[str]) -> int:
+    """`--gpus N`: this command once per GPU on shard i of N (each its own JSON in a temporary
+    folder), then the shards joined (on top of --resume's file, when given) into --out."""
+    import shutil
+    import tempfile
+
+    clash = [o for o, on in (("--shard", args.shard is not None), ("--device", args.device))
+             if on]
+    if clash:
+        print(f"error: --gpus picks the shards and devices itself; drop {' and '.join(clash)}",
+              file=sys.stderr)
+        return 2
+    try:
+        gpus = gpu_ids(args.gpus, None if args.smoke else torch.cuda.device_count())
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="moe-gemm-zoo-"))
+    n = len(gpus)
+    commands = [[sys.executable, "-m", "benchmarks.zoo", *argv, "--gpus", "1", "--shard",
+                 f"{i}/{n}", "--out", str(tmp / f"zoo{i}.json"), "--png", "none"]
+                for i in range(n)]
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    codes = run_shards(commands, gpus, log)
+    parts = [str(tmp / f"zoo{i}.json") for i in range(n) if (tmp / f"zoo{i}.json").exists()]
+    args.merge = ([args.resume] if args.resume else []) + parts
+    rc = merge(args) if parts else 1
+    failed = [f"GPU {g} (exit {c})" for g, c in zip(gpus, codes) if c != 0]
+    if failed or rc != 0:
+        print(f"error: shards failed: {', '.join(failed) or 'none'}; joined {len(parts)} of "
+              f"{n}; their JSON kept in {tmp}", file=sys.stderr)
+        return 1
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
 
 
 def merge(args: argparse.Namespace) -> int:
@@ -426,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.merge:
         return merge(args)
+    if args.gpus != 1:
+        return run_on_gpus(args, argv)
     args.reps = args.reps or (2 if args.smoke else DEFAULT_REPS)
     args.proj = [p.strip() for p in args.proj.split(",") if p.strip()]
     if args.reps < 1 or not set(args.proj) <= {"gate_up", "down"} or not args.proj:

@@ -72,16 +72,21 @@ SAME_SETTINGS = ("dtype", "reps", "seed", "smoke", "quack_tuned", "routing", "ti
 
 
 def merge_docs(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """One zoo document from several runs' (e.g. one shard per GPU, or a rerun of some cases
-    on top of a whole run), in order: a later document's case replaces an earlier one's, rows
-    and all. Each case keeps which run measured it ("run" indexes the merged "runs"); the bar
-    is derived again. ValueError if the runs were on other devices or with other settings."""
+    """One zoo document from several runs' (one shard per GPU, a rerun of some cases on top of
+    a whole run), in order: a later document's case replaces an earlier one's, rows and all,
+    when the later document measured it itself. A run that a document carries from an earlier
+    one (a --resume of the same file) is recognized and kept once, and the cases it measured
+    are not taken again, so shards resumed from one file merge without the file's old rows
+    overwriting a shard's new ones. Each case keeps which run measured it ("run" indexes the
+    merged "runs"); the bar is derived again. ValueError if the runs were on other devices or
+    with other settings."""
     for name, d in docs:
         if not (isinstance(d, dict) and isinstance(d.get("cases"), dict)
                 and isinstance(d.get("results"), list)):
             raise ValueError(f"{name} is not a zoo run (an object with cases and results)")
     (first_name, first), rest = docs[0], docs[1:]
     out = copy.deepcopy(first)
+    out["runs"] = list(out.get("runs") or [])
     for name, d in rest:
         if d.get("device") != out.get("device"):
             raise ValueError(f"{name} was measured on {d.get('device')}, {first_name} on "
@@ -89,13 +94,20 @@ def merge_docs(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         a, b = out.get("settings") or {}, d.get("settings") or {}
         if diff := [k for k in SAME_SETTINGS if a.get(k) != b.get(k)]:
             raise ValueError(f"{name} and {first_name} differ in {', '.join(diff)}")
-        offset = len(out.get("runs") or [])
-        out["runs"] = list(out.get("runs") or []) + copy.deepcopy(d.get("runs") or [])
-        done = {c: info for c, info in (d.get("cases") or {}).items() if info.get("complete")}
-        for c, info in done.items():
-            info = copy.deepcopy(info)
-            info["run"] = int(info.get("run", 0)) + offset
-            out["cases"][c] = info
+        where: dict[int, int] = {}  # d's run index -> the merged one
+        new_runs: set[int] = set()
+        for i, run in enumerate(d.get("runs") or []):
+            if run in out["runs"]:
+                where[i] = out["runs"].index(run)
+            else:
+                where[i], _ = len(out["runs"]), out["runs"].append(copy.deepcopy(run))
+                new_runs.add(i)
+        done = {}
+        for c, info in (d.get("cases") or {}).items():
+            run = int(info.get("run", 0))
+            if info.get("complete") and (run in new_runs or run not in where):
+                done[c] = {**copy.deepcopy(info), "run": where.get(run, run)}
+        out["cases"].update(done)
         out["results"] = [r for r in out.get("results") or [] if r.get("case") not in done] + [
             copy.deepcopy(r) for r in d.get("results") or [] if r.get("case") in done]
         out["not_run"] = list(dict.fromkeys((out.get("not_run") or []) + (d.get("not_run")

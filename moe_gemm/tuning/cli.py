@@ -6,7 +6,8 @@
                                         time only these configs and the rules' choice (an A/B,
                                         printed; no table is written)
     moe-gemm tune --list --zoo          what would be tuned (no GPU needed)
-    moe-gemm tune --zoo --shard 1/4 --no-merge --out t1.json   shard 1 of 4 (one per GPU)
+    moe-gemm tune --zoo --gpus 4 --out T.json   one shard per GPU, merged into T
+    moe-gemm tune --zoo --shard 1/4 --no-merge --out t1.json   shard 1 of 4, by hand
     moe-gemm tune --merge t0.json --merge t1.json ... --out T.json
                                         add shards' tables into T (no GPU needed)
 
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import zoo
-from moe_gemm.tuning.shards import parse_shard, take_shard
+from moe_gemm.tuning.shards import gpu_ids, parse_shard, run_shards, take_shard
 from moe_gemm.tuning.timing import REST_MS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
@@ -96,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=parse_shard, metavar="I/N", help="tune shard I of N of "
                    "the shapes (every N-th, from the I-th): one process per GPU, each with its "
                    "own --out; --merge puts them together")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="tune on N GPUs at once: "
+                   "one shard per GPU (the first N visible), merged into --out at the end")
+    p.add_argument("--skip-table", metavar="FILE", help="skip shapes this table has an entry "
+                   "for (as --resume does with --out's)")
     p.add_argument("--merge", action="append", default=[], metavar="FILE",
                    help="add this table's entries and samples into the table at --out "
                    "(repeatable; later files win on the same key) and exit; no GPU needed")
@@ -186,9 +191,69 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s is not None and args.budget_s <= 0:
         print("moe-gemm tune: --budget-s must be positive", file=sys.stderr)
         return 2
+    if configs and args.gpus != 1:
+        print("moe-gemm tune: --configs times on one GPU; drop --gpus", file=sys.stderr)
+        return 2
     if configs:
         return run_compare(args, shapes, configs, log)
+    if args.gpus != 1:
+        return run_on_gpus(args, argv, log)
     return run(args, shapes, log)
+
+
+def _out_path(args: argparse.Namespace, slug: str) -> Path:
+    return Path(args.out) if args.out else (
+        Path(args.out_dir) / f"{slug}.json" if args.out_dir else Path(f"tuned-{slug}.json"))
+
+
+def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
+    """`--gpus N`: this command once per GPU, each on shard i of N into a table of its own (a
+    temporary folder), then those tables merged into --out (added to the table there, unless
+    --no-merge). A shard that fails leaves the others' results merged; the exit code says."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    clash = [o for o, on in (("--shard", args.shard is not None),
+                             ("--device", args.device != "cuda")) if on]
+    if clash:
+        print(f"moe-gemm tune: --gpus picks the shards and devices itself; drop "
+              f"{' and '.join(clash)}", file=sys.stderr)
+        return 2
+    try:
+        gpus = gpu_ids(args.gpus, torch.cuda.device_count())
+    except ValueError as exc:
+        print(f"moe-gemm tune: {exc}", file=sys.stderr)
+        return 2
+    from moe_gemm.capability import device_name
+    from moe_gemm.ops import tuned
+
+    out = _out_path(args, tuned.device_slug(device_name(torch.device("cuda", 0))))
+    tmp = Path(tempfile.mkdtemp(prefix="moe-gemm-tune-"))
+    n = len(gpus)
+    skip = ["--skip-table", str(out)] if args.resume and out.exists() else []
+    commands = [[sys.executable, "-m", "moe_gemm.tuning", *argv, "--gpus", "1", "--shard",
+                 f"{i}/{n}", "--no-merge", "--out", str(tmp / f"t{i}.json"), *skip]
+                for i in range(n)]
+    log(f"[tune] {n} GPUs ({','.join(gpus)}); shard tables in {tmp}")
+    codes = run_shards(commands, gpus, log)
+    parts = [str(tmp / f"t{i}.json") for i in range(n) if (tmp / f"t{i}.json").exists()]
+    rc = 1
+    if parts:
+        # --no-merge: a new table of the shards alone, put in place only once it is whole.
+        target = tmp / "merged.json" if args.no_merge else out
+        rc = merge(parts, str(target), log)
+        if rc == 0 and args.no_merge:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(target), str(out))
+    failed = [f"GPU {g} (exit {c})" for g, c in zip(gpus, codes) if c != 0]
+    if failed or rc != 0:
+        print(f"moe-gemm tune: shards failed: {', '.join(failed) or 'none'}; merged: "
+              f"{len(parts)} of {n}; shard tables kept in {tmp}", file=sys.stderr)
+        return 1
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
 
 
 def merge(files: list[str], out: str | None, log) -> int:
@@ -252,9 +317,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
     name, nsm = device_name(device), sm_count(device)
-    slug = tuned.device_slug(name)
-    out = Path(args.out) if args.out else (
-        Path(args.out_dir) / f"{slug}.json" if args.out_dir else Path(f"tuned-{slug}.json"))
+    out = _out_path(args, tuned.device_slug(name))
     doc, why = (None, None) if args.no_merge else table_io.load_existing(out, name)
     if why:
         log(f"[tune] {why}")
@@ -263,11 +326,17 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         doc = table_io.new_table(name, nsm, runtime_versions(name), ceilings)
     else:
         doc["ceilings"], doc["versions"] = ceilings, runtime_versions(name)
-    if args.resume:
-        have = {table_io.entry_key(e) for e in doc["entries"]}
+    have = {table_io.entry_key(e) for e in doc["entries"]} if args.resume else set()
+    if args.skip_table:
+        try:
+            have |= {table_io.entry_key(e)
+                     for e in table_io.read_table(Path(args.skip_table), name)["entries"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log(f"[tune] --skip-table {args.skip_table}: not used ({exc})")
+    if have:
         before = len(shapes)
         shapes = [s for s in shapes if _key_tuple(s.key()) not in have]
-        log(f"[tune] --resume: {before - len(shapes)} shapes already in {out}")
+        log(f"[tune] {before - len(shapes)} shapes already tuned, {len(shapes)} to go")
     l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20)
     log(f"[tune] {name}: {len(shapes)} shapes -> {out}; copy "
         f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, mm "

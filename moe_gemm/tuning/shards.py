@@ -4,13 +4,17 @@ One process per GPU (CUDA_VISIBLE_DEVICES=I) takes every N-th item of the list, 
 item I. The lists are in priority order and alternate models and projections, so taking every
 N-th item spreads the heavy and the light shapes over the shards about evenly, and shard I
 of N always gets the same items (a shard can be rerun alone). Each shard writes its own file;
-`moe-gemm tune --merge` and `python -m benchmarks.zoo --merge` put them together.
+`moe-gemm tune --merge` and `python -m benchmarks.zoo --merge` put them together; `--gpus N`
+of both does all of it in one command (run_shards starts the N processes).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Sequence, TypeVar
+import os
+import subprocess
+import threading
+from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -34,3 +38,50 @@ def take_shard(items: Sequence[T], shard: tuple[int, int] | None) -> list[T]:
         return list(items)
     i, n = shard
     return list(items[i::n])
+
+
+def gpu_ids(n: int, count: int | None = None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES entries of the first `n` GPUs this process may use (the visible
+    list when set, else 0..count-1); ValueError naming what is visible when fewer than n."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+    else:
+        ids = [str(i) for i in range(n if count is None else count)]
+    if n < 1 or len(ids) < n:
+        raise ValueError(f"--gpus {n}: {len(ids)} GPU(s) visible"
+                         + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""))
+    return ids[:n]
+
+
+def run_shards(commands: list[list[str]], gpus: list[str],
+               log: Callable[[str], None]) -> list[int]:
+    """Run commands[i] on GPU gpus[i] (CUDA_VISIBLE_DEVICES), all at once; every output line
+    is passed to `log` prefixed with its GPU. Returns the exit codes; Ctrl-C stops them all."""
+    procs = []
+    threads = []
+    for cmd, gpu in zip(commands, gpus):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        procs.append(proc)
+
+        def pump(proc=proc, gpu=gpu) -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log(f"[gpu {gpu}] {line.rstrip()}")
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        threads.append(t)
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        raise
+    for t in threads:
+        t.join(timeout=5)
+    return codes

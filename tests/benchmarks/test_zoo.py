@@ -268,3 +268,29 @@ def test_merge_replaces_cases_in_order_and_refuses_other_runs(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
     with pytest.raises(SystemExit):
         zoo.main(["--smoke", "--shard", "2/2"])
+
+
+def test_gpus_runs_the_shards_as_processes_and_joins_them(tmp_path, capsys, monkeypatch):
+    """--gpus N on the CPU (--smoke): N real shard processes, joined into --out; with
+    --resume FILE --rerun the shards measure their cases again on top of FILE's."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    sel = ("--models", "OLMoE-1B-7B", "--tokens", "1,16")
+    doc = _run(tmp_path, *sel, "--gpus", "2", name="two.json")
+    assert sorted(doc["cases"]) == sorted(f"OLMoE-1B-7B/{p}/{t}" for t in (1, 16)
+                                          for p in ("gate_up", "down"))
+    assert len(doc["runs"]) == 2 and doc["complete"] is True
+    assert {c["run"] for c in doc["cases"].values()} == {0, 1}
+    again = _run(tmp_path, *sel, "--proj", "down", "--gpus", "2", "--resume",
+                 str(tmp_path / "two.json"), "--rerun", name="again.json")
+    assert sorted(again["cases"]) == sorted(doc["cases"])
+    assert len(again["runs"]) == 4  # the two of two.json, then one per shard
+    for t in (1, 16):  # remeasured by the new shards; gate_up kept from two.json
+        assert again["cases"][f"OLMoE-1B-7B/down/{t}"]["run"] in (2, 3)
+        kept = f"OLMoE-1B-7B/gate_up/{t}"
+        assert again["cases"][kept]["run"] == doc["cases"][kept]["run"]
+        assert ([r for r in again["results"] if r["case"] == kept]
+                == [r for r in doc["results"] if r["case"] == kept])
+    capsys.readouterr()
+    assert zoo.main(["--smoke", "--gpus", "2", "--shard", "0/2"]) == 2
+    assert zoo.main(["--smoke", "--gpus", "0"]) == 2
+    assert "--gpus 0" in capsys.readouterr().err

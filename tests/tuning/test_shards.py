@@ -130,3 +130,105 @@ def test_merge_leaves_out_entries_the_reader_would_skip(tmp_path):
     merged = json.loads(out.read_text())
     assert [e["E"] for e in merged["entries"]] == [8]
     assert [s["E"] for s in merged["samples"]] == [8]
+
+
+def test_gpu_ids_follow_the_visible_list(monkeypatch):
+    from moe_gemm.tuning.shards import gpu_ids
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_ids(2, 4) == ["0", "1"]
+    with pytest.raises(ValueError, match="--gpus 5: 4 GPU"):
+        gpu_ids(5, 4)
+    with pytest.raises(ValueError, match="--gpus 0"):
+        gpu_ids(0, 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,7")
+    assert gpu_ids(2, 99) == ["3", "5"]
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=3, 5,7"):
+        gpu_ids(4, 99)
+
+
+def test_run_shards_runs_each_command_on_its_gpu_and_returns_the_exit_codes():
+    import sys
+
+    from moe_gemm.tuning.shards import run_shards
+
+    lines = []
+    code = ("import os, sys; print('on', os.environ['CUDA_VISIBLE_DEVICES']); "
+            "sys.exit(int(os.environ['CUDA_VISIBLE_DEVICES']) % 2)")
+    codes = run_shards([[sys.executable, "-c", code]] * 3, ["4", "5", "6"], lines.append)
+    assert codes == [0, 1, 0]
+    assert sorted(lines) == ["[gpu 4] on 4", "[gpu 5] on 5", "[gpu 6] on 6"]
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """`moe-gemm tune --gpus` on the CPU: two GPUs named like an H200, and shard processes
+    replaced by a function that writes each shard's table as the shard would."""
+    import torch
+
+    from moe_gemm import capability
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(capability, "device_name", lambda device=None: DEV)
+    seen = []
+
+    def fake_run_shards(commands, gpus, log, fail=()):
+        seen.append((commands, gpus))
+        codes = []
+        for cmd, gpu in zip(commands, gpus):
+            out = cmd[len(cmd) - 1 - cmd[::-1].index("--out") + 1]
+            shard = cmd[len(cmd) - 1 - cmd[::-1].index("--shard") + 1]
+            if gpu in fake_run_shards.fail:
+                codes.append(1)
+                continue
+            i = int(shard.split("/")[0])
+            _table(__import__("pathlib").Path(out), [_entry(8 * (i + 1), 10.0 + i)])
+            codes.append(0)
+        return codes
+
+    fake_run_shards.fail = set()
+    monkeypatch.setattr(cli, "run_shards", fake_run_shards)
+    return fake_run_shards, seen
+
+
+def test_tune_on_gpus_merges_every_shard_into_the_table(tmp_path, fake_gpus, capsys):
+    fake, seen = fake_gpus
+    out = _table(tmp_path / "t.json", [_entry(64, 1.0)])
+    argv = ["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--gpus", "2", "--out",
+            str(out), "--resume"]
+    assert cli.main(argv) == 0
+    (commands, gpus), = seen
+    assert gpus == ["0", "1"]
+    for i, cmd in enumerate(commands):
+        assert cmd[1:3] == ["-m", "moe_gemm.tuning"]
+        joined = " ".join(cmd)
+        assert f"--shard {i}/2" in joined and "--no-merge" in joined and "--gpus 1" in joined
+        assert f"--skip-table {out}" in joined  # --resume: the shards skip what --out has
+        last = len(cmd) - 1 - cmd[::-1].index("--gpus")
+        assert cmd[last + 1] == "1"  # the shard's own --gpus (argparse keeps the last)
+    assert sorted(e["E"] for e in json.loads(out.read_text())["entries"]) == [8, 16, 64]
+    # --no-merge: a table of the shards alone replaces --out.
+    seen.clear()
+    assert cli.main(argv[:-1] + ["--no-merge"]) == 0
+    assert sorted(e["E"] for e in json.loads(out.read_text())["entries"]) == [8, 16]
+    assert "--skip-table" not in " ".join(seen[0][0][0])
+
+
+def test_tune_on_gpus_keeps_what_finished_when_a_shard_fails(tmp_path, fake_gpus, capsys):
+    fake, seen = fake_gpus
+    fake.fail = {"1"}
+    out = tmp_path / "t.json"
+    assert cli.main(["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--gpus", "2",
+                     "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "GPU 1 (exit 1)" in err and "merged: 1 of 2" in err
+    assert [e["E"] for e in json.loads(out.read_text())["entries"]] == [8]
+    # Bad combinations and too many GPUs: exit 2 before anything runs.
+    for extra in (["--gpus", "3"], ["--gpus", "2", "--shard", "0/2"],
+                  ["--gpus", "2", "--device", "cuda:1"],
+                  ["--gpus", "2", "--configs", "pp 128x128"]):
+        seen.clear()
+        assert cli.main(["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--out",
+                         str(out), *extra]) == 2, extra
+        assert not seen
