@@ -33,7 +33,7 @@ from pathlib import Path
 
 from moe_gemm.tuning import zoo
 from moe_gemm.tuning.shards import gpu_ids, parse_shard, run_shards, take_shard
-from moe_gemm.tuning.timing import REST_MS
+from moe_gemm.tuning.timing import REST_MS, TARGET_MS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
 DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
@@ -51,6 +51,14 @@ def _rest_ms(text: str) -> float:
         v = math.nan
     if not (math.isfinite(v) and v >= 0):
         raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return v
+
+
+def _sample_ms(text: str) -> float:
+    """--sample-ms: a finite number of milliseconds > 0."""
+    v = _rest_ms(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected milliseconds > 0, got {text!r}")
     return v
 
 
@@ -87,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rest-ms", type=_rest_ms, default=REST_MS, help="GPU rest before each "
                    "timed sample, ms (default %(default)s, as the benchmarks sample; 0: back to "
                    "back, the sustained power-limited regime, which ranks configs differently)")
+    p.add_argument("--sample-ms", type=_sample_ms, default=TARGET_MS, help="GPU time one "
+                   "sample holds, at least (default %(default)s; the zoo's samples hold ~5 ms, "
+                   "which long kernels spend partly at the power limit)")
     p.add_argument("--workers", type=int, default=None, help="compile processes")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
@@ -355,7 +366,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             runner = None
             try:
                 runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
-                                     rest_ms=args.rest_ms)
+                                     rest_ms=args.rest_ms, sample_ms=args.sample_ms)
                 res = tune_shape(shape, runner, rounds=args.rounds, deadline=deadline,
                                  out_itemsize=torch.empty(0, dtype=runner.d).element_size(),
                                  log=log)
@@ -445,7 +456,7 @@ def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log
     with CompilePool(args.workers) as pool:
         for i, shape in enumerate(shapes):
             runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
-                                     rest_ms=args.rest_ms)
+                                     rest_ms=args.rest_ms, sample_ms=args.sample_ms)
             try:
                 res = compare_configs(shape, runner, configs, rounds=max(args.rounds, 10))
             finally:

@@ -46,9 +46,11 @@ class ShapeRunner:
 
     def __init__(self, shape: TuneShape, device: torch.device, pool: CompilePool, *,
                  seed: int = 0, l2_bytes: int = 50 << 20, mem_fraction: float = 0.4,
-                 rest_ms: float = timing.REST_MS) -> None:
+                 rest_ms: float = timing.REST_MS,
+                 sample_ms: float = timing.TARGET_MS) -> None:
         self.shape = shape
         self.rest_ms = rest_ms
+        self.sample_ms = sample_ms
         self.device = device
         self.pool = pool
         self.nsm = sm_count(device)
@@ -220,7 +222,7 @@ class ShapeRunner:
             if t is None:
                 fns = self._fns(self._config(f))
                 est = timing.estimate_ms(fns, self.device)
-                calls = timing.calls_per_graph(est, len(fns))
+                calls = timing.calls_per_graph(est, len(fns), self.sample_ms)
                 t = self._timed[name] = timing.capture(name, fns, calls, self.device)
             timed.append(t)
         before = {t.name: len(t.samples) for t in timed}

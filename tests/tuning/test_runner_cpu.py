@@ -195,3 +195,19 @@ def test_the_runner_samples_with_its_rest(fake_cuda, monkeypatch):
         r.measure([r.rules_fields()], 1)
         assert seen[-1] == want
         r.close()
+
+
+def test_the_runner_sizes_its_graphs_to_its_sample_time(fake_cuda, monkeypatch):
+    targets = []
+    real = timing.calls_per_graph
+    monkeypatch.setattr(timing, "calls_per_graph",
+                        lambda est, n, target_ms=timing.TARGET_MS: targets.append(target_ms)
+                        or real(est, n, target_ms))
+    monkeypatch.setattr(timing, "sample_rounds", lambda timed, rounds, device, rest_ms: None)
+    shape = _shape()
+    for kwargs, want in (({}, timing.TARGET_MS), ({"sample_ms": 5.0}, 5.0)):
+        r = runner_mod.ShapeRunner(shape, torch.device("cpu"), _Pool(), seed=3, **kwargs)
+        r.measure([r.rules_fields()], 1)
+        assert targets[-1] == want
+        r.close()
+    assert real(1.0, 1, 5.0) == 5 and real(1.0, 1) == 2  # 5 ms of 1 ms calls, or 2 ms

@@ -64,3 +64,17 @@ def test_rest_ms_defaults_to_the_tuners_rest():
 
     assert cli._parser().parse_args(["--zoo"]).rest_ms == REST_MS
     assert cli._parser().parse_args(["--zoo", "--rest-ms", "0"]).rest_ms == 0.0
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "x"])
+def test_sample_ms_must_be_a_positive_finite_number(text, capsys):
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["--zoo", "--sample-ms", text])
+    assert "--sample-ms: expected milliseconds" in capsys.readouterr().err
+
+
+def test_sample_ms_defaults_to_the_tuners_target():
+    from moe_gemm.tuning.timing import TARGET_MS
+
+    assert cli._parser().parse_args(["--zoo"]).sample_ms == TARGET_MS
+    assert cli._parser().parse_args(["--zoo", "--sample-ms", "5"]).sample_ms == 5.0
