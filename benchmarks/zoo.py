@@ -68,7 +68,13 @@ from benchmarks.suite import (
     quack_autotune_seconds,
 )
 from moe_gemm.tuning import zoo as models
-from moe_gemm.tuning.shards import gpu_ids, parse_shard, run_shards, take_shard
+from moe_gemm.tuning.shards import (
+    finish_shards,
+    gpu_ids,
+    parse_shard,
+    run_shards,
+    take_shard,
+)
 
 DEFAULT_MODELS = models.DEFAULT_MODELS
 FP8_MODELS = models.FP8_MODELS
@@ -392,7 +398,6 @@ def _parser() -> argparse.ArgumentParser:
 def run_on_gpus(args: argparse.Namespace, argv: list[str]) -> int:
     """`--gpus N`: this command once per GPU on shard i of N (each its own JSON in a temporary
     folder), then the shards joined (on top of --resume's file, when given) into --out."""
-    import shutil
     import tempfile
 
     clash = [o for o, on in (("--shard", args.shard is not None), ("--device", args.device))
@@ -416,13 +421,7 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str]) -> int:
     parts = [str(tmp / f"zoo{i}.json") for i in range(n) if (tmp / f"zoo{i}.json").exists()]
     args.merge = ([args.resume] if args.resume else []) + parts
     rc = merge(args) if parts else 1
-    failed = [f"GPU {g} (exit {c})" for g, c in zip(gpus, codes) if c != 0]
-    if failed or rc != 0:
-        print(f"error: shards failed: {', '.join(failed) or 'none'}; joined {len(parts)} of "
-              f"{n}; their JSON kept in {tmp}", file=sys.stderr)
-        return 1
-    shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+    return finish_shards("error", gpus, codes, len(parts), rc, tmp)
 
 
 def merge(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import zoo
-from moe_gemm.tuning.shards import gpu_ids, parse_shard, run_shards, take_shard
+from moe_gemm.tuning.shards import finish_shards, gpu_ids, parse_shard, run_shards, take_shard
 from moe_gemm.tuning.timing import REST_MS, TARGET_MS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
@@ -258,13 +258,7 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
         if rc == 0 and args.no_merge:
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(target), str(out))
-    failed = [f"GPU {g} (exit {c})" for g, c in zip(gpus, codes) if c != 0]
-    if failed or rc != 0:
-        print(f"moe-gemm tune: shards failed: {', '.join(failed) or 'none'}; merged: "
-              f"{len(parts)} of {n}; shard tables kept in {tmp}", file=sys.stderr)
-        return 1
-    shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+    return finish_shards("moe-gemm tune", gpus, codes, len(parts), rc, tmp)
 
 
 def merge(files: list[str], out: str | None, log) -> int:

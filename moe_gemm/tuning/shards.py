@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -85,3 +88,16 @@ def run_shards(commands: list[list[str]], gpus: list[str],
     for t in threads:
         t.join(timeout=5)
     return codes
+
+
+def finish_shards(prefix: str, gpus: list[str], codes: list[int], joined: int, merge_rc: int,
+                  folder: Path) -> int:
+    """The exit code of a `--gpus` run: 0, and the shards' folder removed, when every shard
+    and the merge succeeded; else 1, saying which shards failed and keeping the folder."""
+    failed = [f"GPU {g} (exit {c})" for g, c in zip(gpus, codes) if c != 0]
+    if failed or merge_rc != 0:
+        print(f"{prefix}: shards failed: {', '.join(failed) or 'none'}; merged {joined} of "
+              f"{len(gpus)}; the shards' files are kept in {folder}", file=sys.stderr)
+        return 1
+    shutil.rmtree(folder, ignore_errors=True)
+    return 0

@@ -222,7 +222,7 @@ def test_tune_on_gpus_keeps_what_finished_when_a_shard_fails(tmp_path, fake_gpus
     assert cli.main(["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--gpus", "2",
                      "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "GPU 1 (exit 1)" in err and "merged: 1 of 2" in err
+    assert "GPU 1 (exit 1)" in err and "merged 1 of 2" in err
     assert [e["E"] for e in json.loads(out.read_text())["entries"]] == [8]
     # Bad combinations and too many GPUs: exit 2 before anything runs.
     for extra in (["--gpus", "3"], ["--gpus", "2", "--shard", "0/2"],
