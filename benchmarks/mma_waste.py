@@ -74,6 +74,53 @@ def granularity_floor(model_names: str | None, tokens: list[int], seed: int = 12
     return out
 
 
+# Row tilings a kernel could use for each expert's last tile (name, tile rows, the most tail
+# rows a swap-AB tile takes, whether an empty 64-row half is skipped). A swapped tail puts the
+# expert's last rows on the WGMMA's N side, which steps by 8 rows.
+TAIL_DESIGNS = (
+    ("128-row tiles", 128, 0, False),
+    ("128, an empty 64-row half skipped", 128, 0, True),
+    ("128, last <= 32 rows swapped", 128, 32, False),
+    ("128, last <= 64 rows swapped", 128, 64, False),
+    ("64-row tiles", 64, 0, False),
+    ("64, last <= 32 rows swapped", 64, 32, False),
+)
+N_STEP = 8  # a WGMMA's N is a multiple of 8
+
+
+def rows_computed(rows: int, tile_m: int, swap_max: int = 0, half_skip: bool = False) -> int:
+    """The rows one expert's tiles compute: whole tiles, then its last tile as a swapped tile
+    (rows rounded up to N_STEP) when at most swap_max rows, else half a tile when half_skip
+    and the rows fit in it, else a whole tile."""
+    full, tail = divmod(max(rows, 0), tile_m)
+    if tail == 0:
+        return full * tile_m
+    if tail <= swap_max:
+        return full * tile_m + -(-tail // N_STEP) * N_STEP
+    if half_skip and tail <= tile_m // 2:
+        return full * tile_m + tile_m // 2
+    return (full + 1) * tile_m
+
+
+def tail_designs(model_names: str | None, tokens: list[int], seed: int = 1234
+                 ) -> list[dict[str, Any]]:
+    """The rows-rounding waste of each TAIL_DESIGNS tiling on the zoo's routings (no N or K
+    rounding, no cluster): what tail-exact tiles could recover, design by design."""
+    counts_all = []
+    for t in tokens:
+        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
+            for p in m.projections():
+                counts_all.append(models.topk_counts(p.E, t, min(p.top_k, p.E), seed))
+    out = []
+    for name, tile_m, swap_max, half in TAIL_DESIGNS:
+        w = [sum(rows_computed(r, tile_m, swap_max, half) for r in c) / max(1, sum(c)) - 1
+             for c in counts_all]
+        out.append({"design": name, "tile_m": tile_m, "swap_max": swap_max, "half_skip": half,
+                    "median": statistics.median(w), "max": max(w),
+                    "above_5_percent": sum(x > 0.05 for x in w), "cases": len(w)})
+    return out
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     w = [r["wasted_fraction"] for r in rows]
     if not w:
@@ -94,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = models.parse_tokens(args.tokens, (2048, 8192))
     rows = waste_rows(args.models, tokens, args.device or None, args.seed)
     floor = granularity_floor(args.models, tokens, args.seed)
+    designs = tail_designs(args.models, tokens, args.seed)
     doc = {"device_table": args.device or None, "tokens": tokens, "rows": rows,
-           "summary": summary(rows), "rows_granularity_floor": floor}
+           "summary": summary(rows), "rows_granularity_floor": floor, "tail_designs": designs}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -112,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     for f in floor:
         print(f"  g={f['rows_granularity']:3d}: median {100 * f['median']:5.1f}%, max "
               f"{100 * f['max']:6.1f}%, above 5% on {f['above_5_percent']} of {f['cases']}")
+    print("rows rounding of tail designs (each expert's last tile):")
+    for d in designs:
+        print(f"  {d['design']:34s}: median {100 * d['median']:5.1f}%, max "
+              f"{100 * d['max']:6.1f}%, above 5% on {d['above_5_percent']} of {d['cases']}")
     return 0
 
 

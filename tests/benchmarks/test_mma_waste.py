@@ -47,3 +47,27 @@ def test_granularity_floor_is_the_rounding_of_each_experts_rows():
     # Coarser row tiles never waste less; one-row granularity wastes nothing.
     medians = [f["median"] for f in floor]
     assert medians == sorted(medians, reverse=True) and medians[-1] == 0
+
+
+def test_rows_computed_by_each_tail_design():
+    rc = mma_waste.rows_computed
+    assert rc(0, 128) == 0 and rc(256, 128) == 256  # nothing, or whole tiles only
+    assert rc(130, 128) == 256  # 2 rows in a whole second tile
+    assert rc(130, 128, half_skip=True) == 192  # ... or in its first 64-row half
+    assert rc(130, 128, swap_max=32) == 136  # ... or in a swapped tile of 8 rows
+    assert rc(161, 128, swap_max=32) == 256  # 33 rows: past the swap, a whole tile
+    assert rc(161, 128, swap_max=64) == 128 + 40
+    assert rc(5, 64, swap_max=32) == 8 and rc(100, 64) == 128
+
+
+def test_tail_designs_summarise_the_zoo_routings():
+    designs = mma_waste.tail_designs("Mixtral-8x7B", [2048])
+    counts = models.topk_counts(8, 2048, 2, 1234)
+    by = {d["design"]: d for d in designs}
+    assert len(by) == len(mma_waste.TAIL_DESIGNS)
+    for name, tile_m, swap_max, half in mma_waste.TAIL_DESIGNS:
+        want = sum(mma_waste.rows_computed(r, tile_m, swap_max, half) for r in counts) / sum(
+            counts) - 1
+        assert by[name]["cases"] == 2 and abs(by[name]["median"] - want) < 1e-12
+    # Every finer design wastes no more than plain 128-row tiles.
+    assert all(d["median"] <= by["128-row tiles"]["median"] for d in designs)
