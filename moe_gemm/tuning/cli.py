@@ -243,7 +243,8 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
     out = _out_path(args, tuned.device_slug(device_name(torch.device("cuda", 0))))
     tmp = Path(tempfile.mkdtemp(prefix="moe-gemm-tune-"))
     n = len(gpus)
-    skip = ["--skip-table", str(out)] if args.resume and out.exists() else []
+    # --resume skips what --out holds (as one process would; --no-merge starts afresh).
+    skip = ["--skip-table", str(out)] if args.resume and not args.no_merge and out.exists() else []
     commands = [[sys.executable, "-m", "moe_gemm.tuning", *argv, "--gpus", "1", "--shard",
                  f"{i}/{n}", "--no-merge", "--out", str(tmp / f"t{i}.json"), *skip]
                 for i in range(n)]
