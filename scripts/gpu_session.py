@@ -8,17 +8,19 @@
    per core) while pytest collects the tests marked `gpu` under tests/ (any file, so new GPU
    tests join without editing this script).
 3. Run the tests in groups (one per file; big files split by test name), --jobs pytest
-   processes at a time on the one GPU, each in its own process group with a wall-clock
-   limit, so a fault or hang costs one group, never the session; nothing starts or keeps
-   running past --budget.
+   processes at a time on the GPU (or spread over --gpus N of them), each in its own process
+   group with a wall-clock limit, so a fault or hang costs one group, never the session;
+   nothing starts or keeps running past --budget.
 4. Write $OUT/gpu-tests.json (machine, precompile, per-group and per-test results, checked
    cases, kernels compiled inside tests) and $OUT/gpu-logs.txt (every process's output),
    then print a table. Exit 1 on any failed or unfinished test, collection error, group
    timeout or precompile failure.
 
 Select with --groups (names or shell patterns, see --list), -k (pytest's expression) and
---paths (files or folders to collect from). On a machine of several GPUs, run one session per
-GPU (CUDA_VISIBLE_DEVICES=i, its own --groups and --out) and join their reports with
+--paths (files or folders to collect from). On a machine of several GPUs, `--gpus N` runs each
+group's process on the least busy of the first N GPUs (3 processes per GPU unless --jobs
+says otherwise; a group that needs several GPUs sees them all). Reports of sessions run
+apart (one per GPU, each with its own --groups) join with
 `--merge g0/gpu-tests.json g1/gpu-tests.json ... --out DIR`.
 """
 
@@ -47,6 +49,8 @@ SPLITS = {
                                            ("clusters", "*")],
 }
 OUTCOME_ORDER = ("passed", "xfailed", "skipped", "xpassed", "failed", "error")
+# Groups that need several GPUs in one process (NCCL): with --gpus they see every GPU given.
+ALL_GPU_GROUPS = ("layers-expert-parallel",)
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Group:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     deadline: float = 0.0
+    gpu: str | None = None  # CUDA_VISIBLE_DEVICES of its process (--gpus), else None
 
 
 def group_name(nodeid: str) -> str:
@@ -119,6 +124,7 @@ try:
     info["cutlass_dsl"] = version("nvidia-cutlass-dsl")
 except Exception as exc:
     info["cutlass_dsl"] = repr(exc)
+info["gpu_count"] = torch.cuda.device_count()
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30))
@@ -202,6 +208,7 @@ def summarize(group: Group) -> dict:
     ok = (group.rc in (0, 5) and not counts["failed"] and not counts["error"]
           and not counts["unfinished"] and not counts["xpassed"])
     return {"group": group.name, "rc": group.rc, "seconds": round(group.seconds, 1),
+            **({"gpu": group.gpu} if group.gpu is not None else {}),
             "tests": len(group.tests), **counts, "compiled_in_tests": len(compiles),
             "ok": ok, "_tests": tests, "_cases": cases, "_compiles": compiles}
 
@@ -217,9 +224,18 @@ def select_groups(groups: dict, spec: str) -> dict:
     return {n: g for n, g in groups.items() if any(fnmatch.fnmatchcase(n, w) for w in wanted)}
 
 
+def pick_gpu(gpus: list[str], running: list[Group]) -> str | None:
+    """The GPU (of `gpus`, none: the process's own) running the fewest groups now."""
+    if not gpus:
+        return None
+    load = {g: sum(1 for r in running if r.gpu == g) for g in gpus}
+    return min(gpus, key=lambda g: (load[g], gpus.index(g)))
+
+
 def run_groups(groups: list[Group], jobs: int, group_timeout: float, deadline: float,
-               pytest_args: list[str], work: str) -> None:
-    """Runs the groups, largest first, at most `jobs` at once, none past `deadline`."""
+               pytest_args: list[str], work: str, gpus: list[str] | None = None) -> None:
+    """Runs the groups, largest first, at most `jobs` at once, none past `deadline`; with
+    `gpus`, each group's process on the least busy of them (CUDA_VISIBLE_DEVICES)."""
     pending = sorted(groups, key=lambda g: -len(g.tests))
     running: list[Group] = []
     while pending or running:
@@ -235,11 +251,16 @@ def run_groups(groups: list[Group], jobs: int, group_timeout: float, deadline: f
             cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                    "-p", "no:randomly", "-p", "kernels.gpu_report", "--tb=short", "-rfE",
                    *pytest_args, *g.tests]
-            g.proc = start(cmd, g.log, child_env({"MOE_GEMM_GPU_REPORT": g.report}))
+            extra = {"MOE_GEMM_GPU_REPORT": g.report}
+            if gpus:
+                g.gpu = ",".join(gpus) if g.name in ALL_GPU_GROUPS else pick_gpu(gpus, running)
+                extra["CUDA_VISIBLE_DEVICES"] = g.gpu
+            g.proc = start(cmd, g.log, child_env(extra))
             g.started = time.monotonic()
             g.deadline = min(g.started + group_timeout, deadline)
             running.append(g)
-            print(f"started {g.name} ({len(g.tests)} tests)", flush=True)
+            print(f"started {g.name} ({len(g.tests)} tests)"
+                  + (f" on GPU {g.gpu}" if g.gpu is not None else ""), flush=True)
         time.sleep(0.2)
         for g in list(running):
             rc = g.proc.poll()
@@ -334,7 +355,10 @@ def main() -> int:
     p.add_argument("--groups", default="", help="comma-separated group names or patterns")
     p.add_argument("-k", dest="kexpr", default=None, help="pytest -k expression")
     p.add_argument("--paths", nargs="*", default=["tests"], help="where to collect")
-    p.add_argument("--jobs", type=int, default=4, help="pytest processes at once")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="pytest processes at once (default 4, or 3 per GPU with --gpus)")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="spread the groups over "
+                   "the first N visible GPUs (each group's process on the least busy one)")
     p.add_argument("--compile-jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-precompile", action="store_true")
     p.add_argument("--precompile-timeout", type=float, default=200)
@@ -359,6 +383,16 @@ def main() -> int:
     if info.get("problem") and not (args.allow_no_gpu or args.list):
         print(f"the kernels cannot run here: {info['problem']}", file=sys.stderr)
         return 2
+    gpus: list[str] = []
+    if args.gpus != 1:
+        from moe_gemm.tuning.shards import gpu_ids
+
+        try:
+            gpus = gpu_ids(args.gpus, info.get("gpu_count") or 0)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    jobs = args.jobs or (3 * len(gpus) if gpus else 4)
 
     pre_log = os.path.join(work, "precompile.log")
     pre_proc = None
@@ -390,7 +424,8 @@ def main() -> int:
     pytest_args = []
     if info.get("pytest_timeout"):
         pytest_args = [f"--timeout={args.test_timeout:.0f}", "--timeout-method=thread"]
-    run_groups(list(groups.values()), args.jobs, args.group_timeout, deadline, pytest_args, work)
+    run_groups(list(groups.values()), jobs, args.group_timeout, deadline, pytest_args, work,
+               gpus)
 
     results = [summarize(g) for g in sorted(groups.values(), key=lambda g: g.name)]
     report = {

@@ -294,3 +294,42 @@ def test_session_reports_of_several_gpus_merge_into_one(tmp_path, capsys, monkey
     assert gs.main() == 1
     argv[2:4] = [str(tmp_path / "a.json"), str(tmp_path / "missing.json")]
     assert gs.main() == 2
+
+
+def test_session_spreads_groups_over_gpus(tmp_path, monkeypatch):
+    """--gpus: each group's process goes to the least busy GPU; a multi-GPU group sees all."""
+    gs = _load_script("gpu_session")
+    started = []
+
+    class Done:
+        def __init__(self, env):
+            self.env = env
+
+        def poll(self):
+            return 0
+
+    def fake_start(cmd, log, env):
+        started.append(env.get("CUDA_VISIBLE_DEVICES"))
+        return Done(env)
+
+    monkeypatch.setattr(gs, "start", fake_start)
+    monkeypatch.setattr(gs.time, "sleep", lambda s: None)
+    sizes = {"tiles": 9, "fp8": 7, "batched": 5, "varlen": 3, "layers-expert-parallel": 2}
+    groups = [gs.Group(n, tests=[f"t::{i}" for i in range(k)]) for n, k in sizes.items()]
+    gs.run_groups(groups, jobs=4, group_timeout=60, deadline=gs.time.monotonic() + 600,
+                  pytest_args=[], work=str(tmp_path), gpus=["2", "5"])
+    by = {g.name: g.gpu for g in groups}
+    # Largest first, four at once: tiles -> 2, fp8 -> 5, batched -> 2, varlen -> 5; then the
+    # NCCL group on both.
+    assert by == {"tiles": "2", "fp8": "5", "batched": "2", "varlen": "5",
+                  "layers-expert-parallel": "2,5"}
+    assert started == ["2", "5", "2", "5", "2,5"]
+    assert all(g.rc == 0 for g in groups) and gs.summarize(groups[0])["gpu"] == "2"
+    running = [gs.Group("a", gpu="2"), gs.Group("b", gpu="2"), gs.Group("c", gpu="5")]
+    assert gs.pick_gpu(["2", "5"], running) == "5" and gs.pick_gpu([], running) is None
+    # Without --gpus nothing changes: the process's own GPU, no gpu in the summary.
+    plain = [gs.Group("tiles", tests=["t::0"])]
+    started.clear()
+    gs.run_groups(plain, jobs=4, group_timeout=60, deadline=gs.time.monotonic() + 600,
+                  pytest_args=[], work=str(tmp_path))
+    assert started == [None] and plain[0].gpu is None and "gpu" not in gs.summarize(plain[0])
