@@ -55,17 +55,20 @@ def waste_rows(model_names: str | None, tokens: list[int], device: str | None,
     return rows
 
 
+def zoo_routings(model_names: str | None, tokens: list[int], seed: int) -> list[list[int]]:
+    """Rows per expert of every zoo projection at every token count (the zoo's routing)."""
+    return [models.topk_counts(p.E, t, min(p.top_k, p.E), seed) for t in tokens
+            for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS))
+            for p in m.projections()]
+
+
 def granularity_floor(model_names: str | None, tokens: list[int], seed: int = 1234,
                       steps: tuple[int, ...] = (128, 64, 32, 16, 8)) -> list[dict[str, Any]]:
     """The waste that rounding each expert's rows up to `g` alone costs, for each g (no N or K
     rounding, no cluster): the least any tiling can waste whose row tiles are multiples of g.
     A WGMMA's M side is 64 rows per warpgroup, its N side a multiple of 8, so below 64 rows
     only a tile with the expert's rows on the N side (swap-AB) gets finer."""
-    counts_all = []
-    for t in tokens:
-        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
-            for p in m.projections():
-                counts_all.append(models.topk_counts(p.E, t, min(p.top_k, p.E), seed))
+    counts_all = zoo_routings(model_names, tokens, seed)
     out = []
     for g in steps:
         w = [sum(-(-r // g) * g for r in c) / max(1, sum(c)) - 1 for c in counts_all]
@@ -106,11 +109,7 @@ def tail_designs(model_names: str | None, tokens: list[int], seed: int = 1234
                  ) -> list[dict[str, Any]]:
     """The rows-rounding waste of each TAIL_DESIGNS tiling on the zoo's routings (no N or K
     rounding, no cluster): what tail-exact tiles could recover, design by design."""
-    counts_all = []
-    for t in tokens:
-        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
-            for p in m.projections():
-                counts_all.append(models.topk_counts(p.E, t, min(p.top_k, p.E), seed))
+    counts_all = zoo_routings(model_names, tokens, seed)
     out = []
     for name, tile_m, swap_max, half in TAIL_DESIGNS:
         w = [sum(rows_computed(r, tile_m, swap_max, half) for r in c) / max(1, sum(c)) - 1

@@ -71,8 +71,8 @@ from moe_gemm.tuning import zoo as models
 from moe_gemm.tuning.shards import (
     finish_shards,
     gpu_ids,
+    launch_shards,
     parse_shard,
-    run_shards,
     take_shard,
 )
 
@@ -398,8 +398,6 @@ def _parser() -> argparse.ArgumentParser:
 def run_on_gpus(args: argparse.Namespace, argv: list[str]) -> int:
     """`--gpus N`: this command once per GPU on shard i of N (each its own JSON in a temporary
     folder), then the shards joined (on top of --resume's file, when given) into --out."""
-    import tempfile
-
     clash = [o for o, on in (("--shard", args.shard is not None), ("--device", args.device))
              if on]
     if clash:
@@ -411,14 +409,8 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix="moe-gemm-zoo-"))
-    n = len(gpus)
-    commands = [[sys.executable, "-m", "benchmarks.zoo", *argv, "--gpus", "1", "--shard",
-                 f"{i}/{n}", "--out", str(tmp / f"zoo{i}.json"), "--png", "none"]
-                for i in range(n)]
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    codes = run_shards(commands, gpus, log)
-    parts = [str(tmp / f"zoo{i}.json") for i in range(n) if (tmp / f"zoo{i}.json").exists()]
+    tmp, codes, parts = launch_shards("benchmarks.zoo", argv, gpus, "zoo", ["--png", "none"], log)
     args.merge = ([args.resume] if args.resume else []) + parts
     rc = merge(args) if parts else 1
     return finish_shards("error", gpus, codes, len(parts), rc, tmp)

@@ -32,7 +32,13 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import zoo
-from moe_gemm.tuning.shards import finish_shards, gpu_ids, parse_shard, run_shards, take_shard
+from moe_gemm.tuning.shards import (
+    finish_shards,
+    gpu_ids,
+    launch_shards,
+    parse_shard,
+    take_shard,
+)
 from moe_gemm.tuning.timing import REST_MS, TARGET_MS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
@@ -222,7 +228,6 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
     temporary folder), then those tables merged into --out (added to the table there, unless
     --no-merge). A shard that fails leaves the others' results merged; the exit code says."""
     import shutil
-    import tempfile
 
     import torch
 
@@ -241,16 +246,10 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
     from moe_gemm.ops import tuned
 
     out = _out_path(args, tuned.device_slug(device_name(torch.device("cuda", 0))))
-    tmp = Path(tempfile.mkdtemp(prefix="moe-gemm-tune-"))
-    n = len(gpus)
     # --resume skips what --out holds (as one process would; --no-merge starts afresh).
     skip = ["--skip-table", str(out)] if args.resume and not args.no_merge and out.exists() else []
-    commands = [[sys.executable, "-m", "moe_gemm.tuning", *argv, "--gpus", "1", "--shard",
-                 f"{i}/{n}", "--no-merge", "--out", str(tmp / f"t{i}.json"), *skip]
-                for i in range(n)]
-    log(f"[tune] {n} GPUs ({','.join(gpus)}); shard tables in {tmp}")
-    codes = run_shards(commands, gpus, log)
-    parts = [str(tmp / f"t{i}.json") for i in range(n) if (tmp / f"t{i}.json").exists()]
+    tmp, codes, parts = launch_shards("moe_gemm.tuning", argv, gpus, "tune",
+                                      ["--no-merge", *skip], log)
     rc = 1
     if parts:
         # --no-merge: a new table of the shards alone, put in place only once it is whole.

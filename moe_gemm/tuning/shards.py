@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
@@ -88,6 +89,22 @@ def run_shards(commands: list[list[str]], gpus: list[str],
     for t in threads:
         t.join(timeout=5)
     return codes
+
+
+def launch_shards(module: str, argv: list[str], gpus: list[str], name: str, extra: list[str],
+                  log: Callable[[str], None]) -> tuple[Path, list[int], list[str]]:
+    """`python -m module argv` once per GPU, as shard i of len(gpus) writing `--out
+    <folder>/<name><i>.json` (plus `extra`); argparse keeps an option's last value, so these
+    override the caller's --gpus, --shard and --out. Returns (the temporary folder, the exit
+    codes, the shard files that exist)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"moe-gemm-{name}-"))
+    n = len(gpus)
+    outs = [folder / f"{name}{i}.json" for i in range(n)]
+    commands = [[sys.executable, "-m", module, *argv, "--gpus", "1", "--shard", f"{i}/{n}",
+                 "--out", str(outs[i]), *extra] for i in range(n)]
+    log(f"[{name}] {n} GPUs ({','.join(gpus)}); the shards' files in {folder}")
+    codes = run_shards(commands, gpus, log)
+    return folder, codes, [str(o) for o in outs if o.exists()]
 
 
 def finish_shards(prefix: str, gpus: list[str], codes: list[int], joined: int, merge_rc: int,

@@ -188,7 +188,9 @@ def fake_gpus(monkeypatch):
         return codes
 
     fake_run_shards.fail = set()
-    monkeypatch.setattr(cli, "run_shards", fake_run_shards)
+    from moe_gemm.tuning import shards
+
+    monkeypatch.setattr(shards, "run_shards", fake_run_shards)
     return fake_run_shards, seen
 
 
