@@ -8,11 +8,15 @@ lose mixes two questions: is our kernel slower than QuACK's at the same tile, cl
 schedule, or did we pick a worse config? This benchmark answers the first. Per zoo case, and
 per config named as `moe-gemm tune` names them ('pp 128x192 c2x1': ping-pong, a 128x192 tile,
 clusters of 2 along M), our grouped_mm with that config and QuACK's varlen GEMM with the same
-tile, schedule and cluster (quack.gemm_interface.gemm_tuned.fn with a fixed GemmConfig, its
-raster swizzle 8 like our panel 8) go through the zoo's harness (benchmarks.runner: the zoo's
+tile, schedule and cluster (quack.gemm_interface.gemm_tuned.fn with a fixed GemmConfig) go through the zoo's harness (benchmarks.runner: the zoo's
 inputs and routing, every output checked against a float32 reference first, then back-to-back
 samples behind a sleep backlog, interleaved round by round). Rows are the harness's; ours carry
 `vs_quack` = QuACK's time / ours (above 1: ours faster).
+
+The tile order is pinned too: QuACK's varlen scheduler walks each expert's tiles in bands of
+8 N-tiles (of clusters), N fastest, the bands serpentine along M (its default AlongN raster,
+max_swizzle_size 8), which is our raster 'p8ns'. A config named without a raster word gets
+that one; one that names a raster ('p16', 'p8') keeps it, against QuACK's fixed order.
 
 Only configs both kernels build are meaningful: ping-pong 128x{128,160,192,208} and 192x128,
 cooperative 256x{128,160,192,208} and 128x{224,256}, clusters 1x1, 1x2 and 2x1.
@@ -21,6 +25,7 @@ cooperative 256x{128,160,192,208} and 128x{224,256}, clusters 1x1, 1x2 and 2x1.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -56,9 +61,19 @@ def parse_cases(text: str) -> list[tuple[str, str, int]]:
     return cases
 
 
+# QuACK's varlen tile order as our raster code (module docstring).
+QUACK_ORDER = "p8ns"
+
+
+def _names_a_raster(name: str) -> bool:
+    return any(re.fullmatch(r"p\d+n?s?", word) for word in name.replace(",", " ").split())
+
+
 def parse_configs(text: str) -> list[dict]:
-    """';'-separated config names -> their fields (ValueError naming a bad one)."""
-    fields = [space.parse_name(s.strip()) for s in text.split(";") if s.strip()]
+    """';'-separated config names -> their fields (ValueError naming a bad one); a name without
+    a raster word takes QuACK's order (QUACK_ORDER)."""
+    names = [s.strip() for s in text.split(";") if s.strip()]
+    fields = [space.parse_name(n if _names_a_raster(n) else f"{n} {QUACK_ORDER}") for n in names]
     if not fields:
         raise ValueError("no config given")
     for f in fields:

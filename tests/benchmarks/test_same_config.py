@@ -30,6 +30,17 @@ def test_configs_map_to_the_same_quack_tile_schedule_and_cluster():
         same_config.parse_configs(" ; ")
 
 
+def test_ours_takes_quacks_tile_order_unless_the_name_pins_one():
+    # QuACK's varlen order: bands of 8 n-tiles, N fastest, serpentine = our raster p8ns.
+    (plain,) = same_config.parse_configs("pp 128x192 c1x2")
+    assert (plain["raster_panel"], plain.get("raster_along"), plain.get("raster_serpentine")) == (
+        8, "n", True)
+    (pinned,) = same_config.parse_configs("pp 128x192 c1x2 p16")
+    assert pinned["raster_panel"] == 16 and pinned.get("raster_along", "m") == "m"
+    (along_m,) = same_config.parse_configs("pp 128x192 c1x2 p8")
+    assert not along_m.get("raster_serpentine") and along_m.get("raster_along", "m") == "m"
+
+
 def test_the_defaults_are_valid_and_a_cpu_run_says_what_it_needs(capsys):
     assert len(same_config.parse_cases(",".join(same_config.DEFAULT_CASES))) == 4
     assert len(same_config.parse_configs(";".join(same_config.DEFAULT_CONFIGS))) == 5
@@ -49,9 +60,10 @@ def test_each_config_runs_ours_and_quack_through_the_zoo_harness_on_cpu():
 
     configs = same_config.parse_configs("pp 128x128 c1x2; coop 256x128 c2x1")
     impls = same_config.implementations(configs)
-    assert [i.name for i in impls] == ["moe_gemm pp 128x128 c1x2 p8", "QuACK pp 128x128 c1x2 p8",
-                                       "moe_gemm coop 256x128 c2x1 p8",
-                                       "QuACK coop 256x128 c2x1 p8"]
+    assert [i.name for i in impls] == ["moe_gemm pp 128x128 c1x2 p8ns",
+                                       "QuACK pp 128x128 c1x2 p8ns",
+                                       "moe_gemm coop 256x128 c2x1 p8ns",
+                                       "QuACK coop 256x128 c2x1 p8ns"]
     assert [i.peer for i in impls] == [False, True, False, True]
     spec, _ = build_cases("OLMoE-1B-7B", "16", ["down"], 1234, smoke=True)[0]
     cpu = torch.device("cpu")
