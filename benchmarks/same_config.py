@@ -8,9 +8,10 @@ lose mixes two questions: is our kernel slower than QuACK's at the same tile, cl
 schedule, or did we pick a worse config? This benchmark answers the first. Per zoo case, and
 per config named as `moe-gemm tune` names them ('pp 128x192 c2x1': ping-pong, a 128x192 tile,
 clusters of 2 along M), our grouped_mm with that config and QuACK's varlen GEMM with the same
-tile, schedule and cluster (quack.gemm_interface.gemm_tuned.fn with a fixed GemmConfig) go through the zoo's harness (benchmarks.runner: the zoo's
-inputs and routing, every output checked against a float32 reference first, then back-to-back
-samples behind a sleep backlog, interleaved round by round). Rows are the harness's; ours carry
+tile, schedule and cluster (quack.gemm_interface.gemm_tuned.fn with a fixed GemmConfig) go
+through the zoo's harness (benchmarks.runner: the zoo's inputs and routing, every output
+checked against a float32 reference first, then back-to-back samples behind a sleep backlog,
+interleaved round by round). Rows are the harness's; ours carry
 `vs_quack` = QuACK's time / ours (above 1: ours faster).
 
 The tile order is pinned too: QuACK's varlen scheduler walks each expert's tiles in bands of
@@ -66,7 +67,8 @@ QUACK_ORDER = "p8ns"
 
 
 def _names_a_raster(name: str) -> bool:
-    return any(re.fullmatch(r"p\d+n?s?", word) for word in name.replace(",", " ").split())
+    words = name.replace(",", " ").replace(":", " ").split()
+    return any(re.fullmatch(r"p\d+n?s?", word) for word in words)
 
 
 def parse_configs(text: str) -> list[dict]:

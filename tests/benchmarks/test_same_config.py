@@ -35,7 +35,7 @@ def test_ours_takes_quacks_tile_order_unless_the_name_pins_one():
     (plain,) = same_config.parse_configs("pp 128x192 c1x2")
     assert (plain["raster_panel"], plain.get("raster_along"), plain.get("raster_serpentine")) == (
         8, "n", True)
-    (pinned,) = same_config.parse_configs("pp 128x192 c1x2 p16")
+    (pinned,) = same_config.parse_configs("pp:128x192:c1x2:p16")
     assert pinned["raster_panel"] == 16 and pinned.get("raster_along", "m") == "m"
     (along_m,) = same_config.parse_configs("pp 128x192 c1x2 p8")
     assert not along_m.get("raster_serpentine") and along_m.get("raster_along", "m") == "m"
