@@ -39,7 +39,7 @@ from moe_gemm.tuning.shards import (
     parse_shard,
     take_shard,
 )
-from moe_gemm.tuning.timing import REST_MS, TARGET_MS
+from moe_gemm.tuning.timing import REST_MS, TARGET_MS, TIMINGS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
 DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-ms", type=_sample_ms, default=TARGET_MS, help="GPU time one "
                    "sample holds, at least (default %(default)s; the zoo's samples hold ~5 ms, "
                    "which long kernels spend partly at the power limit)")
+    p.add_argument("--timing", choices=TIMINGS, default="graph", help="how samples run: "
+                   "CUDA-graph replays (default) or eager launches after the GPU idles, as the "
+                   "benchmarks and the model zoo time them")
     p.add_argument("--workers", type=int, default=None, help="compile processes")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
@@ -360,7 +363,8 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             runner = None
             try:
                 runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
-                                     rest_ms=args.rest_ms, sample_ms=args.sample_ms)
+                                     rest_ms=args.rest_ms, sample_ms=args.sample_ms,
+                                     timing_mode=args.timing)
                 res = tune_shape(shape, runner, rounds=args.rounds, deadline=deadline,
                                  out_itemsize=torch.empty(0, dtype=runner.d).element_size(),
                                  log=log)
@@ -450,7 +454,8 @@ def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log
     with CompilePool(args.workers) as pool:
         for i, shape in enumerate(shapes):
             runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
-                                     rest_ms=args.rest_ms, sample_ms=args.sample_ms)
+                                     rest_ms=args.rest_ms, sample_ms=args.sample_ms,
+                                     timing_mode=args.timing)
             try:
                 res = compare_configs(shape, runner, configs, rounds=max(args.rounds, 10))
             finally:

@@ -47,10 +47,13 @@ class ShapeRunner:
     def __init__(self, shape: TuneShape, device: torch.device, pool: CompilePool, *,
                  seed: int = 0, l2_bytes: int = 50 << 20, mem_fraction: float = 0.4,
                  rest_ms: float = timing.REST_MS,
-                 sample_ms: float = timing.TARGET_MS) -> None:
+                 sample_ms: float = timing.TARGET_MS, timing_mode: str = "graph") -> None:
+        if timing_mode not in timing.TIMINGS:
+            raise ValueError(f"timing_mode must be one of {timing.TIMINGS}; got {timing_mode!r}")
         self.shape = shape
         self.rest_ms = rest_ms
         self.sample_ms = sample_ms
+        self.timing_mode = timing_mode
         self.device = device
         self.pool = pool
         self.nsm = sm_count(device)
@@ -223,7 +226,8 @@ class ShapeRunner:
                 fns = self._fns(self._config(f))
                 est = timing.estimate_ms(fns, self.device)
                 calls = timing.calls_per_graph(est, len(fns), self.sample_ms)
-                t = self._timed[name] = timing.capture(name, fns, calls, self.device)
+                make = timing.capture_eager if self.timing_mode == "eager" else timing.capture
+                t = self._timed[name] = make(name, fns, calls, self.device)
             timed.append(t)
         before = {t.name: len(t.samples) for t in timed}
         timing.sample_rounds(timed, rounds, self.device, self.rest_ms)

@@ -18,12 +18,21 @@ N=2048, K=768, 65536 rows) took 7-18% longer back to back than with the rest, cl
 configs the most (ping-pong 128x192 2x1: 424 against 360 us; 128x128 1x2: 370 against 338),
 so a tuner sampling back to back picked configs that lost in the benchmarks. rest_ms=0
 (`moe-gemm tune --rest-ms 0`) keeps the back-to-back regime for those who tune for it.
+
+Eager mode (`moe-gemm tune --timing eager`) samples as the benchmarks do instead
+(benchmarks/clock.py back_to_back): no graph; each sample waits for the GPU to finish, queues
+a sleep long enough to hide the host's enqueue, then `calls` ordinary launches between two
+events; the sleep is the larger of the rest and that backlog, so with `--rest-ms 0` it is the
+backlog alone, as in the benchmarks. Same inputs, interleaving and sample length as the graph
+mode; what differs is the launch path and the GPU's short idle before each sample: the regime
+the model zoo ranks implementations in.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -86,14 +95,25 @@ def estimate_ms(fns: Sequence[Callable[[], object]], device: torch.device) -> fl
     return statistics.median(samples)
 
 
+TIMINGS = ("graph", "eager")  # how the tuner samples (module docstring)
+
+
 @dataclass(eq=False)
 class Timed:
-    """One candidate's captured graph and its samples (ms per call)."""
+    """One candidate's captured graph (or, eager, its launches) and its samples (ms per
+    call). Eager: `run` makes the `calls` launches and `backlog_ms` is the sleep queued ahead
+    of them, enough to cover their host time."""
 
     name: str
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None
     calls: int
     samples: list[float] = field(default_factory=list)
+    run: Callable[[], object] | None = None
+    backlog_ms: float = 0.0
+
+    @property
+    def eager(self) -> bool:
+        return self.graph is None
 
     @property
     def median(self) -> float:
@@ -117,6 +137,30 @@ def capture(name: str, fns: Sequence[Callable[[], object]], calls: int,
     for _ in range(2):
         graph.replay()
     return Timed(name, graph, calls)
+
+
+def capture_eager(name: str, fns: Sequence[Callable[[], object]], calls: int,
+                  device: torch.device) -> Timed:
+    """The eager counterpart of capture: `calls` launches cycling through `fns`, run once
+    here (plans built, kernels loaded) while their host time is measured; the backlog ahead
+    of each sample covers that host time with a margin (as the benchmarks' does)."""
+
+    def run() -> None:
+        for i in range(calls):
+            fns[i % len(fns)]()
+
+    run()
+    _synchronize(device)
+    t0 = time.perf_counter()
+    run()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    _synchronize(device)
+    return Timed(name, None, calls, run=run, backlog_ms=host_ms * 1.25 + 0.1)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 _sleep_rate: dict[int, float] = {}
@@ -148,7 +192,8 @@ def rest(device: torch.device, ms: float) -> None:
 def sample_rounds(timed: Sequence[Timed], rounds: int, device: torch.device,
                   rest_ms: float = REST_MS) -> None:
     """`rounds` interleaved samples of every graph (starting one later each round), each
-    after `rest_ms` of rest."""
+    after `rest_ms` of rest. An eager candidate's sample first waits for the GPU, then rests
+    at least its backlog (module docstring)."""
     if not timed:
         return
     for r in range(rounds):
@@ -158,9 +203,15 @@ def sample_rounds(timed: Sequence[Timed], rounds: int, device: torch.device,
         for t in order:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            rest(device, rest_ms)
-            start.record()
-            t.graph.replay()
+            if t.eager:
+                _synchronize(device)
+                rest(device, max(rest_ms, t.backlog_ms))
+                start.record()
+                t.run()
+            else:
+                rest(device, rest_ms)
+                start.record()
+                t.graph.replay()
             end.record()
             events.append((t, start, end))
         torch.cuda.synchronize(device)

@@ -45,18 +45,19 @@ def few_candidates(monkeypatch, tmp_path):
     heuristics.clear_caches()
 
 
-@pytest.mark.parametrize("layout", ["ENK", "EKN"])
-def test_search_on_the_kernels(few_candidates, layout):
+@pytest.mark.parametrize("layout,timing", [("ENK", "graph"), ("EKN", "graph"),
+                                           ("ENK", "eager")])
+def test_search_on_the_kernels(few_candidates, layout, timing):
     counts = tuple(topk_counts(16, 512, 2, seed=5))
     shape = TuneShape("varlen", 16, 1536, 1024, sum(counts), counts, layout=layout)
     dev = torch.device("cuda")
     with CompilePool(4) as pool:
-        runner = ShapeRunner(shape, dev, pool, seed=2, l2_bytes=50 << 20)
+        runner = ShapeRunner(shape, dev, pool, seed=2, l2_bytes=50 << 20, timing_mode=timing)
         try:
             res = tune_shape(shape, runner, rounds=3)
         finally:
             runner.close()
-    record(f"tuning/search/{layout}", res.winner is not None, winner=getattr(
+    record(f"tuning/search/{layout}/{timing}", res.winner is not None, winner=getattr(
         res.winner, "name", None), failures=res.failures())
     assert res.winner is not None, res.stopped
     assert not res.failures(), res.failures()  # every candidate passed the 2x rule

@@ -211,3 +211,59 @@ def test_the_runner_sizes_its_graphs_to_its_sample_time(fake_cuda, monkeypatch):
         assert targets[-1] == want
         r.close()
     assert real(1.0, 1, 5.0) == 5 and real(1.0, 1) == 2  # 5 ms of 1 ms calls, or 2 ms
+
+
+def test_eager_samples_wait_for_the_gpu_then_rest_at_least_their_backlog(monkeypatch):
+    """Eager candidates (no graph): each sample syncs, sleeps max(rest_ms, its backlog), then
+    makes its launches between the events; graph candidates in the same rounds keep theirs."""
+    log = []
+
+    class Event(_Event):
+        def record(self, stream=None):
+            log.append("event")
+            super().record(stream)
+
+    class Graph(_Graph):
+        def replay(self):
+            log.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
+    monkeypatch.setitem(timing._sleep_rate, 0, 2_000_000.0)  # cycles per ms
+    device = torch.device("cuda", 0)
+    launches = []
+    eager = timing.capture_eager("e", [lambda: launches.append(0), lambda: launches.append(1)],
+                                 3, device)
+    assert eager.eager and eager.graph is None and eager.calls == 3
+    assert launches == [0, 1, 0] * 2  # warmed up once, then timed once for its host time
+    assert eager.backlog_ms >= 0.1
+    eager.backlog_ms = 2.0  # as if 3 launches took ~1.5 ms of host time
+    graph = timing.Timed("g", Graph(), 4)
+    log.clear()
+    launches.clear()
+    timing.sample_rounds([eager, graph], 2, device, rest_ms=0.5)
+    e = ["sync", ("sleep", 4_000_000), "event", "event"]  # its launches go between the events
+    g = [("sleep", 1_000_000), "event", "replay", "event"]
+    assert log == e + g + ["sync"] + g + e + ["sync"]
+    assert launches == [0, 1, 0] * 2
+    assert len(eager.samples) == len(graph.samples) == 2
+    eager.backlog_ms = 0.1
+    log.clear()
+    timing.sample_rounds([eager], 1, device, rest_ms=1.0)  # the rest when it is longer
+    assert log[:2] == ["sync", ("sleep", 2_000_000)]
+
+
+def test_the_runner_times_eagerly_when_asked(fake_cuda, monkeypatch):
+    made = []
+    monkeypatch.setattr(timing, "capture_eager",
+                        lambda name, fns, calls, device: made.append(name)
+                        or timing.Timed(name, None, calls, run=lambda: [f() for f in fns]))
+    shape = _shape()
+    r = runner_mod.ShapeRunner(shape, torch.device("cpu"), _Pool(), seed=3, timing_mode="eager")
+    samples = r.measure([r.rules_fields()], 2)
+    assert made == [space.name_of(r.rules_fields())]
+    assert [len(v) for v in samples.values()] == [2]
+    r.close()
+    with pytest.raises(ValueError, match="timing_mode"):
+        runner_mod.ShapeRunner(shape, torch.device("cpu"), _Pool(), timing_mode="burst")

@@ -78,3 +78,11 @@ def test_sample_ms_defaults_to_the_tuners_target():
 
     assert cli._parser().parse_args(["--zoo"]).sample_ms == TARGET_MS
     assert cli._parser().parse_args(["--zoo", "--sample-ms", "5"]).sample_ms == 5.0
+
+
+def test_timing_defaults_to_graphs_and_takes_eager(capsys):
+    assert cli._parser().parse_args(["--zoo"]).timing == "graph"
+    assert cli._parser().parse_args(["--zoo", "--timing", "eager"]).timing == "eager"
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["--zoo", "--timing", "burst"])
+    assert "invalid choice: 'burst'" in capsys.readouterr().err
