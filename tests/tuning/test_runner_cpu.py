@@ -154,9 +154,10 @@ def test_sets_and_calls_arithmetic():
 
 
 
-def test_each_sample_starts_after_a_rest(monkeypatch):
-    """On a CUDA device every sample is queued behind its rest: sleep, start event, replay,
-    end event; rest_ms=0 samples back to back (no sleep at all)."""
+@pytest.fixture
+def gpu_log(monkeypatch):
+    """A CUDA device whose events, graph replays, sleeps and synchronizations are logged:
+    (the log, the Graph class that logs its replays); 2e6 sleep cycles per ms."""
     log = []
 
     class Event(_Event):
@@ -169,17 +170,25 @@ def test_each_sample_starts_after_a_rest(monkeypatch):
             log.append("replay")
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
     monkeypatch.setitem(timing._sleep_rate, 0, 2_000_000.0)  # cycles per ms, as if measured
+    return log, Graph
+
+
+def test_each_sample_starts_after_a_rest(gpu_log):
+    """On a CUDA device every sample is queued behind its rest: sleep, start event, replay,
+    end event; rest_ms=0 samples back to back (no sleep at all)."""
+    log, Graph = gpu_log
     device = torch.device("cuda", 0)
     timed = [timing.Timed("a", Graph(), 4), timing.Timed("b", Graph(), 4)]
     timing.sample_rounds(timed, 3, device, rest_ms=0.5)
-    assert log == [("sleep", 1_000_000), "event", "replay", "event"] * 6
+    # (a graph's sample never waits for the GPU; the round's events are read at its end)
+    assert log == ([("sleep", 1_000_000), "event", "replay", "event"] * 2 + ["sync"]) * 3
     assert all(len(t.samples) == 3 for t in timed)
     log.clear()
     timing.sample_rounds(timed, 1, device, rest_ms=0)
-    assert log == ["event", "replay", "event"] * 2
+    assert log == ["event", "replay", "event"] * 2 + ["sync"]
     log.clear()
     timing.rest(torch.device("cpu"), 1.0)  # the CPU stand-ins never sleep
     assert log == []
@@ -213,24 +222,10 @@ def test_the_runner_sizes_its_graphs_to_its_sample_time(fake_cuda, monkeypatch):
     assert real(1.0, 1, 5.0) == 5 and real(1.0, 1) == 2  # 5 ms of 1 ms calls, or 2 ms
 
 
-def test_eager_samples_wait_for_the_gpu_then_rest_at_least_their_backlog(monkeypatch):
+def test_eager_samples_wait_for_the_gpu_then_rest_at_least_their_backlog(gpu_log):
     """Eager candidates (no graph): each sample syncs, sleeps max(rest_ms, its backlog), then
     makes its launches between the events; graph candidates in the same rounds keep theirs."""
-    log = []
-
-    class Event(_Event):
-        def record(self, stream=None):
-            log.append("event")
-            super().record(stream)
-
-    class Graph(_Graph):
-        def replay(self):
-            log.append("replay")
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
-    monkeypatch.setitem(timing._sleep_rate, 0, 2_000_000.0)  # cycles per ms
+    log, Graph = gpu_log
     device = torch.device("cuda", 0)
     launches = []
     eager = timing.capture_eager("e", [lambda: launches.append(0), lambda: launches.append(1)],
