@@ -105,18 +105,45 @@ def rows_computed(rows: int, tile_m: int, swap_max: int = 0, half_skip: bool = F
     return (full + 1) * tile_m
 
 
+# The tile width the operand-bytes model below assumes (the zoo's prefill picks are mostly
+# 128-256 columns wide).
+BYTES_TILE_N = 192
+
+
+def operand_rows_loaded(rows: int, tile_m: int, tile_n: int = BYTES_TILE_N,
+                        swap_max: int = 0) -> int:
+    """Rows of A and B one expert's tiles of one column of n-tiles load from L2, per element
+    of K (times K x 2 bytes: the L2-to-SM operand bytes): each tile loads its A box and its B
+    box (tile_n rows of the weights), partial or not. The TMA boxes are the tile's, so a tail
+    tile loads a whole A box; skipping its empty half saves WGMMAs, not bytes; a swapped tail
+    tile would load an A box of its own rows (rounded to N_STEP). Multicast not counted."""
+    full, tail = divmod(max(rows, 0), tile_m)
+    loaded = full * (tile_m + tile_n)
+    if tail:
+        a_rows = -(-tail // N_STEP) * N_STEP if tail <= swap_max else tile_m
+        loaded += a_rows + tile_n
+    return loaded
+
+
 def tail_designs(model_names: str | None, tokens: list[int], seed: int = 1234
                  ) -> list[dict[str, Any]]:
     """The rows-rounding waste of each TAIL_DESIGNS tiling on the zoo's routings (no N or K
-    rounding, no cluster): what tail-exact tiles could recover, design by design."""
+    rounding, no cluster): what tail-exact tiles could recover, design by design; and the
+    L2-to-SM operand bytes each loads relative to plain 128-row tiles (operand_rows_loaded),
+    which is what bounds these tiles' time when they are bandwidth-bound (a half tile still
+    loads its whole stage: measured neutral on the H200, docs/measurements.md)."""
     counts_all = zoo_routings(model_names, tokens, seed)
+    base = [sum(operand_rows_loaded(r, 128) for r in c) for c in counts_all]
     out = []
     for name, tile_m, swap_max, half in TAIL_DESIGNS:
         w = [sum(rows_computed(r, tile_m, swap_max, half) for r in c) / max(1, sum(c)) - 1
              for c in counts_all]
+        b = [sum(operand_rows_loaded(r, tile_m, BYTES_TILE_N, swap_max) for r in c)
+             / max(1, b0) for c, b0 in zip(counts_all, base)]
         out.append({"design": name, "tile_m": tile_m, "swap_max": swap_max, "half_skip": half,
                     "median": statistics.median(w), "max": max(w),
-                    "above_5_percent": sum(x > 0.05 for x in w), "cases": len(w)})
+                    "above_5_percent": sum(x > 0.05 for x in w), "cases": len(w),
+                    "operand_bytes_vs_128": statistics.median(b)})
     return out
 
 
@@ -159,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     for f in floor:
         print(f"  g={f['rows_granularity']:3d}: median {100 * f['median']:5.1f}%, max "
               f"{100 * f['max']:6.1f}%, above 5% on {f['above_5_percent']} of {f['cases']}")
-    print("rows rounding of tail designs (each expert's last tile):")
+    print(f"rows rounding of tail designs (each expert's last tile), and the L2-to-SM operand "
+          f"bytes they load against 128-row tiles ({BYTES_TILE_N}-column tiles):")
     for d in designs:
         print(f"  {d['design']:34s}: median {100 * d['median']:5.1f}%, max "
-              f"{100 * d['max']:6.1f}%, above 5% on {d['above_5_percent']} of {d['cases']}")
+              f"{100 * d['max']:6.1f}%, above 5% on {d['above_5_percent']} of {d['cases']}; "
+              f"bytes x{d['operand_bytes_vs_128']:.3f}")
     return 0
 
 

@@ -71,3 +71,25 @@ def test_tail_designs_summarise_the_zoo_routings():
         assert by[name]["cases"] == 2 and abs(by[name]["median"] - want) < 1e-12
     # Every finer design wastes no more than plain 128-row tiles.
     assert all(d["median"] <= by["128-row tiles"]["median"] for d in designs)
+
+
+def test_operand_bytes_of_each_tail_design():
+    ol = mma_waste.operand_rows_loaded
+    # A tile loads its A box and its B box whatever its rows: 130 rows in 128-row tiles load
+    # two of each; a swapped tail of 2 rows loads an 8-row A box beside its B box.
+    assert ol(0, 128, 192) == 0 and ol(128, 128, 192) == 320
+    assert ol(130, 128, 192) == 2 * 320
+    assert ol(130, 128, 192, swap_max=32) == 320 + 8 + 192
+    assert ol(161, 128, 192, swap_max=32) == 2 * 320  # 33 tail rows: a whole tile
+    assert ol(100, 64, 192) == 2 * (64 + 192)  # 64-row tiles load B twice as often
+    by = {d["design"]: d for d in mma_waste.tail_designs("Mixtral-8x7B", [2048])}
+    counts = models.topk_counts(8, 2048, 2, 1234)
+    base = sum(ol(r, 128) for r in counts)
+    for name, tile_m, swap_max, _ in mma_waste.TAIL_DESIGNS:
+        want = sum(ol(r, tile_m, mma_waste.BYTES_TILE_N, swap_max) for r in counts) / base
+        assert abs(by[name]["operand_bytes_vs_128"] - want) < 1e-12
+    # Skipping an empty half computes less but loads the same; swapped tails load less A;
+    # 64-row tiles load B twice per 128 rows.
+    assert by["128, an empty 64-row half skipped"]["operand_bytes_vs_128"] == 1.0
+    assert by["128, last <= 32 rows swapped"]["operand_bytes_vs_128"] < 1.0
+    assert by["64-row tiles"]["operand_bytes_vs_128"] > 1.0
