@@ -111,9 +111,7 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     gathers with index_select and the kernel reads the routed rows."""
     choice = choose_varlen(
         config, args.S, args.E, args.N, args.K, nsm, args.out_dtype.itemsize,
-        device=launch_kernel._table_device(device),
-        dtype=launch_kernel._TORCH_TO_NAME[args.dtype],
-        out_dtype=launch_kernel._TORCH_TO_NAME[args.out_dtype])
+        **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
     gate = args.gate is not None
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)

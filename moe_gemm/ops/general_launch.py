@@ -90,9 +90,7 @@ class GeneralShape:
         self.out_dtype = d
         self.b_major = b_major
         self.choice = choice = choose_general(
-            config, sizes, nsm, d.itemsize, device=launch_kernel._table_device(device),
-            dtype=launch_kernel._TORCH_TO_NAME[ab],
-            out_dtype=launch_kernel._TORCH_TO_NAME[d])
+            config, sizes, nsm, d.itemsize, **launch_kernel.table_keys(device, ab, d))
         order = sched.ksort_permutation(sizes) if choice.sort_by_k else None
         # None when the order is the caller's: the per-call metadata then skips a gather.
         self.order = tuple(order) if order and order != list(range(G)) else None

@@ -78,3 +78,10 @@ def _compiled(key):
 def _table_device(device: torch.device | None) -> str | None:
     """The name tuned tables are keyed by: the CUDA device's, None elsewhere (rules only)."""
     return device_name(device) if device is not None and device.type == "cuda" else None
+
+
+def table_keys(device: torch.device | None, ab: torch.dtype, d: torch.dtype) -> dict:
+    """The keyword arguments a kernel choice (ops/heuristics.py) looks the tuned tables up
+    by: the device's name and the operand and output dtypes' names."""
+    return {"device": _table_device(device), "dtype": _TORCH_TO_NAME[ab],
+            "out_dtype": _TORCH_TO_NAME[d]}

@@ -55,9 +55,7 @@ class MmPlan:
         _maybe_autotune("varlen", args, config)
         self.choice = choice = choose_varlen(
             config, T, E, N, K, nsm, args.out_dtype.itemsize,
-            device=launch_kernel._table_device(device),
-            dtype=launch_kernel._TORCH_TO_NAME[args.dtype],
-            out_dtype=launch_kernel._TORCH_TO_NAME[args.out_dtype])
+            **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
         b_major = "k" if operand_major(w) == "col" else "n"
         self.num_problems = E + (1 if self.zero_tail else 0)
         self.tiles_n = -(-N // choice.tile_n)
@@ -153,9 +151,7 @@ class BmmPlan:
         _maybe_autotune("batched", args, config)
         self.choice = choice = choose_batched(
             config, G, M, N, K, nsm, args.out_dtype.itemsize,
-            device=launch_kernel._table_device(device),
-            dtype=launch_kernel._TORCH_TO_NAME[args.dtype],
-            out_dtype=launch_kernel._TORCH_TO_NAME[args.out_dtype])
+            **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
         self.w_major = "k" if operand_major(w) == "col" else "n"
         self.w_unit = 1 if self.w_major == "k" else 2
         self.tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (
