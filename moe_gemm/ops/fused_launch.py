@@ -162,11 +162,8 @@ class FusedPlan:
         self.host_gather = args.row_index is not None and not self.gather
         b_major = "k" if operand_major(args.w) == "col" else "n"
         self.num_problems = self.E + (1 if self.zero_tail else 0)
-        unit = choice.tile_m * choice.cluster_m
-        units_n = -(-args.N // (choice.tile_n * choice.cluster_n))
-        bound = (-(-self.S // unit) + self.num_problems) * units_n
-        self.num_ctas, _ = launch_kernel._grid(device, nsm, choice.cluster_m * choice.cluster_n,
-                                               bound)
+        self.num_ctas, _ = launch_kernel.varlen_grid(device, nsm, choice, self.S,
+                                                     self.num_problems, args.N)
         self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
         self.meta = launch_resources._small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)

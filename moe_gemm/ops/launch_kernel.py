@@ -63,6 +63,17 @@ def _grid(device: torch.device | None, nsm: int, size: int, units: int) -> tuple
     return clusters * size, -(-units // clusters)
 
 
+def varlen_grid(device: torch.device | None, nsm: int, choice: KernelChoice, rows: int,
+                num_problems: int, N: int) -> tuple[int, int]:
+    """(CTAs, cluster tiles per cluster upper bound) of a varlen launch on the device visitor:
+    the sum over problems of ceil(rows_p / unit) is at most ceil(rows / unit) plus one partial
+    unit per problem, times the column units."""
+    unit = choice.tile_m * choice.cluster_m
+    units_n = -(-N // (choice.tile_n * choice.cluster_n))
+    bound = (-(-rows // unit) + num_problems) * units_n
+    return _grid(device, nsm, choice.cluster_m * choice.cluster_n, bound)
+
+
 @functools.lru_cache(maxsize=256)
 def _kernel_for(form, ab, d, b_major, choice: KernelChoice, trace: bool):
     """The compiled kernel for a launch's static choices (one dict lookup per call)."""

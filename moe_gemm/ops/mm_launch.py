@@ -62,13 +62,8 @@ class MmPlan:
         self.nsm = nsm
         self.trace = trace
         if choice.visitor == "device":
-            # Upper bound on (cluster) tiles: sum over experts of ceil(rows_e / unit) is at
-            # most ceil(T / unit) + one partial unit per problem.
-            unit = choice.tile_m * choice.cluster_m
-            units_n = -(-N // (choice.tile_n * choice.cluster_n))
-            bound = (-(-T // unit) + self.num_problems) * units_n
-            self.num_ctas, self.max_tiles = launch_kernel._grid(
-                device, nsm, choice.cluster_m * choice.cluster_n, bound)
+            self.num_ctas, self.max_tiles = launch_kernel.varlen_grid(
+                device, nsm, choice, T, self.num_problems, N)
             self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
         self.meta = launch_resources._small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)

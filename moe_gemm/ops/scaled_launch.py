@@ -89,11 +89,8 @@ class Fp8MmPlan:
         self.choice = choice = choose_fp8("varlen", config, T / E, N, K,
                                           args.out_dtype.itemsize, args.granularity)
         self.num_problems = E + (1 if self.zero_tail else 0)
-        unit = choice.tile_m * choice.cluster_m
-        units_n = -(-N // (choice.tile_n * choice.cluster_n))
-        bound = (-(-T // unit) + self.num_problems) * units_n
-        self.num_ctas, self.max_tiles = launch_kernel._grid(
-            device, nsm, choice.cluster_m * choice.cluster_n, bound)
+        self.num_ctas, self.max_tiles = launch_kernel.varlen_grid(
+            device, nsm, choice, T, self.num_problems, N)
         self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
         self.meta, self.smeta, self.no_table, self.no_trace = _placeholders(device)
         self.meta32 = self.meta.view(torch.int32)
