@@ -237,23 +237,26 @@ def heavy(batching_server):
 
 def test_priority_orders_the_queue(slow_server):
     """Within the batch delay (4 s on this server) a low-priority request queues first and a
-    high-priority one after it: the high one must be launched first. The two are the same size
-    (~17 GFLOP, 16 MB each way), so whichever launches first answers first, by a whole launch's
-    compute. (Queuing both behind a running launch instead raced on the CI machine: the launch
-    could end before the second request arrived.)"""
+    high-priority one after it: the high one must be launched first. The launch order is read
+    from the server's per-model statistics while both are in flight (each launch of ~17 GFLOP
+    takes a while on a CPU): the high set's execution count must move first. (Comparing when
+    the answers arrive raced on the 2-core CI machine: the first answer's 16 MB still being
+    encoded and decoded while the second launch computed, the second answer came back first.
+    Queuing both behind a running launch raced too: the launch could end before the second
+    request arrived.)"""
     url = slow_server.url
     gen = torch.Generator().manual_seed(35)
     _put(url, "prio-low", torch.randn(1, 2048, 2048, generator=gen))
     _put(url, "prio-high", torch.randn(1, 2048, 2048, generator=gen))
     x_low = torch.randn(2048, 2048, generator=gen)
     x_high = torch.randn(2048, 2048, generator=gen)
-    done: dict[str, float] = {}
+    done: set[str] = set()
 
     def send(label: str, name: str, xx, prio: str) -> None:
         cc = torch.tensor([xx.shape[0]], dtype=torch.int32)
         r = _mm(url, name, xx, cc, **{"X-Priority": prio})
         assert r.status_code == 200, r.text
-        done[label] = time.monotonic()
+        done.add(label)
 
     def wait_for(family: str, value: float) -> None:
         deadline = time.monotonic() + 20
@@ -271,10 +274,25 @@ def test_priority_orders_the_queue(slow_server):
     high.start()  # ... high arrives later but must run first
     wait_for("moe_gemm_queued_requests", 2)
     assert time.monotonic() - t0 < SLOW_DELAY_S, "both must be queued within the batch delay"
+    def executed(name: str) -> tuple[int, int]:
+        r = HTTP.get(f"{url}/v2/models/{name}/stats")
+        assert r.status_code == 200, r.text
+        stats = r.json()["model_stats"][0]
+        return stats["execution_count"], stats["last_inference"]
+
+    deadline = time.monotonic() + 60
+    while True:  # the first launch to finish is seen before or together with the second
+        (n_high, at_high), (n_low, at_low) = executed("prio-high"), executed("prio-low")
+        if n_high or n_low:
+            break
+        assert time.monotonic() < deadline, "neither request was launched"
+        time.sleep(0.002)
+    assert n_high == 1, "the high-priority request must be launched first"
+    if n_low:  # both ended between two polls (a fast device): the launch end times decide
+        assert at_high <= at_low
     for t in (low, high):
         t.join(60)
     assert set(done) == {"low", "high"}
-    assert done["high"] < done["low"]
 
 
 def test_timeout_during_compute_is_never_answered_late(batching_server, heavy):
