@@ -130,22 +130,31 @@ def hf_fused_gate(experts: nn.Module) -> FusedGate | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
+# transformers' own gate functions, looked up once. A plain dict, not functools.lru_cache:
+# torch.compile traces the experts forward through these lookups, and Dynamo ignores an
+# lru_cache wrapper (it warns and re-runs the import on every trace).
+_KNOWN_GATES: dict[str, Any] = {}
+
+
 def _default_apply_gate() -> Any:
-    try:
-        from transformers.integrations.moe import _default_apply_gate as fn
-    except ImportError:  # a transformers without the helper
-        return None
-    return fn
+    if "default" not in _KNOWN_GATES:
+        try:
+            from transformers.integrations.moe import _default_apply_gate as fn
+        except ImportError:  # a transformers without the helper
+            fn = None
+        _KNOWN_GATES["default"] = fn
+    return _KNOWN_GATES["default"]
 
 
-@functools.lru_cache(maxsize=1)
 def _gpt_oss_apply_gate() -> Any:
-    try:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    except ImportError:  # a transformers without GPT-OSS
-        return None
-    return GptOssExperts._apply_gate
+    if "gpt_oss" not in _KNOWN_GATES:
+        try:
+            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+            fn = GptOssExperts._apply_gate
+        except ImportError:  # a transformers without GPT-OSS
+            fn = None
+        _KNOWN_GATES["gpt_oss"] = fn
+    return _KNOWN_GATES["gpt_oss"]
 
 
 def register() -> None:
