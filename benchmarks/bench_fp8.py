@@ -49,6 +49,7 @@ from benchmarks.fp8_operands import (
     promote_lag,
     quantize_acts,
     quantize_weights,
+    scale_ahead,
     spot_error,
     torch_blockwise_grouped_mm,
     torch_scaled_grouped_mm,
@@ -183,6 +184,15 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
     impls["ours-fp8-block"] = (ours(block), block)
     impls["ours-fp8-row"] = (ours(row), row)
     impls["ours-fp8-block-lag"] = (ours_lagged(block), block)
+
+    def ours_ahead(a, n):  # the opt-in prefetched scales (MOE_GEMM_FP8_SCALE_AHEAD=n)
+        def run():
+            with scale_ahead(n):
+                return ours(a)()
+        return run
+
+    for n in (2, 3):
+        impls[f"ours-fp8-block-ahead{n}"] = (ours_ahead(block, n), block)
     if sweep:
         for name, cfg in sweep_configs(shape).items():
             impls[f"ours-fp8-block/{name}"] = (ours(block, cfg), block)

@@ -187,18 +187,32 @@ def torch_blockwise_grouped_mm(device: torch.device) -> tuple[Callable | None, s
 
 
 @contextlib.contextmanager
-def promote_lag() -> Iterator[None]:
-    """Our FP8 kernels with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) inside the block:
-    the benchmarks' `ours-fp8-block-lag` rows. Plans key on the switch, so a call inside and
-    one outside never share a plan; a CUDA graph captured inside keeps the lagged kernel."""
-    from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
-
-    old = os.environ.get(PROMOTE_LAG_ENV)
-    os.environ[PROMOTE_LAG_ENV] = "1"
+def _switched(name: str, value: str) -> Iterator[None]:
+    """The environment switch `name` set to `value` inside the block. Plans key on our FP8
+    switches, so a call inside and one outside never share a plan; a CUDA graph captured
+    inside keeps the kernel it captured."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ[PROMOTE_LAG_ENV]
+            del os.environ[name]
         else:
-            os.environ[PROMOTE_LAG_ENV] = old
+            os.environ[name] = old
+
+
+def promote_lag() -> contextlib.AbstractContextManager[None]:
+    """Our FP8 kernels with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) inside the block:
+    the benchmarks' `ours-fp8-block-lag` rows."""
+    from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
+
+    return _switched(PROMOTE_LAG_ENV, "1")
+
+
+def scale_ahead(stages: int) -> contextlib.AbstractContextManager[None]:
+    """Our block-scaled FP8 kernels with the scales loaded `stages` ahead
+    (MOE_GEMM_FP8_SCALE_AHEAD) inside the block: the `ours-fp8-block-ahead<n>` rows."""
+    from moe_gemm.ops.heuristics_fp8 import SCALE_AHEAD_ENV
+
+    return _switched(SCALE_AHEAD_ENV, str(stages))

@@ -26,7 +26,7 @@ from moe_gemm import (
     scaled_grouped_mm,
 )
 from moe_gemm.ops import launch_info
-from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
+from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, SCALE_AHEAD_ENV
 from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
 from moe_gemm.testing import poison_
@@ -40,7 +40,7 @@ from moe_gemm.testing_fp8 import (
 )
 
 from .gpu_report import record
-from .variants_fp8 import LAG_CASES
+from .variants_fp8 import AHEAD_CASES, LAG_CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -226,6 +226,83 @@ def test_lagged_promotion_long_k_tail_split_and_forms(monkeypatch):
         monkeypatch, lambda: scaled_grouped_gemm(a, b, ga, gb, config=cfg))
     for i, (p, q, r) in enumerate(zip(plain, lagged, scaled_grouped_gemm_ref(a, b, ga, gb))):
         check(f"fp8/lagged/general/{i}", q, r)
+        assert torch.equal(p, q)
+
+
+# The prefetched scales (opt-in, MOE_GEMM_FP8_SCALE_AHEAD=n): the plain loop's FMAs in the
+# same order, its scales only loaded earlier, so again bit for bit the plain kernel's output.
+
+
+def _plain_and_prefetched(monkeypatch, run, ahead: int):
+    monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
+    monkeypatch.delenv(SCALE_AHEAD_ENV, raising=False)
+    plain = run()
+    assert launch_info.last_launch().choice.scale_ahead == 1
+    monkeypatch.setenv(SCALE_AHEAD_ENV, str(ahead))
+    prefetched = run()
+    assert launch_info.last_launch().choice.scale_ahead == ahead, "the kernel did not run"
+    monkeypatch.delenv(SCALE_AHEAD_ENV)
+    return plain, prefetched
+
+
+# 1 to 7 stages: fewer stages than the ring, each remainder of 2, 3 and 4
+@pytest.mark.parametrize("K", [128, 256, 384, 512, 640, 896])
+@pytest.mark.parametrize("case", AHEAD_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-c{c[2]}x{c[3]}-a{c[4]}")
+def test_prefetched_scales_equal_plain_loop(monkeypatch, case, K):
+    sched, tile, cm, cn, ahead = case
+    cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+               tail_split=False)
+    x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, "block", device=DEV,
+                                             empty_fraction=0.3, total=650, seed=31 + K)
+    end = int(offs[-1])
+
+    def run():
+        out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
+        return scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
+
+    plain, prefetched = _plain_and_prefetched(monkeypatch, run, ahead)
+    name = f"fp8/ahead{ahead}/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
+    check(name, prefetched[:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
+    same = torch.equal(prefetched[:end], plain[:end])
+    record(f"{name}/equals-plain", same)
+    assert same, f"{name}: differs from the plain loop"
+    assert bool(torch.isnan(prefetched[end:].float()).all()), f"{name}: rows past offs written"
+
+
+def test_prefetched_scales_long_k_tail_split_and_forms(monkeypatch):
+    # long K with the tail split (each CTA's K range starts mid-way), the batched and the
+    # general forms, a narrow two-block tile
+    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=41)
+    offs.copy_(torch.tensor([300] * 8, device=DEV).cumsum(0).to(torch.int32))
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
+    plain, prefetched = _plain_and_prefetched(
+        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), 3)
+    assert launch_info.last_launch().choice.tail_split
+    check("fp8/ahead3/tail-split", prefetched, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    diff = float((prefetched.float() - plain.float()).abs().max())
+    bound = 1e-2 * float(plain.float().abs().max())  # the split's halves may add in any order
+    record("fp8/ahead3/tail-split-vs-plain", diff <= bound, max_abs_diff=diff)
+    assert diff <= bound
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128)
+    xb, wb, sab, sbb = make_fp8_batched_inputs(5, 100, 384, 264, "block", device=DEV, seed=42)
+    plain, prefetched = _plain_and_prefetched(
+        monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg), 2)
+    check("fp8/ahead2/batched", prefetched, scaled_grouped_mm_ref(xb, wb, sab, sbb))
+    assert torch.equal(prefetched, plain)
+    x, w, sa, sb, offs = make_fp8_moe_inputs(300, 4, 640, 40, "block", device=DEV, seed=44)
+    plain, prefetched = _plain_and_prefetched(
+        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs), 2)
+    assert launch_info.last_launch().choice.tile_n == 48
+    check("fp8/ahead2/narrow", prefetched, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    assert torch.equal(prefetched, plain)
+    a, b, ga, gb = make_fp8_grouped_inputs([(100, 264, 384), (37, 136, 256), (0, 64, 128)],
+                                           "block", device=DEV, seed=43)
+    plain, prefetched = _plain_and_prefetched(
+        monkeypatch, lambda: scaled_grouped_gemm(a, b, ga, gb, config=cfg), 2)
+    for i, (p, q, r) in enumerate(zip(plain, prefetched, scaled_grouped_gemm_ref(a, b, ga,
+                                                                                  gb))):
+        check(f"fp8/ahead2/general/{i}", q, r)
         assert torch.equal(p, q)
 
 

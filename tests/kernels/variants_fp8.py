@@ -23,18 +23,28 @@ LAG_CASES = [("cooperative", (128, 128), 1, 1), ("cooperative", (128, 128), 1, 2
              ("cooperative", (128, 64), 1, 1), ("pingpong", (128, 64), 1, 1)]
 
 
+# (schedule, tile, cluster_m, cluster_n, stages ahead) of the prefetched scales' GPU tests
+AHEAD_CASES = [("cooperative", (128, 128), 1, 2, 2), ("cooperative", (128, 128), 1, 1, 3),
+               ("cooperative", (128, 192), 2, 1, 4), ("pingpong", (64, 128), 1, 1, 2),
+               ("pingpong", (128, 64), 1, 1, 3), ("cooperative", (128, 160), 1, 1, 2)]
+
+
 def fp8_test_variants() -> list:
     from moe_gemm.kernels.sm90.compile_fp8 import QuantCompileKey, fp8_check_variants
 
     keys: set = set(fp8_check_variants())
 
-    def add(form, granularity, config, avg_m, N, K, out=BF16, fp8=E4M3, lag=False):
+    def add(form, granularity, config, avg_m, N, K, out=BF16, fp8=E4M3, lag=False,
+            ahead=()):
         choice = choose_fp8(form, config or GemmConfig(), avg_m, N, K, out.itemsize,
                             granularity)
         keys.add(fp8_compile_key(form, fp8, out, granularity, choice))
         if lag:  # the same choice with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1)
             keys.add(fp8_compile_key(form, fp8, out, granularity,
                                      dataclasses.replace(choice, promote_lag=True)))
+        for n in ahead:  # with the scales n stages ahead (MOE_GEMM_FP8_SCALE_AHEAD=n)
+            keys.add(fp8_compile_key(form, fp8, out, granularity,
+                                     dataclasses.replace(choice, scale_ahead=n)))
 
     def cute(**f):
         return GemmConfig(backend="cute", **f)
@@ -86,6 +96,17 @@ def fp8_test_variants() -> list:
         add(form, "block", cute(schedule="cooperative", tile_m=128, tile_n=128), 100, 264,
             384, lag=True)
     add("varlen", "block", None, 300 / 4, 40, 640, lag=True)  # a narrow two-block tile
+    # test_fp8_gpu.py's prefetched-scales cases
+    for sched, tile, cm, cn, n in AHEAD_CASES:
+        cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+                   tail_split=False)
+        add("varlen", "block", cfg, 108, 392, 640, ahead=(n,))
+    add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
+                                tail_split=True), 300, 1024, 4096, ahead=(3,))
+    for form in ("batched", "general"):
+        add(form, "block", cute(schedule="cooperative", tile_m=128, tile_n=128), 100, 264,
+            384, ahead=(2,))
+    add("varlen", "block", None, 300 / 4, 40, 640, ahead=(2,))
     # The FP8 benchmark's shapes, its default and sweep configs (benchmarks/bench_fp8.py).
     try:
         from benchmarks import bench_fp8

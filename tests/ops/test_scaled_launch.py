@@ -190,6 +190,45 @@ def test_lagged_promotion_is_opt_in(fp8_kernel, monkeypatch):
             assert ran[0].key.promote_lag == lag and ran[0].key.name().endswith("_lag") == lag
 
 
+def test_prefetched_scales_are_opt_in(fp8_kernel, monkeypatch):
+    """MOE_GEMM_FP8_SCALE_AHEAD=n (2 to 4) asks for the block scales loaded n stages ahead;
+    the plain block-scaled loop takes it (not row-wise scales, not the lagged loop), a bad
+    value is refused with the variable named, and a repeated call's cached plan follows it."""
+    choose = heuristics_fp8.choose_fp8
+    env = heuristics_fp8.SCALE_AHEAD_ENV
+    monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV, raising=False)
+    monkeypatch.delenv(env, raising=False)
+    assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == 1
+    for n in (1, 2, 3, 4):
+        monkeypatch.setenv(env, str(n))
+        assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == n
+        assert choose("varlen", GemmConfig(), 4, 4096, 7168, 2, "block").scale_ahead == n
+        assert choose("general", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == n
+        assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row").scale_ahead == 1
+    monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "1")
+    lagged = choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
+    assert lagged.promote_lag and lagged.scale_ahead == 1
+    monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV)
+    for bad in ("0", "5", "two", "-1", "2.5"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
+    monkeypatch.setenv(env, " ")
+    assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == 1
+    x, w, sa, sb, offs = make_fp8_moe_inputs(200, 3, 256, 256, "block", seed=19)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+    for n in (1, 3, 1):
+        monkeypatch.setenv(env, str(n))
+        for _ in range(2):  # the second call takes the cached plan
+            before = [len(e.calls) for e in fp8_kernel.made]
+            assert_fp8_close(scaled_grouped_mm(x, w, sa, sb, offs), ref)
+            ran = [e for i, e in enumerate(fp8_kernel.made)
+                   if len(e.calls) > (before[i] if i < len(before) else 0)]
+            assert len(ran) == 1
+            assert ran[0].key.scale_ahead == n
+            assert ran[0].key.name().endswith(f"_ahead{n}") == (n != 1)
+
+
 def test_pins_honoured_and_refused(fp8_kernel):
     x, w, sa, sb, offs = make_fp8_moe_inputs(64, 2, 256, 192, "block", seed=8)
     cfg = GemmConfig(schedule="cooperative", tile_m=128, tile_n=192, cluster_m=2, cluster_n=1,

@@ -39,11 +39,13 @@ class Fp8CompileKey:
     epi_whole: bool = False
     tail_split: bool = False
     promote_lag: bool = False  # the promotion one stage behind the WGMMAs
+    scale_ahead: int = 1  # block scales: stages ahead of their promotion the scales load
 
     def name(self) -> str:
         return "_".join(["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode,
                          self.schedule, self.visitor, str(self.tile_m), str(self.tile_n)]
-                        + option_parts(self) + (["lag"] if self.promote_lag else []))
+                        + option_parts(self) + (["lag"] if self.promote_lag else [])
+                        + ([f"ahead{self.scale_ahead}"] if self.scale_ahead != 1 else []))
 
     def kernel(self) -> GroupedGemmFp8Sm90:
         return GroupedGemmFp8Sm90(
@@ -52,6 +54,7 @@ class Fp8CompileKey:
             trace=self.trace, l2_hints=self.l2_hints, epi_n=self.epi_n,
             cluster_m=self.cluster_m, cluster_n=self.cluster_n, epi_whole=self.epi_whole,
             tail_split=self.tail_split, promote_lag=self.promote_lag,
+            scale_ahead=self.scale_ahead,
         )
 
 
@@ -149,7 +152,7 @@ def compile_any(key, keep_dir: str | None = None):
 def fp8_check_variants() -> list[Fp8CompileKey]:
     """The FP8 variants `moe-gemm check` compiles (a few seconds each, so a handful): each
     form, both scale modes, both schedules, a two-scale-block tile, a cluster, the tail split,
-    e5m2, every output dtype and the lagged promotion at least once."""
+    e5m2, every output dtype, the lagged promotion and the prefetched scales at least once."""
     def key(form, ab, d, mode, schedule, tile, **extra):
         return Fp8CompileKey(form, ab, d, mode, schedule, "device", *tile, **extra)
 
@@ -163,4 +166,7 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         key("general", e4, "bfloat16", "outer", "cooperative", (128, 128), cluster_n=2),
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             promote_lag=True),
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
+            scale_ahead=2),
+        key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128), scale_ahead=3),
     ]

@@ -18,7 +18,7 @@ epilogue); this class changes:
   14336) at fp32 accuracy, as DeepGEMM and CUTLASS's non-fast-accum FP8 kernels do.
 - scales are read by the math threads straight from global memory (they are tiny: a 128x128
   tile's stage needs 128 A scales and one or two B scales, 0.5 KiB beside 32 KiB of operands),
-  one stage ahead of their use, so the latency hides behind the stage's WGMMAs. Any strides
+  ahead of their use (one stage in the plain loop, more in the prefetched one). Any strides
   are accepted; the row index is clamped into the scale tensor, so rows past an expert's end
   or past T read a valid (unused) scale.
 
@@ -27,7 +27,11 @@ cores stay busy only while the other warpgroup's WGMMAs run. The lagged loop (pr
 block scales; opt-in through MOE_GEMM_FP8_PROMOTE_LAG=1 until it is timed on a GPU) issues
 stage k's WGMMAs before promoting stage k-1 within each warpgroup, at the cost of a third
 accumulator (tiles of at most 64 accumulator registers per thread); the promotions add in the
-same order, so its output is bit for bit the plain loop's. The second accumulator caps
+same order, so its output is bit for bit the plain loop's. The prefetched loop (scale_ahead,
+block scales; opt-in through MOE_GEMM_FP8_SCALE_AHEAD=2..4 until it is timed) is the plain
+loop with each stage's scales loaded that many stages ahead into a ring of registers, so the
+B scale's L2 latency (a new line every stage) no longer holds back the stage's last WGMMA; its
+output is bit for bit the plain loop's too. The second accumulator caps
 the tiles (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to
 192 or 128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176
 and 208 columns are refused); a tile whose columns straddle a block boundary picks each
@@ -166,14 +170,21 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     def __init__(self, ab_dtype, d_dtype, form, schedule, visitor, tile_mn, scale_mode: str,
                  ab_stages=None, trace=False, l2_hints=False, epi_n=32, cluster_m=1,
-                 cluster_n=1, epi_whole=False, tail_split=False, promote_lag=False):
+                 cluster_n=1, epi_whole=False, tail_split=False, promote_lag=False,
+                 scale_ahead=1):
         if ab_dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
             raise ValueError(f"the FP8 kernel takes float8 e4m3 or e5m2 inputs; got {ab_dtype}")
         why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode, promote_lag)
         if why is not None:
             raise ValueError(why)
+        if scale_ahead != 1 and (scale_mode != "block" or promote_lag
+                                 or not 1 <= scale_ahead <= 4):
+            raise ValueError("scale_ahead (1 to 4) is built for the plain block-scaled loop; "
+                             f"got {scale_ahead} with {scale_mode} scales"
+                             + (" and the lagged promotion" if promote_lag else ""))
         self.scale_mode = scale_mode
         self.promote_lag = promote_lag
+        self.scale_ahead = scale_ahead
         super().__init__(ab_dtype, d_dtype, "k", form, schedule, visitor, tile_mn,
                          ab_stages=ab_stages, trace=trace, l2_hints=l2_hints, epi_n=epi_n,
                          cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
@@ -286,6 +297,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             ab_state = self._mainloop_lagged(
                 ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, sc0, sc1, prod, tCrA, tCrB,
                 k_tiles, num_k_blocks, work, fmap, sa, my_rows, sb, nb0, nb1, split)
+        elif const_expr(self.scale_mode == "block" and self.scale_ahead > 1):
+            ab_state = self._mainloop_prefetched(
+                ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
+                num_k_blocks, work, fmap, sa, my_rows, sb, nb0, nb1, split, n_sc)
         else:
             # Scales of the stage in use (cur) and of the next one (nxt, loaded a stage ahead).
             cur = cute.make_rmem_tensor((n_sc,), Float32)
@@ -316,6 +331,47 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         if const_expr(self.scale_mode == "outer"):
             if k_tiles > 0:
                 self._scale_outer(acc, fmap, coords, sa, my_rows, sb, n0, cols_lim)
+        return ab_state
+
+    @cute.jit
+    def _mainloop_prefetched(self, ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB,
+                             k_tiles: Int32, num_k_blocks: cutlass.Constexpr, work: WorkTile,
+                             fmap: cutlass.Constexpr, sa, my_rows, sb, nb0, nb1, split,
+                             n_sc: cutlass.Constexpr):
+        """The plain stage loop with each stage's scales loaded scale_ahead stages before its
+        promotion, into a ring of registers with static roles (the loop runs scale_ahead
+        stages per iteration). A B scale is a new L2 line every stage (~0.5-1k cycles under
+        load, more than a stage's WGMMAs take); loaded one stage ahead and moved into place
+        at the end of the stage, the move made ptxas wait for the load before the stage's
+        last WGMMA was issued. The promotions are the plain loop's, in the same order."""
+        ring = self.scale_ahead
+        bufs = [cute.make_rmem_tensor((n_sc,), Float32) for _ in range(ring)]
+        last = work.k_start + k_tiles - 1  # later stages reload the last one: branch-free
+        if k_tiles > 0:
+            for r in cutlass.range_constexpr(ring):
+                self._load_scales(bufs[r], cutlass.min(work.k_start + r, last), fmap, sa,
+                                  my_rows, sb, nb0, nb1)
+        warpgroup.fence()
+        rounds = k_tiles // ring
+        for kk in cutlass.range(0, rounds, 1, unroll=1):
+            for r in cutlass.range_constexpr(ring):
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                                              num_k_blocks)
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(ab_state)
+                ab_state.advance()
+                self._promote(acc, tmp, bufs[r], prod, fmap, split)
+                self._load_scales(bufs[r], cutlass.min(work.k_start + kk * ring + r + ring,
+                                                       last), fmap, sa, my_rows, sb, nb0, nb1)
+        rest = k_tiles - rounds * ring
+        for r in cutlass.range_constexpr(ring - 1):
+            if rest > r:
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                                              num_k_blocks)
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(ab_state)
+                ab_state.advance()
+                self._promote(acc, tmp, bufs[r], prod, fmap, split)
         return ab_state
 
     @cute.jit
