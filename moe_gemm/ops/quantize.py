@@ -199,7 +199,8 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
 
     Raises:
         TypeError: q not an FP8 tensor, scale not a float tensor.
-        ValueError: an unknown granularity, or a scale shape that is not the granularity's.
+        ValueError: an unknown granularity, a scale shape that is not the granularity's, or
+            q and scale on different devices.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got "
@@ -211,6 +212,9 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise TypeError(f"scale must be a float tensor (decoding scales); got {got}")
+    if scale.device != q.device:
+        raise ValueError(f"scale is on {scale.device} but q is on {q.device}; they must be on "
+                         "one device")
     b = _check_block("block_size", block_size)
     want = _scale_shape(tuple(q.shape), granularity, b)
     if want is None:

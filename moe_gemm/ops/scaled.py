@@ -178,9 +178,10 @@ def scaled_grouped_gemm(
         a: G tensors [M_i, K_i], float8_e4m3fn or float8_e5m2, one dtype and device.
         b: G tensors [K_i, N_i], the same dtype; the kernel reads them K-major (`w.t()` of an
             [N_i, K_i] weight).
-        scale_a, scale_b: G float32 scales each, one granularity for all problems:
+        scale_a, scale_b: G float32 scales each, block scales for all problems or none:
             block [M_i, K_i/128] and [K_i/128, ceil(N_i/128)] (K_i a multiple of 128);
-            row-wise [M_i] and [N_i]; per-tensor [] (or [1]) and [] (or [1]).
+            row-wise [M_i] and [N_i]; per-tensor [] (or [1]) and [] (or [1]) (row-wise and
+            per-tensor problems mix).
         out: optional G tensors [M_i, N_i] to write into.
         out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
         config: a GemmConfig; None = automatic.

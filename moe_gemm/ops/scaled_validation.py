@@ -12,8 +12,9 @@ granularities, told apart by the scale shapes alone:
     "tensor"     () or (1,)                       (), (1,) or (E,)         per tensor (expert)
 
 Row-wise and per-tensor scales mix ("row" then): per-token scale_a with per-tensor (or per
-expert) scale_b, as dynamically quantized activations against per-tensor weights are. grouped_gemm's lists take the same
-per problem without the expert dimension: a_i (M_i, K_i) with (M_i, K_i/128) / (M_i,) / ();
+expert) scale_b, as dynamically quantized activations against per-tensor weights are.
+grouped_gemm's lists take the same per problem without the expert dimension, and row-wise and
+per-tensor problems mix there too: a_i (M_i, K_i) with (M_i, K_i/128) / (M_i,) / ();
 b_i (K_i, N_i) with (K_i/128, ceil(N_i/128)) / (N_i,) / (). Block scales need K a multiple of
 128 (DeepSeek-V3's recipe; the blocks tile K exactly).
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_gemm.ops.aliasing import outputs_aliasing_inputs
 from moe_gemm.ops.validation import (
     _as_tensor_list,
     _check_writable_out,
@@ -276,9 +278,14 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
             raise ValueError(f"problem {i}: {exc}") from None
         if granularity is None:
             granularity = g
+        elif {g, granularity} == {"row", "tensor"}:
+            # Per-tensor scales are row-wise ones with a single value (the kernel runs both
+            # as one mode): they mix. A 1 x 1 problem's row-wise scales read as per-tensor.
+            granularity = "row"
         elif g != granularity:
-            raise ValueError(f"problem {i} has {g} scales but problem 0 has {granularity}; "
-                             "every problem must use one granularity")
+            raise ValueError(f"problem {i} has {g} scales but an earlier problem has "
+                             f"{granularity}; every problem must use one granularity (block, "
+                             "or row-wise / per-tensor)")
         sizes.append((M, N, K))
     out_list = None
     if out is not None:
@@ -294,6 +301,10 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
             if oi.device != device:
                 raise ValueError(f"out[{i}] is on {oi.device} but the operands are on {device}")
             _check_writable_out(f"out[{i}]", oi)
+        if not torch.compiler.is_compiling():  # (traced: no memory to compare)
+            # Outputs overlapping each other: ValueError naming them. (One overlapping an
+            # operand is computed into a temporary by the op, as in grouped_gemm.)
+            outputs_aliasing_inputs(out_list, [])
     return ScaledGemmArgs(a_list, b_list, sa_list, sb_list, out_list, granularity, dtype, odt,
                           device, sizes)
 

@@ -122,6 +122,10 @@ def test_dequantize_errors():
         dequantize_fp8(q, torch.ones(2, 1), "channel")
     with pytest.raises(TypeError, match="FP8"):
         dequantize_fp8(q.float(), torch.ones(2, 1), "group")
+    with pytest.raises(ValueError, match="scale is on meta but q is on cpu"):
+        dequantize_fp8(q, torch.ones(2, 1, device="meta"), "group")
+    with pytest.raises(ValueError, match="scale is on cpu but q is on meta"):
+        dequantize_fp8(q.to("meta"), torch.ones(2, 1), "group")
     with pytest.raises(ValueError, match="at least two dimensions"):
         quantize_fp8_per_block(torch.randn(128))
 

@@ -240,12 +240,59 @@ def test_batched_and_list_errors():
         scaled_grouped_gemm(a, b, [sa[0], sa[1][:, :1]], sb)
     with pytest.raises(ValueError, match="problem 1 has row scales"):
         scaled_grouped_gemm(a, b, [sa[0], torch.ones(2)], [sb[0], torch.ones(16)])
+    with pytest.raises(ValueError, match="problem 1 has tensor scales"):
+        scaled_grouped_gemm(a, b, [sa[0], torch.ones(())], [sb[0], torch.ones(1)])
     with pytest.raises(TypeError, match="single tensor"):
         scaled_grouped_gemm(a[0], b, sa, sb)
     with pytest.raises(TypeError, match="share one FP8 dtype"):
         scaled_grouped_gemm(a, [b[0], b[1].to(torch.float8_e5m2)], sa, sb)
     with pytest.raises(ValueError, match="must be \\(K, N\\)"):
         scaled_grouped_gemm(a, [b[1], b[0]], sa, sb)
+
+
+def test_grouped_gemm_mixes_row_wise_and_per_tensor_problems():
+    """A 1 x 1 problem's row-wise scales ((1,) and (1,)) read as per-tensor ones; they, and
+    true per-tensor problems, run beside row-wise problems in either order."""
+    gen = torch.Generator().manual_seed(31)
+    qr = moe_gemm.quantize_fp8_per_row
+    shapes = [(1, 1, 128), (5, 3, 128), (4, 24, 256)]
+    a, b, sa, sb = [], [], [], []
+    for i, (m, n, k) in enumerate(shapes):
+        ai, sai = qr(torch.randn(m, k, generator=gen))
+        bi, sbi = qr(torch.randn(n, k, generator=gen))
+        if i == 2:  # per tensor
+            sai, sbi = sai.max().reshape(()), sbi.max().reshape(1)
+        a.append(ai)
+        b.append(bi.t())
+        sa.append(sai)
+        sb.append(sbi)
+    for order in ([0, 1, 2], [1, 0, 2], [2, 0, 1]):
+        pick = [(a[i], b[i], sa[i], sb[i]) for i in order]
+        args = [list(t) for t in zip(*pick)]
+        outs = scaled_grouped_gemm(*args, out_dtype=torch.float32)
+        for o, r in zip(outs, scaled_grouped_gemm_ref(*args)):
+            assert_fp8_close(o, r)
+        for o, (ai, bi, sai, sbi) in zip(outs, pick):
+            ref = (ai.double() * sai.double().reshape(-1, 1)) @ (
+                bi.double() * sbi.double().reshape(1, -1))
+            torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_refuses_outputs_that_overlap():
+    a, b, sa, sb = make_fp8_grouped_inputs([(4, 8, 128), (4, 8, 128)], "row", seed=32)
+    o = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] share memory"):
+        scaled_grouped_gemm(a, b, sa, sb, out=[o, o])
+    buf = torch.zeros(15, 8, dtype=torch.bfloat16)
+    a, b, sa, sb = make_fp8_grouped_inputs([(5, 8, 128), (15, 8, 128)], "row", seed=33)
+    with pytest.raises(ValueError, match="share memory"):
+        scaled_grouped_gemm(a, b, sa, sb, out=[buf[:5], buf])
+    # disjoint views of one buffer are fine
+    res = scaled_grouped_gemm(a[:1] * 2, b[:1] * 2, sa[:1] * 2, sb[:1] * 2,
+                              out=[buf[:5], buf[5:10]])
+    ref = scaled_grouped_gemm_ref(a[:1], b[:1], sa[:1], sb[:1])[0]
+    for r in res:
+        assert_fp8_close(r, ref)
 
 
 def test_public_names():
