@@ -40,7 +40,7 @@ from moe_gemm.testing_fp8 import (
 )
 
 from .gpu_report import record
-from .variants_fp8 import AHEAD_CASES, LAG_CASES
+from .variants_fp8 import FORM_LOOPS, LOOP_CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -154,26 +154,35 @@ def test_varlen_tail_split():
            max_abs_diff=diff)
 
 
-# The lagged promotion (opt-in, MOE_GEMM_FP8_PROMOTE_LAG=1): the same FMAs in the same order
-# as the plain loop, so the output is bit for bit the plain kernel's.
+# The opt-in loops: the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) and the prefetched
+# scales (MOE_GEMM_FP8_SCALE_AHEAD=n). Both do the plain loop's FMAs in the same order, so their
+# output is bit for bit the plain kernel's. A loop: (switch, value, the choice field it sets).
+LOOPS = {"lagged": (PROMOTE_LAG_ENV, "1", "promote_lag"),
+         **{f"ahead{n}": (SCALE_AHEAD_ENV, str(n), "scale_ahead") for n in (2, 3, 4)}}
 
 
-def _plain_and_lagged(monkeypatch, run):
-    monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
+def _plain_and(monkeypatch, run, loop: str):
+    """run() on the plain loop, then with `loop` switched on: (plain, other)."""
+    env, value, field = LOOPS[loop]
+    want = True if field == "promote_lag" else int(value)
+    for name in (PROMOTE_LAG_ENV, SCALE_AHEAD_ENV):
+        monkeypatch.delenv(name, raising=False)
     plain = run()
-    assert not launch_info.last_launch().choice.promote_lag
-    monkeypatch.setenv(PROMOTE_LAG_ENV, "1")
-    lagged = run()
-    assert launch_info.last_launch().choice.promote_lag, "the lagged kernel did not run"
-    monkeypatch.delenv(PROMOTE_LAG_ENV)
-    return plain, lagged
+    assert getattr(launch_info.last_launch().choice, field) != want
+    monkeypatch.setenv(env, value)
+    other = run()
+    assert getattr(launch_info.last_launch().choice, field) == want, f"{loop} did not run"
+    monkeypatch.delenv(env)
+    return plain, other
 
 
-@pytest.mark.parametrize("K", [128, 256, 384, 512, 640])  # 1 to 5 stages: both parities
-@pytest.mark.parametrize("case", LAG_CASES,
-                         ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-c{c[2]}x{c[3]}")
-def test_lagged_promotion_equals_plain_loop(monkeypatch, case, K):
-    sched, tile, cm, cn = case
+# 1 to 7 stages: both parities of the lagged loop's pairs, fewer stages than a ring, and each
+# remainder of rings of 2, 3 and 4
+@pytest.mark.parametrize("K", [128, 256, 384, 512, 640, 896])
+@pytest.mark.parametrize("case", LOOP_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1]}-{c[2][0]}x{c[2][1]}-c{c[3]}x{c[4]}")
+def test_opt_in_loop_equals_plain_loop(monkeypatch, case, K):
+    loop, sched, tile, cm, cn = case
     cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
                tail_split=False)
     x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, "block", device=DEV,
@@ -184,125 +193,48 @@ def test_lagged_promotion_equals_plain_loop(monkeypatch, case, K):
         out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
         return scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
 
-    plain, lagged = _plain_and_lagged(monkeypatch, run)
-    name = f"fp8/lagged/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
-    check(name, lagged[:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
-    same = torch.equal(lagged[:end], plain[:end])
+    plain, other = _plain_and(monkeypatch, run, loop)
+    name = f"fp8/{loop}/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
+    check(name, other[:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
+    same = torch.equal(other[:end], plain[:end])
     record(f"{name}/equals-plain", same)
     assert same, f"{name}: differs from the plain loop"
-    assert bool(torch.isnan(lagged[end:].float()).all()), f"{name}: rows past offs written"
+    assert bool(torch.isnan(other[end:].float()).all()), f"{name}: rows past offs written"
 
 
-def test_lagged_promotion_long_k_tail_split_and_forms(monkeypatch):
+@pytest.mark.parametrize("loop", FORM_LOOPS)
+def test_opt_in_loop_long_k_tail_split_and_forms(monkeypatch, loop):
     # long K with the tail split (each CTA's K range starts mid-way), the batched and the
-    # general forms
+    # general forms, a narrow tile spanning two scale blocks
     x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=21)
     offs.copy_(torch.tensor([300] * 8, device=DEV).cumsum(0).to(torch.int32))
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
-    plain, lagged = _plain_and_lagged(
-        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg))
+    plain, other = _plain_and(
+        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), loop)
     assert launch_info.last_launch().choice.tail_split
-    check("fp8/lagged/tail-split", lagged, scaled_grouped_mm_ref(x, w, sa, sb, offs))
-    diff = float((lagged.float() - plain.float()).abs().max())
+    check(f"fp8/{loop}/tail-split", other, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    diff = float((other.float() - plain.float()).abs().max())
     bound = 1e-2 * float(plain.float().abs().max())  # the split's halves may add in any order
-    record("fp8/lagged/tail-split-vs-plain", diff <= bound, max_abs_diff=diff)
+    record(f"fp8/{loop}/tail-split-vs-plain", diff <= bound, max_abs_diff=diff)
     assert diff <= bound
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128)
     xb, wb, sab, sbb = make_fp8_batched_inputs(5, 100, 384, 264, "block", device=DEV, seed=22)
-    plain, lagged = _plain_and_lagged(
-        monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg))
-    check("fp8/lagged/batched", lagged, scaled_grouped_mm_ref(xb, wb, sab, sbb))
-    assert torch.equal(lagged, plain)
+    plain, other = _plain_and(
+        monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg), loop)
+    check(f"fp8/{loop}/batched", other, scaled_grouped_mm_ref(xb, wb, sab, sbb))
+    assert torch.equal(other, plain)
     # a narrow output: the default 128x48 tile spans two 128-column scale blocks
     x, w, sa, sb, offs = make_fp8_moe_inputs(300, 4, 640, 40, "block", device=DEV, seed=24)
-    plain, lagged = _plain_and_lagged(
-        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs))
+    plain, other = _plain_and(monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs), loop)
     assert launch_info.last_launch().choice.tile_n == 48
-    check("fp8/lagged/narrow", lagged, scaled_grouped_mm_ref(x, w, sa, sb, offs))
-    assert torch.equal(lagged, plain)
+    check(f"fp8/{loop}/narrow", other, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    assert torch.equal(other, plain)
     a, b, ga, gb = make_fp8_grouped_inputs([(100, 264, 384), (37, 136, 256), (0, 64, 128)],
                                            "block", device=DEV, seed=23)
-    plain, lagged = _plain_and_lagged(
-        monkeypatch, lambda: scaled_grouped_gemm(a, b, ga, gb, config=cfg))
-    for i, (p, q, r) in enumerate(zip(plain, lagged, scaled_grouped_gemm_ref(a, b, ga, gb))):
-        check(f"fp8/lagged/general/{i}", q, r)
-        assert torch.equal(p, q)
-
-
-# The prefetched scales (opt-in, MOE_GEMM_FP8_SCALE_AHEAD=n): the plain loop's FMAs in the
-# same order, its scales only loaded earlier, so again bit for bit the plain kernel's output.
-
-
-def _plain_and_prefetched(monkeypatch, run, ahead: int):
-    monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
-    monkeypatch.delenv(SCALE_AHEAD_ENV, raising=False)
-    plain = run()
-    assert launch_info.last_launch().choice.scale_ahead == 1
-    monkeypatch.setenv(SCALE_AHEAD_ENV, str(ahead))
-    prefetched = run()
-    assert launch_info.last_launch().choice.scale_ahead == ahead, "the kernel did not run"
-    monkeypatch.delenv(SCALE_AHEAD_ENV)
-    return plain, prefetched
-
-
-# 1 to 7 stages: fewer stages than the ring, each remainder of 2, 3 and 4
-@pytest.mark.parametrize("K", [128, 256, 384, 512, 640, 896])
-@pytest.mark.parametrize("case", AHEAD_CASES,
-                         ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-c{c[2]}x{c[3]}-a{c[4]}")
-def test_prefetched_scales_equal_plain_loop(monkeypatch, case, K):
-    sched, tile, cm, cn, ahead = case
-    cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
-               tail_split=False)
-    x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, "block", device=DEV,
-                                             empty_fraction=0.3, total=650, seed=31 + K)
-    end = int(offs[-1])
-
-    def run():
-        out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
-        return scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
-
-    plain, prefetched = _plain_and_prefetched(monkeypatch, run, ahead)
-    name = f"fp8/ahead{ahead}/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
-    check(name, prefetched[:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
-    same = torch.equal(prefetched[:end], plain[:end])
-    record(f"{name}/equals-plain", same)
-    assert same, f"{name}: differs from the plain loop"
-    assert bool(torch.isnan(prefetched[end:].float()).all()), f"{name}: rows past offs written"
-
-
-def test_prefetched_scales_long_k_tail_split_and_forms(monkeypatch):
-    # long K with the tail split (each CTA's K range starts mid-way), the batched and the
-    # general forms, a narrow two-block tile
-    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=41)
-    offs.copy_(torch.tensor([300] * 8, device=DEV).cumsum(0).to(torch.int32))
-    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
-    plain, prefetched = _plain_and_prefetched(
-        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), 3)
-    assert launch_info.last_launch().choice.tail_split
-    check("fp8/ahead3/tail-split", prefetched, scaled_grouped_mm_ref(x, w, sa, sb, offs))
-    diff = float((prefetched.float() - plain.float()).abs().max())
-    bound = 1e-2 * float(plain.float().abs().max())  # the split's halves may add in any order
-    record("fp8/ahead3/tail-split-vs-plain", diff <= bound, max_abs_diff=diff)
-    assert diff <= bound
-    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128)
-    xb, wb, sab, sbb = make_fp8_batched_inputs(5, 100, 384, 264, "block", device=DEV, seed=42)
-    plain, prefetched = _plain_and_prefetched(
-        monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg), 2)
-    check("fp8/ahead2/batched", prefetched, scaled_grouped_mm_ref(xb, wb, sab, sbb))
-    assert torch.equal(prefetched, plain)
-    x, w, sa, sb, offs = make_fp8_moe_inputs(300, 4, 640, 40, "block", device=DEV, seed=44)
-    plain, prefetched = _plain_and_prefetched(
-        monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs), 2)
-    assert launch_info.last_launch().choice.tile_n == 48
-    check("fp8/ahead2/narrow", prefetched, scaled_grouped_mm_ref(x, w, sa, sb, offs))
-    assert torch.equal(prefetched, plain)
-    a, b, ga, gb = make_fp8_grouped_inputs([(100, 264, 384), (37, 136, 256), (0, 64, 128)],
-                                           "block", device=DEV, seed=43)
-    plain, prefetched = _plain_and_prefetched(
-        monkeypatch, lambda: scaled_grouped_gemm(a, b, ga, gb, config=cfg), 2)
-    for i, (p, q, r) in enumerate(zip(plain, prefetched, scaled_grouped_gemm_ref(a, b, ga,
-                                                                                  gb))):
-        check(f"fp8/ahead2/general/{i}", q, r)
+    plain, other = _plain_and(
+        monkeypatch, lambda: scaled_grouped_gemm(a, b, ga, gb, config=cfg), loop)
+    for i, (p, q, r) in enumerate(zip(plain, other, scaled_grouped_gemm_ref(a, b, ga, gb))):
+        check(f"fp8/{loop}/general/{i}", q, r)
         assert torch.equal(p, q)
 
 

@@ -17,16 +17,18 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-# (schedule, tile, cluster_m, cluster_n) of the lagged promotion's GPU tests
-LAG_CASES = [("cooperative", (128, 128), 1, 1), ("cooperative", (128, 128), 1, 2),
-             ("cooperative", (128, 128), 2, 1), ("pingpong", (64, 128), 1, 1),
-             ("cooperative", (128, 64), 1, 1), ("pingpong", (128, 64), 1, 1)]
-
-
-# (schedule, tile, cluster_m, cluster_n, stages ahead) of the prefetched scales' GPU tests
-AHEAD_CASES = [("cooperative", (128, 128), 1, 2, 2), ("cooperative", (128, 128), 1, 1, 3),
-               ("cooperative", (128, 192), 2, 1, 4), ("pingpong", (64, 128), 1, 1, 2),
-               ("pingpong", (128, 64), 1, 1, 3), ("cooperative", (128, 160), 1, 1, 2)]
+# (loop, schedule, tile, cluster_m, cluster_n) of the opt-in loops' GPU tests (test_fp8_gpu.py):
+# the lagged promotion and the scales prefetched n stages ahead
+LOOP_CASES = [("lagged", "cooperative", (128, 128), 1, 1),
+              ("lagged", "cooperative", (128, 128), 1, 2),
+              ("lagged", "cooperative", (128, 128), 2, 1), ("lagged", "pingpong", (64, 128), 1, 1),
+              ("lagged", "cooperative", (128, 64), 1, 1), ("lagged", "pingpong", (128, 64), 1, 1),
+              ("ahead2", "cooperative", (128, 128), 1, 2),
+              ("ahead3", "cooperative", (128, 128), 1, 1),
+              ("ahead4", "cooperative", (128, 192), 2, 1), ("ahead2", "pingpong", (64, 128), 1, 1),
+              ("ahead3", "pingpong", (128, 64), 1, 1), ("ahead2", "cooperative", (128, 160), 1, 1)]
+# the loops test_opt_in_loop_long_k_tail_split_and_forms runs
+FORM_LOOPS = ("lagged", "ahead2", "ahead3")
 
 
 def fp8_test_variants() -> list:
@@ -34,17 +36,15 @@ def fp8_test_variants() -> list:
 
     keys: set = set(fp8_check_variants())
 
-    def add(form, granularity, config, avg_m, N, K, out=BF16, fp8=E4M3, lag=False,
-            ahead=()):
+    def add(form, granularity, config, avg_m, N, K, out=BF16, fp8=E4M3, loops=()):
         choice = choose_fp8(form, config or GemmConfig(), avg_m, N, K, out.itemsize,
                             granularity)
         keys.add(fp8_compile_key(form, fp8, out, granularity, choice))
-        if lag:  # the same choice with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1)
+        for loop in loops:  # the same choice with an opt-in loop (test_fp8_gpu.py's LOOPS)
+            change = ({"promote_lag": True} if loop == "lagged"
+                      else {"scale_ahead": int(loop.removeprefix("ahead"))})
             keys.add(fp8_compile_key(form, fp8, out, granularity,
-                                     dataclasses.replace(choice, promote_lag=True)))
-        for n in ahead:  # with the scales n stages ahead (MOE_GEMM_FP8_SCALE_AHEAD=n)
-            keys.add(fp8_compile_key(form, fp8, out, granularity,
-                                     dataclasses.replace(choice, scale_ahead=n)))
+                                     dataclasses.replace(choice, **change)))
 
     def cute(**f):
         return GemmConfig(backend="cute", **f)
@@ -85,28 +85,17 @@ def fp8_test_variants() -> list:
     add("varlen", "block", cute(), 187, 512, 2048)
     add("batched", "block", None, 128, 512, 7168)
     add("batched", "row", cute(), 1, 256, 1024)
-    # test_fp8_gpu.py's lagged-promotion cases
-    for sched, tile, cm, cn in LAG_CASES:
+    # test_fp8_gpu.py's opt-in loop cases
+    for loop, sched, tile, cm, cn in LOOP_CASES:
         cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
                    tail_split=False)
-        add("varlen", "block", cfg, 108, 392, 640, lag=True)
+        add("varlen", "block", cfg, 108, 392, 640, loops=(loop,))
     add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
-                                tail_split=True), 300, 1024, 4096, lag=True)
+                                tail_split=True), 300, 1024, 4096, loops=FORM_LOOPS)
     for form in ("batched", "general"):
         add(form, "block", cute(schedule="cooperative", tile_m=128, tile_n=128), 100, 264,
-            384, lag=True)
-    add("varlen", "block", None, 300 / 4, 40, 640, lag=True)  # a narrow two-block tile
-    # test_fp8_gpu.py's prefetched-scales cases
-    for sched, tile, cm, cn, n in AHEAD_CASES:
-        cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
-                   tail_split=False)
-        add("varlen", "block", cfg, 108, 392, 640, ahead=(n,))
-    add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
-                                tail_split=True), 300, 1024, 4096, ahead=(3,))
-    for form in ("batched", "general"):
-        add(form, "block", cute(schedule="cooperative", tile_m=128, tile_n=128), 100, 264,
-            384, ahead=(2,))
-    add("varlen", "block", None, 300 / 4, 40, 640, ahead=(2,))
+            384, loops=FORM_LOOPS)
+    add("varlen", "block", None, 300 / 4, 40, 640, loops=FORM_LOOPS)  # a narrow two-block tile
     # The FP8 benchmark's shapes, its default and sweep configs (benchmarks/bench_fp8.py).
     try:
         from benchmarks import bench_fp8

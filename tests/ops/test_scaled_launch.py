@@ -182,12 +182,19 @@ def test_lagged_promotion_is_opt_in(fp8_kernel, monkeypatch):
     for lag in (False, True, False):
         monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "1" if lag else "0")
         for _ in range(2):  # the second call takes the cached plan
-            before = [len(e.calls) for e in fp8_kernel.made]
-            assert_fp8_close(scaled_grouped_mm(x, w, sa, sb, offs), ref)
-            ran = [e for i, e in enumerate(fp8_kernel.made)
-                   if len(e.calls) > (before[i] if i < len(before) else 0)]
-            assert len(ran) == 1
-            assert ran[0].key.promote_lag == lag and ran[0].key.name().endswith("_lag") == lag
+            key = _key_that_ran(fp8_kernel, lambda: assert_fp8_close(
+                scaled_grouped_mm(x, w, sa, sb, offs), ref))
+            assert key.promote_lag == lag and key.name().endswith("_lag") == lag
+
+
+def _key_that_ran(fp8_kernel, call):
+    """The compile key of the one stand-in kernel that `call` launched."""
+    before = [len(e.calls) for e in fp8_kernel.made]
+    call()
+    ran = [e for i, e in enumerate(fp8_kernel.made)
+           if len(e.calls) > (before[i] if i < len(before) else 0)]
+    assert len(ran) == 1
+    return ran[0].key
 
 
 def test_prefetched_scales_are_opt_in(fp8_kernel, monkeypatch):
@@ -220,13 +227,9 @@ def test_prefetched_scales_are_opt_in(fp8_kernel, monkeypatch):
     for n in (1, 3, 1):
         monkeypatch.setenv(env, str(n))
         for _ in range(2):  # the second call takes the cached plan
-            before = [len(e.calls) for e in fp8_kernel.made]
-            assert_fp8_close(scaled_grouped_mm(x, w, sa, sb, offs), ref)
-            ran = [e for i, e in enumerate(fp8_kernel.made)
-                   if len(e.calls) > (before[i] if i < len(before) else 0)]
-            assert len(ran) == 1
-            assert ran[0].key.scale_ahead == n
-            assert ran[0].key.name().endswith(f"_ahead{n}") == (n != 1)
+            key = _key_that_ran(fp8_kernel, lambda: assert_fp8_close(
+                scaled_grouped_mm(x, w, sa, sb, offs), ref))
+            assert key.scale_ahead == n and key.name().endswith(f"_ahead{n}") == (n != 1)
 
 
 def test_pins_honoured_and_refused(fp8_kernel):
