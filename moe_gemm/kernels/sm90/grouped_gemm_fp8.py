@@ -391,40 +391,44 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         (constants_fp8.fp8_tile_problem)."""
         release_state = ab_state.clone()
         if k_tiles > 0:
+            # Each buffer's scales are loaded right after the promotion that used them, for
+            # the stage two later (about two stages of WGMMAs before their use; loaded after
+            # their own stage's issue instead, the B scale's L2 latency was not covered).
+            last = work.k_start + k_tiles - 1  # later stages reload the last: branch-free
+            if const_expr(self.scale_mode == "block"):
+                self._load_scales(sc0, work.k_start, fmap, sa, my_rows, sb, nb0, nb1)
+                self._load_scales(sc1, cutlass.min(work.k_start + 1, last), fmap, sa, my_rows,
+                                  sb, nb0, nb1)
             # Stage 0 into tmp0; then pairs of stages with static roles (no branch inside the
             # loop, so that ptxas can see which WGMMA group each read waits for).
             tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA, tCrB,
                                           num_k_blocks)
             ab_state.advance()
-            if const_expr(self.scale_mode == "block"):
-                self._load_scales(sc0, work.k_start, fmap, sa, my_rows, sb, nb0, nb1)
             for kk in cutlass.range(0, (k_tiles - 1) // 2, 1, unroll=1):
                 k1 = 2 * kk + 1
                 # Stage k1 into tmp1 while stage k1 - 1 (tmp0) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
                                               tCrB, num_k_blocks)
                 ab_state.advance()
-                if const_expr(self.scale_mode == "block"):
-                    self._load_scales(sc1, work.k_start + k1, fmap, sa, my_rows, sb, nb0, nb1)
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
+                if const_expr(self.scale_mode == "block"):
+                    self._load_scales(sc0, cutlass.min(work.k_start + k1 + 1, last), fmap, sa,
+                                      my_rows, sb, nb0, nb1)
                 # Stage k1 + 1 into tmp0 while stage k1 (tmp1) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA,
                                               tCrB, num_k_blocks)
                 ab_state.advance()
-                if const_expr(self.scale_mode == "block"):
-                    self._load_scales(sc0, work.k_start + k1 + 1, fmap, sa, my_rows, sb, nb0,
-                                      nb1)
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp1, sc1, prod, fmap, split)
+                if const_expr(self.scale_mode == "block"):
+                    self._load_scales(sc1, cutlass.min(work.k_start + k1 + 2, last), fmap, sa,
+                                      my_rows, sb, nb0, nb1)
             if k_tiles % 2 == 0:
                 # The last stage into tmp1 while the one before (tmp0) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
                                               tCrB, num_k_blocks)
                 ab_state.advance()
-                if const_expr(self.scale_mode == "block"):
-                    self._load_scales(sc1, work.k_start + k_tiles - 1, fmap, sa, my_rows, sb,
-                                      nb0, nb1)
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
                 release_state = self._retire_and_promote(
