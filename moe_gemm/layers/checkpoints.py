@@ -24,6 +24,7 @@ from moe_gemm.layers.experts_fp8 import (
     dequantize_weight,
     row_scale,
 )
+from moe_gemm.layers.routing import check_correction_bias, check_flag, check_router_weight
 
 if TYPE_CHECKING:
     from moe_gemm.config import GemmConfig
@@ -64,17 +65,20 @@ class MoELoaders:
             shared: shared expert weights {"gate_proj": [Is, H], "up_proj": [Is, H],
                 "down_proj": [H, Is]} and optionally "gate": [1, H] (Qwen2-MoE's
                 shared_expert_gate).
-            scales: for FP8 expert weights, their float32 decoding scales (gate_up, down):
-                128x128 blocks [E, 2I/128, H/128] and [E, H/128, I/128] (transformers'
-                gate_up_proj_scale_inv / down_proj_scale_inv), or per channel [E, 2I] and
-                [E, H]; in the orientation of the weights as given.
+            scales: for FP8 expert weights, their float32 decoding scales as a pair of
+                tensors (gate_up, down): 128x128 blocks [E, 2I/128, H/128] and
+                [E, H/128, I/128] (transformers' gate_up_proj_scale_inv /
+                down_proj_scale_inv), or per channel [E, 2I] and [E, H]; in the orientation
+                of the weights as given.
             **options: the MoE constructor's routing/activation/config keywords.
 
         Returns:
             The MoE, its parameters aliasing the given tensors.
 
         Raises:
-            TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
+            TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit (a
+                non-float router_weight or e_score_correction_bias, scales not a pair of
+                tensors).
         """
         return moe_from_fused(
             cls, gate_up_proj, down_proj, router_weight, top_k, transposed=transposed,
@@ -125,7 +129,9 @@ class MoELoaders:
 
         Raises:
             KeyError: no router or no experts under the prefix.
-            ValueError: inconsistent shapes, missing experts, unused keys with strict=True.
+            TypeError: a value under the prefix that is not a tensor.
+            ValueError: inconsistent shapes or dtypes, missing experts, both
+                "shared_experts." and "shared_expert." keys, unused keys with strict=True.
         """
         return moe_from_state_dict(cls, state_dict, top_k, prefix=prefix, strict=strict,
                                    **options)
@@ -173,7 +179,8 @@ def moe_from_fused(
                     ("router_weight", router_weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if transposed:
+    scales = _check_scales(scales)
+    if check_flag("transposed", transposed):
         gate_up_proj = gate_up_proj.transpose(-2, -1)
         down_proj = down_proj.transpose(-2, -1)
         if scales is not None and scales[0].dim() == 3:  # block scales follow their weights
@@ -224,7 +231,11 @@ def moe_from_state_dict(
     def take(name: str) -> torch.Tensor | None:
         if name in keys:
             used.add(name)
-            return state_dict[keys[name]]
+            value = state_dict[keys[name]]
+            if not isinstance(value, torch.Tensor):  # (the code below reads .dtype, .shape)
+                raise TypeError(f"state_dict[{keys[name]!r}] must be a torch.Tensor; got "
+                                f"{type(value).__name__}")
+            return value
         return None
 
     router_weight = take("gate.weight")
@@ -233,7 +244,12 @@ def moe_from_state_dict(
     bias = take("gate.e_score_correction_bias")
     gate_up, down, scales = _experts_from_keys(take, keys, prefix)
     shared: dict[str, torch.Tensor] | None = None
-    for base in ("shared_experts.", "shared_expert."):
+    bases = [b for b in ("shared_experts.", "shared_expert.") if any(k.startswith(b)
+                                                                      for k in keys)]
+    if len(bases) > 1:  # one layer has one shared MLP: taking either would drop the other
+        raise ValueError(f"both {prefix + bases[0]!r} (DeepSeek) and {prefix + bases[1]!r} "
+                         "(Qwen2-MoE) keys are present; a block has one shared expert")
+    for base in bases:
         parts = {n: _dense_weight(take, f"{base}{n}") for n in ("gate_proj", "up_proj",
                                                                  "down_proj")}
         if any(v is not None for v in parts.values()):
@@ -300,8 +316,7 @@ def moe_from_tensors(
             f"down_proj must be (E, H, I) = ({E}, {H}, {I}) to match gate_up_proj "
             f"{shape_str(gate_up_proj)} (or (E, I, H) with transposed=True); got {shape_str(down_proj)}"
         )
-    if tuple(router_weight.shape) != (E, H):
-        raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {shape_str(router_weight)}")
+    check_router_weight(router_weight, E, H)
     if gate_up_proj.dtype in FP8_DTYPES or scales is not None:
         check_fp8_experts(gate_up_proj, down_proj, *(scales or (None, None)))
     elif gate_up_proj.dtype not in FLOAT_DTYPES or down_proj.dtype != gate_up_proj.dtype:
@@ -310,11 +325,11 @@ def moe_from_tensors(
             f"{gate_up_proj.dtype} and {down_proj.dtype}"
         )
     device = gate_up_proj.device
-    for name, t in (("down_proj", down_proj), ("router_weight", router_weight), ("bias", bias)):
-        if t is not None and t.device != device:
+    for name, t in (("down_proj", down_proj), ("router_weight", router_weight)):
+        if t.device != device:
             raise ValueError(f"{name} is on {t.device} but gate_up_proj is on {device}")
-    if bias is not None and tuple(bias.shape) != (E,):
-        raise ValueError(f"e_score_correction_bias must be (E,) = ({E},); got {shape_str(bias)}")
+    if bias is not None:
+        check_correction_bias(bias, E, device, "e_score_correction_bias", "gate_up_proj is")
     shared_size = 0
     if shared is not None:
         unknown = set(shared) - {"gate_proj", "up_proj", "down_proj", "gate"}
@@ -374,6 +389,24 @@ def moe_from_tensors(
             assert moe.shared_expert_gate is not None
             moe.shared_expert_gate.weight = _as_param(shared["gate"])
     return moe
+
+
+def _check_scales(scales: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """from_fused's `scales`: None or a (gate_up_scale, down_scale) pair of tensors (their
+    shapes and dtypes are check_fp8_experts' part). Anything else would fail inside the
+    transposition or the FP8 check with an unrelated message."""
+    if scales is None:
+        return None
+    want = "scales must be None or a pair of tensors (gate_up_scale, down_scale)"
+    if not isinstance(scales, (tuple, list)):
+        raise TypeError(f"{want}; got {type(scales).__name__}")
+    if len(scales) != 2:
+        raise ValueError(f"{want}; got {len(scales)} item(s)")
+    for name, t in zip(("gate_up", "down"), scales):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{want}: FP8 expert weights need their {name} scale as a float32 "
+                            f"tensor; got {type(t).__name__}")
+    return scales[0], scales[1]
 
 
 def _as_param(t: torch.Tensor) -> nn.Parameter:
@@ -455,6 +488,28 @@ def _fused_scale(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                      f"{shape_str(w)}")
 
 
+def _check_expert(t: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                  order: tuple[str, str, str], ref: tuple[str, torch.Tensor]) -> None:
+    """One expert's gate, up and down weights (per-expert checkpoint keys) against expert 0's
+    gate weight `ref` (key, tensor): stacking them needs one shape and one dtype, which
+    torch.stack reports as a bare RuntimeError and torch.cat not at all (it promotes mixed
+    dtypes)."""
+    ref_key, ref_w = ref
+    if ref_w.dim() != 2:
+        raise ValueError(f"{ref_key} must be 2-D (I, H); got {shape_str(ref_w)}")
+    I, H = ref_w.shape
+    gate_n, up_n, down_n = order
+    want = {gate_n: (I, H), up_n: (I, H), down_n: (H, I)}
+    for n in order:
+        w = t[n]
+        if tuple(w.shape) != want[n]:
+            raise ValueError(f"inconsistent shapes: {names[n]} is {shape_str(w)}, expected "
+                             f"{want[n]} to match {ref_key} {shape_str(ref_w)}")
+        if w.dtype != ref_w.dtype:
+            raise ValueError(f"inconsistent dtypes: {names[n]} is {w.dtype} but {ref_key} is "
+                             f"{ref_w.dtype}; the experts' weights must share one dtype")
+
+
 def _experts_from_keys(
     take: Callable[[str], torch.Tensor | None], keys: Mapping[str, str], prefix: str
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -483,16 +538,22 @@ def _experts_from_keys(
             raise ValueError(f"experts under {prefix!r} must be numbered 0..E-1; got {ids}")
         gate_up_list, down_list, s_gate_up, s_down = [], [], [], []
         kinds: set[str | None] = set()
+        ref: tuple[str, torch.Tensor] | None = None  # expert 0's gate weight
         for e in ids:
-            t, sc = {}, {}
+            t, sc, names = {}, {}, {}
             for n in (gate_n, up_n, down_n):
-                v = take(f"experts.{e}.{n}.weight")
+                key = f"experts.{e}.{n}.weight"
+                v = take(key)
                 if v is None:
-                    v = take(f"experts.{e}.{n}")
+                    key = f"experts.{e}.{n}"
+                    v = take(key)
                 if v is None:
                     raise ValueError(f"expert {e} has no {prefix}experts.{e}.{n}.weight")
-                t[n] = v
-                found = _proj_scale(take, f"experts.{e}.{n}", v)
+                t[n], names[n] = v, prefix + key
+            ref = ref or (names[gate_n], t[gate_n])
+            _check_expert(t, names, (gate_n, up_n, down_n), ref)
+            for n in (gate_n, up_n, down_n):
+                found = _proj_scale(take, f"experts.{e}.{n}", t[n])
                 kinds.add(found[0] if found else None)
                 sc[n] = found[1] if found else None
             if len(kinds) > 1:  # (before the gate and up scales are concatenated)

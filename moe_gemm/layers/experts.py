@@ -38,12 +38,13 @@ import torch.nn.functional as F
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.fused_experts import FusedGate, fused_expert_ffn, fused_gate_for, use_fused
-from moe_gemm.layers.routing import permute_by_expert
+from moe_gemm.layers.routing import check_flag, permute_by_expert
 from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only
 
 __all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
-           "canonical_activation", "check_tokens", "expert_ffn", "gated", "moe_experts",
+           "canonical_activation", "check_gemm_options", "check_tokens", "expert_ffn", "gated",
+           "moe_experts",
            "resolve_activation", "shape_str"]
 
 Activation = str | Callable[[torch.Tensor], torch.Tensor]
@@ -174,6 +175,16 @@ def shape_str(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
+def check_gemm_options(config: object, fused: object) -> None:
+    """The GEMM options every expert entry point takes (moe_experts, moe_forward, MoE): a
+    string config would fail deep in the GEMM dispatch, and a non-bool `fused` would be
+    silently truthy (the fused path forced on)."""
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got "
+                        f"{type(config).__name__}")
+    check_flag("fused", fused, none_ok=True)
+
+
 def check_tokens(x: object) -> torch.Tensor:
     """x must be a (T, H) float tensor (TypeError / ValueError naming the expectation)."""
     if not isinstance(x, torch.Tensor):
@@ -281,12 +292,13 @@ def moe_experts(
         [T, H] in x's dtype (fp32 accumulation, one final rounding). T = 0 gives (0, H).
 
     Raises:
-        TypeError: non-tensors or wrong dtypes.
+        TypeError: non-tensors or wrong dtypes; config not a GemmConfig, fused not a bool.
         ValueError: shapes or devices that do not fit.
     """
     x, topk_ids, topk_weights, w_gate_up, w_down = _check_experts(
         x, topk_ids, topk_weights, w_gate_up, w_down
     )
+    check_gemm_options(config, fused)
     gate_fn = gated(resolve_activation(activation))
     return expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, config=config,
                       fused_gate=fused_gate_for(canonical_activation(activation)), fused=fused)

@@ -31,6 +31,7 @@ from moe_gemm.layers.experts import (
     FLOAT_DTYPES,
     Activation,
     canonical_activation,
+    check_gemm_options,
     check_tokens,
     expert_ffn,
     gated,
@@ -45,7 +46,13 @@ from moe_gemm.layers.experts_fp8 import (
     scale_granularity,
 )
 from moe_gemm.layers.fused_experts import fused_gate_for
-from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
+from moe_gemm.layers.routing import (
+    check_flag,
+    check_router_weight,
+    check_scaling_factor,
+    sigmoid_grouped_topk,
+    softmax_topk,
+)
 
 __all__ = ["GatedMLP", "MoE", "moe_experts", "moe_forward"]
 
@@ -79,22 +86,18 @@ def _check_routing(
             "group-limited routing (n_group, topk_group) is defined for scoring='sigmoid' "
             f"(DeepSeek-V3); got n_group={n_group}, topk_group={topk_group} with softmax"
         )
-    if not isinstance(routed_scaling_factor, (int, float)) or isinstance(
-        routed_scaling_factor, bool
-    ):
-        raise TypeError(f"routed_scaling_factor must be a float; got {routed_scaling_factor!r}")
+    routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
     if scoring == "softmax" and routed_scaling_factor != 1.0:
         raise ValueError(
             "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
             f"{routed_scaling_factor} with softmax (scale the layer's output instead)"
         )
-    if not isinstance(renormalize, int):  # a bool (or 0 / 1)
-        raise TypeError(f"renormalize must be a bool; got {renormalize!r}")
+    check_flag("renormalize", renormalize)
     if scoring == "sigmoid":
         # Same checks the router runs per call, done once here so bad settings fail early.
         sigmoid_grouped_topk(
             torch.zeros(0, num_experts), None, top_k, n_group, topk_group,
-            float(routed_scaling_factor),
+            routed_scaling_factor, renormalize,
         )
 
 
@@ -151,7 +154,8 @@ def moe_forward(
         renormalize: divide the top-k weights by their sum (Qwen's norm_topk_prob; Mixtral
             always True).
         n_group, topk_group: group-limited routing (sigmoid only).
-        routed_scaling_factor: multiplies the weights (sigmoid only, after renormalising).
+        routed_scaling_factor: multiplies the weights (sigmoid only, after renormalising);
+            finite.
         correction_bias: [E] selection-only bias (sigmoid only), e.g. DeepSeek-V3's
             e_score_correction_bias.
         router_fp32: compute the router logits in fp32 (DeepSeek) rather than in the weight's
@@ -168,21 +172,24 @@ def moe_forward(
     """
     x = check_tokens(x)
     H = x.shape[1]
-    if not isinstance(w_gate_up, torch.Tensor) or w_gate_up.dim() != 3:
-        raise ValueError(f"w_gate_up must be a 3-D tensor (E, H, 2I) = (E, {H}, 2I)")
-    E = w_gate_up.shape[0]
-    if not isinstance(router_weight, torch.Tensor):
+    if not isinstance(w_gate_up, torch.Tensor):
         raise TypeError(
-            f"router_weight must be a torch.Tensor (E, H); got {type(router_weight).__name__}"
+            f"w_gate_up must be a torch.Tensor (E, H, 2I); got {type(w_gate_up).__name__}"
         )
-    if tuple(router_weight.shape) != (E, H):
-        raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {shape_str(router_weight)}")
+    if w_gate_up.dim() != 3:
+        raise ValueError(f"w_gate_up must be a 3-D tensor (E, H, 2I) = (E, {H}, 2I); got "
+                         f"{shape_str(w_gate_up)}")
+    E = w_gate_up.shape[0]
+    check_router_weight(router_weight, E, H)
     if router_weight.device != x.device:
         raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
     _check_routing(E, top_k, scoring, n_group, topk_group, routed_scaling_factor, renormalize)
     if correction_bias is not None and scoring != "sigmoid":
         raise ValueError("correction_bias is used by scoring='sigmoid' only")
-    fp32 = scoring == "sigmoid" if router_fp32 is None else bool(router_fp32)
+    # Before routing, so that a bad option fails before any work (moe_experts checks again).
+    check_gemm_options(config, fused)
+    router_fp32 = check_flag("router_fp32", router_fp32, none_ok=True)
+    fp32 = scoring == "sigmoid" if router_fp32 is None else router_fp32
     weights, ids = _route(
         x, router_weight, top_k, scoring, renormalize, n_group, topk_group,
         float(routed_scaling_factor), correction_bias, fp32,
@@ -197,8 +204,11 @@ def moe_forward(
 
 def _check_layer(hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
                  scoring, renormalize, n_group, topk_group, routed_scaling_factor,
-                 correction_bias, shared_expert_gate, activation, config, dtype) -> bool:
+                 correction_bias, router_fp32, shared_expert_gate, activation, config, fused,
+                 dtype) -> bool:
     """MoE's constructor arguments, checked; returns correction_bias resolved."""
+    check_gemm_options(config, fused)
+    check_flag("router_fp32", router_fp32, none_ok=True)
     for name, value in (
         ("hidden_size", hidden_size),
         ("intermediate_size", intermediate_size),
@@ -221,8 +231,6 @@ def _check_layer(hidden_size, intermediate_size, shared_intermediate_size, num_e
         raise ValueError("correction_bias is used by scoring='sigmoid' only")
     if shared_expert_gate and not shared_intermediate_size:
         raise ValueError("shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
-    if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got {type(config)}")
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32; got {dtype}")
     resolve_activation(activation)  # fail early on a bad name
@@ -302,7 +310,7 @@ class MoE(MoELoaders, nn.Module):
         scoring: "softmax" or "sigmoid".
         renormalize: divide the top-k weights by their sum.
         n_group, topk_group: group-limited routing (sigmoid only).
-        routed_scaling_factor: multiplies the routed weights (sigmoid only).
+        routed_scaling_factor: multiplies the routed weights (sigmoid only); finite.
         correction_bias: keep an e_score_correction_bias buffer (sigmoid only); None = True
             for sigmoid.
         router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for
@@ -343,12 +351,10 @@ class MoE(MoELoaders, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"fused must be a bool or None; got {fused!r}")
         correction_bias = _check_layer(
             hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
             scoring, renormalize, n_group, topk_group, routed_scaling_factor, correction_bias,
-            shared_expert_gate, activation, config, dtype)
+            router_fp32, shared_expert_gate, activation, config, fused, dtype)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts

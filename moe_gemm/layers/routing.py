@@ -25,14 +25,21 @@ to the tail, past offs[-1], so the grouped GEMMs never compute them, and `valid`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# Router weights: the layer's float dtypes, and fp64 (the logits are upcast to fp32 anyway).
+_ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 __all__ = [
     "ExpertPermutation",
+    "check_correction_bias",
+    "check_flag",
+    "check_router_weight",
+    "check_scaling_factor",
     "permute_by_expert",
     "sigmoid_grouped_topk",
     "softmax_topk",
@@ -57,6 +64,63 @@ def _check_k(k: object, E: int) -> int:
     return k
 
 
+# The checks below are shared by the routers, the functional MoE and the MoE layer and its
+# loaders (layers/moe.py, layers/checkpoints.py), so that every entry point refuses the same
+# values with the same message, on the host and before any tensor work.
+
+
+def check_flag(name: str, value: object, *, none_ok: bool = False) -> bool | None:
+    """A bool option (0 / 1 pass too); None where `none_ok`. A string such as "no" or any
+    other object would be silently truthy, so it is a TypeError."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool{' or None' if none_ok else ''}; got {value!r}")
+
+
+def check_scaling_factor(value: object) -> float:
+    """routed_scaling_factor: a finite real number (a NaN or inf would turn every routing
+    weight into NaN / inf without any error at the forward)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a float; got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"routed_scaling_factor must be finite; got {value!r}")
+    return float(value)
+
+
+def check_router_weight(w: object, E: int, H: int) -> torch.Tensor:
+    """router_weight: a float (E, H) tensor (an integer, bool or complex one would only fail
+    inside F.linear at the first forward)."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"router_weight must be a torch.Tensor (E, H); got {type(w).__name__}")
+    if w.dtype not in _ROUTER_DTYPES:
+        raise TypeError(f"router_weight must be a floating-point tensor (bf16, fp16, fp32 or "
+                        f"fp64); got {w.dtype}")
+    if tuple(w.shape) != (E, H):
+        raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {_shape(w)}")
+    return w
+
+
+def check_correction_bias(bias: object, E: int, device: torch.device, name: str = "bias",
+                          other: str = "logits are") -> torch.Tensor:
+    """The selection-only correction bias: a float (E,) tensor on `device` (`other` names
+    what lives there, for the message)."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (E,) or None; got {type(bias).__name__}")
+    if tuple(bias.shape) != (E,):
+        raise ValueError(f"{name} must be (E,) = ({E},); got shape {_shape(bias)}")
+    if bias.device != device:
+        raise ValueError(f"{name} is on {bias.device} but {other} on {device}")
+    if not bias.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor; got {bias.dtype}")
+    return bias
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
 def softmax_topk(
     logits: torch.Tensor, k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,11 +138,12 @@ def softmax_topk(
         (weights, ids): weights [T, k] float32, ids [T, k] int64, best expert first.
 
     Raises:
-        TypeError: logits not a float tensor, k not an int.
+        TypeError: logits not a float tensor, k not an int, renormalize not a bool.
         ValueError: logits not 2-D, k out of range.
     """
     logits = _check_logits(logits)
     k = _check_k(k, logits.shape[1])
+    renormalize = check_flag("renormalize", renormalize)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalize:
@@ -110,7 +175,7 @@ def sigmoid_grouped_topk(
         n_group: expert groups; E must be a multiple, with >= 2 experts per group when
             n_group > 1 (the group score sums two).
         topk_group: groups kept per token, 1 <= topk_group <= n_group.
-        routed_scaling_factor: multiplies the final weights.
+        routed_scaling_factor: multiplies the final weights; a finite float.
         renormalize: divide the weights by their sum (+1e-20) before scaling.
 
     Returns:
@@ -119,7 +184,8 @@ def sigmoid_grouped_topk(
 
     Raises:
         TypeError: wrong argument types.
-        ValueError: shapes or group settings that do not fit.
+        ValueError: shapes, group settings or a routed_scaling_factor (NaN, inf) that do
+            not fit.
     """
     logits = _check_logits(logits)
     T, E = logits.shape
@@ -144,14 +210,9 @@ def sigmoid_grouped_topk(
             f"{per_group} experts"
         )
     if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor (E,) or None; got {type(bias).__name__}")
-        if tuple(bias.shape) != (E,):
-            raise ValueError(f"bias must be (E,) = ({E},); got shape {tuple(bias.shape)}")
-        if bias.device != logits.device:
-            raise ValueError(f"bias is on {bias.device} but logits are on {logits.device}")
-        if not bias.is_floating_point():
-            raise TypeError(f"bias must be a float tensor; got {bias.dtype}")
+        check_correction_bias(bias, E, logits.device)
+    routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
+    renormalize = check_flag("renormalize", renormalize)
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias
     if grouped:

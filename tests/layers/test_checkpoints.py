@@ -153,3 +153,98 @@ def test_from_fused_checks_the_shared_weights() -> None:
     shared["gate_proj"] = [[0.0]]
     with pytest.raises(TypeError, match=r"shared\['gate_proj'\] must be a torch.Tensor"):
         MoE.from_fused(gu, dn, rw, 2, shared=shared)
+
+
+def _per_expert_sd(E: int = 4, H: int = 32, I: int = 16) -> dict:
+    gate, up, down, router = _expert_tensors(E, H, I)
+    sd = {"gate.weight": router}
+    for e in range(E):
+        sd[f"experts.{e}.w1.weight"] = gate[e]
+        sd[f"experts.{e}.w3.weight"] = up[e]
+        sd[f"experts.{e}.w2.weight"] = down[e]
+    return sd
+
+
+@pytest.mark.parametrize(
+    "key,value,exc,pattern",
+    [
+        # one expert of another size: torch.stack's bare RuntimeError before
+        ("experts.3.w1.weight", torch.zeros(17, 32), ValueError,
+         r"inconsistent shapes: experts\.3\.w1\.weight is \(17, 32\), expected \(16, 32\)"),
+        ("experts.3.w2.weight", torch.zeros(32, 17), ValueError,
+         r"inconsistent shapes: experts\.3\.w2\.weight is \(32, 17\), expected \(32, 16\)"),
+        # gate and up of one expert disagreeing: torch.cat gave a wrong 2I silently
+        ("experts.0.w3.weight", torch.zeros(15, 32), ValueError,
+         r"inconsistent shapes: experts\.0\.w3\.weight is \(15, 32\)"),
+        ("experts.0.w1.weight", torch.zeros(16, 32, 1), ValueError,
+         r"experts\.0\.w1\.weight must be 2-D \(I, H\)"),
+        # mixed dtypes: torch.cat / stack promoted them silently
+        ("experts.2.w3.weight", torch.zeros(16, 32, dtype=torch.float16), ValueError,
+         r"inconsistent dtypes: experts\.2\.w3\.weight is torch\.float16 but "
+         r"experts\.0\.w1\.weight is torch\.float32"),
+        ("experts.3.w1.weight", [[0.0] * 32] * 16, TypeError,
+         r"state_dict\['experts\.3\.w1\.weight'\] must be a torch\.Tensor; got list"),
+        ("gate.weight", [[0.0] * 32] * 4, TypeError,
+         r"state_dict\['gate\.weight'\] must be a torch\.Tensor; got list"),
+        ("gate.weight", torch.zeros(4, 32, dtype=torch.int32), TypeError,
+         "router_weight must be a floating-point tensor"),
+    ],
+)
+def test_from_state_dict_rejects_inconsistent_experts(key: str, value: object,
+                                                      exc: type[Exception], pattern: str) -> None:
+    sd = _per_expert_sd()
+    sd[key] = value
+    with pytest.raises(exc, match=pattern):
+        MoE.from_state_dict(sd, 2)
+
+
+def test_from_state_dict_names_the_full_key() -> None:
+    sd = {"mlp." + k: v for k, v in _per_expert_sd().items()}
+    sd["mlp.experts.1.w2.weight"] = torch.zeros(32, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"mlp\.experts\.1\.w2\.weight is torch\.bfloat16 "
+                                         r"but mlp\.experts\.0\.w1\.weight is torch\.float32"):
+        MoE.from_state_dict(sd, 2, prefix="mlp.")
+
+
+def test_from_state_dict_rejects_two_shared_expert_prefixes() -> None:
+    sd = _per_expert_sd()
+    for base in ("shared_experts.", "shared_expert."):
+        sd[base + "gate_proj.weight"] = torch.zeros(8, 32)
+        sd[base + "up_proj.weight"] = torch.zeros(8, 32)
+        sd[base + "down_proj.weight"] = torch.zeros(32, 8)
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=r"both 'shared_experts\.' .* and "
+                                             r"'shared_expert\.' .* keys are present"):
+            MoE.from_state_dict(sd, 2, strict=strict)
+
+
+def test_from_fused_validates_bias_scales_and_router() -> None:
+    gate, up, down, router = _expert_tensors()
+    gu = torch.cat([gate, up], dim=1)
+    kw = {"scoring": "sigmoid"}
+    with pytest.raises(TypeError, match="e_score_correction_bias must be a torch.Tensor"):
+        MoE.from_fused(gu, down, router, 2, e_score_correction_bias=[0.0] * 4, **kw)
+    with pytest.raises(TypeError, match="e_score_correction_bias must be a float tensor"):
+        MoE.from_fused(gu, down, router, 2, e_score_correction_bias=torch.zeros(4).long(), **kw)
+    with pytest.raises(ValueError, match=r"e_score_correction_bias must be \(E,\) = \(4,\)"):
+        MoE.from_fused(gu, down, router, 2, e_score_correction_bias=torch.zeros(5), **kw)
+    with pytest.raises(ValueError, match="e_score_correction_bias is on meta"):
+        MoE.from_fused(gu, down, router, 2, **kw,
+                       e_score_correction_bias=torch.zeros(4, device="meta"))
+    pair = "scales must be None or a pair of tensors"
+    s1, s2 = torch.ones(4, 32), torch.ones(4, 32)
+    for scales, exc in ((s1, TypeError), ((s1,), ValueError), ((s1, s2, s2), ValueError),
+                        ((None, None), TypeError), ((s1, "s"), TypeError)):
+        for transposed in (False, True):
+            g, d = (gu.transpose(1, 2), down.transpose(1, 2)) if transposed else (gu, down)
+            with pytest.raises(exc, match=pair):
+                MoE.from_fused(g, d, router, 2, scales=scales, transposed=transposed)
+    with pytest.raises(TypeError, match="transposed must be a bool"):
+        MoE.from_fused(gu, down, router, 2, transposed="yes")
+    for dtype in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match="router_weight must be a floating-point tensor"):
+            MoE.from_fused(gu, down, router.to(dtype), 2)
+    # what stays accepted: a half-precision bias, an fp64 router
+    moe = MoE.from_fused(gu, down, router.double(), 2, e_score_correction_bias=torch.zeros(4).half(),
+                         **kw)
+    assert moe(torch.randn(3, 32)).shape == (3, 32)

@@ -233,6 +233,14 @@ def test_backward_raises() -> None:
         ({"routed_scaling_factor": 2.5}, ValueError,
          "routed_scaling_factor is defined for scoring='sigmoid'"),
         ({"renormalize": "no"}, TypeError, "renormalize must be a bool"),
+        ({"router_fp32": "no"}, TypeError, "router_fp32 must be a bool or None; got 'no'"),
+        ({"fused": "x"}, TypeError, "fused must be a bool or None; got 'x'"),
+        ({"scoring": "sigmoid", "routed_scaling_factor": float("nan")}, ValueError,
+         "routed_scaling_factor must be finite; got nan"),
+        ({"scoring": "sigmoid", "routed_scaling_factor": float("inf")}, ValueError,
+         "routed_scaling_factor must be finite"),
+        ({"scoring": "sigmoid", "routed_scaling_factor": "2.5"}, TypeError,
+         "routed_scaling_factor must be a float"),
     ],
 )
 def test_constructor_rejects(kwargs: dict, exc: type[Exception], pattern: str) -> None:
@@ -338,3 +346,32 @@ def test_functional_correction_bias_on_another_device_is_a_clear_error() -> None
     with pytest.raises(ValueError, match="bias is on meta"):
         moe_forward(x, rw, wg, wd, 2, scoring="sigmoid",
                     correction_bias=torch.zeros(8, device="meta"))
+
+
+def test_functional_rejects_bad_options() -> None:
+    # config / fused as the constructor checks them, before any routing or GEMM work
+    x, rw = torch.randn(4, 32), torch.randn(8, 32)
+    wg, wd = torch.randn(8, 32, 48), torch.randn(8, 24, 32)
+    ids, w = torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2)
+    for kw, pattern in (({"config": "torch"}, "config must be a moe_gemm.GemmConfig or None"),
+                        ({"fused": "x"}, "fused must be a bool or None; got 'x'")):
+        with pytest.raises(TypeError, match=pattern):
+            moe_experts(x, ids, w, wg, wd, **kw)
+        with pytest.raises(TypeError, match=pattern):
+            moe_forward(x, rw, wg, wd, 2, **kw)
+    with pytest.raises(TypeError, match="router_fp32 must be a bool or None"):
+        moe_forward(x, rw, wg, wd, 2, router_fp32="no")
+    with pytest.raises(TypeError, match=r"w_gate_up must be a torch.Tensor \(E, H, 2I\); got "
+                                        "NoneType"):
+        moe_forward(x, rw, None, wd, 2)
+    with pytest.raises(ValueError, match=r"w_gate_up must be a 3-D tensor"):
+        moe_forward(x, rw, wg[0], wd, 2)
+    with pytest.raises(TypeError, match="router_weight must be a floating-point tensor"):
+        moe_forward(x, rw.long(), wg, wd, 2)
+    with pytest.raises(ValueError, match="routed_scaling_factor must be finite"):
+        moe_forward(x, rw, wg, wd, 2, scoring="sigmoid", routed_scaling_factor=float("nan"))
+    # the valid spellings still run
+    cfg = GemmConfig(backend="torch")
+    y = moe_forward(x, rw, wg, wd, 2, config=cfg, fused=False, router_fp32=True)
+    torch.testing.assert_close(moe_experts(x, *reversed(softmax_topk(
+        F.linear(x, rw), 2)), wg, wd, config=cfg, fused=False), y)
