@@ -42,10 +42,10 @@ from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check
 __all__ = ["decode_config", "encode_config", "grouped_gemm", "grouped_mm"]
 
 NO_BACKWARD = (
-    "moe_gemm's grouped GEMMs are inference-only: the moe_gemm::{op} op traced by "
-    "torch.compile has no backward. Run the model under torch.no_grad() / "
-    "torch.inference_mode(), or call moe_gemm eagerly with GemmConfig(backend='torch') for "
-    "the differentiable torch path."
+    "moe_gemm's grouped GEMMs are inference-only: the moe_gemm::{op} op, which runs them "
+    "under torch.compile, make_fx and tensor modes (FlopCounterMode, ...), has no backward. "
+    "Run the model under torch.no_grad() / torch.inference_mode(), or call moe_gemm eagerly "
+    "(outside such modes) with GemmConfig(backend='torch') for the differentiable torch path."
 )
 _FIELDS = tuple((f.name, f.default) for f in dataclasses.fields(GemmConfig))
 
