@@ -40,7 +40,8 @@ from moe_gemm.config import GemmConfig
 from moe_gemm.layers.fused_experts import FusedGate, fused_expert_ffn, fused_gate_for, use_fused
 from moe_gemm.layers.routing import check_flag, permute_by_expert
 from moe_gemm.ops.api import grouped_mm
-from moe_gemm.ops.autograd import inference_only
+from moe_gemm.ops.autograd import inference_only, needs_link
+from moe_gemm.ops.custom_ops import mark_inference_only
 
 __all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
            "canonical_activation", "check_gemm_options", "check_tokens", "expert_ffn", "gated",
@@ -127,7 +128,7 @@ def expert_ffn(
     = where the Hopper kernel runs, True = always, False = never), else on the grouped GEMMs
     below. Inference only: when autograd could ask for a gradient (grad mode on and an input
     or weight requires grad) the result is linked so that a backward raises (under
-    torch.compile the grouped GEMMs' registered ops carry that backward instead).
+    torch.compile through a registered op, custom_ops.mark_inference_only).
 
     Returns:
         (T, H) in the GEMMs' dtype.
@@ -140,10 +141,13 @@ def expert_ffn(
         run = functools.partial(_expert_ffn, x, topk_ids, topk_weights, w_gate_up, w_down,
                                 gate_fn, bias_gate_up=bias_gate_up, bias_down=bias_down,
                                 post_fn=post_fn, config=config)
+    linked = (x, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down)
     if torch.compiler.is_compiling():
-        return run()
-    return inference_only(INFERENCE_ONLY_MESSAGE, run,
-                          (x, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down))
+        # Traced: the grouped GEMMs' registered ops are differentiable where torch's path runs
+        # them (the CPU), so the layer's result carries its own raising backward.
+        y = run()
+        return mark_inference_only(y, INFERENCE_ONLY_MESSAGE) if needs_link(linked) else y
+    return inference_only(INFERENCE_ONLY_MESSAGE, run, linked)
 
 
 def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_gate_up,

@@ -15,14 +15,22 @@ the kernels cannot run). Eager calls never come here: they skip the custom-op di
                             ScalarType? out_dtype) -> Tensor[]
     moe_gemm::_grouped_gemm_out(Tensor[] a, Tensor[] b, Tensor(a!)[] out, str config,
                                 ScalarType? out_dtype) -> ()
+    moe_gemm::_grouped_mm_grad(Tensor grad, Tensor x, Tensor w, Tensor? offs)
+                               -> (Tensor, Tensor)
+    moe_gemm::_grouped_gemm_grad(Tensor[] grads, Tensor[] a, Tensor[] b) -> Tensor[]
+    moe_gemm::_inference_only(Tensor y, str message) -> Tensor
     moe_gemm::_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, str message) -> Tensor
 
 The ops are underscored: the Python functions are the API. A GemmConfig crosses the schema as
 a string, "" for None, else a dict literal of the fields that differ from the defaults
 (encode_config: plain Python, so torch.compile folds it to a constant and guards on the
-config; decode_config parses each string once). The ops are inference-only like the kernels:
-their registered backward is `_no_backward`, which raises when a backward actually runs, so a
-model whose parameters require grad still compiles and a backward through it fails as in eager.
+config; decode_config parses each string once). Gradients are as in eager: where the forward ran
+torch's own path (GemmConfig(backend="torch"), or off the GPU) the `_grad` ops compute eager
+autograd's products; where it ran the Hopper kernels the registered backward is
+`_no_backward`, which raises when a backward actually runs, so a model whose parameters
+require grad still compiles and a backward through it fails as in eager. `_inference_only`
+gives a traced MoE layer the same raising backward its eager form has. FlopCounterMode counts
+the ops by shape (register_flop_formula below).
 """
 
 from __future__ import annotations
@@ -31,10 +39,12 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
@@ -195,7 +205,7 @@ def _grouped_gemm_out_fake(a, b, out, config, out_dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd: a backward that raises when it runs
+# Autograd: torch's gradients where torch's ops ran, else a backward that raises when it runs
 
 
 @torch.library.custom_op(
@@ -214,28 +224,167 @@ def _raising_grad(grad: Tensor, like: tuple, op: str) -> Tensor:
     return torch.ops.moe_gemm._no_backward(grad, like[0], like[1], NO_BACKWARD.format(op=op))
 
 
+# Where the forward ran torch's own ops (asked for with GemmConfig(backend="torch"), or off the
+# GPU, where the kernels never run), the gradients are those of eager autograd through that
+# path: fp32 products rounded to each operand's dtype, computed by one more registered op
+# (opaque to the tracer like the forward; autograd does not run inside a registered op, hence
+# the products written out). The GPU kernels stay inference-only, as in eager.
+
+
+def _torch_path(config: str, device: torch.device) -> bool:
+    cfg = decode_config(config)
+    return device.type != "cuda" or (cfg is not None and cfg.backend == "torch")
+
+
+def _prod(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """a @ b (or batched) accumulated in fp32, rounded to dtype."""
+    return torch.matmul(a.float(), b.float()).to(dtype)
+
+
+@torch.library.custom_op(
+    "moe_gemm::_grouped_mm_grad", mutates_args=(),
+    schema="(Tensor grad, Tensor x, Tensor w, Tensor? offs) -> (Tensor, Tensor)")
+def _grouped_mm_grad(grad, x, w, offs):
+    if offs is None:  # batched: (G, M, K) @ (G, K, N)
+        return _prod(grad, w.transpose(1, 2), x.dtype), _prod(x.transpose(1, 2), grad, w.dtype)
+    gx, gw = torch.zeros_like(x, memory_format=torch.contiguous_format), torch.zeros_like(
+        w, memory_format=torch.contiguous_format)
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # rows past offs[-1] never reached y: zero
+        if end > start:
+            gx[start:end] = _prod(grad[start:end], w[e].t(), x.dtype)
+            gw[e] = _prod(x[start:end].t(), grad[start:end], w.dtype)
+        start = end
+    return gx, gw
+
+
+@_grouped_mm_grad.register_fake
+def _grouped_mm_grad_fake(grad, x, w, offs):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+@torch.library.custom_op(
+    "moe_gemm::_grouped_gemm_grad", mutates_args=(),
+    schema="(Tensor[] grads, Tensor[] a, Tensor[] b) -> Tensor[]")
+def _grouped_gemm_grad(grads, a, b):
+    ga = [_prod(g, bi.t(), ai.dtype) for g, ai, bi in zip(grads, a, b)]
+    gb = [_prod(ai.t(), g, bi.dtype) for g, ai, bi in zip(grads, a, b)]
+    return ga + gb
+
+
+@_grouped_gemm_grad.register_fake
+def _grouped_gemm_grad_fake(grads, a, b):
+    return [t.new_empty(t.shape) for t in (*a, *b)]
+
+
+@torch.library.custom_op("moe_gemm::_inference_only", mutates_args=(),
+                         schema="(Tensor y, str message) -> Tensor")
+def _inference_only(y, message):
+    return y.clone()  # (a registered op's output may not alias its input)
+
+
+@_inference_only.register_fake
+def _inference_only_fake(y, message):
+    return torch.empty_like(y)
+
+
+def _inference_only_setup(ctx, inputs, output) -> None:
+    ctx.meta = (inputs[0].shape, inputs[0].dtype)
+    ctx.message = inputs[1]
+
+
+def _inference_only_backward(ctx, grad):
+    return torch.ops.moe_gemm._no_backward(grad, ctx.meta[0], ctx.meta[1], ctx.message), None
+
+
+_inference_only.register_autograd(_inference_only_backward, setup_context=_inference_only_setup)
+
+
+def mark_inference_only(y: Tensor, message: str) -> Tensor:
+    """y (a copy) with a backward that raises `message`: what ops/autograd.inference_only
+    does in eager, for a traced graph (the MoE layers, inference-only also where the grouped
+    GEMMs' own ops are differentiable)."""
+    return torch.ops.moe_gemm._inference_only(y, message)
+
+
 def _mm_setup(ctx, inputs, output) -> None:
-    x, w = inputs[0], inputs[1]
+    x, w, offs, config, out_dtype = inputs
     ctx.metas = ((x.shape, x.dtype), (w.shape, w.dtype))
+    ctx.torch_path = _torch_path(config, x.device)
+    if ctx.torch_path:
+        ctx.save_for_backward(x, w, offs)
 
 
 def _mm_backward(ctx, grad):
-    gx, gw = (_raising_grad(grad, m, "_grouped_mm") if need else None
-              for m, need in zip(ctx.metas, ctx.needs_input_grad[:2]))
+    need = ctx.needs_input_grad[:2]
+    if ctx.torch_path:
+        x, w, offs = ctx.saved_tensors
+        grads = torch.ops.moe_gemm._grouped_mm_grad(grad, x, w, offs)
+    else:
+        grads = [_raising_grad(grad, m, "_grouped_mm") for m in ctx.metas]
+    gx, gw = (g if n else None for g, n in zip(grads, need))
     return gx, gw, None, None, None
 
 
 def _gemm_setup(ctx, inputs, output) -> None:
-    ctx.metas = ([(t.shape, t.dtype) for t in inputs[0]], [(t.shape, t.dtype) for t in inputs[1]])
+    a, b, config, out_dtype = inputs
+    ctx.metas = ([(t.shape, t.dtype) for t in a], [(t.shape, t.dtype) for t in b])
+    ctx.torch_path = bool(a) and _torch_path(config, a[0].device)
+    if ctx.torch_path:
+        ctx.save_for_backward(*a, *b)
 
 
 def _gemm_backward(ctx, grads):
     grad = next((g for g in grads if g is not None), None)
     if grad is None:
         return None, None, None, None
+    G = len(ctx.metas[0])
+    if ctx.torch_path:
+        saved = ctx.saved_tensors
+        a, b = list(saved[:G]), list(saved[G:])
+        filled = [torch.zeros(t.shape[0], u.shape[1], dtype=grad.dtype, device=grad.device)
+                  if g is None else g for g, t, u in zip(grads, a, b)]
+        got = torch.ops.moe_gemm._grouped_gemm_grad(filled, a, b)
+        return list(got[:G]), list(got[G:]), None, None
     ga = [_raising_grad(grad, m, "_grouped_gemm") for m in ctx.metas[0]]
     gb = [_raising_grad(grad, m, "_grouped_gemm") for m in ctx.metas[1]]
     return ga, gb, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOP counts for torch.utils.flop_counter.FlopCounterMode (which sees the registered ops, not
+# what they run), from shapes alone: every row of x counts, also rows past offs[-1], which the
+# kernels skip. A gradient op counts both products of the backward (2x the forward).
+
+
+def _mm_flops(x_shape, w_shape) -> int:
+    rows = math.prod(x_shape[:-1])
+    return 2 * rows * x_shape[-1] * w_shape[-1]
+
+
+def _gemm_flops(a_shapes, b_shapes) -> int:
+    return sum(2 * m * k * n for (m, k), (_, n) in zip(a_shapes, b_shapes))
+
+
+@register_flop_formula([torch.ops.moe_gemm._grouped_mm, torch.ops.moe_gemm._grouped_mm_out])
+def _grouped_mm_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return _mm_flops(x_shape, w_shape)
+
+
+@register_flop_formula(torch.ops.moe_gemm._grouped_mm_grad)
+def _grouped_mm_grad_flop(grad_shape, x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _mm_flops(x_shape, w_shape)
+
+
+@register_flop_formula([torch.ops.moe_gemm._grouped_gemm, torch.ops.moe_gemm._grouped_gemm_out])
+def _grouped_gemm_flop(a_shapes, b_shapes, *args, out_shape=None, **kwargs) -> int:
+    return _gemm_flops(a_shapes, b_shapes)
+
+
+@register_flop_formula(torch.ops.moe_gemm._grouped_gemm_grad)
+def _grouped_gemm_grad_flop(grad_shapes, a_shapes, b_shapes, *args, out_shape=None,
+                            **kwargs) -> int:
+    return 2 * _gemm_flops(a_shapes, b_shapes)
 
 
 _grouped_mm.register_autograd(_mm_backward, setup_context=_mm_setup)

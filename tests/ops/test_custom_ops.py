@@ -19,9 +19,6 @@ from moe_gemm.ops.custom_ops import decode_config, encode_config
 from moe_gemm.testing import make_grouped_inputs, make_moe_inputs
 
 OPS = torch.ops.moe_gemm
-# A backward through the ops raises by design, so opcheck's AOT test (which runs one) is
-# left out wherever an input requires grad.
-NO_AOT = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -83,9 +80,16 @@ def test_opcheck_grouped_mm(dtype: torch.dtype) -> None:
 
 
 def test_opcheck_grouped_mm_with_grad_inputs() -> None:
+    # On the CPU the ops run torch's path, whose backward (the AOT test runs one) is real.
     x, w, offs = _moe(2)
-    opcheck(OPS._grouped_mm.default, (x.requires_grad_(), w.requires_grad_(), offs, "", None),
-            test_utils=NO_AOT)
+    opcheck(OPS._grouped_mm.default, (x.requires_grad_(), w.requires_grad_(), offs, "", None))
+    x3, w3 = torch.randn(3, 5, 16), torch.randn(3, 16, 8)
+    opcheck(OPS._grouped_mm.default, (x3.requires_grad_(), w3.requires_grad_(), None, "",
+                                      torch.bfloat16))
+    grad = torch.randn(x.shape[0], w.shape[2])
+    opcheck(OPS._grouped_mm_grad.default, (grad, x.detach(), w.detach(), offs))
+    opcheck(OPS._grouped_mm_grad.default, (torch.randn(3, 5, 8), x3.detach(), w3.detach(),
+                                           None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -96,8 +100,9 @@ def test_opcheck_grouped_gemm(dtype: torch.dtype) -> None:
     opcheck(OPS._grouped_gemm.default, (a, b, "", torch.float32))
     outs = [torch.full((m, n), 3.0, dtype=dtype) for m, n, _ in sizes]
     opcheck(OPS._grouped_gemm_out.default, (a, b, outs, "", None))
-    opcheck(OPS._grouped_gemm.default, ([t.requires_grad_() for t in a], b, "", None),
-            test_utils=NO_AOT)
+    opcheck(OPS._grouped_gemm.default, ([t.requires_grad_() for t in a], b, "", None))
+    grads = [torch.randn(m, n, dtype=dtype) for m, n, _ in sizes]
+    opcheck(OPS._grouped_gemm_grad.default, (grads, [t.detach() for t in a], b))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,17 +248,114 @@ def test_compile_grouped_gemm_fullgraph(dynamo) -> None:
     assert dynamo["graph_break"] == {}
 
 
-def test_compiled_backward_raises_at_run_time(dynamo) -> None:
-    x, w, offs = _moe(10)
-    w = w.requires_grad_()
-    # Compiling a graph whose inputs require grad works (the registered backward is traced,
-    # not run) ...
-    y = torch.compile(lambda x, w, offs: grouped_mm(x, w, offs).sum(), fullgraph=True,
-                      backend="aot_eager")(x, w, offs)
-    assert y.requires_grad
-    # ... and a backward through it raises, as in eager.
+def _grads(fn, inputs, seed):
+    """fn(*inputs) and the gradients of <fn(*inputs), r> for a fresh random r."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    gen = _gen(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    want = [t for t in leaves if t.requires_grad]
+    return outs, torch.autograd.grad(loss, want)
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                             (torch.bfloat16, torch.float32)])
+def test_compiled_backward_on_the_torch_path_equals_eager(dynamo, dtype, out_dtype) -> None:
+    """On the CPU (and wherever backend="torch" runs) the registered ops are differentiable:
+    a compiled graph's gradients are eager autograd's through the torch path, and match an
+    fp64 reference; rows past offs[-1] and empty experts get zero gradients."""
+    x, w, offs = _moe(21, dtype)
+    x3, w3 = torch.randn(3, 5, 16).to(dtype), torch.randn(3, 16, 8).to(dtype)
+    sizes = [(5, 8, 16), (0, 8, 16), (7, 24, 16), (3, 8, 0)]
+    a, b = make_grouped_inputs(sizes, dtype, b_layout="mixed", generator=_gen(22))
+
+    cases = [
+        (lambda x, w: grouped_mm(x, w, offs, out_dtype=out_dtype), (x, w)),
+        (lambda x, w: grouped_mm(x, w, out_dtype=out_dtype), (x3, w3)),
+        (lambda *t: grouped_gemm(list(t[:4]), list(t[4:]), out_dtype=out_dtype), (*a, *b)),
+        (lambda x, w: grouped_mm(x, w, offs, config=GemmConfig(backend="torch")), (x, w)),
+    ]
+    for i, (fn, inputs) in enumerate(cases):
+        outs, grads = _grads(fn, inputs, 30 + i)
+        c_outs, c_grads = _grads(torch.compile(fn, fullgraph=True, backend="aot_eager"),
+                                 inputs, 30 + i)
+        for o, c in zip(outs, c_outs):
+            torch.testing.assert_close(c, o, rtol=0, atol=0)
+        for g, c in zip(grads, c_grads):
+            assert c.dtype == g.dtype
+            torch.testing.assert_close(c, g, rtol=0, atol=0)
+    assert dynamo["graph_break"] == {}
+    # against fp64, the varlen form
+    _, (gx, gw) = _grads(cases[0][0], (x, w), 30)
+    gen = _gen(30)
+    r = torch.randn(x.shape[0], w.shape[2], generator=gen).double()
+    end = int(offs[-1])
+    rx, rw = torch.zeros(x.shape, dtype=torch.float64), torch.zeros(w.shape, dtype=torch.float64)
+    start = 0
+    for e, stop in enumerate(offs.tolist()):
+        rx[start:stop] = r[start:stop] @ w[e].double().t()
+        rw[e] = x[start:stop].double().t() @ r[start:stop]
+        start = stop
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gx.double(), rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(gw.double(), rw, rtol=tol, atol=tol)
+    assert not gx[end:].any()
+
+
+def test_backward_of_the_kernel_path_raises() -> None:
+    """Where the forward ran the Hopper kernels (a CUDA tensor, backend not "torch"), the
+    registered backward raises when it runs, as the eager kernel path does."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    torch_cfg = encode_config(GemmConfig(backend="torch"))
+    assert not custom_ops._torch_path("", cuda)
+    assert not custom_ops._torch_path(encode_config(GemmConfig(backend="cute")), cuda)
+    assert custom_ops._torch_path(torch_cfg, cuda)
+    assert custom_ops._torch_path("", cpu)
+    x, w, offs = _moe(23)
+
+    class Ctx:
+        needs_input_grad = (True, True, False, False, False)
+        torch_path = False
+        metas = ((x.shape, x.dtype), (w.shape, w.dtype))
+
+    grad = torch.ones(x.shape[0], w.shape[2])
     with pytest.raises(RuntimeError, match="inference-only"):
-        y.backward()
+        custom_ops._mm_backward(Ctx(), grad)
+
+
+def test_inference_only_mark() -> None:
+    """The traced MoE layers' mark: a copy of y whose backward raises the given message."""
+    opcheck(OPS._inference_only.default, (torch.randn(4, 3), "msg"))
+    y = torch.randn(4, 3, requires_grad=True)
+    z = custom_ops.mark_inference_only(y, "no training here")
+    torch.testing.assert_close(z, y, rtol=0, atol=0)
+    assert z.data_ptr() != y.data_ptr()
+    with pytest.raises(RuntimeError, match="no training here"):
+        z.sum().backward()
+
+
+def test_flop_counter_counts_the_registered_ops() -> None:
+    """FlopCounterMode sees the registered ops (the public ops take them under any tensor
+    mode): 2 x rows x K x N forward, twice that for the gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, offs = _moe(24)
+    T, K, N = x.shape[0], x.shape[1], w.shape[2]
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        y = grouped_mm(xg, wg, offs)
+    assert counter.get_total_flops() == 2 * T * K * N
+    with FlopCounterMode(display=False) as counter:
+        grouped_mm(xg, wg, offs, config=GemmConfig(backend="torch")).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * T * K * N
+    assert xg.grad is not None and wg.grad is not None
+    torch.testing.assert_close(y, grouped_mm(x, w, offs), rtol=0, atol=0)
+    sizes = [(5, 8, 16), (0, 8, 16), (7, 24, 16)]
+    a, b = make_grouped_inputs(sizes, torch.float32, generator=_gen(25))
+    with FlopCounterMode(display=False) as counter:
+        grouped_gemm(a, b)
+    assert counter.get_total_flops() == sum(2 * m * n * k for m, n, k in sizes)
 
 
 def test_public_names_unchanged() -> None:
