@@ -314,7 +314,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     # The next stage's scales (the last stage reloads its own: branch-free).
                     self._load_scales(nxt, work.k_start + cutlass.min(k + 1, k_tiles - 1),
                                       fmap, sa, my_rows, sb, nb0, nb1)
-                tiled_mma = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                tiled_mma, ab_state = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
                                         num_k_blocks, acc, cur, prod, fmap, split)
                 if const_expr(self.scale_mode == "block"):
                     for s in cutlass.range_constexpr(n_sc):
@@ -351,14 +351,14 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         rounds = k_tiles // ring
         for kk in cutlass.range(0, rounds, 1, unroll=1):
             for r in cutlass.range_constexpr(ring):
-                tiled_mma = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                tiled_mma, ab_state = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
                                         num_k_blocks, acc, bufs[r], prod, fmap, split)
                 self._load_scales(bufs[r], cutlass.min(work.k_start + kk * ring + r + ring,
                                                        last), fmap, sa, my_rows, sb, nb0, nb1)
         rest = k_tiles - rounds * ring
         for r in cutlass.range_constexpr(ring - 1):
             if rest > r:
-                tiled_mma = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                tiled_mma, ab_state = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
                                         num_k_blocks, acc, bufs[r], prod, fmap, split)
         return ab_state
 
@@ -366,15 +366,16 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def _stage(self, ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
                num_k_blocks: cutlass.Constexpr, acc, sc, prod, fmap: cutlass.Constexpr, split):
         """One stage of the plain loop: its WGMMAs into tmp, wait for them, release the
-        stage's smem and promote tmp into acc with the scales sc. Advances ab_state; returns
-        tiled_mma for the caller to rebind (see _issue_stage)."""
+        stage's smem and promote tmp into acc with the scales sc. Returns tiled_mma and the
+        advanced ab_state for the caller to rebind in its own loop or branch body (the tracer
+        threads only values rebound there; see _issue_stage)."""
         tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
                                       num_k_blocks)
         warpgroup.wait_group(0)
         ab_pipe.consumer_release(ab_state)
         ab_state.advance()
         self._promote(acc, tmp, sc, prod, fmap, split)
-        return tiled_mma
+        return tiled_mma, ab_state
 
     @cute.jit
     def _mainloop_lagged(self, ab_pipe, ab_state, tiled_mma, acc, tmp0, tmp1, sc0, sc1, prod,
