@@ -8,11 +8,12 @@ tensors; torch is never imported otherwise.
 
     with Client("http://127.0.0.1:8000", api_key="...") as client:
         client.put_weights("layer0", w)                     # w (E, K, N)
+        client.put_weights("layer1", w8, scale=s)           # FP8 w8 with its float32 scale
         y = client.grouped_mm("layer0", x, counts=counts)   # x (T, K), counts (E,) -> y (T, N)
 
 Public API:
     Client, AsyncClient          the two clients (same methods; AsyncClient's are coroutines)
-    WeightInfo, WeightDeleted    typed answers
+    WeightInfo, WeightDeleted    typed answers (KernelInfo: an entry of WeightInfo.kernels)
     MoeGemmError and subclasses  one exception class per kind of failure (see _exceptions)
 """
 
@@ -45,7 +46,7 @@ from ._exceptions import (  # noqa: E402
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
-from .types import WeightDeleted, WeightInfo  # noqa: E402
+from .types import KernelInfo, WeightDeleted, WeightInfo  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -53,6 +54,7 @@ __all__ = [
     "AsyncClient",
     "WeightInfo",
     "WeightDeleted",
+    "KernelInfo",
     "ProgressCallback",
     "TimeoutTypes",
     "DEFAULT_BASE_URL",

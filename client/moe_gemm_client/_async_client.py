@@ -133,27 +133,30 @@ class AsyncClient(_BaseClient):
             name, request_id=request_id, timeout=timeout, max_retries=max_retries,
             extra_headers=extra_headers))
 
-    async def put_weights(self, name: str, w: Any, *, layout: Literal["w", "w_t"] = "w",
+    async def put_weights(self, name: str, w: Any, *, scale: Any = None,
+                          layout: Literal["w", "w_t"] = "w",
                           progress: ProgressCallback | None = None,
                           request_id: str | None = None, timeout: TimeoutTypes = None,
                           max_retries: int | None = None,
                           extra_headers: Mapping[str, str] | None = None) -> WeightInfo:
-        """Upload (or replace) a weight set; see `Client.put_weights`."""
+        """Upload (or replace) a weight set, FP8 with its `scale`; see `Client.put_weights`."""
         return await self._request(calls.put_call(
-            name, w, layout, progress, request_id=request_id, timeout=timeout,
+            name, w, scale, layout, progress, request_id=request_id, timeout=timeout,
             max_retries=max_retries, extra_headers=extra_headers))
 
     async def upload_safetensors(self, name: str, path: str | os.PathLike[str], *,
                                  tensor: str | None = None,
                                  layout: Literal["w", "w_t"] | None = None,
+                                 scale_tensor: str | None = None,
                                  progress: ProgressCallback | None = None,
                                  request_id: str | None = None, timeout: TimeoutTypes = None,
                                  max_retries: int | None = None,
                                  extra_headers: Mapping[str, str] | None = None) -> WeightInfo:
-        """Upload one tensor of a .safetensors file; see `Client.upload_safetensors`."""
+        """Upload one tensor of a .safetensors file (an FP8 one with its scale); see
+        `Client.upload_safetensors`."""
         return await self._request(calls.upload_file_call(
-            name, path, tensor, layout, progress, request_id=request_id, timeout=timeout,
-            max_retries=max_retries, extra_headers=extra_headers))
+            name, path, tensor, layout, scale_tensor, progress, request_id=request_id,
+            timeout=timeout, max_retries=max_retries, extra_headers=extra_headers))
 
     async def delete_weights(self, name: str, *, request_id: str | None = None,
                              timeout: TimeoutTypes = None, max_retries: int | None = None,

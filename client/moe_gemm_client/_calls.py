@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 
 from . import _constants as C
+from ._fp8 import FP8_WIRE, file_scale_parts, weight_tensors
 from ._tensors import (
     ArrayKind,
     FileTensorPayload,
@@ -154,21 +155,19 @@ def delete_call(name: str, **common: Any) -> _Call[WeightDeleted]:
     return with_options(call, **common)
 
 
-def put_call(name: str, w: object, layout: str, progress: ProgressCallback | None,
-             **common: Any) -> _Call[WeightInfo]:
+def put_call(name: str, w: object, scale: object, layout: str,
+             progress: ProgressCallback | None, **common: Any) -> _Call[WeightInfo]:
     name = check_name(name)
     if layout not in ("w", "w_t"):
         raise ValueError(f'layout must be "w" (E, K, N) or "w_t" (E, N, K); got {layout!r}')
-    hint = "(E, K, N)" if layout == "w" else "(E, N, K)"
-    arr, _ = as_data_array(w, "w", hint, 3)
     call = _Call("PUT", f"/v1/weights/{name}", lambda r: WeightInfo.from_json(_json(r)),
-                 body=encode_safetensors({layout: arr}), progress=progress)
+                 body=encode_safetensors(weight_tensors(w, scale, layout)), progress=progress)
     return with_options(call, **common)
 
 
 def upload_file_call(name: str, path: str | os.PathLike[str], tensor: str | None,
-                     layout: str | None, progress: ProgressCallback | None,
-                     **common: Any) -> _Call[WeightInfo]:
+                     layout: str | None, scale_tensor: str | None,
+                     progress: ProgressCallback | None, **common: Any) -> _Call[WeightInfo]:
     name = check_name(name)
     entries = read_safetensors_header(path)
     if tensor is None:
@@ -177,11 +176,13 @@ def upload_file_call(name: str, path: str | os.PathLike[str], tensor: str | None
                 tensor = candidate
                 break
         else:
-            if len(entries) != 1:
+            # An FP8 file's scale is not a candidate: {"experts", "scale"} names its tensor.
+            others = [k for k in entries if k != (scale_tensor or "scale")]
+            if len(others) != 1:
                 raise ValueError(
                     f"{os.fspath(path)} holds {sorted(entries)}; name the tensor to upload "
                     "(tensor=...) or store it as 'w' (E, K, N) or 'w_t' (E, N, K)")
-            tensor = next(iter(entries))
+            tensor = others[0]
     if tensor not in entries:
         raise ValueError(f"{os.fspath(path)} has no tensor {tensor!r}; it holds "
                          f"{sorted(entries)}")
@@ -193,10 +194,12 @@ def upload_file_call(name: str, path: str | os.PathLike[str], tensor: str | None
     hint = "(E, K, N)" if layout == "w" else "(E, N, K)"
     if len(entry.shape) != 3:
         raise ValueError(f"tensor {tensor!r} must be 3-D {hint}; got shape {entry.shape}")
-    if entry.dtype not in ("F32", "F16", "BF16"):
-        raise TypeError(f"tensor {tensor!r} must be F32, F16 or BF16; got {entry.dtype}")
+    if entry.dtype not in ("F32", "F16", "BF16", *FP8_WIRE):
+        raise TypeError(f"tensor {tensor!r} must be F32, F16, BF16, F8_E4M3 or F8_E5M2; got "
+                        f"{entry.dtype}")
+    also = file_scale_parts(path, entries, tensor, layout, scale_tensor)
     call = _Call("PUT", f"/v1/weights/{name}", lambda r: WeightInfo.from_json(_json(r)),
-                 body=FileTensorPayload(path, entry, layout), progress=progress)
+                 body=FileTensorPayload(path, entry, layout, also), progress=progress)
     return with_options(call, **common)
 
 

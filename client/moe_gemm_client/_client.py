@@ -176,33 +176,48 @@ class Client(_BaseClient):
             name, request_id=request_id, timeout=timeout, max_retries=max_retries,
             extra_headers=extra_headers))
 
-    def put_weights(self, name: str, w: Any, *, layout: Literal["w", "w_t"] = "w",
-                    progress: ProgressCallback | None = None, request_id: str | None = None,
-                    timeout: TimeoutTypes = None, max_retries: int | None = None,
+    def put_weights(self, name: str, w: Any, *, scale: Any = None,
+                    layout: Literal["w", "w_t"] = "w", progress: ProgressCallback | None = None,
+                    request_id: str | None = None, timeout: TimeoutTypes = None,
+                    max_retries: int | None = None,
                     extra_headers: Mapping[str, str] | None = None) -> WeightInfo:
         """Upload (or replace) a weight set (PUT /v1/weights/{name}).
 
         Args:
             name: 1-128 characters from [A-Za-z0-9._-], not starting with ".".
-            w: float32/float16/bfloat16 numpy array (ml_dtypes.bfloat16) or torch tensor,
-                (E, K, N) for layout "w", (E, N, K) for layout "w_t". Sent in its own dtype
-                (bf16 as raw bf16, never via float32), streamed when large.
+            w: numpy array or torch tensor, (E, K, N) for layout "w", (E, N, K) for layout
+                "w_t": float32/float16/bfloat16 (numpy: ml_dtypes.bfloat16), or FP8
+                (float8_e4m3fn / float8_e5m2; numpy: ml_dtypes) together with `scale`. Sent in
+                its own dtype (bf16 and FP8 as their raw bytes, never via float32), streamed
+                when large.
+            scale: For FP8 `w` only, and required then: its float32 decoding scale
+                (w = fp8 * scale), a numpy array or torch tensor in w's own orientation:
+                128x128 blocks (E, K/128, ceil(N/128)) for "w" or (E, ceil(N/128), K/128) for
+                "w_t" (K a multiple of 128), per output channel (E, N), or per expert (E,) /
+                one value ((1,) or ()).
             layout: "w" or "w_t", as above.
             progress: Called as progress(bytes_sent, bytes_total) while the body is sent.
 
         Returns:
-            The stored weight set's WeightInfo (acknowledged once durable on the server).
+            The stored weight set's WeightInfo (acknowledged once durable on the server); for
+            FP8, dtype "float8_e4m3fn" / "float8_e5m2" and `scales` "block" | "row" | "tensor".
 
         Raises:
+            TypeError: w neither float32/float16/bfloat16 nor FP8; scale not float32 (raised
+                before any request).
+            ValueError: w not 3-D; FP8 w without scale, or scale with 16/32-bit w; a scale
+                whose shape fits no granularity above, or holding NaN / infinity (raised
+                before any request).
             PermissionDeniedError: the key is not the server's admin key.
             UnprocessableEntityError: the server rejected the shape or dtype.
         """
         return self._request(calls.put_call(
-            name, w, layout, progress, request_id=request_id, timeout=timeout,
+            name, w, scale, layout, progress, request_id=request_id, timeout=timeout,
             max_retries=max_retries, extra_headers=extra_headers))
 
     def upload_safetensors(self, name: str, path: str | os.PathLike[str], *,
                            tensor: str | None = None, layout: Literal["w", "w_t"] | None = None,
+                           scale_tensor: str | None = None,
                            progress: ProgressCallback | None = None,
                            request_id: str | None = None, timeout: TimeoutTypes = None,
                            max_retries: int | None = None,
@@ -212,14 +227,22 @@ class Client(_BaseClient):
         Args:
             name: The weight set's name.
             path: The .safetensors file.
-            tensor: Which tensor of the file (default: "w", else "w_t", else the only one).
+            tensor: Which tensor of the file (default: "w", else "w_t", else the only one
+                besides an FP8 scale).
             layout: "w" (E, K, N) or "w_t" (E, N, K) (default: the tensor's name if it is one
                 of those, else "w").
+            scale_tensor: For an F8_E4M3 / F8_E5M2 tensor, the file's F32 tensor holding its
+                decoding scale (default "scale"; shapes as for `put_weights`' scale). Sent
+                beside it, as "scale".
             progress: Called as progress(bytes_sent, bytes_total).
+
+        Raises:
+            TypeError / ValueError: as for `put_weights`, from the file's header (before any
+                request); OSError: the file cannot be read.
         """
         return self._request(calls.upload_file_call(
-            name, path, tensor, layout, progress, request_id=request_id, timeout=timeout,
-            max_retries=max_retries, extra_headers=extra_headers))
+            name, path, tensor, layout, scale_tensor, progress, request_id=request_id,
+            timeout=timeout, max_retries=max_retries, extra_headers=extra_headers))
 
     def delete_weights(self, name: str, *, request_id: str | None = None,
                        timeout: TimeoutTypes = None, max_retries: int | None = None,
@@ -268,8 +291,9 @@ class Client(_BaseClient):
                 counts and offs.
             return_request_id: Also return the server's X-Request-Id: (y, request_id).
             priority: X-Priority (0 = default, 1 = highest).
-            request_timeout_us: X-Timeout-Us: the server gives up (504) if the request has not
-                started within this many microseconds.
+            request_timeout_us: X-Timeout-Us: the server answers 504 if y is not ready this
+                many microseconds after the request arrived, whether it is still queued or
+                already running (its result is then discarded, never sent late).
 
         Returns:
             y (T, N) in x's dtype and kind: numpy in -> numpy out; torch in -> torch out, on
@@ -280,6 +304,7 @@ class Client(_BaseClient):
                 neither given (raised before any request).
             NotFoundError: no weight set `name`.
             UnprocessableEntityError: K mismatch, counts negative or not summing to T, ...
+            GatewayTimeoutError: request_timeout_us passed first (504; not retried).
         """
         return self._request(calls.grouped_mm_call(
             name, x, counts, offs, return_request_id, priority, request_timeout_us,

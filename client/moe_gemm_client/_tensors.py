@@ -47,13 +47,17 @@ __all__ = [
 ]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+FLOAT8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 # numpy dtype <-> safetensors dtype string. Data travels as F32/F16/BF16; counts/offs as I32
-# (I64 is accepted by the server and converted).
+# (I64 is accepted by the server and converted); FP8 only in weight uploads (_fp8.py).
 _WIRE_FROM_NP: dict[np.dtype[Any], str] = {
     np.dtype(np.float32): "F32",
     np.dtype(np.float16): "F16",
     BFLOAT16: "BF16",
+    FLOAT8_E4M3: "F8_E4M3",
+    FLOAT8_E5M2: "F8_E5M2",
     np.dtype(np.int32): "I32",
     np.dtype(np.int64): "I64",
     np.dtype(np.float64): "F64",
@@ -63,11 +67,13 @@ _NP_FROM_WIRE: dict[str, np.dtype[Any]] = {v: k for k, v in _WIRE_FROM_NP.items(
 DATA_DTYPES: tuple[np.dtype[Any], ...] = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 _DATA_DTYPE_TEXT = "float32, float16 or bfloat16 (numpy: ml_dtypes.bfloat16)"
 
-# Names used in WeightInfo.dtype and the JSON form of the API.
+# Names used in WeightInfo.dtype and the JSON form of the API (the server's torch names).
 _NAME_FROM_NP: dict[np.dtype[Any], str] = {
     np.dtype(np.float32): "float32",
     np.dtype(np.float16): "float16",
     BFLOAT16: "bfloat16",
+    FLOAT8_E4M3: "float8_e4m3fn",
+    FLOAT8_E5M2: "float8_e5m2",
 }
 
 # safetensors' own limit on the JSON header; a larger length field is a lie or an attack.
@@ -91,7 +97,8 @@ def from_wire_dtype(name: str) -> np.dtype[Any]:
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str:
-    """"float32" | "float16" | "bfloat16" for a data dtype (the names of the JSON API)."""
+    """"float32" | "float16" | "bfloat16" (or an FP8 name) for a data dtype (the names of the
+    JSON API)."""
     return _NAME_FROM_NP[np.dtype(dtype)]
 
 
@@ -152,7 +159,7 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _torch_to_numpy(t: Any, name: str) -> tuple[np.ndarray, ArrayKind]:
+def _torch_to_numpy(t: Any, name: str, note: str = "") -> tuple[np.ndarray, ArrayKind]:
     torch = _torch()
     kind = ArrayKind(torch=True, device=t.device)
     t = t.detach()
@@ -165,17 +172,21 @@ def _torch_to_numpy(t: Any, name: str) -> tuple[np.ndarray, ArrayKind]:
     if t.dtype in (torch.float32, torch.float16, torch.int32, torch.int64):
         return t.numpy(), kind
     raise TypeError(
-        f"{name} must be torch.float32, torch.float16 or torch.bfloat16; got {t.dtype}"
+        f"{name} must be torch.float32, torch.float16 or torch.bfloat16{note}; got {t.dtype}"
     )
 
 
 def _little_endian_c(arr: np.ndarray) -> np.ndarray:
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
+    order = arr.dtype.byteorder
+    big = order == ">" or (order == "=" and sys.byteorder == "big")
+    if big and arr.dtype.itemsize > 1:  # (1-byte dtypes, FP8 included, have no byte order)
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(arr)
+    # (np.ascontiguousarray turns a 0-d array, e.g. a per-tensor FP8 scale, into 1-d)
+    return np.ascontiguousarray(arr).reshape(arr.shape)
 
 
-def as_data_array(obj: object, name: str, shape_hint: str, ndim: int) -> tuple[np.ndarray, ArrayKind]:
+def as_data_array(obj: object, name: str, shape_hint: str, ndim: int,
+                  note: str = "") -> tuple[np.ndarray, ArrayKind]:
     """Check a float operand and return it as a little-endian C-contiguous numpy array.
 
     Args:
@@ -184,6 +195,7 @@ def as_data_array(obj: object, name: str, shape_hint: str, ndim: int) -> tuple[n
         name: The argument's name, for error messages.
         shape_hint: The expected shape in words, e.g. "(T, K)".
         ndim: The expected number of dimensions.
+        note: Added to a dtype error after the accepted dtypes (weights: "or FP8 ...").
 
     Returns:
         The array (a view when possible) and the kind to hand results back in.
@@ -193,7 +205,7 @@ def as_data_array(obj: object, name: str, shape_hint: str, ndim: int) -> tuple[n
         ValueError: obj does not have `ndim` dimensions.
     """
     if is_torch_tensor(obj):
-        arr, kind = _torch_to_numpy(obj, name)
+        arr, kind = _torch_to_numpy(obj, name, note)
     elif isinstance(obj, np.ndarray):
         arr, kind = obj, NUMPY
     else:
@@ -205,7 +217,7 @@ def as_data_array(obj: object, name: str, shape_hint: str, ndim: int) -> tuple[n
     dt = arr.dtype.newbyteorder("=") if arr.dtype.byteorder in "<>" else arr.dtype
     if dt not in DATA_DTYPES:
         extra = " (convert with .astype(np.float32))" if dt == np.float64 else ""
-        raise TypeError(f"{name} must be {_DATA_DTYPE_TEXT}; got {arr.dtype}{extra}")
+        raise TypeError(f"{name} must be {_DATA_DTYPE_TEXT}{note}; got {arr.dtype}{extra}")
     return _little_endian_c(arr), kind
 
 
@@ -438,36 +450,38 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, TensorEnt
 
 
 class FileTensorPayload(Payload):
-    """A one-tensor safetensors body whose data is streamed from a slice of a file.
+    """A safetensors body of one tensor (plus `also`, e.g. an FP8 tensor's scale) whose data is
+    streamed from slices of a file.
 
     The file is opened afresh by every `iter_chunks`, so a retried upload resends it whole.
     """
 
-    def __init__(self, path: str | os.PathLike[str], entry: TensorEntry, as_name: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], entry: TensorEntry, as_name: str,
+                 also: Sequence[tuple[TensorEntry, str]] = ()) -> None:
         self.path = os.fspath(path)
-        self.entry = entry
-        self.header = _header_bytes(
-            {
-                as_name: {
-                    "dtype": entry.dtype,
-                    "shape": list(entry.shape),
-                    "data_offsets": [0, entry.nbytes],
-                }
-            }
-        )
+        self.parts = [(entry, as_name), *also]
+        header: dict[str, Any] = {}
+        offset = 0
+        for part, name in self.parts:
+            header[name] = {"dtype": part.dtype, "shape": list(part.shape),
+                            "data_offsets": [offset, offset + part.nbytes]}
+            offset += part.nbytes
+        self.header = _header_bytes(header)
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + self.entry.nbytes
+        return len(self.header) + sum(part.nbytes for part, _ in self.parts)
 
     def iter_chunks(self, chunk_bytes: int) -> Iterator[bytes]:
         yield self.header
         with open(self.path, "rb") as f:
-            f.seek(self.entry.start)
-            left = self.entry.nbytes
-            while left > 0:
-                chunk = f.read(min(chunk_bytes, left))
-                if not chunk:
-                    raise OSError(f"{self.path} ended early (was it changed during the upload?)")
-                left -= len(chunk)
-                yield chunk
+            for part, _ in self.parts:
+                f.seek(part.start)
+                left = part.nbytes
+                while left > 0:
+                    chunk = f.read(min(chunk_bytes, left))
+                    if not chunk:
+                        raise OSError(f"{self.path} ended early (was it changed during the "
+                                      "upload?)")
+                    left -= len(chunk)
+                    yield chunk

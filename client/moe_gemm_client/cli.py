@@ -5,15 +5,18 @@
     health                                   is the server live?        (exit 0 yes, 1 no)
     ready [--wait SECONDS]                   is it ready to compute?    (exit 0 yes, 1 no)
     list [--json]                            resident weight sets
-    info NAME                                one weight set, as JSON
-    upload NAME FILE.safetensors [--tensor KEY] [--layout w|w_t] [--progress|--no-progress]
+    info NAME                                one weight set, as JSON (FP8: with "scales")
+    upload NAME FILE.safetensors [--tensor KEY] [--layout w|w_t] [--scale-tensor KEY]
+                                 [--progress|--no-progress]
     delete NAME
     grouped-mm NAME --x X (--counts C | --offs O) --out Y.npy|Y.safetensors
     grouped-gemm --in PROBLEMS.safetensors --out D.safetensors
 
-Arrays are read from .npy files or .safetensors files (the tensor named like the option, e.g.
-"x", or the file's only tensor); counts/offs may also be given inline as "3,0,5". A .npy of
-dtype V2 (what numpy writes for an ml_dtypes.bfloat16 array) is read as bfloat16.
+An FP8 (F8_E4M3 / F8_E5M2) tensor is uploaded with the file's F32 "scale" tensor (or the one
+--scale-tensor names) beside it. Arrays are read from .npy files or .safetensors files (the
+tensor named like the option, e.g. "x", or the file's only tensor); counts/offs may also be
+given inline as "3,0,5". A .npy of dtype V2 (what numpy writes for an ml_dtypes.bfloat16 array)
+is read as bfloat16.
 Exit codes: 0 success, 1 the server said no (an HTTP error, or not live/ready), 2 bad arguments
 or files, 3 the server could not be reached (connection error or timeout).
 The URL and key default to $MOE_GEMM_BASE_URL and $MOE_GEMM_API_KEY.
@@ -195,7 +198,8 @@ def _cmd_upload(client: Client, args: argparse.Namespace) -> int:
     progress = ProgressBar(f"upload {args.name}") if show else None
     try:
         info = client.upload_safetensors(args.name, args.file, tensor=args.tensor,
-                                         layout=args.layout, progress=progress)
+                                         layout=args.layout, scale_tensor=args.scale_tensor,
+                                         progress=progress)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
     _print_json(info.to_json())
@@ -280,13 +284,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", help="show one weight set")
     s.add_argument("name")
     s.set_defaults(func=_cmd_info)
-    s = sub.add_parser("upload", help="upload a .safetensors tensor as a weight set")
+    s = sub.add_parser("upload", help="upload a .safetensors tensor (FP8: with its scale) as a "
+                                      "weight set")
     s.add_argument("name")
     s.add_argument("file", help=".safetensors file")
     s.add_argument("--tensor", default=None,
-                   help="tensor in the file (default: w, else w_t, else the only one)")
+                   help="tensor in the file (default: w, else w_t, else the only one besides "
+                        "the scale)")
     s.add_argument("--layout", choices=("w", "w_t"), default=None,
                    help="w = (E, K, N), w_t = (E, N, K) (default: the tensor's name, else w)")
+    s.add_argument("--scale-tensor", default=None, metavar="KEY",
+                   help="for an FP8 tensor, the file's F32 tensor holding its decoding scale "
+                        "(default: scale)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="always show a progress bar on stderr")

@@ -1,7 +1,9 @@
 """Typed results of the API, as plain frozen dataclasses (no pydantic, no torch).
 
 They mirror docs/HTTP-API.md. `from_json` checks every field it needs and ignores extra ones, so
-a newer server that adds fields does not break an older client.
+a newer server that adds fields does not break an older client; fields a server sends only
+sometimes (WeightInfo.scales, .kernels) default to "absent", so an older server that never
+sends them works too.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["WeightInfo", "WeightDeleted", "WeightLayout", "DTypeName"]
+__all__ = ["KernelInfo", "WeightInfo", "WeightDeleted", "WeightLayout", "DTypeName",
+           "ScaleGranularity"]
 
 WeightLayout = Literal["w", "w_t"]
-DTypeName = Literal["bfloat16", "float16", "float32"]
+DTypeName = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+ScaleGranularity = Literal["block", "row", "tensor"]
 
 
 def _field(data: dict[str, Any], key: str, kind: type) -> Any:
@@ -25,6 +29,36 @@ def _field(data: dict[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+def _optional(data: dict[str, Any], key: str, kind: type) -> Any:
+    # Absent (an older server, or a set it does not apply to) and JSON null both mean None.
+    return None if data.get(key) is None else _field(data, key, kind)
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """The kernel config the server runs one warmed row count of a weight set with.
+
+    Attributes:
+        rows: T, the row count it was warmed for.
+        config: The config's name, as `moe-gemm tune` prints it (e.g. "coop 128x256 s3 p16").
+        source: Where it came from: "table:exact", "table:neighbours" or "rules".
+    """
+
+    rows: int
+    config: str
+    source: str
+
+    @classmethod
+    def from_json(cls, data: object) -> KernelInfo:
+        if not isinstance(data, dict):
+            raise ValueError(f"a kernels entry must be a JSON object; got {data!r:.200}")
+        return cls(rows=_field(data, "rows", int), config=_field(data, "config", str),
+                   source=_field(data, "source", str))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "config": self.config, "source": self.source}
+
+
 @dataclass(frozen=True)
 class WeightInfo:
     """A resident weight set on the server.
@@ -34,9 +68,13 @@ class WeightInfo:
         experts: E, the number of experts.
         k: K, the input width.
         n: N, the output width.
-        dtype: "bfloat16", "float16" or "float32".
-        bytes: Size of the weights on the server.
+        dtype: "bfloat16", "float16" or "float32"; FP8 sets "float8_e4m3fn" or "float8_e5m2".
+        bytes: Size of the weights on the server (an FP8 set's scale included).
         layout: "w" if uploaded as (E, K, N), "w_t" if as (E, N, K).
+        scales: An FP8 set's scale granularity: "block" (128x128), "row" (per output channel)
+            or "tensor" (per expert / one value); None for other sets and older servers.
+        kernels: Where the server's Hopper kernels serve the set, the config each warmed row
+            count runs; () otherwise (other backends, older servers).
     """
 
     name: str
@@ -46,6 +84,8 @@ class WeightInfo:
     dtype: str
     bytes: int
     layout: str
+    scales: str | None = None
+    kernels: tuple[KernelInfo, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -57,6 +97,7 @@ class WeightInfo:
         """Build from the server's JSON; ValueError when a field is missing or mistyped."""
         if not isinstance(data, dict):
             raise ValueError(f"WeightInfo must be a JSON object; got {data!r:.200}")
+        kernels = _optional(data, "kernels", list) or []
         return cls(
             name=_field(data, "name", str),
             experts=_field(data, "experts", int),
@@ -65,11 +106,13 @@ class WeightInfo:
             dtype=_field(data, "dtype", str),
             bytes=_field(data, "bytes", int),
             layout=_field(data, "layout", str),
+            scales=_optional(data, "scales", str),
+            kernels=tuple(KernelInfo.from_json(k) for k in kernels),
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The wire form, as the server sends it."""
-        return {
+        """The wire form, as the server sends it (scales and kernels only when present)."""
+        out: dict[str, Any] = {
             "name": self.name,
             "experts": self.experts,
             "k": self.k,
@@ -78,6 +121,11 @@ class WeightInfo:
             "bytes": self.bytes,
             "layout": self.layout,
         }
+        if self.scales is not None:
+            out["scales"] = self.scales
+        if self.kernels:
+            out["kernels"] = [k.to_json() for k in self.kernels]
+        return out
 
 
 @dataclass(frozen=True)

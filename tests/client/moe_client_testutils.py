@@ -72,11 +72,28 @@ def grouped_mm_ref(x: np.ndarray, w: np.ndarray, counts: np.ndarray) -> np.ndarr
     return y
 
 
+def dequantize_fp8(w8: np.ndarray, scale: np.ndarray, layout: str = "w") -> np.ndarray:
+    """float64 (E, K, N) weights an FP8 upload stands for: fp8 x scale, the scale broadcast by
+    its rank (3: 128x128 blocks, 2: per output channel (E, N), else per expert / one value),
+    in the upload's orientation (w (E, K, N) or w_t (E, N, K))."""
+    w = w8.astype(np.float64)
+    s = np.asarray(scale, np.float64)
+    if s.ndim == 3:
+        s = np.repeat(np.repeat(s, 128, axis=1), 128, axis=2)[:, : w.shape[1], : w.shape[2]]
+    elif s.ndim == 2:  # (E, N): N is axis 2 of w, axis 1 of w_t
+        s = s[:, None, :] if layout == "w" else s[:, :, None]
+    else:
+        s = s.reshape(-1, 1, 1)
+    w = w * s
+    return w if layout == "w" else w.transpose(0, 2, 1)
+
+
 @dataclass
 class ContractHandler:
     """The HTTP contract in memory (happy paths plus the 4xx the contract names)."""
 
     weights: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)
+    scales: dict[str, np.ndarray] = field(default_factory=dict)  # FP8 sets' "scale"
     seen: list[Seen] = field(default_factory=list)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -110,6 +127,9 @@ class ContractHandler:
                 return error(400, "missing tensor w or w_t", rid)
             status = 200 if name in self.weights else 201
             self.weights[name] = (w, layout)
+            self.scales.pop(name, None)
+            if "scale" in t:
+                self.scales[name] = t["scale"]
             return httpx.Response(status, json=self._info(name), headers={"X-Request-Id": rid})
         if name not in self.weights:
             return error(404, f"unknown weight set {name!r}", rid)
@@ -122,8 +142,12 @@ class ContractHandler:
 
     def _info(self, name: str) -> dict[str, Any]:
         w, layout = self.weights[name]
-        return {"name": name, "experts": w.shape[0], "k": w.shape[1], "n": w.shape[2],
+        info = {"name": name, "experts": w.shape[0], "k": w.shape[1], "n": w.shape[2],
                 "dtype": dtype_name(w.dtype), "bytes": int(w.nbytes), "layout": layout}
+        if name in self.scales:  # FP8: the granularity, told apart by rank as the server does
+            info["scales"] = {3: "block", 2: "row"}.get(self.scales[name].ndim, "tensor")
+            info["bytes"] += int(self.scales[name].nbytes)
+        return info
 
     def _grouped_mm(self, name: str, body: bytes, rid: str) -> httpx.Response:
         if name not in self.weights:

@@ -8,13 +8,16 @@ checked against the exception classes. Skipped only when moe_gemm_server cannot 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from moe_client_testutils import grouped_mm_ref, running_server
+from moe_client_testutils import dequantize_fp8, grouped_mm_ref, running_server
 
 import moe_gemm_client as mgc
+from moe_gemm_client import cli
 from moe_gemm_client._calls import _Call
 from moe_gemm_client._tensors import BFLOAT16, BytesPayload
 
@@ -190,3 +193,90 @@ def test_async_client_round_trip(url):
     for c, y in enumerate(ys):
         np.testing.assert_allclose(y, grouped_mm_ref(x, w, np.array([c, 5 - c])),
                                    rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# FP8 weight sets: the server quantizes x per token (group) to FP8, so y is compared with the
+# fp64 product of x and the dequantized weights within FP8's precision (e4m3: 3 mantissa bits;
+# about 4 % of max |y| was measured on these shapes).
+
+FP8_BOUND = 8e-2
+
+
+def _check_fp8_mm(reader, name, w64, rng, counts=(7, 0, 25)):
+    x = rng.standard_normal((sum(counts), w64.shape[1])).astype(BFLOAT16)
+    y = reader.grouped_mm(name, x, counts=list(counts))
+    assert y.dtype == BFLOAT16 and y.shape == (sum(counts), w64.shape[2])
+    ref = grouped_mm_ref(x, w64, np.array(counts))
+    err = np.abs(y.astype(np.float64) - ref).max()
+    assert 0 < np.abs(ref).max() and err <= FP8_BOUND * np.abs(ref).max(), err
+    y32 = reader.grouped_mm(name, x.astype(np.float32), counts=list(counts))
+    assert y32.dtype == np.float32  # float32 x works too, y in x's dtype
+
+
+def test_fp8_block_scales_numpy(admin, reader, url, capsys):
+    rng = np.random.default_rng(21)
+    E, K, N = 3, 256, 200  # N=200: the last 128-column block is partial
+    w8 = (rng.standard_normal((E, K, N)) * 40).astype(ml_dtypes.float8_e4m3fn)
+    scale = (rng.random((E, 2, 2)) * 0.02 + 1e-3).astype(np.float32)  # distinct per block
+    info = admin.put_weights("live-f8-block", w8, scale=scale)
+    assert (info.dtype, info.scales, info.layout, info.shape) == (
+        "float8_e4m3fn", "block", "w", (E, K, N))
+    assert info.bytes == w8.nbytes + scale.nbytes and info.kernels == ()  # torch backend
+    assert reader.get_weights("live-f8-block") == info
+    assert info in reader.list_weights()
+    _check_fp8_mm(reader, "live-f8-block", dequantize_fp8(w8, scale), rng)
+    # the CLI's info shows the granularity
+    assert cli.main(["--url", url, "--api-key", API_KEY, "info", "live-f8-block"]) == 0
+    assert json.loads(capsys.readouterr().out)["scales"] == "block"
+    admin.delete_weights("live-f8-block")
+
+
+def test_fp8_row_scales_torch_transposed(admin, reader):
+    torch.manual_seed(22)
+    E, K, N = 3, 64, 48
+    w_t = (torch.randn(E, N, K) * 40).to(torch.float8_e4m3fn)  # (E, N, K)
+    scale = torch.rand(E, N) * 0.02 + 1e-3  # per output channel
+    info = admin.put_weights("live-f8-row", w_t, scale=scale, layout="w_t")
+    assert (info.k, info.n, info.layout, info.scales) == (K, N, "w_t", "row")
+    w64 = dequantize_fp8(w_t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn),
+                         scale.numpy(), "w_t")
+    _check_fp8_mm(reader, "live-f8-row", w64, np.random.default_rng(22))
+    admin.delete_weights("live-f8-row")
+
+
+def test_fp8_file_upload_async(url, tmp_path):
+    import safetensors.torch
+
+    torch.manual_seed(23)
+    E, K, N = 2, 128, 160
+    w8 = (torch.randn(E, K, N) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(E, 1, 2) * 0.02 + 1e-3
+    path = tmp_path / "f8.safetensors"
+    safetensors.torch.save_file({"w": w8, "weight_scale_inv": scale}, str(path))
+    x = np.random.default_rng(23).standard_normal((9, K)).astype(np.float32)
+
+    async def go():
+        async with mgc.AsyncClient(url, api_key=ADMIN_KEY) as client:
+            info = await client.upload_safetensors("live-f8-file", path,
+                                                   scale_tensor="weight_scale_inv")
+            y = await client.grouped_mm("live-f8-file", x, counts=[4, 5])
+            await client.delete_weights("live-f8-file")
+            return info, y
+
+    info, y = asyncio.run(go())
+    assert (info.scales, info.layout) == ("block", "w")
+    w64 = dequantize_fp8(w8.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn),
+                         scale.numpy())
+    ref = grouped_mm_ref(x, w64, np.array([4, 5]))
+    assert np.abs(y - ref).max() <= FP8_BOUND * np.abs(ref).max()
+
+
+def test_fp8_server_refusal_is_typed(admin):
+    rng = np.random.default_rng(24)
+    w8 = rng.standard_normal((2, 40, 8)).astype(ml_dtypes.float8_e4m3fn)  # K=40: not 16-aligned
+    scale = np.ones((2, 8), np.float32)  # a valid row scale: only the server can refuse it
+    with pytest.raises(mgc.UnprocessableEntityError, match="multiple of 16"):
+        admin.put_weights("live-f8-bad", w8, scale=scale)
+    with pytest.raises(ValueError, match="need their float32 decoding scale"):
+        admin.put_weights("live-f8-bad", w8)  # local: never sent
