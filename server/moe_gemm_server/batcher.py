@@ -36,6 +36,7 @@ import torch
 
 from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
 
+from .logs import log_field
 from .metrics import Metrics, StatsBook
 
 log = logging.getLogger(__name__)
@@ -365,7 +366,7 @@ class Batcher:
             self.stats.launch(model, len(mine), sum(j.rows for j in mine), dt)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("launch kind=%s requests=%d rows=%d %.3f ms ids=%s", kind, len(jobs), rows,
-                      dt * 1e3, ",".join(j.request_id for j in jobs))
+                      dt * 1e3, ",".join(log_field(j.request_id) for j in jobs))
         return results
 
     def _deliver(self, job: Job, result: Any) -> None:
@@ -377,7 +378,8 @@ class Batcher:
     def _fail_launch(self, job: Job, exc: BaseException) -> None:
         """A launch of this job alone failed: logged (out of memory is expected, not a bug)."""
         if not isinstance(exc, EngineOutOfMemory):
-            log.error("launch of request %s failed", job.request_id, exc_info=exc)
+            # (a v2 request's id is the client's own string: escaped, it cannot end the line)
+            log.error("launch of request %s failed", log_field(job.request_id), exc_info=exc)
         self._fail(job, exc)
 
     def _fail(self, job: Job, exc: BaseException) -> None:

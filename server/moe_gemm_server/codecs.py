@@ -72,6 +72,12 @@ class TensorSpec:
     end: int
 
 
+def _not_json(token: str) -> Any:
+    """json.loads' parse_constant: Python's json reads NaN and (-)Infinity, which are not JSON
+    (RFC 8259) and would put non-finite numbers where the checks expect finite ones."""
+    raise ValueError(f"{token} is not a JSON number")
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
@@ -109,9 +115,12 @@ def parse_safetensors_header(
         raise bad_request("malformed safetensors: truncated header")
     raw = bytes(prefix[8:8 + n])
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                            parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"malformed safetensors: header is not valid JSON ({e})") from None
+    except RecursionError:  # a header of nested lists deeper than the parser's stack
+        raise bad_request("malformed safetensors: header is nested too deeply") from None
     if not isinstance(header, dict):
         raise bad_request("malformed safetensors: header must be a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -126,7 +135,7 @@ def parse_safetensors_header(
         if not isinstance(entry, dict):
             raise bad_request(f"malformed safetensors: entry {name!r} must be an object")
         dt, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dt not in ST_DTYPES:
+        if not isinstance(dt, str) or dt not in ST_DTYPES:  # (a list or object is unhashable)
             raise bad_request(f"malformed safetensors: tensor {name!r} has unknown dtype {dt!r}")
         if not isinstance(shape, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM for s in shape
@@ -218,7 +227,7 @@ _MATS = TypeAdapter(list[list[list[_NUM]]])
 def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
     """The body as a JSON object (400 otherwise)."""
     try:
-        obj = json.loads(bytes(body).decode("utf-8"))
+        obj = json.loads(bytes(body).decode("utf-8"), parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"malformed JSON body: {e}") from None
     except RecursionError:
@@ -229,8 +238,9 @@ def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
 
 
 def json_dtype(obj: Mapping[str, Any]) -> torch.dtype:
+    """The torch dtype a JSON body's "dtype" field names ("float32" if absent); 422 otherwise."""
     name = obj.get("dtype", "float32")
-    if name not in JSON_DTYPES:
+    if not isinstance(name, str) or name not in JSON_DTYPES:  # (a list or object is unhashable)
         raise unprocessable(
             f"dtype must be one of {', '.join(JSON_DTYPES)}; got {name!r}"
         )
@@ -264,8 +274,8 @@ def _wrong_rank(name: str, value: Any, ndim: int, hint: str) -> None:
     """
     shape = nested_shape(value)
     if shape is not None and len(shape) != ndim:
-        raise unprocessable(f"{name!r} must be {ndim}-D {hint}; got a {len(shape)}-D list of "
-                            f"shape {shape}")
+        got = "a number" if not shape else f"a {len(shape)}-D list of shape {shape}"
+        raise unprocessable(f"{name!r} must be {ndim}-D {hint}; got {got}")
 
 
 def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None,
@@ -303,10 +313,13 @@ def json_tensor3(name: str, value: Any, dtype: torch.dtype, hint: str = "") -> t
     return torch.from_numpy(arr).to(dtype)
 
 
-def json_int_vector(name: str, value: Any) -> torch.Tensor:
+def json_int_vector(name: str, value: Any, hint: str = "(E,)") -> torch.Tensor:
+    """A list of integers -> 1-D int64 tensor (400 if not integers, 422 if well-formed but of
+    another rank, as a safetensors tensor of the wrong rank is)."""
     try:
         ints = _INTS.validate_python(value)
     except ValidationError:
+        _wrong_rank(name, value, 1, hint)
         raise bad_request(f"{name!r} must be a list of integers") from None
     try:
         return torch.tensor(ints, dtype=torch.int64).reshape(-1)

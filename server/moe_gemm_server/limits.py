@@ -10,6 +10,7 @@ the same limit on the decompressed size, so a compression bomb is a 413 too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import zlib
 from collections.abc import Callable
@@ -53,14 +54,44 @@ def content_length(scope: Scope) -> int | None:
     return None
 
 
+class BodyTimeout(APIError):
+    """No piece of the request body arrived for `timeout` seconds: 408, and the connection is
+    closed (should the rest of the body come after all, it could not be told from the next
+    request)."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(408, f"no part of the request body arrived for {timeout:g} s "
+                              "(--body-timeout-s); send the body without pauses",
+                         {"Connection": "close"})
+
+
+async def _receive_within(receive: Receive, timeout: float | None) -> Message:
+    if timeout is None:
+        return await receive()
+    try:
+        async with asyncio.timeout(timeout):
+            return await receive()
+    except TimeoutError:
+        raise BodyTimeout(timeout) from None
+
+
 class BodyLimitMiddleware:
-    """413 for bodies over `limit_for(scope)` bytes, decided before reading them."""
+    """413 for bodies over `limit_for(scope)` bytes, decided before reading them; 408 when the
+    body stalls for `body_timeout_s` (None: wait for ever).
+
+    Without that timeout a client that announces a body and never sends it would hold its
+    connection, its handler and the in-flight count a drain waits on, for as long as it likes.
+    The timeout is between pieces of the body (as nginx's client_body_timeout), so a large
+    upload over a slow link is not cut while it makes progress.
+    """
 
     def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], BodyLimit],
-                 on_reject: Callable[[], None] | None = None) -> None:
+                 on_reject: Callable[[], None] | None = None,
+                 body_timeout_s: float | None = None) -> None:
         self.app = app
         self.limit_for = limit_for
         self.on_reject = on_reject
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,14 +110,22 @@ class BodyLimitMiddleware:
                                          f"{limit} bytes ({flag})", close=True)
             return
         received = 0
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise BodyTooLarge(limit, flag=flag)
+            nonlocal received, body_done
+            if body_done:
+                # The body is in: the app now waits for the client to leave (service.py), as
+                # long as its answer takes; that wait has no timeout.
+                return await receive()
+            message = await _receive_within(receive, self.body_timeout_s)
+            if message["type"] != "http.request":
+                body_done = True  # a disconnect
+                return message
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise BodyTooLarge(limit, flag=flag)
+            body_done = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)
@@ -103,56 +142,89 @@ async def _send_error(send: Send, status: int, message: str, close: bool = False
     await send({"type": "http.response.body", "body": body})
 
 
+# Compressed input is fed to zlib in pieces of this size: after a gzip member ends, zlib copies
+# the rest of its input (unused_data), and a body of many tiny members must not cost a copy of
+# the whole remainder per member.
+INFLATE_PIECE = 1 << 16
+
+
 def _decompress(data: bytes | bytearray, encoding: str, limit: int,
                 flag: str = BODY_FLAG) -> bytearray:
+    """Undo a gzip / deflate Content-Encoding, at most `limit` decompressed bytes (else 413).
+
+    A gzip body may be several members one after the other (RFC 1952; what `cat a.gz b.gz`
+    gives): all are decoded. Anything after the end of the stream that is not a further gzip
+    member is a 400, as is a stream that stops before its end.
+    """
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
-    d = zlib.decompressobj(wbits)
+    view = memoryview(data)
     out = bytearray()
+    d = zlib.decompressobj(wbits)
+    members = 1
+    pos = 0
+    pending: bytes | memoryview = b""
     try:
-        chunk = d.decompress(bytes(data), limit + 1 - len(out))
-        out += chunk
-        while d.unconsumed_tail and len(out) <= limit:
-            out += d.decompress(d.unconsumed_tail, limit + 1 - len(out))
-        if len(out) > limit:
-            raise BodyTooLarge(limit, "decompressed request body", flag)
-        out += d.flush()
+        while pending or pos < len(view):
+            if not pending:
+                pending, pos = view[pos:pos + INFLATE_PIECE], pos + INFLATE_PIECE
+            out += d.decompress(pending, limit + 1 - len(out))
+            if len(out) > limit:
+                raise BodyTooLarge(limit, "decompressed request body", flag)
+            pending = d.unconsumed_tail
+            if d.eof and (d.unused_data or pos < len(view)):
+                if encoding != "gzip":
+                    raise bad_request(f"request body has data after the end of its {encoding} "
+                                      "stream")
+                pending, d, members = d.unused_data, zlib.decompressobj(wbits), members + 1
     except zlib.error as e:
-        raise bad_request(f"request body is not valid {encoding} data: {e}") from None
-    if len(out) > limit:
-        raise BodyTooLarge(limit, "decompressed request body", flag)
+        raise bad_request(_inflate_error(encoding, members, f"not valid {encoding} data: {e}")
+                          ) from None
     if not d.eof:
-        raise bad_request(f"request body is truncated {encoding} data")
+        raise bad_request(_inflate_error(encoding, members, f"truncated {encoding} data"))
     return out
+
+
+def _inflate_error(encoding: str, members: int, what: str) -> str:
+    if members == 1:
+        return f"request body is {what}"
+    return f"request body has data after its {encoding} stream that is not a gzip member ({what})"
+
+
+# Compressed bodies up to this size are decoded on the event loop; larger ones in a worker
+# thread (a body of many small gzip members takes a while to walk).
+INLINE_INFLATE_BYTES = 64 << 10
+
+
+def _body_encoding(request: Request, allow_encoding: bool) -> str | None:
+    """"gzip" / "deflate" / None (identity) from Content-Encoding; 415 for anything else."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    if encoding in ("gzip", "deflate") and allow_encoding:
+        return encoding
+    raise APIError(415, f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
 
 
 async def read_body(request: Request, limit: int, *, allow_encoding: bool = True,
                     flag: str = BODY_FLAG) -> bytearray:
     """The whole request body (decompressed), at most `limit` bytes (set by `flag`), else 413."""
+    encoding = _body_encoding(request, allow_encoding)  # 415 before reading a byte
     declared = content_length(request.scope)
-    if declared is not None and declared <= limit:
-        # One allocation of the announced size, filled in place: no regrowth copies of a
-        # multi-megabyte body (h11 has already checked the chunks against Content-Length).
-        buf = bytearray(declared)
-        view = memoryview(buf)
-        n = 0
-        async for chunk in request.stream():
-            end = n + len(chunk)
-            if end > declared:
-                raise bad_request("request body is longer than its Content-Length")
-            view[n:end] = chunk
-            n = end
-        view.release()
-        if n != declared:
-            raise bad_request("request body is shorter than its Content-Length")
-    else:
-        buf = bytearray()
-        async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > limit:
-                raise BodyTooLarge(limit, flag=flag)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding in ("", "identity"):
+    # Grown as the bytes arrive, never allocated from Content-Length up front: a client that
+    # announces 64 MB and sends 100 bytes must cost 100 bytes, not 64 MB (twenty such
+    # connections cost 1.3 GB). bytearray grows geometrically, in place where the allocator
+    # can (large blocks are remapped, not copied).
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise BodyTooLarge(limit, flag=flag)
+        if declared is not None and len(buf) > declared:
+            raise bad_request("request body is longer than its Content-Length")
+    if declared is not None and len(buf) != declared:
+        raise bad_request("request body is shorter than its Content-Length")
+    if encoding is None:
         return buf
-    if encoding in ("gzip", "deflate") and allow_encoding:
+    if len(buf) <= INLINE_INFLATE_BYTES:
         return _decompress(buf, encoding, limit, flag)
-    raise APIError(415, f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
+    return await asyncio.to_thread(_decompress, buf, encoding, limit, flag)

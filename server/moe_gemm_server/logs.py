@@ -10,10 +10,22 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
+from urllib.parse import quote
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+
+def log_field(value: object) -> str:
+    """A client-given value (a path, a weight-set name, a client's id) as one token of a log line.
+
+    Percent-encoded beyond letters, digits and `_.-~/:@[]+,` (so a valid name or path reads as
+    is): a newline, a space or an `=` in the value can then neither end the line nor fake
+    another field, e.g. a name "x\nFORGED audit action=delete_weights ..." that would otherwise
+    write a forged audit line. urllib.parse.unquote gives the value back.
+    """
+    return quote(str(value), safe="/:@[]+,")
 
 
 class RequestIdFilter(logging.Filter):

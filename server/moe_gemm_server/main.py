@@ -8,13 +8,14 @@ request-validation errors alike.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import Scope
 
 from moe_gemm_server.engine import Engine
@@ -23,7 +24,7 @@ from . import __version__
 from .config import Settings, get_settings
 from .errors import APIError, error_response, request_id_of
 from .limits import BODY_FLAG, WEIGHT_FLAG, BodyLimit, BodyLimitMiddleware
-from .middleware import ObservabilityMiddleware
+from .middleware import HeadAsGetMiddleware, ObservabilityMiddleware
 from .routers import health, matmul, metrics, v2, weights
 from .service import Service
 
@@ -58,8 +59,14 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         BodyLimitMiddleware,
         limit_for=limit_for,
         on_reject=service.metrics.rejections.labels("too_large").inc,
+        body_timeout_s=settings.body_timeout_s,
     )
+    app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(ObservabilityMiddleware, metrics=service.metrics)
+
+    routers = [module.router for module in (health, weights, matmul, v2, metrics)]
+    # (the app's own route list holds wrappers of the included routers, not their routes)
+    api_routes = [route for router in routers for route in router.routes]
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -70,10 +77,16 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, request_id_of(request),
-                              getattr(exc, "headers", None))
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route whose path matched; the answer
+            # must name every method the path has (RFC 9110, 15.5.6).
+            allow = allowed_methods([*app.router.routes, *api_routes], request.scope)
+            headers["Allow"] = ", ".join(allow)
+            message = f"method not allowed: {request.url.path} takes {', '.join(allow)}"
+        return error_response(exc.status_code, message, request_id_of(request), headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -83,6 +96,23 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         return error_response(422, f"invalid request: {loc}: {first.get('msg', exc)}",
                               request_id_of(request))
 
-    for module in (health, weights, matmul, v2, metrics):
-        app.include_router(module.router)
+    for router in routers:
+        app.include_router(router)
     return app
+
+
+# The order methods are listed in an Allow header.
+METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
+
+
+def allowed_methods(routes: Iterable[BaseRoute], scope: Scope) -> list[str]:
+    """Every method one of `routes` takes on the scope's path (HEAD wherever GET is)."""
+    methods: set[str] = set()
+    for route in routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(scope)[0] != Match.NONE:
+            methods |= set(route_methods)
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER
+                                          else len(METHOD_ORDER), m))

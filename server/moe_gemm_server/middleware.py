@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError
-from .logs import request_id_var
+from .logs import log_field, request_id_var
 from .metrics import Metrics
 
 log = logging.getLogger("moe_gemm_server.access")
@@ -78,7 +78,8 @@ class ObservabilityMiddleware:
             if isinstance(e, APIError):
                 code, msg = e.status, e.message
             else:
-                errlog.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+                errlog.exception("unhandled error in %s %s", log_field(scope.get("method", "")),
+                                 log_field(scope.get("path", "")))
                 code, msg = 500, f"internal error ({type(e).__name__}); request id {rid}"
             if not sent_start:
                 body = json.dumps({"error": msg, "request_id": rid}).encode()
@@ -98,5 +99,38 @@ class ObservabilityMiddleware:
             self.metrics.latency.labels(label, method).observe(dt)
             path = scope.get("path", "")
             if path not in _QUIET or status >= 400:
-                log.info("%s %s %s %.1fms", method, path, status or 500, dt * 1e3)
+                # (the path is the client's, decoded: escaped so that it cannot end the line)
+                log.info("%s %s %s %.1fms", log_field(method), log_field(path), status or 500,
+                         dt * 1e3)
             request_id_var.reset(token)
+
+
+class HeadAsGetMiddleware:
+    """HEAD wherever GET is (RFC 9110, 9.3.2): the GET route answers, without its body.
+
+    FastAPI routes take only the methods they declare (Starlette's own routes add HEAD to GET
+    themselves). The app below runs on a copy of the scope that says GET: the server's own
+    scope must keep saying HEAD (uvicorn sends no body for a HEAD by it, and the access log
+    and the metrics name the method the client used). A HEAD on a path without GET gets 405.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                # (Content-Length stays the GET answer's, as HEAD requires)
+                message = {**message, "body": b""}
+            await send(message)
+
+        as_get = {**scope, "method": "GET"}  # (the state dict is shared, not copied)
+        try:
+            await self.app(as_get, receive, send_headers_only)
+        finally:
+            if "route" in as_get:  # the route template the metrics label requests with
+                scope["route"] = as_get["route"]

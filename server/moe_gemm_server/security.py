@@ -21,11 +21,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from .auth import bearer_token
 from .config import Settings
 from .errors import APIError
+from .logs import log_field
 
 log = logging.getLogger("moe_gemm_server")
 audit_log = logging.getLogger("moe_gemm_server.audit")
@@ -120,11 +121,14 @@ def _client(request: Request) -> str:
 
 
 def write_audit(request: Request, record: AuditRecord, elapsed_s: float) -> None:
+    """One line per admin action. The fields a client chooses (the name, its address, the
+    detail, which may quote the name) are escaped (logs.log_field, repr), so that no request can
+    end the line or write a line of its own."""
     outcome = "ok" if 200 <= record.status < 300 else "refused"
     audit_log.info(
         "audit action=%s name=%s outcome=%s status=%d key_id=%s client=%s elapsed_ms=%.1f%s",
-        record.action, record.name, outcome, record.status,
-        key_id(bearer_token(request)), _client(request), elapsed_s * 1e3,
+        record.action, log_field(record.name), outcome, record.status,
+        key_id(bearer_token(request)), log_field(_client(request)), elapsed_s * 1e3,
         f" detail={record.detail!r}" if record.detail else "",
     )
 
@@ -140,7 +144,7 @@ def audited(request: Request, action: str, name: str) -> Iterator[AuditRecord]:
     except APIError as e:
         record.status, record.detail = e.status, e.message[:200]
         raise
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ClientDisconnect):  # (mid-body: starlette's exception)
         record.status, record.detail = 499, "client disconnected"
         raise
     except BaseException:

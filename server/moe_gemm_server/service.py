@@ -103,6 +103,7 @@ class Service(WeightsMixin):
         self.batcher.start()
         self.not_ready_reason = "loading weights and compiling kernels"
         self._load_task = asyncio.get_running_loop().create_task(self._load_all())
+        self._load_task.add_done_callback(self._load_finished)
 
     async def _load_all(self) -> None:
         assert self.engine is not None
@@ -110,25 +111,8 @@ class Service(WeightsMixin):
         await asyncio.to_thread(self.store.cleanup_temp)
         names = await asyncio.to_thread(self.store.names)
         for name in names:
-            fid = self.watcher.file_id(name)  # before reading: a later rewrite is noticed
-            try:
-                tensor, layout, scale = await asyncio.to_thread(self.store.load, name)
-                self._check_budget(name, tensor.numel() * tensor.element_size())
-                await asyncio.to_thread(functools.partial(self.engine.add_weights, name, tensor,
-                                                          layout, scale=scale))
-                self.watcher.record(name, fid)
-            except Exception as e:
-                if self._check_fatal(e):
-                    return
-                if not isinstance(e, (APIError, ValueError, TypeError, OSError,
-                                      EngineOutOfMemory)):
-                    raise
-                msg = e.message if isinstance(e, APIError) else str(e)
-                if fid is not None:
-                    self.watcher.failed[name] = fid
-                self.load_errors[name] = msg
-                self.metrics.weight_load_errors.inc()
-                log.error("could not load weight set %r from %s: %s", name, self.store.root, msg)
+            if not await self._load_stored(name):
+                return  # a sticky device error: the process is going away
         try:
             await asyncio.to_thread(self.engine.warm_up_grouped_gemm)
         except Exception:  # noqa: BLE001 - the matmul path will report its own errors
@@ -142,6 +126,43 @@ class Service(WeightsMixin):
         if self.settings.sync_interval_s > 0:  # sets written by other servers (sync.py)
             self._sync_task = asyncio.get_running_loop().create_task(
                 self.watcher.run(self.settings.sync_interval_s))
+
+    async def _load_stored(self, name: str) -> bool:
+        """Load, check and warm one stored set. A file that cannot be loaded, for whatever
+        reason (a malformed or pathological header, a bad tensor, over the budget, a bug), is
+        logged and skipped: one bad file must not keep the server from ever being ready.
+        Returns False only after a sticky device error."""
+        assert self.engine is not None
+        fid = self.watcher.file_id(name)  # before reading: a later rewrite is noticed
+        try:
+            tensor, layout, scale = await asyncio.to_thread(self.store.load, name)
+            self._check_budget(name, tensor.numel() * tensor.element_size())
+            await asyncio.to_thread(functools.partial(self.engine.add_weights, name, tensor,
+                                                      layout, scale=scale))
+            self.watcher.record(name, fid)
+            return True
+        except Exception as e:  # noqa: BLE001 - any per-file failure is that file's alone
+            if self._check_fatal(e):
+                return False
+            msg = e.message if isinstance(e, APIError) else str(e) or type(e).__name__
+            if not isinstance(e, (APIError, ValueError, TypeError, OSError, EngineOutOfMemory)):
+                msg = f"{type(e).__name__}: {msg}"  # unexpected: say what it was
+                log.exception("unexpected error loading weight set %r", name)
+        if fid is not None:
+            self.watcher.failed[name] = fid
+        self.load_errors[name] = msg
+        self.metrics.weight_load_errors.inc()
+        log.error("could not load weight set %r from %s: %s", name, self.store.root, msg)
+        return True
+
+    def _load_finished(self, task: asyncio.Task[None]) -> None:
+        """Say why, should loading and warming fail as a whole: the server stays not-ready, and
+        an exception kept in a task nobody awaits would never be seen."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.not_ready_reason = f"start-up failed ({type(exc).__name__}: {exc}); see the log"
+        log.error("loading the stored weight sets failed; not ready", exc_info=exc)
 
     async def wait_ready(self) -> None:
         if self._load_task is not None:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
 
-from .codecs import JSON_DTYPES, encode_safetensors, json_tensor3, parse_json_object
+from .codecs import encode_safetensors, json_dtype, json_tensor3, parse_json_object
 from .config import Settings
 from .errors import APIError, unavailable, unprocessable
 from .faults import is_no_space
@@ -59,7 +59,10 @@ class WeightsMixin:
     _reserved_bytes: int
 
     def weight_set(self, name: str) -> WeightSet:
+        """The resident set `name`: 422 for a name no set can have (as PUT and DELETE answer),
+        404 for a valid name that is not resident."""
         assert self.engine is not None
+        check_name(name)
         try:
             return self.engine.get_weights(name)
         except KeyError:
@@ -74,23 +77,21 @@ class WeightsMixin:
         """Receive, check, warm, persist and install a weight set. Returns (set, created)."""
         assert self.engine is not None and self._weights_lock is not None
         check_name(name)
+        _check_no_encoding(request)
         temp = self.store.new_temp()
         try:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype == "application/json":
                 body = await read_body(request, self.settings.max_weight_bytes,
-                                       flag=WEIGHT_FLAG)
+                                       allow_encoding=False, flag=WEIGHT_FLAG)
                 data = await asyncio.to_thread(_json_weights, body)
                 await asyncio.to_thread(_write_file, temp, data)
             elif ctype in SAFETENSORS_TYPES:
-                enc = request.headers.get("content-encoding", "identity").strip().lower()
-                if enc not in ("", "identity"):
-                    raise APIError(415, "weight uploads take no Content-Encoding")
                 await _stream_to_file(request, temp, self.settings.max_weight_bytes)
             else:
                 raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
                                     "(application/octet-stream) or application/json")
-            tensor, layout, scale = await asyncio.to_thread(read_weight_file, temp)
+            tensor, layout, scale = await asyncio.to_thread(read_weight_file, temp, True)
             nbytes = tensor.numel() * tensor.element_size()
             self._check_budget(name, nbytes)
             self._reserved_bytes += nbytes  # no await since the check: admission is atomic
@@ -101,9 +102,11 @@ class WeightsMixin:
                 except (ValueError, TypeError) as e:
                     raise unprocessable(str(e)) from None
                 async with self._weights_lock:
-                    await asyncio.to_thread(self.store.commit, temp, name)
+                    # The identity of the file we wrote, not of whatever holds the name now
+                    # (another replica's rename may already have replaced ours: storage.commit).
+                    fid = await asyncio.to_thread(self.store.commit, temp, name)
                     old = self.engine.install(ws)
-                    self.watcher.record(name, self.watcher.file_id(name))
+                    self.watcher.record(name, fid)
                     self._update_weight_metrics()
             finally:
                 self._reserved_bytes -= nbytes
@@ -166,6 +169,14 @@ class WeightsMixin:
         log.info("weight set %r deleted", name)
 
 
+def _check_no_encoding(request: Request) -> None:
+    """415 for a compressed upload, JSON or safetensors alike (docs/HTTP-API.md: weight uploads
+    take no encoding; a safetensors upload is streamed to disk as sent), before reading it."""
+    enc = request.headers.get("content-encoding", "identity").strip().lower()
+    if enc not in ("", "identity"):
+        raise APIError(415, f"weight uploads take no Content-Encoding; got {enc!r}")
+
+
 async def _stream_to_file(request: Request, path: Path, limit: int) -> None:
     total = 0
     buf = bytearray()
@@ -196,10 +207,7 @@ def _write_file(path: Path, data: bytes) -> None:
 def _json_weights(body: bytearray) -> bytes:
     """{"w" | "w_t": [[[...]]], "dtype"} -> a safetensors body."""
     obj = parse_json_object(body)
-    dtype = JSON_DTYPES.get(obj.get("dtype", "float32"))
-    if dtype is None:
-        raise unprocessable(f"dtype must be one of {', '.join(JSON_DTYPES)}; got "
-                            f"{obj.get('dtype')!r}")
+    dtype = json_dtype(obj)
     names = [k for k in obj if k != "dtype"]
     if names not in (["w"], ["w_t"]):
         raise unprocessable("expected exactly one field 'w' (E, K, N) or 'w_t' (E, N, K) "

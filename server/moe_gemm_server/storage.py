@@ -29,6 +29,14 @@ SUFFIX = ".safetensors"
 TEMP_PREFIX = ".upload-"
 TEMP_SUFFIX = ".tmp"
 
+# A file version's identity: (inode, size, mtime_ns). A rename keeps all three, so the identity
+# of a temp file is the identity its final name has once it is renamed there.
+FileId = tuple[int, int, int]
+
+
+def file_id_of(st: os.stat_result) -> FileId:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
 
 def check_name(name: str) -> None:
     """422 unless `name` is 1-128 characters of [A-Za-z0-9._-], not starting with '.'."""
@@ -47,9 +55,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_weight_file(path: Path) -> tuple[torch.Tensor, str, torch.Tensor | None]:
+def read_weight_file(path: Path, check_values: bool = False
+                     ) -> tuple[torch.Tensor, str, torch.Tensor | None]:
     """Load and check a weight file: one tensor, "w" (E, K, N) or "w_t" (E, N, K), in BF16,
     F16, F32 or FP8 (F8_E4M3, F8_E5M2); an FP8 one with its F32 "scale" (fp8_weights.py).
+
+    check_values: also refuse (422) a tensor holding NaN or infinity: an upload's check. A
+        stored file is loaded as it is (it was acknowledged; reading every value again would
+        also cost each start a pass over all resident weights).
 
     Returns:
         (tensor on the CPU, layout "w" or "w_t", scale or None).
@@ -87,6 +100,8 @@ def read_weight_file(path: Path) -> tuple[torch.Tensor, str, torch.Tensor | None
         raise unprocessable(f"{layout!r} {want} needs every dimension >= 1; got "
                             f"{list(spec.shape)}")
     t = tensor_from_buffer(buf, spec.dtype, spec.shape, data_start + spec.start)
+    if check_values:
+        check_finite(t, layout)
     scale = None
     if "scale" in specs:
         ss = specs["scale"]
@@ -96,6 +111,22 @@ def read_weight_file(path: Path) -> tuple[torch.Tensor, str, torch.Tensor | None
     except (ValueError, TypeError) as e:
         raise unprocessable(str(e)) from None
     return t, layout, scale
+
+
+# Elements checked at a time by check_finite (bounds its temporary to 16M flags / floats).
+FINITE_CHUNK = 1 << 24
+
+
+def check_finite(t: torch.Tensor, name: str) -> None:
+    """422 if `t` holds a NaN or an infinity: a non-finite weight turns every answer that
+    touches its expert into NaN / inf (as a non-finite FP8 scale would, which is refused too)."""
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), FINITE_CHUNK):
+        part = flat[start:start + FINITE_CHUNK]
+        if part.dtype == torch.float8_e4m3fn:
+            part = part.to(torch.float16)  # (isfinite has no e4m3 kernel; every value fits)
+        if not bool(torch.isfinite(part).all()):
+            raise unprocessable(f"{name!r} must hold finite values; got NaN or infinity")
 
 
 class WeightStore:
@@ -138,16 +169,24 @@ class WeightStore:
                 out.append(stem)
         return sorted(out)
 
-    def commit(self, temp: Path, name: str) -> None:
-        """fsync `temp`, rename it to the set's file, fsync the directory."""
+    def commit(self, temp: Path, name: str) -> FileId:
+        """fsync `temp`, rename it to the set's file, fsync the directory.
+
+        Returns the identity of the file this call renamed into place, taken from `temp`
+        before the rename: another server sharing the directory may rename its own upload over
+        the name right after ours, and a stat of the name would then return that one's
+        identity beside our data (sync.py would never reload the winner's file).
+        """
         final = self.path_for(name)
         fd = os.open(temp, os.O_RDONLY)
         try:
             os.fsync(fd)
+            fid = file_id_of(os.fstat(fd))
         finally:
             os.close(fd)
         os.replace(temp, final)
         _fsync_dir(self.root)
+        return fid
 
     def write(self, name: str, data: bytes) -> None:
         """Atomically store `data` as the set's file."""

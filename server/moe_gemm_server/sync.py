@@ -23,14 +23,12 @@ import os
 from typing import TYPE_CHECKING
 
 from .errors import APIError
+from .storage import FileId, file_id_of
 
 if TYPE_CHECKING:
     from .service import Service
 
 log = logging.getLogger(__name__)
-
-FileId = tuple[int, int, int]  # (inode, size, mtime_ns)
-
 
 class StoreWatcher:
     """What this server loaded from the data directory, and the rescans that catch up."""
@@ -46,7 +44,7 @@ class StoreWatcher:
             st = os.stat(self.service.store.path_for(name))
         except FileNotFoundError:
             return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+        return file_id_of(st)
 
     def record(self, name: str, fid: FileId | None) -> None:
         """This server installed `name` from the file version `fid` (or removed it: None)."""

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic_core import from_json
 
 from .codecs import MAX_DIM, encode_json, tensor_from_buffer
 from .errors import bad_request
@@ -62,6 +63,16 @@ class V2Request(BaseModel):
     parameters: dict[str, PARAM_VALUE] | None = None
     inputs: list[V2Input] = Field(min_length=1)
     outputs: list[V2Output] | None = None
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _id_is_a_string(cls, v: object) -> object:
+        # The protocol's id is a string. An integer is still taken (and echoed as a string), as
+        # this server always has; anything else (true, 1.5, a list) is refused, where the lax
+        # union would have turned true into "1".
+        if v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        raise ValueError(f"must be a string; got {type(v).__name__}")
 
 
 def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
@@ -120,8 +131,10 @@ def parse_request(
             )
     else:
         n = len(body)
+    raw = bytes(body[:n])
+    _check_no_nan_tokens(raw)
     try:
-        req = V2Request.model_validate_json(bytes(body[:n]))
+        req = V2Request.model_validate_json(raw)
     except ValidationError as e:
         raise bad_request(f"malformed inference request: {_first_error(e)}") from None
     mv = memoryview(body)
@@ -173,6 +186,23 @@ def parse_request(
             f"add up to {pos - n}"
         )
     return req, tensors
+
+
+def _check_no_nan_tokens(raw: bytes) -> None:
+    """400 for the bare NaN / Infinity / -Infinity tokens, which are not JSON (RFC 8259) but which
+    pydantic's parser reads as numbers. Only a header that holds the letters at all (in a
+    name, say) pays for the second, strict parse."""
+    if b"NaN" not in raw and b"Infinity" not in raw:
+        return
+    try:
+        from_json(raw, allow_inf_nan=False)
+    except ValueError as e:
+        try:
+            from_json(raw)
+        except ValueError:
+            return  # malformed for another reason: model_validate_json says which
+        raise bad_request(f"malformed inference request: {e} (NaN and Infinity are not JSON "
+                          "numbers)") from None
 
 
 def _first_error(e: ValidationError) -> str:

@@ -3,6 +3,7 @@ a replacement or a delete through either one is served by the other within the r
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 from server_testutils import LiveServer, mm_ref, st_body, st_load
 
 ADMIN = "replica-admin-key"
@@ -103,3 +105,31 @@ def test_a_replica_started_later_loads_everything(replicas, tmp_path: Path) -> N
             assert _served(cc, "late", w)
     finally:
         c.stop()
+
+
+def test_concurrent_uploads_through_both_converge_on_the_file_on_disk(replicas) -> None:
+    """Both replicas PUT one name at once: whichever rename lands last is on disk, and within
+    a few intervals both replicas serve exactly that file (a replica that recorded the other's
+    file identity beside its own data used to serve its own upload forever)."""
+    a, b = replicas
+    E, K, N = 2, 8, 4
+    path = a.data_dir / "race.safetensors"
+    with _client(a) as ca, _client(b) as cb:
+        for trial in range(6):
+            wa, wb = torch.full((E, K, N), float(trial)), torch.full((E, K, N), 100.0 + trial)
+            bodies = {ca: st_body({"w": wa}), cb: st_body({"w": wb})}
+            statuses: list[int] = []
+
+            def put(c: httpx.Client) -> None:
+                statuses.append(c.put("/v1/weights/race", content=bodies[c]).status_code)
+
+            threads = [threading.Thread(target=put, args=(c,)) for c in (ca, cb)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert len(statuses) == 2 and set(statuses) <= {200, 201}, statuses
+            on_disk = load_file(path)["w"]
+            assert torch.equal(on_disk, wa) or torch.equal(on_disk, wb)
+            _until(lambda: _served(ca, "race", on_disk) and _served(cb, "race", on_disk),
+                   f"trial {trial}: both replicas serve the file on disk", timeout=5.0)

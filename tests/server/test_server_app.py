@@ -165,6 +165,64 @@ def test_unhandled_error_is_a_json_500(tmp_path, monkeypatch):
         assert client.get("/v2/health/ready").status_code == 200
 
 
+class BuggyEngine(Engine):
+    """add_weights fails in a way no check foresaw, for the set named "buggy"."""
+
+    def add_weights(self, name, *args, **kwargs):
+        if name == "buggy":
+            raise KeyError("an unforeseen bug")
+        return super().add_weights(name, *args, **kwargs)
+
+
+def test_files_that_cannot_be_loaded_are_skipped_and_the_server_gets_ready(tmp_path):
+    """A header nested 100000 deep beside a valid file (a RecursionError escaped the loader:
+    not ready for ever), and any other per-file failure, is logged and skipped. A stored file
+    with a NaN (acknowledged before uploads were checked for them) is served as stored."""
+    import struct
+
+    from safetensors.torch import save
+
+    data = tmp_path / "data"
+    data.mkdir()
+    header = b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (data / "deep.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    w = torch.randn(2, 4, 3)
+    (data / "fine.safetensors").write_bytes(save({"w": w}))
+    (data / "buggy.safetensors").write_bytes(save({"w": w}))
+    nan = w.clone()
+    nan[0, 0, 0] = float("nan")
+    (data / "nan.safetensors").write_bytes(save({"w": nan}))
+    app = create_app(_settings(tmp_path), engine=BuggyEngine("cpu"))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        names = [i["name"] for i in client.get("/v1/weights").json()["weights"]]
+        assert names == ["fine", "nan"]
+        x, counts = torch.randn(3, 4), torch.tensor([1, 2])
+        r = client.post("/v1/weights/fine/grouped-mm", content=st_body({"x": x, "counts": counts}))
+        assert torch.allclose(st_load(r.content)["y"].double(), mm_ref(x, w, counts), atol=1e-4)
+        errors = app.state.service.load_errors
+        assert sorted(errors) == ["buggy", "deep"]
+        assert "nested too deeply" in errors["deep"] and "KeyError" in errors["buggy"]
+
+
+def test_a_start_up_that_fails_as_a_whole_says_why(tmp_path, monkeypatch):
+    """An error outside any one file (here: the directory cannot be listed) used to end the
+    load task silently, readiness saying "loading" for ever."""
+    from moe_gemm_server.storage import WeightStore
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self.root))
+
+    monkeypatch.setattr(WeightStore, "names", unreadable)
+    with TestClient(create_app(_settings(tmp_path))) as client:
+        deadline = time.monotonic() + 30
+        while "start-up failed" not in client.get("/v2/health/ready").json()["error"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = client.get("/v2/health/ready")
+        assert r.status_code == 503 and "PermissionError" in r.json()["error"]
+
+
 # --------------------------------------------------------------------------- settings, CLI
 
 
@@ -189,6 +247,7 @@ def test_settings_defaults_are_safe():
     assert s.host == "127.0.0.1" and s.port == 8000
     assert s.max_body_bytes == 64 << 20 and s.api_key == [] and s.admin_key is None
     assert s.max_queue > 0 and s.max_rows > 0 and s.max_flops > 0
+    assert 0 < s.body_timeout_s <= 300  # a stalled body is cut, but not a slow upload
 
 
 def test_cli_rejects_bad_values(capsys):
@@ -197,11 +256,14 @@ def test_cli_rejects_bad_values(capsys):
     with pytest.raises(SystemExit):
         settings_from_args(["--max-queue", "0"])
     with pytest.raises(SystemExit):
+        settings_from_args(["--body-timeout-s", "0"])
+    assert settings_from_args(["--body-timeout-s", "2.5"]).body_timeout_s == 2.5
+    with pytest.raises(SystemExit):
         build_parser().parse_args(["--backend", "magic"])
     flags = build_parser().format_help()
     for flag in ("--host", "--port", "--data-dir", "--api-key", "--admin-key",
                  "--max-body-bytes", "--max-rows", "--max-flops", "--log-level",
-                 "--batch-delay-us", "--max-queue", "--no-batching"):
+                 "--batch-delay-us", "--max-queue", "--no-batching", "--body-timeout-s"):
         assert flag in flags
 
 

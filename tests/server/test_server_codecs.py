@@ -6,6 +6,7 @@ import gzip
 import json
 import struct
 import zlib
+from urllib.parse import unquote
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from moe_gemm_server.codecs import (
 )
 from moe_gemm_server.errors import APIError
 from moe_gemm_server.limits import _decompress
+from moe_gemm_server.logs import log_field
 from moe_gemm_server.storage import WeightStore, check_name, read_weight_file
 from moe_gemm_server.v2 import encode_response, parse_request
 
@@ -85,6 +87,16 @@ def test_safetensors_unaligned_offsets_are_copied():
               b"\0" * 4), "needs"),
         (_raw({"x": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 4]}},
               b"\0" * 4), "shape must be a list of ints in"),
+        # a dtype that is not a string (was an unhashable-lookup TypeError: a 500)
+        (_raw({"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+         "unknown dtype"),
+        (_raw({"x": {"dtype": {}, "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+         "unknown dtype"),
+        # nested past the JSON parser's stack (was a RecursionError: a 500)
+        (_raw(b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), "nested too deeply"),
+        # NaN is not JSON
+        (_raw(b'{"x": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}', b"\0" * 4),
+         "NaN is not a JSON number"),
     ],
 )
 def test_safetensors_lies_are_400(body, match):
@@ -110,6 +122,8 @@ def test_json_decoders():
     assert g["a.0"].shape == (1, 2) and g["a.1"].shape == (0, 1) and g["b.1"].shape == (1, 3)
     for bad, status in [
         (b"[1]", 400), (b"{", 400), (b"\xff", 400),
+        # Python's json reads these; they are not JSON
+        (b'{"x": [[NaN]]}', 400), (b'{"x": [[Infinity]]}', 400), (b'{"x": [[-Infinity]]}', 400),
     ]:
         with pytest.raises(APIError) as ei:
             parse_json_object(bad)
@@ -123,10 +137,44 @@ def test_json_decoders():
         ({"counts": [1]}, 400),
         ({"x": [[1, 2]], "counts": [1], "y": 1}, 400),
         ({"x": [[1, 2]], "counts": [1], "dtype": "int8"}, 422),
+        # a dtype that is not a string: 422 like any unknown dtype (was a TypeError: 500)
+        ({"x": [[1, 2]], "counts": [1], "dtype": ["float32"]}, 422),
+        ({"x": [[1, 2]], "counts": [1], "dtype": {"a": 1}}, 422),
+        # counts of the wrong rank: 422, as a safetensors tensor of the wrong rank (was 400)
+        ({"x": [[1, 2]], "counts": [[1]]}, 422),
+        ({"x": [[1, 2]], "counts": 1}, 422),
+        ({"x": [[1, 2]], "offs": [[1]]}, 422),
+        ({"x": [[1, 2]], "counts": [[1], [1, 2]]}, 400),  # ragged: malformed, not a rank
     ]:
         with pytest.raises(APIError) as ei:
             decode_json_grouped_mm(obj, K=2)
         assert ei.value.status == status, obj
+
+
+@pytest.mark.parametrize("rid, ok", [("abc", True), (7, True), (None, True), (True, False),
+                                     (1.5, False), (["a"], False)])
+def test_v2_id_is_a_string(rid, ok):
+    """The protocol's id is a string (an integer is still taken); true was read as "1"."""
+    hdr = json.dumps({"id": rid, "inputs": [
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}).encode()
+    if ok:
+        assert parse_request(bytearray(hdr), None)[0].id == rid
+        return
+    with pytest.raises(APIError, match="id: .*must be a string") as ei:
+        parse_request(bytearray(hdr), None)
+    assert ei.value.status == 400
+
+
+@pytest.mark.parametrize("token", [b"NaN", b"Infinity", b"-Infinity"])
+def test_v2_nan_tokens_are_400(token):
+    hdr = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [' + token + b"]}]}"
+    with pytest.raises(APIError, match="not JSON") as ei:
+        parse_request(bytearray(hdr), None)
+    assert ei.value.status == 400
+    # the same letters inside a string are fine
+    hdr = b'{"id": "NaN-Infinity", "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", ' \
+          b'"data": [1]}]}'
+    assert parse_request(bytearray(hdr), None)[0].id == "NaN-Infinity"
 
 
 def test_v2_parse_and_encode():
@@ -164,6 +212,27 @@ def test_decompress_limits():
     assert ei.value.status == 400
 
 
+def test_decompress_every_gzip_member_and_nothing_else():
+    data = bytes(range(256)) * 300
+    # several members (what `cat a.gz b.gz` makes): all of them, in order (only the first was
+    # decoded, and the truncated body then failed to parse: a misleading 400)
+    two = gzip.compress(data[:1000]) + gzip.compress(data[1000:])
+    assert _decompress(two, "gzip", len(data)) == data
+    many = b"".join(gzip.compress(data[i:i + 7]) for i in range(0, 7000, 7))
+    assert _decompress(many, "gzip", 7000) == data[:7000]
+    with pytest.raises(APIError) as ei:  # the limit counts over all members
+        _decompress(two, "gzip", len(data) - 1)
+    assert ei.value.status == 413
+    # anything after the stream that is not a whole gzip member (was silently dropped)
+    for tail in (b"garbage", b"\0", b"\x1f\x8b", gzip.compress(b"x")[:-2]):
+        with pytest.raises(APIError, match="after its gzip stream") as ei:
+            _decompress(gzip.compress(data) + tail, "gzip", 10**6)
+        assert ei.value.status == 400, tail
+    with pytest.raises(APIError, match="after the end of its deflate stream") as ei:
+        _decompress(zlib.compress(data) + b"x", "deflate", 10**6)
+    assert ei.value.status == 400
+
+
 @pytest.mark.parametrize("name", ["a", "A-b_c.d", "x" * 128, "0.1", "-"])
 def test_good_names(name):
     check_name(name)
@@ -174,6 +243,47 @@ def test_bad_names(name):
     with pytest.raises(APIError) as ei:
         check_name(name)
     assert ei.value.status == 422
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_weight_files_with_nan_or_inf_are_422_naming_the_tensor(tmp_path, dtype):
+    w = torch.ones(2, 16, 8)
+    w[1, 5, 3] = float("nan")
+    f = tmp_path / "w.safetensors"
+    tensors = {"w_t": w.to(dtype)}
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tensors["scale"] = torch.ones(2)
+    f.write_bytes(save(tensors))
+    with pytest.raises(APIError, match="'w_t' must hold finite values") as ei:
+        read_weight_file(f, check_values=True)
+    assert ei.value.status == 422
+    if "scale" not in tensors:  # stored files load as stored (this FP8 K fails another rule)
+        assert torch.isnan(read_weight_file(f)[0].float()).any()
+    if dtype != torch.float8_e4m3fn:  # (e4m3 has no infinity)
+        w[1, 5, 3] = -float("inf")
+        tensors["w_t"] = w.to(dtype)
+        f.write_bytes(save(tensors))
+        with pytest.raises(APIError, match="'w_t' must hold finite values"):
+            read_weight_file(f, check_values=True)
+
+
+def test_commit_returns_the_identity_of_the_file_it_renamed(tmp_path):
+    store = WeightStore(tmp_path / "d")
+    temp = store.new_temp()
+    temp.write_bytes(save({"w": torch.randn(1, 2, 2)}))
+    fid = store.commit(temp, "s")
+    st = (tmp_path / "d" / "s.safetensors").stat()
+    assert fid == (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def test_log_field_keeps_plain_values_and_escapes_the_rest():
+    assert log_field("/v1/weights/layer0.up/grouped-mm") == "/v1/weights/layer0.up/grouped-mm"
+    assert log_field("127.0.0.1:5555") == "127.0.0.1:5555"
+    forged = "x\nFORGED audit action=delete_weights name=prod"
+    out = log_field(forged)
+    assert not any(c in out for c in " \n\r=\t") and unquote(out) == forged
+    assert unquote(log_field("100%\u2028é")) == "100%\u2028é"
 
 
 def test_store_writes_atomically(tmp_path):

@@ -5,7 +5,9 @@ error messages that say what is accepted."""
 from __future__ import annotations
 
 import gzip
+import json
 import re
+import struct
 import threading
 import time
 
@@ -165,3 +167,154 @@ def test_engine_dtype_error_does_not_repeat_itself():
     with pytest.raises(TypeError) as e:
         engine.grouped_mm_many(ws, [(x, torch.tensor([1, 2]))])
     assert "x must be float32 (the weight set's dtype); got float16" in str(e.value)
+
+
+JS = {"Content-Type": "application/json"}
+
+
+def _tiny(client: TestClient) -> None:
+    r = client.put("/v1/weights/tiny", json={"w": [[[1, 0], [0, 1]], [[2, 0], [0, 2]]]})
+    assert r.status_code in (200, 201), r.text
+
+
+def test_a_json_dtype_that_is_not_a_string_is_422_on_every_route(small):
+    """A list or object "dtype" is an unknown dtype like "float64" (was a TypeError: 500)."""
+    _tiny(small)
+    for dtype in (["float32"], {"a": 1}):
+        for method, url, body in [
+            ("PUT", "/v1/weights/d", {"w": [[[1.0]]], "dtype": dtype}),
+            ("POST", "/v1/weights/tiny/grouped-mm", {"x": [[1, 2]], "counts": [1, 0],
+                                                     "dtype": dtype}),
+            ("POST", "/v1/grouped-gemm", {"a": [[[1.0]]], "b": [[[1.0]]], "dtype": dtype}),
+        ]:
+            r = small.request(method, url, json=body)
+            assert r.status_code == 422, (url, r.text)
+            assert "dtype must be one of float32, float16, bfloat16" in r.json()["error"]
+
+
+def _st_header(header: bytes, data: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header)) + header + data
+
+
+@pytest.fixture
+def roomy(tmp_path):
+    """The default limits (a 200 KB header fits)."""
+    with TestClient(create_app(Settings(data_dir=tmp_path / "d"))) as client:
+        _wait_ready(client)
+        yield client
+
+
+def test_malformed_safetensors_headers_are_400_on_every_route(roomy):
+    """A non-string dtype (a TypeError) and a header nested 100000 deep (a RecursionError)
+    were 500s."""
+    _tiny(roomy)
+    bad_dtype = _st_header(b'{"w": {"dtype": ["F32"], "shape": [1, 1, 1], '
+                           b'"data_offsets": [0, 4]}}', b"\0" * 4)
+    deep = _st_header(b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    for body in (bad_dtype, deep):
+        for method, url in [("PUT", "/v1/weights/d"), ("POST", "/v1/weights/tiny/grouped-mm"),
+                            ("POST", "/v1/grouped-gemm")]:
+            r = roomy.request(method, url, content=body)
+            assert r.status_code == 400, (url, r.text[:200])
+            assert r.json()["error"].startswith("malformed safetensors"), r.text[:200]
+
+
+def test_non_finite_weights_are_422_and_nan_tokens_are_400(small):
+    """As a non-finite FP8 scale is refused (422), so are non-finite weights; the NaN and
+    Infinity tokens Python's json would read are not JSON (400) on every JSON route."""
+    _tiny(small)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w = torch.ones(2, 3, 4)
+        w[1, 2, 3] = bad
+        r = small.put("/v1/weights/nf", content=st_body({"w": w}))
+        assert r.status_code == 422 and "'w' must hold finite values" in r.json()["error"]
+    # a JSON number that overflows the requested dtype is as non-finite
+    r = small.put("/v1/weights/nf", json={"w_t": [[[1e6]]], "dtype": "float16"})
+    assert r.status_code == 422 and "'w_t' must hold finite values" in r.json()["error"]
+    v2 = (b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [%s, 1]}, '
+          b'{"name": "counts", "shape": [2], "datatype": "INT32", "data": [1, 0]}]}')
+    for token in (b"NaN", b"Infinity", b"-Infinity"):
+        for method, url, body in [
+            ("PUT", "/v1/weights/nf", b'{"w": [[[%s]]]}' % token),
+            ("POST", "/v1/weights/tiny/grouped-mm", b'{"x": [[%s, 1]], "counts": [1, 0]}' % token),
+            ("POST", "/v1/grouped-gemm", b'{"a": [[[%s]]], "b": [[[1]]]}' % token),
+            ("POST", "/v2/models/tiny/infer", v2 % token),
+        ]:
+            r = small.request(method, url, content=body, headers=JS)
+            assert r.status_code == 400, (url, token, r.text)
+            assert "not a JSON number" in r.json()["error"] or "not JSON" in r.json()["error"]
+    assert small.get("/v1/weights/nf").status_code == 404
+
+
+def test_invalid_names_are_422_on_every_route(small):
+    """A name no set can have is 422 wherever a name is taken (PUT and DELETE said so already;
+    the reads, the matmul and the v2 routes said 404)."""
+    _tiny(small)
+    mm = {"x": [[1, 2]], "counts": [1, 0]}
+    for name in ("a%20b", ".hidden", "x" * 129):
+        for method, url, body in [
+            ("GET", f"/v1/weights/{name}", None), ("PUT", f"/v1/weights/{name}", {"w": [[[1]]]}),
+            ("DELETE", f"/v1/weights/{name}", None),
+            ("POST", f"/v1/weights/{name}/grouped-mm", mm),
+            ("GET", f"/v2/models/{name}", None), ("GET", f"/v2/models/{name}/ready", None),
+            ("GET", f"/v2/models/{name}/stats", None),
+            ("POST", f"/v2/models/{name}/infer", {"inputs": [
+                {"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}),
+        ]:
+            r = small.request(method, url, json=body)
+            assert r.status_code == 422, (method, url, r.text)
+            assert "invalid weight set name" in r.json()["error"]
+    assert small.get("/v1/weights/unknown").status_code == 404  # valid but absent: still 404
+
+
+def test_a_compressed_json_weight_upload_is_415(small):
+    """Weight uploads take no Content-Encoding, JSON as safetensors (JSON was decoded: 201)."""
+    body = gzip.compress(b'{"w": [[[1.0]]]}')
+    for ctype in ("application/json", "application/octet-stream"):
+        r = small.put("/v1/weights/gz", content=body,
+                      headers={"Content-Type": ctype, "Content-Encoding": "gzip"})
+        assert r.status_code == 415 and "no Content-Encoding" in r.json()["error"], r.text
+    assert small.get("/v1/weights/gz").status_code == 404
+
+
+def test_405_names_every_method_of_the_path_and_head_answers_like_get(small):
+    _tiny(small)
+    r = small.post("/v1/weights/tiny")  # (Starlette named only the first route's: PUT)
+    assert r.status_code == 405 and r.headers["Allow"] == "GET, HEAD, PUT, DELETE"
+    assert "GET, HEAD, PUT, DELETE" in r.json()["error"]
+    r = small.get("/v1/weights/tiny/grouped-mm")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST"
+    r = small.delete("/v1/weights")
+    assert r.status_code == 405 and r.headers["Allow"] == "GET, HEAD"
+    for url in ("/v1/weights/tiny", "/v1/weights", "/v2/health/ready", "/v2/models/tiny"):
+        get, head = small.get(url), small.head(url)
+        assert head.status_code == get.status_code == 200, url
+        assert head.content == b"" and head.headers["content-length"] == \
+            get.headers["content-length"], url
+    assert small.head("/metrics").status_code == 200 and small.head("/metrics").content == b""
+    assert small.head("/v1/weights/nope").status_code == 404
+    r = small.head("/v1/grouped-gemm")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST"
+
+
+def test_a_multi_member_gzip_body_is_read_whole_and_trailing_data_is_400(small):
+    _tiny(small)
+    body = json.dumps({"x": [[1, 2], [3, 4]], "counts": [1, 1]}).encode()
+    gz = {**JS, "Content-Encoding": "gzip"}
+    url = "/v1/weights/tiny/grouped-mm"
+    r = small.post(url, content=gzip.compress(body[:10]) + gzip.compress(body[10:]), headers=gz)
+    assert r.status_code == 200 and r.json()["y"] == [[1.0, 2.0], [6.0, 8.0]], r.text
+    r = small.post(url, content=gzip.compress(body) + b"garbage", headers=gz)
+    assert r.status_code == 400 and "after its gzip stream" in r.json()["error"]
+
+
+def test_v2_id_true_is_400(small):
+    _tiny(small)
+    req = {"id": True, "inputs": [
+        {"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]},
+        {"name": "counts", "shape": [2], "datatype": "INT32", "data": [1, 0]}]}
+    r = small.post("/v2/models/tiny/infer", json=req)
+    assert r.status_code == 400 and "must be a string" in r.json()["error"], r.text
+    req["id"] = "q-1"
+    r = small.post("/v2/models/tiny/infer", json=req)
+    assert r.status_code == 200 and r.json()["id"] == "q-1"

@@ -1,0 +1,152 @@
+"""Clients that stall a body, leave in the middle of an upload, or put log syntax in a name,
+against a real process: raw sockets, so that the test decides every byte that is sent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from server_testutils import LiveServer, st_body
+
+ADMIN = "hostile-admin-key"
+BODY_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    data = tmp_path_factory.mktemp("hostile") / "data"
+    s = LiveServer(data, "--admin-key", ADMIN, "--body-timeout-s", str(BODY_TIMEOUT_S),
+                   "--warmup-rows", "1")
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def _open(server: LiveServer, method: str, path: str, length: int, first: bytes = b"",
+          auth: bool = True) -> socket.socket:
+    """A request announcing `length` body bytes, of which only `first` are sent."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=15)
+    head = (f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+            + (f"Authorization: Bearer {ADMIN}\r\n" if auth else "")
+            + f"Content-Length: {length}\r\n\r\n")
+    sock.sendall(head.encode() + first)
+    return sock
+
+
+def _response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of one response with a Content-Length."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the response head"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the end of the body"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) // 1024
+
+
+def _log_lines(server: LiveServer, marker: str, n: int) -> list[str]:
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [ln for ln in server.log().splitlines() if marker in ln]
+        if len(lines) >= n or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def test_a_body_that_stalls_gets_408_and_the_connection_is_closed(server) -> None:
+    """A request that announces a body and never sends it used to wait for ever."""
+    for method, path in (("POST", "/v1/grouped-gemm"), ("PUT", "/v1/weights/stalled")):
+        t0 = time.monotonic()
+        with _open(server, method, path, 100_000, b"x" * 100) as sock:
+            status, headers, body = _response(sock)
+            waited = time.monotonic() - t0
+            assert status == 408 and "--body-timeout-s" in body.decode(), body
+            assert BODY_TIMEOUT_S * 0.9 <= waited < BODY_TIMEOUT_S + 5, waited
+            assert headers.get("connection") == "close"
+            assert sock.recv(1) == b""  # closed: the rest of the body cannot be a request
+    lines = _log_lines(server, "audit action=put_weights name=stalled ", 1)
+    assert len(lines) == 1 and " status=408 " in lines[0], lines
+    assert not list(server.data_dir.glob(".upload-*"))  # the partial upload is gone
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_announced_bodies_cost_only_the_bytes_that_came(server) -> None:
+    """20 requests announcing 60 MB and sending 100 bytes each took ~1.2 GB of memory (the
+    buffer was allocated from Content-Length); they must cost about nothing."""
+    assert server.proc is not None
+    before = _rss_mib(server.proc.pid)
+    socks = [_open(server, "POST", "/v1/grouped-gemm", 60_000_000, b"x" * 100)
+             for _ in range(20)]
+    try:
+        peak = before
+        end = time.monotonic() + BODY_TIMEOUT_S * 0.8  # (before the 408s)
+        while time.monotonic() < end:
+            peak = max(peak, _rss_mib(server.proc.pid))
+            time.sleep(0.02)
+    finally:
+        for s in socks:
+            s.close()
+    assert peak - before < 150, (before, peak)
+
+
+def test_a_client_that_leaves_mid_upload_is_audited_499(server) -> None:
+    """It was audited as status=500 'internal error' while the access log said 499."""
+    body = st_body({"w": torch.randn(2, 64, 64)})
+    with _open(server, "PUT", "/v1/weights/left", len(body), body[:1000]):
+        time.sleep(0.3)  # the upload is under way
+    lines = _log_lines(server, "audit action=put_weights name=left ", 1)
+    assert len(lines) == 1 and " status=499 " in lines[0], lines
+    assert "internal error" not in lines[0]
+    assert _log_lines(server, "PUT /v1/weights/left 499", 1)
+
+
+def test_a_name_cannot_forge_audit_or_access_log_lines(server) -> None:
+    forged = "FORGED audit action=delete_weights name=prod outcome=ok status=200"
+    url = f"{server.url}/v1/weights/x%0A{forged.replace(' ', '%20')}"
+    r = httpx.delete(url, timeout=10)  # no key: 401, and still audited
+    assert r.status_code == 401
+    escaped = "x%0AFORGED%20audit%20action%3Ddelete_weights%20name%3Dprod"
+    lines = _log_lines(server, escaped, 2)
+    assert [("audit action=delete_weights" in ln, "DELETE /v1/weights/x%0A" in ln)
+            for ln in lines] == [(True, False), (False, True)], lines
+    assert " status=401 " in lines[0]
+    assert not [ln for ln in server.log().splitlines() if ln.startswith("FORGED")]
+
+
+def test_a_stalled_upload_does_not_hold_the_drain(tmp_path: Path) -> None:
+    """SIGTERM while a body stalls: the server answers it 408 after --body-timeout-s and exits,
+    long before --drain-timeout-s."""
+    s = LiveServer(tmp_path / "data", "--body-timeout-s", str(BODY_TIMEOUT_S),
+                   "--drain-timeout-s", "60", "--warmup-rows", "1")
+    try:
+        s.start()
+        assert s.proc is not None
+        with _open(s, "PUT", "/v1/weights/stall", 100_000, b"x" * 100, auth=False) as sock:
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            assert _response(sock)[0] == 408
+            assert s.proc.wait(timeout=20) == 0
+            assert time.monotonic() - t0 < BODY_TIMEOUT_S + 10
+    finally:
+        s.stop()
