@@ -162,6 +162,18 @@ def test_group_limit_excludes_groups() -> None:
         ({"n_group": 4, "topk_group": 1, "k": 5}, ValueError, "cannot be chosen from"),
         ({"bias": torch.zeros(15)}, ValueError, r"bias must be \(E,\) = \(16,\)"),
         ({"bias": [0.0] * 16}, TypeError, "bias must be a torch.Tensor"),
+        ({"routed_scaling_factor": "2"}, TypeError, "routed_scaling_factor must be a float"),
+        ({"routed_scaling_factor": True}, TypeError, "routed_scaling_factor must be a float"),
+        ({"routed_scaling_factor": float("nan")}, ValueError,
+         "routed_scaling_factor must be finite; got nan"),
+        ({"routed_scaling_factor": float("-inf")}, ValueError, "must be finite"),
+        ({"renormalize": "no"}, TypeError, "renormalize must be a bool; got 'no'"),
+        ({"n_group": "4"}, TypeError, "n_group must be an int"),
+        ({"topk_group": 1.0}, TypeError, "topk_group must be an int"),
+        ({"n_group": 0}, ValueError, "n_group must be >= 1"),
+        ({"n_group": 4, "topk_group": 0}, ValueError, r"topk_group must be in \[1, n_group=4\]"),
+        ({"k": "2"}, TypeError, r"k \(experts per token\) must be an int"),
+        ({"bias": torch.zeros(16, dtype=torch.long)}, TypeError, "bias must be a float tensor"),
     ],
 )
 def test_sigmoid_grouped_topk_rejects_bad_settings(
@@ -260,32 +272,6 @@ def test_permutation_rejects_bad_input() -> None:
         permute_by_expert([[0, 1]], 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_experts must be an int >= 1"):
         permute_by_expert(torch.zeros(2, 2, dtype=torch.long), 0)
-
-
-@pytest.mark.parametrize(
-    "kwargs,exc,pattern",
-    [
-        ({"routed_scaling_factor": "2"}, TypeError, "routed_scaling_factor must be a float"),
-        ({"routed_scaling_factor": True}, TypeError, "routed_scaling_factor must be a float"),
-        ({"routed_scaling_factor": float("nan")}, ValueError,
-         "routed_scaling_factor must be finite; got nan"),
-        ({"routed_scaling_factor": float("-inf")}, ValueError, "must be finite"),
-        ({"renormalize": "no"}, TypeError, "renormalize must be a bool; got 'no'"),
-        ({"n_group": "4"}, TypeError, "n_group must be an int"),
-        ({"topk_group": 1.0}, TypeError, "topk_group must be an int"),
-        ({"n_group": 0}, ValueError, "n_group must be >= 1"),
-        ({"n_group": 4, "topk_group": 0}, ValueError, r"topk_group must be in \[1, n_group=4\]"),
-        ({"k": "2"}, TypeError, r"k \(experts per token\) must be an int"),
-        ({"bias": torch.zeros(16, dtype=torch.long)}, TypeError, "bias must be a float tensor"),
-    ],
-)
-def test_sigmoid_grouped_topk_rejects_bad_scalars(
-    kwargs: dict, exc: type[Exception], pattern: str
-) -> None:
-    args = {"bias": None, "k": 2, "n_group": 1, "topk_group": 1}
-    args.update(kwargs)
-    with pytest.raises(exc, match=pattern):
-        sigmoid_grouped_topk(torch.randn(3, 16), **args)
 
 
 def test_router_scalars_that_stay_valid() -> None:
