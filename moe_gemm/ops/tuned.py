@@ -306,21 +306,28 @@ def _warn_once(what: str, message: str) -> None:
 def _read(path: Path, device: str, versions: dict[str, Any] | None) -> Table | None:
     """The table at `path` for `device`, or None with one warning (missing files are silent)."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as exc:
         _warn_once(f"{path}:read", f"cannot read tuned table {path} ({exc}); ignored")
         return None
     try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        _warn_once(f"{path}:json", f"tuned table {path} is not valid JSON ({exc}); ignored")
+        # Bytes, so that json detects the encoding and a file that is not text at all is a
+        # UnicodeDecodeError (a ValueError) here; RecursionError: a pathologically nested one.
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        _warn_once(f"{path}:json", f"tuned table {path} is not valid JSON "
+                   f"({type(exc).__name__}: {str(exc)[:200]}); ignored")
         return None
     try:
         table = parse_table(doc, str(path), device, versions)
     except TableError as exc:
         _warn_once(f"{path}:{device}", f"tuned table {path} ignored: {exc}")
+        return None
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign table never stops a call
+        _warn_once(f"{path}:{device}", f"tuned table {path} ignored: it does not parse as a "
+                   f"table ({type(exc).__name__}: {str(exc)[:200]})")
         return None
     if table.skipped:
         _warn_once(f"{path}:skipped", f"tuned table {path}: {table.skipped} entries this "

@@ -51,7 +51,10 @@ def table(entries, device=DEV, **extra):
 
 
 def write(path: Path, doc) -> Path:
-    path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+    if isinstance(doc, bytes):
+        path.write_bytes(doc)
+    else:
+        path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
     return path
 
 
@@ -142,6 +145,9 @@ def test_missing_user_table_warns_once(_isolated, tmp_path, monkeypatch):
     (table([entry()], device="NVIDIA H200"), "made for 'NVIDIA H200'"),
     ({**table([entry()]), "format": "something/9"}, "not a moe_gemm.tuned-table/1"),
     ({**table([entry()]), "entries": {"a": 1}}, "entries is not a list"),
+    (b"\xff\xfe\x00\x81 not text", "not valid JSON"),  # (a UnicodeDecodeError escaped)
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # (RecursionError)
+    ({**table([entry()]), "versions": 5}, "does not parse as a table"),  # (a TypeError)
 ])
 def test_corrupt_or_foreign_table_is_ignored_with_one_warning(_isolated, doc, why):
     ship(_isolated, doc)
