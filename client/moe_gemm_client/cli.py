@@ -3,7 +3,8 @@
     moe-gemm-client [--url URL] [--api-key KEY] [--timeout S] [--max-retries N] COMMAND ...
 
     health                                   is the server live?        (exit 0 yes, 1 no)
-    ready [--wait SECONDS]                   is it ready to compute?    (exit 0 yes, 1 no)
+    ready [--wait SECONDS]                   is it ready to compute?    (exit 0 yes, 1 no,
+                                             3 unreachable, with --wait: at the deadline)
     list [--json]                            resident weight sets
     info NAME                                one weight set, as JSON (FP8: with "scales")
     upload NAME FILE.safetensors [--tensor KEY] [--layout w|w_t] [--scale-tensor KEY]
@@ -25,8 +26,11 @@ The URL and key default to $MOE_GEMM_BASE_URL and $MOE_GEMM_API_KEY.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -100,8 +104,7 @@ def _fix_bf16(arr: np.ndarray) -> np.ndarray:
 
 def load_array(path: str, key: str) -> np.ndarray:
     """Load one array from a .npy file or a .safetensors file (tensor `key` or the only one)."""
-    if not os.path.isfile(path):
-        raise UsageError(f"{path}: no such file")
+    _check_input_file(path)
     try:
         if path.endswith(".safetensors"):
             with open(path, "rb") as f:
@@ -119,6 +122,28 @@ def load_array(path: str, key: str) -> np.ndarray:
     raise UsageError(f"{path}: expected a .npy or .safetensors file")
 
 
+def _check_input_file(path: str) -> None:
+    """An input path names a file: "no such file" for a directory sends the user looking for
+    a typo that is not there."""
+    if os.path.isdir(path):
+        raise UsageError(f"{path}: is a directory, not a file")
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file")
+
+
+def check_output_path(path: str) -> None:
+    """The result can be written to `path`: checked before the request is sent, so that a
+    typo in --out does not cost the server's work (and the message names the user's path,
+    not the temporary file the result is first written to)."""
+    if os.path.isdir(path):
+        raise UsageError(f"--out {path}: is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {path}: no such directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {path}: directory {parent} is not writable")
+
+
 def load_index(spec: str, key: str) -> np.ndarray:
     """counts/offs from a file, or inline as comma-separated ints ("3,0,5")."""
     if spec.endswith((".npy", ".safetensors")):
@@ -131,23 +156,33 @@ def load_index(spec: str, key: str) -> np.ndarray:
 
 
 def save_arrays(path: str, tensors: dict[str, np.ndarray]) -> None:
-    """Write results: .safetensors (all tensors) or .npy (exactly one)."""
+    """Write results: .safetensors (all tensors) or .npy (exactly one).
+
+    Raises:
+        UsageError: a bad suffix, or the file cannot be written (the message names `path`,
+            not the temporary file).
+    """
     if path.endswith(".safetensors"):
         data = encode_safetensors(tensors).to_bytes()
     elif path.endswith(".npy"):
         if len(tensors) != 1:
             raise UsageError(f"{path}: .npy holds one array; use .safetensors for "
                              f"{len(tensors)} outputs")
-        tmp = path + ".tmp.npy"
-        np.save(tmp, next(iter(tensors.values())), allow_pickle=False)
-        os.replace(tmp, path)
-        return
+        data = None
     else:
         raise UsageError(f"{path}: --out must end in .npy or .safetensors")
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)  # a reader never sees a half-written result
+    try:
+        with open(tmp, "wb") as f:
+            if data is None:  # an open file: np.save would append ".npy" to a bare name
+                np.save(f, next(iter(tensors.values())), allow_pickle=False)
+            else:
+                f.write(data)
+        os.replace(tmp, path)  # a reader never sees a half-written result
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # the temporary file may never have been made
+            os.unlink(tmp)
+        raise UsageError(f"cannot write --out {path}: {exc.strerror or exc}") from None
 
 
 # ------------------------------------------------------------------------------------------
@@ -165,9 +200,30 @@ def _cmd_health(client: Client, args: argparse.Namespace) -> int:
 
 
 def _cmd_ready(client: Client, args: argparse.Namespace) -> int:
-    ok = client.wait_until_ready(args.wait) if args.wait else client.ready()
+    ok = _wait_ready(client, args.wait) if args.wait else client.ready()
     _print_json({"ready": ok})
     return EXIT_OK if ok else EXIT_API
+
+
+def _wait_ready(client: Client, wait: float, interval: float = 0.25) -> bool:
+    """Client.wait_until_ready, but a server still unreachable at the deadline raises the
+    connection error (exit 3, as `ready` without --wait) instead of counting as "not ready"
+    (exit 1, which means the server answered no)."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if client.ready(max_retries=0, timeout=max(min(left, 5.0), 0.05)):
+                return True
+            unreachable: APIConnectionError | None = None
+        except APIConnectionError as exc:  # may still be starting: not yet
+            unreachable = exc
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if unreachable is not None:
+                raise unreachable
+            return False
+        time.sleep(min(interval, left))
 
 
 def _cmd_list(client: Client, args: argparse.Namespace) -> int:
@@ -190,8 +246,7 @@ def _cmd_info(client: Client, args: argparse.Namespace) -> int:
 
 
 def _cmd_upload(client: Client, args: argparse.Namespace) -> int:
-    if not os.path.isfile(args.file):
-        raise UsageError(f"{args.file}: no such file")
+    _check_input_file(args.file)
     size = os.path.getsize(args.file)
     show = args.progress if args.progress is not None else (
         sys.stderr.isatty() and size >= C.STREAM_THRESHOLD_BYTES)
@@ -214,6 +269,7 @@ def _cmd_delete(client: Client, args: argparse.Namespace) -> int:
 def _cmd_grouped_mm(client: Client, args: argparse.Namespace) -> int:
     if not args.out.endswith((".npy", ".safetensors")):
         raise UsageError(f"{args.out}: --out must end in .npy or .safetensors")
+    check_output_path(args.out)
     x = load_array(args.x, "x")
     counts = load_index(args.counts, "counts") if args.counts is not None else None
     offs = load_index(args.offs, "offs") if args.offs is not None else None
@@ -231,8 +287,8 @@ def _cmd_grouped_mm(client: Client, args: argparse.Namespace) -> int:
 def _cmd_grouped_gemm(client: Client, args: argparse.Namespace) -> int:
     if not args.out.endswith(".safetensors"):
         raise UsageError(f"{args.out}: --out must end in .safetensors")
-    if not os.path.isfile(args.inp):
-        raise UsageError(f"{args.inp}: no such file")
+    check_output_path(args.out)
+    _check_input_file(args.inp)
     try:
         with open(args.inp, "rb") as f:
             tensors = decode_safetensors(f.read())
@@ -244,6 +300,14 @@ def _cmd_grouped_gemm(client: Client, args: argparse.Namespace) -> int:
     if n == 0 or any(f"b.{i}" not in tensors for i in range(n)):
         raise UsageError(f"{args.inp} must hold a.0, b.0, a.1, b.1, ...; it holds "
                          f"{sorted(tensors)}")
+    # Problems are a.0/b.0 .. a.(n-1)/b.(n-1); anything else (a gap in the numbering: a.0,
+    # a.2; a stray tensor) would be silently left out of the answer.
+    unused = sorted(set(tensors) - {f"{p}.{i}" for p in "ab" for i in range(n)},
+                    key=_natural_key)
+    if unused:
+        raise UsageError(f"{args.inp}: problems must be numbered a.0/b.0 .. a.N/b.N without "
+                         f"gaps; after the {n} problem(s) a.0..a.{n - 1} it holds "
+                         f"{', '.join(unused)}, which would not be used")
     try:
         outs, request_id = client.grouped_gemm([tensors[f"a.{i}"] for i in range(n)],
                                                [tensors[f"b.{i}"] for i in range(n)],
@@ -255,6 +319,30 @@ def _cmd_grouped_gemm(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _natural_key(name: str) -> list[object]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _seconds(*, positive: bool) -> Any:
+    """An argparse type for a duration flag: finite and >= 0 (> 0 with `positive`). The
+    error names the flag (argparse prefixes "argument --flag:"), where httpx would later say
+    only "Invalid value NaN (not a number)"."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+        if value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be {bound} seconds, got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moe-gemm-client",
@@ -264,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None,
                    help=f"server URL (default: ${C.ENV_BASE_URL} or {C.DEFAULT_BASE_URL})")
     p.add_argument("--api-key", default=None, help=f"API key (default: ${C.ENV_API_KEY})")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=_seconds(positive=True), default=None,
                    help="seconds per connect/read/write (default: 5 to connect, 300 otherwise)")
     p.add_argument("--max-retries", type=int, default=C.DEFAULT_MAX_RETRIES,
                    help=f"retries on connection errors, 429 and 503 (default "
@@ -275,8 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("health", help="is the server live?")
     s.set_defaults(func=_cmd_health)
     s = sub.add_parser("ready", help="is the server ready to compute?")
-    s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                   help="poll until ready for up to this long")
+    s.add_argument("--wait", type=_seconds(positive=False), default=0.0,
+                   metavar="SECONDS",
+                   help="poll until ready for up to this long (exit 3 if the server is still "
+                        "unreachable then, 1 if it answers not ready)")
     s.set_defaults(func=_cmd_ready)
     s = sub.add_parser("list", help="list resident weight sets")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
       "an upload past it gets 507 (default: device memory)")
     a("--device", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N")
     a("--backend", choices=["auto", "cute", "torch"], help="kernel backend (default auto)")
+    # (engine_warmup.WarmUpMixin.warmup_rows_for: the heuristics' ladder on the cute backend,
+    # one row on the torch backend whatever the device)
     a("--warmup-rows", help="comma-separated row counts each weight set is warmed at "
-      "(default: 1,64,512,4096 on CUDA, 1 on CPU)")
+      "(default: on the cute backend, one per kernel configuration the heuristics can pick "
+      "up to --max-rows; on the torch backend, on CPU or GPU alike, 1)")
     _bool_flag(p, "tune-at-start", "tune each weight set's kernel configs on this GPU before "
                "warming it (once per shape; cached on disk; default off)")
     _bool_flag(p, "batching", "merge concurrent requests into one launch (default on)")
@@ -104,10 +107,19 @@ def settings_from_args(argv: Sequence[str] | None = None) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as e:
-        msgs = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
-        )
+        msgs = "; ".join(_setting_error(err) for err in e.errors())
         raise SystemExit(f"moe-gemm-server: invalid settings: {msgs}") from None
+
+
+def _setting_error(err: Any) -> str:
+    """`field (--flag): message` for one pydantic error: the user typed the flag (or its
+    MOE_GEMM_ variable), so both names are given; pydantic's "Value error, " prefix of our own
+    validators' messages is dropped."""
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"]:
+        return msg
+    return f"{loc} (--{str(err['loc'][0]).replace('_', '-')}): {msg}"
 
 
 class DrainingServer(uvicorn.Server):
@@ -218,8 +230,10 @@ def _build_app(settings: Settings) -> Any:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of `moe-gemm-server`.
 
-    Every refusal to start (bad flags, a device or backend that cannot run here, an unusable
-    data directory, an address that cannot be bound) prints one line and exits 1.
+    Every refusal to start (a flag value the settings refuse, a device or backend that cannot
+    run here, an unusable data directory or TLS file, an address that cannot be bound) prints
+    one line and exits 1. A flag argparse itself refuses (unknown, missing its value, not a
+    number, not one of the choices) prints the usage line and the error and exits 2.
     """
     settings = settings_from_args(argv)
     configure_logging(settings.log_level)

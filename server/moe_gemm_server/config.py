@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     # persistence
     data_dir: Path = Field(default_factory=default_data_dir)
     # rescan the data directory for sets other servers wrote or deleted (0 = never; sync.py)
-    sync_interval_s: float = Field(2.0, ge=0)
+    sync_interval_s: float = Field(2.0, ge=0, allow_inf_nan=False)
 
     # auth: none configured = open matmul/read routes
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     # limits
     max_body_bytes: int = Field(64 * MiB, ge=1)
     # longest pause between pieces of a request body before a 408 (limits.BodyLimitMiddleware)
-    body_timeout_s: float = Field(60.0, gt=0)
+    body_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     max_weight_bytes: int = Field(16 * GiB, ge=1, description="body limit of PUT /v1/weights")
     max_rows: int = Field(65536, ge=1, description="rows (T, or sum of M_i) per request")
     max_flops: int = Field(1 << 40, ge=1, description="2*M*N*K summed, per request")
@@ -81,7 +81,10 @@ class Settings(BaseSettings):
     max_queue: int = Field(1024, ge=1)
     default_timeout_us: int = Field(0, ge=0, description="0 = no timeout")
     default_priority: int = Field(2, ge=1, description="level of requests with priority 0")
-    drain_timeout_s: float = Field(30.0, ge=0)
+    # finite: uvicorn's graceful-shutdown timeout is derived from it with int(), and an
+    # infinite (or NaN) wait would only ever be a typo (allow_inf_nan also makes nan fail
+    # with a clear "finite number" message rather than a confusing ">= 0")
+    drain_timeout_s: float = Field(30.0, ge=0, allow_inf_nan=False)
 
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
@@ -90,6 +93,16 @@ class Settings(BaseSettings):
     def _split_keys(cls, v: object) -> object:
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _data_dir_nonempty(cls, v: object) -> object:
+        # Path("") is Path("."): an empty flag or variable would silently make the current
+        # directory the data directory, and the server would serve (and delete) whatever
+        # .safetensors files happen to be there.
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("the data directory must be a non-empty path")
         return v
 
     @field_validator("warmup_rows", mode="before")

@@ -17,6 +17,8 @@ import contextlib
 import hashlib
 import ipaddress
 import logging
+import re
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,22 +84,64 @@ def check_exposure(settings: Settings) -> list[str]:
 
 
 def check_tls(settings: Settings) -> None:
-    """The certificate and key files exist and are readable (before binding the port).
+    """The certificate and key files exist, are readable and form a usable pair (before
+    binding the port).
+
+    uvicorn loads them only once it starts serving, after "listening on https://..." is
+    logged, and turns a bad file into a traceback ending in `ssl.SSLError: [SSL] PEM lib`;
+    loading them here into a throwaway SSLContext refuses the start with one line instead.
 
     Raises:
-        ValueError: a key without a certificate, or a file that cannot be read.
+        ValueError: a key without a certificate, a file that cannot be read, a file that holds
+            no PEM certificate / private key, an encrypted key (uvicorn would prompt for its
+            password on the terminal: a hang under a supervisor), or a key that does not
+            match the certificate.
     """
     if settings.ssl_keyfile is not None and settings.ssl_certfile is None:
         raise ValueError("--ssl-keyfile needs --ssl-certfile")
+    contents: dict[str, bytes] = {}
     for flag, path in (("--ssl-certfile", settings.ssl_certfile),
                        ("--ssl-keyfile", settings.ssl_keyfile)):
         if path is None:
             continue
         try:
             with open(path, "rb") as f:
-                f.read(1)
+                contents[flag] = f.read()
         except OSError as e:
             raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    if settings.ssl_certfile is None:
+        return
+    # OpenSSL says only "PEM lib" for either file: look for the PEM blocks first, so that the
+    # message can name the file at fault.
+    if b"-----BEGIN CERTIFICATE-----" not in contents["--ssl-certfile"]:
+        raise ValueError(f"--ssl-certfile {settings.ssl_certfile}: no PEM certificate in it "
+                         "(expected a -----BEGIN CERTIFICATE----- block)")
+    key_flag = "--ssl-keyfile" if settings.ssl_keyfile is not None else "--ssl-certfile"
+    key_path = settings.ssl_keyfile if settings.ssl_keyfile is not None else settings.ssl_certfile
+    if not re.search(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----", contents[key_flag]):
+        hint = "" if settings.ssl_keyfile is not None else " (give the key with --ssl-keyfile)"
+        raise ValueError(f"{key_flag} {key_path}: no PEM private key in it{hint}")
+
+    def no_password() -> bytes:
+        raise ValueError(f"{key_flag} {key_path}: the private key is encrypted; give an "
+                         "unencrypted key (the server has no way to ask for its password)")
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(str(settings.ssl_certfile),
+                            str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
+                            password=no_password)
+    except ssl.SSLError as e:
+        files = (f"--ssl-certfile {settings.ssl_certfile}" if settings.ssl_keyfile is None
+                 else f"--ssl-certfile {settings.ssl_certfile} and --ssl-keyfile "
+                 f"{settings.ssl_keyfile}")
+        # OpenSSL's reason for a malformed PEM body is the bare "PEM lib"
+        reason = e.reason if e.reason and e.reason != "PEM lib" else f"unreadable PEM data ({e})"
+        if reason == "KEY_VALUES_MISMATCH":
+            reason = "the private key does not match the certificate"
+        raise ValueError(f"{files}: not a usable certificate and key: {reason}") from None
+    except OSError as e:  # the file vanished or changed between the reads above and here
+        raise ValueError(f"--ssl-certfile {settings.ssl_certfile}: {e.strerror or e}") from None
 
 
 def key_id(token: str | None) -> str:

@@ -186,3 +186,106 @@ def test_module_entry_point_runs():
                           "http://127.0.0.1:9", "--max-retries", "0", "health"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "cannot reach" in out.stderr
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """argparse's refusal: exit 2, the last stderr line names the flag."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--timeout", "nan", "health"], "argument --timeout: must be a finite number of seconds"),
+    (["--timeout", "inf", "health"], "argument --timeout: must be a finite number of seconds"),
+    (["--timeout", "0", "health"], "argument --timeout: must be > 0 seconds, got '0'"),
+    (["--timeout", "soon", "health"], "argument --timeout: expected seconds, got 'soon'"),
+    (["ready", "--wait", "nan"], "argument --wait: must be a finite number of seconds"),
+    (["ready", "--wait", "-5"], "argument --wait: must be >= 0 seconds, got '-5'"),
+])
+def test_duration_flags_are_checked_and_named(capsys, argv, expected):
+    # was: "-5" accepted; "nan" reported later as "Invalid value NaN (not a number)"
+    assert expected in _usage_error(capsys, argv)
+
+
+def test_ready_wait_against_an_unreachable_server_exits_3(capsys, monkeypatch):
+    """`ready` and `ready --wait` agree: 3 = unreachable, 1 = the server answered no."""
+    handler, _ = sequence(*[httpx.ConnectError("refused")] * 1000)
+    monkeypatch.setattr(cli, "_make_client", lambda args: make_client(handler, max_retries=0))
+    assert cli.main(["ready", "--wait", "0.3"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: cannot reach")
+    handler, _ = sequence(*[httpx.Response(503, json={"ready": False})] * 1000)
+    monkeypatch.setattr(cli, "_make_client", lambda args: make_client(handler, max_retries=0))
+    assert cli.main(["ready", "--wait", "0.3"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"ready": False}
+
+
+def test_ready_wait_succeeds_once_the_server_comes_up(capsys, monkeypatch):
+    handler, _ = sequence(httpx.ConnectError("refused"), httpx.Response(503, json={}),
+                          httpx.Response(200, json={"ready": True}))
+    monkeypatch.setattr(cli, "_make_client", lambda args: make_client(handler, max_retries=0))
+    assert cli.main(["ready", "--wait", "10"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ready": True}
+
+
+def test_a_directory_is_reported_as_a_directory(server, capsys, tmp_path):
+    assert cli.main(["upload", "n", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}: is a directory, not a file"
+    assert cli.main(["grouped-mm", "n", "--x", str(tmp_path), "--counts", "1",
+                     "--out", str(tmp_path / "y.npy")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}: is a directory, not a file"
+    assert cli.main(["grouped-gemm", "--in", str(tmp_path), "--out",
+                     str(tmp_path / "d.safetensors")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}: is a directory, not a file"
+
+
+def test_unwritable_out_is_refused_before_the_request(server, capsys, rng, tmp_path):
+    server.weights["l0"] = (rng.standard_normal((2, 4, 3)).astype(np.float32), "w")
+    np.save(tmp_path / "x.npy", rng.standard_normal((3, 4)).astype(np.float32))
+    sent = len(server.seen)
+    bad = tmp_path / "nonexist" / "dir" / "y.npy"
+    assert cli.main(["grouped-mm", "l0", "--x", str(tmp_path / "x.npy"), "--counts", "1,2",
+                     "--out", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --out {bad}: no such directory {bad.parent}"
+    assert ".tmp" not in err and len(server.seen) == sent  # nothing was sent
+    (tmp_path / "out.npy").mkdir()
+    assert cli.main(["grouped-mm", "l0", "--x", str(tmp_path / "x.npy"), "--counts", "1,2",
+                     "--out", str(tmp_path / "out.npy")]) == 2
+    assert f"--out {tmp_path / 'out.npy'}: is a directory" in capsys.readouterr().err
+    assert cli.main(["grouped-gemm", "--in", str(tmp_path / "x.npy"), "--out",
+                     str(tmp_path / "nonexist" / "d.safetensors")]) == 2
+    assert "no such directory" in capsys.readouterr().err and len(server.seen) == sent
+
+
+def test_save_failure_names_the_users_path(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.os, "replace", refuse)
+    out = tmp_path / "y.npy"
+    with pytest.raises(cli.UsageError) as e:
+        cli.save_arrays(str(out), {"y": np.zeros(3)})
+    assert str(e.value) == f"cannot write --out {out}: No space left on device"
+    assert list(tmp_path.iterdir()) == []  # the temporary file is removed
+
+
+def test_grouped_gemm_refuses_a_gap_in_the_numbering(server, capsys, rng, tmp_path):
+    """a.0, b.0, a.2, b.2 used to run problem 0 alone and exit 0."""
+    t = {k: rng.standard_normal((2, 2)).astype(np.float32) for k in ("a.0", "b.0", "a.2", "b.2")}
+    path = tmp_path / "gap.safetensors"
+    path.write_bytes(encode_safetensors(t).to_bytes())
+    sent = len(server.seen)
+    assert cli.main(["grouped-gemm", "--in", str(path), "--out",
+                     str(tmp_path / "d.safetensors")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(server.seen) == sent
+    assert err.strip() == (f"error: {path}: problems must be numbered a.0/b.0 .. a.N/b.N "
+                           "without gaps; after the 1 problem(s) a.0..a.0 it holds a.2, b.2, "
+                           "which would not be used")
+    assert not (tmp_path / "d.safetensors").exists()

@@ -235,3 +235,65 @@ def test_admin_actions_are_audited_with_key_id_never_the_key(
     for secret in (ADMIN, READER, "wrong-key-123"):
         assert secret not in log
 
+
+
+# ------------------------------------------------------------------------------ bad TLS files
+
+
+def _tls_refusal(tmp_path: Path, *tls_args: str) -> str:
+    """The start is refused with one line naming the file, before "listening on" is logged."""
+    proc = _cli("--port", "0", "--data-dir", str(tmp_path / "data"), *tls_args)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "listening on" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moe-gemm-server: --ssl-"), proc.stderr
+    return lines[0]
+
+
+def test_cli_refuses_a_certfile_that_is_not_pem(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("this is not a certificate\n")
+    line = _tls_refusal(tmp_path, "--ssl-certfile", str(garbage))
+    assert line == (f"moe-gemm-server: --ssl-certfile {garbage}: no PEM certificate in it "
+                    "(expected a -----BEGIN CERTIFICATE----- block)")
+
+
+def test_check_tls_loads_the_pair(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cert, key = _self_signed(tmp_path / "a")
+    _, other_key = _self_signed(tmp_path / "b")
+    check_tls(Settings(ssl_certfile=cert, ssl_keyfile=key, data_dir=tmp_path))  # a good pair
+    with pytest.raises(ValueError, match=r"--ssl-certfile .*cert.pem: no PEM private key in "
+                                         r"it \(give the key with --ssl-keyfile\)"):
+        check_tls(Settings(ssl_certfile=cert, data_dir=tmp_path))
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("nope")
+    with pytest.raises(ValueError, match=r"--ssl-keyfile .*garbage.pem: no PEM private key"):
+        check_tls(Settings(ssl_certfile=cert, ssl_keyfile=garbage, data_dir=tmp_path))
+    with pytest.raises(ValueError, match="the private key does not match the certificate"):
+        check_tls(Settings(ssl_certfile=cert, ssl_keyfile=other_key, data_dir=tmp_path))
+    corrupt = tmp_path / "corrupt.pem"
+    corrupt.write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+    with pytest.raises(ValueError, match="not a usable certificate and key: unreadable PEM"):
+        check_tls(Settings(ssl_certfile=cert, ssl_keyfile=corrupt, data_dir=tmp_path))
+    # an encrypted key would make uvicorn prompt for a password on the terminal (a hang)
+    encrypted = tmp_path / "enc.pem"
+    encrypted.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"secret")))
+    with pytest.raises(ValueError, match=r"--ssl-keyfile .*enc.pem: the private key is "
+                                         r"encrypted"):
+        check_tls(Settings(ssl_certfile=cert, ssl_keyfile=encrypted, data_dir=tmp_path))
+
+
+def test_cli_refuses_a_mismatched_key_before_listening(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cert, _ = _self_signed(tmp_path / "a")
+    _, other_key = _self_signed(tmp_path / "b")
+    line = _tls_refusal(tmp_path, "--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key))
+    assert str(cert) in line and str(other_key) in line and "does not match" in line

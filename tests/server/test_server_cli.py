@@ -147,3 +147,72 @@ def test_drain_after_a_signal_runs_outside_the_interrupted_request(caplog):
     assert len(drain_lines) == 2  # "received SIGTERM: draining" and the service's own
     assert all(r.request_id == "-" for r in drain_lines), [
         (r.getMessage(), r.request_id) for r in drain_lines]
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_empty_data_dir_is_refused_not_the_current_directory(tmp_path, value):
+    """Path("") is Path("."): an empty --data-dir used to serve (and let admins delete) the
+    .safetensors files of whatever directory the server was started in."""
+    bystander = tmp_path / "model.safetensors"
+    bystander.write_bytes(b"not ours")
+    cmd = [sys.executable, "-m", "moe_gemm_server", "--port", "0", "--data-dir", value]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={"PYTHONPATH": ENV_PATH, "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "moe-gemm-server: invalid settings: data_dir (--data-dir): the data directory must be "
+        "a non-empty path"], out.stderr
+    assert bystander.read_bytes() == b"not ours"
+
+
+def test_empty_data_dir_variable_is_refused_too(monkeypatch, restore_logging):
+    monkeypatch.setenv("MOE_GEMM_DATA_DIR", "")
+    msg = _refusal(["--port", "0"])
+    assert "--data-dir" in msg and "non-empty path" in msg
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--drain-timeout-s", "inf", "finite number"),  # was: OverflowError traceback
+    ("--drain-timeout-s", "nan", "finite number"),
+    ("--drain-timeout-s", "-1", "greater than or equal to 0"),
+    ("--sync-interval-s", "inf", "finite number"),
+    ("--sync-interval-s", "nan", "finite number"),
+    ("--sync-interval-s", "-0.5", "greater than or equal to 0"),
+    ("--body-timeout-s", "inf", "finite number"),
+    ("--body-timeout-s", "nan", "finite number"),
+    ("--body-timeout-s", "0", "greater than 0"),
+])
+def test_float_flags_refuse_non_finite_and_negative(tmp_path, restore_logging, flag, value,
+                                                    expected):
+    msg = _refusal([flag, value, "--port", "0", "--data-dir", str(tmp_path)])
+    field = flag[2:].replace("-", "_")
+    assert f"{field} ({flag}): " in msg and expected in msg, msg
+
+
+def test_drain_timeout_inf_in_a_real_process_is_one_line(tmp_path):
+    out = _run("--drain-timeout-s", "inf", "--port", "0", "--data-dir", str(tmp_path))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "moe-gemm-server: invalid settings: drain_timeout_s (--drain-timeout-s): Input should "
+        "be a finite number"]
+
+
+def test_parser_errors_print_usage_and_exit_2(tmp_path):
+    """What server/README.md documents: argparse's own refusals are usage + one error line,
+    exit 2 (the settings' refusals are one line, exit 1)."""
+    out = _run("--port", "eighty", "--data-dir", str(tmp_path))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: moe-gemm-server")
+    assert lines[-1] == "moe-gemm-server: error: argument --port: invalid int value: 'eighty'"
+    readme = (REPO / "server" / "README.md").read_text()
+    assert "exits 2" in readme and "exits 1" in readme
+
+
+def test_help_describes_the_warmup_default_the_engine_uses(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1,64,512,4096" not in text  # the old, wrong default
+    assert "on the cute backend, one per kernel configuration" in text
+    assert "on the torch backend, on CPU or GPU alike, 1" in text
