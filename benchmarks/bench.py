@@ -317,10 +317,16 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --reps must be at least 1", file=sys.stderr)
         return 2
     known = [s.name for s in suite] + extra
-    names = known if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    # None only: an empty --only names no shape and is refused, not read as the whole suite.
+    names = known if args.only is None else [n.strip() for n in args.only.split(",")
+                                             if n.strip()]
     unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        print(f"error: unknown shape(s) {', '.join(unknown) or '(none)'}; expected some of "
+    if not names:
+        print(f"error: --only names no shape; expected some of {', '.join(known)}",
+              file=sys.stderr)
+        return 2
+    if unknown:
+        print(f"error: unknown shape(s) {', '.join(unknown)}; expected some of "
               f"{', '.join(known)}", file=sys.stderr)
         return 2
     try:

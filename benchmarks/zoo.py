@@ -68,6 +68,7 @@ from benchmarks.suite import (
     quack_autotune_seconds,
 )
 from moe_gemm.tuning import zoo as models
+from moe_gemm.tuning.argcheck import empty_option
 from moe_gemm.tuning.shards import (
     finish_shards,
     gpu_ids,
@@ -83,6 +84,9 @@ DEFAULT_REPS = 15
 DEFAULT_BUDGET_S = 480.0
 QUACK_TUNE_CAP_S = 40.0
 GRAPH_NAME = "torch.mm loop (CUDA graph)"
+# Options whose empty value would read as "all" or "the default" (see empty_option).
+NONEMPTY = ["models", "tokens", "proj", "resume", "out", "out_dir", "png", "device",
+            "skip_impl", "merge"]
 SMOKE_SCALE = 64  # smoke mode: N and K divided by this (at least 16), E at most 8
 
 
@@ -98,8 +102,9 @@ def build_cases(model_names: str | None, tokens: str | None, projs: list[str], s
                 smoke: bool, fp8: bool = False) -> list[tuple[ShapeSpec, dict[str, Any]]]:
     """(ShapeSpec, zoo fields) per case, token count by token count (priority order); with
     fp8, FP8 shapes of models that ship FP8 checkpoints (ValueError naming any other)."""
-    picked = models.select_models(model_names or ",".join(FP8_MODELS if fp8 else
-                                                          DEFAULT_MODELS))
+    # None only: an empty --models names no model, it is refused rather than the default.
+    picked = models.select_models(model_names if model_names is not None else
+                                  ",".join(FP8_MODELS if fp8 else DEFAULT_MODELS))
     if fp8 and (no_fp8 := [m.name for m in picked if not m.fp8_id]):
         raise ValueError(f"no FP8 checkpoint is published for {', '.join(no_fp8)}; --fp8 "
                          f"takes {', '.join(FP8_MODELS)}")
@@ -259,7 +264,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
                                    args.fp8), args.shard)
     doc = new_doc(device, args, argv)
     if args.resume:
-        old = json.loads(Path(args.resume).read_text())
+        old = read_resume(args.resume)
         if old.get("device") != doc["device"]:
             raise ValueError(f"--resume {args.resume} was measured on {old.get('device')}, "
                              f"this is {doc['device']}")
@@ -332,6 +337,18 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
     doc["bar"] = zoo_report.bar(doc["results"])
     doc["seconds"] = round(time.monotonic() - t0, 1)
     return doc
+
+
+def read_resume(path: str) -> dict[str, Any]:
+    """--resume FILE's run, checked as --merge checks its files (ValueError saying why)."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--resume {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"--resume {path}: not JSON ({exc})") from None
+    zoo_report.check_run(f"--resume {path}", old)
+    return old
 
 
 def _leave(doc: dict[str, Any], cases: list) -> None:
@@ -453,23 +470,35 @@ def main(argv: list[str] | None = None) -> int:
                   f"intermediate={m.intermediate:<5d} {m.layout}  {m.hf_id}{fp8}")
         print("(* = in the default subset; --fp8 takes the models with an FP8 checkpoint)")
         return 0
+    if why := empty_option(args, NONEMPTY):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     if args.merge:
         return merge(args)
-    if args.gpus != 1:
-        return run_on_gpus(args, argv)
-    args.reps = args.reps or (2 if args.smoke else DEFAULT_REPS)
-    args.proj = [p.strip() for p in args.proj.split(",") if p.strip()]
-    if args.reps < 1 or not set(args.proj) <= {"gate_up", "down"} or not args.proj:
-        print("error: --reps must be >= 1 and --proj a subset of gate_up,down", file=sys.stderr)
-        return 2
-    if args.rerun and not args.resume:
-        print("error: --rerun re-measures cases of a --resume FILE; give one", file=sys.stderr)
+    # Checked before --gpus starts its shards, so that a bad argument is one error, not N.
+    # --reps 0 is refused (as `moe-gemm bench --reps 0` is), not read as the default.
+    args.reps = args.reps if args.reps is not None else (2 if args.smoke else DEFAULT_REPS)
+    proj = [p.strip() for p in args.proj.split(",") if p.strip()]
+    why = ("--reps must be at least 1" if args.reps < 1
+           else "--proj must be a subset of gate_up,down"
+           if not set(proj) <= {"gate_up", "down"} or not proj
+           # A budget <= 0 (or nan) would run no case and still write a JSON and exit 0.
+           else "--budget-s must be positive" if not args.budget_s > 0
+           else "--rerun re-measures cases of a --resume FILE; give one"
+           if args.rerun and not args.resume else None)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     try:
-        build_cases(args.models, args.tokens, args.proj, args.seed, True, args.fp8)
-    except ValueError as exc:
+        build_cases(args.models, args.tokens, proj, args.seed, True, args.fp8)
+        if args.resume:
+            read_resume(args.resume)
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.gpus != 1:
+        return run_on_gpus(args, argv)
+    args.proj = proj
     try:
         device = bench_device(args.device, args.smoke, "the zoo (GBs of weights)")
     except ValueError as exc:

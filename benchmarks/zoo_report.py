@@ -71,6 +71,20 @@ def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
 SAME_SETTINGS = ("dtype", "reps", "seed", "smoke", "quack_tuned", "routing", "timing")
 
 
+def check_run(name: str, d: Any) -> None:
+    """ValueError unless `d` is a zoo run's JSON as --merge and --resume read it: an object
+    whose cases map names to objects, whose results (and runs) are lists of objects and whose
+    settings, if any, are an object; anything else would fail inside them with a traceback."""
+    def objects(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(x, dict) for x in v)
+
+    if not (isinstance(d, dict) and isinstance(d.get("cases"), dict)
+            and all(isinstance(v, dict) for v in d["cases"].values())
+            and objects(d.get("results")) and objects(d.get("runs", []))
+            and isinstance(d.get("settings", {}), dict)):
+        raise ValueError(f"{name} is not a zoo run (an object with cases and results)")
+
+
 def merge_docs(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """One zoo document from several runs' (one shard per GPU, a rerun of some cases on top of
     a whole run), in order: a later document's case replaces an earlier one's, rows and all,
@@ -81,9 +95,7 @@ def merge_docs(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     merged "runs"); the bar is derived again. ValueError if the runs were on other devices or
     with other settings."""
     for name, d in docs:
-        if not (isinstance(d, dict) and isinstance(d.get("cases"), dict)
-                and isinstance(d.get("results"), list)):
-            raise ValueError(f"{name} is not a zoo run (an object with cases and results)")
+        check_run(name, d)
     (first_name, first), rest = docs[0], docs[1:]
     out = copy.deepcopy(first)
     out["runs"] = list(out.get("runs") or [])

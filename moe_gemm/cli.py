@@ -371,7 +371,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The exit status of a command that SIGPIPE ended (128 + 13), as `yes | head -1` leaves yes's.
+SIGPIPE_EXIT = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # Whoever read our stdout has gone (`moe-gemm tune --list --zoo | head -1`): stop
+        # quietly, as a command that SIGPIPE ends does. stdout now points at /dev/null, so that
+        # the interpreter's final flush of what is still buffered cannot raise again (the
+        # recipe of the Python docs, "Note on SIGPIPE").
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # no real file behind sys.stdout
+            pass
+        return SIGPIPE_EXIT
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])

@@ -230,3 +230,18 @@ def test_a_failed_first_use_fails_again_not_silently() -> None:
     out = _run(code, module=False)
     assert out.stdout.split() == ["ModuleNotFoundError", "ModuleNotFoundError"], out
 
+
+
+def test_a_closed_stdout_ends_quietly() -> None:
+    """`moe-gemm tune --list --zoo | head -1` ended with a BrokenPipeError traceback and exit 1:
+    now it stops as a command that SIGPIPE ends does (141), saying nothing."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.Popen([sys.executable, "-m", "moe_gemm.cli", "tune", "--list", "--zoo"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write: every write fails
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == cli.SIGPIPE_EXIT
+    assert err == ""
+

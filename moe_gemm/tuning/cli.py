@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import zoo
+from moe_gemm.tuning.argcheck import empty_option, output_problem
 from moe_gemm.tuning.shards import (
     finish_shards,
     gpu_ids,
@@ -46,6 +47,10 @@ DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 SHAPE_BUDGET_S = 30.0
+NO_GPU = "needs a CUDA GPU (use --list without one)"
+# Options whose empty value would read as "all" or "the default" (see empty_option).
+NONEMPTY = ["models", "tokens", "shapes", "configs", "out", "out_dir", "report", "skip_table",
+            "merge", "device"]
 FIRST_SHAPE_EST_S = 10.0
 
 
@@ -122,8 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-table", metavar="FILE", help="skip shapes this table has an entry "
                    "for (as --resume does with --out's)")
     p.add_argument("--merge", action="append", default=[], metavar="FILE",
-                   help="add this table's entries and samples into the table at --out "
-                   "(repeatable; later files win on the same key) and exit; no GPU needed")
+                   help="add this table's entries and samples into the table at --out (or "
+                   "<device>.json in --out-dir) (repeatable; later files win on the same key) "
+                   "and exit; no GPU needed")
     p.add_argument("--list", action="store_true", help="print the shapes and exit")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -177,8 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    why = empty_option(args, NONEMPTY)
+    if why is None and args.gpus < 1:
+        # Checked here, before --gpus looks for GPUs, so that it is the error reported.
+        why = f"--gpus {args.gpus}: must be >= 1"
+    if why:
+        print(f"moe-gemm tune: {why}", file=sys.stderr)
+        return 2
     if args.merge:
-        return merge(args.merge, args.out, log)
+        return merge(args.merge, args.out, log, out_dir=args.out_dir)
     dtype = DTYPE_NAMES[args.dtype]
     out_dtype = DTYPE_NAMES[args.out_dtype or args.dtype]
     try:
@@ -199,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             configs = [parse_name(c, args.form) for c in args.configs.split(";") if c.strip()]
+            if not configs:  # e.g. ";": else the run would tune instead of comparing
+                raise ValueError(f"--configs {args.configs!r} names no config")
         except ValueError as exc:
             print(f"moe-gemm tune: {exc}", file=sys.stderr)
             return 2
@@ -240,6 +255,11 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
         print(f"moe-gemm tune: --gpus picks the shards and devices itself; drop "
               f"{' and '.join(clash)}", file=sys.stderr)
         return 2
+    if torch.cuda.device_count() < 1:
+        # Before gpu_ids: CUDA_VISIBLE_DEVICES can name GPUs a CPU-only torch cannot use, and
+        # asking such a torch for a device's name raises an AssertionError.
+        print(f"moe-gemm tune: {NO_GPU}", file=sys.stderr)
+        return 2
     try:
         gpus = gpu_ids(args.gpus, torch.cuda.device_count())
     except ValueError as exc:
@@ -264,22 +284,29 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
     return finish_shards("moe-gemm tune", gpus, codes, len(parts), rc, tmp)
 
 
-def merge(files: list[str], out: str | None, log) -> int:
+def merge(files: list[str], out: str | None, log, out_dir: str | None = None) -> int:
     """`--merge`: the entries, samples and failures of `files` added into the table at `out`
-    (a new table with the first file's header when absent), in order, so a later file's entry
-    replaces an earlier one's for the same key. Every file must be a valid table of one
-    device."""
+    (or <device>.json in `out_dir`; a new table with the first file's header when absent), in
+    order, so a later file's entry replaces an earlier one's for the same key. Every file must
+    be a table of one device; entries and samples the reader would skip are left out, with a
+    warning."""
     import json
 
+    from moe_gemm.ops import tuned
     from moe_gemm.tuning import table_io
 
-    if not out:
-        print("moe-gemm tune: --merge needs --out (the table to add into)", file=sys.stderr)
+    if not out and not out_dir:
+        print("moe-gemm tune: --merge needs --out FILE or --out-dir DIR (the table to add "
+              "into)", file=sys.stderr)
         return 2
+
+    def warn(s: str) -> None:
+        print(f"moe-gemm tune: warning: {s}", file=sys.stderr)
+
     docs = []
     for f in files:
         try:
-            docs.append((f, table_io.read_table(Path(f))))
+            docs.append((f, table_io.read_table(Path(f), warn=warn)))
         except (OSError, ValueError) as exc:
             print(f"moe-gemm tune: --merge {f}: {exc}", file=sys.stderr)
             return 2
@@ -288,10 +315,14 @@ def merge(files: list[str], out: str | None, log) -> int:
         print(f"moe-gemm tune: --merge takes tables of one device; got {device} and "
               f"{', '.join(others)}", file=sys.stderr)
         return 2
-    out_path = Path(out)
+    out_path = Path(out) if out else Path(out_dir) / f"{tuned.device_slug(device)}.json"
+    # Before merging anything: a path that cannot be written fails now, in one line.
+    if why := output_problem(out_path, "--out" if out else "--out-dir"):
+        print(f"moe-gemm tune: {why}", file=sys.stderr)
+        return 2
     if out_path.exists():
         try:
-            doc = table_io.read_table(out_path, device)
+            doc = table_io.read_table(out_path, device, warn=warn)
         except (OSError, ValueError) as exc:
             print(f"moe-gemm tune: --out {out}: {exc}", file=sys.stderr)
             return 2
@@ -301,7 +332,11 @@ def merge(files: list[str], out: str | None, log) -> int:
     for f, other in docs:
         n = table_io.merge_into(doc, other)
         log(f"[tune] --merge {f}: {n} entries")
-    table_io.write(out_path, doc)
+    try:
+        table_io.write(out_path, doc)
+    except OSError as exc:  # e.g. the disk filled up since the check above
+        print(f"moe-gemm tune: --out {out_path}: {exc}", file=sys.stderr)
+        return 2
     print(f"merged {len(files)} tables into {out_path}: {len(doc['entries'])} entries")
     return 0
 
@@ -422,7 +457,7 @@ def kernel_device(spec: str):
     except (RuntimeError, ValueError) as exc:
         return None, f"--device {spec!r} is not a device: {exc}"
     if device.type != "cuda" or not torch.cuda.is_available():
-        return None, "needs a CUDA GPU (use --list without one)"
+        return None, NO_GPU
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     elif device.index >= torch.cuda.device_count():

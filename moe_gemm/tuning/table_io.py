@@ -18,7 +18,7 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moe_gemm.ops import tuned
 
@@ -40,36 +40,62 @@ def load_existing(path: Path, device: str) -> tuple[dict[str, Any] | None, str |
         return None, f"{path} is not a table for this device ({exc}); starting a new one"
 
 
-def read_table(path: Path, device: str | None = None) -> dict[str, Any]:
+def read_table(path: Path, device: str | None = None,
+               warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """A valid table from `path` (of `device` when given): OSError or ValueError (naming the
-    file and what is wrong) otherwise."""
+    file and what is wrong) otherwise. What the reader would skip (an entry or sample that
+    does not parse, "samples" or "failures" that is not a list) is left out, and `warn` told,
+    so that merging and sorting the table never meets it."""
     doc = json.loads(path.read_text())
     if not isinstance(doc, dict) or not isinstance(doc.get("device"), str):
         raise ValueError(f"{path} is not a tuned table (no device name)")
     tuned.parse_table(doc, str(path), device or doc["device"])
-    doc.setdefault("samples", [])
-    doc.setdefault("failures", [])
+    dropped = []
+    entries = [e for e in doc["entries"] if _valid_entry(e)]
+    if len(entries) < len(doc["entries"]):
+        dropped.append(f"{len(doc['entries']) - len(entries)} unreadable entries")
+    doc["entries"] = entries
+    for name, valid in (("samples", _valid_sample), ("failures", lambda f: True)):
+        raw = doc.get(name, [])
+        if not isinstance(raw, list):
+            dropped.append(f'"{name}" (not a list)')
+            raw = []
+        kept = [x for x in raw if valid(x)]
+        if len(kept) < len(raw):
+            dropped.append(f"{len(raw) - len(kept)} unreadable {name}")
+        doc[name] = kept
+    if dropped and warn is not None:
+        warn(f"{path}: left out {', '.join(dropped)}")
     return doc
 
 
 def merge_into(doc: dict[str, Any], other: dict[str, Any]) -> int:
     """Add `other`'s valid entries, samples and failures into `doc` (other wins on equal
     keys); returns how many entries were added (an entry the reader would skip is left out)."""
-    add_result(doc, None, [s for s in other.get("samples") or [] if _valid_sample(s)])
+    # A "samples" or "failures" that is not a list holds nothing usable (the reader's view).
+    samples, failures = (x if isinstance(x, list) else []
+                         for x in (other.get("samples"), other.get("failures")))
+    add_result(doc, None, [s for s in samples if _valid_sample(s)])
     added = 0
     for e in other["entries"]:
-        try:
-            tuned.key_of(e)
-            tuned.config_fields(e.get("config"))
-        except (tuned.TableError, AttributeError):
+        if not _valid_entry(e):
             continue
         add_result(doc, e, [])
         added += 1
     doc.setdefault("failures", [])
     seen = {json.dumps(f, sort_keys=True) for f in doc["failures"]}
-    doc["failures"] += [f for f in other.get("failures") or []
-                        if json.dumps(f, sort_keys=True) not in seen]
+    doc["failures"] += [f for f in failures if json.dumps(f, sort_keys=True) not in seen]
     return added
+
+
+def _valid_entry(e: Any) -> bool:
+    """Whether the reader (moe_gemm.ops.tuned.parse_table) would use entry `e`."""
+    try:
+        tuned.key_of(e)
+        tuned.config_fields(e.get("config"))
+    except (tuned.TableError, AttributeError, TypeError):
+        return False
+    return True
 
 
 def _valid_sample(s: Any) -> bool:
@@ -77,13 +103,15 @@ def _valid_sample(s: Any) -> bool:
 
 
 def entry_key(e: dict) -> tuple:
-    return (e["form"], e["dtype"], e.get("out_dtype", e["dtype"]), e["E"], e["N"], e["K"],
-            e["bucket"])
+    """An entry's key as the reader reads it: "E": "8" and "E": 8 are one key, and the keys
+    of a table sort (write() sorts them) whatever types its JSON spelled them in."""
+    k = tuned.key_of(e)
+    return (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
 
 
 def _sample_shape(s: dict) -> tuple:
-    return (s["form"], s["dtype"], s.get("out_dtype", s["dtype"]), s["E"], s["N"], s["K"],
-            s["rows"])
+    return (str(s["form"]), str(s["dtype"]), str(s.get("out_dtype", s["dtype"])), int(s["E"]),
+            int(s["N"]), int(s["K"]), int(s["rows"]))
 
 
 def add_result(doc: dict[str, Any], entry: dict | None, samples: list[dict]) -> None:

@@ -115,8 +115,9 @@ FP8_MODELS = ("DeepSeek-V3", "DeepSeek-V3-EP8", "Kimi-K2", "Qwen3-30B-A3B", "Qwe
 def select_models(spec: str | None) -> list[MoEModel]:
     """Models named in a comma-separated list ('all' or None: every model, DEFAULT_MODELS
     first; 'default': DEFAULT_MODELS); case-insensitive. Raises ValueError naming the
-    unknown ones and the known names."""
-    if not spec or spec.strip().lower() == "all":
+    unknown ones and the known names (an empty spec names none: it is refused, not read as
+    'all')."""
+    if spec is None or spec.strip().lower() == "all":
         return sorted(MODELS, key=lambda m: m.name not in DEFAULT_MODELS)
     if spec.strip().lower() == "default":
         return [BY_NAME[n] for n in DEFAULT_MODELS]

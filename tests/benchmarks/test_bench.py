@@ -363,6 +363,16 @@ def test_cli_errors_and_list(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--smoke" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("only", ["", " ", ","])
+def test_an_empty_only_is_refused_not_the_whole_suite(
+        only: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `--only ""` ran the whole smoke suite, as if --only were not given.
+    assert bench.main(["--smoke", "--only", only, "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only names no shape;") and err.count("\n") == 1
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_failing_and_wrong_implementations_are_recorded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

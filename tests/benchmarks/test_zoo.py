@@ -294,3 +294,43 @@ def test_gpus_runs_the_shards_as_processes_and_joins_them(tmp_path, capsys, monk
     assert zoo.main(["--smoke", "--gpus", "2", "--shard", "0/2"]) == 2
     assert zoo.main(["--smoke", "--gpus", "0"]) == 2
     assert "--gpus 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [[1, 2], {"device": "cpu", "cases": [1]},
+                                     {"device": "cpu", "cases": {"a": 1}, "results": []},
+                                     {"device": "cpu", "cases": {}, "results": [3]},
+                                     {"device": "cpu", "shapes": {}, "results": []}, "{"])
+def test_resume_refuses_what_is_not_a_zoo_run(tmp_path, capsys, content):
+    # A list or a bench-suite JSON raised AttributeError or was taken silently; --merge
+    # already refused them: --resume says the same, before any case runs.
+    bad = tmp_path / "zl.json"
+    bad.write_text(content if isinstance(content, str) else json.dumps(content))
+    out = tmp_path / "x.json"
+    assert zoo.main(["--smoke", "--quiet", "--resume", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {bad}") and err.count("\n") == 1, err
+    assert "is not a zoo run" in err or "not JSON" in err
+    assert not out.exists()
+    assert zoo.main(["--smoke", "--resume", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--budget-s", "-5"], "--budget-s must be positive"),
+    (["--budget-s", "0"], "--budget-s must be positive"),
+    (["--budget-s", "nan"], "--budget-s must be positive"),
+    (["--reps", "0"], "--reps must be at least 1"),
+    (["--reps", "-2"], "--reps must be at least 1"),
+    (["--proj", ""], "--proj is empty"),
+    (["--models", ""], "--models is empty"),
+    (["--tokens", " "], "--tokens is empty"),
+    (["--models", ","], "unknown model"),
+    (["--gpus", "0"], "--gpus 0: must be >= 1")])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, words):
+    # --budget-s -5 ran nothing, wrote a JSON and exited 0; --reps 0 became the default;
+    # --models "" ran every default model.
+    out = tmp_path / "x.json"
+    assert zoo.main(["--smoke", "--quiet", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    assert not out.exists()

@@ -234,3 +234,102 @@ def test_tune_on_gpus_keeps_what_finished_when_a_shard_fails(tmp_path, fake_gpus
         assert cli.main(["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--out",
                          str(out), *extra]) == 2, extra
         assert not seen
+
+
+def _edit(path, **fields):
+    doc = json.loads(path.read_text())
+    doc.update(fields)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("fields", [{"samples": 5}, {"failures": 3}, {"samples": None,
+                                                                        "failures": {"a": 1}}])
+def test_merge_leaves_out_samples_or_failures_that_are_not_lists(tmp_path, capsys, fields):
+    # These raised "TypeError: 'int' object is not iterable": the reader ignores them.
+    s0 = _edit(_table(tmp_path / "s0.json", [_entry(8, 90.0)], [_sample(8, 90.0)]), **fields)
+    out = tmp_path / "out.json"
+    assert cli.main(["--merge", str(s0), "--out", str(out)]) == 0
+    assert "warning" in capsys.readouterr().err
+    merged = json.loads(out.read_text())
+    assert [e["E"] for e in merged["entries"]] == [8]
+    assert isinstance(merged["samples"], list) and isinstance(merged["failures"], list)
+
+
+@pytest.mark.parametrize("junk", [{}, 5, "x", {"form": "varlen"}])
+def test_merge_into_an_out_table_with_unreadable_entries_drops_them(tmp_path, capsys, junk):
+    # The reader skips such entries; the sort in table_io.write raised KeyError / TypeError.
+    s0 = _table(tmp_path / "s0.json", [_entry(8, 90.0)])
+    out = tmp_path / "out.json"
+    doc = json.loads(_table(out, [_entry(16, 1.0)]).read_text())
+    doc["entries"].append(junk)
+    doc["samples"] = [{"E": 1}, 7, _sample(16, 1.0)]
+    out.write_text(json.dumps(doc))
+    assert cli.main(["--merge", str(s0), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "1 unreadable entries" in err and "Traceback" not in err
+    merged = json.loads(out.read_text())
+    assert sorted(e["E"] for e in merged["entries"]) == [8, 16]
+    assert [s["E"] for s in merged["samples"]] == [16]
+
+
+def test_merge_reads_a_string_E_as_the_reader_does(tmp_path):
+    # "E": "8" beside integer E's: the sort raised "'<' not supported between str and int".
+    s0 = _table(tmp_path / "s0.json", [_entry(8, 90.0), _entry(16, 80.0)])
+    doc = json.loads(s0.read_text())
+    doc["entries"][0]["E"] = "8"
+    s0.write_text(json.dumps(doc))
+    s1 = _table(tmp_path / "s1.json", [_entry(8, 70.0)])
+    out = tmp_path / "out.json"
+    assert cli.main(["--merge", str(s0), "--merge", str(s1), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())["entries"]
+    assert [(int(e["E"]), e["us"]) for e in merged] == [(8, 70.0), (16, 80.0)]  # one key
+
+
+def test_merge_checks_the_output_path_before_merging(tmp_path, capsys):
+    s0 = _table(tmp_path / "s0.json", [_entry(8, 90.0)])
+    for out, words in ((f"{s0}/x.json", "is a file, not a folder"),
+                       ("/proc/nope/x.json", "cannot create its folder"),
+                       (str(tmp_path), "is a folder")):
+        assert cli.main(["--merge", str(s0), "--out", out]) == 2, out
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1 and "entries" not in err, err
+
+
+def test_merge_into_out_dir_writes_the_device_table(tmp_path, capsys):
+    s0 = _table(tmp_path / "s0.json", [_entry(8, 90.0)])
+    d = tmp_path / "tables"
+    assert cli.main(["--merge", str(s0), "--out-dir", str(d)]) == 0
+    assert [p.name for p in d.iterdir()] == ["nvidia-h200.json"]
+    assert cli.main(["--merge", str(s0)]) == 2
+    assert "--merge needs --out FILE or --out-dir DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--zoo", "--models", "", "--list"], "--models is empty"),
+    (["--zoo", "--models", " ", "--list"], "--models is empty"),
+    (["--shapes", "8,256,256,64", "--configs", "", "--list"], "--configs is empty"),
+    (["--shapes", "8,256,256,64", "--configs", ";"], "names no config"),
+    (["--merge", ""], "--merge is empty"),
+    (["--shapes", "8,256,256,64", "--gpus", "0"], "--gpus 0: must be >= 1"),
+    (["--shapes", "8,256,256,64", "--gpus", "-1"], "--gpus -1: must be >= 1")])
+def test_empty_values_and_gpus_below_one_are_refused(capsys, argv, words):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"moe-gemm tune: {err.split(': ', 1)[1]}" and words in err
+    assert err.count("\n") == 1
+
+
+def test_select_models_refuses_an_empty_list():
+    with pytest.raises(ValueError, match="unknown model"):
+        __import__("moe_gemm.tuning.zoo", fromlist=["x"]).select_models("")
+
+
+def test_gpus_without_a_cuda_torch_says_it_needs_a_gpu(monkeypatch, capsys):
+    # CUDA_VISIBLE_DEVICES names GPUs a CPU-only torch cannot use: it raised AssertionError.
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert cli.main(["--shapes", "8,256,256,64", "--gpus", "2"]) == 2
+    assert capsys.readouterr().err == f"moe-gemm tune: {cli.NO_GPU}\n"
