@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
            if not set(proj) <= {"gate_up", "down"} or not proj
            # A budget <= 0 (or nan) would run no case and still write a JSON and exit 0.
            else "--budget-s must be positive" if not args.budget_s > 0
+           else "--quack-tune-cap-s must be positive" if not args.quack_tune_cap_s > 0
            else "--rerun re-measures cases of a --resume FILE; give one"
            if args.rerun and not args.resume else None)
     if why:

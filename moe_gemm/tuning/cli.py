@@ -223,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.describe():58s} {k.form} E={k.E} N={k.N} K={k.K} bucket={k.bucket} "
                   f"{s.layout}")
         return 0
-    if args.budget_s is not None and args.budget_s <= 0:
-        print("moe-gemm tune: --budget-s must be positive", file=sys.stderr)
-        return 2
+    for flag, value in (("--budget-s", args.budget_s), ("--shape-budget-s", args.shape_budget_s)):
+        if value is not None and not value > 0:  # (nan too)
+            print(f"moe-gemm tune: {flag} must be positive", file=sys.stderr)
+            return 2
     if configs and args.gpus != 1:
         print("moe-gemm tune: --configs times on one GPU; drop --gpus", file=sys.stderr)
         return 2

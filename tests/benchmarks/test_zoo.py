@@ -325,7 +325,8 @@ def test_resume_refuses_what_is_not_a_zoo_run(tmp_path, capsys, content):
     (["--models", ""], "--models is empty"),
     (["--tokens", " "], "--tokens is empty"),
     (["--models", ","], "unknown model"),
-    (["--gpus", "0"], "--gpus 0: must be >= 1")])
+    (["--gpus", "0"], "--gpus 0: must be >= 1"),
+    (["--quack-tune-cap-s", "-1"], "--quack-tune-cap-s must be positive")])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, words):
     # --budget-s -5 ran nothing, wrote a JSON and exited 0; --reps 0 became the default;
     # --models "" ran every default model.
