@@ -102,18 +102,22 @@ class AsyncClient(_BaseClient):
             "/v2/health/ready", "ready", request_id=request_id, timeout=timeout,
             max_retries=max_retries, extra_headers=extra_headers))
 
-    async def wait_until_ready(self, timeout: float = 60.0, *, interval: float = 0.25) -> bool:
+    async def wait_until_ready(self, timeout: float = 60.0, *, interval: float = 0.25,
+                               raise_unreachable: bool = False) -> bool:
         """Poll ready() until it says yes or `timeout` seconds pass; see `Client`."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
+            unreachable: APIConnectionError | None = None
             try:
                 if await self.ready(max_retries=0, timeout=max(min(left, 5.0), 0.05)):
                     return True
-            except APIConnectionError:
-                pass
+            except APIConnectionError as exc:
+                unreachable = exc
             left = deadline - time.monotonic()
             if left <= 0:
+                if raise_unreachable and unreachable is not None:
+                    raise unreachable
                 return False
             await self._sleep(min(interval, left))
 

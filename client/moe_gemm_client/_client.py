@@ -132,10 +132,16 @@ class Client(_BaseClient):
             "/v2/health/ready", "ready", request_id=request_id, timeout=timeout,
             max_retries=max_retries, extra_headers=extra_headers))
 
-    def wait_until_ready(self, timeout: float = 60.0, *, interval: float = 0.25) -> bool:
+    def wait_until_ready(self, timeout: float = 60.0, *, interval: float = 0.25,
+                         raise_unreachable: bool = False) -> bool:
         """Poll ready() until it says yes or `timeout` seconds pass.
 
         Connection errors count as "not yet" (the server may still be starting).
+
+        Args:
+            raise_unreachable: if the last poll before the deadline could not reach the
+                server, raise its APIConnectionError instead of returning False (False then
+                means the server answered "not ready").
 
         Returns:
             True once ready, False if the deadline passed first.
@@ -143,13 +149,16 @@ class Client(_BaseClient):
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
+            unreachable: APIConnectionError | None = None
             try:
                 if self.ready(max_retries=0, timeout=max(min(left, 5.0), 0.05)):
                     return True
-            except APIConnectionError:
-                pass
+            except APIConnectionError as exc:
+                unreachable = exc
             left = deadline - time.monotonic()
             if left <= 0:
+                if raise_unreachable and unreachable is not None:
+                    raise unreachable
                 return False
             self._sleep(min(interval, left))
 

@@ -200,30 +200,12 @@ def _cmd_health(client: Client, args: argparse.Namespace) -> int:
 
 
 def _cmd_ready(client: Client, args: argparse.Namespace) -> int:
-    ok = _wait_ready(client, args.wait) if args.wait else client.ready()
+    # Still unreachable at the deadline: the connection error (exit 3, as `ready` without
+    # --wait), not "not ready" (exit 1: the server answered no).
+    ok = (client.wait_until_ready(args.wait, raise_unreachable=True) if args.wait
+          else client.ready())
     _print_json({"ready": ok})
     return EXIT_OK if ok else EXIT_API
-
-
-def _wait_ready(client: Client, wait: float, interval: float = 0.25) -> bool:
-    """Client.wait_until_ready, but a server still unreachable at the deadline raises the
-    connection error (exit 3, as `ready` without --wait) instead of counting as "not ready"
-    (exit 1, which means the server answered no)."""
-    deadline = time.monotonic() + wait
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            if client.ready(max_retries=0, timeout=max(min(left, 5.0), 0.05)):
-                return True
-            unreachable: APIConnectionError | None = None
-        except APIConnectionError as exc:  # may still be starting: not yet
-            unreachable = exc
-        left = deadline - time.monotonic()
-        if left <= 0:
-            if unreachable is not None:
-                raise unreachable
-            return False
-        time.sleep(min(interval, left))
 
 
 def _cmd_list(client: Client, args: argparse.Namespace) -> int:

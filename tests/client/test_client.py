@@ -555,6 +555,19 @@ def test_wait_until_ready(mode):
     t0 = time.monotonic()
     assert run(client, "wait_until_ready", 0.2, interval=0.05) is False
     assert 0.15 <= time.monotonic() - t0 < 2.0
+    # raise_unreachable: a server never reached raises; one that answered "no" is False
+    for flag, want in ((False, False), (True, mgc.APIConnectionError)):
+        handler, _ = sequence(httpx.ConnectError("down"))
+        client = make(mode, handler)
+        if want is False:
+            assert run(client, "wait_until_ready", 0.05, interval=0.01,
+                       raise_unreachable=flag) is False
+        else:
+            with pytest.raises(want):
+                run(client, "wait_until_ready", 0.05, interval=0.01, raise_unreachable=flag)
+    handler, _ = sequence(httpx.Response(503, json={"ready": False}))
+    assert run(make(mode, handler), "wait_until_ready", 0.05, interval=0.01,
+               raise_unreachable=True) is False
 
 
 # ------------------------------------------------------------------------------------------
