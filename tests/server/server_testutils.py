@@ -170,3 +170,21 @@ def assert_close_to_ref(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) 
     assert scale > 0
     err = (y.double() - ref).abs().max().item()
     assert err <= TOL[dtype] * scale * 2 + 1e-6, (err, scale)
+
+
+def read_http_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers (lower-case names) and body of one HTTP/1.1 response with a
+    Content-Length, read from a raw socket."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the response head"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the end of the body"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body

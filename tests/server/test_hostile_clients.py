@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_testutils import LiveServer, st_body
+from server_testutils import LiveServer, read_http_response, st_body
 
 ADMIN = "hostile-admin-key"
 BODY_TIMEOUT_S = 1.0
@@ -42,23 +42,6 @@ def _open(server: LiveServer, method: str, path: str, length: int, first: bytes 
     return sock
 
 
-def _response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """Status, headers and body of one response with a Content-Length."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed before the response head"
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-    while len(body) < int(headers["content-length"]):
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed before the end of the body"
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
-
-
 def _rss_mib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) // 1024
@@ -78,7 +61,7 @@ def test_a_body_that_stalls_gets_408_and_the_connection_is_closed(server) -> Non
     for method, path in (("POST", "/v1/grouped-gemm"), ("PUT", "/v1/weights/stalled")):
         t0 = time.monotonic()
         with _open(server, method, path, 100_000, b"x" * 100) as sock:
-            status, headers, body = _response(sock)
+            status, headers, body = read_http_response(sock)
             waited = time.monotonic() - t0
             assert status == 408 and "--body-timeout-s" in body.decode(), body
             assert BODY_TIMEOUT_S * 0.9 <= waited < BODY_TIMEOUT_S + 5, waited
@@ -145,7 +128,7 @@ def test_a_stalled_upload_does_not_hold_the_drain(tmp_path: Path) -> None:
             time.sleep(0.2)
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
-            assert _response(sock)[0] == 408
+            assert read_http_response(sock)[0] == 408
             assert s.proc.wait(timeout=20) == 0
             assert time.monotonic() - t0 < BODY_TIMEOUT_S + 10
     finally:

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import torch
-from server_testutils import LiveServer, metric, mm_ref, st_body, st_load
+from server_testutils import LiveServer, metric, mm_ref, read_http_response, st_body, st_load
 
 ADMIN = {"Authorization": "Bearer adm"}
 
@@ -128,25 +128,6 @@ def test_corrupt_weight_file_is_skipped_not_fatal(tmp_path):
     assert "broken" in server.log()
 
 
-def _read_http_response(sock: socket.socket) -> tuple[int, bytes]:
-    """Status and body of one HTTP/1.1 response with a Content-Length."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed before the response head"
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    length = next(int(v) for k, _, v in (ln.partition(":") for ln in lines[1:])
-                  if k.strip().lower() == "content-length")
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed before the end of the body"
-        body += chunk
-    return status, body
-
-
 def test_sigterm_drains_queued_work_then_exits(tmp_path):
     """SIGTERM with three requests queued (1 s batch delay) and one still uploading: readiness
     turns 503 and newcomers get 503 while the server keeps listening; the queued requests run
@@ -209,7 +190,7 @@ def test_sigterm_drains_queued_work_then_exits(tmp_path):
             torch.testing.assert_close(y.double(), mm_ref(x, w, c), atol=1e-4, rtol=1e-4)
         assert server.proc.poll() is None  # still waiting for the upload in progress
         sock.sendall(body[100:])
-        status, payload = _read_http_response(sock)
+        status, _, payload = read_http_response(sock)
         sock.close()
         assert status == 200
         torch.testing.assert_close(st_load(payload)["y"].double(), mm_ref(x_up, w, c_up),
