@@ -154,8 +154,8 @@ def test_varlen_tail_split():
            max_abs_diff=diff)
 
 
-# The opt-in loops: the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) and the prefetched
-# scales (MOE_GEMM_FP8_SCALE_AHEAD=n). Both do the plain loop's FMAs in the same order, so their
+# The loops beside the plain one: the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) and the
+# prefetched scales (MOE_GEMM_FP8_SCALE_AHEAD=n, 3 by default on cooperative tiles). Both do the plain loop's FMAs in the same order, so their
 # output is bit for bit the plain kernel's. A loop: (switch, value, the choice field it sets).
 LOOPS = {"lagged": (PROMOTE_LAG_ENV, "1", "promote_lag"),
          **{f"ahead{n}": (SCALE_AHEAD_ENV, str(n), "scale_ahead") for n in (2, 3, 4)}}
@@ -165,9 +165,10 @@ def _plain_and(monkeypatch, run, loop: str):
     """run() on the plain loop, then with `loop` switched on: (plain, other)."""
     env, value, field = LOOPS[loop]
     want = True if field == "promote_lag" else int(value)
-    for name in (PROMOTE_LAG_ENV, SCALE_AHEAD_ENV):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
+    monkeypatch.setenv(SCALE_AHEAD_ENV, "1")  # the plain loop (cooperative tiles default to more)
     plain = run()
+    assert launch_info.last_launch().choice.scale_ahead == 1
     assert getattr(launch_info.last_launch().choice, field) != want
     monkeypatch.setenv(env, value)
     other = run()
@@ -181,7 +182,7 @@ def _plain_and(monkeypatch, run, loop: str):
 @pytest.mark.parametrize("K", [128, 256, 384, 512, 640, 896])
 @pytest.mark.parametrize("case", LOOP_CASES,
                          ids=lambda c: f"{c[0]}-{c[1]}-{c[2][0]}x{c[2][1]}-c{c[3]}x{c[4]}")
-def test_opt_in_loop_equals_plain_loop(monkeypatch, case, K):
+def test_scale_loop_equals_plain_loop(monkeypatch, case, K):
     loop, sched, tile, cm, cn = case
     cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
                tail_split=False)
@@ -203,7 +204,7 @@ def test_opt_in_loop_equals_plain_loop(monkeypatch, case, K):
 
 
 @pytest.mark.parametrize("loop", FORM_LOOPS)
-def test_opt_in_loop_long_k_tail_split_and_forms(monkeypatch, loop):
+def test_scale_loop_long_k_tail_split_and_forms(monkeypatch, loop):
     # long K with the tail split (each CTA's K range starts mid-way), the batched and the
     # general forms, a narrow tile spanning two scale blocks
     x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=21)

@@ -17,7 +17,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-# (loop, schedule, tile, cluster_m, cluster_n) of the opt-in loops' GPU tests (test_fp8_gpu.py):
+# (loop, schedule, tile, cluster_m, cluster_n) of the scale loops' GPU tests (test_fp8_gpu.py):
 # the lagged promotion and the scales prefetched n stages ahead
 LOOP_CASES = [("lagged", "cooperative", (128, 128), 1, 1),
               ("lagged", "cooperative", (128, 128), 1, 2),
@@ -27,7 +27,7 @@ LOOP_CASES = [("lagged", "cooperative", (128, 128), 1, 1),
               ("ahead3", "cooperative", (128, 128), 1, 1),
               ("ahead4", "cooperative", (128, 192), 2, 1), ("ahead2", "pingpong", (64, 128), 1, 1),
               ("ahead3", "pingpong", (128, 64), 1, 1), ("ahead2", "cooperative", (128, 160), 1, 1)]
-# the loops test_opt_in_loop_long_k_tail_split_and_forms runs
+# the loops test_scale_loop_long_k_tail_split_and_forms runs
 FORM_LOOPS = ("lagged", "ahead2", "ahead3")
 
 
@@ -40,7 +40,7 @@ def fp8_test_variants() -> list:
         choice = choose_fp8(form, config or GemmConfig(), avg_m, N, K, out.itemsize,
                             granularity)
         keys.add(fp8_compile_key(form, fp8, out, granularity, choice))
-        for loop in loops:  # the same choice with an opt-in loop (test_fp8_gpu.py's LOOPS)
+        for loop in loops:  # the same choice with another loop (test_fp8_gpu.py's LOOPS)
             change = ({"promote_lag": True} if loop == "lagged"
                       else {"scale_ahead": int(loop.removeprefix("ahead"))})
             keys.add(fp8_compile_key(form, fp8, out, granularity,
@@ -85,7 +85,7 @@ def fp8_test_variants() -> list:
     add("varlen", "block", cute(), 187, 512, 2048)
     add("batched", "block", None, 128, 512, 7168)
     add("batched", "row", cute(), 1, 256, 1024)
-    # test_fp8_gpu.py's opt-in loop cases
+    # test_fp8_gpu.py's loop cases
     for loop, sched, tile, cm, cn in LOOP_CASES:
         cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
                    tail_split=False)

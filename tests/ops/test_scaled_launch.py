@@ -197,15 +197,25 @@ def _key_that_ran(fp8_kernel, call):
     return ran[0].key
 
 
-def test_prefetched_scales_are_opt_in(fp8_kernel, monkeypatch):
-    """MOE_GEMM_FP8_SCALE_AHEAD=n (2 to 4) asks for the block scales loaded n stages ahead;
-    the plain block-scaled loop takes it (not row-wise scales, not the lagged loop), a bad
-    value is refused with the variable named, and a repeated call's cached plan follows it."""
+def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
+    """Block scales on cooperative tiles are loaded DEFAULT_SCALE_AHEAD stages ahead by default,
+    ping-pong tiles and row-wise scales load them one stage ahead (the plain loop);
+    MOE_GEMM_FP8_SCALE_AHEAD=n (1 to 4) sets it for the plain block-scaled loop (not row-wise
+    scales, not the lagged loop), a bad value is refused with the variable named, and a
+    repeated call's cached plan follows it."""
     choose = heuristics_fp8.choose_fp8
     env = heuristics_fp8.SCALE_AHEAD_ENV
+    default = heuristics_fp8.DEFAULT_SCALE_AHEAD
     monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV, raising=False)
     monkeypatch.delenv(env, raising=False)
-    assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == 1
+    assert default > 1
+    coop = choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
+    assert coop.schedule == "cooperative" and coop.scale_ahead == default
+    pingpong = choose("varlen", GemmConfig(), 4, 4096, 7168, 2, "block")
+    assert pingpong.schedule == "pingpong" and pingpong.scale_ahead == 1
+    assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row").scale_ahead == 1
+    pinned = GemmConfig(schedule="pingpong", tile_m=128, tile_n=64)
+    assert choose("varlen", pinned, 512, 4096, 7168, 2, "block").scale_ahead == 1
     for n in (1, 2, 3, 4):
         monkeypatch.setenv(env, str(n))
         assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == n
@@ -220,8 +230,8 @@ def test_prefetched_scales_are_opt_in(fp8_kernel, monkeypatch):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
-    monkeypatch.setenv(env, " ")
-    assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == 1
+    monkeypatch.setenv(env, " ")  # empty: the default
+    assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == default
     x, w, sa, sb, offs = make_fp8_moe_inputs(200, 3, 256, 256, "block", seed=19)
     ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
     for n in (1, 3, 1):
