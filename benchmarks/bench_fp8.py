@@ -191,7 +191,7 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
                 return ours(a)()
         return run
 
-    for n in (1, 4):  # beside the default (3 on cooperative tiles, 1 on ping-pong ones)
+    for n in (1, 4):  # beside the default (3)
         impls[f"ours-fp8-block-ahead{n}"] = (ours_ahead(block, n), block)
     if sweep:
         for name, cfg in sweep_configs(shape).items():

@@ -32,26 +32,26 @@ def promote_lag_requested() -> bool:
 # The block-scaled plain loop with each stage's scales loaded this many stages before its
 # promotion (GroupedGemmFp8Sm90._mainloop_prefetched) instead of one. A B scale is a new L2
 # line every stage; one stage ahead, ptxas waits for it before the stage's last WGMMA is
-# issued. Measured on an H200 (2026-11-28, bench_fp8, cooperative 128x128 in 1x2 clusters, the
-# default there): 3 stages ahead ran 8-10% faster than the plain loop on all five
-# compute-bound shapes (DeepSeek-V3 EP32 up 8k rows 492 -> 451 us, down 273 -> 250, Kimi-K2
-# EP32 up 16k 991 -> 878, DeepGEMM's 4x8192 up 1827 -> 1657, down 1011 -> 895) and within
-# noise on the decode ones; 2 ahead ran 5-15% slower than the plain loop and 4 ahead matched it
-# (the ring's register moves land differently in ptxas's schedule: docs/measurements.md). So
-# the cooperative block-scaled default is 3; ping-pong tiles (decode-sized experts, never
-# timed with it) keep 1. MOE_GEMM_FP8_SCALE_AHEAD (1 to 4) overrides both; 1 is the plain loop.
+# issued. Measured on an H200 (2026-11-28, bench_fp8, interleaved in one process:
+# benchmarks/results/bench-fp8-nvidia-h200-2026-11-28.json), 3 ahead against 1 (the plain
+# loop): cooperative 128x128 on the five compute-bound shapes 11-14% faster (DeepSeek-V3 EP32
+# up 8k rows 529 -> 458 us, down 281 -> 251; Kimi-K2 EP32 up 16k 1020 -> 880; DeepGEMM's
+# 4x8192 up 1922 -> 1670, down 1007 -> 884); ping-pong 64x128 on decode-sized experts 5-6%
+# faster (E=256, 256 rows 144 -> 137 us, 2048 rows 238 -> 224); the batched decode headline
+# within noise. 2 ahead ran slower than the plain loop on the compute-bound shapes and 4 ahead
+# gained at most 3% there (the ring's register moves land differently in ptxas's schedule;
+# docs/measurements.md). MOE_GEMM_FP8_SCALE_AHEAD (1 to 4) overrides it; 1 is the plain loop.
 SCALE_AHEAD_ENV = "MOE_GEMM_FP8_SCALE_AHEAD"
 SCALE_AHEAD_MAX = 4
 DEFAULT_SCALE_AHEAD = 3
 
 
 def scale_ahead_requested() -> int:
-    """MOE_GEMM_FP8_SCALE_AHEAD as a stage count, 0 when unset or empty (the default:
-    DEFAULT_SCALE_AHEAD on cooperative tiles, 1 on ping-pong ones). Raises ValueError for
-    anything but an integer from 1 to SCALE_AHEAD_MAX."""
+    """MOE_GEMM_FP8_SCALE_AHEAD as a stage count (DEFAULT_SCALE_AHEAD when unset or empty).
+    Raises ValueError for anything but an integer from 1 to SCALE_AHEAD_MAX."""
     raw = env_get(SCALE_AHEAD_ENV)
     if raw is None or not raw.strip():
-        return 0
+        return DEFAULT_SCALE_AHEAD
     try:
         ahead = int(raw)
     except ValueError:
@@ -101,7 +101,8 @@ def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=512)
 def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
-            mode: str, split_ok: bool, lag: bool = False, ahead: int = 0) -> KernelChoice:
+            mode: str, split_ok: bool, lag: bool = False,
+            ahead: int = DEFAULT_SCALE_AHEAD) -> KernelChoice:
     if config.visitor == "host":
         raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
                          "'auto'")
@@ -149,9 +150,7 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     # The lag where asked for and built (block scales, room for a third accumulator).
     lag = lag and fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
     # The scales' prefetch depth where the plain block-scaled loop runs (the lagged loop and
-    # row-wise scales load none per stage); 0 = the default above.
-    if ahead == 0:
-        ahead = DEFAULT_SCALE_AHEAD if schedule == "cooperative" else 1
+    # row-wise scales load none per stage).
     ahead = ahead if mode == "block" and not lag else 1
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,

@@ -155,7 +155,7 @@ def test_varlen_tail_split():
 
 
 # The loops beside the plain one: the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) and the
-# prefetched scales (MOE_GEMM_FP8_SCALE_AHEAD=n, 3 by default on cooperative tiles). Both do the plain loop's FMAs in the same order, so their
+# prefetched scales (MOE_GEMM_FP8_SCALE_AHEAD=n, 3 by default). Both do the plain loop's FMAs in the same order, so their
 # output is bit for bit the plain kernel's. A loop: (switch, value, the choice field it sets).
 LOOPS = {"lagged": (PROMOTE_LAG_ENV, "1", "promote_lag"),
          **{f"ahead{n}": (SCALE_AHEAD_ENV, str(n), "scale_ahead") for n in (2, 3, 4)}}
@@ -166,7 +166,7 @@ def _plain_and(monkeypatch, run, loop: str):
     env, value, field = LOOPS[loop]
     want = True if field == "promote_lag" else int(value)
     monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
-    monkeypatch.setenv(SCALE_AHEAD_ENV, "1")  # the plain loop (cooperative tiles default to more)
+    monkeypatch.setenv(SCALE_AHEAD_ENV, "1")  # the plain loop (the default loads 3 ahead)
     plain = run()
     assert launch_info.last_launch().choice.scale_ahead == 1
     assert getattr(launch_info.last_launch().choice, field) != want

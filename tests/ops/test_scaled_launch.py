@@ -198,11 +198,10 @@ def _key_that_ran(fp8_kernel, call):
 
 
 def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
-    """Block scales on cooperative tiles are loaded DEFAULT_SCALE_AHEAD stages ahead by default,
-    ping-pong tiles and row-wise scales load them one stage ahead (the plain loop);
-    MOE_GEMM_FP8_SCALE_AHEAD=n (1 to 4) sets it for the plain block-scaled loop (not row-wise
-    scales, not the lagged loop), a bad value is refused with the variable named, and a
-    repeated call's cached plan follows it."""
+    """Block scales are loaded DEFAULT_SCALE_AHEAD stages ahead by default on every tile the
+    plain loop runs; MOE_GEMM_FP8_SCALE_AHEAD=n (1 to 4; 1 is the plain loop) sets it for the
+    block-scaled plain loop only (not row-wise scales, not the lagged loop), a bad value is
+    refused with the variable named, and a repeated call's cached plan follows it."""
     choose = heuristics_fp8.choose_fp8
     env = heuristics_fp8.SCALE_AHEAD_ENV
     default = heuristics_fp8.DEFAULT_SCALE_AHEAD
@@ -212,10 +211,10 @@ def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
     coop = choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
     assert coop.schedule == "cooperative" and coop.scale_ahead == default
     pingpong = choose("varlen", GemmConfig(), 4, 4096, 7168, 2, "block")
-    assert pingpong.schedule == "pingpong" and pingpong.scale_ahead == 1
+    assert pingpong.schedule == "pingpong" and pingpong.scale_ahead == default
     assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row").scale_ahead == 1
     pinned = GemmConfig(schedule="pingpong", tile_m=128, tile_n=64)
-    assert choose("varlen", pinned, 512, 4096, 7168, 2, "block").scale_ahead == 1
+    assert choose("general", pinned, 512, 4096, 7168, 2, "block").scale_ahead == default
     for n in (1, 2, 3, 4):
         monkeypatch.setenv(env, str(n))
         assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == n
