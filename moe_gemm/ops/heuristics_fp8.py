@@ -93,10 +93,18 @@ def _default_tile_n(N: int) -> int:
 FP8_PINGPONG_MAX_ROWS = 32
 
 
+# The batched form too (H200, 2026-11-28, bench_fp8's decode headline, 256 problems of
+# 128 x 512 x 7168, block scales): 1x2 took 306 us against 334 us for the lone tile and 341 us
+# for the lone tile with the tail split; on DeepGEMM's 4 x 8192-row varlen shapes (4 problems,
+# the batched form's layout) 1x2 was 13-14% ahead of the lone tile. The general form's
+# problems each have their own sizes and strides and were never timed with clusters: 1x1.
+_CLUSTERED_FORMS = ("varlen", "batched")
+
+
 def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
     """The cluster of a cooperative FP8 tile the config leaves to us: a pair of column tiles
-    where there are two (varlen form only: the measurements above are routed MoE rows)."""
-    return (1, 2) if form == "varlen" and N >= 2 * tile_n else (1, 1)
+    where there are two (the varlen and batched forms: the measurements above)."""
+    return (1, 2) if form in _CLUSTERED_FORMS and N >= 2 * tile_n else (1, 1)
 
 
 @functools.lru_cache(maxsize=512)

@@ -127,6 +127,20 @@ def test_test_variants_cover_every_kind():
     assert {k.visitor for k in keys} == {"device", "host"}
 
 
+def test_fp8_test_variants_are_kernels_that_build():
+    """Every FP8 variant the GPU tests precompile is one the kernel's constructor accepts (a
+    list that pairs options the kernel refuses fails the precompile on the GPU machine)."""
+    pytest.importorskip("cutlass")
+    from moe_gemm.kernels.sm90.compile_fp8 import Fp8CompileKey
+
+    from .variants_fp8 import fp8_test_variants
+
+    keys = [k for k in fp8_test_variants() if isinstance(k, Fp8CompileKey)]
+    assert any(k.promote_lag for k in keys) and any(k.scale_ahead > 1 for k in keys)
+    for key in keys:
+        key.kernel()
+
+
 def test_session_groups_split_big_files_and_name_the_rest():
     gs = _load_script("gpu_session")
     assert gs.group_name("tests/kernels/test_general_gpu.py::test_general_matrix[a]") == \

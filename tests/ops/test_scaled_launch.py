@@ -151,14 +151,19 @@ def test_default_choice(fp8_kernel, avg, N, schedule, tile, cluster, tail_split)
 
 
 def test_default_cluster_only_where_the_config_leaves_it(fp8_kernel):
-    """Pinned clusters, tail split, whole epilogue, other forms: no cluster of ours."""
-    for cfg in (GemmConfig(cluster_m=1, cluster_n=1), GemmConfig(tail_split=True),
-                GemmConfig(whole_epilogue=True)):
-        c = heuristics_fp8.choose_fp8("varlen", cfg, 64, 4096, 7168, 2, "block")
-        assert (c.cluster_m, c.cluster_n) == (1, 1)
-    for form in ("batched", "general"):
-        c = heuristics_fp8.choose_fp8(form, GemmConfig(), 64, 4096, 7168, 2, "block")
-        assert (c.cluster_m, c.cluster_n) == (1, 1)
+    """Pinned clusters, tail split, whole epilogue, the general form: no cluster of ours; the
+    batched form pairs column tiles like the varlen one (where there are two)."""
+    for form in ("varlen", "batched"):
+        for cfg in (GemmConfig(cluster_m=1, cluster_n=1), GemmConfig(tail_split=True),
+                    GemmConfig(whole_epilogue=True)):
+            c = heuristics_fp8.choose_fp8(form, cfg, 64, 4096, 7168, 2, "block")
+            assert (c.cluster_m, c.cluster_n) == (1, 1)
+    c = heuristics_fp8.choose_fp8("general", GemmConfig(), 64, 4096, 7168, 2, "block")
+    assert (c.cluster_m, c.cluster_n) == (1, 1)
+    headline = heuristics_fp8.choose_fp8("batched", GemmConfig(), 128, 512, 7168, 2, "block")
+    assert (headline.cluster_m, headline.cluster_n) == (1, 2) and not headline.tail_split
+    narrow = heuristics_fp8.choose_fp8("batched", GemmConfig(), 128, 200, 7168, 2, "block")
+    assert (narrow.cluster_m, narrow.cluster_n) == (1, 1)
     pinned = heuristics_fp8.choose_fp8("varlen", GemmConfig(cluster_m=2, cluster_n=1), 64,
                                        4096, 7168, 2, "block")
     assert (pinned.cluster_m, pinned.cluster_n) == (2, 1)
