@@ -158,6 +158,27 @@ def _use_cute(config: GemmConfig, problem: str | None, unsupported: str | None, 
     return True
 
 
+def grouped_mm_runs_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None,
+                          config: GemmConfig | None, out_dtype: torch.dtype | None) -> bool:
+    """Whether grouped_mm(x, w, offs) with this config takes torch's path here rather than the
+    kernels (the registered op's backward asks: its gradients exist on that path only)."""
+    cfg = _check_config(config)
+    if cfg.backend == "torch" or cute_problem(x.device) is not None:
+        return True
+    if offs is None:
+        return grouped_bmm_unsupported(check_grouped_bmm(x, w, None, out_dtype), cfg) is not None
+    return grouped_mm_unsupported(check_grouped_mm(x, w, offs, None, out_dtype), cfg) is not None
+
+
+def grouped_gemm_runs_torch(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+                            config: GemmConfig | None, out_dtype: torch.dtype | None) -> bool:
+    """grouped_mm_runs_torch for grouped_gemm(a, b)."""
+    cfg = _check_config(config)
+    if not a or cfg.backend == "torch" or cute_problem(a[0].device) is not None:
+        return True
+    return isinstance(analyze_general(check_grouped_gemm(a, b, None, out_dtype)), str)
+
+
 def cached_mm_plan(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None, *,
                    config: GemmConfig | None = None, out_dtype: torch.dtype | None = None
                    ) -> object | None:

@@ -15,9 +15,10 @@ the kernels cannot run). Eager calls never come here: they skip the custom-op di
                             ScalarType? out_dtype) -> Tensor[]
     moe_gemm::_grouped_gemm_out(Tensor[] a, Tensor[] b, Tensor(a!)[] out, str config,
                                 ScalarType? out_dtype) -> ()
-    moe_gemm::_grouped_mm_grad(Tensor grad, Tensor x, Tensor w, Tensor? offs)
-                               -> (Tensor, Tensor)
-    moe_gemm::_grouped_gemm_grad(Tensor[] grads, Tensor[] a, Tensor[] b) -> Tensor[]
+    moe_gemm::_grouped_mm_grad(Tensor grad, Tensor x, Tensor w, Tensor? offs, str config,
+                               ScalarType? out_dtype) -> (Tensor, Tensor)
+    moe_gemm::_grouped_gemm_grad(Tensor[] grads, Tensor[] a, Tensor[] b, str config,
+                                 ScalarType? out_dtype) -> Tensor[]
     moe_gemm::_inference_only(Tensor y, str message) -> Tensor
     moe_gemm::_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, str message) -> Tensor
 
@@ -25,10 +26,11 @@ The ops are underscored: the Python functions are the API. A GemmConfig crosses 
 a string, "" for None, else a dict literal of the fields that differ from the defaults
 (encode_config: plain Python, so torch.compile folds it to a constant and guards on the
 config; decode_config parses each string once). Gradients are as in eager: where the forward ran
-torch's own path (GemmConfig(backend="torch"), or off the GPU) the `_grad` ops compute eager
-autograd's products; where it ran the Hopper kernels the registered backward is
-`_no_backward`, which raises when a backward actually runs, so a model whose parameters
-require grad still compiles and a backward through it fails as in eager. `_inference_only`
+torch's own path (GemmConfig(backend="torch"), off the GPU, or an input the kernels do not take,
+decided at run time as the eager call decides) the `_grad` ops compute eager autograd's
+products; where it ran the Hopper kernels they raise (GemmConfig(backend="cute"): the
+`_no_backward` op) when a backward actually runs, so a model whose parameters require grad
+still compiles and a backward through it fails as in eager. `_inference_only`
 gives a traced MoE layer the same raising backward its eager form has. FlopCounterMode counts
 the ops by shape (register_flop_formula below).
 """
@@ -224,16 +226,23 @@ def _raising_grad(grad: Tensor, like: tuple, op: str) -> Tensor:
     return torch.ops.moe_gemm._no_backward(grad, like[0], like[1], NO_BACKWARD.format(op=op))
 
 
-# Where the forward ran torch's own ops (asked for with GemmConfig(backend="torch"), or off the
-# GPU, where the kernels never run), the gradients are those of eager autograd through that
-# path: fp32 products rounded to each operand's dtype, computed by one more registered op
-# (opaque to the tracer like the forward; autograd does not run inside a registered op, hence
-# the products written out). The GPU kernels stay inference-only, as in eager.
+# Where the forward ran torch's own ops (asked for with GemmConfig(backend="torch"), off the
+# GPU, where the kernels never run, or for inputs the kernels do not take), the gradients are
+# those of eager autograd through that path: fp32 products rounded to each operand's dtype,
+# computed by one more registered op (opaque to the tracer like the forward; autograd does not
+# run inside a registered op, hence the products written out). That op decides at run time,
+# as the forward did; where the kernels ran it raises: they stay inference-only, as in eager.
 
 
-def _torch_path(config: str, device: torch.device) -> bool:
+def _pinned_cute(config: str) -> bool:
+    """GemmConfig(backend="cute"): the forward ran the kernels (or raised)."""
     cfg = decode_config(config)
-    return device.type != "cuda" or (cfg is not None and cfg.backend == "torch")
+    return cfg is not None and cfg.backend == "cute"
+
+
+def _check_torch_ran(ran_torch: bool, op: str) -> None:
+    if not ran_torch:
+        raise RuntimeError(NO_BACKWARD.format(op=op))
 
 
 def _prod(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
@@ -243,8 +252,12 @@ def _prod(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
 
 @torch.library.custom_op(
     "moe_gemm::_grouped_mm_grad", mutates_args=(),
-    schema="(Tensor grad, Tensor x, Tensor w, Tensor? offs) -> (Tensor, Tensor)")
-def _grouped_mm_grad(grad, x, w, offs):
+    schema="(Tensor grad, Tensor x, Tensor w, Tensor? offs, str config, ScalarType? out_dtype)"
+           " -> (Tensor, Tensor)")
+def _grouped_mm_grad(grad, x, w, offs, config, out_dtype):
+    # (at run time, on the forward's own tensors: the same choice the forward made)
+    _check_torch_ran(_eager().grouped_mm_runs_torch(x, w, offs, decode_config(config),
+                                                    out_dtype), "_grouped_mm")
     if offs is None:  # batched: (G, M, K) @ (G, K, N)
         return _prod(grad, w.transpose(1, 2), x.dtype), _prod(x.transpose(1, 2), grad, w.dtype)
     gx, gw = torch.zeros_like(x, memory_format=torch.contiguous_format), torch.zeros_like(
@@ -259,21 +272,24 @@ def _grouped_mm_grad(grad, x, w, offs):
 
 
 @_grouped_mm_grad.register_fake
-def _grouped_mm_grad_fake(grad, x, w, offs):
+def _grouped_mm_grad_fake(grad, x, w, offs, config, out_dtype):
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
 @torch.library.custom_op(
     "moe_gemm::_grouped_gemm_grad", mutates_args=(),
-    schema="(Tensor[] grads, Tensor[] a, Tensor[] b) -> Tensor[]")
-def _grouped_gemm_grad(grads, a, b):
+    schema="(Tensor[] grads, Tensor[] a, Tensor[] b, str config, ScalarType? out_dtype)"
+           " -> Tensor[]")
+def _grouped_gemm_grad(grads, a, b, config, out_dtype):
+    _check_torch_ran(_eager().grouped_gemm_runs_torch(a, b, decode_config(config), out_dtype),
+                     "_grouped_gemm")
     ga = [_prod(g, bi.t(), ai.dtype) for g, ai, bi in zip(grads, a, b)]
     gb = [_prod(ai.t(), g, bi.dtype) for g, ai, bi in zip(grads, a, b)]
     return ga + gb
 
 
 @_grouped_gemm_grad.register_fake
-def _grouped_gemm_grad_fake(grads, a, b):
+def _grouped_gemm_grad_fake(grads, a, b, config, out_dtype):
     return [t.new_empty(t.shape) for t in (*a, *b)]
 
 
@@ -307,19 +323,25 @@ def mark_inference_only(y: Tensor, message: str) -> Tensor:
     return torch.ops.moe_gemm._inference_only(y, message)
 
 
+# Which path the forward took is known from the config alone only for backend="cute"; the
+# automatic choice also reads the tensors' strides and addresses (ops/support.py), so the
+# `_grad` ops make it again at run time, from the saved inputs.
+
+
 def _mm_setup(ctx, inputs, output) -> None:
     x, w, offs, config, out_dtype = inputs
     ctx.metas = ((x.shape, x.dtype), (w.shape, w.dtype))
-    ctx.torch_path = _torch_path(config, x.device)
-    if ctx.torch_path:
+    ctx.args = (config, out_dtype)
+    ctx.kernels_only = _pinned_cute(config)
+    if not ctx.kernels_only:
         ctx.save_for_backward(x, w, offs)
 
 
 def _mm_backward(ctx, grad):
     need = ctx.needs_input_grad[:2]
-    if ctx.torch_path:
+    if not ctx.kernels_only:
         x, w, offs = ctx.saved_tensors
-        grads = torch.ops.moe_gemm._grouped_mm_grad(grad, x, w, offs)
+        grads = torch.ops.moe_gemm._grouped_mm_grad(grad, x, w, offs, *ctx.args)
     else:
         grads = [_raising_grad(grad, m, "_grouped_mm") for m in ctx.metas]
     gx, gw = (g if n else None for g, n in zip(grads, need))
@@ -329,8 +351,9 @@ def _mm_backward(ctx, grad):
 def _gemm_setup(ctx, inputs, output) -> None:
     a, b, config, out_dtype = inputs
     ctx.metas = ([(t.shape, t.dtype) for t in a], [(t.shape, t.dtype) for t in b])
-    ctx.torch_path = bool(a) and _torch_path(config, a[0].device)
-    if ctx.torch_path:
+    ctx.args = (config, out_dtype)
+    ctx.kernels_only = _pinned_cute(config)
+    if not ctx.kernels_only:
         ctx.save_for_backward(*a, *b)
 
 
@@ -339,12 +362,12 @@ def _gemm_backward(ctx, grads):
     if grad is None:
         return None, None, None, None
     G = len(ctx.metas[0])
-    if ctx.torch_path:
+    if not ctx.kernels_only:
         saved = ctx.saved_tensors
         a, b = list(saved[:G]), list(saved[G:])
         filled = [torch.zeros(t.shape[0], u.shape[1], dtype=grad.dtype, device=grad.device)
                   if g is None else g for g, t, u in zip(grads, a, b)]
-        got = torch.ops.moe_gemm._grouped_gemm_grad(filled, a, b)
+        got = torch.ops.moe_gemm._grouped_gemm_grad(filled, a, b, *ctx.args)
         return list(got[:G]), list(got[G:]), None, None
     ga = [_raising_grad(grad, m, "_grouped_gemm") for m in ctx.metas[0]]
     gb = [_raising_grad(grad, m, "_grouped_gemm") for m in ctx.metas[1]]

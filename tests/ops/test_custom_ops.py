@@ -87,9 +87,9 @@ def test_opcheck_grouped_mm_with_grad_inputs() -> None:
     opcheck(OPS._grouped_mm.default, (x3.requires_grad_(), w3.requires_grad_(), None, "",
                                       torch.bfloat16))
     grad = torch.randn(x.shape[0], w.shape[2])
-    opcheck(OPS._grouped_mm_grad.default, (grad, x.detach(), w.detach(), offs))
+    opcheck(OPS._grouped_mm_grad.default, (grad, x.detach(), w.detach(), offs, "", None))
     opcheck(OPS._grouped_mm_grad.default, (torch.randn(3, 5, 8), x3.detach(), w3.detach(),
-                                           None))
+                                           None, "", torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -102,7 +102,7 @@ def test_opcheck_grouped_gemm(dtype: torch.dtype) -> None:
     opcheck(OPS._grouped_gemm_out.default, (a, b, outs, "", None))
     opcheck(OPS._grouped_gemm.default, ([t.requires_grad_() for t in a], b, "", None))
     grads = [torch.randn(m, n, dtype=dtype) for m, n, _ in sizes]
-    opcheck(OPS._grouped_gemm_grad.default, (grads, [t.detach() for t in a], b))
+    opcheck(OPS._grouped_gemm_grad.default, (grads, [t.detach() for t in a], b, "", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,23 +303,60 @@ def test_compiled_backward_on_the_torch_path_equals_eager(dynamo, dtype, out_dty
     assert not gx[end:].any()
 
 
-def test_backward_of_the_kernel_path_raises() -> None:
-    """Where the forward ran the Hopper kernels (a CUDA tensor, backend not "torch"), the
-    registered backward raises when it runs, as the eager kernel path does."""
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+def test_backward_follows_the_path_the_forward_took(monkeypatch) -> None:
+    """The registered backward computes gradients where the forward ran torch's path and
+    raises where it ran the Hopper kernels, decided as the eager call decides: from the config
+    (backend="torch" / "cute"), the device, and at run time from the inputs themselves (an
+    input the kernels do not take ran torch's path on a Hopper GPU too)."""
+    x, w, offs = _moe(23, torch.bfloat16)
+    grad = torch.randn(x.shape[0], w.shape[2]).to(torch.bfloat16)
+    a, b = make_grouped_inputs([(5, 8, 16), (3, 16, 16)], torch.bfloat16, generator=_gen(24))
+    grads = [torch.randn(5, 8).to(torch.bfloat16), torch.randn(3, 16).to(torch.bfloat16)]
+    cute_cfg = encode_config(GemmConfig(backend="cute"))
     torch_cfg = encode_config(GemmConfig(backend="torch"))
-    assert not custom_ops._torch_path("", cuda)
-    assert not custom_ops._torch_path(encode_config(GemmConfig(backend="cute")), cuda)
-    assert custom_ops._torch_path(torch_cfg, cuda)
-    assert custom_ops._torch_path("", cpu)
-    x, w, offs = _moe(23)
+    assert custom_ops._pinned_cute(cute_cfg)
+    assert not custom_ops._pinned_cute("") and not custom_ops._pinned_cute(torch_cfg)
 
+    def mm_grad(x, config=""):
+        return OPS._grouped_mm_grad(grad, x, w, offs, config, None)
+
+    def gemm_grad(a, config=""):
+        return OPS._grouped_gemm_grad(grads, a, b, config, None)
+
+    # Here (no Hopper GPU): torch's path, real gradients, equal to eager autograd's.
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    grouped_mm(xg, wg, offs).backward(grad)
+    gx, gw = mm_grad(x)
+    torch.testing.assert_close(gx, xg.grad, rtol=0, atol=0)
+    torch.testing.assert_close(gw, wg.grad, rtol=0, atol=0)
+    assert len(gemm_grad(a)) == 4
+    # Where the kernels can run: they ran for these inputs, so the gradient ops raise ...
+    monkeypatch.setattr(api, "cute_problem", lambda device: None)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        mm_grad(x)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        OPS._grouped_mm_grad(torch.randn(3, 5, 8).to(torch.bfloat16),
+                             torch.randn(3, 5, 16).to(torch.bfloat16),
+                             torch.randn(3, 16, 8).to(torch.bfloat16), None, "", None)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        gemm_grad(a)
+    # ... but not for inputs the kernels do not take (x column-major; a problem's B with no
+    # unit stride), nor with backend="torch".
+    x_cols = x.t().contiguous().t()
+    assert api.grouped_mm_runs_torch(x_cols, w, offs, None, None)
+    torch.testing.assert_close(mm_grad(x_cols)[0], gx, rtol=0, atol=0)
+    torch.testing.assert_close(mm_grad(x, torch_cfg)[0], gx, rtol=0, atol=0)
+    strided = [a[0], a[1]], [b[0], torch.randn(16, 32).to(torch.bfloat16)[:, ::2]]
+    assert api.grouped_gemm_runs_torch(*strided, None, None)
+    assert len(OPS._grouped_gemm_grad(grads, *strided, "", None)) == 4
+    assert api.grouped_gemm_runs_torch(a, b, GemmConfig(backend="torch"), None)
+
+    # backend="cute": the backward raises without looking at the inputs.
     class Ctx:
         needs_input_grad = (True, True, False, False, False)
-        torch_path = False
+        kernels_only = True
         metas = ((x.shape, x.dtype), (w.shape, w.dtype))
 
-    grad = torch.ones(x.shape[0], w.shape[2])
     with pytest.raises(RuntimeError, match="inference-only"):
         custom_ops._mm_backward(Ctx(), grad)
 

@@ -10,6 +10,7 @@ its place (to check the tests themselves where the kernels are not available).
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -121,4 +122,36 @@ def test_compiled_grouped_mm_in_a_cuda_graph_with_new_routing(dynamo) -> None:
             ref = torch.relu(grouped_mm(x2.float(), w.float(), offs2,
                                         config=GemmConfig(backend="torch")))
             assert_close_to_ref(static_y, ref, name=f"replay {trial}")
+    assert dynamo["graph_break"] == {}
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="checks which path the kernels' inputs take")
+def test_compiled_backward_follows_the_path_the_forward_took(dynamo) -> None:
+    """Under torch.compile on a Hopper GPU with the automatic backend: inputs the kernels take
+    run them and a backward raises, as in eager; inputs they do not take (x column-major) run
+    torch's path, whose compiled gradients equal eager autograd's."""
+    x, w, offs = _moe(7, w_layout="kn")
+    grad = torch.randn(x.shape[0], w.shape[2], generator=_gen(8)).to(BF16).to(DEVICE)
+    compiled = torch.compile(lambda x, w: grouped_mm(x, w, offs), fullgraph=True)
+
+    wg = w.clone().requires_grad_()
+    (y, ran) = _ran_kernels(lambda: compiled(x, wg))
+    assert ran
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.backward(grad)
+
+    # (aot_eager: inductor may hand a custom op other strides than its caller's)
+    x_cols = x.t().contiguous().t()
+    eager_x, eager_w = x_cols.clone().requires_grad_(), w.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "using the torch backend because"
+        grouped_mm(eager_x, eager_w, offs).backward(grad)
+        traced = torch.compile(lambda x, w: grouped_mm(x, w, offs), fullgraph=True,
+                               backend="aot_eager")
+        cx, cw = x_cols.clone().requires_grad_(), w.clone().requires_grad_()
+        (y, ran) = _ran_kernels(lambda: traced(cx, cw))
+        assert not ran
+        y.backward(grad)
+    torch.testing.assert_close(cx.grad, eager_x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(cw.grad, eager_w.grad, rtol=0, atol=0)
     assert dynamo["graph_break"] == {}
