@@ -232,12 +232,15 @@ def test_a_failed_first_use_fails_again_not_silently() -> None:
 
 
 
-def test_a_closed_stdout_ends_quietly() -> None:
+@pytest.mark.parametrize("command", [["moe_gemm.cli", "tune"], ["moe_gemm.tuning"]],
+                         ids=["moe-gemm-tune", "python-m-moe_gemm.tuning"])
+def test_a_closed_stdout_ends_quietly(command) -> None:
     """`moe-gemm tune --list --zoo | head -1` ended with a BrokenPipeError traceback and exit 1:
-    now it stops as a command that SIGPIPE ends does (141), saying nothing."""
+    now it stops as a command that SIGPIPE ends does (141), saying nothing; `python -m
+    moe_gemm.tuning` too."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.Popen([sys.executable, "-m", "moe_gemm.cli", "tune", "--list", "--zoo"],
+    proc = subprocess.Popen([sys.executable, "-m", *command, "--list", "--zoo"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before the first write: every write fails
