@@ -14,7 +14,11 @@ import functools
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.env import env_flag, env_get
-from moe_gemm.kernels.sm90.constants_fp8 import FP8_TILE_K, fp8_tile_problem
+from moe_gemm.kernels.sm90.constants_fp8 import (
+    FP8_TILE_K,
+    fp8_tile_problem,
+    scale_blocks_spanned,
+)
 from moe_gemm.ops.heuristics import KernelChoice, raster_of, tail_split_enabled, with_l2_hints
 
 # Opt-in: the block-scaled kernel's promotion one stage behind the WGMMAs
@@ -40,18 +44,22 @@ def promote_lag_requested() -> bool:
 # faster (E=256, 256 rows 144 -> 137 us, 2048 rows 238 -> 224); the batched decode headline
 # within noise. 2 ahead ran slower than the plain loop on the compute-bound shapes and 4 ahead
 # gained at most 3% there (the ring's register moves land differently in ptxas's schedule;
-# docs/measurements.md). MOE_GEMM_FP8_SCALE_AHEAD (1 to 4) overrides it; 1 is the plain loop.
+# docs/measurements.md). Tiles whose columns span two scale blocks (160 or 192 columns, or a
+# narrow 48 or 96) keep the plain loop: they hold two B scales per stage, and with the ring
+# ptxas spills on some (batched cooperative 128x192: 20 B at 3 ahead, 120 at 4; ping-pong
+# 64x192: 72 B), none was timed with it. MOE_GEMM_FP8_SCALE_AHEAD (1 to 4) overrides both;
+# 1 is the plain loop.
 SCALE_AHEAD_ENV = "MOE_GEMM_FP8_SCALE_AHEAD"
 SCALE_AHEAD_MAX = 4
 DEFAULT_SCALE_AHEAD = 3
 
 
 def scale_ahead_requested() -> int:
-    """MOE_GEMM_FP8_SCALE_AHEAD as a stage count (DEFAULT_SCALE_AHEAD when unset or empty).
-    Raises ValueError for anything but an integer from 1 to SCALE_AHEAD_MAX."""
+    """MOE_GEMM_FP8_SCALE_AHEAD as a stage count, 0 when unset or empty (the default: see
+    above). Raises ValueError for anything but an integer from 1 to SCALE_AHEAD_MAX."""
     raw = env_get(SCALE_AHEAD_ENV)
     if raw is None or not raw.strip():
-        return DEFAULT_SCALE_AHEAD
+        return 0
     try:
         ahead = int(raw)
     except ValueError:
@@ -109,8 +117,7 @@ def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=512)
 def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
-            mode: str, split_ok: bool, lag: bool = False,
-            ahead: int = DEFAULT_SCALE_AHEAD) -> KernelChoice:
+            mode: str, split_ok: bool, lag: bool = False, ahead: int = 0) -> KernelChoice:
     if config.visitor == "host":
         raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
                          "'auto'")
@@ -158,7 +165,9 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     # The lag where asked for and built (block scales, room for a third accumulator).
     lag = lag and fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
     # The scales' prefetch depth where the plain block-scaled loop runs (the lagged loop and
-    # row-wise scales load none per stage).
+    # row-wise scales load none per stage); 0: the default above.
+    if ahead == 0:
+        ahead = DEFAULT_SCALE_AHEAD if scale_blocks_spanned(tile[1]) == 1 else 1
     ahead = ahead if mode == "block" and not lag else 1
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,

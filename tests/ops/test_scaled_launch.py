@@ -203,8 +203,8 @@ def _key_that_ran(fp8_kernel, call):
 
 
 def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
-    """Block scales are loaded DEFAULT_SCALE_AHEAD stages ahead by default on every tile the
-    plain loop runs; MOE_GEMM_FP8_SCALE_AHEAD=n (1 to 4; 1 is the plain loop) sets it for the
+    """Block scales are loaded DEFAULT_SCALE_AHEAD stages ahead by default on the plain loop's
+    tiles within one scale block (not on those spanning two); MOE_GEMM_FP8_SCALE_AHEAD=n (1 to 4; 1 is the plain loop) sets it for the
     block-scaled plain loop only (not row-wise scales, not the lagged loop), a bad value is
     refused with the variable named, and a repeated call's cached plan follows it."""
     choose = heuristics_fp8.choose_fp8
@@ -220,6 +220,16 @@ def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
     assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row").scale_ahead == 1
     pinned = GemmConfig(schedule="pingpong", tile_m=128, tile_n=64)
     assert choose("general", pinned, 512, 4096, 7168, 2, "block").scale_ahead == default
+    # tiles spanning two scale blocks keep the plain loop unless asked
+    for schedule, tile_n in (("cooperative", 192), ("cooperative", 160), ("pingpong", 192)):
+        wide = GemmConfig(schedule=schedule, tile_m=128 if schedule == "cooperative" else 64,
+                          tile_n=tile_n)
+        assert choose("batched", wide, 512, 4096, 7168, 2, "block").scale_ahead == 1
+    narrow = choose("varlen", GemmConfig(), 300, 40, 640, 2, "block")
+    assert narrow.tile_n == 48 and narrow.scale_ahead == 1
+    monkeypatch.setenv(env, "3")
+    assert choose("batched", wide, 512, 4096, 7168, 2, "block").scale_ahead == 3
+    monkeypatch.delenv(env)
     for n in (1, 2, 3, 4):
         monkeypatch.setenv(env, str(n))
         assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").scale_ahead == n
