@@ -28,10 +28,10 @@ block scales; opt-in through MOE_GEMM_FP8_PROMOTE_LAG=1 until it is timed on a G
 stage k's WGMMAs before promoting stage k-1 within each warpgroup, at the cost of a third
 accumulator (tiles of at most 64 accumulator registers per thread); the promotions add in the
 same order, so its output is bit for bit the plain loop's. The prefetched loop (scale_ahead,
-block scales; 3 stages by default, MOE_GEMM_FP8_SCALE_AHEAD=1..4) is the plain
-loop with each stage's scales loaded that many stages ahead into a ring of registers, so the
-B scale's L2 latency (a new line every stage) no longer holds back the stage's last WGMMA; its
-output is bit for bit the plain loop's too. The second accumulator caps
+block scales; by default 3 stages on tiles within one scale block, ops/heuristics_fp8.py) is
+the plain loop with each stage's scales loaded that many stages ahead into a ring of
+registers, so the B scale's L2 latency (a new line every stage) no longer holds back the
+stage's last WGMMA; its output is bit for bit the plain loop's too. The second accumulator caps
 the tiles (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to
 192 or 128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176
 and 208 columns are refused); a tile whose columns straddle a block boundary picks each
