@@ -129,7 +129,7 @@ def test_compiled_grouped_mm_in_a_cuda_graph_with_new_routing(dynamo) -> None:
 def test_compiled_backward_follows_the_path_the_forward_took(dynamo) -> None:
     """Under torch.compile on a Hopper GPU with the automatic backend: inputs the kernels take
     run them and a backward raises, as in eager; inputs they do not take (x column-major) run
-    torch's path, whose compiled gradients equal eager autograd's."""
+    torch's path, whose compiled gradients match eager autograd's."""
     x, w, offs = _moe(7, w_layout="kn")
     grad = torch.randn(x.shape[0], w.shape[2], generator=_gen(8)).to(BF16).to(DEVICE)
     compiled = torch.compile(lambda x, w: grouped_mm(x, w, offs), fullgraph=True)
@@ -152,6 +152,10 @@ def test_compiled_backward_follows_the_path_the_forward_took(dynamo) -> None:
         (y, ran) = _ran_kernels(lambda: traced(cx, cw))
         assert not ran
         y.backward(grad)
-    torch.testing.assert_close(cx.grad, eager_x.grad, rtol=0, atol=0)
-    torch.testing.assert_close(cw.grad, eager_w.grad, rtol=0, atol=0)
+    # (eager's torch path is torch's own grouped_mm here; the registered gradient op multiplies
+    # in fp32: equal up to bf16 rounding)
+    for got, want in ((cx.grad, eager_x.grad), (cw.grad, eager_w.grad)):
+        assert got is not None and got.dtype == want.dtype and got.shape == want.shape
+        err = float((got.float() - want.float()).abs().max())
+        assert err <= 1e-2 * float(want.float().abs().max()), err
     assert dynamo["graph_break"] == {}
