@@ -228,7 +228,8 @@ def _raising_grad(grad: Tensor, like: tuple, op: str) -> Tensor:
 
 # Where the forward ran torch's own ops (asked for with GemmConfig(backend="torch"), off the
 # GPU, where the kernels never run, or for inputs the kernels do not take), the gradients are
-# those of eager autograd through that path: fp32 products rounded to each operand's dtype,
+# those of eager autograd through that path: fp32 products rounded to each operand's dtype
+# (on a GPU eager may take torch's grouped_mm there, whose gradients agree up to rounding),
 # computed by one more registered op (opaque to the tracer like the forward; autograd does not
 # run inside a registered op, hence the products written out). That op decides at run time,
 # as the forward did; where the kernels ran it raises: they stay inference-only, as in eager.
