@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 
+from moe_gemm.env import LIBRARY_VARIABLES, variables_set
+
 
 def _version(dist: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -41,6 +43,7 @@ def info_dict() -> dict[str, object]:
             memory_gib=round(props.total_memory / 2**30, 1),
         )
     problem = cute_problem()
+    env = variables_set()
     return {
         "moe_gemm": __version__,
         "python": platform.python_version(),
@@ -53,6 +56,8 @@ def info_dict() -> dict[str, object]:
             "torch": "usable",
         },
         "auto_picks": "cute" if problem is None else "torch",
+        "environment": {k: v for k, v in env.items() if k in LIBRARY_VARIABLES},
+        "environment_other": [k for k in env if k not in LIBRARY_VARIABLES],
     }
 
 
@@ -77,6 +82,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name, status in backends.items():
         print(f"backend {name:5s} {status}")
     print(f"backend='auto' uses: {info['auto_picks']}")
+    env = info["environment"]
+    assert isinstance(env, dict)
+    for name, value in env.items():
+        print(f"env      {name}={value}  ({LIBRARY_VARIABLES[name]})")
+    others = info["environment_other"]
+    assert isinstance(others, list)
+    if others:
+        # (values not shown: the server's API keys are among them)
+        print(f"env      also set, not read by the library: {', '.join(others)}")
     return 0
 
 

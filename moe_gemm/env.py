@@ -60,3 +60,36 @@ def env_reader(names: tuple[str, ...]) -> Callable[[], tuple[str | None, ...]]:
         return values
 
     return read
+
+
+# Every MOE_GEMM_* variable the library reads, with what it does (docs/USAGE.md's table and
+# `moe-gemm info` show these; tests/test_env.py checks that the sources read no other). The
+# server's flags have their own (server/README.md).
+LIBRARY_VARIABLES: dict[str, str] = {
+    "MOE_GEMM_DISABLE_CUTE": "1: never run the Hopper kernels (the torch backend everywhere)",
+    "MOE_GEMM_CACHE_DIR": "where compiled kernels are kept (default ~/.cache/moe_gemm)",
+    "MOE_GEMM_DISK_CACHE": "0: keep compiled kernels and online-tuned configs in memory only",
+    "MOE_GEMM_TUNED_TABLE": "a tuned table (JSON) consulted before the shipped ones",
+    "MOE_GEMM_TUNED_TABLES": "0: no tuned tables, the built-in rules choose every config",
+    "MOE_GEMM_AUTOTUNE": "1: tune a grouped_mm shape no table holds the first time it is seen",
+    "MOE_GEMM_AUTOTUNE_BUDGET_S": "seconds one online tune may take (default 30)",
+    "MOE_GEMM_CHECK_OFFS": "1: check offs values on the host also for GPU tensors (a sync)",
+    "MOE_GEMM_TAIL_SPLIT": "0: no split of a short last wave over K (needed where SMs are "
+                           "fenced off, e.g. an MPS thread limit)",
+    "MOE_GEMM_L2_HINTS": "'a,b', each first, normal or last: L2 eviction hints on the A and "
+                         "B loads",
+    "MOE_GEMM_PDL": "1: programmatic dependent launch of the kernels (read at import)",
+    "MOE_GEMM_FUSED": "0: the MoE layers take the unfused path where they would fuse",
+    "MOE_GEMM_FUSED_GATHER": "0: the fused path gathers tokens with index_select, not in the "
+                             "kernel",
+    "MOE_GEMM_FP8_SCALE_AHEAD": "1-4: stages ahead the FP8 block scales are loaded (default 3 "
+                                "on tiles within one scale block; 1: the plain loop)",
+    "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs",
+    "MOE_GEMM_FP8_QUANT": "torch: the FP8 quantizers run torch ops even where the kernel runs",
+}
+
+
+def variables_set() -> dict[str, str]:
+    """The MOE_GEMM_* variables set in this process's environment (known or not)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOE_GEMM_")}
+

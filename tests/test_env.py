@@ -243,3 +243,30 @@ def test_env_reader_follows_every_change(path: str, clean: pytest.MonkeyPatch) -
     clean.delenv(NAME)
     del os.environ[other]
     assert read() == (None, None)
+
+
+def test_every_variable_the_library_reads_is_listed_and_documented() -> None:
+    """LIBRARY_VARIABLES is the list of MOE_GEMM_* names the package's sources mention (no
+    more, no fewer), and docs/USAGE.md's table of environment variables lists exactly them."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(env_module.__file__).resolve().parents[1]
+    named = set()
+    for src in (root / "moe_gemm").rglob("*.py"):
+        named |= set(re.findall(r"MOE_GEMM_[A-Z0-9_]*[A-Z0-9]", src.read_text()))
+    assert named == set(env_module.LIBRARY_VARIABLES)
+    usage = (root / "docs" / "USAGE.md").read_text()
+    table = usage[usage.index("## Environment variables"):]
+    documented = re.findall(r"^\| `(MOE_GEMM_[A-Z0-9_]+)` \|", table, flags=re.M)
+    assert sorted(documented) == sorted(env_module.LIBRARY_VARIABLES)
+    assert len(documented) == len(set(documented))
+
+
+def test_variables_set_lists_only_moe_gemm_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_GEMM_TEST_ENV_SET", "x")
+    monkeypatch.setenv("NOT_MOE_GEMM_TEST_ENV", "y")
+    got = env_module.variables_set()
+    assert got["MOE_GEMM_TEST_ENV_SET"] == "x"
+    assert all(k.startswith("MOE_GEMM_") for k in got)
+

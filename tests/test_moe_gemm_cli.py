@@ -153,6 +153,28 @@ def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert info["moe_gemm"] == __version__ and info["auto_picks"] in ("cute", "torch")
 
 
+def test_info_shows_the_library_variables_set_and_hides_other_values(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A MOE_GEMM_* variable the library reads is shown with its value and what it does;
+    any other one (the server's API keys, a typo) only by name."""
+    import json
+
+    for name in [k for k in os.environ if k.startswith("MOE_GEMM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MOE_GEMM_FP8_SCALE_AHEAD", "2")
+    monkeypatch.setenv("MOE_GEMM_API_KEY", "s3cret-value")
+    monkeypatch.setenv("MOE_GEMM_TAIL_SPLT", "0")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "MOE_GEMM_FP8_SCALE_AHEAD=2  (1-4: stages ahead" in out
+    assert "not read by the library: MOE_GEMM_API_KEY, MOE_GEMM_TAIL_SPLT" in out
+    assert "s3cret-value" not in out
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["environment"] == {"MOE_GEMM_FP8_SCALE_AHEAD": "2"}
+    assert info["environment_other"] == ["MOE_GEMM_API_KEY", "MOE_GEMM_TAIL_SPLT"]
+
+
 def test_bench_outside_a_checkout_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     # An installed package has no benchmarks/ beside it: cli.py resolves the root from its file.
