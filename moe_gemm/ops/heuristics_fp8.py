@@ -22,10 +22,11 @@ from moe_gemm.kernels.sm90.constants_fp8 import (
 from moe_gemm.ops.heuristics import KernelChoice, raster_of, tail_split_enabled, with_l2_hints
 
 # Opt-in: the block-scaled kernel's promotion one stage behind the WGMMAs
-# (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. Built
-# and compiled for sm_90a (ptxas keeps the WGMMAs asynchronous, no spills); not yet timed
-# against the plain loop on a GPU, hence off unless MOE_GEMM_FP8_PROMOTE_LAG=1. The plan
-# caches key on it (ops/api.py's switches).
+# (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. ptxas
+# keeps its WGMMAs asynchronous with no spills, but on an H200 (2026-11-28, bench_fp8) it ran
+# 15-20% slower than the plain loop on the compute-bound shapes (DeepSeek-V3 EP32 up 8k rows
+# 620 us against 529), hence off unless MOE_GEMM_FP8_PROMOTE_LAG=1. The plan caches key on it
+# (ops/api.py's switches).
 PROMOTE_LAG_ENV = "MOE_GEMM_FP8_PROMOTE_LAG"
 
 
