@@ -52,7 +52,7 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
         raise ValueError("'scale' must hold finite values; got NaN or infinity")
     if K % 16:
         raise ValueError(f"FP8 weights need K a multiple of 16 (16-byte rows); got K={K}")
-    if got == block and scale.dim() == 3:
+    if got == block:
         if K % BLOCK:
             raise ValueError(f"block scales need K a multiple of {BLOCK}; got K={K}")
         return "block"

@@ -172,3 +172,34 @@ def test_engine_serves_fp8_sets_on_the_gpu(granularity):
     y1, y2 = engine.grouped_mm_many(ws, [(x1, c1), (x2, c2)])
     assert_fp8_close(y1, _expected(x1, c1, w, op_scale, granularity))
     assert_fp8_close(y2, _expected(x2, c2, w, op_scale, granularity))
+
+
+def test_the_client_and_the_server_read_a_scale_alike():
+    """The client (no torch) checks an FP8 upload's scale shape before sending it, with its own
+    copy of the server's rule (moe_gemm_client._fp8.scale_granularity): both name the same
+    granularity, or both refuse, for every scale shape of a grid of weight shapes."""
+    client_fp8 = pytest.importorskip("moe_gemm_client._fp8")
+    from moe_gemm_server.fp8_weights import check_fp8_scale
+
+    def verdict(fn, *args):
+        try:
+            return fn(*args)
+        except ValueError:
+            return "refused"
+
+    checked = 0
+    for layout in ("w", "w_t"):
+        for E, N, K in ((3, 256, 384), (2, 200, 128), (4, 128, 96), (1, 40, 256)):
+            shape = (E, K, N) if layout == "w" else (E, N, K)
+            nb, kb = -(-N // 128), K // 128
+            blocks = (E, kb, nb) if layout == "w" else (E, nb, kb)
+            for scale_shape in (blocks, (E, N), (E,), (1,), (), (E, N + 1), (E, kb, nb + 1),
+                                (E, 1, 1), (E + 1,)):
+                w = torch.zeros(shape).to(torch.float8_e4m3fn)
+                scale = torch.ones(scale_shape)
+                server = verdict(check_fp8_scale, w, layout, scale)
+                client = verdict(client_fp8.scale_granularity, layout, shape, scale_shape)
+                assert client == server, (layout, shape, scale_shape)
+                checked += 1
+    assert checked == 72
+
