@@ -11,7 +11,9 @@
    DeepSeek-V3 / Kimi-K2 expert-parallel prefill shards (4k-32k rows; up 4096x7168, down
    7168x2048; DeepGEMM's published 4 x 8192 rows among them).
 3. Per shape, interleaved round by round, each captured in a CUDA graph: ours (block scales,
-   the default config, and with --sweep a few alternative configs), ours row-wise,
+   the default config; the same with the scales loaded one stage ahead (`-ahead1`, the plain
+   loop) and four (`-ahead4`) and with the lagged promotion (`-lag`); unless --no-sweep a
+   few alternative configs), ours row-wise,
    torch._scaled_grouped_mm (row-wise, where the installed torch has it), torch's
    block-scaled grouped mm (where it exists), our bf16 kernel and torch's bf16 grouped_mm on
    the same shape, and the dense FP8 ceiling. Each implementation's result is spot-checked
