@@ -1,0 +1,219 @@
+"""Our default's pick against the same pick with a few fields changed, on zoo cases, in the
+zoo's regime.
+
+    python -m benchmarks.pick_ab --vary p8 --vary p8ns [--models all] [--tokens 2048,8192]
+        [--reps 10] [--out FILE]
+
+The tuner ranks configs by CUDA-graph samples with a rest between them; the zoo times back to
+back behind a sleep backlog, as a serving loop runs. Some levers (the tile order above all)
+rank differently in the two regimes, so a change of the default is decided here: per zoo case,
+the config our default picks (tuned table, then the rules) is rebuilt with each `--vary`
+word list applied to it ('p8ns': panels of 8 n-tiles, serpentine; 's4'; 'c1x2'; 'ts'; 'ew'),
+and every variant goes through the zoo's harness in one process (same inputs and routing,
+every output checked against a float32 reference first, then interleaved rounds). Each row
+carries `vs_first` = the first variant's time / this one's (above 1: this one faster) and
+`is_default` where the variant is what the default launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.clock import Clock
+from benchmarks.runner import Run, bench_device, device_info, run_shape
+from benchmarks.suite import Impl, _ours
+from benchmarks.zoo import build_cases
+from moe_gemm.tuning import space
+
+OURS = "moe_gemm"
+
+# A --vary word and the kind of field it sets; a variant's word replaces the pick's word of
+# the same kind (so 'p8' after a pick of 'p8ns' is along m, not serpentine).
+_KINDS = (("raster", r"p\d+n?s?"), ("stages", r"s\d+"), ("cluster", r"c\d+x\d+"),
+          ("tail_split", r"ts"), ("whole_epilogue", r"ew"))
+
+
+def _kind(word: str) -> str | None:
+    return next((kind for kind, pattern in _KINDS if re.fullmatch(pattern, word)), None)
+
+
+def parse_variants(items: list[str]) -> list[list[str]]:
+    """--vary values -> word lists (ValueError naming a word that changes no field we vary)."""
+    variants = []
+    for item in items:
+        words = [w for w in item.replace(",", " ").replace(":", " ").split() if w]
+        if not words:
+            raise ValueError("an empty --vary")
+        for w in words:
+            if _kind(w) is None:
+                raise ValueError(f"--vary {item!r}: {w!r} is not one of: raster 'p8', 'p8ns', "
+                                 "'p16'; stages 's4'; cluster 'c1x2'; 'ts'; 'ew'")
+        variants.append(words)
+    if len(variants) < 2:
+        raise ValueError("give at least two --vary variants to compare (e.g. --vary p8 "
+                         "--vary p8ns)")
+    return variants
+
+
+def vary(fields: dict, words: list[str]) -> dict:
+    """The pick's fields with `words` applied (a word replaces the pick's word of its kind)."""
+    kinds = {_kind(w) for w in words}
+    base = [w for w in space.name_of(fields).split() if _kind(w) not in kinds]
+    out = space.parse_name(" ".join(base + words))
+    if fields.get("visitor") == "host":
+        out["visitor"] = "host"
+    space.config_of(out)  # buildable (ValueError otherwise)
+    return out
+
+
+def default_fields(case: dict[str, Any], device: torch.device) -> dict:
+    """The fields of the config our default launches on this case and GPU."""
+    from moe_gemm.capability import device_name, sm_count
+    from moe_gemm.config import GemmConfig
+    from moe_gemm.ops.heuristics import choose_varlen
+
+    choice = choose_varlen(GemmConfig(), case["rows"], case["E"], case["N"], case["K"],
+                           sm_count(device), device=device_name(device))
+    return space.fields_of(choice, "varlen")
+
+
+def implementations(pick: dict, variants: list[list[str]]) -> list[tuple[Impl, int]]:
+    """One of ours per variant, with the variant's index (a variant that comes out equal to
+    an earlier one is timed once, under the earlier index)."""
+    out, seen = [], set()
+    for i, words in enumerate(variants):
+        fields = vary(pick, words)
+        name = space.name_of(fields)
+        if name in seen:
+            continue
+        seen.add(name)
+        config = space.config_of(fields)
+        out.append((Impl(f"{OURS} {name}", peer=False, build=_ours(config), config=config), i))
+    return out
+
+
+def add_ratios(rows: list[dict[str, Any]], pick: dict, flops: float) -> list[str]:
+    """TFLOP/s, `vs_first` and `is_default` on the case's rows; the table's lines."""
+    default_name = f"{OURS} {space.name_of(pick)}"
+    first = next((r for r in rows if r.get("variant") == 0 and r.get("ms")), None)
+    lines = []
+    nan = float("nan")
+    for r in rows:
+        r["is_default"] = r["impl"] == default_name
+        if r.get("ms"):
+            r["tflops"] = flops / r["ms"] / 1e9
+            if first is not None:
+                r["vs_first"] = first["ms"] / r["ms"]
+        lines.append(f"  {r['impl'][len(OURS) + 1:]:26s}{'*' if r['is_default'] else ' '}| "
+                     f"{(r.get('ms') or nan) * 1e3:9.1f} us | {r.get('tflops', nan):6.1f} "
+                     f"TFLOP/s | vs first {r.get('vs_first', nan):.3f}")
+    return lines
+
+
+def summary(results: list[dict[str, Any]]) -> list[str]:
+    """Per variant (by its words' position), the median and range of vs_first over cases."""
+    by_case: dict[str, list[dict]] = {}
+    for r in results:
+        by_case.setdefault(r["case"], []).append(r)
+    per_variant: dict[int, list[float]] = {}
+    for rows in by_case.values():
+        for r in rows:
+            if "vs_first" in r:
+                per_variant.setdefault(r["variant"], []).append(r["vs_first"])
+    lines = []
+    for v, ratios in sorted(per_variant.items()):
+        ratios.sort()
+        ahead = sum(x > 1.01 for x in ratios)
+        behind = sum(x < 0.99 for x in ratios)
+        lines.append(f"variant {v}: vs first over {len(ratios)} cases: median "
+                     f"{statistics.median(ratios):.3f}, min {ratios[0]:.3f}, max "
+                     f"{ratios[-1]:.3f}; >1% faster on {ahead}, >1% slower on {behind}")
+    return lines
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.pick_ab",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--vary", action="append", default=[], metavar="WORDS",
+                   help="words applied to the default's pick, as `moe-gemm tune` names "
+                   "configs ('p8ns', 's4 p16'); give two or more, the first is the baseline")
+    p.add_argument("--models", default="all", help="zoo models (default: all)")
+    p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
+    p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
+    p.add_argument("--reps", type=int, default=10, help="interleaved rounds (default 10)")
+    p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
+    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
+    p.add_argument("--out", help="write the rows as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    projs = [s.strip() for s in args.projs.split(",") if s.strip()]
+    try:
+        variants = parse_variants(args.vary)
+        if not projs or any(p not in ("gate_up", "down") for p in projs):
+            raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
+        if args.reps < 1:
+            raise ValueError("--reps must be at least 1")
+        cases = build_cases(args.models, args.tokens, projs, args.seed, False)
+    except ValueError as exc:
+        print(f"pick_ab: {exc}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() or not str(args.device).startswith("cuda"):
+        print("pick_ab: needs a CUDA GPU (the configs are our Hopper kernels')",
+              file=sys.stderr)
+        return 2
+    try:
+        device = bench_device(args.device, False, "pick_ab")
+    except ValueError as exc:
+        print(f"pick_ab: {exc}", file=sys.stderr)
+        return 2
+    name, info, l2 = device_info(device)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    doc: dict[str, Any] = {
+        "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "device_info": info, "argv": argv_list, "variants": [" ".join(v) for v in variants],
+        "settings": {"reps": args.reps, "seed": args.seed, "timing": (
+            "ms: back-to-back median of interleaved rounds behind a sleep backlog (the zoo's "
+            "harness)")}, "shapes": {}, "results": []}
+    run = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed, smoke=False,
+              variants=False, skip=frozenset(), doc=doc,
+              out_path=Path(args.out) if args.out else None, l2_bytes=l2)
+    for spec, f in cases:
+        pick = default_fields(f, device)
+        try:
+            impls = implementations(pick, variants)
+        except ValueError as exc:
+            print(f"{spec.name}: skipped, a variant is not buildable here: {exc}", flush=True)
+            continue
+        print(f"{spec.name}: E={f['E']} N={f['N']} K={f['K']} rows={f['rows']}, default "
+              f"{space.name_of(pick)}", flush=True)
+        first = len(doc["results"])
+        run_shape(run, spec, [impl for impl, _ in impls])
+        rows = doc["results"][first:]
+        index = {impl.name: i for impl, i in impls}
+        for r in rows:
+            r.update(case=spec.name, variant=index.get(r["impl"], -1),
+                     **{k: f[k] for k in ("model", "proj", "tokens", "E", "N", "K", "rows",
+                                          "layout")})
+        print("\n".join(add_ratios(rows, pick, 2.0 * f["rows"] * f["N"] * f["K"])), flush=True)
+        run.save()
+    lines = summary(doc["results"])
+    if not lines:
+        print("pick_ab: no case timed two variants: nothing to compare", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""benchmarks.pick_ab on the CPU: its arguments, how a variant changes the default's pick, and
+its ratios (the timing itself needs a Hopper GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import pick_ab
+from moe_gemm.tuning import space
+
+
+def test_variants_parse_and_a_word_that_varies_nothing_is_named():
+    assert pick_ab.parse_variants(["p8", "p8ns", "s4 p16"]) == [["p8"], ["p8ns"], ["s4", "p16"]]
+    with pytest.raises(ValueError, match="'128x192' is not one of"):
+        pick_ab.parse_variants(["p8", "128x192"])
+    with pytest.raises(ValueError, match="at least two"):
+        pick_ab.parse_variants(["p8ns"])
+    with pytest.raises(ValueError, match="empty"):
+        pick_ab.parse_variants(["p8", " "])
+
+
+def test_a_variant_replaces_the_picks_word_of_its_kind_only():
+    pick = space.parse_name("pp 128x192 c1x2 s4 p8ns")
+    along_m = pick_ab.vary(pick, ["p8"])
+    assert along_m.get("raster_along", "m") == "m" and not along_m.get("raster_serpentine")
+    assert (along_m["tile_m"], along_m["tile_n"], along_m["cluster_n"], along_m["stages"]) == (
+        128, 192, 2, 4)
+    back = pick_ab.vary(space.parse_name("coop 128x256 s3 p16 ts ew"), ["p8ns"])
+    assert space.name_of(back) == "coop 128x256 s3 p8ns ts ew"
+    assert space.name_of(pick_ab.vary(pick, ["c2x1", "p16"])) == "pp 128x192 c2x1 s4 p16"
+    with pytest.raises(ValueError):  # a tail split needs a cooperative 1x1 kernel
+        pick_ab.vary(pick, ["ts"])
+
+
+def test_equal_variants_are_timed_once_under_the_first_index():
+    pick = space.parse_name("pp 128x192 p8")
+    impls = pick_ab.implementations(pick, [["p8"], ["p8ns"], ["p8"]])
+    assert [(impl.name, i) for impl, i in impls] == [("moe_gemm pp 128x192 p8", 0),
+                                                    ("moe_gemm pp 128x192 p8ns", 1)]
+    assert impls[1][0].config.raster_along == "n" and impls[1][0].config.raster_serpentine
+
+
+def test_ratios_are_against_the_first_variant_and_the_default_is_marked():
+    pick = space.parse_name("pp 128x192 p8ns")
+    rows = [{"impl": "moe_gemm pp 128x192 p8", "variant": 0, "ms": 2.0},
+            {"impl": "moe_gemm pp 128x192 p8ns", "variant": 1, "ms": 1.6},
+            {"impl": "moe_gemm pp 128x192 p16", "variant": 2, "status": "error"}]
+    lines = pick_ab.add_ratios(rows, pick, 2e12)
+    assert [r.get("vs_first") for r in rows] == [1.0, 1.25, None]
+    assert [r["is_default"] for r in rows] == [False, True, False]
+    assert rows[1]["tflops"] == pytest.approx(2e12 / 1.6 / 1e9)
+    assert len(lines) == 3 and "*" in lines[1]
+    for r in rows:
+        r["case"] = "X"
+    (line0, line1) = pick_ab.summary(rows)
+    assert "variant 0" in line0 and "median 1.000" in line0
+    assert "median 1.250" in line1 and ">1% faster on 1" in line1
+
+
+def test_a_failed_first_variant_gives_no_ratio():
+    pick = space.parse_name("pp 128x192 p8")
+    rows = [{"impl": "moe_gemm pp 128x192 p8", "variant": 0, "status": "error"},
+            {"impl": "moe_gemm pp 128x192 p8ns", "variant": 1, "ms": 1.6}]
+    pick_ab.add_ratios(rows, pick, 1e12)
+    assert all("vs_first" not in r for r in rows)
+
+
+def test_bad_arguments_and_a_cpu_run_say_what_is_wrong(capsys):
+    assert pick_ab.main(["--vary", "p8"]) == 2
+    assert "at least two" in capsys.readouterr().err
+    assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--projs", "up"]) == 2
+    assert "--projs" in capsys.readouterr().err
+    assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--models", "NoSuchModel"]) == 2
+    assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--device", "cpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
