@@ -3,13 +3,15 @@ zoo's regime.
 
     python -m benchmarks.pick_ab --vary p8 --vary p8ns [--models all] [--tokens 2048,8192]
         [--reps 10] [--out FILE]
+    python -m benchmarks.pick_ab --against T.json     the pick against T's pick (exact key)
 
 The tuner ranks configs by CUDA-graph samples with a rest between them; the zoo times back to
 back behind a sleep backlog, as a serving loop runs. Some levers (the tile order above all)
 rank differently in the two regimes, so a change of the default is decided here: per zoo case,
 the config our default picks (tuned table, then the rules) is rebuilt with each `--vary`
 word list applied to it ('p8ns': panels of 8 n-tiles, serpentine; 's4'; 'c1x2'; 'ts'; 'ew'),
-and every variant goes through the zoo's harness in one process (same inputs and routing,
+and with `--against T.json` the pick of another tuned table for the same key is a variant
+too (after the default pick itself, unless --vary names the first). Every variant goes through the zoo's harness in one process (same inputs and routing,
 every output checked against a float32 reference first, then interleaved rounds). Each row
 carries `vs_first` = the first variant's time / this one's (above 1: this one faster) and
 `is_default` where the variant is what the default launches.
@@ -45,8 +47,9 @@ def _kind(word: str) -> str | None:
     return next((kind for kind, pattern in _KINDS if re.fullmatch(pattern, word)), None)
 
 
-def parse_variants(items: list[str]) -> list[list[str]]:
-    """--vary values -> word lists (ValueError naming a word that changes no field we vary)."""
+def parse_variants(items: list[str], against: bool = False) -> list[list[str]]:
+    """--vary values -> word lists (ValueError naming a word that changes no field we vary).
+    With --against no --vary is needed: the baseline is then the pick as it is ([])."""
     variants = []
     for item in items:
         words = [w for w in item.replace(",", " ").replace(":", " ").split() if w]
@@ -57,10 +60,23 @@ def parse_variants(items: list[str]) -> list[list[str]]:
                 raise ValueError(f"--vary {item!r}: {w!r} is not one of: raster 'p8', 'p8ns', "
                                  "'p16'; stages 's4'; cluster 'c1x2'; 'ts'; 'ew'")
         variants.append(words)
+    if against:
+        return variants or [[]]
     if len(variants) < 2:
         raise ValueError("give at least two --vary variants to compare (e.g. --vary p8 "
-                         "--vary p8ns)")
+                         "--vary p8ns), or --against TABLE")
     return variants
+
+
+def table_pick(doc: dict, case: dict[str, Any]) -> dict | None:
+    """The fields of `doc`'s entry for a zoo case's exact key (bf16 varlen), or None."""
+    from moe_gemm.ops.tuned import rows_bucket
+    from moe_gemm.tuning import table_io
+
+    key = ("varlen", "bfloat16", "bfloat16", case["E"], case["N"], case["K"],
+           rows_bucket(case["rows"] / case["E"]))
+    entry = next((e for e in doc["entries"] if table_io.entry_key(e) == key), None)
+    return None if entry is None else {"stages": None, **entry["config"]}
 
 
 def vary(fields: dict, words: list[str]) -> dict:
@@ -85,12 +101,13 @@ def default_fields(case: dict[str, Any], device: torch.device) -> dict:
     return space.fields_of(choice, "varlen")
 
 
-def implementations(pick: dict, variants: list[list[str]]) -> list[tuple[Impl, int]]:
-    """One of ours per variant, with the variant's index (a variant that comes out equal to
-    an earlier one is timed once, under the earlier index)."""
+def implementations(variants: list[dict | None]) -> list[tuple[Impl, int]]:
+    """One of ours per variant's fields, with the variant's index (None: no such variant
+    here; one that comes out equal to an earlier one is timed once, under the earlier index)."""
     out, seen = [], set()
-    for i, words in enumerate(variants):
-        fields = vary(pick, words)
+    for i, fields in enumerate(variants):
+        if fields is None:
+            continue
         name = space.name_of(fields)
         if name in seen:
             continue
@@ -145,6 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vary", action="append", default=[], metavar="WORDS",
                    help="words applied to the default's pick, as `moe-gemm tune` names "
                    "configs ('p8ns', 's4 p16'); give two or more, the first is the baseline")
+    p.add_argument("--against", metavar="TABLE", help="also time this tuned table's pick "
+                   "for each case's key (a case it has no entry for runs without it)")
     p.add_argument("--models", default="all", help="zoo models (default: all)")
     p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
     p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
@@ -159,7 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     projs = [s.strip() for s in args.projs.split(",") if s.strip()]
     try:
-        variants = parse_variants(args.vary)
+        variants = parse_variants(args.vary, against=bool(args.against))
+        other = None
+        if args.against:
+            import json
+
+            from moe_gemm.tuning import table_io
+
+            try:
+                other = table_io.read_table(Path(args.against))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"--against {args.against}: {exc}") from None
         if not projs or any(p not in ("gate_up", "down") for p in projs):
             raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
         if args.reps < 1:
@@ -181,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     argv_list = list(sys.argv[1:] if argv is None else argv)
     doc: dict[str, Any] = {
         "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "device_info": info, "argv": argv_list, "variants": [" ".join(v) for v in variants],
+        "device_info": info, "argv": argv_list,
+        "variants": [" ".join(v) or "default" for v in variants] + (
+            [f"table {args.against}"] if other is not None else []),
         "settings": {"reps": args.reps, "seed": args.seed, "timing": (
             "ms: back-to-back median of interleaved rounds behind a sleep backlog (the zoo's "
             "harness)")}, "shapes": {}, "results": []}
@@ -191,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec, f in cases:
         pick = default_fields(f, device)
         try:
-            impls = implementations(pick, variants)
+            impls = implementations([vary(pick, words) for words in variants] + (
+                [table_pick(other, f)] if other is not None else []))
         except ValueError as exc:
             print(f"{spec.name}: skipped, a variant is not buildable here: {exc}", flush=True)
             continue

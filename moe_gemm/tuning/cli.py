@@ -10,6 +10,9 @@
     moe-gemm tune --zoo --shard 1/4 --no-merge --out t1.json   shard 1 of 4, by hand
     moe-gemm tune --merge t0.json --merge t1.json ... --out T.json
                                         add shards' tables into T (no GPU needed)
+    moe-gemm tune --rerank T.json --zoo --tokens 8192 --out T.json
+                                        time T's pick and its best rivals per shape against
+                                        one another in the zoo's regime (moe_gemm.tuning.rerank)
 
 A --shapes item is E,N,K,ROWS[,ROWS...]: E experts with (N, K) weights, one shape per ROWS
 (routed rows for grouped_mm, rows per problem for --form batched). --zoo takes the MoE
@@ -25,13 +28,14 @@ use it, or ship it as moe_gemm/tables/<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from moe_gemm.tuning import zoo
+from moe_gemm.tuning import rerank, zoo
 from moe_gemm.tuning.argcheck import empty_option, output_problem
 from moe_gemm.tuning.shards import (
     finish_shards,
@@ -50,7 +54,7 @@ SHAPE_BUDGET_S = 30.0
 NO_GPU = "needs a CUDA GPU (use --list without one)"
 # Options whose empty value would read as "all" or "the default" (see empty_option).
 NONEMPTY = ["models", "tokens", "shapes", "configs", "out", "out_dir", "report", "skip_table",
-            "merge", "device"]
+            "merge", "device", "rerank"]
 FIRST_SHAPE_EST_S = 10.0
 
 
@@ -103,15 +107,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="at most this long on one shape's search")
     p.add_argument("--rounds", type=int, default=FINAL_ROUNDS,
                    help="timed rounds of the final stage (default %(default)s)")
-    p.add_argument("--rest-ms", type=_rest_ms, default=REST_MS, help="GPU rest before each "
-                   "timed sample, ms (default %(default)s, as the benchmarks sample; 0: back to "
-                   "back, the sustained power-limited regime, which ranks configs differently)")
-    p.add_argument("--sample-ms", type=_sample_ms, default=TARGET_MS, help="GPU time one "
-                   "sample holds, at least (default %(default)s; the zoo's samples hold ~5 ms, "
-                   "which long kernels spend partly at the power limit)")
-    p.add_argument("--timing", choices=TIMINGS, default="graph", help="how samples run: "
+    p.add_argument("--rest-ms", type=_rest_ms, default=None, help="GPU rest before each "
+                   f"timed sample, ms (default {REST_MS}, as the benchmarks sample; 0: back to "
+                   "back, the sustained power-limited regime, which ranks configs "
+                   f"differently; --rerank: {rerank.REST_MS})")
+    p.add_argument("--sample-ms", type=_sample_ms, default=None, help="GPU time one "
+                   f"sample holds, at least (default {TARGET_MS}; the zoo's samples hold ~5 "
+                   "ms, which long kernels spend partly at the power limit; --rerank: "
+                   f"{rerank.SAMPLE_MS})")
+    p.add_argument("--timing", choices=TIMINGS, default=None, help="how samples run: "
                    "CUDA-graph replays (default) or eager launches after the GPU idles, as the "
-                   "benchmarks and the model zoo time them")
+                   f"benchmarks and the model zoo time them (--rerank: {rerank.TIMING})")
+    p.add_argument("--rerank", metavar="TABLE", help="search nothing: per shape, time "
+                   "TABLE's pick, the --top fastest other configs of its samples and the "
+                   "rules' choice against one another (--rounds rounds, the zoo's regime "
+                   "unless --timing/--rest-ms/--sample-ms say otherwise) and write the "
+                   "winner; shapes TABLE has no entry for are skipped")
+    p.add_argument("--top", type=int, default=rerank.DEFAULT_TOP,
+                   help="with --rerank: rivals per shape (default %(default)s)")
+    p.add_argument("--margin", type=float, default=rerank.DEFAULT_MARGIN, help="with "
+                   "--rerank: a rival replaces the pick only when faster by more than this "
+                   "fraction (default %(default)s)")
     p.add_argument("--workers", type=int, default=None, help="compile processes")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
@@ -181,7 +197,7 @@ def zoo_shapes(models: str | None, tokens: str | None, dtype: str, out_dtype: st
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `moe-gemm tune`; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     why = empty_option(args, NONEMPTY)
     if why is None and args.gpus < 1:
@@ -192,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.merge:
         return merge(args.merge, args.out, log, out_dir=args.out_dir)
+    if why := _rerank_problem(args):
+        print(f"moe-gemm tune: {why}", file=sys.stderr)
+        return 2
     dtype = DTYPE_NAMES[args.dtype]
     out_dtype = DTYPE_NAMES[args.out_dtype or args.dtype]
     try:
@@ -235,6 +254,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus != 1:
         return run_on_gpus(args, argv, log)
     return run(args, shapes, log)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The parsed options, the timing ones' defaults filled in (a re-rank's are the zoo's
+    regime, moe_gemm.tuning.rerank)."""
+    args = _parser().parse_args(argv)
+    defaults = ((rerank.TIMING, rerank.REST_MS, rerank.SAMPLE_MS) if args.rerank
+                else ("graph", REST_MS, TARGET_MS))
+    for name, value in zip(("timing", "rest_ms", "sample_ms"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def _rerank_problem(args: argparse.Namespace) -> str | None:
+    if not args.rerank:
+        return None
+    if args.configs:
+        return "--rerank and --configs are two ways to time given configs; give one"
+    if args.top < 1:
+        return f"--top {args.top}: must be >= 1"
+    if not 0 <= args.margin < 1:  # (nan too)
+        return f"--margin {args.margin}: must be in [0, 1)"
+    return None
 
 
 def _out_path(args: argparse.Namespace, slug: str) -> Path:
@@ -362,6 +405,13 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         return 2
     name, nsm = device_name(device), sm_count(device)
     out = _out_path(args, tuned.device_slug(name))
+    source = None
+    if args.rerank:
+        try:
+            source = table_io.read_table(Path(args.rerank), name)
+        except (OSError, ValueError) as exc:
+            print(f"moe-gemm tune: --rerank {args.rerank}: {exc}", file=sys.stderr)
+            return 2
     doc, why = (None, None) if args.no_merge else table_io.load_existing(out, name)
     if why:
         log(f"[tune] {why}")
@@ -387,9 +437,20 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         f"{ceilings['mm_flops_per_s'] / 1e12:.0f} TFLOP/s")
     done, stopped, slowest = 0, None, FIRST_SHAPE_EST_S
     os.environ.setdefault("MOE_GEMM_TUNED_TABLES", "1")
+    found = {}
+    if source is not None:
+        found = {i: f for i, s in enumerate(shapes)
+                 if (f := rerank.leaders(source, s, args.top)) is not None}
+        log(f"[tune] --rerank {args.rerank}: {len(found)} of {len(shapes)} shapes have an "
+            f"entry there; the others are skipped")
     with CompilePool(args.workers) as pool:
-        _precompile(shapes, pool, nsm, log)
+        if source is None:
+            _precompile(shapes, pool, nsm, log)
+        else:
+            _precompile_leaders([(shapes[i], f) for i, f in found.items()], pool, nsm, log)
         for i, shape in enumerate(shapes):
+            if source is not None and i not in found:
+                continue
             left = math.inf if args.budget_s is None else (
                 args.budget_s - (time.monotonic() - t_start))
             if left < min(slowest * 1.2, args.shape_budget_s) + 5:
@@ -401,9 +462,15 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
                 runner = ShapeRunner(shape, device, pool, seed=args.seed + i, l2_bytes=l2,
                                      rest_ms=args.rest_ms, sample_ms=args.sample_ms,
                                      timing_mode=args.timing)
-                res = tune_shape(shape, runner, rounds=args.rounds, deadline=deadline,
-                                 out_itemsize=torch.empty(0, dtype=runner.d).element_size(),
-                                 log=log)
+                if source is not None:
+                    res = rerank.rerank_shape(
+                        shape, runner, found[i], rounds=args.rounds, margin=args.margin,
+                        regime=f"{args.timing}, rest {args.rest_ms} ms, samples of "
+                        f"{args.sample_ms} ms, {args.rounds} rounds")
+                else:
+                    res = tune_shape(shape, runner, rounds=args.rounds, deadline=deadline,
+                                     out_itemsize=torch.empty(0, dtype=runner.d).element_size(),
+                                     log=log)
             except torch.cuda.OutOfMemoryError as exc:
                 log(f"[tune] {shape.describe()}: out of memory ({str(exc)[:120]}); skipped")
                 continue
@@ -418,6 +485,9 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             table_io.write(out, doc)
             w, r = res.winner, res.rules
             gain = f" ({r.ms / w.ms:.3f}x the rules' {r.name})" if w and r and r.samples else ""
+            if res.rerank is not None and w is not None and res.rerank["from_us"]:
+                gain = (f" (was {res.rerank['from']}: {res.rerank['from_us'] / 1e3 / w.ms:.3f}x"
+                        f" as long in the same rounds)")
             log(f"[tune] {i + 1}/{len(shapes)} {shape.describe()}: "
                 + (f"{w.name} {w.ms * 1e3:.1f} us{gain}" if w else f"none ({res.stopped})")
                 + f" [{res.seconds:.1f} s]")
@@ -439,6 +509,20 @@ def _precompile(shapes: list, pool, nsm: int, log) -> None:
     keys = []
     for s in shapes:
         keys += stage1_keys(s, nsm)
+    keys = list(dict.fromkeys(keys))
+    pool.submit(keys)
+    log(f"[tune] compiling {len(keys)} kernel variants in {pool.workers} processes")
+
+
+def _precompile_leaders(items: list, pool, nsm: int, log) -> None:
+    """--rerank: submit every shape's pick, rivals and rules' choice to the pool at once."""
+    from moe_gemm.tuning.runner import compile_key_for, rules_fields
+
+    keys = []
+    for shape, found in items:
+        for fields in [rules_fields(shape, nsm), found.pick, *found.rivals]:
+            with contextlib.suppress(ValueError):
+                keys.append(compile_key_for(shape, fields, nsm))
     keys = list(dict.fromkeys(keys))
     pool.submit(keys)
     log(f"[tune] compiling {len(keys)} kernel variants in {pool.workers} processes")

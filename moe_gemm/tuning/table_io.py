@@ -109,7 +109,7 @@ def entry_key(e: dict) -> tuple:
     return (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
 
 
-def _sample_shape(s: dict) -> tuple:
+def sample_shape(s: dict) -> tuple:
     return (str(s["form"]), str(s["dtype"]), str(s.get("out_dtype", s["dtype"])), int(s["E"]),
             int(s["N"]), int(s["K"]), int(s["rows"]))
 
@@ -121,8 +121,8 @@ def add_result(doc: dict[str, Any], entry: dict | None, samples: list[dict]) -> 
         key = entry_key(entry)
         doc["entries"] = [e for e in doc["entries"] if entry_key(e) != key] + [entry]
     if samples:
-        shapes = {_sample_shape(s) for s in samples}
-        doc["samples"] = [s for s in doc["samples"] if _sample_shape(s) not in shapes] + samples
+        shapes = {sample_shape(s) for s in samples}
+        doc["samples"] = [s for s in doc["samples"] if sample_shape(s) not in shapes] + samples
 
 
 def write(path: Path, doc: dict[str, Any]) -> None:

@@ -130,6 +130,7 @@ class ShapeResult:
     rules: Outcome | None
     seconds: float
     stopped: str | None = None  # why the search stopped early, if it did
+    rerank: dict | None = None  # a re-rank's record (moe_gemm.tuning.rerank), kept in the entry
 
     def entry(self) -> dict | None:
         """The table entry (moe_gemm.ops.tuned format) or None when nothing ran."""
@@ -147,6 +148,8 @@ class ShapeResult:
             entry["rules_name"] = self.rules.name
         if self.shape.label:
             entry["label"] = self.shape.label
+        if self.rerank is not None:
+            entry["rerank"] = self.rerank
         return entry
 
     def samples(self) -> list[dict]:

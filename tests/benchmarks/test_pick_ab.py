@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import pick_ab
+from moe_gemm.ops.tuned import rows_bucket
 from moe_gemm.tuning import space
 
 
@@ -34,10 +35,28 @@ def test_a_variant_replaces_the_picks_word_of_its_kind_only():
 
 def test_equal_variants_are_timed_once_under_the_first_index():
     pick = space.parse_name("pp 128x192 p8")
-    impls = pick_ab.implementations(pick, [["p8"], ["p8ns"], ["p8"]])
+    impls = pick_ab.implementations([pick_ab.vary(pick, w) for w in (["p8"], ["p8ns"], [])]
+                                    + [None])
     assert [(impl.name, i) for impl, i in impls] == [("moe_gemm pp 128x192 p8", 0),
                                                     ("moe_gemm pp 128x192 p8ns", 1)]
     assert impls[1][0].config.raster_along == "n" and impls[1][0].config.raster_serpentine
+
+
+def test_against_a_table_the_baseline_is_the_pick_and_the_tables_entry_a_variant(tmp_path):
+    assert pick_ab.parse_variants([], against=True) == [[]]
+    assert pick_ab.parse_variants(["p8ns"], against=True) == [["p8ns"]]
+    case = {"E": 8, "N": 4096, "K": 14336, "rows": 4096}
+    k = ("varlen", "bfloat16", "bfloat16", 8, 4096, 14336, rows_bucket(4096 / 8))
+    entry = {"form": k[0], "dtype": k[1], "out_dtype": k[2], "E": 8, "N": 4096, "K": 14336,
+             "bucket": k[6], "rows": 4096, "us": 1.0,
+             "config": {"schedule": "pingpong", "tile_m": 128, "tile_n": 160, "cluster_m": 1,
+                        "cluster_n": 2, "raster_panel": 8}}
+    doc = {"entries": [entry]}
+    assert space.name_of(pick_ab.table_pick(doc, case)) == "pp 128x160 c1x2 p8"
+    assert pick_ab.table_pick(doc, {**case, "rows": 64}) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert pick_ab.main(["--against", str(bad), "--device", "cpu"]) == 2
 
 
 def test_ratios_are_against_the_first_variant_and_the_default_is_marked():

@@ -134,3 +134,26 @@ def test_no_tuning_while_capturing(few_candidates, monkeypatch, tmp_path):
     assert not tuned.online_path(torch.cuda.get_device_name(dev)).exists()
     ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
     assert (out.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+
+
+def test_rerank_through_the_cli(few_candidates, tmp_path):
+    """`moe-gemm tune` searches a shape into a table, then `--rerank` times that table's pick
+    and its two fastest rivals in the zoo's regime and writes an entry that says so."""
+    from moe_gemm.tuning import cli, table_io
+
+    searched, reranked = tmp_path / "searched.json", tmp_path / "reranked.json"
+    shape = ["--shapes", "16,1536,1024,1024", "--rounds", "3", "--workers", "4", "--quiet"]
+    assert cli.main([*shape, "--out", str(searched), "--no-merge"]) == 0
+    source = json.loads(searched.read_text())
+    (entry,) = source["entries"]
+    assert cli.main([*shape, "--rerank", str(searched), "--top", "2", "--out", str(reranked),
+                     "--no-merge"]) == 0
+    (new,) = json.loads(reranked.read_text())["entries"]
+    record("tuning/rerank", "rerank" in new, pick=entry["name"], reranked=new["name"])
+    assert table_io.entry_key(new) == table_io.entry_key(entry)
+    assert new["rerank"]["from"] == entry["name"] and new["rerank"]["from_us"] > 0
+    assert new["rerank"]["regime"].startswith("eager, rest 0.0 ms, samples of 5.0 ms")
+    timed = set(new["rerank"]["timed"])
+    assert entry["name"] in timed and 3 <= len(timed) <= 4  # pick, 2 rivals, (rules)
+    sampled = {space.name_of({"stages": None, **s["config"]}) for s in source["samples"]}
+    assert new["name"] in sampled | timed

@@ -62,7 +62,7 @@ def test_rest_ms_must_be_a_finite_non_negative_number(text, capsys):
 def test_rest_ms_defaults_to_the_tuners_rest():
     from moe_gemm.tuning.timing import REST_MS
 
-    assert cli._parser().parse_args(["--zoo"]).rest_ms == REST_MS
+    assert cli.parse_args(["--zoo"]).rest_ms == REST_MS
     assert cli._parser().parse_args(["--zoo", "--rest-ms", "0"]).rest_ms == 0.0
 
 
@@ -76,12 +76,12 @@ def test_sample_ms_must_be_a_positive_finite_number(text, capsys):
 def test_sample_ms_defaults_to_the_tuners_target():
     from moe_gemm.tuning.timing import TARGET_MS
 
-    assert cli._parser().parse_args(["--zoo"]).sample_ms == TARGET_MS
+    assert cli.parse_args(["--zoo"]).sample_ms == TARGET_MS
     assert cli._parser().parse_args(["--zoo", "--sample-ms", "5"]).sample_ms == 5.0
 
 
 def test_timing_defaults_to_graphs_and_takes_eager(capsys):
-    assert cli._parser().parse_args(["--zoo"]).timing == "graph"
+    assert cli.parse_args(["--zoo"]).timing == "graph"
     assert cli._parser().parse_args(["--zoo", "--timing", "eager"]).timing == "eager"
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["--zoo", "--timing", "burst"])

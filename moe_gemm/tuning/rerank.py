@@ -1,0 +1,94 @@
+"""Re-ranking a tuned table's leaders in the regime the benchmarks time in.
+
+    moe-gemm tune --rerank moe_gemm/tables/nvidia-h200.json --zoo --tokens 8192 \\
+        --out moe_gemm/tables/nvidia-h200.json [--top 4] [--margin 0.01]
+
+The search (moe_gemm.tuning.tuner) ranks candidates by samples taken among many others, by
+default as CUDA-graph replays after a rest. Long kernels rank differently when launched back
+to back as a serving loop (and the model zoo) runs them: on an H200 the zoo ran a table's pick
+1-9% slower than the tuner had timed it, and picks of a table tuned in that regime outright
+(`--timing eager --rest-ms 0`) won more zoo rows but lost others by more, since every
+candidate of a search gets few samples.
+
+A re-rank takes, per shape, the table's pick and the `top` fastest other configs of its
+samples for that shape, and times only those (and the rules' choice) against one another in
+one process, interleaved, for --rounds rounds, by default eagerly, back to back, in 5 ms
+samples (the zoo's regime). The pick is replaced only by a config faster than it by more than
+`margin` in those rounds, so a tie keeps the searched pick. Entries are written as the search
+writes them, with a "rerank" record (the regime, the earlier pick and its time); the source
+table's samples are not touched (they are the search's, in its own regime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_gemm.ops.tuned import rows_bucket
+from moe_gemm.tuning import space, table_io
+from moe_gemm.tuning.tuner import Runner, ShapeResult, TuneShape, compare_configs
+
+DEFAULT_TOP = 4
+DEFAULT_MARGIN = 0.01
+# The zoo's regime (benchmarks/clock.py): eager launches, no rest beyond the enqueue
+# backlog, samples of at least 5 ms. --timing, --rest-ms and --sample-ms override.
+TIMING = "eager"
+REST_MS = 0.0
+SAMPLE_MS = 5.0
+
+
+def _fields(config: dict) -> dict:
+    """A table config as explicit tuner fields (an entry leaves out what is unset)."""
+    return {"stages": None, **config}
+
+
+@dataclass(frozen=True)
+class Leaders:
+    """What a re-rank times on one shape: the table's pick and its nearest rivals."""
+
+    entry: dict
+    pick: dict
+    rivals: list[dict]
+
+
+def leaders(doc: dict, shape: TuneShape, top: int) -> Leaders | None:
+    """The table's entry for `shape`'s key, its pick, and the `top` fastest other configs of
+    the table's samples of that key (fastest first; one per name), or None without an entry."""
+    k = shape.key()
+    key = (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
+    entry = next((e for e in doc.get("entries", []) if table_io.entry_key(e) == key), None)
+    if entry is None:
+        return None
+    pick = _fields(entry["config"])
+    seen = {space.name_of(pick)}
+    rivals = []
+    for s in sorted(doc.get("samples", []), key=lambda s: float(s["us"])):
+        if len(rivals) >= top:
+            break
+        form, dtype, out_dtype, E, N, K, rows = table_io.sample_shape(s)
+        if (form, dtype, out_dtype, E, N, K) != key[:6] or \
+                rows_bucket(rows / max(1, E)) != k.bucket:
+            continue
+        fields = _fields(s["config"])
+        name = space.name_of(fields)
+        if name not in seen:
+            seen.add(name)
+            rivals.append(fields)
+    return Leaders(entry, pick, rivals)
+
+
+def rerank_shape(shape: TuneShape, runner: Runner, found: Leaders, *, rounds: int,
+                 margin: float = DEFAULT_MARGIN, regime: str = "") -> ShapeResult:
+    """Time the pick, its rivals and the rules' choice interleaved; the winner is the
+    fastest, unless it beats the pick by `margin` or less (then the pick stays)."""
+    res = compare_configs(shape, runner, [found.pick, *found.rivals], rounds=rounds)
+    pick_name = space.name_of(found.pick)
+    pick = next((o for o in res.outcomes if o.name == pick_name and o.samples), None)
+    if pick is not None and res.winner is not None and res.winner is not pick \
+            and not res.winner.ms < pick.ms * (1.0 - margin):
+        res.winner = pick
+    res.rerank = {"regime": regime, "from": found.entry.get("name", pick_name),
+                  "from_us": round(pick.ms * 1e3, 2) if pick is not None else None,
+                  "from_table_us": found.entry.get("us"), "margin": margin,
+                  "timed": [o.name for o in res.outcomes if o.samples]}
+    return res
+
