@@ -90,13 +90,18 @@ def vary(fields: dict, words: list[str]) -> dict:
     return out
 
 
-def default_fields(case: dict[str, Any], device: torch.device) -> dict:
-    """The fields of the config our default launches on this case and GPU."""
+def launched_fields(case: dict[str, Any], device: torch.device,
+                    fields: dict | None = None) -> dict:
+    """The fields of the config grouped_mm launches on this case and GPU: our default's (no
+    `fields`: tuned table, then the rules), or `fields` pinned, as the rules complete them
+    (a table entry leaves stages to the rules, which give cooperative 128x256 three on long
+    K, for example)."""
     from moe_gemm.capability import device_name, sm_count
     from moe_gemm.config import GemmConfig
     from moe_gemm.ops.heuristics import choose_varlen
 
-    choice = choose_varlen(GemmConfig(), case["rows"], case["E"], case["N"], case["K"],
+    config = GemmConfig() if fields is None else space.config_of(fields)
+    choice = choose_varlen(config, case["rows"], case["E"], case["N"], case["K"],
                            sm_count(device), device=device_name(device))
     return space.fields_of(choice, "varlen")
 
@@ -220,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
               variants=False, skip=frozenset(), doc=doc,
               out_path=Path(args.out) if args.out else None, l2_bytes=l2)
     for spec, f in cases:
-        pick = default_fields(f, device)
+        pick = launched_fields(f, device)
         try:
+            theirs = table_pick(other, f) if other is not None else None
             impls = implementations([vary(pick, words) for words in variants] + (
-                [table_pick(other, f)] if other is not None else []))
+                [theirs and launched_fields(f, device, theirs)] if other is not None else []))
         except ValueError as exc:
             print(f"{spec.name}: skipped, a variant is not buildable here: {exc}", flush=True)
             continue

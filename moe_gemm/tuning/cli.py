@@ -479,7 +479,9 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
                     runner.close()
             slowest = max(slowest if done else 0.0, res.seconds)
             done += 1
-            table_io.add_result(doc, res.entry(), res.samples())
+            # A re-rank's samples are in another regime than the search's: the table keeps
+            # the search's (the lookup's neighbours step votes with them).
+            table_io.add_result(doc, res.entry(), [] if source is not None else res.samples())
             doc.setdefault("failures", [])
             doc["failures"] += [{"shape": shape.describe(), **f} for f in res.failures()]
             table_io.write(out, doc)

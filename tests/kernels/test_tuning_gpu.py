@@ -148,7 +148,9 @@ def test_rerank_through_the_cli(few_candidates, tmp_path):
     (entry,) = source["entries"]
     assert cli.main([*shape, "--rerank", str(searched), "--top", "2", "--out", str(reranked),
                      "--no-merge"]) == 0
-    (new,) = json.loads(reranked.read_text())["entries"]
+    out = json.loads(reranked.read_text())
+    (new,) = out["entries"]
+    assert out["samples"] == []  # a re-rank leaves the search's samples as they are
     record("tuning/rerank", "rerank" in new, pick=entry["name"], reranked=new["name"])
     assert table_io.entry_key(new) == table_io.entry_key(entry)
     assert new["rerank"]["from"] == entry["name"] and new["rerank"]["from_us"] > 0
