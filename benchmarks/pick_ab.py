@@ -14,7 +14,9 @@ and with `--against T.json` the pick of another tuned table for the same key is 
 too (after the default pick itself, unless --vary names the first). Every variant goes through the zoo's harness in one process (same inputs and routing,
 every output checked against a float32 reference first, then interleaved rounds). Each row
 carries `vs_first` = the first variant's time / this one's (above 1: this one faster) and
-`is_default` where the variant is what the default launches.
+`is_default` where the variant is what the default launches. With --with-peers the zoo's
+peers (not QuACK tuned) run in the same rounds, so each variant runs among the same kernels as
+in the zoo: the A/B alone interleaves only our own, and some kernels time differently there.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import zoo
 from benchmarks.clock import Clock
 from benchmarks.runner import Run, bench_device, device_info, run_shape
 from benchmarks.suite import Impl, _ours
@@ -132,9 +135,10 @@ def add_ratios(rows: list[dict[str, Any]], pick: dict, flops: float) -> list[str
         r["is_default"] = r["impl"] == default_name
         if r.get("ms"):
             r["tflops"] = flops / r["ms"] / 1e9
-            if first is not None:
+            if first is not None and r.get("variant", -1) >= 0:  # (ours, not a peer)
                 r["vs_first"] = first["ms"] / r["ms"]
-        lines.append(f"  {r['impl'][len(OURS) + 1:]:26s}{'*' if r['is_default'] else ' '}| "
+        label = r["impl"][len(OURS) + 1:] if r["impl"].startswith(OURS + " ") else r["impl"]
+        lines.append(f"  {label:26s}{'*' if r['is_default'] else ' '}| "
                      f"{(r.get('ms') or nan) * 1e3:9.1f} us | {r.get('tflops', nan):6.1f} "
                      f"TFLOP/s | vs first {r.get('vs_first', nan):.3f}")
     return lines
@@ -169,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
                    "configs ('p8ns', 's4 p16'); give two or more, the first is the baseline")
     p.add_argument("--against", metavar="TABLE", help="also time this tuned table's pick "
                    "for each case's key (a case it has no entry for runs without it)")
+    p.add_argument("--with-peers", action="store_true", help="interleave the zoo's peers "
+                   "too (torch's grouped_mm, the mm loop in a CUDA graph, QuACK untuned), so "
+                   "each variant runs among the same kernels as in the zoo")
     p.add_argument("--models", default="all", help="zoo models (default: all)")
     p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
     p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
@@ -218,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         "device_info": info, "argv": argv_list,
         "variants": [" ".join(v) or "default" for v in variants] + (
             [f"table {args.against}"] if other is not None else []),
-        "settings": {"reps": args.reps, "seed": args.seed, "timing": (
+        "settings": {"reps": args.reps, "seed": args.seed, "with_peers": args.with_peers,
+                     "timing": (
             "ms: back-to-back median of interleaved rounds behind a sleep backlog (the zoo's "
             "harness)")}, "shapes": {}, "results": []}
     run = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed, smoke=False,
               variants=False, skip=frozenset(), doc=doc,
               out_path=Path(args.out) if args.out else None, l2_bytes=l2)
+    # The zoo's peers but QuACK tuned (its autotune would dominate the run).
+    peers = zoo.implementations(run, False, 0.0, lambda: 0.0)[1:] if args.with_peers else []
     for spec, f in cases:
         pick = launched_fields(f, device)
         try:
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{spec.name}: E={f['E']} N={f['N']} K={f['K']} rows={f['rows']}, default "
               f"{space.name_of(pick)}", flush=True)
         first = len(doc["results"])
-        run_shape(run, spec, [impl for impl, _ in impls])
+        run_shape(run, spec, [impl for impl, _ in impls] + peers)
         rows = doc["results"][first:]
         index = {impl.name: i for impl, i in impls}
         for r in rows:

@@ -92,3 +92,37 @@ def test_bad_arguments_and_a_cpu_run_say_what_is_wrong(capsys):
     assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--models", "NoSuchModel"]) == 2
     assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--device", "cpu"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_peers_rows_carry_times_but_no_ratio_and_stay_out_of_the_summary():
+    pick = space.parse_name("pp 128x192 p8")
+    rows = [{"impl": "moe_gemm pp 128x192 p8", "variant": 0, "ms": 2.0, "case": "X"},
+            {"impl": "moe_gemm pp 128x192 p8ns", "variant": 1, "ms": 1.6, "case": "X"},
+            {"impl": "QuACK varlen", "variant": -1, "ms": 1.0, "case": "X"}]
+    lines = pick_ab.add_ratios(rows, pick, 2e12)
+    assert "vs_first" not in rows[2] and rows[2]["tflops"] == pytest.approx(2e12 / 1e9)
+    assert lines[2].lstrip().startswith("QuACK varlen")
+    assert [line.split(":")[0] for line in pick_ab.summary(rows)] == ["variant 0", "variant 1"]
+
+
+def test_variants_and_peers_go_through_the_zoo_harness_on_cpu():
+    """On the CPU our pinned kernels are not applicable and say why; the peers' rows are
+    there beside them (what --with-peers adds)."""
+    import torch
+
+    from benchmarks import zoo
+    from benchmarks.clock import Clock
+    from benchmarks.runner import Run, run_shape
+
+    spec, _ = zoo.build_cases("OLMoE-1B-7B", "16", ["down"], 1234, smoke=True)[0]
+    cpu = torch.device("cpu")
+    run = Run(device=cpu, clock=Clock(cpu), reps=1, seed=1234, smoke=True, variants=False,
+              skip=frozenset(), doc={"shapes": {}, "results": []}, out_path=None)
+    pick = space.parse_name("pp 128x192 p8")
+    impls = pick_ab.implementations([pick_ab.vary(pick, ["p8"]), pick_ab.vary(pick, ["p8ns"])])
+    peers = zoo.implementations(run, False, 0.0, lambda: 0.0)[1:]
+    assert [p.name for p in peers] == [zoo.GROUPED_MM_NAME, zoo.GRAPH_NAME, zoo.QUACK_NAME]
+    run_shape(run, spec, [impl for impl, _ in impls] + peers)
+    rows = run.doc["results"]
+    assert [r["impl"] for r in rows] == [i.name for i, _ in impls] + [p.name for p in peers]
+    assert rows[0]["status"] == "n/a" and "Hopper kernels" in rows[0]["reason"]
