@@ -162,6 +162,17 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
     return fused_grouped_mm_torch(args)
 
 
+def fused_runs_torch(args: FusedMmArgs, config: GemmConfig | None) -> bool:
+    """Whether fused_grouped_mm of these checked arguments takes torch's path here rather than
+    the kernel (the registered op's backward asks: its gradients exist on that path only)."""
+    cfg = api._check_config(config)
+    if cfg.backend == "torch" or cute_problem(args.x.device) is not None:
+        return True
+    from moe_gemm.ops.fused_launch import fused_unsupported
+
+    return fused_unsupported(args) is not None
+
+
 def _grad_inputs(x, w, row_weight, bias) -> list[torch.Tensor]:
     return [t for t in (x, w, row_weight, bias) if t is not None]
 

@@ -2,7 +2,8 @@
 under torch.compile, make_fx or a fake / functional tensor mode ops/fused.py calls these, so
 the tracer records one opaque node with a fake implementation for shapes and dtypes, and at
 run time the node runs the eager path (cached plans, CUDA-graph safe, the torch backend where
-the kernel cannot run). Inference only: the registered backward raises when it runs.
+the kernel cannot run). The backward gives eager's gradients where the forward ran torch's
+path and raises where it ran the kernel (inference-only, as in eager).
 
     moe_gemm::_fused_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor? row_index,
         Tensor? row_weight, Tensor? bias, str gate, str gate_layout, float gate_alpha,
@@ -20,7 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe_gemm.ops.custom_ops import _in_graph, _raising_grad, decode_config, encode_config
+from moe_gemm.ops.custom_ops import (
+    _check_torch_ran,
+    _in_graph,
+    _pinned_cute,
+    _raising_grad,
+    decode_config,
+    encode_config,
+)
 from moe_gemm.ops.fused_validation import check_fused_mm
 
 _ARGS = ("Tensor x, Tensor w, Tensor offs, Tensor? row_index, Tensor? row_weight, "
@@ -93,15 +101,62 @@ def _fused_grouped_mm_out_fake(x, w, offs, row_index, row_weight, bias, gate, ga
            out_dtype)
 
 
+# The backward: where the forward ran torch's path (backend="torch", off a Hopper GPU, or for
+# inputs the kernel does not take), eager autograd's gradients through that path, written out
+# (ops/fused_grad.py) in one more registered op that decides at run time, from the saved
+# inputs, which path the forward took (as custom_ops.py's `_grad` ops do); where the kernel
+# ran it raises: the kernel is inference-only, as in eager.
+
+
+@torch.library.custom_op(
+    "moe_gemm::_fused_grouped_mm_grad", mutates_args=(),
+    schema=f"(Tensor grad, {_ARGS}, str config, ScalarType? out_dtype) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
+def _fused_grouped_mm_grad(grad, x, w, offs, row_index, row_weight, bias, gate, gate_layout,
+                           alpha, limit, config, out_dtype):
+    """(d x, d w, d row_weight, d bias); an absent row_weight or bias gets an empty tensor."""
+    from moe_gemm.ops.fused import fused_runs_torch
+    from moe_gemm.ops.fused_grad import fused_grouped_mm_grads
+
+    args = check_fused_mm(x, w, offs, row_index=row_index, row_weight=row_weight, bias=bias,
+                          gate=gate or None, gate_layout=gate_layout, gate_alpha=alpha,
+                          gate_limit=limit, out_dtype=out_dtype)
+    _check_torch_ran(fused_runs_torch(args, decode_config(config)), "_fused_grouped_mm")
+    gx, gw, grw, gbias = fused_grouped_mm_grads(grad, args)
+    return (gx, gw, x.new_empty(0) if grw is None else grw,
+            x.new_empty(0) if gbias is None else gbias)  # (outputs may not alias each other)
+
+
+@_fused_grouped_mm_grad.register_fake
+def _fused_grouped_mm_grad_fake(grad, x, w, offs, row_index, row_weight, bias, gate,
+                                gate_layout, alpha, limit, config, out_dtype):
+    return (x.new_empty(x.shape), w.new_empty(w.shape),
+            x.new_empty(0) if row_weight is None else row_weight.new_empty(row_weight.shape),
+            x.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+
+
+_GRAD_SLOTS = (0, 1, 4, 5)  # x, w, row_weight, bias among the op's inputs
+
+
 def _setup(ctx, inputs, output) -> None:
-    ctx.metas = tuple(None if t is None else (t.shape, t.dtype)
-                      for t in (inputs[0], inputs[1], inputs[4], inputs[5]))
+    ctx.metas = tuple(None if inputs[i] is None else (inputs[i].shape, inputs[i].dtype)
+                      for i in _GRAD_SLOTS)
+    ctx.options = inputs[6:]  # gate, gate_layout, alpha, limit, config, out_dtype
+    ctx.kernels_only = _pinned_cute(inputs[10])
+    if not ctx.kernels_only:
+        ctx.save_for_backward(*inputs[:6])
 
 
 def _backward(ctx, grad):
     needs = ctx.needs_input_grad
     grads = [None] * 12
-    for slot, meta in zip((0, 1, 4, 5), ctx.metas):
+    if not ctx.kernels_only:
+        got = torch.ops.moe_gemm._fused_grouped_mm_grad(grad, *ctx.saved_tensors, *ctx.options)
+        for slot, g, meta in zip(_GRAD_SLOTS, got, ctx.metas):
+            if meta is not None and needs[slot]:
+                grads[slot] = g
+        return tuple(grads)
+    for slot, meta in zip(_GRAD_SLOTS, ctx.metas):
         if meta is not None and needs[slot]:
             grads[slot] = _raising_grad(grad, meta, "_fused_grouped_mm")
     return tuple(grads)

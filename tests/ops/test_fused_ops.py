@@ -1,6 +1,6 @@
 """fused_grouped_mm on the CPU: the torch backend against the float64 reference for every
 option, the argument checks (each error path), the registered ops (fake tensors,
-torch.compile(fullgraph=True), the raising backward), interleave_gate_up, and the host rules
+torch.compile(fullgraph=True) with its backward), interleave_gate_up, and the host rules
 of the kernel path that need no GPU (the config fitting, the TMA rules, the compile keys)."""
 
 from __future__ import annotations
@@ -208,22 +208,80 @@ def test_fake_tensor_shapes_and_compiled_graph():
     torch._dynamo.reset()
 
 
-def test_backward_raises_eager_and_compiled():
+def _leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,layout", [(g, lay) for g in GATES for lay in LAYOUTS
+                                         if g is not None or lay == "concat"])
+def test_compiled_backward_equals_eager_on_the_torch_path(gate, layout, dtype):
+    """Off a Hopper GPU the forward runs torch's path, which eager autograd differentiates; the
+    compiled graph's backward (one registered op, written-out gradients) gives the same
+    gradients for x, w, the bias and the row weights, with and without the gather."""
+    import torch._dynamo
+
+    for gather, with_bias, scale in itertools.product([False, True], repeat=3):
+        x, w, offs, index, g = _case(31 + len(str(gate)), dtype=dtype)
+        if not gather:
+            x = x[index]
+        bias = torch.randn(4, 64, generator=g).to(dtype) if with_bias else None
+        rw = torch.rand(13, generator=g).to(dtype) if scale else None
+        kw = dict(row_index=index if gather else None, gate=gate, gate_layout=layout,
+                  gate_limit=1.0)
+
+        def f(x, w, bias, rw, kw=kw):
+            return moe_gemm.fused_grouped_mm(x, w, offs, bias=bias, row_weight=rw, **kw)
+
+        eager = _leaves(x, w, bias, rw)
+        y = f(*eager)
+        dy = torch.randn(y.shape, generator=g).to(y.dtype)
+        y.backward(dy)
+        torch._dynamo.reset()
+        compiled = _leaves(x, w, bias, rw)
+        torch.compile(f, backend="aot_eager", fullgraph=True)(*compiled).backward(dy)
+        for e, c in zip(eager, compiled):
+            if e is None:
+                continue
+            assert c.grad is not None and c.grad.dtype == e.dtype
+            scale_ = e.grad.float().abs().max().item()
+            tol = 1e-6 if dtype == torch.float32 else 2e-2
+            assert (c.grad.float() - e.grad.float()).abs().max().item() <= tol * scale_ + 1e-7
+        if not gather:  # rows past offs[-1] never reached the output
+            assert not compiled[0].grad[int(offs[-1]):].any()
+    torch._dynamo.reset()
+
+
+def test_backward_raises_where_the_kernel_ran(monkeypatch):
+    """Where the forward ran the Hopper kernel the gradient op raises (inference-only, as in
+    eager); it decides from the saved inputs as the forward did."""
+    from moe_gemm.ops import fused as fused_mod
+    from moe_gemm.ops import fused_launch
+    from moe_gemm.ops.custom_ops import encode_config
+
+    x, w, offs, index, _ = _case(10)
+    grad = torch.randn(13, 32)
+    args = (grad, x, w, offs, index, None, None, "silu", "concat", 1.702, 7.0)
+    gx, gw, grw, gb = torch.ops.moe_gemm._fused_grouped_mm_grad(*args, "", None)
+    assert gx.shape == x.shape and gw.shape == w.shape and grw.numel() == gb.numel() == 0
+    monkeypatch.setattr(fused_mod, "cute_problem", lambda device: None)
+    monkeypatch.setattr(fused_launch, "fused_unsupported", lambda a: None)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        torch.ops.moe_gemm._fused_grouped_mm_grad(*args, "", None)
+    # backend="torch" ran torch's path wherever it runs
+    torch.ops.moe_gemm._fused_grouped_mm_grad(
+        *args, encode_config(GemmConfig(backend="torch")), None)
+    monkeypatch.setattr(fused_launch, "fused_unsupported", lambda a: "a layout it lacks")
+    torch.ops.moe_gemm._fused_grouped_mm_grad(*args, "", None)
+
+
+def test_eager_torch_backend_is_differentiable():
     x, w, offs, index, _ = _case(10)
     w = w.clone().requires_grad_(True)
     y = moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, gate="silu",
                                   config=GemmConfig(backend="torch"))
-    y.sum().backward()  # the torch backend is differentiable
-    assert w.grad is not None
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda x, w: moe_gemm.fused_grouped_mm(
-        x, w, offs, row_index=index, gate="silu"), backend="aot_eager", fullgraph=True)
-    out = compiled(x, w)
-    with pytest.raises(RuntimeError, match="inference-only"):
-        out.sum().backward()
-    torch._dynamo.reset()
+    y.sum().backward()
+    assert w.grad is not None and w.grad.abs().sum() > 0
 
 
 def _choice(schedule, tm, tn, cm=1, cn=1, **kw):
