@@ -25,15 +25,13 @@ import argparse
 import re
 import statistics
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import zoo
-from benchmarks.clock import Clock
-from benchmarks.runner import Run, bench_device, device_info, run_shape
+from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, _ours
 from benchmarks.zoo import build_cases
 from moe_gemm.tuning import space
@@ -179,10 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="all", help="zoo models (default: all)")
     p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
     p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
-    p.add_argument("--reps", type=int, default=10, help="interleaved rounds (default 10)")
-    p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
-    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
-    p.add_argument("--out", help="write the rows as JSON here")
+    add_ab_options(p, reps=10)
     return p
 
 
@@ -203,35 +198,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--against {args.against}: {exc}") from None
         if not projs or any(p not in ("gate_up", "down") for p in projs):
             raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
-        if args.reps < 1:
-            raise ValueError("--reps must be at least 1")
         cases = build_cases(args.models, args.tokens, projs, args.seed, False)
     except ValueError as exc:
         print(f"pick_ab: {exc}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available() or not str(args.device).startswith("cuda"):
-        print("pick_ab: needs a CUDA GPU (the configs are our Hopper kernels')",
-              file=sys.stderr)
+    run = ab_run(args, argv, "pick_ab", "the configs are our Hopper kernels'",
+                 variants=[" ".join(v) or "default" for v in variants] + (
+                     [f"table {args.against}"] if other is not None else []),
+                 settings={"with_peers": args.with_peers})
+    if isinstance(run, str):
+        print(run, file=sys.stderr)
         return 2
-    try:
-        device = bench_device(args.device, False, "pick_ab")
-    except ValueError as exc:
-        print(f"pick_ab: {exc}", file=sys.stderr)
-        return 2
-    name, info, l2 = device_info(device)
-    argv_list = list(sys.argv[1:] if argv is None else argv)
-    doc: dict[str, Any] = {
-        "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "device_info": info, "argv": argv_list,
-        "variants": [" ".join(v) or "default" for v in variants] + (
-            [f"table {args.against}"] if other is not None else []),
-        "settings": {"reps": args.reps, "seed": args.seed, "with_peers": args.with_peers,
-                     "timing": (
-            "ms: back-to-back median of interleaved rounds behind a sleep backlog (the zoo's "
-            "harness)")}, "shapes": {}, "results": []}
-    run = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed, smoke=False,
-              variants=False, skip=frozenset(), doc=doc,
-              out_path=Path(args.out) if args.out else None, l2_bytes=l2)
+    device, doc = run.device, run.doc
     # The zoo's peers but QuACK tuned (its autotune would dominate the run).
     peers = zoo.implementations(run, False, 0.0, lambda: 0.0)[1:] if args.with_peers else []
     for spec, f in cases:

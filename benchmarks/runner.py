@@ -431,3 +431,43 @@ def run_shape(run: Run, spec: ShapeSpec, impls: Sequence[Impl] | None = None) ->
         torch.cuda.empty_cache()
     run.mark(None)
     run.save()
+
+
+# ---------------------------------------------------------------------------------------------
+# The A/B scripts on zoo cases (benchmarks.same_config, benchmarks.pick_ab): one GPU, a Run.
+
+ZOO_TIMING = ("ms: back-to-back median of interleaved rounds behind a sleep backlog (the zoo's "
+              "harness)")
+
+
+def add_ab_options(p, reps: int) -> None:
+    """--reps, --seed, --device and --out, as the A/B scripts take them."""
+    p.add_argument("--reps", type=int, default=reps, help=f"interleaved rounds (default {reps})")
+    p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
+    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
+    p.add_argument("--out", help="write the rows as JSON here")
+
+
+def ab_run(args, argv: list[str] | None, prog: str, needs: str, **doc_fields: Any
+           ) -> Run | str:
+    """The Run of an A/B script on a CUDA GPU (args: add_ab_options'), or the line to print
+    when it cannot run (`needs`: what the GPU is needed for). doc_fields: more of the JSON's
+    top-level fields ("settings" is added to)."""
+    if args.reps < 1:
+        return f"{prog}: --reps must be at least 1"
+    if not torch.cuda.is_available() or not str(args.device).startswith("cuda"):
+        return f"{prog}: needs a CUDA GPU ({needs})"
+    try:  # (a plain "cuda" becomes the current GPU with its index, and is made current)
+        device = bench_device(args.device, False, prog)
+    except ValueError as exc:
+        return f"{prog}: {exc}"
+    name, info, l2 = device_info(device)
+    settings = {"reps": args.reps, "seed": args.seed, "timing": ZOO_TIMING,
+                **doc_fields.pop("settings", {})}
+    doc: dict[str, Any] = {
+        "device": name, "date": time.strftime("%Y-%m-%d", time.gmtime()), "device_info": info,
+        "argv": list(sys.argv[1:] if argv is None else argv), **doc_fields,
+        "settings": settings, "shapes": {}, "results": []}
+    return Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed,
+               smoke=False, variants=False, skip=frozenset(), doc=doc,
+               out_path=Path(args.out) if args.out else None, l2_bytes=l2)

@@ -29,14 +29,11 @@ import argparse
 import re
 import statistics
 import sys
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.clock import Clock
-from benchmarks.runner import Run, bench_device, device_info, run_shape
+from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, quack_operands
 from benchmarks.zoo import build_cases
 from moe_gemm.tuning import space
@@ -151,10 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
                    help="';'-separated configs as `moe-gemm tune` names them "
                    "(default: %(default)s)")
-    p.add_argument("--reps", type=int, default=15, help="interleaved rounds (default 15)")
-    p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
-    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
-    p.add_argument("--out", help="write the rows as JSON here")
+    add_ab_options(p, reps=15)
     return p
 
 
@@ -166,28 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"same_config: {exc}", file=sys.stderr)
         return 2
-    if args.reps < 1:
-        print("same_config: --reps must be at least 1", file=sys.stderr)
+    run = ab_run(args, argv, "same_config", "our kernels and QuACK's are Hopper kernels")
+    if isinstance(run, str):
+        print(run, file=sys.stderr)
         return 2
-    needs = "same_config: needs a CUDA GPU (our kernels and QuACK's are Hopper kernels)"
-    if not torch.cuda.is_available() or not str(args.device).startswith("cuda"):
-        print(needs, file=sys.stderr)
-        return 2
-    try:  # (a plain "cuda" becomes the current GPU with its index, and is made current)
-        device = bench_device(args.device, False, "same_config")
-    except ValueError as exc:
-        print(f"same_config: {exc}", file=sys.stderr)
-        return 2
-    name, info, l2 = device_info(device)
-    doc: dict[str, Any] = {
-        "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "device_info": info, "argv": list(sys.argv[1:] if argv is None else argv),
-        "settings": {"reps": args.reps, "seed": args.seed, "timing": (
-            "ms: back-to-back median of interleaved rounds behind a sleep backlog (the zoo's "
-            "harness)")}, "shapes": {}, "results": []}
-    run = Run(device=device, clock=Clock(device), reps=args.reps, seed=args.seed, smoke=False,
-              variants=False, skip=frozenset(), doc=doc,
-              out_path=Path(args.out) if args.out else None, l2_bytes=l2)
+    doc = run.doc
     impls = implementations(configs)
     for model, proj, tokens in cases:
         try:
