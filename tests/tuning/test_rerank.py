@@ -102,3 +102,88 @@ def test_bad_rerank_options_are_refused(extra, message, capsys):
 def test_an_empty_rerank_table_name_is_refused(capsys):
     assert cli.main(["--zoo", "--rerank", ""]) == 2
     assert "--rerank" in capsys.readouterr().err
+
+
+def _fake_gpu(monkeypatch, times: dict[str, float]):
+    """cli.run's device side replaced: a CPU 'device' named X, no compiles, a FakeRunner."""
+    import types
+
+    import torch
+
+    from moe_gemm import capability
+    from moe_gemm.ops import versions
+    from moe_gemm.tuning import ceilings, compile_pool
+    from moe_gemm.tuning import runner as runner_mod
+
+    monkeypatch.setattr(cli, "kernel_device", lambda spec: (torch.device("cpu"), None))
+    monkeypatch.setattr(capability, "device_name", lambda device: "X")
+    monkeypatch.setattr(capability, "sm_count", lambda device: 132)
+    monkeypatch.setattr(versions, "runtime_versions", lambda name: {"device": name})
+    monkeypatch.setattr(ceilings, "measure_ceilings", lambda device: {
+        "copy_bytes_per_s": 1e12, "mm_flops_per_s": 1e14})
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(L2_cache_size=1 << 20))
+
+    class Pool:
+        workers = 1
+
+        def __init__(self, workers=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, keys):
+            pass
+
+    class Runner(FakeRunner):
+        def __init__(self, shape, device, pool, **kw):
+            super().__init__(_costs(times))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(compile_pool, "CompilePool", Pool)
+    monkeypatch.setattr(runner_mod, "ShapeRunner", Runner)
+    monkeypatch.setattr(runner_mod, "compile_key_for", lambda shape, fields, nsm: "key")
+    monkeypatch.setattr(runner_mod, "rules_fields", lambda shape, nsm: space.parse_name(RULES))
+
+
+def test_the_cli_reranks_into_a_table_and_keeps_its_samples(monkeypatch, tmp_path, capsys):
+    """End to end on fakes: a shape with an entry in the source table is re-ranked, one
+    without is skipped; the winner replaces the entry at --out, whose samples stay as they
+    were (a re-rank's are in another regime)."""
+    import json
+
+    times = {"pp 128x192 p8": 100.0, "pp 128x128 c1x2 p8": 90.0, "pp 128x192 p8ns": 99.0,
+             "coop 128x256 p8": 120.0, RULES: 150.0}
+    _fake_gpu(monkeypatch, times)
+    (tuned_shape,) = cli.parse_shape_items(["4,512,1024,4096"], "varlen", "ENK", "bfloat16",
+                                           "bfloat16", 1234)
+    k = tuned_shape.key()
+    entry = {"form": k.form, "dtype": k.dtype, "out_dtype": k.out_dtype, "E": k.E, "N": k.N,
+             "K": k.K, "bucket": k.bucket, "rows": tuned_shape.rows, "us": 100.0,
+             "name": "pp 128x192 p8", "config": {
+                 f: v for f, v in space.parse_name("pp 128x192 p8").items() if v is not None}}
+    samples = [dict(_sample(n, us), rows=tuned_shape.rows) for n, us in (
+        ("pp 128x192 p8", 100.0), ("pp 128x128 c1x2 p8", 101.0), ("pp 128x192 p8ns", 102.0),
+        ("coop 128x256 p8", 103.0))]
+    table = {"format": "moe_gemm.tuned-table/1", "device": "X", "sm_count": 132,
+             "versions": {}, "ceilings": {}, "entries": [entry], "samples": samples}
+    path = tmp_path / "X.json"
+    path.write_text(json.dumps(table))
+    rc = cli.main(["--shapes", "4,512,1024,4096", "--shapes", "4,512,2048,4096", "--rerank",
+                   str(path), "--top", "2", "--rounds", "3", "--out", str(path)])
+    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "1 of 2 shapes have an entry there" in err
+    out = json.loads(path.read_text())
+    (new,) = out["entries"]
+    assert new["name"] == "pp 128x128 c1x2 p8"  # 10% faster: beyond the 3% margin
+    assert new["rerank"]["from"] == "pp 128x192 p8" and new["rerank"]["margin"] == 0.03
+    assert set(new["rerank"]["timed"]) == {"pp 128x192 p8", "pp 128x128 c1x2 p8",
+                                           "pp 128x192 p8ns", RULES}
+    assert out["samples"] == samples
