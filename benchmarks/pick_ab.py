@@ -33,7 +33,7 @@ import torch
 from benchmarks import zoo
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, _ours
-from benchmarks.zoo import build_cases
+from benchmarks.zoo import build_cases, parse_cases
 from moe_gemm.tuning import space
 
 OURS = "moe_gemm"
@@ -174,6 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--with-peers", action="store_true", help="interleave the zoo's peers "
                    "too (torch's grouped_mm, the mm loop in a CUDA graph, QuACK untuned), so "
                    "each variant runs among the same kernels as in the zoo")
+    p.add_argument("--cases", help="comma-separated MODEL/PROJ/TOKENS zoo cases (instead of "
+                   "--models x --tokens x --projs)")
     p.add_argument("--models", default="all", help="zoo models (default: all)")
     p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
     p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
@@ -198,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--against {args.against}: {exc}") from None
         if not projs or any(p not in ("gate_up", "down") for p in projs):
             raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
-        cases = build_cases(args.models, args.tokens, projs, args.seed, False)
+        if args.cases:
+            cases = [build_cases(m, str(t), [p], args.seed, False)[0]
+                     for m, p, t in parse_cases(args.cases)]
+        else:
+            cases = build_cases(args.models, args.tokens, projs, args.seed, False)
     except ValueError as exc:
         print(f"pick_ab: {exc}", file=sys.stderr)
         return 2

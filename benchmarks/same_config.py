@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, quack_operands
-from benchmarks.zoo import build_cases
+from benchmarks.zoo import build_cases, parse_cases
 from moe_gemm.tuning import space
 
 DEFAULT_CASES = ("OLMoE-1B-7B/gate_up/2048", "OLMoE-1B-7B/down/8192",
@@ -43,20 +43,6 @@ DEFAULT_CASES = ("OLMoE-1B-7B/gate_up/2048", "OLMoE-1B-7B/down/8192",
 DEFAULT_CONFIGS = ("pp 128x128 c1x2", "pp 128x128 c2x1", "pp 128x192 c2x1", "pp 128x160 c1x2",
                    "coop 256x128 c2x1")
 OURS, QUACK = "moe_gemm", "QuACK"
-
-
-def parse_cases(text: str) -> list[tuple[str, str, int]]:
-    """'MODEL/PROJ/TOKENS,...' -> [(model, proj, tokens)] (ValueError naming a bad item)."""
-    cases = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        parts = item.split("/")
-        if len(parts) != 3 or parts[1] not in ("gate_up", "down") or not parts[2].isdigit():
-            raise ValueError(f"a case is MODEL/gate_up|down/TOKENS, e.g. "
-                             f"OLMoE-1B-7B/down/8192; got {item!r}")
-        cases.append((parts[0], parts[1], int(parts[2])))
-    if not cases:
-        raise ValueError("no case given")
-    return cases
 
 
 # QuACK's varlen tile order as our raster code (module docstring).

@@ -137,6 +137,20 @@ def build_cases(model_names: str | None, tokens: str | None, projs: list[str], s
     return cases
 
 
+def parse_cases(text: str) -> list[tuple[str, str, int]]:
+    """'MODEL/PROJ/TOKENS,...' -> [(model, proj, tokens)] (ValueError naming a bad item)."""
+    cases = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.split("/")
+        if len(parts) != 3 or parts[1] not in ("gate_up", "down") or not parts[2].isdigit():
+            raise ValueError(f"a case is MODEL/gate_up|down/TOKENS, e.g. "
+                             f"OLMoE-1B-7B/down/8192; got {item!r}")
+        cases.append((parts[0], parts[1], int(parts[2])))
+    if not cases:
+        raise ValueError("no case given")
+    return cases
+
+
 def implementations(run: Run, quack_tuned: bool, cap_s: float,
                     budget_left) -> list[Impl]:
     """Ours (default), then the peers: torch's grouped_mm, the mm loop in a CUDA graph, QuACK."""

@@ -90,6 +90,11 @@ def test_bad_arguments_and_a_cpu_run_say_what_is_wrong(capsys):
     assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--projs", "up"]) == 2
     assert "--projs" in capsys.readouterr().err
     assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--models", "NoSuchModel"]) == 2
+    assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--cases", "OLMoE-1B-7B/up/16"]) == 2
+    assert "MODEL/gate_up|down/TOKENS" in capsys.readouterr().err
+    assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--cases",
+                         "OLMoE-1B-7B/down/16", "--device", "cpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
     assert pick_ab.main(["--vary", "p8", "--vary", "p8ns", "--device", "cpu"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
