@@ -74,10 +74,9 @@ def table_pick(doc: dict, case: dict[str, Any]) -> dict | None:
     from moe_gemm.ops.tuned import rows_bucket
     from moe_gemm.tuning import table_io
 
-    key = ("varlen", "bfloat16", "bfloat16", case["E"], case["N"], case["K"],
-           rows_bucket(case["rows"] / case["E"]))
-    entry = next((e for e in doc["entries"] if table_io.entry_key(e) == key), None)
-    return None if entry is None else {"stages": None, **entry["config"]}
+    entry = table_io.find_entry(doc, ("varlen", "bfloat16", "bfloat16", case["E"], case["N"],
+                                      case["K"], rows_bucket(case["rows"] / case["E"])))
+    return None if entry is None else table_io.explicit_fields(entry["config"])
 
 
 def vary(fields: dict, words: list[str]) -> dict:

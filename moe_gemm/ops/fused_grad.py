@@ -88,15 +88,14 @@ def fused_grouped_mm_grads(grad: torch.Tensor, args: FusedMmArgs
             h = h + torch.where(live, args.bias.float().index_select(
                 0, expert.clamp(max=max(E - 1, 0))), 0.0)
         d = torch.where(live, grad.float(), 0.0)
+        if args.gate is not None:
+            gate, up = split_gate_up(h, args.gate_layout)
         if args.row_weight is not None:
-            act = h
-            if args.gate is not None:
-                act = gate_torch(args.gate, *split_gate_up(h, args.gate_layout),
-                                 args.gate_alpha, args.gate_limit)
+            act = h if args.gate is None else gate_torch(args.gate, gate, up, args.gate_alpha,
+                                                         args.gate_limit)
             grw = torch.where(live.squeeze(1), (d * act).sum(dim=1), 0.0)
             d = d * args.row_weight.float().unsqueeze(1)
         if args.gate is not None:
-            gate, up = split_gate_up(h, args.gate_layout)
             d = merge_gate_up(*gate_backward(args.gate, gate, up, args.gate_alpha,
                                              args.gate_limit, d), args.gate_layout)
         dxs = torch.zeros(S, x.shape[1], dtype=torch.float32, device=x.device)

@@ -429,7 +429,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             log(f"[tune] --skip-table {args.skip_table}: not used ({exc})")
     if have:
         before = len(shapes)
-        shapes = [s for s in shapes if _key_tuple(s.key()) not in have]
+        shapes = [s for s in shapes if table_io.key_tuple(s.key()) not in have]
         log(f"[tune] {before - len(shapes)} shapes already tuned, {len(shapes)} to go")
     l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20)
     log(f"[tune] {name}: {len(shapes)} shapes -> {out}; copy "
@@ -498,10 +498,6 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     print(f"tuned {done} of {len(shapes)} shapes in {total:.0f} s -> {out}"
           + (f"; stopped early ({stopped})" if stopped else ""))
     return 0
-
-
-def _key_tuple(k) -> tuple:
-    return (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
 
 
 def _precompile(shapes: list, pool, nsm: int, log) -> None:

@@ -41,11 +41,6 @@ REST_MS = 0.0
 SAMPLE_MS = 5.0
 
 
-def _fields(config: dict) -> dict:
-    """A table config as explicit tuner fields (an entry leaves out what is unset)."""
-    return {"stages": None, **config}
-
-
 @dataclass(frozen=True)
 class Leaders:
     """What a re-rank times on one shape: the table's pick and its nearest rivals."""
@@ -59,25 +54,24 @@ def leaders(doc: dict, shape: TuneShape, top: int) -> Leaders | None:
     """The table's entry for `shape`'s key, its pick, and the `top` fastest other configs of
     the table's samples of that key (fastest first; one per name), or None without an entry."""
     k = shape.key()
-    key = (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
-    entry = next((e for e in doc.get("entries", []) if table_io.entry_key(e) == key), None)
+    key = table_io.key_tuple(k)
+    entry = table_io.find_entry(doc, key)
     if entry is None:
         return None
-    pick = _fields(entry["config"])
+    pick = table_io.explicit_fields(entry["config"])
     seen = {space.name_of(pick)}
     rivals = []
-    for s in sorted(doc.get("samples", []), key=lambda s: float(s["us"])):
-        if len(rivals) >= top:
-            break
-        form, dtype, out_dtype, E, N, K, rows = table_io.sample_shape(s)
-        if (form, dtype, out_dtype, E, N, K) != key[:6] or \
-                rows_bucket(rows / max(1, E)) != k.bucket:
-            continue
-        fields = _fields(s["config"])
+    mine = [s for s in doc.get("samples", [])
+            if table_io.sample_shape(s)[:6] == key[:6]
+            and rows_bucket(int(s["rows"]) / max(1, int(s["E"]))) == k.bucket]
+    for s in sorted(mine, key=lambda s: float(s["us"])):
+        fields = table_io.explicit_fields(s["config"])
         name = space.name_of(fields)
         if name not in seen:
             seen.add(name)
             rivals.append(fields)
+            if len(rivals) == top:
+                break
     return Leaders(entry, pick, rivals)
 
 

@@ -102,11 +102,26 @@ def _valid_sample(s: Any) -> bool:
     return len(tuned.parse_samples([s])) == 1  # (parse_samples leaves out what it cannot read)
 
 
+def key_tuple(k: tuned.Key) -> tuple:
+    """A key as a plain sortable tuple (what entry_key gives an entry)."""
+    return (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
+
+
 def entry_key(e: dict) -> tuple:
     """An entry's key as the reader reads it: "E": "8" and "E": 8 are one key, and the keys
     of a table sort (write() sorts them) whatever types its JSON spelled them in."""
-    k = tuned.key_of(e)
-    return (k.form, k.dtype, k.out_dtype, k.E, k.N, k.K, k.bucket)
+    return key_tuple(tuned.key_of(e))
+
+
+def find_entry(doc: dict[str, Any], key: tuple) -> dict | None:
+    """The entry of `doc` for a key_tuple, or None."""
+    return next((e for e in doc.get("entries", []) if entry_key(e) == key), None)
+
+
+def explicit_fields(config: dict) -> dict:
+    """An entry's or sample's config with every tuned field the tuner names explicit (a table
+    leaves out what is unset)."""
+    return {"stages": None, **config}
 
 
 def sample_shape(s: dict) -> tuple:

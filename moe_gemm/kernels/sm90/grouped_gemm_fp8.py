@@ -514,9 +514,17 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             cute.arch.prefetch((sa.iterator + cute.crd2idx((my_rows[s], 0), sa.layout)).llvm_ptr,
                                cache_level="L1")
         for q in cutlass.range_constexpr(len(fmap.col_rep)):
-            col = cutlass.min(n0 + coords[fmap.col_rep[q]][1], cols_lim - 1)
+            col = self._outer_col(fmap, coords, q, n0, cols_lim)
             cute.arch.prefetch((sb.iterator + cute.crd2idx((0, col), sb.layout)).llvm_ptr,
                                cache_level="L1")
+
+    @cute.jit
+    def _outer_col(self, fmap: cutlass.Constexpr, coords: cute.Tensor, q: cutlass.Constexpr,
+                   n0: Int32, cols_lim: Int32) -> Int32:
+        """The column of sb this thread's q-th accumulator column reads (clamped: columns past
+        the problem's end read a valid scale that nothing stores). Computed where it is used,
+        not kept across the mainloop in registers."""
+        return cutlass.min(n0 + coords[fmap.col_rep[q]][1], cols_lim - 1)
 
     @cute.jit
     def _scale_outer(self, acc: cute.Tensor, fmap: cutlass.Constexpr, coords: cute.Tensor,
@@ -529,7 +537,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         for s in cutlass.range_constexpr(n_rows):
             ra[s] = sa[my_rows[s], 0]
         for q in cutlass.range_constexpr(n_cols):
-            col = cutlass.min(n0 + coords[fmap.col_rep[q]][1], cols_lim - 1)
-            cb[q] = sb[0, col]
+            cb[q] = sb[0, self._outer_col(fmap, coords, q, n0, cols_lim)]
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] * (ra[fmap.row_slot[i]] * cb[fmap.col_slot[i]])
