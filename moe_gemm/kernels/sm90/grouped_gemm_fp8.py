@@ -289,9 +289,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         n_sc = n_rows + (2 if self.blocks_spanned == 2 else 1)
         prod = cute.make_rmem_tensor((2 * n_rows,), Float32)
 
-        if const_expr(self.scale_mode == "outer"):
-            if k_tiles > 0:
-                self._prefetch_outer(fmap, coords, sa, my_rows, sb, n0, cols_lim)
         acc.fill(0.0)
         if const_expr(self.promote_lag):
             tmp1 = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
@@ -503,27 +500,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 acc[i] = acc[i] + tmp[i]
 
     @cute.jit
-    def _prefetch_outer(self, fmap: cutlass.Constexpr, coords: cute.Tensor, sa: cute.Tensor,
-                        my_rows, sb: cute.Tensor, n0: Int32, cols_lim: Int32):
-        """Prefetch into L1, before the mainloop, the scales _scale_outer reads after it: loaded
-        there, after the loop, their L2 round trip (~0.5k cycles) stood between the last WGMMA
-        and the epilogue of every tile, while the cooperative warpgroups' tensor work was over
-        (K=2048: ~8k cycles of WGMMAs per 128x128 tile). The A and B stages arrive by TMA,
-        which leaves L1 alone, so the lines are still there when the tile ends."""
-        for s in cutlass.range_constexpr(len(fmap.row_rep)):
-            cute.arch.prefetch((sa.iterator + cute.crd2idx((my_rows[s], 0), sa.layout)).llvm_ptr,
-                               cache_level="L1")
-        for q in cutlass.range_constexpr(len(fmap.col_rep)):
-            col = self._outer_col(fmap, coords, q, n0, cols_lim)
-            cute.arch.prefetch((sb.iterator + cute.crd2idx((0, col), sb.layout)).llvm_ptr,
-                               cache_level="L1")
-
-    @cute.jit
     def _outer_col(self, fmap: cutlass.Constexpr, coords: cute.Tensor, q: cutlass.Constexpr,
                    n0: Int32, cols_lim: Int32) -> Int32:
         """The column of sb this thread's q-th accumulator column reads (clamped: columns past
-        the problem's end read a valid scale that nothing stores). Computed where it is used,
-        not kept across the mainloop in registers."""
+        the problem's end read a valid scale that nothing stores)."""
         return cutlass.min(n0 + coords[fmap.col_rep[q]][1], cols_lim - 1)
 
     @cute.jit
