@@ -389,6 +389,35 @@ def test_general(granularity, out_mode):
         check(f"fp8/general/{granularity}/{out_mode}/{i}", r, ref)
 
 
+def test_block_scales_in_any_layout_and_past_32_bit_offsets():
+    """Block scales as our quantizers do not lay them out: A's MN-major (the transpose of a
+    (KB, T) tensor: torch's blockwise layout on Hopper), B's (E, KB, C) compact; A's as a view
+    whose element offsets pass 2^31 (rows ~7M elements apart in an 8 GiB tensor: the kernel's
+    scale addresses are 64-bit); the general form with MN-major A scales per problem."""
+    T, E, K, N = 300, 4, 512, 384
+    x, w, sa, sb, offs = make_fp8_moe_inputs(T, E, K, N, "block", device=DEV,
+                                             empty_fraction=0.25, seed=31)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+    sa_mn, sb_c = sa.t().contiguous().t(), sb.contiguous()
+    assert sa_mn.stride() == (1, T) and sb_c.stride() != sb.stride()
+    check("fp8/scale-layouts/varlen-mn-major", scaled_grouped_mm(x, w, sa_mn, sb_c, offs,
+                                                                 config=cute()), ref)
+    KB = K // 128
+    stride = 2**31 // (T - 1) + 1
+    base = torch.empty((T - 1) * stride + KB, device=DEV)
+    far = base.as_strided((T, KB), (stride, 1))
+    far.copy_(sa)
+    y = scaled_grouped_mm(x, w, far, sb, offs, config=cute())
+    check("fp8/scale-layouts/varlen-past-2^31", y, ref, row_stride=stride)
+    del base, far
+    sizes = [(129, 256, 384), (0, 128, 256), (7, 200, 128), (64, 64, 640)]
+    a, b, sal, sbl = make_fp8_grouped_inputs(sizes, "block", device=DEV, seed=32)
+    refs = scaled_grouped_gemm_ref(a, b, sal, sbl)
+    res = scaled_grouped_gemm(a, b, [s.t().contiguous().t() for s in sal], sbl, config=cute())
+    for i, (r, ref_i) in enumerate(zip(res, refs)):
+        check(f"fp8/scale-layouts/general-mn-major/{i}", r, ref_i)
+
+
 # ---------------------------------------------------------------------------------------------
 # the 1x128 quantization kernel
 
