@@ -18,7 +18,10 @@ with fused=False: two grouped_mm launches and torch ops between them), "transfor
 grouped_mm" (the block itself with transformers' default experts implementation) and
 "sonicmoe" (sonicmoe.MoE of the same H, I, E, k with its own top-k softmax router and plain
 SwiGLU, without DeepSeek's shared expert; where the package imports and runs: what happened
-is recorded either way).
+is recorded either way). sonic-moe 0.1.2 runs on DSL 4.8.1 with quack-kernels 0.6.0 ahead of
+a newer QuACK on the path (`pip install --no-deps --target DIR quack-kernels==0.6.0 sonic-moe`,
+then PYTHONPATH=DIR); with QuACK 0.6.4 or 0.6.5 its forward raises a TypeError about a
+ContextVar in its epilogue.
 
 Before timing, a child process runs one fused forward per model against the unfused layer
 (a fault there cannot poison the timed process); should it fail, the run goes on without the
