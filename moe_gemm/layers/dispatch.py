@@ -32,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from moe_gemm.ops.combine import combine_rows
 
 __all__ = ["AllToAllDispatcher", "Dispatched", "Dispatcher", "expert_range"]
 
@@ -242,4 +243,4 @@ class AllToAllDispatcher:
         dist.all_to_all_single(back[: handle.send_rows], y.contiguous(), handle.send_splits,
                                handle.recv_splits, group=self.group)
         # Sum over the ranks each token visited: deterministic (no atomics), one read of back.
-        return F.embedding_bag(handle.pos_of_pair, back, mode="sum")
+        return combine_rows(back, handle.pos_of_pair)

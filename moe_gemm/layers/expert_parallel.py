@@ -36,6 +36,7 @@ from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher,
 from moe_gemm.layers.moe import MoE, resolve_activation
 from moe_gemm.layers.routing import permute_by_expert, sigmoid_grouped_topk, softmax_topk
 from moe_gemm.ops.api import grouped_mm
+from moe_gemm.ops.combine import combine_rows
 
 __all__ = ["ExpertParallelMoE"]
 
@@ -78,7 +79,7 @@ def local_expert_ffn(
     grouped_mm(a, w_down, perm.offs, out=y[:S], config=config)  # (S, H)
     rows = perm.row_of_slot.clamp(max=S)
     w = torch.where(perm.valid, weights, 0).to(y.dtype)
-    return F.embedding_bag(rows, y, per_sample_weights=w, mode="sum")
+    return combine_rows(y, rows, w)
 
 
 class ExpertParallelMoE(nn.Module):

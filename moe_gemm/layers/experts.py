@@ -20,9 +20,10 @@ Why the pieces are chosen as they are:
 - Weights live in the layout transformers and vLLM store: gate_up_proj (E, 2I, H) and
   down_proj (E, H, I). The GEMMs take their transposed views (E, H, 2I) and (E, I, H), with no
   copy; that K-major B operand is also the one WGMMA reads natively.
-- The combine is one `embedding_bag(mode="sum", per_sample_weights=...)`: a gather by the
-  inverse permutation fused with the weighted sum over the k slots, accumulated in fp32 and
-  rounded once, deterministic (no atomics) and reading the (S, H) expert output only once.
+- The combine is one pass (ops/combine.combine_rows: a kernel on Hopper, embedding_bag
+  elsewhere): a gather by the inverse permutation fused with the weighted sum over the k
+  slots, accumulated in fp32 and rounded once, deterministic (no atomics) and reading the
+  (S, H) expert output only once.
 
 Inference only: there is no backward. Calling with gradients enabled on inputs or weights
 works, but `.backward()` through the result raises a RuntimeError.
@@ -41,6 +42,7 @@ from moe_gemm.layers.fused_experts import FusedGate, fused_expert_ffn, fused_gat
 from moe_gemm.layers.routing import check_flag, permute_by_expert
 from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only, needs_link
+from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
 
 __all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
@@ -171,7 +173,7 @@ def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_g
     # Dropped slots (ids outside [0, E)) get weight 0. Their rows of y are finite (grouped_mm
     # leaves rows past offs[-1] zero; a bias or norm keeps them finite), so they add nothing.
     w = torch.where(perm.valid, topk_weights, 0).to(y.dtype)
-    return F.embedding_bag(perm.row_of_slot, y, per_sample_weights=w, mode="sum")
+    return combine_rows(y, perm.row_of_slot, w)
 
 
 def shape_str(t: torch.Tensor) -> str:

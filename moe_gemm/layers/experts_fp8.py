@@ -28,11 +28,11 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.routing import permute_by_expert
 from moe_gemm.ops.autograd import inference_only
+from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.quantize import (
     FP8_MAX,
     dequantize_fp8,
@@ -157,7 +157,7 @@ def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, dow
     y = scaled_grouped_mm(aq, down.transpose(1, 2), sa, s2, perm.offs, out_dtype=x.dtype,
                           config=config)
     w = torch.where(perm.valid, topk_weights, 0).to(y.dtype)
-    return F.embedding_bag(perm.row_of_slot, y, per_sample_weights=w, mode="sum")
+    return combine_rows(y, perm.row_of_slot, w)
 
 
 # ---------------------------------------------------------------------------------------------

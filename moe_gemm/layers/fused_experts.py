@@ -6,7 +6,7 @@ routed rows.
                          gate=act, bias=b1)                        gated epilogue
     y = fused_grouped_mm(a, w_down, offs, bias=b2,                 (S, H): bias and the
                          row_weight=weights in row order)          routing weight per row
-    out[t] = sum_j y[row of (t, j)]                                (T, H) embedding_bag
+    out[t] = sum_j y[row of (t, j)]                                (T, H) combine_rows
 
 against the unfused path (layers/experts.py) this drops the permuted copy of x (S x H written
 and read), the (S, 2I) gate-up output and the activation pass over it (written, read, (S, I)
@@ -14,9 +14,10 @@ written again), and the weight multiply of the combine.
 
 The combine: each routed row is scaled in the down GEMM's epilogue (fp32, before its one
 rounding) and the k rows of a token are then summed by one deterministic gather-reduce
-(embedding_bag, fp32 accumulation): the same bytes as an atomic scatter-add of the rows into an
-fp32 buffer (every row is read or written once either way), without its zeroed (T, H) fp32
-buffer and final cast, and with results that do not depend on the order atomics land in.
+(ops/combine.combine_rows, fp32 accumulation): the same bytes as an atomic scatter-add of the
+rows into an fp32 buffer (every row is read or written once either way), without its zeroed
+(T, H) fp32 buffer and final cast, and with results that do not depend on the order atomics
+land in.
 
 Routing is exactly the unfused path's (the same permutation, dropped expert-parallel slots
 contribute nothing), so the two paths agree to rounding; the unfused one stays the reference
@@ -28,11 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.env import env_switch
 from moe_gemm.layers.routing import permute_by_expert
+from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.fused import fused_grouped_mm
 
 __all__ = ["FUSED_ENV", "GATHER_ENV", "FusedGate", "fused_expert_ffn", "fused_gate_for",
@@ -138,4 +139,4 @@ def fused_expert_ffn(
                          gate_limit=spec.limit, config=config)
     y = fused_grouped_mm(a, w_down, perm.offs, bias=bias_down, row_weight=weight,
                          config=config)
-    return F.embedding_bag(perm.row_of_slot, y, mode="sum")
+    return combine_rows(y, perm.row_of_slot)

@@ -1,0 +1,107 @@
+"""ops/combine.py on the CPU: the embedding_bag path against an fp64 reference, and the kernel
+path's plumbing with the compiled kernel replaced by an emulator (what it is given: the row
+view, the indices as they are, fp32 weights or a placeholder, a fresh (T, H) output)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_gemm.ops import combine, launch_resources
+
+
+def _inputs(T, S, H, k, dtype=torch.bfloat16, weights=None, index=torch.int64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(S, H, generator=gen).to(dtype)
+    rows = torch.randint(0, S, (T, k), generator=gen).to(index)
+    w = None if weights is None else torch.rand(T, k, generator=gen).to(weights)
+    return y, rows, w
+
+
+def _reference(y, rows, w):
+    ww = torch.ones(rows.shape, dtype=torch.float64) if w is None else w.double()
+    return (y.double()[rows.long()] * ww.unsqueeze(-1)).sum(1)
+
+
+@pytest.mark.parametrize("weights", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("index", [torch.int64, torch.int32])
+def test_embedding_bag_path_matches_reference(weights, index):
+    y, rows, w = _inputs(33, 70, 48, 4, weights=weights, index=index)
+    out = combine.combine_rows(y, rows, w)
+    assert out.shape == (33, 48) and out.dtype == torch.bfloat16
+    # fp32 weights are rounded to y's dtype first (embedding_bag's rule)
+    wr = None if w is None else w.to(torch.bfloat16)
+    ref = _reference(y, rows, wr)
+    assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(out, F.embedding_bag(rows, y, per_sample_weights=wr, mode="sum"))
+
+
+class _Emulator:
+    """Computes what the kernel computes from the arguments it is given."""
+
+    def __init__(self, k, weighted):
+        self.k, self.weighted, self.calls = k, weighted, []
+
+    def __call__(self, y, rows, w, out):
+        self.calls.append((y, rows, w, out))
+        assert rows.shape[1] == self.k and w.dtype == torch.float32
+        r = rows.long().clamp(0, y.shape[0] - 1)
+        part = y.float()[r]
+        if self.weighted:
+            assert w.shape == rows.shape
+            part = part * w.unsqueeze(-1)
+        out.copy_(part.sum(1).to(out.dtype))
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    made = {}
+
+    def fake_kernel(dtype, index_dtype, k, weighted):
+        return made.setdefault((dtype, index_dtype, k, weighted), _Emulator(k, weighted))
+
+    monkeypatch.setattr(combine, "_kernel_ok", lambda y, rows, w: True)
+    monkeypatch.setattr(combine, "_kernel", fake_kernel)
+    monkeypatch.setattr(launch_resources, "_capturing", lambda: False)
+    return made
+
+
+@pytest.mark.parametrize("weights", [None, torch.bfloat16, torch.float32])
+def test_kernel_path_arguments(kernel, weights):
+    y, rows, w = _inputs(17, 40, 64, 8, weights=weights, index=torch.int32, seed=2)
+    out = combine.combine_rows(y, rows, w)
+    (key, emu), = kernel.items()
+    assert key == (torch.bfloat16, torch.int32, 8, weights is not None)
+    yk, rk, wk, ok = emu.calls[0]
+    assert yk is y and rk is rows and ok is out and out.shape == (17, 64)
+    if weights is None:
+        assert wk.shape == (1, 1)  # a placeholder the unweighted kernel never reads
+    else:
+        assert torch.equal(wk, w.float())
+    torch.testing.assert_close(out.double(), _reference(y, rows, w), rtol=2 ** -7, atol=1e-2)
+
+
+def test_kernel_path_no_tokens_no_launch(kernel):
+    y, rows, _ = _inputs(0, 5, 16, 2)
+    out = combine.combine_rows(y, rows)
+    assert out.shape == (0, 16) and not any(e.calls for e in kernel.values())
+
+
+def test_what_the_kernel_takes():
+    y, rows, w = _inputs(4, 8, 16, 2, weights=torch.float32)
+    assert not combine._kernel_ok(y, rows, None)  # a CPU tensor: embedding_bag
+    ok = combine._layout_ok
+    assert ok(y, rows, None) and ok(y, rows, w) and ok(y, rows.int(), w.bfloat16())
+    assert ok(y.half(), rows, None)
+    assert not ok(y.float(), rows, None)  # fp32 rows
+    assert not ok(y, rows.short(), None)
+    assert not ok(y, rows.float(), None)
+    assert not ok(y, torch.zeros(4, 17, dtype=torch.int64), None)  # k beyond 16
+    assert not ok(y, torch.zeros(4, 0, dtype=torch.int64), None)
+    assert not ok(y, rows, w.double()) and not ok(y, rows, w[:, :1])
+    assert not ok(y[:, :12], rows, None)  # H not a multiple of 8
+    assert not ok(y.t().contiguous().t(), rows, None)  # H not contiguous
+    assert not ok(torch.zeros(8, 24, dtype=torch.bfloat16)[:, 1:17], rows, None)  # unaligned
+    assert not ok(y[:0], rows, None)  # no rows to read
+    assert not ok(y[0], rows, None)
