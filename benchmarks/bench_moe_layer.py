@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moe_gemm  # noqa: E402
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
+from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -69,6 +70,7 @@ SMOKE_MODELS = {name: dict(m, H=64, I=32, E=16, k=min(m["k"], 4)) for name, m in
 TOKENS = [1, 16, 128, 1024, 4096, 16384]
 FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers grouped_mm",
                              "sonicmoe")
+FUSED_COMBINE = "moe_gemm fused, combine kernel"  # --combine-kernel
 CHECK_TOKENS = 128
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
@@ -141,6 +143,23 @@ def ours(kind: str, block: torch.nn.Module, fused: bool | None) -> Callable:
     moe = MoE.from_hf(block)
     moe.fused = fused
     return moe
+
+
+def with_env(fn: Callable, name: str, value: str) -> Callable:
+    """fn with the environment variable `name` set to `value` during each call (and so during
+    a CUDA-graph capture of it)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn(x)
+        finally:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+    return run
 
 
 def transformers_layer(kind: str, block: torch.nn.Module) -> Callable:
@@ -355,7 +374,11 @@ def run(args: argparse.Namespace) -> dict:
             UNFUSED: ours(m["kind"], block, False),
             HF: transformers_layer(m["kind"], block),
         }
-        impls = {name: fn for name, fn in impls.items() if name in impl_names}
+        if args.combine_kernel and FUSED in impl_names:
+            impls[FUSED_COMBINE] = with_env(ours(m["kind"], block, True if smoke else None),
+                                            COMBINE_ENV, "kernel")
+        impls = {name: fn for name, fn in impls.items()
+                 if name in impl_names or name == FUSED_COMBINE}
         if sonic_ok:
             try:
                 impls[SONIC] = sonic_layer(m, device, dtype)
@@ -486,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile workers")
     p.add_argument("--compile-timeout", type=float, default=300.0)
     p.add_argument("--no-sonic", action="store_true", help="skip SonicMoE")
+    p.add_argument("--combine-kernel", action="store_true",
+                   help=f"also time the fused layer with the top-k combine kernel ('{FUSED_COMBINE}', "
+                        "MOE_GEMM_COMBINE=kernel)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
     p.add_argument("--probe", action="store_true",
