@@ -282,6 +282,31 @@ class Timed:
                 self.fn(self.x)
 
 
+PROFILE_TOP = 8  # kernels kept per implementation by --profile
+
+
+def kernel_breakdown(t: Timed, device: torch.device, calls: int = 3) -> list[dict[str, Any]]:
+    """Where one implementation's time goes (--profile): its kernels over `calls` eager
+    forwards (torch.profiler; CPU ops on a CPU), most time first: name, ms and launches per
+    forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with torch.inference_mode(), profile(
+            activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            t.fn(t.x)
+        if cuda:
+            torch.cuda.synchronize()
+
+    def spent(e) -> float:  # us over all calls
+        return e.device_time_total if cuda else e.self_cpu_time_total
+
+    events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=spent, reverse=True)
+    return [{"kernel": e.key[:120], "ms": round(spent(e) / calls / 1e3, 4),
+             "launches": e.count / calls} for e in events[:PROFILE_TOP]]
+
+
 def time_batch(t: Timed, calls: int, device: torch.device) -> float:
     """Milliseconds per call over one batch of `calls`."""
     if device.type == "cuda":
@@ -424,6 +449,12 @@ def run(args: argparse.Namespace) -> dict:
                 result["rows"].append(row)
                 print(f"{n:16s} T={T:6d} {name:24s} {ms[name]:9.4f} ms  x{row['speedup_vs_unfused']:.2f} "
                       f"vs unfused  [{t.mode}]", flush=True)
+            if args.profile:
+                kept = result.setdefault("profile", {}).setdefault(n, {})[str(T)] = {}
+                for name, t in timed.items():
+                    kept[name] = top = kernel_breakdown(t, device)
+                    print(f"{'':16s}   {name:24s} " + ", ".join(
+                        f"{k['kernel'][:40]} {k['ms']:.3f}" for k in top[:3]), flush=True)
             if SONIC in timed and result["sonicmoe"].get("status") == "trying":
                 result["sonicmoe"]["status"] = "ran"
             del timed, x
@@ -509,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile workers")
     p.add_argument("--compile-timeout", type=float, default=300.0)
     p.add_argument("--no-sonic", action="store_true", help="skip SonicMoE")
+    p.add_argument("--profile", action="store_true",
+                   help=f"also record each implementation's top {PROFILE_TOP} kernels per case "
+                        "(torch.profiler; JSON 'profile')")
     p.add_argument("--combine-kernel", action="store_true",
                    help=f"also time the fused layer with the top-k combine kernel ('{FUSED_COMBINE}', "
                         "MOE_GEMM_COMBINE=kernel)")

@@ -4,6 +4,7 @@ the implementations agreeing), and the kernel variants it precompiles for the re
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -29,6 +30,36 @@ def test_smoke_run_writes_the_json(tmp_path):
     for model, diffs in data["accuracy"].items():
         assert set(diffs) == {bml.FUSED, bml.HF}
         assert all(d < 1e-6 for d in diffs.values()), (model, diffs)
+
+
+def test_smoke_combine_kernel_row_and_profile(tmp_path):
+    out = tmp_path / "moe-layer.json"
+    rc = bml.main(["--smoke", "--models", "qwen3-30b-a3b", "--tokens", "4", "--rounds", "2",
+                   "--target-ms", "1", "--combine-kernel", "--profile", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert {r["impl"] for r in data["rows"]} == {bml.FUSED, bml.UNFUSED, bml.HF,
+                                                 bml.FUSED_COMBINE}
+    # (on the CPU the switch changes nothing: the same layer, the same result)
+    assert data["accuracy"]["qwen3-30b-a3b"][bml.FUSED_COMBINE] < 1e-6
+    prof = data["profile"]["qwen3-30b-a3b"]["4"]
+    assert set(prof) == {bml.FUSED, bml.UNFUSED, bml.HF, bml.FUSED_COMBINE}
+    for kernels in prof.values():
+        assert 0 < len(kernels) <= bml.PROFILE_TOP
+        assert all(k["ms"] > 0 and k["launches"] > 0 and k["kernel"] for k in kernels)
+        assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+
+
+def test_with_env_sets_the_variable_for_the_call_only(monkeypatch):
+    monkeypatch.delenv("MOE_GEMM_COMBINE", raising=False)
+    seen = []
+    fn = bml.with_env(lambda x: seen.append(os.environ.get("MOE_GEMM_COMBINE")),
+                      "MOE_GEMM_COMBINE", "kernel")
+    fn(None)
+    assert seen == ["kernel"] and "MOE_GEMM_COMBINE" not in os.environ
+    monkeypatch.setenv("MOE_GEMM_COMBINE", "torch")
+    fn(None)
+    assert seen[-1] == "kernel" and os.environ["MOE_GEMM_COMBINE"] == "torch"
 
 
 @pytest.mark.parametrize("model", list(bml.MODELS))
