@@ -23,13 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from moe_gemm.env import env_get
+from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K, COMBINE_VEC
 from moe_gemm.ops import launch_resources
 
 COMBINE_ENV = "MOE_GEMM_COMBINE"  # "kernel": the kernel where it runs; else embedding_bag
 _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
-_VEC = 8  # kernels/sm90/combine.VEC: 16-byte vectors of 2-byte values
-_MAX_K = 16  # kernels/sm90/combine.MAX_K
 
 
 def combine_rows(y: torch.Tensor, rows: torch.Tensor,
@@ -59,14 +58,14 @@ def _layout_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None
     """Whether the kernel takes these dtypes, shapes, strides and alignment."""
     if y.dtype not in _KERNEL_DTYPES or rows.dtype not in _INDEX_DTYPES:
         return False
-    if y.dim() != 2 or rows.dim() != 2 or not 1 <= rows.shape[1] <= _MAX_K:
+    if y.dim() != 2 or rows.dim() != 2 or not 1 <= rows.shape[1] <= COMBINE_MAX_K:
         return False
     if weights is not None and (weights.shape != rows.shape
                                 or weights.dtype not in (y.dtype, torch.float32)):
         return False
     S, H = y.shape
     # 16-byte vectors: H contiguous, rows 16-byte aligned.
-    return not (S == 0 or H % _VEC or y.stride(1) != 1 or y.stride(0) % _VEC
+    return not (S == 0 or H % COMBINE_VEC or y.stride(1) != 1 or y.stride(0) % COMBINE_VEC
                 or y.data_ptr() % 16)
 
 

@@ -143,12 +143,7 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
     if out is not None and _out_overlaps(args):
         raise ValueError("out shares memory with an input of fused_grouped_mm; pass a "
                          "separate tensor")
-    problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
-    unsupported = None
-    if problem is None:
-        from moe_gemm.ops.fused_launch import fused_unsupported
-
-        unsupported = fused_unsupported(args)
+    problem, unsupported = _why_not_kernel(args, cfg)
     if api._use_cute(cfg, problem, unsupported, "fused_grouped_mm"):
         from moe_gemm.ops.fused_launch import FusedPlan
 
@@ -162,15 +157,21 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
     return fused_grouped_mm_torch(args)
 
 
+def _why_not_kernel(args: FusedMmArgs, cfg: GemmConfig) -> tuple[str | None, str | None]:
+    """(why the Hopper kernels cannot run here or were not asked for, why the kernel cannot
+    take these checked arguments): both None where fused_grouped_mm runs the kernel."""
+    problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
+    if problem is not None:
+        return problem, None
+    from moe_gemm.ops.fused_launch import fused_unsupported
+
+    return None, fused_unsupported(args)
+
+
 def fused_runs_torch(args: FusedMmArgs, config: GemmConfig | None) -> bool:
     """Whether fused_grouped_mm of these checked arguments takes torch's path here rather than
     the kernel (the registered op's backward asks: its gradients exist on that path only)."""
-    cfg = api._check_config(config)
-    if cfg.backend == "torch" or cute_problem(args.x.device) is not None:
-        return True
-    from moe_gemm.ops.fused_launch import fused_unsupported
-
-    return fused_unsupported(args) is not None
+    return any(_why_not_kernel(args, api._check_config(config)))
 
 
 def _grad_inputs(x, w, row_weight, bias) -> list[torch.Tensor]:

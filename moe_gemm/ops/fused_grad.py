@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from moe_gemm.kernels.sm90.constants import GATE_BLOCK
 from moe_gemm.ops.fused_reference import expert_of_rows, gate_torch, split_gate_up
 from moe_gemm.ops.fused_validation import FusedMmArgs
+from moe_gemm.ops.reference import expert_spans
 
 aten = torch.ops.aten
 
@@ -76,14 +77,9 @@ def fused_grouped_mm_grads(grad: torch.Tensor, args: FusedMmArgs
         live = (expert < E).unsqueeze(1)
         # The forward's accumulators (+ bias), then the epilogue's gradients in reverse.
         h = torch.zeros(S, N, dtype=torch.float32, device=x.device)
-        bounds = offs.detach().to("cpu", torch.int64).clamp(0, S).tolist()
-        spans, start = [], 0
-        for e, end in enumerate(bounds):
-            end = max(end, start)  # a decreasing entry is an empty expert, as in the forward
-            if end > start:
-                spans.append((e, start, end))
-                h[start:end] = xs32[start:end] @ w32[e]
-            start = end
+        spans = expert_spans(offs, S)
+        for e, start, end in spans:
+            h[start:end] = xs32[start:end] @ w32[e]
         if args.bias is not None:
             h = h + torch.where(live, args.bias.float().index_select(
                 0, expert.clamp(max=max(E - 1, 0))), 0.0)

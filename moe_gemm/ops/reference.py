@@ -78,6 +78,19 @@ def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
     return aligned(args.x) and aligned(args.w) and args.x.data_ptr() % 16 == 0
 
 
+def expert_spans(offs: torch.Tensor, rows: int) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every non-empty expert, read from offs on the host (a
+    synchronisation on CUDA: the torch backend's loops), clamped into [0, rows] as the kernels
+    read them: a decreasing entry (unchecked on the GPU) is an empty expert."""
+    spans, start = [], 0
+    for e, end in enumerate(offs.detach().to("cpu", torch.int64).clamp(0, rows).tolist()):
+        end = max(end, start)
+        if end > start:
+            spans.append((e, start, end))
+        start = end
+    return spans
+
+
 def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e]; rows past offs[-1] are zero (or untouched in out)."""
     x, w, offs = args.x, args.w, args.offs
@@ -94,15 +107,10 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
             args.out.copy_(torch.where(tail[:, None], args.out, y))
             return args.out
         return y.masked_fill_(tail[:, None], 0)
-    bounds = offs.detach().to("cpu", torch.int64).clamp(0, T).tolist()
     y = args.out if args.out is not None else torch.zeros(T, N, dtype=args.out_dtype,
                                                           device=x.device)
-    start = 0
-    for e, end in enumerate(bounds):
-        end = max(end, start)  # a decreasing entry (unchecked on the GPU) is an empty expert
-        if end > start:
-            y[start:end] = _mm(x[start:end], w[e], args.out_dtype)
-        start = end
+    for e, start, end in expert_spans(offs, T):
+        y[start:end] = _mm(x[start:end], w[e], args.out_dtype)
     return y
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_gemm.ops.reference import expert_spans
 from moe_gemm.ops.scaled_validation import (
     SCALE_BLOCK,
     ScaledGemmArgs,
@@ -71,16 +72,10 @@ def scaled_grouped_mm_torch(args: ScaledMmArgs, dtype: torch.dtype = torch.float
     if y is None:
         y = torch.zeros(T, N, dtype=odt, device=x.device)
     # The sizes are needed on the host: one device-to-host copy of offs (a synchronisation
-    # on CUDA; this is the fallback). Clamped, and a decreasing entry is an empty expert, as
-    # the kernel reads them.
-    bounds = args.offs.detach().to("cpu", torch.int64).clamp(0, T).tolist() if E else []
-    start = 0
-    for e, end in enumerate(bounds):
-        end = max(end, start)
-        if end > start:
-            y[start:end] = _product(x[start:end], sa[start:end], w[e], sb[e], block,
-                                    dtype).to(y.dtype)
-        start = end
+    # on CUDA; this is the fallback).
+    for e, start, end in expert_spans(args.offs, T) if E else ():
+        y[start:end] = _product(x[start:end], sa[start:end], w[e], sb[e], block,
+                                dtype).to(y.dtype)
     return y
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_gemm.ops.reference import (
+    expert_spans,
     grouped_gemm_ref,
     grouped_gemm_torch,
     grouped_mm_ref,
@@ -353,3 +354,12 @@ def test_make_moe_inputs_layouts() -> None:
     assert w_kn.is_contiguous()
     with pytest.raises(ValueError, match="w_layout"):
         make_moe_inputs(4, 2, 4, 4, torch.float32, w_layout="nk")
+
+
+def test_expert_spans_clamp_and_skip_empty_and_decreasing_entries():
+    offs = torch.tensor([3, 3, 10, 7, 12, 40], dtype=torch.int32)
+    # rows 0-2 expert 0; expert 1 empty; 3-9 expert 2; 7 < 10: expert 3 empty; 10-11 expert
+    # 4; 40 clamped to 15 rows: 12-14 expert 5
+    assert expert_spans(offs, 15) == [(0, 0, 3), (2, 3, 10), (4, 10, 12), (5, 12, 15)]
+    assert expert_spans(torch.tensor([-4, 2], dtype=torch.int32), 5) == [(1, 0, 2)]
+    assert expert_spans(torch.zeros(0, dtype=torch.int32), 5) == []

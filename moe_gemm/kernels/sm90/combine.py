@@ -15,16 +15,16 @@ A row index outside [0, S) is clamped into it (a wrong row, never an out-of-boun
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-VEC = 8  # values per thread: one 16-byte load of bf16 / fp16
+from .constants import COMBINE_MAX_K as MAX_K
+from .constants import COMBINE_VEC as VEC
+
 THREADS = 128  # threads per CTA: 1024 values of a row (H = 2048: two CTAs per token)
-MAX_K = 16
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 INDEX_DTYPES = {"int64": cutlass.Int64, "int32": cutlass.Int32}
 
@@ -103,12 +103,10 @@ def compile_combine(key: CombineCompileKey, keep_dir: str | None = None):
     w = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int()),
                                       stride=(cute.sym_int64(), cute.sym_int64()))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi --opt-level 3"
-    if keep_dir is not None:
-        os.makedirs(keep_dir, exist_ok=True)
-        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    from .compile import compile_options
+
     return cute.compile(TokenCombineSm90(dt, key.k, key.weighted), y, rows, w, out, stream,
-                        options=options)
+                        options=compile_options(keep_dir))
 
 
 __all__ = ["MAX_K", "VEC", "CombineCompileKey", "TokenCombineSm90", "compile_combine"]

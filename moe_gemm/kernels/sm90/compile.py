@@ -190,10 +190,16 @@ def fake_arguments(key: CompileKey) -> tuple:
             row_weight, bias, stream)
 
 
-def compile_variant(key: CompileKey, keep_dir: str | None = None):
-    """cute.compile the variant; with keep_dir, PTX and cubin are written there."""
+def compile_options(keep_dir: str | None = None) -> str:
+    """cute.compile's options for every kernel of the package (TVM-FFI calls, -O3); with
+    keep_dir, PTX and cubin are written there."""
     options = "--enable-tvm-ffi --opt-level 3"
     if keep_dir is not None:
         os.makedirs(keep_dir, exist_ok=True)
         options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
-    return cute.compile(key.kernel(), *fake_arguments(key), options=options)
+    return options
+
+
+def compile_variant(key: CompileKey, keep_dir: str | None = None):
+    """cute.compile the variant; with keep_dir, PTX and cubin are written there."""
+    return cute.compile(key.kernel(), *fake_arguments(key), options=compile_options(keep_dir))

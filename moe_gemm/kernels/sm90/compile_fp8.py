@@ -11,7 +11,13 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from .compile import DTYPES, _fake, fake_launch_arguments, option_parts  # noqa: E402
+from .compile import (  # noqa: E402
+    DTYPES,
+    _fake,
+    compile_options,
+    fake_launch_arguments,
+    option_parts,
+)
 from .grouped_gemm_fp8 import SMETA_INTS, GroupedGemmFp8Sm90  # noqa: E402
 
 FP8_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
@@ -97,10 +103,7 @@ def fake_arguments(key: Fp8CompileKey) -> tuple:
 
 def compile_fp8_variant(key: Fp8CompileKey, keep_dir: str | None = None):
     """cute.compile the FP8 variant; with keep_dir, PTX and cubin are written there."""
-    options = "--enable-tvm-ffi --opt-level 3"
-    if keep_dir is not None:
-        os.makedirs(keep_dir, exist_ok=True)
-        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    options = compile_options(keep_dir)
     return cute.compile(key.kernel(), *fake_arguments(key), options=options)
 
 
@@ -130,10 +133,7 @@ def compile_quant(key: QuantCompileKey, keep_dir: str | None = None):
     s = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
                                               stride_order=(1, 0))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi --opt-level 3"
-    if keep_dir is not None:
-        os.makedirs(keep_dir, exist_ok=True)
-        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    options = compile_options(keep_dir)
     return cute.compile(Fp8GroupQuantSm90(ind, outd), x, q, s, cutlass.Int32(1), stream,
                         options=options)
 

@@ -240,3 +240,8 @@ def fused_problem(form: str, schedule: str, tile_m: int, tile_n: int, b_major: s
                     f"{schedule} {tile_m}x{tile_n} needs {acc_regs(schedule, tile_m, tile_n)} "
                     f"accumulator registers (at most {GATHER_MAX_ACC_REGS})")
     return None
+
+# The top-k combine (combine.py): each thread sums one 16-byte vector (8 bf16 / fp16 values) of
+# a token's row over its k slots, all k loads issued together (k is compile-time, up to 16).
+COMBINE_VEC = 8
+COMBINE_MAX_K = 16
