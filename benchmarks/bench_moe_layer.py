@@ -70,7 +70,7 @@ SMOKE_MODELS = {name: dict(m, H=64, I=32, E=16, k=min(m["k"], 4)) for name, m in
 TOKENS = [1, 16, 128, 1024, 4096, 16384]
 FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers grouped_mm",
                              "sonicmoe")
-FUSED_COMBINE = "moe_gemm fused, combine kernel"  # --combine-kernel
+FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 CHECK_TOKENS = 128
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
@@ -399,9 +399,9 @@ def run(args: argparse.Namespace) -> dict:
             UNFUSED: ours(m["kind"], block, False),
             HF: transformers_layer(m["kind"], block),
         }
-        if args.combine_kernel and FUSED in impl_names:
+        if args.combine_torch and FUSED in impl_names:
             impls[FUSED_COMBINE] = with_env(ours(m["kind"], block, True if smoke else None),
-                                            COMBINE_ENV, "kernel")
+                                            COMBINE_ENV, "torch")
         impls = {name: fn for name, fn in impls.items()
                  if name in impl_names or name == FUSED_COMBINE}
         if sonic_ok:
@@ -543,9 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help=f"also record each implementation's top {PROFILE_TOP} kernels per case "
                         "(torch.profiler; JSON 'profile')")
-    p.add_argument("--combine-kernel", action="store_true",
-                   help=f"also time the fused layer with the top-k combine kernel ('{FUSED_COMBINE}', "
-                        "MOE_GEMM_COMBINE=kernel)")
+    p.add_argument("--combine-torch", action="store_true",
+                   help=f"also time the fused layer with embedding_bag as the top-k combine "
+                        f"('{FUSED_COMBINE}', MOE_GEMM_COMBINE=torch)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
     p.add_argument("--probe", action="store_true",

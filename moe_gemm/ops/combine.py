@@ -6,13 +6,12 @@ y (S, H) holds the routed rows (expert order), rows (T, k) the row of each of a 
 The k rows are summed in slot order in fp32 and rounded once to y's dtype, as
 `F.embedding_bag(rows, y, per_sample_weights=weights, mode="sum")` does, which it replaces.
 
-With MOE_GEMM_COMBINE=kernel, on an sm90a GPU with the CuTe DSL, it is one kernel
-(kernels/sm90/combine.py: y read once, out written once); otherwise, while torch.compile
-traces, and for shapes the kernel does not take, it is embedding_bag. The kernel is opt-in
-until its GPU tests (tests/ops/test_combine_gpu.py) and a timing against embedding_bag have
-run: on an H200 (2026-11-29, Qwen3-30B-A3B at 16384 tokens, 131072 rows of 2048)
-embedding_bag's bf16 kernel took 0.72 ms of the fused layer's 3.04, about five times the
-bytes over the copy bandwidth.
+On an sm90a GPU with the CuTe DSL it is one kernel (kernels/sm90/combine.py: y read once, out
+written once); with MOE_GEMM_COMBINE=torch, while torch.compile traces, and for shapes the
+kernel does not take, it is embedding_bag. On an H200 (2026-11-29) the kernel took 0.16 ms where
+embedding_bag took 0.76 ms (Qwen3-30B-A3B at 16384 tokens: 131072 rows of 2048, k=8; the copy
+floor 0.15 ms): the fused Qwen3 layer 3.23 -> 2.54 ms at that size, in one process
+(benchmarks/results/moe-layer-nvidia-h200-2026-11-29.json).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from moe_gemm.env import env_get
 from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K, COMBINE_VEC
 from moe_gemm.ops import launch_resources
 
-COMBINE_ENV = "MOE_GEMM_COMBINE"  # "kernel": the kernel where it runs; else embedding_bag
+COMBINE_ENV = "MOE_GEMM_COMBINE"  # "torch": embedding_bag even where the kernel runs
 _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
 
@@ -45,7 +44,7 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
 
 
 def _kernel_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:
-    if y.device.type != "cuda" or torch.compiler.is_compiling() or env_get(COMBINE_ENV) != "kernel":
+    if y.device.type != "cuda" or torch.compiler.is_compiling() or env_get(COMBINE_ENV) == "torch":
         return False
     if not _layout_ok(y, rows, weights):
         return False

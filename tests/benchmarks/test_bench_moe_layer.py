@@ -32,10 +32,10 @@ def test_smoke_run_writes_the_json(tmp_path):
         assert all(d < 1e-6 for d in diffs.values()), (model, diffs)
 
 
-def test_smoke_combine_kernel_row_and_profile(tmp_path):
+def test_smoke_combine_torch_row_and_profile(tmp_path):
     out = tmp_path / "moe-layer.json"
     rc = bml.main(["--smoke", "--models", "qwen3-30b-a3b", "--tokens", "4", "--rounds", "2",
-                   "--target-ms", "1", "--combine-kernel", "--profile", "--out", str(out)])
+                   "--target-ms", "1", "--combine-torch", "--profile", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert {r["impl"] for r in data["rows"]} == {bml.FUSED, bml.UNFUSED, bml.HF,
@@ -54,12 +54,12 @@ def test_with_env_sets_the_variable_for_the_call_only(monkeypatch):
     monkeypatch.delenv("MOE_GEMM_COMBINE", raising=False)
     seen = []
     fn = bml.with_env(lambda x: seen.append(os.environ.get("MOE_GEMM_COMBINE")),
-                      "MOE_GEMM_COMBINE", "kernel")
+                      "MOE_GEMM_COMBINE", "torch")
     fn(None)
-    assert seen == ["kernel"] and "MOE_GEMM_COMBINE" not in os.environ
-    monkeypatch.setenv("MOE_GEMM_COMBINE", "torch")
+    assert seen == ["torch"] and "MOE_GEMM_COMBINE" not in os.environ
+    monkeypatch.setenv("MOE_GEMM_COMBINE", "other")
     fn(None)
-    assert seen[-1] == "kernel" and os.environ["MOE_GEMM_COMBINE"] == "torch"
+    assert seen[-1] == "torch" and os.environ["MOE_GEMM_COMBINE"] == "other"
 
 
 @pytest.mark.parametrize("model", list(bml.MODELS))
