@@ -161,7 +161,7 @@ def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_g
     if bias_gate_up is not None or bias_down is not None:
         # dropped slots sort last with expert id E: clamp so the bias gather stays in bounds
         # (their rows are past offs[-1] and carry weight 0 below).
-        expert = perm.sorted_expert.clamp(max=E - 1)
+        expert = perm.sorted_expert.clamp(max=E - 1).int()
     if bias_gate_up is not None:
         h = h + bias_gate_up.index_select(0, expert).to(h.dtype)
     a = gate_fn(h)  # (S, I)

@@ -230,6 +230,14 @@ def sigmoid_grouped_topk(
     return weights * routed_scaling_factor, ids
 
 
+def _sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype holding 0..num_experts: the radix sort makes one pass per
+    8 key bits, so uint8 keys take one pass where int64 keys took eight."""
+    if num_experts <= 255:
+        return torch.uint8
+    return torch.int16 if num_experts <= 32767 else torch.int32
+
+
 @dataclass(frozen=True)
 class ExpertPermutation:
     """Where each routed (token, slot) pair goes when rows are grouped by expert.
@@ -242,7 +250,8 @@ class ExpertPermutation:
         token_index: [S] int64, the token of each sorted row (gather x with it).
         slot_order: [S] int64, the flat slot of each sorted row.
         row_of_slot: [T, k] int64, the sorted row of each slot (the inverse, for the combine).
-        sorted_expert: [S] int64, the expert of each sorted row (E for dropped slots).
+        sorted_expert: [S] the expert of each sorted row (E for dropped slots), in the
+            narrowest integer dtype that holds E (uint8, int16 or int32: the sort's key).
         offs: [E] int32 cumulative end rows, offs[-1] = number of valid slots.
         valid: [T, k] bool, False for dropped slots.
     """
@@ -293,7 +302,7 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertPermuta
     device = topk_ids.device
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
-    key = torch.where(valid, ids, num_experts)
+    key = torch.where(valid, ids, num_experts).to(_sort_key_dtype(num_experts))
     sorted_expert, slot_order = torch.sort(key, stable=True)
     S = ids.shape[0]
     token_index = torch.div(slot_order, k, rounding_mode="floor") if k > 1 else slot_order

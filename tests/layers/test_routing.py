@@ -283,3 +283,18 @@ def test_router_scalars_that_stay_valid() -> None:
     with pytest.raises(TypeError, match="renormalize must be a bool"):
         softmax_topk(logits, 2, "yes")  # type: ignore[arg-type]
     torch.testing.assert_close(softmax_topk(logits, 2, 0)[0], softmax_topk(logits, 2, False)[0])
+
+
+@pytest.mark.parametrize("E,dtype", [(1, torch.uint8), (255, torch.uint8), (256, torch.int16),
+                                     (32767, torch.int16), (32768, torch.int32)])
+def test_sort_key_is_the_narrowest_dtype_holding_the_dropped_id(E: int, dtype) -> None:
+    from moe_gemm.layers.routing import _sort_key_dtype
+
+    assert _sort_key_dtype(E) == dtype
+    assert torch.iinfo(dtype).max >= E  # E itself is the key of a dropped slot
+
+
+def test_permutation_with_many_experts_uses_a_wider_key() -> None:
+    ids = torch.randint(-1, 40002, (40, 3))
+    _check_permutation(ids, 40000)
+    _check_permutation(torch.randint(0, 300, (40, 3)), 256)
