@@ -1,0 +1,265 @@
+"""The fused MoE kernel's default pick against other configs, on MoE layers' two expert GEMMs.
+
+    python -m benchmarks.fused_configs [--models deepseek-v3-ep8,qwen3-30b-a3b]
+        [--tokens 4096,16384] [--up 'pp 128x192 c2x1' ...] [--down 'pp 128x128 c1x2' ...]
+        [--out FILE] [--smoke]
+
+The fused layer's GEMMs have no tuned table of their own: they take grouped_mm's pick for the
+shape (its tuned table, then the rules) fitted to the fused options (ops/fused_launch.fit_fused:
+a gated tile's N a multiple of 32, the epilogue's register cap, and the in-kernel gather only
+where it keeps that tile; elsewhere the plan gathers with index_select, and the time here
+includes it). This measures what another config would give, per model and token count:
+
+- up: fused_grouped_mm(x, w_gate_up, offs, row_index=token, gate=...) (the layer's gather and
+  gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
+- down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
+
+A variant is "SCHEDULE TILE [CLUSTER]": `pp` or `coop`, `MxN`, `cAxB` (default c1x1), e.g.
+"coop 256x192 c2x1". The default (no config) is always the first. Every variant's output is
+checked against the default's before timing (a mismatch is an error, not a time). Kernels are
+compiled first, in parallel. Timing: `--calls` back-to-back calls between CUDA events,
+variants interleaved round by round, the median round; routing: each token's top-k distinct
+experts of seeded random logits with a linear skew across experts. The rows print
+us | TFLOP/s | GB/s | ratio (the default's time over the variant's: above 1, faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from moe_gemm import GemmConfig  # noqa: E402
+from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
+
+MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_layer)
+    "deepseek-v3-ep8": dict(kind="deepseek", H=7168, I=2048, E=32, k=8),
+    "qwen3-30b-a3b": dict(kind="qwen3", H=2048, I=768, E=128, k=8),
+    "gpt-oss-120b": dict(kind="gpt-oss", H=2880, I=2880, E=128, k=4),
+    "mixtral-8x7b": dict(kind="mixtral", H=4096, I=14336, E=8, k=2),
+}
+SMOKE_MODELS = {name: dict(m, H=64, I=32, E=8, k=min(m["k"], 4)) for name, m in MODELS.items()}
+UP = ("coop 128x256", "coop 128x256 c2x1", "coop 256x128 c2x1", "coop 256x192",
+      "coop 256x192 c2x1", "coop 256x160 c2x1", "pp 128x192 c2x1", "pp 128x128 c2x1")
+DOWN = ("coop 256x128 c2x1", "coop 256x192 c2x1", "coop 256x208 c2x1", "coop 128x256 c2x1",
+        "pp 128x192 c2x1", "pp 128x128 c1x2", "coop 256x128 c1x2", "pp 64x256 c2x1")
+DEFAULT = "default"
+_SCHEDULES = {"pp": "pingpong", "coop": "cooperative"}
+
+
+def parse_variant(text: str) -> GemmConfig:
+    """'coop 256x192 c2x1' -> its GemmConfig (ValueError naming the expected form)."""
+    m = re.fullmatch(r"\s*(pp|coop)\s+(\d+)x(\d+)(?:\s+c(\d)x(\d))?\s*", text)
+    if m is None:
+        raise ValueError(f"a variant is 'pp|coop MxN [cAxB]', e.g. 'coop 256x192 c2x1'; "
+                         f"got {text!r}")
+    sched, tm, tn, cm, cn = m.groups()
+    return GemmConfig(schedule=_SCHEDULES[sched], tile_m=int(tm), tile_n=int(tn),
+                      cluster_m=int(cm or 1), cluster_n=int(cn or 1))
+
+
+def layer_case(m: dict, T: int, device: torch.device, dtype: torch.dtype,
+               seed: int = 0) -> dict[str, dict]:
+    """The two fused calls' keyword arguments (besides config) and their FLOPs and bytes."""
+    H, I, E, k = m["H"], m["I"], m["E"], m["k"]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(T, E, generator=g) + torch.linspace(0.0, 1.0, E)
+    expert = logits.topk(k, dim=1).indices.reshape(-1)
+    order = torch.argsort(expert, stable=True)
+    token = (order // k).to(torch.int32).to(device)
+    offs = torch.cumsum(torch.bincount(expert, minlength=E), 0).to(torch.int32).to(device)
+    S = T * k
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    gpt = m["kind"] == "gpt-oss"
+    # The layers' weight layouts: K-major gate_up_proj (E, 2I, H) seen as (E, H, 2I), gpt-oss's
+    # N-major (E, H, 2I) with alternating gate/up columns.
+    w1 = rand(E, H, 2 * I, scale=0.02) if gpt else rand(E, 2 * I, H, scale=0.02).transpose(1, 2)
+    w2 = rand(E, I, H, scale=0.02) if gpt else rand(E, H, I, scale=0.02).transpose(1, 2)
+    up = dict(x=rand(T, H), w=w1, offs=offs, row_index=token,
+              gate="clamped_swiglu" if gpt else "silu",
+              gate_layout="alternating" if gpt else "concat")
+    down = dict(x=rand(S, I), w=w2, offs=offs,
+                row_weight=torch.rand(S, generator=g).to(device))
+    if gpt:
+        up["bias"] = torch.randn(E, 2 * I, generator=g).to(device)
+        down["bias"] = torch.randn(E, H, generator=g).to(device)
+    size = torch.finfo(dtype).bits // 8
+    return {
+        "up": dict(kw=up, flops=2 * S * H * 2 * I,
+                   bytes=(T * H + E * H * 2 * I + S * I) * size),
+        "down": dict(kw=down, flops=2 * S * I * H, bytes=(S * I + E * I * H + S * H) * size),
+    }
+
+
+def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
+    """The kernels the variants launch, for the parallel precompile."""
+    from moe_gemm.ops.fused_launch import fused_choice, fused_key
+    from moe_gemm.ops.fused_validation import check_fused_mm
+
+    keys = set()
+    for case in cases:
+        args = check_fused_mm(**case["kw"])
+        major = "k" if case["kw"]["w"].stride(1) == 1 else "n"
+        for cfg in case["configs"].values():
+            try:
+                choice, in_kernel = fused_choice(args, cfg or GemmConfig(), nsm, device)
+            except ValueError:
+                continue  # (reported when the variant runs)
+            keys.add(fused_key(args, choice, major, in_kernel))
+    return keys
+
+
+def time_interleaved(fns: list, rounds: int, calls: int, device: torch.device) -> list[float]:
+    """Median ms per call of each fn, interleaved round by round."""
+    cuda = device.type == "cuda"
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            if cuda:
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end) / calls)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[i].append((time.perf_counter() - t0) * 1e3 / calls)
+    return [statistics.median(t) for t in times]
+
+
+def run_case(case: dict, rounds: int, calls: int, device: torch.device) -> list[dict]:
+    """One GEMM's variants: checked against the default, then timed."""
+    rows, fns, ref = [], [], None
+    for name, cfg in case["configs"].items():
+        row: dict[str, Any] = dict(model=case["model"], proj=case["proj"],
+                                   tokens=case["tokens"], variant=name)
+        fn = (lambda kw=case["kw"], cfg=cfg: fused_grouped_mm(**kw, config=cfg))
+        try:
+            y = fn().float()
+        except ValueError as exc:  # a config the fused options cannot build
+            rows.append(dict(row, error=str(exc)))
+            continue
+        if ref is None:
+            ref = y
+        err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        if not err <= 2e-2:
+            raise AssertionError(f"{case['model']} {case['proj']} {name}: output differs from "
+                                 f"the default's by {err:.3g} (relative max)")
+        fn()  # (warm)
+        rows.append(dict(row, rel_err=err))
+        fns.append((rows[-1], fn))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ms = time_interleaved([f for _, f in fns], rounds, calls, device)
+    base = ms[0]
+    for (row, _), t in zip(fns, ms):
+        row.update(us=round(t * 1e3, 2), tflops=round(case["flops"] / t / 1e9, 1),
+                   gbps=round(case["bytes"] / t / 1e6, 1), ratio=round(base / t, 3))
+    return rows
+
+
+def build_cases(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    models = SMOKE_MODELS if args.smoke else MODELS
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    variants = {"up": args.up if args.up is not None else list(UP),
+                "down": args.down if args.down is not None else list(DOWN)}
+    cases = []
+    for name in args.models.split(","):
+        for T in (int(t) for t in args.tokens.split(",")):
+            for proj, case in layer_case(models[name], T, device, dtype).items():
+                configs = {DEFAULT: None}
+                configs.update({v: parse_variant(v) for v in variants[proj]})
+                cases.append(dict(case, model=name, proj=proj, tokens=T, configs=configs))
+    return cases
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'model':16} {'proj':5} {'tokens':>6} {'variant':20} {'us':>10} {'TFLOP/s':>8} "
+             f"{'GB/s':>8} {'ratio':>6}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['model']:16} {r['proj']:5} {r['tokens']:6d} {r['variant']:20} "
+                         f"not built: {r['error'][:60]}")
+            continue
+        lines.append(f"{r['model']:16} {r['proj']:5} {r['tokens']:6d} {r['variant']:20} "
+                     f"{r['us']:10.1f} {r['tflops']:8.1f} {r['gbps']:8.1f} {r['ratio']:6.3f}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fused_configs",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="deepseek-v3-ep8,qwen3-30b-a3b",
+                   help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--tokens", default="16384", help="comma-separated token counts")
+    p.add_argument("--up", action="append", default=None,
+                   help="a gate-up variant (repeatable; default: a built-in list)")
+    p.add_argument("--down", action="append", default=None,
+                   help="a down variant (repeatable; default: a built-in list)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=3, help="calls per timed batch")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile workers")
+    p.add_argument("--compile-timeout", type=float, default=300.0)
+    p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on the CPU (fp32, the torch backend): the harness only")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        print(f"error: unknown model(s) {', '.join(unknown)}; expected some of "
+              f"{', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA GPU (use --smoke on a CPU)", file=sys.stderr)
+        return 2
+    try:
+        cases = build_cases(args, device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {
+        "suite": "fused-configs", "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "timing": dict(rounds=args.rounds, calls=args.calls), "precompile": None,
+    }
+    if device.type == "cuda":
+        from benchmarks.bench_moe_layer import precompile
+        from moe_gemm.capability import sm_count
+
+        result["precompile"] = precompile(compile_keys(cases, device, sm_count(device)),
+                                          args.jobs, args.compile_timeout)
+    rows = []
+    for case in cases:
+        rows += run_case(case, args.rounds, args.calls, device)
+    result["rows"] = rows
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""benchmarks.fused_configs on the CPU: variant parsing, the cases, the kernel keys, and a
+smoke run end to end (the torch backend: the harness, not the speed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import fused_configs as fc
+
+
+def test_parse_variant():
+    cfg = fc.parse_variant("coop 256x192 c2x1")
+    assert (cfg.schedule, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == (
+        "cooperative", 256, 192, 2, 1)
+    cfg = fc.parse_variant(" pp 128x128 ")
+    assert (cfg.schedule, cfg.cluster_m, cfg.cluster_n) == ("pingpong", 1, 1)
+    for bad in ("coop", "wide 128x128", "pp 128x128 c2", "pp 128 x 128"):
+        with pytest.raises(ValueError, match="pp\\|coop MxN"):
+            fc.parse_variant(bad)
+
+
+@pytest.mark.parametrize("model", list(fc.SMOKE_MODELS))
+def test_layer_case_routes_every_slot_once(model):
+    m = fc.SMOKE_MODELS[model]
+    T = 13
+    case = fc.layer_case(m, T, torch.device("cpu"), torch.float32)
+    up, down = case["up"]["kw"], case["down"]["kw"]
+    S = T * m["k"]
+    assert up["row_index"].shape == (S,) and int(up["offs"][-1]) == S
+    # each token appears k times, each expert's rows in token order
+    assert torch.bincount(up["row_index"].long(), minlength=T).tolist() == [m["k"]] * T
+    assert down["x"].shape == (S, m["I"]) and down["row_weight"].shape == (S,)
+    assert ("bias" in up) == (m["kind"] == "gpt-oss")
+    assert case["up"]["flops"] == 2 * S * m["H"] * 2 * m["I"]
+
+
+def test_compile_keys_one_per_kernel():
+    args = fc.parser().parse_args(["--models", "qwen3-30b-a3b", "--tokens", "64",
+                                   "--up", "pp 128x192 c2x1", "--up", "pp 128x192 c2x1",
+                                   "--down", "coop 256x128 c2x1"])
+    cases = fc.build_cases(args, torch.device("cpu"))
+    assert [c["proj"] for c in cases] == ["up", "down"]
+    assert list(cases[0]["configs"]) == [fc.DEFAULT, "pp 128x192 c2x1"]
+    keys = fc.compile_keys(cases, torch.device("cpu"), 132)
+    assert 2 <= len(keys) <= 4  # the defaults and the variants (a variant may be a default)
+    assert all(k.name() for k in keys)
+
+
+def test_smoke_run_writes_rows(tmp_path):
+    out = tmp_path / "fc.json"
+    rc = fc.main(["--smoke", "--models", "qwen3-30b-a3b", "--tokens", "9", "--rounds", "2",
+                  "--calls", "1", "--up", "coop 256x192 c2x1", "--down", "pp 128x128 c1x2",
+                  "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["suite"] == "fused-configs" and data["device"] == "cpu"
+    rows = data["rows"]
+    assert [(r["proj"], r["variant"]) for r in rows] == [
+        ("up", "default"), ("up", "coop 256x192 c2x1"), ("down", "default"),
+        ("down", "pp 128x128 c1x2")]
+    assert all(r["us"] > 0 and r["rel_err"] <= 2e-2 for r in rows)
+    assert rows[0]["ratio"] == 1.0
+
+
+def test_bad_arguments_are_errors(capsys):
+    assert fc.main(["--smoke", "--models", "nope"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert fc.main(["--smoke", "--up", "coop"]) == 2
+    assert "pp|coop MxN" in capsys.readouterr().err
