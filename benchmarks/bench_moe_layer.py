@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import moe_gemm  # noqa: E402
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
+from moe_gemm.ops.router_topk import ROUTER_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -71,6 +72,7 @@ TOKENS = [1, 16, 128, 1024, 4096, 16384]
 FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers grouped_mm",
                              "sonicmoe")
 FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
+FUSED_ROUTER = "moe_gemm fused, router kernel"  # --router-kernel
 CHECK_TOKENS = 128
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
@@ -402,8 +404,11 @@ def run(args: argparse.Namespace) -> dict:
         if args.combine_torch and FUSED in impl_names:
             impls[FUSED_COMBINE] = with_env(ours(m["kind"], block, True if smoke else None),
                                             COMBINE_ENV, "torch")
+        if args.router_kernel and FUSED in impl_names:
+            impls[FUSED_ROUTER] = with_env(ours(m["kind"], block, True if smoke else None),
+                                           ROUTER_ENV, "kernel")
         impls = {name: fn for name, fn in impls.items()
-                 if name in impl_names or name == FUSED_COMBINE}
+                 if name in impl_names or name in (FUSED_COMBINE, FUSED_ROUTER)}
         if sonic_ok:
             try:
                 impls[SONIC] = sonic_layer(m, device, dtype)
@@ -546,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--combine-torch", action="store_true",
                    help=f"also time the fused layer with embedding_bag as the top-k combine "
                         f"('{FUSED_COMBINE}', MOE_GEMM_COMBINE=torch)")
+    p.add_argument("--router-kernel", action="store_true",
+                   help=f"also time the fused layer with the softmax router kernel "
+                        f"('{FUSED_ROUTER}', MOE_GEMM_ROUTER=kernel; softmax routers only)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
     p.add_argument("--probe", action="store_true",

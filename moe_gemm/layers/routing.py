@@ -10,7 +10,8 @@ S = T * k routed rows, whatever the routing.
 
 Routers (pure functions, matching transformers 5 exactly):
 - `softmax_topk`: Mixtral (always renormalised) and Qwen2/Qwen3-MoE (renormalised iff
-  `norm_topk_prob`): softmax in float32, top-k, then divide by the top-k sum.
+  `norm_topk_prob`): softmax in float32, top-k, then divide by the top-k sum (with
+  MOE_GEMM_ROUTER=kernel on a Hopper GPU, one kernel: ops/router_topk.py).
 - `sigmoid_grouped_topk`: DeepSeek-V3 / GLM-4-MoE: float32 sigmoid scores; a correction bias
   added for the *selection* only; group-limited choice (group score = sum of its two best
   biased scores, keep `topk_group` groups); weights gathered from the unbiased scores,
@@ -29,6 +30,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from moe_gemm.ops import router_topk
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 # Router weights: the layer's float dtypes, and fp64 (the logits are upcast to fp32 anyway).
@@ -144,6 +147,9 @@ def softmax_topk(
     logits = _check_logits(logits)
     k = _check_k(k, logits.shape[1])
     renormalize = check_flag("renormalize", renormalize)
+    fused = router_topk.softmax_topk(logits, k, renormalize)  # (None: torch ops below)
+    if fused is not None:
+        return fused
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalize:
