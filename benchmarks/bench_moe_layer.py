@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import moe_gemm  # noqa: E402
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
+from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV  # noqa: E402
 from moe_gemm.ops.router_topk import ROUTER_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 
@@ -73,6 +74,7 @@ FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers
                              "sonicmoe")
 FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, router kernel"  # --router-kernel
+FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
 CHECK_TOKENS = 128
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
@@ -380,6 +382,9 @@ def run(args: argparse.Namespace) -> dict:
         keys = set()
         for n in names:
             keys |= kernel_keys(models[n], tokens, device)
+            if args.gather_wide:
+                keys |= with_env(lambda _: kernel_keys(models[n], tokens, device),
+                                 GATHER_WIDE_ENV, "1")(None)
         result["precompile"] = precompile(keys, args.jobs, args.compile_timeout)
     impl_names = [FUSED, UNFUSED, HF]
     if not smoke:
@@ -407,8 +412,11 @@ def run(args: argparse.Namespace) -> dict:
         if args.router_kernel and FUSED in impl_names:
             impls[FUSED_ROUTER] = with_env(ours(m["kind"], block, True if smoke else None),
                                            ROUTER_ENV, "kernel")
+        if args.gather_wide and FUSED in impl_names:
+            impls[FUSED_WIDE] = with_env(ours(m["kind"], block, True if smoke else None),
+                                         GATHER_WIDE_ENV, "1")
         impls = {name: fn for name, fn in impls.items()
-                 if name in impl_names or name in (FUSED_COMBINE, FUSED_ROUTER)}
+                 if name in impl_names or name in (FUSED_COMBINE, FUSED_ROUTER, FUSED_WIDE)}
         if sonic_ok:
             try:
                 impls[SONIC] = sonic_layer(m, device, dtype)
@@ -554,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-kernel", action="store_true",
                    help=f"also time the fused layer with the softmax router kernel "
                         f"('{FUSED_ROUTER}', MOE_GEMM_ROUTER=kernel; softmax routers only)")
+    p.add_argument("--gather-wide", action="store_true",
+                   help=f"also time the fused layer with the in-kernel gather on every tile "
+                        f"below the heavy accumulators ('{FUSED_WIDE}', "
+                        f"MOE_GEMM_FUSED_GATHER_WIDE=1)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
     p.add_argument("--probe", action="store_true",

@@ -14,8 +14,9 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "SCHEDULE TILE [CLUSTER]": `pp` or `coop`, `MxN`, `cAxB` (default c1x1), e.g.
-"coop 256x192 c2x1". The default (no config) is always the first. Every variant's output is
+A variant is "SCHEDULE TILE [CLUSTER] [wide]": `pp` or `coop`, `MxN`, `cAxB` (default c1x1),
+e.g. "coop 256x192 c2x1"; `wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's
+gather in the kernel on tiles past 128 rows or 128 accumulator registers). The default (no config) is always the first. Every variant's output is
 checked against the default's before timing (a mismatch is an error, not a time). Kernels are
 compiled first, in parallel. Timing: `--calls` back-to-back calls between CUDA events,
 variants interleaved round by round, the median round; routing: each token's top-k distinct
@@ -51,7 +52,8 @@ MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_lay
 }
 SMOKE_MODELS = {name: dict(m, H=64, I=32, E=8, k=min(m["k"], 4)) for name, m in MODELS.items()}
 UP = ("coop 128x256", "coop 128x256 c2x1", "coop 256x128 c2x1", "coop 256x192",
-      "coop 256x192 c2x1", "coop 256x160 c2x1", "pp 128x192 c2x1", "pp 128x128 c2x1")
+      "coop 256x192 c2x1", "coop 256x160 c2x1", "pp 128x192 c2x1", "pp 128x128 c2x1",
+      "pp 128x192", "pp 128x192 wide", "pp 128x192 c2x1 wide", "coop 256x192 c2x1 wide")
 DOWN = ("coop 256x128 c2x1", "coop 256x192 c2x1", "coop 256x208 c2x1", "coop 128x256 c2x1",
         "pp 128x192 c2x1", "pp 128x128 c1x2", "coop 256x128 c1x2", "pp 64x256 c2x1")
 DEFAULT = "default"
@@ -60,13 +62,40 @@ _SCHEDULES = {"pp": "pingpong", "coop": "cooperative"}
 
 def parse_variant(text: str) -> GemmConfig:
     """'coop 256x192 c2x1' -> its GemmConfig (ValueError naming the expected form)."""
-    m = re.fullmatch(r"\s*(pp|coop)\s+(\d+)x(\d+)(?:\s+c(\d)x(\d))?\s*", text)
+    m = re.fullmatch(r"\s*(pp|coop)\s+(\d+)x(\d+)(?:\s+c(\d)x(\d))?(?:\s+wide)?\s*", text)
     if m is None:
-        raise ValueError(f"a variant is 'pp|coop MxN [cAxB]', e.g. 'coop 256x192 c2x1'; "
+        raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [wide]', e.g. 'coop 256x192 c2x1'; "
                          f"got {text!r}")
     sched, tm, tn, cm, cn = m.groups()
     return GemmConfig(schedule=_SCHEDULES[sched], tile_m=int(tm), tile_n=int(tn),
                       cluster_m=int(cm or 1), cluster_n=int(cn or 1))
+
+
+def variant_env(text: str) -> dict[str, str]:
+    """The environment a variant runs under ('wide': the wide in-kernel gather)."""
+    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+
+    return {GATHER_WIDE_ENV: "1"} if text.split()[-1:] == ["wide"] else {}
+
+
+def with_environment(fn, env: dict[str, str]):
+    """fn with `env` set during each call (the plans key on the switches they read)."""
+    if not env:
+        return fn
+
+    def run():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return run
 
 
 def layer_case(m: dict, T: int, device: torch.device, dtype: torch.dtype,
@@ -114,9 +143,11 @@ def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
     for case in cases:
         args = check_fused_mm(**case["kw"])
         major = "k" if case["kw"]["w"].stride(1) == 1 else "n"
-        for cfg in case["configs"].values():
+        for name, cfg in case["configs"].items():
             try:
-                choice, in_kernel = fused_choice(args, cfg or GemmConfig(), nsm, device)
+                choice, in_kernel = with_environment(
+                    lambda cfg=cfg: fused_choice(args, cfg or GemmConfig(), nsm, device),
+                    variant_env(name))()
             except ValueError:
                 continue  # (reported when the variant runs)
             keys.add(fused_key(args, choice, major, in_kernel))
@@ -151,7 +182,8 @@ def run_case(case: dict, rounds: int, calls: int, device: torch.device) -> list[
     for name, cfg in case["configs"].items():
         row: dict[str, Any] = dict(model=case["model"], proj=case["proj"],
                                    tokens=case["tokens"], variant=name)
-        fn = (lambda kw=case["kw"], cfg=cfg: fused_grouped_mm(**kw, config=cfg))
+        fn = with_environment(lambda kw=case["kw"], cfg=cfg: fused_grouped_mm(**kw, config=cfg),
+                              variant_env(name))
         try:
             y = fn().float()
         except ValueError as exc:  # a config the fused options cannot build

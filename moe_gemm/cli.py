@@ -183,6 +183,11 @@ def check_variants(full: bool):
         epi_whole=True, tail_split=True, row_scale=True)
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 192), stages=5,
         gate="silu", gate_layout="concat")
+    # Gather-A past 128 rows or 128 accumulator registers: the rows' indices in shared memory.
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), cluster_m=2, gate="silu",
+        gate_layout="concat", gather=True)
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 192), cluster_m=2,
+        gate="silu", gate_layout="concat", gather=True)
     if full:
         # Every listed tile in every form, B majors alternating (the default list above has
         # the rest).

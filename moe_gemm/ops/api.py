@@ -82,7 +82,7 @@ _scans = 0
 
 # Switches a cached plan depends on: a change makes the next call miss its plan.
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
-                  TAIL_SPLIT_ENV, PROMOTE_LAG_ENV, SCALE_AHEAD_ENV)
+                  TAIL_SPLIT_ENV, PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, "MOE_GEMM_FUSED_GATHER_WIDE")
 
 
 _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call

@@ -4,7 +4,10 @@ TMA rules of its operands, and FusedPlan, built once per signature like mm_launc
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator
 shape: S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what
 the fused options can build (fit_fused): a gated tile needs tile_n a multiple of 32; gather-A
-needs at most 128 rows and 128 accumulator registers per thread and no A multicast; and the
+needs no A multicast and, by default, at most 128 rows and 128 accumulator registers per
+thread (the form whose rows' indices sit in registers); with MOE_GEMM_FUSED_GATHER_WIDE=1 it
+keeps any tile below the heavy accumulators (its rows' indices in shared memory: opt-in until
+its GPU tests and a timing against the host gather have run); and the
 fused epilogue's extra registers (bias, row weights, activation) are kept off the heaviest
 accumulators (> 192 registers: ptxas spilled a few bytes there), and with both a bias and row
 weights from the whole-tile epilogue.
@@ -18,7 +21,8 @@ import torch
 
 from moe_gemm.capability import sm_count
 from moe_gemm.config import COOPERATIVE_TILES, GemmConfig
-from moe_gemm.kernels.sm90.constants import acc_regs, fused_problem
+from moe_gemm.env import env_flag
+from moe_gemm.kernels.sm90.constants import HEAVY_ACC_REGS, acc_regs, fused_problem
 from moe_gemm.ops import launch_info, launch_kernel, launch_resources
 from moe_gemm.ops.fused_validation import FusedMmArgs
 from moe_gemm.ops.heuristics import KernelChoice, choose_varlen
@@ -32,6 +36,7 @@ from moe_gemm.ops.support import (
 )
 
 FUSED_MAX_ACC_REGS = 192
+GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"  # 1: gather in kernel for the larger tiles too
 _GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
 
 
@@ -64,12 +69,14 @@ def fused_unsupported(args: FusedMmArgs) -> str | None:
 
 
 def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
-              bias_and_scale: bool = False, heavy_epilogue: bool = True) -> KernelChoice:
+              bias_and_scale: bool = False, heavy_epilogue: bool = True,
+              wide_gather: bool = False) -> KernelChoice:
     """grouped_mm's choice fitted to the fused options (see the module docstring). With a
     bias and row weights both, the whole-tile epilogue (every subtile's loads at once) spilled
     32 bytes under ptxas: those kernels store subtile by subtile. heavy_epilogue: a gate or a
     bias (their per-column values and the activation need registers beside the accumulator);
-    row weights alone (one value per row) keep grouped_mm's tile."""
+    row weights alone (one value per row) keep grouped_mm's tile. wide_gather: a gather keeps
+    any tile below HEAVY_ACC_REGS accumulator registers (the module docstring)."""
     if bias_and_scale and choice.epi_whole:
         choice = dataclasses.replace(choice, epi_whole=False)
     schedule, tm, tn = choice.schedule, choice.tile_m, choice.tile_n
@@ -80,7 +87,9 @@ def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
         tm, tn = (128, 256) if schedule == "cooperative" else (128, 192)
     if gather:
         cn = 1
-        if schedule == "cooperative":
+        if wide_gather and acc_regs(schedule, tm, tn) < HEAVY_ACC_REGS:
+            pass  # the tile as it is: its rows' indices in shared memory
+        elif schedule == "cooperative":
             tm = 128
         elif acc_regs(schedule, tm, tn) > 128:
             tm, tn = 64, next(n for n in _GATHER_PINGPONG_N if n >= min(tn, 256))
@@ -118,7 +127,8 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     fitted = fit_fused(choice, gate, False, **extra)
     gather = args.row_index is not None
     if gather:
-        gathered = fit_fused(choice, gate, True, **extra)
+        gathered = fit_fused(choice, gate, True, wide_gather=env_flag(GATHER_WIDE_ENV),
+                             **extra)
         gather = _same_tile(gathered, fitted)
         if gather:
             fitted = gathered

@@ -17,9 +17,21 @@ def test_parse_variant():
         "cooperative", 256, 192, 2, 1)
     cfg = fc.parse_variant(" pp 128x128 ")
     assert (cfg.schedule, cfg.cluster_m, cfg.cluster_n) == ("pingpong", 1, 1)
-    for bad in ("coop", "wide 128x128", "pp 128x128 c2", "pp 128 x 128"):
+    for bad in ("coop", "wide 128x128", "pp 128x128 c2", "pp 128 x 128", "pp 128x128 narrow"):
         with pytest.raises(ValueError, match="pp\\|coop MxN"):
             fc.parse_variant(bad)
+    assert fc.parse_variant("pp 128x192 c2x1 wide").cluster_m == 2
+    assert fc.variant_env("pp 128x192 c2x1 wide") == {"MOE_GEMM_FUSED_GATHER_WIDE": "1"}
+    assert fc.variant_env("pp 128x192 c2x1") == {} and fc.variant_env("default") == {}
+
+
+def test_with_environment_sets_the_variables_for_the_call_only(monkeypatch):
+    import os
+
+    monkeypatch.delenv("MOE_GEMM_FUSED_GATHER_WIDE", raising=False)
+    fn = fc.with_environment(lambda: os.environ.get("MOE_GEMM_FUSED_GATHER_WIDE"),
+                             {"MOE_GEMM_FUSED_GATHER_WIDE": "1"})
+    assert fn() == "1" and "MOE_GEMM_FUSED_GATHER_WIDE" not in os.environ
 
 
 @pytest.mark.parametrize("model", list(fc.SMOKE_MODELS))
@@ -46,6 +58,11 @@ def test_compile_keys_one_per_kernel():
     assert list(cases[0]["configs"]) == [fc.DEFAULT, "pp 128x192 c2x1"]
     keys = fc.compile_keys(cases, torch.device("cpu"), 132)
     assert 2 <= len(keys) <= 4  # the defaults and the variants (a variant may be a default)
+    wide = fc.build_cases(fc.parser().parse_args(
+        ["--models", "qwen3-30b-a3b", "--tokens", "64", "--up", "pp 128x192 c2x1 wide",
+         "--down", "pp 128x128"]), torch.device("cpu"))
+    gathers = [k.gather for k in fc.compile_keys(wide[:1], torch.device("cpu"), 132)]
+    assert True in gathers  # the wide variant's kernel gathers
     assert all(k.name() for k in keys)
 
 

@@ -149,10 +149,10 @@ def test_fused_refusals_name_the_rule():
         _key("cooperative", (128, 256), gate="relu", gate_layout="concat").kernel()
     with pytest.raises(ValueError, match="gate layout"):
         _key("cooperative", (128, 256), gate="silu", gate_layout="halves").kernel()
-    with pytest.raises(ValueError, match="at most 128 rows"):
-        _key("cooperative", (256, 128), gather=True).kernel()
-    with pytest.raises(ValueError, match="accumulator registers"):
-        _key("pingpong", (128, 192), gather=True).kernel()
+    with pytest.raises(ValueError, match="208 accumulator registers"):
+        _key("cooperative", (256, 208), gather=True).kernel()
+    with pytest.raises(ValueError, match="producer's 40 registers"):
+        _key("pingpong", (128, 208), gather=True).kernel()
     with pytest.raises(ValueError, match="1x2 cluster"):
         _key("cooperative", (128, 256), gather=True, cluster_n=2).kernel()
     from moe_gemm.kernels.sm90.compile import CompileKey
@@ -175,6 +175,15 @@ def test_gather_register_split_and_warps():
     assert k.tile_m % ROWS_PER_PASS == 0 and ROWS_PER_PASS * 4 == GATHER_WARPS * 32
     plain = _key("cooperative", (128, 256), bias=True).kernel()
     assert (plain.load_regs, plain.math_regs) != REGS_GATHER and plain.d_tile_n == 256
+    assert not k.gather_rows_in_smem and not plain.gather_rows_in_smem
+    # Larger tiles: the rows' indices in shared memory, the default split, 4 bytes a row.
+    from moe_gemm.kernels.sm90.constants import REGS_DEFAULT
+
+    for tile, schedule in (((128, 192), "pingpong"), ((256, 128), "cooperative")):
+        wide = _key(schedule, tile, gather=True, gate="silu", gate_layout="concat").kernel()
+        assert wide.gather_rows_in_smem and (wide.load_regs, wide.math_regs) == REGS_DEFAULT
+        same = _key(schedule, tile, gate="silu", gate_layout="concat").kernel()
+        assert wide.ab_stages <= same.ab_stages
 
 
 def test_swizzle_matches_the_tma_128_byte_pattern():
@@ -251,3 +260,29 @@ def test_bias_and_row_weight_loads_are_shared_by_static_offset(schedule, tile, f
     bad, loads, values = _trace(lambda: _shared_loads(k))
     assert bad == 0, f"{bad} values would take another row's or column's bias or weight"
     assert loads < values  # (the sharing saves loads: a thread holds 2 rows x 8 columns)
+
+
+@pytest.mark.parametrize("schedule,tile", [("pingpong", (128, 192)), ("cooperative", (256, 192)),
+                                           ("pingpong", (192, 128))])
+def test_gather_with_rows_in_shared_memory_compiles_without_spills(tmp_path, schedule, tile):
+    """The gather kernels past the register form's limits: the tile's row indices in shared
+    memory keep the gather threads within the producer's 40 registers (ptxas -v, where the
+    CUDA toolkit is on PATH; the register form spilled 40 and 148 bytes on the first two)."""
+    import re
+    import shutil
+    import subprocess
+
+    from moe_gemm.kernels.sm90.compile import compile_variant
+
+    key = _key(schedule, tile, gather=True, gate="silu", gate_layout="concat", cluster_m=2)
+    assert key.kernel().gather_rows_in_smem
+    compile_variant(key, keep_dir=str(tmp_path))
+    ptx = next(tmp_path.glob("*.ptx"))
+    text = ptx.read_text()
+    assert "cp.async.cg.shared.global" in text and "cp.async.mbarrier.arrive.noinc" in text
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas on PATH: compiled, spills not checked")
+    res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
+                         capture_output=True, text=True, check=True)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert spills and all(s == ("0", "0") for s in spills), res.stderr[-2000:]

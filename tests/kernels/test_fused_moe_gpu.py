@@ -194,6 +194,26 @@ PLAN_GATHER_CASES = [
 ALL_CASES = GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES + PLAN_GATHER_CASES
 
 
+def _wide(name, s, m, n, cm=1, **kw):
+    return case(f"wide-gather/{s}-{m}x{n}-c{cm}x1/{name}", config=GemmConfig(
+        backend="cute", schedule=s, tile_m=m, tile_n=n, cluster_m=cm, cluster_n=1), **kw)
+
+
+# Gather-A on tiles past 128 rows or 128 accumulator registers (the rows' indices in shared
+# memory), with MOE_GEMM_FUSED_GATHER_WIDE=1: without it these take the plan's gather.
+WIDE_GATHER_CASES = [
+    _wide("silu", _P, 128, 192, 2, T=700, S=2100, E=8, K=1032, N=512, gate="silu", bias=True),
+    _wide("silu", _C, 256, 192, 2, T=700, S=2100, E=8, K=1032, N=512, gate="silu"),
+    _wide("clamped-alternating", _P, 192, 128, 1, T=500, S=1700, E=6, K=520, N=256,
+          gate="clamped_swiglu", layout="alternating", w_major="n", bias=True),
+    _wide("plain-scale", _P, 128, 160, 1, scale=True),
+    _wide("off-tile", _C, 256, 128, 2, T=77, S=203, E=5, K=72, N=256, gate="silu"),
+    _wide("long-k", _P, 128, 192, 1, T=512, S=1500, E=6, K=4168, N=384, gate="silu"),
+    _wide("many-experts", _P, 128, 192, 2, T=256, S=2048, E=128, K=512, N=384, gate="silu",
+          empty=tuple(range(0, 128, 3))),
+]
+
+
 @pytest.mark.parametrize("c", GATE_CASES, ids=[c["name"] for c in GATE_CASES])
 def test_gates_and_layouts(c):
     run_case(c)
@@ -307,3 +327,36 @@ def test_cuda_graph_replay_with_new_routing():
         ref = fused_grouped_mm_ref(static["x"], w, static["offs"], dtype=torch.float32, **args)
         low = fused_grouped_mm_ref(static["x"], w, static["offs"], dtype=BF16, **args)
         check(f"graph/replay-{replay}", y, ref, low)
+
+
+@pytest.mark.parametrize("c", WIDE_GATHER_CASES, ids=[c["name"] for c in WIDE_GATHER_CASES])
+def test_wide_gather_keeps_the_tile(c, monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+
+    x, w, offs, kw = inputs(c)
+    monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
+    assert not _gathers_in_kernel(c, x, w, offs, kw)
+    monkeypatch.setenv(GATHER_WIDE_ENV, "1")
+    assert _gathers_in_kernel(c, x, w, offs, kw)
+    run_case(c)
+
+
+def test_wide_gather_clamps_unchecked_indices(monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+
+    monkeypatch.setenv(GATHER_WIDE_ENV, "1")
+    c = WIDE_GATHER_CASES[0]
+    x, w, offs, kw = inputs(c)
+    T = x.shape[0]
+    bad = kw["row_index"].clone()
+    bad[::5] = T + 777
+    bad[2::9] = -3
+    kw = {**kw, "row_index": bad}
+    assert _gathers_in_kernel(c, x, w, offs, kw)
+    y = moe_gemm.fused_grouped_mm(x, w, offs, config=c["config"], **kw)
+    torch.cuda.synchronize()
+    live = c["S"] - c["tail"]
+    clamped = {**kw, "row_index": bad.clamp(0, T - 1)}
+    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **clamped)
+    low = fused_grouped_mm_ref(x, w, offs, dtype=BF16, **clamped)
+    check("wide-gather/clamp", y[:live], ref[:live], low[:live])

@@ -13,8 +13,19 @@ import torch
 
 import moe_gemm
 from moe_gemm import GemmConfig
-from moe_gemm.kernels.sm90.constants import acc_regs, fused_problem
-from moe_gemm.ops.fused_launch import fit_fused, fused_key, fused_unsupported
+from moe_gemm.kernels.sm90.constants import (
+    HEAVY_ACC_REGS,
+    acc_regs,
+    fused_problem,
+    gather_rows_in_registers,
+)
+from moe_gemm.ops.fused_launch import (
+    GATHER_WIDE_ENV,
+    fit_fused,
+    fused_choice,
+    fused_key,
+    fused_unsupported,
+)
 from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
 from moe_gemm.ops.fused_validation import check_fused_mm
 from moe_gemm.ops.heuristics import KernelChoice
@@ -298,8 +309,9 @@ def _choice(schedule, tm, tn, cm=1, cn=1, **kw):
 ])
 @pytest.mark.parametrize("gate,gather", [(True, True), (True, False), (False, True),
                                          (False, False)])
-def test_fit_fused_gives_buildable_tiles(choice, gate, gather):
-    fitted = fit_fused(choice, gate, gather)
+@pytest.mark.parametrize("wide", [False, True])
+def test_fit_fused_gives_buildable_tiles(choice, gate, gather, wide):
+    fitted = fit_fused(choice, gate, gather, wide_gather=wide)
     assert fitted.visitor == "device"
     assert fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, "k",
                          fitted.cluster_n, "silu" if gate else "", "concat", gather) is None
@@ -309,6 +321,34 @@ def test_fit_fused_gives_buildable_tiles(choice, gate, gather):
     else:
         assert not fitted.epi_whole and fitted.stages is None
     assert not fit_fused(choice, gate, gather, bias_and_scale=True).epi_whole
+    if gather:
+        assert fitted.cluster_n == 1
+        if not wide:  # the default: the form with the rows' indices in registers
+            assert gather_rows_in_registers(fitted.schedule, fitted.tile_m, fitted.tile_n)
+
+
+def test_wide_gather_keeps_the_tile_below_the_heavy_accumulators():
+    for choice in (_choice("pingpong", 128, 192, cm=2), _choice("cooperative", 256, 128, cm=2),
+                   _choice("pingpong", 128, 160)):
+        fitted = fit_fused(choice, True, True, wide_gather=True)
+        assert (fitted.schedule, fitted.tile_m, fitted.tile_n, fitted.cluster_m) == (
+            choice.schedule, choice.tile_m, choice.tile_n, choice.cluster_m)
+        narrow = fit_fused(choice, True, True)
+        assert (narrow.tile_m, narrow.tile_n) != (choice.tile_m, choice.tile_n)
+    # a heavy tile is fitted as before (the producer's 24 registers spill the gather)
+    heavy = fit_fused(_choice("cooperative", 256, 208), False, True, wide_gather=True)
+    assert acc_regs(heavy.schedule, heavy.tile_m, heavy.tile_n) < HEAVY_ACC_REGS
+
+
+def test_wide_gather_switch_reaches_the_choice(monkeypatch):
+    args = _meta_args(4096, 32768, 32, 3072, 2048, gate="silu")
+    cfg = GemmConfig(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=2, cluster_n=1)
+    monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
+    choice, in_kernel = fused_choice(args, cfg, 132, torch.device("meta"))
+    assert not in_kernel and (choice.tile_m, choice.tile_n) == (128, 192)  # host gather
+    monkeypatch.setenv(GATHER_WIDE_ENV, "1")
+    choice, in_kernel = fused_choice(args, cfg, 132, torch.device("meta"))
+    assert in_kernel and (choice.tile_m, choice.tile_n, choice.cluster_m) == (128, 192, 2)
 
 
 def test_row_weights_alone_keep_grouped_mms_tile():

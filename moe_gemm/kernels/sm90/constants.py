@@ -123,7 +123,7 @@ def epilogue_staging(schedule: str, d_tile_n: int, epi_n: int = 32,
 def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: int,
                    subtile: tuple[int, int], buffers: int, groups: int, epi_whole: bool,
                    smem_bytes: int = SM90_SMEM_BYTES,
-                   want: int | None = None) -> tuple[int, int]:
+                   want: int | None = None, extra_bytes: int = 0) -> tuple[int, int]:
     """(most A/B stages, epilogue buffers per group) that fit in `smem_bytes` beside the
     epilogue staging, the scheduler ring and the barriers. When the default staging would
     leave fewer than 3 A/B stages (256-row tiles with fp32 output), it shrinks to 2 buffers:
@@ -134,13 +134,14 @@ def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: 
     in flight while the next are written, for one more A/B stage. That is the trade QuACK makes
     by default (A/B stages first): cooperative 128x192 and ping-pong 128x208 get a fifth stage
     at bf16 (40-42 KiB a stage) with 3 buffers instead of 4. Which one is faster is the
-    tuner's question, so the default (want None) keeps the staging."""
+    tuner's question, so the default (want None) keeps the staging. `extra_bytes`: other
+    shared memory of the kernel (the gather's row buffer)."""
     ab_bytes = (tile_m + tile_n) * tile_k * ab_bits // 8
     subtile_bytes = subtile[0] * subtile[1] * d_bits // 8
 
     def fit(n_buffers: int) -> int:
         reserved = (SMEM_RESERVED + subtile_bytes * n_buffers * groups
-                    + SCHED_STAGES * RECORD_INTS * 4)
+                    + SCHED_STAGES * RECORD_INTS * 4 + extra_bytes)
         return (smem_bytes - reserved) // ab_bytes
 
     stages = fit(buffers)
@@ -203,16 +204,25 @@ GATES = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 GATE_LAYOUTS = ("concat", "interleaved", "alternating")
 GATE_BLOCK = 8
 # Gather-A: two warps of the producer warpgroup (2 and 3; warp 0 keeps B's TMA, warp 1 the
-# scheduler) load A's rows by index with cp.async (kernels/sm90/gather.py). Each thread keeps
-# the row indices and addresses of its tile_m / 16 rows in registers, more than the default
-# 40-register producer budget holds: gather kernels split 56 / 224 (128 x 56 + 256 x 224 =
-# 64,512 of 65,536; ptxas: no spills at 128 x 256), so the accumulators may hold at most 128
-# registers per thread (cooperative 128 x 256, ping-pong 64 x 256 or 128 x 128).
+# scheduler) load A's rows by index with cp.async (kernels/sm90/gather.py). Where a tile has at
+# most 128 rows and 128 accumulator registers a thread, each gather thread keeps the indices of
+# its tile_m / 16 rows in registers, more than the default 40-register producer budget holds:
+# those kernels split 56 / 224 (128 x 56 + 256 x 224 = 64,512 of 65,536; ptxas: no spills at
+# 128 x 256). Larger tiles keep the tile's row indices in shared memory (4 bytes a row) and the
+# default split: ptxas spills nothing at 40 producer registers for ping-pong 128x192 and
+# cooperative 256x192 (the register form spilled 40 and 148 bytes there), but 28 bytes at the
+# heavy split's 24, so a gathered tile needs fewer than HEAVY_ACC_REGS accumulator registers.
 GATHER_WARPS = 2
 GATHER_FIRST_WARP = 2
 REGS_GATHER = (56, 224)
-GATHER_MAX_ACC_REGS = 128
+GATHER_MAX_ACC_REGS = 128  # the register form
 GATHER_MAX_TILE_M = 128
+
+
+def gather_rows_in_registers(schedule: str, tile_m: int, tile_n: int) -> bool:
+    """Whether a gather kernel of this tile keeps its rows' indices in registers (the 56 / 224
+    split), else in shared memory (the default split)."""
+    return tile_m <= GATHER_MAX_TILE_M and acc_regs(schedule, tile_m, tile_n) <= GATHER_MAX_ACC_REGS
 
 
 def fused_problem(form: str, schedule: str, tile_m: int, tile_n: int, b_major: str,
@@ -233,12 +243,11 @@ def fused_problem(form: str, schedule: str, tile_m: int, tile_n: int, b_major: s
     if gather:
         if cluster_n != 1:
             return "gather-A loads A per CTA: no 1x2 cluster (A multicast)"
-        if tile_m > GATHER_MAX_TILE_M:
-            return f"gather-A tiles have at most {GATHER_MAX_TILE_M} rows; got {tile_m}"
-        if acc_regs(schedule, tile_m, tile_n) > GATHER_MAX_ACC_REGS:
-            return (f"gather-A leaves the math warpgroups {REGS_GATHER[1]} registers: "
-                    f"{schedule} {tile_m}x{tile_n} needs {acc_regs(schedule, tile_m, tile_n)} "
-                    f"accumulator registers (at most {GATHER_MAX_ACC_REGS})")
+        acc = acc_regs(schedule, tile_m, tile_n)
+        if not gather_rows_in_registers(schedule, tile_m, tile_n) and acc >= HEAVY_ACC_REGS:
+            return (f"gather-A needs the producer's {REGS_DEFAULT[0]} registers: {schedule} "
+                    f"{tile_m}x{tile_n} needs {acc} accumulator registers (at most "
+                    f"{HEAVY_ACC_REGS - 1} with a gather)")
     return None
 
 # The top-k combine (combine.py): each thread sums one 16-byte vector (8 bf16 / fp16 values) of

@@ -7,7 +7,9 @@ tile's rows with cp.async, 16 bytes a copy: four threads share a row's 128-byte 
 16-byte chunks each (one warp instruction reads 64 contiguous bytes of 8 rows). The row
 indices of the thread's tile_m / 16 rows are read once per tile and kept in registers (8 for
 128-row tiles: with eight per thread instead, the 64-bit row addresses spilled under the
-producer's register budget, constants.REGS_GATHER).
+producer's register budget, constants.REGS_GATHER), or, for tiles past 128 rows or 128
+accumulator registers, in shared memory (s_rows: the row of x of each of the tile's rows), so
+the gather threads fit the default 40-register producer (constants.gather_rows_in_registers).
 
 Completion: every gather thread arrives on the stage's full barrier once its copies of the
 stage have landed (cp.async.mbarrier.arrive.noinc: the barrier was initialised expecting those
@@ -62,12 +64,26 @@ def smem_chunk(sA_staged: cute.ComposedLayout, base, row: Int32, col: Int32, sta
 
 
 @cute.jit
+def _copy_chunk(atom, pred: cute.Tensor, x_base, row_bytes, row: Int32, col: Int32, K,
+                dst: cute.Tensor, dtype: cutlass.Constexpr):
+    """One 16-byte cp.async of x's row `row` at column col into dst; zero filled past K or for
+    row -1 (past out's rows)."""
+    src_ptr = cute.make_ptr(
+        dtype, x_base + Int64(cutlass.max(row, Int32(0))) * row_bytes
+        + Int64(col) * (dtype.width // 8), cute.AddressSpace.gmem, assumed_align=16)
+    src = cute.make_tensor(src_ptr, cute.make_layout(((CHUNK,), 1)))
+    pred[0] = row >= 0 and col < K
+    cute.copy(atom, src, dst, pred=pred)
+
+
+@cute.jit
 def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.PipelineAsync,
                 sched: cute.Tensor, problems, s_base,
-                a_smem_staged: cute.ComposedLayout, gtid: Int32):
+                a_smem_staged: cute.ComposedLayout, s_rows: cute.Tensor, gtid: Int32):
     """The gather warps (threads gtid in [0, 64)): for every record of the CTA, in order, fill
     A's stages of its k-tiles with the tile's rows of x. s_base: the address of A's staging
-    in shared memory; a_smem_staged: its (swizzled) layout."""
+    in shared memory; a_smem_staged: its (swizzled) layout; s_rows: (tile_m,) int32 in shared
+    memory where cfg.gather_rows_in_smem (else unused)."""
     dtype = cfg.ab_dtype
     rows_per_thread = cfg.tile_m // ROWS_PER_PASS
     r0 = gtid // THREADS_PER_ROW  # this thread's first row of the tile
@@ -90,30 +106,40 @@ def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.Pi
     work, read_state = consume_work(sched_pipe, sched, read_state)
     while work.has_work():
         first = work.row_start + work.m_tile * cfg.tile_m + r0
+        if cutlass.const_expr(cfg.gather_rows_in_smem):
+            # The four lanes sharing a row (one warp) write the same value and each reads back
+            # only rows it wrote; the warp sync keeps a lane from overwriting a row another
+            # lane still reads for the previous tile.
+            cute.arch.sync_warp()
         for i in cutlass.range_constexpr(rows_per_thread):
             r = first + i * ROWS_PER_PASS
             t = Int32(-1)
             if r < S:
                 t = cutlass.max(cutlass.min(index[r], T - 1), Int32(0))
-            rows[i] = t
+            if cutlass.const_expr(cfg.gather_rows_in_smem):
+                s_rows[r0 + i * ROWS_PER_PASS] = t
+            else:
+                rows[i] = t
         for kk in cutlass.range(0, work.k_tiles, 1, unroll=1):
             k0 = (kk + work.k_start) * TILE_K
             ab_pipe.sync_object_empty.wait(ab_state.index, ab_state.phase)
-            for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                chunk = c + j * THREADS_PER_ROW
-                col = k0 + chunk * CHUNK
-                col_ok = col < K
-                for i in cutlass.range_constexpr(rows_per_thread):
-                    row = rows[i]
-                    src_ptr = cute.make_ptr(
-                        dtype, x_base + Int64(cutlass.max(row, Int32(0))) * row_bytes
-                        + Int64(col) * (dtype.width // 8), cute.AddressSpace.gmem,
-                        assumed_align=16)
-                    src = cute.make_tensor(src_ptr, cute.make_layout(((CHUNK,), 1)))
-                    dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
-                                     chunk * CHUNK, ab_state.index, dtype)
-                    pred[0] = row >= 0 and col_ok
-                    cute.copy(atom, src, dst, pred=pred)
+            if cutlass.const_expr(cfg.gather_rows_in_smem):
+                for i in cutlass.range_constexpr(rows_per_thread):  # one shared read a row
+                    row = s_rows[r0 + i * ROWS_PER_PASS]
+                    for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        chunk = c + j * THREADS_PER_ROW
+                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
+                                         chunk * CHUNK, ab_state.index, dtype)
+                        _copy_chunk(atom, pred, x_base, row_bytes, row, k0 + chunk * CHUNK, K,
+                                    dst, dtype)
+            else:
+                for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    chunk = c + j * THREADS_PER_ROW
+                    for i in cutlass.range_constexpr(rows_per_thread):
+                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
+                                         chunk * CHUNK, ab_state.index, dtype)
+                        _copy_chunk(atom, pred, x_base, row_bytes, rows[i], k0 + chunk * CHUNK,
+                                    K, dst, dtype)
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(ab_state))
             ab_state.advance()
         work, read_state = consume_work(sched_pipe, sched, read_state)

@@ -82,6 +82,7 @@ from .constants import (
     ab_stage_limit,
     epilogue_staging,
     fused_problem,
+    gather_rows_in_registers,
     register_split,
     tile_problem,
 )
@@ -299,7 +300,11 @@ class GroupedGemmSm90:
         self.load_warp = 0
         self.sched_warp = 1
         self.load_regs, self.math_regs = register_split(schedule, self.tile_m, self.tile_n)
-        if gather_a:
+        # Gather-A: the rows' indices in registers (and the 56 / 224 split) or in shared
+        # memory (constants.gather_rows_in_registers).
+        self.gather_rows_in_smem = gather_a and not gather_rows_in_registers(
+            schedule, self.tile_m, self.tile_n)
+        if gather_a and not self.gather_rows_in_smem:
             self.load_regs, self.math_regs = REGS_GATHER
         # Epilogue staging (constants.epilogue_staging): 4 x (128 x 32) subtiles cooperative
         # (32 KiB at bf16), 2 x (64 x 32) per warpgroup in ping-pong. The whole-tile epilogue
@@ -328,7 +333,8 @@ class GroupedGemmSm90:
         stages, self.epi_stages = ab_stage_limit(
             self.tile_m, self.tile_n, self.tile_k, self.ab_dtype.width, self.d_dtype.width,
             self.epi_tile, self.epi_stages, self.num_epi_groups, self.epi_whole,
-            get_smem_capacity_in_bytes("sm_90"), want=requested)
+            get_smem_capacity_in_bytes("sm_90"), want=requested,
+            extra_bytes=self.tile_m * 4 if self.gather_rows_in_smem else 0)
         if requested is not None:
             if requested > stages:
                 raise ValueError(f"{requested} A/B stages of {self.tile_m}x{self.tile_n} do not "
@@ -509,6 +515,11 @@ class GroupedGemmSm90:
                 cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
                 self.buffer_align,
             ]
+            # Gather-A with the rows in shared memory: the tile's row of x for each row.
+            gather_rows: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int32,
+                                     self.tile_m if self.gather_rows_in_smem else 1], 16
+            ]
 
         self.shared_storage = SharedStorage
 
@@ -633,6 +644,9 @@ class GroupedGemmSm90:
                 if warp_idx >= GATHER_FIRST_WARP:
                     gather_role(self, ab_pipe, sched_pipe, sched, problems,
                                 storage.sA.data_ptr().toint(), a_smem_staged,
+                                storage.gather_rows.get_tensor(cute.make_layout(
+                                    self.tile_m if const_expr(self.gather_rows_in_smem)
+                                    else 1)),
                                 tidx - GATHER_FIRST_WARP * 32)
         else:
             cute.arch.setmaxregister_increase(self.math_regs)
