@@ -265,22 +265,27 @@ def test_gather_by_the_plan_where_the_kernel_gather_caps_the_tile(c):
     run_case(c)
 
 
-def test_plan_gather_clamps_unchecked_indices():
-    c = PLAN_GATHER_CASES[0]
+def _check_clamped_indices(c: dict, name: str, in_kernel: bool) -> None:
+    """c's launch with row indices past x's rows and negative: the rows of the clamped
+    indices (where the kernel gathers itself when in_kernel, else the plan)."""
     x, w, offs, kw = inputs(c)
     T = x.shape[0]
     bad = kw["row_index"].clone()
     bad[::5] = T + 777
     bad[2::9] = -3
     kw = {**kw, "row_index": bad}
-    assert not _gathers_in_kernel(c, x, w, offs, kw)
+    assert _gathers_in_kernel(c, x, w, offs, kw) == in_kernel
     y = moe_gemm.fused_grouped_mm(x, w, offs, config=c["config"], **kw)
     torch.cuda.synchronize()
     live = c["S"] - c["tail"]
     clamped = {**kw, "row_index": bad.clamp(0, T - 1)}
     ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **clamped)
     low = fused_grouped_mm_ref(x, w, offs, dtype=BF16, **clamped)
-    check("plan-gather/clamp", y[:live], ref[:live], low[:live])
+    check(name, y[:live], ref[:live], low[:live])
+
+
+def test_plan_gather_clamps_unchecked_indices():
+    _check_clamped_indices(PLAN_GATHER_CASES[0], "plan-gather/clamp", in_kernel=False)
 
 
 def test_repeated_calls_reuse_the_plan_and_follow_new_values():
@@ -345,18 +350,4 @@ def test_wide_gather_clamps_unchecked_indices(monkeypatch):
     from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
 
     monkeypatch.setenv(GATHER_WIDE_ENV, "1")
-    c = WIDE_GATHER_CASES[0]
-    x, w, offs, kw = inputs(c)
-    T = x.shape[0]
-    bad = kw["row_index"].clone()
-    bad[::5] = T + 777
-    bad[2::9] = -3
-    kw = {**kw, "row_index": bad}
-    assert _gathers_in_kernel(c, x, w, offs, kw)
-    y = moe_gemm.fused_grouped_mm(x, w, offs, config=c["config"], **kw)
-    torch.cuda.synchronize()
-    live = c["S"] - c["tail"]
-    clamped = {**kw, "row_index": bad.clamp(0, T - 1)}
-    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **clamped)
-    low = fused_grouped_mm_ref(x, w, offs, dtype=BF16, **clamped)
-    check("wide-gather/clamp", y[:live], ref[:live], low[:live])
+    _check_clamped_indices(WIDE_GATHER_CASES[0], "wide-gather/clamp", in_kernel=True)
