@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"('{FUSED_COMBINE}', MOE_GEMM_COMBINE=torch)")
     p.add_argument("--router-kernel", action="store_true",
                    help=f"also time the fused layer with the softmax router kernel "
-                        f"('{FUSED_ROUTER}', MOE_GEMM_ROUTER=kernel; softmax routers only)")
+                        f"('{FUSED_ROUTER}', MOE_GEMM_ROUTER=kernel)")
     p.add_argument("--gather-wide", action="store_true",
                    help=f"also time the fused layer with the in-kernel gather on every tile "
                         f"below the heavy accumulators ('{FUSED_WIDE}', "

@@ -89,8 +89,8 @@ LIBRARY_VARIABLES: dict[str, str] = {
                                 "on tiles within one scale block; 1: the plain loop)",
     "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs",
     "MOE_GEMM_FP8_QUANT": "torch: the FP8 quantizers run torch ops even where the kernel runs",
-    "MOE_GEMM_ROUTER": "kernel: the softmax router's top-k as one kernel instead of torch "
-                       "ops (opt-in: not yet GPU-tested)",
+    "MOE_GEMM_ROUTER": "kernel: the routers' top-k (softmax; sigmoid with groups) as one "
+                       "kernel each instead of torch ops (opt-in: not yet GPU-tested)",
     "MOE_GEMM_COMBINE": "torch: the MoE layers' top-k combine as embedding_bag even where "
                         "its kernel runs",
 }

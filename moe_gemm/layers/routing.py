@@ -15,7 +15,8 @@ Routers (pure functions, matching transformers 5 exactly):
 - `sigmoid_grouped_topk`: DeepSeek-V3 / GLM-4-MoE: float32 sigmoid scores; a correction bias
   added for the *selection* only; group-limited choice (group score = sum of its two best
   biased scores, keep `topk_group` groups); weights gathered from the unbiased scores,
-  renormalised with +1e-20, times `routed_scaling_factor`.
+  renormalised with +1e-20, times `routed_scaling_factor` (with MOE_GEMM_ROUTER=kernel on a
+  Hopper GPU, one kernel: ops/router_topk.py).
 
 Permutation (`permute_by_expert`): a stable sort of the S (token, slot) pairs by expert id,
 the token of every sorted row, the sorted row of every slot (the inverse, for the combine) and
@@ -219,6 +220,10 @@ def sigmoid_grouped_topk(
         check_correction_bias(bias, E, logits.device)
     routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
     renormalize = check_flag("renormalize", renormalize)
+    fused = router_topk.sigmoid_grouped_topk(logits, bias, k, n_group, topk_group,
+                                             routed_scaling_factor, renormalize)
+    if fused is not None:  # (None: torch ops below)
+        return fused
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias
     if grouped:

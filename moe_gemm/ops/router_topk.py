@@ -1,11 +1,13 @@
-"""The softmax router's top-k as one kernel: softmax(logits) in fp32, the k largest, best
-first, renormalised or not (layers/routing.softmax_topk's contract; it calls this first).
+"""The routers' top-k as one kernel each (layers/routing calls these first):
+- softmax_topk: softmax(logits) in fp32, the k largest, best first, renormalised or not;
+- sigmoid_grouped_topk: sigmoid scores, a selection bias, group-limited top-k (DeepSeek-V3),
+  weights renormalised (+1e-20) or not, times the scaling factor.
 
-With MOE_GEMM_ROUTER=kernel, on an sm90a GPU with the CuTe DSL, for 1 to 1024 experts and up
-to 32 slots (kernels/sm90/router_topk.py: one warp per token reads its row once); ties then go
-to the lower expert id (torch.topk leaves them unspecified). Otherwise, while torch.compile
-traces and where the logits need a gradient (the kernel has no backward), `softmax_topk`
-returns None and the caller runs torch.softmax and torch.topk. The kernel is opt-in until its
+With MOE_GEMM_ROUTER=kernel, on an sm90a GPU with the CuTe DSL, for 1 to 1024 experts, up to
+32 slots and 32 groups (kernels/sm90/router_topk.py: one warp per token reads its row once);
+ties then go to the lower expert id (torch.topk leaves them unspecified). Otherwise, while
+torch.compile traces and where the logits need a gradient (the kernel has no backward), these
+return None and the caller runs its torch ops. The kernel is opt-in until its
 GPU tests (tests/ops/test_router_topk_gpu.py) and a timing against those two have run: on an
 H200 (2026-11-29, Qwen3-30B-A3B at 16384 tokens) they took 0.16 ms of the fused layer's 2.54.
 """
@@ -17,7 +19,8 @@ import functools
 import torch
 
 from moe_gemm.env import env_get
-from moe_gemm.kernels.sm90.constants import ROUTER_MAX_E, ROUTER_MAX_K
+from moe_gemm.kernels.sm90.constants import ROUTER_MAX_E, ROUTER_MAX_GROUPS, ROUTER_MAX_K
+from moe_gemm.ops import launch_resources
 
 ROUTER_ENV = "MOE_GEMM_ROUTER"  # "kernel": the kernel where it runs; else torch ops
 _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -34,6 +37,26 @@ def softmax_topk(logits: torch.Tensor, k: int,
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T:
         _kernel(logits.dtype, E, k, bool(renormalize))(logits, weights, ids)
+    return weights, ids
+
+
+def sigmoid_grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int,
+                         n_group: int, topk_group: int, scale: float,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weights [T, k] float32, ids [T, k] int64) from the kernel, or None where it does not
+    run. Arguments checked by the caller (layers/routing.sigmoid_grouped_topk)."""
+    if not _kernel_ok(logits, k) or n_group > ROUTER_MAX_GROUPS:
+        return None
+    if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+        return None
+    T, E = logits.shape
+    weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T:
+        b = (launch_resources._small("router_bias", logits.device, torch.float32, (1,))
+             if bias is None else bias.detach().float().contiguous())
+        _group_kernel(logits.dtype, E, k, n_group, topk_group, bool(renormalize),
+                      bias is not None)(logits, b, weights, ids, float(scale))
     return weights, ids
 
 
@@ -62,3 +85,14 @@ def _kernel(dtype: torch.dtype, E: int, k: int, renormalize: bool):
 
     key = RouterTopkCompileKey(_KERNEL_DTYPES[dtype], E, k, renormalize)
     return cache.get_or_compile(key, key.name, lambda: compile_router_topk(key))
+
+
+@functools.lru_cache(maxsize=32)
+def _group_kernel(dtype: torch.dtype, E: int, k: int, n_group: int, topk_group: int,
+                  renormalize: bool, has_bias: bool):
+    from moe_gemm.kernels.sm90.router_topk import GroupTopkCompileKey, compile_group_topk
+    from moe_gemm.ops import kernel_cache as cache
+
+    key = GroupTopkCompileKey(_KERNEL_DTYPES[dtype], E, k, n_group, topk_group, renormalize,
+                              has_bias)
+    return cache.get_or_compile(key, key.name, lambda: compile_group_topk(key))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_gemm.layers import routing
-from moe_gemm.ops import router_topk
+from moe_gemm.ops import launch_resources, router_topk
 
 
 def test_what_the_kernel_takes(monkeypatch):
@@ -90,3 +90,62 @@ def test_logits_needing_a_gradient_take_torch(kernel):
     weights, _ = routing.softmax_topk(logits, 2)
     weights.sum().backward()
     assert logits.grad is not None and not kernel
+
+
+class _GroupEmulator:
+    """The sigmoid router kernel's contract, by the torch path (MOE_GEMM_ROUTER unset)."""
+
+    def __init__(self, key):
+        self.key, self.calls = key, []
+
+    def __call__(self, logits, bias, weights, ids, scale):
+        _, E, k, n_group, topk_group, renormalize, has_bias = self.key
+        self.calls.append((bias, scale))
+        import os
+
+        os.environ.pop(router_topk.ROUTER_ENV, None)
+        try:
+            w, i = routing.sigmoid_grouped_topk(logits, bias if has_bias else None, k, n_group,
+                                                topk_group, scale, renormalize)
+        finally:
+            os.environ[router_topk.ROUTER_ENV] = "kernel"
+        weights.copy_(w)
+        ids.copy_(i)
+
+
+@pytest.fixture
+def group_kernel(monkeypatch):
+    made = {}
+    monkeypatch.setattr(router_topk, "_kernel_ok", lambda logits, k: router_topk._takes(logits, k))
+    monkeypatch.setattr(router_topk, "_group_kernel", lambda *key: made.setdefault(
+        key, _GroupEmulator(key)))
+    monkeypatch.setattr(launch_resources, "_capturing", lambda: False)  # (a CPU run)
+    return made
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_sigmoid_grouped_topk_takes_the_kernel_result(group_kernel, use_bias):
+    logits = torch.randn(11, 64)
+    bias = torch.randn(64, dtype=torch.float64) * 0.1 if use_bias else None
+    weights, ids = routing.sigmoid_grouped_topk(logits, bias, 6, 8, 3, 2.5, True)
+    (key, emu), = group_kernel.items()
+    assert key == (torch.float32, 64, 6, 8, 3, True, use_bias)
+    (b, scale), = emu.calls
+    assert scale == 2.5 and isinstance(scale, float)
+    if use_bias:  # the bias in float32, contiguous
+        assert b.dtype == torch.float32 and torch.equal(b, bias.float())
+    else:
+        assert b.shape == (1,)  # a placeholder the kernel does not read
+    assert weights.shape == ids.shape == (11, 6) and weights.dtype == torch.float32
+
+
+def test_sigmoid_grouped_topk_falls_back(group_kernel, monkeypatch):
+    logits = torch.randn(4, 64)
+    bias = torch.zeros(64, requires_grad=True)
+    routing.sigmoid_grouped_topk(logits, bias, 2, 8, 3)  # a bias needing a gradient: torch
+    assert not group_kernel
+    assert router_topk.sigmoid_grouped_topk(torch.randn(4, 66), None, 2, 33, 33, 1.0,
+                                            True) is None  # more groups than bits
+    monkeypatch.setenv(router_topk.ROUTER_ENV, "torch")
+    routing.sigmoid_grouped_topk(logits, None, 2, 8, 3)
+    assert not group_kernel

@@ -104,3 +104,69 @@ def test_no_tokens_and_graph_replay():
     want_w, want_ids = _reference(logits, 8, True)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w.double(), want_w, rtol=1e-6, atol=1e-7)
+
+
+def _group_reference(logits, bias, k, n_group, topk_group, scale, renormalize):
+    """float64, as transformers (group score: the sum of the two best biased scores), ties to
+    the lower id; ids best first by the biased score."""
+    s = torch.sigmoid(logits.double())
+    c = s if bias is None else s + bias.double()
+    T, E = c.shape
+    if n_group > 1 and topk_group < n_group:
+        top2 = torch.sort(-c.view(T, n_group, E // n_group), dim=-1, stable=True).values[..., :2]
+        group = -top2.sum(-1)
+        keep = torch.sort(-group, dim=-1, stable=True).indices[:, :topk_group]
+        mask = torch.zeros(T, n_group, dtype=torch.bool, device=c.device)
+        mask.scatter_(1, keep, True)
+        c = c.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = torch.sort(-c, dim=-1, stable=True).indices[:, :k]
+    w = s.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale, ids
+
+
+@pytest.mark.parametrize("E,k,n_group,topk_group,dtype,use_bias,renormalize", [
+    (256, 8, 8, 4, FP32, True, True),  # DeepSeek-V3 / Kimi-K2's ratios
+    (256, 8, 8, 4, BF16, True, False),
+    (160, 8, 1, 1, FP32, True, True),  # GLM-4.5-like: no groups
+    (64, 6, 8, 3, BF16, False, True),
+    (96, 4, 3, 2, FP32, True, True),  # 32 experts a group: one value index a group
+    (384, 8, 1, 1, BF16, True, True),
+    (1024, 32, 32, 31, FP32, True, True),
+])
+def test_sigmoid_grouped_topk_matches_reference(E, k, n_group, topk_group, dtype, use_bias,
+                                                renormalize):
+    torch.manual_seed(E + 7 * k + n_group)
+    for T in (1, 33, 2051):
+        logits = (torch.randn(T, E, device=DEV) * 2).to(dtype)
+        bias = torch.randn(E, device=DEV) * 0.3 if use_bias else None
+        assert router_topk._kernel_ok(logits, k)
+        w, ids = routing.sigmoid_grouped_topk(logits, bias, k, n_group, topk_group, 2.5,
+                                              renormalize)
+        want_w, want_ids = _group_reference(logits, bias, k, n_group, topk_group, 2.5,
+                                            renormalize)
+        assert torch.equal(ids, want_ids), T
+        torch.testing.assert_close(w.double(), want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_sigmoid_router_agrees_with_torch_and_replays_in_a_graph(monkeypatch):
+    logits = torch.randn(700, 256, device=DEV, dtype=BF16)
+    bias = torch.randn(256, device=DEV) * 0.1
+    w, ids = routing.sigmoid_grouped_topk(logits, bias, 8, 8, 4, 2.5)
+    monkeypatch.setenv(router_topk.ROUTER_ENV, "torch")
+    tw, tids = routing.sigmoid_grouped_topk(logits, bias, 8, 8, 4, 2.5)
+    assert torch.equal(torch.sort(ids, -1).values, torch.sort(tids, -1).values)
+    order = torch.argsort(ids, -1)
+    torch.testing.assert_close(w.gather(1, order), tw.gather(1, torch.argsort(tids, -1)),
+                               rtol=1e-6, atol=1e-7)
+    monkeypatch.setenv(router_topk.ROUTER_ENV, "kernel")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gw, gids = routing.sigmoid_grouped_topk(logits, bias, 8, 8, 4, 2.5)
+    logits.copy_(torch.randn_like(logits))
+    g.replay()
+    torch.cuda.synchronize()
+    want_w, want_ids = _group_reference(logits, bias, 8, 8, 4, 2.5, True)
+    assert torch.equal(gids, want_ids)
+    torch.testing.assert_close(gw.double(), want_w, rtol=1e-6, atol=1e-7)

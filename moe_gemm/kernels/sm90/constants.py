@@ -259,3 +259,4 @@ COMBINE_MAX_K = 16
 # 32: E up to 1024), one output slot a lane (k up to 32).
 ROUTER_MAX_E = 1024
 ROUTER_MAX_K = 32
+ROUTER_MAX_GROUPS = 32  # the sigmoid router's eligible groups: a bit each in one register

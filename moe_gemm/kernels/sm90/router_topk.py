@@ -1,4 +1,4 @@
-"""SoftmaxTopkSm90: the softmax router's top-k, one kernel launch.
+"""SoftmaxTopkSm90 and SigmoidGroupTopkSm90: the routers' top-k, one kernel launch each.
 
     p = softmax(logits[t]) in fp32;  ids[t] = the k largest p, best first;
     weights[t] = p[ids[t]] (divided by their sum when renormalize)
@@ -25,6 +25,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .constants import ROUTER_MAX_E as MAX_E
+from .constants import ROUTER_MAX_GROUPS as MAX_GROUPS
 from .constants import ROUTER_MAX_K as MAX_K
 
 WARPS = 4  # tokens per CTA
@@ -53,6 +54,20 @@ def _exp(x: Float32) -> Float32:
 
 def _bfly(x, offset: int):
     return cute.arch.shuffle_sync_bfly(x, offset=offset)
+
+
+@cute.jit
+def _warp_argmax(best_v: Float32, best_i: Int32):
+    """The warp's best (value, index) of the lanes' candidates: the larger value, the lower
+    index on a tie; a NONE index loses. Every lane gets the same pair."""
+    for off in (16, 8, 4, 2, 1):
+        other_v = _bfly(best_v, off)
+        other_i = _bfly(best_i, off)
+        wins = other_v > best_v or (other_v == best_v and other_i < best_i)
+        if other_i != NONE and (best_i == NONE or wins):
+            best_v = other_v
+            best_i = other_i
+    return best_v, best_i
 
 
 class SoftmaxTopkSm90:
@@ -117,13 +132,7 @@ class SoftmaxTopkSm90:
                     if free and (vals[i] > best_v or best_i == NONE):
                         best_v = vals[i]
                         best_i = e
-                for off in (16, 8, 4, 2, 1):
-                    other_v = _bfly(best_v, off)
-                    other_i = _bfly(best_i, off)
-                    wins = other_v > best_v or (other_v == best_v and other_i < best_i)
-                    if other_i != NONE and (best_i == NONE or wins):
-                        best_v = other_v
-                        best_i = other_i
+                best_v, best_i = _warp_argmax(best_v, best_i)
                 if lane == best_i % 32:
                     taken = taken | (Int32(1) << (best_i // 32))
                 p = _exp(best_v - row_max) / total
@@ -136,6 +145,139 @@ class SoftmaxTopkSm90:
                 if cutlass.const_expr(self.renormalize):
                     w = my_weight / kept_sum
                 mWeights[t, lane] = w
+                mIds[t, lane] = Int64(my_id)
+
+
+class SigmoidGroupTopkSm90:
+    """The sigmoid router with a selection bias and group-limited top-k (DeepSeek-V3;
+    layers/routing.sigmoid_grouped_topk's contract), a warp per token like SoftmaxTopkSm90:
+
+        s = sigmoid(logits[t]) in fp32;  c = s + bias (selection only)
+        grouped (1 < n_group, topk_group < n_group): a group scores the sum of its two best c,
+            the topk_group best groups stay eligible
+        ids[t] = the k best eligible c, best first; weights[t] = s[ids], divided by
+            (their sum + 1e-20) when renormalize, times scale
+
+    n_group <= 32 (a bit each in one register). A group's two best are two warp argmax rounds
+    restricted to it; ties go to the lower index everywhere (torch.topk leaves them open)."""
+
+    def __init__(self, dtype, E: int, k: int, n_group: int, topk_group: int,
+                 renormalize: bool, has_bias: bool):
+        if not 1 <= E <= MAX_E:
+            raise ValueError(f"the router kernel takes 1 to {MAX_E} experts; got {E}")
+        if not 1 <= n_group <= MAX_GROUPS or E % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"the router kernel takes 1 to {MAX_GROUPS} groups dividing E and "
+                             f"1 <= topk_group <= n_group; got E={E}, n_group={n_group}, "
+                             f"topk_group={topk_group}")
+        self.per_group = E // n_group
+        self.grouped = n_group > 1 and topk_group < n_group
+        if self.grouped and self.per_group < 2:
+            raise ValueError("a group scores its two best experts: E / n_group must be >= 2")
+        eligible = topk_group * self.per_group if self.grouped else E
+        if not 1 <= k <= min(eligible, MAX_K):
+            raise ValueError(f"the router kernel takes 1 to min({eligible}, {MAX_K}) slots; "
+                             f"got {k}")
+        self.dtype, self.E, self.k = dtype, E, k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.renormalize, self.has_bias = renormalize, has_bias
+        self.V = (E + 31) // 32
+
+    @cute.jit
+    def __call__(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
+                 mIds: cute.Tensor, scale: Float32, stream):
+        # mLogits (T, E) unit stride along E; mBias (E,) fp32 (unused without a bias);
+        # mWeights (T, k) fp32; mIds (T, k) int64; scale: routed_scaling_factor.
+        T = mLogits.shape[0]
+        self.kernel(mLogits, mBias, mWeights, mIds, scale).launch(
+            grid=((T + WARPS - 1) // WARPS, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
+               mIds: cute.Tensor, scale: Float32):
+        E, K, V, per = self.E, self.k, self.V, self.per_group
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bidx, _, _ = cute.arch.block_idx()
+        t = bidx * WARPS + warp
+        if t < mLogits.shape[0]:
+            score = cute.make_rmem_tensor((V,), Float32)  # s
+            choice = cute.make_rmem_tensor((V,), Float32)  # s + bias; NaN ranks first
+            for i in cutlass.range_constexpr(V):
+                s = Float32(0.0)
+                c = Float32(-float("inf"))
+                if lane + 32 * i < E:
+                    x = Float32(mLogits[t, lane + 32 * i])
+                    s = Float32(1.0) / (Float32(1.0) + _exp(-x))
+                    c = s
+                    if cutlass.const_expr(self.has_bias):
+                        c = s + mBias[lane + 32 * i]
+                    if c != c:
+                        c = Float32(float("inf"))
+                score[i] = s
+                choice[i] = c
+            kept = Int32(-1)  # eligible groups, a bit each
+            if cutlass.const_expr(self.grouped):
+                group_score = []
+                for g in cutlass.range_constexpr(self.n_group):
+                    first_v = Float32(-float("inf"))
+                    first_i = Int32(NONE)
+                    for i in cutlass.range_constexpr(V):
+                        e = lane + 32 * i
+                        if e < E and e // per == g and (choice[i] > first_v or first_i == NONE):
+                            first_v = choice[i]
+                            first_i = e
+                    first_v, first_i = _warp_argmax(first_v, first_i)
+                    second_v = Float32(-float("inf"))
+                    second_i = Int32(NONE)
+                    for i in cutlass.range_constexpr(V):
+                        e = lane + 32 * i
+                        if e < E and e // per == g and e != first_i and (
+                                choice[i] > second_v or second_i == NONE):
+                            second_v = choice[i]
+                            second_i = e
+                    second_v, second_i = _warp_argmax(second_v, second_i)
+                    group_score.append(first_v + second_v)
+                kept = Int32(0)
+                for _ in cutlass.range_constexpr(self.topk_group):
+                    best = Float32(-float("inf"))
+                    best_g = Int32(NONE)
+                    for g in cutlass.range_constexpr(self.n_group):
+                        free = ((kept >> g) & 1) == 0
+                        if free and (group_score[g] > best or best_g == NONE):
+                            best = group_score[g]
+                            best_g = Int32(g)
+                    kept = kept | (Int32(1) << best_g)
+
+            taken = Int32(0)
+            kept_sum = Float32(0.0)
+            my_weight = Float32(0.0)
+            my_id = Int32(0)
+            for j in cutlass.range_constexpr(K):
+                best_v = Float32(-float("inf"))
+                best_i = Int32(NONE)
+                for i in cutlass.range_constexpr(V):
+                    e = lane + 32 * i
+                    free = ((taken >> i) & 1) == 0 and e < E and ((kept >> (e // per)) & 1) == 1
+                    if free and (choice[i] > best_v or best_i == NONE):
+                        best_v = choice[i]
+                        best_i = e
+                best_v, best_i = _warp_argmax(best_v, best_i)
+                if lane == best_i % 32:
+                    taken = taken | (Int32(1) << (best_i // 32))
+                mine = Float32(0.0)  # the pick's unbiased score, from the lane that holds it
+                for i in cutlass.range_constexpr(V):
+                    if lane + 32 * i == best_i:
+                        mine = score[i]
+                w = cute.arch.shuffle_sync(mine, offset=best_i % 32)
+                kept_sum = kept_sum + w
+                if lane == j:
+                    my_weight = w
+                    my_id = best_i
+            if lane < K:
+                w = my_weight
+                if cutlass.const_expr(self.renormalize):
+                    w = my_weight / (kept_sum + Float32(1e-20))
+                mWeights[t, lane] = w * scale
                 mIds[t, lane] = Int64(my_id)
 
 
@@ -167,4 +309,41 @@ def compile_router_topk(key: RouterTopkCompileKey, keep_dir: str | None = None):
                         ids, stream, options=compile_options(keep_dir))
 
 
-__all__ = ["MAX_E", "MAX_K", "RouterTopkCompileKey", "SoftmaxTopkSm90", "compile_router_topk"]
+@dataclass(frozen=True)
+class GroupTopkCompileKey:
+    """One compiled sigmoid router: the logits' dtype, E, k, the groups, the options."""
+
+    dtype: str
+    E: int
+    k: int
+    n_group: int
+    topk_group: int
+    renormalize: bool
+    has_bias: bool
+
+    def name(self) -> str:
+        return (f"router_sigmoid_group_topk_{self.dtype}_e{self.E}_k{self.k}"
+                f"_g{self.n_group}x{self.topk_group}" + ("_renorm" if self.renormalize else "")
+                + ("_bias" if self.has_bias else ""))
+
+
+def compile_group_topk(key: GroupTopkCompileKey, keep_dir: str | None = None):
+    """cute.compile the sigmoid router for (T, E) logits with unit stride along E."""
+    dt = DTYPES[key.dtype]
+    t = cute.sym_int()
+    logits = cute.runtime.make_fake_tensor(dt, (t, key.E), stride=(cute.sym_int64(), 1))
+    bias = cute.runtime.make_fake_compact_tensor(Float32, (cute.sym_int(),))
+    weights = cute.runtime.make_fake_tensor(Float32, (t, key.k), stride=(cute.sym_int64(), 1))
+    ids = cute.runtime.make_fake_tensor(cutlass.Int64, (t, key.k), stride=(cute.sym_int64(), 1))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    from .compile import compile_options
+
+    kernel = SigmoidGroupTopkSm90(dt, key.E, key.k, key.n_group, key.topk_group,
+                                  key.renormalize, key.has_bias)
+    return cute.compile(kernel, logits, bias, weights, ids, Float32(1.0), stream,
+                        options=compile_options(keep_dir))
+
+
+__all__ = ["MAX_E", "MAX_GROUPS", "MAX_K", "GroupTopkCompileKey", "RouterTopkCompileKey",
+           "SigmoidGroupTopkSm90", "SoftmaxTopkSm90", "compile_group_topk",
+           "compile_router_topk"]
