@@ -70,6 +70,42 @@ def _warp_argmax(best_v: Float32, best_i: Int32):
     return best_v, best_i
 
 
+@cute.jit
+def _pick_next(vals: cute.Tensor, taken: Int32, kept: Int32, lane: Int32,
+               E: cutlass.Constexpr, V: cutlass.Constexpr, per: cutlass.Constexpr):
+    """(value, index, taken): the warp's best value not yet taken among the experts whose
+    group (e // per) has its bit set in `kept`; the lane holding it marks it taken."""
+    best_v = Float32(-float("inf"))
+    best_i = Int32(NONE)
+    for i in cutlass.range_constexpr(V):
+        e = lane + 32 * i
+        free = ((taken >> i) & 1) == 0 and e < E and ((kept >> (e // per)) & 1) == 1
+        if free and (vals[i] > best_v or best_i == NONE):
+            best_v = vals[i]
+            best_i = e
+    best_v, best_i = _warp_argmax(best_v, best_i)
+    if lane == best_i % 32:
+        taken = taken | (Int32(1) << (best_i // 32))
+    return best_v, best_i, taken
+
+
+@cute.jit
+def _store_slots(mWeights: cute.Tensor, mIds: cute.Tensor, t: Int32, lane: Int32,
+                 weight: Float32, expert: Int32, kept_sum: Float32, scale: Float32,
+                 K: cutlass.Constexpr, renormalize: cutlass.Constexpr, eps: cutlass.Constexpr):
+    """Lane j < K writes slot j: its weight (over kept_sum [+ eps] when renormalize) times
+    scale, and its expert."""
+    if lane < K:
+        w = weight
+        if cutlass.const_expr(renormalize):
+            denominator = kept_sum
+            if cutlass.const_expr(eps):
+                denominator = kept_sum + Float32(eps)
+            w = weight / denominator
+        mWeights[t, lane] = w * scale
+        mIds[t, lane] = Int64(expert)
+
+
 class SoftmaxTopkSm90:
     """See the module docstring. E experts, k slots, renormalize: divide by the k weights' sum."""
 
@@ -124,28 +160,14 @@ class SoftmaxTopkSm90:
             my_weight = Float32(0.0)
             my_id = Int32(0)
             for j in cutlass.range_constexpr(K):
-                best_v = Float32(-float("inf"))
-                best_i = Int32(NONE)
-                for i in cutlass.range_constexpr(V):
-                    e = lane + 32 * i
-                    free = ((taken >> i) & 1) == 0 and e < E
-                    if free and (vals[i] > best_v or best_i == NONE):
-                        best_v = vals[i]
-                        best_i = e
-                best_v, best_i = _warp_argmax(best_v, best_i)
-                if lane == best_i % 32:
-                    taken = taken | (Int32(1) << (best_i // 32))
+                best_v, best_i, taken = _pick_next(vals, taken, Int32(-1), lane, E, V, E)
                 p = _exp(best_v - row_max) / total
                 kept_sum = kept_sum + p
                 if lane == j:
                     my_weight = p
                     my_id = best_i
-            if lane < K:
-                w = my_weight
-                if cutlass.const_expr(self.renormalize):
-                    w = my_weight / kept_sum
-                mWeights[t, lane] = w
-                mIds[t, lane] = Int64(my_id)
+            _store_slots(mWeights, mIds, t, lane, my_weight, my_id, kept_sum, Float32(1.0), K,
+                         self.renormalize, 0.0)
 
 
 class SigmoidGroupTopkSm90:
@@ -253,17 +275,7 @@ class SigmoidGroupTopkSm90:
             my_weight = Float32(0.0)
             my_id = Int32(0)
             for j in cutlass.range_constexpr(K):
-                best_v = Float32(-float("inf"))
-                best_i = Int32(NONE)
-                for i in cutlass.range_constexpr(V):
-                    e = lane + 32 * i
-                    free = ((taken >> i) & 1) == 0 and e < E and ((kept >> (e // per)) & 1) == 1
-                    if free and (choice[i] > best_v or best_i == NONE):
-                        best_v = choice[i]
-                        best_i = e
-                best_v, best_i = _warp_argmax(best_v, best_i)
-                if lane == best_i % 32:
-                    taken = taken | (Int32(1) << (best_i // 32))
+                _, best_i, taken = _pick_next(choice, taken, kept, lane, E, V, per)
                 mine = Float32(0.0)  # the pick's unbiased score, from the lane that holds it
                 for i in cutlass.range_constexpr(V):
                     if lane + 32 * i == best_i:
@@ -273,13 +285,8 @@ class SigmoidGroupTopkSm90:
                 if lane == j:
                     my_weight = w
                     my_id = best_i
-            if lane < K:
-                w = my_weight
-                if cutlass.const_expr(self.renormalize):
-                    w = my_weight / (kept_sum + Float32(1e-20))
-                mWeights[t, lane] = w * scale
-                mIds[t, lane] = Int64(my_id)
-
+            _store_slots(mWeights, mIds, t, lane, my_weight, my_id, kept_sum, scale, K,
+                         self.renormalize, 1e-20)
 
 @dataclass(frozen=True)
 class RouterTopkCompileKey:
