@@ -75,6 +75,15 @@ FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers
 FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, router kernel"  # --router-kernel
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
+# The fused layer again under a library switch, beside the default: impl name -> (option,
+# variable, value, what the option adds).
+SWITCHED = {
+    FUSED_COMBINE: ("combine_torch", COMBINE_ENV, "torch",
+                    "with embedding_bag as the top-k combine"),
+    FUSED_ROUTER: ("router_kernel", ROUTER_ENV, "kernel", "with the router kernels"),
+    FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
+                 "with the in-kernel gather on every tile below the heavy accumulators"),
+}
 CHECK_TOKENS = 128
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
@@ -152,11 +161,11 @@ def ours(kind: str, block: torch.nn.Module, fused: bool | None) -> Callable:
 def with_env(fn: Callable, name: str, value: str) -> Callable:
     """fn with the environment variable `name` set to `value` during each call (and so during
     a CUDA-graph capture of it)."""
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def run(*args: Any, **kwargs: Any) -> Any:
         old = os.environ.get(name)
         os.environ[name] = value
         try:
-            return fn(x)
+            return fn(*args, **kwargs)
         finally:
             if old is None:
                 os.environ.pop(name, None)
@@ -382,9 +391,9 @@ def run(args: argparse.Namespace) -> dict:
         keys = set()
         for n in names:
             keys |= kernel_keys(models[n], tokens, device)
-            if args.gather_wide:
-                keys |= with_env(lambda _: kernel_keys(models[n], tokens, device),
-                                 GATHER_WIDE_ENV, "1")(None)
+            for option, name, value, _ in SWITCHED.values():  # (a switch may change kernels)
+                if getattr(args, option):
+                    keys |= with_env(kernel_keys, name, value)(models[n], tokens, device)
         result["precompile"] = precompile(keys, args.jobs, args.compile_timeout)
     impl_names = [FUSED, UNFUSED, HF]
     if not smoke:
@@ -406,17 +415,12 @@ def run(args: argparse.Namespace) -> dict:
             UNFUSED: ours(m["kind"], block, False),
             HF: transformers_layer(m["kind"], block),
         }
-        if args.combine_torch and FUSED in impl_names:
-            impls[FUSED_COMBINE] = with_env(ours(m["kind"], block, True if smoke else None),
-                                            COMBINE_ENV, "torch")
-        if args.router_kernel and FUSED in impl_names:
-            impls[FUSED_ROUTER] = with_env(ours(m["kind"], block, True if smoke else None),
-                                           ROUTER_ENV, "kernel")
-        if args.gather_wide and FUSED in impl_names:
-            impls[FUSED_WIDE] = with_env(ours(m["kind"], block, True if smoke else None),
-                                         GATHER_WIDE_ENV, "1")
+        for impl, (option, name, value, _) in SWITCHED.items():
+            if getattr(args, option) and FUSED in impl_names:
+                impls[impl] = with_env(ours(m["kind"], block, True if smoke else None), name,
+                                       value)
         impls = {name: fn for name, fn in impls.items()
-                 if name in impl_names or name in (FUSED_COMBINE, FUSED_ROUTER, FUSED_WIDE)}
+                 if name in impl_names or name in SWITCHED}
         if sonic_ok:
             try:
                 impls[SONIC] = sonic_layer(m, device, dtype)
@@ -556,16 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help=f"also record each implementation's top {PROFILE_TOP} kernels per case "
                         "(torch.profiler; JSON 'profile')")
-    p.add_argument("--combine-torch", action="store_true",
-                   help=f"also time the fused layer with embedding_bag as the top-k combine "
-                        f"('{FUSED_COMBINE}', MOE_GEMM_COMBINE=torch)")
-    p.add_argument("--router-kernel", action="store_true",
-                   help=f"also time the fused layer with the softmax router kernel "
-                        f"('{FUSED_ROUTER}', MOE_GEMM_ROUTER=kernel)")
-    p.add_argument("--gather-wide", action="store_true",
-                   help=f"also time the fused layer with the in-kernel gather on every tile "
-                        f"below the heavy accumulators ('{FUSED_WIDE}', "
-                        f"MOE_GEMM_FUSED_GATHER_WIDE=1)")
+    for impl, (option, name, value, what) in SWITCHED.items():
+        p.add_argument("--" + option.replace("_", "-"), action="store_true",
+                       help=f"also time the fused layer {what} ('{impl}', {name}={value})")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
     p.add_argument("--probe", action="store_true",

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from benchmarks.bench_moe_layer import with_env  # noqa: E402
 from moe_gemm import GemmConfig  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
 
@@ -80,22 +81,9 @@ def variant_env(text: str) -> dict[str, str]:
 
 def with_environment(fn, env: dict[str, str]):
     """fn with `env` set during each call (the plans key on the switches they read)."""
-    if not env:
-        return fn
-
-    def run():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-    return run
+    for name, value in env.items():
+        fn = with_env(fn, name, value)
+    return fn
 
 
 def layer_case(m: dict, T: int, device: torch.device, dtype: torch.dtype,

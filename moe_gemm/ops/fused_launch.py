@@ -25,7 +25,7 @@ from moe_gemm.env import env_flag
 from moe_gemm.kernels.sm90.constants import HEAVY_ACC_REGS, acc_regs, fused_problem
 from moe_gemm.ops import launch_info, launch_kernel, launch_resources
 from moe_gemm.ops.fused_validation import FusedMmArgs
-from moe_gemm.ops.heuristics import KernelChoice, choose_varlen
+from moe_gemm.ops.heuristics import GATHER_WIDE_ENV, KernelChoice, choose_varlen
 from moe_gemm.ops.support import (
     MAX_PROBLEMS,
     _dtype_problem,
@@ -36,7 +36,6 @@ from moe_gemm.ops.support import (
 )
 
 FUSED_MAX_ACC_REGS = 192
-GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"  # 1: gather in kernel for the larger tiles too
 _GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
 
 

@@ -250,13 +250,14 @@ def fused_problem(form: str, schedule: str, tile_m: int, tile_n: int, b_major: s
                     f"{HEAVY_ACC_REGS - 1} with a gather)")
     return None
 
+
 # The top-k combine (combine.py): each thread sums one 16-byte vector (8 bf16 / fp16 values) of
 # a token's row over its k slots, all k loads issued together (k is compile-time, up to 16).
 COMBINE_VEC = 8
 COMBINE_MAX_K = 16
 
-# The softmax router's top-k (router_topk.py): one warp per token, E / 32 values a lane (at most
-# 32: E up to 1024), one output slot a lane (k up to 32).
+# The routers' top-k (router_topk.py): one warp per token, E / 32 values a lane (at most 32:
+# E up to 1024), one output slot a lane (k up to 32).
 ROUTER_MAX_E = 1024
 ROUTER_MAX_K = 32
 ROUTER_MAX_GROUPS = 32  # the sigmoid router's eligible groups: a bit each in one register
