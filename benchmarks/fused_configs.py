@@ -41,8 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks.bench_moe_layer import with_env  # noqa: E402
+from benchmarks.bench_moe_layer import rotated, with_env  # noqa: E402
 from moe_gemm import GemmConfig  # noqa: E402
+from moe_gemm.capability import sm_count  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_layer)
@@ -122,32 +123,54 @@ def layer_case(m: dict, T: int, device: torch.device, dtype: torch.dtype,
     }
 
 
+def kernel_choices(case: dict, device: torch.device, nsm: int) -> dict[str, tuple | None]:
+    """Per variant: (the fitted KernelChoice, whether the kernel gathers), None where the
+    fused options cannot build it (reported when the variant runs)."""
+    from moe_gemm.ops.fused_launch import fused_choice
+    from moe_gemm.ops.fused_validation import check_fused_mm
+
+    args = check_fused_mm(**case["kw"])
+    picked: dict[str, tuple | None] = {}
+    for name, cfg in case["configs"].items():
+        try:
+            picked[name] = with_environment(
+                lambda cfg=cfg: fused_choice(args, cfg or GemmConfig(), nsm, device),
+                variant_env(name))()
+        except ValueError:
+            picked[name] = None
+    return picked
+
+
+def describe(choice, in_kernel: bool) -> str:
+    """A fitted choice in the variants' notation, e.g. 'pp 64x256 c2x1, in-kernel gather'."""
+    sched = {v: k for k, v in _SCHEDULES.items()}[choice.schedule]
+    text = f"{sched} {choice.tile_m}x{choice.tile_n} c{choice.cluster_m}x{choice.cluster_n}"
+    return text + (", in-kernel gather" if in_kernel else "")
+
+
 def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
     """The kernels the variants launch, for the parallel precompile."""
-    from moe_gemm.ops.fused_launch import fused_choice, fused_key
+    from moe_gemm.ops.fused_launch import fused_key
     from moe_gemm.ops.fused_validation import check_fused_mm
 
     keys = set()
     for case in cases:
         args = check_fused_mm(**case["kw"])
         major = "k" if case["kw"]["w"].stride(1) == 1 else "n"
-        for name, cfg in case["configs"].items():
-            try:
-                choice, in_kernel = with_environment(
-                    lambda cfg=cfg: fused_choice(args, cfg or GemmConfig(), nsm, device),
-                    variant_env(name))()
-            except ValueError:
-                continue  # (reported when the variant runs)
-            keys.add(fused_key(args, choice, major, in_kernel))
+        for picked in kernel_choices(case, device, nsm).values():
+            if picked is not None:
+                keys.add(fused_key(args, picked[0], major, picked[1]))
     return keys
 
 
 def time_interleaved(fns: list, rounds: int, calls: int, device: torch.device) -> list[float]:
-    """Median ms per call of each fn, interleaved round by round."""
+    """Median ms per call of each fn, interleaved round by round; each round starts one fn
+    later (on an H200 the first of a round measured up to 8% slow on 20 ms calls)."""
     cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
+    for r in range(rounds):
+        for i in rotated(range(len(fns)), r):
+            fn = fns[i]
             if cuda:
                 start, end = torch.cuda.Event(True), torch.cuda.Event(True)
                 start.record()
@@ -164,12 +187,16 @@ def time_interleaved(fns: list, rounds: int, calls: int, device: torch.device) -
     return [statistics.median(t) for t in times]
 
 
-def run_case(case: dict, rounds: int, calls: int, device: torch.device) -> list[dict]:
-    """One GEMM's variants: checked against the default, then timed."""
+def run_case(case: dict, rounds: int, calls: int, device: torch.device,
+             picked: dict[str, tuple | None] | None = None) -> list[dict]:
+    """One GEMM's variants: checked against the default, then timed. picked: each variant's
+    kernel choice (kernel_choices; GPU runs), recorded as the row's 'kernel'."""
     rows, fns, ref = [], [], None
     for name, cfg in case["configs"].items():
         row: dict[str, Any] = dict(model=case["model"], proj=case["proj"],
                                    tokens=case["tokens"], variant=name)
+        if picked and picked.get(name) is not None:
+            row["kernel"] = describe(*picked[name])
         fn = with_environment(lambda kw=case["kw"], cfg=cfg: fused_grouped_mm(**kw, config=cfg),
                               variant_env(name))
         try:
@@ -267,13 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if device.type == "cuda":
         from benchmarks.bench_moe_layer import precompile
-        from moe_gemm.capability import sm_count
 
         result["precompile"] = precompile(compile_keys(cases, device, sm_count(device)),
                                           args.jobs, args.compile_timeout)
     rows = []
     for case in cases:
-        rows += run_case(case, args.rounds, args.calls, device)
+        picked = kernel_choices(case, device, sm_count(device)) if device.type == "cuda" else None
+        rows += run_case(case, args.rounds, args.calls, device, picked)
     result["rows"] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

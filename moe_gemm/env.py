@@ -83,14 +83,14 @@ LIBRARY_VARIABLES: dict[str, str] = {
     "MOE_GEMM_FUSED_GATHER": "0: the fused path gathers tokens with index_select, not in the "
                              "kernel",
     "MOE_GEMM_FUSED_GATHER_WIDE": "1: the fused kernel gathers in kernel also on tiles past 128 "
-                                  "rows or 128 accumulator registers (opt-in: not yet "
-                                  "GPU-tested)",
+                                  "rows or 128 accumulator registers (no routed copy of x; "
+                                  "slower than index_select + TMA on the H200)",
     "MOE_GEMM_FP8_SCALE_AHEAD": "1-4: stages ahead the FP8 block scales are loaded (default 3 "
                                 "on tiles within one scale block; 1: the plain loop)",
     "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs",
     "MOE_GEMM_FP8_QUANT": "torch: the FP8 quantizers run torch ops even where the kernel runs",
-    "MOE_GEMM_ROUTER": "kernel: the routers' top-k (softmax; sigmoid with groups) as one "
-                       "kernel each instead of torch ops (opt-in: not yet GPU-tested)",
+    "MOE_GEMM_ROUTER": "torch: the routers' top-k (softmax; sigmoid with groups) as torch "
+                       "ops even where their kernels run",
     "MOE_GEMM_COMBINE": "torch: the MoE layers' top-k combine as embedding_bag even where "
                         "its kernel runs",
 }

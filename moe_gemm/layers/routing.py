@@ -10,13 +10,13 @@ S = T * k routed rows, whatever the routing.
 
 Routers (pure functions, matching transformers 5 exactly):
 - `softmax_topk`: Mixtral (always renormalised) and Qwen2/Qwen3-MoE (renormalised iff
-  `norm_topk_prob`): softmax in float32, top-k, then divide by the top-k sum (with
-  MOE_GEMM_ROUTER=kernel on a Hopper GPU, one kernel: ops/router_topk.py).
+  `norm_topk_prob`): softmax in float32, top-k, then divide by the top-k sum (on a
+  Hopper GPU one kernel, ops/router_topk.py; MOE_GEMM_ROUTER=torch keeps the torch ops).
 - `sigmoid_grouped_topk`: DeepSeek-V3 / GLM-4-MoE: float32 sigmoid scores; a correction bias
   added for the *selection* only; group-limited choice (group score = sum of its two best
   biased scores, keep `topk_group` groups); weights gathered from the unbiased scores,
-  renormalised with +1e-20, times `routed_scaling_factor` (with MOE_GEMM_ROUTER=kernel on a
-  Hopper GPU, one kernel: ops/router_topk.py).
+  renormalised with +1e-20, times `routed_scaling_factor` (on a Hopper GPU one kernel,
+  ops/router_topk.py).
 
 Permutation (`permute_by_expert`): a stable sort of the S (token, slot) pairs by expert id,
 the token of every sorted row, the sorted row of every slot (the inverse, for the combine) and

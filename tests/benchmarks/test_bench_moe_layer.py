@@ -35,7 +35,7 @@ def test_smoke_run_writes_the_json(tmp_path):
 def test_smoke_combine_torch_row_and_profile(tmp_path):
     out = tmp_path / "moe-layer.json"
     rc = bml.main(["--smoke", "--models", "qwen3-30b-a3b", "--tokens", "4", "--rounds", "2",
-                   "--target-ms", "1", "--combine-torch", "--router-kernel", "--gather-wide",
+                   "--target-ms", "1", "--combine-torch", "--router-torch", "--gather-wide",
                    "--profile", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
@@ -107,3 +107,11 @@ def test_probe_falls_back_to_no_gather_then_to_no_fused_rows(monkeypatch):
     answers[:] = [(0, {"m": 0.5}, False), "timeout"]  # wrong results, then a hang
     res = bml.probe_in_subprocess(["m"], 5)
     assert not res["ok"] and "timed out" in res["tried"][1]["error"]
+
+
+def test_rotated_rounds_put_each_implementation_first_once():
+    names = ["a", "b", "c"]
+    firsts = [bml.rotated(names, r)[0] for r in range(3)]
+    assert firsts == ["a", "b", "c"]
+    assert all(sorted(bml.rotated(names, r)) == names for r in range(5))
+    assert bml.rotated({"x": 1, "y": 2}, 1) == ["y", "x"] and bml.rotated([], 3) == []

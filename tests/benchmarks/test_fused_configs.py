@@ -87,3 +87,17 @@ def test_bad_arguments_are_errors(capsys):
     assert "unknown model" in capsys.readouterr().err
     assert fc.main(["--smoke", "--up", "coop"]) == 2
     assert "pp|coop MxN" in capsys.readouterr().err
+
+
+def test_kernel_choices_name_the_fitted_tile():
+    args = fc.parser().parse_args(["--models", "deepseek-v3-ep8", "--tokens", "64",
+                                   "--up", "pp 128x192 c2x1", "--up", "pp 128x192 c2x1 wide",
+                                   "--down", "pp 128x128 c1x2"])
+    up, down = fc.build_cases(args, torch.device("cpu"))
+    picked = fc.kernel_choices(up, torch.device("cpu"), 132)
+    assert set(picked) == {fc.DEFAULT, "pp 128x192 c2x1", "pp 128x192 c2x1 wide"}
+    # A 128x192 gathered tile takes the shared-memory row form: without 'wide' the plan gathers.
+    assert fc.describe(*picked["pp 128x192 c2x1"]) == "pp 128x192 c2x1"
+    assert fc.describe(*picked["pp 128x192 c2x1 wide"]) == "pp 128x192 c2x1, in-kernel gather"
+    assert fc.describe(*fc.kernel_choices(down, torch.device("cpu"), 132)["pp 128x128 c1x2"]) \
+        == "pp 128x128 c1x2"

@@ -11,8 +11,8 @@ from moe_gemm.ops import launch_resources, router_topk
 
 
 def test_what_the_kernel_takes(monkeypatch):
-    monkeypatch.delenv(router_topk.ROUTER_ENV)  # the default: torch ops
-    assert not router_topk._takes(torch.randn(5, 128), 8)
+    monkeypatch.delenv(router_topk.ROUTER_ENV)  # the default: the kernel where it runs
+    assert router_topk._takes(torch.randn(5, 128), 8)
     monkeypatch.setenv(router_topk.ROUTER_ENV, "kernel")
     x = torch.randn(5, 128)
     takes = router_topk._takes
@@ -93,7 +93,7 @@ def test_logits_needing_a_gradient_take_torch(kernel):
 
 
 class _GroupEmulator:
-    """The sigmoid router kernel's contract, by the torch path (MOE_GEMM_ROUTER unset)."""
+    """The sigmoid router kernel's contract, by the torch path (MOE_GEMM_ROUTER=torch)."""
 
     def __init__(self, key):
         self.key, self.calls = key, []
@@ -103,7 +103,7 @@ class _GroupEmulator:
         self.calls.append((bias, scale))
         import os
 
-        os.environ.pop(router_topk.ROUTER_ENV, None)
+        os.environ[router_topk.ROUTER_ENV] = "torch"
         try:
             w, i = routing.sigmoid_grouped_topk(logits, bias if has_bias else None, k, n_group,
                                                 topk_group, scale, renormalize)
