@@ -29,9 +29,9 @@ in-kernel gather, or without the fused rows, and the JSON says so ("fused_probe"
 
 Timing: each implementation as a CUDA-graph replay where it captures (eager otherwise; the row
 says which), after warm-up, batches of calls timed by CUDA events, implementations
-interleaved round by round (each round starting one later), the median batch per call. Kernels are compiled before timing, in
-parallel (every variant the fused and unfused layers will launch, from the library's own
-choice). The JSON keeps device, date, versions, per-row times with the speedup over the
+interleaved round by round (each round starting one later), the median batch per call.
+Kernels are compiled before timing, in parallel (every variant the fused and unfused layers
+will launch, from the library's own choice). The JSON keeps device, date, versions, per-row times with the speedup over the
 unfused layer, and per model each implementation's worst agreement (calc_diff) with the
 unfused layer over the timed token counts.
 """
