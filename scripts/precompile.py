@@ -60,10 +60,11 @@ def variant_set(name: str, device: str | None = None) -> list:
         return fused_test_variants()
     keys = set(check_variants(full=True))
     if name == "tests":
-        from kernels.variants import kernel_test_variants
+        from kernels.variants import kernel_test_variants, router_test_variants
         from kernels.variants_fp8 import fp8_test_variants
 
         keys.update(kernel_test_variants())
+        keys.update(router_test_variants())
         keys.update(fp8_test_variants())
     return sorted(keys, key=lambda k: k.name())
 

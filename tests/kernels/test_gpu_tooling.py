@@ -19,7 +19,7 @@ from moe_gemm.ops.support import analyze_general
 from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
 
 from . import helpers as h
-from .variants import Variants, kernel_test_variants
+from .variants import Variants, kernel_test_variants, router_test_variants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,6 +125,20 @@ def test_test_variants_cover_every_kind():
         assert any(getattr(k, flag) for k in keys), flag
     assert {(k.cluster_m, k.cluster_n) for k in keys} >= {(1, 1), (2, 1), (1, 2)}
     assert {k.visitor for k in keys} == {"device", "host"}
+
+
+def test_router_test_variants_compile_through_the_precompile_path():
+    """The router keys the precompile adds are distinct and compile_any builds one of each kind
+    (on the CPU, for sm90a)."""
+    pytest.importorskip("cutlass")
+    from moe_gemm.kernels.sm90.compile_fp8 import compile_any
+    from moe_gemm.kernels.sm90.router_topk import GroupTopkCompileKey, RouterTopkCompileKey
+
+    keys = router_test_variants()
+    assert len({k.name() for k in keys}) == len(keys) >= 20
+    for kind in (RouterTopkCompileKey, GroupTopkCompileKey):
+        first = next(k for k in keys if isinstance(k, kind))
+        assert compile_any(first) is not None
 
 
 def test_fp8_test_variants_are_kernels_that_build():

@@ -430,3 +430,27 @@ def kernel_test_variants(nsm: int = NUM_SMS) -> list:
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 
+
+# tests/ops/test_router_topk_gpu.py's routers: (E, k, dtype, renormalize) of the softmax router
+# and (E, k, n_group, topk_group, dtype, has_bias, renormalize) of the sigmoid one.
+_SOFTMAX_ROUTERS = [
+    (1, 1, "float32", True), (8, 2, "bfloat16", True), (33, 32, "float32", False),
+    (60, 4, "bfloat16", False), (128, 8, "bfloat16", True), (128, 8, "float32", False),
+    (256, 8, "bfloat16", True), (384, 6, "float32", True), (1000, 32, "bfloat16", False),
+    (1024, 8, "bfloat16", True), (128, 8, "float16", True), (64, 4, "float32", False),
+    (48, 8, "float32", True), (48, 4, "float32", True), (128, 8, "float32", True)]
+_GROUP_ROUTERS = [
+    (256, 8, 8, 4, "float32", True, True), (256, 8, 8, 4, "bfloat16", True, False),
+    (160, 8, 1, 1, "float32", True, True), (64, 6, 8, 3, "bfloat16", False, True),
+    (96, 4, 3, 2, "float32", True, True), (384, 8, 1, 1, "bfloat16", True, True),
+    (1024, 32, 32, 31, "float32", True, True), (256, 8, 8, 4, "bfloat16", True, True)]
+
+
+def router_test_variants() -> list:
+    """The router kernels' compile keys the router GPU tests launch (scripts/precompile.py's
+    'tests' set compiles them beside the GEMMs)."""
+    from moe_gemm.kernels.sm90.router_topk import GroupTopkCompileKey, RouterTopkCompileKey
+
+    keys = [RouterTopkCompileKey(d, E, k, r) for E, k, d, r in _SOFTMAX_ROUTERS]
+    keys += [GroupTopkCompileKey(d, E, k, g, tg, r, b) for E, k, g, tg, d, b, r in _GROUP_ROUTERS]
+    return sorted(set(keys), key=lambda k: k.name())

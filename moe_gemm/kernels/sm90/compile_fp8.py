@@ -139,11 +139,18 @@ def compile_quant(key: QuantCompileKey, keep_dir: str | None = None):
 
 
 def compile_any(key, keep_dir: str | None = None):
-    """Compile a CompileKey (16-bit kernel), an Fp8CompileKey or a QuantCompileKey."""
+    """Compile a CompileKey (16-bit kernel), an Fp8CompileKey, a QuantCompileKey or a router's
+    key (RouterTopkCompileKey, GroupTopkCompileKey)."""
     if isinstance(key, Fp8CompileKey):
         return compile_fp8_variant(key, keep_dir)
     if isinstance(key, QuantCompileKey):
         return compile_quant(key, keep_dir)
+    from . import router_topk
+
+    if isinstance(key, router_topk.RouterTopkCompileKey):
+        return router_topk.compile_router_topk(key, keep_dir)
+    if isinstance(key, router_topk.GroupTopkCompileKey):
+        return router_topk.compile_group_topk(key, keep_dir)
     from .compile import compile_variant
 
     return compile_variant(key, keep_dir)
