@@ -9,8 +9,9 @@ shared memory (s_rows: the row of x of each of the tile's rows), so the gather t
 default 40-register producer (constants.gather_rows_in_registers). The two forms split a row's
 128-byte K slice differently (gather_lanes):
 - registers: four threads a row, two 16-byte chunks each (one warp instruction reads 64
-  contiguous bytes of 8 rows), so a thread holds tile_m / 16 indices (8 for 128-row tiles:
-  with 16, the 64-bit row addresses spilled under the producer's budget, constants.REGS_GATHER);
+  contiguous bytes of 8 rows), so a thread holds tile_m / 16 indices (8 for 128-row tiles, as
+  32-bit indices: eight 64-bit row addresses instead spilled under the producer's budget,
+  constants.REGS_GATHER);
 - shared memory: eight threads a row, one chunk each (one warp instruction reads whole
   128-byte lines of 4 rows: half the L1 requests of the split above, whose two instructions
   fetch each line's halves apart). On an H200 the first form of the shared-memory gather
