@@ -321,20 +321,25 @@ def kernel_breakdown(t: Timed, device: torch.device, calls: int = 3) -> list[dic
              "launches": e.count / calls} for e in events[:PROFILE_TOP]]
 
 
-def time_batch(t: Timed, calls: int, device: torch.device) -> float:
-    """Milliseconds per call over one batch of `calls`."""
+def time_calls(fn: Callable[[], Any], calls: int, device: torch.device) -> float:
+    """Milliseconds per call over one batch of `calls` calls of fn (CUDA events on a GPU)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
-            t.call()
+            fn()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / calls
     t0 = time.perf_counter()
     for _ in range(calls):
-        t.call()
+        fn()
     return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def time_batch(t: Timed, calls: int, device: torch.device) -> float:
+    """Milliseconds per call over one batch of `calls` of an implementation."""
+    return time_calls(t.call, calls, device)
 
 
 def rotated(items, r: int) -> list:

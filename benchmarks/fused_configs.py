@@ -33,7 +33,6 @@ import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks.bench_moe_layer import rotated, with_env  # noqa: E402
+from benchmarks.bench_moe_layer import rotated, time_calls, with_env  # noqa: E402
 from moe_gemm import GemmConfig  # noqa: E402
 from moe_gemm.capability import sm_count  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
@@ -166,24 +165,10 @@ def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
 def time_interleaved(fns: list, rounds: int, calls: int, device: torch.device) -> list[float]:
     """Median ms per call of each fn, interleaved round by round; each round starts one fn
     later (on an H200 the first of a round measured up to 8% slow on 20 ms calls)."""
-    cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
         for i in rotated(range(len(fns)), r):
-            fn = fns[i]
-            if cuda:
-                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-                start.record()
-                for _ in range(calls):
-                    fn()
-                end.record()
-                end.synchronize()
-                times[i].append(start.elapsed_time(end) / calls)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times[i].append((time.perf_counter() - t0) * 1e3 / calls)
+            times[i].append(time_calls(fns[i], calls, device))
     return [statistics.median(t) for t in times]
 
 
