@@ -170,9 +170,9 @@ def test_gather_register_split_and_warps():
     assert 128 * k.load_regs + 256 * k.math_regs <= 65536
     # Warps 0 (B's TMA) and 1 (the scheduler) keep their roles; 8 threads per 128-byte row.
     assert GATHER_FIRST_WARP == 2 and GATHER_FIRST_WARP + GATHER_WARPS <= 4
-    from moe_gemm.kernels.sm90.gather import gather_lanes
+    from moe_gemm.kernels.sm90.gather import ROWS_PER_PASS
 
-    assert k.tile_m % gather_lanes(False)[1] == 0
+    assert k.tile_m % ROWS_PER_PASS == 0 and ROWS_PER_PASS * 4 == GATHER_WARPS * 32
     plain = _key("cooperative", (128, 256), bias=True).kernel()
     assert (plain.load_regs, plain.math_regs) != REGS_GATHER and plain.d_tile_n == 256
     assert not k.gather_rows_in_smem and not plain.gather_rows_in_smem
@@ -184,30 +184,6 @@ def test_gather_register_split_and_warps():
         assert wide.gather_rows_in_smem and (wide.load_regs, wide.math_regs) == REGS_DEFAULT
         same = _key(schedule, tile, gate="silu", gate_layout="concat").kernel()
         assert wide.ab_stages <= same.ab_stages
-
-
-@pytest.mark.parametrize("rows_in_smem", [False, True])
-@pytest.mark.parametrize("tile_m", [64, 128, 192, 256])
-def test_gather_threads_copy_every_chunk_of_the_tile_once(rows_in_smem, tile_m):
-    """gather_role's lane -> (row, chunk) map, as its loops walk it: the 64 gather threads
-    cover each of the tile's rows' eight 16-byte chunks exactly once; the shared-memory form's
-    warp instructions read whole 128-byte lines (8 lanes a row)."""
-    from moe_gemm.kernels.sm90.constants import GATHER_WARPS
-    from moe_gemm.kernels.sm90.gather import CHUNKS_PER_ROW, gather_lanes
-
-    threads_per_row, rows_per_pass = gather_lanes(rows_in_smem)
-    chunks_per_thread = CHUNKS_PER_ROW // threads_per_row
-    copies = []
-    for gtid in range(GATHER_WARPS * 32):
-        r0, c = gtid // threads_per_row, gtid % threads_per_row
-        for i in range(tile_m // rows_per_pass):
-            for j in range(chunks_per_thread):
-                copies.append((r0 + i * rows_per_pass, c + j * threads_per_row))
-    assert sorted(copies) == [(r, c) for r in range(tile_m) for c in range(CHUNKS_PER_ROW)]
-    # The lanes of one row sit in one warp (the s_rows write-then-read needs only sync_warp).
-    assert 32 % threads_per_row == 0
-    if rows_in_smem:
-        assert threads_per_row * 16 == 128  # a warp step: 4 rows x 128 contiguous bytes
 
 
 def test_swizzle_matches_the_tma_128_byte_pattern():

@@ -3,20 +3,17 @@
 The MoE layer's gate-up GEMM multiplies each routed row r (sorted by expert) by its token's
 row x[row_index[r]]. Hopper's TMA copies boxes of consecutive rows, so instead of a permuted
 copy of x (S x H elements written and read again) two warps of the producer warpgroup load the
-tile's rows with cp.async, 16 bytes a copy. The row indices of the thread's rows are read once
-per tile and kept in registers, or, for tiles past 128 rows or 128 accumulator registers, in
-shared memory (s_rows: the row of x of each of the tile's rows), so the gather threads fit the
-default 40-register producer (constants.gather_rows_in_registers). The two forms split a row's
-128-byte K slice differently (gather_lanes):
-- registers: four threads a row, two 16-byte chunks each (one warp instruction reads 64
-  contiguous bytes of 8 rows), so a thread holds tile_m / 16 indices (8 for 128-row tiles, as
-  32-bit indices: eight 64-bit row addresses instead spilled under the producer's budget,
-  constants.REGS_GATHER);
-- shared memory: eight threads a row, one chunk each (one warp instruction reads whole
-  128-byte lines of 4 rows: half the L1 requests of the split above, whose two instructions
-  fetch each line's halves apart). On an H200 the first form of the shared-memory gather
-  (the register form's split) ran a ping-pong 128x192 tile at 0.73-0.97x its speed after an
-  index_select, its math warps waiting on the gathered stages (docs/measurements.md).
+tile's rows with cp.async, 16 bytes a copy: four threads share a row's 128-byte K slice, two
+16-byte chunks each (one warp instruction reads 64 contiguous bytes of 8 rows). The row
+indices of the thread's tile_m / 16 rows are read once per tile and kept in registers (8 for
+128-row tiles, as 32-bit indices: eight 64-bit row addresses instead spilled under the
+producer's register budget, constants.REGS_GATHER), or, for tiles past 128 rows or 128
+accumulator registers, in shared memory (s_rows: the row of x of each of the tile's rows), so
+the gather threads fit the default 40-register producer (constants.gather_rows_in_registers).
+Both forms split a row four lanes wide: eight lanes a row, one 16-byte copy each (whole
+128-byte lines a warp instruction, but 16 rows a thread), ran slower on an H200 (0.53-0.68x
+index_select + TMA against 0.73-0.97x; docs/measurements.md): the two gather warps are bound by
+their instructions per stage, not by L1 requests.
 
 Completion: every gather thread arrives on the stage's full barrier once its copies of the
 stage have landed (cp.async.mbarrier.arrive.noinc: the barrier was initialised expecting those
@@ -36,18 +33,13 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from .constants import GATHER_WARPS, SCHED_STAGES, TILE_K
+from .constants import SCHED_STAGES, TILE_K
 from .tile_scheduler import consume_work
 
 CHUNK = 8  # 16-bit elements per 16-byte cp.async
-CHUNKS_PER_ROW = TILE_K // CHUNK  # 8 chunks in a row's 128-byte K slice
-GATHER_THREADS = GATHER_WARPS * 32
-
-
-def gather_lanes(rows_in_smem: bool) -> tuple[int, int]:
-    """(threads a row, rows the 64 gather threads cover in one pass) of a gather form."""
-    threads_per_row = 8 if rows_in_smem else 4
-    return threads_per_row, GATHER_THREADS // threads_per_row
+THREADS_PER_ROW = 4  # each copies 2 of the row's 8 chunks: 64 contiguous bytes a warp step
+CHUNKS_PER_THREAD = TILE_K // CHUNK // THREADS_PER_ROW
+ROWS_PER_PASS = 16  # rows the 64 gather threads cover in one pass
 
 
 # A's stages are K-major with the 128-byte swizzle (TILE_K = 64 16-bit values: one 128-byte row
@@ -97,11 +89,9 @@ def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.Pi
     in shared memory; a_smem_staged: its (swizzled) layout; s_rows: (tile_m,) int32 in shared
     memory where cfg.gather_rows_in_smem (else unused)."""
     dtype = cfg.ab_dtype
-    threads_per_row, rows_per_pass = gather_lanes(cfg.gather_rows_in_smem)
-    chunks_per_thread = CHUNKS_PER_ROW // threads_per_row
-    rows_per_thread = cfg.tile_m // rows_per_pass
-    r0 = gtid // threads_per_row  # this thread's first row of the tile
-    c = gtid % threads_per_row  # its first 16-byte chunk of the 128-byte K slice
+    rows_per_thread = cfg.tile_m // ROWS_PER_PASS
+    r0 = gtid // THREADS_PER_ROW  # this thread's first row of the tile
+    c = gtid % THREADS_PER_ROW  # its first 16-byte chunk of the 128-byte K slice
     mA = problems.mA  # x (T, K)
     x_base = mA.iterator.toint()
     row_bytes = Int64(mA.stride[0]) * (dtype.width // 8)
@@ -121,17 +111,17 @@ def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.Pi
     while work.has_work():
         first = work.row_start + work.m_tile * cfg.tile_m + r0
         if cutlass.const_expr(cfg.gather_rows_in_smem):
-            # The lanes sharing a row (eight, in one warp) write the same value and each reads
-            # back only rows it wrote; the warp sync keeps a lane from overwriting a row another
+            # The four lanes sharing a row (one warp) write the same value and each reads back
+            # only rows it wrote; the warp sync keeps a lane from overwriting a row another
             # lane still reads for the previous tile.
             cute.arch.sync_warp()
         for i in cutlass.range_constexpr(rows_per_thread):
-            r = first + i * rows_per_pass
+            r = first + i * ROWS_PER_PASS
             t = Int32(-1)
             if r < S:
                 t = cutlass.max(cutlass.min(index[r], T - 1), Int32(0))
             if cutlass.const_expr(cfg.gather_rows_in_smem):
-                s_rows[r0 + i * rows_per_pass] = t
+                s_rows[r0 + i * ROWS_PER_PASS] = t
             else:
                 rows[i] = t
         for kk in cutlass.range(0, work.k_tiles, 1, unroll=1):
@@ -139,18 +129,18 @@ def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.Pi
             ab_pipe.sync_object_empty.wait(ab_state.index, ab_state.phase)
             if cutlass.const_expr(cfg.gather_rows_in_smem):
                 for i in cutlass.range_constexpr(rows_per_thread):  # one shared read a row
-                    row = s_rows[r0 + i * rows_per_pass]
-                    for j in cutlass.range_constexpr(chunks_per_thread):
-                        chunk = c + j * threads_per_row
-                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * rows_per_pass,
+                    row = s_rows[r0 + i * ROWS_PER_PASS]
+                    for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        chunk = c + j * THREADS_PER_ROW
+                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
                                          chunk * CHUNK, ab_state.index, dtype)
                         _copy_chunk(atom, pred, x_base, row_bytes, row, k0 + chunk * CHUNK, K,
                                     dst, dtype)
             else:
-                for j in cutlass.range_constexpr(chunks_per_thread):
-                    chunk = c + j * threads_per_row
+                for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    chunk = c + j * THREADS_PER_ROW
                     for i in cutlass.range_constexpr(rows_per_thread):
-                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * rows_per_pass,
+                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
                                          chunk * CHUNK, ab_state.index, dtype)
                         _copy_chunk(atom, pred, x_base, row_bytes, rows[i], k0 + chunk * CHUNK,
                                     K, dst, dtype)
