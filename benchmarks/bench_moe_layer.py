@@ -18,7 +18,8 @@ with fused=False: two grouped_mm launches and torch ops between them), "transfor
 grouped_mm" (the block itself with transformers' default experts implementation) and
 "sonicmoe" (sonicmoe.MoE of the same H, I, E, k with its own top-k softmax router and plain
 SwiGLU, without DeepSeek's shared expert; where the package imports and runs: what happened
-is recorded either way). sonic-moe 0.1.2 runs on DSL 4.8.1 with quack-kernels 0.6.0 ahead of
+is recorded either way); on DeepSeek-V3 also "moe_gemm fused, routed experts only" (the fused
+layer without its shared expert: SonicMoE's scope). sonic-moe 0.1.2 runs on DSL 4.8.1 with quack-kernels 0.6.0 ahead of
 a newer QuACK on the path (`pip install --no-deps --target DIR quack-kernels==0.6.0 sonic-moe`,
 then PYTHONPATH=DIR); with QuACK 0.6.4 or 0.6.5 its forward raises a TypeError about a
 ContextVar in its epilogue.
@@ -45,6 +46,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -77,6 +79,9 @@ FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers
 FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, torch router"  # --router-torch
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
+# DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
+# none), so that the two compare like for like.
+FUSED_ROUTED = "moe_gemm fused, routed experts only"
 # The fused layer again under a library switch, beside the default: impl name -> (option,
 # variable, value, what the option adds).
 SWITCHED = {
@@ -157,6 +162,18 @@ def ours(kind: str, block: torch.nn.Module, fused: bool | None) -> Callable:
     moe = MoE.from_hf(block)
     moe.fused = fused
     return moe
+
+
+def routed_only(moe: torch.nn.Module) -> Callable:
+    """The layer without its shared expert during each call (the same module and weights)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        shared, moe.shared_experts = moe.shared_experts, None
+        try:
+            return moe(x)
+        finally:
+            moe.shared_experts = shared
+
+    return run
 
 
 def with_env(fn: Callable, name: str, value: str) -> Callable:
@@ -342,25 +359,33 @@ def time_batch(t: Timed, calls: int, device: torch.device) -> float:
     return time_calls(t.call, calls, device)
 
 
-def rotated(items, r: int) -> list:
-    """items in order, starting at index r (mod len): round r of an interleaved timing starts
-    one implementation later than round r - 1, so none is always first (on an H200 the first
-    of a round measured up to 8% slow on 20 ms layers: DeepSeek-V3 EP8 at 16384 tokens)."""
+def round_order(items, r: int, seed: int = 0) -> list:
+    """Round r's order of an interleaved timing: a seeded shuffle, so that no implementation is
+    always first and none always follows the same one. On an H200 a 20 ms layer timed right
+    after a lighter one (transformers' elementwise-bound experts) ran up to 7% faster than
+    after a heavier one (DeepSeek-V3 EP8 at 16384 tokens, the power cap's clocks); a fixed
+    cyclic order (each round rotated by one) kept every implementation behind the same one."""
     items = list(items)
-    if not items:
-        return items
-    r %= len(items)
-    return items[r:] + items[:r]
+    random.Random(seed * 1_000_003 + r).shuffle(items)
+    return items
+
+
+def warm_calls(calls: int) -> int:
+    """Untimed calls run right before each timed batch (half a batch): each batch starts in the
+    clock state its own implementation sets, not the previous one's."""
+    return max(1, calls // 2)
 
 
 def measure(timed: dict[str, Timed], device: torch.device, rounds: int,
             target_ms: float) -> dict[str, float]:
-    """Median ms per call of each implementation, interleaved round by round (rotated)."""
+    """Median ms per call of each implementation, interleaved round by round (round_order),
+    each batch behind its own warm-up (warm_calls)."""
     first = {name: time_batch(t, 1, device) for name, t in timed.items()}
     calls = {name: max(2, min(200, int(target_ms / max(ms, 1e-3)))) for name, ms in first.items()}
     samples: dict[str, list[float]] = {name: [] for name in timed}
     for r in range(rounds):
-        for name in rotated(timed, r):
+        for name in round_order(timed, r):
+            time_batch(timed[name], warm_calls(calls[name]), device)
             samples[name].append(time_batch(timed[name], calls[name], device))
     return {name: statistics.median(v) for name, v in samples.items()}
 
@@ -438,8 +463,10 @@ def run(args: argparse.Namespace) -> dict:
                 # (two copies measured up to 8% apart on DeepSeek-V3 EP8 on an H200, whichever
                 # switch each had).
                 impls[impl] = with_env(impls[FUSED], name, value)
+        if m["kind"] == "deepseek" and FUSED in impl_names:
+            impls[FUSED_ROUTED] = routed_only(impls[FUSED])
         impls = {name: fn for name, fn in impls.items()
-                 if name in impl_names or name in SWITCHED}
+                 if name in impl_names or name in SWITCHED or name == FUSED_ROUTED}
         if sonic_ok:
             try:
                 impls[SONIC] = sonic_layer(m, device, dtype)
@@ -553,10 +580,11 @@ def probe_in_subprocess(names: list[str], timeout: float) -> dict:
 
 def _agreement(timed: dict[str, Timed]) -> dict[str, float]:
     """calc_diff of each implementation's output against the unfused layer's (SonicMoE routes
-    with its own router and weights: not comparable, left out)."""
+    with its own router and weights, the routed-only row leaves the shared expert out: not
+    comparable, left out)."""
     base = timed[UNFUSED].y.float()
     return {name: calc_diff(t.y.float(), base) for name, t in timed.items()
-            if name not in (UNFUSED, SONIC)}
+            if name not in (UNFUSED, SONIC, FUSED_ROUTED)}
 
 
 def _error(exc: BaseException) -> str:

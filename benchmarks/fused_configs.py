@@ -14,9 +14,17 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "SCHEDULE TILE [CLUSTER] [wide]": `pp` or `coop`, `MxN`, `cAxB` (default c1x1),
-e.g. "coop 256x192 c2x1"; `wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's
-gather in the kernel on tiles past 128 rows or 128 accumulator registers). The default (no config) is always the first. Every variant's output is
+A variant is "SCHEDULE TILE [CLUSTER] [wide|host]": `pp` or `coop`, `MxN`, `cAxB` (default
+c1x1), e.g. "coop 256x192 c2x1"; `wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up
+GEMM's gather in the kernel on tiles past 128 rows or 128 accumulator registers), `host` gathers
+the up GEMM's rows with index_select first, as the plan does where the kernel does not gather
+(its time included). The default (no config) is always the first. With `--quack`, a peer row: QuACK's own kernel
+for the same GEMM, autotuned (quack.gemm_interface, tuned=True, what SonicMoE calls): for
+gate-up its gated GEMM with its A gather (A_idx, SwiGLU over concatenated gate/up columns),
+for down its varlen GEMM (with the bias, without the row weights, which ours applies in its
+epilogue: its output is checked scaled by them); not for gpt-oss's gate-up (its clamped SwiGLU
+over alternating columns). QUACK_PRINT_AUTOTUNING=1
+prints the config its autotuner picked. Every variant's output is
 checked against the default's before timing (a mismatch is an error, not a time). Kernels are
 compiled first, in parallel. Timing: `--calls` back-to-back calls between CUDA events,
 variants interleaved round by round, the median round; routing: each token's top-k distinct
@@ -40,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks.bench_moe_layer import rotated, time_calls, with_env  # noqa: E402
+from benchmarks.bench_moe_layer import round_order, time_calls, warm_calls, with_env  # noqa: E402
 from moe_gemm import GemmConfig  # noqa: E402
 from moe_gemm.capability import sm_count  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
@@ -58,14 +66,16 @@ UP = ("coop 128x256", "coop 128x256 c2x1", "coop 256x128 c2x1", "coop 256x192",
 DOWN = ("coop 256x128 c2x1", "coop 256x192 c2x1", "coop 256x208 c2x1", "coop 128x256 c2x1",
         "pp 128x192 c2x1", "pp 128x128 c1x2", "coop 256x128 c1x2", "pp 64x256 c2x1")
 DEFAULT = "default"
+QUACK = "QuACK (tuned)"
 _SCHEDULES = {"pp": "pingpong", "coop": "cooperative"}
 
 
 def parse_variant(text: str) -> GemmConfig:
     """'coop 256x192 c2x1' -> its GemmConfig (ValueError naming the expected form)."""
-    m = re.fullmatch(r"\s*(pp|coop)\s+(\d+)x(\d+)(?:\s+c(\d)x(\d))?(?:\s+wide)?\s*", text)
+    m = re.fullmatch(r"\s*(pp|coop)\s+(\d+)x(\d+)(?:\s+c(\d)x(\d))?(?:\s+(?:wide|host))?\s*",
+                     text)
     if m is None:
-        raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [wide]', e.g. 'coop 256x192 c2x1'; "
+        raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [wide|host]', e.g. 'coop 256x192 c2x1'; "
                          f"got {text!r}")
     sched, tm, tn, cm, cn = m.groups()
     return GemmConfig(schedule=_SCHEDULES[sched], tile_m=int(tm), tile_n=int(tn),
@@ -79,11 +89,94 @@ def variant_env(text: str) -> dict[str, str]:
     return {GATHER_WIDE_ENV: "1"} if text.split()[-1:] == ["wide"] else {}
 
 
+def host_gather(text: str) -> bool:
+    """Whether a variant gathers the up GEMM's rows with index_select before the kernel."""
+    return text.split()[-1:] == ["host"]
+
+
+def variant_kw(kw: dict, text: str, gathered: torch.Tensor | None = None) -> dict:
+    """The fused call's arguments for a variant: 'host' passes the routed rows (gathered, or an
+    empty stand-in of their shape for choosing kernels) instead of x and row_index."""
+    if not host_gather(text) or kw.get("row_index") is None:
+        return kw
+    rest = {k: v for k, v in kw.items() if k not in ("x", "row_index")}
+    if gathered is None:
+        gathered = kw["x"].new_empty((kw["row_index"].shape[0], kw["x"].shape[1]))
+    return dict(rest, x=gathered)
+
+
+def variant_call(kw: dict, cfg, text: str):
+    """The variant's timed call, under its environment ('host': the index_select included)."""
+    if host_gather(text) and kw.get("row_index") is not None:
+        def run():
+            gathered = kw["x"].index_select(0, kw["row_index"])
+            return fused_grouped_mm(**variant_kw(kw, text, gathered), config=cfg)
+    else:
+        def run():
+            return fused_grouped_mm(**kw, config=cfg)
+    return with_environment(run, variant_env(text))
+
+
 def with_environment(fn, env: dict[str, str]):
     """fn with `env` set during each call (the plans key on the switches they read)."""
     for name, value in env.items():
         fn = with_env(fn, name, value)
     return fn
+
+
+def quack_peer(case: dict) -> tuple[Any, Any, str | None]:
+    """QuACK's autotuned kernel for the case's GEMM: (the timed call, a call returning the
+    output to check against ours, None), or (None, None, why not)."""
+    kw = case["kw"]
+    if case["proj"] == "up" and (kw["gate"] != "silu" or kw["gate_layout"] != "concat"):
+        return None, None, "QuACK's gated GEMM has no clamped SwiGLU over alternating columns"
+    if kw["x"].device.type != "cuda":
+        return None, None, "QuACK runs on a GPU only"
+    try:
+        from quack.gemm_interface import gemm, gemm_gated  # type: ignore[import-not-found]
+    except Exception as exc:  # noqa: BLE001 - recorded
+        return None, None, f"import quack failed: {type(exc).__name__}: {exc}"[:200]
+    x, w, offs = kw["x"], kw["w"], kw["offs"]
+    cu = torch.cat([offs.new_zeros(1), offs]).to(torch.int32)  # (E + 1,) row starts
+    if case["proj"] == "up":
+        idx = kw["row_index"]
+        out = torch.empty(idx.shape[0], w.shape[2] // 2, dtype=x.dtype, device=x.device)
+
+        def up() -> torch.Tensor:
+            gemm_gated(x, w, activation="swiglu", cu_seqlens_m=cu, A_idx=idx, postact_out=out,
+                       store_preact=False, concat_layout=("B",))
+            return out
+
+        return up, up, None
+    out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    weight = kw["row_weight"][:, None]
+
+    def down() -> torch.Tensor:
+        gemm(x, w, out=out, bias=kw.get("bias"), cu_seqlens_m=cu)
+        return out
+
+    return down, (lambda: down().float() * weight), None
+
+
+def peer_row(case: dict, ref: torch.Tensor | None) -> tuple[dict, Any]:
+    """QuACK's row for the case (quack_peer) and its timed call, or the row saying why not; its
+    output checked against ours (ref) first."""
+    row = dict(model=case["model"], proj=case["proj"], tokens=case["tokens"], variant=QUACK,
+               peer=True)
+    if ref is None:
+        return dict(row, error="no variant of ours ran to check it against"), None
+    fn, checked, why = quack_peer(case)
+    if fn is None:
+        return dict(row, error=why), None
+    try:
+        y = checked().float()  # (its first call autotunes)
+    except Exception as exc:  # noqa: BLE001 - a peer that fails is recorded
+        return dict(row, error=f"{type(exc).__name__}: {exc}"[:300]), None
+    err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    if not err <= 2e-2:
+        raise AssertionError(f"{case['model']} {case['proj']} QuACK: output differs from ours "
+                             f"by {err:.3g} (relative max)")
+    return dict(row, rel_err=err), fn
 
 
 def layer_case(m: dict, T: int, device: torch.device, dtype: torch.dtype,
@@ -128,12 +221,12 @@ def kernel_choices(case: dict, device: torch.device, nsm: int) -> dict[str, tupl
     from moe_gemm.ops.fused_launch import fused_choice
     from moe_gemm.ops.fused_validation import check_fused_mm
 
-    args = check_fused_mm(**case["kw"])
     picked: dict[str, tuple | None] = {}
     for name, cfg in case["configs"].items():
+        args = check_fused_mm(**variant_kw(case["kw"], name))
         try:
             picked[name] = with_environment(
-                lambda cfg=cfg: fused_choice(args, cfg or GemmConfig(), nsm, device),
+                lambda cfg=cfg, args=args: fused_choice(args, cfg or GemmConfig(), nsm, device),
                 variant_env(name))()
         except ValueError:
             picked[name] = None
@@ -154,36 +247,37 @@ def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
 
     keys = set()
     for case in cases:
-        args = check_fused_mm(**case["kw"])
         major = "k" if case["kw"]["w"].stride(1) == 1 else "n"
-        for picked in kernel_choices(case, device, nsm).values():
+        for name, picked in kernel_choices(case, device, nsm).items():
             if picked is not None:
+                args = check_fused_mm(**variant_kw(case["kw"], name))
                 keys.add(fused_key(args, picked[0], major, picked[1]))
     return keys
 
 
 def time_interleaved(fns: list, rounds: int, calls: int, device: torch.device) -> list[float]:
-    """Median ms per call of each fn, interleaved round by round; each round starts one fn
-    later (on an H200 the first of a round measured up to 8% slow on 20 ms calls)."""
+    """Median ms per call of each fn, interleaved round by round in the layer bench's round
+    order, each batch behind its own warm-up (bench_moe_layer.round_order, warm_calls)."""
     times: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
-        for i in rotated(range(len(fns)), r):
+        for i in round_order(range(len(fns)), r):
+            time_calls(fns[i], warm_calls(calls), device)
             times[i].append(time_calls(fns[i], calls, device))
     return [statistics.median(t) for t in times]
 
 
 def run_case(case: dict, rounds: int, calls: int, device: torch.device,
-             picked: dict[str, tuple | None] | None = None) -> list[dict]:
+             picked: dict[str, tuple | None] | None = None, quack: bool = False) -> list[dict]:
     """One GEMM's variants: checked against the default, then timed. picked: each variant's
-    kernel choice (kernel_choices; GPU runs), recorded as the row's 'kernel'."""
+    kernel choice (kernel_choices; GPU runs), recorded as the row's 'kernel'; quack: QuACK's
+    autotuned kernel as a peer row (quack_peer)."""
     rows, fns, ref = [], [], None
     for name, cfg in case["configs"].items():
         row: dict[str, Any] = dict(model=case["model"], proj=case["proj"],
                                    tokens=case["tokens"], variant=name)
         if picked and picked.get(name) is not None:
             row["kernel"] = describe(*picked[name])
-        fn = with_environment(lambda kw=case["kw"], cfg=cfg: fused_grouped_mm(**kw, config=cfg),
-                              variant_env(name))
+        fn = variant_call(case["kw"], cfg, name)
         try:
             y = fn().float()
         except ValueError as exc:  # a config the fused options cannot build
@@ -198,6 +292,11 @@ def run_case(case: dict, rounds: int, calls: int, device: torch.device,
         fn()  # (warm)
         rows.append(dict(row, rel_err=err))
         fns.append((rows[-1], fn))
+    if quack:
+        row, fn = peer_row(case, ref)
+        rows.append(row)
+        if fn is not None:
+            fns.append((row, fn))
     if device.type == "cuda":
         torch.cuda.synchronize()
     ms = time_interleaved([f for _, f in fns], rounds, calls, device)
@@ -250,6 +349,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=3, help="calls per timed batch")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile workers")
     p.add_argument("--compile-timeout", type=float, default=300.0)
+    p.add_argument("--quack", action="store_true",
+                   help="add QuACK's autotuned kernel for each GEMM as a peer row")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the torch backend): the harness only")
@@ -285,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in cases:
         picked = kernel_choices(case, device, sm_count(device)) if device.type == "cuda" else None
-        rows += run_case(case, args.rounds, args.calls, device, picked)
+        rows += run_case(case, args.rounds, args.calls, device, picked, args.quack)
     result["rows"] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -22,9 +22,11 @@ def test_smoke_run_writes_the_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["suite"] == "moe-layer" and data["device"] == "cpu" and data["date"]
     impls = {r["impl"] for r in data["rows"]}
-    assert impls == {bml.FUSED, bml.UNFUSED, bml.HF}
+    assert impls == {bml.FUSED, bml.UNFUSED, bml.HF, bml.FUSED_ROUTED}
     assert any("fused" in i and "unfused" not in i for i in impls) and bml.UNFUSED in impls
-    assert len(data["rows"]) == 3 * 2 * 3
+    assert len(data["rows"]) == 3 * 2 * 3 + 2  # DeepSeek-V3's routed-only row at both T
+    assert {r["model"] for r in data["rows"] if r["impl"] == bml.FUSED_ROUTED} == {
+        "deepseek-v3-ep8"}
     for row in data["rows"]:
         assert row["ms"] > 0 and row["mode"] == "eager" and row["tflops"] >= 0
     for model, diffs in data["accuracy"].items():
@@ -109,9 +111,46 @@ def test_probe_falls_back_to_no_gather_then_to_no_fused_rows(monkeypatch):
     assert not res["ok"] and "timed out" in res["tried"][1]["error"]
 
 
-def test_rotated_rounds_put_each_implementation_first_once():
-    names = ["a", "b", "c"]
-    firsts = [bml.rotated(names, r)[0] for r in range(3)]
-    assert firsts == ["a", "b", "c"]
-    assert all(sorted(bml.rotated(names, r)) == names for r in range(5))
-    assert bml.rotated({"x": 1, "y": 2}, 1) == ["y", "x"] and bml.rotated([], 3) == []
+def test_routed_only_leaves_the_shared_expert_out_and_puts_it_back():
+    from moe_gemm.layers.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(16, 8, 4, 2, shared_intermediate_size=8, fused=False)
+    x = torch.randn(5, 16)
+    shared = moe.shared_experts
+    routed = bml.routed_only(moe)(x)
+    assert moe.shared_experts is shared
+    torch.testing.assert_close(moe(x) - routed, shared(x), rtol=1e-5, atol=1e-5)
+    assert (shared(x).abs() > 1e-3).any()
+
+
+def test_round_order_varies_who_goes_first_and_who_goes_before_whom():
+    names = ["a", "b", "c", "d"]
+    orders = [bml.round_order(names, r) for r in range(12)]
+    assert all(sorted(o) == names for o in orders)
+    assert orders == [bml.round_order(names, r) for r in range(12)]  # seeded: repeatable
+    assert {o[0] for o in orders} == set(names)
+    before = {n: {o[o.index(n) - 1] for o in orders if o.index(n) > 0} for n in names}
+    assert all(len(b) >= 2 for b in before.values()), before
+    assert bml.round_order({"x": 1}, 3) == ["x"] and bml.round_order([], 3) == []
+
+
+def test_measure_warms_each_batch_before_timing_it():
+    calls = {"a": 0, "b": 0}
+    log = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def call(self):
+            calls[self.name] += 1
+            log.append(self.name)
+
+    ms = bml.measure({"a": Fake("a"), "b": Fake("b")}, torch.device("cpu"), rounds=3,
+                     target_ms=1e6)
+    assert set(ms) == {"a", "b"}
+    # one probe call, then per round a warm-up of half a batch and the batch (200 calls)
+    per = 1 + 3 * (bml.warm_calls(200) + 200)
+    assert calls == {"a": per, "b": per}
+    assert bml.warm_calls(2) == 1 and bml.warm_calls(200) == 100

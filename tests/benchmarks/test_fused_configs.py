@@ -23,6 +23,26 @@ def test_parse_variant():
     assert fc.parse_variant("pp 128x192 c2x1 wide").cluster_m == 2
     assert fc.variant_env("pp 128x192 c2x1 wide") == {"MOE_GEMM_FUSED_GATHER_WIDE": "1"}
     assert fc.variant_env("pp 128x192 c2x1") == {} and fc.variant_env("default") == {}
+    assert fc.parse_variant("coop 128x256 c2x1 host").tile_n == 256
+    assert fc.variant_env("coop 128x256 c2x1 host") == {}
+    with pytest.raises(ValueError, match="wide\\|host"):
+        fc.parse_variant("pp 128x128 wide host")
+
+
+def test_host_variant_gathers_first_and_matches_the_in_kernel_gather():
+    case = fc.build_cases(fc.parser().parse_args(
+        ["--models", "qwen3-30b-a3b", "--tokens", "9", "--smoke", "--up", "pp 128x128 host",
+         "--down", "pp 128x128"]), torch.device("cpu"))[0]
+    kw = case["kw"]
+    host = fc.variant_kw(kw, "pp 128x128 host")
+    assert "row_index" not in host and host["x"].shape == (kw["row_index"].shape[0],
+                                                           kw["x"].shape[1])
+    assert fc.variant_kw(kw, "pp 128x128") is kw
+    cfg = fc.parse_variant("pp 128x128 host")
+    torch.testing.assert_close(fc.variant_call(kw, cfg, "pp 128x128 host")(),
+                               fc.variant_call(kw, cfg, "pp 128x128")())
+    keys = fc.compile_keys([case], torch.device("cpu"), 132)
+    assert False in {k.gather for k in keys}  # the host variant's kernel reads routed rows
 
 
 def test_with_environment_sets_the_variables_for_the_call_only(monkeypatch):
@@ -101,3 +121,17 @@ def test_kernel_choices_name_the_fitted_tile():
     assert fc.describe(*picked["pp 128x192 c2x1 wide"]) == "pp 128x192 c2x1, in-kernel gather"
     assert fc.describe(*fc.kernel_choices(down, torch.device("cpu"), 132)["pp 128x128 c1x2"]) \
         == "pp 128x128 c1x2"
+
+
+def test_quack_peer_rows_say_why_they_did_not_run(tmp_path):
+    out = tmp_path / "fc.json"
+    rc = fc.main(["--smoke", "--models", "qwen3-30b-a3b,gpt-oss-120b", "--tokens", "9",
+                  "--rounds", "1", "--calls", "1", "--up", "pp 128x128", "--down", "pp 128x128",
+                  "--quack", "--out", str(out)])
+    assert rc == 0
+    peers = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == fc.QUACK]
+    assert len(peers) == 4 and all(r["peer"] and "us" not in r for r in peers)
+    why = {(r["model"], r["proj"]): r["error"] for r in peers}
+    # gpt-oss's clamped SwiGLU over alternating columns has no QuACK counterpart on any device.
+    assert "alternating" in why["gpt-oss-120b", "up"]
+    assert all("GPU" in e for k, e in why.items() if k != ("gpt-oss-120b", "up"))
