@@ -168,8 +168,9 @@ def test_gather_register_split_and_warps():
     k = _key("cooperative", (128, 256), gather=True).kernel()
     assert (k.load_regs, k.math_regs) == REGS_GATHER
     assert 128 * k.load_regs + 256 * k.math_regs <= 65536
-    # Warps 0 (B's TMA) and 1 (the scheduler) keep their roles; 8 threads per 128-byte row.
-    assert GATHER_FIRST_WARP == 2 and GATHER_FIRST_WARP + GATHER_WARPS <= 4
+    # The whole producer warpgroup gathers: warps 0 (B's TMA) and 1 (the scheduler) beside
+    # their roles, 2 and 3 only that; 4 threads per 128-byte row.
+    assert GATHER_WARPS == 4 and GATHER_FIRST_WARP == 2
     from moe_gemm.kernels.sm90.gather import ROWS_PER_PASS
 
     assert k.tile_m % ROWS_PER_PASS == 0 and ROWS_PER_PASS * 4 == GATHER_WARPS * 32

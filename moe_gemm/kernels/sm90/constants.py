@@ -203,17 +203,19 @@ def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
 GATES = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 GATE_LAYOUTS = ("concat", "interleaved", "alternating")
 GATE_BLOCK = 8
-# Gather-A: two warps of the producer warpgroup (2 and 3; warp 0 keeps B's TMA, warp 1 the
-# scheduler) load A's rows by index with cp.async (kernels/sm90/gather.py). Where a tile has at
-# most 128 rows and 128 accumulator registers a thread, each gather thread keeps the indices of
-# its tile_m / 16 rows in registers, more than the default 40-register producer budget holds:
+# Gather-A: the four warps of the producer warpgroup load A's rows by index with cp.async
+# (kernels/sm90/gather.py): warps 2 and 3 only that, warp 0 beside B's TMA, warp 1 beside the
+# scheduler (two warps alone were bound by their instructions per stage on 128-row tiles). Where
+# a tile has at most 128 rows and 128 accumulator registers a thread, each gather thread keeps
+# the indices of its tile_m / 32 rows in registers, more than the default 40-register producer
+# budget holds:
 # those kernels split 56 / 224 (128 x 56 + 256 x 224 = 64,512 of 65,536; ptxas: no spills at
 # 128 x 256). Larger tiles keep the tile's row indices in shared memory (4 bytes a row) and the
 # default split: ptxas spills nothing at 40 producer registers for ping-pong 128x192 and
 # cooperative 256x192 (the register form spilled 40 and 148 bytes there), but 28 bytes at the
 # heavy split's 24, so a gathered tile needs fewer than HEAVY_ACC_REGS accumulator registers.
-GATHER_WARPS = 2
-GATHER_FIRST_WARP = 2
+GATHER_WARPS = 4  # warps that gather
+GATHER_FIRST_WARP = 2  # the first warp that only gathers
 REGS_GATHER = (56, 224)
 GATHER_MAX_ACC_REGS = 128  # the register form
 GATHER_MAX_TILE_M = 128

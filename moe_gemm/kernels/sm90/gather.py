@@ -2,18 +2,18 @@
 
 The MoE layer's gate-up GEMM multiplies each routed row r (sorted by expert) by its token's
 row x[row_index[r]]. Hopper's TMA copies boxes of consecutive rows, so instead of a permuted
-copy of x (S x H elements written and read again) two warps of the producer warpgroup load the
-tile's rows with cp.async, 16 bytes a copy: four threads share a row's 128-byte K slice, two
-16-byte chunks each (one warp instruction reads 64 contiguous bytes of 8 rows). The row
-indices of the thread's tile_m / 16 rows are read once per tile and kept in registers (8 for
-128-row tiles, as 32-bit indices: eight 64-bit row addresses instead spilled under the
-producer's register budget, constants.REGS_GATHER), or, for tiles past 128 rows or 128
-accumulator registers, in shared memory (s_rows: the row of x of each of the tile's rows), so
-the gather threads fit the default 40-register producer (constants.gather_rows_in_registers).
-Both forms split a row four lanes wide: eight lanes a row, one 16-byte copy each (whole
-128-byte lines a warp instruction, but 16 rows a thread), ran slower on an H200 (0.53-0.68x
-index_select + TMA against 0.73-0.97x; docs/measurements.md): the two gather warps are bound by
-their instructions per stage, not by L1 requests.
+copy of x (S x H elements written and read again) the four warps of the producer warpgroup
+load the tile's rows with cp.async, 16 bytes a copy: warps 2 and 3 only that, warp 0 beside B's
+TMA and warp 1 right after publishing each record as the scheduler (two warps alone, with 8
+rows x 2 copies a thread per stage of a 128-row tile, starved the math warpgroups on an H200:
+0.73-0.97x index_select + TMA). Four threads share a row's 128-byte K slice, two 16-byte chunks
+each (one warp instruction reads 64 contiguous bytes of 8 rows); a thread has tile_m / 32 rows.
+Their indices are read once per tile and kept in registers (constants.REGS_GATHER), or, for
+tiles past 128 rows or 128 accumulator registers, in shared memory (s_rows: the row of x of each
+of the tile's rows), so the gather threads fit the default 40-register producer
+(constants.gather_rows_in_registers). Eight lanes a row, one 16-byte copy each (whole 128-byte
+lines a warp instruction, but twice the rows a thread), ran slower still (0.53-0.68x): the
+gather threads are bound by their instructions per stage, not by L1 requests.
 
 Completion: every gather thread arrives on the stage's full barrier once its copies of the
 stage have landed (cp.async.mbarrier.arrive.noinc: the barrier was initialised expecting those
@@ -27,19 +27,23 @@ unchecked indices on the GPU can give wrong rows but never read outside x.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from .constants import SCHED_STAGES, TILE_K
+from .constants import GATHER_WARPS, SCHED_STAGES, TILE_K
 from .tile_scheduler import consume_work
 
 CHUNK = 8  # 16-bit elements per 16-byte cp.async
 THREADS_PER_ROW = 4  # each copies 2 of the row's 8 chunks: 64 contiguous bytes a warp step
 CHUNKS_PER_THREAD = TILE_K // CHUNK // THREADS_PER_ROW
-ROWS_PER_PASS = 16  # rows the 64 gather threads cover in one pass
+GATHER_THREADS = GATHER_WARPS * 32  # the whole producer warpgroup
+ROWS_PER_PASS = GATHER_THREADS // THREADS_PER_ROW  # rows the gather threads cover in one pass
 
 
 # A's stages are K-major with the 128-byte swizzle (TILE_K = 64 16-bit values: one 128-byte row
@@ -80,70 +84,114 @@ def _copy_chunk(atom, pred: cute.Tensor, x_base, row_bytes, row: Int32, col: Int
     cute.copy(atom, src, dst, pred=pred)
 
 
-@cute.jit
-def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.PipelineAsync,
-                sched: cute.Tensor, problems, s_base,
-                a_smem_staged: cute.ComposedLayout, s_rows: cute.Tensor, gtid: Int32):
-    """The gather warps (threads gtid in [0, 64)): for every record of the CTA, in order, fill
-    A's stages of its k-tiles with the tile's rows of x. s_base: the address of A's staging
-    in shared memory; a_smem_staged: its (swizzled) layout; s_rows: (tile_m,) int32 in shared
-    memory where cfg.gather_rows_in_smem (else unused)."""
-    dtype = cfg.ab_dtype
-    rows_per_thread = cfg.tile_m // ROWS_PER_PASS
-    r0 = gtid // THREADS_PER_ROW  # this thread's first row of the tile
-    c = gtid % THREADS_PER_ROW  # its first 16-byte chunk of the 128-byte K slice
-    mA = problems.mA  # x (T, K)
-    x_base = mA.iterator.toint()
-    row_bytes = Int64(mA.stride[0]) * (dtype.width // 8)
-    K = mA.shape[1]
-    T = mA.shape[0]
-    S = problems.mD.shape[0]
-    index = problems.row_index
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                               dtype, num_bits_per_copy=128)
-    # Per row of the thread: the row of x, or -1 past out's rows (nothing to load).
-    rows = cute.make_rmem_tensor(cute.make_layout((rows_per_thread,)), Int32)
-    pred = cute.make_rmem_tensor(cute.make_layout(((CHUNK,), 1), stride=((0,), 1)),
-                                 cutlass.Boolean)
-    read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-    ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
-    work, read_state = consume_work(sched_pipe, sched, read_state)
-    while work.has_work():
-        first = work.row_start + work.m_tile * cfg.tile_m + r0
+@dataclass(frozen=True)
+class RowGather:
+    """One producer thread's share of the gather (gtid in [0, GATHER_THREADS)): it copies the
+    tile rows r0, r0 + ROWS_PER_PASS, ... (chunks c and c + THREADS_PER_ROW of each) into A's
+    stages. Made once per thread at kernel start (create); start_tile reads the rows of a new
+    record, fill_stage copies one k-tile's chunks and arrives on the stage's full barrier.
+    Frozen: the DSL's dynamic loops then read it without carrying it."""
+
+    cfg: Any
+    r0: Any  # this thread's first row of the tile
+    c: Any  # its first 16-byte chunk of the 128-byte K slice
+    x_base: Any  # x's address, its row pitch in bytes, K, T, and out's rows S
+    row_bytes: Any
+    K: Any
+    T: Any
+    S: Any
+    index: cute.Tensor  # row_index (S,)
+    s_base: Any  # A's staging in shared memory: address and (swizzled) layout
+    a_smem_staged: cute.ComposedLayout
+    s_rows: cute.Tensor  # (tile_m,) int32 in shared memory (cfg.gather_rows_in_smem)
+    rows: cute.Tensor  # register form: per row of the thread, the row of x or -1
+    pred: cute.Tensor
+    atom: Any
+
+    @staticmethod
+    def create(cfg, problems, s_base, a_smem_staged: cute.ComposedLayout, s_rows: cute.Tensor,
+               gtid: Int32) -> RowGather:
+        dtype = cfg.ab_dtype
+        mA = problems.mA  # x (T, K)
+        return RowGather(
+            cfg=cfg, r0=gtid // THREADS_PER_ROW, c=gtid % THREADS_PER_ROW,
+            x_base=mA.iterator.toint(), row_bytes=Int64(mA.stride[0]) * (dtype.width // 8),
+            K=mA.shape[1], T=mA.shape[0], S=problems.mD.shape[0], index=problems.row_index,
+            s_base=s_base, a_smem_staged=a_smem_staged, s_rows=s_rows,
+            rows=cute.make_rmem_tensor(cute.make_layout((cfg.tile_m // ROWS_PER_PASS,)), Int32),
+            pred=cute.make_rmem_tensor(cute.make_layout(((CHUNK,), 1), stride=((0,), 1)),
+                                       cutlass.Boolean),
+            atom=cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                     dtype, num_bits_per_copy=128))
+
+    @property
+    def rows_per_thread(self) -> int:
+        return self.cfg.tile_m // ROWS_PER_PASS
+
+    @property
+    def dtype(self):
+        return self.cfg.ab_dtype
+
+    @cute.jit
+    def start_tile(self, work):
+        """Read the record's rows of x (once per tile)."""
+        cfg = self.cfg
+        first = work.row_start + work.m_tile * cfg.tile_m + self.r0
         if cutlass.const_expr(cfg.gather_rows_in_smem):
             # The four lanes sharing a row (one warp) write the same value and each reads back
             # only rows it wrote; the warp sync keeps a lane from overwriting a row another
             # lane still reads for the previous tile.
             cute.arch.sync_warp()
-        for i in cutlass.range_constexpr(rows_per_thread):
+        for i in cutlass.range_constexpr(self.rows_per_thread):
             r = first + i * ROWS_PER_PASS
             t = Int32(-1)
-            if r < S:
-                t = cutlass.max(cutlass.min(index[r], T - 1), Int32(0))
+            if r < self.S:
+                t = cutlass.max(cutlass.min(self.index[r], self.T - 1), Int32(0))
             if cutlass.const_expr(cfg.gather_rows_in_smem):
-                s_rows[r0 + i * ROWS_PER_PASS] = t
+                self.s_rows[self.r0 + i * ROWS_PER_PASS] = t
             else:
-                rows[i] = t
+                self.rows[i] = t
+
+    @cute.jit
+    def fill_stage(self, work, kk: Int32, ab_pipe: pipeline.PipelineTmaAsync, ab_state):
+        """Copy this thread's chunks of k-tile kk of the record into stage ab_state.index (its
+        empty barrier already waited on) and arrive on its full barrier when they land."""
+        k0 = (kk + work.k_start) * TILE_K
+        dtype = self.dtype
+        for i in cutlass.range_constexpr(self.rows_per_thread):
+            row = Int32(0)
+            if cutlass.const_expr(self.cfg.gather_rows_in_smem):
+                row = self.s_rows[self.r0 + i * ROWS_PER_PASS]  # one shared read a row
+            else:
+                row = self.rows[i]
+            for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                chunk = self.c + j * THREADS_PER_ROW
+                dst = smem_chunk(self.a_smem_staged, self.s_base, self.r0 + i * ROWS_PER_PASS,
+                                 chunk * CHUNK, ab_state.index, dtype)
+                _copy_chunk(self.atom, self.pred, self.x_base, self.row_bytes, row,
+                            k0 + chunk * CHUNK, self.K, dst, dtype)
+        cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(ab_state))
+
+    @cute.jit
+    def fill_tile(self, work, ab_pipe: pipeline.PipelineTmaAsync, ab_state):
+        """A record's every k-tile, each stage waited for (the warps that only gather, and the
+        scheduler warp after publishing the record); returns the advanced ring state."""
+        self.start_tile(work)
         for kk in cutlass.range(0, work.k_tiles, 1, unroll=1):
-            k0 = (kk + work.k_start) * TILE_K
             ab_pipe.sync_object_empty.wait(ab_state.index, ab_state.phase)
-            if cutlass.const_expr(cfg.gather_rows_in_smem):
-                for i in cutlass.range_constexpr(rows_per_thread):  # one shared read a row
-                    row = s_rows[r0 + i * ROWS_PER_PASS]
-                    for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        chunk = c + j * THREADS_PER_ROW
-                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
-                                         chunk * CHUNK, ab_state.index, dtype)
-                        _copy_chunk(atom, pred, x_base, row_bytes, row, k0 + chunk * CHUNK, K,
-                                    dst, dtype)
-            else:
-                for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                    chunk = c + j * THREADS_PER_ROW
-                    for i in cutlass.range_constexpr(rows_per_thread):
-                        dst = smem_chunk(a_smem_staged, s_base, r0 + i * ROWS_PER_PASS,
-                                         chunk * CHUNK, ab_state.index, dtype)
-                        _copy_chunk(atom, pred, x_base, row_bytes, rows[i], k0 + chunk * CHUNK,
-                                    K, dst, dtype)
-            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(ab_state))
+            self.fill_stage(work, kk, ab_pipe, ab_state)
             ab_state.advance()
+        return ab_state
+
+
+@cute.jit
+def gather_role(cfg, ab_pipe: pipeline.PipelineTmaAsync, sched_pipe: pipeline.PipelineAsync,
+                sched: cute.Tensor, gather: RowGather):
+    """A warp that only gathers (warps 2 and 3): for every record of the CTA, in order, fill
+    A's stages of its k-tiles with its share of the tile's rows of x."""
+    read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+    ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
+    work, read_state = consume_work(sched_pipe, sched, read_state)
+    while work.has_work():
+        ab_state = gather.fill_tile(work, ab_pipe, ab_state)
         work, read_state = consume_work(sched_pipe, sched, read_state)

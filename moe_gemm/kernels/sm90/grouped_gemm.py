@@ -87,7 +87,7 @@ from .constants import (
     tile_problem,
 )
 from .epilogue import BAR_EPI, Epilogue
-from .gather import gather_role
+from .gather import RowGather, gather_role
 from .problems import BatchedProblems, GeneralProblems, VarlenProblems, ragged_rows
 from .tail_split import TailSplit
 from .tile_scheduler import (
@@ -602,14 +602,15 @@ class GroupedGemmSm90:
             defer_sync=True,
         )
         # Scheduler ring: one producer arrive (the scheduler warp's lane 0), one consumer
-        # arrive per reading warp (the load warp + 8 math warps [+ the gather warps]).
+        # arrive per reading warp (the load warp + 8 math warps [+ the warps that only
+        # gather; the scheduler warp gathers from the records it writes]).
         sched_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.sched_bars.data_ptr(),
             num_stages=SCHED_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 1 + 8 + (GATHER_WARPS if const_expr(self.gather_a)
-                                                else 0)),
+                pipeline.Agent.Thread, 1 + 8 + (4 - GATHER_FIRST_WARP
+                                                if const_expr(self.gather_a) else 0)),
             defer_sync=True,
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n),
@@ -628,6 +629,16 @@ class GroupedGemmSm90:
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
+            # Gather-A: every producer thread copies its share of A's rows (gather.py); the
+            # load and scheduler warps beside their own roles.
+            gather = None
+            if const_expr(self.gather_a):
+                gather = RowGather.create(self, problems, storage.sA.data_ptr().toint(),
+                                   a_smem_staged,
+                                   storage.gather_rows.get_tensor(cute.make_layout(
+                                       self.tile_m if const_expr(self.gather_rows_in_smem)
+                                       else 1)),
+                                   tidx)
             if warp_idx == self.sched_warp:
                 cta, _, _ = cute.arch.block_idx()
                 scheduler = TileScheduler(self, problems,
@@ -637,17 +648,13 @@ class GroupedGemmSm90:
                               ring_base(run.workspace, cta),
                               cute.slice_(a_smem_staged, (None, None, 0)),
                               cute.slice_(b_smem_staged, (None, None, 0)),
-                              cute.slice_(d_smem_staged, (None, None, 0)))
+                              cute.slice_(d_smem_staged, (None, None, 0)),
+                              gather, ab_pipe)
             if warp_idx == self.load_warp:
-                self.load_role(ab_pipe, sched_pipe, sched, tma, problems, sA, sB, run)
+                self.load_role(ab_pipe, sched_pipe, sched, tma, problems, sA, sB, run, gather)
             if const_expr(self.gather_a):
                 if warp_idx >= GATHER_FIRST_WARP:
-                    gather_role(self, ab_pipe, sched_pipe, sched, problems,
-                                storage.sA.data_ptr().toint(), a_smem_staged,
-                                storage.gather_rows.get_tensor(cute.make_layout(
-                                    self.tile_m if const_expr(self.gather_rows_in_smem)
-                                    else 1)),
-                                tidx - GATHER_FIRST_WARP * 32)
+                    gather_role(self, ab_pipe, sched_pipe, sched, gather)
         else:
             cute.arch.setmaxregister_increase(self.math_regs)
             self.math_role(ab_pipe, sched_pipe, sched, tiled_mma, sA, sB, sD, tma,
@@ -667,6 +674,7 @@ class GroupedGemmSm90:
         sA: cute.Tensor,
         sB: cute.Tensor,
         run: RunArgs,
+        gather: RowGather | None,
     ):
         if const_expr(problems.form != "general"):
             cpasync.prefetch_descriptor(tma.atom_a)
@@ -719,6 +727,8 @@ class GroupedGemmSm90:
             # (make_warp_uniform is 32-bit: apply it to the index, never to the address.)
             desc_base = ring + Int64(cute.arch.make_warp_uniform(work.ring_slot)) * SLOT_BYTES
             problems.acquire_load_descs(desc_base)
+            if const_expr(self.gather_a):
+                gather.start_tile(work)
             for kk in cutlass.range(0, work.k_tiles, 1, unroll=1):
                 k = kk + work.k_start  # (0 unless this is a tail split's upper half)
                 ab_pipe.producer_acquire(ab_state)
@@ -741,6 +751,8 @@ class GroupedGemmSm90:
                         tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 1),
                         mcast_mask=b_mask, cache_policy=b_policy,
                     )
+                if const_expr(self.gather_a):  # this warp's share of A's rows
+                    gather.fill_stage(work, kk, ab_pipe, ab_state)
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()
             work, read_state = consume_work(sched_pipe, sched, read_state)

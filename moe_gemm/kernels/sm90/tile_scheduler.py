@@ -239,7 +239,11 @@ class TileScheduler:
     @cute.jit
     def run(self, sched_pipe: pipeline.PipelineAsync, sched: cute.Tensor, table: cute.Tensor,
             raster: Int32, ring: Int64, a_smem: cute.ComposedLayout,
-            b_smem: cute.ComposedLayout, d_smem: cute.ComposedLayout):
+            b_smem: cute.ComposedLayout, d_smem: cute.ComposedLayout, gather=None,
+            ab_pipe: pipeline.PipelineTmaAsync | None = None):
+        """Publish the CTA's records. gather (gather-A, gather.RowGather): this warp also
+        fills its share of A's rows of each record's stages (ab_pipe's ring) right after
+        publishing it."""
         cfg = self.cfg
         problems = self.problems
         lane = cute.arch.lane_idx()
@@ -254,6 +258,8 @@ class TileScheduler:
         cta = cta // cfg.cluster_size
         grid = grid // cfg.cluster_size
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                cfg.ab_stages)
         base_problem = Int32(0)  # device visitor window start (forward only)
         base_tile = Int32(0)  # linear index of base_problem's first tile
         t = Int32(cta)  # this CTA's current linear tile
@@ -315,6 +321,9 @@ class TileScheduler:
             if lane == 0:
                 sched_pipe.producer_commit(state)
             state.advance()
+            if const_expr(gather is not None):
+                if work.has_work():
+                    ab_state = gather.fill_tile(work, ab_pipe, ab_state)
             t = t + grid
             slot = slot + 1
             records = records + 1
