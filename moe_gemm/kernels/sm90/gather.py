@@ -6,7 +6,7 @@ copy of x (S x H elements written and read again) the four warps of the producer
 load the tile's rows with cp.async, 16 bytes a copy: warps 2 and 3 only that, warp 0 beside B's
 TMA and warp 1 right after publishing each record as the scheduler (two warps alone, with 8
 rows x 2 copies a thread per stage of a 128-row tile, starved the math warpgroups on an H200:
-0.73-0.97x index_select + TMA). Four threads share a row's 128-byte K slice, two 16-byte chunks
+0.57-0.80x index_select + TMA on ping-pong 128x192 2x1; four warps: 0.86-0.95x). Four threads share a row's 128-byte K slice, two 16-byte chunks
 each (one warp instruction reads 64 contiguous bytes of 8 rows); a thread has tile_m / 32 rows.
 Their indices are read once per tile and kept in registers (constants.REGS_GATHER), or, for
 tiles past 128 rows or 128 accumulator registers, in shared memory (s_rows: the row of x of each

@@ -49,8 +49,8 @@ two half-K units on two CTAs, joined through an fp32 workspace slot.
 Fused MoE options (compile-time, varlen form, all off by default; constants.fused_problem,
 fused_moe.FusedMoeGemmSm90 takes their tensors): a gated epilogue that stores act(gate) * up
 (fused_epilogue.py; the "concat" gate layout loads B's tile as two half boxes), a per-expert
-bias, per-row weights, and gather-A (gather.py: warps 2 and 3 load A's rows through an index
-with cp.async, completing the stage's full barrier beside B's TMA).
+bias, per-row weights, and gather-A (gather.py: the producer warpgroup's four warps load A's
+rows through an index with cp.async, completing the stage's full barrier beside B's TMA).
 
 Constraints: bf16/fp16 inputs, fp32 accumulation, bf16/fp16/fp32 output; A K-major; B K- or
 N-major; every TMA operand 16-byte aligned with 16-byte-multiple strides (ops/support.py
