@@ -14,11 +14,11 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "SCHEDULE TILE [CLUSTER] [wide|host]": `pp` or `coop`, `MxN`, `cAxB` (default
-c1x1), e.g. "coop 256x192 c2x1"; `wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up
-GEMM's gather in the kernel on tiles past 128 rows or 128 accumulator registers), `host` gathers
-the up GEMM's rows with index_select first, as the plan does where the kernel does not gather
-(its time included). The default (no config) is always the first. With `--quack`, a peer row: QuACK's own kernel
+A variant is "CONFIG [wide|select]": CONFIG as `moe-gemm tune` names configs (tuning/space.py:
+"pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g. "coop 256x192 c2x1 p8ns"); `wide` runs it with
+MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's gather in the kernel on tiles past 128 rows or 128
+accumulator registers), `select` gathers the up GEMM's rows with index_select first, as the plan
+does where the kernel does not gather (its time included). The default (no config) is always the first. With `--quack`, a peer row: QuACK's own kernel
 for the same GEMM, autotuned (quack.gemm_interface, tuned=True, what SonicMoE calls): for
 gate-up its gated GEMM with its A gather (A_idx, SwiGLU over concatenated gate/up columns),
 for down its varlen GEMM (with the bias, without the row weights, which ours applies in its
@@ -38,7 +38,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -52,6 +51,7 @@ from benchmarks.bench_moe_layer import round_order, time_calls, warm_calls, with
 from moe_gemm import GemmConfig  # noqa: E402
 from moe_gemm.capability import sm_count  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
+from moe_gemm.tuning import space  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_layer)
     "deepseek-v3-ep8": dict(kind="deepseek", H=7168, I=2048, E=32, k=8),
@@ -67,19 +67,24 @@ DOWN = ("coop 256x128 c2x1", "coop 256x192 c2x1", "coop 256x208 c2x1", "coop 128
         "pp 128x192 c2x1", "pp 128x128 c1x2", "coop 256x128 c1x2", "pp 64x256 c2x1")
 DEFAULT = "default"
 QUACK = "QuACK (tuned)"
-_SCHEDULES = {"pp": "pingpong", "coop": "cooperative"}
+
+
+GATHER_WORDS = ("wide", "select")  # a variant's last word, if any: how the up GEMM gathers
 
 
 def parse_variant(text: str) -> GemmConfig:
-    """'coop 256x192 c2x1' -> its GemmConfig (ValueError naming the expected form)."""
-    m = re.fullmatch(r"\s*(pp|coop)\s+(\d+)x(\d+)(?:\s+c(\d)x(\d))?(?:\s+(?:wide|host))?\s*",
-                     text)
-    if m is None:
-        raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [wide|host]', e.g. 'coop 256x192 c2x1'; "
-                         f"got {text!r}")
-    sched, tm, tn, cm, cn = m.groups()
-    return GemmConfig(schedule=_SCHEDULES[sched], tile_m=int(tm), tile_n=int(tn),
-                      cluster_m=int(cm or 1), cluster_n=int(cn or 1))
+    """'coop 256x192 c2x1 [wide|select]' -> its GemmConfig (ValueError naming the form)."""
+    words = text.split()
+    if words[-1:] and words[-1] in GATHER_WORDS:
+        words = words[:-1]
+    try:
+        fields = space.parse_name(" ".join(words))
+        if fields.get("visitor") == "host":
+            raise ValueError("the fused kernels take the device visitor")
+        return space.config_of(fields, backend="auto")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [sS] [pP[n][s]] [wide|select]', "
+                         f"e.g. 'coop 256x192 c2x1'; got {text!r} ({exc})") from None
 
 
 def variant_env(text: str) -> dict[str, str]:
@@ -89,15 +94,15 @@ def variant_env(text: str) -> dict[str, str]:
     return {GATHER_WIDE_ENV: "1"} if text.split()[-1:] == ["wide"] else {}
 
 
-def host_gather(text: str) -> bool:
+def selects_first(text: str) -> bool:
     """Whether a variant gathers the up GEMM's rows with index_select before the kernel."""
-    return text.split()[-1:] == ["host"]
+    return text.split()[-1:] == ["select"]
 
 
 def variant_kw(kw: dict, text: str, gathered: torch.Tensor | None = None) -> dict:
-    """The fused call's arguments for a variant: 'host' passes the routed rows (gathered, or an
+    """The fused call's arguments for a variant: 'select' passes the routed rows (gathered, or an
     empty stand-in of their shape for choosing kernels) instead of x and row_index."""
-    if not host_gather(text) or kw.get("row_index") is None:
+    if not selects_first(text) or kw.get("row_index") is None:
         return kw
     rest = {k: v for k, v in kw.items() if k not in ("x", "row_index")}
     if gathered is None:
@@ -106,8 +111,8 @@ def variant_kw(kw: dict, text: str, gathered: torch.Tensor | None = None) -> dic
 
 
 def variant_call(kw: dict, cfg, text: str):
-    """The variant's timed call, under its environment ('host': the index_select included)."""
-    if host_gather(text) and kw.get("row_index") is not None:
+    """The variant's timed call, under its environment ('select': the index_select included)."""
+    if selects_first(text) and kw.get("row_index") is not None:
         def run():
             gathered = kw["x"].index_select(0, kw["row_index"])
             return fused_grouped_mm(**variant_kw(kw, text, gathered), config=cfg)
@@ -234,10 +239,12 @@ def kernel_choices(case: dict, device: torch.device, nsm: int) -> dict[str, tupl
 
 
 def describe(choice, in_kernel: bool) -> str:
-    """A fitted choice in the variants' notation, e.g. 'pp 64x256 c2x1, in-kernel gather'."""
-    sched = {v: k for k, v in _SCHEDULES.items()}[choice.schedule]
-    text = f"{sched} {choice.tile_m}x{choice.tile_n} c{choice.cluster_m}x{choice.cluster_n}"
-    return text + (", in-kernel gather" if in_kernel else "")
+    """A fitted choice in the tuner's notation, e.g. 'pp 64x256 c2x1 p8, in-kernel gather'
+    (stages are left to the kernel: not named)."""
+    from moe_gemm.ops.heuristics import choice_fields
+
+    fields = dict(choice_fields(choice, "varlen"), stages=None)
+    return space.name_of(fields) + (", in-kernel gather" if in_kernel else "")
 
 
 def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:

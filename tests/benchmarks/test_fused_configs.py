@@ -23,26 +23,29 @@ def test_parse_variant():
     assert fc.parse_variant("pp 128x192 c2x1 wide").cluster_m == 2
     assert fc.variant_env("pp 128x192 c2x1 wide") == {"MOE_GEMM_FUSED_GATHER_WIDE": "1"}
     assert fc.variant_env("pp 128x192 c2x1") == {} and fc.variant_env("default") == {}
-    assert fc.parse_variant("coop 128x256 c2x1 host").tile_n == 256
-    assert fc.variant_env("coop 128x256 c2x1 host") == {}
-    with pytest.raises(ValueError, match="wide\\|host"):
-        fc.parse_variant("pp 128x128 wide host")
+    assert fc.parse_variant("coop 128x256 c2x1 select").tile_n == 256
+    assert fc.variant_env("coop 128x256 c2x1 select") == {}
+    cfg = fc.parse_variant("pp 128x192 c2x1 p8ns")  # the tuner's raster words
+    assert (cfg.raster_panel, cfg.raster_along, cfg.raster_serpentine) == (8, "n", True)
+    for bad in ("pp 128x128 wide select", "pp 128x128 c2x1 host"):
+        with pytest.raises(ValueError, match="wide\\|select"):
+            fc.parse_variant(bad)
 
 
-def test_host_variant_gathers_first_and_matches_the_in_kernel_gather():
+def test_select_variant_gathers_first_and_matches_the_in_kernel_gather():
     case = fc.build_cases(fc.parser().parse_args(
-        ["--models", "qwen3-30b-a3b", "--tokens", "9", "--smoke", "--up", "pp 128x128 host",
+        ["--models", "qwen3-30b-a3b", "--tokens", "9", "--smoke", "--up", "pp 128x128 select",
          "--down", "pp 128x128"]), torch.device("cpu"))[0]
     kw = case["kw"]
-    host = fc.variant_kw(kw, "pp 128x128 host")
+    host = fc.variant_kw(kw, "pp 128x128 select")
     assert "row_index" not in host and host["x"].shape == (kw["row_index"].shape[0],
                                                            kw["x"].shape[1])
     assert fc.variant_kw(kw, "pp 128x128") is kw
-    cfg = fc.parse_variant("pp 128x128 host")
-    torch.testing.assert_close(fc.variant_call(kw, cfg, "pp 128x128 host")(),
+    cfg = fc.parse_variant("pp 128x128 select")
+    torch.testing.assert_close(fc.variant_call(kw, cfg, "pp 128x128 select")(),
                                fc.variant_call(kw, cfg, "pp 128x128")())
     keys = fc.compile_keys([case], torch.device("cpu"), 132)
-    assert False in {k.gather for k in keys}  # the host variant's kernel reads routed rows
+    assert False in {k.gather for k in keys}  # the select variant's kernel reads routed rows
 
 
 def test_with_environment_sets_the_variables_for_the_call_only(monkeypatch):
@@ -117,10 +120,16 @@ def test_kernel_choices_name_the_fitted_tile():
     picked = fc.kernel_choices(up, torch.device("cpu"), 132)
     assert set(picked) == {fc.DEFAULT, "pp 128x192 c2x1", "pp 128x192 c2x1 wide"}
     # A 128x192 gathered tile takes the shared-memory row form: without 'wide' the plan gathers.
-    assert fc.describe(*picked["pp 128x192 c2x1"]) == "pp 128x192 c2x1"
-    assert fc.describe(*picked["pp 128x192 c2x1 wide"]) == "pp 128x192 c2x1, in-kernel gather"
+    assert fc.describe(*picked["pp 128x192 c2x1"]) == "pp 128x192 c2x1 p8"
+    assert fc.describe(*picked["pp 128x192 c2x1 wide"]) == "pp 128x192 c2x1 p8, in-kernel gather"
     assert fc.describe(*fc.kernel_choices(down, torch.device("cpu"), 132)["pp 128x128 c1x2"]) \
-        == "pp 128x128 c1x2"
+        == "pp 128x128 c1x2 p8"
+    # A raster pinned in the variant reaches the kernel's choice.
+    args = fc.parser().parse_args(["--models", "deepseek-v3-ep8", "--tokens", "64",
+                                   "--up", "pp 128x192 c2x1 p8ns", "--down", "pp 128x128"])
+    up, _ = fc.build_cases(args, torch.device("cpu"))
+    assert fc.describe(*fc.kernel_choices(up, torch.device("cpu"), 132)[
+        "pp 128x192 c2x1 p8ns"]) == "pp 128x192 c2x1 p8ns"
 
 
 def test_quack_peer_rows_say_why_they_did_not_run(tmp_path):
