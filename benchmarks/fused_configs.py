@@ -239,12 +239,12 @@ def kernel_choices(case: dict, device: torch.device, nsm: int) -> dict[str, tupl
 
 
 def describe(choice, in_kernel: bool) -> str:
-    """A fitted choice in the tuner's notation, e.g. 'pp 64x256 c2x1 p8, in-kernel gather'
-    (stages are left to the kernel: not named)."""
+    """A fitted choice in the tuner's notation, e.g. 'coop 128x256 c2x1 s3 p16 ew, in-kernel
+    gather' (stages named where the choice pins them, else the kernel takes what fits)."""
     from moe_gemm.ops.heuristics import choice_fields
 
-    fields = dict(choice_fields(choice, "varlen"), stages=None)
-    return space.name_of(fields) + (", in-kernel gather" if in_kernel else "")
+    return space.name_of(choice_fields(choice, "varlen")) + (
+        ", in-kernel gather" if in_kernel else "")
 
 
 def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
