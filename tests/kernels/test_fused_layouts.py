@@ -187,6 +187,32 @@ def test_gather_register_split_and_warps():
         assert wide.ab_stages <= same.ab_stages
 
 
+@pytest.mark.parametrize("tile_m", [64, 128, 192, 256])
+def test_gather_threads_cover_each_row_chunk_of_a_stage_once(tile_m):
+    # gather.RowGather: thread gtid copies rows r0 + i * ROWS_PER_PASS, chunks c + j *
+    # THREADS_PER_ROW of each (r0 = gtid // THREADS_PER_ROW, c = gtid % THREADS_PER_ROW); every
+    # (row, 16-byte chunk) of a tile_m x 128-byte stage must be copied by exactly one thread, and
+    # a warp's rows must be its own (the shared-memory form's rows are written and read back
+    # by the same warp, with only a warp sync between tiles).
+    from moe_gemm.kernels.sm90 import gather as g
+    from moe_gemm.kernels.sm90.constants import TILE_K
+
+    assert g.GATHER_THREADS == 128 and tile_m % g.ROWS_PER_PASS == 0
+    seen: dict[tuple[int, int], int] = {}
+    warp_rows: dict[int, set[int]] = {}
+    for gtid in range(g.GATHER_THREADS):
+        r0, c = gtid // g.THREADS_PER_ROW, gtid % g.THREADS_PER_ROW
+        for i in range(tile_m // g.ROWS_PER_PASS):
+            row = r0 + i * g.ROWS_PER_PASS
+            warp_rows.setdefault(row, set()).add(gtid // 32)
+            for j in range(g.CHUNKS_PER_THREAD):
+                key = (row, c + j * g.THREADS_PER_ROW)
+                assert key not in seen, (key, gtid, seen.get(key))
+                seen[key] = gtid
+    assert set(seen) == {(r, ch) for r in range(tile_m) for ch in range(TILE_K // g.CHUNK)}
+    assert all(len(w) == 1 for w in warp_rows.values())
+
+
 def test_swizzle_matches_the_tma_128_byte_pattern():
     from moe_gemm.kernels.sm90.gather import swizzle_128b
 
