@@ -12,15 +12,15 @@ Models (one layer each, bf16, random weights of transformers' layouts):
   gate/up columns (transformers' GptOssMLP: its router, then the experts implementation);
 - mixtral-8x7b: 8 experts, H=4096, I=14336, top-2.
 
-Implementations (impl names): "moe_gemm fused" (MoE.from_hf(block), or the "moe_gemm" experts
-of GPT-OSS, on the fused kernel: the layer's default on Hopper), "moe_gemm unfused" (the same
-with fused=False: two grouped_mm launches and torch ops between them), "transformers
-grouped_mm" (the block itself with transformers' default experts implementation) and
-"sonicmoe" (sonicmoe.MoE of the same H, I, E, k with its own top-k softmax router and plain
-SwiGLU, without DeepSeek's shared expert; where the package imports and runs: what happened
-is recorded either way); on DeepSeek-V3 also "moe_gemm fused, routed experts only" (the fused
-layer without its shared expert: SonicMoE's scope). sonic-moe 0.1.2 runs on DSL 4.8.1 with quack-kernels 0.6.0 ahead of
-a newer QuACK on the path (`pip install --no-deps --target DIR quack-kernels==0.6.0 sonic-moe`,
+Implementations (impl names): "moe_gemm fused" (MoE.from_hf(block), or the "moe_gemm" experts of
+GPT-OSS, on the fused kernel: the layer's default on Hopper), "moe_gemm unfused" (the same with
+fused=False: two grouped_mm launches and torch ops between them), "transformers grouped_mm" (the
+block itself with transformers' default experts implementation) and "sonicmoe" (sonicmoe.MoE of
+the same H, I, E, k with its own top-k softmax router and plain SwiGLU, without DeepSeek's
+shared expert; where the package imports and runs: what happened is recorded either way); on
+DeepSeek-V3 also "moe_gemm fused, routed experts only" (the fused layer without its shared
+expert: SonicMoE's scope). sonic-moe 0.1.2 runs on DSL 4.8.1 with quack-kernels 0.6.0 ahead of a
+newer QuACK on the path (`pip install --no-deps --target DIR quack-kernels==0.6.0 sonic-moe`,
 then PYTHONPATH=DIR); with QuACK 0.6.4 or 0.6.5 its forward raises a TypeError about a
 ContextVar in its epilogue.
 
@@ -29,12 +29,13 @@ Before timing, a child process runs one fused forward per model against the unfu
 in-kernel gather, or without the fused rows, and the JSON says so ("fused_probe").
 
 Timing: each implementation as a CUDA-graph replay where it captures (eager otherwise; the row
-says which), after warm-up, batches of calls timed by CUDA events, implementations
-interleaved round by round (each round starting one later), the median batch per call.
-Kernels are compiled before timing, in parallel (every variant the fused and unfused layers
-will launch, from the library's own choice). The JSON keeps device, date, versions, per-row times with the speedup over the
-unfused layer, and per model each implementation's worst agreement (calc_diff) with the
-unfused layer over the timed token counts.
+says which), after warm-up, batches of calls timed by CUDA events, implementations interleaved
+round by round (each round in a seeded shuffled order, each batch right after half a batch of
+the same implementation, untimed), the median batch per call. Kernels are compiled before
+timing, in parallel (every variant the fused and unfused layers will launch, from the library's
+own choice). The JSON keeps device, date, versions, per-row times with the speedup over the
+unfused layer, and per model each implementation's worst agreement (calc_diff) with the unfused
+layer over the timed token counts.
 """
 
 from __future__ import annotations

@@ -18,18 +18,19 @@ A variant is "CONFIG [wide|select]": CONFIG as `moe-gemm tune` names configs (tu
 "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g. "coop 256x192 c2x1 p8ns"); `wide` runs it with
 MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's gather in the kernel on tiles past 128 rows or 128
 accumulator registers), `select` gathers the up GEMM's rows with index_select first, as the plan
-does where the kernel does not gather (its time included). The default (no config) is always the first. With `--quack`, a peer row: QuACK's own kernel
-for the same GEMM, autotuned (quack.gemm_interface, tuned=True, what SonicMoE calls): for
-gate-up its gated GEMM with its A gather (A_idx, SwiGLU over concatenated gate/up columns),
-for down its varlen GEMM (with the bias, without the row weights, which ours applies in its
-epilogue: its output is checked scaled by them); not for gpt-oss's gate-up (its clamped SwiGLU
-over alternating columns). QUACK_PRINT_AUTOTUNING=1
-prints the config its autotuner picked. Every variant's output is
+does where the kernel does not gather (its time included). The default (no config) is always the
+first. With `--quack`, a peer row: QuACK's own kernel for the same GEMM, autotuned
+(quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated GEMM with its A
+gather (A_idx, SwiGLU over concatenated gate/up columns), for down its varlen GEMM (with the
+bias, without the row weights, which ours applies in its epilogue: its output is checked scaled
+by them); not for gpt-oss's gate-up (its clamped SwiGLU over alternating columns).
+QUACK_PRINT_AUTOTUNING=1 prints the config its autotuner picked. Every variant's output is
 checked against the default's before timing (a mismatch is an error, not a time). Kernels are
-compiled first, in parallel. Timing: `--calls` back-to-back calls between CUDA events,
-variants interleaved round by round, the median round; routing: each token's top-k distinct
-experts of seeded random logits with a linear skew across experts. The rows print
-us | TFLOP/s | GB/s | ratio (the default's time over the variant's: above 1, faster).
+compiled first, in parallel. Timing: `--calls` back-to-back calls between CUDA events, variants
+interleaved round by round (the layer bench's order: a seeded shuffle each round, each batch
+behind half a batch of warm-up), the median round; routing: each token's top-k distinct experts
+of seeded random logits with a linear skew across experts. The rows print us | TFLOP/s | GB/s |
+ratio (the default's time over the variant's: above 1, faster).
 """
 
 from __future__ import annotations

@@ -4,16 +4,17 @@ The MoE layer's gate-up GEMM multiplies each routed row r (sorted by expert) by 
 row x[row_index[r]]. Hopper's TMA copies boxes of consecutive rows, so instead of a permuted
 copy of x (S x H elements written and read again) the four warps of the producer warpgroup
 load the tile's rows with cp.async, 16 bytes a copy: warps 2 and 3 only that, warp 0 beside B's
-TMA and warp 1 right after publishing each record as the scheduler (two warps alone, with 8
-rows x 2 copies a thread per stage of a 128-row tile, starved the math warpgroups on an H200:
-0.57-0.80x index_select + TMA on ping-pong 128x192 2x1; four warps: 0.86-0.95x). Four threads share a row's 128-byte K slice, two 16-byte chunks
-each (one warp instruction reads 64 contiguous bytes of 8 rows); a thread has tile_m / 32 rows.
-Their indices are read once per tile and kept in registers (constants.REGS_GATHER), or, for
-tiles past 128 rows or 128 accumulator registers, in shared memory (s_rows: the row of x of each
-of the tile's rows), so the gather threads fit the default 40-register producer
-(constants.gather_rows_in_registers). Eight lanes a row, one 16-byte copy each (whole 128-byte
-lines a warp instruction, but twice the rows a thread), ran slower still (0.53-0.68x): the
-gather threads are bound by their instructions per stage, not by L1 requests.
+TMA, warp 1 right after publishing each record as the scheduler. (Two warps alone, 8 rows x 2
+copies a thread per stage of a 128-row tile, starved the math warpgroups on an H200: ping-pong
+128x192 2x1 at 0.57-0.80x the speed of index_select + TMA; four warps: 0.86-0.95x.) Four threads
+share a row's 128-byte K slice, two 16-byte chunks each (one warp instruction reads 64
+contiguous bytes of 8 rows); a thread has tile_m / 32 rows. Their indices are read once per
+tile and kept in registers (constants.REGS_GATHER), or, for tiles past 128 rows or 128
+accumulator registers, in shared memory (s_rows: the row of x of each of the tile's rows), so
+the gather threads fit the default 40-register producer (constants.gather_rows_in_registers).
+Eight lanes a row, one 16-byte copy each (whole 128-byte lines a warp instruction, but twice
+the rows a thread), was no faster (0.53-0.62x with two warps): the gather threads are bound by
+their instructions per stage, not by L1 requests.
 
 Completion: every gather thread arrives on the stage's full barrier once its copies of the
 stage have landed (cp.async.mbarrier.arrive.noinc: the barrier was initialised expecting those
