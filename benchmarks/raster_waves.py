@@ -1,0 +1,137 @@
+"""Operand panels each wave of tiles loads, per tile order, on real models' routings (no GPU).
+
+A persistent grid runs its tiles in waves: the i-th tile of every CTA runs at about the same
+time and walks K at about the same pace, so tiles of one wave that share an A row panel (one
+expert's tile_m rows) or a B column panel (one expert's tile_n columns) read it from L2 once
+between them, while a panel that comes back in a later wave has usually left L2 (a K = 7168
+panel of 128 bf16 rows is 1.8 MB; the H100's and H200's L2 is 50 MB). This counts, for each
+wave of the schedule module's tile order (moe_gemm.ops.schedule.cta_tiles: the kernel's own,
+clusters included), the distinct A and B panels at full K, sums them over the waves, and
+divides by the compulsory bytes (every routed row of A and every used expert's B once). It is
+an upper-bound model of DRAM reads, with no reuse across waves: use it to compare tile orders
+(rasters) of one tile, and ncu (benchmarks.dram_traffic) for the bytes a GPU really reads.
+
+    python -m benchmarks.raster_waves [--models all] [--tokens 2048,8192] \
+        [--configs "pp 64x256 c2x1 p8;pp 64x256 c2x1 p8ns"] [--out waves.json]
+
+Configs are named as `moe-gemm tune` names them (tuning/space.py); the default list compares
+the rasters p8 (panels of 8 m-tiles), p16, p8n and p8ns (panels of 8 n-tiles, serpentine) on
+three tiles. The zoo's routing (moe_gemm.tuning.zoo.topk_counts, seeded) gives each expert's
+rows; 132 CTAs (an H100 SXM's or an H200's SMs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+from moe_gemm.kernels.sm90.constants import raster_code
+from moe_gemm.ops import schedule as sched
+from moe_gemm.tuning import space
+from moe_gemm.tuning import zoo as models
+
+NUM_SMS = 132
+BYTES = 2  # 16-bit operands
+DEFAULT_CONFIGS = tuple(f"{tile} {raster}" for tile in
+                        ("pp 64x256 c2x1", "pp 128x192 c2x1", "coop 128x256 c2x1")
+                        for raster in ("p8", "p16", "p8n", "p8ns"))
+
+
+def wave_bytes(rows: list[int], N: int, K: int, fields: dict, num_ctas: int = NUM_SMS
+               ) -> tuple[int, int]:
+    """(bytes of the distinct A and B panels of each wave, summed over the waves; the
+    compulsory bytes) of experts with `rows` rows each, (N, K) each, under a config's fields."""
+    tm, tn = fields["tile_m"], fields["tile_n"]
+    cm, cn = fields.get("cluster_m") or 1, fields.get("cluster_n") or 1
+    swizzle = raster_code(fields.get("raster_panel") or 8, fields.get("raster_along") or "m",
+                          bool(fields.get("raster_serpentine")))
+    per_cta = sched.cta_tiles([(m, N) for m in rows], tm, tn, num_ctas - num_ctas % (cm * cn),
+                              swizzle, cm, cn)
+    total = 0
+    for w in range(max((len(t) for t in per_cta), default=0)):
+        wave = [t[w] for t in per_cta if w < len(t)]
+        a_panels = {(p, mt) for p, mt, _ in wave}
+        b_panels = {(p, nt) for p, _, nt in wave}
+        total += (len(a_panels) * tm + len(b_panels) * tn) * K * BYTES
+    compulsory = (sum(rows) + sum(1 for m in rows if m) * N) * K * BYTES
+    return total, compulsory
+
+
+def rows_of(model_names: str | None, tokens: list[int], configs: list[str], seed: int
+            ) -> list[dict[str, Any]]:
+    fields = {c: space.parse_name(c) for c in configs}
+    out = []
+    for t in tokens:
+        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
+            for p in m.projections():
+                counts = models.topk_counts(p.E, t, min(p.top_k, p.E), seed)
+                for name, f in fields.items():
+                    total, compulsory = wave_bytes(counts, p.N, p.K, f)
+                    out.append({"model": m.name, "proj": p.proj, "tokens": t, "E": p.E,
+                                "N": p.N, "K": p.K, "rows": sum(counts), "config": name,
+                                "wave_gb": total / 1e9, "x_compulsory": total / compulsory})
+    return out
+
+
+def summary(rows: list[dict[str, Any]], configs: list[str]) -> list[dict[str, Any]]:
+    """Per config, the median of its bytes over the first config of the same tile's, case by
+    case (below 1: fewer panels per wave)."""
+    base: dict[tuple, float] = {}
+    out = []
+    for c in configs:
+        tile = " ".join(c.split()[:3])
+        first = next(x for x in configs if " ".join(x.split()[:3]) == tile)
+        ratios = []
+        for r in rows:
+            key = (r["model"], r["proj"], r["tokens"])
+            if r["config"] == first:
+                base[key] = r["wave_gb"]
+            if r["config"] == c and base.get(key):
+                ratios.append(r["wave_gb"] / base[key])
+        if ratios:
+            out.append({"config": c, "vs": first, "median": statistics.median(ratios),
+                        "min": min(ratios), "max": max(ratios), "cases": len(ratios)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.raster_waves",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None, help="comma-separated zoo models, or 'all'")
+    p.add_argument("--tokens", default="2048,8192", help="token counts (default 2048,8192)")
+    p.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
+                   help="';'-separated configs as the tuner names them")
+    p.add_argument("--seed", type=int, default=1234, help="routing seed (the zoo's)")
+    p.add_argument("--out", help="write the rows and the summary as JSON")
+    args = p.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(";") if c.strip()]
+    try:
+        for c in configs:
+            space.parse_name(c)
+        tokens = models.parse_tokens(args.tokens, (2048, 8192))
+        rows = rows_of(args.models, tokens, configs, args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summ = summary(rows, configs)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"tokens": tokens, "num_ctas": NUM_SMS, "rows": rows, "summary": summ},
+                      f, indent=1)
+    print(f"{'case':30} | {'config':26} | {'GB':>7} | {'x compulsory':>12}")
+    for r in rows:
+        case = f"{r['model']}/{r['proj']}/{r['tokens']}"
+        print(f"{case[:30]:30} | {r['config'][:26]:26} | {r['wave_gb']:7.2f} | "
+              f"{r['x_compulsory']:12.2f}")
+    print("median bytes against the same tile's first config, over the cases:")
+    for s in summ:
+        print(f"  {s['config']:26} / {s['vs']:26}: {s['median']:.3f} "
+              f"({s['min']:.3f}-{s['max']:.3f}, {s['cases']} cases)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
