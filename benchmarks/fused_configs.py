@@ -164,6 +164,17 @@ def quack_peer(case: dict) -> tuple[Any, Any, str | None]:
     return down, (lambda: down().float() * weight), None
 
 
+def agreement(y: torch.Tensor, ref: torch.Tensor, case: dict, name: str, against: str
+              ) -> float:
+    """y's relative max difference from ref; an AssertionError past 2e-2 (a wrong output is
+    an error, not a time)."""
+    err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    if not err <= 2e-2:
+        raise AssertionError(f"{case['model']} {case['proj']} {name}: output differs from "
+                             f"{against} by {err:.3g} (relative max)")
+    return err
+
+
 def peer_row(case: dict, ref: torch.Tensor | None) -> tuple[dict, Any]:
     """QuACK's row for the case (quack_peer) and its timed call, or the row saying why not; its
     output checked against ours (ref) first."""
@@ -178,11 +189,7 @@ def peer_row(case: dict, ref: torch.Tensor | None) -> tuple[dict, Any]:
         y = checked().float()  # (its first call autotunes)
     except Exception as exc:  # noqa: BLE001 - a peer that fails is recorded
         return dict(row, error=f"{type(exc).__name__}: {exc}"[:300]), None
-    err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    if not err <= 2e-2:
-        raise AssertionError(f"{case['model']} {case['proj']} QuACK: output differs from ours "
-                             f"by {err:.3g} (relative max)")
-    return dict(row, rel_err=err), fn
+    return dict(row, rel_err=agreement(y, ref, case, "QuACK", "ours")), fn
 
 
 def layer_case(m: dict, T: int, device: torch.device, dtype: torch.dtype,
@@ -293,10 +300,7 @@ def run_case(case: dict, rounds: int, calls: int, device: torch.device,
             continue
         if ref is None:
             ref = y
-        err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-        if not err <= 2e-2:
-            raise AssertionError(f"{case['model']} {case['proj']} {name}: output differs from "
-                                 f"the default's by {err:.3g} (relative max)")
+        err = agreement(y, ref, case, name, "the default's")
         fn()  # (warm)
         rows.append(dict(row, rel_err=err))
         fns.append((rows[-1], fn))

@@ -129,10 +129,6 @@ class RowGather:
     def rows_per_thread(self) -> int:
         return self.cfg.tile_m // ROWS_PER_PASS
 
-    @property
-    def dtype(self):
-        return self.cfg.ab_dtype
-
     @cute.jit
     def start_tile(self, work):
         """Read the record's rows of x (once per tile)."""
@@ -158,7 +154,7 @@ class RowGather:
         """Copy this thread's chunks of k-tile kk of the record into stage ab_state.index (its
         empty barrier already waited on) and arrive on its full barrier when they land."""
         k0 = (kk + work.k_start) * TILE_K
-        dtype = self.dtype
+        dtype = self.cfg.ab_dtype
         for i in cutlass.range_constexpr(self.rows_per_thread):
             row = Int32(0)
             if cutlass.const_expr(self.cfg.gather_rows_in_smem):

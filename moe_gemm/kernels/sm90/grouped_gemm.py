@@ -609,7 +609,7 @@ class GroupedGemmSm90:
             num_stages=SCHED_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 1 + 8 + (4 - GATHER_FIRST_WARP
+                pipeline.Agent.Thread, 1 + 8 + (GATHER_WARPS - GATHER_FIRST_WARP
                                                 if const_expr(self.gather_a) else 0)),
             defer_sync=True,
         )
@@ -633,12 +633,10 @@ class GroupedGemmSm90:
             # load and scheduler warps beside their own roles.
             gather = None
             if const_expr(self.gather_a):
+                s_rows = storage.gather_rows.get_tensor(cute.make_layout(
+                    self.tile_m if const_expr(self.gather_rows_in_smem) else 1))
                 gather = RowGather.create(self, problems, storage.sA.data_ptr().toint(),
-                                   a_smem_staged,
-                                   storage.gather_rows.get_tensor(cute.make_layout(
-                                       self.tile_m if const_expr(self.gather_rows_in_smem)
-                                       else 1)),
-                                   tidx)
+                                          a_smem_staged, s_rows, tidx)
             if warp_idx == self.sched_warp:
                 cta, _, _ = cute.arch.block_idx()
                 scheduler = TileScheduler(self, problems,
