@@ -82,9 +82,10 @@ LIBRARY_VARIABLES: dict[str, str] = {
     "MOE_GEMM_FUSED": "0: the MoE layers take the unfused path where they would fuse",
     "MOE_GEMM_FUSED_GATHER": "0: the fused path gathers tokens with index_select, not in the "
                              "kernel",
-    "MOE_GEMM_FUSED_GATHER_WIDE": "1: the fused kernel gathers in kernel also on tiles past 128 "
-                                  "rows or 128 accumulator registers (no routed copy of x; "
-                                  "5-14% slower than index_select + TMA on the H200)",
+    "MOE_GEMM_FUSED_GATHER_WIDE": "1: the fused kernel gathers in kernel at every batch size "
+                                  "and also on tiles past 128 rows or 128 accumulator "
+                                  "registers (no routed copy of x; 4-14% slower than "
+                                  "index_select + TMA on the H200)",
     "MOE_GEMM_FP8_SCALE_AHEAD": "1-4: stages ahead the FP8 block scales are loaded (default 3 "
                                 "on tiles within one scale block; 1: the plain loop)",
     "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs",

@@ -3,11 +3,12 @@ TMA rules of its operands, and FusedPlan, built once per signature like mm_launc
 
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
 S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what the fused
-options can build (fit_fused): a gated tile needs tile_n a multiple of 32; gather-A needs no A
-multicast and, by default, at most 128 rows and 128 accumulator registers per thread (the form
+options can build (fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel gather
+(gather-A) serves batches below GATHER_MAX_ROWS routed rows, where it saves index_select's
+launch; it needs no A multicast and, by default, at most 128 rows and 128 accumulator registers per thread (the form
 whose rows' indices sit in registers); with MOE_GEMM_FUSED_GATHER_WIDE=1 it keeps any tile below
-the heavy accumulators (its rows' indices in shared memory). That form is opt-in: it saves the
-routed copy of x (S x K elements) but on an H200 (2026-11-29), gathering on the whole producer
+the heavy accumulators (its rows' indices in shared memory), at every batch size. That form is
+opt-in: it saves the routed copy of x (S x K elements) but on an H200 (2026-11-29), gathering on the whole producer
 warpgroup, it ran the gate-up GEMM at 0.86-0.95x the speed of index_select + the same tile
 (ping-pong 128x192 2x1, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 4096 and 16384 tokens; with two
 gather warps 0.57-0.80x). The fused epilogue's extra registers (bias, row weights, activation)
@@ -38,6 +39,12 @@ from moe_gemm.ops.support import (
 )
 
 FUSED_MAX_ACC_REGS = 192
+# The in-kernel gather only below this many routed rows; from it on the plan gathers with
+# index_select (its time included, H200 2026-11-29, the same tile either way): DeepSeek-V3 EP8
+# gate-up 0.95x at 8 rows, 1.01x at 1024, 1.04x at 8192, 1.06x at 32768, 1.07x at 131072;
+# Qwen3-30B-A3B 0.80x at 8 rows, 1.02x at 1024. (The kernel's cp.async gather costs it 5-11%
+# where it is compute-bound; index_select is one launch and S x K elements written and read.)
+GATHER_MAX_ROWS = 1024
 _GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
 
 
@@ -113,7 +120,8 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
                  device: torch.device) -> tuple[KernelChoice, bool]:
     """(the kernel's config, whether the kernel gathers A's rows itself).
 
-    With a row_index, the in-kernel gather is used only where it keeps the tile the options
+    With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows (or at
+    any size with MOE_GEMM_FUSED_GATHER_WIDE=1), and only where it keeps the tile the options
     would get without it: gather-A caps the tile (at most 128 rows, 128 accumulator registers
     per thread, no A multicast), and on an H100 (2026-11-25) a capped tile lost 1.3-2x on
     prefill shapes (Mixtral 8x7B gate-up at 2k routed rows: 1.76 ms gathered in a 64x192 tile
@@ -126,7 +134,8 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)
     fitted = fit_fused(choice, gate, False, **extra)
-    gather = args.row_index is not None
+    gather = args.row_index is not None and (
+        args.S < GATHER_MAX_ROWS or env_flag(GATHER_WIDE_ENV))
     if gather:
         gathered = fit_fused(choice, gate, True, wide_gather=env_flag(GATHER_WIDE_ENV),
                              **extra)

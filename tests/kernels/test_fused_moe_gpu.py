@@ -141,10 +141,10 @@ EDGE_CASES = [
     case("edge/off-tile", T=77, S=203, E=5, K=72, N=208, gate="silu", bias=True),
     case("edge/narrow", T=40, S=90, E=3, K=16, N=32, gate="gelu", layout="interleaved",
          w_major="n", scale=True),
-    case("edge/long-k-gather", T=512, S=1500, E=6, K=7176, N=256, gate="silu"),
+    case("edge/long-k-gather", T=512, S=1000, E=6, K=7176, N=256, gate="silu"),
     case("edge/long-k-down", T=512, S=1500, E=6, K=4104, N=520, gather=False, scale=True,
          bias=True, w_major="n"),
-    case("edge/many-experts", T=256, S=2048, E=128, K=512, N=384, gate="silu",
+    case("edge/many-experts", T=256, S=1000, E=128, K=512, N=384, gate="silu",
          empty=tuple(range(0, 128, 3))),
 ]
 
@@ -152,7 +152,8 @@ _P, _C = "pingpong", "cooperative"
 FORCED_CASES = [
     case(f"forced/{s}-{m}x{n}{'-c' + str(cm) + 'x1' if cm > 1 else ''}{'-ts' if ts else ''}"
          f"{'-ew' if ew else ''}/{g or 'plain'}/{'gather' if ga else 'rows'}",
-         T=700, S=2100, E=8, K=1032 if not ts else 4168, N=512, gate=g, gather=ga,
+         T=700, S=1000 if ga else 2100, E=8, K=1032 if not ts else 4168, N=512, gate=g,
+         gather=ga,
          scale=not g, bias=True, config=GemmConfig(
              backend="cute", schedule=s, tile_m=m, tile_n=n,
              cluster_m=cm if cm > 1 else None, cluster_n=1 if cm > 1 else None,
@@ -180,13 +181,17 @@ FORCED_CASES = [
     for s, m, n, g in [(_C, 128, 192, "silu"), (_P, 128, 208, None)]
 ]
 
-# Gather-A where the in-kernel gather would cap the tile: the plan gathers (index_select) and
-# the kernel reads routed rows (ops/fused_launch.fused_choice); a cluster along N forces it on
-# a small shape, a Mixtral-like gate-up takes it by default.
+# Gather-A where the in-kernel gather would cap the tile, or from GATHER_MAX_ROWS routed rows
+# on: the plan gathers (index_select) and the kernel reads routed rows
+# (ops/fused_launch.fused_choice); a cluster along N forces it on a small shape, a Mixtral-like
+# gate-up takes it by default, and a tile the gather keeps takes it at 1200 rows.
 PLAN_GATHER_CASES = [
     case("plan-gather/cluster-n", T=200, S=600, E=6, K=256, N=512, gate="silu",
          config=GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=256,
                            cluster_m=1, cluster_n=2)),
+    case("plan-gather/large-batch", T=600, S=1200, E=8, K=520, N=512, gate="silu",
+         bias=True, config=GemmConfig(backend="cute", schedule="pingpong", tile_m=64,
+                                      tile_n=256, cluster_m=2, cluster_n=1)),
     case("plan-gather/default-large", T=1024, S=2048, E=8, K=1024, N=4096, gate="silu",
          empty=(3,), tail=64),
 ]
@@ -231,6 +236,9 @@ def test_edges(c):
 
 @pytest.mark.parametrize("c", FORCED_CASES, ids=[c["name"] for c in FORCED_CASES])
 def test_forced_configs(c):
+    if c["gather"]:  # (below fused_launch.GATHER_MAX_ROWS, on tiles the gather keeps)
+        x, w, offs, kw = inputs(c)
+        assert _gathers_in_kernel(c, x, w, offs, kw)
     run_case(c)
 
 

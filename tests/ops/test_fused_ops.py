@@ -351,6 +351,22 @@ def test_wide_gather_switch_reaches_the_choice(monkeypatch):
     assert in_kernel and (choice.tile_m, choice.tile_n, choice.cluster_m) == (128, 192, 2)
 
 
+def test_the_kernel_gathers_only_small_batches_by_default(monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS
+
+    cfg = GemmConfig(schedule="pingpong", tile_m=64, tile_n=256, cluster_m=2, cluster_n=1)
+    monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
+    picks = {S: fused_choice(_meta_args(4096, S, 32, 4096, 7168, gate="silu"), cfg, 132,
+                             torch.device("meta")) for S in (8, GATHER_MAX_ROWS - 1,
+                                                              GATHER_MAX_ROWS, 131072)}
+    assert [in_kernel for _, in_kernel in picks.values()] == [True, True, False, False]
+    tiles = {(c.schedule, c.tile_m, c.tile_n, c.cluster_m) for c, _ in picks.values()}
+    assert tiles == {("pingpong", 64, 256, 2)}  # the same tile either way
+    monkeypatch.setenv(GATHER_WIDE_ENV, "1")  # the in-kernel gather at every size
+    assert fused_choice(_meta_args(4096, 131072, 32, 4096, 7168, gate="silu"), cfg, 132,
+                        torch.device("meta"))[1]
+
+
 def test_row_weights_alone_keep_grouped_mms_tile():
     # One weight per row needs no registers beside the accumulator worth a smaller tile.
     big = dataclasses.replace(_choice("pingpong", 128, 208), stages=4)
