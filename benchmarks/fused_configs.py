@@ -14,7 +14,7 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "CONFIG [wide|select]": CONFIG as `moe-gemm tune` names configs (tuning/space.py:
+A variant is "CONFIG [wide|select]" or "default select": CONFIG as `moe-gemm tune` names configs (tuning/space.py:
 "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g. "coop 256x192 c2x1 p8ns"); `wide` runs it with
 MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's gather in the kernel on tiles past 128 rows or 128
 accumulator registers), `select` gathers the up GEMM's rows with index_select first, as the plan
@@ -73,11 +73,14 @@ QUACK = "QuACK (tuned)"
 GATHER_WORDS = ("wide", "select")  # a variant's last word, if any: how the up GEMM gathers
 
 
-def parse_variant(text: str) -> GemmConfig:
-    """'coop 256x192 c2x1 [wide|select]' -> its GemmConfig (ValueError naming the form)."""
+def parse_variant(text: str) -> GemmConfig | None:
+    """'coop 256x192 c2x1 [wide|select]' -> its GemmConfig (ValueError naming the form);
+    'default select' -> None (the default's kernel, behind index_select)."""
     words = text.split()
     if words[-1:] and words[-1] in GATHER_WORDS:
         words = words[:-1]
+    if words == [DEFAULT] and selects_first(text):
+        return None
     try:
         fields = space.parse_name(" ".join(words))
         if fields.get("visitor") == "host":

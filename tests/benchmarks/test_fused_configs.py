@@ -25,6 +25,9 @@ def test_parse_variant():
     assert fc.variant_env("pp 128x192 c2x1") == {} and fc.variant_env("default") == {}
     assert fc.parse_variant("coop 128x256 c2x1 select").tile_n == 256
     assert fc.variant_env("coop 128x256 c2x1 select") == {}
+    assert fc.parse_variant("default select") is None and fc.selects_first("default select")
+    with pytest.raises(ValueError, match="pp\\|coop MxN"):
+        fc.parse_variant("default wide")
     cfg = fc.parse_variant("pp 128x192 c2x1 p8ns")  # the tuner's raster words
     assert (cfg.raster_panel, cfg.raster_along, cfg.raster_serpentine) == (8, "n", True)
     for bad in ("pp 128x128 wide select", "pp 128x128 c2x1 host"):
