@@ -14,10 +14,10 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "CONFIG [wide|select]" or "default select": CONFIG as `moe-gemm tune` names configs (tuning/space.py:
-"pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g. "coop 256x192 c2x1 p8ns"); `wide` runs it with
-MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's gather in the kernel on tiles past 128 rows or 128
-accumulator registers), `select` gathers the up GEMM's rows with index_select first, as the plan
+A variant is "CONFIG [wide|select]" or "default select": CONFIG as `moe-gemm tune` names
+configs (tuning/space.py: "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g. "coop 256x192 c2x1 p8ns");
+`wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's gather in the kernel at every
+batch size, also on tiles past 128 rows or 128 accumulator registers), `select` gathers the up GEMM's rows with index_select first, as the plan
 does where the kernel does not gather (its time included). The default (no config) is always the
 first. With `--quack`, a peer row: QuACK's own kernel for the same GEMM, autotuned
 (quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated GEMM with its A
