@@ -90,7 +90,8 @@ SWITCHED = {
                     "with embedding_bag as the top-k combine"),
     FUSED_ROUTER: ("router_torch", ROUTER_ENV, "torch", "with the routers' torch ops"),
     FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
-                 "with the in-kernel gather on every tile below the heavy accumulators"),
+                 "with the in-kernel gather at every size, on every tile below the heavy "
+                 "accumulators"),
 }
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
