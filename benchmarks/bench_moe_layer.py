@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import moe_gemm  # noqa: E402
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
-from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV  # noqa: E402
+from moe_gemm.ops.fused_launch import FAST_GATE_ENV, GATHER_WIDE_ENV  # noqa: E402
 from moe_gemm.ops.router_topk import ROUTER_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 
@@ -80,6 +80,7 @@ FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers
 FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, torch router"  # --router-torch
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
+FUSED_FAST_GATE = "moe_gemm fused, fast gate"  # --fast-gate
 # DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
 # none), so that the two compare like for like.
 FUSED_ROUTED = "moe_gemm fused, routed experts only"
@@ -89,6 +90,8 @@ SWITCHED = {
     FUSED_COMBINE: ("combine_torch", COMBINE_ENV, "torch",
                     "with embedding_bag as the top-k combine"),
     FUSED_ROUTER: ("router_torch", ROUTER_ENV, "torch", "with the routers' torch ops"),
+    FUSED_FAST_GATE: ("fast_gate", FAST_GATE_ENV, "1",
+                      "with the fast sigmoid gate (MOE_GEMM_FUSED_FAST_GATE)"),
     FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
                  "with the in-kernel gather at every size, on every tile below the heavy "
                  "accumulators"),

@@ -14,10 +14,12 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "CONFIG [wide|select]" or "default select": CONFIG as `moe-gemm tune` names
-configs (tuning/space.py: "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g. "coop 256x192 c2x1 p8ns");
-`wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's gather in the kernel at every
-batch size, also on tiles past 128 rows or 128 accumulator registers), `select` gathers the up GEMM's rows with index_select first, as the plan
+A variant is "CONFIG [wide|select] [fastgate]" or "default" with those words: CONFIG as
+`moe-gemm tune` names configs (tuning/space.py: "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g.
+"coop 256x192 c2x1 p8ns"); `wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's
+gather in the kernel at every batch size, also on tiles past 128 rows or 128 accumulator
+registers), `fastgate` with MOE_GEMM_FUSED_FAST_GATE=1 (SiLU's sigmoid from the SFU's
+approximations), `select` gathers the up GEMM's rows with index_select first, as the plan
 does where the kernel does not gather (its time included). The default (no config) is always the
 first. With `--quack`, a peer row: QuACK's own kernel for the same GEMM, autotuned
 (quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated GEMM with its A
@@ -70,16 +72,26 @@ DEFAULT = "default"
 QUACK = "QuACK (tuned)"
 
 
-GATHER_WORDS = ("wide", "select")  # a variant's last word, if any: how the up GEMM gathers
+GATHER_WORDS = ("wide", "select")  # how the up GEMM gathers (at most one)
+OPTION_WORDS = GATHER_WORDS + ("fastgate",)  # a variant's trailing words
+
+
+def variant_words(text: str) -> tuple[list[str], set[str]]:
+    """(the config's words, the trailing option words) of a variant."""
+    words = text.split()
+    options: set[str] = set()
+    while words and words[-1] in OPTION_WORDS and words[-1] not in options:
+        options.add(words.pop())
+    return words, options
 
 
 def parse_variant(text: str) -> GemmConfig | None:
-    """'coop 256x192 c2x1 [wide|select]' -> its GemmConfig (ValueError naming the form);
-    'default select' -> None (the default's kernel, behind index_select)."""
-    words = text.split()
-    if words[-1:] and words[-1] in GATHER_WORDS:
-        words = words[:-1]
-    if words == [DEFAULT] and selects_first(text):
+    """'coop 256x192 c2x1 [wide|select] [fastgate]' -> its GemmConfig (ValueError naming the
+    form); 'default' with at least one option word -> None (the default's kernel, under it)."""
+    words, options = variant_words(text)
+    if options >= set(GATHER_WORDS):
+        raise ValueError(f"a variant gathers one way, [wide|select]; got {text!r}")
+    if words == [DEFAULT] and options:
         return None
     try:
         fields = space.parse_name(" ".join(words))
@@ -87,20 +99,26 @@ def parse_variant(text: str) -> GemmConfig | None:
             raise ValueError("the fused kernels take the device visitor")
         return space.config_of(fields, backend="auto")
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [sS] [pP[n][s]] [wide|select]', "
-                         f"e.g. 'coop 256x192 c2x1'; got {text!r} ({exc})") from None
+        raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [sS] [pP[n][s]] [wide|select] "
+                         f"[fastgate]', e.g. 'coop 256x192 c2x1'; got {text!r} ({exc})"
+                         ) from None
 
 
 def variant_env(text: str) -> dict[str, str]:
-    """The environment a variant runs under ('wide': the wide in-kernel gather)."""
-    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+    """The environment a variant runs under ('wide': the wide in-kernel gather; 'fastgate':
+    the fast sigmoid gate)."""
+    from moe_gemm.ops.heuristics import FAST_GATE_ENV, GATHER_WIDE_ENV
 
-    return {GATHER_WIDE_ENV: "1"} if text.split()[-1:] == ["wide"] else {}
+    options = variant_words(text)[1]
+    env = {GATHER_WIDE_ENV: "1"} if "wide" in options else {}
+    if "fastgate" in options:
+        env[FAST_GATE_ENV] = "1"
+    return env
 
 
 def selects_first(text: str) -> bool:
     """Whether a variant gathers the up GEMM's rows with index_select before the kernel."""
-    return text.split()[-1:] == ["select"]
+    return "select" in variant_words(text)[1]
 
 
 def variant_kw(kw: dict, text: str, gathered: torch.Tensor | None = None) -> dict:
@@ -269,7 +287,10 @@ def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
         for name, picked in kernel_choices(case, device, nsm).items():
             if picked is not None:
                 args = check_fused_mm(**variant_kw(case["kw"], name))
-                keys.add(fused_key(args, picked[0], major, picked[1]))
+                keys.add(with_environment(  # (fused_key reads the fast-gate switch)
+                    lambda args=args, picked=picked: fused_key(args, picked[0], major,
+                                                               picked[1]),
+                    variant_env(name))())
     return keys
 
 

@@ -183,6 +183,12 @@ def check_variants(full: bool):
         epi_whole=True, tail_split=True, row_scale=True)
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 192), stages=5,
         gate="silu", gate_layout="concat")
+    # The fast sigmoid gate (MOE_GEMM_FUSED_FAST_GATE): SiLU and the clamped SwiGLU.
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), cluster_m=2,
+        gate="silu", gate_layout="concat", fast_gate=True)
+    add("varlen", "bfloat16", "bfloat16", "n", "pingpong", (64, 256), gate="clamped_swiglu",
+        gate_layout="alternating", gate_alpha=1.702, gate_limit=7.0, bias=True, gather=True,
+        fast_gate=True)
     # Gather-A past 128 rows or 128 accumulator registers: the rows' indices in shared memory.
     add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), cluster_m=2, gate="silu",
         gate_layout="concat", gather=True)

@@ -25,10 +25,20 @@ import torch
 from moe_gemm.capability import sm_count
 from moe_gemm.config import COOPERATIVE_TILES, GemmConfig
 from moe_gemm.env import env_flag
-from moe_gemm.kernels.sm90.constants import HEAVY_ACC_REGS, acc_regs, fused_problem
+from moe_gemm.kernels.sm90.constants import (
+    HEAVY_ACC_REGS,
+    SIGMOID_GATES,
+    acc_regs,
+    fused_problem,
+)
 from moe_gemm.ops import launch_info, launch_kernel, launch_resources
 from moe_gemm.ops.fused_validation import FusedMmArgs
-from moe_gemm.ops.heuristics import GATHER_WIDE_ENV, KernelChoice, choose_varlen
+from moe_gemm.ops.heuristics import (
+    FAST_GATE_ENV,
+    GATHER_WIDE_ENV,
+    KernelChoice,
+    choose_varlen,
+)
 from moe_gemm.ops.support import (
     MAX_PROBLEMS,
     _dtype_problem,
@@ -158,7 +168,8 @@ def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: boo
         key, gate=gate, gate_layout=args.gate_layout if gate else "",
         gate_alpha=args.gate_alpha if clamped else 0.0,
         gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
-        row_scale=args.row_weight is not None, gather=gather)
+        row_scale=args.row_weight is not None, gather=gather,
+        fast_gate=gate in SIGMOID_GATES and env_flag(FAST_GATE_ENV))
 
 
 class FusedPlan:

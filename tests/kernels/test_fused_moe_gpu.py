@@ -35,11 +35,11 @@ CLAMP = dict(gate_alpha=1.702, gate_limit=1.0)
 
 def case(name, *, T=300, S=777, E=10, K=264, N=400, gate=None, layout="concat", w_major="k",
          gather=True, bias=False, scale=False, empty=(1, 4, 7), tail=23, config=None,
-         out_mode="given", dtype=BF16, out_dtype=None):
+         out_mode="given", dtype=BF16, out_dtype=None, x_scale=0.5):
     """One launch's arguments as a dict (the GPU run and kernels/variants.py read it)."""
     return dict(name=name, T=T, S=S, E=E, K=K, N=N, gate=gate, layout=layout, w_major=w_major,
                 gather=gather, bias=bias, scale=scale, empty=empty, tail=tail, config=config,
-                out_mode=out_mode, dtype=dtype, out_dtype=out_dtype)
+                out_mode=out_mode, dtype=dtype, out_dtype=out_dtype, x_scale=x_scale)
 
 
 def routed_counts(c: dict, gen: torch.Generator) -> list[int]:
@@ -59,7 +59,7 @@ def inputs(c: dict):
     counts = routed_counts(c, gen)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
     rows = T if c["gather"] else S
-    x = (torch.randn(rows, K, generator=gen) * 0.5).to(dtype).cuda()
+    x = (torch.randn(rows, K, generator=gen) * c["x_scale"]).to(dtype).cuda()
     w = torch.randn(E, K, N, generator=gen) * (0.5 / K ** 0.5) * 4
     if c["w_major"] == "k":
         w = w.transpose(1, 2).contiguous().transpose(1, 2)
@@ -197,6 +197,21 @@ PLAN_GATHER_CASES = [
 ]
 
 ALL_CASES = GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES + PLAN_GATHER_CASES
+
+# The fast sigmoid gate (MOE_GEMM_FUSED_FAST_GATE=1): SiLU and the clamped SwiGLU on the
+# default tile, the in-kernel gather and a cooperative 2x1 tile; gate values far past the
+# exp2's overflow (x 60 times larger: |h| ~ 100) check the sigmoid's limits.
+FAST_GATE_CASES = [
+    case("fast-gate/silu", gate="silu", bias=True),
+    case("fast-gate/clamped/alternating", gate="clamped_swiglu", layout="alternating",
+         w_major="n", bias=True),
+    case("fast-gate/silu/gather-pp64x256", T=600, S=1000, E=8, K=520, N=512, gate="silu",
+         config=GemmConfig(backend="cute", schedule="pingpong", tile_m=64, tile_n=256)),
+    case("fast-gate/silu/coop128x256-c2x1", T=700, S=2100, E=8, K=1032, N=512, gate="silu",
+         gather=False, config=GemmConfig(backend="cute", schedule="cooperative", tile_m=128,
+                                         tile_n=256, cluster_m=2, cluster_n=1)),
+    case("fast-gate/silu/large-values", gate="silu", x_scale=30.0),
+]
 
 
 def _wide(name, s, m, n, cm=1, **kw):
@@ -340,6 +355,21 @@ def test_cuda_graph_replay_with_new_routing():
         ref = fused_grouped_mm_ref(static["x"], w, static["offs"], dtype=torch.float32, **args)
         low = fused_grouped_mm_ref(static["x"], w, static["offs"], dtype=BF16, **args)
         check(f"graph/replay-{replay}", y, ref, low)
+
+
+@pytest.mark.parametrize("c", FAST_GATE_CASES, ids=[c["name"] for c in FAST_GATE_CASES])
+def test_fast_gate(c, monkeypatch):
+    from moe_gemm.capability import sm_count
+    from moe_gemm.ops.fused_launch import FAST_GATE_ENV, fused_choice, fused_key
+    from moe_gemm.ops.fused_validation import check_fused_mm
+
+    monkeypatch.setenv(FAST_GATE_ENV, "1")
+    x, w, offs, kw = inputs(c)
+    args = check_fused_mm(x, w, offs, **kw)
+    choice, gather = fused_choice(args, c["config"] or GemmConfig(), sm_count(x.device),
+                                  x.device)
+    assert fused_key(args, choice, "k" if w.stride(1) == 1 else "n", gather).fast_gate
+    run_case(c)
 
 
 @pytest.mark.parametrize("c", WIDE_GATHER_CASES, ids=[c["name"] for c in WIDE_GATHER_CASES])

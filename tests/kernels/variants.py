@@ -96,32 +96,31 @@ def _fused_tests(v: Variants) -> None:
     case list."""
     from . import test_fused_moe_gpu as t
 
-    for c in t.ALL_CASES:
-        if c["S"] - c["tail"] <= 0 and c["tail"] == 0:
-            continue
+    def add(c: dict) -> None:
         extra = t.CLAMP if c["gate"] == "clamped_swiglu" else {}
         v.keys.add(fused_key(c["S"], c["T"], c["E"], c["N"], c["K"], gate=c["gate"],
                              layout=c["layout"], w_major=c["w_major"], gather=c["gather"],
                              bias=c["bias"], scale=c["scale"], config=c["config"],
                              dtype=c["dtype"], out_dtype=c["out_dtype"], **extra, nsm=v.nsm))
-    # The wide gather's cases, under its switch (the test sets it).
-    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
 
-    old = os.environ.get(GATHER_WIDE_ENV)
-    os.environ[GATHER_WIDE_ENV] = "1"
-    try:
-        for c in t.WIDE_GATHER_CASES:
-            extra = t.CLAMP if c["gate"] == "clamped_swiglu" else {}
-            v.keys.add(fused_key(c["S"], c["T"], c["E"], c["N"], c["K"], gate=c["gate"],
-                                 layout=c["layout"], w_major=c["w_major"], gather=c["gather"],
-                                 bias=c["bias"], scale=c["scale"], config=c["config"],
-                                 dtype=c["dtype"], out_dtype=c["out_dtype"], **extra,
-                                 nsm=v.nsm))
-    finally:
-        if old is None:
-            os.environ.pop(GATHER_WIDE_ENV, None)
-        else:
-            os.environ[GATHER_WIDE_ENV] = old
+    for c in t.ALL_CASES:
+        if c["S"] - c["tail"] > 0 or c["tail"] != 0:
+            add(c)
+    # The wide gather's and the fast gate's cases, each under its switch (the tests set them).
+    from moe_gemm.ops.fused_launch import FAST_GATE_ENV, GATHER_WIDE_ENV
+
+    for switch, cases in ((GATHER_WIDE_ENV, t.WIDE_GATHER_CASES),
+                          (FAST_GATE_ENV, t.FAST_GATE_CASES)):
+        old = os.environ.get(switch)
+        os.environ[switch] = "1"
+        try:
+            for c in cases:
+                add(c)
+        finally:
+            if old is None:
+                os.environ.pop(switch, None)
+            else:
+                os.environ[switch] = old
     # The clamp, repeat and graph tests.
     v.keys.add(fused_key(120, 50, 3, 64, 64, gate="silu", nsm=v.nsm))
     v.keys.add(fused_key(777, 300, 10, 400, 264, gate="silu", bias=True, nsm=v.nsm))

@@ -20,6 +20,7 @@ from moe_gemm.kernels.sm90.constants import (
     gather_rows_in_registers,
 )
 from moe_gemm.ops.fused_launch import (
+    FAST_GATE_ENV,
     GATHER_WIDE_ENV,
     fit_fused,
     fused_choice,
@@ -434,3 +435,30 @@ def test_fused_key_and_unsupported_reasons():
     narrow = check_fused_mm(x, torch.zeros(4, 64, 12, dtype=torch.bfloat16), offs, gate="silu",
                             gate_layout="alternating")
     assert "16 bytes" in fused_unsupported(narrow)
+
+
+@pytest.mark.parametrize("gate,fast", [("silu", True), ("clamped_swiglu", True), ("gelu", False),
+                                       ("gelu_tanh", False), (None, False)])
+def test_fast_gate_switch_reaches_the_key_of_sigmoid_gates(gate, fast, monkeypatch):
+    kw = {} if gate is None else dict(gate=gate, gate_layout="interleaved")
+    args = _meta_args(512, 2048, 8, 1024, 512, **kw)
+    cfg = GemmConfig(schedule="pingpong", tile_m=64, tile_n=256)
+    choice, gather = fused_choice(args, cfg, 132, torch.device("meta"))
+    monkeypatch.delenv(FAST_GATE_ENV, raising=False)
+    plain = fused_key(args, choice, "k", gather)
+    monkeypatch.setenv(FAST_GATE_ENV, "1")
+    key = fused_key(args, choice, "k", gather)
+    assert not plain.fast_gate and key.fast_gate == fast
+    assert (key.name() != plain.name()) == fast and ("fastgate" in key.name()) == fast
+
+
+def test_fast_gate_needs_a_sigmoid_gate():
+    from moe_gemm.kernels.sm90.compile import CompileKey
+
+    key = CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 64, 256,
+                     gate="gelu", gate_layout="concat", fast_gate=True)
+    with pytest.raises(ValueError, match="fast_gate needs a sigmoid gate"):
+        key.kernel()
+    ok = CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 64, 256,
+                    gate="silu", gate_layout="concat", fast_gate=True).kernel()
+    assert ok.fast_gate

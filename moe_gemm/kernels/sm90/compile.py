@@ -76,6 +76,7 @@ class CompileKey:
     bias: bool = False  # per-expert bias on the accumulators
     row_scale: bool = False  # each row times its weight
     gather: bool = False  # A's rows read through an index (gather-A)
+    fast_gate: bool = False  # a sigmoid gate from the SFU's approximate exp2 and reciprocal
 
     @property
     def fused(self) -> bool:
@@ -93,6 +94,8 @@ class CompileKey:
             parts.append("rowscale")
         if self.gather:
             parts.append("gather")
+        if self.fast_gate:
+            parts.append("fastgate")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -102,7 +105,8 @@ class CompileKey:
             cls = FusedMoeGemmSm90
             fused = {"gate": self.gate or None, "gate_layout": self.gate_layout or "concat",
                      "gate_alpha": self.gate_alpha, "gate_limit": self.gate_limit,
-                     "bias": self.bias, "row_scale": self.row_scale, "gather_a": self.gather}
+                     "bias": self.bias, "row_scale": self.row_scale, "gather_a": self.gather,
+                     "fast_gate": self.fast_gate}
         return cls(
             ab_dtype=DTYPES[self.ab_dtype],
             d_dtype=DTYPES[self.d_dtype],

@@ -201,6 +201,7 @@ def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
 #   shuffles per output so each lane holds the two adjacent output columns stmatrix stores
 #   (fused_epilogue.py); any B major, one TMA box, no repacked copy of the weight.
 GATES = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+SIGMOID_GATES = ("silu", "clamped_swiglu")  # the gates fast_gate applies to
 GATE_LAYOUTS = ("concat", "interleaved", "alternating")
 GATE_BLOCK = 8
 # Gather-A: the four warps of the producer warpgroup load A's rows by index with cp.async

@@ -57,14 +57,28 @@ def pair_views_layout(tile_n: int, m_rep: int, gate_layout: str):
     return layout, up_offset
 
 
+LOG2_E = 1.4426950408889634
+
+
 def sigmoid(x):
     return 1.0 / (1.0 + cute.math.exp(-x))
 
 
-def gate_value(kind: str, g, u, alpha: float, limit: float):
-    """act(gate) * up for one value pair (fp32), as transformers computes it."""
+def sigmoid_fast(x):
+    """1 / (1 + exp(-x)) from the SFU's approximate exp2 and reciprocal (MUFU.EX2, MUFU.RCP:
+    a few fp32 ulp, far below the one rounding to bf16 / fp16 that follows). sigmoid's IEEE
+    exp and divide take ~22 instructions a value, a convergence region and a slow-path call
+    among them, which a cooperative tile's epilogue runs unhidden (64 values a thread at
+    128x256). exp2 overflows to inf below x = -88 and the reciprocal of inf is 0, the limit."""
+    return cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -LOG2_E, fastmath=True))
+
+
+def gate_value(kind: str, g, u, alpha: float, limit: float, fast: bool = False):
+    """act(gate) * up for one value pair (fp32), as transformers computes it (fast: the
+    sigmoid gates' sigmoid_fast)."""
+    sig = sigmoid_fast if fast else sigmoid
     if kind == "silu":
-        return g * sigmoid(g) * u
+        return g * sig(g) * u
     if kind == "gelu":
         return 0.5 * g * (1.0 + cute.math.erf(g * SQRT_HALF)) * u
     if kind == "gelu_tanh":
@@ -75,7 +89,7 @@ def gate_value(kind: str, g, u, alpha: float, limit: float):
     g = Float32(cutlass.select_(g > limit, Float32(limit), g))
     u = Float32(cutlass.select_(u > limit, Float32(limit), u))
     u = Float32(cutlass.select_(u < -limit, Float32(-limit), u))
-    return (u + 1.0) * g * sigmoid(alpha * g)
+    return (u + 1.0) * g * sig(alpha * g)
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,7 +188,7 @@ class FusedEpilogue(Epilogue):
                 g = g + bg
                 u = u + bu
             if const_expr(cfg.gate is not None):
-                g = gate_value(cfg.gate, g, u, cfg.gate_alpha, cfg.gate_limit)
+                g = gate_value(cfg.gate, g, u, cfg.gate_alpha, cfg.gate_limit, cfg.fast_gate)
             if const_expr(cfg.row_scale):
                 if const_expr(offsets[v][0] not in weights):
                     weights[offsets[v][0]] = _row_weight_at(
@@ -233,7 +247,7 @@ class FusedEpilogue(Epilogue):
             col = col0 + acc_coords[g_idx][1]
             g = g + _bias_at(problems.bias, expert, col, bias_cols, live, False)
             u = u + _bias_at(problems.bias, expert, col + 1, bias_cols, live, False)
-        return gate_value(cfg.gate, g, u, cfg.gate_alpha, cfg.gate_limit)
+        return gate_value(cfg.gate, g, u, cfg.gate_alpha, cfg.gate_limit, cfg.fast_gate)
 
 
 @cute.jit

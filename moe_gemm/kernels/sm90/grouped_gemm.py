@@ -77,6 +77,7 @@ from .constants import (
     GATHER_WARPS,
     REGS_GATHER,
     SCHED_STAGES,
+    SIGMOID_GATES,
     SLOT_BYTES,
     TILE_K,
     ab_stage_limit,
@@ -189,8 +190,8 @@ class GroupedGemmSm90:
         cluster_m, cluster_n: (1, 1), (2, 1) or (1, 2); the device visitor.
         epi_whole: whole-tile epilogue (cooperative 128-row tiles, 16-bit output).
         tail_split: split a last wave of at most half the grid over K (tail_split.py).
-        gate, gate_layout, gate_alpha, gate_limit, bias, row_scale, gather_a: the fused MoE
-            options (varlen form; constants.fused_problem; all off by default). The fused
+        gate, gate_layout, gate_alpha, gate_limit, bias, row_scale, gather_a, fast_gate: the
+            fused MoE options (varlen form; constants.fused_problem; all off by default). The fused
             epilogue (fused_epilogue.py) and the extra tensors they read come with
             fused_moe.FusedMoeGemmSm90, whose launch takes them.
 
@@ -225,6 +226,7 @@ class GroupedGemmSm90:
         bias: bool = False,
         row_scale: bool = False,
         gather_a: bool = False,
+        fast_gate: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -278,6 +280,12 @@ class GroupedGemmSm90:
         self.has_bias = bias
         self.row_scale = row_scale
         self.gather_a = gather_a
+        # The sigmoid of SiLU / gpt-oss's clamped SwiGLU from MUFU.EX2 and MUFU.RCP
+        # (fused_epilogue.sigmoid_fast); opt-in until GPU-tested (MOE_GEMM_FUSED_FAST_GATE).
+        if fast_gate and self.gate not in SIGMOID_GATES:
+            raise ValueError(f"fast_gate needs a sigmoid gate ({', '.join(SIGMOID_GATES)}); "
+                             f"got {self.gate!r}")
+        self.fast_gate = fast_gate
         self.fused = bool(self.gate or bias or row_scale or gather_a)
         if self.fused:
             why = fused_problem(form, schedule, self.tile_m, self.tile_n, b_major, cluster_n,
