@@ -91,7 +91,7 @@ SWITCHED = {
                     "with embedding_bag as the top-k combine"),
     FUSED_ROUTER: ("router_torch", ROUTER_ENV, "torch", "with the routers' torch ops"),
     FUSED_FAST_GATE: ("fast_gate", FAST_GATE_ENV, "1",
-                      "with the fast sigmoid gate (MOE_GEMM_FUSED_FAST_GATE)"),
+                      "with the fast sigmoid gate"),
     FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
                  "with the in-kernel gather at every size, on every tile below the heavy "
                  "accumulators"),

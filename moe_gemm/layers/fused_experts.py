@@ -10,8 +10,8 @@ routed rows.
 
 against the unfused path (layers/experts.py) this drops the permuted copy of x (S x H written
 and read; below 1024 routed rows, where the kernel gathers: from there on one index_select
-makes it, the faster way on prefill), the (S, 2I) gate-up output and the activation pass over it (written, read, (S, I)
-written again), and the weight multiply of the combine.
+makes it, the faster way on prefill), the (S, 2I) gate-up output and the activation pass over
+it (written, read, (S, I) written again), and the weight multiply of the combine.
 
 The combine: each routed row is scaled in the down GEMM's epilogue (fp32, before its one
 rounding) and the k rows of a token are then summed by one deterministic gather-reduce

@@ -3,14 +3,15 @@ TMA rules of its operands, and FusedPlan, built once per signature like mm_launc
 
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
 S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what the fused
-options can build (fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel gather
-(gather-A) serves batches below GATHER_MAX_ROWS routed rows, where it saves index_select's
-launch; it needs no A multicast and, by default, at most 128 rows and 128 accumulator registers per thread (the form
-whose rows' indices sit in registers); with MOE_GEMM_FUSED_GATHER_WIDE=1 it keeps any tile below
-the heavy accumulators (its rows' indices in shared memory), at every batch size. That form is
-opt-in: it saves the routed copy of x (S x K elements) but on an H200 (2026-11-29), gathering on the whole producer
-warpgroup, it ran the gate-up GEMM at 0.86-0.95x the speed of index_select + the same tile
-(ping-pong 128x192 2x1, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 4096 and 16384 tokens; with two
+options can build (fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel
+gather (gather-A) serves batches below GATHER_MAX_ROWS routed rows, where it saves
+index_select's launch; it needs no A multicast and, by default, at most 128 rows and 128
+accumulator registers per thread (the form whose rows' indices sit in registers); with
+MOE_GEMM_FUSED_GATHER_WIDE=1 it keeps any tile below the heavy accumulators (its rows' indices
+in shared memory), at every batch size. That form is opt-in: it saves the routed copy of x
+(S x K elements) but on an H200 (2026-11-29), gathering on the whole producer warpgroup, it
+ran the gate-up GEMM at 0.86-0.96x the speed of index_select + the same tile (ping-pong
+128x192 and 64x256 2x1, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 4096 and 16384 tokens; with two
 gather warps 0.57-0.80x). The fused epilogue's extra registers (bias, row weights, activation)
 are kept off the heaviest accumulators (> 192 registers: ptxas spilled a few bytes there), and
 with both a bias and row weights from the whole-tile epilogue.

@@ -272,13 +272,19 @@ def test_unchecked_indices_are_clamped_never_read_out_of_bounds():
     check("clamp/indices", y, ref, low)
 
 
-def _gathers_in_kernel(c: dict, x, w, offs, kw) -> bool:
+def _plan_choice(c: dict, x, w, offs, kw):
+    """(checked arguments, the kernel choice, whether the kernel gathers) of c's launch."""
     from moe_gemm.capability import sm_count
     from moe_gemm.ops.fused_launch import fused_choice
     from moe_gemm.ops.fused_validation import check_fused_mm
 
     args = check_fused_mm(x, w, offs, **kw)
-    return fused_choice(args, c["config"] or GemmConfig(), sm_count(x.device), x.device)[1]
+    return (args, *fused_choice(args, c["config"] or GemmConfig(), sm_count(x.device),
+                                x.device))
+
+
+def _gathers_in_kernel(c: dict, x, w, offs, kw) -> bool:
+    return _plan_choice(c, x, w, offs, kw)[2]
 
 
 @pytest.mark.parametrize("c", PLAN_GATHER_CASES, ids=[c["name"] for c in PLAN_GATHER_CASES])
@@ -359,15 +365,11 @@ def test_cuda_graph_replay_with_new_routing():
 
 @pytest.mark.parametrize("c", FAST_GATE_CASES, ids=[c["name"] for c in FAST_GATE_CASES])
 def test_fast_gate(c, monkeypatch):
-    from moe_gemm.capability import sm_count
-    from moe_gemm.ops.fused_launch import FAST_GATE_ENV, fused_choice, fused_key
-    from moe_gemm.ops.fused_validation import check_fused_mm
+    from moe_gemm.ops.fused_launch import FAST_GATE_ENV, fused_key
 
     monkeypatch.setenv(FAST_GATE_ENV, "1")
     x, w, offs, kw = inputs(c)
-    args = check_fused_mm(x, w, offs, **kw)
-    choice, gather = fused_choice(args, c["config"] or GemmConfig(), sm_count(x.device),
-                                  x.device)
+    args, choice, gather = _plan_choice(c, x, w, offs, kw)
     assert fused_key(args, choice, "k" if w.stride(1) == 1 else "n", gather).fast_gate
     run_case(c)
 

@@ -191,8 +191,8 @@ class GroupedGemmSm90:
         epi_whole: whole-tile epilogue (cooperative 128-row tiles, 16-bit output).
         tail_split: split a last wave of at most half the grid over K (tail_split.py).
         gate, gate_layout, gate_alpha, gate_limit, bias, row_scale, gather_a, fast_gate: the
-            fused MoE options (varlen form; constants.fused_problem; all off by default). The fused
-            epilogue (fused_epilogue.py) and the extra tensors they read come with
+            fused MoE options (varlen form; constants.fused_problem; all off by default). The
+            fused epilogue (fused_epilogue.py) and the extra tensors they read come with
             fused_moe.FusedMoeGemmSm90, whose launch takes them.
 
     Every refusal is a ValueError raised here, before anything is traced.
