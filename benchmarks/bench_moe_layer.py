@@ -80,7 +80,7 @@ FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers
 FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, torch router"  # --router-torch
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
-FUSED_FAST_GATE = "moe_gemm fused, fast gate"  # --fast-gate
+FUSED_IEEE_GATE = "moe_gemm fused, IEEE gate"  # --ieee-gate
 # DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
 # none), so that the two compare like for like.
 FUSED_ROUTED = "moe_gemm fused, routed experts only"
@@ -90,8 +90,8 @@ SWITCHED = {
     FUSED_COMBINE: ("combine_torch", COMBINE_ENV, "torch",
                     "with embedding_bag as the top-k combine"),
     FUSED_ROUTER: ("router_torch", ROUTER_ENV, "torch", "with the routers' torch ops"),
-    FUSED_FAST_GATE: ("fast_gate", FAST_GATE_ENV, "1",
-                      "with the fast sigmoid gate"),
+    FUSED_IEEE_GATE: ("ieee_gate", FAST_GATE_ENV, "0",
+                      "with the IEEE sigmoid in the gated epilogue"),
     FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
                  "with the in-kernel gather at every size, on every tile below the heavy "
                  "accumulators"),

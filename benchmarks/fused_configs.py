@@ -14,14 +14,14 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "CONFIG [wide|select] [fastgate]" or "default" with those words: CONFIG as
+A variant is "CONFIG [wide|select] [ieeegate]" or "default" with those words: CONFIG as
 `moe-gemm tune` names configs (tuning/space.py: "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g.
 "coop 256x192 c2x1 p8ns"); `wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's
 gather in the kernel at every batch size, also on tiles past 128 rows or 128 accumulator
-registers), `fastgate` with MOE_GEMM_FUSED_FAST_GATE=1 (SiLU's sigmoid from the SFU's
-approximations), `select` gathers the up GEMM's rows with index_select first, as the plan
-does where the kernel does not gather (its time included). The default (no config) is always the
-first. With `--quack`, a peer row: QuACK's own kernel for the same GEMM, autotuned
+registers), `ieeegate` with MOE_GEMM_FUSED_FAST_GATE=0 (SiLU's sigmoid from the IEEE exp and
+divide, not the SFU's approximations), `select` gathers the up GEMM's rows with index_select
+first, as the plan does where the kernel does not gather (its time included). The default (no
+config) is always the first. With `--quack`, a peer row: QuACK's own kernel for the same GEMM, autotuned
 (quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated GEMM with its A
 gather (A_idx, SwiGLU over concatenated gate/up columns), for down its varlen GEMM (with the
 bias, without the row weights, which ours applies in its epilogue: its output is checked scaled
@@ -73,7 +73,7 @@ QUACK = "QuACK (tuned)"
 
 
 GATHER_WORDS = ("wide", "select")  # how the up GEMM gathers (at most one)
-OPTION_WORDS = GATHER_WORDS + ("fastgate",)  # a variant's trailing words
+OPTION_WORDS = GATHER_WORDS + ("ieeegate",)  # a variant's trailing words
 
 
 def variant_words(text: str) -> tuple[list[str], set[str]]:
@@ -86,7 +86,7 @@ def variant_words(text: str) -> tuple[list[str], set[str]]:
 
 
 def parse_variant(text: str) -> GemmConfig | None:
-    """'coop 256x192 c2x1 [wide|select] [fastgate]' -> its GemmConfig (ValueError naming the
+    """'coop 256x192 c2x1 [wide|select] [ieeegate]' -> its GemmConfig (ValueError naming the
     form); 'default' with at least one option word -> None (the default's kernel, under it)."""
     words, options = variant_words(text)
     if options >= set(GATHER_WORDS):
@@ -100,19 +100,19 @@ def parse_variant(text: str) -> GemmConfig | None:
         return space.config_of(fields, backend="auto")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [sS] [pP[n][s]] [wide|select] "
-                         f"[fastgate]', e.g. 'coop 256x192 c2x1'; got {text!r} ({exc})"
+                         f"[ieeegate]', e.g. 'coop 256x192 c2x1'; got {text!r} ({exc})"
                          ) from None
 
 
 def variant_env(text: str) -> dict[str, str]:
-    """The environment a variant runs under ('wide': the wide in-kernel gather; 'fastgate':
-    the fast sigmoid gate)."""
+    """The environment a variant runs under ('wide': the wide in-kernel gather; 'ieeegate':
+    the IEEE sigmoid in the gated epilogue)."""
     from moe_gemm.ops.heuristics import FAST_GATE_ENV, GATHER_WIDE_ENV
 
     options = variant_words(text)[1]
     env = {GATHER_WIDE_ENV: "1"} if "wide" in options else {}
-    if "fastgate" in options:
-        env[FAST_GATE_ENV] = "1"
+    if "ieeegate" in options:
+        env[FAST_GATE_ENV] = "0"
     return env
 
 
@@ -287,7 +287,7 @@ def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
         for name, picked in kernel_choices(case, device, nsm).items():
             if picked is not None:
                 args = check_fused_mm(**variant_kw(case["kw"], name))
-                keys.add(with_environment(  # (fused_key reads the fast-gate switch)
+                keys.add(with_environment(  # (fused_key reads the sigmoid's switch)
                     lambda args=args, picked=picked: fused_key(args, picked[0], major,
                                                                picked[1]),
                     variant_env(name))())

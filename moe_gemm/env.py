@@ -86,9 +86,9 @@ LIBRARY_VARIABLES: dict[str, str] = {
                                   "and also on tiles past 128 rows or 128 accumulator "
                                   "registers (no routed copy of x; 0.86-0.96x the speed of "
                                   "index_select + TMA on the H200)",
-    "MOE_GEMM_FUSED_FAST_GATE": "1: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid "
-                                "from the SFU's approximate exp2 and reciprocal (not yet "
-                                "GPU-tested)",
+    "MOE_GEMM_FUSED_FAST_GATE": "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid "
+                                "from the IEEE exp and divide, not the SFU's approximate "
+                                "exp2 and reciprocal (a few fp32 ulp apart)",
     "MOE_GEMM_FP8_SCALE_AHEAD": "1-4: stages ahead the FP8 block scales are loaded (default 3 "
                                 "on tiles within one scale block; 1: the plain loop)",
     "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs",

@@ -25,7 +25,7 @@ import torch
 
 from moe_gemm.capability import sm_count
 from moe_gemm.config import COOPERATIVE_TILES, GemmConfig
-from moe_gemm.env import env_flag
+from moe_gemm.env import env_flag, env_switch
 from moe_gemm.kernels.sm90.constants import (
     HEAVY_ACC_REGS,
     SIGMOID_GATES,
@@ -50,6 +50,11 @@ from moe_gemm.ops.support import (
 )
 
 FUSED_MAX_ACC_REGS = 192
+# The SFU sigmoid (fast_gate) frees ptxas to hoist a biased epilogue's loads: with a bias on
+# 192 accumulator registers a thread it spilled 496-680 bytes (sm_90a: ping-pong 128x192 in
+# every gate layout, cooperative 256x192; the IEEE sigmoid none) and ran gpt-oss-120b's gate-up
+# at 4096 tokens 9.5% slower (H200, 2026-11-29). Those tiles keep the IEEE sigmoid.
+FAST_GATE_BIASED_ACC_REGS = 192
 # The in-kernel gather only below this many routed rows; from it on the plan gathers with
 # index_select (its time included, H200 2026-11-29, the same tile either way): DeepSeek-V3 EP8
 # gate-up 0.95x at 8 rows, 1.01x at 1024, 1.04x at 8192, 1.06x at 32768, 1.07x at 131072;
@@ -170,7 +175,16 @@ def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: boo
         gate_alpha=args.gate_alpha if clamped else 0.0,
         gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
         row_scale=args.row_weight is not None, gather=gather,
-        fast_gate=gate in SIGMOID_GATES and env_flag(FAST_GATE_ENV))
+        fast_gate=fast_gate(args, choice))
+
+
+def fast_gate(args: FusedMmArgs, choice: KernelChoice) -> bool:
+    """Whether the gated epilogue takes the SFU sigmoid: a sigmoid gate, the switch on, and
+    no bias on FAST_GATE_BIASED_ACC_REGS accumulator registers or more."""
+    if args.gate not in SIGMOID_GATES or not env_switch(FAST_GATE_ENV):
+        return False
+    return args.bias is None or acc_regs(choice.schedule, choice.tile_m,
+                                         choice.tile_n) < FAST_GATE_BIASED_ACC_REGS
 
 
 class FusedPlan:

@@ -53,7 +53,8 @@ class KernelChoice:
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 # 1: the fused kernel gathers in kernel on tiles past the register form too (fused_launch)
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
-FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"  # fused_launch.fused_key
+# 0: the fused gated epilogue takes the IEEE sigmoid, not the SFU's (fused_launch.fused_key)
+FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"
 # Mainloops of at most this many k-tiles (K <= 1024 at TILE_K = 64) take the ping-pong schedule.
 SHORT_K_TILES = 16
 

@@ -26,14 +26,14 @@ def test_parse_variant():
     assert fc.parse_variant("coop 128x256 c2x1 select").tile_n == 256
     assert fc.variant_env("coop 128x256 c2x1 select") == {}
     assert fc.parse_variant("default select") is None and fc.selects_first("default select")
-    assert fc.parse_variant("default fastgate") is None
-    assert fc.variant_env("default fastgate") == {"MOE_GEMM_FUSED_FAST_GATE": "1"}
-    assert fc.variant_env("pp 128x192 c2x1 wide fastgate") == {
-        "MOE_GEMM_FUSED_GATHER_WIDE": "1", "MOE_GEMM_FUSED_FAST_GATE": "1"}
-    cfg = fc.parse_variant("pp 128x192 c2x1 select fastgate")
-    assert cfg.tile_n == 192 and fc.selects_first("pp 128x192 c2x1 select fastgate")
+    assert fc.parse_variant("default ieeegate") is None
+    assert fc.variant_env("default ieeegate") == {"MOE_GEMM_FUSED_FAST_GATE": "0"}
+    assert fc.variant_env("pp 128x192 c2x1 wide ieeegate") == {
+        "MOE_GEMM_FUSED_GATHER_WIDE": "1", "MOE_GEMM_FUSED_FAST_GATE": "0"}
+    cfg = fc.parse_variant("pp 128x192 c2x1 select ieeegate")
+    assert cfg.tile_n == 192 and fc.selects_first("pp 128x192 c2x1 select ieeegate")
     with pytest.raises(ValueError, match="wide\\|select"):
-        fc.parse_variant("pp 128x192 fastgate fastgate")
+        fc.parse_variant("pp 128x192 ieeegate ieeegate")
     assert fc.parse_variant("default wide") is None  # the default's kernel, gathering wide
     with pytest.raises(ValueError, match="pp\\|coop MxN"):
         fc.parse_variant("default")  # (the default row is always there)

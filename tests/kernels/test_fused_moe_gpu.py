@@ -198,19 +198,24 @@ PLAN_GATHER_CASES = [
 
 ALL_CASES = GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES + PLAN_GATHER_CASES
 
-# The fast sigmoid gate (MOE_GEMM_FUSED_FAST_GATE=1): SiLU and the clamped SwiGLU on the
-# default tile, the in-kernel gather and a cooperative 2x1 tile; gate values far past the
-# exp2's overflow (x 60 times larger: |h| ~ 100) check the sigmoid's limits.
-FAST_GATE_CASES = [
-    case("fast-gate/silu", gate="silu", bias=True),
-    case("fast-gate/clamped/alternating", gate="clamped_swiglu", layout="alternating",
+# Both sigmoids (the SFU's, the default, and the IEEE one under MOE_GEMM_FUSED_FAST_GATE=0):
+# SiLU and the clamped SwiGLU on the default tile, the in-kernel gather and a cooperative 2x1
+# tile; gate values far past the exp2's overflow (x 60 times larger: |h| ~ 100) check the
+# sigmoid's limits.
+SIGMOID_CASES = [
+    case("sigmoid/silu", gate="silu", bias=True),
+    case("sigmoid/clamped/alternating", gate="clamped_swiglu", layout="alternating",
          w_major="n", bias=True),
-    case("fast-gate/silu/gather-pp64x256", T=600, S=1000, E=8, K=520, N=512, gate="silu",
+    case("sigmoid/silu/gather-pp64x256", T=600, S=1000, E=8, K=520, N=512, gate="silu",
          config=GemmConfig(backend="cute", schedule="pingpong", tile_m=64, tile_n=256)),
-    case("fast-gate/silu/coop128x256-c2x1", T=700, S=2100, E=8, K=1032, N=512, gate="silu",
+    case("sigmoid/silu/coop128x256-c2x1", T=700, S=2100, E=8, K=1032, N=512, gate="silu",
          gather=False, config=GemmConfig(backend="cute", schedule="cooperative", tile_m=128,
                                          tile_n=256, cluster_m=2, cluster_n=1)),
-    case("fast-gate/silu/large-values", gate="silu", x_scale=30.0),
+    case("sigmoid/silu/large-values", gate="silu", x_scale=30.0),
+    # A bias on 192 accumulator registers keeps the IEEE sigmoid (fused_launch).
+    case("sigmoid/clamped/alternating-pp128x192", T=500, S=1500, E=8, K=512, N=768,
+         gate="clamped_swiglu", layout="alternating", w_major="n", bias=True,
+         config=GemmConfig(backend="cute", schedule="pingpong", tile_m=128, tile_n=192)),
 ]
 
 
@@ -363,14 +368,18 @@ def test_cuda_graph_replay_with_new_routing():
         check(f"graph/replay-{replay}", y, ref, low)
 
 
-@pytest.mark.parametrize("c", FAST_GATE_CASES, ids=[c["name"] for c in FAST_GATE_CASES])
-def test_fast_gate(c, monkeypatch):
-    from moe_gemm.ops.fused_launch import FAST_GATE_ENV, fused_key
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "ieee"])
+@pytest.mark.parametrize("c", SIGMOID_CASES, ids=[c["name"] for c in SIGMOID_CASES])
+def test_sigmoid_gate(c, fast, monkeypatch):
+    from moe_gemm.kernels.sm90.constants import acc_regs
+    from moe_gemm.ops.fused_launch import FAST_GATE_BIASED_ACC_REGS, FAST_GATE_ENV, fused_key
 
-    monkeypatch.setenv(FAST_GATE_ENV, "1")
+    monkeypatch.setenv(FAST_GATE_ENV, "1" if fast else "0")
     x, w, offs, kw = inputs(c)
     args, choice, gather = _plan_choice(c, x, w, offs, kw)
-    assert fused_key(args, choice, "k" if w.stride(1) == 1 else "n", gather).fast_gate
+    heavy = acc_regs(choice.schedule, choice.tile_m, choice.tile_n) >= FAST_GATE_BIASED_ACC_REGS
+    expected = fast and not (c["bias"] and heavy)
+    assert fused_key(args, choice, "k" if w.stride(1) == 1 else "n", gather).fast_gate == expected
     run_case(c)
 
 

@@ -106,13 +106,14 @@ def _fused_tests(v: Variants) -> None:
     for c in t.ALL_CASES:
         if c["S"] - c["tail"] > 0 or c["tail"] != 0:
             add(c)
-    # The wide gather's and the fast gate's cases, each under its switch (the tests set them).
+    # The wide gather's and the sigmoids' cases, each under its switch (the tests set them).
     from moe_gemm.ops.fused_launch import FAST_GATE_ENV, GATHER_WIDE_ENV
 
-    for switch, cases in ((GATHER_WIDE_ENV, t.WIDE_GATHER_CASES),
-                          (FAST_GATE_ENV, t.FAST_GATE_CASES)):
+    for switch, value, cases in ((GATHER_WIDE_ENV, "1", t.WIDE_GATHER_CASES),
+                                 (FAST_GATE_ENV, "1", t.SIGMOID_CASES),
+                                 (FAST_GATE_ENV, "0", t.SIGMOID_CASES)):
         old = os.environ.get(switch)
-        os.environ[switch] = "1"
+        os.environ[switch] = value
         try:
             for c in cases:
                 add(c)

@@ -439,17 +439,19 @@ def test_fused_key_and_unsupported_reasons():
 
 @pytest.mark.parametrize("gate,fast", [("silu", True), ("clamped_swiglu", True), ("gelu", False),
                                        ("gelu_tanh", False), (None, False)])
-def test_fast_gate_switch_reaches_the_key_of_sigmoid_gates(gate, fast, monkeypatch):
+def test_sigmoid_gates_take_the_fast_gate_unless_switched_off(gate, fast, monkeypatch):
     kw = {} if gate is None else dict(gate=gate, gate_layout="interleaved")
     args = _meta_args(512, 2048, 8, 1024, 512, **kw)
     cfg = GemmConfig(schedule="pingpong", tile_m=64, tile_n=256)
     choice, gather = fused_choice(args, cfg, 132, torch.device("meta"))
     monkeypatch.delenv(FAST_GATE_ENV, raising=False)
-    plain = fused_key(args, choice, "k", gather)
+    default = fused_key(args, choice, "k", gather)
     monkeypatch.setenv(FAST_GATE_ENV, "1")
-    key = fused_key(args, choice, "k", gather)
-    assert not plain.fast_gate and key.fast_gate == fast
-    assert (key.name() != plain.name()) == fast and ("fastgate" in key.name()) == fast
+    assert fused_key(args, choice, "k", gather) == default
+    monkeypatch.setenv(FAST_GATE_ENV, "0")
+    ieee = fused_key(args, choice, "k", gather)
+    assert default.fast_gate == fast and not ieee.fast_gate
+    assert (default.name() != ieee.name()) == fast and ("fastgate" in default.name()) == fast
 
 
 def test_fast_gate_needs_a_sigmoid_gate():
@@ -462,3 +464,25 @@ def test_fast_gate_needs_a_sigmoid_gate():
     ok = CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 64, 256,
                     gate="silu", gate_layout="concat", fast_gate=True).kernel()
     assert ok.fast_gate
+
+
+@pytest.mark.parametrize("schedule,tile_m,tile_n,bias,fast", [
+    ("pingpong", 128, 192, True, False),  # 192 accumulator registers and a bias: IEEE
+    ("cooperative", 256, 192, True, False),
+    ("pingpong", 128, 192, False, True),  # no bias: the SFU sigmoid
+    ("pingpong", 128, 160, True, True),  # 160 registers
+    ("pingpong", 64, 256, True, True),
+    ("cooperative", 128, 256, True, True),  # 128 registers a thread
+])
+def test_biased_heavy_tiles_keep_the_ieee_sigmoid(schedule, tile_m, tile_n, bias, fast,
+                                                  monkeypatch):
+    monkeypatch.delenv(FAST_GATE_ENV, raising=False)
+    kw = dict(gate="clamped_swiglu", gate_layout="alternating", gate_alpha=1.702,
+              gate_limit=7.0)
+    if bias:
+        kw["bias"] = torch.empty(8, 1024, dtype=torch.float32, device="meta")
+    args = _meta_args(2048, 8192, 8, 1024, 2048, **kw)
+    cfg = GemmConfig(schedule=schedule, tile_m=tile_m, tile_n=tile_n)
+    choice, gather = fused_choice(args, cfg, 132, torch.device("meta"))
+    assert (choice.schedule, choice.tile_m, choice.tile_n) == (schedule, tile_m, tile_n)
+    assert fused_key(args, choice, "k", gather).fast_gate == fast

@@ -281,7 +281,8 @@ class GroupedGemmSm90:
         self.row_scale = row_scale
         self.gather_a = gather_a
         # The sigmoid of SiLU / gpt-oss's clamped SwiGLU from MUFU.EX2 and MUFU.RCP
-        # (fused_epilogue.sigmoid_fast); opt-in until GPU-tested (MOE_GEMM_FUSED_FAST_GATE).
+        # (fused_epilogue.sigmoid_fast), the library's default (MOE_GEMM_FUSED_FAST_GATE=0:
+        # the IEEE exp and divide, ~22 instructions a value with a slow-path call).
         if fast_gate and self.gate not in SIGMOID_GATES:
             raise ValueError(f"fast_gate needs a sigmoid gate ({', '.join(SIGMOID_GATES)}); "
                              f"got {self.gate!r}")
