@@ -21,11 +21,12 @@ gather in the kernel at every batch size, also on tiles past 128 rows or 128 acc
 registers), `ieeegate` with MOE_GEMM_FUSED_FAST_GATE=0 (SiLU's sigmoid from the IEEE exp and
 divide, not the SFU's approximations), `select` gathers the up GEMM's rows with index_select
 first, as the plan does where the kernel does not gather (its time included). The default (no
-config) is always the first. With `--quack`, a peer row: QuACK's own kernel for the same GEMM, autotuned
-(quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated GEMM with its A
-gather (A_idx, SwiGLU over concatenated gate/up columns), for down its varlen GEMM (with the
-bias, without the row weights, which ours applies in its epilogue: its output is checked scaled
-by them); not for gpt-oss's gate-up (its clamped SwiGLU over alternating columns).
+config) is always the first. With `--quack`, a peer row: QuACK's own kernel for the same
+GEMM, autotuned (quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated
+GEMM with its A gather (A_idx, SwiGLU over concatenated gate/up columns), for down its varlen
+GEMM (with the bias, without the row weights, which ours applies in its epilogue: its output is
+checked scaled by them); not for gpt-oss's gate-up (its clamped SwiGLU over alternating
+columns).
 QUACK_PRINT_AUTOTUNING=1 prints the config its autotuner picked. Every variant's output is
 checked against the default's before timing (a mismatch is an error, not a time). Kernels are
 compiled first, in parallel. Timing: `--calls` back-to-back calls between CUDA events, variants

@@ -14,7 +14,9 @@ ran the gate-up GEMM at 0.86-0.96x the speed of index_select + the same tile (pi
 128x192 and 64x256 2x1, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 4096 and 16384 tokens; with two
 gather warps 0.57-0.80x). The fused epilogue's extra registers (bias, row weights, activation)
 are kept off the heaviest accumulators (> 192 registers: ptxas spilled a few bytes there), and
-with both a bias and row weights from the whole-tile epilogue.
+with both a bias and row weights from the whole-tile epilogue. The sigmoid gates (SiLU, clamped
+SwiGLU) take the SFU's exp2 and reciprocal except on biased tiles of 192 accumulator registers
+(fast_gate).
 """
 
 from __future__ import annotations
