@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import os
 import random
+from unittest import mock
 
 import torch
 
@@ -112,16 +113,9 @@ def _fused_tests(v: Variants) -> None:
     for switch, value, cases in ((GATHER_WIDE_ENV, "1", t.WIDE_GATHER_CASES),
                                  (FAST_GATE_ENV, "1", t.SIGMOID_CASES),
                                  (FAST_GATE_ENV, "0", t.SIGMOID_CASES)):
-        old = os.environ.get(switch)
-        os.environ[switch] = value
-        try:
+        with mock.patch.dict(os.environ, {switch: value}):
             for c in cases:
                 add(c)
-        finally:
-            if old is None:
-                os.environ.pop(switch, None)
-            else:
-                os.environ[switch] = old
     # The clamp, repeat and graph tests.
     v.keys.add(fused_key(120, 50, 3, 64, 64, gate="silu", nsm=v.nsm))
     v.keys.add(fused_key(777, 300, 10, 400, 264, gate="silu", bias=True, nsm=v.nsm))
