@@ -62,6 +62,10 @@ MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_lay
     "qwen3-30b-a3b": dict(kind="qwen3", H=2048, I=768, E=128, k=8),
     "gpt-oss-120b": dict(kind="gpt-oss", H=2880, I=2880, E=128, k=4),
     "mixtral-8x7b": dict(kind="mixtral", H=4096, I=14336, E=8, k=2),
+    # (gate-up widths 2I from 2048 to 3072: where the in-kernel gather and index_select cross)
+    "olmoe-1b-7b": dict(kind="qwen3", H=2048, I=1024, E=64, k=8),
+    "qwen3-235b-a22b": dict(kind="qwen3", H=4096, I=1536, E=128, k=8),
+    "glm-4.5": dict(kind="qwen3", H=5120, I=1536, E=160, k=8),
 }
 SMOKE_MODELS = {name: dict(m, H=64, I=32, E=8, k=min(m["k"], 4)) for name, m in MODELS.items()}
 UP = ("coop 128x256", "coop 128x256 c2x1", "coop 256x128 c2x1", "coop 256x192",

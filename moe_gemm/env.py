@@ -83,9 +83,10 @@ LIBRARY_VARIABLES: dict[str, str] = {
     "MOE_GEMM_FUSED_GATHER": "0: the fused path gathers tokens with index_select, not in the "
                              "kernel",
     "MOE_GEMM_FUSED_GATHER_WIDE": "1: the fused kernel gathers in kernel at every batch size "
-                                  "and also on tiles past 128 rows or 128 accumulator "
-                                  "registers (no routed copy of x; 0.86-0.96x the speed of "
-                                  "index_select + TMA on the H200)",
+                                  "and on tiles past 128 rows or 128 accumulator registers "
+                                  "on any weight (by default only on weights of at most "
+                                  "2048 columns; no routed copy of x, but 0.87-0.96x the "
+                                  "speed of index_select + TMA on wider ones on the H200)",
     "MOE_GEMM_FUSED_FAST_GATE": "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid "
                                 "from the IEEE exp and divide, not the SFU's approximate "
                                 "exp2 and reciprocal (a few fp32 ulp apart)",

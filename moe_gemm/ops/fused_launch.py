@@ -5,14 +5,13 @@ The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the ac
 S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what the fused
 options can build (fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel
 gather (gather-A) serves batches below GATHER_MAX_ROWS routed rows, where it saves
-index_select's launch; it needs no A multicast and, by default, at most 128 rows and 128
-accumulator registers per thread (the form whose rows' indices sit in registers); with
-MOE_GEMM_FUSED_GATHER_WIDE=1 it keeps any tile below the heavy accumulators (its rows' indices
-in shared memory), at every batch size. That form is opt-in: it saves the routed copy of x
-(S x K elements) but on an H200 (2026-11-29), gathering on the whole producer warpgroup, it
-ran the gate-up GEMM at 0.86-0.96x the speed of index_select + the same tile (ping-pong
-128x192 and 64x256 2x1, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 4096 and 16384 tokens; with two
-gather warps 0.57-0.80x). The fused epilogue's extra registers (bias, row weights, activation)
+index_select's launch; it needs no A multicast and, in that form, at most 128 rows and 128
+accumulator registers per thread (its rows' indices sit in registers). The wide form keeps
+any tile below the heavy accumulators (its rows' indices in shared memory) at every batch
+size: by default on narrow weights (GATHER_NARROW_N, where it beats index_select + the same
+tile), everywhere with MOE_GEMM_FUSED_GATHER_WIDE=1. It saves the routed copy of x (S x K
+elements) but on wider weights runs the gate-up GEMM slower than index_select + the same tile
+(H200, 2026-11-29: 0.87-0.96x on DeepSeek-V3 EP8, 0.90-0.95x on Mixtral-8x7B). The fused epilogue's extra registers (bias, row weights, activation)
 are kept off the heaviest accumulators (> 192 registers: ptxas spilled a few bytes there), and
 with both a bias and row weights from the whole-tile epilogue. The sigmoid gates (SiLU, clamped
 SwiGLU) take the SFU's exp2 and reciprocal except on biased tiles of 192 accumulator registers
@@ -63,6 +62,16 @@ FAST_GATE_BIASED_ACC_REGS = 192
 # Qwen3-30B-A3B 0.80x at 8 rows, 1.02x at 1024. (The kernel's cp.async gather costs it 5-11%
 # where it is compute-bound; index_select is one launch and S x K elements written and read.)
 GATHER_MAX_ROWS = 1024
+# ... except on narrow weights (N, the gate-up's 2I, at most this), where index_select's pass
+# over S x K elements is a larger share of a GEMM of fewer columns: there the kernel gathers at
+# every batch size, in the wide form (rows' indices in shared memory) where that keeps the
+# tile. Gate-up GEMM, in-kernel gather against index_select + the same tile (H200, 2026-11-29,
+# benchmarks.fused_configs, index_select's time included): N = 1536 (Qwen3-30B-A3B) 1.06-1.11x
+# at 8192 routed rows, 1.03-1.08x at 131072; N = 2048 (OLMoE) 1.07x / 1.02x / 1.01x at 8192 /
+# 32768 / 131072; N = 3072 (Qwen3-235B-A22B) 1.06x at 32768 but 0.98x at 131072; N = 4096
+# (DeepSeek-V3 EP8) 0.87-0.96x, N = 28672 (Mixtral-8x7B) 0.90-0.95x. It also saves the routed
+# copy of x (537 MB for Qwen3-30B-A3B at 16384 tokens).
+GATHER_NARROW_N = 2048
 _GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
 
 
@@ -138,9 +147,10 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
                  device: torch.device) -> tuple[KernelChoice, bool]:
     """(the kernel's config, whether the kernel gathers A's rows itself).
 
-    With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows (or at
-    any size with MOE_GEMM_FUSED_GATHER_WIDE=1), and only where it keeps the tile the options
-    would get without it: gather-A caps the tile (at most 128 rows, 128 accumulator registers
+    With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows, at any
+    size on weights of at most GATHER_NARROW_N columns (or on any weight with
+    MOE_GEMM_FUSED_GATHER_WIDE=1; both in the wide form), and only where it keeps the tile the
+    options would get without it: gather-A caps the tile (at most 128 rows, 128 accumulator registers
     per thread, no A multicast), and on an H100 (2026-11-25) a capped tile lost 1.3-2x on
     prefill shapes (Mixtral 8x7B gate-up at 2k routed rows: 1.76 ms gathered in a 64x192 tile
     against 0.96 ms for a 128x192 tile after a 0.02 ms index_select). Otherwise the plan
@@ -152,11 +162,11 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)
     fitted = fit_fused(choice, gate, False, **extra)
-    gather = args.row_index is not None and (
-        args.S < GATHER_MAX_ROWS or env_flag(GATHER_WIDE_ENV))
+    wide = env_flag(GATHER_WIDE_ENV) or (args.N <= GATHER_NARROW_N
+                                         and args.S >= GATHER_MAX_ROWS)
+    gather = args.row_index is not None and (args.S < GATHER_MAX_ROWS or wide)
     if gather:
-        gathered = fit_fused(choice, gate, True, wide_gather=env_flag(GATHER_WIDE_ENV),
-                             **extra)
+        gathered = fit_fused(choice, gate, True, wide_gather=wide, **extra)
         gather = _same_tile(gathered, fitted)
         if gather:
             fitted = gathered

@@ -182,14 +182,14 @@ FORCED_CASES = [
 ]
 
 # Gather-A where the in-kernel gather would cap the tile, or from GATHER_MAX_ROWS routed rows
-# on: the plan gathers (index_select) and the kernel reads routed rows
-# (ops/fused_launch.fused_choice); a cluster along N forces it on a small shape, a Mixtral-like
-# gate-up takes it by default, and a tile the gather keeps takes it at 1200 rows.
+# on weights wider than GATHER_NARROW_N: the plan gathers (index_select) and the kernel reads
+# routed rows (ops/fused_launch.fused_choice); a cluster along N forces it on a small shape, a
+# Mixtral-like gate-up takes it by default, and a tile the gather keeps takes it at 1200 rows.
 PLAN_GATHER_CASES = [
     case("plan-gather/cluster-n", T=200, S=600, E=6, K=256, N=512, gate="silu",
          config=GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=256,
                            cluster_m=1, cluster_n=2)),
-    case("plan-gather/large-batch", T=600, S=1200, E=8, K=520, N=512, gate="silu",
+    case("plan-gather/large-batch", T=600, S=1200, E=8, K=520, N=2560, gate="silu",
          bias=True, config=GemmConfig(backend="cute", schedule="pingpong", tile_m=64,
                                       tile_n=256, cluster_m=2, cluster_n=1)),
     case("plan-gather/default-large", T=1024, S=2048, E=8, K=1024, N=4096, gate="silu",
@@ -225,7 +225,8 @@ def _wide(name, s, m, n, cm=1, **kw):
 
 
 # Gather-A on tiles past 128 rows or 128 accumulator registers (the rows' indices in shared
-# memory), with MOE_GEMM_FUSED_GATHER_WIDE=1: without it these take the plan's gather.
+# memory), with MOE_GEMM_FUSED_GATHER_WIDE=1; without it only from GATHER_MAX_ROWS routed
+# rows on weights of at most GATHER_NARROW_N columns (the others take the plan's gather).
 WIDE_GATHER_CASES = [
     _wide("silu", _P, 128, 192, 2, T=700, S=2100, E=8, K=1032, N=512, gate="silu", bias=True),
     _wide("silu", _C, 256, 192, 2, T=700, S=2100, E=8, K=1032, N=512, gate="silu"),
@@ -236,6 +237,7 @@ WIDE_GATHER_CASES = [
     _wide("long-k", _P, 128, 192, 1, T=512, S=1500, E=6, K=4168, N=384, gate="silu"),
     _wide("many-experts", _P, 128, 192, 2, T=256, S=2048, E=128, K=512, N=384, gate="silu",
           empty=tuple(range(0, 128, 3))),
+    _wide("wider-weight", _P, 128, 192, 1, T=600, S=1300, E=6, K=264, N=2304, gate="silu"),
 ]
 
 
@@ -385,11 +387,12 @@ def test_sigmoid_gate(c, fast, monkeypatch):
 
 @pytest.mark.parametrize("c", WIDE_GATHER_CASES, ids=[c["name"] for c in WIDE_GATHER_CASES])
 def test_wide_gather_keeps_the_tile(c, monkeypatch):
-    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS, GATHER_NARROW_N, GATHER_WIDE_ENV
 
     x, w, offs, kw = inputs(c)
     monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
-    assert not _gathers_in_kernel(c, x, w, offs, kw)
+    narrow = c["N"] <= GATHER_NARROW_N and c["S"] >= GATHER_MAX_ROWS  # the default's wide form
+    assert _gathers_in_kernel(c, x, w, offs, kw) == narrow
     monkeypatch.setenv(GATHER_WIDE_ENV, "1")
     assert _gathers_in_kernel(c, x, w, offs, kw)
     run_case(c)

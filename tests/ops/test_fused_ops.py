@@ -368,6 +368,29 @@ def test_the_kernel_gathers_only_small_batches_by_default(monkeypatch):
                         torch.device("meta"))[1]
 
 
+def test_narrow_weights_gather_in_the_kernel_at_every_size(monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS, GATHER_NARROW_N
+
+    monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
+    meta = torch.device("meta")
+    # Qwen3-30B-A3B's gate-up (N = 2I = 1536) on a tile past the register form: the wide
+    # form keeps it from GATHER_MAX_ROWS rows on; below, the register form would cap it.
+    pp = GemmConfig(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=1, cluster_n=1)
+    for S, expected in ((GATHER_MAX_ROWS - 1, False), (GATHER_MAX_ROWS, True), (131072, True)):
+        args = _meta_args(S // 8, S, 128, 1536, 2048, gate="silu")
+        choice, in_kernel = fused_choice(args, pp, 132, meta)
+        assert in_kernel == expected and (choice.tile_m, choice.tile_n) == (128, 192), S
+    # The threshold is on w's columns, inclusive.
+    for N, expected in ((GATHER_NARROW_N, True), (GATHER_NARROW_N + 32, False)):
+        args = _meta_args(4096, 32768, 64, N, 2048, gate="silu")
+        assert fused_choice(args, pp, 132, meta)[1] == expected, N
+    # A cluster along N still multicasts A: the plan gathers, whatever the width.
+    c1x2 = GemmConfig(schedule="pingpong", tile_m=128, tile_n=160, cluster_m=1, cluster_n=2)
+    choice, in_kernel = fused_choice(_meta_args(4096, 32768, 128, 1536, 2048, gate="silu"),
+                                     c1x2, 132, meta)
+    assert not in_kernel and choice.cluster_n == 2
+
+
 def test_row_weights_alone_keep_grouped_mms_tile():
     # One weight per row needs no registers beside the accumulator worth a smaller tile.
     big = dataclasses.replace(_choice("pingpong", 128, 208), stages=4)
