@@ -11,11 +11,11 @@ any tile below the heavy accumulators (its rows' indices in shared memory) at ev
 size: by default on narrow weights (GATHER_NARROW_N, where it beats index_select + the same
 tile), everywhere with MOE_GEMM_FUSED_GATHER_WIDE=1. It saves the routed copy of x (S x K
 elements) but on wider weights runs the gate-up GEMM slower than index_select + the same tile
-(H200, 2026-11-29: 0.87-0.96x on DeepSeek-V3 EP8, 0.90-0.95x on Mixtral-8x7B). The fused epilogue's extra registers (bias, row weights, activation)
-are kept off the heaviest accumulators (> 192 registers: ptxas spilled a few bytes there), and
-with both a bias and row weights from the whole-tile epilogue. The sigmoid gates (SiLU, clamped
-SwiGLU) take the SFU's exp2 and reciprocal except on biased tiles of 192 accumulator registers
-(fast_gate).
+(H200, 2026-11-29: 0.87-0.96x on DeepSeek-V3 EP8, 0.90-0.95x on Mixtral-8x7B). The fused
+epilogue's extra registers (bias, row weights, activation) are kept off the heaviest
+accumulators (> 192 registers: ptxas spilled a few bytes there), and with both a bias and row
+weights from the whole-tile epilogue. The sigmoid gates (SiLU, clamped SwiGLU) take the SFU's
+exp2 and reciprocal except on biased tiles of 192 accumulator registers (fast_gate).
 """
 
 from __future__ import annotations
@@ -150,11 +150,12 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows, at any
     size on weights of at most GATHER_NARROW_N columns (or on any weight with
     MOE_GEMM_FUSED_GATHER_WIDE=1; both in the wide form), and only where it keeps the tile the
-    options would get without it: gather-A caps the tile (at most 128 rows, 128 accumulator registers
-    per thread, no A multicast), and on an H100 (2026-11-25) a capped tile lost 1.3-2x on
-    prefill shapes (Mixtral 8x7B gate-up at 2k routed rows: 1.76 ms gathered in a 64x192 tile
-    against 0.96 ms for a 128x192 tile after a 0.02 ms index_select). Otherwise the plan
-    gathers with index_select and the kernel reads the routed rows."""
+    options would get without it: gather-A caps the tile (no A multicast; in the register form
+    at most 128 rows and 128 accumulator registers per thread), and on an H100 (2026-11-25) a
+    capped tile lost 1.3-2x on prefill shapes (Mixtral 8x7B gate-up at 2k routed rows: 1.76 ms
+    gathered in a 64x192 tile against 0.96 ms for a 128x192 tile after a 0.02 ms
+    index_select). Otherwise the plan gathers with index_select and the kernel reads the
+    routed rows."""
     choice = choose_varlen(
         config, args.S, args.E, args.N, args.K, nsm, args.out_dtype.itemsize,
         **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
