@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import DEFAULT_CONFIG, GemmConfig
-from moe_gemm.env import env_reader
+from moe_gemm.env import env_flag, env_reader
 from moe_gemm.ops import custom_ops
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
@@ -491,6 +491,11 @@ class GroupedGemmPlan:
 
     Args: as grouped_gemm (a, b, out, config, out_dtype). `out`, when None, is allocated once
     and reused by every call: copy results you want to keep before the next call.
+
+    With MOE_GEMM_PLAN_GRAPH=1 when the plan is built, its first call records the launch as a
+    CUDA graph and later calls replay it (one graph launch instead of a kernel call of 16
+    arguments); a call inside the caller's own capture launches directly. Opt-in, not yet
+    GPU-tested.
     """
 
     def __init__(
@@ -528,9 +533,10 @@ class GroupedGemmPlan:
         layout = analyze_general(args) if problem is None else None
         unsupported = layout if isinstance(layout, str) else None
         if _use_cute(cfg, problem, unsupported, "GroupedGemmPlan"):
-            from moe_gemm.ops.general_launch import GeneralLaunch
+            from moe_gemm.ops.general_launch import PLAN_GRAPH_ENV, GeneralLaunch
 
-            self._launch = GeneralLaunch(args, cfg, layout=layout, persistent=True)  # type: ignore[arg-type]
+            self._launch = GeneralLaunch(args, cfg, layout=layout,  # type: ignore[arg-type]
+                                         persistent=True, replay=env_flag(PLAN_GRAPH_ENV))
         self.backend = "cute" if self._launch is not None else "torch"
 
     def __call__(self) -> list[torch.Tensor]:

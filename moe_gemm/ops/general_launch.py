@@ -310,8 +310,13 @@ class GeneralPlan:
                      shape.G,
                      shape.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy,
                      launch_kernel.PDL, d_base)
-        # A new tuple per launch: last_launch() tells launches apart by identity.
-        _local.raw = (choice, shape.num_ctas, shape.G, shape.launch_order, trace_t)
+        self.note_launch(trace_t)
+
+    def note_launch(self, trace_t: torch.Tensor | None) -> None:
+        """Record a launch of this plan's kernel for launch_info.last_launch() (a new tuple
+        per launch: it tells launches apart by identity)."""
+        shape = self.shape
+        _local.raw = (shape.choice, shape.num_ctas, shape.G, shape.launch_order, trace_t)
 
     def launch_pointers(self, ptrs: np.ndarray) -> list[torch.Tensor]:
         """grouped_gemm for operands of this plan's layout (ops/api.py checked their
@@ -338,15 +343,22 @@ def grouped_gemm_cute(
     return GeneralLaunch(args, config, layout=layout, trace=trace).launch()
 
 
+# Opt-in: a GroupedGemmPlan records its launch (the minority-layout B copies and the kernel)
+# as a CUDA graph at its first call and replays it after that, instead of calling the kernel
+# through TVM-FFI with its 16 arguments each time; see GeneralLaunch.launch.
+PLAN_GRAPH_ENV = "MOE_GEMM_PLAN_GRAPH"
+
+
 class GeneralLaunch:
     """A general-form launch from checked arguments (any `out`, minority-layout B operands,
     tracing). grouped_gemm's detailed path builds one per call; a GroupedGemmPlan keeps one
     (persistent=True: the metadata is uploaded once and each launch only re-copies
-    minority-layout B operands)."""
+    minority-layout B operands; replay=True: recorded as a CUDA graph at the first launch and
+    replayed)."""
 
     def __init__(self, args: GroupedGemmArgs, config: GemmConfig, *,
                  layout: GeneralLayout | None = None, trace: bool = False,
-                 persistent: bool = False):
+                 persistent: bool = False, replay: bool = False):
         if layout is None:
             res = analyze_general(args)
             if isinstance(res, str):
@@ -356,6 +368,8 @@ class GeneralLaunch:
         self.G = len(args.a)
         self.trace = trace
         self.persistent = persistent
+        self.replay = replay and persistent and not trace
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.shape = shape = general_shape(
             tuple(args.sizes), args.dtype, args.out_dtype, layout.b_major, config,
             launch_kernel.sm_count(device), trace, env_get("MOE_GEMM_L2_HINTS"), device)
@@ -399,10 +413,47 @@ class GeneralLaunch:
     def launch(self) -> list[torch.Tensor]:
         if self.shape.total == 0:
             return list(self.outs)
+        if self.replay and not launch_resources._capturing():
+            graph = self.graph or self._record()
+            if graph is not None:
+                graph.replay()
+                self.plan.note_launch(None)
+                return list(self.outs)
+        self._launch_now()
+        return list(self.outs)
+
+    def _launch_now(self) -> None:
         if self.persistent:
             for b, fixed in self.fixes:  # B may have new values since the plan was built
                 fixed.copy_(b)
         trace_t = (launch_resources._trace_tensor(self.shape.num_ctas, self.shape.max_tiles,
                                                   self.device) if self.trace else None)
         self.plan.run(self.meta, self.d_base, trace_t)
-        return list(self.outs)
+
+    def _record(self) -> torch.cuda.CUDAGraph | None:
+        """The launch captured as a CUDA graph, once (None, and no more tries, if the capture
+        fails: the plan then launches directly).
+
+        A replay runs on the caller's current stream and launches of one graph are ordered
+        one after another whatever their streams, so the workspace the capture allocates (from
+        the graph's own memory pool) is never used by two launches at once; the metadata and
+        the B copies it reads are the plan's, kept as long as the plan. The capture runs on a
+        side stream (CUDA captures no legacy default stream) in thread-local mode, so other
+        threads' CUDA calls meanwhile are not disturbed; it launches nothing."""
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._launch_now()
+                finally:
+                    graph.capture_end()
+        except RuntimeError:
+            self.replay = False
+            return None
+        current.wait_stream(side)
+        self.graph = graph
+        return graph

@@ -8,6 +8,7 @@ or thread, and under grad mode, and checks every result against float32.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import zlib
@@ -182,16 +183,24 @@ def test_general_grad_and_no_grad():
         sum(r.float().sum() for r in linked).backward()
 
 
-def test_plan_recomputes_and_captures():
+@pytest.mark.parametrize("replay", [False, True], ids=["launch", "graph-replay"])
+@pytest.mark.parametrize("config", GENERAL_CONFIGS, ids=["default", "host-ksort"])
+def test_plan_recomputes_and_captures(replay, config, monkeypatch):
     """GroupedGemmPlan: prepared once, recomputed from the operands' current values (a
-    minority-layout B included), and captured in a CUDA graph."""
+    minority-layout B included), from another stream, and captured in a CUDA graph; with
+    MOE_GEMM_PLAN_GRAPH=1 its own graph is recorded at the first call and replayed."""
+    from moe_gemm.ops.general_launch import PLAN_GRAPH_ENV
+    from moe_gemm.ops.launch_info import last_launch
+
+    monkeypatch.setenv(PLAN_GRAPH_ENV, "1" if replay else "0")
     rng = random.Random(3)
     sizes = general_case("mixed", rng)
     gen = torch.Generator(device="cuda").manual_seed(5)
     a = [rand((m, k), torch.bfloat16, gen) for m, n, k in sizes]
     b = [(rand((n, k), torch.bfloat16, gen).t() if i % 3 == 0 else
           rand((k, n), torch.bfloat16, gen)) for i, (m, n, k) in enumerate(sizes)]
-    plan = moe_gemm.GroupedGemmPlan(a, b, config=GemmConfig(backend="cute"))
+    plan = moe_gemm.GroupedGemmPlan(a, b, config=GemmConfig(backend="cute") if config is None
+                                    else dataclasses.replace(config, backend="cute"))
     assert plan.backend == "cute"
 
     def verify(tag):
@@ -203,11 +212,22 @@ def test_plan_recomputes_and_captures():
     plan()
     torch.cuda.synchronize()
     verify("first")
+    assert (plan._launch.graph is not None) == replay
+    before = last_launch()
     for t in (*a, *b):  # new values in place, minority-layout B included
         t.copy_(rand(t.shape, torch.bfloat16, gen))
     plan()
     torch.cuda.synchronize()
     verify("updated")
+    assert last_launch() is not before  # a replay is a launch too
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for t in (*a, *b):
+        t.copy_(rand(t.shape, torch.bfloat16, gen))
+    with torch.cuda.stream(side):
+        plan()
+    side.synchronize()
+    verify("other stream")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         plan()
