@@ -196,7 +196,18 @@ PLAN_GATHER_CASES = [
          empty=(3,), tail=64),
 ]
 
-ALL_CASES = GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES + PLAN_GATHER_CASES
+# Narrow weights (at most GATHER_NARROW_N columns) from GATHER_MAX_ROWS routed rows: the kernel
+# gathers by default, in the wide form, on the default config's tile (unless it is clustered
+# along N) and on an ungated one with row weights.
+NARROW_GATHER_CASES = [
+    case("narrow-gather/default-config", T=800, S=2400, E=8, K=520, N=1024, gate="silu",
+         empty=(2,), tail=40),
+    case("narrow-gather/plain-row-weights", T=600, S=1500, E=6, K=264, N=512, scale=True,
+         config=GemmConfig(backend="cute", schedule="pingpong", tile_m=128, tile_n=192)),
+]
+
+ALL_CASES = (GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES + PLAN_GATHER_CASES
+             + NARROW_GATHER_CASES)
 
 # Both sigmoids (the SFU's, the default, and the IEEE one under MOE_GEMM_FUSED_FAST_GATE=0):
 # SiLU and the clamped SwiGLU on the default tile, the in-kernel gather and a cooperative 2x1
@@ -298,6 +309,17 @@ def _gathers_in_kernel(c: dict, x, w, offs, kw) -> bool:
 def test_gather_by_the_plan_where_the_kernel_gather_caps_the_tile(c):
     x, w, offs, kw = inputs(c)
     assert not _gathers_in_kernel(c, x, w, offs, kw)
+    run_case(c)
+
+
+@pytest.mark.parametrize("c", NARROW_GATHER_CASES, ids=[c["name"] for c in NARROW_GATHER_CASES])
+def test_narrow_weights_gather_in_the_kernel_by_default(c, monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+
+    monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
+    x, w, offs, kw = inputs(c)
+    _, choice, in_kernel = _plan_choice(c, x, w, offs, kw)
+    assert in_kernel == (choice.cluster_n == 1)  # (a cluster along N multicasts A)
     run_case(c)
 
 
