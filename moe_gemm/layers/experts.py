@@ -121,6 +121,7 @@ def expert_ffn(
     config: GemmConfig | None = None,
     fused_gate: FusedGate | None = None,
     fused: bool | None = None,
+    ids_in_range: bool = False,
 ) -> torch.Tensor:
     """The routed experts for checked arguments: sort, two grouped GEMMs, combine.
 
@@ -130,7 +131,9 @@ def expert_ffn(
     = where the Hopper kernel runs, True = always, False = never), else on the grouped GEMMs
     below. Inference only: when autograd could ask for a gradient (grad mode on and an input
     or weight requires grad) the result is linked so that a backward raises (under
-    torch.compile through a registered op, custom_ops.mark_inference_only).
+    torch.compile through a registered op, custom_ops.mark_inference_only). ids_in_range:
+    every id is known to be in [0, E) (the layer's own router): routing.permute_by_expert
+    skips the mask of dropped slots.
 
     Returns:
         (T, H) in the GEMMs' dtype.
@@ -138,11 +141,11 @@ def expert_ffn(
     if use_fused(fused, fused_gate, x, w_gate_up, w_down, config, post_fn):
         run = functools.partial(fused_expert_ffn, x, topk_ids, topk_weights, w_gate_up, w_down,
                                 fused_gate, bias_gate_up=bias_gate_up, bias_down=bias_down,
-                                config=config)
+                                config=config, ids_in_range=ids_in_range)
     else:
         run = functools.partial(_expert_ffn, x, topk_ids, topk_weights, w_gate_up, w_down,
                                 gate_fn, bias_gate_up=bias_gate_up, bias_down=bias_down,
-                                post_fn=post_fn, config=config)
+                                post_fn=post_fn, config=config, ids_in_range=ids_in_range)
     linked = (x, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down)
     if torch.compiler.is_compiling():
         # Traced: the grouped GEMMs' registered ops are differentiable where torch's path runs
@@ -153,9 +156,9 @@ def expert_ffn(
 
 
 def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_gate_up,
-                bias_down, post_fn, config) -> torch.Tensor:
+                bias_down, post_fn, config, ids_in_range=False) -> torch.Tensor:
     E = w_gate_up.shape[0]
-    perm = permute_by_expert(topk_ids, E)
+    perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
     xs = x.index_select(0, perm.token_index)  # (S, H), rows grouped by expert
     h = grouped_mm(xs, w_gate_up, perm.offs, config=config)  # (S, N1)
     if bias_gate_up is not None or bias_down is not None:
@@ -172,7 +175,8 @@ def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_g
         y = post_fn(y)
     # Dropped slots (ids outside [0, E)) get weight 0. Their rows of y are finite (grouped_mm
     # leaves rows past offs[-1] zero; a bias or norm keeps them finite), so they add nothing.
-    w = torch.where(perm.valid, topk_weights, 0).to(y.dtype)
+    w = (topk_weights if perm.all_valid else torch.where(perm.valid, topk_weights, 0)
+         ).to(y.dtype)
     return combine_rows(y, perm.row_of_slot, w)
 
 

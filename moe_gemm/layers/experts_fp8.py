@@ -112,14 +112,16 @@ def expert_ffn_fp8(
     gate_fn: Callable[[torch.Tensor], torch.Tensor],  # (S, 2I) -> (S, I)
     *,
     config: GemmConfig | None = None,
+    ids_in_range: bool = False,
 ) -> torch.Tensor:
-    """The routed experts on FP8 weights for checked arguments (module docstring).
+    """The routed experts on FP8 weights for checked arguments (module docstring;
+    ids_in_range as layers/experts.expert_ffn).
 
     Returns:
         (T, H) in x's dtype.
     """
     run = functools.partial(_expert_ffn_fp8, x, topk_ids, topk_weights, gate_up, gate_up_scale,
-                            down, down_scale, gate_fn, config)
+                            down, down_scale, gate_fn, config, ids_in_range)
     if torch.compiler.is_compiling():
         return run()
     return inference_only(INFERENCE_ONLY_MESSAGE, run, (x, topk_weights))
@@ -139,10 +141,10 @@ def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, down_scale,
-                    gate_fn, config) -> torch.Tensor:
+                    gate_fn, config, ids_in_range=False) -> torch.Tensor:
     E = gate_up.shape[0]
     g = scale_granularity(gate_up_scale)
-    perm = permute_by_expert(topk_ids, E)
+    perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
     xq, sx = _quantize_acts(x, g, gate_up.dtype)  # T rows, before the gather
     xs = _gather_rows(xq, perm.token_index)  # (S, H), rows grouped by expert
     ss = sx.index_select(0, perm.token_index)
@@ -156,7 +158,8 @@ def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, dow
     aq, sa = _quantize_acts(a, g, gate_up.dtype)
     y = scaled_grouped_mm(aq, down.transpose(1, 2), sa, s2, perm.offs, out_dtype=x.dtype,
                           config=config)
-    w = torch.where(perm.valid, topk_weights, 0).to(y.dtype)
+    w = (topk_weights if perm.all_valid else torch.where(perm.valid, topk_weights, 0)
+         ).to(y.dtype)
     return combine_rows(y, perm.row_of_slot, w)
 
 

@@ -122,16 +122,17 @@ def fused_expert_ffn(
     bias_gate_up: torch.Tensor | None = None,  # (E, 2I)
     bias_down: torch.Tensor | None = None,  # (E, H)
     config: GemmConfig | None = None,
+    ids_in_range: bool = False,
 ) -> torch.Tensor:
     """The routed experts on the fused kernel, for checked arguments (see the module
-    docstring). Returns (T, H) in x's dtype."""
+    docstring; ids_in_range as layers/experts.expert_ffn). Returns (T, H) in x's dtype."""
     E = w_gate_up.shape[0]
-    perm = permute_by_expert(topk_ids, E)
+    perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
     token = perm.token_index.to(torch.int32)
     # Each routed row's weight, in row order (dropped slots: 0; their rows are past offs[-1]
     # and the kernels store zeros there without reading it).
-    weight = torch.where(perm.valid, topk_weights, 0).reshape(-1).float().index_select(
-        0, perm.slot_order)
+    weights = topk_weights if perm.all_valid else torch.where(perm.valid, topk_weights, 0)
+    weight = weights.reshape(-1).float().index_select(0, perm.slot_order)
     if _gather_in_kernel():
         xs, index = x, token
     else:

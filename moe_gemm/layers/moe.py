@@ -482,13 +482,13 @@ class MoE(MoELoaders, nn.Module):
             # FP8 experts: the activations are quantized on the fly; the GEMMs write x's dtype.
             y = expert_ffn_fp8(x2, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
                                self.down_proj, self.down_proj_scale_inv, gate_fn,
-                               config=self.config)
+                               config=self.config, ids_in_range=True)
         else:
             xe = x2.to(self.gate_up_proj.dtype)
             y = expert_ffn(xe, ids, weights, self.w_gate_up, self.w_down, gate_fn,
                            config=self.config,
                            fused_gate=fused_gate_for(canonical_activation(self.activation)),
-                           fused=self.fused).to(x.dtype)
+                           fused=self.fused, ids_in_range=True).to(x.dtype)
         if self.shared_experts is not None:
             # In the shared expert's own dtype too (the layer may have been cast after
             # loading); the sum is in the caller's dtype.

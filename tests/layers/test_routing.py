@@ -246,6 +246,20 @@ def test_permutation_random(T: int, k: int, E: int) -> None:
     _check_permutation(ids.long(), E)
 
 
+@pytest.mark.parametrize("T,k,E", [(1, 1, 1), (7, 2, 8), (64, 8, 16), (100, 3, 257), (0, 2, 4)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_permutation_of_ids_in_range_is_the_same(T: int, k: int, E: int, dtype) -> None:
+    # A router's own ids: the mask of dropped slots is skipped, nothing else changes.
+    g = torch.Generator().manual_seed(T * 1000 + E)
+    ids = (torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T
+           else torch.zeros(0, k)).to(dtype)
+    checked, trusted = permute_by_expert(ids, E), permute_by_expert(ids, E, ids_in_range=True)
+    assert not checked.all_valid and trusted.all_valid
+    for name in ("token_index", "slot_order", "row_of_slot", "sorted_expert", "offs", "valid"):
+        a, b = getattr(checked, name), getattr(trusted, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_permutation_skewed_with_empty_experts() -> None:
     ids = torch.tensor([[5, 2], [5, 1], [2, 5], [5, 2]])  # experts 0, 3, 4, 6, 7 get nothing
     _check_permutation(ids, 8)
