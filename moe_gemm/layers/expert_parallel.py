@@ -78,7 +78,7 @@ def local_expert_ffn(
         y[S:].zero_()
     grouped_mm(a, w_down, perm.offs, out=y[:S], config=config)  # (S, H)
     rows = perm.row_of_slot.clamp(max=S)
-    w = torch.where(perm.valid, weights, 0).to(y.dtype)
+    w = perm.drop_masked(weights).to(y.dtype)
     return combine_rows(y, rows, w)
 
 

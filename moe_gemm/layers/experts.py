@@ -175,8 +175,7 @@ def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_g
         y = post_fn(y)
     # Dropped slots (ids outside [0, E)) get weight 0. Their rows of y are finite (grouped_mm
     # leaves rows past offs[-1] zero; a bias or norm keeps them finite), so they add nothing.
-    w = (topk_weights if perm.all_valid else torch.where(perm.valid, topk_weights, 0)
-         ).to(y.dtype)
+    w = perm.drop_masked(topk_weights).to(y.dtype)
     return combine_rows(y, perm.row_of_slot, w)
 
 

@@ -158,8 +158,7 @@ def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, dow
     aq, sa = _quantize_acts(a, g, gate_up.dtype)
     y = scaled_grouped_mm(aq, down.transpose(1, 2), sa, s2, perm.offs, out_dtype=x.dtype,
                           config=config)
-    w = (topk_weights if perm.all_valid else torch.where(perm.valid, topk_weights, 0)
-         ).to(y.dtype)
+    w = perm.drop_masked(topk_weights).to(y.dtype)
     return combine_rows(y, perm.row_of_slot, w)
 
 

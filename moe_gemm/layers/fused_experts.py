@@ -131,8 +131,7 @@ def fused_expert_ffn(
     token = perm.token_index.to(torch.int32)
     # Each routed row's weight, in row order (dropped slots: 0; their rows are past offs[-1]
     # and the kernels store zeros there without reading it).
-    weights = topk_weights if perm.all_valid else torch.where(perm.valid, topk_weights, 0)
-    weight = weights.reshape(-1).float().index_select(0, perm.slot_order)
+    weight = perm.drop_masked(topk_weights).reshape(-1).float().index_select(0, perm.slot_order)
     if _gather_in_kernel():
         xs, index = x, token
     else:

@@ -285,6 +285,11 @@ class ExpertPermutation:
         """[E] int32 rows per expert (on the device; no sync)."""
         return torch.diff(self.offs, prepend=self.offs.new_zeros(1))
 
+    def drop_masked(self, weights: torch.Tensor) -> torch.Tensor:
+        """[T, k] routing weights with the dropped slots' set to 0 (`weights` itself when no
+        slot is dropped: all_valid)."""
+        return weights if self.all_valid else torch.where(self.valid, weights, 0)
+
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
                       ids_in_range: bool = False) -> ExpertPermutation:

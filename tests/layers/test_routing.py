@@ -258,6 +258,8 @@ def test_permutation_of_ids_in_range_is_the_same(T: int, k: int, E: int, dtype) 
     for name in ("token_index", "slot_order", "row_of_slot", "sorted_expert", "offs", "valid"):
         a, b = getattr(checked, name), getattr(trusted, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    w = torch.rand(T, k, generator=g)
+    assert trusted.drop_masked(w) is w and torch.equal(checked.drop_masked(w), w)
 
 
 def test_permutation_skewed_with_empty_experts() -> None:
@@ -274,6 +276,8 @@ def test_permutation_drops_out_of_range_ids() -> None:
     p = permute_by_expert(ids, 4)
     assert p.offs.tolist() == [1, 2, 2, 3]
     assert p.valid.tolist() == [[True, False], [False, True], [True, False]]
+    w = torch.full((3, 2), 0.5)
+    assert p.drop_masked(w).tolist() == [[0.5, 0.0], [0.0, 0.5], [0.5, 0.0]]
     assert p.sorted_expert[-3:].tolist() == [4, 4, 4]
 
 
