@@ -220,10 +220,10 @@ def test_plan_recomputes_and_captures(replay, config, monkeypatch):
     torch.cuda.synchronize()
     verify("updated")
     assert last_launch() is not before  # a replay is a launch too
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     for t in (*a, *b):
         t.copy_(rand(t.shape, torch.bfloat16, gen))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # (after the new values are written)
     with torch.cuda.stream(side):
         plan()
     side.synchronize()
