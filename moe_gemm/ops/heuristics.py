@@ -51,7 +51,8 @@ class KernelChoice:
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
-# 1: the fused kernel gathers in kernel on tiles past the register form too (fused_launch)
+# 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
+# past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
 # 0: the fused gated epilogue takes the IEEE sigmoid, not the SFU's (fused_launch.fused_key)
 FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"
