@@ -169,6 +169,11 @@ def check_variants(full: bool):
     add("general", "bfloat16", "float32", "n", "pingpong", (192, 128))
     add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (192, 128), cluster_m=2, gate="silu",
         gate_layout="concat")
+    # The masked form (row counts on the GPU, D clipped per problem): both schedules, a
+    # cluster each way.
+    add("masked", "bfloat16", "bfloat16", "k", "pingpong", (64, 128))
+    add("masked", "bfloat16", "float32", "n", "cooperative", (128, 256), cluster_m=2)
+    add("masked", "float16", "float16", "k", "pingpong", (128, 128), cluster_n=2)
     # The fused MoE kernel (FusedMoeGemmSm90): the layer's gate-up (gather-A, gated epilogue,
     # each gate layout) and down (row weights, bias) launches, on the tiles its rules pick.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), gate="silu",

@@ -52,7 +52,7 @@ def option_parts(key) -> list[str]:
 class CompileKey:
     """Everything a compiled kernel depends on. Nothing here varies per problem set."""
 
-    form: str  # "general" | "varlen" | "batched"
+    form: str  # "general" | "varlen" | "batched" | "masked"
     ab_dtype: str  # "bfloat16" | "float16"
     d_dtype: str  # "bfloat16" | "float16" | "float32"
     b_major: str  # "k" | "n"
@@ -170,7 +170,7 @@ def fake_arguments(key: CompileKey) -> tuple:
         w = _fake(ab, (k, n), leading_dim=0 if key.b_major == "k" else 1)
     else:
         w = _fake(ab, (cute.sym_int(), k, n), leading_dim=1 if key.b_major == "k" else 2)
-    if key.form == "batched":
+    if key.form in ("batched", "masked"):
         batch = cute.sym_int()
         a = _fake(ab, (batch, rows, k), leading_dim=2)
         out = _fake(d, (batch, rows, n), leading_dim=2)

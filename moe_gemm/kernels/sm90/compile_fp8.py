@@ -28,7 +28,7 @@ class Fp8CompileKey:
     """Everything a compiled FP8 kernel depends on (B is always K-major). Nothing here varies
     per problem set."""
 
-    form: str  # "general" | "varlen" | "batched"
+    form: str  # "general" | "varlen" | "batched" | "masked"
     ab_dtype: str  # "float8_e4m3fn" | "float8_e5m2"
     d_dtype: str  # "bfloat16" | "float16" | "float32"
     scale_mode: str  # "block" | "outer"
@@ -80,7 +80,7 @@ def fake_arguments(key: Fp8CompileKey) -> tuple:
     else:
         w = _fake(ab, (cute.sym_int(), k, n), leading_dim=1)
     kb, cols = cute.sym_int(), cute.sym_int()
-    if key.form == "batched":
+    if key.form in ("batched", "masked"):
         batch = cute.sym_int()
         a = _fake(ab, (batch, rows, k), leading_dim=2)
         out = _fake(d, (batch, rows, n), leading_dim=2)
@@ -169,6 +169,8 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128)),
         key("varlen", e4, "float32", "outer", "cooperative", (128, 192), cluster_m=2),
         key("batched", e4, "bfloat16", "block", "cooperative", (128, 160)),
+        key("masked", e4, "bfloat16", "block", "cooperative", (128, 128)),
+        key("masked", e4, "bfloat16", "outer", "pingpong", (64, 128), cluster_n=2),
         key("general", e5, "float16", "block", "pingpong", (128, 96)),
         key("general", e4, "bfloat16", "outer", "cooperative", (128, 128), cluster_n=2),
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,

@@ -20,6 +20,10 @@ problem forms share the kernel body and differ only in where operands and sizes 
   whose third mode is the problem, so there is no prologue kernel, no per-problem descriptor
   and no descriptor fence: a problem switch is only a new coordinate. The scheduler finds a
   tile's problem by division (every problem has the same tile count).
+- masked: the batched operands with only the first counts[p] rows of problem p (counts (G,)
+  int32 on the GPU, passed as `offs`): DeepGEMM's masked layout, as DeepEP's low-latency
+  dispatch hands tokens over. D is clipped per problem at its row count (problems.py), the
+  scheduler searches as for varlen; device visitor only.
 
 Warp roles (384 threads = 3 warpgroups):
 - warpgroup 0 (producer, 40 registers; 24 beside heavy accumulators): warp 0 issues TMA loads
@@ -89,7 +93,14 @@ from .constants import (
 )
 from .epilogue import BAR_EPI, Epilogue
 from .gather import RowGather, gather_role
-from .problems import BatchedProblems, GeneralProblems, VarlenProblems, ragged_rows
+from .problems import (
+    BatchedProblems,
+    GeneralProblems,
+    MaskedProblems,
+    VarlenProblems,
+    ragged_batched_rows,
+    ragged_rows,
+)
 from .tail_split import TailSplit
 from .tile_scheduler import (
     RECORD_INTS,
@@ -102,7 +113,7 @@ from .tile_scheduler import (
     ring_base,
 )
 
-Form = Literal["general", "varlen", "batched"]
+Form = Literal["general", "varlen", "batched", "masked"]
 Schedule = Literal["cooperative", "pingpong"]
 Visitor = Literal["device", "host"]
 
@@ -178,7 +189,7 @@ class GroupedGemmSm90:
         ab_dtype: cutlass.BFloat16 or cutlass.Float16.
         d_dtype: cutlass.BFloat16, cutlass.Float16 or cutlass.Float32.
         b_major: "k" (B stored (N, K) K-contiguous, e.g. w.T of a Linear weight) or "n".
-        form: "general", "varlen" or "batched".
+        form: "general", "varlen", "batched" or "masked".
         schedule: "cooperative" or "pingpong".
         visitor: "device" or "host".
         tile_mn: (tile_m, tile_n) per CTA (cooperative) or per warpgroup (pingpong); the
@@ -243,10 +254,12 @@ class GroupedGemmSm90:
         # fast or faster on every suite shape (H200, 2026-11-21; AGENTS.md).
         self.l2_hints = l2_hints
         self.pingpong = schedule == "pingpong"
-        if form not in ("general", "varlen", "batched"):
+        if form not in ("general", "varlen", "batched", "masked"):
             raise ValueError(f"unknown problem form {form!r}")
         if visitor not in ("device", "host"):
             raise ValueError(f"unknown visitor {visitor!r}")
+        if form == "masked" and visitor != "device":
+            raise ValueError("the masked form reads its row counts on the GPU: device visitor")
         if b_major not in ("k", "n"):
             raise ValueError(f"b_major must be 'k' or 'n'; got {b_major!r}")
         why = tile_problem(schedule, self.tile_m, self.tile_n)
@@ -267,7 +280,7 @@ class GroupedGemmSm90:
         # Tail split (constants.py): a last wave that fills at most half the grid runs each
         # tile as two half-K units on two CTAs, joined through an fp32 workspace slot.
         if tail_split and (schedule != "cooperative" or visitor != "device"
-                           or self.cluster_size > 1 or form == "general"):
+                           or self.cluster_size > 1 or form in ("general", "masked")):
             raise ValueError("the tail split is built for the varlen and batched forms, "
                              "cooperative schedule, device visitor and 1x1 cluster")
         self.tail_split = tail_split
@@ -424,7 +437,8 @@ class GroupedGemmSm90:
         #                   batched: out (G, M, N)
         meta: cute.Tensor,  # general: (G, 8) int64 per problem; varlen: unused (1, 8)
         meta32: cute.Tensor,  # the same bytes as (G, 16) int32 (M, N, K at columns 12..14)
-        offs: cute.Tensor,  # varlen: (E,) int32 cumulative end rows; general: unused (1,)
+        offs: cute.Tensor,  # varlen: (E,) int32 cumulative end rows; masked: (G,) int32 row
+        #                   counts; general, batched: unused (1,)
         table: cute.Tensor,  # host visitor: (num_ctas, entries, 2) int32; else (1, 1, 2)
         workspace: cute.Tensor,  # (num_ctas * DESC_RING * 3 * 16,) int64: descriptor rings
         trace: cute.Tensor,  # debug: (num_ctas, max_tiles, 4) int32; else (1, 1, 4)
@@ -464,7 +478,7 @@ class GroupedGemmSm90:
                     stride=(mW.stride[2], mW.stride[1], mW.stride[0]),
                 ),
             )
-        if const_expr(self.form == "batched"):
+        if const_expr(self.form in ("batched", "masked")):
             # (G, M, K) -> (M, K, G) and (G, M, N) -> (M, N, G): the problem is TMA mode 2.
             mA_tma = cute.make_tensor(
                 mA.iterator,
@@ -482,6 +496,8 @@ class GroupedGemmSm90:
             )
         if const_expr(self.form == "varlen"):
             mD_tma = ragged_rows(mD)  # one descriptor for every expert's rows (problems.py)
+        if const_expr(self.form == "masked"):
+            mD_tma = ragged_batched_rows(mD)  # each problem clipped at its row count
 
         op_g2s = cpasync.CopyBulkTensorTileG2SOp()
         op_s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -554,6 +570,8 @@ class GroupedGemmSm90:
             return GeneralProblems(self, args.num_problems, args.meta, args.meta32, args.d_base)
         if const_expr(self.form == "varlen"):
             return VarlenProblems(self, args.num_problems, args.mA, args.mD, args.offs)
+        if const_expr(self.form == "masked"):
+            return MaskedProblems(self, args.num_problems, args.mA, args.mD, args.offs)
         return BatchedProblems(self, args.num_problems, args.mA, args.mD)
 
     # ------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ D_p = dequant(A_p) @ dequant(B_p) for every problem p, where dequant multiplies 
 by its scale: DeepSeek-V3's recipe ("block": A scales per row per 128-K block, B scales per
 128x128 block) or row-wise ("outer": a scale per row of A and per column of B; per-tensor
 scales are that with equal entries). Everything but the mainloop is GroupedGemmSm90's (the
-scheduler warp, the three problem forms, the TMA load warp, clusters, the tail split and the
+scheduler warp, the problem forms, the TMA load warp, clusters, the tail split and the
 epilogue); this class changes:
 
 - tile_k = 128: one 128-byte swizzle row of 8-bit data per stage, which is also one scale
@@ -57,7 +57,7 @@ from .constants_fp8 import (
     scale_blocks_spanned,
 )
 from .grouped_gemm import BAR_MMA_ORDER, GroupedGemmSm90, ProblemArgs, RunArgs
-from .problems import BatchedProblems, GeneralProblems, VarlenProblems
+from .problems import BatchedProblems, GeneralProblems, MaskedProblems, VarlenProblems
 from .tile_scheduler import WorkTile, ceil_div_i32
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -88,6 +88,16 @@ class Fp8VarlenProblems(VarlenProblems):
 
 @dataclass(frozen=True, eq=False)
 class Fp8BatchedProblems(BatchedProblems):
+    sfa: cute.Tensor  # (G, M, KB) fp32
+    sfb: cute.Tensor  # (G, KB, C) fp32
+
+    def scale_views(self, work: WorkTile):
+        return (self.sfa[work.problem, None, None], self.sfa.shape[1],
+                self.sfb[work.problem, None, None], self.sfb.shape[2])
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8MaskedProblems(MaskedProblems):
     sfa: cute.Tensor  # (G, M, KB) fp32
     sfb: cute.Tensor  # (G, KB, C) fp32
 
@@ -233,6 +243,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                                       args.d_base, args.smeta)
         if const_expr(self.form == "varlen"):
             return Fp8VarlenProblems(self, args.num_problems, args.mA, args.mD, args.offs,
+                                     args.sfa, args.sfb)
+        if const_expr(self.form == "masked"):
+            return Fp8MaskedProblems(self, args.num_problems, args.mA, args.mD, args.offs,
                                      args.sfa, args.sfb)
         return Fp8BatchedProblems(self, args.num_problems, args.mA, args.mD, args.sfa,
                                   args.sfb)

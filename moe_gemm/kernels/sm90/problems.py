@@ -18,6 +18,11 @@ stores (`store_view`), with the descriptor pointers each TMA copy takes (`load_d
   the GPU (no ring writes, fences or descriptor fetches per tile).
 - batched: x (G, M, K), w (G, K, N), out (G, M, N): the problem is the third TMA mode of every
   launch-time descriptor; nothing is encoded on the GPU.
+- masked: the batched operands with only the first counts[p] rows of problem p computed and
+  stored (DeepGEMM's and DeepEP's low-latency layout: a fixed row capacity M per expert, the
+  valid row counts on the GPU). A and B load as in the batched form; D is out seen as a
+  ragged (M, N, M, G) tensor (`ragged_batched_rows`), so a partial tile stops at row
+  counts[p] and the rows past it are never written.
 """
 
 from __future__ import annotations
@@ -77,6 +82,18 @@ def ragged_rows(mD: cute.Tensor) -> cute.Tensor:
     base = mD.iterator + (-(Int64(rows - 1) * ld))
     return cute.make_tensor(
         base, cute.make_layout((rows, mD.shape[1], rows), stride=(ld, mD.stride[1], ld)))
+
+
+def ragged_batched_rows(mD: cute.Tensor) -> cute.Tensor:
+    """out (G, M, N) as an (M, N, M, G) tensor whose one TMA descriptor clips each problem at
+    its own row count: `ragged_rows` per problem (element (M - rows + r, n, rows - 1, g) is
+    out[g, r, n]), the problem as the fourth mode. Any strides: nothing assumes the problems
+    are adjacent in memory."""
+    rows, ld = mD.shape[1], mD.stride[1]
+    base = mD.iterator + (-(Int64(rows - 1) * ld))
+    return cute.make_tensor(
+        base, cute.make_layout((rows, mD.shape[2], rows, mD.shape[0]),
+                               stride=(ld, mD.stride[2], ld, mD.stride[0])))
 
 
 # Frozen dataclasses: the DSL carries a mutable object that a dynamic loop calls a method of
@@ -330,3 +347,31 @@ class BatchedProblems(Problems):
     def store_view(self, tma_d: cute.Tensor, work: WorkTile) -> cute.Tensor:
         return cute.local_tile(tma_d[None, None, work.problem],
                                (self.cfg.tile_m, self.cfg.tile_n), (work.m_tile, work.n_tile))
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedProblems(BatchedProblems):
+    """The batched operands, problem p's rows limited to counts[p] (clamped into [0, M], so
+    unchecked counts on the GPU never address rows outside the problem). Tile counts differ
+    per problem, so the scheduler searches (device visitor) instead of dividing."""
+
+    counts: cute.Tensor  # (G,) int32 valid rows per problem, on the GPU
+
+    form: ClassVar[str] = "masked"
+    uniform: ClassVar[bool] = False
+
+    @cute.jit
+    def dims(self, p: Int32) -> tuple[Int32, Int32, Int32, Int32]:
+        M = self.mA.shape[1]
+        rows = cutlass.max(cutlass.min(self.counts[p], M), Int32(0))
+        return rows, self.mD.shape[2], self.mA.shape[2], Int32(0)
+
+    def store_view(self, tma_d: cute.Tensor, work: WorkTile) -> cute.Tensor:
+        """The tile in the ragged D (`ragged_batched_rows`): the problem's rows end at the TMA
+        unit's row bound M, so its row r is coordinate M - rows + r of the slice at its last
+        row (a tile exists only where rows > 0)."""
+        cfg = self.cfg
+        M = self.mD.shape[1]
+        problem = cute.domain_offset((M - work.rows, 0),
+                                     tma_d[None, None, work.rows - 1, work.problem])
+        return cute.local_tile(problem, (cfg.tile_m, cfg.tile_n), (work.m_tile, work.n_tile))
