@@ -8,6 +8,9 @@ Public API:
                               activation and routing weights fused into the kernel
     interleave_gate_up(w)     a gate-up weight repacked for the interleaved gate layout
     GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
+    grouped_mm_masked(x, w, masked_m)   the batched form on each problem's first
+                              masked_m[g] rows (DeepGEMM's masked layout; FP8:
+                              scaled_grouped_mm_masked)
     scaled_grouped_mm(x, w, scale_a, scale_b, offs)   the FP8 expert GEMM (block-wise
                               1x128 / 128x128, row-wise or per-tensor scales); and
                               scaled_grouped_gemm for lists
@@ -43,6 +46,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
     )
     from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
     from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
+    from moe_gemm.ops.masked import grouped_mm_masked, scaled_grouped_mm_masked
     from moe_gemm.ops.quantize import (
         dequantize_fp8,
         quantize_fp8_per_block,
@@ -69,6 +73,7 @@ __all__ = [
     "fused_grouped_mm",
     "grouped_gemm",
     "grouped_mm",
+    "grouped_mm_masked",
     "interleave_gate_up",
     "moe_experts",
     "moe_forward",
@@ -79,6 +84,7 @@ __all__ = [
     "quantize_fp8_per_token_group",
     "scaled_grouped_gemm",
     "scaled_grouped_mm",
+    "scaled_grouped_mm_masked",
     "sigmoid_grouped_topk",
     "softmax_topk",
 ]
@@ -109,6 +115,7 @@ def _load() -> None:
             )
             from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
             from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
+            from moe_gemm.ops.masked import grouped_mm_masked, scaled_grouped_mm_masked
             from moe_gemm.ops.quantize import (
                 dequantize_fp8,
                 quantize_fp8_per_block,
@@ -130,6 +137,7 @@ def _load() -> None:
             MoE=MoE,
             grouped_gemm=grouped_gemm,
             grouped_mm=grouped_mm,
+            grouped_mm_masked=grouped_mm_masked,
             fused_grouped_mm=fused_grouped_mm,
             interleave_gate_up=interleave_gate_up,
             moe_experts=moe_experts,
@@ -144,6 +152,7 @@ def _load() -> None:
             quantize_fp8_per_token_group=quantize_fp8_per_token_group,
             scaled_grouped_gemm=scaled_grouped_gemm,
             scaled_grouped_mm=scaled_grouped_mm,
+            scaled_grouped_mm_masked=scaled_grouped_mm_masked,
         )
         _state = 2
 

@@ -68,6 +68,21 @@ class Variants:
         self._add("batched", dtype, out_dtype, b_major, choice, trace, force)
 
 
+    def masked(self, G, M, N, K, config=None, dtype=BF16, out_dtype=None, b_major="n",
+               expected_m=None):
+        """grouped_mm_masked's launch (ops/masked_launch.MaskedPlan's choice)."""
+        from moe_gemm.ops.masked_launch import _masked_choice
+
+        if G == 0 or M == 0 or N == 0 or K == 0:
+            return
+        config = config or GemmConfig()
+        m = min(expected_m or M, M)
+        itemsize = (out_dtype or dtype).itemsize
+        choice = _masked_choice(heuristics.choose_varlen(config, G * m, G, N, K, self.nsm,
+                                                         itemsize), config)
+        self._add("masked", dtype, out_dtype, b_major, choice, False, None)
+
+
 def fused_key(S, T, E, N, K, *, gate=None, layout="concat", w_major="k", gather=True,
               bias=False, scale=False, config=None, dtype=BF16, out_dtype=None,
               gate_alpha=1.702, gate_limit=7.0, nsm=NUM_SMS):
@@ -415,12 +430,35 @@ def _layer_tests(v: Variants) -> None:
         v.keys.add(fused_key(T * k, T, E, H, I, gather=False, scale=True, nsm=v.nsm))
 
 
+def _masked_tests(v: Variants) -> None:
+    """tests/kernels/test_masked_gpu.py: its parametrized cases, from the module's own tables."""
+    try:
+        from . import test_masked_gpu as module
+    except Exception:  # noqa: BLE001 - the tests moved or changed: compile in-test
+        return
+    for schedule in h.SCHEDULES:
+        for layout in ("kn", "nk_view"):
+            for dt in (BF16, FP16):
+                v.masked(6, 200, 264, 136, _cfg(schedule=schedule), dt,
+                         b_major=_major(layout))
+        for out_dtype in (FP32, FP16):
+            v.masked(6, 200, 192, 320, _cfg(schedule=schedule), out_dtype=out_dtype)
+        for cluster in h.CLUSTER_SHAPES.values():
+            v.masked(7, 384, 512, 256, _cfg(schedule=schedule, **cluster), b_major="k")
+    for G, M, N, K, _, expected_m in module.SHAPES.values():
+        v.masked(G, M, N, K, CUTE, b_major="k", expected_m=expected_m)
+    for schedule, tm, tn in module.PINNED:
+        v.masked(5, 300, 264, 200, _cfg(schedule=schedule, tile_m=tm, tile_n=tn))
+    for expected_m in (4, None):
+        v.masked(16, 256, 1024, 2048, CUTE, b_major="k", expected_m=expected_m)
+
+
 def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     """The CompileKeys the GPU tests launch, sorted by name."""
     v = Variants(nsm)
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
-                    _layer_tests, _fused_tests, _fused_layer_tests):
+                    _layer_tests, _fused_tests, _fused_layer_tests, _masked_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 

@@ -49,6 +49,24 @@ def fp8_test_variants() -> list:
     def cute(**f):
         return GemmConfig(backend="cute", **f)
 
+    def masked(granularity, config, G, M, N, K, out=BF16, expected_m=None):
+        # tests/kernels/test_masked_gpu.py (ops/masked_launch.Fp8MaskedPlan's choice)
+        from moe_gemm.ops.masked_launch import _masked_choice
+
+        config = config or GemmConfig()
+        choice = _masked_choice(choose_fp8("varlen", config, min(expected_m or M, M), N, K,
+                                           out.itemsize, granularity), config)
+        keys.add(fp8_compile_key("masked", E4M3, out, granularity, choice))
+
+    masked("block", cute(), 4, 256, 512, 7168)
+    for g in ("block", "row", "tensor"):
+        for sched, tile in (("cooperative", (128, 128)), ("pingpong", (64, 128))):
+            masked(g, cute(schedule=sched, tile_m=tile[0], tile_n=tile[1]), 6, 200, 264, 384)
+    for g in ("block", "row"):
+        masked(g, cute(), 32, 128, 4096, 7168, expected_m=8)
+    for out in (FP16, FP32):
+        masked("block", cute(), 5, 160, 200, 512, out)
+    masked("block", cute(), 4, 256, 256, 512)
     for g in ("block", "row", "tensor"):
         for sched, tile in (("cooperative", (128, 128)), ("pingpong", (64, 128))):
             add("varlen", g, cute(schedule=sched, tile_m=tile[0], tile_n=tile[1]), 100, 264, 384)
