@@ -79,9 +79,9 @@ LIBRARY_VARIABLES: dict[str, str] = {
     "MOE_GEMM_L2_HINTS": "'a,b', each first, normal or last: L2 eviction hints on the A and "
                          "B loads",
     "MOE_GEMM_PDL": "1: programmatic dependent launch of the kernels (read at import)",
-    "MOE_GEMM_PLAN_GRAPH": "1: a GroupedGemmPlan records its launch as a CUDA graph at its "
-                           "first call and replays it (read when the plan is built; not yet "
-                           "GPU-tested)",
+    "MOE_GEMM_PLAN_GRAPH": "0: a GroupedGemmPlan calls its kernel directly instead of "
+                           "replaying a CUDA graph of its launch recorded at its first call "
+                           "(read when the plan is built)",
     "MOE_GEMM_FUSED": "0: the MoE layers take the unfused path where they would fuse",
     "MOE_GEMM_FUSED_GATHER": "0: the fused path gathers tokens with index_select, not in the "
                              "kernel",

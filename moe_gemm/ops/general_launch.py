@@ -343,10 +343,19 @@ def grouped_gemm_cute(
     return GeneralLaunch(args, config, layout=layout, trace=trace).launch()
 
 
-# Opt-in: a GroupedGemmPlan records its launch (the minority-layout B copies and the kernel)
-# as a CUDA graph at its first call and replays it after that, instead of calling the kernel
-# through TVM-FFI with its 16 arguments each time; see GeneralLaunch.launch.
+# A GroupedGemmPlan records its launch (the minority-layout B copies and the kernel) as a CUDA
+# graph at its first call and replays it after that, instead of calling the kernel through
+# TVM-FFI with its 16 arguments each time (H200 host, benchmarks.host_overhead, 2026-11-29:
+# 8.6 against 11.4 us of CPU per call, a launch gap of 15.0 against 20.1 us); "0" turns it
+# off.
+# See GeneralLaunch.launch.
 PLAN_GRAPH_ENV = "MOE_GEMM_PLAN_GRAPH"
+
+
+def graphs_on(device) -> bool:
+    """Whether a launch on `device` can be recorded as a CUDA graph (CUDA devices only: a
+    launch elsewhere, e.g. a test's stand-in kernel on the CPU, launches directly)."""
+    return torch.device(device).type == "cuda"
 
 
 class GeneralLaunch:
@@ -368,7 +377,7 @@ class GeneralLaunch:
         self.G = len(args.a)
         self.trace = trace
         self.persistent = persistent
-        self.replay = replay and persistent and not trace
+        self.replay = replay and persistent and not trace and graphs_on(device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.shape = shape = general_shape(
             tuple(args.sizes), args.dtype, args.out_dtype, layout.b_major, config,
@@ -440,11 +449,11 @@ class GeneralLaunch:
         the B copies it reads are the plan's, kept as long as the plan. The capture runs on a
         side stream (CUDA captures no legacy default stream) in thread-local mode, so other
         threads' CUDA calls meanwhile are not disturbed; it launches nothing."""
-        graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
         try:
+            graph = torch.cuda.CUDAGraph()
+            current = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(current)
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:

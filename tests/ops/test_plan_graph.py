@@ -1,5 +1,5 @@
-"""GroupedGemmPlan with MOE_GEMM_PLAN_GRAPH=1 (ops/general_launch.GeneralLaunch.launch): the
-first call records the launch (minority-layout B copies, then the kernel) as a CUDA graph on a
+"""GroupedGemmPlan's CUDA-graph replay (the default; MOE_GEMM_PLAN_GRAPH=0 turns it off;
+ops/general_launch.GeneralLaunch.launch): the first call records the launch (minority-layout B copies, then the kernel) as a CUDA graph on a
 side stream in thread-local capture mode, later calls replay it, a call inside a caller's own
 capture launches directly, and a capture that fails leaves the plan launching directly. On the
 CPU: the recorder as the kernel, a stand-in graph and streams (the GPU tests run the real
@@ -14,7 +14,7 @@ import torch
 from host_fakes import Recorder
 
 import moe_gemm
-from moe_gemm.ops import api, launch_resources
+from moe_gemm.ops import api, general_launch, launch_resources
 from moe_gemm.ops.general_launch import PLAN_GRAPH_ENV
 from moe_gemm.ops.launch_info import last_launch
 
@@ -69,13 +69,14 @@ def graphs(kernel: Recorder, monkeypatch: pytest.MonkeyPatch):
     capture = Capture()
     monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
     monkeypatch.setattr(launch_resources, "_capturing", lambda: capture.on)
+    monkeypatch.setattr(general_launch, "graphs_on", lambda device: True)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeGraph(kernel, capture))
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(FakeGraph, "made", [])
     monkeypatch.setattr(FakeGraph, "fail_begin", None)
-    monkeypatch.setenv(PLAN_GRAPH_ENV, "1")
+    monkeypatch.delenv(PLAN_GRAPH_ENV, raising=False)  # the default: on
     return capture
 
 
@@ -139,3 +140,16 @@ def test_the_switch_is_read_when_the_plan_is_built(graphs, kernel, monkeypatch) 
     # grouped_gemm itself never records a graph
     moe_gemm.grouped_gemm(a, b)
     assert len(kernel.calls) == 3 and not FakeGraph.made
+
+
+def test_plans_off_cuda_launch_directly(kernel, monkeypatch) -> None:
+    """A plan whose device has no CUDA graphs (the CPU here, a stand-in kernel) never tries
+    to record one."""
+    monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
+    made = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: made.append(1))
+    a, b = _operands()
+    plan = moe_gemm.GroupedGemmPlan(a, b)
+    plan()
+    plan()
+    assert len(kernel.calls) == 2 and not made and not plan._launch.replay
