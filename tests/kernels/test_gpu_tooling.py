@@ -116,11 +116,32 @@ def test_batched_variant_is_the_launch_key(keys_of_launches, G, M, N, K, layout,
     assert plan.kernel == _one(v)
 
 
+@pytest.mark.parametrize("G,M,N,K,layout,config,out_dtype,expected_m", [
+    (6, 200, 264, 136, "kn", GemmConfig(schedule="pingpong"), None, None),
+    (32, 128, 4096, 7168, "nk_view", GemmConfig(), None, 8),
+    (7, 384, 512, 256, "nk_view", GemmConfig(cluster_m=1, cluster_n=2), torch.float32, None),
+])
+def test_masked_variant_is_the_launch_key(keys_of_launches, G, M, N, K, layout, config,
+                                          out_dtype, expected_m):
+    from moe_gemm.ops.masked_launch import MaskedPlan
+    from moe_gemm.ops.masked_validation import check_grouped_mm_masked
+
+    x = _empty((G, M, K))
+    w = _empty((G, N, K)).transpose(1, 2) if layout == "nk_view" else _empty((G, K, N))
+    counts = torch.zeros(G, dtype=torch.int32)
+    plan = MaskedPlan(check_grouped_mm_masked(x, w, counts, expected_m, None, out_dtype),
+                      config)
+    v = Variants()
+    v.masked(G, M, N, K, config, out_dtype=out_dtype,
+             b_major="k" if layout == "nk_view" else "n", expected_m=expected_m)
+    assert plan.kernel == _one(v)
+
+
 def test_test_variants_cover_every_kind():
     keys = kernel_test_variants()
     names = [k.name() for k in keys]
     assert len(names) == len(set(names))
-    assert {k.form for k in keys} == {"general", "varlen", "batched"}
+    assert {k.form for k in keys} == {"general", "varlen", "batched", "masked"}
     for flag in ("trace", "tail_split", "epi_whole"):
         assert any(getattr(k, flag) for k in keys), flag
     assert {(k.cluster_m, k.cluster_n) for k in keys} >= {(1, 1), (2, 1), (1, 2)}
