@@ -174,6 +174,12 @@ def check_variants(full: bool):
     add("masked", "bfloat16", "bfloat16", "k", "pingpong", (64, 128))
     add("masked", "bfloat16", "float32", "n", "cooperative", (128, 256), cluster_m=2)
     add("masked", "float16", "float16", "k", "pingpong", (128, 128), cluster_n=2)
+    # The masked layout with the fused options: the varlen kernel on row counts.
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (64, 128), gate="silu",
+        gate_layout="concat", row_counts=True)
+    add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (128, 256), cluster_m=2,
+        gate="clamped_swiglu", gate_layout="alternating", gate_alpha=1.702, gate_limit=7.0,
+        bias=True, row_scale=True, row_counts=True)
     # The fused MoE kernel (FusedMoeGemmSm90): the layer's gate-up (gather-A, gated epilogue,
     # each gate layout) and down (row weights, bias) launches, on the tiles its rules pick.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), gate="silu",

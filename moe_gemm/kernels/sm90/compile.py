@@ -77,6 +77,7 @@ class CompileKey:
     row_scale: bool = False  # each row times its weight
     gather: bool = False  # A's rows read through an index (gather-A)
     fast_gate: bool = False  # a sigmoid gate from the SFU's approximate exp2 and reciprocal
+    row_counts: bool = False  # varlen: offs are per-expert row counts (the masked layout)
 
     @property
     def fused(self) -> bool:
@@ -96,6 +97,8 @@ class CompileKey:
             parts.append("gather")
         if self.fast_gate:
             parts.append("fastgate")
+        if self.row_counts:
+            parts.append("counts")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -123,6 +126,7 @@ class CompileKey:
             cluster_n=self.cluster_n,
             epi_whole=self.epi_whole,
             tail_split=self.tail_split,
+            row_counts=self.row_counts,
             **fused,
         )
 

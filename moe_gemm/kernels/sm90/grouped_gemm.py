@@ -201,6 +201,8 @@ class GroupedGemmSm90:
         cluster_m, cluster_n: (1, 1), (2, 1) or (1, 2); the device visitor.
         epi_whole: whole-tile epilogue (cooperative 128-row tiles, 16-bit output).
         tail_split: split a last wave of at most half the grid over K (tail_split.py).
+        row_counts: varlen form: `offs` holds per-expert row counts and expert p's rows are
+            [p * T / E, p * T / E + offs[p]) (the masked layout with the fused options).
         gate, gate_layout, gate_alpha, gate_limit, bias, row_scale, gather_a, fast_gate: the
             fused MoE options (varlen form; constants.fused_problem; all off by default). The
             fused epilogue (fused_epilogue.py) and the extra tensors they read come with
@@ -238,6 +240,7 @@ class GroupedGemmSm90:
         row_scale: bool = False,
         gather_a: bool = False,
         fast_gate: bool = False,
+        row_counts: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -284,6 +287,12 @@ class GroupedGemmSm90:
             raise ValueError("the tail split is built for the varlen and batched forms, "
                              "cooperative schedule, device visitor and 1x1 cluster")
         self.tail_split = tail_split
+        # Row counts (varlen form): offs holds each expert's row count and expert p's rows
+        # start at p * (T / E), the masked layout seen as one (E * M, K) x (problems.py).
+        if row_counts and (form != "varlen" or tail_split or gather_a):
+            raise ValueError("row counts are built for the varlen form, without the tail split "
+                             "and gather-A")
+        self.row_counts = row_counts
         # Fused MoE options (constants.py): a gated epilogue stores one output column per
         # gate/up pair of accumulator columns, so the stored tile is half as wide.
         self.gate = gate or None

@@ -234,7 +234,8 @@ class VarlenProblems(Problems):
 
     @cute.jit
     def expert_rows(self, p: Int32) -> tuple[Int32, Int32]:
-        """(first row, row count) of expert p; p == E is the zero tail [offs[-1], T).
+        """(first row, row count) of expert p; p == E is the zero tail [offs[-1], T). With row
+        counts (cfg.row_counts): [p * T / E, p * T / E + offs[p]).
 
         Offsets are clamped into [0, T] and a decreasing entry gives an empty expert, so
         unchecked offsets on the GPU can never address rows outside x or out. T is out's row
@@ -244,12 +245,21 @@ class VarlenProblems(Problems):
         T = self.mD.shape[0]
         E = offs.shape[0]
         start = Int32(0)
-        if p > 0:
-            start = cutlass.max(cutlass.min(offs[p - 1], T), Int32(0))
-        end = T
-        if p < E:
-            end = cutlass.max(cutlass.min(offs[p], T), Int32(0))
-        return start, cutlass.max(end - start, Int32(0))
+        rows = Int32(0)
+        if const_expr(self.cfg.row_counts):
+            # The masked layout: T / E rows of capacity per expert, offs[p] of them valid
+            # (clamped into [0, T / E]); no zero tail.
+            cap = T // E
+            start = p * cap
+            rows = cutlass.max(cutlass.min(offs[p], cap), Int32(0))
+        else:
+            if p > 0:
+                start = cutlass.max(cutlass.min(offs[p - 1], T), Int32(0))
+            end = T
+            if p < E:
+                end = cutlass.max(cutlass.min(offs[p], T), Int32(0))
+            rows = cutlass.max(end - start, Int32(0))
+        return start, rows
 
     @cute.jit
     def dims(self, p: Int32) -> tuple[Int32, Int32, Int32, Int32]:
