@@ -10,7 +10,8 @@ Public API:
     GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
     grouped_mm_masked(x, w, masked_m)   the batched form on each problem's first
                               masked_m[g] rows (DeepGEMM's masked layout; FP8:
-                              scaled_grouped_mm_masked)
+                              scaled_grouped_mm_masked; with the fused bias, gate and row
+                              weights: fused_grouped_mm_masked)
     scaled_grouped_mm(x, w, scale_a, scale_b, offs)   the FP8 expert GEMM (block-wise
                               1x128 / 128x128, row-wise or per-tensor scales); and
                               scaled_grouped_gemm for lists
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
     )
     from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
     from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
+    from moe_gemm.ops.fused_masked import fused_grouped_mm_masked
     from moe_gemm.ops.masked import grouped_mm_masked, scaled_grouped_mm_masked
     from moe_gemm.ops.quantize import (
         dequantize_fp8,
@@ -71,6 +73,7 @@ __all__ = [
     "__version__",
     "dequantize_fp8",
     "fused_grouped_mm",
+    "fused_grouped_mm_masked",
     "grouped_gemm",
     "grouped_mm",
     "grouped_mm_masked",
@@ -115,6 +118,7 @@ def _load() -> None:
             )
             from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
             from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
+            from moe_gemm.ops.fused_masked import fused_grouped_mm_masked
             from moe_gemm.ops.masked import grouped_mm_masked, scaled_grouped_mm_masked
             from moe_gemm.ops.quantize import (
                 dequantize_fp8,
@@ -139,6 +143,7 @@ def _load() -> None:
             grouped_mm=grouped_mm,
             grouped_mm_masked=grouped_mm_masked,
             fused_grouped_mm=fused_grouped_mm,
+            fused_grouped_mm_masked=fused_grouped_mm_masked,
             interleave_gate_up=interleave_gate_up,
             moe_experts=moe_experts,
             moe_forward=moe_forward,

@@ -7,7 +7,8 @@ Modules, top to bottom (imports only go down):
                  scaled_support, scaled_launch, scaled_reference, heuristics_fp8 beside them)
     masked       grouped_mm_masked, scaled_grouped_mm_masked: the batched form on each
                  problem's first masked_m[g] rows (masked_validation, masked_launch,
-                 masked_custom_ops beside it)
+                 masked_custom_ops beside it); fused_masked: fused_grouped_mm_masked, the
+                 masked layout with the fused bias, gate and row weights
     quantize     FP8 quantization helpers (1x128 groups, 128x128 blocks, rows, tensors)
     fused        fused_grouped_mm: grouped_mm with the MoE gather, bias, gate and row
                  weights in the kernel (fused_validation, fused_launch, fused_reference,

@@ -144,8 +144,10 @@ def _same_tile(a: KernelChoice, b: KernelChoice) -> bool:
 
 
 def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
-                 device: torch.device) -> tuple[KernelChoice, bool]:
-    """(the kernel's config, whether the kernel gathers A's rows itself).
+                 device: torch.device, rows: int | None = None) -> tuple[KernelChoice, bool]:
+    """(the kernel's config, whether the kernel gathers A's rows itself). rows: the routed
+    rows the choice plans for (the masked layout: experts times the expected rows each;
+    default S).
 
     With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows, at any
     size on weights of at most GATHER_NARROW_N columns (or on any weight with
@@ -157,8 +159,8 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     index_select). Otherwise the plan gathers with index_select and the kernel reads the
     routed rows."""
     choice = choose_varlen(
-        config, args.S, args.E, args.N, args.K, nsm, args.out_dtype.itemsize,
-        **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
+        config, args.S if rows is None else rows, args.E, args.N, args.K, nsm,
+        args.out_dtype.itemsize, **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
     gate = args.gate is not None
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)
@@ -177,6 +179,17 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     if why is not None:  # (a config that pins what the options cannot build)
         raise ValueError(f"the fused kernel cannot use this config: {why}")
     return fitted, gather
+
+
+def masked_fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
+                        device: torch.device, expected_m: int) -> KernelChoice:
+    """The masked layout's choice (ops/fused_masked.py): fused_choice for E experts of
+    expected_m rows, on the device visitor and without the tail split (the kernel finds the
+    row counts on the GPU)."""
+    from moe_gemm.ops.masked_launch import _masked_choice
+
+    choice, _ = fused_choice(args, config, nsm, device, rows=args.E * expected_m)
+    return _masked_choice(choice, config)
 
 
 def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: bool):
@@ -205,17 +218,26 @@ class FusedPlan:
     and the config (ops/fused.py caches it per signature); a call converts the small per-row
     tensors when needed, allocates its output and launches."""
 
-    def __init__(self, args: FusedMmArgs, config: GemmConfig):
+    def __init__(self, args: FusedMmArgs, config: GemmConfig, *,
+                 expected_m: int | None = None):
+        """expected_m: the masked layout (ops/fused_masked.py): x has E * M rows, offs holds
+        each expert's valid row count (the kernel's row_counts), and the kernel choice plans
+        for expected_m rows per expert."""
         self.device = device = args.x.device
         self.S, self.N_out, self.E = args.S, args.N_out, args.E
         self.out_dtype = args.out_dtype
-        self.zero_tail = args.out is None
+        self.counts = expected_m is not None
+        self.zero_tail = args.out is None and not self.counts
         self.trivial = self.S == 0 or self.N_out == 0 or self.E == 0
         self.cacheable = not launch_resources._fresh()
         if self.trivial:
             return
         nsm = sm_count(device)
-        choice, self.gather = fused_choice(args, config, nsm, device)
+        if self.counts:
+            choice, self.gather = masked_fused_choice(args, config, nsm, device,
+                                                      expected_m), False
+        else:
+            choice, self.gather = fused_choice(args, config, nsm, device)
         self.choice = choice
         # With a row_index the kernel does not gather itself: the plan does (index_select).
         self.host_gather = args.row_index is not None and not self.gather
@@ -232,6 +254,8 @@ class FusedPlan:
         self.no_weight = launch_resources._small("fused_weight", device, torch.float32, (1,))
         self.no_bias = launch_resources._small("fused_bias", device, torch.float32, (1, 1))
         self.key = fused_key(args, choice, b_major, self.gather)
+        if self.counts:
+            self.key = dataclasses.replace(self.key, row_counts=True)
         self.kernel = launch_kernel._compiled(self.key)
 
     def __call__(self, x, w, offs, row_index, row_weight, bias, out):

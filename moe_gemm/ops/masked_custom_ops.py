@@ -9,6 +9,11 @@ as ops/custom_ops.py does for grouped_mm:
                                         Tensor masked_m, SymInt? expected_m, str config,
                                         ScalarType? out_dtype) -> Tensor
     moe_gemm::_scaled_grouped_mm_masked_out(... the same, Tensor(a!) out ...) -> ()
+    moe_gemm::_fused_grouped_mm_masked(Tensor x, Tensor w, Tensor masked_m, Tensor? bias,
+                                       Tensor? row_weight, str? gate, str gate_layout,
+                                       float gate_alpha, float gate_limit, SymInt? expected_m,
+                                       str config, ScalarType? out_dtype) -> Tensor
+    moe_gemm::_fused_grouped_mm_masked_out(... the same, Tensor(a!) out ...) -> ()
 
 The public functions (ops/masked.py) are the API; they call these only while traced. Traced,
 the ops are inference-only (their backward raises when it runs); eager calls on the torch
@@ -28,6 +33,10 @@ from moe_gemm.ops.masked_validation import (
     check_grouped_mm_masked,
     check_scaled_grouped_mm_masked,
 )
+
+_FUSED_ARGS = ("Tensor x, Tensor w, Tensor masked_m, Tensor? bias, Tensor? row_weight, "
+               "str? gate, str gate_layout, float gate_alpha, float gate_limit, "
+               "SymInt? expected_m")
 
 
 def _eager() -> Any:
@@ -129,6 +138,76 @@ def _scaled_grouped_mm_masked_out_fake(x, w, scale_a, scale_b, masked_m, expecte
                                    concrete=False)
 
 
+def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
+                            bias: Tensor | None = None, gate: str | None = None,
+                            gate_layout: str = "concat", gate_alpha: float = 1.702,
+                            gate_limit: float = 7.0, row_weight: Tensor | None = None,
+                            expected_m: int | None = None, out: Tensor | None = None,
+                            config: GemmConfig | None = None,
+                            out_dtype: torch.dtype | None = None) -> Tensor:
+    text = encode_config(config)
+    common = (x, w, masked_m, bias, row_weight, gate, gate_layout, float(gate_alpha),
+              float(gate_limit), expected_m)
+    if out is None:
+        return torch.ops.moe_gemm._fused_grouped_mm_masked(*common, text, out_dtype)
+    torch.ops.moe_gemm._fused_grouped_mm_masked_out(*common, out, text, out_dtype)
+    return out
+
+
+def _fused_eager(x, w, masked_m, bias, row_weight, gate, gate_layout, gate_alpha, gate_limit,
+                 expected_m, out, config, out_dtype):
+    from moe_gemm.ops import fused_masked
+
+    return fused_masked.fused_grouped_mm_masked_eager(
+        x, w, masked_m, bias, gate, gate_layout, gate_alpha, gate_limit, row_weight,
+        expected_m, out, decode_config(config), out_dtype)
+
+
+def _fused_check(x, w, masked_m, bias, row_weight, gate, gate_layout, gate_alpha, gate_limit,
+                 out, out_dtype):
+    from moe_gemm.ops.fused_masked import check_fused_masked
+
+    return check_fused_masked(x, w, masked_m, bias=bias, gate=gate, gate_layout=gate_layout,
+                              gate_alpha=gate_alpha, gate_limit=gate_limit,
+                              row_weight=row_weight, out=out, out_dtype=out_dtype,
+                              concrete=False)
+
+
+@torch.library.custom_op("moe_gemm::_fused_grouped_mm_masked", mutates_args=(),
+                         schema=f"({_FUSED_ARGS}, str config, ScalarType? out_dtype) -> Tensor")
+def _fused_grouped_mm_masked(x, w, masked_m, bias, row_weight, gate, gate_layout, gate_alpha,
+                             gate_limit, expected_m, config, out_dtype):
+    with _in_graph():
+        return _fused_eager(x, w, masked_m, bias, row_weight, gate, gate_layout, gate_alpha,
+                            gate_limit, expected_m, None, config, out_dtype)
+
+
+@_fused_grouped_mm_masked.register_fake
+def _fused_grouped_mm_masked_fake(x, w, masked_m, bias, row_weight, gate, gate_layout,
+                                  gate_alpha, gate_limit, expected_m, config, out_dtype):
+    args = _fused_check(x, w, masked_m, bias, row_weight, gate, gate_layout, gate_alpha,
+                        gate_limit, None, out_dtype)
+    return x.new_empty((args.G, args.M, args.N_out), dtype=args.flat.out_dtype)
+
+
+@torch.library.custom_op("moe_gemm::_fused_grouped_mm_masked_out", mutates_args=("out",),
+                         schema=f"({_FUSED_ARGS}, Tensor(a!) out, str config, "
+                                "ScalarType? out_dtype) -> ()")
+def _fused_grouped_mm_masked_out(x, w, masked_m, bias, row_weight, gate, gate_layout,
+                                 gate_alpha, gate_limit, expected_m, out, config, out_dtype):
+    with _in_graph():
+        _fused_eager(x, w, masked_m, bias, row_weight, gate, gate_layout, gate_alpha,
+                     gate_limit, expected_m, out, config, out_dtype)
+
+
+@_fused_grouped_mm_masked_out.register_fake
+def _fused_grouped_mm_masked_out_fake(x, w, masked_m, bias, row_weight, gate, gate_layout,
+                                      gate_alpha, gate_limit, expected_m, out, config,
+                                      out_dtype):
+    _fused_check(x, w, masked_m, bias, row_weight, gate, gate_layout, gate_alpha, gate_limit,
+                 out, out_dtype)
+
+
 def _setup(n: int):
     def setup(ctx, inputs, output) -> None:
         ctx.metas = tuple((t.shape, t.dtype) for t in inputs[:n])
@@ -147,3 +226,19 @@ _grouped_mm_masked.register_autograd(_backward(2, "_grouped_mm_masked", 4),
                                      setup_context=_setup(2))
 _scaled_grouped_mm_masked.register_autograd(_backward(4, "_scaled_grouped_mm_masked", 4),
                                             setup_context=_setup(4))
+
+
+def _fused_setup(ctx, inputs, output) -> None:
+    # (x, w, masked_m, bias, row_weight, ...): the differentiable ones are x, w, bias and
+    # row_weight
+    ctx.metas = tuple(None if t is None else (t.shape, t.dtype) for t in inputs[:5])
+
+
+def _fused_backward(ctx, grad):
+    grads = tuple(_raising_grad(grad, m, "_fused_grouped_mm_masked") if need and m is not None
+                  and i != 2 else None
+                  for i, (m, need) in enumerate(zip(ctx.metas, ctx.needs_input_grad[:5])))
+    return (*grads, *([None] * 7))
+
+
+_fused_grouped_mm_masked.register_autograd(_fused_backward, setup_context=_fused_setup)
