@@ -13,8 +13,12 @@ masked cases). Per shape, interleaved round by round, each captured in a CUDA gr
 - `ours-varlen-compact` and `torch-grouped-mm-compact`: the valid rows already packed
   together (the packing not timed), grouped_mm with offs: the same useful work in the
   contiguous layout, the bar the masked form should meet;
-- FP8 (block scales 1x128 / 128x128): `ours-fp8-masked` and `ours-fp8-batched-full`.
-Every result is checked against the fp32 product on the valid rows first.
+- FP8 (block scales 1x128 / 128x128): `ours-fp8-masked` and `ours-fp8-batched-full`;
+- gate-up shapes (w's N = 2I, gate then up columns): `ours-fused-masked-swiglu`
+  (fused_grouped_mm_masked with gate="silu": the activation in the kernel's epilogue, I output
+  columns) against `ours-masked+torch-swiglu` (the masked GEMM, then silu(gate) * up over the
+  whole capacity buffer, as a caller without a masked activation kernel runs it).
+Every result is checked against the fp32 product (and SwiGLU) on the valid rows first.
 
 Times: medians of back-to-back CUDA-graph replays between events (benchmarks.clock), us.
 TFLOP/s count the valid rows only (2 * sum(masked_m) * N * K); GB/s the compulsory bytes
@@ -70,7 +74,8 @@ SHAPES = [
     Shape("deepgemm-4x256-up", 4, 4096, 4096, 7168, 256, "DeepGEMM masked 4 x 256"),
     Shape("deepgemm-4x256-down", 4, 4096, 7168, 2048, 256, "DeepGEMM masked 4 x 256"),
 ]
-SMOKE_SHAPES = [Shape("smoke", 3, 64, 128, 256, 20), Shape("smoke-empty", 2, 32, 64, 128, 1)]
+SMOKE_SHAPES = [Shape("smoke-gate-up", 3, 64, 128, 256, 20),
+                Shape("smoke-empty", 2, 32, 64, 128, 1)]
 
 
 def counts_for(shape: Shape, seed: int) -> torch.Tensor:
@@ -110,6 +115,16 @@ def implementations(shape: Shape, o: dict[str, torch.Tensor], smoke: bool
     }
     if hasattr(F, "grouped_mm") and x.is_cuda:
         impls["torch-grouped-mm-compact"] = lambda: F.grouped_mm(xc, w, offs=offs)
+    if "up" in shape.name:
+        half = shape.N // 2
+
+        def masked_then_swiglu():
+            y = moe_gemm.grouped_mm_masked(x, w, mm, expected_m=shape.expected)
+            return F.silu(y[..., :half]) * y[..., half:]
+
+        impls["ours-fused-masked-swiglu"] = lambda: moe_gemm.fused_grouped_mm_masked(
+            x, w, mm, gate="silu", expected_m=shape.expected)
+        impls["ours-masked+torch-swiglu"] = masked_then_swiglu
     if shape.K % 128 == 0:
         xq, sa = moe_gemm.quantize_fp8_per_token_group(x.reshape(-1, shape.K))
         xq, sa = xq.view(shape.G, shape.M, shape.K), sa.view(shape.G, shape.M, -1)
@@ -135,6 +150,9 @@ def check(name: str, y: torch.Tensor, o: dict[str, torch.Tensor], counts: torch.
         if n == 0:
             continue
         ref = x[g, :n].float() @ w[g].float()
+        if "swiglu" in name:
+            half = ref.shape[1] // 2
+            ref = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
         err = max(err, float((r.float() - ref).abs().max()))
         scale = max(scale, float(ref.abs().max()))
     return err / scale
@@ -177,6 +195,10 @@ def run_shape(shape: Shape, clock: Clock, device, reps: int, copy_bps: float, sm
         best = min(peers, key=peers.get)
         res["best_peer"] = best
         res["ratio_vs_best_peer"] = round(peers[best] / ours, 3)
+    fused, unfused = (res["impls"].get(n, {}).get("us") for n in ("ours-fused-masked-swiglu",
+                                                                  "ours-masked+torch-swiglu"))
+    if fused and unfused:
+        res["fused_swiglu_speedup"] = round(unfused / fused, 3)
     for base in ("ours-batched-full", "ours-varlen-compact"):
         b = res["impls"].get(base, {}).get("us")
         if ours and b:

@@ -26,6 +26,9 @@ def test_smoke_run_checks_and_times_every_implementation(tmp_path):
             assert entry["us"] > 0 and entry["tflops"] >= 0
         assert shape["valid_rows"] == sum(shape["counts"])
         assert shape["ratio_vs_ours-batched-full"] > 0
+    gate_up = doc["shapes"][0]
+    assert {"ours-fused-masked-swiglu", "ours-masked+torch-swiglu"} <= set(gate_up["impls"])
+    assert gate_up["fused_swiglu_speedup"] > 0
 
 
 @pytest.mark.parametrize("shape", masked.SHAPES, ids=lambda s: s.name)
