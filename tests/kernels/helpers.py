@@ -232,3 +232,25 @@ def tail_split_counts(num_ctas: int, zero_tail_tiles: int) -> list[int]:
 
 def num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+# The masked layout's GPU tests (test_masked_gpu.py, test_fused_masked_gpu.py): row counts and
+# the rows of a (G, M, N) tensor below and past them.
+def masked_counts(values) -> torch.Tensor:
+    """(G,) int32 row counts on the GPU."""
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def clamped_counts(counts, M) -> list[int]:
+    """What the kernel reads: each count clamped into [0, M]."""
+    return [max(0, min(int(c), M)) for c in counts]
+
+
+def valid_rows(t, rows) -> torch.Tensor:
+    """The valid rows of a (G, M, N) tensor, stacked: (sum(rows), N)."""
+    return torch.cat([t.new_empty((0, t.shape[2]))] + [t[g, :r] for g, r in enumerate(rows)])
+
+
+def rows_past(t, rows) -> torch.Tensor:
+    """The rows at and past each problem's count, stacked."""
+    return torch.cat([t.new_empty((0, t.shape[2]))] + [t[g, r:] for g, r in enumerate(rows)])

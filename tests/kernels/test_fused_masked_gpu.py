@@ -25,7 +25,7 @@ from moe_gemm.ops import launch_info
 from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
 
 from .gpu_report import record
-from .helpers import SCHEDULES, check
+from .helpers import SCHEDULES, check, clamped_counts, masked_counts, rows_past, valid_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -76,24 +76,6 @@ def make(G, M, K, N, *, gate=None, layout="concat", w_major=None, bias=True, sca
     return x, w, kw
 
 
-def _counts(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=I32, device=DEV)
-
-
-def _clamped(counts, M) -> list[int]:
-    """What the kernel reads: each count clamped into [0, M]."""
-    return [max(0, min(int(c), M)) for c in counts]
-
-
-def _valid(t, rows) -> torch.Tensor:
-    """The valid rows of a (G, M, N) tensor, stacked: (sum(rows), N)."""
-    return torch.cat([t.new_empty((0, t.shape[2]))] + [t[g, :r] for g, r in enumerate(rows)])
-
-
-def _past(t, rows) -> torch.Tensor:
-    return torch.cat([t.new_empty((0, t.shape[2]))] + [t[g, r:] for g, r in enumerate(rows)])
-
-
 def _n_out(w, kw) -> int:
     return w.shape[2] // 2 if kw.get("gate") else w.shape[2]
 
@@ -106,7 +88,7 @@ def reference(x, w, rows, kw, dtype) -> torch.Tensor:
         if not n:
             continue
         parts.append(fused_grouped_mm_ref(
-            x[g, :n], w[g:g + 1], _counts([n]), bias=None if bias is None else bias[g:g + 1],
+            x[g, :n], w[g:g + 1], masked_counts([n]), bias=None if bias is None else bias[g:g + 1],
             gate=kw.get("gate"), gate_layout=kw.get("gate_layout", "concat"),
             gate_alpha=kw.get("gate_alpha", 1.702), gate_limit=kw.get("gate_limit", 7.0),
             row_weight=None if rw is None else rw[g, :n], dtype=dtype))
@@ -127,15 +109,15 @@ def check_fused(name, y, x, w, counts, kw, **info):
     """y's valid rows (the counts clamped into [0, M]) against the float64 reference, torch's
     bf16 computation as the 2x rule's baseline."""
     G, M, K = x.shape
-    rows = _clamped(counts, M)
+    rows = clamped_counts(counts, M)
     ref = reference(x, w, rows, kw, FP64)
     low = reference(x, w, rows, kw, BF16)
-    check(name, _valid(y, rows), ref, low, G=G, M=M, N=w.shape[2], K=K, **info)
+    check(name, valid_rows(y, rows), ref, low, G=G, M=M, N=w.shape[2], K=K, **info)
 
 
 def check_untouched(name, out, counts):
     """The rows at and past each (clamped) count still hold the NaN they were filled with."""
-    past = _past(out, _clamped(counts, out.shape[1]))
+    past = rows_past(out, clamped_counts(counts, out.shape[1]))
     untouched = bool(torch.isnan(past.float()).all())
     record(f"{name}/rows-past-counts-untouched", untouched)
     assert untouched, f"{name}: rows past masked_m were written"
@@ -145,7 +127,7 @@ def run(name, x, w, counts, kw, *, config=None, out_mode="given", expected_m=Non
     """fused_grouped_mm_masked into a NaN-filled `out` ("given") or a new output ("alloc"),
     checked on the valid rows (and, given, NaN past them)."""
     G, M = x.shape[0], x.shape[1]
-    mm = _counts(counts)
+    mm = masked_counts(counts)
     cfg = config or cute()
     n_out = _n_out(w, kw)
     before = getattr(launch_info._local, "raw", None)
@@ -196,7 +178,7 @@ def test_schedules_pinned(schedule, case):
     mm, _ = run(name, x, w, COUNTS, kw, config=cfg)
     assert launch_info.last_launch().choice.schedule == schedule
     # New counts in place (the cached plan reads them at launch), a new output.
-    mm.copy_(_counts(COUNTS_B))
+    mm.copy_(masked_counts(COUNTS_B))
     y = fused_grouped_mm_masked(x, w, mm, config=cfg, **kw)
     torch.cuda.synchronize()
     assert launch_info.last_launch().choice.schedule == schedule
@@ -247,7 +229,7 @@ def test_out_margin_stays_nan():
     buf = torch.full((G + 2, M, n_out + 16), NAN, dtype=BF16, device=DEV)
     out = buf[1:G + 1, :, 8:8 + n_out]
     out.view(G * M, n_out)  # viewable: the kernel writes it directly
-    y = fused_grouped_mm_masked(x, w, _counts(COUNTS), out=out, config=cute(), **kw)
+    y = fused_grouped_mm_masked(x, w, masked_counts(COUNTS), out=out, config=cute(), **kw)
     torch.cuda.synchronize()
     assert y is out
     check_fused("fused-masked/out-margin", out, x, w, COUNTS, kw, tile=_tile())
@@ -275,7 +257,7 @@ def test_out_not_viewable(schedule):
     name = f"fused-masked/out-not-viewable/{schedule}"
     for trial, counts in enumerate((COUNTS, COUNTS_B)):  # the second call: the cached plan
         buf.fill_(NAN)
-        assert fused_grouped_mm_masked(x, w, _counts(counts), out=out, config=cfg, **kw) is out
+        assert fused_grouped_mm_masked(x, w, masked_counts(counts), out=out, config=cfg, **kw) is out
         torch.cuda.synchronize()
         check_fused(f"{name}/{trial}", out, x, w, counts, kw, tile=_tile())
         check_untouched(f"{name}/{trial}", out, counts)
@@ -299,14 +281,14 @@ def test_unchecked_counts_are_clamped(schedule):
     cfg = cute(schedule=schedule)
     x, w, kw = make(G, M, K, N, gate="silu", layout="concat", seed=41)
     n_out = N // 2
-    mm = _counts(BAD_COUNTS[0])
+    mm = masked_counts(BAD_COUNTS[0])
     buf = torch.full((G + 2, M, n_out), NAN, dtype=BF16, device=DEV)
     out = buf[1:G + 1]
     tall = torch.full((G, M + 2, n_out), NAN, dtype=BF16, device=DEV)
     out_nv = tall[:, 1:M + 1]  # not viewable: copied in after the launch
     for i, counts in enumerate(BAD_COUNTS):
         name = f"fused-masked/clamped/{schedule}/{i}"
-        mm.copy_(_counts(counts))
+        mm.copy_(masked_counts(counts))
         buf.fill_(NAN)
         tall.fill_(NAN)
         assert fused_grouped_mm_masked(x, w, mm, out=out, config=cfg, **kw) is out
@@ -329,10 +311,10 @@ def test_counts_checked_on_request(monkeypatch):
     x, w, kw = make(3, 64, 64, 128, gate="silu", seed=42)
     monkeypatch.setenv("MOE_GEMM_CHECK_OFFS", "1")
     with pytest.raises(ValueError, match=r"masked_m\[1\]=65"):
-        fused_grouped_mm_masked(x, w, _counts([0, 65, 3]), config=cute(), **kw)
+        fused_grouped_mm_masked(x, w, masked_counts([0, 65, 3]), config=cute(), **kw)
     with pytest.raises(ValueError, match=r"masked_m\[0\]=-1"):
-        fused_grouped_mm_masked(x, w, _counts([-1, 0, 3]), config=cute(), **kw)
-    y = fused_grouped_mm_masked(x, w, _counts([64, 0, 3]), config=cute(), **kw)
+        fused_grouped_mm_masked(x, w, masked_counts([-1, 0, 3]), config=cute(), **kw)
+    y = fused_grouped_mm_masked(x, w, masked_counts([64, 0, 3]), config=cute(), **kw)
     torch.cuda.synchronize()
     check_fused("fused-masked/checked-on-request", y, x, w, [64, 0, 3], kw)
 
@@ -344,7 +326,7 @@ def test_counts_checked_on_request(monkeypatch):
 def test_no_host_sync():
     G, M, K, N = 8, 128, 256, 512
     x, w, kw = make(G, M, K, N, gate="silu", seed=51)
-    mm = _counts([0, 1, 5, 128, 64, 3, 2, 77])
+    mm = masked_counts([0, 1, 5, 128, 64, 3, 2, 77])
     out = torch.full((G, M, N // 2), NAN, dtype=BF16, device=DEV)
     tall = torch.full((G, M + 1, N // 2), NAN, dtype=BF16, device=DEV)
     out_nv = tall[:, :M]
@@ -375,7 +357,7 @@ def test_cuda_graph_replay_with_new_counts(schedule):
     cfg = cute(schedule=schedule)
     x, w, kw = make(G, M, K, N, gate="silu", layout="concat", seed=61)
     n_out = N // 2
-    mm = _counts([256, 0, 1, 64, 65, 129, 200, 7])
+    mm = masked_counts([256, 0, 1, 64, 65, 129, 200, 7])
     out = torch.full((G, M, n_out), NAN, dtype=BF16, device=DEV)
     tall = torch.full((G, M + 2, n_out), NAN, dtype=BF16, device=DEV)
     out_nv = tall[:, 1:M + 1]

@@ -23,7 +23,16 @@ from moe_gemm.ops.scaled_reference import scaled_grouped_mm_ref
 from moe_gemm.testing_fp8 import REL_BOUND, fp8_errors, make_fp8_batched_inputs
 
 from .gpu_report import record
-from .helpers import CLUSTER_SHAPES, DTYPES, SCHEDULES, check
+from .helpers import (
+    CLUSTER_SHAPES,
+    DTYPES,
+    SCHEDULES,
+    check,
+    clamped_counts,
+    masked_counts,
+    rows_past,
+    valid_rows,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -57,24 +66,6 @@ def _operands(G, M, N, K, dtype=BF16, w_layout="kn", seed=0):
     return x, w
 
 
-def _counts(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=I32, device=DEV)
-
-
-def _clamped(counts, M) -> list[int]:
-    """What the kernel reads: each count clamped into [0, M]."""
-    return [max(0, min(int(c), M)) for c in counts]
-
-
-def _valid(t, rows) -> torch.Tensor:
-    """The valid rows of a (G, M, N) tensor, stacked: (sum(rows), N)."""
-    return torch.cat([t.new_empty((0, t.shape[2]))] + [t[g, :r] for g, r in enumerate(rows)])
-
-
-def _past(t, rows) -> torch.Tensor:
-    return torch.cat([t.new_empty((0, t.shape[2]))] + [t[g, r:] for g, r in enumerate(rows)])
-
-
 def _ran_kernel(before) -> bool:
     """Whether a kernel launch was recorded since `before` (launch_info._local.raw's identity)."""
     return getattr(launch_info._local, "raw", None) is not before
@@ -90,17 +81,17 @@ def check_masked(name, y, x, w, counts, **info):
     product in y's dtype as the 2x rule's baseline."""
     G, M, K = x.shape
     N = w.shape[2]
-    rows = _clamped(counts, M)
+    rows = clamped_counts(counts, M)
     empty = torch.zeros(0, N, device=x.device)
     ref = torch.cat([empty] + [x[g, :r].float() @ w[g].float() for g, r in enumerate(rows)])
     low = torch.cat([empty.to(y.dtype)]
                     + [(x[g, :r] @ w[g]).to(y.dtype) for g, r in enumerate(rows)])
-    check(name, _valid(y, rows), ref, low, G=G, M=M, N=N, K=K, **info)
+    check(name, valid_rows(y, rows), ref, low, G=G, M=M, N=N, K=K, **info)
 
 
 def check_untouched(name, out, counts):
     """The rows at and past each (clamped) count still hold the NaN they were filled with."""
-    past = _past(out, _clamped(counts, out.shape[1]))
+    past = rows_past(out, clamped_counts(counts, out.shape[1]))
     untouched = bool(torch.isnan(past.float()).all())
     record(f"{name}/rows-past-counts-untouched", untouched)
     assert untouched, f"{name}: rows past masked_m were written"
@@ -110,7 +101,7 @@ def run_masked(name, G, M, N, K, counts, *, dtype=BF16, w_layout="kn", config=No
                out_mode="given", out_dtype=None, expected_m=None, seed=0):
     """grouped_mm_masked into a NaN-filled `out` ("given") or a new output ("alloc")."""
     x, w = _operands(G, M, N, K, dtype, w_layout, seed)
-    mm = _counts(counts)
+    mm = masked_counts(counts)
     odt = out_dtype or dtype
     cfg = config or cute()
     before = getattr(launch_info._local, "raw", None)
@@ -144,7 +135,7 @@ def test_masked_matrix(schedule, w_layout, dtype):
                              w_layout=w_layout, config=cfg, seed=1)
     assert launch_info.last_launch().choice.schedule == schedule
     # New counts in place (the cached plan reads them at launch), a new output.
-    mm.copy_(_counts(MATRIX_B))
+    mm.copy_(masked_counts(MATRIX_B))
     y = grouped_mm_masked(x, w, mm, config=cfg)
     torch.cuda.synchronize()
     check_masked(f"{name}/new-counts", y, x, w, MATRIX_B, tile=_tile())
@@ -230,7 +221,7 @@ def test_masked_strided_operands_and_counts():
     w = _rand((G, N, K), BF16, gen).transpose(1, 2)
     counts = [150, 0, 1, 77, 129]
     base = torch.full((2 * G,), -1, dtype=I32, device=DEV)
-    base[::2] = _counts(counts)
+    base[::2] = masked_counts(counts)
     buf = torch.full((G, M, N + 8), NAN, dtype=BF16, device=DEV)
     out = buf[:, :, :N]
     y = grouped_mm_masked(x, w, base[::2], out=out, config=cute())
@@ -247,19 +238,19 @@ def test_masked_empty_and_zero_k():
     cfg = cute()
     for G, M, N in ((0, 4, 8), (3, 0, 8), (3, 4, 0)):
         x, w = _operands(G, M, N, 16, seed=8)
-        y = grouped_mm_masked(x, w, _counts([min(M, 2)] * G), config=cfg)
+        y = grouped_mm_masked(x, w, masked_counts([min(M, 2)] * G), config=cfg)
         assert y.shape == (G, M, N)
     x, w = _operands(3, 4, 8, 0, seed=9)
     counts = [4, 1, 0]
     out = torch.full((3, 4, 8), NAN, dtype=BF16, device=DEV)
-    grouped_mm_masked(x, w, _counts(counts), out=out, config=cfg)
+    grouped_mm_masked(x, w, masked_counts(counts), out=out, config=cfg)
     torch.cuda.synchronize()
-    zeros = bool((_valid(out, counts) == 0).all())
+    zeros = bool((valid_rows(out, counts) == 0).all())
     record("masked/zero-k", zeros)
     assert zeros
     check_untouched("masked/zero-k", out, counts)
-    y = grouped_mm_masked(x, w, _counts(counts), config=cfg)
-    assert bool((_valid(y, counts) == 0).all())
+    y = grouped_mm_masked(x, w, masked_counts(counts), config=cfg)
+    assert bool((valid_rows(y, counts) == 0).all())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,12 +266,12 @@ def test_unchecked_counts_are_clamped(schedule):
     G, M, N, K = 6, 130, 136, 128
     cfg = cute(schedule=schedule)
     x, w = _operands(G, M, N, K, w_layout="nk_view", seed=10)
-    mm = _counts(BAD_COUNTS[0])
+    mm = masked_counts(BAD_COUNTS[0])
     buf = torch.full((G + 2, M, N), NAN, dtype=BF16, device=DEV)
     out = buf[1:G + 1]
     for i, counts in enumerate(BAD_COUNTS):
         name = f"masked/clamped/{schedule}/{i}"
-        mm.copy_(_counts(counts))
+        mm.copy_(masked_counts(counts))
         buf.fill_(NAN)
         assert grouped_mm_masked(x, w, mm, out=out, config=cfg) is out
         torch.cuda.synchronize()
@@ -298,10 +289,10 @@ def test_counts_checked_on_request(monkeypatch):
     x, w = _operands(3, 64, 128, 64, seed=11)
     monkeypatch.setenv("MOE_GEMM_CHECK_OFFS", "1")
     with pytest.raises(ValueError, match=r"masked_m\[1\]=65"):
-        grouped_mm_masked(x, w, _counts([0, 65, 3]), config=cute())
+        grouped_mm_masked(x, w, masked_counts([0, 65, 3]), config=cute())
     with pytest.raises(ValueError, match=r"masked_m\[0\]=-1"):
-        grouped_mm_masked(x, w, _counts([-1, 0, 3]), config=cute())
-    y = grouped_mm_masked(x, w, _counts([64, 0, 3]), config=cute())
+        grouped_mm_masked(x, w, masked_counts([-1, 0, 3]), config=cute())
+    y = grouped_mm_masked(x, w, masked_counts([64, 0, 3]), config=cute())
     torch.cuda.synchronize()
     check_masked("masked/checked-on-request", y, x, w, [64, 0, 3])
 
@@ -312,7 +303,7 @@ def test_counts_checked_on_request(monkeypatch):
 
 def test_no_host_sync():
     x, w = _operands(8, 128, 256, 256, w_layout="nk_view", seed=12)
-    mm = _counts([0, 1, 5, 128, 64, 3, 2, 77])
+    mm = masked_counts([0, 1, 5, 128, 64, 3, 2, 77])
     out = torch.full((8, 128, 256), NAN, dtype=BF16, device=DEV)
     cfg = cute()
     grouped_mm_masked(x, w, mm, config=cfg)  # compile + plan outside the check
@@ -336,7 +327,7 @@ def test_cuda_graph_replay_with_new_counts(schedule):
     G, M, N, K = 8, 256, 512, 384
     cfg = cute(schedule=schedule)
     x, w = _operands(G, M, N, K, w_layout="nk_view", seed=13)
-    mm = _counts([256, 0, 1, 64, 65, 129, 200, 7])
+    mm = masked_counts([256, 0, 1, 64, 65, 129, 200, 7])
     out = torch.full((G, M, N), NAN, dtype=BF16, device=DEV)
     grouped_mm_masked(x, w, mm, config=cfg)  # compile + plans outside the capture
     grouped_mm_masked(x, w, mm, out=out, config=cfg)
@@ -369,7 +360,7 @@ def test_cuda_graph_replay_with_new_counts(schedule):
 def check_fp8(name, y, ref, rows, **info):
     """y's valid rows against the fp64 reference's: relative (Frobenius) error within
     REL_BOUND of the output dtype, no element off by 2% of max|ref|, nothing non-finite."""
-    out, r = _valid(y, rows), _valid(ref, rows)
+    out, r = valid_rows(y, rows), valid_rows(ref, rows)
     if out.numel() == 0:
         record(name, True, **info)
         return
@@ -394,7 +385,7 @@ def _fp8_ref(x, w, sa, sb, granularity, rows):
 def run_fp8(name, G, M, K, N, counts, granularity, *, config=None, out_mode="alloc",
             out_dtype=BF16, expected_m=None, seed=0):
     x, w, sa, sb = make_fp8_batched_inputs(G, M, K, N, granularity, device=DEV, seed=seed)
-    mm = _counts(counts)
+    mm = masked_counts(counts)
     cfg = config or cute()
     before = getattr(launch_info._local, "raw", None)
     if out_mode == "given":
@@ -408,7 +399,7 @@ def run_fp8(name, G, M, K, N, counts, granularity, *, config=None, out_mode="all
     torch.cuda.synchronize()
     assert y.shape == (G, M, N) and y.dtype == out_dtype
     assert _ran_kernel(before), f"{name}: the FP8 masked kernel did not run"
-    rows = _clamped(counts, M)
+    rows = clamped_counts(counts, M)
     check_fp8(name, y, _fp8_ref(x, w, sa, sb, granularity, rows), rows, tile=_tile())
     if out_mode == "given":
         check_untouched(name, y, counts)
@@ -447,13 +438,13 @@ def test_fp8_out_dtypes(out_dtype):
 def test_fp8_unchecked_counts_and_cuda_graph():
     G, M, K, N = 4, 256, 512, 256
     x, w, sa, sb = make_fp8_batched_inputs(G, M, K, N, "block", device=DEV, seed=24)
-    mm = _counts([-3, M + 5, 7, M])
+    mm = masked_counts([-3, M + 5, 7, M])
     buf = torch.full((G + 2, M, N), NAN, dtype=BF16, device=DEV)
     out = buf[1:G + 1]
     cfg = cute()
     assert scaled_grouped_mm_masked(x, w, sa, sb, mm, out=out, config=cfg) is out
     torch.cuda.synchronize()
-    rows = _clamped(mm.tolist(), M)
+    rows = clamped_counts(mm.tolist(), M)
     ref = scaled_grouped_mm_ref(x, w, sa, sb)
     check_fp8("fp8-masked/clamped", out, ref, rows)
     check_untouched("fp8-masked/clamped", out, mm.tolist())
@@ -474,5 +465,5 @@ def test_fp8_unchecked_counts_and_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         check_fp8(f"fp8-masked/cuda-graph/replay{trial}", y, scaled_grouped_mm_ref(x, w, sa, sb),
-                  _clamped(counts, M))
+                  clamped_counts(counts, M))
     del graph
