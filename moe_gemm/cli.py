@@ -243,7 +243,7 @@ def _key_extras(key) -> str:
         extras.append(f"scales={key.scale_mode}")
     if getattr(key, "gate", ""):
         extras.append(f"gate={key.gate}/{key.gate_layout}")
-    for flag in ("bias", "row_scale", "gather"):
+    for flag in ("bias", "row_scale", "gather", "row_counts"):
         if getattr(key, flag, False):
             extras.append(flag)
     return "".join(" " + e for e in extras)
