@@ -173,6 +173,7 @@ def test_varlen_rows_clamp_unchecked_offsets(dsl):
     class Cfg:
         tile_m, tile_n = 128, 256
         gate = None
+        row_counts = False
 
     @cute.jit
     def probe(out: cute.Tensor, x: cute.Tensor, y: cute.Tensor, offs: cute.Tensor,
@@ -202,3 +203,44 @@ def test_varlen_rows_clamp_unchecked_offsets(dsl):
             want = [start, rows, K if p < E else 0, -(-rows // 128) * -(-N // 256)]
             assert out[p].tolist() == want, (offs_list, p)
             assert 0 <= start and start + rows <= T  # never outside x or out
+
+
+def test_varlen_row_counts_clamp_unchecked_counts(dsl):
+    """The row-count option (the masked layout seen as one (E * M, K) x): expert p's rows
+    start at p * M, its count clamped into [0, M], so no count reaches another expert's rows
+    or past x."""
+    cutlass, cute, from_dlpack = dsl
+    from cutlass import Int32
+
+    from moe_gemm.kernels.sm90.problems import VarlenProblems
+
+    class Cfg:
+        tile_m, tile_n = 128, 256
+        gate = None
+        row_counts = True
+
+    @cute.jit
+    def probe(out: cute.Tensor, x: cute.Tensor, y: cute.Tensor, offs: cute.Tensor,
+              num_problems: Int32):
+        problems = VarlenProblems(Cfg(), num_problems, x, y, offs)
+        for p in cutlass.range(num_problems):
+            rows, cols, depth, start = problems.dims(p)
+            out[p, 0] = start
+            out[p, 1] = rows
+            out[p, 2] = depth
+            out[p, 3] = problems.tile_count(p, 128, 256)
+
+    M, K, N = 150, 24, 520
+    for counts in ([0, 1, 129, 150, 77], [-5, 400, 150, 0, 151], [3, 3, 3, 3, 3]):
+        E = len(counts)
+        x = torch.zeros(E * M, K, dtype=torch.int32)
+        y = torch.zeros(E * M, N, dtype=torch.int32)
+        offs = torch.tensor(counts, dtype=torch.int32)
+        out = torch.full((E, 4), -9, dtype=torch.int32)
+        cute.compile(probe, from_dlpack(out), from_dlpack(x), from_dlpack(y), from_dlpack(offs),
+                     Int32(E))(from_dlpack(out), from_dlpack(x), from_dlpack(y),
+                               from_dlpack(offs), Int32(E))
+        for p, c in enumerate(counts):
+            rows = min(max(c, 0), M)
+            want = [p * M, rows, K, -(-rows // 128) * -(-N // 256)]
+            assert out[p].tolist() == want, (counts, p)
