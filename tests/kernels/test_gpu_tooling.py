@@ -137,6 +137,32 @@ def test_masked_variant_is_the_launch_key(keys_of_launches, G, M, N, K, layout, 
     assert plan.kernel == _one(v)
 
 
+@pytest.mark.parametrize("G,M,N,K,gate,layout,major,bias,scale,expected_m", [
+    (6, 200, 256, 136, "silu", "concat", "k", True, True, None),
+    (32, 128, 4096, 7168, "silu", "concat", "k", False, False, 8),
+    (6, 200, 272, 136, "clamped_swiglu", "alternating", "n", True, True, None),
+    (6, 200, 272, 136, None, "concat", "n", False, True, 16),
+])
+def test_fused_masked_variant_is_the_launch_key(keys_of_launches, monkeypatch, G, M, N, K,
+                                                gate, layout, major, bias, scale, expected_m):
+    from moe_gemm.ops import fused_launch
+    from moe_gemm.ops.fused_masked import check_fused_masked
+
+    from .variants import fused_masked_key
+
+    monkeypatch.setattr(fused_launch, "sm_count", lambda device: 132)
+    x = _empty((G, M, K))
+    w = _empty((G, N, K)).transpose(1, 2) if major == "k" else _empty((G, K, N))
+    args = check_fused_masked(x, w, torch.zeros(G, dtype=torch.int32),
+                              bias=torch.zeros(G, N) if bias else None,
+                              row_weight=torch.zeros(G, M) if scale else None, gate=gate,
+                              gate_layout=layout, expected_m=expected_m)
+    plan = fused_launch.FusedPlan(args.flat, GemmConfig(), expected_m=args.expected_m)
+    assert plan.kernel == fused_masked_key(G, M, N, K, gate=gate, layout=layout, w_major=major,
+                                           bias=bias, scale=scale, expected_m=expected_m)
+    assert plan.kernel.row_counts and not plan.kernel.gather and not plan.kernel.tail_split
+
+
 def test_test_variants_cover_every_kind():
     keys = kernel_test_variants()
     names = [k.name() for k in keys]

@@ -107,6 +107,60 @@ def fused_key(S, T, E, N, K, *, gate=None, layout="concat", w_major="k", gather=
     return key_of(args, choice, w_major, in_kernel)
 
 
+def fused_masked_key(G, M, N, K, *, gate=None, layout="concat", w_major="k", bias=False,
+                     scale=False, config=None, expected_m=None, gate_alpha=1.702,
+                     gate_limit=7.0, nsm=NUM_SMS):
+    """The CompileKey of a fused_grouped_mm_masked launch (ops/fused_launch.FusedPlan with
+    expected_m), from meta tensors."""
+    from moe_gemm.ops.fused_launch import fused_key as key_of
+    from moe_gemm.ops.fused_launch import masked_fused_choice
+    from moe_gemm.ops.fused_masked import check_fused_masked
+
+    meta = torch.device("meta")
+    x = torch.empty(G, M, K, dtype=BF16, device=meta)
+    w = (torch.empty(G, N, K, dtype=BF16, device=meta).transpose(1, 2) if w_major == "k"
+         else torch.empty(G, K, N, dtype=BF16, device=meta))
+    args = check_fused_masked(
+        x, w, torch.empty(G, dtype=torch.int32, device=meta),
+        bias=torch.empty(G, N, device=meta) if bias else None,
+        row_weight=torch.empty(G, M, device=meta) if scale else None, gate=gate,
+        gate_layout=layout, gate_alpha=gate_alpha, gate_limit=gate_limit,
+        expected_m=expected_m, concrete=False)
+    config = config or GemmConfig()
+    choice = masked_fused_choice(args.flat, config, nsm, meta, args.expected_m)
+    return dataclasses.replace(key_of(args.flat, choice, w_major, False), row_counts=True)
+
+
+def _fused_masked_tests(v: Variants) -> None:
+    """tests/kernels/test_fused_masked_gpu.py's parametrized cases."""
+    try:
+        from . import test_fused_masked_gpu as t
+    except Exception:  # noqa: BLE001 - the tests moved or changed: compile in-test
+        return
+
+    def add(G, M, K, N, gate, layout, major=None, bias=True, scale=True, config=None,
+            expected_m=None):
+        major = major or ("k" if gate is not None and layout == "concat" else "n")
+        clamp = t.CLAMP if gate == "clamped_swiglu" else {}
+        v.keys.add(fused_masked_key(G, M, N, K, gate=gate, layout=layout, w_major=major,
+                                    bias=bias, scale=scale, config=config,
+                                    expected_m=expected_m, **clamp))
+
+    for gate, layout, major in t.GATE_CASES:
+        for inter in (128, 136):
+            add(6, 200, 136, 2 * inter, gate, layout, major)
+    for schedule in h.SCHEDULES:
+        for gate, layout, major in (("silu", "concat", "k"),
+                                    ("clamped_swiglu", "alternating", "n"),
+                                    (None, "concat", "n")):
+            add(6, 200, 136, 272, gate, layout, major, config=_cfg(schedule=schedule))
+    add(32, 128, 7168, 4096, "silu", "concat", bias=False, scale=False, expected_m=8)
+    for gate, layout, major in (("silu", "concat", "k"), ("clamped_swiglu", "alternating", "n")):
+        add(8, 1024, 1024, 2048, gate, layout, major)
+    for expected_m in (4, None):
+        add(16, 256, 2048, 1024, "silu", "concat", expected_m=expected_m)
+
+
 def _fused_tests(v: Variants) -> None:
     """tests/kernels/test_fused_moe_gpu.py: every case's launch, from the test module's own
     case list."""
@@ -458,7 +512,8 @@ def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     v = Variants(nsm)
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
-                    _layer_tests, _fused_tests, _fused_layer_tests, _masked_tests):
+                    _layer_tests, _fused_tests, _fused_layer_tests, _masked_tests,
+                    _fused_masked_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 
