@@ -164,8 +164,9 @@ def test_tail_split_units_match_schedule(split_fn, total, grid, k_tiles):
                                                     ROLE_FINISH | tail_i << 2)
 
 
-def test_varlen_rows_clamp_unchecked_offsets(dsl):
-    cutlass, cute, from_dlpack = dsl
+def _varlen_rows_probe(cutlass, cute, row_counts: bool):
+    """A jit function writing (first row, rows, depth, tile count) of each varlen problem, as
+    the scheduler sees them, for 128 x 256 tiles."""
     from cutlass import Int32
 
     from moe_gemm.kernels.sm90.problems import VarlenProblems
@@ -173,7 +174,8 @@ def test_varlen_rows_clamp_unchecked_offsets(dsl):
     class Cfg:
         tile_m, tile_n = 128, 256
         gate = None
-        row_counts = False
+
+    Cfg.row_counts = row_counts
 
     @cute.jit
     def probe(out: cute.Tensor, x: cute.Tensor, y: cute.Tensor, offs: cute.Tensor,
@@ -185,6 +187,15 @@ def test_varlen_rows_clamp_unchecked_offsets(dsl):
             out[p, 1] = rows
             out[p, 2] = depth
             out[p, 3] = problems.tile_count(p, 128, 256)
+
+    return probe
+
+
+def test_varlen_rows_clamp_unchecked_offsets(dsl):
+    cutlass, cute, from_dlpack = dsl
+    from cutlass import Int32
+
+    probe = _varlen_rows_probe(cutlass, cute, row_counts=False)
 
     T, K, N = 300, 24, 520
     x = torch.zeros(T, K, dtype=torch.int32)
@@ -212,23 +223,7 @@ def test_varlen_row_counts_clamp_unchecked_counts(dsl):
     cutlass, cute, from_dlpack = dsl
     from cutlass import Int32
 
-    from moe_gemm.kernels.sm90.problems import VarlenProblems
-
-    class Cfg:
-        tile_m, tile_n = 128, 256
-        gate = None
-        row_counts = True
-
-    @cute.jit
-    def probe(out: cute.Tensor, x: cute.Tensor, y: cute.Tensor, offs: cute.Tensor,
-              num_problems: Int32):
-        problems = VarlenProblems(Cfg(), num_problems, x, y, offs)
-        for p in cutlass.range(num_problems):
-            rows, cols, depth, start = problems.dims(p)
-            out[p, 0] = start
-            out[p, 1] = rows
-            out[p, 2] = depth
-            out[p, 3] = problems.tile_count(p, 128, 256)
+    probe = _varlen_rows_probe(cutlass, cute, row_counts=True)
 
     M, K, N = 150, 24, 520
     for counts in ([0, 1, 129, 150, 77], [-5, 400, 150, 0, 151], [3, 3, 3, 3, 3]):
