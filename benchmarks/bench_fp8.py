@@ -29,20 +29,17 @@ finished. On a machine without the Hopper kernels --smoke checks the harness on 
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import shape_list
 from benchmarks.clock import Clock
 from benchmarks.fp8_operands import (
     BF16,
@@ -56,6 +53,7 @@ from benchmarks.fp8_operands import (
     torch_blockwise_grouped_mm,
     torch_scaled_grouped_mm,
 )
+from benchmarks.report import write_json
 
 
 @dataclass(frozen=True)
@@ -403,62 +401,29 @@ def quantize_cost(clock: Clock, device, smoke: bool, reps: int) -> list[dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--budget-s", type=float, default=270.0, help="stop starting shapes after")
-    p.add_argument("--reps", type=int, default=7, help="round-robin rounds per shape")
-    p.add_argument("--only", default="", help="comma-separated shape names")
+    p = shape_list.parser(__doc__, reps=7, budget_s=270.0)
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
                    help="time only the default config of ours")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (harness check)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     clock = Clock(device)
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if args.only:
-        wanted = set(args.only.split(","))
-        shapes = [s for s in shapes if s.name in wanted]
-    import moe_gemm
-
-    doc: dict[str, Any] = {
-        "suite": "fp8",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "torch": torch.__version__, "moe_gemm": moe_gemm.__version__,
-        "python": platform.python_version(), "shapes": [],
-        "method": "back-to-back CUDA-graph replays between events, median of --reps rounds "
-                  "interleaved across implementations; us per call",
-    }
+    shapes = shape_list.pick_shapes(args, SHAPES, SMOKE_SHAPES)
+    doc = shape_list.header("fp8", device)
     out = Path(args.out)
-
-    def save():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1, default=str))
-
     doc["copy_bytes_per_s"] = copy_bps = copy_bandwidth(clock, device, args.smoke)
-    save()
+    write_json(out, doc)
     for sections in (("quantize", lambda: quantize_cost(clock, device, args.smoke, args.reps)),
                      ("accuracy", lambda: accuracy(device, args.smoke))):
         try:
             doc[sections[0]] = sections[1]()
         except Exception:  # noqa: BLE001 - keep going: the shapes matter most
             doc[sections[0]] = {"error": traceback.format_exc()[-600:]}
-        save()
-    for shape in shapes:
-        if time.monotonic() - t0 > args.budget_s:
-            doc["shapes"].append({"name": shape.name, "skipped": "time budget"})
-            continue
-        try:
-            doc["shapes"].append(run_shape(shape, clock, device, args.reps, args.sweep,
-                                           copy_bps))
-        except Exception:  # noqa: BLE001
-            doc["shapes"].append({"name": shape.name, "error": traceback.format_exc()[-800:]})
-        save()
-        print(_line(doc["shapes"][-1]), flush=True)
-    doc["seconds"] = round(time.monotonic() - t0, 1)
-    save()
+        write_json(out, doc)
+    shape_list.run_shapes(
+        doc, out, shapes, t0, args.budget_s,
+        lambda shape: run_shape(shape, clock, device, args.reps, args.sweep, copy_bps),
+        on_row=lambda row: print(_line(row), flush=True))
     return 0
 
 

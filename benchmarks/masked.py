@@ -30,20 +30,18 @@ kernels --smoke runs the harness on tiny shapes (torch backend).
 
 from __future__ import annotations
 
-import argparse
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import shape_list
 from benchmarks.bench_fp8 import copy_bandwidth, graphed, time_round_robin
 from benchmarks.clock import Clock
-from benchmarks.report import write_json
 
 BF16 = torch.bfloat16
 
@@ -211,44 +209,16 @@ def run_shape(shape: Shape, clock: Clock, device, reps: int, copy_bps: float, sm
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--reps", type=int, default=9, help="round-robin rounds per shape")
-    p.add_argument("--only", default="", help="comma-separated shape names")
-    p.add_argument("--budget-s", type=float, default=300.0, help="stop starting shapes after")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (harness check)")
-    args = p.parse_args(argv)
+    args = shape_list.parser(__doc__, reps=9, budget_s=300.0).parse_args(argv)
     t0 = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     clock = Clock(device)
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if args.only:
-        wanted = set(args.only.split(","))
-        shapes = [s for s in shapes if s.name in wanted]
-    doc: dict[str, Any] = {
-        "suite": "masked",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "method": "back-to-back CUDA-graph replays between events, median of --reps rounds "
-                  "interleaved across implementations; us per call",
-        "shapes": [],
-    }
-    out = Path(args.out)
+    shapes = shape_list.pick_shapes(args, SHAPES, SMOKE_SHAPES)
+    doc = shape_list.header("masked", device)
     doc["copy_bytes_per_s"] = copy_bps = copy_bandwidth(clock, device, args.smoke)
-    for shape in shapes:
-        if time.monotonic() - t0 > args.budget_s:
-            doc["shapes"].append({"name": shape.name, "skipped": "time budget"})
-            continue
-        try:
-            doc["shapes"].append(run_shape(shape, clock, device, args.reps, copy_bps,
-                                           args.smoke))
-        except Exception:  # noqa: BLE001
-            doc["shapes"].append({"name": shape.name, "error": traceback.format_exc()[-800:]})
-        write_json(out, doc)
-    doc["seconds"] = round(time.monotonic() - t0, 1)
-    write_json(out, doc)
+    shape_list.run_shapes(
+        doc, Path(args.out), shapes, t0, args.budget_s,
+        lambda shape: run_shape(shape, clock, device, args.reps, copy_bps, args.smoke))
     print(table(doc))
     return 0
 
