@@ -11,9 +11,10 @@
    DeepSeek-V3 / Kimi-K2 expert-parallel prefill shards (4k-32k rows; up 4096x7168, down
    7168x2048; DeepGEMM's published 4 x 8192 rows among them).
 3. Per shape, interleaved round by round, each captured in a CUDA graph: ours (block scales,
-   the default config; the same with the scales loaded one stage ahead (`-ahead1`, the plain
-   loop) and four (`-ahead4`) and with the lagged promotion (`-lag`); unless --no-sweep a
-   few alternative configs), ours row-wise,
+   the default config; the same with the scales loaded by the math threads three stages
+   ahead instead of staged in shared memory (`-ring`), one stage ahead (`-ahead1`, the
+   plain loop) and four (`-ahead4`), and with the lagged promotion on scales from global
+   memory (`-lag`); unless --no-sweep a few alternative configs), ours row-wise,
    torch._scaled_grouped_mm (row-wise, where the installed torch has it), torch's
    block-scaled grouped mm (where it exists), our bf16 kernel and torch's bf16 grouped_mm on
    the same shape, and the dense FP8 ceiling. Each implementation's result is spot-checked
@@ -49,6 +50,7 @@ from benchmarks.fp8_operands import (
     quantize_acts,
     quantize_weights,
     scale_ahead,
+    smem_scales,
     spot_error,
     torch_blockwise_grouped_mm,
     torch_scaled_grouped_mm,
@@ -175,9 +177,9 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
         return lambda: moe_gemm.scaled_grouped_mm(a["x"], a["w"], a["sa"], a["sb"], o,
                                                   config=cfg)
 
-    def ours_lagged(a):  # the opt-in lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1)
+    def ours_lagged(a):  # the lagged promotion with the scales from global memory
         def run():
-            with promote_lag():
+            with promote_lag(), smem_scales(False):
                 return ours(a)()
         return run
 
@@ -193,6 +195,14 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
 
     for n in (1, 4):  # beside the default (3)
         impls[f"ours-fp8-block-ahead{n}"] = (ours_ahead(block, n), block)
+
+    def ours_ring(a):  # the scales loaded 3 ahead by the math threads, not staged
+        def run():
+            with smem_scales(False):
+                return ours(a)()
+        return run
+
+    impls["ours-fp8-block-ring"] = (ours_ring(block), block)
     if sweep:
         for name, cfg in sweep_configs(shape).items():
             impls[f"ours-fp8-block/{name}"] = (ours(block, cfg), block)

@@ -204,7 +204,8 @@ def _switched(name: str, value: str) -> Iterator[None]:
 
 def promote_lag() -> contextlib.AbstractContextManager[None]:
     """Our FP8 kernels with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) inside the block:
-    the benchmarks' `ours-fp8-block-lag` rows."""
+    the benchmarks' `ours-fp8-block-lag` rows (with smem_scales(False): the lag on scales
+    loaded from global memory)."""
     from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
 
     return _switched(PROMOTE_LAG_ENV, "1")
@@ -216,3 +217,12 @@ def scale_ahead(stages: int) -> contextlib.AbstractContextManager[None]:
     from moe_gemm.ops.heuristics_fp8 import SCALE_AHEAD_ENV
 
     return _switched(SCALE_AHEAD_ENV, str(stages))
+
+
+def smem_scales(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Our block-scaled FP8 kernels with the scales staged in shared memory by TMA
+    (MOE_GEMM_FP8_SMEM_SCALES=1, the varlen default) or loaded by the math threads (0) inside
+    the block: the `ours-fp8-block-ring` and `-lag` rows switch it off."""
+    from moe_gemm.ops.heuristics_fp8 import SMEM_SCALES_ENV
+
+    return _switched(SMEM_SCALES_ENV, "1" if on else "0")

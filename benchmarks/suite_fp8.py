@@ -7,8 +7,9 @@ every other row (benchmarks.runner):
 - `ours-fp8-block` (the default row): scaled_grouped_mm, 1x128 activation / 128x128 weight
   scales, config=None;
 - `ours-fp8-row`: the same with row-wise scales (per token, per output channel);
-- `ours-fp8-block-lag`: the block-scaled default with the lagged promotion (opt-in,
-  MOE_GEMM_FP8_PROMOTE_LAG=1; not the default until it measures faster);
+- `ours-fp8-block-ring`: the block-scaled default with the scales loaded by the math
+  threads three stages ahead instead of staged in shared memory (MOE_GEMM_FP8_SMEM_SCALES=0;
+  the varlen default before 2026-11-29, the batched form's default);
 - `torch-scaled-grouped-mm-row` (peer): torch._scaled_grouped_mm, row-wise;
 - `torch-scaled-grouped-mm-block` (peer): F.scaled_grouped_mm with BlockWise1x128 /
   BlockWise128x128, where the installed torch has it;
@@ -32,7 +33,7 @@ from benchmarks.fp8_operands import (
     BF16,
     Scaled,
     checked_error,
-    promote_lag,
+    smem_scales,
     torch_blockwise_grouped_mm,
     torch_scaled_grouped_mm,
 )
@@ -52,7 +53,7 @@ from benchmarks.suite import (
 
 OURS_BLOCK = "ours-fp8-block"
 OURS_ROW = "ours-fp8-row"
-OURS_BLOCK_LAG = "ours-fp8-block-lag"
+OURS_BLOCK_RING = "ours-fp8-block-ring"
 TORCH_ROW = "torch-scaled-grouped-mm-row"
 TORCH_BLOCK = "torch-scaled-grouped-mm-block"
 OURS_BF16 = "ours-bf16"
@@ -97,13 +98,13 @@ def _checked(run: Callable[[], object], check: Callable[[], object], s: Scaled) 
                     tolerance=TOLERANCE[FP8])
 
 
-def _ours_fp8(granularity: str, lag: bool = False
+def _ours_fp8(granularity: str, ring: bool = False
               ) -> Callable[[ShapeSpec, Inputs, torch.device], Prepared]:
     def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
         import moe_gemm
 
         s = _operands(inp, granularity)
-        switch = promote_lag if lag else contextlib.nullcontext
+        switch = (lambda: smem_scales(False)) if ring else contextlib.nullcontext
 
         def run() -> object:
             with switch():
@@ -179,8 +180,8 @@ def implementations(spec: ShapeSpec, compute_bound: bool) -> list[Impl]:
              notes=f"{notes}), 1x128 / 128x128 block scales, config=None"),
         Impl(OURS_ROW, False, _ours_fp8("row"), dtype=FP8, scale="row",
              notes=f"{notes}), per-token / per-channel scales, config=None"),
-        Impl(OURS_BLOCK_LAG, False, _ours_fp8("block", lag=True), dtype=FP8, scale="block",
-             notes=f"{notes}), block scales, config=None, MOE_GEMM_FP8_PROMOTE_LAG=1"),
+        Impl(OURS_BLOCK_RING, False, _ours_fp8("block", ring=True), dtype=FP8, scale="block",
+             notes=f"{notes}), block scales, config=None, MOE_GEMM_FP8_SMEM_SCALES=0"),
         Impl(TORCH_ROW, True, _torch_peer("row"), dtype=FP8, scale="row",
              notes="torch._scaled_grouped_mm(x, w, scale_a, scale_b, offs=..., "
              "out_dtype=bf16), row-wise"),

@@ -48,6 +48,7 @@ class KernelChoice:
     tail_split: bool = False  # a short last wave split over K (kernels/constants.py)
     promote_lag: bool = False  # FP8: promotion one stage behind the WGMMAs (heuristics_fp8)
     scale_ahead: int = 1  # FP8 block scales: stages ahead their scales load (heuristics_fp8)
+    smem_scales: bool = False  # FP8 block scales staged in shared memory (heuristics_fp8)
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"

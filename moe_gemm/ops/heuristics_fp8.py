@@ -21,12 +21,13 @@ from moe_gemm.kernels.sm90.constants_fp8 import (
 )
 from moe_gemm.ops.heuristics import KernelChoice, raster_of, tail_split_enabled, with_l2_hints
 
-# Opt-in: the block-scaled kernel's promotion one stage behind the WGMMAs
-# (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. ptxas
-# keeps its WGMMAs asynchronous with no spills, but on an H200 (2026-11-28, bench_fp8) it ran
-# 15-20% slower than the plain loop on the compute-bound shapes (DeepSeek-V3 EP32 up 8k rows
-# 620 us against 529), hence off unless MOE_GEMM_FP8_PROMOTE_LAG=1. The plan caches key on it
-# (ops/api.py's switches).
+# The block-scaled kernel's promotion one stage behind the WGMMAs
+# (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. With the
+# scales loaded from global memory by the math threads it ran 15-36% slower than the plain
+# loop and the ring on an H200 (2026-11-28 and 2026-11-29, bench_fp8: DeepSeek-V3 EP32 up 8k
+# rows 620-626 us against 529 plain and 459 ring), hence off there unless
+# MOE_GEMM_FP8_PROMOTE_LAG=1; with the scales staged in shared memory (below) it is the
+# varlen default. The plan caches key on it (ops/api.py's switches).
 PROMOTE_LAG_ENV = "MOE_GEMM_FP8_PROMOTE_LAG"
 
 
@@ -71,6 +72,36 @@ def scale_ahead_requested() -> int:
     return ahead
 
 
+# Block scales staged in shared memory by TMA beside each stage's operands
+# (GroupedGemmFp8Sm90._mainloop_staged_lagged), with the promotion one stage behind the
+# WGMMAs where the tile has room for the third accumulator: the varlen default. The math
+# threads read a stage's scales from shared memory right after issuing its WGMMAs and
+# promote it while the next stage's run. Measured on an H200 (2026-11-29, one process,
+# interleaved CUDA-graph replays, outputs bitwise equal), against the three-ahead register
+# ring: DeepSeek-V3 EP32 down 8k rows 256 -> 248 us, DeepGEMM's 4 x 8192 down 894 -> 873,
+# Kimi-K2 EP32 up 16k 899 -> 892, DeepSeek-V3 EP32 up 8k 459 -> 459, E=256 decode 224 ->
+# 224 (the launch's copy of row-major A scales to M-major included). Staged without the lag
+# (tiles spanning two scale blocks, whose three accumulators do not fit) ran 3-5% slower
+# than the ring, so those tiles keep the ring; the lag with scales from global memory ran
+# 25-36% slower. MOE_GEMM_FP8_SMEM_SCALES=0 / 1 forces the ring / the staged scales (with the
+# lag where it fits); a pinned MOE_GEMM_FP8_SCALE_AHEAD means the ring.
+SMEM_SCALES_ENV = "MOE_GEMM_FP8_SMEM_SCALES"
+DEFAULT_SMEM_SCALES = True
+
+
+def smem_scales_requested() -> bool | None:
+    """MOE_GEMM_FP8_SMEM_SCALES as True / False, None when unset or empty (the default).
+    Raises ValueError for anything but 1 / 0 (or true / false, yes / no, on / off)."""
+    raw = env_get(SMEM_SCALES_ENV)
+    if raw is None or not raw.strip():
+        return None
+    value = raw.strip().lower()
+    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"{SMEM_SCALES_ENV} must be 1 or 0 (FP8 block scales staged in shared "
+                         f"memory, or loaded by the math threads); got {raw!r}")
+    return value in ("1", "true", "yes", "on")
+
+
 def kernel_scale_mode(granularity: str) -> str:
     """The kernel's compile-time scale mode of a user-facing granularity."""
     return "block" if granularity == "block" else "outer"
@@ -78,11 +109,13 @@ def kernel_scale_mode(granularity: str) -> str:
 
 def choose_fp8(form: str, config: GemmConfig, avg_m: float, N: int, K: int,
                out_itemsize: int, granularity: str) -> KernelChoice:
-    """The FP8 kernel for grouped rows of about avg_m per problem (varlen: T / E), N columns
-    and depth K. Raises ValueError for pins the FP8 kernel does not build."""
+    """The FP8 kernel of `form` ("varlen", "batched", "general", or "masked": the varlen
+    rules without staged scales) for grouped rows of about avg_m per problem (varlen: T / E),
+    N columns and depth K. Raises ValueError for pins the FP8 kernel does not build."""
     return with_l2_hints(_choose(form, config, avg_m, N, K, out_itemsize,
                                  kernel_scale_mode(granularity), tail_split_enabled(),
-                                 promote_lag_requested(), scale_ahead_requested()))
+                                 promote_lag_requested(), scale_ahead_requested(),
+                                 smem_scales_requested()))
 
 
 def _default_tile_n(N: int) -> int:
@@ -107,7 +140,8 @@ FP8_PINGPONG_MAX_ROWS = 32
 # for the lone tile with the tail split; on DeepGEMM's 4 x 8192-row varlen shapes (4 problems,
 # the batched form's layout) 1x2 was 13-14% ahead of the lone tile. The general form's
 # problems each have their own sizes and strides and were never timed with clusters: 1x1.
-_CLUSTERED_FORMS = ("varlen", "batched")
+# The masked form takes the varlen form's rules.
+_CLUSTERED_FORMS = ("varlen", "batched", "masked")
 
 
 def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
@@ -118,7 +152,8 @@ def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=512)
 def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
-            mode: str, split_ok: bool, lag: bool = False, ahead: int = 0) -> KernelChoice:
+            mode: str, split_ok: bool, lag: bool = False, ahead: int = 0,
+            smem: bool | None = None) -> KernelChoice:
     if config.visitor == "host":
         raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
                          "'auto'")
@@ -164,16 +199,22 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
         raise ValueError("whole_epilogue=True is built for cooperative 128-row tiles with "
                          "16-bit output")
     # The lag where asked for and built (block scales, room for a third accumulator).
-    lag = lag and fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
+    lag_fits = fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
+    # Staged scales (varlen, block scales): by default where the lag fits and no ring depth
+    # is pinned; they run with the lag wherever it fits.
+    if smem is None:
+        smem = DEFAULT_SMEM_SCALES and ahead == 0 and lag_fits
+    smem = smem and mode == "block" and form == "varlen"
+    lag = (lag or smem) and lag_fits
     # The scales' prefetch depth where the plain block-scaled loop runs (the lagged loop and
     # row-wise scales load none per stage); 0: the default above.
     if ahead == 0:
         ahead = DEFAULT_SCALE_AHEAD if scale_blocks_spanned(tile[1]) == 1 else 1
-    ahead = ahead if mode == "block" and not lag else 1
+    ahead = ahead if mode == "block" and not lag and not smem else 1
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,
                         epi_whole=epi_whole, tail_split=tail_split and split_ok,
-                        promote_lag=lag, scale_ahead=ahead)
+                        promote_lag=lag, scale_ahead=ahead, smem_scales=smem)
 
 
 def clear_caches() -> None:

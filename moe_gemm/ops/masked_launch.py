@@ -124,7 +124,7 @@ class Fp8MaskedPlan(_Plan):
         device = self.device
         self.granularity = b.granularity
         self.choice = choice = _masked_choice(choose_fp8(
-            "varlen", config, args.expected_m, N, b.K, b.out_dtype.itemsize, b.granularity),
+            "masked", config, args.expected_m, N, b.K, b.out_dtype.itemsize, b.granularity),
             config)
         self._grid(choice)
         self.meta, self.smeta, self.no_table, self.no_trace = _placeholders(device)

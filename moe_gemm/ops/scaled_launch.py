@@ -46,7 +46,7 @@ def fp8_compile_key(form: str, ab: torch.dtype, d: torch.dtype, granularity: str
         form, _NAMES[ab], _NAMES[d], kernel_scale_mode(granularity), choice.schedule,
         choice.visitor, choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints,
         choice.epi_n, choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split,
-        choice.promote_lag, choice.scale_ahead)
+        choice.promote_lag, choice.scale_ahead, choice.smem_scales)
 
 
 @functools.lru_cache(maxsize=256)
@@ -61,6 +61,29 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
         return t.contiguous()
     return t
+
+
+def _tma_scales(sfa: torch.Tensor, sfb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block scales as the staged-scale kernel's TMA loads take them (smem_scales):
+    sfa (T, KB) M-major and sfb (E, KB, C) k-block-major, each with 16-byte aligned strides
+    and base. Scales already laid out so are used as they are: M-major A scales (DeepGEMM's
+    and torch's blockwise scaled_mm's layout) and a checkpoint's (N / 128, K / 128) weight
+    scales transposed with K / 128 a multiple of 4 (every DeepSeek-V3, Kimi-K2 and Qwen3
+    shape); others are copied (T x KB and E x KB x C floats: a few us beside the GEMM).
+    """
+    T, KB = sfa.shape
+    if not (sfa.stride(0) == 1 and sfa.stride(1) % 4 == 0 and sfa.stride(1) >= T
+            and sfa.data_ptr() % 16 == 0):
+        ld = -(-T // 4) * 4
+        buf = torch.empty(KB, ld, dtype=torch.float32, device=sfa.device)[:, :T]
+        sfa = buf.copy_(sfa.t()).t()
+    E, _, C = sfb.shape
+    if not (sfb.stride(1) == 1 and sfb.stride(2) % 4 == 0 and sfb.stride(0) % 4 == 0
+            and sfb.stride(2) >= KB and sfb.data_ptr() % 16 == 0):
+        kbp = -(-KB // 4) * 4
+        buf = torch.empty(E, C, kbp, dtype=torch.float32, device=sfb.device)[:, :, :KB]
+        sfb = buf.copy_(sfb.transpose(1, 2)).transpose(1, 2)
+    return sfa, sfb
 
 
 def _placeholders(device):
@@ -111,6 +134,8 @@ class Fp8MmPlan:
         sfa = _dense(a_scale_view(scale_a, g, (), self.T))
         sfb = _dense(b_scale_view(scale_b, g, (self.E,), self.N))
         choice = self.choice
+        if choice.smem_scales:
+            sfa, sfb = _tma_scales(sfa, sfb)
         trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
         self.kernel(tma_view(x, 1) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,

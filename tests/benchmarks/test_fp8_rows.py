@@ -19,7 +19,7 @@ from benchmarks.scoring import derive, fp8_bytes_needed, shape_bytes
 from moe_gemm.ops.scaled_reference import scaled_grouped_mm_ref
 from moe_gemm.tuning import zoo as models
 
-FP8_IMPLS = {suite_fp8.OURS_BLOCK, suite_fp8.OURS_ROW, suite_fp8.OURS_BLOCK_LAG,
+FP8_IMPLS = {suite_fp8.OURS_BLOCK, suite_fp8.OURS_ROW, suite_fp8.OURS_BLOCK_RING,
              suite_fp8.TORCH_ROW, suite_fp8.TORCH_BLOCK, suite_fp8.OURS_BF16, suite_fp8.DENSE}
 ROW_KEYS = {"model", "proj", "tokens", "shape", "impl", "ms", "peer", "default", "floor_ms",
             "status", "case", "dtype"}

@@ -25,8 +25,9 @@ from moe_gemm import (
     scaled_grouped_gemm,
     scaled_grouped_mm,
 )
+from moe_gemm.kernels.sm90.constants_fp8 import fp8_tile_problem
 from moe_gemm.ops import launch_info
-from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, SCALE_AHEAD_ENV
+from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, SMEM_SCALES_ENV
 from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
 from moe_gemm.testing import poison_
@@ -154,21 +155,25 @@ def test_varlen_tail_split():
            max_abs_diff=diff)
 
 
-# The loops beside the plain one: the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) and the
-# prefetched scales (MOE_GEMM_FP8_SCALE_AHEAD=n, 3 by default). Both do the plain loop's FMAs in the same order, so their
+# The loops beside the plain one: the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1), the
+# prefetched scales (MOE_GEMM_FP8_SCALE_AHEAD=n) and the scales staged in shared memory
+# (MOE_GEMM_FP8_SMEM_SCALES=1). Each does the plain loop's FMAs in the same order, so its
 # output is bit for bit the plain kernel's. A loop: (switch, value, the choice field it sets).
 LOOPS = {"lagged": (PROMOTE_LAG_ENV, "1", "promote_lag"),
-         **{f"ahead{n}": (SCALE_AHEAD_ENV, str(n), "scale_ahead") for n in (2, 3, 4)}}
+         **{f"ahead{n}": (SCALE_AHEAD_ENV, str(n), "scale_ahead") for n in (2, 3, 4)},
+         "smem": (SMEM_SCALES_ENV, "1", "smem_scales")}
 
 
 def _plain_and(monkeypatch, run, loop: str):
     """run() on the plain loop, then with `loop` switched on: (plain, other)."""
     env, value, field = LOOPS[loop]
-    want = True if field == "promote_lag" else int(value)
+    want = int(value) if field == "scale_ahead" else True
     monkeypatch.delenv(PROMOTE_LAG_ENV, raising=False)
     monkeypatch.setenv(SCALE_AHEAD_ENV, "1")  # the plain loop (the default loads 3 ahead)
+    monkeypatch.setenv(SMEM_SCALES_ENV, "0")
     plain = run()
     assert launch_info.last_launch().choice.scale_ahead == 1
+    assert not launch_info.last_launch().choice.smem_scales
     assert getattr(launch_info.last_launch().choice, field) != want
     monkeypatch.setenv(env, value)
     other = run()
@@ -195,6 +200,9 @@ def test_scale_loop_equals_plain_loop(monkeypatch, case, K):
         return scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
 
     plain, other = _plain_and(monkeypatch, run, loop)
+    if loop == "smem":  # staged scales run with the lag wherever it fits
+        lag_fits = fp8_tile_problem(sched, *tile, "block", promote_lag=True) is None
+        assert launch_info.last_launch().choice.promote_lag == lag_fits
     name = f"fp8/{loop}/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
     check(name, other[:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
     same = torch.equal(other[:end], plain[:end])
@@ -219,16 +227,18 @@ def test_scale_loop_long_k_tail_split_and_forms(monkeypatch, loop):
     record(f"fp8/{loop}/tail-split-vs-plain", diff <= bound, max_abs_diff=diff)
     assert diff <= bound
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128)
-    xb, wb, sab, sbb = make_fp8_batched_inputs(5, 100, 384, 264, "block", device=DEV, seed=22)
-    plain, other = _plain_and(
-        monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg), loop)
-    check(f"fp8/{loop}/batched", other, scaled_grouped_mm_ref(xb, wb, sab, sbb))
-    assert torch.equal(other, plain)
     # a narrow output: the default 128x48 tile spans two 128-column scale blocks
     x, w, sa, sb, offs = make_fp8_moe_inputs(300, 4, 640, 40, "block", device=DEV, seed=24)
     plain, other = _plain_and(monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs), loop)
     assert launch_info.last_launch().choice.tile_n == 48
     check(f"fp8/{loop}/narrow", other, scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    assert torch.equal(other, plain)
+    if loop == "smem":
+        return  # (the staged scales are built for the varlen form)
+    xb, wb, sab, sbb = make_fp8_batched_inputs(5, 100, 384, 264, "block", device=DEV, seed=22)
+    plain, other = _plain_and(
+        monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg), loop)
+    check(f"fp8/{loop}/batched", other, scaled_grouped_mm_ref(xb, wb, sab, sbb))
     assert torch.equal(other, plain)
     a, b, ga, gb = make_fp8_grouped_inputs([(100, 264, 384), (37, 136, 256), (0, 64, 128)],
                                            "block", device=DEV, seed=23)
@@ -237,6 +247,30 @@ def test_scale_loop_long_k_tail_split_and_forms(monkeypatch, loop):
     for i, (p, q, r) in enumerate(zip(plain, other, scaled_grouped_gemm_ref(a, b, ga, gb))):
         check(f"fp8/{loop}/general/{i}", q, r)
         assert torch.equal(p, q)
+
+
+# Scale layouts the staged-scale kernel's TMA loads take as they are (M-major A scales with
+# 16-byte aligned columns, k-block-major B scales with K / 128 a multiple of 4) and ones the
+# launch copies first (row-major A scales, an unaligned column pitch, K / 128 = 5); T = 701 so
+# the last tile's A-scale box runs past T.
+@pytest.mark.parametrize("a_layout", ["row-major", "m-major", "m-major-unaligned"])
+@pytest.mark.parametrize("K", [512, 640])
+def test_staged_scale_layouts(monkeypatch, a_layout, K):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(701, 5, K, 392, "block", device=DEV,
+                                             empty_fraction=0.2, total=690, seed=K)
+    T, KB = sa.shape
+    if a_layout != "row-major":
+        ld = T + 3 if a_layout == "m-major" else T + 2  # 704: aligned; 703: not
+        sa = torch.empty(KB, ld, device=DEV)[:, :T].copy_(sa.t()).t()
+    end = int(offs[-1])
+
+    def run():
+        return scaled_grouped_mm(x, w, sa, sb, offs, config=cute(tail_split=False))
+
+    plain, other = _plain_and(monkeypatch, run, "smem")
+    name = f"fp8/smem/layouts/{a_layout}/K={K}"
+    check(name, other[:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
+    assert torch.equal(other[:end], plain[:end]), f"{name}: differs from the plain loop"
 
 
 @pytest.mark.parametrize("K", [7168, 14336])

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from moe_gemm import GemmConfig
+from moe_gemm.kernels.sm90.constants_fp8 import fp8_tile_problem
 from moe_gemm.ops.heuristics_fp8 import choose_fp8
 from moe_gemm.ops.scaled_launch import fp8_compile_key
 
@@ -18,7 +19,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 # (loop, schedule, tile, cluster_m, cluster_n) of the scale loops' GPU tests (test_fp8_gpu.py):
-# the lagged promotion and the scales prefetched n stages ahead
+# the lagged promotion, the scales prefetched n stages ahead and the scales staged in shared
+# memory (with the lag where the tile has room for it)
 LOOP_CASES = [("lagged", "cooperative", (128, 128), 1, 1),
               ("lagged", "cooperative", (128, 128), 1, 2),
               ("lagged", "cooperative", (128, 128), 2, 1), ("lagged", "pingpong", (64, 128), 1, 1),
@@ -26,9 +28,13 @@ LOOP_CASES = [("lagged", "cooperative", (128, 128), 1, 1),
               ("ahead2", "cooperative", (128, 128), 1, 2),
               ("ahead3", "cooperative", (128, 128), 1, 1),
               ("ahead4", "cooperative", (128, 192), 2, 1), ("ahead2", "pingpong", (64, 128), 1, 1),
-              ("ahead3", "pingpong", (128, 64), 1, 1), ("ahead2", "cooperative", (128, 160), 1, 1)]
+              ("ahead3", "pingpong", (128, 64), 1, 1), ("ahead2", "cooperative", (128, 160), 1, 1),
+              ("smem", "cooperative", (128, 128), 1, 1), ("smem", "cooperative", (128, 128), 1, 2),
+              ("smem", "cooperative", (128, 128), 2, 1), ("smem", "pingpong", (64, 128), 1, 1),
+              ("smem", "cooperative", (128, 192), 1, 2), ("smem", "pingpong", (128, 64), 1, 1),
+              ("smem", "cooperative", (128, 160), 1, 1), ("smem", "pingpong", (64, 192), 1, 1)]
 # the loops test_scale_loop_long_k_tail_split_and_forms runs
-FORM_LOOPS = ("lagged", "ahead2", "ahead3")
+FORM_LOOPS = ("lagged", "ahead2", "ahead3", "smem")
 
 
 def fp8_test_variants() -> list:
@@ -40,11 +46,22 @@ def fp8_test_variants() -> list:
         choice = choose_fp8(form, config or GemmConfig(), avg_m, N, K, out.itemsize,
                             granularity)
         keys.add(fp8_compile_key(form, fp8, out, granularity, choice))
-        for loop in loops:  # the same choice with another loop (test_fp8_gpu.py's LOOPS)
-            change = ({"promote_lag": True, "scale_ahead": 1} if loop == "lagged"
+        # The same choice with the plain loop and with each other loop (test_fp8_gpu.py's
+        # _plain_and and LOOPS)
+        plain = dataclasses.replace(choice, smem_scales=False, promote_lag=False,
+                                    scale_ahead=1)
+        if loops:
+            keys.add(fp8_compile_key(form, fp8, out, granularity, plain))
+        lag_fits = fp8_tile_problem(choice.schedule, choice.tile_m, choice.tile_n, "block",
+                                    promote_lag=True) is None
+        for loop in loops:
+            if loop == "smem" and form != "varlen":
+                continue  # (built for the varlen form; its test skips the others)
+            change = ({"promote_lag": True} if loop == "lagged"
+                      else {"smem_scales": True, "promote_lag": lag_fits} if loop == "smem"
                       else {"scale_ahead": int(loop.removeprefix("ahead"))})
             keys.add(fp8_compile_key(form, fp8, out, granularity,
-                                     dataclasses.replace(choice, **change)))
+                                     dataclasses.replace(plain, **change)))
 
     def cute(**f):
         return GemmConfig(backend="cute", **f)
@@ -54,7 +71,7 @@ def fp8_test_variants() -> list:
         from moe_gemm.ops.masked_launch import _masked_choice
 
         config = config or GemmConfig()
-        choice = _masked_choice(choose_fp8("varlen", config, min(expected_m or M, M), N, K,
+        choice = _masked_choice(choose_fp8("masked", config, min(expected_m or M, M), N, K,
                                            out.itemsize, granularity), config)
         keys.add(fp8_compile_key("masked", E4M3, out, granularity, choice))
 
@@ -114,6 +131,8 @@ def fp8_test_variants() -> list:
         add(form, "block", cute(schedule="cooperative", tile_m=128, tile_n=128), 100, 264,
             384, loops=FORM_LOOPS)
     add("varlen", "block", None, 300 / 4, 40, 640, loops=FORM_LOOPS)  # a narrow two-block tile
+    for K in (512, 640):  # test_staged_scale_layouts
+        add("varlen", "block", cute(tail_split=False), 701 / 5, 392, K, loops=("smem",))
     # The FP8 benchmark's shapes, its default and sweep configs (benchmarks/bench_fp8.py).
     try:
         from benchmarks import bench_fp8
@@ -121,8 +140,10 @@ def fp8_test_variants() -> list:
         bench_fp8 = None
     for shape in bench_fp8.SHAPES if bench_fp8 else ():
         avg = shape.rows if shape.form == "batched" else shape.rows / shape.groups
-        for g in ("block", "row"):
-            add(shape.form, g, None, avg, shape.N, shape.K)
+        add(shape.form, "row", None, avg, shape.N, shape.K)
+        # its -ring, -ahead1, -ahead4 and -lag rows beside the default
+        add(shape.form, "block", None, avg, shape.N, shape.K,
+            loops=("ahead3", "ahead4", "lagged"))
         for cfg in bench_fp8.sweep_configs(shape).values():
             add(shape.form, "block", cfg, avg, shape.N, shape.K)
     for g in ("block", "row"):

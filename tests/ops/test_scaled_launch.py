@@ -170,12 +170,17 @@ def test_default_cluster_only_where_the_config_leaves_it(fp8_kernel):
 
 
 def test_lagged_promotion_is_opt_in(fp8_kernel, monkeypatch):
-    """MOE_GEMM_FP8_PROMOTE_LAG=1 asks for the lagged promotion; it is taken where it is built
-    (block scales, a tile with room for a third accumulator), and a repeated call's cached
-    plan follows the switch."""
+    """With the scales loaded by the math threads (MOE_GEMM_FP8_SMEM_SCALES=0, and the
+    batched and general forms), MOE_GEMM_FP8_PROMOTE_LAG=1 asks for the lagged promotion; it
+    is taken where it is built (block scales, a tile with room for a third accumulator), and
+    a repeated call's cached plan follows the switch."""
     choose = heuristics_fp8.choose_fp8
     monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV, raising=False)
+    monkeypatch.setenv(heuristics_fp8.SMEM_SCALES_ENV, "0")
     assert not choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
+    monkeypatch.delenv(heuristics_fp8.SMEM_SCALES_ENV)
+    assert not choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
+    monkeypatch.setenv(heuristics_fp8.SMEM_SCALES_ENV, "0")
     monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "1")
     assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
     assert choose("varlen", GemmConfig(), 4, 4096, 7168, 2, "block").promote_lag  # ping-pong
@@ -212,6 +217,7 @@ def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
     default = heuristics_fp8.DEFAULT_SCALE_AHEAD
     monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV, raising=False)
     monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(heuristics_fp8.SMEM_SCALES_ENV, "0")  # the ring, not staged scales
     assert default > 1
     coop = choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
     assert coop.schedule == "cooperative" and coop.scale_ahead == default
@@ -254,6 +260,63 @@ def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
             key = _key_that_ran(fp8_kernel, lambda: assert_fp8_close(
                 scaled_grouped_mm(x, w, sa, sb, offs), ref))
             assert key.scale_ahead == n and key.name().endswith(f"_ahead{n}") == (n != 1)
+
+
+def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
+    """Varlen block-scaled tiles with room for the lag stage their scales in shared memory
+    and promote a stage behind by default; other forms, row-wise scales and tiles spanning
+    two scale blocks do not. MOE_GEMM_FP8_SMEM_SCALES=0 / 1 forces the ring / the staged
+    scales (with the lag only where it fits), a pinned scale depth means the ring, a bad
+    value is refused with the variable named, and the launch hands the kernel M-major A
+    scales and k-block-major B scales (any layout given) with an unchanged result."""
+    choose = heuristics_fp8.choose_fp8
+    env = heuristics_fp8.SMEM_SCALES_ENV
+    for name in (env, heuristics_fp8.PROMOTE_LAG_ENV, heuristics_fp8.SCALE_AHEAD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    wide = GemmConfig(schedule="cooperative", tile_m=128, tile_n=192)
+    for avg in (4, 64, 2048):  # ping-pong 64x128, cooperative 128x128 (paired or not)
+        c = choose("varlen", GemmConfig(), avg, 4096, 7168, 2, "block")
+        assert c.smem_scales and c.promote_lag and c.scale_ahead == 1
+    for c in (choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row"),
+              choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block"),
+              choose("general", GemmConfig(), 64, 4096, 7168, 2, "block"),
+              choose("varlen", wide, 64, 4096, 7168, 2, "block")):
+        assert not c.smem_scales
+    monkeypatch.setenv(heuristics_fp8.SCALE_AHEAD_ENV, "2")
+    pinned = choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
+    assert not pinned.smem_scales and pinned.scale_ahead == 2
+    monkeypatch.delenv(heuristics_fp8.SCALE_AHEAD_ENV)
+    monkeypatch.setenv(env, "0")
+    ring = choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
+    assert not ring.smem_scales and not ring.promote_lag
+    assert ring.scale_ahead == heuristics_fp8.DEFAULT_SCALE_AHEAD
+    monkeypatch.setenv(env, "1")
+    staged_wide = choose("varlen", wide, 64, 4096, 7168, 2, "block")
+    assert staged_wide.smem_scales and not staged_wide.promote_lag
+    assert not choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block").smem_scales
+    for bad in ("2", "maybe", "-1"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
+    monkeypatch.delenv(env)
+    x, w, sa, sb, offs = make_fp8_moe_inputs(301, 3, 640, 256, "block", seed=27)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+    before = len(fp8_kernel.calls)
+    for on in ("0", "1", None):
+        if on is None:
+            monkeypatch.delenv(env)
+        else:
+            monkeypatch.setenv(env, on)
+        key = _key_that_ran(fp8_kernel, lambda: assert_fp8_close(
+            scaled_grouped_mm(x, w, sa, sb, offs), ref))
+        assert key.smem_scales == (on != "0")
+        assert key.name().endswith("_lag_sscales") == (on != "0")
+    for call in fp8_kernel.calls[before:]:
+        sfa, sfb = call[3], call[4]
+        if sfa.stride(0) == 1:  # the staged launches: TMA-ready layouts, aligned strides
+            assert sfa.stride(1) % 4 == 0 and sfa.stride(1) >= sfa.shape[0]
+            assert sfb.stride(1) == 1 and sfb.stride(2) % 4 == 0 and sfb.stride(0) % 4 == 0
+    assert sum(c[3].stride(0) == 1 for c in fp8_kernel.calls[before:]) == 2
 
 
 def test_pins_honoured_and_refused(fp8_kernel):

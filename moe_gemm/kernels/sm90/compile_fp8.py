@@ -46,12 +46,14 @@ class Fp8CompileKey:
     tail_split: bool = False
     promote_lag: bool = False  # the promotion one stage behind the WGMMAs
     scale_ahead: int = 1  # block scales: stages ahead of their promotion the scales load
+    smem_scales: bool = False  # block scales staged in shared memory by TMA (varlen)
 
     def name(self) -> str:
         return "_".join(["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode,
                          self.schedule, self.visitor, str(self.tile_m), str(self.tile_n)]
                         + option_parts(self) + (["lag"] if self.promote_lag else [])
-                        + ([f"ahead{self.scale_ahead}"] if self.scale_ahead != 1 else []))
+                        + ([f"ahead{self.scale_ahead}"] if self.scale_ahead != 1 else [])
+                        + (["sscales"] if self.smem_scales else []))
 
     def kernel(self) -> GroupedGemmFp8Sm90:
         return GroupedGemmFp8Sm90(
@@ -60,7 +62,7 @@ class Fp8CompileKey:
             trace=self.trace, l2_hints=self.l2_hints, epi_n=self.epi_n,
             cluster_m=self.cluster_m, cluster_n=self.cluster_n, epi_whole=self.epi_whole,
             tail_split=self.tail_split, promote_lag=self.promote_lag,
-            scale_ahead=self.scale_ahead,
+            scale_ahead=self.scale_ahead, smem_scales=self.smem_scales,
         )
 
 
@@ -89,7 +91,16 @@ def fake_arguments(key: Fp8CompileKey) -> tuple:
     else:
         a = _fake(ab, (rows, k), leading_dim=1)
         out = _fake(d, (rows, n), leading_dim=1)
-        if key.form == "varlen":
+        if key.form == "varlen" and key.smem_scales:
+            # TMA-loaded: sfa M-major, sfb k-block-major, 16-byte aligned (scaled_launch.py)
+            sfa = cute.runtime.make_fake_tensor(
+                cutlass.Float32, (rows, kb), stride=(1, cute.sym_int64(divisibility=4)),
+                assumed_align=16)
+            sfb = cute.runtime.make_fake_tensor(
+                cutlass.Float32, (cute.sym_int(), kb, cols),
+                stride=(cute.sym_int64(divisibility=4), 1, cute.sym_int64(divisibility=4)),
+                assumed_align=16)
+        elif key.form == "varlen":
             sfa = _fake_scales((rows, kb))
             sfb = _fake_scales((cute.sym_int(), kb, cols))
         else:
@@ -159,7 +170,8 @@ def compile_any(key, keep_dir: str | None = None):
 def fp8_check_variants() -> list[Fp8CompileKey]:
     """The FP8 variants `moe-gemm check` compiles (a few seconds each, so a handful): each
     form, both scale modes, both schedules, a two-scale-block tile, a cluster, the tail split,
-    e5m2, every output dtype, the lagged promotion and the prefetched scales at least once."""
+    e5m2, every output dtype, the lagged promotion, the prefetched and the staged scales at
+    least once."""
     def key(form, ab, d, mode, schedule, tile, **extra):
         return Fp8CompileKey(form, ab, d, mode, schedule, "device", *tile, **extra)
 
@@ -178,4 +190,9 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             scale_ahead=2),
         key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128), scale_ahead=3),
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 192), cluster_n=2,
+            smem_scales=True),
+        key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128), smem_scales=True),
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
+            smem_scales=True, promote_lag=True),
     ]

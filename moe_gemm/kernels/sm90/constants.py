@@ -123,7 +123,8 @@ def epilogue_staging(schedule: str, d_tile_n: int, epi_n: int = 32,
 def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: int,
                    subtile: tuple[int, int], buffers: int, groups: int, epi_whole: bool,
                    smem_bytes: int = SM90_SMEM_BYTES,
-                   want: int | None = None, extra_bytes: int = 0) -> tuple[int, int]:
+                   want: int | None = None, extra_bytes: int = 0,
+                   stage_extra_bytes: int = 0) -> tuple[int, int]:
     """(most A/B stages, epilogue buffers per group) that fit in `smem_bytes` beside the
     epilogue staging, the scheduler ring and the barriers. When the default staging would
     leave fewer than 3 A/B stages (256-row tiles with fp32 output), it shrinks to 2 buffers:
@@ -135,8 +136,9 @@ def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: 
     by default (A/B stages first): cooperative 128x192 and ping-pong 128x208 get a fifth stage
     at bf16 (40-42 KiB a stage) with 3 buffers instead of 4. Which one is faster is the
     tuner's question, so the default (want None) keeps the staging. `extra_bytes`: other
-    shared memory of the kernel (the gather's row buffer)."""
-    ab_bytes = (tile_m + tile_n) * tile_k * ab_bits // 8
+    shared memory of the kernel (the gather's row buffer); `stage_extra_bytes`: what each A/B
+    stage carries beside its operands (the FP8 kernel's staged block scales)."""
+    ab_bytes = (tile_m + tile_n) * tile_k * ab_bits // 8 + stage_extra_bytes
     subtile_bytes = subtile[0] * subtile[1] * d_bits // 8
 
     def fit(n_buffers: int) -> int:

@@ -167,6 +167,11 @@ class TmaOperands:
     tma_b: cute.Tensor
     atom_d: cute.CopyAtom
     tma_d: cute.Tensor
+    # The staged scales' loads (staged_scale_floats); D's atom and tensor where there are none.
+    atom_sa: cute.CopyAtom
+    tma_sa: cute.Tensor
+    atom_sb: cute.CopyAtom
+    tma_sb: cute.Tensor
 
 
 class ProblemArgs(ArgGroup):
@@ -214,6 +219,13 @@ class GroupedGemmSm90:
     # K per pipeline stage: one 128-byte swizzle row of the input dtype (64 16-bit values;
     # the FP8 subclass, grouped_gemm_fp8.py, takes 128).
     tile_k: int = TILE_K
+    # fp32 values per A/B stage (a slot) that the load warp's TMA copies beside the operands,
+    # and their bytes, which the stage's full barrier also waits for (the FP8 subclass's staged
+    # block scales; none here). A subclass that sets them provides scale_tma_atoms(args) (two
+    # extra TMA loads, traced in build_and_launch) and scale_loads(tma, work, staged), an
+    # object whose fill_stage(k, stage, barrier) issues k-tile k's copies.
+    staged_scale_floats: int = 0
+    staged_tx_bytes: int = 0
 
     def __init__(
         self,
@@ -365,7 +377,8 @@ class GroupedGemmSm90:
             self.tile_m, self.tile_n, self.tile_k, self.ab_dtype.width, self.d_dtype.width,
             self.epi_tile, self.epi_stages, self.num_epi_groups, self.epi_whole,
             get_smem_capacity_in_bytes("sm_90"), want=requested,
-            extra_bytes=self.tile_m * 4 if self.gather_rows_in_smem else 0)
+            extra_bytes=self.tile_m * 4 if self.gather_rows_in_smem else 0,
+            stage_extra_bytes=self.staged_scale_floats * 4)
         if requested is not None:
             if requested > stages:
                 raise ValueError(f"{requested} A/B stages of {self.tile_m}x{self.tile_n} do not "
@@ -529,6 +542,9 @@ class GroupedGemmSm90:
             op_b, mB, b_smem, (b_box, self.tile_k), num_multicast=self.cluster_m
         )
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD_tma, d_smem, self.epi_tile)
+        atom_sa, tma_sa, atom_sb, tma_sb = tma_atom_d, tma_d, tma_atom_d, tma_d
+        if const_expr(self.staged_scale_floats > 0):
+            atom_sa, tma_sa, atom_sb, tma_sb = self.scale_tma_atoms(args)
 
         @cute.struct
         class SharedStorage:
@@ -554,12 +570,21 @@ class GroupedGemmSm90:
                 cute.struct.MemRange[cutlass.Int32,
                                      self.tile_m if self.gather_rows_in_smem else 1], 16
             ]
+            if const_expr(self.staged_scale_floats > 0):
+                # Per A/B stage, the fp32 values the load warp stages beside the operands (the
+                # FP8 kernel's block scales; see staged_scale_floats). Kernels without them
+                # keep their shared memory as it was.
+                stage_scales: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Float32,
+                                         self.ab_stages * self.staged_scale_floats], 128
+                ]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, args, run,
-            self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, atom_sa, tma_sa, atom_sb,
+            tma_sb, args, run, self.tiled_mma, self.a_smem_staged, self.b_smem_staged,
+            self.d_smem_staged,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
@@ -595,6 +620,10 @@ class GroupedGemmSm90:
         tma_b: cute.Tensor,
         tma_atom_d: cute.CopyAtom,
         tma_d: cute.Tensor,
+        atom_sa: cute.CopyAtom,
+        tma_sa: cute.Tensor,
+        atom_sb: cute.CopyAtom,
+        tma_sb: cute.Tensor,
         args: ProblemArgs,
         run: RunArgs,
         tiled_mma: cute.TiledMma,
@@ -602,7 +631,8 @@ class GroupedGemmSm90:
         b_smem_staged: cute.ComposedLayout,
         d_smem_staged: cute.ComposedLayout,
     ):
-        tma = TmaOperands(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d)
+        tma = TmaOperands(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, atom_sa,
+                          tma_sa, atom_sb, tma_sb)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
@@ -620,6 +650,7 @@ class GroupedGemmSm90:
         gather_threads = GATHER_WARPS * 32 if const_expr(self.gather_a) else 0
         if const_expr(not self.gather_a):
             tx_bytes = tx_bytes + cute.size_in_bytes(self.ab_dtype, a_smem)
+        tx_bytes = tx_bytes + self.staged_tx_bytes
         consumer_warps = 4 if const_expr(self.pingpong) else 8
         # A stage is free once every consumer warp of every CTA it is multicast to is done
         # with it: lane r of each consumer warp arrives on CTA r's empty barrier. (Ping-pong
@@ -656,6 +687,10 @@ class GroupedGemmSm90:
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
         sched = storage.sched.get_tensor(cute.make_layout((RECORD_INTS, SCHED_STAGES)))
+        staged = None  # the staged scales' ring (FP8 smem_scales), (floats, stage)
+        if const_expr(self.staged_scale_floats > 0):
+            staged = storage.stage_scales.get_tensor(
+                cute.make_layout((self.staged_scale_floats, self.ab_stages)))
         problems = self.make_problems(args)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
@@ -685,14 +720,15 @@ class GroupedGemmSm90:
                               cute.slice_(d_smem_staged, (None, None, 0)),
                               gather, ab_pipe)
             if warp_idx == self.load_warp:
-                self.load_role(ab_pipe, sched_pipe, sched, tma, problems, sA, sB, run, gather)
+                self.load_role(ab_pipe, sched_pipe, sched, tma, problems, sA, sB, run, gather,
+                               staged)
             if const_expr(self.gather_a):
                 if warp_idx >= GATHER_FIRST_WARP:
                     gather_role(self, ab_pipe, sched_pipe, sched, gather)
         else:
             cute.arch.setmaxregister_increase(self.math_regs)
             self.math_role(ab_pipe, sched_pipe, sched, tiled_mma, sA, sB, sD, tma,
-                           problems, run, tidx, warp_idx, wg_idx - 1)
+                           problems, run, tidx, warp_idx, wg_idx - 1, staged)
 
     # ------------------------------------------------------------------------------------------
     # Load warp
@@ -709,10 +745,14 @@ class GroupedGemmSm90:
         sB: cute.Tensor,
         run: RunArgs,
         gather: RowGather | None,
+        staged: cute.Tensor | None,
     ):
         if const_expr(problems.form != "general"):
             cpasync.prefetch_descriptor(tma.atom_a)
             cpasync.prefetch_descriptor(tma.atom_b)
+            if const_expr(self.staged_scale_floats > 0):
+                cpasync.prefetch_descriptor(tma.atom_sa)
+                cpasync.prefetch_descriptor(tma.atom_sb)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         cta, _, _ = cute.arch.block_idx()
@@ -763,6 +803,9 @@ class GroupedGemmSm90:
             problems.acquire_load_descs(desc_base)
             if const_expr(self.gather_a):
                 gather.start_tile(work)
+            scale_loads = None
+            if const_expr(self.staged_scale_floats > 0):
+                scale_loads = self.scale_loads(tma, work, staged)
             for kk in cutlass.range(0, work.k_tiles, 1, unroll=1):
                 k = kk + work.k_start  # (0 unless this is a tail split's upper half)
                 ab_pipe.producer_acquire(ab_state)
@@ -787,6 +830,8 @@ class GroupedGemmSm90:
                     )
                 if const_expr(self.gather_a):  # this warp's share of A's rows
                     gather.fill_stage(work, kk, ab_pipe, ab_state)
+                if const_expr(self.staged_scale_floats > 0):
+                    scale_loads.fill_stage(k, ab_state.index, bar)
                 ab_pipe.producer_commit(ab_state)
                 ab_state.advance()
             work, read_state = consume_work(sched_pipe, sched, read_state)
@@ -811,6 +856,7 @@ class GroupedGemmSm90:
         tidx: Int32,
         warp_idx: Int32,
         math_wg: Int32,  # 0 or 1
+        staged: cute.Tensor | None,
     ):
         if const_expr(self.pingpong):
             mma_tidx = tidx % self.threads_per_wg
@@ -861,7 +907,8 @@ class GroupedGemmSm90:
                     barrier_id=BAR_MMA_ORDER + math_wg, number_of_threads=2 * self.threads_per_wg
                 )
             ab_state = self.mainloop(ab_pipe, ab_state, tiled_mma, acc, tCrA, tCrB,
-                                     work.k_tiles, num_k_blocks, math_wg, work, problems)
+                                     work.k_tiles, num_k_blocks, math_wg, work, problems,
+                                     staged)
             role = work.role
             if const_expr(self.tail_split):
                 kind = work.kind()
@@ -911,9 +958,11 @@ class GroupedGemmSm90:
         math_wg: Int32,
         work: WorkTile,
         problems,
+        staged: cute.Tensor | None,
     ) -> pipeline.PipelineState:
-        """acc = A_tile @ B_tile over k_tiles stages (zeros when k_tiles == 0). (work and
-        problems: the tile and its accessor, for subclasses whose mainloop needs them.)"""
+        """acc = A_tile @ B_tile over k_tiles stages (zeros when k_tiles == 0). (work,
+        problems and staged: the tile, its accessor and the staged scales, for subclasses
+        whose mainloop needs them.)"""
         if k_tiles == 0:
             acc.fill(0.0)  # (an empty K: the tile is zeros)
         # The first k-block's WGMMAs overwrite the accumulators (scale-d 0) instead of adding

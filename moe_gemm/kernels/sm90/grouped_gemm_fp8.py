@@ -16,23 +16,29 @@ epilogue); this class changes:
   ("outer", whose scales multiply the finished tile once). Hopper's FP8 tensor cores keep
   fewer accumulator bits than fp32; promoting every 128 of K keeps long-K sums (K = 7168,
   14336) at fp32 accuracy, as DeepGEMM and CUTLASS's non-fast-accum FP8 kernels do.
-- scales are read by the math threads straight from global memory (they are tiny: a 128x128
-  tile's stage needs 128 A scales and one or two B scales, 0.5 KiB beside 32 KiB of operands),
-  ahead of their use (one stage in the plain loop, more in the prefetched one). Any strides
-  are accepted; the row index is clamped into the scale tensor, so rows past an expert's end
-  or past T read a valid (unused) scale.
+- scales are tiny (a 128x128 tile's stage needs 128 A scales and one or two B scales, 0.5 KiB
+  beside 32 KiB of operands). The math threads read them straight from global memory ahead
+  of their use (one stage in the plain loop, more in the prefetched one), with any strides
+  and the row index clamped into the scale tensor (rows past an expert's end or past T read
+  a valid, unused scale); or, in the varlen form (smem_scales), the load warp stages them in
+  shared memory by TMA beside each stage's operands (ScaleLoads) from M-major A scales and
+  k-block-major B scales (ops/scaled_launch.py lays them out so).
 
 In the plain stage loop each warpgroup waits for its stage's WGMMAs, then promotes: the tensor
 cores stay busy only while the other warpgroup's WGMMAs run. The lagged loop (promote_lag,
-block scales; opt-in through MOE_GEMM_FP8_PROMOTE_LAG=1 until it is timed on a GPU) issues
+block scales; with global scale loads opt-in through MOE_GEMM_FP8_PROMOTE_LAG=1) issues
 stage k's WGMMAs before promoting stage k-1 within each warpgroup, at the cost of a third
 accumulator (tiles of at most 64 accumulator registers per thread); the promotions add in the
 same order, so its output is bit for bit the plain loop's. The prefetched loop (scale_ahead,
-block scales; by default 3 stages on tiles within one scale block, ops/heuristics_fp8.py) is
+block scales; by default 3 stages on the batched and general forms' tiles within one scale
+block, ops/heuristics_fp8.py) is
 the plain loop with each stage's scales loaded that many stages ahead into a ring of
 registers, so the B scale's L2 latency (a new line every stage) no longer holds back the
-stage's last WGMMA; its output is bit for bit the plain loop's too. The second accumulator caps
-the tiles (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to
+stage's last WGMMA; its output is bit for bit the plain loop's too. With staged scales the
+lagged loop reads a stage's scales from shared memory once its WGMMAs are issued
+(_mainloop_staged_lagged: the varlen default where the third accumulator fits, see
+ops/heuristics_fp8.py); loaded from global memory instead, the lag ran 25-36% slower than
+the ring. The second accumulator caps the tiles (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to
 192 or 128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176
 and 208 columns are refused); a tile whose columns straddle a block boundary picks each
 8-column group's B scale by a run-time split.
@@ -41,12 +47,13 @@ and 208 columns are refused); a tile whose columns straddle a block boundary pic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .constants_fp8 import (
     FP8_TILE_K,
@@ -161,6 +168,66 @@ def fragment_map(coords: list[tuple[int, int]]) -> FragmentMap:
                        tuple(col_slot.index(q) for q in range(len(cols))))
 
 
+# Staged scales (smem_scales): per A/B stage, a slot of fp32 holds a box of A scales, then
+# one of B scales, each loaded by TMA. A TMA box must start 16 bytes into its contiguous axis
+# (a box whose first coordinate there is not a multiple of 4 fp32 stops the kernel with an
+# illegal instruction on an H200), so each box starts at the aligned coordinate below what
+# the tile needs and the math threads read at the offset: tile_m + 4 rows of the M-major A
+# scales from the tile's first row rounded down to 4, and (4 k-blocks, 2 column blocks) of the
+# k-block-major B scales from the stage's k-block rounded down to 4 (both column blocks a tile
+# can span). Slots and the B box's offset are multiples of 128 bytes.
+SA_PAD = 4
+SB_BOX = (4, 2)
+SB_FLOATS = SB_BOX[0] * SB_BOX[1]
+
+
+def _round32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def staged_sb_offset(tile_m: int) -> int:
+    return _round32(tile_m + SA_PAD)
+
+
+def staged_slot_floats(tile_m: int) -> int:
+    return _round32(staged_sb_offset(tile_m) + SB_FLOATS)
+
+
+@dataclass(frozen=True)
+class ScaleLoads:
+    """The load warp's TMA copies of one tile's block scales into the stage ring
+    (smem_scales): per k-tile, the A scales of the tile's rows (one (tile_m, 1) box of the
+    M-major sfa: rows past T are zero filled, rows past an expert's end are another expert's,
+    and nothing stores either) and an SB_BOX box of B scales at (k, the tile's first
+    128-column block) of the k-block-major sfb (its second column block and k-blocks past
+    the last are zero filled past the ends; the stage uses k's two).
+    Both land on the stage's full barrier beside A and B (its transaction count includes
+    them), so the barrier costs no extra arrival and the load warp issues two more TMA copies
+    a stage. Frozen: the load loop reads it without carrying it."""
+
+    atom_sa: Any
+    atom_sb: Any
+    sa_box: Any  # (tile_m + SA_PAD, 1)
+    sSA: cute.Tensor  # (sa_box, stage) in shared memory
+    gSA: cute.Tensor  # (rows, k blocks) of sfa from the tile's first row rounded down to 4
+    sSB: cute.Tensor  # (SB_BOX, stage) in shared memory
+    gSB: cute.Tensor  # (k blocks, column blocks) of the problem from the tile's first
+
+    @cute.jit
+    def fill_stage(self, k: Int32, stage: Int32, bar):
+        sa_box = cute.local_tile(cute.domain_offset((0, k), self.gSA), self.sa_box, (None, None))
+        tSAs, tSAg = cpasync.tma_partition(
+            self.atom_sa, 0, cute.make_layout(1), cute.group_modes(self.sSA, 0, 2),
+            cute.group_modes(sa_box, 0, 2))
+        cute.copy(self.atom_sa, tSAg[(None, 0, 0)], tSAs[(None, stage)], tma_bar_ptr=bar)
+        sb_box = cute.local_tile(cute.domain_offset((k & -4, 0), self.gSB), SB_BOX,
+                                 (None, None))
+        tSBs, tSBg = cpasync.tma_partition(
+            self.atom_sb, 0, cute.make_layout(1), cute.group_modes(self.sSB, 0, 2),
+            cute.group_modes(sb_box, 0, 2))
+        cute.copy(self.atom_sb, tSBg[(None, 0, 0)], tSBs[(None, stage)], tma_bar_ptr=bar)
+
+
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
     """The FP8 grouped GEMM (see the module docstring).
 
@@ -181,7 +248,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def __init__(self, ab_dtype, d_dtype, form, schedule, visitor, tile_mn, scale_mode: str,
                  ab_stages=None, trace=False, l2_hints=False, epi_n=32, cluster_m=1,
                  cluster_n=1, epi_whole=False, tail_split=False, promote_lag=False,
-                 scale_ahead=1):
+                 scale_ahead=1, smem_scales=False):
         if ab_dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
             raise ValueError(f"the FP8 kernel takes float8 e4m3 or e5m2 inputs; got {ab_dtype}")
         why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode, promote_lag)
@@ -192,9 +259,23 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError("scale_ahead (1 to 4) is built for the plain block-scaled loop; "
                              f"got {scale_ahead} with {scale_mode} scales"
                              + (" and the lagged promotion" if promote_lag else ""))
+        if smem_scales and (scale_mode != "block" or scale_ahead != 1):
+            raise ValueError("smem_scales (block scales staged by the load warp) is built for "
+                             "block scales read in the stage loop: scale_ahead 1")
         self.scale_mode = scale_mode
         self.promote_lag = promote_lag
         self.scale_ahead = scale_ahead
+        self.smem_scales = smem_scales
+        if smem_scales and tile_mn[0] + SA_PAD > 256:
+            raise ValueError("smem_scales takes tiles of at most 252 rows (a TMA box of at "
+                             "most 256)")
+        if smem_scales and form != "varlen":
+            raise ValueError("smem_scales (block scales staged by TMA) is built for the varlen "
+                             f"form; got {form}")
+        # A stage's staged scales (ScaleLoads): a slot of the tile's A scales and SB_BOX B
+        # scales, whose bytes the stage's full barrier also waits for.
+        self.staged_scale_floats = staged_slot_floats(tile_mn[0]) if smem_scales else 0
+        self.staged_tx_bytes = (tile_mn[0] + SA_PAD + SB_FLOATS) * 4 if smem_scales else 0
         super().__init__(ab_dtype, d_dtype, "k", form, schedule, visitor, tile_mn,
                          ab_stages=ab_stages, trace=trace, l2_hints=l2_hints, epi_n=epi_n,
                          cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
@@ -273,6 +354,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         math_wg: Int32,
         work: WorkTile,
         problems,
+        staged: cute.Tensor | None,
     ) -> pipeline.PipelineState:
         """acc = the scaled A_tile @ B_tile over k_tiles stages of 128 (zeros when k_tiles is
         0), promoted stage by stage (see the module docstring)."""
@@ -286,24 +368,37 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         tmp = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
         n_rows = len(fmap.row_rep)
 
-        sa, rows_lim, sb, cols_lim = problems.scale_views(work)
-        row0 = work.row_start + work.m_tile * self.tile_m  # the tile's first row in sa
         n0 = work.n_tile * self.tile_n  # the tile's first column of the output
-        # This thread's rows of sa, clamped (rows past an expert's end or past T read a valid
-        # scale that nothing stores).
-        my_rows = [cutlass.min(row0 + coords[fmap.row_rep[s]][0], rows_lim - 1)
-                   for s in range(n_rows)]
-        # Block mode: the tile's first 128-column scale block, the second one (two-block
-        # tiles), and the tile column where the second starts.
-        nb0 = n0 // SCALE_BLOCK
-        nb1 = cutlass.min(nb0 + 1, cols_lim - 1)
+        # Block mode: the tile column where its second 128-column scale block starts.
         split = SCALE_BLOCK - (n0 % SCALE_BLOCK)
+        sa, rows_lim, sb, cols_lim = None, None, None, None
+        my_rows, nb0, nb1 = None, None, None
+        if const_expr(not self.smem_scales):
+            sa, rows_lim, sb, cols_lim = problems.scale_views(work)
+            row0 = work.row_start + work.m_tile * self.tile_m  # the tile's first row in sa
+            # This thread's rows of sa, clamped (rows past an expert's end or past T read a
+            # valid scale that nothing stores).
+            my_rows = [cutlass.min(row0 + coords[fmap.row_rep[s]][0], rows_lim - 1)
+                       for s in range(n_rows)]
+            # Block mode: the tile's first 128-column scale block and the second one
+            # (two-block tiles).
+            nb0 = n0 // SCALE_BLOCK
+            nb1 = cutlass.min(nb0 + 1, cols_lim - 1)
         # A stage's scales: the thread's rows' A scales, then the tile's one or two B scales.
         n_sc = n_rows + (2 if self.blocks_spanned == 2 else 1)
         prod = cute.make_rmem_tensor((2 * n_rows,), Float32)
 
         acc.fill(0.0)
-        if const_expr(self.promote_lag):
+        if const_expr(self.smem_scales and self.promote_lag):
+            tmp1 = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+            ab_state = self._mainloop_staged_lagged(
+                ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, prod, tCrA, tCrB, k_tiles,
+                num_k_blocks, fmap, coords, staged, split, n_sc, work)
+        elif const_expr(self.smem_scales):
+            ab_state = self._mainloop_staged(
+                ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
+                num_k_blocks, fmap, coords, staged, split, n_sc, work)
+        elif const_expr(self.promote_lag):
             tmp1 = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
             sc0 = cute.make_rmem_tensor((n_sc,), Float32)
             sc1 = cute.make_rmem_tensor((n_sc,), Float32)
@@ -341,6 +436,159 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             if k_tiles > 0:
                 self._scale_outer(acc, fmap, coords, sa, my_rows, sb, n0, cols_lim)
         return ab_state
+
+    @cute.jit
+    def _mainloop_staged(self, ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB,
+                         k_tiles: Int32, num_k_blocks: cutlass.Constexpr,
+                         fmap: cutlass.Constexpr, coords: cute.Tensor, staged: cute.Tensor,
+                         split, n_sc: cutlass.Constexpr, work: WorkTile):
+        """The plain stage loop with the scales staged in shared memory by the load warp
+        (ScaleLoads), so no global load and no 64-bit index math sits in the loop. A stage's
+        scales are read one stage ahead: once the stage's WGMMAs are issued, the next stage's
+        full barrier is waited on (within the tile) and its scales read into the other half of
+        a two-entry register ring, so nothing the stage's promotion uses can hold back its
+        last WGMMA (read in the same stage, ptxas put the scale products, which wait for the
+        shared loads, in front of it: 19% slower on an H200). The loop runs two stages per
+        iteration so each ring entry has a static role. The promotions are the plain loop's,
+        in the same order."""
+        n_rows = len(fmap.row_rep)
+        # This thread's rows' A-scale slots: the row within the tile plus the box's shift
+        # (the tile's first row past a multiple of 4).
+        shift = (work.row_start + work.m_tile * self.tile_m) & 3
+        slots = [coords[fmap.row_rep[s]][0] + shift for s in range(n_rows)]
+        ring = [cute.make_rmem_tensor((n_sc,), Float32) for _ in range(2)]
+        k0 = work.k_start
+        if k_tiles > 0:
+            ab_pipe.consumer_wait(ab_state)
+            self._read_staged(ring[0], staged, ab_state.index, slots, k0, n_sc)
+        warpgroup.fence()
+        for kk in cutlass.range(0, k_tiles // 2, 1, unroll=1):
+            for r in cutlass.range_constexpr(2):
+                k = 2 * kk + r
+                tiled_mma, ab_state = self._staged_stage(
+                    ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc,
+                    ring[r], ring[1 - r], prod, fmap, split, staged, slots, k0 + k + 1, n_sc,
+                    k + 1 < k_tiles)
+        if k_tiles % 2 == 1:
+            tiled_mma, ab_state = self._staged_stage(
+                ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc, ring[0],
+                ring[1], prod, fmap, split, staged, slots, k0 + k_tiles, n_sc, False)
+        return ab_state
+
+    @cute.jit
+    def _mainloop_staged_lagged(self, ab_pipe, ab_state, tiled_mma, acc, tmp0, tmp1, prod,
+                                tCrA, tCrB, k_tiles: Int32, num_k_blocks: cutlass.Constexpr,
+                                fmap: cutlass.Constexpr, coords: cute.Tensor,
+                                staged: cute.Tensor, split, n_sc: cutlass.Constexpr,
+                                work: WorkTile):
+        """The lagged loop (_mainloop_lagged: stage k's WGMMAs issued before stage k-1 is
+        promoted, two temporaries with static roles) with the scales staged in shared memory:
+        a stage's scales are read right after its WGMMAs are issued (its full barrier has
+        been waited on, and its smem is held until it retires), a stage before their use."""
+        n_rows = len(fmap.row_rep)
+        shift = (work.row_start + work.m_tile * self.tile_m) & 3
+        slots = [coords[fmap.row_rep[s]][0] + shift for s in range(n_rows)]
+        sc0 = cute.make_rmem_tensor((n_sc,), Float32)
+        sc1 = cute.make_rmem_tensor((n_sc,), Float32)
+        k0 = work.k_start
+        release_state = ab_state.clone()
+        if k_tiles > 0:
+            tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA, tCrB,
+                                          num_k_blocks)
+            self._read_staged(sc0, staged, ab_state.index, slots, k0, n_sc)
+            ab_state.advance()
+            for kk in cutlass.range(0, (k_tiles - 1) // 2, 1, unroll=1):
+                k1 = 2 * kk + 1
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
+                                              tCrB, num_k_blocks)
+                self._read_staged(sc1, staged, ab_state.index, slots, k0 + k1, n_sc)
+                ab_state.advance()
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA,
+                                              tCrB, num_k_blocks)
+                self._read_staged(sc0, staged, ab_state.index, slots, k0 + k1 + 1, n_sc)
+                ab_state.advance()
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 1, acc, tmp1, sc1, prod, fmap, split)
+            if k_tiles % 2 == 0:
+                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
+                                              tCrB, num_k_blocks)
+                self._read_staged(sc1, staged, ab_state.index, slots, k0 + k_tiles - 1, n_sc)
+                ab_state.advance()
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 0, acc, tmp1, sc1, prod, fmap, split)
+            else:
+                release_state = self._retire_and_promote(
+                    ab_pipe, release_state, 0, acc, tmp0, sc0, prod, fmap, split)
+        return ab_state
+
+    @cute.jit
+    def _staged_stage(self, ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                      num_k_blocks: cutlass.Constexpr, acc, sc, sc_next, prod,
+                      fmap: cutlass.Constexpr, split, staged: cute.Tensor, slots,
+                      k_next: Int32, n_sc: cutlass.Constexpr, has_next):
+        """One stage of _mainloop_staged: its WGMMAs into tmp; the next stage's scales into
+        sc_next (when the tile has one); wait, release, promote tmp with sc."""
+        tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                                      num_k_blocks)
+        if has_next:
+            nxt = ab_state.clone()
+            nxt.advance()
+            ab_pipe.consumer_wait(nxt)
+            self._read_staged(sc_next, staged, nxt.index, slots, k_next, n_sc)
+        warpgroup.wait_group(0)
+        ab_pipe.consumer_release(ab_state)
+        ab_state.advance()
+        self._promote(acc, tmp, sc, prod, fmap, split)
+        return tiled_mma, ab_state
+
+    @cute.jit
+    def _read_staged(self, buf: cute.Tensor, staged: cute.Tensor, stage: Int32, slots,
+                     k: Int32, n_sc: cutlass.Constexpr):
+        """buf = stage `stage` (k-block k)'s staged scales: the thread's rows' A scales, then
+        the B scale(s) (k's entry of the B box, which starts at k rounded down to 4)."""
+        n_rows = len(slots)
+        for s in cutlass.range_constexpr(n_rows):
+            buf[s] = staged[slots[s], stage]
+        sb = staged_sb_offset(self.tile_m) + (k & 3)
+        for b in cutlass.range_constexpr(n_sc - n_rows):  # column block b
+            buf[n_rows + b] = staged[sb + SB_BOX[0] * b, stage]
+
+    def scale_tma_atoms(self, args: Fp8ProblemArgs):
+        """(atom, tensor) of the A scales' and the B scales' TMA loads (smem_scales; traced
+        in build_and_launch). sfa (T, KB) is M-major and sfb (E, KB, C) k-block-major (a
+        checkpoint's (N / 128, K / 128) blocks transposed), both with 16-byte aligned strides
+        (ops/scaled_launch.py copies scales that are not)."""
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        sa_box = (self.tile_m + SA_PAD, 1)
+        atom_sa, tma_sa = cpasync.make_tiled_tma_atom(op, args.sfa, cute.make_layout(sa_box),
+                                                      sa_box)
+        sfb = args.sfb
+        sfb_kce = cute.make_tensor(sfb.iterator, cute.make_layout(
+            (sfb.shape[1], sfb.shape[2], sfb.shape[0]),
+            stride=(sfb.stride[1], sfb.stride[2], sfb.stride[0])))
+        atom_sb, tma_sb = cpasync.make_tiled_tma_atom(
+            op, sfb_kce, cute.make_layout(SB_BOX), SB_BOX)
+        return atom_sa, tma_sa, atom_sb, tma_sb
+
+    @cute.jit
+    def scale_loads(self, tma, work: WorkTile, staged: cute.Tensor) -> ScaleLoads:
+        """The load warp's ScaleLoads for one tile (GroupedGemmSm90.load_role)."""
+        slot = self.staged_scale_floats
+        sa_box = (self.tile_m + SA_PAD, 1)
+        sSA = cute.make_tensor(staged.iterator, cute.make_layout(
+            (*sa_box, self.ab_stages), stride=(1, sa_box[0], slot)))
+        sSB = cute.make_tensor(staged.iterator + staged_sb_offset(self.tile_m),
+                               cute.make_layout((*SB_BOX, self.ab_stages),
+                                                stride=(1, SB_BOX[0], slot)))
+        row0 = work.row_start + work.m_tile * self.tile_m
+        gSA = cute.domain_offset((row0 & -4, 0), tma.tma_sa)
+        nb0 = work.n_tile * self.tile_n // SCALE_BLOCK
+        gSB = cute.domain_offset((0, nb0), tma.tma_sb[None, None, work.problem])
+        return ScaleLoads(tma.atom_sa, tma.atom_sb, sa_box, sSA, gSA, sSB, gSB)
 
     @cute.jit
     def _mainloop_prefetched(self, ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB,
