@@ -9,7 +9,8 @@ variants_fp8.py, derived from their cases through the library's kernel choice) p
 quantizers the FP8 GPU tests launch (tests/kernels/variants_fp8.py); "fused" = those of the
 fused kernel's and the MoE layer's GPU tests only; "zoo" = the kernel our default picks for
 every model-zoo projection at every token count on a GPU of that name (--device, its shipped
-table: what a benchmark or a server on that GPU launches). --list prints the names only.
+table: what a benchmark or a server on that GPU launches); "zoo-fp8" = the FP8 kernels of
+`benchmarks.zoo --fp8`. --list prints the names only.
 
 The cache is keyed by the kernel sources and the DSL and TVM-FFI versions, not by the machine
 (a cached object that fails to load is compiled again).
@@ -43,7 +44,44 @@ def zoo_variants(device: str, nsm: int = 132) -> list:
     return sorted(keys, key=lambda k: k.name())
 
 
+def zoo_fp8_variants() -> list:
+    """The FP8 kernels `benchmarks.zoo --fp8` runs on every FP8 model's projections at every
+    token count: our block-scaled default, the same with the scales loaded by the math
+    threads (its `-ring` row) and the row-wise one (FP8 choices do not depend on the GPU)."""
+    import torch
+
+    from moe_gemm import GemmConfig
+    from moe_gemm.ops.heuristics_fp8 import SMEM_SCALES_ENV, choose_fp8
+    from moe_gemm.ops.scaled_launch import fp8_compile_key
+    from moe_gemm.tuning import zoo
+
+    keys = set()
+    old = os.environ.get(SMEM_SCALES_ENV)
+    try:
+        for smem in (None, "0"):
+            if smem is None:
+                os.environ.pop(SMEM_SCALES_ENV, None)
+            else:
+                os.environ[SMEM_SCALES_ENV] = smem
+            for m in zoo.select_models(",".join(zoo.FP8_MODELS)):
+                for p in m.projections():
+                    for t in zoo.TOKENS:
+                        rows = sum(zoo.topk_counts(p.E, t, min(p.top_k, p.E), 0))
+                        for g in ("block", "row"):
+                            c = choose_fp8("varlen", GemmConfig(), rows / p.E, p.N, p.K, 2, g)
+                            keys.add(fp8_compile_key("varlen", torch.float8_e4m3fn,
+                                                     torch.bfloat16, g, c))
+    finally:
+        if old is None:
+            os.environ.pop(SMEM_SCALES_ENV, None)
+        else:
+            os.environ[SMEM_SCALES_ENV] = old
+    return sorted(keys, key=lambda k: k.name())
+
+
 def variant_set(name: str, device: str | None = None) -> list:
+    if name == "zoo-fp8":
+        return zoo_fp8_variants()
     if name == "zoo":
         if not device:
             raise SystemExit("--set zoo needs --device (a shipped table's GPU name)")
@@ -117,7 +155,8 @@ def compile_all(keys: list, jobs: int, timeout: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--set", default="tests", choices=["tests", "check", "fp8", "fused", "zoo"])
+    p.add_argument("--set", default="tests",
+                   choices=["tests", "check", "fp8", "fused", "zoo", "zoo-fp8"])
     p.add_argument("--device", help="--set zoo: the GPU's name, e.g. 'NVIDIA H100 80GB HBM3'")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")

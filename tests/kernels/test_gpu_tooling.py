@@ -326,6 +326,31 @@ def test_precompile_zoo_set_is_what_the_zoo_launches(monkeypatch):
         pre.variant_set("zoo")
 
 
+def test_precompile_zoo_fp8_set_is_what_the_fp8_zoo_launches(monkeypatch):
+    # scripts/precompile.py --set zoo-fp8: our FP8 rows' kernels (block-scaled default, its
+    # ring row, row-wise) for every FP8 model's projections, whatever the switch is outside.
+    from moe_gemm.ops.heuristics_fp8 import SMEM_SCALES_ENV, choose_fp8
+    from moe_gemm.ops.scaled_launch import fp8_compile_key
+    from moe_gemm.tuning import zoo
+
+    monkeypatch.setenv(SMEM_SCALES_ENV, "1")
+    pre = _load_script("precompile")
+    keys = pre.zoo_fp8_variants()
+    assert os.environ[SMEM_SCALES_ENV] == "1"  # (restored)
+    assert {k.form for k in keys} == {"varlen"} and {k.scale_mode for k in keys} == {
+        "block", "outer"}
+    assert any(k.smem_scales for k in keys) and any(
+        k.scale_mode == "block" and not k.smem_scales for k in keys)
+    monkeypatch.delenv(SMEM_SCALES_ENV)
+    model = zoo.select_models("DeepSeek-V3")[0]
+    proj = model.projections()[0]
+    rows = sum(zoo.topk_counts(proj.E, 2048, proj.top_k, 0))
+    choice = choose_fp8("varlen", GemmConfig(), rows / proj.E, proj.N, proj.K, 2, "block")
+    assert fp8_compile_key("varlen", torch.float8_e4m3fn, torch.bfloat16, "block",
+                           choice) in keys
+    assert pre.variant_set("zoo-fp8") == keys
+
+
 def _session_report(groups: dict[str, list[str]], seconds: float) -> dict:
     tests = [{"nodeid": f"{g}::{t}", "outcome": o, "seconds": 1.0}
              for g, ts in groups.items() for t, o in (x.split(":") for x in ts)]

@@ -267,8 +267,11 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
     and promote a stage behind by default; other forms, row-wise scales and tiles spanning
     two scale blocks do not. MOE_GEMM_FP8_SMEM_SCALES=0 / 1 forces the ring / the staged
     scales (with the lag only where it fits), a pinned scale depth means the ring, a bad
-    value is refused with the variable named, and the launch hands the kernel M-major A
-    scales and k-block-major B scales (any layout given) with an unchanged result."""
+    value is refused with the variable named, decode-sized experts with K / 128 not a
+    multiple of 4 (the weight scales would be copied every call) keep the ring unless asked,
+    and the launch hands the kernel
+    M-major A scales and k-block-major B scales (any layout given) with an unchanged
+    result."""
     choose = heuristics_fp8.choose_fp8
     env = heuristics_fp8.SMEM_SCALES_ENV
     for name in (env, heuristics_fp8.PROMOTE_LAG_ENV, heuristics_fp8.SCALE_AHEAD_ENV):
@@ -277,7 +280,9 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
     for avg in (4, 64, 2048):  # ping-pong 64x128, cooperative 128x128 (paired or not)
         c = choose("varlen", GemmConfig(), avg, 4096, 7168, 2, "block")
         assert c.smem_scales and c.promote_lag and c.scale_ahead == 1
+    assert choose("varlen", GemmConfig(), 64, 4096, 768, 2, "block").smem_scales
     for c in (choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row"),
+              choose("varlen", GemmConfig(), 4, 4096, 768, 2, "block"),  # K / 128 = 6
               choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block"),
               choose("general", GemmConfig(), 64, 4096, 7168, 2, "block"),
               choose("varlen", wide, 64, 4096, 7168, 2, "block")):
@@ -299,24 +304,28 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
         with pytest.raises(ValueError, match=env):
             choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
     monkeypatch.delenv(env)
-    x, w, sa, sb, offs = make_fp8_moe_inputs(301, 3, 640, 256, "block", seed=27)
-    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
     before = len(fp8_kernel.calls)
-    for on in ("0", "1", None):
+    # K / 128 = 5 on decode-sized experts (13 rows): staged only when asked (the weight
+    # scales would be copied every call); on 100-row experts, or with K / 128 = 4, by default
+    for T, K, on, staged in ((40, 640, "0", False), (40, 640, "1", True),
+                             (40, 640, None, False), (40, 512, None, True),
+                             (301, 640, None, True), (301, 640, "0", False)):
+        x, w, sa, sb, offs = make_fp8_moe_inputs(T, 3, K, 256, "block", seed=27)
+        ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
         if on is None:
-            monkeypatch.delenv(env)
+            monkeypatch.delenv(env, raising=False)
         else:
             monkeypatch.setenv(env, on)
         key = _key_that_ran(fp8_kernel, lambda: assert_fp8_close(
             scaled_grouped_mm(x, w, sa, sb, offs), ref))
-        assert key.smem_scales == (on != "0")
-        assert key.name().endswith("_lag_sscales") == (on != "0")
+        assert key.smem_scales == staged
+        assert key.name().endswith("_lag_sscales") == staged
     for call in fp8_kernel.calls[before:]:
         sfa, sfb = call[3], call[4]
         if sfa.stride(0) == 1:  # the staged launches: TMA-ready layouts, aligned strides
             assert sfa.stride(1) % 4 == 0 and sfa.stride(1) >= sfa.shape[0]
             assert sfb.stride(1) == 1 and sfb.stride(2) % 4 == 0 and sfb.stride(0) % 4 == 0
-    assert sum(c[3].stride(0) == 1 for c in fp8_kernel.calls[before:]) == 2
+    assert sum(c[3].stride(0) == 1 for c in fp8_kernel.calls[before:]) == 3
 
 
 def test_pins_honoured_and_refused(fp8_kernel):
