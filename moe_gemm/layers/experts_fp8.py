@@ -129,8 +129,18 @@ def expert_ffn_fp8(
 
 def _quantize_acts(x: torch.Tensor, granularity: str, dtype: torch.dtype):
     if granularity == "block":
-        return quantize_fp8_per_token_group(x, dtype=dtype)
+        # token-major scales: the grouped GEMM's staged block scales load them with no copy
+        return quantize_fp8_per_token_group(x, dtype=dtype, column_major_scales=True)
     return quantize_fp8_per_row(x, dtype=dtype)
+
+
+def _gather_scales(s: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """s[index] for (T, G) token-major block scales: token-major too where the gathered rows'
+    columns stay 16-byte aligned (a multiple of 4 rows, as T x top-8 always is), else
+    row-major (the GEMM copies those into its layout); row-wise scales (T,) as they are."""
+    if s.dim() == 2 and s.stride(0) == 1 and index.numel() % 4 == 0:
+        return s.t().index_select(1, index).t()
+    return s.index_select(0, index)
 
 
 def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -147,7 +157,7 @@ def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, dow
     perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
     xq, sx = _quantize_acts(x, g, gate_up.dtype)  # T rows, before the gather
     xs = _gather_rows(xq, perm.token_index)  # (S, H), rows grouped by expert
-    ss = sx.index_select(0, perm.token_index)
+    ss = _gather_scales(sx, perm.token_index)
     # (E, K, N) K-major views of the (E, N, K) weights and of their block scales: no copy.
     s1, s2 = gate_up_scale, down_scale
     if g == "block":

@@ -19,6 +19,7 @@ The others run once per weight (load time) and are plain torch.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -64,7 +65,8 @@ def _ieee_div(a: float | torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
-                                 dtype: torch.dtype = torch.float8_e4m3fn
+                                 dtype: torch.dtype = torch.float8_e4m3fn,
+                                 column_major_scales: bool = False
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations in 1 x group_size groups along the last dim (DeepSeek-V3's recipe).
 
@@ -72,25 +74,45 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
         x: [..., K] bf16, fp16 or fp32, K a multiple of group_size.
         group_size: values per scale (128 for the FP8 ops' block scales).
         dtype: torch.float8_e4m3fn (default) or torch.float8_e5m2.
+        column_major_scales: return the scales token-major in memory (the token axis
+            contiguous, each group's column padded to a multiple of 4 tokens: 16-byte
+            aligned), the layout scaled_grouped_mm's staged block scales load as they are
+            (and DeepGEMM's and torch's blockwise scaled mm take); otherwise they are copied
+            into it on every call.
 
     Returns:
-        q [..., K] in dtype and scale [..., K / group_size] float32, x ~= q * scale.
+        q [..., K] in dtype and scale [..., K / group_size] float32, x ~= q * scale (the
+        same values in either scale layout).
     """
     x = _check_input("x", x, dtype)
     g = _check_block("group_size", group_size)
+    if not isinstance(column_major_scales, bool):
+        raise TypeError("column_major_scales must be a bool; got "
+                        f"{type(column_major_scales).__name__}")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (..., K)")
     K = x.shape[-1]
     if K % g:
         raise ValueError(f"the last dim of x (K={K}) must be a multiple of group_size={g}")
     lead = x.shape[:-1]
+    T = math.prod(lead)
+    s = _scale_buffer(T, K // g, column_major_scales, x.device)
     if x.numel() == 0:
-        return (torch.empty(x.shape, dtype=dtype, device=x.device),
-                torch.empty(*lead, K // g, dtype=torch.float32, device=x.device))
+        return torch.empty(x.shape, dtype=dtype, device=x.device), s.view(*lead, K // g)
     if g == 128 and _kernel_ok(x):
-        q, s = _quantize_kernel(x.reshape(-1, K), dtype)
+        q = _quantize_kernel(x.reshape(-1, K), dtype, s)
         return q.view(x.shape), s.view(*lead, K // g)
-    return _per_token_group_torch(x, g, dtype)
+    q, st = _per_token_group_torch(x, g, dtype)
+    s.copy_(st.reshape(T, K // g))
+    return q, s.view(*lead, K // g)
+
+
+def _scale_buffer(T: int, groups: int, column_major: bool, device) -> torch.Tensor:
+    """(T, groups) float32, row-major or token-major with 16-byte aligned columns."""
+    if not column_major:
+        return torch.empty(T, groups, dtype=torch.float32, device=device)
+    pitch = -(-T // 4) * 4
+    return torch.empty(groups, pitch, dtype=torch.float32, device=device)[:, :T].t()
 
 
 def _per_token_group_torch(x: torch.Tensor, g: int, dtype: torch.dtype):
@@ -129,15 +151,15 @@ def _quant_kernel(in_dtype: torch.dtype, out_dtype: torch.dtype):
     return cache.get_or_compile(key, key.name, lambda: compile_quant(key))
 
 
-def _quantize_kernel(x2: torch.Tensor, dtype: torch.dtype):
+def _quantize_kernel(x2: torch.Tensor, dtype: torch.dtype, s: torch.Tensor) -> torch.Tensor:
+    """q of x2 (T, K); the scales into s (T, K / 128), row- or token-major."""
     T, K = x2.shape
     q = torch.empty(T, K, dtype=dtype, device=x2.device)
-    s = torch.empty(T, K // 128, dtype=torch.float32, device=x2.device)
     if T:
         if T == 1 and x2.stride(0) % (16 // x2.element_size()):
             x2 = x2.as_strided((1, K), (K, 1))  # (a size-1 dim's stride is never used)
         _quant_kernel(x2.dtype, dtype)(x2, q, s, T * (K // 128))
-    return q, s
+    return q
 
 
 def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,

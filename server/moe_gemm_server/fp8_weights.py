@@ -70,7 +70,8 @@ def _op_scales(ws, x: torch.Tensor):
     from moe_gemm import quantize_fp8_per_row, quantize_fp8_per_token_group
 
     if ws.granularity == "block":
-        xq, sa = quantize_fp8_per_token_group(x, dtype=ws.dtype)
+        # token-major scales: what the kernel's staged scales load with no copy
+        xq, sa = quantize_fp8_per_token_group(x, dtype=ws.dtype, column_major_scales=True)
         return xq, sa, ws.scale
     xq, sa = quantize_fp8_per_row(x, dtype=ws.dtype)
     sb = ws.scale

@@ -465,12 +465,16 @@ def test_quantize_kernel_matches_torch_bit_for_bit(src, fp8):
              * 10.0 ** torch.randint(-3, 4, (T, 1), generator=gen, device=DEV)).to(src)
         x[0, :128] = 0  # an all-zero group
         assert _kernel_ok(x)  # the DSL kernel, not the torch formula, runs below
-        q, s = quantize_fp8_per_token_group(x, dtype=fp8)
         qt, st = _per_token_group_torch(x, 128, fp8)
-        same = bool(torch.equal(q.view(torch.uint8), qt.view(torch.uint8))
-                    and torch.equal(s, st))
-        record(f"fp8/quantize/{src}->{fp8}/T={T},K={K}", same)
-        assert same, f"kernel and torch quantization differ ({src} -> {fp8}, {T}x{K})"
+        for column_major in (False, True):  # the scales row- or token-major in memory
+            q, s = quantize_fp8_per_token_group(x, dtype=fp8, column_major_scales=column_major)
+            if K > 128:  # (one group per token: both layouts have stride 1 there)
+                assert (s.stride(0) == 1) == column_major
+            same = bool(torch.equal(q.view(torch.uint8), qt.view(torch.uint8))
+                        and torch.equal(s, st))
+            record(f"fp8/quantize/{src}->{fp8}/T={T},K={K}/column-major={column_major}", same)
+            assert same, (f"kernel and torch quantization differ ({src} -> {fp8}, {T}x{K}, "
+                          f"column_major_scales={column_major})")
     # A strided view (rows of a wider tensor) and 3-D input.
     wide = torch.randn(33, 1024 + 256, generator=gen, device=DEV).to(src)
     q, s = quantize_fp8_per_token_group(wide[:, 256:], dtype=fp8)

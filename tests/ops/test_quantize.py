@@ -3,6 +3,8 @@ cases and errors."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -49,6 +51,26 @@ def test_per_token_group_round_trip(dtype, src):
     assert torch.equal(qg.abs().amax(-1), torch.full((7, 3, 3), FP8_MAX[dtype]))
     deq = dequantize_fp8(q, s, "group")
     _check_round_trip(x, deq, s.repeat_interleave(128, -1), dtype)
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 384), (1, 256), (5, 128), (0, 256), (4, 0)])
+def test_per_token_group_column_major_scales(shape):
+    """column_major_scales: the same values, token-major in memory (stride 1 along the
+    tokens) with each group's column padded to a multiple of 4 tokens (16-byte aligned), as
+    scaled_grouped_mm's staged scales load them."""
+    x = torch.randn(*shape, generator=_gen(5)) * 3.0
+    q, s = quantize_fp8_per_token_group(x)
+    qc, sc = quantize_fp8_per_token_group(x, column_major_scales=True)
+    assert torch.equal(q.view(torch.uint8), qc.view(torch.uint8))
+    assert sc.shape == s.shape and torch.equal(sc, s)
+    T, G = math.prod(shape[:-1]), shape[-1] // 128
+    flat = sc.reshape(T, G)  # (a view: the token dims merge)
+    if T > 1 and G > 1:
+        assert flat.stride(0) == 1 and flat.stride(1) % 4 == 0 and flat.stride(1) >= T
+        assert flat.data_ptr() % 16 == 0
+        assert flat.untyped_storage().data_ptr() == sc.untyped_storage().data_ptr()
+    with pytest.raises(TypeError, match="column_major_scales must be a bool"):
+        quantize_fp8_per_token_group(x, column_major_scales=1)  # type: ignore[arg-type]
 
 
 def test_per_token_group_zeros_small_and_saturation():

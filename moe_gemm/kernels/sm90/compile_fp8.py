@@ -131,7 +131,8 @@ class QuantCompileKey:
 
 def compile_quant(key: QuantCompileKey, keep_dir: str | None = None):
     """cute.compile the quantizer: x (T, K) with K a multiple of 128 and 16-byte aligned rows,
-    q (T, K) likewise, s (T, K/128) compact."""
+    q (T, K) likewise, s (T, K/128) with any strides (row-major, or token-major for the
+    staged FP8 kernels' TMA loads)."""
     from .quantize_fp8 import Fp8GroupQuantSm90
 
     ind, outd = DTYPES[key.in_dtype], FP8_DTYPES[key.out_dtype]
@@ -141,8 +142,8 @@ def compile_quant(key: QuantCompileKey, keep_dir: str | None = None):
     q = cute.runtime.make_fake_tensor(
         outd, (cute.sym_int(), cute.sym_int(divisibility=128)),
         stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
-    s = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
-                                              stride_order=(1, 0))
+    s = cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                      stride=(cute.sym_int64(), cute.sym_int64()))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_options(keep_dir)
     return cute.compile(Fp8GroupQuantSm90(ind, outd), x, q, s, cutlass.Int32(1), stream,
