@@ -93,12 +93,14 @@ LIBRARY_VARIABLES: dict[str, str] = {
     "MOE_GEMM_FUSED_FAST_GATE": "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid "
                                 "from the IEEE exp and divide, not the SFU's approximate "
                                 "exp2 and reciprocal (a few fp32 ulp apart)",
-    "MOE_GEMM_FP8_SCALE_AHEAD": "1-4: stages ahead the FP8 block scales are loaded (default 3 "
-                                "on tiles within one scale block; 1: the plain loop)",
+    "MOE_GEMM_FP8_SCALE_AHEAD": "1-4: stages ahead the math threads load the FP8 block scales "
+                                "where they are not staged (default 3 on tiles within one "
+                                "scale block; 1: the plain loop)",
     "MOE_GEMM_FP8_SMEM_SCALES": "1 / 0: the FP8 block scales of the varlen form staged in "
                                 "shared memory by TMA / loaded by the math threads (default: "
                                 "staged, with the lagged promotion, on tiles where it fits)",
-    "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs",
+    "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs also where "
+                                "the scales are not staged",
     "MOE_GEMM_FP8_QUANT": "torch: the FP8 quantizers run torch ops even where the kernel runs",
     "MOE_GEMM_ROUTER": "torch: the routers' top-k (softmax; sigmoid with groups) as torch "
                        "ops even where their kernels run",
