@@ -73,7 +73,7 @@ def scale_ahead_requested() -> int:
 
 
 # Block scales staged in shared memory by TMA beside each stage's operands
-# (GroupedGemmFp8Sm90._mainloop_staged_lagged), with the promotion one stage behind the
+# (GroupedGemmFp8Sm90._mainloop_lagged with ScaleLoads), with the promotion one stage behind the
 # WGMMAs where the tile has room for the third accumulator: the varlen default. The math
 # threads read a stage's scales from shared memory right after issuing its WGMMAs and
 # promote it while the next stage's run. Measured on an H200 (2026-11-29, one process,

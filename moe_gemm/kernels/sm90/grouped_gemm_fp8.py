@@ -36,12 +36,12 @@ the plain loop with each stage's scales loaded that many stages ahead into a rin
 registers, so the B scale's L2 latency (a new line every stage) no longer holds back the
 stage's last WGMMA; its output is bit for bit the plain loop's too. With staged scales the
 lagged loop reads a stage's scales from shared memory once its WGMMAs are issued
-(_mainloop_staged_lagged: the varlen default where the third accumulator fits, see
+(_mainloop_lagged with smem_scales: the varlen default where the third accumulator fits, see
 ops/heuristics_fp8.py); loaded from global memory instead, the lag ran 25-36% slower than
-the ring. The second accumulator caps the tiles (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to
-192 or 128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176
-and 208 columns are refused); a tile whose columns straddle a block boundary picks each
-8-column group's B scale by a run-time split.
+the ring. The second accumulator caps the tiles (constants_fp8.fp8_tile_problem):
+cooperative 128 x up to 192, ping-pong 64 x up to 192 or 128 x up to 96. Block-scaled tiles
+span at most two 128-column scale blocks (so 176 and 208 columns are refused); a tile whose
+columns straddle a block boundary picks each 8-column group's B scale by a run-time split.
 """
 
 from __future__ import annotations
@@ -389,22 +389,20 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         prod = cute.make_rmem_tensor((2 * n_rows,), Float32)
 
         acc.fill(0.0)
-        if const_expr(self.smem_scales and self.promote_lag):
+        if const_expr(self.promote_lag):
             tmp1 = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-            ab_state = self._mainloop_staged_lagged(
-                ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, prod, tCrA, tCrB, k_tiles,
-                num_k_blocks, fmap, coords, staged, split, n_sc, work)
+            sc0 = cute.make_rmem_tensor((n_sc,), Float32)
+            sc1 = cute.make_rmem_tensor((n_sc,), Float32)
+            slots = self._staged_slots(work, fmap, coords) if const_expr(self.smem_scales) \
+                else None
+            ab_state = self._mainloop_lagged(
+                ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, sc0, sc1, prod, tCrA, tCrB,
+                k_tiles, num_k_blocks, work, fmap, sa, my_rows, sb, nb0, nb1, split, staged,
+                slots, n_sc)
         elif const_expr(self.smem_scales):
             ab_state = self._mainloop_staged(
                 ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
                 num_k_blocks, fmap, coords, staged, split, n_sc, work)
-        elif const_expr(self.promote_lag):
-            tmp1 = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-            sc0 = cute.make_rmem_tensor((n_sc,), Float32)
-            sc1 = cute.make_rmem_tensor((n_sc,), Float32)
-            ab_state = self._mainloop_lagged(
-                ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, sc0, sc1, prod, tCrA, tCrB,
-                k_tiles, num_k_blocks, work, fmap, sa, my_rows, sb, nb0, nb1, split)
         elif const_expr(self.scale_mode == "block" and self.scale_ahead > 1):
             ab_state = self._mainloop_prefetched(
                 ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
@@ -451,11 +449,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         shared loads, in front of it: 19% slower on an H200). The loop runs two stages per
         iteration so each ring entry has a static role. The promotions are the plain loop's,
         in the same order."""
-        n_rows = len(fmap.row_rep)
-        # This thread's rows' A-scale slots: the row within the tile plus the box's shift
-        # (the tile's first row past a multiple of 4).
-        shift = (work.row_start + work.m_tile * self.tile_m) & 3
-        slots = [coords[fmap.row_rep[s]][0] + shift for s in range(n_rows)]
+        slots = self._staged_slots(work, fmap, coords)
         ring = [cute.make_rmem_tensor((n_sc,), Float32) for _ in range(2)]
         k0 = work.k_start
         if k_tiles > 0:
@@ -475,55 +469,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 ring[1], prod, fmap, split, staged, slots, k0 + k_tiles, n_sc, False)
         return ab_state
 
-    @cute.jit
-    def _mainloop_staged_lagged(self, ab_pipe, ab_state, tiled_mma, acc, tmp0, tmp1, prod,
-                                tCrA, tCrB, k_tiles: Int32, num_k_blocks: cutlass.Constexpr,
-                                fmap: cutlass.Constexpr, coords: cute.Tensor,
-                                staged: cute.Tensor, split, n_sc: cutlass.Constexpr,
-                                work: WorkTile):
-        """The lagged loop (_mainloop_lagged: stage k's WGMMAs issued before stage k-1 is
-        promoted, two temporaries with static roles) with the scales staged in shared memory:
-        a stage's scales are read right after its WGMMAs are issued (its full barrier has
-        been waited on, and its smem is held until it retires), a stage before their use."""
-        n_rows = len(fmap.row_rep)
+    def _staged_slots(self, work: WorkTile, fmap: FragmentMap, coords: cute.Tensor) -> list:
+        """This thread's rows' A-scale slots in a stage's staged scales: the row within the
+        tile plus the box's shift (the tile's first row past a multiple of 4)."""
         shift = (work.row_start + work.m_tile * self.tile_m) & 3
-        slots = [coords[fmap.row_rep[s]][0] + shift for s in range(n_rows)]
-        sc0 = cute.make_rmem_tensor((n_sc,), Float32)
-        sc1 = cute.make_rmem_tensor((n_sc,), Float32)
-        k0 = work.k_start
-        release_state = ab_state.clone()
-        if k_tiles > 0:
-            tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA, tCrB,
-                                          num_k_blocks)
-            self._read_staged(sc0, staged, ab_state.index, slots, k0, n_sc)
-            ab_state.advance()
-            for kk in cutlass.range(0, (k_tiles - 1) // 2, 1, unroll=1):
-                k1 = 2 * kk + 1
-                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
-                                              tCrB, num_k_blocks)
-                self._read_staged(sc1, staged, ab_state.index, slots, k0 + k1, n_sc)
-                ab_state.advance()
-                release_state = self._retire_and_promote(
-                    ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
-                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA,
-                                              tCrB, num_k_blocks)
-                self._read_staged(sc0, staged, ab_state.index, slots, k0 + k1 + 1, n_sc)
-                ab_state.advance()
-                release_state = self._retire_and_promote(
-                    ab_pipe, release_state, 1, acc, tmp1, sc1, prod, fmap, split)
-            if k_tiles % 2 == 0:
-                tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
-                                              tCrB, num_k_blocks)
-                self._read_staged(sc1, staged, ab_state.index, slots, k0 + k_tiles - 1, n_sc)
-                ab_state.advance()
-                release_state = self._retire_and_promote(
-                    ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
-                release_state = self._retire_and_promote(
-                    ab_pipe, release_state, 0, acc, tmp1, sc1, prod, fmap, split)
-            else:
-                release_state = self._retire_and_promote(
-                    ab_pipe, release_state, 0, acc, tmp0, sc0, prod, fmap, split)
-        return ab_state
+        return [coords[fmap.row_rep[s]][0] + shift for s in range(len(fmap.row_rep))]
 
     @cute.jit
     def _staged_stage(self, ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
@@ -642,7 +592,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def _mainloop_lagged(self, ab_pipe, ab_state, tiled_mma, acc, tmp0, tmp1, sc0, sc1, prod,
                          tCrA, tCrB, k_tiles: Int32, num_k_blocks: cutlass.Constexpr,
                          work: WorkTile, fmap: cutlass.Constexpr, sa, my_rows, sb, nb0, nb1,
-                         split):
+                         split, staged, slots, n_sc: cutlass.Constexpr):
         """The stage loop with the promotion one stage behind the WGMMAs: stage k's WGMMAs
         are issued before stage k-1's partials are promoted, so the tensor cores work while
         this warpgroup promotes (in the plain loop both warpgroups of a cooperative tile wait
@@ -650,46 +600,46 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         accumulators alternate (tmp0: even stages, tmp1: odd; the loop runs two stages per
         iteration so each has a static role), and a stage's smem is released once its WGMMAs
         retire, one stage later than in the plain loop. Costs a third accumulator
-        (constants_fp8.fp8_tile_problem)."""
+        (constants_fp8.fp8_tile_problem). The scales (sc0 / sc1 beside tmp0 / tmp1): staged
+        (smem_scales), a stage's are read from shared memory right after its WGMMAs are
+        issued (its smem is held until they retire); from global memory, each buffer's are
+        loaded right after the promotion that used them, for the stage two later (loaded
+        after their own stage's issue instead, the B scale's L2 latency was not covered)."""
         release_state = ab_state.clone()
         if k_tiles > 0:
-            # Each buffer's scales are loaded right after the promotion that used them, for
-            # the stage two later (about two stages of WGMMAs before their use; loaded after
-            # their own stage's issue instead, the B scale's L2 latency was not covered).
-            last = work.k_start + k_tiles - 1  # later stages reload the last: branch-free
-            if const_expr(self.scale_mode == "block"):
-                self._load_scales(sc0, work.k_start, fmap, sa, my_rows, sb, nb0, nb1)
-                self._load_scales(sc1, cutlass.min(work.k_start + 1, last), fmap, sa, my_rows,
-                                  sb, nb0, nb1)
+            k0 = work.k_start
+            last = k0 + k_tiles - 1  # later stages reload the last: branch-free
+            self._lag_load(sc0, k0, None, fmap, sa, my_rows, sb, nb0, nb1)
+            self._lag_load(sc1, k0 + 1, last, fmap, sa, my_rows, sb, nb0, nb1)
             # Stage 0 into tmp0; then pairs of stages with static roles (no branch inside the
             # loop, so that ptxas can see which WGMMA group each read waits for).
             tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA, tCrB,
                                           num_k_blocks)
+            self._lag_read(sc0, staged, ab_state.index, slots, k0, n_sc)
             ab_state.advance()
             for kk in cutlass.range(0, (k_tiles - 1) // 2, 1, unroll=1):
                 k1 = 2 * kk + 1
                 # Stage k1 into tmp1 while stage k1 - 1 (tmp0) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
                                               tCrB, num_k_blocks)
+                self._lag_read(sc1, staged, ab_state.index, slots, k0 + k1, n_sc)
                 ab_state.advance()
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
-                if const_expr(self.scale_mode == "block"):
-                    self._load_scales(sc0, cutlass.min(work.k_start + k1 + 1, last), fmap, sa,
-                                      my_rows, sb, nb0, nb1)
+                self._lag_load(sc0, k0 + k1 + 1, last, fmap, sa, my_rows, sb, nb0, nb1)
                 # Stage k1 + 1 into tmp0 while stage k1 (tmp1) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA,
                                               tCrB, num_k_blocks)
+                self._lag_read(sc0, staged, ab_state.index, slots, k0 + k1 + 1, n_sc)
                 ab_state.advance()
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp1, sc1, prod, fmap, split)
-                if const_expr(self.scale_mode == "block"):
-                    self._load_scales(sc1, cutlass.min(work.k_start + k1 + 2, last), fmap, sa,
-                                      my_rows, sb, nb0, nb1)
+                self._lag_load(sc1, k0 + k1 + 2, last, fmap, sa, my_rows, sb, nb0, nb1)
             if k_tiles % 2 == 0:
                 # The last stage into tmp1 while the one before (tmp0) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
                                               tCrB, num_k_blocks)
+                self._lag_read(sc1, staged, ab_state.index, slots, last, n_sc)
                 ab_state.advance()
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
@@ -699,6 +649,23 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 0, acc, tmp0, sc0, prod, fmap, split)
         return ab_state
+
+    @cute.jit
+    def _lag_load(self, buf: cute.Tensor, kb: Int32, last, fmap: cutlass.Constexpr,
+                  sa, my_rows, sb, nb0, nb1):
+        """The lagged loop's global scale load of k-block min(kb, last) (kb where last is
+        None; scales not staged)."""
+        if const_expr(self.scale_mode == "block" and not self.smem_scales):
+            if const_expr(last is not None):
+                kb = cutlass.min(kb, last)
+            self._load_scales(buf, kb, fmap, sa, my_rows, sb, nb0, nb1)
+
+    @cute.jit
+    def _lag_read(self, buf: cute.Tensor, staged, stage: Int32, slots, k: Int32,
+                  n_sc: cutlass.Constexpr):
+        """The lagged loop's read of a stage's staged scales (smem_scales)."""
+        if const_expr(self.smem_scales):
+            self._read_staged(buf, staged, stage, slots, k, n_sc)
 
     @cute.jit
     def _retire_and_promote(self, ab_pipe, release_state, pending: cutlass.Constexpr, acc,
