@@ -97,8 +97,8 @@ LIBRARY_VARIABLES: dict[str, str] = {
                                 "where they are not staged (default 3 on tiles within one "
                                 "scale block; 1: the plain loop)",
     "MOE_GEMM_FP8_SMEM_SCALES": "1 / 0: the FP8 block scales of the varlen form staged in "
-                                "shared memory by TMA / loaded by the math threads (default: "
-                                "staged, with the lagged promotion, on tiles where it fits)",
+                                "shared memory by TMA, with the lagged promotion, on tiles "
+                                "with room for it / loaded by the math threads (default 1)",
     "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs also where "
                                 "the scales are not staged",
     "MOE_GEMM_FP8_QUANT": "torch: the FP8 quantizers run torch ops even where the kernel runs",

@@ -81,10 +81,11 @@ def scale_ahead_requested() -> int:
 # ring: DeepSeek-V3 EP32 down 8k rows 256 -> 248 us, DeepGEMM's 4 x 8192 down 894 -> 873,
 # Kimi-K2 EP32 up 16k 899 -> 892, DeepSeek-V3 EP32 up 8k 459 -> 459, E=256 decode 224 ->
 # 224 (the launch's copy of row-major A scales to M-major included). Staged without the lag
-# (tiles spanning two scale blocks, whose three accumulators do not fit) ran 3-5% slower
-# than the ring, so those tiles keep the ring; the lag with scales from global memory ran
-# 25-36% slower. MOE_GEMM_FP8_SMEM_SCALES=0 / 1 forces the ring / the staged scales (with the
-# lag where it fits); a pinned MOE_GEMM_FP8_SCALE_AHEAD means the ring.
+# ran 2-5% slower than the ring (cooperative 128x128), so the kernel stages only with the lag,
+# and tiles without room for it (those spanning two scale blocks) keep the ring; the lag with
+# scales from global memory ran 25-36% slower. MOE_GEMM_FP8_SMEM_SCALES=0 / 1 forces the
+# ring / the staged scales (on the tiles that take them); a pinned MOE_GEMM_FP8_SCALE_AHEAD
+# means the ring.
 SMEM_SCALES_ENV = "MOE_GEMM_FP8_SMEM_SCALES"
 DEFAULT_SMEM_SCALES = True
 # Where K / 128 is a multiple of 4, a checkpoint's (N / 128, K / 128) weight scales are the
@@ -207,14 +208,14 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
                          "16-bit output")
     # The lag where asked for and built (block scales, room for a third accumulator).
     lag_fits = fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
-    # Staged scales (varlen, block scales): by default where the lag fits and no ring depth
-    # is pinned; they run with the lag wherever it fits.
+    # Staged scales (varlen, block scales, tiles with room for the lag, which they run
+    # with): by default unless a ring depth is pinned.
     if smem is None:
-        smem = (DEFAULT_SMEM_SCALES and ahead == 0 and lag_fits
+        smem = (DEFAULT_SMEM_SCALES and ahead == 0
                 and ((K // FP8_TILE_K) % STAGED_KB_MULTIPLE == 0
                      or avg_m > FP8_PINGPONG_MAX_ROWS))
-    smem = smem and mode == "block" and form == "varlen"
-    lag = (lag or smem) and lag_fits
+    smem = smem and mode == "block" and form == "varlen" and lag_fits
+    lag = lag_fits and (lag or smem)
     # The scales' prefetch depth where the plain block-scaled loop runs (the lagged loop and
     # row-wise scales load none per stage); 0: the default above.
     if ahead == 0:

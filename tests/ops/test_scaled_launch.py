@@ -266,7 +266,7 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
     """Varlen block-scaled tiles with room for the lag stage their scales in shared memory
     and promote a stage behind by default; other forms, row-wise scales and tiles spanning
     two scale blocks do not. MOE_GEMM_FP8_SMEM_SCALES=0 / 1 forces the ring / the staged
-    scales (with the lag only where it fits), a pinned scale depth means the ring, a bad
+    scales (on tiles with room for the lag), a pinned scale depth means the ring, a bad
     value is refused with the variable named, decode-sized experts with K / 128 not a
     multiple of 4 (the weight scales would be copied every call) keep the ring unless asked,
     and the launch hands the kernel
@@ -295,9 +295,9 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
     ring = choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
     assert not ring.smem_scales and not ring.promote_lag
     assert ring.scale_ahead == heuristics_fp8.DEFAULT_SCALE_AHEAD
-    monkeypatch.setenv(env, "1")
+    monkeypatch.setenv(env, "1")  # (tiles without room for the lag keep the ring)
     staged_wide = choose("varlen", wide, 64, 4096, 7168, 2, "block")
-    assert staged_wide.smem_scales and not staged_wide.promote_lag
+    assert not staged_wide.smem_scales and not staged_wide.promote_lag
     assert not choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block").smem_scales
     for bad in ("2", "maybe", "-1"):
         monkeypatch.setenv(env, bad)

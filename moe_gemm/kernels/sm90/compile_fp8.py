@@ -191,9 +191,8 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             scale_ahead=2),
         key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128), scale_ahead=3),
-        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 192), cluster_n=2,
-            smem_scales=True),
-        key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128), smem_scales=True),
+        key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128), smem_scales=True,
+            promote_lag=True),
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True),
     ]

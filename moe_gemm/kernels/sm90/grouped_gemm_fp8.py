@@ -259,9 +259,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError("scale_ahead (1 to 4) is built for the plain block-scaled loop; "
                              f"got {scale_ahead} with {scale_mode} scales"
                              + (" and the lagged promotion" if promote_lag else ""))
-        if smem_scales and (scale_mode != "block" or scale_ahead != 1):
+        if smem_scales and (scale_mode != "block" or scale_ahead != 1 or not promote_lag):
             raise ValueError("smem_scales (block scales staged by the load warp) is built for "
-                             "block scales read in the stage loop: scale_ahead 1")
+                             "block scales read by the lagged loop: promote_lag, scale_ahead 1")
         self.scale_mode = scale_mode
         self.promote_lag = promote_lag
         self.scale_ahead = scale_ahead
@@ -399,10 +399,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, sc0, sc1, prod, tCrA, tCrB,
                 k_tiles, num_k_blocks, work, fmap, sa, my_rows, sb, nb0, nb1, split, staged,
                 slots, n_sc)
-        elif const_expr(self.smem_scales):
-            ab_state = self._mainloop_staged(
-                ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
-                num_k_blocks, fmap, coords, staged, split, n_sc, work)
         elif const_expr(self.scale_mode == "block" and self.scale_ahead > 1):
             ab_state = self._mainloop_prefetched(
                 ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
@@ -435,65 +431,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 self._scale_outer(acc, fmap, coords, sa, my_rows, sb, n0, cols_lim)
         return ab_state
 
-    @cute.jit
-    def _mainloop_staged(self, ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB,
-                         k_tiles: Int32, num_k_blocks: cutlass.Constexpr,
-                         fmap: cutlass.Constexpr, coords: cute.Tensor, staged: cute.Tensor,
-                         split, n_sc: cutlass.Constexpr, work: WorkTile):
-        """The plain stage loop with the scales staged in shared memory by the load warp
-        (ScaleLoads), so no global load and no 64-bit index math sits in the loop. A stage's
-        scales are read one stage ahead: once the stage's WGMMAs are issued, the next stage's
-        full barrier is waited on (within the tile) and its scales read into the other half of
-        a two-entry register ring, so nothing the stage's promotion uses can hold back its
-        last WGMMA (read in the same stage, ptxas put the scale products, which wait for the
-        shared loads, in front of it: 19% slower on an H200). The loop runs two stages per
-        iteration so each ring entry has a static role. The promotions are the plain loop's,
-        in the same order."""
-        slots = self._staged_slots(work, fmap, coords)
-        ring = [cute.make_rmem_tensor((n_sc,), Float32) for _ in range(2)]
-        k0 = work.k_start
-        if k_tiles > 0:
-            ab_pipe.consumer_wait(ab_state)
-            self._read_staged(ring[0], staged, ab_state.index, slots, k0, n_sc)
-        warpgroup.fence()
-        for kk in cutlass.range(0, k_tiles // 2, 1, unroll=1):
-            for r in cutlass.range_constexpr(2):
-                k = 2 * kk + r
-                tiled_mma, ab_state = self._staged_stage(
-                    ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc,
-                    ring[r], ring[1 - r], prod, fmap, split, staged, slots, k0 + k + 1, n_sc,
-                    k + 1 < k_tiles)
-        if k_tiles % 2 == 1:
-            tiled_mma, ab_state = self._staged_stage(
-                ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc, ring[0],
-                ring[1], prod, fmap, split, staged, slots, k0 + k_tiles, n_sc, False)
-        return ab_state
-
     def _staged_slots(self, work: WorkTile, fmap: FragmentMap, coords: cute.Tensor) -> list:
         """This thread's rows' A-scale slots in a stage's staged scales: the row within the
         tile plus the box's shift (the tile's first row past a multiple of 4)."""
         shift = (work.row_start + work.m_tile * self.tile_m) & 3
         return [coords[fmap.row_rep[s]][0] + shift for s in range(len(fmap.row_rep))]
-
-    @cute.jit
-    def _staged_stage(self, ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
-                      num_k_blocks: cutlass.Constexpr, acc, sc, sc_next, prod,
-                      fmap: cutlass.Constexpr, split, staged: cute.Tensor, slots,
-                      k_next: Int32, n_sc: cutlass.Constexpr, has_next):
-        """One stage of _mainloop_staged: its WGMMAs into tmp; the next stage's scales into
-        sc_next (when the tile has one); wait, release, promote tmp with sc."""
-        tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
-                                      num_k_blocks)
-        if has_next:
-            nxt = ab_state.clone()
-            nxt.advance()
-            ab_pipe.consumer_wait(nxt)
-            self._read_staged(sc_next, staged, nxt.index, slots, k_next, n_sc)
-        warpgroup.wait_group(0)
-        ab_pipe.consumer_release(ab_state)
-        ab_state.advance()
-        self._promote(acc, tmp, sc, prod, fmap, split)
-        return tiled_mma, ab_state
 
     @cute.jit
     def _read_staged(self, buf: cute.Tensor, staged: cute.Tensor, stage: Int32, slots,
