@@ -30,6 +30,8 @@ finished. On a machine without the Hopper kernels --smoke checks the harness on 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
 import traceback
@@ -177,32 +179,26 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
         return lambda: moe_gemm.scaled_grouped_mm(a["x"], a["w"], a["sa"], a["sb"], o,
                                                   config=cfg)
 
-    def ours_lagged(a):  # the lagged promotion with the scales from global memory
+    def switched(a, *switches):  # ours inside our FP8 environment switches (factories)
         def run():
-            with promote_lag(), smem_scales(False):
+            with contextlib.ExitStack() as stack:
+                for switch in switches:
+                    stack.enter_context(switch())
                 return ours(a)()
         return run
+
+    def no_staging():
+        return smem_scales(False)
 
     impls["ours-fp8-block"] = (ours(block), block)
     impls["ours-fp8-row"] = (ours(row), row)
-    impls["ours-fp8-block-lag"] = (ours_lagged(block), block)
-
-    def ours_ahead(a, n):  # the scales n stages ahead (MOE_GEMM_FP8_SCALE_AHEAD=n; 1: plain)
-        def run():
-            with scale_ahead(n):
-                return ours(a)()
-        return run
-
-    for n in (1, 4):  # beside the default (3)
-        impls[f"ours-fp8-block-ahead{n}"] = (ours_ahead(block, n), block)
-
-    def ours_ring(a):  # the scales loaded 3 ahead by the math threads, not staged
-        def run():
-            with smem_scales(False):
-                return ours(a)()
-        return run
-
-    impls["ours-fp8-block-ring"] = (ours_ring(block), block)
+    # the lagged promotion with the scales from global memory
+    impls["ours-fp8-block-lag"] = (switched(block, promote_lag, no_staging), block)
+    for n in (1, 4):  # the scales n stages ahead, beside the default ring's 3 (1: plain)
+        impls[f"ours-fp8-block-ahead{n}"] = (
+            switched(block, functools.partial(scale_ahead, n)), block)
+    # the scales loaded 3 ahead by the math threads, not staged
+    impls["ours-fp8-block-ring"] = (switched(block, no_staging), block)
     if sweep:
         for name, cfg in sweep_configs(shape).items():
             impls[f"ours-fp8-block/{name}"] = (ours(block, cfg), block)

@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import sys
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # moe_gemm; tests/kernels as pytest names it
@@ -56,9 +57,8 @@ def zoo_fp8_variants() -> list:
     from moe_gemm.tuning import zoo
 
     keys = set()
-    old = os.environ.get(SMEM_SCALES_ENV)
-    try:
-        for smem in (None, "0"):
+    with mock.patch.dict(os.environ):  # (restored afterwards, whatever the caller had)
+        for smem in (None, "0"):  # the default, then the ring
             if smem is None:
                 os.environ.pop(SMEM_SCALES_ENV, None)
             else:
@@ -71,11 +71,6 @@ def zoo_fp8_variants() -> list:
                             c = choose_fp8("varlen", GemmConfig(), rows / p.E, p.N, p.K, 2, g)
                             keys.add(fp8_compile_key("varlen", torch.float8_e4m3fn,
                                                      torch.bfloat16, g, c))
-    finally:
-        if old is None:
-            os.environ.pop(SMEM_SCALES_ENV, None)
-        else:
-            os.environ[SMEM_SCALES_ENV] = old
     return sorted(keys, key=lambda k: k.name())
 
 

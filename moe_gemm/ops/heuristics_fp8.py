@@ -220,7 +220,7 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     # row-wise scales load none per stage); 0: the default above.
     if ahead == 0:
         ahead = DEFAULT_SCALE_AHEAD if scale_blocks_spanned(tile[1]) == 1 else 1
-    ahead = ahead if mode == "block" and not lag and not smem else 1
+    ahead = ahead if mode == "block" and not lag else 1  # (staged scales run the lag)
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,
                         epi_whole=epi_whole, tail_split=tail_split and split_ok,

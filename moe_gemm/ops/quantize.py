@@ -108,9 +108,16 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
 
 
 def _scale_buffer(T: int, groups: int, column_major: bool, device) -> torch.Tensor:
-    """(T, groups) float32, row-major or token-major with 16-byte aligned columns."""
+    """(T, groups) float32, row-major or token_major_scales."""
     if not column_major:
         return torch.empty(T, groups, dtype=torch.float32, device=device)
+    return token_major_scales(T, groups, device)
+
+
+def token_major_scales(T: int, groups: int, device) -> torch.Tensor:
+    """An empty (T, groups) float32 scale tensor laid out token-major (stride 1 along T) with
+    each group's column padded to a multiple of 4 tokens (16-byte aligned): the layout the
+    staged FP8 kernel's TMA loads take (ops/scaled_launch.py)."""
     pitch = -(-T // 4) * 4
     return torch.empty(groups, pitch, dtype=torch.float32, device=device)[:, :T].t()
 

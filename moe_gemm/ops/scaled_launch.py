@@ -25,6 +25,7 @@ from moe_gemm.config import GemmConfig
 from moe_gemm.ops import kernel_cache as cache
 from moe_gemm.ops import launch_info, launch_kernel, launch_resources
 from moe_gemm.ops.heuristics_fp8 import choose_fp8, kernel_scale_mode
+from moe_gemm.ops.quantize import token_major_scales
 from moe_gemm.ops.scaled_validation import (
     ScaledGemmArgs,
     ScaledMmArgs,
@@ -74,9 +75,7 @@ def _tma_scales(sfa: torch.Tensor, sfb: torch.Tensor) -> tuple[torch.Tensor, tor
     T, KB = sfa.shape
     if not (sfa.stride(0) == 1 and sfa.stride(1) % 4 == 0 and sfa.stride(1) >= T
             and sfa.data_ptr() % 16 == 0):
-        ld = -(-T // 4) * 4
-        buf = torch.empty(KB, ld, dtype=torch.float32, device=sfa.device)[:, :T]
-        sfa = buf.copy_(sfa.t()).t()
+        sfa = token_major_scales(T, KB, sfa.device).copy_(sfa)
     E, _, C = sfb.shape
     if not (sfb.stride(1) == 1 and sfb.stride(2) % 4 == 0 and sfb.stride(0) % 4 == 0
             and sfb.stride(2) >= KB and sfb.data_ptr() % 16 == 0):

@@ -196,11 +196,12 @@ def staged_slot_floats(tile_m: int) -> int:
 @dataclass(frozen=True)
 class ScaleLoads:
     """The load warp's TMA copies of one tile's block scales into the stage ring
-    (smem_scales): per k-tile, the A scales of the tile's rows (one (tile_m, 1) box of the
-    M-major sfa: rows past T are zero filled, rows past an expert's end are another expert's,
-    and nothing stores either) and an SB_BOX box of B scales at (k, the tile's first
-    128-column block) of the k-block-major sfb (its second column block and k-blocks past
-    the last are zero filled past the ends; the stage uses k's two).
+    (smem_scales): per k-tile, the A scales of the tile's rows (one (tile_m + SA_PAD, 1) box
+    of the M-major sfa from the tile's first row rounded down to 4: rows past T are zero
+    filled, rows past an expert's end are another expert's, and nothing stores either) and
+    an SB_BOX box of B scales at (k rounded down to 4, the tile's first 128-column block) of
+    the k-block-major sfb (its second column block and k-blocks past the last are zero
+    filled past the ends; the stage uses k's one or two).
     Both land on the stage's full barrier beside A and B (its transaction count includes
     them), so the barrier costs no extra arrival and the load warp issues two more TMA copies
     a stage. Frozen: the load loop reads it without carrying it."""
