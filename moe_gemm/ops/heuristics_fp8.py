@@ -39,7 +39,7 @@ def promote_lag_requested() -> bool:
 # promotion (GroupedGemmFp8Sm90._mainloop_prefetched) instead of one. A B scale is a new L2
 # line every stage; one stage ahead, ptxas waits for it before the stage's last WGMMA is
 # issued. Measured on an H200 (2026-11-28, bench_fp8, interleaved in one process:
-# benchmarks/results/fp8-nvidia-h200-2026-11-28.json), 3 ahead against 1 (the plain
+# fp8-nvidia-h200-2026-11-28.json in the results history), 3 ahead against 1 (the plain
 # loop): cooperative 128x128 on the five compute-bound shapes 11-14% faster (DeepSeek-V3 EP32
 # up 8k rows 529 -> 458 us, down 281 -> 251; Kimi-K2 EP32 up 16k 1020 -> 880; DeepGEMM's
 # 4x8192 up 1922 -> 1670, down 1007 -> 884); ping-pong 64x128 on decode-sized experts 5-6%
