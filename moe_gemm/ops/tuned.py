@@ -9,14 +9,14 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
    device's own, or for a Hopper part without one its sibling's: SIBLINGS);
 2. neighbours: the timed shapes of those tables together (every candidate the tuner timed, a
    table's "samples"; a shape in two tables counts once, from the first) of the same form and
-   dtypes nearest to the call's shape (NEIGHBOURS of them, distance in
-   octaves of N, K and rows per problem, none farther than NEIGHBOUR_REACH): the config with
-   the smallest mean log time over each neighbour's best, among those timed on all of them;
-   the rules' own config keeps the call unless the pick scores RULES_MARGIN better. Measured
-   on the shipped tables, leaving each zoo model out (benchmarks/choice_generalization.py):
-   a median 1.01-1.02x of the best measured config on the held-out model's shapes, against
-   1.03-1.05x for the rules and 1.04-1.05x for the same projection's entry at the nearest
-   rows-per-expert bucket (which the lookup took before; docs/measurements.md);
+   dtypes nearest to the call's shape (up to NEIGHBOURS of them, at least MIN_VOTERS, distance
+   in octaves of N, K and rows per problem, none farther than NEIGHBOUR_REACH): the config with
+   the smallest mean log time over each neighbour's best (nearer neighbours weigh more),
+   among those timed on all of them; the rules' own config keeps the call unless the pick
+   scores RULES_MARGIN better. Measured on the shipped tables, leaving each zoo model out
+   (benchmarks/choice_generalization.py): a median 1.011x of the best measured config
+   on the held-out model's shapes, against 1.02-1.05x for the rules and 1.02-1.03x for the
+   same projection's entry at the nearest rows-per-expert bucket (docs/measurements.md);
 3. nothing: the heuristics' rules decide.
 
 Buckets: rows per problem r (varlen: T / E; batched: M; general: mean M) rounded in log2,
@@ -50,12 +50,20 @@ FORMAT = "moe_gemm.tuned-table/1"
 TABLES_DIR = Path(__file__).resolve().parents[1] / "tables"
 USER_TABLE_ENV = "MOE_GEMM_TUNED_TABLE"
 TABLES_ENV = "MOE_GEMM_TUNED_TABLES"
-# Neighbours: how many timed shapes vote, how far (summed octaves of N, K and rows per
-# problem) the farthest may be, and how much better (mean log time) a pick must score than the
-# rules' config. Leave-one-model-out on both shipped tables: 4-8 neighbours all land within
-# 1.013-1.018x median; 6 had the smallest tail (p90 1.06-1.07x, max 1.18-1.34x).
-NEIGHBOURS = 6
+# Neighbours: how many timed shapes vote (the NEIGHBOURS nearest within NEIGHBOUR_REACH summed
+# octaves of N, K and rows per problem; fewer than MIN_VOTERS: no vote), how a voter's weight
+# falls with its distance d (1 / (d + VOTE_SOFTENING)), and how much better (weighted mean log
+# time) a pick must score than the rules' config. Leave-one-model-out on both shipped tables
+# (2026-11-28 tables, benchmarks/choice_generalization.py): this vote reaches a median 1.011x
+# (H100) and 1.011x (H200) of the best measured config, p90 1.062x / 1.059x, max 1.16x /
+# 1.26x, within 3% on 77% of the held-out shapes on both; six equal voters, all within reach
+# (before), 1.015x / 1.013x, p90 1.076x / 1.074x, max 1.21x / 1.31x, within 3% on 64% / 71%.
+# 6-12 voters weighted 1/d^0.5 to 1/d^2 all land within 1.007-1.014x median; d + 0.1 (a
+# tenth of an octave, ~7%) keeps one voter at the same coordinates from outvoting the rest.
+NEIGHBOURS = 8
+MIN_VOTERS = 4
 NEIGHBOUR_REACH = 4.0
+VOTE_SOFTENING = 0.1
 RULES_MARGIN = math.log(1.01)
 FORMS = ("varlen", "batched", "general")
 
@@ -138,15 +146,18 @@ def neighbours_pick(shapes: list[TimedShape], key: Key, rows: int,
     timed on all of them, or `baseline` (the rules' config) scoring within RULES_MARGIN."""
     at = _place(key.N, key.K, quantized_rows(rows / max(1, key.E)))
     fam = (key.form, key.dtype, key.out_dtype)
-    near = sorted((sum(abs(a - b) for a, b in zip(at, s.at)), i)
-                  for i, s in enumerate(shapes) if s.family == fam)[:NEIGHBOURS]
-    if len(near) < NEIGHBOURS or near[-1][0] > NEIGHBOUR_REACH:
+    near = [(d, i) for d, i in sorted((sum(abs(a - b) for a, b in zip(at, s.at)), i)
+                                      for i, s in enumerate(shapes) if s.family == fam)
+            if d <= NEIGHBOUR_REACH][:NEIGHBOURS]
+    if len(near) < MIN_VOTERS:
         return None
     voters = [shapes[i].log_regret for _, i in near]
+    weights = [1.0 / (d + VOTE_SOFTENING) for d, _ in near]
+    total = sum(weights)
     scores = {}
     for fields in voters[0]:
         if all(fields in v for v in voters[1:]) and _fits_form(dict(fields), key):
-            scores[fields] = sum(v[fields] for v in voters) / len(voters)
+            scores[fields] = sum(w * v[fields] for w, v in zip(weights, voters)) / total
     if not scores:
         return None
     pick = min(scores, key=lambda f: (scores[f], repr(f)))

@@ -328,7 +328,24 @@ def test_neighbours_keep_the_rules_unless_clearly_better(_isolated):
     assert tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=other).how == "neighbours"
 
 
-def test_neighbours_need_enough_shapes_and_a_config_timed_on_all(_isolated):
+def test_nearer_neighbours_weigh_more(_isolated):
+    # Two shapes at and next to the query's N and K favour SMALL by 2x; six two to four
+    # octaves away favour BIG by 1.5x. An equal vote (mean log time) would take BIG; weighted
+    # by distance, the near pair decides.
+    near = [s for K in (4096, 8192)
+            for s in samples(128, 4096, K, 128 * 512, [(SMALL, 300.0), (BIG, 600.0)])]
+    far = [s for N in (16384, 32768) for K in (2048, 4096, 8192)
+           for s in samples(128, N, K, 128 * 512, [(SMALL, 600.0), (BIG, 400.0)])]
+    ship(_isolated, table([], samples=near + far))
+    hit = tuned.lookup(DEV, key(E=128, N=4096, K=4096, bucket=9), 128 * 512, 132)
+    assert hit.how == "neighbours" and hit.fields == tuned.normalize(SMALL)
+    # At the far group's own N and K, the far group decides.
+    hit = tuned.lookup(DEV, key(E=128, N=32768, K=4096, bucket=9), 128 * 512, 132)
+    assert hit.how == "neighbours" and hit.fields == tuned.normalize(BIG)
+
+
+def test_neighbours_need_enough_shapes_and_a_config_timed_on_all(_isolated, monkeypatch):
+    monkeypatch.setattr(tuned, "MIN_VOTERS", 6)  # the six shapes below are enough voters
     few = samples(128, 4096, 4096, 256, [(SMALL, 50.0), (BIG, 80.0)])
     ship(_isolated, table([], samples=few * 3))  # one shape (three copies): too few voters
     assert tuned.lookup(DEV, key(E=96, N=3000, K=5000, bucket=1), 96 * 2, 132) is None
@@ -357,6 +374,7 @@ def test_bad_samples_are_left_out_not_fatal(_isolated):
 
 def test_neighbours_vote_across_tables_and_a_shape_counts_once(_isolated, tmp_path,
                                                                monkeypatch):
+    monkeypatch.setattr(tuned, "MIN_VOTERS", 6)  # three shapes per table, six together
     prefill = [(N, K) for N in (2048, 4096, 8192) for K in (2048, 4096)]
     shipped = [s for N, K in prefill[:3]
                for s in samples(128, N, K, 128 * 512, [(SMALL, 900.0), (BIG, 600.0)])]
@@ -374,6 +392,7 @@ def test_neighbours_vote_across_tables_and_a_shape_counts_once(_isolated, tmp_pa
     # A shape in both tables votes once, with the first table's (the user's) timings: the
     # shipped copy (BIG 3x faster) would outvote the user's next-nearest shape otherwise.
     monkeypatch.setattr(tuned, "NEIGHBOURS", 2)
+    monkeypatch.setattr(tuned, "MIN_VOTERS", 2)
     ship(_isolated, table([], samples=samples(128, 2048, 2048, 128 * 512,
                                               [(SMALL, 900.0), (BIG, 300.0)])))
     mine = (samples(128, 2048, 2048, 128 * 512, [(SMALL, 500.0), (BIG, 600.0)])
