@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from moe_gemm.config import GemmConfig
     from moe_gemm.layers.moe import MoE
 
-__all__ = ["MoELoaders", "moe_from_fused", "moe_from_state_dict", "moe_from_tensors"]
+__all__ = ["MoELoaders", "check_loader_options", "moe_from_fused", "moe_from_state_dict",
+           "moe_from_tensors"]
 
 
 class MoELoaders:
@@ -304,6 +305,7 @@ def moe_from_tensors(
     Raises:
         TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
     """
+    check_loader_options(options)
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
         raise ValueError(
             f"gate_up_proj must be (E, 2I, H) (or (E, H, 2I) with transposed=True); got "
@@ -389,6 +391,29 @@ def moe_from_tensors(
             assert moe.shared_expert_gate is not None
             moe.shared_expert_gate.weight = _as_param(shared["gate"])
     return moe
+
+
+# Constructor arguments the loaded tensors decide. The loaders alias the tensors, so a dtype
+# or device asked for would be silently ignored (the layer keeps the tensors' own), and the
+# sizes would clash with them.
+_TENSOR_OPTIONS = {
+    "dtype": "cast the layer after loading, e.g. moe.to(torch.bfloat16)",
+    "device": "move the layer after loading, e.g. moe.to('cuda')",
+    "hidden_size": "it is the weights' H",
+    "intermediate_size": "it is the weights' I",
+    "num_experts": "it is the weights' E",
+    "shared_intermediate_size": "pass the shared expert's weights (shared=...)",
+    "shared_expert_gate": "pass the gate's weight with the shared expert (shared['gate'])",
+}
+
+
+def check_loader_options(options: Mapping[str, Any]) -> None:
+    """The loaders' **options are the MoE constructor's routing / activation / GEMM keywords;
+    the ones the given tensors decide are a TypeError naming what to do instead."""
+    for name, hint in _TENSOR_OPTIONS.items():
+        if name in options:
+            raise TypeError(f"{name} is not a loader option: the given tensors decide it (they "
+                            f"are used as they are, not copied); {hint}")
 
 
 def _check_scales(scales: object) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -15,7 +15,8 @@ Loading: `from_moe` shards an existing layer (slices, optionally copied so the f
 can be freed), `from_hf` a transformers block, and `from_state_dict` reads only the local
 experts' keys of a checkpoint mapping (with a lazy mapping such as safetensors' `safe_open`,
 the other ranks' experts are never read). All three go through MoE's own loaders, so every
-checkpoint layout MoE accepts is accepted here.
+checkpoint layout MoE accepts is accepted here; FP8 experts stay FP8 with their scales, and
+each rank quantizes the tokens it receives, as MoE's FP8 forward does.
 
 Dispatch and combine are behind the `Dispatcher` interface (moe_gemm.layers.dispatch):
 `AllToAllDispatcher` on torch.distributed is the default; DeepEP's kernels plug in instead.
@@ -32,9 +33,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.layers.checkpoints import check_loader_options
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
+from moe_gemm.layers.experts import gated
+from moe_gemm.layers.experts_fp8 import expert_ffn_fp8
 from moe_gemm.layers.moe import MoE, resolve_activation
-from moe_gemm.layers.routing import permute_by_expert, sigmoid_grouped_topk, softmax_topk
+from moe_gemm.layers.routing import (
+    check_correction_bias,
+    check_router_weight,
+    permute_by_expert,
+    sigmoid_grouped_topk,
+    softmax_topk,
+)
 from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.combine import combine_rows
 
@@ -127,18 +137,21 @@ class ExpertParallelMoE(nn.Module):
         self.hidden_size = moe.hidden_size
         self.intermediate_size = moe.intermediate_size
         self.local = moe
-        rw = router["router_weight"]
-        if tuple(rw.shape) != (num_experts, moe.hidden_size):
-            raise ValueError(f"router_weight must be (E, H) = ({num_experts}, "
-                             f"{moe.hidden_size}); got {tuple(rw.shape)}")
+        # The router's tensors get MoE's loader checks: here, not inside the first forward.
+        rw = check_router_weight(router["router_weight"], num_experts, moe.hidden_size)
+        bias = router.get("e_score_correction_bias")
+        if bias is not None:
+            check_correction_bias(bias, num_experts, rw.device, "e_score_correction_bias",
+                                  "router_weight is")
         self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
-        self.register_buffer("e_score_correction_bias", router.get("e_score_correction_bias"))
+        self.register_buffer("e_score_correction_bias", bias)
         for name in _ROUTING:
             setattr(self, name, router[name])
         # the routing options are checked by a full-size MoE's own validation
         MoE(moe.hidden_size, 1, num_experts, self.top_k, scoring=self.scoring,
             renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
-            routed_scaling_factor=self.routed_scaling_factor, device="meta")
+            routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
+            device="meta")
 
     # -- constructors ----------------------------------------------------------------------
 
@@ -168,6 +181,10 @@ class ExpertParallelMoE(nn.Module):
             part = t[start:end]
             return part.clone() if copy else part
 
+        # FP8 experts keep their decoding scales (blocks or rows, expert-major like the weights)
+        scales = None
+        if moe.fp8 is not None:
+            scales = (take(moe.gate_up_proj_scale_inv), take(moe.down_proj_scale_inv))
         shared = None
         if moe.shared_experts is not None:
             shared = {n: getattr(moe.shared_experts, n).weight
@@ -176,7 +193,7 @@ class ExpertParallelMoE(nn.Module):
                 shared["gate"] = moe.shared_expert_gate.weight
         local = MoE.from_fused(
             take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
-            shared=shared, activation=moe.activation, config=moe.config,
+            shared=shared, scales=scales, activation=moe.activation, config=moe.config,
         )
         return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher)
 
@@ -227,8 +244,9 @@ class ExpertParallelMoE(nn.Module):
         router_weight = state_dict[router_key]
         E = router_weight.shape[0]
         start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
-        local_sd = _LocalShard(state_dict, prefix, start, end)
+        local_sd = _LocalShard(state_dict, prefix, start, end, E)
         bias = local_sd.full_bias
+        check_loader_options(options)  # (the probe below would take a dtype and ignore it)
         routing = {k: v for k, v in options.items() if k not in ("activation", "config")}
         if bias is not None:
             routing.setdefault("scoring", "sigmoid")
@@ -268,6 +286,12 @@ class ExpertParallelMoE(nn.Module):
     def experts(self, d: Dispatched) -> torch.Tensor:
         """This rank's experts on what it received: [R, H] partial outputs."""
         m = self.local
+        if m.fp8 is not None:
+            # FP8 experts quantize the received tokens on the fly, as MoE's FP8 forward does;
+            # the slots of other ranks (-1) are dropped by its permutation.
+            return expert_ffn_fp8(d.x, d.local_ids, d.weights, m.gate_up_proj,
+                                  m.gate_up_proj_scale_inv, m.down_proj, m.down_proj_scale_inv,
+                                  gated(resolve_activation(m.activation)), config=m.config)
         x = d.x.to(m.gate_up_proj.dtype)
         return local_expert_ffn(x, d.local_ids, d.weights, m.w_gate_up, m.w_down,
                                 m.activation, m.config, d.num_valid_slots)
@@ -301,7 +325,9 @@ class ExpertParallelMoE(nn.Module):
                              f"{self.router_weight.device}")
         x2 = x.reshape(-1, H)
         weights, ids = self.route(x2)
-        xe = x2.to(self.local.gate_up_proj.dtype)
+        # Tokens travel in the experts' dtype; FP8 experts take them in the caller's (they are
+        # quantized per token after the dispatch, as in MoE's FP8 forward).
+        xe = x2 if self.local.fp8 is not None else x2.to(self.local.gate_up_proj.dtype)
         d, shared = self.dispatcher.dispatch(xe, ids, weights, self.num_experts,
                                              during=lambda: self.shared(x2))
         y = self.dispatcher.combine(self.experts(d), d.handle).to(x.dtype)
@@ -328,9 +354,18 @@ class _LocalShard(Mapping[str, torch.Tensor]):
     fused expert tensors and the router sliced to the local rows; other keys as they are.
     Keys of other ranks' experts are hidden and their tensors never indexed."""
 
-    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, start: int, end: int):
+    # FP8 scales of fused experts: per expert (sliced like the weights) or one value for all
+    # (a per-tensor scale, kept whole).
+    _FUSED_SCALES = ("experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv",
+                     "experts.w13_weight_scale_inv", "experts.w13_weight_scale",
+                     "experts.w2_weight_scale_inv", "experts.w2_weight_scale")
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, start: int, end: int,
+                 num_experts: int):
         self.sd, self.prefix, self.start, self.end = sd, prefix, start, end
+        self.num_experts = num_experts
         self.keys_map: dict[str, str | tuple[str, int, int]] = {}
+        self.scale_keys: set[str] = set()
         sliced = ("gate.weight", "experts.gate_up_proj", "experts.down_proj",
                   "experts.w13_weight", "experts.w2_weight")
         self.full_bias: torch.Tensor | None = None
@@ -344,6 +379,9 @@ class _LocalShard(Mapping[str, torch.Tensor]):
                 self.keys_map[key] = (key, start, end)
             elif rest in sliced:
                 self.keys_map[key] = (key, start, end)
+            elif rest in self._FUSED_SCALES:
+                self.keys_map[key] = (key, start, end)
+                self.scale_keys.add(key)
             elif parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():
                 e = int(parts[1])
                 if start <= e < end:
@@ -356,7 +394,10 @@ class _LocalShard(Mapping[str, torch.Tensor]):
         src = self.keys_map[key]
         if isinstance(src, tuple):
             name, a, b = src
-            return self.sd[name][a:b]
+            t = self.sd[name]
+            if name in self.scale_keys and (t.dim() == 0 or t.shape[0] != self.num_experts):
+                return t  # one scale for every expert
+            return t[a:b]
         return self.sd[src]
 
     def __iter__(self):  # type: ignore[no-untyped-def]

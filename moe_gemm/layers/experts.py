@@ -227,6 +227,8 @@ def _check_experts(
     assert isinstance(w_down, torch.Tensor)
     check_tokens(x)
     T, H = x.shape
+    if H < 1:  # (as MoE's hidden_size; the combine cannot gather zero-width rows)
+        raise ValueError(f"x must be (T, H) with H >= 1; got {shape_str(x)}")
     if w_gate_up.dim() != 3 or w_gate_up.shape[1] != H or w_gate_up.shape[2] % 2:
         raise ValueError(
             f"w_gate_up must be (E, H, 2I) = (E, {H}, 2I) (for transformers' (E, 2I, H) "

@@ -248,3 +248,24 @@ def test_from_fused_validates_bias_scales_and_router() -> None:
     moe = MoE.from_fused(gu, down, router.double(), 2, e_score_correction_bias=torch.zeros(4).half(),
                          **kw)
     assert moe(torch.randn(3, 32)).shape == (3, 32)
+
+
+@pytest.mark.parametrize("option", [{"dtype": torch.bfloat16}, {"dtype": torch.float32},
+                                    {"device": "cpu"}, {"shared_intermediate_size": 8},
+                                    {"shared_expert_gate": True}])
+def test_loaders_refuse_options_the_tensors_decide(option: dict) -> None:
+    # The loaders alias the given tensors: a dtype or device asked for would be silently
+    # ignored (the layer keeping the tensors' own), and the shared expert's sizes come from
+    # `shared`; each is a TypeError naming what decides instead.
+    gate, up, down, router = _expert_tensors()
+    gu = torch.cat([gate, up], dim=1)
+    name = next(iter(option))
+    with pytest.raises(TypeError, match=f"{name} .*given tensors"):
+        MoE.from_fused(gu, down, router, 2, **option)
+    sd = {"gate.weight": router, "experts.gate_up_proj": gu, "experts.down_proj": down}
+    with pytest.raises(TypeError, match=f"{name} .*given tensors"):
+        MoE.from_state_dict(sd, 2, **option)
+    # what the loaders do take: the layer cast or moved after loading
+    moe = MoE.from_fused(gu, down, router, 2).to(torch.bfloat16)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    assert moe.gate_up_proj.dtype == torch.bfloat16 and moe(x).dtype == torch.bfloat16

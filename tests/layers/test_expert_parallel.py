@@ -171,6 +171,52 @@ def from_hf_deepseek_v3_block(rank: int, world: int) -> list[str]:
 
 
 @case
+def fp8_experts(rank: int, world: int) -> list[str]:
+    """FP8 experts: an FP8 layer sharded and an FP8 checkpoint read per rank (fused keys, and
+    per-expert keys with their scales). The received tokens are quantized on the fly as in
+    the single-process layer, so the result is that layer's, and within the FP8 bound of its
+    fp64 reference."""
+    from moe_gemm.testing_fp8 import REL_BOUND, fp8_errors, moe_fp8_reference
+
+    errs = []
+    for granularity, suffix in (("block", "weight_scale_inv"), ("row", "weight_scale")):
+        torch.manual_seed(11)
+        moe = MoE(128, 128, 8, 2, shared_intermediate_size=64).quantize_fp8(granularity)
+        T = 0 if rank == 1 else 5 + 7 * rank  # rank 1 has no tokens
+        x = torch.randn(T, 128, generator=torch.Generator().manual_seed(11 + rank))
+        want = moe(x)
+        s1, s2 = moe.gate_up_proj_scale_inv, moe.down_proj_scale_inv
+        I = moe.intermediate_size
+        n = I // 128 if granularity == "block" else I  # the gate's rows of s1
+        sd = {"gate.weight": moe.router_weight}
+        sd.update({f"shared_experts.{p}.weight": getattr(moe.shared_experts, p).weight
+                   for p in ("gate_proj", "up_proj", "down_proj")})
+        fused = {**sd, "experts.gate_up_proj": moe.gate_up_proj,
+                 "experts.down_proj": moe.down_proj, "experts.gate_up_proj_scale_inv": s1,
+                 "experts.down_proj_scale_inv": s2}
+        per_expert = dict(sd)
+        for e in range(moe.num_experts):
+            for p, w, s in (("gate_proj", moe.gate_up_proj[e, :I], s1[e, :n]),
+                            ("up_proj", moe.gate_up_proj[e, I:], s1[e, n:]),
+                            ("down_proj", moe.down_proj[e], s2[e])):
+                per_expert[f"experts.{e}.{p}.weight"] = w
+                per_expert[f"experts.{e}.{p}.{suffix}"] = s
+        for label, ep in (
+            ("from_moe", ExpertParallelMoE.from_moe(moe)),
+            ("fused keys", ExpertParallelMoE.from_state_dict(fused, 2)),
+            ("per-expert keys", ExpertParallelMoE.from_state_dict(per_expert, 2)),
+        ):
+            name = f"fp8 {granularity} {label}"
+            got = ep(x)
+            errs += [m for m in [_check(name, got, want, 1e-5)] if m]
+            if T:
+                rel = fp8_errors(got, moe_fp8_reference(moe, x))["rel"]
+                if not rel < REL_BOUND[torch.float32]:
+                    errs.append(f"{name}: {rel:.3g} from the fp64 reference")
+    return errs
+
+
+@case
 def custom_dispatcher_is_used(rank: int, world: int) -> list[str]:
     """A user dispatcher (e.g. DeepEP's) replaces the all-to-all: the layer calls it."""
 
@@ -251,3 +297,37 @@ def test_expert_range_and_dispatcher_needs_init() -> None:
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             AllToAllDispatcher()
+
+
+class _OneRank:
+    """A Dispatcher of one rank, for the constructor's checks (no process group)."""
+
+    rank, world_size = 0, 1
+
+    def dispatch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called by the constructor")
+
+    def combine(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called by the constructor")
+
+
+@pytest.mark.parametrize("change,exc,pattern", [
+    ({"router_fp32": "no"}, TypeError, "router_fp32 must be a bool"),
+    ({"router_weight": torch.zeros(4, 16, dtype=torch.long)}, TypeError,
+     "router_weight must be a floating-point tensor"),
+    ({"router_weight": [[0.0] * 16] * 4}, TypeError, "router_weight must be a torch.Tensor"),
+    ({"router_weight": torch.zeros(4, 15)}, ValueError, r"router_weight must be \(E, H\) = \(4, 16\)"),
+    ({"scoring": "sigmoid", "e_score_correction_bias": torch.zeros(3)}, ValueError,
+     r"e_score_correction_bias must be \(E,\) = \(4,\)"),
+    ({"scoring": "sigmoid", "e_score_correction_bias": torch.zeros(4, dtype=torch.long)},
+     TypeError, "e_score_correction_bias must be a float tensor"),
+])
+def test_constructor_checks_the_router(change: dict, exc: type[Exception], pattern: str) -> None:
+    # Each would otherwise be taken as it is: a string router_fp32 as True, the others failing
+    # (or not) only at the first forward, inside the router.
+    router = dict(router_weight=torch.randn(4, 16), e_score_correction_bias=None, top_k=2,
+                  scoring="softmax", renormalize=True, n_group=1, topk_group=1,
+                  routed_scaling_factor=1.0, router_fp32=False)
+    ExpertParallelMoE(MoE(16, 8, 4, 1), router, 4, dispatcher=_OneRank())
+    with pytest.raises(exc, match=pattern):
+        ExpertParallelMoE(MoE(16, 8, 4, 1), {**router, **change}, 4, dispatcher=_OneRank())

@@ -280,6 +280,7 @@ def test_functional_rejects() -> None:
         ((x.long(), ids, w, wg, wd), TypeError, "x must be torch.bfloat16"),
         ((x, ids, w, wg, "w"), TypeError, r"w_down must be a torch.Tensor \(E, I, H\)"),
         ((x, ids, w, wg.to("meta"), wd), ValueError, "w_gate_up is on meta"),
+        ((x[:, :0], ids, w, wg[:, :0], wd[..., :0]), ValueError, r"x must be \(T, H\) with H >= 1"),
     ]
     for args, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
