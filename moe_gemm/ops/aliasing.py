@@ -66,7 +66,11 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def overlaps_any(out: torch.Tensor, tensors) -> bool:
     """may_overlap(out, t) for any t. First by allocation (one storage address per tensor,
-    the per-call cost on grouped_mm's out= path); spans only for tensors in out's one."""
+    the per-call cost on grouped_mm's out= path); spans only for tensors in out's one. A
+    non-strided out (sparse, mkldnn) has no storage to compare: False, so that the
+    validation after it names the layout."""
+    if out.layout != torch.strided:
+        return False
     base = out.untyped_storage().data_ptr()
     return any(t.untyped_storage().data_ptr() == base and may_overlap(out, t)
                for t in tensors if isinstance(t, torch.Tensor))

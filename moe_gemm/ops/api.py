@@ -487,7 +487,9 @@ class GroupedGemmPlan:
     kernel, so its host cost does not grow with the number of problems. A call computes
     D_i = A_i @ B_i from the tensors' values at that moment (update them in place, e.g. with
     `copy_`), writes into `out` and returns it. Do not resize the tensors or change their
-    storage after building the plan; build a new plan instead.
+    storage after building the plan; build a new plan instead. On the torch backend with an
+    operand that requires grad, a call returns new tensors tied to the autograd graph (their
+    values also written into `out`), so that every call can be backpropagated.
 
     Args: as grouped_gemm (a, b, out, config, out_dtype). `out`, when None, is allocated once
     and reused by every call: copy results you want to keep before the next call.
@@ -542,7 +544,10 @@ class GroupedGemmPlan:
 
     def __call__(self) -> list[torch.Tensor]:
         launch = self._launch
-        if launch is None:  # the torch backend: differentiable like grouped_gemm's
+        if launch is None and torch.is_grad_enabled() and any(map(_REQUIRES_GRAD,
+                                                                  self._operands)):
+            return self._differentiable_call()
+        if launch is None:  # the torch backend
             res = grouped_gemm_torch(self.args) if self.args.a else []
         elif torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, self._operands)):
             res = inference_only(NO_BACKWARD, launch.launch, self._operands)
@@ -553,3 +558,16 @@ class GroupedGemmPlan:
         for given, tmp in self._copy_back:
             given.copy_(tmp)
         return list(self.out)
+
+    def _differentiable_call(self) -> list[torch.Tensor]:
+        """The torch backend with an operand that requires grad: fresh results tied to this
+        call's operands, their values also written into the plan's outputs. (Copying the
+        graph into the reused outputs would chain each call's history onto the previous
+        call's, whose buffers its backward has freed: a second step could not backward.)"""
+        res = grouped_gemm_torch(dataclasses.replace(self.args, out=None))
+        with torch.no_grad():
+            for o, r in zip(self.args.out or (), res):
+                o.copy_(r)
+            for given, tmp in self._copy_back:
+                given.copy_(tmp)
+        return res

@@ -36,7 +36,7 @@ from moe_gemm.ops.masked_validation import (
 )
 from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import PLAIN_TENSORS
-from moe_gemm.ops.validation import _check_writable_out, _shape, offs_check_requested
+from moe_gemm.ops.validation import _check_writable_out, _shape, check_dense, offs_check_requested
 
 _plans = PlanCache(per_bucket=8, buckets=128)  # buckets: (x.shape, options)
 
@@ -210,6 +210,8 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
     for name, t, hint in (("x", x, "(G, M, K)"), ("w", w, "(G, K, N)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
+    for name, t in (("x", x), ("w", w), ("row_weight", row_weight), ("out", out)):
+        check_dense(name, t)  # (before the reshapes below, which those layouts lack)
     _check_x_rank(x)
     if w.dim() != 3:
         raise ValueError(f"w must be 3-D (G, K, N) (for a (G, N, K) weight pass "

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from moe_gemm.kernels.sm90.constants import GATE_BLOCK
 from moe_gemm.ops.fused_validation import FusedMmArgs
-from moe_gemm.ops.reference import _grouped_mm_native_ok, grouped_mm_torch
+from moe_gemm.ops.reference import _grouped_mm_native_ok, grouped_mm_torch, tie_to_inputs
 from moe_gemm.ops.validation import GroupedMmArgs
 
 
@@ -77,9 +77,9 @@ def fused_grouped_mm_torch(args: FusedMmArgs) -> torch.Tensor:
     x, S = args.x, args.S
     out = args.out
     if S == 0 or args.E == 0 or args.N_out == 0:
-        if out is not None:
-            return out
-        return torch.zeros(S, args.N_out, dtype=args.out_dtype, device=x.device)
+        y = out if out is not None else torch.zeros(S, args.N_out, dtype=args.out_dtype,
+                                                    device=x.device)
+        return tie_to_inputs(y, x, args.w, args.bias, args.row_weight)
     xs = x if args.row_index is None else x.index_select(0, args.row_index)
     # fp32 accumulators where the per-expert loop runs; torch's native bf16 grouped_mm on CUDA
     # (sync-free) returns bf16.

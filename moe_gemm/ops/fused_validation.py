@@ -13,6 +13,7 @@ from moe_gemm.ops.validation import (
     _check_dtype,
     _check_writable_out,
     _shape,
+    check_dense,
     check_offs_values,
     offs_check_requested,
     resolve_out_dtype,
@@ -94,6 +95,9 @@ def check_fused_mm(
             raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
     assert isinstance(offs, torch.Tensor)
+    for name, t in (("x", x), ("w", w), ("offs", offs), ("row_index", row_index),
+                    ("row_weight", row_weight), ("bias", bias), ("out", out)):
+        check_dense(name, t)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (T, K); got shape {_shape(x)}")
     if w.dim() != 3:

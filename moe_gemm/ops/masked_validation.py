@@ -17,6 +17,7 @@ from moe_gemm.ops.scaled_validation import ScaledMmArgs, check_scaled_grouped_mm
 from moe_gemm.ops.validation import (
     GroupedBmmArgs,
     _shape,
+    check_dense,
     check_grouped_bmm,
     offs_check_requested,
 )
@@ -49,6 +50,7 @@ def check_masked_m(masked_m: object, G: int, M: int, device: torch.device, *,
     if not isinstance(masked_m, torch.Tensor):
         raise TypeError(f"masked_m must be a torch.Tensor ({G},) of int32 row counts; got "
                         f"{type(masked_m).__name__}")
+    check_dense("masked_m", masked_m)
     if masked_m.dtype != torch.int32:
         raise TypeError(f"masked_m must be int32 row counts ({G},); got dtype {masked_m.dtype}")
     if masked_m.dim() != 1 or masked_m.shape[0] != G:

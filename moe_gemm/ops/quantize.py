@@ -24,6 +24,7 @@ import math
 import torch
 
 from moe_gemm.env import env_get
+from moe_gemm.ops.validation import check_dense
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_AMAX = 1e-10  # kernels/sm90/quantize_fp8.MIN_AMAX: a zero group's scale stays finite
@@ -35,6 +36,7 @@ _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _check_input(name: str, x: object, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    check_dense(name, x)
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"{name} must be bfloat16, float16 or float32; got {x.dtype}")
     if dtype not in FP8_MAX:

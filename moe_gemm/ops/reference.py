@@ -91,14 +91,30 @@ def expert_spans(offs: torch.Tensor, rows: int) -> list[tuple[int, int, int]]:
     return spans
 
 
+def tie_to_inputs(y: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """y, made part of the autograd graph of `inputs` when one of them requires grad and
+    nothing computed from them reached y (no experts, no rows, or no row routed to any
+    expert): a zero built from their empty slices is written into an empty slice of y, so
+    y's values stay as they are and the backward gives the inputs zero gradients, as
+    torch.mm of empty operands does. Without it the result would not require grad: a
+    backward through it alone (an expert-parallel rank that received no tokens) fails, and
+    the experts' .grad stays None instead of zeros."""
+    live = [t for t in inputs if t is not None and t.requires_grad]
+    if y.requires_grad or not live or not torch.is_grad_enabled():
+        return y
+    zero = sum(t.narrow(0, 0, 0).sum() for t in live)  # (empty sums: exactly 0, never NaN)
+    y[:0] = zero.to(y.dtype)
+    return y
+
+
 def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e]; rows past offs[-1] are zero (or untouched in out)."""
     x, w, offs = args.x, args.w, args.offs
     T, N = args.T, args.N
     if args.E == 0 or T == 0:
-        if args.out is not None:
-            return args.out
-        return torch.zeros(T, N, dtype=args.out_dtype, device=x.device)
+        y = args.out if args.out is not None else torch.zeros(T, N, dtype=args.out_dtype,
+                                                              device=x.device)
+        return tie_to_inputs(y, x, w)
     if _grouped_mm_native_ok(args):
         # No host sync: torch's kernel reads offs on the GPU.
         y = F.grouped_mm(x, w, offs=offs, out_dtype=args.out_dtype)
@@ -111,7 +127,7 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
                                                           device=x.device)
     for e, start, end in expert_spans(offs, T):
         y[start:end] = _mm(x[start:end], w[e], args.out_dtype)
-    return y
+    return tie_to_inputs(y, x, w)
 
 
 def grouped_bmm_torch(args: GroupedBmmArgs) -> torch.Tensor:

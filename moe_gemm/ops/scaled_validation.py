@@ -32,6 +32,7 @@ from moe_gemm.ops.validation import (
     _as_tensor_list,
     _check_writable_out,
     _shape,
+    check_dense,
     check_offs_values,
     offs_check_requested,
 )
@@ -159,6 +160,7 @@ def _check_scale(name: str, s: object, device: torch.device) -> torch.Tensor:
     if not isinstance(s, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of float32 scales; got "
                         f"{type(s).__name__}")
+    check_dense(name, s)
     if s.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (decoding scales: value = fp8 * scale); got "
                         f"{s.dtype}")
@@ -177,6 +179,8 @@ def check_scaled_grouped_mm(x: object, w: object, scale_a: object, scale_b: obje
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+    for name, t in (("x", x), ("w", w), ("offs", offs), ("out", out)):
+        check_dense(name, t)
     if batched:
         if x.dim() != 3:
             hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
@@ -249,9 +253,16 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
     odt = resolve_fp8_out_dtype(out_dtype, out[0] if isinstance(out, (list, tuple)) and out
                                 else None)
     if not G:
+        # (as grouped_gemm: an out list that does not fit is an error also for no problems)
+        if out is not None and (n_out := len(_as_tensor_list("out", out, "(M_i, N_i)"))):
+            raise ValueError(f"expected one out per problem: got len(out)={n_out} for 0 "
+                             "problems")
         return ScaledGemmArgs([], [], [], [], [] if out is not None else None, "tensor",
                               torch.float8_e4m3fn, odt, torch.device("cpu"), [])
     dtype, device = a_list[0].dtype, a_list[0].device
+    for i, (ai, bi) in enumerate(zip(a_list, b_list)):
+        check_dense(f"a[{i}]", ai)
+        check_dense(f"b[{i}]", bi)
     _check_fp8("a[0]", a_list[0])
     sizes = []
     granularity = None
@@ -294,6 +305,7 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
             raise ValueError(f"expected one out per problem: got len(out)={len(out_list)} for "
                              f"{G} problems")
         for i, (oi, (m, n, _)) in enumerate(zip(out_list, sizes)):
+            check_dense(f"out[{i}]", oi)
             if tuple(oi.shape) != (m, n):
                 raise ValueError(f"out[{i}] must be (M_i, N_i) = ({m}, {n}); got {_shape(oi)}")
             if oi.dtype != odt:

@@ -106,6 +106,14 @@ def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
+def check_dense(name: str, t: object) -> None:
+    """A sparse, mkldnn or other non-strided tensor: a TypeError naming the operand. (Both
+    backends slice rows and read strides, which those layouts do not have: without this the
+    call fails deep inside torch.)"""
+    if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor; got layout {t.layout}")
+
+
 def _check_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be {_DTYPE_NAMES}; got {t.dtype}")
@@ -176,6 +184,7 @@ def check_grouped_gemm(
         dtype in SUPPORTED_DTYPES
         and {t.dtype for t in a_list} == {dtype} == {t.dtype for t in b_list}
         and {t.device for t in a_list} == {device} == {t.device for t in b_list}
+        and {t.layout for t in a_list} == {torch.strided} == {t.layout for t in b_list}
         and all(len(sa) == 2 and len(sb) == 2 and sa[1] == sb[0]
                 for sa, sb in zip(a_shapes, b_shapes))
     )
@@ -196,6 +205,7 @@ def check_grouped_gemm(
             odt = out_list[0].dtype
             _check_dtype("out[0]", out_list[0])
         for i, (oi, (m, n, _)) in enumerate(zip(out_list, sizes)):
+            check_dense(f"out[{i}]", oi)
             want = (m, n)
             if tuple(oi.shape) != want:
                 raise ValueError(
@@ -216,6 +226,9 @@ def _explain_grouped_gemm(
     device: torch.device,
 ) -> None:
     """Raise the error that names the first offending operand (the fast check failed)."""
+    for i, (ai, bi) in enumerate(zip(a_list, b_list)):
+        check_dense(f"a[{i}]", ai)
+        check_dense(f"b[{i}]", bi)
     _check_dtype("a[0]", a_list[0])
     for i, (ai, bi) in enumerate(zip(a_list, b_list)):
         if ai.dim() != 2:
@@ -256,6 +269,8 @@ def check_grouped_mm(
             raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
     assert isinstance(offs, torch.Tensor)
+    for name, t in (("x", x), ("w", w), ("offs", offs), ("out", out)):
+        check_dense(name, t)
     if x.dim() != 2:
         hint = " (3-D x (G, M, K) is the batched form: pass offs=None)" if x.dim() == 3 else ""
         raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape {_shape(x)}{hint}")
@@ -328,6 +343,8 @@ def check_grouped_bmm(
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+    for name, t in (("x", x), ("w", w), ("out", out)):
+        check_dense(name, t)
     if x.dim() != 3:
         hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
         raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape {_shape(x)}{hint}")
