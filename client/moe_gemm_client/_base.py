@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 
 from . import _constants as C
-from ._calls import ProgressCallback, TimeoutTypes, _Call, answer_request_id
+from ._calls import JSON_ERRORS, ProgressCallback, TimeoutTypes, _Call, answer_request_id
 from ._exceptions import (
     APIConnectionError,
     APIError,
@@ -262,7 +262,7 @@ class _BaseClient:
         body: Any
         try:
             body = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        except (*JSON_ERRORS, ValueError):
             body = response.text
         request_id = response.headers.get(C.REQUEST_ID_HEADER)
         message: Any = None

@@ -83,10 +83,15 @@ def _header_request_id(headers: Mapping[str, str]) -> str | None:
     return None
 
 
+# What json.loads raises on a body that is not JSON. A RecursionError comes from arrays nested
+# deeper than the parser's stack: an answer like any other malformed one, not a crash.
+JSON_ERRORS = (json.JSONDecodeError, UnicodeDecodeError, RecursionError)
+
+
 def _json(response: httpx.Response) -> Any:
     try:
         return response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except JSON_ERRORS as exc:
         raise ValueError(f"expected a JSON body, got {response.content[:200]!r}") from exc
 
 
@@ -123,7 +128,7 @@ def health_call(path: str, key: str, **common: Any) -> _Call[bool]:
             return False
         try:
             data = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except JSON_ERRORS:
             return True  # the spec allows an empty body: 200 alone means yes
         return not (isinstance(data, dict) and data.get(key) is False)
 
@@ -315,11 +320,36 @@ def _decode_matmul(response: httpx.Response) -> dict[str, np.ndarray]:
     dtype = dtype_from_name(data.get("dtype", "float32"))
     out: dict[str, np.ndarray] = {}
     if "y" in data:
-        out["y"] = np.asarray(np.asarray(data["y"], dtype=np.float32), dtype=dtype)
+        out["y"] = _json_numbers("y", data["y"], dtype)
     if "d" in data:
+        if not isinstance(data["d"], list):
+            raise ValueError(f"'d' must be a list of matrices; got {data['d']!r:.80}")
         for i, d in enumerate(data["d"]):
-            out[f"d.{i}"] = np.asarray(np.asarray(d, dtype=np.float32), dtype=dtype)
+            out[f"d.{i}"] = _json_numbers(f"d[{i}]", d, dtype)
     return out
+
+
+def _json_numbers(name: str, value: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """A rectangular nested list of JSON numbers as an array of `dtype`. Checked first:
+    numpy would read a null as NaN and a boolean as 1.0, turning a broken answer into a result."""
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # ragged
+        raise ValueError(f"{name!r} is not a rectangular list of numbers: {exc}") from exc
+    if arr.dtype.kind not in "iuf" or _holds_bools(value):
+        raise ValueError(f"{name!r} must hold only numbers; got {value!r:.80}")
+    return np.asarray(arr.astype(np.float32), dtype=dtype)
+
+
+def _holds_bools(value: Any) -> bool:
+    """Whether a rectangular nested list holds a JSON true or false (numpy reads them as 1, 0)."""
+    if isinstance(value, bool):
+        return True
+    if not isinstance(value, list):
+        return False
+    if value and isinstance(value[0], list):
+        return any(_holds_bools(row) for row in value)
+    return any(isinstance(v, bool) for v in value)
 
 
 def empty_grouped_gemm(return_request_id: bool) -> Any:

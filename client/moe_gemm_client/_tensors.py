@@ -422,7 +422,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, TensorEnt
         raw = f.read(hlen)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # (too deep)
         raise ValueError(f"{os.fspath(path)}: the safetensors header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise ValueError(f"{os.fspath(path)}: the safetensors header is not a JSON object")

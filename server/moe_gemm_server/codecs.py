@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 # Largest dimension a tensor may declare (int32 row/column indices in the kernels); larger,
 # even in an empty tensor, is a 400 rather than an allocation error.
 MAX_DIM = (1 << 31) - 1
+# torch computes an empty tensor's strides and size from its nonzero dimensions too, in int64:
+# a shape such as [2**31 - 1] * 3 + [0] holds no byte yet cannot be built (RuntimeError).
+MAX_ELEMENTS = (1 << 63) - 1
+
+
+def shape_overflows(shape: list[int] | tuple[int, ...]) -> bool:
+    """True when the product of the nonzero dimensions does not fit torch's int64 sizes."""
+    return math.prod(s for s in shape if s) > MAX_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -87,14 +95,22 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+NameRules = Callable[[list[str]], None]
+
+
 def parse_safetensors_header(
-    prefix: bytes | bytearray | memoryview, total_size: int
+    prefix: bytes | bytearray | memoryview, total_size: int, *,
+    max_tensors: int | None = None, name_rules: NameRules | None = None,
 ) -> tuple[dict[str, TensorSpec], int, dict[str, str]]:
     """Parse and check a safetensors header.
 
     Args:
         prefix: at least the first 8 + header-length bytes of the body (or all of it).
         total_size: the size of the whole body in bytes.
+        max_tensors: the most tensors the route can take. A header of more is refused
+            before any entry is checked (a million entries take a minute to check one by
+            one), by `name_rules`: the route's rules on names, which refuse such a list and
+            say why as the route would (else a 400 says how many tensors it takes).
 
     Returns:
         (specs by name, byte offset where the data region starts, __metadata__).
@@ -128,6 +144,11 @@ def parse_safetensors_header(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise bad_request("malformed safetensors: __metadata__ must map strings to strings")
+    if max_tensors is not None and len(header) > max_tensors:
+        if name_rules is not None:
+            name_rules(list(header))
+        raise bad_request(f"the body holds {len(header)} tensors; this route takes at most "
+                          f"{max_tensors}")
     data_start = 8 + n
     data_len = total_size - data_start
     specs: dict[str, TensorSpec] = {}
@@ -145,6 +166,9 @@ def parse_safetensors_header(
                 f"[0, {MAX_DIM}]; "
                 f"got {shape!r}"
             )
+        if shape_overflows(shape):
+            raise bad_request(f"malformed safetensors: tensor {name!r} shape {shape!r} has more "
+                              f"than {MAX_ELEMENTS} elements (counting only nonzero dimensions)")
         if (
             not isinstance(offs, list)
             or len(offs) != 2
@@ -191,9 +215,12 @@ def tensor_from_buffer(
     return t.view(shape)
 
 
-def decode_safetensors(buf: bytearray) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors body (views of `buf`, which must stay alive)."""
-    specs, data_start, _ = parse_safetensors_header(buf, len(buf))
+def decode_safetensors(buf: bytearray, *, max_tensors: int | None = None,
+                       name_rules: NameRules | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors body (views of `buf`, which must stay alive);
+    `max_tensors` and `name_rules` as in parse_safetensors_header."""
+    specs, data_start, _ = parse_safetensors_header(buf, len(buf), max_tensors=max_tensors,
+                                                    name_rules=name_rules)
     mv = memoryview(buf)
     return {
         name: tensor_from_buffer(mv, s.dtype, s.shape, data_start + s.start)
@@ -343,8 +370,12 @@ def decode_json_grouped_mm(obj: Mapping[str, Any], K: int) -> dict[str, torch.Te
     return out
 
 
-def decode_json_grouped_gemm(obj: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """{"a": [A_0, ...], "b": [B_0, ...], "dtype"} -> {"a.i", "b.i"} tensors."""
+def decode_json_grouped_gemm(obj: Mapping[str, Any],
+                             check_count: Callable[[int], None] | None = None
+                             ) -> dict[str, torch.Tensor]:
+    """{"a": [A_0, ...], "b": [B_0, ...], "dtype"} -> {"a.i", "b.i"} tensors. `check_count`
+    (raises APIError) sees the number of problems before any matrix is built: a million
+    empty problems would otherwise cost tens of seconds before the limit refused them."""
     dtype = json_dtype(obj)
     unknown = set(obj) - {"a", "b", "dtype"}
     if unknown:
@@ -355,6 +386,8 @@ def decode_json_grouped_gemm(obj: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         if not isinstance(obj[key], list):
             raise bad_request(f"{key!r} must be a list of matrices")
     a, b = obj["a"], obj["b"]
+    if check_count is not None:
+        check_count(max(len(a), len(b)))
     out: dict[str, torch.Tensor] = {}
     for i, bi in enumerate(b):
         out[f"b.{i}"] = _matrix(f"b[{i}]", bi, dtype, hint="(K_i, N_i)")

@@ -9,7 +9,7 @@ expected. The engine re-checks shapes, but a request never gets that far with ba
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -86,6 +86,15 @@ def counts_from(
     return d
 
 
+def check_mm_names(names: Iterable[str], x_name: str = "x") -> None:
+    """400 for a tensor other than x, counts and offs (also the refusal of a safetensors header
+    of too many tensors, codecs.parse_safetensors_header)."""
+    unknown = set(names) - {x_name, "counts", "offs"}
+    if unknown:
+        raise bad_request(f"unexpected tensor(s) {sorted(unknown)}; expected {x_name!r} and "
+                          "'counts' (or 'offs')")
+
+
 def mm_job(
     ws: WeightSet,
     tensors: Mapping[str, torch.Tensor],
@@ -97,10 +106,7 @@ def mm_job(
     request_id: str,
 ) -> Job:
     """A grouped-mm Job for `ws` from tensors "x" and "counts" (or "offs")."""
-    unknown = set(tensors) - {x_name, "counts", "offs"}
-    if unknown:
-        raise bad_request(f"unexpected tensor(s) {sorted(unknown)}; expected {x_name!r} and "
-                          "'counts' (or 'offs')")
+    check_mm_names(tensors, x_name)
     if x_name not in tensors:
         raise bad_request(f"missing tensor {x_name!r} (T, K) = (T, {ws.K})")
     x = tensors[x_name]
@@ -136,6 +142,35 @@ def mm_job(
     )
 
 
+def gemm_problems(names: Iterable[str], settings: Settings) -> int:
+    """The number of problems G that tensors `names` hold: "a.0", "b.0" .. "a.{G-1}",
+    "b.{G-1}" and nothing else (400), G <= --max-problems (422) (also the refusal of a
+    safetensors header of too many tensors, codecs.parse_safetensors_header)."""
+    idx: dict[str, set[int]] = {"a": set(), "b": set()}
+    for name in names:
+        m = _GEMM_NAME.fullmatch(name)
+        if m is None:
+            raise bad_request(f"unexpected tensor {name!r}; expected 'a.0', 'b.0', 'a.1', ...")
+        idx[m.group(1)].add(int(m.group(2)))
+    G = max(len(idx["a"]), len(idx["b"]))
+    if G == 0:
+        raise bad_request("no problems: send tensors 'a.0', 'b.0', 'a.1', 'b.1', ...")
+    check_problem_count(G, settings)
+    for i in range(G):
+        for side in ("a", "b"):
+            if i not in idx[side]:
+                raise bad_request(f"missing tensor '{side}.{i}' (problems are numbered 0..{G - 1}"
+                                  " and each needs an a and a b)")
+    return G
+
+
+def check_problem_count(G: int, settings: Settings) -> None:
+    """422 for more problems than --max-problems."""
+    if G > settings.max_problems:
+        raise unprocessable(f"{G} problems exceed the per-request limit of "
+                            f"{settings.max_problems} (--max-problems)")
+
+
 def gemm_job(
     tensors: Mapping[str, torch.Tensor],
     settings: Settings,
@@ -145,23 +180,7 @@ def gemm_job(
     request_id: str,
 ) -> Job:
     """A grouped-gemm Job from tensors "a.0", "b.0", "a.1", "b.1", ..."""
-    idx: dict[str, set[int]] = {"a": set(), "b": set()}
-    for name in tensors:
-        m = _GEMM_NAME.fullmatch(name)
-        if m is None:
-            raise bad_request(f"unexpected tensor {name!r}; expected 'a.0', 'b.0', 'a.1', ...")
-        idx[m.group(1)].add(int(m.group(2)))
-    G = max(len(idx["a"]), len(idx["b"]))
-    if G == 0:
-        raise bad_request("no problems: send tensors 'a.0', 'b.0', 'a.1', 'b.1', ...")
-    if G > settings.max_problems:
-        raise unprocessable(f"{G} problems exceed the per-request limit of "
-                            f"{settings.max_problems} (--max-problems)")
-    for i in range(G):
-        for side in ("a", "b"):
-            if i not in idx[side]:
-                raise bad_request(f"missing tensor '{side}.{i}' (problems are numbered 0..{G - 1}"
-                                  " and each needs an a and a b)")
+    G = gemm_problems(tensors, settings)
     a = [tensors[f"a.{i}"] for i in range(G)]
     b = [tensors[f"b.{i}"] for i in range(G)]
     dtype = a[0].dtype

@@ -11,6 +11,7 @@ ml_dtypes.bfloat16 arrays). tritonclient sends no Content-Type, so the route par
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from pydantic_core import from_json
 
-from .codecs import MAX_DIM, encode_json, tensor_from_buffer
+from .codecs import MAX_DIM, MAX_ELEMENTS, encode_json, shape_overflows, tensor_from_buffer
 from .errors import bad_request
 
 # v2 datatype -> torch dtype (BYTES has no tensor form here)
@@ -87,7 +88,7 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
     if arr.size == 0 and count == 0:
         return torch.empty(0, dtype=dtype)
     allowed = "b" if dtype == torch.bool else ("iuf" if dtype.is_floating_point else "iu")
-    if arr.dtype.kind not in allowed:
+    if arr.dtype.kind not in allowed or (dtype != torch.bool and _holds_bools(data)):
         kind = "booleans" if dtype == torch.bool else "numbers"
         raise bad_request(f"input {inp.name!r}: 'data' must hold {kind} for {inp.datatype}")
     if arr.size != count:
@@ -109,10 +110,26 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
                             ).to(dtype)
 
 
+def _holds_bools(data: Any) -> bool:
+    """Whether a rectangular nested list holds a JSON true or false. numpy reads [1, true] as
+    the integers [1, 1], so a boolean among numbers would pass as 1 or 0."""
+    if isinstance(data, bool):
+        return True
+    if not isinstance(data, list):
+        return False
+    if data and isinstance(data[0], list):  # rectangular: every item is a list, or none is
+        return any(_holds_bools(row) for row in data)
+    return any(isinstance(v, bool) for v in data)
+
+
 def parse_request(
-    body: bytearray, header_length: str | None
+    body: bytearray, header_length: str | None,
+    check_names: Callable[[list[str]], None] | None = None,
 ) -> tuple[V2Request, dict[str, torch.Tensor]]:
     """Parse an infer request body into the request header and its input tensors.
+
+    `check_names` (raises APIError) sees the inputs' names before any tensor is built: a
+    request of a million inputs that the model would refuse costs no per-input work.
 
     Raises:
         APIError(400): malformed JSON, bad header length, binary sizes that do not add up,
@@ -137,6 +154,8 @@ def parse_request(
         req = V2Request.model_validate_json(raw)
     except ValidationError as e:
         raise bad_request(f"malformed inference request: {_first_error(e)}") from None
+    if check_names is not None:
+        check_names([inp.name for inp in req.inputs])
     mv = memoryview(body)
     pos = n
     tensors: dict[str, torch.Tensor] = {}
@@ -153,6 +172,9 @@ def parse_request(
         if any(s > MAX_DIM for s in inp.shape):
             raise bad_request(f"input {inp.name!r}: shape {inp.shape} has a dimension over "
                               f"{MAX_DIM}")
+        if shape_overflows(inp.shape):
+            raise bad_request(f"input {inp.name!r}: shape {inp.shape} has more than "
+                              f"{MAX_ELEMENTS} elements (counting only nonzero dimensions)")
         count = math.prod(inp.shape)
         params = inp.parameters or {}
         size = params.get("binary_data_size")

@@ -146,6 +146,44 @@ def test_malformed_success_body_is_a_validation_error(mode):
         run(make(mode, handler), "grouped_mm", "l0", np.ones((3, 2), np.float32), counts=[3])
 
 
+DEEP = b'{"error": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_json_nested_past_the_parser_stack_is_a_clear_error(mode):
+    """A body of arrays nested deeper than json's stack raised a bare RecursionError from
+    every call, for success and error answers alike."""
+    deep = httpx.Response(200, content=DEEP, headers={"content-type": "application/json"})
+    for method, args in (("list_weights", ()), ("get_weights", ("l0",)),
+                         ("grouped_mm", ("l0", np.ones((1, 2), np.float32)))):
+        kwargs = {"counts": [1]} if method == "grouped_mm" else {}
+        handler, _ = sequence(deep)
+        with pytest.raises(mgc.APIResponseValidationError, match="expected a JSON body"):
+            run(make(mode, handler), method, *args, **kwargs)
+    handler, _ = sequence(httpx.Response(400, content=DEEP,
+                                         headers={"content-type": "application/json"}))
+    with pytest.raises(mgc.BadRequestError):
+        run(make(mode, handler), "list_weights")
+    handler, _ = sequence(deep)
+    assert run(make(mode, handler), "ready") is True  # 200 is the answer; the body is optional
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("y", [[[1.0, None], [3.0, 4.0]], [[1.0, True], [3.0, 4.0]],
+                               [[10**400, 2.0], [3.0, 4.0]], [["1", "2"], ["3", "4"]]],
+                         ids=["null", "bool", "huge-int", "strings"])
+def test_json_answer_that_is_not_numbers_is_a_validation_error(mode, y):
+    """numpy read a null as NaN and true as 1.0 (a broken answer passed as a result), and an
+    integer beyond float64 raised a bare OverflowError."""
+    handler, _ = sequence(ok_json({"y": y, "dtype": "float32"}))
+    with pytest.raises(mgc.APIResponseValidationError, match="only numbers"):
+        run(make(mode, handler), "grouped_mm", "l0", np.ones((2, 3), np.float32), counts=[2])
+    handler, _ = sequence(ok_json({"d": [y], "dtype": "float32"}))
+    with pytest.raises(mgc.APIResponseValidationError, match="only numbers"):
+        run(make(mode, handler), "grouped_gemm", [np.ones((2, 1), np.float32)],
+            [np.ones((1, 2), np.float32)])
+
+
 # ------------------------------------------------------------------------------------------
 # retries
 

@@ -191,6 +191,15 @@ def test_read_header_rejects_bad_files(tmp_path):
         read_safetensors_header(p)
 
 
+def test_read_header_nested_too_deeply_is_a_valueerror(tmp_path):
+    """Was a bare RecursionError: `moe-gemm-client upload` died with a traceback, not exit 2."""
+    header = b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    p = tmp_path / "deep.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(ValueError, match="not JSON"):
+        read_safetensors_header(p)
+
+
 def test_numpy_kind_returns_the_array_itself():
     a = np.ones((2, 2), np.float32)
     assert NUMPY.wrap(a) is a

@@ -105,6 +105,32 @@ def test_safetensors_lies_are_400(body, match):
     assert ei.value.status == 400
 
 
+@pytest.mark.parametrize("shape", [[2**31 - 1] * 3 + [0], [0] + [2**31 - 1] * 3])
+def test_empty_tensors_whose_shape_overflows_int64_are_400(shape):
+    """Every dimension is in range and the tensor is empty, but torch cannot build the shape
+    (its sizes and strides overflow int64): was a RuntimeError, a 500, on every route."""
+    body = _raw({"x": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+    with pytest.raises(APIError, match="elements") as ei:
+        decode_safetensors(body)
+    assert ei.value.status == 400
+    hdr = json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
+                                  "data": []}]}).encode()
+    with pytest.raises(APIError, match="elements") as ei:
+        parse_request(bytearray(hdr), None)
+    assert ei.value.status == 400
+    hdr = json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
+                                  "parameters": {"binary_data_size": 0}}]}).encode()
+    with pytest.raises(APIError, match="elements") as ei:
+        parse_request(bytearray(hdr), str(len(hdr)))
+    assert ei.value.status == 400
+
+
+def test_empty_tensors_of_large_but_valid_shapes_still_decode():
+    body = _raw({"x": {"dtype": "F32", "shape": [2**31 - 1, 2**31 - 1, 0],
+                       "data_offsets": [0, 0]}})
+    assert decode_safetensors(body)["x"].shape == (2**31 - 1, 2**31 - 1, 0)
+
+
 def test_encode_copies_shared_views():
     base = torch.arange(12.0).reshape(3, 4)
     a, b = base.unbind(0)[:2]
@@ -175,6 +201,23 @@ def test_v2_nan_tokens_are_400(token):
     hdr = b'{"id": "NaN-Infinity", "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", ' \
           b'"data": [1]}]}'
     assert parse_request(bytearray(hdr), None)[0].id == "NaN-Infinity"
+
+
+@pytest.mark.parametrize("datatype, data", [
+    ("FP32", [1.0, 2.0, True]), ("FP32", [[1, 2], [False, 3]]), ("INT32", [2, True]),
+    ("INT64", [[True], [0]]), ("FP16", [1.5, False]),
+])
+def test_v2_booleans_among_numbers_are_400(datatype, data):
+    """numpy reads [1, true] as [1, 1]: a boolean in numeric data was taken as 1 or 0."""
+    shape = list(np.asarray(data).shape)
+    hdr = json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": datatype,
+                                  "data": data}]}).encode()
+    with pytest.raises(APIError, match="must hold numbers") as ei:
+        parse_request(bytearray(hdr), None)
+    assert ei.value.status == 400
+    hdr = json.dumps({"inputs": [{"name": "x", "shape": [2], "datatype": "BOOL",
+                                  "data": [True, False]}]}).encode()
+    assert parse_request(bytearray(hdr), None)[1]["x"].tolist() == [True, False]
 
 
 def test_v2_parse_and_encode():

@@ -4,6 +4,7 @@ error messages that say what is accepted."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import re
@@ -318,3 +319,59 @@ def test_v2_id_true_is_400(small):
     req["id"] = "q-1"
     r = small.post("/v2/models/tiny/infer", json=req)
     assert r.status_code == 200 and r.json()["id"] == "q-1"
+
+
+def _many_tensors(names: list[str]) -> bytes:
+    """A safetensors body of empty tensors, every entry malformed (dtype "Q7")."""
+    entry = {"dtype": "Q7", "shape": [0], "data_offsets": [0, 0]}
+    return _st_header(json.dumps({n: entry for n in names}).encode())
+
+
+def test_too_many_tensors_are_refused_for_their_names_before_any_is_built(roomy):
+    """A body of more tensors (inputs, problems) than the route takes is refused by the route's
+    own name rules before any entry is checked or any tensor built: a 49 MB header of 800k
+    empty tensors took 45 s, on the event loop, before --max-problems refused it."""
+    _tiny(roomy)
+    pairs = [f"{s}.{i}" for i in range(4097) for s in "ab"]
+    r = roomy.post("/v1/grouped-gemm", content=_many_tensors(pairs))
+    assert r.status_code == 422 and "(--max-problems)" in r.json()["error"], r.text[:200]
+    r = roomy.post("/v1/grouped-gemm", content=_many_tensors(pairs[:-2] + ["c.0", "c.1"]))
+    assert r.status_code == 400 and "unexpected tensor" in r.json()["error"], r.text[:200]
+    r = roomy.post("/v1/weights/tiny/grouped-mm",
+                   content=_many_tensors(["x", "counts", "j.0", "j.1"]))
+    assert r.status_code == 400 and "unexpected tensor(s)" in r.json()["error"], r.text[:200]
+    # (a malformed body of as many tensors as the route takes still says it is malformed)
+    r = roomy.post("/v1/weights/tiny/grouped-mm", content=_many_tensors(["x", "j"]))
+    assert r.status_code == 400 and "malformed safetensors" in r.json()["error"], r.text[:200]
+    r = roomy.post("/v1/grouped-gemm", json={"a": ["bad"] * 4097, "b": ["bad"] * 4097})
+    assert r.status_code == 422 and "(--max-problems)" in r.json()["error"], r.text[:200]
+    bad = {"name": "q", "shape": [0], "datatype": "FP33", "data": []}
+    r = roomy.post("/v2/models/tiny/infer", json={"inputs": [bad] * 3})
+    assert r.status_code == 400 and "unexpected input(s)" in r.json()["error"], r.text[:200]
+
+
+def test_a_large_safetensors_body_is_decoded_off_the_event_loop(roomy, monkeypatch):
+    """As a large JSON body is parsed: a header of many entries takes seconds to check, and on
+    the event loop it stalled every other request and the liveness probe."""
+    from moe_gemm_server.routers import matmul
+
+    on_loop: list[bool] = []
+
+    def decode(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(*args, **kwargs)
+
+    real = matmul.decode_safetensors
+    monkeypatch.setattr(matmul, "decode_safetensors", decode)
+    _tiny(roomy)
+    big = torch.ones(150_000, 2)  # 1.2 MB
+    r = roomy.post("/v1/weights/tiny/grouped-mm",
+                   content=st_body({"x": big, "counts": torch.tensor([150_000, 0])}))
+    assert r.status_code == 413, r.text[:200]  # (over --max-rows; what matters is where)
+    r = roomy.post("/v1/grouped-gemm", content=st_body({"a.0": big, "b.0": torch.ones(2, 1)}))
+    assert r.status_code == 413, r.text[:200]
+    assert on_loop == [False, False]

@@ -17,7 +17,7 @@ from ..codecs import (
 )
 from ..dependencies import hot_path
 from ..errors import request_id_of
-from ..jobs import gemm_job, mm_job
+from ..jobs import check_mm_names, check_problem_count, gemm_job, gemm_problems, mm_job
 from ..limits import read_body
 from ..service import ClientGone
 from .common import (
@@ -44,8 +44,9 @@ async def grouped_mm(name: str, request: Request) -> Response:
         if fmt == "json":
             tensors = await off_loop_if_large(
                 body, lambda: decode_json_grouped_mm(parse_json_object(body), ws.K))
-        else:
-            tensors = decode_safetensors(body)
+        else:  # (a large header takes a while to parse: off the event loop, as JSON is)
+            tensors = await off_loop_if_large(body, lambda: decode_safetensors(  # x, counts, offs
+                body, max_tensors=3, name_rules=check_mm_names))
         job = mm_job(ws, tensors, service.settings,
                      priority=service.priority_level(priority),
                      deadline=service.deadline_for(request, timeout_us),
@@ -69,11 +70,14 @@ async def grouped_gemm(request: Request) -> Response:
     priority, timeout_us = native_params(request)
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
+        settings = service.settings
         if fmt == "json":
-            tensors = await off_loop_if_large(
-                body, lambda: decode_json_grouped_gemm(parse_json_object(body)))
+            tensors = await off_loop_if_large(body, lambda: decode_json_grouped_gemm(
+                parse_json_object(body), lambda G: check_problem_count(G, settings)))
         else:
-            tensors = decode_safetensors(body)
+            tensors = await off_loop_if_large(body, lambda: decode_safetensors(
+                body, max_tensors=2 * settings.max_problems,
+                name_rules=lambda names: gemm_problems(names, settings)))
         job = gemm_job(tensors, service.settings,
                        priority=service.priority_level(priority),
                        deadline=service.deadline_for(request, timeout_us),

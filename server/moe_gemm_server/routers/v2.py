@@ -148,17 +148,21 @@ def _binary_outputs(req: V2Request) -> dict[str, bool]:
     return out
 
 
+def _check_inputs(model: str, names: list[str]) -> None:
+    unknown = set(names) - {"x", "counts", "offs"}
+    if unknown:
+        raise bad_request(f"unexpected input(s) {sorted(unknown)}; model {model!r} takes "
+                          "'x' and 'counts' (or 'offs')")
+
+
 async def _infer(name: str, request: Request, service: Service) -> Response:
     service.admit(request)
     ws = service.weight_set(name)
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
         hlen = request.headers.get("inference-header-content-length")
-        req, tensors = await off_loop_if_large(body, lambda: parse_request(body, hlen))
-        unknown = set(tensors) - {"x", "counts", "offs"}
-        if unknown:
-            raise bad_request(f"unexpected input(s) {sorted(unknown)}; model {name!r} takes "
-                              "'x' and 'counts' (or 'offs')")
+        req, tensors = await off_loop_if_large(
+            body, lambda: parse_request(body, hlen, lambda names: _check_inputs(name, names)))
         params = req.parameters or {}
         for p in ("sequence_id", "sequence_start", "sequence_end"):
             if params.get(p):
