@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds(positive=True), default=None,
                    help="seconds per connect/read/write (default: 5 to connect, 300 otherwise)")
     p.add_argument("--max-retries", type=int, default=C.DEFAULT_MAX_RETRIES,
-                   help=f"retries on connection errors, 429 and 503 (default "
+                   help=f"retries on connection errors and HTTP "
+                        f"{', '.join(map(str, sorted(C.RETRYABLE_STATUSES)))} (default "
                         f"{C.DEFAULT_MAX_RETRIES})")
     p.add_argument("--version", action="version", version=f"moe-gemm-client {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
