@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from moe_gemm.env import env_get
+from moe_gemm.env import env_flag
 
 # The kernels use wgmma, setmaxnreg and the TMA engine: sm_90a only (H100, H200, H20, H800).
 REQUIRED_CAPABILITY = (9, 0)
@@ -28,9 +28,11 @@ def cutlass_dsl_problem() -> str | None:
 def cute_problem(device: torch.device | None = None) -> str | None:
     """None if the cute backend can run on `device` (default: the current CUDA device).
 
-    Otherwise a sentence saying why not. Never raises.
+    Otherwise a sentence saying why not. Raises only moe_gemm.env.EnvError, for a
+    MOE_GEMM_DISABLE_CUTE that is neither on nor off.
     """
-    if env_get("MOE_GEMM_DISABLE_CUTE") not in (None, "", "0"):
+    # (a flag: "false", "no" or "off" keep the kernels, as the other switches read them)
+    if env_flag("MOE_GEMM_DISABLE_CUTE"):
         return "disabled by MOE_GEMM_DISABLE_CUTE"
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}, the kernels run on CUDA sm_90a GPUs"

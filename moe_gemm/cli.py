@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from moe_gemm.env import LIBRARY_VARIABLES, variables_set
+from moe_gemm.env import LIBRARY_VARIABLES, EnvError, variables_set
 
 
 def _version(dist: str) -> str:
@@ -417,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         rc = _main(argv)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return rc
+    except EnvError as exc:
+        # A MOE_GEMM_* variable with a value the library refuses: a usage error of the
+        # environment, said in one line like a bad option (the message names the variable).
+        command = " ".join(["moe-gemm", *(sys.argv[1:] if argv is None else argv)[:1]])
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # Whoever read our stdout has gone (`moe-gemm tune --list --zoo | head -1`): stop
         # quietly, as a command that SIGPIPE ends does. stdout now points at /dev/null, so that

@@ -27,16 +27,59 @@ def env_get(name: str) -> str | None:
     return os.environ.get(name)
 
 
+ON_VALUES = ("1", "true", "yes", "on")
+OFF_VALUES = ("0", "false", "no", "off")
+
+
+class EnvError(ValueError):
+    """A MOE_GEMM_* variable set to a value the library does not accept (the message names
+    the variable and the values it takes)."""
+
+
 def env_switch(name: str) -> bool:
-    """A default-on MOE_GEMM_* switch: off when set to 0, false or no (any case)."""
+    """A default-on MOE_GEMM_* switch: off when set to 0, false, no or off (any case); on when
+    unset, empty or set to 1, true, yes or on; EnvError for any other value."""
     value = env_get(name)
-    return value is None or value.strip().lower() not in ("0", "false", "no")
+    return value is None or _switch_value(name, value, default=True)
 
 
 def env_flag(name: str) -> bool:
-    """A default-off MOE_GEMM_* switch: on when set to 1, true, yes or on (any case)."""
+    """A default-off MOE_GEMM_* switch: on when set to 1, true, yes or on (any case); off when
+    unset, empty or set to 0, false, no or off; EnvError for any other value."""
     value = env_get(name)
-    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+    return value is not None and _switch_value(name, value, default=False)
+
+
+def flag_on(name: str, value: str | None) -> bool:
+    """env_flag for a value already read (one of env_reader's tuple)."""
+    return value is not None and _switch_value(name, value, default=False)
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """A MOE_GEMM_* variable that names one of `choices` (any case): that choice, or None when
+    unset or empty; EnvError for any other value."""
+    value = env_get(name)
+    if value is None or not value.strip():
+        return None
+    word = value.strip().lower()
+    if word not in choices:
+        raise EnvError(f"{name}={value!r}: expected {' or '.join(choices)} (or unset)")
+    return word
+
+
+def _switch_value(name: str, value: str, default: bool) -> bool:
+    # A value that is neither on nor off is refused rather than read as the default, so that
+    # a typo (MOE_GEMM_FUSED=flase) or a word of another convention cannot silently keep the
+    # behaviour it was meant to change.
+    word = value.strip().lower()
+    if word in ON_VALUES:
+        return True
+    if word in OFF_VALUES:
+        return False
+    if not word:  # set but empty, as an unset shell variable exports it: the default
+        return default
+    raise EnvError(f"{name}={value!r}: expected one of {', '.join(ON_VALUES)} (on) or "
+                   f"{', '.join(OFF_VALUES)} (off)")
 
 
 def env_reader(names: tuple[str, ...]) -> Callable[[], tuple[str | None, ...]]:
@@ -87,9 +130,10 @@ LIBRARY_VARIABLES: dict[str, str] = {
                              "kernel",
     "MOE_GEMM_FUSED_GATHER_WIDE": "1: the fused kernel gathers in kernel at every batch size "
                                   "and on tiles past 128 rows or 128 accumulator registers "
-                                  "on any weight (by default only on weights of at most "
-                                  "2048 columns; no routed copy of x, but 0.87-0.96x the "
-                                  "speed of index_select + TMA on wider ones on the H200)",
+                                  "on any weight (by default below 1024 routed rows, or "
+                                  "on weights of at most 2048 columns; no routed copy of x, "
+                                  "but 0.87-0.96x the speed of index_select + TMA on wider "
+                                  "ones on the H200)",
     "MOE_GEMM_FUSED_FAST_GATE": "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid "
                                 "from the IEEE exp and divide, not the SFU's approximate "
                                 "exp2 and reciprocal (a few fp32 ulp apart)",
@@ -98,7 +142,9 @@ LIBRARY_VARIABLES: dict[str, str] = {
                                 "scale block; 1: the plain loop)",
     "MOE_GEMM_FP8_SMEM_SCALES": "1 / 0: the FP8 block scales of the varlen form staged in "
                                 "shared memory by TMA, with the lagged promotion, on tiles "
-                                "with room for it / loaded by the math threads (default 1)",
+                                "with room for it / loaded by the math threads (default: "
+                                "staged, except on decode-sized experts whose K / 128 is not "
+                                "a multiple of 4)",
     "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs also where "
                                 "the scales are not staged",
     "MOE_GEMM_FP8_QUANT": "torch: the FP8 quantizers run torch ops even where the kernel runs",

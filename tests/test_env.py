@@ -270,3 +270,42 @@ def test_variables_set_lists_only_moe_gemm_names(monkeypatch: pytest.MonkeyPatch
     assert got["MOE_GEMM_TEST_ENV_SET"] == "x"
     assert all(k.startswith("MOE_GEMM_") for k in got)
 
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", " Off "])
+def test_env_switch_takes_off_as_off(path: str, clean: pytest.MonkeyPatch, value: str) -> None:
+    # env_flag reads "on" as on; a default-on switch reads "off" as off (MOE_GEMM_FUSED=off).
+    from moe_gemm.env import env_switch
+
+    os.environ[NAME] = value
+    assert env_switch(NAME) is False
+
+
+@pytest.mark.parametrize("value", ["banana", "flase", "2", "-1", "enabled", "0 1"])
+@pytest.mark.parametrize("reader", ["env_switch", "env_flag"])
+def test_switch_values_neither_on_nor_off_are_refused(path: str, clean: pytest.MonkeyPatch,
+                                                      reader: str, value: str) -> None:
+    read = getattr(env_module, reader)
+    os.environ[NAME] = value
+    with pytest.raises(env_module.EnvError, match=rf"^{NAME}={value!r}: expected one of 1, "
+                       r"true, yes, on \(on\) or 0, false, no, off \(off\)$"):
+        read(NAME)
+    assert issubclass(env_module.EnvError, ValueError)
+
+
+@pytest.mark.parametrize("value,disabled", [("false", False), ("no", False), ("off", False),
+                                            ("on", True)])
+def test_disable_cute_reads_words_as_the_switches_do(monkeypatch: pytest.MonkeyPatch,
+                                                     value: str, disabled: bool) -> None:
+    from moe_gemm.capability import cute_problem
+
+    monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", value)
+    assert (cute_problem() == "disabled by MOE_GEMM_DISABLE_CUTE") is disabled
+
+
+def test_disable_cute_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_gemm.capability import cute_problem
+
+    monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "sometimes")
+    with pytest.raises(ValueError, match="MOE_GEMM_DISABLE_CUTE='sometimes': expected"):
+        cute_problem()

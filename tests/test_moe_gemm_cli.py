@@ -270,3 +270,14 @@ def test_a_closed_stdout_ends_quietly(command) -> None:
     assert proc.wait(timeout=120) == cli.SIGPIPE_EXIT
     assert err == ""
 
+
+
+@pytest.mark.parametrize("command", [["info"], ["demo"]])
+def test_a_bad_switch_value_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   command: list[str]) -> None:
+    monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "maybe")
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert err == (f"moe-gemm {command[0]}: MOE_GEMM_DISABLE_CUTE='maybe': expected one of 1, "
+                   "true, yes, on (on) or 0, false, no, off (off)\n")

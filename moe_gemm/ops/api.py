@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import DEFAULT_CONFIG, GemmConfig
-from moe_gemm.env import env_reader, env_switch
+from moe_gemm.env import env_reader, env_switch, flag_on
 from moe_gemm.ops import custom_ops
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
@@ -91,7 +91,7 @@ _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call
 
 def _cacheable(switches: tuple) -> bool:
     """Plans made while cute is disabled or offs values are checked per call are not kept."""
-    return switches[0] in (None, "", "0") and switches[1] in (None, "", "0")
+    return not (flag_on(_PLAN_SWITCHES[0], switches[0]) or flag_on(_PLAN_SWITCHES[1], switches[1]))
 
 
 def _traced() -> bool:

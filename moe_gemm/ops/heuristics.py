@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
-from moe_gemm.env import env_get, env_switch
+from moe_gemm.env import EnvError, env_get, env_switch
 from moe_gemm.kernels.sm90.constants import TILE_K, raster_code, raster_fields
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
@@ -74,7 +74,11 @@ def with_l2_hints(choice: KernelChoice) -> KernelChoice:
     env = env_get("MOE_GEMM_L2_HINTS")
     if not env:
         return choice
-    a, b = (v.strip() for v in env.split(","))
+    parts = [v.strip() for v in env.split(",")]
+    if len(parts) != 2 or not all(p in L2_POLICY for p in parts):
+        raise EnvError(f"MOE_GEMM_L2_HINTS={env!r}: expected 'a,b' (A's and B's policy), each "
+                       f"one of {', '.join(L2_POLICY)}")
+    a, b = parts
     return replace(choice, a_policy=L2_POLICY[a], b_policy=L2_POLICY[b], l2_hints=True)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import GemmConfig
+from moe_gemm.env import flag_on
 from moe_gemm.ops import masked_custom_ops
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.api import (
@@ -255,7 +256,7 @@ def _remember(bucket, extra, tensors, plan, config) -> None:
     if any(type(t) not in PLAIN_TENSORS for t in tensors) or not plan.cacheable:
         return
     switches = _switches()
-    if switches[0] not in (None, "", "0") or offs_check_requested():
+    if flag_on("MOE_GEMM_DISABLE_CUTE", switches[0]) or offs_check_requested():
         return
     link = any(t.requires_grad for t in tensors[:2])
     _plans.add(bucket, (*extra, switches), tensors, (plan, link))

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from moe_gemm.env import env_get
+from moe_gemm.env import env_choice
 from moe_gemm.ops.validation import check_dense
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -134,7 +134,7 @@ def _per_token_group_torch(x: torch.Tensor, g: int, dtype: torch.dtype):
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
-    if x.device.type != "cuda" or env_get(QUANT_ENV) == "torch":
+    if x.device.type != "cuda" or env_choice(QUANT_ENV, ("torch", "kernel")) == "torch":
         return False
     from moe_gemm.capability import cute_problem
 

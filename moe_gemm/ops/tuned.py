@@ -224,7 +224,7 @@ def key_of(raw: dict) -> Key:
     try:
         key = Key(str(raw["form"]), str(raw["dtype"]), str(raw.get("out_dtype", raw["dtype"])),
                   int(raw["E"]), int(raw["N"]), int(raw["K"]), int(raw["bucket"]))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise TableError(f"bad key ({type(exc).__name__}: {exc})") from None
     if key.form not in FORMS or min(key.E, key.N, key.K) <= 0:
         raise TableError(f"bad key {key}")
@@ -280,7 +280,7 @@ def parse_samples(raw: Any) -> list[TimedShape]:
                 except TableError:
                     known[raw_cfg] = None
             fields = known[raw_cfg]
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
             continue
         if fields is None:
             continue

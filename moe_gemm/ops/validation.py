@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_gemm.env import env_get
+from moe_gemm.env import env_flag
 from moe_gemm.ops.aliasing import has_internal_overlap, outputs_aliasing_inputs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -256,7 +256,7 @@ def _explain_grouped_gemm(
 
 
 def offs_check_requested() -> bool:
-    return env_get("MOE_GEMM_CHECK_OFFS") not in (None, "", "0")
+    return env_flag("MOE_GEMM_CHECK_OFFS")
 
 
 def check_grouped_mm(

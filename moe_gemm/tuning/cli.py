@@ -56,6 +56,7 @@ NO_GPU = "needs a CUDA GPU (use --list without one)"
 NONEMPTY = ["models", "tokens", "shapes", "configs", "out", "out_dir", "report", "skip_table",
             "merge", "device", "rerank"]
 FIRST_SHAPE_EST_S = 10.0
+INT32_MAX = 2**31 - 1
 
 
 def _rest_ms(text: str) -> float:
@@ -165,6 +166,11 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
                              ) from None
         if len(nums) < 4 or min(nums) <= 0:
             raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...], all > 0")
+        if max(nums) > INT32_MAX:
+            # No kernel takes such a shape (offs are int32), and drawing the routing of that
+            # many rows, one at a time, would run for hours before anything is printed.
+            raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...], each from 1 "
+                             f"to {INT32_MAX}")
         E, N, K = nums[:3]
         for rows in nums[3:]:
             if form == "batched":
@@ -203,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if why is None and args.gpus < 1:
         # Checked here, before --gpus looks for GPUs, so that it is the error reported.
         why = f"--gpus {args.gpus}: must be >= 1"
+    if why is None and args.rounds < 1:  # (a final stage of no rounds has no median)
+        why = f"--rounds {args.rounds}: must be >= 1"
     if why:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2

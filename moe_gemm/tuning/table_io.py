@@ -46,10 +46,13 @@ def read_table(path: Path, device: str | None = None,
     file and what is wrong) otherwise. What the reader would skip (an entry or sample that
     does not parse, "samples" or "failures" that is not a list) is left out, and `warn` told,
     so that merging and sorting the table never meets it."""
-    doc = json.loads(path.read_text())
+    try:
+        doc = json.loads(path.read_text())
+    except RecursionError:  # nested past the parser's depth: no table is
+        raise ValueError(f"{path} is not a tuned table (nested too deeply)") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("device"), str):
         raise ValueError(f"{path} is not a tuned table (no device name)")
-    tuned.parse_table(doc, str(path), device or doc["device"])
+    _check_header(doc, str(path), device or doc["device"])
     dropped = []
     entries = [e for e in doc["entries"] if _valid_entry(e)]
     if len(entries) < len(doc["entries"]):
@@ -67,6 +70,15 @@ def read_table(path: Path, device: str | None = None,
     if dropped and warn is not None:
         warn(f"{path}: left out {', '.join(dropped)}")
     return doc
+
+
+def _check_header(doc: dict[str, Any], path: str, device: str) -> None:
+    """The reader's checks of the table as a whole (format, device, a list of entries): a
+    TableError (a ValueError) when one fails. The entries and samples are checked one by one
+    by the caller, which leaves out those that do not parse."""
+    entries = doc.get("entries")
+    tuned.parse_table({**doc, "entries": [] if isinstance(entries, list) else entries,
+                       "samples": []}, path, device)
 
 
 def merge_into(doc: dict[str, Any], other: dict[str, Any]) -> int:
@@ -93,13 +105,17 @@ def _valid_entry(e: Any) -> bool:
     try:
         tuned.key_of(e)
         tuned.config_fields(e.get("config"))
-    except (tuned.TableError, AttributeError, TypeError):
+    # OverflowError: a number JSON allows but no int holds (Infinity, 1e400).
+    except (tuned.TableError, AttributeError, TypeError, OverflowError):
         return False
     return True
 
 
 def _valid_sample(s: Any) -> bool:
-    return len(tuned.parse_samples([s])) == 1  # (parse_samples leaves out what it cannot read)
+    try:
+        return len(tuned.parse_samples([s])) == 1  # (it leaves out what it cannot read)
+    except OverflowError:  # as in _valid_entry
+        return False
 
 
 def key_tuple(k: tuned.Key) -> tuple:

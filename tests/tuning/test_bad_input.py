@@ -1,0 +1,118 @@
+"""Bad input to the tuning front end: environment values, tables that do not parse, shapes
+and options out of range. Each is refused with an error naming the expectation (the CLI: one
+line and exit 2), never a traceback or a silent default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_gemm import GemmConfig
+from moe_gemm.env import EnvError
+from moe_gemm.ops import tuned
+from moe_gemm.tuning import cli, online, table_io
+
+DEV = "NVIDIA Test GPU 80GB"
+CONFIG = {"schedule": "pingpong", "tile_m": 128, "tile_n": 192, "visitor": "device"}
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    for name in (online.AUTOTUNE_ENV, online.BUDGET_ENV, tuned.USER_TABLE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+# MOE_GEMM_AUTOTUNE and MOE_GEMM_AUTOTUNE_BUDGET_S
+
+def test_autotune_switch_refuses_a_value_neither_on_nor_off(monkeypatch):
+    monkeypatch.setenv(online.AUTOTUNE_ENV, "always")
+    with pytest.raises(EnvError, match="MOE_GEMM_AUTOTUNE='always': expected one of"):
+        online.requested(GemmConfig())
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "30s"])
+def test_a_bad_budget_is_an_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(online.AUTOTUNE_ENV, "1")
+    monkeypatch.setenv(online.BUDGET_ENV, value)
+    with pytest.raises(EnvError, match=rf"^MOE_GEMM_AUTOTUNE_BUDGET_S={value!r}: expected a "
+                       r"positive finite number of seconds \(default 30\)$"):
+        online.requested(GemmConfig())
+
+
+@pytest.mark.parametrize("value,seconds", [(None, 30.0), ("", 30.0), ("12.5", 12.5),
+                                           ("0.2", 1.0), (" 45 ", 45.0)])
+def test_good_budgets(monkeypatch, value, seconds):
+    monkeypatch.setenv(online.AUTOTUNE_ENV, "1")
+    if value is not None:
+        monkeypatch.setenv(online.BUDGET_ENV, value)
+    assert online.requested(GemmConfig())
+    assert online._budget_s() == seconds
+
+
+def test_the_budget_is_not_read_while_autotune_is_off(monkeypatch):
+    monkeypatch.setenv(online.BUDGET_ENV, "abc")
+    assert not online.requested(GemmConfig())
+
+
+# Tables whose numbers do not fit an int (JSON's Infinity, 1e400): left out like any other
+# unreadable entry, not a crash of `moe-gemm tune --merge`.
+
+def _table(tmp_path: Path, name: str, entry_e=8, sample_e=8) -> Path:
+    entry = {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": entry_e,
+             "N": 512, "K": 256, "bucket": 3, "rows": 64, "config": CONFIG, "us": 12.0}
+    good = {**entry, "E": 8, "N": 1024}
+    sample = {"form": "varlen", "dtype": "bfloat16", "E": sample_e, "N": 512, "K": 256,
+              "rows": 64, "config": CONFIG, "us": 12.0}
+    doc = table_io.new_table(DEV, 132, {}, {})
+    doc.update(entries=[entry, good], samples=[sample])
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))  # (Python's json writes inf as Infinity)
+    return path
+
+
+@pytest.mark.parametrize("where", ["entry", "sample"])
+def test_read_table_leaves_out_numbers_too_large_for_an_int(tmp_path, where):
+    kwargs = {"entry_e": float("inf")} if where == "entry" else {"sample_e": float("inf")}
+    warned = []
+    doc = table_io.read_table(_table(tmp_path, "t.json", **kwargs), warn=warned.append)
+    assert len(doc["entries"]) == (1 if where == "entry" else 2)
+    assert len(doc["samples"]) == (1 if where == "entry" else 0)
+    assert warned and "unreadable" in warned[0]
+
+
+def test_merge_of_a_table_with_infinity_skips_the_entry(tmp_path, capsys):
+    src = _table(tmp_path, "inf.json", entry_e=float("inf"))
+    out = tmp_path / "out.json"
+    assert cli.main(["--merge", str(src), "--out", str(out)]) == 0
+    assert [e["N"] for e in json.loads(out.read_text())["entries"]] == [1024]
+    assert "left out 1 unreadable entries" in capsys.readouterr().err
+
+
+def test_merge_of_a_pathologically_nested_file_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert cli.main(["--merge", str(deep), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: --merge {deep}: ") and err.count("\n") == 1
+
+
+# --shapes and the run's options
+
+@pytest.mark.parametrize("item", ["8,512,256,2147483648", "8,512,4294967296,64",
+                                  "2147483648,512,256,64"])
+def test_shape_values_past_int32_are_refused_at_once(item, capsys):
+    # (a count of routed rows is drawn token by token: 2**31 of them would take half an hour
+    # before --list printed anything, for a shape no kernel takes: offs are int32)
+    assert cli.main(["--shapes", item, "--list"]) == 2
+    assert capsys.readouterr().err == (
+        f"moe-gemm tune: --shapes {item!r}: expected E,N,K,ROWS[,ROWS...], each from 1 to "
+        "2147483647\n")
+
+
+@pytest.mark.parametrize("rounds", ["0", "-3"])
+def test_rounds_must_be_positive(rounds, capsys):
+    assert cli.main(["--shapes", "8,512,256,64", "--rounds", rounds]) == 2
+    assert capsys.readouterr().err == f"moe-gemm tune: --rounds {rounds}: must be >= 1\n"
