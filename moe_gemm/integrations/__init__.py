@@ -27,8 +27,12 @@ from typing import Any
 __all__ = ["register_transformers", "register_transformers_lazily"]
 
 TRANSFORMERS_MOE_MODULE = "transformers.integrations.moe"
+# transformers' FP8 experts have a registry of their own, in a module that imports the MoE
+# module first: registering there from the MoE module's hook would meet it half-initialized.
+TRANSFORMERS_FP8_MODULE = "transformers.integrations.finegrained_fp8"
 _lock = threading.Lock()
 _hook: _PostImportHook | None = None
+_fp8_hook: _PostImportHook | None = None
 
 
 def register_transformers() -> bool:
@@ -63,6 +67,25 @@ def register_transformers_lazily() -> None:
         if _hook is None:
             _hook = _PostImportHook(TRANSFORMERS_MOE_MODULE, _register_quietly)
             sys.meta_path.insert(0, _hook)
+    register_fp8_lazily()
+
+
+def register_fp8_lazily() -> None:
+    """Register "moe_gemm" in transformers' FP8 experts registry now if its module is loaded,
+    else right after transformers loads it (a half-loaded module registers from the hook
+    installed before it began loading)."""
+    global _fp8_hook
+    module = sys.modules.get(TRANSFORMERS_FP8_MODULE)
+    if module is not None:
+        if hasattr(module, "FP8ExpertsInterface"):
+            _register_fp8_quietly()
+        return
+    if not _transformers_installed():
+        return
+    with _lock:
+        if _fp8_hook is None:
+            _fp8_hook = _PostImportHook(TRANSFORMERS_FP8_MODULE, _register_fp8_quietly)
+            sys.meta_path.insert(0, _fp8_hook)
 
 
 def _transformers_installed() -> bool:
@@ -70,6 +93,20 @@ def _transformers_installed() -> bool:
         return importlib.util.find_spec("transformers") is not None
     except (ImportError, ValueError):  # a broken or stubbed-out installation
         return False
+
+
+def _register_fp8_quietly() -> None:
+    # As _register_quietly, for the FP8 experts registry.
+    try:
+        from moe_gemm.integrations.transformers_fp8 import register_fp8
+
+        register_fp8()
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(
+            f"moe_gemm could not register its transformers FP8 experts implementation: {exc!r}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _register_quietly() -> None:
@@ -108,12 +145,14 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         return spec
 
     def fired(self) -> None:
-        global _hook
+        global _hook, _fp8_hook
         with _lock:
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
             if _hook is self:
                 _hook = None
+            if _fp8_hook is self:
+                _fp8_hook = None
         self.callback()
 
 

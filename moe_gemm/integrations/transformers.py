@@ -22,7 +22,8 @@ On a Hopper GPU, gates the fused kernel knows (the default act_fn(gate) * up wit
 gelu_tanh, GPT-OSS's clamped SwiGLU) run on it (layers/fused_experts.py); set
 `experts.moe_gemm_fused = False` on a module to keep it on the unfused path (True forces the
 fused ops, their torch backend off the GPU). Like the rest of moe_gemm's MoE path it is
-inference-only: a backward through it raises.
+inference-only: a backward through it raises. transformers' FP8 experts (FP8 checkpoints) have
+a registry of their own; `register()` adds "moe_gemm" there too (transformers_fp8.py).
 """
 
 from __future__ import annotations
@@ -158,9 +159,14 @@ def _gpt_oss_apply_gate() -> Any:
 
 
 def register() -> None:
-    """Add "moe_gemm" to transformers' ExpertsInterface (idempotent; global for the process)."""
+    """Add "moe_gemm" to transformers' ExpertsInterface, and to its FP8 experts registry where
+    this transformers has one (integrations/transformers_fp8.py) (idempotent; global for the
+    process)."""
+    from moe_gemm.integrations import register_fp8_lazily
+
     if ExpertsInterface._global_mapping.get(NAME) is not moe_gemm_experts_forward:
         ExpertsInterface.register(NAME, moe_gemm_experts_forward)
+    register_fp8_lazily()
 
 
 def is_registered() -> bool:

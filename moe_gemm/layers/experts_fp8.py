@@ -245,7 +245,8 @@ def row_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
 def hf_fp8_scales(experts) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The scales of transformers' FP8Experts (gate_up_proj_scale_inv [E, 2I/128, H/128],
     down_proj_scale_inv) as the layer keeps them, or None for 16-bit experts. Blocks are
-    shared (no copy); per-tensor scales (block_size None: [E, 1, 1]) become per channel;
+    shared (no copy); per-tensor scales (block_size None: [E, c, 1], one scale for each of c
+    equal row chunks: c = 2 for gate_up, a scale per half, 1 for down) become per channel;
     UE8M0 scales (powers of two) are widened to float32 exactly."""
     s1 = getattr(experts, "gate_up_proj_scale_inv", None)
     s2 = getattr(experts, "down_proj_scale_inv", None)
@@ -260,11 +261,20 @@ def hf_fp8_scales(experts) -> tuple[torch.Tensor, torch.Tensor] | None:
         return s if s.dtype == torch.float32 else s.float()
 
     s1, s2 = widen(s1), widen(s2)
-    if block is None:  # one value per expert
-        E = experts.gate_up_proj.shape[0]
-        s1 = s1.reshape(E, 1).expand(E, experts.gate_up_proj.shape[1]).contiguous()
-        s2 = s2.reshape(E, 1).expand(E, experts.down_proj.shape[1]).contiguous()
+    if block is None:  # one value per expert and row chunk
+        s1 = _per_channel(s1, experts.gate_up_proj, "gate_up_proj_scale_inv")
+        s2 = _per_channel(s2, experts.down_proj, "down_proj_scale_inv")
     return s1, s2
+
+
+def _per_channel(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    """[E, c, 1] per-tensor scales of c equal row chunks of w [E, rows, cols] as [E, rows]."""
+    E, rows = w.shape[0], w.shape[1]
+    c = s.numel() // max(E, 1)
+    if s.dim() != 3 or s.shape[0] != E or s.shape[2] != 1 or c < 1 or rows % c:
+        raise ValueError(f"{name} must be (E, c, 1) per-tensor scales of c equal row chunks of "
+                         f"the {tuple(w.shape)} weights; got {tuple(s.shape)}")
+    return s.reshape(E, c, 1).expand(E, c, rows // c).reshape(E, rows).contiguous()
 
 
 def hf_fp8_gate_is_default(experts) -> bool:

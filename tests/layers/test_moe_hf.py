@@ -332,6 +332,8 @@ def test_lazy_registration_on_transformers_import() -> None:
         from transformers import MixtralConfig, MixtralForCausalLM
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         assert "moe_gemm" in ALL_EXPERTS_FUNCTIONS, list(ALL_EXPERTS_FUNCTIONS)
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+        assert "moe_gemm" in FP8ExpertsInterface._global_mapping  # FP8 checkpoints' experts
         assert not any(type(f).__name__ == "_PostImportHook" for f in sys.meta_path)
         cfg = MixtralConfig(vocab_size=16, hidden_size=16, intermediate_size=8,
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

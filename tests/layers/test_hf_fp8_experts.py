@@ -1,0 +1,152 @@
+"""moe_gemm as the experts implementation of transformers' FP8 experts (FineGrained FP8
+checkpoints): integrations/transformers_fp8.py, on the CPU through the torch backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+from transformers.integrations.finegrained_fp8 import (  # noqa: E402
+    ALL_FP8_EXPERTS_FUNCTIONS,
+    FP8Experts,
+)
+from transformers.integrations.moe import use_experts_implementation  # noqa: E402
+
+from moe_gemm.integrations import register_transformers  # noqa: E402
+from moe_gemm.integrations.transformers_fp8 import moe_gemm_fp8_experts_forward  # noqa: E402
+from moe_gemm.ops.quantize import (  # noqa: E402
+    dequantize_fp8,
+    quantize_fp8_per_block,
+    quantize_fp8_per_token_group,
+)
+from moe_gemm.testing_fp8 import assert_fp8_close  # noqa: E402
+
+H, I, E = 256, 128, 4
+
+
+def _experts(seed: int, block=(128, 128), **config) -> torch.nn.Module:
+    """A transformers FP8Experts (dispatching on its config) with random FP8 weights."""
+    cfg = types.SimpleNamespace(hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                                hidden_act="silu", _experts_implementation="moe_gemm", **config)
+    cls = use_experts_implementation(experts_class=FP8Experts,
+                                     experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    m = cls(config=cfg, block_size=block)
+    g = torch.Generator().manual_seed(seed)
+    for name in ("gate_up_proj", "down_proj"):
+        w = torch.randn(getattr(m, name).shape, generator=g) * 0.05
+        scale_shape = getattr(m, name + "_scale_inv").shape
+        if block is None:  # (E, c, 1): one scale per expert for each of c equal row chunks
+            chunks = w.reshape(E, scale_shape[1], -1)
+            s = chunks.abs().amax(dim=2, keepdim=True) / 448.0
+            q = (chunks / s).reshape(w.shape).to(torch.float8_e4m3fn)
+        else:
+            q, s = quantize_fp8_per_block(w)
+        getattr(m, name).data = q
+        getattr(m, name + "_scale_inv").data = s.reshape(scale_shape)
+    return m
+
+
+def _weight(m: torch.nn.Module, name: str, e: int) -> torch.Tensor:
+    q, s = getattr(m, name)[e], getattr(m, name + "_scale_inv")[e].float()
+    if m.block_size is None:  # s (c, 1): c equal row chunks
+        return (q.double().reshape(s.shape[0], -1) * s.double()).reshape(q.shape)
+    return dequantize_fp8(q, s, "block").double()
+
+
+def _reference(m: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
+               w: torch.Tensor) -> torch.Tensor:
+    """fp64 of what the path computes: tokens quantized in 1x128 groups, dequantized weights,
+    the GEMM output rounded to x's dtype, the module's own gate, requantized, down, summed."""
+    def fake_quant(v):
+        q, s = quantize_fp8_per_token_group(v)
+        return dequantize_fp8(q, s, "group").double()
+
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    xq = fake_quant(x)
+    for e in range(E):
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        if t.numel():
+            h = (xq[t] @ _weight(m, "gate_up_proj", e).t()).to(x.dtype)
+            y = (fake_quant(m._apply_gate(h)) @ _weight(m, "down_proj", e).t()).to(x.dtype)
+            out.index_add_(0, t, y.double() * w[t, j].double()[:, None])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gate", [{}, {"swiglu_limit": 0.05}])
+def test_fp8_experts_run_on_moe_gemm(dtype, gate):
+    register_transformers()
+    m = _experts(3, **gate)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(37, H, generator=g).to(dtype)
+    ids = torch.randint(0, E, (37, 2), generator=g)
+    ids[5] = E  # an expert-parallel sentinel: contributes nothing
+    w = torch.rand(37, 2, generator=g)
+    y = m(x, ids, w)  # dispatched by transformers to "moe_gemm"
+    assert y.dtype == dtype and y.shape == (37, H)
+    assert_fp8_close(y, _reference(m, x, ids, w).to(dtype))
+    assert torch.equal(y, moe_gemm_fp8_experts_forward(m, x, ids, w))
+
+
+def test_fp8_experts_with_one_scale_per_expert_and_no_tokens():
+    register_transformers()
+    m = _experts(5, block=None)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, H, generator=g).bfloat16()
+    ids = torch.randint(0, E, (9, 3), generator=g)
+    w = torch.rand(9, 3, generator=g)
+    y = m(x, ids, w)
+    assert_fp8_close(y, _reference_rowwise(m, x, ids, w))
+    assert m(x[:0], ids[:0], w[:0]).shape == (0, H)
+
+
+def _reference_rowwise(m, x, ids, w):
+    """As _reference with per-token activation scales (per-expert weight scales are row-wise)."""
+    from moe_gemm.ops.quantize import quantize_fp8_per_row
+
+    def fake_quant(v):
+        q, s = quantize_fp8_per_row(v)
+        return dequantize_fp8(q, s, "row").double()
+
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    xq = fake_quant(x)
+    for e in range(E):
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        if t.numel():
+            h = (xq[t] @ _weight(m, "gate_up_proj", e).t()).to(x.dtype)
+            y = (fake_quant(m._apply_gate(h)) @ _weight(m, "down_proj", e).t()).to(x.dtype)
+            out.index_add_(0, t, y.double() * w[t, j].double()[:, None])
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("change,pattern", [
+    ({"activation_scheme": "static"}, "activation_scheme='static'"),
+    ({"block_size": (64, 64)}, r"weight blocks \(64, 64\)"),
+])
+def test_what_the_fp8_path_cannot_run_is_named(change, pattern):
+    m = _experts(7)
+    for k, v in change.items():
+        setattr(m, k, v)
+    x = torch.randn(3, H).bfloat16()
+    with pytest.raises(ValueError, match=pattern):
+        moe_gemm_fp8_experts_forward(m, x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
+@pytest.mark.parametrize("first", ["moe_gemm", "transformers"])
+def test_registered_whichever_is_imported_first(first):
+    # transformers' FP8 module imports its MoE module first: the registration must not be
+    # attempted while it is half-loaded (a fresh interpreter for each order).
+    imports = ["import moe_gemm", "import transformers.integrations.finegrained_fp8 as f"]
+    if first == "transformers":
+        imports.reverse()
+    code = "; ".join([*imports, "import transformers.integrations.finegrained_fp8 as f",
+                      "print('moe_gemm' in f.FP8ExpertsInterface._global_mapping)"])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
