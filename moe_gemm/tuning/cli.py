@@ -257,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     if configs and args.gpus != 1:
         print("moe-gemm tune: --configs times on one GPU; drop --gpus", file=sys.stderr)
         return 2
+    # Paths that cannot be written fail now, in one line, not after minutes of tuning.
+    outputs = [("--out", args.out), ("--report", args.report),
+               ("--out-dir", args.out_dir and str(Path(args.out_dir) / "table.json"))]
+    for option, path in outputs:
+        if path and (why := output_problem(Path(path), option)):
+            print(f"moe-gemm tune: {why}", file=sys.stderr)
+            return 2
     if configs:
         return run_compare(args, shapes, configs, log)
     if args.gpus != 1:

@@ -116,3 +116,16 @@ def test_shape_values_past_int32_are_refused_at_once(item, capsys):
 def test_rounds_must_be_positive(rounds, capsys):
     assert cli.main(["--shapes", "8,512,256,64", "--rounds", rounds]) == 2
     assert capsys.readouterr().err == f"moe-gemm tune: --rounds {rounds}: must be >= 1\n"
+
+
+@pytest.mark.parametrize("option,value", [("--out", "{f}/t.json"), ("--report", "{f}/r.json"),
+                                          ("--out-dir", "{f}")])
+def test_outputs_that_cannot_be_written_fail_before_any_tuning(option, value, tmp_path, capsys):
+    # A file where a folder must be: refused at once (on a GPU, it used to fail only after
+    # the tune, with a traceback), before the check for a GPU.
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    path = value.format(f=f)
+    assert cli.main(["--shapes", "8,256,256,64", option, path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: {option} ") and "is a file, not a folder" in err
