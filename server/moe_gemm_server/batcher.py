@@ -76,6 +76,11 @@ class Job:
     future: asyncio.Future[Any] | None = field(default=None, repr=False)
 
 
+def _version(job: Job) -> int | None:
+    """The version of the weight set a job runs on (None for ad-hoc grouped-gemm jobs)."""
+    return None if job.ws is None else job.ws.version
+
+
 class Batcher:
     """Queue + scheduler + single launch worker (see module docstring)."""
 
@@ -319,7 +324,7 @@ class Batcher:
         for job in batch:
             wait = t0 - job.t_enqueue
             self.metrics.queue_time.labels(kind).observe(wait)
-            self.stats.queued(job.model, wait)
+            self.stats.queued(job.model, wait, _version(job))
         try:
             results = await self._launch(batch)
         except Exception as e:  # noqa: BLE001 - delivered to the request(s) it belongs to
@@ -363,7 +368,8 @@ class Batcher:
         self.metrics.batch_rows.labels(kind).observe(rows)
         for model in {j.model for j in jobs}:
             mine = [j for j in jobs if j.model == model]
-            self.stats.launch(model, len(mine), sum(j.rows for j in mine), dt)
+            self.stats.launch(model, len(mine), sum(j.rows for j in mine), dt,
+                              _version(mine[0]))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("launch kind=%s requests=%d rows=%d %.3f ms ids=%s", kind, len(jobs), rows,
                       dt * 1e3, ",".join(log_field(j.request_id) for j in jobs))

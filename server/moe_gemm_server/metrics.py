@@ -126,9 +126,18 @@ class StatsBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[str, ModelStats] = defaultdict(ModelStats)
+        # Per name, the newest weight-set version deleted: a request on it that finishes
+        # afterwards must not count toward a new set of the same name.
+        self._retired: dict[str, int] = {}
 
-    def launch(self, model: str, requests: int, rows: int, seconds: float) -> None:
+    def _stale(self, model: str, version: int | None) -> bool:
+        return version is not None and version <= self._retired.get(model, 0)
+
+    def launch(self, model: str, requests: int, rows: int, seconds: float,
+               version: int | None = None) -> None:
         with self._lock:
+            if self._stale(model, version):
+                return
             s = self._models[model]
             s.execution_count += 1
             s.inference_count += rows
@@ -136,18 +145,25 @@ class StatsBook:
             s.batch[requests].add(seconds)
             s.last_inference_ms = int(time.time() * 1000)
 
-    def queued(self, model: str, seconds: float) -> None:
+    def queued(self, model: str, seconds: float, version: int | None = None) -> None:
         with self._lock:
-            self._models[model].queue.add(seconds)
+            if not self._stale(model, version):
+                self._models[model].queue.add(seconds)
 
-    def done(self, model: str, ok: bool, seconds: float) -> None:
+    def done(self, model: str, ok: bool, seconds: float, version: int | None = None) -> None:
         with self._lock:
+            if self._stale(model, version):
+                return
             s = self._models[model]
             (s.success if ok else s.fail).add(seconds)
 
-    def forget(self, model: str) -> None:
+    def forget(self, model: str, version: int | None = None) -> None:
+        """Drop a deleted set's statistics; with its version, also whatever its requests still
+        in flight would report later."""
         with self._lock:
             self._models.pop(model, None)
+            if version is not None:
+                self._retired[model] = max(version, self._retired.get(model, 0))
 
     def as_v2(self, model: str, version: str = "1") -> dict[str, object]:
         with self._lock:

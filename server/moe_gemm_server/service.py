@@ -275,7 +275,8 @@ class Service(WeightsMixin):
             return result
         finally:
             if job.model:
-                self.stats.done(job.model, ok, time.monotonic() - arrival)
+                self.stats.done(job.model, ok, time.monotonic() - arrival,
+                                None if job.ws is None else job.ws.version)
 
     async def _run(self, request: Request, job: Job) -> Any:
         assert self.batcher is not None

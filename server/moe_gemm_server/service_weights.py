@@ -165,7 +165,7 @@ class WeightsMixin:
             self._update_weight_metrics()
         if not on_disk and ws is None:
             raise APIError(404, f"unknown weight set {name!r}")
-        self.stats.forget(name)
+        self.stats.forget(name, None if ws is None else ws.version)
         log.info("weight set %r deleted", name)
 
 

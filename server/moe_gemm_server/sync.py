@@ -65,9 +65,9 @@ class StoreWatcher:
         for name in set(self.loaded) - set(on_disk):
             async with svc._weights_lock:
                 if self.file_id(name) is None and name in self.loaded:
-                    svc.engine.remove_weights(name)
+                    gone = svc.engine.remove_weights(name)
                     self.record(name, None)
-                    svc.stats.forget(name)
+                    svc.stats.forget(name, None if gone is None else gone.version)
                     changes += 1
                     log.info("weight set %r removed (deleted by another server)", name)
         for name, fid in sorted(on_disk.items()):
