@@ -31,8 +31,7 @@ TRANSFORMERS_MOE_MODULE = "transformers.integrations.moe"
 # module first: registering there from the MoE module's hook would meet it half-initialized.
 TRANSFORMERS_FP8_MODULE = "transformers.integrations.finegrained_fp8"
 _lock = threading.Lock()
-_hook: _PostImportHook | None = None
-_fp8_hook: _PostImportHook | None = None
+_hooks: dict[str, _PostImportHook] = {}  # module name -> its pending hook
 
 
 def register_transformers() -> bool:
@@ -57,16 +56,12 @@ def register_transformers_lazily() -> None:
 
     Costs nothing when transformers is absent or never imported. Safe to call many times.
     """
-    global _hook
     if TRANSFORMERS_MOE_MODULE in sys.modules:
         _register_quietly()
         return
     if not _transformers_installed():
         return
-    with _lock:
-        if _hook is None:
-            _hook = _PostImportHook(TRANSFORMERS_MOE_MODULE, _register_quietly)
-            sys.meta_path.insert(0, _hook)
+    _hook_after(TRANSFORMERS_MOE_MODULE, _register_quietly)
     register_fp8_lazily()
 
 
@@ -74,18 +69,21 @@ def register_fp8_lazily() -> None:
     """Register "moe_gemm" in transformers' FP8 experts registry now if its module is loaded,
     else right after transformers loads it (a half-loaded module registers from the hook
     installed before it began loading)."""
-    global _fp8_hook
     module = sys.modules.get(TRANSFORMERS_FP8_MODULE)
     if module is not None:
         if hasattr(module, "FP8ExpertsInterface"):
             _register_fp8_quietly()
         return
-    if not _transformers_installed():
-        return
+    if _transformers_installed():
+        _hook_after(TRANSFORMERS_FP8_MODULE, _register_fp8_quietly)
+
+
+def _hook_after(module: str, callback: Any) -> None:
+    """Run `callback` right after `module` is next imported (one pending hook per module)."""
     with _lock:
-        if _fp8_hook is None:
-            _fp8_hook = _PostImportHook(TRANSFORMERS_FP8_MODULE, _register_fp8_quietly)
-            sys.meta_path.insert(0, _fp8_hook)
+        if module not in _hooks:
+            _hooks[module] = hook = _PostImportHook(module, callback)
+            sys.meta_path.insert(0, hook)
 
 
 def _transformers_installed() -> bool:
@@ -95,30 +93,27 @@ def _transformers_installed() -> bool:
         return False
 
 
-def _register_fp8_quietly() -> None:
-    # As _register_quietly, for the FP8 experts registry.
-    try:
-        from moe_gemm.integrations.transformers_fp8 import register_fp8
+def _register_fp8() -> None:
+    from moe_gemm.integrations.transformers_fp8 import register_fp8
 
-        register_fp8()
-    except Exception as exc:  # noqa: BLE001
-        warnings.warn(
-            f"moe_gemm could not register its transformers FP8 experts implementation: {exc!r}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    register_fp8()
 
 
 def _register_quietly() -> None:
+    _quietly(register_transformers, "experts implementation")
+
+
+def _register_fp8_quietly() -> None:
+    _quietly(_register_fp8, "FP8 experts implementation")
+
+
+def _quietly(register: Any, what: str) -> None:
     # Runs inside transformers' import: a failure here must never break that import.
     try:
-        register_transformers()
+        register()
     except Exception as exc:  # noqa: BLE001
-        warnings.warn(
-            f"moe_gemm could not register its transformers experts implementation: {exc!r}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"moe_gemm could not register its transformers {what}: {exc!r}",
+                      RuntimeWarning, stacklevel=3)
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
@@ -145,14 +140,11 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         return spec
 
     def fired(self) -> None:
-        global _hook, _fp8_hook
         with _lock:
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-            if _hook is self:
-                _hook = None
-            if _fp8_hook is self:
-                _fp8_hook = None
+            if _hooks.get(self.fullname) is self:
+                del _hooks[self.fullname]
         self.callback()
 
 

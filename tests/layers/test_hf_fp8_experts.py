@@ -23,6 +23,7 @@ from moe_gemm.integrations.transformers_fp8 import moe_gemm_fp8_experts_forward 
 from moe_gemm.ops.quantize import (  # noqa: E402
     dequantize_fp8,
     quantize_fp8_per_block,
+    quantize_fp8_per_row,
     quantize_fp8_per_token_group,
 )
 from moe_gemm.testing_fp8 import assert_fp8_close  # noqa: E402
@@ -52,6 +53,13 @@ def _experts(seed: int, block=(128, 128), **config) -> torch.nn.Module:
     return m
 
 
+def _inputs(seed: int, T: int, k: int, dtype=torch.bfloat16):
+    """Tokens (T, H), expert ids (T, k) and routing weights (T, k)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    return x, torch.randint(0, E, (T, k), generator=g), torch.rand(T, k, generator=g)
+
+
 def _weight(m: torch.nn.Module, name: str, e: int) -> torch.Tensor:
     q, s = getattr(m, name)[e], getattr(m, name + "_scale_inv")[e].float()
     if m.block_size is None:  # s (c, 1): c equal row chunks
@@ -61,9 +69,13 @@ def _weight(m: torch.nn.Module, name: str, e: int) -> torch.Tensor:
 
 def _reference(m: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
                w: torch.Tensor) -> torch.Tensor:
-    """fp64 of what the path computes: tokens quantized in 1x128 groups, dequantized weights,
-    the GEMM output rounded to x's dtype, the module's own gate, requantized, down, summed."""
+    """fp64 of what the path computes: tokens quantized as the path does (1x128 groups for
+    block scales, per token for per-tensor ones), dequantized weights, the GEMM output rounded
+    to x's dtype, the module's own gate, requantized, down, summed."""
     def fake_quant(v):
+        if m.block_size is None:
+            q, s = quantize_fp8_per_row(v)
+            return dequantize_fp8(q, s, "row").double()
         q, s = quantize_fp8_per_token_group(v)
         return dequantize_fp8(q, s, "group").double()
 
@@ -83,11 +95,8 @@ def _reference(m: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
 def test_fp8_experts_run_on_moe_gemm(dtype, gate):
     register_transformers()
     m = _experts(3, **gate)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(37, H, generator=g).to(dtype)
-    ids = torch.randint(0, E, (37, 2), generator=g)
+    x, ids, w = _inputs(4, 37, 2, dtype)
     ids[5] = E  # an expert-parallel sentinel: contributes nothing
-    w = torch.rand(37, 2, generator=g)
     y = m(x, ids, w)  # dispatched by transformers to "moe_gemm"
     assert y.dtype == dtype and y.shape == (37, H)
     assert_fp8_close(y, _reference(m, x, ids, w).to(dtype))
@@ -97,32 +106,10 @@ def test_fp8_experts_run_on_moe_gemm(dtype, gate):
 def test_fp8_experts_with_one_scale_per_expert_and_no_tokens():
     register_transformers()
     m = _experts(5, block=None)
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(9, H, generator=g).bfloat16()
-    ids = torch.randint(0, E, (9, 3), generator=g)
-    w = torch.rand(9, 3, generator=g)
+    x, ids, w = _inputs(6, 9, 3)
     y = m(x, ids, w)
-    assert_fp8_close(y, _reference_rowwise(m, x, ids, w))
+    assert_fp8_close(y, _reference(m, x, ids, w).to(x.dtype))
     assert m(x[:0], ids[:0], w[:0]).shape == (0, H)
-
-
-def _reference_rowwise(m, x, ids, w):
-    """As _reference with per-token activation scales (per-expert weight scales are row-wise)."""
-    from moe_gemm.ops.quantize import quantize_fp8_per_row
-
-    def fake_quant(v):
-        q, s = quantize_fp8_per_row(v)
-        return dequantize_fp8(q, s, "row").double()
-
-    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
-    xq = fake_quant(x)
-    for e in range(E):
-        t, j = torch.nonzero(ids == e, as_tuple=True)
-        if t.numel():
-            h = (xq[t] @ _weight(m, "gate_up_proj", e).t()).to(x.dtype)
-            y = (fake_quant(m._apply_gate(h)) @ _weight(m, "down_proj", e).t()).to(x.dtype)
-            out.index_add_(0, t, y.double() * w[t, j].double()[:, None])
-    return out.to(x.dtype)
 
 
 @pytest.mark.parametrize("change,pattern", [
@@ -159,10 +146,7 @@ def test_fp8_experts_on_the_gpu_kernels(block):
     # reference computed on the CPU from the same weights and tokens.
     register_transformers()
     m = _experts(8, block=block)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(300, H, generator=g).bfloat16()
-    ids = torch.randint(0, E, (300, 2), generator=g)
-    w = torch.rand(300, 2, generator=g)
-    ref = (_reference if block else _reference_rowwise)(m, x, ids, w).to(torch.bfloat16)
+    x, ids, w = _inputs(9, 300, 2)
+    ref = _reference(m, x, ids, w).to(torch.bfloat16)
     y = m.to("cuda")(x.cuda(), ids.cuda(), w.cuda())
     assert_fp8_close(y.cpu(), ref)
