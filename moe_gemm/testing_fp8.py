@@ -137,6 +137,14 @@ def fp8_errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 # drifts to ~1e-2 (DeepSeek-V3: up to 2% at K = 4096).
 REL_BOUND = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 5e-4}
 
+# Two FP8 GEMMs with the gated intermediate quantized again between them (an FP8 expert FFN)
+# against an fp64 reference that rounds and quantizes that intermediate itself: where the
+# kernel's fp32-accumulated intermediate rounds to a neighbouring bf16 value, an element near
+# an e4m3 rounding boundary (3 mantissa bits: codes 6-12% apart) lands on the other code, so
+# a few percent of the down GEMM's inputs differ by one FP8 step; that puts the output's
+# Frobenius error near 0.5% (the GPU measured 0.58% on 300 tokens), above a single GEMM's bar.
+FFN_REL_BOUND = 1e-2
+
 
 def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, name: str = "out") -> None:
     """out within REL_BOUND[out.dtype] of ref (Frobenius) and no element off by more than

@@ -142,6 +142,34 @@ def long_prefill(rank: int, world: int, dev: torch.device) -> list[str]:
     return [m for m in [_check("prefill", ep(x), moe(x))] if m]
 
 
+@case
+def fp8_block_and_row(rank: int, world: int, dev: torch.device) -> list[str]:
+    """FP8 experts sharded over NCCL, on our FP8 kernels: each rank quantizes the tokens it
+    receives as the single-GPU layer quantizes them (per token, so the grouping of rows does
+    not change a row's quantization), and the result is held to the FP8 FFN bar against the
+    fp64 reference of what the layer computes."""
+    from moe_gemm.testing_fp8 import FFN_REL_BOUND, fp8_errors, moe_fp8_reference
+
+    errs = []
+    for granularity in ("block", "row"):
+        moe = _moe(7, dev, E=16, top_k=4, shared_intermediate_size=I).quantize_fp8(granularity)
+        ep = ExpertParallelMoE.from_moe(moe)
+        x = _tokens(rank, 7, dev)
+        with torch.no_grad():
+            got, single = ep(x), moe(x)
+        if got.shape != single.shape or got.dtype != single.dtype:
+            errs.append(f"fp8 {granularity}: {tuple(got.shape)} {got.dtype} != "
+                        f"{tuple(single.shape)} {single.dtype}")
+            continue
+        if x.shape[0]:
+            ref = moe_fp8_reference(moe, x)
+            for label, y in (("expert-parallel", got), ("single-GPU", single)):
+                e = fp8_errors(y, ref)
+                if not (e["rel"] < FFN_REL_BOUND and torch.isfinite(y).all()):
+                    errs.append(f"fp8 {granularity} {label}: {e} from the fp64 reference")
+    return errs
+
+
 def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = torch.device("cuda", rank)
