@@ -143,8 +143,11 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
                           gate=gate, gate_layout=gate_layout, gate_alpha=gate_alpha,
                           gate_limit=gate_limit, out=out, out_dtype=out_dtype)
     if out is not None and _out_overlaps(args):
-        raise ValueError("out shares memory with an input of fused_grouped_mm; pass a "
-                         "separate tensor")
+        # As every op here: computed as if the inputs had been cloned, into a copy of out
+        # (rows it does not write keep their values), then copied.
+        y = fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_layout,
+                                   gate_alpha, gate_limit, out.clone(), config, out_dtype)
+        return out.copy_(y)
     problem, unsupported = _why_not_kernel(args, cfg)
     if api._use_cute(cfg, problem, unsupported, "fused_grouped_mm"):
         from moe_gemm.ops.fused_launch import FusedPlan

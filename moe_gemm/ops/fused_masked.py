@@ -36,7 +36,12 @@ from moe_gemm.ops.masked_validation import (
 )
 from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import PLAIN_TENSORS
-from moe_gemm.ops.validation import _check_writable_out, _shape, check_dense, offs_check_requested
+from moe_gemm.ops.validation import (
+    _check_writable_out,
+    check_dense,
+    offs_check_requested,
+    shape_text,
+)
 
 _plans = PlanCache(per_bucket=8, buckets=128)  # buckets: (x.shape, options)
 
@@ -157,8 +162,11 @@ def fused_grouped_mm_masked_eager(x, w, masked_m, bias, gate, gate_layout, gate_
                               out_dtype=out_dtype)
     check_config_fits(cfg)
     if out is not None and overlaps_any(out, tuple(t for t in tensors[:5] if t is not None)):
-        raise ValueError("out shares memory with an input of fused_grouped_mm_masked; pass a "
-                         "separate tensor")
+        # Computed into a copy of out (rows past the counts keep their values), then copied.
+        y = fused_grouped_mm_masked_eager(x, w, masked_m, bias, gate, gate_layout, gate_alpha,
+                                          gate_limit, row_weight, expected_m, out.clone(),
+                                          config, out_dtype)
+        return out.copy_(y)
     problem = cute_problem(args.flat.x.device) if cfg.backend != "torch" else "torch requested"
     unsupported = None
     if problem is None:
@@ -215,11 +223,11 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
     _check_x_rank(x)
     if w.dim() != 3:
         raise ValueError(f"w must be 3-D (G, K, N) (for a (G, N, K) weight pass "
-                         f"w.transpose(1, 2)); got shape {_shape(w)}")
+                         f"w.transpose(1, 2)); got shape {shape_text(w)}")
     G, M, K = x.shape
     if w.shape[0] != G or w.shape[1] != K:
-        raise ValueError(f"x is (G, M, K) = {_shape(x)}, so w must be ({G}, {K}, N); got "
-                         f"{_shape(w)}")
+        raise ValueError(f"x is (G, M, K) = {shape_text(x)}, so w must be ({G}, {K}, N); got "
+                         f"{shape_text(w)}")
     mm = check_masked_m(masked_m, G, M, x.device, concrete=concrete)
     rw = None
     if row_weight is not None:
@@ -228,7 +236,7 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
                             f"{type(row_weight).__name__}")
         if tuple(row_weight.shape) != (G, M):
             raise ValueError(f"row_weight must be (G, M) = ({G}, {M}): one weight per row; got "
-                             f"{_shape(row_weight)}")
+                             f"{shape_text(row_weight)}")
         rw = row_weight.reshape(G * M)
     flat_out = None
     if out is not None:
@@ -238,7 +246,7 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
         n_out = w.shape[2] if gate is None else w.shape[2] // 2
         if tuple(out.shape) != (G, M, n_out):
             raise ValueError(f"out must be (G, M, N{'' if gate is None else ' / 2'}) = "
-                             f"({G}, {M}, {n_out}); got {_shape(out)}")
+                             f"({G}, {M}, {n_out}); got {shape_text(out)}")
         _check_writable_out("out", out)
         try:
             flat_out = out.view(G * M, out.shape[2])

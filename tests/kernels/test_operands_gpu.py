@@ -56,6 +56,37 @@ def test_aliasing_out_sharing_memory_with_operands():
     assert ok
 
 
+def test_aliasing_out_of_the_fused_ops():
+    # fused_grouped_mm and its masked form, as the plain ops: an out over an operand equals
+    # the result on clones, and the rows the call does not write keep their values.
+    cfg = GemmConfig(backend="cute")
+    g = torch.Generator(device="cuda").manual_seed(22)
+    E, T, K, N = 4, 300, 256, 512
+    buf = rand((T + 64, K), torch.bfloat16, g)
+    x = buf[:T]
+    # (the concat gate's kernel takes gate_up_proj (E, 2I, H) transposed: K-major w)
+    w = rand((E, N, K), torch.bfloat16, g).transpose(1, 2)
+    offs = torch.tensor([50, 120, 120, 290], dtype=torch.int32, device="cuda")
+    want = moe_gemm.fused_grouped_mm(x.clone(), w, offs, gate="silu", config=cfg)
+    tail = buf[64 + 290:64 + T].clone()
+    y = moe_gemm.fused_grouped_mm(x, w, offs, gate="silu", out=buf[64:], config=cfg)
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(y[:290], want[:290])) and bool(torch.equal(y[290:], tail))
+    record("aliasing/fused_grouped_mm-out-over-x", ok)
+    assert ok
+    xm = rand((3, 128, K), torch.bfloat16, g)
+    counts = torch.tensor([128, 0, 77], dtype=torch.int32, device="cuda")
+    wm = rand((3, K, K), torch.bfloat16, g)
+    before = xm.clone()
+    want = moe_gemm.fused_grouped_mm_masked(xm.clone(), wm, counts, out=xm.clone(),
+                                            config=cfg)
+    y = moe_gemm.fused_grouped_mm_masked(xm, wm, counts, out=xm, config=cfg)
+    torch.cuda.synchronize()
+    ok = y is xm and bool(torch.equal(y, want)) and bool(torch.equal(y[2, 77:], before[2, 77:]))
+    record("aliasing/fused_masked-out-is-x", ok)
+    assert ok
+
+
 def test_expanded_or_negated_operands_general():
     gen = torch.Generator(device="cuda").manual_seed(70)
     bf = torch.bfloat16
