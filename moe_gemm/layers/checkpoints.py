@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from moe_gemm.layers.experts import FLOAT_DTYPES, shape_str
+from moe_gemm.layers.experts import FLOAT_DTYPES
 from moe_gemm.layers.experts_fp8 import (
     FP8_DTYPES,
     SCALE_BLOCK,
@@ -25,6 +25,7 @@ from moe_gemm.layers.experts_fp8 import (
     row_scale,
 )
 from moe_gemm.layers.routing import check_correction_bias, check_flag, check_router_weight
+from moe_gemm.ops.validation import shape_text
 
 if TYPE_CHECKING:
     from moe_gemm.config import GemmConfig
@@ -309,14 +310,15 @@ def moe_from_tensors(
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
         raise ValueError(
             f"gate_up_proj must be (E, 2I, H) (or (E, H, 2I) with transposed=True); got "
-            f"{shape_str(gate_up_proj)}"
+            f"{shape_text(gate_up_proj)}"
         )
     E, two_i, H = gate_up_proj.shape
     I = two_i // 2
     if tuple(down_proj.shape) != (E, H, I):
         raise ValueError(
             f"down_proj must be (E, H, I) = ({E}, {H}, {I}) to match gate_up_proj "
-            f"{shape_str(gate_up_proj)} (or (E, I, H) with transposed=True); got {shape_str(down_proj)}"
+            f"{shape_text(gate_up_proj)} (or (E, I, H) with transposed=True); got "
+            f"{shape_text(down_proj)}"
         )
     check_router_weight(router_weight, E, H)
     if gate_up_proj.dtype in FP8_DTYPES or scales is not None:
@@ -349,7 +351,7 @@ def moe_from_tensors(
                 "down_proj": (H, shared_size), "gate": (1, H)}
         for name, t in shared.items():
             if tuple(t.shape) != want[name]:
-                raise ValueError(f"shared[{name!r}] must be {want[name]}; got {shape_str(t)}")
+                raise ValueError(f"shared[{name!r}] must be {want[name]}; got {shape_text(t)}")
             if t.device != device:
                 raise ValueError(f"shared[{name!r}] is on {t.device} but the expert "
                                  f"weights are on {device}")
@@ -477,9 +479,9 @@ def _proj_scale(take: Callable[[str], torch.Tensor | None], base: str, w: torch.
         return "row", row_scale(scale, N)
     if tuple(scale.shape) == (-(-N // SCALE_BLOCK), -(-K // SCALE_BLOCK)):
         return "block", scale.float()
-    raise ValueError(f"{base}: weight scale {shape_str(scale)} is neither 128x128 blocks "
+    raise ValueError(f"{base}: weight scale {shape_text(scale)} is neither 128x128 blocks "
                      f"({-(-N // SCALE_BLOCK)}, {-(-K // SCALE_BLOCK)}) nor per channel ({N},) "
-                     f"for weight {shape_str(w)}")
+                     f"for weight {shape_text(w)}")
 
 
 def _fused_scales(take: Callable[[str], torch.Tensor | None], names: tuple[tuple[str, ...], ...],
@@ -509,8 +511,8 @@ def _fused_scale(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return s.reshape(E, 1).expand(E, N).contiguous()
     if s.numel() == E * N and s.shape[0] == E:
         return s.reshape(E, N)
-    raise ValueError(f"fused expert scale {shape_str(s)} fits no granularity of weight "
-                     f"{shape_str(w)}")
+    raise ValueError(f"fused expert scale {shape_text(s)} fits no granularity of weight "
+                     f"{shape_text(w)}")
 
 
 def _check_expert(t: Mapping[str, torch.Tensor], names: Mapping[str, str],
@@ -521,15 +523,15 @@ def _check_expert(t: Mapping[str, torch.Tensor], names: Mapping[str, str],
     dtypes)."""
     ref_key, ref_w = ref
     if ref_w.dim() != 2:
-        raise ValueError(f"{ref_key} must be 2-D (I, H); got {shape_str(ref_w)}")
+        raise ValueError(f"{ref_key} must be 2-D (I, H); got {shape_text(ref_w)}")
     I, H = ref_w.shape
     gate_n, up_n, down_n = order
     want = {gate_n: (I, H), up_n: (I, H), down_n: (H, I)}
     for n in order:
         w = t[n]
         if tuple(w.shape) != want[n]:
-            raise ValueError(f"inconsistent shapes: {names[n]} is {shape_str(w)}, expected "
-                             f"{want[n]} to match {ref_key} {shape_str(ref_w)}")
+            raise ValueError(f"inconsistent shapes: {names[n]} is {shape_text(w)}, expected "
+                             f"{want[n]} to match {ref_key} {shape_text(ref_w)}")
         if w.dtype != ref_w.dtype:
             raise ValueError(f"inconsistent dtypes: {names[n]} is {w.dtype} but {ref_key} is "
                              f"{ref_w.dtype}; the experts' weights must share one dtype")

@@ -44,11 +44,12 @@ from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
+from moe_gemm.ops.validation import shape_text
 
 __all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
            "canonical_activation", "check_gemm_options", "check_tokens", "expert_ffn", "gated",
            "moe_experts",
-           "resolve_activation", "shape_str"]
+           "resolve_activation"]
 
 Activation = str | Callable[[torch.Tensor], torch.Tensor]
 
@@ -179,11 +180,6 @@ def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_g
     return combine_rows(y, perm.row_of_slot, w)
 
 
-def shape_str(t: torch.Tensor) -> str:
-    """(2, 3) for a 2 x 3 tensor, for messages."""
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
-
-
 def check_gemm_options(config: object, fused: object) -> None:
     """The GEMM options every expert entry point takes (moe_experts, moe_forward, MoE): a
     string config would fail deep in the GEMM dispatch, and a non-bool `fused` would be
@@ -199,7 +195,7 @@ def check_tokens(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor (T, H); got {type(x).__name__}")
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (T, H); got shape {shape_str(x)}")
+        raise ValueError(f"x must be 2-D (T, H); got shape {shape_text(x)}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be torch.bfloat16, torch.float16 or torch.float32; got {x.dtype}")
     return x
@@ -228,20 +224,20 @@ def _check_experts(
     check_tokens(x)
     T, H = x.shape
     if H < 1:  # (as MoE's hidden_size; the combine cannot gather zero-width rows)
-        raise ValueError(f"x must be (T, H) with H >= 1; got {shape_str(x)}")
+        raise ValueError(f"x must be (T, H) with H >= 1; got {shape_text(x)}")
     if w_gate_up.dim() != 3 or w_gate_up.shape[1] != H or w_gate_up.shape[2] % 2:
         raise ValueError(
             f"w_gate_up must be (E, H, 2I) = (E, {H}, 2I) (for transformers' (E, 2I, H) "
-            f"gate_up_proj pass gate_up_proj.transpose(1, 2)); got {shape_str(w_gate_up)}"
+            f"gate_up_proj pass gate_up_proj.transpose(1, 2)); got {shape_text(w_gate_up)}"
         )
     E, _, two_i = w_gate_up.shape
     if E < 1:
-        raise ValueError(f"w_gate_up must hold at least one expert; got {shape_str(w_gate_up)}")
+        raise ValueError(f"w_gate_up must hold at least one expert; got {shape_text(w_gate_up)}")
     I = two_i // 2
     if w_down.dim() != 3 or tuple(w_down.shape) != (E, I, H):
         raise ValueError(
             f"w_down must be (E, I, H) = ({E}, {I}, {H}) (for transformers' (E, H, I) down_proj "
-            f"pass down_proj.transpose(1, 2)); got {shape_str(w_down)}"
+            f"pass down_proj.transpose(1, 2)); got {shape_text(w_down)}"
         )
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if w.dtype != x.dtype:
@@ -249,12 +245,13 @@ def _check_experts(
         if w.device != x.device:
             raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids must be (T, k) = ({T}, k >= 1); got {shape_str(topk_ids)}")
+        raise ValueError(f"topk_ids must be (T, k) = ({T}, k >= 1); got {shape_text(topk_ids)}")
     if topk_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"topk_ids must be int64 or int32; got {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(
-            f"topk_weights must match topk_ids {shape_str(topk_ids)}; got {shape_str(topk_weights)}"
+            f"topk_weights must match topk_ids {shape_text(topk_ids)}; got "
+            f"{shape_text(topk_weights)}"
         )
     if not topk_weights.dtype.is_floating_point:
         raise TypeError(f"topk_weights must be a float tensor; got {topk_weights.dtype}")

@@ -41,6 +41,7 @@ from moe_gemm.ops.quantize import (
     quantize_fp8_per_token_group,
 )
 from moe_gemm.ops.scaled import scaled_grouped_mm
+from moe_gemm.ops.validation import shape_text
 
 FP8_DTYPES = tuple(FP8_MAX)
 SCALE_BLOCK = 128
@@ -49,10 +50,6 @@ INFERENCE_ONLY_MESSAGE = (
     "moe_gemm's FP8 MoE layer is inference-only: it has no backward. Run it under "
     "torch.no_grad() / torch.inference_mode()."
 )
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
 def scale_granularity(scale: torch.Tensor) -> str:
@@ -96,8 +93,9 @@ def check_fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: 
     if tuple(gate_up_scale.shape) != want_gu or tuple(down_scale.shape) != want_d:
         raise ValueError(
             f"FP8 expert scales must be {g}-wise gate_up {want_gu} and down {want_d} for "
-            f"weights {_shape(gate_up)} and {_shape(down)}; got {_shape(gate_up_scale)} and "
-            f"{_shape(down_scale)}")
+            f"weights {shape_text(gate_up)} and {shape_text(down)}; got "
+            f"{shape_text(gate_up_scale)} and "
+            f"{shape_text(down_scale)}")
     return g
 
 
@@ -204,7 +202,8 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
         return dequantize_fp8(q, scale.reshape(q.shape[:-1]), "row").to(dtype)
     if scale.dim() >= 2 and tuple(scale.shape[-2:]) == blocks:
         return dequantize_fp8(q, scale, "block").to(dtype)
-    raise ValueError(f"weight scale {_shape(scale)} fits no granularity of weight {_shape(q)}")
+    raise ValueError(f"weight scale {shape_text(scale)} fits no granularity of weight "
+                     f"{shape_text(q)}")
 
 
 def keep_fp8_dtypes(fn: Callable[[torch.Tensor], torch.Tensor], fp8: tuple[torch.Tensor, ...]
@@ -238,7 +237,7 @@ def row_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
         return s.reshape(()).expand(rows).clone()
     if s.numel() == rows:
         return s.reshape(rows)
-    raise ValueError(f"weight scale {_shape(scale)} is neither per channel ({rows},) nor per "
+    raise ValueError(f"weight scale {shape_text(scale)} is neither per channel ({rows},) nor per "
                      "tensor")
 
 

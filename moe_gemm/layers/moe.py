@@ -37,7 +37,6 @@ from moe_gemm.layers.experts import (
     gated,
     moe_experts,
     resolve_activation,
-    shape_str,
 )
 from moe_gemm.layers.experts_fp8 import (
     expert_ffn_fp8,
@@ -53,6 +52,7 @@ from moe_gemm.layers.routing import (
     sigmoid_grouped_topk,
     softmax_topk,
 )
+from moe_gemm.ops.validation import shape_text
 
 __all__ = ["GatedMLP", "MoE", "moe_experts", "moe_forward"]
 
@@ -178,7 +178,7 @@ def moe_forward(
         )
     if w_gate_up.dim() != 3:
         raise ValueError(f"w_gate_up must be a 3-D tensor (E, H, 2I) = (E, {H}, 2I); got "
-                         f"{shape_str(w_gate_up)}")
+                         f"{shape_text(w_gate_up)}")
     E = w_gate_up.shape[0]
     check_router_weight(router_weight, E, H)
     if router_weight.device != x.device:
@@ -242,7 +242,7 @@ def _check_hidden(x: object, H: int, device: torch.device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] != H:
-        raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got {shape_str(x)}")
+        raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got {shape_text(x)}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"hidden_states must be torch.bfloat16, torch.float16 or torch.float32; got {x.dtype}"

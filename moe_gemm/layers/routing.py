@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_gemm.ops import router_topk
+from moe_gemm.ops.validation import shape_text
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 # Router weights: the layer's float dtypes, and fp64 (the logits are upcast to fp32 anyway).
@@ -102,7 +103,7 @@ def check_router_weight(w: object, E: int, H: int) -> torch.Tensor:
         raise TypeError(f"router_weight must be a floating-point tensor (bf16, fp16, fp32 or "
                         f"fp64); got {w.dtype}")
     if tuple(w.shape) != (E, H):
-        raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {_shape(w)}")
+        raise ValueError(f"router_weight must be (E, H) = ({E}, {H}); got {shape_text(w)}")
     return w
 
 
@@ -113,16 +114,12 @@ def check_correction_bias(bias: object, E: int, device: torch.device, name: str 
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (E,) or None; got {type(bias).__name__}")
     if tuple(bias.shape) != (E,):
-        raise ValueError(f"{name} must be (E,) = ({E},); got shape {_shape(bias)}")
+        raise ValueError(f"{name} must be (E,) = ({E},); got shape {shape_text(bias)}")
     if bias.device != device:
         raise ValueError(f"{name} is on {bias.device} but {other} on {device}")
     if not bias.is_floating_point():
         raise TypeError(f"{name} must be a float tensor; got {bias.dtype}")
     return bias
-
-
-def _shape(t: torch.Tensor) -> str:
-    return str(tuple(t.shape))
 
 
 def softmax_topk(

@@ -12,11 +12,11 @@ from moe_gemm.kernels.sm90.constants import GATE_BLOCK, GATE_LAYOUTS, GATES
 from moe_gemm.ops.validation import (
     _check_dtype,
     _check_writable_out,
-    _shape,
     check_dense,
     check_offs_values,
     offs_check_requested,
     resolve_out_dtype,
+    shape_text,
 )
 
 GATE_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -99,10 +99,10 @@ def check_fused_mm(
                     ("row_weight", row_weight), ("bias", bias), ("out", out)):
         check_dense(name, t)
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (T, K); got shape {_shape(x)}")
+        raise ValueError(f"x must be 2-D (T, K); got shape {shape_text(x)}")
     if w.dim() != 3:
         raise ValueError(f"w must be 3-D (E, K, N) (for an (E, N, K) weight pass "
-                         f"w.transpose(1, 2)); got shape {_shape(w)}")
+                         f"w.transpose(1, 2)); got shape {shape_text(w)}")
     _check_dtype("x", x)
     if w.dtype != x.dtype:
         raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
@@ -115,16 +115,17 @@ def check_fused_mm(
     T, K = x.shape
     E, Kw, N = w.shape
     if Kw != K:
-        raise ValueError(f"x is (T, K) = {_shape(x)}, so w must be (E, {K}, N); got {_shape(w)}")
+        raise ValueError(f"x is (T, K) = {shape_text(x)}, so w must be (E, {K}, N); got "
+                         f"{shape_text(w)}")
     if offs.dim() != 1 or offs.shape[0] != E:
-        raise ValueError(f"offs must have one entry per expert: ({E},); got {_shape(offs)}")
+        raise ValueError(f"offs must have one entry per expert: ({E},); got {shape_text(offs)}")
     S = T
     if row_index is not None:
         if not isinstance(row_index, torch.Tensor):
             raise TypeError(f"row_index must be a torch.Tensor (S,) or None; got "
                             f"{type(row_index).__name__}")
         if row_index.dim() != 1:
-            raise ValueError(f"row_index must be 1-D (S,); got shape {_shape(row_index)}")
+            raise ValueError(f"row_index must be 1-D (S,); got shape {shape_text(row_index)}")
         if row_index.dtype not in _INDEX_DTYPES:
             raise TypeError(f"row_index must be int32 or int64; got {row_index.dtype}")
         if row_index.device != device:
@@ -145,11 +146,11 @@ def check_fused_mm(
     if gate_name is not None:
         if N % 2:
             raise ValueError(f"a gated w holds gate and up columns: N must be even; got "
-                             f"{_shape(w)}")
+                             f"{shape_text(w)}")
         if gate_layout == "interleaved" and N % (2 * GATE_BLOCK):
             raise ValueError(f"the interleaved gate layout alternates blocks of {GATE_BLOCK} "
                              f"gate and up columns: N must be a multiple of {2 * GATE_BLOCK}; "
-                             f"got {_shape(w)}")
+                             f"got {shape_text(w)}")
         if gate_name == "clamped_swiglu" and limit <= 0:
             raise ValueError(f"gate_limit must be > 0 for clamped_swiglu; got {limit}")
     if row_weight is not None:
@@ -158,7 +159,7 @@ def check_fused_mm(
                             f"{type(row_weight).__name__}")
         if tuple(row_weight.shape) != (S,):
             raise ValueError(f"row_weight must be (S,) = ({S},), one weight per routed row; "
-                             f"got {_shape(row_weight)}")
+                             f"got {shape_text(row_weight)}")
         if not row_weight.dtype.is_floating_point:
             raise TypeError(f"row_weight must be a float tensor; got {row_weight.dtype}")
         if row_weight.device != device:
@@ -169,7 +170,7 @@ def check_fused_mm(
                             f"{type(bias).__name__}")
         if tuple(bias.shape) != (E, N):
             raise ValueError(f"bias must be (E, N) = ({E}, {N}), in w's column order; got "
-                             f"{_shape(bias)}")
+                             f"{shape_text(bias)}")
         if not bias.dtype.is_floating_point:
             raise TypeError(f"bias must be a float tensor; got {bias.dtype}")
         if bias.device != device:
@@ -190,7 +191,7 @@ def check_fused_mm(
             _check_dtype("out", out)
         if tuple(out.shape) != (S, n_out):
             raise ValueError(f"out must be (S, {'N / 2' if gate_name else 'N'}) = ({S}, "
-                             f"{n_out}); got {_shape(out)}")
+                             f"{n_out}); got {shape_text(out)}")
         if out.dtype != odt:
             raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
         if out.device != device:

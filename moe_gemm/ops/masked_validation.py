@@ -16,10 +16,10 @@ import torch
 from moe_gemm.ops.scaled_validation import ScaledMmArgs, check_scaled_grouped_mm
 from moe_gemm.ops.validation import (
     GroupedBmmArgs,
-    _shape,
     check_dense,
     check_grouped_bmm,
     offs_check_requested,
+    shape_text,
 )
 
 
@@ -55,7 +55,7 @@ def check_masked_m(masked_m: object, G: int, M: int, device: torch.device, *,
         raise TypeError(f"masked_m must be int32 row counts ({G},); got dtype {masked_m.dtype}")
     if masked_m.dim() != 1 or masked_m.shape[0] != G:
         raise ValueError(f"masked_m must have one row count per problem: ({G},); got "
-                         f"{_shape(masked_m)}")
+                         f"{shape_text(masked_m)}")
     if masked_m.device != device:
         raise ValueError(f"masked_m is on {masked_m.device} but x is on {device}; it must live "
                          "with x")
@@ -85,7 +85,7 @@ def _check_x_rank(x: object) -> None:
     # (before the batched form's checks, whose rank message points at grouped_mm's offs)
     if isinstance(x, torch.Tensor) and x.dim() != 3:
         raise ValueError(f"x must be 3-D (G, M, K): M rows of capacity per problem; got shape "
-                         f"{_shape(x)}")
+                         f"{shape_text(x)}")
 
 
 def check_config_fits(config) -> None:

@@ -31,10 +31,10 @@ from moe_gemm.ops.aliasing import outputs_aliasing_inputs
 from moe_gemm.ops.validation import (
     _as_tensor_list,
     _check_writable_out,
-    _shape,
     check_dense,
     check_offs_values,
     offs_check_requested,
+    shape_text,
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -131,7 +131,7 @@ def granularity_of(sa: torch.Tensor, sb: torch.Tensor, lead: tuple[int, ...], ro
     kb = K // SCALE_BLOCK
     if sb.dim() == len(lead) + 2:
         if K % SCALE_BLOCK:
-            raise ValueError(f"block scales (scale_b of shape {_shape(sb)}) need K to be a "
+            raise ValueError(f"block scales (scale_b of shape {shape_text(sb)}) need K to be a "
                              f"multiple of {SCALE_BLOCK}; got K={K}")
         want_a, want_b = (*a_lead, rows, kb), (*lead, kb, _ceil(N, SCALE_BLOCK))
         if sa_shape == want_a and sb_shape == want_b:
@@ -149,7 +149,7 @@ def granularity_of(sa: torch.Tensor, sb: torch.Tensor, lead: tuple[int, ...], ro
         f" (K={K}, N={N}), row-wise scale_a {a_rows} and scale_b {_dims((*lead, N))}, or "
         f"per-tensor scale_a () and scale_b ()"
         + (f" or {_dims(lead)}" if lead else "")
-        + f"; got scale_a {_shape(sa)} and scale_b {_shape(sb)}")
+        + f"; got scale_a {shape_text(sa)} and scale_b {shape_text(sb)}")
 
 
 def _dims(dims: tuple) -> str:
@@ -185,12 +185,12 @@ def check_scaled_grouped_mm(x: object, w: object, scale_a: object, scale_b: obje
         if x.dim() != 3:
             hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
             raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape "
-                             f"{_shape(x)}{hint}")
+                             f"{shape_text(x)}{hint}")
     elif x.dim() != 2:
-        raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape {_shape(x)}")
+        raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape {shape_text(x)}")
     if w.dim() != 3:
         raise ValueError(f"w must be 3-D (E, K, N) (for an (E, N, K) weight pass "
-                         f"w.transpose(1, 2)); got shape {_shape(w)}")
+                         f"w.transpose(1, 2)); got shape {shape_text(w)}")
     _check_fp8("x", x)
     if w.dtype != x.dtype:
         raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
@@ -201,15 +201,15 @@ def check_scaled_grouped_mm(x: object, w: object, scale_a: object, scale_b: obje
     if batched:
         G, M = x.shape[0], x.shape[1]
         if w.shape[0] != G or w.shape[1] != K:
-            raise ValueError(f"x is (G, M, K) = {_shape(x)}, so w must be ({G}, {K}, N); got "
-                             f"{_shape(w)}")
+            raise ValueError(f"x is (G, M, K) = {shape_text(x)}, so w must be ({G}, {K}, N); got "
+                             f"{shape_text(w)}")
         rows, a_lead = M, (G,)
     else:
         if not isinstance(offs, torch.Tensor):
             raise TypeError(f"offs must be a torch.Tensor (E,) or None; got {type(offs).__name__}")
         if w.shape[1] != K:
-            raise ValueError(f"x is (T, K) = {_shape(x)}, so w must be (E, {K}, N); got "
-                             f"{_shape(w)}")
+            raise ValueError(f"x is (T, K) = {shape_text(x)}, so w must be (E, {K}, N); got "
+                             f"{shape_text(w)}")
         if offs.device != x.device:
             raise ValueError(f"offs is on {offs.device} but x is on {x.device}; offs must live "
                              "with x")
@@ -217,7 +217,7 @@ def check_scaled_grouped_mm(x: object, w: object, scale_a: object, scale_b: obje
             raise TypeError(f"offs must be int32 cumulative end rows (E,); got dtype {offs.dtype}")
         if offs.dim() != 1 or offs.shape[0] != w.shape[0]:
             raise ValueError(f"offs must have one entry per expert: ({w.shape[0]},); got "
-                             f"{_shape(offs)}")
+                             f"{shape_text(offs)}")
         rows, a_lead = x.shape[0], ()
     sa = _check_scale("scale_a", scale_a, x.device)
     sb = _check_scale("scale_b", scale_b, x.device)
@@ -230,7 +230,7 @@ def check_scaled_grouped_mm(x: object, w: object, scale_a: object, scale_b: obje
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor {_dims(want)}; got {type(out).__name__}")
         if tuple(out.shape) != want:
-            raise ValueError(f"out must be {_dims(want)}; got {_shape(out)}")
+            raise ValueError(f"out must be {_dims(want)}; got {shape_text(out)}")
         if out.dtype != odt:
             raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
         if out.device != x.device:
@@ -269,7 +269,7 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
     for i, (ai, bi, sai, sbi) in enumerate(zip(a_list, b_list, sa_list, sb_list)):
         if ai.dim() != 2 or bi.dim() != 2:
             bad, t = (f"a[{i}]", ai) if ai.dim() != 2 else (f"b[{i}]", bi)
-            raise ValueError(f"{bad} must be 2-D; got shape {_shape(t)}")
+            raise ValueError(f"{bad} must be 2-D; got shape {shape_text(t)}")
         for name, t in ((f"a[{i}]", ai), (f"b[{i}]", bi)):
             if t.dtype != dtype:
                 raise TypeError(f"{name} has dtype {t.dtype} but a[0] has {dtype}; every "
@@ -277,8 +277,8 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but a[0] is on {device}")
         if ai.shape[1] != bi.shape[0]:
-            raise ValueError(f"problem {i}: a[{i}] is (M, K) = {_shape(ai)}, so b[{i}] must be "
-                             f"(K, N) = ({ai.shape[1]}, N); got {_shape(bi)}")
+            raise ValueError(f"problem {i}: a[{i}] is (M, K) = {shape_text(ai)}, so b[{i}] must be "
+                             f"(K, N) = ({ai.shape[1]}, N); got {shape_text(bi)}")
         M, K = ai.shape
         N = bi.shape[1]
         sai = _check_scale(f"scale_a[{i}]", sai, device)
@@ -307,7 +307,7 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
         for i, (oi, (m, n, _)) in enumerate(zip(out_list, sizes)):
             check_dense(f"out[{i}]", oi)
             if tuple(oi.shape) != (m, n):
-                raise ValueError(f"out[{i}] must be (M_i, N_i) = ({m}, {n}); got {_shape(oi)}")
+                raise ValueError(f"out[{i}] must be (M_i, N_i) = ({m}, {n}); got {shape_text(oi)}")
             if oi.dtype != odt:
                 raise TypeError(f"out[{i}] must have dtype {odt}; got {oi.dtype}")
             if oi.device != device:

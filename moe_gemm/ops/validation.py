@@ -102,8 +102,9 @@ class GroupedBmmArgs:
         return self.w.shape[2]
 
 
-def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+def shape_text(t: torch.Tensor) -> str:
+    """A tensor's shape as Python writes a tuple, for messages: (2, 3), (4,), ()."""
+    return str(tuple(t.shape))
 
 
 def check_dense(name: str, t: object) -> None:
@@ -133,7 +134,7 @@ def _as_tensor_list(name: str, seq: object, shape_hint: str) -> list[torch.Tenso
     if isinstance(seq, torch.Tensor):
         raise TypeError(
             f"{name} must be a sequence (list or tuple) of 2-D tensors {shape_hint}; got a single "
-            f"tensor of shape {_shape(seq)} (use list(t.unbind(0)) for a 3-D batch)"
+            f"tensor of shape {shape_text(seq)} (use list(t.unbind(0)) for a 3-D batch)"
         )
     if not isinstance(seq, Sequence) or isinstance(seq, (str, bytes)):
         raise TypeError(
@@ -153,8 +154,10 @@ def _check_writable_out(name: str, out: torch.Tensor) -> None:
         raise ValueError(f"{name} has elements that share memory (an expanded or zero-stride "
                          f"tensor); pass a tensor whose elements are distinct")
     if out.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name} requires grad: an output written in place cannot be "
-                         f"differentiated; pass out=None for a differentiable result")
+        raise ValueError(f"{name} requires grad (a leaf that requires grad, or the result of "
+                         f"an earlier differentiable call that wrote it): an output written in "
+                         f"place cannot be differentiated; pass out=None for a differentiable "
+                         f"result, or {name}.detach() to reuse its memory")
 
 
 def check_grouped_gemm(
@@ -209,7 +212,7 @@ def check_grouped_gemm(
             want = (m, n)
             if tuple(oi.shape) != want:
                 raise ValueError(
-                    f"out[{i}] must be (M_i, N_i) = ({want[0]}, {want[1]}); got {_shape(oi)}"
+                    f"out[{i}] must be (M_i, N_i) = ({want[0]}, {want[1]}); got {shape_text(oi)}"
                 )
             if oi.dtype != odt:
                 raise TypeError(f"out[{i}] must have dtype {odt}; got {oi.dtype}")
@@ -232,9 +235,9 @@ def _explain_grouped_gemm(
     _check_dtype("a[0]", a_list[0])
     for i, (ai, bi) in enumerate(zip(a_list, b_list)):
         if ai.dim() != 2:
-            raise ValueError(f"a[{i}] must be 2-D (M_i, K_i); got shape {_shape(ai)}")
+            raise ValueError(f"a[{i}] must be 2-D (M_i, K_i); got shape {shape_text(ai)}")
         if bi.dim() != 2:
-            raise ValueError(f"b[{i}] must be 2-D (K_i, N_i); got shape {_shape(bi)}")
+            raise ValueError(f"b[{i}] must be 2-D (K_i, N_i); got shape {shape_text(bi)}")
         for name, t in ((f"a[{i}]", ai), (f"b[{i}]", bi)):
             _check_dtype(name, t)
             if t.dtype != dtype:
@@ -249,8 +252,8 @@ def _explain_grouped_gemm(
                 )
         if ai.shape[1] != bi.shape[0]:
             raise ValueError(
-                f"problem {i}: a[{i}] is (M, K) = {_shape(ai)}, so b[{i}] must be "
-                f"(K, N) = ({ai.shape[1]}, N); got {_shape(bi)}"
+                f"problem {i}: a[{i}] is (M, K) = {shape_text(ai)}, so b[{i}] must be "
+                f"(K, N) = ({ai.shape[1]}, N); got {shape_text(bi)}"
             )
     raise AssertionError("unreachable: fast check failed but no operand is wrong")
 
@@ -273,11 +276,12 @@ def check_grouped_mm(
         check_dense(name, t)
     if x.dim() != 2:
         hint = " (3-D x (G, M, K) is the batched form: pass offs=None)" if x.dim() == 3 else ""
-        raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape {_shape(x)}{hint}")
+        raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape "
+                         f"{shape_text(x)}{hint}")
     if w.dim() != 3:
         raise ValueError(
             f"w must be 3-D (E, K, N) (for an (E, N, K) weight pass w.transpose(1, 2)); "
-            f"got shape {_shape(w)}"
+            f"got shape {shape_text(w)}"
         )
     _check_dtype("x", x)
     if w.dtype != x.dtype:
@@ -291,13 +295,14 @@ def check_grouped_mm(
     if offs.dtype != torch.int32:
         raise TypeError(f"offs must be int32 cumulative end rows (E,); got dtype {offs.dtype}")
     if offs.dim() != 1:
-        raise ValueError(f"offs must be 1-D (E,) = ({w.shape[0]},); got shape {_shape(offs)}")
+        raise ValueError(f"offs must be 1-D (E,) = ({w.shape[0]},); got shape {shape_text(offs)}")
     T, K = x.shape
     E, Kw, N = w.shape
     if Kw != K:
-        raise ValueError(f"x is (T, K) = {_shape(x)}, so w must be (E, {K}, N); got {_shape(w)}")
+        raise ValueError(f"x is (T, K) = {shape_text(x)}, so w must be (E, {K}, N); got "
+                         f"{shape_text(w)}")
     if offs.shape[0] != E:
-        raise ValueError(f"offs must have one entry per expert: ({E},); got {_shape(offs)}")
+        raise ValueError(f"offs must have one entry per expert: ({E},); got {shape_text(offs)}")
     if concrete and (offs.device.type == "cpu" or offs_check_requested()):
         check_offs_values(offs, T)
     odt = resolve_out_dtype(x.dtype, out_dtype)
@@ -308,7 +313,7 @@ def check_grouped_mm(
             odt = out.dtype
             _check_dtype("out", out)
         if tuple(out.shape) != (T, N):
-            raise ValueError(f"out must be (T, N) = ({T}, {N}); got {_shape(out)}")
+            raise ValueError(f"out must be (T, N) = ({T}, {N}); got {shape_text(out)}")
         if out.dtype != odt:
             raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
         if out.device != x.device:
@@ -347,11 +352,12 @@ def check_grouped_bmm(
         check_dense(name, t)
     if x.dim() != 3:
         hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
-        raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape {_shape(x)}{hint}")
+        raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape "
+                         f"{shape_text(x)}{hint}")
     if w.dim() != 3:
         raise ValueError(
             f"w must be 3-D (G, K, N) (for a (G, N, K) weight pass w.transpose(1, 2)); "
-            f"got shape {_shape(w)}"
+            f"got shape {shape_text(w)}"
         )
     _check_dtype("x", x)
     if w.dtype != x.dtype:
@@ -360,8 +366,8 @@ def check_grouped_bmm(
         raise ValueError(f"w is on {w.device} but x is on {x.device}; they must be on one device")
     G, M, K = x.shape
     if w.shape[0] != G or w.shape[1] != K:
-        raise ValueError(f"x is (G, M, K) = {_shape(x)}, so w must be ({G}, {K}, N); "
-                         f"got {_shape(w)}")
+        raise ValueError(f"x is (G, M, K) = {shape_text(x)}, so w must be ({G}, {K}, N); "
+                         f"got {shape_text(w)}")
     N = w.shape[2]
     odt = resolve_out_dtype(x.dtype, out_dtype)
     if out is not None:
@@ -371,7 +377,7 @@ def check_grouped_bmm(
             odt = out.dtype
             _check_dtype("out", out)
         if tuple(out.shape) != (G, M, N):
-            raise ValueError(f"out must be (G, M, N) = ({G}, {M}, {N}); got {_shape(out)}")
+            raise ValueError(f"out must be (G, M, N) = ({G}, {M}, {N}); got {shape_text(out)}")
         if out.dtype != odt:
             raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
         if out.device != x.device:

@@ -45,9 +45,9 @@ import torch
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import GemmConfig
-from moe_gemm.ops.validation import SUPPORTED_DTYPES
+from moe_gemm.ops.validation import SUPPORTED_DTYPES, shape_text
 
-from .engine_launches import LaunchMixin, _shape
+from .engine_launches import LaunchMixin
 from .engine_warmup import WarmUpMixin
 from .fp8_weights import FP8_DTYPES, check_fp8_scale
 
@@ -275,14 +275,15 @@ class Engine(WarmUpMixin, LaunchMixin):
             raise ValueError(f"layout must be 'w' (E, K, N) or 'w_t' (E, N, K); got {layout!r}")
         want = "(E, K, N)" if layout == "w" else "(E, N, K)"
         if tensor.dim() != 3:
-            raise ValueError(f"{layout} must be 3-D {want}; got shape {_shape(tensor)}")
+            raise ValueError(f"{layout} must be 3-D {want}; got shape {shape_text(tensor)}")
         if tensor.dtype not in SUPPORTED_DTYPES + FP8_DTYPES:
             raise TypeError(
                 f"{layout} must be bfloat16, float16, float32 or FP8 (float8_e4m3fn, "
                 f"float8_e5m2, with its scale); got {str(tensor.dtype)[6:]}"
             )
         if min(tensor.shape) == 0:
-            raise ValueError(f"{layout} {want} needs every dimension >= 1; got {_shape(tensor)}")
+            raise ValueError(f"{layout} {want} needs every dimension >= 1; got "
+                             f"{shape_text(tensor)}")
         granularity = check_fp8_scale(tensor, layout, scale)  # (None for 16/32-bit sets)
         # The copy runs on the warm-up stream (synchronized on exit), outside the launch lock,
         # so a large upload does not stall launches of the sets already resident.

@@ -16,7 +16,7 @@ import torch
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops.api import grouped_gemm, grouped_mm
-from moe_gemm.ops.validation import SUPPORTED_DTYPES
+from moe_gemm.ops.validation import SUPPORTED_DTYPES, shape_text
 
 from .fp8_weights import fp8_mm
 
@@ -25,10 +25,6 @@ if TYPE_CHECKING:
 
 # Staging buffers larger than this are not kept between launches (see Engine._buffer).
 _MAX_BUFFER_BYTES = 512 << 20
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
 class LaunchMixin:
@@ -235,7 +231,7 @@ class LaunchMixin:
             if x.dim() != 2 or x.shape[1] != ws.K:
                 raise ValueError(
                     f"request {r}: x must be (T, K) = (T, {ws.K}) for weight set "
-                    f"{ws.name!r}; got {_shape(x)}"
+                    f"{ws.name!r}; got {shape_text(x)}"
                 )
             if x.dtype not in ws.request_dtypes:
                 if ws.scale is not None:
@@ -258,7 +254,7 @@ class LaunchMixin:
             if counts.dim() != 1 or counts.shape[0] != ws.E:
                 raise ValueError(
                     f"request {r}: counts must be (E,) = ({ws.E},) for weight set "
-                    f"{ws.name!r}; got {_shape(counts)}"
+                    f"{ws.name!r}; got {shape_text(counts)}"
                 )
             if counts.dtype.is_floating_point or counts.dtype == torch.bool:
                 raise TypeError(f"request {r}: counts must be integers; got {counts.dtype}")

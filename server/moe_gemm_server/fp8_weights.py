@@ -17,13 +17,10 @@ from __future__ import annotations
 import torch
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.ops.validation import shape_text
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 BLOCK = 128
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
 def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | None:
@@ -61,7 +58,7 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
     if got in ((E,), (1,), ()):
         return "tensor"
     raise ValueError(
-        f"'scale' {list(got)} fits no granularity of {layout!r} {_shape(tensor)}: expected "
+        f"'scale' {list(got)} fits no granularity of {layout!r} {shape_text(tensor)}: expected "
         f"128x128 blocks {list(block)}, per channel [{E}, {N}] or per expert [{E}]")
 
 

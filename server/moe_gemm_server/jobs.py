@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from moe_gemm.ops.validation import shape_text
 from moe_gemm_server.engine import WeightSet
 
 from .batcher import Job
@@ -22,10 +23,6 @@ from .errors import APIError, bad_request, unprocessable
 
 INT_DTYPES = (torch.int32, torch.int64)
 _GEMM_NAME = re.compile(r"([ab])\.(0|[1-9][0-9]{0,8})")
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
 def _check_limits(rows: int, flops: int, settings: Settings, out_bytes: int = 0) -> None:
@@ -56,7 +53,7 @@ def counts_from(
         raise unprocessable(f"{name!r} must be int32 (or int64); got {dtype_name(t.dtype)}")
     if t.dim() != 1 or t.shape[0] != E:
         raise unprocessable(f"{name!r} must be (E,) = ({E},) for this weight set; got "
-                            f"{_shape(t)}")
+                            f"{shape_text(t)}")
     v = t.to(torch.int64)
     if has_c:
         if E and int(v.min()) < 0:
@@ -112,7 +109,7 @@ def mm_job(
     x = tensors[x_name]
     if x.dim() != 2 or x.shape[1] != ws.K:
         raise unprocessable(f"{x_name!r} must be (T, K) = (T, {ws.K}) for weight set "
-                            f"{ws.name!r}; got {_shape(x)}")
+                            f"{ws.name!r}; got {shape_text(x)}")
     if x.dtype not in ws.request_dtypes:
         if ws.scale is not None:
             raise unprocessable(f"{x_name!r} must be bfloat16, float16 or float32 (weight set "
@@ -193,10 +190,11 @@ def gemm_job(
                 raise unprocessable(f"{name!r} is {dtype_name(t.dtype)} but 'a.0' is "
                                     f"{dtype_name(dtype)}; all tensors must share one dtype")
             if t.dim() != 2:
-                raise unprocessable(f"{name!r} must be 2-D; got shape {_shape(t)}")
+                raise unprocessable(f"{name!r} must be 2-D; got shape {shape_text(t)}")
         if ai.shape[1] != bi.shape[0]:
-            raise unprocessable(f"problem {i}: 'a.{i}' is (M, K) = {_shape(ai)}, so 'b.{i}' must "
-                                f"be (K, N) = ({ai.shape[1]}, N); got {_shape(bi)}")
+            raise unprocessable(f"problem {i}: 'a.{i}' is (M, K) = {shape_text(ai)}, so "
+                                f"'b.{i}' must be (K, N) = ({ai.shape[1]}, N); got "
+                                f"{shape_text(bi)}")
         rows += ai.shape[0]
         flops += 2 * ai.shape[0] * ai.shape[1] * bi.shape[1]
         out_elems += ai.shape[0] * bi.shape[1]
