@@ -176,6 +176,12 @@ class GemmConfig:
         if self.whole_epilogue and self.schedule == "pingpong":
             raise ValueError("whole_epilogue=True is built for the cooperative schedule; use "
                              "schedule='cooperative' or 'auto'")
+        if ((self.tail_split or self.whole_epilogue) and self.tile_m is not None
+                and (self.tile_m, self.tile_n) not in COOPERATIVE_TILES):
+            which = "tail_split" if self.tail_split else "whole_epilogue"
+            raise ValueError(
+                f"{which}=True is built for the cooperative schedule, whose tiles are "
+                f"{_fmt_tiles(COOPERATIVE_TILES)}; got tile {self.tile_m}x{self.tile_n}")
 
     @property
     def tuning_pinned(self) -> bool:

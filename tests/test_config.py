@@ -202,6 +202,16 @@ def test_unbuilt_tile_rejected_under_auto(tile: tuple[int, int]) -> None:
         GemmConfig(tile_m=tile[0], tile_n=tile[1])
 
 
+@pytest.mark.parametrize("field", ["tail_split", "whole_epilogue"])
+def test_cooperative_only_options_refuse_a_ping_pong_tile_at_once(field: str) -> None:
+    # Under schedule="auto" these options select the cooperative schedule: a tile it does
+    # not have is named when the config is made, not at the first call.
+    with pytest.raises(ValueError, match=rf"{field}=True is built for the cooperative "
+                                         r"schedule, whose tiles are .*; got tile 64x128"):
+        GemmConfig(tile_m=64, tile_n=128, **{field: True})
+    assert GemmConfig(tile_m=128, tile_n=256, **{field: True}).tile_m == 128
+
+
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_supported_clusters_accepted(cluster: tuple[int, int]) -> None:
     c = GemmConfig(cluster_m=cluster[0], cluster_n=cluster[1])
