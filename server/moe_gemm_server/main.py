@@ -62,7 +62,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         body_timeout_s=settings.body_timeout_s,
     )
     app.add_middleware(HeadAsGetMiddleware)
-    app.add_middleware(ObservabilityMiddleware, metrics=service.metrics)
+    app.add_middleware(ObservabilityMiddleware, metrics=service.metrics,
+                       route_for=lambda scope: route_template(
+                           [*app.router.routes, *api_routes], scope))
 
     routers = [module.router for module in (health, weights, matmul, v2, metrics)]
     # (the app's own route list holds wrappers of the included routers, not their routes)
@@ -99,6 +101,22 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     for router in routers:
         app.include_router(router)
     return app
+
+
+def route_template(routes: Iterable[BaseRoute], scope: Scope) -> str | None:
+    """The path template of the route that takes the scope's method and path (else of one
+    whose path matches), None where no route's path matches."""
+    partial = None
+    for route in routes:
+        path = getattr(route, "path", None)
+        if path is None:  # (a wrapper of an included router: its routes are listed too)
+            continue
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return path
+        if match == Match.PARTIAL and partial is None:
+            partial = path
+    return partial
 
 
 # The order methods are listed in an Allow header.

@@ -18,6 +18,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,9 +42,15 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class ObservabilityMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    """route_for(scope): the route template of a request that the router never saw (one a
+    middleware below answered, e.g. a 413 from its Content-Length), None where no route has
+    its path; the label is then "unmatched"."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics,
+                 route_for: Callable[[Scope], str | None] | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.route_for = route_for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -91,7 +98,10 @@ class ObservabilityMiddleware:
             self.metrics.in_flight.dec()
             dt = time.monotonic() - t0
             route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
+            label = getattr(route, "path", None)
+            if label is None and self.route_for is not None:
+                label = self.route_for(scope)
+            label = label or "unmatched"
             method = scope.get("method", "")
             if state.get("disconnected"):
                 status = 499  # nginx's "client closed request": no answer was delivered

@@ -358,17 +358,27 @@ def test_bad_input_leaves_server_serving(reader, weights):
 def test_unknown_weight_set_and_route(reader):
     r = mm(reader, "no-such-set", GOOD_X, GOOD_C)
     assert r.status_code == 404 and "no-such-set" in r.json()["error"]
+    unmatched = metric(reader.get("/metrics").text, "moe_gemm_requests_total",
+                       route="unmatched", method="GET", status="404")
     r = reader.get("/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
+    assert metric(reader.get("/metrics").text, "moe_gemm_requests_total", route="unmatched",
+                  method="GET", status="404") == unmatched + 1  # (no path of its own)
     r = reader.get("/v1/grouped-gemm")
     assert r.status_code == 405 and "error" in r.json()
 
 
 def test_body_over_limit(reader, weights, main_server):
-    # declared by Content-Length: refused before the body is read
+    # declared by Content-Length: refused before the body is read (and before routing, yet
+    # counted under its route's template, not as an unmatched path)
+    route = "/v1/weights/{name}/grouped-mm"
+    counted = metric(reader.get("/metrics").text, "moe_gemm_requests_total", route=route,
+                     method="POST", status="413")
     big = b"\0" * (MAX_BODY + 1)
     r = reader.post("/v1/weights/api-float32/grouped-mm", content=big)
     assert r.status_code == 413 and "limit" in r.json()["error"]
+    assert metric(reader.get("/metrics").text, "moe_gemm_requests_total", route=route,
+                  method="POST", status="413") == counted + 1
 
     # no Content-Length (chunked): refused once the counted bytes pass the limit
     def chunks():
