@@ -52,6 +52,12 @@ def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
     values = [v for v, _ in ratios.values()]
     wins = sum(1 for v in values if v >= 1.0)
     losses = sorted(((v, r) for v, r in ratios.values() if v < 1.0), key=lambda x: x[0])
+    # A peer that did not run on a counted case (QuACK's autotune over its time cap, an error)
+    # leaves that case's ratio against the others only: named, so a reader can discount it.
+    missing = [{"case": r["case"], "peer": r["impl"], "status": r.get("status"),
+                **({"reason": r["reason"]} if r.get("reason") else {})}
+               for r in results
+               if r.get("peer") and r.get("case") in ratios and r.get("status") != "ok"]
     return {
         "cases": len(values), "default_at_least_best_peer": wins,
         "share": wins / len(values), "min_vs_best_peer": min(values),
@@ -63,6 +69,7 @@ def bar(results: list[dict[str, Any]]) -> dict[str, Any]:
                        **({"best_peer_chosen": r["best_peer_chosen"]}
                           if r.get("best_peer_chosen") else {})}
                       for v, r in losses],
+        "peers_not_run": missing,
     }
 
 
@@ -186,6 +193,10 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"{b['cases']} cases ({100 * b['share']:.0f}%, need "
                      f"{100 * BAR_SHARE:.0f}%), min ratio {b['min_vs_best_peer']:.3f} (need "
                      f"{BAR_MIN}): {'PASS' if b['pass'] else 'not met'}")
+        if b.get("peers_not_run"):
+            lines.append(f"a peer did not run on {len({m['case'] for m in b['peers_not_run']})}"
+                         " of these cases (bar.peers_not_run): their ratios are against the "
+                         "others")
     if doc.get("not_run"):
         lines.append(f"not run ({doc.get('stopped', 'budget')}): {len(doc['not_run'])} cases")
     if doc.get("not_rerun"):

@@ -104,6 +104,13 @@ def test_bar_and_derive_hand_computed():
     assert not zoo_report.bar(results[:8] + [case("8", 0.99), case("9", 0.98)])["pass"]
     assert not zoo_report.bar(results[:9] + [case("9", 0.96)])["pass"]
     assert zoo_report.bar([])["pass"] is False
+    assert b["peers_not_run"] == []
+    # The first case's third peer did not run: the case counts, and the bar names the gap.
+    zoo_report.derive_case(rows, info, {"copy_bytes_per_s": 2e12, "mm_flops_per_s": 1e15})
+    rows[3]["reason"] = "over the cap"
+    b = zoo_report.bar(rows)
+    assert b["cases"] == 1 and b["peers_not_run"] == [
+        {"case": "a", "peer": "p3", "status": "n/a", "reason": "over the cap"}]
 
 
 def test_budget_stops_cleanly_and_resume_finishes(tmp_path):
