@@ -8,15 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suite import DEFAULT_NAME
+from moe_gemm.tuning.table_io import dumps_by_line
 
 
 def write_json(path: Path, doc: dict[str, Any], compact: bool = False) -> None:
-    """Atomic write (a crash mid-write never leaves half a file); compact for progress saves."""
+    """Atomic write (a crash mid-write never leaves half a file): one top-level key and one
+    list item per line (table_io.dumps_by_line), or all on one line for progress saves."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    text = json.dumps(doc, default=str, **({"separators": (",", ":")} if compact else
-                                           {"indent": 1}))
-    tmp.write_text(text + "\n")
+    text = (json.dumps(doc, default=str, separators=(",", ":")) + "\n" if compact
+            else dumps_by_line(doc, default=str))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -308,6 +308,18 @@ def table(results: list[dict], pre: dict | None) -> str:
     return "\n".join(lines)
 
 
+def write_report(path: str, report: dict) -> None:
+    """The report as JSON, one test or case per line (the repository keeps these records:
+    indented, a full session's took 1.9 MB); all on one line where moe_gemm does not import."""
+    try:
+        from moe_gemm.tuning.table_io import dumps_by_line
+        text = dumps_by_line(report, default=str)
+    except ImportError:
+        text = json.dumps(report, separators=(",", ":"), default=str) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def merge_reports(reports: list[dict]) -> dict:
     """One report from several sessions' (one per GPU of a machine, each with its own
     --groups): each session's machine, command, time and precompile under "sessions", the
@@ -341,8 +353,7 @@ def merge_main(files: list[str], out: str) -> int:
         print(f"error: --merge: {exc}", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu-tests.json"), "w") as f:
-        json.dump(merged, f, indent=1, default=str)
+    write_report(os.path.join(out, "gpu-tests.json"), merged)
     print(table(merged["groups"], None))
     ok = all(g.get("ok") for g in merged["groups"]) and not merged["collection_errors"]
     return 0 if ok and merged["groups"] else 1
@@ -436,8 +447,7 @@ def main() -> int:
         "cases": [c for r in results for c in r["_cases"]],
         "compiled_in_tests": [c for r in results for c in r["_compiles"]],
     }
-    with open(os.path.join(args.out, "gpu-tests.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    write_report(os.path.join(args.out, "gpu-tests.json"), report)
     with open(os.path.join(args.out, "gpu-logs.txt"), "w") as f:
         logs = [("precompile", pre_log), ("collection", os.path.join(work, "collect.log"))]
         logs += [(g.name, g.log) for g in groups.values() if g.log]

@@ -156,11 +156,29 @@ def add_result(doc: dict[str, Any], entry: dict | None, samples: list[dict]) -> 
         doc["samples"] = [s for s in doc["samples"] if sample_shape(s) not in shapes] + samples
 
 
+def dumps_by_line(doc: dict[str, Any], default: Callable[[Any], Any] | None = None) -> str:
+    """JSON text of `doc` with one top-level key per line and, in a list, one item per line,
+    each written compactly. A table's ~13k samples indented one field per line took 5.4 MB
+    (a third of the repository), compact lines 3.9 MB, and a retune's diff stays one line per
+    changed sample."""
+    def one(v: Any) -> str:
+        return json.dumps(v, separators=(",", ":"), default=default)
+
+    lines = []
+    for k, v in doc.items():
+        if isinstance(v, list) and v:
+            body = ",\n".join(one(x) for x in v)
+            lines.append(f"{one(k)}:[\n{body}\n]")
+        else:
+            lines.append(f"{one(k)}:{one(v)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def write(path: Path, doc: dict[str, Any]) -> None:
     """Atomic write: a reader (or a crash) never sees half a table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     doc["entries"].sort(key=entry_key)
     doc.pop("model", None)  # the cost-model block earlier tables carried: no reader left
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    tmp.write_text(dumps_by_line(doc))
     os.replace(tmp, path)

@@ -253,3 +253,23 @@ def test_tune_shape_keys_match_lookup_keys():
         k = s.key()
         assert k == tuned.Key("varlen", "bfloat16", "bfloat16", s.E, s.N, s.K,
                               tuned.rows_bucket(s.rows / s.E))
+
+
+def test_tables_and_records_are_written_one_item_per_line():
+    # Round trip, whatever the values; every list item on a line of its own, so a retune's
+    # diff is one line per changed sample.
+    from moe_gemm.tuning.table_io import dumps_by_line
+
+    doc = {"format": "x", "empty": [], "nested": {"a": [1, {"b": None}], "é": "ü"},
+           "entries": [{"E": 8, "config": {"tile_m": 128}}, {"E": 16, "us": 1.5e-3}],
+           "samples": [[1, 2], "three", 4.0, None, True], "n": 7}
+    text = dumps_by_line(doc)
+    assert json.loads(text) == doc
+    lines = text.splitlines()
+    assert '{"E":8,"config":{"tile_m":128}},' in lines and '{"E":16,"us":0.0015}' in lines
+    assert "[1,2]," in lines and '"three",' in lines and '"empty":[],' in lines
+    assert json.loads(dumps_by_line({})) == {}
+    # The shipped tables are written so (and read back as they were).
+    for path in sorted(tuned.TABLES_DIR.glob("*.json")):
+        raw = path.read_text()
+        assert raw == dumps_by_line(json.loads(raw)), path.name
