@@ -14,9 +14,11 @@ winners only; a choice whose variation was not timed on a shape is scored by its
 plain-default time there and counted as approximate. Each path is also scored by family: the
 best time any timed variant of its pick's schedule x tile x cluster reached on the shape, the
 same (optimistic) footing for every path, so that untimed variations favour none of them.
+`--hold tokens` leaves out every shape at one token count in turn instead (a batch size no
+one tuned: its nearest timed shapes are the same projections at other token counts).
 
     python -m benchmarks.choice_generalization [--device "NVIDIA H200"] [--table PATH] \\
-        [--out regret.json]
+        [--hold {model,tokens}] [--out regret.json]
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def _model_of(entry: dict) -> str:
     return str(entry.get("label", "?")).split("/", 1)[0]
 
 
+def _tokens_of(entry: dict) -> str:
+    """The token count an entry was tuned at ('Mixtral-8x7B/down tokens=16' -> '16')."""
+    return str(entry.get("label", "?")).rpartition("tokens=")[2] or "?"
+
+
+# What a held-out group is: every shape of one zoo model (a model nobody tuned), or every
+# shape at one token count (a batch size nobody tuned, its neighbours the same projections at
+# other token counts).
+HOLD = {"model": _model_of, "tokens": _tokens_of}
+
+
 def _family(name: str) -> str:
     """The plain-default member of a config's schedule x tile x cluster family, by name."""
     words = name.split()
@@ -62,8 +75,9 @@ def _tile(name: str) -> tuple:
     return f["schedule"], f["tile_m"], f["tile_n"]
 
 
-def evaluate(doc: dict) -> dict[str, Any]:
-    """Per held-out shape: the best measured time and what each choice path picks and costs."""
+def evaluate(doc: dict, hold: str = "model") -> dict[str, Any]:
+    """Per held-out shape: the best measured time and what each choice path picks and costs.
+    hold: what is left out of the table in turn (HOLD: a zoo model, or a token count)."""
     samples = doc["samples"]
     entries = [e for e in doc["entries"] if "rows" in e and "label" in e]
     timed: dict[tuple, dict[str, float]] = defaultdict(dict)
@@ -71,13 +85,14 @@ def evaluate(doc: dict) -> dict[str, Any]:
         names = timed[_shape_key(s)]
         name = name_of(s["config"])
         names[name] = min(names.get(name, math.inf), float(s["us"]))
-    shape_model = {_shape_key(e): _model_of(e) for e in entries}
+    group_of = HOLD[hold]
+    shape_group = {_shape_key(e): group_of(e) for e in entries}
 
     rows = []
-    for held in sorted({_model_of(e) for e in entries}):
-        train = [s for s in samples if shape_model.get(_shape_key(s)) != held]
+    for held in sorted({group_of(e) for e in entries}):
+        train = [s for s in samples if shape_group.get(_shape_key(s)) != held]
         timed_train = tuned.parse_samples(train)
-        for e in (e for e in entries if _model_of(e) == held):
+        for e in (e for e in entries if group_of(e) == held):
             key, shape = tuned.key_of(e), _shape_key(e)
             times = timed.get(shape, {})
             if not times:
@@ -129,7 +144,8 @@ def evaluate(doc: dict) -> dict[str, Any]:
             if near is not None:
                 score("nearest", near[1])
             rows.append(row)
-    return {"device": doc.get("device"), "created": doc.get("created"), "rows": rows,
+    return {"device": doc.get("device"), "created": doc.get("created"), "held_out": hold,
+            "rows": rows,
             "summary": {path: summarize(rows, path)
                         for path in ("rules", "neighbours", "nearest")}}
 
@@ -161,6 +177,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a device whose shipped table to test (repeatable; default the H100's "
                    "and the H200's)")
     p.add_argument("--table", action="append", help="a table file to test instead (repeatable)")
+    p.add_argument("--hold", choices=sorted(HOLD), default="model",
+                   help="what each round leaves out of the table: a zoo model's shapes "
+                   "(default), or every shape at one token count")
     p.add_argument("--out", help="write the per-shape rows and the summaries as JSON")
     return p
 
@@ -184,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"error: {path}: {exc}", file=sys.stderr)
             return 2
-        res = evaluate(doc)
+        res = evaluate(doc, args.hold)
         res["table"] = path
         results.append(res)
-        print(f"{res['device']} (table of {res['created']}), {len(res['rows'])} shapes: regret "
-              "= chosen config's time / best measured")
+        held = "zoo model" if args.hold == "model" else "token count"
+        print(f"{res['device']} (table of {res['created']}), {len(res['rows'])} shapes, each "
+              f"{held} held out in turn: regret = chosen config's time / best measured")
         print(f"  {'path':10} | {'shapes':>6} | {'approx':>6} | {'untimed':>7} | {'median':>6} | "
               f"{'p90':>6} | {'max':>6} | within 3% | family: median | p90 | max")
         for path_name, s in res["summary"].items():

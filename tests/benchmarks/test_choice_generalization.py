@@ -59,6 +59,23 @@ def test_held_out_models_are_scored_against_their_own_timings(monkeypatch):
     assert s["nearest"]["shapes"] == 0  # each projection has one bucket per model here
 
 
+def test_holding_out_a_token_count_removes_its_shapes_of_every_model(monkeypatch):
+    monkeypatch.setattr(tuned, "NEIGHBOURS", 2)
+    monkeypatch.setattr(tuned, "MIN_VOTERS", 2)
+    res = cg.evaluate(_doc(), hold="tokens")
+    assert res["held_out"] == "tokens" and len(res["rows"]) == 6
+    by = {r["label"]: r for r in res["rows"]}
+    # Every prefill shape is out at once: the decode shapes left are 8 octaves of rows away,
+    # beyond the vote's reach, so the rules keep the call (where holding out one model, the
+    # other models' prefill shapes voted for BIG p4).
+    prefill = by["M1/gate_up tokens=65536"]
+    assert prefill["neighbours"]["used_pick"] is False
+    assert prefill["neighbours"]["regret"] == pytest.approx(30 / 19)
+    assert cg.evaluate(_doc())["rows"][1]["neighbours"]["used_pick"] is True
+    with pytest.raises(KeyError):
+        cg.evaluate(_doc(), hold="layer")
+
+
 def test_a_pick_whose_tile_the_held_out_shape_never_timed_is_untimed_and_says_why(monkeypatch):
     # M1's prefill shape was tuned before BIG's tile existed: no sample of it there at all.
     monkeypatch.setattr(tuned, "NEIGHBOURS", 2)
@@ -89,6 +106,9 @@ def test_cli(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert cg.main(["--table", str(path), "--out", str(out)]) == 0
     assert "neighbours" in capsys.readouterr().out
+    assert cg.main(["--table", str(path), "--hold", "tokens", "--out", str(out)]) == 0
+    assert "each token count held out" in capsys.readouterr().out
+    assert json.loads(out.read_text())[0]["held_out"] == "tokens"
     assert json.loads(out.read_text())[0]["summary"]["rules"]["shapes"] == 6
     assert cg.main(["--table", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "bare.json").write_text(json.dumps({**_doc(), "samples": []}))
