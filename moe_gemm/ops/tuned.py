@@ -14,9 +14,10 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
    the smallest mean log time over each neighbour's best (nearer neighbours weigh more),
    among those timed on all of them; the rules' own config keeps the call unless the pick
    scores RULES_MARGIN better. Measured on the shipped tables, leaving each zoo model out
-   (benchmarks/choice_generalization.py): a median 1.011x of the best measured config
-   on the held-out model's shapes, against 1.02-1.05x for the rules and 1.02-1.03x for the
-   same projection's entry at the nearest rows-per-expert bucket (docs/measurements.md);
+   (benchmarks/choice_generalization.py): a median 1.011-1.013x of the best measured config
+   on the held-out model's shapes, against 1.02-1.05x for the rules and 1.02x for the same
+   projection's entry at the nearest rows-per-expert bucket; leaving each token count out
+   (--hold tokens) 1.015-1.016x, the rules 1.02-1.05x (docs/measurements.md);
 3. nothing: the heuristics' rules decide.
 
 Buckets: rows per problem r (varlen: T / E; batched: M; general: mean M) rounded in log2,
