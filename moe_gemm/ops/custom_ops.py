@@ -49,7 +49,13 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.ops.validation import check_grouped_bmm, check_grouped_gemm, check_grouped_mm
+from moe_gemm.ops.validation import (
+    check_grouped_bmm,
+    check_grouped_gemm,
+    check_grouped_mm,
+    check_out_untracked,
+    shape_text,
+)
 
 __all__ = ["decode_config", "encode_config", "grouped_gemm", "grouped_mm"]
 
@@ -94,6 +100,9 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor | None = None, *, out: Tensor 
     text = encode_config(config)
     if out is None:
         return torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out_dtype)
+    if differentiable_out("out", out, out_dtype, x, w):
+        y = torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out.dtype)
+        return write_rows(out, y, offs)
     torch.ops.moe_gemm._grouped_mm_out(x, w, offs, out, text, out_dtype)
     return out
 
@@ -105,8 +114,55 @@ def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None =
     if out is None:
         return list(torch.ops.moe_gemm._grouped_gemm(a, b, text, out_dtype))
     out = _tensor_list("out", out)
+    if out and all(isinstance(o, Tensor) for o in out) and any(
+            differentiable_out(f"out[{i}]", o, out_dtype, *a, *b) for i, o in enumerate(out)):
+        if len(out) != len(a):
+            raise ValueError(f"out must hold one tensor per problem ({len(a)}); got {len(out)}")
+        ys = torch.ops.moe_gemm._grouped_gemm(a, b, text, out[0].dtype)
+        return [write_rows(o, y, None, f"out[{i}]") for i, (o, y) in enumerate(zip(out, ys))]
     torch.ops.moe_gemm._grouped_gemm_out(a, b, out, text, out_dtype)
     return out
+
+
+def differentiable_out(name: str, out: Any, out_dtype: torch.dtype | None,
+                       *inputs: Tensor | None) -> bool:
+    """Whether a traced call with `out` must be differentiable (grad on, an input requiring
+    it): then it runs the functional op, whose registered autograd links the result, and
+    copies into `out` (write_rows), as the eager call's in-place write is differentiable. The
+    `_out` ops run under no_grad and have no autograd: through them the gradient would be
+    lost without a word. Also refuses an `out` that autograd tracks, as eager does."""
+    if not isinstance(out, Tensor):
+        return False  # (the op's schema names the type expected)
+    check_out_untracked(name, out)
+    if not torch.is_grad_enabled() or not any(
+            isinstance(t, Tensor) and t.requires_grad for t in inputs):
+        return False
+    if out_dtype is not None and out_dtype != out.dtype:
+        raise ValueError(f"{name} is {out.dtype} but out_dtype is {out_dtype}; give one of them "
+                         "or make them agree")
+    return True
+
+
+def _untracked(out: object, name: str = "out") -> None:
+    """Eager refuses an `out` that autograd tracks; a registered op runs under no_grad, where
+    its own check cannot see it, so a traced call of an inference-only op asks here."""
+    if isinstance(out, Tensor):
+        check_out_untracked(name, out)
+
+
+def write_rows(out: Tensor, y: Tensor, offs: Tensor | None, name: str = "out") -> Tensor:
+    """out's rows that the op writes set to y's, differentiably (rows before offs[-1] for
+    the 2-D forms, all rows of a 3-D or general result; the others keep their values, as the
+    eager call leaves them)."""
+    if tuple(out.shape) != tuple(y.shape) or out.device != y.device:
+        raise ValueError(f"{name} must be {tuple(y.shape)} on {y.device}; got "
+                         f"{shape_text(out)} on {out.device}")
+    if offs is None:
+        return out.copy_(y)
+    if offs.shape[0] == 0:
+        return out  # (no expert: no row written)
+    written = torch.arange(out.shape[0], device=out.device) < offs[-1]
+    return out.copy_(torch.where(written.unsqueeze(-1), y, out))
 
 
 def _tensor_list(name: str, seq: Any) -> list[Tensor]:

@@ -20,14 +20,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops.custom_ops import (
+    _gemm_flops,
     _in_graph,
+    _mm_flops,
     _raising_grad,
     _tensor_list,
+    _untracked,
     decode_config,
     encode_config,
+    write_rows,
 )
 from moe_gemm.ops.scaled_validation import (
     check_scaled_grouped_gemm,
@@ -50,6 +55,7 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor,
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm(x, w, scale_a, scale_b, offs, text,
                                                      out_dtype)
+    _untracked(out)
     torch.ops.moe_gemm._scaled_grouped_mm_out(x, w, scale_a, scale_b, offs, out, text,
                                               out_dtype)
     return out
@@ -62,12 +68,22 @@ def scaled_grouped_gemm(a: Any, b: Any, scale_a: Any, scale_b: Any, *, out: Any 
     lists = [_tensor_list(n, s) for n, s in (("a", a), ("b", b), ("scale_a", scale_a),
                                               ("scale_b", scale_b))]
     if out is not None:
-        # (written by the eager path inside the op: no out variant is registered)
-        res = torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, out_dtype)
+        # No out variant is registered: the functional op at out's dtype, then copied in,
+        # with eager's checks of `out` (count, tensors, dtype, shapes, not tracked by autograd).
         outs = _tensor_list("out", out)
-        for o, r in zip(outs, res):
-            o.copy_(r)
-        return outs
+        if len(outs) != len(lists[0]):
+            raise ValueError(f"out must hold one tensor per problem ({len(lists[0])}); got "
+                             f"{len(outs)}")
+        for i, o in enumerate(outs):
+            if not isinstance(o, Tensor):
+                raise TypeError(f"out[{i}] must be a torch.Tensor; got {type(o).__name__}")
+            _untracked(o, f"out[{i}]")
+        odt = resolve_fp8_out_dtype(out_dtype, outs[0] if outs else None)
+        if any(o.dtype != odt for o in outs):
+            raise ValueError(f"every out tensor must be {odt}; got "
+                             f"{sorted({str(o.dtype) for o in outs})}")
+        res = torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, odt)
+        return [write_rows(o, r, None, f"out[{i}]") for i, (o, r) in enumerate(zip(outs, res))]
     return list(torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, out_dtype))
 
 
@@ -120,8 +136,10 @@ def _scaled_grouped_gemm(a, b, scale_a, scale_b, config, out_dtype):
 
 @_scaled_grouped_gemm.register_fake
 def _scaled_grouped_gemm_fake(a, b, scale_a, scale_b, config, out_dtype):
+    args = check_scaled_grouped_gemm(a, b, scale_a, scale_b, None, out_dtype)  # (as eager)
     odt = resolve_fp8_out_dtype(out_dtype, None)
-    return [ai.new_empty((ai.shape[0], bi.shape[1]), dtype=odt) for ai, bi in zip(a, b)]
+    return [ai.new_empty((ai.shape[0], bi.shape[1]), dtype=odt)
+            for ai, bi in zip(args.a, args.b)]
 
 
 def _mm_setup(ctx, inputs, output) -> None:
@@ -148,3 +166,15 @@ def _gemm_backward(ctx, grads):
 
 _scaled_grouped_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 _scaled_grouped_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+
+
+# FlopCounterMode: counted as the 16-bit ops are (ops/custom_ops.py).
+@register_flop_formula([torch.ops.moe_gemm._scaled_grouped_mm,
+                        torch.ops.moe_gemm._scaled_grouped_mm_out])
+def _scaled_mm_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return _mm_flops(x_shape, w_shape)
+
+
+@register_flop_formula(torch.ops.moe_gemm._scaled_grouped_gemm)
+def _scaled_gemm_flop(a_shapes, b_shapes, *args, out_shape=None, **kwargs) -> int:
+    return _gemm_flops(a_shapes, b_shapes)

@@ -38,7 +38,10 @@ import torch
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import GemmConfig
 from moe_gemm.kernels.sm90.constants import GATE_BLOCK
-from moe_gemm.ops import api
+
+# (fused_custom_ops registers the op, its fake and its FLOP count: at import, so that a
+# FlopCounterMode made before the first fused call already counts it)
+from moe_gemm.ops import api, fused_custom_ops
 from moe_gemm.ops.autograd import inference_only
 from moe_gemm.ops.fused_reference import fused_grouped_mm_torch
 from moe_gemm.ops.fused_validation import FusedMmArgs, check_fused_mm
@@ -100,8 +103,6 @@ def fused_grouped_mm(
         RuntimeError: backend="cute" forced where the Hopper kernels cannot run.
     """
     if api._traced():
-        from moe_gemm.ops import fused_custom_ops
-
         return fused_custom_ops.fused_grouped_mm(
             x, w, offs, row_index=row_index, bias=bias, gate=gate, gate_layout=gate_layout,
             gate_alpha=gate_alpha, gate_limit=gate_limit, row_weight=row_weight, out=out,
@@ -133,8 +134,6 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
             return run()
     cfg = api._check_config(config)
     if api._symbolic(*present):
-        from moe_gemm.ops import fused_custom_ops
-
         return fused_custom_ops.fused_grouped_mm(
             x, w, offs, row_index=row_index, bias=bias, gate=gate, gate_layout=gate_layout,
             gate_alpha=gate_alpha, gate_limit=gate_limit, row_weight=row_weight, out=out,

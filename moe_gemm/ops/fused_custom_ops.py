@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from moe_gemm.ops.custom_ops import (
     _check_torch_ran,
@@ -27,7 +28,9 @@ from moe_gemm.ops.custom_ops import (
     _pinned_cute,
     _raising_grad,
     decode_config,
+    differentiable_out,
     encode_config,
+    write_rows,
 )
 from moe_gemm.ops.fused_validation import check_fused_mm
 
@@ -42,10 +45,17 @@ def fused_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, row_index: Tensor | 
                      out: Tensor | None = None, config: Any = None,
                      out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
+    if gate == "":
+        raise ValueError("gate must be one of 'silu', 'gelu', 'gelu_tanh', 'clamped_swiglu' or "
+                         "None; got ''")  # (as eager says: '' is not None)
     opts = (gate or "", gate_layout, float(gate_alpha), float(gate_limit))
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,
                                                     *opts, text, out_dtype)
+    if differentiable_out("out", out, out_dtype, x, w, row_weight, bias):
+        y = torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,
+                                                 *opts, text, out.dtype)
+        return write_rows(out, y, offs)
     torch.ops.moe_gemm._fused_grouped_mm_out(x, w, offs, row_index, row_weight, bias, *opts,
                                              out, text, out_dtype)
     return out
@@ -163,3 +173,23 @@ def _backward(ctx, grad):
 
 
 _fused_grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+# FlopCounterMode: the rows multiplied (row_index's count where the gather selects them) times
+# the weights' K x N, as the plain ops count (ops/custom_ops.py); the gradient op twice that.
+def _fused_flops(x_shape, w_shape, offs_shape, row_index_shape) -> int:
+    rows = row_index_shape[0] if row_index_shape is not None else x_shape[0]
+    return 2 * rows * x_shape[-1] * w_shape[-1]
+
+
+@register_flop_formula([torch.ops.moe_gemm._fused_grouped_mm,
+                        torch.ops.moe_gemm._fused_grouped_mm_out])
+def _fused_flop(x_shape, w_shape, offs_shape, row_index_shape, *args, out_shape=None,
+                **kwargs) -> int:
+    return _fused_flops(x_shape, w_shape, offs_shape, row_index_shape)
+
+
+@register_flop_formula(torch.ops.moe_gemm._fused_grouped_mm_grad)
+def _fused_grad_flop(grad_shape, x_shape, w_shape, offs_shape, row_index_shape, *args,
+                     out_shape=None, **kwargs) -> int:
+    return 2 * _fused_flops(x_shape, w_shape, offs_shape, row_index_shape)

@@ -250,7 +250,8 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
         _check_writable_out("out", out)
         try:
             flat_out = out.view(G * M, out.shape[2])
-        except RuntimeError:  # not one row stride over the problems: written after the launch
+        except (RuntimeError, ValueError):  # (fake tensors raise ValueError)
+            # not one row stride over the problems: written after the launch
             flat_out = None
     flat = check_fused_mm(x.reshape(G * M, K), w, mm, row_weight=rw, bias=bias, gate=gate,
                           gate_layout=gate_layout, gate_alpha=gate_alpha,

@@ -26,9 +26,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.ops.custom_ops import _in_graph, _raising_grad, decode_config, encode_config
+from moe_gemm.ops.custom_ops import (
+    _in_graph,
+    _mm_flops,
+    _raising_grad,
+    _untracked,
+    decode_config,
+    encode_config,
+)
 from moe_gemm.ops.masked_validation import (
     check_grouped_mm_masked,
     check_scaled_grouped_mm_masked,
@@ -52,6 +60,7 @@ def grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *, expected_m: int
     if out is None:
         return torch.ops.moe_gemm._grouped_mm_masked(x, w, masked_m, expected_m, text,
                                                      out_dtype)
+    _untracked(out)
     torch.ops.moe_gemm._grouped_mm_masked_out(x, w, masked_m, expected_m, out, text,
                                               out_dtype)
     return out
@@ -65,6 +74,7 @@ def scaled_grouped_mm_masked(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Ten
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m,
                                                             expected_m, text, out_dtype)
+    _untracked(out)
     torch.ops.moe_gemm._scaled_grouped_mm_masked_out(x, w, scale_a, scale_b, masked_m,
                                                      expected_m, out, text, out_dtype)
     return out
@@ -150,6 +160,7 @@ def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
               float(gate_limit), expected_m)
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm_masked(*common, text, out_dtype)
+    _untracked(out)
     torch.ops.moe_gemm._fused_grouped_mm_masked_out(*common, out, text, out_dtype)
     return out
 
@@ -242,3 +253,14 @@ def _fused_backward(ctx, grad):
 
 
 _fused_grouped_mm_masked.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+# FlopCounterMode: every (G, M) row counts, as the plain ops count rows past offs[-1].
+@register_flop_formula([torch.ops.moe_gemm._grouped_mm_masked,
+                        torch.ops.moe_gemm._grouped_mm_masked_out,
+                        torch.ops.moe_gemm._scaled_grouped_mm_masked,
+                        torch.ops.moe_gemm._scaled_grouped_mm_masked_out,
+                        torch.ops.moe_gemm._fused_grouped_mm_masked,
+                        torch.ops.moe_gemm._fused_grouped_mm_masked_out])
+def _masked_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return _mm_flops(x_shape, w_shape)

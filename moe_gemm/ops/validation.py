@@ -153,6 +153,13 @@ def _check_writable_out(name: str, out: torch.Tensor) -> None:
     if has_internal_overlap(out):
         raise ValueError(f"{name} has elements that share memory (an expanded or zero-stride "
                          f"tensor); pass a tensor whose elements are distinct")
+    check_out_untracked(name, out)
+
+
+def check_out_untracked(name: str, out: torch.Tensor) -> None:
+    """An output autograd does not track (written in place, it could not be differentiated).
+    Also asked by the traced wrappers (ops/custom_ops.py), whose registered ops run under
+    no_grad, where the check above would never fire."""
     if out.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} requires grad (a leaf that requires grad, or the result of "
                          f"an earlier differentiable call that wrote it): an output written in "

@@ -361,6 +361,67 @@ def test_backward_follows_the_path_the_forward_took(monkeypatch) -> None:
         custom_ops._mm_backward(Ctx(), grad)
 
 
+def test_out_is_differentiable_when_traced_as_in_eager(dynamo) -> None:
+    """An `out=` call whose inputs require grad: the eager result is differentiable (written
+    in place); compiled, it must be too (the functional op, copied into out: rows past
+    offs[-1] keep out's values), never a result with the gradient silently dropped."""
+    x, w, _ = _moe(41)
+    offs = torch.tensor([3, 3, 10, 15], dtype=torch.int32)  # rows 15-18 past the end
+    x3, w3 = torch.randn(3, 5, 16), torch.randn(3, 16, 8)
+    sizes = [(5, 8, 16), (0, 8, 16), (7, 24, 16)]
+    a, b = make_grouped_inputs(sizes, torch.float32, generator=_gen(42))
+    T = x.shape[0]
+    cases = [
+        (lambda x, w: grouped_mm(x, w, offs, out=torch.full((T, 8), 3.0)), (x, w)),
+        (lambda x, w: grouped_mm(x, w, out=torch.zeros(3, 5, 8)), (x3, w3)),
+        (lambda *t: grouped_gemm(list(t[:3]), list(t[3:]),
+                                 out=[torch.zeros(m, n) for m, n, _ in sizes]), (*a, *b)),
+        (lambda x, w: moe_gemm.fused_grouped_mm(x, w, offs, gate="silu",
+                                                out=torch.full((T, 4), 3.0)), (x, w)),
+    ]
+    for i, (fn, inputs) in enumerate(cases):
+        outs, grads = _grads(fn, inputs, 50 + i)
+        c_outs, c_grads = _grads(torch.compile(fn, fullgraph=True, backend="aot_eager"),
+                                 inputs, 50 + i)
+        assert all(c.requires_grad for c in c_outs)
+        for o, c in zip(outs, c_outs):
+            torch.testing.assert_close(c, o, rtol=0, atol=0)
+        for g, c in zip(grads, c_grads):
+            torch.testing.assert_close(c, g, rtol=1e-6, atol=1e-6)
+    y = torch.compile(cases[0][0], fullgraph=True, backend="aot_eager")(x, w)
+    assert (y[15:] == 3.0).all()  # rows past offs[-1] kept
+    assert dynamo["graph_break"] == {}
+
+
+def test_traced_out_checks_as_eager() -> None:
+    """Under any tensor mode (the traced path), an `out` autograd tracks is refused, as
+    eagerly, for every op that takes `out`; a differentiable call checks out's dtype and shape."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, offs = _moe(43)
+    tracked = torch.zeros(x.shape[0], 8, requires_grad=True)
+    calls = [
+        lambda: grouped_mm(x, w, offs, out=tracked),
+        lambda: moe_gemm.fused_grouped_mm(x, w, offs, out=tracked),
+        lambda: moe_gemm.grouped_mm_masked(torch.randn(2, 4, 16), torch.randn(2, 16, 8),
+                                           torch.tensor([4, 1], dtype=torch.int32),
+                                           out=torch.zeros(2, 4, 8, requires_grad=True)),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="out requires grad"):
+            call()  # eager
+        with FlopCounterMode(display=False), pytest.raises(ValueError, match="out requires grad"):
+            call()  # traced
+    xg = x.clone().requires_grad_()
+    with FlopCounterMode(display=False):
+        with pytest.raises(ValueError, match="out_dtype"):
+            grouped_mm(xg, w, offs, out=torch.zeros(x.shape[0], 8), out_dtype=torch.float16)
+        with pytest.raises(ValueError, match=r"out must be \(19, 8\)"):
+            grouped_mm(xg, w, offs, out=torch.zeros(x.shape[0] + 1, 8))
+        with pytest.raises(ValueError, match="one tensor per problem"):
+            grouped_gemm([xg[:3], xg[3:5]], [w[0], w[1]], out=[torch.zeros(3, 8)])
+
+
 def test_inference_only_mark() -> None:
     """The traced MoE layers' mark: a copy of y whose backward raises the given message."""
     opcheck(OPS._inference_only.default, (torch.randn(4, 3), "msg"))
@@ -393,6 +454,27 @@ def test_flop_counter_counts_the_registered_ops() -> None:
     with FlopCounterMode(display=False) as counter:
         grouped_gemm(a, b)
     assert counter.get_total_flops() == sum(2 * m * n * k for m, n, k in sizes)
+    # The fused op (the gathered rows), the masked ops (every (G, M) row) and the FP8 ops.
+    index = torch.randint(0, T, (23,), generator=_gen(26))
+    offs23 = torch.tensor([5, 5, 17, 23], dtype=torch.int32)
+    xg.grad = wg.grad = None
+    with FlopCounterMode(display=False) as counter:
+        moe_gemm.fused_grouped_mm(xg, wg, offs23, row_index=index, gate="silu").sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * 23 * K * N
+    xm = torch.randn(4, 6, K)
+    counts = torch.tensor([6, 0, 2, 1], dtype=torch.int32)
+    with FlopCounterMode(display=False) as counter:
+        moe_gemm.grouped_mm_masked(xm, w, counts)
+        moe_gemm.fused_grouped_mm_masked(xm, w, counts, gate="silu")
+    assert counter.get_total_flops() == 2 * 2 * 4 * 6 * K * N
+    from moe_gemm.testing_fp8 import make_fp8_grouped_inputs, make_fp8_moe_inputs
+
+    xq, wq, sa, sb, offq = make_fp8_moe_inputs(19, 4, 256, 24, "block", seed=27)
+    fa, fb, fsa, fsb = make_fp8_grouped_inputs([(4, 16, 128), (3, 32, 128)], "row", seed=28)
+    with FlopCounterMode(display=False) as counter:
+        moe_gemm.scaled_grouped_mm(xq, wq, sa, sb, offq)
+        moe_gemm.scaled_grouped_gemm(fa, fb, fsa, fsb)
+    assert counter.get_total_flops() == 2 * 19 * 256 * 24 + 2 * (4 * 16 + 3 * 32) * 128
 
 
 def test_public_names_unchanged() -> None:

@@ -64,6 +64,35 @@ def test_fake_tensors_give_shapes_and_dtypes():
     assert outs[0].shape == (3, 24) and outs[0].dtype == torch.bfloat16
 
 
+def test_traced_scaled_grouped_gemm_checks_and_fills_out_as_eager():
+    """Under a tensor mode (the traced path) scaled_grouped_gemm(out=...) computes at out's
+    dtype, as eagerly (an fp32 out is not rounded to bf16 first), and refuses what eager
+    refuses: a count, shape or dtype of `out` that does not fit; on fake tensors the op's
+    own checks run (mismatched lists)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a, b, sa, sb = make_fp8_grouped_inputs([(4, 16, 128), (3, 32, 128)], "row", seed=6)
+    want = scaled_grouped_gemm(a, b, sa, sb, out=[torch.zeros(4, 16), torch.zeros(3, 32)])
+    with FlopCounterMode(display=False):
+        got = scaled_grouped_gemm(a, b, sa, sb, out=[torch.zeros(4, 16), torch.zeros(3, 32)])
+        for bad, err, pattern in (
+                ([torch.zeros(4, 16)], ValueError, "one tensor per problem"),
+                ([torch.zeros(1, 16), torch.zeros(3, 32)], ValueError, r"out\[0\] must be"),
+                ([torch.zeros(4, 16), torch.zeros(3, 32, dtype=torch.float16)], ValueError,
+                 "every out tensor must be"),
+                ([torch.zeros(4, 16), None], TypeError, r"out\[1\] must be a torch.Tensor")):
+            with pytest.raises(err, match=pattern):
+                scaled_grouped_gemm(a, b, sa, sb, out=bad)
+    for g, r in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    with FakeTensorMode(), pytest.raises(ValueError, match="one b, scale_a and scale_b per a"):
+        x = torch.empty(4, 128, dtype=torch.float8_e4m3fn)
+        OPS._scaled_grouped_gemm(
+            [x, x], [torch.empty(128, 16, dtype=torch.float8_e4m3fn)], [torch.empty(4)],
+            [torch.empty(16)], "", None)
+
+
 def test_make_fx_and_compile_match_eager():
     import torch._dynamo
 

@@ -918,3 +918,16 @@ def test_host_path_cached_plan_checks_alignment(emulated) -> None:
     assert shifted.data_ptr() % 16 and shifted.stride() == x.stride()
     y = fused_grouped_mm_masked(shifted, w, mm, gate="silu")  # the emulator asserts alignment
     check_valid(y, ref64(x, w, [16, 0, 5], gate="silu"), [16, 0, 5])
+
+
+def test_fake_tensors_take_an_out_that_is_not_one_row_stride() -> None:
+    # An out whose problems are not one row stride apart (written after the launch, eagerly)
+    # must trace too: fake tensors raise ValueError where real ones raise RuntimeError.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w = torch.empty(3, 6, 16), torch.empty(3, 16, 32)
+        out = torch.empty(6, 3, 16).transpose(0, 1)
+        y = fused_grouped_mm_masked(x, w, torch.empty(3, dtype=torch.int32), gate="silu",
+                                    out=out)
+    assert y is out and y.shape == (3, 6, 16)
