@@ -87,6 +87,10 @@ def check_flag(name: str, value: object, *, none_ok: bool = False) -> bool | Non
 def check_scaling_factor(value: object) -> float:
     """routed_scaling_factor: a finite real number (a NaN or inf would turn every routing
     weight into NaN / inf without any error at the forward)."""
+    if isinstance(value, torch.SymFloat) or torch.compiler.is_compiling():
+        # torch.compile(dynamic=True) traces a float as a symbol, whose value is known only
+        # at run time (MoE checks its own factor as a number when it is made).
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"routed_scaling_factor must be a float; got {value!r}")
     if not math.isfinite(value):

@@ -243,6 +243,8 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise TypeError(f"scale must be a float tensor (decoding scales); got {got}")
+    check_dense("q", q)
+    check_dense("scale", scale)
     if scale.device != q.device:
         raise ValueError(f"scale is on {scale.device} but q is on {q.device}; they must be on "
                          "one device")

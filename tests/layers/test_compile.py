@@ -35,10 +35,12 @@ LAYERS = [
 ]
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
 @pytest.mark.parametrize("kwargs", LAYERS)
-def test_moe_layer_compiles_whole(dynamo, kwargs: dict) -> None:
+def test_moe_layer_compiles_whole(dynamo, kwargs: dict, dynamic) -> None:
+    # (dynamic=True: the routed scaling factor is traced as a symbol, not checked as a number)
     moe = randomize(MoE(**kwargs)).eval()
-    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager", dynamic=dynamic)
     H = moe.hidden_size
     with torch.no_grad():
         for shape in [(2, 9, H), (23, H)]:  # a new token count: a dynamic graph, no break

@@ -188,3 +188,12 @@ def test_dequantize_checks_the_scale_shape():
     ref = qw.float() * sw.repeat_interleave(128, 1)[:, :200].repeat_interleave(128, 2)[:, :, :300]
     assert torch.equal(dequantize_fp8(qw, sw, "block"), ref)
     assert torch.equal(dequantize_fp8(q, torch.full((1,), 2.0), "tensor"), q.float() * 2)
+
+
+def test_dequantize_refuses_sparse_operands():
+    q = torch.ones(3, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="scale must be a dense"):
+        dequantize_fp8(q, torch.tensor([1.0, 2.0, 3.0]).to_sparse(), "row")
+    with pytest.raises(TypeError, match="q must be a dense"):
+        dequantize_fp8(torch.ones(3, 4).to_sparse().to(torch.float8_e4m3fn),
+                       torch.tensor([1.0, 2.0, 3.0]), "row")
