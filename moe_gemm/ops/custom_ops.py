@@ -115,9 +115,12 @@ def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None =
         return list(torch.ops.moe_gemm._grouped_gemm(a, b, text, out_dtype))
     out = _tensor_list("out", out)
     if out and all(isinstance(o, Tensor) for o in out) and any(
-            differentiable_out(f"out[{i}]", o, out_dtype, *a, *b) for i, o in enumerate(out)):
+            [differentiable_out(f"out[{i}]", o, out_dtype, *a, *b) for i, o in enumerate(out)]):
         if len(out) != len(a):
             raise ValueError(f"out must hold one tensor per problem ({len(a)}); got {len(out)}")
+        for i, o in enumerate(out):
+            if o.dtype != out[0].dtype:  # (eager's message)
+                raise TypeError(f"out[{i}] must have dtype {out[0].dtype}; got {o.dtype}")
         ys = torch.ops.moe_gemm._grouped_gemm(a, b, text, out[0].dtype)
         return [write_rows(o, y, None, f"out[{i}]") for i, (o, y) in enumerate(zip(out, ys))]
     torch.ops.moe_gemm._grouped_gemm_out(a, b, out, text, out_dtype)

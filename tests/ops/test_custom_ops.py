@@ -420,6 +420,9 @@ def test_traced_out_checks_as_eager() -> None:
             grouped_mm(xg, w, offs, out=torch.zeros(x.shape[0] + 1, 8))
         with pytest.raises(ValueError, match="one tensor per problem"):
             grouped_gemm([xg[:3], xg[3:5]], [w[0], w[1]], out=[torch.zeros(3, 8)])
+        with pytest.raises(TypeError, match=r"out\[1\] must have dtype torch.float32"):
+            grouped_gemm([xg[:3], xg[3:5]], [w[0], w[1]],
+                         out=[torch.zeros(3, 8), torch.zeros(2, 8, dtype=torch.float64)])
 
 
 def test_inference_only_mark() -> None:
