@@ -98,6 +98,7 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor | None = None, *, out: Tensor 
                config: GemmConfig | None = None, out_dtype: torch.dtype | None = None
                ) -> Tensor:
     text = encode_config(config)
+    check_traced_args({"x": x, "w": w, "offs": offs, "out": out}, out_dtype)
     if out is None:
         return torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out_dtype)
     if differentiable_out("out", out, out_dtype, x, w):
@@ -111,6 +112,12 @@ def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None =
                  out_dtype: torch.dtype | None = None) -> list[Tensor]:
     text = encode_config(config)
     a, b = _tensor_list("a", a), _tensor_list("b", b)
+    for name, seq, hint in (("a", a, "(M_i, K_i)"), ("b", b, "(K_i, N_i)")):
+        for i, t in enumerate(seq):
+            if not isinstance(t, Tensor):  # (eager's message)
+                raise TypeError(f"{name}[{i}] must be a torch.Tensor {hint}; got "
+                                f"{type(t).__name__}")
+    check_traced_args(out_dtype=out_dtype)
     if out is None:
         return list(torch.ops.moe_gemm._grouped_gemm(a, b, text, out_dtype))
     out = _tensor_list("out", out)
@@ -144,6 +151,25 @@ def differentiable_out(name: str, out: Any, out_dtype: torch.dtype | None,
         raise ValueError(f"{name} is {out.dtype} but out_dtype is {out_dtype}; give one of them "
                          "or make them agree")
     return True
+
+
+def check_traced_args(tensors: dict[str, Any] = {}, out_dtype: Any = None,  # noqa: B006
+                      ints: dict[str, Any] = {}, reals: dict[str, Any] = {}) -> None:  # noqa: B006
+    """The argument types eager checks, for a traced call: the op's schema would otherwise
+    refuse them with torch's own message (or coerce them). tensors: optional tensor
+    arguments; ints: optional ints (not bools); reals: numbers. Symbols that torch.compile
+    traces in place of ints and floats pass."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype or None; got {out_dtype!r}")
+    for name, v in ints.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, torch.SymInt))):
+            raise TypeError(f"{name} must be an int or None; got {type(v).__name__}")
+    for name, v in reals.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, torch.SymInt, torch.SymFloat)):
+            raise TypeError(f"{name} must be a real number; got {type(v).__name__}")
 
 
 def _untracked(out: object, name: str = "out") -> None:

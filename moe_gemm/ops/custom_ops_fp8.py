@@ -30,6 +30,7 @@ from moe_gemm.ops.custom_ops import (
     _raising_grad,
     _tensor_list,
     _untracked,
+    check_traced_args,
     decode_config,
     encode_config,
     write_rows,
@@ -52,6 +53,8 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor,
                       out_dtype: torch.dtype | None = None,
                       config: GemmConfig | None = None) -> Tensor:
     text = encode_config(config)
+    check_traced_args({"x": x, "w": w, "scale_a": scale_a, "scale_b": scale_b, "offs": offs,
+                       "out": out}, out_dtype)
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm(x, w, scale_a, scale_b, offs, text,
                                                      out_dtype)

@@ -27,6 +27,7 @@ from moe_gemm.ops.custom_ops import (
     _in_graph,
     _pinned_cute,
     _raising_grad,
+    check_traced_args,
     decode_config,
     differentiable_out,
     encode_config,
@@ -45,6 +46,9 @@ def fused_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, row_index: Tensor | 
                      out: Tensor | None = None, config: Any = None,
                      out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
+    check_traced_args({"x": x, "w": w, "offs": offs, "row_index": row_index, "bias": bias,
+                       "row_weight": row_weight, "out": out}, out_dtype,
+                      reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit})
     if gate == "":
         raise ValueError("gate must be one of 'silu', 'gelu', 'gelu_tanh', 'clamped_swiglu' or "
                          "None; got ''")  # (as eager says: '' is not None)

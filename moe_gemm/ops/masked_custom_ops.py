@@ -34,6 +34,7 @@ from moe_gemm.ops.custom_ops import (
     _mm_flops,
     _raising_grad,
     _untracked,
+    check_traced_args,
     decode_config,
     encode_config,
 )
@@ -57,6 +58,8 @@ def grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *, expected_m: int
                       out: Tensor | None = None, config: GemmConfig | None = None,
                       out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
+    check_traced_args({"x": x, "w": w, "masked_m": masked_m, "out": out}, out_dtype,
+                      ints={"expected_m": expected_m})
     if out is None:
         return torch.ops.moe_gemm._grouped_mm_masked(x, w, masked_m, expected_m, text,
                                                      out_dtype)
@@ -71,6 +74,9 @@ def scaled_grouped_mm_masked(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Ten
                              out: Tensor | None = None, out_dtype: torch.dtype | None = None,
                              config: GemmConfig | None = None) -> Tensor:
     text = encode_config(config)
+    check_traced_args({"x": x, "w": w, "scale_a": scale_a, "scale_b": scale_b,
+                       "masked_m": masked_m, "out": out}, out_dtype,
+                      ints={"expected_m": expected_m})
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m,
                                                             expected_m, text, out_dtype)
@@ -156,6 +162,10 @@ def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
                             config: GemmConfig | None = None,
                             out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
+    check_traced_args({"x": x, "w": w, "masked_m": masked_m, "bias": bias,
+                       "row_weight": row_weight, "out": out}, out_dtype,
+                      ints={"expected_m": expected_m},
+                      reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit})
     common = (x, w, masked_m, bias, row_weight, gate, gate_layout, float(gate_alpha),
               float(gate_limit), expected_m)
     if out is None:

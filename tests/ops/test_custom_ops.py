@@ -393,6 +393,32 @@ def test_out_is_differentiable_when_traced_as_in_eager(dynamo) -> None:
     assert dynamo["graph_break"] == {}
 
 
+_BAD_TYPES = {
+    "offs-list": lambda x, w, offs: grouped_mm(x, w, [2, 4]),
+    "out_dtype-str": lambda x, w, offs: grouped_mm(x, w, offs, out_dtype="float32"),
+    "gate_alpha-str": lambda x, w, offs: moe_gemm.fused_grouped_mm(x, w, offs, gate="silu",
+                                                                   gate_alpha="1.7"),
+    "bias-list": lambda x, w, offs: moe_gemm.fused_grouped_mm(x, w, offs, bias=[1.0, 2.0]),
+    "expected_m-bool": lambda x, w, offs: moe_gemm.grouped_mm_masked(
+        torch.randn(2, 4, 8), w, offs, expected_m=True),
+    "a-None": lambda x, w, offs: grouped_gemm([x, None], [w[0], w[1]]),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_TYPES))
+def test_traced_calls_refuse_bad_argument_types_as_eager(case) -> None:
+    # Traced, the op's schema would refuse these with torch's message, or coerce them (a
+    # str gate_alpha through float(), a bool expected_m as an int).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = torch.randn(4, 8), torch.randn(2, 8, 16), torch.tensor([2, 4], dtype=torch.int32)
+    name = case.split("-")[0]
+    with pytest.raises(TypeError, match=name):
+        _BAD_TYPES[case](*args)
+    with FlopCounterMode(display=False), pytest.raises(TypeError, match=name):
+        _BAD_TYPES[case](*args)
+
+
 def test_traced_out_checks_as_eager() -> None:
     """Under any tensor mode (the traced path), an `out` autograd tracks is refused, as
     eagerly, for every op that takes `out`; a differentiable call checks out's dtype and shape."""
