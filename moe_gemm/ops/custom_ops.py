@@ -98,10 +98,10 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor | None = None, *, out: Tensor 
                config: GemmConfig | None = None, out_dtype: torch.dtype | None = None
                ) -> Tensor:
     text = encode_config(config)
-    check_traced_args({"x": x, "w": w, "offs": offs, "out": out}, out_dtype)
+    check_traced_args({"x": x, "w": w, "offs": offs}, out_dtype, out=out)
     if out is None:
         return torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out_dtype)
-    if differentiable_out("out", out, out_dtype, x, w):
+    if out is not None and differentiable_out(out, out_dtype, x, w):
         y = torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out.dtype)
         return write_rows(out, y, offs)
     torch.ops.moe_gemm._grouped_mm_out(x, w, offs, out, text, out_dtype)
@@ -121,8 +121,8 @@ def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None =
     if out is None:
         return list(torch.ops.moe_gemm._grouped_gemm(a, b, text, out_dtype))
     out = _tensor_list("out", out)
-    if out and all(isinstance(o, Tensor) for o in out) and any(
-            [differentiable_out(f"out[{i}]", o, out_dtype, *a, *b) for i, o in enumerate(out)]):
+    check_traced_outs(out)
+    if out and differentiable_out(out[0], out_dtype, *a, *b):
         if len(out) != len(a):
             raise ValueError(f"out must hold one tensor per problem ({len(a)}); got {len(out)}")
         for i, o in enumerate(out):
@@ -134,49 +134,54 @@ def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None =
     return out
 
 
-def differentiable_out(name: str, out: Any, out_dtype: torch.dtype | None,
+def check_traced_outs(outs: list[Any]) -> None:
+    """check_traced_args of each tensor of a list `out` (a None among them refused too)."""
+    for i, o in enumerate(outs):
+        if o is None:
+            raise TypeError(f"out[{i}] must be a torch.Tensor; got NoneType")
+        check_traced_args(out=o, out_name=f"out[{i}]")
+
+
+def differentiable_out(out: Tensor, out_dtype: torch.dtype | None,
                        *inputs: Tensor | None) -> bool:
     """Whether a traced call with `out` must be differentiable (grad on, an input requiring
     it): then it runs the functional op, whose registered autograd links the result, and
     copies into `out` (write_rows), as the eager call's in-place write is differentiable. The
     `_out` ops run under no_grad and have no autograd: through them the gradient would be
-    lost without a word. Also refuses an `out` that autograd tracks, as eager does."""
-    if not isinstance(out, Tensor):
-        return False  # (the op's schema names the type expected)
-    check_out_untracked(name, out)
+    lost without a word."""
     if not torch.is_grad_enabled() or not any(
             isinstance(t, Tensor) and t.requires_grad for t in inputs):
         return False
     if out_dtype is not None and out_dtype != out.dtype:
-        raise ValueError(f"{name} is {out.dtype} but out_dtype is {out_dtype}; give one of them "
+        raise ValueError(f"out is {out.dtype} but out_dtype is {out_dtype}; give one of them "
                          "or make them agree")
     return True
 
 
-def check_traced_args(tensors: dict[str, Any] = {}, out_dtype: Any = None,  # noqa: B006
-                      ints: dict[str, Any] = {}, reals: dict[str, Any] = {}) -> None:  # noqa: B006
-    """The argument types eager checks, for a traced call: the op's schema would otherwise
-    refuse them with torch's own message (or coerce them). tensors: optional tensor
-    arguments; ints: optional ints (not bools); reals: numbers. Symbols that torch.compile
-    traces in place of ints and floats pass."""
-    for name, t in tensors.items():
+def check_traced_args(tensors: dict[str, Any] | None = None, out_dtype: Any = None,
+                      ints: dict[str, Any] | None = None, reals: dict[str, Any] | None = None,
+                      out: Any = None, out_name: str = "out") -> None:
+    """The argument checks eager makes that a traced call must make itself: the op's schema
+    would refuse wrong types with torch's own message (or coerce them), and the registered
+    ops run under no_grad, where eager's refusal of an `out` autograd tracks cannot fire.
+    tensors: optional tensor arguments; ints: optional ints (not bools); reals: numbers
+    (symbols that torch.compile traces in place of ints and floats pass); out: the output."""
+    for name, t in (tensors or {}).items():
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype or None; got {out_dtype!r}")
-    for name, v in ints.items():
+    for name, v in (ints or {}).items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, torch.SymInt))):
             raise TypeError(f"{name} must be an int or None; got {type(v).__name__}")
-    for name, v in reals.items():
+    for name, v in (reals or {}).items():
         if isinstance(v, bool) or not isinstance(v, (int, float, torch.SymInt, torch.SymFloat)):
             raise TypeError(f"{name} must be a real number; got {type(v).__name__}")
-
-
-def _untracked(out: object, name: str = "out") -> None:
-    """Eager refuses an `out` that autograd tracks; a registered op runs under no_grad, where
-    its own check cannot see it, so a traced call of an inference-only op asks here."""
-    if isinstance(out, Tensor):
-        check_out_untracked(name, out)
+    if out is not None:
+        if not isinstance(out, Tensor):
+            raise TypeError(f"{out_name} must be a torch.Tensor or None; got "
+                            f"{type(out).__name__}")
+        check_out_untracked(out_name, out)
 
 
 def write_rows(out: Tensor, y: Tensor, offs: Tensor | None, name: str = "out") -> Tensor:

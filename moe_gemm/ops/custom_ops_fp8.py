@@ -29,8 +29,8 @@ from moe_gemm.ops.custom_ops import (
     _mm_flops,
     _raising_grad,
     _tensor_list,
-    _untracked,
     check_traced_args,
+    check_traced_outs,
     decode_config,
     encode_config,
     write_rows,
@@ -53,12 +53,11 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor,
                       out_dtype: torch.dtype | None = None,
                       config: GemmConfig | None = None) -> Tensor:
     text = encode_config(config)
-    check_traced_args({"x": x, "w": w, "scale_a": scale_a, "scale_b": scale_b, "offs": offs,
-                       "out": out}, out_dtype)
+    check_traced_args({"x": x, "w": w, "scale_a": scale_a, "scale_b": scale_b, "offs": offs},
+                      out_dtype, out=out)
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm(x, w, scale_a, scale_b, offs, text,
                                                      out_dtype)
-    _untracked(out)
     torch.ops.moe_gemm._scaled_grouped_mm_out(x, w, scale_a, scale_b, offs, out, text,
                                               out_dtype)
     return out
@@ -77,10 +76,7 @@ def scaled_grouped_gemm(a: Any, b: Any, scale_a: Any, scale_b: Any, *, out: Any 
         if len(outs) != len(lists[0]):
             raise ValueError(f"out must hold one tensor per problem ({len(lists[0])}); got "
                              f"{len(outs)}")
-        for i, o in enumerate(outs):
-            if not isinstance(o, Tensor):
-                raise TypeError(f"out[{i}] must be a torch.Tensor; got {type(o).__name__}")
-            _untracked(o, f"out[{i}]")
+        check_traced_outs(outs)
         odt = resolve_fp8_out_dtype(out_dtype, outs[0] if outs else None)
         if any(o.dtype != odt for o in outs):
             raise ValueError(f"every out tensor must be {odt}; got "

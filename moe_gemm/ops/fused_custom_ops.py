@@ -47,8 +47,8 @@ def fused_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, row_index: Tensor | 
                      out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
     check_traced_args({"x": x, "w": w, "offs": offs, "row_index": row_index, "bias": bias,
-                       "row_weight": row_weight, "out": out}, out_dtype,
-                      reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit})
+                       "row_weight": row_weight}, out_dtype,
+                      reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit}, out=out)
     if gate == "":
         raise ValueError("gate must be one of 'silu', 'gelu', 'gelu_tanh', 'clamped_swiglu' or "
                          "None; got ''")  # (as eager says: '' is not None)
@@ -56,7 +56,7 @@ def fused_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, row_index: Tensor | 
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,
                                                     *opts, text, out_dtype)
-    if differentiable_out("out", out, out_dtype, x, w, row_weight, bias):
+    if out is not None and differentiable_out(out, out_dtype, x, w, row_weight, bias):
         y = torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,
                                                  *opts, text, out.dtype)
         return write_rows(out, y, offs)

@@ -33,7 +33,6 @@ from moe_gemm.ops.custom_ops import (
     _in_graph,
     _mm_flops,
     _raising_grad,
-    _untracked,
     check_traced_args,
     decode_config,
     encode_config,
@@ -58,12 +57,11 @@ def grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *, expected_m: int
                       out: Tensor | None = None, config: GemmConfig | None = None,
                       out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
-    check_traced_args({"x": x, "w": w, "masked_m": masked_m, "out": out}, out_dtype,
-                      ints={"expected_m": expected_m})
+    check_traced_args({"x": x, "w": w, "masked_m": masked_m}, out_dtype,
+                      ints={"expected_m": expected_m}, out=out)
     if out is None:
         return torch.ops.moe_gemm._grouped_mm_masked(x, w, masked_m, expected_m, text,
                                                      out_dtype)
-    _untracked(out)
     torch.ops.moe_gemm._grouped_mm_masked_out(x, w, masked_m, expected_m, out, text,
                                               out_dtype)
     return out
@@ -75,12 +73,11 @@ def scaled_grouped_mm_masked(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Ten
                              config: GemmConfig | None = None) -> Tensor:
     text = encode_config(config)
     check_traced_args({"x": x, "w": w, "scale_a": scale_a, "scale_b": scale_b,
-                       "masked_m": masked_m, "out": out}, out_dtype,
-                      ints={"expected_m": expected_m})
+                       "masked_m": masked_m}, out_dtype, ints={"expected_m": expected_m},
+                      out=out)
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m,
                                                             expected_m, text, out_dtype)
-    _untracked(out)
     torch.ops.moe_gemm._scaled_grouped_mm_masked_out(x, w, scale_a, scale_b, masked_m,
                                                      expected_m, out, text, out_dtype)
     return out
@@ -163,14 +160,12 @@ def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
                             out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
     check_traced_args({"x": x, "w": w, "masked_m": masked_m, "bias": bias,
-                       "row_weight": row_weight, "out": out}, out_dtype,
-                      ints={"expected_m": expected_m},
-                      reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit})
+                       "row_weight": row_weight}, out_dtype, ints={"expected_m": expected_m},
+                      reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit}, out=out)
     common = (x, w, masked_m, bias, row_weight, gate, gate_layout, float(gate_alpha),
               float(gate_limit), expected_m)
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm_masked(*common, text, out_dtype)
-    _untracked(out)
     torch.ops.moe_gemm._fused_grouped_mm_masked_out(*common, out, text, out_dtype)
     return out
 
