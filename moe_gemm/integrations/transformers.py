@@ -221,7 +221,7 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     shared = None
     mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
     if mlp is not None:
-        if hf_activation(mlp.act_fn) != opts["activation"]:
+        if not _same_activation(hf_activation(mlp.act_fn), opts["activation"]):
             raise ValueError("MoE.from_hf needs the shared expert to use the experts' activation")
         shared = {n: getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
         gate = getattr(block, "shared_expert_gate", None)
@@ -261,6 +261,25 @@ def _check_fused_gated(experts: nn.Module) -> None:
             f"MoE.from_hf cannot take {type(experts).__name__} with {', '.join(problems)}; "
             'use model.set_experts_implementation("moe_gemm") for such models'
         )
+
+
+def _same_activation(a: Activation, b: Activation) -> bool:
+    """Whether two activations (our names, or callables such as transformers' ACT2FN modules,
+    which are a new instance per lookup: a block's experts and shared expert never share one)
+    compute the same function: one name, one object, or parameter-free modules of one class
+    with equal attributes."""
+    if a is b or (isinstance(a, str) and a == b):
+        return True
+    if isinstance(a, str) or isinstance(b, str) or type(a) is not type(b):
+        return False
+    if not isinstance(a, nn.Module) or any(True for _ in a.parameters()) or any(
+            True for _ in a.buffers()):
+        return False
+
+    def public(m: nn.Module) -> dict[str, Any]:
+        return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
+
+    return public(a) == public(b)
 
 
 def hf_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:

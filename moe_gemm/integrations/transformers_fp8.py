@@ -24,7 +24,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_gemm.layers.experts_fp8 import check_fp8_experts, expert_ffn_fp8, hf_fp8_scales
+from moe_gemm.layers.experts_fp8 import (
+    FP8_DTYPES,
+    check_fp8_experts,
+    expert_ffn_fp8,
+    hf_fp8_scales,
+)
 
 __all__ = ["moe_gemm_fp8_experts_forward", "register_fp8"]
 
@@ -80,7 +85,7 @@ def _check_module(experts: nn.Module) -> None:
     if getattr(experts, "has_bias", False):
         problems.append("has_bias=True (expert biases)")
     w = getattr(experts, "gate_up_proj", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.element_size() != 1 or (
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in FP8_DTYPES or (
             getattr(experts, "gate_up_proj_scale_inv", None) is None):
         problems.append("weights that are not FP8 [E, 2I, H] with their scale_inv (FP4 "
                         "experts among them)")

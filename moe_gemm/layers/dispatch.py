@@ -21,7 +21,8 @@ variable-size token all-to-all then needs those counts as host lists, which cost
 of 2 * W integers per forward. `static_splits=True` removes that read: every rank sends a fixed
 T rows to every rank (a token visits a rank at most once, so T always suffices), padding rows
 carrying no valid slot, at W times the link traffic; that path never waits for the host and can
-be captured in a CUDA graph.
+be captured in a CUDA graph. Every rank must then pass the same number of tokens T (pad to it; a
+rank with no tokens pads too): a ValueError on the CPU, the caller's to ensure on GPUs.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class AllToAllDispatcher:
         group: the expert-parallel process group (None = the default group).
         static_splits: send T rows to every rank (no host read of the counts, graph
             capturable, W times the traffic) instead of exactly the rows each rank needs.
+            Every rank must pass the same T (pad the tokens to it).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, static_splits: bool = False):
@@ -185,11 +187,21 @@ class AllToAllDispatcher:
         local = torch.where(here, ids.index_select(0, tok) - row_dest * per, -1)
         wts = torch.where(here, topk_weights.index_select(0, tok).float(), 0.0)
         meta = torch.cat([local.float(), wts], dim=1)  # (W*T, 2k)
-        # Counts on the device: (tokens, slots) each rank sends to each rank.
-        counts = torch.stack([send_counts, slot_counts], dim=1)  # (W, 2)
-        counts_recv = torch.empty_like(counts)
+        # Counts on the device: (tokens, slots) each rank sends to each rank, and its T.
+        counts = torch.stack([send_counts, slot_counts, send_counts.new_full((W,), T)], dim=1)
+        counts_recv = torch.empty_like(counts)  # (W, 3)
         dist.all_to_all_single(counts_recv, counts, group=group)
         if self.static_splits:
+            if device.type == "cpu":
+                # Every rank sends T rows to every rank, so every rank's T must be the same
+                # (else gloo aborts the process). Read where it costs no sync: on a GPU this
+                # is the host read static splits avoid, and the caller must ensure it.
+                senders = counts_recv[:, 2].tolist()
+                if any(t != T for t in senders):
+                    raise ValueError(
+                        "static_splits needs the same token count on every rank (pad the "
+                        f"tokens to it); the ranks have {senders} tokens"
+                    )
             # Row r*T + j of the send buffer is the j-th token sent to rank r; the rest of
             # each block is padding whose slots all say -1 (the receiver computes nothing
             # for them). Rows that are not sent land in a scratch row past the buffer.

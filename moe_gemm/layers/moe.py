@@ -475,6 +475,11 @@ class MoE(MoELoaders, nn.Module):
             ValueError: last dim not H, or on another device than the parameters.
         """
         x = _check_hidden(hidden_states, self.hidden_size, self.gate_up_proj.device)
+        if self.gate_up_proj_scale_inv is None and self.gate_up_proj.dtype not in FLOAT_DTYPES:
+            # (a layer cast with .double(): say so, rather than blame the input's dtype)
+            raise TypeError(f"the layer's weights are {self.gate_up_proj.dtype}; MoE runs in "
+                            "torch.bfloat16, torch.float16 or torch.float32: cast the layer "
+                            "with .to(dtype)")
         x2 = x.reshape(-1, self.hidden_size)
         weights, ids = self.route(x2)
         gate_fn = gated(resolve_activation(self.activation))

@@ -257,6 +257,19 @@ def bad_arguments(rank: int, world: int) -> list[str]:
     return errs
 
 
+@case
+def static_splits_need_one_token_count(rank: int, world: int) -> list[str]:
+    """Static splits send T rows to every rank: token counts that differ between the ranks (one
+    rank with none) are a ValueError on every rank, not a gloo abort of the process."""
+    moe = _full_moe(9, torch.float32)
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=AllToAllDispatcher(static_splits=True))
+    try:
+        ep(_tokens(rank, 9, torch.float32, T=0 if rank == 0 else 3))
+        return ["unequal token counts with static splits were accepted"]
+    except ValueError as e:
+        return [] if "same token count on every rank" in str(e) else [f"unclear message: {e}"]
+
+
 def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -125,6 +125,18 @@ def test_what_the_fp8_path_cannot_run_is_named(change, pattern):
         moe_gemm_fp8_experts_forward(m, x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
 
 
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_fp4_experts_are_refused_by_name(block):
+    # FP4 experts hold int8 bytes (one byte per element, like FP8): refused as FP4, not
+    # taken for FP8 and failing later on the dtype or the scale shapes.
+    cfg = types.SimpleNamespace(hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                                hidden_act="silu", _experts_implementation="moe_gemm")
+    m = FP8Experts(cfg, block_size=block, expert_dtype="fp4")
+    x = torch.randn(3, H).bfloat16()
+    with pytest.raises(ValueError, match="FP4 experts"):
+        moe_gemm_fp8_experts_forward(m, x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
 @pytest.mark.parametrize("first", ["moe_gemm", "transformers"])
 def test_registered_whichever_is_imported_first(first):
     # transformers' FP8 module imports its MoE module first: the registration must not be

@@ -260,6 +260,9 @@ def test_forward_rejects() -> None:
         moe([[0.0] * 32])
     with pytest.raises(ValueError, match="hidden_states is on meta"):
         moe(torch.randn(4, 32, device="meta"))
+    # A layer cast to float64: its weights are named, not the (valid) input's dtype.
+    with pytest.raises(TypeError, match="the layer's weights are torch.float64"):
+        MoE(32, 16, 8, 2).double()(torch.randn(4, 32))
 
 
 def test_functional_rejects() -> None:

@@ -178,6 +178,21 @@ def test_from_hf_bf16_two_x_rule(cls: type, make_config) -> None:
     )
 
 
+@pytest.mark.parametrize("act", ["relu", "gelu_new"])
+@pytest.mark.parametrize("cls,make_config", [BLOCKS[2], BLOCKS[6]])
+def test_from_hf_shared_expert_with_an_activation_we_do_not_name(cls: type, make_config,
+                                                                 act: str) -> None:
+    # transformers makes a new activation module per ACT2FN lookup: the experts' and the
+    # shared expert's are equal, not the same object, and must not be refused as different.
+    config = make_config()
+    config.hidden_act = act
+    block = _block(cls, config, seed=9)
+    moe = MoE.from_hf(block)
+    x = torch.randn(2, 5, block.experts.hidden_dim)
+    with torch.no_grad():
+        assert rel_err(moe(x), block(x)) < 1e-5
+
+
 def test_from_hf_shares_the_blocks_weights() -> None:
     block = _block(DeepseekV3MoE, BLOCKS[6].values[1](), seed=4)
     moe = MoE.from_hf(block)
