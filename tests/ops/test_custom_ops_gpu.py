@@ -198,3 +198,65 @@ def test_compiled_fused_backward_follows_the_path_the_forward_took(dynamo) -> No
         err = float((got.float() - want.float()).abs().max())
         assert err <= 2e-2 * float(want.float().abs().max()), err
     assert dynamo["graph_break"] == {}
+
+
+def test_compiled_out_calls_with_grad_run_our_kernels_as_eager(dynamo) -> None:
+    """An `out=` call whose inputs require grad, compiled, on our kernels: the same values as
+    eager (rows past offs[-1] keep out's), a result autograd tracks, and the kernels'
+    inference-only backward raising as eagerly (never a gradient silently dropped)."""
+    from moe_gemm import fused_grouped_mm
+
+    x, w, offs = _moe(11)
+    x = torch.cat([x, torch.randn(5, x.shape[1], generator=_gen(14)).to(BF16).to(DEVICE)])
+    T, N = x.shape[0], w.shape[2]  # rows T-5.. past offs[-1]
+    x3 = torch.randn(4, 64, 512, generator=_gen(12)).to(BF16).to(DEVICE)
+    cases = [
+        ("grouped_mm", lambda x, w: grouped_mm(
+            x, w, offs, config=CFG, out=torch.full((T, N), 3.0, dtype=BF16, device=DEVICE)),
+         (x, w)),
+        ("grouped_mm 3-D", lambda x, w: grouped_mm(
+            x, w[:4], config=CFG, out=torch.zeros(4, 64, N, dtype=BF16, device=DEVICE)),
+         (x3, w)),
+        ("fused_grouped_mm", lambda x, w: fused_grouped_mm(
+            x, w, offs, gate="silu", config=CFG,
+            out=torch.full((T, N // 2), 3.0, dtype=BF16, device=DEVICE)), (x, w)),
+    ]
+    for name, fn, inputs in cases:
+        eager_in = [t.clone().requires_grad_() for t in inputs]
+        want, ran = _ran_kernels(lambda: fn(*eager_in))
+        assert ran or BACKEND == "torch", name
+        compiled_in = [t.clone().requires_grad_() for t in inputs]
+        got, ran = _ran_kernels(lambda: torch.compile(fn, fullgraph=True)(*compiled_in))
+        assert ran or BACKEND == "torch", name
+        assert got.requires_grad and want.requires_grad, name
+        assert torch.equal(got, want), name
+        if name != "grouped_mm 3-D":
+            assert (got[T - 5:] == 3.0).all(), name
+        if BACKEND != "torch":
+            for y in (want, got):
+                with pytest.raises(RuntimeError, match="inference-only"):
+                    y.float().sum().backward()
+    assert dynamo["graph_break"] == {}
+
+
+def test_compiled_scaled_grouped_gemm_fills_an_fp32_out_as_eager(dynamo) -> None:
+    """scaled_grouped_gemm(out=[fp32 ...]) compiled on our FP8 kernels: computed at out's
+    dtype as eagerly (not rounded to bf16 first), bitwise equal to the eager call."""
+    from moe_gemm import scaled_grouped_gemm
+    from moe_gemm.testing_fp8 import make_fp8_grouped_inputs
+
+    sizes = [(70, 256, 512), (0, 128, 256), (9, 128, 384)]
+    a, b, sa, sb = make_fp8_grouped_inputs(sizes, "block", device=DEVICE, seed=13)
+
+    def fn(*t):
+        n = len(sizes)
+        outs = [torch.zeros(m, nn, device=DEVICE) for m, nn, _ in sizes]
+        return scaled_grouped_gemm(list(t[:n]), list(t[n:2 * n]), list(t[2 * n:3 * n]),
+                                   list(t[3 * n:]), out=outs)
+
+    want = fn(*a, *b, *sa, *sb)
+    got = torch.compile(fn, fullgraph=True)(*a, *b, *sa, *sb)
+    for g, r in zip(got, want):
+        assert g.dtype == torch.float32
+        assert torch.equal(g, r)
+    assert dynamo["graph_break"] == {}
