@@ -117,6 +117,7 @@ def _load() -> None:
                 softmax_topk,
             )
             from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
+            from moe_gemm.ops.custom_ops import share_flop_formulas
             from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
             from moe_gemm.ops.fused_masked import fused_grouped_mm_masked
             from moe_gemm.ops.masked import grouped_mm_masked, scaled_grouped_mm_masked
@@ -128,6 +129,9 @@ def _load() -> None:
                 quantize_fp8_per_token_group,
             )
             from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
+
+            # (a first use inside `with FlopCounterMode()`: that counter predates the ops)
+            share_flop_formulas()
         except BaseException:
             _state = 0  # e.g. torch missing: the next use raises the same ImportError again
             raise

@@ -8,8 +8,9 @@ for torch's own out= functions.
 
 Checks are host-only (shapes, strides, addresses) and cheap for the common cases: tensors in
 different allocations are disjoint by their byte spans; two row-major 2-D views of one buffer
-(e.g. column blocks of a wider matrix) are decided exactly; anything else whose spans meet is
-treated as overlapping (a copy too many, never a wrong answer).
+(e.g. column blocks of a wider matrix), or two column-major ones (row blocks of a transposed
+buffer), are decided exactly; anything else whose spans meet is treated as overlapping (a copy
+too many, never a wrong answer).
 """
 
 from __future__ import annotations
@@ -33,9 +34,17 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _rows_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two 2-D views certainly share no element: exact for row-major views of one
+    row stride (_row_major_disjoint) and for column-major ones (their transposes are)."""
+    if a.dim() != 2 or b.dim() != 2:
+        return False
+    return _row_major_disjoint(a, b) or _row_major_disjoint(a.t(), b.t())
+
+
+def _row_major_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Exact for two 2-D views with unit column stride, one row stride and one element size:
     True when no element of one is an element of the other."""
-    if a.dim() != 2 or b.dim() != 2 or a.element_size() != b.element_size():
+    if a.element_size() != b.element_size():
         return False
     (ma, na), (mb, nb) = a.shape, b.shape
     s0 = a.stride(0)

@@ -501,5 +501,22 @@ def _grouped_gemm_grad_flop(grad_shapes, a_shapes, b_shapes, *args, out_shape=No
     return 2 * _gemm_flops(a_shapes, b_shapes)
 
 
+def share_flop_formulas() -> None:
+    """Give the FlopCounterModes running now moe_gemm's FLOP formulas. A FlopCounterMode
+    copies torch's formula registry when it is made, and `import moe_gemm` registers the ops
+    at the first use of a public name: a first use inside `with FlopCounterMode()` would
+    otherwise count 0 for every moe_gemm op of that block (moe_gemm._load calls this)."""
+    from torch.utils import flop_counter
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    ours = {op: f for op, f in flop_counter.flop_registry.items()
+            if getattr(op, "_qualified_op_name", "").startswith("moe_gemm::")}
+    for mode in _get_current_dispatch_mode_stack():
+        counter = getattr(mode, "counter", None)
+        if isinstance(counter, flop_counter.FlopCounterMode):
+            for op, f in ours.items():
+                counter.flop_registry.setdefault(op, f)
+
+
 _grouped_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 _grouped_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)

@@ -67,8 +67,15 @@ def scaled_grouped_gemm(a: Any, b: Any, scale_a: Any, scale_b: Any, *, out: Any 
                         out_dtype: torch.dtype | None = None,
                         config: GemmConfig | None = None) -> list[Tensor]:
     text = encode_config(config)
-    lists = [_tensor_list(n, s) for n, s in (("a", a), ("b", b), ("scale_a", scale_a),
-                                              ("scale_b", scale_b))]
+    hints = {"a": "(M_i, K_i)", "b": "(K_i, N_i)", "scale_a": "of float32 scales",
+             "scale_b": "of float32 scales"}
+    lists = [_tensor_list(n, s) for n, s in zip(hints, (a, b, scale_a, scale_b))]
+    for (name, hint), seq in zip(hints.items(), lists):
+        for i, t in enumerate(seq):
+            if not isinstance(t, Tensor):  # (eager's message, not the schema's)
+                raise TypeError(f"{name}[{i}] must be a torch.Tensor {hint}; got "
+                                f"{type(t).__name__}")
+    check_traced_args(out_dtype=out_dtype)
     if out is not None:
         # No out variant is registered: the functional op at out's dtype, then copied in,
         # with eager's checks of `out` (count, tensors, dtype, shapes, not tracked by autograd).

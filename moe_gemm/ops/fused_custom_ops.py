@@ -33,7 +33,7 @@ from moe_gemm.ops.custom_ops import (
     encode_config,
     write_rows,
 )
-from moe_gemm.ops.fused_validation import check_fused_mm
+from moe_gemm.ops.fused_validation import check_fused_mm, check_gate_names
 
 _ARGS = ("Tensor x, Tensor w, Tensor offs, Tensor? row_index, Tensor? row_weight, "
          "Tensor? bias, str gate, str gate_layout, float gate_alpha, float gate_limit")
@@ -49,9 +49,7 @@ def fused_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, row_index: Tensor | 
     check_traced_args({"x": x, "w": w, "offs": offs, "row_index": row_index, "bias": bias,
                        "row_weight": row_weight}, out_dtype,
                       reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit}, out=out)
-    if gate == "":
-        raise ValueError("gate must be one of 'silu', 'gelu', 'gelu_tanh', 'clamped_swiglu' or "
-                         "None; got ''")  # (as eager says: '' is not None)
+    check_gate_names(gate, gate_layout)  # (eager's errors; '' is not None there either)
     opts = (gate or "", gate_layout, float(gate_alpha), float(gate_limit))
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,

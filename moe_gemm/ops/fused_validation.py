@@ -74,6 +74,15 @@ def resolve_gate(gate: object) -> str | None:
     return name
 
 
+def check_gate_names(gate: object, gate_layout: object) -> str | None:
+    """The gate's canonical name, after the checks of gate and gate_layout (also asked by the
+    traced wrappers, whose op schemas would refuse a non-str with torch's own message)."""
+    gate_name = resolve_gate(gate)
+    if gate_layout not in GATE_LAYOUTS:
+        raise ValueError(f"gate_layout must be one of {GATE_LAYOUTS}; got {gate_layout!r}")
+    return gate_name
+
+
 def _check_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float; got {value!r}")
@@ -133,14 +142,12 @@ def check_fused_mm(
         S = row_index.shape[0]
         if S and not T:
             raise ValueError(f"row_index selects {S} rows of x, but x has no rows")
-        if concrete and row_index.device.type == "cpu" and S:
+        if concrete and S and (row_index.device.type == "cpu" or offs_check_requested()):
             lo, hi = int(row_index.min()), int(row_index.max())
             if lo < 0 or hi >= T:
                 raise ValueError(f"row_index values must be rows of x in [0, {T}); got "
                                  f"[{lo}, {hi}]")
-    gate_name = resolve_gate(gate)
-    if gate_layout not in GATE_LAYOUTS:
-        raise ValueError(f"gate_layout must be one of {GATE_LAYOUTS}; got {gate_layout!r}")
+    gate_name = check_gate_names(gate, gate_layout)
     alpha = _check_float("gate_alpha", gate_alpha)
     limit = _check_float("gate_limit", gate_limit)
     if gate_name is not None:

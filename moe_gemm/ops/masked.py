@@ -224,8 +224,14 @@ def _detailed_fp8(x, w, scale_a, scale_b, masked_m, expected_m, out, out_dtype, 
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
     unsupported = scaled_mm_unsupported(args.batch) if problem is None else None
     if not _use_cute(cfg, problem, unsupported, "scaled_grouped_mm_masked"):
-        return masked_torch(args, scaled_grouped_mm_torch(dataclasses.replace(args.batch,
-                                                                              out=None)))
+        # As grouped_mm_masked: the rows past the counts (and their row or block scales) are
+        # zeroed before the product, so what they hold reaches no gradient of the scales.
+        valid, b = rows_mask(args.masked_m, args.shape[1]), args.batch
+        xv = torch.where(valid, b.x, torch.zeros((), dtype=b.x.dtype, device=b.x.device))
+        sa = b.scale_a if b.scale_a.dim() < 2 else torch.where(
+            valid if b.scale_a.dim() == 3 else valid[..., 0], b.scale_a, 0.0)
+        return masked_torch(args, scaled_grouped_mm_torch(dataclasses.replace(
+            b, x=xv, scale_a=sa, out=None)))
     from moe_gemm.ops.masked_launch import Fp8MaskedPlan
 
     plan = Fp8MaskedPlan(args, cfg)

@@ -37,6 +37,7 @@ from moe_gemm.ops.custom_ops import (
     decode_config,
     encode_config,
 )
+from moe_gemm.ops.fused_validation import check_gate_names
 from moe_gemm.ops.masked_validation import (
     check_grouped_mm_masked,
     check_scaled_grouped_mm_masked,
@@ -162,6 +163,7 @@ def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
     check_traced_args({"x": x, "w": w, "masked_m": masked_m, "bias": bias,
                        "row_weight": row_weight}, out_dtype, ints={"expected_m": expected_m},
                       reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit}, out=out)
+    check_gate_names(gate, gate_layout)  # (eager's errors, not the op schema's)
     common = (x, w, masked_m, bias, row_weight, gate, gate_layout, float(gate_alpha),
               float(gate_limit), expected_m)
     if out is None:

@@ -290,6 +290,24 @@ def test_unchecked_indices_are_clamped_never_read_out_of_bounds():
     check("clamp/indices", y, ref, low)
 
 
+def test_indices_checked_on_request(monkeypatch):
+    # MOE_GEMM_CHECK_OFFS=1 checks row_index values on the GPU too (as the docstring says),
+    # not only offs: one past x's rows, or negative, is a ValueError before any launch.
+    c = case("checked", T=50, S=120, E=3, K=64, N=64, gate="silu", tail=0, empty=())
+    x, w, offs, kw = inputs(c)
+    monkeypatch.setenv("MOE_GEMM_CHECK_OFFS", "1")
+    for value in (50, -1):
+        bad = kw["row_index"].clone()
+        bad[17] = value
+        with pytest.raises(ValueError, match=r"row_index values must be rows of x in \[0, 50\)"):
+            moe_gemm.fused_grouped_mm(x, w, offs, config=GemmConfig(backend="cute"),
+                                      **{**kw, "row_index": bad})
+    y = moe_gemm.fused_grouped_mm(x, w, offs, config=GemmConfig(backend="cute"), **kw)
+    torch.cuda.synchronize()
+    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **kw)
+    check("checked/indices", y, ref, fused_grouped_mm_ref(x, w, offs, dtype=BF16, **kw))
+
+
 def _plan_choice(c: dict, x, w, offs, kw):
     """(checked arguments, the kernel choice, whether the kernel gathers) of c's launch."""
     from moe_gemm.capability import sm_count

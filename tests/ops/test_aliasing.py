@@ -65,6 +65,24 @@ def test_outputs_aliasing_inputs_and_outputs_sharing_memory():
         outputs_aliasing_inputs([buf[:, :6], buf[:, 5:]], [x])
 
 
+def test_column_major_outputs_in_one_buffer_are_not_refused():
+    # Row blocks of a transposed (column-major) buffer share no element, as torch.mm(out=)
+    # agrees: no "share memory" error, and the results land in the buffer.
+    g = torch.Generator().manual_seed(7)
+    a = [torch.randn(4, 8, generator=g) for _ in range(2)]
+    b = [torch.randn(8, 6, generator=g) for _ in range(2)]
+    buf = torch.full((6, 8), float("nan")).t()  # (8, 6), strides (1, 8)
+    outs = [buf[:4], buf[4:]]
+    assert not may_overlap(outs[0], outs[1])
+    assert outputs_aliasing_inputs(outs, [*a, *b]) == []
+    res = moe_gemm.grouped_gemm(a, b, out=outs)
+    assert all(r is o for r, o in zip(res, outs))
+    torch.testing.assert_close(buf, torch.cat([ai @ bi for ai, bi in zip(a, b)]))
+    GroupedGemmPlan(a, b, out=outs)()
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] share memory"):
+        outputs_aliasing_inputs([buf[:5], buf[4:]], [])
+
+
 def test_grouped_mm_out_overlapping_w_or_x_is_computed_as_on_copies():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(10, 5, generator=g)

@@ -402,6 +402,9 @@ _BAD_TYPES = {
     "expected_m-bool": lambda x, w, offs: moe_gemm.grouped_mm_masked(
         torch.randn(2, 4, 8), w, offs, expected_m=True),
     "a-None": lambda x, w, offs: grouped_gemm([x, None], [w[0], w[1]]),
+    "gate-int": lambda x, w, offs: moe_gemm.fused_grouped_mm(x, w, offs, gate=1),
+    "gate-int-masked": lambda x, w, offs: moe_gemm.fused_grouped_mm_masked(
+        torch.randn(2, 4, 8), w, offs, gate=1),
 }
 
 
@@ -417,6 +420,22 @@ def test_traced_calls_refuse_bad_argument_types_as_eager(case) -> None:
         _BAD_TYPES[case](*args)
     with FlopCounterMode(display=False), pytest.raises(TypeError, match=name):
         _BAD_TYPES[case](*args)
+
+
+def test_traced_calls_refuse_an_unknown_gate_layout_as_eager() -> None:
+    # (a non-str would meet the op schema's RuntimeError)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, offs = torch.randn(4, 8), torch.randn(2, 8, 16), torch.tensor([2, 4], dtype=torch.int32)
+    calls = (lambda: moe_gemm.fused_grouped_mm(x, w, offs, gate="silu", gate_layout=1),
+             lambda: moe_gemm.fused_grouped_mm_masked(torch.randn(2, 4, 8), w, offs,
+                                                      gate="silu", gate_layout=1))
+    for call in calls:
+        with pytest.raises(ValueError, match="gate_layout must be one of"):
+            call()
+        with FlopCounterMode(display=False), pytest.raises(ValueError,
+                                                           match="gate_layout must be one of"):
+            call()
 
 
 def test_traced_out_checks_as_eager() -> None:
@@ -504,6 +523,31 @@ def test_flop_counter_counts_the_registered_ops() -> None:
         moe_gemm.scaled_grouped_mm(xq, wq, sa, sb, offq)
         moe_gemm.scaled_grouped_gemm(fa, fb, fsa, fsb)
     assert counter.get_total_flops() == 2 * 19 * 256 * 24 + 2 * (4 * 16 + 3 * 32) * 128
+
+
+def test_flop_counter_counts_a_first_use_inside_it() -> None:
+    """`import moe_gemm` loads the ops at the first use of a public name; a FlopCounterMode
+    entered before that (it copies torch's formula registry when made) still counts them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch, moe_gemm\n"
+        "from torch.utils.flop_counter import FlopCounterMode\n"
+        "x, w = torch.randn(6, 8), torch.randn(2, 8, 4)\n"
+        "offs = torch.tensor([2, 6], dtype=torch.int32)\n"
+        "with FlopCounterMode(display=False) as counter:\n"
+        "    moe_gemm.grouped_mm(x, w, offs)\n"
+        "print(counter.get_total_flops())\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == str(2 * 6 * 8 * 4)
 
 
 def test_public_names_unchanged() -> None:

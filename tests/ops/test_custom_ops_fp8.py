@@ -93,6 +93,24 @@ def test_traced_scaled_grouped_gemm_checks_and_fills_out_as_eager():
             [torch.empty(16)], "", None)
 
 
+def test_traced_scaled_grouped_gemm_refuses_argument_types_as_eager():
+    """A None problem operand or scale, or an out_dtype that is not a dtype: eager's
+    TypeError under a tensor mode too (not the schema's RuntimeError, and an int out_dtype is
+    not read as a ScalarType code)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a, b, sa, sb = make_fp8_grouped_inputs([(4, 16, 128)], "row", seed=7)
+    cases = ((([None], b, sa, sb), {}, r"a\[0\] must be a torch.Tensor"),
+             ((a, b, [None], sb), {}, r"scale_a\[0\] must be a torch.Tensor"),
+             ((a, b, sa, sb), {"out_dtype": "bf16"}, "out_dtype must be a torch.dtype"),
+             ((a, b, sa, sb), {"out_dtype": 5}, "out_dtype must be a torch.dtype"))
+    for args, kwargs, pattern in cases:
+        with pytest.raises(TypeError, match=pattern):
+            scaled_grouped_gemm(*args, **kwargs)
+        with FlopCounterMode(display=False), pytest.raises(TypeError, match=pattern):
+            scaled_grouped_gemm(*args, **kwargs)
+
+
 def test_make_fx_and_compile_match_eager():
     import torch._dynamo
 

@@ -471,6 +471,30 @@ def test_autograd_w_ignores_what_the_rows_past_the_counts_hold() -> None:
     torch.testing.assert_close(wg.grad, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_fp8_scale_grads_ignore_what_the_rows_past_the_counts_hold(granularity: str) -> None:
+    # As the 16-bit form: NaN rows (and scales) past the counts, as an uninitialised dispatch
+    # buffer holds them, reach no gradient of the scales on the torch backend.
+    x, w, sa, sb = make_fp8_batched_inputs(2, 4, 128, 8, granularity, seed=33)
+    counts = [2, 4]
+    x = x.clone()
+    x.view(torch.uint8)[0, 2:] = 0x7F  # e4m3fn NaN
+    sa = sa.clone()
+    sa[0, 2:] = float("nan")
+    sag, sbg = sa.clone().requires_grad_(), sb.clone().requires_grad_()
+    y = scaled_grouped_mm_masked(x, w, sag, sbg, _counts(counts), out_dtype=FP32)
+    y.sum().backward()
+    x0, sa0 = x.clone(), sa.clone()
+    x0.view(torch.uint8)[0, 2:] = 0
+    sa0[0, 2:] = 0
+    sar, sbr = sa0.clone().requires_grad_(), sb.clone().requires_grad_()
+    scaled_grouped_mm(x0, w, sar, sbr, out_dtype=FP32).sum().backward()
+    assert not _past(y, counts).any()
+    torch.testing.assert_close(sbg.grad, sbr.grad)
+    torch.testing.assert_close(sag.grad, sar.grad)
+    assert not sag.grad[0, 2:].any()
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library registrations: opcheck, fake tensors, torch.compile
 
