@@ -56,6 +56,29 @@ def test_aliasing_out_sharing_memory_with_operands():
     assert ok
 
 
+def test_column_major_outs_in_one_buffer():
+    # Row blocks of one transposed buffer share no element: grouped_gemm and a plan write them
+    # (on our kernels or torch's path, whichever takes a column-major out) with right values.
+    g = torch.Generator(device="cuda").manual_seed(23)
+    K, N = 128, 96
+    a = [rand((m, K), torch.bfloat16, g) for m in (64, 37)]
+    b = [rand((K, N), torch.bfloat16, g) for _ in range(2)]
+    want = moe_gemm.grouped_gemm(a, b, config=GemmConfig(backend="torch"))
+    ref = [ai.float() @ bi.float() for ai, bi in zip(a, b)]
+    for call in (lambda outs: moe_gemm.grouped_gemm(a, b, out=outs),
+                 lambda outs: moe_gemm.GroupedGemmPlan(a, b, out=outs)()):
+        buf = torch.full((N, 101), float("nan"), dtype=torch.bfloat16, device="cuda").t()
+        outs = [buf[:64], buf[64:]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (a torch-path notice, if any)
+            res = call(outs)
+        torch.cuda.synchronize()
+        for r, o, r32, low in zip(res, outs, ref, want):
+            assert r.data_ptr() == o.data_ptr()
+            check("aliasing/column-major-outs", r, r32, low)
+        assert not torch.isnan(buf).any()
+
+
 def test_aliasing_out_of_the_fused_ops():
     # fused_grouped_mm and its masked form, as the plain ops: an out over an operand equals
     # the result on clones, and the rows the call does not write keep their values.
