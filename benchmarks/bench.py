@@ -56,6 +56,7 @@ from benchmarks.runner import (
     after_error,
     bench_device,
     device_info,
+    our_failures,
     progress_path,
     run_shape,
 )
@@ -71,6 +72,7 @@ from benchmarks.suite import (
     smoke_suite,
 )
 from moe_gemm import __version__
+from moe_gemm.tuning.argcheck import output_problem
 
 __all__ = ["ABORT_ENV", "main"]
 
@@ -316,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         print("error: --reps must be at least 1", file=sys.stderr)
         return 2
+    if not args.timeout > 0:  # (nan too) else every --isolate shape "times out" at once
+        print("error: --timeout must be positive", file=sys.stderr)
+        return 2
     known = [s.name for s in suite] + extra
     # None only: an empty --only names no shape and is refused, not read as the whole suite.
     names = known if args.only is None else [n.strip() for n in args.only.split(",")
@@ -339,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out) if args.out else Path("benchmarks/results") / f"{stem}-{date}.json"
     png_path = None if (args.png or "").lower() == "none" else (
         Path(args.png) if args.png else out_path.with_suffix(".png"))
+    # Paths that cannot be written fail now, in one line, not after the whole suite ran.
+    for option, path in (("--out", out_path), ("--png", png_path)):
+        if path is not None and (why := output_problem(path, option)):
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     specs = [s for s in suite if s.name in names]
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -361,7 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_table:
         print("; ".join(notes), flush=True)
         print(format_table(doc), flush=True)
-    return 0
+    return _exit_status(doc)
+
+
+def _exit_status(doc: dict) -> int:
+    """1 when one of our rows failed (it is in the JSON too), so a script sees it; else 0."""
+    failed = our_failures(doc)
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -178,6 +178,14 @@ def _poison_note(run: Run) -> str:
             "(use --isolate)")
 
 
+def our_failures(doc: dict[str, Any]) -> list[str]:
+    """'shape: impl: error' for each of our rows (not a peer's) that failed: a wrong result,
+    an exception or a process that died. A benchmark's exit status says whether there are
+    any (a peer that cannot run here is not a failure of ours)."""
+    return [f"{r.get('shape', r.get('case'))}: {r['impl']}: {r.get('error')}"
+            for r in doc.get("results", []) if not r.get("peer") and r.get("status") == "error"]
+
+
 def _not_run_row(spec: ShapeSpec, impl: Impl, why: str) -> dict[str, Any]:
     return {"shape": spec.name, "impl": impl.name, "peer": impl.peer, "default": impl.default,
             "status": "error", "ms": None, "error": why, "not_run": True}

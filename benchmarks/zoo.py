@@ -47,7 +47,7 @@ from benchmarks import suite_fp8, zoo_report
 from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock
 from benchmarks.report import write_json
-from benchmarks.runner import Run, bench_device, device_info, run_shape
+from benchmarks.runner import Run, bench_device, device_info, our_failures, run_shape
 from benchmarks.scoring import fp8_compute_bound
 from benchmarks.suite import (
     DEFAULT_NAME,
@@ -68,7 +68,7 @@ from benchmarks.suite import (
     quack_autotune_seconds,
 )
 from moe_gemm.tuning import zoo as models
-from moe_gemm.tuning.argcheck import empty_option
+from moe_gemm.tuning.argcheck import empty_option, output_problem
 from moe_gemm.tuning.shards import (
     finish_shards,
     gpu_ids,
@@ -528,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out_dir or "benchmarks/results") / f"{stem}-{device_slug(name)}-{date}.json")
     png = None if (args.png or "").lower() == "none" else (
         Path(args.png) if args.png else out_path.with_suffix(".png"))
+    # Paths that cannot be written fail now, in one line, not after every case ran.
+    for option, path in (("--out", out_path), ("--png", png)):
+        if path is not None and (why := output_problem(path, option)):
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -546,7 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"wrote {png}" if why is None else f"warning: {why}")
     print("; ".join(notes), flush=True)
     print(zoo_report.format_table(doc), flush=True)
-    return 0
+    failed = our_failures(doc)
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -241,12 +241,22 @@ def _key_extras(key) -> str:
         extras.append(f"epi_n={key.epi_n}")
     if hasattr(key, "scale_mode"):
         extras.append(f"scales={key.scale_mode}")
+    if getattr(key, "scale_ahead", 1) != 1:
+        extras.append(f"scale_ahead={key.scale_ahead}")
     if getattr(key, "gate", ""):
         extras.append(f"gate={key.gate}/{key.gate_layout}")
-    for flag in ("bias", "row_scale", "gather", "row_counts"):
+    for flag in ("bias", "row_scale", "gather", "row_counts", "fast_gate", "promote_lag",
+                 "smem_scales"):
         if getattr(key, flag, False):
             extras.append(flag)
     return "".join(" " + e for e in extras)
+
+
+def check_label(key) -> str:
+    """The line `moe-gemm check` prints for a variant (one per key: no two read alike)."""
+    return (f"form={key.form} schedule={key.schedule} visitor={key.visitor} "
+            f"dtype={key.ab_dtype}->{key.d_dtype} b_major={getattr(key, 'b_major', 'k')} "
+            f"tile={key.tile_m}x{key.tile_n}" + _key_extras(key))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -266,10 +276,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     failures = 0
     with tempfile.TemporaryDirectory(prefix="moe_gemm_check_") as tmp:
         for key in keys:
-            label = (f"form={key.form} schedule={key.schedule} visitor={key.visitor} "
-                     f"dtype={key.ab_dtype}->{key.d_dtype} "
-                     f"b_major={getattr(key, 'b_major', 'k')} "
-                     f"tile={key.tile_m}x{key.tile_n}" + _key_extras(key))
+            label = check_label(key)
             t0 = time.time()
             try:
                 kdir = os.path.join(tmp, key.name())

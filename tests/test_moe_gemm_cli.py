@@ -281,3 +281,12 @@ def test_a_bad_switch_value_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPat
     err = capsys.readouterr().err
     assert err == (f"moe-gemm {command[0]}: MOE_GEMM_DISABLE_CUTE='maybe': expected one of 1, "
                    "true, yes, on (on) or 0, false, no, off (off)\n")
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_check_lines_name_every_variant_apart(full: bool) -> None:
+    """`moe-gemm check` prints one line per variant: two variants (e.g. FP8 keys that differ
+    only in promote_lag, scale_ahead or smem_scales) must not read alike, or a FAIL line
+    cannot be traced to its variant."""
+    keys = cli.check_variants(full)
+    assert len({cli.check_label(k) for k in keys}) == len(set(keys))

@@ -147,9 +147,12 @@ class _BaseClient:
             return timeout
         if timeout is None:
             return httpx.Timeout(None)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be seconds > 0, an httpx.Timeout or None; got "
-                             f"{timeout!r}")
+        # (nan and inf too: httpx would refuse nan only at the request, and inf reaches
+        # socket.settimeout as an OverflowError; None is the way to say "no timeout")
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout) or timeout <= 0):
+            raise ValueError(f"timeout must be finite seconds > 0, an httpx.Timeout or None; "
+                             f"got {timeout!r}")
         return httpx.Timeout(float(timeout))
 
     # -- request building ------------------------------------------------------------------

@@ -179,6 +179,11 @@ def topk_counts(experts: int, tokens: int, top_k: int, seed: int,
         raise ValueError(f"tokens must be >= 0; got {tokens}")
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be between 1 and experts ({experts}); got {top_k}")
+    if tokens * top_k > 2**31 - 1:
+        # Drawn token by token below: 10**14 tokens (`--tokens`) would run for ever before
+        # anything is printed, for rows no kernel takes (offs are int32).
+        raise ValueError(f"tokens x top_k = {tokens} x {top_k} routed rows; at most "
+                         f"{2**31 - 1} (offs are int32)")
     if sigma < 0 or not math.isfinite(sigma):
         raise ValueError(f"sigma must be a finite number >= 0; got {sigma}")
     weights = popularity(experts, sigma, seed)

@@ -373,6 +373,28 @@ def test_an_empty_only_is_refused_not_the_whole_suite(
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--out", "{folder}"], "error: --out {folder}: is a folder, not a file"),
+    (["--out", "{folder}/b.json", "--png", "{folder}"],
+     "error: --png {folder}: is a folder, not a file"),
+    (["--out", "{folder}/b.json", "--isolate", "--timeout", "-1"],
+     "error: --timeout must be positive"),
+    (["--out", "{folder}/b.json", "--timeout", "nan"], "error: --timeout must be positive")])
+def test_bad_out_png_and_timeout_are_refused_before_the_suite_runs(
+        argv: list[str], words: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # --out naming a folder ran the whole suite and then died in a traceback renaming
+    # <out>.tmp onto the folder (leaving the .tmp behind); --isolate --timeout -1 "timed out"
+    # every shape at once and exited 0.
+    folder = tmp_path / "results"
+    folder.mkdir()
+    argv = [a.format(folder=folder) for a in argv]
+    assert bench.main(["--smoke", "--only", "uniform", "--quiet", *argv]) == 2
+    assert capsys.readouterr().err == words.format(folder=folder) + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+    assert list(folder.iterdir()) == []
+
+
 def test_failing_and_wrong_implementations_are_recorded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -387,8 +409,9 @@ def test_failing_and_wrong_implementations_are_recorded(
     monkeypatch.setattr(bench_suite, "_build_bmm", boom)
     monkeypatch.setattr(ops, "grouped_mm", lazy)  # writes nothing: must fail the check
     out = tmp_path / "b.json"
+    # (exit 1: our rows failed; the run still finishes and records every row)
     assert bench.main(["--smoke", "--only", "uniform,moe-down", "--no-variants", "--quiet",
-                       "--png", "none", "--no-table", "--out", str(out)]) == 0
+                       "--png", "none", "--no-table", "--out", str(out)]) == 1
     doc = _load(out)
     rows = {(r["shape"], r["impl"]): r for r in doc["results"]}
     assert rows[("uniform", "torch.bmm")]["status"] == "error"
@@ -504,3 +527,20 @@ def test_quack_tuned_choice_reads_the_autotuners_pick(monkeypatch: pytest.Monkey
     assert bench_suite._quack_tuned_choice() == str(Pick())
     iface.gemm_tuned = types.SimpleNamespace()  # a QuACK that keeps no pick
     assert bench_suite._quack_tuned_choice() is None
+
+
+def test_exit_status_says_whether_one_of_our_rows_failed(capsys: pytest.CaptureFixture[str]):
+    # A script running the bench sees our failures in the exit status (they are in the JSON
+    # too); a peer that cannot run here is not one.
+    from benchmarks.runner import our_failures
+
+    ok = {"shape": "s", "impl": "moe_gemm", "peer": False, "status": "ok", "ms": 1.0}
+    peer_down = {"shape": "s", "impl": "QuACK", "peer": True, "status": "error", "error": "x"}
+    wrong = {"shape": "t", "impl": "moe_gemm", "peer": False, "status": "error",
+             "error": "wrong result: relative error 0.5 > 0.01"}
+    assert our_failures({"results": [ok, peer_down]}) == []
+    assert bench._exit_status({"results": [ok, peer_down]}) == 0
+    assert our_failures({"results": [ok, wrong]}) == [
+        "t: moe_gemm: wrong result: relative error 0.5 > 0.01"]
+    assert bench._exit_status({"results": [ok, wrong, peer_down]}) == 1
+    assert "failed: t: moe_gemm: wrong result" in capsys.readouterr().err

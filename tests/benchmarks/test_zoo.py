@@ -342,3 +342,15 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_case(tmp_path, capsys):
+    # --out naming a folder ran every case, then failed renaming <out>.tmp onto the folder
+    # (and left the .tmp file behind).
+    folder = tmp_path / "results"
+    folder.mkdir()
+    assert zoo.main(["--smoke", "--quiet", "--models", "OLMoE-1B-7B", "--tokens", "1",
+                     "--out", str(folder), "--png", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {folder}: is a folder, not a file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]

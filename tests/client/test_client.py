@@ -503,6 +503,11 @@ def test_constructor_validation():
         mgc.Client(max_retries=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout"):
         mgc.Client(timeout=0)
+    for bad in (float("nan"), float("inf")):  # not at the first request, deep in httpx
+        with pytest.raises(ValueError, match="timeout must be finite"):
+            mgc.Client(timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be finite"):
+            mgc.AsyncClient(timeout=bad)
     with pytest.raises(TypeError, match="api_key"):
         mgc.Client(api_key=123)  # type: ignore[arg-type]
     c = mgc.Client(timeout=None)
@@ -523,6 +528,9 @@ def test_bad_per_call_options(mode):
             run(client, "grouped_mm", "l0", x, counts=[1], **kwargs)
     with pytest.raises(TypeError):
         run(client, "list_weights", request_id=5)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="timeout must be finite"):
+            run(client, "list_weights", timeout=bad)
 
 
 def test_context_managers_close_owned_clients_only():

@@ -112,6 +112,13 @@ def test_shape_values_past_int32_are_refused_at_once(item, capsys):
         "2147483647\n")
 
 
+@pytest.mark.parametrize("tokens", ["99999999999999", "16,268435456"])
+def test_zoo_tokens_past_int32_rows_are_refused_at_once(tokens, capsys):
+    # (tokens x top_k rows drawn token by token: --list used to hang, printing nothing)
+    assert cli.main(["--zoo", "--models", "DeepSeek-V3", "--tokens", tokens, "--list"]) == 2
+    assert "routed rows; at most 2147483647 (offs are int32)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("rounds", ["0", "-3"])
 def test_rounds_must_be_positive(rounds, capsys):
     assert cli.main(["--shapes", "8,512,256,64", "--rounds", rounds]) == 2
