@@ -145,6 +145,10 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is None or self._drain_task is not None or self.should_exit:
             super().handle_exit(sig, frame)  # second signal: stop now
+            if self._loop is not None:
+                # uvicorn's own first signal would wait for open connections up to the
+                # graceful-shutdown timeout (--drain-timeout-s), then drain again
+                self.force_exit = True
             return
         # A signal handler runs in whatever context the main thread is in when the signal
         # lands, often a request's task: its request id would tag the drain's log lines. The

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import errno
 
+from .errors import APIError
+
 # sysexits' EX_SOFTWARE: "an internal software error has been detected"; any non-zero code
 # restarts the process under a supervisor, this one tells the cause in `echo $?`.
 EXIT_DEVICE_FAILED = 70
@@ -66,15 +68,20 @@ NO_SPACE_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", N
 def device_failure(exc: BaseException) -> str | None:
     """A one-line description if `exc` is a sticky device error, else None.
 
-    Follows __cause__ / __context__ (an engine wrapper may re-raise the CUDA error).
+    Follows __cause__ / __context__ (an engine wrapper may re-raise the CUDA error). The
+    server's own refusals (APIError, and what they were raised from) and filesystem errors
+    are never device errors, and their text holds what a client chose (a tensor's or a set's
+    name, a path): a chain is not read past an APIError, nor an OSError's text.
     """
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if isinstance(e, APIError):
+            return None
         text = f"{type(e).__name__}: {e}"
         low = text.lower()
-        if any(p in low for p in _STICKY):
+        if not isinstance(e, OSError) and any(p in low for p in _STICKY):
             return text.splitlines()[0][:300]
         e = e.__cause__ or e.__context__
     return None

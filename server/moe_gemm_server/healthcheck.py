@@ -10,6 +10,7 @@ precedence: flag > MOE_GEMM_* variable > default. So `docker run IMAGE --port 90
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -78,13 +79,25 @@ def ready_url(args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
     host = _LOOPBACK.get(host, host)
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}/v2/health/ready"
+    # a server given a certificate serves HTTPS only: a plain-HTTP probe never gets an answer
+    tls = parsed.ssl_certfile if parsed.ssl_certfile is not None else env.get(
+        "MOE_GEMM_SSL_CERTFILE")
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{host}:{port}/v2/health/ready"
 
 
 def probe(url: str, timeout: float = 3.0) -> tuple[bool, str]:
-    """(ready, what was seen) for one GET of `url`."""
+    """(ready, what was seen) for one GET of `url`. An https URL is the server's own port on
+    this host: its certificate (often self-signed, and not issued for the loopback address) is
+    not verified."""
+    context = None
+    if url.startswith("https:"):
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - local URL
+        with urllib.request.urlopen(url, timeout=timeout,  # noqa: S310 - local URL
+                                    context=context) as r:
             return r.status == 200, f"{r.status}"
     except urllib.error.HTTPError as e:
         return False, f"{e.code} {e.read(300).decode(errors='replace')}"

@@ -47,6 +47,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         version=__version__,
         summary="Batched grouped-GEMM inference against resident MoE expert weights",
         lifespan=lifespan,
+        # No /docs, /redoc or /openapi.json: they would answer without a key and while
+        # starting or draining, outside the contract of docs/HTTP-API.md (app.openapi() stays).
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.service = service
 

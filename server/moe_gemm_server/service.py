@@ -32,7 +32,7 @@ from .config import Settings
 from .errors import APIError, unavailable, unprocessable
 from .faults import device_failure
 from .metrics import Metrics, StatsBook
-from .service_weights import WeightsMixin
+from .service_weights import WeightsMixin, resident_nbytes
 from .storage import WeightStore
 from .sync import StoreWatcher
 
@@ -136,7 +136,7 @@ class Service(WeightsMixin):
         fid = self.watcher.file_id(name)  # before reading: a later rewrite is noticed
         try:
             tensor, layout, scale = await asyncio.to_thread(self.store.load, name)
-            self._check_budget(name, tensor.numel() * tensor.element_size())
+            self._check_budget(name, resident_nbytes(tensor, scale))
             await asyncio.to_thread(functools.partial(self.engine.add_weights, name, tensor,
                                                       layout, scale=scale))
             self.watcher.record(name, fid)

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from starlette.requests import Request
 
 from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
@@ -92,7 +93,7 @@ class WeightsMixin:
                 raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
                                     "(application/octet-stream) or application/json")
             tensor, layout, scale = await asyncio.to_thread(read_weight_file, temp, True)
-            nbytes = tensor.numel() * tensor.element_size()
+            nbytes = resident_nbytes(tensor, scale)
             self._check_budget(name, nbytes)
             self._reserved_bytes += nbytes  # no await since the check: admission is atomic
             try:
@@ -167,6 +168,12 @@ class WeightsMixin:
             raise APIError(404, f"unknown weight set {name!r}")
         self.stats.forget(name, None if ws is None else ws.version)
         log.info("weight set %r deleted", name)
+
+
+def resident_nbytes(tensor: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The bytes a set will hold once resident, as WeightSet.nbytes counts them: the tensor
+    and an FP8 set's float32 scale (what --max-resident-bytes budgets)."""
+    return tensor.numel() * tensor.element_size() + (0 if scale is None else scale.numel() * 4)
 
 
 def _check_no_encoding(request: Request) -> None:

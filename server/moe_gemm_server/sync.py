@@ -23,6 +23,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .errors import APIError
+from .service_weights import resident_nbytes
 from .storage import FileId, file_id_of
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class StoreWatcher:
         assert svc.engine is not None and svc._weights_lock is not None
         try:
             tensor, layout, scale = await asyncio.to_thread(svc.store.load, name)
-            svc._check_budget(name, tensor.numel() * tensor.element_size())
+            svc._check_budget(name, resident_nbytes(tensor, scale))
             ws = await asyncio.to_thread(functools.partial(svc.engine.prepare_weights, name,
                                                            tensor, layout, scale=scale))
         except FileNotFoundError:

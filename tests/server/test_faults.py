@@ -22,6 +22,7 @@ from moe_gemm_server import Settings, create_app
 from moe_gemm_server import service_weights as service_mod
 from moe_gemm_server import storage as storage_mod
 from moe_gemm_server.engine import Engine, EngineOutOfMemory
+from moe_gemm_server.errors import APIError
 from moe_gemm_server.faults import EXIT_DEVICE_FAILED, device_failure, is_no_space
 
 ILLEGAL = "CUDA error: an illegal memory access was encountered"
@@ -59,9 +60,52 @@ def test_sticky_error_found_through_the_cause_chain() -> None:
     RuntimeError("CUDA error: out of memory"),
     ValueError("x must be (T, K) = (T, 8)"),
     OSError(errno.ENOSPC, "No space left on device"),
+    # client-chosen text in the server's own refusals and in paths is no device error
+    APIError(422, "expected one tensor, 'w' (E, K, N) or 'w_t' (E, N, K); got "
+                  "['illegal address']"),
+    APIError(507, "weight set 'illegal_address' needs 4096 bytes"),
+    OSError(errno.ENOENT, "No such file or directory", "/data/launch_failed.safetensors"),
 ])
 def test_recoverable_errors_are_not_sticky(exc: BaseException) -> None:
     assert device_failure(exc) is None
+
+
+def test_a_refusal_is_not_read_through_its_context() -> None:
+    try:
+        try:
+            raise ValueError("input_value='device-side assert triggered'")  # (pydantic's text)
+        except ValueError:
+            raise APIError(400, "'w' must be a rectangular 3-D nested list of numbers") from None
+    except APIError as refusal:
+        assert device_failure(refusal) is None
+
+
+def test_uploads_naming_a_sticky_error_are_refused_not_fatal(tmp_path: Path) -> None:
+    """A client's tensor name or set name that reads like a CUDA error is a 4xx, not a
+    device failure: the server stays ready (it used to exit 70, and to fail every restart)."""
+    settings = Settings(data_dir=tmp_path, max_resident_bytes=1000)
+    with TestClient(create_app(settings, engine=Engine("cpu", warmup_rows=[1]))) as client:
+        _wait_ready(client)
+        r = client.put("/v1/weights/x", content=st_body({"illegal address": torch.ones(1)}))
+        assert r.status_code == 422, r.text
+        r = client.put("/v1/weights/x", content=b"{}",
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 422
+        r = client.put("/v1/weights/x", json={"w": [[["device-side assert triggered"]]]})
+        assert r.status_code == 400, r.text
+        r = client.put("/v1/weights/illegal_address",
+                       content=st_body({"w": torch.randn(4, 16, 16)}))  # over the budget
+        assert r.status_code == 507, r.text
+        assert client.app.state.service.fatal_error is None
+        assert client.get("/v2/health/ready").status_code == 200
+    # a stored set that cannot load is skipped at start, whatever its name
+    (tmp_path / "launch_failed.safetensors").write_bytes(
+        st_body({"w": torch.randn(4, 16, 16)}))
+    app = create_app(settings, engine=Engine("cpu", warmup_rows=[1]))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert app.state.service.fatal_error is None
+        assert "resident budget" in app.state.service.load_errors["launch_failed"]
 
 
 def test_no_space_errors() -> None:

@@ -156,6 +156,26 @@ def test_http_upload_persist_and_serve_fp8(tmp_path):
         assert_fp8_close(st_load(r.content)["y"], want)
 
 
+def test_resident_budget_counts_the_fp8_scale(tmp_path):
+    """--max-resident-bytes budgets what a set holds (WeightInfo "bytes"), its scale included:
+    a set whose tensor fits but whose tensor and scale do not is 507, at upload and at start."""
+    tensor, scale, _, _ = _weights("row", "w")  # E*K*N fp8 bytes + E*N float32 scales
+    held = tensor.numel() + scale.numel() * 4
+    settings = Settings(data_dir=tmp_path, max_resident_bytes=held - 1)
+    with TestClient(create_app(settings)) as client:
+        _wait_ready(client)
+        r = client.put("/v1/weights/f", content=st_body({"w": tensor, "scale": scale}))
+        assert r.status_code == 507, r.text
+        assert f"needs {held} bytes" in r.json()["error"]
+    (tmp_path / "f.safetensors").write_bytes(st_body({"w": tensor, "scale": scale}))
+    with TestClient(create_app(settings)) as client:
+        _wait_ready(client)
+        assert client.get("/v1/weights").json()["weights"] == []
+    with TestClient(create_app(Settings(data_dir=tmp_path, max_resident_bytes=held))) as client:
+        _wait_ready(client)
+        assert client.get("/v1/weights/f").json()["bytes"] == held
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["block", "row"])
 def test_engine_serves_fp8_sets_on_the_gpu(granularity):

@@ -33,6 +33,11 @@ def test_flag_wins_over_variable_wins_over_default():
     assert ready_url(["--host", "10.1.2.3"], {}) == "http://10.1.2.3:8000/v2/health/ready"
     with pytest.raises(ValueError):
         ready_url([], {"MOE_GEMM_PORT": "http"})
+    # a server with a certificate serves HTTPS only (flag or variable)
+    assert ready_url(["--port", "9000", "--ssl-certfile", "c.pem"], {}) == \
+        "https://127.0.0.1:9000/v2/health/ready"
+    assert ready_url([], {"MOE_GEMM_SSL_CERTFILE": "/certs/c.pem"}) == \
+        "https://127.0.0.1:8000/v2/health/ready"
     with pytest.raises(ValueError):
         ready_url(["--port", "0"], {})
 

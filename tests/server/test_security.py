@@ -179,6 +179,16 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveS
         server.stop()
 
 
+def test_healthcheck_probes_a_tls_server(tls_server: tuple[LiveServer, str, Path]) -> None:
+    """The container health check follows the server to HTTPS (a self-signed certificate)."""
+    from moe_gemm_server.healthcheck import probe, ready_url
+
+    server, url, cert = tls_server
+    args = ["--port", str(server.port), "--ssl-certfile", str(cert)]
+    assert ready_url(args, {}) == f"{url}/v2/health/ready"
+    assert probe(ready_url(args, {})) == (True, "200")
+
+
 def test_https_client_round_trip(tls_server: tuple[LiveServer, str, Path]) -> None:
     from moe_gemm_client import Client
 

@@ -69,6 +69,18 @@ def test_every_route_but_the_probes_answers_503_while_draining(tmp_path):
         _check_every_route(client, "draining")
 
 
+def test_no_schema_or_docs_routes_outside_the_contract(tmp_path):
+    """FastAPI's /docs, /redoc and /openapi.json would answer without a key and while
+    starting or draining; the server does not serve them."""
+    with TestClient(create_app(Settings(data_dir=tmp_path / "d", api_key=["k"]))) as client:
+        _wait_ready(client)
+        for path in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"):
+            r = client.get(path)
+            assert r.status_code == 404, (path, r.status_code)
+            assert "no route" in r.json()["error"]
+        assert client.get("/v1/weights").status_code == 401
+
+
 class SlowStartEngine(Engine):
     def __init__(self) -> None:
         super().__init__("cpu")

@@ -199,3 +199,37 @@ def test_sigterm_drains_queued_work_then_exits(tmp_path):
     finally:
         server.stop()
     assert "draining" in server.log()
+
+
+def test_second_sigterm_stops_at_once(tmp_path):
+    """A second signal does not wait for a request still arriving (a body that trickles in,
+    byte by byte, never stalls long enough for --body-timeout-s), nor for the drain timeout."""
+    server = LiveServer(tmp_path / "data", "--drain-timeout-s", "20").start()
+    stop = threading.Event()
+    try:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"PUT /v1/weights/slow HTTP/1.1\r\nHost: x\r\nContent-Length: 100000"
+                     b"\r\n\r\n" + b"a" * 100)
+
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                try:
+                    sock.sendall(b"a")
+                except OSError:
+                    return
+
+        threading.Thread(target=trickle, daemon=True).start()
+        time.sleep(0.3)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "readiness never turned 503"
+            time.sleep(0.01)
+        assert server.proc.poll() is None  # the first signal waits for the upload
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 5, server.log()[-2000:]
+    finally:
+        stop.set()
+        server.stop()
