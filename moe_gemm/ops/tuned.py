@@ -25,9 +25,11 @@ bucket = round(log2 r), so bucket b covers r in [2^(b-0.5), 2^(b+0.5)).
 
 A table for another device, in another format, or that is not valid JSON is ignored with one
 warning, never an error: a table only ever picks among configs that compute the same result
-(GemmConfig validates every entry; an entry naming a tile this build lacks is skipped). The
-online cache (cache_root()/tuned/<slug>.json) records the library, DSL, driver, device and
-kernel-source versions and is ignored when any differs. MOE_GEMM_TUNED_TABLES=0 turns all
+(GemmConfig validates every entry; an entry naming a tile this build lacks, or stages that do
+not fit in shared memory, is skipped). The online cache (cache_root()/tuned/<slug>.json)
+records the library, DSL, driver, device and kernel-source versions and is ignored when any
+differs; with MOE_GEMM_DISK_CACHE=0, or where that file cannot be written, online results are
+kept in memory (this process) instead. MOE_GEMM_TUNED_TABLES=0 turns all
 tables off (rules only), for A/B comparisons.
 """
 
@@ -221,6 +223,31 @@ def config_fields(raw: Any) -> tuple[tuple[str, Any], ...]:
     return normalize(raw)
 
 
+@functools.lru_cache(maxsize=256)
+def stages_fit(fields: tuple[tuple[str, Any], ...], dtype: str, out_dtype: str) -> bool:
+    """Whether validated tuned fields' pinned stages fit in shared memory beside the epilogue
+    for these operand and output dtypes (the kernel's own rule: it refuses a depth that does
+    not fit, so a table naming one is skipped like a tile this build lacks)."""
+    cfg = dict(fields)
+    if not cfg.get("stages"):
+        return True
+    from moe_gemm.kernels.sm90.constants import config_stage_limit
+
+    bits = {name: 8 * _ITEMSIZE.get(name, 1 if name.startswith("float8") else 2)
+            for name in (dtype, out_dtype)}
+    return cfg["stages"] <= config_stage_limit(
+        cfg["schedule"], cfg["tile_m"], cfg["tile_n"], bool(cfg.get("whole_epilogue")),
+        bits[dtype], bits[out_dtype], want=cfg["stages"])
+
+
+def entry_fields(raw: dict, key: Key) -> tuple[tuple[str, Any], ...]:
+    """The validated tuned fields of entry `raw` for `key` (raises TableError when unusable)."""
+    fields = config_fields(raw.get("config"))
+    if not stages_fit(fields, key.dtype, key.out_dtype):
+        raise TableError(f"{dict(fields)['stages']} stages do not fit in shared memory")
+    return fields
+
+
 def key_of(raw: dict) -> Key:
     try:
         key = Key(str(raw["form"]), str(raw["dtype"]), str(raw.get("out_dtype", raw["dtype"])),
@@ -246,6 +273,8 @@ def parse_table(doc: Any, path: str, device: str,
     entries = doc.get("entries")
     if not isinstance(entries, list):
         raise TableError("entries is not a list")
+    if not isinstance(doc.get("versions") or {}, dict):
+        raise TableError("versions is not an object")
     table = Table(path, device, {}, versions=dict(doc.get("versions") or {}))
     for raw in entries:
         try:
@@ -253,7 +282,7 @@ def parse_table(doc: Any, path: str, device: str,
                 raise TableError("entry is not an object")
             key = key_of(raw)
             us = raw.get("us")
-            table.entries[key] = (config_fields(raw.get("config")),
+            table.entries[key] = (entry_fields(raw, key),
                                   float(us) if isinstance(us, (int, float)) else None)
         except TableError:
             table.skipped += 1
@@ -283,7 +312,7 @@ def parse_samples(raw: Any) -> list[TimedShape]:
             fields = known[raw_cfg]
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
             continue
-        if fields is None:
+        if fields is None or not stages_fit(fields, shape[1], shape[2]):
             continue
         if shape[0] not in FORMS or min(shape[3:6]) <= 0 or shape[6] < 0 or not us > 0:
             continue
@@ -390,6 +419,18 @@ def _user(path: str, mtime: float, device: str) -> Table | None:
     return _read(Path(path), device, None)
 
 
+# Online-autotune results kept in this process only (device -> table document): with the disk
+# cache off (MOE_GEMM_DISK_CACHE=0), or where the cache file cannot be written.
+_memory: dict[str, dict[str, Any]] = {}
+MEMORY_SOURCE = "(online autotune, in memory)"
+
+
+@functools.lru_cache(maxsize=8)
+def _in_memory(device: str, generation: int) -> Table | None:
+    doc = _memory.get(device)
+    return None if doc is None else parse_table(doc, MEMORY_SOURCE, device)
+
+
 @functools.lru_cache(maxsize=8)
 def _online(path: str, generation: int, device: str) -> Table | None:
     from moe_gemm.ops.versions import runtime_versions
@@ -432,6 +473,8 @@ def tables_for(device: str) -> list[Table]:
                 found.append(_user(path, mtime, device))
         if env_switch("MOE_GEMM_DISK_CACHE"):
             found.append(_online(str(online_path(device)), _generation, device))
+        if device in _memory:
+            found.append(_in_memory(device, _generation))
         found.append(_shipped(device))
         return [t for t in found if t is not None]
 
@@ -482,9 +525,10 @@ def lookup(device: str, key: Key, rows: int, nsm: int,
 
 def clear_caches() -> None:
     """Forget every parsed table (tests; a process never sees a shipped table change)."""
-    for fn in (_shipped, _user, _online, _has_form):
+    for fn in (_shipped, _user, _online, _in_memory, _has_form):
         fn.cache_clear()
     _picks.clear()
+    _memory.clear()
 
 
 def bump_generation() -> None:

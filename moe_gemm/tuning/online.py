@@ -8,7 +8,8 @@ synchronizes) on fresh random operands of the same shapes, the same search as `m
 within MOE_GEMM_AUTOTUNE_BUDGET_S seconds (default 30, compiles included). The winner goes into
 the online cache (cache_root()/tuned/<device>.json, with library, DSL, driver, device and
 kernel-source versions; an entry from other versions is ignored) and the plan is built from
-it. A capturing stream never tunes (the plan then uses what the tables and rules say), so
+it (MOE_GEMM_DISK_CACHE=0, or a cache folder that cannot be written: kept in memory, for this
+process). A capturing stream never tunes (the plan then uses what the tables and rules say), so
 tuning never lands on the hot path of a captured graph. A shape that failed to tune (out of
 memory, nothing compiled) is not retried in the same process.
 
@@ -153,7 +154,13 @@ def _ensure(device: torch.device, key: tuned.Key, rows: int, make_shape) -> None
                           f"{exc}); using the tables and rules", RuntimeWarning, stacklevel=4)
             return
         if entry is not None:
-            store(name, nsm, entry, samples)
+            try:
+                store(name, nsm, entry, samples)
+            except OSError as exc:  # a cache folder that cannot be written: never fail a call
+                path = tuned.online_path(name)
+                tuned._warn_once(f"{path}:write", f"cannot write the online autotune cache "
+                                 f"{path} ({exc}); results are kept in memory")
+                remember(name, nsm, entry, samples)
 
 
 def _tune(shape, device: torch.device, name: str):
@@ -177,12 +184,30 @@ def _tune(shape, device: torch.device, name: str):
     return res.entry(), res.samples()
 
 
-def store(device: str, nsm: int, entry: dict, samples: list[dict]) -> Path:
-    """Add an entry to the online cache (locked, atomic) and make lookups see it."""
-    import json
-
+def remember(device: str, nsm: int, entry: dict, samples: list[dict]) -> None:
+    """Add an entry to this process's in-memory online results and make lookups see it."""
     from moe_gemm.tuning import table_io
 
+    with tuned._lock:
+        doc = tuned._memory.get(device) or table_io.new_table(
+            device, nsm, runtime_versions(device), {})
+        table_io.add_result(doc, entry, samples)
+        tuned._memory[device] = doc
+    tuned.bump_generation()
+    heuristics.clear_caches()
+
+
+def store(device: str, nsm: int, entry: dict, samples: list[dict]) -> Path | None:
+    """Add an entry to the online cache (locked, atomic) and make lookups see it; with the disk
+    cache off (MOE_GEMM_DISK_CACHE=0), to this process's memory only (returns None)."""
+    import json
+
+    from moe_gemm.ops.kernel_cache import disk_cache_enabled
+    from moe_gemm.tuning import table_io
+
+    if not disk_cache_enabled():
+        remember(device, nsm, entry, samples)
+        return None
     path = tuned.online_path(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     versions = runtime_versions(device)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from moe_gemm import config as cfgmod
 from moe_gemm.config import GemmConfig
-from moe_gemm.kernels.sm90.constants import TILE_K, ab_stage_limit, epilogue_staging
+from moe_gemm.kernels.sm90.constants import config_stage_limit
 from moe_gemm.ops.heuristics import KernelChoice, choice_fields
 
 # 5: a depth the default epilogue staging leaves no room for on the 40-42 KiB stages of
@@ -135,12 +135,9 @@ def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
 def _stage_limit(fields: Fields, out_itemsize: int, want: int | None = None) -> int:
     """The most A/B stages the kernel builds for these fields (constants.ab_stage_limit, the
     kernel's own rule); with `want`, counting a staging shrunk to make room for it."""
-    whole = bool(fields.get("whole_epilogue"))
-    # (The tuner leaves the cooperative subtile width at its default, 32 columns.)
-    subtile, buffers, groups = epilogue_staging(fields["schedule"], fields["tile_n"], 32, whole)
-    limit, _ = ab_stage_limit(fields["tile_m"], fields["tile_n"], TILE_K, 16, 8 * out_itemsize,
-                              subtile, buffers, groups, whole, want=want)
-    return limit
+    # (The tuner times 16-bit operands and leaves the cooperative subtile at its default.)
+    return config_stage_limit(fields["schedule"], fields["tile_m"], fields["tile_n"],
+                              bool(fields.get("whole_epilogue")), 16, 8 * out_itemsize, want)
 
 
 def kernel_identity(choice: KernelChoice, out_itemsize: int) -> KernelChoice:

@@ -103,8 +103,7 @@ def merge_into(doc: dict[str, Any], other: dict[str, Any]) -> int:
 def _valid_entry(e: Any) -> bool:
     """Whether the reader (moe_gemm.ops.tuned.parse_table) would use entry `e`."""
     try:
-        tuned.key_of(e)
-        tuned.config_fields(e.get("config"))
+        tuned.entry_fields(e, tuned.key_of(e))
     # OverflowError: a number JSON allows but no int holds (Infinity, 1e400).
     except (tuned.TableError, AttributeError, TypeError, OverflowError):
         return False

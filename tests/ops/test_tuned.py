@@ -147,7 +147,8 @@ def test_missing_user_table_warns_once(_isolated, tmp_path, monkeypatch):
     ({**table([entry()]), "entries": {"a": 1}}, "entries is not a list"),
     (b"\xff\xfe\x00\x81 not text", "not valid JSON"),  # (a UnicodeDecodeError escaped)
     ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # (RecursionError)
-    ({**table([entry()]), "versions": 5}, "does not parse as a table"),  # (a TypeError)
+    ({**table([entry()]), "versions": 5}, "versions is not an object"),  # (a TypeError)
+    ({**table([entry()]), "versions": [1, 2]}, "versions is not an object"),
 ])
 def test_corrupt_or_foreign_table_is_ignored_with_one_warning(_isolated, doc, why):
     ship(_isolated, doc)
@@ -159,6 +160,22 @@ def test_corrupt_or_foreign_table_is_ignored_with_one_warning(_isolated, doc, wh
     # ... and the heuristics fall back to the rules, same choice as with no table at all.
     assert choose_varlen(GemmConfig(), 16384, 64, 4096, 7168, 132, device=DEV) == \
         choose_varlen(GemmConfig(), 16384, 64, 4096, 7168, 132)
+
+
+def test_entries_and_samples_with_stages_that_do_not_fit_are_skipped(_isolated):
+    # GemmConfig takes stages up to 12; the kernel refuses a depth that does not fit in shared
+    # memory (ValueError at its construction), so such an entry would fail every call it
+    # answers: it is skipped with the table's one warning, and its sample never votes.
+    deep = {**COOP_128x192, "stages": 12}
+    fits = {**COOP_128x192, "stages": 4}
+    ship(_isolated, table([entry(bucket=1, config=deep), entry(bucket=2, config=fits)],
+                          samples=[{**entry(config=deep), "rows": 64}]))
+    with pytest.warns(RuntimeWarning, match="1 entries"):
+        assert tuned.lookup(DEV, key(bucket=2), 1, 132).how == "exact"
+    assert tuned.lookup(DEV, key(bucket=1), 1, 132) is None
+    assert tuned.tables_for(DEV)[0].timed == []
+    c = choose_varlen(GemmConfig(), 128, 64, 4096, 7168, 132, device=DEV)
+    assert c == choose_varlen(GemmConfig(), 128, 64, 4096, 7168, 132)
 
 
 def test_entries_this_build_cannot_use_are_skipped(_isolated):

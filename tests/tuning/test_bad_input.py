@@ -99,6 +99,14 @@ def test_merge_of_a_pathologically_nested_file_is_one_line(tmp_path, capsys):
     assert err.startswith(f"moe-gemm tune: --merge {deep}: ") and err.count("\n") == 1
 
 
+def test_merge_of_a_table_whose_versions_is_not_an_object_is_one_line(tmp_path, capsys):
+    src = _table(tmp_path, "v.json")
+    src.write_text(json.dumps({**json.loads(src.read_text()), "versions": [1, 2]}))
+    assert cli.main(["--merge", str(src), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moe-gemm tune: --merge {src}: versions is not an object\n"
+
+
 # --shapes and the run's options
 
 @pytest.mark.parametrize("item", ["8,512,256,2147483648", "8,512,4294967296,64",

@@ -190,6 +190,50 @@ def test_store_feeds_lookups_and_replaces_other_versions(monkeypatch):
     assert doc["versions"]["moe_gemm"] == "9.9" and [e["N"] for e in doc["entries"]] == [1024]
 
 
+def _online_entry():
+    return {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": 8, "N": 512,
+            "K": 256, "bucket": 3, "rows": 64, "config": CONFIGS["mid"], "us": 12.0}
+
+
+def test_disk_cache_off_keeps_online_results_in_memory(monkeypatch, tmp_path):
+    # MOE_GEMM_DISK_CACHE=0: "online-tuned configs in memory only". They were written to disk
+    # anyway, and never read back (the reader skips the disk cache then): a wasted tune.
+    monkeypatch.setenv("MOE_GEMM_DISK_CACHE", "0")
+    key = tuned.Key("varlen", "bfloat16", "bfloat16", 8, 512, 256, 3)
+    assert online.store(DEV, 132, _online_entry(), []) is None
+    assert not tuned.online_path(DEV).exists()
+    hit = tuned.lookup(DEV, key, 64, 132)
+    assert hit.how == "exact" and hit.source == tuned.MEMORY_SOURCE
+    c = heuristics.choose_varlen(GemmConfig(), 64, 8, 512, 256, 132, device=DEV)
+    assert (c.schedule, c.tile_m, c.tile_n) == ("pingpong", 128, 192)
+
+
+def test_an_online_cache_that_cannot_be_written_does_not_fail_the_call(monkeypatch, tmp_path):
+    # A cache folder that cannot be created (here under a file): the tune's result stays in
+    # memory with one warning; the OSError used to escape grouped_mm (and the server's
+    # --tune-at-start weight upload) after the tune. (The GPU search is stubbed: host logic.)
+    import warnings
+
+    import torch
+
+    from moe_gemm import capability
+
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setattr(tuned, "_warned", set())
+    monkeypatch.setattr(online, "_attempted", set())
+    monkeypatch.setattr(capability, "device_name", lambda device=None: DEV)
+    monkeypatch.setattr(capability, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(online, "_tune", lambda shape, device, name: (_online_entry(), []))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        online.tune_once(torch.device("cpu"), 8, 512, 256, 64, [8] * 8)
+    assert sum("cannot write the online autotune cache" in str(w.message) for w in seen) == 1
+    key = tuned.Key("varlen", "bfloat16", "bfloat16", 8, 512, 256, 3)
+    assert tuned.lookup(DEV, key, 64, 132).source == tuned.MEMORY_SOURCE
+
+
 def test_varlen_shape_from_offs(monkeypatch):
     import torch
 

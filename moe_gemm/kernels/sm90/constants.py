@@ -156,6 +156,16 @@ def ab_stage_limit(tile_m: int, tile_n: int, tile_k: int, ab_bits: int, d_bits: 
     return stages, buffers
 
 
+def config_stage_limit(schedule: str, tile_m: int, tile_n: int, whole_epilogue: bool,
+                       ab_bits: int, d_bits: int, want: int | None = None) -> int:
+    """The most A/B stages the plain kernel builds for a config as a tuned table or the tuner
+    names it (the cooperative subtile at its default 32 columns), counting a staging shrunk to
+    make room for `want`: ab_stage_limit for that config."""
+    subtile, buffers, groups = epilogue_staging(schedule, tile_n, 32, whole_epilogue)
+    return ab_stage_limit(tile_m, tile_n, TILE_K, ab_bits, d_bits, subtile, buffers, groups,
+                          whole_epilogue, want=want)[0]
+
+
 def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
     """Why the kernel cannot build this tile for this schedule, or None if it can.
 
