@@ -87,6 +87,8 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
                           "list of numbers") from None
     if arr.size == 0 and count == 0:
         return torch.empty(0, dtype=dtype)
+    if arr.dtype.kind == "O" and dtype.is_floating_point:
+        arr = _big_ints_as_floats(inp, arr)
     allowed = "b" if dtype == torch.bool else ("iuf" if dtype.is_floating_point else "iu")
     if arr.dtype.kind not in allowed or (dtype != torch.bool and _holds_bools(data)):
         kind = "booleans" if dtype == torch.bool else "numbers"
@@ -108,6 +110,20 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
             raise bad_request(f"input {inp.name!r}: {bad} does not fit {inp.datatype}")
     return torch.from_numpy(flat.astype(np.float64 if dtype.is_floating_point else np.int64)
                             ).to(dtype)
+
+
+def _big_ints_as_floats(inp: V2Input, arr: np.ndarray) -> np.ndarray:
+    """A float input's values as float64 where numpy kept Python objects: a JSON integer beyond
+    the int64 range (1e30 written out in digits) is a number like any other. Anything else
+    (null, a string, an object) stays an object array, which the caller refuses."""
+    flat = arr.reshape(-1).tolist()
+    if not all(type(v) in (int, float) for v in flat):
+        return arr
+    try:
+        return np.array(flat, dtype=np.float64).reshape(arr.shape)
+    except OverflowError:
+        raise bad_request(f"input {inp.name!r}: a value in 'data' does not fit "
+                          f"{inp.datatype}") from None
 
 
 def _holds_bools(data: Any) -> bool:

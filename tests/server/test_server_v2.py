@@ -194,6 +194,31 @@ def test_raw_json_infer_nested_and_flat(main_server, models):
                       headers=auth()).status_code == 404
 
 
+def test_raw_json_float_data_with_integers_beyond_int64(main_server, models):
+    """A JSON integer is a number for a float input whatever its size: 10**20 written out in
+    digits (beyond int64, where numpy keeps Python objects) answers as 1e20 does."""
+    x, c = _case(2, torch.float32, 9)
+    answers = []
+    for big in (10**20, 1e20, -(10**19), -1e19):
+        data = x.flatten().tolist()
+        data[0] = big
+        req = {"inputs": [{"name": "x", "shape": [2, K], "datatype": "FP32", "data": data},
+                          {"name": "counts", "shape": [E], "datatype": "INT32",
+                           "data": c.tolist()}]}
+        r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/infer",
+                       content=json.dumps(req).encode(), headers=auth())
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["outputs"][0]["data"])
+    assert answers[0] == answers[1] and answers[2] == answers[3]
+    for bad in (10**400, None, "1"):  # no float holds 10**400; null and strings stay refused
+        data = [10**20] + x.flatten().tolist()[1:]
+        data[1] = bad
+        req["inputs"][0]["data"] = data
+        r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/infer",
+                       content=json.dumps(req).encode(), headers=auth())
+        assert r.status_code == 400, r.text
+
+
 def test_raw_binary_infer_and_binary_output(main_server, models):
     x, c = _case(10, torch.float32, 8)
     xb, cb = x.numpy().tobytes(), c.numpy().tobytes()
