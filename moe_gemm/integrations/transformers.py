@@ -300,3 +300,9 @@ def hf_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
     if isinstance(act_fn, nn.GELU):
         return "gelu" if act_fn.approximate == "none" else "gelu_tanh"
     return act_fn
+
+
+# `import moe_gemm` asked for the registration (moe_gemm.integrations.register_transformers_
+# lazily). When this module is what first imports transformers' MoE module, the import hook
+# fires inside the import above and cannot import this half-made module: register now.
+register()

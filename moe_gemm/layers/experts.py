@@ -171,11 +171,15 @@ def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_g
     a = gate_fn(h)  # (S, I)
     y = grouped_mm(a, w_down, perm.offs, config=config)  # (S, H)
     if bias_down is not None:
-        y = y + bias_down.index_select(0, expert).to(y.dtype)
+        b = bias_down.index_select(0, expert).to(y.dtype)
+        if not perm.all_valid:  # (dropped slots' rows: no bias, see below)
+            b = b.masked_fill((perm.sorted_expert >= E).unsqueeze(1), 0)
+        y = y + b
     if post_fn is not None:
         y = post_fn(y)
     # Dropped slots (ids outside [0, E)) get weight 0. Their rows of y are finite (grouped_mm
-    # leaves rows past offs[-1] zero; a bias or norm keeps them finite), so they add nothing.
+    # leaves rows past offs[-1] zero and no bias reaches them, so a non-finite bias of expert
+    # E - 1 cannot make 0 * inf = NaN; a norm keeps zeros finite), so they add nothing.
     w = perm.drop_masked(topk_weights).to(y.dtype)
     return combine_rows(y, perm.row_of_slot, w)
 

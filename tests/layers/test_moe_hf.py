@@ -333,6 +333,27 @@ def test_expert_parallel_sentinels_are_dropped() -> None:
     assert rel_err(out, out_masked) < 1e-5
 
 
+def test_expert_parallel_sentinels_never_take_a_bias() -> None:
+    # A dropped slot's row (past offs[-1]) must not get expert E - 1's down bias: a non-finite
+    # value there made 0 * inf = NaN in tokens that never visited that expert.
+    register_transformers()
+    config = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=8,
+                          num_experts_per_tok=2)
+    experts = _randomize(GptOssExperts(config), seed=7, scale=0.3)
+    experts._is_expert_parallel = True
+    with torch.no_grad():
+        experts.down_proj_bias[7, 3] = float("inf")  # no token is routed to expert 7
+    x = torch.randn(4, 32)
+    ids = torch.tensor([[0, 8], [1, 2], [3, 8], [4, 5]])  # 8: an off-rank expert
+    w = torch.rand(4, 2)
+    for fused in (False, True):
+        experts.moe_gemm_fused = fused
+        out, ref = _experts_pair(experts, x, ids, w)
+        assert torch.isfinite(ref).all()
+        assert torch.isfinite(out).all(), f"fused={fused}"
+        assert rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~20 s on 2 cores
 def test_lazy_registration_on_transformers_import() -> None:
     # A fresh interpreter: the hook must register "moe_gemm" when transformers loads its MoE
@@ -356,6 +377,30 @@ def test_lazy_registration_on_transformers_import() -> None:
                             experts_implementation="moe_gemm")
         model = MixtralForCausalLM(cfg)
         assert model.config._experts_implementation == "moe_gemm"
+        print("ok")
+        """
+    )
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+        env=env,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~20 s on 2 cores
+def test_registration_when_the_integration_imports_transformers_first() -> None:
+    # `import moe_gemm`, then the integration module before transformers: its import of
+    # transformers' MoE module fires the hook while the integration is half-made; "moe_gemm"
+    # must still end up registered.
+    code = textwrap.dedent(
+        """
+        import sys
+        import moe_gemm
+        assert "transformers.integrations.moe" not in sys.modules
+        from moe_gemm.integrations.transformers import is_registered
+        assert is_registered()
         print("ok")
         """
     )
