@@ -7,7 +7,9 @@
 # Setup (scripts/setup.sh) runs again only when a packaging file changed since it last
 # succeeded for that interpreter (a stamp in .make/); `make reinstall` forces it.
 PYTHON ?= python3
-PORT ?= 8000
+# `make serve PORT=9000`: another port. Unset, the server's own settings apply (its
+# MOE_GEMM_PORT, MOE_GEMM_HOST and other MOE_GEMM_* variables), else 127.0.0.1:8000.
+PORT ?=
 
 ifdef PY
   ENV_CFG :=
@@ -55,7 +57,7 @@ $(VENV)/pyvenv.cfg:
 endif
 
 serve: setup
-	$(PY) -m moe_gemm_server --host 127.0.0.1 --port $(PORT)
+	$(PY) -m moe_gemm_server$(if $(PORT), --port $(PORT))
 
 check: setup
 	$(PY) -m moe_gemm.cli check

@@ -4,6 +4,7 @@ server or a GPU: the rejection reasons the metrics count, and the results files 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -44,3 +45,18 @@ def test_named_results_files_exist(page):
     names = set(re.findall(r"results/([A-Za-z0-9_.-]+\.(?:json|png))", text))
     missing = sorted(n for n in names if not (REPO / "benchmarks" / "results" / n).is_file())
     assert not missing, f"{page} names results files that are not in benchmarks/results/: {missing}"
+
+
+def test_expert_parallel_numbers_match_their_results_file():
+    # docs/DEPLOYING.md quotes the two-GPU run's range of forward time over the one-GPU
+    # experts' time (comm_overhead) and of the shared expert's overlap from 4096 tokens.
+    text = re.sub(r"-\s*\n\s*", "-", (REPO / "docs" / "DEPLOYING.md").read_text())
+    m = re.search(r"results/(expert-parallel-[A-Za-z0-9_.-]+\.json)`\)\s+the forward took\s+"
+                  r"([\d.]+)-([\d.]+)x.*?hidden behind dispatch\s+(\d+)-(\d+)% from (\d+) tokens",
+                  text, re.S)
+    assert m, "docs/DEPLOYING.md no longer quotes the expert-parallel run as this test expects"
+    rows = json.loads((REPO / "benchmarks" / "results" / m[1]).read_text())["rows"]
+    overhead = [r["comm_overhead"] for r in rows]
+    assert (float(m[2]), float(m[3])) == (round(min(overhead), 2), round(max(overhead), 2))
+    overlap = [r["overlap"] for r in rows if r["tokens_per_rank"] >= int(m[6])]
+    assert (int(m[4]), int(m[5])) == (round(100 * min(overlap)), round(100 * max(overlap)))

@@ -370,3 +370,23 @@ def test_make_cleans_up_a_failed_venv(repo_copy: Path, tmp_path: Path) -> None:
     out = _make(repo_copy, "setup", f"PYTHON={broken}")
     assert out.returncode != 0 and "apt install python3-venv" in out.stderr
     assert not (repo_copy / ".venv").exists() and _runs(repo_copy) == []
+
+
+@needs_make
+def test_make_serve_leaves_host_and_port_to_the_server_unless_port_is_given(
+        repo_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # MOE_GEMM_PORT / MOE_GEMM_HOST (server/README.md) reach `make serve`'s server: no flag of
+    # the Makefile overrides them (a flag wins over its variable).
+    monkeypatch.delenv("PORT", raising=False)
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "server-args: $*"\n')
+    fake.chmod(0o755)
+
+    def served(*args: str, **env: str) -> str:
+        out = _make(repo_copy, "serve", f"PY={fake}", *args, **env)
+        assert out.returncode == 0, out.stderr
+        return [line for line in out.stdout.splitlines() if line.startswith("server-args:")][-1]
+
+    assert served(MOE_GEMM_PORT="9100", MOE_GEMM_HOST="127.0.0.2") == \
+        "server-args: -m moe_gemm_server"
+    assert served("PORT=9000") == "server-args: -m moe_gemm_server --port 9000"
