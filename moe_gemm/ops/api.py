@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import DEFAULT_CONFIG, GemmConfig
 from moe_gemm.env import env_reader, env_switch, flag_on
-from moe_gemm.ops import custom_ops
+from moe_gemm.ops import custom_ops, tuned
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
 from moe_gemm.ops.heuristics import FAST_GATE_ENV, GATHER_WIDE_ENV, TAIL_SPLIT_ENV
@@ -80,10 +80,11 @@ RECENT_SCANS = 16
 MAX_SIGNATURES = 4
 _scans = 0
 
-# Switches a cached plan depends on: a change makes the next call miss its plan.
+# Switches a cached plan depends on: a change makes the next call miss its plan. (The tuned
+# tables' switches too: the heuristics key their own caches on them, tuned.state.)
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
                   TAIL_SPLIT_ENV, PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, SMEM_SCALES_ENV,
-                  GATHER_WIDE_ENV, FAST_GATE_ENV)
+                  GATHER_WIDE_ENV, FAST_GATE_ENV, tuned.TABLES_ENV, tuned.USER_TABLE_ENV)
 
 
 _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call

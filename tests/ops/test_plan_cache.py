@@ -326,3 +326,43 @@ def test_workspace_follows_the_plans_choice(cute: Recorder) -> None:
     ws = cute.calls[-1][7]
     total = split_workspace_bytes(plan.num_ctas, plan.choice.tile_m, plan.choice.tile_n)[2]
     assert ws.numel() * 8 >= total and bool((ws == 0).all())  # (counters start at zero)
+
+
+def test_switching_the_tuned_tables_reaches_a_cached_plan(cute, tmp_path, monkeypatch) -> None:
+    # MOE_GEMM_TUNED_TABLES (and MOE_GEMM_TUNED_TABLE) change the config a call launches, so
+    # a change between two calls of one signature must miss the cached plan (A/B runs in one
+    # process), as the other switches do.
+    import json
+
+    from moe_gemm.ops import heuristics, launch_kernel, tuned
+
+    dev = "NVIDIA Test GPU 80GB"
+    monkeypatch.setattr(launch_kernel, "_table_device", lambda device: dev)
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tuned, "TABLES_DIR", shipped)
+    entry = {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": 3, "N": 16,
+             "K": 32, "bucket": 3, "us": 1.0,
+             "config": {"schedule": "pingpong", "tile_m": 64, "tile_n": 256,
+                        "raster_panel": 8, "visitor": "device"}}
+    (shipped / f"{tuned.device_slug(dev)}.json").write_text(json.dumps(
+        {"format": tuned.FORMAT, "device": dev, "sm_count": 132, "entries": [entry]}))
+    tuned.clear_caches()
+    heuristics.clear_caches()
+    x = torch.randn(24, 32).to(BF16)
+    w = torch.randn(3, 16, 32).to(BF16).transpose(1, 2)
+    offs = torch.tensor([5, 5, 22], dtype=torch.int32)
+
+    def tile(switch: str) -> tuple[int, int]:
+        monkeypatch.setenv("MOE_GEMM_TUNED_TABLES", switch)
+        grouped_mm(torch.randn_like(x), w, offs)
+        return last_launch().choice.tile_m, last_launch().choice.tile_n
+
+    try:
+        assert tile("0") != (64, 256)  # the rules
+        assert tile("1") == (64, 256)  # the table's entry, though a plan of this call exists
+        assert tile("0") != (64, 256)
+    finally:
+        tuned.clear_caches()
+        heuristics.clear_caches()
