@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import env_flag, env_get
+from moe_gemm.env import EnvError, env_flag, env_get
 from moe_gemm.kernels.sm90.constants_fp8 import (
     FP8_TILE_K,
     fp8_tile_problem,
@@ -58,7 +58,8 @@ DEFAULT_SCALE_AHEAD = 3
 
 def scale_ahead_requested() -> int:
     """MOE_GEMM_FP8_SCALE_AHEAD as a stage count, 0 when unset or empty (the default: see
-    above). Raises ValueError for anything but an integer from 1 to SCALE_AHEAD_MAX."""
+    above). Raises EnvError (a ValueError) for anything but an integer from 1 to
+    SCALE_AHEAD_MAX."""
     raw = env_get(SCALE_AHEAD_ENV)
     if raw is None or not raw.strip():
         return 0
@@ -67,7 +68,7 @@ def scale_ahead_requested() -> int:
     except ValueError:
         ahead = 0
     if not 1 <= ahead <= SCALE_AHEAD_MAX:
-        raise ValueError(f"{SCALE_AHEAD_ENV} must be an integer from 1 to {SCALE_AHEAD_MAX} "
+        raise EnvError(f"{SCALE_AHEAD_ENV} must be an integer from 1 to {SCALE_AHEAD_MAX} "
                          f"(stages ahead the FP8 block scales are loaded); got {raw!r}")
     return ahead
 
@@ -99,13 +100,14 @@ STAGED_KB_MULTIPLE = 4
 
 def smem_scales_requested() -> bool | None:
     """MOE_GEMM_FP8_SMEM_SCALES as True / False, None when unset or empty (the default).
-    Raises ValueError for anything but 1 / 0 (or true / false, yes / no, on / off)."""
+    Raises EnvError (a ValueError) for anything but 1 / 0 (or true / false, yes / no, on /
+    off)."""
     raw = env_get(SMEM_SCALES_ENV)
     if raw is None or not raw.strip():
         return None
     value = raw.strip().lower()
     if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError(f"{SMEM_SCALES_ENV} must be 1 or 0 (FP8 block scales staged in shared "
+        raise EnvError(f"{SMEM_SCALES_ENV} must be 1 or 0 (FP8 block scales staged in shared "
                          f"memory, or loaded by the math threads); got {raw!r}")
     return value in ("1", "true", "yes", "on")
 

@@ -63,3 +63,16 @@ def test_torch_choices_read_any_case_and_refuse_other_words(monkeypatch, name):
     monkeypatch.setenv(name, "1")
     with pytest.raises(EnvError, match=f"{name}='1'"):
         env_choice(name, choices)
+
+
+@pytest.mark.parametrize("name,value", [("MOE_GEMM_FP8_SCALE_AHEAD", "7"),
+                                        ("MOE_GEMM_FP8_SMEM_SCALES", "sometimes")])
+def test_fp8_switches_refuse_other_values_as_env_errors(monkeypatch, name, value):
+    # EnvError, as every switch: the CLI turns it into one line naming the variable.
+    from moe_gemm.ops import heuristics_fp8
+
+    monkeypatch.setenv(name, value)
+    read = (heuristics_fp8.scale_ahead_requested if name.endswith("AHEAD")
+            else heuristics_fp8.smem_scales_requested)
+    with pytest.raises(EnvError, match=name):
+        read()
