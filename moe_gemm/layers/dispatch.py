@@ -130,6 +130,10 @@ class AllToAllDispatcher:
         static_splits: send T rows to every rank (no host read of the counts, graph
             capturable, W times the traffic) instead of exactly the rows each rank needs.
             Every rank must pass the same T (pad the tokens to it).
+
+    Raises:
+        RuntimeError: torch.distributed not initialized.
+        ValueError: this process is not a member of `group`.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, static_splits: bool = False):
@@ -140,6 +144,11 @@ class AllToAllDispatcher:
             )
         self.group = group
         self.rank = dist.get_rank(group)
+        if self.rank < 0:  # (get_rank and get_world_size return -1 outside the group)
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the "
+                "expert-parallel group: build the dispatcher on the group's ranks only"
+            )
         self.world_size = dist.get_world_size(group)
         self.static_splits = bool(static_splits)
 

@@ -270,6 +270,22 @@ def static_splits_need_one_token_count(rank: int, world: int) -> list[str]:
         return [] if "same token count on every rank" in str(e) else [f"unclear message: {e}"]
 
 
+@case
+def dispatcher_outside_its_group(rank: int, world: int) -> list[str]:
+    """A rank that is not in the group gets a clear error, not rank -1 and world size -1 (and
+    then a message about E being a multiple of the group size -1)."""
+    group = dist.new_group([0])  # (every rank calls new_group)
+    if rank == 0:
+        d = AllToAllDispatcher(group)
+        return [] if (d.rank, d.world_size) == (0, 1) else [f"member: {d!r}"]
+    try:
+        d = AllToAllDispatcher(group)
+        return [f"a rank outside the group was accepted: {d!r}"]
+    except ValueError as e:
+        return [] if "not a member of the expert-parallel group" in str(e) else [
+            f"unclear message: {e}"]
+
+
 def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
