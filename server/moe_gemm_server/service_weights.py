@@ -79,8 +79,11 @@ class WeightsMixin:
         assert self.engine is not None and self._weights_lock is not None
         check_name(name)
         _check_no_encoding(request)
-        temp = self.store.new_temp()
+        temps = contextlib.ExitStack()
         try:
+            # (held locked while the upload runs: a server starting on a shared directory
+            # removes only the temp files of crashed uploads, storage.cleanup_temp)
+            temp = temps.enter_context(self.store.temp_file())
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype == "application/json":
                 body = await read_body(request, self.settings.max_weight_bytes,
@@ -125,14 +128,14 @@ class WeightsMixin:
                 raise APIError(507, f"the data directory {self.store.root} is full "
                                     f"({e.strerror}); weight set {name!r} was not stored and "
                                     "its previous version, if any, is unchanged") from None
-            raise
+            raise storage_error(self.store.root, e, f"weight set {name!r} was not stored and "
+                                "its previous version, if any, is unchanged") from None
         except Exception as e:
             if self._check_fatal(e):
                 raise unavailable(f"not ready: {self.not_ready_reason}") from None
             raise
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
+            temps.close()
 
     def _check_budget(self, name: str, nbytes: int) -> None:
         """507 if a set of `nbytes` would take the resident sets past --max-resident-bytes
@@ -160,7 +163,11 @@ class WeightsMixin:
     async def delete_weights(self, name: str) -> None:
         assert self.engine is not None and self._weights_lock is not None
         async with self._weights_lock:
-            on_disk = await asyncio.to_thread(self.store.delete, name)
+            try:
+                on_disk = await asyncio.to_thread(self.store.delete, name)
+            except OSError as e:
+                raise storage_error(self.store.root, e, f"weight set {name!r} was not "
+                                    "deleted") from None
             ws = self.engine.remove_weights(name)
             self.watcher.record(name, None)
             self._update_weight_metrics()
@@ -168,6 +175,13 @@ class WeightsMixin:
             raise APIError(404, f"unknown weight set {name!r}")
         self.stats.forget(name, None if ws is None else ws.version)
         log.info("weight set %r deleted", name)
+
+
+def storage_error(root: Path, e: OSError, what: str) -> APIError:
+    """507 for a data directory that cannot be written (read-only, permissions, I/O error):
+    not a server bug (500), and the message says which directory and why."""
+    return APIError(507, f"the data directory {root} cannot be written "
+                         f"({e.strerror or type(e).__name__}); {what}")
 
 
 def resident_nbytes(tensor: torch.Tensor, scale: torch.Tensor | None) -> int:

@@ -10,10 +10,13 @@ hidden temp files a crash can leave behind never match a set name (names cannot 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -146,15 +149,52 @@ class WeightStore:
         """A fresh hidden temp path in the data directory (same filesystem as the sets)."""
         return self.root / f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}"
 
+    @contextlib.contextmanager
+    def temp_file(self) -> Iterator[Path]:
+        """A fresh, empty temp file, held under an exclusive flock until the block ends and
+        then removed (if it was not committed): cleanup_temp leaves it alone meanwhile."""
+        while True:
+            temp = self.new_temp()
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            with contextlib.suppress(OSError):  # (a file system without locks: as unlocked)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                # (a cleanup may have removed it between the open and the lock: take another)
+                if os.stat(temp).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:
+            yield temp
+        finally:
+            try:
+                temp.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+
     def cleanup_temp(self) -> int:
-        """Remove temp files left by a crash; returns how many."""
+        """Remove temp files left by a crash (those no live upload holds locked); returns how
+        many."""
         n = 0
         for p in self.root.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
             try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # an upload in progress, here or in a server sharing the directory
+                except OSError:
+                    pass  # (a file system without locks: removed, as unlocked)
                 p.unlink()
                 n += 1
             except FileNotFoundError:
                 pass
+            finally:
+                os.close(fd)
         if n:
             log.warning("removed %d partial upload(s) left in %s", n, self.root)
             _fsync_dir(self.root)
@@ -190,15 +230,12 @@ class WeightStore:
 
     def write(self, name: str, data: bytes) -> None:
         """Atomically store `data` as the set's file."""
-        temp = self.new_temp()
-        try:
+        with self.temp_file() as temp:
             with open(temp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             self.commit(temp, name)
-        finally:
-            temp.unlink(missing_ok=True)
 
     def delete(self, name: str) -> bool:
         """Remove the set's file durably; False if there was none."""

@@ -362,6 +362,61 @@ def test_disk_full_during_upload_keeps_the_previous_version(
         assert client.put("/v1/weights/w", content=st_body({"w": v2})).status_code == 200
 
 
+def test_read_only_data_dir_is_a_clear_507_and_changes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data directory that turned read-only (or lost its permissions) is 507 naming it,
+    for an upload and a delete alike, not a 500 "server bug"; the sets stay served."""
+    app = create_app(Settings(data_dir=tmp_path), engine=Engine("cpu", warmup_rows=[1]))
+    v1 = torch.randn(2, 64, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": v1})).status_code == 201
+
+        def read_only(*args: object, **kwargs: object) -> None:
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr(storage_mod.os, "replace", read_only)
+        r = client.put("/v1/weights/w", content=st_body({"w": torch.randn(2, 64, 32)}))
+        monkeypatch.undo()
+        assert r.status_code == 507, r.text
+        assert "cannot be written (Read-only file system)" in r.json()["error"]
+        assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+        monkeypatch.setattr(storage_mod.Path, "unlink", read_only)
+        r = client.delete("/v1/weights/w")
+        assert r.status_code == 507, r.text
+        assert "cannot be written" in r.json()["error"] and "not deleted" in r.json()["error"]
+        monkeypatch.undo()
+        x = torch.randn(4, 64)
+        y = st_load(_mm(client, "w", x, [2, 2]).content)["y"]
+        assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
+
+
+def test_a_server_starting_on_a_shared_dir_keeps_uploads_in_progress(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another server starting on the shared data directory (a replica restarted after a
+    crash) removes crashed uploads' temp files, not the one of an upload still running."""
+    app = create_app(Settings(data_dir=tmp_path), engine=Engine("cpu", warmup_rows=[1]))
+    (tmp_path / ".upload-crashed.tmp").write_bytes(b"half")
+    removed: list[int] = []
+    real = service_mod.read_weight_file
+
+    def replica_starts(path: Path, check_values: bool = False):  # type: ignore[no-untyped-def]
+        removed.append(storage_mod.WeightStore(tmp_path).cleanup_temp())
+        return real(path, check_values)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        (tmp_path / ".upload-crashed.tmp").write_bytes(b"half")
+        monkeypatch.setattr(service_mod, "read_weight_file", replica_starts)
+        v1 = torch.randn(2, 64, 32)
+        r = client.put("/v1/weights/w", content=st_body({"w": v1}))
+        monkeypatch.undo()
+        assert r.status_code == 201, r.text
+        assert removed == [1]
+        assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+        x = torch.randn(4, 64)
+        y = st_load(_mm(client, "w", x, [2, 2]).content)["y"]
+        assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
+
+
 def test_concurrent_puts_of_one_name_end_with_one_complete_set(main_server, admin) -> None:
     """Eight uploads of different tensors to one name at once: each is acknowledged, exactly
     one created it, and memory and disk hold the same one of them, whole."""
