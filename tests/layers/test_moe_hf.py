@@ -380,13 +380,7 @@ def test_lazy_registration_on_transformers_import() -> None:
         print("ok")
         """
     )
-    root = str(pathlib.Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
-        env=env,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    _run_fresh(code)
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~20 s on 2 cores
@@ -404,6 +398,11 @@ def test_registration_when_the_integration_imports_transformers_first() -> None:
         print("ok")
         """
     )
+    _run_fresh(code)
+
+
+def _run_fresh(code: str) -> None:
+    """Run `code` in a fresh interpreter (this checkout first on the path); it prints ok."""
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
