@@ -50,6 +50,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops.validation import (
+    _as_tensor_list,
     check_grouped_bmm,
     check_grouped_gemm,
     check_grouped_mm,
@@ -101,7 +102,7 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor | None = None, *, out: Tensor 
     check_traced_args({"x": x, "w": w, "offs": offs}, out_dtype, out=out)
     if out is None:
         return torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out_dtype)
-    if out is not None and differentiable_out(out, out_dtype, x, w):
+    if differentiable_out(out, out_dtype, x, w):
         y = torch.ops.moe_gemm._grouped_mm(x, w, offs, text, out.dtype)
         return write_rows(out, y, offs)
     torch.ops.moe_gemm._grouped_mm_out(x, w, offs, out, text, out_dtype)
@@ -111,16 +112,11 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor | None = None, *, out: Tensor 
 def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None = None,
                  out_dtype: torch.dtype | None = None) -> list[Tensor]:
     text = encode_config(config)
-    a, b = _tensor_list("a", a), _tensor_list("b", b)
-    for name, seq, hint in (("a", a, "(M_i, K_i)"), ("b", b, "(K_i, N_i)")):
-        for i, t in enumerate(seq):
-            if not isinstance(t, Tensor):  # (eager's message)
-                raise TypeError(f"{name}[{i}] must be a torch.Tensor {hint}; got "
-                                f"{type(t).__name__}")
+    a, b = _as_tensor_list("a", a, "(M_i, K_i)"), _as_tensor_list("b", b, "(K_i, N_i)")
     check_traced_args(out_dtype=out_dtype)
     if out is None:
         return list(torch.ops.moe_gemm._grouped_gemm(a, b, text, out_dtype))
-    out = _tensor_list("out", out)
+    out = _as_tensor_list("out", out, "(M_i, N_i)")
     check_traced_outs(out)
     if out and differentiable_out(out[0], out_dtype, *a, *b):
         if len(out) != len(a):
@@ -134,11 +130,9 @@ def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None =
     return out
 
 
-def check_traced_outs(outs: list[Any]) -> None:
-    """check_traced_args of each tensor of a list `out` (a None among them refused too)."""
+def check_traced_outs(outs: list[Tensor]) -> None:
+    """check_traced_args of each tensor of a list `out` (_as_tensor_list made it)."""
     for i, o in enumerate(outs):
-        if o is None:
-            raise TypeError(f"out[{i}] must be a torch.Tensor; got NoneType")
         check_traced_args(out=o, out_name=f"out[{i}]")
 
 
@@ -197,13 +191,6 @@ def write_rows(out: Tensor, y: Tensor, offs: Tensor | None, name: str = "out") -
         return out  # (no expert: no row written)
     written = torch.arange(out.shape[0], device=out.device) < offs[-1]
     return out.copy_(torch.where(written.unsqueeze(-1), y, out))
-
-
-def _tensor_list(name: str, seq: Any) -> list[Tensor]:
-    if not isinstance(seq, (list, tuple)):
-        raise TypeError(f"{name} must be a sequence (list or tuple) of 2-D tensors; got "
-                        f"{type(seq).__name__}")
-    return list(seq)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from moe_gemm.ops.custom_ops import (
     _in_graph,
     _mm_flops,
     _raising_grad,
-    _tensor_list,
     check_traced_args,
     check_traced_outs,
     decode_config,
@@ -40,6 +39,7 @@ from moe_gemm.ops.scaled_validation import (
     check_scaled_grouped_mm,
     resolve_fp8_out_dtype,
 )
+from moe_gemm.ops.validation import _as_tensor_list
 
 
 def _eager() -> Any:
@@ -68,18 +68,13 @@ def scaled_grouped_gemm(a: Any, b: Any, scale_a: Any, scale_b: Any, *, out: Any 
                         config: GemmConfig | None = None) -> list[Tensor]:
     text = encode_config(config)
     hints = {"a": "(M_i, K_i)", "b": "(K_i, N_i)", "scale_a": "of float32 scales",
-             "scale_b": "of float32 scales"}
-    lists = [_tensor_list(n, s) for n, s in zip(hints, (a, b, scale_a, scale_b))]
-    for (name, hint), seq in zip(hints.items(), lists):
-        for i, t in enumerate(seq):
-            if not isinstance(t, Tensor):  # (eager's message, not the schema's)
-                raise TypeError(f"{name}[{i}] must be a torch.Tensor {hint}; got "
-                                f"{type(t).__name__}")
+             "scale_b": "of float32 scales"}  # (eager's messages, not the schema's)
+    lists = [_as_tensor_list(n, s, hints[n]) for n, s in zip(hints, (a, b, scale_a, scale_b))]
     check_traced_args(out_dtype=out_dtype)
     if out is not None:
         # No out variant is registered: the functional op at out's dtype, then copied in,
         # with eager's checks of `out` (count, tensors, dtype, shapes, not tracked by autograd).
-        outs = _tensor_list("out", out)
+        outs = _as_tensor_list("out", out, "(M_i, N_i)")
         if len(outs) != len(lists[0]):
             raise ValueError(f"out must hold one tensor per problem ({len(lists[0])}); got "
                              f"{len(outs)}")

@@ -54,7 +54,7 @@ def fused_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, row_index: Tensor | 
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,
                                                     *opts, text, out_dtype)
-    if out is not None and differentiable_out(out, out_dtype, x, w, row_weight, bias):
+    if differentiable_out(out, out_dtype, x, w, row_weight, bias):
         y = torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,
                                                  *opts, text, out.dtype)
         return write_rows(out, y, offs)
