@@ -235,7 +235,9 @@ def _merge_ceilings(items: list[dict[str, Any]]) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-gemm bench", description=(
         "Time moe_gemm against torch.bmm, torch grouped_mm, torch.mm loops (eager and CUDA "
-        "graph) and QuACK on one GPU; print a table, write JSON and a PNG."))
+        "graph) and QuACK on one GPU; print a table, write JSON and a PNG. Exit status: 1 "
+        "when one of our rows failed (a wrong result or an error; the JSON has it too), 2 for "
+        "bad arguments."))
     p.add_argument("--suite", choices=SUITES, default="bench",
                    help="bench: the shapes below (default); fp8: the FP8 shapes, ours "
                    "against torch's FP8 grouped GEMMs; zoo: real models' expert GEMMs "

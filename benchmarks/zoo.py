@@ -375,7 +375,9 @@ def _leave(doc: dict[str, Any], cases: list) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-gemm bench --suite zoo", description=(
         "Time our default against torch's grouped_mm, the mm loop in a CUDA graph and QuACK "
-        "(untuned and tuned) on real MoE models' expert GEMMs; write JSON and a PNG."))
+        "(untuned and tuned) on real MoE models' expert GEMMs; write JSON and a PNG. Exit status: 1 "
+        "when one of our rows failed (a wrong result or an error; the JSON has it too), 2 for "
+        "bad arguments."))
     p.add_argument("--fp8", action="store_true", help="FP8: our scaled_grouped_mm "
                    "(block-scaled and row-wise) against torch's FP8 grouped GEMMs, on the "
                    "models that ship FP8 checkpoints")
