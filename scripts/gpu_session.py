@@ -310,7 +310,7 @@ def table(results: list[dict], pre: dict | None) -> str:
 
 def write_report(path: str, report: dict) -> None:
     """The report as JSON, one test or case per line (the repository keeps these records:
-    indented, a full session's took 1.9 MB); all on one line where moe_gemm does not import."""
+    indented, a run of every group took 1.9 MB); all on one line where moe_gemm does not import."""
     try:
         from moe_gemm.tuning.table_io import dumps_by_line
         text = dumps_by_line(report, default=str)
