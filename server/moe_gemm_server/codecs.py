@@ -305,6 +305,19 @@ def _wrong_rank(name: str, value: Any, ndim: int, hint: str) -> None:
         raise unprocessable(f"{name!r} must be {ndim}-D {hint}; got {got}")
 
 
+def cast_json_floats(what: str, arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """JSON numbers (float64, all finite: JSON has no NaN or Infinity) -> `dtype`. A number
+    past the type's range would become an infinity on the way (70000 as float16) and turn the
+    answer into inf/NaN with no word why: a 400 naming the limit instead."""
+    out = torch.from_numpy(arr).to(dtype)
+    if dtype.is_floating_point and out.numel() and not bool(torch.isfinite(out).all()):
+        limit = torch.finfo(dtype).max
+        type_name = str(dtype).removeprefix("torch.")
+        raise bad_request(f"{what} holds a number beyond the range of {type_name} "
+                          f"(magnitude at most {limit:.6g})")
+    return out
+
+
 def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None,
             hint: str = "(rows, columns)") -> torch.Tensor:
     """A nested list of numbers -> 2-D tensor; [] means (0, inner) when inner is known."""
@@ -322,7 +335,7 @@ def _matrix(name: str, value: Any, dtype: torch.dtype, inner: int | None = None,
         arr = np.asarray(rows, dtype=np.float64)
     except (OverflowError, ValueError):  # e.g. an integer beyond float64's range
         raise bad_request(f"{name!r} holds a number float64 cannot represent") from None
-    return torch.from_numpy(arr).to(dtype)
+    return cast_json_floats(repr(name), arr, dtype)
 
 
 def json_tensor3(name: str, value: Any, dtype: torch.dtype, hint: str = "") -> torch.Tensor:
@@ -337,7 +350,7 @@ def json_tensor3(name: str, value: Any, dtype: torch.dtype, hint: str = "") -> t
     if arr.ndim != 3:
         _wrong_rank(name, value, 3, hint)
         raise bad_request(f"{name!r} must be a rectangular 3-D nested list of numbers")
-    return torch.from_numpy(arr).to(dtype)
+    return cast_json_floats(repr(name), arr, dtype)
 
 
 def json_int_vector(name: str, value: Any, hint: str = "(E,)") -> torch.Tensor:

@@ -19,7 +19,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from pydantic_core import from_json
 
-from .codecs import MAX_DIM, MAX_ELEMENTS, encode_json, shape_overflows, tensor_from_buffer
+from .codecs import (
+    MAX_DIM,
+    MAX_ELEMENTS,
+    cast_json_floats,
+    encode_json,
+    shape_overflows,
+    tensor_from_buffer,
+)
 from .errors import bad_request
 
 # v2 datatype -> torch dtype (BYTES has no tensor form here)
@@ -108,8 +115,9 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
         if lo < info.min or hi > info.max:
             bad = lo if lo < info.min else hi
             raise bad_request(f"input {inp.name!r}: {bad} does not fit {inp.datatype}")
-    return torch.from_numpy(flat.astype(np.float64 if dtype.is_floating_point else np.int64)
-                            ).to(dtype)
+    if dtype.is_floating_point:
+        return cast_json_floats(f"input {inp.name!r}", flat.astype(np.float64), dtype)
+    return torch.from_numpy(flat.astype(np.int64)).to(dtype)
 
 
 def _big_ints_as_floats(inp: V2Input, arr: np.ndarray) -> np.ndarray:

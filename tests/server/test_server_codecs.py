@@ -138,6 +138,19 @@ def test_encode_copies_shared_views():
     assert out["a"].tolist() == [0, 1, 2, 3] and out["b"].tolist() == [4, 5, 6, 7]
 
 
+def test_json_numbers_beyond_the_dtype_are_refused_not_made_infinite():
+    for dtype, fits, beyond in [("float16", 65504, 70000), ("bfloat16", 3.3e38, 1e39),
+                                ("float32", 3.4e38, 1e39)]:
+        t = decode_json_grouped_mm({"x": [[1, -fits]], "counts": [1], "dtype": dtype}, K=2)
+        assert torch.isfinite(t["x"]).all() and t["x"][0, 1].item() < -1e4
+        with pytest.raises(APIError) as ei:
+            decode_json_grouped_mm({"x": [[1, -beyond]], "counts": [1], "dtype": dtype}, K=2)
+        assert ei.value.status == 400 and dtype in str(ei.value), str(ei.value)
+    with pytest.raises(APIError) as ei:
+        decode_json_grouped_gemm({"a": [[[70000.0]]], "b": [[[1.0]]], "dtype": "float16"})
+    assert ei.value.status == 400 and "'a[0]'" in str(ei.value)
+
+
 def test_json_decoders():
     obj = parse_json_object(b'{"x": [[1, 2.5], [3, 4]], "counts": [1, 1], "dtype": "bfloat16"}')
     t = decode_json_grouped_mm(obj, K=2)

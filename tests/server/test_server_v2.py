@@ -295,6 +295,9 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
     j3 = dict(j, parameters={"priority": -1})
     j3["inputs"][0]["data"] = [1.0] * 2 * K
     cases.append(("negative priority", json.dumps(j3).encode(), AUTH, 400))
+    j4 = dict(j3, parameters={})
+    j4["inputs"][0]["data"] = [1.0] * (2 * K - 1) + [1e39]  # finite JSON, beyond FP32: not inf
+    cases.append(("json value beyond the datatype's range", json.dumps(j4).encode(), AUTH, 400))
     return cases
 
 
