@@ -80,13 +80,16 @@ def granularity_floor(model_names: str | None, tokens: list[int], seed: int = 12
 # Row tilings a kernel could use for each expert's last tile (name, tile rows, the most tail
 # rows a swap-AB tile takes, whether an empty 64-row half is skipped). A swapped tail puts the
 # expert's last rows on the WGMMA's N side, which steps by 8 rows.
+# (name, tile_m, swap_max, half_skip, trim): trim > 0 loads a tail tile's A rows rounded up to
+# trim instead of a whole box (the kernel's trimmed A loads: 16), computing as many rows.
 TAIL_DESIGNS = (
-    ("128-row tiles", 128, 0, False),
-    ("128, an empty 64-row half skipped", 128, 0, True),
-    ("128, last <= 32 rows swapped", 128, 32, False),
-    ("128, last <= 64 rows swapped", 128, 64, False),
-    ("64-row tiles", 64, 0, False),
-    ("64, last <= 32 rows swapped", 64, 32, False),
+    ("128-row tiles", 128, 0, False, 0),
+    ("128, an empty 64-row half skipped", 128, 0, True, 0),
+    ("128, tail A rows loaded to 16", 128, 0, False, 16),
+    ("128, last <= 32 rows swapped", 128, 32, False, 0),
+    ("128, last <= 64 rows swapped", 128, 64, False, 0),
+    ("64-row tiles", 64, 0, False, 0),
+    ("64, last <= 32 rows swapped", 64, 32, False, 0),
 )
 N_STEP = 8  # a WGMMA's N is a multiple of 8
 
@@ -111,16 +114,21 @@ BYTES_TILE_N = 192
 
 
 def operand_rows_loaded(rows: int, tile_m: int, tile_n: int = BYTES_TILE_N,
-                        swap_max: int = 0) -> int:
+                        swap_max: int = 0, trim: int = 0) -> int:
     """Rows of A and B one expert's tiles of one column of n-tiles load from L2, per element
     of K (times K x 2 bytes: the L2-to-SM operand bytes): each tile loads its A box and its B
     box (tile_n rows of the weights), partial or not. The TMA boxes are the tile's, so a tail
     tile loads a whole A box; skipping its empty half saves WGMMAs, not bytes; a swapped tail
-    tile would load an A box of its own rows (rounded to N_STEP). Multicast not counted."""
+    tile would load an A box of its own rows (rounded to N_STEP); with trim, a tail tile loads
+    its rows rounded up to trim. Multicast not counted."""
     full, tail = divmod(max(rows, 0), tile_m)
     loaded = full * (tile_m + tile_n)
     if tail:
-        a_rows = -(-tail // N_STEP) * N_STEP if tail <= swap_max else tile_m
+        a_rows = tile_m
+        if tail <= swap_max:
+            a_rows = -(-tail // N_STEP) * N_STEP
+        elif trim:
+            a_rows = -(-tail // trim) * trim
         loaded += a_rows + tile_n
     return loaded
 
@@ -135,10 +143,10 @@ def tail_designs(model_names: str | None, tokens: list[int], seed: int = 1234
     counts_all = zoo_routings(model_names, tokens, seed)
     base = [sum(operand_rows_loaded(r, 128) for r in c) for c in counts_all]
     out = []
-    for name, tile_m, swap_max, half in TAIL_DESIGNS:
+    for name, tile_m, swap_max, half, trim in TAIL_DESIGNS:
         w = [sum(rows_computed(r, tile_m, swap_max, half) for r in c) / max(1, sum(c)) - 1
              for c in counts_all]
-        b = [sum(operand_rows_loaded(r, tile_m, BYTES_TILE_N, swap_max) for r in c)
+        b = [sum(operand_rows_loaded(r, tile_m, BYTES_TILE_N, swap_max, trim) for r in c)
              / max(1, b0) for c, b0 in zip(counts_all, base)]
         out.append({"design": name, "tile_m": tile_m, "swap_max": swap_max, "half_skip": half,
                     "median": statistics.median(w), "max": max(w),

@@ -171,6 +171,14 @@ def check_variants(full: bool):
         gate_layout="concat")
     # The masked form (row counts on the GPU, D clipped per problem): both schedules, a
     # cluster each way.
+    # Trimmed A loads (an expert's last tile loads its own rows): 128-, 64- and 256-row tiles,
+    # a 2x1 cluster, fp32 out with the tail split, a gated (fused) tile.
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), stages=3, trim_a=True)
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (64, 256), cluster_m=2, trim_a=True)
+    add("varlen", "float16", "float32", "n", "cooperative", (256, 128), tail_split=True,
+        trim_a=True)
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), gate="silu",
+        gate_layout="concat", trim_a=True)
     add("masked", "bfloat16", "bfloat16", "k", "pingpong", (64, 128))
     add("masked", "bfloat16", "float32", "n", "cooperative", (128, 256), cluster_m=2)
     add("masked", "float16", "float16", "k", "pingpong", (128, 128), cluster_n=2)

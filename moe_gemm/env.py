@@ -50,6 +50,16 @@ def env_flag(name: str) -> bool:
     return value is not None and _switch_value(name, value, default=False)
 
 
+def env_override(name: str) -> bool | None:
+    """A MOE_GEMM_* switch over a default the library chooses case by case: True or False
+    when set to an on or off word (as env_switch reads them), None when unset or empty;
+    EnvError for any other value."""
+    value = env_get(name)
+    if value is None or not value.strip():
+        return None
+    return _switch_value(name, value, default=False)
+
+
 def flag_on(name: str, value: str | None) -> bool:
     """env_flag for a value already read (one of env_reader's tuple)."""
     return value is not None and _switch_value(name, value, default=False)
@@ -119,6 +129,10 @@ LIBRARY_VARIABLES: dict[str, str] = {
     "MOE_GEMM_CHECK_OFFS": "1: check offs values on the host also for GPU tensors (a sync)",
     "MOE_GEMM_TAIL_SPLIT": "0: no split of a short last wave over K (needed where SMs are "
                            "fenced off, e.g. an MPS thread limit)",
+    "MOE_GEMM_TRIM_A": "1 / 0: an expert's last tile of grouped_mm loads only that "
+                       "expert's rows of x (rounded up to 16) / a whole tile of rows, "
+                       "wherever the kernel builds it (default: trimmed on cooperative "
+                       "tiles and on ping-pong tiles of 64 rows or 192+ columns)",
     "MOE_GEMM_L2_HINTS": "'a,b', each first, normal or last: L2 eviction hints on the A and "
                          "B loads",
     "MOE_GEMM_PDL": "1: programmatic dependent launch of the kernels (read at import)",

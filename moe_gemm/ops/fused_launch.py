@@ -200,7 +200,7 @@ def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: boo
         key, gate=gate, gate_layout=args.gate_layout if gate else "",
         gate_alpha=args.gate_alpha if clamped else 0.0,
         gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
-        row_scale=args.row_weight is not None, gather=gather,
+        row_scale=args.row_weight is not None, gather=gather, trim_a=key.trim_a and not gather,
         fast_gate=fast_gate(args, choice))
 
 

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
-from moe_gemm.env import EnvError, env_get, env_switch
+from moe_gemm.env import EnvError, env_get, env_override, env_switch
 from moe_gemm.kernels.sm90.constants import TILE_K, raster_code, raster_fields
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
@@ -49,9 +49,11 @@ class KernelChoice:
     promote_lag: bool = False  # FP8: promotion one stage behind the WGMMAs (heuristics_fp8)
     scale_ahead: int = 1  # FP8 block scales: stages ahead their scales load (heuristics_fp8)
     smem_scales: bool = False  # FP8 block scales staged in shared memory (heuristics_fp8)
+    trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
+TRIM_A_ENV = "MOE_GEMM_TRIM_A"
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
 # past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
@@ -290,9 +292,33 @@ def choose_varlen(
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
     device: the GPU's name, for the tuned tables (None: rules only)."""
     state = tuned.state() if device else None
-    return with_l2_hints(_choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device,
-                                              dtype, out_dtype or dtype, state,
-                                              tail_split_enabled()))
+    return with_trim_a(with_l2_hints(_choose_varlen_tuned(
+        config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
+        tail_split_enabled())))
+
+
+def with_trim_a(choice: KernelChoice) -> KernelChoice:
+    """Trimmed A loads (kernels/sm90/trimmed_a.py) where the kernel builds them (A loaded by
+    each CTA alone: no 1x2 cluster) and trim_a_default takes them; MOE_GEMM_TRIM_A=1 / 0
+    takes them everywhere they build / nowhere."""
+    if choice.cluster_n > 1:
+        return choice
+    forced = env_override(TRIM_A_ENV)
+    on = trim_a_default(choice) if forced is None else forced
+    return replace(choice, trim_a=True) if on else choice
+
+
+def trim_a_default(choice: KernelChoice) -> bool:
+    """Whether a varlen kernel trims its tail tiles' A loads by default: on cooperative tiles
+    and on ping-pong tiles of 64 rows or of 192 columns and more. Measured on the zoo's 36
+    default picks it applies to (H200, 2026-11-30, `benchmarks.env_ab`, trimmed / whole):
+    ping-pong 64x256 2x1 median 1.010 (0.999-1.037, 17 cases), cooperative 128x192-256
+    1.005 (0.973-1.043, 15), ping-pong 128x192 1.016 (1.004-1.023, 4); ping-pong 128x128
+    pinned on the same 36 cases lost, median 0.975 (0.872-1.041), so narrower ping-pong tiles
+    keep the whole box."""
+    if choice.schedule == "cooperative":
+        return True
+    return choice.tile_m == 64 or choice.tile_n >= 192
 
 
 @functools.lru_cache(maxsize=512)

@@ -65,7 +65,7 @@ def test_tail_designs_summarise_the_zoo_routings():
     counts = models.topk_counts(8, 2048, 2, 1234)
     by = {d["design"]: d for d in designs}
     assert len(by) == len(mma_waste.TAIL_DESIGNS)
-    for name, tile_m, swap_max, half in mma_waste.TAIL_DESIGNS:
+    for name, tile_m, swap_max, half, _ in mma_waste.TAIL_DESIGNS:
         want = sum(mma_waste.rows_computed(r, tile_m, swap_max, half) for r in counts) / sum(
             counts) - 1
         assert by[name]["cases"] == 2 and abs(by[name]["median"] - want) < 1e-12
@@ -82,14 +82,20 @@ def test_operand_bytes_of_each_tail_design():
     assert ol(130, 128, 192, swap_max=32) == 320 + 8 + 192
     assert ol(161, 128, 192, swap_max=32) == 2 * 320  # 33 tail rows: a whole tile
     assert ol(100, 64, 192) == 2 * (64 + 192)  # 64-row tiles load B twice as often
+    # Trimmed A loads: a tail of 2 rows loads 16 rows of A beside its whole B box.
+    assert ol(130, 128, 192, trim=16) == 320 + 16 + 192
+    assert ol(128 + 127, 128, 192, trim=16) == 2 * 320
     by = {d["design"]: d for d in mma_waste.tail_designs("Mixtral-8x7B", [2048])}
     counts = models.topk_counts(8, 2048, 2, 1234)
     base = sum(ol(r, 128) for r in counts)
-    for name, tile_m, swap_max, _ in mma_waste.TAIL_DESIGNS:
-        want = sum(ol(r, tile_m, mma_waste.BYTES_TILE_N, swap_max) for r in counts) / base
+    for name, tile_m, swap_max, _, trim in mma_waste.TAIL_DESIGNS:
+        want = sum(ol(r, tile_m, mma_waste.BYTES_TILE_N, swap_max, trim) for r in counts) / base
         assert abs(by[name]["operand_bytes_vs_128"] - want) < 1e-12
     # Skipping an empty half computes less but loads the same; swapped tails load less A;
     # 64-row tiles load B twice per 128 rows.
     assert by["128, an empty 64-row half skipped"]["operand_bytes_vs_128"] == 1.0
     assert by["128, last <= 32 rows swapped"]["operand_bytes_vs_128"] < 1.0
+    trimmed = by["128, tail A rows loaded to 16"]
+    assert trimmed["operand_bytes_vs_128"] < 1.0
+    assert trimmed["median"] == by["128-row tiles"]["median"]  # as many rows computed
     assert by["64-row tiles"]["operand_bytes_vs_128"] > 1.0

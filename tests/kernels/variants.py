@@ -407,6 +407,18 @@ def _edge_rows_tests(v: Variants) -> None:
         v.batched(5, m, 264, 136, _cfg(schedule="cooperative"))
 
 
+def _trimmed_a_tests(v: Variants) -> None:
+    from .test_trimmed_a_gpu import CONFIGS, trim_counts
+
+    for schedule, tile, cluster in CONFIGS:
+        counts = trim_counts(tile[0])
+        cfg = _cfg(schedule=schedule, tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0],
+                   cluster_n=cluster[1])
+        for trim in (False, True):
+            for k in (64, 1000):
+                v.varlen(sum(counts) + 37, len(counts), 264, k, cfg, b_major="k", trim_a=trim)
+
+
 def _other_tests(v: Variants) -> None:
     """Graphs, operands, repeated calls, determinism and kernel options."""
     from .test_kernel_options_gpu import EPI_WHOLE_GENERAL_SIZES
@@ -513,7 +525,7 @@ def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
                     _layer_tests, _fused_tests, _fused_layer_tests, _masked_tests,
-                    _fused_masked_tests):
+                    _fused_masked_tests, _trimmed_a_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 

@@ -80,3 +80,53 @@ def test_cluster_with_a_pingpong_only_tile_is_a_clear_error():
     with pytest.raises(ValueError, match="not built for schedule 'pingpong'"):
         choose_varlen(GemmConfig(schedule="pingpong", tile_m=128, tile_n=256), 64, 4, 512,
                       512, 132)
+
+
+def _varlen(monkeypatch, value, **cfg):
+    from moe_gemm.ops.heuristics import TRIM_A_ENV
+
+    if value is None:
+        monkeypatch.delenv(TRIM_A_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TRIM_A_ENV, value)
+    return choose_varlen(GemmConfig(backend="cute", **cfg), 16384, 64, 4096, 2048, 132)
+
+
+@pytest.mark.parametrize("cfg,default", [
+    (dict(schedule="cooperative", tile_m=128, tile_n=256), True),
+    (dict(schedule="cooperative", tile_m=256, tile_n=128, cluster_m=2, cluster_n=1), True),
+    (dict(schedule="pingpong", tile_m=64, tile_n=256, cluster_m=2, cluster_n=1), True),
+    (dict(schedule="pingpong", tile_m=128, tile_n=192), True),
+    (dict(schedule="pingpong", tile_m=128, tile_n=128), False),
+    (dict(schedule="pingpong", tile_m=192, tile_n=128), False),
+])
+def test_trimmed_a_by_tile_and_switch(monkeypatch, cfg, default):
+    assert _varlen(monkeypatch, None, **cfg).trim_a is default
+    assert _varlen(monkeypatch, "1", **cfg).trim_a is True
+    assert _varlen(monkeypatch, "0", **cfg).trim_a is False
+
+
+def test_trimmed_a_never_with_an_a_multicast(monkeypatch):
+    for value in (None, "1"):
+        c = _varlen(monkeypatch, value, schedule="cooperative", tile_m=128, tile_n=256,
+                    cluster_m=1, cluster_n=2)
+        assert not c.trim_a
+
+
+def test_trimmed_a_switch_refuses_other_words(monkeypatch):
+    from moe_gemm.env import EnvError
+
+    with pytest.raises(EnvError, match="MOE_GEMM_TRIM_A"):
+        _varlen(monkeypatch, "maybe", schedule="cooperative", tile_m=128, tile_n=256)
+
+
+def test_trimmed_a_only_in_the_varlen_compile_key():
+    import torch
+
+    from moe_gemm.ops.launch_kernel import _compile_key
+
+    c = choose_varlen(GemmConfig(backend="cute", schedule="cooperative", tile_m=128,
+                                 tile_n=256), 16384, 64, 4096, 2048, 132)
+    assert c.trim_a
+    assert _compile_key("varlen", torch.bfloat16, torch.bfloat16, "k", c, False).trim_a
+    assert not _compile_key("batched", torch.bfloat16, torch.bfloat16, "k", c, False).trim_a

@@ -78,6 +78,7 @@ class CompileKey:
     gather: bool = False  # A's rows read through an index (gather-A)
     fast_gate: bool = False  # a sigmoid gate from the SFU's approximate exp2 and reciprocal
     row_counts: bool = False  # varlen: offs are per-expert row counts (the masked layout)
+    trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
 
     @property
     def fused(self) -> bool:
@@ -99,6 +100,8 @@ class CompileKey:
             parts.append("fastgate")
         if self.row_counts:
             parts.append("counts")
+        if self.trim_a:
+            parts.append("trima")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -127,6 +130,7 @@ class CompileKey:
             epi_whole=self.epi_whole,
             tail_split=self.tail_split,
             row_counts=self.row_counts,
+            trim_a=self.trim_a,
             **fused,
         )
 

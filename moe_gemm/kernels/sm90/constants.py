@@ -6,6 +6,14 @@ from __future__ import annotations
 import math
 
 TILE_K = 64  # one 128-byte swizzle row of 16-bit data
+# Trimmed A loads (GroupedGemmSm90 trim_a, trimmed_a.py): an expert's last tile loads its A
+# rows rounded up to 16 (two 8-row swizzle atoms, 2 KiB of 16-bit data) instead of a whole
+# tile_m box, as 64-row boxes and then at most one 32- and one 16-row box, stacked from row 0
+# (15 x 16 rows: 64 + 64 + 64 + 32 + 16 in a 256-row tile). Every height is a multiple of the
+# swizzle atom, so each box lands at the swizzle phase the whole box would have; the binary
+# split keeps a tail to at most a few TMA issues a stage (one box per 16 rows ran slower than
+# whole boxes where most tiles are tails: GLM-4.5 gate/up, H200, 2026-11-30).
+A_ROW_BOXES = (64, 32, 16)
 DESC_BYTES = 128  # one CUtensorMap
 SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
 # general / varlen: the scheduler warp writes each record's descriptors (general: A, B, D;

@@ -50,6 +50,10 @@ Tail split (compile-time `tail_split`; cooperative, device visitor, 1x1 cluster,
 batched forms; tail_split.py): a last wave that fills at most half the grid runs each tile as
 two half-K units on two CTAs, joined through an fp32 workspace slot.
 
+Trimmed A loads (compile-time `trim_a`; varlen form, A loaded by each CTA alone: no 1x2
+cluster, no gather-A; trimmed_a.py): an expert's last tile loads only its expert's rows of A,
+rounded up to 16, as 64-, 32- and 16-row boxes, and arms its stages with those bytes.
+
 Fused MoE options (compile-time, varlen form, all off by default; constants.fused_problem,
 fused_moe.FusedMoeGemmSm90 takes their tensors): a gated epilogue that stores act(gate) * up
 (fused_epilogue.py; the "concat" gate layout loads B's tile as two half boxes), a per-expert
@@ -77,6 +81,7 @@ from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
 from cutlass.tensor_utils import LayoutEnum
 
 from .constants import (
+    A_ROW_BOXES,
     GATHER_FIRST_WARP,
     GATHER_WARPS,
     REGS_GATHER,
@@ -112,6 +117,7 @@ from .tile_scheduler import (
     consume_work,
     ring_base,
 )
+from .trimmed_a import box_heights, trimmed_a
 
 Form = Literal["general", "varlen", "batched", "masked"]
 Schedule = Literal["cooperative", "pingpong"]
@@ -172,6 +178,19 @@ class TmaOperands:
     tma_sa: cute.Tensor
     atom_sb: cute.CopyAtom
     tma_sb: cute.Tensor
+    # A in boxes of each A_ROW_BOXES height (trim_a: an expert's last tile, trimmed_a.py);
+    # A's own atom and tensor where unused.
+    atom_a64: cute.CopyAtom
+    tma_a64: cute.Tensor
+    atom_a32: cute.CopyAtom
+    tma_a32: cute.Tensor
+    atom_a16: cute.CopyAtom
+    tma_a16: cute.Tensor
+
+    def a_row_atoms(self) -> tuple[tuple, tuple]:
+        """The A_ROW_BOXES atoms and tensors, in A_ROW_BOXES' order."""
+        return ((self.atom_a64, self.atom_a32, self.atom_a16),
+                (self.tma_a64, self.tma_a32, self.tma_a16))
 
 
 class ProblemArgs(ArgGroup):
@@ -253,6 +272,7 @@ class GroupedGemmSm90:
         gather_a: bool = False,
         fast_gate: bool = False,
         row_counts: bool = False,
+        trim_a: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -328,6 +348,13 @@ class GroupedGemmSm90:
             if why is not None:
                 raise ValueError(why)
         self.gate_halves = self.gate is not None and gate_layout == "concat"
+        # Trimmed A (varlen, trimmed_a.py): an expert's last tile loads only the A rows it
+        # has, rounded up to 16. Needs A loaded by this CTA alone (no A multicast along N, no
+        # gather).
+        if trim_a and (form != "varlen" or gather_a or cluster_n > 1):
+            raise ValueError("trimmed A loads are built for the varlen form, without gather-A "
+                             "and A multicast (1xN clusters)")
+        self.trim_a = trim_a
         self.d_tile_n = self.tile_n // 2 if self.gate else self.tile_n
 
         # Ping-pong: each warpgroup's m64 row block, its own epilogue buffers; cooperative:
@@ -406,6 +433,10 @@ class GroupedGemmSm90:
             (self.tile_n, self.tile_k), self.b_layout, self.ab_dtype, self.ab_stages,
             k_major=self.b_major == "k",
         )
+        if self.trim_a:
+            self.a_box_smem = {h: self._staged_smem_layout(
+                (h, self.tile_k), self.a_layout, self.ab_dtype, 1, k_major=True)
+                for h in box_heights(self.tile_m)}
         if self.gate_halves:
             # One half of B's tile (K-major): tile_n / 2 rows of 128 bytes, a multiple of the
             # 8-row swizzle atom, so the half at row tile_n / 2 has the same swizzle phase.
@@ -542,6 +573,14 @@ class GroupedGemmSm90:
             op_b, mB, b_smem, (b_box, self.tile_k), num_multicast=self.cluster_m
         )
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD_tma, d_smem, self.epi_tile)
+        a_boxes = []  # (atom, tensor) per A_ROW_BOXES height
+        for h in A_ROW_BOXES:
+            if const_expr(self.trim_a and h < self.tile_m):
+                a_boxes.append(cpasync.make_tiled_tma_atom(
+                    op_g2s, mA_tma, cute.slice_(self.a_box_smem[h], (None, None, 0)),
+                    (h, self.tile_k)))
+            else:
+                a_boxes.append((tma_atom_a, tma_a))
         atom_sa, tma_sa, atom_sb, tma_sb = tma_atom_d, tma_d, tma_atom_d, tma_d
         if const_expr(self.staged_scale_floats > 0):
             atom_sa, tma_sa, atom_sb, tma_sb = self.scale_tma_atoms(args)
@@ -583,8 +622,8 @@ class GroupedGemmSm90:
 
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, atom_sa, tma_sa, atom_sb,
-            tma_sb, args, run, self.tiled_mma, self.a_smem_staged, self.b_smem_staged,
-            self.d_smem_staged,
+            tma_sb, *a_boxes[0], *a_boxes[1], *a_boxes[2], args, run, self.tiled_mma,
+            self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=(self.threads, 1, 1),
@@ -624,6 +663,12 @@ class GroupedGemmSm90:
         tma_sa: cute.Tensor,
         atom_sb: cute.CopyAtom,
         tma_sb: cute.Tensor,
+        atom_a64: cute.CopyAtom,
+        tma_a64: cute.Tensor,
+        atom_a32: cute.CopyAtom,
+        tma_a32: cute.Tensor,
+        atom_a16: cute.CopyAtom,
+        tma_a16: cute.Tensor,
         args: ProblemArgs,
         run: RunArgs,
         tiled_mma: cute.TiledMma,
@@ -632,7 +677,8 @@ class GroupedGemmSm90:
         d_smem_staged: cute.ComposedLayout,
     ):
         tma = TmaOperands(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, atom_sa,
-                          tma_sa, atom_sb, tma_sb)
+                          tma_sa, atom_sb, tma_sb, atom_a64, tma_a64, atom_a32, tma_a32,
+                          atom_a16, tma_a16)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
@@ -648,7 +694,8 @@ class GroupedGemmSm90:
         # arrives on the full barrier when its copies land (cp.async.mbarrier.arrive.noinc):
         # the barrier expects those arrivals, and the TMA bytes of B only.
         gather_threads = GATHER_WARPS * 32 if const_expr(self.gather_a) else 0
-        if const_expr(not self.gather_a):
+        # Trimmed A: the load warp arms each stage with the bytes its tile loads (load_role).
+        if const_expr(not self.gather_a and not self.trim_a):
             tx_bytes = tx_bytes + cute.size_in_bytes(self.ab_dtype, a_smem)
         tx_bytes = tx_bytes + self.staged_tx_bytes
         consumer_warps = 4 if const_expr(self.pingpong) else 8
@@ -750,6 +797,10 @@ class GroupedGemmSm90:
         if const_expr(problems.form != "general"):
             cpasync.prefetch_descriptor(tma.atom_a)
             cpasync.prefetch_descriptor(tma.atom_b)
+            if const_expr(self.trim_a):
+                for h, atom in zip(A_ROW_BOXES, tma.a_row_atoms()[0]):
+                    if const_expr(h < self.tile_m):
+                        cpasync.prefetch_descriptor(atom)
             if const_expr(self.staged_scale_floats > 0):
                 cpasync.prefetch_descriptor(tma.atom_sa)
                 cpasync.prefetch_descriptor(tma.atom_sb)
@@ -769,6 +820,8 @@ class GroupedGemmSm90:
         if const_expr(self.cluster_n > 1):
             rank_n = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             a_mask = cutlass.Int16((1 << self.cluster_n) - 1)
+        # A stage's bytes of B (both boxes of a concat gate) and staged scales.
+        b_bytes = self.tile_n * self.tile_k * self.ab_dtype.width // 8 + self.staged_tx_bytes
         a_policy = run.a_policy if const_expr(self.l2_hints) else None
         b_policy = run.b_policy if const_expr(self.l2_hints) else None
         sB_load = sB
@@ -796,6 +849,9 @@ class GroupedGemmSm90:
                 tma.atom_b, rank_m, cute.make_layout(self.cluster_m),
                 cute.group_modes(sB_load, 0, 2), cute.group_modes(gB, 0, 2),
             )
+            trimmed = None
+            if const_expr(self.trim_a):
+                trimmed = trimmed_a(self, *tma.a_row_atoms(), problems, sA, work, tAgA, tAsA)
             # Warp-uniform descriptor addresses, computed before any elected region so ptxas
             # never needs a predicated R2UR (illegal on sm_90a, error 715).
             # (make_warp_uniform is 32-bit: apply it to the index, never to the address.)
@@ -808,14 +864,23 @@ class GroupedGemmSm90:
                 scale_loads = self.scale_loads(tma, work, staged)
             for kk in cutlass.range(0, work.k_tiles, 1, unroll=1):
                 k = kk + work.k_start  # (0 unless this is a tail split's upper half)
-                ab_pipe.producer_acquire(ab_state)
                 bar = ab_pipe.producer_get_barrier(ab_state)
-                if const_expr(not self.gather_a):  # (gather-A: the gather warps load A)
-                    cute.copy(
-                        tma.atom_a, tAgA[(None, work.m_tile, k)], tAsA[(None, ab_state.index)],
-                        tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 0),
-                        mcast_mask=a_mask, cache_policy=a_policy,
-                    )
+                if const_expr(self.trim_a):
+                    # Armed with this tile's bytes (B's and the A rows it loads) in place of
+                    # producer_acquire's fixed count.
+                    ab_pipe.sync_object_empty.wait(ab_state.index, ab_state.phase)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar, b_bytes + trimmed.a_bytes)
+                    trimmed.fill_stage(tma.atom_a, k, ab_state.index, bar, a_policy)
+                else:
+                    ab_pipe.producer_acquire(ab_state)
+                    if const_expr(not self.gather_a):  # (gather-A: the gather warps load A)
+                        cute.copy(
+                            tma.atom_a, tAgA[(None, work.m_tile, k)],
+                            tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
+                            tma_desc_ptr=problems.load_desc(desc_base, 0), mcast_mask=a_mask,
+                            cache_policy=a_policy,
+                        )
                 cute.copy(
                     tma.atom_b, tBgB[(None, work.n_tile, k)], tBsB[(None, ab_state.index)],
                     tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 1),

@@ -1,0 +1,185 @@
+"""Our default with one of the library's kernel switches set each way, on zoo cases, in one
+process.
+
+    python -m benchmarks.env_ab --switch MOE_GEMM_TRIM_A [--values 0,1] [--models all]
+        [--tokens 2048,8192] [--projs gate_up,down] [--cases MODEL/PROJ/TOKENS,...]
+        [--configs "pp 128x128;coop 128x256"] [--reps 10] [--out FILE]
+
+Some kernel options are environment switches that grouped_mm's plan cache keys on (trimmed A
+loads, the tail split): a change applies to the next call. Per zoo case this times our
+default (tuned table, then the rules) and any pinned `--configs` once per switch value,
+interleaved round by round through the zoo's harness (benchmarks.runner: the zoo's inputs and
+routing, every output checked against a float32 reference first, then back-to-back samples
+behind a sleep backlog). A case where the switch does not change the kernel the default
+launches is skipped (its pinned configs too). Rows carry `switch_value` and `vs_first` = the
+first value's time / this one's (above 1: faster than the first value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import torch
+
+from benchmarks.runner import ab_run, add_ab_options, run_shape
+from benchmarks.suite import Impl, Prepared, _ours
+from benchmarks.zoo import build_cases, parse_cases
+from moe_gemm.config import GemmConfig
+from moe_gemm.tuning import space
+
+OURS = "moe_gemm"
+
+
+def with_switch(build: Callable, name: str, value: str) -> Callable:
+    """An implementation builder whose calls run with `name` set to `value` (the plan cache
+    keys on it, so each value keeps its own plan)."""
+
+    def wrap(fn: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            with mock.patch.dict(os.environ, {name: value}):
+                return fn()
+        return call
+
+    def built(spec, inp, device: torch.device) -> Prepared:
+        with mock.patch.dict(os.environ, {name: value}):
+            prepared = build(spec, inp, device)
+        return Prepared(wrap(prepared.run), wrap(prepared.check))
+
+    return built
+
+
+def launched_key(case: dict[str, Any], device: torch.device, name: str, value: str) -> object:
+    """The kernel our default launches on a zoo case with the switch at `value`."""
+    from moe_gemm.capability import device_name, sm_count
+    from moe_gemm.ops.heuristics import choose_varlen
+    from moe_gemm.ops.launch_kernel import _compile_key
+
+    with mock.patch.dict(os.environ, {name: value}):
+        choice = choose_varlen(GemmConfig(), case["rows"], case["E"], case["N"], case["K"],
+                               sm_count(device), device=device_name(device))
+    layout = "k" if case.get("layout", "ENK") == "ENK" else "n"
+    return _compile_key("varlen", torch.bfloat16, torch.bfloat16, layout, choice, False)
+
+
+def implementations(configs: list[str], name: str, values: list[str]) -> list[Impl]:
+    impls = []
+    for label in ["default"] + configs:
+        cfg = None if label == "default" else space.config_of(space.parse_name(label))
+        for v in values:
+            impls.append(Impl(f"{OURS} {label} {name}={v}", peer=False,
+                              build=with_switch(_ours(cfg), name, v), config=cfg))
+    return impls
+
+
+def add_ratios(rows: list[dict[str, Any]], name: str, values: list[str]) -> list[str]:
+    """switch_value and vs_first on the rows; the table's lines."""
+    lines, nan = [], float("nan")
+    by = {r["impl"]: r for r in rows}
+    for r in rows:
+        label, _, setting = r["impl"][len(OURS) + 1:].rpartition(" ")
+        r["config_label"], r["switch_value"] = label, setting.split("=", 1)[1]
+        first = by.get(f"{OURS} {label} {name}={values[0]}", {})
+        if r.get("ms") and first.get("ms"):
+            r["vs_first"] = first["ms"] / r["ms"]
+        lines.append(f"  {label:24s} {name}={r['switch_value']:4s} | "
+                     f"{(r.get('ms') or nan) * 1e3:9.1f} us | vs first "
+                     f"{r.get('vs_first', nan):.3f}")
+    return lines
+
+
+def summary(results: list[dict[str, Any]], values: list[str]) -> list[str]:
+    """Per config label and switch value, the median and range of vs_first over cases."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        if "vs_first" in r and r["switch_value"] != values[0]:
+            groups.setdefault((r["config_label"], r["switch_value"]), []).append(r["vs_first"])
+    lines = []
+    for (label, v), ratios in sorted(groups.items()):
+        ratios.sort()
+        lines.append(f"{label} ={v}: vs ={values[0]} over {len(ratios)} cases: median "
+                     f"{statistics.median(ratios):.3f}, min {ratios[0]:.3f}, max "
+                     f"{ratios[-1]:.3f}; >1% faster on {sum(x > 1.01 for x in ratios)}, "
+                     f">1% slower on {sum(x < 0.99 for x in ratios)}")
+    return lines
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.env_ab",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--switch", required=True, help="a MOE_GEMM_* kernel switch")
+    p.add_argument("--values", default="0,1", help="its values, the first the baseline "
+                   "(default: %(default)s)")
+    p.add_argument("--configs", default="", help="';'-separated configs to time besides the "
+                   "default, as `moe-gemm tune` names them ('pp 128x128;coop 128x256')")
+    p.add_argument("--cases", help="comma-separated MODEL/PROJ/TOKENS zoo cases (instead of "
+                   "--models x --tokens x --projs)")
+    p.add_argument("--models", default="all", help="zoo models (default: all)")
+    p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
+    p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
+    add_ab_options(p, reps=10)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_gemm.env import LIBRARY_VARIABLES
+
+    args = _parser().parse_args(argv)
+    name = args.switch
+    values = [v.strip() for v in args.values.split(",") if v.strip()]
+    configs = [c.strip() for c in args.configs.split(";") if c.strip()]
+    projs = [s.strip() for s in args.projs.split(",") if s.strip()]
+    try:
+        if name not in LIBRARY_VARIABLES:
+            raise ValueError(f"--switch {name!r} is not one of the library's variables "
+                             "(docs/USAGE.md lists them)")
+        if len(values) < 2 or len(set(values)) != len(values):
+            raise ValueError(f"--values needs two or more distinct values; got {args.values!r}")
+        for c in configs:
+            space.config_of(space.parse_name(c))
+        if not projs or any(p not in ("gate_up", "down") for p in projs):
+            raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
+        if args.cases:
+            cases = [build_cases(m, str(t), [p], args.seed, False)[0]
+                     for m, p, t in parse_cases(args.cases)]
+        else:
+            cases = build_cases(args.models, args.tokens, projs, args.seed, False)
+    except ValueError as exc:
+        print(f"env_ab: {exc}", file=sys.stderr)
+        return 2
+    run = ab_run(args, argv, "env_ab", "the switches are our Hopper kernels'",
+                 settings={"switch": name, "values": values, "configs": configs})
+    if isinstance(run, str):
+        print(run, file=sys.stderr)
+        return 2
+    impls = implementations(configs, name, values)
+    for spec, f in cases:
+        keys = {launched_key(f, run.device, name, v) for v in values}
+        if len(keys) == 1:
+            print(f"{spec.name}: skipped, {name} does not change the default's kernel here",
+                  flush=True)
+            continue
+        print(f"{spec.name}: E={f['E']} N={f['N']} K={f['K']} rows={f['rows']}", flush=True)
+        first = len(run.doc["results"])
+        run_shape(run, spec, impls)
+        rows = run.doc["results"][first:]
+        for r in rows:
+            r.update(case=spec.name, **{k: f[k] for k in ("model", "proj", "tokens", "E", "N",
+                                                          "K", "rows", "layout")})
+        print("\n".join(add_ratios(rows, name, values)), flush=True)
+        run.save()
+    lines = summary(run.doc["results"], values)
+    if not lines:
+        print("env_ab: no case timed two values: nothing to compare", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

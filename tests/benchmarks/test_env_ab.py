@@ -1,0 +1,78 @@
+"""benchmarks.env_ab on the CPU: its arguments, the switch held around each call, which cases
+a switch changes, and its ratios (the timing itself needs a Hopper GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from benchmarks import env_ab
+from benchmarks.suite import Prepared
+
+SWITCH = "MOE_GEMM_TRIM_A"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--switch", "MOE_GEMM_NOPE"], "not one of the library's variables"),
+    (["--switch", SWITCH, "--values", "1"], "two or more distinct values"),
+    (["--switch", SWITCH, "--values", "1,1"], "two or more distinct values"),
+    (["--switch", SWITCH, "--configs", "pp 999x1"], "999x1"),
+    (["--switch", SWITCH, "--projs", "up"], "--projs takes gate_up"),
+    (["--switch", SWITCH, "--cases", "Nope/down/16"], "Nope"),
+])
+def test_bad_arguments_exit_2_with_the_reason(capsys, argv, message):
+    assert env_ab.main(argv + ["--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_needs_a_gpu(capsys):
+    assert env_ab.main(["--switch", SWITCH, "--cases", "OLMoE-1B-7B/down/16",
+                        "--device", "cpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_switch_holds_during_setup_and_each_call_and_is_restored(monkeypatch):
+    monkeypatch.setenv(SWITCH, "keep")
+    seen = []
+
+    def build(spec, inp, device):
+        seen.append(("build", os.environ.get(SWITCH)))
+        return Prepared(lambda: seen.append(("run", os.environ.get(SWITCH))),
+                        lambda: seen.append(("check", os.environ.get(SWITCH))))
+
+    prepared = env_ab.with_switch(build, SWITCH, "1")(None, None, torch.device("cpu"))
+    prepared.run()
+    prepared.check()
+    assert seen == [("build", "1"), ("run", "1"), ("check", "1")]
+    assert os.environ[SWITCH] == "keep"
+
+
+def test_a_case_the_switch_does_not_change_is_told_apart(monkeypatch):
+    monkeypatch.setenv("MOE_GEMM_TUNED_TABLES", "1")  # the shipped H200 table's picks
+    monkeypatch.setattr("moe_gemm.capability.device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr("moe_gemm.capability.sm_count", lambda d: 132)
+    dev = torch.device("cpu")
+    # DeepSeek-V3 gate/up at 8192 tokens: a cooperative 1x1 pick, which trims.
+    case = {"E": 256, "N": 4096, "K": 7168, "rows": 65536, "layout": "ENK"}
+    keys = {env_ab.launched_key(case, dev, SWITCH, v) for v in ("0", "1")}
+    assert len(keys) == 2 and {k.trim_a for k in keys} == {False, True}
+    # Qwen3-30B-A3B gate/up at 2048 tokens: a 1x2 cluster (A multicast), which cannot.
+    case = {"E": 128, "N": 1536, "K": 2048, "rows": 16384, "layout": "ENK"}
+    keys = {env_ab.launched_key(case, dev, SWITCH, v) for v in ("0", "1")}
+    assert len(keys) == 1 and next(iter(keys)).cluster_n == 2
+
+
+def test_ratios_against_the_first_value_and_the_summary():
+    rows = [{"impl": f"moe_gemm {label} {SWITCH}={v}", "ms": ms}
+            for label, v, ms in [("default", "0", 2.0), ("default", "1", 1.6),
+                                 ("pp 128x128", "0", 1.0), ("pp 128x128", "1", None)]]
+    lines = env_ab.add_ratios(rows, SWITCH, ["0", "1"])
+    assert len(lines) == 4
+    assert rows[1]["vs_first"] == pytest.approx(1.25) and rows[0]["vs_first"] == 1.0
+    assert "vs_first" not in rows[3] and rows[3]["config_label"] == "pp 128x128"
+    assert rows[1]["switch_value"] == "1"
+    summary = env_ab.summary(rows, ["0", "1"])
+    assert summary == ["default =1: vs =0 over 1 cases: median 1.250, min 1.250, max 1.250; "
+                       ">1% faster on 1, >1% slower on 0"]
