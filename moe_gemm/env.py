@@ -131,8 +131,8 @@ LIBRARY_VARIABLES: dict[str, str] = {
                            "fenced off, e.g. an MPS thread limit)",
     "MOE_GEMM_TRIM_A": "1 / 0: an expert's last tile of grouped_mm loads only that "
                        "expert's rows of x (rounded up to 16) / a whole tile of rows, "
-                       "wherever the kernel builds it (default: trimmed on cooperative "
-                       "tiles and on ping-pong tiles of 64 rows or 192+ columns)",
+                       "wherever the kernel builds it (default: trimmed but on ping-pong "
+                       "tiles of 128+ rows and under 192 columns outside 1x2 clusters)",
     "MOE_GEMM_L2_HINTS": "'a,b', each first, normal or last: L2 eviction hints on the A and "
                          "B loads",
     "MOE_GEMM_PDL": "1: programmatic dependent launch of the kernels (read at import)",

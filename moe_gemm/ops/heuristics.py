@@ -298,27 +298,25 @@ def choose_varlen(
 
 
 def with_trim_a(choice: KernelChoice) -> KernelChoice:
-    """Trimmed A loads (kernels/sm90/trimmed_a.py) where the kernel builds them (A loaded by
-    each CTA alone: no 1x2 cluster) and trim_a_default takes them; MOE_GEMM_TRIM_A=1 / 0
-    takes them everywhere they build / nowhere."""
-    if choice.cluster_n > 1:
-        return choice
+    """Trimmed A loads (kernels/sm90/trimmed_a.py) where trim_a_default takes them;
+    MOE_GEMM_TRIM_A=1 / 0 takes them everywhere (the varlen form; a fused kernel that gathers
+    A itself keeps its gather) / nowhere."""
     forced = env_override(TRIM_A_ENV)
     on = trim_a_default(choice) if forced is None else forced
     return replace(choice, trim_a=True) if on else choice
 
 
 def trim_a_default(choice: KernelChoice) -> bool:
-    """Whether a varlen kernel trims its tail tiles' A loads by default: on cooperative tiles
-    and on ping-pong tiles of 64 rows or of 192 columns and more. Measured on the zoo's 36
-    default picks it applies to (H200, 2026-11-30, `benchmarks.env_ab`, trimmed / whole):
-    ping-pong 64x256 2x1 median 1.010 (0.999-1.037, 17 cases), cooperative 128x192-256
-    1.005 (0.973-1.043, 15), ping-pong 128x192 1.016 (1.004-1.023, 4); ping-pong 128x128
-    pinned on the same 36 cases lost, median 0.975 (0.872-1.041), so narrower ping-pong tiles
-    keep the whole box."""
-    if choice.schedule == "cooperative":
-        return True
-    return choice.tile_m == 64 or choice.tile_n >= 192
+    """Whether a varlen kernel trims its tail tiles' A loads by default: everywhere but on
+    ping-pong tiles of more than 64 rows and fewer than 192 columns without an A multicast.
+    Measured on the zoo's default picks (H200, 2026-11-30, `benchmarks.env_ab`, trimmed /
+    whole, 90 cases): ping-pong 64x256 2x1 median 1.010 (0.999-1.037, 17 cases), cooperative
+    128x192-256 1x1 1.005 (0.973-1.043, 15), ping-pong 128x192 1x1 1.016 (1.004-1.023, 4);
+    in 1x2 clusters 1.008 (0.996-1.024, 54: ping-pong 128x128 among them, 19 cases, 1.008).
+    Ping-pong 128x128 1x1 pinned on the first 36 cases lost, median 0.975 (0.872-1.041)."""
+    if choice.schedule == "pingpong" and choice.cluster_n == 1:
+        return choice.tile_m == 64 or choice.tile_n >= 192
+    return True
 
 
 @functools.lru_cache(maxsize=512)

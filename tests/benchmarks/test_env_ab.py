@@ -58,9 +58,11 @@ def test_a_case_the_switch_does_not_change_is_told_apart(monkeypatch):
     case = {"E": 256, "N": 4096, "K": 7168, "rows": 65536, "layout": "ENK"}
     keys = {env_ab.launched_key(case, dev, SWITCH, v) for v in ("0", "1")}
     assert len(keys) == 2 and {k.trim_a for k in keys} == {False, True}
-    # Qwen3-30B-A3B gate/up at 2048 tokens: a 1x2 cluster (A multicast), which cannot.
+    # The same with the tail split off: MOE_GEMM_TAIL_SPLIT=0 changes only a cooperative
+    # 1x1 pick's tail split; Qwen3-30B-A3B gate/up at 2048 tokens (a ping-pong 1x2 pick)
+    # keeps its kernel.
     case = {"E": 128, "N": 1536, "K": 2048, "rows": 16384, "layout": "ENK"}
-    keys = {env_ab.launched_key(case, dev, SWITCH, v) for v in ("0", "1")}
+    keys = {env_ab.launched_key(case, dev, "MOE_GEMM_TAIL_SPLIT", v) for v in ("0", "1")}
     assert len(keys) == 1 and next(iter(keys)).cluster_n == 2
 
 

@@ -1,6 +1,6 @@
 """kernels/sm90/trimmed_a.py on the CPU: which kernels build trimmed A loads (the varlen
-form, A loaded by each CTA alone), the compile key that names them, and the box heights a
-tile uses. (The loads themselves run in test_trimmed_a_gpu.py.)"""
+form, A loaded by TMA), the compile key that names them, and the box heights a tile uses.
+(The loads themselves run in test_trimmed_a_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from moe_gemm.capability import cutlass_dsl_problem
 pytestmark = pytest.mark.skipif(cutlass_dsl_problem() is not None,
                                 reason=f"CuTe DSL: {cutlass_dsl_problem()}")
 
-REFUSED = r"trimmed A loads are built for the varlen form, without gather-A and A multicast"
+REFUSED = r"trimmed A loads are built for the varlen form, without gather-A"
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +36,19 @@ def test_only_the_varlen_form_trims(dsl, form):
                   trim_a=True).trim_a
 
 
-def test_no_trim_with_a_multicast_or_gather(dsl):
+def test_no_trim_with_gather_a_and_both_clusters_build(dsl):
     cutlass, Kernel = dsl
     bf16 = cutlass.BFloat16
-    with pytest.raises(ValueError, match=REFUSED):
-        Kernel(bf16, bf16, "k", "varlen", "pingpong", "device", (128, 128), cluster_n=2,
-               trim_a=True)
     from moe_gemm.kernels.sm90.fused_moe import FusedMoeGemmSm90
 
     with pytest.raises(ValueError, match=REFUSED):
         FusedMoeGemmSm90(bf16, bf16, "k", "varlen", "pingpong", "device", (64, 128),
                          gather_a=True, trim_a=True)
-    # B multicast (2x1) keeps A the CTA's own: it builds.
-    assert Kernel(bf16, bf16, "k", "varlen", "pingpong", "device", (64, 256), cluster_m=2,
-                  trim_a=True).trim_a
+    # B multicast (2x1) keeps A the CTA's own; A multicast (1x2): the first CTA issues the
+    # boxes of a trimmed tile to both.
+    for cm, cn in ((2, 1), (1, 2)):
+        assert Kernel(bf16, bf16, "k", "varlen", "pingpong", "device", (128, 128),
+                      cluster_m=cm, cluster_n=cn, trim_a=True).trim_a
 
 
 def test_box_heights_stay_below_the_tile():

@@ -19,10 +19,12 @@ from .helpers import check, rand
 pytestmark = pytest.mark.gpu
 
 # (schedule, tile, cluster): 128-row tiles (64 + 32 + 16 boxes), 64-row tiles (32 + 16),
-# 256-row tiles (three 64s + 32 + 16), the 2x1 cluster (a rank past the expert loads no A).
+# 256-row tiles (three 64s + 32 + 16), the 2x1 cluster (a rank past the expert loads no A),
+# the 1x2 cluster (the first CTA multicasts a trimmed tile's boxes to both).
 CONFIGS = [("cooperative", (128, 256), (1, 1)), ("pingpong", (64, 256), (2, 1)),
            ("cooperative", (256, 128), (1, 1)), ("pingpong", (128, 192), (1, 1)),
-           ("cooperative", (128, 128), (2, 1))]
+           ("cooperative", (128, 128), (2, 1)), ("pingpong", (128, 128), (1, 2)),
+           ("cooperative", (128, 192), (1, 2))]
 
 
 def trim_counts(tile_m: int) -> list[int]:

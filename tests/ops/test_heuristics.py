@@ -99,18 +99,13 @@ def _varlen(monkeypatch, value, **cfg):
     (dict(schedule="pingpong", tile_m=128, tile_n=192), True),
     (dict(schedule="pingpong", tile_m=128, tile_n=128), False),
     (dict(schedule="pingpong", tile_m=192, tile_n=128), False),
+    (dict(schedule="pingpong", tile_m=128, tile_n=128, cluster_m=1, cluster_n=2), True),
+    (dict(schedule="cooperative", tile_m=128, tile_n=192, cluster_m=1, cluster_n=2), True),
 ])
 def test_trimmed_a_by_tile_and_switch(monkeypatch, cfg, default):
     assert _varlen(monkeypatch, None, **cfg).trim_a is default
     assert _varlen(monkeypatch, "1", **cfg).trim_a is True
     assert _varlen(monkeypatch, "0", **cfg).trim_a is False
-
-
-def test_trimmed_a_never_with_an_a_multicast(monkeypatch):
-    for value in (None, "1"):
-        c = _varlen(monkeypatch, value, schedule="cooperative", tile_m=128, tile_n=256,
-                    cluster_m=1, cluster_n=2)
-        assert not c.trim_a
 
 
 def test_trimmed_a_switch_refuses_other_words(monkeypatch):

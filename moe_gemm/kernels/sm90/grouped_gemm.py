@@ -50,9 +50,10 @@ Tail split (compile-time `tail_split`; cooperative, device visitor, 1x1 cluster,
 batched forms; tail_split.py): a last wave that fills at most half the grid runs each tile as
 two half-K units on two CTAs, joined through an fp32 workspace slot.
 
-Trimmed A loads (compile-time `trim_a`; varlen form, A loaded by each CTA alone: no 1x2
-cluster, no gather-A; trimmed_a.py): an expert's last tile loads only its expert's rows of A,
-rounded up to 16, as 64-, 32- and 16-row boxes, and arms its stages with those bytes.
+Trimmed A loads (compile-time `trim_a`; varlen form, A loaded by TMA: no gather-A;
+trimmed_a.py): an expert's last tile loads only its expert's rows of A, rounded up to 16, as
+64-, 32- and 16-row boxes, and arms its stages with those bytes (in a 1x2 cluster the first
+CTA multicasts the boxes to both).
 
 Fused MoE options (compile-time, varlen form, all off by default; constants.fused_problem,
 fused_moe.FusedMoeGemmSm90 takes their tensors): a gated epilogue that stores act(gate) * up
@@ -349,11 +350,9 @@ class GroupedGemmSm90:
                 raise ValueError(why)
         self.gate_halves = self.gate is not None and gate_layout == "concat"
         # Trimmed A (varlen, trimmed_a.py): an expert's last tile loads only the A rows it
-        # has, rounded up to 16. Needs A loaded by this CTA alone (no A multicast along N, no
-        # gather).
-        if trim_a and (form != "varlen" or gather_a or cluster_n > 1):
-            raise ValueError("trimmed A loads are built for the varlen form, without gather-A "
-                             "and A multicast (1xN clusters)")
+        # has, rounded up to 16. Needs A loaded by TMA (no gather).
+        if trim_a and (form != "varlen" or gather_a):
+            raise ValueError("trimmed A loads are built for the varlen form, without gather-A")
         self.trim_a = trim_a
         self.d_tile_n = self.tile_n // 2 if self.gate else self.tile_n
 
@@ -576,8 +575,9 @@ class GroupedGemmSm90:
         a_boxes = []  # (atom, tensor) per A_ROW_BOXES height
         for h in A_ROW_BOXES:
             if const_expr(self.trim_a and h < self.tile_m):
+                # (1x2 cluster: one CTA issues a whole box, multicast to both)
                 a_boxes.append(cpasync.make_tiled_tma_atom(
-                    op_g2s, mA_tma, cute.slice_(self.a_box_smem[h], (None, None, 0)),
+                    op_a, mA_tma, cute.slice_(self.a_box_smem[h], (None, None, 0)),
                     (h, self.tile_k)))
             else:
                 a_boxes.append((tma_atom_a, tma_a))
@@ -871,7 +871,8 @@ class GroupedGemmSm90:
                     ab_pipe.sync_object_empty.wait(ab_state.index, ab_state.phase)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(bar, b_bytes + trimmed.a_bytes)
-                    trimmed.fill_stage(tma.atom_a, k, ab_state.index, bar, a_policy)
+                    trimmed.fill_stage(tma.atom_a, k, ab_state.index, bar, a_policy, a_mask,
+                                       rank_n)
                 else:
                     ab_pipe.producer_acquire(ab_state)
                     if const_expr(not self.gather_a):  # (gather-A: the gather warps load A)

@@ -10,7 +10,10 @@ then at most one 32-row and one 16-row box, stacked from row 0 of the stage
 there; their accumulator rows are never stored (the D store ends at the expert's last row).
 
 The stage's full barrier is armed with the bytes this tile loads (B's, plus A's as loaded),
-in the one arrive.expect_tx that also arms it for whole tiles.
+in the one arrive.expect_tx that also arms it for whole tiles. In a 1x2 cluster both CTAs
+compute the same rows: a whole box is split between them as before, each half multicast to
+both; a trimmed tile's boxes are all issued by the first CTA, multicast to both, and each CTA
+arms its barrier with all of them.
 """
 
 from __future__ import annotations
@@ -46,13 +49,16 @@ class TrimmedA:
     parts: tuple  # (atom, smem partition, gmem partition) per box height below tile_m
 
     @cute.jit
-    def fill_stage(self, atom_a: cute.CopyAtom, k: Int32, stage: Int32, bar, policy):
-        """Issue k-tile k's A copies into stage `stage` (the barrier already expects them)."""
+    def fill_stage(self, atom_a: cute.CopyAtom, k: Int32, stage: Int32, bar, policy, mask,
+                   rank_n: Int32):
+        """Issue k-tile k's A copies into stage `stage` (the barrier already expects them).
+        mask: the A multicast mask of a 1x2 cluster (None without); rank_n: the CTA's rank
+        along N in it."""
         cfg, work = self.cfg, self.work
         if self.whole:
             cute.copy(atom_a, self.tAgA[(None, work.m_tile, k)], self.tAsA[(None, stage)],
-                      tma_bar_ptr=bar, cache_policy=policy)
-        else:
+                      tma_bar_ptr=bar, mcast_mask=mask, cache_policy=policy)
+        elif rank_n == 0:
             first = work.m_tile * cfg.tile_m  # the tile's first row in its expert
             row = Int32(0)  # the next box's first row in the tile
             units = self.units
@@ -68,7 +74,7 @@ class TrimmedA:
                     for _ in cutlass.range(count, unroll=1):
                         cute.copy(atom, tAg[(None, (first + row) // h, k)],
                                   tAs[(None, row // h, 0, stage)], tma_bar_ptr=bar,
-                                  cache_policy=policy)
+                                  mcast_mask=mask, cache_policy=policy)
                         row = row + h
                         units = units - per
 
