@@ -206,3 +206,30 @@ def moe_fp8_reference(layer, hidden_states: torch.Tensor) -> torch.Tensor:
             shared = torch.sigmoid(layer.shared_expert_gate(xs)) * shared
         out += shared.double()
     return out.view(*hidden_states.shape[:-1], H)
+
+
+class LargestFloat32:
+    """A context manager recording the largest float32 tensor (in values) that torch ops
+    make while it is open: the fp32 working set of a quantizer, for tests that bound it."""
+
+    largest = 0
+
+    def __enter__(self) -> LargestFloat32:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        owner = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                        owner.largest = max(owner.largest, t.numel())
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)

@@ -21,7 +21,9 @@ from moe_gemm.layers.experts_fp8 import (
     FP8_DTYPES,
     SCALE_BLOCK,
     check_fp8_experts,
+    decoding_scale,
     dequantize_weight,
+    per_channel,
     row_scale,
 )
 from moe_gemm.layers.routing import check_correction_bias, check_flag, check_router_weight
@@ -218,8 +220,10 @@ def moe_from_state_dict(
     FP8 checkpoints: each FP8 weight comes with its decoding scale, "<name>.weight_scale_inv"
     (DeepSeek-V3, Kimi-K2, Qwen3-FP8: 128x128 blocks) or "<name>.weight_scale" (compressed-
     tensors: per channel or per tensor; Quark: blocks); the fused forms use
-    "experts.gate_up_proj_scale_inv" / "experts.down_proj_scale_inv" (transformers 5) or
-    "experts.w13_weight_scale[_inv]" / "experts.w2_weight_scale[_inv]" (vLLM). The routed
+    "experts.gate_up_proj_scale_inv" / "experts.down_proj_scale_inv" (transformers 5: blocks,
+    or [E, c, 1] per-tensor scales of c equal row chunks) or
+    "experts.w13_weight_scale[_inv]" / "experts.w2_weight_scale[_inv]" (vLLM). Scales are
+    float32 or a float dtype widened to it (bf16, fp16, UE8M0); other dtypes are refused. The routed
     experts stay FP8; static "input_scale"s are read and not used (activations are quantized
     per token on the fly); an FP8 shared expert is dequantized to bf16 (it is one dense MLP).
 
@@ -450,10 +454,14 @@ def _dense_weight(take: Callable[[str], torch.Tensor | None], base: str
                   ) -> torch.Tensor | None:
     """"<base>.weight", dequantized to bf16 when it is FP8 (its scale next to it)."""
     w = take(f"{base}.weight")
-    if w is None or w.dtype not in FP8_DTYPES:
-        return w
+    if w is None:
+        return None
     scale = next((s for s in (take(f"{base}.{n}") for n in _SCALE_SUFFIXES) if s is not None),
                  None)
+    if w.dtype not in FP8_DTYPES:
+        if scale is not None:  # (refused as for the routed experts: it would be ignored)
+            raise ValueError(f"{base} has a weight scale but its weight is {w.dtype}, not FP8")
+        return w
     if scale is None:
         raise ValueError(f"FP8 weight {base}.weight has no weight_scale_inv / weight_scale")
     take(f"{base}.input_scale")
@@ -474,11 +482,14 @@ def _proj_scale(take: Callable[[str], torch.Tensor | None], base: str, w: torch.
         return None
     if scale is None:
         raise ValueError(f"FP8 weight {base}.weight has no weight_scale_inv / weight_scale")
+    if scale.device != w.device:  # (else the gate and up scales' concatenation fails in torch)
+        raise ValueError(f"{base}: weight scale is on {scale.device} but its weight is on "
+                         f"{w.device}")
     N, K = w.shape
     if scale.numel() == 1 or tuple(scale.shape) in ((N,), (N, 1)):
-        return "row", row_scale(scale, N)
+        return "row", row_scale(scale, N, f"{base} weight scale")
     if tuple(scale.shape) == (-(-N // SCALE_BLOCK), -(-K // SCALE_BLOCK)):
-        return "block", scale.float()
+        return "block", decoding_scale(f"{base} weight scale", scale)
     raise ValueError(f"{base}: weight scale {shape_text(scale)} is neither 128x128 blocks "
                      f"({-(-N // SCALE_BLOCK)}, {-(-K // SCALE_BLOCK)}) nor per channel ({N},) "
                      f"for weight {shape_text(w)}")
@@ -488,20 +499,27 @@ def _fused_scales(take: Callable[[str], torch.Tensor | None], names: tuple[tuple
                   gate_up: torch.Tensor, down: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The fused FP8 experts' scales (first present name of each group), as the layer keeps
-    them: blocks [E, N/128, K/128], or [E, N] for per-channel, per-expert or single ones."""
-    found = [next((t for t in (take(n) for n in group) if t is not None), None)
+    them (_fused_scale)."""
+    found = [next(((n, t) for n, t in ((n, take(n)) for n in group) if t is not None), None)
              for group in names]
     if found == [None, None] and gate_up.dtype not in FP8_DTYPES:
         return None
-    if None in found:
+    if found[0] is None or found[1] is None:
         raise ValueError(f"FP8 fused experts need both scales {names[0][0]!r} and "
                          f"{names[1][0]!r}")
-    return _fused_scale(found[0], gate_up), _fused_scale(found[1], down)
+    return (_fused_scale(found[0][1], gate_up, found[0][0]),
+            _fused_scale(found[1][1], down, found[1][0]))
 
 
-def _fused_scale(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _fused_scale(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    """A fused scale as the layer keeps it: 128x128 blocks [E, N/128, K/128], or [E, N] for
+    one scale per channel, per expert, for all, or per expert for each of c equal row chunks
+    ([E, c, 1]: transformers' FP8Experts without blocks, e.g. a scale for the gate half and
+    one for the up half)."""
+    if w.dim() != 3:
+        raise ValueError(f"fused expert weights must be 3-D (E, N, K); got {shape_text(w)}")
     E, N, K = w.shape
-    s = s.float()
+    s = decoding_scale(name, s)
     if s.dim() == 3 and tuple(s.shape) == (E, -(-N // SCALE_BLOCK), -(-K // SCALE_BLOCK)) and (
             s.shape[1] != N or N == 1):
         return s
@@ -511,7 +529,10 @@ def _fused_scale(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return s.reshape(E, 1).expand(E, N).contiguous()
     if s.numel() == E * N and s.shape[0] == E:
         return s.reshape(E, N)
-    raise ValueError(f"fused expert scale {shape_text(s)} fits no granularity of weight "
+    if s.dim() == 3 and s.shape[0] == E and s.shape[2] == 1 and 0 < s.shape[1] <= N and (
+            N % s.shape[1] == 0):
+        return per_channel(s, w, name)
+    raise ValueError(f"fused expert scale {name} {shape_text(s)} fits no granularity of weight "
                      f"{shape_text(w)}")
 
 

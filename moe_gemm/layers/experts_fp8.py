@@ -31,11 +31,13 @@ import torch
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.routing import permute_by_expert
-from moe_gemm.ops.autograd import inference_only
+from moe_gemm.ops.autograd import inference_only, needs_link
 from moe_gemm.ops.combine import combine_rows
+from moe_gemm.ops.custom_ops import mark_inference_only
 from moe_gemm.ops.quantize import (
     FP8_MAX,
     dequantize_fp8,
+    in_leading_chunks,
     quantize_fp8_per_block,
     quantize_fp8_per_row,
     quantize_fp8_per_token_group,
@@ -115,14 +117,23 @@ def expert_ffn_fp8(
     """The routed experts on FP8 weights for checked arguments (module docstring;
     ids_in_range as layers/experts.expert_ffn).
 
+    Inference only, as expert_ffn: when autograd could ask for a gradient (grad mode on and
+    the tokens, the routing weights, the expert weights or their scales require grad, as
+    transformers' FP8Experts parameters do by default) the result is linked so that a
+    backward raises, eager or traced (the torch backend would otherwise differentiate the
+    combine alone, a silently partial gradient of the router, or fail inside torch on the
+    FP8 weights).
+
     Returns:
         (T, H) in x's dtype.
     """
     run = functools.partial(_expert_ffn_fp8, x, topk_ids, topk_weights, gate_up, gate_up_scale,
                             down, down_scale, gate_fn, config, ids_in_range)
+    linked = (x, topk_weights, gate_up, gate_up_scale, down, down_scale)
     if torch.compiler.is_compiling():
-        return run()
-    return inference_only(INFERENCE_ONLY_MESSAGE, run, (x, topk_weights))
+        y = run()
+        return mark_inference_only(y, INFERENCE_ONLY_MESSAGE) if needs_link(linked) else y
+    return inference_only(INFERENCE_ONLY_MESSAGE, run, linked)
 
 
 def _quantize_acts(x: torch.Tensor, granularity: str, dtype: torch.dtype):
@@ -183,8 +194,14 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, granularity: str
         q1, s1 = quantize_fp8_per_block(gate_up, dtype=dtype)
         q2, s2 = quantize_fp8_per_block(down, dtype=dtype)
     elif granularity == "row":
-        q1, s1 = quantize_fp8_per_row(gate_up, dtype=dtype)
-        q2, s2 = quantize_fp8_per_row(down, dtype=dtype)
+        # a few experts at a time (in_leading_chunks): the fp32 temporaries of a whole layer's
+        # weights would be several times their size
+        def per_row(w: torch.Tensor):
+            return in_leading_chunks(lambda t: quantize_fp8_per_row(t, dtype=dtype), w,
+                                     w[0].numel() if w.shape[0] else 0)
+
+        q1, s1 = per_row(gate_up)
+        q2, s2 = per_row(down)
     else:
         raise ValueError(f"granularity must be 'block' or 'row'; got {granularity!r}")
     return q1, s1, q2, s2
@@ -230,9 +247,20 @@ def keep_fp8_dtypes(fn: Callable[[torch.Tensor], torch.Tensor], fp8: tuple[torch
     return apply
 
 
-def row_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
+def decoding_scale(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's weight scale as float32: float32 as it is, other floating dtypes (bf16,
+    fp16, UE8M0's float8_e8m0fnu: powers of two) widened. An integer, bool or complex scale is
+    a TypeError: `.float()` would take it silently (complex with a warning) and every value
+    of the experts would be off by its scale."""
+    if not scale.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point decoding scale (float32, bfloat16, "
+                        f"float16 or float8_e8m0fnu); got {scale.dtype}")
+    return scale if scale.dtype == torch.float32 else scale.float()
+
+
+def row_scale(scale: torch.Tensor, rows: int, name: str = "weight scale") -> torch.Tensor:
     """A per-channel ([N], [N, 1]) or per-tensor ([], [1]) weight scale as [N] float32."""
-    s = scale.float()
+    s = decoding_scale(name, scale)
     if s.numel() == 1:
         return s.reshape(()).expand(rows).clone()
     if s.numel() == rows:
@@ -246,7 +274,7 @@ def hf_fp8_scales(experts) -> tuple[torch.Tensor, torch.Tensor] | None:
     down_proj_scale_inv) as the layer keeps them, or None for 16-bit experts. Blocks are
     shared (no copy); per-tensor scales (block_size None: [E, c, 1], one scale for each of c
     equal row chunks: c = 2 for gate_up, a scale per half, 1 for down) become per channel;
-    UE8M0 scales (powers of two) are widened to float32 exactly."""
+    UE8M0 scales (powers of two) are widened to float32 exactly (decoding_scale)."""
     s1 = getattr(experts, "gate_up_proj_scale_inv", None)
     s2 = getattr(experts, "down_proj_scale_inv", None)
     if s1 is None or s2 is None:
@@ -256,17 +284,15 @@ def hf_fp8_scales(experts) -> tuple[torch.Tensor, torch.Tensor] | None:
         raise ValueError(f"FP8 experts with weight blocks {tuple(block)} are not supported "
                          f"(128x128 blocks or per-tensor scales)")
 
-    def widen(s: torch.Tensor) -> torch.Tensor:
-        return s if s.dtype == torch.float32 else s.float()
-
-    s1, s2 = widen(s1), widen(s2)
+    s1 = decoding_scale("gate_up_proj_scale_inv", s1)
+    s2 = decoding_scale("down_proj_scale_inv", s2)
     if block is None:  # one value per expert and row chunk
-        s1 = _per_channel(s1, experts.gate_up_proj, "gate_up_proj_scale_inv")
-        s2 = _per_channel(s2, experts.down_proj, "down_proj_scale_inv")
+        s1 = per_channel(s1, experts.gate_up_proj, "gate_up_proj_scale_inv")
+        s2 = per_channel(s2, experts.down_proj, "down_proj_scale_inv")
     return s1, s2
 
 
-def _per_channel(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+def per_channel(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     """[E, c, 1] per-tensor scales of c equal row chunks of w [E, rows, cols] as [E, rows]."""
     E, rows = w.shape[0], w.shape[1]
     c = s.numel() // max(E, 1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,10 @@ MIN_AMAX = 1e-10  # kernels/sm90/quantize_fp8.MIN_AMAX: a zero group's scale sta
 QUANT_ENV = "MOE_GEMM_FP8_QUANT"  # "torch": the torch op sequence even where the kernel runs
 GRANULARITIES = ("group", "block", "row", "tensor")
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The weight quantizers' fp32 working set per step: each step holds a few fp32 copies of its
+# slice (the padded blocks, their magnitudes, the scaled values), ~4.5x the bf16 weight in
+# one go; a 256-expert layer of 4096 x 7168 weights is 15 GB of bf16.
+CHUNK_ELEMENTS = 1 << 26  # 256 MiB of fp32
 
 
 def _check_input(name: str, x: object, dtype: torch.dtype) -> torch.Tensor:
@@ -171,11 +176,33 @@ def _quantize_kernel(x2: torch.Tensor, dtype: torch.dtype, s: torch.Tensor) -> t
     return q
 
 
+def in_leading_chunks(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], x: torch.Tensor,
+                      inner: int) -> tuple[torch.Tensor, ...]:
+    """fn(x) for x [L, ...] (fn maps leading index to leading index and returns a tuple of
+    tensors), run on slices of at most CHUNK_ELEMENTS // inner leading indices so that its
+    fp32 temporaries stay bounded; the slices' results are written into preallocated
+    outputs. inner: the values per leading index fn works on. One slice: fn(x) itself."""
+    L = x.shape[0]
+    step = max(1, CHUNK_ELEMENTS // max(inner, 1))
+    if L <= step:
+        return fn(x)
+    outs: list[torch.Tensor] = []
+    for i in range(0, L, step):
+        res = fn(x[i:i + step])
+        if not outs:
+            outs = [torch.empty((L, *r.shape[1:]), dtype=r.dtype, device=r.device) for r in res]
+        for o, r in zip(outs, res):
+            o[i:i + step] = r
+    return tuple(outs)
+
+
 def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,
                            dtype: torch.dtype = torch.float8_e4m3fn
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights in block_size x block_size blocks over the last two dims (DeepSeek-V3's
     128x128 `weight_scale_inv` layout; partial edge blocks are scaled by their own values).
+    A stack of weights ([E, N, K]) is quantized a few at a time (CHUNK_ELEMENTS), with the
+    same values.
 
     Args:
         w: [..., N, K] bf16, fp16 or fp32 (a checkpoint's orientation: K last).
@@ -188,6 +215,18 @@ def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,
     b = _check_block("block_size", block_size)
     if w.dim() < 2:
         raise ValueError(f"w must have at least two dimensions (..., N, K); got {w.dim()}")
+    N, K = w.shape[-2:]
+    lead = w.shape[:-2]
+    nb, kb = -(-N // b), -(-K // b)
+    if not lead:
+        return _per_block(w, b, dtype)
+    q, scale = in_leading_chunks(lambda t: _per_block(t, b, dtype),
+                                 w.reshape(math.prod(lead), N, K), nb * b * kb * b)
+    return q.view(*lead, N, K), scale.view(*lead, nb, kb)
+
+
+def _per_block(w: torch.Tensor, b: int, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape[-2:]
     lead = w.shape[:-2]
     nb, kb = -(-N // b), -(-K // b)

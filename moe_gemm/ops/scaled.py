@@ -81,8 +81,14 @@ def scaled_grouped_mm(
 
     As grouped_mm, a CUDA call never synchronizes with the host (CUDA-graph safe): offs on
     the GPU are clamped into [0, T] by the kernel, never checked unless
-    MOE_GEMM_CHECK_OFFS=1. Use moe_gemm.quantize_fp8_per_token_group (activations) and
+    MOE_GEMM_CHECK_OFFS=1. Scale values are never read on the host either: zero, negative or
+    non-finite scales give the product they define (NaN and inf propagate), as in torch's
+    scaled matmuls. Use moe_gemm.quantize_fp8_per_token_group (activations) and
     quantize_fp8_per_block (weights) to make the operands.
+
+    Gradients: the Hopper kernel has no backward (one raises); the torch backend
+    differentiates through the scales, never the FP8 operands (a backward raises when x or w
+    requires grad, e.g. an nn.Parameter of FP8 weights left at requires_grad=True).
 
     Raises:
         TypeError: non-tensors, non-FP8 operands, mismatched dtypes, non-float32 scales,

@@ -6,6 +6,11 @@
 fp32, and multiplied with fp32 accumulation. `scaled_grouped_mm_ref` is the same in fp64 for
 tests: the exact product of the dequantized operands.
 
+The torch backend is differentiable through the scales. The FP8 operands themselves have no
+gradient (torch's scaled matmuls give none either): where one requires grad, the result is
+tied to the inputs by a backward that raises saying so (ops/autograd.py), not left to fail
+inside torch (no addition for float8 gradients) or to return an unscaled FP8 gradient.
+
 Arguments are checked (ops/scaled_validation.py) before they get here.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_gemm.ops.autograd import inference_only
 from moe_gemm.ops.reference import expert_spans
 from moe_gemm.ops.scaled_validation import (
     SCALE_BLOCK,
@@ -21,6 +27,21 @@ from moe_gemm.ops.scaled_validation import (
     a_scale_view,
     b_scale_view,
 )
+
+FP8_OPERAND_NO_GRAD = (
+    "moe_gemm's FP8 ops give no gradient for their FP8 operands (x and w, or a and b): FP8 "
+    "values are not differentiable. Pass them with requires_grad=False (e.g. w.detach(), or "
+    "nn.Parameter(w, requires_grad=False)); the torch backend differentiates through the "
+    "scales."
+)
+
+
+def _fp8_operands_untracked(run, operands, scales):
+    """run(), its result tied to the inputs by a raising backward where an FP8 operand
+    requires grad (module docstring)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return inference_only(FP8_OPERAND_NO_GRAD, run, [*operands, *scales])
+    return run()
 
 
 def dequantize_rows(x: torch.Tensor, sa: torch.Tensor, dtype: torch.dtype = torch.float32
@@ -54,6 +75,11 @@ def scaled_grouped_mm_torch(args: ScaledMmArgs, dtype: torch.dtype = torch.float
     """The torch backend (dtype float32) or the reference (float64) of scaled_grouped_mm.
     Writes into args.out when given (rows past offs[-1] untouched), else returns a new tensor
     (those rows zero)."""
+    return _fp8_operands_untracked(lambda: _scaled_mm_torch(args, dtype), (args.x, args.w),
+                                   (args.scale_a, args.scale_b))
+
+
+def _scaled_mm_torch(args: ScaledMmArgs, dtype: torch.dtype) -> torch.Tensor:
     x, w = args.x, args.w
     block = args.granularity == "block"
     odt = args.out_dtype if dtype == torch.float32 else dtype
@@ -82,6 +108,11 @@ def scaled_grouped_mm_torch(args: ScaledMmArgs, dtype: torch.dtype = torch.float
 def scaled_grouped_gemm_torch(args: ScaledGemmArgs, dtype: torch.dtype = torch.float32
                               ) -> list[torch.Tensor]:
     """The torch backend (float32) or the reference (float64) of scaled_grouped_gemm."""
+    return _fp8_operands_untracked(lambda: _scaled_gemm_torch(args, dtype),
+                                   (*args.a, *args.b), (*args.scale_a, *args.scale_b))
+
+
+def _scaled_gemm_torch(args: ScaledGemmArgs, dtype: torch.dtype) -> list[torch.Tensor]:
     block = args.granularity == "block"
     odt = args.out_dtype if dtype == torch.float32 else dtype
     res = []

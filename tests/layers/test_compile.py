@@ -62,6 +62,21 @@ def test_moe_layer_compiled_with_grad_keeps_inference_only(dynamo) -> None:
         y.sum().backward()
 
 
+def test_fp8_layer_compiled_with_grad_keeps_inference_only(dynamo) -> None:
+    # Only the router requires grad: the experts' FP8 GEMMs see no tracked input, so the
+    # compiled graph differentiated the combine alone (a partial router gradient) where the
+    # eager layer raises; both raise now.
+    moe = randomize(MoE(32, 16, 8, 2)).quantize_fp8("row")
+    moe.router_weight.requires_grad_(True)
+    x = torch.randn(5, 32)
+    y = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(y, moe(x), rtol=0, atol=0)
+    assert y.requires_grad and dynamo["graph_break"] == {}
+    with pytest.raises(RuntimeError, match="FP8 MoE layer is inference-only"):
+        y.sum().backward()
+    assert moe.router_weight.grad is None
+
+
 def test_transformers_model_with_moe_gemm_experts_compiles_whole(dynamo) -> None:
     transformers = pytest.importorskip("transformers")
     if int(transformers.__version__.split(".")[0]) < 5:

@@ -125,6 +125,54 @@ def test_what_the_fp8_path_cannot_run_is_named(change, pattern):
         moe_gemm_fp8_experts_forward(m, x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
 
 
+@pytest.mark.parametrize("change,error,pattern", [
+    (lambda x, i, w: (x[None], i, w), ValueError, r"hidden_states must be \(T, H\)"),
+    (lambda x, i, w: (x[:, :128], i, w), ValueError, r"hidden_states must be \(T, H\)"),
+    (lambda x, i, w: (x.double(), i, w), TypeError, "hidden_states must be torch.bfloat16"),
+    (lambda x, i, w: (x, i[:3], w[:3]), ValueError, r"top_k_index must be \(T, k\) = \(9, k\)"),
+    (lambda x, i, w: (x, i[:, 0], w[:, 0]), ValueError, r"top_k_index must be \(T, k\)"),
+    (lambda x, i, w: (x, i.float(), w), TypeError, "top_k_index must hold integer expert ids"),
+    (lambda x, i, w: (x, i, w[:, :1]), ValueError, "top_k_weights must match top_k_index"),
+    (lambda x, i, w: (x, i, w.long()), TypeError, "top_k_weights must be a float tensor"),
+    (lambda x, i, w: (x.to("meta"), i, w), ValueError, "hidden_states is on meta"),
+    (lambda x, i, w: (x, i.tolist(), w), TypeError, "top_k_index must be a torch.Tensor"),
+], ids=["3d-hidden", "other-h", "fp64-hidden", "other-t", "1d-ids", "float-ids",
+        "weights-shape", "int-weights", "device", "list-ids"])
+def test_inputs_that_do_not_fit_are_named(change, error, pattern):
+    # (a 3-D input failed inside an index op; routing of another token count gave a result
+    # of that count; (T, 1) weights for (T, 2) ids were broadcast; float ids were truncated)
+    m = _experts(11)
+    x, ids, w = _inputs(12, 9, 2)
+    with pytest.raises(error, match=pattern):
+        moe_gemm_fp8_experts_forward(m, *change(x, ids, w))
+    small = moe_gemm_fp8_experts_forward(m, x, ids.to(torch.uint8), w)  # integer ids of any width
+    assert torch.equal(small, moe_gemm_fp8_experts_forward(m, x, ids, w))
+
+
+def test_backward_through_fp8_experts_raises_as_inference_only():
+    # FP8Experts' weights and scales are Parameters that require grad (transformers' default):
+    # a forward with grad enabled runs; a backward raised from inside torch (no addition for
+    # float8 gradients) rather than the path's own inference-only error.
+    m = _experts(13)
+    assert m.gate_up_proj.requires_grad and m.down_proj_scale_inv.requires_grad
+    x, ids, w = _inputs(14, 9, 2)
+    y = moe_gemm_fp8_experts_forward(m, x, ids, w)
+    with torch.no_grad():
+        assert torch.equal(y, moe_gemm_fp8_experts_forward(m, x, ids, w))
+    with pytest.raises(RuntimeError, match="FP8 MoE layer is inference-only"):
+        y.float().sum().backward()
+
+
+def test_scales_that_are_not_floating_point_are_refused():
+    # (integer scales were widened by .float() and every output was off by their values)
+    m = _experts(15)
+    m.down_proj_scale_inv = torch.nn.Parameter(torch.ones(E, 2, 1, dtype=torch.int32),
+                                               requires_grad=False)
+    x, ids, w = _inputs(16, 5, 2)
+    with pytest.raises(TypeError, match="down_proj_scale_inv must be a floating-point"):
+        moe_gemm_fp8_experts_forward(m, x, ids, w)
+
+
 @pytest.mark.parametrize("block", [(128, 128), None])
 def test_fp4_experts_are_refused_by_name(block):
     # FP4 experts hold int8 bytes (one byte per element, like FP8): refused as FP4, not

@@ -16,7 +16,12 @@ from moe_gemm import (
     quantize_fp8_per_row,
     quantize_fp8_per_tensor,
 )
-from moe_gemm.testing_fp8 import FFN_REL_BOUND, fp8_errors, moe_fp8_reference
+from moe_gemm.testing_fp8 import (
+    FFN_REL_BOUND,
+    LargestFloat32,
+    fp8_errors,
+    moe_fp8_reference,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -284,3 +289,109 @@ def test_per_expert_checkpoint_mixing_formats_within_an_expert():
     mixed["experts.0.up_proj.weight"], mixed["experts.0.up_proj.weight_scale_inv"] = q, s
     with pytest.raises(ValueError, match="mix weight formats .*expert 0"):
         MoE.from_state_dict(mixed, 2)
+
+
+def test_backward_raises_where_only_expert_weights_or_scales_require_grad():
+    """FP8 experts held in Parameters that require grad (torch's default for nn.Parameter, as
+    transformers' FP8Experts keeps them): the forward runs; a backward raises the layer's
+    inference-only error (it failed inside torch on float8 gradients), also when only the
+    scales require grad (the torch backend would differentiate them silently)."""
+    moe16 = _layer(seed=15)
+    q1, s1 = quantize_fp8_per_block(moe16.gate_up_proj.detach())
+    q2, s2 = quantize_fp8_per_block(moe16.down_proj.detach())
+    router = moe16.router_weight.detach()
+    x = _x(seed=16)
+    with torch.no_grad():
+        want = MoE.from_fused(q1, q2, router, 2, scales=(s1, s2))(x)
+    P = torch.nn.Parameter
+    for weights, scales in (((P(q1), P(q2)), (P(s1), P(s2))), ((q1, q2), (P(s1), P(s2)))):
+        moe = MoE.from_fused(*weights, router, 2, scales=scales)
+        y = moe(x)
+        assert y.requires_grad and torch.equal(y, want)
+        with pytest.raises(RuntimeError, match="FP8 MoE layer is inference-only"):
+            y.float().sum().backward()
+        assert all(p.grad is None for p in moe.parameters())
+
+
+def test_checkpoint_scale_dtypes_and_devices():
+    """Weight scales in a float dtype (bf16, fp16, UE8M0) are widened to float32; integer,
+    bool or complex ones are a TypeError naming the key (they were taken by .float(), every
+    value off by its scale); a scale on another device than its weight is a ValueError (it
+    failed inside torch.cat); a 16-bit shared expert weight with a scale is refused as the
+    routed experts' are (it was reported as an unused key, or ignored with strict=False)."""
+    moe16 = _layer(seed=17, shared=128)
+    sd = _deepseek_state_dict(moe16, "inv")
+    key = "experts.1.up_proj.weight_scale_inv"
+    want = MoE.from_state_dict(sd, 2).gate_up_proj_scale_inv
+    pow2 = torch.exp2(torch.round(torch.log2(sd[key])))  # UE8M0 holds powers of two
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e8m0fnu):
+        scale = (pow2 if dtype == torch.float8_e8m0fnu else sd[key]).to(dtype)
+        got = MoE.from_state_dict({**sd, key: scale}, 2).gate_up_proj_scale_inv
+        assert got.dtype == torch.float32
+        assert torch.equal(got[1, 1:], scale.float()) and torch.equal(got[0], want[0])
+    for bad in (torch.ones(1, 2, dtype=torch.int64), torch.ones(1, 2, dtype=torch.bool),
+                torch.ones(1, 2, dtype=torch.complex64)):
+        with pytest.raises(TypeError, match="experts.1.up_proj weight scale must be a "
+                                            "floating-point decoding scale"):
+            MoE.from_state_dict({**sd, key: bad}, 2)
+    with pytest.raises(ValueError, match="experts.1.up_proj: weight scale is on meta but its "
+                                         "weight is on cpu"):
+        MoE.from_state_dict({**sd, key: sd[key].to("meta")}, 2)
+    shared = {**sd, "shared_experts.up_proj.weight": moe16.shared_experts.up_proj.weight}
+    with pytest.raises(ValueError, match="shared_experts.up_proj has a weight scale but its "
+                                         "weight is torch.bfloat16"):
+        MoE.from_state_dict(shared, 2, strict=False)
+    q1, s1 = quantize_fp8_per_block(moe16.gate_up_proj.detach())
+    q2, s2 = quantize_fp8_per_block(moe16.down_proj.detach())
+    fused = {"gate.weight": moe16.router_weight.detach(), "experts.gate_up_proj": q1,
+             "experts.down_proj": q2, "experts.gate_up_proj_scale_inv": s1.int(),
+             "experts.down_proj_scale_inv": s2}
+    with pytest.raises(TypeError, match="experts.gate_up_proj_scale_inv must be a "
+                                        "floating-point"):
+        MoE.from_state_dict(fused, 2, strict=False)
+
+
+def test_fused_per_tensor_chunk_scales_load():
+    """transformers' FP8Experts without weight blocks keep [E, c, 1] scales (one per expert
+    for each of c equal row chunks: gate half and up half); from_state_dict reads its fused
+    keys as per-channel scales, as from_hf does (it refused them as fitting no
+    granularity)."""
+    moe16 = _layer(seed=18)
+    halves = moe16.gate_up_proj.detach().float().view(8, 2, 128, 256)
+    s1 = halves.abs().amax(dim=(2, 3), keepdim=True)[..., 0] / 448.0  # (E, 2, 1)
+    q1 = (halves / s1[..., None]).view(8, 256, 256).to(E4M3)
+    pairs = [quantize_fp8_per_tensor(w) for w in moe16.down_proj.detach()]
+    q2 = torch.stack([q for q, _ in pairs])
+    s2 = torch.stack([s for _, s in pairs]).view(8, 1, 1)
+    sd = {"gate.weight": moe16.router_weight.detach(), "experts.gate_up_proj": q1,
+          "experts.down_proj": q2, "experts.gate_up_proj_scale_inv": s1,
+          "experts.down_proj_scale_inv": s2}
+    moe = MoE.from_state_dict(sd, 2)
+    assert moe.fp8 == "row" and moe.gate_up_proj_scale_inv.shape == (8, 256)
+    assert torch.equal(moe.gate_up_proj_scale_inv[:, :128], s1[:, 0].expand(8, 128))
+    assert torch.equal(moe.gate_up_proj_scale_inv[:, 128:], s1[:, 1].expand(8, 128))
+    x = _x(seed=19)
+    with torch.no_grad():
+        y = moe(x)
+        assert fp8_errors(y, moe_fp8_reference(moe, x))["rel"] < FFN_REL_BOUND
+        assert fp8_errors(y, moe16(x))["rel"] < 8e-2
+    with pytest.raises(ValueError, match=r"experts.gate_up_proj_scale_inv \(8, 3, 1\) fits no "
+                                         "granularity"):
+        MoE.from_state_dict({**sd, "experts.gate_up_proj_scale_inv": torch.ones(8, 3, 1)}, 2)
+
+
+def test_quantize_fp8_row_converts_a_few_experts_at_a_time(monkeypatch):
+    """MoE.quantize_fp8('row') keeps its fp32 temporaries to CHUNK_ELEMENTS values (the
+    whole layer's at once took several times the weights' size), with the same values."""
+    from moe_gemm.ops import quantize
+
+    want = _layer(seed=20).quantize_fp8("row")
+    monkeypatch.setattr(quantize, "CHUNK_ELEMENTS", 2 * 256 * 256, raising=False)
+    moe = _layer(seed=20)
+    with LargestFloat32() as seen:
+        moe.quantize_fp8("row")
+    assert seen.largest <= 2 * 256 * 256  # two experts' gate_up at a time, of eight
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(moe, name).view(torch.uint8),
+                           getattr(want, name).view(torch.uint8))
+        assert torch.equal(getattr(moe, name + "_scale_inv"), getattr(want, name + "_scale_inv"))

@@ -122,6 +122,31 @@ def test_per_block_round_trip(shape):
     _check_round_trip(w, deq, per_value, E4M3)
 
 
+@pytest.mark.parametrize("shape", [(6, 200, 300), (2, 3, 130, 128), (5, 0, 7)])
+def test_per_block_bounds_its_fp32_working_set(monkeypatch, shape):
+    """A stack of weights is quantized a few at a time (quantize.CHUNK_ELEMENTS fp32 values
+    per step; the whole stack at once took ~4.5x a bf16 weight's size in fp32 temporaries:
+    tens of GB for a large MoE layer), with the values of one weight at a time."""
+    from moe_gemm.ops import quantize
+    from moe_gemm.testing_fp8 import LargestFloat32
+
+    w = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=_gen(9)).bfloat16()
+    w = w.transpose(-1, -2)  # a strided view, as a checkpoint's transposed weight
+    N, K = shape[-2:]
+    per_weight = -(-N // 128) * 128 * -(-K // 128) * 128
+    monkeypatch.setattr(quantize, "CHUNK_ELEMENTS", 2 * per_weight, raising=False)
+    with LargestFloat32() as seen:
+        q, s = quantize_fp8_per_block(w)
+    assert seen.largest <= 2 * per_weight
+    assert q.shape == w.shape and s.shape == (*shape[:-2], -(-N // 128), -(-K // 128))
+    L = math.prod(shape[:-2])
+    flat_q, flat_s = q.reshape(L, N, K), s.reshape(L, *s.shape[-2:])
+    for i, wi in enumerate(w.reshape(L, N, K)):
+        qi, si = quantize_fp8_per_block(wi)
+        assert torch.equal(flat_q[i].view(torch.uint8), qi.view(torch.uint8))
+        assert torch.equal(flat_s[i], si)
+
+
 def test_per_row_and_per_tensor_round_trip():
     x = torch.randn(9, 300, generator=_gen(4)) * torch.logspace(-2, 2, 9)[:, None]
     q, s = quantize_fp8_per_row(x)

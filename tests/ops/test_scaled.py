@@ -148,6 +148,38 @@ def test_backward_through_the_torch_backend():
     assert sa.grad is not None and sa.grad.shape == sa.shape
 
 
+@pytest.mark.parametrize("form", ["varlen", "batched", "general", "masked"])
+@pytest.mark.parametrize("operand", [0, 1])
+def test_fp8_operands_that_require_grad_raise_at_backward(form, operand):
+    """An FP8 operand that requires grad (an nn.Parameter of FP8 weights keeps torch's
+    default requires_grad=True): the forward runs and gives the values it gives without;
+    a backward raises naming the FP8 operands (it failed inside torch, which has no addition
+    for float8 gradients, or returned an unscaled FP8 gradient), in every form."""
+    if form == "varlen":
+        *ops, sa, sb, offs = make_fp8_moe_inputs(12, 3, 256, 32, "block", seed=40)
+        run = lambda a, b: scaled_grouped_mm(a, b, sa, sb, offs)  # noqa: E731
+    elif form == "batched":
+        *ops, sa, sb = make_fp8_batched_inputs(2, 5, 128, 16, "row", seed=41)
+        run = lambda a, b: scaled_grouped_mm(a, b, sa, sb)  # noqa: E731
+    elif form == "masked":
+        *ops, sa, sb = make_fp8_batched_inputs(2, 5, 128, 16, "block", seed=42)
+        counts = torch.tensor([3, 5], dtype=torch.int32)
+        run = lambda a, b: moe_gemm.scaled_grouped_mm_masked(a, b, sa, sb, counts)  # noqa: E731
+    else:
+        a, b, sa, sb = make_fp8_grouped_inputs([(4, 16, 128), (3, 8, 256)], "row", seed=43)
+        ops = [a[0], b[0]]
+        run = lambda a0, b0: scaled_grouped_gemm([a0, a[1]], [b0, b[1]], sa, sb)[0]  # noqa: E731
+    want = run(*ops)
+    tracked = list(ops)
+    tracked[operand] = torch.nn.Parameter(ops[operand])  # requires_grad=True
+    y = run(*tracked)
+    assert y.requires_grad and torch.equal(y, want)
+    with pytest.raises(RuntimeError, match="no gradient for their FP8 operands"):
+        y.float().sum().backward()
+    with torch.no_grad():
+        assert not run(*tracked).requires_grad
+
+
 def test_backend_cute_refused_on_cpu():
     x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "block", seed=9)
     with pytest.raises(RuntimeError, match="backend='cute' cannot run here"):
