@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--version", action="version", version=f"moe-gemm-server {__version__}")
     a("--host", help="interface to bind (default 127.0.0.1)")
     a("--port", type=int, help="port (default 8000; 0 = any free port)")
-    a("--data-dir", help="where weight sets persist (default $XDG_DATA_HOME/moe-gemm-server)")
+    a("--data-dir", help="where weight sets persist (default $XDG_DATA_HOME/moe-gemm-server; "
+      "~/.local/share/moe-gemm-server where XDG_DATA_HOME is unset)")
     a("--sync-interval-s", type=float, help="rescan the data directory for sets other servers "
       "sharing it wrote or deleted, every this many seconds (default 2; 0 = never)")
     a("--api-key", action="append", help="accepted API key for matmul/read routes; repeatable "

@@ -57,9 +57,11 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
         return "row"
     if got in ((E,), (1,), ()):
         return "tensor"
+    # (the block shape with its condition: for a K not a multiple of 128 it is refused too)
     raise ValueError(
         f"'scale' {list(got)} fits no granularity of {layout!r} {shape_text(tensor)}: expected "
-        f"128x128 blocks {list(block)}, per channel [{E}, {N}] or per expert [{E}]")
+        f"128x128 blocks {list(block)} (K a multiple of {BLOCK}), per channel [{E}, {N}] or per "
+        f"expert [{E}]")
 
 
 def _op_scales(ws, x: torch.Tensor):

@@ -151,13 +151,17 @@ class WeightsMixin:
         resident = self.engine.resident_bytes + self._reserved_bytes
         if resident - replaced + nbytes > budget:
             self.metrics.rejections.labels("over_budget").inc()
+            # "free" counts the replaced version's bytes; say so, or the free bytes and the
+            # bytes held would not add up to the budget
+            freed = (f", {replaced} of them by the version of {name!r} this upload replaces"
+                     if replaced else "")
             raise APIError(
                 507,
                 f"weight set {name!r} needs {nbytes} bytes but only "
                 f"{max(0, budget - resident + replaced)} of the {budget}-byte resident budget "
                 f"(--max-resident-bytes) are free ({resident} bytes held by "
-                f"{len(self.engine.weight_sets())} set(s) and uploads in progress); delete a "
-                "set or raise the budget",
+                f"{len(self.engine.weight_sets())} set(s) and uploads in progress{freed}); "
+                "delete a set or raise the budget",
             )
 
     async def delete_weights(self, name: str) -> None:

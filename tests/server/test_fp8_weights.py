@@ -104,6 +104,16 @@ def test_engine_refuses_bad_fp8_sets():
         engine.add_weights("f", blocky, "w_t", scale=torch.ones(E, 1, 1))
 
 
+def test_a_misshapen_scale_is_told_the_block_shape_with_its_condition():
+    # K = 144: the block shape [E, 1, 1] the message offers is itself refused (K not a
+    # multiple of 128), so the message says that condition with it.
+    engine = Engine("cpu")
+    blocky = torch.zeros(E, N, 144, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"blocks \[3, 1, 1\] \(K a multiple of 128\), per "
+                                         r"channel \[3, 64\] or per expert \[3\]"):
+        engine.add_weights("f", blocky, "w_t", scale=torch.ones(E, 2, 2))
+
+
 def _wait_ready(client: TestClient) -> None:
     deadline = time.monotonic() + 30
     while client.get("/v2/health/ready").status_code != 200:

@@ -295,12 +295,13 @@ def test_cli_fails_fast_with_one_line(tmp_path):
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
+        # (--port 0: a server on 8000, `make serve`, would make the bind the refusal)
         with pytest.raises(SystemExit, match="moe-gemm-server: device must be .*'tpu'"):
-            main(["--device", "tpu", "--data-dir", str(tmp_path / "d")])
+            main(["--device", "tpu", "--port", "0", "--data-dir", str(tmp_path / "d")])
         blocker = tmp_path / "file"
         blocker.write_text("not a directory")
         with pytest.raises(SystemExit, match="moe-gemm-server: .*file"):
-            main(["--data-dir", str(blocker / "data")])
+            main(["--port", "0", "--data-dir", str(blocker / "data")])
     finally:
         for h in list(root.handlers):
             if h not in handlers:

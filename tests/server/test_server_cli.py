@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from server_testutils import REPO
 
 from moe_gemm_server import __version__
 from moe_gemm_server.cli import DrainingServer, listen, main
+from moe_gemm_server.config import default_data_dir
 from moe_gemm_server.logs import RequestIdFilter, request_id_var
 
 ENV_PATH = f"{REPO}:{REPO / 'server'}"
@@ -65,9 +67,11 @@ def _refusal(argv: list[str]) -> str:
 
 def test_every_start_up_refusal_is_one_line(tmp_path, restore_logging):
     data = str(tmp_path / "data")
-    msg = _refusal(["--device", "cpu", "--backend", "cute", "--data-dir", data])
+    # --port 0 where the port is not the point: a server on 8000 (`make serve`) would be refused
+    # first, by the bind
+    msg = _refusal(["--device", "cpu", "--backend", "cute", "--port", "0", "--data-dir", data])
     assert "backend='cute' cannot run on cpu" in msg
-    msg = _refusal(["--device", "cuda:99", "--data-dir", data])
+    msg = _refusal(["--device", "cuda:99", "--port", "0", "--data-dir", data])
     assert "cuda:99" in msg
     msg = _refusal(["--host", "no-such-host.invalid", "--data-dir", data])
     assert "no-such-host.invalid" in msg and "admin key" in msg  # exposure is checked first
@@ -82,7 +86,7 @@ def test_every_start_up_refusal_is_one_line(tmp_path, restore_logging):
         assert f"127.0.0.1:{port}" in msg and "--port" in msg
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    msg = _refusal(["--device", "cpu", "--data-dir", str(blocker / "data")])
+    msg = _refusal(["--device", "cpu", "--port", "0", "--data-dir", str(blocker / "data")])
     assert "--data-dir" in msg and str(blocker) in msg
     msg = _refusal(["--max-queue", "0"])
     assert "max_queue" in msg
@@ -216,3 +220,16 @@ def test_help_describes_the_warmup_default_the_engine_uses(capsys):
     assert "1,64,512,4096" not in text  # the old, wrong default
     assert "on the cute backend, one per kernel configuration" in text
     assert "on the torch backend, on CPU or GPU alike, 1" in text
+
+
+def test_help_and_readme_name_the_data_dir_default_without_xdg_data_home(capsys, monkeypatch):
+    """Most machines have no XDG_DATA_HOME: the default they get must be written out too."""
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert default_data_dir() == Path("/home/someone/.local/share/moe-gemm-server")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps at hyphens too
+    assert "~/.local/share/moe-gemm-serverwhereXDG_DATA_HOMEisunset" in text
+    readme = (REPO / "server" / "README.md").read_text()
+    assert "`~/.local/share/moe-gemm-server`" in readme
