@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.integrations.inputs import check_expert_inputs
 from moe_gemm.layers.checkpoints import moe_from_tensors
 from moe_gemm.layers.experts import Activation, expert_ffn
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
@@ -74,7 +75,9 @@ def moe_gemm_experts_forward(
         [T, H] in hidden_states' dtype.
 
     Raises:
-        ValueError: a module without the attributes `@use_experts_implementation` sets.
+        ValueError: a module without the attributes `@use_experts_implementation` sets, or
+            inputs whose shapes or devices do not fit it.
+        TypeError: inputs of the wrong dtypes (ids must be integers, weights floating).
     """
     has_gate = getattr(self, "has_gate", True)
     has_bias = getattr(self, "has_bias", False)
@@ -89,6 +92,8 @@ def moe_gemm_experts_forward(
             f"{type(self).__name__}: expected 3-D fused expert weights; got "
             f"{tuple(w_in.shape)} and {tuple(w_out.shape)}"
         )
+    check_expert_inputs(hidden_states, top_k_index, top_k_weights, hidden_size=w_in.shape[1],
+                        device=w_in.device)
     gate_fn = self._apply_gate if has_gate else self.act_fn
     bias_in = bias_out = None
     if has_bias:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_gemm.integrations.inputs import check_expert_inputs
 from moe_gemm.layers.experts_fp8 import (
     FP8_DTYPES,
     check_fp8_experts,
@@ -68,51 +69,15 @@ def moe_gemm_fp8_experts_forward(
     if getattr(self, "num_experts", num_experts) != num_experts:
         raise ValueError(f"{type(self).__name__}.num_experts = {self.num_experts} but its "
                          f"weights hold {num_experts} experts")
-    _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up)
+    check_expert_inputs(hidden_states, top_k_index, top_k_weights,
+                        hidden_size=gate_up.shape[2], device=gate_up.device,
+                        token_dtypes=(torch.bfloat16, torch.float16, torch.float32))
     ids = top_k_index
     if ids.dtype not in (torch.int64, torch.int32):
         ids = ids.long()
     y = expert_ffn_fp8(hidden_states, ids, top_k_weights, gate_up, s1, down, s2,
                        self._apply_gate, config=getattr(self, "moe_gemm_config", None))
     return y.to(hidden_states.dtype)
-
-
-_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-_TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _check_inputs(hidden_states: object, top_k_index: object, top_k_weights: object,
-                  gate_up: torch.Tensor) -> None:
-    """The forward's tokens and routing (TypeError / ValueError naming the expectation): the
-    path gathers rows by id and combines T x k slots, so a 3-D or mismatched input would fail
-    inside an index op or give a result of the routing's shape, not the tokens'."""
-    H, device = gate_up.shape[2], gate_up.device
-    for name, t, hint in (("hidden_states", hidden_states, "(T, H)"),
-                          ("top_k_index", top_k_index, "(T, k)"),
-                          ("top_k_weights", top_k_weights, "(T, k)")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but the experts are on {device}")
-    assert isinstance(hidden_states, torch.Tensor) and isinstance(top_k_index, torch.Tensor)
-    assert isinstance(top_k_weights, torch.Tensor)
-    if hidden_states.dim() != 2 or hidden_states.shape[1] != H:
-        raise ValueError(f"hidden_states must be (T, H) = (T, {H}); got "
-                         f"{tuple(hidden_states.shape)}")
-    if hidden_states.dtype not in _TOKEN_DTYPES:
-        raise TypeError(f"hidden_states must be torch.bfloat16, torch.float16 or torch.float32; "
-                        f"got {hidden_states.dtype}")
-    T = hidden_states.shape[0]
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
-        raise ValueError(f"top_k_index must be (T, k) = ({T}, k); got "
-                         f"{tuple(top_k_index.shape)}")
-    if top_k_index.dtype not in _ID_DTYPES:
-        raise TypeError(f"top_k_index must hold integer expert ids; got {top_k_index.dtype}")
-    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
-        raise ValueError(f"top_k_weights must match top_k_index {tuple(top_k_index.shape)}; "
-                         f"got {tuple(top_k_weights.shape)}")
-    if not top_k_weights.is_floating_point():
-        raise TypeError(f"top_k_weights must be a float tensor; got {top_k_weights.dtype}")
 
 
 def _check_module(experts: nn.Module) -> None:
