@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +26,9 @@ from unittest import mock
 
 import torch
 
+from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, Prepared, _ours
-from benchmarks.zoo import build_cases, parse_cases
 from moe_gemm.config import GemmConfig
 from moe_gemm.tuning import space
 
@@ -99,14 +98,8 @@ def summary(results: list[dict[str, Any]], values: list[str]) -> list[str]:
     for r in results:
         if "vs_first" in r and r["switch_value"] != values[0]:
             groups.setdefault((r["config_label"], r["switch_value"]), []).append(r["vs_first"])
-    lines = []
-    for (label, v), ratios in sorted(groups.items()):
-        ratios.sort()
-        lines.append(f"{label} ={v}: vs ={values[0]} over {len(ratios)} cases: median "
-                     f"{statistics.median(ratios):.3f}, min {ratios[0]:.3f}, max "
-                     f"{ratios[-1]:.3f}; >1% faster on {sum(x > 1.01 for x in ratios)}, "
-                     f">1% slower on {sum(x < 0.99 for x in ratios)}")
-    return lines
+    return [ratio_line(f"{label} ={v}: vs ={values[0]}", ratios)
+            for (label, v), ratios in sorted(groups.items())]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,11 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--configs", default="", help="';'-separated configs to time besides the "
                    "default, as `moe-gemm tune` names them ('pp 128x128;coop 128x256')")
-    p.add_argument("--cases", help="comma-separated MODEL/PROJ/TOKENS zoo cases (instead of "
-                   "--models x --tokens x --projs)")
-    p.add_argument("--models", default="all", help="zoo models (default: all)")
-    p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
-    p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
+    add_case_options(p)
     add_ab_options(p, reps=10)
     return p
 
@@ -133,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     name = args.switch
     values = [v.strip() for v in args.values.split(",") if v.strip()]
     configs = [c.strip() for c in args.configs.split(";") if c.strip()]
-    projs = [s.strip() for s in args.projs.split(",") if s.strip()]
     try:
         if name not in LIBRARY_VARIABLES:
             raise ValueError(f"--switch {name!r} is not one of the library's variables "
@@ -142,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--values needs two or more distinct values; got {args.values!r}")
         for c in configs:
             space.config_of(space.parse_name(c))
-        if not projs or any(p not in ("gate_up", "down") for p in projs):
-            raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
-        if args.cases:
-            cases = [build_cases(m, str(t), [p], args.seed, False)[0]
-                     for m, p, t in parse_cases(args.cases)]
-        else:
-            cases = build_cases(args.models, args.tokens, projs, args.seed, False)
+        cases = cases_from_args(args)
     except ValueError as exc:
         print(f"env_ab: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,9 @@ from typing import Any
 import torch
 
 from benchmarks import zoo
+from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, _ours
-from benchmarks.zoo import build_cases, parse_cases
 from moe_gemm.tuning import space
 
 OURS = "moe_gemm"
@@ -151,15 +150,8 @@ def summary(results: list[dict[str, Any]]) -> list[str]:
         for r in rows:
             if "vs_first" in r:
                 per_variant.setdefault(r["variant"], []).append(r["vs_first"])
-    lines = []
-    for v, ratios in sorted(per_variant.items()):
-        ratios.sort()
-        ahead = sum(x > 1.01 for x in ratios)
-        behind = sum(x < 0.99 for x in ratios)
-        lines.append(f"variant {v}: vs first over {len(ratios)} cases: median "
-                     f"{statistics.median(ratios):.3f}, min {ratios[0]:.3f}, max "
-                     f"{ratios[-1]:.3f}; >1% faster on {ahead}, >1% slower on {behind}")
-    return lines
+    return [ratio_line(f"variant {v}: vs first", ratios)
+            for v, ratios in sorted(per_variant.items())]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,18 +165,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--with-peers", action="store_true", help="interleave the zoo's peers "
                    "too (torch's grouped_mm, the mm loop in a CUDA graph, QuACK untuned), so "
                    "each variant runs among the same kernels as in the zoo")
-    p.add_argument("--cases", help="comma-separated MODEL/PROJ/TOKENS zoo cases (instead of "
-                   "--models x --tokens x --projs)")
-    p.add_argument("--models", default="all", help="zoo models (default: all)")
-    p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
-    p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
+    add_case_options(p)
     add_ab_options(p, reps=10)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    projs = [s.strip() for s in args.projs.split(",") if s.strip()]
     try:
         variants = parse_variants(args.vary, against=bool(args.against))
         other = None
@@ -197,13 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 other = table_io.read_table(Path(args.against))
             except (OSError, json.JSONDecodeError) as exc:
                 raise ValueError(f"--against {args.against}: {exc}") from None
-        if not projs or any(p not in ("gate_up", "down") for p in projs):
-            raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
-        if args.cases:
-            cases = [build_cases(m, str(t), [p], args.seed, False)[0]
-                     for m, p, t in parse_cases(args.cases)]
-        else:
-            cases = build_cases(args.models, args.tokens, projs, args.seed, False)
+        cases = cases_from_args(args)
     except ValueError as exc:
         print(f"pick_ab: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from moe_gemm import GemmConfig
 from moe_gemm.ops.heuristics import TRIM_A_ENV
 from moe_gemm.ops.launch_info import last_launch
 
-from .helpers import check, rand
+from .helpers import check, rand, varlen_low
 
 pytestmark = pytest.mark.gpu
 
@@ -64,11 +64,6 @@ def test_trimmed_equals_whole_boxes(monkeypatch, schedule, tile, cluster, K):
     assert bool((y[T - tail:] == 7.0).all()), "rows past offs[-1] were written"
     rows = T - tail
     ref = moe_gemm.ops.reference.grouped_mm_ref(x[:rows], w, offs)
-    low = torch.zeros_like(ref)
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            low[start:start + c] = x[start:start + c] @ w[e]
-        start += c
+    low = varlen_low(x, w, counts)
     check(f"trimmed-a/{schedule}/{tile[0]}x{tile[1]}/K={K}", y[:rows], ref, low, E=E, T=T, N=N,
           K=K)

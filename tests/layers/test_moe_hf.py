@@ -413,18 +413,10 @@ def _run_fresh(code: str) -> None:
 
 
 @pytest.mark.parametrize("change,error,pattern", [
-    (lambda x, i, w: (x[None], i, w), ValueError, r"hidden_states must be \(T, H\) = \(T, 32\)"),
-    (lambda x, i, w: (x[:, :16], i, w), ValueError, r"hidden_states must be \(T, H\)"),
-    (lambda x, i, w: (x.long(), i, w), TypeError, "hidden_states must be a float tensor"),
-    (lambda x, i, w: (x, i[:3], w[:3]), ValueError, r"top_k_index must be \(T, k\) = \(9, k\)"),
-    (lambda x, i, w: (x, i[:, 0], w[:, 0]), ValueError, r"top_k_index must be \(T, k\)"),
+    (lambda x, i, w: (x[None], i, w), ValueError, r"hidden_states must be \(T, H\)"),
     (lambda x, i, w: (x, i.float(), w), TypeError, "top_k_index must hold integer expert ids"),
     (lambda x, i, w: (x, i, w[:, :1]), ValueError, "top_k_weights must match top_k_index"),
-    (lambda x, i, w: (x, i, w.long()), TypeError, "top_k_weights must be a float tensor"),
-    (lambda x, i, w: (x.to("meta"), i, w), ValueError, "hidden_states is on meta"),
-    (lambda x, i, w: (x, i.tolist(), w), TypeError, "top_k_index must be a torch.Tensor"),
-], ids=["3d-hidden", "other-h", "int-hidden", "other-t", "1d-ids", "float-ids",
-        "weights-shape", "int-weights", "device", "list-ids"])
+], ids=["3d-hidden", "float-ids", "weights-shape"])  # (every case: integrations/inputs.py's test)
 def test_experts_inputs_that_do_not_fit_are_named(change, error, pattern) -> None:
     # (a 3-D input failed inside an index op; routing of another token count gave a result of
     # that count; (T, 1) weights for (T, 2) ids were broadcast; float ids were truncated)

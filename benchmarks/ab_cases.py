@@ -1,0 +1,38 @@
+"""What the zoo A/B scripts share (benchmarks.pick_ab, benchmarks.env_ab): their choice of
+zoo cases and the line that sums up one variant's ratios over them."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from benchmarks.zoo import build_cases, parse_cases
+
+
+def add_case_options(p: argparse.ArgumentParser) -> None:
+    """--cases, or --models x --tokens x --projs."""
+    p.add_argument("--cases", help="comma-separated MODEL/PROJ/TOKENS zoo cases (instead of "
+                   "--models x --tokens x --projs)")
+    p.add_argument("--models", default="all", help="zoo models (default: all)")
+    p.add_argument("--tokens", default="2048,8192", help="token counts (default: %(default)s)")
+    p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
+
+
+def cases_from_args(args: argparse.Namespace) -> list:
+    """The (ShapeSpec, fields) zoo cases the options name (ValueError naming a bad one)."""
+    projs = [s.strip() for s in args.projs.split(",") if s.strip()]
+    if not projs or any(p not in ("gate_up", "down") for p in projs):
+        raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
+    if args.cases:
+        return [build_cases(m, str(t), [p], args.seed, False)[0]
+                for m, p, t in parse_cases(args.cases)]
+    return build_cases(args.models, args.tokens, projs, args.seed, False)
+
+
+def ratio_line(label: str, ratios: list[float]) -> str:
+    """'<label> over N cases: median, min, max; >1% faster on a, >1% slower on b' of time
+    ratios (above 1: faster than the baseline)."""
+    ratios = sorted(ratios)
+    return (f"{label} over {len(ratios)} cases: median {statistics.median(ratios):.3f}, min "
+            f"{ratios[0]:.3f}, max {ratios[-1]:.3f}; >1% faster on "
+            f"{sum(x > 1.01 for x in ratios)}, >1% slower on {sum(x < 0.99 for x in ratios)}")
