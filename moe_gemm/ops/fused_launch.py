@@ -40,6 +40,7 @@ from moe_gemm.ops.heuristics import (
     GATHER_WIDE_ENV,
     KernelChoice,
     choose_varlen,
+    with_trim_a,
 )
 from moe_gemm.ops.support import (
     MAX_PROBLEMS,
@@ -173,6 +174,11 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
         gather = _same_tile(gathered, fitted)
         if gather:
             fitted = gathered
+    # Trimmed A loads decided for the fitted tile (the fit may change it); none where the
+    # kernel gathers A's rows itself.
+    fitted = dataclasses.replace(fitted, trim_a=False)
+    if not gather:
+        fitted = with_trim_a(fitted)
     b_major = "k" if operand_major(args.w) == "col" else "n"
     why = fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, b_major,
                         fitted.cluster_n, args.gate or "", args.gate_layout, gather)
@@ -200,7 +206,7 @@ def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: boo
         key, gate=gate, gate_layout=args.gate_layout if gate else "",
         gate_alpha=args.gate_alpha if clamped else 0.0,
         gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
-        row_scale=args.row_weight is not None, gather=gather, trim_a=key.trim_a and not gather,
+        row_scale=args.row_weight is not None, gather=gather,
         fast_gate=fast_gate(args, choice))
 
 

@@ -80,10 +80,11 @@ class MaskedPlan(_Plan):
             return
         G, M, N = self.shape
         device = self.device
-        self.choice = choice = _masked_choice(choose_varlen(
+        # (trimmed A loads are the varlen form's: the masked form's A is one box per problem)
+        self.choice = choice = dataclasses.replace(_masked_choice(choose_varlen(
             config, G * args.expected_m, G, N, b.K, launch_kernel.sm_count(device),
             b.out_dtype.itemsize, **launch_kernel.table_keys(device, b.dtype, b.out_dtype)),
-            config)
+            config), trim_a=False)
         self.w_major = "k" if operand_major(b.w) == "col" else "n"
         self.w_unit = 1 if self.w_major == "k" else 2
         self._grid(choice)

@@ -517,3 +517,22 @@ def test_biased_heavy_tiles_keep_the_ieee_sigmoid(schedule, tile_m, tile_n, bias
     choice, gather = fused_choice(args, cfg, 132, torch.device("meta"))
     assert (choice.schedule, choice.tile_m, choice.tile_n) == (schedule, tile_m, tile_n)
     assert fused_key(args, choice, "k", gather).fast_gate == fast
+
+
+def test_trimmed_a_follows_the_fitted_tile_and_never_gathers(monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS
+    from moe_gemm.ops.heuristics import TRIM_A_ENV, trim_a_default
+
+    monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
+    monkeypatch.delenv(TRIM_A_ENV, raising=False)
+    meta = torch.device("meta")
+    cfg = GemmConfig(schedule="pingpong", tile_m=64, tile_n=256, cluster_m=2, cluster_n=1)
+    small, gathered = fused_choice(_meta_args(4096, 8, 32, 4096, 7168, gate="silu"), cfg, 132,
+                                   meta)
+    assert gathered and not small.trim_a  # the kernel's gather loads A: nothing to trim
+    big, gathered = fused_choice(_meta_args(4096, GATHER_MAX_ROWS, 32, 4096, 7168, gate="silu"),
+                                 cfg, 132, meta)
+    assert not gathered and big.trim_a == trim_a_default(big) is True
+    monkeypatch.setenv(TRIM_A_ENV, "0")
+    assert not fused_choice(_meta_args(4096, GATHER_MAX_ROWS, 32, 4096, 7168, gate="silu"),
+                            cfg, 132, meta)[0].trim_a

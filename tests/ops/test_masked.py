@@ -857,3 +857,17 @@ def test_host_path_fp8(emulated, granularity: str) -> None:
     assert (_past(out, counts) == SENTINEL).all()
     with pytest.raises(ValueError, match=r"the masked form has no tail split"):
         scaled_grouped_mm_masked(x, w, sa, sb, mm, config=GemmConfig(tail_split=True))
+
+
+
+def test_the_masked_form_reports_no_trimmed_a_loads(emulated, monkeypatch) -> None:
+    # Trimmed A loads are the varlen form's (the masked kernel loads one box per problem):
+    # with them forced on, the launch's recorded choice must not claim them.
+    from moe_gemm.ops.heuristics import TRIM_A_ENV
+    from moe_gemm.ops.launch_info import last_launch
+
+    monkeypatch.setenv(TRIM_A_ENV, "1")
+    x, w = _inputs(3, 40, 32, 24, BF16, seed=61, w_layout="kn")
+    grouped_mm_masked(x, w, torch.tensor([5, 0, 40], dtype=I32))
+    assert emulated and not emulated[-1].key.trim_a
+    assert last_launch().choice.trim_a is False
