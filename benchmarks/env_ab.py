@@ -29,7 +29,6 @@ import torch
 from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, Prepared, _ours
-from moe_gemm.config import GemmConfig
 from moe_gemm.tuning import space
 
 OURS = "moe_gemm"
@@ -56,14 +55,12 @@ def with_switch(build: Callable, name: str, value: str) -> Callable:
 def launched_key(case: dict[str, Any], device: torch.device, name: str, value: str) -> object:
     """The kernel our default launches on a zoo case with the switch at `value`."""
     from moe_gemm.capability import device_name, sm_count
-    from moe_gemm.ops.heuristics import choose_varlen
-    from moe_gemm.ops.launch_kernel import _compile_key
+    from moe_gemm.tuning.zoo import default_kernel_key
 
     with mock.patch.dict(os.environ, {name: value}):
-        choice = choose_varlen(GemmConfig(), case["rows"], case["E"], case["N"], case["K"],
-                               sm_count(device), device=device_name(device))
-    layout = "k" if case.get("layout", "ENK") == "ENK" else "n"
-    return _compile_key("varlen", torch.bfloat16, torch.bfloat16, layout, choice, False)
+        return default_kernel_key(case["E"], case["N"], case["K"], case["rows"],
+                                  case.get("layout", "ENK"), device_name(device),
+                                  sm_count(device))
 
 
 def implementations(configs: list[str], name: str, values: list[str]) -> list[Impl]:
