@@ -9,7 +9,8 @@ The tuner ranks configs by CUDA-graph samples with a rest between them; the zoo 
 back behind a sleep backlog, as a serving loop runs. Some levers (the tile order above all)
 rank differently in the two regimes, so a change of the default is decided here: per zoo case,
 the config our default picks (tuned table, then the rules) is rebuilt with each `--vary`
-word list applied to it ('p8ns': panels of 8 n-tiles, serpentine; 's4'; 'c1x2'; 'ts'; 'ew'),
+word list applied to it ('p8ns': panels of 8 n-tiles, serpentine; 's4'; 'c1x2'; 'ts', 'ew'
+and 'no-ts', 'no-ew' to turn those off),
 and with `--against T.json` the pick of another tuned table for the same key is a variant
 too (after the default pick itself, unless --vary names the first). Every variant goes through the zoo's harness in one process (same inputs and routing,
 every output checked against a float32 reference first, then interleaved rounds). Each row
@@ -44,6 +45,9 @@ _KINDS = (("raster", r"p\d+n?s?"), ("stages", r"s\d+"), ("cluster", r"c\d+x\d+")
 
 
 def _kind(word: str) -> str | None:
+    """The field a word sets; 'no-' before an on/off word ('no-ew', 'no-ts') turns it off."""
+    if word.startswith("no-") and word[3:] in ("ts", "ew"):
+        word = word[3:]
     return next((kind for kind, pattern in _KINDS if re.fullmatch(pattern, word)), None)
 
 
@@ -58,7 +62,8 @@ def parse_variants(items: list[str], against: bool = False) -> list[list[str]]:
         for w in words:
             if _kind(w) is None:
                 raise ValueError(f"--vary {item!r}: {w!r} is not one of: raster 'p8', 'p8ns', "
-                                 "'p16'; stages 's4'; cluster 'c1x2'; 'ts'; 'ew'")
+                                 "'p16'; stages 's4'; cluster 'c1x2'; 'ts', 'ew' (or "
+                                 "'no-ts', 'no-ew')")
         variants.append(words)
     if against:
         return variants or [[]]
@@ -82,7 +87,7 @@ def vary(fields: dict, words: list[str]) -> dict:
     """The pick's fields with `words` applied (a word replaces the pick's word of its kind)."""
     kinds = {_kind(w) for w in words}
     base = [w for w in space.name_of(fields).split() if _kind(w) not in kinds]
-    out = space.parse_name(" ".join(base + words))
+    out = space.parse_name(" ".join(base + [w for w in words if not w.startswith("no-")]))
     if fields.get("visitor") == "host":
         out["visitor"] = "host"
     space.config_of(out)  # buildable (ValueError otherwise)

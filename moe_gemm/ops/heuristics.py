@@ -388,18 +388,24 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
         tile = _pick_tile(schedule, avg_m, N)
     visitor = config.visitor if config.visitor != "auto" else "device"
     stages = config.stages
-    if stages is None and schedule == "cooperative" and tile == (128, 256) and K >= 4096:
-        stages = 3  # long K (see choose_general)
     cm, cn = _cluster_choice(config)
     if cm * cn > 1:
         visitor = "device"
+    # Long K, cooperative 128x256: 3 A/B stages (see choose_general), but in a 1x2 cluster
+    # (A multicast) the 4th stage that fits: H200, 2026-11-30 (`benchmarks.same_config`, 21
+    # pairs on 19 zoo projections, in-process), 4 stages over 3 a median 1.014x as fast (0.996
+    # to 1.123; DeepSeek-V3 gate/up at 4096 tokens 4713 vs 5295 us, Kimi-K2 gate/up at 8192
+    # 8368 vs 9158), level with QuACK, whose default takes 4 there.
+    long_k_128x256 = schedule == "cooperative" and tile == (128, 256) and K >= 4096 and (
+        (cm, cn) != (1, 2))
+    if stages is None and long_k_128x256:
+        stages = 3
     # Long K, 128x256, 16-bit output: the whole-tile epilogue (2 barrier syncs per tile, not
     # 16; its 64 KiB of staging leaves 3 A/B stages, which long K uses anyway). H200,
     # 2026-11-21, back-to-back: mixtral 2795 vs 2825 us (QuACK 2808), moe-prefill 2958 vs
     # 2982; at K=1408 (moe-down) the lost 4th stage costs more: 189 vs 184, so not there.
     if config.whole_epilogue is None:
-        epi_whole = (schedule == "cooperative" and tile == (128, 256) and K >= 4096
-                     and out_itemsize == 2 and config.stages in (None, 3))
+        epi_whole = long_k_128x256 and out_itemsize == 2 and config.stages in (None, 3)
         if epi_whole:
             stages = 3
     else:

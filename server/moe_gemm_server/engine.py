@@ -226,6 +226,10 @@ class Engine(WarmUpMixin, LaunchMixin):
             if self.config.backend == "cute":
                 raise RuntimeError(f"backend='cute' cannot run on {self.device}: {why_not}")
             self.backend, self.backend_reason = "torch", why_not
+        if self.tune and self.backend != "cute":
+            # (tuning picks among our kernels' configs; the torch backend has none)
+            log.warning("tuning at start is skipped: the engine runs the torch backend (%s)",
+                        self.backend_reason)
         self._lock = threading.RLock()  # launches
         # The registry has its own lock: swapping a set in must not wait for a launch.
         self._registry_lock = threading.Lock()

@@ -33,6 +33,20 @@ def test_a_variant_replaces_the_picks_word_of_its_kind_only():
         pick_ab.vary(pick, ["ts"])
 
 
+def test_no_words_turn_the_tail_split_and_whole_epilogue_off():
+    pick = space.parse_name("coop 128x256 s3 p16 ts ew")
+    assert pick_ab.parse_variants(["s4 no-ew", "c1x2 no-ts no-ew"]) == [
+        ["s4", "no-ew"], ["c1x2", "no-ts", "no-ew"]]
+    assert space.name_of(pick_ab.vary(pick, ["s4", "no-ew"])) == "coop 128x256 s4 p16 ts"
+    assert space.name_of(pick_ab.vary(pick, ["c1x2", "s4", "no-ew", "no-ts"])) == (
+        "coop 128x256 c1x2 s4 p16")
+    # (a pick without them stays as it is; 'no-' only applies to the on/off words)
+    assert space.name_of(pick_ab.vary(space.parse_name("coop 128x256 p8"), ["no-ts"])) == (
+        "coop 128x256 p8")
+    with pytest.raises(ValueError, match="'no-p8' is not one of"):
+        pick_ab.parse_variants(["p8", "no-p8"])
+
+
 def test_equal_variants_are_timed_once_under_the_first_index():
     pick = space.parse_name("pp 128x192 p8")
     impls = pick_ab.implementations([pick_ab.vary(pick, w) for w in (["p8"], ["p8ns"], [])]

@@ -105,6 +105,23 @@ def test_whole_tile_epilogue_choice() -> None:
     assert not choose_varlen(GemmConfig(stages=4), 16384, 8, 14336, 4096, 132).epi_whole
 
 
+@pytest.mark.parametrize("cluster,stages,whole", [((1, 1), 3, True), ((2, 1), 3, True),
+                                                  ((1, 2), None, False)])
+def test_long_k_128x256_stages_by_cluster(cluster, stages, whole) -> None:
+    # Long K, cooperative 128x256: three stages and the whole-tile epilogue, but under an A
+    # multicast (1x2) the fourth stage that fits (None: the most that fit) and the subtiled
+    # epilogue it needs; a pinned depth or epilogue is kept.
+    cfg = GemmConfig(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=cluster[0],
+                     cluster_n=cluster[1])
+    c = choose_varlen(cfg, 65536, 384, 4096, 7168, 132)
+    assert (c.cluster_m, c.cluster_n, c.stages, c.epi_whole) == (*cluster, stages, whole)
+    pinned = GemmConfig(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1,
+                        cluster_n=2, stages=3)
+    assert choose_varlen(pinned, 65536, 384, 4096, 7168, 132).stages == 3
+    # Short K keeps the most stages that fit in every cluster shape.
+    assert choose_varlen(cfg, 65536, 384, 4096, 2048, 132).stages is None
+
+
 def test_tail_split_choice(monkeypatch) -> None:
     # Cooperative varlen with K >= 4096 (mixtral, moe-prefill, fp32 output too): built in;
     # the GPU decides per launch whether the last wave is short enough to split.

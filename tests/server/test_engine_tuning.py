@@ -26,10 +26,18 @@ def test_flag_and_setting(monkeypatch):
     assert Settings().tune_at_start is True
 
 
-def test_torch_backend_tunes_nothing_and_reports_nothing(monkeypatch):
+def test_torch_backend_tunes_nothing_and_reports_nothing(monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(online, "tune_once", lambda *a, **k: calls.append(a))
-    engine = Engine("cpu", tune=True)
+    with caplog.at_level("WARNING", logger="moe_gemm_server.engine"):
+        engine = Engine("cpu", tune=True)
+    # Asked for and impossible: said once at start, not silently dropped.
+    said = [r.getMessage() for r in caplog.records if "tuning at start" in r.getMessage()]
+    assert len(said) == 1 and "torch backend" in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moe_gemm_server.engine"):
+        Engine("cpu")
+    assert not [r for r in caplog.records if "tuning at start" in r.getMessage()]
     ws = engine.add_weights("w", torch.randn(4, 32, 16))
     assert calls == [] and ws.kernels == () and "kernels" not in ws.info()
     assert engine.grouped_mm("w", torch.randn(3, 32), torch.tensor([1, 0, 2, 0])).shape == (3, 16)
