@@ -37,8 +37,10 @@ def check_expert_inputs(hidden_states: object, top_k_index: object, top_k_weight
     if token_dtypes is None and not hidden_states.is_floating_point():
         raise TypeError(f"hidden_states must be a float tensor; got {hidden_states.dtype}")
     T = hidden_states.shape[0]
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
-        raise ValueError(f"top_k_index must be (T, k) = ({T}, k); got "
+    # k >= 1 as moe_experts asks: with no slot the combine's row stride k is zero, and it
+    # failed inside torch ("step must be nonzero").
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_index.shape[1] < 1:
+        raise ValueError(f"top_k_index must be (T, k) = ({T}, k >= 1); got "
                          f"{tuple(top_k_index.shape)}")
     if top_k_index.dtype not in ID_DTYPES:
         raise TypeError(f"top_k_index must hold integer expert ids; got {top_k_index.dtype}")

@@ -50,6 +50,7 @@ from moe_gemm.layers.checkpoints import moe_from_tensors
 from moe_gemm.layers.experts import Activation, expert_ffn
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
 from moe_gemm.layers.moe import MoE
+from moe_gemm.layers.routing import check_flag
 
 __all__ = ["NAME", "hf_activation", "is_registered", "moe_from_hf", "moe_gemm_experts_forward",
            "register"]
@@ -113,10 +114,11 @@ def moe_gemm_experts_forward(
     if ids.dtype not in (torch.int64, torch.int32):
         ids = ids.long()
 
+    # (a bool or None: a string such as "no" would be truthy and force the fused path)
+    fused = check_flag("moe_gemm_fused", getattr(self, "moe_gemm_fused", None), none_ok=True)
     y = expert_ffn(x, ids, top_k_weights, w_in, w_out, gate_fn, bias_gate_up=bias_in,
                    bias_down=bias_out, post_fn=post_fn,
-                   fused_gate=hf_fused_gate(self) if has_gate else None,
-                   fused=getattr(self, "moe_gemm_fused", None))
+                   fused_gate=hf_fused_gate(self) if has_gate else None, fused=fused)
     return y.to(hidden_states.dtype)
 
 

@@ -366,6 +366,11 @@ def moe_from_tensors(
         if "gate" in shared and shared["gate"].dtype not in FLOAT_DTYPES:
             raise TypeError(f"shared['gate'] must be bf16, fp16 or fp32; got "
                             f"{shared['gate'].dtype}")
+        if shared_size == 0:
+            # A zero-width shared expert (DeepSeek-V3's n_shared_experts=0, Qwen2-MoE's
+            # shared_expert_intermediate_size=0: transformers still builds the MLP) adds
+            # exactly zero, gated or not: the layer has none.
+            shared = None
     opts = dict(options)
     if bias is not None:
         opts.setdefault("scoring", "sigmoid")

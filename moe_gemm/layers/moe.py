@@ -407,6 +407,30 @@ class MoE(MoELoaders, nn.Module):
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.reset_parameters()
 
+    # `fused` and `config` are documented as attributes to switch on a built layer: checked
+    # on every assignment as in the constructor (a string such as "no" would otherwise force
+    # the fused path silently, and a string config fail deep in the GEMM dispatch).
+    @property
+    def fused(self) -> bool | None:
+        """The experts on the fused kernel: None = where it runs, True = always, False =
+        never (see the class)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool | None) -> None:
+        check_gemm_options(None, value)
+        self._fused = None if value is None else bool(value)
+
+    @property
+    def config(self) -> GemmConfig | None:
+        """The GemmConfig of the grouped GEMMs (None = automatic)."""
+        return self._config
+
+    @config.setter
+    def config(self, value: GemmConfig | None) -> None:
+        check_gemm_options(value, None)
+        self._config = value
+
     @property
     def fp8(self) -> str | None:
         """The FP8 experts' scale granularity ("block" or "row"), or None (16-bit experts)."""

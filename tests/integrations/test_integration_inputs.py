@@ -19,14 +19,17 @@ def _inputs(T: int = 9, k: int = 2):
     (lambda x, i, w: (x[None], i, w), ValueError, r"hidden_states must be \(T, H\) = \(T, 32\)"),
     (lambda x, i, w: (x[:, :16], i, w), ValueError, r"hidden_states must be \(T, H\)"),
     (lambda x, i, w: (x.long(), i, w), TypeError, "hidden_states must be a float tensor"),
-    (lambda x, i, w: (x, i[:3], w[:3]), ValueError, r"top_k_index must be \(T, k\) = \(9, k\)"),
+    (lambda x, i, w: (x, i[:3], w[:3]), ValueError,
+     r"top_k_index must be \(T, k\) = \(9, k >= 1\)"),
+    (lambda x, i, w: (x, i[:, :0], w[:, :0]), ValueError,
+     r"top_k_index must be \(T, k\) = \(9, k >= 1\); got \(9, 0\)"),
     (lambda x, i, w: (x, i[:, 0], w[:, 0]), ValueError, r"top_k_index must be \(T, k\)"),
     (lambda x, i, w: (x, i.float(), w), TypeError, "top_k_index must hold integer expert ids"),
     (lambda x, i, w: (x, i, w[:, :1]), ValueError, "top_k_weights must match top_k_index"),
     (lambda x, i, w: (x, i, w.long()), TypeError, "top_k_weights must be a float tensor"),
     (lambda x, i, w: (x.to("meta"), i, w), ValueError, "hidden_states is on meta"),
     (lambda x, i, w: (x, i.tolist(), w), TypeError, "top_k_index must be a torch.Tensor"),
-], ids=["3d-hidden", "other-h", "int-hidden", "other-t", "1d-ids", "float-ids",
+], ids=["3d-hidden", "other-h", "int-hidden", "other-t", "no-slots", "1d-ids", "float-ids",
         "weights-shape", "int-weights", "device", "list-ids"])
 def test_each_mistake_is_named(change, error, pattern):
     with pytest.raises(error, match=pattern):

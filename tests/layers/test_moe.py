@@ -304,6 +304,25 @@ def test_gemm_config_is_used() -> None:
     assert moe(torch.randn(3, 32)).shape == (3, 32)
 
 
+def test_fused_and_config_attributes_are_checked() -> None:
+    # Both are documented as attributes to set on a built layer; a string "no" was silently
+    # truthy (the fused path forced on) and a string config failed deep in the GEMM dispatch.
+    moe = randomize(MoE(32, 16, 8, 2))
+    for bad in ("no", 2, torch.tensor(False)):
+        with pytest.raises(TypeError, match="fused must be a bool or None"):
+            moe.fused = bad
+    with pytest.raises(TypeError, match="config must be a moe_gemm.GemmConfig or None; got str"):
+        moe.config = "torch"
+    assert moe.fused is None and moe.config is None  # (the refused values are not kept)
+    x = torch.randn(9, 32)
+    for fused in (False, True, 0, 1, None):
+        moe.fused = fused
+        assert moe.fused is (None if fused is None else bool(fused))
+        assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+    moe.config = GemmConfig(backend="torch")
+    assert rel_err(copy.deepcopy(moe)(x), naive_moe(moe, x)) < 1e-5
+
+
 @pytest.mark.slow  # CPU timings of 3 token counts x 4 implementations: a few seconds
 def test_benchmark_smoke(tmp_path) -> None:
     import importlib.util

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import pathlib
 import subprocess
@@ -193,6 +194,31 @@ def test_from_hf_shared_expert_with_an_activation_we_do_not_name(cls: type, make
         assert rel_err(moe(x), block(x)) < 1e-5
 
 
+@pytest.mark.parametrize("cls,make_config", [
+    pytest.param(DeepseekV3MoE, lambda: DeepseekV3Config(
+        hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=0, routed_scaling_factor=2.5),
+        id="deepseek-v3-n_shared_experts=0"),
+    pytest.param(Qwen2MoeSparseMoeBlock, lambda: Qwen2MoeConfig(
+        hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=0,
+        num_experts=6, num_experts_per_tok=2), id="qwen2-moe-shared_size=0"),
+])
+def test_from_hf_zero_width_shared_expert(cls: type, make_config) -> None:
+    # transformers builds the shared MLP even at width 0 (it adds zero); from_hf failed on it
+    # (an AssertionError for DeepSeek, "shared_expert_gate needs a shared expert" for Qwen2).
+    block = _block(cls, make_config(), seed=12)
+    moe = MoE.from_hf(block)
+    assert moe.shared_experts is None and moe.shared_expert_gate is None
+    block64 = copy.deepcopy(block).double()
+    x = torch.randn(3, 7, 32)
+    with torch.no_grad():
+        y = moe(x)
+        ref = block64(x.double())
+        assert rel_err(block(x), ref) < 1e-5  # (the block's own fp32 result)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_err(y, ref) < 1e-5
+
+
 def test_from_hf_shares_the_blocks_weights() -> None:
     block = _block(DeepseekV3MoE, BLOCKS[6].values[1](), seed=4)
     moe = MoE.from_hf(block)
@@ -291,6 +317,22 @@ def _experts_pair(module: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor, w
         module.config._experts_implementation = "moe_gemm"
         out = module(x, ids, w)
     return out, ref
+
+
+def test_moe_gemm_fused_attribute_is_checked() -> None:
+    # (a string such as "no" was truthy: the fused path forced on, silently)
+    register_transformers()
+    experts = _block(MixtralSparseMoeBlock, BLOCKS[0].values[1](), seed=23).experts
+    x = torch.randn(7, 32)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(7)])
+    w = torch.rand(7, 2)
+    experts.moe_gemm_fused = "no"
+    with pytest.raises(TypeError, match="moe_gemm_fused must be a bool or None; got 'no'"):
+        hf_integration.moe_gemm_experts_forward(experts, x, ids, w)
+    for fused in (False, True, None):
+        experts.moe_gemm_fused = fused
+        out, ref = _experts_pair(experts, x, ids, w)
+        assert rel_err(out, ref) < 1e-5
 
 
 def test_gpt_oss_experts_bias_transposed_custom_gate() -> None:
@@ -416,10 +458,12 @@ def _run_fresh(code: str) -> None:
     (lambda x, i, w: (x[None], i, w), ValueError, r"hidden_states must be \(T, H\)"),
     (lambda x, i, w: (x, i.float(), w), TypeError, "top_k_index must hold integer expert ids"),
     (lambda x, i, w: (x, i, w[:, :1]), ValueError, "top_k_weights must match top_k_index"),
-], ids=["3d-hidden", "float-ids", "weights-shape"])  # (every case: integrations/inputs.py's test)
+    (lambda x, i, w: (x, i[:, :0], w[:, :0]), ValueError, r"\(9, k >= 1\); got \(9, 0\)"),
+], ids=["3d-hidden", "float-ids", "weights-shape", "no-slots"])  # (every case: inputs.py's test)
 def test_experts_inputs_that_do_not_fit_are_named(change, error, pattern) -> None:
     # (a 3-D input failed inside an index op; routing of another token count gave a result of
-    # that count; (T, 1) weights for (T, 2) ids were broadcast; float ids were truncated)
+    # that count; (T, 1) weights for (T, 2) ids were broadcast; float ids were truncated;
+    # (T, 0) ids failed inside the combine with "step must be nonzero")
     register_transformers()
     block = _block(MixtralSparseMoeBlock, BLOCKS[0].values[1](), seed=21)
     experts = block.experts
