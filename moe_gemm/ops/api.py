@@ -55,6 +55,7 @@ from moe_gemm.ops.validation import (
     check_grouped_mm,
     offs_check_requested,
 )
+from moe_gemm.ops.vmap import in_vmap, vmap_active
 
 _warned: set[str] = set()
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -62,6 +63,7 @@ _PTR = torch.Tensor.data_ptr
 _SEQUENCES = (list, tuple)
 _PLAIN_SET = frozenset(PLAIN_TENSORS)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_transform_depth = torch._C._functorch.get_dynamic_layer_stack_depth
 
 NO_BACKWARD = (
     "moe_gemm's Hopper (cute) kernels are inference-only: they have no backward. Run under "
@@ -97,9 +99,11 @@ def _cacheable(switches: tuple) -> bool:
 
 def _traced() -> bool:
     """Whether this call is being traced or run by a tensor mode (torch.compile, make_fx,
-    FakeTensorMode, FlopCounterMode...): then it goes through the registered torch.library
-    op, which the tracer records and the modes see."""
-    return torch.compiler.is_compiling() or _dispatch_modes() > 0
+    FakeTensorMode, FlopCounterMode...) or torch.vmap: then it goes through the registered
+    torch.library op, which the tracer records and the modes see, and whose vmap rule runs
+    each batch entry on plain tensors (ops/vmap.py; eager code cannot take a BatchedTensor)."""
+    return torch.compiler.is_compiling() or _dispatch_modes() > 0 or (
+        _transform_depth() > 0 and in_vmap())  # (one C call when no transform runs)
 
 
 def _symbolic(*tensors: object) -> bool:
@@ -512,6 +516,12 @@ class GroupedGemmPlan:
         out_dtype: torch.dtype | None = None,
     ):
         cfg = _check_config(config)
+        if vmap_active():
+            # A plan keeps its operands and writes preallocated outputs, which a vmapped
+            # (per-entry) operand cannot be; grouped_gemm is the vmappable form.
+            raise ValueError("GroupedGemmPlan cannot be built inside torch.vmap (it keeps "
+                             "fixed tensors and preallocated outputs); call "
+                             "moe_gemm.grouped_gemm inside the vmapped function instead")
         args = check_grouped_gemm(a, b, out, out_dtype)
         if args.out is None:  # allocated once: every call writes the same tensors
             args = dataclasses.replace(args, out=[

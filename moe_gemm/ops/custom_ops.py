@@ -57,6 +57,7 @@ from moe_gemm.ops.validation import (
     check_out_untracked,
     shape_text,
 )
+from moe_gemm.ops.vmap import register_loop_vmap
 
 __all__ = ["decode_config", "encode_config", "grouped_gemm", "grouped_mm"]
 
@@ -507,3 +508,7 @@ def share_flop_formulas() -> None:
 
 _grouped_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 _grouped_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+
+# torch.vmap: each batch entry through the op, results stacked (ops/vmap.py).
+register_loop_vmap(_grouped_mm, _grouped_mm_out, _grouped_gemm, _grouped_gemm_out,
+                   _grouped_mm_grad, _grouped_gemm_grad, _no_backward, _inference_only)

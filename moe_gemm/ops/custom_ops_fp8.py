@@ -40,6 +40,7 @@ from moe_gemm.ops.scaled_validation import (
     resolve_fp8_out_dtype,
 )
 from moe_gemm.ops.validation import _as_tensor_list
+from moe_gemm.ops.vmap import register_loop_vmap
 
 
 def _eager() -> Any:
@@ -179,3 +180,7 @@ def _scaled_mm_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
 @register_flop_formula(torch.ops.moe_gemm._scaled_grouped_gemm)
 def _scaled_gemm_flop(a_shapes, b_shapes, *args, out_shape=None, **kwargs) -> int:
     return _gemm_flops(a_shapes, b_shapes)
+
+
+# torch.vmap: each batch entry through the op, results stacked (ops/vmap.py).
+register_loop_vmap(_scaled_grouped_mm, _scaled_grouped_mm_out, _scaled_grouped_gemm)

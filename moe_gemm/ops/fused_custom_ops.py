@@ -34,6 +34,7 @@ from moe_gemm.ops.custom_ops import (
     write_rows,
 )
 from moe_gemm.ops.fused_validation import check_fused_mm, check_gate_names
+from moe_gemm.ops.vmap import register_loop_vmap
 
 _ARGS = ("Tensor x, Tensor w, Tensor offs, Tensor? row_index, Tensor? row_weight, "
          "Tensor? bias, str gate, str gate_layout, float gate_alpha, float gate_limit")
@@ -195,3 +196,7 @@ def _fused_flop(x_shape, w_shape, offs_shape, row_index_shape, *args, out_shape=
 def _fused_grad_flop(grad_shape, x_shape, w_shape, offs_shape, row_index_shape, *args,
                      out_shape=None, **kwargs) -> int:
     return 2 * _fused_flops(x_shape, w_shape, offs_shape, row_index_shape)
+
+
+# torch.vmap: each batch entry through the op, results stacked (ops/vmap.py).
+register_loop_vmap(_fused_grouped_mm, _fused_grouped_mm_out, _fused_grouped_mm_grad)

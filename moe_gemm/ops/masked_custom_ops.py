@@ -42,6 +42,7 @@ from moe_gemm.ops.masked_validation import (
     check_grouped_mm_masked,
     check_scaled_grouped_mm_masked,
 )
+from moe_gemm.ops.vmap import register_loop_vmap
 
 _FUSED_ARGS = ("Tensor x, Tensor w, Tensor masked_m, Tensor? bias, Tensor? row_weight, "
                "str? gate, str gate_layout, float gate_alpha, float gate_limit, "
@@ -271,3 +272,9 @@ _fused_grouped_mm_masked.register_autograd(_fused_backward, setup_context=_fused
                         torch.ops.moe_gemm._fused_grouped_mm_masked_out])
 def _masked_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     return _mm_flops(x_shape, w_shape)
+
+
+# torch.vmap: each batch entry through the op, results stacked (ops/vmap.py).
+register_loop_vmap(_grouped_mm_masked, _grouped_mm_masked_out, _scaled_grouped_mm_masked,
+                   _scaled_grouped_mm_masked_out, _fused_grouped_mm_masked,
+                   _fused_grouped_mm_masked_out)

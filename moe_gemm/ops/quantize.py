@@ -103,6 +103,12 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
         raise ValueError(f"the last dim of x (K={K}) must be a multiple of group_size={g}")
     lead = x.shape[:-1]
     T = math.prod(lead)
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(x):
+        # Under torch.vmap / torch.func: the torch op sequence, its scales returned as they
+        # are (a preallocated buffer cannot take a batched result, and the kernel needs a
+        # data pointer); the values are those of every other path.
+        q, st = _per_token_group_torch(x, g, dtype)
+        return q, st.reshape(*lead, K // g)
     s = _scale_buffer(T, K // g, column_major_scales, x.device)
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=dtype, device=x.device), s.view(*lead, K // g)

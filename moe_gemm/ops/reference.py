@@ -123,11 +123,18 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
             args.out.copy_(torch.where(tail[:, None], args.out, y))
             return args.out
         return y.masked_fill_(tail[:, None], 0)
-    y = args.out if args.out is not None else torch.zeros(T, N, dtype=args.out_dtype,
-                                                          device=x.device)
-    for e, start, end in expert_spans(offs, T):
-        y[start:end] = _mm(x[start:end], w[e], args.out_dtype)
-    return tie_to_inputs(y, x, w)
+    spans = expert_spans(offs, T)
+    if args.out is not None:
+        for e, start, end in spans:
+            args.out[start:end] = _mm(x[start:end], w[e], args.out_dtype)
+        return tie_to_inputs(args.out, x, w)
+    # A new result is built out of place (the experts' products, then the zero tail):
+    # writing them into a zeros tensor fails under torch.func transforms that wrap x or w
+    # (vmap(grad(f)): a batched product cannot be written into an unbatched tensor).
+    tail = T - (spans[-1][2] if spans else 0)
+    parts = [_mm(x[start:end], w[e], args.out_dtype) for e, start, end in spans]
+    parts.append(x.new_zeros(tail, N, dtype=args.out_dtype))
+    return tie_to_inputs(torch.cat(parts) if len(parts) > 1 else parts[0], x, w)
 
 
 def grouped_bmm_torch(args: GroupedBmmArgs) -> torch.Tensor:

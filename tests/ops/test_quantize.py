@@ -222,3 +222,15 @@ def test_dequantize_refuses_sparse_operands():
     with pytest.raises(TypeError, match="q must be a dense"):
         dequantize_fp8(torch.ones(3, 4).to_sparse().to(torch.float8_e4m3fn),
                        torch.tensor([1.0, 2.0, 3.0]), "row")
+
+
+def test_per_token_group_under_vmap_matches_the_unbatched_call() -> None:
+    """Under torch.vmap the quantizer cannot fill its preallocated scale buffer with a batched
+    result: it returns the torch sequence's values, the same as calls on each entry."""
+    x = torch.randn(3, 5, 256) * torch.rand(3, 5, 1) * 10
+    q, s = torch.func.vmap(quantize_fp8_per_token_group)(x)
+    for i in range(3):
+        qi, si = quantize_fp8_per_token_group(x[i])
+        assert torch.equal(q[i].float(), qi.float()) and torch.equal(s[i], si)
+    deq = q.double() * s.double().repeat_interleave(128, -1)
+    assert ((deq - x.double()).abs() <= x.double().abs().amax(-1, keepdim=True) / 16).all()
