@@ -116,8 +116,10 @@ class MoELoaders:
         """A layer from one MoE block of a checkpoint, in any of the layouts users have.
 
         Per-expert keys (Mixtral's w1/w3/w2, Qwen/DeepSeek's gate/up/down_proj) are stacked (a
-        copy); fused ones (transformers 5, vLLM) are aliased; routers, correction biases and
-        shared experts come along (the key table: layers/checkpoints.moe_from_state_dict).
+        copy); fused ones (transformers 5, vLLM, and this layer's own state_dict) are aliased;
+        routers, correction biases and shared experts come along (the key table:
+        layers/checkpoints.moe_from_state_dict). The routing options are not in a state dict:
+        pass them as **options.
 
         Args:
             state_dict: name -> tensor.
@@ -195,6 +197,15 @@ def moe_from_fused(
     )
 
 
+# MoE's own parameter and buffer names -> the checkpoint names moe_from_state_dict reads (the
+# shared expert's "shared_experts." / "shared_expert_gate." names are the same in both).
+OWN_NAMES = {"router_weight": "gate.weight",
+             "e_score_correction_bias": "gate.e_score_correction_bias",
+             "gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj",
+             "gate_up_proj_scale_inv": "experts.gate_up_proj_scale_inv",
+             "down_proj_scale_inv": "experts.down_proj_scale_inv"}
+
+
 def moe_from_state_dict(
     cls: type[MoE],
     state_dict: Mapping[str, torch.Tensor],
@@ -216,7 +227,8 @@ def moe_from_state_dict(
           vLLM: "experts.w13_weight" [E, 2I, H], "experts.w2_weight" [E, H, I].
         shared expert: "shared_experts.{gate,up,down}_proj.weight" (DeepSeek) or
           "shared_expert.{...}.weight" and "shared_expert_gate.weight" (Qwen2-MoE).
-    Mixtral hub files put the block under "block_sparse_moe." rather than "mlp.".
+    Mixtral hub files put the block under "block_sparse_moe." rather than "mlp.". This layer's
+    own state_dict (MoE.state_dict(): "router_weight", "gate_up_proj", ...) is read too.
     FP8 checkpoints: each FP8 weight comes with its decoding scale, "<name>.weight_scale_inv"
     (DeepSeek-V3, Kimi-K2, Qwen3-FP8: 128x128 blocks) or "<name>.weight_scale" (compressed-
     tensors: per channel or per tensor; Quark: blocks); the fused forms use
@@ -232,6 +244,10 @@ def moe_from_state_dict(
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
     keys = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
+    if "router_weight" in keys and "gate.weight" not in keys:
+        # This layer's own state_dict (MoE.state_dict()): its names read as the checkpoint
+        # names of the same tensors (the experts are transformers 5's fused layout).
+        keys = {OWN_NAMES.get(k, k): full for k, full in keys.items()}
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor | None:

@@ -293,8 +293,9 @@ class MoE(MoELoaders, nn.Module):
     synchronizes with the host and can be captured in a CUDA graph (with the cute backend or
     torch's native bf16 grouped_mm under the torch backend).
 
-    Parameters (transformers' names and layouts; `w_gate_up`/`w_down` are the no-copy
-    (E, K, N) views the grouped GEMMs take):
+    Parameters (transformers 5's layouts, and its names but for the router, which
+    transformers calls "gate.weight"; `w_gate_up`/`w_down` are the no-copy (E, K, N) views the
+    grouped GEMMs take; `MoE.from_state_dict` reads this layer's state_dict too):
         router_weight: [E, H].
         e_score_correction_bias: [E] float32 buffer (sigmoid routing with correction_bias).
         gate_up_proj: [E, 2I, H], gate rows first, then up rows.

@@ -140,6 +140,37 @@ def test_state_dict_round_trip() -> None:
     }
 
 
+@pytest.mark.parametrize("options,layer_only", [
+    ({}, {}),
+    ({"scoring": "sigmoid", "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
+     {"shared_intermediate_size": 8}),
+    ({"renormalize": False}, {"shared_intermediate_size": 8, "shared_expert_gate": True}),
+])
+def test_from_state_dict_reads_the_layers_own_state_dict(options, layer_only) -> None:
+    # MoE.state_dict() is a layout users have: from_state_dict builds the same layer from it
+    # (the routing options passed, as for any checkpoint), aliasing its tensors.
+    moe = randomize(MoE(32, 16, 8, 2, **options, **layer_only))
+    prefix = "model.layers.3.mlp."
+    sd = {prefix + k: v for k, v in moe.state_dict().items()}
+    sd["model.layers.3.input_layernorm.weight"] = torch.ones(32)  # (outside the prefix)
+    back = MoE.from_state_dict(sd, 2, prefix=prefix, **options)
+    assert set(back.state_dict()) == set(moe.state_dict())
+    assert back.gate_up_proj.data_ptr() == moe.gate_up_proj.data_ptr()
+    x = torch.randn(6, 32, dtype=torch.float64)
+    ref = naive_moe(moe, x.float()).double()
+    assert rel_err(back(x.float()).double(), ref) < 1e-5
+    torch.testing.assert_close(back(x.float()), moe(x.float()), rtol=0, atol=0)
+
+
+def test_from_state_dict_reads_an_fp8_layers_own_state_dict() -> None:
+    moe = randomize(MoE(256, 128, 4, 2))
+    moe.quantize_fp8("block")
+    back = MoE.from_state_dict(moe.state_dict(), 2)
+    assert back.fp8 == "block"
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(back(x), moe(x), rtol=0, atol=0)
+
+
 def test_from_fused_checks_the_shared_weights() -> None:
     E, H, I, Is = 4, 16, 8, 6
     gu, dn, rw = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, H)
