@@ -179,6 +179,10 @@ def check_variants(full: bool):
         trim_a=True)
     add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), gate="silu",
         gate_layout="concat", trim_a=True)
+    # Peeked stage waits (the next stage's barrier tested a k-tile ahead): both schedules.
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), cluster_n=2,
+        trim_a=True, peek_wait=True)
+    add("general", "bfloat16", "float32", "n", "pingpong", (128, 192), peek_wait=True)
     add("masked", "bfloat16", "bfloat16", "k", "pingpong", (64, 128))
     add("masked", "bfloat16", "float32", "n", "cooperative", (128, 256), cluster_m=2)
     add("masked", "float16", "float16", "k", "pingpong", (128, 128), cluster_n=2)

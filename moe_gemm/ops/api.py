@@ -38,7 +38,13 @@ from moe_gemm.env import env_reader, env_switch, flag_on
 from moe_gemm.ops import custom_ops, tuned
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
-from moe_gemm.ops.heuristics import FAST_GATE_ENV, GATHER_WIDE_ENV, TAIL_SPLIT_ENV, TRIM_A_ENV
+from moe_gemm.ops.heuristics import (
+    FAST_GATE_ENV,
+    GATHER_WIDE_ENV,
+    PEEK_WAIT_ENV,
+    TAIL_SPLIT_ENV,
+    TRIM_A_ENV,
+)
 from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, SMEM_SCALES_ENV
 from moe_gemm.ops.reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
 from moe_gemm.ops.signature import PlanCache
@@ -85,8 +91,9 @@ _scans = 0
 # Switches a cached plan depends on: a change makes the next call miss its plan. (The tuned
 # tables' switches too: the heuristics key their own caches on them, tuned.state.)
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
-                  TAIL_SPLIT_ENV, TRIM_A_ENV, PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, SMEM_SCALES_ENV,
-                  GATHER_WIDE_ENV, FAST_GATE_ENV, tuned.TABLES_ENV, tuned.USER_TABLE_ENV)
+                  TAIL_SPLIT_ENV, TRIM_A_ENV, PEEK_WAIT_ENV, PROMOTE_LAG_ENV, SCALE_AHEAD_ENV,
+                  SMEM_SCALES_ENV, GATHER_WIDE_ENV, FAST_GATE_ENV, tuned.TABLES_ENV,
+                  tuned.USER_TABLE_ENV)
 
 
 _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call

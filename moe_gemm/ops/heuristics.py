@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
-from moe_gemm.env import EnvError, env_get, env_override, env_switch
+from moe_gemm.env import EnvError, env_flag, env_get, env_override, env_switch
 from moe_gemm.kernels.sm90.constants import TILE_K, raster_code, raster_fields
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
@@ -50,10 +50,12 @@ class KernelChoice:
     scale_ahead: int = 1  # FP8 block scales: stages ahead their scales load (heuristics_fp8)
     smem_scales: bool = False  # FP8 block scales staged in shared memory (heuristics_fp8)
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
+    peek_wait: bool = False  # 16-bit: the math warps test the next stage's barrier a k-tile ahead
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 TRIM_A_ENV = "MOE_GEMM_TRIM_A"
+PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
 # past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
@@ -111,8 +113,8 @@ def choose_general(
     the K-sort cost model (~30 us). device: the GPU's name, for the tuned tables (None:
     rules only); dtype / out_dtype: torch dtype names of the inputs and the output."""
     state = tuned.state() if device else None
-    return with_l2_hints(_choose_general_tuned(config, sizes, num_sms, out_itemsize, device,
-                                               dtype, out_dtype or dtype, state))
+    return with_peek_wait(with_l2_hints(_choose_general_tuned(
+        config, sizes, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -292,9 +294,9 @@ def choose_varlen(
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
     device: the GPU's name, for the tuned tables (None: rules only)."""
     state = tuned.state() if device else None
-    return with_trim_a(with_l2_hints(_choose_varlen_tuned(
+    return with_peek_wait(with_trim_a(with_l2_hints(_choose_varlen_tuned(
         config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
-        tail_split_enabled())))
+        tail_split_enabled()))))
 
 
 def with_trim_a(choice: KernelChoice) -> KernelChoice:
@@ -317,6 +319,13 @@ def trim_a_default(choice: KernelChoice) -> bool:
     if choice.schedule == "pingpong" and choice.cluster_n == 1:
         return choice.tile_m == 64 or choice.tile_n >= 192
     return True
+
+
+def with_peek_wait(choice: KernelChoice) -> KernelChoice:
+    """Peeked stage waits (GroupedGemmSm90 peek_wait) where MOE_GEMM_PEEK_WAIT=1 asks for
+    them (16-bit kernels, every form; opt-in until timed on the zoo against the plain wait)."""
+    on = env_flag(PEEK_WAIT_ENV)
+    return replace(choice, peek_wait=on) if on != choice.peek_wait else choice
 
 
 @functools.lru_cache(maxsize=512)
@@ -448,9 +457,9 @@ def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: 
     """For grouped_mm's 3D x 3D form: the general rules for one (M, N, K) shared by all.
     device: the GPU's name, for the tuned tables (None: rules only)."""
     state = tuned.state() if device else None
-    return with_l2_hints(_choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize,
-                                               device, dtype, out_dtype or dtype, state,
-                                               tail_split_enabled()))
+    return with_peek_wait(with_l2_hints(_choose_batched_tuned(
+        config, G, M, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
+        tail_split_enabled())))
 
 
 @functools.lru_cache(maxsize=256)

@@ -38,7 +38,7 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
         form, _TORCH_TO_NAME[ab], _TORCH_TO_NAME[d], b_major, choice.schedule, choice.visitor,
         choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints, choice.epi_n,
         choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split,
-        trim_a=choice.trim_a and form == "varlen",
+        trim_a=choice.trim_a and form == "varlen", peek_wait=choice.peek_wait,
     )
 
 

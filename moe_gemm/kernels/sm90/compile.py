@@ -79,6 +79,7 @@ class CompileKey:
     fast_gate: bool = False  # a sigmoid gate from the SFU's approximate exp2 and reciprocal
     row_counts: bool = False  # varlen: offs are per-expert row counts (the masked layout)
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
+    peek_wait: bool = False  # the math warps test the next stage's barrier a k-tile ahead
 
     @property
     def fused(self) -> bool:
@@ -102,6 +103,8 @@ class CompileKey:
             parts.append("counts")
         if self.trim_a:
             parts.append("trima")
+        if self.peek_wait:
+            parts.append("peek")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -131,6 +134,7 @@ class CompileKey:
             tail_split=self.tail_split,
             row_counts=self.row_counts,
             trim_a=self.trim_a,
+            peek_wait=self.peek_wait,
             **fused,
         )
 
