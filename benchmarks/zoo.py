@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -85,8 +86,8 @@ DEFAULT_BUDGET_S = 480.0
 QUACK_TUNE_CAP_S = 40.0
 GRAPH_NAME = "torch.mm loop (CUDA graph)"
 # Options whose empty value would read as "all" or "the default" (see empty_option).
-NONEMPTY = ["models", "tokens", "proj", "resume", "out", "out_dir", "png", "device",
-            "skip_impl", "merge"]
+NONEMPTY = ["models", "tokens", "proj", "resume", "quack_cache", "out", "out_dir", "png",
+            "device", "skip_impl", "merge"]
 SMOKE_SCALE = 64  # smoke mode: N and K divided by this (at least 16), E at most 8
 
 
@@ -253,6 +254,22 @@ def _precompile(cases, device: torch.device, log) -> Any:
         return None
 
 
+def use_quack_cache(path: str) -> str | None:
+    """Point QuACK's autotuner at its disk cache in `path` (created if missing): it stores
+    each shape's config timings there and, where they are already there for the same configs
+    and QuACK version, takes their fastest instead of autotuning. The reason it cannot, or
+    None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"--quack-cache {path}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK):
+        return f"--quack-cache {path}: not writable"
+    os.environ["QUACK_CACHE_DIR"] = os.path.abspath(path)
+    os.environ["QUACK_CACHE_AUTOTUNING"] = "1"
+    return None
+
+
 def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     name, info, _ = device_info(device)
     return {
@@ -261,6 +278,7 @@ def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> 
         "settings": {"dtype": FP8 if args.fp8 else "bf16",
                      "reps": args.reps, "seed": args.seed, "smoke": args.smoke,
                      "budget_s": args.budget_s, "quack_tuned": args.quack_tuned,
+                     "quack_autotune_cache": bool(getattr(args, "quack_cache", None)),
                      "routing": f"moe_gemm.tuning.zoo.topk_counts: top-k distinct experts per "
                      f"token, log-normal popularity sigma={models.ROUTING_SIGMA}",
                      "timing": "ms: back-to-back median of interleaved rounds (GPU time, "
@@ -398,6 +416,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quack-tune-cap-s", type=float, default=QUACK_TUNE_CAP_S,
                    help="skip QuACK tuned where its autotune would take longer (default "
                    "%(default)s)")
+    p.add_argument("--quack-cache", metavar="DIR", help="QuACK's own autotune cache "
+                   "(QUACK_CACHE_DIR, QUACK_CACHE_AUTOTUNING=1): QuACK tuned's timings per "
+                   "shape are kept in DIR, and a later run on the same GPU kind reads its "
+                   "choice there instead of autotuning again (raise --quack-tune-cap-s then)")
     p.add_argument("--resume", metavar="FILE", help="keep FILE's finished cases, run the rest")
     p.add_argument("--rerun", action="store_true", help="with --resume: measure this run's "
                    "cases again where FILE has them too (e.g. after a retune), keeping FILE's "
@@ -513,7 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.gpus != 1:
+    if args.quack_cache and (why := use_quack_cache(args.quack_cache)):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    if args.gpus != 1:  # (the shards inherit the environment, QuACK's cache among it)
         return run_on_gpus(args, argv)
     args.proj = proj
     try:

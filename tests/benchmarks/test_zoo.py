@@ -4,6 +4,7 @@ shape, the ratio arithmetic, the budget stop and --resume."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,28 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_case(tmp_path, caps
     err = capsys.readouterr().err
     assert err == f"error: --out {folder}: is a folder, not a file\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+def test_quack_cache_points_quacks_autotuner_at_the_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("QUACK_CACHE_DIR", raising=False)
+    monkeypatch.delenv("QUACK_CACHE_AUTOTUNING", raising=False)
+    cache = tmp_path / "quack" / "cache"
+    out = tmp_path / "zoo.json"
+    assert zoo.main(["--smoke", "--quiet", "--models", "OLMoE-1B-7B", "--tokens", "1",
+                     "--proj", "down", "--quack-cache", str(cache), "--out", str(out),
+                     "--png", "none"]) == 0
+    assert cache.is_dir() and os.environ["QUACK_CACHE_DIR"] == str(cache.resolve())
+    assert os.environ["QUACK_CACHE_AUTOTUNING"] == "1"
+    assert json.loads(out.read_text())["settings"]["quack_autotune_cache"] is True
+    capsys.readouterr()
+    # A path that cannot be a folder is refused before anything runs.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.delenv("QUACK_CACHE_DIR")
+    assert zoo.main(["--smoke", "--quiet", "--quack-cache", str(blocker / "sub"),
+                     "--out", str(tmp_path / "y.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --quack-cache") and err.count("\n") == 1, err
+    assert "QUACK_CACHE_DIR" not in os.environ and not (tmp_path / "y.json").exists()
+    assert zoo.main(["--smoke", "--quiet", "--quack-cache", "", "--out",
+                     str(tmp_path / "y.json")]) == 2
