@@ -105,6 +105,7 @@ class AsyncClient(_BaseClient):
     async def wait_until_ready(self, timeout: float = 60.0, *, interval: float = 0.25,
                                raise_unreachable: bool = False) -> bool:
         """Poll ready() until it says yes or `timeout` seconds pass; see `Client`."""
+        self._check_wait(timeout, interval)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

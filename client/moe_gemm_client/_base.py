@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -40,7 +41,14 @@ from typing import Any, Generic, TypeVar
 import httpx
 
 from . import _constants as C
-from ._calls import JSON_ERRORS, ProgressCallback, TimeoutTypes, _Call, answer_request_id
+from ._calls import (
+    JSON_ERRORS,
+    ProgressCallback,
+    TimeoutTypes,
+    _Call,
+    answer_request_id,
+    check_headers,
+)
 from ._exceptions import (
     APIConnectionError,
     APIError,
@@ -52,6 +60,9 @@ from ._exceptions import (
 from ._tensors import Payload
 
 R = TypeVar("R")
+
+# What a key can hold in an HTTP/1.1 header value: printable ASCII (no line breaks).
+_API_KEY_RE = re.compile(r"[\x20-\x7e]+")
 
 
 def _version() -> str:
@@ -126,6 +137,11 @@ class _BaseClient:
             api_key = os.environ.get(C.ENV_API_KEY) or None
         if api_key is not None and not isinstance(api_key, str):
             raise TypeError(f"api_key must be a str or None; got {type(api_key).__name__}")
+        if api_key and not _API_KEY_RE.fullmatch(api_key):
+            # (checked here: httpx would fail at every request, a non-ASCII key deep inside
+            # with a UnicodeEncodeError, a line break as a "connection error"; never echo it)
+            raise ValueError("api_key must be printable ASCII, without line breaks or other "
+                             "control characters (it is sent as 'Authorization: Bearer <key>')")
         self.api_key = api_key
         if isinstance(max_retries, bool) or not isinstance(max_retries, int):
             raise TypeError(f"max_retries must be an int; got {max_retries!r}")
@@ -133,7 +149,7 @@ class _BaseClient:
             raise ValueError(f"max_retries must be >= 0; got {max_retries}")
         self.max_retries = max_retries
         self.timeout = self._check_timeout(timeout)
-        self.default_headers = dict(default_headers or {})
+        self.default_headers = check_headers(default_headers, "default_headers")
         self._random: Callable[[], float] = random.random
 
     def __repr__(self) -> str:
@@ -154,6 +170,17 @@ class _BaseClient:
             raise ValueError(f"timeout must be finite seconds > 0, an httpx.Timeout or None; "
                              f"got {timeout!r}")
         return httpx.Timeout(float(timeout))
+
+    @staticmethod
+    def _check_wait(timeout: object, interval: object) -> None:
+        """wait_until_ready's arguments, checked before the first poll: a None or NaN deadline
+        failed inside the loop with a message about the per-request timeout (which says None
+        is fine), a negative or NaN interval only at the first sleep."""
+        for name, value in (("timeout", timeout), ("interval", interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"wait_until_ready {name} must be seconds >= 0; got {value!r}")
+            if math.isnan(value) or value < 0:
+                raise ValueError(f"wait_until_ready {name} must be seconds >= 0; got {value!r}")
 
     # -- request building ------------------------------------------------------------------
 

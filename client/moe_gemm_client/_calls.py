@@ -104,14 +104,44 @@ def answer_request_id(call: _Call[Any], response: httpx.Response) -> str | None:
     return response.headers.get(C.REQUEST_ID_HEADER) or call.request_id
 
 
+# The server's rule for an X-Request-Id it echoes (1-128 printable ASCII, no spaces); any
+# other id is replaced by a generated one, so the caller's id would be lost.
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
+# RFC 9110 token characters (header names) and what a header value may hold on HTTP/1.1:
+# visible ASCII, space and tab. httpx encodes values as ASCII, so anything else fails deep
+# inside it (a UnicodeEncodeError), and a CR/LF only at send time, as a "connection error".
+_HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE_RE = re.compile(r"[\t\x20-\x7e]*")
+
+
+def check_headers(headers: Mapping[str, str] | None, what: str) -> dict[str, str]:
+    """Header names and values that can go on the wire (TypeError / ValueError before any
+    request, naming the header)."""
+    out: dict[str, str] = {}
+    for name, value in (headers or {}).items():
+        if not isinstance(name, str) or not _HEADER_NAME_RE.fullmatch(name):
+            raise ValueError(f"{what}: {name!r} is not a valid HTTP header name")
+        if not isinstance(value, str):
+            raise TypeError(f"{what}: header {name!r} must be a str; got "
+                            f"{type(value).__name__}")
+        if not _HEADER_VALUE_RE.fullmatch(value):
+            raise ValueError(f"{what}: header {name!r} must hold printable ASCII only (no "
+                             f"line breaks or other control characters); got {value!r:.80}")
+        out[name] = value
+    return out
+
+
 def with_options(call: _Call[R], *, request_id: str | None, timeout: TimeoutTypes,
                  max_retries: int | None, extra_headers: Mapping[str, str] | None) -> _Call[R]:
     """Apply the options every method takes to `call` (checked here, before sending)."""
     if extra_headers:
-        call.headers.update(extra_headers)
+        call.headers.update(check_headers(extra_headers, "extra_headers"))
     if request_id is not None:
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str; got {request_id!r}")
+        if not _REQUEST_ID_RE.fullmatch(request_id):
+            raise ValueError("request_id must be 1-128 printable ASCII characters without "
+                             f"spaces (the server replaces any other id); got {request_id!r:.80}")
         call.headers[C.REQUEST_ID_HEADER] = request_id
     call.request_id = request_id or _header_request_id(call.headers)
     call.timeout = timeout

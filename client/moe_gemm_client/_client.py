@@ -145,7 +145,12 @@ class Client(_BaseClient):
 
         Returns:
             True once ready, False if the deadline passed first.
+
+        Raises:
+            TypeError / ValueError: timeout or interval not seconds >= 0 (inf waits without a
+                deadline), before the first poll.
         """
+        self._check_wait(timeout, interval)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

@@ -244,7 +244,12 @@ def as_index_array(obj: object, name: str, shape_hint: str) -> np.ndarray:
     elif isinstance(obj, (list, tuple)):
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in obj):
             raise TypeError(f"{name} must be a sequence of ints {shape_hint}; got {obj!r:.80}")
-        arr = np.asarray(obj, dtype=np.int64).reshape(len(obj))
+        # Range first, on Python ints: numpy raises OverflowError for a value beyond int64.
+        values = [int(v) for v in obj]
+        if values and (min(values) < -(2**31) or max(values) >= 2**31):
+            raise ValueError(f"{name} has values outside int32; got min {min(values)}, "
+                             f"max {max(values)}")
+        arr = np.asarray(values, dtype=np.int64).reshape(len(values))
     else:
         raise TypeError(
             f"{name} must be a 1-D integer numpy array, torch tensor or list of ints "
@@ -432,6 +437,8 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, TensorEnt
             continue
         try:
             dtype = spec["dtype"]
+            if not isinstance(dtype, str):  # (a list here is unhashable below: a TypeError)
+                raise TypeError(f"dtype must be a string; got {dtype!r:.40}")
             shape = tuple(int(s) for s in spec["shape"])
             begin, end = (int(v) for v in spec["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:

@@ -144,12 +144,14 @@ def check_output_path(path: str) -> None:
         raise UsageError(f"--out {path}: directory {parent} is not writable")
 
 
-def load_index(spec: str, key: str) -> np.ndarray:
+def load_index(spec: str, key: str) -> np.ndarray | list[int]:
     """counts/offs from a file, or inline as comma-separated ints ("3,0,5")."""
     if spec.endswith((".npy", ".safetensors")):
         return load_array(spec, key)
     try:
-        return np.asarray([int(v) for v in spec.split(",") if v.strip()], dtype=np.int64)
+        # Python ints: the client checks their range (a ValueError naming int32, exit 2);
+        # numpy's int64 conversion raised an OverflowError past 2^63, a traceback.
+        return [int(v) for v in spec.split(",") if v.strip()]
     except ValueError:
         raise UsageError(f"--{key} must be a .npy/.safetensors file or comma-separated ints; "
                          f"got {spec!r}") from None

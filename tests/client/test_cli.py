@@ -149,6 +149,9 @@ def test_grouped_mm_inline_offs_and_bf16_npy(server, capsys, rng, tmp_path):
     capsys.readouterr()
     assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "x.npy"), "--counts", "1,x",
                      "--out", str(tmp_path / "y.npy")]) == 2
+    assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "x.npy"), "--counts",
+                     "99999999999999999999,0", "--out", str(tmp_path / "y.npy")]) == 2
+    assert "outside int32" in capsys.readouterr().err  # was an OverflowError traceback
     assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "x.npy"), "--counts", "1,4",
                      "--out", str(tmp_path / "y.txt")]) == 2
     assert cli.main(["grouped-mm", "b", "--x", str(tmp_path / "nope.npy"), "--counts", "1,4",

@@ -533,6 +533,54 @@ def test_bad_per_call_options(mode):
             run(client, "list_weights", timeout=bad)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_header_values_are_checked_before_sending(mode):
+    """A request id, key or header httpx cannot send failed deep inside it: a non-ASCII one
+    as a bare UnicodeEncodeError, a line break as an APIConnectionError; and an id the server
+    does not echo (a space, over 128 characters) was silently replaced."""
+    handler, seen = sequence(ok_json({"weights": []}))
+    client = make(mode, handler)
+    for rid in ("caf\u00e9", "a\nb", "a b", "x" * 129):
+        with pytest.raises(ValueError, match="request_id must be 1-128 printable ASCII"):
+            run(client, "list_weights", request_id=rid)
+    with pytest.raises(ValueError, match="extra_headers: header 'X-Tag' must hold printable"):
+        run(client, "list_weights", extra_headers={"X-Tag": "caf\u00e9"})
+    with pytest.raises(ValueError, match="extra_headers: header 'X-Tag' must hold printable"):
+        run(client, "list_weights", extra_headers={"X-Tag": "v\r\nX-Injected: 1"})
+    with pytest.raises(TypeError, match="extra_headers: header 'X-Tag' must be a str"):
+        run(client, "list_weights", extra_headers={"X-Tag": 1})
+    with pytest.raises(ValueError, match="not a valid HTTP header name"):
+        run(client, "list_weights", extra_headers={"X Tag": "v"})
+    assert seen == []
+    cls = mgc.Client if mode == "sync" else mgc.AsyncClient
+    for key in ("k\u00e9y", "key\nX-Injected: 1"):
+        with pytest.raises(ValueError, match="api_key must be printable ASCII"):
+            cls(api_key=key)
+    with pytest.raises(TypeError, match="default_headers: header 'X-Tag' must be a str"):
+        cls(default_headers={"X-Tag": None})
+    # what the server echoes still goes out as given
+    assert run(client, "list_weights", request_id="req-1:a/b", extra_headers={"X-Tag": "a b"}) == []
+    assert seen[-1].headers["x-request-id"] == "req-1:a/b"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_wait_until_ready_checks_its_arguments(mode):
+    """wait_until_ready(None) was a bare "unsupported operand" TypeError, a NaN deadline a
+    ValueError saying the timeout may be None, a negative interval a failure at the first
+    sleep (sync) or a busy loop (async)."""
+    handler, seen = sequence(httpx.Response(503, json={"ready": False}))
+    client = make(mode, handler)
+    with pytest.raises(TypeError, match="wait_until_ready timeout must be seconds"):
+        run(client, "wait_until_ready", None)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="wait_until_ready timeout must be seconds >= 0"):
+            run(client, "wait_until_ready", bad)
+    for bad in (float("nan"), -0.5):
+        with pytest.raises(ValueError, match="wait_until_ready interval must be seconds >= 0"):
+            run(client, "wait_until_ready", 1.0, interval=bad)
+    assert seen == []
+
+
 def test_context_managers_close_owned_clients_only():
     with mgc.Client() as c:
         assert not c.is_closed

@@ -191,6 +191,22 @@ def test_read_header_rejects_bad_files(tmp_path):
         read_safetensors_header(p)
 
 
+@pytest.mark.parametrize("values", [[2**63, 0], [-(2**70), 0], [np.uint64(2**63), 1]])
+def test_index_lists_beyond_int64_are_a_valueerror(values):
+    """Were a bare OverflowError from numpy (not the documented ValueError naming int32)."""
+    with pytest.raises(ValueError, match="counts has values outside int32"):
+        as_index_array(values, "counts", "(E,)")
+
+
+def test_read_header_dtype_that_is_not_a_string_is_a_valueerror(tmp_path):
+    """Was a bare TypeError (unhashable list) instead of "bad header entry"."""
+    header = b'{"w":{"dtype":["F32"],"shape":[1,1,1],"data_offsets":[0,4]}}'
+    p = tmp_path / "odd.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(ValueError, match="bad header entry for 'w'"):
+        read_safetensors_header(p)
+
+
 def test_read_header_nested_too_deeply_is_a_valueerror(tmp_path):
     """Was a bare RecursionError: `moe-gemm-client upload` died with a traceback, not exit 2."""
     header = b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
