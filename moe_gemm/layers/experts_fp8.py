@@ -63,8 +63,16 @@ def check_fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: 
                       down_scale: object) -> str:
     """Check FP8 expert weights [E, 2I, H] / [E, H, I] against their scales; returns the
     granularity. ValueError / TypeError naming the expected shapes."""
+    # The weights' own shapes first: the scale shapes below are derived from gate_up's, so a
+    # down projection that does not fit it would pass them and only fail inside the second
+    # GEMM, with a message about that op's operands.
+    if gate_up.dim() != 3 or gate_up.shape[1] % 2:
+        raise ValueError(f"FP8 gate_up weights must be (E, 2I, H); got {shape_text(gate_up)}")
     E, two_i, H = gate_up.shape
     I = two_i // 2
+    if tuple(down.shape) != (E, H, I):
+        raise ValueError(f"FP8 down weights must be (E, H, I) = ({E}, {H}, {I}) to match gate_up "
+                         f"{shape_text(gate_up)}; got {shape_text(down)}")
     if gate_up.dtype not in FP8_DTYPES or down.dtype != gate_up.dtype:
         raise TypeError(f"FP8 expert weights must share one dtype among float8_e4m3fn and "
                         f"float8_e5m2; got {gate_up.dtype} and {down.dtype}")

@@ -289,15 +289,25 @@ class Engine(WarmUpMixin, LaunchMixin):
             raise ValueError(f"{layout} {want} needs every dimension >= 1; got "
                              f"{shape_text(tensor)}")
         granularity = check_fp8_scale(tensor, layout, scale)  # (None for 16/32-bit sets)
+        # An FP8 set is kept as its "w_t" equivalent whatever the upload's layout: the FP8
+        # WGMMA reads w K-major only (ops/scaled_support.py), so an (E, K, N) set stored as
+        # sent would be refused by the kernel and every request would dequantize the whole
+        # set in the torch backend instead. Its block scales follow (a checkpoint's
+        # (E, ceil(N/128), K/128) layout, the one the staged scales load with no copy).
+        k_major = layout == "w_t" or granularity is not None
+        src, src_scale = tensor.detach(), None if scale is None else scale.detach().float()
         # The copy runs on the warm-up stream (synchronized on exit), outside the launch lock,
         # so a large upload does not stall launches of the sets already resident.
         with self._oom_guard(), self._on_stream(self._warm_stream):
-            stored = self._to_device(tensor.detach()).contiguous()
-            stored_scale = (None if scale is None
-                            else self._to_device(scale.detach().float()).contiguous())
-        w = stored if layout == "w" else stored.transpose(1, 2)
-        if stored_scale is not None and granularity == "block" and layout == "w_t":
-            stored_scale = stored_scale.transpose(1, 2)  # blocks follow their weights
+            if layout == "w" and k_major:  # (transposed where it lies: one copy on the device)
+                src = src.transpose(1, 2).contiguous()
+                if granularity == "block":
+                    src_scale = src_scale.transpose(1, 2).contiguous()
+            stored = self._to_device(src).contiguous()
+            stored_scale = None if src_scale is None else self._to_device(src_scale).contiguous()
+        w = stored.transpose(1, 2) if k_major else stored
+        if stored_scale is not None and granularity == "block":
+            stored_scale = stored_scale.transpose(1, 2)  # (E, K/128, ceil(N/128)) view
         ws = WeightSet(name=name, w=w, layout=layout, version=next(self._versions),
                        scale=stored_scale, granularity=granularity)
         if warm:

@@ -78,6 +78,33 @@ def test_engine_serves_fp8_sets(granularity, layout):
         engine.grouped_mm(ws, x1.to(torch.float8_e4m3fn), c1)
 
 
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_an_fp8_set_uploaded_as_w_is_kept_k_major_for_the_kernel(granularity):
+    """The FP8 kernel reads w K-major only: a set uploaded as "w" (E, K, N) is kept as its
+    "w_t" equivalent (the same values, the scales' blocks following), so the kernel takes it
+    instead of every request dequantizing the set in the torch backend."""
+    from moe_gemm.ops.scaled_support import scaled_mm_unsupported
+    from moe_gemm.ops.scaled_validation import check_scaled_grouped_mm
+    from moe_gemm_server.fp8_weights import _op_scales
+
+    engine = Engine("cpu")
+    seed = int(torch.randint(0, 1 << 30, ()))
+    tensor, scale, w, op_scale = _weights(granularity, "w", seed=seed)
+    ws = engine.add_weights("f", tensor, "w", scale=scale, warm=False)
+    tensor_t, scale_t, _, _ = _weights(granularity, "w_t", seed=seed)
+    twin = engine.add_weights("g", tensor_t, "w_t", scale=scale_t, warm=False)
+    assert ws.layout == "w" and ws.w.shape == (E, K, N)
+    assert ws.w.stride() == twin.w.stride() and ws.scale.stride() == twin.scale.stride()
+    assert torch.equal(ws.w.view(torch.uint8), w.view(torch.uint8))
+    x = torch.randn(9, K, dtype=torch.bfloat16)
+    offs = torch.tensor([4, 4, 9], dtype=torch.int32)
+    xq, sa, sb = _op_scales(ws, x)
+    args = check_scaled_grouped_mm(xq, ws.w, sa, sb, offs, None, None)
+    assert scaled_mm_unsupported(args) is None
+    y = engine.grouped_mm(ws, x, torch.tensor([4, 0, 5]))
+    assert_fp8_close(y, _expected(x, torch.tensor([4, 0, 5]), w, op_scale, granularity))
+
+
 def test_engine_refuses_bad_fp8_sets():
     engine = Engine("cpu")
     tensor, scale, _, _ = _weights("block", "w_t")
