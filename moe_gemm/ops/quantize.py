@@ -89,7 +89,13 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
 
     Returns:
         q [..., K] in dtype and scale [..., K / group_size] float32, x ~= q * scale (the
-        same values in either scale layout).
+        same values in either scale layout). A group's scale is its largest magnitude over
+        the dtype's largest value, that magnitude floored at MIN_AMAX (1e-10, as the GPU
+        kernel does): a group of all zeros quantizes to zeros with a finite scale, and a
+        group of values far below the floor (about 1e-15 and less) rounds to zeros. x is
+        expected finite, as the GEMM's inputs are: a NaN makes its group's scale and q NaN,
+        an infinity its group's scale infinite (the group's finite values then quantize to
+        zero).
     """
     x = _check_input("x", x, dtype)
     g = _check_block("group_size", group_size)
