@@ -305,10 +305,28 @@ def _wrong_rank(name: str, value: Any, ndim: int, hint: str) -> None:
         raise unprocessable(f"{name!r} must be {ndim}-D {hint}; got {got}")
 
 
+def _to_float32_round_to_odd(arr: np.ndarray) -> np.ndarray:
+    """float64 -> float32 rounded to odd (truncated toward zero, the last bit set when
+    inexact). float32 keeps at least 2 more bits than float16 (11) and bfloat16 (8) do, so a
+    round-to-nearest-even from this value to either gives the float64 value's own rounding."""
+    with np.errstate(over="ignore"):  # (beyond float32: inf, refused by the caller)
+        f = arr.astype(np.float32)
+    over = np.abs(f.astype(np.float64)) > np.abs(arr)  # rounded away from zero: step back
+    f = np.where(over, np.nextafter(f, np.float32(0)), f).astype(np.float32)
+    inexact = f.astype(np.float64) != arr
+    return (f.view(np.uint32) | inexact.astype(np.uint32)).view(np.float32)
+
+
 def cast_json_floats(what: str, arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """JSON numbers (float64, all finite: JSON has no NaN or Infinity) -> `dtype`. A number
     past the type's range would become an infinity on the way (70000 as float16) and turn the
-    answer into inf/NaN with no word why: a 400 naming the limit instead."""
+    answer into inf/NaN with no word why: a 400 naming the limit instead.
+
+    float16 and bfloat16 are rounded once, from the float64 value: torch converts float64 to
+    them through float32, and that double rounding is an ulp off for a number just past a
+    halfway point (1 + 2^-11 + 2^-40 became 1.0 in float16, not 1 + 2^-10 as numpy rounds it)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        arr = _to_float32_round_to_odd(arr)
     out = torch.from_numpy(arr).to(dtype)
     if dtype.is_floating_point and out.numel() and not bool(torch.isfinite(out).all()):
         limit = torch.finfo(dtype).max

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import struct
 import zlib
 from urllib.parse import unquote
@@ -149,6 +150,36 @@ def test_json_numbers_beyond_the_dtype_are_refused_not_made_infinite():
     with pytest.raises(APIError) as ei:
         decode_json_grouped_gemm({"a": [[[70000.0]]], "b": [[[1.0]]], "dtype": "float16"})
     assert ei.value.status == 400 and "'a[0]'" in str(ei.value)
+
+
+def _bf16_rounded(v: float) -> float:
+    """v rounded once to bfloat16 (8 significant bits, ties to even), normal range."""
+    m, e = math.frexp(v)
+    return math.ldexp(round(m * 256), e - 8)
+
+
+def test_json_numbers_are_rounded_once_to_16_bit_dtypes():
+    """A JSON number goes to float16 / bfloat16 in one rounding, as numpy's float64 -> float16
+    does: torch's float64 -> 16-bit conversion passes through float32, which lands a number
+    just past a halfway point on the halfway point and then rounds it to even (1.0)."""
+    f16 = [1 + 2**-11 + 2**-40, -(1 + 2**-11 + 2**-40), 3 + 2**-10 + 2**-35, 0.1, 2**-24 * 0.75]
+    bf16 = [1 + 2**-8 + 2**-30, -(1 + 2**-8 + 2**-30), 1000 + 2**2 + 2**-20, 0.1]
+    for dtype, values, ref in [("float16", f16, lambda v: float(np.float16(v))),
+                               ("bfloat16", bf16, _bf16_rounded)]:
+        want = [ref(v) for v in values]
+        t = decode_json_grouped_mm({"x": [values], "counts": [1], "dtype": dtype},
+                                   K=len(values))
+        assert t["x"][0].double().tolist() == want, dtype
+        g = decode_json_grouped_gemm({"a": [[values]], "b": [[[1.0]] * len(values)],
+                                      "dtype": dtype})
+        assert g["a.0"][0].double().tolist() == want, dtype
+        v2 = {"FP16" if dtype == "float16" else "BF16": values}
+        for datatype, data in v2.items():
+            hdr = json.dumps({"inputs": [{"name": "x", "shape": [1, len(data)],
+                                          "datatype": datatype, "data": data}]}).encode()
+            x = parse_request(bytearray(hdr), None)[1]["x"]
+            assert x[0].double().tolist() == want, datatype
+    assert want[0] != 1.0  # (the double rounding gave 1.0)
 
 
 def test_json_decoders():
