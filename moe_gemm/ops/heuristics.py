@@ -507,29 +507,30 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
 
 def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
     """(cluster_m, cluster_n): what the config pins, else 1x1 (AGENTS.md has the 2x1 / 1x2
-    measurements; the general and batched rules may then pick 1x2). GemmConfig refuses a
-    cluster with schedule="pingpong", and "auto" picks cooperative under a cluster, so the
-    schedule always fits."""
+    measurements; the general and batched rules may then pick 1x2). Both schedules build
+    every cluster (_fit_schedule says which one "auto" takes under a pinned one)."""
     if config.cluster_m is None:
         return 1, 1
     return config.cluster_m, config.cluster_n or 1
 
 
 def _fit_schedule(schedule: str, config: GemmConfig) -> str:
-    """The rule's schedule (for schedule="auto"), fitted to what the config fixes: a given tile
-    built for one schedule only (e.g. 128x256 cooperative) selects it, and clusters are built
-    for the cooperative schedule (a ping-pong-only tile with a cluster then fails
-    _check_tile with the reason)."""
+    """The rule's schedule (for schedule="auto"), fitted to what the config fixes: under a
+    pinned cluster, the tail split or the whole-tile epilogue the cooperative one, but a given
+    tile built for one schedule only (e.g. 128x256 cooperative, 64x256 ping-pong) selects
+    that schedule, as GemmConfig documents. Clusters build with both schedules, so a
+    ping-pong-only tile in a pinned cluster runs ping-pong; GemmConfig already refuses the
+    tail split and the whole-tile epilogue on a ping-pong-only tile."""
+    if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
+        schedule = "cooperative"
+    if config.tail_split or config.whole_epilogue:
+        schedule = "cooperative"
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         if schedule == "pingpong" and tile not in PINGPONG_TILES:
             schedule = "cooperative"
         elif schedule == "cooperative" and tile not in COOPERATIVE_TILES:
             schedule = "pingpong"
-    if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
-        schedule = "cooperative"
-    if config.tail_split or config.whole_epilogue:
-        schedule = "cooperative"  # (a ping-pong-only tile then fails _check_tile)
     return schedule
 
 

@@ -25,8 +25,9 @@ bucket = round(log2 r), so bucket b covers r in [2^(b-0.5), 2^(b+0.5)).
 
 A table for another device, in another format, or that is not valid JSON is ignored with one
 warning, never an error: a table only ever picks among configs that compute the same result
-(GemmConfig validates every entry; an entry naming a tile this build lacks, or stages that do
-not fit in shared memory, is skipped). The online cache (cache_root()/tuned/<slug>.json)
+(GemmConfig validates every entry; an entry naming a tile this build lacks, stages that do
+not fit in shared memory, or an option its form does not take, such as the host visitor on
+grouped_mm, is skipped). The online cache (cache_root()/tuned/<slug>.json)
 records the library, DSL, driver, device and kernel-source versions and is ignored when any
 differs; with MOE_GEMM_DISK_CACHE=0, or where that file cannot be written, online results are
 kept in memory (this process) instead. MOE_GEMM_TUNED_TABLES=0 turns all
@@ -243,15 +244,29 @@ def stages_fit(fields: tuple[tuple[str, Any], ...], dtype: str, out_dtype: str) 
 def entry_fields(raw: dict, key: Key) -> tuple[tuple[str, Any], ...]:
     """The validated tuned fields of entry `raw` for `key` (raises TableError when unusable)."""
     fields = config_fields(raw.get("config"))
+    if not _fits_form(dict(fields), key):
+        # The rule the neighbours' vote applies: e.g. visitor="host" on grouped_mm's forms
+        # would read offs on the host in every call (a sync, no CUDA graph capture), which
+        # the tuner never picks there.
+        raise TableError(f"config {dict(fields)} is not built for the {key.form} form with "
+                         f"{key.out_dtype} output")
     if not stages_fit(fields, key.dtype, key.out_dtype):
         raise TableError(f"{dict(fields)['stages']} stages do not fit in shared memory")
     return fields
 
 
+def _whole(value: Any) -> int:
+    """int(value) for a JSON number or numeric string that is a whole number: int() would
+    truncate 8.5 to 8 and read true as 1, keying an entry to a shape it was not timed on."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(value)
+
+
 def key_of(raw: dict) -> Key:
     try:
         key = Key(str(raw["form"]), str(raw["dtype"]), str(raw.get("out_dtype", raw["dtype"])),
-                  int(raw["E"]), int(raw["N"]), int(raw["K"]), int(raw["bucket"]))
+                  _whole(raw["E"]), _whole(raw["N"]), _whole(raw["K"]), _whole(raw["bucket"]))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise TableError(f"bad key ({type(exc).__name__}: {exc})") from None
     if key.form not in FORMS or min(key.E, key.N, key.K) <= 0:
@@ -301,7 +316,7 @@ def parse_samples(raw: Any) -> list[TimedShape]:
     for s in raw:
         try:
             shape = (str(s["form"]), str(s["dtype"]), str(s.get("out_dtype", s["dtype"])),
-                     int(s["E"]), int(s["N"]), int(s["K"]), int(s["rows"]))
+                     _whole(s["E"]), _whole(s["N"]), _whole(s["K"]), _whole(s["rows"]))
             us = float(s["us"])
             raw_cfg = tuple(sorted(s["config"].items()))
             if raw_cfg not in known:

@@ -184,6 +184,22 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
     return shapes
 
 
+def config_problem(text: str, fields: dict, form: str) -> None:
+    """ValueError when a --configs name cannot run on any shape of `form` (a tile, cluster or
+    stage count GemmConfig refuses, an option of another form), so that the A/B refuses it at
+    once instead of reporting it as an error on every shape after the GPU work started."""
+    from moe_gemm.tuning.space import config_of
+
+    try:
+        config_of(fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config {text!r}: {exc}") from None
+    if form != "general" and (fields.get("visitor") == "host" or fields.get("sort_by_k")):
+        raise ValueError(f"config {text!r}: 'host' and 'ksort' are for --form general")
+    if form == "general" and fields.get("tail_split"):
+        raise ValueError(f"config {text!r}: 'ts' is for --form varlen or batched")
+
+
 def zoo_shapes(models: str | None, tokens: str | None, dtype: str, out_dtype: str,
                seed: int) -> list:
     """The zoo's projections, token count by token count (priority order)."""
@@ -211,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         why = f"--gpus {args.gpus}: must be >= 1"
     if why is None and args.rounds < 1:  # (a final stage of no rounds has no median)
         why = f"--rounds {args.rounds}: must be >= 1"
+    if why is None and args.workers is not None and args.workers < 1:
+        # (0 read as the default and a negative count as one process, silently)
+        why = f"--workers {args.workers}: must be >= 1 (leave it out for one per core but two)"
+    if why is None and not args.zoo and (args.models is not None or args.tokens is not None):
+        # Without --zoo they select nothing: the run would tune --shapes alone, silently.
+        why = "--models and --tokens choose the zoo's shapes: add --zoo"
     if why:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
@@ -241,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             configs = [parse_name(c, args.form) for c in args.configs.split(";") if c.strip()]
             if not configs:  # e.g. ";": else the run would tune instead of comparing
                 raise ValueError(f"--configs {args.configs!r} names no config")
+            for text, fields in zip(filter(str.strip, args.configs.split(";")), configs):
+                config_problem(text.strip(), fields, args.form)
         except ValueError as exc:
             print(f"moe-gemm tune: {exc}", file=sys.stderr)
             return 2

@@ -200,8 +200,6 @@ def remember(device: str, nsm: int, entry: dict, samples: list[dict]) -> None:
 def store(device: str, nsm: int, entry: dict, samples: list[dict]) -> Path | None:
     """Add an entry to the online cache (locked, atomic) and make lookups see it; with the disk
     cache off (MOE_GEMM_DISK_CACHE=0), to this process's memory only (returns None)."""
-    import json
-
     from moe_gemm.ops.kernel_cache import disk_cache_enabled
     from moe_gemm.tuning import table_io
 
@@ -215,7 +213,9 @@ def store(device: str, nsm: int, entry: dict, samples: list[dict]) -> Path | Non
         fcntl.flock(lock, fcntl.LOCK_EX)
         doc = None
         with contextlib.suppress(OSError, ValueError):
-            old = json.loads(path.read_text())
+            # read_table leaves out the entries and samples the reader skips: add_result keys
+            # every one it keeps, and one that does not parse would fail the caller's call.
+            old = table_io.read_table(path, device)
             tuned.parse_table(old, str(path), device, versions)  # other versions: start anew
             doc = old
         if doc is None:

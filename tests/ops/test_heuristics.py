@@ -73,10 +73,25 @@ def test_tile_both_schedules_build_follows_the_rule():
     assert choose_varlen(cfg, 32768, 128, 2048, 7168, 132).schedule == "cooperative"
 
 
-def test_cluster_with_a_pingpong_only_tile_is_a_clear_error():
-    cfg = GemmConfig(tile_m=64, tile_n=128, cluster_m=2, cluster_n=1)
-    with pytest.raises(ValueError, match="64x128 is not built for schedule 'cooperative'"):
-        choose_batched(cfg, 4, 256, 512, 512, 132)
+@pytest.mark.parametrize("tile", [(64, 128), (64, 256), (192, 128)])
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
+def test_cluster_with_a_pingpong_only_tile_runs_pingpong(tile, cluster):
+    # Clusters build with both schedules, and with schedule="auto" a tile built for one
+    # schedule only selects it (GemmConfig's docstring): a pinned cluster must not turn it
+    # into a cooperative tile that does not exist.
+    cfg = GemmConfig(tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0], cluster_n=cluster[1])
+    for c in (choose_batched(cfg, 4, 256, 512, 512, 132),
+              choose_varlen(cfg, 4096, 8, 4096, 4096, 132),
+              choose_general(cfg, ((512, 4096, 4096),) * 4, 132)):
+        assert (c.schedule, c.tile_m, c.tile_n, c.cluster_m, c.cluster_n) == (
+            "pingpong", *tile, *cluster)
+    # A cluster alone still takes the cooperative schedule under "auto".
+    auto = choose_varlen(GemmConfig(cluster_m=cluster[0], cluster_n=cluster[1]), 64, 16, 512,
+                         7168, 132)
+    assert auto.schedule == "cooperative"
+
+
+def test_pinned_schedule_with_a_tile_it_lacks_is_a_clear_error():
     with pytest.raises(ValueError, match="not built for schedule 'pingpong'"):
         choose_varlen(GemmConfig(schedule="pingpong", tile_m=128, tile_n=256), 64, 4, 512,
                       512, 132)

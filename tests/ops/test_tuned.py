@@ -191,6 +191,41 @@ def test_entries_this_build_cannot_use_are_skipped(_isolated):
         assert tuned.lookup(DEV, key(bucket=b), 1, 132) is None
 
 
+def test_entries_and_samples_with_fractional_or_boolean_sizes_are_skipped(_isolated):
+    # int() read E=8.5 as 8 and bucket=true as 1: an entry keyed to a shape it was not timed
+    # on. Whole numbers in any JSON spelling (8, 8.0, "8") are the same key.
+    ship(_isolated, table([entry(E=8.5, bucket=1), entry(bucket=True, E=8),
+                           entry(E=8, bucket=2.0), entry(E="8", bucket=3)],
+                          samples=[{**entry(E=8.5), "rows": 64}, {**entry(E=True), "rows": 64},
+                                   {**entry(E=8.0, N=1024), "rows": 64}]))
+    with pytest.warns(RuntimeWarning, match="2 entries"):
+        assert tuned.lookup(DEV, key(E=8, bucket=1), 1, 132) is None
+    assert tuned.lookup(DEV, key(E=8, bucket=2), 1, 132).how == "exact"
+    assert tuned.lookup(DEV, key(E=8, bucket=3), 1, 132).how == "exact"
+    assert [t.shape[3:5] for t in tuned.tables_for(DEV)[0].timed] == [(8, 1024)]
+
+
+def test_entries_not_built_for_their_form_are_skipped(_isolated):
+    # The host visitor on grouped_mm's forms reads offs on the host every call (a sync that
+    # breaks CUDA graph capture), K-sorting is grouped_gemm's, the tail split grouped_mm's:
+    # an exact entry naming one is skipped like a neighbour's vote for it, not run.
+    host = {**COOP_128x192, "visitor": "host"}
+    ksort = {**COOP_128x192, "sort_by_k": True}
+    split = {**COOP_128x192, "tail_split": True}
+    ship(_isolated, table([entry(bucket=1, config=host), entry(bucket=2, config=ksort),
+                           entry(form="batched", bucket=3, config=host),
+                           entry(form="general", bucket=4, config=split),
+                           entry(form="general", bucket=5, config={**host, "tail_split": None})]))
+    with pytest.warns(RuntimeWarning, match="4 entries"):
+        assert tuned.lookup(DEV, key(bucket=1), 1, 132) is None
+    assert tuned.lookup(DEV, key(bucket=2), 1, 132) is None
+    assert tuned.lookup(DEV, key(form="batched", bucket=3), 1, 132) is None
+    assert tuned.lookup(DEV, key(form="general", bucket=4), 1, 132) is None
+    assert tuned.lookup(DEV, key(form="general", bucket=5), 1, 132).how == "exact"
+    c = choose_varlen(GemmConfig(), 64 * 2, 64, 4096, 7168, 132, device=DEV)
+    assert c.visitor == "device"
+
+
 # ---------------------------------------------------------------------------------------------
 # The heuristics
 

@@ -190,6 +190,29 @@ def test_store_feeds_lookups_and_replaces_other_versions(monkeypatch):
     assert doc["versions"]["moe_gemm"] == "9.9" and [e["N"] for e in doc["entries"]] == [1024]
 
 
+def test_store_leaves_out_what_the_online_cache_cannot_parse():
+    # A cache file of this build's versions with an entry or sample that does not parse (a
+    # hand edit, a foreign tool): the reader skips them, and so must the store that adds to the
+    # file, which keyed every old entry and failed the tuned call with a TableError.
+    from moe_gemm.ops import versions
+
+    path = tuned.online_path(DEV)
+    path.parent.mkdir(parents=True)
+    good = _online_entry()
+    sample = {k: good[k] for k in ("form", "dtype", "out_dtype", "E", "N", "K", "rows",
+                                   "config", "us")}
+    path.write_text(json.dumps({
+        "format": tuned.FORMAT, "device": DEV, "versions": versions.runtime_versions(DEV),
+        "entries": [good, {"form": "varlen"}, "x"], "samples": [sample, {"rows": 1}]}))
+    new = {**good, "N": 1024}
+    online.store(DEV, 132, new, [{**sample, "N": 1024}])
+    doc = json.loads(path.read_text())
+    assert [e["N"] for e in doc["entries"]] == [512, 1024]
+    assert sorted(s["N"] for s in doc["samples"]) == [512, 1024]
+    key = tuned.Key("varlen", "bfloat16", "bfloat16", 8, 1024, 256, 3)
+    assert tuned.lookup(DEV, key, 64, 132).how == "exact"
+
+
 def _online_entry():
     return {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": 8, "N": 512,
             "K": 256, "bucket": 3, "rows": 64, "config": CONFIGS["mid"], "us": 12.0}

@@ -86,3 +86,47 @@ def test_timing_defaults_to_graphs_and_takes_eager(capsys):
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["--zoo", "--timing", "burst"])
     assert "invalid choice: 'burst'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config,words", [
+    ("coop 128x200", "tile 128x200 is not built for schedule 'cooperative'"),
+    ("pp 128x256", "tile 128x256 is not built for schedule 'pingpong'"),
+    ("coop 128x256 c2x2", "cluster 2x2 is not supported"),
+    ("coop 128x256 s99", "stages must be between 2 and 12"),
+    ("coop 128x256 p0", "raster_panel must be positive"),
+    ("coop 128x256 c1x2 ts", "tail_split=True is built for the 1x1 cluster only"),
+    ("coop 128x256 ksort", "'host' and 'ksort' are for --form general"),
+    ("pp 128x192 host", "'host' and 'ksort' are for --form general"),
+])
+def test_configs_no_shape_can_run_are_refused_at_once(config, words, capsys):
+    # They parsed, and each came back as an error on every shape of the A/B only after the
+    # GPU work had started; no --list, no GPU is needed to refuse them.
+    assert cli.main(["--shapes", "8,512,256,64", "--configs", f"pp 128x192;{config}",
+                     "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: config {config!r}: ") and words in err
+    assert err.count("\n") == 1
+
+
+def test_general_configs_take_host_and_ksort_but_not_the_tail_split(capsys):
+    assert cli.main(["--shapes", "8,512,256,64", "--form", "general", "--configs",
+                     "coop 128x256 host ksort", "--list"]) == 0
+    assert cli.main(["--shapes", "8,512,256,64", "--form", "general", "--configs",
+                     "coop 128x256 ts", "--list"]) == 2
+    assert "'ts' is for --form varlen or batched" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--models", "Mixtral-8x7B"], ["--tokens", "16"],
+                                    ["--models", "no-such-model"]])
+def test_zoo_options_without_zoo_are_refused(option, capsys):
+    # They select among the zoo's shapes; without --zoo the run tuned --shapes alone.
+    assert cli.main(["--shapes", "8,512,256,64", *option, "--list"]) == 2
+    assert capsys.readouterr().err == (
+        "moe-gemm tune: --models and --tokens choose the zoo's shapes: add --zoo\n")
+
+
+@pytest.mark.parametrize("workers", ["0", "-3"])
+def test_workers_must_be_positive(workers, capsys):
+    # 0 was read as the default count and a negative one as a single process, silently.
+    assert cli.main(["--shapes", "8,512,256,64", "--workers", workers]) == 2
+    assert capsys.readouterr().err.startswith(f"moe-gemm tune: --workers {workers}: must be >= 1")
