@@ -18,7 +18,10 @@ kernels plug in behind the same interface (docs/DEPLOYING.md shows the adapter):
 `AllToAllDispatcher` implements this on `torch.distributed.all_to_all_single` (NCCL on GPUs,
 gloo on CPUs). Send counts are exchanged on the device with one all-to-all of W integers; the
 variable-size token all-to-all then needs those counts as host lists, which costs one host read
-of 2 * W integers per forward. `static_splits=True` removes that read: every rank sends a fixed
+of 2 * W + 1 integers per forward; the same exchange carries each rank's token shape and dtype
+(6 integers a rank, read with them), so ranks whose tokens cannot travel together, or a rank
+that refused its input (`refuse`), make every rank raise ValueError instead of aborting gloo or
+waiting in the token all-to-all. `static_splits=True` removes that read: every rank sends a fixed
 T rows to every rank (a token visits a rank at most once, so T always suffices), padding rows
 carrying no valid slot, at W times the link traffic; that path never waits for the host and can
 be captured in a CUDA graph. Every rank must then pass the same number of tokens T (pad to it; a
@@ -82,7 +85,9 @@ class Dispatcher(Protocol):
     """Moves tokens to the ranks holding their experts and the expert outputs back.
 
     Implementations must be called by every rank of the group for every forward (they run
-    collectives), including ranks with no tokens.
+    collectives), including ranks with no tokens. Optionally, `refuse(device)` joins a
+    dispatch's collectives for a rank whose input is refused, so that the others raise rather
+    than wait (ExpertParallelMoE calls it when it has one; AllToAllDispatcher does).
 
     Attributes:
         rank: this rank's index in the expert-parallel group.
@@ -111,6 +116,39 @@ class Dispatcher(Protocol):
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
         """[R, H] per-received-token partial outputs -> [T, H] summed per original token."""
         ...
+
+
+# What each rank tells every receiver before its tokens move, one int64 each: a mismatch
+# would make the all-to-all itself fail (gloo aborts the process on a size mismatch, NCCL
+# reads garbage or waits), so dispatch raises ValueError on every rank instead.
+_SIGNATURE = ("tokens", "hidden size", "top_k", "num_experts", "dtype", "refused")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
+           torch.float8_e5m2)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _check_senders(sigs: list[list[int]], rank: int, *, same_tokens: bool) -> None:
+    """Raise ValueError (on every rank alike: each sees every sender's signature) when a rank
+    refused its input or the ranks' token shapes or dtypes differ."""
+    refused = [r for r, s in enumerate(sigs) if s[-1]]
+    if refused:
+        raise ValueError(f"rank(s) {refused} refused their input to this forward (their own "
+                         f"error says why); rank {rank} stops too instead of waiting for them")
+    names = ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2",
+             "another dtype"]
+    first = 0 if same_tokens else 1  # (token counts may differ unless the splits are static)
+    for i in range(first, len(_SIGNATURE) - 1):
+        values = [s[i] for s in sigs]
+        if len(set(values)) > 1:
+            if _SIGNATURE[i] == "dtype":
+                values = [names[v] for v in values]
+            hint = ("static_splits needs the same token count on every rank (pad the tokens "
+                    "to it)" if i == 0 else
+                    "every rank must send tokens of one shape and dtype through one layer")
+            raise ValueError(f"{hint}; the ranks' {_SIGNATURE[i]}: {values}")
 
 
 @dataclass
@@ -196,21 +234,20 @@ class AllToAllDispatcher:
         local = torch.where(here, ids.index_select(0, tok) - row_dest * per, -1)
         wts = torch.where(here, topk_weights.index_select(0, tok).float(), 0.0)
         meta = torch.cat([local.float(), wts], dim=1)  # (W*T, 2k)
-        # Counts on the device: (tokens, slots) each rank sends to each rank, and its T.
-        counts = torch.stack([send_counts, slot_counts, send_counts.new_full((W,), T)], dim=1)
-        counts_recv = torch.empty_like(counts)  # (W, 3)
+        # Counts on the device: (tokens, slots) each rank sends to each rank, then what the
+        # receivers check before any token moves (_SIGNATURE). Filled, not copied from the
+        # host, so that a CUDA graph can capture it.
+        sig = (T, H, k, num_experts, _dtype_code(x.dtype), 0)  # (_SIGNATURE)
+        counts = torch.stack([send_counts, slot_counts,
+                              *(send_counts.new_full((W,), v) for v in sig)], dim=1)
+        counts_recv = torch.empty_like(counts)  # (W, 2 + len(_SIGNATURE))
         dist.all_to_all_single(counts_recv, counts, group=group)
         if self.static_splits:
             if device.type == "cpu":
                 # Every rank sends T rows to every rank, so every rank's T must be the same
                 # (else gloo aborts the process). Read where it costs no sync: on a GPU this
                 # is the host read static splits avoid, and the caller must ensure it.
-                senders = counts_recv[:, 2].tolist()
-                if any(t != T for t in senders):
-                    raise ValueError(
-                        "static_splits needs the same token count on every rank (pad the "
-                        f"tokens to it); the ranks have {senders} tokens"
-                    )
+                _check_senders(counts_recv[:, 2:].tolist(), self.rank, same_tokens=True)
             # Row r*T + j of the send buffer is the j-th token sent to rank r; the rest of
             # each block is padding whose slots all say -1 (the receiver computes nothing
             # for them). Rows that are not sent land in a scratch row past the buffer.
@@ -229,10 +266,15 @@ class AllToAllDispatcher:
             send_rows = recv_rows = W * T
             num_valid = None
         else:
-            # The one host read of the forward: 2W + 1 integers for the split sizes.
-            host = torch.cat([send_counts, counts_recv[:, 0], counts_recv[:, 1].sum()[None]])
-            host = host.tolist()
+            # The one host read of the forward: 2W + 1 integers for the split sizes and the
+            # senders' signatures, checked before the tokens move (a mismatch would abort
+            # gloo or hang NCCL in the all-to-all below).
+            host = torch.cat([send_counts, counts_recv[:, 0], counts_recv[:, 1].sum()[None],
+                              counts_recv[:, 2:].reshape(-1)]).tolist()
             send_splits, recv_splits, num_valid = host[:W], host[W:2 * W], host[2 * W]
+            n = len(_SIGNATURE)
+            _check_senders([host[2 * W + 1 + r * n:2 * W + 1 + (r + 1) * n] for r in range(W)],
+                           self.rank, same_tokens=False)
             send_rows, recv_rows = sum(send_splits), sum(recv_splits)
             send_x = x.index_select(0, tok[:send_rows])
             send_meta = meta[:send_rows]
@@ -252,6 +294,18 @@ class AllToAllDispatcher:
         dispatched = Dispatched(recv_x, recv_meta[:, :k].long(), recv_meta[:, k:].contiguous(),
                                 num_valid, handle)
         return dispatched, extra
+
+    def refuse(self, device: torch.device | str) -> None:
+        """Join a forward's first collective (the count exchange of `dispatch`) flagged as
+        refused, for a rank whose input cannot be dispatched; the caller then raises its own
+        error. The other ranks' `dispatch` raises ValueError instead of waiting for tokens
+        that never come (except with static_splits on a GPU, which reads no counts on the
+        host: there every rank must pass valid input).
+        """
+        W = self.world_size
+        counts = torch.zeros(W, 2 + len(_SIGNATURE), dtype=torch.int64, device=device)
+        counts[:, 1 + len(_SIGNATURE)] = 1  # the status column
+        dist.all_to_all_single(torch.empty_like(counts), counts, group=self.group)
 
     # -- combine -------------------------------------------------------------------------
 

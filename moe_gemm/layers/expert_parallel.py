@@ -24,6 +24,8 @@ Dispatch and combine are behind the `Dispatcher` interface (moe_gemm.layers.disp
 
 from __future__ import annotations
 
+import struct
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,6 +109,12 @@ class ExpertParallelMoE(nn.Module):
         num_experts: E, all ranks together.
         group: the process group (None = the default group); ignored if `dispatcher` given.
         dispatcher: a Dispatcher (default: AllToAllDispatcher(group)).
+        check_replicated: run `check_replicated()` once here (default): ranks whose router,
+            correction bias, shared experts or layer options differ raise ValueError, every
+            rank alike, instead of routing the same token differently on each rank.
+
+    Raises:
+        ValueError: the replicated parts differ between the ranks (check_replicated).
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class ExpertParallelMoE(nn.Module):
         *,
         group: dist.ProcessGroup | None = None,
         dispatcher: Dispatcher | None = None,
+        check_replicated: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(moe, MoE):
@@ -152,6 +161,54 @@ class ExpertParallelMoE(nn.Module):
             renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
             device="meta")
+        if check_replicated:
+            self.check_replicated()
+
+    def check_replicated(self) -> None:
+        """Check that every rank holds the same replicated parts: the router weight, the
+        correction bias, the shared experts (and their gate), the routing options, the
+        sizes, dtypes and activation of the experts. Every rank of the group must call it.
+
+        Each rank hashes its copies exactly (the bits of every element, position-weighted,
+        in integer arithmetic, so summation order cannot matter) and one all-gather of a few
+        dozen integers compares them: a cost of one read of the replicated weights, paid
+        once at construction by default. Ranks that disagree would otherwise route the same
+        token to different experts or add different shared outputs, silently.
+
+        Needs the group: the dispatcher's `group` attribute (AllToAllDispatcher has one;
+        None = the default group); a dispatcher without one, or a group of one rank, is not
+        checked.
+
+        Raises:
+            ValueError: on every rank alike, naming what differs and the ranks' values.
+        """
+        if self.world_size == 1 or not hasattr(self.dispatcher, "group"):
+            return
+        group = self.dispatcher.group
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        names, mine = _replica_digest(self)
+        # The collective's tensor where the group's backend takes it: NCCL only CUDA tensors
+        # (a layer built on the CPU and moved later), gloo the CPU.
+        if dist.get_backend(group) == "nccl":
+            if mine.device.type != "cuda":
+                mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        else:
+            mine = mine.cpu()
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=group)
+        table = torch.stack(gathered).cpu()  # (W, len(names))
+        differ: dict[str, str] = {}
+        for i, name in enumerate(names):
+            if name not in differ and bool((table[:, i] != table[0, i]).any()):
+                # (most values are hashes: say which ranks agree with which)
+                differ[name] = _groups(table[:, i].tolist())
+        if differ:
+            what = "; ".join(f"{name} (ranks {ranks})" for name, ranks in
+                             list(differ.items())[:4])
+            raise ValueError(
+                "ExpertParallelMoE: the replicated parts differ between the ranks (each rank "
+                f"must build the layer from the same full weights and options): {what}")
 
     # -- constructors ----------------------------------------------------------------------
 
@@ -163,12 +220,13 @@ class ExpertParallelMoE(nn.Module):
         group: dist.ProcessGroup | None = None,
         dispatcher: Dispatcher | None = None,
         copy: bool = True,
+        check_replicated: bool = True,
     ) -> ExpertParallelMoE:
         """This rank's shard of a whole MoE layer.
 
         Args:
             moe: the full layer (every rank passes an equal one).
-            group, dispatcher: see the class.
+            group, dispatcher, check_replicated: see the class.
             copy: copy the local experts (so the full tensors can be freed); False keeps
                 views into `moe`'s storage.
         """
@@ -195,7 +253,8 @@ class ExpertParallelMoE(nn.Module):
             take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
             shared=shared, scales=scales, activation=moe.activation, config=moe.config,
         )
-        return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher)
+        return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher,
+                   check_replicated=check_replicated)
 
     @classmethod
     def from_hf(
@@ -206,10 +265,12 @@ class ExpertParallelMoE(nn.Module):
         dispatcher: Dispatcher | None = None,
         config: GemmConfig | None = None,
         copy: bool = True,
+        check_replicated: bool = True,
     ) -> ExpertParallelMoE:
         """This rank's shard of a transformers MoE block (the blocks `MoE.from_hf` takes)."""
         return cls.from_moe(MoE.from_hf(block, config=config), group=group,
-                            dispatcher=dispatcher, copy=copy)
+                            dispatcher=dispatcher, copy=copy,
+                            check_replicated=check_replicated)
 
     @classmethod
     def from_state_dict(
@@ -221,6 +282,7 @@ class ExpertParallelMoE(nn.Module):
         strict: bool = True,
         group: dist.ProcessGroup | None = None,
         dispatcher: Dispatcher | None = None,
+        check_replicated: bool = True,
         **options: Any,
     ) -> ExpertParallelMoE:
         """This rank's shard of one MoE block of a checkpoint; reads only the local experts.
@@ -233,7 +295,7 @@ class ExpertParallelMoE(nn.Module):
         Args:
             state_dict: name -> tensor (any Mapping; only the needed keys are indexed).
             top_k, prefix, strict, **options: as `MoE.from_state_dict` (routing options).
-            group, dispatcher: see the class.
+            group, dispatcher, check_replicated: see the class.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
@@ -266,7 +328,7 @@ class ExpertParallelMoE(nn.Module):
             router["e_score_correction_bias"] = torch.zeros(E, device=router_weight.device)
         else:
             router["e_score_correction_bias"] = bias
-        return cls(local, router, E, dispatcher=dispatcher)
+        return cls(local, router, E, dispatcher=dispatcher, check_replicated=check_replicated)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -310,7 +372,31 @@ class ExpertParallelMoE(nn.Module):
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's tokens [..., H] -> [..., H]; every rank of the group must call it."""
+        try:
+            self._check_input(hidden_states)
+        except (TypeError, ValueError):
+            # The other ranks are already on their way into the dispatch's collectives: join
+            # its first one flagged as refused, so that they raise too instead of waiting for
+            # this rank's tokens (a dispatcher without `refuse` leaves them waiting).
+            refuse = getattr(self.dispatcher, "refuse", None)
+            if callable(refuse):
+                refuse(self.router_weight.device)
+            raise
         x = hidden_states
+        x2 = x.reshape(-1, self.hidden_size)
+        weights, ids = self.route(x2)
+        # Tokens travel in the experts' dtype; FP8 experts take them in the caller's (they are
+        # quantized per token after the dispatch, as in MoE's FP8 forward), which must then be
+        # the same on every rank (AllToAllDispatcher raises ValueError otherwise).
+        xe = x2 if self.local.fp8 is not None else x2.to(self.local.gate_up_proj.dtype)
+        d, shared = self.dispatcher.dispatch(xe, ids, weights, self.num_experts,
+                                             during=lambda: self.shared(x2))
+        y = self.dispatcher.combine(self.experts(d), d.handle).to(x.dtype)
+        if shared is not None:
+            y = y + shared.to(x.dtype)
+        return y.view(x.shape)
+
+    def _check_input(self, x: object) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got "
                             f"{type(x).__name__}")
@@ -323,23 +409,80 @@ class ExpertParallelMoE(nn.Module):
         if x.device != self.router_weight.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on "
                              f"{self.router_weight.device}")
-        x2 = x.reshape(-1, H)
-        weights, ids = self.route(x2)
-        # Tokens travel in the experts' dtype; FP8 experts take them in the caller's (they are
-        # quantized per token after the dispatch, as in MoE's FP8 forward).
-        xe = x2 if self.local.fp8 is not None else x2.to(self.local.gate_up_proj.dtype)
-        d, shared = self.dispatcher.dispatch(xe, ids, weights, self.num_experts,
-                                             during=lambda: self.shared(x2))
-        y = self.dispatcher.combine(self.experts(d), d.handle).to(x.dtype)
-        if shared is not None:
-            y = y + shared.to(x.dtype)
-        return y.view(x.shape)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, local_experts=[{self.expert_start}, "
                 f"{self.expert_start + self.local.num_experts}), top_k={self.top_k}, "
                 f"scoring={self.scoring!r}, rank={self.rank}/{self.world_size}")
+
+
+_P = 2 ** 31 - 1  # the hashes' modulus: products of two residues stay below 2^62
+
+
+def _tensor_hash(t: torch.Tensor) -> tuple[int, int]:
+    """Two exact hashes of a tensor's bits: their sum and a position-weighted sum, mod _P,
+    in int64 arithmetic (order-independent, so equal on every rank for equal tensors)."""
+    flat = t.detach().contiguous().reshape(-1)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.view(width)
+    plain = weighted = torch.zeros((), dtype=torch.int64, device=t.device)
+    step = 1 << 20  # elements per chunk: a few int64 temporaries of 8 MiB
+    for i in range(0, bits.numel(), step):
+        v = bits[i:i + step].to(torch.int64)
+        if width is torch.int64:
+            v = (v & 0xFFFFFFFF) * 31 + ((v >> 32) & 0xFFFFFFFF)
+        v = v % _P
+        pos = torch.arange(i, i + v.numel(), device=t.device, dtype=torch.int64) % (_P - 1) + 1
+        plain = (plain + v.sum()) % _P
+        weighted = (weighted + (v * pos % _P).sum()) % _P
+    return int(plain), int(weighted)
+
+
+def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
+    """(names, int64 values) of what every rank must hold alike (check_replicated)."""
+    m = layer.local
+    names: list[str] = []
+    values: list[int] = []
+
+    def add(name: str, value: object) -> None:
+        names.append(name)
+        if isinstance(value, float):
+            value = struct.unpack("<q", struct.pack("<d", value))[0]  # exact bits
+        elif not isinstance(value, int):
+            value = zlib.crc32(repr(value).encode())
+        values.append(int(value))
+
+    for name in ("num_experts", "hidden_size", "intermediate_size", *_ROUTING):
+        add(name, getattr(layer, name))
+    act = m.activation
+    add("activation", act if isinstance(act, str) else getattr(act, "__qualname__", act))
+    add("expert dtype", m.gate_up_proj.dtype)
+    add("local experts' shapes", tuple(m.gate_up_proj.shape) + tuple(m.down_proj.shape))
+    tensors: dict[str, torch.Tensor | None] = {
+        "router_weight": layer.router_weight,
+        "e_score_correction_bias": layer.e_score_correction_bias,
+    }
+    shared = m.shared_experts
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        tensors[f"shared_experts.{part}"] = None if shared is None else getattr(
+            shared, part).weight
+    tensors["shared_expert_gate"] = None if m.shared_expert_gate is None else (
+        m.shared_expert_gate.weight)
+    for name, t in tensors.items():
+        add(f"{name} shape and dtype", None if t is None else (tuple(t.shape), t.dtype))
+        h = (-1, -1) if t is None else _tensor_hash(t)
+        add(name, h[0])
+        add(name, h[1])
+    return names, torch.tensor(values, dtype=torch.int64, device=layer.router_weight.device)
+
+
+def _groups(values: list[int]) -> str:
+    """Ranks grouped by equal value: '[0, 2] vs [1]'."""
+    by: dict[int, list[int]] = {}
+    for rank, v in enumerate(values):
+        by.setdefault(v, []).append(rank)
+    return " vs ".join(str(ranks) for ranks in by.values())
 
 
 def _router_of(moe: MoE) -> dict[str, Any]:

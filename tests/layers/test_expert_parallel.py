@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from ep_testutils import rank_errors, run_world
 
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher, expert_range
@@ -284,6 +285,100 @@ def dispatcher_outside_its_group(rank: int, world: int) -> list[str]:
     except ValueError as e:
         return [] if "not a member of the expert-parallel group" in str(e) else [
             f"unclear message: {e}"]
+
+
+def _ref64(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The softmax top-k layer (no shared experts) in float64, token by token."""
+    x64 = x.double().reshape(-1, moe.hidden_size)
+    probs = torch.softmax(x64 @ moe.router_weight.double().t(), dim=-1)
+    w, ids = probs.topk(moe.top_k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    I = moe.intermediate_size
+    out = torch.zeros_like(x64)
+    for t in range(x64.shape[0]):
+        for j in range(moe.top_k):
+            e = int(ids[t, j])
+            h = moe.gate_up_proj[e].double() @ x64[t]
+            out[t] += w[t, j] * (moe.down_proj[e].double() @ (F.silu(h[:I]) * h[I:]))
+    return out.reshape(x.shape)
+
+
+@case
+def replicas_must_match(rank: int, world: int) -> list[str]:
+    """Ranks built from different router, shared-expert weights or top_k: a ValueError on
+    every rank at construction naming what differs (each rank would otherwise route the same
+    token differently, or abort gloo inside the all-to-all); check_replicated=False skips."""
+    errs = []
+    for what, kw in (("router_weight", {}), ("shared_experts.down_proj",
+                                             {"shared_intermediate_size": 8}),
+                     ("top_k", {})):
+        moe = _full_moe(12, torch.float32, **kw)
+        if rank == world - 1:
+            with torch.no_grad():
+                if what == "router_weight":
+                    moe.router_weight[3, 5] += 1e-6
+                elif what == "top_k":
+                    moe.top_k = 3
+                else:
+                    moe.shared_experts.down_proj.weight[1, 2] += 1e-6
+        try:
+            ExpertParallelMoE.from_moe(moe)
+            errs.append(f"different {what} on rank {world - 1} accepted")
+        except ValueError as e:
+            if f"{what} (ranks {list(range(world - 1))} vs [{world - 1}])" not in str(e):
+                errs.append(f"unclear message: {e}")
+    ep = ExpertParallelMoE.from_moe(moe, check_replicated=False)
+    try:
+        ep.check_replicated()
+        errs.append("check_replicated() accepted different shared experts")
+    except ValueError:
+        pass
+    return errs
+
+
+@case
+def one_rank_refuses_its_input(rank: int, world: int) -> list[str]:
+    """A rank whose input is refused (wrong hidden size, not a tensor) joins the dispatch's
+    first collective flagged, so every rank raises (gloo used to reset the others' connection
+    or leave them waiting); the next forward runs and matches the fp64 reference."""
+    moe = _full_moe(13, torch.float32)
+    errs = []
+    for label, disp in (("dynamic", AllToAllDispatcher()),
+                        ("static", AllToAllDispatcher(static_splits=True))):
+        ep = ExpertParallelMoE.from_moe(moe, dispatcher=disp)
+        bad: object = torch.randn(4, 15) if label == "dynamic" else [0.0] * 16
+        try:
+            ep(bad if rank == 0 else _tokens(rank, 13, torch.float32, T=4))
+            errs.append(f"{label}: rank {rank} ran")
+        except (TypeError, ValueError) as e:
+            if rank and "rank(s) [0] refused their input" not in str(e):
+                errs.append(f"{label}: unclear message: {e}")
+        x = _tokens(rank, 14, torch.float32, T=4)
+        errs += [m for m in [_check(label, ep(x).double(), _ref64(moe, x), 1e-5)] if m]
+    return errs
+
+
+@case
+def fp8_tokens_of_different_dtypes_refused(rank: int, world: int) -> list[str]:
+    """FP8 experts take the tokens in the caller's dtype: ranks passing fp32 and bf16 are a
+    ValueError on every rank (gloo aborted the processes on the size mismatch); 16-bit experts
+    take each rank's dtype (the tokens travel in the experts' dtype)."""
+    torch.manual_seed(15)
+    moe = MoE(128, 128, 8, 2).quantize_fp8("block")
+    ep = ExpertParallelMoE.from_moe(moe)
+    x = torch.randn(3, 128).to(torch.bfloat16 if rank % 2 else torch.float32)
+    try:
+        ep(x)
+        return ["FP8 experts took tokens of different dtypes"]
+    except ValueError as e:
+        if "the ranks' dtype: ['float32', 'bfloat16'" not in str(e):
+            return [f"unclear message: {e}"]
+    plain = _full_moe(16, torch.float32)
+    ep = ExpertParallelMoE.from_moe(plain)
+    x = _tokens(rank, 16, torch.float32, T=3).to(torch.bfloat16 if rank % 2 else torch.float32)
+    y = ep(x)
+    return [m for m in [_check("mixed dtypes", y.double(), _ref64(plain, x).to(x.dtype).double(),
+                                2 ** -7)] if m]
 
 
 def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
