@@ -154,6 +154,20 @@ def varlen_low(x, w, counts) -> torch.Tensor:
     return low
 
 
+def switch_case(counts, K, seed, tail, schedule, tile, cluster, N=264):
+    """The operands of a kernel-switch A/B on grouped_mm (bf16, K-major w): (x, w, offs, T,
+    config) for experts of `counts` rows and `tail` rows past offs[-1], pinned to `schedule`,
+    `tile` (m, n) and `cluster` (m, n)."""
+    T = sum(counts) + tail
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = rand((T, K), torch.bfloat16, g)
+    w = rand((len(counts), N, K), torch.bfloat16, g).transpose(1, 2)
+    cfg = GemmConfig(backend="cute", schedule=schedule, tile_m=tile[0], tile_n=tile[1],
+                     cluster_m=cluster[0], cluster_n=cluster[1])
+    return x, w, offs, T, cfg
+
+
 def run_varlen(name, E, T, N, K, counts_kind, dtype, w_layout, config, out_mode, tail=0):
     """grouped_mm with `tail` rows past offs[-1]; out_mode "given" checks they stay untouched."""
     gen = torch.Generator().manual_seed(99)

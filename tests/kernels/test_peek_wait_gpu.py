@@ -16,7 +16,7 @@ from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
 from moe_gemm.ops.heuristics import PEEK_WAIT_ENV, TRIM_A_ENV
 from moe_gemm.ops.launch_info import last_launch
 
-from .helpers import check, rand, varlen_low
+from .helpers import check, rand, switch_case, varlen_low
 
 pytestmark = pytest.mark.gpu
 
@@ -59,14 +59,9 @@ def _both_ways(monkeypatch, run, *, trim: bool | None = None):
 @pytest.mark.parametrize("K", [64, 1000])  # one k-tile (nothing to peek at) and 16
 def test_varlen_peek_equals_plain_wait(monkeypatch, schedule, tile, cluster, trim, K):
     counts = peek_counts(tile[0])
-    E, N, tail = len(counts), 264, 29
-    T = sum(counts) + tail
-    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
-    g = torch.Generator(device="cuda").manual_seed(31 + K)
-    x = rand((T, K), torch.bfloat16, g)
-    w = rand((E, N, K), torch.bfloat16, g).transpose(1, 2)
-    cfg = GemmConfig(backend="cute", schedule=schedule, tile_m=tile[0], tile_n=tile[1],
-                     cluster_m=cluster[0], cluster_n=cluster[1])
+    tail = 29
+    x, w, offs, T, cfg = switch_case(counts, K, 31 + K, tail, schedule, tile, cluster)
+    E, N = len(counts), w.shape[2]
 
     def run():
         out = torch.full((T, N), 7.0, dtype=torch.bfloat16, device="cuda")

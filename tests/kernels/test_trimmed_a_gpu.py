@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import moe_gemm
-from moe_gemm import GemmConfig
 from moe_gemm.ops.heuristics import TRIM_A_ENV
 from moe_gemm.ops.launch_info import last_launch
 
-from .helpers import check, rand, varlen_low
+from .helpers import check, switch_case, varlen_low
 
 pytestmark = pytest.mark.gpu
 
@@ -43,14 +42,9 @@ def trim_counts(tile_m: int) -> list[int]:
 @pytest.mark.parametrize("K", [64, 1000])
 def test_trimmed_equals_whole_boxes(monkeypatch, schedule, tile, cluster, K):
     counts = trim_counts(tile[0])
-    E, N, tail = len(counts), 264, 37
-    T = sum(counts) + tail
-    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
-    g = torch.Generator(device="cuda").manual_seed(17 + K)
-    x = rand((T, K), torch.bfloat16, g)
-    w = rand((E, N, K), torch.bfloat16, g).transpose(1, 2)
-    cfg = GemmConfig(backend="cute", schedule=schedule, tile_m=tile[0], tile_n=tile[1],
-                     cluster_m=cluster[0], cluster_n=cluster[1])
+    tail = 37
+    x, w, offs, T, cfg = switch_case(counts, K, 17 + K, tail, schedule, tile, cluster)
+    E, N = len(counts), w.shape[2]
     outs = {}
     for value in ("0", "1"):
         monkeypatch.setenv(TRIM_A_ENV, value)
