@@ -38,7 +38,7 @@ from moe_gemm.config import GemmConfig
 from moe_gemm.layers.checkpoints import check_loader_options
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
 from moe_gemm.layers.experts import gated
-from moe_gemm.layers.experts_fp8 import expert_ffn_fp8
+from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, keep_dtypes
 from moe_gemm.layers.moe import MoE, resolve_activation
 from moe_gemm.layers.routing import (
     check_correction_bias,
@@ -332,8 +332,21 @@ class ExpertParallelMoE(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------
 
+    def _apply(self, fn, recurse=True):
+        # The correction bias keeps its dtype under module.to(dtype), as in MoE._apply (a bf16
+        # bias changes the selection).
+        if self.e_score_correction_bias is not None:
+            fn = keep_dtypes(fn, (self.e_score_correction_bias,))
+        return super()._apply(fn, recurse)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, ids [T, k] int64 global expert ids) for x [T, H]."""
+        """(weights [T, k] float32, ids [T, k] int64 global expert ids) for x [T, H] or
+        [..., H] (flattened, as MoE.route); x checked as forward's input."""
+        self._check_input(x)
+        return self._route_tokens(x.reshape(-1, self.hidden_size))
+
+    def _route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route for x [T, H] already checked (the forward's)."""
         if self.router_fp32:
             logits = F.linear(x.float(), self.router_weight.float())
         else:
@@ -384,7 +397,7 @@ class ExpertParallelMoE(nn.Module):
             raise
         x = hidden_states
         x2 = x.reshape(-1, self.hidden_size)
-        weights, ids = self.route(x2)
+        weights, ids = self._route_tokens(x2)
         # Tokens travel in the experts' dtype; FP8 experts take them in the caller's (they are
         # quantized per token after the dispatch, as in MoE's FP8 forward), which must then be
         # the same on every rank (AllToAllDispatcher raises ValueError otherwise).

@@ -231,14 +231,14 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
                      f"{shape_text(q)}")
 
 
-def keep_fp8_dtypes(fn: Callable[[torch.Tensor], torch.Tensor], fp8: tuple[torch.Tensor, ...]
-                    ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """nn.Module._apply's `fn`, changed for the FP8 weights and scales in `fp8`: where fn would
-    change their dtype (module.to(torch.bfloat16), .half(), .float(): FP8 counts as floating
-    point to torch), they only follow fn's device, so the experts stay FP8 with float32
-    scales; every other tensor, and every other conversion (device moves, to_empty,
-    share_memory), is fn's."""
-    ids = {id(t) for t in fp8}
+def keep_dtypes(fn: Callable[[torch.Tensor], torch.Tensor], keep: tuple[torch.Tensor, ...]
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """nn.Module._apply's `fn`, changed for the tensors in `keep`: where fn would change their
+    dtype (module.to(torch.bfloat16), .half(), .float()), they only follow fn's device. The
+    FP8 experts stay FP8 with float32 scales (FP8 counts as floating point to torch), and the
+    routers' selection-only correction bias stays float32 (layers/moe.py); every other
+    tensor, and every other conversion (device moves, to_empty, share_memory), is fn's."""
+    ids = {id(t) for t in keep}
 
     def apply(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in ids:

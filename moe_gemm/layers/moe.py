@@ -40,7 +40,7 @@ from moe_gemm.layers.experts import (
 )
 from moe_gemm.layers.experts_fp8 import (
     expert_ffn_fp8,
-    keep_fp8_dtypes,
+    keep_dtypes,
     quantize_experts,
     scale_granularity,
 )
@@ -458,10 +458,20 @@ class MoE(MoELoaders, nn.Module):
         return self
 
     def _apply(self, fn, recurse=True):
-        # FP8 experts keep their dtypes under module.to(dtype) / .half() (experts_fp8).
+        # Under module.to(dtype) / .half() these keep their dtypes (experts_fp8.keep_dtypes):
+        # FP8 experts and their scales, and the correction bias, which transformers keeps in
+        # float32 too (DeepSeek-V3 / GLM-4-MoE's _keep_in_fp32_modules_strict). It only
+        # decides the selection, by small differences of sigmoid scores near 1 plus a bias of
+        # a similar size, where bf16's spacing is 2^-8 to 2^-7: rounding the bias there
+        # changed the chosen experts of 5-16% of the tokens in 64-expert tests.
+        keep: tuple[torch.Tensor, ...] = ()
         if self.gate_up_proj_scale_inv is not None:
-            fn = keep_fp8_dtypes(fn, (self.gate_up_proj, self.down_proj,
-                                      self.gate_up_proj_scale_inv, self.down_proj_scale_inv))
+            keep += (self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv,
+                     self.down_proj_scale_inv)
+        if self.e_score_correction_bias is not None:
+            keep += (self.e_score_correction_bias,)
+        if keep:
+            fn = keep_dtypes(fn, keep)
         return super()._apply(fn, recurse)
 
     @property
@@ -477,7 +487,19 @@ class MoE(MoELoaders, nn.Module):
     # -- forward ---------------------------------------------------------------------------
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router only: (weights [T, k] float32, ids [T, k] int64) for x [T, H]."""
+        """Router only: (weights [T, k] float32, ids [T, k] int64) for x [T, H], or [..., H]
+        flattened to T tokens as transformers' routers do.
+
+        Raises:
+            TypeError, ValueError: x as forward's hidden_states would raise (checked here,
+                else a [B, S, H] input or a wrong H failed in the router with a message
+                about logits, or inside F.linear).
+        """
+        x = _check_hidden(x, self.hidden_size, self.router_weight.device)
+        return self._route_tokens(x.reshape(-1, self.hidden_size))
+
+    def _route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route for x [T, H] already checked (the forward's)."""
         return _route(
             x, self.router_weight, self.top_k, self.scoring, self.renormalize, self.n_group,
             self.topk_group, self.routed_scaling_factor, self.e_score_correction_bias,
@@ -506,7 +528,7 @@ class MoE(MoELoaders, nn.Module):
                             "torch.bfloat16, torch.float16 or torch.float32: cast the layer "
                             "with .to(dtype)")
         x2 = x.reshape(-1, self.hidden_size)
-        weights, ids = self.route(x2)
+        weights, ids = self._route_tokens(x2)
         gate_fn = gated(resolve_activation(self.activation))
         if self.gate_up_proj_scale_inv is not None:
             # FP8 experts: the activations are quantized on the fly; the GEMMs write x's dtype.

@@ -8,7 +8,9 @@ and make the forward impossible to capture in a CUDA graph. Every function here 
 works on tensors whose shapes are known on the host: T tokens with k slots each always give
 S = T * k routed rows, whatever the routing.
 
-Routers (pure functions, matching transformers 5 exactly):
+Routers (pure functions, matching transformers 5 exactly, but for the weights' dtype: always
+float32 here, where Qwen2/Qwen3-MoE and OLMoE round them to a bf16 / fp16 model's dtype, a
+difference within that rounding):
 - `softmax_topk`: Mixtral (always renormalised) and Qwen2/Qwen3-MoE (renormalised iff
   `norm_topk_prob`): softmax in float32, top-k, then divide by the top-k sum (on a
   Hopper GPU one kernel, ops/router_topk.py; MOE_GEMM_ROUTER=torch keeps the torch ops).

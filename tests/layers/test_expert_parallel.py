@@ -455,3 +455,34 @@ def test_constructor_checks_the_router(change: dict, exc: type[Exception], patte
     ExpertParallelMoE(MoE(16, 8, 4, 1), router, 4, dispatcher=_OneRank())
     with pytest.raises(exc, match=pattern):
         ExpertParallelMoE(MoE(16, 8, 4, 1), {**router, **change}, 4, dispatcher=_OneRank())
+
+
+def test_correction_bias_keeps_float32_under_casts() -> None:
+    # As MoE's: module.to(torch.bfloat16) leaves the selection-only bias float32 (a bf16 one
+    # chooses other experts), so the cast layer routes as the float32 one does.
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    moe = MoE(16, 8, 64, 8, scoring="sigmoid", n_group=8, topk_group=4)
+    with torch.no_grad():
+        moe.router_weight.copy_(moe.router_weight.bfloat16().float())
+        moe.e_score_correction_bias.copy_(1 + 0.05 * torch.rand(64))
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=_OneRank(), check_replicated=False)
+    x = torch.randn(256, 16).bfloat16()
+    _, want = ep.route(x.float())
+    ep = ep.to(torch.bfloat16)
+    assert ep.e_score_correction_bias.dtype == torch.float32
+    assert ep.router_weight.dtype == ep.local.gate_up_proj.dtype == torch.bfloat16
+    _, ids = ep.route(x)
+    assert torch.equal(ids.sort(-1)[0], want.sort(-1)[0])
+
+
+def test_route_takes_forward_input_and_names_bad_input() -> None:
+    moe = MoE(16, 8, 8, 2)
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=_OneRank(), check_replicated=False)
+    x = torch.randn(2, 3, 16)
+    w, i = ep.route(x)
+    probs = F.linear(x.reshape(-1, 16).double(), moe.router_weight.double()).softmax(-1)
+    want_w, want_i = probs.topk(2, dim=-1)
+    assert torch.equal(i, want_i)
+    torch.testing.assert_close(w.double(), want_w / want_w.sum(-1, keepdim=True))
+    with pytest.raises(ValueError, match=r"hidden_states must be \(\.\.\., H\) = \(\.\.\., 16\)"):
+        ep.route(torch.randn(4, 15))

@@ -180,6 +180,42 @@ def test_router_precision_follows_transformers() -> None:
     assert torch.equal(i, i_ref) and torch.equal(w, w_ref)
 
 
+def test_route_takes_forward_input_and_names_bad_input() -> None:
+    # [B, S, H] is flattened to T tokens as transformers' routers do; a wrong H or dtype is
+    # named as forward names it (it failed with a message about 2-D logits, or in F.linear).
+    moe = MoE(32, 16, 8, 2, scoring="sigmoid", n_group=4, topk_group=2)
+    x = torch.randn(2, 5, 32)
+    w, i = moe.route(x)
+    logits = F.linear(x.reshape(-1, 32).double(), moe.router_weight.double())
+    scores = logits.sigmoid()
+    assert w.shape == i.shape == (10, 2)
+    chosen = scores.gather(1, i)
+    torch.testing.assert_close(w.double(), chosen / chosen.sum(-1, keepdim=True))
+    with pytest.raises(ValueError, match=r"hidden_states must be \(\.\.\., H\) = \(\.\.\., 32\)"):
+        moe.route(torch.randn(4, 31))
+    with pytest.raises(TypeError, match="hidden_states must be torch.bfloat16"):
+        moe.route(torch.ones(4, 32, dtype=torch.long))
+
+
+def test_correction_bias_keeps_float32_under_casts() -> None:
+    # The selection-only bias stays float32 under module.to(dtype) / .half() (as transformers
+    # keeps it): the selection then matches the float32 layer's, with the router in bf16 values.
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    moe = MoE(64, 16, 64, 8, scoring="sigmoid", n_group=8, topk_group=4)
+    with torch.no_grad():
+        moe.router_weight.copy_(moe.router_weight.bfloat16().float())
+        moe.e_score_correction_bias.copy_(1 + 0.05 * torch.rand(64))
+    x = torch.randn(256, 64).bfloat16()
+    _, want = moe.route(x.float())
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float()):
+        moe = cast(moe)
+        assert moe.e_score_correction_bias.dtype == torch.float32
+        _, ids = moe.route(x.to(moe.router_weight.dtype))
+        assert torch.equal(ids.sort(-1)[0], want.sort(-1)[0])
+    moe.to("meta")  # device moves still apply
+    assert moe.e_score_correction_bias.device.type == "meta"
+
+
 # ---------------------------------------------------------------------------------------------
 # inference only
 

@@ -143,6 +143,43 @@ def test_from_hf_matches_block_fp32(cls: type, make_config) -> None:
         assert rel_err(y, ref) < 1e-5, f"shape {shape}"
 
 
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's (weights, ids) with each token's slots in expert order (the sets compared;
+    the sigmoid routers return torch.topk's unsorted order)."""
+    ids_sorted, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids_sorted
+
+
+@pytest.mark.parametrize("cast", ["to_bf16", "half"])
+def test_from_hf_cast_keeps_the_correction_bias_float32(cast: str) -> None:
+    # transformers loads DeepSeek-V3 / GLM-4-MoE in bf16 with gate.weight and
+    # e_score_correction_bias kept in float32 (_keep_in_fp32_modules_strict). Casting our
+    # layer must not round the bias: biased sigmoid scores near 1 differ by less than bf16's
+    # spacing there, so a bf16 bias chose other experts for 5-16% of the tokens.
+    cfg = DeepseekV3Config(hidden_size=64, moe_intermediate_size=16, n_routed_experts=64,
+                           num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+                           routed_scaling_factor=2.5)
+    block = _block(DeepseekV3MoE, cfg, seed=int(torch.randint(1 << 30, ())))
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    with torch.no_grad():
+        # a checkpoint's router: bf16 values (lossless in either dtype); its bias: float32
+        block.gate.weight.copy_(block.gate.weight.bfloat16().float())
+        block.gate.e_score_correction_bias.copy_(1 + 0.05 * torch.rand(64, generator=g))
+    block.experts.to(torch.bfloat16)
+    block.shared_experts.to(torch.bfloat16)
+    moe = MoE.from_hf(block)
+    moe = moe.to(torch.bfloat16) if cast == "to_bf16" else moe.half()
+    assert moe.e_score_correction_bias.dtype == torch.float32
+    x = torch.randn(256, 64, generator=g).to(moe.router_weight.dtype)
+    with torch.no_grad():
+        _, w_ref, i_ref = block.gate(x)
+        w, i = moe.route(x)
+    w, i = _by_expert(w, i)
+    w_ref, i_ref = _by_expert(w_ref, i_ref)
+    assert torch.equal(i, i_ref), f"{int((i != i_ref).any(-1).sum())} of 256 tokens differ"
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6]])
 def test_from_hf_also_matches_transformers_grouped_mm(cls: type, make_config) -> None:
     block = _block(cls, make_config(), seed=2)
