@@ -1,5 +1,6 @@
-"""What the zoo A/B scripts share (benchmarks.pick_ab, benchmarks.env_ab): their choice of
-zoo cases and the line that sums up one variant's ratios over them."""
+"""What the zoo A/B scripts share (benchmarks.pick_ab, benchmarks.env_ab, benchmarks.same_config):
+their choice of zoo cases, the case fields on each row, and the line that sums up one variant's
+ratios over them."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def cases_from_args(args: argparse.Namespace) -> list:
         return [build_cases(m, str(t), [p], args.seed, False)[0]
                 for m, p, t in parse_cases(args.cases)]
     return build_cases(args.models, args.tokens, projs, args.seed, False)
+
+
+CASE_FIELDS = ("model", "proj", "tokens", "E", "N", "K", "rows", "layout")
+
+
+def tag_rows(rows: list[dict], name: str, fields: dict, **extra) -> None:
+    """Put the zoo case (its name and CASE_FIELDS of `fields`) and `extra` on each row."""
+    for r in rows:
+        r.update(case=name, **{k: fields[k] for k in CASE_FIELDS}, **extra)
 
 
 def ratio_line(label: str, ratios: list[float]) -> str:

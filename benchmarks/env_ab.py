@@ -26,7 +26,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line
+from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line, tag_rows
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, Prepared, _ours
 from moe_gemm.tuning import space
@@ -147,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         first = len(run.doc["results"])
         run_shape(run, spec, impls)
         rows = run.doc["results"][first:]
-        for r in rows:
-            r.update(case=spec.name, **{k: f[k] for k in ("model", "proj", "tokens", "E", "N",
-                                                          "K", "rows", "layout")})
+        tag_rows(rows, spec.name, f)
         print("\n".join(add_ratios(rows, name, values)), flush=True)
         run.save()
     lines = summary(run.doc["results"], values)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks import zoo
-from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line
+from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line, tag_rows
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, _ours
 from moe_gemm.tuning import space
@@ -219,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = doc["results"][first:]
         index = {impl.name: i for impl, i in impls}
         for r in rows:
-            r.update(case=spec.name, variant=index.get(r["impl"], -1),
-                     **{k: f[k] for k in ("model", "proj", "tokens", "E", "N", "K", "rows",
-                                          "layout")})
+            tag_rows([r], spec.name, f, variant=index.get(r["impl"], -1))
         print("\n".join(add_ratios(rows, pick, 2.0 * f["rows"] * f["N"] * f["K"])), flush=True)
         run.save()
     lines = summary(doc["results"])

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.ab_cases import tag_rows
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, quack_operands
 from benchmarks.zoo import build_cases, parse_cases
@@ -163,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         first = len(doc["results"])
         run_shape(run, spec, impls)
         rows = doc["results"][first:]
-        for r in rows:
-            r.update(case=spec.name, **{k: f[k] for k in ("model", "proj", "tokens", "E", "N",
-                                                           "K", "rows", "layout")})
+        tag_rows(rows, spec.name, f)
         print("\n".join(add_ratios(rows, 2.0 * f["rows"] * f["N"] * f["K"])), flush=True)
         run.save()
     errors = {r["impl"]: r.get("error") for r in doc["results"] if r.get("status") == "error"}

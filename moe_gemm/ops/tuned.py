@@ -173,15 +173,22 @@ def neighbours_pick(shapes: list[TimedShape], key: Key, rows: int,
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def form_problem(cfg: dict, form: str, out_dtype: str | None = None) -> str | None:
+    """Why a config's options are not built for `form` (and `out_dtype`, where given), or
+    None: the rule the tables' lookup and `moe-gemm tune --configs` share (worded as the
+    tuner's config names and --form say it)."""
+    if cfg.get("tail_split") and form == "general":
+        return "'ts' is for --form varlen or batched"
+    if cfg.get("whole_epilogue") and out_dtype and _ITEMSIZE.get(out_dtype, 2) != 2:
+        return "'ew' is for 16-bit output"
+    if form != "general" and (cfg.get("visitor") == "host" or cfg.get("sort_by_k")):
+        return "'host' and 'ksort' are for --form general"
+    return None
+
+
 def _fits_form(cfg: dict, key: Key) -> bool:
     """Whether a config is buildable for this key's form and output dtype."""
-    if cfg.get("tail_split") and key.form == "general":
-        return False
-    if cfg.get("whole_epilogue") and _ITEMSIZE.get(key.out_dtype, 2) != 2:
-        return False
-    if key.form != "general" and (cfg.get("visitor") == "host" or cfg.get("sort_by_k")):
-        return False
-    return True
+    return form_problem(cfg, key.form, key.out_dtype) is None
 
 
 @dataclass

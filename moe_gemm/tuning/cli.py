@@ -188,16 +188,16 @@ def config_problem(text: str, fields: dict, form: str) -> None:
     """ValueError when a --configs name cannot run on any shape of `form` (a tile, cluster or
     stage count GemmConfig refuses, an option of another form), so that the A/B refuses it at
     once instead of reporting it as an error on every shape after the GPU work started."""
+    from moe_gemm.ops.tuned import form_problem
     from moe_gemm.tuning.space import config_of
 
     try:
         config_of(fields)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"config {text!r}: {exc}") from None
-    if form != "general" and (fields.get("visitor") == "host" or fields.get("sort_by_k")):
-        raise ValueError(f"config {text!r}: 'host' and 'ksort' are for --form general")
-    if form == "general" and fields.get("tail_split"):
-        raise ValueError(f"config {text!r}: 'ts' is for --form varlen or batched")
+    why = form_problem(fields, form)
+    if why is not None:
+        raise ValueError(f"config {text!r}: {why}")
 
 
 def zoo_shapes(models: str | None, tokens: str | None, dtype: str, out_dtype: str,
