@@ -286,7 +286,7 @@ def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] 
     switches = extra[2]
     shape = general_launch.general_shape(
         scan.sizes, scan.dtype, scan.out_dtype, scan.b_major, cfg,
-        launch_kernel.sm_count(scan.device), False, switches[2], scan.device)
+        launch_kernel.sm_count(scan.device), False, switches, scan.device)
     if launch_resources._fresh():
         plan = general_launch.GeneralPlan(shape, scan.device, scan.a_ld, scan.b_ld)
     else:

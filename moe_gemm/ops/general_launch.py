@@ -22,10 +22,9 @@ import numpy as np
 import torch
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import env_get
 from moe_gemm.ops import launch_kernel, launch_resources
 from moe_gemm.ops import schedule as sched
-from moe_gemm.ops.heuristics import choose_general
+from moe_gemm.ops.heuristics import choose_general, general_switches
 from moe_gemm.ops.kernel_cache import kernel_constants
 from moe_gemm.ops.launch_info import _local
 from moe_gemm.ops.support import TMA_ALIGN_BYTES, GeneralLayout, analyze_general
@@ -169,11 +168,11 @@ _untracked_views = torch._C._AutoDispatchBelowADInplaceOrView
 
 @functools.lru_cache(maxsize=256)
 def general_shape(sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
-                  config: GemmConfig, nsm: int, trace: bool, l2_env: str | None,
+                  config: GemmConfig, nsm: int, trace: bool, switches: tuple,
                   device: torch.device) -> GeneralShape:
-    """The GeneralShape of a problem set, cached (l2_env: MOE_GEMM_L2_HINTS, which the kernel
-    choice reads, so a changed switch gets a new entry; device: its name picks tuned
-    tables)."""
+    """The GeneralShape of a problem set, cached (switches: the values of the environment
+    variables the kernel choice reads, heuristics.GENERAL_SWITCHES or a tuple holding them,
+    so a changed switch gets a new entry; device: its name picks tuned tables)."""
     return GeneralShape(sizes, ab, d, b_major, config, nsm, trace, device)
 
 
@@ -381,7 +380,7 @@ class GeneralLaunch:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.shape = shape = general_shape(
             tuple(args.sizes), args.dtype, args.out_dtype, layout.b_major, config,
-            launch_kernel.sm_count(device), trace, env_get("MOE_GEMM_L2_HINTS"), device)
+            launch_kernel.sm_count(device), trace, general_switches(), device)
         self.choice = shape.choice
         b_major = layout.b_major
         b_ptr, b_ld = layout.b_ptr, layout.b_ld

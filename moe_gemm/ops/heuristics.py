@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
-from moe_gemm.env import EnvError, env_flag, env_get, env_override, env_switch
+from moe_gemm.env import EnvError, env_flag, env_get, env_override, env_reader, env_switch
 from moe_gemm.kernels.sm90.constants import TILE_K, raster_code, raster_fields
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
@@ -56,6 +56,11 @@ class KernelChoice:
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 TRIM_A_ENV = "MOE_GEMM_TRIM_A"
 PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
+# What choose_general reads from the environment besides its arguments: a cache above it
+# (general_launch.general_shape) keys on their values, so a changed switch applies to the
+# next call, as it does for grouped_mm.
+GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, tuned.TABLES_ENV, tuned.USER_TABLE_ENV)
+general_switches = env_reader(GENERAL_SWITCHES)  # () -> their values
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
 # past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
@@ -323,7 +328,7 @@ def trim_a_default(choice: KernelChoice) -> bool:
 
 def with_peek_wait(choice: KernelChoice) -> KernelChoice:
     """Peeked stage waits (GroupedGemmSm90 peek_wait) where MOE_GEMM_PEEK_WAIT=1 asks for
-    them (16-bit kernels, every form; opt-in until timed on the zoo against the plain wait)."""
+    them (16-bit kernels, every form; opt-in: even with the plain wait on the zoo, H200)."""
     on = env_flag(PEEK_WAIT_ENV)
     return replace(choice, peek_wait=on) if on != choice.peek_wait else choice
 

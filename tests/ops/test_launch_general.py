@@ -226,3 +226,24 @@ def test_graph_owned_launches_keep_nothing(kernel: Recorder) -> None:
     _launch(a, b)
     assert kernel.calls[-2][3] is kernel.calls[-1][3]
     assert kernel.calls[-2][7] is kernel.calls[-1][7]
+
+
+def test_choice_switches_apply_to_the_next_call(kernel: Recorder,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch the kernel choice reads (peeked waits, L2 hints) takes effect at the next
+    call of the same problem set: the cached shape keys on the switches' values."""
+    from moe_gemm.ops import api
+    from moe_gemm.ops.heuristics import GENERAL_SWITCHES, PEEK_WAIT_ENV
+
+    assert set(GENERAL_SWITCHES) <= set(api._PLAN_SWITCHES)
+    sizes = [(10, 64, 64), (3, 64, 128)]
+    a, b = _problems(sizes)
+    seen = []
+    for value in ("0", "1", "0"):
+        monkeypatch.setenv(PEEK_WAIT_ENV, value)
+        gl, _ = _launch(a, b)
+        seen.append((gl.shape.choice.peek_wait, last_launch().choice.peek_wait))
+    assert seen == [(False, False), (True, True), (False, False)]
+    monkeypatch.setenv("MOE_GEMM_L2_HINTS", "first,last")
+    gl, _ = _launch(a, b)
+    assert gl.shape.choice.l2_hints and last_launch().choice.l2_hints
