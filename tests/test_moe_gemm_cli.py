@@ -290,3 +290,16 @@ def test_check_lines_name_every_variant_apart(full: bool) -> None:
     cannot be traced to its variant."""
     keys = cli.check_variants(full)
     assert len({cli.check_label(k) for k in keys}) == len(set(keys))
+
+
+def test_python_dash_m_moe_gemm_is_the_command() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    run = [sys.executable, "-X", "importtime", "-m", "moe_gemm"]
+    out = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 0 and __version__ in out.stdout, out
+    assert not _heavy(_imported(out.stderr))
+    bad = subprocess.run([*run, "no-such-command"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "no-such-command" in _program_stderr(bad.stderr), bad
