@@ -134,8 +134,8 @@ LIBRARY_VARIABLES: dict[str, str] = {
                        "wherever the kernel builds it (default: trimmed but on ping-pong "
                        "tiles of 128+ rows and under 192 columns outside 1x2 clusters)",
     "MOE_GEMM_PEEK_WAIT": "1: the 16-bit kernels' math warps test the next A/B stage's "
-                          "barrier a k-tile ahead (opt-in, to be timed; default: wait at "
-                          "each k-tile)",
+                          "barrier a k-tile ahead (opt-in, even in time on an H200; "
+                          "default: wait at each k-tile)",
     "MOE_GEMM_L2_HINTS": "'a,b', each first, normal or last: L2 eviction hints on the A and "
                          "B loads",
     "MOE_GEMM_PDL": "1: programmatic dependent launch of the kernels (read at import)",
