@@ -160,12 +160,15 @@ def parse_request(
             unknown datatypes, data that does not match the shape.
     """
     if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
+        # Digits only, as HTTP's Content-Length (int() would also take '+12', '1_2' or
+        # non-ASCII digits).
+        text = header_length.strip()
+        if not (text.isascii() and text.isdigit()):
             raise bad_request(
-                f"Inference-Header-Content-Length must be an integer; got {header_length!r}"
-            ) from None
+                f"Inference-Header-Content-Length must be a decimal byte count; got "
+                f"{header_length!r}"
+            )
+        n = int(text)
         if not 0 < n <= len(body):
             raise bad_request(
                 f"Inference-Header-Content-Length {n} does not fit in a body of {len(body)} bytes"

@@ -267,6 +267,10 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
                   {**h, "Inference-Header-Content-Length": str(len(body) + 1)}, 400))
     cases.append(("header length not a number", body,
                   {**h, "Inference-Header-Content-Length": "abc"}, 400))
+    n = h["Inference-Header-Content-Length"]
+    for loose in (f"+{n}", f"{n[:-1]}_{n[-1]}", f"0x{int(n):x}"):
+        cases.append((f"header length {loose!r} is not a plain byte count", body,
+                      {**h, "Inference-Header-Content-Length": loose}, 400))
     cases.append(("header length cuts the JSON", body,
                   {**h, "Inference-Header-Content-Length": "10"}, 400))
     body, h = _binary_body(hdr(xsize=len(x) - 4), x, c)
