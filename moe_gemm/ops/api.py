@@ -89,11 +89,11 @@ MAX_SIGNATURES = 4
 _scans = 0
 
 # Switches a cached plan depends on: a change makes the next call miss its plan. (The tuned
-# tables' switches too: the heuristics key their own caches on them, tuned.state.)
+# tables' switches too, every one the lookup reads: the heuristics key their own caches on
+# them, tuned.state.)
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
                   TAIL_SPLIT_ENV, TRIM_A_ENV, PEEK_WAIT_ENV, PROMOTE_LAG_ENV, SCALE_AHEAD_ENV,
-                  SMEM_SCALES_ENV, GATHER_WIDE_ENV, FAST_GATE_ENV, tuned.TABLES_ENV,
-                  tuned.USER_TABLE_ENV)
+                  SMEM_SCALES_ENV, GATHER_WIDE_ENV, FAST_GATE_ENV, *tuned.SWITCHES)
 
 
 _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call

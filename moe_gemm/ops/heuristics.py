@@ -59,7 +59,7 @@ PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
 # What choose_general reads from the environment besides its arguments: a cache above it
 # (general_launch.general_shape) keys on their values, so a changed switch applies to the
 # next call, as it does for grouped_mm.
-GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, tuned.TABLES_ENV, tuned.USER_TABLE_ENV)
+GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, *tuned.SWITCHES)
 general_switches = env_reader(GENERAL_SWITCHES)  # () -> their values
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
 # past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)

@@ -54,6 +54,12 @@ FORMAT = "moe_gemm.tuned-table/1"
 TABLES_DIR = Path(__file__).resolve().parents[1] / "tables"
 USER_TABLE_ENV = "MOE_GEMM_TUNED_TABLE"
 TABLES_ENV = "MOE_GEMM_TUNED_TABLES"
+DISK_CACHE_ENV = "MOE_GEMM_DISK_CACHE"  # 0: tables_for leaves the online results on disk out
+CACHE_DIR_ENV = "MOE_GEMM_CACHE_DIR"  # their folder (kernel_cache.cache_root, online_path)
+# Every variable tables_for reads: a cache of a lookup's answer keys on all of their values
+# (state(); ops/api.py's plan switches and heuristics.GENERAL_SWITCHES hold them), else a
+# change between two calls would leave the answer the other setting gave.
+SWITCHES = (TABLES_ENV, USER_TABLE_ENV, DISK_CACHE_ENV, CACHE_DIR_ENV)
 # Neighbours: how many timed shapes vote (the NEIGHBOURS nearest within NEIGHBOUR_REACH summed
 # octaves of N, K and rows per problem; fewer than MIN_VOTERS: no vote), how a voter's weight
 # falls with its distance d (1 / (d + VOTE_SOFTENING)), and how much better (weighted mean log
@@ -466,7 +472,8 @@ def enabled() -> bool:
 
 def state() -> tuple:
     """What the answer of `lookup` depends on besides its arguments (heuristics key their
-    caches on it): the online cache's generation and the user table's path and mtime."""
+    caches on it): the online cache's generation, whether it is read from disk and from which
+    folder, and the user table's path and mtime."""
     path = env_get(USER_TABLE_ENV)
     mtime = 0.0
     if path:
@@ -474,7 +481,8 @@ def state() -> tuple:
             mtime = os.stat(path).st_mtime
         except OSError:
             mtime = -1.0
-    return (enabled(), _generation, path or None, mtime)
+    return (enabled(), _generation, path or None, mtime, env_get(DISK_CACHE_ENV),
+            env_get(CACHE_DIR_ENV))
 
 
 def tables_for(device: str) -> list[Table]:

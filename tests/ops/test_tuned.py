@@ -325,6 +325,28 @@ def test_online_cache_entries_need_matching_versions(_isolated, monkeypatch):
     assert tuned.lookup(DEV, key(), 1, 132) is None
 
 
+def test_online_cache_switches_reach_a_cached_choice(_isolated, tmp_path, monkeypatch):
+    # MOE_GEMM_DISK_CACHE and MOE_GEMM_CACHE_DIR decide whether and from where the online
+    # results are read: a change between two choices of one shape (nothing rewritten, no new
+    # generation) must not keep the answer the other setting gave.
+    monkeypatch.delenv("MOE_GEMM_DISK_CACHE", raising=False)
+    path = tuned.online_path(DEV)
+    path.parent.mkdir(parents=True)
+    write(path, table([entry(E=32, N=2048, K=6144, bucket=9, config=dict(PP_64x256))],
+                      versions=versions.runtime_versions(DEV)))
+
+    def schedule(name: str, value: str) -> str:
+        monkeypatch.setenv(name, value)
+        return choose_varlen(GemmConfig(), 32 * 512, 32, 2048, 6144, 132,
+                             device=DEV).schedule
+
+    assert schedule("MOE_GEMM_DISK_CACHE", "1") == "pingpong"  # the online entry
+    assert schedule("MOE_GEMM_DISK_CACHE", "0") == "cooperative"  # the rules
+    assert schedule("MOE_GEMM_DISK_CACHE", "1") == "pingpong"
+    assert schedule("MOE_GEMM_CACHE_DIR", str(tmp_path / "elsewhere")) == "cooperative"
+    assert schedule("MOE_GEMM_CACHE_DIR", str(tmp_path / "cache")) == "pingpong"
+
+
 # ---------------------------------------------------------------------------------------------
 # Neighbours: the timed shapes nearest to a shape no entry holds
 
