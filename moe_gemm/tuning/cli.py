@@ -222,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     why = empty_option(args, NONEMPTY)
+    if why is None and args.out and args.out_dir and args.shard is None:
+        # (--out would win and --out-dir be ignored. A --gpus run's shards are told their own
+        # --out after the caller's options, so a shard may carry both.)
+        why = "--out and --out-dir both name the table to write: give one"
     if why is None and args.gpus < 1:
         # Checked here, before --gpus looks for GPUs, so that it is the error reported.
         why = f"--gpus {args.gpus}: must be >= 1"

@@ -144,3 +144,12 @@ def test_outputs_that_cannot_be_written_fail_before_any_tuning(option, value, tm
     assert cli.main(["--shapes", "8,256,256,64", option, path]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"moe-gemm tune: {option} ") and "is a file, not a folder" in err
+
+
+@pytest.mark.parametrize("mode", [["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16"],
+                                  ["--merge", "t0.json"]])
+def test_out_and_out_dir_together_are_refused(mode, tmp_path, capsys):
+    argv = [*mode, "--out", str(tmp_path / "t.json"), "--out-dir", str(tmp_path / "d")]
+    assert cli.main(argv) == 2
+    assert "--out and --out-dir both name the table to write" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "d").exists()
