@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from moe_gemm.config import GemmConfig
 from moe_gemm.integrations.inputs import check_expert_inputs
 from moe_gemm.layers.checkpoints import moe_from_tensors
-from moe_gemm.layers.experts import Activation, expert_ffn
+from moe_gemm.layers.experts import FLOAT_DTYPES, Activation, expert_ffn
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
 from moe_gemm.layers.moe import MoE
 from moe_gemm.layers.routing import check_flag
@@ -76,9 +76,11 @@ def moe_gemm_experts_forward(
         [T, H] in hidden_states' dtype.
 
     Raises:
-        ValueError: a module without the attributes `@use_experts_implementation` sets, or
-            inputs whose shapes or devices do not fit it.
-        TypeError: inputs of the wrong dtypes (ids must be integers, weights floating).
+        ValueError: a module without the attributes `@use_experts_implementation` sets, with
+            weights or biases that do not fit one another, or inputs whose shapes or devices
+            do not fit it.
+        TypeError: inputs of the wrong dtypes (ids must be integers, weights floating), or
+            expert weights other than bf16, fp16 or fp32 or of two dtypes.
     """
     has_gate = getattr(self, "has_gate", True)
     has_bias = getattr(self, "has_bias", False)
@@ -93,13 +95,14 @@ def moe_gemm_experts_forward(
             f"{type(self).__name__}: expected 3-D fused expert weights; got "
             f"{tuple(w_in.shape)} and {tuple(w_out.shape)}"
         )
-    check_expert_inputs(hidden_states, top_k_index, top_k_weights, hidden_size=w_in.shape[1],
-                        device=w_in.device)
-    gate_fn = self._apply_gate if has_gate else self.act_fn
     bias_in = bias_out = None
     if has_bias:
         bias_in = self.gate_up_proj_bias if has_gate else self.up_proj_bias
         bias_out = self.down_proj_bias
+    _check_weights(self, has_gate, transposed, bias_in, bias_out)
+    check_expert_inputs(hidden_states, top_k_index, top_k_weights, hidden_size=w_in.shape[1],
+                        device=w_in.device)
+    gate_fn = self._apply_gate if has_gate else self.act_fn
     post_fn = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
     # As transformers' grouped_mm path: the experts run in the weights' dtype (autocast can
     # hand us fp32 activations with bf16 weights).
@@ -120,6 +123,57 @@ def moe_gemm_experts_forward(
                    bias_down=bias_out, post_fn=post_fn,
                    fused_gate=hf_fused_gate(self) if has_gate else None, fused=fused)
     return y.to(hidden_states.dtype)
+
+
+def _check_weights(experts: nn.Module, has_gate: bool, transposed: bool,
+                   bias_in: torch.Tensor | None, bias_out: torch.Tensor | None) -> None:
+    """The experts module's 3-D weights and biases against one another, named as the module
+    stores them (TypeError / ValueError). Unchecked, a down projection to another width gave a
+    (T, H') result where transformers' own implementations raise (and a (T, 1) one would
+    broadcast into the residual stream), and the other mismatches failed inside the GEMMs or
+    the bias gathers with messages about x, w, offs or an index. The intermediate size is
+    checked where the gate is known to halve gate_up (transformers' default gate and
+    GPT-OSS's); another gate's output width is the module's own business."""
+    name = type(experts).__name__
+    in_name = "gate_up_proj" if has_gate else "up_proj"
+    w_in, w_out = getattr(experts, in_name), experts.down_proj
+    for n, w in ((in_name, w_in), ("down_proj", w_out)):
+        if w.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}.{n} is {w.dtype}; the moe_gemm experts implementation runs "
+                            "bf16, fp16 or fp32 experts (cast the model with .to(dtype))")
+    if w_out.dtype != w_in.dtype:
+        raise TypeError(f"{name}.down_proj is {w_out.dtype} but {in_name} is {w_in.dtype}; "
+                        "they must match")
+    if w_out.device != w_in.device:
+        raise ValueError(f"{name}.down_proj is on {w_out.device} but {in_name} is on "
+                         f"{w_in.device}")
+    # E experts, hidden size H, N gate-up (or up) columns; down_proj is (E, I, H) transposed,
+    # else (E, H, I).
+    E, H, N = (w_in.shape if transposed else (w_in.shape[0], w_in.shape[2], w_in.shape[1]))
+    gate = getattr(type(experts), "_apply_gate", None)
+    halves = has_gate and gate is not None and gate in (_default_apply_gate(),
+                                                        _gpt_oss_apply_gate())
+    if halves and N % 2:
+        layout = "(E, H, 2I)" if transposed else "(E, 2I, H)"
+        raise ValueError(f"{name}.{in_name} must be {layout}, gate and up halves; got "
+                         f"{tuple(w_in.shape)}")
+    I = N // 2 if halves else None if has_gate else N  # None: whatever the gate makes
+    down_E, down_I, down_H = (w_out.shape if transposed
+                              else (w_out.shape[0], w_out.shape[2], w_out.shape[1]))
+    if (down_E, down_H) != (E, H) or (I is not None and down_I != I):
+        i = "I" if I is None else I
+        want = f"(E, I, H) = ({E}, {i}, {H})" if transposed else f"(E, H, I) = ({E}, {H}, {i})"
+        raise ValueError(f"{name}.down_proj must be {want} to match {in_name} "
+                         f"{tuple(w_in.shape)}; got {tuple(w_out.shape)}")
+    for n, b, form, width in ((f"{in_name}_bias", bias_in, "(E, 2I)" if has_gate else "(E, I)",
+                               N), ("down_proj_bias", bias_out, "(E, H)", H)):
+        if b is None:
+            continue
+        if tuple(b.shape) != (E, width):
+            raise ValueError(f"{name}.{n} must be {form} = ({E}, {width}); got "
+                             f"{tuple(b.shape)}")
+        if b.device != w_in.device:
+            raise ValueError(f"{name}.{n} is on {b.device} but {in_name} is on {w_in.device}")
 
 
 def hf_fused_gate(experts: nn.Module) -> FusedGate | None:

@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -33,7 +36,10 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import (  # noqa: E402
+    MixtralExperts,
+    MixtralSparseMoeBlock,
+)
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts  # noqa: E402
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
@@ -431,6 +437,189 @@ def test_expert_parallel_sentinels_never_take_a_bias() -> None:
         assert torch.isfinite(ref).all()
         assert torch.isfinite(out).all(), f"fused={fused}"
         assert rel_err(out, ref) < 1e-5
+
+
+TRANSFORMERS_MODELS = pathlib.Path(transformers.__file__).parent / "models"
+USAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "USAGE.md"
+DOCUMENTED_TRANSFORMERS = "5.24."  # the release docs/USAGE.md counts the families of
+
+
+def _experts_classes() -> list[tuple[str, str, str]]:
+    """(family, modeling module, class) of every experts class transformers dispatches
+    through its experts implementations (decorated with @use_experts_implementation)."""
+    found = []
+    for path in sorted(TRANSFORMERS_MODELS.glob("*/modeling_*.py")):
+        src = path.read_text(encoding="utf-8")
+        for cls in re.findall(r"@use_experts_implementation(?:\([^)]*\))?\nclass (\w+)", src):
+            found.append((path.parent.name, path.stem, cls))
+    return found
+
+
+def test_usage_counts_the_families_the_switch_reaches() -> None:
+    # docs/USAGE.md said 25 families on transformers 5.24, which dispatches the experts of 67
+    # (68 experts classes), and named Llama-4 alone among the MoE families it does not.
+    text = " ".join(USAGE.read_text(encoding="utf-8").split())
+    m = re.search(r"\((\d+) MoE families on transformers (\d+)\.(\d+)", text)
+    assert m, "docs/USAGE.md no longer counts the families as this test expects"
+    if tuple(int(v) for v in transformers.__version__.split(".")[:2]) != (int(m[2]), int(m[3])):
+        pytest.skip(f"USAGE.md counts transformers {m[2]}.{m[3]}'s families; this is "
+                    f"{transformers.__version__}")
+    families = sorted({family for family, _, _ in _experts_classes()})
+    assert int(m[1]) == len(families), f"transformers dispatches the experts of {families}"
+    # The MoE families named as not reached run their experts on their own.
+    named = {"Llama-4": "llama4", "DBRX": "dbrx", "JetMoE": "jetmoe",
+             "LongCat-Flash": "longcat_flash", "Step-3.7": "step3p7",
+             "Switch Transformers": "switch_transformers"}
+    exclusions = re.search(r"; not (.*?), whose experts transformers runs on its own", text)
+    assert exclusions, "docs/USAGE.md no longer names the families the switch does not reach"
+    for label, family in named.items():
+        assert label in exclusions[1], f"USAGE.md does not name {label} as not reached"
+        assert (TRANSFORMERS_MODELS / family).is_dir() and family not in families
+
+
+# Sizes for a tiny experts module of any family: odd hidden and intermediate sizes, 6 experts
+# (each family's config reads some of these names).
+_TINY = dict(hidden_size=37, moe_hidden_size=37, intermediate_size=23, moe_intermediate_size=23,
+             num_experts=6, num_local_experts=6, n_routed_experts=6, moe_num_experts=6,
+             moe_latent_size=None)
+
+
+def _tiny_experts(family: str, module: str, cls_name: str) -> torch.nn.Module:
+    """The family's experts class built from its default config with _TINY's sizes."""
+    modeling = importlib.import_module(f"transformers.models.{family}.{module}")
+    configs = importlib.import_module(
+        f"transformers.models.{family}.{module.replace('modeling_', 'configuration_')}")
+    candidates = sorted(
+        (c for c in vars(configs).values() if isinstance(c, type)
+         and issubclass(c, transformers.PreTrainedConfig) and c.__module__ == configs.__name__),
+        key=lambda c: ("Text" not in c.__name__, c.__name__))  # text configs first
+    errors = []
+    for config_cls in candidates:
+        config = config_cls()
+        for name, value in _TINY.items():
+            if hasattr(config, name):
+                try:
+                    setattr(config, name, value)
+                except Exception:  # noqa: BLE001 (a field of another form, e.g. per-layer lists)
+                    pass
+        cls = getattr(modeling, cls_name)
+        # (Ernie-4.5-VL's experts take their width from the block: the config holds a list)
+        kwargs = ({"intermediate_size": _TINY["intermediate_size"]}
+                  if "intermediate_size" in inspect.signature(cls.__init__).parameters else {})
+        try:
+            experts = cls(config, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (another config class of the family may fit)
+            errors.append(f"{config_cls.__name__}: {exc!r}")
+            continue
+        return _randomize(experts, seed=int(torch.randint(1 << 30, ())), scale=0.3)
+    if transformers.__version__.startswith(DOCUMENTED_TRANSFORMERS):
+        pytest.fail(f"could not build {cls_name}: {errors}")
+    # A family a later transformers added may need a config this builder does not know.
+    pytest.skip(f"{cls_name} not built from its default config on transformers "
+                f"{transformers.__version__}: {errors[:1]}")
+
+
+@pytest.mark.parametrize("family,module,cls_name",
+                         [pytest.param(*c, id=f"{c[0]}.{c[2]}") for c in _experts_classes()])
+def test_switch_matches_transformers_on_every_experts_class(family, module, cls_name) -> None:
+    # Each class's own eager forward (float64) is the reference: default and custom gates
+    # (clamped, soft-capped, GPT-OSS's interleaved), biases, transposed weights, no gate, a
+    # post-expert norm. bf16 keeps the 2x rule against transformers' batched_mm in bf16.
+    register_transformers()
+    experts = _tiny_experts(family, module, cls_name)
+    w_in = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    H = w_in.shape[1] if experts.is_transposed else w_in.shape[2]
+    E = experts.num_experts
+    x = torch.randn(17, H)
+    ids = torch.stack([torch.randperm(E - 2)[:3] for _ in range(17)])  # 2 experts get none
+    w = torch.rand(17, 3)
+    ref = copy.deepcopy(experts).double()
+    ref.config._experts_implementation = "eager"
+    for T in (17, 1):
+        with torch.no_grad():
+            want = ref(x[:T].double(), ids[:T], w[:T].double())
+            experts.config._experts_implementation = "moe_gemm"
+            got = experts(x[:T], ids[:T], w[:T])
+        assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5, f"T={T}"
+    low = copy.deepcopy(experts).bfloat16()
+    xb, wb = x.bfloat16(), w.bfloat16()
+    ref_b = copy.deepcopy(low).double()
+    ref_b.config._experts_implementation = "eager"
+    with torch.no_grad():
+        want = ref_b(xb.double(), ids, wb.double())
+        low.config._experts_implementation = "batched_mm"
+        base = low(xb, ids, wb)
+        low.config._experts_implementation = "moe_gemm"
+        got = low(xb, ids, wb)
+    assert got.dtype == torch.bfloat16
+    assert_close_to_ref(got, want, base, max_calc_diff=max(1e-5, 2 * calc_diff(base, want)),
+                        name=cls_name)
+
+
+def _mixtral_experts_with(**weights: torch.Tensor) -> torch.nn.Module:
+    """A random MixtralExperts (H=32, I=16, E=8) with some of its tensors replaced."""
+    experts = _randomize(MixtralExperts(BLOCKS[0].values[1]()), seed=int(torch.randint(1 << 30, ())))
+    for name, t in weights.items():
+        setattr(experts, name, torch.nn.Parameter(t, requires_grad=False))
+    return experts
+
+
+def _gpt_oss_experts_with(**weights: torch.Tensor) -> torch.nn.Module:
+    """A random GptOssExperts (H=32, I=24, E=8, transposed, with biases), some tensors replaced."""
+    config = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=8,
+                          num_experts_per_tok=2)
+    experts = _randomize(GptOssExperts(config), seed=int(torch.randint(1 << 30, ())))
+    for name, t in weights.items():
+        setattr(experts, name, torch.nn.Parameter(t, requires_grad=False))
+    return experts
+
+
+@pytest.mark.parametrize("make,error,pattern", [
+    # a down projection to another width: the result was (T, 30), where transformers' own
+    # implementations raise (and a (T, 1) result would broadcast into the residual stream)
+    (lambda: _mixtral_experts_with(down_proj=torch.randn(8, 30, 16)), ValueError,
+     r"MixtralExperts.down_proj must be \(E, H, I\) = \(8, 32, 16\) to match gate_up_proj "
+     r"\(8, 32, 32\); got \(8, 30, 16\)"),
+    # (was "offs must have one entry per expert: (7,); got (8,)")
+    (lambda: _mixtral_experts_with(down_proj=torch.randn(7, 32, 16)), ValueError,
+     r"MixtralExperts.down_proj must be \(E, H, I\) = \(8, 32, 16\)"),
+    # (was "x is (T, K) = (14, 16), so w must be (E, 16, N)": names neither tensor)
+    (lambda: _mixtral_experts_with(down_proj=torch.randn(8, 32, 12)), ValueError,
+     r"MixtralExperts.down_proj must be \(E, H, I\) = \(8, 32, 16\)"),
+    # (was a RuntimeError from chunk's unequal halves inside the gate)
+    (lambda: _mixtral_experts_with(gate_up_proj=torch.randn(8, 31, 32)), ValueError,
+     r"MixtralExperts.gate_up_proj must be \(E, 2I, H\).*got \(8, 31, 32\)"),
+    # (was "x must be torch.bfloat16, torch.float16 or torch.float32; got torch.float64")
+    (lambda: _mixtral_experts_with(gate_up_proj=torch.randn(8, 32, 32).double(),
+                                   down_proj=torch.randn(8, 32, 16).double()), TypeError,
+     r"MixtralExperts.gate_up_proj is torch.float64; .* bf16, fp16 or fp32"),
+    # (was "w has dtype torch.float16 but x has torch.float32")
+    (lambda: _mixtral_experts_with(down_proj=torch.randn(8, 32, 16).half()), TypeError,
+     r"MixtralExperts.down_proj is torch.float16 but gate_up_proj is torch.float32"),
+    # transposed storage is named as stored: (E, I, H)
+    (lambda: _gpt_oss_experts_with(down_proj=torch.randn(8, 24, 31)), ValueError,
+     r"GptOssExperts.down_proj must be \(E, I, H\) = \(8, 24, 32\) to match gate_up_proj "
+     r"\(8, 32, 48\); got \(8, 24, 31\)"),
+    # (was "IndexError: index out of range in self" from the bias gather)
+    (lambda: _gpt_oss_experts_with(gate_up_proj_bias=torch.randn(7, 48)), ValueError,
+     r"GptOssExperts.gate_up_proj_bias must be \(E, 2I\) = \(8, 48\); got \(7, 48\)"),
+    # (was a RuntimeError from broadcasting the bias onto the rows)
+    (lambda: _gpt_oss_experts_with(down_proj_bias=torch.randn(8, 31)), ValueError,
+     r"GptOssExperts.down_proj_bias must be \(E, H\) = \(8, 32\); got \(8, 31\)"),
+], ids=["down-to-other-width", "down-other-experts", "down-other-intermediate",
+        "odd-gate-up-rows", "float64-weights", "mixed-weight-dtypes", "transposed-down",
+        "gate-up-bias-experts", "down-bias-width"])
+def test_experts_weights_that_do_not_fit_are_named(make, error, pattern) -> None:
+    register_transformers()
+    experts = make()
+    H = 32
+    x = torch.randn(7, H)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(7)])
+    w = torch.rand(7, 2)
+    for fused in (None, False, True):  # the unfused and the fused paths check alike
+        experts.moe_gemm_fused = fused
+        with torch.no_grad(), pytest.raises(error, match=pattern):
+            hf_integration.moe_gemm_experts_forward(experts, x, ids, w)
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~20 s on 2 cores
