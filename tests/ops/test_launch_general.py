@@ -250,34 +250,15 @@ def test_choice_switches_apply_to_the_next_call(kernel: Recorder,
 
 
 def test_online_cache_switches_apply_to_the_next_general_call(
-        kernel: Recorder, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+        kernel: Recorder, online_entry, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The choice reads the tuned tables' online results unless MOE_GEMM_DISK_CACHE=0, from
     MOE_GEMM_CACHE_DIR: a change of either reaches the next call of a cached problem set."""
-    import json
-
-    from moe_gemm.ops import heuristics, launch_kernel, tuned, versions
-
-    dev = "NVIDIA Test GPU 80GB"
-    monkeypatch.setattr(launch_kernel, "_table_device", lambda device: dev)
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(cache))
-    for name in ("MOE_GEMM_DISK_CACHE", tuned.TABLES_ENV, tuned.USER_TABLE_ENV):
-        monkeypatch.delenv(name, raising=False)
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(tuned, "TABLES_DIR", shipped)
     sizes = [(40, 512, 1024), (24, 512, 1024)]  # the rules: ping-pong 64x256
-    entry = {"form": "general", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": 2,
-             "N": 512, "K": 1024, "bucket": 5, "us": 1.0,
-             "config": {"schedule": "cooperative", "tile_m": 128, "tile_n": 192,
-                        "raster_panel": 4, "visitor": "device", "sort_by_k": False}}
-    online = tuned.online_path(dev)
-    online.parent.mkdir(parents=True)
-    online.write_text(json.dumps({"format": tuned.FORMAT, "device": dev, "sm_count": 132,
-                                  "versions": versions.runtime_versions(dev),
-                                  "entries": [entry]}))
-    tuned.clear_caches()
-    heuristics.clear_caches()
+    cache = online_entry({"form": "general", "dtype": "bfloat16", "out_dtype": "bfloat16",
+                          "E": 2, "N": 512, "K": 1024, "bucket": 5, "us": 1.0,
+                          "config": {"schedule": "cooperative", "tile_m": 128, "tile_n": 192,
+                                     "raster_panel": 4, "visitor": "device",
+                                     "sort_by_k": False}})
     a, b = _problems(sizes)
 
     def tile(name: str, value: str) -> tuple[int, int]:
@@ -285,12 +266,8 @@ def test_online_cache_switches_apply_to_the_next_general_call(
         _launch(a, b)
         return last_launch().choice.tile_m, last_launch().choice.tile_n
 
-    try:
-        assert tile("MOE_GEMM_DISK_CACHE", "1") == (128, 192)  # the online entry
-        assert tile("MOE_GEMM_DISK_CACHE", "0") == (64, 256)  # the rules
-        assert tile("MOE_GEMM_DISK_CACHE", "1") == (128, 192)
-        assert tile("MOE_GEMM_CACHE_DIR", str(tmp_path / "elsewhere")) == (64, 256)
-        assert tile("MOE_GEMM_CACHE_DIR", str(cache)) == (128, 192)
-    finally:
-        tuned.clear_caches()
-        heuristics.clear_caches()
+    assert tile("MOE_GEMM_DISK_CACHE", "1") == (128, 192)  # the online entry
+    assert tile("MOE_GEMM_DISK_CACHE", "0") == (64, 256)  # the rules
+    assert tile("MOE_GEMM_DISK_CACHE", "1") == (128, 192)
+    assert tile("MOE_GEMM_CACHE_DIR", str(tmp_path / "elsewhere")) == (64, 256)
+    assert tile("MOE_GEMM_CACHE_DIR", str(cache)) == (128, 192)

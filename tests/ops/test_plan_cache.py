@@ -368,34 +368,15 @@ def test_switching_the_tuned_tables_reaches_a_cached_plan(cute, tmp_path, monkey
         heuristics.clear_caches()
 
 
-def test_online_cache_switches_reach_a_cached_plan(cute, tmp_path, monkeypatch) -> None:
+def test_online_cache_switches_reach_a_cached_plan(cute, online_entry, tmp_path,
+                                                   monkeypatch) -> None:
     # MOE_GEMM_DISK_CACHE=0 stops the online autotune results on disk from being read and
     # MOE_GEMM_CACHE_DIR says where they are: either changes the config a call launches, so a
     # change between two calls of one signature must miss the cached plan.
-    import json
-
-    from moe_gemm.ops import heuristics, launch_kernel, tuned, versions
-
-    dev = "NVIDIA Test GPU 80GB"
-    monkeypatch.setattr(launch_kernel, "_table_device", lambda device: dev)
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(cache))
-    for name in ("MOE_GEMM_DISK_CACHE", tuned.TABLES_ENV, tuned.USER_TABLE_ENV):
-        monkeypatch.delenv(name, raising=False)
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(tuned, "TABLES_DIR", shipped)
-    entry = {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": 3, "N": 48,
-             "K": 64, "bucket": 4, "us": 1.0,
-             "config": {"schedule": "pingpong", "tile_m": 64, "tile_n": 256,
-                        "raster_panel": 8, "visitor": "device"}}
-    online = tuned.online_path(dev)
-    online.parent.mkdir(parents=True)
-    online.write_text(json.dumps({"format": tuned.FORMAT, "device": dev, "sm_count": 132,
-                                  "versions": versions.runtime_versions(dev),
-                                  "entries": [entry]}))
-    tuned.clear_caches()
-    heuristics.clear_caches()
+    cache = online_entry({"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16",
+                          "E": 3, "N": 48, "K": 64, "bucket": 4, "us": 1.0,
+                          "config": {"schedule": "pingpong", "tile_m": 64, "tile_n": 256,
+                                     "raster_panel": 8, "visitor": "device"}})
     x = torch.randn(48, 64).to(BF16)
     w = torch.randn(3, 48, 64).to(BF16).transpose(1, 2)
     offs = torch.tensor([7, 30, 41], dtype=torch.int32)
@@ -405,12 +386,8 @@ def test_online_cache_switches_reach_a_cached_plan(cute, tmp_path, monkeypatch) 
         grouped_mm(torch.randn_like(x), w, offs)
         return last_launch().choice.tile_m, last_launch().choice.tile_n
 
-    try:
-        assert tile("MOE_GEMM_DISK_CACHE", "1") == (64, 256)  # the online result
-        assert tile("MOE_GEMM_DISK_CACHE", "0") != (64, 256)  # the rules, though a plan exists
-        assert tile("MOE_GEMM_DISK_CACHE", "1") == (64, 256)
-        assert tile("MOE_GEMM_CACHE_DIR", str(tmp_path / "elsewhere")) != (64, 256)
-        assert tile("MOE_GEMM_CACHE_DIR", str(cache)) == (64, 256)
-    finally:
-        tuned.clear_caches()
-        heuristics.clear_caches()
+    assert tile("MOE_GEMM_DISK_CACHE", "1") == (64, 256)  # the online result
+    assert tile("MOE_GEMM_DISK_CACHE", "0") != (64, 256)  # the rules, though a plan exists
+    assert tile("MOE_GEMM_DISK_CACHE", "1") == (64, 256)
+    assert tile("MOE_GEMM_CACHE_DIR", str(tmp_path / "elsewhere")) != (64, 256)
+    assert tile("MOE_GEMM_CACHE_DIR", str(cache)) == (64, 256)
