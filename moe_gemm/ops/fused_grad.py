@@ -16,7 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from moe_gemm.kernels.sm90.constants import GATE_BLOCK
-from moe_gemm.ops.fused_reference import expert_of_rows, gate_torch, split_gate_up
+from moe_gemm.ops.fused_reference import (
+    expert_of_rows,
+    gate_torch,
+    gather_index,
+    split_gate_up,
+)
 from moe_gemm.ops.fused_validation import FusedMmArgs
 from moe_gemm.ops.reference import expert_spans
 
@@ -71,7 +76,10 @@ def fused_grouped_mm_grads(grad: torch.Tensor, args: FusedMmArgs
     gbias = None if args.bias is None else torch.zeros(E, N, dtype=torch.float32,
                                                        device=x.device)
     if S and E and N:
-        xs = x if args.row_index is None else x.index_select(0, args.row_index.long())
+        # (the forward's clamped rows: unchecked values on a GPU never index out of range)
+        index = None if args.row_index is None else gather_index(args.row_index.long(),
+                                                                 x.shape[0])
+        xs = x if index is None else x.index_select(0, index)
         xs32, w32 = xs.float(), w.float()
         expert = expert_of_rows(offs, S)
         live = (expert < E).unsqueeze(1)
@@ -103,7 +111,7 @@ def fused_grouped_mm_grads(grad: torch.Tensor, args: FusedMmArgs
         if args.row_index is None:
             gx = dxs
         else:
-            gx.index_add_(0, args.row_index.long(), dxs)
+            gx.index_add_(0, index, dxs)
     return (gx.to(x.dtype), gw.to(w.dtype),
             None if grw is None else grw.to(args.row_weight.dtype),
             None if gbias is None else gbias.to(args.bias.dtype))

@@ -26,7 +26,7 @@ from moe_gemm.ops import api
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
 from moe_gemm.ops.fused_reference import gate_torch, split_gate_up
-from moe_gemm.ops.fused_validation import FusedMmArgs, check_fused_mm
+from moe_gemm.ops.fused_validation import FusedMmArgs, check_fused_mm, check_gate_names
 from moe_gemm.ops.masked_launch import rows_mask
 from moe_gemm.ops.masked_validation import (
     _check_x_rank,
@@ -238,14 +238,16 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
             raise ValueError(f"row_weight must be (G, M) = ({G}, {M}): one weight per row; got "
                              f"{shape_text(row_weight)}")
         rw = row_weight.reshape(G * M)
+    # (before out's shape, which depends on it: a gate that is no gate must be named as such)
+    gate_name = check_gate_names(gate, gate_layout)
     flat_out = None
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor (G, M, N_out); got "
                             f"{type(out).__name__}")
-        n_out = w.shape[2] if gate is None else w.shape[2] // 2
+        n_out = w.shape[2] if gate_name is None else w.shape[2] // 2
         if tuple(out.shape) != (G, M, n_out):
-            raise ValueError(f"out must be (G, M, N{'' if gate is None else ' / 2'}) = "
+            raise ValueError(f"out must be (G, M, N{'' if gate_name is None else ' / 2'}) = "
                              f"({G}, {M}, {n_out}); got {shape_text(out)}")
         _check_writable_out("out", out)
         try:

@@ -49,6 +49,14 @@ def gate_torch(kind: str, gate: torch.Tensor, up: torch.Tensor, alpha: float,
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def gather_index(row_index: torch.Tensor, T: int) -> torch.Tensor:
+    """row_index clamped into x's rows [0, T) as the kernel's gather clamps it: values on a GPU
+    are not checked (no host sync), and an index_select out of range there faults the CUDA
+    context where the docstring promises wrong rows at worst (checked values pass as they
+    are)."""
+    return row_index.clamp(0, max(T - 1, 0))
+
+
 def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """(rows,) int64 expert of each routed row; E for rows past offs[-1] (on the device)."""
     r = torch.arange(rows, device=offs.device, dtype=torch.int32)
@@ -80,7 +88,8 @@ def fused_grouped_mm_torch(args: FusedMmArgs) -> torch.Tensor:
         y = out if out is not None else torch.zeros(S, args.N_out, dtype=args.out_dtype,
                                                     device=x.device)
         return tie_to_inputs(y, x, args.w, args.bias, args.row_weight)
-    xs = x if args.row_index is None else x.index_select(0, args.row_index)
+    xs = x if args.row_index is None else x.index_select(
+        0, gather_index(args.row_index, x.shape[0]))
     # fp32 accumulators where the per-expert loop runs; torch's native bf16 grouped_mm on CUDA
     # (sync-free) returns bf16.
     mm = GroupedMmArgs(xs, args.w, args.offs, None, args.dtype, torch.float32)

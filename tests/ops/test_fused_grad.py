@@ -67,3 +67,22 @@ def test_no_rows_give_zero_gradients():
     gx, gw, grw, gb = fused_grouped_mm_grads(torch.randn(3, 8), args)
     assert not gx.any() and not gw.any() and not grw.any() and not gb.any()
     assert gx.shape == x.shape and gw.shape == w.shape and gb.shape == (2, 8)
+
+
+def test_unchecked_row_index_is_clamped_as_in_the_forward():
+    # The compiled backward on a GPU sees row_index values nobody checked: they must be
+    # clamped into x's rows as the forward clamps them (gathered from and added back to the
+    # first or last token), never read or written out of range.
+    g = torch.Generator().manual_seed(9)
+    T, K, E, N = 5, 16, 3, 32
+    x, w = torch.randn(T, K, generator=g), torch.randn(E, K, N, generator=g) / 4
+    index = torch.tensor([0, T, 2, -7, 4, T + 50, 1])
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    rw = torch.rand(7, generator=g)
+    dy = torch.randn(7, N // 2, generator=g)
+    bad = check_fused_mm(x, w, offs, row_index=index, row_weight=rw, gate="silu",
+                         concrete=False)
+    clamped = check_fused_mm(x, w, offs, row_index=index.clamp(0, T - 1), row_weight=rw,
+                             gate="silu")
+    for got, want in zip(fused_grouped_mm_grads(dy, bad), fused_grouped_mm_grads(dy, clamped)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -453,6 +453,18 @@ def test_argument_errors(change, error, match) -> None:
         _call(a)
 
 
+@pytest.mark.parametrize("gate", ["relu", "", 3])
+def test_a_bad_gate_is_named_before_outs_shape(gate) -> None:
+    # An out of w's N columns fits the ungated call: a gate that is no gate must be named as
+    # such, not reported as an out that should have N / 2 columns.
+    a = _err_args()
+    G, M, N = a["x"].shape[0], a["x"].shape[1], a["w"].shape[2]
+    error = TypeError if isinstance(gate, int) else ValueError
+    with pytest.raises(error, match="gate must be"):
+        fused_grouped_mm_masked(a["x"], a["w"], a["masked_m"], gate=gate,
+                                out=torch.zeros(G, M, N))
+
+
 def test_refused_counts_leave_out_untouched() -> None:
     a = _err_args()
     out = torch.full((3, 5, 32), SENTINEL)

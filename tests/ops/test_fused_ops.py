@@ -27,7 +27,7 @@ from moe_gemm.ops.fused_launch import (
     fused_key,
     fused_unsupported,
 )
-from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
+from moe_gemm.ops.fused_reference import fused_grouped_mm_ref, fused_grouped_mm_torch
 from moe_gemm.ops.fused_validation import check_fused_mm
 from moe_gemm.ops.heuristics import KernelChoice
 
@@ -64,6 +64,25 @@ def test_torch_backend_matches_float64(gate, layout, gather, bias, scale):
     assert torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-5)
     end = int(offs[-1])
     assert end < S and bool((y[end:] == 0).all())  # rows past offs[-1]: zero
+
+
+def test_torch_backend_clamps_unchecked_row_index_into_xs_rows():
+    """row_index values on a GPU are not checked (no host sync; the docstring promises wrong
+    rows, never an out-of-bounds read), and the torch backend runs there too (fp32, other
+    GPUs): it must clamp them into [0, T) as the kernel's gather does, since an index_select
+    out of range faults the CUDA context. concrete=False skips the value check as a GPU
+    tensor does."""
+    x, w, offs, index, g = _case(21)
+    T, S, E, N = x.shape[0], index.shape[0], w.shape[0], w.shape[2]
+    bad = index.clone()
+    bad[0], bad[4], bad[7] = T, -3, T + 1000
+    kw = dict(bias=torch.randn(E, N, generator=g), row_weight=torch.rand(S, generator=g),
+              gate="gelu")
+    args = check_fused_mm(x, w, offs, row_index=bad, concrete=False, **kw)
+    y = fused_grouped_mm_torch(args)
+    want = fused_grouped_mm_ref(x, w, offs, row_index=bad.clamp(0, T - 1), dtype=torch.float64,
+                                **kw)
+    assert torch.allclose(y.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_out_keeps_rows_past_offs_and_out_dtype():
