@@ -47,9 +47,12 @@ class MmPlan:
         self.out_dtype = args.out_dtype
         self.zero_tail = args.out is None
         self.trivial = T == 0 or N == 0 or E == 0
+        # K = 0: every routed row is an empty sum, written here (as BmmPlan does): the launch-
+        # time TMA descriptors of x and w cannot have an empty K extent.
+        self.zero = K == 0
         # (placeholders made while capturing are the graph's)
         self.cacheable = not launch_resources._fresh()
-        if self.trivial:
+        if self.trivial or self.zero:
             return
         nsm = launch_kernel.sm_count(device)
         _maybe_autotune("varlen", args, config)
@@ -57,6 +60,13 @@ class MmPlan:
             config, T, E, N, K, nsm, args.out_dtype.itemsize,
             **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
         b_major = "k" if operand_major(w) == "col" else "n"
+        # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse (a
+        # decode step's x (1, K) of odd K, a (T, 1) column slice): its argument check reads
+        # every stride, so they travel as views that keep the rule (as in BmmPlan).
+        self.fix_x = tma_view(x, 1) is not x
+        self.w_unit = 1 if b_major == "k" else 2
+        self.fix_w = tma_view(w, self.w_unit) is not w
+        self.fix_out = args.out is not None and tma_view(args.out, 1) is not args.out
         self.num_problems = E + (1 if self.zero_tail else 0)
         self.tiles_n = -(-N // choice.tile_n)
         self.nsm = nsm
@@ -79,14 +89,28 @@ class MmPlan:
             out = torch.empty(self.T, self.N, dtype=self.out_dtype, device=self.device)
         if self.trivial:
             return out.zero_() if self.zero_tail and self.E == 0 else out
+        if self.zero:
+            if self.zero_tail:
+                return out.zero_()
+            # Rows [0, offs[-1]) are zero, the rest of a given out is kept; on the GPU, with
+            # no host sync (offs clamped into [0, T] as the kernel and the torch backend read
+            # it; a decreasing entry cannot end the routed rows before an earlier one).
+            end = offs.clamp(0, self.T).amax()
+            rows = torch.arange(self.T, device=self.device)
+            return out.masked_fill_((rows < end)[:, None], 0)
         choice = self.choice
+        xv = tma_view(x, 1) if self.fix_x else x
+        wv = tma_view(w, self.w_unit) if self.fix_w else w
+        ov = tma_view(out, 1) if self.fix_out else out
         if choice.visitor == "host":
-            return self._host_visitor(x, w, offs, out)
+            self._host_visitor(xv, wv, offs, ov)
+            return out
         if self.trace:
-            return self._launch(x, w, offs, out, self.num_ctas, self.no_table, self.max_tiles,
-                                self.workspace.get(choice))
+            self._launch(xv, wv, offs, ov, self.num_ctas, self.no_table, self.max_tiles,
+                         self.workspace.get(choice))
+            return out
         meta, meta32, no_table, no_trace = self.constants
-        self.kernel(x, w, out, meta, meta32, offs, no_table, self.workspace.get(choice),
+        self.kernel(xv, wv, ov, meta, meta32, offs, no_table, self.workspace.get(choice),
                     no_trace, self.num_problems, self.num_ctas, choice.swizzle, choice.a_policy,
                     choice.b_policy, launch_kernel.PDL, 0)
         _local.raw = (choice, self.num_ctas, self.num_problems, None, None)

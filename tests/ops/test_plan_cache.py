@@ -17,6 +17,7 @@ from moe_gemm.ops.launch_info import last_launch
 from moe_gemm.ops.signature import PlanCache, TensorSignature
 
 BF16 = torch.bfloat16
+SENTINEL_OUT = -7.0  # exactly representable in bf16
 
 
 @pytest.fixture
@@ -217,6 +218,73 @@ def test_out_that_overlaps_an_operand_is_never_written_directly(cute: Recorder) 
     grouped_mm(x, w, offs, out=out)  # a plan for out= calls of this signature
     y = grouped_mm(out, w, offs, out=out)  # out is also x: computed elsewhere, then copied
     assert y is out and cute.calls[-1][2] is not out and cute.calls[-1][0] is out
+
+
+def _kernel_strides_ok(t: torch.Tensor, unit: int) -> bool:
+    """The compiled kernels' contract for a tensor argument: unit stride on `unit`, every
+    other stride a 16-byte multiple (kernels/sm90/compile.py's fake tensors), size-1 dims
+    included (the call's argument check reads them all)."""
+    align = 16 // t.element_size()
+    return t.stride(unit) == 1 and all(s % align == 0 for d, s in enumerate(t.stride())
+                                       if d != unit)
+
+
+def test_grouped_mm_size_one_dims_reach_the_kernel_with_aligned_strides(cute: Recorder) -> None:
+    # A decode step (T = 1) with K = 20 keeps x's row stride of 20 elements (40 bytes) on its
+    # size-1 dim; a (5, 1) column slice keeps K's stride 16 on its size-1 unit dim; a given
+    # (1, 8) out of a wider buffer keeps the buffer's row stride. None addresses memory, so
+    # the kernels take them, but the compiled kernel's argument check refuses any stride off
+    # its rule: the host must hand over views that keep it, as the batched form does.
+    offs = torch.tensor([0, 1, 1], dtype=torch.int32)
+    x1 = torch.randn(1, 20).to(BF16)
+    w1 = torch.randn(3, 20, 16).to(BF16)
+    col = torch.randn(5, 16).to(BF16)[:, ::16]  # (5, 1), strides (16, 16)
+    w_k1 = torch.randn(3, 1, 16).to(BF16)
+    wide = torch.full((1, 12), SENTINEL_OUT, dtype=BF16)
+    out = wide[:, :8]  # (1, 8), row stride 12
+    w8 = torch.randn(3, 20, 8).to(BF16)
+    w_kmajor = torch.randn(3, 16, 24).to(BF16)[:, :, :20].transpose(1, 2)  # ld 24
+    cases = [(x1, w1, offs, None), (col, w_k1, torch.tensor([2, 2, 5], dtype=torch.int32), None),
+             (x1, w8, offs, out), (x1, w_kmajor, offs, None)]
+    for x, w, o, given in cases:
+        for _ in range(2):  # the first call and the cached plan's
+            calls = len(cute.calls)
+            y = grouped_mm(x, w, o, out=given)
+            assert len(cute.calls) == calls + 1
+            xk, wk, yk = cute.calls[-1][:3]
+            w_unit = 1 if w.stride(1) == 1 and w.shape[2] > 1 else 2
+            assert _kernel_strides_ok(xk, 1) and _kernel_strides_ok(yk, 1), (xk.stride(),
+                                                                             yk.stride())
+            assert _kernel_strides_ok(wk, w_unit), wk.stride()
+            # The same elements: views of the operands and of the result, not copies.
+            for given_t, seen in ((x, xk), (w, wk), (y, yk)):
+                assert seen.shape == given_t.shape and seen.data_ptr() == given_t.data_ptr()
+            assert torch.equal(xk, x) and torch.equal(wk, w)
+            if given is not None:
+                assert y is given and bool((wide[:, 8:] == SENTINEL_OUT).all())
+
+
+@pytest.mark.parametrize("x_make", [lambda T: torch.empty(T, 0, dtype=BF16),
+                                    lambda T: torch.randn(T, 24).to(BF16)[:, :0]],
+                         ids=["empty", "slice"])
+def test_grouped_mm_k_zero_is_zeros_without_a_launch(cute: Recorder, x_make) -> None:
+    # K = 0: every routed row is an empty sum. The kernel's launch-time TMA descriptors of x
+    # and w would have an empty K extent (and torch.empty(T, 0) has row stride 1, off the
+    # compiled kernel's rule), so the host writes the zeros, as the batched form does; a given
+    # out keeps its rows past offs[-1].
+    T, N = 9, 16
+    x = x_make(T)
+    w = torch.empty(3, 0, N, dtype=BF16)
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)
+    for _ in range(2):  # the first call and the cached plan's
+        y = grouped_mm(x, w, offs)
+        assert y.shape == (T, N) and y.dtype == BF16 and bool((y == 0).all())
+        out = torch.full((T, N), SENTINEL_OUT, dtype=BF16)
+        assert grouped_mm(x, w, offs, out=out) is out
+        assert bool((out[:6] == 0).all()) and bool((out[6:] == SENTINEL_OUT).all())
+        y32 = grouped_mm(x, w, offs, out_dtype=torch.float32)
+        assert y32.dtype == torch.float32 and bool((y32 == 0).all())
+    assert cute.calls == []
 
 
 # ---------------------------------------------------------------------------------------------
