@@ -148,6 +148,10 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
                                    gate_alpha, gate_limit, out.clone(), config, out_dtype)
         return out.copy_(y)
     problem, unsupported = _why_not_kernel(args, cfg)
+    if args.K == 0 and args.S:
+        # No operand to load (the kernel's launch-time TMA descriptors cannot have an empty K
+        # extent): the torch backend adds the bias, gates and weights the empty sums.
+        return fused_grouped_mm_torch(args)
     if api._use_cute(cfg, problem, unsupported, "fused_grouped_mm"):
         from moe_gemm.ops.fused_launch import FusedPlan
 

@@ -174,6 +174,10 @@ def fused_grouped_mm_masked_eager(x, w, masked_m, bias, gate, gate_layout, gate_
 
         unsupported = fused_unsupported(args.flat)
     grads = [t for t in (x, w, bias, row_weight) if t is not None]
+    if args.flat.K == 0 and args.flat.S:
+        # No operand to load (the kernel's TMA descriptors cannot have an empty K extent):
+        # the torch backend adds the bias, gates and weights the empty sums.
+        return fused_masked_torch(args, x)
     if not api._use_cute(cfg, problem, unsupported, "fused_grouped_mm_masked"):
         return fused_masked_torch(args, x)
     from moe_gemm.ops.fused_launch import FusedPlan

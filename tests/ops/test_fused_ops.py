@@ -555,3 +555,89 @@ def test_trimmed_a_follows_the_fitted_tile_and_never_gathers(monkeypatch):
     monkeypatch.setenv(TRIM_A_ENV, "0")
     assert not fused_choice(_meta_args(4096, GATHER_MAX_ROWS, 32, 4096, 7168, gate="silu"),
                             cfg, 132, meta)[0].trim_a
+
+
+@pytest.fixture
+def fused_kernel(monkeypatch):
+    """fused_grouped_mm (and its masked form) on the Hopper path with CPU tensors, a recorder
+    as the compiled kernel."""
+    from host_fakes import Recorder, clear_caches, install
+
+    from moe_gemm.ops import fused as fused_mod
+    from moe_gemm.ops import fused_launch, fused_masked
+
+    rec = Recorder()
+    clear_caches()
+    install(monkeypatch, rec)
+    monkeypatch.setattr(fused_launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(fused_mod, "cute_problem", lambda device=None: None)
+    monkeypatch.setattr(fused_masked, "cute_problem", lambda device=None: None)
+    fused_mod._clear_plans()
+    fused_masked._clear_plans()
+    yield rec
+    fused_mod._clear_plans()
+    fused_masked._clear_plans()
+    clear_caches()
+
+
+def _strides_keep_the_rule(t: torch.Tensor, unit: int) -> bool:
+    """The compiled kernels' rule for a tensor argument: unit stride on `unit`, every other
+    stride (size-1 dims too: the call's argument check reads them all) a 16-byte multiple."""
+    align = 16 // t.element_size()
+    return t.stride(unit) == 1 and all(s % align == 0 for d, s in enumerate(t.stride())
+                                       if d != unit)
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["routed-rows", "row-index"])
+def test_one_row_of_odd_k_reaches_the_kernel_with_aligned_strides(fused_kernel, gather):
+    # One routed row of K = 20 (a decode step): x's row stride of 20 elements (40 bytes) on
+    # its size-1 dim addresses nothing, but the compiled kernel's argument check refuses it;
+    # likewise a (1, N) out cut from a wider buffer. The plan hands over aligned views.
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 20, generator=g).to(bf16)
+    # K-major (the concat gate's layout), its N stride 24 (padded storage)
+    w = torch.randn(3, 16, 24, generator=g).to(bf16)[:, :, :20].transpose(1, 2)
+    offs = torch.tensor([0, 1, 1], dtype=torch.int32)
+    kw = {"row_index": torch.zeros(1, dtype=torch.int64)} if gather else {}
+    wide = torch.full((1, 24), -7.0, dtype=bf16)
+    for out in (None, wide[:, :8]):
+        for _ in range(2):  # the first call and the cached plan's
+            calls = len(fused_kernel.calls)
+            y = moe_gemm.fused_grouped_mm(x, w, offs, gate="silu", out=out, **kw)
+            assert len(fused_kernel.calls) == calls + 1
+            xk, wk, yk = fused_kernel.calls[-1][:3]
+            assert _strides_keep_the_rule(xk, 1), xk.stride()
+            assert _strides_keep_the_rule(wk, 1), wk.stride()
+            assert _strides_keep_the_rule(yk, 1), yk.stride()
+            assert torch.equal(xk, x) and yk.data_ptr() == y.data_ptr() and yk.shape == y.shape
+            if out is not None:
+                assert y is out and bool((wide[:, 8:] == -7.0).all())
+
+
+def test_k_zero_runs_no_kernel_and_keeps_bias_and_weights(fused_kernel):
+    # K = 0: each routed row's product is an empty sum, so h = its expert's bias, times the
+    # row's weight (gated where a gate is asked). No kernel launch (its TMA descriptors cannot
+    # have an empty K extent), in the masked form too.
+    g = torch.Generator().manual_seed(12)
+    T, E, N = 7, 3, 16
+    x = torch.empty(T, 0, dtype=torch.bfloat16)
+    w = torch.empty(E, 0, 2 * N, dtype=torch.bfloat16)
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32)
+    bias = torch.randn(E, 2 * N, generator=g)
+    rw = torch.rand(T, generator=g)
+    for gate in (None, "silu"):
+        y = moe_gemm.fused_grouped_mm(x, w, offs, bias=bias, gate=gate, row_weight=rw)
+        ref = fused_grouped_mm_ref(x.float(), w.float(), offs, bias=bias, gate=gate,
+                                   row_weight=rw, dtype=torch.float64)
+        assert y.shape == ref.shape and bool((ref[:2].abs() > 0).any())
+        torch.testing.assert_close(y[:5].double(), ref[:5], atol=2e-2, rtol=2e-2)
+        assert bool((y[5:] == 0).all())  # rows past offs[-1]: zeros in an output we allocate
+    xm = torch.empty(E, 4, 0, dtype=torch.bfloat16)
+    counts = torch.tensor([1, 0, 4], dtype=torch.int32)
+    ym = moe_gemm.fused_grouped_mm_masked(xm, w, counts, bias=bias)
+    for e, c in enumerate(counts.tolist()):
+        for r in range(c):
+            torch.testing.assert_close(ym[e, r].double(), bias[e].double(), atol=2e-2,
+                                       rtol=2e-2)
+    assert fused_kernel.calls == []
