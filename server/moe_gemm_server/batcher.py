@@ -195,17 +195,27 @@ class Batcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self.fail_all()
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    def fail_all(self) -> int:
+        """Refuse new jobs, and fail every queued job and those of the running launch with
+        Draining now (the launch itself runs on; its results are discarded). Returns how many
+        jobs were failed."""
+        self.draining = True
         pending = [job for heap in self._queues.values() for _, _, job in heap]
+        failed = 0
         for job in pending + self._current:
             if job.state in ("queued", "running"):
                 job.state = "cancelled"
+                failed += 1
                 if job.future is not None and not job.future.done():
                     job.future.set_exception(Draining())
         self._queues.clear()
         self._agg.clear()
         self._queued = 0
         self.metrics.queued.set(0)
-        await asyncio.to_thread(self._executor.shutdown, True)
+        return failed
 
     # ------------------------------------------------------------------ scheduling
 

@@ -52,6 +52,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # A path with a trailing slash is no route (404, JSON): Starlette's default answers a
+        # bodiless 307 to the path without it, whose Location takes its scheme from the
+        # request (http:// behind a TLS proxy), and a client following it replays a PUT there.
+        redirect_slashes=False,
     )
     app.state.service = service
 

@@ -183,6 +183,13 @@ class Service(WeightsMixin):
         while self.inflight > 0 or (self.batcher is not None and self.batcher.busy):
             if time.monotonic() >= end:
                 log.warning("drain timed out with %d request(s) in flight", self.inflight)
+                if self.batcher is not None:
+                    # What still waits on the batcher is answered now, 503 (retry elsewhere):
+                    # left waiting, uvicorn cancels these requests once its graceful timeout
+                    # passes, and a cancelled request is answered a plain-text 500.
+                    failed = self.batcher.fail_all()
+                    if failed:
+                        self.metrics.rejections.labels("draining").inc(failed)
                 return False
             await asyncio.sleep(0.005)
         return True

@@ -82,15 +82,12 @@ def read_weight_file(path: Path, check_values: bool = False
             if not n:
                 raise APIError(400, "weight file is shorter than its size")
             got += n
-    specs, data_start, _ = parse_safetensors_header(buf, len(buf))
-    names = sorted(specs)
-    weights = [n for n in names if n != "scale"]
-    if weights not in (["w"], ["w_t"]):
-        raise unprocessable(
-            "expected one tensor, 'w' (E, K, N) or 'w_t' (E, N, K) (and 'scale' for FP8 "
-            f"weights); got {names if names else 'none'}"
-        )
-    layout = weights[0]
+    # At most two tensors ("w" or "w_t", and "scale"): a header listing more is refused before
+    # its entries are checked (hundreds of thousands take seconds), its names not all echoed.
+    specs, data_start, _ = parse_safetensors_header(buf, len(buf), max_tensors=2,
+                                                    name_rules=_check_weight_names)
+    _check_weight_names(sorted(specs))
+    layout = "w" if "w" in specs else "w_t"
     spec = specs[layout]
     want = "(E, K, N)" if layout == "w" else "(E, N, K)"
     if len(spec.shape) != 3:
@@ -114,6 +111,19 @@ def read_weight_file(path: Path, check_values: bool = False
     except (ValueError, TypeError) as e:
         raise unprocessable(str(e)) from None
     return t, layout, scale
+
+
+def _check_weight_names(names: list[str]) -> None:
+    """422 unless the tensors are "w" or "w_t", with or without "scale" (a long list of
+    names is cut short in the message)."""
+    weights = [n for n in names if n != "scale"]
+    if weights not in (["w"], ["w_t"]) or len(names) > 2:
+        shown = names[:8] + ["..."] if len(names) > 8 else names
+        raise unprocessable(
+            "expected one tensor, 'w' (E, K, N) or 'w_t' (E, N, K) (and 'scale' for FP8 "
+            f"weights); got {f'{len(names)} tensors, ' if len(names) > 8 else ''}"
+            f"{shown if names else 'none'}"
+        )
 
 
 # Elements checked at a time by check_finite (bounds its temporary to 16M flags / floats).
@@ -182,6 +192,9 @@ class WeightStore:
                 fd = os.open(p, os.O_RDONLY)
             except FileNotFoundError:
                 continue
+            except OSError as e:  # (as below: one leftover must not keep the start from ending)
+                log.warning("cannot remove the partial upload %s: %s", p, e.strerror or e)
+                continue
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -193,6 +206,11 @@ class WeightStore:
                 n += 1
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                # Not removable (another user's file in a sticky directory, a directory of that
+                # name, an I/O error): it is never loaded (no set name starts with "."), and
+                # failing here would leave the server not ready for good.
+                log.warning("cannot remove the partial upload %s: %s", p, e.strerror or e)
             finally:
                 os.close(fd)
         if n:
@@ -201,12 +219,20 @@ class WeightStore:
         return n
 
     def names(self) -> list[str]:
-        """Names of the stored sets (files whose stem is a valid name), sorted."""
+        """Names of the stored sets (files whose stem is a valid name), sorted.
+
+        Raises:
+            OSError: the directory itself cannot be listed (gone, unmounted, no permission).
+                (Path.glob answers [] then, which reads as every set deleted: sync.py would
+                drop them all from memory.)
+        """
         out = []
-        for p in self.root.glob(f"*{SUFFIX}"):
-            stem = p.name[: -len(SUFFIX)]
-            if NAME_RE.fullmatch(stem) and p.is_file():
-                out.append(stem)
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                stem = entry.name[: -len(SUFFIX)]
+                if (entry.name.endswith(SUFFIX) and NAME_RE.fullmatch(stem)
+                        and entry.is_file()):
+                    out.append(stem)
         return sorted(out)
 
     def commit(self, temp: Path, name: str) -> FileId:

@@ -60,7 +60,14 @@ class StoreWatcher:
         svc = self.service
         assert svc.engine is not None and svc._weights_lock is not None
         self.rescans += 1
-        names = await asyncio.to_thread(svc.store.names)
+        try:
+            names = await asyncio.to_thread(svc.store.names)
+        except OSError as e:
+            # The directory itself is unreadable (unmounted, moved, permissions): that says
+            # nothing about which sets were deleted, so every resident set stays served.
+            log.warning("cannot list the data directory %s (%s); resident weight sets are kept",
+                        svc.store.root, e.strerror or e)
+            return 0
         on_disk = {n: fid for n in names if (fid := self.file_id(n)) is not None}
         changes = 0
         for name in set(self.loaded) - set(on_disk):

@@ -390,6 +390,39 @@ def test_read_only_data_dir_is_a_clear_507_and_changes_nothing(
         assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
 
 
+def test_a_data_dir_that_cannot_be_listed_keeps_the_resident_sets(tmp_path: Path) -> None:
+    """The data directory gone for a while (a volume unmounted or moved, its permissions
+    lost) says nothing about which sets were deleted: the rescan keeps serving them (it used
+    to read the directory as empty and drop every set, 404 for all while ready said 200)."""
+    data = tmp_path / "data"
+    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    watcher = app.state.service.watcher
+    w = torch.randn(2, 64, 32)
+    x = torch.randn(4, 64)
+
+    def rescans_pass(n: int) -> None:
+        target = watcher.rescans + n
+        deadline = time.monotonic() + 10
+        while watcher.rescans < target:
+            assert time.monotonic() < deadline, "the data directory was not rescanned"
+            time.sleep(0.01)
+
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
+        data.rename(tmp_path / "elsewhere")
+        rescans_pass(3)
+        assert [s["name"] for s in client.get("/v1/weights").json()["weights"]] == ["w"]
+        y = st_load(_mm(client, "w", x, [2, 2]).content)["y"]
+        assert torch.allclose(y.double(), mm_ref(x, w, torch.tensor([2, 2])), atol=1e-4)
+        # back in place: the rescans carry on as before (a delete on disk is still seen)
+        (tmp_path / "elsewhere").rename(data)
+        (data / "w.safetensors").unlink()
+        rescans_pass(3)
+        assert client.get("/v1/weights").json()["weights"] == []
+
+
 def test_a_server_starting_on_a_shared_dir_keeps_uploads_in_progress(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another server starting on the shared data directory (a replica restarted after a

@@ -223,6 +223,41 @@ def test_a_start_up_that_fails_as_a_whole_says_why(tmp_path, monkeypatch):
         assert r.status_code == 503 and "PermissionError" in r.json()["error"]
 
 
+def test_a_leftover_upload_that_cannot_be_removed_does_not_keep_the_server_unready(tmp_path):
+    """A partial-upload name the start cannot remove (here a directory; also another user's
+    file in a sticky directory, or an I/O error) is logged and left: the server used to stay
+    not ready for good ("start-up failed (IsADirectoryError ...)")."""
+    from safetensors.torch import save
+
+    data = tmp_path / "data"
+    (data / ".upload-stuck.tmp").mkdir(parents=True)
+    (data / ".upload-crashed.tmp").write_bytes(b"half")
+    w = torch.randn(2, 4, 3)
+    (data / "fine.safetensors").write_bytes(save({"w": w}))
+    with TestClient(create_app(_settings(tmp_path), engine=Engine("cpu"))) as client:
+        _wait_ready(client)
+        names = [i["name"] for i in client.get("/v1/weights").json()["weights"]]
+        assert names == ["fine"]
+    assert sorted(p.name for p in data.iterdir()) == [".upload-stuck.tmp", "fine.safetensors"]
+
+
+def test_an_upload_of_many_tensors_is_refused_with_a_short_message(tmp_path):
+    """A weight upload holds two tensors at most: one of 20000 is a 422 whose message counts
+    them and names a few (it used to quote every name: a 200 kB error, and every entry was
+    checked first)."""
+    w = torch.randn(2, 4, 3)
+    tensors = {"w": w, **{f"extra{i}": torch.zeros(1) for i in range(20000)}}
+    with TestClient(create_app(_settings(tmp_path), engine=Engine("cpu"))) as client:
+        _wait_ready(client)
+        r = client.put("/v1/weights/many", content=st_body(tensors))
+        assert r.status_code == 422, r.text[:300]
+        error = r.json()["error"]
+        assert "20001 tensors" in error and len(error) < 400, error[:300]
+        r = client.put("/v1/weights/two", content=st_body({"w": w, "w_t": w.clone()}))
+        assert r.status_code == 422 and "['w', 'w_t']" in r.json()["error"]
+        assert client.get("/v1/weights").json()["weights"] == []
+
+
 # --------------------------------------------------------------------------- settings, CLI
 
 

@@ -81,6 +81,24 @@ def test_no_schema_or_docs_routes_outside_the_contract(tmp_path):
         assert client.get("/v1/weights").status_code == 401
 
 
+def test_a_path_with_a_trailing_slash_is_a_json_404_not_a_redirect(tmp_path):
+    """"/v1/weights/m/" is no route: 404 with the JSON error, before any key is checked. It
+    used to be a bodiless 307 to the slash-less path (a PUT or DELETE that a client following
+    redirects replays there, to the http:// URL the Host header names, behind a TLS proxy)."""
+    settings = Settings(data_dir=tmp_path / "d", api_key=["k"], admin_key="adm")
+    with TestClient(create_app(settings), follow_redirects=False) as client:
+        _wait_ready(client)
+        admin = {"Authorization": "Bearer adm"}
+        for method, path in [("PUT", "/v1/weights/m/"), ("DELETE", "/v1/weights/m/"),
+                             ("GET", "/v1/weights/"), ("POST", "/v1/weights/m/grouped-mm/"),
+                             ("POST", "/v2/models/m/infer/")]:
+            body = st_body({"w": torch.randn(2, 4, 3)}) if method == "PUT" else None
+            r = client.request(method, path, content=body, headers=admin)
+            assert r.status_code == 404, (method, path, r.status_code)
+            assert "no route" in r.json()["error"] and r.json()["request_id"]
+        assert not (tmp_path / "d" / "m.safetensors").exists()
+
+
 class SlowStartEngine(Engine):
     def __init__(self) -> None:
         super().__init__("cpu")

@@ -233,3 +233,48 @@ def test_second_sigterm_stops_at_once(tmp_path):
     finally:
         stop.set()
         server.stop()
+
+
+def test_work_left_when_the_drain_times_out_is_answered_503_not_500(tmp_path):
+    """SIGTERM with --drain-timeout-s 0 and several slow requests queued: each is answered,
+    200 with its right result or a JSON 503 saying the server drains (a client retries that
+    elsewhere), never uvicorn's plain-text 500 for a request it cancelled at shutdown."""
+    server = LiveServer(tmp_path / "data", "--drain-timeout-s", "0", "--max-body-bytes",
+                        str(64 << 20), "--max-rows", "8192", "--max-flops", str(1 << 40),
+                        "--log-level", "warning").start()
+    gen = torch.Generator().manual_seed(44)
+    w = torch.randn(1, 1024, 1024, generator=gen)
+    x = torch.randn(8192, 1024, generator=gen)  # ~17 GFLOP a request: a fraction of a second
+    c = torch.tensor([8192], dtype=torch.int32)
+    results: dict[int, httpx.Response] = {}
+    try:
+        r = httpx.put(f"{server.url}/v1/weights/slow", content=st_body({"w": w}), timeout=60)
+        assert r.status_code == 201, r.text
+
+        def send(i: int) -> None:
+            results[i] = _mm(server.url, "slow", x, c)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while metric(httpx.get(f"{server.url}/metrics").text, "moe_gemm_queued_requests") < 3:
+            assert time.monotonic() < deadline, "requests did not queue"
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    ref = mm_ref(x, w, c)
+    refused = 0
+    for i, r in results.items():
+        if r.status_code == 200:
+            y = st_load(r.content)["y"].double()
+            assert (y - ref).abs().max() <= 1e-3 * ref.abs().max(), i
+        else:
+            assert r.status_code == 503, (i, r.status_code, r.text[:200])
+            assert "draining" in r.json()["error"] and "retry-after" in r.headers
+            refused += 1
+    assert len(results) == 6 and refused >= 3
