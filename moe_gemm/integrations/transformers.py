@@ -284,10 +284,12 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     if mlp is not None:
         if not _same_activation(hf_activation(mlp.act_fn), opts["activation"]):
             raise ValueError("MoE.from_hf needs the shared expert to use the experts' activation")
-        shared = {n: getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
+        dtype = router.weight.dtype
+        shared = {n: _dense_hf_weight(getattr(mlp, n), dtype)
+                  for n in ("gate_proj", "up_proj", "down_proj")}
         gate = getattr(block, "shared_expert_gate", None)
         if gate is not None:
-            shared["gate"] = gate.weight
+            shared["gate"] = _dense_hf_weight(gate, dtype)
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if getattr(experts, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
@@ -295,6 +297,24 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     scales = hf_fp8_scales(experts)
     return moe_from_tensors(cls, gate_up, down, router.weight, int(router.top_k), bias, shared,
                             opts, scales=scales)
+
+
+def _dense_hf_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A shared-expert projection's weight: its own Parameter, or, for transformers' FP8Linear
+    (an FP8 checkpoint quantizes the shared expert too: DeepSeek-V3's, GLM's), the FP8 weight
+    dequantized with its weight_scale_inv (128x128 blocks or per tensor) into `dtype` (the
+    router's, where that is 16/32-bit, else bf16), a copy, as from_state_dict keeps a
+    checkpoint's FP8 shared expert: it is one dense MLP."""
+    from moe_gemm.layers.experts_fp8 import FP8_DTYPES, decoding_scale, dequantize_weight
+
+    w = linear.weight
+    scale = getattr(linear, "weight_scale_inv", None)
+    if w.dtype not in FP8_DTYPES or scale is None:
+        return w
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        dtype = torch.bfloat16
+    return dequantize_weight(w.detach(), decoding_scale("weight_scale_inv", scale.detach()),
+                             dtype)
 
 
 def _check_fused_gated(experts: nn.Module) -> None:

@@ -157,7 +157,8 @@ class MoELoaders:
             config: GemmConfig for the grouped GEMMs.
 
         Returns:
-            The MoE, its parameters being the block's own Parameter objects.
+            The MoE, its parameters being the block's own Parameter objects (but an FP8
+            shared expert's, transformers' FP8Linear: dequantized, as from_state_dict does).
 
         Raises:
             ValueError: an unsupported block, or experts with a layout this layer cannot take.

@@ -264,5 +264,7 @@ def _remember(bucket, extra, tensors, plan, config) -> None:
     switches = _switches()
     if flag_on("MOE_GEMM_DISABLE_CUTE", switches[0]) or offs_check_requested():
         return
-    link = any(t.requires_grad for t in tensors[:2])
+    # Any operand that requires grad, the FP8 form's scales among them (a link decided on x
+    # and w alone let the calls that find the plan return results with no refusing backward)
+    link = any(t.requires_grad for t in tensors)
     _plans.add(bucket, (*extra, switches), tensors, (plan, link))

@@ -26,6 +26,7 @@ import torch
 
 from moe_gemm.env import env_choice
 from moe_gemm.ops.validation import check_dense
+from moe_gemm.ops.vmap import functorch_active as _functorch_active
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_AMAX = 1e-10  # kernels/sm90/quantize_fp8.MIN_AMAX: a zero group's scale stays finite
@@ -230,7 +231,9 @@ def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,
     N, K = w.shape[-2:]
     lead = w.shape[:-2]
     nb, kb = -(-N // b), -(-K // b)
-    if not lead:
+    if not lead or (not torch.compiler.is_compiling() and _functorch_active()):
+        # (under torch.vmap / torch.func in one go: the chunks' preallocated outputs cannot
+        # take a batched result)
         return _per_block(w, b, dtype)
     q, scale = in_leading_chunks(lambda t: _per_block(t, b, dtype),
                                  w.reshape(math.prod(lead), N, K), nb * b * kb * b)
@@ -242,8 +245,9 @@ def _per_block(w: torch.Tensor, b: int, dtype: torch.dtype
     N, K = w.shape[-2:]
     lead = w.shape[:-2]
     nb, kb = -(-N // b), -(-K // b)
-    padded = torch.zeros(*lead, nb * b, kb * b, dtype=torch.float32, device=w.device)
-    padded[..., :N, :K] = w
+    # Padded out of place: under torch.vmap a batched w cannot be written into an unbatched
+    # buffer.
+    padded = torch.nn.functional.pad(w.float(), (0, kb * b - K, 0, nb * b - N))
     blocks = padded.view(*lead, nb, b, kb, b)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp_(min=MIN_AMAX)
     q = _to_fp8(blocks, amax, dtype).view(*lead, nb * b, kb * b)[..., :N, :K]

@@ -104,8 +104,12 @@ class Fp8MmPlan:
         self.granularity = args.granularity
         self.zero_tail = args.out is None
         self.trivial = T == 0 or N == 0 or E == 0
+        # K = 0: every routed row is an empty sum, written here (as Fp8BmmPlan and
+        # mm_launch.MmPlan do): the launch-time TMA descriptors of x and w cannot have an
+        # empty K extent.
+        self.zero = K == 0
         self.cacheable = not launch_resources._fresh()
-        if self.trivial:
+        if self.trivial or self.zero:
             return
         nsm = sm_count(device)
         self.choice = choice = choose_fp8("varlen", config, T / E, N, K,
@@ -129,6 +133,15 @@ class Fp8MmPlan:
             out = torch.empty(self.T, self.N, dtype=self.out_dtype, device=self.device)
         if self.trivial:
             return out.zero_() if self.zero_tail and self.E == 0 else out
+        if self.zero:
+            if self.zero_tail:
+                return out.zero_()
+            # Rows [0, offs[-1]) are zero, the rest of a given out is kept; on the GPU, with
+            # no host sync (offs clamped into [0, T] as the kernel and the torch backend read
+            # it).
+            end = offs.clamp(0, self.T).amax()
+            rows = torch.arange(self.T, device=self.device)
+            return out.masked_fill_((rows < end)[:, None], 0)
         g = self.granularity
         sfa = _dense(a_scale_view(scale_a, g, (), self.T))
         sfb = _dense(b_scale_view(scale_b, g, (self.E,), self.N))

@@ -36,6 +36,11 @@ def vmap_active() -> bool:
     return _depth() > 0 and _Vmap in _transforms()
 
 
+def functorch_active() -> bool:
+    """Whether any torch.func transform (vmap, grad, jvp) is running."""
+    return _depth() > 0
+
+
 def _transforms() -> list[Any]:
     return [i.key() for i in torch._C._functorch.get_interpreter_stack()]
 

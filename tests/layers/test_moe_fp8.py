@@ -246,6 +246,66 @@ def test_from_hf_fp8_experts():
         assert fp8_errors(y, y16)["rel"] < 8e-2
 
 
+@pytest.mark.parametrize("block_size", [(128, 128), None])
+def test_from_hf_fp8_block_with_an_fp8_shared_expert(block_size):
+    """A transformers FP8 checkpoint quantizes the shared expert too (FP8Linear with its
+    weight_scale_inv, as replace_with_fp8_linear converts DeepSeek-V3's shared_experts):
+    from_hf dequantizes it, as from_state_dict does, instead of refusing its FP8 weights."""
+    transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("needs transformers >= 5")
+    from transformers import DeepseekV3Config
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from moe_gemm import dequantize_fp8
+
+    cfg = DeepseekV3Config(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8,
+                           num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(21)
+    block = DeepseekV3MoE(cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.05)
+        block.gate.e_score_correction_bias.normal_(0, 0.1)
+    fp8 = FP8Experts(cfg, block_size=(128, 128))
+    for name in ("gate_up_proj", "down_proj"):
+        q, sc = quantize_fp8_per_block(getattr(block.experts, name).detach())
+        setattr(fp8, name, torch.nn.Parameter(q, requires_grad=False))
+        setattr(fp8, name + "_scale_inv", torch.nn.Parameter(sc, requires_grad=False))
+    block.experts = fp8
+    dense = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        w = getattr(block.shared_experts, name).weight.detach() * (1 + torch.rand(()))
+        if block_size is None:
+            q, sc = quantize_fp8_per_tensor(w)
+            dense[name] = dequantize_fp8(q, sc, "tensor")
+        else:
+            q, sc = quantize_fp8_per_block(w)
+            dense[name] = dequantize_fp8(q, sc, "block")
+        lin = FP8Linear(w.shape[1], w.shape[0], block_size=block_size)
+        lin.weight = torch.nn.Parameter(q, requires_grad=False)
+        lin.weight_scale_inv = torch.nn.Parameter(sc, requires_grad=False)
+        setattr(block.shared_experts, name, lin)
+    moe = MoE.from_hf(block)
+    assert moe.fp8 == "block" and moe.gate_up_proj is fp8.gate_up_proj
+    for name, want in dense.items():
+        got = getattr(moe.shared_experts, name).weight
+        assert got.dtype == block.gate.weight.dtype and torch.equal(got, want)
+    x = _x(seed=22, dtype=torch.float32)
+    with torch.no_grad():
+        y = moe(x)
+    # The reference's shared expert: the dequantized weights, computed here in fp64.
+    xd = x.double()
+    g, u = xd @ dense["gate_proj"].double().t(), xd @ dense["up_proj"].double().t()
+    shared = (torch.nn.functional.silu(g) * u) @ dense["down_proj"].double().t()
+    moe.shared_experts = None
+    with torch.no_grad():
+        routed = moe_fp8_reference(moe, x)
+    assert fp8_errors(y, routed.double() + shared)["rel"] < 1e-4  # fp32 compute
+
+
 def test_fp8_layer_keeps_its_dtypes_under_module_casts():
     """module.to(dtype) / .half() / .float() (FP8 is floating point to torch) cast the router and
     the shared expert, never the FP8 experts or their float32 scales; device moves still apply."""

@@ -860,6 +860,23 @@ def test_host_path_fp8(emulated, granularity: str) -> None:
 
 
 
+@pytest.mark.parametrize("which", ["scale_a", "scale_b"])
+def test_host_path_fp8_cached_plan_keeps_the_scales_backward_refusal(emulated,
+                                                                     which: str) -> None:
+    # Only the scales require grad: the kernel has no backward, so every call's result must
+    # refuse one, the calls that find the cached plan as the first (which built it) does.
+    x, w, sa, sb = make_fp8_batched_inputs(3, 12, 256, 32, "block", seed=68)
+    scales = {"scale_a": sa, "scale_b": sb}
+    scales[which] = scales[which].clone().requires_grad_()
+    mm = _counts([12, 0, 5])
+    for _ in range(3):
+        y = scaled_grouped_mm_masked(x, w, scales["scale_a"], scales["scale_b"], mm)
+        assert y.requires_grad
+        with pytest.raises(RuntimeError, match="inference-only"):
+            y.float().sum().backward()
+    assert len(emulated) == 1 and len(emulated[0].calls) == 3  # one plan, found again
+
+
 def test_the_masked_form_reports_no_trimmed_a_loads(emulated, monkeypatch) -> None:
     # Trimmed A loads are the varlen form's (the masked kernel loads one box per problem):
     # with them forced on, the launch's recorded choice must not claim them.

@@ -234,3 +234,23 @@ def test_per_token_group_under_vmap_matches_the_unbatched_call() -> None:
         assert torch.equal(q[i].float(), qi.float()) and torch.equal(s[i], si)
     deq = q.double() * s.double().repeat_interleave(128, -1)
     assert ((deq - x.double()).abs() <= x.double().abs().amax(-1, keepdim=True) / 16).all()
+
+
+@pytest.mark.parametrize("shape,chunk", [((3, 200, 300), None), ((2, 4, 130, 128), 2)])
+def test_per_block_under_vmap_matches_the_unbatched_call(monkeypatch, shape, chunk) -> None:
+    """torch.vmap over a stack of weights (partial edge blocks, and a stack past the chunked
+    working set) gives each entry's own call: the padding and the chunked outputs must not be
+    written in place into tensors the batch dimension does not reach."""
+    from moe_gemm.ops import quantize
+
+    if chunk is not None:
+        per_weight = -(-shape[-2] // 128) * 128 * -(-shape[-1] // 128) * 128
+        monkeypatch.setattr(quantize, "CHUNK_ELEMENTS", chunk * per_weight, raising=False)
+    w = torch.randn(*shape, generator=_gen(31)) * torch.rand(shape[0], *[1] * (len(shape) - 1),
+                                                               generator=_gen(32)) * 10
+    q, s = torch.func.vmap(quantize_fp8_per_block)(w)
+    assert q.shape == w.shape and q.dtype == E4M3
+    for i in range(shape[0]):
+        qi, si = quantize_fp8_per_block(w[i])
+        assert torch.equal(q[i].view(torch.uint8), qi.view(torch.uint8))
+        assert torch.equal(s[i], si)

@@ -90,6 +90,21 @@ def test_varlen_odd_layouts(fp8_kernel):
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_varlen_zero_k_writes_zeros_without_a_launch(fp8_kernel, granularity):
+    # K = 0: every routed row is an empty sum. The launch-time TMA descriptors of x and w
+    # cannot have an empty K extent, so the zeros are written on the host (as the batched
+    # form and grouped_mm's varlen form do), with a given out's rows past offs[-1] kept.
+    x, w, sa, sb, offs = make_fp8_moe_inputs(40, 3, 0, 48, granularity, total=29, seed=8)
+    assert x.shape == (40, 0) and int(offs[-1]) == 29
+    y = scaled_grouped_mm(x, w, sa, sb, offs)
+    assert y.shape == (40, 48) and y.dtype == torch.bfloat16 and not y.any()
+    out = poison_(torch.empty(40, 48, dtype=torch.float32))
+    assert scaled_grouped_mm(x, w, sa, sb, offs, out=out) is out
+    assert not out[:29].any() and torch.isnan(out[29:]).all()
+    assert fp8_kernel.calls == []
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_batched(fp8_kernel, granularity):
     x, w, sa, sb = make_fp8_batched_inputs(3, 70, 256, 144, granularity, seed=5)
     y = scaled_grouped_mm(x, w, sa, sb, out_dtype=torch.float16)
