@@ -24,9 +24,10 @@ Dispatch and combine are behind the `Dispatcher` interface (moe_gemm.layers.disp
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.layers.checkpoints import check_loader_options
+from moe_gemm.layers.checkpoints import OWN_NAMES, check_loader_options
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
-from moe_gemm.layers.experts import gated
+from moe_gemm.layers.experts import INFERENCE_ONLY_MESSAGE, gated
 from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, keep_dtypes
 from moe_gemm.layers.moe import MoE, resolve_activation
 from moe_gemm.layers.routing import (
@@ -48,12 +49,18 @@ from moe_gemm.layers.routing import (
     softmax_topk,
 )
 from moe_gemm.ops.api import grouped_mm
+from moe_gemm.ops.autograd import inference_only, needs_link
 from moe_gemm.ops.combine import combine_rows
+from moe_gemm.ops.custom_ops import mark_inference_only
 
 __all__ = ["ExpertParallelMoE"]
 
 _ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
             "router_fp32")
+# check_replicated's digest: a refused flag, the 3 sizes, the routing options, activation,
+# expert dtype and shapes, then per replicated tensor (router, bias, 3 shared projections,
+# shared gate) its shape and dtype and two hashes (_replica_digest).
+_DIGEST_SIZE = 1 + 3 + len(_ROUTING) + 3 + 6 * 3
 
 
 def local_expert_ffn(
@@ -128,39 +135,42 @@ class ExpertParallelMoE(nn.Module):
         check_replicated: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(moe, MoE):
-            raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
         self.dispatcher: Dispatcher = dispatcher or AllToAllDispatcher(group)
         if not isinstance(self.dispatcher, Dispatcher):
             raise TypeError("dispatcher must have dispatch(...) and combine(...) methods")
         self.rank = self.dispatcher.rank
         self.world_size = self.dispatcher.world_size
-        start, end = expert_range(num_experts, self.rank, self.world_size)
-        if moe.num_experts != end - start:
-            raise ValueError(
-                f"rank {self.rank} of {self.world_size} holds {end - start} of {num_experts} "
-                f"experts; the local MoE has {moe.num_experts}"
-            )
-        self.num_experts = num_experts
-        self.expert_start = start
-        self.hidden_size = moe.hidden_size
-        self.intermediate_size = moe.intermediate_size
-        self.local = moe
-        # The router's tensors get MoE's loader checks: here, not inside the first forward.
-        rw = check_router_weight(router["router_weight"], num_experts, moe.hidden_size)
-        bias = router.get("e_score_correction_bias")
-        if bias is not None:
-            check_correction_bias(bias, num_experts, rw.device, "e_score_correction_bias",
-                                  "router_weight is")
-        self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
-        self.register_buffer("e_score_correction_bias", bias)
-        for name in _ROUTING:
-            setattr(self, name, router[name])
-        # the routing options are checked by a full-size MoE's own validation
-        MoE(moe.hidden_size, 1, num_experts, self.top_k, scoring=self.scoring,
-            renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
-            routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
-            device="meta")
+        # A rank whose arguments are refused here joins the replica check flagged (the others
+        # raise too instead of waiting in it).
+        with _refusing(self.dispatcher, check_replicated):
+            if not isinstance(moe, MoE):
+                raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
+            start, end = expert_range(num_experts, self.rank, self.world_size)
+            if moe.num_experts != end - start:
+                raise ValueError(
+                    f"rank {self.rank} of {self.world_size} holds {end - start} of "
+                    f"{num_experts} experts; the local MoE has {moe.num_experts}"
+                )
+            self.num_experts = num_experts
+            self.expert_start = start
+            self.hidden_size = moe.hidden_size
+            self.intermediate_size = moe.intermediate_size
+            self.local = moe
+            # The router's tensors get MoE's loader checks: here, not inside the first forward.
+            rw = check_router_weight(router["router_weight"], num_experts, moe.hidden_size)
+            bias = router.get("e_score_correction_bias")
+            if bias is not None:
+                check_correction_bias(bias, num_experts, rw.device, "e_score_correction_bias",
+                                      "router_weight is")
+            self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
+            self.register_buffer("e_score_correction_bias", bias)
+            for name in _ROUTING:
+                setattr(self, name, router[name])
+            # the routing options are checked by a full-size MoE's own validation
+            MoE(moe.hidden_size, 1, num_experts, self.top_k, scoring=self.scoring,
+                renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
+                routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
+                device="meta")
         if check_replicated:
             self.check_replicated()
 
@@ -180,24 +190,18 @@ class ExpertParallelMoE(nn.Module):
         checked.
 
         Raises:
-            ValueError: on every rank alike, naming what differs and the ranks' values.
+            ValueError: on every rank alike, naming what differs and the ranks' values, or
+                the ranks whose constructor refused its arguments.
         """
-        if self.world_size == 1 or not hasattr(self.dispatcher, "group"):
-            return
-        group = self.dispatcher.group
-        if not dist.is_available() or not dist.is_initialized():
+        if not _checks_replicas(self.dispatcher):
             return
         names, mine = _replica_digest(self)
-        # The collective's tensor where the group's backend takes it: NCCL only CUDA tensors
-        # (a layer built on the CPU and moved later), gloo the CPU.
-        if dist.get_backend(group) == "nccl":
-            if mine.device.type != "cuda":
-                mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
-        else:
-            mine = mine.cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=group)
-        table = torch.stack(gathered).cpu()  # (W, len(names))
+        table = _gather_digests(self.dispatcher, mine)  # (W, len(names))
+        refused = [r for r in range(self.world_size) if table[r, 0]]
+        if refused:
+            raise ValueError(
+                f"ExpertParallelMoE: rank(s) {refused} could not build the layer (their own "
+                f"error says why); rank {self.rank} stops too instead of waiting for them")
         differ: dict[str, str] = {}
         for i, name in enumerate(names):
             if name not in differ and bool((table[:, i] != table[0, i]).any()):
@@ -230,29 +234,9 @@ class ExpertParallelMoE(nn.Module):
             copy: copy the local experts (so the full tensors can be freed); False keeps
                 views into `moe`'s storage.
         """
-        if not isinstance(moe, MoE):
-            raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
         dispatcher = dispatcher or AllToAllDispatcher(group)
-        start, end = expert_range(moe.num_experts, dispatcher.rank, dispatcher.world_size)
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            part = t[start:end]
-            return part.clone() if copy else part
-
-        # FP8 experts keep their decoding scales (blocks or rows, expert-major like the weights)
-        scales = None
-        if moe.fp8 is not None:
-            scales = (take(moe.gate_up_proj_scale_inv), take(moe.down_proj_scale_inv))
-        shared = None
-        if moe.shared_experts is not None:
-            shared = {n: getattr(moe.shared_experts, n).weight
-                      for n in ("gate_proj", "up_proj", "down_proj")}
-            if moe.shared_expert_gate is not None:
-                shared["gate"] = moe.shared_expert_gate.weight
-        local = MoE.from_fused(
-            take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
-            shared=shared, scales=scales, activation=moe.activation, config=moe.config,
-        )
+        with _refusing(dispatcher, check_replicated):
+            local = _local_moe(moe, dispatcher, copy)
         return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher,
                    check_replicated=check_replicated)
 
@@ -268,8 +252,10 @@ class ExpertParallelMoE(nn.Module):
         check_replicated: bool = True,
     ) -> ExpertParallelMoE:
         """This rank's shard of a transformers MoE block (the blocks `MoE.from_hf` takes)."""
-        return cls.from_moe(MoE.from_hf(block, config=config), group=group,
-                            dispatcher=dispatcher, copy=copy,
+        dispatcher = dispatcher or AllToAllDispatcher(group)
+        with _refusing(dispatcher, check_replicated):
+            moe = MoE.from_hf(block, config=config)
+        return cls.from_moe(moe, dispatcher=dispatcher, copy=copy,
                             check_replicated=check_replicated)
 
     @classmethod
@@ -297,37 +283,43 @@ class ExpertParallelMoE(nn.Module):
             top_k, prefix, strict, **options: as `MoE.from_state_dict` (routing options).
             group, dispatcher, check_replicated: see the class.
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
         dispatcher = dispatcher or AllToAllDispatcher(group)
-        router_key = prefix + "gate.weight"
-        if router_key not in state_dict:
-            raise KeyError(f"no router weight {router_key!r} in the state dict")
-        router_weight = state_dict[router_key]
-        E = router_weight.shape[0]
-        start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
-        local_sd = _LocalShard(state_dict, prefix, start, end, E)
-        bias = local_sd.full_bias
-        check_loader_options(options)  # (the probe below would take a dtype and ignore it)
-        routing = {k: v for k, v in options.items() if k not in ("activation", "config")}
-        if bias is not None:
-            routing.setdefault("scoring", "sigmoid")
-        # The local MoE sees the local experts and the local rows of the router (never used:
-        # routing is over all E experts), so MoE's loader validates and stacks them.
-        local_opts = {k: options[k] for k in ("activation", "config") if k in options}
-        local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
-        # A full-size MoE on the meta device checks the routing options and fills defaults.
-        probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", **routing)
-        router = _router_of(probe)
-        router["router_weight"] = router_weight
-        if probe.e_score_correction_bias is None:
+        # A rank whose checkpoint or options are refused joins the replica check flagged.
+        with _refusing(dispatcher, check_replicated):
+            if not isinstance(state_dict, Mapping):
+                raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+            if prefix + "gate.weight" not in state_dict and prefix + "router_weight" in state_dict:
+                # MoE's own state_dict, which MoE.from_state_dict reads too: its names read as
+                # the checkpoint names of the same tensors (lazily, as the rest).
+                state_dict = _Renamed(state_dict, prefix, OWN_NAMES)
+            router_key = prefix + "gate.weight"
+            if router_key not in state_dict:
+                raise KeyError(f"no router weight {router_key!r} in the state dict")
+            router_weight = state_dict[router_key]
+            E = router_weight.shape[0]
+            start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
+            local_sd = _LocalShard(state_dict, prefix, start, end, E)
+            bias = local_sd.full_bias
+            check_loader_options(options)  # (the probe below would take a dtype and ignore it)
+            routing = {k: v for k, v in options.items() if k not in ("activation", "config")}
             if bias is not None:
-                raise ValueError("the checkpoint has an e_score_correction_bias but the "
-                                 "routing options say correction_bias=False")
-        elif bias is None:
-            router["e_score_correction_bias"] = torch.zeros(E, device=router_weight.device)
-        else:
-            router["e_score_correction_bias"] = bias
+                routing.setdefault("scoring", "sigmoid")
+            # The local MoE sees the local experts and the local rows of the router (never used:
+            # routing is over all E experts), so MoE's loader validates and stacks them.
+            local_opts = {k: options[k] for k in ("activation", "config") if k in options}
+            local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
+            # A full-size MoE on the meta device checks the routing options and fills defaults.
+            probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", **routing)
+            router = _router_of(probe)
+            router["router_weight"] = router_weight
+            if probe.e_score_correction_bias is None:
+                if bias is not None:
+                    raise ValueError("the checkpoint has an e_score_correction_bias but the "
+                                     "routing options say correction_bias=False")
+            elif bias is None:
+                router["e_score_correction_bias"] = torch.zeros(E, device=router_weight.device)
+            else:
+                router["e_score_correction_bias"] = bias
         return cls(local, router, E, dispatcher=dispatcher, check_replicated=check_replicated)
 
     # -- forward ---------------------------------------------------------------------------
@@ -382,9 +374,28 @@ class ExpertParallelMoE(nn.Module):
             out = torch.sigmoid(m.shared_expert_gate(xs.to(m.shared_expert_gate.weight.dtype))) * out
         return out
 
-    @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens [..., H] -> [..., H]; every rank of the group must call it."""
+        """This rank's tokens [..., H] -> [..., H]; every rank of the group must call it.
+
+        Inference only, as MoE: where autograd could ask for a gradient (grad mode on and the
+        input or a parameter requires grad) the result is linked so that a backward raises
+        RuntimeError (a detached result let a training step run on, the layer's gradient
+        silently missing).
+        """
+        linked = [t for t in (hidden_states, *self.parameters()) if isinstance(t, torch.Tensor)]
+        if torch.compiler.is_compiling():
+            y = self._forward(hidden_states)
+            if not needs_link(linked):
+                return y
+            # Traced: y comes out of no_grad, so it is tied to the input first (a select that
+            # keeps y's values), then given the raising backward.
+            y = torch.where(torch.zeros((), dtype=torch.bool, device=y.device), hidden_states, y)
+            return mark_inference_only(y, INFERENCE_ONLY_MESSAGE)
+        return inference_only(INFERENCE_ONLY_MESSAGE, lambda: self._forward(hidden_states),
+                              linked)
+
+    @torch.no_grad()
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         try:
             self._check_input(hidden_states)
         except (TypeError, ValueError):
@@ -430,6 +441,70 @@ class ExpertParallelMoE(nn.Module):
                 f"scoring={self.scoring!r}, rank={self.rank}/{self.world_size}")
 
 
+def _local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
+    """from_moe's local layer: this rank's experts of `moe`, the shared experts whole."""
+    if not isinstance(moe, MoE):
+        raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
+    start, end = expert_range(moe.num_experts, dispatcher.rank, dispatcher.world_size)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        part = t[start:end]
+        return part.clone() if copy else part
+
+    # FP8 experts keep their decoding scales (blocks or rows, expert-major like the weights)
+    scales = None
+    if moe.fp8 is not None:
+        scales = (take(moe.gate_up_proj_scale_inv), take(moe.down_proj_scale_inv))
+    shared = None
+    if moe.shared_experts is not None:
+        shared = {n: getattr(moe.shared_experts, n).weight
+                  for n in ("gate_proj", "up_proj", "down_proj")}
+        if moe.shared_expert_gate is not None:
+            shared["gate"] = moe.shared_expert_gate.weight
+    return MoE.from_fused(
+        take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
+        shared=shared, scales=scales, activation=moe.activation, config=moe.config,
+    )
+
+
+def _checks_replicas(dispatcher: Dispatcher) -> bool:
+    """Whether check_replicated can run: a group (the dispatcher's `group` attribute) of more
+    than one rank, torch.distributed initialized."""
+    return (dispatcher.world_size > 1 and hasattr(dispatcher, "group")
+            and dist.is_available() and dist.is_initialized())
+
+
+def _gather_digests(dispatcher: Dispatcher, mine: torch.Tensor) -> torch.Tensor:
+    """check_replicated's all-gather: every rank's digest, (W, len(digest)) on the CPU."""
+    group = dispatcher.group  # type: ignore[attr-defined]
+    # The collective's tensor where the group's backend takes it: NCCL only CUDA tensors
+    # (a layer built on the CPU and moved later), gloo the CPU.
+    if dist.get_backend(group) == "nccl":
+        if mine.device.type != "cuda":
+            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        mine = mine.cpu()
+    gathered = [torch.empty_like(mine) for _ in range(dispatcher.world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    return torch.stack(gathered).cpu()
+
+
+@contextlib.contextmanager
+def _refusing(dispatcher: Dispatcher, check_replicated: bool) -> Iterator[None]:
+    """Construction before the replica check: a rank whose arguments are refused (its own
+    TypeError, ValueError or KeyError, e.g. a bad top_k or a missing checkpoint key) joins the
+    check's all-gather with a digest flagged as refused, so that the other ranks raise
+    ValueError too instead of waiting in it until the group's timeout."""
+    try:
+        yield
+    except (TypeError, ValueError, KeyError):
+        if check_replicated and _checks_replicas(dispatcher):
+            flagged = torch.zeros(_DIGEST_SIZE, dtype=torch.int64)
+            flagged[0] = 1
+            _gather_digests(dispatcher, flagged)
+        raise
+
+
 _P = 2 ** 31 - 1  # the hashes' modulus: products of two residues stay below 2^62
 
 
@@ -466,6 +541,7 @@ def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
             value = zlib.crc32(repr(value).encode())
         values.append(int(value))
 
+    add("refused", 0)  # (1 only in the digest of a rank whose constructor refused: _refusing)
     for name in ("num_experts", "hidden_size", "intermediate_size", *_ROUTING):
         add(name, getattr(layer, name))
     act = m.activation
@@ -487,6 +563,7 @@ def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
         h = (-1, -1) if t is None else _tensor_hash(t)
         add(name, h[0])
         add(name, h[1])
+    assert len(values) == _DIGEST_SIZE
     return names, torch.tensor(values, dtype=torch.int64, device=layer.router_weight.device)
 
 
@@ -503,6 +580,25 @@ def _router_of(moe: MoE) -> dict[str, Any]:
     out["router_weight"] = moe.router_weight
     out["e_score_correction_bias"] = moe.e_score_correction_bias
     return out
+
+
+class _Renamed(Mapping[str, torch.Tensor]):
+    """A checkpoint mapping with the keys prefix + name renamed prefix + names[name]; the
+    tensors are indexed only when read."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, names: Mapping[str, str]):
+        self.sd = sd
+        self.keys_map = {prefix + names.get(key[len(prefix):], key[len(prefix):])
+                         if key.startswith(prefix) else key: key for key in sd}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.sd[self.keys_map[key]]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.keys_map)
+
+    def __len__(self) -> int:
+        return len(self.keys_map)
 
 
 class _LocalShard(Mapping[str, torch.Tensor]):

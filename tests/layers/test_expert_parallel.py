@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from ep_testutils import rank_errors, run_world
 
-from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher, expert_range
+from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE
 from moe_gemm.layers.moe import MoE
 from moe_gemm.testing import calc_diff
@@ -139,6 +139,15 @@ def state_dict_reads_local_experts_only(rank: int, world: int) -> list[str]:
              "experts.down_proj": ds.down_proj}
     ep2 = ExpertParallelMoE.from_state_dict(fused, 2, n_group=2, topk_group=1)
     errs += [m for m in [_check("fused sigmoid", ep2(x), ds(x), 1e-5)] if m]
+    # MoE's own state_dict ("router_weight", "gate_up_proj", ...), which MoE.from_state_dict
+    # reads: it was a KeyError about "gate.weight"
+    for label, full, kw in (("own state_dict", moe, {}),
+                            ("own sigmoid state_dict", ds, {"n_group": 2, "topk_group": 1})):
+        try:
+            ep3 = ExpertParallelMoE.from_state_dict(full.state_dict(), 2, **kw)
+            errs += [m for m in [_check(label, ep3(x), full(x), 1e-5)] if m]
+        except KeyError as e:
+            errs.append(f"{label}: {e}")
     return errs
 
 
@@ -381,6 +390,53 @@ def fp8_tokens_of_different_dtypes_refused(rank: int, world: int) -> list[str]:
                                 2 ** -7)] if m]
 
 
+@case
+def backward_raises_as_moe_does(rank: int, world: int) -> list[str]:
+    """Inference only, as MoE: with gradients enabled on the input, a backward through the
+    output raises (it ran, the layer's gradient silently missing, with a residual around it);
+    under no_grad nothing is linked. (Compiled: test_compiled_backward_raises_as_moe_does.)"""
+    moe = _full_moe(17, torch.float32, shared_intermediate_size=8)
+    ep = ExpertParallelMoE.from_moe(moe)
+    x = _tokens(rank, 17, torch.float32, T=3).requires_grad_()
+    errs = [m for m in [_check("grad enabled", ep(x).detach(), moe(x).detach(), 1e-5)] if m]
+    try:
+        (x + ep(x)).sum().backward()
+        errs.append("a backward through the layer ran")
+    except RuntimeError as e:
+        if "inference-only" not in str(e):
+            errs.append(f"unclear message: {e}")
+    with torch.no_grad():
+        if ep(x).requires_grad:
+            errs.append("linked under no_grad")
+    return errs
+
+
+@case
+def one_rank_fails_to_build(rank: int, world: int) -> list[str]:
+    """A rank whose constructor arguments are refused (a bad top_k, a missing key) joins the
+    replica check flagged, so every rank raises ValueError instead of waiting in it until the
+    group's timeout; check_replicated=False leaves the others to build."""
+    moe = _full_moe(18, torch.float32)
+    fused = {"gate.weight": moe.router_weight, "experts.gate_up_proj": moe.gate_up_proj,
+             "experts.down_proj": moe.down_proj}
+    errs = []
+    last = rank == world - 1
+    for label, build in (
+        ("bad top_k", lambda: ExpertParallelMoE.from_state_dict(fused, 0 if last else 2)),
+        ("missing key", lambda: ExpertParallelMoE.from_state_dict(
+            {k: v for k, v in fused.items() if not (last and k == "experts.down_proj")}, 2)),
+        ("E not a multiple of W", lambda: ExpertParallelMoE.from_moe(
+            _full_moe(18, torch.float32, E=8 * world + last))),
+    ):
+        try:
+            build()
+            errs.append(f"{label}: rank {rank} built the layer")
+        except (TypeError, ValueError, KeyError) as e:
+            if not last and f"rank(s) [{world - 1}] could not build" not in str(e):
+                errs.append(f"{label}: unclear message: {e}")
+    return errs
+
+
 def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -486,3 +542,30 @@ def test_route_takes_forward_input_and_names_bad_input() -> None:
     torch.testing.assert_close(w.double(), want_w / want_w.sum(-1, keepdim=True))
     with pytest.raises(ValueError, match=r"hidden_states must be \(\.\.\., H\) = \(\.\.\., 16\)"):
         ep.route(torch.randn(4, 15))
+
+
+class _Local(_OneRank):
+    """A Dispatcher of one rank that dispatches to itself (no process group)."""
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, *,  # type: ignore[no-untyped-def]
+                 during=None):
+        extra = during() if during is not None else None
+        return Dispatched(x, topk_ids, topk_weights.float(), None, None), extra
+
+    def combine(self, y, handle):  # type: ignore[no-untyped-def]
+        return y
+
+
+def test_compiled_backward_raises_as_moe_does() -> None:
+    # Under torch.compile the forward's result (computed under no_grad) was not linked to the
+    # input: the layer's gradient silently missing, as in eager before.
+    moe = MoE(16, 8, 4, 2, shared_intermediate_size=8)
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
+    x = torch.randn(3, 16, requires_grad=True)
+    for layer in (ep, torch.compile(ep)):
+        y = layer(x)
+        torch.testing.assert_close(y.detach(), moe(x).detach())
+        with pytest.raises(RuntimeError, match="inference-only"):
+            (x + y).sum().backward()
+    with torch.no_grad():
+        assert not torch.compile(ep)(x).requires_grad
