@@ -19,7 +19,7 @@ from moe_gemm.ops import launch_kernel, launch_resources
 from moe_gemm.ops.heuristics import choose_batched, choose_varlen
 from moe_gemm.ops.kernel_cache import kernel_constants
 from moe_gemm.ops.launch_info import _local
-from moe_gemm.ops.support import operand_major, tma_view
+from moe_gemm.ops.support import empty_k_result, operand_major, tma_view
 from moe_gemm.ops.validation import GroupedBmmArgs, GroupedMmArgs
 
 
@@ -90,14 +90,7 @@ class MmPlan:
         if self.trivial:
             return out.zero_() if self.zero_tail and self.E == 0 else out
         if self.zero:
-            if self.zero_tail:
-                return out.zero_()
-            # Rows [0, offs[-1]) are zero, the rest of a given out is kept; on the GPU, with
-            # no host sync (offs clamped into [0, T] as the kernel and the torch backend read
-            # it; a decreasing entry cannot end the routed rows before an earlier one).
-            end = offs.clamp(0, self.T).amax()
-            rows = torch.arange(self.T, device=self.device)
-            return out.masked_fill_((rows < end)[:, None], 0)
+            return empty_k_result(out, offs, given=not self.zero_tail)
         choice = self.choice
         xv = tma_view(x, 1) if self.fix_x else x
         wv = tma_view(w, self.w_unit) if self.fix_w else w

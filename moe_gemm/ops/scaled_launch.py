@@ -32,7 +32,7 @@ from moe_gemm.ops.scaled_validation import (
     a_scale_view,
     b_scale_view,
 )
-from moe_gemm.ops.support import tma_view
+from moe_gemm.ops.support import empty_k_result, tma_view
 
 _NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
           torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -134,14 +134,7 @@ class Fp8MmPlan:
         if self.trivial:
             return out.zero_() if self.zero_tail and self.E == 0 else out
         if self.zero:
-            if self.zero_tail:
-                return out.zero_()
-            # Rows [0, offs[-1]) are zero, the rest of a given out is kept; on the GPU, with
-            # no host sync (offs clamped into [0, T] as the kernel and the torch backend read
-            # it).
-            end = offs.clamp(0, self.T).amax()
-            rows = torch.arange(self.T, device=self.device)
-            return out.masked_fill_((rows < end)[:, None], 0)
+            return empty_k_result(out, offs, given=not self.zero_tail)
         g = self.granularity
         sfa = _dense(a_scale_view(scale_a, g, (), self.T))
         sfb = _dense(b_scale_view(scale_b, g, (self.E,), self.N))

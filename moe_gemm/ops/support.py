@@ -211,6 +211,20 @@ def grouped_bmm_unsupported(args: GroupedBmmArgs, config: GemmConfig) -> str | N
     return _out_row_problem("out", N, args.out_dtype)
 
 
+def empty_k_result(out: torch.Tensor, offs: torch.Tensor, given: bool) -> torch.Tensor:
+    """The varlen forms' result at K = 0, where every routed row is an empty sum (the kernels'
+    launch-time TMA descriptors cannot have an empty K extent, so no launch): zeros, but a
+    given `out` keeps its rows past offs[-1]; on the GPU with no host sync (offs clamped into
+    [0, T] as the kernels and the torch backend read it, so a decreasing entry cannot end the
+    routed rows before an earlier one)."""
+    if not given:
+        return out.zero_()
+    T = out.shape[0]
+    end = offs.clamp(0, T).amax()
+    rows = torch.arange(T, device=out.device)
+    return out.masked_fill_((rows < end)[:, None], 0)
+
+
 def tma_view(t: torch.Tensor, unit_dim: int) -> torch.Tensor:
     """`t` with every size-1 dimension given a 16-byte-multiple stride (a view, no copy).
 

@@ -207,23 +207,32 @@ def test_fp8_layer_backend_pins_and_graph_safety_on_cpu():
         out.float().sum().backward()
 
 
-def test_from_hf_fp8_experts():
+def _deepseek_block(n_shared: int, seed: int):
+    """A small transformers DeepseekV3MoE with random weights and correction bias, and its
+    config (transformers >= 5, else the test is skipped)."""
     transformers = pytest.importorskip("transformers")
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("needs transformers >= 5")
     from transformers import DeepseekV3Config
-    from transformers.integrations.finegrained_fp8 import FP8Experts
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     cfg = DeepseekV3Config(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8,
-                           num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
-                           routed_scaling_factor=2.5, norm_topk_prob=True)
-    torch.manual_seed(10)
+                           num_experts_per_tok=2, n_group=4, topk_group=2,
+                           n_shared_experts=n_shared, routed_scaling_factor=2.5,
+                           norm_topk_prob=True)
+    torch.manual_seed(seed)
     block = DeepseekV3MoE(cfg).eval()
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape) * 0.05)
         block.gate.e_score_correction_bias.normal_(0, 0.1)
+    return block, cfg
+
+
+def test_from_hf_fp8_experts():
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    block, cfg = _deepseek_block(n_shared=1, seed=10)
     ref16 = MoE.from_hf(block)
     x = _x(seed=11, dtype=torch.float32)
     with torch.no_grad():
@@ -251,24 +260,11 @@ def test_from_hf_fp8_block_with_an_fp8_shared_expert(block_size):
     """A transformers FP8 checkpoint quantizes the shared expert too (FP8Linear with its
     weight_scale_inv, as replace_with_fp8_linear converts DeepSeek-V3's shared_experts):
     from_hf dequantizes it, as from_state_dict does, instead of refusing its FP8 weights."""
-    transformers = pytest.importorskip("transformers")
-    if int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("needs transformers >= 5")
-    from transformers import DeepseekV3Config
     from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     from moe_gemm import dequantize_fp8
 
-    cfg = DeepseekV3Config(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8,
-                           num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2,
-                           routed_scaling_factor=2.5, norm_topk_prob=True)
-    torch.manual_seed(21)
-    block = DeepseekV3MoE(cfg).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn(p.shape) * 0.05)
-        block.gate.e_score_correction_bias.normal_(0, 0.1)
+    block, cfg = _deepseek_block(n_shared=2, seed=21)
     fp8 = FP8Experts(cfg, block_size=(128, 128))
     for name in ("gate_up_proj", "down_proj"):
         q, sc = quantize_fp8_per_block(getattr(block.experts, name).detach())
