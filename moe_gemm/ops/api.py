@@ -283,10 +283,9 @@ def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] 
     from moe_gemm.ops import general_launch, launch_kernel, launch_resources
 
     cfg = config or DEFAULT_CONFIG
-    switches = extra[2]
     shape = general_launch.general_shape(
         scan.sizes, scan.dtype, scan.out_dtype, scan.b_major, cfg,
-        launch_kernel.sm_count(scan.device), False, switches, scan.device)
+        launch_kernel.sm_count(scan.device), False, scan.device)
     if launch_resources._fresh():
         plan = general_launch.GeneralPlan(shape, scan.device, scan.a_ld, scan.b_ld)
     else:
@@ -294,7 +293,7 @@ def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] 
         global _scans
         _scans += 1
         recent, plan.last_scan = _scans - plan.last_scan <= RECENT_SCANS, _scans
-        if recent and plan.signatures < MAX_SIGNATURES and _cacheable(switches):
+        if recent and plan.signatures < MAX_SIGNATURES and _cacheable(extra[2]):
             # Seen again soon: worth a signature (~0.6 us per tensor to build), which a
             # layout seen once (routing that changes every call) never pays.
             plan.signatures += 1

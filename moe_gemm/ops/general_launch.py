@@ -166,14 +166,21 @@ class GeneralShape:
 _untracked_views = torch._C._AutoDispatchBelowADInplaceOrView
 
 
-@functools.lru_cache(maxsize=256)
 def general_shape(sizes: tuple, ab: torch.dtype, d: torch.dtype, b_major: str,
-                  config: GemmConfig, nsm: int, trace: bool, switches: tuple,
-                  device: torch.device) -> GeneralShape:
-    """The GeneralShape of a problem set, cached (switches: the values of the environment
-    variables the kernel choice reads, heuristics.GENERAL_SWITCHES or a tuple holding them,
-    so a changed switch gets a new entry; device: its name picks tuned tables)."""
+                  config: GemmConfig, nsm: int, trace: bool, device: torch.device
+                  ) -> GeneralShape:
+    """The GeneralShape of a problem set, cached per value of the environment variables the
+    kernel choice reads (heuristics.GENERAL_SWITCHES: a changed switch gets a new entry);
+    device: its name picks tuned tables."""
+    return _general_shape(sizes, ab, d, b_major, config, nsm, trace, general_switches(), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _general_shape(sizes, ab, d, b_major, config, nsm, trace, switches, device) -> GeneralShape:
     return GeneralShape(sizes, ab, d, b_major, config, nsm, trace, device)
+
+
+general_shape.cache_clear = _general_shape.cache_clear  # type: ignore[attr-defined]
 
 
 class GeneralPlan:
@@ -380,7 +387,7 @@ class GeneralLaunch:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.shape = shape = general_shape(
             tuple(args.sizes), args.dtype, args.out_dtype, layout.b_major, config,
-            launch_kernel.sm_count(device), trace, general_switches(), device)
+            launch_kernel.sm_count(device), trace, device)
         self.choice = shape.choice
         b_major = layout.b_major
         b_ptr, b_ld = layout.b_ptr, layout.b_ld

@@ -73,3 +73,16 @@ def randomize(moe: MoE, scale: float = 0.3) -> MoE:
         if moe.e_score_correction_bias is not None:
             moe.e_score_correction_bias.copy_(torch.randn(moe.num_experts, generator=g) * 0.2)
     return moe
+
+
+def near_tie_sigmoid_moe(hidden: int, intermediate: int) -> MoE:
+    """A DeepSeek-style layer (64 experts, top-8 in 4 of 8 groups) whose router weights are
+    bf16 values and whose correction bias is near 1 (so its rounding to bf16 would change
+    the chosen experts): the case for checking that casts keep the bias float32. Seeded from
+    torch's generator, fresh per call."""
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    moe = MoE(hidden, intermediate, 64, 8, scoring="sigmoid", n_group=8, topk_group=4)
+    with torch.no_grad():
+        moe.router_weight.copy_(moe.router_weight.bfloat16().float())
+        moe.e_score_correction_bias.copy_(1 + 0.05 * torch.rand(64))
+    return moe

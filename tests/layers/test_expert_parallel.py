@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from ep_testutils import rank_errors, run_world
+from moe_testutils import near_tie_sigmoid_moe
 
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE
@@ -516,11 +517,7 @@ def test_constructor_checks_the_router(change: dict, exc: type[Exception], patte
 def test_correction_bias_keeps_float32_under_casts() -> None:
     # As MoE's: module.to(torch.bfloat16) leaves the selection-only bias float32 (a bf16 one
     # chooses other experts), so the cast layer routes as the float32 one does.
-    torch.manual_seed(int(torch.randint(1 << 30, ())))
-    moe = MoE(16, 8, 64, 8, scoring="sigmoid", n_group=8, topk_group=4)
-    with torch.no_grad():
-        moe.router_weight.copy_(moe.router_weight.bfloat16().float())
-        moe.e_score_correction_bias.copy_(1 + 0.05 * torch.rand(64))
+    moe = near_tie_sigmoid_moe(16, 8)
     ep = ExpertParallelMoE.from_moe(moe, dispatcher=_OneRank(), check_replicated=False)
     x = torch.randn(256, 16).bfloat16()
     _, want = ep.route(x.float())

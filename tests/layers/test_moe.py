@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_testutils import naive_experts, naive_moe, randomize, rel_err
+from moe_testutils import naive_experts, naive_moe, near_tie_sigmoid_moe, randomize, rel_err
 
 from moe_gemm import GemmConfig
 from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
@@ -200,11 +200,7 @@ def test_route_takes_forward_input_and_names_bad_input() -> None:
 def test_correction_bias_keeps_float32_under_casts() -> None:
     # The selection-only bias stays float32 under module.to(dtype) / .half() (as transformers
     # keeps it): the selection then matches the float32 layer's, with the router in bf16 values.
-    torch.manual_seed(int(torch.randint(1 << 30, ())))
-    moe = MoE(64, 16, 64, 8, scoring="sigmoid", n_group=8, topk_group=4)
-    with torch.no_grad():
-        moe.router_weight.copy_(moe.router_weight.bfloat16().float())
-        moe.e_score_correction_bias.copy_(1 + 0.05 * torch.rand(64))
+    moe = near_tie_sigmoid_moe(64, 16)
     x = torch.randn(256, 64).bfloat16()
     _, want = moe.route(x.float())
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float()):
