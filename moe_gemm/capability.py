@@ -25,6 +25,9 @@ def cutlass_dsl_problem() -> str | None:
     return None
 
 
+_functorch_depth = torch._C._functorch.get_dynamic_layer_stack_depth
+
+
 def cute_problem(device: torch.device | None = None) -> str | None:
     """None if the cute backend can run on `device` (default: the current CUDA device).
 
@@ -36,6 +39,10 @@ def cute_problem(device: torch.device | None = None) -> str | None:
         return "disabled by MOE_GEMM_DISABLE_CUTE"
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}, the kernels run on CUDA sm_90a GPUs"
+    if _functorch_depth() > 0:
+        # grad, jvp or vmap(grad(...)): their wrapped tensors have no storage for a kernel to
+        # read (a vmap alone runs each entry on plain tensors, at depth 0: ops/vmap.py).
+        return "a torch.func transform (grad, jvp) is running: the kernels need plain tensors"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
     index = device.index if device is not None and device.index is not None else None

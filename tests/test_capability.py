@@ -149,3 +149,23 @@ def test_cute_problem_never_raises_on_odd_devices() -> None:
     for dev in (None, torch.device("cpu"), torch.device("meta"), torch.device("cuda")):
         why = cute_problem(dev)
         assert why is None or (isinstance(why, str) and len(why) > 10)
+
+
+def test_func_transforms_take_the_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under grad (and vmap(grad(...))) the operands are functorch wrappers without storage:
+    the kernels cannot read them, so cute_problem names the transform (a vmap alone runs its
+    entries on plain tensors, at depth 0)."""
+    from torch.func import grad, vmap
+
+    _fake_cuda(monkeypatch, (9, 0))
+    assert cute_problem(torch.device("cuda", 0)) is None
+    seen = []
+
+    def f(x):
+        seen.append(cute_problem(torch.device("cuda", 0)))
+        return x.sum()
+
+    grad(f)(torch.ones(3))
+    vmap(grad(f))(torch.ones(2, 3))
+    assert len(seen) == 2 and all(w and "torch.func transform" in w for w in seen)
+    assert cute_problem(torch.device("cuda", 0)) is None
