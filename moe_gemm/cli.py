@@ -169,6 +169,8 @@ def check_variants(full: bool):
     add("general", "bfloat16", "float32", "n", "pingpong", (192, 128))
     add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (192, 128), cluster_m=2, gate="silu",
         gate_layout="concat")
+    # The masked form (row counts on the GPU, D clipped per problem): both schedules, a
+    # cluster each way.
     # Trimmed A loads (an expert's last tile loads its own rows): 128-, 64- and 256-row tiles,
     # a 2x1 cluster, fp32 out with the tail split, a gated (fused) tile.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), stages=3, trim_a=True)
@@ -181,17 +183,6 @@ def check_variants(full: bool):
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), cluster_n=2,
         trim_a=True, peek_wait=True)
     add("general", "bfloat16", "float32", "n", "pingpong", (128, 192), peek_wait=True)
-    # Empty row blocks skipped (one stage loop per block count): 1, 2 and 3 blocks per
-    # warpgroup, both schedules, trimmed A, a cluster, a gated (fused) tile, the general form.
-    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 128), cluster_n=2,
-        trim_a=True, skip_blocks=True)
-    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 128), cluster_m=2,
-        skip_blocks=True)
-    add("general", "bfloat16", "float32", "n", "pingpong", (192, 128), skip_blocks=True)
-    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), gate="silu",
-        gate_layout="concat", gather=True, skip_blocks=True)
-    # The masked form (row counts on the GPU, D clipped per problem): both schedules, a
-    # cluster each way.
     add("masked", "bfloat16", "bfloat16", "k", "pingpong", (64, 128))
     add("masked", "bfloat16", "float32", "n", "cooperative", (128, 256), cluster_m=2)
     add("masked", "float16", "float16", "k", "pingpong", (128, 128), cluster_n=2)

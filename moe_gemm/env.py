@@ -136,9 +136,6 @@ LIBRARY_VARIABLES: dict[str, str] = {
     "MOE_GEMM_PEEK_WAIT": "1: the 16-bit kernels' math warps test the next A/B stage's "
                           "barrier a k-tile ahead (opt-in, even in time on an H200; "
                           "default: wait at each k-tile)",
-    "MOE_GEMM_SKIP_BLOCKS": "1 / 0: a tile's WGMMAs skip its 64-row blocks past its "
-                            "problem's rows (an expert's last tile) / compute the whole tile "
-                            "(16-bit kernels; default: whole)",
     "MOE_GEMM_L2_HINTS": "'a,b', each first, normal or last: L2 eviction hints on the A and "
                          "B loads",
     "MOE_GEMM_PDL": "1: programmatic dependent launch of the kernels (read at import)",

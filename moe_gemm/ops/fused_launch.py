@@ -41,7 +41,6 @@ from moe_gemm.ops.heuristics import (
     KernelChoice,
     choose_varlen,
     with_peek_wait,
-    with_skip_blocks,
     with_trim_a,
 )
 from moe_gemm.ops.support import (
@@ -183,7 +182,6 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     if not gather:
         fitted = with_trim_a(fitted)
     fitted = with_peek_wait(fitted)
-    fitted = with_skip_blocks(fitted)  # (decided for the fitted tile too)
     b_major = "k" if operand_major(args.w) == "col" else "n"
     why = fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, b_major,
                         fitted.cluster_n, args.gate or "", args.gate_layout, gather)

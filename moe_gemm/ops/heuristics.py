@@ -51,17 +51,15 @@ class KernelChoice:
     smem_scales: bool = False  # FP8 block scales staged in shared memory (heuristics_fp8)
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
     peek_wait: bool = False  # 16-bit: the math warps test the next stage's barrier a k-tile ahead
-    skip_blocks: bool = False  # 16-bit: a tile's WGMMAs skip row blocks past its problem's rows
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 TRIM_A_ENV = "MOE_GEMM_TRIM_A"
 PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
-SKIP_BLOCKS_ENV = "MOE_GEMM_SKIP_BLOCKS"
 # What choose_general reads from the environment besides its arguments: a cache above it
 # (general_launch.general_shape) keys on their values, so a changed switch applies to the
 # next call, as it does for grouped_mm.
-GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, SKIP_BLOCKS_ENV, *tuned.SWITCHES)
+GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, *tuned.SWITCHES)
 general_switches = env_reader(GENERAL_SWITCHES)  # () -> their values
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
 # past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)
@@ -120,8 +118,8 @@ def choose_general(
     the K-sort cost model (~30 us). device: the GPU's name, for the tuned tables (None:
     rules only); dtype / out_dtype: torch dtype names of the inputs and the output."""
     state = tuned.state() if device else None
-    return with_skip_blocks(with_peek_wait(with_l2_hints(_choose_general_tuned(
-        config, sizes, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state))))
+    return with_peek_wait(with_l2_hints(_choose_general_tuned(
+        config, sizes, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -301,9 +299,9 @@ def choose_varlen(
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
     device: the GPU's name, for the tuned tables (None: rules only)."""
     state = tuned.state() if device else None
-    return with_skip_blocks(with_peek_wait(with_trim_a(with_l2_hints(_choose_varlen_tuned(
+    return with_peek_wait(with_trim_a(with_l2_hints(_choose_varlen_tuned(
         config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
-        tail_split_enabled())))))
+        tail_split_enabled()))))
 
 
 def with_trim_a(choice: KernelChoice) -> KernelChoice:
@@ -333,21 +331,6 @@ def with_peek_wait(choice: KernelChoice) -> KernelChoice:
     them (16-bit kernels, every form; opt-in: even with the plain wait on the zoo, H200)."""
     on = env_flag(PEEK_WAIT_ENV)
     return replace(choice, peek_wait=on) if on != choice.peek_wait else choice
-
-
-def with_skip_blocks(choice: KernelChoice) -> KernelChoice:
-    """Empty row blocks skipped (GroupedGemmSm90 skip_blocks: a tile's WGMMAs leave out its
-    m64 row blocks past the problem's rows) where skip_blocks_default takes it;
-    MOE_GEMM_SKIP_BLOCKS=1 / 0 everywhere / nowhere (16-bit kernels, every form)."""
-    forced = env_override(SKIP_BLOCKS_ENV)
-    on = skip_blocks_default(choice) if forced is None else forced
-    return replace(choice, skip_blocks=on) if on != choice.skip_blocks else choice
-
-
-def skip_blocks_default(choice: KernelChoice) -> bool:
-    """Whether a kernel skips its tiles' empty row blocks by default: not yet (off until
-    timed on the zoo against the same kernel without it)."""
-    return False
 
 
 @functools.lru_cache(maxsize=512)
@@ -479,9 +462,9 @@ def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: 
     """For grouped_mm's 3D x 3D form: the general rules for one (M, N, K) shared by all.
     device: the GPU's name, for the tuned tables (None: rules only)."""
     state = tuned.state() if device else None
-    return with_skip_blocks(with_peek_wait(with_l2_hints(_choose_batched_tuned(
+    return with_peek_wait(with_l2_hints(_choose_batched_tuned(
         config, G, M, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
-        tail_split_enabled()))))
+        tail_split_enabled())))
 
 
 @functools.lru_cache(maxsize=256)

@@ -436,23 +436,6 @@ def _peek_wait_tests(v: Variants) -> None:
             v.general([(m, 200, 136) for m in (1, 63, 65, 129, 200, 0, 255)], cfg,
                       peek_wait=peek)
             v.batched(5, 97, 264, 136, cfg, peek_wait=peek)
-def _skip_blocks_tests(v: Variants) -> None:
-    from .test_skip_blocks_gpu import CONFIGS, skip_counts
-
-    for schedule, tile, cluster, trim in CONFIGS:
-        counts = skip_counts(tile[0])
-        cfg = _cfg(schedule=schedule, tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0],
-                   cluster_n=cluster[1])
-        for skip in (False, True):
-            for k in (64, 1000):
-                v.varlen(sum(counts) + 29, len(counts), 264, k, cfg, b_major="k", trim_a=trim,
-                         skip_blocks=skip)
-    for schedule, tile in (("pingpong", (128, 128)), ("cooperative", (256, 128))):
-        cfg = _cfg(schedule=schedule, tile_m=tile[0], tile_n=tile[1])
-        for skip in (False, True):
-            v.general([(m, 200, 136) for m in (1, 63, 65, 129, 200, 0, 255)], cfg,
-                      skip_blocks=skip)
-            v.batched(5, 97, 264, 136, cfg, skip_blocks=skip)
 
 
 def _other_tests(v: Variants) -> None:
@@ -561,8 +544,7 @@ def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
                     _layer_tests, _fused_tests, _fused_layer_tests, _masked_tests,
-                    _fused_masked_tests, _trimmed_a_tests, _peek_wait_tests,
-                    _skip_blocks_tests):
+                    _fused_masked_tests, _trimmed_a_tests, _peek_wait_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 

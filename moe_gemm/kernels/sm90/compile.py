@@ -80,7 +80,6 @@ class CompileKey:
     row_counts: bool = False  # varlen: offs are per-expert row counts (the masked layout)
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
     peek_wait: bool = False  # the math warps test the next stage's barrier a k-tile ahead
-    skip_blocks: bool = False  # a tile's WGMMAs skip its row blocks past the problem's rows
 
     @property
     def fused(self) -> bool:
@@ -106,8 +105,6 @@ class CompileKey:
             parts.append("trima")
         if self.peek_wait:
             parts.append("peek")
-        if self.skip_blocks:
-            parts.append("skipm")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
@@ -138,7 +135,6 @@ class CompileKey:
             row_counts=self.row_counts,
             trim_a=self.trim_a,
             peek_wait=self.peek_wait,
-            skip_blocks=self.skip_blocks,
             **fused,
         )
 

@@ -275,7 +275,6 @@ class GroupedGemmSm90:
         row_counts: bool = False,
         trim_a: bool = False,
         peek_wait: bool = False,
-        skip_blocks: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -362,22 +361,12 @@ class GroupedGemmSm90:
         # at the top of every k-tile (ncu, Kimi-K2 gate/up: 56% of the math warps' stall
         # samples asleep in that wait, with 3 stages where QuACK ran 4).
         self.peek_wait = peek_wait
-        # Empty row blocks skipped (any form): a tile's WGMMAs leave out the m64 row blocks
-        # that hold none of its problem's rows (an expert's last tile), so a tail tile costs
-        # the tensor pipe its rows rounded up to 64, not tile_m. The block's accumulators keep
-        # stale values; the epilogue never stores rows past the problem's end.
-        self.skip_blocks = skip_blocks
         self.d_tile_n = self.tile_n // 2 if self.gate else self.tile_n
 
         # Ping-pong: each warpgroup's m64 row block, its own epilogue buffers; cooperative:
         # the two warpgroups' row blocks stacked, one set of buffers.
         self.atom_layout_mnk = (1, 1, 1) if self.pingpong else (2, 1, 1)
         self.mma_tiler_mn = (64, self.tile_n)
-        # m64 row blocks per warpgroup: block b of warpgroup w holds the tile's rows
-        # [(b * wgs + w) * 64, + 64), wgs = the warpgroups stacked along M (1 ping-pong, 2
-        # cooperative: the tiled MMA repeats its 128-row atom pair down the tile).
-        self.m_wgs = 1 if self.pingpong else 2
-        self.m_blocks = self.tile_m // (64 * self.m_wgs)
         if epi_n not in (16, 32, 64):
             raise ValueError(f"epilogue subtile width {epi_n} unsupported (16, 32, 64)")
 
@@ -1062,51 +1051,6 @@ class GroupedGemmSm90:
         # with two m64 blocks made ptxas inject a warpgroup.wait into every tile (C7517).
         warpgroup.fence()
         release_state = ab_state.clone()
-        if const_expr(self.skip_blocks and self.m_blocks > 0):
-            live = self.live_blocks(work, math_wg)
-            if live == self.m_blocks:
-                ab_state, release_state = self.stage_loop(
-                    ab_pipe, ab_state, release_state, tiled_mma, acc, tCrA, tCrB, k_tiles,
-                    num_k_blocks, None)
-            for blocks in cutlass.range_constexpr(self.m_blocks):
-                if live == blocks:
-                    ab_state, release_state = self.stage_loop(
-                        ab_pipe, ab_state, release_state, tiled_mma, acc, tCrA, tCrB, k_tiles,
-                        num_k_blocks, blocks)
-        else:
-            ab_state, release_state = self.stage_loop(
-                ab_pipe, ab_state, release_state, tiled_mma, acc, tCrA, tCrB, k_tiles,
-                num_k_blocks, None)
-        if const_expr(self.pingpong):
-            # Every WGMMA of this tile is issued: the other warpgroup's mainloop may start
-            # while this one drains and runs its epilogue.
-            cute.arch.barrier_arrive(
-                barrier_id=BAR_MMA_ORDER + 1 - math_wg, number_of_threads=2 * self.threads_per_wg
-            )
-        warpgroup.wait_group(0)
-        if k_tiles > 0:
-            ab_pipe.consumer_release(release_state)
-        return ab_state
-
-    @cute.jit
-    def stage_loop(
-        self,
-        ab_pipe: pipeline.PipelineTmaAsync,
-        ab_state: pipeline.PipelineState,
-        release_state: pipeline.PipelineState,
-        tiled_mma: cute.TiledMma,
-        acc: cute.Tensor,
-        tCrA: cute.Tensor,
-        tCrB: cute.Tensor,
-        k_tiles: Int32,
-        num_k_blocks: cutlass.Constexpr,
-        blocks: cutlass.Constexpr,
-    ):
-        """The WGMMAs of k_tiles stages: the whole tile (blocks None), or only its first
-        `blocks` m64 row blocks (0: none; the stages are still waited for and released, in
-        step with the load warp and a cluster's other CTA). Returns (ab_state, release_state).
-        One loop per block count, chosen before it: a branch between the WGMMAs of a stage
-        would make ptxas serialize them."""
         # One WGMMA batch stays in flight (wait_group(1)): stage s is released once the
         # batch reading it has retired, i.e. one iteration later.
         if k_tiles > 0:
@@ -1114,7 +1058,8 @@ class GroupedGemmSm90:
             self._acquire_gathered()
             for kb in cutlass.range_constexpr(num_k_blocks):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
-                self._block_gemms(tiled_mma, acc, tCrA, tCrB, kb, ab_state.index, blocks)
+                coord = (None, None, kb, ab_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
             warpgroup.commit_group()
             ab_state.advance()
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -1129,7 +1074,8 @@ class GroupedGemmSm90:
                 ab_pipe.consumer_wait(ab_state)
             self._acquire_gathered()
             for kb in cutlass.range_constexpr(num_k_blocks):
-                self._block_gemms(tiled_mma, acc, tCrA, tCrB, kb, ab_state.index, blocks)
+                coord = (None, None, kb, ab_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
             warpgroup.commit_group()
             warpgroup.wait_group(1)
             ab_pipe.consumer_release(release_state)
@@ -1138,38 +1084,16 @@ class GroupedGemmSm90:
             if const_expr(self.peek_wait):
                 if k + 1 < k_tiles:
                     peek = ab_pipe.consumer_try_wait(ab_state)
-        return ab_state, release_state
-
-    @cute.jit
-    def _block_gemms(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
-                     tCrB: cute.Tensor, kb: cutlass.Constexpr, stage: Int32,
-                     blocks: cutlass.Constexpr):
-        """k-block kb of a stage: the whole tile's WGMMAs, or those of its first `blocks` row
-        blocks (one m64 x tile_n WGMMA each, per N repeat)."""
-        if const_expr(blocks is None):
-            coord = (None, None, kb, stage)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-        else:
-            # Row block m as a one-block M mode (the (V, M) x (V, N) => (V, M, N) form).
-            acc_m = cute.logical_divide(acc, (None, 1, None))
-            a_m = cute.logical_divide(tCrA[None, None, kb, stage], (None, 1))
-            b = tCrB[None, None, kb, stage]
-            for m in cutlass.range_constexpr(blocks):
-                d = acc_m[None, (None, m), None]
-                cute.gemm(tiled_mma, d, a_m[None, (None, m)], b, d)
-
-    @cute.jit
-    def live_blocks(self, work: WorkTile, math_wg: Int32) -> Int32:
-        """How many of this warpgroup's m64 row blocks hold rows of the tile's problem (its
-        blocks are stacked as in __init__; a cluster's CTA past the problem's edge has none)."""
-        first = work.m_tile * self.tile_m  # the tile's first row in its problem
-        wg = Int32(0) if const_expr(self.pingpong) else math_wg
-        left = work.rows - first - wg * 64  # the problem's rows from this warpgroup's block 0
-        step = 64 * self.m_wgs
-        live = Int32(0)
-        if left > 0:
-            live = cutlass.min((left + step - 1) // step, Int32(self.m_blocks))
-        return live
+        if const_expr(self.pingpong):
+            # Every WGMMA of this tile is issued: the other warpgroup's mainloop may start
+            # while this one drains and runs its epilogue.
+            cute.arch.barrier_arrive(
+                barrier_id=BAR_MMA_ORDER + 1 - math_wg, number_of_threads=2 * self.threads_per_wg
+            )
+        warpgroup.wait_group(0)
+        if k_tiles > 0:
+            ab_pipe.consumer_release(release_state)
+        return ab_state
 
     @cute.jit
     def _acquire_gathered(self):
