@@ -38,8 +38,14 @@ from torch import nn
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.checkpoints import OWN_NAMES, check_loader_options
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
-from moe_gemm.layers.experts import INFERENCE_ONLY_MESSAGE, gated
+from moe_gemm.layers.experts import (
+    FLOAT_DTYPES,
+    INFERENCE_ONLY_MESSAGE,
+    canonical_activation,
+    gated,
+)
 from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, keep_dtypes
+from moe_gemm.layers.fused_experts import fused_expert_ffn, fused_gate_for, use_fused
 from moe_gemm.layers.moe import MoE, resolve_activation
 from moe_gemm.layers.routing import (
     check_correction_bias,
@@ -57,10 +63,13 @@ __all__ = ["ExpertParallelMoE"]
 
 _ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
             "router_fp32")
-# check_replicated's digest: a refused flag, the 3 sizes, the routing options, activation,
-# expert dtype and shapes, then per replicated tensor (router, bias, 3 shared projections,
-# shared gate) its shape and dtype and two hashes (_replica_digest).
-_DIGEST_SIZE = 1 + 3 + len(_ROUTING) + 3 + 6 * 3
+# MoE's options that the local experts take (the rest are the routing's, held by this layer).
+_LOCAL_OPTIONS = ("activation", "config", "fused")
+# check_replicated's digest: a refused flag, a checking flag, the 3 sizes, the routing
+# options, activation, expert dtype and shapes, then per replicated tensor (router, bias,
+# 3 shared projections, shared gate) its shape and dtype and two hashes (_replica_digest).
+# A rank that does not check sends the two flags alone (_unchecked_digest).
+_DIGEST_SIZE = 2 + 3 + len(_ROUTING) + 3 + 6 * 3
 
 
 def local_expert_ffn(
@@ -108,6 +117,9 @@ class ExpertParallelMoE(nn.Module):
     the same constructor with the same arguments); each rank then calls it on its own tokens,
     all ranks for every forward (it runs collectives), a rank with no tokens included.
 
+    The local experts run as `moe`'s would: its activation, `config` and `fused` (set
+    `layer.local.fused` or `layer.local.config` to switch a built layer).
+
     Args:
         moe: a MoE holding this rank's E/W experts only (any router: it is not used).
         router: the full layer's routing: router_weight [E, H], e_score_correction_bias [E]
@@ -118,10 +130,15 @@ class ExpertParallelMoE(nn.Module):
         dispatcher: a Dispatcher (default: AllToAllDispatcher(group)).
         check_replicated: run `check_replicated()` once here (default): ranks whose router,
             correction bias, shared experts or layer options differ raise ValueError, every
-            rank alike, instead of routing the same token differently on each rank.
+            rank alike, instead of routing the same token differently on each rank. Every
+            rank must pass the same value; False still costs one all-gather of a few dozen
+            integers at construction (no weight is read), which is how ranks that disagree
+            on it, or a rank whose arguments are refused, make every rank raise.
 
     Raises:
-        ValueError: the replicated parts differ between the ranks (check_replicated).
+        ValueError: the replicated parts differ between the ranks (check_replicated), the
+            ranks pass different check_replicated values, or another rank's constructor
+            refused its arguments.
     """
 
     def __init__(
@@ -142,7 +159,7 @@ class ExpertParallelMoE(nn.Module):
         self.world_size = self.dispatcher.world_size
         # A rank whose arguments are refused here joins the replica check flagged (the others
         # raise too instead of waiting in it).
-        with _refusing(self.dispatcher, check_replicated):
+        with _refusing(self.dispatcher):
             if not isinstance(moe, MoE):
                 raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
             start, end = expert_range(num_experts, self.rank, self.world_size)
@@ -171,8 +188,7 @@ class ExpertParallelMoE(nn.Module):
                 renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
                 routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
                 device="meta")
-        if check_replicated:
-            self.check_replicated()
+        self._agree_on_replicas(bool(check_replicated))
 
     def check_replicated(self) -> None:
         """Check that every rank holds the same replicated parts: the router weight, the
@@ -193,15 +209,30 @@ class ExpertParallelMoE(nn.Module):
             ValueError: on every rank alike, naming what differs and the ranks' values, or
                 the ranks whose constructor refused its arguments.
         """
+        self._agree_on_replicas(True)
+
+    def _agree_on_replicas(self, check: bool) -> None:
+        """The constructor's replica check, or with check=False its flags alone: the
+        all-gather runs on every rank either way, so that a rank that checks never waits for
+        one that does not (the group's timeout), and a disagreement is a ValueError on all."""
         if not _checks_replicas(self.dispatcher):
             return
-        names, mine = _replica_digest(self)
-        table = _gather_digests(self.dispatcher, mine)  # (W, len(names))
+        names, mine = _replica_digest(self) if check else ([], _unchecked_digest())
+        table = _gather_digests(self.dispatcher, mine)  # (W, _DIGEST_SIZE)
         refused = [r for r in range(self.world_size) if table[r, 0]]
         if refused:
             raise ValueError(
                 f"ExpertParallelMoE: rank(s) {refused} could not build the layer (their own "
                 f"error says why); rank {self.rank} stops too instead of waiting for them")
+        checking = table[:, 1].tolist()
+        if len(set(checking)) > 1:
+            on = [r for r, c in enumerate(checking) if c]
+            off = [r for r, c in enumerate(checking) if not c]
+            raise ValueError(
+                "ExpertParallelMoE: the ranks disagree on check_replicated (True on ranks "
+                f"{on}, False on ranks {off}); every rank must pass the same value")
+        if not check:
+            return
         differ: dict[str, str] = {}
         for i, name in enumerate(names):
             if name not in differ and bool((table[:, i] != table[0, i]).any()):
@@ -226,7 +257,8 @@ class ExpertParallelMoE(nn.Module):
         copy: bool = True,
         check_replicated: bool = True,
     ) -> ExpertParallelMoE:
-        """This rank's shard of a whole MoE layer.
+        """This rank's shard of a whole MoE layer: its routing options, activation, shared
+        experts, `config` and `fused` come along.
 
         Args:
             moe: the full layer (every rank passes an equal one).
@@ -235,7 +267,7 @@ class ExpertParallelMoE(nn.Module):
                 views into `moe`'s storage.
         """
         dispatcher = dispatcher or AllToAllDispatcher(group)
-        with _refusing(dispatcher, check_replicated):
+        with _refusing(dispatcher):
             local = _local_moe(moe, dispatcher, copy)
         return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher,
                    check_replicated=check_replicated)
@@ -253,7 +285,7 @@ class ExpertParallelMoE(nn.Module):
     ) -> ExpertParallelMoE:
         """This rank's shard of a transformers MoE block (the blocks `MoE.from_hf` takes)."""
         dispatcher = dispatcher or AllToAllDispatcher(group)
-        with _refusing(dispatcher, check_replicated):
+        with _refusing(dispatcher):
             moe = MoE.from_hf(block, config=config)
         return cls.from_moe(moe, dispatcher=dispatcher, copy=copy,
                             check_replicated=check_replicated)
@@ -285,7 +317,7 @@ class ExpertParallelMoE(nn.Module):
         """
         dispatcher = dispatcher or AllToAllDispatcher(group)
         # A rank whose checkpoint or options are refused joins the replica check flagged.
-        with _refusing(dispatcher, check_replicated):
+        with _refusing(dispatcher):
             if not isinstance(state_dict, Mapping):
                 raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
             if prefix + "gate.weight" not in state_dict and prefix + "router_weight" in state_dict:
@@ -301,12 +333,12 @@ class ExpertParallelMoE(nn.Module):
             local_sd = _LocalShard(state_dict, prefix, start, end, E)
             bias = local_sd.full_bias
             check_loader_options(options)  # (the probe below would take a dtype and ignore it)
-            routing = {k: v for k, v in options.items() if k not in ("activation", "config")}
+            routing = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
             if bias is not None:
                 routing.setdefault("scoring", "sigmoid")
             # The local MoE sees the local experts and the local rows of the router (never used:
             # routing is over all E experts), so MoE's loader validates and stacks them.
-            local_opts = {k: options[k] for k in ("activation", "config") if k in options}
+            local_opts = {k: options[k] for k in _LOCAL_OPTIONS if k in options}
             local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
             # A full-size MoE on the meta device checks the routing options and fills defaults.
             probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", **routing)
@@ -360,6 +392,14 @@ class ExpertParallelMoE(nn.Module):
                                   m.gate_up_proj_scale_inv, m.down_proj, m.down_proj_scale_inv,
                                   gated(resolve_activation(m.activation)), config=m.config)
         x = d.x.to(m.gate_up_proj.dtype)
+        # The fused kernel when asked for (fused=True). Unlike MoE, None keeps the unfused
+        # path here: the fused ops size their buffers by every received slot (R x top_k rows,
+        # most of them other ranks' -1 slots under top-8 over 8 ranks) where the unfused path
+        # gathers only the valid ones (num_valid_slots).
+        gate = fused_gate_for(canonical_activation(m.activation))
+        if use_fused(m.fused is True, gate, x, m.w_gate_up, m.w_down, m.config):
+            return fused_expert_ffn(x, d.local_ids, d.weights, m.w_gate_up, m.w_down, gate,
+                                    config=m.config)
         return local_expert_ffn(x, d.local_ids, d.weights, m.w_gate_up, m.w_down,
                                 m.activation, m.config, d.num_valid_slots)
 
@@ -398,6 +438,7 @@ class ExpertParallelMoE(nn.Module):
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         try:
             self._check_input(hidden_states)
+            self._check_weights()
         except (TypeError, ValueError):
             # The other ranks are already on their way into the dispatch's collectives: join
             # its first one flagged as refused, so that they raise too instead of waiting for
@@ -428,11 +469,22 @@ class ExpertParallelMoE(nn.Module):
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got "
                              f"{tuple(x.shape)}")
-        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"hidden_states must be bf16, fp16 or fp32; got {x.dtype}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"hidden_states must be torch.bfloat16, torch.float16 or "
+                            f"torch.float32; got {x.dtype}")
         if x.device != self.router_weight.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on "
                              f"{self.router_weight.device}")
+
+    def _check_weights(self) -> None:
+        """As MoE.forward: 16-bit experts cast to another dtype (module.double()) are refused
+        here, on every rank before any collective, rather than dispatching float64 tokens to
+        fail in the experts' GEMMs with a message about their input."""
+        w = self.local.gate_up_proj
+        if self.local.fp8 is None and w.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"the layer's expert weights are {w.dtype}; ExpertParallelMoE runs "
+                            "in torch.bfloat16, torch.float16 or torch.float32: cast the layer "
+                            "with .to(dtype)")
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -464,6 +516,7 @@ def _local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
     return MoE.from_fused(
         take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
         shared=shared, scales=scales, activation=moe.activation, config=moe.config,
+        fused=moe.fused,
     )
 
 
@@ -490,15 +543,17 @@ def _gather_digests(dispatcher: Dispatcher, mine: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _refusing(dispatcher: Dispatcher, check_replicated: bool) -> Iterator[None]:
+def _refusing(dispatcher: Dispatcher) -> Iterator[None]:
     """Construction before the replica check: a rank whose arguments are refused (its own
     TypeError, ValueError or KeyError, e.g. a bad top_k or a missing checkpoint key) joins the
     check's all-gather with a digest flagged as refused, so that the other ranks raise
-    ValueError too instead of waiting in it until the group's timeout."""
+    ValueError too instead of waiting in it until the group's timeout (the all-gather runs
+    whatever check_replicated says, so the others would wait there too, or in their first
+    forward for a rank that has no layer)."""
     try:
         yield
     except (TypeError, ValueError, KeyError):
-        if check_replicated and _checks_replicas(dispatcher):
+        if _checks_replicas(dispatcher):
             flagged = torch.zeros(_DIGEST_SIZE, dtype=torch.int64)
             flagged[0] = 1
             _gather_digests(dispatcher, flagged)
@@ -542,6 +597,7 @@ def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
         values.append(int(value))
 
     add("refused", 0)  # (1 only in the digest of a rank whose constructor refused: _refusing)
+    add("check_replicated", 1)  # (0 in the digest of a rank that does not check)
     for name in ("num_experts", "hidden_size", "intermediate_size", *_ROUTING):
         add(name, getattr(layer, name))
     act = m.activation
@@ -565,6 +621,12 @@ def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
         add(name, h[1])
     assert len(values) == _DIGEST_SIZE
     return names, torch.tensor(values, dtype=torch.int64, device=layer.router_weight.device)
+
+
+def _unchecked_digest() -> torch.Tensor:
+    """The digest of a rank built with check_replicated=False: neither flag set, nothing
+    hashed (the size of _replica_digest's: every rank gives the all-gather the same size)."""
+    return torch.zeros(_DIGEST_SIZE, dtype=torch.int64)
 
 
 def _groups(values: list[int]) -> str:

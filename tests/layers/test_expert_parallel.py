@@ -416,7 +416,8 @@ def backward_raises_as_moe_does(rank: int, world: int) -> list[str]:
 def one_rank_fails_to_build(rank: int, world: int) -> list[str]:
     """A rank whose constructor arguments are refused (a bad top_k, a missing key) joins the
     replica check flagged, so every rank raises ValueError instead of waiting in it until the
-    group's timeout; check_replicated=False leaves the others to build."""
+    group's timeout; with check_replicated=False too (the others built their layers, to wait
+    for that rank in their first forward)."""
     moe = _full_moe(18, torch.float32)
     fused = {"gate.weight": moe.router_weight, "experts.gate_up_proj": moe.gate_up_proj,
              "experts.down_proj": moe.down_proj}
@@ -428,6 +429,8 @@ def one_rank_fails_to_build(rank: int, world: int) -> list[str]:
             {k: v for k, v in fused.items() if not (last and k == "experts.down_proj")}, 2)),
         ("E not a multiple of W", lambda: ExpertParallelMoE.from_moe(
             _full_moe(18, torch.float32, E=8 * world + last))),
+        ("bad top_k, unchecked", lambda: ExpertParallelMoE.from_state_dict(
+            fused, 0 if last else 2, check_replicated=False)),
     ):
         try:
             build()
@@ -435,6 +438,75 @@ def one_rank_fails_to_build(rank: int, world: int) -> list[str]:
         except (TypeError, ValueError, KeyError) as e:
             if not last and f"rank(s) [{world - 1}] could not build" not in str(e):
                 errs.append(f"{label}: unclear message: {e}")
+    return errs
+
+
+@case
+def ranks_disagreeing_on_check_replicated(rank: int, world: int) -> list[str]:
+    """check_replicated True on some ranks and False on the others: a ValueError on every rank
+    naming the disagreement (the checking ranks waited in the replica check's all-gather,
+    which the others never entered, until the group's timeout)."""
+    # A group of its own with a short timeout: a rank left waiting fails this case in seconds
+    # instead of holding the default group's later cases.
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+    moe = _full_moe(19, torch.float32)
+    try:
+        ExpertParallelMoE.from_moe(moe, group=group, check_replicated=rank % 2 == 0)
+        return [f"rank {rank} built the layer"]
+    except ValueError as e:
+        on, off = list(range(0, world, 2)), list(range(1, world, 2))
+        if f"check_replicated (True on ranks {on}, False on ranks {off})" not in str(e):
+            return [f"unclear message: {e}"]
+    # The refusal left every rank in step: the group still serves a layer.
+    ep = ExpertParallelMoE.from_moe(moe, group=group, check_replicated=False)
+    x = _tokens(rank, 19, torch.float32)
+    return [m for m in [_check("after the refusal", ep(x), moe(x), 1e-5)] if m]
+
+
+@case
+def float64_layer_refused_before_the_dispatch(rank: int, world: int) -> list[str]:
+    """A layer cast to float64 is a TypeError naming the dtypes it runs in, as MoE's, raised
+    before the dispatch (its tokens travelled in float64 and every rank failed in the
+    experts' GEMM, naming its input); a rank whose layer alone is cast makes the others raise
+    too, and the next forward runs."""
+    moe = _full_moe(20, torch.float32)
+    x = _tokens(rank, 20, torch.float32, T=4)
+    errs = []
+    for label, cast in (("every rank", True), ("rank 0 only", rank == 0)):
+        ep = ExpertParallelMoE.from_moe(moe)
+        if cast:
+            ep.double()
+        try:
+            ep(x)
+            errs.append(f"{label}: rank {rank} ran")
+        except (TypeError, ValueError) as e:
+            want = ("weights are torch.float64; ExpertParallelMoE runs in torch.bfloat16, "
+                    "torch.float16 or torch.float32" if cast else "rank(s) [0] refused their input")
+            if want not in str(e):
+                errs.append(f"{label}: unclear message: {e}")
+        ep.float()
+        errs += [m for m in [_check(f"{label}, then float32", ep(x), moe(x), 1e-5)] if m]
+    return errs
+
+
+@case
+def fused_setting_carried(rank: int, world: int) -> list[str]:
+    """MoE's `fused` comes along with from_moe and from_state_dict (it was dropped: the local
+    experts took the unfused GEMMs whatever it said); fused=True runs the fused ops' torch
+    backend here, and equals MoE's fused layer, a rank receiving no tokens included."""
+    moe = _full_moe(21, torch.float32, fused=True)
+    with torch.no_grad():  # every token to experts 0 and 1 (rank 0): the others get none
+        moe.router_weight[0].add_(5.0)
+        moe.router_weight[1].add_(4.0)
+    x = _tokens(rank, 21, torch.float32).abs()
+    sd = {"gate.weight": moe.router_weight, "experts.gate_up_proj": moe.gate_up_proj,
+          "experts.down_proj": moe.down_proj}
+    errs = []
+    for label, ep in (("from_moe", ExpertParallelMoE.from_moe(moe)),
+                      ("from_state_dict", ExpertParallelMoE.from_state_dict(sd, 2, fused=True))):
+        if ep.local.fused is not True:
+            errs.append(f"{label}: local fused={ep.local.fused}")
+        errs += [m for m in [_check(f"fused {label}", ep(x), moe(x), 1e-5)] if m]
     return errs
 
 
@@ -566,3 +638,48 @@ def test_compiled_backward_raises_as_moe_does() -> None:
             (x + y).sum().backward()
     with torch.no_grad():
         assert not torch.compile(ep)(x).requires_grad
+
+
+def test_float64_refused_before_the_dispatch_as_moe_does() -> None:
+    # MoE refuses a layer cast to float64 and float64 tokens with a TypeError naming the
+    # dtypes it runs in; the cast expert-parallel layer sent float64 tokens into the dispatch
+    # to fail in the experts' GEMM.
+
+    class Refusing(_OneRank):
+        def dispatch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("a refused input reached the dispatch")
+
+    moe = MoE(16, 8, 4, 2)
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=Refusing(), check_replicated=False)
+    x = torch.randn(3, 16)
+    dtypes = "torch.bfloat16, torch.float16 or torch.float32"
+    for layer in (moe.double(), ep.double()):
+        with pytest.raises(TypeError, match=f"weights are torch.float64; .*runs in {dtypes}"):
+            layer(x)
+    for layer in (moe.float(), ep.float()):
+        with pytest.raises(TypeError, match=f"hidden_states must be {dtypes}; got torch.float64"):
+            layer(x.double())
+
+
+def test_from_moe_and_from_state_dict_carry_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MoE's `fused` picks the fused expert path (True: the fused ops' torch backend on the
+    # CPU); the expert-parallel layer dropped it and always ran the unfused GEMMs.
+    import moe_gemm.layers.fused_experts as fused_experts
+
+    calls: list[int] = []
+    real = fused_experts.fused_grouped_mm
+    monkeypatch.setattr(fused_experts, "fused_grouped_mm",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(5, 16)
+    for fused in (True, False, None):  # None: where the Hopper kernel runs, not on the CPU
+        moe = MoE(16, 8, 4, 2, fused=fused)
+        want = moe(x)
+        sd = {"gate.weight": moe.router_weight, "experts.gate_up_proj": moe.gate_up_proj,
+              "experts.down_proj": moe.down_proj}
+        for ep in (ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False),
+                   ExpertParallelMoE.from_state_dict(sd, 2, dispatcher=_Local(), fused=fused,
+                                                     check_replicated=False)):
+            assert ep.local.fused is fused
+            calls.clear()
+            torch.testing.assert_close(ep(x), want)
+            assert len(calls) == (2 if fused else 0)  # the two fused GEMMs
