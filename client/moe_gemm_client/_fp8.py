@@ -125,7 +125,7 @@ def weight_tensors(w: object, scale: object, layout: str) -> dict[str, np.ndarra
     Raises:
         TypeError: w is not float32/float16/bfloat16/FP8, or scale is not float32.
         ValueError: w is not 3-D; FP8 w without scale (or scale with 16/32-bit w); a scale
-            whose shape fits no granularity, or that holds NaN or infinity.
+            whose shape fits no granularity, or that holds a value not finite and > 0.
     """
     f8 = fp8_dtype(w)
     if f8 is None:
@@ -140,9 +140,14 @@ def weight_tensors(w: object, scale: object, layout: str) -> dict[str, np.ndarra
                          f"pass scale=, {_expected(layout, arr.shape)}")
     s = _scale_array(scale)
     scale_granularity(layout, arr.shape, s.shape)
-    # (a NaN or infinite decoding scale turns every product it touches into NaN / inf)
-    if s.size and not np.isfinite(s).all():
-        raise ValueError("scale must hold finite values; got NaN or infinity")
+    # The server's rule (fp8_weights.check_scale_values): a zero decoding scale erases what it
+    # scales, a negative one flips its signs, a NaN or infinite one makes every product NaN / inf.
+    bad = ~(np.isfinite(s) & (s > 0))
+    if bad.any():
+        at = [int(i) for i in np.argwhere(bad)[0]]
+        raise ValueError(f"scale must hold finite decoding scales > 0 (w = fp8 * scale); got "
+                         f"{s[tuple(at)].item():g} at {at} ({int(bad.sum())} of its {s.size} "
+                         "values are not)")
     return {layout: arr, "scale": s}
 
 

@@ -10,6 +10,8 @@ own orientation (safetensors "w" or "w_t" plus "scale", F32):
     block        (E, K/128, ceil(N/128))  (E, ceil(N/128), K/128)  DeepSeek-V3 weight_scale_inv
     row          (E, N)                   (E, N)                   per output channel
     tensor       (E,), (1,) or ()         (E,), (1,) or ()         per expert / one value
+
+Every scale value is finite and > 0 (check_scale_values).
 """
 
 from __future__ import annotations
@@ -44,9 +46,7 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
         N, K = tensor.shape[1], tensor.shape[2]
         block = (E, -(-N // BLOCK), K // BLOCK)
     got = tuple(scale.shape)
-    if scale.numel() and not bool(torch.isfinite(scale).all()):
-        # (a NaN or infinite decoding scale turns every product it touches into NaN / inf)
-        raise ValueError("'scale' must hold finite values; got NaN or infinity")
+    check_scale_values(scale, layout)
     if K % 16:
         raise ValueError(f"FP8 weights need K a multiple of 16 (16-byte rows); got K={K}")
     if got == block:
@@ -62,6 +62,24 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
         f"'scale' {list(got)} fits no granularity of {layout!r} {shape_text(tensor)}: expected "
         f"128x128 blocks {list(block)} (K a multiple of {BLOCK}), per channel [{E}, {N}] or per "
         f"expert [{E}]")
+
+
+def check_scale_values(scale: torch.Tensor, layout: str) -> None:
+    """ValueError unless every decoding scale is finite and > 0, naming the first that is not.
+
+    Decoding scales are amax / the FP8 maximum, which quantizers keep above zero (an all-zero
+    block's too: ops/quantize.MIN_AMAX here). A zero scale decodes its block, channel or
+    expert to zeros and a negative one flips its signs, both then served as if right; a NaN or
+    an infinity turns every product it touches into NaN / inf. One pass over the scale on the
+    CPU, at upload and at load, never per request (the ops never read scale values)."""
+    bad = ~(torch.isfinite(scale) & (scale > 0))  # (-0.0 > 0 is False: refused with 0.0)
+    if not bool(bad.any()):
+        return
+    at = [int(i) for i in bad.nonzero()[0]]
+    raise ValueError(
+        f"'scale' of {layout!r} must hold finite decoding scales > 0 (w = fp8 * scale); got "
+        f"{scale[tuple(at)].item():g} at {at} ({int(bad.sum())} of its {scale.numel()} values "
+        "are not)")
 
 
 def _op_scales(ws, x: torch.Tensor):

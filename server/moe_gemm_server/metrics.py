@@ -3,8 +3,7 @@
 Each app owns its own CollectorRegistry, so several apps (tests) can live in one process.
 What users of batching servers ask for is here by default, as histograms rather than
 cumulative counters: time in queue, time in compute, requests and rows per executed launch;
-plus the queued gauge and rejections by reason (queue_full, timeout, disconnected, draining,
-not_ready, out_of_memory, too_large).
+plus the queued gauge and rejections by reason (docs/HTTP-API.md, "Metrics", lists them).
 """
 
 from __future__ import annotations

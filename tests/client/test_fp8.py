@@ -113,6 +113,12 @@ BAD_UPLOADS = [
     (W8, {"scale": np.ones((2, 200), np.float32), "layout": "w_t"}, ValueError,
      r"fits no granularity of 'w_t'.*per channel \[2, 256\]"),
     (W8, {"scale": np.array([1.0, np.nan], np.float32)}, ValueError, "finite"),
+    # a zero decoding scale answers zeros, a negative one the opposite sign: the server's 422
+    (W8, {"scale": np.array([1.0, 0.0], np.float32)}, ValueError,
+     r"scale must hold finite decoding scales > 0 \(w = fp8 \* scale\); got 0 at \[1\]"),
+    (W8, {"scale": np.full((2, 200), -0.5, np.float32)}, ValueError,
+     r"got -0.5 at \[0, 0\] \(400 of its 400 values are not\)"),
+    (W8, {"scale": np.float32(-0.0)}, ValueError, r"got -0 at \[\]"),
     (np.zeros((2, 200, 64), E4M3), {"scale": np.ones((2, 1, 1), np.float32)}, ValueError,
      "block scales need K a multiple of 128; got K=200"),
     (np.zeros((2, 256), E4M3), {"scale": np.ones(2, np.float32)}, ValueError,

@@ -5,6 +5,7 @@ launch, and every malformed upload is a 4xx that says what was expected."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -119,7 +120,8 @@ def test_engine_refuses_bad_fp8_sets():
     for bad in (float("nan"), float("inf"), -float("inf")):
         wrong = scale.clone()
         wrong[1, 0, 1] = bad
-        with pytest.raises(ValueError, match="'scale' must hold finite values"):
+        with pytest.raises(ValueError, match=r"'scale' of 'w_t' must hold finite decoding "
+                                             r"scales > 0 .* at \[1, 0, 1\]"):
             engine.add_weights("f", tensor, "w_t", scale=wrong)
     with pytest.raises(KeyError):
         engine.get_weights("f")  # nothing was installed
@@ -129,6 +131,26 @@ def test_engine_refuses_bad_fp8_sets():
     blocky = torch.zeros(E, N, 144, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="block scales need K a multiple of 128"):
         engine.add_weights("f", blocky, "w_t", scale=torch.ones(E, 1, 1))
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+@pytest.mark.parametrize("layout", ["w", "w_t"])
+@pytest.mark.parametrize("bad", [0.0, -0.0, -1e-3])
+def test_engine_refuses_a_zero_or_negative_scale(granularity, layout, bad):
+    """A zero decoding scale answers zeros for what it scales and a negative one the opposite
+    sign, both as if right: refused, naming the first such value and where it is."""
+    engine = Engine("cpu")
+    tensor, scale, _, _ = _weights(granularity, layout)
+    wrong = scale.clone()
+    at = [E - 1] + [d - 1 for d in scale.shape[1:]]  # (the last value, for every rank)
+    wrong[tuple(at)] = bad
+    with pytest.raises(ValueError, match=rf"'scale' of '{layout}' must hold finite decoding "
+                                         rf"scales > 0 \(w = fp8 \* scale\); got "
+                                         rf"{re.escape(f'{bad:g}')} at {re.escape(str(at))} "
+                                         rf"\(1 of its {scale.numel()} values are not\)"):
+        engine.add_weights("f", tensor, layout, scale=wrong)
+    with pytest.raises(KeyError):
+        engine.get_weights("f")
 
 
 def test_a_misshapen_scale_is_told_the_block_shape_with_its_condition():
@@ -174,6 +196,13 @@ def test_http_upload_persist_and_serve_fp8(tmp_path):
         r = client.put("/v1/weights/ds", content=st_body(
             {"w_t": tensor, "scale": torch.full_like(scale, float("nan"))}))
         assert r.status_code == 422 and "finite" in r.json()["error"]
+        for bad in (0.0, -1.0):  # (what a DeepSeek-style weight_scale_inv never holds)
+            wrong = scale.clone()
+            wrong[2, 0, 1] = bad
+            r = client.put("/v1/weights/ds", content=st_body({"w_t": tensor, "scale": wrong}))
+            assert r.status_code == 422, r.text
+            assert (f"'scale' of 'w_t' must hold finite decoding scales > 0 (w = fp8 * scale); "
+                    f"got {bad:g} at [2, 0, 1]") in r.json()["error"]
         r = client.post("/v1/weights/ds/grouped-mm", content=st_body({"x": x, "counts": counts}))
         assert r.status_code == 200  # the stored set still serves
         assert_fp8_close(st_load(r.content)["y"], want)
@@ -191,6 +220,21 @@ def test_http_upload_persist_and_serve_fp8(tmp_path):
         r = client.post("/v1/weights/ds/grouped-mm", content=st_body({"x": x, "counts": counts}))
         assert r.status_code == 200
         assert_fp8_close(st_load(r.content)["y"], want)
+
+
+def test_a_stored_set_with_a_zero_scale_is_skipped_at_start(tmp_path):
+    """A file in the data directory whose scale holds a zero (written by an older server, or
+    copied there) is not served: skipped as any file that cannot be loaded, the others load."""
+    tensor, scale, _, _ = _weights("row", "w_t")
+    wrong = scale.clone()
+    wrong[1, 5] = 0.0
+    (tmp_path / "zero.safetensors").write_bytes(st_body({"w_t": tensor, "scale": wrong}))
+    (tmp_path / "good.safetensors").write_bytes(st_body({"w_t": tensor, "scale": scale}))
+    app = create_app(Settings(data_dir=tmp_path))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert [w["name"] for w in client.get("/v1/weights").json()["weights"]] == ["good"]
+        assert "got 0 at [1, 5]" in app.state.service.load_errors["zero"]
 
 
 def test_resident_budget_counts_the_fp8_scale(tmp_path):
