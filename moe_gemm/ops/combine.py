@@ -47,11 +47,10 @@ def _kernel_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None
     if (y.device.type != "cuda" or torch.compiler.is_compiling()
             or env_choice(COMBINE_ENV, ("torch", "kernel")) == "torch"):
         return False
-    if not _layout_ok(y, rows, weights):
-        return False
     from moe_gemm.capability import cute_problem
 
-    return cute_problem(y.device) is None
+    # (cute_problem first: under torch.func's grad the tensors have no data pointer to check)
+    return cute_problem(y.device) is None and _layout_ok(y, rows, weights)
 
 
 def _layout_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:

@@ -58,6 +58,9 @@ def grouped_gemm_torch(args: GroupedGemmArgs) -> list[torch.Tensor]:
     return list(args.out)
 
 
+_functorch_depth = torch._C._functorch.get_dynamic_layer_stack_depth
+
+
 def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
     """torch's own grouped_mm: CUDA, bf16, sm80+, 16-byte aligned strides."""
     if not _HAS_GROUPED_MM or args.x.device.type != "cuda" or args.dtype != torch.bfloat16:
@@ -66,6 +69,10 @@ def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
         # torch's CUDA grouped_mm requires out dtype == input dtype (it rejects bf16 -> fp32).
         return False
     if torch.cuda.get_device_capability(args.x.device) < (8, 0):
+        return False
+    if _functorch_depth() > 0:
+        # grad / jvp (vmap(grad(f)) too): wrapped tensors have no data pointer to check; the
+        # loop below differentiates through torch.mm.
         return False
 
     def aligned(t: torch.Tensor) -> bool:
