@@ -58,6 +58,7 @@ from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
+from moe_gemm.ops.validation import check_dense
 
 __all__ = ["ExpertParallelMoE"]
 
@@ -465,6 +466,7 @@ class ExpertParallelMoE(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got "
                             f"{type(x).__name__}")
+        check_dense("hidden_states", x)
         H = self.hidden_size
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got "

@@ -44,7 +44,7 @@ from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
-from moe_gemm.ops.validation import shape_text
+from moe_gemm.ops.validation import check_dense, shape_text
 
 __all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
            "canonical_activation", "check_gemm_options", "check_tokens", "expert_ffn", "gated",
@@ -198,6 +198,7 @@ def check_tokens(x: object) -> torch.Tensor:
     """x must be a (T, H) float tensor (TypeError / ValueError naming the expectation)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor (T, H); got {type(x).__name__}")
+    check_dense("x", x)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (T, H); got shape {shape_text(x)}")
     if x.dtype not in FLOAT_DTYPES:
@@ -225,6 +226,8 @@ def _check_experts(
     assert isinstance(x, torch.Tensor) and isinstance(topk_ids, torch.Tensor)
     assert isinstance(topk_weights, torch.Tensor) and isinstance(w_gate_up, torch.Tensor)
     assert isinstance(w_down, torch.Tensor)
+    for name, t, _ in hints:
+        check_dense(name, t)
     check_tokens(x)
     T, H = x.shape
     if H < 1:  # (as MoE's hidden_size; the combine cannot gather zero-width rows)

@@ -52,7 +52,7 @@ from moe_gemm.layers.routing import (
     sigmoid_grouped_topk,
     softmax_topk,
 )
-from moe_gemm.ops.validation import shape_text
+from moe_gemm.ops.validation import check_dense, shape_text
 
 __all__ = ["GatedMLP", "MoE", "moe_experts", "moe_forward"]
 
@@ -176,6 +176,7 @@ def moe_forward(
         raise TypeError(
             f"w_gate_up must be a torch.Tensor (E, H, 2I); got {type(w_gate_up).__name__}"
         )
+    check_dense("w_gate_up", w_gate_up)
     if w_gate_up.dim() != 3:
         raise ValueError(f"w_gate_up must be a 3-D tensor (E, H, 2I) = (E, {H}, 2I); got "
                          f"{shape_text(w_gate_up)}")
@@ -241,6 +242,7 @@ def _check_hidden(x: object, H: int, device: torch.device) -> torch.Tensor:
     """MoE.forward's input: a float (..., H) tensor on the layer's device."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got {type(x).__name__}")
+    check_dense("hidden_states", x)
     if x.dim() < 1 or x.shape[-1] != H:
         raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got {shape_text(x)}")
     if x.dtype not in FLOAT_DTYPES:

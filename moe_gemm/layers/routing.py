@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_gemm.ops import router_topk
-from moe_gemm.ops.validation import shape_text
+from moe_gemm.ops.validation import check_dense, shape_text
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 # Router weights: the layer's float dtypes, and fp64 (the logits are upcast to fp32 anyway).
@@ -56,6 +56,7 @@ __all__ = [
 def _check_logits(logits: object) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (T, E); got {type(logits).__name__}")
+    check_dense("logits", logits)
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D (T, E); got shape {tuple(logits.shape)}")
     if not logits.dtype.is_floating_point:
@@ -105,6 +106,7 @@ def check_router_weight(w: object, E: int, H: int) -> torch.Tensor:
     inside F.linear at the first forward)."""
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"router_weight must be a torch.Tensor (E, H); got {type(w).__name__}")
+    check_dense("router_weight", w)
     if w.dtype not in _ROUTER_DTYPES:
         raise TypeError(f"router_weight must be a floating-point tensor (bf16, fp16, fp32 or "
                         f"fp64); got {w.dtype}")
@@ -119,6 +121,7 @@ def check_correction_bias(bias: object, E: int, device: torch.device, name: str 
     what lives there, for the message)."""
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (E,) or None; got {type(bias).__name__}")
+    check_dense(name, bias)
     if tuple(bias.shape) != (E,):
         raise ValueError(f"{name} must be (E,) = ({E},); got shape {shape_text(bias)}")
     if bias.device != device:

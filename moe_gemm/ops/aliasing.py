@@ -77,12 +77,19 @@ def overlaps_any(out: torch.Tensor, tensors) -> bool:
     """may_overlap(out, t) for any t. First by allocation (one storage address per tensor,
     the per-call cost on grouped_mm's out= path); spans only for tensors in out's one. A
     non-strided out (sparse, mkldnn) has no storage to compare: False, so that the
-    validation after it names the layout."""
+    validation after it names the layout; likewise where an input has no storage or sizes to
+    read (a sparse or nested tensor, which the plan caches' fast paths hand over unchecked)."""
     if out.layout != torch.strided:
         return False
-    base = out.untyped_storage().data_ptr()
-    return any(t.untyped_storage().data_ptr() == base and may_overlap(out, t)
-               for t in tensors if isinstance(t, torch.Tensor))
+    try:
+        base = out.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == base and may_overlap(out, t)
+                   for t in tensors if isinstance(t, torch.Tensor))
+    except (RuntimeError, NotImplementedError):
+        if any(isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided)
+               for t in (out, *tensors)):
+            return False
+        raise
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:

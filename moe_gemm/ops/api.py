@@ -81,7 +81,8 @@ NO_BACKWARD = (
 # (plan, link, out_requires_grad): link says an input required grad when the signature was
 # taken (the signature includes the flags, so it still does).
 _mm_plans = PlanCache(per_bucket=8, buckets=256)  # buckets: (form, x.shape)
-_general_plans = PlanCache(per_bucket=4, buckets=64)  # buckets: the problem count
+# (a nested tensor in grouped_gemm's lists is not screened: see PlanCache)
+_general_plans = PlanCache(per_bucket=4, buckets=64, screen_nested=False)  # the problem count
 # A grouped_gemm layout gets a signature when grouped_gemm's scan meets it again within this
 # many scans (a layout that recurs), at most MAX_SIGNATURES times (other tensor modes).
 RECENT_SCANS = 16
@@ -389,17 +390,21 @@ def grouped_mm(
 def grouped_mm_eager(x, w, offs, out, config, out_dtype) -> torch.Tensor:
     """grouped_mm without the tracing check (the registered op's implementation)."""
     if type(x) in PLAIN_TENSORS and (config is None or type(config) is GemmConfig):
+        try:
+            shape = x.shape
+        except RuntimeError:  # a nested tensor has no sizes: the detailed path's checks name it
+            return _detailed_grouped_mm(x, w, offs, out, config, out_dtype)
         extra = (config, out_dtype, _switches())
         if out is None:
             if offs is None:
-                entry = _mm_plans.find(("bmm", x.shape), extra, (x, w))
+                entry = _mm_plans.find(("bmm", shape), extra, (x, w))
                 if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
                     plan = entry[0]
                     if entry[1] and torch.is_grad_enabled():
                         return inference_only(NO_BACKWARD, lambda: plan(x, w, None), [x, w])
                     return plan(x, w, None)
             else:
-                entry = _mm_plans.find(("mm", x.shape), extra, (x, w, offs))
+                entry = _mm_plans.find(("mm", shape), extra, (x, w, offs))
                 if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
                     plan = entry[0]
                     if entry[1] and torch.is_grad_enabled():
@@ -408,9 +413,9 @@ def grouped_mm_eager(x, w, offs, out, config, out_dtype) -> torch.Tensor:
                     return plan(x, w, offs, None)
         elif type(out) in PLAIN_TENSORS and not overlaps_any(out, (x, w, offs)):
             if offs is None:
-                entry = _mm_plans.find(("bmm_out", x.shape), extra, (x, w, out))
+                entry = _mm_plans.find(("bmm_out", shape), extra, (x, w, out))
             else:
-                entry = _mm_plans.find(("mm_out", x.shape), extra, (x, w, offs, out))
+                entry = _mm_plans.find(("mm_out", shape), extra, (x, w, offs, out))
             if entry is not None and not (_PTR(x) | _PTR(w) | _PTR(out)) & 15 and not (
                     entry[2] and torch.is_grad_enabled()):
                 plan = entry[0]

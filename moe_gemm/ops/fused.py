@@ -47,6 +47,7 @@ from moe_gemm.ops.fused_reference import fused_grouped_mm_torch
 from moe_gemm.ops.fused_validation import FusedMmArgs, check_fused_mm
 from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import PLAIN_TENSORS
+from moe_gemm.ops.validation import check_dense
 
 __all__ = ["fused_grouped_mm", "interleave_gate_up"]
 
@@ -124,6 +125,8 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
         try:
             entry = _plans.find((x.shape, options), extra, present)
         except TypeError:  # (unhashable options: the checks below name what was expected)
+            entry = None
+        except RuntimeError:  # (a nested x has no sizes: likewise)
             entry = None
         if entry is not None and not (x.data_ptr() | w.data_ptr() | (
                 0 if out is None else out.data_ptr())) & 15:
@@ -233,7 +236,10 @@ def interleave_gate_up(w: torch.Tensor, source: str = "concat") -> torch.Tensor:
     Raises:
         ValueError: N not a multiple of 16 or an unknown source.
     """
-    if not isinstance(w, torch.Tensor) or w.dim() < 1:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError("w must be a tensor [..., N]")
+    check_dense("w", w)
+    if w.dim() < 1:
         raise TypeError("w must be a tensor [..., N]")
     if source not in ("concat", "alternating"):
         raise ValueError(f"source must be 'concat' or 'alternating'; got {source!r}")

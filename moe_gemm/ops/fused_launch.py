@@ -50,7 +50,7 @@ from moe_gemm.ops.support import (
     _out_row_problem,
     operand_major,
     tma_problem,
-    tma_view,
+    tma_views,
 )
 
 FUSED_MAX_ACC_REGS = 192
@@ -253,11 +253,11 @@ class FusedPlan:
         b_major = "k" if operand_major(args.w) == "col" else "n"
         # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse (one
         # routed row of odd K, gathered or given; a (1, N) out of a wider buffer) travel as
-        # views that keep it, as in grouped_mm's plans.
-        self.fix_x = self.S == 1 if self.host_gather else tma_view(args.x, 1) is not args.x
-        self.w_unit = 1 if b_major == "k" else 2
-        self.fix_w = tma_view(args.w, self.w_unit) is not args.w
-        self.fix_out = args.out is not None and tma_view(args.out, 1) is not args.out
+        # views that keep it, as in grouped_mm's plans. A gathered x is index_select's new
+        # (S, K) tensor, contiguous: its layout stands in for it.
+        x = (torch.empty(self.S, args.K, dtype=args.dtype, device="meta") if self.host_gather
+             else args.x)
+        self.views = tma_views((x, 1), (args.w, 1 if b_major == "k" else 2), (args.out, 1))
         self.num_problems = self.E + (1 if self.zero_tail else 0)
         self.num_ctas, _ = launch_kernel.varlen_grid(device, nsm, choice, self.S,
                                                      self.num_problems, args.N)
@@ -285,8 +285,6 @@ class FusedPlan:
             # Clamped as the kernel's gather clamps: unchecked indices on the GPU may give
             # wrong rows, never an out-of-bounds read (index_select would fault the context).
             x = x.index_select(0, row_index.clamp(0, x.shape[0] - 1))
-        if self.fix_x:
-            x = tma_view(x, 1)
         if row_index is not None and not self.host_gather:
             index = row_index if row_index.dtype == torch.int32 else row_index.int()
             index = index if index.is_contiguous() else index.contiguous()
@@ -299,8 +297,9 @@ class FusedPlan:
             b = bias.float() if bias.dtype != torch.float32 else bias
             b = b if b.is_contiguous() else b.contiguous()
         fused_args = (index, weight, b) if self.key.fused else ()  # (no option: the plain kernel)
-        w = tma_view(w, self.w_unit) if self.fix_w else w
-        kernel_out = tma_view(out, 1) if self.fix_out else out
+        kernel_out = out
+        if self.views is not None:
+            x, w, kernel_out = self.views(x, w, out)
         self.kernel(x, w, kernel_out, self.meta, self.meta32, offs, self.no_table,
                     self.workspace.get(choice), self.no_trace, self.num_problems, self.num_ctas,
                     choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0,

@@ -138,6 +138,8 @@ def fused_grouped_mm_masked_eager(x, w, masked_m, bias, gate, gate_layout, gate_
                                 present)
         except TypeError:  # (unhashable options: the checks below name what was expected)
             entry = None
+        except RuntimeError:  # (a nested x has no sizes: likewise)
+            entry = None
         # (the kernel's TMA needs 16-byte aligned operands: a same-strided view one element
         # off goes the detailed way, which picks the torch backend for it)
         if entry is not None and not (x.data_ptr() | w.data_ptr() | (

@@ -105,8 +105,12 @@ def grouped_mm_masked_eager(x, w, masked_m, expected_m, out, config, out_dtype
                             ) -> torch.Tensor:
     """grouped_mm_masked without the tracing check (the registered op's implementation)."""
     if type(x) in PLAIN_TENSORS and (config is None or type(config) is GemmConfig):
+        try:
+            shape = x.shape
+        except RuntimeError:  # a nested tensor has no sizes: the detailed path's checks name it
+            return _detailed(x, w, masked_m, expected_m, out, config, out_dtype)
         tensors = (x, w, masked_m) if out is None else (x, w, masked_m, out)
-        entry = _plans.find(("bmm", out is None, x.shape),
+        entry = _plans.find(("bmm", out is None, shape),
                             (config, out_dtype, expected_m, _switches()), tensors)
         if entry is not None and not (_PTR(x) | _PTR(w) | (0 if out is None else _PTR(out))
                                       ) & 15 and not (out is not None
@@ -192,8 +196,12 @@ def scaled_grouped_mm_masked_eager(x, w, scale_a, scale_b, masked_m, expected_m,
     """scaled_grouped_mm_masked without the tracing check (the registered op's body)."""
     if type(x) in PLAIN_TENSORS and out is None and (config is None
                                                      or type(config) is GemmConfig):
-        entry = _plans.find(("fp8", True, x.shape), (config, out_dtype, expected_m,
-                                                     _switches()),
+        try:
+            shape = x.shape
+        except RuntimeError:  # a nested tensor has no sizes: the detailed path's checks name it
+            return _detailed_fp8(x, w, scale_a, scale_b, masked_m, expected_m, out, out_dtype,
+                                 config)
+        entry = _plans.find(("fp8", True, shape), (config, out_dtype, expected_m, _switches()),
                             (x, w, scale_a, scale_b, masked_m))
         if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
             plan, link = entry

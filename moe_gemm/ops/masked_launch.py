@@ -24,7 +24,7 @@ from moe_gemm.ops.heuristics_fp8 import choose_fp8
 from moe_gemm.ops.masked_validation import MaskedArgs, check_config_fits
 from moe_gemm.ops.scaled_launch import _dense, _kernel, _placeholders, fp8_compile_key
 from moe_gemm.ops.scaled_validation import a_scale_view, b_scale_view
-from moe_gemm.ops.support import operand_major, tma_view
+from moe_gemm.ops.support import operand_major, tma_views
 
 
 def _masked_choice(choice, config: GemmConfig):
@@ -86,7 +86,6 @@ class MaskedPlan(_Plan):
             b.out_dtype.itemsize, **launch_kernel.table_keys(device, b.dtype, b.out_dtype)),
             config), trim_a=False)
         self.w_major = "k" if operand_major(b.w) == "col" else "n"
-        self.w_unit = 1 if self.w_major == "k" else 2
         self._grid(choice)
         self.meta = launch_resources._small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)
@@ -94,9 +93,7 @@ class MaskedPlan(_Plan):
         self.no_trace = launch_resources._small("trace", device, torch.int32, (1, 1, 4))
         self.kernel = launch_kernel._compiled(launch_kernel._compile_key(
             "masked", b.dtype, b.out_dtype, self.w_major, choice, False))
-        self.fix_x = tma_view(b.x, 2) is not b.x
-        self.fix_w = tma_view(b.w, self.w_unit) is not b.w
-        self.fix_out = b.out is not None and tma_view(b.out, 2) is not b.out
+        self.views = tma_views((b.x, 2), (b.w, 1 if self.w_major == "k" else 2), (b.out, 2))
 
     def __call__(self, x, w, masked_m, out):
         if self.trivial or self.zero:
@@ -104,12 +101,12 @@ class MaskedPlan(_Plan):
         if out is None:
             out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         choice = self.choice
-        self.kernel(tma_view(x, 2) if self.fix_x else x,
-                    tma_view(w, self.w_unit) if self.fix_w else w,
-                    tma_view(out, 2) if self.fix_out else out, self.meta, self.meta32,
-                    masked_m, self.no_table, self.no_workspace, self.no_trace, self.shape[0],
-                    self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy,
-                    launch_kernel.PDL, 0)
+        kernel_out = out
+        if self.views is not None:
+            x, w, kernel_out = self.views(x, w, out)
+        self.kernel(x, w, kernel_out, self.meta, self.meta32, masked_m, self.no_table,
+                    self.no_workspace, self.no_trace, self.shape[0], self.num_ctas,
+                    choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0)
         launch_info._local.raw = (choice, self.num_ctas, self.shape[0], None, None)
         return out
 
@@ -132,9 +129,7 @@ class Fp8MaskedPlan(_Plan):
         self.meta32 = self.meta.view(torch.int32)
         self.kernel = _kernel(fp8_compile_key("masked", b.dtype, b.out_dtype, b.granularity,
                                               choice))
-        self.fix_x = tma_view(b.x, 2) is not b.x
-        self.fix_w = tma_view(b.w, 1) is not b.w
-        self.fix_out = b.out is not None and tma_view(b.out, 2) is not b.out
+        self.views = tma_views((b.x, 2), (b.w, 1), (b.out, 2))  # (w: K-major, (G, N, K).mT)
 
     def __call__(self, x, w, scale_a, scale_b, masked_m, out):
         if self.trivial or self.zero:
@@ -145,10 +140,11 @@ class Fp8MaskedPlan(_Plan):
         sfa = _dense(a_scale_view(scale_a, self.granularity, (G,), M))
         sfb = _dense(b_scale_view(scale_b, self.granularity, (G,), N))
         choice = self.choice
-        self.kernel(tma_view(x, 2) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,
-                    tma_view(out, 2) if self.fix_out else out, sfa, sfb, self.smeta, self.meta,
-                    self.meta32, masked_m, self.no_table, self.no_workspace, self.no_trace, G,
-                    self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy,
-                    launch_kernel.PDL, 0)
+        kernel_out = out
+        if self.views is not None:
+            x, w, kernel_out = self.views(x, w, out)
+        self.kernel(x, w, kernel_out, sfa, sfb, self.smeta, self.meta, self.meta32, masked_m,
+                    self.no_table, self.no_workspace, self.no_trace, G, self.num_ctas,
+                    choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0)
         launch_info._local.raw = (choice, self.num_ctas, G, None, None)
         return out

@@ -19,7 +19,7 @@ from moe_gemm.ops import launch_kernel, launch_resources
 from moe_gemm.ops.heuristics import choose_batched, choose_varlen
 from moe_gemm.ops.kernel_cache import kernel_constants
 from moe_gemm.ops.launch_info import _local
-from moe_gemm.ops.support import empty_k_result, operand_major, tma_view
+from moe_gemm.ops.support import empty_k_result, operand_major, tma_views
 from moe_gemm.ops.validation import GroupedBmmArgs, GroupedMmArgs
 
 
@@ -63,10 +63,7 @@ class MmPlan:
         # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse (a
         # decode step's x (1, K) of odd K, a (T, 1) column slice): its argument check reads
         # every stride, so they travel as views that keep the rule (as in BmmPlan).
-        self.fix_x = tma_view(x, 1) is not x
-        self.w_unit = 1 if b_major == "k" else 2
-        self.fix_w = tma_view(w, self.w_unit) is not w
-        self.fix_out = args.out is not None and tma_view(args.out, 1) is not args.out
+        self.views = tma_views((x, 1), (w, 1 if b_major == "k" else 2), (args.out, 1))
         self.num_problems = E + (1 if self.zero_tail else 0)
         self.tiles_n = -(-N // choice.tile_n)
         self.nsm = nsm
@@ -92,18 +89,18 @@ class MmPlan:
         if self.zero:
             return empty_k_result(out, offs, given=not self.zero_tail)
         choice = self.choice
-        xv = tma_view(x, 1) if self.fix_x else x
-        wv = tma_view(w, self.w_unit) if self.fix_w else w
-        ov = tma_view(out, 1) if self.fix_out else out
+        ov = out
+        if self.views is not None:
+            x, w, ov = self.views(x, w, out)
         if choice.visitor == "host":
-            self._host_visitor(xv, wv, offs, ov)
+            self._host_visitor(x, w, offs, ov)
             return out
         if self.trace:
-            self._launch(xv, wv, offs, ov, self.num_ctas, self.no_table, self.max_tiles,
+            self._launch(x, w, offs, ov, self.num_ctas, self.no_table, self.max_tiles,
                          self.workspace.get(choice))
             return out
         meta, meta32, no_table, no_trace = self.constants
-        self.kernel(xv, wv, ov, meta, meta32, offs, no_table, self.workspace.get(choice),
+        self.kernel(x, w, ov, meta, meta32, offs, no_table, self.workspace.get(choice),
                     no_trace, self.num_problems, self.num_ctas, choice.swizzle, choice.a_policy,
                     choice.b_policy, launch_kernel.PDL, 0)
         _local.raw = (choice, self.num_ctas, self.num_problems, None, None)
@@ -165,7 +162,6 @@ class BmmPlan:
             config, G, M, N, K, nsm, args.out_dtype.itemsize,
             **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
         self.w_major = "k" if operand_major(w) == "col" else "n"
-        self.w_unit = 1 if self.w_major == "k" else 2
         self.tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (
             -(-N // (choice.tile_n * choice.cluster_n)))
         self.num_ctas, self.max_tiles = launch_kernel._grid(
@@ -184,11 +180,9 @@ class BmmPlan:
             "batched", args.dtype, args.out_dtype, self.w_major, choice, trace))
         self.constants = kernel_constants(self.kernel, self.meta, self.meta32, self.offs,
                                           self.no_table, self.no_trace, self.no_workspace)
-        # Plans are cached per strides (ops/api.py), so whether a size-1 dimension's stride
-        # needs rewriting is known here; our own `out` is contiguous and never does.
-        self.fix_x = tma_view(x, 2) is not x
-        self.fix_w = tma_view(w, self.w_unit) is not w
-        self.fix_out = args.out is not None and tma_view(args.out, 2) is not args.out
+        # Size-1 dimensions whose strides the compiled kernel's 16-byte rule would refuse (a
+        # (G, 1, K) slice of odd K) travel as views that keep it.
+        self.views = tma_views((x, 2), (w, 1 if self.w_major == "k" else 2), (args.out, 2))
 
     def __call__(self, x, w, out):
         if out is None:
@@ -200,12 +194,12 @@ class BmmPlan:
         choice = self.choice
         trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
-        xv = tma_view(x, 2) if self.fix_x else x
-        wv = tma_view(w, self.w_unit) if self.fix_w else w
-        ov = tma_view(out, 2) if self.fix_out else out
+        ov = out
+        if self.views is not None:
+            x, w, ov = self.views(x, w, out)
         meta, meta32, offs, no_table, no_trace, no_workspace = self.constants
         workspace = self.workspace.get(choice) if choice.tail_split else no_workspace
-        self.kernel(xv, wv, ov, meta, meta32, offs, no_table, workspace,
+        self.kernel(x, w, ov, meta, meta32, offs, no_table, workspace,
                     no_trace if trace_t is None else trace_t, self.shape[0],
                     self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy,
                     launch_kernel.PDL, 0)

@@ -108,11 +108,15 @@ def scaled_grouped_mm_eager(x, w, scale_a, scale_b, offs, out, out_dtype, config
     """scaled_grouped_mm without the tracing check (the registered op's implementation)."""
     if type(x) in PLAIN_TENSORS and out is None and (config is None
                                                      or type(config) is GemmConfig):
+        try:
+            shape = x.shape
+        except RuntimeError:  # a nested tensor has no sizes: the detailed path's checks name it
+            return _detailed(x, w, scale_a, scale_b, offs, out, out_dtype, config)
         extra = (config, out_dtype, _switches())
         if offs is None:
-            entry = _plans.find(("bmm", x.shape), extra, (x, w, scale_a, scale_b))
+            entry = _plans.find(("bmm", shape), extra, (x, w, scale_a, scale_b))
         else:
-            entry = _plans.find(("mm", x.shape), extra, (x, w, scale_a, scale_b, offs))
+            entry = _plans.find(("mm", shape), extra, (x, w, scale_a, scale_b, offs))
         if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
             plan, link = entry
             run = ((lambda: plan(x, w, scale_a, scale_b, None)) if offs is None

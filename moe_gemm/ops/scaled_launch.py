@@ -32,7 +32,7 @@ from moe_gemm.ops.scaled_validation import (
     a_scale_view,
     b_scale_view,
 )
-from moe_gemm.ops.support import empty_k_result, tma_view
+from moe_gemm.ops.support import empty_k_result, tma_views
 
 _NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
           torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -123,10 +123,9 @@ class Fp8MmPlan:
         self.trace = trace
         self.kernel = _kernel(fp8_compile_key("varlen", args.dtype, args.out_dtype,
                                               args.granularity, choice, trace))
-        # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse.
-        self.fix_x = tma_view(x, 1) is not x
-        self.fix_w = tma_view(args.w, 1) is not args.w
-        self.fix_out = args.out is not None and tma_view(args.out, 1) is not args.out
+        # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse
+        # travel as views that keep it (w: K-major, an (E, N, K) weight's transpose).
+        self.views = tma_views((x, 1), (args.w, 1), (args.out, 1))
 
     def __call__(self, x, w, scale_a, scale_b, offs, out):
         if out is None:
@@ -143,9 +142,11 @@ class Fp8MmPlan:
             sfa, sfb = _tma_scales(sfa, sfb)
         trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
-        self.kernel(tma_view(x, 1) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,
-                    tma_view(out, 1) if self.fix_out else out, sfa, sfb, self.smeta, self.meta,
-                    self.meta32, offs, self.no_table, self.workspace.get(choice),
+        kernel_out = out
+        if self.views is not None:
+            x, w, kernel_out = self.views(x, w, out)
+        self.kernel(x, w, kernel_out, sfa, sfb, self.smeta, self.meta, self.meta32, offs,
+                    self.no_table, self.workspace.get(choice),
                     self.no_trace if trace_t is None else trace_t, self.num_problems,
                     self.num_ctas, choice.swizzle, choice.a_policy, choice.b_policy,
                     launch_kernel.PDL, 0)
@@ -183,9 +184,7 @@ class Fp8BmmPlan:
         self.trace = trace
         self.kernel = _kernel(fp8_compile_key("batched", args.dtype, args.out_dtype,
                                               args.granularity, choice, trace))
-        self.fix_x = tma_view(x, 2) is not x
-        self.fix_w = tma_view(w, 1) is not w
-        self.fix_out = args.out is not None and tma_view(args.out, 2) is not args.out
+        self.views = tma_views((x, 2), (w, 1), (args.out, 2))  # (as in Fp8MmPlan)
 
     def __call__(self, x, w, scale_a, scale_b, out):
         if out is None:
@@ -202,9 +201,11 @@ class Fp8BmmPlan:
         trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
         workspace = self.workspace.get(choice) if choice.tail_split else self.no_workspace
-        self.kernel(tma_view(x, 2) if self.fix_x else x, tma_view(w, 1) if self.fix_w else w,
-                    tma_view(out, 2) if self.fix_out else out, sfa, sfb, self.smeta, self.meta,
-                    self.meta32, self.offs, self.no_table, workspace,
+        kernel_out = out
+        if self.views is not None:
+            x, w, kernel_out = self.views(x, w, out)
+        self.kernel(x, w, kernel_out, sfa, sfb, self.smeta, self.meta, self.meta32, self.offs,
+                    self.no_table, workspace,
                     self.no_trace if trace_t is None else trace_t, G, self.num_ctas,
                     choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0)
         launch_info._local.raw = (choice, self.num_ctas, G, None, trace_t)

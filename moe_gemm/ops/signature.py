@@ -42,7 +42,7 @@ def _python_check(expected: tuple) -> Callable[..., bool]:
             return False
         try:
             return tuple(map(_props, tensors)) == expected
-        except (AttributeError, TypeError):  # a non-tensor
+        except (AttributeError, TypeError, RuntimeError):  # a non-tensor, or a nested tensor
             return False
 
     return check
@@ -122,11 +122,15 @@ class PlanCache:
     A bucket is a cheap hashable the caller reads first (the problem count, a token count):
     lookups compare signatures only within it. Entries are immutable tuples replaced whole,
     so concurrent threads never see a half-updated bucket (at worst one loses a reordering).
+    find keeps nested tensors from the signature check (below); it costs ~60 ns a tensor on
+    the CPU-only dev machine, about what the check itself costs, so screen_nested=False leaves
+    it out for a cache of many tensors per signature (grouped_gemm's lists).
     """
 
-    def __init__(self, per_bucket: int = 8, buckets: int = 256):
+    def __init__(self, per_bucket: int = 8, buckets: int = 256, *, screen_nested: bool = True):
         self.per_bucket = per_bucket
         self.buckets = buckets
+        self.screen_nested = screen_nested
         self._entries: dict[Hashable, tuple[tuple[TensorSignature, Hashable, Any], ...]] = {}
         self._lock = threading.Lock()
 
@@ -135,6 +139,16 @@ class PlanCache:
         entries = self._entries.get(bucket)
         if not entries:
             return None
+        if self.screen_nested:
+            # TensorGuards reads every tensor's strides, and a nested tensor's (torch.nested)
+            # raise inside its C++ check, which cannot pass the error on: the process aborts.
+            # A nested tensor matches no plan: the caller's detailed path names it.
+            for t in tensors:
+                try:
+                    if t.is_nested:
+                        return None
+                except AttributeError:  # not a tensor (no cost where none is met)
+                    pass
         for i, (sig, ex, plan) in enumerate(entries):
             if ex == extra and sig.check(*tensors):
                 if i:

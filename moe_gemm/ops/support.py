@@ -232,21 +232,56 @@ def tma_view(t: torch.Tensor, unit_dim: int) -> torch.Tensor:
     the producing op left there (e.g. K for a (G, 1, K) slice with odd K), and the compiled
     kernel and the TMA descriptor require 16-byte multiples for every non-unit stride.
     """
-    elem = t.element_size()
-    align = TMA_ALIGN_BYTES // elem
+    align = TMA_ALIGN_BYTES // t.element_size()
+    shape = t.shape
     strides = list(t.stride())
     changed = False
-    for d, size in enumerate(t.shape):
+    for d, size in enumerate(shape):
         if size == 1 and d != unit_dim and strides[d] % align:
-            reach = max((s * n for s, n in zip(strides, t.shape) if n > 1), default=1)
-            strides[d] = -(-max(reach, 1) // align) * align
+            if not changed:
+                # Past the farthest element the other dims reach, rounded up to the rule.
+                # (A plain loop: a plan's call pays this, and a generator cost ~0.9 us more.)
+                reach = 1
+                for s, n in zip(strides, shape):
+                    if n > 1 and s * n > reach:
+                        reach = s * n
+                safe = -(-reach // align) * align
+            strides[d] = safe
             changed = True
-    if unit_dim >= 0 and t.shape[unit_dim] == 1 and strides[unit_dim] != 1:
+    if unit_dim >= 0 and shape[unit_dim] == 1 and strides[unit_dim] != 1:
         strides[unit_dim] = 1
         changed = True
-    return t.as_strided(t.shape, strides) if changed else t
+    return t.as_strided(shape, strides) if changed else t
 
 
+class TmaViews:
+    """The operands of one launch that reach the kernel as tma_view views.
+
+    Made by tma_views when a plan is built: plans are cached per strides (ops/signature.py),
+    so which operands carry a size-1 dim's stride off the 16-byte rule holds for every call
+    that finds the plan. Called with the operands in the order tma_views was given them, it
+    returns them with the views in place (a rare path: the common one has no TmaViews).
+    """
+
+    __slots__ = ("fixes",)
+
+    def __init__(self, fixes: tuple[tuple[int, int], ...]):
+        self.fixes = fixes  # (position, unit dim) of each operand that needs a view
+
+    def __call__(self, *operands: torch.Tensor) -> list[torch.Tensor]:
+        views = list(operands)
+        for i, unit in self.fixes:
+            views[i] = tma_view(views[i], unit)
+        return views
+
+
+def tma_views(*operands: tuple[torch.Tensor | None, int]) -> TmaViews | None:
+    """TmaViews of (operand, unit_dim) pairs, each operand as the kernel will receive it
+    (None: an output the launch allocates, contiguous, which never needs a view); None when
+    no operand needs a view, so that a plan's call tests one attribute for all of them."""
+    fixes = tuple((i, unit) for i, (t, unit) in enumerate(operands)
+                  if t is not None and tma_view(t, unit) is not t)
+    return TmaViews(fixes) if fixes else None
 
 
 _SEQUENCES = (list, tuple)
@@ -309,7 +344,10 @@ def scan_general(a: object, b: object, out_dtype: torch.dtype | None) -> General
         return None
     if any(map(_T.is_neg, ab)):
         return None  # the detailed path falls back to torch, which resolves the sign
-    shapes = list(map(_SHAPE, ab))
+    try:
+        shapes = list(map(_SHAPE, ab))
+    except RuntimeError:  # a nested tensor has no sizes: the detailed path names it
+        return None
     if set(map(len, shapes)) != _TWO:
         return None
     Ms, Ks = zip(*shapes[:G])

@@ -107,12 +107,24 @@ def shape_text(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
+# A nested tensor (torch.nested, a prototype API) has no sizes or strides of its own: torch
+# raises an internal error when asked for them (and torch.compile's C++ tensor guards, which
+# the plan caches use, abort the process).
+NESTED = "a nested tensor (torch.nested), which moe_gemm's ops do not support"
+
+
 def check_dense(name: str, t: object) -> None:
-    """A sparse, mkldnn or other non-strided tensor: a TypeError naming the operand. (Both
-    backends slice rows and read strides, which those layouts do not have: without this the
-    call fails deep inside torch.)"""
-    if isinstance(t, torch.Tensor) and t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor; got layout {t.layout}")
+    """A nested, sparse, mkldnn or other non-strided tensor: a TypeError naming the operand.
+    (Both backends slice rows and read strides, which those layouts do not have: without this
+    the call fails deep inside torch.) Every public op asks this of each tensor argument
+    before it reads a shape. (The nested check comes first: a nested tensor built with the
+    default layout reports torch.strided.)"""
+    if isinstance(t, torch.Tensor):
+        if t.is_nested:
+            raise TypeError(f"{name} must be a dense (strided) tensor; got {NESTED} (its "
+                            f"components, {name}.unbind(), are dense tensors)")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor; got layout {t.layout}")
 
 
 def _check_dtype(name: str, t: torch.Tensor) -> None:
@@ -131,6 +143,10 @@ def resolve_out_dtype(dtype: torch.dtype, out_dtype: torch.dtype | None) -> torc
 
 
 def _as_tensor_list(name: str, seq: object, shape_hint: str) -> list[torch.Tensor]:
+    if isinstance(seq, torch.Tensor) and seq.is_nested:
+        # (the closest thing to the list asked for: say how to get that list)
+        raise TypeError(f"{name} must be a sequence (list or tuple) of 2-D tensors {shape_hint}; "
+                        f"got {NESTED} (pass list({name}.unbind()))")
     if isinstance(seq, torch.Tensor):
         raise TypeError(
             f"{name} must be a sequence (list or tuple) of 2-D tensors {shape_hint}; got a single "
@@ -186,8 +202,12 @@ def check_grouped_gemm(
                                resolve_out_dtype(torch.bfloat16, out_dtype), torch.device("cpu"),
                                [])
     dtype, device = a_list[0].dtype, a_list[0].device
-    a_shapes = [t.shape for t in a_list]
-    b_shapes = [t.shape for t in b_list]
+    try:
+        a_shapes = [t.shape for t in a_list]
+        b_shapes = [t.shape for t in b_list]
+    except RuntimeError:  # a nested tensor has no shape: the detailed check names it
+        _explain_grouped_gemm(a_list, b_list, dtype, device)
+        raise
     # Fast path: one set per property (this runs for hundreds of problems per call); the
     # detailed loop below only runs to say exactly what is wrong.
     ok = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import traceback
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -611,6 +612,21 @@ def test_route_takes_forward_input_and_names_bad_input() -> None:
     torch.testing.assert_close(w.double(), want_w / want_w.sum(-1, keepdim=True))
     with pytest.raises(ValueError, match=r"hidden_states must be \(\.\.\., H\) = \(\.\.\., 16\)"):
         ep.route(torch.randn(4, 15))
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_forward_and_route_name_a_nested_input(layout: torch.layout) -> None:
+    # A nested tensor (torch.nested) has no sizes of its own: named, as MoE names it, rather
+    # than torch's internal error from the shape check.
+    ep = ExpertParallelMoE.from_moe(MoE(16, 8, 4, 2), dispatcher=_OneRank(),
+                                    check_replicated=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (the strided layout is a prototype)
+        x = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(5, 16)], layout=layout)
+    for call in (ep, ep.route):
+        with pytest.raises(TypeError, match=r"^hidden_states must be a dense \(strided\) "
+                                            r"tensor; got a nested tensor \(torch\.nested\)"):
+            call(x)
 
 
 class _Local(_OneRank):

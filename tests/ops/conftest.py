@@ -52,3 +52,37 @@ def online_entry(monkeypatch: pytest.MonkeyPatch, tmp_path):
     yield install_entry
     tuned.clear_caches()
     heuristics.clear_caches()
+
+
+@pytest.fixture
+def cute_ops(kernel, monkeypatch: pytest.MonkeyPatch):
+    """Every op on its Hopper path with CPU tensors (plans built and cached as on the GPU),
+    each compiled kernel the recorder: the `kernel` fixture's, returned."""
+    from host_fakes import NSM
+
+    from moe_gemm.ops import (
+        api,
+        fused,
+        fused_launch,
+        fused_masked,
+        masked,
+        masked_launch,
+        scaled,
+        scaled_launch,
+    )
+
+    for module in (api, masked, scaled, fused, fused_masked):
+        monkeypatch.setattr(module, "cute_problem", lambda device=None: None)
+    monkeypatch.setattr(api, "_warned", set())
+    monkeypatch.setattr(scaled_launch, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(fused_launch, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(scaled_launch, "_kernel", lambda key: kernel)
+    monkeypatch.setattr(masked_launch, "_kernel", lambda key: kernel)
+    for name in ("MOE_GEMM_CHECK_OFFS", "MOE_GEMM_TAIL_SPLIT"):
+        monkeypatch.delenv(name, raising=False)
+    caches = (masked, scaled, fused, fused_masked)
+    for module in caches:
+        module._clear_plans()
+    yield kernel
+    for module in caches:
+        module._clear_plans()

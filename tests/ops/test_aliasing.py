@@ -182,3 +182,28 @@ def test_plan_on_the_torch_backend_is_differentiable_and_empty_plan_has_backend(
     torch.testing.assert_close(a[0].grad, torch.ones(4, 5) @ b[0].t())
     empty = GroupedGemmPlan([], [])
     assert empty.backend == "torch" and empty() == []
+
+
+def test_an_input_without_storage_beside_out_is_left_to_validation(monkeypatch):
+    # A sparse or nested operand has no storage (or sizes) to compare with out's: the out=
+    # fast paths read them before any check, and raised torch's own error; the op's checks
+    # name the operand instead. Any other failure to read still raises.
+    from moe_gemm.ops import aliasing
+
+    x = torch.randn(8, 16)
+    out = torch.empty(8, 8)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    sparse = torch.randn(2, 16, 8).to_sparse()
+    jagged = torch.nested.nested_tensor([torch.randn(16, 8)] * 2, layout=torch.jagged)
+    for w in (sparse, jagged):
+        assert not aliasing.overlaps_any(out, (x, w, offs))
+    with pytest.raises(TypeError, match=r"^w must be a dense \(strided\) tensor; got layout "
+                                        r"torch\.sparse_coo"):
+        moe_gemm.grouped_mm(x, sparse, offs, out=out)
+
+    def broken(*args):
+        raise RuntimeError("some other failure")
+
+    monkeypatch.setattr(aliasing, "may_overlap", broken)
+    with pytest.raises(RuntimeError, match="some other failure"):
+        aliasing.overlaps_any(out, (out[:, :4],))
