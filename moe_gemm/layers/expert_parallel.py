@@ -439,7 +439,8 @@ class ExpertParallelMoE(nn.Module):
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         try:
             self._check_input(hidden_states)
-            self._check_weights()
+            # (a cast layer: refused on every rank before any collective, as MoE refuses it)
+            self.local.check_weight_dtype("ExpertParallelMoE")
         except (TypeError, ValueError):
             # The other ranks are already on their way into the dispatch's collectives: join
             # its first one flagged as refused, so that they raise too instead of waiting for
@@ -477,16 +478,6 @@ class ExpertParallelMoE(nn.Module):
         if x.device != self.router_weight.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on "
                              f"{self.router_weight.device}")
-
-    def _check_weights(self) -> None:
-        """As MoE.forward: 16-bit experts cast to another dtype (module.double()) are refused
-        here, on every rank before any collective, rather than dispatching float64 tokens to
-        fail in the experts' GEMMs with a message about their input."""
-        w = self.local.gate_up_proj
-        if self.local.fp8 is None and w.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"the layer's expert weights are {w.dtype}; ExpertParallelMoE runs "
-                            "in torch.bfloat16, torch.float16 or torch.float32: cast the layer "
-                            "with .to(dtype)")
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -508,6 +508,15 @@ class MoE(MoELoaders, nn.Module):
             self.router_fp32,
         )
 
+    def check_weight_dtype(self, layer: str = "MoE") -> None:
+        """A layer cast with .double() (16-bit experts in a dtype the kernels do not take): a
+        TypeError naming the weights' dtype, rather than one that blames a valid input's."""
+        w = self.gate_up_proj
+        if self.gate_up_proj_scale_inv is None and w.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"the layer's weights are {w.dtype}; {layer} runs in "
+                            "torch.bfloat16, torch.float16 or torch.float32: cast the layer "
+                            "with .to(dtype)")
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Apply the layer.
 
@@ -524,11 +533,7 @@ class MoE(MoELoaders, nn.Module):
             ValueError: last dim not H, or on another device than the parameters.
         """
         x = _check_hidden(hidden_states, self.hidden_size, self.gate_up_proj.device)
-        if self.gate_up_proj_scale_inv is None and self.gate_up_proj.dtype not in FLOAT_DTYPES:
-            # (a layer cast with .double(): say so, rather than blame the input's dtype)
-            raise TypeError(f"the layer's weights are {self.gate_up_proj.dtype}; MoE runs in "
-                            "torch.bfloat16, torch.float16 or torch.float32: cast the layer "
-                            "with .to(dtype)")
+        self.check_weight_dtype()
         x2 = x.reshape(-1, self.hidden_size)
         weights, ids = self._route_tokens(x2)
         gate_fn = gated(resolve_activation(self.activation))
