@@ -70,7 +70,18 @@ class StoreWatcher:
             return 0
         on_disk = {n: fid for n in names if (fid := self.file_id(n)) is not None}
         changes = 0
-        for name in set(self.loaded) - set(on_disk):
+        gone = set(self.loaded) - set(on_disk)
+        if gone:
+            # A file listed but not found by its stat may be a delete, or the directory
+            # moved away between the two: only a listing taken after the stat tells them apart.
+            try:
+                listed_now = set(await asyncio.to_thread(svc.store.names))
+            except OSError as e:
+                log.warning("cannot list the data directory %s (%s); resident weight sets are "
+                            "kept", svc.store.root, e.strerror or e)
+                return 0
+            gone -= listed_now
+        for name in gone:
             async with svc._weights_lock:
                 if self.file_id(name) is None and name in self.loaded:
                     gone = svc.engine.remove_weights(name)

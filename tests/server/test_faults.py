@@ -423,6 +423,50 @@ def test_a_data_dir_that_cannot_be_listed_keeps_the_resident_sets(tmp_path: Path
         assert client.get("/v1/weights").json()["weights"] == []
 
 
+def test_a_data_dir_moved_between_listing_and_stat_keeps_the_resident_sets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory moved away after a rescan listed it but before it stat'ed the files: the
+    files look deleted, but only a listing taken after the stat can say so (the pass used to
+    drop every set here, a race the test above met now and then)."""
+    data = tmp_path / "data"
+    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    watcher = app.state.service.watcher
+    store = app.state.service.store
+    w = torch.randn(2, 64, 32)
+    real_names = store.names
+    moved = threading.Event()
+
+    def names_then_move() -> list[str]:
+        out = real_names()
+        if not moved.is_set() and out:
+            data.rename(tmp_path / "elsewhere")  # right after the listing
+            moved.set()
+        return out
+
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
+        monkeypatch.setattr(store, "names", names_then_move)
+        deadline = time.monotonic() + 10
+        while not moved.is_set():
+            assert time.monotonic() < deadline, "the data directory was not rescanned"
+            time.sleep(0.01)
+        target = watcher.rescans + 2
+        while watcher.rescans < target:
+            assert time.monotonic() < deadline, "the data directory was not rescanned"
+            time.sleep(0.01)
+        assert [s["name"] for s in client.get("/v1/weights").json()["weights"]] == ["w"]
+        # a real delete, with the directory in place, is still seen
+        (tmp_path / "elsewhere").rename(data)
+        (data / "w.safetensors").unlink()
+        target = watcher.rescans + 3
+        while watcher.rescans < target:
+            assert time.monotonic() < deadline + 10, "the data directory was not rescanned"
+            time.sleep(0.01)
+        assert client.get("/v1/weights").json()["weights"] == []
+
+
 def test_a_server_starting_on_a_shared_dir_keeps_uploads_in_progress(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another server starting on the shared data directory (a replica restarted after a
