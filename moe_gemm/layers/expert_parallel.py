@@ -67,10 +67,11 @@ _ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_
 # MoE's options that the local experts take (the rest are the routing's, held by this layer).
 _LOCAL_OPTIONS = ("activation", "config", "fused")
 # check_replicated's digest: a refused flag, a checking flag, the 3 sizes, the routing
-# options, activation, expert dtype and shapes, then per replicated tensor (router, bias,
-# 3 shared projections, shared gate) its shape and dtype and two hashes (_replica_digest).
-# A rank that does not check sends the two flags alone (_unchecked_digest).
-_DIGEST_SIZE = 2 + 3 + len(_ROUTING) + 3 + 6 * 3
+# options, the experts' and the shared expert's activations, expert dtype and shapes, then
+# per replicated tensor (router, bias, 3 shared projections, shared gate) its shape and dtype
+# and two hashes (_replica_digest). A rank that does not check sends the two flags alone
+# (_unchecked_digest).
+_DIGEST_SIZE = 2 + 3 + len(_ROUTING) + 4 + 6 * 3
 
 
 def local_expert_ffn(
@@ -119,7 +120,8 @@ class ExpertParallelMoE(nn.Module):
     all ranks for every forward (it runs collectives), a rank with no tokens included.
 
     The local experts run as `moe`'s would: its activation, `config` and `fused` (set
-    `layer.local.fused` or `layer.local.config` to switch a built layer).
+    `layer.local.activation`, `.fused` or `.config` to switch a built layer; the activation
+    reaches its shared expert too, as in MoE).
 
     Args:
         moe: a MoE holding this rank's E/W experts only (any router: it is not used).
@@ -194,7 +196,7 @@ class ExpertParallelMoE(nn.Module):
     def check_replicated(self) -> None:
         """Check that every rank holds the same replicated parts: the router weight, the
         correction bias, the shared experts (and their gate), the routing options, the
-        sizes, dtypes and activation of the experts. Every rank of the group must call it.
+        sizes, dtypes and activations of the experts. Every rank of the group must call it.
 
         Each rank hashes its copies exactly (the bits of every element, position-weighted,
         in integer arithmetic, so summation order cannot matter) and one all-gather of a few
@@ -393,14 +395,14 @@ class ExpertParallelMoE(nn.Module):
                                   m.gate_up_proj_scale_inv, m.down_proj, m.down_proj_scale_inv,
                                   gated(resolve_activation(m.activation)), config=m.config)
         x = d.x.to(m.gate_up_proj.dtype)
-        # The fused kernel when asked for (fused=True). Unlike MoE, None keeps the unfused
-        # path here: the fused ops size their buffers by every received slot (R x top_k rows,
-        # most of them other ranks' -1 slots under top-8 over 8 ranks) where the unfused path
-        # gathers only the valid ones (num_valid_slots).
+        # The fused kernel when asked for (fused=True), on the valid slots alone where their
+        # count is known (num_valid_slots), as the unfused path: other ranks' -1 slots are most
+        # of the R x top_k received ones under top-8 over 8 ranks. Unlike MoE, None keeps the
+        # unfused path here: the fused kernels are not timed in this regime on GPUs yet.
         gate = fused_gate_for(canonical_activation(m.activation))
         if use_fused(m.fused is True, gate, x, m.w_gate_up, m.w_down, m.config):
             return fused_expert_ffn(x, d.local_ids, d.weights, m.w_gate_up, m.w_down, gate,
-                                    config=m.config)
+                                    config=m.config, num_valid_slots=d.num_valid_slots)
         return local_expert_ffn(x, d.local_ids, d.weights, m.w_gate_up, m.w_down,
                                 m.activation, m.config, d.num_valid_slots)
 
@@ -506,11 +508,15 @@ def _local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
                   for n in ("gate_proj", "up_proj", "down_proj")}
         if moe.shared_expert_gate is not None:
             shared["gate"] = moe.shared_expert_gate.weight
-    return MoE.from_fused(
+    local = MoE.from_fused(
         take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
         shared=shared, scales=scales, activation=moe.activation, config=moe.config,
         fused=moe.fused,
     )
+    if moe.shared_experts is not None:
+        # The shared expert follows moe.activation, unless its own was set apart: as it is.
+        local.shared_experts.activation = moe.shared_experts.activation
+    return local
 
 
 def _checks_replicas(dispatcher: Dispatcher) -> bool:
@@ -593,8 +599,9 @@ def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
     add("check_replicated", 1)  # (0 in the digest of a rank that does not check)
     for name in ("num_experts", "hidden_size", "intermediate_size", *_ROUTING):
         add(name, getattr(layer, name))
-    act = m.activation
-    add("activation", act if isinstance(act, str) else getattr(act, "__qualname__", act))
+    add("activation", _activation_key(m.activation))
+    add("shared activation", None if m.shared_experts is None else _activation_key(
+        m.shared_experts.activation))
     add("expert dtype", m.gate_up_proj.dtype)
     add("local experts' shapes", tuple(m.gate_up_proj.shape) + tuple(m.down_proj.shape))
     tensors: dict[str, torch.Tensor | None] = {
@@ -614,6 +621,11 @@ def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
         add(name, h[1])
     assert len(values) == _DIGEST_SIZE
     return names, torch.tensor(values, dtype=torch.int64, device=layer.router_weight.device)
+
+
+def _activation_key(act: object) -> object:
+    """What the digest compares of an activation: its name, or a callable's qualified name."""
+    return act if isinstance(act, str) else getattr(act, "__qualname__", act)
 
 
 def _unchecked_digest() -> torch.Tensor:

@@ -123,22 +123,41 @@ def fused_expert_ffn(
     bias_down: torch.Tensor | None = None,  # (E, H)
     config: GemmConfig | None = None,
     ids_in_range: bool = False,
+    num_valid_slots: int | None = None,
 ) -> torch.Tensor:
     """The routed experts on the fused kernel, for checked arguments (see the module
-    docstring; ids_in_range as layers/experts.expert_ffn). Returns (T, H) in x's dtype."""
+    docstring; ids_in_range as layers/experts.expert_ffn). Returns (T, H) in x's dtype.
+
+    num_valid_slots: the number of slots whose id is in [0, E), when the caller knows it on
+    the host without a sync (expert parallelism's dispatch: Dispatched.num_valid_slots); only
+    those rows are then gathered and computed, as expert_parallel.local_expert_ffn does
+    (a top-8 token received by one of 8 ranks has ~1 valid slot of 8). It must be exact.
+    None: every slot gets a row, the dropped ones past offs[-1].
+    """
     E = w_gate_up.shape[0]
     perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
-    token = perm.token_index.to(torch.int32)
+    # The valid slots sort first: rows [0, S) are theirs (offs[-1] = S).
+    S = perm.token_index.shape[0] if num_valid_slots is None else num_valid_slots
+    token_index = perm.token_index[:S]
     # Each routed row's weight, in row order (dropped slots: 0; their rows are past offs[-1]
     # and the kernels store zeros there without reading it).
-    weight = perm.drop_masked(topk_weights).reshape(-1).float().index_select(0, perm.slot_order)
+    weight = perm.drop_masked(topk_weights).reshape(-1).float().index_select(
+        0, perm.slot_order[:S])
     if _gather_in_kernel():
-        xs, index = x, token
+        xs, index = x, token_index.to(torch.int32)
     else:
-        xs, index = x.index_select(0, perm.token_index), None
+        xs, index = x.index_select(0, token_index), None
     a = fused_grouped_mm(xs, w_gate_up, perm.offs, row_index=index, bias=bias_gate_up,
                          gate=spec.gate, gate_layout=spec.layout, gate_alpha=spec.alpha,
                          gate_limit=spec.limit, config=config)
-    y = fused_grouped_mm(a, w_down, perm.offs, bias=bias_down, row_weight=weight,
-                         config=config)
-    return combine_rows(y, perm.row_of_slot)
+    if num_valid_slots is None:
+        y = fused_grouped_mm(a, w_down, perm.offs, bias=bias_down, row_weight=weight,
+                             config=config)
+        return combine_rows(y, perm.row_of_slot)
+    # One zero row past the S computed ones, which the dropped slots gather (the combine is
+    # unweighted: their rows must be zeros, not just carry weight 0).
+    y = a.new_empty(S + 1, w_down.shape[2])
+    y[S:].zero_()
+    fused_grouped_mm(a, w_down, perm.offs, bias=bias_down, row_weight=weight, out=y[:S],
+                     config=config)
+    return combine_rows(y, perm.row_of_slot.clamp(max=S))

@@ -254,8 +254,22 @@ def _check_hidden(x: object, H: int, device: torch.device) -> torch.Tensor:
     return x
 
 
+def _replace_activation(module: nn.Module, value: object) -> None:
+    """Before `module.activation = value`: the value checked as the constructors check it (a
+    bad name fails here, not in the next forward), and a module activation set before (which
+    nn.Module keeps as a child module) removed for a plain one (torch refuses a str over a
+    child module: a layer built with nn.GELU() could not be switched to "silu")."""
+    resolve_activation(value)
+    if not isinstance(value, nn.Module):
+        module.__dict__.get("_modules", {}).pop("activation", None)
+
+
 class GatedMLP(nn.Module):
-    """A dense gated FFN, down(act(gate(x)) * up(x)): the shared expert of DeepSeek / Qwen2."""
+    """A dense gated FFN, down(act(gate(x)) * up(x)): the shared expert of DeepSeek / Qwen2.
+
+    `activation` ("silu", "gelu", "gelu_tanh" or a callable) is an attribute: the forward
+    applies its current value (inside MoE it follows the layer's `moe.activation`).
+    """
 
     def __init__(
         self,
@@ -272,10 +286,17 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
         self.activation = activation
-        self._act = resolve_activation(activation)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "activation":
+            _replace_activation(self, value)
+        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+        # Resolved per call (a dict lookup), not once at construction: a function resolved in
+        # __init__ outlived a reassigned `activation`.
+        act = resolve_activation(self.activation)
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(MoELoaders, nn.Module):
@@ -318,7 +339,9 @@ class MoE(MoELoaders, nn.Module):
             for sigmoid.
         router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for
             softmax (Mixtral and Qwen compute them in the weight dtype).
-        activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh" or a callable.
+        activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh" or a callable: the
+            routed experts' and the shared expert's. An attribute: setting `moe.activation`
+            switches both (checked as in the constructor).
         shared_intermediate_size: intermediate size of the always-on shared expert(s)
             (DeepSeek: moe_intermediate_size * n_shared_experts); 0 = none.
         shared_expert_gate: scale the shared expert by sigmoid(Linear(H, 1)(x)) (Qwen2-MoE).
@@ -409,6 +432,20 @@ class MoE(MoELoaders, nn.Module):
                 lin.reset_parameters()
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.reset_parameters()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `activation` is the layer's one activation (transformers' hidden_act, which its
+        # shared expert uses too): an assignment is checked as in the constructor and reaches
+        # the shared expert, which otherwise kept the constructor's (the layer then ran two
+        # activations, and from_moe's shards, built from the attribute, disagreed with it).
+        # Here rather than a property: nn.Module.__setattr__ files a module value (an
+        # activation module such as transformers' ACT2FN ones) under _modules, bypassing one.
+        if name == "activation":
+            _replace_activation(self, value)
+            shared = self.__dict__.get("_modules", {}).get("shared_experts")
+            if shared is not None:
+                shared.activation = value
+        super().__setattr__(name, value)
 
     # `fused` and `config` are documented as attributes to switch on a built layer: checked
     # on every assignment as in the constructor (a string such as "no" would otherwise force

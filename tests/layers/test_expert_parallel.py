@@ -20,12 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from ep_testutils import rank_errors, run_world
-from moe_testutils import near_tie_sigmoid_moe
+from moe_testutils import naive_experts, naive_moe, near_tie_sigmoid_moe
 
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE
 from moe_gemm.layers.moe import MoE
-from moe_gemm.testing import calc_diff
+from moe_gemm.testing import assert_close_to_ref, calc_diff
 
 
 def _full_moe(seed: int, dtype: torch.dtype, **kw: object) -> MoE:
@@ -316,13 +316,14 @@ def _ref64(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @case
 def replicas_must_match(rank: int, world: int) -> list[str]:
-    """Ranks built from different router, shared-expert weights or top_k: a ValueError on
-    every rank at construction naming what differs (each rank would otherwise route the same
-    token differently, or abort gloo inside the all-to-all); check_replicated=False skips."""
+    """Ranks built from different router, shared-expert weights or activation, or top_k: a
+    ValueError on every rank at construction naming what differs (each rank would otherwise
+    route the same token differently, or abort gloo inside the all-to-all);
+    check_replicated=False skips."""
     errs = []
     for what, kw in (("router_weight", {}), ("shared_experts.down_proj",
                                              {"shared_intermediate_size": 8}),
-                     ("top_k", {})):
+                     ("top_k", {}), ("shared activation", {"shared_intermediate_size": 8})):
         moe = _full_moe(12, torch.float32, **kw)
         if rank == world - 1:
             with torch.no_grad():
@@ -330,6 +331,8 @@ def replicas_must_match(rank: int, world: int) -> list[str]:
                     moe.router_weight[3, 5] += 1e-6
                 elif what == "top_k":
                     moe.top_k = 3
+                elif what == "shared activation":
+                    moe.shared_experts.activation = "gelu"
                 else:
                     moe.shared_experts.down_proj.weight[1, 2] += 1e-6
         try:
@@ -508,6 +511,66 @@ def fused_setting_carried(rank: int, world: int) -> list[str]:
         if ep.local.fused is not True:
             errs.append(f"{label}: local fused={ep.local.fused}")
         errs += [m for m in [_check(f"fused {label}", ep(x), moe(x), 1e-5)] if m]
+    return errs
+
+
+@case
+def reassigned_activation_reaches_the_shared_expert(rank: int, world: int) -> list[str]:
+    """A layer whose `activation` was reassigned after construction: its shared expert
+    follows it, and from_moe's shards (which build their shared expert from the attribute)
+    equal it (the layer's shared expert kept the constructor's activation: they differed)."""
+    moe = _full_moe(22, torch.float32, shared_intermediate_size=8, shared_expert_gate=True)
+    moe.activation = "gelu"
+    ep = ExpertParallelMoE.from_moe(moe)
+    x = _tokens(rank, 22, torch.float32) * 3
+    errs = [m for m in [_check("reassigned activation", ep(x), moe(x), 1e-5)] if m]
+    if ep.local.shared_experts.activation != "gelu":
+        errs.append(f"shared activation {ep.local.shared_experts.activation!r}")
+    return errs
+
+
+class _Counting(AllToAllDispatcher):
+    """The all-to-all dispatcher, recording each dispatch's num_valid_slots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.valid: list[int | None] = []
+
+    def dispatch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        d, extra = super().dispatch(*args, **kwargs)
+        self.valid.append(d.num_valid_slots)
+        return d, extra
+
+
+@case
+def fused_computes_only_the_valid_slots(rank: int, world: int) -> list[str]:
+    """fused=True computes the rows of the received slots whose expert is here
+    (num_valid_slots), as the unfused path gathers them, not every received slot (top-4 of 8
+    experts over the ranks: most received slots are other ranks'); the result equals the
+    single-process layer and the unfused shards', a rank receiving no tokens included."""
+    import moe_gemm.layers.fused_experts as fused_experts
+
+    moe = _full_moe(23, torch.float32, top_k=4, shared_intermediate_size=8)
+    x = _tokens(rank, 23, torch.float32)
+    want = moe(x)
+    moe.fused = False
+    unfused = ExpertParallelMoE.from_moe(moe)(x)
+    moe.fused = True
+    dispatcher = _Counting()
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=dispatcher)
+    rows: list[int] = []
+    real = fused_experts.fused_grouped_mm
+    fused_experts.fused_grouped_mm = lambda *a, **k: (lambda y: rows.append(y.shape[0]) or y)(
+        real(*a, **k))
+    try:
+        got = ep(x)
+    finally:
+        fused_experts.fused_grouped_mm = real
+    errs = [m for m in [_check("fused vs MoE", got, want, 1e-5),
+                        _check("fused vs unfused shards", got, unfused, 1e-5)] if m]
+    (valid,) = dispatcher.valid
+    if rows != [valid, valid]:
+        errs.append(f"rank {rank}: the fused GEMMs computed {rows} rows; {valid} slots are valid")
     return errs
 
 
@@ -699,3 +762,94 @@ def test_from_moe_and_from_state_dict_carry_fused(monkeypatch: pytest.MonkeyPatc
             calls.clear()
             torch.testing.assert_close(ep(x), want)
             assert len(calls) == (2 if fused else 0)  # the two fused GEMMs
+
+
+def test_from_moe_equals_moe_after_the_activation_is_reassigned() -> None:
+    # MoE's shared expert kept its construction-time activation after `moe.activation` was
+    # reassigned, while from_moe built the shard's shared expert with the new one: the two
+    # layers disagreed. Both follow the attribute now, against a float64 reference.
+    moe = MoE(16, 8, 4, 2, shared_intermediate_size=8, shared_expert_gate=True)
+    x = torch.randn(23, 16) * 3
+    for act in ("gelu", torch.tanh):
+        moe.activation = act
+        ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
+        want = naive_moe(moe, x)
+        assert_close_to_ref(moe(x), want, name=f"MoE, activation {act!r}")
+        assert_close_to_ref(ep(x), want, name=f"ExpertParallelMoE, activation {act!r}")
+        ep.local.activation = "silu"  # the shard's own layer: both of its parts switch
+        moe.activation = "silu"
+        assert_close_to_ref(ep(x), naive_moe(moe, x), name="shard switched to silu")
+    # A shared expert's activation set apart from the layer's is carried as it is.
+    moe.shared_experts.activation = "gelu_tanh"
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
+    assert ep.local.shared_experts.activation == "gelu_tanh" and ep.local.activation == "silu"
+    torch.testing.assert_close(ep(x), moe(x))
+
+
+class _LocalShare(_OneRank):
+    """Rank 0 of two, without a process group: it receives every token but keeps only the
+    slots of its experts [0, E / 2) (the others marked -1, as other ranks' slots are), with
+    their count."""
+
+    world_size = 2
+
+    def __init__(self, local_experts: int) -> None:
+        self.local_experts = local_experts
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, *,  # type: ignore[no-untyped-def]
+                 during=None):
+        extra = during() if during is not None else None
+        here = topk_ids < self.local_experts
+        ids = torch.where(here, topk_ids, -1)
+        w = torch.where(here, topk_weights.float(), 0.0)
+        return Dispatched(x, ids, w, int(here.sum()), None), extra
+
+    def combine(self, y, handle):  # type: ignore[no-untyped-def]
+        return y
+
+
+@pytest.mark.parametrize("gather", ["1", "0"], ids=["gather-in-kernel", "index-select"])
+def test_fused_experts_compute_only_the_valid_slots(monkeypatch: pytest.MonkeyPatch,
+                                                    gather: str) -> None:
+    # The fused path ignored Dispatched.num_valid_slots: its GEMMs sized and wrote a row per
+    # received slot (here 6 x 4 = 24) where the unfused path gathers the valid ones. Now both
+    # compute those alone; the other ranks' slots add nothing, with every uninitialized buffer
+    # NaN-filled (deterministic mode), so a row that is read but never written shows.
+    import moe_gemm.layers.fused_experts as fused_experts
+
+    monkeypatch.setenv(fused_experts.GATHER_ENV, gather)
+    rows: list[int] = []
+    real = fused_experts.fused_grouped_mm
+    monkeypatch.setattr(fused_experts, "fused_grouped_mm",
+                        lambda *a, **k: (lambda y: rows.append(y.shape[0]) or y)(real(*a, **k)))
+    E, k = 8, 4
+    moe = MoE(16, 12, E // 2, k, fused=True)  # this rank's half of the experts
+    ep = ExpertParallelMoE(moe, {**_router_full(E), "top_k": k}, E,
+                           dispatcher=_LocalShare(E // 2))
+    x = torch.randn(6, 16)
+    w, ids = ep.route(x)
+    d, _ = ep.dispatcher.dispatch(x, ids, w, E)
+    assert 0 < d.num_valid_slots < 6 * k
+    want = naive_experts(x, d.local_ids, d.weights, moe.gate_up_proj, moe.down_proj)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for fused in (True, False):
+            moe.fused = fused
+            rows.clear()
+            assert_close_to_ref(ep.experts(d), want, name=f"fused={fused}")
+            assert rows == ([d.num_valid_slots] * 2 if fused else [])
+        # Without a count (static splits), every received slot, as the unfused path does.
+        moe.fused = True
+        rows.clear()
+        d.num_valid_slots = None
+        assert_close_to_ref(ep.experts(d), want, name="fused, count unknown")
+        assert rows == [6 * k, 6 * k]
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _router_full(E: int) -> dict:
+    return dict(router_weight=torch.randn(E, 16), e_score_correction_bias=None, top_k=2,
+                scoring="softmax", renormalize=True, n_group=1, topk_group=1,
+                routed_scaling_factor=1.0, router_fp32=False)

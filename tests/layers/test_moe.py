@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from moe_testutils import naive_experts, naive_moe, near_tie_sigmoid_moe, randomize, rel_err
 
 from moe_gemm import GemmConfig
-from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
+from moe_gemm.layers.moe import GatedMLP, MoE, moe_experts, moe_forward
 from moe_gemm.layers.routing import sigmoid_grouped_topk, softmax_topk
 from moe_gemm.testing import assert_close_to_ref, calc_diff
 
@@ -353,6 +353,44 @@ def test_fused_and_config_attributes_are_checked() -> None:
         assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
     moe.config = GemmConfig(backend="torch")
     assert rel_err(copy.deepcopy(moe)(x), naive_moe(moe, x)) < 1e-5
+
+
+def test_activation_attribute_switches_routed_and_shared_experts() -> None:
+    # The layer has one activation (transformers' hidden_act, the shared expert's too). A
+    # reassigned `moe.activation` switched the routed experts only: the shared expert kept the
+    # constructor's, so the layer ran two activations (and ExpertParallelMoE.from_moe, which
+    # builds its shared expert from the attribute, disagreed with it).
+    moe = randomize(MoE(32, 16, 8, 2, shared_intermediate_size=24, shared_expert_gate=True))
+    x = torch.randn(37, 32)
+    for act in ("gelu", "gelu_tanh", torch.tanh, "swish"):
+        moe.activation = act
+        assert moe.activation is act and moe.shared_experts.activation is act
+        assert_close_to_ref(moe(x), naive_moe(moe, x), name=f"activation {act!r}")
+    # Checked on assignment as in the constructor; a refused value is not kept by either part.
+    with pytest.raises(ValueError, match="activation must be one of"):
+        moe.activation = "relu3"
+    with pytest.raises(TypeError, match="activation must be a str or a callable; got int"):
+        moe.activation = 3
+    with pytest.raises(TypeError, match="activation must be a str or a callable; got int"):
+        moe.shared_experts.activation = 3
+    assert moe.activation == moe.shared_experts.activation == "swish"
+    # A module activation and back (torch refused a str over the child module it made).
+    for act in (torch.nn.GELU(approximate="tanh"), "silu"):
+        moe.activation = act
+        assert moe.activation is act and moe.shared_experts.activation is act
+        assert_close_to_ref(moe(x), naive_moe(moe, x), name=f"activation {act!r}")
+
+
+def test_shared_expert_applies_its_current_activation() -> None:
+    # GatedMLP resolved its activation once, at construction: setting the attribute later
+    # changed what it reported, not what it computed.
+    mlp = GatedMLP(16, 12)
+    mlp.activation = "gelu_tanh"
+    x = torch.randn(9, 16)
+    g, u, d = (getattr(mlp, n).weight.double() for n in ("gate_proj", "up_proj", "down_proj"))
+    v = x.double()
+    want = (F.gelu(v @ g.T, approximate="tanh") * (v @ u.T)) @ d.T
+    assert_close_to_ref(mlp(x), want)
 
 
 @pytest.mark.slow  # CPU timings of 3 token counts x 4 implementations: a few seconds

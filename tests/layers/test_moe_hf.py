@@ -622,6 +622,80 @@ def test_experts_weights_that_do_not_fit_are_named(make, error, pattern) -> None
             hf_integration.moe_gemm_experts_forward(experts, x, ids, w)
 
 
+def _experts_call(experts: torch.nn.Module, T: int = 7) -> torch.Tensor:
+    x = torch.randn(T, 32)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(T)])
+    with torch.no_grad():
+        return hf_integration.moe_gemm_experts_forward(experts, x, ids, torch.rand(T, 2))
+
+
+@pytest.mark.parametrize("make", [_mixtral_experts_with, _gpt_oss_experts_with],
+                         ids=["mixtral", "gpt-oss-biases"])
+def test_experts_weights_are_checked_once_per_layout(monkeypatch: pytest.MonkeyPatch,
+                                                     make) -> None:
+    # The weights' checks ran on every forward (~3.3 us of Python per layer and forward on
+    # the CPU). They read the weights' layout alone, never values or addresses: a layout
+    # seen before has passed them, and new values or a new tensor of that layout need no
+    # new check.
+    register_transformers()
+    calls: list[int] = []
+    real = hf_integration._check_weights
+    monkeypatch.setattr(hf_integration, "_check_weights",
+                        lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hf_integration, "_CHECKED_LAYOUTS", {})
+    experts = make()
+    for _ in range(3):
+        _experts_call(experts)
+    assert len(calls) == 1
+    with torch.no_grad():
+        experts.down_proj.mul_(2)
+    experts.down_proj = torch.nn.Parameter(torch.randn_like(experts.down_proj),
+                                           requires_grad=False)
+    _experts_call(experts)
+    assert len(calls) == 1
+    experts.down_proj.data = experts.down_proj.data.half()  # a new layout: checked (refused)
+    with pytest.raises(TypeError, match="down_proj is torch.float16"):
+        _experts_call(experts)
+    assert len(calls) == 2
+
+
+def _replace_down(experts: torch.nn.Module, t: torch.Tensor) -> None:
+    experts.down_proj = torch.nn.Parameter(t, requires_grad=False)
+
+
+def _set_down_data(experts: torch.nn.Module, t: torch.Tensor) -> None:
+    experts.down_proj.data = t  # the same Parameter object, another tensor inside
+
+
+def _resize_down(experts: torch.nn.Module, t: torch.Tensor) -> None:
+    # in place: the same object and data pointer, another shape
+    experts.down_proj.requires_grad_(False).resize_(t.shape)
+
+
+@pytest.mark.parametrize("change", [_replace_down, _set_down_data, _resize_down],
+                         ids=["new-parameter", "data-swap", "resize-in-place"])
+@pytest.mark.parametrize("bad,error,pattern", [
+    (torch.randn(8, 30, 16), ValueError, r"down_proj must be \(E, H, I\) = \(8, 32, 16\)"),
+    (torch.randn(8, 32, 12), ValueError, r"down_proj must be \(E, H, I\) = \(8, 32, 16\)"),
+    (torch.randn(8, 32, 16).half(), TypeError, "down_proj is torch.float16 but gate_up_proj"),
+    (torch.randn(8, 32, 16, device="meta"), ValueError, "down_proj is on meta but"),
+], ids=["other-width", "other-intermediate", "other-dtype", "other-device"])
+def test_experts_weights_changed_after_a_forward_are_refused(change, bad, error,
+                                                             pattern) -> None:
+    # Whatever the checks' cache, a weight that no longer fits after forwards that passed is
+    # refused as on a first call (an in-place resize_ keeps the tensor and its data pointer).
+    register_transformers()
+    experts = _mixtral_experts_with()
+    _experts_call(experts)
+    if change is _resize_down and (bad.dtype != torch.float32 or bad.device.type != "cpu"):
+        pytest.skip("resize_ changes the shape only")
+    if change is _set_down_data and bad.device.type != "cpu":
+        pytest.skip("torch refuses .data of another device type")
+    change(experts, bad)
+    with pytest.raises(error, match=pattern):
+        _experts_call(experts)
+
+
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~20 s on 2 cores
 def test_lazy_registration_on_transformers_import() -> None:
     # A fresh interpreter: the hook must register "moe_gemm" when transformers loads its MoE
