@@ -150,8 +150,10 @@ def load_index(spec: str, key: str) -> np.ndarray | list[int]:
         return load_array(spec, key)
     try:
         # Python ints: the client checks their range (a ValueError naming int32, exit 2);
-        # numpy's int64 conversion raised an OverflowError past 2^63, a traceback.
-        return [int(v) for v in spec.split(",") if v.strip()]
+        # numpy's int64 conversion raised an OverflowError past 2^63, a traceback. An empty
+        # field is an error (int('') raises), not skipped: "3,,5" read as [3, 5] would be a
+        # request for another routing, answered without a word when E is 2.
+        return [int(v) for v in spec.split(",")]
     except ValueError:
         raise UsageError(f"--{key} must be a .npy/.safetensors file or comma-separated ints; "
                          f"got {spec!r}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,6 +19,12 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+# What a key may hold: it arrives in an `Authorization: Bearer <key>` header, which clients
+# send as ASCII (moe_gemm_client refuses anything else; curl sends UTF-8 bytes, which the server
+# reads as Latin-1). A key beyond ASCII was accepted at start and then matched no request.
+_KEY_RE = re.compile(r"[\x21-\x7e]+")
+_KEY_WHY = "keys travel in an 'Authorization: Bearer <key>' header"
 
 
 def default_data_dir() -> Path:
@@ -124,15 +131,17 @@ class Settings(BaseSettings):
     @classmethod
     def _keys_nonempty(cls, v: list[str]) -> list[str]:
         for k in v:
-            if not k or any(c.isspace() for c in k):
-                raise ValueError("API keys must be non-empty and contain no whitespace")
+            if not _KEY_RE.fullmatch(k):
+                raise ValueError("API keys must be non-empty printable ASCII without "
+                                 f"whitespace; {_KEY_WHY}")
         return v
 
     @field_validator("admin_key")
     @classmethod
     def _admin_nonempty(cls, v: str | None) -> str | None:
-        if v is not None and (not v or any(c.isspace() for c in v)):
-            raise ValueError("the admin key must be non-empty and contain no whitespace")
+        if v is not None and not _KEY_RE.fullmatch(v):
+            raise ValueError("the admin key must be non-empty printable ASCII without "
+                             f"whitespace; {_KEY_WHY}")
         return v
 
     @field_validator("warmup_rows")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .codecs import parse_safetensors_header, tensor_from_buffer
+from .codecs import ST_DTYPES, parse_safetensors_header, tensor_from_buffer
 from .errors import APIError, unprocessable
 from .fp8_weights import check_fp8_scale
 
@@ -94,8 +94,9 @@ def read_weight_file(path: Path, check_values: bool = False
         raise unprocessable(f"{layout!r} must be 3-D {want}; got shape {list(spec.shape)}")
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     if spec.dtype not in (torch.bfloat16, torch.float16, torch.float32) + fp8:
-        raise unprocessable(f"{layout!r} must be BF16, F16, F32, F8_E4M3 or F8_E5M2; got "
-                            f"{spec.dtype}")
+        # (named as the body names it: "F64", not torch's "torch.float64")
+        got = next((k for k, v in ST_DTYPES.items() if v == spec.dtype), str(spec.dtype))
+        raise unprocessable(f"{layout!r} must be BF16, F16, F32, F8_E4M3 or F8_E5M2; got {got}")
     if min(spec.shape) == 0:
         raise unprocessable(f"{layout!r} {want} needs every dimension >= 1; got "
                             f"{list(spec.shape)}")

@@ -134,6 +134,21 @@ def test_grouped_mm_files(server, capsys, rng, tmp_path, fmt):
     np.testing.assert_allclose(y, grouped_mm_ref(x, w, counts), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", ["3,,5", "3,5,", ",3,5", "", " "])
+def test_inline_counts_with_an_empty_field_are_refused(server, capsys, rng, tmp_path, spec):
+    """"3,,5" was read as [3, 5]: against a set of E = 2 a typo became another routing, answered
+    with no word of the missing value. An empty field is a usage error, nothing is sent."""
+    server.weights["e2"] = (rng.standard_normal((2, 4, 3)).astype(np.float32), "w")
+    np.save(tmp_path / "x.npy", rng.standard_normal((8, 4)).astype(np.float32))
+    sent = len(server.seen)
+    for flag in ("--counts", "--offs"):
+        assert cli.main(["grouped-mm", "e2", "--x", str(tmp_path / "x.npy"), flag, spec,
+                         "--out", str(tmp_path / "y.npy")]) == 2
+        assert "comma-separated ints" in capsys.readouterr().err
+    assert len(server.seen) == sent
+    assert not (tmp_path / "y.npy").exists()
+
+
 def test_grouped_mm_inline_offs_and_bf16_npy(server, capsys, rng, tmp_path):
     w = rng.standard_normal((2, 4, 3)).astype(BFLOAT16)
     server.weights["b"] = (w, "w")

@@ -17,8 +17,8 @@ import uvicorn
 from server_testutils import REPO
 
 from moe_gemm_server import __version__
-from moe_gemm_server.cli import DrainingServer, listen, main
-from moe_gemm_server.config import default_data_dir
+from moe_gemm_server.cli import DrainingServer, listen, main, settings_from_args
+from moe_gemm_server.config import Settings, default_data_dir
 from moe_gemm_server.logs import RequestIdFilter, request_id_var
 
 ENV_PATH = f"{REPO}:{REPO / 'server'}"
@@ -233,3 +233,22 @@ def test_help_and_readme_name_the_data_dir_default_without_xdg_data_home(capsys,
     assert "~/.local/share/moe-gemm-serverwhereXDG_DATA_HOMEisunset" in text
     readme = (REPO / "server" / "README.md").read_text()
     assert "`~/.local/share/moe-gemm-server`" in readme
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--admin-key"])
+@pytest.mark.parametrize("key", ["cl\u00e9", "k\x01ey", "\u5bc6\u94a5"])
+def test_keys_beyond_printable_ascii_are_refused_at_start(tmp_path, flag, key):
+    """A key arrives in an Authorization header: curl sends a non-ASCII key as UTF-8 bytes,
+    which the server reads as Latin-1, and moe_gemm_client refuses to send one. Such a key
+    was accepted at start and then matched no request (every call a 403)."""
+    with pytest.raises(SystemExit) as e:  # (the settings alone: a start never begins)
+        settings_from_args([flag, key, "--port", "0", "--data-dir", str(tmp_path)])
+    msg = str(e.value.code)
+    assert msg.startswith("moe-gemm-server: ") and "\n" not in msg, msg
+    field = flag[2:].replace("-", "_")
+    assert f"{field} ({flag}): " in msg and "printable ASCII" in msg, msg
+
+
+def test_printable_ascii_keys_are_taken(tmp_path):
+    s = Settings(api_key=["r-1:x/y+z=="], admin_key="A~b!c", data_dir=tmp_path)
+    assert s.api_key == ["r-1:x/y+z=="] and s.admin_key == "A~b!c"

@@ -355,6 +355,19 @@ def test_weight_files_with_nan_or_inf_are_422_naming_the_tensor(tmp_path, dtype)
             read_weight_file(f, check_values=True)
 
 
+@pytest.mark.parametrize(("dtype", "wire"), [(torch.float64, "F64"), (torch.int32, "I32"),
+                                             (torch.uint8, "U8"), (torch.bool, "BOOL")])
+def test_weight_file_of_another_dtype_names_it_as_the_body_does(tmp_path, dtype, wire):
+    """The 422 named the dtype as torch prints it ("got torch.float64") beside an expectation
+    in safetensors' names."""
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(save({"w": torch.ones(2, 3, 4, dtype=dtype)}))
+    with pytest.raises(APIError) as ei:
+        read_weight_file(f, check_values=True)
+    assert ei.value.status == 422
+    assert ei.value.message == f"'w' must be BF16, F16, F32, F8_E4M3 or F8_E5M2; got {wire}"
+
+
 def test_commit_returns_the_identity_of_the_file_it_renamed(tmp_path):
     store = WeightStore(tmp_path / "d")
     temp = store.new_temp()
