@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -47,6 +48,9 @@ from ._tensors import BFLOAT16, decode_safetensors, encode_safetensors
 __all__ = ["main", "ProgressBar"]
 
 EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
+# The reader of our output went away (`moe-gemm-client list --json | head -1`): the status a
+# shell reports for a tool that SIGPIPE ended (128 + 13), quietly, as such tools end.
+EXIT_BROKEN_PIPE = 141
 
 
 class UsageError(Exception):
@@ -403,6 +407,16 @@ def _make_client(args: argparse.Namespace) -> Client:
                   max_retries=args.max_retries)
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter flushes it at exit, which would raise the
+    broken pipe again (and print it) after main returned."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a file descriptor (a test's captured stdout): nothing will flush to a pipe
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -423,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except APIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_API
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

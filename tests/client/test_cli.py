@@ -307,3 +307,17 @@ def test_grouped_gemm_refuses_a_gap_in_the_numbering(server, capsys, rng, tmp_pa
                            "without gaps; after the 1 problem(s) a.0..a.0 it holds a.2, b.2, "
                            "which would not be used")
     assert not (tmp_path / "d.safetensors").exists()
+
+
+class _ClosedPipe(io.StringIO):
+    """stdout whose reader went away (`moe-gemm-client list --json | head -1`)."""
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_output_pipe_ends_quietly(server, capsys, monkeypatch, rng):
+    server.weights["alpha"] = (rng.standard_normal((2, 3, 4)).astype(np.float32), "w")
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert cli.main(["list", "--json"]) == cli.EXIT_BROKEN_PIPE == 141
+    assert capsys.readouterr().err == ""  # no "error: [Errno 32] Broken pipe"
