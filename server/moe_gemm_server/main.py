@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from urllib.parse import unquote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,7 @@ from .limits import BODY_FLAG, WEIGHT_FLAG, BodyLimit, BodyLimitMiddleware
 from .middleware import HeadAsGetMiddleware, ObservabilityMiddleware
 from .routers import health, matmul, metrics, v2, weights
 from .service import Service
+from .storage import check_name
 
 
 def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
@@ -90,6 +92,12 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 404 and message == "Not Found":
+            name = encoded_slash_name([*app.router.routes, *api_routes], request.scope)
+            if name is not None:
+                try:
+                    check_name(name)
+                except APIError as bad:  # (always: a name holds no '/')
+                    return error_response(bad.status, bad.message, request_id_of(request))
             message = f"no route {request.method} {request.url.path}"
         if exc.status_code == 405:
             # Starlette names the methods of the first route whose path matched; the answer
@@ -126,6 +134,22 @@ def route_template(routes: Iterable[BaseRoute], scope: Scope) -> str | None:
         if match == Match.PARTIAL and partial is None:
             partial = path
     return partial
+
+
+def encoded_slash_name(routes: Iterable[BaseRoute], scope: Scope) -> str | None:
+    """The path segment holding an encoded slash ('a%2Fb' -> 'a/b') where, read as one
+    segment, it would be a route's name: Starlette routes on the decoded path, so
+    /v1/weights/a%2Fb matches no route (a 404) where the name is what is wrong (a 422). None
+    for any other path."""
+    raw = scope.get("raw_path") or b""
+    if b"%2f" not in raw.lower():
+        return None
+    segments = raw.decode("latin-1").split("/")
+    odd = [i for i, seg in enumerate(segments) if "%2f" in seg.lower()]
+    probe = "/".join("x" if i in odd else unquote(seg) for i, seg in enumerate(segments))
+    if route_template(routes, {**scope, "path": probe}) is None:
+        return None
+    return unquote(segments[odd[0]])
 
 
 # The order methods are listed in an Allow header.
