@@ -244,6 +244,7 @@ def moe_from_state_dict(
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+    strict = check_flag("strict", strict)  # ("no" would be truthy: strict where declined)
     keys = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
     if "router_weight" in keys and "gate.weight" not in keys:
         # This layer's own state_dict (MoE.state_dict()): its names read as the checkpoint
@@ -561,9 +562,9 @@ def _fused_scale(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
 def _check_expert(t: Mapping[str, torch.Tensor], names: Mapping[str, str],
                   order: tuple[str, str, str], ref: tuple[str, torch.Tensor]) -> None:
     """One expert's gate, up and down weights (per-expert checkpoint keys) against expert 0's
-    gate weight `ref` (key, tensor): stacking them needs one shape and one dtype, which
-    torch.stack reports as a bare RuntimeError and torch.cat not at all (it promotes mixed
-    dtypes)."""
+    gate weight `ref` (key, tensor): stacking them needs one shape, one dtype and one device,
+    which torch.stack reports as a bare RuntimeError and torch.cat not at all (it promotes
+    mixed dtypes)."""
     ref_key, ref_w = ref
     if ref_w.dim() != 2:
         raise ValueError(f"{ref_key} must be 2-D (I, H); got {shape_text(ref_w)}")
@@ -578,6 +579,9 @@ def _check_expert(t: Mapping[str, torch.Tensor], names: Mapping[str, str],
         if w.dtype != ref_w.dtype:
             raise ValueError(f"inconsistent dtypes: {names[n]} is {w.dtype} but {ref_key} is "
                              f"{ref_w.dtype}; the experts' weights must share one dtype")
+        if w.device != ref_w.device:  # (a partly moved checkpoint: torch.cat's RuntimeError)
+            raise ValueError(f"inconsistent devices: {names[n]} is on {w.device} but {ref_key} "
+                             f"is on {ref_w.device}; the experts' weights must share one device")
 
 
 def _experts_from_keys(

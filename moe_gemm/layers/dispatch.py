@@ -37,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from moe_gemm.layers.routing import check_flag
 from moe_gemm.ops.combine import combine_rows
 
 __all__ = ["AllToAllDispatcher", "Dispatched", "Dispatcher", "expert_range"]
@@ -172,6 +173,7 @@ class AllToAllDispatcher:
     Raises:
         RuntimeError: torch.distributed not initialized.
         ValueError: this process is not a member of `group`.
+        TypeError: static_splits not a bool.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, static_splits: bool = False):
@@ -188,7 +190,8 @@ class AllToAllDispatcher:
                 "expert-parallel group: build the dispatcher on the group's ranks only"
             )
         self.world_size = dist.get_world_size(group)
-        self.static_splits = bool(static_splits)
+        # (a string such as "no" would be truthy: static splits where they were declined)
+        self.static_splits = check_flag("static_splits", static_splits)
 
     def __repr__(self) -> str:
         return (f"AllToAllDispatcher(rank={self.rank}, world_size={self.world_size}, "

@@ -49,6 +49,7 @@ from moe_gemm.layers.fused_experts import fused_expert_ffn, fused_gate_for, use_
 from moe_gemm.layers.moe import MoE, resolve_activation
 from moe_gemm.layers.routing import (
     check_correction_bias,
+    check_flag,
     check_router_weight,
     permute_by_expert,
     sigmoid_grouped_topk,
@@ -142,6 +143,8 @@ class ExpertParallelMoE(nn.Module):
         ValueError: the replicated parts differ between the ranks (check_replicated), the
             ranks pass different check_replicated values, or another rank's constructor
             refused its arguments.
+        TypeError: a dispatcher that is not a Dispatcher, check_replicated (or from_moe's
+            copy) not a bool.
     """
 
     def __init__(
@@ -155,14 +158,14 @@ class ExpertParallelMoE(nn.Module):
         check_replicated: bool = True,
     ) -> None:
         super().__init__()
-        self.dispatcher: Dispatcher = dispatcher or AllToAllDispatcher(group)
-        if not isinstance(self.dispatcher, Dispatcher):
-            raise TypeError("dispatcher must have dispatch(...) and combine(...) methods")
+        self.dispatcher: Dispatcher = _dispatcher_or_default(dispatcher, group)
         self.rank = self.dispatcher.rank
         self.world_size = self.dispatcher.world_size
         # A rank whose arguments are refused here joins the replica check flagged (the others
         # raise too instead of waiting in it).
         with _refusing(self.dispatcher):
+            # (a string such as "no" would be truthy: the check run where it was declined)
+            check_replicated = check_flag("check_replicated", check_replicated)
             if not isinstance(moe, MoE):
                 raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
             start, end = expert_range(num_experts, self.rank, self.world_size)
@@ -269,9 +272,9 @@ class ExpertParallelMoE(nn.Module):
             copy: copy the local experts (so the full tensors can be freed); False keeps
                 views into `moe`'s storage.
         """
-        dispatcher = dispatcher or AllToAllDispatcher(group)
+        dispatcher = _dispatcher_or_default(dispatcher, group)
         with _refusing(dispatcher):
-            local = _local_moe(moe, dispatcher, copy)
+            local = _local_moe(moe, dispatcher, check_flag("copy", copy))
         return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher,
                    check_replicated=check_replicated)
 
@@ -287,7 +290,7 @@ class ExpertParallelMoE(nn.Module):
         check_replicated: bool = True,
     ) -> ExpertParallelMoE:
         """This rank's shard of a transformers MoE block (the blocks `MoE.from_hf` takes)."""
-        dispatcher = dispatcher or AllToAllDispatcher(group)
+        dispatcher = _dispatcher_or_default(dispatcher, group)
         with _refusing(dispatcher):
             moe = MoE.from_hf(block, config=config)
         return cls.from_moe(moe, dispatcher=dispatcher, copy=copy,
@@ -318,7 +321,7 @@ class ExpertParallelMoE(nn.Module):
             top_k, prefix, strict, **options: as `MoE.from_state_dict` (routing options).
             group, dispatcher, check_replicated: see the class.
         """
-        dispatcher = dispatcher or AllToAllDispatcher(group)
+        dispatcher = _dispatcher_or_default(dispatcher, group)
         # A rank whose checkpoint or options are refused joins the replica check flagged.
         with _refusing(dispatcher):
             if not isinstance(state_dict, Mapping):
@@ -369,6 +372,7 @@ class ExpertParallelMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, ids [T, k] int64 global expert ids) for x [T, H] or
         [..., H] (flattened, as MoE.route); x checked as forward's input."""
+        self._check_weights()
         self._check_input(x)
         return self._route_tokens(x.reshape(-1, self.hidden_size))
 
@@ -440,6 +444,7 @@ class ExpertParallelMoE(nn.Module):
     @torch.no_grad()
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         try:
+            self._check_weights()
             self._check_input(hidden_states)
             # (a cast layer: refused on every rank before any collective, as MoE refuses it)
             self.local.check_weight_dtype("ExpertParallelMoE")
@@ -465,6 +470,16 @@ class ExpertParallelMoE(nn.Module):
             y = y + shared.to(x.dtype)
         return y.view(x.shape)
 
+    def _check_weights(self) -> None:
+        """The router and the local experts as MoE.forward checks its own, for weights assigned
+        after construction: a router of another E routed tokens to experts no rank holds
+        (their slots silently dropped), one of another H failed inside F.linear."""
+        check_router_weight(self.router_weight, self.num_experts, self.hidden_size)
+        if self.router_weight.device != self.local.gate_up_proj.device:
+            raise ValueError(f"the layer's router_weight is on {self.router_weight.device} but "
+                             f"its expert weights are on {self.local.gate_up_proj.device}")
+        self.local._check_parameters()
+
     def _check_input(self, x: object) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got "
@@ -486,6 +501,18 @@ class ExpertParallelMoE(nn.Module):
                 f"num_experts={self.num_experts}, local_experts=[{self.expert_start}, "
                 f"{self.expert_start + self.local.num_experts}), top_k={self.top_k}, "
                 f"scoring={self.scoring!r}, rank={self.rank}/{self.world_size}")
+
+
+def _dispatcher_or_default(dispatcher: object, group: dist.ProcessGroup | None) -> Dispatcher:
+    """The constructors' `dispatcher`, or the default AllToAllDispatcher(group) for None. One
+    that is not a Dispatcher is a TypeError here, before from_moe reads its `rank` (an
+    AttributeError about the object) or a falsy one is silently replaced by the default."""
+    if dispatcher is None:
+        return AllToAllDispatcher(group)
+    if not isinstance(dispatcher, Dispatcher):
+        raise TypeError("dispatcher must be a Dispatcher (rank, world_size, dispatch(...) and "
+                        f"combine(...)) or None; got {type(dispatcher).__name__}")
+    return dispatcher
 
 
 def _local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:

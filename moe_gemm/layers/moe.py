@@ -226,6 +226,17 @@ def _check_layer(hidden_size, intermediate_size, shared_intermediate_size, num_e
         )
     _check_routing(num_experts, top_k, scoring, n_group, topk_group, routed_scaling_factor,
                    renormalize)
+    if isinstance(correction_bias, torch.Tensor):
+        # (moe_forward's correction_bias is the [E] tensor: here bool() of one raised inside
+        # torch, or a one-element zero dropped the buffer)
+        raise TypeError("correction_bias must be a bool or None (whether the layer keeps an "
+                        "e_score_correction_bias buffer); got a tensor: load its values into "
+                        "moe.e_score_correction_bias, or pass them to MoE.from_fused(..., "
+                        "e_score_correction_bias=...)")
+    # (a string such as "no" would be truthy: the buffer, or a gate of random weights on the
+    # shared expert, where declined)
+    correction_bias = check_flag("correction_bias", correction_bias, none_ok=True)
+    check_flag("shared_expert_gate", shared_expert_gate)
     if correction_bias is None:
         correction_bias = scoring == "sigmoid"
     if correction_bias and scoring != "sigmoid":
@@ -534,6 +545,7 @@ class MoE(MoELoaders, nn.Module):
                 else a [B, S, H] input or a wrong H failed in the router with a message
                 about logits, or inside F.linear).
         """
+        self._check_parameters()
         x = _check_hidden(x, self.hidden_size, self.router_weight.device)
         return self._route_tokens(x.reshape(-1, self.hidden_size))
 
@@ -544,6 +556,37 @@ class MoE(MoELoaders, nn.Module):
             self.topk_group, self.routed_scaling_factor, self.e_score_correction_bias,
             self.router_fp32,
         )
+
+    def _check_parameters(self) -> None:
+        """The router and expert weights against one another, as the loaders check them, for
+        weights assigned after construction (`moe.router_weight = nn.Parameter(...)`): a
+        router of another E routed tokens to experts that do not exist (their slots silently
+        dropped) or never to some, one on the meta device gave garbage routing, one of
+        another H failed inside F.linear, and experts of two E failed with a message about
+        the grouped GEMM's offs, which the caller never passed. Host-only shape checks, the
+        passing case first: it runs on every forward (~2 us of CPU)."""
+        p, H = self._parameters, self.hidden_size
+        gu, down, rw = p["gate_up_proj"], p["down_proj"], p["router_weight"]
+        if isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and isinstance(
+                rw, torch.Tensor) and gu.dim() == 3:
+            E, I2 = gu.shape[0], gu.shape[1]
+            if (gu.shape[2] == H and not I2 % 2 and down.shape == (E, H, I2 // 2)
+                    and rw.shape == (E, H) and rw.device == gu.device and rw.is_floating_point()):
+                return
+        for name, t in (("gate_up_proj", gu), ("down_proj", down)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"the layer's {name} must be a tensor; got {type(t).__name__}")
+        if gu.dim() != 3 or gu.shape[1] % 2 or gu.shape[2] != H:
+            raise ValueError(f"the layer's gate_up_proj must be (E, 2I, H) = (E, 2I, {H}); got "
+                             f"{shape_text(gu)}")
+        E, I = gu.shape[0], gu.shape[1] // 2
+        if tuple(down.shape) != (E, H, I):
+            raise ValueError(f"the layer's down_proj must be (E, H, I) = ({E}, {H}, {I}) to "
+                             f"match gate_up_proj {shape_text(gu)}; got {shape_text(down)}")
+        check_router_weight(rw, E, H)
+        if rw.device != gu.device:
+            raise ValueError(f"the layer's router_weight is on {rw.device} but its expert "
+                             f"weights are on {gu.device}")
 
     def check_weight_dtype(self, layer: str = "MoE") -> None:
         """A layer cast with .double() (16-bit experts in a dtype the kernels do not take): a
@@ -567,8 +610,10 @@ class MoE(MoELoaders, nn.Module):
 
         Raises:
             TypeError: not a float tensor.
-            ValueError: last dim not H, or on another device than the parameters.
+            ValueError: last dim not H, or on another device than the parameters; the
+                layer's router and expert weights not fitting one another.
         """
+        self._check_parameters()
         x = _check_hidden(hidden_states, self.hidden_size, self.gate_up_proj.device)
         self.check_weight_dtype()
         x2 = x.reshape(-1, self.hidden_size)

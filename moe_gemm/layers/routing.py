@@ -317,9 +317,12 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
         An ExpertPermutation on topk_ids' device.
 
     Raises:
-        TypeError: topk_ids not an integer tensor.
+        TypeError: topk_ids not an integer tensor, ids_in_range not a bool.
         ValueError: topk_ids not 2-D, num_experts < 1.
     """
+    # (a string such as "no" would be truthy: every slot, out-of-range ones included, marked
+    # valid, the wrong results the flag warns of)
+    ids_in_range = check_flag("ids_in_range", ids_in_range)
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor (T, k); got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:

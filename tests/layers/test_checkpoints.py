@@ -92,6 +92,9 @@ def test_from_state_dict_errors() -> None:
     with pytest.raises(ValueError, match="does not use"):
         MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2)
     MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2, strict=False)
+    # ("no" was truthy: strict where declined, then told to pass strict=False)
+    with pytest.raises(TypeError, match="strict must be a bool; got 'no'"):
+        MoE.from_state_dict({**sd, "experts.0.w1.bias": torch.zeros(16)}, 2, strict="no")
     missing = {k: v for k, v in sd.items() if k != "experts.2.w3.weight"}
     with pytest.raises(ValueError, match=r"expert 2 has no experts\.2\.w3\.weight"):
         MoE.from_state_dict(missing, 2)
@@ -213,6 +216,13 @@ def _per_expert_sd(E: int = 4, H: int = 32, I: int = 16) -> dict:
         ("experts.2.w3.weight", torch.zeros(16, 32, dtype=torch.float16), ValueError,
          r"inconsistent dtypes: experts\.2\.w3\.weight is torch\.float16 but "
          r"experts\.0\.w1\.weight is torch\.float32"),
+        # one expert, or one projection of an expert, on another device (a partly moved
+        # checkpoint): torch.stack / torch.cat's RuntimeError before
+        ("experts.2.w2.weight", torch.zeros(32, 16, device="meta"), ValueError,
+         r"inconsistent devices: experts\.2\.w2\.weight is on meta but experts\.0\.w1\.weight "
+         r"is on cpu"),
+        ("experts.0.w3.weight", torch.zeros(16, 32, device="meta"), ValueError,
+         r"inconsistent devices: experts\.0\.w3\.weight is on meta"),
         ("experts.3.w1.weight", [[0.0] * 32] * 16, TypeError,
          r"state_dict\['experts\.3\.w1\.weight'\] must be a torch\.Tensor; got list"),
         ("gate.weight", [[0.0] * 32] * 4, TypeError,

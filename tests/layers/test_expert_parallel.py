@@ -266,6 +266,18 @@ def bad_arguments(rank: int, world: int) -> list[str]:
     except ValueError as e:
         if "(..., 16)" not in str(e):
             errs.append(f"unclear message: {e}")
+    # Strings were truthy: "no" gave static splits, and the replica check, where declined (the
+    # refused flag is raised on every rank after the replica check's all-gather: no rank waits).
+    for label, build in (
+            ("static_splits", lambda: AllToAllDispatcher(static_splits="no")),
+            ("check_replicated", lambda: ExpertParallelMoE.from_moe(
+                _full_moe(8, torch.float32), check_replicated="no"))):
+        try:
+            build()
+            errs.append(f"{label}='no' accepted")
+        except TypeError as e:
+            if f"{label} must be a bool" not in str(e):
+                errs.append(f"unclear message: {e}")
     return errs
 
 
@@ -650,6 +662,29 @@ def test_constructor_checks_the_router(change: dict, exc: type[Exception], patte
         ExpertParallelMoE(MoE(16, 8, 4, 1), {**router, **change}, 4, dispatcher=_OneRank())
 
 
+def test_constructors_check_the_dispatcher_and_flags() -> None:
+    # A dispatcher that is not one failed in from_moe with an AttributeError about the object
+    # (its `rank`); a string `copy` was truthy (copied where declined).
+    moe = MoE(16, 8, 4, 2)
+    router = dict(router_weight=torch.randn(4, 16), e_score_correction_bias=None, top_k=2,
+                  scoring="softmax", renormalize=True, n_group=1, topk_group=1,
+                  routed_scaling_factor=1.0, router_fp32=False)
+    dispatcher = r"dispatcher must be a Dispatcher \(rank, world_size, .*\) or None; got str"
+    for build in (lambda: ExpertParallelMoE.from_moe(moe, dispatcher="all_to_all"),
+                  lambda: ExpertParallelMoE.from_state_dict(moe.state_dict(), 2,
+                                                            dispatcher="all_to_all"),
+                  lambda: ExpertParallelMoE(MoE(16, 8, 4, 1), router, 4,
+                                            dispatcher="all_to_all")):
+        with pytest.raises(TypeError, match=dispatcher):
+            build()
+    with pytest.raises(TypeError, match="copy must be a bool; got 'no'"):
+        ExpertParallelMoE.from_moe(moe, dispatcher=_OneRank(), copy="no")
+    with pytest.raises(TypeError, match="check_replicated must be a bool; got 'no'"):
+        ExpertParallelMoE.from_moe(moe, dispatcher=_OneRank(), check_replicated="no")
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=_OneRank(), copy=0, check_replicated=1)
+    assert ep.local.gate_up_proj.data_ptr() == moe.gate_up_proj.data_ptr()  # (not copied)
+
+
 def test_correction_bias_keeps_float32_under_casts() -> None:
     # As MoE's: module.to(torch.bfloat16) leaves the selection-only bias float32 (a bf16 one
     # chooses other experts), so the cast layer routes as the float32 one does.
@@ -738,6 +773,34 @@ def test_float64_refused_before_the_dispatch_as_moe_does() -> None:
     for layer in (moe.float(), ep.float()):
         with pytest.raises(TypeError, match=f"hidden_states must be {dtypes}; got torch.float64"):
             layer(x.double())
+
+
+@pytest.mark.parametrize(
+    "name,value,pattern",
+    [
+        # another E: ids past the experts were dropped silently (a wrong output, no error)
+        ("router_weight", torch.zeros(5, 16), r"router_weight must be \(E, H\) = \(4, 16\)"),
+        # another H: F.linear's RuntimeError
+        ("router_weight", torch.zeros(4, 15), r"router_weight must be \(E, H\) = \(4, 16\)"),
+        ("router_weight", torch.zeros(4, 16, device="meta"),
+         "the layer's router_weight is on meta but its expert weights are on cpu"),
+        ("local.down_proj", torch.zeros(3, 16, 8),
+         r"the layer's down_proj must be \(E, H, I\) = \(4, 16, 8\)"),
+    ],
+)
+def test_weights_assigned_after_construction_refused_before_the_dispatch(
+        name: str, value: torch.Tensor, pattern: str) -> None:
+    class Refusing(_OneRank):
+        def dispatch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("a refused layer reached the dispatch")
+
+    ep = ExpertParallelMoE.from_moe(MoE(16, 8, 4, 2), dispatcher=Refusing(),
+                                    check_replicated=False)
+    owner, _, attr = name.rpartition(".")
+    setattr(ep.get_submodule(owner), attr, torch.nn.Parameter(value, requires_grad=False))
+    for call in (ep, ep.route):
+        with pytest.raises(ValueError, match=pattern):
+            call(torch.randn(3, 16))
 
 
 def test_from_moe_and_from_state_dict_carry_fused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -273,6 +273,15 @@ def test_backward_raises() -> None:
          "routed_scaling_factor must be finite"),
         ({"scoring": "sigmoid", "routed_scaling_factor": "2.5"}, TypeError,
          "routed_scaling_factor must be a float"),
+        # moe_forward's correction_bias is the [E] tensor: bool() of one raised inside torch
+        ({"scoring": "sigmoid", "correction_bias": torch.zeros(8)}, TypeError,
+         r"correction_bias must be a bool or None \(whether the layer keeps an "
+         r"e_score_correction_bias buffer\); got a tensor"),
+        # strings were truthy: the buffer, or a shared-expert gate of random weights, kept
+        ({"scoring": "sigmoid", "correction_bias": "no"}, TypeError,
+         "correction_bias must be a bool or None; got 'no'"),
+        ({"shared_intermediate_size": 8, "shared_expert_gate": "no"}, TypeError,
+         "shared_expert_gate must be a bool; got 'no'"),
     ],
 )
 def test_constructor_rejects(kwargs: dict, exc: type[Exception], pattern: str) -> None:
@@ -391,6 +400,46 @@ def test_shared_expert_applies_its_current_activation() -> None:
     v = x.double()
     want = (F.gelu(v @ g.T, approximate="tanh") * (v @ u.T)) @ d.T
     assert_close_to_ref(mlp(x), want)
+
+
+@pytest.mark.parametrize(
+    "name,value,pattern",
+    [
+        # a router of another E: its ids past the experts were dropped silently (or some
+        # experts never chosen), a wrong output without an error
+        ("router_weight", torch.zeros(9, 32), r"router_weight must be \(E, H\) = \(8, 32\)"),
+        ("router_weight", torch.zeros(7, 32), r"router_weight must be \(E, H\) = \(8, 32\)"),
+        # another H: F.linear's RuntimeError
+        ("router_weight", torch.zeros(8, 31), r"router_weight must be \(E, H\) = \(8, 32\)"),
+        # on the meta device: garbage routing, a CPU output without an error
+        ("router_weight", torch.zeros(8, 32, device="meta"),
+         "the layer's router_weight is on meta but its expert weights are on cpu"),
+        # experts of two E: a message about the grouped GEMM's offs
+        ("down_proj", torch.zeros(7, 32, 16),
+         r"the layer's down_proj must be \(E, H, I\) = \(8, 32, 16\)"),
+        ("gate_up_proj", torch.zeros(8, 32, 31),
+         r"the layer's gate_up_proj must be \(E, 2I, H\) = \(E, 2I, 32\)"),
+    ],
+)
+def test_weights_assigned_after_construction_are_checked(name: str, value: torch.Tensor,
+                                                         pattern: str) -> None:
+    moe = randomize(MoE(32, 16, 8, 2))
+    setattr(moe, name, torch.nn.Parameter(value, requires_grad=False))
+    with pytest.raises(ValueError, match=pattern):
+        moe(torch.randn(3, 32))
+    with pytest.raises(ValueError, match=pattern):
+        moe.route(torch.randn(3, 32))
+
+
+def test_weights_assigned_after_construction_with_new_sizes_run() -> None:
+    # New weights that fit one another (another E or I, the router to match) are a valid layer.
+    moe = randomize(MoE(32, 16, 8, 2))
+    moe.router_weight = torch.nn.Parameter(torch.randn(4, 32), requires_grad=False)
+    moe.gate_up_proj = torch.nn.Parameter(torch.randn(4, 12, 32) / 6, requires_grad=False)
+    moe.down_proj = torch.nn.Parameter(torch.randn(4, 32, 6) / 3, requires_grad=False)
+    moe.num_experts, moe.intermediate_size = 4, 6
+    x = torch.randn(5, 32)
+    assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
 
 
 @pytest.mark.slow  # CPU timings of 3 token counts x 4 implementations: a few seconds

@@ -292,6 +292,17 @@ def test_permutation_rejects_bad_input() -> None:
         permute_by_expert(torch.zeros(2, 2, dtype=torch.long), 0)
 
 
+def test_permutation_ids_in_range_must_be_a_bool() -> None:
+    # "no" was truthy: the out-of-range ids vouched for, every slot marked valid (and
+    # all_valid='no'), the wrong results the flag's docstring warns of.
+    ids = torch.tensor([[0, -1], [3, 1], [4, 2]])
+    with pytest.raises(TypeError, match="ids_in_range must be a bool; got 'no'"):
+        permute_by_expert(ids, 4, ids_in_range="no")  # type: ignore[arg-type]
+    p = permute_by_expert(ids, 4, ids_in_range=0)  # type: ignore[arg-type]
+    assert p.valid.tolist() == [[True, False], [True, True], [False, True]]
+    assert p.all_valid is False
+
+
 def test_router_scalars_that_stay_valid() -> None:
     logits = torch.randn(5, 8)
     w_int, i_int = sigmoid_grouped_topk(logits, None, 2, 1, 1, 2)  # an int factor is a float
