@@ -7,7 +7,7 @@ Public API:
     fused_grouped_mm(...)     grouped_mm with the MoE layer's token gather, bias, gated
                               activation and routing weights fused into the kernel
     interleave_gate_up(w)     a gate-up weight repacked for the interleaved gate layout
-    GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call only launches
+    GroupedGemmPlan(a, b)     grouped_gemm prepared once; each call checks and launches
     grouped_mm_masked(x, w, masked_m)   the batched form on each problem's first
                               masked_m[g] rows (DeepGEMM's masked layout; FP8:
                               scaled_grouped_mm_masked; with the fused bias, gate and row

@@ -74,7 +74,7 @@ def main() -> None:
 
     bplan = ops.cached_mm_plan(x3, w)
     print(f"  plan lookup:             {per_call(lambda: ops.cached_mm_plan(x3, w)):8.1f} us")
-    print(f"  BmmPlan call:            {per_call(lambda: bplan(x3, w, None)):8.1f} us")
+    print(f"  BmmPlan call:            {per_call(lambda: bplan.launch(x3, w, None)):8.1f} us")
     out3 = torch.empty(8, 8, 512, device=dev, dtype=dt)
     bws = bplan.workspace.get(bplan.choice) if bplan.choice.tail_split else bplan.no_workspace
     kargs = (x3, w, out3, bplan.meta, bplan.meta32, bplan.offs, bplan.no_table, bws,
@@ -89,7 +89,7 @@ def main() -> None:
              mplan.num_problems, mplan.num_ctas, mplan.choice.swizzle, 0, 0, 0, 0)
     print(f"  2-D plan lookup:         "
           f"{per_call(lambda: ops.cached_mm_plan(x, w, offs)):8.1f} us")
-    print(f"  MmPlan call:             {per_call(lambda: mplan(x, w, offs, None)):8.1f} us")
+    print(f"  MmPlan call:             {per_call(lambda: mplan.launch(x, w, offs, None)):8.1f} us")
     print(f"  2-D kernel call alone:   {per_call(lambda: mplan.kernel(*margs)):8.1f} us "
           f"({mplan.choice.schedule} {mplan.choice.tile_m}x{mplan.choice.tile_n}, "
           f"{mplan.num_ctas} CTAs)")

@@ -47,7 +47,7 @@ from moe_gemm.ops.heuristics import (
 )
 from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, SMEM_SCALES_ENV
 from moe_gemm.ops.reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
-from moe_gemm.ops.signature import PlanCache
+from moe_gemm.ops.signature import PlanCache, TensorSignature
 from moe_gemm.ops.support import (
     PLAIN_TENSORS,
     analyze_general,
@@ -401,16 +401,16 @@ def grouped_mm_eager(x, w, offs, out, config, out_dtype) -> torch.Tensor:
                 if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
                     plan = entry[0]
                     if entry[1] and torch.is_grad_enabled():
-                        return inference_only(NO_BACKWARD, lambda: plan(x, w, None), [x, w])
-                    return plan(x, w, None)
+                        return inference_only(NO_BACKWARD, lambda: plan.launch(x, w, None), [x, w])
+                    return plan.launch(x, w, None)
             else:
                 entry = _mm_plans.find(("mm", shape), extra, (x, w, offs))
                 if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
                     plan = entry[0]
                     if entry[1] and torch.is_grad_enabled():
-                        return inference_only(NO_BACKWARD, lambda: plan(x, w, offs, None),
+                        return inference_only(NO_BACKWARD, lambda: plan.launch(x, w, offs, None),
                                               [x, w])
-                    return plan(x, w, offs, None)
+                    return plan.launch(x, w, offs, None)
         elif type(out) in PLAIN_TENSORS and not overlaps_any(out, (x, w, offs)):
             if offs is None:
                 entry = _mm_plans.find(("bmm_out", shape), extra, (x, w, out))
@@ -419,8 +419,8 @@ def grouped_mm_eager(x, w, offs, out, config, out_dtype) -> torch.Tensor:
             if entry is not None and not (_PTR(x) | _PTR(w) | _PTR(out)) & 15 and not (
                     entry[2] and torch.is_grad_enabled()):
                 plan = entry[0]
-                run = ((lambda: plan(x, w, out)) if offs is None
-                       else (lambda: plan(x, w, offs, out)))
+                run = ((lambda: plan.launch(x, w, out)) if offs is None
+                       else (lambda: plan.launch(x, w, offs, out)))
                 if entry[1] and torch.is_grad_enabled():
                     return inference_only(NO_BACKWARD, run, [x, w])
                 return run()
@@ -453,7 +453,7 @@ def _detailed_grouped_mm(x, w, offs, out, config, out_dtype) -> torch.Tensor:
             bucket = ("mm", x.shape) if out is None else ("mm_out", x.shape)
             tensors = (x, w, offs) if out is None else (x, w, offs, out)
             _remember(bucket, config, out_dtype, tensors, plan, out)
-        return inference_only(NO_BACKWARD, lambda: plan(args.x, args.w, offs_c, args.out),
+        return inference_only(NO_BACKWARD, lambda: plan.launch(args.x, args.w, offs_c, args.out),
                               [args.x, args.w])
     return grouped_mm_torch(args)
 
@@ -468,7 +468,7 @@ def _detailed_grouped_bmm(x, w, out, cfg, config, out_dtype) -> torch.Tensor:
         plan = BmmPlan(args, cfg)
         bucket = ("bmm", x.shape) if out is None else ("bmm_out", x.shape)
         _remember(bucket, config, out_dtype, (x, w) if out is None else (x, w, out), plan, out)
-        return inference_only(NO_BACKWARD, lambda: plan(args.x, args.w, args.out),
+        return inference_only(NO_BACKWARD, lambda: plan.launch(args.x, args.w, args.out),
                               [args.x, args.w])
     return grouped_bmm_torch(args)
 
@@ -494,16 +494,23 @@ def _remember(bucket, config, out_dtype, tensors, plan, out) -> None:
 # GroupedGemmPlan
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
 class GroupedGemmPlan:
     """grouped_gemm prepared once for a fixed set of tensors, for loops that call it again and
     again on new values (serving with static buffers, benchmarks, CUDA graphs).
 
     The constructor does all the per-problem host work of grouped_gemm (checks, layout
-    analysis, kernel choice, output allocation, metadata upload); each call only launches the
-    kernel, so its host cost does not grow with the number of problems. A call computes
-    D_i = A_i @ B_i from the tensors' values at that moment (update them in place, e.g. with
-    `copy_`), writes into `out` and returns it. Do not resize the tensors or change their
-    storage after building the plan; build a new plan instead. On the torch backend with an
+    analysis, kernel choice, output allocation, metadata upload); each call checks that the
+    tensors it was given still have their shapes, strides, dtypes and devices (one C-level
+    signature check, ~60 ns a tensor on the CPU-only dev machine) and launches the kernel. A
+    call computes D_i = A_i @ B_i from the tensors' values at that moment (update them in
+    place, e.g. with `copy_`), writes into `out` and returns it. Do not resize the tensors or
+    change their storage after building the plan; build a new plan instead (a call whose
+    a, b or out no longer match raises ValueError naming the tensor, on either backend;
+    storage moved under an unchanged shape is not detected). On the torch backend with an
     operand that requires grad, a call returns new tensors tied to the autograd graph (their
     values also written into `out`), so that every call can be backpropagated.
 
@@ -534,6 +541,7 @@ class GroupedGemmPlan:
                              "fixed tensors and preallocated outputs); call "
                              "moe_gemm.grouped_gemm inside the vmapped function instead")
         args = check_grouped_gemm(a, b, out, out_dtype)
+        given_out = tuple(args.out or ())
         if args.out is None:  # allocated once: every call writes the same tensors
             args = dataclasses.replace(args, out=[
                 torch.empty(m, n, dtype=args.out_dtype, device=args.device)
@@ -551,6 +559,13 @@ class GroupedGemmPlan:
         self.args = args
         self._launch = None
         self._operands = (*args.a, *args.b)
+        # The caller's tensors (the operands and a given out; the outputs allocated here are
+        # the plan's), compared with the build's at every call: the kernel reads the build's
+        # sizes and addresses, and the torch backend would broadcast a shrunk operand into
+        # its output. One signature check; the detailed comparison only when it fails.
+        self._bound = (*self._operands, *given_out)
+        self._built_for = [_layout(t) for t in self._bound]
+        self._signature = TensorSignature(self._bound) if self._bound else None
         self.backend = "torch"
         if not args.a:
             return
@@ -565,6 +580,8 @@ class GroupedGemmPlan:
         self.backend = "cute" if self._launch is not None else "torch"
 
     def __call__(self) -> list[torch.Tensor]:
+        if self._signature is not None and not self._signature.check(*self._bound):
+            self._check_bound()
         launch = self._launch
         if launch is None and torch.is_grad_enabled() and any(map(_REQUIRES_GRAD,
                                                                   self._operands)):
@@ -580,6 +597,24 @@ class GroupedGemmPlan:
         for given, tmp in self._copy_back:
             given.copy_(tmp)
         return list(self.out)
+
+    def _check_bound(self) -> None:
+        """The plan's tensors fail its signature: a ValueError naming the first whose shape,
+        strides, dtype or device changed since the build (resize_, set_, `.data =`: the torch
+        backend would broadcast a shrunk operand into its output, the kernel would run on the
+        build's sizes and addresses). Where only autograd flags changed (requires_grad_
+        between calls, which a call handles), the signature takes the new ones."""
+        G = len(self.args.a)
+        for i, (t, want) in enumerate(zip(self._bound, self._built_for)):
+            got = _layout(t)
+            if got != want:
+                name = ("a", "b", "out")[i // G] + f"[{i % G}]"
+                raise ValueError(
+                    f"GroupedGemmPlan was built for {name} of shape {want[0]} (strides "
+                    f"{want[1]}), {want[2]} on {want[3]}; it is now of shape {got[0]} (strides "
+                    f"{got[1]}), {got[2]} on {got[3]}: build a new plan for other tensors "
+                    f"(or copy_ new values into these)")
+        self._signature = TensorSignature(self._bound)
 
     def _differentiable_call(self) -> list[torch.Tensor]:
         """The torch backend with an operand that requires grad: fresh results tied to this

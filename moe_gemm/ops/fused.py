@@ -14,9 +14,9 @@ so the MoE layer's two expert GEMMs need no permuted copy of the tokens (gather-
 separate weighting pass (the row weights in the down GEMM's epilogue); layers/experts.py
 builds the fused expert FFN on it. The kernel gathers x's rows itself below 1024 routed rows,
 and at every size on weights of at most 2048 columns, where that keeps the tile it would use
-without the gather; elsewhere the plan gathers them with one index_select first, the faster
-way on wider weights' prefill (ops/fused_launch.fused_choice says why), with the same
-clamping of unchecked indices.
+without the gather and x's rows are whole 16-byte chunks; elsewhere the plan gathers them
+with one index_select first, the faster way on wider weights' prefill (ops/fused_launch.
+fused_choice says why), with the same clamping of unchecked indices.
 
 Gates: "silu" (SwiGLU), "gelu" (GEGLU, erf), "gelu_tanh", "clamped_swiglu" (gpt-oss:
 gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
@@ -131,7 +131,7 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
         if entry is not None and not (x.data_ptr() | w.data_ptr() | (
                 0 if out is None else out.data_ptr())) & 15:
             plan, link = entry
-            run = lambda: plan(x, w, offs, row_index, row_weight, bias, out)  # noqa: E731
+            run = lambda: plan.launch(x, w, offs, row_index, row_weight, bias, out)  # noqa: E731
             if link and torch.is_grad_enabled():
                 return inference_only(NO_BACKWARD, run, _grad_inputs(x, w, row_weight, bias))
             return run()
@@ -162,8 +162,8 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
         _remember(x, options, config, out_dtype, present, plan, args)
         return inference_only(
             NO_BACKWARD,
-            lambda: plan(args.x, args.w, args.offs, args.row_index, args.row_weight, args.bias,
-                         args.out),
+            lambda: plan.launch(args.x, args.w, args.offs, args.row_index, args.row_weight,
+                                args.bias, args.out),
             _grad_inputs(x, w, row_weight, bias))
     return fused_grouped_mm_torch(args)
 

@@ -43,8 +43,10 @@ from moe_gemm.ops.heuristics import (
     with_peek_wait,
     with_trim_a,
 )
+from moe_gemm.ops.signature import BuiltFor
 from moe_gemm.ops.support import (
     MAX_PROBLEMS,
+    TMA_ALIGN_BYTES,
     _dtype_problem,
     _neg_problem,
     _out_row_problem,
@@ -170,7 +172,8 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     fitted = fit_fused(choice, gate, False, **extra)
     wide = env_flag(GATHER_WIDE_ENV) or (args.N <= GATHER_NARROW_N
                                          and args.S >= GATHER_MAX_ROWS)
-    gather = args.row_index is not None and (args.S < GATHER_MAX_ROWS or wide)
+    gather = (args.row_index is not None and whole_chunk_rows(args)
+              and (args.S < GATHER_MAX_ROWS or wide))
     if gather:
         gathered = fit_fused(choice, gate, True, wide_gather=wide, **extra)
         gather = _same_tile(gathered, fitted)
@@ -188,6 +191,16 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     if why is not None:  # (a config that pins what the options cannot build)
         raise ValueError(f"the fused kernel cannot use this config: {why}")
     return fitted, gather
+
+
+def whole_chunk_rows(args: FusedMmArgs) -> bool:
+    """Whether x's rows are whole 16-byte chunks (K a multiple of 8 16-bit values), which the
+    in-kernel gather needs: it copies a row 16 bytes at a time and a chunk that starts before
+    K whole, so a shorter row would read up to 14 bytes past it (the row's padding, the next
+    row, or past x's memory after its last row) into products with B's zero-filled rows,
+    where a NaN or inf there makes the row NaN. (The TMA rule admits such rows only where x
+    has one row, or a padded row stride.) The plan gathers those rows itself."""
+    return (args.K * args.dtype.itemsize) % TMA_ALIGN_BYTES == 0
 
 
 def masked_fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
@@ -232,6 +245,9 @@ class FusedPlan:
         """expected_m: the masked layout (ops/fused_masked.py): x has E * M rows, offs holds
         each expert's valid row count (the kernel's row_counts), and the kernel choice plans
         for expected_m rows per expert."""
+        self.built_for = BuiltFor("FusedPlan", x=args.x, w=args.w, offs=args.offs,
+                                  row_index=args.row_index, row_weight=args.row_weight,
+                                  bias=args.bias, out=args.out)
         self.device = device = args.x.device
         self.S, self.N_out, self.E = args.S, args.N_out, args.E
         self.out_dtype = args.out_dtype
@@ -250,13 +266,21 @@ class FusedPlan:
         self.choice = choice
         # With a row_index the kernel does not gather itself: the plan does (index_select).
         self.host_gather = args.row_index is not None and not self.gather
+        # index_select's copy has rows K elements apart, a stride that breaks the TMA rule
+        # (16-byte multiples) where K is not a multiple of 8 16-bit values and several rows
+        # are routed (a decode step's x (1, K) routed to its top-k experts, or a padded x):
+        # those rows are gathered from x padded by gather_pad columns to a 16-byte multiple,
+        # and the kernel reads the first K of each (TMA zero-fills past K, as for any padded
+        # x). Only x's T rows are copied.
+        align = TMA_ALIGN_BYTES // args.dtype.itemsize
+        self.gather_pad = -args.K % align if self.host_gather else 0
         b_major = "k" if operand_major(args.w) == "col" else "n"
         # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse (one
-        # routed row of odd K, gathered or given; a (1, N) out of a wider buffer) travel as
-        # views that keep it, as in grouped_mm's plans. A gathered x is index_select's new
-        # (S, K) tensor, contiguous: its layout stands in for it.
-        x = (torch.empty(self.S, args.K, dtype=args.dtype, device="meta") if self.host_gather
-             else args.x)
+        # routed row of odd K, given; a (1, N) out of a wider buffer) travel as views that
+        # keep it, as in grouped_mm's plans. A gathered x is a new (S, K + gather_pad) tensor's
+        # first K columns: its layout stands in for it.
+        x = (torch.empty(self.S, args.K + self.gather_pad, dtype=args.dtype,
+                         device="meta")[:, :args.K] if self.host_gather else args.x)
         self.views = tma_views((x, 1), (args.w, 1 if b_major == "k" else 2), (args.out, 1))
         self.num_problems = self.E + (1 if self.zero_tail else 0)
         self.num_ctas, _ = launch_kernel.varlen_grid(device, nsm, choice, self.S,
@@ -275,6 +299,12 @@ class FusedPlan:
         self.kernel = launch_kernel._compiled(self.key)
 
     def __call__(self, x, w, offs, row_index, row_weight, bias, out):
+        """launch, after checking the tensors against the ones the plan was built for (a
+        direct call: the plan caches, whose signatures compared them, call launch)."""
+        self.built_for.check(x, w, offs, row_index, row_weight, bias, out)
+        return self.launch(x, w, offs, row_index, row_weight, bias, out)
+
+    def launch(self, x, w, offs, row_index, row_weight, bias, out):
         if out is None:
             out = torch.empty(self.S, self.N_out, dtype=self.out_dtype, device=self.device)
         if self.trivial:
@@ -284,7 +314,13 @@ class FusedPlan:
         if self.host_gather:
             # Clamped as the kernel's gather clamps: unchecked indices on the GPU may give
             # wrong rows, never an out-of-bounds read (index_select would fault the context).
-            x = x.index_select(0, row_index.clamp(0, x.shape[0] - 1))
+            rows = row_index.clamp(0, x.shape[0] - 1)
+            if self.gather_pad:
+                K = x.shape[1]
+                x = torch.nn.functional.pad(x, (0, self.gather_pad)).index_select(0, rows)
+                x = x[:, :K]
+            else:
+                x = x.index_select(0, rows)
         if row_index is not None and not self.host_gather:
             index = row_index if row_index.dtype == torch.int32 else row_index.int()
             index = index if index.is_contiguous() else index.contiguous()

@@ -208,9 +208,9 @@ def _runner(plan, args: FusedMaskedArgs):
         mm = masked_m if masked_m_contiguous else masked_m.contiguous()
         if direct_out:
             out2 = None if out is None else out.view(G * M, N_out)
-            y = plan(x2, w, mm, None, rw, bias, out2)
+            y = plan.launch(x2, w, mm, None, rw, bias, out2)
             return out if out is not None else y.view(G, M, N_out)
-        y = plan(x2, w, mm, None, rw, bias, None).view(G, M, N_out)
+        y = plan.launch(x2, w, mm, None, rw, bias, None).view(G, M, N_out)
         return out.copy_(torch.where(rows_mask(mm, M), y, out))
 
     return run

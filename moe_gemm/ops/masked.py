@@ -117,8 +117,8 @@ def grouped_mm_masked_eager(x, w, masked_m, expected_m, out, config, out_dtype
                                                       and overlaps_any(out, (x, w, masked_m))):
             plan, link = entry
             if link and torch.is_grad_enabled():
-                return inference_only(NO_BACKWARD, lambda: plan(x, w, masked_m, out), [x, w])
-            return plan(x, w, masked_m, out)
+                return inference_only(NO_BACKWARD, lambda: plan.launch(x, w, masked_m, out), [x, w])
+            return plan.launch(x, w, masked_m, out)
     return _detailed(x, w, masked_m, expected_m, out, config, out_dtype)
 
 
@@ -149,7 +149,8 @@ def _detailed(x, w, masked_m, expected_m, out, config, out_dtype) -> torch.Tenso
     if mm is masked_m and not (out is not None and out.requires_grad):
         _remember(("bmm", out is None, x.shape), (config, out_dtype, expected_m),
                   (x, w, masked_m) if out is None else (x, w, masked_m, out), plan, config)
-    return inference_only(NO_BACKWARD, lambda: plan(args.x, args.batch.w, mm, out), [x, w])
+    return inference_only(NO_BACKWARD, lambda: plan.launch(args.x, args.batch.w, mm, out),
+                          [x, w])
 
 
 def scaled_grouped_mm_masked(
@@ -208,9 +209,10 @@ def scaled_grouped_mm_masked_eager(x, w, scale_a, scale_b, masked_m, expected_m,
             inputs = [x, w, scale_a, scale_b]
             if link and torch.is_grad_enabled():
                 return inference_only(NO_BACKWARD_FP8,
-                                      lambda: plan(x, w, scale_a, scale_b, masked_m, None),
+                                      lambda: plan.launch(x, w, scale_a, scale_b, masked_m,
+                                                          None),
                                       inputs)
-            return plan(x, w, scale_a, scale_b, masked_m, None)
+            return plan.launch(x, w, scale_a, scale_b, masked_m, None)
     return _detailed_fp8(x, w, scale_a, scale_b, masked_m, expected_m, out, out_dtype, config)
 
 
@@ -248,7 +250,7 @@ def _detailed_fp8(x, w, scale_a, scale_b, masked_m, expected_m, out, out_dtype, 
         _remember(("fp8", True, x.shape), (config, out_dtype, expected_m),
                   (x, w, scale_a, scale_b, masked_m), plan, config)
     return inference_only(NO_BACKWARD_FP8,
-                          lambda: plan(args.x, args.batch.w, args.batch.scale_a,
+                          lambda: plan.launch(args.x, args.batch.w, args.batch.scale_a,
                                        args.batch.scale_b, mm, out),
                           [x, w, scale_a, scale_b])
 

@@ -24,6 +24,7 @@ from moe_gemm.ops.heuristics_fp8 import choose_fp8
 from moe_gemm.ops.masked_validation import MaskedArgs, check_config_fits
 from moe_gemm.ops.scaled_launch import _dense, _kernel, _placeholders, fp8_compile_key
 from moe_gemm.ops.scaled_validation import a_scale_view, b_scale_view
+from moe_gemm.ops.signature import BuiltFor
 from moe_gemm.ops.support import operand_major, tma_views
 
 
@@ -76,6 +77,8 @@ class MaskedPlan(_Plan):
 
     def __init__(self, args: MaskedArgs, config: GemmConfig):
         b = args.batch
+        self.built_for = BuiltFor("MaskedPlan", x=b.x, w=b.w, masked_m=args.masked_m,
+                                  out=b.out)
         if not self._setup(args, b.K):
             return
         G, M, N = self.shape
@@ -96,6 +99,12 @@ class MaskedPlan(_Plan):
         self.views = tma_views((b.x, 2), (b.w, 1 if self.w_major == "k" else 2), (b.out, 2))
 
     def __call__(self, x, w, masked_m, out):
+        """launch, after checking the tensors against the ones the plan was built for (a
+        direct call: the plan caches, whose signatures compared them, call launch)."""
+        self.built_for.check(x, w, masked_m, out)
+        return self.launch(x, w, masked_m, out)
+
+    def launch(self, x, w, masked_m, out):
         if self.trivial or self.zero:
             return self._empty(masked_m, out)
         if out is None:
@@ -116,6 +125,8 @@ class Fp8MaskedPlan(_Plan):
 
     def __init__(self, args: MaskedArgs, config: GemmConfig):
         b = args.batch
+        self.built_for = BuiltFor("Fp8MaskedPlan", x=b.x, w=b.w, scale_a=b.scale_a,
+                                  scale_b=b.scale_b, masked_m=args.masked_m, out=b.out)
         if not self._setup(args, b.K):
             return
         G, M, N = self.shape
@@ -132,6 +143,12 @@ class Fp8MaskedPlan(_Plan):
         self.views = tma_views((b.x, 2), (b.w, 1), (b.out, 2))  # (w: K-major, (G, N, K).mT)
 
     def __call__(self, x, w, scale_a, scale_b, masked_m, out):
+        """launch, after checking the tensors against the ones the plan was built for (a
+        direct call: the plan caches, whose signatures compared them, call launch)."""
+        self.built_for.check(x, w, scale_a, scale_b, masked_m, out)
+        return self.launch(x, w, scale_a, scale_b, masked_m, out)
+
+    def launch(self, x, w, scale_a, scale_b, masked_m, out):
         if self.trivial or self.zero:
             return self._empty(masked_m, out)
         if out is None:

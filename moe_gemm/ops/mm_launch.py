@@ -19,6 +19,7 @@ from moe_gemm.ops import launch_kernel, launch_resources
 from moe_gemm.ops.heuristics import choose_batched, choose_varlen
 from moe_gemm.ops.kernel_cache import kernel_constants
 from moe_gemm.ops.launch_info import _local
+from moe_gemm.ops.signature import BuiltFor
 from moe_gemm.ops.support import empty_k_result, operand_major, tma_views
 from moe_gemm.ops.validation import GroupedBmmArgs, GroupedMmArgs
 
@@ -41,6 +42,7 @@ class MmPlan:
 
     def __init__(self, args: GroupedMmArgs, config: GemmConfig, trace: bool = False):
         x, w = args.x, args.w
+        self.built_for = BuiltFor("MmPlan", x=x, w=w, offs=args.offs, out=args.out)
         self.device = device = x.device
         T, K, E, N = args.T, args.K, args.E, args.N
         self.T, self.N, self.E = T, N, E
@@ -82,6 +84,12 @@ class MmPlan:
                                           self.no_trace)
 
     def __call__(self, x, w, offs, out):
+        """launch, after checking the tensors against the ones the plan was built for (a
+        direct call: the plan caches, whose signatures compared them, call launch)."""
+        self.built_for.check(x, w, offs, out)
+        return self.launch(x, w, offs, out)
+
+    def launch(self, x, w, offs, out):
         if out is None:
             out = torch.empty(self.T, self.N, dtype=self.out_dtype, device=self.device)
         if self.trivial:
@@ -138,7 +146,7 @@ class MmPlan:
 def grouped_mm_cute(args: GroupedMmArgs, config: GemmConfig, *, trace: bool = False
                     ) -> torch.Tensor:
     offs = args.offs if args.offs.is_contiguous() else args.offs.contiguous()
-    return MmPlan(args, config, trace)(args.x, args.w, offs, args.out)
+    return MmPlan(args, config, trace).launch(args.x, args.w, offs, args.out)
 
 
 class BmmPlan:
@@ -147,6 +155,7 @@ class BmmPlan:
 
     def __init__(self, args: GroupedBmmArgs, config: GemmConfig, trace: bool = False):
         x, w = args.x, args.w
+        self.built_for = BuiltFor("BmmPlan", x=x, w=w, out=args.out)
         self.device = device = x.device
         G, M, N, K = args.G, args.M, args.N, args.K
         self.shape = (G, M, N)
@@ -185,6 +194,12 @@ class BmmPlan:
         self.views = tma_views((x, 2), (w, 1 if self.w_major == "k" else 2), (args.out, 2))
 
     def __call__(self, x, w, out):
+        """launch, after checking the tensors against the ones the plan was built for (a
+        direct call: the plan caches, whose signatures compared them, call launch)."""
+        self.built_for.check(x, w, out)
+        return self.launch(x, w, out)
+
+    def launch(self, x, w, out):
         if out is None:
             out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         if self.trivial:
@@ -209,4 +224,4 @@ class BmmPlan:
 
 def grouped_bmm_cute(args: GroupedBmmArgs, config: GemmConfig, *, trace: bool = False
                      ) -> torch.Tensor:
-    return BmmPlan(args, config, trace)(args.x, args.w, args.out)
+    return BmmPlan(args, config, trace).launch(args.x, args.w, args.out)

@@ -119,8 +119,8 @@ def scaled_grouped_mm_eager(x, w, scale_a, scale_b, offs, out, out_dtype, config
             entry = _plans.find(("mm", shape), extra, (x, w, scale_a, scale_b, offs))
         if entry is not None and not (_PTR(x) | _PTR(w)) & 15:
             plan, link = entry
-            run = ((lambda: plan(x, w, scale_a, scale_b, None)) if offs is None
-                   else (lambda: plan(x, w, scale_a, scale_b, offs, None)))
+            run = ((lambda: plan.launch(x, w, scale_a, scale_b, None)) if offs is None
+                   else (lambda: plan.launch(x, w, scale_a, scale_b, offs, None)))
             if link and torch.is_grad_enabled():
                 return inference_only(NO_BACKWARD, run, [x, w, scale_a, scale_b])
             return run()
@@ -149,13 +149,14 @@ def _detailed(x, w, scale_a, scale_b, offs, out, out_dtype, config) -> torch.Ten
     if args.batched:
         plan = Fp8BmmPlan(args, cfg)
         _remember(("bmm", x.shape), config, out_dtype, (x, w, scale_a, scale_b), plan, out)
-        return inference_only(NO_BACKWARD, lambda: plan(x, w, scale_a, scale_b, args.out),
+        return inference_only(NO_BACKWARD, lambda: plan.launch(x, w, scale_a, scale_b, args.out),
                               inputs)
     plan = Fp8MmPlan(args, cfg)
     offs_c = offs if offs.is_contiguous() else offs.contiguous()
     if offs_c is offs:
         _remember(("mm", x.shape), config, out_dtype, (x, w, scale_a, scale_b, offs), plan, out)
-    return inference_only(NO_BACKWARD, lambda: plan(x, w, scale_a, scale_b, offs_c, args.out),
+    return inference_only(NO_BACKWARD, lambda: plan.launch(x, w, scale_a, scale_b, offs_c,
+                                                      args.out),
                           inputs)
 
 

@@ -32,6 +32,7 @@ from moe_gemm.ops.scaled_validation import (
     a_scale_view,
     b_scale_view,
 )
+from moe_gemm.ops.signature import BuiltFor
 from moe_gemm.ops.support import empty_k_result, tma_views
 
 _NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
@@ -97,6 +98,8 @@ class Fp8MmPlan:
 
     def __init__(self, args: ScaledMmArgs, config: GemmConfig, trace: bool = False):
         x = args.x
+        self.built_for = BuiltFor("Fp8MmPlan", x=x, w=args.w, scale_a=args.scale_a,
+                                  scale_b=args.scale_b, offs=args.offs, out=args.out)
         self.device = device = x.device
         T, K, E, N = args.rows, args.K, args.E, args.N
         self.T, self.N, self.E = T, N, E
@@ -128,6 +131,12 @@ class Fp8MmPlan:
         self.views = tma_views((x, 1), (args.w, 1), (args.out, 1))
 
     def __call__(self, x, w, scale_a, scale_b, offs, out):
+        """launch, after checking the tensors against the ones the plan was built for (a
+        direct call: the plan caches, whose signatures compared them, call launch)."""
+        self.built_for.check(x, w, scale_a, scale_b, offs, out)
+        return self.launch(x, w, scale_a, scale_b, offs, out)
+
+    def launch(self, x, w, scale_a, scale_b, offs, out):
         if out is None:
             out = torch.empty(self.T, self.N, dtype=self.out_dtype, device=self.device)
         if self.trivial:
@@ -159,6 +168,8 @@ class Fp8BmmPlan:
 
     def __init__(self, args: ScaledMmArgs, config: GemmConfig, trace: bool = False):
         x, w = args.x, args.w
+        self.built_for = BuiltFor("Fp8BmmPlan", x=x, w=w, scale_a=args.scale_a,
+                                  scale_b=args.scale_b, out=args.out)
         self.device = device = x.device
         G, M, N, K = x.shape[0], x.shape[1], args.N, args.K
         self.shape = (G, M, N)
@@ -187,6 +198,12 @@ class Fp8BmmPlan:
         self.views = tma_views((x, 2), (w, 1), (args.out, 2))  # (as in Fp8MmPlan)
 
     def __call__(self, x, w, scale_a, scale_b, out):
+        """launch, after checking the tensors against the ones the plan was built for (a
+        direct call: the plan caches, whose signatures compared them, call launch)."""
+        self.built_for.check(x, w, scale_a, scale_b, out)
+        return self.launch(x, w, scale_a, scale_b, out)
+
+    def launch(self, x, w, scale_a, scale_b, out):
         if out is None:
             out = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         if self.trivial:

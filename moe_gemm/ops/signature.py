@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+from moe_gemm.ops.validation import check_dense
+
+_IS_NESTED = operator.attrgetter("is_nested")
+
 
 def _props(t: torch.Tensor) -> tuple:
     """What a signature compares, read from Python (the fallback)."""
@@ -122,9 +126,16 @@ class PlanCache:
     A bucket is a cheap hashable the caller reads first (the problem count, a token count):
     lookups compare signatures only within it. Entries are immutable tuples replaced whole,
     so concurrent threads never see a half-updated bucket (at worst one loses a reordering).
-    find keeps nested tensors from the signature check (below); it costs ~60 ns a tensor on
-    the CPU-only dev machine, about what the check itself costs, so screen_nested=False leaves
-    it out for a cache of many tensors per signature (grouped_gemm's lists).
+
+    find keeps nested tensors (torch.nested) from the signature check: TensorGuards reads
+    every tensor's strides before it compares anything, and a nested tensor's raise inside
+    its C++ check, which cannot pass the error on: the process aborts. (Its check_verbose
+    compares dispatch keys first, but costs ~12x as much; dynamo's guard managers translate
+    the error, but take 8-30 us a tensor to build and import torch._dynamo.) The screen is
+    one C-level pass of is_nested over the call's tensors, ~45 ns a tensor on the CPU-only
+    dev machine against ~60 for the check, run only when an entry's `extra` matches.
+    screen_nested=False leaves it out for a cache of many tensors per signature (grouped_gemm's
+    lists: +18% host time on 256 problems, past that call's 250 us bar on an H200 host).
     """
 
     def __init__(self, per_bucket: int = 8, buckets: int = 256, *, screen_nested: bool = True):
@@ -139,18 +150,20 @@ class PlanCache:
         entries = self._entries.get(bucket)
         if not entries:
             return None
-        if self.screen_nested:
-            # TensorGuards reads every tensor's strides, and a nested tensor's (torch.nested)
-            # raise inside its C++ check, which cannot pass the error on: the process aborts.
-            # A nested tensor matches no plan: the caller's detailed path names it.
-            for t in tensors:
-                try:
-                    if t.is_nested:
-                        return None
-                except AttributeError:  # not a tensor (no cost where none is met)
-                    pass
+        screened = not self.screen_nested
         for i, (sig, ex, plan) in enumerate(entries):
-            if ex == extra and sig.check(*tensors):
+            if ex != extra:
+                continue
+            if not screened:
+                # A nested tensor matches no plan (the caller's detailed path names it), nor
+                # does anything that is not a tensor (no is_nested).
+                try:
+                    if any(map(_IS_NESTED, tensors)):
+                        return None
+                except AttributeError:
+                    return None
+                screened = True
+            if sig.check(*tensors):
                 if i:
                     self._entries[bucket] = (entries[i], *entries[:i], *entries[i + 1:])
                 return plan
@@ -171,3 +184,43 @@ class PlanCache:
 
     def __len__(self) -> int:
         return sum(len(e) for e in self._entries.values())
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.dtype, t.device)
+
+
+def _meta_text(meta: tuple | None) -> str:
+    return "None" if meta is None else f"shape {meta[0]}, {meta[1]} on {meta[2]}"
+
+
+class BuiltFor:
+    """The tensor arguments a launch plan was built for, by position: each one's shape, dtype
+    and device (None: an argument it was built without).
+
+    A plan's call checks its tensors against it, so that a direct call with other tensors is
+    a ValueError naming the expectation rather than a kernel launched with sizes, a grid and a
+    workspace made for other shapes (a wrong or truncated result). The plan caches call the
+    plans' launch instead: their signature has already compared all of this and more, and a
+    second check would only add host time to every repeated call.
+    """
+
+    __slots__ = ("owner", "names", "expected")
+
+    def __init__(self, owner: str, **tensors: torch.Tensor | None):
+        self.owner = owner
+        self.names = tuple(tensors)
+        self.expected = tuple(map(_meta, tensors.values()))
+
+    def check(self, *tensors: Any) -> None:
+        """A TypeError for a non-tensor or a nested one, a ValueError for a tensor whose shape,
+        dtype or device is not the plan's (or one given where the plan has none, or missing)."""
+        for name, want, t in zip(self.names, self.expected, tensors):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.owner}: {name} must be a torch.Tensor or None; got "
+                                f"{type(t).__name__}")
+            check_dense(name, t)  # (before the shape read, which a nested tensor lacks)
+            got = _meta(t)
+            if got != want:
+                raise ValueError(f"{self.owner} was built for {name} of {_meta_text(want)}; got "
+                                 f"{_meta_text(got)} (build a new plan for other tensors)")

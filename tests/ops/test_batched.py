@@ -454,7 +454,7 @@ def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         def __init__(self, args: object, cfg: object) -> None:
             calls.append((args, cfg))
 
-        def __call__(self, *_: object) -> str:
+        def launch(self, *_: object) -> str:
             return "cute-bmm"
 
     fake.BmmPlan = BmmPlan  # type: ignore[attr-defined]

@@ -10,8 +10,12 @@ process. The jagged layout is a tensor subclass with a layout of its own.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +200,64 @@ def test_grouped_gemm_scan_names_a_nested_tensor_in_a_list(cute_ops: Recorder) -
     with pytest.raises(TypeError, match=_dense_message("a[1]")):
         moe_gemm.grouped_gemm(a, b)
     assert cute_ops.calls == []
+
+
+# Run in a child process: before the screen, grouped_gemm's cached plans (the lists' signature,
+# TensorGuards over every tensor) read a nested tensor's strides inside C++ and the process
+# aborted, which would take pytest down with it instead of failing one test.
+_WARM_GENERAL_CHILD = """
+import warnings
+import pytest, torch
+from host_fakes import Recorder, clear_caches, install
+import moe_gemm
+from moe_gemm.ops import api
+
+warnings.simplefilter("ignore", UserWarning)  # (torch's prototype warning on nested tensors)
+rec = Recorder()
+clear_caches()
+install(pytest.MonkeyPatch(), rec)
+api.cute_problem = lambda device=None: None
+g = torch.Generator().manual_seed(7)
+a = [torch.randn(5, 32, generator=g).bfloat16(), torch.randn(7, 32, generator=g).bfloat16()]
+b = [torch.randn(32, 16, generator=g).bfloat16() for _ in a]
+for _ in range(3):  # scanned twice (the layout recurs: it gets a signature), then cached
+    moe_gemm.grouped_gemm(a, b)
+assert len(api._general_plans) == 1 and len(rec.calls) == 3
+assert api._general_plans.find(2, (None, None, api._switches()), (*a, *b)) is not None
+for layout in (torch.strided, torch.jagged):
+    for which in ("a", "b"):
+        lists = {"a": list(a), "b": list(b)}
+        lists[which][1] = torch.nested.nested_tensor(list(lists[which][1].unbind()),
+                                                     layout=layout)
+        try:
+            moe_gemm.grouped_gemm(lists["a"], lists["b"])
+        except TypeError as exc:
+            print(which, layout, "|", exc)
+        else:
+            print(which, layout, "| no error")
+assert len(rec.calls) == 3, "a nested operand reached the kernel"
+print("done")
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="known: grouped_gemm's list plan cache does not screen "
+                   "for nested tensors (its host cost on 256 problems), and torch's signature "
+                   "check aborts the process on one")
+def test_a_warm_grouped_gemm_plan_never_meets_a_nested_tensor() -> None:
+    # The plan of these lists is cached (grouped_gemm's warm path); then the same call with
+    # a[1] or b[1] nested must raise the TypeError naming it, in both layouts.
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root / "tests" / "ops"), str(root),
+         *filter(None, [os.environ.get("PYTHONPATH")])]))
+    done = subprocess.run([sys.executable, "-c", _WARM_GENERAL_CHILD], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=root)
+    assert done.returncode == 0, f"the child exited with {done.returncode}: {done.stderr[-3000:]}"
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "done" and len(lines) == 5, done.stdout
+    for line in lines[:-1]:
+        which, _, message = line.partition(" | ")
+        assert re.match(_dense_message(f"{which.split()[0]}[1]"), message), line
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

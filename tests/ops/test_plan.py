@@ -71,3 +71,85 @@ def test_plan_backward_raises_on_the_cute_path_only() -> None:
     outs = GroupedGemmPlan(a, b)()
     assert GroupedGemmPlan(a, b).backend == "torch"
     assert all(o.numel() == 0 or o.requires_grad for o in outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# A call checks that the tensors it was given still have the build's shapes, strides, dtypes
+# and devices (a plan is bound to them: the kernel reads the build's sizes and addresses, and
+# the torch backend broadcast a shrunk operand into its output, a wrong answer, no error).
+# (torch refuses an in-place move to another device: `.data =` needs the same tensor type.)
+
+
+def _shrink_rows(t):
+    t.resize_(1, t.shape[1])
+
+
+def _other_dtype(t):
+    t.data = t.double()
+
+
+def _wider(t):
+    t.resize_(t.shape[0], t.shape[1] + 8)
+
+
+def _k_major(t):
+    t.set_(t.t().contiguous().t())  # the same shape and values, other strides
+
+
+CHANGES = [("a", 0, _shrink_rows, r"a\[0\] of shape \(5, 16\) \(strides \(16, 1\)\), "
+            r"torch\.bfloat16 on cpu; it is now of shape \(1, 16\)"),
+           ("a", 2, _other_dtype, r"a\[2\] of .*torch\.bfloat16 on cpu; it is now .*torch\.float64"),
+           ("b", 0, _wider, r"b\[0\] of shape \(16, 24\) .* now of shape \(16, 32\)"),
+           ("b", 2, _k_major, r"b\[2\] of shape \(72, 8\) \(strides \(8, 1\)\).* it is now of "
+            r"shape \(72, 8\) \(strides \(1, 72\)\)"),
+           ("out", 4, _shrink_rows, r"out\[4\] of shape \(33, 16\) .* now of shape \(1, 16\)")]
+
+
+def _plan_with_out(a, b):
+    out = [torch.zeros(ai.shape[0], bi.shape[1], dtype=ai.dtype) for ai, bi in zip(a, b)]
+    return GroupedGemmPlan(a, b, out=out), out
+
+
+@pytest.mark.parametrize("which,i,change,message", CHANGES,
+                         ids=[f"{w}{i}-{c.__name__}" for w, i, c, _ in CHANGES])
+def test_a_call_refuses_tensors_changed_since_the_build(which, i, change, message) -> None:
+    a, b = _problems(seed=11)
+    plan, out = _plan_with_out(a, b)
+    assert plan.backend == "torch"
+    _check_all(plan(), a, b)
+    change({"a": a, "b": b, "out": out}[which][i])
+    with pytest.raises(ValueError, match=r"^GroupedGemmPlan was built for " + message):
+        plan()
+
+
+def test_the_hopper_path_refuses_them_before_its_launch(kernel, monkeypatch) -> None:
+    from moe_gemm.ops import api
+
+    monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
+    a, b = _problems(seed=12)
+    plan, _ = _plan_with_out(a, b)
+    assert plan.backend == "cute"
+    plan()
+    assert len(kernel.calls) == 1
+    a[4].resize_(40, 8)  # more rows: a new allocation, which the launch's addresses miss
+    with pytest.raises(ValueError, match=r"built for a\[4\] of shape \(33, 8\)"):
+        plan()
+    assert len(kernel.calls) == 1
+
+
+def test_autograd_flags_may_change_between_calls() -> None:
+    # requires_grad_ after the build changes the signature, not the plan: the call goes on
+    # (differentiable on the torch backend) and later calls take the fast check again.
+    a, b = _problems(torch.float32, seed=13)
+    plan = GroupedGemmPlan(a, b)
+    plan()
+    b[0].requires_grad_()
+    outs = plan()
+    assert outs[0].requires_grad
+    outs[0].sum().backward()
+    ref = a[0].double().sum(0, keepdim=True).T.expand(-1, b[0].shape[1])
+    torch.testing.assert_close(b[0].grad.double(), ref)
+    g = torch.Generator().manual_seed(14)
+    for t in a:
+        t.copy_(torch.randn(t.shape, generator=g))
+    _check_all(plan(), a, [t.detach() for t in b])
