@@ -42,6 +42,9 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    # UE8M0 (exponent-only scales): no route takes it, but a body holding it is well formed;
+    # known here, it gets the route's own dtype error (422) rather than "malformed" (400).
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 # safetensors' own cap on the header (100 MB); ours is tighter still via the body limit.
 MAX_HEADER_BYTES = 100_000_000
@@ -86,11 +89,18 @@ def _not_json(token: str) -> Any:
     raise ValueError(f"{token} is not a JSON number")
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class DuplicateKey(ValueError):
+    """A JSON object holds one key twice."""
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object_pairs_hook: a key given twice is an error (json keeps the last one,
+    silently). Called once per JSON object, never per array element: free on tensor bodies,
+    whose numbers are all in arrays."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise ValueError(f"duplicate key {k!r}")
+            raise DuplicateKey(f"duplicate key {k!r}")
         out[k] = v
     return out
 
@@ -131,7 +141,7 @@ def parse_safetensors_header(
         raise bad_request("malformed safetensors: truncated header")
     raw = bytes(prefix[8:8 + n])
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys,
                             parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"malformed safetensors: header is not valid JSON ({e})") from None
@@ -252,9 +262,10 @@ _MATS = TypeAdapter(list[list[list[_NUM]]])
 
 
 def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
-    """The body as a JSON object (400 otherwise)."""
+    """The body as a JSON object (400 otherwise, and for a key given twice in any object)."""
     try:
-        obj = json.loads(bytes(body).decode("utf-8"), parse_constant=_not_json)
+        obj = json.loads(bytes(body).decode("utf-8"), object_pairs_hook=no_duplicate_keys,
+                         parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"malformed JSON body: {e}") from None
     except RecursionError:

@@ -37,7 +37,8 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
         raise ValueError(f"FP8 weights {layout!r} need their float32 'scale' tensor (decoding "
                          "scales: w = fp8 * scale)")
     if scale.dtype != torch.float32:
-        raise TypeError(f"'scale' must be float32; got {str(scale.dtype).removeprefix('torch.')}")
+        raise TypeError(f"'scale' must be float32 (F32 decoding scales: w = fp8 * scale); got "
+                        f"{str(scale.dtype).removeprefix('torch.')}{_scale_hint(scale.dtype)}")
     E = tensor.shape[0]
     if layout == "w":
         K, N = tensor.shape[1], tensor.shape[2]
@@ -62,6 +63,18 @@ def check_fp8_scale(tensor: torch.Tensor, layout: str, scale: object) -> str | N
         f"'scale' {list(got)} fits no granularity of {layout!r} {shape_text(tensor)}: expected "
         f"128x128 blocks {list(block)} (K a multiple of {BLOCK}), per channel [{E}, {N}] or per "
         f"expert [{E}]")
+
+
+def _scale_hint(dtype: torch.dtype) -> str:
+    """How to turn a scale of `dtype` into the float32 one the API takes, where that is exact.
+
+    The API keeps to float32 scales (docs/HTTP-API.md) rather than widening UE8M0 ones on
+    arrival: a set is stored as uploaded, and a file with an F8_E8M0 scale would not load on a
+    server of an earlier version sharing the data directory (or after a rollback)."""
+    if dtype == torch.float8_e8m0fnu:
+        return (": UE8M0 scales are powers of two, 2^(e - 127), which float32 holds exactly: "
+                "widen them before the upload")
+    return ""
 
 
 def check_scale_values(scale: torch.Tensor, layout: str) -> None:

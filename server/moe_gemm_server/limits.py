@@ -3,7 +3,8 @@
 `BodyLimitMiddleware` (pure ASGI, so it never buffers) answers 413 straight from the
 Content-Length header when it is over the route's limit, without reading a byte of the body;
 for bodies without a length (chunked) it counts bytes as the app receives them and raises a
-413 APIError as soon as the count passes the limit. `read_body` collects a body into one
+413 APIError as soon as the count passes the limit. It also bounds each wait for a piece of a
+body: 408 after --body-timeout-s, 503 once a drain stops waiting for bodies (`BodyCutoff`). `read_body` collects a body into one
 buffer and undoes a gzip/deflate Content-Encoding (tritonclient can compress requests) with
 the same limit on the decompressed size, so a compression bomb is a 413 too.
 """
@@ -65,19 +66,74 @@ class BodyTimeout(APIError):
                          {"Connection": "close"})
 
 
-async def _receive_within(receive: Receive, timeout: float | None) -> Message:
-    if timeout is None:
-        return await receive()
-    try:
-        async with asyncio.timeout(timeout):
+class BodyCut(APIError):
+    """503: the server stopped waiting for the rest of this body (it is shutting down). The
+    connection is closed, as after a 408: the rest of the body could not be told from a next
+    request."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, f"{reason}; the rest of the request body did not arrive in time",
+                         {"Retry-After": "1", "Connection": "close"})
+
+
+class BodyCutoff:
+    """The request bodies still arriving, and the switch that stops waiting for them.
+
+    A drain waits --drain-timeout-s for requests in flight, a body still arriving included.
+    Left waiting past that, such a request would be cancelled by uvicorn at its
+    graceful-shutdown timeout and answered a plain-text 500. `cut` ends every wait for a piece
+    of a body at once with a 503 (BodyCut), and every later one: each wait runs under the
+    asyncio.timeout of --body-timeout-s, which `cut` moves to now, so the wait ends as a body
+    timeout does, by asyncio's own cancellation, and the request unwinds as after a 408.
+    """
+
+    def __init__(self, on_cut: Callable[[], None] | None = None) -> None:
+        self.reason: str | None = None
+        self.on_cut = on_cut  # called once per request refused
+        self._waits: set[asyncio.Timeout] = set()
+
+    def cut(self, reason: str) -> None:
+        """From now on, bodies still arriving are answered 503 `reason`. Event-loop thread."""
+        self.reason = reason
+        now = asyncio.get_running_loop().time()
+        for wait in list(self._waits):
+            if not wait.expired():  # (one that just timed out ends as a 503 all the same)
+                wait.reschedule(now)
+
+    def refuse(self) -> BodyCut:
+        assert self.reason is not None
+        if self.on_cut is not None:
+            self.on_cut()
+        return BodyCut(self.reason)
+
+
+async def _receive_within(receive: Receive, timeout: float | None,
+                          cutoff: BodyCutoff | None = None) -> Message:
+    if cutoff is None:
+        if timeout is None:
             return await receive()
+    elif cutoff.reason is not None:
+        raise cutoff.refuse()
+    try:
+        async with asyncio.timeout(timeout) as wait:
+            if cutoff is not None:
+                cutoff._waits.add(wait)
+            try:
+                return await receive()
+            finally:
+                if cutoff is not None:
+                    cutoff._waits.discard(wait)
     except TimeoutError:
+        if cutoff is not None and cutoff.reason is not None:
+            raise cutoff.refuse() from None
+        assert timeout is not None  # (without one, only a cut ends the wait)
         raise BodyTimeout(timeout) from None
 
 
 class BodyLimitMiddleware:
     """413 for bodies over `limit_for(scope)` bytes, decided before reading them; 408 when the
-    body stalls for `body_timeout_s` (None: wait for ever).
+    body stalls for `body_timeout_s` (None: wait for ever); 503 for bodies still arriving once
+    `cutoff` is cut.
 
     Without that timeout a client that announces a body and never sends it would hold its
     connection, its handler and the in-flight count a drain waits on, for as long as it likes.
@@ -87,11 +143,13 @@ class BodyLimitMiddleware:
 
     def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], BodyLimit],
                  on_reject: Callable[[], None] | None = None,
-                 body_timeout_s: float | None = None) -> None:
+                 body_timeout_s: float | None = None,
+                 cutoff: BodyCutoff | None = None) -> None:
         self.app = app
         self.limit_for = limit_for
         self.on_reject = on_reject
         self.body_timeout_s = body_timeout_s
+        self.cutoff = cutoff
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -118,7 +176,7 @@ class BodyLimitMiddleware:
                 # The body is in: the app now waits for the client to leave (service.py), as
                 # long as its answer takes; that wait has no timeout.
                 return await receive()
-            message = await _receive_within(receive, self.body_timeout_s)
+            message = await _receive_within(receive, self.body_timeout_s, self.cutoff)
             if message["type"] != "http.request":
                 body_done = True  # a disconnect
                 return message

@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         limit_for=limit_for,
         on_reject=service.metrics.rejections.labels("too_large").inc,
         body_timeout_s=settings.body_timeout_s,
+        cutoff=service.body_cutoff,
     )
     app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(ObservabilityMiddleware, metrics=service.metrics,

@@ -5,7 +5,8 @@ disconnect still reaches the handler. For each HTTP request it:
 - takes `X-Request-Id` from the request if it is a sane token (<= 128 printable characters),
   else generates one; puts it in the scope state, the logging context and the response;
 - counts requests by route template (not raw path, to bound label cardinality), method and
-  status, times them, and tracks the in-flight gauge;
+  status, times them, and tracks the in-flight gauge; a request that ends without an answer
+  from the app (its client left, or its handler was cancelled from outside) is status 499;
 - writes one access-log line with the request id;
 - turns any exception that escaped the app into a JSON 500 (if nothing was sent yet), so a
   bug in one request never takes the process down or leaks a traceback to the client.
@@ -13,6 +14,7 @@ disconnect still reaches the handler. For each HTTP request it:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -64,6 +66,7 @@ class ObservabilityMiddleware:
         token = request_id_var.set(rid)
         status = 0
         sent_start = False
+        cancelled = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, sent_start
@@ -81,6 +84,13 @@ class ObservabilityMiddleware:
         except ClientDisconnect:
             # The client went away mid-body: nobody to answer, nothing to log as an error.
             state["disconnected"] = True
+        except asyncio.CancelledError:
+            # Cancelled from outside (by uvicorn at its graceful-shutdown timeout, by Ray Serve
+            # for a caller gone): no server error. Without an answer started it is counted
+            # 499 below, as a client that left is (nginx's "client closed request"); uvicorn's
+            # own plain-text 500, written after this, is not the app's answer.
+            cancelled = True
+            raise
         except Exception as e:  # noqa: BLE001 - last resort: answer 500 and keep serving
             if isinstance(e, APIError):
                 code, msg = e.status, e.message
@@ -103,7 +113,7 @@ class ObservabilityMiddleware:
                 label = self.route_for(scope)
             label = label or "unmatched"
             method = scope.get("method", "")
-            if state.get("disconnected"):
+            if state.get("disconnected") or (cancelled and not sent_start):
                 status = 499  # nginx's "client closed request": no answer was delivered
             self.metrics.requests.labels(label, method, str(status or 500)).inc()
             self.metrics.latency.labels(label, method).observe(dt)

@@ -9,7 +9,8 @@
 - put/delete weights (service_weights.py, a mixin Service inherits): streamed to a temp file,
   checked, copied to the device and warmed, then committed to disk atomically and swapped in;
   an upload is acknowledged only when durable.
-- drain(): readiness turns 503, new requests get 503, queued and in-flight work finishes.
+- drain(): readiness turns 503, new requests get 503, queued and in-flight work finishes;
+  what is still queued, or still sending its body, when the drain times out is answered 503.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
 from .config import Settings
 from .errors import APIError, unavailable, unprocessable
 from .faults import device_failure
+from .limits import BodyCutoff
 from .metrics import Metrics, StatsBook
 from .service_weights import WeightsMixin, resident_nbytes
 from .storage import WeightStore
@@ -80,6 +82,9 @@ class Service(WeightsMixin):
         self._reserved_bytes = 0  # uploads admitted under the budget, not yet installed
         self.watcher = StoreWatcher(self)
         self._sync_task: asyncio.Task[None] | None = None
+        # Bodies still arriving when a drain times out are answered 503 (limits.py).
+        self.body_cutoff = BodyCutoff(
+            on_cut=lambda: self.metrics.rejections.labels("draining").inc())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -183,6 +188,7 @@ class Service(WeightsMixin):
         while self.inflight > 0 or (self.batcher is not None and self.batcher.busy):
             if time.monotonic() >= end:
                 log.warning("drain timed out with %d request(s) in flight", self.inflight)
+                self.body_cutoff.cut("draining: the server is shutting down")
                 if self.batcher is not None:
                     # What still waits on the batcher is answered now, 503 (retry elsewhere):
                     # left waiting, uvicorn cancels these requests once its graceful timeout

@@ -107,6 +107,12 @@ BAD_UPLOADS = [
     (W8, {"scale": np.ones((2, 2, 2))}, TypeError, r"scale must be float32.*float64"),
     (W8, {"scale": torch.ones(2, 200, dtype=torch.bfloat16)}, TypeError,
      r"scale must be float32.*bfloat16"),
+    # UE8M0 scales (DeepSeek / DeepGEMM): refused here, as the server refuses them (422), with
+    # the conversion that is exact for them
+    (W8, {"scale": torch.ones(2, dtype=torch.float8_e8m0fnu)}, TypeError,
+     r"scale must be float32.*float8_e8m0fnu \(convert with \.float\(\)\)"),
+    (W8, {"scale": np.ones(2, ml_dtypes.float8_e8m0fnu)}, TypeError,
+     r"scale must be float32.*float8_e8m0fnu \(convert with \.astype\(np\.float32\)\)"),
     (W8, {"scale": [1.0, 2.0]}, TypeError, "scale must be a float32 numpy array or torch"),
     (W8, {"scale": np.ones((2, 200, 256), np.float32)}, ValueError,
      r"scale \[2, 200, 256\] fits no granularity of 'w' \(2, 256, 200\)"),
@@ -205,6 +211,8 @@ def test_bad_fp8_files_are_refused_locally(mode, tmp_path):
          "store it as 'scale' or name it"),
         ({"w": w, "scale": torch.ones(2, dtype=torch.float16)}, {}, TypeError,
          "scale 'scale' in .* must be F32; got F16"),
+        ({"w": w, "scale": torch.ones(2, dtype=torch.float8_e8m0fnu)}, {}, TypeError,
+         "scale 'scale' in .* must be F32; got F8_E8M0"),
         ({"w": w, "scale": torch.ones(2, 3)}, {}, ValueError, r"scale \[2, 3\] fits no "
                                                               "granularity"),
         ({"w": torch.zeros(2, 4, 4), "s": torch.ones(2)}, {"scale_tensor": "s"}, ValueError,

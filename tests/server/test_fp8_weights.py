@@ -237,6 +237,41 @@ def test_a_stored_set_with_a_zero_scale_is_skipped_at_start(tmp_path):
         assert "got 0 at [1, 5]" in app.state.service.load_errors["zero"]
 
 
+def test_an_e8m0_scale_is_422_naming_the_scale_dtype_taken(tmp_path):
+    """A UE8M0 scale (safetensors F8_E8M0: DeepSeek's and DeepGEMM's power-of-two scales) was
+    a 400 "malformed safetensors: ... unknown dtype", as if the body were broken. It is a
+    valid body whose scale dtype the API does not take (docs/HTTP-API.md: an F32 scale): 422
+    saying which dtype is taken and how to get it, at upload and at load alike."""
+    tensor, scale, _, _ = _weights("block", "w_t")
+    ue8m0 = torch.exp2(torch.round(torch.log2(scale))).to(torch.float8_e8m0fnu)
+    body = st_body({"w_t": tensor, "scale": ue8m0})
+    want = ("'scale' must be float32 (F32 decoding scales: w = fp8 * scale); got "
+            "float8_e8m0fnu: UE8M0 scales are powers of two, 2^(e - 127), which float32 holds "
+            "exactly: widen them before the upload")
+    data = tmp_path / "d"
+    app = create_app(Settings(data_dir=data))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        r = client.put("/v1/weights/ue8m0", content=body)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"] == want
+        assert client.get("/v1/weights/ue8m0").status_code == 404
+        r = client.put("/v1/weights/ue8m0", content=st_body(
+            {"w_t": tensor, "scale": ue8m0.float()}))  # widened: the same scales, taken
+        assert r.status_code == 201, r.text
+        # an F8_E8M0 tensor where a route takes data or counts: that route's dtype 422
+        x = torch.ones(2, K).to(torch.float8_e8m0fnu)
+        r = client.post("/v1/weights/ue8m0/grouped-mm", content=st_body(
+            {"x": x, "counts": torch.tensor([2, 0, 0], dtype=torch.int32)}))
+        assert r.status_code == 422 and "got float8_e8m0fnu" in r.json()["error"], r.text
+    (data / "stored.safetensors").write_bytes(body)  # the same file found at start: skipped
+    app = create_app(Settings(data_dir=data))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert [w["name"] for w in client.get("/v1/weights").json()["weights"]] == ["ue8m0"]
+        assert app.state.service.load_errors["stored"] == want
+
+
 def test_resident_budget_counts_the_fp8_scale(tmp_path):
     """--max-resident-bytes budgets what a set holds (WeightInfo "bytes"), its scale included:
     a set whose tensor fits but whose tensor and scale do not is 507, at upload and at start."""

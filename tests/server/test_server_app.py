@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from server_testutils import mm_ref, st_body, st_load
+from server_testutils import metric, mm_ref, st_body, st_load
 
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server.cli import build_parser, settings_from_args
@@ -163,6 +166,46 @@ def test_unhandled_error_is_a_json_500(tmp_path, monkeypatch):
         assert r.headers["x-request-id"] == r.json()["request_id"]
         monkeypatch.undo()
         assert client.get("/v2/health/ready").status_code == 200
+
+
+def test_a_cancelled_request_counts_as_499_not_500(tmp_path, caplog):
+    """A request whose handler is cancelled from outside while its work is queued (by uvicorn
+    at its graceful-shutdown timeout, by Ray Serve for a caller gone) wrote no answer, yet
+    moe_gemm_requests_total and the access log counted it as status 500, a server error."""
+    caplog.set_level(logging.INFO, logger="moe_gemm_server.access")
+    # A 60 s batch delay: the request waits in the queue until it is cancelled.
+    app = create_app(_settings(tmp_path, batch_delay_us=60_000_000))
+    service = app.state.service
+    body = st_body({"x": torch.randn(3, 8), "counts": torch.tensor([1, 2], dtype=torch.int32)})
+
+    async def scenario() -> None:
+        async with app.router.lifespan_context(app):
+            deadline = time.monotonic() + 30
+            while not service.ready:
+                assert time.monotonic() < deadline, "never ready"
+                await asyncio.sleep(0.005)
+            # (httpx's ASGI transport runs the app in the caller's task: cancelling the call
+            # cancels the handler, as uvicorn or Ray Serve do)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://test") as client:
+                r = await client.put("/v1/weights/m", content=st_body({"w": torch.randn(2, 8, 4)}))
+                assert r.status_code == 201, r.text
+                call = asyncio.ensure_future(client.post("/v1/weights/m/grouped-mm", content=body))
+                while service.batcher.queued < 1:
+                    assert time.monotonic() < deadline and not call.done(), "never queued"
+                    await asyncio.sleep(0.005)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+
+    asyncio.run(scenario())
+    text = service.metrics.render().decode()
+    assert metric(text, "moe_gemm_rejections_total", reason="cancelled") == 1
+    route = {"route": "/v1/weights/{name}/grouped-mm", "method": "POST"}
+    assert metric(text, "moe_gemm_requests_total", **route, status="499") == 1, text
+    assert metric(text, "moe_gemm_requests_total", **route, status="500") == 0, text
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_gemm_server.access"]
+    assert any(line.startswith("POST /v1/weights/m/grouped-mm 499 ") for line in lines), lines
 
 
 class BuggyEngine(Engine):

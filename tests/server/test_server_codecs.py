@@ -44,6 +44,16 @@ def test_safetensors_round_trip(dtype):
     assert out["e"].shape == (0, 7)
 
 
+def test_safetensors_f8_e8m0_is_a_known_dtype():
+    """F8_E8M0 (UE8M0 scales) is a safetensors dtype: decoded as such (it was "unknown", a
+    400 for a valid body), for the routes to take or refuse by their own dtype rules."""
+    t = torch.tensor([2.0 ** -127, 0.5, 1.0, 2.0 ** 127]).to(torch.float8_e8m0fnu)
+    out = decode_safetensors(bytearray(encode_safetensors({"s": t})))["s"]
+    assert out.dtype == torch.float8_e8m0fnu
+    assert out.view(torch.uint8).tolist() == [0, 126, 127, 254]
+    assert out.float().tolist() == [2.0 ** -127, 0.5, 1.0, 2.0 ** 127]
+
+
 def test_safetensors_unaligned_offsets_are_copied():
     data = b"\0" + np.arange(4, dtype=np.float32).tobytes()
     hdr = {"pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
@@ -219,6 +229,70 @@ def test_json_decoders():
         with pytest.raises(APIError) as ei:
             decode_json_grouped_mm(obj, K=2)
         assert ei.value.status == status, obj
+
+
+@pytest.mark.parametrize("body, key", [
+    (b'{"x": [[1, 2]], "counts": [1], "x": [[3, 4]]}', "x"),
+    (b'{"a": [[[1]]], "b": [[[1]]], "dtype": "float32", "dtype": "float16"}', "dtype"),
+    (b'{"w": [[[1]]], "\\u0077": [[[2]]]}', "w"),  # an escaped name is the same name
+])
+def test_json_bodies_with_a_duplicate_key_are_400_naming_it(body, key):
+    """Python's json kept the last of two equal keys: a body that says two things was read
+    as one of them, silently."""
+    with pytest.raises(APIError, match=f"duplicate key '{key}'") as ei:
+        parse_json_object(body)
+    assert ei.value.status == 400
+
+
+V2_X = {"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}
+V2_COUNTS = {"name": "counts", "shape": [1], "datatype": "INT32", "data": [1]}
+
+
+def _v2_with(where: str, key: str) -> bytes:
+    """A v2 request whose object at `where` holds `key` twice (the second copy appended)."""
+    x = json.dumps(V2_X)[:-1]
+    if where == "top":
+        return (b'{"%s": [%s], "%s": [%s}]}'
+                % (key.encode(), json.dumps(V2_COUNTS).encode(), key.encode(), x.encode()))
+    if where == "input":
+        return b'{"inputs": [%s, "%s": [2, 1]}]}' % (x.encode(), key.encode())
+    if where == "parameters":
+        return (b'{"parameters": {"%s": 1, "%s": 2}, "inputs": [%s}]}'
+                % (key.encode(), key.encode(), x.encode()))
+    assert where == "outputs"
+    return (b'{"inputs": [%s}], "outputs": [{"name": "y", "%s": "z"}]}'
+            % (x.encode(), key.encode()))
+
+
+@pytest.mark.parametrize("where, key", [("top", "inputs"), ("input", "shape"),
+                                        ("parameters", "priority"), ("outputs", "name")])
+def test_v2_requests_with_a_duplicate_key_are_400_naming_it(where, key):
+    body = _v2_with(where, key)
+    with pytest.raises(APIError, match=f"duplicate key '{key}'") as ei:
+        parse_request(bytearray(body), None)
+    assert ei.value.status == 400
+    # with binary data after the header too
+    x = np.ones(2, np.float32).tobytes()
+    hdr = json.dumps({"inputs": [{**V2_X, "parameters": {"binary_data_size": 8}}]}).encode()
+    dup = hdr.replace(b'"binary_data_size": 8', b'"binary_data_size": 0, "binary_data_size": 8')
+    assert parse_request(bytearray(hdr + x), str(len(hdr)))[1]["x"].tolist() == [[1, 1]]
+    with pytest.raises(APIError, match="duplicate key 'binary_data_size'"):
+        parse_request(bytearray(dup + x), str(len(dup)))
+
+
+def test_v2_colons_in_strings_are_not_duplicates_and_escaped_keys_are_compared_decoded():
+    """Strings holding ':' (an id, a parameter's name and value) are no duplicate keys; two
+    spellings of one key (an escape in upper or lower case) are one key, twice."""
+    body = json.dumps({"id": "req:1", "parameters": {"k:v": "a:b"},
+                       "inputs": [{**V2_X, "data": [[1.5, 2]]}]}).encode()
+    req, tensors = parse_request(bytearray(body), None)
+    assert req.id == "req:1" and req.parameters == {"k:v": "a:b"}
+    assert tensors["x"].tolist() == [[1.5, 2.0]]
+    twice = b'{"parameters": {"\\u00e9": 1, "\\u00E9": 2}, "inputs": [%s]}' % (
+        json.dumps(V2_X).encode())
+    with pytest.raises(APIError, match="duplicate key '\u00e9'") as ei:
+        parse_request(bytearray(twice), None)
+    assert ei.value.status == 400
 
 
 @pytest.mark.parametrize("rid, ok", [("abc", True), (7, True), (None, True), (True, False),

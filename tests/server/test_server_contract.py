@@ -279,6 +279,27 @@ def test_non_finite_weights_are_422_and_nan_tokens_are_400(small):
     assert small.get("/v1/weights/nf").status_code == 404
 
 
+def test_a_duplicate_key_is_400_naming_it_on_every_json_route(small):
+    """Python's json kept the last of two equal keys (and pydantic's parser too, on v2): each
+    body below was served as if it said only its second half."""
+    _tiny(small)
+    v2 = (b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}, '
+          b'{"name": "counts", "shape": [2], "datatype": "INT32", "data": [1, 0], '
+          b'"data": [0, 1]}]}')
+    for method, url, body, key in [
+        ("PUT", "/v1/weights/dup", b'{"w": [[[1]]], "w": [[[2]]]}', "w"),
+        ("POST", "/v1/weights/tiny/grouped-mm",
+         b'{"x": [[1, 2]], "counts": [1, 0], "counts": [0, 1]}', "counts"),
+        ("POST", "/v1/grouped-gemm",
+         b'{"a": [[[1]]], "b": [[[1]]], "dtype": "float32", "dtype": "float16"}', "dtype"),
+        ("POST", "/v2/models/tiny/infer", v2, "data"),
+    ]:
+        r = small.request(method, url, content=body, headers=JS)
+        assert r.status_code == 400, (url, r.status_code, r.text)
+        assert f"duplicate key '{key}'" in r.json()["error"], (url, r.text)
+    assert small.get("/v1/weights/dup").status_code == 404
+
+
 def test_invalid_names_are_422_on_every_route(small):
     """A name no set can have is 422 wherever a name is taken (PUT and DELETE said so already;
     the reads, the matmul and the v2 routes said 404)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import threading
@@ -282,3 +283,79 @@ def test_work_left_when_the_drain_times_out_is_answered_503_not_500(tmp_path):
     # (at least one of the two or more queued at the signal: one may have started and finished
     # between the metric's read and the signal)
     assert len(results) == 6 and refused >= 1
+
+
+def _trickle(sock: socket.socket, rest: bytes, stop: threading.Event) -> threading.Thread:
+    """Sends `rest` one byte every 0.1 s (never a pause near --body-timeout-s) until stopped."""
+
+    def run() -> None:
+        for i in range(len(rest)):
+            if stop.wait(0.1):
+                return
+            try:
+                sock.sendall(rest[i:i + 1])
+            except OSError:
+                return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_body_still_arriving_when_the_drain_times_out_is_answered_503(tmp_path):
+    """SIGTERM while two bodies trickle in, a matmul and an upload replacing an acknowledged
+    set: each is given --drain-timeout-s to arrive, then answered a JSON 503 with Retry-After
+    (it was uvicorn's plain-text 500, once its graceful-shutdown timeout cancelled the
+    request). The acknowledged set is kept as it was, no partial upload is left behind, and
+    the process exits 0."""
+    data = tmp_path / "data"
+    drain_s = 1.0
+    server = LiveServer(data, "--drain-timeout-s", str(drain_s), "--log-level", "info").start()
+    gen = torch.Generator().manual_seed(45)
+    w = torch.randn(3, 16, 8, generator=gen)
+    stop = threading.Event()
+    socks: dict[str, socket.socket] = {}
+    try:
+        r = httpx.put(f"{server.url}/v1/weights/keep", content=st_body({"w": w}), timeout=60)
+        assert r.status_code == 201, r.text
+        acknowledged = (data / "keep.safetensors").read_bytes()
+        bodies = {
+            "/v1/weights/keep/grouped-mm": ("POST", st_body(
+                {"x": torch.randn(5, 16, generator=gen),
+                 "counts": torch.tensor([2, 3, 0], dtype=torch.int32)})),
+            "/v1/weights/keep": ("PUT", st_body({"w": torch.randn(3, 16, 8, generator=gen)})),
+        }
+        for path, (method, body) in bodies.items():
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}"
+                         f"\r\nX-Request-Id: slow-{method}\r\n\r\n".encode() + body[:100])
+            socks[method] = sock
+            _trickle(sock, body[100:], stop)
+        deadline = time.monotonic() + 10
+        while metric(httpx.get(f"{server.url}/metrics").text,
+                     "moe_gemm_requests_in_flight") < 3:  # the two bodies + this request
+            assert time.monotonic() < deadline, "the requests never arrived"
+            time.sleep(0.01)
+        t_term = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        for method, sock in socks.items():
+            status, headers, payload = read_http_response(sock)
+            waited = time.monotonic() - t_term
+            assert status == 503, (method, status, payload[:300])
+            error = json.loads(payload)
+            assert "draining" in error["error"] and error["request_id"] == f"slow-{method}"
+            assert headers["retry-after"] == "1" and headers.get("connection") == "close"
+            # (given the drain's time to arrive, then answered without waiting for more)
+            assert drain_s * 0.9 <= waited < drain_s + 5, (method, waited)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        stop.set()
+        for sock in socks.values():
+            sock.close()
+        server.stop()
+    log = server.log()
+    assert "Internal Server Error" not in log and "Exception in ASGI application" not in log
+    assert "POST /v1/weights/keep/grouped-mm 503 " in log and "PUT /v1/weights/keep 503 " in log
+    assert "audit action=put_weights name=keep outcome=refused status=503 " in log
+    assert (data / "keep.safetensors").read_bytes() == acknowledged
+    assert not list(data.glob(".upload-*"))
