@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
     a("--ssl-keyfile", help="the certificate's PEM private key (if not in --ssl-certfile)")
     a("--max-body-bytes", type=int, help="request body limit (default 64 MiB)")
-    a("--max-weight-bytes", type=int, help="body limit of weight uploads (default 16 GiB)")
+    a("--max-weight-bytes", type=int, help="body limit of safetensors weight uploads (default "
+      "16 GiB; JSON ones also take --max-body-bytes)")
     a("--body-timeout-s", type=float, help="longest pause while a request body arrives; past "
       "it: 408 and the connection is closed (default 60)")
     a("--max-rows", type=int, help="rows per request (default 65536)")

@@ -109,14 +109,16 @@ NameRules = Callable[[list[str]], None]
 
 
 def parse_safetensors_header(
-    prefix: bytes | bytearray | memoryview, total_size: int, *,
+    prefix: bytes | bytearray | memoryview, total_size: int | None, *,
     max_tensors: int | None = None, name_rules: NameRules | None = None,
 ) -> tuple[dict[str, TensorSpec], int, dict[str, str]]:
     """Parse and check a safetensors header.
 
     Args:
         prefix: at least the first 8 + header-length bytes of the body (or all of it).
-        total_size: the size of the whole body in bytes.
+        total_size: the size of the whole body in bytes; None while it is not known (a
+            chunked upload checked from its first bytes): the data region is then as long as
+            the offsets say, and the caller checks the body against it.
         max_tensors: the most tensors the route can take. A header of more is refused
             before any entry is checked (a million entries take a minute to check one by
             one), by `name_rules`: the route's rules on names, which refuse such a list and
@@ -128,14 +130,16 @@ def parse_safetensors_header(
     Raises:
         APIError(400): any violation of the format, named in the message.
     """
-    if total_size < 8 or len(prefix) < 8:
+    if (total_size is not None and total_size < 8) or len(prefix) < 8:
         raise bad_request(f"malformed safetensors: {total_size} bytes is shorter than the "
                           "8-byte header length")
     (n,) = struct.unpack("<Q", bytes(prefix[:8]))
-    if n > MAX_HEADER_BYTES or 8 + n > total_size:
+    if n > MAX_HEADER_BYTES or (total_size is not None and 8 + n > total_size):
         raise bad_request(
             f"malformed safetensors: header length {n} does not fit in a body of "
-            f"{total_size} bytes"
+            f"{total_size} bytes" if total_size is not None else
+            f"malformed safetensors: header length {n} is over the {MAX_HEADER_BYTES}-byte "
+            "limit"
         )
     if len(prefix) < 8 + n:
         raise bad_request("malformed safetensors: truncated header")
@@ -160,7 +164,7 @@ def parse_safetensors_header(
         raise bad_request(f"the body holds {len(header)} tensors; this route takes at most "
                           f"{max_tensors}")
     data_start = 8 + n
-    data_len = total_size - data_start
+    data_len = None if total_size is None else total_size - data_start
     specs: dict[str, TensorSpec] = {}
     for name, entry in header.items():
         if not isinstance(entry, dict):
@@ -183,11 +187,14 @@ def parse_safetensors_header(
             not isinstance(offs, list)
             or len(offs) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            or not 0 <= offs[0] <= offs[1] <= data_len
+            or not 0 <= offs[0] <= offs[1]
+            or (data_len is not None and offs[1] > data_len)
         ):
             raise bad_request(
                 f"malformed safetensors: tensor {name!r} data_offsets {offs!r} do not lie in "
-                f"the {data_len}-byte data region"
+                f"the {data_len}-byte data region" if data_len is not None else
+                f"malformed safetensors: tensor {name!r} data_offsets {offs!r} are not "
+                "[start, end] with 0 <= start <= end"
             )
         dtype = ST_DTYPES[dt]
         want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -205,7 +212,7 @@ def parse_safetensors_header(
                 f"{pos} (data must be contiguous, without gaps or overlaps)"
             )
         pos = spec.end
-    if pos != data_len:
+    if data_len is not None and pos != data_len:
         raise bad_request(
             f"malformed safetensors: tensors cover {pos} bytes of a {data_len}-byte data region"
         )
@@ -264,7 +271,8 @@ _MATS = TypeAdapter(list[list[list[_NUM]]])
 def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
     """The body as a JSON object (400 otherwise, and for a key given twice in any object)."""
     try:
-        obj = json.loads(bytes(body).decode("utf-8"), object_pairs_hook=no_duplicate_keys,
+        # (decoded straight from the buffer: bytes(body) would copy the whole body first)
+        obj = json.loads(body.decode("utf-8"), object_pairs_hook=no_duplicate_keys,
                          parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"malformed JSON body: {e}") from None

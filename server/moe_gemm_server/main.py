@@ -24,10 +24,11 @@ from moe_gemm_server.engine import Engine
 from . import __version__
 from .config import Settings, get_settings
 from .errors import APIError, error_response, request_id_of
-from .limits import BODY_FLAG, WEIGHT_FLAG, BodyLimit, BodyLimitMiddleware
+from .limits import BODY_FLAG, BodyLimit, BodyLimitMiddleware
 from .middleware import HeadAsGetMiddleware, ObservabilityMiddleware
 from .routers import health, matmul, metrics, v2, weights
 from .service import Service
+from .service_weights import upload_limit
 from .storage import check_name
 
 
@@ -63,7 +64,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
     def limit_for(scope: Scope) -> BodyLimit:
         if scope.get("method") == "PUT" and scope.get("path", "").startswith("/v1/weights/"):
-            return BodyLimit(settings.max_weight_bytes, WEIGHT_FLAG)
+            ctype = next((v.decode("latin-1") for k, v in scope.get("headers", ())
+                          if k == b"content-type"), "")
+            return upload_limit(settings, ctype)
         return BodyLimit(settings.max_body_bytes, BODY_FLAG)
 
     app.add_middleware(

@@ -114,6 +114,9 @@ class Service(WeightsMixin):
         assert self.engine is not None
         t0 = time.monotonic()
         await asyncio.to_thread(self.store.cleanup_temp)
+        # (the directory the sets are loaded from: sync.py tells a volume unmounted from under
+        # the path, whose empty mountpoint lists no set, from every set deleted)
+        self.watcher.home = await asyncio.to_thread(self.store.dir_id)
         names = await asyncio.to_thread(self.store.names)
         for name in names:
             if not await self._load_stored(name):
@@ -141,9 +144,9 @@ class Service(WeightsMixin):
         fid = self.watcher.file_id(name)  # before reading: a later rewrite is noticed
         try:
             tensor, layout, scale = await asyncio.to_thread(self.store.load, name)
-            self._check_budget(name, resident_nbytes(tensor, scale))
-            await asyncio.to_thread(functools.partial(self.engine.add_weights, name, tensor,
-                                                      layout, scale=scale))
+            with self._reserve(name, resident_nbytes(tensor, scale)):
+                await asyncio.to_thread(functools.partial(self.engine.add_weights, name, tensor,
+                                                          layout, scale=scale))
             self.watcher.record(name, fid)
             return True
         except Exception as e:  # noqa: BLE001 - any per-file failure is that file's alone

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,9 +26,15 @@ from .codecs import encode_safetensors, json_dtype, json_tensor3, parse_json_obj
 from .config import Settings
 from .errors import APIError, unavailable, unprocessable
 from .faults import is_no_space
-from .limits import WEIGHT_FLAG, BodyTooLarge, read_body
+from .limits import BODY_FLAG, WEIGHT_FLAG, BodyLimit, BodyTooLarge, content_length, read_body
 from .metrics import Metrics, StatsBook
-from .storage import WeightStore, check_name, read_weight_file
+from .storage import (
+    WeightStore,
+    check_name,
+    check_weight_header,
+    header_in,
+    read_weight_file,
+)
 
 if TYPE_CHECKING:
     from .sync import StoreWatcher
@@ -39,6 +46,21 @@ WRITE_CHUNK = 4 << 20
 
 SAFETENSORS_TYPES = ("", "application/octet-stream", "application/safetensors",
                      "application/x-safetensors")
+
+# A safetensors header longer than this is checked in a worker thread (a long one takes a while
+# to parse, and on the event loop that would stall every other request).
+OFF_LOOP_HEADER_BYTES = 1 << 20
+
+
+def upload_limit(settings: Settings, content_type: str) -> BodyLimit:
+    """The body limit of a weight upload. Safetensors is streamed to disk: --max-weight-bytes.
+    JSON is parsed whole in memory, as Python objects several times its size (and holding the
+    interpreter for seconds per 100 MB), so it also takes --max-body-bytes, as JSON bodies
+    on every other route do: the smaller of the two."""
+    ctype = content_type.split(";")[0].strip().lower()
+    if ctype == "application/json" and settings.max_body_bytes < settings.max_weight_bytes:
+        return BodyLimit(settings.max_body_bytes, BODY_FLAG)
+    return BodyLimit(settings.max_weight_bytes, WEIGHT_FLAG)
 
 
 class WeightsMixin:
@@ -79,27 +101,33 @@ class WeightsMixin:
         assert self.engine is not None and self._weights_lock is not None
         check_name(name)
         _check_no_encoding(request)
+        what = (f"weight set {name!r} was not stored and its previous version, if any, is "
+                "unchanged")
         temps = contextlib.ExitStack()
         try:
             # (held locked while the upload runs: a server starting on a shared directory
             # removes only the temp files of crashed uploads, storage.cleanup_temp)
             temp = temps.enter_context(self.store.temp_file())
+            # Checked once the temp file exists, before the body is received: it is then on
+            # the directory the sets came from, and if that goes before the commit, the rename
+            # of the temp file out of it fails (507) rather than storing the set elsewhere.
+            await asyncio.to_thread(self._check_data_dir, what)
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype == "application/json":
-                body = await read_body(request, self.settings.max_weight_bytes,
-                                       allow_encoding=False, flag=WEIGHT_FLAG)
+                limit = upload_limit(self.settings, ctype)
+                body = await read_body(request, limit.bytes, allow_encoding=False,
+                                       flag=limit.flag)
                 data = await asyncio.to_thread(_json_weights, body)
                 await asyncio.to_thread(_write_file, temp, data)
             elif ctype in SAFETENSORS_TYPES:
-                await _stream_to_file(request, temp, self.settings.max_weight_bytes)
+                declared = content_length(request.scope)
+                await _stream_to_file(request, temp, self.settings.max_weight_bytes,
+                                      lambda head: self._check_header(name, head, declared))
             else:
                 raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
                                     "(application/octet-stream) or application/json")
             tensor, layout, scale = await asyncio.to_thread(read_weight_file, temp, True)
-            nbytes = resident_nbytes(tensor, scale)
-            self._check_budget(name, nbytes)
-            self._reserved_bytes += nbytes  # no await since the check: admission is atomic
-            try:
+            with self._reserve(name, resident_nbytes(tensor, scale)):
                 try:
                     ws = await asyncio.to_thread(functools.partial(
                         self.engine.prepare_weights, name, tensor, layout, scale=scale))
@@ -112,8 +140,6 @@ class WeightsMixin:
                     old = self.engine.install(ws)
                     self.watcher.record(name, fid)
                     self._update_weight_metrics()
-            finally:
-                self._reserved_bytes -= nbytes
             log.info("weight set %r %s: %s", name, "replaced" if old else "created", ws.info())
             return ws, old is None
         except EngineOutOfMemory as e:
@@ -126,16 +152,63 @@ class WeightsMixin:
             if is_no_space(e):
                 self.metrics.rejections.labels("no_space").inc()
                 raise APIError(507, f"the data directory {self.store.root} is full "
-                                    f"({e.strerror}); weight set {name!r} was not stored and "
-                                    "its previous version, if any, is unchanged") from None
-            raise storage_error(self.store.root, e, f"weight set {name!r} was not stored and "
-                                "its previous version, if any, is unchanged") from None
+                                    f"({e.strerror}); {what}") from None
+            raise storage_error(self.store.root, e, what) from None
         except Exception as e:
             if self._check_fatal(e):
                 raise unavailable(f"not ready: {self.not_ready_reason}") from None
             raise
         finally:
             temps.close()
+
+    async def _check_header(self, name: str, head: bytearray, declared: int | None) -> bool:
+        """Refuse a safetensors upload from its first bytes, with the answer its whole body
+        would get: a malformed header (400), tensors the route does not take (422), a body over
+        --max-weight-bytes by the header's own layout (413, when no Content-Length said so
+        before), a set over the resident budget (507). A multi-GB body is then neither
+        received nor written to disk to be refused. Returns False until the header is in."""
+        if not header_in(head, declared):
+            return False
+        if len(head) > OFF_LOOP_HEADER_BYTES:
+            size, nbytes = await asyncio.to_thread(check_weight_header, head, declared)
+        else:
+            size, nbytes = check_weight_header(head, declared)
+        if declared is None and size > self.settings.max_weight_bytes:
+            raise BodyTooLarge(self.settings.max_weight_bytes, flag=WEIGHT_FLAG)
+        self._check_budget(name, nbytes)  # (checked again, and reserved, once it is read)
+        return True
+
+    @contextlib.contextmanager
+    def _reserve(self, name: str, nbytes: int) -> Iterator[None]:
+        """Admit a set of `nbytes` under the budget (507 otherwise) and count its bytes as
+        reserved until the block ends. The check and the reservation run with no await between
+        them, so two loads in flight (an upload here, a set another server wrote: sync.py)
+        never both pass a check that counted neither; end the block once the set is installed
+        (or failed), so that its bytes are counted at every moment."""
+        self._check_budget(name, nbytes)
+        self._reserved_bytes += nbytes
+        try:
+            yield
+        finally:
+            self._reserved_bytes -= nbytes
+
+    def _check_data_dir(self, what: str) -> None:
+        """507 while the data directory's path names another directory than the one the
+        resident sets were loaded from (sync.py: a volume unmounted from under it): a set
+        written there now would be hidden once the volume is back, a delete there would
+        remove nothing, and both would be acknowledged."""
+        home = self.watcher.home
+        if home is None:
+            return
+        try:
+            here = self.store.dir_id()
+        except OSError as e:
+            raise storage_error(self.store.root, e, what) from None
+        if here != home:
+            raise APIError(507, f"the data directory {self.store.root} is not the directory "
+                                "the resident weight sets were loaded from (its volume "
+                                f"unmounted?); {what}; restart the server if the volume was "
+                                "replaced on purpose")
 
     def _check_budget(self, name: str, nbytes: int) -> None:
         """507 if a set of `nbytes` would take the resident sets past --max-resident-bytes
@@ -167,6 +240,7 @@ class WeightsMixin:
     async def delete_weights(self, name: str) -> None:
         assert self.engine is not None and self._weights_lock is not None
         async with self._weights_lock:
+            await asyncio.to_thread(self._check_data_dir, f"weight set {name!r} was not deleted")
             try:
                 on_disk = await asyncio.to_thread(self.store.delete, name)
             except OSError as e:
@@ -202,15 +276,27 @@ def _check_no_encoding(request: Request) -> None:
         raise APIError(415, f"weight uploads take no Content-Encoding; got {enc!r}")
 
 
-async def _stream_to_file(request: Request, path: Path, limit: int) -> None:
+async def _stream_to_file(request: Request, path: Path, limit: int,
+                          check_head: Callable[[bytearray], Awaitable[bool]] | None = None
+                          ) -> None:
+    """Write the body to `path` as it arrives (at most `limit` bytes, else 413).
+
+    check_head: given the body's first bytes as they arrive, True once it has checked them
+        (it raises to refuse the body); the rest of the body is not read before it returns.
+    """
     total = 0
     buf = bytearray()
+    head: bytearray | None = bytearray() if check_head is not None else None
     f = await asyncio.to_thread(open, path, "wb")
     try:
         async for chunk in request.stream():
             total += len(chunk)
             if total > limit:
                 raise BodyTooLarge(limit, flag=WEIGHT_FLAG)
+            if head is not None and check_head is not None:
+                head += chunk
+                if await check_head(head):
+                    head = None
             buf += chunk
             if len(buf) >= WRITE_CHUNK:
                 data, buf = bytes(buf), bytearray()
@@ -218,6 +304,11 @@ async def _stream_to_file(request: Request, path: Path, limit: int) -> None:
         if buf:
             await asyncio.to_thread(f.write, bytes(buf))
         await asyncio.to_thread(f.flush)
+    except APIError as e:
+        # Refused with the rest of the body unread: the connection cannot carry another
+        # request (uvicorn closes it); say so, as the 413 from Content-Length does.
+        e.headers.setdefault("Connection", "close")
+        raise
     finally:
         await asyncio.to_thread(f.close)
 

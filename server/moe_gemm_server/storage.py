@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import re
 import uuid
@@ -21,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from .codecs import ST_DTYPES, parse_safetensors_header, tensor_from_buffer
+from .codecs import (
+    MAX_HEADER_BYTES,
+    ST_DTYPES,
+    TensorSpec,
+    parse_safetensors_header,
+    tensor_from_buffer,
+)
 from .errors import APIError, unprocessable
 from .fp8_weights import check_fp8_scale
 
@@ -39,6 +46,10 @@ FileId = tuple[int, int, int]
 
 def file_id_of(st: os.stat_result) -> FileId:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+# A directory's identity: (st_dev, st_ino), which directory of which filesystem a path names.
+DirId = tuple[int, int]
 
 
 def check_name(name: str) -> None:
@@ -82,9 +93,31 @@ def read_weight_file(path: Path, check_values: bool = False
             if not n:
                 raise APIError(400, "weight file is shorter than its size")
             got += n
+    specs, data_start = _weight_header(buf, len(buf))
+    layout = "w" if "w" in specs else "w_t"
+    spec = specs[layout]
+    t = tensor_from_buffer(buf, spec.dtype, spec.shape, data_start + spec.start)
+    if check_values:
+        check_finite(t, layout)
+    scale = None
+    if "scale" in specs:
+        ss = specs["scale"]
+        scale = tensor_from_buffer(buf, ss.dtype, ss.shape, data_start + ss.start)
+    try:
+        check_fp8_scale(t, layout, scale)
+    except (ValueError, TypeError) as e:
+        raise unprocessable(str(e)) from None
+    return t, layout, scale
+
+
+def _weight_header(prefix: bytes | bytearray | memoryview, total_size: int | None
+                   ) -> tuple[dict[str, TensorSpec], int]:
+    """A weight file's header, parsed and checked (what can be refused without its data):
+    (specs by name, where the data starts). 400 malformed, 422 names, rank, dtype, a zero
+    dimension."""
     # At most two tensors ("w" or "w_t", and "scale"): a header listing more is refused before
     # its entries are checked (hundreds of thousands take seconds), its names not all echoed.
-    specs, data_start, _ = parse_safetensors_header(buf, len(buf), max_tensors=2,
+    specs, data_start, _ = parse_safetensors_header(prefix, total_size, max_tensors=2,
                                                     name_rules=_check_weight_names)
     _check_weight_names(sorted(specs))
     layout = "w" if "w" in specs else "w_t"
@@ -100,18 +133,40 @@ def read_weight_file(path: Path, check_values: bool = False
     if min(spec.shape) == 0:
         raise unprocessable(f"{layout!r} {want} needs every dimension >= 1; got "
                             f"{list(spec.shape)}")
-    t = tensor_from_buffer(buf, spec.dtype, spec.shape, data_start + spec.start)
-    if check_values:
-        check_finite(t, layout)
-    scale = None
+    return specs, data_start
+
+
+def header_in(prefix: bytes | bytearray, total_size: int | None) -> bool:
+    """Whether the first bytes of a safetensors body, `prefix`, are enough for
+    check_weight_header: the 8-byte length and the header it announces, or only the length
+    when that alone is refused (past the cap, or past the body's `total_size`)."""
+    if len(prefix) < 8:
+        return False
+    n = int.from_bytes(prefix[:8], "little")
+    if n > MAX_HEADER_BYTES or (total_size is not None and 8 + n > total_size):
+        return True
+    return len(prefix) >= 8 + n
+
+
+def check_weight_header(prefix: bytes | bytearray, total_size: int | None) -> tuple[int, int]:
+    """Check an upload from its first bytes (header_in says when they are enough): what
+    read_weight_file refuses from the header alone is refused here with the same answer,
+    before the data is received.
+
+    Args:
+        total_size: the body's size (its Content-Length), or None when not announced.
+
+    Returns:
+        (the body's size as the header lays it out, the bytes the set will hold resident
+        (resident_nbytes: the tensor and an FP8 set's float32 scale)).
+    """
+    specs, data_start = _weight_header(prefix, total_size)
+    layout = "w" if "w" in specs else "w_t"
+    spec = specs[layout]
+    nbytes = spec.end - spec.start
     if "scale" in specs:
-        ss = specs["scale"]
-        scale = tensor_from_buffer(buf, ss.dtype, ss.shape, data_start + ss.start)
-    try:
-        check_fp8_scale(t, layout, scale)
-    except (ValueError, TypeError) as e:
-        raise unprocessable(str(e)) from None
-    return t, layout, scale
+        nbytes += math.prod(specs["scale"].shape) * 4
+    return data_start + max(s.end for s in specs.values()), nbytes
 
 
 def _check_weight_names(names: list[str]) -> None:
@@ -218,6 +273,18 @@ class WeightStore:
             log.warning("removed %d partial upload(s) left in %s", n, self.root)
             _fsync_dir(self.root)
         return n
+
+    def dir_id(self) -> DirId:
+        """The identity of the directory the data directory's path names now. A volume
+        unmounted from under the path leaves its mountpoint, an empty directory of the parent
+        filesystem: another st_dev, and another st_ino (which also tells a bind mount from the
+        same filesystem, or a directory renamed into the path, from the one that was there).
+
+        Raises:
+            OSError: the path names nothing (gone, moved) or cannot be reached.
+        """
+        st = os.stat(self.root)
+        return (st.st_dev, st.st_ino)
 
     def names(self) -> list[str]:
         """Names of the stored sets (files whose stem is a valid name), sorted.

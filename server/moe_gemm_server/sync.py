@@ -11,12 +11,25 @@ checks, warms and installs it; a set whose file is gone is removed. A set that c
 So an upload acknowledged by one replica is served by every replica within one interval (plus
 the load and warm-up time), and a replica started later loads everything at start. Serving
 never waits for a rescan: the scan and loads run in worker threads, and a set is swapped in
-atomically as for an upload.
+atomically as for an upload. A set loaded here holds its bytes in the resident budget from its
+check to its install, as an upload does (service_weights.WeightsMixin._reserve).
+
+A listing says which sets were deleted only if it is a listing of the directory they were
+loaded from. A shared volume unmounted from under the data directory leaves its mountpoint, an
+empty directory of the parent filesystem, that lists fine: read as deletes, every set would be
+dropped (every request 404 while ready said 200). So the watcher keeps the identity
+(st_dev, st_ino) of the directory the sets came from (`home`); a directory that is now another
+one and holds none of the resident sets is taken for the volume gone, not for deletes: the
+pass changes nothing, a warning is logged once, uploads and deletes answer 507 (they would
+land on the wrong filesystem), and syncing resumes when the path is that directory again, or
+lists resident sets again (the volume remounted: a new st_dev). Every set deleted from the
+directory itself is still a delete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -24,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from .errors import APIError
 from .service_weights import resident_nbytes
-from .storage import FileId, file_id_of
+from .storage import DirId, FileId, file_id_of
 
 if TYPE_CHECKING:
     from .service import Service
@@ -39,6 +52,10 @@ class StoreWatcher:
         self.loaded: dict[str, FileId] = {}  # name -> the file version installed
         self.failed: dict[str, FileId] = {}  # name -> a file version that could not load
         self.rescans = 0
+        # The directory the resident sets come from (set at the start, then by every pass
+        # that takes the listing for the truth), and whether the path now names another one.
+        self.home: DirId | None = None
+        self.away = False
 
     def file_id(self, name: str) -> FileId | None:
         try:
@@ -61,6 +78,7 @@ class StoreWatcher:
         assert svc.engine is not None and svc._weights_lock is not None
         self.rescans += 1
         try:
+            here = await asyncio.to_thread(svc.store.dir_id)  # (taken before the listing)
             names = await asyncio.to_thread(svc.store.names)
         except OSError as e:
             # The directory itself is unreadable (unmounted, moved, permissions): that says
@@ -68,18 +86,24 @@ class StoreWatcher:
             log.warning("cannot list the data directory %s (%s); resident weight sets are kept",
                         svc.store.root, e.strerror or e)
             return 0
+        if self._elsewhere(here, names):
+            return 0
         on_disk = {n: fid for n in names if (fid := self.file_id(n)) is not None}
         changes = 0
         gone = set(self.loaded) - set(on_disk)
         if gone:
             # A file listed but not found by its stat may be a delete, or the directory
-            # moved away between the two: only a listing taken after the stat tells them apart.
+            # moved away between the two: only a listing taken after the stat tells them apart,
+            # and only if the path still names the directory it named before the first one.
             try:
                 listed_now = set(await asyncio.to_thread(svc.store.names))
+                there = await asyncio.to_thread(svc.store.dir_id)
             except OSError as e:
                 log.warning("cannot list the data directory %s (%s); resident weight sets are "
                             "kept", svc.store.root, e.strerror or e)
                 return 0
+            if there != here:
+                return 0  # (changed during this pass: the next one sees where it settled)
             gone -= listed_now
         for name in gone:
             async with svc._weights_lock:
@@ -95,35 +119,64 @@ class StoreWatcher:
             changes += await self._load(name, fid)
         if changes:
             svc._update_weight_metrics()
+        self.home = here
         return changes
+
+    def _elsewhere(self, here: DirId, names: list[str]) -> bool:
+        """True when the data directory's path names another directory than the one the
+        resident sets came from and lists none of them: a volume unmounted from under it (or
+        another directory put in its place), which says nothing about deletes (module
+        docstring). Logs when that begins (once, not at every pass) and when it ends."""
+        if self.home is None or here == self.home or not self.loaded or (
+                set(names) & set(self.loaded)):
+            if self.away:
+                self.away = False
+                log.info("the data directory %s is back (it is the directory the resident "
+                         "weight sets came from, or lists them again); syncing resumes",
+                         self.service.store.root)
+            return False
+        if not self.away:
+            self.away = True
+            log.warning(
+                "the data directory %s is now another directory (filesystem %d, inode %d; the "
+                "resident weight sets came from filesystem %d, inode %d) and lists none of "
+                "the %d resident set(s): taken for its volume unmounted, not for deletes. The "
+                "resident sets are kept, uploads and deletes are refused (507) and syncing "
+                "waits until it is back", self.service.store.root, here[0], here[1],
+                self.home[0], self.home[1], len(self.loaded))
+        return True
 
     async def _load(self, name: str, fid: FileId) -> int:
         svc = self.service
         assert svc.engine is not None and svc._weights_lock is not None
-        try:
-            tensor, layout, scale = await asyncio.to_thread(svc.store.load, name)
-            svc._check_budget(name, resident_nbytes(tensor, scale))
-            ws = await asyncio.to_thread(functools.partial(svc.engine.prepare_weights, name,
-                                                           tensor, layout, scale=scale))
-        except FileNotFoundError:
-            return 0  # deleted meanwhile: the next pass sees it
-        except Exception as e:
-            if svc._check_fatal(e):
-                raise
-            msg = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
-            self.failed[name] = fid
-            svc.load_errors[name] = msg
-            svc.metrics.weight_load_errors.inc()
-            log.error("could not load weight set %r written by another server: %s", name, msg)
-            return 0
-        async with svc._weights_lock:
-            # Install only if the file is still the version read (an upload through this
-            # server, which holds the lock while it commits, may have replaced it since).
-            if self.file_id(name) != fid:
+        with contextlib.ExitStack() as reservation:
+            try:
+                tensor, layout, scale = await asyncio.to_thread(svc.store.load, name)
+                # Its bytes count in the budget until it is installed (or fails): an upload
+                # through this server meanwhile must not pass a check that misses them.
+                reservation.enter_context(svc._reserve(name, resident_nbytes(tensor, scale)))
+                ws = await asyncio.to_thread(functools.partial(svc.engine.prepare_weights, name,
+                                                               tensor, layout, scale=scale))
+            except FileNotFoundError:
+                return 0  # deleted meanwhile: the next pass sees it
+            except Exception as e:
+                if svc._check_fatal(e):
+                    raise
+                msg = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
+                self.failed[name] = fid
+                svc.load_errors[name] = msg
+                svc.metrics.weight_load_errors.inc()
+                log.error("could not load weight set %r written by another server: %s", name,
+                          msg)
                 return 0
-            old = svc.engine.install(ws)
-            self.record(name, fid)
-            svc.load_errors.pop(name, None)
+            async with svc._weights_lock:
+                # Install only if the file is still the version read (an upload through this
+                # server, which holds the lock while it commits, may have replaced it since).
+                if self.file_id(name) != fid:
+                    return 0
+                old = svc.engine.install(ws)
+                self.record(name, fid)
+                svc.load_errors.pop(name, None)
         log.info("weight set %r %s from the shared data directory: %s", name,
                  "reloaded" if old else "loaded", ws.info())
         return 1

@@ -42,6 +42,14 @@ def _open(server: LiveServer, method: str, path: str, length: int, first: bytes 
     return sock
 
 
+def _upload_start() -> tuple[int, bytes]:
+    """The length of a weight upload of about 100 KB and its first bytes: its safetensors
+    header and 100 bytes of data (an upload stalls after a header it takes; one whose header
+    it refuses is answered from its first bytes)."""
+    body = st_body({"w": torch.randn(2, 125, 100)})
+    return len(body), body[:8 + int.from_bytes(body[:8], "little") + 100]
+
+
 def _rss_mib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) // 1024
@@ -58,9 +66,10 @@ def _log_lines(server: LiveServer, marker: str, n: int) -> list[str]:
 
 def test_a_body_that_stalls_gets_408_and_the_connection_is_closed(server) -> None:
     """A request that announces a body and never sends it used to wait for ever."""
-    for method, path in (("POST", "/v1/grouped-gemm"), ("PUT", "/v1/weights/stalled")):
+    for method, path, length, first in (("POST", "/v1/grouped-gemm", 100_000, b"x" * 100),
+                                        ("PUT", "/v1/weights/stalled", *_upload_start())):
         t0 = time.monotonic()
-        with _open(server, method, path, 100_000, b"x" * 100) as sock:
+        with _open(server, method, path, length, first) as sock:
             status, headers, body = read_http_response(sock)
             waited = time.monotonic() - t0
             assert status == 408 and "--body-timeout-s" in body.decode(), body
@@ -124,7 +133,7 @@ def test_a_stalled_upload_does_not_hold_the_drain(tmp_path: Path) -> None:
     try:
         s.start()
         assert s.proc is not None
-        with _open(s, "PUT", "/v1/weights/stall", 100_000, b"x" * 100, auth=False) as sock:
+        with _open(s, "PUT", "/v1/weights/stall", *_upload_start(), auth=False) as sock:
             time.sleep(0.2)
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)

@@ -1,13 +1,19 @@
-"""Weight uploads against the resident budget (service_weights.WeightsMixin), in-process: the
-507 of a replacement that does not fit says how the free bytes it names were counted."""
+"""Weight uploads (service_weights.WeightsMixin): in-process, the 507 of a replacement that
+does not fit says how the free bytes it names were counted; against a real process, an upload
+its first bytes condemn is refused from them, before the rest of its body arrives."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+from collections.abc import Iterator
 
+import httpx
+import pytest
 import torch
 from fastapi.testclient import TestClient
-from server_testutils import st_body
+from server_testutils import LiveServer, mm_ref, read_http_response, st_body, st_load
 
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server.engine import Engine
@@ -41,3 +47,114 @@ def test_a_refused_replacement_says_its_old_version_counts_as_free(tmp_path):
         assert "only 904 of the 5000-byte" in r.json()["error"]
         assert "replaces" not in r.json()["error"]
         assert client.get("/v1/weights/a").json()["experts"] == 4  # the old version serves
+
+
+# ------------------------------------------------------------------------------ early refusals
+# Against a real process with raw sockets: a request announces a large body, sends only its
+# first bytes and waits for the answer. An upload the header already condemns is answered at
+# once; before, the server waited for (and buffered) the whole body to refuse it.
+
+MiB = 1 << 20
+WEIGHT_LIMIT = 256 * MiB
+DECLARED = 200 * MiB  # under --max-weight-bytes: the body limit alone does not refuse it
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    data = tmp_path_factory.mktemp("early") / "data"
+    s = LiveServer(data, "--max-resident-bytes", str(MiB), "--max-body-bytes", str(MiB),
+                   "--max-weight-bytes", str(WEIGHT_LIMIT), "--body-timeout-s", "30",
+                   "--warmup-rows", "1")
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def _header(entries: dict[str, dict[str, object]]) -> bytes:
+    raw = json.dumps(entries).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _first_bytes_only(server: LiveServer, first: bytes, length: int | None,
+                      ctype: str = "application/octet-stream") -> tuple[int, str]:
+    """PUT announcing `length` body bytes (None: chunked), of which only `first` are sent;
+    the status and error message of the answer, which must come within 10 s and close the
+    connection (the rest of the body is not read)."""
+    framing = (f"Content-Length: {length}" if length is not None
+               else "Transfer-Encoding: chunked")
+    if length is None:
+        first = f"{len(first):x}\r\n".encode() + first + b"\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(f"PUT /v1/weights/big HTTP/1.1\r\nHost: t\r\nContent-Type: {ctype}\r\n"
+                     f"{framing}\r\n\r\n".encode() + first)
+        status, headers, body = read_http_response(sock)
+    assert headers.get("connection") == "close", headers
+    return status, json.loads(body)["error"]
+
+
+def test_a_malformed_header_is_refused_from_the_first_bytes(small_server) -> None:
+    status, msg = _first_bytes_only(small_server, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!}"
+                                    + bytes(1000), DECLARED)
+    assert status == 400 and "header is not valid JSON" in msg
+    # a header length past the announced body, from its 8 bytes alone
+    status, msg = _first_bytes_only(small_server, (DECLARED).to_bytes(8, "little"), DECLARED)
+    assert status == 400 and f"header length {DECLARED} does not fit" in msg
+    # tensors the route does not take
+    head = _header({"x": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}})
+    status, msg = _first_bytes_only(small_server, head, len(head) + 64)
+    assert status == 422 and "expected one tensor, 'w'" in msg
+
+
+def test_a_set_over_the_budget_is_refused_from_its_header(small_server) -> None:
+    n = DECLARED // 4 // (64 * 64)
+    head = _header({"w": {"dtype": "F32", "shape": [n, 64, 64], "data_offsets": [0, DECLARED]}})
+    status, msg = _first_bytes_only(small_server, head, len(head) + DECLARED)
+    assert status == 507, msg
+    assert f"needs {DECLARED} bytes" in msg and "--max-resident-bytes" in msg
+    assert not list(small_server.data_dir.glob("*.safetensors"))
+
+
+def test_a_chunked_body_over_the_limit_is_refused_from_its_header(small_server) -> None:
+    size = 2 * WEIGHT_LIMIT
+    head = _header({"w": {"dtype": "F32", "shape": [size // 4 // 4096, 64, 64],
+                          "data_offsets": [0, size]}})
+    status, msg = _first_bytes_only(small_server, head, None)
+    assert status == 413 and f"limit of {WEIGHT_LIMIT} bytes (--max-weight-bytes)" in msg
+
+
+def test_a_json_upload_takes_the_request_body_limit(small_server) -> None:
+    """A JSON upload is parsed whole in memory: past --max-body-bytes it is refused from its
+    Content-Length, before a byte is read (it used to be read up to --max-weight-bytes)."""
+    status, msg = _first_bytes_only(small_server, b'{"w": [[[', DECLARED, "application/json")
+    assert status == 413 and f"limit of {MiB} bytes (--max-body-bytes)" in msg
+    # chunked: refused once the count passes it
+    with httpx.Client(base_url=small_server.url, timeout=30) as c:
+        r = c.put("/v1/weights/big", headers={"Content-Type": "application/json"},
+                  content=iter([b'{"w": [[[' + b"1, " * (MiB // 3)] * 2))
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]
+        # small JSON uploads work as before
+        r = c.put("/v1/weights/tiny", json={"w": [[[1, 0], [0, 1]]]})
+        assert r.status_code == 201, r.text
+        assert c.delete("/v1/weights/tiny").status_code == 200
+
+
+def test_uploads_sent_in_small_pieces_are_checked_and_stored(small_server) -> None:
+    """The header check sees the body's bytes as they come, however they are cut: a header
+    split over many pieces, chunked or with a Content-Length, ends in a stored set."""
+    w = torch.randn(2, 16, 8)
+    body = st_body({"w": w})
+    pieces = [body[i:i + 5] for i in range(0, len(body), 5)]
+    with httpx.Client(base_url=small_server.url, timeout=30) as c:
+        r = c.put("/v1/weights/pieces", content=iter(pieces))  # chunked
+        assert r.status_code == 201, r.text
+        r = c.put("/v1/weights/pieces", content=iter(pieces),
+                  headers={"Content-Length": str(len(body))})
+        assert r.status_code == 200, r.text
+        x = torch.randn(3, 16)
+        r = c.post("/v1/weights/pieces/grouped-mm",
+                   content=st_body({"x": x, "counts": torch.tensor([1, 2])}))
+        y = st_load(r.content)["y"]
+        assert torch.allclose(y.double(), mm_ref(x, w, torch.tensor([1, 2])), atol=1e-4)
+        assert c.delete("/v1/weights/pieces").status_code == 200

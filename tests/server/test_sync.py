@@ -1,0 +1,341 @@
+"""The rescan of a shared data directory (sync.StoreWatcher), in-process: a volume unmounted
+from under the data directory is not every set deleted, and a set another server wrote holds
+its bytes in the resident budget while it loads."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from server_testutils import mm_ref, st_body, st_load
+
+from moe_gemm_server import Settings, create_app
+from moe_gemm_server.engine import Engine
+from moe_gemm_server.sync import StoreWatcher
+
+UNMOUNTED = "taken for its volume unmounted"
+
+
+def _wait_ready(client: TestClient) -> None:
+    deadline = time.monotonic() + 30
+    while client.get("/v2/health/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _passes(watcher: StoreWatcher) -> Callable[[int], None]:
+    def wait(n: int) -> None:
+        target = watcher.rescans + n
+        deadline = time.monotonic() + 10
+        while watcher.rescans < target:
+            assert time.monotonic() < deadline, "the data directory was not rescanned"
+            time.sleep(0.01)
+    return wait
+
+
+def _served(client: TestClient, name: str, w: torch.Tensor) -> bool:
+    x = torch.randn(3, w.shape[1])
+    counts = torch.tensor([3] + [0] * (w.shape[0] - 1))
+    r = client.post(f"/v1/weights/{name}/grouped-mm",
+                    content=st_body({"x": x, "counts": counts}))
+    return r.status_code == 200 and torch.allclose(
+        st_load(r.content)["y"].double(), mm_ref(x, w, counts), atol=1e-4)
+
+
+def _listed(client: TestClient) -> list[str]:
+    return [s["name"] for s in client.get("/v1/weights").json()["weights"]]
+
+
+def _unmount_warnings(caplog: pytest.LogCaptureFixture) -> int:
+    return sum(UNMOUNTED in r.getMessage() for r in caplog.records)
+
+
+class GatedEngine(Engine):
+    """prepare_weights of the set named `gated` waits until `release` is set (after setting
+    `entered`): a load held in flight between its budget check and its install."""
+
+    def __init__(self, gated: str) -> None:
+        super().__init__("cpu", warmup_rows=[1])
+        self.gated = gated
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def prepare_weights(self, name, tensor, layout="w", *, warm=True, scale=None):
+        if name == self.gated:
+            self.entered.set()
+            assert self.release.wait(30)
+        return super().prepare_weights(name, tensor, layout, warm=warm, scale=scale)
+
+
+def _wait(event: threading.Event, what: str) -> None:
+    assert event.wait(10), what
+
+
+# ------------------------------------------------------------------------------ unmounts
+
+
+def test_an_empty_mountpoint_keeps_the_resident_sets(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The volume goes away and the path names an empty directory (here: the volume's
+    directory renamed away, an empty one put in its place, another inode; an unmount also
+    changes the filesystem). The rescan used to list it, read every set as deleted and drop
+    them all, 404 for every request while ready said 200. Now the sets stay served, one
+    warning says why, uploads and deletes are refused (they would land in the wrong place),
+    and once the volume is back a delete on disk is seen again."""
+    caplog.set_level(logging.INFO, logger="moe_gemm_server")
+    data, volume = tmp_path / "data", tmp_path / "volume"
+    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    passes = _passes(app.state.service.watcher)
+    wa, wb = torch.randn(2, 16, 8), torch.randn(3, 16, 8)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/a", content=st_body({"w": wa})).status_code == 201
+        assert client.put("/v1/weights/b", content=st_body({"w": wb})).status_code == 201
+        data.rename(volume)
+        data.mkdir()  # the mountpoint left behind
+        passes(5)
+        assert _listed(client) == ["a", "b"]
+        assert _served(client, "a", wa) and _served(client, "b", wb)
+        assert client.get("/v2/health/ready").status_code == 200
+        assert _unmount_warnings(caplog) == 1  # once, not at every pass
+        r = client.put("/v1/weights/c", content=st_body({"w": wa}))
+        assert r.status_code == 507, r.text
+        assert "not the directory the resident weight sets were loaded from" in r.json()["error"]
+        r = client.delete("/v1/weights/a")
+        assert r.status_code == 507, r.text
+        assert "not deleted" in r.json()["error"]
+        assert list(data.iterdir()) == []  # nothing written to the wrong filesystem
+        assert _listed(client) == ["a", "b"]
+        # the volume is back: syncing resumes, and a delete there is a delete
+        data.rmdir()
+        volume.rename(data)
+        passes(3)
+        assert not app.state.service.watcher.away
+        assert any("is back" in r.getMessage() for r in caplog.records)
+        (data / "a.safetensors").unlink()
+        passes(3)
+        assert _listed(client) == ["b"]
+        assert client.put("/v1/weights/c", content=st_body({"w": wa})).status_code == 201
+        assert _unmount_warnings(caplog) == 1
+
+
+def test_every_set_deleted_from_the_directory_itself_is_dropped(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another server deleting every set leaves the same directory empty: that is deletes,
+    every set is dropped, no unmount is reported, and uploads carry on."""
+    caplog.set_level(logging.INFO, logger="moe_gemm_server")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    passes = _passes(app.state.service.watcher)
+    w = torch.randn(2, 16, 8)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        for name in ("a", "b"):
+            assert client.put(f"/v1/weights/{name}", content=st_body({"w": w})).status_code == 201
+        for name in ("a", "b"):
+            (tmp_path / f"{name}.safetensors").unlink()  # (as another server's DELETE does)
+        passes(3)
+        assert _listed(client) == []
+        assert client.get("/v1/weights/a").status_code == 404
+        assert _unmount_warnings(caplog) == 0
+        assert client.put("/v1/weights/c", content=st_body({"w": w})).status_code == 201
+
+
+def test_a_volume_unmounted_during_a_pass_keeps_the_resident_sets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The volume goes away after a pass listed it: its files' stats fail, and the listing
+    taken after them (of the empty mountpoint) lacks them too. Only the directory's identity,
+    taken before the first listing and after the second, tells that the second listing is of
+    another directory."""
+    data, volume = tmp_path / "data", tmp_path / "volume"
+    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    store = app.state.service.store
+    passes = _passes(app.state.service.watcher)
+    real_names = store.names
+    gone = threading.Event()
+
+    def names_then_unmount() -> list[str]:
+        out = real_names()
+        if not gone.is_set() and out:
+            data.rename(volume)
+            data.mkdir()
+            gone.set()
+        return out
+
+    w = torch.randn(2, 16, 8)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
+        monkeypatch.setattr(store, "names", names_then_unmount)
+        deadline = time.monotonic() + 10
+        while not gone.is_set():
+            assert time.monotonic() < deadline, "the data directory was not rescanned"
+            time.sleep(0.01)
+        passes(3)
+        assert _listed(client) == ["w"] and _served(client, "w", w)
+
+
+def _other_filesystem(tmp_path: Path) -> Path:
+    """A directory on another filesystem than tmp_path (/dev/shm is a tmpfs), else a skip."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    other = Path(tempfile.mkdtemp(dir=shm, prefix="moe-gemm-test-"))
+    if os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        shutil.rmtree(other)
+        pytest.skip("/dev/shm is on the same filesystem as the test's directory")
+    return other
+
+
+def _point(link: Path, target: Path) -> None:
+    """Retarget the symlink `link` to `target` atomically (as a mount changes what a path
+    names, all at once)."""
+    tmp = link.with_name(link.name + ".new")
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def test_a_volume_remounted_with_another_filesystem_id_resumes_syncing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The data directory's path turns to an empty directory of another filesystem (another
+    st_dev: an unmount): the sets are kept. Then to the volume again under yet another st_dev
+    (a remount, as NFS may number it anew), with the resident sets in it: that is the
+    volume, syncing resumes from there and a delete there is seen."""
+    caplog.set_level(logging.INFO, logger="moe_gemm_server")
+    other = _other_filesystem(tmp_path)
+    try:
+        volume, data = tmp_path / "volume", tmp_path / "data"
+        volume.mkdir()
+        data.symlink_to(volume)
+        app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                         engine=Engine("cpu", warmup_rows=[1]))
+        passes = _passes(app.state.service.watcher)
+        wa, wb = torch.randn(2, 16, 8), torch.randn(3, 16, 8)
+        with TestClient(app) as client:
+            _wait_ready(client)
+            assert client.put("/v1/weights/a", content=st_body({"w": wa})).status_code == 201
+            assert client.put("/v1/weights/b", content=st_body({"w": wb})).status_code == 201
+            (other / "empty").mkdir()
+            _point(data, other / "empty")  # unmounted: the parent filesystem's mountpoint
+            passes(4)
+            assert _listed(client) == ["a", "b"] and _served(client, "a", wa)
+            assert _unmount_warnings(caplog) == 1
+            shutil.copytree(volume, other / "remounted")
+            _point(data, other / "remounted")  # the volume again, another st_dev
+            passes(3)
+            assert not app.state.service.watcher.away
+            assert app.state.service.watcher.home == app.state.service.store.dir_id()
+            (other / "remounted" / "b.safetensors").unlink()
+            passes(3)
+            assert _listed(client) == ["a"] and _served(client, "a", wa)
+            assert client.put("/v1/weights/c", content=st_body({"w": wb})).status_code == 201
+            assert (other / "remounted" / "c.safetensors").exists()
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+def test_an_upload_whose_volume_goes_while_it_warms_is_not_acknowledged(
+        tmp_path: Path) -> None:
+    """The volume goes away after an upload passed its check of the data directory: its temp
+    file is on the volume, so the commit's rename of it fails (507, nothing acknowledged);
+    nothing is stored on the filesystem under the mountpoint either."""
+    data, volume = tmp_path / "data", tmp_path / "volume"
+    engine = GatedEngine("late")
+    app = create_app(Settings(data_dir=data, sync_interval_s=0), engine=engine)
+    w = torch.randn(2, 16, 8)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/a", content=st_body({"w": w})).status_code == 201
+        answers: list[tuple[int, str]] = []
+
+        def put() -> None:
+            r = client.put("/v1/weights/late", content=st_body({"w": w}))
+            answers.append((r.status_code, r.text))
+        upload = threading.Thread(target=put)
+        upload.start()
+        _wait(engine.entered, "the upload did not start warming")
+        data.rename(volume)
+        data.mkdir()
+        engine.release.set()
+        upload.join(30)
+        assert answers and answers[0][0] == 507, answers
+        assert "was not stored" in answers[0][1]
+        assert list(data.iterdir()) == []
+        # (its temp file stays on the volume, as a crashed upload's: the next start removes it)
+        assert sorted(p.name for p in volume.glob("*.safetensors")) == ["a.safetensors"]
+        assert _listed(client) == ["a"]
+
+
+# ------------------------------------------------------------------------------ the budget
+
+
+ONE = 2 * 16 * 32 * 4  # bytes of one (2, 16, 32) float32 set
+BUDGET = 2 * ONE + ONE // 2  # room for two sets, not three
+
+
+def test_a_set_loading_from_the_directory_holds_its_bytes_against_an_upload(
+        tmp_path: Path) -> None:
+    """Another server wrote "synced"; this one's rescan admitted it under the budget and is
+    loading it when an upload of "uploaded" arrives. The upload must count "synced"'s bytes:
+    it used not to, both passed their checks and both ended resident, over the budget."""
+    engine = GatedEngine("synced")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0, max_resident_bytes=BUDGET),
+                     engine=engine)
+    service = app.state.service
+    w = torch.randn(2, 16, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/first", content=st_body({"w": w})).status_code == 201
+        service.store.write("synced", st_body({"w": w * 2}))  # (as another replica does)
+        rescan = client.portal.start_task_soon(service.watcher.rescan)
+        _wait(engine.entered, "the rescan did not start loading the set")
+        r = client.put("/v1/weights/uploaded", content=st_body({"w": w * 3}))
+        engine.release.set()
+        assert rescan.result(30) == 1
+        assert r.status_code == 507, r.text
+        assert "resident budget" in r.json()["error"]
+        assert service.engine.resident_bytes == 2 * ONE <= BUDGET
+        assert _listed(client) == ["first", "synced"]
+        assert _served(client, "synced", w * 2)
+        assert not (tmp_path / "uploaded.safetensors").exists()
+        assert service._reserved_bytes == 0
+
+
+def test_an_upload_in_flight_holds_its_bytes_against_a_set_loading_from_the_directory(
+        tmp_path: Path) -> None:
+    """The other order: an upload admitted under the budget is warming when the rescan finds
+    a set another server wrote; the rescan counts the upload's bytes and leaves that set out
+    (reported as a load error) rather than going over the budget."""
+    engine = GatedEngine("uploaded")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0, max_resident_bytes=BUDGET),
+                     engine=engine)
+    service = app.state.service
+    w = torch.randn(2, 16, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/first", content=st_body({"w": w})).status_code == 201
+        statuses: list[int] = []
+        upload = threading.Thread(target=lambda: statuses.append(client.put(
+            "/v1/weights/uploaded", content=st_body({"w": w * 3})).status_code))
+        upload.start()
+        _wait(engine.entered, "the upload did not start warming")
+        service.store.write("synced", st_body({"w": w * 2}))
+        assert client.portal.call(service.watcher.rescan) == 0
+        engine.release.set()
+        upload.join(30)
+        assert statuses == [201]
+        assert "resident budget" in service.load_errors["synced"]
+        assert service.engine.resident_bytes == 2 * ONE <= BUDGET
+        assert _listed(client) == ["first", "uploaded"]
+        assert service._reserved_bytes == 0
