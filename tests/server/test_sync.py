@@ -339,3 +339,60 @@ def test_an_upload_in_flight_holds_its_bytes_against_a_set_loading_from_the_dire
         assert service.engine.resident_bytes == 2 * ONE <= BUDGET
         assert _listed(client) == ["first", "uploaded"]
         assert service._reserved_bytes == 0
+
+
+def test_a_data_dir_that_cannot_be_listed_keeps_the_resident_sets(tmp_path: Path) -> None:
+    """The data directory gone for a while (a volume unmounted or moved, its permissions
+    lost) says nothing about which sets were deleted: the rescan keeps serving them (it used
+    to read the directory as empty and drop every set, 404 for all while ready said 200)."""
+    data = tmp_path / "data"
+    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    passes = _passes(app.state.service.watcher)
+    w = torch.randn(2, 64, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
+        data.rename(tmp_path / "elsewhere")
+        passes(3)
+        assert _listed(client) == ["w"] and _served(client, "w", w)
+        # back in place: the rescans carry on as before (a delete on disk is still seen)
+        (tmp_path / "elsewhere").rename(data)
+        (data / "w.safetensors").unlink()
+        passes(3)
+        assert _listed(client) == []
+
+
+def test_a_data_dir_moved_between_listing_and_stat_keeps_the_resident_sets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory moved away after a rescan listed it but before it stat'ed the files: the
+    files look deleted, but only a listing taken after the stat can say so (the pass used to
+    drop every set here)."""
+    data = tmp_path / "data"
+    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    passes = _passes(app.state.service.watcher)
+    store = app.state.service.store
+    real_names = store.names
+    moved = threading.Event()
+
+    def names_then_move() -> list[str]:
+        out = real_names()
+        if not moved.is_set() and out:
+            data.rename(tmp_path / "elsewhere")  # right after the listing
+            moved.set()
+        return out
+
+    w = torch.randn(2, 64, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
+        monkeypatch.setattr(store, "names", names_then_move)
+        _wait(moved, "the data directory was not rescanned")
+        passes(2)
+        assert _listed(client) == ["w"] and _served(client, "w", w)
+        # a real delete, with the directory in place, is still seen
+        (tmp_path / "elsewhere").rename(data)
+        (data / "w.safetensors").unlink()
+        passes(3)
+        assert _listed(client) == []
