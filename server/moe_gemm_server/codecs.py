@@ -46,6 +46,9 @@ ST_DTYPES: dict[str, torch.dtype] = {
     # known here, it gets the route's own dtype error (422) rather than "malformed" (400).
     "F8_E8M0": torch.float8_e8m0fnu,
 }
+# safetensors dtypes no route here reads (sub-byte floats, complex): a body holding one is well
+# formed, so it is a 422 naming the dtype, not a "malformed" 400.
+ST_UNREAD = ("F4", "F6_E2M3", "F6_E3M2", "C64")
 # safetensors' own cap on the header (100 MB); ours is tighter still via the body limit.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -171,6 +174,10 @@ def parse_safetensors_header(
             raise bad_request(f"malformed safetensors: entry {name!r} must be an object")
         dt, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dt, str) or dt not in ST_DTYPES:  # (a list or object is unhashable)
+            if dt in ST_UNREAD:
+                raise unprocessable(
+                    f"tensor {name!r} has dtype {dt}, which this service does not read (it "
+                    f"reads {', '.join(ST_DTYPES)}; each route names the ones it takes)")
             raise bad_request(f"malformed safetensors: tensor {name!r} has unknown dtype {dt!r}")
         if not isinstance(shape, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM for s in shape

@@ -54,6 +54,17 @@ def test_safetensors_f8_e8m0_is_a_known_dtype():
     assert out.float().tolist() == [2.0 ** -127, 0.5, 1.0, 2.0 ** 127]
 
 
+@pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2", "C64"])
+def test_safetensors_dtypes_not_read_here_are_422_naming_them(dtype):
+    """A well-formed body of a safetensors dtype no route reads: a 422 naming it and what is
+    read (it was a 400 "malformed safetensors: unknown dtype", as if the body were broken)."""
+    body = _raw({"x": {"dtype": dtype, "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8)
+    with pytest.raises(APIError, match=rf"'x' has dtype {dtype}, which this service does not "
+                       r"read \(it reads BOOL, .*F32.*\)") as ei:
+        decode_safetensors(body)
+    assert ei.value.status == 422
+
+
 def test_safetensors_unaligned_offsets_are_copied():
     data = b"\0" + np.arange(4, dtype=np.float32).tobytes()
     hdr = {"pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
