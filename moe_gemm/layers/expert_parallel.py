@@ -393,11 +393,13 @@ class ExpertParallelMoE(nn.Module):
         """This rank's experts on what it received: [R, H] partial outputs."""
         m = self.local
         if m.fp8 is not None:
-            # FP8 experts quantize the received tokens on the fly, as MoE's FP8 forward does;
-            # the slots of other ranks (-1) are dropped by its permutation.
+            # FP8 experts quantize the received tokens on the fly, as MoE's FP8 forward does,
+            # and compute the valid slots alone where their count is known (other ranks'
+            # slots, -1, are most of them under top-8 over 8 ranks).
             return expert_ffn_fp8(d.x, d.local_ids, d.weights, m.gate_up_proj,
                                   m.gate_up_proj_scale_inv, m.down_proj, m.down_proj_scale_inv,
-                                  gated(resolve_activation(m.activation)), config=m.config)
+                                  gated(resolve_activation(m.activation)), config=m.config,
+                                  num_valid_slots=d.num_valid_slots)
         x = d.x.to(m.gate_up_proj.dtype)
         # The fused kernel when asked for (fused=True), on the valid slots alone where their
         # count is known (num_valid_slots), as the unfused path: other ranks' -1 slots are most

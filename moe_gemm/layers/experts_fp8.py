@@ -121,9 +121,12 @@ def expert_ffn_fp8(
     *,
     config: GemmConfig | None = None,
     ids_in_range: bool = False,
+    num_valid_slots: int | None = None,
 ) -> torch.Tensor:
     """The routed experts on FP8 weights for checked arguments (module docstring;
-    ids_in_range as layers/experts.expert_ffn).
+    ids_in_range as layers/experts.expert_ffn; num_valid_slots as
+    layers/fused_experts.fused_expert_ffn: the exact count of slots with an id in [0, E),
+    known on the host, so that only those rows are gathered and computed).
 
     Inference only, as expert_ffn: when autograd could ask for a gradient (grad mode on and
     the tokens, the routing weights, the expert weights or their scales require grad, as
@@ -136,7 +139,7 @@ def expert_ffn_fp8(
         (T, H) in x's dtype.
     """
     run = functools.partial(_expert_ffn_fp8, x, topk_ids, topk_weights, gate_up, gate_up_scale,
-                            down, down_scale, gate_fn, config, ids_in_range)
+                            down, down_scale, gate_fn, config, ids_in_range, num_valid_slots)
     linked = (x, topk_weights, gate_up, gate_up_scale, down, down_scale)
     if torch.compiler.is_compiling():
         y = run()
@@ -168,13 +171,17 @@ def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, down_scale,
-                    gate_fn, config, ids_in_range=False) -> torch.Tensor:
+                    gate_fn, config, ids_in_range=False, num_valid_slots=None) -> torch.Tensor:
     E = gate_up.shape[0]
     g = scale_granularity(gate_up_scale)
     perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
+    # The valid slots sort first: with their count known, rows [0, S) are all the GEMMs
+    # compute (offs[-1] = S); else every slot gets a row, the dropped ones past offs[-1].
+    S = perm.token_index.shape[0] if num_valid_slots is None else num_valid_slots
+    index = perm.token_index[:S]
     xq, sx = _quantize_acts(x, g, gate_up.dtype)  # T rows, before the gather
-    xs = _gather_rows(xq, perm.token_index)  # (S, H), rows grouped by expert
-    ss = _gather_scales(sx, perm.token_index)
+    xs = _gather_rows(xq, index)  # (S, H), rows grouped by expert
+    ss = _gather_scales(sx, index)
     # (E, K, N) K-major views of the (E, N, K) weights and of their block scales: no copy.
     s1, s2 = gate_up_scale, down_scale
     if g == "block":
@@ -183,10 +190,18 @@ def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, dow
                           config=config)
     a = gate_fn(h)  # (S, I)
     aq, sa = _quantize_acts(a, g, gate_up.dtype)
-    y = scaled_grouped_mm(aq, down.transpose(1, 2), sa, s2, perm.offs, out_dtype=x.dtype,
-                          config=config)
-    w = perm.drop_masked(topk_weights).to(y.dtype)
-    return combine_rows(y, perm.row_of_slot, w)
+    w = perm.drop_masked(topk_weights)
+    if num_valid_slots is None:
+        y = scaled_grouped_mm(aq, down.transpose(1, 2), sa, s2, perm.offs, out_dtype=x.dtype,
+                              config=config)
+        return combine_rows(y, perm.row_of_slot, w.to(y.dtype))
+    # One zero row past the S computed ones, which the dropped slots gather (weight 0 times
+    # a row never written could be NaN).
+    y = torch.empty(S + 1, down.shape[1], dtype=x.dtype, device=x.device)
+    y[S:].zero_()
+    scaled_grouped_mm(aq, down.transpose(1, 2), sa, s2, perm.offs, out=y[:S],
+                      out_dtype=x.dtype, config=config)
+    return combine_rows(y, perm.row_of_slot.clamp(max=S), w.to(y.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

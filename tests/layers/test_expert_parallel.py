@@ -916,3 +916,40 @@ def _router_full(E: int) -> dict:
     return dict(router_weight=torch.randn(E, 16), e_score_correction_bias=None, top_k=2,
                 scoring="softmax", renormalize=True, n_group=1, topk_group=1,
                 routed_scaling_factor=1.0, router_fp32=False)
+
+
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_fp8_experts_compute_only_the_valid_slots(monkeypatch: pytest.MonkeyPatch,
+                                                  granularity: str) -> None:
+    # The FP8 experts sized and wrote a row per received slot (here 6 x 4 = 24) where the
+    # 16-bit path gathers the valid ones; now they compute those alone, with every
+    # uninitialized buffer NaN-filled (deterministic mode), so a row read but never written
+    # shows; without a count, every slot as before, to the same result.
+    import moe_gemm.layers.experts_fp8 as experts_fp8
+
+    rows: list[int] = []
+    real = experts_fp8.scaled_grouped_mm
+    monkeypatch.setattr(experts_fp8, "scaled_grouped_mm",
+                        lambda *a, **k: (lambda y: rows.append(y.shape[0]) or y)(real(*a, **k)))
+    E, k = 8, 4
+    moe = MoE(128, 128, E // 2, k).quantize_fp8(granularity)  # this rank's half
+    router = {**_router_full(E), "top_k": k,
+              "router_weight": torch.randn(E, 128)}
+    ep = ExpertParallelMoE(moe, router, E, dispatcher=_LocalShare(E // 2))
+    x = torch.randn(6, 128)
+    w, ids = ep.route(x)
+    d, _ = ep.dispatcher.dispatch(x, ids, w, E)
+    assert 0 < d.num_valid_slots < 6 * k
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = ep.experts(d)
+        assert rows == [d.num_valid_slots] * 2
+        rows.clear()
+        d.num_valid_slots = None
+        every = ep.experts(d)
+        assert rows == [6 * k] * 2
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, every, rtol=0, atol=0)
