@@ -103,8 +103,10 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
         arr = _big_ints_as_floats(inp, arr)
     allowed = "b" if dtype == torch.bool else ("iuf" if dtype.is_floating_point else "iu")
     if arr.dtype.kind not in allowed or (dtype != torch.bool and _holds_bools(data)):
-        kind = "booleans" if dtype == torch.bool else "numbers"
-        raise bad_request(f"input {inp.name!r}: 'data' must hold {kind} for {inp.datatype}")
+        # (an integer type's data that numpy read as floats: 2.0, or an integer past 2^64)
+        what = ("booleans for" if dtype == torch.bool else "numbers for"
+                if dtype.is_floating_point else "integers that fit")
+        raise bad_request(f"input {inp.name!r}: 'data' must hold {what} {inp.datatype}")
     if arr.size != count:
         raise bad_request(
             f"input {inp.name!r}: shape {inp.shape} needs {count} values; 'data' has {arr.size}"

@@ -333,6 +333,19 @@ def test_v2_nan_tokens_are_400(token):
 
 
 @pytest.mark.parametrize("datatype, data", [
+    ("INT32", [2.0, 1.0]), ("INT64", [2**64, 1]), ("UINT64", [2**64 - 1, 2**65]),
+])
+def test_v2_integer_data_that_is_not_integers_in_range_says_so(datatype, data):
+    """Floats for an integer type, or integers past 64 bits (which numpy reads as floats or
+    objects): the 400 says integers that fit the type (it said "must hold numbers")."""
+    hdr = json.dumps({"inputs": [{"name": "x", "shape": [2], "datatype": datatype,
+                                  "data": data}]}).encode()
+    with pytest.raises(APIError, match=f"must hold integers that fit {datatype}") as ei:
+        parse_request(bytearray(hdr), None)
+    assert ei.value.status == 400
+
+
+@pytest.mark.parametrize("datatype, data", [
     ("FP32", [1.0, 2.0, True]), ("FP32", [[1, 2], [False, 3]]), ("INT32", [2, True]),
     ("INT64", [[True], [0]]), ("FP16", [1.5, False]),
 ])
@@ -341,7 +354,8 @@ def test_v2_booleans_among_numbers_are_400(datatype, data):
     shape = list(np.asarray(data).shape)
     hdr = json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": datatype,
                                   "data": data}]}).encode()
-    with pytest.raises(APIError, match="must hold numbers") as ei:
+    want = "must hold numbers" if datatype.startswith("FP") else "must hold integers that fit"
+    with pytest.raises(APIError, match=want) as ei:
         parse_request(bytearray(hdr), None)
     assert ei.value.status == 400
     hdr = json.dumps({"inputs": [{"name": "x", "shape": [2], "datatype": "BOOL",
