@@ -43,7 +43,7 @@ from moe_gemm.ops.heuristics import (
     with_peek_wait,
     with_trim_a,
 )
-from moe_gemm.ops.signature import BuiltFor
+from moe_gemm.ops.signature import BuiltFor, CheckedPlan
 from moe_gemm.ops.support import (
     MAX_PROBLEMS,
     TMA_ALIGN_BYTES,
@@ -235,7 +235,7 @@ def fast_gate(args: FusedMmArgs, choice: KernelChoice) -> bool:
                                          choice.tile_n) < FAST_GATE_BIASED_ACC_REGS
 
 
-class FusedPlan:
+class FusedPlan(CheckedPlan):
     """Everything about a fused launch that follows from shapes, strides, dtypes, the options
     and the config (ops/fused.py caches it per signature); a call converts the small per-row
     tensors when needed, allocates its output and launches."""
@@ -297,12 +297,6 @@ class FusedPlan:
         if self.counts:
             self.key = dataclasses.replace(self.key, row_counts=True)
         self.kernel = launch_kernel._compiled(self.key)
-
-    def __call__(self, x, w, offs, row_index, row_weight, bias, out):
-        """launch, after checking the tensors against the ones the plan was built for (a
-        direct call: the plan caches, whose signatures compared them, call launch)."""
-        self.built_for.check(x, w, offs, row_index, row_weight, bias, out)
-        return self.launch(x, w, offs, row_index, row_weight, bias, out)
 
     def launch(self, x, w, offs, row_index, row_weight, bias, out):
         if out is None:

@@ -24,7 +24,7 @@ from moe_gemm.ops.heuristics_fp8 import choose_fp8
 from moe_gemm.ops.masked_validation import MaskedArgs, check_config_fits
 from moe_gemm.ops.scaled_launch import _dense, _kernel, _placeholders, fp8_compile_key
 from moe_gemm.ops.scaled_validation import a_scale_view, b_scale_view
-from moe_gemm.ops.signature import BuiltFor
+from moe_gemm.ops.signature import BuiltFor, CheckedPlan
 from moe_gemm.ops.support import operand_major, tma_views
 
 
@@ -40,7 +40,7 @@ def rows_mask(masked_m: torch.Tensor, M: int) -> torch.Tensor:
     return (rows[None, :] < masked_m.clamp(0, M)[:, None])[..., None]
 
 
-class _Plan:
+class _Plan(CheckedPlan):
     """What both dtypes' plans share: the shape, the trivial cases and the grid."""
 
     def _setup(self, args: MaskedArgs, K: int) -> bool:
@@ -98,12 +98,6 @@ class MaskedPlan(_Plan):
             "masked", b.dtype, b.out_dtype, self.w_major, choice, False))
         self.views = tma_views((b.x, 2), (b.w, 1 if self.w_major == "k" else 2), (b.out, 2))
 
-    def __call__(self, x, w, masked_m, out):
-        """launch, after checking the tensors against the ones the plan was built for (a
-        direct call: the plan caches, whose signatures compared them, call launch)."""
-        self.built_for.check(x, w, masked_m, out)
-        return self.launch(x, w, masked_m, out)
-
     def launch(self, x, w, masked_m, out):
         if self.trivial or self.zero:
             return self._empty(masked_m, out)
@@ -141,12 +135,6 @@ class Fp8MaskedPlan(_Plan):
         self.kernel = _kernel(fp8_compile_key("masked", b.dtype, b.out_dtype, b.granularity,
                                               choice))
         self.views = tma_views((b.x, 2), (b.w, 1), (b.out, 2))  # (w: K-major, (G, N, K).mT)
-
-    def __call__(self, x, w, scale_a, scale_b, masked_m, out):
-        """launch, after checking the tensors against the ones the plan was built for (a
-        direct call: the plan caches, whose signatures compared them, call launch)."""
-        self.built_for.check(x, w, scale_a, scale_b, masked_m, out)
-        return self.launch(x, w, scale_a, scale_b, masked_m, out)
 
     def launch(self, x, w, scale_a, scale_b, masked_m, out):
         if self.trivial or self.zero:

@@ -19,7 +19,7 @@ from moe_gemm.ops import launch_kernel, launch_resources
 from moe_gemm.ops.heuristics import choose_batched, choose_varlen
 from moe_gemm.ops.kernel_cache import kernel_constants
 from moe_gemm.ops.launch_info import _local
-from moe_gemm.ops.signature import BuiltFor
+from moe_gemm.ops.signature import BuiltFor, CheckedPlan
 from moe_gemm.ops.support import empty_k_result, operand_major, tma_views
 from moe_gemm.ops.validation import GroupedBmmArgs, GroupedMmArgs
 
@@ -35,7 +35,7 @@ def _maybe_autotune(form: str, args, config: GemmConfig) -> None:
             tune(args, config)
 
 
-class MmPlan:
+class MmPlan(CheckedPlan):
     """Everything about a grouped_mm launch that depends only on shapes, strides, dtypes and
     the config: built once per signature (ops/api.py caches it), so a repeated call costs its
     output's allocation and the kernel call."""
@@ -82,12 +82,6 @@ class MmPlan:
             "varlen", args.dtype, args.out_dtype, b_major, choice, trace))
         self.constants = kernel_constants(self.kernel, self.meta, self.meta32, self.no_table,
                                           self.no_trace)
-
-    def __call__(self, x, w, offs, out):
-        """launch, after checking the tensors against the ones the plan was built for (a
-        direct call: the plan caches, whose signatures compared them, call launch)."""
-        self.built_for.check(x, w, offs, out)
-        return self.launch(x, w, offs, out)
 
     def launch(self, x, w, offs, out):
         if out is None:
@@ -149,7 +143,7 @@ def grouped_mm_cute(args: GroupedMmArgs, config: GemmConfig, *, trace: bool = Fa
     return MmPlan(args, config, trace).launch(args.x, args.w, offs, args.out)
 
 
-class BmmPlan:
+class BmmPlan(CheckedPlan):
     """grouped_mm's 3D x 3D (batched) launch, built once per signature like MmPlan: one
     descriptor per operand, no per-problem metadata, so a call is O(1) on the host."""
 
@@ -192,12 +186,6 @@ class BmmPlan:
         # Size-1 dimensions whose strides the compiled kernel's 16-byte rule would refuse (a
         # (G, 1, K) slice of odd K) travel as views that keep it.
         self.views = tma_views((x, 2), (w, 1 if self.w_major == "k" else 2), (args.out, 2))
-
-    def __call__(self, x, w, out):
-        """launch, after checking the tensors against the ones the plan was built for (a
-        direct call: the plan caches, whose signatures compared them, call launch)."""
-        self.built_for.check(x, w, out)
-        return self.launch(x, w, out)
 
     def launch(self, x, w, out):
         if out is None:

@@ -32,7 +32,7 @@ from moe_gemm.ops.scaled_validation import (
     a_scale_view,
     b_scale_view,
 )
-from moe_gemm.ops.signature import BuiltFor
+from moe_gemm.ops.signature import BuiltFor, CheckedPlan
 from moe_gemm.ops.support import empty_k_result, tma_views
 
 _NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
@@ -93,7 +93,7 @@ def _placeholders(device):
             launch_resources._small("trace", device, torch.int32, (1, 1, 4)))
 
 
-class Fp8MmPlan:
+class Fp8MmPlan(CheckedPlan):
     """scaled_grouped_mm's MoE (varlen) launch, built once per signature."""
 
     def __init__(self, args: ScaledMmArgs, config: GemmConfig, trace: bool = False):
@@ -130,12 +130,6 @@ class Fp8MmPlan:
         # travel as views that keep it (w: K-major, an (E, N, K) weight's transpose).
         self.views = tma_views((x, 1), (args.w, 1), (args.out, 1))
 
-    def __call__(self, x, w, scale_a, scale_b, offs, out):
-        """launch, after checking the tensors against the ones the plan was built for (a
-        direct call: the plan caches, whose signatures compared them, call launch)."""
-        self.built_for.check(x, w, scale_a, scale_b, offs, out)
-        return self.launch(x, w, scale_a, scale_b, offs, out)
-
     def launch(self, x, w, scale_a, scale_b, offs, out):
         if out is None:
             out = torch.empty(self.T, self.N, dtype=self.out_dtype, device=self.device)
@@ -163,7 +157,7 @@ class Fp8MmPlan:
         return out
 
 
-class Fp8BmmPlan:
+class Fp8BmmPlan(CheckedPlan):
     """scaled_grouped_mm's batched (3D x 3D) launch: one descriptor per operand."""
 
     def __init__(self, args: ScaledMmArgs, config: GemmConfig, trace: bool = False):
@@ -196,12 +190,6 @@ class Fp8BmmPlan:
         self.kernel = _kernel(fp8_compile_key("batched", args.dtype, args.out_dtype,
                                               args.granularity, choice, trace))
         self.views = tma_views((x, 2), (w, 1), (args.out, 2))  # (as in Fp8MmPlan)
-
-    def __call__(self, x, w, scale_a, scale_b, out):
-        """launch, after checking the tensors against the ones the plan was built for (a
-        direct call: the plan caches, whose signatures compared them, call launch)."""
-        self.built_for.check(x, w, scale_a, scale_b, out)
-        return self.launch(x, w, scale_a, scale_b, out)
 
     def launch(self, x, w, scale_a, scale_b, out):
         if out is None:

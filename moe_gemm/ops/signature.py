@@ -224,3 +224,15 @@ class BuiltFor:
             if got != want:
                 raise ValueError(f"{self.owner} was built for {name} of {_meta_text(want)}; got "
                                  f"{_meta_text(got)} (build a new plan for other tensors)")
+
+
+class CheckedPlan:
+    """A launch plan's direct call: its tensors checked against the ones it was built for
+    (`built_for`, set by the plan's constructor), then `launch(*tensors)`, which each plan
+    defines. The plan caches, whose signatures already compared the tensors, call launch."""
+
+    built_for: BuiltFor
+
+    def __call__(self, *tensors: Any) -> Any:
+        self.built_for.check(*tensors)
+        return self.launch(*tensors)  # type: ignore[attr-defined]

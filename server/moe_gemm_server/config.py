@@ -63,7 +63,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 * MiB, ge=1)
     # longest pause between pieces of a request body before a 408 (limits.BodyLimitMiddleware)
     body_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
-    max_weight_bytes: int = Field(16 * GiB, ge=1, description="body limit of PUT /v1/weights (JSON bodies: also max_body_bytes)")
+    max_weight_bytes: int = Field(16 * GiB, ge=1, description="body limit of PUT /v1/weights "
+                                  "(JSON bodies: also max_body_bytes)")
     max_rows: int = Field(65536, ge=1, description="rows (T, or sum of M_i) per request")
     max_flops: int = Field(1 << 40, ge=1, description="2*M*N*K summed, per request")
     max_problems: int = Field(4096, ge=1, description="problems per grouped-gemm request")

@@ -34,6 +34,7 @@ from .storage import (
     check_weight_header,
     header_in,
     read_weight_file,
+    resident_bytes,
 )
 
 if TYPE_CHECKING:
@@ -263,9 +264,9 @@ def storage_error(root: Path, e: OSError, what: str) -> APIError:
 
 
 def resident_nbytes(tensor: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """The bytes a set will hold once resident, as WeightSet.nbytes counts them: the tensor
-    and an FP8 set's float32 scale (what --max-resident-bytes budgets)."""
-    return tensor.numel() * tensor.element_size() + (0 if scale is None else scale.numel() * 4)
+    """storage.resident_bytes of a loaded set."""
+    return resident_bytes(tensor.numel() * tensor.element_size(),
+                          None if scale is None else scale.numel())
 
 
 def _check_no_encoding(request: Request) -> None:

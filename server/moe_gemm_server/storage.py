@@ -161,12 +161,17 @@ def check_weight_header(prefix: bytes | bytearray, total_size: int | None) -> tu
         (resident_nbytes: the tensor and an FP8 set's float32 scale)).
     """
     specs, data_start = _weight_header(prefix, total_size)
-    layout = "w" if "w" in specs else "w_t"
-    spec = specs[layout]
-    nbytes = spec.end - spec.start
-    if "scale" in specs:
-        nbytes += math.prod(specs["scale"].shape) * 4
+    spec = specs["w" if "w" in specs else "w_t"]
+    scale = specs.get("scale")
+    nbytes = resident_bytes(spec.end - spec.start,
+                            None if scale is None else math.prod(scale.shape))
     return data_start + max(s.end for s in specs.values()), nbytes
+
+
+def resident_bytes(weight_bytes: int, scale_elements: int | None) -> int:
+    """The bytes a set holds once resident, as WeightSet.nbytes counts them (what
+    --max-resident-bytes budgets): its weight tensor and an FP8 set's float32 scale."""
+    return weight_bytes + (0 if scale_elements is None else scale_elements * 4)
 
 
 def _check_weight_names(names: list[str]) -> None:

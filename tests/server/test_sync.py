@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from server_testutils import mm_ref, st_body, st_load
 
@@ -40,6 +41,13 @@ def _passes(watcher: StoreWatcher) -> Callable[[int], None]:
             assert time.monotonic() < deadline, "the data directory was not rescanned"
             time.sleep(0.01)
     return wait
+
+
+def _syncing_app(data: Path) -> tuple[FastAPI, Callable[[int], None]]:
+    """A CPU server on `data` that rescans it every 20 ms, and a wait for n more rescans."""
+    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    return app, _passes(app.state.service.watcher)
 
 
 def _served(client: TestClient, name: str, w: torch.Tensor) -> bool:
@@ -93,9 +101,7 @@ def test_an_empty_mountpoint_keeps_the_resident_sets(
     and once the volume is back a delete on disk is seen again."""
     caplog.set_level(logging.INFO, logger="moe_gemm_server")
     data, volume = tmp_path / "data", tmp_path / "volume"
-    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
-                     engine=Engine("cpu", warmup_rows=[1]))
-    passes = _passes(app.state.service.watcher)
+    app, passes = _syncing_app(data)
     wa, wb = torch.randn(2, 16, 8), torch.randn(3, 16, 8)
     with TestClient(app) as client:
         _wait_ready(client)
@@ -134,9 +140,7 @@ def test_every_set_deleted_from_the_directory_itself_is_dropped(
     """Another server deleting every set leaves the same directory empty: that is deletes,
     every set is dropped, no unmount is reported, and uploads carry on."""
     caplog.set_level(logging.INFO, logger="moe_gemm_server")
-    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0.02),
-                     engine=Engine("cpu", warmup_rows=[1]))
-    passes = _passes(app.state.service.watcher)
+    app, passes = _syncing_app(tmp_path)
     w = torch.randn(2, 16, 8)
     with TestClient(app) as client:
         _wait_ready(client)
@@ -158,10 +162,8 @@ def test_a_volume_unmounted_during_a_pass_keeps_the_resident_sets(
     taken before the first listing and after the second, tells that the second listing is of
     another directory."""
     data, volume = tmp_path / "data", tmp_path / "volume"
-    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
-                     engine=Engine("cpu", warmup_rows=[1]))
+    app, passes = _syncing_app(data)
     store = app.state.service.store
-    passes = _passes(app.state.service.watcher)
     real_names = store.names
     gone = threading.Event()
 
@@ -218,9 +220,7 @@ def test_a_volume_remounted_with_another_filesystem_id_resumes_syncing(
         volume, data = tmp_path / "volume", tmp_path / "data"
         volume.mkdir()
         data.symlink_to(volume)
-        app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
-                         engine=Engine("cpu", warmup_rows=[1]))
-        passes = _passes(app.state.service.watcher)
+        app, passes = _syncing_app(data)
         wa, wb = torch.randn(2, 16, 8), torch.randn(3, 16, 8)
         with TestClient(app) as client:
             _wait_ready(client)
@@ -346,9 +346,7 @@ def test_a_data_dir_that_cannot_be_listed_keeps_the_resident_sets(tmp_path: Path
     lost) says nothing about which sets were deleted: the rescan keeps serving them (it used
     to read the directory as empty and drop every set, 404 for all while ready said 200)."""
     data = tmp_path / "data"
-    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
-                     engine=Engine("cpu", warmup_rows=[1]))
-    passes = _passes(app.state.service.watcher)
+    app, passes = _syncing_app(data)
     w = torch.randn(2, 64, 32)
     with TestClient(app) as client:
         _wait_ready(client)
@@ -369,9 +367,7 @@ def test_a_data_dir_moved_between_listing_and_stat_keeps_the_resident_sets(
     files look deleted, but only a listing taken after the stat can say so (the pass used to
     drop every set here)."""
     data = tmp_path / "data"
-    app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
-                     engine=Engine("cpu", warmup_rows=[1]))
-    passes = _passes(app.state.service.watcher)
+    app, passes = _syncing_app(data)
     store = app.state.service.store
     real_names = store.names
     moved = threading.Event()
