@@ -521,7 +521,9 @@ class GroupedGemmPlan:
     it (one graph launch instead of a kernel call of 16 arguments: 8.6 against 11.4 us of CPU
     per call on an H200 host); a call inside the caller's own capture launches directly, and
     a capture that fails leaves direct launches. MOE_GEMM_PLAN_GRAPH=0 when the plan is built
-    turns the recording off.
+    turns the recording off. Called inside torch.compile (fullgraph too), a tensor mode or
+    torch.vmap, a call runs the registered grouped_gemm op on the plan's tensors (which the
+    tracer records) and writes the same outputs.
     """
 
     def __init__(
@@ -534,6 +536,7 @@ class GroupedGemmPlan:
         out_dtype: torch.dtype | None = None,
     ):
         cfg = _check_config(config)
+        self._config = config
         if vmap_active():
             # A plan keeps its operands and writes preallocated outputs, which a vmapped
             # (per-entry) operand cannot be; grouped_gemm is the vmappable form.
@@ -580,6 +583,8 @@ class GroupedGemmPlan:
         self.backend = "cute" if self._launch is not None else "torch"
 
     def __call__(self) -> list[torch.Tensor]:
+        if _traced():
+            return self._traced_call()
         if self._signature is not None and not self._signature.check(*self._bound):
             self._check_bound()
         launch = self._launch
@@ -592,6 +597,27 @@ class GroupedGemmPlan:
             res = inference_only(NO_BACKWARD, launch.launch, self._operands)
         else:
             res = launch.launch()
+        return self._copied_back(res)
+
+    def _traced_call(self) -> list[torch.Tensor]:
+        """A call under torch.compile (or a tensor mode, or inside torch.vmap): the registered
+        op on the plan's tensors, which the tracer records, writing the plan's outputs. The
+        plan's signature check and launch are host code a tracer cannot follow; the build's
+        layouts are compared here in Python instead (the tracer reads them once and guards
+        them, so a tensor resized later is refused when the graph is traced again)."""
+        for t, want in zip(self._bound, self._built_for):
+            if _layout(t) != want:
+                self._check_bound()
+        args = self.args
+        if not args.a:
+            return list(self.out)
+        res = custom_ops.grouped_gemm(list(args.a), list(args.b), out=list(args.out or ()),
+                                      config=self._config, out_dtype=args.out_dtype)
+        return self._copied_back(res)
+
+    def _copied_back(self, res: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A call's results, with the outputs that alias an operand copied from the private
+        tensors the call wrote (then the given outputs are the results)."""
         if not self._copy_back:
             return res
         for given, tmp in self._copy_back:

@@ -248,6 +248,76 @@ def test_compile_grouped_gemm_fullgraph(dynamo) -> None:
     assert dynamo["graph_break"] == {}
 
 
+def test_compile_a_plan_call_fullgraph(dynamo) -> None:
+    # A GroupedGemmPlan called inside a compiled function: the registered op on the plan's
+    # tensors, writing its outputs, with new values copied into its operands each call.
+    sizes = [(5, 8, 16), (0, 8, 16), (7, 24, 16)]
+    a, b = make_grouped_inputs(sizes, torch.float32, generator=_gen(12))
+    plan = moe_gemm.GroupedGemmPlan(a, b, config=GemmConfig(backend="torch"))
+
+    def f(x):
+        a[0].copy_(x)
+        outs = plan()
+        return [o * 2 for o in outs]
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for seed in (13, 14):
+        x = torch.randn(5, 16, generator=_gen(seed))
+        got = compiled(x)
+        want = [(ai.double() @ bi.double()).float() * 2 for ai, bi in zip(a, b)]
+        assert torch.equal(a[0], x)
+        for g, r, o in zip(got, want, plan.out):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(o * 2, g, rtol=0, atol=0)  # the plan's outputs written
+    assert dynamo["graph_break"] == {}
+    assert dynamo["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_plan_refuses_an_operand_resized_since_its_build(dynamo, fullgraph) -> None:
+    a, b = make_grouped_inputs([(5, 8, 16), (7, 4, 16)], torch.float32, generator=_gen(15))
+    plan = moe_gemm.GroupedGemmPlan(a, b, config=GemmConfig(backend="torch"))
+    compiled = torch.compile(lambda: plan(), fullgraph=fullgraph, backend="aot_eager")
+    compiled()
+    a[1].resize_(6, 16)
+    # (with fullgraph, torch.compile reports a raise inside the graph as its own error, whose
+    # message carries the ValueError's)
+    with pytest.raises(Exception, match=r"built for a\[1\] of shape \(7, 16\)") as err:
+        compiled()
+    assert fullgraph or err.type is ValueError
+
+
+def test_compiled_plan_with_an_out_that_aliases_an_operand(dynamo) -> None:
+    # out[0] is a[0]'s memory: the plan computes into a private tensor, then copies.
+    a, b = make_grouped_inputs([(4, 4, 4), (3, 8, 4)], torch.float32, generator=_gen(16))
+    want = [(ai.double() @ bi.double()).float() for ai, bi in zip(a, b)]
+    out = [a[0], torch.empty(3, 8)]
+    plan = moe_gemm.GroupedGemmPlan(a, b, out=out, config=GemmConfig(backend="torch"))
+    got = torch.compile(lambda: plan(), fullgraph=True, backend="aot_eager")()
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[0], want[0], rtol=1e-5, atol=1e-5)
+    assert dynamo["graph_break"] == {}
+
+
+def test_compiled_plan_backward_equals_eager(dynamo) -> None:
+    sizes = [(5, 8, 16), (7, 24, 16)]
+    a, b = make_grouped_inputs(sizes, torch.float32, generator=_gen(17))
+    a = [t.requires_grad_() for t in a]
+    plan = moe_gemm.GroupedGemmPlan(a, b, config=GemmConfig(backend="torch"))
+    r = [torch.randn(m, n, generator=_gen(18 + i)) for i, (m, n, _) in enumerate(sizes)]
+
+    def loss(fn):
+        return sum((o * ri).sum() for o, ri in zip(fn(), r))
+
+    want = torch.autograd.grad(loss(plan), a)
+    got = torch.autograd.grad(loss(torch.compile(lambda: plan(), fullgraph=True,
+                                                 backend="aot_eager")), a)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert dynamo["graph_break"] == {}
+
+
 def _grads(fn, inputs, seed):
     """fn(*inputs) and the gradients of <fn(*inputs), r> for a fresh random r."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]

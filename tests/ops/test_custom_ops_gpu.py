@@ -95,6 +95,32 @@ def test_compiled_ops_equal_eager_and_run_our_kernels(dynamo) -> None:
         assert torch.equal(g, r)
 
 
+def test_compiled_plan_call_runs_our_kernels_and_writes_its_outputs(dynamo) -> None:
+    import moe_gemm
+
+    sizes = [(64, 256, 512), (0, 256, 512), (130, 128, 256)]
+    a, b = make_grouped_inputs(sizes, BF16, DEVICE, b_layout="col", generator=_gen(5))
+    plan = moe_gemm.GroupedGemmPlan(a, b, config=CFG)
+    eager = [o.clone() for o in plan()]
+
+    def f(x):
+        a[0].copy_(x)
+        return [o.float() for o in plan()]
+
+    compiled = torch.compile(f, fullgraph=True)
+    x = torch.randn(64, 512, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(6))
+    with torch.no_grad():
+        got, ran = _ran_kernels(lambda: compiled(x.to(BF16)))
+    assert ran or BACKEND == "torch"
+    assert dynamo["graph_break"] == {}
+    assert torch.equal(a[0], x.to(BF16))
+    for g, o in zip(got, plan.out):
+        assert torch.equal(g, o.float())  # the plan's outputs were written
+    for o, ai, bi in zip(plan.out, a, b):
+        assert_close_to_ref(o, ai.double() @ bi.double(), ai @ bi)
+    assert torch.equal(plan.out[2], eager[2])  # an operand not changed: the same result
+
+
 def test_compiled_grouped_mm_in_a_cuda_graph_with_new_routing(dynamo) -> None:
     T, E = 384, 8
     x, w, offs = _moe(5, T=T, E=E)
