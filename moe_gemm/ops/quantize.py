@@ -45,8 +45,10 @@ def _check_input(name: str, x: object, dtype: torch.dtype) -> torch.Tensor:
     check_dense(name, x)
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"{name} must be bfloat16, float16 or float32; got {x.dtype}")
-    if dtype not in FP8_MAX:
-        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2; got {dtype}")
+    # (the isinstance first: an unhashable dtype argument, such as a list, would otherwise
+    # fail the dict lookup with a message that names neither dtype nor what it must be)
+    if not isinstance(dtype, torch.dtype) or dtype not in FP8_MAX:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2; got {dtype!r}")
     return x
 
 

@@ -109,7 +109,9 @@ def tie_to_inputs(y: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor
     live = [t for t in inputs if t is not None and t.requires_grad]
     if y.requires_grad or not live or not torch.is_grad_enabled():
         return y
-    zero = sum(t.narrow(0, 0, 0).sum() for t in live)  # (empty sums: exactly 0, never NaN)
+    # (empty sums: exactly 0, never NaN; a 0-d input, such as a per-tensor FP8 scale, has no
+    # dimension to narrow: seen as (1,))
+    zero = sum((t if t.dim() else t.unsqueeze(0)).narrow(0, 0, 0).sum() for t in live)
     y[:0] = zero.to(y.dtype)
     return y
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from moe_gemm.ops.autograd import inference_only
-from moe_gemm.ops.reference import expert_spans
+from moe_gemm.ops.reference import expert_spans, tie_to_inputs
 from moe_gemm.ops.scaled_validation import (
     SCALE_BLOCK,
     ScaledGemmArgs,
@@ -83,26 +83,38 @@ def _scaled_mm_torch(args: ScaledMmArgs, dtype: torch.dtype) -> torch.Tensor:
     x, w = args.x, args.w
     block = args.granularity == "block"
     odt = args.out_dtype if dtype == torch.float32 else dtype
+    scales = (args.scale_a, args.scale_b)
+    # New results are built out of place (the problems' products stacked or concatenated):
+    # writing them into a preallocated tensor fails under torch.func transforms that wrap a
+    # scale or an operand (vmap(grad(f)): a batched product cannot be written into an
+    # unbatched tensor). Where no product reaches the result (no problems, no routed rows),
+    # tie_to_inputs keeps it in the scales' graph, as grouped_mm's torch path does.
     if args.batched:
         G, M, N = x.shape[0], x.shape[1], args.N
         sa = a_scale_view(args.scale_a, args.granularity, (G,), M)
         sb = b_scale_view(args.scale_b, args.granularity, (G,), N)
-        y = torch.empty(G, M, N, dtype=odt, device=x.device)
-        for g in range(G):
-            y[g] = _product(x[g], sa[g], w[g], sb[g], block, dtype).to(odt)
+        if G:
+            y = torch.stack([_product(x[g], sa[g], w[g], sb[g], block, dtype).to(odt)
+                             for g in range(G)])
+        else:
+            y = tie_to_inputs(torch.empty(0, M, N, dtype=odt, device=x.device), *scales)
         return y if args.out is None else args.out.copy_(y)
     T, E, N = x.shape[0], args.E, args.N
     sa = a_scale_view(args.scale_a, args.granularity, (), T)
     sb = b_scale_view(args.scale_b, args.granularity, (E,), N)
-    y = args.out if args.out is not None and dtype == torch.float32 else None
-    if y is None:
-        y = torch.zeros(T, N, dtype=odt, device=x.device)
     # The sizes are needed on the host: one device-to-host copy of offs (a synchronisation
     # on CUDA; this is the fallback).
-    for e, start, end in expert_spans(args.offs, T) if E else ():
-        y[start:end] = _product(x[start:end], sa[start:end], w[e], sb[e], block,
-                                dtype).to(y.dtype)
-    return y
+    spans = expert_spans(args.offs, T) if E else []
+    if args.out is not None and dtype == torch.float32:
+        for e, start, end in spans:
+            args.out[start:end] = _product(x[start:end], sa[start:end], w[e], sb[e], block,
+                                           dtype).to(args.out.dtype)
+        return tie_to_inputs(args.out, *scales)
+    tail = T - (spans[-1][2] if spans else 0)
+    parts = [_product(x[start:end], sa[start:end], w[e], sb[e], block, dtype).to(odt)
+             for e, start, end in spans]
+    parts.append(torch.zeros(tail, N, dtype=odt, device=x.device))
+    return tie_to_inputs(torch.cat(parts) if len(parts) > 1 else parts[0], *scales)
 
 
 def scaled_grouped_gemm_torch(args: ScaledGemmArgs, dtype: torch.dtype = torch.float32

@@ -104,6 +104,16 @@ def test_per_token_group_errors():
     assert s.shape == (5, 2)
 
 
+@pytest.mark.parametrize("fn", [quantize_fp8_per_token_group, quantize_fp8_per_block,
+                                quantize_fp8_per_row, quantize_fp8_per_tensor])
+@pytest.mark.parametrize("dtype", [[E4M3], "float8_e4m3fn", torch.int8])
+def test_a_dtype_that_is_not_an_fp8_dtype_is_named(fn, dtype):
+    """dtype of any kind other than the two FP8 dtypes (an unhashable list among them, which
+    failed the lookup with "unhashable type: 'list'"): a TypeError naming what it must be."""
+    with pytest.raises(TypeError, match="dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+        fn(torch.randn(4, 128), dtype=dtype)
+
+
 @pytest.mark.parametrize("shape", [(256, 384), (3, 200, 300), (1, 128, 128), (2, 1, 1)])
 def test_per_block_round_trip(shape):
     w = torch.randn(*shape, generator=_gen(3))

@@ -148,6 +148,115 @@ def test_backward_through_the_torch_backend():
     assert sa.grad is not None and sa.grad.shape == sa.shape
 
 
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("case", ["no rows routed", "no experts", "out"])
+def test_backward_when_no_row_reaches_an_expert(granularity, case):
+    """Scales that require grad and no product reaching the result (every expert empty, no
+    experts, an expert-parallel rank that received no tokens): the result is still in the
+    scales' graph, as grouped_mm's torch path keeps it, so a backward gives zero gradients
+    (it raised "element 0 of tensors does not require grad")."""
+    x, w, sa, sb, _ = make_fp8_moe_inputs(6, 2, 256, 16, granularity, seed=44)
+    offs = torch.zeros(2, dtype=torch.int32)
+    if case == "no experts":
+        w, offs = w[:0], offs[:0]
+        sb = sb[:0] if granularity != "tensor" else sb.reshape(-1)[:0]
+    sa = sa.clone().requires_grad_(True)
+    sb = sb.clone().requires_grad_(True)
+    out = poison_(torch.empty(6, 16)) if case == "out" else None
+    y = scaled_grouped_mm(x, w, sa, sb, offs, out=out, out_dtype=torch.float32)
+    assert y.requires_grad
+    if out is None:
+        assert torch.equal(y, torch.zeros(6, 16))
+    else:
+        assert y is out and torch.isnan(y).all()  # rows past offs[-1] untouched
+    y.nan_to_num().sum().backward()
+    for s in (sa, sb):
+        assert s.grad is not None and torch.equal(s.grad, torch.zeros_like(s))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("form", ["varlen", "batched", "masked"])
+def test_vmap_of_grad_gives_per_sample_scale_gradients(granularity, form):
+    """vmap(grad(f)) over the scales and the activations (per-sample gradients of the weight
+    scales), on torch's path: it failed inside torch (the products were written into a
+    preallocated tensor, which cannot take a batched value)."""
+    from torch.func import grad, vmap
+
+    B = 3
+    if form == "varlen":
+        xs, sas = [], []
+        for b in range(B):
+            x, w, sa, sb, offs = make_fp8_moe_inputs(11, 3, 256, 24, granularity, seed=45 + b,
+                                                     empty_fraction=0.3, total=9)
+            xs.append(x)
+            sas.append(sa)
+        offs = torch.tensor([4, 4, 9], dtype=torch.int32)
+        run = lambda xi, sai, sbi: scaled_grouped_mm(  # noqa: E731
+            xi, w, sai, sbi, offs, out_dtype=torch.float32)
+    else:
+        xs, sas = [], []
+        for b in range(B):
+            x, w, sa, sb = make_fp8_batched_inputs(2, 5, 256, 24, granularity, seed=45 + b)
+            xs.append(x)
+            sas.append(sa)
+        counts = torch.tensor([3, 5], dtype=torch.int32)
+        if form == "batched":
+            run = lambda xi, sai, sbi: scaled_grouped_mm(  # noqa: E731
+                xi, w, sai, sbi, out_dtype=torch.float32)
+        else:
+            run = lambda xi, sai, sbi: moe_gemm.scaled_grouped_mm_masked(  # noqa: E731
+                xi, w, sai, sbi, counts, out_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(46)
+    probe = torch.randn(*run(xs[0], sas[0], sb).shape, generator=gen)
+
+    def loss(sbi, xi, sai):
+        return (run(xi, sai, sbi) * probe).sum()
+
+    got_b, got_a = vmap(grad(loss, argnums=(0, 2)), in_dims=(None, 0, 0))(
+        sb, torch.stack(xs), torch.stack(sas))
+    assert got_b.shape == (B, *sb.shape) and got_a.shape == (B, *sas[0].shape)
+    for b in range(B):
+        sb_ref = sb.clone().requires_grad_(True)
+        sa_ref = sas[b].clone().requires_grad_(True)
+        ref = _fp64_product(xs[b], w, sa_ref, sb_ref, granularity,
+                            offs if form == "varlen" else None)
+        if form == "masked":
+            ref = ref * (torch.arange(5)[None, :, None] < counts[:, None, None])
+        (ref * probe.double()).sum().backward()
+        # (fp32 accumulation of sums with cancellation: compared in norm)
+        for got, want in ((got_b[b], sb_ref.grad), (got_a[b], sa_ref.grad)):
+            e = fp8_errors(got, want)
+            assert e["rel"] < 1e-5, e
+
+
+def _fp64_product(x, w, sa, sb, granularity, offs=None):
+    """The fp64 product of the dequantized operands, differentiable in the scales (the
+    scales expanded here, not through the ops' scale views): (T, N) with rows past offs[-1]
+    zero, or (G, M, N) with offs None."""
+    K, N = x.shape[-1], w.shape[2]
+
+    def deq_a(xr, s):
+        if granularity == "block":
+            return xr.double() * s.double().repeat_interleave(128, -1)
+        return xr.double() * (s.double()[..., None] if granularity == "row" else s.double())
+
+    def deq_b(we, s):
+        if granularity == "block":
+            s = s.double().repeat_interleave(128, 0)[:K].repeat_interleave(128, 1)[:, :N]
+            return we.double() * s
+        return we.double() * s.double()
+
+    if offs is None:
+        return torch.stack([deq_a(x[g], sa if sa.dim() == 0 else sa[g]) @ deq_b(w[g], sb[g])
+                            for g in range(x.shape[0])])
+    xd, parts, start = deq_a(x, sa), [], 0
+    for e, end in enumerate(offs.tolist()):
+        parts.append(xd[start:end] @ deq_b(w[e], sb[e]))
+        start = end
+    parts.append(xd.new_zeros(x.shape[0] - start, N))
+    return torch.cat(parts)
+
+
 @pytest.mark.parametrize("form", ["varlen", "batched", "general", "masked"])
 @pytest.mark.parametrize("operand", [0, 1])
 def test_fp8_operands_that_require_grad_raise_at_backward(form, operand):
