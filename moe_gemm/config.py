@@ -92,8 +92,8 @@ class GemmConfig:
             MOE_GEMM_TAIL_SPLIT=0 turns it off everywhere, pinned or not (it relies on the
             whole persistent grid being resident: see heuristics.tail_split_enabled).
         whole_epilogue: stage a whole output tile in shared memory and store it with two
-            barrier syncs instead of two per 32-column subtile (cooperative schedule, 16-bit
-            output; it costs A/B pipeline stages). None = heuristic.
+            barrier syncs instead of two per 32-column subtile (cooperative schedule, 128-row
+            tiles, 16-bit output; it costs A/B pipeline stages). None = heuristic.
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,
@@ -182,6 +182,12 @@ class GemmConfig:
             raise ValueError(
                 f"{which}=True is built for the cooperative schedule, whose tiles are "
                 f"{_fmt_tiles(COOPERATIVE_TILES)}; got tile {self.tile_m}x{self.tile_n}")
+        if self.whole_epilogue and self.tile_m is not None and self.tile_m != 128:
+            # The kernel stages a whole tile of 128 rows (GroupedGemmSm90 refuses any other
+            # at its compile): refused here, so that neither a pin nor a tuned table's entry
+            # (tuned.config_fields builds a GemmConfig) reaches it.
+            raise ValueError("whole_epilogue=True is built for cooperative 128-row tiles; got "
+                             f"tile {self.tile_m}x{self.tile_n}")
 
     @property
     def tuning_pinned(self) -> bool:

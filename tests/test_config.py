@@ -39,7 +39,7 @@ def test_frozen_hashable_and_usable_as_cache_key() -> None:
 
 
 def test_as_dict_round_trips() -> None:
-    (tm, tn), (cm, cn) = COOPERATIVE_TILES[-1], CLUSTERS[-1]
+    (tm, tn), (cm, cn) = (128, 256), CLUSTERS[-1]  # (the whole epilogue: 128-row tiles)
     c = GemmConfig(schedule="cooperative", visitor="device", sort_by_k=True, tile_m=tm,
                    tile_n=tn, cluster_m=cm, cluster_n=cn, stages=4, raster_panel=16,
                    tail_split=False, whole_epilogue=True, raster_along="n",
@@ -210,6 +210,16 @@ def test_cooperative_only_options_refuse_a_ping_pong_tile_at_once(field: str) ->
                                          r"schedule, whose tiles are .*; got tile 64x128"):
         GemmConfig(tile_m=64, tile_n=128, **{field: True})
     assert GemmConfig(tile_m=128, tile_n=256, **{field: True}).tile_m == 128
+
+
+@pytest.mark.parametrize("tile", [t for t in COOPERATIVE_TILES if t[0] != 128])
+def test_whole_epilogue_refuses_a_tile_not_of_128_rows_at_once(tile: tuple[int, int]) -> None:
+    # The kernel stages a whole tile of 128 rows only (it refuses any other at its compile,
+    # on the GPU): named when the config is made, and a tuned table's entry is skipped.
+    with pytest.raises(ValueError, match=rf"whole_epilogue=True is built for cooperative "
+                                         rf"128-row tiles; got tile {tile[0]}x{tile[1]}"):
+        GemmConfig(schedule="cooperative", tile_m=tile[0], tile_n=tile[1], whole_epilogue=True)
+    assert GemmConfig(tile_m=tile[0], tile_n=tile[1], whole_epilogue=False).tile_m == tile[0]
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

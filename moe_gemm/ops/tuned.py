@@ -41,6 +41,7 @@ import json
 import math
 import os
 import re
+import stat
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -309,13 +310,24 @@ def parse_table(doc: Any, path: str, device: str,
             if not isinstance(raw, dict):
                 raise TableError("entry is not an object")
             key = key_of(raw)
-            us = raw.get("us")
-            table.entries[key] = (entry_fields(raw, key),
-                                  float(us) if isinstance(us, (int, float)) else None)
+            table.entries[key] = (entry_fields(raw, key), _time(raw.get("us")))
         except TableError:
             table.skipped += 1
     table.timed = parse_samples(doc.get("samples"))
     return table
+
+
+def _time(us: Any) -> float | None:
+    """An entry's "us" as a time, None where it is none (not a number, not finite and
+    positive). float() of a JSON integer past a float's range raises OverflowError: caught
+    here, so that one entry's time cannot make the reader refuse the whole table."""
+    if isinstance(us, bool) or not isinstance(us, (int, float)):
+        return None
+    try:
+        us = float(us)
+    except OverflowError:
+        return None
+    return us if 0 < us < math.inf else None
 
 
 def parse_samples(raw: Any) -> list[TimedShape]:
@@ -325,12 +337,22 @@ def parse_samples(raw: Any) -> list[TimedShape]:
     if not isinstance(raw, list):
         return []
     by_shape: dict[tuple, dict[tuple, float]] = {}
+    places: dict[tuple, tuple[float, float, float]] = {}
     known: dict[tuple, tuple | None] = {}  # a table's ~10k samples share ~100 configs
     for s in raw:
         try:
             shape = (str(s["form"]), str(s["dtype"]), str(s.get("out_dtype", s["dtype"])),
                      _whole(s["E"]), _whole(s["N"]), _whole(s["K"]), _whole(s["rows"]))
             us = float(s["us"])
+            if shape[0] not in FORMS or min(shape[3:6]) <= 0 or shape[6] < 0 or not (
+                    0 < us < math.inf):
+                # (an infinite time would make the shape's regrets inf / inf = nan, and a
+                # NaN score compares False with every other, so it could win the vote)
+                continue
+            if shape not in places:
+                # Here, where a bad sample is left out: rows / E of integers past a float's
+                # range raises OverflowError, which must not refuse the whole table.
+                places[shape] = _place(shape[4], shape[5], shape[6] / shape[3])
             raw_cfg = tuple(sorted(s["config"].items()))
             if raw_cfg not in known:
                 try:
@@ -342,15 +364,12 @@ def parse_samples(raw: Any) -> list[TimedShape]:
             continue
         if fields is None or not stages_fit(fields, shape[1], shape[2]):
             continue
-        if shape[0] not in FORMS or min(shape[3:6]) <= 0 or shape[6] < 0 or not us > 0:
-            continue
         times = by_shape.setdefault(shape, {})
         times[fields] = min(times.get(fields, math.inf), us)
     out = []
-    for (form, dtype, out_dtype, E, N, K, rows), times in by_shape.items():
+    for shape, times in by_shape.items():
         best = min(times.values())
-        out.append(TimedShape(shape=(form, dtype, out_dtype, E, N, K, rows),
-                              at=_place(N, K, rows / E),
+        out.append(TimedShape(shape=shape, at=places[shape],
                               log_regret={f: math.log(t / best) for f, t in times.items()}))
     return out
 
@@ -375,6 +394,11 @@ def _warn_once(what: str, message: str) -> None:
 def _read(path: Path, device: str, versions: dict[str, Any] | None) -> Table | None:
     """The table at `path` for `device`, or None with one warning (missing files are silent)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            # A FIFO or a device (/dev/stdin, /dev/zero) would block the call that reads the
+            # table until a writer comes, or fill memory: only a regular file is a table.
+            _warn_once(f"{path}:read", f"tuned table {path} is not a regular file; ignored")
+            return None
         raw = path.read_bytes()
     except FileNotFoundError:
         return None

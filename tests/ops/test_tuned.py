@@ -4,6 +4,7 @@ path, bucket logic, bad tables, version checks and the nearest timed shapes' vot
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -139,6 +140,22 @@ def test_missing_user_table_warns_once(_isolated, tmp_path, monkeypatch):
         tuned.lookup(DEV, key(), 64 * 256, 132)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_user_table_that_is_not_a_regular_file_is_ignored_with_one_warning(_isolated, tmp_path,
+                                                                            monkeypatch, kind):
+    # A FIFO (or /dev/stdin, /dev/zero) blocked the first call that looked a shape up until a
+    # writer came, or read without end: only a regular file is read.
+    ship(_isolated, table([entry()]))
+    path = tmp_path / "t.json"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(path))
+    with pytest.warns(RuntimeWarning, match="is not a regular file; ignored"):
+        assert tuned.lookup(DEV, key(), 64 * 256, 132).how == "exact"  # shipped still used
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuned.lookup(DEV, key(), 64 * 256, 132).how == "exact"
+
+
 @pytest.mark.parametrize("doc,why", [
     ("{not json", "not valid JSON"),
     ([1, 2], "ignored"),
@@ -224,6 +241,51 @@ def test_entries_not_built_for_their_form_are_skipped(_isolated):
     assert tuned.lookup(DEV, key(form="general", bucket=5), 1, 132).how == "exact"
     c = choose_varlen(GemmConfig(), 64 * 2, 64, 4096, 7168, 132, device=DEV)
     assert c.visitor == "device"
+
+
+def test_entries_with_a_whole_epilogue_on_a_256_row_tile_are_skipped(_isolated):
+    # The kernel stages a whole tile of 128 rows only and refuses any other at its compile:
+    # an entry or a sample naming one would fail every call it answered on the GPU.
+    whole_256 = {"schedule": "cooperative", "tile_m": 256, "tile_n": 192,
+                 "whole_epilogue": True}
+    ship(_isolated, table([entry(bucket=1, config=whole_256),
+                           entry(bucket=2, config={**whole_256, "tile_m": 128})],
+                          samples=[{**entry(config=whole_256), "rows": 64}]))
+    with pytest.warns(RuntimeWarning, match="1 entries"):
+        assert tuned.lookup(DEV, key(bucket=1), 1, 132) is None
+    assert tuned.lookup(DEV, key(bucket=2), 1, 132).how == "exact"
+    assert tuned.tables_for(DEV)[0].timed == []
+    c = choose_varlen(GemmConfig(), 64 * 2, 64, 4096, 7168, 132, device=DEV)
+    assert not (c.epi_whole and c.tile_m != 128)
+
+
+def test_numbers_past_a_float_leave_out_one_entry_time_or_sample_not_the_table(_isolated):
+    # JSON integers have no bound: float() of one past a float's range raised OverflowError,
+    # and the reader refused the whole table over one entry's time or one sample's rows
+    # (while `moe-gemm tune --merge` kept them, writing a table the reader then refused).
+    huge = 10 ** 400
+    ship(_isolated, table([entry(bucket=8, us=huge), entry(bucket=9, us=float("nan"))],
+                          samples=[{**entry(N=1024), "rows": huge},
+                                   {**entry(N=2048), "rows": 64}]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: no entry is skipped
+        hit = tuned.lookup(DEV, key(bucket=8), 64 * 256, 132)
+    assert hit.how == "exact" and hit.us is None
+    assert tuned.lookup(DEV, key(bucket=9), 64 * 512, 132).us is None
+    assert [t.shape[4] for t in tuned.tables_for(DEV)[0].timed] == [2048]
+
+
+def test_a_sample_with_an_infinite_time_is_left_out_not_a_voter(_isolated):
+    # A shape timed only at inf had regrets inf / inf = nan; a NaN score compares False with
+    # every other, so that shape's one config won the vote it made possible.
+    fast = [s for N in (2048, 4096, 8192)
+            for s in samples(128, N, 4096, 128 * 512, [(SMALL, 900.0), (BIG, 600.0)])]
+    ship(_isolated, table([], samples=fast + samples(128, 4096, 8192, 128 * 512,
+                                                     [(SMALL, float("inf"))])))
+    assert len(tuned.tables_for(DEV)[0].timed) == 3
+    # Three voters, fewer than MIN_VOTERS: the rules decide (the inf shape made a fourth,
+    # and SMALL, the only config timed on all four, won with a NaN score).
+    assert tuned.lookup(DEV, key(E=128, N=4096, K=4096, bucket=9), 128 * 512, 132) is None
 
 
 # ---------------------------------------------------------------------------------------------
