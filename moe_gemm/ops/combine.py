@@ -37,6 +37,10 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
     y: (S, H); rows: (T, k) int64 or int32, values in [0, S) (the caller's own permutation:
     not checked on the GPU, where the kernel clamps them); weights: (T, k) in y's dtype or
     float32."""
+    if rows.dim() == 2 and rows.shape[1] == 0:
+        # No slots: every token's sum is empty (embedding_bag cannot make bags of no rows
+        # from a 2-D input).
+        return y.new_zeros(rows.shape[0], y.shape[-1])
     if _kernel_ok(y, rows, weights):
         return _combine_kernel(y, rows, weights)
     w = weights if weights is None or weights.dtype == y.dtype else weights.to(y.dtype)

@@ -234,13 +234,16 @@ def interleave_gate_up(w: torch.Tensor, source: str = "concat") -> torch.Tensor:
         order (an (E, K, N) weight keeps its major: K-major in, K-major out).
 
     Raises:
-        ValueError: N not a multiple of 16 or an unknown source.
+        TypeError: w not a (dense) tensor.
+        ValueError: a 0-d w, N not a multiple of 16 or an unknown source.
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError("w must be a tensor [..., N]")
     check_dense("w", w)
     if w.dim() < 1:
-        raise TypeError("w must be a tensor [..., N]")
+        # (a tensor all the same: the rank is what does not fit, as for every op's shapes)
+        raise ValueError("w must have at least one dimension [..., N] (the gate and up "
+                         "columns); got a 0-d tensor")
     if source not in ("concat", "alternating"):
         raise ValueError(f"source must be 'concat' or 'alternating'; got {source!r}")
     N = w.shape[-1]

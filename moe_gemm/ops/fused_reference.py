@@ -60,7 +60,9 @@ def gather_index(row_index: torch.Tensor, T: int) -> torch.Tensor:
 def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """(rows,) int64 expert of each routed row; E for rows past offs[-1] (on the device)."""
     r = torch.arange(rows, device=offs.device, dtype=torch.int32)
-    return torch.searchsorted(offs, r, right=True)
+    # (a strided offs, e.g. a column of a larger tensor or a vmap slice, is valid input: made
+    # contiguous here, as searchsorted would copy it anyway, without its performance warning)
+    return torch.searchsorted(offs.contiguous(), r, right=True)
 
 
 def _epilogue(args: FusedMmArgs, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

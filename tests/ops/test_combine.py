@@ -82,6 +82,15 @@ def test_kernel_path_arguments(kernel, weights):
     torch.testing.assert_close(out.double(), _reference(y, rows, w), rtol=2 ** -7, atol=1e-2)
 
 
+def test_no_slots_give_zeros():
+    # k = 0 (permute_by_expert takes (T, 0) ids): each token sums no rows, so its output is
+    # zeros, where embedding_bag refuses bags of no rows from a 2-D input.
+    y, rows, w = _inputs(5, 7, 16, 0, weights=torch.float32)
+    for weights in (None, w):
+        out = combine.combine_rows(y, rows, weights)
+        assert out.shape == (5, 16) and out.dtype == y.dtype and bool((out == 0).all())
+
+
 def test_kernel_path_no_tokens_no_launch(kernel):
     y, rows, _ = _inputs(0, 5, 16, 2)
     out = combine.combine_rows(y, rows)

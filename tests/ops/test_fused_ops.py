@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -83,6 +84,27 @@ def test_torch_backend_clamps_unchecked_row_index_into_xs_rows():
     want = fused_grouped_mm_ref(x, w, offs, row_index=bad.clamp(0, T - 1), dtype=torch.float64,
                                 **kw)
     assert torch.allclose(y.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_offs_take_no_copy_warning_and_match_contiguous_ones():
+    # offs as a column of a larger tensor (or a slice under vmap) is valid input: the torch
+    # backend's row -> expert lookup must not hand it to searchsorted strided, which warns
+    # of a copy (set_warn_always: torch warns once per process otherwise).
+    x, w, offs, index, g = _case(22)
+    strided = torch.stack([offs, offs + 100], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    bias = torch.randn(w.shape[0], w.shape[2], generator=g)
+    was = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y = moe_gemm.fused_grouped_mm(x, w, strided, row_index=index, bias=bias,
+                                          gate="silu")
+    finally:
+        torch.set_warn_always(was)
+    assert torch.equal(y, moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, bias=bias,
+                                                    gate="silu"))
 
 
 def test_out_keeps_rows_past_offs_and_out_dtype():
@@ -221,6 +243,13 @@ def test_interleave_gate_up_layouts():
         moe_gemm.interleave_gate_up(w, "halves")
     with pytest.raises(TypeError):
         moe_gemm.interleave_gate_up([1, 2])
+
+
+def test_interleave_gate_up_names_the_rank_of_a_0d_tensor():
+    # A tensor with no dimension has no columns to pair: the rank is what does not fit, so
+    # the error is a ValueError that says so (not a TypeError saying w must be a tensor).
+    with pytest.raises(ValueError, match="at least one dimension.*0-d"):
+        moe_gemm.interleave_gate_up(torch.tensor(1.0))
 
 
 def test_fake_tensor_shapes_and_compiled_graph():
