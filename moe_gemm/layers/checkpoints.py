@@ -409,9 +409,15 @@ def moe_from_tensors(
         moe.gate_up_proj_scale_inv = _as_param(scales[0])
         moe.down_proj_scale_inv = _as_param(scales[1])
     if moe.e_score_correction_bias is not None:
-        moe.e_score_correction_bias = (
-            bias if bias is not None else torch.zeros(E, device=device, dtype=torch.float32)
-        )
+        if bias is None:
+            bias = torch.zeros(E, device=device, dtype=torch.float32)
+        elif isinstance(bias, nn.Parameter) or bias.requires_grad:
+            # A bias kept as a Parameter (Ernie-4.5-MoE, Laguna; a state_dict(keep_vars=True)
+            # of them) would be filed under the layer's parameters, not its buffers (in an
+            # optimizer over moe.parameters(), trained by requires_grad_()): an alias of its
+            # values (in-place updates still show) is kept as the buffer instead.
+            bias = bias.detach()
+        moe.e_score_correction_bias = bias
     if shared is not None:
         assert moe.shared_experts is not None
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -433,8 +433,11 @@ class MoE(MoELoaders, nn.Module):
         """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
         H, I = self.hidden_size, self.intermediate_size
         nn.init.uniform_(self.router_weight, -1 / math.sqrt(H), 1 / math.sqrt(H))
-        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(H), 1 / math.sqrt(H))
-        nn.init.uniform_(self.down_proj, -1 / math.sqrt(I), 1 / math.sqrt(I))
+        if self.gate_up_proj_scale_inv is None:
+            nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(H), 1 / math.sqrt(H))
+            nn.init.uniform_(self.down_proj, -1 / math.sqrt(I), 1 / math.sqrt(I))
+        else:
+            self._reset_fp8_experts()
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
         if self.shared_experts is not None:
@@ -443,6 +446,24 @@ class MoE(MoELoaders, nn.Module):
                 lin.reset_parameters()
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.reset_parameters()
+
+    def _reset_fp8_experts(self) -> None:
+        """reset_parameters for FP8 experts: torch draws no FP8 values (nn.init.uniform_ is not
+        implemented for them; the meta-device recipe to_empty + reset_parameters needs it), so
+        each expert is drawn in float32 and quantized into the layer's own tensors, with its
+        granularity and FP8 dtype (one expert's float32 copy at a time)."""
+        H, I = self.hidden_size, self.intermediate_size
+        granularity, fp8 = self.fp8, self.gate_up_proj.dtype
+        for e in range(self.gate_up_proj.shape[0]):
+            gu = torch.empty((1, *self.gate_up_proj.shape[1:]), device=self.gate_up_proj.device)
+            down = torch.empty((1, *self.down_proj.shape[1:]), device=self.down_proj.device)
+            nn.init.uniform_(gu, -1 / math.sqrt(H), 1 / math.sqrt(H))
+            nn.init.uniform_(down, -1 / math.sqrt(I), 1 / math.sqrt(I))
+            q1, s1, q2, s2 = quantize_experts(gu, down, granularity, fp8)
+            self.gate_up_proj[e].copy_(q1[0])
+            self.gate_up_proj_scale_inv[e].copy_(s1[0])
+            self.down_proj[e].copy_(q2[0])
+            self.down_proj_scale_inv[e].copy_(s2[0])
 
     def __setattr__(self, name: str, value: Any) -> None:
         # `activation` is the layer's one activation (transformers' hidden_act, which its
@@ -563,14 +584,17 @@ class MoE(MoELoaders, nn.Module):
         router of another E routed tokens to experts that do not exist (their slots silently
         dropped) or never to some, one on the meta device gave garbage routing, one of
         another H failed inside F.linear, and experts of two E failed with a message about
-        the grouped GEMM's offs, which the caller never passed. Host-only shape checks, the
-        passing case first: it runs on every forward (~2 us of CPU)."""
+        the grouped GEMM's offs, which the caller never passed; experts of two dtypes or
+        devices (a load_state_dict(..., assign=True) of a mixed checkpoint, a functional_call)
+        failed with one that blamed the caller's valid input. Host-only checks, the passing
+        case first: it runs on every forward (~2 us of CPU)."""
         p, H = self._parameters, self.hidden_size
         gu, down, rw = p["gate_up_proj"], p["down_proj"], p["router_weight"]
         if isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and isinstance(
                 rw, torch.Tensor) and gu.dim() == 3:
             E, I2 = gu.shape[0], gu.shape[1]
             if (gu.shape[2] == H and not I2 % 2 and down.shape == (E, H, I2 // 2)
+                    and down.dtype == gu.dtype and down.device == gu.device
                     and rw.shape == (E, H) and rw.device == gu.device and rw.is_floating_point()):
                 return
         for name, t in (("gate_up_proj", gu), ("down_proj", down)):
@@ -583,6 +607,13 @@ class MoE(MoELoaders, nn.Module):
         if tuple(down.shape) != (E, H, I):
             raise ValueError(f"the layer's down_proj must be (E, H, I) = ({E}, {H}, {I}) to "
                              f"match gate_up_proj {shape_text(gu)}; got {shape_text(down)}")
+        if down.dtype != gu.dtype:
+            raise TypeError(f"the layer's down_proj is {down.dtype} but its gate_up_proj is "
+                            f"{gu.dtype}; the expert weights must share one dtype (cast the "
+                            "layer with .to(dtype))")
+        if down.device != gu.device:
+            raise ValueError(f"the layer's down_proj is on {down.device} but its gate_up_proj "
+                             f"is on {gu.device}")
         check_router_weight(rw, E, H)
         if rw.device != gu.device:
             raise ValueError(f"the layer's router_weight is on {rw.device} but its expert "
@@ -649,5 +680,9 @@ class MoE(MoELoaders, nn.Module):
         parts = [f"{n}={getattr(self, n)!r}" for n in names]
         if self.fp8 is not None:
             parts.append(f"fp8={self.fp8!r}")
-        act = self.activation if isinstance(self.activation, str) else type(self.activation).__name__
+        act = self.activation
+        if not isinstance(act, str):
+            # A function by its name (its type's name is 'function' or
+            # 'builtin_function_or_method'), a module or other callable by its class.
+            act = getattr(act, "__name__", None) or type(act).__name__
         return ", ".join([*parts, f"activation={act!r}"])

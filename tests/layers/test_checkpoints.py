@@ -291,6 +291,33 @@ def test_from_fused_validates_bias_scales_and_router() -> None:
     assert moe(torch.randn(3, 32)).shape == (3, 32)
 
 
+def test_a_correction_bias_given_as_a_parameter_stays_a_buffer() -> None:
+    # Ernie-4.5-MoE and Laguna keep e_score_correction_bias as an nn.Parameter: the layer
+    # filed it under its parameters (in an optimizer over moe.parameters(), trained by
+    # requires_grad_()), where the class documents a buffer as the loaders otherwise make.
+    gate, up, down, router = _expert_tensors()
+    gu = torch.cat([gate, up], dim=1)
+    bias = torch.nn.Parameter(torch.randn(4) * 0.1, requires_grad=False)
+    sd = {"gate.weight": router, "gate.e_score_correction_bias": bias,
+          "experts.gate_up_proj": gu, "experts.down_proj": down}
+    for moe in (MoE.from_fused(gu, down, router, 2, e_score_correction_bias=bias),
+                MoE.from_state_dict(sd, 2)):
+        assert [n for n, _ in moe.named_buffers()] == ["e_score_correction_bias"]
+        assert "e_score_correction_bias" not in dict(moe.named_parameters())
+        assert moe.e_score_correction_bias.data_ptr() == bias.data_ptr()  # still aliased
+        moe.requires_grad_(True)
+        assert not moe.e_score_correction_bias.requires_grad
+        x = torch.randn(6, 32)
+        with torch.no_grad():
+            bias[1] = 5.0  # an in-place update of the source shows in the layer
+            _, ids = moe.route(x)
+        assert bool((ids == 1).any(dim=-1).all())
+        with torch.no_grad():
+            assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+        assert set(moe.state_dict()) == {"router_weight", "e_score_correction_bias",
+                                         "gate_up_proj", "down_proj"}
+
+
 @pytest.mark.parametrize("option", [{"dtype": torch.bfloat16}, {"dtype": torch.float32},
                                     {"device": "cpu"}, {"shared_intermediate_size": 8},
                                     {"shared_expert_gate": True}])

@@ -67,6 +67,10 @@ def test_callable_activation() -> None:
     moe = randomize(MoE(32, 16, 8, 2, activation=torch.tanh))
     x = torch.randn(9, 32)
     assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
+    # the repr names the function (it read activation='builtin_function_or_method')
+    assert "activation='tanh'" in repr(moe)
+    assert "activation='relu'" in repr(MoE(32, 16, 8, 2, activation=F.relu))
+    assert "activation='GELU'" in repr(MoE(32, 16, 8, 2, activation=torch.nn.GELU()))
 
 
 def test_experts_without_tokens_and_single_token() -> None:
@@ -429,6 +433,31 @@ def test_weights_assigned_after_construction_are_checked(name: str, value: torch
         moe(torch.randn(3, 32))
     with pytest.raises(ValueError, match=pattern):
         moe.route(torch.randn(3, 32))
+
+
+def test_expert_weights_of_two_dtypes_or_devices_are_named() -> None:
+    # A load_state_dict(..., assign=True) of a mixed checkpoint or a functional_call with one
+    # expert weight replaced: the GEMM's message blamed x, the caller's valid input.
+    moe = randomize(MoE(32, 16, 8, 2))
+    sd = moe.state_dict()
+    sd["down_proj"] = sd["down_proj"].half()
+    moe.load_state_dict(sd, assign=True)
+    x = torch.randn(3, 32)
+    with pytest.raises(TypeError, match="the layer's down_proj is torch.float16 but its "
+                                        "gate_up_proj is torch.float32"):
+        moe(x)
+    moe = randomize(MoE(32, 16, 8, 2))
+    with pytest.raises(TypeError, match="the layer's down_proj is torch.float32 but its "
+                                        "gate_up_proj is torch.bfloat16"):
+        torch.func.functional_call(moe, {"gate_up_proj": moe.gate_up_proj.bfloat16()}, (x,))
+    with pytest.raises(ValueError, match="the layer's down_proj is on meta but its "
+                                         "gate_up_proj is on cpu"):
+        torch.func.functional_call(moe, {"down_proj": moe.down_proj.to("meta")}, (x,))
+    # (weights of one dtype, the caller's input in another: cast, as documented)
+    y = torch.func.functional_call(
+        moe, {"gate_up_proj": moe.gate_up_proj.bfloat16(), "down_proj": moe.down_proj.bfloat16()},
+        (x,))
+    assert y.dtype == torch.float32
 
 
 def test_weights_assigned_after_construction_with_new_sizes_run() -> None:

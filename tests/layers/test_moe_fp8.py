@@ -335,6 +335,35 @@ def test_fp8_layer_keeps_its_dtypes_under_module_casts():
     assert meta.down_proj_scale_inv.dtype == torch.float32
 
 
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_reset_parameters_of_fp8_experts(granularity):
+    # torch draws no FP8 values: reset_parameters raised NotImplementedError (the meta-device
+    # recipe to_empty + reset_parameters). The experts are drawn and quantized in place.
+    moe = _layer().quantize_fp8(granularity).to("meta").to_empty(device="cpu")
+    params = {name: p for name, p in moe.named_parameters()}
+    moe.reset_parameters()
+    assert dict(moe.named_parameters()) == params  # the same Parameters, filled in
+    assert moe.fp8 == granularity and moe.gate_up_proj.dtype == E4M3
+    for s in (moe.gate_up_proj_scale_inv, moe.down_proj_scale_inv):
+        assert s.dtype == torch.float32 and bool((s > 0).all() and s.isfinite().all())
+    # nn.Linear's bound per expert, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), after decoding
+    H, I = moe.hidden_size, moe.intermediate_size
+    for q, s, fan_in in ((moe.gate_up_proj, moe.gate_up_proj_scale_inv, H),
+                         (moe.down_proj, moe.down_proj_scale_inv, I)):
+        if granularity == "row":
+            w = q.float() * s[..., None]
+        else:
+            w = q.float() * s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        assert float(w.abs().max()) <= fan_in ** -0.5 * 1.001
+        assert float(w.std()) > 0.5 * fan_in ** -0.5 / 3 ** 0.5
+    x = _x()
+    with torch.no_grad():
+        y = moe(x)
+        e = fp8_errors(y, moe_fp8_reference(moe, x))
+    assert y.shape == x.shape and bool(y.isfinite().all())
+    assert e["rel"] < FFN_REL_BOUND, e
+
+
 def test_per_expert_checkpoint_mixing_formats_within_an_expert():
     """Gate and up projections of one expert in different granularities: a clear error (their
     scales were concatenated first, failing inside torch.cat)."""
