@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from moe_gemm.env import env_flag
+from moe_gemm.env import env_value_reader
 
 # The kernels use wgmma, setmaxnreg and the TMA engine: sm_90a only (H100, H200, H20, H800).
 REQUIRED_CAPABILITY = (9, 0)
@@ -26,6 +26,7 @@ def cutlass_dsl_problem() -> str | None:
 
 
 _functorch_depth = torch._C._functorch.get_dynamic_layer_stack_depth
+_cute_disabled = env_value_reader("MOE_GEMM_DISABLE_CUTE")  # (read at every call)
 
 
 def cute_problem(device: torch.device | None = None) -> str | None:
@@ -35,7 +36,7 @@ def cute_problem(device: torch.device | None = None) -> str | None:
     MOE_GEMM_DISABLE_CUTE that is neither on nor off.
     """
     # (a flag: "false", "no" or "off" keep the kernels, as the other switches read them)
-    if env_flag("MOE_GEMM_DISABLE_CUTE"):
+    if _cute_disabled():
         return "disabled by MOE_GEMM_DISABLE_CUTE"
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}, the kernels run on CUDA sm_90a GPUs"

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from moe_gemm.env import LIBRARY_VARIABLES, EnvError, variables_set
+from moe_gemm.env import LIBRARY_VARIABLES, EnvError, refusal, variables_set
 
 
 def _version(dist: str) -> str:
@@ -42,8 +42,16 @@ def info_dict() -> dict[str, object]:
             sm_count=props.multi_processor_count,
             memory_gib=round(props.total_memory / 2**30, 1),
         )
-    problem = cute_problem()
-    env = variables_set()
+    env = {k: v for k, v in variables_set().items() if k in LIBRARY_VARIABLES}
+    # Each value judged by the parser the library reads it with: what a call would refuse.
+    refused = {k: why for k, v in env.items() if (why := refusal(k, v)) is not None}
+    try:
+        problem = cute_problem()
+    except EnvError:  # MOE_GEMM_DISABLE_CUTE refused (in `refused`): every op raises
+        problem = "MOE_GEMM_DISABLE_CUTE is set to a value the library refuses"
+        picks = None
+    else:
+        picks = "cute" if problem is None else "torch"
     return {
         "moe_gemm": __version__,
         "python": platform.python_version(),
@@ -55,19 +63,23 @@ def info_dict() -> dict[str, object]:
             "cute": "usable" if problem is None else f"not usable: {problem}",
             "torch": "usable",
         },
-        "auto_picks": "cute" if problem is None else "torch",
-        "environment": {k: v for k, v in env.items() if k in LIBRARY_VARIABLES},
-        "environment_other": [k for k in env if k not in LIBRARY_VARIABLES],
+        "auto_picks": picks,
+        "environment": env,
+        "environment_refused": refused,
+        "environment_other": [k for k in variables_set() if k not in LIBRARY_VARIABLES],
     }
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     info = info_dict()
+    refused = info["environment_refused"]
+    assert isinstance(refused, dict)
+    rc = 1 if refused else 0
     if args.json:
         import json
 
         print(json.dumps(info, indent=2))
-        return 0
+        return rc
     print(f"moe_gemm {info['moe_gemm']}  (python {info['python']}, torch {info['torch']}, "
           f"nvidia-cutlass-dsl {info['nvidia-cutlass-dsl']}, tvm-ffi {info['apache-tvm-ffi']})")
     dev = info["device"]
@@ -81,17 +93,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     assert isinstance(backends, dict)
     for name, status in backends.items():
         print(f"backend {name:5s} {status}")
-    print(f"backend='auto' uses: {info['auto_picks']}")
+    print(f"backend='auto' uses: {info['auto_picks'] or 'nothing: every op refuses the environment'}")
     env = info["environment"]
     assert isinstance(env, dict)
     for name, value in env.items():
         print(f"env      {name}={value}  ({LIBRARY_VARIABLES[name]})")
+        if name in refused:
+            print(f"         REFUSED: {refused[name]}")
     others = info["environment_other"]
     assert isinstance(others, list)
     if others:
         # (values not shown: the server's API keys are among them)
         print(f"env      also set, not read by the library: {', '.join(others)}")
-    return 0
+    if refused:
+        print(f"moe-gemm info: the library refuses {', '.join(refused)} (see REFUSED above)",
+              file=sys.stderr)
+    return rc
 
 
 CHECK_MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
@@ -280,7 +297,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     problem = cutlass_dsl_problem()
     if problem:
-        print(f"check: cannot compile: {problem}", file=sys.stderr)
+        print(f"moe-gemm check: cannot compile: {problem}", file=sys.stderr)
         return 2
     from moe_gemm.kernels.sm90.compile_fp8 import compile_any
 
@@ -336,6 +353,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import moe_gemm
 
     info = info_dict()
+    if info["auto_picks"] is None:  # every op would refuse the environment: say why, once
+        refused = info["environment_refused"]
+        assert isinstance(refused, dict)
+        raise EnvError(refused["MOE_GEMM_DISABLE_CUTE"])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
     print(f"moe_gemm demo on {dev} (auto backend: {info['auto_picks']})")
@@ -399,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_info = command(
         "info", "versions, the GPU (if any) and which backend runs here, and why not the other",
         "Print the versions of moe_gemm, Python, torch and the CuTe DSL, the GPU (if any), and "
-        "which backend backend='auto' uses here; for a backend that cannot run, the reason.")
+        "which backend backend='auto' uses here; for a backend that cannot run, the reason. "
+        "Also the MOE_GEMM_* variables set, each one the library would refuse marked with the "
+        "reason; exit 1 if there is one.")
     p_info.add_argument("--json", action="store_true", help="print the same as JSON")
     p_info.set_defaults(func=cmd_info)
     p_check = command(

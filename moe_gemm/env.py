@@ -1,4 +1,5 @@
-"""Reading MOE_GEMM_* environment switches on the per-call hot path.
+"""The MOE_GEMM_* environment variables: how each one is read (VARIABLES), and reading them
+on the per-call hot path.
 
 `os.environ.get` encodes the key and decodes the value on every call (~0.5 us each on the
 H200 host, 2 us on the CI machine); grouped_mm's cached-plan path checks three switches per
@@ -9,9 +10,11 @@ call, which was most of its gap to torch's own grouped_mm. On POSIX
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 _ENCODING = sys.getfilesystemencoding()
 _DATA = getattr(os.environ, "_data", None)
@@ -36,45 +39,100 @@ class EnvError(ValueError):
     the variable and the values it takes)."""
 
 
-def env_switch(name: str) -> bool:
-    """A default-on MOE_GEMM_* switch: off when set to 0, false, no or off (any case); on when
-    unset, empty or set to 1, true, yes or on; EnvError for any other value."""
-    value = env_get(name)
+# How each kind of variable is read: a parser takes the variable's name and its raw value
+# (None when unset) and returns what the library uses, or raises EnvError. VARIABLES below
+# names one parser per variable; the library reads a variable only through env_value,
+# env_value_reader or env_parse, which call that parser, and `moe-gemm info` judges a value
+# with the same call (refusal), so the two cannot disagree.
+Parser = Callable[[str, "str | None"], object]
+
+
+def switch_value(name: str, value: str | None) -> bool:
+    """A default-on switch: off when set to 0, false, no or off (any case); on when unset,
+    empty or set to 1, true, yes or on; EnvError for any other value."""
     return value is None or _switch_value(name, value, default=True)
 
 
-def env_flag(name: str) -> bool:
-    """A default-off MOE_GEMM_* switch: on when set to 1, true, yes or on (any case); off when
-    unset, empty or set to 0, false, no or off; EnvError for any other value."""
-    value = env_get(name)
+def flag_value(name: str, value: str | None) -> bool:
+    """A default-off switch: on when set to 1, true, yes or on (any case); off when unset,
+    empty or set to 0, false, no or off; EnvError for any other value."""
     return value is not None and _switch_value(name, value, default=False)
 
 
-def env_override(name: str) -> bool | None:
-    """A MOE_GEMM_* switch over a default the library chooses case by case: True or False
-    when set to an on or off word (as env_switch reads them), None when unset or empty;
-    EnvError for any other value."""
-    value = env_get(name)
+def override_value(name: str, value: str | None) -> bool | None:
+    """A switch over a default the library chooses case by case: True or False when set to an
+    on or off word (as switch_value reads them), None when unset or empty; EnvError for any
+    other value."""
     if value is None or not value.strip():
         return None
     return _switch_value(name, value, default=False)
 
 
-def flag_on(name: str, value: str | None) -> bool:
-    """env_flag for a value already read (one of env_reader's tuple)."""
-    return value is not None and _switch_value(name, value, default=False)
+def text_value(name: str, value: str | None) -> str | None:
+    """A path or other free text: the value, None when unset or empty (no value is refused)."""
+    return value or None
 
 
-def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
-    """A MOE_GEMM_* variable that names one of `choices` (any case): that choice, or None when
-    unset or empty; EnvError for any other value."""
-    value = env_get(name)
-    if value is None or not value.strip():
+def choice_of(*choices: str) -> Parser:
+    """A variable that names one of `choices` (any case): that choice, or None when unset or
+    empty; EnvError for any other value."""
+    def parse(name: str, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        word = value.strip().lower()
+        if word not in choices:
+            raise EnvError(f"{name}={value!r}: expected {' or '.join(choices)} (or unset)")
+        return word
+    return parse
+
+
+def integer_in(low: int, high: int) -> Parser:
+    """An integer from `low` to `high`: that integer, or None when unset or empty; EnvError
+    for anything else."""
+    def parse(name: str, value: str | None) -> int | None:
+        if value is None or not value.strip():
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            number = low - 1
+        if not low <= number <= high:
+            raise EnvError(f"{name}={value!r}: expected an integer from {low} to {high} "
+                           "(or unset)")
+        return number
+    return parse
+
+
+def seconds(default: float, least: float) -> Parser:
+    """A positive finite number of seconds, raised to `least`; `default` when unset or empty;
+    EnvError for anything else (nan, inf, 0, a negative number, a unit after the number)."""
+    def parse(name: str, value: str | None) -> float:
+        if value is None or not value.strip():
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and number > 0):
+            raise EnvError(f"{name}={value!r}: expected a positive finite number of seconds "
+                           f"(default {default:g})")
+        return max(least, number)
+    return parse
+
+
+L2_HINT_WORDS = ("first", "normal", "last")  # the TMA loads' L2 eviction priorities
+
+
+def l2_hints_value(name: str, value: str | None) -> tuple[str, str] | None:
+    """'a,b', each one of L2_HINT_WORDS (A's and B's policy): the pair, None when unset or
+    empty; EnvError for anything else."""
+    if not value:
         return None
-    word = value.strip().lower()
-    if word not in choices:
-        raise EnvError(f"{name}={value!r}: expected {' or '.join(choices)} (or unset)")
-    return word
+    parts = [v.strip() for v in value.split(",")]
+    if len(parts) != 2 or not all(p in L2_HINT_WORDS for p in parts):
+        raise EnvError(f"{name}={value!r}: expected 'a,b' (A's and B's policy), each one of "
+                       f"{', '.join(L2_HINT_WORDS)}")
+    return parts[0], parts[1]
 
 
 def _switch_value(name: str, value: str, default: bool) -> bool:
@@ -115,61 +173,148 @@ def env_reader(names: tuple[str, ...]) -> Callable[[], tuple[str | None, ...]]:
     return read
 
 
+class Variable(NamedTuple):
+    """How the library reads one MOE_GEMM_* variable: its parser (one of the kinds above) and
+    what it does."""
+
+    parse: Parser
+    doc: str
+
+
 # Every MOE_GEMM_* variable the library reads, with what it does (docs/USAGE.md's table and
 # `moe-gemm info` show these; tests/test_env.py checks that the sources read no other). The
 # server's flags have their own (server/README.md).
-LIBRARY_VARIABLES: dict[str, str] = {
-    "MOE_GEMM_DISABLE_CUTE": "1: never run the Hopper kernels (the torch backend everywhere)",
-    "MOE_GEMM_CACHE_DIR": "where compiled kernels are kept (default ~/.cache/moe_gemm)",
-    "MOE_GEMM_DISK_CACHE": "0: keep compiled kernels and online-tuned configs in memory only",
-    "MOE_GEMM_TUNED_TABLE": "a tuned table (JSON) consulted before the shipped ones",
-    "MOE_GEMM_TUNED_TABLES": "0: no tuned tables, the built-in rules choose every config",
-    "MOE_GEMM_AUTOTUNE": "1: tune a grouped_mm shape no table holds the first time it is seen",
-    "MOE_GEMM_AUTOTUNE_BUDGET_S": "seconds one online tune may take (default 30)",
-    "MOE_GEMM_CHECK_OFFS": "1: check offs values on the host also for GPU tensors (a sync)",
-    "MOE_GEMM_TAIL_SPLIT": "0: no split of a short last wave over K (needed where SMs are "
-                           "fenced off, e.g. an MPS thread limit)",
-    "MOE_GEMM_TRIM_A": "1 / 0: an expert's last tile of grouped_mm loads only that "
-                       "expert's rows of x (rounded up to 16) / a whole tile of rows, "
-                       "wherever the kernel builds it (default: trimmed but on ping-pong "
-                       "tiles of 128+ rows and under 192 columns outside 1x2 clusters)",
-    "MOE_GEMM_PEEK_WAIT": "1: the 16-bit kernels' math warps test the next A/B stage's "
-                          "barrier a k-tile ahead (opt-in, even in time on an H200; "
-                          "default: wait at each k-tile)",
-    "MOE_GEMM_L2_HINTS": "'a,b', each first, normal or last: L2 eviction hints on the A and "
-                         "B loads",
-    "MOE_GEMM_PDL": "1: programmatic dependent launch of the kernels (read at import)",
-    "MOE_GEMM_PLAN_GRAPH": "0: a GroupedGemmPlan calls its kernel directly instead of "
-                           "replaying a CUDA graph of its launch recorded at its first call "
-                           "(read when the plan is built)",
-    "MOE_GEMM_FUSED": "0: the MoE layers take the unfused path where they would fuse",
-    "MOE_GEMM_FUSED_GATHER": "0: the fused path gathers tokens with index_select, not in the "
-                             "kernel",
-    "MOE_GEMM_FUSED_GATHER_WIDE": "1: the fused kernel gathers in kernel at every batch size "
-                                  "and on tiles past 128 rows or 128 accumulator registers "
-                                  "on any weight (by default below 1024 routed rows, or "
-                                  "on weights of at most 2048 columns; no routed copy of x, "
-                                  "but 0.87-0.96x the speed of index_select + TMA on wider "
-                                  "ones on the H200)",
-    "MOE_GEMM_FUSED_FAST_GATE": "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid "
-                                "from the IEEE exp and divide, not the SFU's approximate "
-                                "exp2 and reciprocal (a few fp32 ulp apart)",
-    "MOE_GEMM_FP8_SCALE_AHEAD": "1-4: stages ahead the math threads load the FP8 block scales "
-                                "where they are not staged (default 3 on tiles within one "
-                                "scale block; 1: the plain loop)",
-    "MOE_GEMM_FP8_SMEM_SCALES": "1 / 0: the FP8 block scales of the varlen form staged in "
-                                "shared memory by TMA, with the lagged promotion, on tiles "
-                                "with room for it / loaded by the math threads (default: "
-                                "staged, except on decode-sized experts whose K / 128 is not "
-                                "a multiple of 4)",
-    "MOE_GEMM_FP8_PROMOTE_LAG": "1: the FP8 promotion one stage behind the WGMMAs also where "
-                                "the scales are not staged",
-    "MOE_GEMM_FP8_QUANT": "torch: the FP8 quantizers run torch ops even where the kernel runs",
-    "MOE_GEMM_ROUTER": "torch: the routers' top-k (softmax; sigmoid with groups) as torch "
-                       "ops even where their kernels run",
-    "MOE_GEMM_COMBINE": "torch: the MoE layers' top-k combine as embedding_bag even where "
-                        "its kernel runs",
+VARIABLES: dict[str, Variable] = {
+    "MOE_GEMM_DISABLE_CUTE": Variable(
+        flag_value,
+        "1: never run the Hopper kernels (the torch backend everywhere)"),
+    "MOE_GEMM_CACHE_DIR": Variable(
+        text_value,
+        "where compiled kernels are kept (default ~/.cache/moe_gemm)"),
+    "MOE_GEMM_DISK_CACHE": Variable(
+        switch_value,
+        "0: keep compiled kernels and online-tuned configs in memory only"),
+    "MOE_GEMM_TUNED_TABLE": Variable(
+        text_value,
+        "a tuned table (JSON) consulted before the shipped ones"),
+    "MOE_GEMM_TUNED_TABLES": Variable(
+        switch_value,
+        "0: no tuned tables, the built-in rules choose every config"),
+    "MOE_GEMM_AUTOTUNE": Variable(
+        flag_value,
+        "1: tune a grouped_mm shape no table holds the first time it is seen"),
+    "MOE_GEMM_AUTOTUNE_BUDGET_S": Variable(
+        seconds(default=30.0, least=1.0),
+        "seconds one online tune may take (default 30)"),
+    "MOE_GEMM_CHECK_OFFS": Variable(
+        flag_value,
+        "1: check offs values on the host also for GPU tensors (a sync)"),
+    "MOE_GEMM_TAIL_SPLIT": Variable(
+        switch_value,
+        "0: no split of a short last wave over K (needed where SMs are fenced off, e.g. an MPS "
+        "thread limit)"),
+    "MOE_GEMM_TRIM_A": Variable(
+        override_value,
+        "1 / 0: an expert's last tile of grouped_mm loads only that expert's rows of x (rounded "
+        "up to 16) / a whole tile of rows, wherever the kernel builds it (default: trimmed but on "
+        "ping-pong tiles of 128+ rows and under 192 columns outside 1x2 clusters)"),
+    "MOE_GEMM_PEEK_WAIT": Variable(
+        flag_value,
+        "1: the 16-bit kernels' math warps test the next A/B stage's barrier a k-tile ahead "
+        "(opt-in, even in time on an H200; default: wait at each k-tile)"),
+    "MOE_GEMM_L2_HINTS": Variable(
+        l2_hints_value,
+        "'a,b', each first, normal or last: L2 eviction hints on the A and B loads"),
+    "MOE_GEMM_PDL": Variable(
+        flag_value,
+        "1: programmatic dependent launch of the kernels (read at import)"),
+    "MOE_GEMM_PLAN_GRAPH": Variable(
+        switch_value,
+        "0: a GroupedGemmPlan calls its kernel directly instead of replaying a CUDA graph of its "
+        "launch recorded at its first call (read when the plan is built)"),
+    "MOE_GEMM_FUSED": Variable(
+        switch_value,
+        "0: the MoE layers take the unfused path where they would fuse"),
+    "MOE_GEMM_FUSED_GATHER": Variable(
+        switch_value,
+        "0: the fused path gathers tokens with index_select, not in the kernel"),
+    "MOE_GEMM_FUSED_GATHER_WIDE": Variable(
+        flag_value,
+        "1: the fused kernel gathers in kernel at every batch size and on tiles past 128 rows or "
+        "128 accumulator registers on any weight (by default below 1024 routed rows, or on "
+        "weights of at most 2048 columns; no routed copy of x, but 0.87-0.96x the speed of "
+        "index_select + TMA on wider ones on the H200)"),
+    "MOE_GEMM_FUSED_FAST_GATE": Variable(
+        switch_value,
+        "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid from the IEEE exp and "
+        "divide, not the SFU's approximate exp2 and reciprocal (a few fp32 ulp apart)"),
+    "MOE_GEMM_FP8_SCALE_AHEAD": Variable(
+        integer_in(1, 4),
+        "1-4: stages ahead the math threads load the FP8 block scales where they are not staged "
+        "(default 3 on tiles within one scale block; 1: the plain loop)"),
+    "MOE_GEMM_FP8_SMEM_SCALES": Variable(
+        override_value,
+        "1 / 0: the FP8 block scales of the varlen form staged in shared memory by TMA, with the "
+        "lagged promotion, on tiles with room for it / loaded by the math threads (default: "
+        "staged, except on decode-sized experts whose K / 128 is not a multiple of 4)"),
+    "MOE_GEMM_FP8_PROMOTE_LAG": Variable(
+        flag_value,
+        "1: the FP8 promotion one stage behind the WGMMAs also where the scales are not staged"),
+    "MOE_GEMM_FP8_QUANT": Variable(
+        choice_of("torch", "kernel"),
+        "torch: the FP8 quantizers run torch ops even where the kernel runs"),
+    "MOE_GEMM_ROUTER": Variable(
+        choice_of("torch", "kernel"),
+        "torch: the routers' top-k (softmax; sigmoid with groups) as torch ops even where their "
+        "kernels run"),
+    "MOE_GEMM_COMBINE": Variable(
+        choice_of("torch", "kernel"),
+        "torch: the MoE layers' top-k combine as embedding_bag even where its kernel runs"),
 }
+
+
+LIBRARY_VARIABLES: dict[str, str] = {name: v.doc for name, v in VARIABLES.items()}
+
+
+def env_value(name: str) -> object:
+    """What the library makes of the variable `name` now, by its declared parser (EnvError
+    for a value it refuses). A name not in VARIABLES is a KeyError: declare it first."""
+    return _READERS[name]()
+
+
+def env_parse(name: str, value: str | None) -> object:
+    """env_value for a value already read (one of env_reader's tuple)."""
+    return VARIABLES[name].parse(name, value)
+
+
+def env_value_reader(name: str) -> Callable[[], object]:
+    """env_value(name) as a function of no arguments, for a variable read at every call: the
+    key is encoded and the parser looked up once (env_get encodes the key at each call)."""
+    parse = VARIABLES[name].parse
+    if not _BYTES:
+        return lambda: parse(name, os.environ.get(name))
+    key = name.encode(_ENCODING, "surrogateescape")
+    get = _DATA.get  # type: ignore[union-attr]
+
+    def read() -> object:
+        raw = get(key)
+        return parse(name, None if raw is None else raw.decode(_ENCODING, "surrogateescape"))
+
+    return read
+
+
+# (env_value's readers, keys encoded once: no slower than one env_get)
+_READERS = {name: env_value_reader(name) for name in VARIABLES}
+
+
+def refusal(name: str, value: str) -> str | None:
+    """Why the library would refuse `value` for the variable `name` (its reader's EnvError
+    message), or None when it takes it: `moe-gemm info`'s verdict, from the same parser."""
+    try:
+        env_parse(name, value)
+    except EnvError as exc:
+        return str(exc)
+    return None
 
 
 def variables_set() -> dict[str, str]:

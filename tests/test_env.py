@@ -1,8 +1,10 @@
-"""moe_gemm.env.env_get: the same answer as os.environ.get, for every way the environment changes.
+"""moe_gemm.env: env_get gives the same answer as os.environ.get, for every way the environment
+changes; each kind of variable reads its values as documented; and for every declared variable,
+`moe-gemm info`'s verdict and the library's own reader agree.
 
 env_get reads os.environ's underlying bytes mapping on POSIX (to skip the per-call encode and
-decode); these tests pin that it never drifts from os.environ.get. Every variable here has a
-MOE_GEMM_TEST_ENV_ prefix and is removed again by monkeypatch.
+decode); these tests pin that it never drifts from os.environ.get. Every variable of the first
+tests has a MOE_GEMM_TEST_ENV_ prefix and is removed again by monkeypatch.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from moe_gemm import env as env_module
 from moe_gemm.env import env_get
@@ -214,21 +217,17 @@ def test_offs_check_switch_follows_env(path: str, monkeypatch: pytest.MonkeyPatc
                                       ("0", False), ("false", False), ("No", False),
                                       (" FALSE ", False)])
 def test_env_switch_default_on(path: str, clean: pytest.MonkeyPatch, value, on: bool) -> None:
-    from moe_gemm.env import env_switch
-
     if value is not None:
         os.environ[NAME] = value
-    assert env_switch(NAME) is on
+    assert env_module.switch_value(NAME, env_get(NAME)) is on
 
 
 @pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("no", False),
                                       ("1", True), ("true", True), (" Yes ", True), ("ON", True)])
 def test_env_flag_default_off(path: str, clean: pytest.MonkeyPatch, value, on: bool) -> None:
-    from moe_gemm.env import env_flag
-
     if value is not None:
         os.environ[NAME] = value
-    assert env_flag(NAME) is on
+    assert env_module.flag_value(NAME, env_get(NAME)) is on
 
 
 def test_env_reader_follows_every_change(path: str, clean: pytest.MonkeyPatch) -> None:
@@ -274,22 +273,20 @@ def test_variables_set_lists_only_moe_gemm_names(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize("value", ["off", "OFF", " Off "])
 def test_env_switch_takes_off_as_off(path: str, clean: pytest.MonkeyPatch, value: str) -> None:
-    # env_flag reads "on" as on; a default-on switch reads "off" as off (MOE_GEMM_FUSED=off).
-    from moe_gemm.env import env_switch
-
+    # flag_value reads "on" as on; a default-on switch reads "off" as off (MOE_GEMM_FUSED=off).
     os.environ[NAME] = value
-    assert env_switch(NAME) is False
+    assert env_module.switch_value(NAME, env_get(NAME)) is False
 
 
 @pytest.mark.parametrize("value", ["banana", "flase", "2", "-1", "enabled", "0 1"])
-@pytest.mark.parametrize("reader", ["env_switch", "env_flag"])
+@pytest.mark.parametrize("reader", ["switch_value", "flag_value", "override_value"])
 def test_switch_values_neither_on_nor_off_are_refused(path: str, clean: pytest.MonkeyPatch,
                                                       reader: str, value: str) -> None:
     read = getattr(env_module, reader)
     os.environ[NAME] = value
     with pytest.raises(env_module.EnvError, match=rf"^{NAME}={value!r}: expected one of 1, "
                        r"true, yes, on \(on\) or 0, false, no, off \(off\)$"):
-        read(NAME)
+        read(NAME, env_get(NAME))
     assert issubclass(env_module.EnvError, ValueError)
 
 
@@ -309,3 +306,184 @@ def test_disable_cute_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "sometimes")
     with pytest.raises(ValueError, match="MOE_GEMM_DISABLE_CUTE='sometimes': expected"):
         cute_problem()
+
+
+# --------------------------------------------------------------------------------------------
+# Every variable: `moe-gemm info`'s verdict and the library's own reader agree
+
+class _OnCuda:
+    """A tensor's stand-in for readers that look at their switch for CUDA tensors only."""
+
+    device = torch.device("cuda")
+
+
+def _choice():
+    from moe_gemm.ops.heuristics import KernelChoice
+
+    return KernelChoice("cooperative", "device", 128, 128, 4, False, 1)
+
+
+def _fused_args(gate: str | None = None):
+    from moe_gemm.ops.fused_validation import check_fused_mm
+
+    meta = torch.device("meta")
+    return check_fused_mm(
+        torch.empty(64, 512, dtype=torch.bfloat16, device=meta),
+        torch.empty(4, 512, 256, dtype=torch.bfloat16, device=meta),
+        torch.empty(4, dtype=torch.int32, device=meta),
+        row_index=torch.empty(128, dtype=torch.int64, device=meta), concrete=False, gate=gate)
+
+
+def _pdl() -> object:
+    """launch_kernel reads MOE_GEMM_PDL when it is imported: import it in a fresh process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import moe_gemm.ops.launch_kernel as k; "
+                          "print(k.PDL)"], capture_output=True, text=True, timeout=120)
+    if out.returncode:
+        raise env_module.EnvError(out.stderr.strip().splitlines()[-1].split(": ", 1)[1])
+    return int(out.stdout)
+
+
+def _readers() -> dict[str, object]:
+    """The function of the library that reads each variable (called with nothing else set)."""
+    from moe_gemm import capability
+    from moe_gemm.config import GemmConfig
+    from moe_gemm.layers import fused_experts
+    from moe_gemm.ops import (
+        combine,
+        fused_launch,
+        heuristics,
+        heuristics_fp8,
+        kernel_cache,
+        quantize,
+        router_topk,
+        tuned,
+        validation,
+    )
+    from moe_gemm.tuning import online
+
+    return {
+        "MOE_GEMM_DISABLE_CUTE": capability.cute_problem,
+        "MOE_GEMM_CACHE_DIR": kernel_cache.cache_root,
+        "MOE_GEMM_DISK_CACHE": kernel_cache.disk_cache_enabled,
+        "MOE_GEMM_TUNED_TABLE": tuned.state,
+        "MOE_GEMM_TUNED_TABLES": tuned.enabled,
+        "MOE_GEMM_AUTOTUNE": lambda: online.requested(GemmConfig()),
+        "MOE_GEMM_AUTOTUNE_BUDGET_S": lambda: online.requested(GemmConfig()),
+        "MOE_GEMM_CHECK_OFFS": validation.offs_check_requested,
+        "MOE_GEMM_TAIL_SPLIT": heuristics.tail_split_enabled,
+        "MOE_GEMM_TRIM_A": lambda: heuristics.with_trim_a(_choice()),
+        "MOE_GEMM_PEEK_WAIT": lambda: heuristics.with_peek_wait(_choice()),
+        "MOE_GEMM_L2_HINTS": lambda: heuristics.with_l2_hints(_choice()),
+        "MOE_GEMM_PDL": _pdl,
+        # (GroupedGemmPlan reads it so where the kernel runs, on a GPU only)
+        "MOE_GEMM_PLAN_GRAPH": lambda: env_module.env_value("MOE_GEMM_PLAN_GRAPH"),
+        "MOE_GEMM_FUSED": lambda: fused_experts._kernel_ready("cpu"),
+        "MOE_GEMM_FUSED_GATHER": fused_experts._gather_in_kernel,
+        "MOE_GEMM_FUSED_GATHER_WIDE": lambda: fused_launch.fused_choice(
+            _fused_args(), GemmConfig(), 132, torch.device("meta")),
+        "MOE_GEMM_FUSED_FAST_GATE": lambda: fused_launch.fast_gate(_fused_args("silu"),
+                                                                   _choice()),
+        "MOE_GEMM_FP8_SCALE_AHEAD": heuristics_fp8.scale_ahead_requested,
+        "MOE_GEMM_FP8_SMEM_SCALES": heuristics_fp8.smem_scales_requested,
+        "MOE_GEMM_FP8_PROMOTE_LAG": heuristics_fp8.promote_lag_requested,
+        "MOE_GEMM_FP8_QUANT": lambda: quantize._kernel_ok(_OnCuda()),
+        "MOE_GEMM_ROUTER": lambda: router_topk._takes(torch.zeros(2, 4), 2),
+        "MOE_GEMM_COMBINE": lambda: combine._kernel_ok(_OnCuda(), None, None),
+    }
+
+
+# name: (a value the library refuses, None where it takes any; a value it takes)
+VALUES = {
+    "MOE_GEMM_DISABLE_CUTE": ("maybe", "yes"),
+    "MOE_GEMM_CACHE_DIR": (None, "{tmp}/cache"),
+    "MOE_GEMM_DISK_CACHE": ("flase", "off"),
+    "MOE_GEMM_TUNED_TABLE": (None, "{tmp}/table.json"),
+    "MOE_GEMM_TUNED_TABLES": ("2", "0"),
+    "MOE_GEMM_AUTOTUNE": ("always", "true"),
+    "MOE_GEMM_AUTOTUNE_BUDGET_S": ("30s", "12.5"),
+    "MOE_GEMM_CHECK_OFFS": ("sometimes", "1"),
+    "MOE_GEMM_TAIL_SPLIT": ("-1", "0"),
+    "MOE_GEMM_TRIM_A": ("auto", "1"),
+    "MOE_GEMM_PEEK_WAIT": ("enabled", "On"),
+    "MOE_GEMM_L2_HINTS": ("first", " first , last"),
+    "MOE_GEMM_PDL": ("2", "1"),
+    "MOE_GEMM_PLAN_GRAPH": ("graph", "no"),
+    "MOE_GEMM_FUSED": ("flase", "0"),
+    "MOE_GEMM_FUSED_GATHER": ("index_select", "false"),
+    "MOE_GEMM_FUSED_GATHER_WIDE": ("wide", "1"),
+    "MOE_GEMM_FUSED_FAST_GATE": ("sfu", "0"),
+    "MOE_GEMM_FP8_SCALE_AHEAD": ("5", "2"),
+    "MOE_GEMM_FP8_SMEM_SCALES": ("staged", "0"),
+    "MOE_GEMM_FP8_PROMOTE_LAG": ("lag", "yes"),
+    "MOE_GEMM_FP8_QUANT": ("cuda", "torch"),
+    "MOE_GEMM_ROUTER": ("torch ops", "KERNEL"),
+    "MOE_GEMM_COMBINE": ("embedding_bag", " Torch "),
+}
+
+
+def test_every_variable_has_a_reader_and_values_here() -> None:
+    assert set(_readers()) == set(VALUES) == set(env_module.VARIABLES)
+
+
+def _only(mp: pytest.MonkeyPatch, name: str, value: str) -> None:
+    for other in [k for k in os.environ if k.startswith("MOE_GEMM_")]:
+        mp.delenv(other)
+    if name == "MOE_GEMM_AUTOTUNE_BUDGET_S":
+        mp.setenv("MOE_GEMM_AUTOTUNE", "1")  # (the budget is read when autotune is on)
+    mp.setenv(name, value)
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_info_flags_exactly_what_the_reader_refuses(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path) -> None:
+    """For each variable, a value its reader refuses is flagged by `moe-gemm info` with the
+    reader's own message, and a value it takes is neither refused nor flagged."""
+    from moe_gemm.cli import info_dict
+
+    bad, good = VALUES[name]
+    read = _readers()[name]
+    (tmp_path / "table.json").write_text("{}")
+    _only(monkeypatch, name, good.format(tmp=tmp_path))
+    read()
+    assert info_dict()["environment_refused"] == {}
+    if bad is None:
+        return
+    _only(monkeypatch, name, bad)
+    with pytest.raises(env_module.EnvError) as refused:
+        read()
+    assert str(refused.value).startswith(f"{name}={bad!r}: expected")
+    assert info_dict()["environment_refused"] == {name: str(refused.value)}
+
+
+def test_library_modules_read_variables_only_through_the_declarations() -> None:
+    """No module interprets a MOE_GEMM_* value itself (os.environ, env_get): each goes through
+    env_value / env_value_reader / env_parse (or env_reader's raw values, cache keys only)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(env_module.__file__).resolve().parent
+    direct = re.compile(r"\benv_get\b|os\.(environ\.get|getenv)\(\s*(\"MOE_GEMM|[A-Z_]*ENV\b)"
+                        r"|os\.environ\[\s*(\"MOE_GEMM|[A-Z_]*ENV\b)")
+    offenders = [f"{src.relative_to(root)}:{n}" for src in root.rglob("*.py")
+                 if src.name != "env.py"
+                 for n, line in enumerate(src.read_text().splitlines(), 1)
+                 if direct.search(line)]
+    assert offenders == []
+
+
+def test_l2_hint_words_are_the_policies_the_heuristics_encode() -> None:
+    from moe_gemm.ops.heuristics import L2_POLICY
+
+    assert set(env_module.L2_HINT_WORDS) == set(L2_POLICY)
+
+
+def test_refusal_names_nothing_for_values_taken() -> None:
+    assert env_module.refusal("MOE_GEMM_FUSED", "off") is None
+    assert env_module.refusal("MOE_GEMM_FUSED", "") is None
+    assert env_module.refusal("MOE_GEMM_FP8_SCALE_AHEAD", "0") == (
+        "MOE_GEMM_FP8_SCALE_AHEAD='0': expected an integer from 1 to 4 (or unset)")
+    with pytest.raises(KeyError):
+        env_module.env_value("MOE_GEMM_NOT_DECLARED")

@@ -272,15 +272,79 @@ def test_a_closed_stdout_ends_quietly(command) -> None:
 
 
 
-@pytest.mark.parametrize("command", [["info"], ["demo"]])
 def test_a_bad_switch_value_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str],
-                                                   command: list[str]) -> None:
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "maybe")
-    assert cli.main(command) == 2
-    err = capsys.readouterr().err
-    assert err == (f"moe-gemm {command[0]}: MOE_GEMM_DISABLE_CUTE='maybe': expected one of 1, "
-                   "true, yes, on (on) or 0, false, no, off (off)\n")
+    assert cli.main(["demo"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("moe-gemm demo: MOE_GEMM_DISABLE_CUTE='maybe': expected one of 1, "
+                            "true, yes, on (on) or 0, false, no, off (off)\n")
+    assert captured.out == ""
+
+
+def test_check_without_the_dsl_names_the_command(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Its one line began "check:", where every other command's says "moe-gemm COMMAND:"."""
+    from moe_gemm import capability
+
+    monkeypatch.setattr(capability, "cutlass_dsl_problem", lambda: "the DSL is missing")
+    assert cli.main(["check"]) == 2
+    assert capsys.readouterr().err == "moe-gemm check: cannot compile: the DSL is missing\n"
+
+
+def test_info_prints_everything_and_marks_each_refused_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refused MOE_GEMM_DISABLE_CUTE stopped `info` with one line and nothing else: now it
+    prints every line, marks each variable the library would refuse with the reader's message
+    (in the JSON too) and exits 1."""
+    import json
+
+    for name in [k for k in os.environ if k.startswith("MOE_GEMM_")]:
+        monkeypatch.delenv(name)
+    refused = {
+        "MOE_GEMM_DISABLE_CUTE": "MOE_GEMM_DISABLE_CUTE='maybe': expected one of 1, true, yes, "
+                                 "on (on) or 0, false, no, off (off)",
+        "MOE_GEMM_FP8_SCALE_AHEAD": "MOE_GEMM_FP8_SCALE_AHEAD='9': expected an integer from 1 "
+                                    "to 4 (or unset)",
+        "MOE_GEMM_L2_HINTS": "MOE_GEMM_L2_HINTS='first': expected 'a,b' (A's and B's policy), "
+                             "each one of first, normal, last",
+    }
+    for name, message in refused.items():
+        monkeypatch.setenv(name, message.split("'")[1])
+    monkeypatch.setenv("MOE_GEMM_FUSED", "off")  # taken: shown, not marked
+    assert cli.main(["info"]) == 1
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    assert out[0].startswith(f"moe_gemm {__version__}") and out[1].startswith("device:")
+    assert "backend cute  not usable: MOE_GEMM_DISABLE_CUTE is set to a value the library " \
+           "refuses" in out
+    assert "backend='auto' uses: nothing: every op refuses the environment" in out
+    for name, message in refused.items():
+        shown = out.index(next(ln for ln in out if ln.startswith(f"env      {name}=")))
+        assert out[shown + 1] == f"         REFUSED: {message}"
+    fused = out.index(next(ln for ln in out if ln.startswith("env      MOE_GEMM_FUSED=off")))
+    assert not out[fused + 1].lstrip().startswith("REFUSED")
+    assert captured.err == ("moe-gemm info: the library refuses " + ", ".join(sorted(refused))
+                            + " (see REFUSED above)\n")
+    assert cli.main(["info", "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["environment_refused"] == refused and info["auto_picks"] is None
+    assert info["environment"]["MOE_GEMM_FUSED"] == "off"
+
+
+def test_info_with_every_value_taken_exits_0(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    for name in [k for k in os.environ if k.startswith("MOE_GEMM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "1")
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["environment_refused"] == {} and info["auto_picks"] == "torch"
+    assert cli.main(["info"]) == 0
+    captured = capsys.readouterr()
+    assert "REFUSED" not in captured.out and captured.err == ""
 
 
 @pytest.mark.parametrize("full", [False, True])

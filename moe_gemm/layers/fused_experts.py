@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import env_switch
+from moe_gemm.env import env_value
 from moe_gemm.layers.routing import permute_by_expert
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.fused import fused_grouped_mm
@@ -73,7 +73,7 @@ def fused_gate_for(activation: object, layout: str = "concat") -> FusedGate | No
 
 @torch.compiler.assume_constant_result
 def _gather_in_kernel() -> bool:
-    return env_switch(GATHER_ENV)
+    return bool(env_value(GATHER_ENV))
 
 
 @torch.compiler.assume_constant_result
@@ -81,7 +81,7 @@ def _kernel_ready(device: str) -> bool:
     """Whether the fused kernel can run on `device` (a constant under torch.compile)."""
     from moe_gemm.capability import cute_problem
 
-    return env_switch(FUSED_ENV) and cute_problem(torch.device(device)) is None
+    return bool(env_value(FUSED_ENV)) and cute_problem(torch.device(device)) is None
 
 
 def use_fused(fused: bool | None, spec: FusedGate | None, x: torch.Tensor,

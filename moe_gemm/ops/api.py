@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import DEFAULT_CONFIG, GemmConfig
-from moe_gemm.env import env_reader, env_switch, flag_on
+from moe_gemm.env import env_parse, env_reader, env_value
 from moe_gemm.ops import custom_ops, tuned
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
@@ -102,7 +102,8 @@ _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call
 
 def _cacheable(switches: tuple) -> bool:
     """Plans made while cute is disabled or offs values are checked per call are not kept."""
-    return not (flag_on(_PLAN_SWITCHES[0], switches[0]) or flag_on(_PLAN_SWITCHES[1], switches[1]))
+    return not (env_parse(_PLAN_SWITCHES[0], switches[0])
+                or env_parse(_PLAN_SWITCHES[1], switches[1]))
 
 
 def _traced() -> bool:
@@ -579,7 +580,7 @@ class GroupedGemmPlan:
             from moe_gemm.ops.general_launch import PLAN_GRAPH_ENV, GeneralLaunch
 
             self._launch = GeneralLaunch(args, cfg, layout=layout,  # type: ignore[arg-type]
-                                         persistent=True, replay=env_switch(PLAN_GRAPH_ENV))
+                                         persistent=True, replay=bool(env_value(PLAN_GRAPH_ENV)))
         self.backend = "cute" if self._launch is not None else "torch"
 
     def __call__(self) -> list[torch.Tensor]:

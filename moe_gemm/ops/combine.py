@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from moe_gemm.env import env_choice
+from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K, COMBINE_VEC
 from moe_gemm.ops import launch_resources
 
@@ -49,7 +49,7 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
 
 def _kernel_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:
     if (y.device.type != "cuda" or torch.compiler.is_compiling()
-            or env_choice(COMBINE_ENV, ("torch", "kernel")) == "torch"):
+            or env_value(COMBINE_ENV) == "torch"):
         return False
     from moe_gemm.capability import cute_problem
 

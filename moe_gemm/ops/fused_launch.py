@@ -26,7 +26,7 @@ import torch
 
 from moe_gemm.capability import sm_count
 from moe_gemm.config import COOPERATIVE_TILES, GemmConfig
-from moe_gemm.env import env_flag, env_switch
+from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import (
     HEAVY_ACC_REGS,
     SIGMOID_GATES,
@@ -170,7 +170,7 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)
     fitted = fit_fused(choice, gate, False, **extra)
-    wide = env_flag(GATHER_WIDE_ENV) or (args.N <= GATHER_NARROW_N
+    wide = env_value(GATHER_WIDE_ENV) or (args.N <= GATHER_NARROW_N
                                          and args.S >= GATHER_MAX_ROWS)
     gather = (args.row_index is not None and whole_chunk_rows(args)
               and (args.S < GATHER_MAX_ROWS or wide))
@@ -229,7 +229,7 @@ def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: boo
 def fast_gate(args: FusedMmArgs, choice: KernelChoice) -> bool:
     """Whether the gated epilogue takes the SFU sigmoid: a sigmoid gate, the switch on, and
     no bias on FAST_GATE_BIASED_ACC_REGS accumulator registers or more."""
-    if args.gate not in SIGMOID_GATES or not env_switch(FAST_GATE_ENV):
+    if args.gate not in SIGMOID_GATES or not env_value(FAST_GATE_ENV):
         return False
     return args.bias is None or acc_regs(choice.schedule, choice.tile_m,
                                          choice.tile_n) < FAST_GATE_BIASED_ACC_REGS

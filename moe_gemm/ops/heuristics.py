@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
-from moe_gemm.env import EnvError, env_flag, env_get, env_override, env_reader, env_switch
+from moe_gemm.env import env_reader, env_value
 from moe_gemm.kernels.sm90.constants import TILE_K, raster_code, raster_fields
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
@@ -69,7 +69,8 @@ FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"
 # Mainloops of at most this many k-tiles (K <= 1024 at TILE_K = 64) take the ping-pong schedule.
 SHORT_K_TILES = 16
 
-# TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90).
+# TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90), by the
+# words MOE_GEMM_L2_HINTS takes (env.L2_HINT_WORDS).
 L2_POLICY = {"normal": 0x1000000000000000, "first": 0x12F0000000000000,
              "last": 0x14F0000000000000}
 
@@ -80,14 +81,10 @@ def with_l2_hints(choice: KernelChoice) -> KernelChoice:
     evict_first on operands that are re-read (mixtral's A, re-read by 56 n-tiles) made the
     time bimodal (2.78 to 4.13 ms). MOE_GEMM_L2_HINTS="a,b" (first|normal|last) builds the
     hinted variant, for tuning."""
-    env = env_get("MOE_GEMM_L2_HINTS")
-    if not env:
+    hints = env_value("MOE_GEMM_L2_HINTS")
+    if hints is None:
         return choice
-    parts = [v.strip() for v in env.split(",")]
-    if len(parts) != 2 or not all(p in L2_POLICY for p in parts):
-        raise EnvError(f"MOE_GEMM_L2_HINTS={env!r}: expected 'a,b' (A's and B's policy), each "
-                       f"one of {', '.join(L2_POLICY)}")
-    a, b = parts
+    a, b = hints
     return replace(choice, a_policy=L2_POLICY[a], b_policy=L2_POLICY[b], l2_hints=True)
 
 
@@ -308,7 +305,7 @@ def with_trim_a(choice: KernelChoice) -> KernelChoice:
     """Trimmed A loads (kernels/sm90/trimmed_a.py) where trim_a_default takes them;
     MOE_GEMM_TRIM_A=1 / 0 takes them everywhere (the varlen form; a fused kernel that gathers
     A itself keeps its gather) / nowhere."""
-    forced = env_override(TRIM_A_ENV)
+    forced = env_value(TRIM_A_ENV)
     on = trim_a_default(choice) if forced is None else forced
     return replace(choice, trim_a=True) if on else choice
 
@@ -329,7 +326,7 @@ def trim_a_default(choice: KernelChoice) -> bool:
 def with_peek_wait(choice: KernelChoice) -> KernelChoice:
     """Peeked stage waits (GroupedGemmSm90 peek_wait) where MOE_GEMM_PEEK_WAIT=1 asks for
     them (16-bit kernels, every form; opt-in: even with the plain wait on the zoo, H200)."""
-    on = env_flag(PEEK_WAIT_ENV)
+    on = bool(env_value(PEEK_WAIT_ENV))
     return replace(choice, peek_wait=on) if on != choice.peek_wait else choice
 
 
@@ -453,7 +450,7 @@ def tail_split_enabled() -> bool:
     publisher CTAs of lower index, which relies on the persistent grid (at most one CTA per
     SM) being resident at once, as on a GPU of one's own; switch it off where SMs are fenced
     off below the device's count (e.g. an MPS active-thread limit)."""
-    return env_switch(TAIL_SPLIT_ENV)
+    return bool(env_value(TAIL_SPLIT_ENV))
 
 
 def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int,

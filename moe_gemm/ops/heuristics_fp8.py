@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import EnvError, env_flag, env_get
+from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants_fp8 import (
     FP8_TILE_K,
     fp8_tile_problem,
@@ -32,7 +32,7 @@ PROMOTE_LAG_ENV = "MOE_GEMM_FP8_PROMOTE_LAG"
 
 
 def promote_lag_requested() -> bool:
-    return env_flag(PROMOTE_LAG_ENV)
+    return bool(env_value(PROMOTE_LAG_ENV))
 
 
 # The block-scaled plain loop with each stage's scales loaded this many stages before its
@@ -51,26 +51,14 @@ def promote_lag_requested() -> bool:
 # ptxas spills on some (batched cooperative 128x192: 20 B at 3 ahead, 120 at 4; ping-pong
 # 64x192: 72 B), none was timed with it. MOE_GEMM_FP8_SCALE_AHEAD (1 to 4) overrides both;
 # 1 is the plain loop.
-SCALE_AHEAD_ENV = "MOE_GEMM_FP8_SCALE_AHEAD"
-SCALE_AHEAD_MAX = 4
+SCALE_AHEAD_ENV = "MOE_GEMM_FP8_SCALE_AHEAD"  # (its range is declared in env.VARIABLES)
 DEFAULT_SCALE_AHEAD = 3
 
 
 def scale_ahead_requested() -> int:
     """MOE_GEMM_FP8_SCALE_AHEAD as a stage count, 0 when unset or empty (the default: see
-    above). Raises EnvError (a ValueError) for anything but an integer from 1 to
-    SCALE_AHEAD_MAX."""
-    raw = env_get(SCALE_AHEAD_ENV)
-    if raw is None or not raw.strip():
-        return 0
-    try:
-        ahead = int(raw)
-    except ValueError:
-        ahead = 0
-    if not 1 <= ahead <= SCALE_AHEAD_MAX:
-        raise EnvError(f"{SCALE_AHEAD_ENV} must be an integer from 1 to {SCALE_AHEAD_MAX} "
-                         f"(stages ahead the FP8 block scales are loaded); got {raw!r}")
-    return ahead
+    above). Raises EnvError (a ValueError) for anything but an integer from 1 to 4."""
+    return env_value(SCALE_AHEAD_ENV) or 0
 
 
 # Block scales staged in shared memory by TMA beside each stage's operands
@@ -102,14 +90,7 @@ def smem_scales_requested() -> bool | None:
     """MOE_GEMM_FP8_SMEM_SCALES as True / False, None when unset or empty (the default).
     Raises EnvError (a ValueError) for anything but 1 / 0 (or true / false, yes / no, on /
     off)."""
-    raw = env_get(SMEM_SCALES_ENV)
-    if raw is None or not raw.strip():
-        return None
-    value = raw.strip().lower()
-    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-        raise EnvError(f"{SMEM_SCALES_ENV} must be 1 or 0 (FP8 block scales staged in shared "
-                         f"memory, or loaded by the math threads); got {raw!r}")
-    return value in ("1", "true", "yes", "on")
+    return env_value(SMEM_SCALES_ENV)
 
 
 def kernel_scale_mode(granularity: str) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moe_gemm.env import env_switch
+from moe_gemm.env import env_value
 
 EXPORT_NAME = "moe_gemm_kernel"
 _KERNEL_DIR = Path(__file__).parents[1] / "kernels"
@@ -40,12 +40,12 @@ stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
 
 
 def disk_cache_enabled() -> bool:
-    return env_switch("MOE_GEMM_DISK_CACHE")
+    return bool(env_value("MOE_GEMM_DISK_CACHE"))
 
 
 def cache_root() -> Path:
-    root = os.environ.get("MOE_GEMM_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "moe_gemm"
+    root = env_value("MOE_GEMM_CACHE_DIR")
+    return Path(str(root)) if root else Path.home() / ".cache" / "moe_gemm"
 
 
 @functools.lru_cache(maxsize=1)

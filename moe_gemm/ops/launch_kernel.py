@@ -16,7 +16,7 @@ import torch
 
 # sm_count: unused here; every launch module looks it up as launch_kernel.sm_count (see above).
 from moe_gemm.capability import device_name, sm_count  # noqa: F401
-from moe_gemm.env import env_flag
+from moe_gemm.env import env_value
 from moe_gemm.ops import kernel_cache as cache
 from moe_gemm.ops import launch_resources
 from moe_gemm.ops.heuristics import KernelChoice
@@ -28,7 +28,7 @@ _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.fl
 # on / off): mixtral 2831 / 2826 us, uniform list 559 / 555, moe-decode 288 / 283,
 # k-varying 122 / 124; the GPU tests pass both ways. A module attribute (read at every launch)
 # so one process can time both (tests/kernels/test_graphs_gpu.py switches it).
-PDL = int(env_flag("MOE_GEMM_PDL"))
+PDL = int(bool(env_value("MOE_GEMM_PDL")))
 
 
 def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):

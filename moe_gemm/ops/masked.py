@@ -17,7 +17,7 @@ import torch
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import flag_on
+from moe_gemm.env import env_parse
 from moe_gemm.ops import masked_custom_ops
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.api import (
@@ -272,7 +272,7 @@ def _remember(bucket, extra, tensors, plan, config) -> None:
     if any(type(t) not in PLAIN_TENSORS for t in tensors) or not plan.cacheable:
         return
     switches = _switches()
-    if flag_on("MOE_GEMM_DISABLE_CUTE", switches[0]) or offs_check_requested():
+    if env_parse("MOE_GEMM_DISABLE_CUTE", switches[0]) or offs_check_requested():
         return
     # Any operand that requires grad, the FP8 form's scales among them (a link decided on x
     # and w alone let the calls that find the plan return results with no refusing backward)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import env_get
+from moe_gemm.env import env_value
 from moe_gemm.ops import launch_kernel, launch_resources
 from moe_gemm.ops.heuristics import choose_batched, choose_varlen
 from moe_gemm.ops.kernel_cache import kernel_constants
@@ -27,7 +27,7 @@ from moe_gemm.ops.validation import GroupedBmmArgs, GroupedMmArgs
 def _maybe_autotune(form: str, args, config: GemmConfig) -> None:
     """Online autotune (MOE_GEMM_AUTOTUNE=1, moe_gemm.tuning.online) of a new grouped_mm
     signature, before its kernel is chosen; never while a CUDA graph is being captured."""
-    if env_get("MOE_GEMM_AUTOTUNE") and not launch_resources._capturing():
+    if env_value("MOE_GEMM_AUTOTUNE") and not launch_resources._capturing():
         from moe_gemm.tuning import online
 
         if online.requested(config):

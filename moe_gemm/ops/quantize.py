@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from moe_gemm.env import env_choice
+from moe_gemm.env import env_value
 from moe_gemm.ops.validation import check_dense
 from moe_gemm.ops.vmap import functorch_active as _functorch_active
 
@@ -154,7 +154,7 @@ def _per_token_group_torch(x: torch.Tensor, g: int, dtype: torch.dtype):
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
-    if x.device.type != "cuda" or env_choice(QUANT_ENV, ("torch", "kernel")) == "torch":
+    if x.device.type != "cuda" or env_value(QUANT_ENV) == "torch":
         return False
     from moe_gemm.capability import cute_problem
 

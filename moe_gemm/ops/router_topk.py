@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from moe_gemm.env import env_choice
+from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import ROUTER_MAX_E, ROUTER_MAX_GROUPS, ROUTER_MAX_K
 from moe_gemm.ops import launch_resources
 
@@ -71,7 +71,7 @@ def _kernel_ok(logits: torch.Tensor, k: int) -> bool:
 
 def _takes(logits: torch.Tensor, k: int) -> bool:
     """Whether the kernel takes these logits and k (any device; the switch and autograd)."""
-    if (env_choice(ROUTER_ENV, ("torch", "kernel")) == "torch"
+    if (env_value(ROUTER_ENV) == "torch"
             or (logits.requires_grad and torch.is_grad_enabled())):
         return False
     if logits.dtype not in _KERNEL_DTYPES or logits.dim() != 2:

@@ -15,7 +15,7 @@ import torch
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import flag_on
+from moe_gemm.env import env_parse
 from moe_gemm.ops import custom_ops_fp8
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.api import _check_config, _switches, _symbolic, _traced, _use_cute
@@ -168,7 +168,7 @@ def _remember(bucket, config, out_dtype, tensors, plan, out) -> None:
     if any(type(t) not in PLAIN_TENSORS for t in tensors) or not plan.cacheable:
         return
     switches = _switches()
-    if flag_on("MOE_GEMM_DISABLE_CUTE", switches[0]) or offs_check_requested():
+    if env_parse("MOE_GEMM_DISABLE_CUTE", switches[0]) or offs_check_requested():
         return
     link = any(t.requires_grad for t in tensors)
     _plans.add(bucket, (config, out_dtype, switches), tensors, (plan, link))

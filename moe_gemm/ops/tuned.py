@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_gemm.config import TUNED_FIELDS, GemmConfig
-from moe_gemm.env import env_get, env_switch
+from moe_gemm.env import env_value
 
 FORMAT = "moe_gemm.tuned-table/1"
 TABLES_DIR = Path(__file__).resolve().parents[1] / "tables"
@@ -491,22 +491,22 @@ def _online(path: str, generation: int, device: str) -> Table | None:
 
 
 def enabled() -> bool:
-    return env_switch(TABLES_ENV)
+    return bool(env_value(TABLES_ENV))
 
 
 def state() -> tuple:
     """What the answer of `lookup` depends on besides its arguments (heuristics key their
     caches on it): the online cache's generation, whether it is read from disk and from which
     folder, and the user table's path and mtime."""
-    path = env_get(USER_TABLE_ENV)
+    path = env_value(USER_TABLE_ENV)
     mtime = 0.0
     if path:
         try:
             mtime = os.stat(path).st_mtime
         except OSError:
             mtime = -1.0
-    return (enabled(), _generation, path or None, mtime, env_get(DISK_CACHE_ENV),
-            env_get(CACHE_DIR_ENV))
+    return (enabled(), _generation, path, mtime, env_value(DISK_CACHE_ENV),
+            env_value(CACHE_DIR_ENV))
 
 
 def tables_for(device: str) -> list[Table]:
@@ -515,7 +515,7 @@ def tables_for(device: str) -> list[Table]:
         return []
     with _lock:
         found = []
-        path = env_get(USER_TABLE_ENV)
+        path = env_value(USER_TABLE_ENV)
         if path:
             try:
                 mtime = os.stat(path).st_mtime
@@ -525,7 +525,7 @@ def tables_for(device: str) -> list[Table]:
                 mtime = None
             if mtime is not None:
                 found.append(_user(path, mtime, device))
-        if env_switch("MOE_GEMM_DISK_CACHE"):
+        if env_value(DISK_CACHE_ENV):
             found.append(_online(str(online_path(device)), _generation, device))
         if device in _memory:
             found.append(_in_memory(device, _generation))

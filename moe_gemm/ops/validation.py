@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_gemm.env import env_flag
+from moe_gemm.env import env_value_reader
 from moe_gemm.ops.aliasing import has_internal_overlap, outputs_aliasing_inputs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -285,8 +285,8 @@ def _explain_grouped_gemm(
     raise AssertionError("unreachable: fast check failed but no operand is wrong")
 
 
-def offs_check_requested() -> bool:
-    return env_flag("MOE_GEMM_CHECK_OFFS")
+# MOE_GEMM_CHECK_OFFS, read at every call that could check on the host.
+offs_check_requested = env_value_reader("MOE_GEMM_CHECK_OFFS")
 
 
 def check_grouped_mm(

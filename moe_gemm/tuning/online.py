@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import math
 import threading
 import time
 import warnings
@@ -30,13 +29,12 @@ from pathlib import Path
 import torch
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.env import EnvError, env_flag, env_get
+from moe_gemm.env import env_value
 from moe_gemm.ops import heuristics, tuned
 from moe_gemm.ops.versions import runtime_versions
 
 AUTOTUNE_ENV = "MOE_GEMM_AUTOTUNE"
-BUDGET_ENV = "MOE_GEMM_AUTOTUNE_BUDGET_S"
-DEFAULT_BUDGET_S = 30.0
+BUDGET_ENV = "MOE_GEMM_AUTOTUNE_BUDGET_S"  # (its default, 30 s, is declared in env.VARIABLES)
 _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _attempted: set[tuple] = set()
 _lock = threading.Lock()
@@ -44,7 +42,7 @@ _lock = threading.Lock()
 
 def requested(config: GemmConfig) -> bool:
     """Whether a plan for `config` should be tuned online (cheap: checked per new plan)."""
-    if not env_flag(AUTOTUNE_ENV) or config.tuning_pinned:
+    if not env_value(AUTOTUNE_ENV) or config.tuning_pinned:
         return False
     # Checked here, on the caller's path: read only inside the tune, a bad budget would end
     # up as the warning of a failed tune instead of an error naming the variable.
@@ -55,17 +53,7 @@ def requested(config: GemmConfig) -> bool:
 def _budget_s() -> float:
     """MOE_GEMM_AUTOTUNE_BUDGET_S (default when unset or empty), at least 1 s; EnvError when it
     is not a positive finite number of seconds."""
-    raw = env_get(BUDGET_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_BUDGET_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise EnvError(f"{BUDGET_ENV}={raw!r}: expected a positive finite number of seconds "
-                       f"(default {DEFAULT_BUDGET_S:g})")
-    return max(1.0, value)
+    return env_value(BUDGET_ENV)
 
 
 def ensure_tuned_varlen(args, config: GemmConfig) -> None:
