@@ -54,3 +54,16 @@ def test_checks_compare_with_torch_and_limits():
     assert out["grouped_mm 2-D launch_gap_us <= torch"]["ok"] is False
     assert out["GroupedGemmPlan call cpu_us <= 10"]["ok"] is True
     assert out["grouped_gemm 256 problems cpu_us <= 250"]["ok"] is None
+
+
+def test_the_table_shows_each_calls_time_to_result():
+    # The gap counts to a call's first kernel: the single-call time to the result stands
+    # beside it, so a call that launches a small kernel early is not read as faster.
+    from benchmarks.host_overhead import format_lines
+
+    e = {"cpu_us": 14.6, "launch_gap_us": 28.3, "gpu_us": 6.7, "single_us": 35.0}
+    lines = format_lines({"calls": {"ours": e, "bad": {"error": "RuntimeError: x"}},
+                          "checks": {}})
+    assert lines[0].split("|")[-1].strip() == "single us"
+    assert [c.strip() for c in lines[1].split("|")][1:] == ["14.6", "28.3", "6.7", "35.0"]
+    assert lines[2].endswith("error: RuntimeError: x")
