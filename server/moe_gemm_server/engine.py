@@ -77,7 +77,7 @@ class WeightSet:
             uploaded [E, N, K] tensor (the ops take either unit stride).
         layout: "w" if uploaded as [E, K, N], "w_t" if uploaded as [E, N, K].
         version: increases every time a set is installed, so callers can tell a replaced set
-            from the one they validated against.
+            from the one they validated against; 0 for a set prepared and not yet installed.
     """
 
     name: str
@@ -308,8 +308,8 @@ class Engine(WarmUpMixin, LaunchMixin):
         w = stored.transpose(1, 2) if k_major else stored
         if stored_scale is not None and granularity == "block":
             stored_scale = stored_scale.transpose(1, 2)  # (E, K/128, ceil(N/128)) view
-        ws = WeightSet(name=name, w=w, layout=layout, version=next(self._versions),
-                       scale=stored_scale, granularity=granularity)
+        ws = WeightSet(name=name, w=w, layout=layout, version=0, scale=stored_scale,
+                       granularity=granularity)
         if warm:
             self.warm_up(ws)
             ws = dataclasses.replace(ws, kernels=self.kernel_report(ws))
@@ -319,11 +319,23 @@ class Engine(WarmUpMixin, LaunchMixin):
         return ws
 
     def install(self, ws: WeightSet) -> WeightSet | None:
-        """Make `ws` visible under its name; returns the set it replaced, if any."""
+        """Make `ws` visible under its name, numbered with the next version; returns the set
+        it replaced, if any."""
+        return self._install(ws)[1]
+
+    def _install(self, ws: WeightSet) -> tuple[WeightSet, WeightSet | None]:
+        """install(), returning (the set installed, the set it replaced or None).
+
+        The version is drawn here, in the order sets become visible, not when they were
+        prepared: uploads warm concurrently and finish in any order, and a set prepared first
+        but installed last must not carry an older version than the one it replaced or one
+        deleted before it (statistics retire a deleted set's requests by version:
+        metrics.StatsBook.forget)."""
         with self._registry_lock:
+            ws = dataclasses.replace(ws, version=next(self._versions))
             old = self._weights.get(ws.name)
             self._weights[ws.name] = ws
-            return old
+            return ws, old
 
     def add_weights(
         self, name: str, tensor: torch.Tensor, layout: Layout = "w", *, warm: bool = True,
@@ -331,8 +343,7 @@ class Engine(WarmUpMixin, LaunchMixin):
     ) -> WeightSet:
         """prepare_weights + install. Returns the installed WeightSet."""
         ws = self.prepare_weights(name, tensor, layout, warm=warm, scale=scale)
-        self.install(ws)
-        return ws
+        return self._install(ws)[0]
 
     def remove_weights(self, name: str) -> WeightSet | None:
         """Forget a weight set (launches already holding it finish). Returns it, or None."""

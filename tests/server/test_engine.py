@@ -166,19 +166,33 @@ def test_grouped_gemm_many(engine):
                            torch.cat([t.flatten() for t in engine.grouped_gemm(a, b)]))
 
 
+def test_versions_follow_the_order_sets_are_installed_in(engine):
+    """A set prepared first but installed last (a slow upload's warm-up) is the newest version,
+    newer than the one it replaces and than one deleted before it was installed."""
+    slow = engine.prepare_weights("a", torch.randn(2, 4, 3))
+    fast = engine.add_weights("a", torch.randn(2, 4, 3))
+    deleted = engine.remove_weights("a")
+    assert deleted is fast
+    engine.install(slow)
+    installed = engine.get_weights("a")
+    assert installed.version > deleted.version
+    assert torch.equal(installed.w, slow.w)
+
+
 def test_weight_set_lifecycle(engine):
     w1 = torch.randn(2, 4, 3)
     ws1 = engine.add_weights("a", w1)
     ws2 = engine.prepare_weights("a", torch.randn(2, 4, 5))
     assert engine.get_weights("a") is ws1  # prepared, not yet visible
     assert engine.install(ws2) is ws1
-    assert ws2.version > ws1.version
-    assert engine.get_weights("a").N == 5
+    installed = engine.get_weights("a")  # ws2, numbered as it is installed
+    assert installed.version > ws1.version and installed.w is ws2.w
+    assert installed.N == 5
     assert engine.resident_bytes == ws2.nbytes
     # a launch holding the replaced set still runs against it
     y = engine.grouped_mm(ws1, torch.randn(2, 4), torch.tensor([1, 1]))
     assert y.shape == (2, 3)
-    assert engine.remove_weights("a") is ws2
+    assert engine.remove_weights("a") is installed
     assert engine.remove_weights("a") is None
     with pytest.raises(KeyError):
         engine.get_weights("a")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -158,3 +159,38 @@ def test_uploads_sent_in_small_pieces_are_checked_and_stored(small_server) -> No
         y = st_load(r.content)["y"]
         assert torch.allclose(y.double(), mm_ref(x, w, torch.tensor([1, 2])), atol=1e-4)
         assert c.delete("/v1/weights/pieces").status_code == 200
+
+
+def test_a_set_installed_after_a_delete_counts_its_requests(tmp_path):
+    """An upload that warms longer than a later upload of the same name, which is then deleted,
+    is installed last: its requests count in its statistics (they were dropped as requests of
+    the deleted version, whose number was higher)."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowWarmUp(Engine):
+        def warm_up(self, ws):  # type: ignore[no-untyped-def]
+            if ws.E == 3:  # the first upload: held in its warm-up
+                entered.set()
+                assert release.wait(30)
+            return super().warm_up(ws)
+
+    app = create_app(Settings(data_dir=tmp_path), engine=SlowWarmUp("cpu", warmup_rows=[1]))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        first: dict[str, httpx.Response] = {}
+        t = threading.Thread(target=lambda: first.setdefault("r", client.put(
+            "/v1/weights/a", content=st_body({"w": torch.ones(3, 4, 4)}))))
+        t.start()
+        assert entered.wait(30)
+        assert client.put("/v1/weights/a",
+                          content=st_body({"w": torch.ones(2, 4, 4)})).status_code == 201
+        assert client.delete("/v1/weights/a").status_code == 200
+        release.set()
+        t.join(30)
+        assert first["r"].status_code == 201, first["r"].text
+        r = client.post("/v1/weights/a/grouped-mm", content=st_body(
+            {"x": torch.ones(3, 4), "counts": torch.tensor([1, 1, 1], dtype=torch.int32)}))
+        assert r.status_code == 200, r.text
+        stats = client.get("/v2/models/a/stats").json()["model_stats"][0]
+        assert stats["inference_count"] == 3 and stats["execution_count"] == 1
+        assert stats["inference_stats"]["success"]["count"] == 1
