@@ -4,9 +4,12 @@ conftest.py), and the output checks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 
-from moe_gemm.ops import api, general_launch, launch_kernel, launch_resources
+from moe_gemm.ops import api, fused_launch, general_launch, launch_kernel, launch_resources
 
 NSM = 132
 
@@ -60,3 +63,23 @@ def check_outputs(outs, sizes, dtype) -> None:
     spans.sort()
     for (_, end), (start, _) in zip(spans, spans[1:]):
         assert end <= start, "outputs overlap"
+
+
+def emulating(monkeypatch, emulator: Callable[[Any], Any], ops_module) -> Iterator[list]:
+    """A fixture's body: `ops_module`'s fused ops on the Hopper path with CPU tensors, each
+    compile making `emulator(key)`; yields the emulators made."""
+    made: list = []
+
+    def compiled(key):
+        made.append(emulator(key))
+        return made[-1]
+
+    clear_caches()
+    install(monkeypatch, None)
+    monkeypatch.setattr(launch_kernel, "_compiled", compiled)
+    monkeypatch.setattr(fused_launch, "sm_count", lambda device: NSM)
+    monkeypatch.setattr(ops_module, "cute_problem", lambda device=None: None)
+    ops_module._clear_plans()
+    yield made
+    ops_module._clear_plans()
+    clear_caches()

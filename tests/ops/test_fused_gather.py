@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from host_fakes import NSM, clear_caches, install
+from host_fakes import NSM, emulating
 
 import moe_gemm
 from moe_gemm import GemmConfig
 from moe_gemm.ops import fused as fused_ops
-from moe_gemm.ops import fused_launch, launch_kernel
 from moe_gemm.ops.fused_launch import fused_choice
 from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
 from moe_gemm.ops.fused_validation import check_fused_mm
@@ -94,21 +93,7 @@ class FusedKernelEmulator:
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> list[FusedKernelEmulator]:
     """fused_grouped_mm on the Hopper path with CPU tensors: each compile makes an emulator."""
-    made: list[FusedKernelEmulator] = []
-
-    def compiled(key):
-        made.append(FusedKernelEmulator(key))
-        return made[-1]
-
-    clear_caches()
-    install(monkeypatch, None)
-    monkeypatch.setattr(launch_kernel, "_compiled", compiled)
-    monkeypatch.setattr(fused_launch, "sm_count", lambda device: NSM)
-    monkeypatch.setattr(fused_ops, "cute_problem", lambda device=None: None)
-    fused_ops._clear_plans()
-    yield made
-    fused_ops._clear_plans()
-    clear_caches()
+    yield from emulating(monkeypatch, FusedKernelEmulator, fused_ops)
 
 
 def _one_token(K: int, g: torch.Generator, after: float | None) -> torch.Tensor:

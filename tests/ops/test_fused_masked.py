@@ -17,12 +17,12 @@ import itertools
 
 import pytest
 import torch
-from host_fakes import NSM, clear_caches, install
+from host_fakes import NSM, emulating
 from torch.library import opcheck
 
 import moe_gemm
 from moe_gemm import GemmConfig, fused_grouped_mm_masked
-from moe_gemm.ops import api, fused_launch, fused_masked, launch_info, launch_kernel
+from moe_gemm.ops import api, fused_masked, launch_info
 from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
 from moe_gemm.testing import assert_close_to_ref
 
@@ -723,22 +723,7 @@ class FusedCountsKernelEmulator:
 def emulated(monkeypatch: pytest.MonkeyPatch) -> list[FusedCountsKernelEmulator]:
     """fused_grouped_mm_masked on the Hopper path with CPU tensors: each compile makes an
     emulator."""
-    made: list[FusedCountsKernelEmulator] = []
-
-    def compiled(key):
-        emu = FusedCountsKernelEmulator(key)
-        made.append(emu)
-        return emu
-
-    clear_caches()
-    install(monkeypatch, None)
-    monkeypatch.setattr(launch_kernel, "_compiled", compiled)
-    monkeypatch.setattr(fused_launch, "sm_count", lambda device: NSM)
-    monkeypatch.setattr(fused_masked, "cute_problem", lambda device=None: None)
-    fused_masked._clear_plans()
-    yield made
-    fused_masked._clear_plans()
-    clear_caches()
+    yield from emulating(monkeypatch, FusedCountsKernelEmulator, fused_masked)
 
 
 def _w_layout(gate, layout) -> str:

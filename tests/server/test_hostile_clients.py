@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_testutils import LiveServer, read_http_response, st_body
+from server_testutils import LiveServer, live_server, read_http_response, st_body
 
 ADMIN = "hostile-admin-key"
 BODY_TIMEOUT_S = 1.0
@@ -22,13 +22,9 @@ BODY_TIMEOUT_S = 1.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     data = tmp_path_factory.mktemp("hostile") / "data"
-    s = LiveServer(data, "--admin-key", ADMIN, "--body-timeout-s", str(BODY_TIMEOUT_S),
-                   "--warmup-rows", "1")
-    try:
-        s.start()
+    with live_server(data, "--admin-key", ADMIN, "--body-timeout-s", str(BODY_TIMEOUT_S),
+                     "--warmup-rows", "1") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _open(server: LiveServer, method: str, path: str, length: int, first: bytes = b"",

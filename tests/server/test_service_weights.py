@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from server_testutils import LiveServer, mm_ref, read_http_response, st_body, st_load
+from server_testutils import LiveServer, live_server, mm_ref, read_http_response, st_body, st_load
 
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server.engine import Engine
@@ -63,14 +63,10 @@ DECLARED = 200 * MiB  # under --max-weight-bytes: the body limit alone does not 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     data = tmp_path_factory.mktemp("early") / "data"
-    s = LiveServer(data, "--max-resident-bytes", str(MiB), "--max-body-bytes", str(MiB),
-                   "--max-weight-bytes", str(WEIGHT_LIMIT), "--body-timeout-s", "30",
-                   "--warmup-rows", "1")
-    try:
-        s.start()
+    with live_server(data, "--max-resident-bytes", str(MiB), "--max-body-bytes", str(MiB),
+                     "--max-weight-bytes", str(WEIGHT_LIMIT), "--body-timeout-s", "30",
+                     "--warmup-rows", "1") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _header(entries: dict[str, dict[str, object]]) -> bytes:

@@ -88,6 +88,23 @@ def _wait(event: threading.Event, what: str) -> None:
     assert event.wait(10), what
 
 
+def _after_a_listing(monkeypatch: pytest.MonkeyPatch, store, action) -> threading.Event:
+    """Run `action` once, right after a rescan's first listing that names a set (between the
+    listing and the per-file stats); the event is set when it has run."""
+    real_names = store.names
+    done = threading.Event()
+
+    def names_then_act() -> list[str]:
+        out = real_names()
+        if not done.is_set() and out:
+            action()
+            done.set()
+        return out
+
+    monkeypatch.setattr(store, "names", names_then_act)
+    return done
+
+
 # ------------------------------------------------------------------------------ unmounts
 
 
@@ -163,27 +180,17 @@ def test_a_volume_unmounted_during_a_pass_keeps_the_resident_sets(
     another directory."""
     data, volume = tmp_path / "data", tmp_path / "volume"
     app, passes = _syncing_app(data)
-    store = app.state.service.store
-    real_names = store.names
-    gone = threading.Event()
 
-    def names_then_unmount() -> list[str]:
-        out = real_names()
-        if not gone.is_set() and out:
-            data.rename(volume)
-            data.mkdir()
-            gone.set()
-        return out
+    def unmount() -> None:
+        data.rename(volume)
+        data.mkdir()
 
     w = torch.randn(2, 16, 8)
     with TestClient(app) as client:
         _wait_ready(client)
         assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
-        monkeypatch.setattr(store, "names", names_then_unmount)
-        deadline = time.monotonic() + 10
-        while not gone.is_set():
-            assert time.monotonic() < deadline, "the data directory was not rescanned"
-            time.sleep(0.01)
+        gone = _after_a_listing(monkeypatch, app.state.service.store, unmount)
+        _wait(gone, "the data directory was not rescanned")
         passes(3)
         assert _listed(client) == ["w"] and _served(client, "w", w)
 
@@ -284,14 +291,19 @@ ONE = 2 * 16 * 32 * 4  # bytes of one (2, 16, 32) float32 set
 BUDGET = 2 * ONE + ONE // 2  # room for two sets, not three
 
 
+def _budget_app(tmp_path: Path, gated: str):
+    """A service under BUDGET whose engine holds the preparation of `gated` (GatedEngine)."""
+    engine = GatedEngine(gated)
+    return create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                               max_resident_bytes=BUDGET), engine=engine), engine
+
+
 def test_a_set_loading_from_the_directory_holds_its_bytes_against_an_upload(
         tmp_path: Path) -> None:
     """Another server wrote "synced"; this one's rescan admitted it under the budget and is
     loading it when an upload of "uploaded" arrives. The upload must count "synced"'s bytes:
     it used not to, both passed their checks and both ended resident, over the budget."""
-    engine = GatedEngine("synced")
-    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0, max_resident_bytes=BUDGET),
-                     engine=engine)
+    app, engine = _budget_app(tmp_path, "synced")
     service = app.state.service
     w = torch.randn(2, 16, 32)
     with TestClient(app) as client:
@@ -317,9 +329,7 @@ def test_an_upload_in_flight_holds_its_bytes_against_a_set_loading_from_the_dire
     """The other order: an upload admitted under the budget is warming when the rescan finds
     a set another server wrote; the rescan counts the upload's bytes and leaves that set out
     (reported as a load error) rather than going over the budget."""
-    engine = GatedEngine("uploaded")
-    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0, max_resident_bytes=BUDGET),
-                     engine=engine)
+    app, engine = _budget_app(tmp_path, "uploaded")
     service = app.state.service
     w = torch.randn(2, 16, 32)
     with TestClient(app) as client:
@@ -368,22 +378,12 @@ def test_a_data_dir_moved_between_listing_and_stat_keeps_the_resident_sets(
     drop every set here)."""
     data = tmp_path / "data"
     app, passes = _syncing_app(data)
-    store = app.state.service.store
-    real_names = store.names
-    moved = threading.Event()
-
-    def names_then_move() -> list[str]:
-        out = real_names()
-        if not moved.is_set() and out:
-            data.rename(tmp_path / "elsewhere")  # right after the listing
-            moved.set()
-        return out
-
     w = torch.randn(2, 64, 32)
     with TestClient(app) as client:
         _wait_ready(client)
         assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
-        monkeypatch.setattr(store, "names", names_then_move)
+        moved = _after_a_listing(monkeypatch, app.state.service.store,
+                                 lambda: data.rename(tmp_path / "elsewhere"))
         _wait(moved, "the data directory was not rescanned")
         passes(2)
         assert _listed(client) == ["w"] and _served(client, "w", w)
