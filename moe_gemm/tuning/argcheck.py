@@ -22,18 +22,29 @@ def empty_option(args: argparse.Namespace, names: list[str]) -> str | None:
 
 
 def output_problem(path: Path, option: str = "--out") -> str | None:
-    """Why a file cannot be written at `path` (its folder created as needed), checked before a
-    command does its work so that a bad path fails at once instead of after the work, or
-    None. Creates the missing folders, as the write would."""
+    """Why a file cannot be written at `path` (its missing folders created by the write), checked
+    before a command does its work so that a bad path fails at once instead of after the work,
+    or None. Leaves nothing behind: missing folders are created to prove they can be (a
+    permission check alone is wrong for root, for whom /proc looks writable) and removed again,
+    so a command refused afterwards (no GPU, say) leaves no empty folders; the writers create
+    them when they write."""
     if path.is_dir():
         return f"{option} {path}: is a folder, not a file"
     existing = next((p for p in path.parents if p.exists()), None)
     if existing is not None and not existing.is_dir():
         return f"{option} {path}: {existing} is a file, not a folder"
+    missing = [p for p in path.parents if not p.exists()]  # deepest first
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return f"{option} {path}: cannot create its folder ({exc.strerror or exc})"
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        return f"{option} {path}: its folder is not writable"
-    return None
+    try:
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            return f"{option} {path}: its folder is not writable"
+        return None
+    finally:
+        for folder in missing:
+            try:
+                folder.rmdir()
+            except OSError:  # (something else was put there meanwhile: leave it)
+                break

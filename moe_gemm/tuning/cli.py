@@ -630,6 +630,7 @@ def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log
                                "config": o.fields, "name": o.name, "origin": o.origin,
                                "us": o.ms * 1e3 if o.samples else None, "error": o.error})
     if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -153,3 +153,17 @@ def test_out_and_out_dir_together_are_refused(mode, tmp_path, capsys):
     assert cli.main(argv) == 2
     assert "--out and --out-dir both name the table to write" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists() and not (tmp_path / "d").exists()
+
+
+def test_a_refused_run_leaves_no_folder_behind(tmp_path, capsys, monkeypatch):
+    # The output check proves a new folder can be made, then removes it: a run refused
+    # afterwards (here: no GPU) must not leave empty folders where --out pointed.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    out = tmp_path / "new" / "deeper" / "t.json"
+    assert cli.main(["--shapes", "8,256,256,64", "--out", str(out)]) == 2
+    assert cli.NO_GPU in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    assert list(tmp_path.iterdir()) == []
