@@ -24,10 +24,7 @@ Dispatch and combine are behind the `Dispatcher` interface (moe_gemm.layers.disp
 
 from __future__ import annotations
 
-import contextlib
-import struct
-import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,8 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.layers.checkpoints import OWN_NAMES, check_loader_options
-from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
+from moe_gemm.layers.dispatch import Dispatched, Dispatcher, expert_range
+from moe_gemm.layers.expert_shards import (
+    ROUTING,
+    dispatcher_or_default,
+    local_moe,
+    router_of,
+    shard_of_state_dict,
+)
 from moe_gemm.layers.experts import (
     FLOAT_DTYPES,
     INFERENCE_ONLY_MESSAGE,
@@ -47,6 +50,7 @@ from moe_gemm.layers.experts import (
 from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, keep_dtypes
 from moe_gemm.layers.fused_experts import fused_expert_ffn, fused_gate_for, use_fused
 from moe_gemm.layers.moe import MoE, resolve_activation
+from moe_gemm.layers.replica_check import agree_on_replicas, refusing
 from moe_gemm.layers.routing import (
     check_correction_bias,
     check_flag,
@@ -62,17 +66,6 @@ from moe_gemm.ops.custom_ops import mark_inference_only
 from moe_gemm.ops.validation import check_dense
 
 __all__ = ["ExpertParallelMoE"]
-
-_ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
-            "router_fp32")
-# MoE's options that the local experts take (the rest are the routing's, held by this layer).
-_LOCAL_OPTIONS = ("activation", "config", "fused")
-# check_replicated's digest: a refused flag, a checking flag, the 3 sizes, the routing
-# options, the experts' and the shared expert's activations, expert dtype and shapes, then
-# per replicated tensor (router, bias, 3 shared projections, shared gate) its shape and dtype
-# and two hashes (_replica_digest). A rank that does not check sends the two flags alone
-# (_unchecked_digest).
-_DIGEST_SIZE = 2 + 3 + len(_ROUTING) + 4 + 6 * 3
 
 
 def local_expert_ffn(
@@ -158,12 +151,12 @@ class ExpertParallelMoE(nn.Module):
         check_replicated: bool = True,
     ) -> None:
         super().__init__()
-        self.dispatcher: Dispatcher = _dispatcher_or_default(dispatcher, group)
+        self.dispatcher: Dispatcher = dispatcher_or_default(dispatcher, group)
         self.rank = self.dispatcher.rank
         self.world_size = self.dispatcher.world_size
         # A rank whose arguments are refused here joins the replica check flagged (the others
         # raise too instead of waiting in it).
-        with _refusing(self.dispatcher):
+        with refusing(self.dispatcher):
             # (a string such as "no" would be truthy: the check run where it was declined)
             check_replicated = check_flag("check_replicated", check_replicated)
             if not isinstance(moe, MoE):
@@ -187,14 +180,14 @@ class ExpertParallelMoE(nn.Module):
                                       "router_weight is")
             self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
             self.register_buffer("e_score_correction_bias", bias)
-            for name in _ROUTING:
+            for name in ROUTING:
                 setattr(self, name, router[name])
             # the routing options are checked by a full-size MoE's own validation
             MoE(moe.hidden_size, 1, num_experts, self.top_k, scoring=self.scoring,
                 renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
                 routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
                 device="meta")
-        self._agree_on_replicas(bool(check_replicated))
+        agree_on_replicas(self, bool(check_replicated))
 
     def check_replicated(self) -> None:
         """Check that every rank holds the same replicated parts: the router weight, the
@@ -215,41 +208,7 @@ class ExpertParallelMoE(nn.Module):
             ValueError: on every rank alike, naming what differs and the ranks' values, or
                 the ranks whose constructor refused its arguments.
         """
-        self._agree_on_replicas(True)
-
-    def _agree_on_replicas(self, check: bool) -> None:
-        """The constructor's replica check, or with check=False its flags alone: the
-        all-gather runs on every rank either way, so that a rank that checks never waits for
-        one that does not (the group's timeout), and a disagreement is a ValueError on all."""
-        if not _checks_replicas(self.dispatcher):
-            return
-        names, mine = _replica_digest(self) if check else ([], _unchecked_digest())
-        table = _gather_digests(self.dispatcher, mine)  # (W, _DIGEST_SIZE)
-        refused = [r for r in range(self.world_size) if table[r, 0]]
-        if refused:
-            raise ValueError(
-                f"ExpertParallelMoE: rank(s) {refused} could not build the layer (their own "
-                f"error says why); rank {self.rank} stops too instead of waiting for them")
-        checking = table[:, 1].tolist()
-        if len(set(checking)) > 1:
-            on = [r for r, c in enumerate(checking) if c]
-            off = [r for r, c in enumerate(checking) if not c]
-            raise ValueError(
-                "ExpertParallelMoE: the ranks disagree on check_replicated (True on ranks "
-                f"{on}, False on ranks {off}); every rank must pass the same value")
-        if not check:
-            return
-        differ: dict[str, str] = {}
-        for i, name in enumerate(names):
-            if name not in differ and bool((table[:, i] != table[0, i]).any()):
-                # (most values are hashes: say which ranks agree with which)
-                differ[name] = _groups(table[:, i].tolist())
-        if differ:
-            what = "; ".join(f"{name} (ranks {ranks})" for name, ranks in
-                             list(differ.items())[:4])
-            raise ValueError(
-                "ExpertParallelMoE: the replicated parts differ between the ranks (each rank "
-                f"must build the layer from the same full weights and options): {what}")
+        agree_on_replicas(self, True)
 
     # -- constructors ----------------------------------------------------------------------
 
@@ -272,10 +231,10 @@ class ExpertParallelMoE(nn.Module):
             copy: copy the local experts (so the full tensors can be freed); False keeps
                 views into `moe`'s storage.
         """
-        dispatcher = _dispatcher_or_default(dispatcher, group)
-        with _refusing(dispatcher):
-            local = _local_moe(moe, dispatcher, check_flag("copy", copy))
-        return cls(local, _router_of(moe), moe.num_experts, dispatcher=dispatcher,
+        dispatcher = dispatcher_or_default(dispatcher, group)
+        with refusing(dispatcher):
+            local = local_moe(moe, dispatcher, check_flag("copy", copy))
+        return cls(local, router_of(moe), moe.num_experts, dispatcher=dispatcher,
                    check_replicated=check_replicated)
 
     @classmethod
@@ -290,8 +249,8 @@ class ExpertParallelMoE(nn.Module):
         check_replicated: bool = True,
     ) -> ExpertParallelMoE:
         """This rank's shard of a transformers MoE block (the blocks `MoE.from_hf` takes)."""
-        dispatcher = _dispatcher_or_default(dispatcher, group)
-        with _refusing(dispatcher):
+        dispatcher = dispatcher_or_default(dispatcher, group)
+        with refusing(dispatcher):
             moe = MoE.from_hf(block, config=config)
         return cls.from_moe(moe, dispatcher=dispatcher, copy=copy,
                             check_replicated=check_replicated)
@@ -321,43 +280,11 @@ class ExpertParallelMoE(nn.Module):
             top_k, prefix, strict, **options: as `MoE.from_state_dict` (routing options).
             group, dispatcher, check_replicated: see the class.
         """
-        dispatcher = _dispatcher_or_default(dispatcher, group)
+        dispatcher = dispatcher_or_default(dispatcher, group)
         # A rank whose checkpoint or options are refused joins the replica check flagged.
-        with _refusing(dispatcher):
-            if not isinstance(state_dict, Mapping):
-                raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
-            if prefix + "gate.weight" not in state_dict and prefix + "router_weight" in state_dict:
-                # MoE's own state_dict, which MoE.from_state_dict reads too: its names read as
-                # the checkpoint names of the same tensors (lazily, as the rest).
-                state_dict = _Renamed(state_dict, prefix, OWN_NAMES)
-            router_key = prefix + "gate.weight"
-            if router_key not in state_dict:
-                raise KeyError(f"no router weight {router_key!r} in the state dict")
-            router_weight = state_dict[router_key]
-            E = router_weight.shape[0]
-            start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
-            local_sd = _LocalShard(state_dict, prefix, start, end, E)
-            bias = local_sd.full_bias
-            check_loader_options(options)  # (the probe below would take a dtype and ignore it)
-            routing = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
-            if bias is not None:
-                routing.setdefault("scoring", "sigmoid")
-            # The local MoE sees the local experts and the local rows of the router (never used:
-            # routing is over all E experts), so MoE's loader validates and stacks them.
-            local_opts = {k: options[k] for k in _LOCAL_OPTIONS if k in options}
-            local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
-            # A full-size MoE on the meta device checks the routing options and fills defaults.
-            probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", **routing)
-            router = _router_of(probe)
-            router["router_weight"] = router_weight
-            if probe.e_score_correction_bias is None:
-                if bias is not None:
-                    raise ValueError("the checkpoint has an e_score_correction_bias but the "
-                                     "routing options say correction_bias=False")
-            elif bias is None:
-                router["e_score_correction_bias"] = torch.zeros(E, device=router_weight.device)
-            else:
-                router["e_score_correction_bias"] = bias
+        with refusing(dispatcher):
+            local, router, E = shard_of_state_dict(state_dict, top_k, prefix, strict,
+                                                   dispatcher, options)
         return cls(local, router, E, dispatcher=dispatcher, check_replicated=check_replicated)
 
     # -- forward ---------------------------------------------------------------------------
@@ -503,253 +430,3 @@ class ExpertParallelMoE(nn.Module):
                 f"num_experts={self.num_experts}, local_experts=[{self.expert_start}, "
                 f"{self.expert_start + self.local.num_experts}), top_k={self.top_k}, "
                 f"scoring={self.scoring!r}, rank={self.rank}/{self.world_size}")
-
-
-def _dispatcher_or_default(dispatcher: object, group: dist.ProcessGroup | None) -> Dispatcher:
-    """The constructors' `dispatcher`, or the default AllToAllDispatcher(group) for None. One
-    that is not a Dispatcher is a TypeError here, before from_moe reads its `rank` (an
-    AttributeError about the object) or a falsy one is silently replaced by the default."""
-    if dispatcher is None:
-        return AllToAllDispatcher(group)
-    if not isinstance(dispatcher, Dispatcher):
-        raise TypeError("dispatcher must be a Dispatcher (rank, world_size, dispatch(...) and "
-                        f"combine(...)) or None; got {type(dispatcher).__name__}")
-    return dispatcher
-
-
-def _local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
-    """from_moe's local layer: this rank's experts of `moe`, the shared experts whole."""
-    if not isinstance(moe, MoE):
-        raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
-    start, end = expert_range(moe.num_experts, dispatcher.rank, dispatcher.world_size)
-
-    def take(t: torch.Tensor) -> torch.Tensor:
-        part = t[start:end]
-        return part.clone() if copy else part
-
-    # FP8 experts keep their decoding scales (blocks or rows, expert-major like the weights)
-    scales = None
-    if moe.fp8 is not None:
-        scales = (take(moe.gate_up_proj_scale_inv), take(moe.down_proj_scale_inv))
-    shared = None
-    if moe.shared_experts is not None:
-        shared = {n: getattr(moe.shared_experts, n).weight
-                  for n in ("gate_proj", "up_proj", "down_proj")}
-        if moe.shared_expert_gate is not None:
-            shared["gate"] = moe.shared_expert_gate.weight
-    local = MoE.from_fused(
-        take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
-        shared=shared, scales=scales, activation=moe.activation, config=moe.config,
-        fused=moe.fused,
-    )
-    if moe.shared_experts is not None:
-        # The shared expert follows moe.activation, unless its own was set apart: as it is.
-        local.shared_experts.activation = moe.shared_experts.activation
-    return local
-
-
-def _checks_replicas(dispatcher: Dispatcher) -> bool:
-    """Whether check_replicated can run: a group (the dispatcher's `group` attribute) of more
-    than one rank, torch.distributed initialized."""
-    return (dispatcher.world_size > 1 and hasattr(dispatcher, "group")
-            and dist.is_available() and dist.is_initialized())
-
-
-def _gather_digests(dispatcher: Dispatcher, mine: torch.Tensor) -> torch.Tensor:
-    """check_replicated's all-gather: every rank's digest, (W, len(digest)) on the CPU."""
-    group = dispatcher.group  # type: ignore[attr-defined]
-    # The collective's tensor where the group's backend takes it: NCCL only CUDA tensors
-    # (a layer built on the CPU and moved later), gloo the CPU.
-    if dist.get_backend(group) == "nccl":
-        if mine.device.type != "cuda":
-            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
-    else:
-        mine = mine.cpu()
-    gathered = [torch.empty_like(mine) for _ in range(dispatcher.world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    return torch.stack(gathered).cpu()
-
-
-@contextlib.contextmanager
-def _refusing(dispatcher: Dispatcher) -> Iterator[None]:
-    """Construction before the replica check: a rank whose arguments are refused (its own
-    TypeError, ValueError or KeyError, e.g. a bad top_k or a missing checkpoint key) joins the
-    check's all-gather with a digest flagged as refused, so that the other ranks raise
-    ValueError too instead of waiting in it until the group's timeout (the all-gather runs
-    whatever check_replicated says, so the others would wait there too, or in their first
-    forward for a rank that has no layer)."""
-    try:
-        yield
-    except (TypeError, ValueError, KeyError):
-        if _checks_replicas(dispatcher):
-            flagged = torch.zeros(_DIGEST_SIZE, dtype=torch.int64)
-            flagged[0] = 1
-            _gather_digests(dispatcher, flagged)
-        raise
-
-
-_P = 2 ** 31 - 1  # the hashes' modulus: products of two residues stay below 2^62
-
-
-def _tensor_hash(t: torch.Tensor) -> tuple[int, int]:
-    """Two exact hashes of a tensor's bits: their sum and a position-weighted sum, mod _P,
-    in int64 arithmetic (order-independent, so equal on every rank for equal tensors)."""
-    flat = t.detach().contiguous().reshape(-1)
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    bits = flat.view(width)
-    plain = weighted = torch.zeros((), dtype=torch.int64, device=t.device)
-    step = 1 << 20  # elements per chunk: a few int64 temporaries of 8 MiB
-    for i in range(0, bits.numel(), step):
-        v = bits[i:i + step].to(torch.int64)
-        if width is torch.int64:
-            v = (v & 0xFFFFFFFF) * 31 + ((v >> 32) & 0xFFFFFFFF)
-        v = v % _P
-        pos = torch.arange(i, i + v.numel(), device=t.device, dtype=torch.int64) % (_P - 1) + 1
-        plain = (plain + v.sum()) % _P
-        weighted = (weighted + (v * pos % _P).sum()) % _P
-    return int(plain), int(weighted)
-
-
-def _replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
-    """(names, int64 values) of what every rank must hold alike (check_replicated)."""
-    m = layer.local
-    names: list[str] = []
-    values: list[int] = []
-
-    def add(name: str, value: object) -> None:
-        names.append(name)
-        if isinstance(value, float):
-            value = struct.unpack("<q", struct.pack("<d", value))[0]  # exact bits
-        elif not isinstance(value, int):
-            value = zlib.crc32(repr(value).encode())
-        values.append(int(value))
-
-    add("refused", 0)  # (1 only in the digest of a rank whose constructor refused: _refusing)
-    add("check_replicated", 1)  # (0 in the digest of a rank that does not check)
-    for name in ("num_experts", "hidden_size", "intermediate_size", *_ROUTING):
-        add(name, getattr(layer, name))
-    add("activation", _activation_key(m.activation))
-    add("shared activation", None if m.shared_experts is None else _activation_key(
-        m.shared_experts.activation))
-    add("expert dtype", m.gate_up_proj.dtype)
-    add("local experts' shapes", tuple(m.gate_up_proj.shape) + tuple(m.down_proj.shape))
-    tensors: dict[str, torch.Tensor | None] = {
-        "router_weight": layer.router_weight,
-        "e_score_correction_bias": layer.e_score_correction_bias,
-    }
-    shared = m.shared_experts
-    for part in ("gate_proj", "up_proj", "down_proj"):
-        tensors[f"shared_experts.{part}"] = None if shared is None else getattr(
-            shared, part).weight
-    tensors["shared_expert_gate"] = None if m.shared_expert_gate is None else (
-        m.shared_expert_gate.weight)
-    for name, t in tensors.items():
-        add(f"{name} shape and dtype", None if t is None else (tuple(t.shape), t.dtype))
-        h = (-1, -1) if t is None else _tensor_hash(t)
-        add(name, h[0])
-        add(name, h[1])
-    assert len(values) == _DIGEST_SIZE
-    return names, torch.tensor(values, dtype=torch.int64, device=layer.router_weight.device)
-
-
-def _activation_key(act: object) -> object:
-    """What the digest compares of an activation: its name, or a callable's qualified name."""
-    return act if isinstance(act, str) else getattr(act, "__qualname__", act)
-
-
-def _unchecked_digest() -> torch.Tensor:
-    """The digest of a rank built with check_replicated=False: neither flag set, nothing
-    hashed (the size of _replica_digest's: every rank gives the all-gather the same size)."""
-    return torch.zeros(_DIGEST_SIZE, dtype=torch.int64)
-
-
-def _groups(values: list[int]) -> str:
-    """Ranks grouped by equal value: '[0, 2] vs [1]'."""
-    by: dict[int, list[int]] = {}
-    for rank, v in enumerate(values):
-        by.setdefault(v, []).append(rank)
-    return " vs ".join(str(ranks) for ranks in by.values())
-
-
-def _router_of(moe: MoE) -> dict[str, Any]:
-    out: dict[str, Any] = {name: getattr(moe, name) for name in _ROUTING}
-    out["router_weight"] = moe.router_weight
-    out["e_score_correction_bias"] = moe.e_score_correction_bias
-    return out
-
-
-class _Renamed(Mapping[str, torch.Tensor]):
-    """A checkpoint mapping with the keys prefix + name renamed prefix + names[name]; the
-    tensors are indexed only when read."""
-
-    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, names: Mapping[str, str]):
-        self.sd = sd
-        self.keys_map = {prefix + names.get(key[len(prefix):], key[len(prefix):])
-                         if key.startswith(prefix) else key: key for key in sd}
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.sd[self.keys_map[key]]
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.keys_map)
-
-    def __len__(self) -> int:
-        return len(self.keys_map)
-
-
-class _LocalShard(Mapping[str, torch.Tensor]):
-    """The view of a checkpoint mapping that one rank loads: local experts renumbered from 0,
-    fused expert tensors and the router sliced to the local rows; other keys as they are.
-    Keys of other ranks' experts are hidden and their tensors never indexed."""
-
-    # FP8 scales of fused experts: per expert (sliced like the weights) or one value for all
-    # (a per-tensor scale, kept whole).
-    _FUSED_SCALES = ("experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv",
-                     "experts.w13_weight_scale_inv", "experts.w13_weight_scale",
-                     "experts.w2_weight_scale_inv", "experts.w2_weight_scale")
-
-    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, start: int, end: int,
-                 num_experts: int):
-        self.sd, self.prefix, self.start, self.end = sd, prefix, start, end
-        self.num_experts = num_experts
-        self.keys_map: dict[str, str | tuple[str, int, int]] = {}
-        self.scale_keys: set[str] = set()
-        sliced = ("gate.weight", "experts.gate_up_proj", "experts.down_proj",
-                  "experts.w13_weight", "experts.w2_weight")
-        self.full_bias: torch.Tensor | None = None
-        for key in sd:
-            if not key.startswith(prefix):
-                continue
-            rest = key[len(prefix):]
-            parts = rest.split(".")
-            if rest == "gate.e_score_correction_bias":
-                self.full_bias = sd[key]
-                self.keys_map[key] = (key, start, end)
-            elif rest in sliced:
-                self.keys_map[key] = (key, start, end)
-            elif rest in self._FUSED_SCALES:
-                self.keys_map[key] = (key, start, end)
-                self.scale_keys.add(key)
-            elif parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():
-                e = int(parts[1])
-                if start <= e < end:
-                    local = ".".join([prefix + "experts", str(e - start), *parts[2:]])
-                    self.keys_map[local] = key
-            else:
-                self.keys_map[key] = key
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        src = self.keys_map[key]
-        if isinstance(src, tuple):
-            name, a, b = src
-            t = self.sd[name]
-            if name in self.scale_keys and (t.dim() == 0 or t.shape[0] != self.num_experts):
-                return t  # one scale for every expert
-            return t[a:b]
-        return self.sd[src]
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.keys_map)
-
-    def __len__(self) -> int:
-        return len(self.keys_map)

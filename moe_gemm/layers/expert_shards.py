@@ -1,0 +1,197 @@
+"""Loading an expert-parallel layer: this rank's experts of a whole layer or of a checkpoint.
+
+`local_moe` cuts this rank's experts out of a whole MoE (the shared experts whole);
+`shard_of_state_dict` reads a checkpoint mapping through `LocalShard`, a view that renumbers
+the local experts from 0 and slices fused expert tensors to them, so that MoE's own loaders
+validate and stack them and other ranks' experts are never indexed (with a lazy mapping such
+as safetensors' `safe_open`, never read). `router_of` is the routing a layer of all E experts
+needs beside them (moe_gemm.layers.expert_parallel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_gemm.layers.checkpoints import OWN_NAMES, check_loader_options
+from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher, expert_range
+from moe_gemm.layers.moe import MoE
+
+# The routing options an expert-parallel layer holds itself (every rank alike).
+ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
+           "router_fp32")
+# MoE's options that the local experts take (the rest are the routing's).
+LOCAL_OPTIONS = ("activation", "config", "fused")
+
+
+def dispatcher_or_default(dispatcher: object, group: dist.ProcessGroup | None) -> Dispatcher:
+    """The constructors' `dispatcher`, or the default AllToAllDispatcher(group) for None. One
+    that is not a Dispatcher is a TypeError here, before from_moe reads its `rank` (an
+    AttributeError about the object) or a falsy one is silently replaced by the default."""
+    if dispatcher is None:
+        return AllToAllDispatcher(group)
+    if not isinstance(dispatcher, Dispatcher):
+        raise TypeError("dispatcher must be a Dispatcher (rank, world_size, dispatch(...) and "
+                        f"combine(...)) or None; got {type(dispatcher).__name__}")
+    return dispatcher
+
+
+def local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
+    """from_moe's local layer: this rank's experts of `moe`, the shared experts whole."""
+    if not isinstance(moe, MoE):
+        raise TypeError(f"moe must be a moe_gemm MoE; got {type(moe).__name__}")
+    start, end = expert_range(moe.num_experts, dispatcher.rank, dispatcher.world_size)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        part = t[start:end]
+        return part.clone() if copy else part
+
+    # FP8 experts keep their decoding scales (blocks or rows, expert-major like the weights)
+    scales = None
+    if moe.fp8 is not None:
+        scales = (take(moe.gate_up_proj_scale_inv), take(moe.down_proj_scale_inv))
+    shared = None
+    if moe.shared_experts is not None:
+        shared = {n: getattr(moe.shared_experts, n).weight
+                  for n in ("gate_proj", "up_proj", "down_proj")}
+        if moe.shared_expert_gate is not None:
+            shared["gate"] = moe.shared_expert_gate.weight
+    local = MoE.from_fused(
+        take(moe.gate_up_proj), take(moe.down_proj), take(moe.router_weight), 1,
+        shared=shared, scales=scales, activation=moe.activation, config=moe.config,
+        fused=moe.fused,
+    )
+    if moe.shared_experts is not None:
+        # The shared expert follows moe.activation, unless its own was set apart: as it is.
+        local.shared_experts.activation = moe.shared_experts.activation
+    return local
+
+
+def router_of(moe: MoE) -> dict[str, Any]:
+    """The routing of `moe` as ExpertParallelMoE takes it: its router tensors and options."""
+    out: dict[str, Any] = {name: getattr(moe, name) for name in ROUTING}
+    out["router_weight"] = moe.router_weight
+    out["e_score_correction_bias"] = moe.e_score_correction_bias
+    return out
+
+
+def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, prefix: str,
+                        strict: bool, dispatcher: Dispatcher, options: dict[str, Any]
+                        ) -> tuple[MoE, dict[str, Any], int]:
+    """(local MoE, router, E) of this rank's shard of one MoE block of a checkpoint
+    (ExpertParallelMoE.from_state_dict's arguments)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+    if prefix + "gate.weight" not in state_dict and prefix + "router_weight" in state_dict:
+        # MoE's own state_dict, which MoE.from_state_dict reads too: its names read as
+        # the checkpoint names of the same tensors (lazily, as the rest).
+        state_dict = Renamed(state_dict, prefix, OWN_NAMES)
+    router_key = prefix + "gate.weight"
+    if router_key not in state_dict:
+        raise KeyError(f"no router weight {router_key!r} in the state dict")
+    router_weight = state_dict[router_key]
+    E = router_weight.shape[0]
+    start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
+    local_sd = LocalShard(state_dict, prefix, start, end, E)
+    bias = local_sd.full_bias
+    check_loader_options(options)  # (the probe below would take a dtype and ignore it)
+    routing = {k: v for k, v in options.items() if k not in LOCAL_OPTIONS}
+    if bias is not None:
+        routing.setdefault("scoring", "sigmoid")
+    # The local MoE sees the local experts and the local rows of the router (never used:
+    # routing is over all E experts), so MoE's loader validates and stacks them.
+    local_opts = {k: options[k] for k in LOCAL_OPTIONS if k in options}
+    local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
+    # A full-size MoE on the meta device checks the routing options and fills defaults.
+    probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", **routing)
+    router = router_of(probe)
+    router["router_weight"] = router_weight
+    if probe.e_score_correction_bias is None:
+        if bias is not None:
+            raise ValueError("the checkpoint has an e_score_correction_bias but the "
+                             "routing options say correction_bias=False")
+    elif bias is None:
+        router["e_score_correction_bias"] = torch.zeros(E, device=router_weight.device)
+    else:
+        router["e_score_correction_bias"] = bias
+    return local, router, E
+
+
+class Renamed(Mapping[str, torch.Tensor]):
+    """A checkpoint mapping with the keys prefix + name renamed prefix + names[name]; the
+    tensors are indexed only when read."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, names: Mapping[str, str]):
+        self.sd = sd
+        self.keys_map = {prefix + names.get(key[len(prefix):], key[len(prefix):])
+                         if key.startswith(prefix) else key: key for key in sd}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.sd[self.keys_map[key]]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.keys_map)
+
+    def __len__(self) -> int:
+        return len(self.keys_map)
+
+
+class LocalShard(Mapping[str, torch.Tensor]):
+    """The view of a checkpoint mapping that one rank loads: local experts renumbered from 0,
+    fused expert tensors and the router sliced to the local rows; other keys as they are.
+    Keys of other ranks' experts are hidden and their tensors never indexed."""
+
+    # FP8 scales of fused experts: per expert (sliced like the weights) or one value for all
+    # (a per-tensor scale, kept whole).
+    _FUSED_SCALES = ("experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv",
+                     "experts.w13_weight_scale_inv", "experts.w13_weight_scale",
+                     "experts.w2_weight_scale_inv", "experts.w2_weight_scale")
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, start: int, end: int,
+                 num_experts: int):
+        self.sd, self.prefix, self.start, self.end = sd, prefix, start, end
+        self.num_experts = num_experts
+        self.keys_map: dict[str, str | tuple[str, int, int]] = {}
+        self.scale_keys: set[str] = set()
+        sliced = ("gate.weight", "experts.gate_up_proj", "experts.down_proj",
+                  "experts.w13_weight", "experts.w2_weight")
+        self.full_bias: torch.Tensor | None = None
+        for key in sd:
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            parts = rest.split(".")
+            if rest == "gate.e_score_correction_bias":
+                self.full_bias = sd[key]
+                self.keys_map[key] = (key, start, end)
+            elif rest in sliced:
+                self.keys_map[key] = (key, start, end)
+            elif rest in self._FUSED_SCALES:
+                self.keys_map[key] = (key, start, end)
+                self.scale_keys.add(key)
+            elif parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():
+                e = int(parts[1])
+                if start <= e < end:
+                    local = ".".join([prefix + "experts", str(e - start), *parts[2:]])
+                    self.keys_map[local] = key
+            else:
+                self.keys_map[key] = key
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        src = self.keys_map[key]
+        if isinstance(src, tuple):
+            name, a, b = src
+            t = self.sd[name]
+            if name in self.scale_keys and (t.dim() == 0 or t.shape[0] != self.num_experts):
+                return t  # one scale for every expert
+            return t[a:b]
+        return self.sd[src]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.keys_map)
+
+    def __len__(self) -> int:
+        return len(self.keys_map)
