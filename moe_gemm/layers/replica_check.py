@@ -110,7 +110,7 @@ def refusing(dispatcher: Dispatcher) -> Iterator[None]:
 _P = 2 ** 31 - 1  # the hashes' modulus: products of two residues stay below 2^62
 
 
-def _tensor_hash(t: torch.Tensor) -> tuple[int, int]:
+def tensor_hash(t: torch.Tensor) -> tuple[int, int]:
     """Two exact hashes of a tensor's bits: their sum and a position-weighted sum, mod _P,
     in int64 arithmetic (order-independent, so equal on every rank for equal tensors)."""
     flat = t.detach().contiguous().reshape(-1)
@@ -164,7 +164,7 @@ def replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
         m.shared_expert_gate.weight)
     for name, t in tensors.items():
         add(f"{name} shape and dtype", None if t is None else (tuple(t.shape), t.dtype))
-        h = (-1, -1) if t is None else _tensor_hash(t)
+        h = (-1, -1) if t is None else tensor_hash(t)
         add(name, h[0])
         add(name, h[1])
     assert len(values) == DIGEST_SIZE
