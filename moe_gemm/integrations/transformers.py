@@ -313,6 +313,8 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     else:
         # Mixtral always renormalises; Qwen2/Qwen3-MoE iff norm_topk_prob
         opts.update(scoring="softmax", renormalize=bool(getattr(router, "norm_topk_prob", True)))
+    # Mixtral's block keeps config.router_jitter_noise as `jitter_noise` (the others have none)
+    opts["router_jitter_noise"] = float(getattr(block, "jitter_noise", 0.0) or 0.0)
     shared = None
     mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
     if mlp is not None:
@@ -329,8 +331,12 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     # transformers' FP8Experts (FP8 checkpoints): the experts stay FP8 with their scales.
     scales = hf_fp8_scales(experts)
-    return moe_from_tensors(cls, gate_up, down, router.weight, int(router.top_k), bias, shared,
-                            opts, scales=scales)
+    moe = moe_from_tensors(cls, gate_up, down, router.weight, int(router.top_k), bias, shared,
+                           opts, scales=scales)
+    # In the block's mode (a new module is in training mode): a layer made from an eval-mode
+    # block does not jitter its router's input, one from a training-mode block does, as the
+    # block would.
+    return moe.train(block.training)
 
 
 def _dense_hf_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:

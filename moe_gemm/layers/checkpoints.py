@@ -149,8 +149,12 @@ class MoELoaders:
         Supported blocks: MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock (with its gated shared
         expert), Qwen3MoeSparseMoeBlock, DeepseekV3MoE and Glm4MoeMoE (sigmoid group-limited
         routing, shared experts). The result gives the same outputs as `block` (fp32: within
-        float rounding). For other models use `model.set_experts_implementation("moe_gemm")`,
-        which keeps the model's own router and runs its experts on moe_gemm.
+        float rounding): it takes the block's training / eval mode, and Mixtral's router
+        jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation
+        without one of our names is the experts' own act_fn module (shared with the block,
+        registered once in the layer). For other models use
+        `model.set_experts_implementation("moe_gemm")`, which keeps the model's own router and
+        runs its experts on moe_gemm.
 
         Args:
             block: the transformers module (e.g. `model.model.layers[i].mlp`).
@@ -229,7 +233,9 @@ def moe_from_state_dict(
         shared expert: "shared_experts.{gate,up,down}_proj.weight" (DeepSeek) or
           "shared_expert.{...}.weight" and "shared_expert_gate.weight" (Qwen2-MoE).
     Mixtral hub files put the block under "block_sparse_moe." rather than "mlp.". This layer's
-    own state_dict (MoE.state_dict(): "router_weight", "gate_up_proj", ...) is read too.
+    own state_dict (MoE.state_dict(): "router_weight", "gate_up_proj", ...) is read too, with
+    a module activation's parameters ("activation.weight" of nn.PReLU()), which are loaded
+    into the module passed as activation= (aliased, as the fused weights).
     FP8 checkpoints: each FP8 weight comes with its decoding scale, "<name>.weight_scale_inv"
     (DeepSeek-V3, Kimi-K2, Qwen3-FP8: 128x128 blocks) or "<name>.weight_scale" (compressed-
     tensors: per channel or per tensor; Quark: blocks); the fused forms use
@@ -286,6 +292,7 @@ def moe_from_state_dict(
         if shared is None:
             raise ValueError("shared_expert_gate.weight without a shared expert")
         shared["gate"] = gate
+    act_state = _activation_state(take, keys, prefix, options, strict)
     unused = sorted(keys[k] for k in set(keys) - used)
     if strict and unused:
         raise ValueError(
@@ -294,8 +301,52 @@ def moe_from_state_dict(
         )
     if bias is not None and "scoring" not in options:
         options["scoring"] = "sigmoid"
-    return moe_from_tensors(cls, gate_up, down, router_weight, top_k, bias, shared, options,
-                            scales=scales)
+    moe = moe_from_tensors(cls, gate_up, down, router_weight, top_k, bias, shared, options,
+                           scales=scales)
+    if act_state:
+        _load_activation(moe.activation, act_state, prefix, strict)
+    return moe
+
+
+# A module activation's parameters and buffers in the layer's own state_dict, and where a
+# layer saved while its shared expert registered the activation as well kept them a second
+# time (the same values).
+_ACTIVATION_KEYS = ("activation.", "shared_experts.activation.")
+
+
+def _activation_state(take: Callable[[str], torch.Tensor | None], keys: Mapping[str, str],
+                      prefix: str, options: Mapping[str, Any], strict: bool
+                      ) -> dict[str, torch.Tensor]:
+    """The "activation.*" entries (name within the activation module -> tensor), taken; {}
+    where there are none, or where strict=False and the activation asked for is not a module
+    (its keys then stay unused, as other keys this layer does not read)."""
+    found = sorted(k for k in keys if k.startswith(_ACTIVATION_KEYS))
+    if not found:
+        return {}
+    if not isinstance(options.get("activation"), nn.Module):
+        if strict:
+            raise ValueError(
+                f"{[keys[k] for k in found][:8]} are a module activation's state (a layer "
+                "built with, e.g., activation=torch.nn.PReLU()): pass such a module as "
+                "activation= to load it into, or strict=False to ignore them")
+        return {}
+    state: dict[str, torch.Tensor] = {}
+    for k in found:  # ("activation." sorts first: its values win over the duplicates')
+        value = take(k)
+        assert value is not None
+        state.setdefault(k.split("activation.", 1)[1], value)
+    return state
+
+
+def _load_activation(act: nn.Module, state: Mapping[str, torch.Tensor], prefix: str,
+                     strict: bool) -> None:
+    """A module activation's state, loaded into it: its tensors become the state dict's (no
+    copy, as the loaders alias the fused weights, and on their device)."""
+    try:
+        act.load_state_dict(state, strict=strict, assign=True)
+    except RuntimeError as exc:  # (torch's message lists the keys or shapes that differ)
+        raise ValueError(f"the activation module {type(act).__name__} does not take the "
+                         f"state under {prefix + 'activation.'!r}: {exc}") from exc
 
 
 def moe_from_tensors(
@@ -395,11 +446,14 @@ def moe_from_tensors(
         if opts.setdefault("correction_bias", True) is False:
             raise ValueError("an e_score_correction_bias was given with correction_bias=False")
     opts.setdefault("correction_bias", None)
+    # Every parameter made on the meta device here is replaced by the given tensors below: a
+    # dtype the constructor takes is named for them, whatever torch's default dtype is.
     moe = cls(
         H, I, E, top_k,
         shared_intermediate_size=shared_size,
         shared_expert_gate=shared is not None and "gate" in shared,
         device="meta",
+        dtype=torch.float32,
         **opts,
     )
     moe.router_weight = _as_param(router_weight)

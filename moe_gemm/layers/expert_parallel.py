@@ -36,6 +36,7 @@ from moe_gemm.config import GemmConfig
 from moe_gemm.layers.dispatch import Dispatched, Dispatcher, expert_range
 from moe_gemm.layers.expert_shards import (
     ROUTING,
+    ROUTING_DEFAULTS,
     dispatcher_or_default,
     local_moe,
     router_of,
@@ -56,6 +57,7 @@ from moe_gemm.layers.routing import (
     check_flag,
     check_router_weight,
     permute_by_expert,
+    router_jitter,
     sigmoid_grouped_topk,
     softmax_topk,
 )
@@ -121,7 +123,9 @@ class ExpertParallelMoE(nn.Module):
         moe: a MoE holding this rank's E/W experts only (any router: it is not used).
         router: the full layer's routing: router_weight [E, H], e_score_correction_bias [E]
             or None, and the routing options (top_k, scoring, renormalize, n_group,
-            topk_group, routed_scaling_factor, router_fp32).
+            topk_group, routed_scaling_factor, router_fp32, and optionally
+            router_jitter_noise: 0 when left out). As in MoE, the router jitter applies to
+            each rank's tokens in training mode.
         num_experts: E, all ranks together.
         group: the process group (None = the default group); ignored if `dispatcher` given.
         dispatcher: a Dispatcher (default: AllToAllDispatcher(group)).
@@ -181,12 +185,18 @@ class ExpertParallelMoE(nn.Module):
             self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
             self.register_buffer("e_score_correction_bias", bias)
             for name in ROUTING:
-                setattr(self, name, router[name])
-            # the routing options are checked by a full-size MoE's own validation
+                value = router[name] if name not in ROUTING_DEFAULTS else router.get(
+                    name, ROUTING_DEFAULTS[name])
+                setattr(self, name, value)
+            # the routing options are checked by a full-size MoE's own validation (a meta
+            # probe: any dtype it takes, whatever torch's default is)
             MoE(moe.hidden_size, 1, num_experts, self.top_k, scoring=self.scoring,
                 renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
                 routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
-                device="meta")
+                router_jitter_noise=self.router_jitter_noise, device="meta",
+                dtype=torch.float32)
+            # (one float on every rank: an int 0 and 0.0 hash apart in check_replicated)
+            self.router_jitter_noise = float(self.router_jitter_noise)
         agree_on_replicas(self, bool(check_replicated))
 
     def check_replicated(self) -> None:
@@ -222,8 +232,9 @@ class ExpertParallelMoE(nn.Module):
         copy: bool = True,
         check_replicated: bool = True,
     ) -> ExpertParallelMoE:
-        """This rank's shard of a whole MoE layer: its routing options, activation, shared
-        experts, `config` and `fused` come along.
+        """This rank's shard of a whole MoE layer: its routing options (the router jitter
+        too), training / eval mode, activation, shared experts, `config` and `fused` come
+        along.
 
         Args:
             moe: the full layer (every rank passes an equal one).
@@ -234,8 +245,9 @@ class ExpertParallelMoE(nn.Module):
         dispatcher = dispatcher_or_default(dispatcher, group)
         with refusing(dispatcher):
             local = local_moe(moe, dispatcher, check_flag("copy", copy))
-        return cls(local, router_of(moe), moe.num_experts, dispatcher=dispatcher,
-                   check_replicated=check_replicated)
+        layer = cls(local, router_of(moe), moe.num_experts, dispatcher=dispatcher,
+                    check_replicated=check_replicated)
+        return layer.train(moe.training)  # (moe's mode: whether its router jitter applies)
 
     @classmethod
     def from_hf(
@@ -386,6 +398,8 @@ class ExpertParallelMoE(nn.Module):
                 refuse(self.router_weight.device)
             raise
         x = hidden_states
+        if self.training and self.router_jitter_noise > 0:
+            x = router_jitter(x, self.router_jitter_noise)  # (as MoE: this rank's tokens)
         x2 = x.reshape(-1, self.hidden_size)
         weights, ids = self._route_tokens(x2)
         # Tokens travel in the experts' dtype; FP8 experts take them in the caller's (they are

@@ -22,7 +22,10 @@ from moe_gemm.layers.moe import MoE
 
 # The routing options an expert-parallel layer holds itself (every rank alike).
 ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
-           "router_fp32")
+           "router_fp32", "router_jitter_noise")
+# Routing options a `router` mapping may leave out (made before they existed), with the value
+# that keeps the routing as it was.
+ROUTING_DEFAULTS = {"router_jitter_noise": 0.0}
 # MoE's options that the local experts take (the rest are the routing's).
 LOCAL_OPTIONS = ("activation", "config", "fused")
 
@@ -64,8 +67,9 @@ def local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
         shared=shared, scales=scales, activation=moe.activation, config=moe.config,
         fused=moe.fused,
     )
-    if moe.shared_experts is not None:
-        # The shared expert follows moe.activation, unless its own was set apart: as it is.
+    if moe.shared_experts is not None and moe.shared_experts.activation is not moe.activation:
+        # The shared expert follows moe.activation (local's does too, registered once), unless
+        # its own was set apart: as it is.
         local.shared_experts.activation = moe.shared_experts.activation
     return local
 
@@ -106,7 +110,8 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
     local_opts = {k: options[k] for k in LOCAL_OPTIONS if k in options}
     local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
     # A full-size MoE on the meta device checks the routing options and fills defaults.
-    probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", **routing)
+    probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", dtype=torch.float32,
+                **routing)
     router = router_of(probe)
     router["router_weight"] = router_weight
     if probe.e_score_correction_bias is None:

@@ -47,8 +47,10 @@ from moe_gemm.layers.experts_fp8 import (
 from moe_gemm.layers.fused_experts import fused_gate_for
 from moe_gemm.layers.routing import (
     check_flag,
+    check_jitter_noise,
     check_router_weight,
     check_scaling_factor,
+    router_jitter,
     sigmoid_grouped_topk,
     softmax_topk,
 )
@@ -206,10 +208,11 @@ def moe_forward(
 def _check_layer(hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
                  scoring, renormalize, n_group, topk_group, routed_scaling_factor,
                  correction_bias, router_fp32, shared_expert_gate, activation, config, fused,
-                 dtype) -> bool:
+                 dtype, router_jitter_noise) -> bool:
     """MoE's constructor arguments, checked; returns correction_bias resolved."""
     check_gemm_options(config, fused)
     check_flag("router_fp32", router_fp32, none_ok=True)
+    check_jitter_noise(router_jitter_noise)
     for name, value in (
         ("hidden_size", hidden_size),
         ("intermediate_size", intermediate_size),
@@ -245,6 +248,14 @@ def _check_layer(hidden_size, intermediate_size, shared_intermediate_size, num_e
         raise ValueError("shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32; got {dtype}")
+    if dtype is None and torch.get_default_dtype() not in FLOAT_DTYPES:
+        # As nn.Linear, dtype=None means torch's default dtype; a float64 one made float64
+        # weights that the forward then refused (the grouped GEMMs, both backends, take
+        # 16-bit and fp32 operands, and the layer never downcasts the caller's tokens).
+        raise TypeError(
+            f"MoE makes its parameters in torch's default dtype when dtype=None, which is "
+            f"{torch.get_default_dtype()}; the layer runs in torch.bfloat16, torch.float16 or "
+            "torch.float32: pass one as dtype= (e.g. MoE(..., dtype=torch.float32))")
     resolve_activation(activation)  # fail early on a bad name
     return bool(correction_bias)
 
@@ -275,11 +286,21 @@ def _replace_activation(module: nn.Module, value: object) -> None:
         module.__dict__.get("_modules", {}).pop("activation", None)
 
 
+def _activation_name(act: object) -> str:
+    """An activation as the reprs name it: a name as it is, a function by its name (its
+    type's name is 'function' or 'builtin_function_or_method'), a module or other callable
+    by its class."""
+    if isinstance(act, str):
+        return act
+    return getattr(act, "__name__", None) or type(act).__name__
+
+
 class GatedMLP(nn.Module):
     """A dense gated FFN, down(act(gate(x)) * up(x)): the shared expert of DeepSeek / Qwen2.
 
     `activation` ("silu", "gelu", "gelu_tanh" or a callable) is an attribute: the forward
-    applies its current value (inside MoE it follows the layer's `moe.activation`).
+    applies its current value (inside MoE it follows the layer's `moe.activation`, which the
+    layer registers, not this MLP: see follow_activation).
     """
 
     def __init__(
@@ -303,11 +324,25 @@ class GatedMLP(nn.Module):
             _replace_activation(self, value)
         super().__setattr__(name, value)
 
+    def follow_activation(self, activation: Activation) -> None:
+        """Apply `activation`, owned by the layer this MLP belongs to (MoE's shared expert),
+        without registering it as a child module here: a module activation with parameters
+        (nn.PReLU()) registered by both the layer and this MLP appeared in state_dict()
+        twice, under "activation." and "shared_experts.activation.", and a checkpoint of
+        the layer was refused by its own loader. Checked as an assignment is."""
+        _replace_activation(self, activation)
+        self._modules.pop("activation", None)  # (a module activation of its own, set before)
+        object.__setattr__(self, "activation", activation)  # (nn.Module's would register it)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Resolved per call (a dict lookup), not once at construction: a function resolved in
         # __init__ outlived a reassigned `activation`.
         act = resolve_activation(self.activation)
         return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+
+    def extra_repr(self) -> str:
+        # (a followed module activation is not a child here, so the child list omits it)
+        return f"activation={_activation_name(self.activation)!r}"
 
 
 class MoE(MoELoaders, nn.Module):
@@ -350,6 +385,12 @@ class MoE(MoELoaders, nn.Module):
             for sigmoid.
         router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for
             softmax (Mixtral and Qwen compute them in the weight dtype).
+        router_jitter_noise: Mixtral's router jitter (transformers' config.router_jitter_noise,
+            which from_hf carries): in training mode (module.train(), torch's default for a
+            new module) the forward multiplies its input by uniform noise in
+            [1 - router_jitter_noise, 1 + router_jitter_noise] from torch's default
+            generator, as transformers does; the jittered tokens feed the router, the routed
+            and the shared experts. 0 (default) = off; eval mode never jitters. An attribute.
         activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh" or a callable: the
             routed experts' and the shared expert's. An attribute: setting `moe.activation`
             switches both (checked as in the constructor).
@@ -362,7 +403,9 @@ class MoE(MoELoaders, nn.Module):
             on a Hopper GPU with a named activation, True = always (the fused ops' torch
             backend elsewhere), False = the unfused grouped GEMMs. An attribute: set
             `moe.fused` to switch a built layer.
-        device, dtype: where and in what dtype to create the parameters.
+        device, dtype: where and in what dtype (bf16, fp16 or fp32) to create the
+            parameters; dtype=None is torch's default dtype, refused (TypeError) where that
+            is not one of the three (torch.set_default_dtype(torch.float64)).
     """
 
     def __init__(
@@ -379,6 +422,7 @@ class MoE(MoELoaders, nn.Module):
         routed_scaling_factor: float = 1.0,
         correction_bias: bool | None = None,
         router_fp32: bool | None = None,
+        router_jitter_noise: float = 0.0,
         activation: Activation = "silu",
         shared_intermediate_size: int = 0,
         shared_expert_gate: bool = False,
@@ -391,7 +435,8 @@ class MoE(MoELoaders, nn.Module):
         correction_bias = _check_layer(
             hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
             scoring, renormalize, n_group, topk_group, routed_scaling_factor, correction_bias,
-            router_fp32, shared_expert_gate, activation, config, fused, dtype)
+            router_fp32, shared_expert_gate, activation, config, fused, dtype,
+            router_jitter_noise)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts
@@ -402,6 +447,7 @@ class MoE(MoELoaders, nn.Module):
         self.topk_group = topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.router_fp32 = scoring == "sigmoid" if router_fp32 is None else bool(router_fp32)
+        self.router_jitter_noise = router_jitter_noise
         self.activation = activation
         self.config = config
         self.fused = fused
@@ -419,8 +465,9 @@ class MoE(MoELoaders, nn.Module):
         self.shared_experts: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate_size:
-            self.shared_experts = GatedMLP(H, shared_intermediate_size, activation, **kw)
+            self.shared_experts = GatedMLP(H, shared_intermediate_size, **kw)
             self.shared_experts.requires_grad_(False)
+            self.shared_experts.follow_activation(activation)
         if shared_expert_gate:
             self.shared_expert_gate = nn.Linear(H, 1, bias=False, **kw).requires_grad_(False)
         if self.router_weight.device.type != "meta":
@@ -472,12 +519,27 @@ class MoE(MoELoaders, nn.Module):
         # activations, and from_moe's shards, built from the attribute, disagreed with it).
         # Here rather than a property: nn.Module.__setattr__ files a module value (an
         # activation module such as transformers' ACT2FN ones) under _modules, bypassing one.
+        # The shared expert follows it without registering it (GatedMLP.follow_activation):
+        # a module activation is the layer's child alone, its parameters one state_dict key.
         if name == "activation":
             _replace_activation(self, value)
             shared = self.__dict__.get("_modules", {}).get("shared_experts")
             if shared is not None:
-                shared.activation = value
+                shared.follow_activation(value)
         super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A state_dict saved while the shared expert registered the layer's module activation
+        # too holds its parameters a second time, under "shared_experts.activation.": the
+        # same values, read as the layer's own "activation." ones (load_state_dict passes a
+        # copy of the caller's mapping, for hooks such as this to edit).
+        shared = self._modules.get("shared_experts")
+        if shared is not None and "activation" not in shared._modules:
+            old = prefix + "shared_experts.activation."
+            for key in [k for k in state_dict if k.startswith(old)]:
+                value = state_dict.pop(key)
+                state_dict.setdefault(prefix + "activation." + key[len(old):], value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # `fused` and `config` are documented as attributes to switch on a built layer: checked
     # on every assignment as in the constructor (a string such as "no" would otherwise force
@@ -502,6 +564,19 @@ class MoE(MoELoaders, nn.Module):
     def config(self, value: GemmConfig | None) -> None:
         check_gemm_options(value, None)
         self._config = value
+
+    # (the value of a layer pickled before the option existed: no jitter)
+    _router_jitter_noise: float = 0.0
+
+    @property
+    def router_jitter_noise(self) -> float:
+        """Mixtral's router jitter, applied by the forward in training mode (see the class);
+        0 = off."""
+        return self._router_jitter_noise
+
+    @router_jitter_noise.setter
+    def router_jitter_noise(self, value: float) -> None:
+        self._router_jitter_noise = check_jitter_noise(value)
 
     @property
     def fp8(self) -> str | None:
@@ -559,7 +634,8 @@ class MoE(MoELoaders, nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router only: (weights [T, k] float32, ids [T, k] int64) for x [T, H], or [..., H]
-        flattened to T tokens as transformers' routers do.
+        flattened to T tokens as transformers' routers do. x as given: the router jitter is
+        the forward's (transformers' routers do not jitter either; their blocks do).
 
         Raises:
             TypeError, ValueError: x as forward's hidden_states would raise (checked here,
@@ -634,7 +710,8 @@ class MoE(MoELoaders, nn.Module):
         Args:
             hidden_states: [..., H] (e.g. [B, S, H] or [T, H]); bf16, fp16 or fp32 on the
                 parameters' device. Other dtypes than the weights' are cast to it for the
-                experts, as transformers does, and the result is cast back.
+                experts, as transformers does, and the result is cast back. In training mode
+                with router_jitter_noise > 0, multiplied by the jitter first (not in place).
 
         Returns:
             The same shape and dtype as hidden_states.
@@ -647,6 +724,8 @@ class MoE(MoELoaders, nn.Module):
         self._check_parameters()
         x = _check_hidden(hidden_states, self.hidden_size, self.gate_up_proj.device)
         self.check_weight_dtype()
+        if self.training and self.router_jitter_noise > 0:
+            x = router_jitter(x, self.router_jitter_noise)  # (drawn as the input's shape)
         x2 = x.reshape(-1, self.hidden_size)
         weights, ids = self._route_tokens(x2)
         gate_fn = gated(resolve_activation(self.activation))
@@ -680,9 +759,6 @@ class MoE(MoELoaders, nn.Module):
         parts = [f"{n}={getattr(self, n)!r}" for n in names]
         if self.fp8 is not None:
             parts.append(f"fp8={self.fp8!r}")
-        act = self.activation
-        if not isinstance(act, str):
-            # A function by its name (its type's name is 'function' or
-            # 'builtin_function_or_method'), a module or other callable by its class.
-            act = getattr(act, "__name__", None) or type(act).__name__
-        return ", ".join([*parts, f"activation={act!r}"])
+        if self.router_jitter_noise:
+            parts.append(f"router_jitter_noise={self.router_jitter_noise!r}")
+        return ", ".join([*parts, f"activation={_activation_name(self.activation)!r}"])

@@ -20,6 +20,10 @@ difference within that rounding):
   renormalised with +1e-20, times `routed_scaling_factor` (on a Hopper GPU one kernel,
   ops/router_topk.py).
 
+Router jitter (`router_jitter`): Mixtral's training-time noise on the router's input
+(transformers' MixtralSparseMoeBlock with config.router_jitter_noise > 0), which the MoE layer
+applies in training mode.
+
 Permutation (`permute_by_expert`): a stable sort of the S (token, slot) pairs by expert id,
 the token of every sorted row, the sorted row of every slot (the inverse, for the combine) and
 int32 cumulative offsets from `searchsorted` on the sorted ids (sync-free and deterministic,
@@ -45,9 +49,11 @@ __all__ = [
     "ExpertPermutation",
     "check_correction_bias",
     "check_flag",
+    "check_jitter_noise",
     "check_router_weight",
     "check_scaling_factor",
     "permute_by_expert",
+    "router_jitter",
     "sigmoid_grouped_topk",
     "softmax_topk",
 ]
@@ -99,6 +105,37 @@ def check_scaling_factor(value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"routed_scaling_factor must be finite; got {value!r}")
     return float(value)
+
+
+def check_jitter_noise(value: object) -> float:
+    """router_jitter_noise: a finite real number >= 0 (0 = off). A negative one would make
+    uniform_'s range empty (torch's RuntimeError at the first training-mode forward), a NaN
+    or inf turn the tokens into NaN / inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"router_jitter_noise must be a float >= 0; got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"router_jitter_noise must be a finite float >= 0; got {value!r}")
+    return float(value)
+
+
+def router_jitter(x: torch.Tensor, noise: float) -> torch.Tensor:
+    """Mixtral's router jitter: x times uniform noise in [1 - noise, 1 + noise], elementwise.
+
+    transformers' MixtralSparseMoeBlock (config.router_jitter_noise > 0, training mode) draws
+    `torch.empty_like(hidden_states).uniform_(1 - noise, 1 + noise)` from torch's default
+    generator, in the input's dtype and shape, and multiplies the block's input by it before
+    anything else: the jittered tokens feed the router and the experts alike. The same draw
+    here, so a seeded generator gives the same noise; the product is out of place
+    (transformers' `*=` also rewrites the caller's tensor).
+
+    Args:
+        x: [..., H] the layer's input, as the caller passed it.
+        noise: the jitter, > 0.
+
+    Returns:
+        x * noise in x's shape and dtype.
+    """
+    return x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)
 
 
 def check_router_weight(w: object, E: int, H: int) -> torch.Tensor:

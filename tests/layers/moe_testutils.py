@@ -42,11 +42,13 @@ def naive_experts(
     return out
 
 
-def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The whole layer in float64 from its own routing decision."""
+def naive_moe(moe: MoE, x: torch.Tensor, act=None) -> torch.Tensor:
+    """The whole layer in float64 from its own routing decision (`act`: the activation as a
+    float64 function, where the layer's own is a module with float32 parameters)."""
     x2 = x.reshape(-1, moe.hidden_size)
     weights, ids = moe.route(x2)
-    act = ACTS[moe.activation] if isinstance(moe.activation, str) else moe.activation
+    if act is None:
+        act = ACTS[moe.activation] if isinstance(moe.activation, str) else moe.activation
     y = naive_experts(x2, ids, weights, moe.gate_up_proj, moe.down_proj, act)
     if moe.shared_experts is not None:
         s = moe.shared_experts

@@ -165,6 +165,37 @@ def test_from_state_dict_reads_the_layers_own_state_dict(options, layer_only) ->
     torch.testing.assert_close(back(x.float()), moe(x.float()), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shared", [0, 8], ids=["routed-only", "shared-expert"])
+def test_from_state_dict_loads_a_module_activation(shared: int) -> None:
+    # A layer built with a module activation that has a parameter (nn.PReLU's slope): its
+    # state_dict held the slope under "activation.weight" (and, with a shared expert, again
+    # under "shared_experts.activation.weight"), which the strict loader refused as keys it
+    # does not use. Loaded now into the module passed as activation=, aliased.
+    moe = randomize(MoE(32, 16, 8, 2, activation=torch.nn.PReLU(),
+                        shared_intermediate_size=shared))
+    with torch.no_grad():
+        moe.activation.weight.uniform_(0.05, 0.6)
+    sd = moe.state_dict()
+    back = MoE.from_state_dict(sd, 2, activation=torch.nn.PReLU())
+    assert set(back.state_dict()) == set(sd)
+    assert back.activation.weight.data_ptr() == moe.activation.weight.data_ptr()
+    x = torch.randn(11, 32)
+    torch.testing.assert_close(back(x), moe(x), rtol=0, atol=0)
+    # A state dict that still has the duplicate (saved before) loads the same way.
+    old = {**sd, "shared_experts.activation.weight": sd["activation.weight"].clone()}
+    if shared:
+        torch.testing.assert_close(MoE.from_state_dict(old, 2, activation=torch.nn.PReLU())(x),
+                                   moe(x), rtol=0, atol=0)
+    # Without a module to load it into: named under strict, ignored without.
+    with pytest.raises(ValueError, match=r"\['activation.weight'\] are a module activation's "
+                                         r"state .* pass such a module as activation="):
+        MoE.from_state_dict(sd, 2)
+    assert MoE.from_state_dict(sd, 2, strict=False).activation == "silu"
+    with pytest.raises(ValueError, match=r"(?s)activation module PReLU does not take the state "
+                                         r"under 'activation\.'.*size mismatch"):
+        MoE.from_state_dict(sd, 2, activation=torch.nn.PReLU(num_parameters=16))
+
+
 def test_from_state_dict_reads_an_fp8_layers_own_state_dict() -> None:
     moe = randomize(MoE(256, 128, 4, 2))
     moe.quantize_fp8("block")

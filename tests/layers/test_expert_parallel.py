@@ -849,6 +849,62 @@ def test_from_moe_equals_moe_after_the_activation_is_reassigned() -> None:
     torch.testing.assert_close(ep(x), moe(x))
 
 
+def test_from_moe_carries_the_router_jitter_and_the_mode() -> None:
+    # MoE's router jitter (Mixtral's, training mode only) was not a routing option of the
+    # expert-parallel layer: from_moe of a training-mode layer routed unjittered tokens.
+    moe = MoE(16, 8, 4, 2, router_jitter_noise=0.2, shared_intermediate_size=8)
+    x = torch.randn(3, 5, 16)
+    for training in (True, False):
+        moe.train(training)
+        ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
+        assert ep.router_jitter_noise == 0.2 and ep.training is training
+        seed = int(torch.randint(1 << 30, ()))
+        torch.manual_seed(seed)
+        want = moe(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(ep(x), want)
+    # Read from a state dict's options too; a router mapping without it means no jitter.
+    ep = ExpertParallelMoE.from_state_dict(moe.state_dict(), 2, router_jitter_noise=0.2,
+                                           dispatcher=_Local(), check_replicated=False)
+    assert ep.router_jitter_noise == 0.2
+    router = dict(router_weight=torch.randn(4, 16), e_score_correction_bias=None, top_k=2,
+                  scoring="softmax", renormalize=True, n_group=1, topk_group=1,
+                  routed_scaling_factor=1.0, router_fp32=False)
+    assert ExpertParallelMoE(MoE(16, 8, 4, 1), router, 4,
+                             dispatcher=_OneRank()).router_jitter_noise == 0.0
+    with pytest.raises(ValueError, match="router_jitter_noise must be a finite float >= 0"):
+        ExpertParallelMoE(MoE(16, 8, 4, 1), {**router, "router_jitter_noise": -1.0}, 4,
+                          dispatcher=_OneRank())
+
+
+def test_constructors_under_a_float64_default_dtype() -> None:
+    # MoE refuses dtype=None under a float64 default (its forward cannot run float64): the
+    # expert-parallel constructors' own meta-device probes name a dtype, so they still build
+    # a shard of a float32 layer.
+    moe = MoE(16, 8, 4, 2, scoring="sigmoid", n_group=2, topk_group=1)
+    x = torch.randn(5, 16)
+    want = moe(x)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for ep in (ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False),
+                   ExpertParallelMoE.from_state_dict(moe.state_dict(), 2, dispatcher=_Local(),
+                                                     scoring="sigmoid", n_group=2, topk_group=1,
+                                                     check_replicated=False)):
+            torch.testing.assert_close(ep(x), want)
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_from_moe_keeps_a_module_activation_registered_once() -> None:
+    moe = MoE(16, 8, 4, 2, activation=torch.nn.PReLU(init=0.1), shared_intermediate_size=8)
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
+    assert ep.local.shared_experts.activation is ep.local.activation is moe.activation
+    assert [k for k in ep.state_dict() if "activation" in k] == ["local.activation.weight"]
+    x = torch.randn(7, 16)
+    torch.testing.assert_close(ep(x), moe(x))
+
+
 class _LocalShare(_OneRank):
     """Rank 0 of two, without a process group: it receives every token but keeps only the
     slots of its experts [0, E / 2) (the others marked -1, as other ranks' slots are), with

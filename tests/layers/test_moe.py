@@ -286,6 +286,14 @@ def test_backward_raises() -> None:
          "correction_bias must be a bool or None; got 'no'"),
         ({"shared_intermediate_size": 8, "shared_expert_gate": "no"}, TypeError,
          "shared_expert_gate must be a bool; got 'no'"),
+        ({"router_jitter_noise": -0.01}, ValueError,
+         "router_jitter_noise must be a finite float >= 0; got -0.01"),
+        ({"router_jitter_noise": float("nan")}, ValueError,
+         "router_jitter_noise must be a finite float >= 0; got nan"),
+        ({"router_jitter_noise": "0.01"}, TypeError,
+         "router_jitter_noise must be a float >= 0; got '0.01'"),
+        ({"router_jitter_noise": True}, TypeError,
+         "router_jitter_noise must be a float >= 0; got True"),
     ],
 )
 def test_constructor_rejects(kwargs: dict, exc: type[Exception], pattern: str) -> None:
@@ -293,6 +301,88 @@ def test_constructor_rejects(kwargs: dict, exc: type[Exception], pattern: str) -
     args.update(kwargs)
     with pytest.raises(exc, match=pattern):
         MoE(**args)
+
+
+@pytest.fixture
+def default_float64():
+    """torch's default dtype set to float64 for the test, and restored whatever happens."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_default_float64_is_refused_naming_dtype(default_float64) -> None:
+    # dtype=None follows torch's default dtype, as nn.Linear does: under float64 the layer
+    # made float64 weights, and its forward then raised a TypeError about the caller's
+    # input. The grouped GEMMs take bf16, fp16 and fp32 only, so the constructor refuses,
+    # naming the dtypes and the dtype= argument; an explicit dtype works as under float32.
+    with pytest.raises(TypeError, match=r"default dtype when dtype=None, which is torch\.float64;"
+                                        r" .*bfloat16, torch\.float16 or torch\.float32: pass "
+                                        r"one as dtype="):
+        MoE(32, 16, 8, 2)
+    kw = dict(scoring="sigmoid", n_group=2, topk_group=1, shared_intermediate_size=24,
+              shared_expert_gate=True, dtype=torch.float32)
+    moe = randomize(MoE(32, 16, 8, 2, **kw))
+    assert {t.dtype for t in [*moe.parameters(), *moe.buffers()]} == {torch.float32}
+    x = torch.randn(37, 32, dtype=torch.float32)
+    y = moe(x)
+    assert y.dtype == torch.float32
+    assert_close_to_ref(y, naive_moe(moe, x), name="fp32 layer under a float64 default")
+    torch.set_default_dtype(torch.float32)
+    torch.testing.assert_close(moe(x), y, rtol=0, atol=0)  # (the default changes nothing)
+    torch.set_default_dtype(torch.float64)
+    # The caller's float64 tokens are refused, not rounded to float32.
+    with pytest.raises(TypeError, match="hidden_states must be .* got torch.float64"):
+        moe(x.double())
+    # The loaders build on the meta device: the tensors decide the dtype, whatever the default.
+    back = MoE.from_state_dict(moe.state_dict(), 2, scoring="sigmoid", n_group=2, topk_group=1)
+    torch.testing.assert_close(back(x), y, rtol=0, atol=0)
+    fused = MoE.from_fused(moe.gate_up_proj, moe.down_proj, moe.router_weight, 2)
+    assert fused.gate_up_proj.dtype == torch.float32 and fused(x).dtype == torch.float32
+
+
+def test_router_jitter_in_training_mode_only() -> None:
+    # Mixtral's router jitter (transformers' config.router_jitter_noise): in training mode
+    # the input is multiplied by U(1 - j, 1 + j) drawn as torch.empty_like(x).uniform_ from
+    # torch's default generator, and the jittered tokens feed the router and every expert.
+    # Eval mode, and j = 0, leave the forward and the generator as they were.
+    j = 0.3
+    moe = randomize(MoE(32, 16, 8, 2, router_jitter_noise=j, shared_intermediate_size=24))
+    assert moe.training and moe.router_jitter_noise == j and f"router_jitter_noise={j}" in repr(
+        moe)
+    x = torch.randn(3, 13, 32)
+    x_before = x.clone()
+    seed = int(torch.randint(1 << 30, ()))
+    torch.manual_seed(seed)
+    y = moe(x)
+    torch.manual_seed(seed)
+    noise = torch.empty_like(x).uniform_(1 - j, 1 + j)  # transformers' formula
+    assert torch.equal(x, x_before)  # (transformers' `*=` rewrites its input; not here)
+    moe.eval()
+    state = torch.get_rng_state()
+    clean = moe(x)
+    assert torch.equal(torch.get_rng_state(), state)  # eval draws nothing
+    torch.testing.assert_close(y, moe(x * noise), rtol=0, atol=0)
+    assert_close_to_ref(y, naive_moe(moe, x * noise), name="jittered forward")
+    assert rel_err(y, clean) > 1e-3  # (the jitter changed the result)
+    # route() is the router alone: never jittered (transformers' routers do not jitter)
+    moe.train()
+    w, i = moe.route(x)
+    w0, i0 = moe.eval().route(x)
+    assert torch.equal(i, i0) and torch.equal(w, w0)
+    # 0 = off in training mode too; the attribute is checked as the constructor checks it
+    moe.train()
+    moe.router_jitter_noise = 0
+    state = torch.get_rng_state()
+    torch.testing.assert_close(moe(x), clean, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert "router_jitter_noise" not in repr(moe)
+    with pytest.raises(ValueError, match="router_jitter_noise must be a finite float >= 0"):
+        moe.router_jitter_noise = -1.0
+    assert moe.router_jitter_noise == 0.0
 
 
 def test_forward_rejects() -> None:
@@ -404,6 +494,70 @@ def test_shared_expert_applies_its_current_activation() -> None:
     v = x.double()
     want = (F.gelu(v @ g.T, approximate="tanh") * (v @ u.T)) @ d.T
     assert_close_to_ref(mlp(x), want)
+
+
+def _prelu_moe(**kw) -> MoE:
+    """A layer whose activation is a module with a parameter (nn.PReLU's slope), shared
+    expert and gate included, all weights random."""
+    moe = randomize(MoE(32, 16, 8, 2, activation=torch.nn.PReLU(), shared_intermediate_size=24,
+                        shared_expert_gate=True, **kw))
+    with torch.no_grad():  # (randomize draws the slope too: a fresh one, away from 0.25)
+        moe.activation.weight.uniform_(0.05, 0.6)
+    return moe
+
+
+def _prelu_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """naive_moe for a PReLU layer: the slope in float64, routed and shared experts alike."""
+    slope = moe.activation.weight.detach().double()
+    return naive_moe(moe, x, act=lambda t: F.prelu(t, slope))
+
+
+def test_module_activation_is_registered_once() -> None:
+    # The layer and its shared expert both registered a module activation: its parameter was
+    # in state_dict() twice ("activation.weight", "shared_experts.activation.weight") and the
+    # layer's own loader refused the checkpoint. One key now; both parts still apply it.
+    moe = _prelu_moe()
+    act = moe.activation
+    assert [k for k in moe.state_dict() if "activation" in k] == ["activation.weight"]
+    names = [n for n, _ in moe.named_parameters(remove_duplicate=False)]
+    assert names.count("activation.weight") == 1 and len(names) == len(set(names))
+    assert moe.shared_experts.activation is act
+    x = torch.randn(37, 32)
+    y = moe(x)
+    assert_close_to_ref(y, _prelu_reference(moe, x), name="PReLU layer")
+    # The repr lists the module once, under the layer; the shared expert names it.
+    text = repr(moe)
+    assert text.count("PReLU(num_parameters=1)") == 1 and "activation='PReLU'" in text
+    assert re.search(r"GatedMLP\(\s*activation='PReLU'", text)
+    # A strict load of the state dict into an equal layer: the same slope, the same output.
+    back = MoE(32, 16, 8, 2, activation=torch.nn.PReLU(), shared_intermediate_size=24,
+               shared_expert_gate=True)
+    assert not back.load_state_dict(moe.state_dict(), strict=True).missing_keys
+    assert torch.equal(back.activation.weight, act.weight)
+    torch.testing.assert_close(back(x), y, rtol=0, atol=0)
+    # Another module and back to a name: the shared expert follows, nothing registered twice.
+    moe.activation = torch.nn.PReLU(init=0.1)
+    assert moe.shared_experts.activation is moe.activation
+    assert [k for k in moe.state_dict() if "activation" in k] == ["activation.weight"]
+    moe.activation = "silu"
+    assert not [k for k in moe.state_dict() if "activation" in k]
+    assert "activation" not in moe._modules and "activation" not in moe.shared_experts._modules
+    assert_close_to_ref(moe(x), naive_moe(moe, x), name="back to silu")
+
+
+def test_state_dict_with_the_activation_twice_still_loads() -> None:
+    # A checkpoint saved while the shared expert registered the module activation too carries
+    # its slope under "shared_experts.activation.weight" as well: a strict load takes it.
+    moe = _prelu_moe()
+    sd = dict(moe.state_dict())
+    sd["shared_experts.activation.weight"] = sd["activation.weight"].clone()
+    back = MoE(32, 16, 8, 2, activation=torch.nn.PReLU(), shared_intermediate_size=24,
+               shared_expert_gate=True)
+    result = back.load_state_dict(sd, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(back.activation.weight, moe.activation.weight)
+    x = torch.randn(9, 32)
+    torch.testing.assert_close(back(x), moe(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

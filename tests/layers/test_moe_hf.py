@@ -277,6 +277,65 @@ def test_from_hf_shares_the_blocks_weights() -> None:
         assert rel_err(moe(x), block(x)) < 1e-5
 
 
+def test_from_hf_carries_mixtral_router_jitter() -> None:
+    # transformers' MixtralSparseMoeBlock, in training mode with router_jitter_noise > 0,
+    # multiplies its input by torch.empty_like(x).uniform_(1 - j, 1 + j) before the router
+    # and the experts; from_hf dropped the option. It comes along now, with the block's mode.
+    j = 0.25
+    config = MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=8,
+                           num_experts_per_tok=2, router_jitter_noise=j)
+    block = _block(MixtralSparseMoeBlock, config, seed=int(torch.randint(1 << 30, ())))
+    moe = MoE.from_hf(block)  # (an eval-mode block: an eval-mode layer, no jitter)
+    assert moe.router_jitter_noise == j and not moe.training
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        clean = moe(x)
+        assert rel_err(clean, block(x)) < 1e-5
+        block.train()
+        moe = MoE.from_hf(block)
+        assert moe.training
+        seed = int(torch.randint(1 << 30, ()))
+        torch.manual_seed(seed)
+        ref = block(x.clone())  # (transformers jitters its input in place)
+        torch.manual_seed(seed)
+        y = moe(x)
+        torch.manual_seed(seed)
+        noise = torch.empty_like(x).uniform_(1 - j, 1 + j)  # transformers' formula, here
+        want = moe.eval()(x * noise)
+    assert rel_err(y, ref) < 1e-5
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    assert rel_err(y, clean) > 1e-3  # (the jitter changed the result)
+    # A block without jitter (transformers' default 0.0), in training mode: none here either.
+    block = _block(MixtralSparseMoeBlock, BLOCKS[0].values[1](), seed=6).train()
+    moe = MoE.from_hf(block)
+    assert moe.router_jitter_noise == 0.0 and moe.training
+    with torch.no_grad():
+        assert rel_err(moe(x), block(x)) < 1e-5
+
+
+def test_from_hf_module_activation_is_registered_once() -> None:
+    # An activation module with a parameter, the experts' and the shared expert's (one
+    # object): the layer registered it under "activation." and again under
+    # "shared_experts.activation.". Once now, the block's own module; outputs unchanged.
+    config = Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=24, num_experts=6,
+                            num_experts_per_tok=2)
+    block = Qwen2MoeSparseMoeBlock(config)
+    config._experts_implementation = "eager"
+    block.experts.act_fn = block.shared_expert.act_fn = torch.nn.PReLU()
+    _randomize(block, seed=int(torch.randint(1 << 30, ())))
+    moe = MoE.from_hf(block)
+    assert moe.activation is block.experts.act_fn
+    assert [k for k in moe.state_dict() if "activation" in k] == ["activation.weight"]
+    x = torch.randn(3, 7, 32)
+    with torch.no_grad():
+        y = moe(x)
+        assert rel_err(y, block(x)) < 1e-5
+        back = MoE.from_state_dict(moe.state_dict(), 2, renormalize=moe.renormalize,
+                                   activation=torch.nn.PReLU())
+        torch.testing.assert_close(back(x), y, rtol=0, atol=0)
+
+
 def test_from_hf_rejects_unknown_blocks() -> None:
     config = GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4,
                           num_experts_per_tok=2)
