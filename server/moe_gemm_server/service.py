@@ -34,7 +34,7 @@ from .errors import APIError, unavailable, unprocessable
 from .faults import device_failure
 from .limits import BodyCutoff
 from .metrics import Metrics, StatsBook
-from .service_weights import WeightsMixin, resident_nbytes
+from .service_weights import Upload, WeightsMixin, resident_nbytes
 from .storage import WeightStore
 from .sync import StoreWatcher
 
@@ -80,6 +80,7 @@ class Service(WeightsMixin):
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self._reserved_bytes = 0  # uploads admitted under the budget, not yet installed
+        self._uploads: dict[str, list[Upload]] = {}  # of them, those past their checks
         self.watcher = StoreWatcher(self)
         self._sync_task: asyncio.Task[None] | None = None
         # Bodies still arriving when a drain times out are answered 503 (limits.py).
@@ -156,8 +157,8 @@ class Service(WeightsMixin):
             if not isinstance(e, (APIError, ValueError, TypeError, OSError, EngineOutOfMemory)):
                 msg = f"{type(e).__name__}: {msg}"  # unexpected: say what it was
                 log.exception("unexpected error loading weight set %r", name)
-        if fid is not None:
-            self.watcher.failed[name] = fid
+            if fid is not None:
+                self.watcher.record_failure(name, fid, e)
         self.load_errors[name] = msg
         self.metrics.weight_load_errors.inc()
         log.error("could not load weight set %r from %s: %s", name, self.store.root, msg)

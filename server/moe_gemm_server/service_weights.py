@@ -3,7 +3,10 @@
 An upload is streamed to a temp file in the data directory, read and checked, copied to the
 device and warmed (Engine.prepare_weights) outside the weights lock, then committed to disk
 atomically and swapped in under it: the set is acknowledged only when durable, and a failed
-upload leaves the previous version as it was. Held by a mixin the Service inherits.
+upload leaves the previous version as it was. The commit and the swap run to their end even
+if the request is cancelled meanwhile (disk and memory then agree). An upload with the same
+content as one of the same name still in progress (a PUT repeated after a timeout) waits for
+that one and answers with its outcome. Held by a mixin the Service inherits.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from starlette.requests import Request
@@ -29,6 +33,7 @@ from .faults import is_no_space
 from .limits import BODY_FLAG, WEIGHT_FLAG, BodyLimit, BodyTooLarge, content_length, read_body
 from .metrics import Metrics, StatsBook
 from .storage import (
+    CommitInDoubt,
     WeightStore,
     check_name,
     check_weight_header,
@@ -51,6 +56,36 @@ SAFETENSORS_TYPES = ("", "application/octet-stream", "application/safetensors",
 # A safetensors header longer than this is checked in a worker thread (a long one takes a while
 # to parse, and on the event loop that would stall every other request).
 OFF_LOOP_HEADER_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+
+class OverBudget(APIError):
+    """507: a set of `nbytes` resident bytes does not fit under --max-resident-bytes now."""
+
+    def __init__(self, nbytes: int, message: str) -> None:
+        super().__init__(507, message)
+        self.nbytes = nbytes
+
+
+@dataclass(eq=False)  # (one upload is equal only to itself: list.remove must not compare tensors)
+class Upload:
+    """An upload past its checks and not yet installed or failed (or a load of a set another
+    server wrote: sync.py): what it stores, and, once `done` is set, the set it committed and
+    installed (None: it failed, or it was a load, whose file this server did not commit)."""
+
+    tensor: torch.Tensor
+    layout: str
+    scale: torch.Tensor | None
+    nbytes: int
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    ws: WeightSet | None = None
+
+    def same(self, tensor: torch.Tensor, layout: str, scale: torch.Tensor | None) -> bool:
+        """Whether an upload of (tensor, layout, scale) stores the same set, bit for bit."""
+        return (layout == self.layout and _same_bits(tensor, self.tensor)
+                and (scale is None) == (self.scale is None)
+                and (scale is None or _same_bits(scale, self.scale)))
 
 
 def upload_limit(settings: Settings, content_type: str) -> BodyLimit:
@@ -81,6 +116,7 @@ class WeightsMixin:
     not_ready_reason: str
     _weights_lock: asyncio.Lock | None
     _reserved_bytes: int
+    _uploads: dict[str, list[Upload]]  # name -> uploads and loads of it in progress
 
     def weight_set(self, name: str) -> WeightSet:
         """The resident set `name`: 422 for a name no set can have (as PUT and DELETE answer),
@@ -128,19 +164,21 @@ class WeightsMixin:
                 raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
                                     "(application/octet-stream) or application/json")
             tensor, layout, scale = await asyncio.to_thread(read_weight_file, temp, True)
-            with self._reserve(name, resident_nbytes(tensor, scale)):
+            twin = await self._twin_of(name, tensor, layout, scale)
+            if twin is not None:
+                log.info("weight set %r: the same content as an upload of it that was in "
+                         "progress, which stored it: %s", name, twin.info())
+                return twin, False
+            nbytes = resident_nbytes(tensor, scale)
+            with self._reserve(name, nbytes), self._in_progress(
+                    name, Upload(tensor, layout, scale, nbytes)) as upload:
                 try:
                     ws = await asyncio.to_thread(functools.partial(
                         self.engine.prepare_weights, name, tensor, layout, scale=scale))
                 except (ValueError, TypeError) as e:
                     raise unprocessable(str(e)) from None
                 async with self._weights_lock:
-                    # The identity of the file we wrote, not of whatever holds the name now
-                    # (another replica's rename may already have replaced ours: storage.commit).
-                    fid = await asyncio.to_thread(self.store.commit, temp, name)
-                    old = self.engine.install(ws)
-                    self.watcher.record(name, fid)
-                    self._update_weight_metrics()
+                    old = await _to_the_end(self._commit_and_install(temp, ws, upload))
             log.info("weight set %r %s: %s", name, "replaced" if old else "created", ws.info())
             return ws, old is None
         except EngineOutOfMemory as e:
@@ -149,6 +187,11 @@ class WeightsMixin:
                                 f"({self.engine.resident_bytes} bytes held by "
                                 f"{len(self.engine.weight_sets())} resident set(s)): {e}; "
                                 "delete a set or set --max-resident-bytes") from None
+        except CommitInDoubt as e:
+            raise APIError(507, f"the data directory {self.store.root} could not be flushed "
+                                f"({e.strerror}) after weight set {name!r} was renamed into "
+                                "place, and the rename could not be undone: the set may be "
+                                "stored or not (GET it, or upload it again)") from None
         except OSError as e:
             if is_no_space(e):
                 self.metrics.rejections.labels("no_space").inc()
@@ -161,6 +204,50 @@ class WeightsMixin:
             raise
         finally:
             temps.close()
+
+    async def _commit_and_install(self, temp: Path, ws: WeightSet, upload: Upload
+                                  ) -> WeightSet | None:
+        """Commit the upload's file and swap its set in (under the weights lock); returns the
+        version it replaced."""
+        assert self.engine is not None
+        # The identity of the file we wrote, not of whatever holds the name now (another
+        # replica's rename may already have replaced ours: storage.commit).
+        fid = await asyncio.to_thread(self.store.commit, temp, ws.name)
+        old = self.engine.install(ws)
+        self.watcher.record(ws.name, fid)
+        self._update_weight_metrics()
+        upload.ws = ws
+        return old
+
+    @contextlib.contextmanager
+    def _in_progress(self, name: str, upload: Upload) -> Iterator[Upload]:
+        """Count `upload` among the uploads of `name` in progress until the block ends, then
+        tell those waiting for it (_twin_of) its outcome."""
+        self._uploads.setdefault(name, []).append(upload)
+        try:
+            yield upload
+        finally:
+            self._uploads[name].remove(upload)
+            if not self._uploads[name]:
+                del self._uploads[name]
+            upload.done.set()
+
+    async def _twin_of(self, name: str, tensor: torch.Tensor, layout: str,
+                       scale: torch.Tensor | None) -> WeightSet | None:
+        """The set stored by an upload of `name` in progress with this same content, once it
+        is stored: a PUT repeated because its answer did not come in time (a client's retry
+        after a timeout) is then answered with the outcome of the first one, rather than 507
+        for counting the same bytes twice against the budget while the first one goes on to
+        store the set. None if there is none, or it failed (this upload then goes on alone, as
+        it does after a load of the same set from the directory: that one ends with the set
+        resident, so its bytes are no longer counted twice, but not committed by this server
+        (the other one may still undo its rename: storage.commit), so it acknowledges nothing)."""
+        for upload in list(self._uploads.get(name, ())):
+            if await asyncio.to_thread(upload.same, tensor, layout, scale):
+                await upload.done.wait()
+                if upload.ws is not None:
+                    return upload.ws
+        return None
 
     async def _check_header(self, name: str, head: bytearray, declared: int | None) -> bool:
         """Refuse a safetensors upload from its first bytes, with the answer its whole body
@@ -176,7 +263,10 @@ class WeightsMixin:
             size, nbytes = check_weight_header(head, declared)
         if declared is None and size > self.settings.max_weight_bytes:
             raise BodyTooLarge(self.settings.max_weight_bytes, flag=WEIGHT_FLAG)
-        self._check_budget(name, nbytes)  # (checked again, and reserved, once it is read)
+        # (checked again, and reserved, once it is read; not now when an upload of this name
+        # and size is in progress: this one may be a retry of it, told apart by its content)
+        if not any(u.nbytes == nbytes for u in self._uploads.get(name, ())):
+            self._check_budget(name, nbytes)
         return True
 
     @contextlib.contextmanager
@@ -211,26 +301,38 @@ class WeightsMixin:
                                 f"unmounted?); {what}; restart the server if the volume was "
                                 "replaced on purpose")
 
-    def _check_budget(self, name: str, nbytes: int) -> None:
-        """507 if a set of `nbytes` would take the resident sets past --max-resident-bytes
-        (a replaced set's bytes count as freed: the swap releases them)."""
-        budget = self.settings.max_resident_bytes
-        if budget is None:
-            return
+    def _budget_use(self, name: str) -> tuple[int, int]:
+        """(bytes held by the resident sets and the loads in progress, of them the bytes of
+        the resident version of `name`, which its replacement frees)."""
         assert self.engine is not None
         try:
             replaced = self.engine.get_weights(name).nbytes
         except KeyError:
             replaced = 0
-        resident = self.engine.resident_bytes + self._reserved_bytes
-        if resident - replaced + nbytes > budget:
+        return self.engine.resident_bytes + self._reserved_bytes, replaced
+
+    def fits_budget(self, name: str, nbytes: int) -> bool:
+        """Whether a set `name` of `nbytes` would fit under --max-resident-bytes now (a
+        replaced set's bytes count as freed: the swap releases them)."""
+        budget = self.settings.max_resident_bytes
+        if budget is None:
+            return True
+        resident, replaced = self._budget_use(name)
+        return resident - replaced + nbytes <= budget
+
+    def _check_budget(self, name: str, nbytes: int) -> None:
+        """OverBudget (507) unless fits_budget."""
+        budget = self.settings.max_resident_bytes
+        if budget is not None and not self.fits_budget(name, nbytes):
+            assert self.engine is not None
+            resident, replaced = self._budget_use(name)
             self.metrics.rejections.labels("over_budget").inc()
             # "free" counts the replaced version's bytes; say so, or the free bytes and the
             # bytes held would not add up to the budget
             freed = (f", {replaced} of them by the version of {name!r} this upload replaces"
                      if replaced else "")
-            raise APIError(
-                507,
+            raise OverBudget(
+                nbytes,
                 f"weight set {name!r} needs {nbytes} bytes but only "
                 f"{max(0, budget - resident + replaced)} of the {budget}-byte resident budget "
                 f"(--max-resident-bytes) are free ({resident} bytes held by "
@@ -242,18 +344,49 @@ class WeightsMixin:
         assert self.engine is not None and self._weights_lock is not None
         async with self._weights_lock:
             await asyncio.to_thread(self._check_data_dir, f"weight set {name!r} was not deleted")
-            try:
-                on_disk = await asyncio.to_thread(self.store.delete, name)
-            except OSError as e:
-                raise storage_error(self.store.root, e, f"weight set {name!r} was not "
-                                    "deleted") from None
-            ws = self.engine.remove_weights(name)
-            self.watcher.record(name, None)
-            self._update_weight_metrics()
+            on_disk, ws = await _to_the_end(self._delete(name))
         if not on_disk and ws is None:
             raise APIError(404, f"unknown weight set {name!r}")
         self.stats.forget(name, None if ws is None else ws.version)
         log.info("weight set %r deleted", name)
+
+    async def _delete(self, name: str) -> tuple[bool, WeightSet | None]:
+        """Delete the set's file, then drop it from memory (under the weights lock):
+        (whether there was a file, the set dropped)."""
+        assert self.engine is not None
+        try:
+            on_disk = await asyncio.to_thread(self.store.delete, name)
+        except OSError as e:
+            raise storage_error(self.store.root, e, f"weight set {name!r} was not "
+                                "deleted") from None
+        ws = self.engine.remove_weights(name)
+        self.watcher.record(name, None)
+        self._update_weight_metrics()
+        return on_disk, ws
+
+
+async def _to_the_end(aw: Awaitable[T]) -> T:
+    """Await `aw` to its end even if the caller is cancelled meanwhile, then raise the
+    cancellation. For a change of the data directory and the same change in memory: the file
+    operation runs in a worker thread that a cancellation does not stop, so the memory side
+    must run too (else the new file would be served only after the next rescan or restart,
+    though the request was never answered, while this server serves the old version)."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})  # (unlike a plain await, leaves the task running)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled and task.exception() is None:
+        raise asyncio.CancelledError
+    return task.result()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
 def storage_error(root: Path, e: OSError, what: str) -> APIError:

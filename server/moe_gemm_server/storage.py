@@ -5,12 +5,15 @@ fsynced, renamed over the final name (rename is atomic on POSIX within one files
 followed by an fsync of the directory, so the rename itself survives a power cut. A crash at
 any point leaves either the old file or the new one under the name, never a half file; the
 hidden temp files a crash can leave behind never match a set name (names cannot start with
-".") and are removed at the next start. An upload is acknowledged only after this completes.
+".") and are removed at the next start. An upload is acknowledged only after this completes;
+one whose directory flush fails is renamed back out of the name (commit), so that a refused
+upload is not served later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import math
@@ -50,6 +53,11 @@ def file_id_of(st: os.stat_result) -> FileId:
 
 # A directory's identity: (st_dev, st_ino), which directory of which filesystem a path names.
 DirId = tuple[int, int]
+
+
+class CommitInDoubt(OSError):
+    """A commit whose directory flush failed and whose rename could not be undone: the set's
+    name may hold the new version (not known to be on disk) or the previous one."""
 
 
 def check_name(name: str) -> None:
@@ -315,6 +323,14 @@ class WeightStore:
         before the rename: another server sharing the directory may rename its own upload over
         the name right after ours, and a stat of the name would then return that one's
         identity beside our data (sync.py would never reload the winner's file).
+
+        Raises:
+            OSError: nothing was stored; the name holds the version it held before. A failed
+                flush of the directory undoes the rename (the previous file, kept by a hidden
+                hard link until the flush, is put back): left in place, the refused upload
+                would be served after the next rescan or restart.
+            CommitInDoubt: the flush failed and so did the undo: the name may hold either
+                version.
         """
         final = self.path_for(name)
         fd = os.open(temp, os.O_RDONLY)
@@ -323,9 +339,64 @@ class WeightStore:
             fid = file_id_of(os.fstat(fd))
         finally:
             os.close(fd)
-        os.replace(temp, final)
-        _fsync_dir(self.root)
+        had, kept = self._keep(final)
+        try:
+            os.replace(temp, final)
+            try:
+                _fsync_dir(self.root)
+            except OSError as e:
+                self._undo(final, fid, had, kept, e)
+                raise
+        finally:
+            if kept is not None:
+                with contextlib.suppress(OSError):
+                    kept.unlink(missing_ok=True)
         return fid
+
+    def _keep(self, final: Path) -> tuple[bool, Path | None]:
+        """(whether the set has a file now, a hidden hard link to it), so that commit can put
+        that version back; the link is None where the filesystem has none. A crash leaves the
+        link as a temp file, removed at the next start."""
+        kept = self.new_temp()
+        try:
+            os.link(final, kept)
+        except FileNotFoundError:
+            return False, None
+        except OSError as e:  # (no hard links here: a failed flush cannot restore the file)
+            log.warning("cannot keep the previous version of %s while it is replaced (%s)",
+                        final.name, e.strerror or e)
+            return True, None
+        return True, kept
+
+    def _undo(self, final: Path, fid: FileId, had: bool, kept: Path | None,
+              cause: OSError) -> None:
+        """Take back the rename of the file `fid` to `final` (its directory's flush failed):
+        the previous version `kept` goes back under the name, or the name is removed if it had
+        none (`had`). A file another server renamed over ours meanwhile is left alone (its
+        upload replaced ours). Raises CommitInDoubt when that cannot be done."""
+        try:
+            try:
+                ours = file_id_of(os.stat(final)) == fid
+            except FileNotFoundError:
+                ours = False  # (deleted meanwhile, through another server: nothing to undo)
+            if ours:
+                if kept is not None:
+                    os.replace(kept, final)
+                elif had:
+                    raise OSError(errno.ENOTSUP, "its previous version was not kept")
+                else:
+                    os.unlink(final)
+        except OSError as e:
+            log.error("the flush of %s failed (%s) after %s was renamed into place, and the "
+                      "rename could not be undone (%s): it may be served", self.root,
+                      cause.strerror or cause, final.name, e.strerror or e)
+            raise CommitInDoubt(cause.errno, cause.strerror) from e
+        try:
+            _fsync_dir(self.root)
+        except OSError as e:
+            # The undo is in place (served as it is now), only not known to be on disk.
+            log.error("the flush of %s failed again (%s) after %s was put back to its "
+                      "previous version", self.root, e.strerror or e, final.name)
 
     def write(self, name: str, data: bytes) -> None:
         """Atomically store `data` as the set's file."""

@@ -6,7 +6,9 @@ writes `<name>.safetensors` atomically (storage.py: temp file, fsync, rename), s
 only ever see a whole file. Each server rescans the directory every --sync-interval-s seconds
 and, for every file whose identity (inode, size, mtime) differs from the one it loaded, loads,
 checks, warms and installs it; a set whose file is gone is removed. A set that cannot be loaded
-(corrupt, over the budget) is logged once per file version and left out.
+(corrupt, over the budget) is logged once per file version and left out; one left out for the
+budget alone is loaded by a later pass once its bytes fit (they may have been held only for a
+while, by an upload in progress or a set since deleted), its file not read again before then.
 
 So an upload acknowledged by one replica is served by every replica within one interval (plus
 the load and warm-up time), and a replica started later loads everything at start. Serving
@@ -36,7 +38,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .errors import APIError
-from .service_weights import resident_nbytes
+from .service_weights import OverBudget, Upload, resident_nbytes
 from .storage import DirId, FileId, file_id_of
 
 if TYPE_CHECKING:
@@ -51,6 +53,8 @@ class StoreWatcher:
         self.service = service
         self.loaded: dict[str, FileId] = {}  # name -> the file version installed
         self.failed: dict[str, FileId] = {}  # name -> a file version that could not load
+        # name -> the resident bytes of a failed version left out for the budget alone
+        self.waiting: dict[str, int] = {}
         self.rescans = 0
         # The directory the resident sets come from (set at the start, then by every pass
         # that takes the listing for the truth), and whether the path now names another one.
@@ -67,10 +71,26 @@ class StoreWatcher:
     def record(self, name: str, fid: FileId | None) -> None:
         """This server installed `name` from the file version `fid` (or removed it: None)."""
         self.failed.pop(name, None)
+        self.waiting.pop(name, None)
         if fid is None:
             self.loaded.pop(name, None)
         else:
             self.loaded[name] = fid
+
+    def record_failure(self, name: str, fid: FileId, exc: BaseException) -> None:
+        """The file version `fid` of `name` could not be loaded (`exc`): it is not tried again,
+        unless it was refused for the budget alone and its bytes fit now (retry)."""
+        self.failed[name] = fid
+        if isinstance(exc, OverBudget):
+            self.waiting[name] = exc.nbytes
+        else:
+            self.waiting.pop(name, None)
+
+    def retry(self, name: str) -> bool:
+        """Whether the failed version of `name` was refused for the budget and fits now (a
+        check of numbers only: no pass reads its file until then)."""
+        nbytes = self.waiting.get(name)
+        return nbytes is not None and self.service.fits_budget(name, nbytes)
 
     async def rescan(self) -> int:
         """One pass: load new or changed sets, drop deleted ones. Returns the changes made."""
@@ -114,7 +134,8 @@ class StoreWatcher:
                     changes += 1
                     log.info("weight set %r removed (deleted by another server)", name)
         for name, fid in sorted(on_disk.items()):
-            if self.loaded.get(name) == fid or self.failed.get(name) == fid:
+            if self.loaded.get(name) == fid or (self.failed.get(name) == fid
+                                                and not self.retry(name)):
                 continue
             changes += await self._load(name, fid)
         if changes:
@@ -154,7 +175,12 @@ class StoreWatcher:
                 tensor, layout, scale = await asyncio.to_thread(svc.store.load, name)
                 # Its bytes count in the budget until it is installed (or fails): an upload
                 # through this server meanwhile must not pass a check that misses them.
-                reservation.enter_context(svc._reserve(name, resident_nbytes(tensor, scale)))
+                nbytes = resident_nbytes(tensor, scale)
+                reservation.enter_context(svc._reserve(name, nbytes))
+                # (an upload of the same content meanwhile, a retry, waits for this load
+                # rather than being refused for these bytes counted twice)
+                reservation.enter_context(svc._in_progress(
+                    name, Upload(tensor, layout, scale, nbytes)))
                 ws = await asyncio.to_thread(functools.partial(svc.engine.prepare_weights, name,
                                                                tensor, layout, scale=scale))
             except FileNotFoundError:
@@ -163,7 +189,7 @@ class StoreWatcher:
                 if svc._check_fatal(e):
                     raise
                 msg = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
-                self.failed[name] = fid
+                self.record_failure(name, fid, e)
                 svc.load_errors[name] = msg
                 svc.metrics.weight_load_errors.inc()
                 log.error("could not load weight set %r written by another server: %s", name,

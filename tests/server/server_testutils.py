@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ from pathlib import Path
 import httpx
 import torch
 from safetensors.torch import load, save
+
+from moe_gemm_server.engine import Engine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +120,27 @@ def live_server(data_dir: Path, *args: str, ready_timeout: float = 60.0) -> Iter
         yield server
     finally:
         server.stop()
+
+
+class GatedEngine(Engine):
+    """prepare_weights of the set named `gated` waits until `release` is set (after setting
+    `entered`): a load held in flight between its budget check and its install."""
+
+    def __init__(self, gated: str) -> None:
+        super().__init__("cpu", warmup_rows=[1])
+        self.gated = gated
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def prepare_weights(self, name, tensor, layout="w", *, warm=True, scale=None):
+        if name == self.gated:
+            self.entered.set()
+            assert self.release.wait(30)
+        return super().prepare_weights(name, tensor, layout, warm=warm, scale=scale)
+
+
+def wait_event(event: threading.Event, what: str) -> None:
+    assert event.wait(10), what
 
 
 def metric(text: str, name: str, **labels: str) -> float:

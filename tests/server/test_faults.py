@@ -362,6 +362,61 @@ def test_disk_full_during_upload_keeps_the_previous_version(
         assert client.put("/v1/weights/w", content=st_body({"w": v2})).status_code == 200
 
 
+def _flush_fails_once(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The next flush of the data directory (fsync of the directory, right after a commit's
+    rename) fails with EIO; the ones after it work. Returns the flushed paths."""
+    real = storage_mod._fsync_dir
+    seen: list[Path] = []
+
+    def flush(path: Path) -> None:
+        seen.append(path)
+        if len(seen) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real(path)
+    monkeypatch.setattr(storage_mod, "_fsync_dir", flush)
+    return seen
+
+
+def test_a_failed_directory_flush_leaves_the_set_not_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upload's file was renamed into place, then the directory's flush failed: the 507
+    says the set was not stored and its previous version is unchanged. That used to be untrue:
+    the renamed file stayed under the name, and the next rescan (here or on another replica)
+    or a restart served the upload that was refused. Now the rename is undone."""
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    service = app.state.service
+    v1, v2 = torch.randn(2, 64, 32), torch.randn(2, 64, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": v1})).status_code == 201
+        on_disk = (tmp_path / "w.safetensors").read_bytes()
+        fid = service.watcher.file_id("w")
+        for name, body in (("w", v2), ("new", v1)):
+            _flush_fails_once(monkeypatch)
+            r = client.put(f"/v1/weights/{name}", content=st_body({"w": body}))
+            monkeypatch.undo()
+            assert r.status_code == 507, r.text
+            msg = r.json()["error"]
+            assert "Input/output error" in msg and "was not stored" in msg, msg
+        # not stored: the previous version under its name (the same file), no other file left
+        assert (tmp_path / "w.safetensors").read_bytes() == on_disk
+        assert service.watcher.file_id("w") == fid
+        assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+        assert client.portal.call(service.watcher.rescan) == 0
+        assert [s["name"] for s in client.get("/v1/weights").json()["weights"]] == ["w"]
+        x = torch.randn(4, 64)
+        y = st_load(_mm(client, "w", x, [2, 2]).content)["y"]
+        assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
+    # a restart serves the previous version too
+    app2 = create_app(Settings(data_dir=tmp_path), engine=Engine("cpu", warmup_rows=[1]))
+    with TestClient(app2) as client:
+        _wait_ready(client)
+        assert [s["name"] for s in client.get("/v1/weights").json()["weights"]] == ["w"]
+        y = st_load(_mm(client, "w", x, [2, 2]).content)["y"]
+        assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
+
+
 def test_read_only_data_dir_is_a_clear_507_and_changes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A data directory that turned read-only (or lost its permissions) is 507 naming it,

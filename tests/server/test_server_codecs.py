@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import math
+import os
 import struct
 import zlib
 from urllib.parse import unquote
@@ -14,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from moe_gemm_server import storage as storage_mod
 from moe_gemm_server.codecs import (
     decode_json_grouped_gemm,
     decode_json_grouped_mm,
@@ -24,7 +27,7 @@ from moe_gemm_server.codecs import (
 from moe_gemm_server.errors import APIError
 from moe_gemm_server.limits import _decompress
 from moe_gemm_server.logs import log_field
-from moe_gemm_server.storage import WeightStore, check_name, read_weight_file
+from moe_gemm_server.storage import CommitInDoubt, WeightStore, check_name, read_weight_file
 from moe_gemm_server.v2 import encode_response, parse_request
 
 
@@ -474,6 +477,63 @@ def test_commit_returns_the_identity_of_the_file_it_renamed(tmp_path):
     fid = store.commit(temp, "s")
     st = (tmp_path / "d" / "s.safetensors").stat()
     assert fid == (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _failing_flush(monkeypatch, fail: int = 1) -> None:
+    """The first `fail` flushes of a directory fail with EIO."""
+    real, calls = storage_mod._fsync_dir, []
+
+    def flush(path) -> None:  # type: ignore[no-untyped-def]
+        calls.append(path)
+        if len(calls) <= fail:
+            raise OSError(errno.EIO, "Input/output error")
+        real(path)
+    monkeypatch.setattr(storage_mod, "_fsync_dir", flush)
+
+
+@pytest.mark.parametrize("fail", [1, 2])
+def test_a_commit_whose_flush_fails_puts_the_previous_file_back(tmp_path, monkeypatch, fail):
+    """The rename is undone: the name holds the previous file again (the same inode, size
+    and mtime: a replica that loaded it sees no change), and a new name holds nothing. A
+    second failed flush (of the undo) changes neither."""
+    store = WeightStore(tmp_path / "d")
+    old = save({"w": torch.randn(1, 2, 2)})
+    store.write("s", old)
+    before = os.stat(store.path_for("s"))
+    for name in ("s", "new"):
+        temp = store.new_temp()
+        temp.write_bytes(save({"w": torch.randn(1, 2, 2)}))
+        _failing_flush(monkeypatch, fail)
+        with pytest.raises(OSError) as ei:
+            store.commit(temp, name)
+        monkeypatch.undo()
+        assert ei.value.errno == errno.EIO and not isinstance(ei.value, CommitInDoubt)
+    assert store.path_for("s").read_bytes() == old
+    after = os.stat(store.path_for("s"))
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["s.safetensors"]
+
+
+def test_a_commit_that_cannot_undo_its_rename_says_so(tmp_path, monkeypatch):
+    """No hard links on the filesystem (the previous version cannot be kept) and a failed
+    flush: the new file stays under the name, and commit says the outcome is in doubt rather
+    than "not stored"."""
+    store = WeightStore(tmp_path / "d")
+    store.write("s", save({"w": torch.randn(1, 2, 2)}))
+    new = save({"w": torch.randn(1, 2, 2)})
+    temp = store.new_temp()
+    temp.write_bytes(new)
+
+    def no_links(src, dst) -> None:  # type: ignore[no-untyped-def]
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(storage_mod.os, "link", no_links)
+    _failing_flush(monkeypatch)
+    with pytest.raises(CommitInDoubt):
+        store.commit(temp, "s")
+    monkeypatch.undo()
+    assert store.path_for("s").read_bytes() == new
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["s.safetensors"]
 
 
 def test_log_field_keeps_plain_values_and_escapes_the_rest():

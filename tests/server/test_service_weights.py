@@ -1,9 +1,12 @@
 """Weight uploads (service_weights.WeightsMixin): in-process, the 507 of a replacement that
-does not fit says how the free bytes it names were counted; against a real process, an upload
-its first bytes condemn is refused from them, before the rest of its body arrives."""
+does not fit says how the free bytes it names were counted, an upload cancelled while it is
+committed leaves disk and memory alike, and a PUT retried after a timeout is not refused for
+its first attempt's bytes; against a real process, an upload its first bytes condemn is
+refused from them, before the rest of its body arrives."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -11,12 +14,26 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from server_testutils import LiveServer, live_server, mm_ref, read_http_response, st_body, st_load
+from server_testutils import (
+    GatedEngine,
+    LiveServer,
+    live_server,
+    mm_ref,
+    read_http_response,
+    st_body,
+    st_load,
+    wait_event,
+)
+from starlette.requests import Request
 
+import moe_gemm_client as mgc
 from moe_gemm_server import Settings, create_app
+from moe_gemm_server import service_weights as service_mod
+from moe_gemm_server import storage as storage_mod
 from moe_gemm_server.engine import Engine
 
 
@@ -48,6 +65,166 @@ def test_a_refused_replacement_says_its_old_version_counts_as_free(tmp_path):
         assert "only 904 of the 5000-byte" in r.json()["error"]
         assert "replaces" not in r.json()["error"]
         assert client.get("/v1/weights/a").json()["experts"] == 4  # the old version serves
+
+
+def _served(client: TestClient, name: str, w: torch.Tensor) -> bool:
+    x = torch.randn(3, w.shape[1])
+    counts = torch.tensor([3] + [0] * (w.shape[0] - 1))
+    r = client.post(f"/v1/weights/{name}/grouped-mm",
+                    content=st_body({"x": x, "counts": counts}))
+    return r.status_code == 200 and torch.allclose(
+        st_load(r.content)["y"].double(), mm_ref(x, w, counts), atol=1e-4)
+
+
+def _put_request(name: str, body: bytes) -> Request:
+    """The request a PUT of `body` to /v1/weights/{name} hands the service."""
+    scope = {"type": "http", "method": "PUT", "path": f"/v1/weights/{name}",
+             "query_string": b"", "headers": [(b"content-type", b"application/octet-stream"),
+                                              (b"content-length", str(len(body)).encode())]}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # (the client is still there)
+        raise AssertionError("unreachable")
+    return Request(scope, receive)
+
+
+async def _weights_lock_free(service) -> None:  # type: ignore[no-untyped-def]
+    async with service._weights_lock:
+        pass
+
+
+def test_an_upload_cancelled_while_it_is_committed_leaves_disk_and_memory_alike(
+        tmp_path, monkeypatch):
+    """The upload's task is cancelled (its client gone, the server shutting down) after its
+    file was renamed into place, while the directory is flushed. It used to stop there: the
+    new file on disk, the old version in memory, and the next rescan or restart made the
+    upload live. Now what is served is what is on disk, and a rescan has nothing to do."""
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    service = app.state.service
+    v1, v2 = torch.randn(2, 16, 8), torch.randn(2, 16, 8)
+    entered, release, flushed = threading.Event(), threading.Event(), threading.Event()
+    real_flush = storage_mod._fsync_dir
+
+    def held_flush(path) -> None:  # type: ignore[no-untyped-def]
+        entered.set()
+        assert release.wait(30)
+        real_flush(path)
+        flushed.set()
+
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": v1})).status_code == 201
+        monkeypatch.setattr(storage_mod, "_fsync_dir", held_flush)
+        upload = client.portal.start_task_soon(service.put_weights, "w",
+                                               _put_request("w", st_body({"w": v2})))
+        wait_event(entered, "the upload did not reach its commit")
+        assert upload.cancel()
+        release.set()
+        wait_event(flushed, "the commit did not finish")
+        client.portal.call(_weights_lock_free, service)
+        monkeypatch.undo()
+        on_disk = st_load((tmp_path / "w.safetensors").read_bytes())["w"]
+        assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+        assert _served(client, "w", on_disk)
+        assert service.watcher.loaded["w"] == service.watcher.file_id("w")
+        assert client.portal.call(service.watcher.rescan) == 0
+        assert _served(client, "w", on_disk)
+        assert service._reserved_bytes == 0
+
+
+ONE = 2 * 16 * 32 * 4  # bytes of one (2, 16, 32) float32 set
+
+
+def test_a_put_retried_after_a_timeout_is_not_refused_for_its_first_attempt(
+        tmp_path, monkeypatch):
+    """The client's first PUT times out while the server still warms the set; the client
+    sends it again, with room in the resident budget for one copy only. The retry used to be
+    refused 507 (the first attempt's bytes counted against it) while the first attempt went on
+    to store the set: the caller was told the upload failed. Now the retry of the same content
+    answers with the set stored."""
+    engine = GatedEngine("w")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                              max_resident_bytes=ONE + ONE // 2), engine=engine)
+    service = app.state.service
+    w = np.random.default_rng(7).standard_normal((2, 16, 32), dtype=np.float32)
+    # The retry's body read in full: the first attempt may finish now (either order works).
+    real_read, reads = service_mod.read_weight_file, []
+
+    def read_then_release(path, check_values=False):  # type: ignore[no-untyped-def]
+        out = real_read(path, check_values)
+        reads.append(path)
+        if len(reads) == 2:
+            engine.release.set()
+        return out
+    monkeypatch.setattr(service_mod, "read_weight_file", read_then_release)
+
+    with TestClient(app) as server:
+        _wait_ready(server)
+        first: list[httpx.Response] = []
+        threads: list[threading.Thread] = []
+
+        def forward(request: httpx.Request) -> httpx.Response:
+            r = server.request(request.method, str(request.url), content=request.read(),
+                               headers=dict(request.headers))
+            return httpx.Response(r.status_code, headers=r.headers.multi_items(),
+                                  content=r.content)
+
+        class FirstPutTimesOut(httpx.BaseTransport):
+            """Sends the first PUT on, and times it out once the server warms its set."""
+
+            def handle_request(self, request: httpx.Request) -> httpx.Response:
+                if request.method == "PUT" and not threads:
+                    threads.append(threading.Thread(
+                        target=lambda: first.append(forward(request))))
+                    threads[0].start()
+                    wait_event(engine.entered, "the first attempt did not start warming")
+                    raise httpx.ReadTimeout("timed out", request=request)
+                return forward(request)
+
+        client = mgc.Client("http://testserver",
+                            http_client=httpx.Client(transport=FirstPutTimesOut()))
+        client._sleep = lambda seconds: None  # type: ignore[method-assign]
+        try:
+            info = client.put_weights("w", w)
+        finally:
+            engine.release.set()
+            for t in threads:
+                t.join(30)
+        assert len(reads) == 2  # (the retry was sent and received)
+        assert first[0].status_code == 201, first[0].text
+        assert info.name == "w" and info.bytes == ONE
+        assert _served(server, "w", torch.from_numpy(w))
+        assert service.engine.resident_bytes == ONE and service._reserved_bytes == 0
+        assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+
+
+def test_a_put_of_other_content_while_one_is_in_progress_still_counts_its_bytes(tmp_path):
+    """What lets a retry through is its content: another tensor of the same name and size
+    arriving while the first upload warms is refused 507 near the budget, as before."""
+    engine = GatedEngine("w")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                              max_resident_bytes=ONE + ONE // 2), engine=engine)
+    w = torch.randn(2, 16, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        first: list[int] = []
+        t = threading.Thread(target=lambda: first.append(client.put(
+            "/v1/weights/w", content=st_body({"w": w})).status_code))
+        t.start()
+        try:
+            wait_event(engine.entered, "the first upload did not start warming")
+            r = client.put("/v1/weights/w", content=st_body({"w": w + 1}))
+        finally:
+            engine.release.set()
+            t.join(30)
+        assert r.status_code == 507 and "resident budget" in r.json()["error"], r.text
+        assert first == [201]
+        assert _served(client, "w", w)
+        assert app.state.service._reserved_bytes == 0
 
 
 # ------------------------------------------------------------------------------ early refusals

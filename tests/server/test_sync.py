@@ -17,10 +17,12 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from server_testutils import mm_ref, st_body, st_load
+from server_testutils import GatedEngine, mm_ref, st_body, st_load, wait_event
 
 from moe_gemm_server import Settings, create_app
+from moe_gemm_server import service_weights as service_mod
 from moe_gemm_server.engine import Engine
+from moe_gemm_server.storage import WeightStore
 from moe_gemm_server.sync import StoreWatcher
 
 UNMOUNTED = "taken for its volume unmounted"
@@ -65,27 +67,6 @@ def _listed(client: TestClient) -> list[str]:
 
 def _unmount_warnings(caplog: pytest.LogCaptureFixture) -> int:
     return sum(UNMOUNTED in r.getMessage() for r in caplog.records)
-
-
-class GatedEngine(Engine):
-    """prepare_weights of the set named `gated` waits until `release` is set (after setting
-    `entered`): a load held in flight between its budget check and its install."""
-
-    def __init__(self, gated: str) -> None:
-        super().__init__("cpu", warmup_rows=[1])
-        self.gated = gated
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def prepare_weights(self, name, tensor, layout="w", *, warm=True, scale=None):
-        if name == self.gated:
-            self.entered.set()
-            assert self.release.wait(30)
-        return super().prepare_weights(name, tensor, layout, warm=warm, scale=scale)
-
-
-def _wait(event: threading.Event, what: str) -> None:
-    assert event.wait(10), what
 
 
 def _after_a_listing(monkeypatch: pytest.MonkeyPatch, store, action) -> threading.Event:
@@ -190,7 +171,7 @@ def test_a_volume_unmounted_during_a_pass_keeps_the_resident_sets(
         _wait_ready(client)
         assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
         gone = _after_a_listing(monkeypatch, app.state.service.store, unmount)
-        _wait(gone, "the data directory was not rescanned")
+        wait_event(gone, "the data directory was not rescanned")
         passes(3)
         assert _listed(client) == ["w"] and _served(client, "w", w)
 
@@ -271,7 +252,7 @@ def test_an_upload_whose_volume_goes_while_it_warms_is_not_acknowledged(
             answers.append((r.status_code, r.text))
         upload = threading.Thread(target=put)
         upload.start()
-        _wait(engine.entered, "the upload did not start warming")
+        wait_event(engine.entered, "the upload did not start warming")
         data.rename(volume)
         data.mkdir()
         engine.release.set()
@@ -311,7 +292,7 @@ def test_a_set_loading_from_the_directory_holds_its_bytes_against_an_upload(
         assert client.put("/v1/weights/first", content=st_body({"w": w})).status_code == 201
         service.store.write("synced", st_body({"w": w * 2}))  # (as another replica does)
         rescan = client.portal.start_task_soon(service.watcher.rescan)
-        _wait(engine.entered, "the rescan did not start loading the set")
+        wait_event(engine.entered, "the rescan did not start loading the set")
         r = client.put("/v1/weights/uploaded", content=st_body({"w": w * 3}))
         engine.release.set()
         assert rescan.result(30) == 1
@@ -339,7 +320,7 @@ def test_an_upload_in_flight_holds_its_bytes_against_a_set_loading_from_the_dire
         upload = threading.Thread(target=lambda: statuses.append(client.put(
             "/v1/weights/uploaded", content=st_body({"w": w * 3})).status_code))
         upload.start()
-        _wait(engine.entered, "the upload did not start warming")
+        wait_event(engine.entered, "the upload did not start warming")
         service.store.write("synced", st_body({"w": w * 2}))
         assert client.portal.call(service.watcher.rescan) == 0
         engine.release.set()
@@ -349,6 +330,117 @@ def test_an_upload_in_flight_holds_its_bytes_against_a_set_loading_from_the_dire
         assert service.engine.resident_bytes == 2 * ONE <= BUDGET
         assert _listed(client) == ["first", "uploaded"]
         assert service._reserved_bytes == 0
+
+
+def test_a_put_of_the_set_loading_from_the_directory_is_not_refused_for_its_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's first PUT went through another replica, which stored the set; its retry
+    after a timeout reaches this one while its rescan loads that same file, with room for one
+    copy. The retry used to be refused 507 (the load's bytes counted beside its own); now it
+    waits for the load, then stores the set itself (the load acknowledges nothing)."""
+    engine = GatedEngine("w")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                              max_resident_bytes=ONE + ONE // 2), engine=engine)
+    service = app.state.service
+    w = torch.randn(2, 16, 32)
+    body = st_body({"w": w})
+    real_read = service_mod.read_weight_file
+
+    def read_then_release(path, check_values=False):  # type: ignore[no-untyped-def]
+        out = real_read(path, check_values)  # (the retry's body, read in full)
+        engine.release.set()
+        return out
+    monkeypatch.setattr(service_mod, "read_weight_file", read_then_release)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        service.store.write("w", body)  # (the first attempt, through another replica)
+        rescan = client.portal.start_task_soon(service.watcher.rescan)
+        wait_event(engine.entered, "the rescan did not start loading the set")
+        try:
+            r = client.put("/v1/weights/w", content=body)
+        finally:
+            engine.release.set()
+        assert rescan.result(30) == 1
+        assert r.status_code == 200, r.text
+        assert r.json()["bytes"] == ONE
+        assert _listed(client) == ["w"] and _served(client, "w", w)
+        assert service.engine.resident_bytes == ONE and service._reserved_bytes == 0
+        assert service.watcher.loaded["w"] == service.watcher.file_id("w")
+
+
+class RefusedAfterWarmUp(GatedEngine):
+    """GatedEngine whose held preparation then fails: an upload admitted under the budget,
+    holding its bytes for a while, and refused in the end (422)."""
+
+    def prepare_weights(self, name, tensor, layout="w", *, warm=True, scale=None):
+        ws = super().prepare_weights(name, tensor, layout, warm=warm, scale=scale)
+        if name == self.gated:
+            raise ValueError("refused after its warm-up")
+        return ws
+
+
+def test_a_set_over_the_budget_only_for_a_moment_is_loaded_once_it_fits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rescan finds a set another server wrote while an upload here holds the bytes it
+    would need; the upload then fails and frees them. The set used to stay left out (its file
+    version was marked failed) until its file changed or the server restarted; now a later
+    pass loads it. A pass while it still does not fit does not read its file again."""
+    engine = RefusedAfterWarmUp("uploaded")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                              max_resident_bytes=BUDGET), engine=engine)
+    service = app.state.service
+    w = torch.randn(2, 16, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/first", content=st_body({"w": w})).status_code == 201
+        statuses: list[int] = []
+        upload = threading.Thread(target=lambda: statuses.append(client.put(
+            "/v1/weights/uploaded", content=st_body({"w": w * 3})).status_code))
+        upload.start()
+        wait_event(engine.entered, "the upload did not start warming")
+        service.store.write("synced", st_body({"w": w * 2}))  # (as another replica does)
+        reads: list[str] = []
+        real_load = service.store.load
+        monkeypatch.setattr(service.store, "load",
+                            lambda name: reads.append(name) or real_load(name))
+        assert client.portal.call(service.watcher.rescan) == 0
+        assert "resident budget" in service.load_errors["synced"]
+        assert client.portal.call(service.watcher.rescan) == 0  # still no room
+        assert reads == ["synced"]  # (not read again while it cannot fit)
+        engine.release.set()
+        upload.join(30)
+        assert statuses == [422]
+        assert client.portal.call(service.watcher.rescan) == 1
+        assert reads == ["synced", "synced"]
+        assert _listed(client) == ["first", "synced"] and _served(client, "synced", w * 2)
+        assert "synced" not in service.load_errors
+        assert service.engine.resident_bytes == 2 * ONE <= BUDGET
+        assert service._reserved_bytes == 0
+        assert client.portal.call(service.watcher.rescan) == 0
+
+
+def test_a_set_over_the_budget_at_start_is_loaded_once_a_delete_frees_room(
+        tmp_path: Path) -> None:
+    """Two stored sets, room for one: the start loads one and leaves the other out. A delete
+    through this server frees the room; the rescans then load the other (it used to be left
+    out until a restart)."""
+    w = torch.randn(2, 16, 32)
+    store = WeightStore(tmp_path)
+    store.write("a", st_body({"w": w}))
+    store.write("b", st_body({"w": w * 2}))
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0.02,
+                              max_resident_bytes=ONE + ONE // 2),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    passes = _passes(app.state.service.watcher)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        passes(2)
+        assert _listed(client) == ["a"]
+        assert "resident budget" in app.state.service.load_errors["b"]
+        assert client.delete("/v1/weights/a").status_code == 200
+        passes(3)
+        assert _listed(client) == ["b"] and _served(client, "b", w * 2)
+        assert "b" not in app.state.service.load_errors
 
 
 def test_a_data_dir_that_cannot_be_listed_keeps_the_resident_sets(tmp_path: Path) -> None:
@@ -384,7 +476,7 @@ def test_a_data_dir_moved_between_listing_and_stat_keeps_the_resident_sets(
         assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
         moved = _after_a_listing(monkeypatch, app.state.service.store,
                                  lambda: data.rename(tmp_path / "elsewhere"))
-        _wait(moved, "the data directory was not rescanned")
+        wait_event(moved, "the data directory was not rescanned")
         passes(2)
         assert _listed(client) == ["w"] and _served(client, "w", w)
         # a real delete, with the directory in place, is still seen
