@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moe_gemm.config import GemmConfig
@@ -43,29 +42,27 @@ from moe_gemm.layers.expert_shards import (
     shard_of_state_dict,
 )
 from moe_gemm.layers.experts import (
-    FLOAT_DTYPES,
     INFERENCE_ONLY_MESSAGE,
     canonical_activation,
     gated,
 )
 from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, keep_dtypes
 from moe_gemm.layers.fused_experts import fused_expert_ffn, fused_gate_for, use_fused
-from moe_gemm.layers.moe import MoE, resolve_activation
+from moe_gemm.layers.layer_checks import check_hidden_states
+from moe_gemm.layers.moe import MoE, resolve_activation, shared_expert_output
 from moe_gemm.layers.replica_check import agree_on_replicas, refusing
 from moe_gemm.layers.routing import (
     check_correction_bias,
     check_flag,
     check_router_weight,
     permute_by_expert,
+    route_tokens,
     router_jitter,
-    sigmoid_grouped_topk,
-    softmax_topk,
 )
 from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
-from moe_gemm.ops.validation import check_dense
 
 __all__ = ["ExpertParallelMoE"]
 
@@ -317,16 +314,9 @@ class ExpertParallelMoE(nn.Module):
 
     def _route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """route for x [T, H] already checked (the forward's)."""
-        if self.router_fp32:
-            logits = F.linear(x.float(), self.router_weight.float())
-        else:
-            logits = F.linear(x.to(self.router_weight.dtype), self.router_weight)
-        if self.scoring == "softmax":
-            return softmax_topk(logits, self.top_k, self.renormalize)
-        return sigmoid_grouped_topk(
-            logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
-            self.routed_scaling_factor, self.renormalize,
-        )
+        return route_tokens(x, self.router_weight, self.top_k, self.scoring, self.renormalize,
+                            self.n_group, self.topk_group, self.routed_scaling_factor,
+                            self.e_score_correction_bias, self.router_fp32)
 
     def experts(self, d: Dispatched) -> torch.Tensor:
         """This rank's experts on what it received: [R, H] partial outputs."""
@@ -353,14 +343,7 @@ class ExpertParallelMoE(nn.Module):
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared experts on this rank's own tokens [T, H], or None without any."""
-        m = self.local
-        if m.shared_experts is None:
-            return None
-        xs = x.to(m.shared_experts.gate_proj.weight.dtype)
-        out = m.shared_experts(xs)
-        if m.shared_expert_gate is not None:
-            out = torch.sigmoid(m.shared_expert_gate(xs.to(m.shared_expert_gate.weight.dtype))) * out
-        return out
+        return shared_expert_output(self.local, x)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's tokens [..., H] -> [..., H]; every rank of the group must call it.
@@ -424,20 +407,7 @@ class ExpertParallelMoE(nn.Module):
         self.local._check_parameters()
 
     def _check_input(self, x: object) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got "
-                            f"{type(x).__name__}")
-        check_dense("hidden_states", x)
-        H = self.hidden_size
-        if x.dim() < 1 or x.shape[-1] != H:
-            raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got "
-                             f"{tuple(x.shape)}")
-        if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"hidden_states must be torch.bfloat16, torch.float16 or "
-                            f"torch.float32; got {x.dtype}")
-        if x.device != self.router_weight.device:
-            raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on "
-                             f"{self.router_weight.device}")
+        check_hidden_states(x, self.hidden_size, self.router_weight.device)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -22,7 +22,6 @@ import math
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_gemm.config import GemmConfig
@@ -45,14 +44,18 @@ from moe_gemm.layers.experts_fp8 import (
     scale_granularity,
 )
 from moe_gemm.layers.fused_experts import fused_gate_for
+from moe_gemm.layers.layer_checks import (
+    check_hidden_states,
+    check_layer_args,
+    check_parameters,
+    check_routing,
+)
 from moe_gemm.layers.routing import (
     check_flag,
     check_jitter_noise,
     check_router_weight,
-    check_scaling_factor,
+    route_tokens,
     router_jitter,
-    sigmoid_grouped_topk,
-    softmax_topk,
 )
 from moe_gemm.ops.validation import check_dense, shape_text
 
@@ -62,68 +65,7 @@ Scoring = Literal["softmax", "sigmoid"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing options shared by the functional form and the module
-
-
-def _check_routing(
-    num_experts: int,
-    top_k: int,
-    scoring: str,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    renormalize: bool = True,
-) -> None:
-    for name, value in (("num_experts", num_experts), ("top_k", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int; got {value!r}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1; got {num_experts}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {scoring!r}")
-    if scoring == "softmax" and (n_group != 1 or topk_group != 1):
-        raise ValueError(
-            "group-limited routing (n_group, topk_group) is defined for scoring='sigmoid' "
-            f"(DeepSeek-V3); got n_group={n_group}, topk_group={topk_group} with softmax"
-        )
-    routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
-    if scoring == "softmax" and routed_scaling_factor != 1.0:
-        raise ValueError(
-            "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
-            f"{routed_scaling_factor} with softmax (scale the layer's output instead)"
-        )
-    check_flag("renormalize", renormalize)
-    if scoring == "sigmoid":
-        # Same checks the router runs per call, done once here so bad settings fail early.
-        sigmoid_grouped_topk(
-            torch.zeros(0, num_experts), None, top_k, n_group, topk_group,
-            routed_scaling_factor, renormalize,
-        )
-
-
-def _route(
-    x: torch.Tensor,  # (T, H)
-    router_weight: torch.Tensor,  # (E, H)
-    top_k: int,
-    scoring: str,
-    renormalize: bool,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    correction_bias: torch.Tensor | None,
-    router_fp32: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if router_fp32:
-        logits = F.linear(x.float(), router_weight.float())  # DeepSeek-V3 / GLM-4-MoE
-    else:
-        logits = F.linear(x.to(router_weight.dtype), router_weight)  # Mixtral / Qwen
-    if scoring == "softmax":
-        return softmax_topk(logits, top_k, renormalize)
-    return sigmoid_grouped_topk(
-        logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize
-    )
+# The functional form
 
 
 def moe_forward(
@@ -186,14 +128,14 @@ def moe_forward(
     check_router_weight(router_weight, E, H)
     if router_weight.device != x.device:
         raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
-    _check_routing(E, top_k, scoring, n_group, topk_group, routed_scaling_factor, renormalize)
+    check_routing(E, top_k, scoring, n_group, topk_group, routed_scaling_factor, renormalize)
     if correction_bias is not None and scoring != "sigmoid":
         raise ValueError("correction_bias is used by scoring='sigmoid' only")
     # Before routing, so that a bad option fails before any work (moe_experts checks again).
     check_gemm_options(config, fused)
     router_fp32 = check_flag("router_fp32", router_fp32, none_ok=True)
     fp32 = scoring == "sigmoid" if router_fp32 is None else router_fp32
-    weights, ids = _route(
+    weights, ids = route_tokens(
         x, router_weight, top_k, scoring, renormalize, n_group, topk_group,
         float(routed_scaling_factor), correction_bias, fp32,
     )
@@ -203,77 +145,6 @@ def moe_forward(
 
 # ---------------------------------------------------------------------------------------------
 # The module
-
-
-def _check_layer(hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
-                 scoring, renormalize, n_group, topk_group, routed_scaling_factor,
-                 correction_bias, router_fp32, shared_expert_gate, activation, config, fused,
-                 dtype, router_jitter_noise) -> bool:
-    """MoE's constructor arguments, checked; returns correction_bias resolved."""
-    check_gemm_options(config, fused)
-    check_flag("router_fp32", router_fp32, none_ok=True)
-    check_jitter_noise(router_jitter_noise)
-    for name, value in (
-        ("hidden_size", hidden_size),
-        ("intermediate_size", intermediate_size),
-        ("shared_intermediate_size", shared_intermediate_size),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int; got {value!r}")
-        if value < 0:
-            raise ValueError(f"{name} must be an int >= 0; got {value!r}")
-    if hidden_size < 1 or intermediate_size < 1:
-        raise ValueError(
-            f"hidden_size and intermediate_size must be >= 1; got {hidden_size}, "
-            f"{intermediate_size}"
-        )
-    _check_routing(num_experts, top_k, scoring, n_group, topk_group, routed_scaling_factor,
-                   renormalize)
-    if isinstance(correction_bias, torch.Tensor):
-        # (moe_forward's correction_bias is the [E] tensor: here bool() of one raised inside
-        # torch, or a one-element zero dropped the buffer)
-        raise TypeError("correction_bias must be a bool or None (whether the layer keeps an "
-                        "e_score_correction_bias buffer); got a tensor: load its values into "
-                        "moe.e_score_correction_bias, or pass them to MoE.from_fused(..., "
-                        "e_score_correction_bias=...)")
-    # (a string such as "no" would be truthy: the buffer, or a gate of random weights on the
-    # shared expert, where declined)
-    correction_bias = check_flag("correction_bias", correction_bias, none_ok=True)
-    check_flag("shared_expert_gate", shared_expert_gate)
-    if correction_bias is None:
-        correction_bias = scoring == "sigmoid"
-    if correction_bias and scoring != "sigmoid":
-        raise ValueError("correction_bias is used by scoring='sigmoid' only")
-    if shared_expert_gate and not shared_intermediate_size:
-        raise ValueError("shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32; got {dtype}")
-    if dtype is None and torch.get_default_dtype() not in FLOAT_DTYPES:
-        # As nn.Linear, dtype=None means torch's default dtype; a float64 one made float64
-        # weights that the forward then refused (the grouped GEMMs, both backends, take
-        # 16-bit and fp32 operands, and the layer never downcasts the caller's tokens).
-        raise TypeError(
-            f"MoE makes its parameters in torch's default dtype when dtype=None, which is "
-            f"{torch.get_default_dtype()}; the layer runs in torch.bfloat16, torch.float16 or "
-            "torch.float32: pass one as dtype= (e.g. MoE(..., dtype=torch.float32))")
-    resolve_activation(activation)  # fail early on a bad name
-    return bool(correction_bias)
-
-
-def _check_hidden(x: object, H: int, device: torch.device) -> torch.Tensor:
-    """MoE.forward's input: a float (..., H) tensor on the layer's device."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"hidden_states must be a torch.Tensor (..., H); got {type(x).__name__}")
-    check_dense("hidden_states", x)
-    if x.dim() < 1 or x.shape[-1] != H:
-        raise ValueError(f"hidden_states must be (..., H) = (..., {H}); got {shape_text(x)}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"hidden_states must be torch.bfloat16, torch.float16 or torch.float32; got {x.dtype}"
-        )
-    if x.device != device:
-        raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {device}")
-    return x
 
 
 def _replace_activation(module: nn.Module, value: object) -> None:
@@ -293,6 +164,72 @@ def _activation_name(act: object) -> str:
     if isinstance(act, str):
         return act
     return getattr(act, "__name__", None) or type(act).__name__
+
+
+def _routed_experts(moe: MoE, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """MoE.forward's routed experts on tokens x [T, H] routed to ids / weights [T, k]."""
+    gate_fn = gated(resolve_activation(moe.activation))
+    if moe.gate_up_proj_scale_inv is not None:
+        # FP8 experts: the activations are quantized on the fly; the GEMMs write x's dtype.
+        return expert_ffn_fp8(x, ids, weights, moe.gate_up_proj, moe.gate_up_proj_scale_inv,
+                              moe.down_proj, moe.down_proj_scale_inv, gate_fn,
+                              config=moe.config, ids_in_range=True)
+    return expert_ffn(x.to(moe.gate_up_proj.dtype), ids, weights, moe.w_gate_up, moe.w_down,
+                      gate_fn, config=moe.config,
+                      fused_gate=fused_gate_for(canonical_activation(moe.activation)),
+                      fused=moe.fused, ids_in_range=True)
+
+
+def shared_expert_output(moe: MoE, x: torch.Tensor) -> torch.Tensor | None:
+    """The shared experts of `moe` (times their sigmoid gate, Qwen2-MoE) on tokens x [T, H],
+    computed in their own dtype (the layer may have been cast after loading), or None where
+    the layer has none."""
+    if moe.shared_experts is None:
+        return None
+    xs = x.to(moe.shared_experts.gate_proj.weight.dtype)
+    out = moe.shared_experts(xs)
+    if moe.shared_expert_gate is not None:
+        out = torch.sigmoid(moe.shared_expert_gate(xs.to(moe.shared_expert_gate.weight.dtype))) * out
+    return out
+
+
+def _init_parameters(moe: MoE) -> None:
+    """MoE.reset_parameters: nn.Linear's default init per expert, the shared expert's own."""
+    H, I = moe.hidden_size, moe.intermediate_size
+    nn.init.uniform_(moe.router_weight, -1 / math.sqrt(H), 1 / math.sqrt(H))
+    if moe.gate_up_proj_scale_inv is None:
+        nn.init.uniform_(moe.gate_up_proj, -1 / math.sqrt(H), 1 / math.sqrt(H))
+        nn.init.uniform_(moe.down_proj, -1 / math.sqrt(I), 1 / math.sqrt(I))
+    else:
+        _init_fp8_experts(moe)
+    if moe.e_score_correction_bias is not None:
+        moe.e_score_correction_bias.zero_()
+    if moe.shared_experts is not None:
+        for lin in (moe.shared_experts.gate_proj, moe.shared_experts.up_proj,
+                    moe.shared_experts.down_proj):
+            lin.reset_parameters()
+    if moe.shared_expert_gate is not None:
+        moe.shared_expert_gate.reset_parameters()
+
+
+def _init_fp8_experts(moe: MoE) -> None:
+    """The init of FP8 experts: torch draws no FP8 values (nn.init.uniform_ is not implemented
+    for them; the meta-device recipe to_empty + reset_parameters needs it), so each expert is
+    drawn in float32 and quantized into the layer's own tensors, with its granularity and FP8
+    dtype (one expert's float32 copy at a time)."""
+    H, I = moe.hidden_size, moe.intermediate_size
+    granularity, fp8 = moe.fp8, moe.gate_up_proj.dtype
+    for e in range(moe.gate_up_proj.shape[0]):
+        gu = torch.empty((1, *moe.gate_up_proj.shape[1:]), device=moe.gate_up_proj.device)
+        down = torch.empty((1, *moe.down_proj.shape[1:]), device=moe.down_proj.device)
+        nn.init.uniform_(gu, -1 / math.sqrt(H), 1 / math.sqrt(H))
+        nn.init.uniform_(down, -1 / math.sqrt(I), 1 / math.sqrt(I))
+        q1, s1, q2, s2 = quantize_experts(gu, down, granularity, fp8)
+        moe.gate_up_proj[e].copy_(q1[0])
+        moe.gate_up_proj_scale_inv[e].copy_(s1[0])
+        moe.down_proj[e].copy_(q2[0])
+        moe.down_proj_scale_inv[e].copy_(s2[0])
 
 
 class GatedMLP(nn.Module):
@@ -432,7 +369,7 @@ class MoE(MoELoaders, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        correction_bias = _check_layer(
+        correction_bias = check_layer_args(
             hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
             scoring, renormalize, n_group, topk_group, routed_scaling_factor, correction_bias,
             router_fp32, shared_expert_gate, activation, config, fused, dtype,
@@ -477,40 +414,9 @@ class MoE(MoELoaders, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-        H, I = self.hidden_size, self.intermediate_size
-        nn.init.uniform_(self.router_weight, -1 / math.sqrt(H), 1 / math.sqrt(H))
-        if self.gate_up_proj_scale_inv is None:
-            nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(H), 1 / math.sqrt(H))
-            nn.init.uniform_(self.down_proj, -1 / math.sqrt(I), 1 / math.sqrt(I))
-        else:
-            self._reset_fp8_experts()
-        if self.e_score_correction_bias is not None:
-            self.e_score_correction_bias.zero_()
-        if self.shared_experts is not None:
-            for lin in (self.shared_experts.gate_proj, self.shared_experts.up_proj,
-                        self.shared_experts.down_proj):
-                lin.reset_parameters()
-        if self.shared_expert_gate is not None:
-            self.shared_expert_gate.reset_parameters()
-
-    def _reset_fp8_experts(self) -> None:
-        """reset_parameters for FP8 experts: torch draws no FP8 values (nn.init.uniform_ is not
-        implemented for them; the meta-device recipe to_empty + reset_parameters needs it), so
-        each expert is drawn in float32 and quantized into the layer's own tensors, with its
-        granularity and FP8 dtype (one expert's float32 copy at a time)."""
-        H, I = self.hidden_size, self.intermediate_size
-        granularity, fp8 = self.fp8, self.gate_up_proj.dtype
-        for e in range(self.gate_up_proj.shape[0]):
-            gu = torch.empty((1, *self.gate_up_proj.shape[1:]), device=self.gate_up_proj.device)
-            down = torch.empty((1, *self.down_proj.shape[1:]), device=self.down_proj.device)
-            nn.init.uniform_(gu, -1 / math.sqrt(H), 1 / math.sqrt(H))
-            nn.init.uniform_(down, -1 / math.sqrt(I), 1 / math.sqrt(I))
-            q1, s1, q2, s2 = quantize_experts(gu, down, granularity, fp8)
-            self.gate_up_proj[e].copy_(q1[0])
-            self.gate_up_proj_scale_inv[e].copy_(s1[0])
-            self.down_proj[e].copy_(q2[0])
-            self.down_proj_scale_inv[e].copy_(s2[0])
+        """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (FP8
+        experts drawn in float32 and quantized into the layer's tensors)."""
+        _init_parameters(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # `activation` is the layer's one activation (transformers' hidden_act, which its
@@ -643,57 +549,21 @@ class MoE(MoELoaders, nn.Module):
                 about logits, or inside F.linear).
         """
         self._check_parameters()
-        x = _check_hidden(x, self.hidden_size, self.router_weight.device)
+        x = check_hidden_states(x, self.hidden_size, self.router_weight.device)
         return self._route_tokens(x.reshape(-1, self.hidden_size))
 
     def _route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """route for x [T, H] already checked (the forward's)."""
-        return _route(
+        return route_tokens(
             x, self.router_weight, self.top_k, self.scoring, self.renormalize, self.n_group,
             self.topk_group, self.routed_scaling_factor, self.e_score_correction_bias,
             self.router_fp32,
         )
 
     def _check_parameters(self) -> None:
-        """The router and expert weights against one another, as the loaders check them, for
-        weights assigned after construction (`moe.router_weight = nn.Parameter(...)`): a
-        router of another E routed tokens to experts that do not exist (their slots silently
-        dropped) or never to some, one on the meta device gave garbage routing, one of
-        another H failed inside F.linear, and experts of two E failed with a message about
-        the grouped GEMM's offs, which the caller never passed; experts of two dtypes or
-        devices (a load_state_dict(..., assign=True) of a mixed checkpoint, a functional_call)
-        failed with one that blamed the caller's valid input. Host-only checks, the passing
-        case first: it runs on every forward (~2 us of CPU)."""
-        p, H = self._parameters, self.hidden_size
-        gu, down, rw = p["gate_up_proj"], p["down_proj"], p["router_weight"]
-        if isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and isinstance(
-                rw, torch.Tensor) and gu.dim() == 3:
-            E, I2 = gu.shape[0], gu.shape[1]
-            if (gu.shape[2] == H and not I2 % 2 and down.shape == (E, H, I2 // 2)
-                    and down.dtype == gu.dtype and down.device == gu.device
-                    and rw.shape == (E, H) and rw.device == gu.device and rw.is_floating_point()):
-                return
-        for name, t in (("gate_up_proj", gu), ("down_proj", down)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"the layer's {name} must be a tensor; got {type(t).__name__}")
-        if gu.dim() != 3 or gu.shape[1] % 2 or gu.shape[2] != H:
-            raise ValueError(f"the layer's gate_up_proj must be (E, 2I, H) = (E, 2I, {H}); got "
-                             f"{shape_text(gu)}")
-        E, I = gu.shape[0], gu.shape[1] // 2
-        if tuple(down.shape) != (E, H, I):
-            raise ValueError(f"the layer's down_proj must be (E, H, I) = ({E}, {H}, {I}) to "
-                             f"match gate_up_proj {shape_text(gu)}; got {shape_text(down)}")
-        if down.dtype != gu.dtype:
-            raise TypeError(f"the layer's down_proj is {down.dtype} but its gate_up_proj is "
-                            f"{gu.dtype}; the expert weights must share one dtype (cast the "
-                            "layer with .to(dtype))")
-        if down.device != gu.device:
-            raise ValueError(f"the layer's down_proj is on {down.device} but its gate_up_proj "
-                             f"is on {gu.device}")
-        check_router_weight(rw, E, H)
-        if rw.device != gu.device:
-            raise ValueError(f"the layer's router_weight is on {rw.device} but its expert "
-                             f"weights are on {gu.device}")
+        """The router and expert weights against one another (layer_checks.check_parameters),
+        for weights assigned after construction; on every forward (~2 us of CPU)."""
+        check_parameters(self._parameters, self.hidden_size)
 
     def check_weight_dtype(self, layer: str = "MoE") -> None:
         """A layer cast with .double() (16-bit experts in a dtype the kernels do not take): a
@@ -722,33 +592,16 @@ class MoE(MoELoaders, nn.Module):
                 layer's router and expert weights not fitting one another.
         """
         self._check_parameters()
-        x = _check_hidden(hidden_states, self.hidden_size, self.gate_up_proj.device)
+        x = check_hidden_states(hidden_states, self.hidden_size, self.gate_up_proj.device)
         self.check_weight_dtype()
         if self.training and self.router_jitter_noise > 0:
             x = router_jitter(x, self.router_jitter_noise)  # (drawn as the input's shape)
         x2 = x.reshape(-1, self.hidden_size)
         weights, ids = self._route_tokens(x2)
-        gate_fn = gated(resolve_activation(self.activation))
-        if self.gate_up_proj_scale_inv is not None:
-            # FP8 experts: the activations are quantized on the fly; the GEMMs write x's dtype.
-            y = expert_ffn_fp8(x2, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
-                               self.down_proj, self.down_proj_scale_inv, gate_fn,
-                               config=self.config, ids_in_range=True)
-        else:
-            xe = x2.to(self.gate_up_proj.dtype)
-            y = expert_ffn(xe, ids, weights, self.w_gate_up, self.w_down, gate_fn,
-                           config=self.config,
-                           fused_gate=fused_gate_for(canonical_activation(self.activation)),
-                           fused=self.fused, ids_in_range=True).to(x.dtype)
-        if self.shared_experts is not None:
-            # In the shared expert's own dtype too (the layer may have been cast after
-            # loading); the sum is in the caller's dtype.
-            xs = x2.to(self.shared_experts.gate_proj.weight.dtype)
-            shared = self.shared_experts(xs)
-            if self.shared_expert_gate is not None:
-                gate = self.shared_expert_gate(xs.to(self.shared_expert_gate.weight.dtype))
-                shared = torch.sigmoid(gate) * shared
-            y = y + shared.to(x.dtype)
+        y = _routed_experts(self, x2, ids, weights).to(x.dtype)
+        shared = shared_expert_output(self, x2)
+        if shared is not None:
+            y = y + shared.to(x.dtype)  # (the sum in the caller's dtype)
         return y.view(x.shape)
 
     def extra_repr(self) -> str:

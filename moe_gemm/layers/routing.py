@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moe_gemm.ops import router_topk
 from moe_gemm.ops.validation import check_dense, shape_text
@@ -53,6 +54,7 @@ __all__ = [
     "check_router_weight",
     "check_scaling_factor",
     "permute_by_expert",
+    "route_tokens",
     "router_jitter",
     "sigmoid_grouped_topk",
     "softmax_topk",
@@ -396,4 +398,30 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
         offs=offs,
         valid=valid.view(T, k),
         all_valid=ids_in_range,
+    )
+
+
+def route_tokens(
+    x: torch.Tensor,  # (T, H)
+    router_weight: torch.Tensor,  # (E, H)
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    correction_bias: torch.Tensor | None,
+    router_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, ids [T, k] int64) of tokens x [T, H] under the router
+    weight [E, H]: the logits (in float32 with router_fp32, else in the weight's dtype), then
+    softmax_topk or sigmoid_grouped_topk."""
+    if router_fp32:
+        logits = F.linear(x.float(), router_weight.float())  # DeepSeek-V3 / GLM-4-MoE
+    else:
+        logits = F.linear(x.to(router_weight.dtype), router_weight)  # Mixtral / Qwen
+    if scoring == "softmax":
+        return softmax_topk(logits, top_k, renormalize)
+    return sigmoid_grouped_topk(
+        logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize
     )

@@ -1,0 +1,94 @@
+"""layer_checks: what MoE, moe_forward and the expert-parallel layer refuse, called directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_gemm.layers.layer_checks import (
+    check_hidden_states,
+    check_layer_args,
+    check_parameters,
+    check_routing,
+)
+
+H, I, E = 16, 8, 4
+
+
+def _params(**change: object) -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    p: dict[str, object] = {"gate_up_proj": torch.randn(E, 2 * I, H, generator=g),
+                            "down_proj": torch.randn(E, H, I, generator=g),
+                            "router_weight": torch.randn(E, H, generator=g)}
+    p.update(change)
+    return p
+
+
+def test_check_parameters_passes_matching_weights_and_names_each_mismatch() -> None:
+    check_parameters(_params(), H)
+    cases = [
+        (_params(gate_up_proj=None), TypeError, "gate_up_proj must be a tensor; got NoneType"),
+        (_params(gate_up_proj=torch.zeros(E, 2 * I + 1, H)), ValueError,
+         r"gate_up_proj must be \(E, 2I, H\) = \(E, 2I, 16\); got \(4, 17, 16\)"),
+        (_params(down_proj=torch.zeros(E, H, I + 1)), ValueError,
+         r"down_proj must be \(E, H, I\) = \(4, 16, 8\)"),
+        (_params(down_proj=torch.zeros(E, H, I, dtype=torch.bfloat16)), TypeError,
+         "down_proj is torch.bfloat16 but its gate_up_proj is torch.float32"),
+        (_params(down_proj=torch.zeros(E, H, I, device="meta")), ValueError,
+         "down_proj is on meta but its gate_up_proj is on cpu"),
+        (_params(router_weight=torch.zeros(E + 1, H)), ValueError, "router_weight"),
+        (_params(router_weight=torch.zeros(E, H, device="meta")), ValueError,
+         "router_weight is on meta but its expert weights are on cpu"),
+    ]
+    for params, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            check_parameters(params, H)
+
+
+def test_check_hidden_states_returns_the_input_or_names_what_is_wrong() -> None:
+    x = torch.randn(2, 3, H)
+    assert check_hidden_states(x, H, x.device) is x
+    with pytest.raises(TypeError, match=r"must be a torch.Tensor \(\.\.\., H\); got list"):
+        check_hidden_states([1.0], H, x.device)
+    with pytest.raises(ValueError, match=r"must be \(\.\.\., H\) = \(\.\.\., 16\); got \(3, 15\)"):
+        check_hidden_states(torch.randn(3, H - 1), H, x.device)
+    with pytest.raises(TypeError, match="got torch.float64"):
+        check_hidden_states(x.double(), H, x.device)
+    with pytest.raises(ValueError, match="hidden_states is on cpu but the layer's weights are on "
+                                         "meta"):
+        check_hidden_states(x, H, torch.device("meta"))
+
+
+def test_check_routing_and_layer_args() -> None:
+    check_routing(8, 2, "softmax", 1, 1, 1.0)
+    check_routing(8, 4, "sigmoid", 4, 2, 2.5, False)
+    for args, exc, pattern in [
+        ((8, 9, "softmax", 1, 1, 1.0), ValueError, r"top_k must be in \[1, num_experts=8\]"),
+        ((8, 2, "tanh", 1, 1, 1.0), ValueError, "scoring must be 'softmax' or 'sigmoid'"),
+        ((8, 2, "softmax", 2, 1, 1.0), ValueError, "group-limited routing"),
+        ((8, 2, "softmax", 1, 1, 2.0), ValueError, "routed_scaling_factor is defined for"),
+        ((8.0, 2, "softmax", 1, 1, 1.0), TypeError, "num_experts must be an int"),
+    ]:
+        with pytest.raises(exc, match=pattern):
+            check_routing(*args)
+    good = dict(hidden_size=H, intermediate_size=I, shared_intermediate_size=0, num_experts=E,
+                top_k=2, scoring="sigmoid", renormalize=True, n_group=1, topk_group=1,
+                routed_scaling_factor=1.0, correction_bias=None, router_fp32=None,
+                shared_expert_gate=False, activation="silu", config=None, fused=None,
+                dtype=None, router_jitter_noise=0.0)
+    assert check_layer_args(**good) is True  # sigmoid scoring keeps a correction bias
+    assert check_layer_args(**{**good, "scoring": "softmax"}) is False
+    with pytest.raises(ValueError, match="router_jitter_noise must be a finite float >= 0"):
+        check_layer_args(**{**good, "router_jitter_noise": -0.1})
+    with pytest.raises(TypeError, match="correction_bias must be a bool or None"):
+        check_layer_args(**{**good, "correction_bias": torch.zeros(E)})
+    with pytest.raises(ValueError, match="shared_expert_gate needs a shared expert"):
+        check_layer_args(**{**good, "shared_expert_gate": True})
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with pytest.raises(TypeError, match="pass one as dtype="):
+            check_layer_args(**good)
+        assert check_layer_args(**{**good, "dtype": torch.float32}) is True
+    finally:
+        torch.set_default_dtype(default)
