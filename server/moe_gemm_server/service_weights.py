@@ -356,6 +356,11 @@ class WeightsMixin:
         assert self.engine is not None
         try:
             on_disk = await asyncio.to_thread(self.store.delete, name)
+        except CommitInDoubt as e:
+            raise APIError(507, f"the data directory {self.store.root} could not be flushed "
+                                f"({e.strerror}) after weight set {name!r} was deleted, and its "
+                                "file could not be put back: the set may be deleted or not "
+                                "(GET it, or delete it again)") from None
         except OSError as e:
             raise storage_error(self.store.root, e, f"weight set {name!r} was not "
                                 "deleted") from None

@@ -408,13 +408,53 @@ class WeightStore:
             self.commit(temp, name)
 
     def delete(self, name: str) -> bool:
-        """Remove the set's file durably; False if there was none."""
-        try:
-            self.path_for(name).unlink()
-        except FileNotFoundError:
+        """Remove the set's file durably; False if there was none.
+
+        Raises:
+            OSError: nothing was deleted. A failed flush of the directory after the unlink
+                puts the file back (kept by a hidden hard link until the flush), as commit
+                undoes its rename: left gone, the set a 507 called "not deleted" would vanish
+                from the other replicas at their next rescan and from this one at a restart.
+            CommitInDoubt: the flush failed and the file could not be put back: the set may
+                be deleted or not.
+        """
+        final = self.path_for(name)
+        had, kept = self._keep(final)
+        if not had:
             return False
-        _fsync_dir(self.root)
-        return True
+        try:
+            try:
+                final.unlink()
+            except FileNotFoundError:
+                return False  # (deleted meanwhile, through another server)
+            try:
+                _fsync_dir(self.root)
+            except OSError as e:
+                self._restore(final, kept, e)
+                raise
+            return True
+        finally:
+            if kept is not None:
+                with contextlib.suppress(OSError):
+                    kept.unlink(missing_ok=True)
+
+    def _restore(self, final: Path, kept: Path | None, cause: OSError) -> None:
+        """Put a deleted file back under its name (its directory's flush failed): the kept
+        link is linked back, unless another server's upload took the name meanwhile (that
+        version stays). Raises CommitInDoubt when that cannot be done."""
+        try:
+            if kept is None:
+                raise OSError(errno.ENOTSUP, "the file was not kept")
+            os.link(kept, final)
+        except FileExistsError:
+            return
+        except OSError as e:
+            log.error("the flush of %s failed (%s) after %s was deleted, and it could not be "
+                      "put back (%s)", self.root, cause.strerror or cause, final.name,
+                      e.strerror or e)
+            raise CommitInDoubt(cause.errno, cause.strerror) from e
+        with contextlib.suppress(OSError):
+            _fsync_dir(self.root)
 
     def load(self, name: str) -> tuple[torch.Tensor, str, torch.Tensor | None]:
         return read_weight_file(self.path_for(name))

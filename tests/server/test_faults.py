@@ -417,6 +417,41 @@ def test_a_failed_directory_flush_leaves_the_set_not_stored(
         assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
 
 
+def test_a_failed_directory_flush_leaves_the_set_not_deleted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DELETE unlinked the set's file, then the directory's flush failed: the 507 says it was
+    not deleted, and it is not: the file is back under its name (it used to stay gone, so
+    the other replicas dropped the set at their next rescan and this one at a restart while
+    it went on serving it here)."""
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    service = app.state.service
+    v1 = torch.randn(2, 64, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": v1})).status_code == 201
+        on_disk = (tmp_path / "w.safetensors").read_bytes()
+        _flush_fails_once(monkeypatch)
+        r = client.delete("/v1/weights/w")
+        monkeypatch.undo()
+        assert r.status_code == 507, r.text
+        msg = r.json()["error"]
+        assert "Input/output error" in msg and "was not deleted" in msg, msg
+        assert (tmp_path / "w.safetensors").read_bytes() == on_disk
+        assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # no link left
+        assert client.portal.call(service.watcher.rescan) == 0
+        x = torch.randn(4, 64)
+        y = st_load(_mm(client, "w", x, [2, 2]).content)["y"]
+        assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
+        # and a DELETE that goes through removes it for good
+        assert client.delete("/v1/weights/w").status_code in (200, 204)
+        assert list(tmp_path.iterdir()) == []
+    app2 = create_app(Settings(data_dir=tmp_path), engine=Engine("cpu", warmup_rows=[1]))
+    with TestClient(app2) as client:
+        _wait_ready(client)
+        assert client.get("/v1/weights").json()["weights"] == []
+
+
 def test_read_only_data_dir_is_a_clear_507_and_changes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A data directory that turned read-only (or lost its permissions) is 507 naming it,
