@@ -188,10 +188,9 @@ class WeightsMixin:
                                 f"{len(self.engine.weight_sets())} resident set(s)): {e}; "
                                 "delete a set or set --max-resident-bytes") from None
         except CommitInDoubt as e:
-            raise APIError(507, f"the data directory {self.store.root} could not be flushed "
-                                f"({e.strerror}) after weight set {name!r} was renamed into "
-                                "place, and the rename could not be undone: the set may be "
-                                "stored or not (GET it, or upload it again)") from None
+            raise in_doubt_error(self.store.root, e, f"weight set {name!r} was renamed into "
+                                 "place, and the rename could not be undone: the set may be "
+                                 "stored or not (GET it, or upload it again)") from None
         except OSError as e:
             if is_no_space(e):
                 self.metrics.rejections.labels("no_space").inc()
@@ -357,10 +356,9 @@ class WeightsMixin:
         try:
             on_disk = await asyncio.to_thread(self.store.delete, name)
         except CommitInDoubt as e:
-            raise APIError(507, f"the data directory {self.store.root} could not be flushed "
-                                f"({e.strerror}) after weight set {name!r} was deleted, and its "
-                                "file could not be put back: the set may be deleted or not "
-                                "(GET it, or delete it again)") from None
+            raise in_doubt_error(self.store.root, e, f"weight set {name!r} was deleted, and "
+                                 "its file could not be put back: the set may be deleted or "
+                                 "not (GET it, or delete it again)") from None
         except OSError as e:
             raise storage_error(self.store.root, e, f"weight set {name!r} was not "
                                 "deleted") from None
@@ -392,6 +390,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
     return (a.dtype == b.dtype and a.shape == b.shape
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def in_doubt_error(root: Path, e: OSError, what: str) -> APIError:
+    """507 for a change of the data directory whose flush failed and could not be undone
+    (storage.CommitInDoubt): `what` says what happened and what the client can do."""
+    return APIError(507, f"the data directory {root} could not be flushed ({e.strerror}) "
+                         f"after {what}")
 
 
 def storage_error(root: Path, e: OSError, what: str) -> APIError:

@@ -185,6 +185,17 @@ def mm_ref(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tens
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
+def served(client, name: str, w: torch.Tensor) -> bool:
+    """Whether the set `name` answers a grouped-mm with `w`'s product (3 rows, expert 0): a
+    client (TestClient, httpx) that posts to the service."""
+    x = torch.randn(3, w.shape[1])
+    counts = torch.tensor([3] + [0] * (w.shape[0] - 1))
+    r = client.post(f"/v1/weights/{name}/grouped-mm",
+                    content=st_body({"x": x, "counts": counts}))
+    return r.status_code == 200 and torch.allclose(
+        st_load(r.content)["y"].double(), mm_ref(x, w, counts), atol=1e-4)
+
+
 def assert_close_to_ref(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     """|y - ref| within the dtype's rounding of the output (relative to the output's scale)."""
     assert y.shape == ref.shape

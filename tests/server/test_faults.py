@@ -452,6 +452,35 @@ def test_a_failed_directory_flush_leaves_the_set_not_deleted(
         assert client.get("/v1/weights").json()["weights"] == []
 
 
+def test_a_failed_flush_that_cannot_be_undone_says_the_change_is_in_doubt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a filesystem without hard links the previous file cannot be kept, so a failed
+    directory flush cannot be undone: the 507 must not claim "not stored" / "not deleted"
+    (the change is in place, only not known to be on disk) but say it may or may not be."""
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    v1, v2 = torch.randn(2, 64, 32), torch.randn(2, 64, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.put("/v1/weights/w", content=st_body({"w": v1})).status_code == 201
+        for method, body, words in (("put", st_body({"w": v2}), "may be stored or not"),
+                                    ("delete", None, "may be deleted or not")):
+            _flush_fails_once(monkeypatch)
+            monkeypatch.setattr(storage_mod.os, "link", _no_links)
+            r = (client.put("/v1/weights/w", content=body) if body is not None
+                 else client.delete("/v1/weights/w"))
+            monkeypatch.undo()
+            assert r.status_code == 507, r.text
+            msg = r.json()["error"]
+            assert words in msg and "Input/output error" in msg and "not stored" not in msg, msg
+            assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+        assert not (tmp_path / "w.safetensors").exists()  # the delete did happen
+
+
+def _no_links(src: object, dst: object, **kwargs: object) -> None:
+    raise OSError(errno.EPERM, "Operation not permitted")
+
+
 def test_read_only_data_dir_is_a_clear_507_and_changes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A data directory that turned read-only (or lost its permissions) is 507 naming it,

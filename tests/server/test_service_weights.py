@@ -24,6 +24,7 @@ from server_testutils import (
     live_server,
     mm_ref,
     read_http_response,
+    served,
     st_body,
     st_load,
     wait_event,
@@ -65,15 +66,6 @@ def test_a_refused_replacement_says_its_old_version_counts_as_free(tmp_path):
         assert "only 904 of the 5000-byte" in r.json()["error"]
         assert "replaces" not in r.json()["error"]
         assert client.get("/v1/weights/a").json()["experts"] == 4  # the old version serves
-
-
-def _served(client: TestClient, name: str, w: torch.Tensor) -> bool:
-    x = torch.randn(3, w.shape[1])
-    counts = torch.tensor([3] + [0] * (w.shape[0] - 1))
-    r = client.post(f"/v1/weights/{name}/grouped-mm",
-                    content=st_body({"x": x, "counts": counts}))
-    return r.status_code == 200 and torch.allclose(
-        st_load(r.content)["y"].double(), mm_ref(x, w, counts), atol=1e-4)
 
 
 def _put_request(name: str, body: bytes) -> Request:
@@ -129,10 +121,10 @@ def test_an_upload_cancelled_while_it_is_committed_leaves_disk_and_memory_alike(
         monkeypatch.undo()
         on_disk = st_load((tmp_path / "w.safetensors").read_bytes())["w"]
         assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
-        assert _served(client, "w", on_disk)
+        assert served(client, "w", on_disk)
         assert service.watcher.loaded["w"] == service.watcher.file_id("w")
         assert client.portal.call(service.watcher.rescan) == 0
-        assert _served(client, "w", on_disk)
+        assert served(client, "w", on_disk)
         assert service._reserved_bytes == 0
 
 
@@ -197,7 +189,7 @@ def test_a_put_retried_after_a_timeout_is_not_refused_for_its_first_attempt(
         assert len(reads) == 2  # (the retry was sent and received)
         assert first[0].status_code == 201, first[0].text
         assert info.name == "w" and info.bytes == ONE
-        assert _served(server, "w", torch.from_numpy(w))
+        assert served(server, "w", torch.from_numpy(w))
         assert service.engine.resident_bytes == ONE and service._reserved_bytes == 0
         assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
 
@@ -223,7 +215,7 @@ def test_a_put_of_other_content_while_one_is_in_progress_still_counts_its_bytes(
             t.join(30)
         assert r.status_code == 507 and "resident budget" in r.json()["error"], r.text
         assert first == [201]
-        assert _served(client, "w", w)
+        assert served(client, "w", w)
         assert app.state.service._reserved_bytes == 0
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from server_testutils import GatedEngine, mm_ref, st_body, st_load, wait_event
+from server_testutils import GatedEngine, served, st_body, wait_event
 
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server import service_weights as service_mod
@@ -50,15 +50,6 @@ def _syncing_app(data: Path) -> tuple[FastAPI, Callable[[int], None]]:
     app = create_app(Settings(data_dir=data, sync_interval_s=0.02),
                      engine=Engine("cpu", warmup_rows=[1]))
     return app, _passes(app.state.service.watcher)
-
-
-def _served(client: TestClient, name: str, w: torch.Tensor) -> bool:
-    x = torch.randn(3, w.shape[1])
-    counts = torch.tensor([3] + [0] * (w.shape[0] - 1))
-    r = client.post(f"/v1/weights/{name}/grouped-mm",
-                    content=st_body({"x": x, "counts": counts}))
-    return r.status_code == 200 and torch.allclose(
-        st_load(r.content)["y"].double(), mm_ref(x, w, counts), atol=1e-4)
 
 
 def _listed(client: TestClient) -> list[str]:
@@ -109,7 +100,7 @@ def test_an_empty_mountpoint_keeps_the_resident_sets(
         data.mkdir()  # the mountpoint left behind
         passes(5)
         assert _listed(client) == ["a", "b"]
-        assert _served(client, "a", wa) and _served(client, "b", wb)
+        assert served(client, "a", wa) and served(client, "b", wb)
         assert client.get("/v2/health/ready").status_code == 200
         assert _unmount_warnings(caplog) == 1  # once, not at every pass
         r = client.put("/v1/weights/c", content=st_body({"w": wa}))
@@ -173,7 +164,7 @@ def test_a_volume_unmounted_during_a_pass_keeps_the_resident_sets(
         gone = _after_a_listing(monkeypatch, app.state.service.store, unmount)
         wait_event(gone, "the data directory was not rescanned")
         passes(3)
-        assert _listed(client) == ["w"] and _served(client, "w", w)
+        assert _listed(client) == ["w"] and served(client, "w", w)
 
 
 def _other_filesystem(tmp_path: Path) -> Path:
@@ -217,7 +208,7 @@ def test_a_volume_remounted_with_another_filesystem_id_resumes_syncing(
             (other / "empty").mkdir()
             _point(data, other / "empty")  # unmounted: the parent filesystem's mountpoint
             passes(4)
-            assert _listed(client) == ["a", "b"] and _served(client, "a", wa)
+            assert _listed(client) == ["a", "b"] and served(client, "a", wa)
             assert _unmount_warnings(caplog) == 1
             shutil.copytree(volume, other / "remounted")
             _point(data, other / "remounted")  # the volume again, another st_dev
@@ -226,7 +217,7 @@ def test_a_volume_remounted_with_another_filesystem_id_resumes_syncing(
             assert app.state.service.watcher.home == app.state.service.store.dir_id()
             (other / "remounted" / "b.safetensors").unlink()
             passes(3)
-            assert _listed(client) == ["a"] and _served(client, "a", wa)
+            assert _listed(client) == ["a"] and served(client, "a", wa)
             assert client.put("/v1/weights/c", content=st_body({"w": wb})).status_code == 201
             assert (other / "remounted" / "c.safetensors").exists()
     finally:
@@ -300,9 +291,26 @@ def test_a_set_loading_from_the_directory_holds_its_bytes_against_an_upload(
         assert "resident budget" in r.json()["error"]
         assert service.engine.resident_bytes == 2 * ONE <= BUDGET
         assert _listed(client) == ["first", "synced"]
-        assert _served(client, "synced", w * 2)
+        assert served(client, "synced", w * 2)
         assert not (tmp_path / "uploaded.safetensors").exists()
         assert service._reserved_bytes == 0
+
+
+def _upload_warming_while_another_server_writes(client: TestClient, engine: GatedEngine,
+                                                w: torch.Tensor
+                                                ) -> tuple[threading.Thread, list[int]]:
+    """"first" stored; an upload of "uploaded" (3 w) held in its warm-up by `engine`, in a
+    thread whose answer's status lands in the list; "synced" (2 w) then written to the data
+    directory, as another server sharing it does. Returns the thread and the list."""
+    service = client.app.state.service
+    assert client.put("/v1/weights/first", content=st_body({"w": w})).status_code == 201
+    statuses: list[int] = []
+    upload = threading.Thread(target=lambda: statuses.append(client.put(
+        "/v1/weights/uploaded", content=st_body({"w": w * 3})).status_code))
+    upload.start()
+    wait_event(engine.entered, "the upload did not start warming")
+    service.store.write("synced", st_body({"w": w * 2}))
+    return upload, statuses
 
 
 def test_an_upload_in_flight_holds_its_bytes_against_a_set_loading_from_the_directory(
@@ -315,13 +323,7 @@ def test_an_upload_in_flight_holds_its_bytes_against_a_set_loading_from_the_dire
     w = torch.randn(2, 16, 32)
     with TestClient(app) as client:
         _wait_ready(client)
-        assert client.put("/v1/weights/first", content=st_body({"w": w})).status_code == 201
-        statuses: list[int] = []
-        upload = threading.Thread(target=lambda: statuses.append(client.put(
-            "/v1/weights/uploaded", content=st_body({"w": w * 3})).status_code))
-        upload.start()
-        wait_event(engine.entered, "the upload did not start warming")
-        service.store.write("synced", st_body({"w": w * 2}))
+        upload, statuses = _upload_warming_while_another_server_writes(client, engine, w)
         assert client.portal.call(service.watcher.rescan) == 0
         engine.release.set()
         upload.join(30)
@@ -363,7 +365,7 @@ def test_a_put_of_the_set_loading_from_the_directory_is_not_refused_for_its_byte
         assert rescan.result(30) == 1
         assert r.status_code == 200, r.text
         assert r.json()["bytes"] == ONE
-        assert _listed(client) == ["w"] and _served(client, "w", w)
+        assert _listed(client) == ["w"] and served(client, "w", w)
         assert service.engine.resident_bytes == ONE and service._reserved_bytes == 0
         assert service.watcher.loaded["w"] == service.watcher.file_id("w")
 
@@ -392,13 +394,7 @@ def test_a_set_over_the_budget_only_for_a_moment_is_loaded_once_it_fits(
     w = torch.randn(2, 16, 32)
     with TestClient(app) as client:
         _wait_ready(client)
-        assert client.put("/v1/weights/first", content=st_body({"w": w})).status_code == 201
-        statuses: list[int] = []
-        upload = threading.Thread(target=lambda: statuses.append(client.put(
-            "/v1/weights/uploaded", content=st_body({"w": w * 3})).status_code))
-        upload.start()
-        wait_event(engine.entered, "the upload did not start warming")
-        service.store.write("synced", st_body({"w": w * 2}))  # (as another replica does)
+        upload, statuses = _upload_warming_while_another_server_writes(client, engine, w)
         reads: list[str] = []
         real_load = service.store.load
         monkeypatch.setattr(service.store, "load",
@@ -412,7 +408,7 @@ def test_a_set_over_the_budget_only_for_a_moment_is_loaded_once_it_fits(
         assert statuses == [422]
         assert client.portal.call(service.watcher.rescan) == 1
         assert reads == ["synced", "synced"]
-        assert _listed(client) == ["first", "synced"] and _served(client, "synced", w * 2)
+        assert _listed(client) == ["first", "synced"] and served(client, "synced", w * 2)
         assert "synced" not in service.load_errors
         assert service.engine.resident_bytes == 2 * ONE <= BUDGET
         assert service._reserved_bytes == 0
@@ -439,7 +435,7 @@ def test_a_set_over_the_budget_at_start_is_loaded_once_a_delete_frees_room(
         assert "resident budget" in app.state.service.load_errors["b"]
         assert client.delete("/v1/weights/a").status_code == 200
         passes(3)
-        assert _listed(client) == ["b"] and _served(client, "b", w * 2)
+        assert _listed(client) == ["b"] and served(client, "b", w * 2)
         assert "b" not in app.state.service.load_errors
 
 
@@ -455,7 +451,7 @@ def test_a_data_dir_that_cannot_be_listed_keeps_the_resident_sets(tmp_path: Path
         assert client.put("/v1/weights/w", content=st_body({"w": w})).status_code == 201
         data.rename(tmp_path / "elsewhere")
         passes(3)
-        assert _listed(client) == ["w"] and _served(client, "w", w)
+        assert _listed(client) == ["w"] and served(client, "w", w)
         # back in place: the rescans carry on as before (a delete on disk is still seen)
         (tmp_path / "elsewhere").rename(data)
         (data / "w.safetensors").unlink()
@@ -478,7 +474,7 @@ def test_a_data_dir_moved_between_listing_and_stat_keeps_the_resident_sets(
                                  lambda: data.rename(tmp_path / "elsewhere"))
         wait_event(moved, "the data directory was not rescanned")
         passes(2)
-        assert _listed(client) == ["w"] and _served(client, "w", w)
+        assert _listed(client) == ["w"] and served(client, "w", w)
         # a real delete, with the directory in place, is still seen
         (tmp_path / "elsewhere").rename(data)
         (data / "w.safetensors").unlink()
