@@ -86,6 +86,18 @@ DEFAULT_SMEM_SCALES = True
 STAGED_KB_MULTIPLE = 4
 
 
+# The whole-tile epilogue (the tile's 16-bit output staged in shared memory at once, then one
+# TMA store) for the varlen form's cooperative 128-row tiles in 1x2 clusters, the compute-bound
+# default. Measured on an H200 (2026-12-01, one process, CUDA-graph replays interleaved over 9
+# rounds, outputs bitwise equal), block scales, against the subtile epilogue: DeepSeek-V3 EP32
+# up 8k rows 425 / 440 us, down 231 / 239; DeepGEMM's 4 x 8192 up 1553 / 1602, down 819 / 850;
+# Kimi-K2 EP32 up 16k 842 / 888 (3-5% faster; the same shapes gave 3-4% in a second run).
+# The same epilogue without the cluster (with the tail split) was 1-4% slower than the default
+# there. Its smem equals the four subtile buffers', so the A/B depth does not change (4, 5 or 6
+# stages timed within 2% of one another on these shapes).
+WHOLE_EPILOGUE_IN_PAIRS = True
+
+
 def smem_scales_requested() -> bool | None:
     """MOE_GEMM_FP8_SMEM_SCALES as True / False, None when unset or empty (the default).
     Raises EnvError (a ValueError) for anything but 1 / 0 (or true / false, yes / no, on /
@@ -189,6 +201,9 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     if epi_whole and (schedule != "cooperative" or out_itemsize != 2 or tile[0] != 128):
         raise ValueError("whole_epilogue=True is built for cooperative 128-row tiles with "
                          "16-bit output")
+    if (config.whole_epilogue is None and form == "varlen" and schedule == "cooperative"
+            and tile[0] == 128 and out_itemsize == 2 and (cm, cn) == (1, 2)):
+        epi_whole = WHOLE_EPILOGUE_IN_PAIRS
     # The lag where asked for and built (block scales, room for a third accumulator).
     lag_fits = fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
     # Staged scales (varlen, block scales, tiles with room for the lag, which they run

@@ -135,6 +135,38 @@ def test_varlen_clusters(cluster):
            "alloc", seed=3)
 
 
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("out_mode", ["alloc", "given"])
+def test_varlen_whole_epilogue_in_pairs(granularity, out_mode):
+    """The compute-bound default (cooperative 128x128, 1x2 cluster, the whole-tile epilogue):
+    experts ending on every side of a tile's 64- and 128-row lines, N = 392 (a partial last
+    tile, an odd tile count: the last pair's second CTA past the edge), rows past offs[-1]
+    untouched."""
+    counts = [1, 63, 64, 65, 127, 128, 129, 0, 191, 193, 300]
+    T = sum(counts) + 9
+    x, w, sa, sb, offs = make_fp8_moe_inputs(T, len(counts), 512, 392, granularity,
+                                             device=DEV, seed=13)
+    offs.copy_(torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32))
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, cluster_m=1, cluster_n=2)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb, offs)
+    end = int(offs[-1])
+    if out_mode == "given":
+        out = poison_(torch.empty(T, 392, dtype=BF16, device=DEV))
+        y = scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
+        assert y is out and bool(torch.isnan(out[end:].float()).all())
+    else:
+        y = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+    torch.cuda.synchronize()
+    c = launch_info.last_launch().choice
+    assert c.epi_whole and (c.cluster_m, c.cluster_n) == (1, 2), c
+    check(f"fp8/varlen/whole-epilogue-1x2/{granularity}/{out_mode}", y[:end], ref[:end])
+    # bit for bit the subtile epilogue's result (the same accumulators, stored another way)
+    sub = scaled_grouped_mm(x, w, sa, sb, offs, config=cute(
+        schedule="cooperative", tile_m=128, tile_n=128, cluster_m=1, cluster_n=2,
+        whole_epilogue=False))
+    assert torch.equal(sub[:end], y[:end])
+
+
 def test_varlen_tail_split():
     # 8 x 300 rows, N = 1024: 24 x 8 = 192 tiles of 128x128 on 132 SMs: a last wave of 60 tiles
     # (<= half the grid) split in two halves of K = 4096.

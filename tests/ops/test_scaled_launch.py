@@ -184,6 +184,25 @@ def test_default_cluster_only_where_the_config_leaves_it(fp8_kernel):
     assert (pinned.cluster_m, pinned.cluster_n) == (2, 1)
 
 
+def test_whole_epilogue_by_default_in_pairs_of_varlen_tiles() -> None:
+    """The varlen form's compute-bound default, cooperative 128x128 in a 1x2 cluster, stores
+    through the whole-tile epilogue where the output is 16-bit; not for fp32 output, the
+    batched and masked forms, ping-pong tiles, a config that says whole_epilogue=False, or
+    a lone tile (which keeps the tail split); whole_epilogue=True still means no cluster."""
+    def choose(form="varlen", rows=1024.0, N=4096, out=2, **cfg):
+        return heuristics_fp8.choose_fp8(form, GemmConfig(**cfg), rows, N, 7168, out, "block")
+
+    c = choose()
+    assert c.epi_whole and (c.cluster_m, c.cluster_n) == (1, 2) and not c.tail_split
+    assert choose(rows=64.0).epi_whole  # (cooperative from 33 rows per expert)
+    assert choose(cluster_m=1, cluster_n=2).epi_whole  # the same cluster pinned
+    for off in (choose(out=4), choose("batched", rows=128.0, N=512), choose("masked"),
+                choose(rows=8.0, N=512), choose(whole_epilogue=False), choose(N=200)):
+        assert not off.epi_whole, off
+    pinned = choose(whole_epilogue=True)
+    assert pinned.epi_whole and (pinned.cluster_m, pinned.cluster_n) == (1, 1)
+
+
 def test_lagged_promotion_is_opt_in(fp8_kernel, monkeypatch):
     """With the scales loaded by the math threads (MOE_GEMM_FP8_SMEM_SCALES=0, and the
     batched and general forms), MOE_GEMM_FP8_PROMOTE_LAG=1 asks for the lagged promotion; it

@@ -195,4 +195,7 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
             promote_lag=True),
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True),
+        # the compute-bound default: the same with the whole-tile epilogue
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
+            smem_scales=True, promote_lag=True, epi_whole=True),
     ]
