@@ -10,6 +10,12 @@ range (448 for e4m3, 57344 for e5m2) with scale = max|x| / FP8_MAX per group:
     quantize_fp8_per_tensor(x)       x -> scale ()
     dequantize_fp8(q, scale, granularity)   the inverse, in float32
 
+x is expected finite, as the GEMMs' inputs are: in every helper a NaN makes its group's
+(block's, row's, tensor's) scale and q NaN, an infinity its scale infinite (that group's
+finite values then quantize to zero). Like the kernels, the quantizers have no backward:
+where x requires grad (grad mode on) the results are tied to it by a backward that raises
+(NO_BACKWARD), eager or compiled; quantize under torch.no_grad() or pass x.detach().
+
 The per-token-group one runs on every FP8 layer call: on an sm90a GPU with the CuTe DSL it is
 one kernel (kernels/sm90/quantize_fp8.py: one pass over x, ~1 launch); elsewhere (and with
 MOE_GEMM_FP8_QUANT=torch) a torch op sequence that computes the same values bit for bit.
@@ -25,8 +31,10 @@ from collections.abc import Callable
 import torch
 
 from moe_gemm.env import env_value
+from moe_gemm.ops.autograd import inference_only, needs_link
 from moe_gemm.ops.validation import check_dense
 from moe_gemm.ops.vmap import functorch_active as _functorch_active
+from moe_gemm.ops.vmap import in_vmap
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_AMAX = 1e-10  # kernels/sm90/quantize_fp8.MIN_AMAX: a zero group's scale stays finite
@@ -37,6 +45,32 @@ _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # slice (the padded blocks, their magnitudes, the scaled values), ~4.5x the bf16 weight in
 # one go; a 256-expert layer of 4096 x 7168 weights is 15 GB of bf16.
 CHUNK_ELEMENTS = 1 << 26  # 256 MiB of fp32
+
+
+NO_BACKWARD = (
+    "moe_gemm's FP8 quantizers have no backward: rounding to FP8 has no useful gradient (torch's "
+    "cast would round the incoming gradient to the FP8 dtype too) and the GPU kernel records "
+    "none. Quantize under torch.no_grad() / torch.inference_mode(), or pass x.detach()."
+)
+
+
+def _untracked(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """run() -> (q, scale), tied to x by a backward that raises NO_BACKWARD where autograd
+    could ask for one (ops/autograd.py): never a gradient that is silently wrong (torch's ops)
+    or silently missing (the kernel)."""
+    if not needs_link([x]):
+        return run()
+    if torch.compiler.is_compiling():
+        from moe_gemm.ops.custom_ops import mark_inference_only
+
+        q, scale = run()
+        return mark_inference_only(q, NO_BACKWARD), mark_inference_only(scale, NO_BACKWARD)
+    if _functorch_active() and not in_vmap():
+        # (torch.func.grad and friends: the raising autograd.Function has no functorch rule)
+        raise RuntimeError(NO_BACKWARD)
+    q, scale = inference_only(NO_BACKWARD, run, [x])
+    return q, scale
 
 
 def _check_input(name: str, x: object, dtype: torch.dtype) -> torch.Tensor:
@@ -110,6 +144,12 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128, *,
     K = x.shape[-1]
     if K % g:
         raise ValueError(f"the last dim of x (K={K}) must be a multiple of group_size={g}")
+    return _untracked(lambda: _per_token_group(x, g, dtype, column_major_scales), x)
+
+
+def _per_token_group(x: torch.Tensor, g: int, dtype: torch.dtype, column_major_scales: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    K = x.shape[-1]
     lead = x.shape[:-1]
     T = math.prod(lead)
     if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(x):
@@ -147,7 +187,7 @@ def token_major_scales(T: int, groups: int, device) -> torch.Tensor:
 def _per_token_group_torch(x: torch.Tensor, g: int, dtype: torch.dtype):
     K = x.shape[-1]
     xg = x.reshape(-1, K // g, g).float()
-    amax = xg.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_AMAX)
+    amax = xg.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
     q = _to_fp8(xg, amax, dtype)
     scale = _ieee_div(amax.squeeze(-1), FP8_MAX[dtype])
     return q.view(x.shape), scale.view(*x.shape[:-1], K // g)
@@ -230,6 +270,11 @@ def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,
     b = _check_block("block_size", block_size)
     if w.dim() < 2:
         raise ValueError(f"w must have at least two dimensions (..., N, K); got {w.dim()}")
+    return _untracked(lambda: _per_block_chunked(w, b, dtype), w)
+
+
+def _per_block_chunked(w: torch.Tensor, b: int, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape[-2:]
     lead = w.shape[:-2]
     nb, kb = -(-N // b), -(-K // b)
@@ -251,7 +296,7 @@ def _per_block(w: torch.Tensor, b: int, dtype: torch.dtype
     # buffer.
     padded = torch.nn.functional.pad(w.float(), (0, kb * b - K, 0, nb * b - N))
     blocks = padded.view(*lead, nb, b, kb, b)
-    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp_(min=MIN_AMAX)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=MIN_AMAX)
     q = _to_fp8(blocks, amax, dtype).view(*lead, nb * b, kb * b)[..., :N, :K]
     scale = _ieee_div(amax.view(*lead, nb, kb), FP8_MAX[dtype])
     return q.contiguous(), scale
@@ -264,9 +309,13 @@ def quantize_fp8_per_row(x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e
     x = _check_input("x", x, dtype)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (..., K)")
+    return _untracked(lambda: _per_row(x, dtype), x)
+
+
+def _per_row(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
     amax = (x32.abs().amax(dim=-1, keepdim=True) if x.shape[-1]
-            else x32.new_zeros(*x.shape[:-1], 1)).clamp_(min=MIN_AMAX)
+            else x32.new_zeros(*x.shape[:-1], 1)).clamp(min=MIN_AMAX)
     return _to_fp8(x32, amax, dtype), _ieee_div(amax.squeeze(-1), FP8_MAX[dtype])
 
 
@@ -274,8 +323,12 @@ def quantize_fp8_per_tensor(x: torch.Tensor, *, dtype: torch.dtype = torch.float
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for the whole tensor: q like x and a 0-d scale."""
     x = _check_input("x", x, dtype)
+    return _untracked(lambda: _per_tensor(x, dtype), x)
+
+
+def _per_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
-    amax = (x32.abs().amax() if x.numel() else x32.new_zeros(())).clamp_(min=MIN_AMAX)
+    amax = (x32.abs().amax() if x.numel() else x32.new_zeros(())).clamp(min=MIN_AMAX)
     return _to_fp8(x32, amax, dtype), _ieee_div(amax, FP8_MAX[dtype])
 
 

@@ -106,3 +106,20 @@ def test_transformers_model_with_moe_gemm_experts_compiles_whole(dynamo) -> None
     torch.testing.assert_close(got, eager, rtol=0, atol=0)
     assert rel_err(got, loop) < 1e-5
     assert dynamo["graph_break"] == {}
+
+
+@pytest.mark.parametrize("granularity,dims", [("row", (32, 16)), ("block", (128, 128))])
+def test_fp8_layer_compiles_on_tracked_hidden_states(dynamo, granularity, dims) -> None:
+    # Hidden states that require grad (an earlier layer's output in grad mode): the layer's
+    # activation quantizers clamped their amax in place, which failed the compiled graph's
+    # autograd before any backward was asked for; eager ran.
+    H, I = dims
+    moe = randomize(MoE(H, I, 8, 2)).quantize_fp8(granularity)
+    x = torch.randn(5, H, requires_grad=True)
+    y = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    with torch.no_grad():
+        torch.testing.assert_close(y, moe(x), rtol=0, atol=0)
+    assert y.requires_grad and dynamo["graph_break"] == {}
+    with pytest.raises(RuntimeError, match="FP8 MoE layer is inference-only"):
+        y.sum().backward()
+    assert x.grad is None

@@ -264,3 +264,69 @@ def test_per_block_under_vmap_matches_the_unbatched_call(monkeypatch, shape, chu
         qi, si = quantize_fp8_per_block(w[i])
         assert torch.equal(q[i].view(torch.uint8), qi.view(torch.uint8))
         assert torch.equal(s[i], si)
+
+
+QUANTIZERS = [
+    pytest.param(quantize_fp8_per_token_group, (6, 256), "group", id="per_token_group"),
+    pytest.param(quantize_fp8_per_block, (2, 200, 300), "block", id="per_block"),
+    pytest.param(quantize_fp8_per_row, (6, 200), "row", id="per_row"),
+    pytest.param(quantize_fp8_per_tensor, (6, 200), "tensor", id="per_tensor"),
+]
+
+
+@pytest.mark.parametrize("fn,shape,granularity", QUANTIZERS)
+def test_quantizers_have_no_backward(fn, shape, granularity) -> None:
+    """x that requires grad (hidden states, an nn.Parameter in grad mode): the same values, and
+    a backward through q or the scale raises saying what to do. torch's ops failed it with
+    an unrelated in-place error (the amax clamped in place), and would otherwise hand back a
+    gradient rounded to FP8 on its way through the cast."""
+    x = torch.randn(*shape, generator=_gen(41)) * 3
+    q0, s0 = fn(x)
+    xr = x.clone().requires_grad_(True)
+    q, s = fn(xr)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    assert q.requires_grad and s.requires_grad
+    with pytest.raises(RuntimeError, match="quantizers have no backward"):
+        s.sum().backward()
+    q, s = fn(xr)
+    with pytest.raises(RuntimeError, match="quantizers have no backward"):
+        dequantize_fp8(q, s, granularity).sum().backward()
+    with pytest.raises(RuntimeError, match="quantizers have no backward"):
+        torch.func.grad(lambda t: fn(t)[1].sum())(x)
+    assert xr.grad is None
+    with torch.no_grad():
+        q, s = fn(xr)
+    assert not q.requires_grad and not s.requires_grad
+
+
+@pytest.mark.parametrize("fn,shape,granularity", QUANTIZERS)
+def test_quantizers_compile_on_a_tracked_input(fn, shape, granularity) -> None:
+    """torch.compile(fullgraph=True) of a quantizer on an input that requires grad: it
+    compiles (the in-place amax clamp failed the joint graph before any backward was asked
+    for), gives eager's values, and its backward raises as eager's does."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    x = torch.randn(*shape, generator=_gen(42)) * 3
+    q0, s0 = fn(x)
+    q, s = torch.compile(fn, fullgraph=True, backend="aot_eager")(x.clone().requires_grad_(True))
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    with pytest.raises(RuntimeError, match="quantizers have no backward"):
+        s.sum().backward()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fn,shape,granularity", QUANTIZERS)
+def test_non_finite_inputs_give_the_documented_scales(fn, shape, granularity) -> None:
+    """The module docstring's contract for every helper: a NaN makes its group's scale and q
+    NaN, an infinity its scale infinite; the other groups are untouched."""
+    x = torch.randn(*shape, generator=_gen(43))
+    for bad, scale_is in ((float("nan"), torch.isnan), (float("inf"), torch.isinf)):
+        xb = x.clone()
+        xb.view(-1)[0] = bad
+        q, s = fn(xb)
+        q0, s0 = fn(x)
+        hit = torch.zeros_like(s, dtype=torch.bool)
+        hit.view(-1)[0] = True
+        assert scale_is(s[hit]).all() and torch.equal(s[~hit], s0[~hit])
+        assert torch.isnan(q.float().view(-1)[0])
