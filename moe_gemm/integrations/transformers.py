@@ -29,6 +29,7 @@ a registry of their own; `register()` adds "moe_gemm" there too (transformers_fp
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +122,7 @@ def moe_gemm_experts_forward(
 
 
 # Weight layouts that passed _check_weights. Its outcome depends on the key alone: the
-# module's class (named in the messages; its _apply_gate decides whether gate_up halves), the
+# module's class (named in the messages), its gate (_gate_of: whether gate_up halves), the
 # layout flags, and the tensors' shapes, dtypes and devices; it reads no values, strides or
 # addresses, so the key holds none (an in-place update or a new tensor of a checked layout
 # needs no new check, and a data pointer or version counter would not see an in-place
@@ -147,7 +148,7 @@ def _check_weights_once(experts: nn.Module, has_gate: bool, transposed: bool,
         _check_weights(experts, has_gate, transposed, bias_in, bias_out)
         return
     cls = type(experts)
-    key = (cls, getattr(cls, "_apply_gate", None), has_gate, transposed,
+    key = (cls, _gate_of(experts), has_gate, transposed,
            w_in.shape, w_in.dtype, w_in.device, w_out.shape, w_out.dtype, w_out.device,
            None if bias_in is None else (bias_in.shape, bias_in.device),
            None if bias_out is None else (bias_out.shape, bias_out.device))
@@ -184,7 +185,7 @@ def _check_weights(experts: nn.Module, has_gate: bool, transposed: bool,
     # E experts, hidden size H, N gate-up (or up) columns; down_proj is (E, I, H) transposed,
     # else (E, H, I).
     E, H, N = (w_in.shape if transposed else (w_in.shape[0], w_in.shape[2], w_in.shape[1]))
-    gate = getattr(type(experts), "_apply_gate", None)
+    gate = _gate_of(experts)
     halves = has_gate and gate is not None and gate in (_default_apply_gate(),
                                                         _gpt_oss_apply_gate())
     if halves and N % 2:
@@ -216,13 +217,25 @@ def hf_fused_gate(experts: nn.Module) -> FusedGate | None:
 
     transformers' default gate is act_fn(gate) * up over concatenated halves; GPT-OSS's is the
     clamped SwiGLU over alternating columns with the module's alpha and limit (its
-    _apply_gate, checked by identity, so a subclass that changes it is not taken for it)."""
-    gate = getattr(type(experts), "_apply_gate", None)
+    _apply_gate, checked by identity, so a subclass or an instance that changes it is not taken
+    for it: _gate_of)."""
+    gate = _gate_of(experts)
     if gate is not None and gate is _default_apply_gate():
         return fused_gate_for(hf_activation(experts.act_fn), "concat")
     if gate is not None and gate is _gpt_oss_apply_gate():
         return FusedGate("clamped_swiglu", "alternating", float(experts.alpha),
                          float(experts.limit))
+    return None
+
+
+def _gate_of(experts: nn.Module) -> Any:
+    """The function `experts._apply_gate` runs, looked up on the module as transformers'
+    forwards call it, or None where that is not a method of the module. A gate set on one
+    module (`experts._apply_gate = types.MethodType(fn, experts)`) overrides its class's: read
+    from the class, the fused path ran the class's default gate in its place, silently."""
+    gate = getattr(experts, "_apply_gate", None)
+    if isinstance(gate, types.MethodType) and gate.__self__ is experts:
+        return gate.__func__
     return None
 
 
@@ -374,8 +387,12 @@ def _check_fused_gated(experts: nn.Module) -> None:
         problems.append("has_post_expert_norm=True")
     if not getattr(experts, "is_concatenated", True):
         problems.append("is_concatenated=False (interleaved gate/up)")
-    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        if hf_fp8_scales(experts) is None or not hf_fp8_gate_is_default(experts):
+    gate = _gate_of(experts) if hasattr(experts, "_apply_gate") else _default_apply_gate
+    if gate is not _default_apply_gate:
+        # (FP8Experts' own gate is the default one where no soft cap or limit is set)
+        fp8_default = (gate is getattr(type(experts), "_apply_gate", None)
+                       and hf_fp8_scales(experts) is not None and hf_fp8_gate_is_default(experts))
+        if not fp8_default:
             problems.append("a custom _apply_gate")
     if problems:
         raise ValueError(
