@@ -127,10 +127,19 @@ class _BaseClient:
     ) -> None:
         if base_url is None:
             base_url = os.environ.get(C.ENV_BASE_URL) or C.DEFAULT_BASE_URL
-        url = httpx.URL(str(base_url))
+        try:
+            url = httpx.URL(str(base_url))
+        except httpx.InvalidURL as exc:  # (not a ValueError: "http://[::1" was a traceback)
+            raise ValueError(f"base_url must be an http(s) URL such as {C.DEFAULT_BASE_URL}; "
+                             f"got {str(base_url)!r} ({exc})") from None
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"base_url must be an http(s) URL such as {C.DEFAULT_BASE_URL}; "
                              f"got {str(base_url)!r}")
+        # httpx takes any port number, and getaddrinfo wraps one past 65535 modulo 2^16:
+        # "http://127.0.0.1:84267" would talk to whatever listens on 18731.
+        if url.port is not None and not 0 < url.port <= 65535:
+            raise ValueError(f"base_url's port must be 1-65535; got {url.port} in "
+                             f"{str(base_url)!r}")
         # A trailing slash makes join() keep a path prefix (a server behind /moe/ on a proxy).
         self.base_url = httpx.URL(str(url).rstrip("/") + "/")
         if api_key is None:
@@ -160,15 +169,22 @@ class _BaseClient:
     @staticmethod
     def _check_timeout(timeout: object) -> httpx.Timeout:
         if isinstance(timeout, httpx.Timeout):
+            # The same bounds on each phase (a phase of 0 is httpx's "do not wait").
+            for phase, value in timeout.as_dict().items():
+                if value is not None and not (math.isfinite(value)
+                                              and 0 <= value <= C.MAX_TIMEOUT):
+                    raise ValueError(f"timeout's {phase} must be finite seconds from 0 to "
+                                     f"{C.MAX_TIMEOUT:g}, or None; got {value!r}")
             return timeout
         if timeout is None:
             return httpx.Timeout(None)
-        # (nan and inf too: httpx would refuse nan only at the request, and inf reaches
-        # socket.settimeout as an OverflowError; None is the way to say "no timeout")
+        # (nan and inf too: httpx would refuse nan only at the request, and inf, as any
+        # number of seconds past ~9.2e9, reaches socket.settimeout as an OverflowError;
+        # None is the way to say "no timeout")
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not math.isfinite(timeout) or timeout <= 0):
-            raise ValueError(f"timeout must be finite seconds > 0, an httpx.Timeout or None; "
-                             f"got {timeout!r}")
+                or not math.isfinite(timeout) or not 0 < timeout <= C.MAX_TIMEOUT):
+            raise ValueError(f"timeout must be finite seconds > 0 (at most {C.MAX_TIMEOUT:g}), "
+                             f"an httpx.Timeout or None; got {timeout!r}")
         return httpx.Timeout(float(timeout))
 
     @staticmethod

@@ -21,6 +21,9 @@ ENV_API_KEY = "MOE_GEMM_API_KEY"
 # GEMM queued behind others, or a weight upload that the server fsyncs before answering.
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
 DEFAULT_MAX_RETRIES = 2
+# The longest timeout taken (~31 years; None is no timeout): the sync transport hands it to
+# socket.settimeout, which refuses more than ~9.2e9 s (int64 nanoseconds) with an OverflowError.
+MAX_TIMEOUT = 1e9
 DEFAULT_CONNECTION_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)
 
 INITIAL_RETRY_DELAY = 0.5  # seconds, before the first retry

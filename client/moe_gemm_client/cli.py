@@ -120,7 +120,11 @@ def load_array(path: str, key: str) -> np.ndarray:
             raise UsageError(f"{path} holds {sorted(tensors)}; expected a tensor named {key!r} "
                              "or a single tensor")
         if path.endswith(".npy"):
-            return _fix_bf16(np.load(path, allow_pickle=False))
+            # The .npy reader itself, not np.load: np.load hands back an NpzFile for a zip
+            # archive and raises EOFError for an empty file (tracebacks, exit 1); read_array
+            # raises ValueError for both, as for every other file that is not a .npy.
+            with open(path, "rb") as f:
+                return _fix_bf16(np.lib.format.read_array(f, allow_pickle=False))
     except (ValueError, OSError) as exc:
         raise UsageError(f"{path}: {exc}") from exc
     raise UsageError(f"{path}: expected a .npy or .safetensors file")

@@ -100,7 +100,13 @@ class Settings(BaseSettings):
     @classmethod
     def _split_keys(cls, v: object) -> object:
         if isinstance(v, str):
-            return [k.strip() for k in v.split(",") if k.strip()]
+            keys = [k.strip() for k in v.split(",") if k.strip()]
+            # A value of commas alone ("," from a template whose key was empty) meant "no
+            # keys": the matmul and read routes open, where the operator asked for keys.
+            if v.strip() and not keys:
+                raise ValueError(f"{v!r} names no key (keys are comma-separated); leave it "
+                                 "unset or empty for none")
+            return keys
         return v
 
     @field_validator("data_dir", mode="before")

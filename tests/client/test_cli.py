@@ -321,3 +321,37 @@ def test_a_closed_output_pipe_ends_quietly(server, capsys, monkeypatch, rng):
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     assert cli.main(["list", "--json"]) == cli.EXIT_BROKEN_PIPE == 141
     assert capsys.readouterr().err == ""  # no "error: [Errno 32] Broken pipe"
+
+
+@pytest.mark.parametrize("content", ["empty", "npz", "short_data"])
+def test_an_unreadable_npy_is_a_usage_error(server, capsys, rng, tmp_path, content):
+    """An empty file (np.load: EOFError) and a zip archive named .npy (np.load: an NpzFile,
+    then an AttributeError) were tracebacks with exit 1."""
+    server.weights["l0"] = (rng.standard_normal((2, 4, 3)).astype(np.float32), "w")
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    path = tmp_path / "x.npy"
+    if content == "empty":
+        path.write_bytes(b"")
+    elif content == "npz":
+        np.savez(tmp_path / "x.npz", x=x)
+        path.write_bytes((tmp_path / "x.npz").read_bytes())
+    else:
+        np.save(path, x)
+        path.write_bytes(path.read_bytes()[:-8])
+    np.save(tmp_path / "x_ok.npy", x)
+    sent = len(server.seen)
+    for argv in (["--x", str(path), "--counts", "1,2"],
+                 ["--x", str(tmp_path / "x_ok.npy"), "--counts", str(path)]):
+        assert cli.main(["grouped-mm", "l0", *argv, "--out", str(tmp_path / "y.npy")]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"error: {path}: ") and err.count("\n") == 1
+    assert len(server.seen) == sent
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:84267"])
+def test_an_unusable_url_is_one_line_and_exit_2(capsys, url):
+    """"http://[::1" was an httpx.InvalidURL traceback; a port past 65535 reached another
+    port (getaddrinfo wraps it)."""
+    assert cli.main(["--url", url, "health"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: base_url") and err.count("\n") == 1

@@ -953,3 +953,37 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("cls", [mgc.Client, mgc.AsyncClient])
+def test_base_url_that_cannot_be_used_is_a_value_error(cls, monkeypatch):
+    """An unparsable URL raised httpx.InvalidURL (a traceback from the command line), and a
+    port past 65535 was wrapped modulo 2^16 by getaddrinfo: 127.0.0.1:84267 reached the
+    service on 18731."""
+    for bad in ("http://[::1", "http://127.0.0.1:84267", "http://127.0.0.1:0"):
+        with pytest.raises(ValueError, match="base_url"):
+            cls(bad)
+        monkeypatch.setenv("MOE_GEMM_BASE_URL", bad)
+        with pytest.raises(ValueError, match="base_url"):
+            cls()
+        monkeypatch.delenv("MOE_GEMM_BASE_URL")
+    client = cls("http://127.0.0.1:65535", http_client=(
+        httpx.Client() if cls is mgc.Client else httpx.AsyncClient()))
+    assert client.base_url.port == 65535
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_timeout_too_long_for_a_socket_is_refused_up_front(mode):
+    """timeout=1e10 (finite, > 0) passed the check and failed at the first request with an
+    OverflowError from socket.settimeout (a traceback from `moe-gemm-client --timeout 1e10`);
+    an httpx.Timeout was not checked at all."""
+    cls = mgc.Client if mode == "sync" else mgc.AsyncClient
+    for bad in (1e10, httpx.Timeout(1e10), httpx.Timeout(5.0, read=float("inf")),
+                httpx.Timeout(5.0, connect=float("nan"))):
+        with pytest.raises(ValueError, match="timeout"):
+            cls(timeout=bad)
+    client = make(mode, ContractHandler())
+    with pytest.raises(ValueError, match="timeout"):
+        run(client, "list_weights", timeout=1e10)
+    assert run(client, "list_weights", timeout=1e9) == []
+    assert run(client, "list_weights", timeout=httpx.Timeout(1e9, pool=0)) == []

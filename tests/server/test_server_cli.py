@@ -252,3 +252,20 @@ def test_keys_beyond_printable_ascii_are_refused_at_start(tmp_path, flag, key):
 def test_printable_ascii_keys_are_taken(tmp_path):
     s = Settings(api_key=["r-1:x/y+z=="], admin_key="A~b!c", data_dir=tmp_path)
     assert s.api_key == ["r-1:x/y+z=="] and s.admin_key == "A~b!c"
+
+
+@pytest.mark.parametrize("value", [",", " , ,"])
+def test_an_api_key_variable_of_commas_alone_is_refused(monkeypatch, restore_logging, tmp_path,
+                                                        value):
+    """MOE_GEMM_API_KEY="," split into no key at all and started a server with its matmul and
+    read routes open, where keys were asked for."""
+    monkeypatch.setenv("MOE_GEMM_API_KEY", value)
+    with pytest.raises(SystemExit) as e:  # (the settings alone: a start never begins)
+        settings_from_args(["--port", "0", "--data-dir", str(tmp_path)])
+    msg = str(e.value.code)
+    assert msg.startswith("moe-gemm-server: ") and "\n" not in msg, msg
+    assert "api_key (--api-key): " in msg and "names no key" in msg, msg
+    monkeypatch.setenv("MOE_GEMM_API_KEY", "")  # empty: no keys, as before
+    assert Settings(data_dir=tmp_path).api_key == []
+    monkeypatch.setenv("MOE_GEMM_API_KEY", "a,,b ,")
+    assert Settings(data_dir=tmp_path).api_key == ["a", "b"]
