@@ -72,6 +72,7 @@ from benchmarks.suite import (
     smoke_suite,
 )
 from moe_gemm import __version__
+from moe_gemm.ops.tuned import device_slug
 from moe_gemm.tuning.argcheck import output_problem
 
 __all__ = ["ABORT_ENV", "main"]
@@ -260,7 +261,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="one subprocess per shape; a crash loses one implementation only")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds per shape subprocess with --isolate")
-    p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<device>-<date>."
+                   "json)")
     p.add_argument("--png", help="PNG path (default: beside the JSON); 'none' to skip")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "
                    "available)")
@@ -343,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = "bench" if suite_name == "bench" else f"bench-{suite_name}"
-    out_path = Path(args.out) if args.out else Path("benchmarks/results") / f"{stem}-{date}.json"
+    # The results folder's naming, <suite>-<device>-<date> (a CPU smoke run's says "cpu")
+    device_part = device_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" \
+        else "cpu"
+    out_path = Path(args.out) if args.out else (
+        Path("benchmarks/results") / f"{stem}-{device_part}-{date}.json")
     png_path = None if (args.png or "").lower() == "none" else (
         Path(args.png) if args.png else out_path.with_suffix(".png"))
     # Paths that cannot be written fail now, in one line, not after the whole suite ran.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -344,6 +345,8 @@ def test_only_subset_and_default_paths(tmp_path: Path, monkeypatch: pytest.Monke
                        "--quiet", "--png", "none"]) == 0
     files = list((tmp_path / "benchmarks" / "results").glob("bench-*.json"))
     assert len(files) == 1 and not list(tmp_path.rglob("*.png"))
+    # named <suite>-<device>-<date> as the results folder's records are (it had no device)
+    assert re.fullmatch(r"bench-cpu-\d{4}-\d{2}-\d{2}\.json", files[0].name), files[0].name
     doc = _load(files[0])
     assert set(doc["shapes"]) == {"moe-decode"} and "host_overhead" not in doc
     assert doc["shapes"]["moe-decode"]["routing"]["kind"] == "zipf"
@@ -544,3 +547,4 @@ def test_exit_status_says_whether_one_of_our_rows_failed(capsys: pytest.CaptureF
         "t: moe_gemm: wrong result: relative error 0.5 > 0.01"]
     assert bench._exit_status({"results": [ok, wrong, peer_down]}) == 1
     assert "failed: t: moe_gemm: wrong result" in capsys.readouterr().err
+
