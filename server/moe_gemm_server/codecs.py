@@ -156,7 +156,11 @@ def parse_safetensors_header(
         raise bad_request("malformed safetensors: header is nested too deeply") from None
     if not isinstance(header, dict):
         raise bad_request("malformed safetensors: header must be a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    # (null is "no metadata", as safetensors' own Option reads it; [], 0, false or "" are not
+    # an object, and `or {}` would have taken them as one)
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):

@@ -227,6 +227,11 @@ def parse_request(
                 )
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise bad_request(f"input {inp.name!r}: binary_data_size must be an int >= 0")
+            if inp.data is not None:
+                # Two sources for one tensor: reading either one silently would answer a
+                # request whose other copy says something else.
+                raise bad_request(f"input {inp.name!r} has both 'data' and binary_data_size; "
+                                  "send its values one way")
             itemsize = torch.empty((), dtype=dtype).element_size()
             if size != count * itemsize:
                 raise bad_request(

@@ -108,6 +108,11 @@ def test_safetensors_unaligned_offsets_are_copied():
          "unknown dtype"),
         (_raw({"x": [1, 2]}), "must be an object"),
         (_raw({"__metadata__": {"a": 1}}), "__metadata__"),
+        # __metadata__ that is not an object (was taken as no metadata when falsy)
+        (_raw({"__metadata__": []}), "__metadata__"),
+        (_raw({"__metadata__": 0}), "__metadata__"),
+        (_raw({"__metadata__": False}), "__metadata__"),
+        (_raw({"__metadata__": ""}), "__metadata__"),
         (_raw({"x": {"dtype": "F32", "shape": [2**31 - 1, 2**31 - 1], "data_offsets": [0, 4]}},
               b"\0" * 4), "needs"),
         (_raw({"x": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 4]}},
@@ -287,7 +292,8 @@ def test_v2_requests_with_a_duplicate_key_are_400_naming_it(where, key):
     assert ei.value.status == 400
     # with binary data after the header too
     x = np.ones(2, np.float32).tobytes()
-    hdr = json.dumps({"inputs": [{**V2_X, "parameters": {"binary_data_size": 8}}]}).encode()
+    x_bin = {k: v for k, v in V2_X.items() if k != "data"}  # (values one way: binary here)
+    hdr = json.dumps({"inputs": [{**x_bin, "parameters": {"binary_data_size": 8}}]}).encode()
     dup = hdr.replace(b'"binary_data_size": 8', b'"binary_data_size": 0, "binary_data_size": 8')
     assert parse_request(bytearray(hdr + x), str(len(hdr)))[1]["x"].tolist() == [[1, 1]]
     with pytest.raises(APIError, match="duplicate key 'binary_data_size'"):

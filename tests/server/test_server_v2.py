@@ -279,6 +279,10 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
     cases.append(("extra trailing bytes", body, h, 400))
     body, h = _binary_body(hdr(), x)
     cases.append(("binary data missing", body, h, 400))
+    both = hdr()
+    both["inputs"][0]["data"] = [0.0] * 2 * K  # disagrees with the binary copy of x
+    body, h = _binary_body(both, x, c)
+    cases.append(("input with both data and binary_data_size", body, h, 400))
     body, h = _binary_body(hdr(xdt="FP33"), x, c)
     cases.append(("unknown datatype", body, h, 400))
     body, h = _binary_body(hdr(xdt="BYTES"), x, c)
