@@ -612,6 +612,18 @@ class GroupedGemmPlan:
         args = self.args
         if not args.a:
             return list(self.out)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in self._operands):
+            # As the eager call: fresh results, their values copied into the plan's outputs
+            # (written by the op, the outputs would join this call's graph, and the next
+            # call would refuse them as outputs that require grad).
+            res = custom_ops.grouped_gemm(list(args.a), list(args.b), config=self._config,
+                                          out_dtype=args.out_dtype)
+            with torch.no_grad():
+                for o, r in zip(args.out or (), res):
+                    o.copy_(r)
+                for given, tmp in self._copy_back:
+                    given.copy_(tmp)
+            return res
         res = custom_ops.grouped_gemm(list(args.a), list(args.b), out=list(args.out or ()),
                                       config=self._config, out_dtype=args.out_dtype)
         return self._copied_back(res)

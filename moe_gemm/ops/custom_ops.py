@@ -49,6 +49,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.ops.reference import expert_spans
 from moe_gemm.ops.validation import (
     _as_tensor_list,
     check_grouped_bmm,
@@ -148,8 +149,9 @@ def differentiable_out(out: Tensor, out_dtype: torch.dtype | None,
             isinstance(t, Tensor) and t.requires_grad for t in inputs):
         return False
     if out_dtype is not None and out_dtype != out.dtype:
-        raise ValueError(f"out is {out.dtype} but out_dtype is {out_dtype}; give one of them "
-                         "or make them agree")
+        # (a TypeError, as the eager call's check of out's dtype)
+        raise TypeError(f"out must have dtype {out_dtype} (out_dtype); got {out.dtype}: give "
+                        "one of them or make them agree")
     return True
 
 
@@ -341,12 +343,11 @@ def _grouped_mm_grad(grad, x, w, offs, config, out_dtype):
         return _prod(grad, w.transpose(1, 2), x.dtype), _prod(x.transpose(1, 2), grad, w.dtype)
     gx, gw = torch.zeros_like(x, memory_format=torch.contiguous_format), torch.zeros_like(
         w, memory_format=torch.contiguous_format)
-    start = 0
-    for e, end in enumerate(offs.tolist()):  # rows past offs[-1] never reached y: zero
-        if end > start:
-            gx[start:end] = _prod(grad[start:end], w[e].t(), x.dtype)
-            gw[e] = _prod(x[start:end].t(), grad[start:end], w.dtype)
-        start = end
+    # The forward's rows of each expert (offs clamped into [0, T], a decreasing entry an empty
+    # expert: GPU values are unchecked); rows past offs[-1] never reached y: zero.
+    for e, start, end in expert_spans(offs, x.shape[0]):
+        gx[start:end] = _prod(grad[start:end], w[e].t(), x.dtype)
+        gw[e] = _prod(x[start:end].t(), grad[start:end], w.dtype)
     return gx, gw
 
 

@@ -5,6 +5,8 @@ ops go through the registered ops (tracing, tensor modes, fake tensors) and when
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -529,7 +531,7 @@ def test_traced_out_checks_as_eager() -> None:
             call()  # traced
     xg = x.clone().requires_grad_()
     with FlopCounterMode(display=False):
-        with pytest.raises(ValueError, match="out_dtype"):
+        with pytest.raises(TypeError, match="out_dtype"):  # (TypeError: as eager)
             grouped_mm(xg, w, offs, out=torch.zeros(x.shape[0], 8), out_dtype=torch.float16)
         with pytest.raises(ValueError, match=r"out must be \(19, 8\)"):
             grouped_mm(xg, w, offs, out=torch.zeros(x.shape[0] + 1, 8))
@@ -538,6 +540,52 @@ def test_traced_out_checks_as_eager() -> None:
         with pytest.raises(TypeError, match=r"out\[1\] must have dtype torch.float32"):
             grouped_gemm([xg[:3], xg[3:5]], [w[0], w[1]],
                          out=[torch.zeros(3, 8), torch.zeros(2, 8, dtype=torch.float64)])
+
+
+def test_traced_out_dtype_mismatch_is_a_type_error_as_eager() -> None:
+    """out of one dtype and out_dtype of another: the TypeError the eager call raises (the
+    documented error for mismatched dtypes), also on a differentiable traced call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, offs = _moe(44)
+    xg = x.clone().requires_grad_()
+    out = torch.zeros(x.shape[0], 8)
+    calls = [
+        lambda: grouped_mm(xg, w, offs, out=out, out_dtype=torch.bfloat16),
+        lambda: grouped_gemm([xg[:3]], [w[0]], out=[out[:3]], out_dtype=torch.bfloat16),
+        lambda: moe_gemm.fused_grouped_mm(xg, w, offs, out=out, out_dtype=torch.bfloat16),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="must have dtype torch.bfloat16"):
+            call()  # eager
+        with FlopCounterMode(display=False), pytest.raises(TypeError,
+                                                           match="must have dtype torch.bfloat16"):
+            call()  # traced
+
+
+@pytest.mark.parametrize("offs", [[5, 2, 8, 11], [-3, 4, 4, 30], [6, 6, 1, 9]],
+                         ids=["decreasing", "out_of_range", "decreasing_late"])
+def test_traced_backward_reads_unchecked_offs_as_the_forward(offs, monkeypatch) -> None:
+    """offs values on the GPU are not checked: the forward clamps them into [0, T] and takes a
+    decreasing entry as an empty expert. The registered op's backward must give each expert
+    the rows the forward gave it (the CPU's check turned off, as on the GPU)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moe_gemm.ops import validation
+
+    monkeypatch.setattr(validation, "check_offs_values", lambda offs, T: None)
+    x, w, _ = _moe(45, T=12, E=4)
+    offs_t = torch.tensor(offs, dtype=torch.int32)
+    r = torch.randn(12, 8, generator=_gen(46))
+
+    def grads(traced):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with FlopCounterMode(display=False) if traced else contextlib.nullcontext():
+            y = grouped_mm(xl, wl, offs_t)
+        return (y,) + torch.autograd.grad((y * r).sum(), (xl, wl))
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_inference_only_mark() -> None:

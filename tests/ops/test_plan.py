@@ -153,3 +153,40 @@ def test_autograd_flags_may_change_between_calls() -> None:
     for t in a:
         t.copy_(torch.randn(t.shape, generator=g))
     _check_all(plan(), a, [t.detach() for t in b])
+
+
+def _compiled(plan):
+    return torch.compile(lambda: plan(), fullgraph=True, backend="aot_eager")
+
+
+def _flop_counted(plan):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def call():
+        with FlopCounterMode(display=False):
+            return plan()
+    return call
+
+
+@pytest.mark.parametrize("wrap", [_compiled, _flop_counted], ids=["compiled", "tensor_mode"])
+def test_traced_calls_with_grad_operands_can_be_repeated(wrap) -> None:
+    # Every call is differentiable, as eager calls are: the traced call's results are fresh
+    # tensors and the plan's outputs take their values without joining the graph (written by
+    # the registered op, they required grad and the second call refused them).
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    a, b = _problems(torch.float32, seed=15)
+    b = [t.requires_grad_() for t in b]
+    plan = GroupedGemmPlan(a, b, config=GemmConfig(backend="torch"))
+    call = wrap(plan)
+    for step in (1, 2, 3):
+        outs = call()
+        assert not any(o.requires_grad for o in plan.out)
+        for o, r in zip(plan.out, outs):
+            torch.testing.assert_close(o, r.detach(), rtol=0, atol=0)
+        _check_all(plan.out, a, [t.detach() for t in b])
+        sum(o.sum() for o in outs).backward()
+        want = a[0].double().sum(0, keepdim=True).T.expand(-1, b[0].shape[1]) * step
+        torch.testing.assert_close(b[0].grad.double(), want)
+    torch._dynamo.reset()
