@@ -241,7 +241,8 @@ def moe_from_state_dict(
     tensors: per channel or per tensor; Quark: blocks); the fused forms use
     "experts.gate_up_proj_scale_inv" / "experts.down_proj_scale_inv" (transformers 5: blocks,
     or [E, c, 1] per-tensor scales of c equal row chunks) or
-    "experts.w13_weight_scale[_inv]" / "experts.w2_weight_scale[_inv]" (vLLM). Scales are
+    "experts.w13_weight_scale[_inv]" / "experts.w2_weight_scale[_inv]" (vLLM; per-tensor
+    ones per shard as [E, 2], the gate's and the up's, are read as row chunks). Scales are
     float32 or a float dtype widened to it (bf16, fp16, UE8M0); other dtypes are refused. The routed
     experts stay FP8; static "input_scale"s are read and not used (activations are quantized
     per token on the fly); an FP8 shared expert is dequantized to bf16 (it is one dense MLP).
@@ -598,7 +599,7 @@ def _fused_scale(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     """A fused scale as the layer keeps it: 128x128 blocks [E, N/128, K/128], or [E, N] for
     one scale per channel, per expert, for all, or per expert for each of c equal row chunks
     ([E, c, 1]: transformers' FP8Experts without blocks, e.g. a scale for the gate half and
-    one for the up half)."""
+    one for the up half; [E, c]: vLLM's w13_weight_scale [E, 2])."""
     if w.dim() != 3:
         raise ValueError(f"fused expert weights must be 3-D (E, N, K); got {shape_text(w)}")
     E, N, K = w.shape
@@ -615,6 +616,10 @@ def _fused_scale(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     if s.dim() == 3 and s.shape[0] == E and s.shape[2] == 1 and 0 < s.shape[1] <= N and (
             N % s.shape[1] == 0):
         return per_channel(s, w, name)
+    if s.dim() == 2 and s.shape[0] == E and 0 < s.shape[1] < N and N % s.shape[1] == 0:
+        # [E, c]: the same chunks written 2-D, as vLLM's per-tensor FP8 MoE checkpoints keep
+        # w13_weight_scale [E, 2] (the gate shard's scale and the up shard's)
+        return per_channel(s.unsqueeze(-1), w, name)
     raise ValueError(f"fused expert scale {name} {shape_text(s)} fits no granularity of weight "
                      f"{shape_text(w)}")
 

@@ -155,6 +155,25 @@ def test_from_state_dict_fused_fp8_keys():
         y = moe(x)
         assert fp8_errors(y, moe_fp8_reference(moe, x))["rel"] < FFN_REL_BOUND
         assert fp8_errors(y, moe16(x))["rel"] < 8e-2
+    # vLLM's per-shard scales before its own merge: w13_weight_scale [E, 2], the gate half's
+    # scale and the up half's (it was refused as fitting no granularity)
+    halves = [[quantize_fp8_per_tensor(h) for h in w.chunk(2, 0)]
+              for w in moe16.gate_up_proj.detach()]
+    sd["experts.w13_weight"] = torch.stack([torch.cat([q for q, _ in e]) for e in halves])
+    sd["experts.w13_weight_scale"] = torch.stack([torch.stack([s for _, s in e])
+                                                  for e in halves])
+    assert sd["experts.w13_weight_scale"].shape == (8, 2)
+    moe = MoE.from_state_dict(sd, 2)
+    assert moe.fp8 == "row" and moe.gate_up_proj_scale_inv.shape == (8, 256)
+    want = sd["experts.w13_weight_scale"].repeat_interleave(128, dim=1)
+    assert torch.equal(moe.gate_up_proj_scale_inv, want)
+    with torch.no_grad():
+        y = moe(x)
+        assert fp8_errors(y, moe_fp8_reference(moe, x))["rel"] < FFN_REL_BOUND
+        assert fp8_errors(y, moe16(x))["rel"] < 8e-2
+    sd["experts.w13_weight_scale"] = torch.ones(8, 3)  # 3 does not divide 2I = 256
+    with pytest.raises(ValueError, match="fits no granularity"):
+        MoE.from_state_dict(sd, 2)
 
 
 def test_fp8_layer_errors():
