@@ -309,7 +309,7 @@ class ExpertParallelMoE(nn.Module):
         """(weights [T, k] float32, ids [T, k] int64 global expert ids) for x [T, H] or
         [..., H] (flattened, as MoE.route); x checked as forward's input."""
         self._check_weights()
-        self._check_input(x)
+        check_hidden_states(x, self.hidden_size, self.router_weight.device)
         return self._route_tokens(x.reshape(-1, self.hidden_size))
 
     def _route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +369,7 @@ class ExpertParallelMoE(nn.Module):
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         try:
             self._check_weights()
-            self._check_input(hidden_states)
+            check_hidden_states(hidden_states, self.hidden_size, self.router_weight.device)
             # (a cast layer: refused on every rank before any collective, as MoE refuses it)
             self.local.check_weight_dtype("ExpertParallelMoE")
         except (TypeError, ValueError):
@@ -405,9 +405,6 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"the layer's router_weight is on {self.router_weight.device} but "
                              f"its expert weights are on {self.local.gate_up_proj.device}")
         self.local._check_parameters()
-
-    def _check_input(self, x: object) -> None:
-        check_hidden_states(x, self.hidden_size, self.router_weight.device)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -616,14 +616,8 @@ class GroupedGemmPlan:
             # As the eager call: fresh results, their values copied into the plan's outputs
             # (written by the op, the outputs would join this call's graph, and the next
             # call would refuse them as outputs that require grad).
-            res = custom_ops.grouped_gemm(list(args.a), list(args.b), config=self._config,
-                                          out_dtype=args.out_dtype)
-            with torch.no_grad():
-                for o, r in zip(args.out or (), res):
-                    o.copy_(r)
-                for given, tmp in self._copy_back:
-                    given.copy_(tmp)
-            return res
+            return self._written_to_outputs(custom_ops.grouped_gemm(
+                list(args.a), list(args.b), config=self._config, out_dtype=args.out_dtype))
         res = custom_ops.grouped_gemm(list(args.a), list(args.b), out=list(args.out or ()),
                                       config=self._config, out_dtype=args.out_dtype)
         return self._copied_back(res)
@@ -660,7 +654,12 @@ class GroupedGemmPlan:
         call's operands, their values also written into the plan's outputs. (Copying the
         graph into the reused outputs would chain each call's history onto the previous
         call's, whose buffers its backward has freed: a second step could not backward.)"""
-        res = grouped_gemm_torch(dataclasses.replace(self.args, out=None))
+        return self._written_to_outputs(
+            grouped_gemm_torch(dataclasses.replace(self.args, out=None)))
+
+    def _written_to_outputs(self, res: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Fresh results of a call whose operands require grad, their values also written
+        into the plan's outputs (and the aliased ones copied back) outside the graph."""
         with torch.no_grad():
             for o, r in zip(self.args.out or (), res):
                 o.copy_(r)
