@@ -10,7 +10,7 @@ range (448 for e4m3, 57344 for e5m2) with scale = max|x| / FP8_MAX per group:
     quantize_fp8_per_tensor(x)       x -> scale ()
     dequantize_fp8(q, scale, granularity)   the inverse, in float32
 
-x is expected finite, as the GEMMs' inputs are: in every helper a NaN makes its group's
+x is expected finite, as the GEMMs' inputs are: in every quantizer a NaN makes its group's
 (block's, row's, tensor's) scale and q NaN, an infinity its scale infinite (that group's
 finite values then quantize to zero). Like the kernels, the quantizers have no backward:
 where x requires grad (grad mode on) the results are tied to it by a backward that raises

@@ -318,7 +318,7 @@ def test_quantizers_compile_on_a_tracked_input(fn, shape, granularity) -> None:
 
 @pytest.mark.parametrize("fn,shape,granularity", QUANTIZERS)
 def test_non_finite_inputs_give_the_documented_scales(fn, shape, granularity) -> None:
-    """The module docstring's contract for every helper: a NaN makes its group's scale and q
+    """The module docstring's contract for every quantizer: a NaN makes its group's scale and q
     NaN, an infinity its scale infinite; the other groups are untouched."""
     x = torch.randn(*shape, generator=_gen(43))
     for bad, scale_is in ((float("nan"), torch.isnan), (float("inf"), torch.isinf)):
