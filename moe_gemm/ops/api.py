@@ -81,8 +81,7 @@ NO_BACKWARD = (
 # (plan, link, out_requires_grad): link says an input required grad when the signature was
 # taken (the signature includes the flags, so it still does).
 _mm_plans = PlanCache(per_bucket=8, buckets=256)  # buckets: (form, x.shape)
-# (a nested tensor in grouped_gemm's lists is not screened: see PlanCache)
-_general_plans = PlanCache(per_bucket=4, buckets=64, screen_nested=False)  # the problem count
+_general_plans = PlanCache(per_bucket=4, buckets=64)  # buckets: the problem count
 # A grouped_gemm layout gets a signature when grouped_gemm's scan meets it again within this
 # many scans (a layout that recurs), at most MAX_SIGNATURES times (other tensor modes).
 RECENT_SCANS = 16

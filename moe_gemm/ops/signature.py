@@ -132,16 +132,16 @@ class PlanCache:
     its C++ check, which cannot pass the error on: the process aborts. (Its check_verbose
     compares dispatch keys first, but costs ~12x as much; dynamo's guard managers translate
     the error, but take 8-30 us a tensor to build and import torch._dynamo.) The screen is
-    one C-level pass of is_nested over the call's tensors, ~45 ns a tensor on the CPU-only
-    dev machine against ~60 for the check, run only when an entry's `extra` matches.
-    screen_nested=False leaves it out for a cache of many tensors per signature (grouped_gemm's
-    lists: +18% host time on 256 problems, past that call's 250 us bar on an H200 host).
+    one C-level pass of is_nested over the call's tensors, ~50 ns a tensor on the CPU-only
+    dev machine against ~60 for the check, run only when an entry's `extra` matches. It costs
+    grouped_gemm's lists the most (~25 us of ~165 on 256 problems there), and it is kept for
+    them too: a nested tensor in a list once aborted the process where a plan of its layout
+    was cached.
     """
 
-    def __init__(self, per_bucket: int = 8, buckets: int = 256, *, screen_nested: bool = True):
+    def __init__(self, per_bucket: int = 8, buckets: int = 256):
         self.per_bucket = per_bucket
         self.buckets = buckets
-        self.screen_nested = screen_nested
         self._entries: dict[Hashable, tuple[tuple[TensorSignature, Hashable, Any], ...]] = {}
         self._lock = threading.Lock()
 
@@ -150,7 +150,7 @@ class PlanCache:
         entries = self._entries.get(bucket)
         if not entries:
             return None
-        screened = not self.screen_nested
+        screened = False
         for i, (sig, ex, plan) in enumerate(entries):
             if ex != extra:
                 continue

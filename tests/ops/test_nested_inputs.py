@@ -202,7 +202,7 @@ def test_grouped_gemm_scan_names_a_nested_tensor_in_a_list(cute_ops: Recorder) -
     assert cute_ops.calls == []
 
 
-# Run in a child process: before the screen, grouped_gemm's cached plans (the lists' signature,
+# Run in a child process: without the screen, grouped_gemm's cached plans (the lists' signature,
 # TensorGuards over every tensor) read a nested tensor's strides inside C++ and the process
 # aborted, which would take pytest down with it instead of failing one test.
 _WARM_GENERAL_CHILD = """
@@ -240,9 +240,6 @@ print("done")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="known: grouped_gemm's list plan cache does not screen "
-                   "for nested tensors (its host cost on 256 problems), and torch's signature "
-                   "check aborts the process on one")
 def test_a_warm_grouped_gemm_plan_never_meets_a_nested_tensor() -> None:
     # The plan of these lists is cached (grouped_gemm's warm path); then the same call with
     # a[1] or b[1] nested must raise the TypeError naming it, in both layouts.
