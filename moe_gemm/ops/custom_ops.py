@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -156,21 +157,18 @@ def differentiable_out(out: Tensor, out_dtype: torch.dtype | None,
 
 
 def check_traced_args(tensors: dict[str, Any] | None = None, out_dtype: Any = None,
-                      ints: dict[str, Any] | None = None, reals: dict[str, Any] | None = None,
+                      reals: dict[str, Any] | None = None,
                       out: Any = None, out_name: str = "out") -> None:
     """The argument checks eager makes that a traced call must make itself: the op's schema
     would refuse wrong types with torch's own message (or coerce them), and the registered
     ops run under no_grad, where eager's refusal of an `out` autograd tracks cannot fire.
-    tensors: optional tensor arguments; ints: optional ints (not bools); reals: numbers
-    (symbols that torch.compile traces in place of ints and floats pass); out: the output."""
+    tensors: optional tensor arguments; reals: numbers (symbols that torch.compile traces in
+    place of ints and floats pass); out: the output."""
     for name, t in (tensors or {}).items():
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype or None; got {out_dtype!r}")
-    for name, v in (ints or {}).items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, torch.SymInt))):
-            raise TypeError(f"{name} must be an int or None; got {type(v).__name__}")
     for name, v in (reals or {}).items():
         if isinstance(v, bool) or not isinstance(v, (int, float, torch.SymInt, torch.SymFloat)):
             raise TypeError(f"{name} must be a real number; got {type(v).__name__}")
@@ -179,6 +177,17 @@ def check_traced_args(tensors: dict[str, Any] | None = None, out_dtype: Any = No
             raise TypeError(f"{out_name} must be a torch.Tensor or None; got "
                             f"{type(out).__name__}")
         check_out_untracked(out_name, out)
+
+
+def traced_int(name: str, v: Any) -> int | torch.SymInt | None:
+    """An optional int argument of a traced call as the op schema takes it: None, an int
+    (numpy's integer scalars as ints) or a traced symbol; a TypeError for anything else, a
+    bool included (eager's check, before the schema could coerce it)."""
+    if v is None or isinstance(v, torch.SymInt):
+        return v
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None; got {type(v).__name__}")
+    return int(v)
 
 
 def write_rows(out: Tensor, y: Tensor, offs: Tensor | None, name: str = "out") -> Tensor:

@@ -36,6 +36,7 @@ from moe_gemm.ops.custom_ops import (
     check_traced_args,
     decode_config,
     encode_config,
+    traced_int,
 )
 from moe_gemm.ops.fused_validation import check_gate_names
 from moe_gemm.ops.masked_validation import (
@@ -59,8 +60,8 @@ def grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *, expected_m: int
                       out: Tensor | None = None, config: GemmConfig | None = None,
                       out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
-    check_traced_args({"x": x, "w": w, "masked_m": masked_m}, out_dtype,
-                      ints={"expected_m": expected_m}, out=out)
+    check_traced_args({"x": x, "w": w, "masked_m": masked_m}, out_dtype, out=out)
+    expected_m = traced_int("expected_m", expected_m)
     if out is None:
         return torch.ops.moe_gemm._grouped_mm_masked(x, w, masked_m, expected_m, text,
                                                      out_dtype)
@@ -75,8 +76,8 @@ def scaled_grouped_mm_masked(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Ten
                              config: GemmConfig | None = None) -> Tensor:
     text = encode_config(config)
     check_traced_args({"x": x, "w": w, "scale_a": scale_a, "scale_b": scale_b,
-                       "masked_m": masked_m}, out_dtype, ints={"expected_m": expected_m},
-                      out=out)
+                       "masked_m": masked_m}, out_dtype, out=out)
+    expected_m = traced_int("expected_m", expected_m)
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m,
                                                             expected_m, text, out_dtype)
@@ -162,8 +163,9 @@ def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
                             out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
     check_traced_args({"x": x, "w": w, "masked_m": masked_m, "bias": bias,
-                       "row_weight": row_weight}, out_dtype, ints={"expected_m": expected_m},
+                       "row_weight": row_weight}, out_dtype,
                       reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit}, out=out)
+    expected_m = traced_int("expected_m", expected_m)
     check_gate_names(gate, gate_layout)  # (eager's errors, not the op schema's)
     common = (x, w, masked_m, bias, row_weight, gate, gate_layout, float(gate_alpha),
               float(gate_limit), expected_m)

@@ -9,6 +9,7 @@ MOE_GEMM_CHECK_OFFS=1 asks for the check (one device-to-host copy).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -72,9 +73,12 @@ def check_masked_m(masked_m: object, G: int, M: int, device: torch.device, *,
 def check_expected_m(expected_m: object, M: int) -> int:
     if expected_m is None:
         return max(M, 1)
-    if isinstance(expected_m, bool) or not isinstance(expected_m, int):
+    # Python ints and the integer scalars of numpy (numbers.Integral); not a bool, nor a
+    # tensor (reading a GPU one would synchronise: the kernel choice is the host's).
+    if isinstance(expected_m, bool) or not isinstance(expected_m, numbers.Integral):
         raise TypeError(f"expected_m must be an int (typical valid rows per problem) or None; "
                         f"got {type(expected_m).__name__}")
+    expected_m = int(expected_m)
     if expected_m < 1:
         raise ValueError(f"expected_m must be >= 1 (typical valid rows per problem); got "
                          f"{expected_m}")

@@ -11,6 +11,7 @@ that computes what the masked kernel computes from the arguments it is given.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from fp8_fakes import _dequant_a, _dequant_b
@@ -20,7 +21,7 @@ from torch.library import opcheck
 
 import moe_gemm
 from moe_gemm import GemmConfig, grouped_mm_masked, scaled_grouped_mm, scaled_grouped_mm_masked
-from moe_gemm.ops import launch_info, launch_kernel, masked, masked_launch
+from moe_gemm.ops import launch_info, launch_kernel, masked, masked_custom_ops, masked_launch
 from moe_gemm.ops.scaled_reference import scaled_grouped_mm_ref
 from moe_gemm.testing import assert_close_to_ref, poison_
 from moe_gemm.testing_fp8 import assert_fp8_close, make_fp8_batched_inputs
@@ -347,6 +348,18 @@ def test_expected_m_not_an_int(value: object) -> None:
     with pytest.raises(TypeError, match=rf"expected_m must be an int \(typical valid rows per "
                                         rf"problem\) or None; got {type(value).__name__}"):
         grouped_mm_masked(x, w, mm, expected_m=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [np.int64(4), np.int32(4), np.uint16(4)])
+def test_expected_m_numpy_integer(value: object) -> None:
+    # numpy's integer scalars are ints to the kernel choice (a count read from an array), in
+    # the eager call and the registered op alike; numpy's bool is refused as bool is.
+    x, w, mm = _err_inputs()
+    want = grouped_mm_masked(x, w, mm, expected_m=4)
+    assert torch.equal(grouped_mm_masked(x, w, mm, expected_m=value), want)
+    assert torch.equal(masked_custom_ops.grouped_mm_masked(x, w, mm, expected_m=value), want)
+    with pytest.raises(TypeError, match=r"expected_m must be an int .*; got bool"):
+        grouped_mm_masked(x, w, mm, expected_m=np.bool_(True))
 
 
 @pytest.mark.parametrize("value", [True, False])
