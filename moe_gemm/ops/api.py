@@ -545,15 +545,19 @@ class GroupedGemmPlan:
                              "moe_gemm.grouped_gemm inside the vmapped function instead")
         args = check_grouped_gemm(a, b, out, out_dtype)
         given_out = tuple(args.out or ())
-        if args.out is None:  # allocated once: every call writes the same tensors
-            args = dataclasses.replace(args, out=[
-                torch.empty(m, n, dtype=args.out_dtype, device=args.device)
-                for m, n, _ in args.sizes])
-        self.out: list[torch.Tensor] = list(args.out or [])
-        # Outputs sharing memory with an operand: the plan writes private tensors and each
-        # call copies them into the given ones (ops/aliasing.py).
-        self._copy_back = [(self.out[i], torch.empty_like(self.out[i]))
-                           for i in args.out_aliased]
+        # The plan's own tensors are normal ones even when it is built under
+        # torch.inference_mode: inference tensors could not be written by a call made
+        # outside it (torch refuses the in-place update; the kernel would not notice).
+        with torch.inference_mode(False):
+            if args.out is None:  # allocated once: every call writes the same tensors
+                args = dataclasses.replace(args, out=[
+                    torch.empty(m, n, dtype=args.out_dtype, device=args.device)
+                    for m, n, _ in args.sizes])
+            self.out: list[torch.Tensor] = list(args.out or [])
+            # Outputs sharing memory with an operand: the plan writes private tensors and
+            # each call copies them into the given ones (ops/aliasing.py).
+            self._copy_back = [(self.out[i], torch.empty_like(self.out[i]))
+                               for i in args.out_aliased]
         if self._copy_back:
             private = list(self.out)
             for i, (_, tmp) in zip(args.out_aliased, self._copy_back):

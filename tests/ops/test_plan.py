@@ -190,3 +190,23 @@ def test_traced_calls_with_grad_operands_can_be_repeated(wrap) -> None:
         want = a[0].double().sum(0, keepdim=True).T.expand(-1, b[0].shape[1]) * step
         torch.testing.assert_close(b[0].grad.double(), want)
     torch._dynamo.reset()
+
+
+def test_a_plan_built_under_inference_mode_serves_calls_outside_it() -> None:
+    # Its own outputs (and the private ones of an aliased out) are normal tensors: built as
+    # inference tensors, a call outside inference mode could not write them.
+    a, b = _problems(torch.float32, seed=3)
+    with torch.inference_mode():
+        plan = GroupedGemmPlan(a, b)
+        aliased = GroupedGemmPlan(a[:1], b[:1], out=[b[0][:a[0].shape[0]]])
+        _check_all(plan(), a, b)
+    assert not any(o.is_inference() for o in plan.out)
+    for t in (*a, *b):
+        t.mul_(-1.5)
+    _check_all(plan(), a, b)  # outside inference mode, on the new values
+    with torch.inference_mode():
+        _check_all(plan(), a, b)
+    want = a[0].double() @ b[0].double()  # (read before the call overwrites b[0]'s rows)
+    got = aliased()[0]
+    assert got is aliased.out[0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
