@@ -288,6 +288,11 @@ class _BaseClient:
         if status == 404 and state.in_doubt and call.gone_after_retry is not None:
             return _Done(call.gone_after_retry())
         if status in C.RETRYABLE_STATUSES and call.retry_safe and state.retries_left > 0:
+            if status == 502:
+                # A 502 comes from a gateway (ingress, Ray's proxy), not from the server: the
+                # server's own answer was lost on the way, so the request may have been done
+                # (a DELETE whose retry then finds the set gone), as after a dropped connection.
+                state.in_doubt = True
             return self._take_retry(state, response)
         raise self._status_error(call, response)
 

@@ -353,6 +353,16 @@ def test_delete_retried_after_lost_answer_reports_success(mode):
         run(make(mode, handler), "delete_weights", "l0")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_delete_retried_after_a_gateway_502_reports_success(mode):
+    # A 502 is a proxy's answer for an upstream answer it lost: the delete may have been
+    # done, so the retry's 404 means "already gone", as after a reset connection.
+    handler, seen = sequence(error(502, "bad gateway"), error(404, "unknown weight set"))
+    client = make(mode, handler)
+    assert run(client, "delete_weights", "l0") == mgc.WeightDeleted(deleted="l0")
+    assert len(seen) == 2 and all(r.method == "DELETE" for r in seen)
+
+
 # ------------------------------------------------------------------------------------------
 # timeouts
 
