@@ -73,17 +73,33 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not _rows_disjoint(a, b)
 
 
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def _ranges_meet(lo: int, hi: int, t: torch.Tensor) -> bool:
+    """Whether t's storage shares a byte with [lo, hi)."""
+    t_lo, t_hi = _storage_range(t)
+    return t_lo < hi and lo < t_hi
+
+
 def overlaps_any(out: torch.Tensor, tensors) -> bool:
-    """may_overlap(out, t) for any t. First by allocation (one storage address per tensor,
-    the per-call cost on grouped_mm's out= path); spans only for tensors in out's one. A
-    non-strided out (sparse, mkldnn) has no storage to compare: False, so that the
-    validation after it names the layout; likewise where an input has no storage or sizes to
-    read (a sparse or nested tensor, which the plan caches' fast paths hand over unchecked)."""
+    """may_overlap(out, t) for any t. First by allocation (each storage's byte range, the
+    per-call cost on grouped_mm's out= path); spans only for tensors whose allocation meets
+    out's. By range, not by storage identity: two storages can share memory (torch.from_numpy
+    or from_dlpack of overlapping views), and an out one row ahead of x in another storage
+    was taken as disjoint, so grouped_mm's torch path overwrote rows of x before reading
+    them (grouped_gemm, which compares byte spans, was right). A non-strided out (sparse,
+    mkldnn) has no storage to compare: False, so that the validation after it names the
+    layout; likewise where an input has no storage or sizes to read (a sparse or nested
+    tensor, which the plan caches' fast paths hand over unchecked)."""
     if out.layout != torch.strided:
         return False
     try:
-        base = out.untyped_storage().data_ptr()
-        return any(t.untyped_storage().data_ptr() == base and may_overlap(out, t)
+        lo, hi = _storage_range(out)
+        return any(_ranges_meet(lo, hi, t) and may_overlap(out, t)
                    for t in tensors if isinstance(t, torch.Tensor))
     except (RuntimeError, NotImplementedError):
         if any(isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided)

@@ -119,6 +119,23 @@ def test_grouped_mm_parameter_out_overlapping_x_is_computed_as_on_copies():
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_mm_out_overlapping_x_in_another_storage_is_computed_as_on_copies():
+    """Two storages can share memory (torch.from_numpy of overlapping numpy views; DLPack
+    the same): an out one row ahead of x there was taken as disjoint, and the torch path's
+    per-expert writes overwrote rows of x that a later expert then read."""
+    np = pytest.importorskip("numpy")
+    buf = np.random.default_rng(5).standard_normal(12 * 5).astype(np.float32)
+    x = torch.from_numpy(buf[:50]).view(10, 5)
+    out = torch.from_numpy(buf[5:55]).view(10, 5)  # out[i] is x[i + 1]
+    assert x.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    w = torch.randn(3, 5, 5, generator=torch.Generator().manual_seed(5))
+    offs = torch.tensor([3, 6, 10], dtype=torch.int32)
+    want = moe_gemm.grouped_mm(x.clone(), w, offs, config=TORCH)
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, config=TORCH)
+    assert y is out
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
 def test_batched_out_overlapping_w():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(3, 4, 4, generator=g)
