@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -87,9 +88,13 @@ def _check_input(name: str, x: object, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_block(name: str, size: object) -> int:
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+    # A non-integer (128.0, "128", a bool) is a TypeError, as every other int option of the
+    # public API refuses one; numpy's integer scalars are ints (numbers.Integral).
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int; got {type(size).__name__} {size!r}")
+    if size <= 0:
         raise ValueError(f"{name} must be a positive int; got {size!r}")
-    return size
+    return int(size)
 
 
 def _to_fp8(x32: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,6 +103,25 @@ def test_per_token_group_errors():
     assert q.shape == (0, 256) and s.shape == (0, 2)
     q, s = quantize_fp8_per_token_group(torch.randn(5, 64), group_size=32)
     assert s.shape == (5, 2)
+
+
+def test_numpy_integer_sizes_are_ints():
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    for want, got in zip(quantize_fp8_per_token_group(x),
+                         quantize_fp8_per_token_group(x, group_size=np.int64(128))):
+        assert torch.equal(want.float(), got.float())
+
+
+@pytest.mark.parametrize("size", [128.0, "128", True, None])
+def test_a_group_or_block_size_that_is_not_an_int_is_a_type_error(size):
+    # (as every int option of the public API: it was a ValueError saying "positive int")
+    with pytest.raises(TypeError, match=r"^group_size must be a positive int; got "):
+        quantize_fp8_per_token_group(torch.zeros(4, 128), group_size=size)
+    with pytest.raises(TypeError, match=r"^block_size must be a positive int; got "):
+        quantize_fp8_per_block(torch.zeros(128, 128), block_size=size)
+    with pytest.raises(TypeError, match=r"^block_size must be a positive int; got "):
+        dequantize_fp8(torch.zeros(4, 128, dtype=E4M3), torch.ones(4, 1), "group",
+                       block_size=size)
 
 
 @pytest.mark.parametrize("fn", [quantize_fp8_per_token_group, quantize_fp8_per_block,
