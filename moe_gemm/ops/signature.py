@@ -134,9 +134,9 @@ class PlanCache:
     the error, but take 8-30 us a tensor to build and import torch._dynamo.) The screen is
     one C-level pass of is_nested over the call's tensors, ~50 ns a tensor on the CPU-only
     dev machine against ~60 for the check, run only when an entry's `extra` matches. It costs
-    grouped_gemm's lists the most (~25 us of ~165 on 256 problems there), and it is kept for
-    them too: a nested tensor in a list once aborted the process where a plan of its layout
-    was cached.
+    grouped_gemm's lists the most (~25 us of ~165 on 256 problems there), and they keep it
+    too: without it, a nested tensor in a list whose layout has a cached plan aborts the
+    process.
     """
 
     def __init__(self, per_bucket: int = 8, buckets: int = 256):
