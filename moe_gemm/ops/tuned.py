@@ -23,15 +23,15 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
 Buckets: rows per problem r (varlen: T / E; batched: M; general: mean M) rounded in log2,
 bucket = round(log2 r), so bucket b covers r in [2^(b-0.5), 2^(b+0.5)).
 
-A table for another device, in another format, or that is not valid JSON is ignored with one
-warning, never an error: a table only ever picks among configs that compute the same result
-(GemmConfig validates every entry; an entry naming a tile this build lacks, stages that do
-not fit in shared memory, or an option its form does not take, such as the host visitor on
-grouped_mm, is skipped). The online cache (cache_root()/tuned/<slug>.json)
-records the library, DSL, driver, device and kernel-source versions and is ignored when any
-differs; with MOE_GEMM_DISK_CACHE=0, or where that file cannot be written, online results are
-kept in memory (this process) instead. MOE_GEMM_TUNED_TABLES=0 turns all
-tables off (rules only), for A/B comparisons.
+A table for another device, in another format, that is not valid JSON or is larger than
+MAX_TABLE_BYTES is ignored with one warning, never an error: a table only ever picks among
+configs that compute the same result (GemmConfig validates every entry; an entry naming a
+tile this build lacks, stages that do not fit in shared memory, or an option its form does
+not take, such as the host visitor on grouped_mm, is skipped). The online cache
+(cache_root()/tuned/<slug>.json) records the library, DSL, driver, device and kernel-source
+versions and is ignored when any differs; with MOE_GEMM_DISK_CACHE=0, or where that file
+cannot be written, online results are kept in memory (this process) instead.
+MOE_GEMM_TUNED_TABLES=0 turns all tables off (rules only), for A/B comparisons.
 """
 
 from __future__ import annotations
@@ -383,6 +383,11 @@ _warned: set[str] = set()
 _picks: dict[tuple, tuple | None] = {}
 _lock = threading.RLock()
 _generation = 0
+_UNSEEN = object()  # (None is a memoized answer: no pick)
+# The largest file read as a table: the shipped ones, whole zoo runs, are 3-4 MB. A path set
+# by mistake to a checkpoint or a log would otherwise be read whole into memory (tens of
+# GB, an out-of-memory kill) only to be warned about as "not valid JSON".
+MAX_TABLE_BYTES = 256 << 20
 
 
 def _warn_once(what: str, message: str) -> None:
@@ -394,10 +399,15 @@ def _warn_once(what: str, message: str) -> None:
 def _read(path: Path, device: str, versions: dict[str, Any] | None) -> Table | None:
     """The table at `path` for `device`, or None with one warning (missing files are silent)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
             # A FIFO or a device (/dev/stdin, /dev/zero) would block the call that reads the
             # table until a writer comes, or fill memory: only a regular file is a table.
             _warn_once(f"{path}:read", f"tuned table {path} is not a regular file; ignored")
+            return None
+        if info.st_size > MAX_TABLE_BYTES:
+            _warn_once(f"{path}:read", f"tuned table {path} is {info.st_size} bytes, more than "
+                       f"a table's {MAX_TABLE_BYTES}; ignored")
             return None
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -562,7 +572,11 @@ def lookup(device: str, key: Key, rows: int, nsm: int,
         return None
     base = None if baseline is None else normalize(baseline)
     memo = (device, state(), key, quantized_rows(rows / max(1, key.E)), base)
-    if memo not in _picks:
+    # Read once into a local: another thread may clear _picks (past 4096 memos, or
+    # clear_caches) between storing the pick and reading it back, which raised KeyError in
+    # the call that made it.
+    found = _picks.get(memo, _UNSEEN)
+    if found is _UNSEEN:
         seen: set[tuple] = set()
         timed = []
         for t in tables:  # in priority order: a shape timed twice votes with the first
@@ -570,10 +584,10 @@ def lookup(device: str, key: Key, rows: int, nsm: int,
                 if s.shape not in seen:
                     seen.add(s.shape)
                     timed.append(s)
+        found = neighbours_pick(timed, key, rows, base)
         if len(_picks) > 4096:
             _picks.clear()
-        _picks[memo] = neighbours_pick(timed, key, rows, base)
-    found = _picks[memo]
+        _picks[memo] = found
     return None if found is None else Hit(found, "neighbours", ",".join(t.path for t in tables))
 
 

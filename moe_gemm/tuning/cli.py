@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", help="write/update <device>.json here instead (the name the "
                    "package ships it under in moe_gemm/tables)")
     p.add_argument("--no-merge", action="store_true",
-                   help="start a new table instead of adding to the one at --out")
+                   help="start a new table instead of adding to the one at --out (replacing "
+                   "a file there that is no table for this device)")
     p.add_argument("--resume", action="store_true",
                    help="skip shapes the table at --out already has an entry for (continue an "
                    "earlier run; without it, shapes already there are tuned again)")
@@ -184,20 +185,29 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
     return shapes
 
 
-def config_problem(text: str, fields: dict, form: str) -> None:
-    """ValueError when a --configs name cannot run on any shape of `form` (a tile, cluster or
-    stage count GemmConfig refuses, an option of another form), so that the A/B refuses it at
-    once instead of reporting it as an error on every shape after the GPU work started."""
-    from moe_gemm.ops.tuned import form_problem
+def config_problem(text: str, fields: dict, form: str, dtype: str = "bfloat16",
+                   out_dtype: str | None = None) -> None:
+    """ValueError when a --configs name cannot run on any shape of `form` with these operand
+    and output dtypes (a tile, cluster or stage count GemmConfig refuses, an option of another
+    form or output dtype, stages that do not fit in shared memory), so that the A/B refuses it
+    at once instead of reporting it as an error on every shape after the GPU work started."""
+    from moe_gemm.ops.tuned import form_problem, normalize, stages_fit
     from moe_gemm.tuning.space import config_of
 
+    out_dtype = out_dtype or dtype
     try:
         config_of(fields)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"config {text!r}: {exc}") from None
-    why = form_problem(fields, form)
+    # (With out_dtype: 'ew' on an fp32 output passed here and failed on every shape.)
+    why = form_problem(fields, form, out_dtype)
     if why is not None:
         raise ValueError(f"config {text!r}: {why}")
+    if not stages_fit(normalize(fields), dtype, out_dtype):
+        # The kernel's own limit (constants.config_stage_limit), which GemmConfig's 2-12
+        # does not know: e.g. 's8' on cooperative 128x256.
+        raise ValueError(f"config {text!r}: {fields['stages']} A/B stages do not fit in "
+                         f"shared memory beside the {out_dtype} epilogue")
 
 
 def zoo_shapes(models: str | None, tokens: str | None, dtype: str, out_dtype: str,
@@ -268,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             if not configs:  # e.g. ";": else the run would tune instead of comparing
                 raise ValueError(f"--configs {args.configs!r} names no config")
             for text, fields in zip(filter(str.strip, args.configs.split(";")), configs):
-                config_problem(text.strip(), fields, args.form)
+                config_problem(text.strip(), fields, args.form, dtype, out_dtype)
         except ValueError as exc:
             print(f"moe-gemm tune: {exc}", file=sys.stderr)
             return 2
@@ -354,8 +364,15 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
         return 2
     from moe_gemm.capability import device_name
     from moe_gemm.ops import tuned
+    from moe_gemm.tuning import table_io
 
-    out = _out_path(args, tuned.device_slug(device_name(torch.device("cuda", 0))))
+    name = device_name(torch.device("cuda", 0))
+    out = _out_path(args, tuned.device_slug(name))
+    if not args.no_merge and (why := table_io.load_existing(out, name)[1]):
+        # Now, not when the shards' tables are merged into it after all the tuning.
+        print(f"moe-gemm tune: --out {why}: give another --out, or --no-merge to replace "
+              "it", file=sys.stderr)
+        return 2
     # --resume skips what --out holds (as one process would; --no-merge starts afresh).
     skip = ["--skip-table", str(out)] if args.resume and not args.no_merge and out.exists() else []
     tmp, codes, parts = launch_shards("moe_gemm.tuning", argv, gpus, "tune",
@@ -457,7 +474,12 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             return 2
     doc, why = (None, None) if args.no_merge else table_io.load_existing(out, name)
     if why:
-        log(f"[tune] {why}")
+        # Replaced by a new table after the first shape, it was lost: another device's table
+        # (--out naming the shipped H100 table on an H200), or a file that is no table at all,
+        # with one log line that --quiet hides. Replacing it takes --no-merge.
+        print(f"moe-gemm tune: --out {why}: give another --out, or --no-merge to replace "
+              "it", file=sys.stderr)
+        return 2
     ceilings = measure_ceilings(device)
     if doc is None:
         doc = table_io.new_table(name, nsm, runtime_versions(name), ceilings)
@@ -527,7 +549,10 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             table_io.add_result(doc, res.entry(), [] if source is not None else res.samples())
             doc.setdefault("failures", [])
             doc["failures"] += [{"shape": shape.describe(), **f} for f in res.failures()]
-            table_io.write(out, doc)
+            if why := _save(out, doc):
+                print(f"moe-gemm tune: {why}; stopped at shape {i + 1} of {len(shapes)}",
+                      file=sys.stderr)
+                return 1
             w, r = res.winner, res.rules
             gain = f" ({r.ms / w.ms:.3f}x the rules' {r.name})" if w and r and r.samples else ""
             if res.rerank is not None and w is not None and res.rerank["from_us"]:
@@ -536,11 +561,26 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             log(f"[tune] {i + 1}/{len(shapes)} {shape.describe()}: "
                 + (f"{w.name} {w.ms * 1e3:.1f} us{gain}" if w else f"none ({res.stopped})")
                 + f" [{res.seconds:.1f} s]")
-    table_io.write(out, doc)
+    if why := _save(out, doc):
+        print(f"moe-gemm tune: {why}", file=sys.stderr)
+        return 1
     total = time.monotonic() - t_start
     print(f"tuned {done} of {len(shapes)} shapes in {total:.0f} s -> {out}"
           + (f"; stopped early ({stopped})" if stopped else ""))
     return 0
+
+
+def _save(out: Path, doc: dict) -> str | None:
+    """Write the table at `out`: None, or why it could not be written (a full disk, a file
+    size limit, the folder removed meanwhile), in one line for the caller to stop with; the
+    OSError escaped as a traceback after the tuning it could not save."""
+    from moe_gemm.tuning import table_io
+
+    try:
+        table_io.write(out, doc)
+    except OSError as exc:
+        return f"cannot write the table {out} ({exc.strerror or exc})"
+    return None
 
 
 def _precompile(shapes: list, pool, nsm: int, log) -> None:

@@ -37,7 +37,7 @@ def load_existing(path: Path, device: str) -> tuple[dict[str, Any] | None, str |
     except FileNotFoundError:
         return None, None
     except (OSError, ValueError) as exc:  # TableError is a ValueError
-        return None, f"{path} is not a table for this device ({exc}); starting a new one"
+        return None, f"{path} is not a table for this device ({exc})"
 
 
 def read_table(path: Path, device: str | None = None,
@@ -179,5 +179,11 @@ def write(path: Path, doc: dict[str, Any]) -> None:
     doc["entries"].sort(key=entry_key)
     doc.pop("model", None)  # the cost-model block earlier tables carried: no reader left
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(dumps_by_line(doc))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(dumps_by_line(doc))
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk, a file size limit or Ctrl-C mid-write left the partial temporary file
+        # beside the table (megabytes per failed write, never cleaned up).
+        tmp.unlink(missing_ok=True)
+        raise

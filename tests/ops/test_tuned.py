@@ -156,6 +156,24 @@ def test_a_user_table_that_is_not_a_regular_file_is_ignored_with_one_warning(_is
         assert tuned.lookup(DEV, key(), 64 * 256, 132).how == "exact"
 
 
+def test_a_table_too_large_to_be_one_is_not_read(_isolated, tmp_path, monkeypatch):
+    # A user table path set by mistake to a checkpoint or a log was read whole into memory
+    # (tens of GB: an out-of-memory kill) before being warned about as "not valid JSON".
+    ship(_isolated, table([entry()]))
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.truncate(tuned.MAX_TABLE_BYTES + 1)  # sparse: no disk space taken
+    read, read_bytes = [], Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or read_bytes(self))
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(path))
+    with pytest.warns(RuntimeWarning, match="more than a table's"):
+        assert tuned.lookup(DEV, key(), 64 * 256, 132).how == "exact"  # shipped still used
+    assert path not in read
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuned.lookup(DEV, key(), 64 * 256, 132).how == "exact"
+
+
 @pytest.mark.parametrize("doc,why", [
     ("{not json", "not valid JSON"),
     ([1, 2], "ignored"),
@@ -537,3 +555,18 @@ def test_neighbours_vote_across_tables_and_a_shape_counts_once(_isolated, tmp_pa
     tuned.clear_caches()
     at_shape = tuned.lookup(DEV, key(E=128, N=2048, K=2048, bucket=9), 128 * 512, 132)
     assert dict(at_shape.fields)["tile_m"] == 64
+
+
+def test_a_pick_cleared_by_another_thread_is_still_answered(_isolated, monkeypatch):
+    # lookup stored the vote in _picks and read it back; another thread clearing _picks in
+    # between (past 4096 memos, or clear_caches) made that read a KeyError in the call.
+    class ClearedAtOnce(dict):
+        def __setitem__(self, k, v):
+            super().__setitem__(k, v)
+            self.clear()
+
+    ship(_isolated, table([], samples=timed_grid()))
+    monkeypatch.setattr(tuned, "_picks", ClearedAtOnce())
+    hit = tuned.lookup(DEV, key(E=96, N=3000, K=5000, bucket=9), 96 * 512, 132)
+    assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 192
+    assert tuned.lookup(DEV, key(E=96, N=1 << 17, K=4096, bucket=9), 96 * 512, 132) is None

@@ -187,3 +187,55 @@ def test_the_cli_reranks_into_a_table_and_keeps_its_samples(monkeypatch, tmp_pat
     assert set(new["rerank"]["timed"]) == {"pp 128x192 p8", "pp 128x128 c1x2 p8",
                                            "pp 128x192 p8ns", RULES}
     assert out["samples"] == samples
+
+
+def test_a_table_the_cli_cannot_write_stops_the_run_in_one_line(monkeypatch, tmp_path, capsys):
+    # The write after each shape (a full disk, a file size limit, the folder removed) raised
+    # its OSError as a traceback, after the tuning it could not save.
+    import json
+
+    _fake_gpu(monkeypatch, {"pp 128x192 p8": 100.0, "pp 128x128 c1x2 p8": 90.0,
+                            RULES: 150.0})
+    (tuned_shape,) = cli.parse_shape_items(["4,512,1024,4096"], "varlen", "ENK", "bfloat16",
+                                           "bfloat16", 1234)
+    k = tuned_shape.key()
+    entry = {"form": k.form, "dtype": k.dtype, "out_dtype": k.out_dtype, "E": k.E, "N": k.N,
+             "K": k.K, "bucket": k.bucket, "rows": tuned_shape.rows, "us": 100.0,
+             "config": {f: v for f, v in space.parse_name("pp 128x192 p8").items()
+                        if v is not None}}
+    samples = [dict(_sample(n, 100.0), rows=tuned_shape.rows)
+               for n in ("pp 128x192 p8", "pp 128x128 c1x2 p8")]
+    source = tmp_path / "X.json"
+    source.write_text(json.dumps({"format": "moe_gemm.tuned-table/1", "device": "X",
+                                  "entries": [entry], "samples": samples}))
+
+    def full_disk(path, doc):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(table_io, "write", full_disk)
+    rc = cli.main(["--shapes", "4,512,1024,4096", "--rerank", str(source), "--rounds", "3",
+                   "--out", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.splitlines()[-1] == (
+        f"moe-gemm tune: cannot write the table {tmp_path / 'out.json'} (No space left on "
+        "device); stopped at shape 1 of 1")
+
+
+@pytest.mark.parametrize("content", ["my notes\n", '{"format": "moe_gemm.tuned-table/1", '
+                                     '"device": "NVIDIA H200", "entries": []}'])
+def test_an_out_that_is_no_table_for_this_device_is_refused_not_replaced(
+        monkeypatch, tmp_path, capsys, content):
+    # It was replaced by a new table after the first shape, with one log line (--quiet: none):
+    # another device's table, or a file that is no table at all, was lost.
+    class Times(dict):
+        def __missing__(self, name):
+            return 200.0
+
+    _fake_gpu(monkeypatch, Times({"pp 128x192 p8": 100.0}))
+    out = tmp_path / "notes.json"
+    out.write_text(content)
+    assert cli.main(["--shapes", "4,512,1024,4096", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: --out {out} is not a table for this device (")
+    assert err.count("\n") == 1 and out.read_text() == content

@@ -236,6 +236,29 @@ def test_tune_on_gpus_keeps_what_finished_when_a_shard_fails(tmp_path, fake_gpus
         assert not seen
 
 
+@pytest.mark.parametrize("content", ["my notes\n", "other device"])
+def test_tune_on_gpus_refuses_an_out_that_is_no_table_for_this_device(tmp_path, fake_gpus,
+                                                                      capsys, content):
+    # Found out only when the shards' tables were merged into it, after all the tuning.
+    fake, seen = fake_gpus
+    out = tmp_path / "t.json"
+    if content == "other device":
+        _table(out, [_entry(64, 1.0)], device="NVIDIA H100 80GB HBM3")
+    else:
+        out.write_text(content)
+    before = out.read_text()
+    assert cli.main(["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--gpus", "2",
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: --out {out} is not a table for this device")
+    assert err.rstrip().endswith("give another --out, or --no-merge to replace it")
+    assert not seen and out.read_text() == before
+    # --no-merge replaces it, as asked.
+    assert cli.main(["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--gpus", "2",
+                     "--out", str(out), "--no-merge"]) == 0
+    assert json.loads(out.read_text())["device"] == DEV
+
+
 def _edit(path, **fields):
     doc = json.loads(path.read_text())
     doc.update(fields)

@@ -126,6 +126,24 @@ def test_written_table_reads_back_and_merges(tmp_path):
     assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave nothing behind
 
 
+def test_a_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    # A full disk or a file size limit mid-write (the merge, each tuned shape, the online
+    # cache) left the partial temporary file beside the table.
+    path = tmp_path / "t.json"
+    doc = _result_doc(path)
+
+    def full_disk(self, text):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        table_io.write(path, doc)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # the old table intact
+    assert table_io.load_existing(path, DEV)[1] is None
+
+
 def test_cli_list_and_errors(tmp_path, capsys):
     assert cli.main(["--list", "--zoo", "--models", "DeepSeek-V3", "--tokens", "16"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -108,6 +108,23 @@ def test_configs_no_shape_can_run_are_refused_at_once(config, words, capsys):
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("config,options,words", [
+    ("coop 128x256 ew", ["--out-dtype", "fp32"], "'ew' is for 16-bit output"),
+    ("coop 128x256 s6", [], "6 A/B stages do not fit in shared memory"),
+    ("pp 128x208 s5", ["--out-dtype", "fp32"], "5 A/B stages do not fit in shared memory"),
+])
+def test_configs_the_dtypes_cannot_build_are_refused_at_once(config, options, words, capsys):
+    # GemmConfig takes them, the kernel does not (whole-tile epilogue on an fp32 output,
+    # stages past shared memory): they came back as an error on every shape of the A/B.
+    assert cli.main(["--shapes", "8,512,256,64", *options, "--configs",
+                     f"pp 128x192;{config}", "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: config {config!r}: ") and words in err
+    # The same configs where they build.
+    assert cli.main(["--shapes", "8,512,256,64", "--configs", "coop 128x256 ew;coop 128x256 "
+                     "s4;pp 128x208 s5", "--out-dtype", "bf16", "--list"]) == 0
+
+
 def test_general_configs_take_host_and_ksort_but_not_the_tail_split(capsys):
     assert cli.main(["--shapes", "8,512,256,64", "--form", "general", "--configs",
                      "coop 128x256 host ksort", "--list"]) == 0
