@@ -591,21 +591,32 @@ def _fused_scales(take: Callable[[str], torch.Tensor | None], names: tuple[tuple
     if found[0] is None or found[1] is None:
         raise ValueError(f"FP8 fused experts need both scales {names[0][0]!r} and "
                          f"{names[1][0]!r}")
-    return (_fused_scale(found[0][1], gate_up, found[0][0]),
-            _fused_scale(found[1][1], down, found[1][0]))
+    # Block scales need H and I multiples of 128 (check_fp8_experts). Where they are not, an
+    # [E, c, 1] scale that also has the block shape (ceil(N/128) == c, K <= 128: a small
+    # expert's per-tensor chunks, e.g. gate_up [E, 2, 1] for 64 < I < 128) can only be the c
+    # row chunks, whose rows differ from 128-row blocks there: read as blocks it was refused
+    # as "128x128 block-scaled experts", which from_hf loads (block_size None).
+    chunks = (gate_up.dim() == 3 and down.dim() == 3
+              and bool(gate_up.shape[2] % SCALE_BLOCK or down.shape[2] % SCALE_BLOCK))
+    return (_fused_scale(found[0][1], gate_up, found[0][0], chunks),
+            _fused_scale(found[1][1], down, found[1][0], chunks))
 
 
-def _fused_scale(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+def _fused_scale(s: torch.Tensor, w: torch.Tensor, name: str, chunks: bool = False
+                 ) -> torch.Tensor:
     """A fused scale as the layer keeps it: 128x128 blocks [E, N/128, K/128], or [E, N] for
     one scale per channel, per expert, for all, or per expert for each of c equal row chunks
     ([E, c, 1]: transformers' FP8Experts without blocks, e.g. a scale for the gate half and
-    one for the up half; [E, c]: vLLM's w13_weight_scale [E, 2])."""
+    one for the up half; [E, c]: vLLM's w13_weight_scale [E, 2]). chunks: an [E, c, 1] scale
+    that fits both is read as row chunks rather than blocks (_fused_scales)."""
     if w.dim() != 3:
         raise ValueError(f"fused expert weights must be 3-D (E, N, K); got {shape_text(w)}")
     E, N, K = w.shape
     s = decoding_scale(name, s)
+    as_chunks = (chunks and s.dim() == 3 and s.shape[2] == 1 and s.shape[1] > 0
+                 and N % s.shape[1] == 0)
     if s.dim() == 3 and tuple(s.shape) == (E, -(-N // SCALE_BLOCK), -(-K // SCALE_BLOCK)) and (
-            s.shape[1] != N or N == 1):
+            s.shape[1] != N or N == 1) and not as_chunks:
         return s
     if s.numel() == 1:
         return s.reshape(()).expand(E, N).contiguous()

@@ -499,3 +499,33 @@ def test_quantize_fp8_row_converts_a_few_experts_at_a_time(monkeypatch):
         assert torch.equal(getattr(moe, name).view(torch.uint8),
                            getattr(want, name).view(torch.uint8))
         assert torch.equal(getattr(moe, name + "_scale_inv"), getattr(want, name + "_scale_inv"))
+
+
+@pytest.mark.parametrize("H,I", [(64, 96), (128, 96), (64, 128)])
+def test_fused_per_tensor_chunk_scales_of_small_experts_load(H, I):
+    """A small expert's per-tensor chunk scales [E, c, 1] that also have the 128x128 block
+    shape (ceil(2I/128) == 2 chunks with H <= 128; [E, 1, 1] for down) are read as row
+    chunks where H or I is not a multiple of 128 (blocks cannot be meant there): they were
+    refused as block-scaled experts, while the same scales written [E, 2] / [E] loaded."""
+    E = 4
+    g = torch.Generator().manual_seed(21)
+    gu = torch.randn(E, 2, I, H, generator=g)
+    s1 = gu.abs().amax(dim=(2, 3)) / 448.0  # (E, 2): the gate half's and the up half's
+    q1 = (gu / s1[..., None, None]).view(E, 2 * I, H).to(E4M3)
+    dn = torch.randn(E, H, I, generator=g)
+    s2 = dn.abs().amax(dim=(1, 2)) / 448.0  # (E,)
+    q2 = (dn / s2[:, None, None]).to(E4M3)
+    base = {"gate.weight": torch.randn(E, H, generator=g), "experts.gate_up_proj": q1,
+            "experts.down_proj": q2}
+    three_d = MoE.from_state_dict({**base, "experts.gate_up_proj_scale_inv": s1[..., None],
+                                   "experts.down_proj_scale_inv": s2.view(E, 1, 1)}, 2)
+    two_d = MoE.from_state_dict({"gate.weight": base["gate.weight"], "experts.w13_weight": q1,
+                                 "experts.w2_weight": q2, "experts.w13_weight_scale": s1,
+                                 "experts.w2_weight_scale": s2}, 2)  # (vLLM's [E, 2] / [E])
+    assert three_d.fp8 == two_d.fp8 == "row"
+    want1 = s1.repeat_interleave(I, dim=1)  # (E, 2I): row r of the gate / up half
+    assert torch.equal(three_d.gate_up_proj_scale_inv, want1)
+    assert torch.equal(three_d.down_proj_scale_inv, s2[:, None].expand(E, H))
+    x = torch.randn(9, H, generator=g)
+    with torch.no_grad():
+        assert torch.equal(three_d(x), two_d(x))
