@@ -12,6 +12,7 @@ instead of waiting in a collective until the group's timeout.
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 import zlib
 from collections.abc import Iterator
@@ -113,6 +114,12 @@ _P = 2 ** 31 - 1  # the hashes' modulus: products of two residues stay below 2^6
 def tensor_hash(t: torch.Tensor) -> tuple[int, int]:
     """Two exact hashes of a tensor's bits: their sum and a position-weighted sum, mod _P,
     in int64 arithmetic (order-independent, so equal on every rank for equal tensors)."""
+    if t.is_meta:
+        # A layer built on the meta device (to be materialized and loaded later, as MoE's
+        # to_empty recipe) has no values to hash: its shape and dtype are still compared, and
+        # check_replicated() after the load compares the values. Hashing read a meta tensor
+        # (a RuntimeError from .item(), on every rank, so the layer could not be built there).
+        return -2, -2
     flat = t.detach().contiguous().reshape(-1)
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     bits = flat.view(width)
@@ -168,12 +175,32 @@ def replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
         add(name, h[0])
         add(name, h[1])
     assert len(values) == DIGEST_SIZE
-    return names, torch.tensor(values, dtype=torch.int64, device=layer.router_weight.device)
+    # (a meta-device layer's digest on the CPU: a meta tensor cannot be gathered)
+    device = layer.router_weight.device
+    return names, torch.tensor(values, dtype=torch.int64,
+                               device="cpu" if device.type == "meta" else device)
 
 
 def _activation_key(act: object) -> object:
-    """What the digest compares of an activation: its name, or a callable's qualified name."""
-    return act if isinstance(act, str) else getattr(act, "__qualname__", act)
+    """What the digest compares of an activation: its name, a function's qualified name, or
+    another callable's repr without the memory addresses that default reprs hold
+    ("<function silu at 0x7f...>" inside a functools.partial, "<Act object at 0x...>" of a
+    callable instance): those differ between processes, and every rank saw the same
+    activation as different ones (a ValueError on every rank at construction)."""
+    if isinstance(act, str):
+        return act
+    name = getattr(act, "__qualname__", None)
+    if isinstance(name, str):
+        return name
+    key = _ADDRESS.sub("", repr(act))
+    if isinstance(act, torch.nn.Module):
+        # A module activation's parameters and buffers (nn.PReLU's weight) are replicated
+        # like the router: its repr alone let ranks with different values pass the check.
+        return key, [(n, tensor_hash(t)) for n, t in act.state_dict().items()]
+    return key
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def unchecked_digest() -> torch.Tensor:

@@ -541,6 +541,71 @@ def reassigned_activation_reaches_the_shared_expert(rank: int, world: int) -> li
     return errs
 
 
+class _Gelu:
+    """A callable instance activation: its default repr holds its address, which differs
+    between processes."""
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return F.gelu(t)
+
+
+@case
+def callable_activations_agree_between_ranks(rank: int, world: int) -> list[str]:
+    """Activations given as callables without a name of ours (a functools.partial of a Python
+    function, a callable instance) are the same on every rank: the replica check compared
+    their reprs, memory addresses included, and refused every such layer on every rank."""
+    import functools
+
+    errs = []
+    for label, act in (("partial", functools.partial(F.silu, inplace=False)),
+                       ("instance", _Gelu())):
+        moe = _full_moe(24, torch.float32, activation=act, shared_intermediate_size=8)
+        x = _tokens(rank, 24, torch.float32)
+        try:
+            errs += [m for m in [_check(label, ExpertParallelMoE.from_moe(moe)(x), moe(x),
+                                        1e-5)] if m]
+        except ValueError as e:
+            errs.append(f"{label}: {e}")
+    return errs
+
+
+@case
+def module_activation_values_are_checked(rank: int, world: int) -> list[str]:
+    """A module activation's parameters (nn.PReLU's weight) are replicated parts too: ranks
+    holding different values raise ValueError naming the activation (its repr alone was
+    compared, and they ran, each rank's experts applying its own activation)."""
+    moe = _full_moe(26, torch.float32, activation=torch.nn.PReLU(), shared_intermediate_size=8)
+    if rank == world - 1:
+        with torch.no_grad():
+            moe.activation.weight.fill_(0.5)
+    try:
+        ExpertParallelMoE.from_moe(moe)
+        return ["different activation parameters accepted"]
+    except ValueError as e:
+        want = f"activation (ranks {list(range(world - 1))} vs [{world - 1}])"
+        return [] if want in str(e) else [f"unclear message: {e}"]
+
+
+@case
+def meta_device_layer_is_built_checked_and_loaded(rank: int, world: int) -> list[str]:
+    """A layer sharded from a MoE on the meta device (materialized and loaded later) builds
+    with the replica check on (it read the meta tensors' values: a RuntimeError on every
+    rank), then loads a state_dict, passes check_replicated() and equals the MoE."""
+    errs = []
+    try:
+        ep = ExpertParallelMoE.from_moe(MoE(16, 8, 8, 2, shared_intermediate_size=8,
+                                            device="meta"))
+    except RuntimeError as e:
+        return [f"meta layer refused: {e}"]
+    ep.to_empty(device="cpu")
+    moe = _full_moe(25, torch.float32, shared_intermediate_size=8)
+    ep.load_state_dict(ExpertParallelMoE.from_moe(moe).state_dict())
+    ep.check_replicated()
+    x = _tokens(rank, 25, torch.float32)
+    errs += [m for m in [_check("meta, then loaded", ep(x), moe(x), 1e-5)] if m]
+    return errs
+
+
 class _Counting(AllToAllDispatcher):
     """The all-to-all dispatcher, recording each dispatch's num_valid_slots."""
 
