@@ -29,6 +29,7 @@ a registry of their own; `register()` adds "moe_gemm" there too (transformers_fp
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -239,31 +240,30 @@ def _gate_of(experts: nn.Module) -> Any:
     return None
 
 
-# transformers' own gate functions, looked up once. A plain dict, not functools.lru_cache:
-# torch.compile traces the experts forward through these lookups, and Dynamo ignores an
-# lru_cache wrapper (it warns and re-runs the import on every trace).
-_KNOWN_GATES: dict[str, Any] = {}
+# transformers' own gate functions, looked up without mutating any state of this module:
+# torch.compile traces the experts forward through these lookups, so a cache filled inside the
+# first trace (a dict here before; Dynamo ignores an lru_cache wrapper and re-runs its body)
+# left a guard on the cache's contents that failed on the next call: a model compiled before
+# any eager call was compiled twice (and failed under torch.compiler.set_stance(
+# "fail_on_recompile")). The default gate's module is imported at the top of this file already.
+try:
+    from transformers.integrations.moe import _default_apply_gate as _DEFAULT_GATE
+except ImportError:  # a transformers without this function
+    _DEFAULT_GATE = None
+
+_GPT_OSS_MODULE = "transformers.models.gpt_oss.modeling_gpt_oss"
 
 
 def _default_apply_gate() -> Any:
-    if "default" not in _KNOWN_GATES:
-        try:
-            from transformers.integrations.moe import _default_apply_gate as fn
-        except ImportError:  # a transformers without the helper
-            fn = None
-        _KNOWN_GATES["default"] = fn
-    return _KNOWN_GATES["default"]
+    return _DEFAULT_GATE
 
 
 def _gpt_oss_apply_gate() -> Any:
-    if "gpt_oss" not in _KNOWN_GATES:
-        try:
-            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-            fn = GptOssExperts._apply_gate
-        except ImportError:  # a transformers without GPT-OSS
-            fn = None
-        _KNOWN_GATES["gpt_oss"] = fn
-    return _KNOWN_GATES["gpt_oss"]
+    # Read from sys.modules, never imported here (an import of ~0.6 s, which the first trace
+    # ran): a GPT-OSS experts module exists only once its modeling module is loaded, so where
+    # it is not, no module's gate can be GPT-OSS's.
+    cls = getattr(sys.modules.get(_GPT_OSS_MODULE), "GptOssExperts", None)
+    return getattr(cls, "_apply_gate", None)
 
 
 def register() -> None:

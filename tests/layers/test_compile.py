@@ -6,6 +6,12 @@ raises)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from moe_testutils import naive_moe, randomize, rel_err
@@ -106,6 +112,41 @@ def test_transformers_model_with_moe_gemm_experts_compiles_whole(dynamo) -> None
     torch.testing.assert_close(got, eager, rtol=0, atol=0)
     assert rel_err(got, loop) < 1e-5
     assert dynamo["graph_break"] == {}
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~20 s on 2 cores
+def test_transformers_model_compiled_before_any_eager_call_compiles_once() -> None:
+    # A fresh interpreter, so that nothing has run the experts forward eagerly before: the
+    # integration's lookups of transformers' gate functions filled a cache inside the first
+    # trace, whose guard failed on the second call (the whole model compiled twice).
+    pytest.importorskip("transformers")
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch._dynamo.utils import counters
+        from transformers import MixtralConfig, MixtralForCausalLM
+        from moe_gemm.integrations import register_transformers
+        assert register_transformers()
+        cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            num_local_experts=8, num_experts_per_tok=2,
+                            max_position_embeddings=64)
+        model = MixtralForCausalLM(cfg).eval()
+        model.set_experts_implementation("moe_gemm")
+        compiled = torch.compile(model, fullgraph=True, backend="eager", dynamic=True)
+        with torch.no_grad():
+            for S in (5, 9, 13):
+                compiled(torch.randint(0, 64, (1, S)), use_cache=False)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == 1, f"{graphs} graphs for one dynamic shape"
+        print("ok")
+        """
+    )
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("granularity,dims", [("row", (32, 16)), ("block", (128, 128))])
