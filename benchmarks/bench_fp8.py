@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -411,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
                    help="time only the default config of ours")
     args = p.parse_args(argv)
+    if why := shape_list.arg_problem(args, SHAPES, SMOKE_SHAPES):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     clock = Clock(device)
@@ -426,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # noqa: BLE001 - keep going: the shapes matter most
             doc[sections[0]] = {"error": traceback.format_exc()[-600:]}
         write_json(out, doc)
-    shape_list.run_shapes(
+    failed = shape_list.run_shapes(
         doc, out, shapes, t0, args.budget_s,
         lambda shape: run_shape(shape, clock, device, args.reps, args.sweep, copy_bps),
         on_row=lambda row: print(_line(row), flush=True))
-    return 0
+    return shape_list.exit_status(failed)
 
 
 def _line(r: dict[str, Any]) -> str:

@@ -598,6 +598,27 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:600] + where
 
 
+def _arg_problem(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot make a run, or None. An unknown --models name raised KeyError
+    and a --tokens typo ValueError (tracebacks), 0 tokens was timed as a case, and an --out
+    folder raised IsADirectoryError after the whole run, its results lost."""
+    from moe_gemm.tuning.argcheck import output_problem
+
+    if args.models is not None:
+        names = [n for n in args.models.split(",") if n]
+        bad = [n for n in names if n not in MODELS]
+        if bad or not names:
+            return (f"--models: unknown {', '.join(bad) or repr(args.models)}; known: "
+                    f"{', '.join(MODELS)}")
+    if args.tokens is not None:
+        items = args.tokens.split(",")
+        if not all(t.strip().isdigit() and int(t) > 0 for t in items):
+            return f"--tokens takes comma-separated positive integers; got {args.tokens!r}"
+    if args.rounds < 1:
+        return "--rounds must be at least 1"
+    return output_problem(Path(args.out), "--out") if args.out else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -629,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.smoke and not torch.cuda.is_available():
         print("bench_moe_layer: no CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+        return 2
+    if why := _arg_problem(args):
+        print(f"bench_moe_layer: {why}", file=sys.stderr)
         return 2
     result = run(args)
     text = json.dumps(result, indent=1)

@@ -243,14 +243,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="samples per measurement")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
     args = p.parse_args(argv)
+    from moe_gemm.tuning.argcheck import output_problem
+
+    # Checked before anything is measured: --device foo raised RuntimeError out of
+    # torch.device (a traceback), --reps 0 was taken as the default, and an --out folder
+    # raised IsADirectoryError once the measurements were done.
+    why = ("--reps must be at least 1" if args.reps is not None and args.reps < 1
+           else output_problem(Path(args.out), "--out") if args.out else None)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(dev)
+    try:
+        device = torch.device(dev)
+    except RuntimeError as exc:
+        print(f"error: bad --device {dev!r}: {exc}", file=sys.stderr)
+        return 2
     if device.type == "cuda":
         if not torch.cuda.is_available():
             print("error: no CUDA GPU is visible", file=sys.stderr)
             return 2
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():  # (set_device raises: a traceback)
+            print(f"error: --device {dev}: this machine has {torch.cuda.device_count()} GPU(s)",
+                  file=sys.stderr)
+            return 2
         torch.cuda.set_device(device)
     elif not args.smoke:
         print("error: host overhead is measured on a GPU; use --smoke on the CPU",

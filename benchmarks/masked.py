@@ -30,6 +30,7 @@ kernels --smoke runs the harness on tiny shapes (torch backend).
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -210,17 +211,20 @@ def run_shape(shape: Shape, clock: Clock, device, reps: int, copy_bps: float, sm
 
 def main(argv: list[str] | None = None) -> int:
     args = shape_list.parser(__doc__, reps=9, budget_s=300.0).parse_args(argv)
+    if why := shape_list.arg_problem(args, SHAPES, SMOKE_SHAPES):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     clock = Clock(device)
     shapes = shape_list.pick_shapes(args, SHAPES, SMOKE_SHAPES)
     doc = shape_list.header("masked", device)
     doc["copy_bytes_per_s"] = copy_bps = copy_bandwidth(clock, device, args.smoke)
-    shape_list.run_shapes(
+    failed = shape_list.run_shapes(
         doc, Path(args.out), shapes, t0, args.budget_s,
         lambda shape: run_shape(shape, clock, device, args.reps, copy_bps, args.smoke))
     print(table(doc))
-    return 0
+    return shape_list.exit_status(failed)
 
 
 def table(doc: dict[str, Any]) -> str:

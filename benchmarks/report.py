@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -11,15 +12,37 @@ from benchmarks.suite import DEFAULT_NAME
 from moe_gemm.tuning.table_io import dumps_by_line
 
 
+def finite(v: Any) -> Any:
+    """`v` with every non-finite float (NaN, inf) replaced by None, in nested dicts and lists.
+    json.dumps writes them as the bare words NaN and Infinity, which are not JSON: jq,
+    JavaScript and other strict readers refuse the whole file (a wrong result's rel_err is NaN
+    by design, the check of an unwritten output)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite(x) for x in v]
+    return v
+
+
 def write_json(path: Path, doc: dict[str, Any], compact: bool = False) -> None:
     """Atomic write (a crash mid-write never leaves half a file): one top-level key and one
-    list item per line (table_io.dumps_by_line), or all on one line for progress saves."""
+    list item per line (table_io.dumps_by_line), or all on one line for progress saves.
+    Non-finite numbers are written as null (see `finite`); `doc` itself is left as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    text = (json.dumps(doc, default=str, separators=(",", ":")) + "\n" if compact
-            else dumps_by_line(doc, default=str))
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    clean = finite(doc)
+    text = (json.dumps(clean, default=str, separators=(",", ":"), allow_nan=False) + "\n"
+            if compact else dumps_by_line(clean, default=str))
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        # A failed write (a full disk, an --out that turned out to be a folder, Ctrl-C) left
+        # the partial <out>.tmp beside it, never cleaned up.
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def plot_png(doc: dict[str, Any], path: Path) -> str | None:

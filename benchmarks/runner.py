@@ -93,6 +93,10 @@ def bench_device(requested: str | None, smoke: bool, needs: str) -> torch.device
             raise ValueError("--device cuda but no CUDA GPU is visible")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            # (torch.cuda.set_device raises "invalid device ordinal": a traceback)
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                             "GPU(s)")
         torch.cuda.set_device(device)
     elif not smoke:
         raise ValueError(f"{needs} needs a CUDA GPU; use --smoke on the CPU")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from benchmarks.report import write_json
+from moe_gemm.tuning.argcheck import output_problem
 
 METHOD = ("back-to-back CUDA-graph replays between events, median of --reps rounds "
           "interleaved across implementations; us per call")
@@ -28,18 +30,43 @@ def parser(doc: str | None, reps: int, budget_s: float) -> argparse.ArgumentPars
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--budget-s", type=float, default=budget_s, help="stop starting shapes after")
     p.add_argument("--reps", type=int, default=reps, help="round-robin rounds per shape")
-    p.add_argument("--only", default="", help="comma-separated shape names")
+    p.add_argument("--only", default=None, help="comma-separated shape names")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (harness check)")
     return p
+
+
+def _only(args: argparse.Namespace) -> list[str] | None:
+    return None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
 
 
 def pick_shapes(args: argparse.Namespace, shapes: Sequence, smoke_shapes: Sequence) -> list:
     """The run's shapes: the smoke set or the full one, narrowed to --only's names."""
     chosen = list(smoke_shapes if args.smoke else shapes)
-    if args.only:
-        wanted = set(args.only.split(","))
+    wanted = _only(args)
+    if wanted is not None:
         chosen = [s for s in chosen if s.name in wanted]
     return chosen
+
+
+def arg_problem(args: argparse.Namespace, shapes: Sequence, smoke_shapes: Sequence) -> str | None:
+    """Why the arguments cannot make a run (the line to print before exiting with 2), or None.
+    Each of these used to run anyway and exit 0: --reps 0 recorded every shape as a
+    StatisticsError traceback, --budget-s 0 skipped every shape, an --only typo ran none, a
+    run without --smoke on a machine without a GPU started the full shapes on the CPU (hours
+    each), and an --out folder raised IsADirectoryError out of the first save."""
+    if args.reps < 1:
+        return "--reps must be at least 1"
+    if not args.budget_s > 0:  # (nan too)
+        return "--budget-s must be positive"
+    known = [s.name for s in (smoke_shapes if args.smoke else shapes)]
+    wanted = _only(args)
+    if wanted is not None and not wanted:
+        return f"--only names no shape; expected some of {', '.join(known)}"
+    if wanted and (unknown := [n for n in wanted if n not in known]):
+        return f"unknown shape(s) {', '.join(unknown)}; expected some of {', '.join(known)}"
+    if not args.smoke and not torch.cuda.is_available():
+        return "the full shapes need a CUDA GPU; use --smoke on the CPU"
+    return output_problem(Path(args.out), "--out")
 
 
 def header(suite: str, device: torch.device) -> dict[str, Any]:
@@ -57,10 +84,10 @@ def header(suite: str, device: torch.device) -> dict[str, Any]:
 
 def run_shapes(doc: dict[str, Any], out: Path, shapes: Sequence, t0: float, budget_s: float,
                run_one: Callable[[Any], dict[str, Any]],
-               on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
+               on_row: Callable[[dict[str, Any]], None] | None = None) -> list[str]:
     """doc["shapes"] += run_one(shape) per shape (a traceback row if it raises, a skipped row
     once budget_s seconds have passed since t0), the JSON rewritten after each; then the run's
-    seconds."""
+    seconds. Returns the names of the shapes that raised (the caller's exit status)."""
     for shape in shapes:
         if time.monotonic() - t0 > budget_s:
             doc["shapes"].append({"name": shape.name, "skipped": "time budget"})
@@ -74,3 +101,12 @@ def run_shapes(doc: dict[str, Any], out: Path, shapes: Sequence, t0: float, budg
             on_row(doc["shapes"][-1])
     doc["seconds"] = round(time.monotonic() - t0, 1)
     write_json(out, doc)
+    return [r["name"] for r in doc["shapes"] if "error" in r]
+
+
+def exit_status(failed: list[str]) -> int:
+    """1 when a shape's run raised (its traceback is in the JSON), so a script sees it: a run
+    whose every shape failed exited 0."""
+    for name in failed:
+        print(f"failed: {name} (the traceback is in the JSON)", file=sys.stderr)
+    return 1 if failed else 0

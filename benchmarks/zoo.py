@@ -485,10 +485,17 @@ def merge(args: argparse.Namespace) -> int:
     out_path = Path(args.out) if args.out else (
         Path(args.out_dir or "benchmarks/results")
         / f"{stem}-{device_slug(str(doc.get('device')))}-{doc.get('date')}.json")
+    png = None if (args.png or "").lower() == "none" else (
+        Path(args.png) if args.png else out_path.with_suffix(".png"))
+    # As a run checks them: an --out naming a folder (or in a read-only one) raised out of
+    # write_json with a traceback, and a --png folder was "written" as <folder>.png.
+    for option, path in (("--out", out_path), ("--png", png)):
+        if path is not None and (why := output_problem(path, option)):
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     write_json(out_path, doc)
     notes = [f"wrote {out_path} ({len(doc['cases'])} cases from {len(docs)} files)"]
-    if (args.png or "").lower() != "none":
-        png = Path(args.png) if args.png else out_path.with_suffix(".png")
+    if png is not None:
         why = zoo_report.plot_png(doc, png)
         notes.append(f"wrote {png}" if why is None else f"warning: {why}")
     print("; ".join(notes), flush=True)

@@ -31,6 +31,7 @@ import datetime
 import fnmatch
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -346,8 +347,16 @@ def merge_reports(reports: list[dict]) -> dict:
 
 def merge_main(files: list[str], out: str) -> int:
     """--merge: join the reports in `files` into `out`/gpu-tests.json; print the table."""
+    # (an --out that is a file raised FileExistsError out of os.makedirs: a traceback)
+    if os.path.exists(out) and not os.path.isdir(out):
+        print(f"error: --out {out} is a file; --out names the folder for gpu-tests.json",
+              file=sys.stderr)
+        return 2
     try:
         reports = [json.load(open(f)) for f in files]
+        # (a JSON list or string raised AttributeError out of merge_reports: a traceback)
+        if bad := [f for f, r in zip(files, reports) if not isinstance(r, dict)]:
+            raise ValueError(f"{', '.join(bad)}: not a gpu-tests.json report (an object)")
         merged = merge_reports(reports)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"error: --merge: {exc}", file=sys.stderr)
@@ -355,7 +364,15 @@ def merge_main(files: list[str], out: str) -> int:
     os.makedirs(out, exist_ok=True)
     write_report(os.path.join(out, "gpu-tests.json"), merged)
     print(table(merged["groups"], None))
-    ok = all(g.get("ok") for g in merged["groups"]) and not merged["collection_errors"]
+    # A run whose precompile failed exited 1 on its own; merged, that failure was dropped and
+    # the join exited 0.
+    pre_failed = [s["precompile"] for s in merged["sessions"]
+                  if isinstance(s, dict) and isinstance(s.get("precompile"), dict)
+                  and (s["precompile"].get("rc") != 0 or s["precompile"].get("failed"))]
+    for pre in pre_failed:
+        print(f"precompile: rc={pre.get('rc')}: {pre.get('summary')}", file=sys.stderr)
+    ok = (all(g.get("ok") for g in merged["groups"]) and not merged["collection_errors"]
+          and not pre_failed)
     return 0 if ok and merged["groups"] else 1
 
 
@@ -386,9 +403,19 @@ def main() -> int:
     if args.merge:
         return merge_main(args.merge, args.out)
     t0 = time.monotonic()
-    deadline = t0 + args.budget
     os.makedirs(args.out, exist_ok=True)
+    # The processes' logs go here and are copied into --out's gpu-logs.txt: removed after, or
+    # every run (--list too) left its mkdtemp folder behind in the temporary directory.
     work = tempfile.mkdtemp(prefix="gpu_session_")
+    try:
+        return _run(args, t0, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, t0: float, work: str) -> int:
+    """The run of main's steps 1-4, its processes' logs in `work`."""
+    deadline = t0 + args.budget
     info = probe()
     print(json.dumps(info), flush=True)
     if info.get("problem") and not (args.allow_no_gpu or args.list):

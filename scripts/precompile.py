@@ -147,7 +147,7 @@ def compile_all(keys: list, jobs: int, timeout: float) -> dict:
             "failures": failures}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", default="tests",
@@ -156,7 +156,16 @@ def main() -> int:
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--list", action="store_true", help="print the variant names and exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    # Usage errors, exit 2 in one line: -j 0 or less raised ValueError out of
+    # multiprocessing.Pool (a traceback) after the variant list was built, and --set zoo
+    # without --device exited 1 as if a compile had failed.
+    if args.jobs < 1:
+        p.error(f"-j/--jobs {args.jobs}: must be at least 1")
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout}: must be positive")
+    if args.set == "zoo" and not args.device:
+        p.error("--set zoo needs --device (a shipped table's GPU name)")
     keys = variant_set(args.set, args.device)
     if args.list:
         print("\n".join(k.name() for k in keys))

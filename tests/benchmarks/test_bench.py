@@ -261,8 +261,12 @@ def test_table_skips_failures_and_lists_them() -> None:
 # End to end (--smoke on the CPU, torch backend)
 
 
+def _no_constant(word: str) -> None:
+    raise AssertionError(f"{word} in a results file: not JSON")
+
+
 def _load(path: Path) -> dict:
-    doc = json.loads(path.read_text())
+    doc = json.loads(path.read_text(), parse_constant=_no_constant)
     assert isinstance(doc["device"], str) and isinstance(doc["date"], str)
     assert isinstance(doc["results"], list) and doc["results"]
     for row in doc["results"]:
@@ -425,7 +429,9 @@ def test_failing_and_wrong_implementations_are_recorded(
     assert rows[("uniform", "torch.mm loop")]["status"] == "ok"
     bad = rows[("moe-down", DEFAULT_NAME)]
     assert bad["status"] == "error" and "wrong result" in bad["error"]
-    assert math.isnan(bad["rel_err"]) and bad["ms"] is None
+    # NaN in the run, null in the file: the bare word NaN is not JSON (strict readers refuse it)
+    assert bad["rel_err"] is None and bad["ms"] is None
+    json.loads(out.read_text(), parse_constant=_no_constant)
     assert rows[("moe-down", "torch.mm loop")]["status"] == "ok"
     assert doc["bar"]["shapes"]["moe-down"]["ok"] is False
 
@@ -548,3 +554,26 @@ def test_exit_status_says_whether_one_of_our_rows_failed(capsys: pytest.CaptureF
     assert bench._exit_status({"results": [ok, wrong, peer_down]}) == 1
     assert "failed: t: moe_gemm: wrong result" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_results_files_are_strict_json_and_a_failed_write_leaves_no_temporary(
+        tmp_path: Path, compact: bool) -> None:
+    from benchmarks.report import write_json
+
+    # NaN / inf (a wrong result's rel_err, a ratio over a zero time) were written as the bare
+    # words NaN and Infinity, which jq and JavaScript refuse: null instead, the run's doc as it is.
+    doc = {"results": [{"rel_err": float("nan"), "ms": 1.5, "r": [float("inf"), 2]}],
+           "bar": {"min": float("-inf")}, "t": (1.0, float("nan"))}
+    out = tmp_path / "r.json"
+    write_json(out, doc, compact=compact)
+    back = json.loads(out.read_text(), parse_constant=_no_constant)
+    assert back == {"results": [{"rel_err": None, "ms": 1.5, "r": [None, 2]}],
+                    "bar": {"min": None}, "t": [1.0, None]}
+    assert math.isnan(doc["results"][0]["rel_err"])
+    # An --out that is a folder: the error, and no partial <out>.tmp left beside it.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(OSError):
+        write_json(folder, doc, compact=compact)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "r.json"]

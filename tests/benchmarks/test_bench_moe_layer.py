@@ -154,3 +154,21 @@ def test_measure_warms_each_batch_before_timing_it():
     per = 1 + 3 * (bml.warm_calls(200) + 200)
     assert calls == {"a": per, "b": per}
     assert bml.warm_calls(2) == 1 and bml.warm_calls(200) == 100
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--models", "mixtral"], "--models: unknown mixtral; known: "),
+    (["--models", ""], "--models: unknown ''; known: "),
+    (["--tokens", "4,x"], "--tokens takes comma-separated positive integers; got '4,x'"),
+    (["--tokens", "0"], "--tokens takes comma-separated positive integers; got '0'"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--out", "{tmp}"], "--out {tmp}: is a folder, not a file")])
+def test_bad_arguments_are_one_line_before_the_run(tmp_path, capsys, monkeypatch, argv, words):
+    # An unknown model raised KeyError, a --tokens typo ValueError, 0 tokens ran as a case, an
+    # --out folder raised IsADirectoryError after the whole run (its results lost).
+    monkeypatch.setattr(bml, "run", lambda args: pytest.fail("ran"))
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert bml.main(["--smoke", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_moe_layer: " + words.format(tmp=tmp_path)), err
+    assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []

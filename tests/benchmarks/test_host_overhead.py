@@ -67,3 +67,47 @@ def test_the_table_shows_each_calls_time_to_result():
     assert lines[0].split("|")[-1].strip() == "single us"
     assert [c.strip() for c in lines[1].split("|")][1:] == ["14.6", "28.3", "6.7", "35.0"]
     assert lines[2].endswith("error: RuntimeError: x")
+
+
+def _two_gpus(monkeypatch) -> list:
+    chosen: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    return chosen
+
+
+def test_bad_arguments_are_one_line_before_anything_is_measured(tmp_path, capsys, monkeypatch):
+    # --device foo raised RuntimeError (a traceback), --reps 0 ran as the default, an --out
+    # folder raised IsADirectoryError after the measurements, cuda:5 of two GPUs raised out
+    # of torch.cuda.set_device.
+    import pytest
+
+    from benchmarks import host_overhead
+
+    monkeypatch.setattr(host_overhead, "measure_host_overhead",
+                        lambda *a, **k: pytest.fail("measured"))
+    for argv, words in ((["--device", "foo"], "bad --device 'foo'"),
+                        (["--reps", "0"], "--reps must be at least 1"),
+                        (["--out", str(tmp_path)], f"--out {tmp_path}: is a folder")):
+        assert host_overhead.main(["--smoke", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {words}") and err.count("\n") == 1, err
+    chosen = _two_gpus(monkeypatch)
+    assert host_overhead.main(["--device", "cuda:5"]) == 2
+    assert capsys.readouterr().err == "error: --device cuda:5: this machine has 2 GPU(s)\n"
+    assert chosen == []
+
+
+def test_bench_device_refuses_a_gpu_index_past_the_last(monkeypatch):
+    import pytest
+
+    from benchmarks.runner import bench_device
+
+    chosen = _two_gpus(monkeypatch)
+    with pytest.raises(ValueError, match="--device cuda:2: this machine has 2 GPU"):
+        bench_device("cuda:2", False, "the suite")
+    assert chosen == []
+    assert bench_device("cuda:1", False, "the suite") == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", 1)]

@@ -380,3 +380,21 @@ def test_quack_cache_points_quacks_autotuner_at_the_folder(tmp_path, capsys, mon
     assert "QUACK_CACHE_DIR" not in os.environ and not (tmp_path / "y.json").exists()
     assert zoo.main(["--smoke", "--quiet", "--quack-cache", "", "--out",
                      str(tmp_path / "y.json")]) == 2
+
+
+def test_merge_refuses_an_out_or_png_that_cannot_be_written(tmp_path, capsys):
+    # --merge --out FOLDER raised IsADirectoryError out of write_json (a traceback, exit 1)
+    # and left FOLDER.tmp behind; a --png folder was saved as FOLDER.png and reported written.
+    _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "1", name="a.json")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    capsys.readouterr()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for argv, words in ((["--out", str(folder)], f"--out {folder}: is a folder"),
+                        (["--out", str(tmp_path / "m.json"), "--png", str(folder)],
+                         f"--png {folder}: is a folder")):
+        assert zoo.main(["--merge", str(tmp_path / "a.json"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {words}, not a file\n", err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        assert list(folder.iterdir()) == []

@@ -433,3 +433,65 @@ def test_session_spreads_groups_over_gpus(tmp_path, monkeypatch):
     gs.run_groups(plain, jobs=4, group_timeout=60, deadline=gs.time.monotonic() + 600,
                   pytest_args=[], work=str(tmp_path))
     assert started == [None] and plain[0].gpu is None and "gpu" not in gs.summarize(plain[0])
+
+
+def test_gpu_tests_merge_refuses_bad_inputs_in_one_line_and_keeps_precompile_failures(
+        tmp_path, capsys):
+    gs = _load_script("gpu_session")
+    group = {"group": "g", "rc": 0, "seconds": 1.0, "tests": 1, "passed": 1, "failed": 0,
+             "error": 0, "skipped": 0, "xfailed": 0, "xpassed": 0, "unfinished": 0,
+             "compiled_in_tests": 0, "ok": True}
+    pre = {"rc": 1, "seconds": 3.0, "summary": "1 compiled, 0 cached, 1 failed",
+           "failed": ["FAILED k: boom"]}
+    good = tmp_path / "g0.json"
+    good.write_text(json.dumps({"groups": [group], "precompile": {**pre, "rc": 0,
+                                                                  "failed": []}}))
+    assert gs.merge_main([str(good)], str(tmp_path / "m")) == 0
+    # A run whose precompile failed exited 1 by itself; merged, the join said 0.
+    failed = tmp_path / "g1.json"
+    failed.write_text(json.dumps({"groups": [dict(group, group="h")], "precompile": pre}))
+    capsys.readouterr()
+    assert gs.merge_main([str(good), str(failed)], str(tmp_path / "m")) == 1
+    assert "precompile: rc=1: 1 compiled, 0 cached, 1 failed" in capsys.readouterr().err
+    # Tracebacks before: an --out that is a file (FileExistsError), a report that is a list
+    # (AttributeError).
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    for files, out, words in (([good], good, f"error: --out {good} is a file"),
+                              ([good, listed], tmp_path / "m", "not a gpu-tests.json report")):
+        assert gs.merge_main([str(f) for f in files], str(out)) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
+def test_gpu_tests_run_leaves_no_work_folder_behind(tmp_path, monkeypatch, capsys):
+    # Every run (--list too) left its folder of logs in the temporary directory;
+    # the logs are copied into --out's gpu-logs.txt.
+    import tempfile
+
+    gs = _load_script("gpu_session")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(gs, "probe", lambda: {"problem": None})
+    monkeypatch.setattr(gs, "collect", lambda paths, k, log: (["tests/x/test_a.py::t"], []))
+    monkeypatch.setattr(sys, "argv", [gs.__file__, "--list", "--out", str(tmp_path / "o")])
+    assert gs.main() == 0
+    assert "x-a" in capsys.readouterr().out
+    assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--set", "check", "-j", "0"], "-j/--jobs 0: must be at least 1"),
+    (["--set", "check", "-j", "-3"], "-j/--jobs -3: must be at least 1"),
+    (["--set", "check", "--timeout", "0"], "--timeout 0.0: must be positive"),
+    (["--set", "zoo", "--list"], "--set zoo needs --device")])
+def test_precompile_usage_errors_exit_2_in_one_line(argv, words, capsys, monkeypatch):
+    # -j -3 raised ValueError out of multiprocessing.Pool (a traceback); --set zoo without
+    # --device exited 1, the status of a failed compile.
+    pre = _load_script("precompile")
+    monkeypatch.setattr(pre, "compile_all", lambda *a: pytest.fail("compiled"))
+    with pytest.raises(SystemExit) as exc:
+        pre.main(argv)
+    assert exc.value.code == 2
+    assert f"error: {words}" in capsys.readouterr().err.splitlines()[-1]
