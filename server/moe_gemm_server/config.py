@@ -164,6 +164,19 @@ class Settings(BaseSettings):
             self.max_batch_requests = 1
         return self
 
+    @model_validator(mode="after")
+    def _warmup_within_launch(self) -> Settings:
+        # No launch carries more rows than max(--max-rows, --max-batch-rows) (the engine's own
+        # max_rows, service.build_engine): a warm-up row count beyond it compiles nothing that
+        # is served, and only allocates (T, K) inputs per set. A typo such as 10000000000 was
+        # taken silently; then every stored set failed to load and every upload answered 500.
+        cap = max(self.max_rows, self.max_batch_rows)
+        if self.warmup_rows and max(self.warmup_rows) > cap:
+            raise ValueError(
+                f"warmup_rows (--warmup-rows): {max(self.warmup_rows)} is more rows than one "
+                f"launch can carry ({cap}, the larger of --max-rows and --max-batch-rows)")
+        return self
+
     @property
     def batch_delay_s(self) -> float:
         return self.batch_delay_us / 1e6

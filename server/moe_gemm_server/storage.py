@@ -216,6 +216,8 @@ class WeightStore:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).expanduser()
+        # entries names() skipped as unreadable (warned about once, not at every rescan)
+        self._unreadable: set[str] = set()
         self.root.mkdir(parents=True, exist_ok=True)
         if not os.access(self.root, os.W_OK):
             raise PermissionError(f"data directory {self.root} is not writable")
@@ -311,8 +313,22 @@ class WeightStore:
         with os.scandir(self.root) as entries:
             for entry in entries:
                 stem = entry.name[: -len(SUFFIX)]
-                if (entry.name.endswith(SUFFIX) and NAME_RE.fullmatch(stem)
-                        and entry.is_file()):
+                if not (entry.name.endswith(SUFFIX) and NAME_RE.fullmatch(stem)):
+                    continue
+                try:
+                    is_file = entry.is_file()
+                except OSError as e:
+                    # One entry that cannot be followed (a symlink loop, a link into a
+                    # directory this user may not search) is not a readable set: skipped, as
+                    # a dangling symlink is. Raised, it made the whole listing fail: a server
+                    # starting never became ready, and a running one stopped syncing.
+                    if stem not in self._unreadable:
+                        self._unreadable.add(stem)
+                        log.warning("skipping %s in the data directory: %s", entry.name,
+                                    e.strerror or e)
+                    continue
+                self._unreadable.discard(stem)
+                if is_file:
                     out.append(stem)
         return sorted(out)
 

@@ -119,6 +119,10 @@ def test_manifests_fit_the_server() -> None:
     assert settings.sync_interval_s > 0  # replicas notice each other's uploads
     # the drain fits in the grace period
     assert isvc["spec"]["predictor"]["terminationGracePeriodSeconds"] > settings.drain_timeout_s
+    # the volume is writable by the user the server runs as (docker/README.md, "Data and
+    # ownership"): without fsGroup a fresh root-owned volume refused every replica's start
+    assert isvc["spec"]["predictor"]["securityContext"]["fsGroup"] == \
+        c["securityContext"]["runAsUser"]
 
 
 def test_probe_paths_are_real_routes(tmp_path: Path) -> None:

@@ -487,3 +487,23 @@ def test_hostile_inputs_get_4xx_with_a_json_error(tmp_path):
         req["inputs"][0] = {"name": "x", "datatype": "FP32", "shape": [2**63, 0], "data": []}
         r = client.post("/v2/models/m/infer", json=req)
         assert r.status_code == 400 and "dimension over" in r.json()["error"]
+
+
+def test_request_metrics_label_unknown_methods_other(tmp_path):
+    """The method label is bounded: any method token outside the standard ones (h11, uvicorn's
+    parser without httptools, takes them all; the route answers 405) is counted as "other".
+    Labelled as sent, each new token made a counter and a latency histogram of its own, ~19
+    series that anyone could create without a key: /metrics and the process grew without
+    bound."""
+    with TestClient(create_app(_settings(tmp_path, api_key=["k1"]))) as client:
+        _wait_ready(client)
+        for i in range(40):
+            r = client.request(f"M{i}", "/v1/weights/x/grouped-mm")
+            assert r.status_code == 405
+        assert client.request("PUT", "/v1/weights/x/grouped-mm").status_code == 405
+        text = client.get("/metrics").text
+    assert 'method="M' not in text
+    assert metric(text, "moe_gemm_requests_total", route="/v1/weights/{name}/grouped-mm",
+                  method="other", status="405") == 40
+    assert metric(text, "moe_gemm_requests_total", route="/v1/weights/{name}/grouped-mm",
+                  method="PUT", status="405") == 1

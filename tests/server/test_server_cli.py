@@ -269,3 +269,30 @@ def test_an_api_key_variable_of_commas_alone_is_refused(monkeypatch, restore_log
     assert Settings(data_dir=tmp_path).api_key == []
     monkeypatch.setenv("MOE_GEMM_API_KEY", "a,,b ,")
     assert Settings(data_dir=tmp_path).api_key == ["a", "b"]
+
+
+@pytest.mark.parametrize("argv,env", [
+    (["--warmup-rows", "10000000000"], {}),
+    (["--warmup-rows", "1,70000"], {}),
+    (["--max-rows", "64", "--max-batch-rows", "128", "--warmup-rows", "129"], {}),
+    ([], {"MOE_GEMM_WARMUP_ROWS": "100000"}),
+])
+def test_warmup_rows_beyond_any_launch_are_refused_at_start(tmp_path, monkeypatch, argv, env):
+    """A warm-up row count above max(--max-rows, --max-batch-rows) warms nothing a launch can
+    use. 10000000000 (a typo) was accepted: the server came up ready with every stored set
+    failed to load (its warm-up could not allocate the input) and answered every upload 500."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # (the settings alone: before the check, main() went on to serve and never returned)
+    with pytest.raises(SystemExit) as e:
+        settings_from_args([*argv, "--port", "0", "--data-dir", str(tmp_path)])
+    msg = str(e.value.code)
+    assert "\n" not in msg
+    assert msg.startswith("moe-gemm-server: invalid settings: warmup_rows (--warmup-rows): "), msg
+    assert "more rows than one launch can carry" in msg, msg
+
+
+def test_warmup_rows_up_to_the_launch_limit_are_taken(tmp_path):
+    s = settings_from_args(["--max-rows", "64", "--max-batch-rows", "128",
+                            "--warmup-rows", "1,128", "--data-dir", str(tmp_path)])
+    assert s.warmup_rows == [1, 128]

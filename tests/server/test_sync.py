@@ -480,3 +480,37 @@ def test_a_data_dir_moved_between_listing_and_stat_keeps_the_resident_sets(
         (data / "w.safetensors").unlink()
         passes(3)
         assert _listed(client) == []
+
+
+# ------------------------------------------------------------------------ unreadable entries
+
+
+def test_a_symlink_loop_in_the_data_dir_is_skipped_not_fatal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A `<name>.safetensors` that cannot be followed (a symlink loop: ELOOP) made the whole
+    listing raise: a server starting on such a directory stayed not ready for good (liveness
+    200, so nothing restarted it), and one that met it while running stopped syncing every
+    set (a set deleted on disk still served, a new one never loaded), warning at every pass.
+    It is skipped now, as a dangling symlink is, with one warning."""
+    caplog.set_level(logging.INFO, logger="moe_gemm_server")
+    data = tmp_path / "data"
+    data.mkdir()
+    wa, wb = torch.randn(2, 16, 8), torch.randn(3, 16, 8)
+    (data / "a.safetensors").write_bytes(st_body({"w": wa}))
+    (data / "loop.safetensors").symlink_to("loop.safetensors")
+    app, passes = _syncing_app(data)
+    with TestClient(app) as client:
+        _wait_ready(client)  # (used to time out: "start-up failed (OSError: [Errno 40] ...")
+        assert _listed(client) == ["a"]
+        assert served(client, "a", wa)
+        # while running: another loop appears, and the directory still syncs past it
+        (data / "loop2.safetensors").symlink_to("loop2.safetensors")
+        passes(2)
+        (data / "b.safetensors").write_bytes(st_body({"w": wb}))
+        (data / "a.safetensors").unlink()
+        passes(3)
+        assert _listed(client) == ["b"]
+        assert served(client, "b", wb)
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 2, skipped  # once per entry, not at every pass
+    assert not any("cannot list the data directory" in r.getMessage() for r in caplog.records)
