@@ -482,17 +482,12 @@ def merge(args: argparse.Namespace) -> int:
         print(f"error: --merge: {exc}", file=sys.stderr)
         return 2
     stem = "zoo-fp8" if doc.get("settings", {}).get("dtype") == FP8 else "zoo"
-    out_path = Path(args.out) if args.out else (
-        Path(args.out_dir or "benchmarks/results")
-        / f"{stem}-{device_slug(str(doc.get('device')))}-{doc.get('date')}.json")
-    png = None if (args.png or "").lower() == "none" else (
-        Path(args.png) if args.png else out_path.with_suffix(".png"))
-    # As a run checks them: an --out naming a folder (or in a read-only one) raised out of
-    # write_json with a traceback, and a --png folder was "written" as <folder>.png.
-    for option, path in (("--out", out_path), ("--png", png)):
-        if path is not None and (why := output_problem(path, option)):
-            print(f"error: {why}", file=sys.stderr)
-            return 2
+    # (As a run checks them: an --out naming a folder raised out of write_json with a
+    # traceback, and a --png folder was "written" as <folder>.png.)
+    paths = _output_paths(args, stem, device_slug(str(doc.get("device"))), doc.get("date"))
+    if paths is None:
+        return 2
+    out_path, png = paths
     write_json(out_path, doc)
     notes = [f"wrote {out_path} ({len(doc['cases'])} cases from {len(docs)} files)"]
     if png is not None:
@@ -502,6 +497,22 @@ def merge(args: argparse.Namespace) -> int:
     print(zoo_report.format_table(doc), flush=True)
     return 0
 
+
+
+def _output_paths(args: argparse.Namespace, stem: str, device: str, date: object
+                  ) -> tuple[Path, Path | None] | None:
+    """The results file (--out, else <stem>-<device>-<date>.json in --out-dir or
+    benchmarks/results) and the PNG (--png, none, or beside it); None after printing why one
+    of them cannot be written."""
+    out_path = Path(args.out) if args.out else (
+        Path(args.out_dir or "benchmarks/results") / f"{stem}-{device}-{date}.json")
+    png = None if (args.png or "").lower() == "none" else (
+        Path(args.png) if args.png else out_path.with_suffix(".png"))
+    for option, path in (("--out", out_path), ("--png", png)):
+        if path is not None and (why := output_problem(path, option)):
+            print(f"error: {why}", file=sys.stderr)
+            return None
+    return out_path, png
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m benchmarks.zoo` and `moe-gemm bench --suite zoo`."""
@@ -557,16 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gemm.ops.tuned import device_slug
 
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    stem = "zoo-fp8" if args.fp8 else "zoo"
-    out_path = Path(args.out) if args.out else (
-        Path(args.out_dir or "benchmarks/results") / f"{stem}-{device_slug(name)}-{date}.json")
-    png = None if (args.png or "").lower() == "none" else (
-        Path(args.png) if args.png else out_path.with_suffix(".png"))
     # Paths that cannot be written fail now, in one line, not after every case ran.
-    for option, path in (("--out", out_path), ("--png", png)):
-        if path is not None and (why := output_problem(path, option)):
-            print(f"error: {why}", file=sys.stderr)
-            return 2
+    paths = _output_paths(args, "zoo-fp8" if args.fp8 else "zoo", device_slug(name), date)
+    if paths is None:
+        return 2
+    out_path, png = paths
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     threads = torch.get_num_threads()
     if device.type == "cpu":
