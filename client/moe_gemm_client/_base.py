@@ -48,6 +48,7 @@ from ._calls import (
     _Call,
     answer_request_id,
     check_headers,
+    set_header,
 )
 from ._exceptions import (
     APIConnectionError,
@@ -140,6 +141,12 @@ class _BaseClient:
         if url.port is not None and not 0 < url.port <= 65535:
             raise ValueError(f"base_url's port must be 1-65535; got {url.port} in "
                              f"{str(base_url)!r}")
+        # A query or fragment cannot be part of a prefix: appending "/" then lands in the query
+        # ("http://h/moe?x=1/"), join() resolves against "/moe" without its trailing slash, and
+        # every request silently went to http://h/v2/... with the prefix and the query dropped.
+        if url.query or url.fragment:
+            raise ValueError(f"base_url must not have a query or fragment (a path prefix such "
+                             f"as http://host/moe is kept); got {str(base_url)!r}")
         # A trailing slash makes join() keep a path prefix (a server behind /moe/ on a proxy).
         self.base_url = httpx.URL(str(url).rstrip("/") + "/")
         if api_key is None:
@@ -207,11 +214,14 @@ class _BaseClient:
         }
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        headers.update(self.default_headers)
-        headers.update(call.headers)
+        # set_header, not dict.update: header names are case-insensitive, and an extra/default
+        # "x-request-id", "authorization" or "content-length" went out *beside* the client's
+        # own (request_id= lost to the other value, two bearer keys, conflicting lengths).
+        for name, value in (*self.default_headers.items(), *call.headers.items()):
+            set_header(headers, name, value)
         if call.body is not None:
-            headers["Content-Type"] = call.body.content_type
-            headers["Content-Length"] = str(call.body.nbytes)
+            set_header(headers, "Content-Type", call.body.content_type)
+            set_header(headers, "Content-Length", str(call.body.nbytes))
         return headers
 
     def _build_request(self, http: httpx.Client | httpx.AsyncClient, call: _Call[Any],

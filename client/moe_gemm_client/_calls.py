@@ -131,18 +131,27 @@ def check_headers(headers: Mapping[str, str] | None, what: str) -> dict[str, str
     return out
 
 
+def set_header(headers: dict[str, str], name: str, value: str) -> None:
+    """headers[name] = value, replacing the header in any spelling of its name (HTTP header
+    names are case-insensitive; a plain dict kept "x-request-id" beside "X-Request-Id")."""
+    for key in [k for k in headers if k.lower() == name.lower()]:
+        del headers[key]
+    headers[name] = value
+
+
 def with_options(call: _Call[R], *, request_id: str | None, timeout: TimeoutTypes,
                  max_retries: int | None, extra_headers: Mapping[str, str] | None) -> _Call[R]:
     """Apply the options every method takes to `call` (checked here, before sending)."""
     if extra_headers:
-        call.headers.update(check_headers(extra_headers, "extra_headers"))
+        for name, value in check_headers(extra_headers, "extra_headers").items():
+            set_header(call.headers, name, value)
     if request_id is not None:
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str; got {request_id!r}")
         if not _REQUEST_ID_RE.fullmatch(request_id):
             raise ValueError("request_id must be 1-128 printable ASCII characters without "
                              f"spaces (the server replaces any other id); got {request_id!r:.80}")
-        call.headers[C.REQUEST_ID_HEADER] = request_id
+        set_header(call.headers, C.REQUEST_ID_HEADER, request_id)
     call.request_id = request_id or _header_request_id(call.headers)
     call.timeout = timeout
     if max_retries is not None:

@@ -474,15 +474,28 @@ class FileTensorPayload(Payload):
                             "data_offsets": [offset, offset + part.nbytes]}
             offset += part.nbytes
         self.header = _header_bytes(header)
+        # The file the offsets above were read from (taken right after its header was read).
+        # The body is read later, and again on every retry: a file replaced in between (a
+        # checkpoint re-saved with os.replace, or rewritten in place) was read at the old
+        # offsets and uploaded as garbage weights, with no error, unless it had become shorter.
+        self._identity = _file_identity(os.stat(self.path))
 
     @property
     def nbytes(self) -> int:
         return len(self.header) + sum(part.nbytes for part, _ in self.parts)
 
+    def _check_unchanged(self, f: Any) -> None:
+        if _file_identity(os.fstat(f.fileno())) != self._identity:
+            # Raised while the body is being sent: the request is cut short, nothing is stored.
+            raise OSError(f"{self.path} changed since its header was read (replaced, rewritten "
+                          "or touched); upload it again")
+
     def iter_chunks(self, chunk_bytes: int) -> Iterator[bytes]:
         yield self.header
         with open(self.path, "rb") as f:
-            for part, _ in self.parts:
+            self._check_unchanged(f)
+            last = len(self.parts) - 1
+            for i, (part, _) in enumerate(self.parts):
                 f.seek(part.start)
                 left = part.nbytes
                 while left > 0:
@@ -491,4 +504,12 @@ class FileTensorPayload(Payload):
                         raise OSError(f"{self.path} ended early (was it changed during the "
                                       "upload?)")
                     left -= len(chunk)
+                    if i == last and left == 0:
+                        # Before the body's last bytes go out: a write during the upload (same
+                        # inode, new mtime or size) must not complete the request.
+                        self._check_unchanged(f)
                     yield chunk
+
+
+def _file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -997,3 +997,73 @@ def test_a_timeout_too_long_for_a_socket_is_refused_up_front(mode):
         run(client, "list_weights", timeout=1e10)
     assert run(client, "list_weights", timeout=1e9) == []
     assert run(client, "list_weights", timeout=httpx.Timeout(1e9, pool=0)) == []
+
+
+@pytest.mark.parametrize("cls", [mgc.Client, mgc.AsyncClient])
+def test_base_url_with_a_query_or_fragment_is_a_value_error(cls, monkeypatch):
+    """"http://h/moe?x=1" kept neither prefix nor query: "/" was appended inside the query,
+    and every request went to http://h/v2/... (a proxy's /moe/ route bypassed, silently)."""
+    for bad in ("http://h/moe?x=1", "http://h/moe#frag", "http://h/?token=t"):
+        with pytest.raises(ValueError, match="query or fragment"):
+            cls(bad)
+        monkeypatch.setenv("MOE_GEMM_BASE_URL", bad)
+        with pytest.raises(ValueError, match="query or fragment"):
+            cls()
+        monkeypatch.delenv("MOE_GEMM_BASE_URL")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_header_names_are_merged_case_insensitively(mode):
+    """Header names were merged in a dict, case-sensitively: an extra "x-request-id" went out
+    beside request_id='s X-Request-Id (the server echoed the other one), an "authorization"
+    beside the key's, and a "content-length" made the request fail as a connection error."""
+    handler = ContractHandler()
+    handler.weights["l0"] = (np.ones((1, 2, 2), np.float32), "w")
+    client = make(mode, handler, api_key="sekret", default_headers={"accept": "text/plain"})
+    y, rid = run(client, "grouped_mm", "l0", np.ones((1, 2), np.float32), counts=[1],
+                 request_id="mine", return_request_id=True,
+                 extra_headers={"x-request-id": "other", "authorization": "Bearer other",
+                                "content-length": "5"})
+    h = handler.seen[-1].headers
+    assert rid == "mine" and h.get_list("X-Request-Id") == ["mine"]
+    assert h.get_list("Authorization") == ["Bearer other"]  # extra_headers override, alone
+    assert h.get_list("Content-Length") == [str(len(handler.seen[-1].body))]
+    assert h.get_list("Accept") == ["application/octet-stream, application/json;q=0.9"]
+    np.testing.assert_array_equal(y, [[2.0, 2.0]])
+    run(client, "list_weights")
+    assert handler.seen[-1].headers.get_list("Accept") == ["text/plain"]  # default_headers win
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
+def test_upload_safetensors_refuses_a_file_changed_after_its_header_was_read(mode, how, rng,
+                                                                            tmp_path):
+    """The body is read after the header (and again on each retry): a file replaced or
+    rewritten in between was read at the old offsets, its new header bytes uploaded as
+    weights, with no error."""
+    import os
+
+    import safetensors.numpy
+
+    handler = ContractHandler()
+    client = make(mode, handler)
+    w = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"w": w}, str(path))
+
+    def change(sent: int, total: int) -> None:
+        if sent == 0:  # after the header was read, before the body is
+            new = {"a_bias": np.full(16, 9.0, np.float32), "w": np.ones_like(w)}
+            if how == "replaced":
+                safetensors.numpy.save_file(new, str(tmp_path / "new.safetensors"))
+                os.replace(tmp_path / "new.safetensors", path)
+            else:
+                safetensors.numpy.save_file(new, str(path))
+
+    with pytest.raises(OSError, match="changed since its header was read"):
+        run(client, "upload_safetensors", "w", path, progress=change)
+    assert "w" not in handler.weights
+    # An unchanged file still goes through, and the same client goes on working.
+    safetensors.numpy.save_file({"w": w}, str(path))
+    run(client, "upload_safetensors", "w", path, progress=lambda s, t: None)
+    np.testing.assert_array_equal(handler.weights["w"][0], w)
