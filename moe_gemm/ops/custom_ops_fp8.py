@@ -31,6 +31,7 @@ from moe_gemm.ops.custom_ops import (
     check_traced_args,
     check_traced_outs,
     decode_config,
+    differentiable_out,
     encode_config,
     write_rows,
 )
@@ -59,6 +60,13 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor,
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm(x, w, scale_a, scale_b, offs, text,
                                                      out_dtype)
+    if differentiable_out(out, out_dtype, x, w, scale_a, scale_b):
+        # The functional op (whose backward raises when it runs), copied into out: the `_out`
+        # op has no autograd, so through it the result would lose its link to the inputs and
+        # a backward would skip this call without a word (custom_ops.differentiable_out).
+        y = torch.ops.moe_gemm._scaled_grouped_mm(x, w, scale_a, scale_b, offs, text,
+                                                  out.dtype)
+        return write_rows(out, y, offs)
     torch.ops.moe_gemm._scaled_grouped_mm_out(x, w, scale_a, scale_b, offs, out, text,
                                               out_dtype)
     return out

@@ -35,6 +35,7 @@ from moe_gemm.ops.custom_ops import (
     _raising_grad,
     check_traced_args,
     decode_config,
+    differentiable_out,
     encode_config,
     traced_int,
 )
@@ -56,6 +57,19 @@ def _eager() -> Any:
     return masked
 
 
+def write_valid_rows(out: Tensor, y: Tensor, masked_m: Tensor) -> Tensor:
+    """out's first masked_m[g] rows of each problem set to y's, differentiably (the others
+    keep their values, as the eager call leaves them). A traced call with `out` whose inputs
+    require grad runs the functional op and writes through this: the `_out` ops run under
+    no_grad and have no autograd, so through them the result would lose its link to the
+    inputs and a backward would skip this call without a word instead of raising."""
+    if tuple(out.shape) != tuple(y.shape) or out.device != y.device:
+        raise ValueError(f"out must be {tuple(y.shape)} on {y.device}; got "
+                         f"{tuple(out.shape)} on {out.device}")
+    valid = torch.arange(out.shape[1], device=out.device) < masked_m.unsqueeze(1)
+    return out.copy_(torch.where(valid.unsqueeze(-1), y, out))
+
+
 def grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *, expected_m: int | None = None,
                       out: Tensor | None = None, config: GemmConfig | None = None,
                       out_dtype: torch.dtype | None = None) -> Tensor:
@@ -65,6 +79,9 @@ def grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *, expected_m: int
     if out is None:
         return torch.ops.moe_gemm._grouped_mm_masked(x, w, masked_m, expected_m, text,
                                                      out_dtype)
+    if differentiable_out(out, out_dtype, x, w):
+        y = torch.ops.moe_gemm._grouped_mm_masked(x, w, masked_m, expected_m, text, out.dtype)
+        return write_valid_rows(out, y, masked_m)
     torch.ops.moe_gemm._grouped_mm_masked_out(x, w, masked_m, expected_m, out, text,
                                               out_dtype)
     return out
@@ -81,6 +98,10 @@ def scaled_grouped_mm_masked(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Ten
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m,
                                                             expected_m, text, out_dtype)
+    if differentiable_out(out, out_dtype, x, w, scale_a, scale_b):
+        y = torch.ops.moe_gemm._scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m,
+                                                         expected_m, text, out.dtype)
+        return write_valid_rows(out, y, masked_m)
     torch.ops.moe_gemm._scaled_grouped_mm_masked_out(x, w, scale_a, scale_b, masked_m,
                                                      expected_m, out, text, out_dtype)
     return out
@@ -171,6 +192,9 @@ def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
               float(gate_limit), expected_m)
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm_masked(*common, text, out_dtype)
+    if differentiable_out(out, out_dtype, x, w, bias, row_weight):
+        y = torch.ops.moe_gemm._fused_grouped_mm_masked(*common, text, out.dtype)
+        return write_valid_rows(out, y, masked_m)
     torch.ops.moe_gemm._fused_grouped_mm_masked_out(*common, out, text, out_dtype)
     return out
 

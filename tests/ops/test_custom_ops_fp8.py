@@ -157,3 +157,25 @@ def test_compiled_backward_raises():
     assert y.requires_grad
     with pytest.raises(RuntimeError, match="inference-only"):
         y.backward()
+
+
+def test_compiled_backward_with_out_raises_too():
+    # With `out`, a compiled call whose scales require grad used to run the `_out` op (no
+    # autograd): the result lost its link and a backward skipped the call without a word.
+    import torch._dynamo
+
+    x, w, sa, sb, offs = make_fp8_moe_inputs(8, 2, 128, 16, "row", seed=6)
+    sa = sa.clone().requires_grad_()
+    out = torch.full((8, 16), 5.0, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        y = torch.compile(lambda *t: scaled_grouped_mm(*t, out=out), fullgraph=True,
+                          backend="aot_eager")(x, w, sa, sb, offs)
+    finally:
+        torch._dynamo.reset()
+    assert y is out and y.requires_grad
+    with torch.no_grad():
+        want = scaled_grouped_mm(x, w, sa, sb, offs, out=torch.full_like(out, 5.0))
+    torch.testing.assert_close(y.detach(), want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.float().sum().backward()

@@ -616,6 +616,40 @@ def test_compile_scaled_grouped_mm_masked_fullgraph(dynamo) -> None:
     assert dynamo["graph_break"] == {}
 
 
+@pytest.mark.parametrize("op", ["plain", "scaled", "fused"])
+def test_compiled_out_call_keeps_the_raising_backward(dynamo, op: str) -> None:
+    # Traced, the masked ops are inference-only: a backward raises. With `out` and an input
+    # requiring grad, the call used to run the `_out` op (no autograd), so the result lost its
+    # link to the inputs and a backward skipped the call without a word.
+    counts = [6, 0, 2]
+    mm = _counts(counts)
+    if op == "scaled":
+        x, w, sa, sb = make_fp8_batched_inputs(3, 6, 256, 24, "block", seed=44)
+        grad_in = sa = sa.clone().requires_grad_()
+
+        def f(out):
+            return scaled_grouped_mm_masked(x, w, sa, sb, mm, out=out)
+    else:
+        x = torch.randn(3, 6, 16, requires_grad=True)
+        w, grad_in = torch.randn(3, 16, 24 if op == "plain" else 48), x
+        run = grouped_mm_masked if op == "plain" else (
+            lambda *t, **kw: moe_gemm.fused_grouped_mm_masked(*t, gate="silu", **kw))
+
+        def f(out):
+            return run(x, w, mm, out=out)
+
+    out_c = torch.full((3, 6, 24), SENTINEL, dtype=BF16 if op == "scaled" else FP32)
+    out_e = out_c.clone()
+    y = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=False)(out_c)
+    assert y is out_c and y.requires_grad and grad_in.grad is None
+    with torch.no_grad():
+        f(out_e)
+    torch.testing.assert_close(out_c.detach(), out_e, rtol=0, atol=0)
+    assert (_past(out_c.detach(), counts) == SENTINEL).all()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.float().sum().backward()
+
+
 # --------------------------------------------------------------------------------------------
 # FP8: scaled_grouped_mm_masked
 
