@@ -175,11 +175,16 @@ def parse_request(
                 f"Inference-Header-Content-Length must be a decimal byte count; got "
                 f"{header_length!r}"
             )
-        n = int(text)
-        if not 0 < n <= len(body):
-            raise bad_request(
-                f"Inference-Header-Content-Length {n} does not fit in a body of {len(body)} bytes"
-            )
+        # A count of more digits than the body's length can never fit it; refusing it here
+        # also keeps int() from raising past Python's 4,300-digit limit (a 500, not a 400).
+        # (Leading zeros are still a plain decimal count.)
+        digits = text.lstrip("0")
+        too_long = len(digits) > len(str(len(body)))
+        n = 0 if too_long else int(digits or "0")
+        if too_long or not 0 < n <= len(body):
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            raise bad_request(f"Inference-Header-Content-Length {shown} does not fit in a body "
+                              f"of {len(body)} bytes")
     else:
         n = len(body)
     raw = bytes(body[:n])

@@ -329,6 +329,22 @@ def test_v2_id_is_a_string(rid, ok):
     assert ei.value.status == 400
 
 
+@pytest.mark.parametrize("digits", [4301, 20000])
+def test_v2_header_length_of_thousands_of_digits_is_400(digits):
+    """int() refuses strings of more than 4,300 digits (ValueError): such a header length was
+    a 500. It cannot fit any body, so it is the 400 of a header length that does not fit;
+    leading zeros in front of the right count still read as that count."""
+    x = np.ones(2, np.float32).tobytes()
+    hdr = json.dumps({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32",
+                                  "parameters": {"binary_data_size": len(x)}}]}).encode()
+    body = bytearray(hdr + x)
+    with pytest.raises(APIError, match="does not fit in a body") as ei:
+        parse_request(body, "9" * digits)
+    assert ei.value.status == 400
+    padded = "0" * digits + str(len(hdr))
+    assert parse_request(body, padded)[1]["x"].tolist() == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("token", [b"NaN", b"Infinity", b"-Infinity"])
 def test_v2_nan_tokens_are_400(token):
     hdr = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [' + token + b"]}]}"

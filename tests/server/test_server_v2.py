@@ -271,6 +271,8 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
     for loose in (f"+{n}", f"{n[:-1]}_{n[-1]}", f"0x{int(n):x}"):
         cases.append((f"header length {loose!r} is not a plain byte count", body,
                       {**h, "Inference-Header-Content-Length": loose}, 400))
+    cases.append(("header length of 5000 digits", body,
+                  {**h, "Inference-Header-Content-Length": "9" * 5000}, 400))
     cases.append(("header length cuts the JSON", body,
                   {**h, "Inference-Header-Content-Length": "10"}, 400))
     body, h = _binary_body(hdr(xsize=len(x) - 4), x, c)
@@ -289,6 +291,9 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
     cases.append(("BYTES input", body, h, 400))
     body, h = _binary_body(hdr(extra={"outputs": [{"name": "z"}]}), x, c)
     cases.append(("unknown output", body, h, 400))
+    body, h = _binary_body(hdr(extra={"outputs": [{"name": "y", "parameters": {"binary_data": True}},
+                                                  {"name": "y"}]}), x, c)
+    cases.append(("output requested twice", body, h, 400))
     body, h = _binary_body(hdr(xdt="FP64", xsize=2 * len(x)), x + x, c)
     cases.append(("wrong dtype for the model", body, h, 422))
     body, h = _binary_body(hdr(xshape=[1, 2 * K]), x, c)

@@ -138,6 +138,11 @@ def _binary_outputs(req: V2Request) -> dict[str, bool]:
     for o in req.outputs:
         if o.name != "y":
             raise bad_request(f"unknown output {o.name!r}; the model has one output, 'y'")
+        if o.name in out:
+            # Two entries for one output may ask for it in two forms (binary and JSON); taking
+            # the last one silently would answer a form the client may not read. Triton refuses
+            # a repeated output as it does a repeated input (400 here too).
+            raise bad_request(f"output {o.name!r} is requested twice")
         flag = (o.parameters or {}).get("binary_data", default)
         if not isinstance(flag, bool):
             raise bad_request("outputs[].parameters.binary_data must be a boolean")
