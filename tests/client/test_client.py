@@ -969,12 +969,18 @@ print("ok")
 def test_base_url_that_cannot_be_used_is_a_value_error(cls, monkeypatch):
     """An unparsable URL raised httpx.InvalidURL (a traceback from the command line), and a
     port past 65535 was wrapped modulo 2^16 by getaddrinfo: 127.0.0.1:84267 reached the
-    service on 18731."""
-    for bad in ("http://[::1", "http://127.0.0.1:84267", "http://127.0.0.1:0"):
-        with pytest.raises(ValueError, match="base_url"):
+    service on 18731. "http://h/moe?x=1" kept neither prefix nor query: "/" was appended
+    inside the query, and every request went to http://h/v2/... (a proxy's /moe/ route
+    bypassed, silently)."""
+    for bad, match in (("http://[::1", "base_url"), ("http://127.0.0.1:84267", "base_url"),
+                       ("http://127.0.0.1:0", "base_url"),
+                       ("http://h/moe?x=1", "query or fragment"),
+                       ("http://h/moe#frag", "query or fragment"),
+                       ("http://h/?token=t", "query or fragment")):
+        with pytest.raises(ValueError, match=match):
             cls(bad)
         monkeypatch.setenv("MOE_GEMM_BASE_URL", bad)
-        with pytest.raises(ValueError, match="base_url"):
+        with pytest.raises(ValueError, match=match):
             cls()
         monkeypatch.delenv("MOE_GEMM_BASE_URL")
     client = cls("http://127.0.0.1:65535", http_client=(
@@ -997,19 +1003,6 @@ def test_a_timeout_too_long_for_a_socket_is_refused_up_front(mode):
         run(client, "list_weights", timeout=1e10)
     assert run(client, "list_weights", timeout=1e9) == []
     assert run(client, "list_weights", timeout=httpx.Timeout(1e9, pool=0)) == []
-
-
-@pytest.mark.parametrize("cls", [mgc.Client, mgc.AsyncClient])
-def test_base_url_with_a_query_or_fragment_is_a_value_error(cls, monkeypatch):
-    """"http://h/moe?x=1" kept neither prefix nor query: "/" was appended inside the query,
-    and every request went to http://h/v2/... (a proxy's /moe/ route bypassed, silently)."""
-    for bad in ("http://h/moe?x=1", "http://h/moe#frag", "http://h/?token=t"):
-        with pytest.raises(ValueError, match="query or fragment"):
-            cls(bad)
-        monkeypatch.setenv("MOE_GEMM_BASE_URL", bad)
-        with pytest.raises(ValueError, match="query or fragment"):
-            cls()
-        monkeypatch.delenv("MOE_GEMM_BASE_URL")
 
 
 @pytest.mark.parametrize("mode", MODES)
