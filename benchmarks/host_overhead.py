@@ -40,6 +40,7 @@ from unittest import mock
 import torch
 
 from benchmarks.clock import Clock, median, quantile
+from benchmarks.runner import bench_device
 from benchmarks.suite import GROUPED_MM_FN, GROUPED_MM_NAME, short_error
 from moe_gemm.ops import api as ops
 from moe_gemm.ops.general_launch import PLAN_GRAPH_ENV
@@ -253,26 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(dev)
-    except RuntimeError as exc:
-        print(f"error: bad --device {dev!r}: {exc}", file=sys.stderr)
-        return 2
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("error: no CUDA GPU is visible", file=sys.stderr)
-            return 2
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif device.index >= torch.cuda.device_count():  # (set_device raises: a traceback)
-            print(f"error: --device {dev}: this machine has {torch.cuda.device_count()} GPU(s)",
-                  file=sys.stderr)
-            return 2
-        torch.cuda.set_device(device)
-    elif not args.smoke:
-        print("error: host overhead is measured on a GPU; use --smoke on the CPU",
-              file=sys.stderr)
+        device = bench_device(args.device, args.smoke, "host overhead")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     reps = args.reps or (3 if args.smoke else 30)
     result = measure_host_overhead(Clock(device), smoke=args.smoke, reps=reps)
