@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from benchmarks.suite import DEFAULT_NAME
-from moe_gemm.tuning.table_io import dumps_by_line
+from moe_gemm.tuning.table_io import dumps_by_line, write_text_atomic
 
 
 def finite(v: Any) -> Any:
@@ -31,18 +30,10 @@ def write_json(path: Path, doc: dict[str, Any], compact: bool = False) -> None:
     list item per line (table_io.dumps_by_line), or all on one line for progress saves.
     Non-finite numbers are written as null (see `finite`); `doc` itself is left as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     clean = finite(doc)
-    text = (json.dumps(clean, default=str, separators=(",", ":"), allow_nan=False) + "\n"
-            if compact else dumps_by_line(clean, default=str))
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        # A failed write (a full disk, an --out that turned out to be a folder, Ctrl-C) left
-        # the partial <out>.tmp beside it, never cleaned up.
-        tmp.unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(clean, default=str, separators=(",", ":"),
+                                       allow_nan=False) + "\n"
+                      if compact else dumps_by_line(clean, default=str))
 
 
 def plot_png(doc: dict[str, Any], path: Path) -> str | None:

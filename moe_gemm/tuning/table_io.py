@@ -178,12 +178,18 @@ def write(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc["entries"].sort(key=entry_key)
     doc.pop("model", None)  # the cost-model block earlier tables carried: no reader left
+    write_text_atomic(path, dumps_by_line(doc))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it and a rename, so that a reader
+    (or a crash) never sees half a file; the temporary file goes on any failure (a full disk,
+    a file size limit, a folder in the way or Ctrl-C mid-write left it behind, megabytes per
+    failed write)."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(dumps_by_line(doc))
+        tmp.write_text(text)
         os.replace(tmp, path)
     except BaseException:
-        # A full disk, a file size limit or Ctrl-C mid-write left the partial temporary file
-        # beside the table (megabytes per failed write, never cleaned up).
         tmp.unlink(missing_ok=True)
         raise
