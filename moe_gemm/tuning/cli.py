@@ -369,10 +369,7 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
     name = device_name(torch.device("cuda", 0))
     out = _out_path(args, tuned.device_slug(name))
     if not args.no_merge and (why := table_io.load_existing(out, name)[1]):
-        # Now, not when the shards' tables are merged into it after all the tuning.
-        print(f"moe-gemm tune: --out {why}: give another --out, or --no-merge to replace "
-              "it", file=sys.stderr)
-        return 2
+        return _refuse_out(why)  # now, not when the shards' tables are merged into it
     # --resume skips what --out holds (as one process would; --no-merge starts afresh).
     skip = ["--skip-table", str(out)] if args.resume and not args.no_merge and out.exists() else []
     tmp, codes, parts = launch_shards("moe_gemm.tuning", argv, gpus, "tune",
@@ -474,12 +471,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             return 2
     doc, why = (None, None) if args.no_merge else table_io.load_existing(out, name)
     if why:
-        # Replaced by a new table after the first shape, it was lost: another device's table
-        # (--out naming the shipped H100 table on an H200), or a file that is no table at all,
-        # with one log line that --quiet hides. Replacing it takes --no-merge.
-        print(f"moe-gemm tune: --out {why}: give another --out, or --no-merge to replace "
-              "it", file=sys.stderr)
-        return 2
+        return _refuse_out(why)
     ceilings = measure_ceilings(device)
     if doc is None:
         doc = table_io.new_table(name, nsm, runtime_versions(name), ceilings)
@@ -568,6 +560,16 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     print(f"tuned {done} of {len(shapes)} shapes in {total:.0f} s -> {out}"
           + (f"; stopped early ({stopped})" if stopped else ""))
     return 0
+
+
+def _refuse_out(why: str) -> int:
+    """Exit 2 for an --out that is no table for this GPU: replaced by a new table after the
+    first shape, it was lost (another device's table, such as the shipped H100 one named on an
+    H200, or a file that is no table at all), with one log line that --quiet hid. Replacing it
+    takes --no-merge."""
+    print(f"moe-gemm tune: --out {why}: give another --out, or --no-merge to replace it",
+          file=sys.stderr)
+    return 2
 
 
 def _save(out: Path, doc: dict) -> str | None:
