@@ -1,7 +1,7 @@
 """`moe-gemm bench`: our grouped GEMM against its peers, on one GPU, in one process.
 
-`--suite fp8` runs the FP8 shapes (`benchmarks.suite_fp8`) through the same harness;
-`--suite zoo` runs the model-zoo benchmark instead (`benchmarks.zoo`). The modules: clock
+`--suite fp8` runs the FP8 shapes (`benchmarks.suite_fp8`) and `--suite off-grid` the shapes
+off the tuned grid (`benchmarks.suite_off_grid`) through the same harness; `--suite zoo` runs the model-zoo benchmark instead (`benchmarks.zoo`). The modules: clock
 (timing), ceilings, runner (one case: check, then interleaved timing), report (JSON, PNG),
 host_overhead, suite (shapes, implementations), suite_fp8, scoring, zoo.
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import suite_fp8
+from benchmarks import suite_fp8, suite_off_grid
 from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock, median
 from benchmarks.host_overhead import measure_host_overhead
@@ -241,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
         "bad arguments."))
     p.add_argument("--suite", choices=SUITES, default="bench",
                    help="bench: the shapes below (default); fp8: the FP8 shapes, ours "
-                   "against torch's FP8 grouped GEMMs; zoo: real models' expert GEMMs "
+                   "against torch's FP8 grouped GEMMs; off-grid: shapes off the tuned grid "
+                   "(benchmarks.suite_off_grid); zoo: real models' expert GEMMs "
                    "(moe-gemm bench --suite zoo --help)")
     p.add_argument("--quack-tuned", action="store_true",
                    help="also time QuACK with tuned=True (its autotuner: seconds to minutes "
@@ -273,9 +274,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-SUITES = ("bench", "fp8", "zoo")
+SUITES = ("bench", "fp8", "off-grid", "zoo")
 SHAPES = {"bench": (full_suite, smoke_suite),
-          "fp8": (suite_fp8.fp8_suite, suite_fp8.fp8_smoke_suite)}
+          "fp8": (suite_fp8.fp8_suite, suite_fp8.fp8_smoke_suite),
+          "off-grid": (suite_off_grid.off_grid_suite, suite_off_grid.off_grid_smoke_suite)}
 
 
 def split_suite(argv: list[str]) -> tuple[str | None, list[str]]:
