@@ -12,7 +12,9 @@ behind each rule are in the comments and AGENTS.md).
 from __future__ import annotations
 
 import functools
+import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
@@ -105,6 +107,84 @@ def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
     return (128, 128)
 
 
+def expected_tiles(T: int, E: int, N: int, tile_m: int, tile_n: int) -> float:
+    """About how many tiles a launch of T rows routed over E experts has, the routing
+    unknown (it lives on the GPU): rows spread uniformly, so E * (1 - (1 - 1/E)^T) experts
+    get rows, each its rows / tile_m tiles plus half a partial one (or one, if fewer rows).
+    Skewed routing fills fewer experts, so this is an upper bound of sorts."""
+    if T <= 0 or E <= 0:
+        return 0.0
+    active = E * -math.expm1(T * math.log1p(-1.0 / E)) if E > 1 else 1.0
+    m_tiles = active * max(1.0, T / active / tile_m + 0.5)
+    return m_tiles * -(-N // tile_n)
+
+
+def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int], float],
+               num_sms: int, k_tiles: float) -> tuple[int, int]:
+    """A narrower tile where `tile` leaves most SMs idle (tiles(tile_m, tile_n): the launch's
+    tile count) and the mainloops are long (more than SHORT_K_TILES k-tiles; a short one is
+    bound by its launch and epilogue, where nothing was measured): few routed rows (decode on
+    a few experts) or few problems of long K. Then the
+    launch is bound by how many SMs stream the weights, not by the tile's L2 traffic. H200,
+    2026-12-01 (`moe-gemm tune --shapes ... --configs`, CUDA-graph replays, L2 cold), the
+    rules' tile against the narrow one. Ping-pong 64x256 -> 64x128 at 1-8 routed rows: E=64
+    N=2048 K=7168 1 row 35.9 -> 19.5 us, 4 rows 42.2 -> 32.3; E=16 N=5120 K=8192 1 row 42.5
+    -> 27.9; E=8 N=4096 K=14336 2 rows 78.2 -> 59.6; E=128 N=1536 K=2048 8 rows 17.0 -> 13.1;
+    E=8 N=14336 K=4096 2 rows (112 tiles) 60.7 -> 58.0. Cooperative 128x256 -> 128x64 on long
+    K: E=8 N=512 K=32768 1024 rows 302 -> 133 us (torch's grouped_mm 126 in the off-grid
+    bench), E=4 N=1024 K=16384 512 rows 155 -> 65; the 3-D form, 8 x 128x512x32768 299 ->
+    142 (torch.bmm 114), 4 x 256x1024x16384 153 -> 84. One expert of 3000 rows, N=1000
+    (~96 tiles of 128x256, over half a wave) stays: 128x64 was slower there (25.2 against
+    20.7 us)."""
+    if k_tiles <= SHORT_K_TILES:
+        return tile
+    if schedule == "pingpong" and tile == (64, 256):
+        # (a wave nearly full stays: 8 x 1x4096x4096, 128 tiles, 65.0 us against 67.2)
+        if tiles(*tile) <= num_sms * 7 / 8:
+            return (64, 128)
+    elif schedule == "cooperative" and tile[0] == 128 and tile[1] > 64:
+        if tiles(*tile) <= num_sms / 2:
+            return (128, 64)
+    return tile
+
+
+def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages: int | None,
+                avg_m: float, n: int, tiles: Callable[[int, int], float], num_sms: int,
+                k_tiles: float) -> tuple[str, tuple[int, int], int | None]:
+    """The general and batched forms' (schedule, tile, stages) past _general_rules, where the
+    tile count is known: problems of at most 64 rows take ping-pong's 64-row tile even on
+    long K (8 x 1x4096x4096: 65.0 us against cooperative 128x256's 71.8; the varlen rule's
+    64-row tile, moe-decode 271 against 300), then _fill_grid narrows a tile that leaves
+    most SMs idle. A pinned tile or schedule is kept."""
+    if config.tile_m is not None:
+        return schedule, tile, stages
+    if (schedule == "cooperative" and config.schedule == "auto" and avg_m <= 64
+            and k_tiles > SHORT_K_TILES and _fit_schedule("pingpong", config) == "pingpong"):
+        schedule, tile, stages = "pingpong", _pick_tile("pingpong", avg_m, n), config.stages
+    narrow = _fill_grid(schedule, tile, tiles, num_sms, k_tiles)
+    if narrow != tile:
+        # (the rules' stage count is for their tile: the narrow one takes its default)
+        return schedule, narrow, config.stages
+    return schedule, tile, stages
+
+
+def _filled(config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int) -> GemmConfig:
+    """A tile voted by the nearest tuned shapes, narrowed as _fill_grid narrows the rules'
+    tile: the vote weighs shapes by distance in N, K and rows per expert, which does not say
+    how many experts get rows (one routed row on 64 experts lies beside 16 tokens x top-8)."""
+    tile = (config.tile_m, config.tile_n)
+    if config.tile_m is None or config.schedule not in ("pingpong", "cooperative"):
+        return config
+    narrow = _fill_grid(config.schedule, tile,
+                        lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms, -(-K // TILE_K))
+    if narrow == tile:
+        return config
+    try:
+        return config.replace(tile_m=narrow[0], tile_n=narrow[1])
+    except ValueError:  # (a pinned field the narrow tile does not build with: keep the vote)
+        return config
+
+
 def choose_general(
     config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int,
     out_itemsize: int = 2, *, device: str | None = None, dtype: str = "bfloat16",
@@ -193,6 +273,11 @@ def _choose_general(
     # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
     avg_k_tiles = sum_k_tiles / max(1, count)
     schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
+    if count < num_sms:  # (each live problem has a tile at least: no more can fill the grid)
+        schedule, tile, stages = _fill_known(
+            config, schedule, tile, stages, avg_m, max_n,
+            lambda tm, tn: sum(-(-m // tm) * -(-n // tn) for m, n, _ in sizes
+                               if m > 0 and n > 0), num_sms, avg_k_tiles)
     visitor = config.visitor if config.visitor != "auto" else "device"
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
@@ -336,17 +421,21 @@ def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtyp
     hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype)
     if hit is not None:
         try:
-            return _varlen_rules(hit.apply(config), T, E, N, K, out_itemsize, split_ok)
+            tuned_config = hit.apply(config)
+            if hit.how != "exact":
+                tuned_config = _filled(tuned_config, T, E, N, K, num_sms)
+            return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, split_ok, num_sms)
         except ValueError as exc:
             _unusable(hit, exc)
-    return _varlen_rules(config, T, E, N, K, out_itemsize, split_ok)
+    return _varlen_rules(config, T, E, N, K, out_itemsize, split_ok, num_sms)
 
 
 def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
     if device is None or config.tuning_pinned or T <= 0 or E <= 0:
         return None
     key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
-    rules = _varlen_rules(config, T, E, N, K, _ITEMSIZE.get(out_dtype, 2), tail_split_enabled())
+    rules = _varlen_rules(config, T, E, N, K, _ITEMSIZE.get(out_dtype, 2), tail_split_enabled(),
+                          num_sms)
     return tuned.lookup(device, key, T, num_sms, choice_fields(rules, "varlen"))
 
 
@@ -376,7 +465,7 @@ def choice_fields(choice: KernelChoice, form: str) -> dict:
 
 
 def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsize: int,
-                  split_ok: bool) -> KernelChoice:
+                  split_ok: bool, num_sms: int) -> KernelChoice:
     avg_m = T / max(1, E)
     if config.schedule != "auto":
         schedule = config.schedule
@@ -392,11 +481,15 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
             # runs, H200, 2026-11-21); at K=1408 (moe-down) cooperative still wins, 191 vs 200.
             schedule = "pingpong"
         schedule = _fit_schedule(schedule, config)
+    narrowed = False
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
     else:
-        tile = _pick_tile(schedule, avg_m, N)
+        picked = _pick_tile(schedule, avg_m, N)
+        tile = _fill_grid(schedule, picked, lambda tm, tn: expected_tiles(T, E, N, tm, tn),
+                          num_sms, -(-K // TILE_K))
+        narrowed = tile != picked
     visitor = config.visitor if config.visitor != "auto" else "device"
     stages = config.stages
     cm, cn = _cluster_choice(config)
@@ -432,9 +525,12 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # half the grid, two CTAs share each of its tiles, half of K each (mixtral: 7448 tiles of
     # 128x256 on 132 SMs leave 56 in the last wave). Decided on the GPU per launch (the tile
     # count lives there); where the tail is too full, nothing is split.
+    # Not on a tile narrowed to fill the grid (_fill_grid): its launch is one short wave
+    # already, which the split's fp32 join slowed by 2-4% there (133 against 136 us, 65
+    # against 68).
     if config.tail_split is None:
         tail_split = (schedule == "cooperative" and visitor == "device" and cm * cn == 1
-                      and K >= 4096)
+                      and K >= 4096 and not narrowed)
     else:
         tail_split = config.tail_split
         if tail_split:
@@ -490,10 +586,15 @@ def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned
 def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int,
                     out_itemsize: int = 2, split_ok: bool = True) -> KernelChoice:
     schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
+    ruled = tile
+    schedule, tile, stages = _fill_known(config, schedule, tile, stages, M, N,
+                                         lambda tm, tn: G * -(-M // tm) * -(-N // tn), num_sms,
+                                         -(-K // TILE_K))
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
     cm, cn = _cluster_choice(config)
-    if config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]:
+    if (config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]
+            and tile == ruled):
         # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
         # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
         # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (interleaved A/B).

@@ -691,10 +691,17 @@ def no_l2_hints(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     heuristics._choose_batched.cache_clear()
 
 
-@pytest.mark.parametrize("M", [1, 64, 512, 4096])
-def test_choose_batched_long_k_wide_n(no_l2_hints: None, M: int) -> None:
+@pytest.mark.parametrize("M,want", [
+    (4096, ("cooperative", 128, 256, 3)),
+    # fewer tiles than half the grid: narrowed (heuristics._fill_grid)
+    (512, ("cooperative", 128, 64, None)),
+    # rows of at most 64: ping-pong's 64-row tile, narrowed too (16 tiles of 64x256)
+    (64, ("pingpong", 64, 128, None)),
+    (1, ("pingpong", 64, 128, None)),
+])
+def test_choose_batched_long_k_wide_n(no_l2_hints: None, M: int, want: tuple) -> None:
     c = choose_batched(GemmConfig(), 8, M, 512, 7168, NUM_SMS)
-    assert (c.schedule, c.tile_m, c.tile_n, c.stages) == ("cooperative", 128, 256, 3)
+    assert (c.schedule, c.tile_m, c.tile_n, c.stages) == want
     assert c.visitor == "device" and c.sort_by_k is False
     assert c.l2_hints is False and c.a_policy == 0 and c.b_policy == 0
 
@@ -708,7 +715,7 @@ def test_choose_batched_short_k(no_l2_hints: None) -> None:
 
 
 def test_choose_batched_narrow_n(no_l2_hints: None) -> None:
-    c = choose_batched(GemmConfig(), 8, 512, 128, 7168, NUM_SMS)
+    c = choose_batched(GemmConfig(), 32, 512, 128, 7168, NUM_SMS)
     assert (c.schedule, c.tile_m, c.tile_n, c.stages) == ("cooperative", 128, 128, None)
     # Short K but N < 192 stays cooperative.
     c = choose_batched(GemmConfig(), 8, 512, 128, 128, NUM_SMS)
@@ -716,9 +723,10 @@ def test_choose_batched_narrow_n(no_l2_hints: None) -> None:
 
 
 def test_choose_batched_stage_rule_boundary(no_l2_hints: None) -> None:
-    # 3 stages from 64 k-tiles (K = 4096) up; fewer leaves the default.
-    assert choose_batched(GemmConfig(), 2, 256, 512, 4096, NUM_SMS).stages == 3
-    assert choose_batched(GemmConfig(), 2, 256, 512, 4032, NUM_SMS).stages is None
+    # 3 stages from 64 k-tiles (K = 4096) up; fewer leaves the default (a grid's worth of
+    # tiles: fewer would be narrowed, see test_heuristics).
+    assert choose_batched(GemmConfig(), 64, 256, 512, 4096, NUM_SMS).stages == 3
+    assert choose_batched(GemmConfig(), 64, 256, 512, 4032, NUM_SMS).stages is None
 
 
 @pytest.mark.parametrize(
@@ -732,7 +740,7 @@ def test_choose_batched_stage_rule_boundary(no_l2_hints: None) -> None:
 )
 def test_choose_batched_config_overrides(no_l2_hints: None, config: GemmConfig,
                                          expected: tuple) -> None:
-    c = choose_batched(config, 8, 512, 512, 7168, NUM_SMS)
+    c = choose_batched(config, 64, 512, 512, 7168, NUM_SMS)
     assert (c.schedule, c.tile_m, c.tile_n, c.stages) == expected
 
 

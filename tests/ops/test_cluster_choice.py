@@ -53,7 +53,7 @@ def test_general_form_picks_1x2_where_pairs_fill() -> None:
                           132).cluster_n == 1
     # Empty problems count for nothing; a set of only empty problems picks no cluster.
     assert choose_general(GemmConfig(), ((0, 512, 7168),) * 4, 132).cluster_n == 1
-    assert choose_general(GemmConfig(), ((0, 256, 64),) + ((128, 512, 7168),) * 8,
+    assert choose_general(GemmConfig(), ((0, 256, 64),) + ((128, 512, 7168),) * 64,
                           132).cluster_n == 2
 
 

@@ -5,7 +5,13 @@ import pytest
 from moe_gemm import GemmConfig
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES
 from moe_gemm.kernels.sm90.constants import TILE_K
-from moe_gemm.ops.heuristics import SHORT_K_TILES, choose_batched, choose_general, choose_varlen
+from moe_gemm.ops.heuristics import (
+    SHORT_K_TILES,
+    choose_batched,
+    choose_general,
+    choose_varlen,
+    expected_tiles,
+)
 
 
 def _sched_tile(c):
@@ -39,6 +45,46 @@ def test_varlen_pingpong_tile_by_rows_per_expert():
     cfg = GemmConfig(schedule="pingpong")
     assert _sched_tile(choose_varlen(cfg, 16384, 8, 14336, 4096, 132)) == (
         "pingpong", (128, 192))
+
+
+def test_expected_tiles_counts_active_experts_and_partial_tiles():
+    # One row: one expert, one m-tile; N=2048 in 256-wide tiles: 8.
+    assert expected_tiles(1, 64, 2048, 64, 256) == pytest.approx(8.0)
+    # One expert of 3000 rows: 3000/128 + half a partial tile, times ceil(1000/256) = 4.
+    assert expected_tiles(3000, 1, 1000, 128, 256) == pytest.approx((3000 / 128 + 0.5) * 4)
+    # Many rows over many experts: every expert active, ~T/tile_m + E/2 m-tiles.
+    got = expected_tiles(65536, 64, 4096, 128, 256)
+    assert got == pytest.approx((65536 / 128 + 32) * 16, rel=1e-6)
+    assert expected_tiles(0, 8, 512, 128, 256) == 0.0
+
+
+@pytest.mark.parametrize("T,E,N,K,tile", [
+    (1, 64, 2048, 7168, (64, 128)),  # one routed row: 8 tiles of 64x256, 16 of 64x128
+    (4, 64, 2048, 7168, (64, 128)),
+    (2, 8, 4096, 14336, (64, 128)),  # Mixtral down at one token
+    (8, 128, 1536, 2048, (64, 128)),  # Qwen3 gate/up at one token, top-8
+    (8, 256, 7168, 2048, (64, 256)),  # ~220 tiles of 64x256: over a wave, unchanged
+])
+def test_decode_on_few_experts_takes_a_narrower_pingpong_tile(T, E, N, K, tile):
+    c = choose_varlen(GemmConfig(), T, E, N, K, 132)
+    assert _sched_tile(c) == ("pingpong", tile)
+    # The narrowing counts the grid: on a GPU of few SMs the wide tile fills it.
+    assert _sched_tile(choose_varlen(GemmConfig(), T, E, N, K, 4)) == ("pingpong", (64, 256))
+
+
+def test_long_k_on_few_experts_takes_cooperative_128x64_without_the_split():
+    # E=8, ~128 rows each, N=512, K=32768: ~24 tiles of 128x256 on 132 SMs.
+    c = choose_varlen(GemmConfig(), 1024, 8, 512, 32768, 132)
+    assert _sched_tile(c) == ("cooperative", (128, 64))
+    assert not c.tail_split and not c.epi_whole
+    # Over half a wave of 128x256 tiles stays (one expert of 3000 rows, ~96 tiles).
+    assert _sched_tile(choose_varlen(GemmConfig(), 3000, 1, 1000, 1536, 132)) == (
+        "cooperative", (128, 256))
+    # A pinned tile or tail split is kept as given.
+    pinned = choose_varlen(GemmConfig(tile_m=128, tile_n=256), 1024, 8, 512, 32768, 132)
+    assert (pinned.tile_m, pinned.tile_n) == (128, 256) and pinned.tail_split
+    split = choose_varlen(GemmConfig(tail_split=True), 1024, 8, 512, 32768, 132)
+    assert _sched_tile(split) == ("cooperative", (128, 64)) and split.tail_split
 
 
 def test_general_short_k_rule_unchanged():
@@ -140,3 +186,31 @@ def test_trimmed_a_only_in_the_varlen_compile_key():
     assert c.trim_a
     assert _compile_key("varlen", torch.bfloat16, torch.bfloat16, "k", c, False).trim_a
     assert not _compile_key("batched", torch.bfloat16, torch.bfloat16, "k", c, False).trim_a
+
+
+def test_batched_and_general_long_k_on_few_tiles_take_cooperative_128x64():
+    # 8 x 128x512x32768: 16 tiles of 128x256 on 132 SMs; 4 x 256x1024x16384: 32.
+    for G, M, N, K in ((8, 128, 512, 32768), (4, 256, 1024, 16384)):
+        c = choose_batched(GemmConfig(), G, M, N, K, 132)
+        assert _sched_tile(c) == ("cooperative", (128, 64))
+        assert (c.cluster_m, c.cluster_n) == (1, 1) and c.stages is None
+    lists = ((256, 1024, 16384), (128, 1024, 16384), (384, 1024, 8192), (64, 2048, 16384))
+    assert _sched_tile(choose_general(GemmConfig(), lists, 132)) == ("cooperative", (128, 64))
+    # A grid they fill keeps the rules' tile: the uniform headline, 256 x 128x512x7168.
+    c = choose_batched(GemmConfig(), 256, 128, 512, 7168, 132)
+    assert _sched_tile(c) == ("cooperative", (128, 256)) and (c.cluster_n, c.stages) == (2, 3)
+    assert _sched_tile(choose_general(GemmConfig(), ((128, 512, 7168),) * 256, 132)) == (
+        "cooperative", (128, 256))
+    # Pinned tiles and schedules are kept.
+    pinned = choose_batched(GemmConfig(tile_m=128, tile_n=256), 8, 128, 512, 32768, 132)
+    assert (pinned.tile_m, pinned.tile_n) == (128, 256)
+
+
+def test_batched_rows_of_at_most_64_take_a_pingpong_tile_on_long_k():
+    c = choose_batched(GemmConfig(), 8, 1, 4096, 4096, 132)  # 128 tiles: a wave nearly full
+    assert _sched_tile(c) == ("pingpong", (64, 256))
+    c = choose_batched(GemmConfig(), 4, 1, 4096, 4096, 132)  # 64 tiles: narrowed
+    assert _sched_tile(c) == ("pingpong", (64, 128))
+    # a pinned cooperative schedule stays cooperative
+    c = choose_batched(GemmConfig(schedule="cooperative"), 8, 1, 4096, 4096, 132)
+    assert c.schedule == "cooperative"
