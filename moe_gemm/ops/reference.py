@@ -61,11 +61,20 @@ def grouped_gemm_torch(args: GroupedGemmArgs) -> list[torch.Tensor]:
 _functorch_depth = torch._C._functorch.get_dynamic_layer_stack_depth
 
 
+# torch's grouped_mm on CUDA: CUTLASS kernels for bf16 (sm90/sm100), else its own loop of
+# mm_out over offs read on the host, in C++. That loop beats ours in Python: fp32, E=16,
+# 2048 rows, N=K=1024 on an H200 (2026-12-01, `moe-gemm bench --suite off-grid`, calls back
+# to back, each waiting for its host read of offs): 526 us a call against 805 (torch's
+# grouped_mm alone 385: the offsets' clamp and the tail's zeros add small launches).
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
-    """torch's own grouped_mm: CUDA, bf16, sm80+, 16-byte aligned strides."""
-    if not _HAS_GROUPED_MM or args.x.device.type != "cuda" or args.dtype != torch.bfloat16:
+    """torch's own grouped_mm: CUDA, sm80+, 16-byte aligned strides, output in the inputs'
+    dtype."""
+    if not _HAS_GROUPED_MM or args.x.device.type != "cuda" or args.dtype not in _NATIVE_DTYPES:
         return False
-    if args.out_dtype != torch.bfloat16:
+    if args.out_dtype != args.dtype:
         # torch's CUDA grouped_mm requires out dtype == input dtype (it rejects bf16 -> fp32).
         return False
     if torch.cuda.get_device_capability(args.x.device) < (8, 0):
@@ -75,14 +84,17 @@ def _grouped_mm_native_ok(args: GroupedMmArgs) -> bool:
         # loop below differentiates through torch.mm.
         return False
 
-    def aligned(t: torch.Tensor) -> bool:
+    def aligned(t: torch.Tensor, elem: int) -> bool:
         # One unit stride and the other a 16-byte multiple; torch rejects a 0 stride (an
         # expanded dim), which the loop below handles like any other view.
         s, n = t.stride()[-2:], t.shape[-2:]
-        return ((s[-1] == 1 and s[-2] % 8 == 0 and (s[-2] > 0 or n[-2] <= 1))
-                or (s[-2] == 1 and s[-1] % 8 == 0 and (s[-1] > 0 or n[-1] <= 1)))
+        per = 16 // elem
+        return ((s[-1] == 1 and s[-2] % per == 0 and (s[-2] > 0 or n[-2] <= 1))
+                or (s[-2] == 1 and s[-1] % per == 0 and (s[-1] > 0 or n[-1] <= 1)))
 
-    return aligned(args.x) and aligned(args.w) and args.x.data_ptr() % 16 == 0
+    elem = args.x.element_size()
+    return (aligned(args.x, elem) and aligned(args.w, elem)
+            and args.x.data_ptr() % 16 == 0 and args.w.data_ptr() % 16 == 0)
 
 
 def expert_spans(offs: torch.Tensor, rows: int) -> list[tuple[int, int, int]]:
@@ -125,13 +137,29 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
                                                               device=x.device)
         return tie_to_inputs(y, x, w)
     if _grouped_mm_native_ok(args):
-        # No host sync: torch's kernel reads offs on the GPU.
-        y = F.grouped_mm(x, w, offs=offs, out_dtype=args.out_dtype)
-        tail = torch.arange(T, device=x.device) >= offs[-1].clamp(0, T)
+        # bf16: no host sync, torch's kernel reads offs on the GPU; other dtypes run torch's
+        # own loop (it reads offs on the host, as the loop below does). The offsets as the
+        # kernels read them (clamped into [0, T], a decreasing entry an empty expert), on the
+        # GPU: torch would start the next expert at the lower value.
+        offs = offs.clamp(0, T).cummax(0).values
+        try:
+            y = F.grouped_mm(x, w, offs=offs, out_dtype=args.out_dtype)
+        except RuntimeError:
+            if args.dtype == torch.bfloat16:
+                raise
+            return _grouped_mm_loop(args)  # a torch without that dtype in its grouped_mm
+        tail = torch.arange(T, device=x.device) >= offs[-1]
         if args.out is not None:
             args.out.copy_(torch.where(tail[:, None], args.out, y))
             return args.out
         return y.masked_fill_(tail[:, None], 0)
+    return _grouped_mm_loop(args)
+
+
+def _grouped_mm_loop(args: GroupedMmArgs) -> torch.Tensor:
+    """grouped_mm_torch as a loop over the experts (offs read on the host)."""
+    x, w, offs = args.x, args.w, args.offs
+    T, N = args.T, args.N
     spans = expert_spans(offs, T)
     if args.out is not None:
         for e, start, end in spans:
