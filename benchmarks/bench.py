@@ -48,7 +48,7 @@ import torch
 from benchmarks import suite_fp8, suite_off_grid
 from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock, median
-from benchmarks.host_overhead import measure_host_overhead
+from benchmarks.host_overhead import CASE_NAMES, measure_host_overhead
 from benchmarks.report import plot_png, write_json
 from benchmarks.runner import (
     ABORT_ENV,
@@ -59,6 +59,7 @@ from benchmarks.runner import (
     our_failures,
     progress_path,
     run_shape,
+    unknown_skip,
 )
 from benchmarks.scoring import derive, format_table, fp8_compute_bound
 from benchmarks.suite import (
@@ -106,6 +107,18 @@ def shape_implementations(spec: ShapeSpec, args: argparse.Namespace, seed: int,
     if spec.dtype == FP8:
         return suite_fp8.implementations(spec, fp8_compute_bound(spec.sizes(seed), ceilings))
     return implementations(spec, args.variants, args.quack_tuned)
+
+
+def impl_names(suite: list[ShapeSpec], host_overhead: bool) -> list[str]:
+    """Every implementation a run of `suite` can time, whatever its options (the variant
+    matrix, QuACK tuned), then the host-overhead cases: the names --skip-impl takes."""
+    names: list[str] = []
+    for spec in suite:
+        impls = (suite_fp8.implementations(spec, True) if spec.dtype == FP8
+                 else implementations(spec, True, True))
+        names += [i.name for i in impls]
+    names += CASE_NAMES if host_overhead else ()
+    return list(dict.fromkeys(names))
 
 
 def run_in_process(args: argparse.Namespace, argv: list[str], device: torch.device,
@@ -339,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown shape(s) {', '.join(unknown)}; expected some of "
               f"{', '.join(known)}", file=sys.stderr)
+        return 2
+    if why := unknown_skip(args.skip_impl, impl_names(suite, bool(extra))):
+        print(f"error: {why}", file=sys.stderr)
         return 2
     try:
         device = bench_device(args.device, args.smoke, "the full suite (GBs of inputs)")

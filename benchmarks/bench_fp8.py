@@ -434,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         doc, out, shapes, t0, args.budget_s,
         lambda shape: run_shape(shape, clock, device, args.reps, args.sweep, copy_bps),
         on_row=lambda row: print(_line(row), flush=True))
+    # The sections time and check our own quantizer and kernel (torch's errors inside them
+    # are caught per call), so a section that raised is our failure too.
+    failed += [name for name in ("quantize", "accuracy")
+               if isinstance(doc.get(name), dict) and "error" in doc[name]]
     return shape_list.exit_status(failed)
 
 

@@ -61,6 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_gemm  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
 from moe_gemm.ops.fused_launch import FAST_GATE_ENV, GATHER_WIDE_ENV  # noqa: E402
@@ -655,9 +656,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_moe_layer: {why}", file=sys.stderr)
         return 2
     result = run(args)
-    text = json.dumps(result, indent=1)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        # (json.dumps wrote a NaN or infinite value as the bare word NaN or Infinity, which
+        # strict JSON readers refuse along with the whole file; written as null here)
+        write_json(Path(args.out), result)
         print(f"wrote {args.out}")
     return 0 if "error" not in result else 1
 

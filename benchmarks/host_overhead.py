@@ -27,7 +27,6 @@ grouped_mm at or below torch's in CPU time and gap (2-D and 3-D), a repeated pla
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -40,6 +39,7 @@ from unittest import mock
 import torch
 
 from benchmarks.clock import Clock, median, quantile
+from benchmarks.report import write_json
 from benchmarks.runner import bench_device
 from benchmarks.suite import GROUPED_MM_FN, GROUPED_MM_NAME, short_error
 from moe_gemm.ops import api as ops
@@ -55,6 +55,12 @@ PLAN = "moe_gemm GroupedGemmPlan call"
 PLAN_DIRECT = "moe_gemm GroupedGemmPlan call (direct launch)"
 GEMM8 = "moe_gemm grouped_gemm (8 problems)"
 GEMM256 = "moe_gemm grouped_gemm (256 problems)"
+LOOP8 = "torch.mm loop (8 problems)"
+LOOP256 = "torch.mm loop (256 problems)"
+# Every case build_cases can return (torch's only where torch has grouped_mm): the names
+# --skip-impl takes.
+CASE_NAMES = (OURS_MM2, OURS_MM3, TORCH_MM2, TORCH_MM3, PLAN, PLAN_DIRECT, GEMM8, GEMM256,
+              LOOP8, LOOP256)
 
 
 def _sizes(smoke: bool) -> dict[str, int]:
@@ -106,8 +112,8 @@ def build_cases(device: torch.device, smoke: bool, seed: int = 0
             return out
         return body
 
-    cases["torch.mm loop (8 problems)"] = loop(a8, b8, out8)
-    cases["torch.mm loop (256 problems)"] = loop(a256, b256, out256)
+    cases[LOOP8] = loop(a8, b8, out8)
+    cases[LOOP256] = loop(a256, b256, out256)
     info = {"grouped_mm 2-D": {"T": T, "E": E, "N": N, "K": K},
             "grouped_mm 3-D": {"G": E, "M": s["M3"], "N": N, "K": K},
             "lists": {"M": m, "N": N, "K": K}, "dtype": "bf16",
@@ -266,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
            "torch": torch.__version__, "python": platform.python_version(), **result}
     if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        # (null for a NaN or infinite value: json.dumps wrote the bare words NaN and Infinity,
+        # which are not JSON)
+        write_json(Path(args.out), doc)
     print("\n".join(format_lines(result)), flush=True)
     return 0
 

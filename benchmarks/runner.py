@@ -103,6 +103,19 @@ def bench_device(requested: str | None, smoke: bool, needs: str) -> torch.device
     return device
 
 
+def unknown_skip(skip: Sequence[str] | None, known: Sequence[str]) -> str | None:
+    """The error line for --skip-impl names that are none of `known`, or None when all are.
+
+    Rows are matched by exact name, so a misspelt name skipped nothing: the run then timed
+    (or crashed in) the implementation it was asked to leave out, and said nothing.
+    """
+    bad = [name for name in dict.fromkeys(skip or ()) if name not in known]
+    if not bad:
+        return None
+    return (f"--skip-impl: no implementation named {', '.join(map(repr, bad))}; the names "
+            f"are {', '.join(map(repr, dict.fromkeys(known)))}")
+
+
 def _context_alive(device: torch.device) -> bool:
     if device.type != "cuda":
         return True

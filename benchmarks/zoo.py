@@ -48,7 +48,14 @@ from benchmarks import suite_fp8, zoo_report
 from benchmarks.ceilings import measure_ceilings
 from benchmarks.clock import B2B_TARGET_MS, Clock
 from benchmarks.report import write_json
-from benchmarks.runner import Run, bench_device, device_info, our_failures, run_shape
+from benchmarks.runner import (
+    Run,
+    bench_device,
+    device_info,
+    our_failures,
+    run_shape,
+    unknown_skip,
+)
 from benchmarks.scoring import fp8_compute_bound
 from benchmarks.suite import (
     DEFAULT_NAME,
@@ -170,6 +177,15 @@ def implementations(run: Run, quack_tuned: bool, cap_s: float,
                           notes="quack.gemm_interface.gemm(..., tuned=True): QuACK's "
                           "autotuner on the first call"))
     return impls
+
+
+def impl_names(fp8: bool) -> list[str]:
+    """The implementations a bf16 (or with fp8, an FP8) zoo run can time, QuACK tuned
+    included: the names --skip-impl takes."""
+    if fp8:
+        spec = ShapeSpec("names", "varlen", FP8, "", experts=1, rows=1, n=16, k=128)
+        return [i.name for i in suite_fp8.implementations(spec, True)]
+    return [DEFAULT_NAME, GROUPED_MM_NAME, GRAPH_NAME, QUACK_NAME, QUACK_TUNED_NAME]
 
 
 def _guarded_quack_tuned(run: Run, cap_s: float, budget_left):
@@ -429,7 +445,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON path (default benchmarks/results/zoo-<device>-<date>."
                    "json)")
     p.add_argument("--out-dir", help="write zoo-<device>-<date>.json (and the PNG) here "
-                   "instead")
+                   "instead (not with --out)")
     p.add_argument("--png", help="PNG path (default beside the JSON; 'none' to skip)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
     p.add_argument("--skip-impl", action="append", metavar="NAME", help="leave out an "
@@ -529,6 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     if why := empty_option(args, NONEMPTY):
         print(f"error: {why}", file=sys.stderr)
         return 2
+    if args.out and args.out_dir and args.shard is None:
+        # (--out won and --out-dir was ignored without a word. A --gpus run's shards are
+        # given their own --out after the caller's options, so a shard may carry both.)
+        print("error: --out and --out-dir both name the results file: give one",
+              file=sys.stderr)
+        return 2
     if args.merge:
         return merge(args)
     # Checked before --gpus starts its shards, so that a bad argument is one error, not N.
@@ -544,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
            else "--rerun re-measures cases of a --resume FILE; give one"
            if args.rerun and not args.resume else None)
     if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    if why := unknown_skip(args.skip_impl, impl_names(args.fp8)):
         print(f"error: {why}", file=sys.stderr)
         return 2
     try:

@@ -379,7 +379,8 @@ def merge_main(files: list[str], out: str) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for gpu-tests.json and gpu-logs.txt")
+    p.add_argument("--out", help="folder for gpu-tests.json and gpu-logs.txt (not needed with "
+                   "--list)")
     p.add_argument("--groups", default="", help="comma-separated group names or patterns")
     p.add_argument("-k", dest="kexpr", default=None, help="pytest -k expression")
     p.add_argument("--paths", nargs="*", default=["tests"], help="where to collect")
@@ -400,10 +401,14 @@ def main() -> int:
                    "(one session per GPU of a machine, each with its own --groups) into "
                    "--out/gpu-tests.json and exit; no GPU needed")
     args = p.parse_args()
+    if not args.out and (args.merge or not args.list):
+        # (argparse's own required=True asked --list, which writes nothing, for it too)
+        p.error("--out is required (except with --list)")
     if args.merge:
         return merge_main(args.merge, args.out)
     t0 = time.monotonic()
-    os.makedirs(args.out, exist_ok=True)
+    if not args.list:
+        os.makedirs(args.out, exist_ok=True)
     # The processes' logs go here and are copied into --out's gpu-logs.txt: removed after, or
     # every run (--list too) left its mkdtemp folder behind in the temporary directory.
     work = tempfile.mkdtemp(prefix="gpu_session_")

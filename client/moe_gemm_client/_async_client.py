@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 import anyio  # a hard dependency of httpx, so always present alongside it
+import anyio.lowlevel
 import httpx
 
 from . import _calls as calls
@@ -25,6 +26,20 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 __all__ = ["AsyncClient"]
+
+
+def _new_pool() -> httpx.AsyncClient:
+    return httpx.AsyncClient(limits=C.DEFAULT_CONNECTION_LIMITS, follow_redirects=False)
+
+
+def _running_loop() -> object:
+    """The running event loop (asyncio) or run (trio), as an object compared by identity.
+
+    anyio >= 4.11 wraps the backend's own token in an EventLoopToken; earlier versions return
+    it directly (the asyncio loop, trio's TrioToken).
+    """
+    token = anyio.lowlevel.current_token()
+    return getattr(token, "native_token", token)
 
 
 class AsyncClient(_BaseClient):
@@ -52,13 +67,37 @@ class AsyncClient(_BaseClient):
             raise TypeError(f"http_client must be an httpx.AsyncClient; got "
                             f"{type(http_client).__name__}")
         self._owns_http = http_client is None
-        self._http = http_client or httpx.AsyncClient(limits=C.DEFAULT_CONNECTION_LIMITS,
-                                                      follow_redirects=False)
+        self._http = http_client or _new_pool()
+        # The event loop whose connections the owned pool holds (None: not used yet).
+        self._loop: object | None = None
         self._sleep: Callable[[float], Any] = anyio.sleep
+
+    def _pool(self) -> httpx.AsyncClient:
+        """The httpx client to send with in the running event loop.
+
+        A pooled connection belongs to the loop that opened it: after `asyncio.run()` returns,
+        the next `asyncio.run()` found the first loop's keep-alive connection in the pool and
+        failed its first call with "RuntimeError: Event loop is closed". An owned pool first
+        used in another loop is therefore replaced by a fresh one. The old one is dropped, not
+        awaited: closing its connections needs their own loop, which is gone (their sockets
+        close when collected). An http_client passed in is the caller's to manage and is
+        always used as it is.
+        """
+        if not self._owns_http or self._http.is_closed:
+            return self._http  # (a closed client stays closed: httpx says so at send)
+        loop = _running_loop()
+        if self._loop is not None and loop is not self._loop:
+            self._http = _new_pool()
+        self._loop = loop
+        return self._http
 
     async def close(self) -> None:
         """Close the connection pool (not an http_client passed in)."""
         if self._owns_http:
+            if self._loop is not None and _running_loop() is not self._loop:
+                # Its connections belong to an earlier loop: aclose() here would raise
+                # "Event loop is closed"; a fresh pool closes cleanly and leaves is_closed set.
+                self._http = _new_pool()
             await self._http.aclose()
 
     @property
@@ -73,10 +112,11 @@ class AsyncClient(_BaseClient):
 
     async def _request(self, call: _Call[R]) -> R:
         state = self._state(call)
+        http = self._pool()
         while True:
-            request = self._build_request(self._http, call, asynchronous=True)
+            request = self._build_request(http, call, asynchronous=True)
             try:
-                response = await self._http.send(request)
+                response = await http.send(request)
             except httpx.HTTPError as exc:
                 delay = self._on_transport_error(call, request, exc, state)
             else:

@@ -64,6 +64,14 @@ R = TypeVar("R")
 
 # What a key can hold in an HTTP/1.1 header value: printable ASCII (no line breaks).
 _API_KEY_RE = re.compile(r"[\x20-\x7e]+")
+# "scheme://" then everything up to the last "@" before the path, query or fragment.
+_USERINFO_RE = re.compile(r"^(\s*[A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def _without_userinfo(url: str) -> str:
+    """`url` with any "user:password@" masked, for error messages (the text is masked, not a
+    parsed httpx.URL, because a URL that fails to parse is echoed too)."""
+    return _USERINFO_RE.sub(r"\1***@", url)
 
 
 def _version() -> str:
@@ -128,25 +136,32 @@ class _BaseClient:
     ) -> None:
         if base_url is None:
             base_url = os.environ.get(C.ENV_BASE_URL) or C.DEFAULT_BASE_URL
+        shown = _without_userinfo(str(base_url))  # what a message may echo
         try:
             url = httpx.URL(str(base_url))
         except httpx.InvalidURL as exc:  # (not a ValueError: "http://[::1" was a traceback)
             raise ValueError(f"base_url must be an http(s) URL such as {C.DEFAULT_BASE_URL}; "
-                             f"got {str(base_url)!r} ({exc})") from None
+                             f"got {shown!r} ({exc})") from None
+        # httpx turns "http://user:password@host" into Basic auth, which replaced the bearer
+        # api_key on every request without a word, and the password then showed in repr() and
+        # in every message that echoed the URL. The server takes bearer keys only.
+        if url.userinfo:
+            raise ValueError(f"base_url must not carry credentials (user:password@); pass the "
+                             f"key as api_key= or ${C.ENV_API_KEY} (sent as a bearer token); "
+                             f"got {shown!r}")
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"base_url must be an http(s) URL such as {C.DEFAULT_BASE_URL}; "
-                             f"got {str(base_url)!r}")
+                             f"got {shown!r}")
         # httpx takes any port number, and getaddrinfo wraps one past 65535 modulo 2^16:
         # "http://127.0.0.1:84267" would talk to whatever listens on 18731.
         if url.port is not None and not 0 < url.port <= 65535:
-            raise ValueError(f"base_url's port must be 1-65535; got {url.port} in "
-                             f"{str(base_url)!r}")
+            raise ValueError(f"base_url's port must be 1-65535; got {url.port} in {shown!r}")
         # A query or fragment cannot be part of a prefix: appending "/" then lands in the query
         # ("http://h/moe?x=1/"), join() resolves against "/moe" without its trailing slash, and
         # every request silently went to http://h/v2/... with the prefix and the query dropped.
         if url.query or url.fragment:
             raise ValueError(f"base_url must not have a query or fragment (a path prefix such "
-                             f"as http://host/moe is kept); got {str(base_url)!r}")
+                             f"as http://host/moe is kept); got {shown!r}")
         # A trailing slash makes join() keep a path prefix (a server behind /moe/ on a proxy).
         self.base_url = httpx.URL(str(url).rstrip("/") + "/")
         if api_key is None:

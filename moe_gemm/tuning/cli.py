@@ -17,7 +17,8 @@
 A --shapes item is E,N,K,ROWS[,ROWS...]: E experts with (N, K) weights, one shape per ROWS
 (routed rows for grouped_mm, rows per problem for --form batched). --zoo takes the MoE
 projections of moe_gemm.tuning.zoo at the token counts given (tokens x top_k rows), in
-priority order: every model at the first token count, then at the next, and so on.
+priority order: every model at the first token count, then at the next, and so on. Those are
+grouped_mm 2-D shapes: --form (batched, general) applies to --shapes only.
 
 The table at --out (default ./tuned-<device>.json) is updated shape by shape and rewritten
 atomically after each, so --budget-s (total wall seconds, compiles included) can stop the run
@@ -89,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="shapes to tune (repeatable)")
     p.add_argument("--form", choices=["varlen", "batched", "general"], default="varlen",
                    help="for --shapes: grouped_mm 2-D (varlen), 3-D (batched) or grouped_gemm "
-                   "lists (general)")
+                   "lists (general); the zoo's shapes are always varlen")
     p.add_argument("--layout", choices=["ENK", "EKN"], default="ENK",
                    help="for --shapes: weights stored (E, N, K) K-contiguous or (E, K, N)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
@@ -168,8 +169,8 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
         if len(nums) < 4 or min(nums) <= 0:
             raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...], all > 0")
         if max(nums) > INT32_MAX:
-            # No kernel takes such a shape (offs are int32), and drawing the routing of that
-            # many rows, one at a time, would run for hours before anything is printed.
+            # No kernel takes such a shape (offs are int32). (Up to it, the routing of a
+            # --shapes item is one multinomial draw: zoo.DRAW_AT_ONCE_TOKENS.)
             raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...], each from 1 "
                              f"to {INT32_MAX}")
         E, N, K = nums[:3]
@@ -247,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     if why is None and not args.zoo and (args.models is not None or args.tokens is not None):
         # Without --zoo they select nothing: the run would tune --shapes alone, silently.
         why = "--models and --tokens choose the zoo's shapes: add --zoo"
+    if why is None and args.zoo and args.form != "varlen" and (not args.shapes or args.configs):
+        # The zoo's shapes are grouped_mm 2-D MoE projections whatever --form says: alone,
+        # --form batched was ignored without a word; with --configs, the configs were read
+        # and checked as batched ones and then timed on the zoo's varlen shapes.
+        why = (f"--form {args.form} is for --shapes; the zoo's shapes are varlen (grouped_mm "
+               "2-D)" + (", and --configs take one form: time them in separate runs"
+                         if args.configs else ""))
     if why:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2

@@ -18,7 +18,10 @@ Routing (`topk_counts`): each expert gets a popularity exp(sigma * z), z standar
 replacement. sigma = 0.5 puts the busiest of 256 experts at ~3-4x the mean load at prefill
 sizes and ~2x among 8, the range reported for trained routers with load balancing; decode
 batches leave most experts empty. Only `random.Random` is used, whose stream Python keeps
-stable across versions, so a seed routes the same everywhere.
+stable across versions, so a seed routes the same everywhere; the one exception is a top-1
+routing of more than DRAW_AT_ONCE_TOKENS tokens (`moe-gemm tune --shapes` with millions of
+rows), drawn at once as a multinomial by numpy's frozen legacy generator, seeded with the same
+stream's state.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ import random
 from dataclasses import dataclass
 
 ROUTING_SIGMA = 0.5
+# Above this many top-1 tokens the counts are one multinomial draw: token by token, 2^31 rows
+# took about an hour (`moe-gemm tune --shapes E,N,K,2147483647 --list` printed nothing for
+# that long). 2^20 tokens still take well under a second, and no shape routed so far came
+# near it, so every count drawn before stays the same.
+DRAW_AT_ONCE_TOKENS = 1 << 20
 # Tokens per call, decode to prefill (the routed rows are tokens * top_k).
 TOKENS = (1, 16, 128, 512, 2048, 8192, 32768)
 # The subset the zoo benchmark runs by default, which the tuner also takes first at every token
@@ -190,6 +198,9 @@ def topk_counts(experts: int, tokens: int, top_k: int, seed: int,
     total = sum(weights)
     cdf = list(itertools.accumulate(w / total for w in weights))
     rng = random.Random(seed * 7919 + 1)
+    if top_k == 1 and tokens > DRAW_AT_ONCE_TOKENS:
+        # Top-1 tokens pick independently, so the counts are exactly multinomial.
+        return _multinomial(rng, [w / total for w in weights], tokens)
     counts = [0] * experts
     for _ in range(tokens):
         chosen: set[int] = set()
@@ -201,6 +212,17 @@ def topk_counts(experts: int, tokens: int, top_k: int, seed: int,
         for e in chosen:
             counts[e] += 1
     return counts
+
+
+def _multinomial(rng: random.Random, shares: list[float], n: int) -> list[int]:
+    """One multinomial draw of `n` over `shares`, by numpy's legacy MT19937 generator (its
+    stream is frozen) started from `rng`'s state, so that the seed still decides it."""
+    import numpy as np
+
+    _, internal, _ = rng.getstate()  # 624 state words, then the position in them
+    gen = np.random.RandomState()
+    gen.set_state(("MT19937", np.array(internal[:-1], dtype=np.uint32), internal[-1]))
+    return [int(c) for c in gen.multinomial(n, shares)]
 
 
 def default_kernel_key(E: int, N: int, K: int, rows: int, layout: str, device: str | None,

@@ -370,6 +370,46 @@ def test_cli_errors_and_list(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--smoke" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("suite, skip, bad", [
+    ("bench", ["torch.bmmm"], "'torch.bmmm'"),
+    ("bench", ["torch.bmm", "moe_gemm grouped_mm 2D"], "'moe_gemm grouped_mm 2D'"),
+    ("fp8", ["torch.bmm"], "'torch.bmm'")])  # a bf16 row's name, in the FP8 suite
+def test_an_unknown_skip_impl_is_refused_with_the_names(
+        suite: str, skip: list[str], bad: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A misspelt --skip-impl matched no row and skipped nothing, without a word: the run then
+    # timed (or crashed in) what it was asked to leave out.
+    out = tmp_path / "b.json"
+    argv = ["--suite", suite, "--smoke", "--quiet", "--out", str(out), "--png", "none"]
+    for name in skip:
+        argv += ["--skip-impl", name]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --skip-impl: no implementation named {bad};"), err
+    assert err.count("\n") == 1 and not out.exists()
+    shapes = bench.SHAPES[suite][1]()
+    names = bench.impl_names(shapes, suite == "bench")
+    assert all(repr(n) in err for n in names), err
+    assert (host_overhead.GEMM8 in names) == (suite == "bench")
+    assert {i.name for s in shapes for i in bench.shape_implementations(
+        s, _Options(), 0, {})} <= set(names)
+
+
+class _Options:
+    variants = True
+    quack_tuned = True
+
+
+def test_a_known_skip_impl_leaves_those_rows_out(tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    assert bench.main(["--smoke", "--only", "uniform", "--no-variants", "--reps", "2",
+                       "--quiet", "--png", "none", "--no-table", "--out", str(out),
+                       "--skip-impl", "torch.bmm", "--skip-impl",
+                       bench_suite.QUACK_TUNED_NAME]) == 0
+    impls = {r["impl"] for r in _load(out)["results"]}
+    assert DEFAULT_NAME in impls and "torch.mm loop" in impls and "torch.bmm" not in impls
+
+
 @pytest.mark.parametrize("only", ["", " ", ","])
 def test_an_empty_only_is_refused_not_the_whole_suite(
         only: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

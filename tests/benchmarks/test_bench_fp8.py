@@ -36,3 +36,35 @@ def test_shapes_and_sweep_are_buildable_configs():
         avg = shape.rows if shape.form == "batched" else shape.rows / shape.groups
         for cfg in bench_fp8.sweep_configs(shape).values():
             choose_fp8(shape.form, cfg, avg, shape.N, shape.K, 2, "block")  # never raises
+
+
+def test_our_implementation_failing_inside_a_shape_is_exit_status_1(tmp_path, monkeypatch,
+                                                                     capsys):
+    # ours-bf16 raising in every shape was recorded in the JSON and the run exited 0.
+    import moe_gemm
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("our kernel exploded")
+
+    monkeypatch.setattr(moe_gemm, "grouped_mm", boom)
+    out = tmp_path / "fp8.json"
+    assert bench_fp8.main(["--smoke", "--out", str(out), "--reps", "1", "--no-sweep"]) == 1
+    doc = json.loads(out.read_text())
+    assert [s["name"] for s in doc["shapes"]] == [s.name for s in bench_fp8.SMOKE_SHAPES]
+    for shape in doc["shapes"]:
+        assert "our kernel exploded" in shape["impls"]["ours-bf16"]["error"]
+        assert shape["impls"]["ours-fp8-block"]["us"] > 0  # the other rows still timed
+    err = capsys.readouterr().err
+    assert all(f"failed: {s.name} ours-bf16" in err for s in bench_fp8.SMOKE_SHAPES), err
+
+
+def test_a_section_of_ours_that_raised_is_exit_status_1(tmp_path, monkeypatch, capsys):
+    def boom(*args, **kwargs):
+        raise RuntimeError("accuracy exploded")
+
+    monkeypatch.setattr(bench_fp8, "accuracy", boom)
+    out = tmp_path / "fp8.json"
+    assert bench_fp8.main(["--smoke", "--out", str(out), "--reps", "1", "--no-sweep"]) == 1
+    doc = json.loads(out.read_text())
+    assert "accuracy exploded" in doc["accuracy"]["error"] and len(doc["shapes"]) == 2
+    assert "failed: accuracy" in capsys.readouterr().err

@@ -172,3 +172,27 @@ def test_bad_arguments_are_one_line_before_the_run(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert err.startswith("bench_moe_layer: " + words.format(tmp=tmp_path)), err
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
+
+
+def _no_constant(word: str) -> None:
+    raise AssertionError(f"{word} in a results file: not JSON")
+
+
+def test_a_non_finite_number_is_written_as_null(tmp_path, monkeypatch):
+    # json.dumps wrote NaN and Infinity as bare words (an accuracy diff of an output with a
+    # NaN in it, a ratio over a zero time), and strict readers refused the whole file.
+    real = bml.run
+
+    def with_nan(args):
+        result = real(args)
+        result["accuracy"]["qwen3-30b-a3b"][bml.HF] = float("nan")
+        result["rows"][0]["tflops"] = float("inf")
+        return result
+
+    monkeypatch.setattr(bml, "run", with_nan)
+    out = tmp_path / "moe-layer.json"
+    assert bml.main(["--smoke", "--models", "qwen3-30b-a3b", "--tokens", "2", "--rounds", "1",
+                     "--target-ms", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text(), parse_constant=_no_constant)
+    assert data["accuracy"]["qwen3-30b-a3b"][bml.HF] is None
+    assert data["rows"][0]["tflops"] is None and data["rows"][0]["ms"] > 0

@@ -111,3 +111,39 @@ def test_bench_device_refuses_a_gpu_index_past_the_last(monkeypatch):
     assert chosen == []
     assert bench_device("cuda:1", False, "the suite") == torch.device("cuda", 1)
     assert chosen == [torch.device("cuda", 1)]
+
+
+def _no_constant(word: str) -> None:
+    raise AssertionError(f"{word} in a results file: not JSON")
+
+
+def test_a_non_finite_number_is_written_as_null(tmp_path, monkeypatch, capsys):
+    # json.dumps wrote NaN and Infinity as bare words, and strict readers refused the file.
+    import json
+    import math
+
+    from benchmarks import host_overhead
+
+    real = host_overhead.measure_host_overhead
+
+    def with_nan(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls = result["calls"][host_overhead.OURS_MM2]
+        calls["launch_gap_us"], calls["gpu_us"] = math.nan, math.inf
+        return result
+
+    monkeypatch.setattr(host_overhead, "measure_host_overhead", with_nan)
+    out = tmp_path / "ho.json"
+    assert host_overhead.main(["--smoke", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text(), parse_constant=_no_constant)
+    ours = doc["calls"][host_overhead.OURS_MM2]
+    assert ours["launch_gap_us"] is None and ours["gpu_us"] is None and ours["cpu_us"] > 0
+
+
+def test_the_case_names_are_the_cases_built():
+    # --skip-impl is checked against CASE_NAMES: a case missing there could not be skipped.
+    from benchmarks import host_overhead
+
+    cases, _ = host_overhead.build_cases(torch.device("cpu"), smoke=True)
+    assert set(cases) <= set(host_overhead.CASE_NAMES)
+    assert len(host_overhead.CASE_NAMES) == len(set(host_overhead.CASE_NAMES))

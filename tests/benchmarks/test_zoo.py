@@ -398,3 +398,47 @@ def test_merge_refuses_an_out_or_png_that_cannot_be_written(tmp_path, capsys):
         assert err == f"error: {words}, not a file\n", err
         assert sorted(p.name for p in tmp_path.iterdir()) == before
         assert list(folder.iterdir()) == []
+
+
+def test_an_unknown_skip_impl_is_refused_with_the_names(tmp_path, capsys):
+    # A misspelt --skip-impl matched no row and skipped nothing, without a word: the run then
+    # timed (or crashed in) what it was asked to leave out.
+    out = tmp_path / "x.json"
+    for argv, bad in ((["--skip-impl", "QuACK varln"], "'QuACK varln'"),
+                      (["--skip-impl", "QuACK varlen", "--skip-impl", "torch.mm loop"],
+                       "'torch.mm loop'"),
+                      (["--fp8", "--models", "DeepSeek-V3", "--skip-impl", "QuACK varlen"],
+                       "'QuACK varlen'")):  # a bf16 row's name, in an FP8 run
+        assert zoo.main(["--smoke", "--quiet", "--out", str(out), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --skip-impl: no implementation named {bad};"), err
+        assert err.count("\n") == 1 and not out.exists()
+        names = zoo.impl_names("--fp8" in argv)
+        assert all(repr(n) in err for n in names), err
+    assert zoo.impl_names(False) == [i.name for i in zoo.implementations(
+        None, True, 1.0, lambda: 0.0)]
+
+
+def test_a_known_skip_impl_leaves_that_row_out(tmp_path):
+    doc = _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "1", "--proj", "down",
+               "--png", "none", "--no-quack-tuned", "--skip-impl", zoo.GRAPH_NAME)
+    impls = {r["impl"] for r in doc["results"]}
+    assert DEFAULT_NAME in impls and GROUPED_MM_NAME in impls and zoo.GRAPH_NAME not in impls
+
+
+def test_out_and_out_dir_together_are_refused(tmp_path, capsys, monkeypatch):
+    # --out won and --out-dir was ignored without a word.
+    folder = tmp_path / "dir"
+    out = tmp_path / "x.json"
+    assert zoo.main(["--smoke", "--quiet", "--out", str(out), "--out-dir", str(folder)]) == 2
+    assert capsys.readouterr().err == (
+        "error: --out and --out-dir both name the results file: give one\n")
+    assert list(tmp_path.iterdir()) == []
+    # --gpus gives each shard its own --out after the caller's --out-dir: still a run.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert zoo.main(["--smoke", "--quiet", "--models", "OLMoE-1B-7B", "--tokens", "1,16",
+                     "--proj", "down", "--png", "none", "--gpus", "2",
+                     "--out-dir", str(folder)]) == 0
+    [written] = folder.iterdir()
+    assert written.name.startswith("zoo-cpu-") and len(json.loads(written.read_text())[
+        "cases"]) == 2

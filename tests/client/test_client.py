@@ -988,6 +988,66 @@ def test_base_url_that_cannot_be_used_is_a_value_error(cls, monkeypatch):
     assert client.base_url.port == 65535
 
 
+@pytest.mark.parametrize("cls", [mgc.Client, mgc.AsyncClient])
+def test_credentials_in_base_url_are_refused_and_never_echoed(cls, monkeypatch):
+    """httpx made "http://user:pw@host" Basic auth, which replaced the bearer api_key on every
+    request without a word, and repr() showed the password. The server takes bearer keys
+    only, so a URL with credentials is refused, and no message echoes them."""
+    secret = "s3cret-pw"
+    for url in (f"http://user:{secret}@127.0.0.1:8000/", f"https://{secret}@h/moe",
+                f"http://:{secret}@h", f"http://user:{secret}@h:8000/moe/"):
+        with pytest.raises(ValueError, match="credentials") as info:
+            cls(url, api_key="key")
+        assert secret not in str(info.value) and "api_key" in str(info.value)
+        monkeypatch.setenv("MOE_GEMM_BASE_URL", url)
+        with pytest.raises(ValueError, match="credentials") as info:
+            cls()
+        assert secret not in str(info.value)
+        monkeypatch.delenv("MOE_GEMM_BASE_URL")
+    # Other faults in a URL that also has credentials: the message masks them too.
+    for url in (f"ftp://u:{secret}@h", f"http://u:{secret}@[::1", f"http://u:{secret}@h:99999",
+                f"http://u:{secret}@h/?q=1"):
+        with pytest.raises(ValueError, match="base_url") as info:
+            cls(url)
+        assert secret not in str(info.value), str(info.value)
+    client = cls("http://127.0.0.1:8000/moe", api_key=secret)
+    assert secret not in repr(client) and "127.0.0.1:8000/moe" in repr(client)
+
+
+def test_credentials_in_the_url_flag_are_a_usage_error(capsys):
+    from moe_gemm_client import cli
+
+    assert cli.main(["--url", "http://admin:hunter2@127.0.0.1:8000", "health"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "credentials" in err and "hunter2" not in err
+
+
+def test_async_client_is_reused_across_event_loops():
+    """One AsyncClient driven by two asyncio.run() calls: the pooled keep-alive connection
+    belonged to the first (closed) loop, and the first call in the second loop failed with
+    "RuntimeError: Event loop is closed". Real sockets: a mock transport has no loop."""
+    from moe_client_testutils import running_fake_server
+
+    handler = ContractHandler()
+    handler.weights["l0"] = (np.arange(12, dtype=np.float32).reshape(2, 3, 2), "w")
+    with running_fake_server(handler) as url:
+        client = mgc.AsyncClient(url, max_retries=0)
+        for _ in range(3):
+            assert asyncio.run(client.health()) is True
+            assert [w.name for w in asyncio.run(client.list_weights())] == ["l0"]
+
+        async def concurrent() -> list[bool]:
+            return list(await asyncio.gather(*(client.health() for _ in range(4))))
+
+        assert asyncio.run(concurrent()) == [True] * 4
+        # Closed from yet another loop: no "Event loop is closed", and closed for good.
+        asyncio.run(client.close())
+        assert client.is_closed
+        with pytest.raises(RuntimeError, match="closed"):
+            asyncio.run(client.health())
+    assert len(handler.seen) == 3 * 2 + 4
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_timeout_too_long_for_a_socket_is_refused_up_front(mode):
     """timeout=1e10 (finite, > 0) passed the check and failed at the first request with an

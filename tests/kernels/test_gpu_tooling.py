@@ -481,6 +481,27 @@ def test_gpu_tests_run_leaves_no_work_folder_behind(tmp_path, monkeypatch, capsy
     assert list(scratch.iterdir()) == []
 
 
+def test_gpu_tests_list_needs_no_out_and_a_run_does(tmp_path, monkeypatch, capsys):
+    # --list writes nothing, but argparse asked it for --out (and then --out was created).
+    gs = _load_script("gpu_session")
+    monkeypatch.setattr(gs, "probe", lambda: {"problem": None})
+    monkeypatch.setattr(gs, "collect", lambda paths, k, log: (["tests/x/test_a.py::t"], []))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [gs.__file__, "--list"])
+    assert gs.main() == 0
+    assert "x-a" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [gs.__file__, "--list", "--out", str(tmp_path / "o")])
+    assert gs.main() == 0
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(gs, "run_groups", lambda *a, **k: pytest.fail("ran without --out"))
+    for argv in ([], ["--merge", str(tmp_path / "a.json")]):
+        monkeypatch.setattr(sys, "argv", [gs.__file__, *argv])
+        with pytest.raises(SystemExit) as exc:
+            gs.main()
+        assert exc.value.code == 2
+        assert "--out is required (except with --list)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--set", "check", "-j", "0"], "-j/--jobs 0: must be at least 1"),
     (["--set", "check", "-j", "-3"], "-j/--jobs -3: must be at least 1"),

@@ -112,8 +112,7 @@ def test_merge_of_a_table_whose_versions_is_not_an_object_is_one_line(tmp_path, 
 @pytest.mark.parametrize("item", ["8,512,256,2147483648", "8,512,4294967296,64",
                                   "2147483648,512,256,64"])
 def test_shape_values_past_int32_are_refused_at_once(item, capsys):
-    # (a count of routed rows is drawn token by token: 2**31 of them would take half an hour
-    # before --list printed anything, for a shape no kernel takes: offs are int32)
+    # (a shape no kernel takes: offs are int32)
     assert cli.main(["--shapes", item, "--list"]) == 2
     assert capsys.readouterr().err == (
         f"moe-gemm tune: --shapes {item!r}: expected E,N,K,ROWS[,ROWS...], each from 1 to "

@@ -298,6 +298,28 @@ def test_varlen_shape_from_offs(monkeypatch):
 # The zoo's data
 
 
+def test_a_huge_top1_routing_is_one_multinomial_draw():
+    # Drawn token by token, 2^31 - 1 top-1 rows took about an hour (`moe-gemm tune --shapes
+    # E,N,K,2147483647 --list` printed nothing for that long).
+    import time
+
+    t0 = time.monotonic()
+    rows = 2**31 - 1
+    counts = zoo.topk_counts(8, rows, 1, seed=1234)
+    assert time.monotonic() - t0 < 5.0
+    assert sum(counts) == rows and min(counts) > 0
+    assert counts == zoo.topk_counts(8, rows, 1, seed=1234)
+    assert counts != zoo.topk_counts(8, rows, 1, seed=1235)
+    assert len(zoo.topk_counts(8, rows, 1, seed=-7)) == 8  # any int seeds it
+    weights = zoo.popularity(8, zoo.ROUTING_SIGMA, 1234)
+    for c, w in zip(counts, weights):  # the same popularity as token by token
+        assert c / rows == pytest.approx(w / sum(weights), abs=1e-4)
+    # Up to the threshold, token by token as before: these counts are what it always drew.
+    assert zoo.topk_counts(8, 1000, 1, seed=5) == [74, 74, 201, 54, 142, 46, 270, 139]
+    assert zoo.topk_counts(16, zoo.DRAW_AT_ONCE_TOKENS, 1, seed=2)[:4] == [
+        218297, 48360, 83280, 73075]
+
+
 def test_zoo_models_and_routing():
     assert len(zoo.MODELS) >= 10 and len({m.name for m in zoo.MODELS}) == len(zoo.MODELS)
     ds = zoo.BY_NAME["DeepSeek-V3"]

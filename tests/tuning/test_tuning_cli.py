@@ -147,3 +147,42 @@ def test_workers_must_be_positive(workers, capsys):
     # 0 was read as the default count and a negative one as a single process, silently.
     assert cli.main(["--shapes", "8,512,256,64", "--workers", workers]) == 2
     assert capsys.readouterr().err.startswith(f"moe-gemm tune: --workers {workers}: must be >= 1")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--form", "batched"], "--form batched is for --shapes; the zoo's shapes are varlen"),
+    (["--form", "general"], "--form general is for --shapes; the zoo's shapes are varlen"),
+    (["--form", "batched", "--shapes", "8,512,256,64", "--configs", "coop 128x256"],
+     "and --configs take one form: time them in separate runs")])
+def test_zoo_with_another_form_is_refused(argv, words, capsys):
+    # The zoo's shapes are varlen whatever --form says: --form batched was ignored without a
+    # word (and --configs were checked as batched ones, then timed on varlen shapes).
+    assert cli.main(["--zoo", "--models", "Mixtral-8x7B", "--tokens", "16", *argv,
+                     "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-gemm tune: --form") and words in err and err.count("\n") == 1
+
+
+def test_zoo_beside_batched_shapes_keeps_each_form(capsys):
+    # --form applies to the --shapes items, as its help says; the zoo's stay varlen.
+    assert cli.main(["--zoo", "--models", "Mixtral-8x7B", "--tokens", "16", "--shapes",
+                     "8,512,256,64", "--form", "batched", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and " batched E=8 N=512 K=256 " in lines[0]
+    assert all(" varlen E=8 " in line for line in lines[1:])
+
+
+def test_list_of_a_shape_near_int32_rows_is_quick():
+    # Its routing was drawn row by row: --list printed nothing for about an hour.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-m", "moe_gemm.tuning", "--shapes",
+                           "8,64,64,2147483647", "--list"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "E=8 N=64 K=64 rows=2147483647" in done.stdout
