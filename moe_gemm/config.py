@@ -2,8 +2,9 @@
 
 A field left at "auto" / None is decided per call by `moe_gemm.heuristics` from the problem
 shapes and the device; a field set by the caller is honoured or, when the kernel cannot take
-it, rejected with a ValueError that says why. The config never carries anything that varies
-per call (sizes, group counts), so it is safe to use as part of a compile key.
+it, rejected with a ValueError that says why (a TypeError where a field's type is wrong). The
+config never carries anything that varies per call (sizes, group counts), so it is safe to
+use as part of a compile key.
 """
 
 from __future__ import annotations
@@ -203,6 +204,11 @@ class GemmConfig:
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    # A wrong type is a TypeError, an unknown name a ValueError (the library's convention,
+    # as the bool and int fields).
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(map(repr, choices))} (a str); got "
+                        f"{type(value).__name__} {value!r}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 

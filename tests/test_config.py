@@ -88,17 +88,37 @@ def test_every_valid_choice_is_accepted(backend: str, schedule: str, visitor: st
     [
         ("backend", "CUTE"),
         ("backend", "cuda"),
-        ("backend", None),
-        ("backend", ["cute"]),
         ("schedule", "ping-pong"),
         ("schedule", ""),
-        ("visitor", None),
         ("visitor", "hostprecompute"),
     ],
 )
 def test_bad_choice_names_the_allowed_values(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"{field} must be one of .*'auto'.*; got"):
+    with pytest.raises(ValueError, match=rf"{field} must be one of .*'auto'.*; got {value!r}$"):
         GemmConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("backend", 1),
+        ("backend", None),
+        ("backend", ["cute"]),
+        ("backend", b"cute"),
+        ("schedule", 0),
+        ("visitor", None),
+        ("visitor", True),
+        ("raster_along", 0),
+        ("raster_along", ("m",)),
+    ],
+)
+def test_choice_of_another_type_is_a_type_error(field: str, value: object) -> None:
+    # A non-str was a ValueError ("must be one of ...") where the other fields' wrong types
+    # are TypeErrors; the message still names the choices.
+    pattern = rf"^{field} must be one of '.*' \(a str\); got {type(value).__name__} "
+    with pytest.raises(TypeError, match=pattern):
+        GemmConfig(**{field: value})
+    assert GemmConfig().replace(**{field: "m" if field == "raster_along" else "auto"})
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", "true"])

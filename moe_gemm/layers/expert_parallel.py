@@ -283,6 +283,8 @@ class ExpertParallelMoE(nn.Module):
         ("experts.{e}.w1.weight", "experts.{e}.gate_proj.weight", ...) of other ranks' experts
         are never read; fused ones ("experts.gate_up_proj" [E, 2I, H], vLLM's "w13_weight")
         are sliced to the local experts (read lazily by a mapping whose tensors are lazy).
+        This layer's own `state_dict()` is read too: each rank passes its own (it holds that
+        rank's experts only), in a group of the size that saved it (another size: ValueError).
 
         Args:
             state_dict: name -> tensor (any Mapping; only the needed keys are indexed).

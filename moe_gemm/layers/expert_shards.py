@@ -89,18 +89,35 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
     (ExpertParallelMoE.from_state_dict's arguments)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
-    if prefix + "gate.weight" not in state_dict and prefix + "router_weight" in state_dict:
-        # MoE's own state_dict, which MoE.from_state_dict reads too: its names read as
-        # the checkpoint names of the same tensors (lazily, as the rest).
-        state_dict = Renamed(state_dict, prefix, OWN_NAMES)
-    router_key = prefix + "gate.weight"
-    if router_key not in state_dict:
-        raise KeyError(f"no router weight {router_key!r} in the state dict")
-    router_weight = state_dict[router_key]
-    E = router_weight.shape[0]
-    start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
-    local_sd = LocalShard(state_dict, prefix, start, end, E)
-    bias = local_sd.full_bias
+    local_sd: Mapping[str, torch.Tensor]
+    if is_expert_parallel_state(state_dict, prefix):
+        # An ExpertParallelMoE's own state_dict: the full router beside this rank's experts
+        # (already local, under "local."), which are read whole.
+        router_weight = state_dict[prefix + "router_weight"]
+        bias = state_dict.get(prefix + "e_score_correction_bias")
+        E = router_weight.shape[0]
+        start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
+        local_sd = Renamed(state_dict, prefix, {}, strip=prefix + "local.")
+        unused = sorted(k for k in state_dict if k.startswith(prefix)
+                        and not k.startswith(prefix + "local.")
+                        and k[len(prefix):] not in ("router_weight", "e_score_correction_bias"))
+        if strict and unused:  # (the local layer's loader checks the "local." keys)
+            raise ValueError(
+                f"keys under {prefix!r} this layer does not use (pass strict=False to "
+                f"ignore): {unused[:8]}")
+    else:
+        if prefix + "gate.weight" not in state_dict and prefix + "router_weight" in state_dict:
+            # MoE's own state_dict, which MoE.from_state_dict reads too: its names read as
+            # the checkpoint names of the same tensors (lazily, as the rest).
+            state_dict = Renamed(state_dict, prefix, OWN_NAMES)
+        router_key = prefix + "gate.weight"
+        if router_key not in state_dict:
+            raise KeyError(f"no router weight {router_key!r} in the state dict")
+        router_weight = state_dict[router_key]
+        E = router_weight.shape[0]
+        start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
+        local_sd = LocalShard(state_dict, prefix, start, end, E)
+        bias = local_sd.full_bias
     check_loader_options(options)  # (the probe below would take a dtype and ignore it)
     routing = {k: v for k, v in options.items() if k not in LOCAL_OPTIONS}
     if bias is not None:
@@ -109,6 +126,13 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
     # routing is over all E experts), so MoE's loader validates and stacks them.
     local_opts = {k: options[k] for k in LOCAL_OPTIONS if k in options}
     local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
+    if local.num_experts != end - start:
+        # (only an ExpertParallelMoE's own state_dict gets here: LocalShard slices the rest)
+        raise ValueError(
+            f"the state dict holds {local.num_experts} of {E} experts (one rank's share of the "
+            f"ExpertParallelMoE that saved it); rank {dispatcher.rank} of "
+            f"{dispatcher.world_size} holds {end - start}: load each rank's own state_dict "
+            "in a group of the size that saved it")
     # A full-size MoE on the meta device checks the routing options and fills defaults.
     probe = MoE(router_weight.shape[1], 1, E, top_k, device="meta", dtype=torch.float32,
                 **routing)
@@ -125,12 +149,25 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
     return local, router, E
 
 
+def is_expert_parallel_state(sd: Mapping[str, torch.Tensor], prefix: str) -> bool:
+    """Whether `sd` holds an ExpertParallelMoE's own state_dict under `prefix` (its router
+    beside its local layer's "local." keys; no checkpoint or MoE names one "local.")."""
+    local = prefix + "local."
+    return prefix + "router_weight" in sd and any(k.startswith(local) for k in sd)
+
+
 class Renamed(Mapping[str, torch.Tensor]):
     """A checkpoint mapping with the keys prefix + name renamed prefix + names[name]; the
-    tensors are indexed only when read."""
+    tensors are indexed only when read. With `strip`, only the keys under strip are kept, as
+    prefix + the rest (the local layer's keys of an ExpertParallelMoE's state_dict)."""
 
-    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, names: Mapping[str, str]):
+    def __init__(self, sd: Mapping[str, torch.Tensor], prefix: str, names: Mapping[str, str],
+                 strip: str | None = None):
         self.sd = sd
+        if strip is not None:
+            self.keys_map = {prefix + key[len(strip):]: key for key in sd
+                             if key.startswith(strip)}
+            return
         self.keys_map = {prefix + names.get(key[len(prefix):], key[len(prefix):])
                          if key.startswith(prefix) else key: key for key in sd}
 

@@ -94,7 +94,8 @@ def overlaps_any(out: torch.Tensor, tensors) -> bool:
     them (grouped_gemm, which compares byte spans, was right). A non-strided out (sparse,
     mkldnn) has no storage to compare: False, so that the validation after it names the
     layout; likewise where an input has no storage or sizes to read (a sparse or nested
-    tensor, which the plan caches' fast paths hand over unchecked)."""
+    tensor, which the plan caches' fast paths hand over unchecked). Under torch.func (grad,
+    vmap) the wrapped tensors' memory is compared."""
     if out.layout != torch.strided:
         return False
     try:
@@ -105,7 +106,23 @@ def overlaps_any(out: torch.Tensor, tensors) -> bool:
         if any(isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided)
                for t in (out, *tensors)):
             return False
+        if any(isinstance(t, torch.Tensor) and _wrapped(t) for t in (out, *tensors)):
+            # torch.func's wrappers (grad, vmap) have no storage of their own: the tensors
+            # they wrap are compared (a batched one's whole batch: a copy too many at worst).
+            # Read only here, where the storage read failed: no cost on the plain path.
+            return overlaps_any(_innermost(out), [_innermost(t) for t in tensors
+                                                  if isinstance(t, torch.Tensor)])
         raise
+
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _innermost(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under t's torch.func wrappers (t itself when it has none)."""
+    while _wrapped(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:

@@ -59,9 +59,10 @@ from moe_gemm.ops.validation import (
     check_grouped_bmm,
     check_grouped_gemm,
     check_grouped_mm,
+    check_out_not_inference,
     offs_check_requested,
 )
-from moe_gemm.ops.vmap import in_vmap, vmap_active
+from moe_gemm.ops.vmap import batched_values, in_vmap, per_entry, per_entry_into, vmap_active
 
 _warned: set[str] = set()
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -230,7 +231,8 @@ def grouped_gemm(
             unit stride (row-major, or `w.T` of an [N_i, K_i] weight).
         out: optional G tensors [M_i, N_i] to write into (their dtype sets the output dtype).
         config: a GemmConfig; None = choose everything automatically.
-        out_dtype: output dtype (bf16, fp16 or fp32); default the input dtype.
+        out_dtype: output dtype (bf16, fp16 or fp32); default out's dtype where out is given,
+            else the input dtype (an out of another dtype than out_dtype: TypeError).
 
     Any M_i, N_i, K_i >= 0 is valid: an M_i = 0 problem yields an empty [0, N_i] result and
     costs nothing; K_i = 0 yields zeros. Accumulation is fp32.
@@ -366,7 +368,9 @@ def grouped_mm(
             offs[-1] are left untouched.
         config: a GemmConfig; None = automatic. (The batched form finds tiles by division:
             visitor and sort_by_k have no effect on it.)
-        out_dtype: output dtype (bf16, fp16 or fp32); default x's dtype.
+        out_dtype: output dtype (bf16, fp16 or fp32); default out's dtype where out is given
+            (an fp32 out takes fp32 results of bf16 operands), else x's dtype; an out of
+            another dtype than out_dtype is a TypeError.
 
     Returns:
         y [T, N] (when `out` is None, rows >= offs[-1] are zero), or [G, M, N] batched.
@@ -431,6 +435,10 @@ def _detailed_grouped_mm(x, w, offs, out, config, out_dtype) -> torch.Tensor:
     cfg = _check_config(config)
     if _symbolic(*(t for t in (x, w, offs, out) if t is not None)):
         return custom_ops.grouped_mm(x, w, offs, out=out, config=config, out_dtype=out_dtype)
+    if offs is not None and batched_values(offs):  # (vmap with grad: ops/vmap.py)
+        return per_entry_into(out, out_dtype, lambda dt: per_entry(
+            lambda x, w, offs: grouped_mm_eager(x, w, offs, None, config, dt), x, w, offs),
+            lambda out, y: custom_ops.write_rows(out, y, offs))
     if out is not None and type(out) in PLAIN_TENSORS and overlaps_any(out, (x, w, offs)):
         # Computed into a copy of out (rows past offs[-1] keep their values), then copied.
         if offs is None:
@@ -487,7 +495,7 @@ def _remember(bucket, config, out_dtype, tensors, plan, out) -> None:
     x, w = tensors[0], tensors[1]
     link = x.requires_grad or w.requires_grad
     _mm_plans.add(bucket, (config, out_dtype, switches), tensors,
-                  (plan, link, out is not None and out.requires_grad))
+                  (plan, link, out is not None and out.requires_grad), out=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,7 +580,12 @@ class GroupedGemmPlan:
         # its output. One signature check; the detailed comparison only when it fails.
         self._bound = (*self._operands, *given_out)
         self._built_for = [_layout(t) for t in self._bound]
-        self._signature = TensorSignature(self._bound) if self._bound else None
+        # Given outputs made under torch.inference_mode: the signature agrees only inside it,
+        # so that a call outside it reaches _check_bound, which refuses the write as torch does.
+        self._inference_out = tuple((f"out[{i}]", o) for i, o in enumerate(given_out)
+                                    if o.is_inference())
+        self._signature = TensorSignature(self._bound, inference_mode=bool(
+            self._inference_out)) if self._bound else None
         self.backend = "torch"
         if not args.a:
             return
@@ -638,8 +651,10 @@ class GroupedGemmPlan:
         """The plan's tensors fail its signature: a ValueError naming the first whose shape,
         strides, dtype or device changed since the build (resize_, set_, `.data =`: the torch
         backend would broadcast a shrunk operand into its output, the kernel would run on the
-        build's sizes and addresses). Where only autograd flags changed (requires_grad_
-        between calls, which a call handles), the signature takes the new ones."""
+        build's sizes and addresses); torch's RuntimeError for a given output made under
+        torch.inference_mode when the call is outside it. Where only autograd flags changed
+        (requires_grad_ between calls, which a call handles), the signature takes the new
+        ones."""
         G = len(self.args.a)
         for i, (t, want) in enumerate(zip(self._bound, self._built_for)):
             got = _layout(t)
@@ -650,7 +665,9 @@ class GroupedGemmPlan:
                     f"{want[1]}), {want[2]} on {want[3]}; it is now of shape {got[0]} (strides "
                     f"{got[1]}), {got[2]} on {got[3]}: build a new plan for other tensors "
                     f"(or copy_ new values into these)")
-        self._signature = TensorSignature(self._bound)
+        for name, o in self._inference_out:
+            check_out_not_inference(name, o)
+        self._signature = TensorSignature(self._bound, inference_mode=bool(self._inference_out))
 
     def _differentiable_call(self) -> list[torch.Tensor]:
         """The torch backend with an operand that requires grad: fresh results tied to this

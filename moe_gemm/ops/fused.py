@@ -48,6 +48,7 @@ from moe_gemm.ops.fused_validation import FusedMmArgs, check_fused_mm
 from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import PLAIN_TENSORS
 from moe_gemm.ops.validation import check_dense
+from moe_gemm.ops.vmap import batched_values, per_entry, per_entry_into
 
 __all__ = ["fused_grouped_mm", "interleave_gate_up"]
 
@@ -90,7 +91,8 @@ def fused_grouped_mm(
         out: optional [S, N or N / 2] to write into; rows >= offs[-1] are then left as they
             are (else zero).
         config: a GemmConfig (backend, tiles, ...); None = automatic.
-        out_dtype: output dtype (bf16, fp16, fp32); default x's dtype.
+        out_dtype: output dtype (bf16, fp16, fp32); default out's dtype where out is given,
+            else x's dtype (as grouped_mm).
 
     Returns:
         [S, N] or, gated, [S, N / 2].
@@ -141,6 +143,12 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
             x, w, offs, row_index=row_index, bias=bias, gate=gate, gate_layout=gate_layout,
             gate_alpha=gate_alpha, gate_limit=gate_limit, row_weight=row_weight, out=out,
             config=config, out_dtype=out_dtype)
+    if batched_values(offs, row_index):  # (vmap with grad: ops/vmap.py)
+        return per_entry_into(out, out_dtype, lambda dt: per_entry(
+            lambda x, w, offs, row_index, row_weight, bias: fused_grouped_mm_eager(
+                x, w, offs, row_index, row_weight, bias, gate, gate_layout, gate_alpha,
+                gate_limit, None, config, dt), x, w, offs, row_index, row_weight, bias),
+            lambda out, y: fused_custom_ops.write_rows(out, y, offs))
     args = check_fused_mm(x, w, offs, row_index=row_index, row_weight=row_weight, bias=bias,
                           gate=gate, gate_layout=gate_layout, gate_alpha=gate_alpha,
                           gate_limit=gate_limit, out=out, out_dtype=out_dtype)
@@ -213,7 +221,8 @@ def _remember(x, options, config, out_dtype, present, plan, args: FusedMmArgs) -
         return
     link = any(t.requires_grad for t in _grad_inputs(args.x, args.w, args.row_weight,
                                                       args.bias))
-    _plans.add((x.shape, options), (config, out_dtype, switches), present, (plan, link))
+    _plans.add((x.shape, options), (config, out_dtype, switches), present, (plan, link),
+               out=args.out)
 
 
 def _clear_plans() -> None:

@@ -42,6 +42,7 @@ from moe_gemm.ops.validation import (
     offs_check_requested,
     shape_text,
 )
+from moe_gemm.ops.vmap import batched_values, per_entry, per_entry_into
 
 _plans = PlanCache(per_bucket=8, buckets=128)  # buckets: (x.shape, options)
 
@@ -95,7 +96,8 @@ def fused_grouped_mm_masked(
         expected_m: the typical valid rows per expert, for the kernel choice only; default M.
         out: optional [G, M, N or N / 2] tensor to write into.
         config: a GemmConfig; None = automatic (a pinned tail_split is refused).
-        out_dtype: bf16, fp16 or fp32; default x's dtype.
+        out_dtype: bf16, fp16 or fp32; default out's dtype where out is given, else x's
+            dtype (as grouped_mm).
 
     Returns:
         [G, M, N] or, gated, [G, M, N / 2]. Rows at and past masked_m[g] are never written by
@@ -158,6 +160,14 @@ def fused_grouped_mm_masked_eager(x, w, masked_m, bias, gate, gate_layout, gate_
             x, w, masked_m, bias=bias, gate=gate, gate_layout=gate_layout,
             gate_alpha=gate_alpha, gate_limit=gate_limit, row_weight=row_weight,
             expected_m=expected_m, out=out, config=config, out_dtype=out_dtype)
+    if batched_values(masked_m):  # (vmap with grad: ops/vmap.py)
+        from moe_gemm.ops.masked_custom_ops import write_valid_rows
+
+        return per_entry_into(out, out_dtype, lambda dt: per_entry(
+            lambda x, w, masked_m, bias, row_weight: fused_grouped_mm_masked_eager(
+                x, w, masked_m, bias, gate, gate_layout, gate_alpha, gate_limit, row_weight,
+                expected_m, None, config, dt), x, w, masked_m, bias, row_weight),
+            lambda out, y: write_valid_rows(out, y, masked_m))
     args = check_fused_masked(x, w, masked_m, bias=bias, gate=gate, gate_layout=gate_layout,
                               gate_alpha=gate_alpha, gate_limit=gate_limit,
                               row_weight=row_weight, expected_m=expected_m, out=out,
@@ -189,7 +199,7 @@ def fused_grouped_mm_masked_eager(x, w, masked_m, bias, gate, gate_layout, gate_
     if plan.cacheable and all(type(t) in PLAIN_TENSORS for t in present) and api._cacheable(
             api._switches()) and not offs_check_requested():
         _plans.add((x.shape, options), (config, out_dtype, api._switches()), present,
-                   (run, any(t.requires_grad for t in grads)))
+                   (run, any(t.requires_grad for t in grads)), out=out)
     return inference_only(api.NO_BACKWARD, lambda: run(x, w, masked_m, bias, row_weight, out),
                           grads)
 
@@ -224,7 +234,8 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
     for name, t, hint in (("x", x, "(G, M, K)"), ("w", w, "(G, K, N)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
-    for name, t in (("x", x), ("w", w), ("row_weight", row_weight), ("out", out)):
+    for name, t in (("x", x), ("w", w), ("row_weight", row_weight), ("bias", bias),
+                    ("out", out)):
         check_dense(name, t)  # (before the reshapes below, which those layouts lack)
     _check_x_rank(x)
     if w.dim() != 3:
@@ -244,6 +255,14 @@ def check_fused_masked(x, w, masked_m, *, bias=None, gate=None, gate_layout="con
             raise ValueError(f"row_weight must be (G, M) = ({G}, {M}): one weight per row; got "
                              f"{shape_text(row_weight)}")
         rw = row_weight.reshape(G * M)
+    if bias is not None:
+        # (in this op's words: the flattened checks below name the groups E, as grouped_mm's)
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor (G, N) or None; got "
+                            f"{type(bias).__name__}")
+        if tuple(bias.shape) != (G, w.shape[2]):
+            raise ValueError(f"bias must be (G, N) = ({G}, {w.shape[2]}), in w's column order; "
+                             f"got {shape_text(bias)}")
     # (before out's shape, which depends on it: a gate that is no gate must be named as such)
     gate_name = check_gate_names(gate, gate_layout)
     flat_out = None

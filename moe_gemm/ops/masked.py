@@ -43,6 +43,7 @@ from moe_gemm.ops.scaled_support import scaled_mm_unsupported
 from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import PLAIN_TENSORS, grouped_bmm_unsupported
 from moe_gemm.ops.validation import offs_check_requested
+from moe_gemm.ops.vmap import batched_values, per_entry, per_entry_into
 
 _PTR = torch.Tensor.data_ptr
 _plans = PlanCache(per_bucket=8, buckets=128)  # buckets: (op, x.shape)
@@ -77,7 +78,8 @@ def grouped_mm_masked(
         config: a GemmConfig; None = automatic (the MoE form's choice for G experts of
             expected_m rows). Tiles are found on the GPU: visitor and sort_by_k do not apply,
             and a pinned tail_split is refused (ValueError).
-        out_dtype: bf16, fp16 or fp32; default x's dtype.
+        out_dtype: bf16, fp16 or fp32; default out's dtype where out is given, else x's
+            dtype (as grouped_mm).
 
     Returns:
         y [G, M, N]. Rows at and past masked_m[g] are never written by the Hopper kernel: in
@@ -127,6 +129,11 @@ def _detailed(x, w, masked_m, expected_m, out, config, out_dtype) -> torch.Tenso
     if _symbolic(*(t for t in (x, w, masked_m, out) if t is not None)):
         return masked_custom_ops.grouped_mm_masked(x, w, masked_m, expected_m=expected_m,
                                                    out=out, config=config, out_dtype=out_dtype)
+    if batched_values(masked_m):  # (vmap with grad: ops/vmap.py)
+        return per_entry_into(out, out_dtype, lambda dt: per_entry(
+            lambda x, w, masked_m: grouped_mm_masked_eager(x, w, masked_m, expected_m, None,
+                                                           config, dt), x, w, masked_m),
+            lambda out, y: masked_custom_ops.write_valid_rows(out, y, masked_m))
     args = check_grouped_mm_masked(x, w, masked_m, expected_m, out, out_dtype)
     check_config_fits(cfg)
     if out is not None and overlaps_any(out, (x, w, masked_m)):
@@ -148,7 +155,8 @@ def _detailed(x, w, masked_m, expected_m, out, config, out_dtype) -> torch.Tenso
     mm = masked_m if masked_m.is_contiguous() else masked_m.contiguous()
     if mm is masked_m and not (out is not None and out.requires_grad):
         _remember(("bmm", out is None, x.shape), (config, out_dtype, expected_m),
-                  (x, w, masked_m) if out is None else (x, w, masked_m, out), plan, config)
+                  (x, w, masked_m) if out is None else (x, w, masked_m, out), plan, config,
+                  out)
     return inference_only(NO_BACKWARD, lambda: plan.launch(args.x, args.batch.w, mm, out),
                           [x, w])
 
@@ -173,7 +181,8 @@ def scaled_grouped_mm_masked(
             [G, M, K/128] and scale_b [G, K/128, ceil(N/128)], row-wise [G, M] and [G, N],
             or per-tensor.
         masked_m, expected_m, out, config: as grouped_mm_masked.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default out's dtype where
+            out is given, else bf16.
 
     Returns:
         y [G, M, N]; rows at and past masked_m[g] as in grouped_mm_masked (never written by
@@ -224,6 +233,12 @@ def _detailed_fp8(x, w, scale_a, scale_b, masked_m, expected_m, out, out_dtype, 
         return masked_custom_ops.scaled_grouped_mm_masked(
             x, w, scale_a, scale_b, masked_m, expected_m=expected_m, out=out,
             out_dtype=out_dtype, config=config)
+    if batched_values(masked_m):  # (vmap with grad: ops/vmap.py)
+        return per_entry_into(out, out_dtype, lambda dt: per_entry(
+            lambda x, w, sa, sb, masked_m: scaled_grouped_mm_masked_eager(
+                x, w, sa, sb, masked_m, expected_m, None, dt, config),
+            x, w, scale_a, scale_b, masked_m),
+            lambda out, y: masked_custom_ops.write_valid_rows(out, y, masked_m))
     args = check_scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m, expected_m, out,
                                           out_dtype)
     check_config_fits(cfg)
@@ -264,7 +279,7 @@ def masked_torch(args: MaskedArgs, y: torch.Tensor) -> torch.Tensor:
     return args.out.copy_(torch.where(valid, y.to(args.out.dtype), args.out))
 
 
-def _remember(bucket, extra, tensors, plan, config) -> None:
+def _remember(bucket, extra, tensors, plan, config, out=None) -> None:
     """Keep a plan for calls with this signature (plain tensors, a cached config, switches
     that allow it, not built while capturing a CUDA graph, values not checked per call)."""
     if config is not None and type(config) is not GemmConfig:
@@ -277,4 +292,4 @@ def _remember(bucket, extra, tensors, plan, config) -> None:
     # Any operand that requires grad, the FP8 form's scales among them (a link decided on x
     # and w alone let the calls that find the plan return results with no refusing backward)
     link = any(t.requires_grad for t in tensors)
-    _plans.add(bucket, (*extra, switches), tensors, (plan, link))
+    _plans.add(bucket, (*extra, switches), tensors, (plan, link), out=out)

@@ -20,6 +20,7 @@ from moe_gemm.ops import custom_ops_fp8
 from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.api import _check_config, _switches, _symbolic, _traced, _use_cute
 from moe_gemm.ops.autograd import inference_only
+from moe_gemm.ops.custom_ops import write_rows
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_torch, scaled_grouped_mm_torch
 from moe_gemm.ops.scaled_support import scaled_gemm_unsupported, scaled_mm_unsupported
 from moe_gemm.ops.scaled_validation import (
@@ -29,6 +30,7 @@ from moe_gemm.ops.scaled_validation import (
 )
 from moe_gemm.ops.signature import PlanCache
 from moe_gemm.ops.support import PLAIN_TENSORS
+from moe_gemm.ops.vmap import batched_values, per_entry, per_entry_into
 
 NO_BACKWARD = (
     "moe_gemm's FP8 kernels are inference-only: they have no backward. Run under "
@@ -73,7 +75,8 @@ def scaled_grouped_mm(
             per-tensor: scale_a [] or [1], scale_b [], [1] or [E].
         offs: [E] int32 cumulative end rows on x's device, or None for the batched form.
         out: optional [T, N] ([G, M, N]) tensor to write into; rows >= offs[-1] untouched.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default out's dtype where
+            out is given, else bf16 (an out of another dtype than out_dtype: TypeError).
         config: a GemmConfig; None = automatic (moe_gemm.ops.heuristics_fp8).
 
     Returns:
@@ -133,6 +136,12 @@ def _detailed(x, w, scale_a, scale_b, offs, out, out_dtype, config) -> torch.Ten
     if _symbolic(*tensors):
         return custom_ops_fp8.scaled_grouped_mm(x, w, scale_a, scale_b, offs, out=out,
                                                 out_dtype=out_dtype, config=config)
+    if offs is not None and batched_values(offs):  # (vmap with grad: ops/vmap.py)
+        return per_entry_into(out, out_dtype, lambda dt: per_entry(
+            lambda x, w, sa, sb, offs: scaled_grouped_mm_eager(x, w, sa, sb, offs, None, dt,
+                                                               config),
+            x, w, scale_a, scale_b, offs),
+            lambda out, y: write_rows(out, y, offs))
     args = check_scaled_grouped_mm(x, w, scale_a, scale_b, offs, out, out_dtype)
     if out is not None and overlaps_any(out, (x, w, scale_a, scale_b, offs)):
         # Computed into a copy of out (rows past offs[-1] keep their values), then copied.
@@ -195,7 +204,8 @@ def scaled_grouped_gemm(
             row-wise [M_i] and [N_i]; per-tensor [] (or [1]) and [] (or [1]) (row-wise and
             per-tensor problems mix).
         out: optional G tensors [M_i, N_i] to write into.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default out's dtype where
+            out is given, else bf16.
         config: a GemmConfig; None = automatic.
 
     Returns:

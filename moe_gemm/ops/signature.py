@@ -113,11 +113,28 @@ class TensorSignature:
 
     __slots__ = ("check", "count")
 
-    def __init__(self, tensors: Sequence[torch.Tensor]):
+    def __init__(self, tensors: Sequence[torch.Tensor], *, inference_mode: bool = False):
         self.count = len(tensors)
         self.check: Callable[..., bool] = (
             _guards_check(tensors) if guards_usable() else _python_check(
                 tuple(map(_props, tensors))))
+        if inference_mode:
+            self.check = _in_inference_mode(self.check)
+
+
+def _in_inference_mode(check: Callable[..., bool]) -> Callable[..., bool]:
+    """check, agreeing only inside torch.inference_mode: the signature of a plan that writes
+    an inference tensor, which a call outside inference mode must not write (torch refuses
+    it; the kernel would not notice). Such a call misses the plan and the detailed path's
+    checks raise torch's error. (TensorGuards' dispatch keys happen to differ inside and
+    outside inference mode, the Python comparison's do not; this holds for both.) Plans
+    writing normal tensors never pay this C call."""
+    enabled = torch.is_inference_mode_enabled
+
+    def checked(*tensors: Any) -> bool:
+        return enabled() and check(*tensors)
+
+    return checked
 
 
 class PlanCache:
@@ -170,8 +187,12 @@ class PlanCache:
         return None
 
     def add(self, bucket: Hashable, extra: Hashable, tensors: Sequence[torch.Tensor],
-            plan: Any) -> None:
-        entry = (TensorSignature(tensors), extra, plan)
+            plan: Any, *, out: torch.Tensor | None = None) -> None:
+        """`out`: the call's output among `tensors`, if any. One made under
+        torch.inference_mode limits the plan to calls inside inference mode (the others take
+        the detailed path, whose checks refuse that write as torch does)."""
+        entry = (TensorSignature(tensors, inference_mode=out is not None and out.is_inference()),
+                 extra, plan)
         with self._lock:
             entries = self._entries.get(bucket, ())
             if not entries and len(self._entries) >= self.buckets:

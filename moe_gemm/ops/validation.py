@@ -165,11 +165,24 @@ def _as_tensor_list(name: str, seq: object, shape_hint: str) -> list[torch.Tenso
 
 
 def _check_writable_out(name: str, out: torch.Tensor) -> None:
-    """An output the op can write: distinct elements, and not a tensor autograd tracks."""
+    """An output the op can write: distinct elements, not a tensor autograd tracks, and not
+    an inference tensor outside inference mode."""
     if has_internal_overlap(out):
         raise ValueError(f"{name} has elements that share memory (an expanded or zero-stride "
                          f"tensor); pass a tensor whose elements are distinct")
     check_out_untracked(name, out)
+    check_out_not_inference(name, out)
+
+
+def check_out_not_inference(name: str, out: torch.Tensor) -> None:
+    """torch's RuntimeError for an inference tensor (made under torch.inference_mode) written
+    outside inference mode. The torch backend's in-place writes raise it themselves, the
+    kernels' writes would not: checked here, before the backend is chosen, both raise it."""
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"Inplace update to inference tensor outside InferenceMode is not allowed: {name} "
+            f"was made under torch.inference_mode and this call is outside it; call it under "
+            f"torch.inference_mode, or pass {name}.clone() (a normal tensor)")
 
 
 def check_out_untracked(name: str, out: torch.Tensor) -> None:

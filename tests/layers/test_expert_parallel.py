@@ -154,6 +154,37 @@ def state_dict_reads_local_experts_only(rank: int, world: int) -> list[str]:
 
 
 @case
+def own_state_dict_round_trip(rank: int, world: int) -> list[str]:
+    """from_state_dict(ep.state_dict()) on every rank, each its own state dict (the full
+    router beside its "local." experts): it was a KeyError about the expert keys, while
+    load_state_dict took the same mapping. Sigmoid routing with a correction bias and shared
+    experts, under a prefix too, and a layer built from a checkpoint saved again."""
+    errs = []
+    opts = {"scoring": "sigmoid", "n_group": 2, "topk_group": 1}
+    moe = _full_moe(26, torch.float32, shared_intermediate_size=8, **opts)
+    x = _tokens(rank, 26, torch.float32)
+    want = moe(x)
+    ep = ExpertParallelMoE.from_moe(moe)
+    sd = ep.state_dict()
+    for label, layer in (
+            ("own state_dict", lambda: ExpertParallelMoE.from_state_dict(sd, 2, **opts)),
+            ("own state_dict, prefixed", lambda: ExpertParallelMoE.from_state_dict(
+                {"model.layers.1.mlp." + k: v for k, v in sd.items()}, 2,
+                prefix="model.layers.1.mlp.", **opts)),
+            ("saved twice", lambda: ExpertParallelMoE.from_state_dict(
+                ExpertParallelMoE.from_state_dict(sd, 2, **opts).state_dict(), 2, **opts))):
+        try:
+            got = layer()
+        except KeyError as e:
+            errs.append(f"{label}: {e!r}")
+            continue
+        errs += [m for m in [_check(label, got(x), want, 1e-5)] if m]
+        if got.local.num_experts != moe.num_experts // world:
+            errs.append(f"{label}: rank {rank} holds {got.local.num_experts} experts")
+    return errs
+
+
+@case
 def from_hf_deepseek_v3_block(rank: int, world: int) -> list[str]:
     """A transformers DeepseekV3MoE block, sharded: equal to the block's own output.
     On 2 ranks only: importing transformers costs seconds per process on the CI machine."""
@@ -959,6 +990,41 @@ def test_constructors_under_a_float64_default_dtype() -> None:
             torch.testing.assert_close(ep(x), want)
     finally:
         torch.set_default_dtype(before)
+
+
+def test_own_state_dict_round_trip_on_one_process() -> None:
+    # An ExpertParallelMoE's own state_dict was a KeyError in from_state_dict (the experts
+    # under "local." matched no checkpoint layout).
+    x = torch.randn(9, 128)
+    # FP8 experts keep their scales: the same layer, bit for bit.
+    fp8 = MoE(128, 128, 4, 2).quantize_fp8("block")
+    ep = ExpertParallelMoE.from_moe(fp8, dispatcher=_Local(), check_replicated=False)
+    got = ExpertParallelMoE.from_state_dict(ep.state_dict(), 2, dispatcher=_Local(),
+                                            check_replicated=False)
+    assert sorted(got.state_dict()) == sorted(ep.state_dict())
+    torch.testing.assert_close(got(x), fp8(x), rtol=0, atol=0)
+    # A module activation's slope, which only the state dict carries, is loaded into the
+    # module passed (a fresh PReLU's is 0.25), shared expert included.
+    slope = 0.5 + torch.rand(()).item() / 4
+    moe = MoE(128, 64, 4, 2, activation=torch.nn.PReLU(init=slope), shared_intermediate_size=32)
+    ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
+    got = ExpertParallelMoE.from_state_dict(ep.state_dict(), 2, activation=torch.nn.PReLU(),
+                                            dispatcher=_Local(), check_replicated=False)
+    w64 = torch.tensor([slope], dtype=torch.float32).double()
+    assert_close_to_ref(got(x), naive_moe(moe, x, act=lambda v: F.prelu(v, w64)),
+                        name="round trip, PReLU")
+    # A key this layer does not use is refused (strict) or ignored, as in MoE.from_state_dict.
+    extra = {**ep.state_dict(), "router_bias": torch.zeros(4)}
+    with pytest.raises(ValueError, match=r"does not use .*\['router_bias'\]"):
+        ExpertParallelMoE.from_state_dict(extra, 2, activation=torch.nn.PReLU(),
+                                          dispatcher=_Local(), check_replicated=False)
+    got = ExpertParallelMoE.from_state_dict(extra, 2, activation=torch.nn.PReLU(), strict=False,
+                                            dispatcher=_Local(), check_replicated=False)
+    torch.testing.assert_close(got(x), ep(x))
+    # A state dict saved by a group of another size holds another share of the experts.
+    with pytest.raises(ValueError, match=r"holds 4 of 4 experts .* rank 0 of 2 holds 2"):
+        ExpertParallelMoE.from_state_dict(ep.state_dict(), 2, activation=torch.nn.PReLU(),
+                                          dispatcher=_LocalShare(2))
 
 
 def test_from_moe_keeps_a_module_activation_registered_once() -> None:

@@ -378,13 +378,19 @@ ERRORS = [
     ("rw-int", lambda a: a.update(row_weight=torch.ones(3, 5, dtype=I32)), TypeError,
      r"row_weight must be a float tensor"),
     # bias
+    # (the op's vocabulary, G groups: the flattened check named them E, as grouped_mm's)
     ("bias-N", lambda a: a.update(bias=torch.randn(3, 31)), ValueError,
-     r"bias must be \(E, N\) = \(3, 32\), in w's column order; got \(3, 31\)"),
+     r"^bias must be \(G, N\) = \(3, 32\), in w's column order; got \(3, 31\)$"),
     ("bias-G", lambda a: a.update(bias=torch.randn(2, 32)), ValueError,
-     r"bias must be \(E, N\) = \(3, 32\)"),
+     r"^bias must be \(G, N\) = \(3, 32\)"),
     ("bias-gated-N/2", lambda a: a.update(bias=torch.randn(3, 16), gate="silu"), ValueError,
-     r"bias must be \(E, N\) = \(3, 32\)"),
-    ("bias-list", lambda a: a.update(bias=[1.0]), TypeError, r"bias must be a torch\.Tensor"),
+     r"^bias must be \(G, N\) = \(3, 32\)"),
+    ("bias-list", lambda a: a.update(bias=[1.0]), TypeError,
+     r"^bias must be a torch\.Tensor \(G, N\) or None; got list$"),
+    ("bias-int", lambda a: a.update(bias=torch.ones(3, 32, dtype=I32)), TypeError,
+     r"^bias must be a float tensor; got torch\.int32$"),
+    ("bias-nested", lambda a: a.update(bias=torch.nested.nested_tensor([torch.ones(32)] * 3)),
+     TypeError, r"^bias must be a dense"),
     # gate, layout, alpha and limit
     ("gate-unknown", lambda a: a.update(gate="relu"), ValueError,
      r"gate must be one of 'silu', 'gelu', 'gelu_tanh', 'clamped_swiglu' or None; got 'relu'"),
