@@ -23,8 +23,10 @@ def _rejection_calls() -> tuple[set[str], set[str]]:
     """(reasons, indirect): every reason the server's code counts in moe_gemm_rejections_total,
     and the functions ("file:function") that pass it a label other than a string literal.
 
-    A reason reaches the counter as `rejections.labels("reason")`, or through
-    `Batcher.cancel(job, "reason")`, whose `labels(reason)` are the only indirect calls."""
+    A reason reaches the counter as `rejections.labels("reason")`, through
+    `Batcher.cancel(job, "reason")`, or as an answer's `reason="..."` (an APIError's, counted
+    when the app sends it: main.py's `_api_error`); those two `labels(reason)` are the only
+    indirect calls."""
     reasons: set[str] = set()
     indirect: set[str] = set()
     for src in sorted(SERVER.rglob("*.py")):
@@ -46,7 +48,21 @@ def _rejection_calls() -> tuple[set[str], set[str]]:
             elif (f.attr == "cancel" and len(args) == 2 and isinstance(args[1], ast.Constant)
                   and isinstance(args[1].value, str)):
                 reasons.add(args[1].value)  # Batcher.cancel(job, reason)
+        for node in ast.walk(tree):  # APIError(..., reason="..."), unavailable(..., reason=)
+            if isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    if kw.arg == "reason":
+                        reasons |= _constants(kw.value)
     return reasons, indirect
+
+
+def _constants(node: ast.expr) -> set[str]:
+    """The string constants an expression can be: "a", or "a" if ... else "b"."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.IfExp):
+        return _constants(node.body) | _constants(node.orelse)
+    return set()
 
 
 def _rejection_reasons() -> set[str]:
@@ -67,7 +83,7 @@ def test_rejection_reasons_found_in_code():
     assert {"queue_full", "timeout", "draining", "not_ready", "disconnected",
             "cancelled"} <= reasons
     # A label passed any other way would escape the parser, and its reason the docs check.
-    assert indirect == {"batcher.py:cancel"}, (
+    assert indirect == {"batcher.py:cancel", "main.py:_api_error"}, (
         f"rejection labels the parser cannot read (teach _rejection_calls the new path): "
         f"{sorted(indirect)}")
 

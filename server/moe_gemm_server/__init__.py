@@ -15,19 +15,23 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .config import Settings  # noqa: E402
-
 if TYPE_CHECKING:
+    from .config import Settings
     from .main import create_app
 
 __all__ = ["Settings", "create_app", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    # create_app pulls in torch and the engine (~2-4 s); `moe-gemm-server --help` and
-    # `--version` import this package and must not pay for that.
+    # create_app pulls in torch and the engine (~2-4 s), Settings pydantic (~0.5 s);
+    # `moe-gemm-server --help` and `--version` import this package and must not pay for the
+    # first, and the command line owns SIGINT and SIGTERM before either is imported.
     if name == "create_app":
         from .main import create_app
 
         return create_app
+    if name == "Settings":
+        from .config import Settings
+
+        return Settings
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -463,5 +463,24 @@ def tensor_to_json(t: torch.Tensor) -> list[Any]:
     return t.detach().to("cpu", torch.float32).tolist() if t.is_floating_point() else t.tolist()
 
 
+def check_json_finite(name: str, t: torch.Tensor, instead: str) -> None:
+    """422 for a result holding NaN or an infinity (an fp16 overflow), which JSON has no
+    number for: written as Python's json writes them (NaN, Infinity), the answer is no JSON
+    (strict parsers, the kserve client and this server's own request parser refuse it), and
+    written as null it would lose which of the three it was, and its sign. `instead` names
+    the form that carries the exact values (safetensors, v2 binary outputs)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return
+    first = [int(i) for i in torch.nonzero(bad)[0]]
+    value = float(t[tuple(first)])
+    raise unprocessable(f"the result {name!r} holds {int(bad.sum())} value(s) JSON has no "
+                        f"number for (NaN or infinity; the first at {first}: {value}); "
+                        f"{instead} to get them")
+
+
 def encode_json(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    # (allow_nan=False: a non-finite number is never written as a NaN / Infinity token)
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1 << 20
@@ -118,6 +118,28 @@ class Settings(BaseSettings):
         if isinstance(v, str) and not v.strip():
             raise ValueError("the data directory must be a non-empty path")
         return v
+
+    @field_validator("ssl_certfile", "ssl_keyfile", mode="before")
+    @classmethod
+    def _tls_path_nonempty(cls, v: object, info: ValidationInfo) -> object:
+        # Path("") is Path("."), a directory: the start was refused with "Is a directory",
+        # naming neither the flag nor the variable. Refused here as an empty --data-dir is
+        # (not read as unset: a TLS file left empty by a template would serve plain HTTP).
+        if isinstance(v, str) and not v.strip():
+            name = info.field_name or ""
+            what = ("a PEM certificate's path, or set neither to serve plain HTTP"
+                    if name == "ssl_certfile" else
+                    "a PEM private key's path, or set neither where --ssl-certfile holds the key")
+            raise ValueError(f"the path is empty (--{name.replace('_', '-')} or "
+                             f"MOE_GEMM_{name.upper()}): give {what}")
+        return v
+
+    @field_validator("admin_key", mode="before")
+    @classmethod
+    def _strip_admin_key(cls, v: object) -> object:
+        # As API keys are: a key read from a file or a secret often ends in a newline, and a
+        # key holds no whitespace, so what surrounds it is never part of it.
+        return v.strip() if isinstance(v, str) else v
 
     @field_validator("warmup_rows", mode="before")
     @classmethod

@@ -22,8 +22,9 @@ small matmuls against them. The Engine owns exactly that state and nothing HTTP-
   gets exactly its own rows back.
 
 Tensors come in on any device and results go back on the CPU (the caller serializes them).
-GPU out-of-memory is reported as `EngineOutOfMemory` after freeing the allocator's cache, so a
-server can answer one request with 503 and carry on.
+Out-of-memory, of the GPU or of host memory (the CPU engine's, or host staging buffers), is
+reported as `EngineOutOfMemory` (on a GPU after freeing the allocator's cache), so a server can
+answer one request with 503 (an upload 507) and carry on.
 
 The Engine inherits its warm-up (engine_warmup.py) and its launches (engine_launches.py) from
 one mixin each; this module holds the weight sets, the lock and the streams.
@@ -51,16 +52,28 @@ from .engine_launches import LaunchMixin
 from .engine_warmup import WarmUpMixin
 from .fp8_weights import FP8_DTYPES, check_fp8_scale
 
-__all__ = ["Engine", "EngineOutOfMemory", "WeightSet", "resolve_device"]
+__all__ = ["Engine", "EngineOutOfMemory", "WeightSet", "is_out_of_memory", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
 Layout = Literal["w", "w_t"]
 
-_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
+_DEVICE_OOM: tuple[type[BaseException], ...] = tuple(
     t for t in (getattr(torch, "OutOfMemoryError", None),
                 getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None
 )
+# Host memory that cannot be had: torch's CPU allocator raises a plain RuntimeError, told
+# apart by its text ("can't allocate memory" from torch 2.4, "not enough memory" before).
+_HOST_OOM_TEXTS = ("DefaultCPUAllocator: can't allocate memory",
+                   "DefaultCPUAllocator: not enough memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says that device or host memory ran out (an allocation that failed:
+    the engine stays usable)."""
+    if isinstance(exc, (EngineOutOfMemory, *_DEVICE_OOM, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _HOST_OOM_TEXTS)
 
 
 class EngineOutOfMemory(RuntimeError):
@@ -311,7 +324,8 @@ class Engine(WarmUpMixin, LaunchMixin):
         ws = WeightSet(name=name, w=w, layout=layout, version=0, scale=stored_scale,
                        granularity=granularity)
         if warm:
-            self.warm_up(ws)
+            with self._oom_guard():  # (its inputs are allocated outside the launches' guard)
+                self.warm_up(ws)
             ws = dataclasses.replace(ws, kernels=self.kernel_report(ws))
             for k in ws.kernels:
                 log.info("weight set %r: %s rows -> %s (%s)", name, k["rows"], k["config"],
@@ -401,7 +415,10 @@ class Engine(WarmUpMixin, LaunchMixin):
     def _oom_guard(self) -> Iterator[None]:
         try:
             yield
-        except _OOM_ERRORS as e:  # type: ignore[misc]
+        except (RuntimeError, MemoryError) as e:
+            if isinstance(e, EngineOutOfMemory) or not is_out_of_memory(e):
+                raise
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            raise EngineOutOfMemory(f"out of memory on {self.device}: {e}") from None
+            what = f"memory on {self.device}" if isinstance(e, _DEVICE_OOM) else "host memory"
+            raise EngineOutOfMemory(f"out of {what}: {e}") from None

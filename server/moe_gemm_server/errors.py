@@ -14,13 +14,17 @@ from fastapi.responses import JSONResponse
 
 
 class APIError(Exception):
-    """An HTTP error answer: status code, message and optional headers."""
+    """An HTTP error answer: status code, message and optional headers; `reason`, where
+    given, is the moe_gemm_rejections_total label the answer is counted under (once, when it
+    is sent: the same refusal met by a load of the data directory answers nobody)."""
 
-    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None):
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None,
+                 reason: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
+        self.reason = reason
 
 
 def bad_request(message: str) -> APIError:
@@ -35,8 +39,8 @@ def too_large(message: str) -> APIError:
     return APIError(413, message)
 
 
-def unavailable(message: str, retry_after: int = 1) -> APIError:
-    return APIError(503, message, {"Retry-After": str(retry_after)})
+def unavailable(message: str, retry_after: int = 1, reason: str | None = None) -> APIError:
+    return APIError(503, message, {"Retry-After": str(retry_after)}, reason)
 
 
 def request_id_of(request: Request) -> str:

@@ -89,6 +89,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.status == 413:
             service.metrics.rejections.labels("too_large").inc()
+        elif exc.reason is not None:
+            service.metrics.rejections.labels(exc.reason).inc()
         return error_response(exc.status, exc.message, request_id_of(request), exc.headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -85,7 +85,8 @@ class Metrics:
             "moe_gemm_launch_errors", "launches that raised, by error type", ["error"], registry=r
         )
         self.weight_load_errors = Counter(
-            "moe_gemm_weight_load_errors", "weight files that failed to load at start", registry=r
+            "moe_gemm_weight_load_errors", "weight files that failed to load, at start or in a "
+            "rescan of the data directory", registry=r
         )
 
     def render(self) -> bytes:

@@ -330,7 +330,7 @@ class Service(WeightsMixin):
                 raise APIError(504, "the request's timeout expired while it was queued")
             if isinstance(exc, EngineOutOfMemory):
                 self.metrics.rejections.labels("out_of_memory").inc()
-                raise unavailable(f"device out of memory for this request: {exc}")
+                raise unavailable(f"out of memory for this request: {exc}")
             if isinstance(exc, Draining):
                 raise unavailable("draining: the server is shutting down")
             if isinstance(exc, (ValueError, TypeError)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from starlette.requests import Request
 
-from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
+from moe_gemm_server.engine import Engine, WeightSet, is_out_of_memory
 
 from .codecs import encode_safetensors, json_dtype, json_tensor3, parse_json_object
 from .config import Settings
@@ -64,7 +65,7 @@ class OverBudget(APIError):
     """507: a set of `nbytes` resident bytes does not fit under --max-resident-bytes now."""
 
     def __init__(self, nbytes: int, message: str) -> None:
-        super().__init__(507, message)
+        super().__init__(507, message, reason="over_budget")
         self.nbytes = nbytes
 
 
@@ -120,13 +121,28 @@ class WeightsMixin:
 
     def weight_set(self, name: str) -> WeightSet:
         """The resident set `name`: 422 for a name no set can have (as PUT and DELETE answer),
-        404 for a valid name that is not resident."""
+        507 or 503 for a stored set left out of memory (sync.StoreWatcher.left_out), 404 for
+        any other name."""
         assert self.engine is not None
         check_name(name)
         try:
             return self.engine.get_weights(name)
         except KeyError:
-            raise APIError(404, f"unknown weight set {name!r}") from None
+            pass
+        error = self.watcher.left_out(name)
+        if error is None:
+            raise APIError(404, f"unknown weight set {name!r}")
+        raise error
+
+    def not_loaded(self) -> list[dict[str, object]]:
+        """The stored sets left out of memory, by name: {"name", "status", "error"} (what a
+        request for one is answered), for the listing."""
+        out = []
+        for name in sorted(self.watcher.failed):
+            error = self.watcher.left_out(name)
+            if error is not None:
+                out.append({"name": name, "status": error.status, "error": error.message})
+        return out
 
     def _update_weight_metrics(self) -> None:
         assert self.engine is not None
@@ -181,25 +197,29 @@ class WeightsMixin:
                     old = await _to_the_end(self._commit_and_install(temp, ws, upload))
             log.info("weight set %r %s: %s", name, "replaced" if old else "created", ws.info())
             return ws, old is None
-        except EngineOutOfMemory as e:
-            self.metrics.rejections.labels("out_of_memory").inc()
-            raise APIError(507, f"weight set {name!r} does not fit in device memory "
-                                f"({self.engine.resident_bytes} bytes held by "
-                                f"{len(self.engine.weight_sets())} resident set(s)): {e}; "
-                                "delete a set or set --max-resident-bytes") from None
         except CommitInDoubt as e:
             raise in_doubt_error(self.store.root, e, f"weight set {name!r} was renamed into "
                                  "place, and the rename could not be undone: the set may be "
                                  "stored or not (GET it, or upload it again)") from None
         except OSError as e:
             if is_no_space(e):
-                self.metrics.rejections.labels("no_space").inc()
                 raise APIError(507, f"the data directory {self.store.root} is full "
-                                    f"({e.strerror}); {what}") from None
+                                    f"({e.strerror}); {what}", reason="no_space") from None
+            if e.errno == errno.EFBIG:
+                raise APIError(507, f"the data directory {self.store.root} cannot hold a file "
+                                    f"this large ({e.strerror}: a file-size limit of the "
+                                    f"filesystem or of the process); {what}",
+                               reason="no_space") from None
             raise storage_error(self.store.root, e, what) from None
         except Exception as e:
             if self._check_fatal(e):
                 raise unavailable(f"not ready: {self.not_ready_reason}") from None
+            if is_out_of_memory(e):  # (the device's, or the host's: reading the body too)
+                raise APIError(507, f"weight set {name!r} does not fit in device memory "
+                                    f"({self.engine.device}; {self.engine.resident_bytes} "
+                                    f"bytes held by {len(self.engine.weight_sets())} resident "
+                                    f"set(s)): {e}; delete a set or set --max-resident-bytes",
+                               reason="out_of_memory") from None
             raise
         finally:
             temps.close()
@@ -298,7 +318,7 @@ class WeightsMixin:
             raise APIError(507, f"the data directory {self.store.root} is not the directory "
                                 "the resident weight sets were loaded from (its volume "
                                 f"unmounted?); {what}; restart the server if the volume was "
-                                "replaced on purpose")
+                                "replaced on purpose", reason="not_writable")
 
     def _budget_use(self, name: str) -> tuple[int, int]:
         """(bytes held by the resident sets and the loads in progress, of them the bytes of
@@ -325,7 +345,6 @@ class WeightsMixin:
         if budget is not None and not self.fits_budget(name, nbytes):
             assert self.engine is not None
             resident, replaced = self._budget_use(name)
-            self.metrics.rejections.labels("over_budget").inc()
             # "free" counts the replaced version's bytes; say so, or the free bytes and the
             # bytes held would not add up to the budget
             freed = (f", {replaced} of them by the version of {name!r} this upload replaces"
@@ -396,14 +415,14 @@ def in_doubt_error(root: Path, e: OSError, what: str) -> APIError:
     """507 for a change of the data directory whose flush failed and could not be undone
     (storage.CommitInDoubt): `what` says what happened and what the client can do."""
     return APIError(507, f"the data directory {root} could not be flushed ({e.strerror}) "
-                         f"after {what}")
+                         f"after {what}", reason="not_writable")
 
 
 def storage_error(root: Path, e: OSError, what: str) -> APIError:
     """507 for a data directory that cannot be written (read-only, permissions, I/O error):
     not a server bug (500), and the message says which directory and why."""
     return APIError(507, f"the data directory {root} cannot be written "
-                         f"({e.strerror or type(e).__name__}); {what}")
+                         f"({e.strerror or type(e).__name__}); {what}", reason="not_writable")
 
 
 def resident_nbytes(tensor: torch.Tensor, scale: torch.Tensor | None) -> int:

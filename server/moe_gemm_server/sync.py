@@ -37,7 +37,9 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from .errors import APIError
+from moe_gemm_server.engine import is_out_of_memory
+
+from .errors import APIError, unavailable
 from .service_weights import OverBudget, Upload, resident_nbytes
 from .storage import DirId, FileId, file_id_of
 
@@ -55,6 +57,8 @@ class StoreWatcher:
         self.failed: dict[str, FileId] = {}  # name -> a file version that could not load
         # name -> the resident bytes of a failed version left out for the budget alone
         self.waiting: dict[str, int] = {}
+        # names whose failed version did not fit (the budget, device memory): 507, not 503
+        self.unfit: set[str] = set()
         self.rescans = 0
         # The directory the resident sets come from (set at the start, then by every pass
         # that takes the listing for the truth), and whether the path now names another one.
@@ -70,8 +74,7 @@ class StoreWatcher:
 
     def record(self, name: str, fid: FileId | None) -> None:
         """This server installed `name` from the file version `fid` (or removed it: None)."""
-        self.failed.pop(name, None)
-        self.waiting.pop(name, None)
+        self.forget_failure(name)
         if fid is None:
             self.loaded.pop(name, None)
         else:
@@ -85,6 +88,40 @@ class StoreWatcher:
             self.waiting[name] = exc.nbytes
         else:
             self.waiting.pop(name, None)
+        if isinstance(exc, OverBudget) or is_out_of_memory(exc):
+            self.unfit.add(name)
+        else:
+            self.unfit.discard(name)
+
+    def forget_failure(self, name: str) -> None:
+        """`name` is installed, removed or its file gone: no failed version of it is kept."""
+        self.failed.pop(name, None)
+        self.waiting.pop(name, None)
+        self.unfit.discard(name)
+        self.service.load_errors.pop(name, None)
+
+    def left_out(self, name: str) -> APIError | None:
+        """The answer to a request for `name` whose stored file could not be loaded (None
+        where no failure of it is known): a set that exists on disk is not "unknown" (404).
+        507 where it did not fit (the budget, device memory), the status of an upload that
+        does not fit; 503 where its file could not be read as a set (another replica may
+        serve it; an upload or delete of it clears this)."""
+        if name not in self.failed:
+            return None
+        why = self.service.load_errors.get(name, "it could not be loaded")
+        if name in self.unfit:
+            every = self.service.settings.sync_interval_s
+            if name not in self.waiting:  # (device memory: no rescan tries it again)
+                when = "delete a set, then upload it again (or restart the server)"
+            elif every > 0:
+                when = f"a rescan of the data directory (every {every:g} s) loads it once it fits"
+            else:
+                when = "rescans are off (--sync-interval-s 0): a restart loads it once it fits"
+            return APIError(507, f"weight set {name!r} is stored but not loaded, as it does not "
+                                 f"fit: {why}; {when}",
+                            reason="over_budget" if name in self.waiting else "out_of_memory")
+        return unavailable(f"weight set {name!r} is stored but its file could not be loaded: "
+                           f"{why}; upload it again or delete it", reason="not_loaded")
 
     def retry(self, name: str) -> bool:
         """Whether the failed version of `name` was refused for the budget and fits now (a
@@ -108,6 +145,8 @@ class StoreWatcher:
             return 0
         if self._elsewhere(here, names):
             return 0
+        for name in set(self.failed) - set(names):  # (failed files deleted since)
+            self.forget_failure(name)
         on_disk = {n: fid for n in names if (fid := self.file_id(n)) is not None}
         changes = 0
         gone = set(self.loaded) - set(on_disk)
@@ -202,7 +241,6 @@ class StoreWatcher:
                     return 0
                 old = svc.engine.install(ws)
                 self.record(name, fid)
-                svc.load_errors.pop(name, None)
         log.info("weight set %r %s from the shared data directory: %s", name,
                  "reloaded" if old else "loaded", ws.info())
         return 1

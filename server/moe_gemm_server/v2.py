@@ -27,6 +27,7 @@ from .codecs import (
     MAX_ELEMENTS,
     DuplicateKey,
     cast_json_floats,
+    check_json_finite,
     encode_json,
     no_duplicate_keys,
     shape_overflows,
@@ -73,6 +74,10 @@ class V2Output(BaseModel):
 class V2Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
     id: str | int | None = None
+    # Not the protocol's, but the kserve client sends the model's name in the body; a name
+    # (or version) there that is not the URL's is refused by the route.
+    model_name: str | None = None
+    model_version: str | None = None
     parameters: dict[str, PARAM_VALUE] | None = None
     inputs: list[V2Input] = Field(min_length=1)
     outputs: list[V2Output] | None = None
@@ -101,6 +106,8 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
         return torch.empty(0, dtype=dtype)
     if arr.dtype.kind == "O" and dtype.is_floating_point:
         arr = _big_ints_as_floats(inp, arr)
+    if dtype == torch.uint64 and arr.dtype.kind in "fO":
+        arr = _uint64_ints(data, arr)
     allowed = "b" if dtype == torch.bool else ("iuf" if dtype.is_floating_point else "iu")
     if arr.dtype.kind not in allowed or (dtype != torch.bool and _holds_bools(data)):
         # (an integer type's data that numpy read as floats: 2.0, or an integer past 2^64)
@@ -114,17 +121,17 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
     flat = np.ascontiguousarray(arr.reshape(-1))
     if dtype == torch.bool:
         return torch.from_numpy(flat)
-    if not dtype.is_floating_point and arr.dtype.kind == "u" and arr.dtype.itemsize == 8:
-        raise bad_request(f"input {inp.name!r}: 'data' values are outside the int64 range")
-    if not dtype.is_floating_point and flat.size:
+    if dtype.is_floating_point:
+        return cast_json_floats(f"input {inp.name!r}", flat.astype(np.float64), dtype)
+    if flat.size:
         info = torch.iinfo(dtype)  # a value the declared type cannot hold is an error, not a wrap
         lo, hi = int(flat.min()), int(flat.max())
         if lo < info.min or hi > info.max:
             bad = lo if lo < info.min else hi
             raise bad_request(f"input {inp.name!r}: {bad} does not fit {inp.datatype}")
-    if dtype.is_floating_point:
-        return cast_json_floats(f"input {inp.name!r}", flat.astype(np.float64), dtype)
-    return torch.from_numpy(flat.astype(np.int64)).to(dtype)
+    # (numpy holds integers past int64's range as uint64: UINT64's own, read as such)
+    wide = np.uint64 if dtype == torch.uint64 else np.int64
+    return torch.from_numpy(flat.astype(wide)).to(dtype)
 
 
 def _big_ints_as_floats(inp: V2Input, arr: np.ndarray) -> np.ndarray:
@@ -139,6 +146,22 @@ def _big_ints_as_floats(inp: V2Input, arr: np.ndarray) -> np.ndarray:
     except OverflowError:
         raise bad_request(f"input {inp.name!r}: a value in 'data' does not fit "
                           f"{inp.datatype}") from None
+
+
+def _uint64_ints(data: Any, arr: np.ndarray) -> np.ndarray:
+    """A UINT64 input's values, exactly, where numpy did not read them as integers: integers
+    past the int64 range beside smaller ones come out as float64 (rounded) or as objects,
+    where the binary form of the same tensor is read bit for bit. Anything but integers that
+    fit (a float, null, a ragged list, a negative one) is left as it was, for the caller to
+    refuse."""
+    try:
+        obj = np.asarray(data, dtype=object)
+    except ValueError:
+        return arr
+    flat = obj.reshape(-1).tolist()
+    if not all(type(v) is int and 0 <= v < 1 << 64 for v in flat):
+        return arr
+    return np.array(flat, dtype=np.uint64).reshape(obj.shape)
 
 
 def _holds_bools(data: Any) -> bool:
@@ -196,6 +219,7 @@ def parse_request(
     except ValueError as e:
         raise bad_request(f"malformed inference request: Invalid JSON: {e}") from None
     _check_no_duplicate_keys(raw, obj)
+    _check_fields(obj)
     try:
         req = V2Request.model_validate(obj)
     except ValidationError as e:
@@ -259,6 +283,36 @@ def parse_request(
             f"add up to {pos - n}"
         )
     return req, tensors
+
+
+# The members the protocol defines (its extension point is `parameters`, at each level), and
+# model_name / model_version, which the kserve client sends.
+REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs", "model_name", "model_version")
+INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
+OUTPUT_FIELDS = ("name", "parameters")
+
+
+def _check_fields(obj: Any) -> None:
+    """400 for a member the protocol does not define, at the top, in an input or an output:
+    taken silently, a misspelt one ("output" for "outputs", "parameter", a top-level
+    "priority") would be a request answered as if it had not asked for what it did (a JSON
+    answer for a binary one, no timeout). Options beyond the protocol go in `parameters`."""
+    if not isinstance(obj, dict):
+        return  # (the model's validation says what is wrong)
+    _unknown_fields("the request", obj, REQUEST_FIELDS)
+    for key, allowed in (("inputs", INPUT_FIELDS), ("outputs", OUTPUT_FIELDS)):
+        items = obj.get(key)
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            if isinstance(item, dict):
+                _unknown_fields(f"{key}[{i}]", item, allowed)
+
+
+def _unknown_fields(where: str, obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = [k for k in obj if k not in allowed]
+    if unknown:
+        shown = ", ".join(repr(k if len(k) <= 40 else k[:40] + "...") for k in unknown[:5])
+        raise bad_request(f"malformed inference request: {where} has unknown field(s) {shown}; "
+                          f"it takes {', '.join(allowed)} (other options go in 'parameters')")
 
 
 def _check_no_nan_tokens(raw: bytes) -> None:
@@ -349,6 +403,9 @@ def encode_response(
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
+            check_json_finite(name, t, "ask for it as binary data (the request's "
+                                       "parameters.binary_data_output, or the output's "
+                                       "parameters.binary_data: true)")
             flat = t.detach().to("cpu").reshape(-1)
             entry["data"] = (flat.to(torch.float32) if t.is_floating_point() else flat).tolist()
         header_outputs.append(entry)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from server_testutils import REPO, LiveServer, free_port, mm_ref, st_body, st_load
+from server_testutils import REPO, LiveServer, free_port, metric, mm_ref, st_body, st_load
 
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server import service_weights as service_mod
@@ -298,6 +298,35 @@ def test_device_out_of_memory_on_upload_is_507(tmp_path: Path) -> None:
         assert "does not fit in device memory" in r.json()["error"]
         assert "4096 bytes held by 1 resident set" in r.json()["error"]
         assert client.get("/v2/health/ready").status_code == 200  # not a crash
+
+
+def test_host_out_of_memory_on_the_cpu_engine_is_503_and_507_not_500(tmp_path: Path) -> None:
+    """Real allocations the host cannot make, on the CPU engine: a warm-up at a row count
+    configured far too high (an upload: 507, as a set that does not fit in device memory) and
+    an ad-hoc problem with K = 0 and a 512 TiB result (a matmul: 503, as a GPU's
+    out-of-memory). torch's CPU allocator raises a plain RuntimeError, which answered 500."""
+    rows = 10**9  # warm-up input: 10^9 x 1024 float32 = 4 TB
+    settings = Settings(data_dir=tmp_path, max_rows=rows, warmup_rows=[rows],
+                        max_output_bytes=1 << 60)
+    app = create_app(settings, engine=Engine("cpu", warmup_rows=[rows], max_rows=rows))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        r = client.put("/v1/weights/a", content=st_body({"w": torch.randn(2, 1024, 4)}))
+        assert r.status_code == 507, r.text
+        assert "does not fit in device memory" in r.json()["error"]
+        assert "out of host memory" in r.json()["error"]
+        huge = {"a.0": torch.empty(65536, 0), "b.0": torch.empty(0, 2**31 - 1)}
+        r = client.post("/v1/grouped-gemm", content=st_body(huge))
+        assert r.status_code == 503, r.text
+        assert r.headers["Retry-After"] == "1" and "out of host memory" in r.json()["error"]
+        text = client.get("/metrics").text
+        assert metric(text, "moe_gemm_rejections_total", reason="out_of_memory") == 2
+        # the engine carries on
+        a, b = torch.randn(3, 5), torch.randn(5, 2)
+        r = client.post("/v1/grouped-gemm", content=st_body({"a.0": a, "b.0": b}))
+        assert r.status_code == 200
+        assert torch.allclose(st_load(r.content)["d.0"], a @ b, atol=1e-5)
+        assert not (tmp_path / "a.safetensors").exists()
         assert not (tmp_path / "b.safetensors").exists()
 
 
@@ -504,9 +533,46 @@ def test_read_only_data_dir_is_a_clear_507_and_changes_nothing(
         assert r.status_code == 507, r.text
         assert "cannot be written" in r.json()["error"] and "not deleted" in r.json()["error"]
         monkeypatch.undo()
+        # counted like every other refusal (they were not counted at all)
+        assert metric(client.get("/metrics").text, "moe_gemm_rejections_total",
+                      reason="not_writable") == 2
         x = torch.randn(4, 64)
         y = st_load(_mm(client, "w", x, [2, 2]).content)["y"]
         assert torch.allclose(y.double(), mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
+
+
+def test_a_file_size_limit_is_a_counted_507_and_changes_nothing(tmp_path: Path) -> None:
+    """A real file-size limit (RLIMIT_FSIZE, set on the running server): the upload's write
+    fails with EFBIG. It is a 507 saying so, the previous version stays served, and it is
+    counted under no_space (it was counted nowhere)."""
+    import resource
+
+    server = LiveServer(tmp_path / "data", "--warmup-rows", "1")
+    try:
+        server.start()
+        url = server.url
+        v1 = torch.randn(2, 64, 32)
+        assert httpx.put(f"{url}/v1/weights/w", content=st_body({"w": v1}),
+                         timeout=30).status_code == 201
+        on_disk = (tmp_path / "data" / "w.safetensors").read_bytes()
+        limit = 1 << 20  # (the server's log, written by it too, stays far below)
+        resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
+        big = torch.randn(2, 1024, 256)  # 2 MiB
+        r = httpx.put(f"{url}/v1/weights/w", content=st_body({"w": big}), timeout=30)
+        assert r.status_code == 507, r.text
+        assert "cannot hold a file this large (File too large" in r.json()["error"]
+        assert "previous version" in r.json()["error"]
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        assert metric(text, "moe_gemm_rejections_total", reason="no_space") == 1
+        assert (tmp_path / "data" / "w.safetensors").read_bytes() == on_disk
+        assert [p.name for p in (tmp_path / "data").iterdir()] == ["w.safetensors"]
+        x = torch.randn(4, 64)
+        r = httpx.post(f"{url}/v1/weights/w/grouped-mm", timeout=30,
+                       content=st_body({"x": x, "counts": torch.tensor([2, 2])}))
+        assert torch.allclose(st_load(r.content)["y"].double(),
+                              mm_ref(x, v1, torch.tensor([2, 2])), atol=1e-4)
+    finally:
+        server.stop()
 
 
 def test_a_server_starting_on_a_shared_dir_keeps_uploads_in_progress(

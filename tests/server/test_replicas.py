@@ -80,7 +80,9 @@ def test_a_bad_file_from_elsewhere_is_reported_not_fatal(replicas) -> None:
         _until(lambda: "could not load weight set 'broken'" in b.log(), "b reports the file")
         with _client(b) as cb:
             assert cb.get("/v2/health/ready").status_code == 200
-            assert cb.get("/v1/weights/broken").status_code == 404
+            # stored, not unknown: 503 saying why it is not served (it was a 404)
+            r = cb.get("/v1/weights/broken")
+            assert r.status_code == 503 and "could not be loaded" in r.json()["error"]
             w = torch.randn(1, 8, 8)
             assert cb.put("/v1/weights/after-bad", content=st_body({"w": w})).status_code == 201
             with _client(a) as ca:

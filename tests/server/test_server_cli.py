@@ -17,9 +17,10 @@ import uvicorn
 from server_testutils import REPO
 
 from moe_gemm_server import __version__
-from moe_gemm_server.cli import DrainingServer, listen, main, settings_from_args
+from moe_gemm_server.cli import main, settings_from_args
 from moe_gemm_server.config import Settings, default_data_dir
 from moe_gemm_server.logs import RequestIdFilter, request_id_var
+from moe_gemm_server.serving import DrainingServer, listen
 
 ENV_PATH = f"{REPO}:{REPO / 'server'}"
 
@@ -44,6 +45,47 @@ def test_help_and_version_do_not_import_torch(flag):
         assert out.stdout.splitlines()[0] == f"moe-gemm-server {__version__}"
     else:
         assert "--max-body-bytes" in out.stdout and "--backend" in out.stdout
+
+
+# A child that sends itself `sig` when it first imports `module`: the signal lands at that
+# exact step of the start, whatever this machine's speed.
+_SIGNAL_AT_IMPORT = """
+import importlib.abc, os, signal, sys
+class SignalAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.{sig})
+        return None
+sys.meta_path.insert(0, SignalAt())
+from moe_gemm_server.cli import main
+main({argv!r})
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("module, step", [
+    ("pydantic_settings", "reading the settings"),
+    ("torch", "building the engine"),
+    ("uvicorn.loops.auto", "starting the event loop, before uvicorn holds the signals"),
+])
+def test_a_signal_while_starting_stops_it_cleanly(tmp_path, sig, module, step):
+    """A signal in the first second or so of the start: SIGINT printed a KeyboardInterrupt
+    traceback from wherever the start was (or, landing while asyncio's runner held SIGINT,
+    was lost: the server started and served on), SIGTERM killed the process. Now the start
+    stops with one line (or uvicorn's own start and stop, once its event loop runs), exit 0."""
+    argv = ["--port", "0", "--data-dir", str(tmp_path / "data")]
+    code = _SIGNAL_AT_IMPORT.format(module=module, sig=sig, argv=argv)
+    out = _run(code=code, timeout=120)
+    both = out.stdout + out.stderr
+    assert out.returncode == 0, (step, out.returncode, both[-3000:])
+    assert "Traceback" not in both, (step, both[-3000:])
+    if module == "uvicorn.loops.auto":
+        assert f"received {sig} while starting: stopping before serving" in both, both
+        assert "Finished server process" in both
+    else:
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"moe-gemm-server: received {sig} while starting; stopped before serving"), both
 
 
 @pytest.fixture
@@ -173,6 +215,41 @@ def test_empty_data_dir_variable_is_refused_too(monkeypatch, restore_logging):
     monkeypatch.setenv("MOE_GEMM_DATA_DIR", "")
     msg = _refusal(["--port", "0"])
     assert "--data-dir" in msg and "non-empty path" in msg
+
+
+@pytest.mark.parametrize("field", ["ssl_certfile", "ssl_keyfile"])
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_tls_variable_is_refused_naming_it(monkeypatch, restore_logging, tmp_path,
+                                                   field, value):
+    """MOE_GEMM_SSL_CERTFILE="" was Path(""), the current directory: the start was refused
+    with "Is a directory", naming neither the variable nor the flag. Refused as an empty
+    --data-dir is (read as unset, a template's empty certificate would serve plain HTTP)."""
+    var, flag = f"MOE_GEMM_{field.upper()}", "--" + field.replace("_", "-")
+    monkeypatch.setenv(var, value)
+    msg = _refusal(["--port", "0", "--data-dir", str(tmp_path)])
+    assert msg.startswith(f"moe-gemm-server: invalid settings: {field} ({flag}): "), msg
+    assert f"the path is empty ({flag} or {var})" in msg and "directory" not in msg, msg
+    monkeypatch.delenv(var)
+    msg = _refusal([flag, value, "--port", "0", "--data-dir", str(tmp_path)])
+    assert f"the path is empty ({flag} or {var})" in msg, msg
+
+
+@pytest.mark.parametrize("value", ["admin-key-0\n", "  admin-key-0\r\n", "\tadmin-key-0 "])
+def test_the_admin_key_is_stripped_as_api_keys_are(monkeypatch, tmp_path, value):
+    """A key read from a file or a secret ends in a newline: MOE_GEMM_API_KEY was stripped,
+    MOE_GEMM_ADMIN_KEY refused the start ("printable ASCII without whitespace")."""
+    monkeypatch.setenv("MOE_GEMM_ADMIN_KEY", value)
+    monkeypatch.setenv("MOE_GEMM_API_KEY", value)
+    s = settings_from_args(["--port", "0", "--data-dir", str(tmp_path)])
+    assert s.admin_key == "admin-key-0" and s.api_key == ["admin-key-0"]
+    monkeypatch.delenv("MOE_GEMM_ADMIN_KEY")
+    assert settings_from_args(["--admin-key", value, "--data-dir", str(tmp_path)]
+                              ).admin_key == "admin-key-0"
+    monkeypatch.setenv("MOE_GEMM_ADMIN_KEY", "\n")  # (nothing but the newline: still refused)
+    with pytest.raises(SystemExit) as e:
+        settings_from_args(["--port", "0", "--data-dir", str(tmp_path)])
+    assert "admin_key (--admin-key): " in str(e.value.code)
+    assert "non-empty printable ASCII" in str(e.value.code)
 
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [

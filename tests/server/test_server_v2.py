@@ -16,6 +16,7 @@ from server_testutils import (
     mm_ref,
     random_counts,
     st_body,
+    st_load,
 )
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -321,3 +322,113 @@ def test_bad_v2_requests(main_server, models, case):
     assert r.status_code == status, r.text
     assert isinstance(r.json()["error"], str)
     assert httpx.get(f"{main_server.url}/v2/health/ready").status_code == 200
+
+
+def _overflowing(T: int) -> tuple[list[float], list[int]]:
+    """FP32 x whose products with the v2-fp32 set overflow: every answer row holds an inf (or
+    a NaN, inf - inf), and so does expert 0's."""
+    return [3e38] * (T * K), [T, 0, 0, 0]
+
+
+def test_a_json_answer_holding_non_finite_values_is_422_pointing_to_binary(main_server,
+                                                                              models):
+    """NaN and Infinity are no JSON: the answer was written with Python's NaN / Infinity
+    tokens, which strict parsers (the kserve client's, this server's own request parser)
+    refuse. It is a 422 naming the binary form now, and the binary form carries the values."""
+    data, counts = _overflowing(2)
+    req = {"inputs": [{"name": "x", "shape": [2, K], "datatype": "FP32", "data": data},
+                      {"name": "counts", "shape": [E], "datatype": "INT32", "data": counts}]}
+    url = f"{main_server.url}/v2/models/v2-fp32/infer"
+    r = httpx.post(url, json=req, headers=auth())
+    assert r.status_code == 422, r.text
+    msg = json.loads(r.content)["error"]  # (strict JSON: the answer parses)
+    assert "the result 'y' holds" in msg and "NaN or infinity" in msg, msg
+    assert "binary_data_output" in msg and "binary_data: true" in msg, msg
+    r = httpx.post(url, json={**req, "parameters": {"binary_data_output": True}},
+                   headers=auth())
+    assert r.status_code == 200, r.text
+    y = np.frombuffer(body_y(r), dtype=np.float32)
+    assert y.size == 2 * N and not np.isfinite(y).any()
+    # the native JSON form alike, pointing to safetensors
+    x = torch.tensor(data).reshape(2, K)
+    r = httpx.post(f"{main_server.url}/v1/weights/v2-fp32/grouped-mm", headers=auth(),
+                   json={"x": x.tolist(), "counts": counts})
+    assert r.status_code == 422 and "send the request as safetensors" in r.json()["error"]
+    r = httpx.post(f"{main_server.url}/v1/weights/v2-fp32/grouped-mm", headers=auth(),
+                   content=st_body({"x": x, "counts": torch.tensor(counts)}))
+    assert r.status_code == 200 and not torch.isfinite(st_load(r.content)["y"]).any()
+
+
+def test_uint64_values_past_int64_are_read_as_uint64_in_json_as_in_binary(main_server, models):
+    """A UINT64 counts of 2^63 was 400 "outside the int64 range" in JSON, 422 (counts must be
+    int32 or int64) in binary: the same tensor, two statuses. JSON now reads it as UINT64
+    too (exactly: beside small values numpy made it a float) and both are 422."""
+    url = f"{main_server.url}/v2/models/v2-fp32/infer"
+    x = {"name": "x", "shape": [1, K], "datatype": "FP32", "data": [1.0] * K}
+    for values in ([2**63, 0, 0, 0], [2**64 - 1, 1, 2, 3], [1, 0, 0, 0]):
+        counts = np.array(values, dtype=np.uint64)
+        binary = {"inputs": [x, {"name": "counts", "shape": [E], "datatype": "UINT64",
+                                 "parameters": {"binary_data_size": counts.nbytes}}]}
+        body, headers = _binary_body(binary, counts.tobytes())
+        as_binary = httpx.post(url, content=body, headers=headers)
+        as_json = httpx.post(url, headers=auth(), json={"inputs": [
+            x, {"name": "counts", "shape": [E], "datatype": "UINT64", "data": values}]})
+        assert as_binary.status_code == as_json.status_code == 422, (values, as_json.text)
+        assert as_json.json()["error"] == as_binary.json()["error"]
+        assert "got uint64" in as_json.json()["error"]
+    r = httpx.post(url, headers=auth(), json={"inputs": [
+        x, {"name": "counts", "shape": [E], "datatype": "UINT64", "data": [2**64, 0, 0, 0]}]})
+    assert r.status_code == 400 and "UINT64" in r.json()["error"]  # (no UINT64 holds it)
+
+
+@pytest.mark.parametrize("where, field", [
+    ("the request", "output"), ("the request", "priority"), ("the request", "parameter"),
+    ("inputs[1]", "contents"), ("outputs[0]", "binary_data"),
+])
+def test_unknown_v2_fields_are_400_naming_them(main_server, models, where, field):
+    """A member the protocol does not define was dropped silently: a misspelt "output" or a
+    top-level "priority" was a request answered as if it had not asked. 400 now, naming the
+    field and `parameters`, the protocol's place for other options."""
+    x, c = _case(1, torch.float32, 3)
+    req: dict = {"inputs": [
+        {"name": "x", "shape": [1, K], "datatype": "FP32", "data": x.flatten().tolist()},
+        {"name": "counts", "shape": [E], "datatype": "INT32", "data": c.tolist()}],
+        "outputs": [{"name": "y"}]}
+    target = req if where == "the request" else req[where[:-3]][int(where[-2])]
+    target[field] = True
+    r = httpx.post(f"{main_server.url}/v2/models/v2-fp32/infer", json=req, headers=auth())
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]
+    assert f"{where} has unknown field(s) {field!r}" in msg and "'parameters'" in msg, msg
+
+
+def test_the_kserve_client_works_and_gets_the_non_finite_refusal(main_server, models):
+    """The kserve client sends the model's name in the body ("model_name", beside the
+    protocol's members): taken where it names the URL's model, 400 where it names another.
+    A non-finite JSON answer made it fail parsing the answer; it gets the 422 now."""
+    kserve = pytest.importorskip("kserve")
+    import asyncio
+
+    x, c = _case(3, torch.float32, 5)
+
+    def request(model: str, xs: np.ndarray):
+        i0 = kserve.InferInput("x", list(xs.shape), "FP32")
+        i0.set_data_from_numpy(xs, binary_data=False)
+        i1 = kserve.InferInput("counts", [E], "INT32")
+        i1.set_data_from_numpy(c.numpy(), binary_data=False)
+        return kserve.InferRequest(model_name=model, infer_inputs=[i0, i1])
+
+    async def infer(model: str, xs: np.ndarray, url_model: str = "v2-fp32"):
+        client = kserve.InferenceRESTClient(kserve.RESTConfig(protocol="v2", retries=0))
+        return await client.infer(main_server.url, request(model, xs), model_name=url_model,
+                                  headers=auth())
+
+    answer = asyncio.run(infer("v2-fp32", x.numpy()))
+    y = torch.from_numpy(answer.outputs[0].as_numpy().reshape(3, N).copy())
+    assert_close_to_ref(y, mm_ref(x, models["v2-fp32"], c), torch.float32)
+    with pytest.raises(httpx.HTTPStatusError) as ei:
+        asyncio.run(infer("v2-bf16", x.numpy()))
+    assert ei.value.response.status_code == 400 and "model_name 'v2-bf16'" in str(ei.value)
+    with pytest.raises(httpx.HTTPStatusError) as ei:
+        asyncio.run(infer("v2-fp32", np.full((3, K), 3e38, np.float32)))
+    assert ei.value.response.status_code == 422 and "binary_data" in str(ei.value)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from server_testutils import GatedEngine, served, st_body, wait_event
+from server_testutils import GatedEngine, metric, served, st_body, wait_event
 
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server import service_weights as service_mod
@@ -514,3 +514,93 @@ def test_a_symlink_loop_in_the_data_dir_is_skipped_not_fatal(
     skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(skipped) == 2, skipped  # once per entry, not at every pass
     assert not any("cannot list the data directory" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stored_set_left_out_is_507_or_503_never_404(tmp_path: Path) -> None:
+    """A restart under a smaller budget leaves a stored set out. Every route naming it used
+    to answer 404 "unknown weight set" (while a re-upload got 507 for the budget): it is 507
+    now, saying that it does not fit and what loads it, and the listing names it under
+    "not_loaded"; a stored file that cannot be read as a set is 503. Deleting the set makes it
+    unknown (404); the load at start is no rejected request."""
+    w = torch.randn(2, 16, 32)
+    store = WeightStore(tmp_path)
+    store.write("a", st_body({"w": w}))
+    store.write("b", st_body({"w": w * 2}))
+    store.write("broken", b"not a safetensors file")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                              max_resident_bytes=ONE + ONE // 2),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    x = {"x": torch.randn(3, 16), "counts": torch.tensor([1, 2])}
+    v2 = {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16},
+                     {"name": "counts", "shape": [2], "datatype": "INT32", "data": [1, 0]}]}
+    with TestClient(app) as client:
+        _wait_ready(client)
+        listing = client.get("/v1/weights").json()
+        assert [s["name"] for s in listing["weights"]] == ["a"]
+        assert [(s["name"], s["status"]) for s in listing["not_loaded"]] == [
+            ("b", 507), ("broken", 503)]
+        assert metric(client.get("/metrics").text, "moe_gemm_rejections_total",
+                      reason="over_budget") == 0
+        answers = [client.get("/v1/weights/b"),
+                   client.post("/v1/weights/b/grouped-mm", content=st_body(x)),
+                   client.get("/v2/models/b"), client.get("/v2/models/b/ready"),
+                   client.get("/v2/models/b/stats"), client.post("/v2/models/b/infer", json=v2)]
+        for r in answers:
+            assert r.status_code == 507, (r.request.url, r.text)
+            msg = r.json()["error"]
+            assert "'b' is stored but not loaded, as it does not fit" in msg, msg
+            assert "resident budget (--max-resident-bytes)" in msg and "restart" in msg
+        assert metric(client.get("/metrics").text, "moe_gemm_rejections_total",
+                      reason="over_budget") == len(answers)
+        r = client.post("/v1/weights/broken/grouped-mm", content=st_body(x))
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert "'broken' is stored but its file could not be loaded" in r.json()["error"]
+        assert "malformed safetensors" in r.json()["error"]
+        assert client.put("/v1/weights/b", content=st_body({"w": w})).status_code == 507
+        assert client.delete("/v1/weights/b").status_code == 200
+        assert client.get("/v1/weights/b").status_code == 404
+        assert client.delete("/v1/weights/broken").status_code == 200
+        assert client.get("/v1/weights").json()["not_loaded"] == []
+        assert client.get("/v2/models/broken").status_code == 404
+        assert served(client, "a", w)
+
+
+def test_a_set_left_out_at_start_is_served_once_a_rescan_loads_it(tmp_path: Path) -> None:
+    """The 507 of a set left out for the budget lasts until a rescan loads it: then it is
+    served and no longer listed as not loaded."""
+    w = torch.randn(2, 16, 32)
+    store = WeightStore(tmp_path)
+    store.write("a", st_body({"w": w}))
+    store.write("b", st_body({"w": w * 2}))
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0.02,
+                              max_resident_bytes=ONE + ONE // 2),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    passes = _passes(app.state.service.watcher)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        r = client.get("/v1/weights/b")
+        assert r.status_code == 507 and "every 0.02 s" in r.json()["error"]
+        assert client.delete("/v1/weights/a").status_code == 200
+        passes(3)
+        assert client.get("/v1/weights/b").status_code == 200
+        assert client.get("/v1/weights").json()["not_loaded"] == []
+        assert served(client, "b", w * 2)
+
+
+def test_a_file_that_fails_to_load_in_a_rescan_counts_as_a_load_error(tmp_path: Path) -> None:
+    """moe_gemm_weight_load_errors_total counts rescans' failures too; its help text said
+    "at start" only."""
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    service = app.state.service
+    with TestClient(app) as client:
+        _wait_ready(client)
+        text = client.get("/metrics").text
+        assert metric(text, "moe_gemm_weight_load_errors_total") == 0
+        service.store.write("broken", b"not a safetensors file")  # (as another replica might)
+        assert client.portal.call(service.watcher.rescan) == 0
+        text = client.get("/metrics").text
+        assert metric(text, "moe_gemm_weight_load_errors_total") == 1
+        help_line = next(ln for ln in text.splitlines()
+                         if ln.startswith("# HELP moe_gemm_weight_load_errors_total"))
+        assert "at start or in a rescan of the data directory" in help_line

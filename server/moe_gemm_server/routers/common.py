@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 from fastapi import Request, Response
 
-from ..codecs import encode_json, encode_safetensors, tensor_to_json
+from ..codecs import check_json_finite, encode_json, encode_safetensors, tensor_to_json
 from ..errors import APIError, bad_request
 from ..service_weights import SAFETENSORS_TYPES
 
@@ -85,6 +85,9 @@ def _json_body(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, object] 
 async def tensors_response(tensors: Mapping[str, torch.Tensor], fmt: str,
                            extra: Mapping[str, object] | None = None) -> Response:
     if fmt in ("json", "json-list"):
+        for key, t in tensors.items():
+            check_json_finite(key, t, "send the request as safetensors (the answer is then "
+                                      "safetensors too)")
         as_list = "d" if fmt == "json-list" else None
         if sum(t.numel() for t in tensors.values()) > 65536:  # keep the event loop free
             return Response(await asyncio.to_thread(_json_body, tensors, extra, as_list),

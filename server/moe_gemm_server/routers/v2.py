@@ -160,6 +160,17 @@ def _check_inputs(model: str, names: list[str]) -> None:
                           "'x' and 'counts' (or 'offs')")
 
 
+def _check_body_model(req: V2Request, name: str) -> None:
+    """400 where the body names another model, or version, than the URL (the kserve client
+    writes the model's name into the body): which of the two was meant is anyone's guess."""
+    if req.model_name is not None and req.model_name != name:
+        raise bad_request(f"the body's model_name {req.model_name!r} is not the URL's model "
+                          f"{name!r}")
+    if req.model_version not in (None, "", VERSION):
+        raise bad_request(f"the body's model_version {req.model_version!r}: only version "
+                          f"{VERSION!r} exists")
+
+
 async def _infer(name: str, request: Request, service: Service) -> Response:
     service.admit(request)
     ws = service.weight_set(name)
@@ -168,6 +179,7 @@ async def _infer(name: str, request: Request, service: Service) -> Response:
         hlen = request.headers.get("inference-header-content-length")
         req, tensors = await off_loop_if_large(
             body, lambda: parse_request(body, hlen, lambda names: _check_inputs(name, names)))
+        _check_body_model(req, name)
         params = req.parameters or {}
         for p in ("sequence_id", "sequence_start", "sequence_end"):
             if params.get(p):

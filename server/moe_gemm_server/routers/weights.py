@@ -28,7 +28,8 @@ async def put_weights(name: str, request: Request, service: ServiceDep) -> JSONR
 @router.get("", dependencies=[ReaderDep, ServingDep])
 async def list_weights(service: ServiceDep) -> dict[str, object]:
     assert service.engine is not None
-    return {"weights": [ws.info() for ws in service.engine.weight_sets()]}
+    return {"weights": [ws.info() for ws in service.engine.weight_sets()],
+            "not_loaded": service.not_loaded()}
 
 
 @router.get("/{name}", dependencies=[ReaderDep, ServingDep])
