@@ -415,18 +415,27 @@ def test_a_set_over_the_budget_only_for_a_moment_is_loaded_once_it_fits(
         assert client.portal.call(service.watcher.rescan) == 0
 
 
+def _room_for_one(tmp_path: Path, sync_interval_s: float, *extra: tuple[str, bytes]):
+    """Two stored sets "a" and "b" (b = 2a) and the `extra` files, an app whose budget holds
+    one set: (a's weights, the app)."""
+    w = torch.randn(2, 16, 32)
+    store = WeightStore(tmp_path)
+    store.write("a", st_body({"w": w}))
+    store.write("b", st_body({"w": w * 2}))
+    for name, body in extra:
+        store.write(name, body)
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=sync_interval_s,
+                              max_resident_bytes=ONE + ONE // 2),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    return w, app
+
+
 def test_a_set_over_the_budget_at_start_is_loaded_once_a_delete_frees_room(
         tmp_path: Path) -> None:
     """Two stored sets, room for one: the start loads one and leaves the other out. A delete
     through this server frees the room; the rescans then load the other (it used to be left
     out until a restart)."""
-    w = torch.randn(2, 16, 32)
-    store = WeightStore(tmp_path)
-    store.write("a", st_body({"w": w}))
-    store.write("b", st_body({"w": w * 2}))
-    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0.02,
-                              max_resident_bytes=ONE + ONE // 2),
-                     engine=Engine("cpu", warmup_rows=[1]))
+    w, app = _room_for_one(tmp_path, 0.02)
     passes = _passes(app.state.service.watcher)
     with TestClient(app) as client:
         _wait_ready(client)
@@ -522,14 +531,7 @@ def test_a_stored_set_left_out_is_507_or_503_never_404(tmp_path: Path) -> None:
     now, saying that it does not fit and what loads it, and the listing names it under
     "not_loaded"; a stored file that cannot be read as a set is 503. Deleting the set makes it
     unknown (404); the load at start is no rejected request."""
-    w = torch.randn(2, 16, 32)
-    store = WeightStore(tmp_path)
-    store.write("a", st_body({"w": w}))
-    store.write("b", st_body({"w": w * 2}))
-    store.write("broken", b"not a safetensors file")
-    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
-                              max_resident_bytes=ONE + ONE // 2),
-                     engine=Engine("cpu", warmup_rows=[1]))
+    w, app = _room_for_one(tmp_path, 0, ("broken", b"not a safetensors file"))
     x = {"x": torch.randn(3, 16), "counts": torch.tensor([1, 2])}
     v2 = {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16},
                      {"name": "counts", "shape": [2], "datatype": "INT32", "data": [1, 0]}]}
@@ -568,13 +570,7 @@ def test_a_stored_set_left_out_is_507_or_503_never_404(tmp_path: Path) -> None:
 def test_a_set_left_out_at_start_is_served_once_a_rescan_loads_it(tmp_path: Path) -> None:
     """The 507 of a set left out for the budget lasts until a rescan loads it: then it is
     served and no longer listed as not loaded."""
-    w = torch.randn(2, 16, 32)
-    store = WeightStore(tmp_path)
-    store.write("a", st_body({"w": w}))
-    store.write("b", st_body({"w": w * 2}))
-    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0.02,
-                              max_resident_bytes=ONE + ONE // 2),
-                     engine=Engine("cpu", warmup_rows=[1]))
+    w, app = _room_for_one(tmp_path, 0.02)
     passes = _passes(app.state.service.watcher)
     with TestClient(app) as client:
         _wait_ready(client)
