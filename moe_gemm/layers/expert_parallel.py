@@ -60,7 +60,7 @@ from moe_gemm.layers.routing import (
     router_jitter,
 )
 from moe_gemm.ops.api import grouped_mm
-from moe_gemm.ops.autograd import inference_only, needs_link
+from moe_gemm.ops.autograd import inference_only_composite, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
 
@@ -364,8 +364,9 @@ class ExpertParallelMoE(nn.Module):
             # keeps y's values), then given the raising backward.
             y = torch.where(torch.zeros((), dtype=torch.bool, device=y.device), hidden_states, y)
             return mark_inference_only(y, INFERENCE_ONLY_MESSAGE)
-        return inference_only(INFERENCE_ONLY_MESSAGE, lambda: self._forward(hidden_states),
-                              linked)
+        return inference_only_composite(INFERENCE_ONLY_MESSAGE,
+                                        lambda: self._forward(hidden_states),
+                                        linked)
 
     @torch.no_grad()
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

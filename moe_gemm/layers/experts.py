@@ -41,7 +41,7 @@ from moe_gemm.config import GemmConfig
 from moe_gemm.layers.fused_experts import FusedGate, fused_expert_ffn, fused_gate_for, use_fused
 from moe_gemm.layers.routing import check_flag, permute_by_expert
 from moe_gemm.ops.api import grouped_mm
-from moe_gemm.ops.autograd import inference_only, needs_link
+from moe_gemm.ops.autograd import inference_only_composite, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
 from moe_gemm.ops.validation import check_dense, shape_text
@@ -153,7 +153,7 @@ def expert_ffn(
         # them (the CPU), so the layer's result carries its own raising backward.
         y = run()
         return mark_inference_only(y, INFERENCE_ONLY_MESSAGE) if needs_link(linked) else y
-    return inference_only(INFERENCE_ONLY_MESSAGE, run, linked)
+    return inference_only_composite(INFERENCE_ONLY_MESSAGE, run, linked)
 
 
 def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_gate_up,

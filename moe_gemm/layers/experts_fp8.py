@@ -31,7 +31,7 @@ import torch
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.routing import permute_by_expert
-from moe_gemm.ops.autograd import inference_only, needs_link
+from moe_gemm.ops.autograd import inference_only_composite, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
 from moe_gemm.ops.quantize import (
@@ -144,7 +144,7 @@ def expert_ffn_fp8(
     if torch.compiler.is_compiling():
         y = run()
         return mark_inference_only(y, INFERENCE_ONLY_MESSAGE) if needs_link(linked) else y
-    return inference_only(INFERENCE_ONLY_MESSAGE, run, linked)
+    return inference_only_composite(INFERENCE_ONLY_MESSAGE, run, linked)
 
 
 def _quantize_acts(x: torch.Tensor, granularity: str, dtype: torch.dtype):

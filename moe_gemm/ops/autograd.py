@@ -41,3 +41,46 @@ def inference_only(message: str, run: Callable[[], Any], tensors: Sequence[torch
     live = [t for t in tensors if t is not None]
     out = InferenceOnly.apply(message, run, *live)
     return list(out) if isinstance(out, tuple) else out
+
+
+def inference_only_composite(message: str, run: Callable[[], Any],
+                             tensors: Sequence[torch.Tensor | None]) -> Any:
+    """inference_only for a composite of torch ops (the MoE layers, the quantizers), which may
+    run under torch.func: there InferenceOnly, which has no functorch rule, failed with torch's
+    complaint about a missing setup_context (grad, vjp, jacrev), and under torch.vmap, whose
+    BatchedTensors report requires_grad=False, the result went unlinked: a backward ran
+    through torch's ops where the layer promises it raises. Under a differentiating transform
+    this raises `message` at once (grad(f) would raise it anyway); under vmap alone the
+    result gets the traced form's raising backward (custom_ops.mark_inference_only, per
+    batch entry). One C call more than inference_only outside torch.func."""
+    if _depth() == 0:
+        return inference_only(message, run, tensors)
+    if not (torch.is_grad_enabled() and any(t is not None and _requires_grad(t)
+                                            for t in tensors)):
+        return run()
+    from moe_gemm.ops.vmap import in_vmap
+
+    if not in_vmap():
+        raise RuntimeError(message)
+    from moe_gemm.ops.custom_ops import mark_inference_only
+
+    out = run()
+    if isinstance(out, (list, tuple)):
+        return type(out)(mark_inference_only(t, message) for t in out)
+    return mark_inference_only(out, message)
+
+
+_depth = torch._C._functorch.get_dynamic_layer_stack_depth
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrapped = torch._C._functorch.get_unwrapped
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    """t, or a tensor its torch.func wrappers wrap, requires grad (vmap's BatchedTensor says
+    False where the tensor it batches requires grad)."""
+    while True:
+        if t.requires_grad:
+            return True
+        if not _wrapped(t):
+            return False
+        t = _unwrapped(t)

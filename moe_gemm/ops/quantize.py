@@ -32,10 +32,9 @@ from collections.abc import Callable
 import torch
 
 from moe_gemm.env import env_value
-from moe_gemm.ops.autograd import inference_only, needs_link
+from moe_gemm.ops.autograd import inference_only_composite, needs_link
 from moe_gemm.ops.validation import check_dense
 from moe_gemm.ops.vmap import functorch_active as _functorch_active
-from moe_gemm.ops.vmap import in_vmap
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_AMAX = 1e-10  # kernels/sm90/quantize_fp8.MIN_AMAX: a zero group's scale stays finite
@@ -60,17 +59,15 @@ def _untracked(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], x: torch.Te
     """run() -> (q, scale), tied to x by a backward that raises NO_BACKWARD where autograd
     could ask for one (ops/autograd.py): never a gradient that is silently wrong (torch's ops)
     or silently missing (the kernel)."""
-    if not needs_link([x]):
-        return run()
     if torch.compiler.is_compiling():
+        if not needs_link([x]):
+            return run()
         from moe_gemm.ops.custom_ops import mark_inference_only
 
         q, scale = run()
         return mark_inference_only(q, NO_BACKWARD), mark_inference_only(scale, NO_BACKWARD)
-    if _functorch_active() and not in_vmap():
-        # (torch.func.grad and friends: the raising autograd.Function has no functorch rule)
-        raise RuntimeError(NO_BACKWARD)
-    q, scale = inference_only(NO_BACKWARD, run, [x])
+    # (under torch.func too: vmap's BatchedTensors hide requires_grad, grad's need a raise)
+    q, scale = inference_only_composite(NO_BACKWARD, run, [x])
     return q, scale
 
 

@@ -242,6 +242,43 @@ def test_backward_raises() -> None:
                     moe.w_gate_up.detach(), moe.w_down.detach()).sum().backward()
 
 
+def test_backward_raises_under_torch_func() -> None:
+    """Under torch.vmap the result went unlinked (a BatchedTensor reports requires_grad=False):
+    a backward ran through torch's ops and left a gradient in x.grad; with the weights
+    requiring grad, and under grad / vjp / jacrev, the forward failed with torch's complaint
+    about an autograd.Function without setup_context. Now each raises the layer's own error,
+    and vmap's values are the layer's."""
+    moe = randomize(MoE(32, 16, 8, 2)).eval()
+    x = torch.randn(3, 5, 32)
+    want = naive_moe(moe, x.reshape(-1, 32)).reshape(3, 5, 32)
+    xr = x.clone().requires_grad_(True)
+    y = torch.func.vmap(moe)(xr)
+    assert_close_to_ref(y.detach(), want, name="vmap, x requires grad")
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.sum().backward()
+    assert xr.grad is None
+    for transform in (torch.func.grad, torch.func.jacrev):
+        with pytest.raises(RuntimeError, match="inference-only"):
+            transform(lambda t: moe(t).sum())(x[0])
+    with pytest.raises(RuntimeError, match="inference-only"):
+        torch.func.vjp(moe, x[0])
+    with pytest.raises(RuntimeError, match="inference-only"):
+        torch.func.vmap(torch.func.grad(lambda t: moe(t).sum()))(x)
+    moe.requires_grad_(True)
+    y = torch.func.vmap(moe)(x)
+    assert_close_to_ref(y.detach(), want, name="vmap, weights require grad")
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.sum().backward()
+    assert all(p.grad is None for p in moe.parameters())
+    with torch.no_grad():
+        assert not torch.func.vmap(moe)(xr).requires_grad
+    fp8 = MoE(128, 128, 4, 2).quantize_fp8()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        torch.func.grad(lambda t: fp8(t).sum())(torch.randn(3, 128))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        torch.func.vmap(fp8)(torch.randn(2, 3, 128, requires_grad=True)).sum().backward()
+
+
 # ---------------------------------------------------------------------------------------------
 # argument checks
 

@@ -313,6 +313,12 @@ def test_quantizers_have_no_backward(fn, shape, granularity) -> None:
         dequantize_fp8(q, s, granularity).sum().backward()
     with pytest.raises(RuntimeError, match="quantizers have no backward"):
         torch.func.grad(lambda t: fn(t)[1].sum())(x)
+    # Under torch.vmap the scale went unlinked (a BatchedTensor reports requires_grad=False):
+    # its backward ran through torch's ops and left a gradient in x.grad.
+    q, s = torch.func.vmap(fn)(torch.stack([xr, 2 * xr]))
+    assert torch.equal(q[0].view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[0], s0)
+    with pytest.raises(RuntimeError, match="quantizers have no backward"):
+        s.sum().backward()
     assert xr.grad is None
     with torch.no_grad():
         q, s = fn(xr)
