@@ -1,9 +1,10 @@
 """`moe-gemm bench`: our grouped GEMM against its peers, on one GPU, in one process.
 
 `--suite fp8` runs the FP8 shapes (`benchmarks.suite_fp8`) and `--suite off-grid` the shapes
-off the tuned grid (`benchmarks.suite_off_grid`) through the same harness; `--suite zoo` runs the model-zoo benchmark instead (`benchmarks.zoo`). The modules: clock
-(timing), ceilings, runner (one case: check, then interleaved timing), report (JSON, PNG),
-host_overhead, suite (shapes, implementations), suite_fp8, scoring, zoo.
+off the tuned grid (`benchmarks.suite_off_grid`) through the same harness; `--suite zoo` runs
+the model-zoo benchmark instead (`benchmarks.zoo`). The modules: clock (timing), ceilings,
+runner (one case: check, then interleaved timing), report (JSON, PNG), host_overhead, suite
+(shapes, implementations), suite_fp8, suite_off_grid, scoring, zoo.
 
 What one run does (see benchmarks/README.md for the columns):
 

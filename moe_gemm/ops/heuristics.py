@@ -172,17 +172,38 @@ def _filled(config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int) ->
     """A tile voted by the nearest tuned shapes, narrowed as _fill_grid narrows the rules'
     tile: the vote weighs shapes by distance in N, K and rows per expert, which does not say
     how many experts get rows (one routed row on 64 experts lies beside 16 tokens x top-8)."""
+    return _narrowed(config, lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms,
+                     -(-K // TILE_K))
+
+
+def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: int,
+              k_tiles: float) -> GemmConfig:
+    """A voted config with its tile narrowed by _fill_grid (tiles: the launch's tile count).
+    The vote's stages, whole-tile epilogue and tail split were timed on its wide tile: the
+    narrow one takes what the rules give it (default stages, neither of the other two; the
+    split's fp32 join cost 2-4% on narrowed tiles), else the H200 table's vote for E=1 N=512
+    K=14336 at 512 rows ran 128x64 with 128x256's 3 stages, whole epilogue and tail split."""
     tile = (config.tile_m, config.tile_n)
     if config.tile_m is None or config.schedule not in ("pingpong", "cooperative"):
         return config
-    narrow = _fill_grid(config.schedule, tile,
-                        lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms, -(-K // TILE_K))
+    narrow = _fill_grid(config.schedule, tile, tiles, num_sms, k_tiles)
     if narrow == tile:
         return config
     try:
-        return config.replace(tile_m=narrow[0], tile_n=narrow[1])
+        return config.replace(tile_m=narrow[0], tile_n=narrow[1], stages=None,
+                              whole_epilogue=False, tail_split=False)
     except ValueError:  # (a pinned field the narrow tile does not build with: keep the vote)
         return config
+
+
+def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
+                    num_sms: int) -> GemmConfig:
+    """_filled for grouped_gemm's lists: the exact tile count (a vote's path only)."""
+    live = [(m, n, k) for m, n, k in sizes if m > 0 and n > 0]
+    if not live or len(live) >= num_sms:
+        return config
+    return _narrowed(config, lambda tm, tn: sum(-(-m // tm) * -(-n // tn) for m, n, _ in live),
+                     num_sms, sum(-(-k // TILE_K) for _, _, k in live) / len(live))
 
 
 def choose_general(
@@ -205,7 +226,10 @@ def _choose_general_tuned(config, sizes, num_sms, out_itemsize, device, dtype, o
     hit = _general_hit(config, sizes, num_sms, device, dtype, out_dtype)
     if hit is not None:
         try:
-            return _choose_general(hit.apply(config), sizes, num_sms, out_itemsize)
+            tuned_config = hit.apply(config)
+            if hit.how != "exact":
+                tuned_config = _general_filled(tuned_config, sizes, num_sms)
+            return _choose_general(tuned_config, sizes, num_sms, out_itemsize)
         except ValueError as exc:
             _unusable(hit, exc)
     return _choose_general(config, sizes, num_sms, out_itemsize)
@@ -274,10 +298,17 @@ def _choose_general(
     avg_k_tiles = sum_k_tiles / max(1, count)
     schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
     if count < num_sms:  # (each live problem has a tile at least: no more can fill the grid)
-        schedule, tile, stages = _fill_known(
-            config, schedule, tile, stages, avg_m, max_n,
-            lambda tm, tn: sum(-(-m // tm) * -(-n // tn) for m, n, _ in sizes
-                               if m > 0 and n > 0), num_sms, avg_k_tiles)
+
+        def tiles(tm: int, tn: int) -> float:
+            # At least sum_m / tm of them: past the grid, no pass over the problems (131
+            # problems of ~256 rows and long K: 64-82 us a choice with the pass, 50 without,
+            # as before the grid was counted; CPU-only dev machine).
+            if sum_m / tm > num_sms:
+                return sum_m / tm
+            return sum(-(-m // tm) * -(-n // tn) for m, n, _ in sizes if m > 0 and n > 0)
+
+        schedule, tile, stages = _fill_known(config, schedule, tile, stages, avg_m, max_n,
+                                             tiles, num_sms, avg_k_tiles)
     visitor = config.visitor if config.visitor != "auto" else "device"
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
@@ -566,8 +597,12 @@ def _choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize, device, dty
     hit = _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype)
     if hit is not None:
         try:
-            return _choose_batched(hit.apply(config), G, M, N, K, num_sms, out_itemsize,
-                                   split_ok)
+            tuned_config = hit.apply(config)
+            if hit.how != "exact":
+                tuned_config = _narrowed(tuned_config,
+                                         lambda tm, tn: G * -(-M // tm) * -(-N // tn), num_sms,
+                                         -(-K // TILE_K))
+            return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, split_ok)
         except ValueError as exc:
             _unusable(hit, exc)
     return _choose_batched(config, G, M, N, K, num_sms, out_itemsize, split_ok)

@@ -142,18 +142,41 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
         # kernels read them (clamped into [0, T], a decreasing entry an empty expert), on the
         # GPU: torch would start the next expert at the lower value.
         offs = offs.clamp(0, T).cummax(0).values
+        tail = torch.arange(T, device=x.device) >= offs[-1]
+        x_in = x
+        if x.requires_grad and torch.is_grad_enabled():
+            # torch's backward leaves the rows of x's gradient past offs[-1] unwritten (its
+            # grouped_mm output, from torch.empty: on torch 2.13's loop, which fp16/fp32 run
+            # on CUDA too, NaN or stray values in 8 of 9 backwards); the loop's slices give
+            # them zeros. A view of x (its strides, checked above) whose backward zeroes them.
+            x_in = _ZeroGradRows.apply(x, tail)
         try:
-            y = F.grouped_mm(x, w, offs=offs, out_dtype=args.out_dtype)
+            y = F.grouped_mm(x_in, w, offs=offs, out_dtype=args.out_dtype)
+        except torch.OutOfMemoryError:
+            raise  # (the loop below would allocate as much again)
         except RuntimeError:
             if args.dtype == torch.bfloat16:
                 raise
             return _grouped_mm_loop(args)  # a torch without that dtype in its grouped_mm
-        tail = torch.arange(T, device=x.device) >= offs[-1]
         if args.out is not None:
             args.out.copy_(torch.where(tail[:, None], args.out, y))
             return args.out
         return y.masked_fill_(tail[:, None], 0)
     return _grouped_mm_loop(args)
+
+
+class _ZeroGradRows(torch.autograd.Function):
+    """x as it is; its gradient's `rows` (a (T,) bool mask) zero."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        return grad.masked_fill(rows[:, None], 0), None
 
 
 def _grouped_mm_loop(args: GroupedMmArgs) -> torch.Tensor:

@@ -5,6 +5,7 @@ import pytest
 from moe_gemm import GemmConfig
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES
 from moe_gemm.kernels.sm90.constants import TILE_K
+from moe_gemm.ops import heuristics
 from moe_gemm.ops.heuristics import (
     SHORT_K_TILES,
     choose_batched,
@@ -214,3 +215,31 @@ def test_batched_rows_of_at_most_64_take_a_pingpong_tile_on_long_k():
     # a pinned cooperative schedule stays cooperative
     c = choose_batched(GemmConfig(schedule="cooperative"), 8, 1, 4096, 4096, 132)
     assert c.schedule == "cooperative"
+
+
+class _CountedSizes(tuple):
+    """A problem set that counts the passes over it."""
+
+    passes = 0
+
+    def __iter__(self):
+        type(self).passes += 1
+        return super().__iter__()
+
+
+def test_general_grid_count_adds_no_pass_where_the_rows_alone_exceed_the_grid():
+    # 100 problems (fewer than the SMs) of 256 rows, long K: 200 m-tiles of 128 at least,
+    # past 132 SMs, so counting the tiles need not read the problems again (each pass is
+    # ~0.2 us a problem on the CPU-only dev machine, paid on every new problem set).
+    sizes = tuple((256, 512 + 8 * i, 8192) for i in range(100))
+
+    def passes(config):
+        _CountedSizes.passes = 0
+        choice = heuristics._choose_general.__wrapped__(config, _CountedSizes(sizes), 132)
+        return choice, _CountedSizes.passes
+
+    auto, n_auto = passes(GemmConfig())
+    assert _sched_tile(auto) == ("cooperative", (128, 256))
+    # the same path with the tile given (no grid count at all)
+    _, n_pinned = passes(GemmConfig(tile_m=128, tile_n=256))
+    assert n_auto == n_pinned

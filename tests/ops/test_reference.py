@@ -363,3 +363,47 @@ def test_expert_spans_clamp_and_skip_empty_and_decreasing_entries():
     assert expert_spans(offs, 15) == [(0, 0, 3), (2, 3, 10), (4, 10, 12), (5, 12, 15)]
     assert expert_spans(torch.tensor([-4, 2], dtype=torch.int32), 5) == [(1, 0, 2)]
     assert expert_spans(torch.zeros(0, dtype=torch.int32), 5) == []
+
+
+class _UnwrittenRows(torch.autograd.Function):
+    """x as it is, whose gradient's rows past offs[-1] come back NaN: what torch's grouped_mm
+    backward leaves there (its result's rows past offs[-1] are never written; on torch 2.13's
+    CPU loop, the one fp16/fp32 run on CUDA too, stray values or NaN in 8 of 9 backwards)."""
+
+    @staticmethod
+    def forward(ctx, x, offs):
+        ctx.end = int(offs[-1])
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad[ctx.end:] = float("nan")
+        return grad, None
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"),
+                    reason="torch without grouped_mm")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_out", [False, True])
+def test_torch_grouped_mm_path_gives_rows_past_offs_zero_gradients(monkeypatch, dtype,
+                                                                   with_out) -> None:
+    # The CUDA path through torch's grouped_mm, taken here on the CPU (same op, same backward).
+    from moe_gemm.ops import reference
+
+    real = reference.F.grouped_mm
+    monkeypatch.setattr(reference, "_grouped_mm_native_ok", lambda args: True)
+    monkeypatch.setattr(reference.F, "grouped_mm", lambda x, w, offs=None, out_dtype=None: real(
+        _UnwrittenRows.apply(x, offs), w, offs=offs, out_dtype=out_dtype))
+    x, w, _ = make_moe_inputs(40, 4, 24, 16, dtype, generator=_gen(9))
+    offs = torch.tensor([10, 10, 25, 31], dtype=torch.int32)  # an empty expert, rows 31.. none
+    x, w = x.requires_grad_(), w.requires_grad_()
+    out = torch.zeros(40, 16, dtype=dtype) if with_out else None
+    y = grouped_mm_torch(GroupedMmArgs(x, w, offs, out, dtype, dtype))
+    g = torch.randn(40, 16, generator=_gen(10)).to(dtype)
+    y.backward(g)
+    assert torch.equal(x.grad[31:], torch.zeros_like(x.grad[31:]))
+    x_ref, w_ref = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    grouped_mm_ref(x_ref, w_ref, offs, torch.float64).backward(g.double())
+    assert_close_to_ref(x.grad[:31], x_ref.grad[:31])
+    assert_close_to_ref(w.grad, w_ref.grad)

@@ -511,6 +511,51 @@ def test_neighbours_need_enough_shapes_and_a_config_timed_on_all(_isolated, monk
     assert tuned.lookup(DEV, key(E=96, N=4096, K=4096, bucket=1), 96 * 2, 132) is None
 
 
+def test_a_narrowed_vote_takes_the_rules_fields_of_its_narrow_tile(_isolated):
+    # Long K, ~128 rows per expert: the vote favours cooperative 128x256 with what the long-K
+    # rule gives that tile (3 stages, whole-tile epilogue, tail split). E=8, N=512, K=32768 at
+    # 1024 rows has ~24 tiles of 128x256 on 132 SMs: the tile narrows to 128x64, and the
+    # stages, epilogue and split of the wide tile do not come along.
+    wide = {**COOP_128x192, "tile_n": 256, "stages": 3, "whole_epilogue": True,
+            "tail_split": True, "raster_panel": 16}
+    grid = [s for N in (256, 512, 1024) for K in (16384, 32768)
+            for s in samples(8, N, K, 8 * 128, [(wide, 300.0), (BIG, 400.0)])]
+    ship(_isolated, table([], samples=grid))
+    # 64 experts of ~128 rows, N=1024: ~384 tiles of 128x256, a grid they fill: kept whole
+    c = choose_varlen(GemmConfig(), 64 * 128, 64, 1024, 16384, 132, device=DEV)
+    assert (c.tile_n, c.stages, c.epi_whole, c.tail_split) == (256, 3, True, True)
+    c = choose_varlen(GemmConfig(), 1024, 8, 512, 32768, 132, device=DEV)
+    hit = heuristics.tuned_hit("varlen", GemmConfig(), 132, device=DEV,
+                               shape=(1024, 8, 512, 32768))
+    assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 256
+    assert (c.schedule, c.tile_m, c.tile_n) == ("cooperative", 128, 64)
+    assert (c.stages, c.epi_whole, c.tail_split) == (None, False, False)
+    # as the rules choose that tile themselves
+    rules = choose_varlen(GemmConfig(), 1024, 8, 512, 32768, 132)
+    assert (rules.tile_n, rules.stages, rules.epi_whole, rules.tail_split) == (
+        64, None, False, False)
+
+
+@pytest.mark.parametrize("form", ["batched", "general"])
+def test_a_narrowed_vote_in_the_3d_and_list_forms(_isolated, form):
+    # The vote of a batched or general table favours 128x256 at 3 stages on long K; 8 x
+    # 128x512x32768 has 16 tiles of it on 132 SMs (299 us against 142 narrowed, H200): the
+    # tile narrows to 128x64 as the rules' does, with the narrow tile's default stages.
+    wide = {**COOP_128x192, "tile_n": 256, "stages": 3}
+    grid = [s for N in (256, 512, 1024) for K in (16384, 32768)
+            for s in samples(8, N, K, 8 * 128, [(wide, 300.0), (BIG, 400.0)], form=form)]
+    ship(_isolated, table([], samples=grid))
+    if form == "batched":
+        shape = (8, 128, 512, 32768)
+        c = choose_batched(GemmConfig(), *shape, 132, device=DEV)
+    else:
+        shape = ((128, 512, 32768),) * 8
+        c = choose_general(GemmConfig(), shape, 132, device=DEV)
+    hit = heuristics.tuned_hit(form, GemmConfig(), 132, device=DEV, shape=shape)
+    assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 256
+    assert (c.schedule, c.tile_m, c.tile_n, c.stages) == ("cooperative", 128, 64, None)
+
+
 def test_bad_samples_are_left_out_not_fatal(_isolated):
     good = timed_grid()
     bad = [{"form": "varlen"}, "x", {**good[0], "us": "fast"}, {**good[0], "us": -1.0},
