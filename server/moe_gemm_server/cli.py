@@ -18,13 +18,11 @@ process; the stored weight sets are loaded again on that start.
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .start_signals import StartInterrupted, StartSignals
+from .start_signals import StartSignals
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -133,18 +131,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     start_signals = StartSignals()
     with start_signals.installed():  # (first: the imports below take about a second)
-        try:
-            settings = settings_from_args(argv)
-            start_signals.check()
-            from .serving import serve
+        settings = settings_from_args(argv)
+        from .serving import serve
 
-            serve(settings, start_signals)
-        except StartInterrupted as e:
-            print(f"moe-gemm-server: {e}; stopped before serving", file=sys.stderr)
-            # A library whose import the signal cut short may log from its exit hooks at a
-            # level it had not yet lowered its loggers to (torch's FakeTensor cache stats):
-            # this line is the last of the process.
-            logging.disable(logging.CRITICAL)
+        serve(settings, start_signals)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -136,9 +136,12 @@ class WeightsMixin:
 
     def not_loaded(self) -> list[dict[str, object]]:
         """The stored sets left out of memory, by name: {"name", "status", "error"} (what a
-        request for one is answered), for the listing."""
+        request for one is answered), for the listing. A resident set whose newer file failed
+        to load is served, so not one of them."""
+        assert self.engine is not None
+        resident = {ws.name for ws in self.engine.weight_sets()}
         out = []
-        for name in sorted(self.watcher.failed):
+        for name in sorted(set(self.watcher.failed) - resident):
             error = self.watcher.left_out(name)
             if error is not None:
                 out.append({"name": name, "status": error.status, "error": error.message})
@@ -194,9 +197,14 @@ class WeightsMixin:
                 except (ValueError, TypeError) as e:
                     raise unprocessable(str(e)) from None
                 async with self._weights_lock:
+                    # (a stored set left out of memory is replaced, not created: it was no
+                    # unknown set, 404, but a 507 or a 503)
+                    left_out = name in self.watcher.failed
                     old = await _to_the_end(self._commit_and_install(temp, ws, upload))
-            log.info("weight set %r %s: %s", name, "replaced" if old else "created", ws.info())
-            return ws, old is None
+            created = old is None and not left_out
+            log.info("weight set %r %s: %s", name, "created" if created else "replaced",
+                     ws.info())
+            return ws, created
         except CommitInDoubt as e:
             raise in_doubt_error(self.store.root, e, f"weight set {name!r} was renamed into "
                                  "place, and the rename could not be undone: the set may be "

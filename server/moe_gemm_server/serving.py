@@ -157,7 +157,7 @@ def _build_app(settings: Settings) -> Any:
 
 def serve(settings: Settings, start_signals: StartSignals) -> None:
     """Check, bind, build and serve `settings` until shut down. Every refusal to start is a
-    SystemExit of one line; StartInterrupted where a signal stops the start (start_signals)."""
+    SystemExit of one line; a signal before serving ends the process (start_signals)."""
     configure_logging(settings.log_level)
     try:
         # exposure (a non-loopback bind needs an admin key) and TLS files: refused with one
@@ -188,7 +188,6 @@ def serve(settings: Settings, start_signals: StartSignals) -> None:
             ssl_keyfile=str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
         )
         server = DrainingServer(config, app, start_signals)
-        start_signals.check()  # (one a handler-swallowing import may have taken)
         start_signals.hold()
     except BaseException:
         for sock in sockets:

@@ -7,10 +7,13 @@ SIGINT, a cancellation that could be lost (the server then started and served on
 killed the process. The start takes about a second, so a supervisor stopping a server just
 started, or a Ctrl-C, met one of these. Owned here instead:
 
-- while the server is being set up (`raising`): a signal stops the start where it is
-  (`StartInterrupted`, a BaseException as KeyboardInterrupt is, so that no `except Exception`
-  holds it) and is remembered: `check()` stops the start at the next step should code that
-  catches everything have swallowed it;
+- while the server is being set up (`setting_up`): a signal ends the process at once, with
+  one line and status 0 (`stop_now`): nothing has been served, so nothing is lost. Raised as
+  an exception instead (as KeyboardInterrupt is), it would land wherever the start is, often
+  inside code that cannot pass it on: a finalizer or an import lock's callback prints it as
+  "Exception ignored in ..." with a traceback, and the import of a C extension (numpy's,
+  which torch's C code imports and whose failure it swallows) is left half done, so that the
+  next import of it fails with a traceback and status 1, or the process aborts or hangs;
 - from the call that starts the event loop until uvicorn captures the signals (`holding`): a
   signal is only remembered, and `take()` hands it to the server, which then stops without
   serving (an exception raised inside the event loop's own code would leave it half-run);
@@ -25,28 +28,34 @@ Standard library only: it is installed before the server's heavy imports run.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import NoReturn
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class StartInterrupted(BaseException):
-    """A SIGINT or SIGTERM arrived before the server served."""
-
-    def __init__(self, sig: int) -> None:
-        super().__init__(f"received {signal.Signals(sig).name} while starting")
-        self.sig = sig
+def stop_now(sig: int) -> NoReturn:
+    """End the process at once, status 0, with one line saying why: a signal before the
+    server served (no exception, no exit hook: see the module docstring)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(f"moe-gemm-server: received {signal.Signals(sig).name} while "
+                         "starting; stopped before serving\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(0)
 
 
 class StartSignals:
     """The process's SIGINT and SIGTERM while `installed()`: see the module docstring."""
 
     def __init__(self) -> None:
-        self.state = "raising"
-        self.first: int | None = None  # the first signal received before serving
+        self.state = "setting_up"
         self.pending: list[int] = []  # received while `holding`, not yet taken
 
     def _handle(self, sig: int, frame: FrameType | None) -> None:
@@ -54,17 +63,10 @@ class StartSignals:
             signal.signal(sig, signal.SIG_DFL)
             signal.raise_signal(sig)
             return
-        if self.first is None:
-            self.first = sig
         if self.state == "holding":
             self.pending.append(sig)
             return
-        raise StartInterrupted(sig)
-
-    def check(self) -> None:
-        """StartInterrupted if a signal arrived while the server was being set up."""
-        if self.first is not None and self.state == "raising":
-            raise StartInterrupted(self.first)
+        stop_now(sig)
 
     def hold(self) -> None:
         """From now on (the event loop is about to start) a signal is remembered, not

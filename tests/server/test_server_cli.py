@@ -67,6 +67,10 @@ main({argv!r})
 @pytest.mark.parametrize("module, step", [
     ("pydantic_settings", "reading the settings"),
     ("torch", "building the engine"),
+    # imported by numpy's C extension as it initializes (torch imports numpy): an exception
+    # raised there was swallowed, by torch's C code, and the next import of numpy failed
+    # ("cannot load module more than once per process": a traceback and status 1)
+    ("numpy.dtypes", "inside the import of a C extension"),
     ("uvicorn.loops.auto", "starting the event loop, before uvicorn holds the signals"),
 ])
 def test_a_signal_while_starting_stops_it_cleanly(tmp_path, sig, module, step):
@@ -86,6 +90,42 @@ def test_a_signal_while_starting_stops_it_cleanly(tmp_path, sig, module, step):
     else:
         assert out.stderr.strip().splitlines()[-1] == (
             f"moe-gemm-server: received {sig} while starting; stopped before serving"), both
+
+
+# A child that sends itself `sig` from a finalizer run while it imports torch: Python prints
+# an exception raised there ("Exception ignored in ...") and carries on.
+_SIGNAL_IN_FINALIZER = """
+import importlib.abc, os, signal, sys
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.{sig})
+        for _ in range(3):  # (the handler runs here, inside the finalizer)
+            pass
+class SignalAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            Finalized()
+        return None
+sys.meta_path.insert(0, SignalAt())
+from moe_gemm_server.cli import main
+main({argv!r})
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_landing_in_a_finalizer_while_starting_prints_no_traceback(tmp_path, sig):
+    """A signal whose handler runs inside a finalizer (or an import lock's callback, as a
+    Ctrl-C during the start met at random): the exception the handler raised there was
+    printed with its traceback ("Exception ignored in ..."), then the start stopped at its
+    next step. Now the process ends there with the one line, exit 0."""
+    argv = ["--port", "0", "--data-dir", str(tmp_path / "data")]
+    out = _run(code=_SIGNAL_IN_FINALIZER.format(sig=sig, argv=argv), timeout=120)
+    both = out.stdout + out.stderr
+    assert out.returncode == 0, (out.returncode, both[-3000:])
+    assert "Traceback" not in both and "Exception ignored" not in both, both[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        f"moe-gemm-server: received {sig} while starting; stopped before serving"], both
 
 
 @pytest.fixture

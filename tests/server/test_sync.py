@@ -600,3 +600,49 @@ def test_a_file_that_fails_to_load_in_a_rescan_counts_as_a_load_error(tmp_path: 
         help_line = next(ln for ln in text.splitlines()
                          if ln.startswith("# HELP moe_gemm_weight_load_errors_total"))
         assert "at start or in a rescan of the data directory" in help_line
+
+
+def test_a_resident_set_whose_new_file_fails_to_load_is_not_listed_as_not_loaded(
+        tmp_path: Path) -> None:
+    """Another server replaces a resident set's file with one that cannot be read: the
+    resident version stays served (200), so the listing does not name the set under
+    "not_loaded" with a 503 that no request for it is answered."""
+    w = torch.randn(2, 16, 32)
+    store = WeightStore(tmp_path)
+    store.write("a", st_body({"w": w}))
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    service = app.state.service
+    with TestClient(app) as client:
+        _wait_ready(client)
+        service.store.write("a", b"not a safetensors file")  # (as another replica might)
+        assert client.portal.call(service.watcher.rescan) == 0
+        assert client.get("/v1/weights/a").status_code == 200
+        listing = client.get("/v1/weights").json()
+        assert [s["name"] for s in listing["weights"]] == ["a"]
+        assert listing["not_loaded"] == []
+        assert served(client, "a", w)
+
+
+def test_an_upload_over_a_stored_set_left_out_replaces_it(tmp_path: Path) -> None:
+    """A stored set left out of memory is no unknown set (507 or 503, not 404): an upload of
+    its name replaces it, 200, as the table of PUT answers says, not 201 "new"."""
+    w = torch.randn(2, 16, 32)
+    store = WeightStore(tmp_path)
+    store.write("a", st_body({"w": w}))
+    store.write("b", st_body({"w": w * 2}))
+    store.write("broken", b"not a safetensors file")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                              max_resident_bytes=ONE + ONE // 2),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    with TestClient(app) as client:
+        _wait_ready(client)
+        assert client.get("/v1/weights/b").status_code == 507
+        assert client.get("/v1/weights/broken").status_code == 503
+        assert client.delete("/v1/weights/a").status_code == 200
+        assert client.put("/v1/weights/b", content=st_body({"w": w})).status_code == 200
+        assert client.put("/v1/weights/broken", content=st_body({"w": w / 2})).status_code == 507
+        assert client.delete("/v1/weights/b").status_code == 200
+        assert client.put("/v1/weights/broken", content=st_body({"w": w / 2})).status_code == 200
+        assert client.get("/v1/weights").json()["not_loaded"] == []
+        assert served(client, "broken", w / 2)
