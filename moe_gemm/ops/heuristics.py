@@ -124,9 +124,8 @@ def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int],
     """A narrower tile where `tile` leaves most SMs idle (tiles(tile_m, tile_n): the launch's
     tile count) and the mainloops are long (more than SHORT_K_TILES k-tiles; a short one is
     bound by its launch and epilogue, where nothing was measured): few routed rows (decode on
-    a few experts) or few problems of long K. Then the
-    launch is bound by how many SMs stream the weights, not by the tile's L2 traffic. H200,
-    2026-12-01 (`moe-gemm tune --shapes ... --configs`, CUDA-graph replays, L2 cold), the
+    a few experts) or few problems of long K. Then the launch is bound by how many SMs
+    stream the weights, not by the tile's L2 traffic. H200, 2026-12-01 (`moe-gemm tune --shapes ... --configs`, CUDA-graph replays, L2 cold), the
     rules' tile against the narrow one. Ping-pong 64x256 -> 64x128 at 1-8 routed rows: E=64
     N=2048 K=7168 1 row 35.9 -> 19.5 us, 4 rows 42.2 -> 32.3; E=16 N=5120 K=8192 1 row 42.5
     -> 27.9; E=8 N=4096 K=14336 2 rows 78.2 -> 59.6; E=128 N=1536 K=2048 8 rows 17.0 -> 13.1;
