@@ -197,7 +197,10 @@ def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: i
 
 def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
                     num_sms: int) -> GemmConfig:
-    """_filled for grouped_gemm's lists: the exact tile count (a vote's path only)."""
+    """_filled for grouped_gemm's lists: the exact tile count (a vote's path only; a set of
+    as many problems as SMs fills the grid: no pass over it)."""
+    if len(sizes) >= num_sms:
+        return config
     live = [(m, n, k) for m, n, k in sizes if m > 0 and n > 0]
     if not live or len(live) >= num_sms:
         return config
