@@ -119,6 +119,16 @@ def expected_tiles(T: int, E: int, N: int, tile_m: int, tile_n: int) -> float:
     return m_tiles * -(-N // tile_n)
 
 
+def _list_tiles(sizes) -> Callable[[int, int], int]:
+    """The exact tile count of a list of (M, N, K) problems, per tile shape."""
+    return lambda tm, tn: sum(-(-m // tm) * -(-n // tn) for m, n, _ in sizes if m > 0 and n > 0)
+
+
+def _batched_tiles(G: int, M: int, N: int) -> Callable[[int, int], int]:
+    """The exact tile count of G problems of M x N, per tile shape."""
+    return lambda tm, tn: G * -(-M // tm) * -(-N // tn)
+
+
 def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int], float],
                num_sms: int, k_tiles: float) -> tuple[int, int]:
     """A narrower tile where `tile` leaves most SMs idle (tiles(tile_m, tile_n): the launch's
@@ -204,8 +214,8 @@ def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
     live = [(m, n, k) for m, n, k in sizes if m > 0 and n > 0]
     if not live or len(live) >= num_sms:
         return config
-    return _narrowed(config, lambda tm, tn: sum(-(-m // tm) * -(-n // tn) for m, n, _ in live),
-                     num_sms, sum(-(-k // TILE_K) for _, _, k in live) / len(live))
+    return _narrowed(config, _list_tiles(live), num_sms,
+                     sum(-(-k // TILE_K) for _, _, k in live) / len(live))
 
 
 def choose_general(
@@ -301,13 +311,15 @@ def _choose_general(
     schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
     if count < num_sms:  # (each live problem has a tile at least: no more can fill the grid)
 
+        exact = _list_tiles(sizes)
+
         def tiles(tm: int, tn: int) -> float:
             # At least sum_m / tm of them: past the grid, no pass over the problems (131
             # problems of ~256 rows and long K: 64-82 us a choice with the pass, 50 without,
             # as before the grid was counted; CPU-only dev machine).
             if sum_m / tm > num_sms:
                 return sum_m / tm
-            return sum(-(-m // tm) * -(-n // tn) for m, n, _ in sizes if m > 0 and n > 0)
+            return exact(tm, tn)
 
         schedule, tile, stages = _fill_known(config, schedule, tile, stages, avg_m, max_n,
                                              tiles, num_sms, avg_k_tiles)
@@ -602,7 +614,7 @@ def _choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize, device, dty
             tuned_config = hit.apply(config)
             if hit.how != "exact":
                 tuned_config = _narrowed(tuned_config,
-                                         lambda tm, tn: G * -(-M // tm) * -(-N // tn), num_sms,
+                                         _batched_tiles(G, M, N), num_sms,
                                          -(-K // TILE_K))
             return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, split_ok)
         except ValueError as exc:
@@ -625,7 +637,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
     schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
     ruled = tile
     schedule, tile, stages = _fill_known(config, schedule, tile, stages, M, N,
-                                         lambda tm, tn: G * -(-M // tm) * -(-N // tn), num_sms,
+                                         _batched_tiles(G, M, N), num_sms,
                                          -(-K // TILE_K))
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
