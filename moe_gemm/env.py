@@ -213,6 +213,10 @@ VARIABLES: dict[str, Variable] = {
         switch_value,
         "0: no split of a short last wave over K (needed where SMs are fenced off, e.g. an MPS "
         "thread limit)"),
+    "MOE_GEMM_SPLIT_WAYS": Variable(
+        integer_in(2, 16),
+        "2-16: the most CTAs one tile of a short last wave is split over along K (default 8; "
+        "2 = halves)"),
     "MOE_GEMM_TRIM_A": Variable(
         override_value,
         "1 / 0: an expert's last tile of grouped_mm loads only that expert's rows of x (rounded "

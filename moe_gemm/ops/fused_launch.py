@@ -41,6 +41,7 @@ from moe_gemm.ops.heuristics import (
     KernelChoice,
     choose_varlen,
     with_peek_wait,
+    with_split_ways,
     with_trim_a,
 )
 from moe_gemm.ops.signature import BuiltFor, CheckedPlan
@@ -184,7 +185,7 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     fitted = dataclasses.replace(fitted, trim_a=False)
     if not gather:
         fitted = with_trim_a(fitted)
-    fitted = with_peek_wait(fitted)
+    fitted = with_split_ways(with_peek_wait(fitted))
     b_major = "k" if operand_major(args.w) == "col" else "n"
     why = fused_problem("varlen", fitted.schedule, fitted.tile_m, fitted.tile_n, b_major,
                         fitted.cluster_n, args.gate or "", args.gate_layout, gather)

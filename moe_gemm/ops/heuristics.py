@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.env import env_reader, env_value
-from moe_gemm.kernels.sm90.constants import TILE_K, raster_code, raster_fields
+from moe_gemm.kernels.sm90.constants import SPLIT_WAYS, TILE_K, raster_code, raster_fields
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
 
@@ -53,9 +53,11 @@ class KernelChoice:
     smem_scales: bool = False  # FP8 block scales staged in shared memory (heuristics_fp8)
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
     peek_wait: bool = False  # 16-bit: the math warps test the next stage's barrier a k-tile ahead
+    split_ways: int = SPLIT_WAYS  # with tail_split: the most CTAs one tail tile is split over
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
+SPLIT_WAYS_ENV = "MOE_GEMM_SPLIT_WAYS"
 TRIM_A_ENV = "MOE_GEMM_TRIM_A"
 PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
 # What choose_general reads from the environment besides its arguments: a cache above it
@@ -426,9 +428,9 @@ def choose_varlen(
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
     device: the GPU's name, for the tuned tables (None: rules only)."""
     state = tuned.state() if device else None
-    return with_peek_wait(with_trim_a(with_l2_hints(_choose_varlen_tuned(
+    return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(_choose_varlen_tuned(
         config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
-        tail_split_enabled()))))
+        tail_split_enabled())))))
 
 
 def with_trim_a(choice: KernelChoice) -> KernelChoice:
@@ -585,6 +587,15 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
                         tail_split=tail_split and split_ok)
 
 
+def with_split_ways(choice: KernelChoice) -> KernelChoice:
+    """MOE_GEMM_SPLIT_WAYS (2-16) caps how many CTAs a tail-split kernel splits one tail tile
+    over (default constants.SPLIT_WAYS; 2 = the halves of earlier builds, for A/B timing)."""
+    ways = env_value(SPLIT_WAYS_ENV)
+    if ways is None or not choice.tail_split or ways == choice.split_ways:
+        return choice
+    return replace(choice, split_ways=ways)
+
+
 def tail_split_enabled() -> bool:
     """MOE_GEMM_TAIL_SPLIT=0 turns the tail split off (grouped_mm's plan cache keys on it, as
     on MOE_GEMM_L2_HINTS, so a change applies to the next call). Its finisher CTAs wait for
@@ -600,9 +611,9 @@ def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: 
     """For grouped_mm's 3D x 3D form: the general rules for one (M, N, K) shared by all.
     device: the GPU's name, for the tuned tables (None: rules only)."""
     state = tuned.state() if device else None
-    return with_peek_wait(with_l2_hints(_choose_batched_tuned(
+    return with_split_ways(with_peek_wait(with_l2_hints(_choose_batched_tuned(
         config, G, M, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
-        tail_split_enabled())))
+        tail_split_enabled()))))
 
 
 @functools.lru_cache(maxsize=256)

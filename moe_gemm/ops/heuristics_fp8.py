@@ -19,7 +19,13 @@ from moe_gemm.kernels.sm90.constants_fp8 import (
     fp8_tile_problem,
     scale_blocks_spanned,
 )
-from moe_gemm.ops.heuristics import KernelChoice, raster_of, tail_split_enabled, with_l2_hints
+from moe_gemm.ops.heuristics import (
+    KernelChoice,
+    raster_of,
+    tail_split_enabled,
+    with_l2_hints,
+    with_split_ways,
+)
 
 # The block-scaled kernel's promotion one stage behind the WGMMAs
 # (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. With the
@@ -115,10 +121,10 @@ def choose_fp8(form: str, config: GemmConfig, avg_m: float, N: int, K: int,
     """The FP8 kernel of `form` ("varlen", "batched", "general", or "masked": the varlen
     rules without staged scales) for grouped rows of about avg_m per problem (varlen: T / E),
     N columns and depth K. Raises ValueError for pins the FP8 kernel does not build."""
-    return with_l2_hints(_choose(form, config, avg_m, N, K, out_itemsize,
-                                 kernel_scale_mode(granularity), tail_split_enabled(),
-                                 promote_lag_requested(), scale_ahead_requested(),
-                                 smem_scales_requested()))
+    return with_split_ways(with_l2_hints(_choose(
+        form, config, avg_m, N, K, out_itemsize, kernel_scale_mode(granularity),
+        tail_split_enabled(), promote_lag_requested(), scale_ahead_requested(),
+        smem_scales_requested())))
 
 
 def _default_tile_n(N: int) -> int:

@@ -21,9 +21,10 @@ plain Python/numpy so it runs (and is tested) anywhere:
   the host visitor uploads (CUTLASS kHostPrecompute). Both must assign identically.
 - `cost_model` gives each CTA's work in k-iterations and the makespan, which decides K-sort.
 - Tail split (cooperative varlen/batched kernels for long K, `tail_split_assignment`): when
-  the last wave holds rem <= G/2 tiles, its units full+j (full = the tiles of the whole
-  waves) are half tiles: tile full + j mod rem over the lower half of K for j < rem (CTA j
-  publishes an fp32 partial) and the upper half for j >= rem (CTA j adds it and stores).
+  the last wave holds rem <= G/2 tiles, each is split `ways` times (`tail_split_units`): unit
+  full+j (full = the tiles of the whole waves) is share j // rem of tile full + j mod rem
+  over a share of K; the first ways - 1 shares' CTAs publish fp32 partials and the last
+  one's CTA adds them and stores.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_gemm.kernels.sm90.constants import SPLIT_MAX_CTAS, SPLIT_MIN_K_TILES, raster_fields
+from moe_gemm.kernels.sm90.constants import (
+    SPLIT_MAX_CTAS,
+    SPLIT_MIN_K_TILES,
+    SPLIT_PART_K_TILES,
+    SPLIT_WAYS,
+    raster_fields,
+)
 
 Size = tuple[int, int, int]  # (M, N, K)
 WARP = 32
@@ -238,46 +245,54 @@ def device_visit(tile_counts: Sequence[int], num_ctas: int) -> Assignment:
 # Tail split.
 
 
-def tail_split_units(total: int, num_ctas: int) -> tuple[int, int] | None:
-    """(full, rem) when the kernel splits the last wave of `total` tiles on `num_ctas` CTAs:
-    full = the tiles of the whole waves, rem = the last wave's tiles, 0 < 2 * rem <= num_ctas.
-    None where it does not split (no partial wave, or one more than half full)."""
+def tail_split_units(total: int, num_ctas: int, k_tiles: int,
+                     max_ways: int = SPLIT_WAYS) -> tuple[int, int, int] | None:
+    """(full, rem, ways) when the kernel splits the last wave of `total` tiles of `k_tiles`
+    k-iterations each on `num_ctas` CTAs: full = the tiles of the whole waves, rem = the last
+    wave's tiles (0 < 2 * rem <= num_ctas), ways = the CTAs each of them is split over:
+    min(num_ctas // rem, max_ways, k_tiles // SPLIT_PART_K_TILES, at least 2). None where it
+    does not split (no partial wave, one more than half full, or K under SPLIT_MIN_K_TILES)."""
     full = total // num_ctas * num_ctas
     rem = total - full
-    if rem > 0 and 2 * rem <= num_ctas <= SPLIT_MAX_CTAS:
-        return full, rem
+    if rem > 0 and 2 * rem <= num_ctas <= SPLIT_MAX_CTAS and k_tiles >= SPLIT_MIN_K_TILES:
+        ways = min(num_ctas // rem, max_ways, max(k_tiles // SPLIT_PART_K_TILES, 2))
+        return full, rem, ways
     return None
 
 
 def tail_split_assignment(
-    tile_counts: Sequence[int], k_tiles: Sequence[int], num_ctas: int
+    tile_counts: Sequence[int], k_tiles: Sequence[int], num_ctas: int,
+    max_ways: int = SPLIT_WAYS,
 ) -> Assignment:
     """Per CTA, the (problem, tile_in_problem) whose results it stores, in order, for a
-    tail-split kernel (what its trace records). A split tile is stored by its finisher, CTA
-    rem + i; a last-wave tile with fewer than SPLIT_MIN_K_TILES k-tiles is not split and CTA
-    i computes it whole, as without the split."""
+    tail-split kernel (what its trace records). The launch's split (`tail_split_units`) takes
+    the largest k_tiles (the forms with a tail split share one K; the varlen form's zero tail
+    has none); tile i of the
+    last wave is stored by its finisher, CTA (ways - 1) * rem + i; a last-wave tile with fewer
+    than SPLIT_MIN_K_TILES k-tiles (the varlen form's zero tail) is not split and CTA i
+    computes it whole, as without the split."""
     counts = list(tile_counts)
     total = sum(counts)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
     owners: list[list[tuple[int, int]]] = [[] for _ in range(num_ctas)]
-    split = tail_split_units(total, num_ctas)
-    full, rem = split if split is not None else (total, 0)
+    split = tail_split_units(total, num_ctas, max(k_tiles, default=0), max_ways)
+    full, rem, ways = split if split is not None else (total, 0, 1)
     for c in range(num_ctas):
         t = c
         while True:
-            part = 0
+            share = 0  # 0: a whole tile; s >= 1: share s - 1 of a tail tile
             lin = t
             if split is not None and t >= full:
                 j = t - full
-                if j >= 2 * rem:
+                if j >= ways * rem:
                     break
-                part, lin = (1, full + j) if j < rem else (2, full + j - rem)
+                share, lin = j // rem + 1, full + j % rem
             elif t >= total:
                 break
             # The last problem starting at or before lin (empty ones share the next's start).
             p = int(np.searchsorted(starts, lin, side="right")) - 1
             whole = k_tiles[p] < SPLIT_MIN_K_TILES
-            if part == 0 or (part == 2) != whole:
+            if share == 0 or (share == 1 if whole else share == ways):
                 owners[c].append((p, lin - int(starts[p])))
             t += num_ctas
     return Assignment(tuple(tuple(o) for o in owners))

@@ -248,7 +248,7 @@ def tail_split_counts(num_ctas: int, zero_tail_tiles: int) -> list[int]:
     counts = [1, 0, 700, 129, 1000, 300, 77, 0, 64]
     while True:
         m_tiles = sum(-(-c // 128) for c in counts) + zero_tail_tiles
-        if sched.tail_split_units(m_tiles * TS_N // 256, num_ctas) is not None:
+        if sched.tail_split_units(m_tiles * TS_N // 256, num_ctas, TS_K // 64) is not None:
             return counts
         counts[2] += 128
 

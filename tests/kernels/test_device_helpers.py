@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moe_gemm.capability import cutlass_dsl_problem
-from moe_gemm.kernels.sm90.constants import SPLIT_MIN_K_TILES, raster_code
+from moe_gemm.kernels.sm90.constants import SPLIT_MIN_K_TILES, SPLIT_WAYS, raster_code
 from moe_gemm.ops import schedule as sched
 
 pytestmark = pytest.mark.skipif(cutlass_dsl_problem() is not None,
@@ -107,61 +107,73 @@ def split_fn(dsl):
     from moe_gemm.kernels.sm90.tile_scheduler import ROLE_TILE, WorkTile
 
     class Cfg:
-        tile_m, tile_n, threads_per_wg = 128, 256, 128
+        tile_m, tile_n, threads_per_wg, split_ways = 128, 256, 128, SPLIT_WAYS
 
     @cute.jit
-    def probe(out: cute.Tensor, total: Int32, grid: Int32, k_tiles: Int32):
+    def probe(out: cute.Tensor, total: Int32, grid: Int32, k_tiles: Int32, tile_k: Int32):
         tail = TailSplit(Cfg())
-        plan = tail.plan(total, grid)
+        plan = tail.plan(total, grid, k_tiles)
         for t in cutlass.range(total + grid):
-            lin, part, tail_i = tail.unit(plan, t)
-            work = tail.split_k(WorkTile(7, 1, 2, k_tiles, 0, ROLE_TILE, 0, 0), part, tail_i)
+            lin, share, tail_i = tail.unit(plan, t)
+            work = tail.split_k(WorkTile(7, 1, 2, tile_k, 0, ROLE_TILE, 0, 0), share, tail_i,
+                                plan)
             out[t, 0] = lin
-            out[t, 1] = part
+            out[t, 1] = share
             out[t, 2] = work.problem
             out[t, 3] = work.k_tiles
             out[t, 4] = work.k_start
             out[t, 5] = work.role
 
     out = torch.zeros(1024, 6, dtype=torch.int32)
-    compiled = cute.compile(probe, from_dlpack(out), Int32(1), Int32(1), Int32(1))
+    compiled = cute.compile(probe, from_dlpack(out), Int32(1), Int32(1), Int32(1), Int32(1))
 
-    def run(total, grid, k_tiles):
+    def run(total, grid, k_tiles, tile_k=None):
+        """tile_k: this tile's k-iterations (default k_tiles; 0: the varlen zero tail)."""
         out.fill_(-9)
-        compiled(from_dlpack(out), Int32(total), Int32(grid), Int32(k_tiles))
+        compiled(from_dlpack(out), Int32(total), Int32(grid), Int32(k_tiles),
+                 Int32(k_tiles if tile_k is None else tile_k))
         return out[:total + grid].tolist()
 
     return run
 
 
 @pytest.mark.parametrize("total,grid", [(10, 8), (13, 8), (16, 8), (7, 8), (3, 8), (0, 8),
-                                        (300, 132), (310, 132), (264, 132), (197, 132)])
-@pytest.mark.parametrize("k_tiles", [SPLIT_MIN_K_TILES - 1, SPLIT_MIN_K_TILES, 57])
-def test_tail_split_units_match_schedule(split_fn, total, grid, k_tiles):
+                                        (300, 132), (310, 132), (264, 132), (197, 132),
+                                        (16, 132), (1, 132), (30, 132)])
+@pytest.mark.parametrize("k_tiles", [SPLIT_MIN_K_TILES - 1, SPLIT_MIN_K_TILES, 57, 512])
+@pytest.mark.parametrize("zero_tail", [False, True])
+def test_tail_split_units_match_schedule(split_fn, total, grid, k_tiles, zero_tail):
+    """The scheduler warp's units are schedule.tail_split_units's: share p of K over
+    [k * p / ways, k * (p + 1) / ways), the last share finishing; a tile without K (the
+    varlen zero tail) computed whole by share 1 and no other."""
+    from moe_gemm.kernels.sm90 import tail_split as ts
     from moe_gemm.kernels.sm90.tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, ROLE_TILE
 
-    split = sched.tail_split_units(total, grid)
-    for t, (lin, part, problem, kt, k_start, role) in enumerate(split_fn(total, grid,
-                                                                         k_tiles)):
+    tile_k = 0 if zero_tail else k_tiles
+    split = sched.tail_split_units(total, grid, k_tiles)
+    for t, (lin, share, problem, kt, k_start, role) in enumerate(split_fn(total, grid, k_tiles,
+                                                                          tile_k)):
         if split is None or t < split[0]:
-            assert (lin, part, problem, kt, k_start, role) == (t, 0, 7, k_tiles, 0, ROLE_TILE)
+            assert (lin, share, problem, kt, k_start, role) == (t, 0, 7, tile_k, 0, ROLE_TILE)
             continue
-        full, rem = split
+        full, rem, ways = split
         j = t - full
-        if j >= 2 * rem:
+        if j >= ways * rem:
             assert lin == total  # past the last tile: the search ends the CTA
             continue
-        tail_i = j % rem
-        assert lin == full + tail_i and part == (1 if j < rem else 2)
-        if k_tiles < SPLIT_MIN_K_TILES:  # not split: the publisher computes it whole
-            want = (7, k_tiles, 0, ROLE_TILE) if j < rem else (-1,)
+        tail_i, p = j % rem, j // rem
+        assert lin == full + tail_i and share == p + 1
+        if zero_tail:  # not split: share 1 computes it whole
+            want = (7, 0, 0, ROLE_TILE) if p == 0 else (-1,)
             assert (problem, kt, k_start, role)[:len(want)] == want
-        elif j < rem:
-            assert (problem, kt, k_start, role) == (7, k_tiles // 2, 0,
-                                                    ROLE_PUBLISH | tail_i << 2)
-        else:
-            assert (problem, kt, k_start, role) == (7, k_tiles - k_tiles // 2, k_tiles // 2,
-                                                    ROLE_FINISH | tail_i << 2)
+            continue
+        lo, hi = k_tiles * p // ways, k_tiles * (p + 1) // ways
+        assert hi > lo and (problem, kt, k_start) == (7, hi - lo, lo)
+        kind = ROLE_FINISH if p == ways - 1 else ROLE_PUBLISH
+        assert role & 3 == kind
+        assert (role >> ts.TAIL_SHIFT) & ts.TAIL_MASK == tail_i
+        assert (role >> ts.SHARE_SHIFT) & ts.SHARE_MASK == p
+        assert (role >> ts.WAYS_SHIFT) & ts.WAYS_MASK == ways
 
 
 def _varlen_rows_probe(cutlass, cute, row_counts: bool):

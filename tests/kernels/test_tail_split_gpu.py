@@ -1,6 +1,6 @@
 """GPU tests of the tail split (cooperative, K >= 4096 by default; kernels/sm90/constants.py):
-a last wave of at most half the grid runs as half-K units on two CTAs joined through an fp32
-workspace slot and a counter that each finisher resets."""
+a last wave of at most half the grid runs as shares of K on several CTAs joined through fp32
+workspace slots and a counter that each finisher resets."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_tail_split_visits(extra_rows):
     counts = tail_split_counts(nsm, 0)
     counts[4] += extra_rows
     while extra_rows and sched.tail_split_units(
-            sum(-(-c // 128) for c in counts) * 8, nsm) is not None:
+            sum(-(-c // 128) for c in counts) * 8, nsm, K // 64) is not None:
         counts[4] += 128  # make the last wave more than half full
     T = sum(counts)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
@@ -110,7 +110,7 @@ def test_tail_split_visits(extra_rows):
     want = [[(p, *sched.tile_coord(local, -(-counts[p] // ch.tile_m), TS_N // ch.tile_n,
                                    ch.swizzle)) for p, local in cta] for cta in owners]
     ok = got == want
-    split = sched.tail_split_units(sum(tiles), info.num_ctas) is not None
+    split = sched.tail_split_units(sum(tiles), info.num_ctas, K // 64) is not None
     assert split == (not extra_rows)
     record(f"tail-split/visits/split={split}", ok)
     assert ok, "kernel tile visits differ from moe_gemm.schedule.tail_split_assignment"
@@ -200,3 +200,76 @@ def test_tail_split_bmm(G, M, N, monkeypatch):
     run_batched(f"tail-split/bmm/{G}x{M}x{N}", G, M, N, TS_K, config=cfg, out_mode="given")
     info = launch_info.last_launch()
     assert info.choice.tail_split
+
+
+# A launch of few tiles on long K: 4 experts (one of 1 row, one empty) of 128x256 tiles make
+# 10 tiles on the 132 SMs, so each is split over up to SPLIT_WAYS CTAs.
+WAYS_COUNTS = [1, 130, 200, 0]
+WAYS_N, WAYS_K = 512, 8192
+
+
+@pytest.mark.parametrize("max_ways", [None, "2", "3", "16"])
+def test_tail_split_ways(max_ways, monkeypatch):
+    """A tail tile split over several CTAs (MOE_GEMM_SPLIT_WAYS caps how many): the result
+    within the 2x rule, the stores where schedule.tail_split_assignment puts them, run-to-run
+    bitwise (the finisher adds the partials in share order), the counters back at zero."""
+    from moe_gemm.kernels.sm90.constants import SPLIT_WAYS, split_workspace_bytes
+    from moe_gemm.ops import launch_resources
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_mm_cute
+
+    if max_ways is None:
+        monkeypatch.delenv("MOE_GEMM_SPLIT_WAYS", raising=False)
+    else:
+        monkeypatch.setenv("MOE_GEMM_SPLIT_WAYS", max_ways)
+    counts, N, K = WAYS_COUNTS, WAYS_N, WAYS_K
+    T, E = sum(counts), len(counts)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = rand((T, K), torch.bfloat16, g)
+    w = rand((E, K, N), torch.bfloat16, g)
+    cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=256,
+                     cluster_m=1, cluster_n=1, tail_split=True)
+    name = f"tail-split/ways={max_ways}"
+    y = moe_gemm.grouped_mm(x, w, offs, config=cfg)
+    torch.cuda.synchronize()
+    info = last_launch()
+    cap = SPLIT_WAYS if max_ways is None else int(max_ways)
+    assert info.choice.tail_split and info.choice.split_ways == cap
+    tiles = [-(-r // 128) * (N // 256) for r in counts]
+    split = sched.tail_split_units(sum(tiles), info.num_ctas, K // 64, cap)
+    assert split is not None and split[2] == min(cap, info.num_ctas // sum(tiles), K // 64 // 16)
+    check_mm(name, y, x, w, offs)
+    again = moe_gemm.grouped_mm(x, w, offs, config=cfg)
+    same = torch.equal(again, y)
+    record(f"{name}/run-to-run-bitwise", same)
+    assert same
+    counters, _, total = split_workspace_bytes(info.num_ctas, 128, 256)
+    spaces = [ws for key, ws in launch_resources._workspaces.items()
+              if key[-1] and key[-2] == -(-total // 8)]
+    assert spaces, "no tail-split workspace cached"
+    zero = all(bool((ws.view(torch.int32)[counters // 4:counters // 4 + 256] == 0).all())
+               for ws in spaces)
+    record(f"{name}/counters-zero", zero)
+    assert zero
+    # The trace: every tile stored once, by the CTA the schedule names.
+    grouped_mm_cute(check_grouped_mm(x, w, offs, None, None), cfg, trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    owners = sched.tail_split_assignment(tiles, [K // 64] * E, info.num_ctas, cap).per_cta
+    want = [[(p, *sched.tile_coord(local, -(-counts[p] // 128), N // 256, info.choice.swizzle))
+             for p, local in cta] for cta in owners]
+    ok = trace_assignment(info) == want
+    record(f"{name}/visits", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule.tail_split_assignment"
+
+
+def test_tail_split_ways_bmm():
+    """The 3-D form: 2 problems of 128x512 on K = 16384 (4 tiles, 8 ways each)."""
+    from moe_gemm.ops import launch_info
+
+    cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=256,
+                     cluster_m=1, cluster_n=1, tail_split=True)
+    run_batched("tail-split/ways/bmm-2x128x512x16384", 2, 128, 512, 16384, config=cfg)
+    info = launch_info.last_launch()
+    assert info.choice.tail_split and info.choice.split_ways >= 8

@@ -208,7 +208,8 @@ def test_varlen_long_k_and_allocated_out(schedule, tile):
             tail=29)
     info = last_launch()
     tiles = sum(-(-r // tile[0]) for r in counts + [29]) * -(-N // tile[1])
-    split = info.choice.tail_split and sched.tail_split_units(tiles, info.num_ctas) is not None
+    split = info.choice.tail_split and sched.tail_split_units(tiles, info.num_ctas,
+                                                              -(-4160 // 64)) is not None
     record(f"tiles/varlen-longk/{schedule}{tile}/tail-split", split == (schedule == "cooperative"))
     assert split == (schedule == "cooperative")
 

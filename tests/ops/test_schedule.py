@@ -387,50 +387,75 @@ def test_should_sort_by_k_accepts_lists() -> None:
 
 
 @pytest.mark.parametrize(
-    "total,num_ctas,want",
+    "total,num_ctas,k_tiles,want",
     [
-        (7448, 132, (7392, 56)),  # mixtral (seed 1234): 56.42 waves
-        (4336, 132, None),  # moe-prefill: 112 tiles in the last wave, more than half
-        (264, 132, None),  # whole waves only
-        (133, 132, (132, 1)),
-        (66, 132, (0, 66)),  # one half-full wave: every tile split
-        (67, 132, None),
-        (0, 132, None),
-        (5, 1, None),
-        (600, 300, None),  # more CTAs than the counters hold
+        (7448, 132, 64, (7392, 56, 2)),  # mixtral (seed 1234): 56.42 waves
+        (4336, 132, 64, None),  # moe-prefill: 112 tiles in the last wave, more than half
+        (264, 132, 64, None),  # whole waves only
+        (133, 132, 64, (132, 1, 4)),  # one tile: ways capped by K (64 / 16)
+        (133, 132, 512, (132, 1, 8)),  # ... and by SPLIT_WAYS
+        (16, 132, 512, (0, 16, 8)),  # a launch of 16 tiles: 128 CTAs busy
+        (30, 132, 512, (0, 30, 4)),  # 132 // 30
+        (66, 132, 64, (0, 66, 2)),  # one half-full wave: every tile split in two
+        (67, 132, 64, None),
+        (10, 132, 15, None),  # K too short to split
+        (10, 132, 16, (0, 10, 2)),  # the shortest split: two shares of 8 k-tiles
+        (10, 132, 48, (0, 10, 3)),
+        (0, 132, 64, None),
+        (5, 1, 64, None),
+        (600, 300, 64, None),  # more CTAs than the counters hold
     ],
 )
-def test_tail_split_units(total: int, num_ctas: int, want) -> None:
+def test_tail_split_units(total: int, num_ctas: int, k_tiles: int, want) -> None:
     from moe_gemm.ops.schedule import tail_split_units
 
-    assert tail_split_units(total, num_ctas) == want
+    assert tail_split_units(total, num_ctas, k_tiles) == want
 
 
-def _tail_expected(counts: list[int], ks: list[int], num_ctas: int) -> Assignment:
-    """Independent of the module: split tiles move from CTA i to CTA rem + i."""
+def test_tail_split_units_max_ways() -> None:
+    from moe_gemm.ops.schedule import tail_split_units
+
+    assert tail_split_units(16, 132, 512, max_ways=2) == (0, 16, 2)
+    assert tail_split_units(16, 132, 512, max_ways=16) == (0, 16, 8)  # 132 // 16
+    assert tail_split_units(4, 132, 4096, max_ways=16) == (0, 4, 16)
+
+
+def _tail_expected(counts: list[int], ks: list[int], num_ctas: int, max_ways: int
+                   ) -> Assignment:
+    """Independent of the module: with rem tiles in a last wave of at most half the grid and
+    K long enough, tail tile i is stored by CTA (ways - 1) * rem + i instead of CTA i."""
     base = [list(o) for o in expected_assignment(counts, num_ctas).per_cta]
     total = sum(counts)
     rem = total % num_ctas
-    if rem == 0 or 2 * rem > num_ctas:
+    k = max(ks, default=0)
+    if rem == 0 or 2 * rem > num_ctas or k < 16:
         return Assignment(tuple(tuple(o) for o in base))
+    ways = min(num_ctas // rem, max_ways, max(k // 16, 2))
     for i in range(rem):
         tile = base[i][-1]  # CTA i's last tile is linear tile full + i
         if ks[tile[0]] >= 16:
             base[i].pop()
-            base[rem + i].append(tile)
+            base[(ways - 1) * rem + i].append(tile)
     return Assignment(tuple(tuple(o) for o in base))
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_tail_split_assignment_random(seed: int) -> None:
+    """One K for every problem (the forms with a tail split), the varlen form's zero tail
+    (K = 0) last or not, any ways cap."""
     from moe_gemm.ops.schedule import tail_split_assignment
 
     rng = random.Random(seed)
     num_ctas = rng.choice([8, 33, 132])
     counts = [rng.choice([0, 0, 1, 3, 8, 17]) for _ in range(rng.randint(1, 50))]
-    ks = [rng.choice([0, 2, 15, 16, 64]) for _ in counts]
-    got = tail_split_assignment(counts, ks, num_ctas)
-    assert got == _tail_expected(counts, ks, num_ctas)
+    k = rng.choice([0, 2, 15, 16, 40, 64, 300])
+    ks = [k] * len(counts)
+    if rng.random() < 0.5:
+        counts.append(rng.choice([0, 1, 2]))
+        ks.append(0)
+    max_ways = rng.choice([2, 3, 8, 16])
+    got = tail_split_assignment(counts, ks, num_ctas, max_ways)
+    assert got == _tail_expected(counts, ks, num_ctas, max_ways)
     assert_exactly_once(got, counts)
 
 

@@ -16,6 +16,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
+from .constants import SPLIT_WAYS  # noqa: E402
 from .fused_moe import FusedMoeGemmSm90  # noqa: E402
 from .grouped_gemm import GroupedGemmSm90  # noqa: E402
 
@@ -44,7 +45,7 @@ def option_parts(key) -> list[str]:
     if key.epi_whole:
         parts.append("ew")
     if key.tail_split:
-        parts.append("ts")
+        parts.append("ts" if key.split_ways == SPLIT_WAYS else f"ts{key.split_ways}")
     return parts
 
 
@@ -80,6 +81,7 @@ class CompileKey:
     row_counts: bool = False  # varlen: offs are per-expert row counts (the masked layout)
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
     peek_wait: bool = False  # the math warps test the next stage's barrier a k-tile ahead
+    split_ways: int = SPLIT_WAYS  # with the tail split: the most CTAs per tail tile
 
     @property
     def fused(self) -> bool:
@@ -135,6 +137,7 @@ class CompileKey:
             row_counts=self.row_counts,
             trim_a=self.trim_a,
             peek_wait=self.peek_wait,
+            split_ways=self.split_ways,
             **fused,
         )
 

@@ -18,6 +18,7 @@ from .compile import (  # noqa: E402
     fake_launch_arguments,
     option_parts,
 )
+from .constants import SPLIT_WAYS  # noqa: E402
 from .grouped_gemm_fp8 import SMETA_INTS, GroupedGemmFp8Sm90  # noqa: E402
 
 FP8_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
@@ -47,6 +48,7 @@ class Fp8CompileKey:
     promote_lag: bool = False  # the promotion one stage behind the WGMMAs
     scale_ahead: int = 1  # block scales: stages ahead of their promotion the scales load
     smem_scales: bool = False  # block scales staged in shared memory by TMA (varlen)
+    split_ways: int = SPLIT_WAYS  # with the tail split: the most CTAs per tail tile
 
     def name(self) -> str:
         return "_".join(["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode,
@@ -63,6 +65,7 @@ class Fp8CompileKey:
             cluster_m=self.cluster_m, cluster_n=self.cluster_n, epi_whole=self.epi_whole,
             tail_split=self.tail_split, promote_lag=self.promote_lag,
             scale_ahead=self.scale_ahead, smem_scales=self.smem_scales,
+            split_ways=self.split_ways,
         )
 
 

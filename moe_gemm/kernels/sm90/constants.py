@@ -26,11 +26,16 @@ SLOT_BYTES = 3 * DESC_BYTES  # a ring slot: the record's A, B and D descriptors
 SLOT_INTS = SLOT_BYTES // 8  # the same in the int64 workspace
 
 # Tail split (cooperative, device visitor, 1x1 cluster; compile-time): when the last wave of
-# tiles fills at most half the grid, each of its tiles is computed by two CTAs, each over half
-# of K. The lower CTA (launched first) writes its fp32 accumulators to a workspace slot and
-# bumps the tile's counter; the upper one adds them to its own and runs the epilogue. The
-# last wave then takes ~half a tile's time (mixtral, 56.4 waves of 128x256 tiles: ~1%).
+# tiles fills at most half the grid, each of its tiles is computed by several CTAs (`ways`),
+# each over a share of K. The lower shares (launched first) write their fp32 accumulators to
+# workspace slots and bump the tile's counter; the last one adds them to its own and runs the
+# epilogue. The last wave then takes ~1/ways of a tile's time (mixtral, 56.4 waves of 128x256
+# tiles: ~1%; a launch of 16 tiles on 132 SMs: most of its time).
 SPLIT_MIN_K_TILES = 16  # below this a half tile saves less than the 2 x 128 KiB fixup costs
+# A share of fewer k-tiles than this (1024 of K) costs about as much in its fixup (the
+# finisher reads each partial, 128 KiB for 128x256) as it saves: ways <= k_tiles / 16.
+SPLIT_PART_K_TILES = 16
+SPLIT_WAYS = 8  # the most CTAs one tile is split over (the kernel's split_ways default)
 SPLIT_COUNTER_BYTES = 1024  # per-tile counters (one int32 per CTA, 132 on an H100/H200) ...
 SPLIT_MAX_CTAS = SPLIT_COUNTER_BYTES // 4  # ... so at most this many CTAs
 
@@ -38,10 +43,11 @@ SPLIT_MAX_CTAS = SPLIT_COUNTER_BYTES // 4  # ... so at most this many CTAs
 def split_workspace_bytes(num_ctas: int, tile_m: int, tile_n: int) -> tuple[int, int, int]:
     """(counters offset, partials offset, total bytes) of a tail-split kernel's workspace:
     the descriptor rings, then the counters (zeroed once, reset by every finisher), then
-    num_ctas // 2 fp32 partial tiles (a split tail has at most half the grid's tiles)."""
+    num_ctas - 1 fp32 partial tiles (rem tail tiles of `ways` shares each, ways * rem <=
+    num_ctas, publish at most num_ctas - rem partials)."""
     counters = num_ctas * DESC_RING * SLOT_BYTES
     partials = counters + SPLIT_COUNTER_BYTES
-    return counters, partials, partials + (num_ctas // 2) * tile_m * tile_n * 4
+    return counters, partials, partials + max(num_ctas - 1, 0) * tile_m * tile_n * 4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,9 +46,10 @@ Warp roles (384 threads = 3 warpgroups):
   problem in lockstep; a CTA past the problem's edge loads its half of the shared operand and
   computes, but stores nothing.
 
-Tail split (compile-time `tail_split`; cooperative, device visitor, 1x1 cluster, varlen and
-batched forms; tail_split.py): a last wave that fills at most half the grid runs each tile as
-two half-K units on two CTAs, joined through an fp32 workspace slot.
+Tail split (compile-time `tail_split`, `split_ways`; cooperative, device visitor, 1x1
+cluster, varlen and batched forms; tail_split.py): a last wave that fills at most half the
+grid runs each tile as up to `split_ways` shares of K on as many CTAs, joined through fp32
+workspace slots.
 
 Trimmed A loads (compile-time `trim_a`; varlen form, A loaded by TMA: no gather-A;
 trimmed_a.py): an expert's last tile loads only its expert's rows of A, rounded up to 16, as
@@ -89,6 +90,7 @@ from .constants import (
     SCHED_STAGES,
     SIGMOID_GATES,
     SLOT_BYTES,
+    SPLIT_WAYS,
     TILE_K,
     ab_stage_limit,
     epilogue_staging,
@@ -226,6 +228,7 @@ class GroupedGemmSm90:
         cluster_m, cluster_n: (1, 1), (2, 1) or (1, 2); the device visitor.
         epi_whole: whole-tile epilogue (cooperative 128-row tiles, 16-bit output).
         tail_split: split a last wave of at most half the grid over K (tail_split.py).
+        split_ways: the most CTAs one tail tile is split over (2 to 16).
         row_counts: varlen form: `offs` holds per-expert row counts and expert p's rows are
             [p * T / E, p * T / E + offs[p]) (the masked layout with the fused options).
         gate, gate_layout, gate_alpha, gate_limit, bias, row_scale, gather_a, fast_gate: the
@@ -264,6 +267,7 @@ class GroupedGemmSm90:
         cluster_n: int = 1,
         epi_whole: bool = False,
         tail_split: bool = False,
+        split_ways: int = SPLIT_WAYS,
         gate: str | None = None,
         gate_layout: str = "concat",
         gate_alpha: float = 0.0,
@@ -315,7 +319,10 @@ class GroupedGemmSm90:
         self.cluster_n = cluster_n
         self.cluster_size = cluster_m * cluster_n
         # Tail split (constants.py): a last wave that fills at most half the grid runs each
-        # tile as two half-K units on two CTAs, joined through an fp32 workspace slot.
+        # tile as shares of K on several CTAs, joined through fp32 workspace slots.
+        if not 2 <= split_ways <= 16:
+            raise ValueError(f"split_ways must be 2 to 16; got {split_ways!r}")
+        self.split_ways = split_ways
         if tail_split and (schedule != "cooperative" or visitor != "device"
                            or self.cluster_size > 1 or form in ("general", "masked")):
             raise ValueError("the tail split is built for the varlen and batched forms, "
@@ -994,10 +1001,10 @@ class GroupedGemmSm90:
             if const_expr(self.tail_split):
                 kind = work.kind()
                 if kind == ROLE_PUBLISH:
-                    tail.publish(acc, run.workspace, work.tail_index(), mma_tidx)
+                    tail.publish(acc, run.workspace, work.role, mma_tidx)
                     role = Int32(ROLE_SKIP)
                 if kind == ROLE_FINISH:
-                    tail.absorb(acc, run.workspace, work.tail_index(), mma_tidx)
+                    tail.absorb(acc, run.workspace, work.role, mma_tidx)
             if role != ROLE_SKIP:  # (always, without a cluster or a tail split)
                 self.epi.store(frags, sD, tma.atom_d, tma.tma_d, problems, work, ring, epi_group,
                                epi_bar_id, epi_threads, is_store_warp, tiles_done)

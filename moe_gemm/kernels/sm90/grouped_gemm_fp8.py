@@ -55,6 +55,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .constants import SPLIT_WAYS
 from .constants_fp8 import (
     FP8_TILE_K,
     SCALE_BLOCK,
@@ -249,7 +250,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def __init__(self, ab_dtype, d_dtype, form, schedule, visitor, tile_mn, scale_mode: str,
                  ab_stages=None, trace=False, l2_hints=False, epi_n=32, cluster_m=1,
                  cluster_n=1, epi_whole=False, tail_split=False, promote_lag=False,
-                 scale_ahead=1, smem_scales=False):
+                 scale_ahead=1, smem_scales=False, split_ways=SPLIT_WAYS):
         if ab_dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
             raise ValueError(f"the FP8 kernel takes float8 e4m3 or e5m2 inputs; got {ab_dtype}")
         why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode, promote_lag)
@@ -280,7 +281,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         super().__init__(ab_dtype, d_dtype, "k", form, schedule, visitor, tile_mn,
                          ab_stages=ab_stages, trace=trace, l2_hints=l2_hints, epi_n=epi_n,
                          cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
-                         tail_split=tail_split)
+                         tail_split=tail_split, split_ways=split_ways)
         self.load_regs, self.math_regs = fp8_register_split(schedule, *tile_mn, promote_lag)
         self.blocks_spanned = scale_blocks_spanned(self.tile_n)
         assert scale_mode in SCALE_MODES

@@ -261,6 +261,10 @@ class VarlenProblems(Problems):
             rows = cutlass.max(end - start, Int32(0))
         return start, rows
 
+    def common_depth(self) -> Int32:
+        """K of every expert (the zero tail's tiles load nothing whatever it is)."""
+        return self.mA.shape[1]
+
     @cute.jit
     def dims(self, p: Int32) -> tuple[Int32, Int32, Int32, Int32]:
         """(rows, accumulator columns, depth, first row): a gated epilogue stores one output
@@ -343,6 +347,10 @@ class BatchedProblems(Problems):
     @cute.jit
     def dims(self, p: Int32) -> tuple[Int32, Int32, Int32, Int32]:
         return self.mA.shape[1], self.mD.shape[2], self.mA.shape[2], Int32(0)
+
+    def common_depth(self) -> Int32:
+        """K of every problem."""
+        return self.mA.shape[2]
 
     @cute.jit
     def tiles_each(self, unit_m: cutlass.Constexpr, unit_n: cutlass.Constexpr) -> Int32:

@@ -1,16 +1,21 @@
-"""The tail split: a short last wave of tiles computed by twice as many CTAs, half of K each.
+"""The tail split: a short last wave of tiles computed by several CTAs each, a share of K each.
 
 Scheduler side (`plan`, `unit`, `split_k`): with T tiles on `grid` CTAs the last wave holds
-rem = T mod grid tiles. When 2 * rem <= grid, unit j of the last wave (linear index full + j,
-full = T - rem) is half of tail tile j mod rem: j < rem the lower half of K (publisher), else
-the upper half (finisher). The publisher CTA has the lower index, so it is launched first: a
-finisher never waits on a CTA that is not yet resident. A tile shorter than SPLIT_MIN_K_TILES
-is not split: its publisher CTA computes it whole and its finisher has nothing to do.
+rem = T mod grid tiles. When 2 * rem <= grid, each of them is split `ways` times, ways =
+min(grid // rem, the kernel's split_ways, k_tiles // SPLIT_PART_K_TILES (at least 2)): unit
+j of the last wave (linear index full + j, full = T - rem, j < ways * rem) is share
+p = j // rem of tail tile i = j mod rem, over k-tiles [k * p / ways, k * (p + 1) / ways).
+Shares 0 .. ways - 2 publish an fp32 partial; share ways - 1 (the finisher) adds them and
+stores the tile. The finisher has the highest index, so every publisher is launched before
+it: a finisher never waits on a CTA that is not yet resident. A tile shorter than
+SPLIT_MIN_K_TILES (the varlen form's zero tail) is not split: share 0's CTA computes it whole
+and the other shares have nothing to do.
 
-Math side (`publish`, `absorb`): the publisher writes its fp32 accumulators to the tile's
-workspace slot and bumps the tile's counter (release); the finisher waits for the counter
-(acquire), adds the partial into its own accumulators, stores the tile and resets the counter
-to 0 for the next launch. `moe_gemm.ops.schedule.tail_split_assignment` is the Python truth.
+Math side (`publish`, `absorb`): a publisher writes its fp32 accumulators to its workspace
+slot and bumps the tile's counter (release); the finisher waits for ways - 1 on the counter
+(acquire), adds the partials into its own accumulators in share order (the sum does not
+depend on timing), stores the tile and resets the counter to 0 for the next launch.
+`moe_gemm.ops.schedule.tail_split_assignment` is the Python truth.
 """
 
 from __future__ import annotations
@@ -21,10 +26,22 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .constants import DESC_RING, SLOT_BYTES, SPLIT_COUNTER_BYTES, SPLIT_MAX_CTAS, SPLIT_MIN_K_TILES
+from .constants import (
+    DESC_RING,
+    SLOT_BYTES,
+    SPLIT_COUNTER_BYTES,
+    SPLIT_MAX_CTAS,
+    SPLIT_MIN_K_TILES,
+    SPLIT_PART_K_TILES,
+)
 from .tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, WorkTile
 
 BAR_SPLIT = 6  # named barrier: both math warpgroups, around the partial-tile handoff
+
+# WorkTile.role above its 2 kind bits: the tail tile (its counter), the share and the ways.
+# (rem <= SPLIT_MAX_CTAS / 2 = 128 tail tiles, ways <= 16.)
+TAIL_SHIFT, SHARE_SHIFT, WAYS_SHIFT = 2, 12, 20
+TAIL_MASK, SHARE_MASK, WAYS_MASK = 0x3FF, 0xFF, 0xFF
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,68 +51,81 @@ class SplitPlan:
     total: Int32  # all tiles
     full: Int32  # the tiles of the whole waves
     rem: Int32  # the last wave's tiles
-    split: cutlass.Boolean  # whether the last wave is split
+    ways: Int32  # CTAs per last-wave tile (1: not split)
+
+
+def split_role(kind: int, tail_i: Int32, share: Int32, ways: Int32) -> Int32:
+    return Int32(kind) | (tail_i << TAIL_SHIFT) | (share << SHARE_SHIFT) | (
+        ways << WAYS_SHIFT)
 
 
 @dataclass(frozen=True, eq=False)
 class TailSplit:
     """(Frozen: read-only inside the DSL's dynamic loops, see problems.Problems.)"""
 
-    cfg: object  # the kernel: tile_m, tile_n, threads_per_wg
+    cfg: object  # the kernel: tile_m, tile_n, threads_per_wg, split_ways
 
     # -- scheduler warp ------------------------------------------------------------------------
 
     @cute.jit
-    def plan(self, total: Int32, grid: Int32) -> SplitPlan:
+    def plan(self, total: Int32, grid: Int32, k_tiles: Int32) -> SplitPlan:
+        """k_tiles: every problem's k-iterations (the forms with a tail split share one K)."""
         full = (total // grid) * grid
         rem = total - full
-        split = cutlass.Boolean(False)
+        ways = Int32(1)
         if rem > 0:
             if 2 * rem <= grid:
                 if grid <= SPLIT_MAX_CTAS:
-                    split = True
-        return SplitPlan(total, full, rem, split)
+                    if k_tiles >= SPLIT_MIN_K_TILES:
+                        # (Divisors kept above 0 everywhere: the compiler may hoist a
+                        # division out of its branch.)
+                        ways = cutlass.min(grid // cutlass.max(rem, Int32(1)),
+                                           Int32(self.cfg.split_ways))
+                        ways = cutlass.min(ways, cutlass.max(k_tiles // SPLIT_PART_K_TILES,
+                                                             Int32(2)))
+        return SplitPlan(total, full, rem, ways)
 
     @cute.jit
     def unit(self, plan: SplitPlan, t: Int32):
-        """(linear tile, part, tail index) of this CTA's unit t: part 0 a whole tile, 1 the
-        lower half of tail tile `tail index`, 2 its upper half."""
+        """(linear tile, share, tail index) of this CTA's unit t: share 0 a whole tile, s >= 1
+        share s - 1 of tail tile `tail index`."""
         lin = t
-        part = Int32(0)
+        share = Int32(0)
         tail_i = Int32(0)
-        if plan.split:
+        if plan.ways > 1:
             if t >= plan.full:
                 j = t - plan.full
-                if j < 2 * plan.rem:
-                    part = Int32(1)
-                    tail_i = j
-                    if j >= plan.rem:
-                        part = Int32(2)
-                        tail_i = j - plan.rem
+                if j < plan.ways * plan.rem:
+                    p = j // cutlass.max(plan.rem, Int32(1))
+                    tail_i = j - p * plan.rem
+                    share = p + 1
                     lin = plan.full + tail_i
                 else:
                     lin = plan.total  # past the last tile: the search ends this CTA
-        return lin, part, tail_i
+        return lin, share, tail_i
 
     @cute.jit
-    def split_k(self, work: WorkTile, part: Int32, tail_i: Int32) -> WorkTile:
-        """The unit's share of K and role (a tile too short to split: the publisher's CTA
-        computes it whole and the finisher's record ends its work)."""
+    def split_k(self, work: WorkTile, share: Int32, tail_i: Int32, plan: SplitPlan
+                ) -> WorkTile:
+        """The unit's share of K and role (a tile too short to split: share 0's CTA computes
+        it whole and the other shares' records end their work)."""
         problem = work.problem
         k_tiles = work.k_tiles
         k_start = work.k_start
         role = work.role
-        if part != 0:
+        if share != 0:
+            ways = plan.ways
             if k_tiles >= SPLIT_MIN_K_TILES:
-                half = k_tiles // 2
-                if part == 1:
-                    k_tiles = half
-                    role = ROLE_PUBLISH | (tail_i << 2)
+                p = share - 1
+                lo = k_tiles * p // cutlass.max(ways, Int32(1))
+                hi = k_tiles * (p + 1) // cutlass.max(ways, Int32(1))
+                k_start = lo
+                k_tiles = hi - lo
+                if share == ways:
+                    role = split_role(ROLE_FINISH, tail_i, p, ways)
                 else:
-                    k_start = half
-                    k_tiles = k_tiles - half
-                    role = ROLE_FINISH | (tail_i << 2)
-            elif part == 2:
+                    role = split_role(ROLE_PUBLISH, tail_i, p, ways)
+            elif share != 1:
                 problem = Int32(-1)
         return WorkTile(problem, work.m_tile, work.n_tile, k_tiles, work.row_start, role,
                         work.ring_slot, k_start, work.rows)
@@ -103,55 +133,66 @@ class TailSplit:
     # -- math warpgroups -----------------------------------------------------------------------
 
     @cute.jit
-    def _addresses(self, workspace: cute.Tensor, tail_i: Int32):
-        """(counter, partial tile) of tail tile `tail_i` (constants.split_workspace_bytes)."""
+    def _fields(self, role: Int32):
+        """(tail tile, share, ways) of a split unit's role."""
+        return ((role >> TAIL_SHIFT) & TAIL_MASK, (role >> SHARE_SHIFT) & SHARE_MASK,
+                (role >> WAYS_SHIFT) & WAYS_MASK)
+
+    @cute.jit
+    def _counter(self, workspace: cute.Tensor, tail_i: Int32):
+        """Tail tile `tail_i`'s counter (constants.split_workspace_bytes)."""
+        grid, _, _ = cute.arch.grid_dim()
+        base = workspace.iterator.toint() + Int64(grid) * (DESC_RING * SLOT_BYTES)
+        return cute.make_ptr(Int32, base + Int64(tail_i) * 4, cute.AddressSpace.gmem,
+                             assumed_align=4)
+
+    @cute.jit
+    def _partial_tensor(self, acc: cute.Tensor, workspace: cute.Tensor, slot: Int32
+                        ) -> cute.Tensor:
+        """Partial slot `slot` as (accumulator index, math thread): each thread's fragment
+        element i at i * 256 + thread, so a warp's stores and loads of one element are one
+        128-byte line."""
         cfg = self.cfg
         grid, _, _ = cute.arch.grid_dim()
         base = workspace.iterator.toint() + Int64(grid) * (DESC_RING * SLOT_BYTES)
-        counter = cute.make_ptr(Int32, base + Int64(tail_i) * 4, cute.AddressSpace.gmem,
-                                assumed_align=4)
-        partial = base + SPLIT_COUNTER_BYTES + Int64(tail_i) * (cfg.tile_m * cfg.tile_n * 4)
-        return counter, partial
-
-    @cute.jit
-    def _partial_tensor(self, acc: cute.Tensor, partial: Int64) -> cute.Tensor:
-        """The slot as (accumulator index, math thread): each thread's fragment element i at
-        i * 256 + thread, so a warp's stores and loads of one element are one 128-byte line."""
+        partial = base + SPLIT_COUNTER_BYTES + Int64(slot) * (cfg.tile_m * cfg.tile_n * 4)
         n = cute.size(acc)
-        threads = 2 * self.cfg.threads_per_wg
+        threads = 2 * cfg.threads_per_wg
         return cute.make_tensor(
             cute.make_ptr(cutlass.Float32, partial, cute.AddressSpace.gmem, assumed_align=16),
             cute.make_layout((n, threads), stride=(threads, 1)),
         )
 
     @cute.jit
-    def publish(self, acc: cute.Tensor, workspace: cute.Tensor, tail_i: Int32,
-                mma_tidx: Int32):
-        """Lower half of a split tile: fp32 accumulators to the slot, then counter += 1
-        (release: every math thread's stores are fenced and joined at a barrier first)."""
-        counter, partial = self._addresses(workspace, tail_i)
-        part = self._partial_tensor(acc, partial)
+    def publish(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32):
+        """A publishing share: fp32 accumulators to its slot (tail tile i's shares take slots
+        i * (ways - 1) + share), then counter += 1 (release: every math thread's stores are
+        fenced and joined at a barrier first)."""
+        tail_i, share, ways = self._fields(role)
+        part = self._partial_tensor(acc, workspace, tail_i * (ways - 1) + share)
         for i in cutlass.range_constexpr(cute.size(acc)):
             part[i, mma_tidx] = acc[i]
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.cfg.threads_per_wg)
         if mma_tidx == 0:
-            cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
+            cute.arch.atomic_add(self._counter(workspace, tail_i), Int32(1), sem="release",
+                                 scope="gpu")
 
     @cute.jit
-    def absorb(self, acc: cute.Tensor, workspace: cute.Tensor, tail_i: Int32,
-               mma_tidx: Int32):
-        """Upper half of a split tile: wait for the publisher's counter (acquire), add its
-        partial into acc, reset the counter to 0 for the next launch."""
-        counter, partial = self._addresses(workspace, tail_i)
+    def absorb(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32):
+        """The finishing share: wait until all ways - 1 publishers counted (acquire), add
+        their partials into acc in share order, reset the counter to 0 for the next launch."""
+        tail_i, _, ways = self._fields(role)
+        counter = self._counter(workspace, tail_i)
         if mma_tidx == 0:
             seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
-            while seen == 0:
+            while seen < ways - 1:
                 seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
         cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.cfg.threads_per_wg)
         cute.arch.fence_acq_rel_gpu()
-        part = self._partial_tensor(acc, partial)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = acc[i] + part[i, mma_tidx]
+        for q in cutlass.range(ways - 1):
+            part = self._partial_tensor(acc, workspace, tail_i * (ways - 1) + q)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + part[i, mma_tidx]
         if mma_tidx == 0:
             cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")

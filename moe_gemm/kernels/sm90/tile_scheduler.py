@@ -34,11 +34,11 @@ from .constants import (
 WARP = 32
 
 # WorkTile.role, low 2 bits: what the math warpgroups do with the tile. With the tail split
-# the rest of the bits hold the tail tile's index (its counter and partial slot).
+# the rest of the bits say which share of which tail tile it is (tail_split.split_role).
 ROLE_SKIP = 0  # computed but not stored (a cluster's CTA past the problem's edge)
 ROLE_TILE = 1  # an ordinary tile
-ROLE_FINISH = 2  # the upper half of K: add the partial, then the epilogue
-ROLE_PUBLISH = 3  # the lower half of K: write the fp32 partial, no epilogue
+ROLE_FINISH = 2  # a tail tile's last share of K: add the partials, then the epilogue
+ROLE_PUBLISH = 3  # a tail tile's other shares of K: write the fp32 partial, no epilogue
 
 
 class WorkTile:
@@ -46,7 +46,7 @@ class WorkTile:
     it (a RECORD_INTS x int32 record of the shared-memory ring).
 
     problem: the problem index (-1: no more work); m_tile, n_tile: the output tile;
-    k_tiles: its k-iterations; k_start: the first one (a tail split's upper half, else 0);
+    k_tiles: its k-iterations; k_start: the first one (a tail split's later shares, else 0);
     row_start: the varlen form's first row of the expert in x (else 0); role: ROLE_* in the
     low 2 bits (see above); ring_slot: this record's descriptor slot in the CTA's ring;
     rows: the problem's row count (the varlen form's expert rows: where its stores end).
@@ -86,9 +86,6 @@ class WorkTile:
 
     def kind(self) -> Int32:
         return self.role & 3
-
-    def tail_index(self) -> Int32:
-        return self.role >> 2
 
 
 # The record's size is a host-side constant too (the shared-memory budget counts the ring).
@@ -271,13 +268,14 @@ class TileScheduler:
                                               cfg.tile_n * cfg.cluster_n)
         plan = None
         if const_expr(self.tail is not None):
-            plan = self.tail.plan(self.count_all(lane), grid)
+            plan = self.tail.plan(self.count_all(lane), grid,
+                                  ceil_div_i32(problems.common_depth(), cfg.tile_k))
         while working:
-            lin = t  # the linear tile this record computes (all of it, or half of its K)
-            part = Int32(0)  # tail split: 0 whole tile, 1 publisher, 2 finisher
+            lin = t  # the linear tile this record computes (all of it, or a share of its K)
+            share = Int32(0)  # tail split: 0 whole tile, s >= 1 share s - 1 of tail tile tail_i
             tail_i = Int32(0)
             if const_expr(self.tail is not None):
-                lin, part, tail_i = self.tail.unit(plan, t)
+                lin, share, tail_i = self.tail.unit(plan, t)
             problem = Int32(-1)
             start = Int32(0)
             if const_expr(problems.uniform):
@@ -302,7 +300,7 @@ class TileScheduler:
                 work = WorkTile(problem, m_tile, n_tile, ceil_div_i32(depth, cfg.tile_k),
                                 row_start, role, records % DESC_RING, 0, rows)
                 if const_expr(self.tail is not None):
-                    work = self.tail.split_k(work, part, tail_i)
+                    work = self.tail.split_k(work, share, tail_i, plan)
             if work.problem < 0:
                 working = False
             sched_pipe.producer_acquire(state)
