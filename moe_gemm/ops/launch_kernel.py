@@ -58,10 +58,14 @@ def max_clusters(device_index: int, size: int, nsm: int) -> int:
         return max(1, nsm // (2 * size))
 
 
-def _grid(device: torch.device | None, nsm: int, size: int, units: int) -> tuple[int, int]:
-    """(CTAs, units per cluster upper bound) for `units` cluster tiles of work."""
+def _grid(device: torch.device | None, nsm: int, size: int, units: int,
+          whole: bool = False) -> tuple[int, int]:
+    """(CTAs, units per cluster upper bound) for `units` cluster tiles of work. whole: every
+    SM whatever the units (a tail-split kernel splits a launch of fewer tiles than SMs over
+    K on the idle ones; a CTA without work exits at once)."""
     idx = launch_resources._device_index(device)
-    clusters = max(1, min(max_clusters(idx, size, nsm), nsm // size, units))
+    clusters = max(1, min(max_clusters(idx, size, nsm), nsm // size,
+                          nsm if whole else units))
     return clusters * size, -(-units // clusters)
 
 
@@ -73,7 +77,7 @@ def varlen_grid(device: torch.device | None, nsm: int, choice: KernelChoice, row
     unit = choice.tile_m * choice.cluster_m
     units_n = -(-N // (choice.tile_n * choice.cluster_n))
     bound = (-(-rows // unit) + num_problems) * units_n
-    return _grid(device, nsm, choice.cluster_m * choice.cluster_n, bound)
+    return _grid(device, nsm, choice.cluster_m * choice.cluster_n, bound, choice.tail_split)
 
 
 @functools.lru_cache(maxsize=256)

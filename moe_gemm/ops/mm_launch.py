@@ -168,7 +168,7 @@ class BmmPlan(CheckedPlan):
         self.tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (
             -(-N // (choice.tile_n * choice.cluster_n)))
         self.num_ctas, self.max_tiles = launch_kernel._grid(
-            device, nsm, choice.cluster_m * choice.cluster_n, self.tiles)
+            device, nsm, choice.cluster_m * choice.cluster_n, self.tiles, choice.tail_split)
         self.trace = trace
         self.meta = launch_resources._small("meta", device, torch.int64, (1, 8))
         self.meta32 = self.meta.view(torch.int32)

@@ -180,7 +180,7 @@ class Fp8BmmPlan(CheckedPlan):
         tiles = G * (-(-M // (choice.tile_m * choice.cluster_m))) * (
             -(-N // (choice.tile_n * choice.cluster_n)))
         self.num_ctas, self.max_tiles = launch_kernel._grid(
-            device, nsm, choice.cluster_m * choice.cluster_n, tiles)
+            device, nsm, choice.cluster_m * choice.cluster_n, tiles, choice.tail_split)
         self.workspace = launch_resources.WorkspaceSlot(device, self.num_ctas, choice)
         self.no_workspace = launch_resources._small("workspace", device, torch.int64, (16,))
         self.meta, self.smeta, self.no_table, self.no_trace = _placeholders(device)
