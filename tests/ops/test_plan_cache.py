@@ -392,8 +392,26 @@ def test_workspace_follows_the_plans_choice(cute: Recorder) -> None:
     plan.choice = dataclasses.replace(plan.choice, tail_split=True)
     grouped_mm(x, w, offs)
     ws = cute.calls[-1][7]
-    total = split_workspace_bytes(plan.num_ctas, plan.choice.tile_m, plan.choice.tile_n)[2]
-    assert ws.numel() * 8 >= total and bool((ws == 0).all())  # (counters start at zero)
+    counters, partials, total = split_workspace_bytes(plan.num_ctas, plan.choice.tile_m,
+                                                      plan.choice.tile_n)
+    assert ws.numel() * 8 >= total
+    assert bool((ws[counters // 8:partials // 8] == 0).all())  # (counters start at zero)
+
+
+def test_a_tail_split_workspace_zeroes_its_counters_only() -> None:
+    """The partial tiles are written before they are read: zeroing them would be a memset of
+    megabytes in every replay of a captured call."""
+    from moe_gemm.kernels.sm90.constants import split_workspace_bytes
+    from moe_gemm.ops.heuristics import KernelChoice
+    from moe_gemm.ops.launch_resources import WorkspaceSlot
+
+    choice = KernelChoice("cooperative", "device", 128, 256, None, False, 8, tail_split=True)
+    slot = WorkspaceSlot(torch.device("cpu"), 132, choice)
+    counters, partials, total = split_workspace_bytes(132, 128, 256)
+    assert slot.ints * 8 >= total and slot.zeroed == (counters // 8, partials // 8)
+    plain = WorkspaceSlot(torch.device("cpu"), 132, KernelChoice(
+        "cooperative", "device", 128, 256, None, False, 8))
+    assert plain.zeroed is None
 
 
 def test_switching_the_tuned_tables_reaches_a_cached_plan(cute, tmp_path, monkeypatch) -> None:
