@@ -19,7 +19,13 @@ from dataclasses import dataclass, replace
 
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.env import env_reader, env_value
-from moe_gemm.kernels.sm90.constants import SPLIT_WAYS, TILE_K, raster_code, raster_fields
+from moe_gemm.kernels.sm90.constants import (
+    SPLIT_PART_K_TILES,
+    SPLIT_WAYS,
+    TILE_K,
+    raster_code,
+    raster_fields,
+)
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops import tuned
 
@@ -132,78 +138,108 @@ def _batched_tiles(G: int, M: int, N: int) -> Callable[[int, int], int]:
 
 
 def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int], float],
-               num_sms: int, k_tiles: float) -> tuple[int, int]:
-    """A narrower tile where `tile` leaves most SMs idle (tiles(tile_m, tile_n): the launch's
-    tile count) and the mainloops are long (more than SHORT_K_TILES k-tiles; a short one is
-    bound by its launch and epilogue, where nothing was measured): few routed rows (decode on
-    a few experts) or few problems of long K. Then the launch is bound by how many SMs
-    stream the weights, not by the tile's L2 traffic. H200, 2026-12-01 (`moe-gemm tune --shapes ... --configs`, CUDA-graph replays, L2 cold), the
-    rules' tile against the narrow one. Ping-pong 64x256 -> 64x128 at 1-8 routed rows: E=64
-    N=2048 K=7168 1 row 35.9 -> 19.5 us, 4 rows 42.2 -> 32.3; E=16 N=5120 K=8192 1 row 42.5
-    -> 27.9; E=8 N=4096 K=14336 2 rows 78.2 -> 59.6; E=128 N=1536 K=2048 8 rows 17.0 -> 13.1;
-    E=8 N=14336 K=4096 2 rows (112 tiles) 60.7 -> 58.0. Cooperative 128x256 -> 128x64 on long
-    K: E=8 N=512 K=32768 1024 rows 302 -> 133 us (torch's grouped_mm 126 in the off-grid
-    bench), E=4 N=1024 K=16384 512 rows 155 -> 65; the 3-D form, 8 x 128x512x32768 299 ->
-    142 (torch.bmm 114), 4 x 256x1024x16384 153 -> 84. One expert of 3000 rows, N=1000
-    (~96 tiles of 128x256, over half a wave) stays: 128x64 was slower there (25.2 against
-    20.7 us)."""
+               num_sms: int, k_tiles: float, split_ok: bool = False, switch_ok: bool = False
+               ) -> tuple[str, tuple[int, int], bool]:
+    """(schedule, tile, tail split) where `tile` leaves most SMs idle (tiles(tile_m, tile_n):
+    the launch's tile count) and the mainloops are long (more than SHORT_K_TILES k-tiles; a
+    short one is bound by its launch and epilogue, where nothing was measured): few routed
+    rows (decode on a few experts) or few problems of long K. Then the launch is bound by how
+    many SMs stream the weights, not by the tile's L2 traffic. split_ok: the tail split may
+    be taken (it splits a launch of at most half the grid over K, tail_split.py); switch_ok:
+    the schedule may change (not pinned).
+
+    H200 (`moe-gemm tune --shapes ... --configs`, CUDA-graph replays, L2 cold). Without the
+    split (2026-12-01): ping-pong 64x256 -> 64x128 at 1-8 routed rows, E=64 N=2048 K=7168 1
+    row 35.9 -> 19.5 us, 4 rows 42.2 -> 32.3; E=16 N=5120 K=8192 1 row 42.5 -> 27.9; E=8
+    N=4096 K=14336 2 rows 78.2 -> 59.6; E=128 N=1536 K=2048 8 rows 17.0 -> 13.1; E=8 N=14336
+    K=4096 2 rows (112 tiles) 60.7 -> 58.0; a wave nearly full stays (8 x 1x4096x4096, 128
+    tiles, 65.0 us against 67.2). Cooperative 128x256 -> 128x64 on long K: E=8 N=512 K=32768
+    1024 rows 302 -> 133 us, E=4 N=1024 K=16384 512 rows 155 -> 65; the 3-D form, 8 x
+    128x512x32768 299 -> 142, 4 x 256x1024x16384 153 -> 84. One expert of 3000 rows, N=1000
+    (~96 tiles of 128x256, over half a wave) stays. With the split over up to 8 CTAs
+    (2026-12-01, later): cooperative 128x128 split beat 128x64 on all four long-K cases (117
+    against 133, 57.5 against 65.2, 103 against 142, 74.0 against 83.1; 128x256 split 120,
+    64.5, 109, 76.7), and cooperative 128x64 split beat ping-pong 64x128 on one routed row
+    of E=64 N=2048 K=7168 (32 tiles: 16.1 against 19.5)."""
     if k_tiles <= SHORT_K_TILES:
-        return tile
-    if schedule == "pingpong" and tile == (64, 256):
+        return schedule, tile, False
+    if schedule == "pingpong" and tile in ((64, 256), (64, 128)):
+        if (split_ok and switch_ok and k_tiles >= 2 * SPLIT_PART_K_TILES
+                and tiles(128, 64) <= num_sms / 2):
+            return "cooperative", (128, 64), True
         # (a wave nearly full stays: 8 x 1x4096x4096, 128 tiles, 65.0 us against 67.2)
-        if tiles(*tile) <= num_sms * 7 / 8:
-            return (64, 128)
+        if tile == (64, 256) and tiles(*tile) <= num_sms * 7 / 8:
+            return schedule, (64, 128), False
     elif schedule == "cooperative" and tile[0] == 128 and tile[1] > 64:
         if tiles(*tile) <= num_sms / 2:
-            return (128, 64)
-    return tile
+            if split_ok:
+                return schedule, (128, min(tile[1], 128)), True
+            return schedule, (128, 64), False
+    return schedule, tile, False
+
+
+def _split_allowed(config: GemmConfig, pinned_split: bool = True) -> bool:
+    """Whether a config leaves the grid-filling rule free to take the tail split (cooperative,
+    device visitor, 1x1 cluster): not pinned to a cluster or the host visitor, nor (where
+    pinned_split: the config is the caller's) the split pinned off."""
+    return ((config.tail_split is not False or not pinned_split)
+            and config.visitor in ("auto", "device")
+            and (config.cluster_m or 1) * (config.cluster_n or 1) == 1)
 
 
 def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages: int | None,
                 avg_m: float, n: int, tiles: Callable[[int, int], float], num_sms: int,
-                k_tiles: float) -> tuple[str, tuple[int, int], int | None]:
-    """The general and batched forms' (schedule, tile, stages) past _general_rules, where the
-    tile count is known: problems of at most 64 rows take ping-pong's 64-row tile even on
-    long K (8 x 1x4096x4096: 65.0 us against cooperative 128x256's 71.8; the varlen rule's
-    64-row tile, moe-decode 271 against 300), then _fill_grid narrows a tile that leaves
-    most SMs idle. A pinned tile or schedule is kept."""
+                k_tiles: float, split_ok: bool = False
+                ) -> tuple[str, tuple[int, int], int | None, bool]:
+    """The general and batched forms' (schedule, tile, stages, tail split) past
+    _general_rules, where the tile count is known: problems of at most 64 rows take
+    ping-pong's 64-row tile even on long K (8 x 1x4096x4096: 65.0 us against cooperative
+    128x256's 71.8; the varlen rule's 64-row tile, moe-decode 271 against 300), then
+    _fill_grid fills a grid that the tile leaves mostly idle (split_ok: the form builds the
+    tail split and the caller allows it). A pinned tile or schedule is kept."""
     if config.tile_m is not None:
-        return schedule, tile, stages
+        return schedule, tile, stages, False
     if (schedule == "cooperative" and config.schedule == "auto" and avg_m <= 64
             and k_tiles > SHORT_K_TILES and _fit_schedule("pingpong", config) == "pingpong"):
         schedule, tile, stages = "pingpong", _pick_tile("pingpong", avg_m, n), config.stages
-    narrow = _fill_grid(schedule, tile, tiles, num_sms, k_tiles)
-    if narrow != tile:
-        # (the rules' stage count is for their tile: the narrow one takes its default)
-        return schedule, narrow, config.stages
-    return schedule, tile, stages
+    filled, narrow, split = _fill_grid(schedule, tile, tiles, num_sms, k_tiles,
+                                       split_ok and _split_allowed(config),
+                                       config.schedule == "auto")
+    if (filled, narrow) != (schedule, tile):
+        # (the rules' stage count is for their tile: the new one takes its default)
+        return filled, narrow, config.stages, split
+    return schedule, tile, stages, split
 
 
-def _filled(config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int) -> GemmConfig:
-    """A tile voted by the nearest tuned shapes, narrowed as _fill_grid narrows the rules'
-    tile: the vote weighs shapes by distance in N, K and rows per expert, which does not say
-    how many experts get rows (one routed row on 64 experts lies beside 16 tokens x top-8)."""
+def _filled(config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int,
+            split_ok: bool) -> GemmConfig:
+    """A tile voted by the nearest tuned shapes, fitted to the grid as _fill_grid fits the
+    rules' tile: the vote weighs shapes by distance in N, K and rows per expert, which does
+    not say how many experts get rows (one routed row on 64 experts lies beside 16 tokens x
+    top-8)."""
     return _narrowed(config, lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms,
-                     -(-K // TILE_K))
+                     -(-K // TILE_K), split_ok)
 
 
 def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: int,
-              k_tiles: float) -> GemmConfig:
-    """A voted config with its tile narrowed by _fill_grid (tiles: the launch's tile count).
-    The vote's stages, whole-tile epilogue and tail split were timed on its wide tile: the
-    narrow one takes what the rules give it (default stages, neither of the other two; the
-    split's fp32 join cost 2-4% on narrowed tiles), else the H200 table's vote for E=1 N=512
-    K=14336 at 512 rows ran 128x64 with 128x256's 3 stages, whole epilogue and tail split."""
+              k_tiles: float, split_ok: bool = False) -> GemmConfig:
+    """A voted config fitted by _fill_grid (tiles: the launch's tile count). The vote's
+    stages, whole-tile epilogue and tail split were timed on its tile: a new tile takes what
+    the rules give it (default stages, no whole-tile epilogue, the tail split where
+    _fill_grid takes it), else the H200 table's vote for E=1 N=512 K=14336 at 512 rows ran
+    128x64 with 128x256's 3 stages and whole epilogue."""
     tile = (config.tile_m, config.tile_n)
     if config.tile_m is None or config.schedule not in ("pingpong", "cooperative"):
         return config
-    narrow = _fill_grid(config.schedule, tile, tiles, num_sms, k_tiles)
-    if narrow == tile:
-        return config
+    # (A vote's own tail split was timed for another launch: not a pin here.)
+    schedule, narrow, split = _fill_grid(config.schedule, tile, tiles, num_sms, k_tiles,
+                                         split_ok and _split_allowed(config, False), True)
+    if (schedule, narrow) == (config.schedule, tile):
+        return config.replace(tail_split=True) if split and not config.tail_split else config
     try:
-        return config.replace(tile_m=narrow[0], tile_n=narrow[1], stages=None,
-                              whole_epilogue=False, tail_split=False)
-    except ValueError:  # (a pinned field the narrow tile does not build with: keep the vote)
+        return config.replace(schedule=schedule, tile_m=narrow[0], tile_n=narrow[1],
+                              stages=None, whole_epilogue=False, tail_split=split)
+    except ValueError:  # (a pinned field the new tile does not build with: keep the vote)
         return config
 
 
@@ -323,8 +359,9 @@ def _choose_general(
                 return sum_m / tm
             return exact(tm, tn)
 
-        schedule, tile, stages = _fill_known(config, schedule, tile, stages, avg_m, max_n,
-                                             tiles, num_sms, avg_k_tiles)
+        # (grouped_gemm's lists have no tail split: split_ok stays off)
+        schedule, tile, stages, _ = _fill_known(config, schedule, tile, stages, avg_m, max_n,
+                                                tiles, num_sms, avg_k_tiles)
     visitor = config.visitor if config.visitor != "auto" else "device"
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
@@ -470,7 +507,7 @@ def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtyp
         try:
             tuned_config = hit.apply(config)
             if hit.how != "exact":
-                tuned_config = _filled(tuned_config, T, E, N, K, num_sms)
+                tuned_config = _filled(tuned_config, T, E, N, K, num_sms, split_ok)
             return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, split_ok, num_sms)
         except ValueError as exc:
             _unusable(hit, exc)
@@ -528,15 +565,17 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
             # runs, H200, 2026-11-21); at K=1408 (moe-down) cooperative still wins, 191 vs 200.
             schedule = "pingpong"
         schedule = _fit_schedule(schedule, config)
-    narrowed = False
+    narrowed = filled_split = False
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
         _check_tile(schedule, tile)
     else:
         picked = _pick_tile(schedule, avg_m, N)
-        tile = _fill_grid(schedule, picked, lambda tm, tn: expected_tiles(T, E, N, tm, tn),
-                          num_sms, -(-K // TILE_K))
-        narrowed = tile != picked
+        ruled = schedule
+        schedule, tile, filled_split = _fill_grid(
+            schedule, picked, lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms,
+            -(-K // TILE_K), split_ok and _split_allowed(config), config.schedule == "auto")
+        narrowed = (schedule, tile) != (ruled, picked)
     visitor = config.visitor if config.visitor != "auto" else "device"
     stages = config.stages
     cm, cn = _cluster_choice(config)
@@ -572,12 +611,13 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # half the grid, two CTAs share each of its tiles, half of K each (mixtral: 7448 tiles of
     # 128x256 on 132 SMs leave 56 in the last wave). Decided on the GPU per launch (the tile
     # count lives there); where the tail is too full, nothing is split.
-    # Not on a tile narrowed to fill the grid (_fill_grid): its launch is one short wave
-    # already, which the split's fp32 join slowed by 2-4% there (133 against 136 us, 65
-    # against 68).
+    # A tile fitted to the grid (_fill_grid) takes it where _fill_grid says so (its few
+    # tiles split over K fill the grid), not otherwise: a 128x64 tile narrowed without it is
+    # one short wave already, which the split's fp32 join slowed by 2-4% (133 against 136 us,
+    # 65 against 68).
     if config.tail_split is None:
-        tail_split = (schedule == "cooperative" and visitor == "device" and cm * cn == 1
-                      and K >= 4096 and not narrowed)
+        tail_split = filled_split or (schedule == "cooperative" and visitor == "device"
+                                      and cm * cn == 1 and K >= 4096 and not narrowed)
     else:
         tail_split = config.tail_split
         if tail_split:
@@ -624,9 +664,8 @@ def _choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize, device, dty
         try:
             tuned_config = hit.apply(config)
             if hit.how != "exact":
-                tuned_config = _narrowed(tuned_config,
-                                         _batched_tiles(G, M, N), num_sms,
-                                         -(-K // TILE_K))
+                tuned_config = _narrowed(tuned_config, _batched_tiles(G, M, N), num_sms,
+                                         -(-K // TILE_K), split_ok)
             return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, split_ok)
         except ValueError as exc:
             _unusable(hit, exc)
@@ -647,20 +686,20 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
                     out_itemsize: int = 2, split_ok: bool = True) -> KernelChoice:
     schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
     ruled = tile
-    schedule, tile, stages = _fill_known(config, schedule, tile, stages, M, N,
-                                         _batched_tiles(G, M, N), num_sms,
-                                         -(-K // TILE_K))
+    schedule, tile, stages, filled_split = _fill_known(
+        config, schedule, tile, stages, M, N, _batched_tiles(G, M, N), num_sms,
+        -(-K // TILE_K), split_ok)
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]
-            and tile == ruled):
+            and tile == ruled and not filled_split):
         # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
         # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
         # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (interleaved A/B).
         cm, cn = 1, 2
     epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
-    tail_split = bool(config.tail_split)
+    tail_split = filled_split if config.tail_split is None else config.tail_split
     if tail_split:
         _check_tail_split(schedule, "device", cm, cn)
     return KernelChoice(schedule, "device", tile[0], tile[1], stages, False,

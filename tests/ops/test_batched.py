@@ -692,16 +692,19 @@ def no_l2_hints(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("M,want", [
-    (4096, ("cooperative", 128, 256, 3)),
-    # fewer tiles than half the grid: narrowed (heuristics._fill_grid)
-    (512, ("cooperative", 128, 64, None)),
-    # rows of at most 64: ping-pong's 64-row tile, narrowed too (16 tiles of 64x256)
-    (64, ("pingpong", 64, 128, None)),
-    (1, ("pingpong", 64, 128, None)),
+    (4096, ("cooperative", 128, 256, 3, False)),
+    # fewer tiles than half the grid (heuristics._fill_grid): 128x128 tiles, split over K
+    # by the kernel where they leave half the grid idle
+    (512, ("cooperative", 128, 128, None, True)),
+    # rows of at most 64: 64 tiles of 128x64, split over K in two
+    (64, ("cooperative", 128, 64, None, True)),
+    (1, ("cooperative", 128, 64, None, True)),
 ])
-def test_choose_batched_long_k_wide_n(no_l2_hints: None, M: int, want: tuple) -> None:
+def test_choose_batched_long_k_wide_n(no_l2_hints: None, M: int, want: tuple,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
     c = choose_batched(GemmConfig(), 8, M, 512, 7168, NUM_SMS)
-    assert (c.schedule, c.tile_m, c.tile_n, c.stages) == want
+    assert (c.schedule, c.tile_m, c.tile_n, c.stages, c.tail_split) == want
     assert c.visitor == "device" and c.sort_by_k is False
     assert c.l2_hints is False and c.a_policy == 0 and c.b_policy == 0
 

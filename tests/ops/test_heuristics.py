@@ -59,25 +59,37 @@ def test_expected_tiles_counts_active_experts_and_partial_tiles():
     assert expected_tiles(0, 8, 512, 128, 256) == 0.0
 
 
-@pytest.mark.parametrize("T,E,N,K,tile", [
-    (1, 64, 2048, 7168, (64, 128)),  # one routed row: 8 tiles of 64x256, 16 of 64x128
-    (4, 64, 2048, 7168, (64, 128)),
-    (2, 8, 4096, 14336, (64, 128)),  # Mixtral down at one token
-    (8, 128, 1536, 2048, (64, 128)),  # Qwen3 gate/up at one token, top-8
-    (8, 256, 7168, 2048, (64, 256)),  # ~220 tiles of 64x256: over a wave, unchanged
+@pytest.mark.parametrize("T,E,N,K,want", [
+    # one routed row: 32 tiles of 128x64, split over K on the idle SMs (ways = 4)
+    (1, 64, 2048, 7168, ("cooperative", (128, 64), True)),
+    (4, 64, 2048, 7168, ("pingpong", (64, 128), False)),  # ~128 tiles of 128x64: no split
+    (2, 8, 4096, 14336, ("pingpong", (64, 128), False)),  # Mixtral down at one token
+    (8, 128, 1536, 2048, ("pingpong", (64, 128), False)),  # Qwen3 gate/up at one token, top-8
+    (1, 64, 2048, 1536, ("pingpong", (64, 128), False)),  # 24 k-tiles: too short for shares
+    (8, 256, 7168, 2048, ("pingpong", (64, 256), False)),  # ~220 tiles of 64x256: unchanged
 ])
-def test_decode_on_few_experts_takes_a_narrower_pingpong_tile(T, E, N, K, tile):
+def test_decode_on_few_experts_fills_the_grid(T, E, N, K, want, monkeypatch):
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
     c = choose_varlen(GemmConfig(), T, E, N, K, 132)
-    assert _sched_tile(c) == ("pingpong", tile)
-    # The narrowing counts the grid: on a GPU of few SMs the wide tile fills it.
+    assert (*_sched_tile(c), c.tail_split) == want
+    # The rule counts the grid: on a GPU of few SMs the wide tile fills it.
     assert _sched_tile(choose_varlen(GemmConfig(), T, E, N, K, 4)) == ("pingpong", (64, 256))
+    # Without the tail split (switched off, or a schedule or cluster pinned), no split.
+    for config in (GemmConfig(schedule="pingpong"), GemmConfig(tail_split=False)):
+        c = choose_varlen(config, T, E, N, K, 132)
+        assert c.schedule == "pingpong" and not c.tail_split
+    assert not choose_varlen(GemmConfig(cluster_m=2, cluster_n=1), T, E, N, K, 132).tail_split
+    monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")
+    c = choose_varlen(GemmConfig(), T, E, N, K, 132)
+    assert _sched_tile(c) == ("pingpong", want[1] if not want[2] else (64, 128))
 
 
-def test_long_k_on_few_experts_takes_cooperative_128x64_without_the_split():
+def test_long_k_on_few_experts_takes_cooperative_128x128_split(monkeypatch):
     # E=8, ~128 rows each, N=512, K=32768: ~24 tiles of 128x256 on 132 SMs.
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
     c = choose_varlen(GemmConfig(), 1024, 8, 512, 32768, 132)
-    assert _sched_tile(c) == ("cooperative", (128, 64))
-    assert not c.tail_split and not c.epi_whole
+    assert _sched_tile(c) == ("cooperative", (128, 128))
+    assert c.tail_split and not c.epi_whole and c.stages is None
     # Over half a wave of 128x256 tiles stays (one expert of 3000 rows, ~96 tiles).
     assert _sched_tile(choose_varlen(GemmConfig(), 3000, 1, 1000, 1536, 132)) == (
         "cooperative", (128, 256))
@@ -85,7 +97,13 @@ def test_long_k_on_few_experts_takes_cooperative_128x64_without_the_split():
     pinned = choose_varlen(GemmConfig(tile_m=128, tile_n=256), 1024, 8, 512, 32768, 132)
     assert (pinned.tile_m, pinned.tile_n) == (128, 256) and pinned.tail_split
     split = choose_varlen(GemmConfig(tail_split=True), 1024, 8, 512, 32768, 132)
-    assert _sched_tile(split) == ("cooperative", (128, 64)) and split.tail_split
+    assert _sched_tile(split) == ("cooperative", (128, 128)) and split.tail_split
+    # Without the split (pinned off or switched off): the narrow tile, one short wave.
+    off = choose_varlen(GemmConfig(tail_split=False), 1024, 8, 512, 32768, 132)
+    assert _sched_tile(off) == ("cooperative", (128, 64)) and not off.tail_split
+    monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")
+    off = choose_varlen(GemmConfig(), 1024, 8, 512, 32768, 132)
+    assert _sched_tile(off) == ("cooperative", (128, 64)) and not off.tail_split
 
 
 def test_general_short_k_rule_unchanged():
@@ -189,12 +207,15 @@ def test_trimmed_a_only_in_the_varlen_compile_key():
     assert not _compile_key("batched", torch.bfloat16, torch.bfloat16, "k", c, False).trim_a
 
 
-def test_batched_and_general_long_k_on_few_tiles_take_cooperative_128x64():
-    # 8 x 128x512x32768: 16 tiles of 128x256 on 132 SMs; 4 x 256x1024x16384: 32.
+def test_batched_and_general_long_k_on_few_tiles_fill_the_grid():
+    # 8 x 128x512x32768: 16 tiles of 128x256 on 132 SMs; 4 x 256x1024x16384: 32. The 3-D
+    # form splits 128x128 tiles over K; grouped_gemm's lists (no tail split) narrow to 128x64.
     for G, M, N, K in ((8, 128, 512, 32768), (4, 256, 1024, 16384)):
         c = choose_batched(GemmConfig(), G, M, N, K, 132)
-        assert _sched_tile(c) == ("cooperative", (128, 64))
+        assert _sched_tile(c) == ("cooperative", (128, 128)) and c.tail_split
         assert (c.cluster_m, c.cluster_n) == (1, 1) and c.stages is None
+        c = choose_batched(GemmConfig(tail_split=False), G, M, N, K, 132)
+        assert _sched_tile(c) == ("cooperative", (128, 64)) and not c.tail_split
     lists = ((256, 1024, 16384), (128, 1024, 16384), (384, 1024, 8192), (64, 2048, 16384))
     assert _sched_tile(choose_general(GemmConfig(), lists, 132)) == ("cooperative", (128, 64))
     # A grid they fill keeps the rules' tile: the uniform headline, 256 x 128x512x7168.

@@ -514,8 +514,8 @@ def test_neighbours_need_enough_shapes_and_a_config_timed_on_all(_isolated, monk
 def test_a_narrowed_vote_takes_the_rules_fields_of_its_narrow_tile(_isolated):
     # Long K, ~128 rows per expert: the vote favours cooperative 128x256 with what the long-K
     # rule gives that tile (3 stages, whole-tile epilogue, tail split). E=8, N=512, K=32768 at
-    # 1024 rows has ~24 tiles of 128x256 on 132 SMs: the tile narrows to 128x64, and the
-    # stages, epilogue and split of the wide tile do not come along.
+    # 1024 rows has ~24 tiles of 128x256 on 132 SMs: the tile narrows to 128x128 split over
+    # K, and the stages and epilogue of the wide tile do not come along.
     wide = {**COOP_128x192, "tile_n": 256, "stages": 3, "whole_epilogue": True,
             "tail_split": True, "raster_panel": 16}
     grid = [s for N in (256, 512, 1024) for K in (16384, 32768)
@@ -528,19 +528,20 @@ def test_a_narrowed_vote_takes_the_rules_fields_of_its_narrow_tile(_isolated):
     hit = heuristics.tuned_hit("varlen", GemmConfig(), 132, device=DEV,
                                shape=(1024, 8, 512, 32768))
     assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 256
-    assert (c.schedule, c.tile_m, c.tile_n) == ("cooperative", 128, 64)
-    assert (c.stages, c.epi_whole, c.tail_split) == (None, False, False)
+    assert (c.schedule, c.tile_m, c.tile_n) == ("cooperative", 128, 128)
+    assert (c.stages, c.epi_whole, c.tail_split) == (None, False, True)
     # as the rules choose that tile themselves
     rules = choose_varlen(GemmConfig(), 1024, 8, 512, 32768, 132)
     assert (rules.tile_n, rules.stages, rules.epi_whole, rules.tail_split) == (
-        64, None, False, False)
+        128, None, False, True)
 
 
 @pytest.mark.parametrize("form", ["batched", "general"])
 def test_a_narrowed_vote_in_the_3d_and_list_forms(_isolated, form):
     # The vote of a batched or general table favours 128x256 at 3 stages on long K; 8 x
     # 128x512x32768 has 16 tiles of it on 132 SMs (299 us against 142 narrowed, H200): the
-    # tile narrows to 128x64 as the rules' does, with the narrow tile's default stages.
+    # tile narrows as the rules' does (the 3-D form to 128x128 split over K, the lists with
+    # no tail split to 128x64), with the narrow tile's default stages.
     wide = {**COOP_128x192, "tile_n": 256, "stages": 3}
     grid = [s for N in (256, 512, 1024) for K in (16384, 32768)
             for s in samples(8, N, K, 8 * 128, [(wide, 300.0), (BIG, 400.0)], form=form)]
@@ -553,7 +554,9 @@ def test_a_narrowed_vote_in_the_3d_and_list_forms(_isolated, form):
         c = choose_general(GemmConfig(), shape, 132, device=DEV)
     hit = heuristics.tuned_hit(form, GemmConfig(), 132, device=DEV, shape=shape)
     assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 256
-    assert (c.schedule, c.tile_m, c.tile_n, c.stages) == ("cooperative", 128, 64, None)
+    want = (128, True) if form == "batched" else (64, False)
+    assert (c.schedule, c.tile_m, c.tile_n, c.stages) == ("cooperative", 128, want[0], None)
+    assert bool(getattr(c, "tail_split", False)) == want[1]
 
 
 def test_bad_samples_are_left_out_not_fatal(_isolated):
