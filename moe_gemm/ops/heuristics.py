@@ -159,13 +159,19 @@ def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int],
     (~96 tiles of 128x256, over half a wave) stays. With the split over up to 8 CTAs
     (2026-12-01, later): cooperative 128x128 split beat 128x64 on all four long-K cases (117
     against 133, 57.5 against 65.2, 103 against 142, 74.0 against 83.1; 128x256 split 120,
-    64.5, 109, 76.7), and cooperative 128x64 split beat ping-pong 64x128 on one routed row
-    of E=64 N=2048 K=7168 (32 tiles: 16.1 against 19.5)."""
+    64.5, 109, 76.7; a second run 124 / 131 / 113, 54.8 / 62.6 / 58.2, 101 / 129, 73.6 /
+    86.6; 8 x 512x512x7168, 128 tiles of 128x128 and no split, 58.1 against 73.9). At one
+    routed row cooperative 128x64 split in four or more beat ping-pong 64x128: E=64 N=2048
+    K=7168 (32 tiles, 4 shares) 14.8 against 19.7 us, E=16 N=2048 K=4096 (32, 4) 11.8
+    against 12.7, E=4 N=1024 K=14336 (16, 8) 17.7 against 36.5; split in two it lost: E=32
+    N=1024 K=2048 10.4 against 7.9, E=8 N=4096 K=4096 14.5 against 12.9, 8 x 64x512x7168
+    31.3 against 24.0."""
     if k_tiles <= SHORT_K_TILES:
         return schedule, tile, False
     if schedule == "pingpong" and tile in ((64, 256), (64, 128)):
-        if (split_ok and switch_ok and k_tiles >= 2 * SPLIT_PART_K_TILES
-                and tiles(128, 64) <= num_sms / 2):
+        # (four shares at least: two lost to ping-pong 64x128 on every shape measured)
+        if (split_ok and switch_ok and k_tiles >= 4 * SPLIT_PART_K_TILES
+                and tiles(128, 64) <= num_sms / 4):
             return "cooperative", (128, 64), True
         # (a wave nearly full stays: 8 x 1x4096x4096, 128 tiles, 65.0 us against 67.2)
         if tile == (64, 256) and tiles(*tile) <= num_sms * 7 / 8:
@@ -461,13 +467,16 @@ def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: fl
 def choose_varlen(
     config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int, out_itemsize: int = 2,
     *, device: str | None = None, dtype: str = "bfloat16", out_dtype: str | None = None,
+    split_ok: bool = True,
 ) -> KernelChoice:
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
-    device: the GPU's name, for the tuned tables (None: rules only)."""
+    device: the GPU's name, for the tuned tables (None: rules only); split_ok=False: for a
+    kernel built without the tail split (the masked form), whose choice must not count on
+    it."""
     state = tuned.state() if device else None
     return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(_choose_varlen_tuned(
         config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
-        tail_split_enabled())))))
+        split_ok and tail_split_enabled())))))
 
 
 def with_trim_a(choice: KernelChoice) -> KernelChoice:

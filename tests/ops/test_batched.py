@@ -696,9 +696,10 @@ def no_l2_hints(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # fewer tiles than half the grid (heuristics._fill_grid): 128x128 tiles, split over K
     # by the kernel where they leave half the grid idle
     (512, ("cooperative", 128, 128, None, True)),
-    # rows of at most 64: 64 tiles of 128x64, split over K in two
-    (64, ("cooperative", 128, 64, None, True)),
-    (1, ("cooperative", 128, 64, None, True)),
+    # rows of at most 64: ping-pong's 64-row tile, narrowed (64 tiles of 128x64 would be
+    # split in two only, which loses to it)
+    (64, ("pingpong", 64, 128, None, False)),
+    (1, ("pingpong", 64, 128, None, False)),
 ])
 def test_choose_batched_long_k_wide_n(no_l2_hints: None, M: int, want: tuple,
                                       monkeypatch: pytest.MonkeyPatch) -> None:

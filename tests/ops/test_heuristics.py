@@ -62,6 +62,9 @@ def test_expected_tiles_counts_active_experts_and_partial_tiles():
 @pytest.mark.parametrize("T,E,N,K,want", [
     # one routed row: 32 tiles of 128x64, split over K on the idle SMs (ways = 4)
     (1, 64, 2048, 7168, ("cooperative", (128, 64), True)),
+    (1, 4, 1024, 14336, ("cooperative", (128, 64), True)),  # 16 tiles: ways = 8
+    (1, 32, 1024, 2048, ("pingpong", (64, 128), False)),  # 32 k-tiles: two shares only
+    (1, 8, 4096, 4096, ("pingpong", (64, 128), False)),  # 64 tiles: two shares only
     (4, 64, 2048, 7168, ("pingpong", (64, 128), False)),  # ~128 tiles of 128x64: no split
     (2, 8, 4096, 14336, ("pingpong", (64, 128), False)),  # Mixtral down at one token
     (8, 128, 1536, 2048, ("pingpong", (64, 128), False)),  # Qwen3 gate/up at one token, top-8
@@ -79,6 +82,9 @@ def test_decode_on_few_experts_fills_the_grid(T, E, N, K, want, monkeypatch):
         c = choose_varlen(config, T, E, N, K, 132)
         assert c.schedule == "pingpong" and not c.tail_split
     assert not choose_varlen(GemmConfig(cluster_m=2, cluster_n=1), T, E, N, K, 132).tail_split
+    # A kernel built without the split (the masked form) must not count on it.
+    c = choose_varlen(GemmConfig(), T, E, N, K, 132, split_ok=False)
+    assert c.schedule == "pingpong" and not c.tail_split
     monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")
     c = choose_varlen(GemmConfig(), T, E, N, K, 132)
     assert _sched_tile(c) == ("pingpong", want[1] if not want[2] else (64, 128))
