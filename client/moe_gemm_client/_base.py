@@ -14,8 +14,9 @@ Retries (the rule, also in the README):
     `timeout` again); or
   * the server answered 408, 429, 502 or 503 (429 and 503 come with Retry-After).
 - Never retried: other 4xx (the same request would fail the same way), 500 (a server bug
-  repeats), 504 (the request's own X-Timeout-Us deadline passed), and setup errors (a bad
-  URL scheme, a proxy error).
+  repeats), 504 (the request's own X-Timeout-Us deadline passed), an answer whose error code
+  says it lasts (`PERMANENT_ERROR_CODES`: the 503 of a stored weight set that cannot be read),
+  and setup errors (a bad URL scheme, a proxy error).
 - A request marked not safe to repeat (`_Call.retry_safe=False`; no public route is, today) is
   retried only when it certainly never reached the server (connect errors and timeouts, pool
   timeouts).
@@ -106,6 +107,18 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
         return None
     return value
 
+
+
+def error_code(response: httpx.Response) -> str | None:
+    """The `code` of a JSON error body (the server sets one where a status has causes a
+    client must tell apart), else None: bodies that are not JSON objects (a gateway's HTML
+    page, a proxy's text) have none."""
+    try:
+        body = response.json()
+    except (*JSON_ERRORS, ValueError):
+        return None
+    code = body.get("code") if isinstance(body, dict) else None
+    return code if isinstance(code, str) else None
 
 
 @dataclass
@@ -312,7 +325,8 @@ class _BaseClient:
             return _Done(self._parse(call, response))
         if status == 404 and state.in_doubt and call.gone_after_retry is not None:
             return _Done(call.gone_after_retry())
-        if status in C.RETRYABLE_STATUSES and call.retry_safe and state.retries_left > 0:
+        if (status in C.RETRYABLE_STATUSES and call.retry_safe and state.retries_left > 0
+                and error_code(response) not in C.PERMANENT_ERROR_CODES):
             if status == 502:
                 # A 502 comes from a gateway (ingress, Ray's proxy), not from the server: the
                 # server's own answer was lost on the way, so the request may have been done
@@ -359,6 +373,7 @@ class _BaseClient:
             request_id=request_id or call.request_id,
             body=body,
             retry_after=parse_retry_after(response.headers),
+            code=error_code(response),
         )
 
     # -- the calls -------------------------------------------------------------------------

@@ -34,6 +34,10 @@ MAX_RETRY_AFTER = 60.0  # a server's Retry-After is honoured up to this many sec
 # Statuses that say "nothing was done, try again later". 500 is not here (a server bug
 # repeats) and neither is 504 (the request's own deadline passed; repeating it ignores it).
 RETRYABLE_STATUSES = frozenset({408, 429, 502, 503})
+# Error codes (the body's "code") of answers of those statuses that last until the caller acts:
+# a stored weight set whose file cannot be read as a set (503) stays so until it is uploaded
+# again or deleted, so a retry only delays the error.
+PERMANENT_ERROR_CODES = frozenset({"weight_set_unreadable"})
 
 # Bodies larger than this are streamed in chunks of STREAM_CHUNK_BYTES instead of being joined
 # into one bytes object, so a multi-GB weight upload never needs a second copy in memory.

@@ -101,6 +101,9 @@ class APIStatusError(APIError):
         response: The `httpx.Response`.
         status_code: Its status.
         retry_after: The server's Retry-After in seconds (429/503), or None.
+        code: The error body's machine-readable `code`, where the server gives one (a 503
+            "weight_set_unreadable": a stored set that lasts unreadable until it is uploaded
+            again or deleted, never retried), else None.
     """
 
     status_code: int
@@ -113,6 +116,7 @@ class APIStatusError(APIError):
         request_id: str | None = None,
         body: Any = None,
         retry_after: float | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(
             message,
@@ -123,6 +127,7 @@ class APIStatusError(APIError):
         )
         self.response = response
         self.retry_after = retry_after
+        self.code = code
 
 
 class BadRequestError(APIStatusError):
@@ -161,7 +166,9 @@ InternalServerError = ServerError  # openai-python's name for the same class
 
 
 class ServiceUnavailableError(ServerError):
-    """503: not ready yet, draining, or out of GPU memory; `retry_after` says when to come back."""
+    """503: not ready yet, draining, or out of GPU memory (`retry_after` says when to come
+    back), or a stored weight set whose file cannot be read (`code` "weight_set_unreadable":
+    no retry cures it)."""
 
 
 class GatewayTimeoutError(ServerError):

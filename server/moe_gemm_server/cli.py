@@ -8,7 +8,9 @@ second signal stops at once.
 
 A signal before the server serves (while it imports, builds its engine, binds) stops the start
 with one line and exit 0: the signals are the process's own from the first line of `main`
-(start_signals.py), which is why this module imports nothing heavy (serving.py does).
+(start_signals.py). So that nothing of the start comes before that line, this module imports
+at its top only what installing them needs (start_signals.py, standard library only);
+everything else, argparse included, is imported once `main` runs (serving.py, the heavy part).
 
 A sticky device error (an illegal address: faults.py) turns the server not-ready and exits with
 status 70 once the requests in flight are answered, so that the supervisor starts a new
@@ -17,23 +19,29 @@ process; the stored weight sets are loaded again on that start.
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
 from .start_signals import StartSignals
 
 if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+
     from .config import Settings
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
+    import argparse
+
     p.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
                    default=None, help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
+
+    from . import __version__
+
     p = argparse.ArgumentParser(
         prog="moe-gemm-server",
         description="Batched grouped-GEMM inference over HTTP against resident MoE expert "

@@ -159,6 +159,33 @@ class WeightSet:
         return info
 
 
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory: /proc/meminfo's MemAvailable (what can be
+    allocated without swapping; MemFree leaves out the page cache the kernel gives back),
+    within the cgroup's limit where one is set (a container sees the host's totals there).
+
+    Raises:
+        OSError, ValueError, KeyError: not Linux, or a file that does not read as expected.
+    """
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = int(value.split()[0]) * 1024  # (kB)
+    available, total = fields["MemAvailable"], fields["MemTotal"]
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read())
+            total = min(total, int(limit))
+            available = min(available, max(0, int(limit) - used))
+    except OSError:
+        pass  # (no cgroup v2 memory controller, or not readable: the host's numbers stand)
+    return available, total
+
+
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     """"auto"/None -> cuda (current device) if available, else cpu; otherwise as given.
 
@@ -378,6 +405,22 @@ class Engine(WarmUpMixin, LaunchMixin):
     @property
     def resident_bytes(self) -> int:
         return sum(ws.nbytes for ws in list(self._weights.values()))
+
+    def free_memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes, at this moment, of the memory weight sets are held in: the
+        GPU's, or the host's for the CPU engine; None where the platform does not tell.
+
+        On a GPU the caching allocator's reserved but unused blocks count as free: this
+        process allocates from them first, and cudaMemGetInfo counts them as used."""
+        try:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                cached = (torch.cuda.memory_reserved(self.device)
+                          - torch.cuda.memory_allocated(self.device))
+                return free + cached, total
+            return host_memory()
+        except (RuntimeError, OSError, ValueError, KeyError):
+            return None
 
     # ------------------------------------------------------------------ helpers
 

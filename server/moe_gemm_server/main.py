@@ -91,7 +91,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             service.metrics.rejections.labels("too_large").inc()
         elif exc.reason is not None:
             service.metrics.rejections.labels(exc.reason).inc()
-        return error_response(exc.status, exc.message, request_id_of(request), exc.headers)
+        return error_response(exc.status, exc.message, request_id_of(request), exc.headers,
+                              exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

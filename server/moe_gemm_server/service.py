@@ -210,6 +210,7 @@ class Service(WeightsMixin):
             self._sync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._sync_task
+        await self.watcher.cancel_loads()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

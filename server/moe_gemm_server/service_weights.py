@@ -119,12 +119,24 @@ class WeightsMixin:
     _reserved_bytes: int
     _uploads: dict[str, list[Upload]]  # name -> uploads and loads of it in progress
 
-    def weight_set(self, name: str) -> WeightSet:
+    async def weight_set(self, name: str) -> WeightSet:
         """The resident set `name`: 422 for a name no set can have (as PUT and DELETE answer),
         507 or 503 for a stored set left out of memory (sync.StoreWatcher.left_out), 404 for
-        any other name."""
+        any other name. A name not resident costs one look at the data directory first
+        (sync.StoreWatcher.load_new): a set another server sharing it has just written is
+        loaded and served now, not 404 until the next rescan."""
         assert self.engine is not None
         check_name(name)
+        try:
+            return self.engine.get_weights(name)
+        except KeyError:
+            pass
+        try:
+            await self.watcher.load_new(name)
+        except Exception as e:
+            if self._check_fatal(e):
+                raise unavailable(f"not ready: {self.not_ready_reason}") from None
+            raise
         try:
             return self.engine.get_weights(name)
         except KeyError:
@@ -224,10 +236,8 @@ class WeightsMixin:
                 raise unavailable(f"not ready: {self.not_ready_reason}") from None
             if is_out_of_memory(e):  # (the device's, or the host's: reading the body too)
                 raise APIError(507, f"weight set {name!r} does not fit in device memory "
-                                    f"({self.engine.device}; {self.engine.resident_bytes} "
-                                    f"bytes held by {len(self.engine.weight_sets())} resident "
-                                    f"set(s)): {e}; delete a set or set --max-resident-bytes",
-                               reason="out_of_memory") from None
+                                    f"({self.memory_report()}): {e}; delete a set or set "
+                                    "--max-resident-bytes", reason="out_of_memory") from None
             raise
         finally:
             temps.close()
@@ -349,22 +359,38 @@ class WeightsMixin:
 
     def _check_budget(self, name: str, nbytes: int) -> None:
         """OverBudget (507) unless fits_budget."""
+        if not self.fits_budget(name, nbytes):
+            raise OverBudget(nbytes, f"weight set {name!r} needs {nbytes} bytes but only "
+                                     f"{self.budget_report(name)}; delete a set or raise the "
+                                     "budget")
+
+    def budget_report(self, name: str) -> str:
+        """How the resident budget stands at this moment, for a message about the set `name`
+        (--max-resident-bytes is set): "F of the B-byte resident budget ... are free (R bytes
+        held by ...)"."""
         budget = self.settings.max_resident_bytes
-        if budget is not None and not self.fits_budget(name, nbytes):
-            assert self.engine is not None
-            resident, replaced = self._budget_use(name)
-            # "free" counts the replaced version's bytes; say so, or the free bytes and the
-            # bytes held would not add up to the budget
-            freed = (f", {replaced} of them by the version of {name!r} this upload replaces"
-                     if replaced else "")
-            raise OverBudget(
-                nbytes,
-                f"weight set {name!r} needs {nbytes} bytes but only "
-                f"{max(0, budget - resident + replaced)} of the {budget}-byte resident budget "
+        assert budget is not None and self.engine is not None
+        resident, replaced = self._budget_use(name)
+        # "free" counts the replaced version's bytes; say so, or the free bytes and the bytes
+        # held would not add up to the budget
+        freed = (f", {replaced} of them by the version of {name!r} this upload replaces"
+                 if replaced else "")
+        return (f"{max(0, budget - resident + replaced)} of the {budget}-byte resident budget "
                 f"(--max-resident-bytes) are free ({resident} bytes held by "
-                f"{len(self.engine.weight_sets())} set(s) and uploads in progress{freed}); "
-                "delete a set or raise the budget",
-            )
+                f"{len(self.engine.weight_sets())} set(s) and uploads in progress{freed})")
+
+    def memory_report(self) -> str:
+        """What the device holds and has free at this moment, for a message about a set that
+        does not fit in its memory: "cuda:0: R bytes held by S resident set(s), F of T bytes
+        free" (without the free bytes where the platform does not tell them)."""
+        assert self.engine is not None
+        held = (f"{self.engine.device}: {self.engine.resident_bytes} bytes held by "
+                f"{len(self.engine.weight_sets())} resident set(s)")
+        memory = self.engine.free_memory()
+        if memory is None:
+            return held
+        free, total = memory
+        return f"{held}, {free} of {total} bytes free"
 
     async def delete_weights(self, name: str) -> None:
         assert self.engine is not None and self._weights_lock is not None

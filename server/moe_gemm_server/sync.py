@@ -11,7 +11,12 @@ budget alone is loaded by a later pass once its bytes fit (they may have been he
 while, by an upload in progress or a set since deleted), its file not read again before then.
 
 So an upload acknowledged by one replica is served by every replica within one interval (plus
-the load and warm-up time), and a replica started later loads everything at start. Serving
+the load and warm-up time), and a replica started later loads everything at start. A request
+for a set that is not resident does not wait for that interval: it looks at the set's own file
+(one stat, `load_new`) and loads a version not tried yet before it answers, so a client that
+reads back what it has just uploaded, through any replica, never meets a 404 (a set only
+replaced, still resident here in its old version, waits for the rescan). One load of a name
+runs at a time (`load_once`): the requests and the rescan that want it join it. Serving
 never waits for a rescan: the scan and loads run in worker threads, and a set is swapped in
 atomically as for an upload. A set loaded here holds its bytes in the resident budget from its
 check to its install, as an upload does (service_weights.WeightsMixin._reserve).
@@ -39,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from moe_gemm_server.engine import is_out_of_memory
 
-from .errors import APIError, unavailable
+from .errors import WEIGHT_SET_UNREADABLE, APIError
 from .service_weights import OverBudget, Upload, resident_nbytes
 from .storage import DirId, FileId, file_id_of
 
@@ -64,6 +69,9 @@ class StoreWatcher:
         # that takes the listing for the truth), and whether the path now names another one.
         self.home: DirId | None = None
         self.away = False
+        # name -> the load of it in progress (a rescan's, or one a request for it started):
+        # whoever else wants the set loaded joins it rather than reading the file twice
+        self.loading: dict[str, asyncio.Task[int]] = {}
 
     def file_id(self, name: str) -> FileId | None:
         try:
@@ -104,8 +112,10 @@ class StoreWatcher:
         """The answer to a request for `name` whose stored file could not be loaded (None
         where no failure of it is known): a set that exists on disk is not "unknown" (404).
         507 where it did not fit (the budget, device memory), the status of an upload that
-        does not fit; 503 where its file could not be read as a set (another replica may
-        serve it; an upload or delete of it clears this)."""
+        does not fit, quoting the memory in use at this moment (the load's numbers may be long
+        out of date); 503 where its file could not be read as a set, with the code
+        WEIGHT_SET_UNREADABLE and no Retry-After: retrying does not cure it, an upload or a
+        delete of the set does."""
         if name not in self.failed:
             return None
         why = self.service.load_errors.get(name, "it could not be loaded")
@@ -114,14 +124,30 @@ class StoreWatcher:
             if name not in self.waiting:  # (device memory: no rescan tries it again)
                 when = "delete a set, then upload it again (or restart the server)"
             elif every > 0:
-                when = f"a rescan of the data directory (every {every:g} s) loads it once it fits"
+                when = ("it is loaded once it fits, by a request for it or a rescan of the data "
+                        f"directory (every {every:g} s)")
             else:
-                when = "rescans are off (--sync-interval-s 0): a restart loads it once it fits"
+                when = ("it is loaded once it fits, by a request for it (rescans are off: "
+                        "--sync-interval-s 0) or a restart")
             return APIError(507, f"weight set {name!r} is stored but not loaded, as it does not "
-                                 f"fit: {why}; {when}",
+                                 f"fit: {self._unfit_now(name, why)}; {when}",
                             reason="over_budget" if name in self.waiting else "out_of_memory")
-        return unavailable(f"weight set {name!r} is stored but its file could not be loaded: "
-                           f"{why}; upload it again or delete it", reason="not_loaded")
+        return APIError(503, f"weight set {name!r} is stored but its file could not be loaded: "
+                             f"{why}; upload it again or delete it", reason="not_loaded",
+                        code=WEIGHT_SET_UNREADABLE)
+
+    def _unfit_now(self, name: str, why: str) -> str:
+        """Why the stored set `name` is left out of memory, in the numbers of this moment:
+        for the budget, what it needs against what is free now; for device memory, the load's
+        error (`why`) and what the device holds and has free now."""
+        svc = self.service
+        nbytes = self.waiting.get(name)
+        if nbytes is None:
+            return f"its load ran out of memory ({why}); now {svc.memory_report()}"
+        if svc.fits_budget(name, nbytes):  # (room made since: the next load takes it)
+            return (f"it needs {nbytes} bytes, which were not free when it was loaded; now "
+                    f"{svc.budget_report(name)}")
+        return f"it needs {nbytes} bytes but only {svc.budget_report(name)}"
 
     def retry(self, name: str) -> bool:
         """Whether the failed version of `name` was refused for the budget and fits now (a
@@ -176,7 +202,7 @@ class StoreWatcher:
             if self.loaded.get(name) == fid or (self.failed.get(name) == fid
                                                 and not self.retry(name)):
                 continue
-            changes += await self._load(name, fid)
+            changes += await self.load_once(name, fid)
         if changes:
             svc._update_weight_metrics()
         self.home = here
@@ -205,6 +231,55 @@ class StoreWatcher:
                 "waits until it is back", self.service.store.root, here[0], here[1],
                 self.home[0], self.home[1], len(self.loaded))
         return True
+
+    async def load_new(self, name: str) -> None:
+        """Load `name` now if the data directory holds a version of it this server has not
+        tried: what a request for a set that is not resident does before it answers 404, so
+        that a set another server has just written is served at once, not after the next
+        rescan. It costs one stat of the set's file (no listing: a client asking for unknown
+        names makes no rescans). As in a rescan, a version that failed to load is not read
+        again, unless it was left out for the budget alone and fits now."""
+        svc = self.service
+        assert svc.engine is not None
+        if svc.draining or svc.fatal_error is not None:
+            return  # (as the rescans, which stop then)
+        fid = await asyncio.to_thread(self.file_id, name)
+        if fid is None or fid == self.loaded.get(name) or (
+                fid == self.failed.get(name) and not self.retry(name)):
+            return
+        # An upload of the set through this server in progress (the file may be its own,
+        # committed and not yet installed): what it installs is what the request wants, not
+        # a second read and warm-up of the same file.
+        for upload in list(svc._uploads.get(name, ())):
+            await upload.done.wait()
+        with contextlib.suppress(KeyError):
+            svc.engine.get_weights(name)
+            return
+        await self.load_once(name, fid)
+
+    async def load_once(self, name: str, fid: FileId) -> int:
+        """_load, or the load of `name` already in progress: one read of the file however
+        many ask for it at once. The load runs to its end even if the caller is cancelled."""
+        task = self.loading.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._load(name, fid))
+            self.loading[name] = task
+            task.add_done_callback(lambda done: self._loaded(name, done))
+        return await asyncio.shield(task)
+
+    def _loaded(self, name: str, task: asyncio.Task[int]) -> None:
+        """The load `task` of `name` has ended: the next one wanting the set starts anew."""
+        if self.loading.get(name) is task:
+            del self.loading[name]
+
+    async def cancel_loads(self) -> None:
+        """Cancel the loads in progress (the server stops) and wait for them to end."""
+        tasks = list(self.loading.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     async def _load(self, name: str, fid: FileId) -> int:
         svc = self.service
@@ -241,6 +316,7 @@ class StoreWatcher:
                     return 0
                 old = svc.engine.install(ws)
                 self.record(name, fid)
+                svc._update_weight_metrics()
         log.info("weight set %r %s from the shared data directory: %s", name,
                  "reloaded" if old else "loaded", ws.info())
         return 1

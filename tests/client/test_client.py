@@ -210,6 +210,33 @@ def test_retryable_statuses_then_success(mode, status):
     assert client.sleeps == [0.5, 1.0]
 
 
+def _unreadable_set() -> httpx.Response:
+    """The server's 503 for a stored weight set whose file cannot be read: no Retry-After,
+    and the code that says it lasts."""
+    return httpx.Response(503, json={"error": "weight set 'l0' is stored but its file could "
+                                              "not be loaded: malformed safetensors",
+                                     "request_id": "srv-id", "code": "weight_set_unreadable"})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_503_that_lasts_is_not_retried(mode):
+    """The 503 of a stored set whose file cannot be read lasts until the set is uploaded
+    again or deleted: the client retried it like any 503, and its caller got the error
+    after about 1.5 s of backoff. Its code now ends the retries at once; a 503 without it (or
+    with another code: a gateway's, a proxy's) is still retried."""
+    handler, seen = sequence(_unreadable_set())
+    client = make(mode, handler, max_retries=2)
+    with pytest.raises(mgc.ServiceUnavailableError, match="file could not be loaded") as info:
+        run(client, "get_weights", "l0")
+    assert len(seen) == 1 and client.sleeps == []
+    assert info.value.code == "weight_set_unreadable" and info.value.retry_after is None
+    transient = httpx.Response(503, json={"error": "draining", "code": "something_else"})
+    handler, seen = sequence(transient, error(503, "not ready"), ok_json(INFO))
+    client = make(mode, handler, max_retries=2)
+    assert run(client, "get_weights", "l0") == mgc.WeightInfo(**INFO)
+    assert len(seen) == 3 and len(client.sleeps) == 2
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_retries_exhausted_raise_the_last_error(mode):
     handler, seen = sequence(error(429, "queue full"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import ml_dtypes
 import numpy as np
 import pytest
@@ -30,9 +31,13 @@ MAX_BODY = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    data = tmp_path_factory.mktemp("live") / "data"
-    with running_server(data, "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("live") / "data"
+
+
+@pytest.fixture(scope="module")
+def url(data_dir):
+    with running_server(data_dir, "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
                         "--max-body-bytes", str(MAX_BODY)) as u:
         yield u
 
@@ -172,6 +177,21 @@ def test_real_error_mapping(url, admin, reader):
     admin.delete_weights("live-err")
     with pytest.raises(mgc.NotFoundError):
         admin.delete_weights("live-err")
+
+
+def test_an_unreadable_stored_set_fails_at_once(url, data_dir):
+    """A stored file that cannot be read as a set (written here as another server sharing
+    the data directory could): the server answers 503 on the first request for it, with the
+    code that says a retry cannot help, and the client raises at once instead of retrying
+    it for about 1.5 s."""
+    (data_dir / "live-unreadable.safetensors").write_bytes(b"not a safetensors file")
+    sent: list[httpx.Request] = []
+    with httpx.Client(event_hooks={"request": [sent.append]}, timeout=60) as http, \
+            mgc.Client(url, api_key=API_KEY, http_client=http) as client:
+        with pytest.raises(mgc.ServiceUnavailableError, match="could not be loaded") as info:
+            client.get_weights("live-unreadable")
+    assert info.value.code == "weight_set_unreadable" and info.value.retry_after is None
+    assert len(sent) == 1
 
 
 def test_async_client_round_trip(url):

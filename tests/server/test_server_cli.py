@@ -4,7 +4,9 @@ and a drain whose log lines carry no request id of the request the signal interr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -65,6 +67,8 @@ main({argv!r})
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("module, step", [
+    # (imported at the command line module's top, before `main` ran, it met the defaults)
+    ("argparse", "parsing the command line"),
     ("pydantic_settings", "reading the settings"),
     ("torch", "building the engine"),
     # imported by numpy's C extension as it initializes (torch imports numpy): an exception
@@ -126,6 +130,82 @@ def test_a_signal_landing_in_a_finalizer_while_starting_prints_no_traceback(tmp_
     assert "Traceback" not in both and "Exception ignored" not in both, both[-3000:]
     assert out.stderr.strip().splitlines() == [
         f"moe-gemm-server: received {sig} while starting; stopped before serving"], both
+
+
+# The server's own modules that run before its handlers are installed: the package (its
+# __init__), the two entry modules and the module that installs the handlers.
+_OURS = ("moe_gemm_server", "moe_gemm_server.__main__", "moe_gemm_server.cli",
+         "moe_gemm_server.start_signals")
+
+# A child that starts the command as `start` does and logs every import from then on: the
+# module's name, whether the command owns the signals yet (SIGTERM's handler: both are
+# installed at once), and which of _OURS are being executed (importlib's
+# `__spec__._initializing` while a module's code runs). At the first import made once the
+# command owns the signals, it writes the log to `log_path` and sends itself `sig`, as early
+# as a signal can meet the handlers.
+_WATCH_THE_START = """
+import importlib.abc, json, os, signal, sys
+OURS = {ours!r}
+log = []
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        owned = signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        running = [m for m in OURS
+                   if getattr(getattr(sys.modules.get(m), "__spec__", None), "_initializing",
+                              False)]
+        log.append([name, owned, running])
+        if owned:
+            sys.meta_path.remove(self)
+            with open({log_path!r}, "w") as f:
+                json.dump(log, f)
+            os.kill(os.getpid(), signal.{sig})
+        return None
+sys.meta_path.insert(0, Watch())
+sys.argv = {argv!r}
+{start}
+"""
+
+
+def _console_script_start() -> str:
+    """What the `moe-gemm-server` script that pip writes from server/pyproject.toml runs.
+    (Read with a pattern: tomllib is Python 3.11's, and the project runs on 3.10.)"""
+    text = (REPO / "server" / "pyproject.toml").read_text()
+    target = re.search(r'^moe-gemm-server\s*=\s*"([\w.]+):(\w+)"', text, re.MULTILINE)
+    assert target is not None, "no moe-gemm-server entry point in server/pyproject.toml"
+    module, func = target.groups()
+    return f"from {module} import {func}\nsys.exit({func}())"
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("entry", ["console script", "python -m"])
+def test_the_signals_are_owned_before_any_import_of_the_start(tmp_path, entry, sig):
+    """A signal in the first moments of the start, before `main` installed its handlers,
+    met Python's defaults (a KeyboardInterrupt traceback, or death by SIGTERM): the command
+    line module imported argparse at its top, before `main` ran. Now, from the moment the
+    entry module runs, nothing is imported before the handlers are installed but the module
+    that installs them; and a signal at the first import after that stops the start with the
+    one line, exit 0."""
+    start = (_console_script_start() if entry == "console script" else
+             "import runpy\nrunpy.run_module('moe_gemm_server', run_name='__main__', "
+             "alter_sys=True)")
+    log_path = tmp_path / "imports.json"
+    argv = ["moe-gemm-server", "--port", "0", "--data-dir", str(tmp_path / "data")]
+    out = _run(code=_WATCH_THE_START.format(ours=_OURS, log_path=str(log_path), sig=sig,
+                                            argv=argv, start=start))
+    both = out.stdout + out.stderr
+    assert out.returncode == 0, (out.returncode, both[-3000:])
+    assert out.stderr.strip().splitlines() == [
+        f"moe-gemm-server: received {sig} while starting; stopped before serving"], both
+    log = json.loads(log_path.read_text())
+    assert "moe_gemm_server.start_signals" in [name for name, _, _ in log], log
+    # Imports while an entry module runs and the signals are not yet owned: none but the
+    # handlers' module and its own (what the package's __init__ imports comes before any of
+    # the command's code can run).
+    entry_modules = {"moe_gemm_server.__main__", "moe_gemm_server.cli"}
+    before = [name for name, owned, running in log
+              if not owned and name not in _OURS and entry_modules & set(running)
+              and "moe_gemm_server.start_signals" not in running]
+    assert before == [], f"imported before the signals were owned: {before}"
 
 
 @pytest.fixture

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
+import time
 
 import httpx
 import numpy as np
@@ -161,6 +164,87 @@ def test_tritonclient_stats(triton, models):
         stats["execution_count"]
     every = triton.get_inference_statistics(headers=auth())["model_stats"]
     assert "v2-fp32" in [s["name"] for s in every]
+
+
+def _tensor_specs(specs: list[dict], config: bool) -> list[tuple]:
+    """(name, datatype, shape) of the tensors of a model config (Triton's TYPE_ enum names)
+    or of the model metadata."""
+    if config:
+        return [(t["name"], t["data_type"].removeprefix("TYPE_"), t["dims"]) for t in specs]
+    return [(t["name"], t["datatype"], t["shape"]) for t in specs]
+
+
+# Parses the JSON list on stdin as Triton's ModelConfig protobufs, strictly (an unknown field
+# or enum name raises). In a child: tritonclient.grpc registers the "inference" protobuf
+# package, which the kserve client's own registers again, and a process takes one of them.
+_PARSE_AS_MODEL_CONFIG = """
+import json, sys
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
+for config in json.load(sys.stdin):
+    json_format.ParseDict(config, model_config_pb2.ModelConfig())
+"""
+
+
+def test_tritonclient_model_config(main_server, triton, models):
+    """GET /v2/models/{name}/config, Triton's model configuration extension, which
+    perf_analyzer reads before its first request, was 404 "no route". It is the set's
+    ModelConfig now: Triton's field and enum names (it parses, strictly, as Triton's own
+    protobuf), the metadata's tensors, max_batch_size 0 (counts has no batch dimension) and
+    the dynamic batcher the server runs (this one: --batch-delay-us 2000)."""
+    pytest.importorskip("google.protobuf.json_format")
+    assert "model_configuration" in triton.get_server_metadata(headers=auth())["extensions"]
+    configs = [triton.get_model_config(name, headers=auth()) for name in models]
+    parsed = subprocess.run([sys.executable, "-c", _PARSE_AS_MODEL_CONFIG], capture_output=True,
+                            text=True, input=json.dumps(configs), timeout=120)
+    assert parsed.returncode == 0, parsed.stderr
+    for name, config in zip(models, configs):
+        meta = triton.get_model_metadata(name, headers=auth())
+        assert config["name"] == name
+        assert config["platform"] == config["backend"] == meta["platform"] == "moe_gemm"
+        assert config["max_batch_size"] == 0
+        assert _tensor_specs(config["input"], True) == _tensor_specs(meta["inputs"], False)
+        assert _tensor_specs(config["output"], True) == _tensor_specs(meta["outputs"], False)
+        assert config["input"][0]["dims"] == [-1, K]
+        batcher = config["dynamic_batching"]
+        assert batcher["max_queue_delay_microseconds"] == 2000
+        assert batcher["default_queue_policy"]["max_queue_size"] == 1024
+        assert config["instance_group"][0]["count"] == 1
+        assert triton.get_model_config(name, model_version="1", headers=auth()) == config
+    # errors: the answers of the metadata route, in the same JSON shape
+    for path in ("/v2/models/no-such-model", "/v2/models/v2-fp32/versions/2"):
+        meta_r = httpx.get(f"{main_server.url}{path}", headers=auth())
+        r = httpx.get(f"{main_server.url}{path}/config", headers=auth())
+        assert r.status_code == meta_r.status_code == 404, r.text
+        assert set(r.json()) == set(meta_r.json()) == {"error", "request_id"}
+    with pytest.raises(InferenceServerException) as ei:
+        triton.get_model_config("no-such-model", headers=auth())
+    assert ei.value.status() == "404" and "no-such-model" in ei.value.message()
+    r = httpx.get(f"{main_server.url}/v2/models/.hidden/config", headers=auth())
+    assert r.status_code == 422 and "invalid weight set name" in r.json()["error"]
+    assert httpx.get(f"{main_server.url}/v2/models/v2-fp32/config").status_code == 401
+
+
+def test_model_config_says_when_the_server_does_not_batch(tmp_path):
+    """With --no-batching the config has no dynamic_batching (nor the merge limits)."""
+    from fastapi.testclient import TestClient
+
+    from moe_gemm_server import Settings, create_app
+    from moe_gemm_server.engine import Engine
+
+    app = create_app(Settings(data_dir=tmp_path, batching=False),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        w = torch.randn(E, K, N).to(torch.bfloat16)
+        assert client.put("/v1/weights/m", content=st_body({"w": w})).status_code == 201
+        config = client.get("/v2/models/m/config").json()
+        assert "dynamic_batching" not in config and "max_batch_rows" not in config["parameters"]
+        assert config["input"][0] == {"name": "x", "data_type": "TYPE_BF16", "dims": [-1, K]}
+        assert config["instance_group"][0]["kind"] == "KIND_CPU"
 
 
 # --------------------------------------------------------------------------- raw protocol

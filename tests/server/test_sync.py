@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from server_testutils import GatedEngine, metric, served, st_body, wait_event
 
 from moe_gemm_server import Settings, create_app
 from moe_gemm_server import service_weights as service_mod
-from moe_gemm_server.engine import Engine
+from moe_gemm_server.engine import Engine, EngineOutOfMemory
 from moe_gemm_server.storage import WeightStore
 from moe_gemm_server.sync import StoreWatcher
 
@@ -546,7 +547,8 @@ def test_a_stored_set_left_out_is_507_or_503_never_404(tmp_path: Path) -> None:
         answers = [client.get("/v1/weights/b"),
                    client.post("/v1/weights/b/grouped-mm", content=st_body(x)),
                    client.get("/v2/models/b"), client.get("/v2/models/b/ready"),
-                   client.get("/v2/models/b/stats"), client.post("/v2/models/b/infer", json=v2)]
+                   client.get("/v2/models/b/config"), client.get("/v2/models/b/stats"),
+                   client.post("/v2/models/b/infer", json=v2)]
         for r in answers:
             assert r.status_code == 507, (r.request.url, r.text)
             msg = r.json()["error"]
@@ -555,7 +557,8 @@ def test_a_stored_set_left_out_is_507_or_503_never_404(tmp_path: Path) -> None:
         assert metric(client.get("/metrics").text, "moe_gemm_rejections_total",
                       reason="over_budget") == len(answers)
         r = client.post("/v1/weights/broken/grouped-mm", content=st_body(x))
-        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.status_code == 503 and r.json()["code"] == "weight_set_unreadable"
+        assert client.get("/v2/models/broken/config").status_code == 503
         assert "'broken' is stored but its file could not be loaded" in r.json()["error"]
         assert "malformed safetensors" in r.json()["error"]
         assert client.put("/v1/weights/b", content=st_body({"w": w})).status_code == 507
@@ -646,3 +649,180 @@ def test_an_upload_over_a_stored_set_left_out_replaces_it(tmp_path: Path) -> Non
         assert client.put("/v1/weights/broken", content=st_body({"w": w / 2})).status_code == 200
         assert client.get("/v1/weights").json()["not_loaded"] == []
         assert served(client, "broken", w / 2)
+
+
+# ------------------------------------------------------------------------- sets left out
+
+
+class _OutOfMemoryFor(Engine):
+    """A CPU engine that runs out of memory preparing the set `oom`, and says that `free` of
+    its 1 GiB are free."""
+
+    def __init__(self, oom: str) -> None:
+        super().__init__("cpu", warmup_rows=[1])
+        self.oom = oom
+        self.free = 1000
+
+    def prepare_weights(self, name, tensor, layout="w", *, warm=True, scale=None):
+        if name == self.oom:
+            raise EngineOutOfMemory("out of host memory: tried to allocate 8 GiB")
+        return super().prepare_weights(name, tensor, layout, warm=warm, scale=scale)
+
+    def free_memory(self) -> tuple[int, int]:
+        return self.free, 1 << 30
+
+
+SMALL = torch.randn(2, 4, 8)  # ONE // 16 bytes
+
+
+def test_the_507_of_a_set_left_out_for_the_budget_quotes_the_budget_of_the_moment(
+        tmp_path: Path) -> None:
+    """The 507 of a stored set left out for the budget quoted the numbers of its load ("only
+    F of the budget are free (R bytes held by S set(s))"): once other sets came or went, the
+    answer said what was no longer true. The numbers are those of the moment it answers."""
+    w, app = _room_for_one(tmp_path, 0)
+    budget = ONE + ONE // 2
+    with TestClient(app) as client:
+        _wait_ready(client)
+        msg = client.get("/v1/weights/b").json()["error"]
+        assert f"needs {ONE} bytes but only {ONE // 2} of the {budget}-byte" in msg, msg
+        assert f"({ONE} bytes held by 1 set(s)" in msg, msg
+        assert client.put("/v1/weights/c", content=st_body({"w": SMALL})).status_code == 201
+        r = client.get("/v1/weights/b")
+        held = ONE + ONE // 16
+        assert r.status_code == 507
+        assert f"only {budget - held} of the {budget}-byte" in r.json()["error"], r.text
+        assert f"({held} bytes held by 2 set(s)" in r.json()["error"], r.text
+        # room made: the listing says so (the set is loaded by the next request for it)
+        assert client.delete("/v1/weights/a").status_code == 200
+        (entry,) = client.get("/v1/weights").json()["not_loaded"]
+        assert (f"which were not free when it was loaded; now {budget - ONE // 16} of the "
+                f"{budget}-byte") in entry["error"], entry
+        assert served(client, "b", w * 2)
+
+
+def test_the_507_of_a_set_left_out_of_device_memory_quotes_the_memory_of_the_moment(
+        tmp_path: Path) -> None:
+    """Likewise for a set whose load ran out of device memory: the answer gave the load's
+    error alone. It gives what the device holds and has free when it answers, beside it."""
+    w = torch.randn(2, 16, 32)
+    store = WeightStore(tmp_path)
+    store.write("a", st_body({"w": w}))
+    store.write("big", st_body({"w": w}))
+    engine = _OutOfMemoryFor("big")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0), engine=engine)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        r = client.get("/v1/weights/big")
+        assert r.status_code == 507
+        msg = r.json()["error"]
+        assert "its load ran out of memory (out of host memory: tried to allocate 8 GiB)" in msg
+        assert f"now cpu: {ONE} bytes held by 1 resident set(s), 1000 of {1 << 30} bytes " \
+               "free" in msg, msg
+        engine.free = 5000
+        assert client.put("/v1/weights/c", content=st_body({"w": SMALL})).status_code == 201
+        msg = client.get("/v2/models/big").json()["error"]
+        assert f"now cpu: {ONE + ONE // 16} bytes held by 2 resident set(s), 5000 of " \
+               f"{1 << 30} bytes free" in msg, msg
+
+
+def test_an_unreadable_stored_set_is_a_503_that_says_retrying_does_not_cure_it(
+        tmp_path: Path) -> None:
+    """A stored file that cannot be read as a set answered 503 with Retry-After, as the 503s
+    that pass do (starting, draining, out of memory for one request): clients retried it, and
+    their user got the error seconds late. It has no Retry-After now and a code that says
+    which 503 it is; the 503s that pass keep their Retry-After and have no code."""
+    store = WeightStore(tmp_path)
+    store.write("broken", b"not a safetensors file")
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                     engine=Engine("cpu", warmup_rows=[1]))
+    x = {"x": torch.randn(3, 16), "counts": torch.tensor([1, 2])}
+    with TestClient(app) as client:
+        _wait_ready(client)
+        for r in (client.get("/v1/weights/broken"),
+                  client.post("/v1/weights/broken/grouped-mm", content=st_body(x)),
+                  client.get("/v2/models/broken"), client.get("/v2/models/broken/config")):
+            assert r.status_code == 503, (r.request.url, r.text)
+            assert r.json()["code"] == "weight_set_unreadable", r.text
+            assert "Retry-After" not in r.headers
+        (entry,) = client.get("/v1/weights").json()["not_loaded"]
+        assert entry["status"] == 503
+        assert client.portal.call(app.state.service.drain, 1.0) is True
+        r = client.get("/v1/weights/broken")
+        assert r.status_code == 503 and "draining" in r.json()["error"]
+        assert r.headers["Retry-After"] == "1" and "code" not in r.json()
+
+
+# ------------------------------------------------------------- a set another server wrote
+
+
+def _two_servers(tmp_path: Path, engine: Engine | None = None) -> tuple[FastAPI, FastAPI]:
+    """Two CPU servers on one data directory, neither rescanning it."""
+    return tuple(create_app(Settings(data_dir=tmp_path, sync_interval_s=0),
+                            engine=e or Engine("cpu", warmup_rows=[1]))
+                 for e in (None, engine))
+
+
+def test_a_set_another_server_just_wrote_is_served_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A set uploaded through one server answered 404 "unknown" on another sharing its data
+    directory until that one's next rescan (every 2 s by default): a client reading what it
+    has just written, through a load balancer, met a set that does not exist. A request for
+    a name that is not resident now looks at that name's file (one stat, no listing: unknown
+    names make no rescans) and loads a version it has not tried, then answers."""
+    first, second = _two_servers(tmp_path)
+    w = torch.randn(2, 16, 32)
+    service = second.state.service
+    listings: list[int] = []
+    real_names = service.store.names
+    with TestClient(first) as one, TestClient(second) as two:
+        _wait_ready(one)
+        _wait_ready(two)
+        # (from now on: the start lists the directory once)
+        monkeypatch.setattr(service.store, "names", lambda: listings.append(1) or real_names())
+        assert two.get("/v1/weights/fresh").status_code == 404
+        assert one.put("/v1/weights/fresh", content=st_body({"w": w})).status_code == 201
+        assert served(two, "fresh", w)
+        assert two.get("/v2/models/fresh").json()["inputs"][0]["shape"] == [-1, 16]
+        assert one.put("/v1/weights/other", content=st_body({"w": w / 2})).status_code == 201
+        assert two.get("/v1/weights/other").json()["n"] == 32
+        assert _listed(two) == ["fresh", "other"]
+        assert two.get("/v1/weights/never-written").status_code == 404
+        assert service.watcher.rescans == 0 and listings == []
+
+
+def test_a_file_another_server_wrote_is_read_once_however_many_ask(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests for a set another server wrote, arriving while it loads, wait for that one
+    load; a version that failed to load is not read again by the requests that follow."""
+    engine = GatedEngine("fresh")
+    first, second = _two_servers(tmp_path, engine)
+    watcher = second.state.service.watcher
+    looked: list[str] = []  # (a request's look at the file comes before it loads or waits)
+    real_file_id = watcher.file_id
+    monkeypatch.setattr(watcher, "file_id", lambda name: looked.append(name) or
+                        real_file_id(name))
+    reads: list[str] = []
+    real_load = second.state.service.store.load
+    monkeypatch.setattr(second.state.service.store, "load",
+                        lambda name: reads.append(name) or real_load(name))
+    w = torch.randn(2, 16, 32)
+    with TestClient(first) as one, TestClient(second) as two:
+        _wait_ready(one)
+        _wait_ready(two)
+        assert one.put("/v1/weights/fresh", content=st_body({"w": w})).status_code == 201
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(two.get, "/v1/weights/fresh")]
+            wait_event(engine.entered, "the set was not loaded")
+            answers.append(pool.submit(two.get, "/v1/weights/fresh"))
+            deadline = time.monotonic() + 10
+            while len(looked) < 2:  # (the second request has come while the first loads)
+                assert time.monotonic() < deadline, looked
+                time.sleep(0.01)
+            engine.release.set()
+            assert [a.result().status_code for a in answers] == [200, 200]
+        assert reads == ["fresh"]
+        one.app.state.service.store.write("broken", b"not a safetensors file")
+        for _ in range(3):
+            assert two.get("/v1/weights/broken").status_code == 503
+        assert reads == ["fresh", "broken"]

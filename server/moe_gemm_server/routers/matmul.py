@@ -36,7 +36,7 @@ async def grouped_mm(name: str, request: Request) -> Response:
     """y (T, N): rows of x grouped by expert (counts or offs) times the set's weights."""
     service = hot_path(request)
     service.admit(request)
-    ws = service.weight_set(name)
+    ws = await service.weight_set(name)
     fmt = body_format(request)
     priority, timeout_us = native_params(request)
     async with service.tracked():

@@ -6,6 +6,8 @@ extension are both accepted (tritonclient sends binary data and no Content-Type)
 come back binary when `binary_data_output` (request parameters) or an output's
 `binary_data` parameter says so. `parameters.priority` (1 = highest, 0 = default) and
 `parameters.timeout` (microseconds, 0 = none) feed the batcher. Only version "1" exists.
+Triton's model configuration extension (`.../config`) describes each model as Triton's
+ModelConfig does, for the tools that read it (perf_analyzer, model_analyzer).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from .common import check_json_answer, off_loop_if_large
 router = APIRouter(prefix="/v2", tags=["v2"])
 
 VERSION = "1"
-EXTENSIONS = ["binary_tensor_data", "schedule_policy", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "schedule_policy", "statistics"]
+PLATFORM = "moe_gemm"
 
 
 def _check_version(version: str) -> None:
@@ -43,13 +46,67 @@ def _metadata(ws: WeightSet) -> dict[str, Any]:
     return {
         "name": ws.name,
         "versions": [VERSION],
-        "platform": "moe_gemm",
+        "platform": PLATFORM,
         "inputs": [
             {"name": "x", "datatype": dt, "shape": [-1, ws.K]},
             {"name": "counts", "datatype": "INT32", "shape": [ws.E]},
         ],
         "outputs": [{"name": "y", "datatype": dt, "shape": [-1, ws.N]}],
     }
+
+
+def _config(ws: WeightSet, service: Service) -> dict[str, Any]:
+    """The set's model configuration: Triton's ModelConfig protobuf as JSON (the field names
+    and enum names of `model_config.proto`), its tensors those of the metadata (_metadata).
+
+    max_batch_size is 0: in Triton's sense a model of max_batch_size > 0 takes a leading
+    batch dimension on every input, cut off from its dims, and "counts" (E,) has none (a
+    tool would send it as (batch,)). The server merges requests along the rows of x and y
+    instead, the -1 of their dims: dynamic_batching (present while --batching is on) and
+    the parameters give its limits.
+    """
+    s, engine = service.settings, service.engine
+    assert engine is not None
+    meta = _metadata(ws)
+    device = engine.device
+    config: dict[str, Any] = {
+        "name": ws.name,
+        "platform": PLATFORM,
+        "backend": PLATFORM,
+        "version_policy": {"specific": {"versions": [int(VERSION)]}},
+        "max_batch_size": 0,
+        "input": [{"name": t["name"], "data_type": f"TYPE_{t['datatype']}",
+                   "dims": t["shape"]} for t in meta["inputs"]],
+        "output": [{"name": t["name"], "data_type": f"TYPE_{t['datatype']}",
+                    "dims": t["shape"]} for t in meta["outputs"]],
+        # One launch at a time, on one device (the engine's lock and stream).
+        "instance_group": [{"name": ws.name, "count": 1,
+                            "kind": "KIND_GPU" if device.type == "cuda" else "KIND_CPU",
+                            "gpus": [device.index or 0] if device.type == "cuda" else []}],
+        "parameters": {
+            "kernel_backend": {"string_value": engine.backend},
+            "weight_dtype": {"string_value": str(ws.info()["dtype"])},
+            "default_priority_level": {"string_value": str(s.default_priority)},
+        },
+    }
+    if s.batching:
+        config["dynamic_batching"] = {
+            "max_queue_delay_microseconds": s.batch_delay_us,
+            "preserve_ordering": False,
+            # (the server's one queue, which every model shares)
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": s.default_timeout_us,
+                "allow_timeout_override": True,
+                "max_queue_size": s.max_queue,
+            },
+        }
+        config["parameters"].update({
+            "max_batch_rows": {"string_value": str(s.max_batch_rows)},
+            "max_batch_flops": {"string_value": str(s.max_batch_flops)},
+            "max_batch_requests": {"string_value": str(s.max_batch_requests)},
+        })
+    return config
 
 
 @router.get("", dependencies=[ServingDep])
@@ -72,13 +129,24 @@ async def all_stats(service: ServiceDep) -> dict[str, Any]:
 
 @router.get("/models/{name}", dependencies=[ReaderDep, ServingDep])
 async def model_metadata(name: str, service: ServiceDep) -> dict[str, Any]:
-    return _metadata(service.weight_set(name))
+    return _metadata(await service.weight_set(name))
 
 
 @router.get("/models/{name}/versions/{version}", dependencies=[ReaderDep, ServingDep])
 async def model_version_metadata(name: str, version: str, service: ServiceDep) -> dict[str, Any]:
     _check_version(version)
-    return _metadata(service.weight_set(name))
+    return _metadata(await service.weight_set(name))
+
+
+@router.get("/models/{name}/config", dependencies=[ReaderDep, ServingDep])
+async def model_config(name: str, service: ServiceDep) -> dict[str, Any]:
+    return _config(await service.weight_set(name), service)
+
+
+@router.get("/models/{name}/versions/{version}/config", dependencies=[ReaderDep, ServingDep])
+async def model_version_config(name: str, version: str, service: ServiceDep) -> dict[str, Any]:
+    _check_version(version)
+    return _config(await service.weight_set(name), service)
 
 
 async def _ready(name: str, request: Request, service: Service) -> JSONResponse:
@@ -89,7 +157,7 @@ async def _ready(name: str, request: Request, service: Service) -> JSONResponse:
             {"name": name, "ready": False, "error": f"not ready: {service.not_ready_reason}",
              "request_id": request_id_of(request)}, status_code=503,
             headers={"Retry-After": "1"})
-    service.weight_set(name)
+    await service.weight_set(name)
     return JSONResponse({"name": name, "ready": True})
 
 
@@ -107,14 +175,14 @@ async def model_version_ready(name: str, version: str, request: Request,
 
 @router.get("/models/{name}/stats", dependencies=[ReaderDep, ServingDep])
 async def model_stats(name: str, service: ServiceDep) -> dict[str, Any]:
-    service.weight_set(name)
+    await service.weight_set(name)
     return {"model_stats": [service.stats.as_v2(name)]}
 
 
 @router.get("/models/{name}/versions/{version}/stats", dependencies=[ReaderDep, ServingDep])
 async def model_version_stats(name: str, version: str, service: ServiceDep) -> dict[str, Any]:
     _check_version(version)
-    service.weight_set(name)
+    await service.weight_set(name)
     return {"model_stats": [service.stats.as_v2(name)]}
 
 
@@ -173,7 +241,7 @@ def _check_body_model(req: V2Request, name: str) -> None:
 
 async def _infer(name: str, request: Request, service: Service) -> Response:
     service.admit(request)
-    ws = service.weight_set(name)
+    ws = await service.weight_set(name)
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
         hlen = request.headers.get("inference-header-content-length")

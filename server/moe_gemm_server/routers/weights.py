@@ -34,7 +34,7 @@ async def list_weights(service: ServiceDep) -> dict[str, object]:
 
 @router.get("/{name}", dependencies=[ReaderDep, ServingDep])
 async def get_weights(name: str, service: ServiceDep) -> dict[str, object]:
-    return service.weight_set(name).info()
+    return (await service.weight_set(name)).info()
 
 
 @router.delete("/{name}", dependencies=[AdminDep])
