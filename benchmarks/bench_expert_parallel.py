@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -53,6 +52,7 @@ from moe_gemm.layers.dispatch import AllToAllDispatcher, expert_range  # noqa: E
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE  # noqa: E402
 from moe_gemm.layers.moe import MoE  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
+from moe_gemm.tuning.table_io import dumps_by_line, write_json  # noqa: E402
 
 DEFAULT_TOKENS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SMOKE = {"hidden": 64, "intermediate": 32, "experts": 16, "top_k": 4, "shared": 32,
@@ -245,12 +245,11 @@ def _main_rank(args: argparse.Namespace) -> None:
     try:
         result = run_rank(args)
         if result is not None:
-            text = json.dumps(result, indent=2)
             if args.out:
-                Path(args.out).write_text(text + "\n")
+                write_json(Path(args.out), result)
                 print(f"wrote {args.out}")
             else:
-                print(text)
+                print(dumps_by_line(result), end="")
     finally:
         dist.destroy_process_group()
 

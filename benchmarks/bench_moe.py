@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import platform
 import statistics
@@ -44,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_gemm  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from moe_gemm.capability import cute_problem  # noqa: E402
 from moe_gemm.config import GemmConfig  # noqa: E402
 from moe_gemm.layers.moe import MoE, moe_experts  # noqa: E402
@@ -302,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
         print(f"wrote {args.out}")
     print_table(report)
     return 0

@@ -67,6 +67,7 @@ from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
 from moe_gemm.ops.fused_launch import FAST_GATE_ENV, GATHER_WIDE_ENV  # noqa: E402
 from moe_gemm.ops.router_topk import ROUTER_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
+from moe_gemm.tuning.table_io import json_line  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
     "deepseek-v3-ep8": dict(kind="deepseek", H=7168, I=2048, E=32, k=8),
@@ -575,7 +576,9 @@ def probe_in_subprocess(names: list[str], timeout: float) -> dict:
                                   cwd=str(Path(__file__).resolve().parents[1]))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             diffs = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
-            if diffs is not None and all(d < PROBE_MAX_DIFF for d in diffs.values()):
+            # (A NaN or infinite diff, an output the fused path left unwritten, comes as null.)
+            if diffs is not None and all(d is not None and d < PROBE_MAX_DIFF
+                                         for d in diffs.values()):
                 return {"ok": True, "gather": gather, "diffs": diffs, "tried": tried}
             tried.append({"gather": gather, "rc": proc.returncode, "diffs": diffs,
                           "stderr": proc.stderr[-1500:]})
@@ -647,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-timeout", type=float, default=150.0)
     args = p.parse_args(argv)
     if args.probe:
-        print(json.dumps(probe(args.models.split(",") if args.models else list(MODELS))))
+        print(json_line(probe(args.models.split(",") if args.models else list(MODELS))))
         return 0
     if not args.smoke and not torch.cuda.is_available():
         print("bench_moe_layer: no CUDA GPU (use --smoke on the CPU)", file=sys.stderr)

@@ -259,6 +259,9 @@ def main() -> None:
 
     import torch
 
+    # Here, not at the top: the spawned load generators import this module, and stay light.
+    from moe_gemm.tuning.table_io import json_line, write_json
+
     use_cuda = args.device.startswith("cuda") or (args.device == "auto"
                                                   and torch.cuda.is_available())
     kind = "cuda" if use_cuda else "cpu"
@@ -356,7 +359,7 @@ def main() -> None:
                         "mean_rows_per_launch": round(rows / launches, 1) if launches else None,
                     }
                     results.append(row)
-                    print(json.dumps(row), flush=True)
+                    print(json_line(row), flush=True)
         finally:
             server.stop()
 
@@ -386,8 +389,7 @@ def main() -> None:
         "results": results,
     }
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.out, doc)
     _print_table(doc)
 
 

@@ -29,8 +29,10 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
+from benchmarks.report import write_json
 from moe_gemm.ops import tuned
 from moe_gemm.tuning.space import name_of, parse_name
 
@@ -225,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['within_3pct']:9.0%} | {s['family_median']:14.3f} | "
                   f"{s['family_p90']:5.3f} | {s['family_max']:5.3f}{extra}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(Path(args.out), results)
     return 0
 
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 METRICS = {
@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ncu or not os.path.exists(ncu):
         print("error: ncu (Nsight Compute) is not on PATH; pass --ncu", file=sys.stderr)
         return 2
+    from benchmarks.report import write_json
     from benchmarks.zoo import build_cases
 
     try:
@@ -435,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                         else f"error: {row['error'][:60]}")
                 print(f"{case[:34]:34} | {impl:11} | {what}", flush=True)
             if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(doc, f, indent=1)
+                write_json(Path(args.out), doc)
     return 0 if all(r["status"] in ("ok", "not_applicable") for r in doc["rows"]) else 1
 
 

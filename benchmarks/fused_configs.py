@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks.bench_moe_layer import round_order, time_calls, warm_calls, with_env  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from moe_gemm import GemmConfig  # noqa: E402
 from moe_gemm.capability import sm_count  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_case(case, args.rounds, args.calls, device, picked, args.quack)
     result["rows"] = rows
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(Path(args.out), result)
     print(table(rows))
     return 0
 

@@ -15,11 +15,12 @@ beyond the useful ones, as a fraction of the useful.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
+from benchmarks.report import write_json
 from moe_gemm.config import GemmConfig
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops.heuristics import choose_varlen
@@ -179,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"device_table": args.device or None, "tokens": tokens, "rows": rows,
            "summary": summary(rows), "rows_granularity_floor": floor, "tail_designs": designs}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(Path(args.out), doc)
     print(f"{'case':34} | {'rows/expert':>11} | {'choice':24} | {'waste':>6} | {'no cluster':>10}")
     for r in rows:
         case = f"{r['model']}/{r['proj']}/{r['tokens']}"

@@ -23,11 +23,12 @@ rows; 132 CTAs (an H100 SXM's or an H200's SMs).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
+from benchmarks.report import write_json
 from moe_gemm.kernels.sm90.constants import raster_code
 from moe_gemm.ops import schedule as sched
 from moe_gemm.tuning import space
@@ -118,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summ = summary(rows, configs)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"tokens": tokens, "num_ctas": NUM_SMS, "rows": rows, "summary": summ},
-                      f, indent=1)
+        write_json(Path(args.out), {"tokens": tokens, "num_ctas": NUM_SMS, "rows": rows,
+                                    "summary": summ})
     print(f"{'case':30} | {'config':26} | {'GB':>7} | {'x compulsory':>12}")
     for r in rows:
         case = f"{r['model']}/{r['proj']}/{r['tokens']}"

@@ -2,38 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 from benchmarks.suite import DEFAULT_NAME
-from moe_gemm.tuning.table_io import dumps_by_line, write_text_atomic
 
+# The one writer of results (strict JSON: NaN and inf as null), shared with `moe-gemm tune`.
+from moe_gemm.tuning.table_io import write_json
 
-def finite(v: Any) -> Any:
-    """`v` with every non-finite float (NaN, inf) replaced by None, in nested dicts and lists.
-    json.dumps writes them as the bare words NaN and Infinity, which are not JSON: jq,
-    JavaScript and other strict readers refuse the whole file (a wrong result's rel_err is NaN
-    by design, the check of an unwritten output)."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [finite(x) for x in v]
-    return v
-
-
-def write_json(path: Path, doc: dict[str, Any], compact: bool = False) -> None:
-    """Atomic write (a crash mid-write never leaves half a file): one top-level key and one
-    list item per line (table_io.dumps_by_line), or all on one line for progress saves.
-    Non-finite numbers are written as null (see `finite`); `doc` itself is left as it is."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    clean = finite(doc)
-    write_text_atomic(path, json.dumps(clean, default=str, separators=(",", ":"),
-                                       allow_nan=False) + "\n"
-                      if compact else dumps_by_line(clean, default=str))
+__all__ = ["plot_png", "write_json"]
 
 
 def plot_png(doc: dict[str, Any], path: Path) -> str | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
 import os
 import platform
@@ -45,6 +44,7 @@ from benchmarks.suite import (
     rel_err,
     short_error,
 )
+from moe_gemm.tuning.table_io import json_line, write_text_atomic
 
 # Fault injection for testing --isolate: "SHAPE/IMPL" makes that implementation abort the
 # process the moment it starts ("SHAPE/IMPL@timing": at its first timed sample), like a crash
@@ -155,9 +155,7 @@ class Run:
         if shape is None:
             side.unlink(missing_ok=True)
             return
-        tmp = side.with_name(side.name + ".tmp")
-        tmp.write_text(json.dumps({"shape": shape, "impl": impl}))
-        os.replace(tmp, side)
+        write_text_atomic(side, json_line({"shape": shape, "impl": impl}))
 
     @property
     def poisoned(self) -> dict[str, Any] | None:

@@ -295,8 +295,12 @@ def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> 
                      "reps": args.reps, "seed": args.seed, "smoke": args.smoke,
                      "budget_s": args.budget_s, "quack_tuned": args.quack_tuned,
                      "quack_autotune_cache": bool(getattr(args, "quack_cache", None)),
+                     # "drawn in arrays" tells these counts from those of the token-by-token
+                     # draw before it (the same law, other counts for a seed): zoo_report
+                     # refuses to merge runs of the two.
                      "routing": f"moe_gemm.tuning.zoo.topk_counts: top-k distinct experts per "
-                     f"token, log-normal popularity sigma={models.ROUTING_SIGMA}",
+                     f"token, log-normal popularity sigma={models.ROUTING_SIGMA}, top-k > 1 "
+                     "drawn in arrays",
                      "timing": "ms: back-to-back median of interleaved rounds (GPU time, "
                      "host enqueue hidden); ms_single: per-launch events median"},
         "ceilings": {}, "runs": [], "cases": {}, "results": [], "not_run": [], "not_rerun": [],

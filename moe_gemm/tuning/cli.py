@@ -18,7 +18,8 @@ A --shapes item is E,N,K,ROWS[,ROWS...]: E experts with (N, K) weights, one shap
 (routed rows for grouped_mm, rows per problem for --form batched). --zoo takes the MoE
 projections of moe_gemm.tuning.zoo at the token counts given (tokens x top_k rows), in
 priority order: every model at the first token count, then at the next, and so on. Those are
-grouped_mm 2-D shapes: --form (batched, general) applies to --shapes only.
+grouped_mm 2-D shapes in each checkpoint's own weight layout: --form (batched, general) and
+--layout apply to --shapes only.
 
 The table at --out (default ./tuned-<device>.json) is updated shape by shape and rewritten
 atomically after each, so --budget-s (total wall seconds, compiles included) can stop the run
@@ -91,8 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--form", choices=["varlen", "batched", "general"], default="varlen",
                    help="for --shapes: grouped_mm 2-D (varlen), 3-D (batched) or grouped_gemm "
                    "lists (general); the zoo's shapes are always varlen")
-    p.add_argument("--layout", choices=["ENK", "EKN"], default="ENK",
-                   help="for --shapes: weights stored (E, N, K) K-contiguous or (E, K, N)")
+    # default None, read as "ENK": a --layout given with --zoo alone is refused (see main).
+    p.add_argument("--layout", choices=["ENK", "EKN"], default=None,
+                   help="for --shapes: weights stored (E, N, K) K-contiguous (default) or "
+                   "(E, K, N); the zoo's shapes take each model's own layout")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--out-dtype", choices=["bf16", "fp16", "fp32"], help="default: --dtype")
     p.add_argument("--out", help="table to write/update (default ./tuned-<device>.json)")
@@ -255,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         why = (f"--form {args.form} is for --shapes; the zoo's shapes are varlen (grouped_mm "
                "2-D)" + (", and --configs take one form: time them in separate runs"
                          if args.configs else ""))
+    if why is None and args.zoo and args.layout is not None and not args.shapes:
+        # The zoo's shapes keep the layout each checkpoint stores (gpt-oss and Llama 4 EKN,
+        # the others ENK: --list shows it), and a table's keys carry no layout, so tuning
+        # them in another layout would file its picks under their keys: --layout was ignored.
+        why = (f"--layout {args.layout} is for --shapes; the zoo's shapes take each model's "
+               "own weight layout (ENK or EKN, as --list shows)")
     if why:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
@@ -266,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPE_NAMES[args.dtype]
     out_dtype = DTYPE_NAMES[args.out_dtype or args.dtype]
     try:
-        shapes = parse_shape_items(args.shapes, args.form, args.layout, dtype, out_dtype,
-                                   args.seed)
+        shapes = parse_shape_items(args.shapes, args.form, args.layout or "ENK", dtype,
+                                   out_dtype, args.seed)
         if args.zoo:
             shapes += zoo_shapes(args.models, args.tokens, dtype, out_dtype, args.seed)
     except ValueError as exc:
@@ -399,7 +408,7 @@ def merge(files: list[str], out: str | None, log, out_dir: str | None = None) ->
     order, so a later file's entry replaces an earlier one's for the same key. Every file must
     be a table of one device; entries and samples the reader would skip are left out, with a
     warning."""
-    import json
+    import copy
 
     from moe_gemm.ops import tuned
     from moe_gemm.tuning import table_io
@@ -436,7 +445,7 @@ def merge(files: list[str], out: str | None, log, out_dir: str | None = None) ->
             print(f"moe-gemm tune: --out {out}: {exc}", file=sys.stderr)
             return 2
     else:  # the first file's header; every file's valid entries are added below
-        doc = {**json.loads(json.dumps(docs[0][1])), "entries": [], "samples": [],
+        doc = {**copy.deepcopy(docs[0][1]), "entries": [], "samples": [],
                "failures": []}
     for f, other in docs:
         n = table_io.merge_into(doc, other)
@@ -647,13 +656,12 @@ def kernel_device(spec: str):
 
 def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log) -> int:
     """--configs: an interleaved A/B of the given configs and the rules' choice per shape."""
-    import json
-
     import torch
 
     from moe_gemm.capability import sm_count
     from moe_gemm.tuning.compile_pool import CompilePool
     from moe_gemm.tuning.runner import ShapeRunner
+    from moe_gemm.tuning.table_io import write_json
     from moe_gemm.tuning.tuner import compare_configs
 
     device, why = kernel_device(args.device)
@@ -680,8 +688,7 @@ def run_compare(args: argparse.Namespace, shapes: list, configs: list[dict], log
                                "config": o.fields, "name": o.name, "origin": o.origin,
                                "us": o.ms * 1e3 if o.samples else None, "error": o.error})
     if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+        write_json(Path(args.report), report)
     return 0
 
 

@@ -10,11 +10,16 @@
 
 A table is rewritten whole, atomically (a temporary file renamed into place), after every
 shape, so a run stopped at any point leaves a valid table of what finished.
+
+This module also writes every other JSON result: the benchmarks' records and `moe-gemm tune
+--report` (`write_json`). All JSON text is made here (`json_line`, `dumps_by_line`), strict:
+a non-finite number is written as null, never as the bare words NaN or Infinity.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -95,9 +100,14 @@ def merge_into(doc: dict[str, Any], other: dict[str, Any]) -> int:
         add_result(doc, e, [])
         added += 1
     doc.setdefault("failures", [])
-    seen = {json.dumps(f, sort_keys=True) for f in doc["failures"]}
-    doc["failures"] += [f for f in failures if json.dumps(f, sort_keys=True) not in seen]
+    seen = {_failure_key(f) for f in doc["failures"]}
+    doc["failures"] += [f for f in failures if _failure_key(f) not in seen]
     return added
+
+
+def _failure_key(f: Any) -> str:
+    """A failure as the written table holds it (non-finite numbers as null), for deduplication."""
+    return json.dumps(finite(f), sort_keys=True, allow_nan=False)
 
 
 def _valid_entry(e: Any) -> bool:
@@ -155,22 +165,56 @@ def add_result(doc: dict[str, Any], entry: dict | None, samples: list[dict]) -> 
         doc["samples"] = [s for s in doc["samples"] if sample_shape(s) not in shapes] + samples
 
 
-def dumps_by_line(doc: dict[str, Any], default: Callable[[Any], Any] | None = None) -> str:
-    """JSON text of `doc` with one top-level key per line and, in a list, one item per line,
-    each written compactly. A table's ~13k samples indented one field per line took 5.4 MB
-    (a third of the repository), compact lines 3.9 MB, and a retune's diff stays one line per
-    changed sample."""
-    def one(v: Any) -> str:
-        return json.dumps(v, separators=(",", ":"), default=default)
+def finite(v: Any) -> Any:
+    """`v` with every non-finite float (NaN, inf) replaced by None, in nested dicts and lists.
+    json.dumps writes them as the bare words NaN and Infinity, which are not JSON: jq,
+    JavaScript and other strict readers refuse the whole file (a wrong result's rel_err is NaN
+    by design, the check of an unwritten output)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite(x) for x in v]
+    return v
 
+
+def json_line(v: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """`v` as one line of strict JSON (`finite`: NaN and inf as null), written compactly."""
+    return json.dumps(finite(v), separators=(",", ":"), default=default, allow_nan=False)
+
+
+def dumps_by_line(doc: dict[str, Any] | list[Any],
+                  default: Callable[[Any], Any] | None = None) -> str:
+    """Strict JSON text of `doc` (see `json_line`) with one top-level key per line and, in a
+    list (or a top-level list), one item per line, each written compactly. A table's ~13k
+    samples indented one field per line took 5.4 MB (a third of the repository), compact
+    lines 3.9 MB, and a retune's diff stays one line per changed sample."""
+    def one(v: Any) -> str:
+        return json_line(v, default)
+
+    def items(v: list[Any]) -> str:
+        return ",\n".join(one(x) for x in v)
+
+    if isinstance(doc, list):
+        return f"[\n{items(doc)}\n]\n" if doc else "[]\n"
     lines = []
     for k, v in doc.items():
         if isinstance(v, list) and v:
-            body = ",\n".join(one(x) for x in v)
-            lines.append(f"{one(k)}:[\n{body}\n]")
+            lines.append(f"{one(k)}:[\n{items(v)}\n]")
         else:
             lines.append(f"{one(k)}:{one(v)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write_json(path: Path, doc: dict[str, Any] | list[Any], compact: bool = False) -> None:
+    """Write a result or report: strict JSON (see `json_line`; `doc` itself is left as it is),
+    atomically (a crash mid-write never leaves half a file), one top-level key and one list
+    item per line (`dumps_by_line`), or all on one line for progress saves. A value JSON has
+    no type for is written as its str()."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json_line(doc, default=str) + "\n" if compact
+                      else dumps_by_line(doc, default=str))
 
 
 def write(path: Path, doc: dict[str, Any]) -> None:

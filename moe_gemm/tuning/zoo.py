@@ -17,11 +17,15 @@ Routing (`topk_counts`): each expert gets a popularity exp(sigma * z), z standar
 (seeded), and every token picks top_k distinct experts by weighted sampling without
 replacement. sigma = 0.5 puts the busiest of 256 experts at ~3-4x the mean load at prefill
 sizes and ~2x among 8, the range reported for trained routers with load balancing; decode
-batches leave most experts empty. Only `random.Random` is used, whose stream Python keeps
-stable across versions, so a seed routes the same everywhere; the one exception is a top-1
-routing of more than DRAW_AT_ONCE_TOKENS tokens (`moe-gemm tune --shapes` with millions of
-rows), drawn at once as a multinomial by numpy's frozen legacy generator, seeded with the same
-stream's state.
+batches leave most experts empty. The streams are ones their makers keep stable, so a seed
+routes the same everywhere: `random.Random` for the popularity and top-1 tokens, numpy's
+frozen legacy generator (seeded with the same stream's state) for a top-1 routing of more
+than DRAW_AT_ONCE_TOKENS tokens (one multinomial) and for every top-k > 1 routing (arrays of
+TOPK_BLOCK_TOKENS tokens at a time). Top-k > 1 routings were drawn token by token in Python
+before (~0.4 us a pick: 2^22 top-8 tokens over 384 experts took 14 s, 1 s in arrays; at the
+int32 row limit, 2^28 tokens, ~15 minutes against 62 s); that gave the same distribution but
+other counts for a seed, which the results of 2026-11-30 and earlier on the zoo's routings
+hold (a zoo case records its counts).
 """
 
 from __future__ import annotations
@@ -32,12 +36,22 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 ROUTING_SIGMA = 0.5
 # Above this many top-1 tokens the counts are one multinomial draw: token by token, 2^31 rows
 # took about an hour (`moe-gemm tune --shapes E,N,K,2147483647 --list` printed nothing for
 # that long). 2^20 tokens still take well under a second, and no shape routed so far came
 # near it, so every count drawn before stays the same.
 DRAW_AT_ONCE_TOKENS = 1 << 20
+# Tokens a top-k > 1 routing draws per array: bounds the temporaries (4 MB of uniforms at
+# top-8). It orders the generator's stream (the repeats of one block are drawn again before the
+# next block), so a seed's counts depend on it: changing it changes every top-k draw.
+TOPK_BLOCK_TOKENS = 1 << 16
+# Bins per expert of the guide table that starts each categorical search (Chen and Asau):
+# np.searchsorted over the 384-entry CDF took ~60 ns a pick, two thirds of the whole draw;
+# with ~16 bins an expert nearly every pick ends in the bin it starts from.
+GUIDE_BINS_PER_EXPERT = 16
 # Tokens per call, decode to prefill (the routed rows are tokens * top_k).
 TOKENS = (1, 16, 128, 512, 2048, 8192, 32768)
 # The subset the zoo benchmark runs by default, which the tuner also takes first at every token
@@ -188,41 +202,106 @@ def topk_counts(experts: int, tokens: int, top_k: int, seed: int,
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be between 1 and experts ({experts}); got {top_k}")
     if tokens * top_k > 2**31 - 1:
-        # Drawn token by token below: 10**14 tokens (`--tokens`) would run for ever before
-        # anything is printed, for rows no kernel takes (offs are int32).
+        # 10**14 tokens (`--tokens`) would draw for hours before anything is printed, for
+        # rows no kernel takes (offs are int32).
         raise ValueError(f"tokens x top_k = {tokens} x {top_k} routed rows; at most "
                          f"{2**31 - 1} (offs are int32)")
     if sigma < 0 or not math.isfinite(sigma):
         raise ValueError(f"sigma must be a finite number >= 0; got {sigma}")
     weights = popularity(experts, sigma, seed)
     total = sum(weights)
-    cdf = list(itertools.accumulate(w / total for w in weights))
+    shares = [w / total for w in weights]
+    cdf = list(itertools.accumulate(shares))
     rng = random.Random(seed * 7919 + 1)
-    if top_k == 1 and tokens > DRAW_AT_ONCE_TOKENS:
+    if top_k > 1:
+        return _distinct_counts(_legacy_numpy(rng), cdf, tokens, top_k)
+    if tokens > DRAW_AT_ONCE_TOKENS:
         # Top-1 tokens pick independently, so the counts are exactly multinomial.
-        return _multinomial(rng, [w / total for w in weights], tokens)
+        return [int(c) for c in _legacy_numpy(rng).multinomial(tokens, shares)]
     counts = [0] * experts
     for _ in range(tokens):
-        chosen: set[int] = set()
-        while len(chosen) < top_k:
-            # Rejection of repeats: the busiest expert holds a few percent of the mass, so a
-            # token needs about top_k draws (at most ~top_k / (1 - top share)).
-            e = min(bisect.bisect_right(cdf, rng.random()), experts - 1)
-            chosen.add(e)
-        for e in chosen:
-            counts[e] += 1
+        counts[min(bisect.bisect_right(cdf, rng.random()), experts - 1)] += 1
     return counts
 
 
-def _multinomial(rng: random.Random, shares: list[float], n: int) -> list[int]:
-    """One multinomial draw of `n` over `shares`, by numpy's legacy MT19937 generator (its
-    stream is frozen) started from `rng`'s state, so that the seed still decides it."""
-    import numpy as np
-
+def _legacy_numpy(rng: random.Random) -> np.random.RandomState:
+    """numpy's legacy MT19937 generator (its stream is frozen) started from `rng`'s state, so
+    that the seed still decides what it draws (any int: RandomState itself takes 0..2^32-1)."""
     _, internal, _ = rng.getstate()  # 624 state words, then the position in them
     gen = np.random.RandomState()
     gen.set_state(("MT19937", np.array(internal[:-1], dtype=np.uint32), internal[-1]))
-    return [int(c) for c in gen.multinomial(n, shares)]
+    return gen
+
+
+def _distinct_counts(gen: np.random.RandomState, cdf: list[float], tokens: int,
+                     top_k: int) -> list[int]:
+    """Rows per expert when each token takes `top_k` distinct experts (`_distinct_picks`),
+    TOPK_BLOCK_TOKENS tokens at a time."""
+    table = _CategoricalTable(np.asarray(cdf))
+    counts = np.zeros(len(cdf), dtype=np.int64)
+    for start in range(0, tokens, TOPK_BLOCK_TOKENS):
+        picks = _distinct_picks(gen, table, min(TOPK_BLOCK_TOKENS, tokens - start), top_k)
+        counts += np.bincount(picks.ravel(), minlength=len(cdf))
+    return counts.tolist()
+
+
+def _distinct_picks(gen: np.random.RandomState, table: _CategoricalTable, tokens: int,
+                    top_k: int) -> np.ndarray:
+    """(tokens, top_k) experts, distinct in each row: per token, the first `top_k` distinct
+    experts of a stream of independent picks, i.e. weighted sampling without replacement, as
+    drawing a token's picks one by one and rejecting repeats does, in arrays. A repeated pick
+    is drawn again until its token's picks differ; as only the set of a token's experts
+    counts, redrawing the later of two equal picks is the same as rejecting it in the stream."""
+    picks = table.draw(gen, (tokens, top_k))
+    ordered = np.sort(picks, axis=1)
+    # ~9% of top-8 tokens over 384 experts hold a repeat at sigma 0.5: only those rows are
+    # searched for which picks repeat (a sort finds the rows ~3x faster than that search),
+    # and each round only the rows still holding one.
+    rows = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+    again = _repeats(picks[rows])
+    while rows.size:
+        redo = picks[rows]
+        redo[again] = table.draw(gen, int(again.sum()))
+        picks[rows] = redo
+        again = _repeats(redo)
+        left = again.any(axis=1)
+        rows, again = rows[left], again[left]
+    return picks
+
+
+def _repeats(picks: np.ndarray) -> np.ndarray:
+    """(tokens, top_k) bool: True where a pick equals an earlier pick of its token."""
+    again = np.zeros(picks.shape, dtype=bool)
+    for j in range(1, picks.shape[1]):
+        again[:, j] = (picks[:, :j] == picks[:, j:j + 1]).any(axis=1)
+    return again
+
+
+class _CategoricalTable:
+    """Picks from a CDF as `min(bisect_right(cdf, u), E - 1)` gives them for uniform u (the
+    token-by-token draw's rule; the last CDF value may round below 1), through a guide table:
+    per bin [b / B, (b + 1) / B) of [0, 1), the count of CDF values <= b / B, where the search
+    for a u in that bin starts. B is a power of two, so u * B and b / B are exact."""
+
+    def __init__(self, cdf: np.ndarray) -> None:
+        self.cdf = cdf
+        bins = 1 << math.ceil(math.log2(GUIDE_BINS_PER_EXPERT * len(cdf)))
+        self.start = np.minimum(np.searchsorted(cdf, np.arange(bins) / bins, side="right"),
+                                len(cdf) - 1)
+
+    def draw(self, gen: np.random.RandomState, size: int | tuple[int, int]) -> np.ndarray:
+        """Picks (int64 expert indices) of `size`, from `gen`'s uniforms."""
+        u = gen.random_sample(size)
+        pick = self.start[(u * len(self.start)).astype(np.int64)]
+        flat_u, flat_pick = u.reshape(-1), pick.reshape(-1)
+        last = len(self.cdf) - 1
+        # Step past the CDF values <= u that the bin holds beyond its start: a few percent of
+        # the picks, so after the first test only those are looked at again.
+        at = np.flatnonzero((flat_pick < last) & (self.cdf[flat_pick] <= flat_u))
+        while at.size:
+            flat_pick[at] += 1
+            at = at[(flat_pick[at] < last) & (self.cdf[flat_pick[at]] <= flat_u[at])]
+        return pick
 
 
 def default_kernel_key(E: int, N: int, K: int, rows: int, layout: str, device: str | None,

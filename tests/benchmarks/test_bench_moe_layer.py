@@ -109,6 +109,10 @@ def test_probe_falls_back_to_no_gather_then_to_no_fused_rows(monkeypatch):
     answers[:] = [(0, {"m": 0.5}, False), "timeout"]  # wrong results, then a hang
     res = bml.probe_in_subprocess(["m"], 5)
     assert not res["ok"] and "timed out" in res["tried"][1]["error"]
+    # The child writes a NaN diff (an unwritten output) as null, strict JSON: a failure too.
+    answers[:] = [(0, {"m": None}, False), (0, {"m": 2e-6}, True)]
+    res = bml.probe_in_subprocess(["m"], 5)
+    assert res["ok"] and res["gather"] is False and res["tried"][0]["diffs"] == {"m": None}
 
 
 def test_routed_only_leaves_the_shared_expert_out_and_puts_it_back():

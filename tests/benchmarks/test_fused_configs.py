@@ -156,3 +156,20 @@ def test_quack_peer_rows_say_why_they_did_not_run(tmp_path):
     # gpt-oss's clamped SwiGLU over alternating columns has no QuACK counterpart on any device.
     assert "alternating" in why["gpt-oss-120b", "up"]
     assert all("GPU" in e for k, e in why.items() if k != ("gpt-oss-120b", "up"))
+
+
+def test_a_non_finite_result_is_written_as_null(tmp_path, monkeypatch):
+    # The record was json.dumps output: a NaN rel_err (the check of an unwritten output) was
+    # written as the bare word NaN, which strict JSON readers refuse with the whole file.
+    real = fc.run_case
+    monkeypatch.setattr(fc, "run_case", lambda *a, **kw: [
+        {**r, "rel_err": float("nan")} for r in real(*a, **kw)])
+    out = tmp_path / "fc.json"
+    assert fc.main(["--smoke", "--models", "qwen3-30b-a3b", "--tokens", "9", "--rounds", "2",
+                    "--calls", "1", "--out", str(out)]) == 0
+
+    def no_constant(word):
+        raise ValueError(f"not JSON: {word}")
+
+    rows = json.loads(out.read_text(), parse_constant=no_constant)["rows"]
+    assert rows and all(r["rel_err"] is None for r in rows)

@@ -3,11 +3,14 @@ zoo."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moe_gemm import GemmConfig
@@ -350,6 +353,70 @@ def test_zoo_models_and_routing():
     assert zoo.parse_tokens(None, (5,)) == [5]
     with pytest.raises(ValueError):
         zoo.parse_tokens("1,x", (1,))
+
+
+def _inclusion(weights: list[float], top_k: int) -> list[float]:
+    """Exact chance that each expert is among a token's top_k when the token picks one by one,
+    each pick in proportion to the weights of the experts it has not picked yet."""
+    chance = [0.0] * len(weights)
+    for order in itertools.permutations(range(len(weights)), top_k):
+        p, left = 1.0, sum(weights)
+        for e in order:
+            p, left = p * weights[e] / left, left - weights[e]
+        for e in order:
+            chance[e] += p
+    return chance
+
+
+def test_topk_routing_is_weighted_sampling_without_replacement():
+    # Drawn in arrays now, token by token before: the same law. Each expert's share of the
+    # tokens is its exact chance of being picked (200k tokens: ~0.001 standard error).
+    tokens = 200_000
+    counts = zoo.topk_counts(6, tokens, 3, seed=11, sigma=1.0)
+    for c, p in zip(counts, _inclusion(zoo.popularity(6, 1.0, 11), 3)):
+        assert c / tokens == pytest.approx(p, abs=0.005)
+    # The hot experts take more rows: at the zoo's spread, the most popular tenth of
+    # Kimi-K2's 384 experts gets several times the rows of the least popular tenth.
+    counts = zoo.topk_counts(384, 32768, 8, seed=1234)
+    by_popularity = [c for _, c in sorted(zip(zoo.popularity(384, zoo.ROUTING_SIGMA, 1234),
+                                              counts))]
+    assert sum(by_popularity[-38:]) > 3 * sum(by_popularity[:38])
+
+
+def test_topk_routing_picks_distinct_experts_per_token():
+    # Skewed (sigma 1.5: half the picks are the busiest of 8 experts) and top-7 of 8, so that
+    # nearly every token draws repeats; none is left in any token's picks.
+    weights = zoo.popularity(8, 1.5, 5)
+    cdf = np.cumsum(np.array(weights) / sum(weights))
+    picks = zoo._distinct_picks(np.random.RandomState(5), zoo._CategoricalTable(cdf), 5000, 7)
+    assert picks.shape == (5000, 7) and picks.min() >= 0 and picks.max() < 8
+    assert all(len(set(row)) == 7 for row in picks.tolist())
+    # In the counts: top-E is every expert on every token, and no expert gets a token twice.
+    assert zoo.topk_counts(8, 1000, 8, seed=5, sigma=1.5) == [1000] * 8
+    skewed = zoo.topk_counts(8, 1000, 7, seed=5, sigma=1.5)
+    assert sum(skewed) == 1000 * 7 and max(skewed) == 1000
+
+
+def test_topk_routing_is_seeded_and_fixed():
+    # The same counts on every machine for a seed (numpy's legacy MT19937 stream is frozen),
+    # other counts for another seed; any int seeds it. The values pin the stream: a change of
+    # TOPK_BLOCK_TOKENS or of the draw would change every routing, and fail here.
+    assert zoo.topk_counts(16, 100, 4, seed=7) == [16, 29, 22, 27, 10, 20, 31, 34, 33, 29, 24,
+                                                   24, 2, 36, 36, 27]
+    two_blocks = zoo.topk_counts(8, zoo.TOPK_BLOCK_TOKENS + 5, 3, seed=-3)
+    assert two_blocks[:4] == [20955, 33010, 13208, 30318]
+    assert two_blocks == zoo.topk_counts(8, zoo.TOPK_BLOCK_TOKENS + 5, 3, seed=-3)
+    assert two_blocks != zoo.topk_counts(8, zoo.TOPK_BLOCK_TOKENS + 5, 3, seed=-4)
+    assert zoo.topk_counts(8, 0, 3, seed=1) == [0] * 8
+
+
+def test_a_large_topk_routing_is_drawn_in_arrays():
+    # Token by token, 2^22 top-8 tokens over Kimi-K2's 384 experts took 14 s (and --tokens
+    # at the int32 row limit, 2^28 tokens, ~15 minutes); in arrays ~1 s.
+    t0 = time.monotonic()
+    counts = zoo.topk_counts(384, 1 << 22, 8, seed=1234)
+    assert time.monotonic() - t0 < 5.0
+    assert sum(counts) == 8 << 22 and max(counts) <= 1 << 22
 
 
 def test_tune_shape_keys_match_lookup_keys():

@@ -186,3 +186,25 @@ def test_list_of_a_shape_near_int32_rows_is_quick():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "E=8 N=64 K=64 rows=2147483647" in done.stdout
+
+
+@pytest.mark.parametrize("layout", ["ENK", "EKN"])
+def test_zoo_with_a_layout_is_refused(layout, capsys):
+    # The zoo's shapes keep each checkpoint's layout (a table's keys carry none, so another
+    # layout's picks would replace theirs): --layout was ignored without a word.
+    assert cli.main(["--zoo", "--models", "gpt-oss-120b", "--tokens", "16", "--layout", layout,
+                     "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"moe-gemm tune: --layout {layout} is for --shapes; the zoo's shapes take "
+                   "each model's own weight layout (ENK or EKN, as --list shows)\n")
+
+
+def test_zoo_beside_shapes_in_a_layout_keeps_each_layout(capsys):
+    # --layout applies to the --shapes items, as its help says; the zoo's keep their own.
+    assert cli.main(["--zoo", "--models", "gpt-oss-120b,Mixtral-8x7B", "--tokens", "16",
+                     "--shapes", "8,512,256,64", "--layout", "EKN", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and lines[0].endswith(" EKN")  # the --shapes item
+    assert [line.split()[-1] for line in lines[1:]] == ["EKN", "EKN", "ENK", "ENK"]
+    assert cli.main(["--shapes", "8,512,256,64", "--list"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(" ENK")  # the default
