@@ -617,9 +617,11 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # vs 3114; interleaved with other kernels (the bench) panels of 4-16 measured the same.
     swizzle = raster_of(config, 16 if epi_whole else 8)
     # Tail split (kernels/constants.py) for long K: when the last wave of tiles fills at most
-    # half the grid, two CTAs share each of its tiles, half of K each (mixtral: 7448 tiles of
-    # 128x256 on 132 SMs leave 56 in the last wave). Decided on the GPU per launch (the tile
-    # count lives there); where the tail is too full, nothing is split.
+    # half the grid, several CTAs share each of its tiles, a share of K each (mixtral: 7448
+    # tiles of 128x256 on 132 SMs leave 56 in the last wave, split in two). Decided on the GPU
+    # per launch (the tile count lives there); where the tail is too full, nothing is split.
+    # Zoo prefill rows whose last wave it splits, up to 8 ways against 2 (H200, 2026-12-01,
+    # benchmarks.env_ab): a median 1.004x as fast, 0.999-1.046 (Mixtral-8x22B down).
     # A tile fitted to the grid (_fill_grid) takes it where _fill_grid says so (its few
     # tiles split over K fill the grid), not otherwise: a 128x64 tile narrowed without it is
     # one short wave already, which the split's fp32 join slowed by 2-4% (133 against 136 us,

@@ -107,8 +107,8 @@ class TailSplit:
     @cute.jit
     def split_k(self, work: WorkTile, share: Int32, tail_i: Int32, plan: SplitPlan
                 ) -> WorkTile:
-        """The unit's share of K and role (a tile too short to split: share 0's CTA computes
-        it whole and the other shares' records end their work)."""
+        """The unit's share of K and role (a tile too short to split: the first share's CTA
+        computes it whole and the other shares' records end their work)."""
         problem = work.problem
         k_tiles = work.k_tiles
         k_start = work.k_start
