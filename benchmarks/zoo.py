@@ -539,7 +539,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.list:
-        for m in models.MODELS:
+        # --models and --fp8 narrow the list as they narrow a run (an unknown name is refused,
+        # not answered with every model).
+        try:
+            listed = models.MODELS if args.models is None else models.select_models(args.models)
+        except ValueError as exc:
+            print(f"error: --models: {exc}", file=sys.stderr)
+            return 2
+        for m in (m for m in listed if m.fp8_id or not args.fp8):
             star = "*" if m.name in DEFAULT_MODELS else " "
             fp8 = f"  FP8: {m.fp8_id}" if m.fp8_id else ""
             print(f"{star} {m.name:18s} E={m.experts:<4d} top-{m.top_k} hidden={m.hidden:<5d} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -24,10 +25,10 @@ def empty_option(args: argparse.Namespace, names: list[str]) -> str | None:
 def output_problem(path: Path, option: str = "--out") -> str | None:
     """Why a file cannot be written at `path` (its missing folders created by the write), checked
     before a command does its work so that a bad path fails at once instead of after the work,
-    or None. Leaves nothing behind: missing folders are created to prove they can be (a
-    permission check alone is wrong for root, for whom /proc looks writable) and removed again,
-    so a command refused afterwards (no GPU, say) leaves no empty folders; the writers create
-    them when they write."""
+    or None. Leaves nothing behind: missing folders, and a file in the folder, are created to
+    prove they can be (a permission check alone is wrong for root, for whom /proc looks
+    writable) and removed again, so a command refused afterwards (no GPU, say) leaves no empty
+    folders; the writers create them when they write."""
     if path.is_dir():
         return f"{option} {path}: is a folder, not a file"
     existing = next((p for p in path.parents if p.exists()), None)
@@ -41,6 +42,13 @@ def output_problem(path: Path, option: str = "--out") -> str | None:
     try:
         if not os.access(path.parent, os.W_OK | os.X_OK):
             return f"{option} {path}: its folder is not writable"
+        # The writers put a temporary file beside `path`, then rename it: prove one can be made.
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        except OSError as exc:
+            return f"{option} {path}: cannot create a file in its folder ({exc.strerror or exc})"
+        os.close(fd)
+        os.unlink(probe)
         return None
     finally:
         for folder in missing:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -398,6 +400,24 @@ def test_an_unknown_skip_impl_is_refused_with_the_names(
 class _Options:
     variants = True
     quack_tuned = True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("option", ["--out", "--png"])
+def test_an_out_or_png_where_no_file_can_be_made_is_refused_before_the_suite_runs(
+        option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # For root, os.access calls /proc writable: `--out /proc/b.json` ran the whole suite, then
+    # died in a traceback writing the JSON (--png: the PNG). os.access answers here as for root.
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: True)
+    out = tmp_path / "b.json"
+    argv = ["--out", "/proc/b.json"] if option == "--out" else [
+        "--out", str(out), "--png", "/proc/b.png"]
+    assert bench.main(["--smoke", "--only", "uniform", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    target = "/proc/b.json" if option == "--out" else "/proc/b.png"
+    assert err.startswith(f"error: {option} {target}: cannot create a file in its folder")
+    assert err.count("\n") == 1 and not out.exists()
 
 
 def test_a_known_skip_impl_leaves_those_rows_out(tmp_path: Path) -> None:

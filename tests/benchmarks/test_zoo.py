@@ -171,6 +171,23 @@ def test_estimate_grows_with_the_case():
     assert tune > 100  # a 30 ms call: 22 configs x 250 calls
 
 
+@pytest.mark.parametrize("argv, shown, not_shown", [
+    (["--models", "kimi-k2,OLMoE-1B-7B"], ["Kimi-K2", "OLMoE-1B-7B"], ["Mixtral-8x7B"]),
+    (["--fp8"], ["DeepSeek-V3"], ["OLMoE-1B-7B"])])
+def test_list_keeps_to_the_models_and_fp8_given(argv, shown, not_shown, capsys):
+    # `--list --models X` listed every model, X or not, and --fp8 was ignored there.
+    assert zoo.main(["--list", *argv]) == 0
+    names = [line[2:].split()[0] for line in capsys.readouterr().out.splitlines()
+             if not line.startswith("(")]
+    assert all(n in names for n in shown) and not any(n in names for n in not_shown), names
+
+
+def test_list_refuses_an_unknown_model(capsys):
+    assert zoo.main(["--list", "--models", "Nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --models: unknown model(s) Nope;") and err.count("\n") == 1
+
+
 def test_cli(tmp_path, capsys):
     assert bench.main(["--suite", "zoo", "--list"]) == 0
     listed = capsys.readouterr().out

@@ -1,0 +1,29 @@
+"""moe_gemm.tuning.argcheck: the output-path check the tools run before their work (CPU)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_gemm.tuning.argcheck import output_problem
+
+
+def test_a_writable_path_passes_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    assert output_problem(tmp_path / "new" / "deeper" / "t.json") is None
+    assert output_problem(tmp_path / "t.json") is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc")
+def test_a_folder_where_no_file_can_be_made_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # For root, os.access says /proc is writable: `moe-gemm bench --out /proc/b.json` ran the
+    # whole suite, then died in a traceback writing its JSON. Here os.access answers as it
+    # does for root, whoever runs the test.
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: True)
+    for option, name in (("--out", "b.json"), ("--png", "b.png")):
+        why = output_problem(Path("/proc") / name, option)
+        assert why is not None and why.startswith(f"{option} /proc/{name}: cannot create a file")
