@@ -87,11 +87,13 @@ class GemmConfig:
         raster_serpentine: odd panels walk the other axis backwards, so a panel starts on the
             tiles the previous one ended on (still in L2). None = False.
         tail_split: when the last wave of tiles fills at most half the grid (or a launch has
-            that few tiles), 2 to 8 CTAs share each of its tiles, a share of K each, as many
-            as the idle SMs and K allow (MOE_GEMM_SPLIT_WAYS caps it; grouped_mm only: its
-            2-D and 3-D forms; cooperative schedule, device visitor, 1x1 cluster). None =
-            heuristic. The split adds fp32 partial sums in a fixed order (run to run
-            bitwise), so results may differ from an unsplit run in the last bit.
+            that few tiles), 2 or more CTAs share each of its tiles, a share of K each, as
+            many as the idle SMs, K and a cap allow (8; MOE_GEMM_SPLIT_WAYS sets it, 2 to 16:
+            under 4, decode keeps its ping-pong tile, which trades for a split one only where
+            it gets four shares; grouped_mm only: its 2-D and 3-D forms; cooperative
+            schedule, device visitor, 1x1 cluster). None = heuristic. The split adds fp32
+            partial sums in a fixed order (run to run bitwise), so results may differ from
+            an unsplit run in the last bit.
             MOE_GEMM_TAIL_SPLIT=0 turns it off everywhere, pinned or not (it relies on the
             whole persistent grid being resident: see heuristics.tail_split_enabled).
         whole_epilogue: stage a whole output tile in shared memory and store it with two

@@ -125,9 +125,39 @@ def _innermost(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# Interleaved layouts up to this many elements have their offsets counted (128 MiB of int64 on
+# the host at most); a larger one is taken as overlapping.
+_COUNTED_MAX = 1 << 24
+
+
 def has_internal_overlap(t: torch.Tensor) -> bool:
-    """Two of t's indices address one element (an expanded or zero-stride tensor)."""
-    return torch._debug_has_internal_overlap(t) == 1
+    """Two of t's indices address one element (an expanded, zero-stride or as_strided view).
+
+    torch answers 0 (no), 1 (yes: a zero stride) or 2 (too hard: any other layout that is
+    not dense). Its 2 covers both plain strided views (a column slice, out[:, ::2]) and views
+    whose strides interleave onto the same elements (as_strided((10, 8), (1, 1))): read as
+    "no", the latter took the whole result, each write overwriting others, and returned it.
+    Decided here: ordered by stride, each dim stepping past everything the smaller ones reach
+    is disjoint (every plain strided view: no per-element work); otherwise the element
+    offsets are counted, on the host from the sizes and strides alone (rare layouts; past
+    _COUNTED_MAX elements such a layout counts as overlapping)."""
+    answer = torch._debug_has_internal_overlap(t)
+    if answer != 2:
+        return answer == 1
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
+    reach = 0  # the largest offset the dims so far reach
+    for s, n in dims:
+        if s <= reach:
+            break
+        reach += (n - 1) * s
+    else:
+        return False
+    if t.numel() > _COUNTED_MAX:
+        return True  # (refused as possibly overlapping rather than counted on the host)
+    offsets = torch.zeros((), dtype=torch.int64)
+    for s, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s).flatten()
+    return offsets.unique().numel() < offsets.numel()
 
 
 def outputs_aliasing_inputs(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[int]:

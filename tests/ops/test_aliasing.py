@@ -8,7 +8,7 @@ import torch
 
 import moe_gemm
 from moe_gemm import GemmConfig, GroupedGemmPlan
-from moe_gemm.ops.aliasing import may_overlap, outputs_aliasing_inputs
+from moe_gemm.ops.aliasing import has_internal_overlap, may_overlap, outputs_aliasing_inputs
 
 TORCH = GemmConfig(backend="torch")
 
@@ -190,6 +190,46 @@ def test_outputs_that_cannot_be_written_are_clear_errors():
         moe_gemm.grouped_gemm(a, b, out=[same, same])
 
 
+def test_has_internal_overlap_is_exact_on_layouts_torch_finds_too_hard():
+    # torch._debug_has_internal_overlap answers "too hard" (2) for every non-dense layout
+    # without a zero stride, overlapping or not; brute force decides each one here.
+    rng = random.Random(1)
+    buf = torch.zeros(400)
+    for _ in range(400):
+        dims = rng.randint(1, 3)
+        shape = tuple(rng.randint(0, 5) for _ in range(dims))
+        stride = tuple(rng.randint(1, 7) for _ in range(dims))
+        t = buf.as_strided(shape, stride)
+        offsets = [sum(i * s for i, s in zip(idx, stride))
+                   for idx in itertools.product(*(range(n) for n in shape))]
+        truth = len(set(offsets)) < len(offsets)
+        assert has_internal_overlap(t) == truth, (shape, stride)
+    assert not has_internal_overlap(torch.zeros(10, 16)[:, ::2])
+    assert not has_internal_overlap(buf.as_strided((3, 2), (2, 3)))  # interleaved, disjoint
+    assert has_internal_overlap(buf.as_strided((10, 8), (1, 1)))
+
+
+def test_out_whose_strides_overlap_is_refused_and_an_interleaved_one_is_written():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 5, generator=g), torch.randn(2, 5, 3, generator=g)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    want = torch.cat([x[:2] @ w[0], x[2:] @ w[1]])
+    buf = torch.full((64,), float("nan"))
+    # out[i, j] and out[i + 1, j - 1] are one element: a result written there is not the
+    # product whatever the order of the writes.
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        moe_gemm.grouped_mm(x, w, offs, out=buf.as_strided((6, 3), (1, 1)))
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        moe_gemm.fused_grouped_mm(x, w, offs, out=buf.as_strided((6, 3), (1, 1)))
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        moe_gemm.grouped_mm_masked(x.view(2, 3, 5), w, torch.tensor([3, 1], dtype=torch.int32),
+                                   out=buf.as_strided((2, 3, 3), (9, 1, 1)))
+    # Strides 1 and 6 on a (6, 3) view: rows interleave in memory but no two elements meet.
+    out = buf.as_strided((6, 3), (1, 6))
+    moe_gemm.grouped_mm(x, w, offs, out=out)
+    torch.testing.assert_close(out, want)
+
+
 def test_plan_on_the_torch_backend_is_differentiable_and_empty_plan_has_backend():
     a = [torch.randn(4, 3, requires_grad=True)]
     b = [torch.randn(3, 5)]
@@ -224,3 +264,15 @@ def test_an_input_without_storage_beside_out_is_left_to_validation(monkeypatch):
     monkeypatch.setattr(aliasing, "may_overlap", broken)
     with pytest.raises(RuntimeError, match="some other failure"):
         aliasing.overlaps_any(out, (out[:, :4],))
+
+
+def test_an_interleaved_layout_past_the_counting_limit_counts_as_overlapping(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_gemm.ops import aliasing
+
+    # (3, 2) with strides (2, 3): offsets 0, 3, 2, 5, 4, 7, distinct but interleaved, so
+    # they are counted; past the limit such a layout is refused rather than enumerated.
+    t = torch.empty(8).as_strided((3, 2), (2, 3))
+    assert not aliasing.has_internal_overlap(t)
+    monkeypatch.setattr(aliasing, "_COUNTED_MAX", 4)
+    assert aliasing.has_internal_overlap(t)

@@ -90,6 +90,28 @@ def test_decode_on_few_experts_fills_the_grid(T, E, N, K, want, monkeypatch):
     assert _sched_tile(c) == ("pingpong", want[1] if not want[2] else (64, 128))
 
 
+def test_decode_switch_to_the_split_tile_needs_a_split_ways_cap_of_four(monkeypatch):
+    # The ping-pong -> split cooperative 128x64 switch is taken for four shares or more (two
+    # lost on every shape measured): a MOE_GEMM_SPLIT_WAYS cap under four keeps ping-pong.
+    # One process, the cap changed between calls: the rules' caches key on it.
+    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
+    for ways, want in (("2", ("pingpong", (64, 128), False)),
+                       ("3", ("pingpong", (64, 128), False)),
+                       ("4", ("cooperative", (128, 64), True)),
+                       ("16", ("cooperative", (128, 64), True)),
+                       ("2", ("pingpong", (64, 128), False))):
+        monkeypatch.setenv("MOE_GEMM_SPLIT_WAYS", ways)
+        c = choose_varlen(GemmConfig(), 1, 64, 2048, 7168, 132)
+        assert (*_sched_tile(c), c.tail_split) == want, ways
+        assert not c.tail_split or c.split_ways == int(ways)
+    # The long-K split of cooperative 128x128 takes any cap (it splits without a switch).
+    c = choose_batched(GemmConfig(), 4, 128, 512, 32768, 132)
+    assert _sched_tile(c) == ("cooperative", (128, 128)) and c.tail_split and c.split_ways == 2
+    monkeypatch.delenv("MOE_GEMM_SPLIT_WAYS")
+    c = choose_varlen(GemmConfig(), 1, 64, 2048, 7168, 132)
+    assert (*_sched_tile(c), c.tail_split, c.split_ways) == ("cooperative", (128, 64), True, 8)
+
+
 def test_long_k_on_few_experts_takes_cooperative_128x128_split(monkeypatch):
     # E=8, ~128 rows each, N=512, K=32768: ~24 tiles of 128x256 on 132 SMs.
     monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
