@@ -327,20 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     full, smoke = SHAPES[suite_name]
     suite = smoke() if args.smoke else full()
     extra = [HOST_OVERHEAD] if suite_name == "bench" else []
-    if args.list:
-        for s in suite:
-            print(f"{s.name:13s} {s.form:8s} {s.dtype}  {s.description}")
-        if extra:
-            print(f"{HOST_OVERHEAD:13s} host CPU time per call (small MoE case)")
-        return 0
-    if args.reps is None:
-        args.reps = SMOKE_REPS if args.smoke else DEFAULT_REPS
-    if args.reps < 1:
-        print("error: --reps must be at least 1", file=sys.stderr)
-        return 2
-    if not args.timeout > 0:  # (nan too) else every --isolate shape "times out" at once
-        print("error: --timeout must be positive", file=sys.stderr)
-        return 2
     known = [s.name for s in suite] + extra
     # None only: an empty --only names no shape and is refused, not read as the whole suite.
     names = known if args.only is None else [n.strip() for n in args.only.split(",")
@@ -353,6 +339,21 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown shape(s) {', '.join(unknown)}; expected some of "
               f"{', '.join(known)}", file=sys.stderr)
+        return 2
+    if args.list:  # (the shapes --only names, as a run would take them)
+        for s in suite:
+            if s.name in names:
+                print(f"{s.name:13s} {s.form:8s} {s.dtype}  {s.description}")
+        if HOST_OVERHEAD in extra and HOST_OVERHEAD in names:
+            print(f"{HOST_OVERHEAD:13s} host CPU time per call (small MoE case)")
+        return 0
+    if args.reps is None:
+        args.reps = SMOKE_REPS if args.smoke else DEFAULT_REPS
+    if args.reps < 1:
+        print("error: --reps must be at least 1", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:  # (nan too) else every --isolate shape "times out" at once
+        print("error: --timeout must be positive", file=sys.stderr)
         return 2
     if why := unknown_skip(args.skip_impl, impl_names(suite, bool(extra))):
         print(f"error: {why}", file=sys.stderr)

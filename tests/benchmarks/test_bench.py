@@ -367,6 +367,12 @@ def test_cli_errors_and_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--list"]) == 0
     listed = capsys.readouterr().out
     assert "moe-decode" in listed and "host-overhead" in listed
+    # --list with --only lists what a run would take (it listed the whole suite)
+    assert bench.main(["--list", "--only", "moe-decode"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert "moe-decode" in listed and "host-overhead" not in listed
+    assert bench.main(["--list", "--only", "nope"]) == 2
+    assert "unknown shape" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert bench.main([]) == 2  # the full suite needs a GPU
         assert "--smoke" in capsys.readouterr().err
