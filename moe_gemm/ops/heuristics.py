@@ -138,13 +138,13 @@ def _batched_tiles(G: int, M: int, N: int) -> Callable[[int, int], int]:
 
 
 def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int], float],
-               num_sms: int, k_tiles: float, split_ok: int = 0, switch_ok: bool = False
+               num_sms: int, k_tiles: float, shares: int = 0, switch_ok: bool = False
                ) -> tuple[str, tuple[int, int], bool]:
     """(schedule, tile, tail split) where `tile` leaves most SMs idle (tiles(tile_m, tile_n):
     the launch's tile count) and the mainloops are long (more than SHORT_K_TILES k-tiles; a
     short one is bound by its launch and epilogue, where nothing was measured): few routed
     rows (decode on a few experts) or few problems of long K. Then the launch is bound by how
-    many SMs stream the weights, not by the tile's L2 traffic. split_ok: the most CTAs the
+    many SMs stream the weights, not by the tile's L2 traffic. shares: the most CTAs the
     tail split may share a tile over (split_shares: MOE_GEMM_SPLIT_WAYS), 0 where it may not
     be taken (it splits a launch of at most half the grid over K, tail_split.py); switch_ok:
     the schedule may change (not pinned).
@@ -172,7 +172,7 @@ def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int],
     if schedule == "pingpong" and tile in ((64, 256), (64, 128)):
         # (four shares at least: two lost to ping-pong 64x128 on every shape measured; a
         # MOE_GEMM_SPLIT_WAYS cap under four leaves no launch four shares, so no switch)
-        if (split_ok >= 4 and switch_ok and k_tiles >= 4 * SPLIT_PART_K_TILES
+        if (shares >= 4 and switch_ok and k_tiles >= 4 * SPLIT_PART_K_TILES
                 and tiles(128, 64) <= num_sms / 4):
             return "cooperative", (128, 64), True
         # (a wave nearly full stays: 8 x 1x4096x4096, 128 tiles, 65.0 us against 67.2)
@@ -180,7 +180,7 @@ def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int],
             return schedule, (64, 128), False
     elif schedule == "cooperative" and tile[0] == 128 and tile[1] > 64:
         if tiles(*tile) <= num_sms / 2:
-            if split_ok:
+            if shares:
                 return schedule, (128, min(tile[1], 128)), True
             return schedule, (128, 64), False
     return schedule, tile, False
@@ -197,13 +197,13 @@ def _split_allowed(config: GemmConfig, pinned_split: bool = True) -> bool:
 
 def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages: int | None,
                 avg_m: float, n: int, tiles: Callable[[int, int], float], num_sms: int,
-                k_tiles: float, split_ok: int = 0
+                k_tiles: float, shares: int = 0
                 ) -> tuple[str, tuple[int, int], int | None, bool]:
     """The general and batched forms' (schedule, tile, stages, tail split) past
     _general_rules, where the tile count is known: problems of at most 64 rows take
     ping-pong's 64-row tile even on long K (8 x 1x4096x4096: 65.0 us against cooperative
     128x256's 71.8; the varlen rule's 64-row tile, moe-decode 271 against 300), then
-    _fill_grid fills a grid that the tile leaves mostly idle (split_ok: where the form builds
+    _fill_grid fills a grid that the tile leaves mostly idle (shares: where the form builds
     the tail split and the caller allows it, the most CTAs it may share a tile over, else 0).
     A pinned tile or schedule is kept."""
     if config.tile_m is not None:
@@ -212,7 +212,7 @@ def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages
             and k_tiles > SHORT_K_TILES and _fit_schedule("pingpong", config) == "pingpong"):
         schedule, tile, stages = "pingpong", _pick_tile("pingpong", avg_m, n), config.stages
     filled, narrow, split = _fill_grid(schedule, tile, tiles, num_sms, k_tiles,
-                                       split_ok if _split_allowed(config) else 0,
+                                       shares if _split_allowed(config) else 0,
                                        config.schedule == "auto")
     if (filled, narrow) != (schedule, tile):
         # (the rules' stage count is for their tile: the new one takes its default)
@@ -221,17 +221,17 @@ def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages
 
 
 def _filled(config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int,
-            split_ok: int) -> GemmConfig:
+            shares: int) -> GemmConfig:
     """A tile voted by the nearest tuned shapes, fitted to the grid as _fill_grid fits the
     rules' tile: the vote weighs shapes by distance in N, K and rows per expert, which does
     not say how many experts get rows (one routed row on 64 experts lies beside 16 tokens x
     top-8)."""
     return _narrowed(config, lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms,
-                     -(-K // TILE_K), split_ok)
+                     -(-K // TILE_K), shares)
 
 
 def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: int,
-              k_tiles: float, split_ok: int = 0) -> GemmConfig:
+              k_tiles: float, shares: int = 0) -> GemmConfig:
     """A voted config fitted by _fill_grid (tiles: the launch's tile count). The vote's
     stages, whole-tile epilogue and tail split were timed on its tile: a new tile takes what
     the rules give it (default stages, no whole-tile epilogue, the tail split where
@@ -242,7 +242,7 @@ def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: i
         return config
     # (A vote's own tail split was timed for another launch: not a pin here.)
     schedule, narrow, split = _fill_grid(config.schedule, tile, tiles, num_sms, k_tiles,
-                                         split_ok if _split_allowed(config, False) else 0, True)
+                                         shares if _split_allowed(config, False) else 0, True)
     if (schedule, narrow) == (config.schedule, tile):
         return config.replace(tail_split=True) if split and not config.tail_split else config
     try:
@@ -368,7 +368,7 @@ def _choose_general(
                 return sum_m / tm
             return exact(tm, tn)
 
-        # (grouped_gemm's lists have no tail split: split_ok stays off)
+        # (grouped_gemm's lists have no tail split: no shares)
         schedule, tile, stages, _ = _fill_known(config, schedule, tile, stages, avg_m, max_n,
                                                 tiles, num_sms, avg_k_tiles)
     visitor = config.visitor if config.visitor != "auto" else "device"
@@ -513,17 +513,17 @@ def with_peek_wait(choice: KernelChoice) -> KernelChoice:
 
 @functools.lru_cache(maxsize=512)
 def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype,
-                         state, split_ok) -> KernelChoice:
+                         state, shares) -> KernelChoice:
     hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype)
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
             if hit.how != "exact":
-                tuned_config = _filled(tuned_config, T, E, N, K, num_sms, split_ok)
-            return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, split_ok, num_sms)
+                tuned_config = _filled(tuned_config, T, E, N, K, num_sms, shares)
+            return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, shares, num_sms)
         except ValueError as exc:
             _unusable(hit, exc)
-    return _varlen_rules(config, T, E, N, K, out_itemsize, split_ok, num_sms)
+    return _varlen_rules(config, T, E, N, K, out_itemsize, shares, num_sms)
 
 
 def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
@@ -561,7 +561,7 @@ def choice_fields(choice: KernelChoice, form: str) -> dict:
 
 
 def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsize: int,
-                  split_ok: int, num_sms: int) -> KernelChoice:
+                  shares: int, num_sms: int) -> KernelChoice:
     avg_m = T / max(1, E)
     if config.schedule != "auto":
         schedule = config.schedule
@@ -586,7 +586,7 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
         ruled = schedule
         schedule, tile, filled_split = _fill_grid(
             schedule, picked, lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms,
-            -(-K // TILE_K), split_ok if _split_allowed(config) else 0,
+            -(-K // TILE_K), shares if _split_allowed(config) else 0,
             config.schedule == "auto")
         narrowed = (schedule, tile) != (ruled, picked)
     visitor = config.visitor if config.visitor != "auto" else "device"
@@ -639,7 +639,7 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
             _check_tail_split(schedule, visitor, cm, cn)
     return KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, swizzle,
                         cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
-                        tail_split=tail_split and split_ok > 0)
+                        tail_split=tail_split and shares > 0)
 
 
 def with_split_ways(choice: KernelChoice) -> KernelChoice:
@@ -661,7 +661,7 @@ def tail_split_enabled() -> bool:
 
 
 def split_shares() -> int:
-    """The rules' split_ok (a key of their caches): 0 where MOE_GEMM_TAIL_SPLIT=0, else the
+    """The rules' shares (a key of their caches): 0 where MOE_GEMM_TAIL_SPLIT=0, else the
     most CTAs one tail tile may be split over (MOE_GEMM_SPLIT_WAYS, default SPLIT_WAYS), which
     _fill_grid's switch to a split tile counts on."""
     if not tail_split_enabled():
@@ -683,18 +683,18 @@ def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: 
 
 @functools.lru_cache(maxsize=256)
 def _choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize, device, dtype, out_dtype,
-                          state, split_ok) -> KernelChoice:
+                          state, shares) -> KernelChoice:
     hit = _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype)
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
             if hit.how != "exact":
                 tuned_config = _narrowed(tuned_config, _batched_tiles(G, M, N), num_sms,
-                                         -(-K // TILE_K), split_ok)
-            return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, split_ok)
+                                         -(-K // TILE_K), shares)
+            return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, shares)
         except ValueError as exc:
             _unusable(hit, exc)
-    return _choose_batched(config, G, M, N, K, num_sms, out_itemsize, split_ok)
+    return _choose_batched(config, G, M, N, K, num_sms, out_itemsize, shares)
 
 
 def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
@@ -708,12 +708,12 @@ def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned
 
 @functools.lru_cache(maxsize=256)
 def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int,
-                    out_itemsize: int = 2, split_ok: int = SPLIT_WAYS) -> KernelChoice:
+                    out_itemsize: int = 2, shares: int = SPLIT_WAYS) -> KernelChoice:
     schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
     ruled = tile
     schedule, tile, stages, filled_split = _fill_known(
         config, schedule, tile, stages, M, N, _batched_tiles(G, M, N), num_sms,
-        -(-K // TILE_K), split_ok)
+        -(-K // TILE_K), shares)
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
     cm, cn = _cluster_choice(config)
@@ -729,7 +729,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
         _check_tail_split(schedule, "device", cm, cn)
     return KernelChoice(schedule, "device", tile[0], tile[1], stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,
-                        epi_whole=epi_whole, tail_split=tail_split and split_ok > 0)
+                        epi_whole=epi_whole, tail_split=tail_split and shares > 0)
 
 
 def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
