@@ -152,6 +152,11 @@ def check_variants(full: bool):
                            256, 3, tail_split=True))
     keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
                            256, 3, tail_split=True))
+    # grouped_gemm's lists split over their deepest K (each tile's shares divide its own).
+    keys.append(CompileKey("general", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                           128, tail_split=True))
+    keys.append(CompileKey("general", "float16", "float32", "k", "cooperative", "device", 128,
+                           64, tail_split=True))
     keys.append(CompileKey("batched", "float16", "float32", "k", "pingpong", "device", 128, 192))
     # The tile family: every tile beyond 128x{64..256} at least once, in every form, both B
     # majors, 16-bit and fp32 output; the 208-accumulator tiles (24/240 registers); ping-pong

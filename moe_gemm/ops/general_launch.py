@@ -100,7 +100,9 @@ class GeneralShape:
         self.total = sum(self.counts)
         size = choice.cluster_m * choice.cluster_n
         if size == 1:
-            self.num_ctas = max(1, min(nsm, self.total))
+            # (a tail-split launch takes every SM: its last wave's tiles split over the idle
+            # ones; a unit past the split's ends its CTA, so records per CTA stay bounded)
+            self.num_ctas = nsm if choice.tail_split else max(1, min(nsm, self.total))
             self.max_tiles = -(-self.total // self.num_ctas)  # records per CTA, at most
         else:
             # A cluster walks cluster tiles (units): pairs of adjacent tiles of one problem.

@@ -69,7 +69,8 @@ PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
 # What choose_general reads from the environment besides its arguments: a cache above it
 # (general_launch.general_shape) keys on their values, so a changed switch applies to the
 # next call, as it does for grouped_mm.
-GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, *tuned.SWITCHES)
+GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, TAIL_SPLIT_ENV, SPLIT_WAYS_ENV,
+                    *tuned.SWITCHES)
 general_switches = env_reader(GENERAL_SWITCHES)  # () -> their values
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
 # past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)
@@ -253,7 +254,7 @@ def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: i
 
 
 def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
-                    num_sms: int) -> GemmConfig:
+                    num_sms: int, shares: int = 0) -> GemmConfig:
     """_filled for grouped_gemm's lists: the exact tile count (a vote's path only; a set of
     as many problems as SMs fills the grid: no pass over it)."""
     if len(sizes) >= num_sms:
@@ -262,7 +263,7 @@ def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
     if not live or len(live) >= num_sms:
         return config
     return _narrowed(config, _list_tiles(live), num_sms,
-                     sum(-(-k // TILE_K) for _, _, k in live) / len(live))
+                     sum(-(-k // TILE_K) for _, _, k in live) / len(live), shares)
 
 
 def choose_general(
@@ -275,23 +276,24 @@ def choose_general(
     the K-sort cost model (~30 us). device: the GPU's name, for the tuned tables (None:
     rules only); dtype / out_dtype: torch dtype names of the inputs and the output."""
     state = tuned.state() if device else None
-    return with_peek_wait(with_l2_hints(_choose_general_tuned(
-        config, sizes, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state)))
+    return with_split_ways(with_peek_wait(with_l2_hints(_choose_general_tuned(
+        config, sizes, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
+        split_shares()))))
 
 
 @functools.lru_cache(maxsize=256)
 def _choose_general_tuned(config, sizes, num_sms, out_itemsize, device, dtype, out_dtype,
-                          state) -> KernelChoice:
-    hit = _general_hit(config, sizes, num_sms, device, dtype, out_dtype)
+                          state, shares) -> KernelChoice:
+    hit = _general_hit(config, sizes, num_sms, device, dtype, out_dtype, shares)
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
             if hit.how != "exact":
-                tuned_config = _general_filled(tuned_config, sizes, num_sms)
-            return _choose_general(tuned_config, sizes, num_sms, out_itemsize)
+                tuned_config = _general_filled(tuned_config, sizes, num_sms, shares)
+            return _choose_general(tuned_config, sizes, num_sms, out_itemsize, shares)
         except ValueError as exc:
             _unusable(hit, exc)
-    return _choose_general(config, sizes, num_sms, out_itemsize)
+    return _choose_general(config, sizes, num_sms, out_itemsize, shares)
 
 
 def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | None:
@@ -313,13 +315,15 @@ def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | N
                      tuned.rows_bucket(rows / live)), rows
 
 
-def _general_hit(config, sizes, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
+def _general_hit(config, sizes, num_sms, device, dtype, out_dtype,
+                 shares: int | None = None) -> tuned.Hit | None:
     if device is None or config.tuning_pinned or not tuned.has_form(device, "general"):
         return None
     found = _general_key(sizes, dtype, out_dtype)
     if found is None:
         return None
-    rules = _choose_general(config, sizes, num_sms, _ITEMSIZE.get(out_dtype, 2))
+    rules = _choose_general(config, sizes, num_sms, _ITEMSIZE.get(out_dtype, 2),
+                            split_shares() if shares is None else shares)
     return tuned.lookup(device, found[0], found[1], num_sms, choice_fields(rules, "general"))
 
 
@@ -337,16 +341,18 @@ def _unusable(hit: tuned.Hit, exc: Exception) -> None:
 @functools.lru_cache(maxsize=256)
 def _choose_general(
     config: GemmConfig, sizes: tuple[tuple[int, int, int], ...], num_sms: int,
-    out_itemsize: int = 2,
+    out_itemsize: int = 2, shares: int = SPLIT_WAYS,
 ) -> KernelChoice:
     # One pass over the problems (a new problem set every call comes here every call).
-    count = sum_m = sum_k_tiles = 0
+    count = sum_m = sum_k_tiles = max_k_tiles = 0
     max_n = None
     for m, n, k in sizes:
         if m > 0 and n > 0:
             count += 1
             sum_m += m
-            sum_k_tiles += -(-k // TILE_K)
+            k_tiles = -(-k // TILE_K)
+            sum_k_tiles += k_tiles
+            max_k_tiles = k_tiles if k_tiles > max_k_tiles else max_k_tiles
             max_n = n if max_n is None or n > max_n else max_n
     avg_m = sum_m / max(1, count)
     max_n = 128 if max_n is None else max_n
@@ -356,6 +362,7 @@ def _choose_general(
     # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
     avg_k_tiles = sum_k_tiles / max(1, count)
     schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
+    ruled, filled_split = (schedule, tile), False
     if count < num_sms:  # (each live problem has a tile at least: no more can fill the grid)
 
         exact = _list_tiles(sizes)
@@ -368,9 +375,8 @@ def _choose_general(
                 return sum_m / tm
             return exact(tm, tn)
 
-        # (grouped_gemm's lists have no tail split: no shares)
-        schedule, tile, stages, _ = _fill_known(config, schedule, tile, stages, avg_m, max_n,
-                                                tiles, num_sms, avg_k_tiles)
+        schedule, tile, stages, filled_split = _fill_known(
+            config, schedule, tile, stages, avg_m, max_n, tiles, num_sms, avg_k_tiles, shares)
     visitor = config.visitor if config.visitor != "auto" else "device"
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
@@ -386,13 +392,23 @@ def _choose_general(
         sort = sched.should_sort_by_k(sizes, tile[0], tile[1], TILE_K, num_sms)
     else:
         sort = config.sort_by_k
-    if config.tail_split:
-        raise ValueError("tail_split=True is built for grouped_mm (its 2-D and 3-D forms), "
-                         "not for grouped_gemm's lists")
+    if config.tail_split is None:
+        # As grouped_mm's rule (long K, cooperative, 1x1, the tile not narrowed), where the
+        # exact tile count says the kernel will split a last wave (the deepest problem sizes
+        # the split; a shallower tile takes fewer shares, tail_split.py).
+        tail_split = filled_split or (
+            shares > 0 and schedule == "cooperative" and visitor == "device" and cm * cn == 1
+            and (schedule, tile) == ruled and max_k_tiles * TILE_K >= 4096
+            and sched.tail_split_units(sum(sched.tiles_per_problem(sizes, *tile)), num_sms,
+                                       max_k_tiles, shares) is not None)
+    else:
+        tail_split = config.tail_split
+        if tail_split:
+            _check_tail_split(schedule, visitor, cm, cn)
     epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
     swizzle = raster_of(config, 8)
     return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn, swizzle,
-                           epi_whole)
+                           epi_whole, tail_split and shares > 0)
 
 
 # A 1x2 cluster idles the second CTA of a pair wherever a problem has an odd n-tile count (it
@@ -416,12 +432,13 @@ def _pairs_fill(sizes: tuple[tuple[int, int, int], ...], tile_m: int, tile_n: in
 @functools.lru_cache(maxsize=64)
 def _general_choice(schedule: str, visitor: str, tile_m: int, tile_n: int, stages: int | None,
                     sort: bool, cluster_m: int = 1, cluster_n: int = 1, swizzle: int = 8,
-                    epi_whole: bool = False) -> KernelChoice:
+                    epi_whole: bool = False, tail_split: bool = False) -> KernelChoice:
     """One KernelChoice per distinct value: building the frozen dataclass (14 fields, each set
     through object.__setattr__) took ~12 us on the CPU-only dev machine, paid on every new
     problem set."""
     return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, swizzle,
-                        cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole)
+                        cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
+                        tail_split=tail_split)
 
 
 def _pinned_whole_epilogue(config: GemmConfig, schedule: str, out_itemsize: int) -> bool:

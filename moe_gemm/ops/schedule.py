@@ -20,7 +20,7 @@ plain Python/numpy so it runs (and is tested) anywhere:
   `host_precompute_table` builds the per-CTA table of (problem_idx, problem_start_tile) that
   the host visitor uploads (CUTLASS kHostPrecompute). Both must assign identically.
 - `cost_model` gives each CTA's work in k-iterations and the makespan, which decides K-sort.
-- Tail split (cooperative varlen/batched kernels for long K, `tail_split_assignment`): when
+- Tail split (cooperative general/varlen/batched kernels for long K, `tail_split_assignment`): when
   the last wave holds rem <= G/2 tiles, each is split `ways` times (`tail_split_units`): unit
   full+j (full = the tiles of the whole waves) is share j // rem of tile full + j mod rem
   over a share of K; the first ways - 1 shares' CTAs publish fp32 partials and the last
@@ -266,11 +266,13 @@ def tail_split_assignment(
 ) -> Assignment:
     """Per CTA, the (problem, tile_in_problem) whose results it stores, in order, for a
     tail-split kernel (what its trace records). The launch's split (`tail_split_units`) takes
-    the largest k_tiles (the forms with a tail split share one K; the varlen form's zero tail
-    has none); tile i of the
-    last wave is stored by its finisher, CTA (ways - 1) * rem + i; a last-wave tile with fewer
-    than SPLIT_MIN_K_TILES k-tiles (the varlen form's zero tail) is not split and CTA i
-    computes it whole, as without the split."""
+    the largest k_tiles (the varlen and batched forms share one K, the varlen form's zero
+    tail has none); tile i of the last wave, of k k-tiles, takes w = min(ways, k //
+    SPLIT_PART_K_TILES, at least 2) shares (w = ways where every problem has one K; fewer for
+    a general-form problem shallower than the deepest) and is stored by its finisher, CTA
+    (w - 1) * rem + i; a last-wave tile with fewer than SPLIT_MIN_K_TILES k-tiles (the varlen
+    form's zero tail, a general-form problem of short K) is not split and CTA i computes it
+    whole, as without the split."""
     counts = list(tile_counts)
     total = sum(counts)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
@@ -292,7 +294,9 @@ def tail_split_assignment(
             # The last problem starting at or before lin (empty ones share the next's start).
             p = int(np.searchsorted(starts, lin, side="right")) - 1
             whole = k_tiles[p] < SPLIT_MIN_K_TILES
-            if share == 0 or (share == 1 if whole else share == ways):
+            # (a tile's own shares: fewer than the launch's where its K is shallower)
+            tile_ways = min(ways, max(k_tiles[p] // SPLIT_PART_K_TILES, 2))
+            if share == 0 or (share == 1 if whole else share == tile_ways):
                 owners[c].append((p, lin - int(starts[p])))
             t += num_ctas
     return Assignment(tuple(tuple(o) for o in owners))

@@ -184,8 +184,6 @@ def form_problem(cfg: dict, form: str, out_dtype: str | None = None) -> str | No
     """Why a config's options are not built for `form` (and `out_dtype`, where given), or
     None: the rule the tables' lookup and `moe-gemm tune --configs` share (worded as the
     tuner's config names and --form say it)."""
-    if cfg.get("tail_split") and form == "general":
-        return "'ts' is for --form varlen or batched"
     if cfg.get("whole_epilogue") and out_dtype and _ITEMSIZE.get(out_dtype, 2) != 2:
         return "'ew' is for 16-bit output"
     if form != "general" and (cfg.get("visitor") == "host" or cfg.get("sort_by_k")):

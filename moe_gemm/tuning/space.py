@@ -80,7 +80,9 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
     fields: Fields = {"schedule": _NAME_SCHEDULES[words[0]], "visitor": "device",
                       "cluster_m": 1, "cluster_n": 1, "stages": None, "raster_panel": 8,
                       "whole_epilogue": False}
-    fields["sort_by_k" if form == "general" else "tail_split"] = False
+    fields["tail_split"] = False
+    if form == "general":
+        fields["sort_by_k"] = False
     try:
         fields["tile_m"], fields["tile_n"] = (int(v) for v in words[1].split("x"))
         for w in words[2:]:
@@ -119,8 +121,6 @@ def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
     except (TypeError, ValueError):
         return False
     if fields.get("whole_epilogue") and out_itemsize != 2:
-        return False
-    if form == "general" and fields.get("tail_split"):
         return False
     if form != "general" and (fields.get("visitor") == "host" or fields.get("sort_by_k")):
         return False
@@ -169,10 +169,9 @@ def stage1(form: str, out_itemsize: int = 2) -> list[Fields]:
                 fields: Fields = {"schedule": schedule, "visitor": "device", "tile_m": tm,
                                   "tile_n": tn, "cluster_m": cm, "cluster_n": cn,
                                   "stages": None, "raster_panel": 8, "whole_epilogue": False}
+                fields["tail_split"] = False
                 if form == "general":
                     fields["sort_by_k"] = False
-                else:
-                    fields["tail_split"] = False
                 if _buildable(fields, form, out_itemsize):
                     out.append(fields)
     return out
@@ -199,7 +198,7 @@ def stage2(parent: Fields, form: str, out_itemsize: int = 2) -> list[Fields]:
     cluster1 = (parent.get("cluster_m") or 1) * (parent.get("cluster_n") or 1) == 1
     if parent["schedule"] == "cooperative":
         add(whole_epilogue=not parent.get("whole_epilogue"))
-        if form != "general" and cluster1:
+        if cluster1 and parent.get("visitor") != "host":
             add(tail_split=not parent.get("tail_split"))
     if form == "general":
         add(sort_by_k=not parent.get("sort_by_k"))

@@ -174,6 +174,55 @@ def test_tail_split_units_match_schedule(split_fn, total, grid, k_tiles, zero_ta
         assert (role >> ts.TAIL_SHIFT) & ts.TAIL_MASK == tail_i
         assert (role >> ts.SHARE_SHIFT) & ts.SHARE_MASK == p
         assert (role >> ts.WAYS_SHIFT) & ts.WAYS_MASK == ways
+        assert (role >> ts.STRIDE_SHIFT) & ts.STRIDE_MASK == ways
+
+
+@pytest.mark.parametrize("total,grid", [(10, 132), (3, 132), (30, 132), (197, 132), (13, 8)])
+@pytest.mark.parametrize("deepest,tile_k", [(512, 16), (512, 31), (512, 32), (512, 100),
+                                            (512, 511), (512, 15), (256, 0), (64, 48)])
+def test_tail_split_shallower_tile_takes_fewer_shares(split_fn, total, grid, deepest, tile_k):
+    """The general form's launch sizes its ways by the deepest problem: a tail tile of fewer
+    k-tiles takes min(ways, its k_tiles // 16, at least 2) shares, its finisher is the last of
+    them, the shares past them have no work, and the partial slots keep the launch's stride
+    (schedule.tail_split_assignment says the same)."""
+    from moe_gemm.kernels.sm90 import tail_split as ts
+    from moe_gemm.kernels.sm90.constants import SPLIT_PART_K_TILES
+    from moe_gemm.kernels.sm90.tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, ROLE_TILE
+
+    split = sched.tail_split_units(total, grid, deepest)
+    rows = split_fn(total, grid, deepest, tile_k)
+    if split is None:
+        assert all(r[1] == 0 for r in rows[:total])
+        return
+    full, rem, ways = split
+    mine = min(ways, max(tile_k // SPLIT_PART_K_TILES, 2))
+    covered = [0] * tile_k
+    for t in range(full, full + ways * rem):
+        lin, share, problem, kt, k_start, role = rows[t]
+        p = share - 1
+        if tile_k < SPLIT_MIN_K_TILES:
+            want = (7, tile_k, 0, ROLE_TILE) if p == 0 else (-1,)
+            assert (problem, kt, k_start, role)[:len(want)] == want
+            continue
+        if p >= mine:
+            assert problem == -1
+            continue
+        assert problem == 7 and kt >= 1
+        assert role & 3 == (ROLE_FINISH if p == mine - 1 else ROLE_PUBLISH)
+        assert (role >> ts.WAYS_SHIFT) & ts.WAYS_MASK == mine
+        assert (role >> ts.STRIDE_SHIFT) & ts.STRIDE_MASK == ways
+        if (t - full) % rem == 0:  # one tail tile's shares cover its K once
+            for k in range(k_start, k_start + kt):
+                covered[k] += 1
+    if tile_k >= SPLIT_MIN_K_TILES:
+        assert covered == [1] * tile_k
+    # The Python truth, one tile per problem, problem 0 the deepest: the last tail tile
+    # (problem total - 1, tail index rem - 1) is stored by the CTA of its last share.
+    k_list = [deepest] + [tile_k] * (total - 1)
+    owners = sched.tail_split_assignment([1] * total, k_list, grid).per_cta
+    last = rem - 1 if tile_k < SPLIT_MIN_K_TILES else (mine - 1) * rem + rem - 1
+    assert (total - 1, 0) in owners[last]
+    assert sum(len(o) for o in owners) == total
 
 
 def _varlen_rows_probe(cutlass, cute, row_counts: bool):

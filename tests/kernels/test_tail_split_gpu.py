@@ -275,3 +275,79 @@ def test_tail_split_ways_bmm():
     run_batched("tail-split/ways/bmm-2x128x512x16384", 2, 128, 512, 16384, config=cfg)
     info = launch_info.last_launch()
     assert info.choice.tail_split and info.choice.split_ways >= 8
+
+
+# grouped_gemm's lists: the deepest problem sizes the launch's split and each tail tile takes
+# its own shares of its own K (fewer where it is shallower; none under 1024 of K). Few
+# problems of long, different K (the rules' default: 128x128 split), and a mix with an empty
+# problem, a K = 0 one, K off the k-tile, a tile of 24 k-tiles (two shares) and one of short K.
+LIST_CASES = {
+    "long-k": ((256, 1024, 16384), (128, 1024, 16384), (384, 1024, 8192), (64, 2048, 16384)),
+    "mixed-k": ((300, 512, 16384), (0, 512, 8192), (200, 256, 0), (129, 384, 1500),
+                (64, 512, 700), (1, 128, 9000), (257, 256, 4104)),
+}
+
+
+def _list_operands(sizes, dtype, b_layout, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = [rand((m, k), dtype, gen) for m, n, k in sizes]
+    if b_layout == "col":
+        b = [rand((n, k), dtype, gen).t() for m, n, k in sizes]
+    else:
+        b = [rand((k, n), dtype, gen) for m, n, k in sizes]
+    return a, b
+
+
+@pytest.mark.parametrize("case,sort_by_k,dtype,out_dtype,b_layout", [
+    ("long-k", None, torch.bfloat16, None, "row"),
+    ("long-k", True, torch.float16, torch.float32, "col"),
+    ("mixed-k", False, torch.bfloat16, None, "col"),
+    ("mixed-k", True, torch.bfloat16, torch.float32, "row"),
+])
+def test_tail_split_lists(case, sort_by_k, dtype, out_dtype, b_layout):
+    """grouped_gemm with the tail split: every output within the 2x rule (NaN-poisoned outs
+    fully written), run-to-run bitwise, and the stores where schedule.tail_split_assignment
+    puts them (per-problem k-tiles, K-sort undone)."""
+    from moe_gemm.ops.general_launch import grouped_gemm_cute
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.validation import check_grouped_gemm
+
+    sizes = LIST_CASES[case]
+    if case == "long-k":
+        cfg = GemmConfig(backend="cute", sort_by_k=sort_by_k)  # the rules' own choice
+    else:
+        cfg = GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=128,
+                         cluster_m=1, cluster_n=1, tail_split=True, sort_by_k=sort_by_k)
+    a, b = _list_operands(sizes, dtype, b_layout, 29)
+    odt = out_dtype or dtype
+    name = f"tail-split/lists/{case}/sort={sort_by_k}/{dtype}/{out_dtype}/{b_layout}"
+    out = [torch.full((m, n), float("nan"), dtype=odt, device="cuda") for m, n, k in sizes]
+    res = moe_gemm.grouped_gemm(a, b, out=out, config=cfg)
+    torch.cuda.synchronize()
+    info = last_launch()
+    assert info.choice.tail_split and info.choice.schedule == "cooperative"
+    for i, (ai, bi) in enumerate(zip(a, b)):
+        ref = ai.float() @ bi.float()
+        low = (ai @ bi).to(odt) if ai.shape[1] else torch.zeros_like(ref).to(odt)
+        check(f"{name}[{i}]", res[i], ref, low, size=sizes[i])
+    again = moe_gemm.grouped_gemm(a, b, config=cfg, out_dtype=out_dtype)
+    same = all(torch.equal(x, y) for x, y in zip(again, res))
+    record(f"{name}/run-to-run-bitwise", same)
+    assert same
+    grouped_gemm_cute(check_grouped_gemm(a, b, None, out_dtype), cfg, trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    ch = info.choice
+    order = list(info.order)
+    ordered = [sizes[i] for i in order]
+    tiles = sched.tiles_per_problem(ordered, ch.tile_m, ch.tile_n)
+    k_tiles = [-(-k // 64) for _, _, k in ordered]
+    split = sched.tail_split_units(sum(tiles), info.num_ctas, max(k_tiles), ch.split_ways)
+    assert split is not None, "the case was meant to split its last wave"
+    owners = sched.tail_split_assignment(tiles, k_tiles, info.num_ctas, ch.split_ways).per_cta
+    want = [[(order[p], *sched.tile_coord(local, -(-ordered[p][0] // ch.tile_m),
+                                          -(-ordered[p][1] // ch.tile_n), ch.swizzle))
+             for p, local in cta] for cta in owners]
+    ok = trace_assignment(info) == want
+    record(f"{name}/visits", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule.tail_split_assignment"

@@ -369,6 +369,24 @@ def _tail_split_tests(v: Variants) -> None:
     for G, M, N in TAIL_SPLIT_BMM_SHAPES:
         v.batched(G, M, N, h.TS_K, _cfg(schedule="cooperative"), tail_split=True, cluster_m=1,
                   cluster_n=1)
+    _tail_split_list_tests(v)
+
+
+def _tail_split_list_tests(v: Variants) -> None:
+    """test_tail_split_lists: each case's launch and its trace launch."""
+    from .test_tail_split_gpu import LIST_CASES
+
+    cases = (("long-k", None, BF16, None, "row"), ("long-k", True, FP16, FP32, "col"),
+             ("mixed-k", False, BF16, None, "col"), ("mixed-k", True, BF16, FP32, "row"))
+    for case, sort, dt, out_dtype, layout in cases:
+        if case == "long-k":
+            cfg = _cfg(sort_by_k=sort)
+        else:
+            cfg = _cfg(schedule="cooperative", tile_m=128, tile_n=128, cluster_m=1,
+                       cluster_n=1, tail_split=True, sort_by_k=sort)
+        for trace in (False, True):
+            v.general(LIST_CASES[case], cfg, dt, out_dtype, b_major=_major(layout),
+                      trace=trace)
 
 
 def _trace_tests(v: Variants) -> None:

@@ -4,7 +4,7 @@ import pytest
 
 from moe_gemm import GemmConfig
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES
-from moe_gemm.kernels.sm90.constants import TILE_K
+from moe_gemm.kernels.sm90.constants import SPLIT_WAYS, TILE_K
 from moe_gemm.ops import heuristics
 from moe_gemm.ops.heuristics import (
     SHORT_K_TILES,
@@ -236,8 +236,9 @@ def test_trimmed_a_only_in_the_varlen_compile_key():
 
 
 def test_batched_and_general_long_k_on_few_tiles_fill_the_grid():
-    # 8 x 128x512x32768: 16 tiles of 128x256 on 132 SMs; 4 x 256x1024x16384: 32. The 3-D
-    # form splits 128x128 tiles over K; grouped_gemm's lists (no tail split) narrow to 128x64.
+    # 8 x 128x512x32768: 16 tiles of 128x256 on 132 SMs; 4 x 256x1024x16384: 32. Both
+    # forms split 128x128 tiles over K (the lists over their deepest K); without the split
+    # they narrow to 128x64.
     for G, M, N, K in ((8, 128, 512, 32768), (4, 256, 1024, 16384)):
         c = choose_batched(GemmConfig(), G, M, N, K, 132)
         assert _sched_tile(c) == ("cooperative", (128, 128)) and c.tail_split
@@ -245,15 +246,44 @@ def test_batched_and_general_long_k_on_few_tiles_fill_the_grid():
         c = choose_batched(GemmConfig(tail_split=False), G, M, N, K, 132)
         assert _sched_tile(c) == ("cooperative", (128, 64)) and not c.tail_split
     lists = ((256, 1024, 16384), (128, 1024, 16384), (384, 1024, 8192), (64, 2048, 16384))
-    assert _sched_tile(choose_general(GemmConfig(), lists, 132)) == ("cooperative", (128, 64))
+    c = choose_general(GemmConfig(), lists, 132)
+    assert _sched_tile(c) == ("cooperative", (128, 128)) and c.tail_split
+    c = choose_general(GemmConfig(tail_split=False), lists, 132)
+    assert _sched_tile(c) == ("cooperative", (128, 64)) and not c.tail_split
+    c = choose_general(GemmConfig(visitor="host"), lists, 132)  # (built for the device one)
+    assert _sched_tile(c) == ("cooperative", (128, 64)) and not c.tail_split
     # A grid they fill keeps the rules' tile: the uniform headline, 256 x 128x512x7168.
     c = choose_batched(GemmConfig(), 256, 128, 512, 7168, 132)
     assert _sched_tile(c) == ("cooperative", (128, 256)) and (c.cluster_n, c.stages) == (2, 3)
-    assert _sched_tile(choose_general(GemmConfig(), ((128, 512, 7168),) * 256, 132)) == (
-        "cooperative", (128, 256))
+    c = choose_general(GemmConfig(), ((128, 512, 7168),) * 256, 132)
+    assert _sched_tile(c) == ("cooperative", (128, 256)) and (c.cluster_n, c.tail_split) == (
+        2, False)
     # Pinned tiles and schedules are kept.
     pinned = choose_batched(GemmConfig(tile_m=128, tile_n=256), 8, 128, 512, 32768, 132)
     assert (pinned.tile_m, pinned.tile_n) == (128, 256)
+
+
+def test_general_long_k_splits_a_short_last_wave_as_grouped_mm_does(monkeypatch):
+    # 6 x 1024x768x8192 on 132 SMs: 144 tiles of 128x256 (odd n-tile count: no 1x2 pairs),
+    # a last wave of 12 split over K, as grouped_mm's rule splits a long-K cooperative launch.
+    sizes = ((1024, 768, 8192),) * 6
+    c = choose_general(GemmConfig(), sizes, 132)
+    assert _sched_tile(c) == ("cooperative", (128, 256)) and c.tail_split
+    assert (c.cluster_m, c.cluster_n, c.visitor) == (1, 1, "device")
+    # A last wave over half the grid is not split (the kernel would not split it).
+    assert not choose_general(GemmConfig(), ((1024, 768, 8192),) * 10, 132).tail_split
+    # Short K is not split, nor is anything with the switch off, pinned or not.
+    assert not choose_general(GemmConfig(), ((1024, 768, 2048),) * 6, 132).tail_split
+    monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")
+    assert not choose_general(GemmConfig(), sizes, 132).tail_split
+    assert not choose_general(GemmConfig(tail_split=True), sizes, 132).tail_split
+
+
+def test_general_split_ways_cap_applies(monkeypatch):
+    lists = ((256, 1024, 16384), (128, 1024, 16384))
+    assert choose_general(GemmConfig(), lists, 132).split_ways == SPLIT_WAYS
+    monkeypatch.setenv("MOE_GEMM_SPLIT_WAYS", "3")
+    assert choose_general(GemmConfig(), lists, 132).split_ways == 3
 
 
 def test_batched_rows_of_at_most_64_take_a_pingpong_tile_on_long_k():

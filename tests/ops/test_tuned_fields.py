@@ -79,8 +79,10 @@ def test_pinned_fields_refused_with_the_reason():
         GemmConfig(tile_m=64, tile_n=256, tail_split=True)  # (named when the config is made)
     with pytest.raises(ValueError, match="16-bit"):
         choose_varlen(GemmConfig(whole_epilogue=True), *MIX, out_itemsize=4)
-    with pytest.raises(ValueError, match="grouped_mm"):
-        choose_general(GemmConfig(tail_split=True), ((256, 512, 4096),) * 4, 132)
+    # The lists take a pinned split, but not with the host visitor the config also pins.
+    assert choose_general(GemmConfig(tail_split=True), ((256, 512, 4096),) * 4, 132).tail_split
+    with pytest.raises(ValueError, match="device visitor"):
+        GemmConfig(tail_split=True, visitor="host")
     # A cluster pinned beside tail_split is caught by GemmConfig already; a cluster the rules
     # pick (1x2 for the batched headline) with a pinned tail split is refused here.
     with pytest.raises(ValueError, match="1x1 cluster"):

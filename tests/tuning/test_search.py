@@ -71,7 +71,7 @@ def test_stage2_varies_one_field_and_only_what_builds():
     assert space.name_of(rv) == "coop 128x256 p8ns"
     assert space.config_of(rv).raster_along == "n" and space.config_of(rv).raster_serpentine
     # A clustered parent never gets a tail split; ping-pong never a whole epilogue; fp32
-    # output never a whole epilogue; general lists get visitor and K-sort instead.
+    # output never a whole epilogue; general lists get visitor and K-sort besides.
     clustered = {**parent, "cluster_m": 2}
     assert not any(v.get("tail_split") for v in space.stage2(clustered, "varlen"))
     pp = next(f for f in space.stage1("varlen") if f["schedule"] == "pingpong")
@@ -80,7 +80,10 @@ def test_stage2_varies_one_field_and_only_what_builds():
     gen_parent = next(f for f in space.stage1("general") if f["schedule"] == "cooperative")
     changed = {next(iter(d)) if isinstance(d := _changed(gen_parent, v), set) else d
                for v in space.stage2(gen_parent, "general")}
-    assert {"sort_by_k", "visitor"} <= changed and "tail_split" not in changed
+    assert {"sort_by_k", "visitor", "tail_split"} <= changed
+    # (the tail split is built for the device visitor only: a host-visitor parent has none)
+    host_parent = {**gen_parent, "visitor": "host"}
+    assert not any(v.get("tail_split") for v in space.stage2(host_parent, "general"))
 
 
 def test_no_candidate_pins_more_stages_than_shared_memory_holds():

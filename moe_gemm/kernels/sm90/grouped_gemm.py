@@ -47,7 +47,7 @@ Warp roles (384 threads = 3 warpgroups):
   computes, but stores nothing.
 
 Tail split (compile-time `tail_split`, `split_ways`; cooperative, device visitor, 1x1
-cluster, varlen and batched forms; tail_split.py): a last wave that fills at most half the
+cluster, general, varlen and batched forms; tail_split.py): a last wave that fills at most half the
 grid runs each tile as up to `split_ways` shares of K on as many CTAs, joined through fp32
 workspace slots.
 
@@ -324,9 +324,9 @@ class GroupedGemmSm90:
             raise ValueError(f"split_ways must be 2 to 16; got {split_ways!r}")
         self.split_ways = split_ways
         if tail_split and (schedule != "cooperative" or visitor != "device"
-                           or self.cluster_size > 1 or form in ("general", "masked")):
-            raise ValueError("the tail split is built for the varlen and batched forms, "
-                             "cooperative schedule, device visitor and 1x1 cluster")
+                           or self.cluster_size > 1 or form == "masked"):
+            raise ValueError("the tail split is built for the general, varlen and batched "
+                             "forms, cooperative schedule, device visitor and 1x1 cluster")
         self.tail_split = tail_split
         # Row counts (varlen form): offs holds each expert's row count and expert p's rows
         # start at p * (T / E), the masked layout seen as one (E * M, K) x (problems.py).

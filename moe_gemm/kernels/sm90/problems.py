@@ -119,6 +119,11 @@ class Problems:
             count = ceil_div_i32(rows, unit_m) * ceil_div_i32(cols, unit_n)
         return count
 
+    def split_depth(self, lane: Int32) -> Int32:
+        """The K the tail split sizes its shares by (tail_split.TailSplit.plan): the forms
+        whose problems share one K answer it (`common_depth`); the general form overrides."""
+        return self.common_depth()
+
     def load_desc(self, desc_base: Int64, which: int):
         """The tma_desc_ptr of a load (0: A, 1: B): None = the launch-time descriptor."""
         return None
@@ -164,6 +169,24 @@ class GeneralProblems(Problems):
     def dims(self, p: Int32) -> tuple[Int32, Int32, Int32, Int32]:
         """(rows, cols, depth, row_start) of problem p (p must be a valid problem)."""
         return self.meta32[p, 12], self.meta32[p, 13], self.meta32[p, 14], Int32(0)
+
+    @cute.jit
+    def split_depth(self, lane: Int32) -> Int32:
+        """The deepest problem's K, reduced by the warp: the split's ways are sized by it and
+        each tile's shares divide its own K (a tile of fewer than SPLIT_MIN_K_TILES k-tiles,
+        a K = 0 problem's among them, is not split; ways <= SPLIT_MIN_K_TILES, so every
+        share of a split tile has a k-tile)."""
+        deepest = Int32(0)
+        p0 = Int32(0)
+        while p0 < self.num_problems:
+            depth = Int32(0)
+            if p0 + lane < self.num_problems:
+                depth = self.meta32[p0 + lane, 14]
+            for step in cutlass.range_constexpr(5):
+                depth = cutlass.max(depth, cute.arch.shuffle_sync_bfly(depth, offset=1 << step))
+            deepest = cutlass.max(deepest, depth)
+            p0 = p0 + 32
+        return deepest
 
     @cute.jit
     def write_descs(self, address: Int64, p: Int32, rows_: Int32, row_start: Int32,

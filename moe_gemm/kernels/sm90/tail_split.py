@@ -2,17 +2,19 @@
 
 Scheduler side (`plan`, `unit`, `split_k`): with T tiles on `grid` CTAs the last wave holds
 rem = T mod grid tiles. When 2 * rem <= grid, each of them is split `ways` times, ways =
-min(grid // rem, the kernel's split_ways, k_tiles // SPLIT_PART_K_TILES (at least 2)): unit
-j of the last wave (linear index full + j, full = T - rem, j < ways * rem) is share
-p = j // rem of tail tile i = j mod rem, over k-tiles [k * p / ways, k * (p + 1) / ways).
-Shares 0 .. ways - 2 publish an fp32 partial; share ways - 1 (the finisher) adds them and
-stores the tile. The finisher has the highest index, so every publisher is launched before
+min(grid // rem, the kernel's split_ways, k_tiles // SPLIT_PART_K_TILES (at least 2); k_tiles
+of the deepest problem): unit j of the last wave (linear index full + j, full = T - rem,
+j < ways * rem) is share p = j // rem of tail tile i = j mod rem. A tile of k k-tiles takes
+w = min(ways, k // SPLIT_PART_K_TILES, at least 2) shares (w = ways where every problem has
+one K), share p over k-tiles [k * p / w, k * (p + 1) / w); shares 0 .. w - 2 publish an fp32
+partial, share w - 1 (the finisher) adds them and stores the tile, shares past w have no
+work. The finisher has the highest index, so every publisher is launched before
 it: a finisher never waits on a CTA that is not yet resident. A tile shorter than
-SPLIT_MIN_K_TILES (the varlen form's zero tail) is not split: share 0's CTA computes it whole
-and the other shares have nothing to do.
+SPLIT_MIN_K_TILES (the varlen form's zero tail, a general-form problem of short K) is not
+split: share 0's CTA computes it whole and the other shares have nothing to do.
 
 Math side (`publish`, `absorb`): a publisher writes its fp32 accumulators to its workspace
-slot and bumps the tile's counter (release); the finisher waits for ways - 1 on the counter
+slot and bumps the tile's counter (release); the finisher waits for w - 1 on the counter
 (acquire), adds the partials into its own accumulators in share order (the sum does not
 depend on timing), stores the tile and resets the counter to 0 for the next launch.
 `moe_gemm.ops.schedule.tail_split_assignment` is the Python truth.
@@ -38,10 +40,11 @@ from .tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, WorkTile
 
 BAR_SPLIT = 6  # named barrier: both math warpgroups, around the partial-tile handoff
 
-# WorkTile.role above its 2 kind bits: the tail tile (its counter), the share and the ways.
-# (rem <= SPLIT_MAX_CTAS / 2 = 128 tail tiles, ways <= 16.)
-TAIL_SHIFT, SHARE_SHIFT, WAYS_SHIFT = 2, 12, 20
-TAIL_MASK, SHARE_MASK, WAYS_MASK = 0x3FF, 0xFF, 0xFF
+# WorkTile.role above its 2 kind bits: the tail tile (its counter), the share, the tile's
+# ways (how many shares its finisher waits for) and the launch's (the stride of the tail
+# tiles' partial slots). (rem <= SPLIT_MAX_CTAS / 2 = 128 tail tiles, ways <= 16.)
+TAIL_SHIFT, SHARE_SHIFT, WAYS_SHIFT, STRIDE_SHIFT = 2, 10, 15, 20
+TAIL_MASK, SHARE_MASK, WAYS_MASK, STRIDE_MASK = 0xFF, 0x1F, 0x1F, 0x1F
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,9 +57,9 @@ class SplitPlan:
     ways: Int32  # CTAs per last-wave tile (1: not split)
 
 
-def split_role(kind: int, tail_i: Int32, share: Int32, ways: Int32) -> Int32:
+def split_role(kind: int, tail_i: Int32, share: Int32, ways: Int32, stride: Int32) -> Int32:
     return Int32(kind) | (tail_i << TAIL_SHIFT) | (share << SHARE_SHIFT) | (
-        ways << WAYS_SHIFT)
+        ways << WAYS_SHIFT) | (stride << STRIDE_SHIFT)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +72,8 @@ class TailSplit:
 
     @cute.jit
     def plan(self, total: Int32, grid: Int32, k_tiles: Int32) -> SplitPlan:
-        """k_tiles: every problem's k-iterations (the forms with a tail split share one K)."""
+        """k_tiles: the deepest problem's k-iterations (Problems.split_depth: the varlen and
+        batched forms share one K; in the general form each tile's shares divide its own)."""
         full = (total // grid) * grid
         rem = total - full
         ways = Int32(1)
@@ -107,24 +111,30 @@ class TailSplit:
     @cute.jit
     def split_k(self, work: WorkTile, share: Int32, tail_i: Int32, plan: SplitPlan
                 ) -> WorkTile:
-        """The unit's share of K and role (a tile too short to split: the first share's CTA
-        computes it whole and the other shares' records end their work)."""
+        """The unit's share of K and role. The tile takes min(the launch's ways, its own
+        k_tiles // SPLIT_PART_K_TILES, at least 2) shares (the same as the launch's where
+        every problem has one K; in the general form a shallower tile takes fewer, each
+        share keeping ~1024 of K): a share past them, or past the first of a tile too short
+        to split (whose first share's CTA computes it whole), ends its CTA's work."""
         problem = work.problem
         k_tiles = work.k_tiles
         k_start = work.k_start
         role = work.role
         if share != 0:
-            ways = plan.ways
+            p = share - 1
+            ways = cutlass.min(plan.ways, cutlass.max(k_tiles // SPLIT_PART_K_TILES, Int32(2)))
             if k_tiles >= SPLIT_MIN_K_TILES:
-                p = share - 1
-                lo = k_tiles * p // cutlass.max(ways, Int32(1))
-                hi = k_tiles * (p + 1) // cutlass.max(ways, Int32(1))
-                k_start = lo
-                k_tiles = hi - lo
-                if share == ways:
-                    role = split_role(ROLE_FINISH, tail_i, p, ways)
+                if p < ways:
+                    lo = k_tiles * p // cutlass.max(ways, Int32(1))
+                    hi = k_tiles * (p + 1) // cutlass.max(ways, Int32(1))
+                    k_start = lo
+                    k_tiles = hi - lo
+                    if share == ways:
+                        role = split_role(ROLE_FINISH, tail_i, p, ways, plan.ways)
+                    else:
+                        role = split_role(ROLE_PUBLISH, tail_i, p, ways, plan.ways)
                 else:
-                    role = split_role(ROLE_PUBLISH, tail_i, p, ways)
+                    problem = Int32(-1)
             elif share != 1:
                 problem = Int32(-1)
         return WorkTile(problem, work.m_tile, work.n_tile, k_tiles, work.row_start, role,
@@ -134,9 +144,9 @@ class TailSplit:
 
     @cute.jit
     def _fields(self, role: Int32):
-        """(tail tile, share, ways) of a split unit's role."""
+        """(tail tile, share, the tile's ways, the launch's ways) of a split unit's role."""
         return ((role >> TAIL_SHIFT) & TAIL_MASK, (role >> SHARE_SHIFT) & SHARE_MASK,
-                (role >> WAYS_SHIFT) & WAYS_MASK)
+                (role >> WAYS_SHIFT) & WAYS_MASK, (role >> STRIDE_SHIFT) & STRIDE_MASK)
 
     @cute.jit
     def _counter(self, workspace: cute.Tensor, tail_i: Int32):
@@ -166,10 +176,10 @@ class TailSplit:
     @cute.jit
     def publish(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32):
         """A publishing share: fp32 accumulators to its slot (tail tile i's shares take slots
-        i * (ways - 1) + share), then counter += 1 (release: every math thread's stores are
-        fenced and joined at a barrier first)."""
-        tail_i, share, ways = self._fields(role)
-        part = self._partial_tensor(acc, workspace, tail_i * (ways - 1) + share)
+        i * (the launch's ways - 1) + share), then counter += 1 (release: every math thread's
+        stores are fenced and joined at a barrier first)."""
+        tail_i, share, _, stride = self._fields(role)
+        part = self._partial_tensor(acc, workspace, tail_i * (stride - 1) + share)
         for i in cutlass.range_constexpr(cute.size(acc)):
             part[i, mma_tidx] = acc[i]
         cute.arch.fence_acq_rel_gpu()
@@ -182,7 +192,7 @@ class TailSplit:
     def absorb(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32):
         """The finishing share: wait until all ways - 1 publishers counted (acquire), add
         their partials into acc in share order, reset the counter to 0 for the next launch."""
-        tail_i, _, ways = self._fields(role)
+        tail_i, _, ways, stride = self._fields(role)
         counter = self._counter(workspace, tail_i)
         if mma_tidx == 0:
             seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
@@ -191,7 +201,7 @@ class TailSplit:
         cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.cfg.threads_per_wg)
         cute.arch.fence_acq_rel_gpu()
         for q in cutlass.range(ways - 1):
-            part = self._partial_tensor(acc, workspace, tail_i * (ways - 1) + q)
+            part = self._partial_tensor(acc, workspace, tail_i * (stride - 1) + q)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = acc[i] + part[i, mma_tidx]
         if mma_tidx == 0:

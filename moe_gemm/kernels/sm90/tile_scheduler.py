@@ -269,7 +269,7 @@ class TileScheduler:
         plan = None
         if const_expr(self.tail is not None):
             plan = self.tail.plan(self.count_all(lane), grid,
-                                  ceil_div_i32(problems.common_depth(), cfg.tile_k))
+                                  ceil_div_i32(problems.split_depth(lane), cfg.tile_k))
         while working:
             lin = t  # the linear tile this record computes (all of it, or a share of its K)
             share = Int32(0)  # tail split: 0 whole tile, s >= 1 share s - 1 of tail tile tail_i
