@@ -172,10 +172,15 @@ def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int],
         return schedule, tile, False
     if schedule == "pingpong" and tile in ((64, 256), (64, 128)):
         # (four shares at least: two lost to ping-pong 64x128 on every shape measured; a
-        # MOE_GEMM_SPLIT_WAYS cap under four leaves no launch four shares, so no switch)
-        if (shares >= 4 and switch_ok and k_tiles >= 4 * SPLIT_PART_K_TILES
-                and tiles(128, 64) <= num_sms / 4):
-            return "cooperative", (128, 64), True
+        # MOE_GEMM_SPLIT_WAYS cap under four leaves no launch four shares, so no switch.
+        # 128x64 first: at one routed row its four shares beat 128x128's seven, whose
+        # finisher adds six 64 KiB partials; 128x128 where only its tiles get four, on the
+        # mainloops where that was measured, K >= 16384)
+        if shares >= 4 and switch_ok and k_tiles >= 4 * SPLIT_PART_K_TILES:
+            if tiles(128, 64) <= num_sms / 4:
+                return "cooperative", (128, 64), True
+            if k_tiles >= 16 * SPLIT_PART_K_TILES and tiles(128, 128) <= num_sms / 4:
+                return "cooperative", (128, 128), True
         # (a wave nearly full stays: 8 x 1x4096x4096, 128 tiles, 65.0 us against 67.2)
         if tile == (64, 256) and tiles(*tile) <= num_sms * 7 / 8:
             return schedule, (64, 128), False
@@ -570,9 +575,8 @@ def choice_fields(choice: KernelChoice, form: str) -> dict:
         fields["raster_along"] = along
     if serpentine:
         fields["raster_serpentine"] = True
-    if form != "general":
-        fields["tail_split"] = choice.tail_split
-    else:
+    fields["tail_split"] = choice.tail_split
+    if form == "general":
         fields["sort_by_k"] = choice.sort_by_k
     return fields
 

@@ -279,6 +279,23 @@ def test_general_long_k_splits_a_short_last_wave_as_grouped_mm_does(monkeypatch)
     assert not choose_general(GemmConfig(tail_split=True), sizes, 132).tail_split
 
 
+def test_few_rows_on_very_long_k_take_a_split_128x128_where_128x64_gets_two_shares():
+    # Problems of at most 64 rows take ping-pong's 64-row tile; where 128x64 tiles would get
+    # only two shares but 128x128 ones four, on K >= 16384, cooperative 128x128 split (H200,
+    # lists: 4 x 64x1024x16384 62.3 us against ping-pong 64x128's 69.7, 8 x 16x512x32768
+    # 98.3 / 129.6, 2 x 32x2048x16384 64.3 / 67.8); at one routed row 128x64 keeps it.
+    for sizes in (((64, 1024, 16384),) * 4, ((16, 512, 32768),) * 8, ((32, 2048, 16384),) * 2):
+        c = choose_general(GemmConfig(), sizes, 132)
+        assert (*_sched_tile(c), c.tail_split) == ("cooperative", (128, 128), True), sizes
+    c = choose_batched(GemmConfig(), 4, 64, 1024, 16384, 132)
+    assert (*_sched_tile(c), c.tail_split) == ("cooperative", (128, 128), True)
+    # Shorter K (not measured there) keeps the ping-pong tile.
+    c = choose_batched(GemmConfig(), 8, 64, 512, 7168, 132)
+    assert (*_sched_tile(c), c.tail_split) == ("pingpong", (64, 128), False)
+    c = choose_varlen(GemmConfig(), 1, 64, 2048, 7168, 132)
+    assert (*_sched_tile(c), c.tail_split) == ("cooperative", (128, 64), True)
+
+
 def test_general_split_ways_cap_applies(monkeypatch):
     lists = ((256, 1024, 16384), (128, 1024, 16384))
     assert choose_general(GemmConfig(), lists, 132).split_ways == SPLIT_WAYS
