@@ -24,6 +24,7 @@ FP8 peer.
 The default subset (DEFAULT_MODELS x both projections x DEFAULT_TOKENS) fits about nine
 minutes on an H100 with --budget-s 480; --budget-s stops before a case that would not fit and
 lists the rest under "not_run"; --resume FILE adds the missing cases of an earlier run's JSON
+on the same device with the same settings (seed, routing, reps: those --merge compares)
 (--rerun: measures the selected cases again, replacing theirs). On a machine of several GPUs,
 `--shard I/N` (one process per GPU, CUDA_VISIBLE_DEVICES=I, each with its own --out) splits
 the cases, and `--merge FILE --merge FILE ...` joins the shards' JSON (or puts a rerun of some
@@ -286,23 +287,27 @@ def use_quack_cache(path: str) -> str | None:
     return None
 
 
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's "settings" (args.reps resolved): what --merge and --resume compare."""
+    return {"dtype": FP8 if args.fp8 else "bf16",
+            "reps": args.reps, "seed": args.seed, "smoke": args.smoke,
+            "budget_s": args.budget_s, "quack_tuned": args.quack_tuned,
+            "quack_autotune_cache": bool(getattr(args, "quack_cache", None)),
+            # "drawn in arrays" tells these counts from those of the token-by-token draw
+            # before it (the same law, other counts for a seed): zoo_report refuses to merge
+            # runs of the two, and --resume to extend one with the other.
+            "routing": f"moe_gemm.tuning.zoo.topk_counts: top-k distinct experts per "
+            f"token, log-normal popularity sigma={models.ROUTING_SIGMA}, top-k > 1 "
+            "drawn in arrays",
+            "timing": "ms: back-to-back median of interleaved rounds (GPU time, "
+            "host enqueue hidden); ms_single: per-launch events median"}
+
+
 def new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     name, info, _ = device_info(device)
     return {
         "device": name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "complete": False, "device_info": info, "argv": argv,
-        "settings": {"dtype": FP8 if args.fp8 else "bf16",
-                     "reps": args.reps, "seed": args.seed, "smoke": args.smoke,
-                     "budget_s": args.budget_s, "quack_tuned": args.quack_tuned,
-                     "quack_autotune_cache": bool(getattr(args, "quack_cache", None)),
-                     # "drawn in arrays" tells these counts from those of the token-by-token
-                     # draw before it (the same law, other counts for a seed): zoo_report
-                     # refuses to merge runs of the two.
-                     "routing": f"moe_gemm.tuning.zoo.topk_counts: top-k distinct experts per "
-                     f"token, log-normal popularity sigma={models.ROUTING_SIGMA}, top-k > 1 "
-                     "drawn in arrays",
-                     "timing": "ms: back-to-back median of interleaved rounds (GPU time, "
-                     "host enqueue hidden); ms_single: per-launch events median"},
+        "complete": False, "device_info": info, "argv": argv, "settings": run_settings(args),
         "ceilings": {}, "runs": [], "cases": {}, "results": [], "not_run": [], "not_rerun": [],
     }
 
@@ -317,13 +322,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
     doc = new_doc(device, args, argv)
     if args.resume:
         old = read_resume(args.resume)
-        if old.get("device") != doc["device"]:
-            raise ValueError(f"--resume {args.resume} was measured on {old.get('device')}, "
-                             f"this is {doc['device']}")
-        old_dtype = (old.get("settings") or {}).get("dtype", "bf16")
-        if old_dtype != doc["settings"]["dtype"]:
-            raise ValueError(f"--resume {args.resume} is a {old_dtype} run, this is "
-                             f"{doc['settings']['dtype']}")
+        check_resume(args.resume, old, doc["settings"], doc["device"])
         done = {c for c, info in old.get("cases", {}).items() if info.get("complete")}
         # Kept until measured again: with --rerun a case that the budget leaves out keeps
         # FILE's measurement (listed under "not_rerun"), it is never lost.
@@ -401,6 +400,25 @@ def read_resume(path: str) -> dict[str, Any]:
         raise ValueError(f"--resume {path}: not JSON ({exc})") from None
     zoo_report.check_run(f"--resume {path}", old)
     return old
+
+
+def check_resume(path: str, old: dict[str, Any], ours: dict[str, Any],
+                 device: str | None = None) -> None:
+    """ValueError unless --resume FILE's run `old` is one this run (its settings `ours`, on
+    `device` when known) may add cases to: the same device and the settings --merge requires
+    alike (zoo_report.SAME_SETTINGS). Only device and dtype were checked, so a run of another
+    seed or routing draw was extended with cases of other counts and data, and the mixed
+    table read as one run."""
+    if device is not None and old.get("device") != device:
+        raise ValueError(f"--resume {path} was measured on {old.get('device')}, "
+                         f"this is {device}")
+    # (runs from before --fp8 carry no dtype: they are bf16 runs)
+    theirs = {"dtype": "bf16", **(old.get("settings") or {})}
+    if theirs["dtype"] != ours["dtype"]:
+        raise ValueError(f"--resume {path} is a {theirs['dtype']} run, this is {ours['dtype']}")
+    if diff := [k for k in zoo_report.SAME_SETTINGS if theirs.get(k) != ours.get(k)]:
+        said = "; ".join(f"{k} {theirs.get(k)!r} (this run: {ours.get(k)!r})" for k in diff)
+        raise ValueError(f"--resume {path} was run with other settings: {said}")
 
 
 def _leave(doc: dict[str, Any], cases: list) -> None:
@@ -585,7 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build_cases(args.models, args.tokens, proj, args.seed, True, args.fp8)
         if args.resume:
-            read_resume(args.resume)
+            old = read_resume(args.resume)
+            if args.gpus != 1:  # (else each shard refuses it: one error, not N; they and a
+                # one-GPU run check the device, known only there)
+                check_resume(args.resume, old, run_settings(args))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from moe_gemm.env import LIBRARY_VARIABLES, EnvError, refusal, variables_set
+from moe_gemm.env import LIBRARY_VARIABLES, EnvError, refused_variables, variables_set
 
 
 def _version(dist: str) -> str:
@@ -44,7 +44,7 @@ def info_dict() -> dict[str, object]:
         )
     env = {k: v for k, v in variables_set().items() if k in LIBRARY_VARIABLES}
     # Each value judged by the parser the library reads it with: what a call would refuse.
-    refused = {k: why for k, v in env.items() if (why := refusal(k, v)) is not None}
+    refused = refused_variables()
     try:
         problem = cute_problem()
     except EnvError:  # MOE_GEMM_DISABLE_CUTE refused (in `refused`): every op raises
@@ -482,13 +482,27 @@ def main(argv: list[str] | None = None) -> int:
         return SIGPIPE_EXIT
 
 
+def _refuse_environment() -> None:
+    """EnvError (main: one line, exit 2) naming each MOE_GEMM_* variable set to a value the
+    library refuses. The library reads a variable only where it acts on it, so
+    `MOE_GEMM_TUNED_TABLES=maybe moe-gemm demo` passed on a CPU (no table is read there)
+    while `moe-gemm info` flagged the value and every GPU call would refuse it: each command
+    but info (which marks them all and exits 1) refuses to start, as for a bad option."""
+    if refused := refused_variables():
+        raise EnvError("; ".join(refused.values()))
+
+
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
+        _refuse_environment()
         return cmd_bench(argv[1:])
     if argv and argv[0] == "tune":
+        _refuse_environment()
         return cmd_tune(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # (--help and --version answer whatever is set)
+    if args.cmd != "info":
+        _refuse_environment()
     try:
         return args.func(args)
     except ModuleNotFoundError as exc:

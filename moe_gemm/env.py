@@ -325,3 +325,9 @@ def variables_set() -> dict[str, str]:
     """The MOE_GEMM_* variables set in this process's environment (known or not)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOE_GEMM_")}
 
+
+def refused_variables() -> dict[str, str]:
+    """{name: why} for each library variable set now to a value its reader refuses (`refusal`):
+    what `moe-gemm info` marks, and what every other `moe-gemm` command refuses to run with."""
+    return {k: why for k, v in variables_set().items()
+            if k in VARIABLES and (why := refusal(k, v)) is not None}

@@ -43,6 +43,9 @@ import torch
 from safetensors.torch import load, save
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # moe_gemm of this checkout, as the server it starts imports
+from moe_gemm.tuning.table_io import json_line, write_json  # noqa: E402
+
 ADMIN = "chaos-admin-key"
 E, K, N = 4, 32, 16
 RETRYABLE = {429, 503}
@@ -136,7 +139,7 @@ class Report:
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
-        d = json.loads(json.dumps(d, default=dict))
+        d = json.loads(json_line(d, default=dict))  # a deep copy, plain dicts
         d["refused"] = dict(self.refused)
         d["refused_total"] = sum(self.refused.values())
         return d
@@ -446,11 +449,11 @@ def main(argv: list[str] | None = None) -> int:
           f"bursts ({len(d['contended_failures'])} failed), {d['slow_clients_right']} slow "
           f"clients answered right, {d['retries']} retries")
     if d["refused"]:
-        print("refused:", json.dumps(d["refused"]))
+        print("refused:", json_line(d["refused"]))
     for line in d["samples"] + d["durability_failures"] + d["contended_failures"]:
         print("  ", line)
     if args.json:
-        args.json.write_text(json.dumps(d, indent=2) + "\n")
+        write_json(args.json, d)
     ok = (d["lost"] == 0 and d["wrong"] == 0 and not d["durability_failures"]
           and not d["contended_failures"] and code == 0)
     return 0 if ok else 1

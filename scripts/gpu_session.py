@@ -129,7 +129,7 @@ info["gpu_count"] = torch.cuda.device_count()
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30))
-print(json.dumps(info))
+print(json.dumps(info, allow_nan=False))
 """
 
 
@@ -311,12 +311,15 @@ def table(results: list[dict], pre: dict | None) -> str:
 
 def write_report(path: str, report: dict) -> None:
     """The report as JSON, one test or case per line (the repository keeps these records:
-    indented, a run of every group took 1.9 MB); all on one line where moe_gemm does not import."""
+    indented, a run of every group took 1.9 MB); all on one line where moe_gemm does not import.
+    Strict either way: a NaN error of a case is null, or (without moe_gemm, where only --merge
+    of strictly written reports gets here) a ValueError, never the bare word NaN that jq and
+    other strict readers refuse along with the whole file."""
     try:
         from moe_gemm.tuning.table_io import dumps_by_line
         text = dumps_by_line(report, default=str)
     except ImportError:
-        text = json.dumps(report, separators=(",", ":"), default=str) + "\n"
+        text = json.dumps(report, separators=(",", ":"), default=str, allow_nan=False) + "\n"
     with open(path, "w") as f:
         f.write(text)
 
@@ -422,7 +425,7 @@ def _run(args: argparse.Namespace, t0: float, work: str) -> int:
     """The run of main's steps 1-4, its processes' logs in `work`."""
     deadline = t0 + args.budget
     info = probe()
-    print(json.dumps(info), flush=True)
+    print(json.dumps(info, allow_nan=False), flush=True)  # (the probe's own JSON)
     if info.get("problem") and not (args.allow_no_gpu or args.list):
         print(f"the kernels cannot run here: {info['problem']}", file=sys.stderr)
         return 2

@@ -10,12 +10,12 @@ bench` and `moe-gemm tune` do), with the SM clock and power read after each bloc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,6 +31,7 @@ from benchmarks.suite import (  # noqa: E402
 )
 from moe_gemm import grouped_gemm, grouped_mm  # noqa: E402
 from moe_gemm.tuning.space import config_of, parse_name  # noqa: E402
+from moe_gemm.tuning.table_io import write_json  # noqa: E402
 
 
 def smi() -> str:
@@ -118,8 +119,7 @@ def main() -> None:
             if v:
                 summary[f"{mode} {name}"] = statistics.median(v)
     if a.out:
-        json.dump({"shape": a.shape, "rows": rows, "summary": summary}, open(a.out, "w"),
-                  indent=1)
+        write_json(Path(a.out), {"shape": a.shape, "rows": rows, "summary": summary})
     for row in rows:
         if row["smi"]:
             print(f"{row['round']} {row['mode']:11s} {row['impl']:14s} {row['us']:8.1f} us  "

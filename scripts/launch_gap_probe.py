@@ -14,11 +14,11 @@ Prints a table; --out writes every case's medians as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from benchmarks.host_overhead import build_cases  # noqa: E402
 from moe_gemm.ops import mm_launch  # noqa: E402
+from moe_gemm.tuning.table_io import write_json  # noqa: E402
 
 
 def _mark_plan_calls() -> None:
@@ -129,8 +130,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - one case's failure must not lose the others
             result["cases"][name] = {"error": repr(exc)[:300]}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(Path(args.out), result)
     keys = ("cpu_after_sync_us", "to_plan_us", "plan_to_launch_us", "before_launch_us", "launch_api_us", "api_to_kernel_us",
             "call_to_kernel_us", "kernel_us", "launches")
     print(f"{'case':40} | " + " | ".join(k.replace("_us", "")[:14] for k in keys))

@@ -15,7 +15,6 @@ Needs ptxas (the CUDA toolkit's) on PATH.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n, r in results.items() if "error" in r or r["serialized"] or r["spill_stores"]]
     print(f"{len(results)} variants: {len(bad)} with an error, serialized WGMMAs or spills")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, sort_keys=True)
+        from moe_gemm.tuning.table_io import write_json
+
+        write_json(Path(args.out), dict(sorted(results.items())))
     return 0
 
 

@@ -482,6 +482,20 @@ def test_l2_hint_words_are_the_policies_the_heuristics_encode() -> None:
     assert set(env_module.L2_HINT_WORDS) == set(L2_POLICY)
 
 
+def test_refused_variables_are_the_library_values_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # (what every moe-gemm command but info refuses to start with; a name the library does
+    # not read is never judged: MOE_GEMM_API_KEY is the server's)
+    for name in [k for k in os.environ if k.startswith("MOE_GEMM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MOE_GEMM_FUSED", "off")
+    monkeypatch.setenv("MOE_GEMM_API_KEY", "maybe")
+    assert env_module.refused_variables() == {}
+    monkeypatch.setenv("MOE_GEMM_TUNED_TABLES", "maybe")
+    assert env_module.refused_variables() == {
+        "MOE_GEMM_TUNED_TABLES": env_module.refusal("MOE_GEMM_TUNED_TABLES", "maybe")}
+
+
 def test_refusal_names_nothing_for_values_taken() -> None:
     assert env_module.refusal("MOE_GEMM_FUSED", "off") is None
     assert env_module.refusal("MOE_GEMM_FUSED", "") is None

@@ -367,3 +367,40 @@ def test_python_dash_m_moe_gemm_is_the_command() -> None:
     bad = subprocess.run([*run, "no-such-command"], capture_output=True, text=True,
                          timeout=120, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "no-such-command" in _program_stderr(bad.stderr), bad
+
+
+def _only(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    """The library's variables set to `values` alone (whatever this machine's shell set)."""
+    for name in [k for k in os.environ if k.startswith("MOE_GEMM_")]:
+        monkeypatch.delenv(name)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["check"], ["tune", "--list"], ["bench", "--list"]])
+def test_every_command_refuses_a_value_the_library_refuses(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        argv: list[str]) -> None:
+    # `MOE_GEMM_TUNED_TABLES=maybe moe-gemm demo` exited 0 on a CPU (no table is read there)
+    # while `info` flagged the value and every GPU call would refuse it.
+    _only(monkeypatch, MOE_GEMM_TUNED_TABLES="maybe", MOE_GEMM_SPLIT_WAYS="1")
+    monkeypatch.setitem(sys.modules, "moe_gemm.tuning.cli", None)  # (never reached)
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"moe-gemm {argv[0]}: MOE_GEMM_SPLIT_WAYS='1': expected an integer from 2 to 16 (or "
+        "unset); MOE_GEMM_TUNED_TABLES='maybe': expected one of 1, true, yes, on (on) or 0, "
+        "false, no, off (off)\n")
+    assert captured.out == ""
+
+
+def test_help_answers_and_info_reports_whatever_is_set(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _only(monkeypatch, MOE_GEMM_TUNED_TABLES="maybe")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--help"])
+    assert e.value.code == 0 and "usage: moe-gemm demo" in capsys.readouterr().out
+    assert cli.main(["info"]) == 1  # (info marks the value and goes on)
+    assert "REFUSED: MOE_GEMM_TUNED_TABLES='maybe'" in capsys.readouterr().out
+    monkeypatch.setenv("MOE_GEMM_TUNED_TABLES", "off")
+    assert cli.main(["demo"]) == 0

@@ -454,3 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":
+    # `python -m moe_gemm_client.cli` must act as the console script (which exits with main()).
+    sys.exit(main())

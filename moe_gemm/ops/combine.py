@@ -34,17 +34,57 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
                  weights: torch.Tensor | None = None) -> torch.Tensor:
     """(T, H) in y's dtype: out[t] = sum_j weights[t, j] * y[rows[t, j]] (weights 1 when None).
 
-    y: (S, H); rows: (T, k) int64 or int32, values in [0, S) (the caller's own permutation:
-    not checked on the GPU, where the kernel clamps them); weights: (T, k) in y's dtype or
-    float32."""
-    if rows.dim() == 2 and rows.shape[1] == 0:
+    y: (S, H) floating; rows: (T, k) int64 or int32, values in [0, S) (the caller's own
+    permutation); weights: (T, k) floating (y's dtype or float32 for the kernel); all on y's
+    device (TypeError or ValueError naming what is expected otherwise). A row index outside
+    [0, S) is refused on the CPU (embedding_bag's RuntimeError, naming the range); on a GPU
+    it is not checked (that is a host sync per call) but clamped into range, by the kernel
+    and the embedding_bag path alike: a wrong row, never an out-of-bounds read or a device
+    assert that ends the process's CUDA context."""
+    _check(y, rows, weights)
+    if rows.shape[1] == 0:
         # No slots: every token's sum is empty (embedding_bag cannot make bags of no rows
         # from a 2-D input).
         return y.new_zeros(rows.shape[0], y.shape[-1])
     if _kernel_ok(y, rows, weights):
         return _combine_kernel(y, rows, weights)
     w = weights if weights is None or weights.dtype == y.dtype else weights.to(y.dtype)
+    if y.device.type != "cpu":
+        rows = rows.clamp(0, y.shape[0] - 1)  # (as the kernel does; S > 0, see _check)
     return F.embedding_bag(rows, y, per_sample_weights=w, mode="sum")
+
+
+def _check(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+    """The dtypes, shapes and devices combine_rows takes, from metadata only (no host sync).
+    Unchecked, a CPU `rows` beside a GPU `y` reached the kernel as a host pointer, and a 1-D
+    or float `rows` failed inside embedding_bag with a message about its own arguments."""
+    if not (isinstance(y, torch.Tensor) and isinstance(rows, torch.Tensor)
+            and (weights is None or isinstance(weights, torch.Tensor))):
+        got = ", ".join(type(t).__name__ for t in (y, rows, weights))
+        raise TypeError(f"combine_rows: y, rows and weights must be torch.Tensors (weights may "
+                        f"be None); got {got}")
+    if y.dim() != 2 or not y.is_floating_point():
+        raise TypeError(f"combine_rows: y must be a 2-D (S, H) floating tensor; got "
+                        f"{tuple(y.shape)} {y.dtype}")
+    if rows.dim() != 2 or rows.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"combine_rows: rows must be a 2-D (T, k) int64 or int32 tensor; got "
+                        f"{tuple(rows.shape)} {rows.dtype}")
+    if rows.device != y.device:
+        raise ValueError(f"combine_rows: rows must be on y's device {y.device}; got "
+                         f"{rows.device}")
+    if weights is not None:
+        if not weights.is_floating_point():
+            raise TypeError(f"combine_rows: weights must be a floating tensor; got "
+                            f"{weights.dtype}")
+        if weights.shape != rows.shape:
+            raise ValueError(f"combine_rows: weights must have rows' shape "
+                             f"{tuple(rows.shape)}; got {tuple(weights.shape)}")
+        if weights.device != y.device:
+            raise ValueError(f"combine_rows: weights must be on y's device {y.device}; got "
+                             f"{weights.device}")
+    if y.shape[0] == 0 and rows.numel():
+        raise ValueError(f"combine_rows: y has no rows for the {rows.numel()} indices of rows "
+                         f"(each must be in [0, S), S = 0)")
 
 
 def _kernel_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:

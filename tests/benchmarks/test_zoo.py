@@ -340,6 +340,37 @@ def test_resume_refuses_what_is_not_a_zoo_run(tmp_path, capsys, content):
     assert "missing.json" in capsys.readouterr().err
 
 
+# The committed results' routing: the token-by-token draw, other counts for the same seed.
+OLD_ROUTING = ("moe_gemm.tuning.zoo.topk_counts: top-k distinct experts per token, "
+               "log-normal popularity sigma=0.5")
+
+
+@pytest.mark.parametrize("changed, words", [
+    ({"seed": 7}, "seed 7 (this run: 1234)"),
+    ({"routing": OLD_ROUTING}, "routing"),
+    ({"reps": 9}, "reps 9 (this run: 2)"),
+    ({"smoke": False}, "smoke False (this run: True)")])
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_resume_refuses_a_run_of_other_settings(tmp_path, capsys, monkeypatch, changed, words,
+                                                 gpus):
+    # Only device and dtype were checked: a run of another seed or routing draw was extended
+    # with cases of other counts and data, as one table (--merge already refused the pair).
+    # With --gpus, before any shard starts (each would refuse it: N errors, not one).
+    sel = ("--models", "OLMoE-1B-7B", "--tokens", "1")
+    base = _run(tmp_path, *sel, "--budget-s", "0.01", "--png", "none", name="base.json")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**base, "settings": {**base["settings"], **changed}}))
+    monkeypatch.setattr(zoo, "launch_shards", lambda *a: pytest.fail("shards started"))
+    capsys.readouterr()
+    out = tmp_path / "x.json"
+    assert zoo.main(["--smoke", "--quiet", *sel, "--gpus", gpus, "--resume", str(old),
+                     "--out", str(out), "--png", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {old} was run with other settings: ")
+    assert words in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--budget-s", "-5"], "--budget-s must be positive"),
     (["--budget-s", "0"], "--budget-s must be positive"),

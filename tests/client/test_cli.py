@@ -194,13 +194,17 @@ def test_grouped_gemm_file(server, capsys, rng, tmp_path):
                      str(tmp_path / "d.safetensors")]) == 2
 
 
-def test_module_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "moe_gemm_client", "--help"],
+# Both spellings must act as the console script: `-m moe_gemm_client.cli` once imported the
+# module, ran nothing and exited 0 (no __main__ guard), which a script cannot tell from success.
+@pytest.mark.parametrize("module", ["moe_gemm_client", "moe_gemm_client.cli"])
+def test_module_entry_point_runs(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
+    assert out.stdout.startswith("usage: moe-gemm-client")
     for cmd in ("health", "ready", "list", "upload", "delete", "grouped-mm"):
         assert cmd in out.stdout
-    out = subprocess.run([sys.executable, "-m", "moe_gemm_client", "--url",
+    out = subprocess.run([sys.executable, "-m", module, "--url",
                           "http://127.0.0.1:9", "--max-retries", "0", "health"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "cannot reach" in out.stderr

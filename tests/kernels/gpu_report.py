@@ -15,17 +15,21 @@ package of tests/kernels, so the tests' `from .gpu_report import record` is this
 
 from __future__ import annotations
 
-import json
 import os
 import time
+from pathlib import Path
 
 
 def _append(row: dict) -> None:
     path = os.environ.get("MOE_GEMM_GPU_REPORT")
     if not path:
         return
+    # Strict JSON: a case's error is NaN by design where a kernel left the output unwritten
+    # (NaN-poisoned), and the bare word NaN is not JSON (jq and other readers refuse the file).
+    from moe_gemm.tuning.table_io import json_line
+
     with open(path, "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
+        f.write(json_line(row, default=str) + "\n")
 
 
 def _current_test() -> str | None:
@@ -67,8 +71,9 @@ def pytest_configure(config) -> None:
 def pytest_collection_finish(session) -> None:
     path = os.environ.get("MOE_GEMM_GPU_COLLECT")
     if path:
-        with open(path, "w") as f:
-            json.dump(list(dict.fromkeys(item.nodeid for item in session.items)), f)
+        from moe_gemm.tuning.table_io import write_json
+
+        write_json(Path(path), list(dict.fromkeys(item.nodeid for item in session.items)))
 
 
 def pytest_runtest_logreport(report) -> None:

@@ -304,6 +304,22 @@ def test_report_plugin_writes_tests_cases_and_collected_ids(pytester, monkeypatc
         "test_ok", "test_bad", "test_skip"]
 
 
+def _no_constant(word: str):
+    raise ValueError(f"not JSON: {word}")
+
+
+def test_report_rows_are_strict_json(tmp_path, monkeypatch):
+    # A case's error is NaN by design where a kernel left its (NaN-poisoned) output unwritten;
+    # the row held the bare word NaN, and strict readers (jq) refused the whole report.
+    from .gpu_report import record
+
+    report = tmp_path / "r.jsonl"
+    monkeypatch.setenv("MOE_GEMM_GPU_REPORT", str(report))
+    record("case-nan", False, err=float("nan"), ratio=float("-inf"))
+    row = json.loads(report.read_text(), parse_constant=_no_constant)
+    assert row["name"] == "case-nan" and row["err"] is None and row["ratio"] is None
+
+
 def test_precompile_zoo_set_is_what_the_zoo_launches(monkeypatch):
     # scripts/precompile.py --set zoo: every zoo projection's default kernel on the named
     # GPU (its shipped table), as the launch path keys it; an unknown GPU gets the rules'.

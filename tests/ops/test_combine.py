@@ -114,3 +114,38 @@ def test_what_the_kernel_takes():
     assert not ok(torch.zeros(8, 24, dtype=torch.bfloat16)[:, 1:17], rows, None)  # unaligned
     assert not ok(y[:0], rows, None)  # no rows to read
     assert not ok(y[0], rows, None)
+
+
+def _bad_inputs():
+    y, rows, w = _inputs(6, 10, 16, 2, weights=torch.float32)
+    return [
+        ((y[0], rows, None), TypeError, "y must be a 2-D (S, H) floating tensor"),
+        ((y.long(), rows, None), TypeError, "y must be a 2-D (S, H) floating tensor"),
+        ((y, rows[:, 0], None), TypeError, "rows must be a 2-D (T, k) int64 or int32"),
+        ((y, rows.float(), None), TypeError, "rows must be a 2-D (T, k) int64 or int32"),
+        ((y, rows.short(), None), TypeError, "rows must be a 2-D (T, k) int64 or int32"),
+        ((y, rows.tolist(), None), TypeError, "must be torch.Tensors (weights may be None); "
+                                              "got Tensor, list, NoneType"),
+        ((y, rows, w[:, :1]), ValueError, "weights must have rows' shape (6, 2); got (6, 1)"),
+        ((y, rows, w.long()), TypeError, "weights must be a floating tensor; got torch.int64"),
+        # (meta stands in for another device: a CPU rows beside a GPU y reached the kernel)
+        ((y, rows.to("meta"), None), ValueError, "rows must be on y's device cpu; got meta"),
+        ((y, rows, w.to("meta")), ValueError, "weights must be on y's device cpu; got meta"),
+        ((y[:0], rows, None), ValueError, "y has no rows for the 12 indices"),
+    ]
+
+
+@pytest.mark.parametrize("args, error, words", _bad_inputs())
+def test_bad_inputs_are_refused_by_name(args, error, words):
+    # They failed inside embedding_bag with messages about its own arguments (or, on a GPU,
+    # reached the kernel: rows on the CPU were read through a host pointer).
+    with pytest.raises(error, match=r"^combine_rows: ") as e:
+        combine.combine_rows(*args)
+    assert words in str(e.value)
+
+
+def test_checks_come_before_the_no_slot_shortcut():
+    y, _, _ = _inputs(4, 8, 16, 1)
+    with pytest.raises(TypeError, match="int64 or int32"):
+        combine.combine_rows(y, torch.zeros(4, 0))  # float rows of no slots
+    assert combine.combine_rows(y[:0], torch.zeros(4, 0, dtype=torch.int32)).shape == (4, 16)

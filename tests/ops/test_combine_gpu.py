@@ -1,8 +1,9 @@
 """GPU tests of the top-k combine kernel (kernels/sm90/combine.py through ops/combine.py)
 against an fp64 reference and against F.embedding_bag, the path it replaces: every k from 1 to
 16, row widths from one vector to 7168, weights absent / bf16 / fp32, int32 and int64 rows,
-repeated rows, one token, one routed row, rows out of range (clamped, never a fault) and
-CUDA-graph replay with new indices."""
+repeated rows, one token, one routed row, rows out of range (clamped, never a fault, on the
+embedding_bag path too), rows or weights on another device (refused) and CUDA-graph replay
+with new indices."""
 
 from __future__ import annotations
 
@@ -89,6 +90,28 @@ def test_rows_out_of_range_are_clamped():
     torch.cuda.synchronize()  # no fault
     fixed = bad.clamp(0, 49)
     torch.testing.assert_close(out, combine.combine_rows(y, fixed), atol=0, rtol=0)
+
+
+def test_rows_out_of_range_are_clamped_on_the_embedding_bag_path_too(monkeypatch):
+    # The torch path (MOE_GEMM_COMBINE=torch, torch.compile, shapes the kernel does not take)
+    # handed them to embedding_bag: a device assert, and the process's CUDA context with it.
+    monkeypatch.setenv(combine.COMBINE_ENV, "torch")
+    y, rows, w = _case(16, 50, 256, 4, weights=torch.bfloat16, seed=6)
+    bad = rows.clone()
+    bad[0, 0], bad[1, 1] = -3, 10**9
+    out = combine.combine_rows(y, bad, w)
+    torch.cuda.synchronize()  # no fault
+    want = F.embedding_bag(bad.clamp(0, 49), y, per_sample_weights=w, mode="sum")
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_rows_or_weights_on_another_device_are_refused():
+    # A CPU rows passed the kernel's checks (they read y alone) and reached it as a host pointer.
+    y, rows, w = _case(8, 16, 64, 4, weights=torch.float32)
+    with pytest.raises(ValueError, match="rows must be on y's device cuda:0; got cpu"):
+        combine.combine_rows(y, rows.cpu(), w)
+    with pytest.raises(ValueError, match="weights must be on y's device cuda:0; got cpu"):
+        combine.combine_rows(y, rows, w.cpu())
 
 
 def test_cuda_graph_replay_sees_new_rows():
