@@ -300,3 +300,36 @@ def test_varlen_row_counts_clamp_unchecked_counts(dsl):
             rows = min(max(c, 0), M)
             want = [p * M, rows, K, -(-rows // 128) * -(-N // 256)]
             assert out[p].tolist() == want, (counts, p)
+
+
+@pytest.mark.parametrize("tile_m,tile_n", [(128, 64), (128, 256), (256, 128), (256, 208)])
+def test_first_accumulator_row_is_the_threads_lowest(dsl, tile_m, tile_n):
+    """TailSplit.live_rows takes a math thread's first accumulator coordinate as its lowest
+    row (its partials are skipped when that row is past the tile's stored rows): for the
+    cooperative kernels' WGMMA layout, element 0 has the least row of every thread's
+    fragment, and the two warpgroups' threads cover every row of the tile."""
+    cutlass, cute, from_dlpack = dsl
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Int32
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    @cute.jit
+    def probe(out: cute.Tensor, rows: cute.Tensor):
+        mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float32, (2, 1, 1), tiler_mn=(64, tile_n))
+        tile = cute.make_identity_tensor((tile_m, tile_n))
+        for t in cutlass.range(256):
+            coords = mma.get_slice(t).partition_C(tile)
+            low = Int32(1 << 20)
+            for i in cutlass.range(cute.size(coords), unroll_full=True):
+                low = cutlass.min(low, coords[i][0])
+                rows[coords[i][0]] = 1
+            out[t, 0] = coords[0][0]
+            out[t, 1] = low
+
+    out = torch.full((256, 2), -1, dtype=torch.int32)
+    rows = torch.zeros(tile_m, dtype=torch.int32)
+    cute.compile(probe, from_dlpack(out), from_dlpack(rows))(from_dlpack(out), from_dlpack(rows))
+    assert torch.equal(out[:, 0], out[:, 1])
+    assert bool((rows == 1).all())

@@ -964,7 +964,8 @@ class GroupedGemmSm90:
         tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
         tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(tile).shape, self.acc_dtype)
+        acc_coords = thr_mma.partition_C(tile)
+        acc = cute.make_rmem_tensor(acc_coords.shape, self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])
         frags = self.epi.partition(tiled_mma, sD, acc, mma_tidx, epi_threads)
         tail = TailSplit(self)
@@ -1000,11 +1001,12 @@ class GroupedGemmSm90:
             role = work.role
             if const_expr(self.tail_split):
                 kind = work.kind()
+                live = tail.live_rows(acc_coords[0][0], work)
                 if kind == ROLE_PUBLISH:
-                    tail.publish(acc, run.workspace, work.role, mma_tidx)
+                    tail.publish(acc, run.workspace, work.role, mma_tidx, live)
                     role = Int32(ROLE_SKIP)
                 if kind == ROLE_FINISH:
-                    tail.absorb(acc, run.workspace, work.role, mma_tidx)
+                    tail.absorb(acc, run.workspace, work.role, mma_tidx, live)
             if role != ROLE_SKIP:  # (always, without a cluster or a tail split)
                 self.epi.store(frags, sD, tma.atom_d, tma.tma_d, problems, work, ring, epi_group,
                                epi_bar_id, epi_threads, is_store_warp, tiles_done)

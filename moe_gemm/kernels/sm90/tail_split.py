@@ -143,6 +143,16 @@ class TailSplit:
     # -- math warpgroups -----------------------------------------------------------------------
 
     @cute.jit
+    def live_rows(self, first_row: Int32, work: WorkTile) -> cutlass.Boolean:
+        """Whether this thread holds a row the tile stores. first_row: the thread's lowest
+        accumulator row in the tile (its other rows lie below it: +8, +64 in the WGMMA's
+        fragment). A partial tile's rows past its problem's end are never stored, so their
+        partials need not travel: at one routed row, 4 of the 256 math threads publish, and a
+        128x64 tile's fixup moves 1/64 of its 32 KiB per share (the finisher reads each
+        share's partial serially: six 64 KiB partials of 128x128 took ~4 us, H200)."""
+        return first_row < work.rows - work.m_tile * self.cfg.tile_m
+
+    @cute.jit
     def _fields(self, role: Int32):
         """(tail tile, share, the tile's ways, the launch's ways) of a split unit's role."""
         return ((role >> TAIL_SHIFT) & TAIL_MASK, (role >> SHARE_SHIFT) & SHARE_MASK,
@@ -174,14 +184,17 @@ class TailSplit:
         )
 
     @cute.jit
-    def publish(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32):
+    def publish(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32,
+                live: cutlass.Boolean):
         """A publishing share: fp32 accumulators to its slot (tail tile i's shares take slots
         i * (the launch's ways - 1) + share), then counter += 1 (release: every math thread's
-        stores are fenced and joined at a barrier first)."""
+        stores are fenced and joined at a barrier first). live: whether any of this thread's
+        rows is one the tile stores (`live_rows`); a thread of none writes nothing."""
         tail_i, share, _, stride = self._fields(role)
         part = self._partial_tensor(acc, workspace, tail_i * (stride - 1) + share)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            part[i, mma_tidx] = acc[i]
+        if live:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                part[i, mma_tidx] = acc[i]
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.cfg.threads_per_wg)
         if mma_tidx == 0:
@@ -189,9 +202,11 @@ class TailSplit:
                                  scope="gpu")
 
     @cute.jit
-    def absorb(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32):
+    def absorb(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32,
+               live: cutlass.Boolean):
         """The finishing share: wait until all ways - 1 publishers counted (acquire), add
-        their partials into acc in share order, reset the counter to 0 for the next launch."""
+        their partials into acc in share order (where `live`: the publishers wrote the same
+        threads' slots), reset the counter to 0 for the next launch."""
         tail_i, _, ways, stride = self._fields(role)
         counter = self._counter(workspace, tail_i)
         if mma_tidx == 0:
@@ -200,9 +215,10 @@ class TailSplit:
                 seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
         cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.cfg.threads_per_wg)
         cute.arch.fence_acq_rel_gpu()
-        for q in cutlass.range(ways - 1):
-            part = self._partial_tensor(acc, workspace, tail_i * (stride - 1) + q)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + part[i, mma_tidx]
+        if live:
+            for q in cutlass.range(ways - 1):
+                part = self._partial_tensor(acc, workspace, tail_i * (stride - 1) + q)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + part[i, mma_tidx]
         if mma_tidx == 0:
             cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
