@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(cutlass_dsl_problem() is not None,
                                 reason=f"CuTe DSL: {cutlass_dsl_problem()}")
 
 VISITOR = r"the masked form reads its row counts on the GPU: device visitor"
-TAIL = r"the tail split is built for the varlen and batched forms"
+TAIL = r"the tail split is built for the general, varlen and batched forms"
 
 
 @pytest.fixture(scope="module")
