@@ -90,12 +90,12 @@ class GemmConfig:
             that few tiles), 2 or more CTAs share each of its tiles, a share of K each, as
             many as the idle SMs, K and a cap allow (8; MOE_GEMM_SPLIT_WAYS sets it, 2 to 16:
             under 4, decode keeps its ping-pong tile, which trades for a split one only where
-            it gets four shares; grouped_mm and grouped_gemm, not the masked form;
-            cooperative schedule, device visitor, 1x1 cluster; in grouped_gemm's lists the
-            deepest problem sizes the split and a shallower tile takes fewer shares, each
-            keeping ~1024 of K). None = heuristic. The split adds fp32
-            partial sums in a fixed order (run to run bitwise), so results may differ from
-            an unsplit run in the last bit.
+            it gets four shares; grouped_mm and grouped_gemm, not the masked form nor the
+            FP8 lists; cooperative schedule, device visitor, 1x1 cluster, which a pinned
+            split takes over the rules' own cluster; in grouped_gemm's lists the deepest
+            problem sizes the split and a shallower tile takes fewer shares, each keeping
+            ~1024 of K). None = heuristic. The split adds fp32 partial sums in a fixed order
+            (run to run bitwise), so results may differ from an unsplit run in the last bit.
             MOE_GEMM_TAIL_SPLIT=0 turns it off everywhere, pinned or not (it relies on the
             whole persistent grid being resident: see heuristics.tail_split_enabled).
         whole_epilogue: stage a whole output tile in shared memory and store it with two

@@ -385,7 +385,8 @@ def _choose_general(
     visitor = config.visitor if config.visitor != "auto" else "device"
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
-            and tile[1] == 256 and _pairs_fill(sizes, tile[0], tile[1])):
+            and not config.tail_split and tile[1] == 256
+            and _pairs_fill(sizes, tile[0], tile[1])):
         # 1x2, as for the batched form: the two CTAs of a cluster take adjacent n-tiles of one
         # m-tile and multicast A. Uniform headline as 256 lists (H200s, 2026-11-21,
         # interleaved, docs/measurements.md): 528 us vs 542 at 1x1 and
@@ -399,13 +400,11 @@ def _choose_general(
         sort = config.sort_by_k
     if config.tail_split is None:
         # As grouped_mm's rule (long K, cooperative, 1x1, the tile not narrowed), where the
-        # exact tile count says the kernel will split a last wave (the deepest problem sizes
-        # the split; a shallower tile takes fewer shares, tail_split.py).
+        # exact tile count says the kernel will split a last wave with long-K tiles in it.
         tail_split = filled_split or (
             shares > 0 and schedule == "cooperative" and visitor == "device" and cm * cn == 1
-            and (schedule, tile) == ruled and max_k_tiles * TILE_K >= 4096
-            and sched.tail_split_units(sum(sched.tiles_per_problem(sizes, *tile)), num_sms,
-                                       max_k_tiles, shares) is not None)
+            and (schedule, tile) == ruled and max_k_tiles * TILE_K >= LONG_K
+            and _last_wave_long(sizes, sort, tile, num_sms, max_k_tiles, shares))
     else:
         tail_split = config.tail_split
         if tail_split:
@@ -414,6 +413,32 @@ def _choose_general(
     swizzle = raster_of(config, 8)
     return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn, swizzle,
                            epi_whole, tail_split and shares > 0)
+
+
+# K from which a short last wave is split by default (grouped_mm's rule, _varlen_rules).
+LONG_K = 4096
+
+
+def _last_wave_long(sizes: tuple[tuple[int, int, int], ...], sort: bool,
+                    tile: tuple[int, int], num_sms: int, max_k_tiles: int, shares: int) -> bool:
+    """Whether the kernel would split the lists' last wave (its ways sized by the deepest
+    problem) and a tile of that wave has K >= LONG_K: the last wave holds the last problems in
+    launch order, which K-sort makes the shallowest, so a deep problem elsewhere says nothing
+    of it (a wave of K = 512 tiles is not split by the kernel, only given a workspace)."""
+    ordered = [sizes[i] for i in sched.ksort_permutation(sizes)] if sort else sizes
+    counts = sched.tiles_per_problem(ordered, *tile)
+    split = sched.tail_split_units(sum(counts), num_sms, max_k_tiles, shares)
+    if split is None:
+        return False
+    left = split[1]  # the last wave's tiles, counted from the end
+    for (_, _, k), count in zip(reversed(ordered), reversed(counts)):
+        if count:
+            if k >= LONG_K:
+                return True
+            left -= count
+            if left <= 0:
+                return False
+    return False
 
 
 # A 1x2 cluster idles the second CTA of a pair wherever a problem has an odd n-tile count (it
@@ -653,7 +678,7 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # 65 against 68).
     if config.tail_split is None:
         tail_split = filled_split or (schedule == "cooperative" and visitor == "device"
-                                      and cm * cn == 1 and K >= 4096 and not narrowed)
+                                      and cm * cn == 1 and K >= LONG_K and not narrowed)
     else:
         tail_split = config.tail_split
         if tail_split:
@@ -739,7 +764,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
     # have nothing to decide here.
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]
-            and tile == ruled and not filled_split):
+            and tile == ruled and not filled_split and not config.tail_split):
         # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
         # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
         # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (interleaved A/B).

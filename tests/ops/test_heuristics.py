@@ -272,6 +272,15 @@ def test_general_long_k_splits_a_short_last_wave_as_grouped_mm_does(monkeypatch)
     assert (c.cluster_m, c.cluster_n, c.visitor) == (1, 1, "device")
     # A last wave over half the grid is not split (the kernel would not split it).
     assert not choose_general(GemmConfig(), ((1024, 768, 8192),) * 10, 132).tail_split
+    # Nor is a last wave of short-K tiles beside deep problems (the kernel would not split
+    # them, only take a workspace): the last problems in launch order, which K-sort makes the
+    # shallowest.
+    deep_first = ((1024, 768, 4096),) * 4 + ((512, 768, 512),) * 4
+    shallow_first = deep_first[4:] + deep_first[:4]
+    assert not choose_general(GemmConfig(), deep_first, 132).tail_split
+    assert not choose_general(GemmConfig(sort_by_k=True), shallow_first, 132).tail_split
+    # (unsorted, its last wave holds the deep problems' tiles)
+    assert choose_general(GemmConfig(sort_by_k=False), shallow_first, 132).tail_split
     # Short K is not split, nor is anything with the switch off, pinned or not.
     assert not choose_general(GemmConfig(), ((1024, 768, 2048),) * 6, 132).tail_split
     monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")

@@ -83,10 +83,13 @@ def test_pinned_fields_refused_with_the_reason():
     assert choose_general(GemmConfig(tail_split=True), ((256, 512, 4096),) * 4, 132).tail_split
     with pytest.raises(ValueError, match="device visitor"):
         GemmConfig(tail_split=True, visitor="host")
-    # A cluster pinned beside tail_split is caught by GemmConfig already; a cluster the rules
-    # pick (1x2 for the batched headline) with a pinned tail split is refused here.
-    with pytest.raises(ValueError, match="1x1 cluster"):
-        choose_batched(GemmConfig(tail_split=True), 256, 128, 512, 7168, 132)
+    # A cluster pinned beside tail_split is caught by GemmConfig already; the 1x2 cluster the
+    # rules would pick (the headline, as 3-D batches and as lists) gives way to a pinned split.
+    c = choose_batched(GemmConfig(tail_split=True), 256, 128, 512, 7168, 132)
+    assert c.tail_split and (c.cluster_m, c.cluster_n) == (1, 1)
+    c = choose_general(GemmConfig(tail_split=True), ((128, 512, 7168),) * 256, 132)
+    assert c.tail_split and (c.cluster_m, c.cluster_n) == (1, 1)
+    assert (choose_general(GemmConfig(), ((128, 512, 7168),) * 256, 132).cluster_n) == 2
 
 
 def test_env_switch_still_turns_a_pinned_tail_split_off(monkeypatch):
