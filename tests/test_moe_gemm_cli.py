@@ -123,8 +123,14 @@ def test_tune_keeps_the_traceback_of_a_broken_tuning_module(
     (tmp_path / "tuning/__init__.py").write_text("")
     (tmp_path / "tuning/cli.py").write_text("import a_dependency_that_is_not_there_9f3\n")
     monkeypatch.setattr(moe_gemm, "__path__", [str(tmp_path), *moe_gemm.__path__])
+    # Each entry set (recording what was there, or that nothing was) before it is removed,
+    # so the broken package the import leaves in sys.modules and on moe_gemm.tuning is undone
+    # after the test even where the real one had not been imported yet.
     for name in ("moe_gemm.tuning", "moe_gemm.tuning.cli"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(moe_gemm, "tuning", None, raising=False)
+    monkeypatch.delattr(moe_gemm, "tuning")
     with pytest.raises(ModuleNotFoundError, match="a_dependency_that_is_not_there_9f3"):
         cli.main(["tune"])
 
