@@ -406,9 +406,8 @@ def check_resume(path: str, old: dict[str, Any], ours: dict[str, Any],
                  device: str | None = None) -> None:
     """ValueError unless --resume FILE's run `old` is one this run (its settings `ours`, on
     `device` when known) may add cases to: the same device and the settings --merge requires
-    alike (zoo_report.SAME_SETTINGS). Only device and dtype were checked, so a run of another
-    seed or routing draw was extended with cases of other counts and data, and the mixed
-    table read as one run."""
+    alike (zoo_report.SAME_SETTINGS): cases of another seed or routing draw (other counts,
+    other data) added to a run would read as one run."""
     if device is not None and old.get("device") != device:
         raise ValueError(f"--resume {path} was measured on {old.get('device')}, "
                          f"this is {device}")

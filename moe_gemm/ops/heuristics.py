@@ -79,6 +79,9 @@ GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
 FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"
 # Mainloops of at most this many k-tiles (K <= 1024 at TILE_K = 64) take the ping-pong schedule.
 SHORT_K_TILES = 16
+# K from which a cooperative launch's short last wave is split by default (grouped_mm's and
+# grouped_gemm's rules; the grid-filling rule takes the split on its own terms).
+LONG_K = 4096
 
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90), by the
 # words MOE_GEMM_L2_HINTS takes (env.L2_HINT_WORDS).
@@ -289,7 +292,7 @@ def choose_general(
 @functools.lru_cache(maxsize=256)
 def _choose_general_tuned(config, sizes, num_sms, out_itemsize, device, dtype, out_dtype,
                           state, shares) -> KernelChoice:
-    hit = _general_hit(config, sizes, num_sms, device, dtype, out_dtype, shares)
+    hit = _general_hit(config, sizes, num_sms, device, dtype, out_dtype)
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
@@ -320,15 +323,14 @@ def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | N
                      tuned.rows_bucket(rows / live)), rows
 
 
-def _general_hit(config, sizes, num_sms, device, dtype, out_dtype,
-                 shares: int | None = None) -> tuned.Hit | None:
+def _general_hit(config, sizes, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
     if device is None or config.tuning_pinned or not tuned.has_form(device, "general"):
         return None
     found = _general_key(sizes, dtype, out_dtype)
     if found is None:
         return None
     rules = _choose_general(config, sizes, num_sms, _ITEMSIZE.get(out_dtype, 2),
-                            split_shares() if shares is None else shares)
+                            split_shares())
     return tuned.lookup(device, found[0], found[1], num_sms, choice_fields(rules, "general"))
 
 
@@ -413,10 +415,6 @@ def _choose_general(
     swizzle = raster_of(config, 8)
     return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn, swizzle,
                            epi_whole, tail_split and shares > 0)
-
-
-# K from which a short last wave is split by default (grouped_mm's rule, _varlen_rules).
-LONG_K = 4096
 
 
 def _last_wave_long(sizes: tuple[tuple[int, int, int], ...], sort: bool,

@@ -20,8 +20,9 @@ plain Python/numpy so it runs (and is tested) anywhere:
   `host_precompute_table` builds the per-CTA table of (problem_idx, problem_start_tile) that
   the host visitor uploads (CUTLASS kHostPrecompute). Both must assign identically.
 - `cost_model` gives each CTA's work in k-iterations and the makespan, which decides K-sort.
-- Tail split (cooperative general/varlen/batched kernels for long K, `tail_split_assignment`): when
-  the last wave holds rem <= G/2 tiles, the launch splits them `ways` times
+- Tail split (cooperative general/varlen/batched kernels for long K,
+  `tail_split_assignment`): when the last wave holds rem <= G/2 tiles, the launch splits
+  them `ways` times
   (`tail_split_units`): unit full+j (full = the tiles of the whole waves) is share j // rem
   of tile full + j mod rem over a share of K; a tile takes min(ways, its own k-tiles / 16,
   at least 2) shares (fewer where a list's problem is shallower than the deepest), the first

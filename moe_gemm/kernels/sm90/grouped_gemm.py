@@ -47,9 +47,9 @@ Warp roles (384 threads = 3 warpgroups):
   computes, but stores nothing.
 
 Tail split (compile-time `tail_split`, `split_ways`; cooperative, device visitor, 1x1
-cluster, general, varlen and batched forms; tail_split.py): a last wave that fills at most half the
-grid runs each tile as up to `split_ways` shares of K on as many CTAs, joined through fp32
-workspace slots.
+cluster, general, varlen and batched forms; tail_split.py): a last wave that fills at most
+half the grid runs each tile as up to `split_ways` shares of K on as many CTAs, joined
+through fp32 workspace slots.
 
 Trimmed A loads (compile-time `trim_a`; varlen form, A loaded by TMA: no gather-A;
 trimmed_a.py): an expert's last tile loads only its expert's rows of A, rounded up to 16, as

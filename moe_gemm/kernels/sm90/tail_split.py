@@ -146,10 +146,11 @@ class TailSplit:
     def live_rows(self, first_row: Int32, work: WorkTile) -> cutlass.Boolean:
         """Whether this thread holds a row the tile stores. first_row: the thread's lowest
         accumulator row in the tile (its other rows lie below it in the WGMMA's fragment:
-        +8, and +128 on 256-row tiles). A partial tile's rows past its problem's end are never stored, so their
-        partials need not travel: at one routed row, 4 of the 256 math threads publish, and a
-        128x64 tile's fixup moves 1/64 of its 32 KiB per share (the finisher reads each
-        share's partial serially: six 64 KiB partials of 128x128 took ~4 us, H200)."""
+        +8, and +128 on 256-row tiles). A partial tile's rows past its problem's end are
+        never stored, so their partials need not travel: at one routed row, 4 of the 256
+        math threads publish, and a 128x64 tile's fixup moves 1/64 of its 32 KiB per share
+        (the finisher reads each share's partial serially: six 64 KiB partials of 128x128
+        took ~4 us, H200)."""
         return first_row < work.rows - work.m_tile * self.cfg.tile_m
 
     @cute.jit
