@@ -6,13 +6,14 @@ path stays free of host synchronisation. Given the device's name (the host wrapp
 a config with every tuned field at "auto" is first looked up in the tuned tables
 (moe_gemm.ops.tuned: the exact shape, else the vote of the nearest timed shapes); what they do not
 answer, and every config that pins a tuned field, is decided by the rules below (the numbers
-behind each rule are in the comments and AGENTS.md).
+behind each rule are in the comments and AGENTS.md). A choice not taken from an exact table
+entry, for a config that pins no tuned field, is then fitted to whole waves where the tile
+count is known on the host and the launch is compute-bound (grid_fit.wave_fit).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,14 +21,14 @@ from dataclasses import dataclass, replace
 from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.env import env_reader, env_value
 from moe_gemm.kernels.sm90.constants import (
-    SPLIT_PART_K_TILES,
     SPLIT_WAYS,
     TILE_K,
     raster_code,
     raster_fields,
 )
+from moe_gemm.ops import grid_fit, tuned
 from moe_gemm.ops import schedule as sched
-from moe_gemm.ops import tuned
+from moe_gemm.ops.grid_fit import LONG_K, SHORT_K_TILES
 
 
 def raster_of(config: GemmConfig, default_panel: int) -> int:
@@ -77,12 +78,6 @@ general_switches = env_reader(GENERAL_SWITCHES)  # () -> their values
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
 # 0: the fused gated epilogue takes the IEEE sigmoid, not the SFU's (fused_launch.fused_key)
 FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"
-# Mainloops of at most this many k-tiles (K <= 1024 at TILE_K = 64) take the ping-pong schedule.
-SHORT_K_TILES = 16
-# K from which a cooperative launch's short last wave is split by default (grouped_mm's and
-# grouped_gemm's rules; the grid-filling rule takes the split on its own terms).
-LONG_K = 4096
-
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90), by the
 # words MOE_GEMM_L2_HINTS takes (env.L2_HINT_WORDS).
 L2_POLICY = {"normal": 0x1000000000000000, "first": 0x12F0000000000000,
@@ -119,82 +114,6 @@ def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
     return (128, 128)
 
 
-def expected_tiles(T: int, E: int, N: int, tile_m: int, tile_n: int) -> float:
-    """About how many tiles a launch of T rows routed over E experts has, the routing
-    unknown (it lives on the GPU): rows spread uniformly, so E * (1 - (1 - 1/E)^T) experts
-    get rows, each its rows / tile_m tiles plus half a partial one (or one, if fewer rows).
-    Skewed routing fills fewer experts, so this is an upper bound of sorts."""
-    if T <= 0 or E <= 0:
-        return 0.0
-    active = E * -math.expm1(T * math.log1p(-1.0 / E)) if E > 1 else 1.0
-    m_tiles = active * max(1.0, T / active / tile_m + 0.5)
-    return m_tiles * -(-N // tile_n)
-
-
-def _list_tiles(sizes) -> Callable[[int, int], int]:
-    """The exact tile count of a list of (M, N, K) problems, per tile shape."""
-    return lambda tm, tn: sum(-(-m // tm) * -(-n // tn) for m, n, _ in sizes if m > 0 and n > 0)
-
-
-def _batched_tiles(G: int, M: int, N: int) -> Callable[[int, int], int]:
-    """The exact tile count of G problems of M x N, per tile shape."""
-    return lambda tm, tn: G * -(-M // tm) * -(-N // tn)
-
-
-def _fill_grid(schedule: str, tile: tuple[int, int], tiles: Callable[[int, int], float],
-               num_sms: int, k_tiles: float, shares: int = 0, switch_ok: bool = False
-               ) -> tuple[str, tuple[int, int], bool]:
-    """(schedule, tile, tail split) where `tile` leaves most SMs idle (tiles(tile_m, tile_n):
-    the launch's tile count) and the mainloops are long (more than SHORT_K_TILES k-tiles; a
-    short one is bound by its launch and epilogue, where nothing was measured): few routed
-    rows (decode on a few experts) or few problems of long K. Then the launch is bound by how
-    many SMs stream the weights, not by the tile's L2 traffic. shares: the most CTAs the
-    tail split may share a tile over (split_shares: MOE_GEMM_SPLIT_WAYS), 0 where it may not
-    be taken (it splits a launch of at most half the grid over K, tail_split.py); switch_ok:
-    the schedule may change (not pinned).
-
-    H200 (`moe-gemm tune --shapes ... --configs`, CUDA-graph replays, L2 cold). Without the
-    split (2026-12-01): ping-pong 64x256 -> 64x128 at 1-8 routed rows, E=64 N=2048 K=7168 1
-    row 35.9 -> 19.5 us, 4 rows 42.2 -> 32.3; E=16 N=5120 K=8192 1 row 42.5 -> 27.9; E=8
-    N=4096 K=14336 2 rows 78.2 -> 59.6; E=128 N=1536 K=2048 8 rows 17.0 -> 13.1; E=8 N=14336
-    K=4096 2 rows (112 tiles) 60.7 -> 58.0; a wave nearly full stays (8 x 1x4096x4096, 128
-    tiles, 65.0 us against 67.2). Cooperative 128x256 -> 128x64 on long K: E=8 N=512 K=32768
-    1024 rows 302 -> 133 us, E=4 N=1024 K=16384 512 rows 155 -> 65; the 3-D form, 8 x
-    128x512x32768 299 -> 142, 4 x 256x1024x16384 153 -> 84. One expert of 3000 rows, N=1000
-    (~96 tiles of 128x256, over half a wave) stays. With the split over up to 8 CTAs
-    (2026-12-01, later): cooperative 128x128 split beat 128x64 on all four long-K cases (117
-    against 133, 57.5 against 65.2, 103 against 142, 74.0 against 83.1; 128x256 split 120,
-    64.5, 109, 76.7; a second run 124 / 131 / 113, 54.8 / 62.6 / 58.2, 101 / 129, 73.6 /
-    86.6; 8 x 512x512x7168, 128 tiles of 128x128 and no split, 58.1 against 73.9). At one
-    routed row cooperative 128x64 split in four or more beat ping-pong 64x128: E=64 N=2048
-    K=7168 (32 tiles, 4 shares) 14.8 against 19.7 us, E=16 N=2048 K=4096 (32, 4) 11.8
-    against 12.7, E=4 N=1024 K=14336 (16, 8) 17.7 against 36.5; split in two it lost: E=32
-    N=1024 K=2048 10.4 against 7.9, E=8 N=4096 K=4096 14.5 against 12.9, 8 x 64x512x7168
-    31.3 against 24.0."""
-    if k_tiles <= SHORT_K_TILES:
-        return schedule, tile, False
-    if schedule == "pingpong" and tile in ((64, 256), (64, 128)):
-        # (four shares at least: two lost to ping-pong 64x128 on every shape measured; a
-        # MOE_GEMM_SPLIT_WAYS cap under four leaves no launch four shares, so no switch.
-        # 128x64 first: at one routed row its four shares beat 128x128's seven, whose
-        # finisher adds six 64 KiB partials; 128x128 where only its tiles get four, on the
-        # mainloops where that was measured, K >= 16384)
-        if shares >= 4 and switch_ok and k_tiles >= 4 * SPLIT_PART_K_TILES:
-            if tiles(128, 64) <= num_sms / 4:
-                return "cooperative", (128, 64), True
-            if k_tiles >= 16 * SPLIT_PART_K_TILES and tiles(128, 128) <= num_sms / 4:
-                return "cooperative", (128, 128), True
-        # (a wave nearly full stays: 8 x 1x4096x4096, 128 tiles, 65.0 us against 67.2)
-        if tile == (64, 256) and tiles(*tile) <= num_sms * 7 / 8:
-            return schedule, (64, 128), False
-    elif schedule == "cooperative" and tile[0] == 128 and tile[1] > 64:
-        if tiles(*tile) <= num_sms / 2:
-            if shares:
-                return schedule, (128, min(tile[1], 128)), True
-            return schedule, (128, 64), False
-    return schedule, tile, False
-
-
 def _split_allowed(config: GemmConfig, pinned_split: bool = True) -> bool:
     """Whether a config leaves the grid-filling rule free to take the tail split (cooperative,
     device visitor, 1x1 cluster): not pinned to a cluster or the host visitor, nor (where
@@ -212,17 +131,17 @@ def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages
     _general_rules, where the tile count is known: problems of at most 64 rows take
     ping-pong's 64-row tile even on long K (8 x 1x4096x4096: 65.0 us against cooperative
     128x256's 71.8; the varlen rule's 64-row tile, moe-decode 271 against 300), then
-    _fill_grid fills a grid that the tile leaves mostly idle (shares: where the form builds
-    the tail split and the caller allows it, the most CTAs it may share a tile over, else 0).
-    A pinned tile or schedule is kept."""
+    grid_fit.fill_grid fills a grid that the tile leaves mostly idle (shares: where the form
+    builds the tail split and the caller allows it, the most CTAs it may share a tile over,
+    else 0). A pinned tile or schedule is kept."""
     if config.tile_m is not None:
         return schedule, tile, stages, False
     if (schedule == "cooperative" and config.schedule == "auto" and avg_m <= 64
             and k_tiles > SHORT_K_TILES and _fit_schedule("pingpong", config) == "pingpong"):
         schedule, tile, stages = "pingpong", _pick_tile("pingpong", avg_m, n), config.stages
-    filled, narrow, split = _fill_grid(schedule, tile, tiles, num_sms, k_tiles,
-                                       shares if _split_allowed(config) else 0,
-                                       config.schedule == "auto")
+    filled, narrow, split = grid_fit.fill_grid(schedule, tile, tiles, num_sms, k_tiles,
+                                               shares if _split_allowed(config) else 0,
+                                               config.schedule == "auto")
     if (filled, narrow) != (schedule, tile):
         # (the rules' stage count is for their tile: the new one takes its default)
         return filled, narrow, config.stages, split
@@ -231,27 +150,28 @@ def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages
 
 def _filled(config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int,
             shares: int) -> GemmConfig:
-    """A tile voted by the nearest tuned shapes, fitted to the grid as _fill_grid fits the
-    rules' tile: the vote weighs shapes by distance in N, K and rows per expert, which does
+    """A tile voted by the nearest tuned shapes, fitted to the grid as grid_fit.fill_grid fits
+    the rules' tile: the vote weighs shapes by distance in N, K and rows per expert, which does
     not say how many experts get rows (one routed row on 64 experts lies beside 16 tokens x
     top-8)."""
-    return _narrowed(config, lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms,
+    return _narrowed(config, lambda tm, tn: grid_fit.expected_tiles(T, E, N, tm, tn), num_sms,
                      -(-K // TILE_K), shares)
 
 
 def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: int,
               k_tiles: float, shares: int = 0) -> GemmConfig:
-    """A voted config fitted by _fill_grid (tiles: the launch's tile count). The vote's
-    stages, whole-tile epilogue and tail split were timed on its tile: a new tile takes what
-    the rules give it (default stages, no whole-tile epilogue, the tail split where
-    _fill_grid takes it), else the H200 table's vote for E=1 N=512 K=14336 at 512 rows ran
-    128x64 with 128x256's 3 stages and whole epilogue."""
+    """A voted config fitted by grid_fit.fill_grid (tiles: the launch's tile count). The
+    vote's stages, whole-tile epilogue and tail split were timed on its tile: a new tile takes
+    what the rules give it (default stages, no whole-tile epilogue, the tail split where
+    grid_fit.fill_grid takes it), else the H200 table's vote for E=1 N=512 K=14336 at 512 rows
+    ran 128x64 with 128x256's 3 stages and whole epilogue."""
     tile = (config.tile_m, config.tile_n)
     if config.tile_m is None or config.schedule not in ("pingpong", "cooperative"):
         return config
     # (A vote's own tail split was timed for another launch: not a pin here.)
-    schedule, narrow, split = _fill_grid(config.schedule, tile, tiles, num_sms, k_tiles,
-                                         shares if _split_allowed(config, False) else 0, True)
+    schedule, narrow, split = grid_fit.fill_grid(
+        config.schedule, tile, tiles, num_sms, k_tiles,
+        shares if _split_allowed(config, False) else 0, True)
     if (schedule, narrow) == (config.schedule, tile):
         return config.replace(tail_split=True) if split and not config.tail_split else config
     try:
@@ -270,7 +190,7 @@ def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
     live = [(m, n, k) for m, n, k in sizes if m > 0 and n > 0]
     if not live or len(live) >= num_sms:
         return config
-    return _narrowed(config, _list_tiles(live), num_sms,
+    return _narrowed(config, grid_fit.list_tiles(live), num_sms,
                      sum(-(-k // TILE_K) for _, _, k in live) / len(live), shares)
 
 
@@ -296,12 +216,45 @@ def _choose_general_tuned(config, sizes, num_sms, out_itemsize, device, dtype, o
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
-            if hit.how != "exact":
-                tuned_config = _general_filled(tuned_config, sizes, num_sms, shares)
-            return _choose_general(tuned_config, sizes, num_sms, out_itemsize, shares)
+            if hit.how == "exact":
+                return _choose_general(tuned_config, sizes, num_sms, out_itemsize, shares)
+            tuned_config = _general_filled(tuned_config, sizes, num_sms, shares)
+            return _general_fitted(config, tuned_config, sizes, num_sms, out_itemsize, shares)
         except ValueError as exc:
             _unusable(hit, exc)
-    return _choose_general(config, sizes, num_sms, out_itemsize, shares)
+    return _general_fitted(config, config, sizes, num_sms, out_itemsize, shares)
+
+
+# Lists of at most this many distinct live (M, N) sizes are fitted to whole waves: the fit
+# counts each candidate's CTAs per size (8 tile shapes), on every new problem set.
+FIT_MAX_SIZES = 16
+
+
+def _general_fitted(user: GemmConfig, config: GemmConfig, sizes, num_sms: int,
+                    out_itemsize: int, shares: int) -> KernelChoice:
+    """_choose_general(config), fitted to whole waves (grid_fit.wave_fit) for lists of a few
+    distinct sizes."""
+    choice = _choose_general(config, sizes, num_sms, out_itemsize, shares)
+    if user.tuning_pinned:
+        return choice
+    blocks: dict[tuple[int, int], int] = {}
+    flops = bytes_moved = k_sum = 0.0
+    for m, n, k in sizes:
+        if m > 0 and n > 0:
+            blocks[m, n] = blocks.get((m, n), 0) + 1
+            if len(blocks) > FIT_MAX_SIZES:
+                return choice
+            flops += 2.0 * m * n * k
+            bytes_moved += (m * k + n * k) * AB_ITEMSIZE + m * n * out_itemsize
+            k_sum += k
+    if not blocks:
+        return choice
+    live = sum(blocks.values())
+    fitted = _fit_waves(user, config, choice, [(g, m, n) for (m, n), g in blocks.items()],
+                        flops, bytes_moved, k_sum / live, num_sms)
+    if fitted is None:
+        return choice
+    return _choose_general(fitted, sizes, num_sms, out_itemsize, shares)
 
 
 def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | None:
@@ -372,7 +325,7 @@ def _choose_general(
     ruled, filled_split = (schedule, tile), False
     if count < num_sms:  # (each live problem has a tile at least: no more can fill the grid)
 
-        exact = _list_tiles(sizes)
+        exact = grid_fit.list_tiles(sizes)
 
         def tiles(tm: int, tn: int) -> float:
             # At least sum_m / tm of them: past the grid, no pass over the problems (131
@@ -388,7 +341,7 @@ def _choose_general(
     cm, cn = _cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
             and not config.tail_split and tile[1] == 256
-            and _pairs_fill(sizes, tile[0], tile[1])):
+            and grid_fit.pairs_fill(sizes, tile[0], tile[1])):
         # 1x2, as for the batched form: the two CTAs of a cluster take adjacent n-tiles of one
         # m-tile and multicast A. Uniform headline as 256 lists (H200s, 2026-11-21,
         # interleaved, docs/measurements.md): 528 us vs 542 at 1x1 and
@@ -406,7 +359,7 @@ def _choose_general(
         tail_split = filled_split or (
             shares > 0 and schedule == "cooperative" and visitor == "device" and cm * cn == 1
             and (schedule, tile) == ruled and max_k_tiles * TILE_K >= LONG_K
-            and _last_wave_long(sizes, sort, tile, num_sms, max_k_tiles, shares))
+            and grid_fit.last_wave_long(sizes, sort, tile, num_sms, max_k_tiles, shares))
     else:
         tail_split = config.tail_split
         if tail_split:
@@ -415,46 +368,6 @@ def _choose_general(
     swizzle = raster_of(config, 8)
     return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn, swizzle,
                            epi_whole, tail_split and shares > 0)
-
-
-def _last_wave_long(sizes: tuple[tuple[int, int, int], ...], sort: bool,
-                    tile: tuple[int, int], num_sms: int, max_k_tiles: int, shares: int) -> bool:
-    """Whether the kernel would split the lists' last wave (its ways sized by the deepest
-    problem) and a tile of that wave has K >= LONG_K: the last wave holds the last problems in
-    launch order, which K-sort makes the shallowest, so a deep problem elsewhere says nothing
-    of it (a wave of K = 512 tiles is not split by the kernel, only given a workspace)."""
-    ordered = [sizes[i] for i in sched.ksort_permutation(sizes)] if sort else sizes
-    counts = sched.tiles_per_problem(ordered, *tile)
-    split = sched.tail_split_units(sum(counts), num_sms, max_k_tiles, shares)
-    if split is None:
-        return False
-    left = split[1]  # the last wave's tiles, counted from the end
-    for (_, _, k), count in zip(reversed(ordered), reversed(counts)):
-        if count:
-            if k >= LONG_K:
-                return True
-            left -= count
-            if left <= 0:
-                return False
-    return False
-
-
-# A 1x2 cluster idles the second CTA of a pair wherever a problem has an odd n-tile count (it
-# loads its half of A for its peer and stores nothing): picked automatically only when such
-# idle tiles are at most this fraction of the work.
-PAIR_IDLE_MAX = 1 / 16
-
-
-def _pairs_fill(sizes: tuple[tuple[int, int, int], ...], tile_m: int, tile_n: int) -> bool:
-    """Whether n-tile pairs cover the set's tiles with little idle work (PAIR_IDLE_MAX)."""
-    work = idle = 0
-    for m, n, k in sizes:
-        if m > 0 and n > 0:
-            tiles_m, tiles_n = -(-m // tile_m), -(-n // tile_n)
-            k_tiles = max(1, -(-k // TILE_K))
-            work += tiles_m * tiles_n * k_tiles
-            idle += tiles_m * (tiles_n & 1) * k_tiles
-    return work > 0 and idle <= work * PAIR_IDLE_MAX
 
 
 @functools.lru_cache(maxsize=64)
@@ -563,12 +476,55 @@ def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtyp
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
-            if hit.how != "exact":
-                tuned_config = _filled(tuned_config, T, E, N, K, num_sms, shares)
-            return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, shares, num_sms)
+            if hit.how == "exact":
+                return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, shares, num_sms)
+            tuned_config = _filled(tuned_config, T, E, N, K, num_sms, shares)
+            return _varlen_fitted(config, tuned_config, T, E, N, K, out_itemsize, shares,
+                                  num_sms)
         except ValueError as exc:
             _unusable(hit, exc)
-    return _varlen_rules(config, T, E, N, K, out_itemsize, shares, num_sms)
+    return _varlen_fitted(config, config, T, E, N, K, out_itemsize, shares, num_sms)
+
+
+def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int, K: int,
+                   out_itemsize: int, shares: int, num_sms: int) -> KernelChoice:
+    """_varlen_rules(config), fitted to whole waves where the tile count is known: one
+    expert (a dense layer through the grouped op) holds all T rows."""
+    choice = _varlen_rules(config, T, E, N, K, out_itemsize, shares, num_sms)
+    if E != 1 or T <= 0:
+        return choice
+    fitted = _fit_waves(user, config, choice, ((1, T, N),), 2.0 * T * N * K,
+                        (T * K + N * K) * AB_ITEMSIZE + T * N * out_itemsize, K, num_sms)
+    if fitted is None:
+        return choice
+    return _varlen_rules(fitted, T, E, N, K, out_itemsize, shares, num_sms)
+
+
+# The kernels' operands are 16-bit (bf16 / fp16).
+AB_ITEMSIZE = 2
+
+
+def _fit_waves(user: GemmConfig, config: GemmConfig, choice: KernelChoice, blocks,
+               flops: float, bytes_moved: float, K: float, num_sms: int) -> GemmConfig | None:
+    """config moved to grid_fit.wave_fit's tile (pinned with its cluster, default stages, no
+    tail split or whole-tile epilogue: what the fit assumed), or None to keep `choice`.
+    Only where the caller's config leaves every tuned field to us; blocks: (count, M, N) of
+    the launch's problems, K: their (average) depth."""
+    if user.tuning_pinned:
+        return None
+    member = grid_fit.wave_fit(
+        choice.schedule, (choice.tile_m, choice.tile_n), (choice.cluster_m, choice.cluster_n),
+        choice.tail_split, grid_fit.cluster_ctas(blocks), num_sms,
+        grid_fit.intensity(flops, bytes_moved), K / TILE_K, SHORT_K_TILES)
+    if member is None:
+        return None
+    schedule, tm, tn, cm, cn = member
+    try:
+        return config.replace(schedule=schedule, tile_m=tm, tile_n=tn, cluster_m=cm,
+                              cluster_n=cn, stages=None, whole_epilogue=False,
+                              tail_split=False)
+    except ValueError:  # (a vote's field the member does not build with: keep the choice)
+        return None
 
 
 def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
@@ -628,8 +584,8 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     else:
         picked = _pick_tile(schedule, avg_m, N)
         ruled = schedule
-        schedule, tile, filled_split = _fill_grid(
-            schedule, picked, lambda tm, tn: expected_tiles(T, E, N, tm, tn), num_sms,
+        schedule, tile, filled_split = grid_fit.fill_grid(
+            schedule, picked, lambda tm, tn: grid_fit.expected_tiles(T, E, N, tm, tn), num_sms,
             -(-K // TILE_K), shares if _split_allowed(config) else 0,
             config.schedule == "auto")
         narrowed = (schedule, tile) != (ruled, picked)
@@ -670,7 +626,7 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # per launch (the tile count lives there); where the tail is too full, nothing is split.
     # Zoo prefill rows whose last wave it splits, up to 8 ways against 2 (H200, 2026-12-01,
     # benchmarks.env_ab): a median 1.004x as fast, 0.999-1.046 (Mixtral-8x22B down).
-    # A tile fitted to the grid (_fill_grid) takes it where _fill_grid says so (its few
+    # A tile fitted to the grid (grid_fit.fill_grid) takes it where fill_grid says so (its few
     # tiles split over K fill the grid), not otherwise: a 128x64 tile narrowed without it is
     # one short wave already, which the split's fp32 join slowed by 2-4% (133 against 136 us,
     # 65 against 68).
@@ -707,7 +663,7 @@ def tail_split_enabled() -> bool:
 def split_shares() -> int:
     """The rules' shares (a key of their caches): 0 where MOE_GEMM_TAIL_SPLIT=0, else the
     most CTAs one tail tile may be split over (MOE_GEMM_SPLIT_WAYS, default SPLIT_WAYS), which
-    _fill_grid's switch to a split tile counts on."""
+    grid_fit.fill_grid's switch to a split tile counts on."""
     if not tail_split_enabled():
         return 0
     ways = env_value(SPLIT_WAYS_ENV)
@@ -732,13 +688,26 @@ def _choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize, device, dty
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
-            if hit.how != "exact":
-                tuned_config = _narrowed(tuned_config, _batched_tiles(G, M, N), num_sms,
-                                         -(-K // TILE_K), shares)
-            return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, shares)
+            if hit.how == "exact":
+                return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, shares)
+            tuned_config = _narrowed(tuned_config, grid_fit.batched_tiles(G, M, N), num_sms,
+                                     -(-K // TILE_K), shares)
+            return _batched_fitted(config, tuned_config, G, M, N, K, num_sms, out_itemsize,
+                                   shares)
         except ValueError as exc:
             _unusable(hit, exc)
-    return _choose_batched(config, G, M, N, K, num_sms, out_itemsize, shares)
+    return _batched_fitted(config, config, G, M, N, K, num_sms, out_itemsize, shares)
+
+
+def _batched_fitted(user: GemmConfig, config: GemmConfig, G: int, M: int, N: int, K: int,
+                    num_sms: int, out_itemsize: int, shares: int) -> KernelChoice:
+    """_choose_batched(config), fitted to whole waves (grid_fit.wave_fit)."""
+    choice = _choose_batched(config, G, M, N, K, num_sms, out_itemsize, shares)
+    fitted = _fit_waves(user, config, choice, ((G, M, N),), 2.0 * G * M * N * K,
+                        G * ((M * K + N * K) * AB_ITEMSIZE + M * N * out_itemsize), K, num_sms)
+    if fitted is None:
+        return choice
+    return _choose_batched(fitted, G, M, N, K, num_sms, out_itemsize, shares)
 
 
 def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
@@ -756,7 +725,7 @@ def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms:
     schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
     ruled = tile
     schedule, tile, stages, filled_split = _fill_known(
-        config, schedule, tile, stages, M, N, _batched_tiles(G, M, N), num_sms,
+        config, schedule, tile, stages, M, N, grid_fit.batched_tiles(G, M, N), num_sms,
         -(-K // TILE_K), shares)
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.

@@ -137,6 +137,8 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
                                                               device=x.device)
         return tie_to_inputs(y, x, w)
     if _grouped_mm_native_ok(args):
+        if args.dtype != torch.bfloat16 and not (x.requires_grad and torch.is_grad_enabled()):
+            return _grouped_mm_host_offs(args)
         # bf16: no host sync, torch's kernel reads offs on the GPU; other dtypes run torch's
         # own loop (it reads offs on the host, as the loop below does). The offsets as the
         # kernels read them (clamped into [0, T], a decreasing entry an empty expert), on the
@@ -163,6 +165,36 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
             return args.out
         return y.masked_fill_(tail[:, None], 0)
     return _grouped_mm_loop(args)
+
+
+def _grouped_mm_host_offs(args: GroupedMmArgs) -> torch.Tensor:
+    """torch's grouped_mm for the dtypes whose CUDA path is a loop that reads offs on the
+    host (fp16, fp32): offs are read here once instead, so that torch gets the caller's own
+    tensor where it is already valid (non-decreasing, within [0, T]) and the rows past the
+    last expert are known on the host: no clamp, scan or mask kernels around its loop (the
+    off-grid suite's fp32 row, E=16 x 2048 rows x 1024 x 1024 on an H200, 2026-12-01: 775 ->
+    536 us a call, torch's own grouped_mm 455 and 386 in the same two runs)."""
+    x, w, offs, T = args.x, args.w, args.offs, args.T
+    ends, start, valid = [], 0, True
+    for end in offs.detach().to("cpu", torch.int64).tolist():
+        fitted = min(max(end, start), T)
+        valid = valid and fitted == end
+        ends.append(fitted)
+        start = fitted
+    if not valid:
+        offs = torch.tensor(ends, dtype=offs.dtype).to(x.device, non_blocking=True)
+    last = ends[-1]
+    try:
+        y = F.grouped_mm(x, w, offs=offs, out_dtype=args.out_dtype)
+    except torch.OutOfMemoryError:
+        raise  # (the loop below would allocate as much again)
+    except RuntimeError:
+        return _grouped_mm_loop(args)  # a torch without this dtype in its grouped_mm
+    if args.out is not None:
+        args.out[:last].copy_(y[:last])
+        return tie_to_inputs(args.out, x, w)
+    y[last:].zero_()
+    return tie_to_inputs(y, x, w)
 
 
 class _ZeroGradRows(torch.autograd.Function):

@@ -128,7 +128,7 @@ def test_cluster_general_many_problems():
 
 # Problems with pairs of n-tiles (cooperative 128x256): the default picks 1x2 for them. Enough
 # of them to fill the grid (a set of a few tiles would take a narrower tile instead:
-# heuristics._fill_grid).
+# grid_fit.fill_grid).
 DEFAULT_1X2_SIZES = ((128, 512, 1088), (1, 512, 2056), (0, 512, 64), (200, 1024, 1088),
                      (129, 512, 4096), (64, 512, 1088)) * 8
 

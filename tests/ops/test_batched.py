@@ -693,7 +693,7 @@ def no_l2_hints(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.mark.parametrize("M,want", [
     (4096, ("cooperative", 128, 256, 3, False)),
-    # fewer tiles than half the grid (heuristics._fill_grid): 128x128 tiles, split over K
+    # fewer tiles than half the grid (grid_fit.fill_grid): 128x128 tiles, split over K
     # by the kernel where they leave half the grid idle
     (512, ("cooperative", 128, 128, None, True)),
     # rows of at most 64: ping-pong's 64-row tile, narrowed (64 tiles of 128x64 would be

@@ -11,7 +11,6 @@ from moe_gemm.ops.heuristics import (
     choose_batched,
     choose_general,
     choose_varlen,
-    expected_tiles,
 )
 
 
@@ -48,48 +47,6 @@ def test_varlen_pingpong_tile_by_rows_per_expert():
         "pingpong", (128, 192))
 
 
-def test_expected_tiles_counts_active_experts_and_partial_tiles():
-    # One row: one expert, one m-tile; N=2048 in 256-wide tiles: 8.
-    assert expected_tiles(1, 64, 2048, 64, 256) == pytest.approx(8.0)
-    # One expert of 3000 rows: 3000/128 + half a partial tile, times ceil(1000/256) = 4.
-    assert expected_tiles(3000, 1, 1000, 128, 256) == pytest.approx((3000 / 128 + 0.5) * 4)
-    # Many rows over many experts: every expert active, ~T/tile_m + E/2 m-tiles.
-    got = expected_tiles(65536, 64, 4096, 128, 256)
-    assert got == pytest.approx((65536 / 128 + 32) * 16, rel=1e-6)
-    assert expected_tiles(0, 8, 512, 128, 256) == 0.0
-
-
-@pytest.mark.parametrize("T,E,N,K,want", [
-    # one routed row: 32 tiles of 128x64, split over K on the idle SMs (ways = 4)
-    (1, 64, 2048, 7168, ("cooperative", (128, 64), True)),
-    (1, 4, 1024, 14336, ("cooperative", (128, 64), True)),  # 16 tiles: ways = 8
-    (1, 32, 1024, 2048, ("pingpong", (64, 128), False)),  # 32 k-tiles: two shares only
-    (1, 8, 4096, 4096, ("pingpong", (64, 128), False)),  # 64 tiles: two shares only
-    (4, 64, 2048, 7168, ("pingpong", (64, 128), False)),  # ~128 tiles of 128x64: no split
-    (2, 8, 4096, 14336, ("pingpong", (64, 128), False)),  # Mixtral down at one token
-    (8, 128, 1536, 2048, ("pingpong", (64, 128), False)),  # Qwen3 gate/up at one token, top-8
-    (1, 64, 2048, 1536, ("pingpong", (64, 128), False)),  # 24 k-tiles: too short for shares
-    (8, 256, 7168, 2048, ("pingpong", (64, 256), False)),  # ~220 tiles of 64x256: unchanged
-])
-def test_decode_on_few_experts_fills_the_grid(T, E, N, K, want, monkeypatch):
-    monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
-    c = choose_varlen(GemmConfig(), T, E, N, K, 132)
-    assert (*_sched_tile(c), c.tail_split) == want
-    # The rule counts the grid: on a GPU of few SMs the wide tile fills it.
-    assert _sched_tile(choose_varlen(GemmConfig(), T, E, N, K, 4)) == ("pingpong", (64, 256))
-    # Without the tail split (switched off, or a schedule or cluster pinned), no split.
-    for config in (GemmConfig(schedule="pingpong"), GemmConfig(tail_split=False)):
-        c = choose_varlen(config, T, E, N, K, 132)
-        assert c.schedule == "pingpong" and not c.tail_split
-    assert not choose_varlen(GemmConfig(cluster_m=2, cluster_n=1), T, E, N, K, 132).tail_split
-    # A kernel built without the split (the masked form) must not count on it.
-    c = choose_varlen(GemmConfig(), T, E, N, K, 132, split_ok=False)
-    assert c.schedule == "pingpong" and not c.tail_split
-    monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", "0")
-    c = choose_varlen(GemmConfig(), T, E, N, K, 132)
-    assert _sched_tile(c) == ("pingpong", want[1] if not want[2] else (64, 128))
-
-
 def test_decode_switch_to_the_split_tile_needs_a_split_ways_cap_of_four(monkeypatch):
     # The ping-pong -> split cooperative 128x64 switch is taken for four shares or more (two
     # lost on every shape measured): a MOE_GEMM_SPLIT_WAYS cap under four keeps ping-pong.
@@ -118,9 +75,11 @@ def test_long_k_on_few_experts_takes_cooperative_128x128_split(monkeypatch):
     c = choose_varlen(GemmConfig(), 1024, 8, 512, 32768, 132)
     assert _sched_tile(c) == ("cooperative", (128, 128))
     assert c.tail_split and not c.epi_whole and c.stages is None
-    # Over half a wave of 128x256 tiles stays (one expert of 3000 rows, ~96 tiles).
-    assert _sched_tile(choose_varlen(GemmConfig(), 3000, 1, 1000, 1536, 132)) == (
-        "cooperative", (128, 256))
+    # Over half a wave of 128x256 tiles is not narrowed (one expert of 3000 rows, ~96
+    # tiles; the whole-wave fit then moves it: tests/ops/test_grid_fit.py).
+    ruled = heuristics._varlen_rules(GemmConfig(), 3000, 1, 1000, 1536, 2,
+                                     heuristics.split_shares(), 132)
+    assert _sched_tile(ruled) == ("cooperative", (128, 256))
     # A pinned tile or tail split is kept as given.
     pinned = choose_varlen(GemmConfig(tile_m=128, tile_n=256), 1024, 8, 512, 32768, 132)
     assert (pinned.tile_m, pinned.tile_n) == (128, 256) and pinned.tail_split

@@ -407,3 +407,75 @@ def test_torch_grouped_mm_path_gives_rows_past_offs_zero_gradients(monkeypatch, 
     grouped_mm_ref(x_ref, w_ref, offs, torch.float64).backward(g.double())
     assert_close_to_ref(x.grad[:31], x_ref.grad[:31])
     assert_close_to_ref(w.grad, w_ref.grad)
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"),
+                    reason="torch without grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("ends", [[10, 10, 25, 31], [10, 8, 25, 50], [-3, 12, 40, 40]])
+def test_torch_grouped_mm_host_offs_path(monkeypatch, dtype, with_out, ends) -> None:
+    # fp16 / fp32 through torch's grouped_mm (its CUDA path is a host loop, taken here on the
+    # CPU): offs read once on the host; valid ones reach torch as the caller's own tensor,
+    # others clamped as the kernels read them (a decreasing entry an empty expert, entries
+    # within [0, T]); rows past the last expert zero, or untouched in `out`.
+    from moe_gemm.ops import reference
+
+    real = reference.F.grouped_mm
+    seen = []
+
+    def spy(x, w, offs=None, out_dtype=None):
+        seen.append(offs)
+        return real(x, w, offs=offs, out_dtype=out_dtype)
+
+    monkeypatch.setattr(reference, "_grouped_mm_native_ok", lambda args: True)
+    monkeypatch.setattr(reference.F, "grouped_mm", spy)
+    x, w, _ = make_moe_inputs(40, 4, 24, 16, dtype, generator=_gen(11))
+    offs = torch.tensor(ends, dtype=torch.int32)
+    out = torch.full((40, 16), 7.0, dtype=dtype) if with_out else None
+    y = grouped_mm_torch(GroupedMmArgs(x, w, offs, out, dtype, dtype))
+    fitted, start = [], 0
+    for end in ends:
+        start = min(max(end, start), 40)
+        fitted.append(start)
+    assert len(seen) == 1
+    if fitted == ends:
+        assert seen[0] is offs
+    else:
+        assert seen[0].tolist() == fitted
+    ref = torch.zeros(40, 16, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(fitted):
+        ref[start:end] = x[start:end].double() @ w[e].double()
+        start = end
+    last = fitted[-1]
+    assert_close_to_ref(y[:last], ref[:last])
+    if with_out:
+        assert y is out
+        assert torch.equal(out[last:], torch.full_like(out[last:], 7.0))
+    else:
+        assert torch.equal(y[last:], torch.zeros_like(y[last:]))
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"),
+                    reason="torch without grouped_mm")
+@pytest.mark.parametrize("with_out", [False, True])
+def test_torch_grouped_mm_host_offs_path_falls_back_to_the_loop(monkeypatch, with_out):
+    # A torch whose grouped_mm refuses the dtype: the host loop gives the same result.
+    from moe_gemm.ops import reference
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("grouped_mm: this dtype is not supported")
+
+    monkeypatch.setattr(reference, "_grouped_mm_native_ok", lambda args: True)
+    monkeypatch.setattr(reference.F, "grouped_mm", refuses)
+    x, w, _ = make_moe_inputs(40, 4, 24, 16, torch.float32, generator=_gen(12))
+    offs = torch.tensor([10, 8, 25, 31], dtype=torch.int32)
+    out = torch.full((40, 16), 7.0) if with_out else None
+    y = grouped_mm_torch(GroupedMmArgs(x, w, offs, out, torch.float32, torch.float32))
+    ref = torch.zeros(40, 16, dtype=torch.float64)
+    for e, (start, end) in enumerate([(0, 10), (10, 10), (10, 25), (25, 31)]):
+        ref[start:end] = x[start:end].double() @ w[e].double()
+    assert_close_to_ref(y[:31], ref[:31])
+    tail = torch.full((9, 16), 7.0) if with_out else torch.zeros(9, 16)
+    assert torch.equal(y[31:], tail)
