@@ -6,7 +6,9 @@ form, a 2-D grouped_mm of one expert) and the work is compute-bound, a tile whos
 a little past a whole wave leaves most SMs idle for the last one: one dense 3000 x 1000 x 1536
 GEMM in 128x128 tiles is 192 tiles, 1.45 waves, where 192x128 tiles make 129, one wave.
 `wave_fit` then moves the choice to the tile of a small family that runs the fewest
-tile-area-waves, when that saves a clear share of the time.
+tile-area-waves, when that saves a clear share of the time. For grouped_mm of several experts
+the routing (on the GPU) decides the count; it lies in a range (`routed_ctas`) over which the
+waves are averaged, so a tile is moved only where most routings gain.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ SHORT_K_TILES = 16
 # grouped_gemm's rules; the grid-filling rule takes the split on its own terms).
 LONG_K = 4096
 
-# Tile counts: (tile_m, tile_n) -> tiles, or with a cluster (tile_m, tile_n, cm, cn) -> CTAs.
+# Tile counts: (tile_m, tile_n) -> tiles, or with a cluster (tile_m, tile_n, cm, cn) -> the
+# CTAs a launch takes, as a (fewest, most) range: equal where the count is known.
 TileCount = Callable[[int, int], float]
-CtaCount = Callable[[int, int, int, int], float]
+CtaCount = Callable[[int, int, int, int], tuple[float, float]]
 
 
 def expected_tiles(T: int, E: int, N: int, tile_m: int, tile_n: int) -> float:
@@ -54,12 +57,25 @@ def cluster_ctas(blocks: Sequence[tuple[int, int, int]]) -> CtaCount:
     """The CTAs a launch of (count, M, N) blocks (count problems of M x N each) takes in
     clusters of cm x cn: the two CTAs of a pair always share one problem, so a problem with
     an odd tile count along the pair's axis leaves a partner idle (it still holds an SM)."""
-    def count(tm: int, tn: int, cm: int, cn: int) -> float:
+    def count(tm: int, tn: int, cm: int, cn: int) -> tuple[float, float]:
         total = 0
         for g, m, n in blocks:
             if m > 0 and n > 0:
                 total += g * (-(-(-(-m // tm)) // cm) * cm) * (-(-(-(-n // tn)) // cn) * cn)
-        return total
+        return total, total
+    return count
+
+
+def routed_ctas(T: int, E: int, N: int) -> CtaCount:
+    """The CTAs of T rows routed over E experts, the routing unknown (it lives on the GPU):
+    at fewest the rows packed into whole m-tiles, at most one partial m-tile more per expert
+    that gets rows (and its pair partner in a 2x1 cluster), times the n-tiles."""
+    active = min(E, T)
+
+    def count(tm: int, tn: int, cm: int, cn: int) -> tuple[float, float]:
+        n_ctas = -(-(-(-N // tn)) // cn) * cn
+        fewest = -(-(-(-T // tm)) // cm) * cm
+        return fewest * n_ctas, max(fewest, T // tm + active * cm) * n_ctas
     return count
 
 
@@ -188,6 +204,21 @@ MIN_INTENSITY = 256.0
 SPLIT_JOIN_WAVES = 0.25
 
 
+def expected_waves(span: tuple[float, float], num_sms: int, cm: int, cn: int,
+                   split: bool = False) -> float:
+    """waves() averaged over CTA counts spread evenly across span (fewest, most): where the
+    routing decides the count, a tile whose range straddles a wave's end is charged the
+    chance of the extra wave, not all or nothing."""
+    lo, hi = span
+    if hi <= lo:
+        return waves(lo, num_sms, cm, cn, split)
+    points = [math.ceil(lo + (hi - lo) * i / (SPREAD_POINTS - 1)) for i in range(SPREAD_POINTS)]
+    return sum(waves(p, num_sms, cm, cn, split) for p in points) / SPREAD_POINTS
+
+
+SPREAD_POINTS = 9
+
+
 def waves(ctas: float, num_sms: int, cm: int, cn: int, split: bool = False) -> float:
     """The waves a launch of `ctas` CTAs runs in (clusters of cm x cn take whole pairs of
     SMs); split: the cooperative tail split shares a last wave of at most half the grid."""
@@ -211,17 +242,17 @@ def wave_fit(schedule: str, tile: tuple[int, int], cluster: tuple[int, int], spl
     if intensity < MIN_INTENSITY or k_tiles <= min_k_tiles:
         return None
     cm, cn = cluster
-    now_ctas = ctas(tile[0], tile[1], cm, cn)
-    if now_ctas <= num_sms / 2:
+    now_span = ctas(tile[0], tile[1], cm, cn)
+    if sum(now_span) / 2 <= num_sms / 2:
         return None
-    now_waves = waves(now_ctas, num_sms, cm, cn, split)
+    now_waves = expected_waves(now_span, num_sms, cm, cn, split)
     if now_waves > MAX_WAVES:
         return None
     now = now_waves * tile[0] * tile[1]
     best, best_key = None, None
     for rank, member in enumerate(FAMILY):
         _, tm, tn, mcm, mcn = member
-        cost = waves(ctas(tm, tn, mcm, mcn), num_sms, mcm, mcn) * tm * tn
+        cost = expected_waves(ctas(tm, tn, mcm, mcn), num_sms, mcm, mcn) * tm * tn
         key = (cost, -tm * tn, rank)
         if best_key is None or key < best_key:
             best, best_key = member, key

@@ -7,8 +7,9 @@ a config with every tuned field at "auto" is first looked up in the tuned tables
 (moe_gemm.ops.tuned: the exact shape, else the vote of the nearest timed shapes); what they do not
 answer, and every config that pins a tuned field, is decided by the rules below (the numbers
 behind each rule are in the comments and AGENTS.md). A choice not taken from an exact table
-entry, for a config that pins no tuned field, is then fitted to whole waves where the tile
-count is known on the host and the launch is compute-bound (grid_fit.wave_fit).
+entry, for a config that pins no tuned field, is then fitted to whole waves where the launch
+is compute-bound (grid_fit.wave_fit: the tile count known on the host, or its range over the
+routings for grouped_mm of several experts).
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ def _general_fitted(user: GemmConfig, config: GemmConfig, sizes, num_sms: int,
     if not blocks:
         return choice
     live = sum(blocks.values())
-    fitted = _fit_waves(user, config, choice, [(g, m, n) for (m, n), g in blocks.items()],
+    fitted = _fit_waves(user, config, choice,
+                        grid_fit.cluster_ctas([(g, m, n) for (m, n), g in blocks.items()]),
                         flops, bytes_moved, k_sum / live, num_sms)
     if fitted is None:
         return choice
@@ -488,13 +490,16 @@ def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtyp
 
 def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int, K: int,
                    out_itemsize: int, shares: int, num_sms: int) -> KernelChoice:
-    """_varlen_rules(config), fitted to whole waves where the tile count is known: one
-    expert (a dense layer through the grouped op) holds all T rows."""
+    """_varlen_rules(config), fitted to whole waves (grid_fit.wave_fit): one expert (a dense
+    layer through the grouped op) holds all T rows, an exact count; over more experts the
+    count lies in a range the routing decides (grid_fit.routed_ctas)."""
     choice = _varlen_rules(config, T, E, N, K, out_itemsize, shares, num_sms)
-    if E != 1 or T <= 0:
+    if T <= 0 or E <= 0:
         return choice
-    fitted = _fit_waves(user, config, choice, ((1, T, N),), 2.0 * T * N * K,
-                        (T * K + N * K) * AB_ITEMSIZE + T * N * out_itemsize, K, num_sms)
+    ctas = (grid_fit.cluster_ctas(((1, T, N),)) if E == 1 else grid_fit.routed_ctas(T, E, N))
+    fitted = _fit_waves(user, config, choice, ctas, 2.0 * T * N * K,
+                        (T * K + min(E, T) * N * K) * AB_ITEMSIZE + T * N * out_itemsize, K,
+                        num_sms)
     if fitted is None:
         return choice
     return _varlen_rules(fitted, T, E, N, K, out_itemsize, shares, num_sms)
@@ -504,17 +509,18 @@ def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int,
 AB_ITEMSIZE = 2
 
 
-def _fit_waves(user: GemmConfig, config: GemmConfig, choice: KernelChoice, blocks,
-               flops: float, bytes_moved: float, K: float, num_sms: int) -> GemmConfig | None:
+def _fit_waves(user: GemmConfig, config: GemmConfig, choice: KernelChoice,
+               ctas: grid_fit.CtaCount, flops: float, bytes_moved: float, K: float,
+               num_sms: int) -> GemmConfig | None:
     """config moved to grid_fit.wave_fit's tile (pinned with its cluster, default stages, no
     tail split or whole-tile epilogue: what the fit assumed), or None to keep `choice`.
-    Only where the caller's config leaves every tuned field to us; blocks: (count, M, N) of
-    the launch's problems, K: their (average) depth."""
+    Only where the caller's config leaves every tuned field to us; ctas: the launch's CTA
+    count per tile and cluster, K: the problems' (average) depth."""
     if user.tuning_pinned:
         return None
     member = grid_fit.wave_fit(
         choice.schedule, (choice.tile_m, choice.tile_n), (choice.cluster_m, choice.cluster_n),
-        choice.tail_split, grid_fit.cluster_ctas(blocks), num_sms,
+        choice.tail_split, ctas, num_sms,
         grid_fit.intensity(flops, bytes_moved), K / TILE_K, SHORT_K_TILES)
     if member is None:
         return None
@@ -703,7 +709,8 @@ def _batched_fitted(user: GemmConfig, config: GemmConfig, G: int, M: int, N: int
                     num_sms: int, out_itemsize: int, shares: int) -> KernelChoice:
     """_choose_batched(config), fitted to whole waves (grid_fit.wave_fit)."""
     choice = _choose_batched(config, G, M, N, K, num_sms, out_itemsize, shares)
-    fitted = _fit_waves(user, config, choice, ((G, M, N),), 2.0 * G * M * N * K,
+    fitted = _fit_waves(user, config, choice, grid_fit.cluster_ctas(((G, M, N),)),
+                        2.0 * G * M * N * K,
                         G * ((M * K + N * K) * AB_ITEMSIZE + M * N * out_itemsize), K, num_sms)
     if fitted is None:
         return choice

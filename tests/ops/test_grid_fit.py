@@ -12,6 +12,8 @@ from moe_gemm.ops.grid_fit import (
     SHORT_K_TILES,
     cluster_ctas,
     expected_tiles,
+    expected_waves,
+    routed_ctas,
     wave_fit,
     waves,
 )
@@ -37,14 +39,40 @@ def test_expected_tiles_counts_active_experts_and_partial_tiles():
 
 def test_cluster_ctas_pads_each_problem_to_whole_pairs():
     count = cluster_ctas([(1, 3000, 1000)])
-    assert count(128, 128, 1, 1) == 24 * 8
-    assert count(192, 128, 1, 2) == 16 * 8
+    assert count(128, 128, 1, 1) == (24 * 8, 24 * 8)
+    assert count(192, 128, 1, 2) == (16 * 8, 16 * 8)
     # 5 n-tiles of 128 in a 1x2 pair: the fifth's partner idles, 6 CTAs per m-tile.
-    assert cluster_ctas([(1, 256, 640)])(128, 128, 1, 2) == 2 * 6
+    assert cluster_ctas([(1, 256, 640)])(128, 128, 1, 2) == (2 * 6, 2 * 6)
     # 3 m-tiles in 2x1 pairs: 4 per n-tile; per problem, so two problems pad twice.
-    assert cluster_ctas([(2, 300, 128)])(128, 128, 2, 1) == 2 * 4
+    assert cluster_ctas([(2, 300, 128)])(128, 128, 2, 1) == (2 * 4, 2 * 4)
     # Empty problems take nothing.
-    assert cluster_ctas([(3, 0, 512), (1, 64, 0)])(128, 128, 1, 1) == 0
+    assert cluster_ctas([(3, 0, 512), (1, 64, 0)])(128, 128, 1, 1) == (0, 0)
+
+
+def test_routed_ctas_spans_every_routing():
+    # 1000 rows over 3 experts, N = 2304 in 192-wide tiles (12, pairs of 12): at fewest 8
+    # m-tiles (1000 / 128 rounded up), at most 7 whole ones plus a partial per expert.
+    count = routed_ctas(1000, 3, 2304)
+    assert count(128, 192, 1, 2) == (8 * 12, (7 + 3) * 12)
+    # In 2x1 pairs each expert may add its partial tile and a partner: 8 .. 7 + 6.
+    assert count(128, 192, 2, 1) == (8 * 12, (7 + 6) * 12)
+    # Every routing of the rows lies in the span (brute force over splits of 1000 rows).
+    for a in range(0, 1001, 37):
+        for b in range(0, 1001 - a, 53):
+            rows = (a, b, 1000 - a - b)
+            tiles = sum(-(-r // 128) for r in rows) * 12
+            lo, hi = count(128, 192, 1, 1)
+            assert lo <= tiles <= hi
+    # More experts than rows: only the rows can be active.
+    assert routed_ctas(2, 64, 256)(128, 256, 1, 1) == (1, 2)
+
+
+def test_expected_waves_average_the_span():
+    assert expected_waves((132, 132), NSM, 1, 1) == 1
+    # A span straddling the end of a wave costs between one and two.
+    got = expected_waves((100, 164), NSM, 1, 1)
+    assert 1 < got < 2
+    assert expected_waves((133, 264), NSM, 1, 1) == 2
 
 
 def test_waves_round_up_and_the_split_charges_its_share_plus_the_join():
@@ -94,7 +122,7 @@ def test_wave_fit_keeps_what_it_should():
     assert _fit("pingpong", (128, 128), (1, 1), [(1, 1024, 1024)], 4096) is None
     # More than MAX_WAVES.
     blocks = [(1, 128 * 33, 128 * 33)]
-    assert waves(cluster_ctas(blocks)(128, 128, 1, 1), NSM, 1, 1) > MAX_WAVES
+    assert expected_waves(cluster_ctas(blocks)(128, 128, 1, 1), NSM, 1, 1) > MAX_WAVES
     assert _fit("pingpong", (128, 128), (1, 1), blocks, 8192) is None
 
 
@@ -103,22 +131,28 @@ def test_wave_fit_moves_only_past_the_gain():
     # member at all is taken when none is at most GAIN of the choice's cost.
     blocks = [(1, 3000, 1000)]
     count = cluster_ctas(blocks)
-    now = waves(count(128, 128, 1, 2), NSM, 1, 2) * 128 * 128
-    costs = {m: waves(count(m[1], m[2], m[3], m[4]), NSM, m[3], m[4]) * m[1] * m[2]
+    now = expected_waves(count(128, 128, 1, 2), NSM, 1, 2) * 128 * 128
+    costs = {m: expected_waves(count(m[1], m[2], m[3], m[4]), NSM, m[3], m[4]) * m[1] * m[2]
              for m in FAMILY}
     picked = _fit("pingpong", (128, 128), (1, 2), blocks, 1536)
     assert costs[picked] == min(costs.values()) <= GAIN * now
     assert MIN_INTENSITY > 200  # (compute-bound only: see the module's numbers)
 
 
-def test_choose_varlen_fits_one_expert_and_leaves_routed_launches():
+def test_choose_varlen_fits_one_expert_and_routed_launches():
     assert _name(choose_varlen(GemmConfig(), 3000, 1, 1000, 1536, NSM)) == (
         "pingpong", (192, 128), (1, 2))
-    # Two experts: the routing (on the GPU) decides the tile count; not fitted.
-    two = choose_varlen(GemmConfig(), 3000, 2, 1000, 1536, NSM)
-    assert _name(two) == _name(heuristics._varlen_rules(
-        GemmConfig(), 3000, 2, 1000, 1536, 2, heuristics.split_shares(), NSM))
-    assert _name(two) != ("pingpong", (192, 128), (1, 2))
+    # Two experts of 1800 rows, N = 1536, K = 2560: 128x128 pairs span 15-16 m-tiles x 12
+    # (1.4 waves); 192x128 pairs 10-12 x 12, one wave (measured, H200: 24.0 us against 30.4).
+    rules = heuristics._varlen_rules(GemmConfig(), 1800, 2, 1536, 2560, 2,
+                                     heuristics.split_shares(), NSM)
+    two = choose_varlen(GemmConfig(), 1800, 2, 1536, 2560, NSM)
+    assert _name(two) == ("pingpong", (192, 128), (1, 2)) != _name(rules)
+    # Many experts on a short launch of long K whose span covers whole waves either way
+    # keep the rules' tile (the model zoo's shapes: every choice unchanged).
+    many = choose_varlen(GemmConfig(), 4096, 64, 2048, 7168, NSM)
+    assert _name(many) == _name(heuristics._varlen_rules(
+        GemmConfig(), 4096, 64, 2048, 7168, 2, heuristics.split_shares(), NSM))
     # A pinned tuned field: the rules decide, no fit.
     pinned = choose_varlen(GemmConfig(schedule="cooperative"), 3000, 1, 1000, 1536, NSM)
     assert pinned.schedule == "cooperative"
