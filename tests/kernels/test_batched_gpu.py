@@ -83,3 +83,19 @@ def test_batched_size_one_dims_with_odd_strides():
     torch.cuda.synchronize()
     ref = x.float() @ w.float()
     check("batched/size-one-odd-stride", y, ref, torch.bmm(x, w))
+
+
+# The 3-D form's default fitted to whole waves (ops/grid_fit.py): it runs the fitted choice
+# and gives the right result.
+@pytest.mark.parametrize("G,M,N,K", [(3, 1500, 1024, 2048), (2, 1000, 3072, 2048)])
+def test_batched_default_whole_wave_fit(G, M, N, K):
+    from moe_gemm.ops import heuristics, launch_info, launch_kernel
+
+    dev = torch.device("cuda")
+    keys = launch_kernel.table_keys(dev, torch.bfloat16, torch.bfloat16)
+    want = heuristics.choose_batched(GemmConfig(), G, M, N, K, launch_kernel.sm_count(dev),
+                                    **keys)
+    run_batched(f"batched/wave-fit/{G}x{M}x{N}x{K}", G, M, N, K)
+    got = launch_info.last_launch().choice
+    assert (got.schedule, got.tile_m, got.tile_n, got.cluster_m, got.cluster_n) == (
+        want.schedule, want.tile_m, want.tile_n, want.cluster_m, want.cluster_n)

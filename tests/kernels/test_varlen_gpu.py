@@ -72,3 +72,22 @@ def test_varlen_single_row_and_all_empty():
     ok = bool((y0 == 0).all())
     record("varlen/all-empty-zero", ok)
     assert ok
+
+
+# Launches the whole-wave fit moves (ops/grid_fit.py): one expert, and a few experts whose
+# routings all but fill whole waves in the fitted tile. The default must run the fitted
+# choice (as choose_varlen gives it for this GPU) and give the right result.
+@pytest.mark.parametrize("E,T,N,K", [(1, 3000, 1000, 1536), (2, 1800, 1536, 2560),
+                                     (5, 2800, 1536, 2560), (3, 1000, 3072, 2048)])
+def test_varlen_default_whole_wave_fit(E, T, N, K):
+    from moe_gemm.ops import heuristics, launch_info, launch_kernel
+
+    dev = torch.device("cuda")
+    keys = launch_kernel.table_keys(dev, torch.bfloat16, torch.bfloat16)
+    want = heuristics.choose_varlen(GemmConfig(), T, E, N, K, launch_kernel.sm_count(dev),
+                                    **keys)
+    run_varlen(f"varlen/wave-fit/{E}x{T}x{N}x{K}", E, T, N, K, "zipf", torch.bfloat16,
+               "nk_view", None, "alloc")
+    got = launch_info.last_launch().choice
+    assert (got.schedule, got.tile_m, got.tile_n, got.cluster_m, got.cluster_n) == (
+        want.schedule, want.tile_m, want.tile_n, want.cluster_m, want.cluster_n)
