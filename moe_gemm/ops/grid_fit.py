@@ -233,12 +233,14 @@ def waves(ctas: float, num_sms: int, cm: int, cn: int, split: bool = False) -> f
 
 def wave_fit(schedule: str, tile: tuple[int, int], cluster: tuple[int, int], split: bool,
              ctas: CtaCount, num_sms: int, intensity: float, k_tiles: float,
-             min_k_tiles: int) -> tuple[str, int, int, int, int] | None:
+             min_k_tiles: int, area: float = 0.0) -> tuple[str, int, int, int, int] | None:
     """The FAMILY member to run instead of (schedule, tile, cluster, split), or None to keep
     it: only on compute-bound launches (intensity, FLOPs per byte, >= MIN_INTENSITY) of
     mainloops longer than min_k_tiles (short ones are bound by their epilogues), of more than
     half a wave (fewer tiles are the grid-filling rule's) and at most MAX_WAVES, and only
-    where the member's tile-area-waves are at most GAIN of the choice's."""
+    where the member's tile-area-waves are at most GAIN of the choice's. area: the launch's
+    output elements; no tile runs fewer tile-area-waves than area / num_sms, so a choice
+    within GAIN of that is kept without counting the members."""
     if intensity < MIN_INTENSITY or k_tiles <= min_k_tiles:
         return None
     cm, cn = cluster
@@ -249,6 +251,8 @@ def wave_fit(schedule: str, tile: tuple[int, int], cluster: tuple[int, int], spl
     if now_waves > MAX_WAVES:
         return None
     now = now_waves * tile[0] * tile[1]
+    if GAIN * now < area / num_sms:
+        return None
     best, best_key = None, None
     for rank, member in enumerate(FAMILY):
         _, tm, tn, mcm, mcn = member

@@ -226,20 +226,24 @@ def _choose_general_tuned(config, sizes, num_sms, out_itemsize, device, dtype, o
     return _general_fitted(config, config, sizes, num_sms, out_itemsize, shares)
 
 
-# Lists of at most this many distinct live (M, N) sizes are fitted to whole waves: the fit
-# counts each candidate's CTAs per size (8 tile shapes), on every new problem set.
+# Lists of at most this many problems, of at most FIT_MAX_SIZES distinct live (M, N) sizes,
+# are fitted to whole waves: the fit passes over the problems and counts each candidate's CTAs
+# per size (8 tile shapes) on every new problem set (8 problems on the CPU-only dev machine:
+# 36 us a new set's choice, 16 without the fit; a repeated set's choice is cached); a longer
+# list is left as the rules have it.
+FIT_MAX_PROBLEMS = 64
 FIT_MAX_SIZES = 16
 
 
 def _general_fitted(user: GemmConfig, config: GemmConfig, sizes, num_sms: int,
                     out_itemsize: int, shares: int) -> KernelChoice:
-    """_choose_general(config), fitted to whole waves (grid_fit.wave_fit) for lists of a few
-    distinct sizes."""
+    """_choose_general(config), fitted to whole waves (grid_fit.wave_fit) for short lists of
+    a few distinct sizes."""
     choice = _choose_general(config, sizes, num_sms, out_itemsize, shares)
-    if user.tuning_pinned:
+    if len(sizes) > FIT_MAX_PROBLEMS or user.tuning_pinned:
         return choice
     blocks: dict[tuple[int, int], int] = {}
-    flops = bytes_moved = k_sum = 0.0
+    flops = bytes_moved = k_sum = area = 0.0
     for m, n, k in sizes:
         if m > 0 and n > 0:
             blocks[m, n] = blocks.get((m, n), 0) + 1
@@ -248,12 +252,13 @@ def _general_fitted(user: GemmConfig, config: GemmConfig, sizes, num_sms: int,
             flops += 2.0 * m * n * k
             bytes_moved += (m * k + n * k) * AB_ITEMSIZE + m * n * out_itemsize
             k_sum += k
+            area += m * n
     if not blocks:
         return choice
     live = sum(blocks.values())
-    fitted = _fit_waves(user, config, choice,
+    fitted = _fit_waves(None, config, choice,
                         grid_fit.cluster_ctas([(g, m, n) for (m, n), g in blocks.items()]),
-                        flops, bytes_moved, k_sum / live, num_sms)
+                        flops, bytes_moved, k_sum / live, num_sms, area)
     if fitted is None:
         return choice
     return _choose_general(fitted, sizes, num_sms, out_itemsize, shares)
@@ -499,7 +504,7 @@ def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int,
     ctas = (grid_fit.cluster_ctas(((1, T, N),)) if E == 1 else grid_fit.routed_ctas(T, E, N))
     fitted = _fit_waves(user, config, choice, ctas, 2.0 * T * N * K,
                         (T * K + min(E, T) * N * K) * AB_ITEMSIZE + T * N * out_itemsize, K,
-                        num_sms)
+                        num_sms, T * N)
     if fitted is None:
         return choice
     return _varlen_rules(fitted, T, E, N, K, out_itemsize, shares, num_sms)
@@ -509,19 +514,20 @@ def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int,
 AB_ITEMSIZE = 2
 
 
-def _fit_waves(user: GemmConfig, config: GemmConfig, choice: KernelChoice,
+def _fit_waves(user: GemmConfig | None, config: GemmConfig, choice: KernelChoice,
                ctas: grid_fit.CtaCount, flops: float, bytes_moved: float, K: float,
-               num_sms: int) -> GemmConfig | None:
+               num_sms: int, area: float) -> GemmConfig | None:
     """config moved to grid_fit.wave_fit's tile (pinned with its cluster, default stages, no
     tail split or whole-tile epilogue: what the fit assumed), or None to keep `choice`.
-    Only where the caller's config leaves every tuned field to us; ctas: the launch's CTA
-    count per tile and cluster, K: the problems' (average) depth."""
-    if user.tuning_pinned:
+    Only where the caller's config leaves every tuned field to us (user: None where the
+    caller checked); ctas: the launch's CTA count per tile and cluster, K: the problems'
+    (average) depth, area: their output elements."""
+    if user is not None and user.tuning_pinned:
         return None
     member = grid_fit.wave_fit(
         choice.schedule, (choice.tile_m, choice.tile_n), (choice.cluster_m, choice.cluster_n),
         choice.tail_split, ctas, num_sms,
-        grid_fit.intensity(flops, bytes_moved), K / TILE_K, SHORT_K_TILES)
+        grid_fit.intensity(flops, bytes_moved), K / TILE_K, SHORT_K_TILES, area)
     if member is None:
         return None
     schedule, tm, tn, cm, cn = member
@@ -711,7 +717,8 @@ def _batched_fitted(user: GemmConfig, config: GemmConfig, G: int, M: int, N: int
     choice = _choose_batched(config, G, M, N, K, num_sms, out_itemsize, shares)
     fitted = _fit_waves(user, config, choice, grid_fit.cluster_ctas(((G, M, N),)),
                         2.0 * G * M * N * K,
-                        G * ((M * K + N * K) * AB_ITEMSIZE + M * N * out_itemsize), K, num_sms)
+                        G * ((M * K + N * K) * AB_ITEMSIZE + M * N * out_itemsize), K, num_sms,
+                        G * M * N)
     if fitted is None:
         return choice
     return _choose_batched(fitted, G, M, N, K, num_sms, out_itemsize, shares)

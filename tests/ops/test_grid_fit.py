@@ -197,3 +197,26 @@ def test_an_exact_table_entry_is_never_refitted(monkeypatch):
         assert _name(got) == ("pingpong", (192, 128), (1, 2))
     finally:
         heuristics.clear_caches()
+
+
+def test_general_fit_skips_long_lists():
+    # More than FIT_MAX_PROBLEMS problems (one size): left as the rules have it.
+    sizes = ((3000, 1000, 1536),) * (heuristics.FIT_MAX_PROBLEMS + 1)
+    assert choose_general(GemmConfig(), sizes, NSM) == heuristics._choose_general(
+        GemmConfig(), sizes, NSM, 2, heuristics.split_shares())
+
+
+def test_wave_fit_stops_at_the_area_bound_without_counting_members():
+    # A choice within GAIN of the output area spread over the grid cannot be beaten by
+    # 1 - GAIN: the members are never counted.
+    calls = []
+    exact = cluster_ctas([(1, 128 * 12, 128 * 11)])  # 132 tiles of 128x128: one full wave
+
+    def counting(tm, tn, cm, cn):
+        calls.append((tm, tn, cm, cn))
+        return exact(tm, tn, cm, cn)
+
+    area = 128 * 12 * 128 * 11
+    assert wave_fit("pingpong", (128, 128), (1, 1), False, counting, NSM, 1000.0, 64,
+                    SHORT_K_TILES, area) is None
+    assert calls == [(128, 128, 1, 1)]
