@@ -202,6 +202,8 @@ MIN_INTENSITY = 256.0
 # plus this (the split ran 10% behind whole waves of 192x128: 75.3 against 67.6 us on
 # 6144 x 1024 x 4096, where tile-area-waves gave 1.45 x 32768 against 2 x 24576).
 SPLIT_JOIN_WAVES = 0.25
+# CTA counts sampled across a routed launch's range (expected_waves).
+SPREAD_POINTS = 9
 
 
 def expected_waves(span: tuple[float, float], num_sms: int, cm: int, cn: int,
@@ -215,8 +217,6 @@ def expected_waves(span: tuple[float, float], num_sms: int, cm: int, cn: int,
     points = [math.ceil(lo + (hi - lo) * i / (SPREAD_POINTS - 1)) for i in range(SPREAD_POINTS)]
     return sum(waves(p, num_sms, cm, cn, split) for p in points) / SPREAD_POINTS
 
-
-SPREAD_POINTS = 9
 
 
 def waves(ctas: float, num_sms: int, cm: int, cn: int, split: bool = False) -> float:
