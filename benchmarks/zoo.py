@@ -232,18 +232,20 @@ def estimate_case_s(fields: dict[str, Any], ceilings: dict[str, Any], reps: int,
 
 def _choice_source(fields: dict[str, Any], device: torch.device, fp8: bool = False) -> str:
     """How our default picked its kernel here: a tuned table (exact / nearest / model) or
-    the rules (FP8: always the rules, moe_gemm.ops.heuristics_fp8 has no tables)."""
+    the rules, "+waves" where the whole-wave fit moved the tile (FP8: always the rules,
+    moe_gemm.ops.heuristics_fp8 has no tables)."""
     if device.type != "cuda":
         return "torch backend"
     if fp8:
         return "rules"
     from moe_gemm.capability import device_name, sm_count
     from moe_gemm.config import GemmConfig
-    from moe_gemm.ops.heuristics import tuned_hit
+    from moe_gemm.ops.heuristics import choice_source, choose_varlen, tuned_hit
 
-    hit = tuned_hit("varlen", GemmConfig(), sm_count(device), device=device_name(device),
-                    shape=(fields["rows"], fields["E"], fields["N"], fields["K"]))
-    return "rules" if hit is None else f"table:{hit.how}"
+    shape = (fields["rows"], fields["E"], fields["N"], fields["K"])
+    nsm, name = sm_count(device), device_name(device)
+    hit = tuned_hit("varlen", GemmConfig(), nsm, device=name, shape=shape)
+    return choice_source(hit, choose_varlen(GemmConfig(), *shape, nsm, device=name))
 
 
 def _precompile(cases, device: torch.device, log) -> Any:

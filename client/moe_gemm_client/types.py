@@ -41,7 +41,8 @@ class KernelInfo:
     Attributes:
         rows: T, the row count it was warmed for.
         config: The config's name, as `moe-gemm tune` prints it (e.g. "coop 128x256 s3 p16").
-        source: Where it came from: "table:exact", "table:neighbours" or "rules".
+        source: Where it came from: "table:exact", "table:neighbours" or "rules", with
+            "+waves" where the whole-wave fit then moved its tile.
     """
 
     rows: int

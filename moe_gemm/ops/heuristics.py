@@ -62,6 +62,7 @@ class KernelChoice:
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
     peek_wait: bool = False  # 16-bit: the math warps test the next stage's barrier a k-tile ahead
     split_ways: int = SPLIT_WAYS  # with tail_split: the most CTAs one tail tile is split over
+    wave_fit: bool = False  # the whole-wave fit moved the tile (grid_fit.wave_fit; reports)
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
@@ -261,7 +262,8 @@ def _general_fitted(user: GemmConfig, config: GemmConfig, sizes, num_sms: int,
                         flops, bytes_moved, k_sum / live, num_sms, area)
     if fitted is None:
         return choice
-    return _choose_general(fitted, sizes, num_sms, out_itemsize, shares)
+    return replace(_choose_general(fitted, sizes, num_sms, out_itemsize, shares),
+                   wave_fit=True)
 
 
 def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | None:
@@ -507,7 +509,8 @@ def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int,
                         num_sms, T * N)
     if fitted is None:
         return choice
-    return _varlen_rules(fitted, T, E, N, K, out_itemsize, shares, num_sms)
+    return replace(_varlen_rules(fitted, T, E, N, K, out_itemsize, shares, num_sms),
+                   wave_fit=True)
 
 
 # The kernels' operands are 16-bit (bf16 / fp16).
@@ -721,7 +724,8 @@ def _batched_fitted(user: GemmConfig, config: GemmConfig, G: int, M: int, N: int
                         G * M * N)
     if fitted is None:
         return choice
-    return _choose_batched(fitted, G, M, N, K, num_sms, out_itemsize, shares)
+    return replace(_choose_batched(fitted, G, M, N, K, num_sms, out_itemsize, shares),
+                   wave_fit=True)
 
 
 def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
@@ -796,6 +800,14 @@ def _check_tile(schedule: str, tile: tuple[int, int]) -> None:
             f"tile {tile[0]}x{tile[1]} is not built for schedule {schedule!r}; expected one of "
             + ", ".join(f"{m}x{n}" for m, n in allowed)
         )
+
+
+def choice_source(hit: tuned.Hit | None, choice: KernelChoice) -> str:
+    """Where a choice came from, for reports: "table:exact", "table:neighbours" or "rules"
+    (hit: tuned_hit's answer for the call), with "+waves" where the whole-wave fit then moved
+    its tile."""
+    source = "rules" if hit is None else f"table:{hit.how}"
+    return source + "+waves" if choice.wave_fit else source
 
 
 def tuned_hit(form: str, config: GemmConfig, num_sms: int, *, device: str | None,

@@ -99,7 +99,8 @@ class WeightSet:
     version: int
     created: float = field(default_factory=time.time)
     # Per warmed row count: {"rows", "config" (a name as `moe-gemm tune` prints it),
-    # "source" ("table:exact" | "table:neighbours" | "rules")}; cute only.
+    # "source" ("table:exact" | "table:neighbours" | "rules", "+waves" where the whole-wave
+    # fit moved the tile)}; cute only.
     kernels: tuple[dict[str, object], ...] = ()
     # FP8 sets (w float8): the decoding scales in the op's orientation (fp8_weights.py):
     # (E, K/128, ceil(N/128)) block-wise, (E, N) per channel, (E,) per expert; else None.

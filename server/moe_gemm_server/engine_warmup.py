@@ -155,7 +155,7 @@ class WarmUpMixin:
             return fp8_warm_choices(ws, self.config, self.warmup_rows_for(ws))[1]
         try:
             from moe_gemm.capability import sm_count
-            from moe_gemm.ops.heuristics import choose_varlen, tuned_hit
+            from moe_gemm.ops.heuristics import choice_source, choose_varlen, tuned_hit
             from moe_gemm.tuning.space import fields_of, name_of
 
             nsm, name = sm_count(self.device), self._device_name()
@@ -169,7 +169,7 @@ class WarmUpMixin:
                 hit = tuned_hit("varlen", self.config, nsm, device=name, dtype=dtype,
                                 shape=(T, ws.E, ws.N, ws.K))
                 report.append({"rows": T, "config": name_of(fields_of(c, "varlen")),
-                               "source": "rules" if hit is None else f"table:{hit.how}"})
+                               "source": choice_source(hit, c)})
             return tuple(report)
         except Exception:  # noqa: BLE001 - a report must never fail a weight upload
             log.warning("could not report the kernel choices of %r", ws.name, exc_info=True)

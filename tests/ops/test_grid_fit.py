@@ -220,3 +220,15 @@ def test_wave_fit_stops_at_the_area_bound_without_counting_members():
     assert wave_fit("pingpong", (128, 128), (1, 1), False, counting, NSM, 1000.0, 64,
                     SHORT_K_TILES, area) is None
     assert calls == [(128, 128, 1, 1)]
+
+
+def test_choice_records_the_fit_and_reports_say_so():
+    fitted = choose_varlen(GemmConfig(), 3000, 1, 1000, 1536, NSM)
+    assert fitted.wave_fit
+    assert heuristics.choice_source(None, fitted) == "rules+waves"
+    hit = tuned.Hit((("tile_m", 128),), "neighbours", "t.json")
+    assert heuristics.choice_source(hit, fitted) == "table:neighbours+waves"
+    kept = choose_varlen(GemmConfig(), 65536, 64, 4096, 7168, NSM)
+    assert not kept.wave_fit and heuristics.choice_source(None, kept) == "rules"
+    assert choose_batched(GemmConfig(), 3, 1500, 1024, 2048, NSM).wave_fit
+    assert choose_general(GemmConfig(), ((3000, 1000, 1536),), NSM).wave_fit
