@@ -257,13 +257,10 @@ def _general_fitted(user: GemmConfig, config: GemmConfig, sizes, num_sms: int,
     if not blocks:
         return choice
     live = sum(blocks.values())
-    fitted = _fit_waves(None, config, choice,
-                        grid_fit.cluster_ctas([(g, m, n) for (m, n), g in blocks.items()]),
-                        flops, bytes_moved, k_sum / live, num_sms, area)
-    if fitted is None:
-        return choice
-    return replace(_choose_general(fitted, sizes, num_sms, out_itemsize, shares),
-                   wave_fit=True)
+    return _fit_waves(
+        config, choice, lambda c: _choose_general(c, sizes, num_sms, out_itemsize, shares),
+        grid_fit.cluster_ctas([(g, m, n) for (m, n), g in blocks.items()]),
+        flops, bytes_moved, k_sum / live, num_sms, area)
 
 
 def _general_key(sizes, dtype: str, out_dtype: str) -> tuple[tuned.Key, int] | None:
@@ -501,45 +498,42 @@ def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int,
     layer through the grouped op) holds all T rows, an exact count; over more experts the
     count lies in a range the routing decides (grid_fit.routed_ctas)."""
     choice = _varlen_rules(config, T, E, N, K, out_itemsize, shares, num_sms)
-    if T <= 0 or E <= 0:
+    if T <= 0 or E <= 0 or user.tuning_pinned:
         return choice
     ctas = (grid_fit.cluster_ctas(((1, T, N),)) if E == 1 else grid_fit.routed_ctas(T, E, N))
-    fitted = _fit_waves(user, config, choice, ctas, 2.0 * T * N * K,
-                        (T * K + min(E, T) * N * K) * AB_ITEMSIZE + T * N * out_itemsize, K,
-                        num_sms, T * N)
-    if fitted is None:
-        return choice
-    return replace(_varlen_rules(fitted, T, E, N, K, out_itemsize, shares, num_sms),
-                   wave_fit=True)
+    return _fit_waves(
+        config, choice, lambda c: _varlen_rules(c, T, E, N, K, out_itemsize, shares, num_sms),
+        ctas, 2.0 * T * N * K,
+        (T * K + min(E, T) * N * K) * AB_ITEMSIZE + T * N * out_itemsize, K, num_sms, T * N)
 
 
 # The kernels' operands are 16-bit (bf16 / fp16).
 AB_ITEMSIZE = 2
 
 
-def _fit_waves(user: GemmConfig | None, config: GemmConfig, choice: KernelChoice,
-               ctas: grid_fit.CtaCount, flops: float, bytes_moved: float, K: float,
-               num_sms: int, area: float) -> GemmConfig | None:
-    """config moved to grid_fit.wave_fit's tile (pinned with its cluster, default stages, no
-    tail split or whole-tile epilogue: what the fit assumed), or None to keep `choice`.
-    Only where the caller's config leaves every tuned field to us (user: None where the
-    caller checked); ctas: the launch's CTA count per tile and cluster, K: the problems'
-    (average) depth, area: their output elements."""
-    if user is not None and user.tuning_pinned:
-        return None
+def _fit_waves(config: GemmConfig, choice: KernelChoice,
+               rules: Callable[[GemmConfig], KernelChoice], ctas: grid_fit.CtaCount,
+               flops: float, bytes_moved: float, K: float, num_sms: int,
+               area: float) -> KernelChoice:
+    """`choice` (the form's rules for `config`), or where grid_fit.wave_fit moves it, the
+    rules for config pinned to the fit's tile and cluster (default stages, no tail split or
+    whole-tile epilogue: what the fit assumed), marked wave_fit. For a caller's config that
+    pins no tuned field (the callers check); ctas: the launch's CTA count per tile and
+    cluster, K: the problems' (average) depth, area: their output elements."""
     member = grid_fit.wave_fit(
         choice.schedule, (choice.tile_m, choice.tile_n), (choice.cluster_m, choice.cluster_n),
         choice.tail_split, ctas, num_sms,
         grid_fit.intensity(flops, bytes_moved), K / TILE_K, SHORT_K_TILES, area)
     if member is None:
-        return None
+        return choice
     schedule, tm, tn, cm, cn = member
     try:
-        return config.replace(schedule=schedule, tile_m=tm, tile_n=tn, cluster_m=cm,
-                              cluster_n=cn, stages=None, whole_epilogue=False,
-                              tail_split=False)
+        moved = config.replace(schedule=schedule, tile_m=tm, tile_n=tn, cluster_m=cm,
+                               cluster_n=cn, stages=None, whole_epilogue=False,
+                               tail_split=False)
     except ValueError:  # (a vote's field the member does not build with: keep the choice)
-        return None
+        return choice
+    return replace(rules(moved), wave_fit=True)
 
 
 def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
@@ -718,14 +712,12 @@ def _batched_fitted(user: GemmConfig, config: GemmConfig, G: int, M: int, N: int
                     num_sms: int, out_itemsize: int, shares: int) -> KernelChoice:
     """_choose_batched(config), fitted to whole waves (grid_fit.wave_fit)."""
     choice = _choose_batched(config, G, M, N, K, num_sms, out_itemsize, shares)
-    fitted = _fit_waves(user, config, choice, grid_fit.cluster_ctas(((G, M, N),)),
-                        2.0 * G * M * N * K,
-                        G * ((M * K + N * K) * AB_ITEMSIZE + M * N * out_itemsize), K, num_sms,
-                        G * M * N)
-    if fitted is None:
+    if user.tuning_pinned:
         return choice
-    return replace(_choose_batched(fitted, G, M, N, K, num_sms, out_itemsize, shares),
-                   wave_fit=True)
+    return _fit_waves(
+        config, choice, lambda c: _choose_batched(c, G, M, N, K, num_sms, out_itemsize, shares),
+        grid_fit.cluster_ctas(((G, M, N),)), 2.0 * G * M * N * K,
+        G * ((M * K + N * K) * AB_ITEMSIZE + M * N * out_itemsize), K, num_sms, G * M * N)
 
 
 def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:

@@ -102,12 +102,26 @@ def expert_spans(offs: torch.Tensor, rows: int) -> list[tuple[int, int, int]]:
     synchronisation on CUDA: the torch backend's loops), clamped into [0, rows] as the kernels
     read them: a decreasing entry (unchecked on the GPU) is an empty expert."""
     spans, start = [], 0
-    for e, end in enumerate(offs.detach().to("cpu", torch.int64).clamp(0, rows).tolist()):
-        end = max(end, start)
+    for e, end in enumerate(fitted_ends(host_offsets(offs), rows)):
         if end > start:
             spans.append((e, start, end))
         start = end
     return spans
+
+
+def host_offsets(offs: torch.Tensor) -> list[int]:
+    """offs as Python ints (a synchronisation on CUDA)."""
+    return offs.detach().to("cpu", torch.int64).tolist()
+
+
+def fitted_ends(ends: list[int], rows: int) -> list[int]:
+    """Each expert's end row as the kernels read offs: within [its start, rows], so that a
+    decreasing entry is an empty expert."""
+    fitted, start = [], 0
+    for end in ends:
+        start = min(max(end, start), rows)
+        fitted.append(start)
+    return fitted
 
 
 def tie_to_inputs(y: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
@@ -139,8 +153,8 @@ def grouped_mm_torch(args: GroupedMmArgs) -> torch.Tensor:
     if _grouped_mm_native_ok(args):
         if args.dtype != torch.bfloat16 and not (x.requires_grad and torch.is_grad_enabled()):
             return _grouped_mm_host_offs(args)
-        # bf16: no host sync, torch's kernel reads offs on the GPU; other dtypes run torch's
-        # own loop (it reads offs on the host, as the loop below does). The offsets as the
+        # bf16: no host sync, torch's kernel reads offs on the GPU; fp16 / fp32 with x's
+        # gradient run torch's own loop (it reads offs on the host). The offsets as the
         # kernels read them (clamped into [0, T], a decreasing entry an empty expert), on the
         # GPU: torch would start the next expert at the lower value.
         offs = offs.clamp(0, T).cummax(0).values
@@ -175,13 +189,9 @@ def _grouped_mm_host_offs(args: GroupedMmArgs) -> torch.Tensor:
     off-grid suite's fp32 row, E=16 x 2048 rows x 1024 x 1024 on an H200, 2026-12-01: 775 ->
     536 us a call, torch's own grouped_mm 455 and 386 in the same two runs)."""
     x, w, offs, T = args.x, args.w, args.offs, args.T
-    ends, start, valid = [], 0, True
-    for end in offs.detach().to("cpu", torch.int64).tolist():
-        fitted = min(max(end, start), T)
-        valid = valid and fitted == end
-        ends.append(fitted)
-        start = fitted
-    if not valid:
+    given = host_offsets(offs)
+    ends = fitted_ends(given, T)
+    if ends != given:
         offs = torch.tensor(ends, dtype=offs.dtype).to(x.device, non_blocking=True)
     last = ends[-1]
     try:

@@ -22,11 +22,11 @@ plain Python/numpy so it runs (and is tested) anywhere:
 - `cost_model` gives each CTA's work in k-iterations and the makespan, which decides K-sort.
 - Tail split (cooperative general/varlen/batched kernels for long K,
   `tail_split_assignment`): when the last wave holds rem <= G/2 tiles, the launch splits
-  them `ways` times
-  (`tail_split_units`): unit full+j (full = the tiles of the whole waves) is share j // rem
-  of tile full + j mod rem over a share of K; a tile takes min(ways, its own k-tiles / 16,
-  at least 2) shares (fewer where a list's problem is shallower than the deepest), the first
-  of them publish fp32 partials and the last one's CTA adds them and stores.
+  them `ways` times (`tail_split_units`): unit full+j (full = the tiles of the whole waves)
+  is share j // rem of tile full + j mod rem over a share of K; a tile takes min(ways, its
+  own k-tiles / 16, at least 2) shares (fewer where a list's problem is shallower than the
+  deepest), the first of them publish fp32 partials and the last one's CTA adds them and
+  stores.
 """
 
 from __future__ import annotations
