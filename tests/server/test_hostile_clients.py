@@ -138,3 +138,22 @@ def test_a_stalled_upload_does_not_hold_the_drain(tmp_path: Path) -> None:
             assert time.monotonic() - t0 < BODY_TIMEOUT_S + 10
     finally:
         s.stop()
+
+
+def test_a_chunked_body_over_the_limit_gets_413_and_the_connection_is_closed(
+        tmp_path: Path) -> None:
+    """Refused once its counted bytes passed --max-body-bytes, a chunked body was answered
+    413 on a connection left open: the server went on receiving and discarding the rest of
+    the body, however long, as a 413 from Content-Length (or a 408) never does."""
+    with live_server(tmp_path / "data", "--max-body-bytes", "100000",
+                     "--warmup-rows", "1") as s:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=15) as sock:
+            sock.sendall(b"POST /v1/grouped-gemm HTTP/1.1\r\nHost: t\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            chunk = b"\0" * 60_000
+            for _ in range(2):  # 120 KB: past the limit, and more is still to come
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            status, headers, body = read_http_response(sock)
+            assert status == 413 and b"--max-body-bytes" in body, (status, body)
+            assert headers.get("connection") == "close", headers
+            assert sock.recv(1) == b""  # closed: the rest of the body is not received
