@@ -355,6 +355,30 @@ def test_zoo_models_and_routing():
         zoo.parse_tokens("1,x", (1,))
 
 
+def test_held_out_models_are_outside_the_zoo_and_the_shipped_tables():
+    held = zoo.select_models("held-out")
+    assert held == list(zoo.HELD_OUT) and len(held) >= 10
+    assert not {m.name for m in held} & {m.name for m in zoo.MODELS}
+    assert [m.name for m in zoo.select_models("all")] == sorted(
+        (m.name for m in zoo.MODELS), key=lambda n: n not in zoo.DEFAULT_MODELS)
+    assert zoo.select_models("dbrx, Qwen3-Next-80B-A3B") == [zoo.BY_NAME["DBRX"],
+                                                            zoo.BY_NAME["Qwen3-Next-80B-A3B"]]
+
+    def shapes(models):
+        return {(p.E, p.N, p.K) for m in models for p in m.projections()}
+
+    assert not shapes(held) & shapes(zoo.MODELS)
+    for m in held:
+        for p in m.projections():
+            assert p.N * 2 % 16 == 0 and p.K * 2 % 16 == 0 and 1 <= p.top_k <= p.E
+    for path in sorted(Path(tuned.__file__).parent.parent.joinpath("tables").glob("*.json")):
+        doc = json.loads(path.read_text())
+        for timed in ("entries", "samples"):  # no exact entry, nor a vote from its own shape
+            assert not {(e["E"], e["N"], e["K"]) for e in doc[timed]} & shapes(held), path.name
+    with pytest.raises(ValueError, match="held-out"):
+        zoo.select_models("Nope")
+
+
 def _inclusion(weights: list[float], top_k: int) -> list[float]:
     """Exact chance that each expert is among a token's top_k when the token picks one by one,
     each pick in proportion to the weights of the experts it has not picked yet."""
