@@ -273,7 +273,12 @@ class Service(WeightsMixin):
             self.inflight -= 1
 
     def deadline_for(self, request: Request, timeout_us: int | None) -> float | None:
-        us = timeout_us if timeout_us else self.settings.default_timeout_us
+        default = self.settings.default_timeout_us
+        us = timeout_us if timeout_us else default
+        if default and us > default:
+            # The model config says allow_timeout_override, which in Triton's queue policy lets
+            # a request shorten the operator's default timeout, never lengthen (or remove) it.
+            us = default
         if not us:
             return None
         arrival = request.scope.get("state", {}).get("t_arrival", time.monotonic())

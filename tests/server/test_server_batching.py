@@ -327,6 +327,36 @@ def test_bad_admission_headers(batching_server):
 # --------------------------------------------------------------------------- admission
 
 
+def test_a_request_timeout_shortens_the_default_but_never_lengthens_it(tmp_path):
+    """--default-timeout-us is the operator's bound: as Triton's allow_timeout_override says,
+    a request may set a shorter timeout, while a longer one (or one past a year, which alone
+    means none) keeps the default."""
+    server = LiveServer(tmp_path / "data", "--batch-delay-us", str(int(SLOW_DELAY_S * 1e6)),
+                        "--default-timeout-us", "600000", "--log-level", "warning")
+    try:
+        server.start()
+        url = server.url
+        _put(url, "d", torch.randn(2, 8, 4))
+        x = torch.randn(2, 8)
+        c = torch.tensor([1, 1], dtype=torch.int32)
+        for headers, low, high in (({}, 0.59, 2.5), ({"X-Timeout-Us": "150000"}, 0.14, 0.55),
+                                   ({"X-Timeout-Us": "30000000"}, 0.59, 2.5)):
+            t0 = time.monotonic()
+            r = _mm(url, "d", x, c, **headers)
+            elapsed = time.monotonic() - t0
+            assert r.status_code == 504 and "timeout" in r.json()["error"], headers
+            assert low <= elapsed < high, (headers, elapsed)
+        body = {"inputs": [
+            {"name": "x", "shape": [2, 8], "datatype": "FP32", "data": x.flatten().tolist()},
+            {"name": "counts", "shape": [2], "datatype": "INT32", "data": c.tolist()}],
+            "parameters": {"timeout": 10**400}}
+        t0 = time.monotonic()
+        r = HTTP.post(f"{url}/v2/models/d/infer", json=body)
+        assert r.status_code == 504 and 0.59 <= time.monotonic() - t0 < 2.5
+    finally:
+        server.stop()
+
+
 def test_full_queue_gives_429(slow_server):
     url = slow_server.url
     w = torch.randn(2, 8, 4)
