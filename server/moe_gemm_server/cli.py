@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-batch-flops", type=int, help="FLOPs per launch (default 2^42)")
     a("--max-batch-requests", type=int, help="requests per launch (default 256)")
     a("--max-queue", type=int, help="queued requests before 429 (default 1024)")
-    a("--default-timeout-us", type=int, help="timeout of requests that set none (default 0 = "
-      "none)")
+    a("--default-timeout-us", type=int, help="timeout of requests that set none, and the "
+      "longest one a request may set (default 0 = none)")
     a("--default-priority", type=int, help="priority level of requests with priority 0 "
       "(default 2; 1 is highest)")
     a("--drain-timeout-s", type=float, help="longest wait for queued work on shutdown "
