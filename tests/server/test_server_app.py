@@ -473,6 +473,15 @@ def test_hostile_inputs_get_4xx_with_a_json_error(tmp_path):
             r = mm(ok_body, **{"x-timeout-us": bad})
             assert r.status_code == 400 and "x-timeout-us must be" in r.json()["error"], bad
         assert mm(ok_body, **{"x-timeout-us": "999999999999999999"}).status_code == 200
+        # a header given twice: the same value is one value, different values are a 400
+        for name, values, status in (("x-priority", ("1", "1"), 200),
+                                     ("x-priority", ("1", "bogus"), 400),
+                                     ("x-timeout-us", ("5000000", "1"), 400)):
+            r = client.post("/v1/weights/m/grouped-mm", content=ok_body,
+                            headers=[(name, v) for v in values])
+            assert r.status_code == status, (name, values, r.text)
+            if status == 400:
+                assert f"{name} is given 2 times" in r.json()["error"]
         # v2: a value that does not fit the declared INT32, a shape past int32
         req = {"inputs": [
             {"name": "x", "datatype": "FP32", "shape": [10, 32], "data": x.tolist()},

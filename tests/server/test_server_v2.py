@@ -399,6 +399,24 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
     return cases
 
 
+def test_a_binary_header_length_given_twice_with_different_values_is_refused(main_server,
+                                                                            models):
+    x = np.ones((2, K), np.float32).tobytes()
+    c = np.array([2, 0, 0, 0], np.int32).tobytes()
+    h = {"inputs": [{"name": "x", "shape": [2, K], "datatype": "FP32",
+                     "parameters": {"binary_data_size": len(x)}},
+                    {"name": "counts", "shape": [E], "datatype": "INT32",
+                     "parameters": {"binary_data_size": len(c)}}]}
+    body, headers = _binary_body(h, x, c)
+    n = headers.pop("Inference-Header-Content-Length")
+    url = f"{main_server.url}/v2/models/v2-fp32/infer"
+    twice = [*headers.items(), ("Inference-Header-Content-Length", n)]
+    r = httpx.post(url, content=body, headers=[*twice, ("Inference-Header-Content-Length", "5")])
+    assert r.status_code == 400 and "given 2 times" in r.json()["error"], r.text
+    r = httpx.post(url, content=body, headers=[*twice, ("Inference-Header-Content-Length", n)])
+    assert r.status_code == 200, r.text  # the same value twice is that value
+
+
 @pytest.mark.parametrize("case", _bad_v2_cases(), ids=lambda c: c[0])
 def test_bad_v2_requests(main_server, models, case):
     _, body, headers, status = case

@@ -42,8 +42,18 @@ async def off_loop_if_large(body: bytes | bytearray, parse: Callable[[], T]) -> 
     return await asyncio.to_thread(parse)
 
 
+def single_header(request: Request, name: str) -> str | None:
+    """The header's value; a header sent more than once with different values is a 400 (which
+    copy was meant cannot be known: taking the first would act on a value the client may not
+    have meant, as two Content-Length values are an error in HTTP)."""
+    values = request.headers.getlist(name)
+    if len({v.strip() for v in values}) > 1:
+        raise bad_request(f"{name} is given {len(values)} times with different values")
+    return values[0] if values else None
+
+
 def _int_header(request: Request, name: str) -> int | None:
-    raw = request.headers.get(name)
+    raw = single_header(request, name)
     if raw is None:
         return None
     text = raw.strip()

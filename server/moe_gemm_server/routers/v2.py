@@ -27,7 +27,7 @@ from ..jobs import mm_job
 from ..limits import read_body
 from ..service import ClientGone, Service
 from ..v2 import TORCH_TO_V2, V2Request, encode_response, parse_request
-from .common import check_json_answer, off_loop_if_large
+from .common import check_json_answer, off_loop_if_large, single_header
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 
@@ -244,7 +244,7 @@ async def _infer(name: str, request: Request, service: Service) -> Response:
     ws = await service.weight_set(name)
     async with service.tracked():
         body = await read_body(request, service.settings.max_body_bytes)
-        hlen = request.headers.get("inference-header-content-length")
+        hlen = single_header(request, "inference-header-content-length")
         req, tensors = await off_loop_if_large(
             body, lambda: parse_request(body, hlen, lambda names: _check_inputs(name, names)))
         _check_body_model(req, name)
