@@ -129,9 +129,10 @@ MODELS: tuple[MoEModel, ...] = (
 )
 # Models the shipped tables were never tuned on, from their config.json values: `--models
 # held-out` (the zoo benchmark, the tuner) runs them to measure how the config choice does on
-# shapes it has not seen (the tables' nearest entries, the rules and the whole-wave fit). No
-# (E, N, K) of theirs is a zoo model's (tests/tuning/test_tables.py): DeepSeek-V2 (GLM-4.5's
-# experts at top-6) and dots.llm1 (GLM-4.5-Air's) are left out for that reason. 8 to 512 experts, top-1 to top-10, N from
+# shapes it has not seen (the tables' nearest timed shapes, the rules and the whole-wave fit).
+# No (E, N, K) of theirs is in a shipped table's entries or samples
+# (tests/tuning/test_tables.py): DeepSeek-V2 (GLM-4.5's experts at top-6) and dots.llm1
+# (GLM-4.5-Air's) are left out for that reason. 8 to 512 experts, top-1 to top-10, N from
 # 1024 to 65536, K from 512 to 32768.
 HELD_OUT: tuple[MoEModel, ...] = (
     MoEModel("DBRX", "databricks/dbrx-instruct", 16, 4, 6144, 10752),
