@@ -134,6 +134,48 @@ def operand_rows_loaded(rows: int, tile_m: int, tile_n: int = BYTES_TILE_N,
     return loaded
 
 
+# Every tile swapped (the rows on the WGMMA's N side, weights on its M side in tiles of
+# SWAP_TILE_COLS columns), each expert's rows split evenly over ceil(rows / max_rows) tiles in
+# whole units of rows: (name, max_rows, unit). Its tiles of one weight panel then differ by at
+# most one unit, so they stay in step (docs/measurements.md: skipped row blocks).
+SWAP_DESIGNS = (
+    ("swapped, <= 256 rows a tile, 16-row units", 256, 16),
+    ("swapped, <= 256 rows a tile, 8-row units", 256, 8),
+)
+SWAP_TILE_COLS = 128
+
+
+def even_row_split(rows: int, max_rows: int, unit: int) -> list[int]:
+    """The rows each of an expert's swapped tiles computes: ceil(rows / max_rows) tiles of
+    whole units, as even as units allow (their sum is rows rounded up to the unit)."""
+    units = -(-max(rows, 0) // unit)
+    tiles = -(-units // (max_rows // unit))
+    if tiles == 0:
+        return []
+    q, extra = divmod(units, tiles)
+    return [(q + (j < extra)) * unit for j in range(tiles)]
+
+
+def swap_designs(model_names: str | None, tokens: list[int], seed: int = 1234
+                 ) -> list[dict[str, Any]]:
+    """SWAP_DESIGNS on the zoo's routings: the rows-rounding waste, and the L2-to-SM operand
+    bytes per weight column against 128-row tiles of BYTES_TILE_N columns (each swapped tile
+    loads its rows and its SWAP_TILE_COLS weight columns, per element of K)."""
+    counts_all = zoo_routings(model_names, tokens, seed)
+    base = [sum(operand_rows_loaded(r, 128) for r in c) / BYTES_TILE_N for c in counts_all]
+    out = []
+    for name, max_rows, unit in SWAP_DESIGNS:
+        w = [sum(sum(even_row_split(r, max_rows, unit)) for r in c) / max(1, sum(c)) - 1
+             for c in counts_all]
+        b = [sum(rows + SWAP_TILE_COLS for r in c for rows in even_row_split(r, max_rows, unit))
+             / SWAP_TILE_COLS / max(1e-30, b0) for c, b0 in zip(counts_all, base)]
+        out.append({"design": name, "max_rows": max_rows, "unit": unit,
+                    "median": statistics.median(w), "max": max(w),
+                    "above_5_percent": sum(x > 0.05 for x in w), "cases": len(w),
+                    "operand_bytes_vs_128": statistics.median(b)})
+    return out
+
+
 def tail_designs(model_names: str | None, tokens: list[int], seed: int = 1234
                  ) -> list[dict[str, Any]]:
     """The rows-rounding waste of each TAIL_DESIGNS tiling on the zoo's routings (no N or K
@@ -177,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = waste_rows(args.models, tokens, args.device or None, args.seed)
     floor = granularity_floor(args.models, tokens, args.seed)
     designs = tail_designs(args.models, tokens, args.seed)
+    swapped = swap_designs(args.models, tokens, args.seed)
     doc = {"device_table": args.device or None, "tokens": tokens, "rows": rows,
-           "summary": summary(rows), "rows_granularity_floor": floor, "tail_designs": designs}
+           "summary": summary(rows), "rows_granularity_floor": floor, "tail_designs": designs,
+           "swap_designs": swapped}
     if args.out:
         write_json(Path(args.out), doc)
     print(f"{'case':34} | {'rows/expert':>11} | {'choice':24} | {'waste':>6} | {'no cluster':>10}")
@@ -196,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * f['max']:6.1f}%, above 5% on {f['above_5_percent']} of {f['cases']}")
     print(f"rows rounding of tail designs (each expert's last tile), and the L2-to-SM operand "
           f"bytes they load against 128-row tiles ({BYTES_TILE_N}-column tiles):")
-    for d in designs:
-        print(f"  {d['design']:34s}: median {100 * d['median']:5.1f}%, max "
+    for d in designs + swapped:
+        print(f"  {d['design']:42s}: median {100 * d['median']:5.1f}%, max "
               f"{100 * d['max']:6.1f}%, above 5% on {d['above_5_percent']} of {d['cases']}; "
               f"bytes x{d['operand_bytes_vs_128']:.3f}")
     return 0
