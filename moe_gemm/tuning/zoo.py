@@ -171,7 +171,7 @@ def select_models(spec: str | None) -> list[MoEModel]:
         return [BY_NAME[n] for n in DEFAULT_MODELS]
     if spec.strip().lower() == "held-out":
         return list(HELD_OUT)
-    lower = {m.name.lower(): m for m in MODELS + HELD_OUT}
+    lower = {name.lower(): model for name, model in BY_NAME.items()}
     picked, unknown = [], []
     for name in (s.strip() for s in spec.split(",")):
         if not name:
@@ -183,7 +183,7 @@ def select_models(spec: str | None) -> list[MoEModel]:
             picked.append(model)
     if unknown or not picked:
         raise ValueError(f"unknown model(s) {', '.join(unknown) or '(none)'}; known: "
-                         + ", ".join(m.name for m in MODELS + HELD_OUT)
+                         + ", ".join(BY_NAME)
                          + " ('all', 'default', 'held-out')")
     return picked
 
