@@ -439,8 +439,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(block-scaled and row-wise) against torch's FP8 grouped GEMMs, on the "
                    "models that ship FP8 checkpoints")
     p.add_argument("--models", help="comma-separated model names, 'all' (default: "
-                   f"{','.join(DEFAULT_MODELS)}; with --fp8 {','.join(FP8_MODELS)}); --list "
-                   "shows them")
+                   f"{','.join(DEFAULT_MODELS)}; with --fp8 {','.join(FP8_MODELS)}), or "
+                   "'held-out' (models no table was tuned on); --list shows them")
     p.add_argument("--tokens", help="token counts, in order ('all' = "
                    f"{','.join(map(str, models.TOKENS))}; default "
                    f"{','.join(map(str, DEFAULT_TOKENS))})")

@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-gemm tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--zoo", action="store_true", help="tune the model zoo's projections")
-    p.add_argument("--models", help="with --zoo: comma-separated model names (default all)")
+    p.add_argument("--models", help="with --zoo: comma-separated model names, 'all' (the "
+                   "default) or 'held-out' (models the shipped tables were not tuned on)")
     p.add_argument("--tokens", help="with --zoo: token counts, in priority order (default "
                    f"{','.join(map(str, DEFAULT_TOKENS))}; 'all')")
     p.add_argument("--shapes", action="append", default=[], metavar="E,N,K,ROWS[,ROWS...]",
