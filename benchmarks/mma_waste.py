@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks.report import write_json
 from moe_gemm.config import GemmConfig
+from moe_gemm.kernels.sm90.constants import SWAP_TILE_COLS
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops.heuristics import choose_varlen
 from moe_gemm.tuning import zoo as models
@@ -40,18 +41,20 @@ def waste_rows(model_names: str | None, tokens: list[int], device: str | None,
             for p in m.projections():
                 counts = models.topk_counts(p.E, t, min(p.top_k, p.E), seed)
                 T = sum(counts)
-                c = choose_varlen(GemmConfig(), T, p.E, p.N, p.K, NUM_SMS, 2, device=device)
+                c = choose_varlen(GemmConfig(), T, p.E, p.N, p.K, NUM_SMS, 2, device=device,
+                                  swap_ok=True)
                 work = sched.mma_work([(r, p.N, p.K) for r in counts], c.tile_m, c.tile_n,
-                                      TILE_K, c.cluster_m, c.cluster_n)
+                                      TILE_K, c.cluster_m, c.cluster_n, c.swap_ab)
                 rows.append({
                     "model": m.name, "proj": p.proj, "tokens": t, "top_k": p.top_k, "E": p.E,
                     "N": p.N, "K": p.K, "rows": T, "rows_per_expert": T / p.E,
-                    "choice": f"{c.schedule} {c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}",
+                    "choice": f"{'swap' if c.swap_ab else c.schedule} {c.tile_m}x{c.tile_n} "
+                              f"c{c.cluster_m}x{c.cluster_n}",
                     "wasted_fraction": work.wasted_fraction,
                     # the same tile without the cluster: what the M rounding alone costs
                     "wasted_without_cluster": sched.mma_work(
                         [(r, p.N, p.K) for r in counts], c.tile_m, c.tile_n,
-                        TILE_K).wasted_fraction,
+                        TILE_K, swapped=c.swap_ab).wasted_fraction,
                 })
     return rows
 
@@ -142,18 +145,6 @@ SWAP_DESIGNS = (
     ("swapped, <= 256 rows a tile, 16-row units", 256, 16),
     ("swapped, <= 256 rows a tile, 8-row units", 256, 8),
 )
-SWAP_TILE_COLS = 128
-
-
-def even_row_split(rows: int, max_rows: int, unit: int) -> list[int]:
-    """The rows each of an expert's swapped tiles computes: ceil(rows / max_rows) tiles of
-    whole units, as even as units allow (their sum is rows rounded up to the unit)."""
-    units = -(-max(rows, 0) // unit)
-    tiles = -(-units // (max_rows // unit))
-    if tiles == 0:
-        return []
-    q, extra = divmod(units, tiles)
-    return [(q + (j < extra)) * unit for j in range(tiles)]
 
 
 def swap_designs(model_names: str | None, tokens: list[int], seed: int = 1234
@@ -165,9 +156,10 @@ def swap_designs(model_names: str | None, tokens: list[int], seed: int = 1234
     base = [sum(operand_rows_loaded(r, 128) for r in c) / BYTES_TILE_N for c in counts_all]
     out = []
     for name, max_rows, unit in SWAP_DESIGNS:
-        w = [sum(sum(even_row_split(r, max_rows, unit)) for r in c) / max(1, sum(c)) - 1
+        w = [sum(sum(sched.even_row_split(r, max_rows, unit)) for r in c) / max(1, sum(c)) - 1
              for c in counts_all]
-        b = [sum(rows + SWAP_TILE_COLS for r in c for rows in even_row_split(r, max_rows, unit))
+        b = [sum(rows + SWAP_TILE_COLS for r in c
+                 for rows in sched.even_row_split(r, max_rows, unit))
              / SWAP_TILE_COLS / max(1e-30, b0) for c, b0 in zip(counts_all, base)]
         out.append({"design": name, "max_rows": max_rows, "unit": unit,
                     "median": statistics.median(w), "max": max(w),

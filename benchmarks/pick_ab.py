@@ -106,7 +106,7 @@ def launched_fields(case: dict[str, Any], device: torch.device,
 
     config = GemmConfig() if fields is None else space.config_of(fields)
     choice = choose_varlen(config, case["rows"], case["E"], case["N"], case["K"],
-                           sm_count(device), device=device_name(device))
+                           sm_count(device), device=device_name(device), swap_ok=True)
     return space.fields_of(choice, "varlen")
 
 

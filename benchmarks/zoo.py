@@ -245,7 +245,8 @@ def _choice_source(fields: dict[str, Any], device: torch.device, fp8: bool = Fal
     shape = (fields["rows"], fields["E"], fields["N"], fields["K"])
     nsm, name = sm_count(device), device_name(device)
     hit = tuned_hit("varlen", GemmConfig(), nsm, device=name, shape=shape)
-    return choice_source(hit, choose_varlen(GemmConfig(), *shape, nsm, device=name))
+    return choice_source(hit, choose_varlen(GemmConfig(), *shape, nsm, device=name,
+                                            swap_ok=True))
 
 
 def _precompile(cases, device: torch.device, log) -> Any:

@@ -201,6 +201,12 @@ def check_variants(full: bool):
         trim_a=True)
     add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), gate="silu",
         gate_layout="concat", trim_a=True)
+    # Swapped tiles (the routed rows on the WGMMA's N side, 16 variants of N): both weight
+    # majors, fp16 with the peeked waits.
+    swap = dict(epi_n=16, trim_a=True, swap_ab=True)
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 128), **swap)
+    add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 128), **swap)
+    add("varlen", "float16", "float16", "k", "cooperative", (256, 128), peek_wait=True, **swap)
     # Peeked stage waits (the next stage's barrier tested a k-tile ahead): both schedules.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), cluster_n=2,
         trim_a=True, peek_wait=True)

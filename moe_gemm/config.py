@@ -46,7 +46,7 @@ MAX_RASTER_PANEL = 64
 # The fields a tuned table sets (moe_gemm.ops.tuned); backend stays the caller's.
 TUNED_FIELDS = ("schedule", "visitor", "sort_by_k", "tile_m", "tile_n", "cluster_m",
                 "cluster_n", "stages", "raster_panel", "tail_split", "whole_epilogue",
-                "raster_along", "raster_serpentine")
+                "raster_along", "raster_serpentine", "swap_ab")
 RASTER_AXES = ("m", "n")
 
 
@@ -101,6 +101,12 @@ class GemmConfig:
         whole_epilogue: stage a whole output tile in shared memory and store it with two
             barrier syncs instead of two per 32-column subtile (cooperative schedule, 128-row
             tiles, 16-bit output; it costs A/B pipeline stages). None = heuristic.
+        swap_ab: grouped_mm's 2-D x 3-D (MoE) form computes each expert as out^T = w^T x^T,
+            the routed rows on the WGMMA's N side: tiles of 128 weight columns by up to 256
+            rows, each expert's rows split evenly over its tiles in steps of 16, so an expert
+            computes fewer than 16 padding rows (the M-side tiles pad to 64 or 128; for few
+            large experts). Cooperative, device visitor, 1x1 cluster, 16-bit output; the
+            other forms refuse it. None = off unless MOE_GEMM_SWAP_AB=1; False = off.
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,
@@ -122,6 +128,7 @@ class GemmConfig:
     whole_epilogue: bool | None = None
     raster_along: str | None = None
     raster_serpentine: bool | None = None
+    swap_ab: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
@@ -129,7 +136,8 @@ class GemmConfig:
         _check_choice("visitor", self.visitor, VISITORS)
         if self.raster_along is not None:
             _check_choice("raster_along", self.raster_along, RASTER_AXES)
-        for name in ("sort_by_k", "tail_split", "whole_epilogue", "raster_serpentine"):
+        for name in ("sort_by_k", "tail_split", "whole_epilogue", "raster_serpentine",
+                     "swap_ab"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be None or a bool; got {value!r}")
@@ -196,10 +204,37 @@ class GemmConfig:
             raise ValueError("whole_epilogue=True is built for cooperative 128-row tiles; got "
                              f"tile {self.tile_m}x{self.tile_n}")
 
+        if self.swap_ab:
+            self._check_swap_ab()
+
+    def _check_swap_ab(self) -> None:
+        """swap_ab=True fixes the kernel's schedule, tile, visitor and cluster: pins of any
+        other value are refused."""
+        conflicts = []
+        if self.schedule == "pingpong":
+            conflicts.append("schedule='pingpong'")
+        if self.visitor == "host":
+            conflicts.append("visitor='host'")
+        if self.tile_m is not None and (self.tile_m, self.tile_n) != (256, 128):
+            conflicts.append(f"tile {self.tile_m}x{self.tile_n}")
+        if self.cluster_m is not None and (self.cluster_m, self.cluster_n) != (1, 1):
+            conflicts.append(f"cluster {self.cluster_m}x{self.cluster_n}")
+        if self.tail_split:
+            conflicts.append("tail_split=True")
+        if self.whole_epilogue:
+            conflicts.append("whole_epilogue=True")
+        if conflicts:
+            raise ValueError(
+                "swap_ab=True runs cooperative tiles of 256 rows x 128 columns on the device "
+                "visitor in a 1x1 cluster, without the tail split or the whole-tile epilogue; "
+                f"got {', '.join(conflicts)}")
+
     @property
     def tuning_pinned(self) -> bool:
-        """Whether any field the tuned tables choose is pinned (then the rules decide)."""
-        return any(getattr(self, name) not in (None, "auto") for name in TUNED_FIELDS)
+        """Whether any field the tuned tables choose is pinned (then the rules decide).
+        swap_ab=False only keeps swapped tiles out: the tables still choose among the rest."""
+        return any(getattr(self, name) not in (None, "auto") for name in TUNED_FIELDS
+                   if name != "swap_ab") or bool(self.swap_ab)
 
     def replace(self, **changes: object) -> GemmConfig:
         """A copy with some fields changed (validated like a new config)."""

@@ -226,6 +226,12 @@ VARIABLES: dict[str, Variable] = {
         flag_value,
         "1: the 16-bit kernels' math warps test the next A/B stage's barrier a k-tile ahead "
         "(opt-in, even in time on an H200; default: wait at each k-tile)"),
+    "MOE_GEMM_SWAP_AB": Variable(
+        override_value,
+        "1 / 0: grouped_mm's 2-D x 3-D form runs swapped tiles (the routed rows on the WGMMA's "
+        "N side, 128 weight columns x up to 256 rows) everywhere / nowhere (default: where "
+        "about 192-320 rows reach each of at most 128 experts, K >= 2048; GemmConfig.swap_ab "
+        "pins it)"),
     "MOE_GEMM_L2_HINTS": Variable(
         l2_hints_value,
         "'a,b', each first, normal or last: L2 eviction hints on the A and B loads"),

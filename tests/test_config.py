@@ -49,9 +49,28 @@ def test_as_dict_round_trips() -> None:
         "backend": "auto", "schedule": "cooperative", "visitor": "device", "sort_by_k": True,
         "tile_m": tm, "tile_n": tn, "cluster_m": cm, "cluster_n": cn, "stages": 4,
         "raster_panel": 16, "tail_split": False, "whole_epilogue": True, "raster_along": "n",
-        "raster_serpentine": True,
+        "raster_serpentine": True, "swap_ab": None,
     }
     assert GemmConfig(**d) == c
+
+
+def test_swap_ab_pins_its_kernel_and_refuses_other_pins() -> None:
+    assert GemmConfig(swap_ab=True).swap_ab and GemmConfig(swap_ab=False).swap_ab is False
+    # Pins of the kernel's own values are taken.
+    GemmConfig(swap_ab=True, schedule="cooperative", visitor="device", tile_m=256, tile_n=128,
+               cluster_m=1, cluster_n=1, tail_split=False, whole_epilogue=False, stages=4)
+    with pytest.raises(TypeError, match="swap_ab must be None or a bool"):
+        GemmConfig(swap_ab=1)  # type: ignore[arg-type]
+    for pins, named in (({"schedule": "pingpong"}, "schedule='pingpong'"),
+                        ({"visitor": "host"}, "visitor='host'"),
+                        ({"tile_m": 128, "tile_n": 256}, "tile 128x256"),
+                        ({"cluster_m": 2, "cluster_n": 1}, "cluster 2x1"),
+                        ({"tail_split": True}, "tail_split=True"),
+                        ({"whole_epilogue": True, "tile_m": 128, "tile_n": 128},
+                         "whole_epilogue=True")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            GemmConfig(swap_ab=True, **pins)
+        GemmConfig(swap_ab=False, **pins)  # (only swap_ab=True fixes them)
 
 
 def test_raster_order_pins_are_checked() -> None:

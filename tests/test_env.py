@@ -377,6 +377,7 @@ def _readers() -> dict[str, object]:
         "MOE_GEMM_SPLIT_WAYS": lambda: heuristics.with_split_ways(_choice()),
         "MOE_GEMM_TRIM_A": lambda: heuristics.with_trim_a(_choice()),
         "MOE_GEMM_PEEK_WAIT": lambda: heuristics.with_peek_wait(_choice()),
+        "MOE_GEMM_SWAP_AB": lambda: heuristics.swap_ab_wanted(GemmConfig(), 4096, 16, 5120, 2),
         "MOE_GEMM_L2_HINTS": lambda: heuristics.with_l2_hints(_choice()),
         "MOE_GEMM_PDL": _pdl,
         # (GroupedGemmPlan reads it so where the kernel runs, on a GPU only)
@@ -410,6 +411,7 @@ VALUES = {
     "MOE_GEMM_SPLIT_WAYS": ("1", "4"),
     "MOE_GEMM_TRIM_A": ("auto", "1"),
     "MOE_GEMM_PEEK_WAIT": ("enabled", "On"),
+    "MOE_GEMM_SWAP_AB": ("swapped", "0"),
     "MOE_GEMM_L2_HINTS": ("first", " first , last"),
     "MOE_GEMM_PDL": ("2", "1"),
     "MOE_GEMM_PLAN_GRAPH": ("graph", "no"),

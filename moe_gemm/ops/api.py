@@ -43,6 +43,7 @@ from moe_gemm.ops.heuristics import (
     GATHER_WIDE_ENV,
     PEEK_WAIT_ENV,
     SPLIT_WAYS_ENV,
+    SWAP_AB_ENV,
     TAIL_SPLIT_ENV,
     TRIM_A_ENV,
 )
@@ -95,7 +96,8 @@ _scans = 0
 # them, tuned.state.)
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
                   TAIL_SPLIT_ENV, SPLIT_WAYS_ENV, TRIM_A_ENV, PEEK_WAIT_ENV, PROMOTE_LAG_ENV,
-                  SCALE_AHEAD_ENV, SMEM_SCALES_ENV, GATHER_WIDE_ENV, FAST_GATE_ENV, *tuned.SWITCHES)
+                  SCALE_AHEAD_ENV, SMEM_SCALES_ENV, GATHER_WIDE_ENV, FAST_GATE_ENV, SWAP_AB_ENV,
+                  *tuned.SWITCHES)
 
 
 _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call
@@ -148,11 +150,16 @@ def _caller_level() -> int:
     return level
 
 
-def _check_config(config: object) -> GemmConfig:
+def _check_config(config: object, swap_refused: str | None = None) -> GemmConfig:
+    """config as a GemmConfig (None: the default); swap_refused names the operation when it
+    cannot run swapped tiles (a ValueError for swap_ab=True, on every backend alike)."""
     if config is None:
         return DEFAULT_CONFIG
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got {type(config).__name__}")
+    if swap_refused is not None and config.swap_ab:
+        raise ValueError(f"swap_ab=True is built for grouped_mm's 2-D x 3-D (MoE) form; "
+                         f"{swap_refused} does not take it")
     return config
 
 
@@ -310,7 +317,7 @@ def _scanned_grouped_gemm(a, b, config, out_dtype, extra) -> list[torch.Tensor] 
 
 
 def _detailed_grouped_gemm(a, b, out, config, out_dtype) -> list[torch.Tensor]:
-    cfg = _check_config(config)
+    cfg = _check_config(config, "grouped_gemm")
     if _symbolic(*(a if type(a) in _SEQUENCES else ()), *(b if type(b) in _SEQUENCES else ()),
                  *(out if type(out) in _SEQUENCES else ())):
         return custom_ops.grouped_gemm(a, b, out=out, config=config, out_dtype=out_dtype)
@@ -468,6 +475,7 @@ def _detailed_grouped_mm(x, w, offs, out, config, out_dtype) -> torch.Tensor:
 
 
 def _detailed_grouped_bmm(x, w, out, cfg, config, out_dtype) -> torch.Tensor:
+    _check_config(config, "grouped_mm's 3-D x 3-D form")
     args = check_grouped_bmm(x, w, out, out_dtype)
     problem = cute_problem(args.x.device) if cfg.backend != "torch" else "torch requested"
     unsupported = grouped_bmm_unsupported(args, cfg) if problem is None else None

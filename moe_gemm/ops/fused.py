@@ -137,7 +137,7 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
             if link and torch.is_grad_enabled():
                 return inference_only(NO_BACKWARD, run, _grad_inputs(x, w, row_weight, bias))
             return run()
-    cfg = api._check_config(config)
+    cfg = api._check_config(config, "fused_grouped_mm")
     if api._symbolic(*present):
         return fused_custom_ops.fused_grouped_mm(
             x, w, offs, row_index=row_index, bias=bias, gate=gate, gate_layout=gate_layout,

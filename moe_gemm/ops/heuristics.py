@@ -23,6 +23,9 @@ from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.env import env_reader, env_value
 from moe_gemm.kernels.sm90.constants import (
     SPLIT_WAYS,
+    SWAP_ROW_UNIT,
+    SWAP_TILE_COLS,
+    SWAP_TILE_ROWS,
     TILE_K,
     raster_code,
     raster_fields,
@@ -63,12 +66,14 @@ class KernelChoice:
     peek_wait: bool = False  # 16-bit: the math warps test the next stage's barrier a k-tile ahead
     split_ways: int = SPLIT_WAYS  # with tail_split: the most CTAs one tail tile is split over
     wave_fit: bool = False  # the whole-wave fit moved the tile (grid_fit.wave_fit; reports)
+    swap_ab: bool = False  # varlen: the rows on the WGMMA's N side (kernels/sm90/swapped.py)
 
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 SPLIT_WAYS_ENV = "MOE_GEMM_SPLIT_WAYS"
 TRIM_A_ENV = "MOE_GEMM_TRIM_A"
 PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
+SWAP_AB_ENV = "MOE_GEMM_SWAP_AB"
 # What choose_general reads from the environment besides its arguments: a cache above it
 # (general_launch.general_shape) keys on their values, so a changed switch applies to the
 # next call, as it does for grouped_mm.
@@ -434,16 +439,27 @@ def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: fl
 def choose_varlen(
     config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int, out_itemsize: int = 2,
     *, device: str | None = None, dtype: str = "bfloat16", out_dtype: str | None = None,
-    split_ok: bool = True,
+    split_ok: bool = True, swap_ok: bool = False,
 ) -> KernelChoice:
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
     device: the GPU's name, for the tuned tables (None: rules only); split_ok=False: for a
     kernel built without the tail split (the masked form), whose choice must not count on
-    it."""
+    it; swap_ok: the launch can run swapped tiles (grouped_mm's plain 2-D x 3-D form), taken
+    where swap_ab_wanted says so."""
     state = tuned.state() if device else None
-    return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(_choose_varlen_tuned(
-        config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype or dtype, state,
-        split_shares() if split_ok else 0)))))
+    shares = split_shares() if split_ok else 0
+    choice = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtype,
+                                  out_dtype or dtype, state, shares)
+    if swap_ok and swap_ab_wanted(config, T, E, K, out_itemsize):
+        if not choice.swap_ab:  # (a pin or a tuned entry made it so already, with its stages)
+            choice = swapped_choice(choice, out_itemsize)
+    elif choice.swap_ab and (not swap_ok or config.swap_ab is False
+                             or env_value(SWAP_AB_ENV) is False):
+        # A tuned entry's swapped kernel where the launch cannot run it (the masked and
+        # fused forms) or the caller turned it off: the rules, without the tables.
+        choice = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, None, dtype,
+                                      out_dtype or dtype, None, shares)
+    return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(choice))))
 
 
 def with_trim_a(choice: KernelChoice) -> KernelChoice:
@@ -466,6 +482,48 @@ def trim_a_default(choice: KernelChoice) -> bool:
     if choice.schedule == "pingpong" and choice.cluster_n == 1:
         return choice.tile_m == 64 or choice.tile_n >= 192
     return True
+
+
+# Where an all-auto config takes swapped tiles (kernels/sm90/swapped.py): about one 256-row
+# swapped tile per expert, where the M-side tiles pad an expert to two 128-row tiles (25% of
+# the multiply-adds) and the swapped one to 16 rows (3%). Measured on an H200 (2026-12-01,
+# `benchmarks.env_ab --switch MOE_GEMM_SWAP_AB`, the zoo's harness, against the tuned
+# tables' picks): all 20 zoo and held-out cases in this window faster (26 measurements),
+# 1.016-1.50x; outside it mixed or slower (many rows per expert: the picks' larger tiles and
+# clusters win, down to 0.67x at 2048 rows of K = 32768; 256 experts or K = 1024: 0.92-0.98x;
+# decode-sized experts: a median 0.945x). docs/measurements.md, 2026-12-01 (swapped tiles).
+SWAP_ROWS_PER_EXPERT = (192, 320)
+SWAP_MAX_EXPERTS = 128
+SWAP_MIN_K = 2048
+
+
+def swap_ab_wanted(config: GemmConfig, T: int, E: int, K: int, out_itemsize: int) -> bool:
+    """Whether grouped_mm's varlen form runs swapped tiles: config.swap_ab where it is set,
+    else MOE_GEMM_SWAP_AB where it is set, else by the window above for an all-auto config
+    (T routed rows over E experts of depth K, 16-bit output)."""
+    if config.swap_ab is not None:
+        return config.swap_ab
+    forced = env_value(SWAP_AB_ENV)
+    if forced is not None:
+        return bool(forced)
+    if config.tuning_pinned or out_itemsize != 2 or E == 0:
+        return False
+    low, high = SWAP_ROWS_PER_EXPERT
+    return E <= SWAP_MAX_EXPERTS and K >= SWAP_MIN_K and low * E <= T <= high * E
+
+
+def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None = None
+                   ) -> KernelChoice:
+    """The swapped kernel's choice (kernels/sm90/swapped.py): its fixed tile, schedule,
+    visitor and cluster, the raster and the L2 hints of `choice`, `stages` A/B stages (None:
+    as many as fit)."""
+    if out_itemsize != 2:
+        raise ValueError("swap_ab=True stores 16-bit output (bf16 or fp16); got a "
+                         f"{out_itemsize * 8}-bit out_dtype")
+    return replace(choice, schedule="cooperative", visitor="device", tile_m=SWAP_TILE_ROWS,
+                   tile_n=SWAP_TILE_COLS, stages=stages, epi_n=SWAP_ROW_UNIT, cluster_m=1,
+                   cluster_n=1, epi_whole=False, tail_split=False, trim_a=True, swap_ab=True,
+                   wave_fit=False)
 
 
 def with_peek_wait(choice: KernelChoice) -> KernelChoice:
@@ -566,6 +624,8 @@ def choice_fields(choice: KernelChoice, form: str) -> dict:
     fields["tail_split"] = choice.tail_split
     if form == "general":
         fields["sort_by_k"] = choice.sort_by_k
+    if choice.swap_ab:
+        fields["swap_ab"] = True
     return fields
 
 
@@ -646,9 +706,12 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
         tail_split = config.tail_split
         if tail_split:
             _check_tail_split(schedule, visitor, cm, cn)
-    return KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, swizzle,
-                        cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
-                        tail_split=tail_split and shares > 0)
+    choice = KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, swizzle,
+                          cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
+                          tail_split=tail_split and shares > 0)
+    # A config (a caller's pin or a tuned entry) with swap_ab=True: the swapped kernel, with
+    # the config's raster and stages.
+    return swapped_choice(choice, out_itemsize, config.stages) if config.swap_ab else choice
 
 
 def with_split_ways(choice: KernelChoice) -> KernelChoice:
@@ -797,8 +860,10 @@ def _check_tile(schedule: str, tile: tuple[int, int]) -> None:
 def choice_source(hit: tuned.Hit | None, choice: KernelChoice) -> str:
     """Where a choice came from, for reports: "table:exact", "table:neighbours" or "rules"
     (hit: tuned_hit's answer for the call), with "+waves" where the whole-wave fit then moved
-    its tile."""
+    its tile and "+swap" where swapped tiles replaced it (swap_ab_wanted's window or switch)."""
     source = "rules" if hit is None else f"table:{hit.how}"
+    if choice.swap_ab and not (hit is not None and dict(hit.fields).get("swap_ab")):
+        return source + "+swap"
     return source + "+waves" if choice.wave_fit else source
 
 

@@ -39,7 +39,7 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
         choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints, choice.epi_n,
         choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split,
         trim_a=choice.trim_a and form == "varlen", peek_wait=choice.peek_wait,
-        split_ways=choice.split_ways,
+        split_ways=choice.split_ways, swap_ab=choice.swap_ab,
     )
 
 

@@ -125,7 +125,7 @@ def grouped_mm_masked_eager(x, w, masked_m, expected_m, out, config, out_dtype
 
 
 def _detailed(x, w, masked_m, expected_m, out, config, out_dtype) -> torch.Tensor:
-    cfg = _check_config(config)
+    cfg = _check_config(config, "grouped_mm_masked")
     if _symbolic(*(t for t in (x, w, masked_m, out) if t is not None)):
         return masked_custom_ops.grouped_mm_masked(x, w, masked_m, expected_m=expected_m,
                                                    out=out, config=config, out_dtype=out_dtype)
@@ -227,7 +227,7 @@ def scaled_grouped_mm_masked_eager(x, w, scale_a, scale_b, masked_m, expected_m,
 
 def _detailed_fp8(x, w, scale_a, scale_b, masked_m, expected_m, out, out_dtype, config
                   ) -> torch.Tensor:
-    cfg = _check_config(config)
+    cfg = _check_config(config, "scaled_grouped_mm_masked")
     tensors = [t for t in (x, w, scale_a, scale_b, masked_m, out) if t is not None]
     if _symbolic(*tensors):
         return masked_custom_ops.scaled_grouped_mm_masked(

@@ -60,7 +60,7 @@ class MmPlan(CheckedPlan):
         _maybe_autotune("varlen", args, config)
         self.choice = choice = choose_varlen(
             config, T, E, N, K, nsm, args.out_dtype.itemsize,
-            **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
+            **launch_kernel.table_keys(device, args.dtype, args.out_dtype), swap_ok=True)
         b_major = "k" if operand_major(w) == "col" else "n"
         # Size-1 dimensions with strides the compiled kernel's 16-byte rule would refuse (a
         # decode step's x (1, K) of odd K, a (T, 1) column slice): its argument check reads

@@ -131,7 +131,7 @@ def scaled_grouped_mm_eager(x, w, scale_a, scale_b, offs, out, out_dtype, config
 
 
 def _detailed(x, w, scale_a, scale_b, offs, out, out_dtype, config) -> torch.Tensor:
-    cfg = _check_config(config)
+    cfg = _check_config(config, "scaled_grouped_mm")
     tensors = [t for t in (x, w, scale_a, scale_b, offs, out) if t is not None]
     if _symbolic(*tensors):
         return custom_ops_fp8.scaled_grouped_mm(x, w, scale_a, scale_b, offs, out=out,
@@ -223,7 +223,7 @@ def scaled_grouped_gemm(
 
 def scaled_grouped_gemm_eager(a, b, scale_a, scale_b, out, out_dtype, config
                               ) -> list[torch.Tensor]:
-    cfg = _check_config(config)
+    cfg = _check_config(config, "scaled_grouped_gemm")
     seqs = [s for s in (a, b, scale_a, scale_b, out) if isinstance(s, (list, tuple))]
     if _symbolic(*(t for s in seqs for t in s)):
         return custom_ops_fp8.scaled_grouped_gemm(a, b, scale_a, scale_b, out=out,

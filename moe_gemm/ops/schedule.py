@@ -42,6 +42,8 @@ from moe_gemm.kernels.sm90.constants import (
     SPLIT_MIN_K_TILES,
     SPLIT_PART_K_TILES,
     SPLIT_WAYS,
+    SWAP_ROW_UNIT,
+    SWAP_TILE_ROWS,
     raster_fields,
 )
 
@@ -56,6 +58,26 @@ def ceil_div(a: int, b: int) -> int:
 def tiles_per_problem(sizes: Sequence[Size], tile_m: int, tile_n: int) -> list[int]:
     """Output tiles of each problem: ceil(M/tile_m) * ceil(N/tile_n) (0 if M or N is 0)."""
     return [-(-m // tile_m) * -(-n // tile_n) for m, n, _ in sizes]  # inline: once per new set
+
+
+def even_row_span(m_tile: int, rows: int, max_rows: int = SWAP_TILE_ROWS,
+                  unit: int = SWAP_ROW_UNIT) -> tuple[int, int]:
+    """(first row, rows computed) of swapped tile m_tile of an expert of `rows` rows: its
+    ceil(rows / unit) units split over ceil(rows / max_rows) tiles as evenly as they go, the
+    larger shares first (the kernel's swapped.even_row_span; the last tile's computed rows may
+    pass the expert's end by less than a unit, which its store clips)."""
+    units = ceil_div(max(rows, 0), unit)
+    tiles = max(ceil_div(max(rows, 0), max_rows), 1)
+    share, extra = divmod(units, tiles)
+    first = m_tile * share + min(m_tile, extra)
+    return first * unit, (share + (m_tile < extra)) * unit
+
+
+def even_row_split(rows: int, max_rows: int = SWAP_TILE_ROWS, unit: int = SWAP_ROW_UNIT
+                   ) -> list[int]:
+    """The rows each of an expert's swapped tiles computes (even_row_span of each)."""
+    return [even_row_span(j, rows, max_rows, unit)[1]
+            for j in range(ceil_div(max(rows, 0), max_rows))]
 
 
 def k_tiles(k: int, tile_k: int) -> int:
@@ -167,16 +189,18 @@ class MmaWork:
 
 def mma_work(
     sizes: Sequence[Size], tile_m: int, tile_n: int, tile_k: int = 64,
-    cluster_m: int = 1, cluster_n: int = 1,
+    cluster_m: int = 1, cluster_n: int = 1, swapped: bool = False,
 ) -> MmaWork:
     """Useful and computed multiply-adds of `sizes` under a tile (and cluster) shape: M and N
-    round up to whole (cluster) tiles, K to whole k-tiles."""
+    round up to whole (cluster) tiles, K to whole k-tiles; swapped tiles (the rows on the
+    WGMMA's N side) compute each problem's rows split by even_row_split instead."""
     useful = computed = 0
     for m, n, k in sizes:
         if m <= 0 or n <= 0 or k <= 0:
             continue
         useful += m * n * k
-        rows = ceil_div(m, tile_m * cluster_m) * tile_m * cluster_m
+        rows = (sum(even_row_split(m)) if swapped
+                else ceil_div(m, tile_m * cluster_m) * tile_m * cluster_m)
         cols = ceil_div(n, tile_n * cluster_n) * tile_n * cluster_n
         computed += rows * cols * ceil_div(k, tile_k) * tile_k
     return MmaWork(useful, computed)

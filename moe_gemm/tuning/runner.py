@@ -248,7 +248,7 @@ def choice_for(shape: TuneShape, cfg: GemmConfig, nsm: int) -> heuristics.Kernel
     """What the rules make of `cfg` for `shape` (no tables: the config pins the choice)."""
     s, isz = shape, DTYPES[shape.out_dtype].itemsize
     if s.form == "varlen":
-        return heuristics.choose_varlen(cfg, s.rows, s.E, s.N, s.K, nsm, isz)
+        return heuristics.choose_varlen(cfg, s.rows, s.E, s.N, s.K, nsm, isz, swap_ok=True)
     if s.form == "batched":
         return heuristics.choose_batched(cfg, s.E, s.rows // s.E, s.N, s.K, nsm, isz)
     sizes = tuple((c, s.N, s.K) for c in s.counts)

@@ -4,7 +4,8 @@ Stage 1 crosses schedule x tile x cluster from moe_gemm.config (PINGPONG_TILES,
 COOPERATIVE_TILES, CLUSTERS; whatever the kernel builds today), each with the default stages,
 raster panel 8, no tail split and the subtile epilogue; GemmConfig's validation decides what
 is buildable, so a tile or cluster added to (or removed from) the lists is tried (or not)
-without a change here. The rules' own choice for the shape is always a candidate, so a tuned
+without a change here. grouped_mm's varlen form with 16-bit output also tries swapped tiles
+('swap 256x128': the rows on the WGMMA's N side, kernels/sm90/swapped.py). The rules' own choice for the shape is always a candidate, so a tuned
 entry is never slower than the rules as measured.
 
 Stage 2 varies one field at a time around the best few of stage 1: pipeline stages, raster
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 
 from moe_gemm import config as cfgmod
 from moe_gemm.config import GemmConfig
-from moe_gemm.kernels.sm90.constants import config_stage_limit
+from moe_gemm.kernels.sm90.constants import SWAP_TILE_COLS, SWAP_TILE_ROWS, config_stage_limit
 from moe_gemm.ops.heuristics import KernelChoice, choice_fields
 
 # 5: a depth the default epilogue staging leaves no room for on the 40-42 KiB stages of
@@ -43,7 +44,8 @@ def config_of(fields: Fields, backend: str = "cute") -> GemmConfig:
 
 def name_of(fields: Fields) -> str:
     """A short readable name: 'coop 128x256 c1x2 s3 p16 ts ew'."""
-    parts = ["pp" if fields["schedule"] == "pingpong" else "coop",
+    parts = ["swap" if fields.get("swap_ab") else
+             "pp" if fields["schedule"] == "pingpong" else "coop",
              f"{fields['tile_m']}x{fields['tile_n']}"]
     cm, cn = fields.get("cluster_m") or 1, fields.get("cluster_n") or 1
     if (cm, cn) != (1, 1):
@@ -66,7 +68,7 @@ def name_of(fields: Fields) -> str:
 
 
 _NAME_SCHEDULES = {"pp": "pingpong", "pingpong": "pingpong", "coop": "cooperative",
-                   "cooperative": "cooperative"}
+                   "cooperative": "cooperative", "swap": "cooperative"}
 
 
 def parse_name(text: str, form: str = "varlen") -> Fields:
@@ -75,14 +77,16 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
     ValueError naming the word it does not understand."""
     words = [w for w in text.replace(":", " ").replace(",", " ").split() if w]
     if len(words) < 2 or words[0] not in _NAME_SCHEDULES:
-        raise ValueError(f"config {text!r}: expected 'pp|coop MxN [cMxN] [sS] [pP[n][s]] [ts] "
-                         "[ew] [host] [ksort]'")
+        raise ValueError(f"config {text!r}: expected 'pp|coop|swap MxN [cMxN] [sS] [pP[n][s]] "
+                         "[ts] [ew] [host] [ksort]'")
     fields: Fields = {"schedule": _NAME_SCHEDULES[words[0]], "visitor": "device",
                       "cluster_m": 1, "cluster_n": 1, "stages": None, "raster_panel": 8,
                       "whole_epilogue": False}
     fields["tail_split"] = False
     if form == "general":
         fields["sort_by_k"] = False
+    if words[0] == "swap":
+        fields["swap_ab"] = True
     try:
         fields["tile_m"], fields["tile_n"] = (int(v) for v in words[1].split("x"))
         for w in words[2:]:
@@ -124,6 +128,8 @@ def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
         return False
     if form != "general" and (fields.get("visitor") == "host" or fields.get("sort_by_k")):
         return False
+    if fields.get("swap_ab") and (form != "varlen" or out_itemsize != 2):
+        return False  # (grouped_mm's 2-D x 3-D form, 16-bit output)
     if fields.get("whole_epilogue") and fields["tile_m"] != 128:
         return False
     if not _stages_fit(fields, out_itemsize):
@@ -174,6 +180,12 @@ def stage1(form: str, out_itemsize: int = 2) -> list[Fields]:
                     fields["sort_by_k"] = False
                 if _buildable(fields, form, out_itemsize):
                     out.append(fields)
+    swapped: Fields = {"schedule": "cooperative", "visitor": "device", "tile_m": SWAP_TILE_ROWS,
+                       "tile_n": SWAP_TILE_COLS, "cluster_m": 1, "cluster_n": 1, "stages": None,
+                       "raster_panel": 8, "whole_epilogue": False, "tail_split": False,
+                       "swap_ab": True}
+    if _buildable(swapped, form, out_itemsize):
+        out.append(swapped)
     return out
 
 

@@ -344,6 +344,6 @@ def default_kernel_key(E: int, N: int, K: int, rows: int, layout: str, device: s
     from moe_gemm.ops.heuristics import choose_varlen
     from moe_gemm.ops.launch_kernel import _compile_key
 
-    choice = choose_varlen(GemmConfig(), rows, E, N, K, nsm, device=device)
+    choice = choose_varlen(GemmConfig(), rows, E, N, K, nsm, device=device, swap_ok=True)
     return _compile_key("varlen", torch.bfloat16, torch.bfloat16,
                         "k" if layout == "ENK" else "n", choice, False)

@@ -110,9 +110,9 @@ class WarmUpMixin:
             name = self._device_name()
             for T in sorted(cands):
                 c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm, device=name,
-                                  dtype=_DTYPE_NAMES.get(ws.dtype, "bfloat16"))
+                                  dtype=_DTYPE_NAMES.get(ws.dtype, "bfloat16"), swap_ok=True)
                 key = (c.schedule, c.visitor, c.tile_m, c.tile_n, c.stages, c.l2_hints,
-                       c.epi_whole, c.cluster_m, c.cluster_n, c.tail_split)
+                       c.epi_whole, c.cluster_m, c.cluster_n, c.tail_split, c.swap_ab)
                 first.setdefault(key, T)
             return tuple(sorted(first.values()))
         except Exception:  # noqa: BLE001 - heuristics API changed: fall back to a fixed ladder
@@ -165,7 +165,7 @@ class WarmUpMixin:
                 if T <= 0:
                     continue
                 c = choose_varlen(self.config, T, ws.E, ws.N, ws.K, nsm, device=name,
-                                  dtype=dtype)
+                                  dtype=dtype, swap_ok=True)
                 hit = tuned_hit("varlen", self.config, nsm, device=name, dtype=dtype,
                                 shape=(T, ws.E, ws.N, ws.K))
                 report.append({"rows": T, "config": name_of(fields_of(c, "varlen")),

@@ -101,20 +101,6 @@ def test_operand_bytes_of_each_tail_design():
     assert by["64-row tiles"]["operand_bytes_vs_128"] > 1.0
 
 
-def test_even_row_split_covers_each_expert_in_near_equal_tiles():
-    split = mma_waste.even_row_split
-    assert split(0, 256, 16) == [] and split(1, 256, 16) == [16]
-    assert split(137, 256, 16) == [144] and split(257, 256, 16) == [144, 128]
-    assert split(567, 256, 16) == [192, 192, 192]
-    for unit in (8, 16):
-        for rows in range(0, 2000, 7):
-            tiles = split(rows, 256, unit)
-            assert len(tiles) == -(-rows // 256)  # the tile count of 256-row tiles
-            assert sum(tiles) == -(-rows // unit) * unit  # rows rounded up to the unit only
-            assert all(t % unit == 0 and 0 < t <= 256 for t in tiles)
-            assert not tiles or max(tiles) - min(tiles) <= unit  # in step
-
-
 def test_swap_designs_reach_the_granularity_floor():
     floor = {f["rows_granularity"]: f for f in mma_waste.granularity_floor(
         "Mixtral-8x7B,Llama-4-Scout", [2048, 4096])}
@@ -125,6 +111,6 @@ def test_swap_designs_reach_the_granularity_floor():
         assert abs(by[unit]["median"] - floor[unit]["median"]) < 1e-12
     counts = models.topk_counts(16, 2048, 1, 1234)  # Llama-4-Scout, top-1
     swapped = sum(rows + mma_waste.SWAP_TILE_COLS for r in counts
-                  for rows in mma_waste.even_row_split(r, 256, 16)) / mma_waste.SWAP_TILE_COLS
+                  for rows in sched.even_row_split(r, 256, 16)) / mma_waste.SWAP_TILE_COLS
     plain = sum(mma_waste.operand_rows_loaded(r, 128) for r in counts) / mma_waste.BYTES_TILE_N
     assert swapped < plain  # fewer operand bytes per weight column than 128-row tiles

@@ -595,3 +595,40 @@ def test_forced_cute_rejects_unsupported_input(fake_hopper: Recorder) -> None:
     with pytest.raises(ValueError, match=r"backend='cute' cannot take this input: out rows of "
                                          r"12 torch\.bfloat16 elements"):
         grouped_mm(x, w, offs, config=GemmConfig(backend="cute"))
+
+
+def test_swap_ab_runs_grouped_mm_and_every_other_op_refuses_it() -> None:
+    """swap_ab=True is grouped_mm's 2-D x 3-D option: there it gives the reference result on
+    any backend (the torch backend computes the same product); every other op refuses it
+    with a ValueError naming itself, on the CPU as on a GPU."""
+    g = torch.Generator().manual_seed(0)
+    swap = GemmConfig(swap_ab=True)
+    x = torch.randn(40, 32, generator=g)
+    w = torch.randn(3, 32, 24, generator=g)
+    offs = torch.tensor([10, 10, 33], dtype=torch.int32)
+    y = grouped_mm(x, w, offs, config=swap)
+    assert torch.equal(y, grouped_mm(x, w, offs))
+    from moe_gemm.ops.fused import fused_grouped_mm
+    from moe_gemm.ops.masked import grouped_mm_masked, scaled_grouped_mm_masked
+    from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
+
+    f8 = torch.float8_e4m3fn
+    x8, w8 = x.to(f8), w.to(f8)
+    sa, sb = torch.ones(40), torch.ones(3, 24)
+    calls = {
+        "grouped_mm's 3-D x 3-D form": lambda: grouped_mm(x.view(2, 20, 32), w[:2],
+                                                          config=swap),
+        "grouped_gemm": lambda: grouped_gemm([x], [w[0]], config=swap),
+        "grouped_mm_masked": lambda: grouped_mm_masked(
+            x.view(2, 20, 32), w[:2], torch.tensor([3, 20], dtype=torch.int32), config=swap),
+        "scaled_grouped_mm": lambda: scaled_grouped_mm(x8, w8, sa, sb, offs, config=swap),
+        "scaled_grouped_gemm": lambda: scaled_grouped_gemm([x8], [w8[0]], [sa], [sb[0]],
+                                                           config=swap),
+        "scaled_grouped_mm_masked": lambda: scaled_grouped_mm_masked(
+            x8.view(2, 20, 32), w8[:2], sa.view(2, 20), sb[:2],
+            torch.tensor([3, 20], dtype=torch.int32), config=swap),
+        "fused_grouped_mm": lambda: fused_grouped_mm(x, w, offs, gate="silu", config=swap),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"swap_ab=True .*; {name} does not take it"):
+            call()

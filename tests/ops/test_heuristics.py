@@ -307,3 +307,57 @@ def test_general_grid_count_adds_no_pass_where_the_rows_alone_exceed_the_grid():
     # the same path with the tile given (no grid count at all)
     _, n_pinned = passes(GemmConfig(tile_m=128, tile_n=256))
     assert n_auto == n_pinned
+
+
+# ---------------------------------------------------------------------------------------------
+# Swapped tiles (kernels/sm90/swapped.py): the window, the switch and the pins
+
+
+@pytest.mark.parametrize("T,E,K,want", [
+    (4096, 16, 5120, True),  # 256 rows per expert (Llama-4-Scout at 4096 tokens)
+    (192 * 64, 64, 2048, True), (320 * 64, 64, 2048, True),  # the window's edges
+    (191 * 64, 64, 2048, False), (321 * 64, 64, 2048, False),
+    (256 * 256, 256, 7168, False),  # more than 128 experts
+    (256 * 64, 64, 1024, False),  # short K
+    (0, 0, 2048, False),
+])
+def test_swap_window(monkeypatch, T, E, K, want):
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 2) is want
+    assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 4) is False  # 16-bit output only
+    # A config that pins the kernel's choice runs the rules; swap_ab pins it either way.
+    assert heuristics.swap_ab_wanted(GemmConfig(schedule="pingpong"), T, E, K, 2) is False
+    assert heuristics.swap_ab_wanted(GemmConfig(swap_ab=True), T, E, K, 2) is True
+    assert heuristics.swap_ab_wanted(GemmConfig(swap_ab=False), T, E, K, 2) is False
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "1")
+    assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 2) is True
+    assert heuristics.swap_ab_wanted(GemmConfig(swap_ab=False), T, E, K, 2) is False
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "0")
+    assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 2) is False
+
+
+def test_swapped_choice_and_its_compile_key(monkeypatch):
+    import torch
+
+    from moe_gemm.ops.launch_kernel import _compile_key
+
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    plain = choose_varlen(GemmConfig(), 4096, 16, 16384, 5120, 132)
+    assert not plain.swap_ab  # (only a launch that can run it asks: swap_ok)
+    c = choose_varlen(GemmConfig(), 4096, 16, 16384, 5120, 132, swap_ok=True)
+    assert c.swap_ab and c.trim_a and not c.tail_split
+    assert (c.schedule, c.visitor, c.tile_m, c.tile_n, c.epi_n) == (
+        "cooperative", "device", 256, 128, 16)
+    assert (c.cluster_m, c.cluster_n, c.stages) == (1, 1, None)
+    key = _compile_key("varlen", torch.bfloat16, torch.bfloat16, "n", c, False)
+    assert key.swap_ab and key.name().endswith("_swap")
+    with pytest.raises(ValueError, match="16-bit output"):
+        choose_varlen(GemmConfig(swap_ab=True), 4096, 16, 16384, 5120, 132, 4, swap_ok=True)
+
+
+def test_a_swap_pin_keeps_its_stages(monkeypatch):
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    c = choose_varlen(GemmConfig(swap_ab=True, stages=3, raster_panel=4), 4096, 16, 16384,
+                      5120, 132, swap_ok=True)
+    assert c.swap_ab and c.stages == 3 and c.swizzle == heuristics.raster_of(
+        GemmConfig(raster_panel=4), 8)

@@ -24,6 +24,8 @@ from moe_gemm.ops.schedule import (
     cost_model,
     device_next,
     device_visit,
+    even_row_span,
+    even_row_split,
     host_precompute_table,
     k_tiles,
     ksort_permutation,
@@ -470,3 +472,23 @@ def test_tail_split_assignment_mixtral() -> None:
     assert got.per_cta[56][-1] == (7, 17 * 56 - 56)  # tail tile 0: expert 7's first last-wave
     # K too short to split (and the zero tail, K = 0): the plain round robin.
     assert tail_split_assignment(counts, [8] * 8, 132) == linear_assignment(counts, 132)
+
+
+def test_even_row_span_splits_each_expert_into_near_equal_tiles() -> None:
+    split = even_row_split
+    assert split(0) == [] and split(1) == [16] and split(16) == [16] and split(17) == [32]
+    assert split(137) == [144] and split(257) == [144, 128]
+    assert split(567) == [192, 192, 192]
+    for unit in (8, 16):
+        for rows in range(0, 2100, 3):
+            tiles = split(rows, 256, unit)
+            assert len(tiles) == -(-rows // 256)  # the tile count of 256-row tiles
+            assert sum(tiles) == -(-rows // unit) * unit  # rows rounded up to the unit only
+            assert all(t % unit == 0 and 0 < t <= 256 for t in tiles)
+            assert not tiles or max(tiles) - min(tiles) <= unit  # in step
+            # The spans tile the expert's rows once, in order; only the last passes its end.
+            first = 0
+            for j, t in enumerate(tiles):
+                assert even_row_span(j, rows, 256, unit) == (first, t)
+                first += t
+            assert not tiles or first - tiles[-1] < rows <= first

@@ -77,3 +77,13 @@ def test_mma_work_counts_whole_tiles():
     assert mma_work([(129, 256, 64)], 128, 256).computed == 256 * 256 * 64
     assert mma_work([(128, 256, 64)], 128, 256, cluster_m=2).wasted_fraction == 1.0
     assert mma_work([], 128, 128).wasted_fraction == 0.0
+
+
+def test_mma_work_of_swapped_tiles_rounds_rows_to_the_even_split() -> None:
+    sizes = [(137, 200, 100), (257, 128, 64), (0, 128, 64), (16, 1, 64)]
+    work = mma_work(sizes, 256, 128, 64, swapped=True)
+    assert work.useful == 137 * 200 * 100 + 257 * 128 * 64 + 16 * 64
+    # rows 144, 272 (144 + 128) and 16; columns to 128-column tiles; K to 64-deep stages
+    assert work.computed == 144 * 256 * 128 + 272 * 128 * 64 + 16 * 128 * 64
+    plain = mma_work(sizes, 256, 128, 64)
+    assert plain.computed > work.computed  # 256-row M tiles: 256 + 512 + 256 rows

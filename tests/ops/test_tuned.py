@@ -618,3 +618,29 @@ def test_a_pick_cleared_by_another_thread_is_still_answered(_isolated, monkeypat
     hit = tuned.lookup(DEV, key(E=96, N=3000, K=5000, bucket=9), 96 * 512, 132)
     assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 192
     assert tuned.lookup(DEV, key(E=96, N=1 << 17, K=4096, bucket=9), 96 * 512, 132) is None
+
+
+SWAP = {"schedule": "cooperative", "tile_m": 256, "tile_n": 128, "raster_panel": 16,
+        "visitor": "device", "swap_ab": True}
+
+
+def test_a_swapped_entry_runs_where_the_launch_can_take_it(_isolated, monkeypatch):
+    """A table entry with swap_ab (the tuner's 'swap 256x128') gives grouped_mm's 2-D x 3-D
+    launch the swapped kernel with the entry's raster; a launch that cannot run it (the
+    masked and fused forms: swap_ok False), a caller's swap_ab=False and MOE_GEMM_SWAP_AB=0
+    get the rules instead; 32-bit output falls back with a warning."""
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    ship(_isolated, table([entry(bucket=8, config=SWAP)]))
+    shape = (64 * 256, 64, 4096, 7168, 132)
+    c = choose_varlen(GemmConfig(), *shape, device=DEV, swap_ok=True)
+    assert c.swap_ab and (c.tile_m, c.tile_n, c.swizzle, c.epi_n) == (256, 128, 16, 16)
+    rules = choose_varlen(GemmConfig(), *shape)
+    assert not rules.swap_ab
+    assert choose_varlen(GemmConfig(), *shape, device=DEV) == rules  # swap_ok=False
+    assert choose_varlen(GemmConfig(swap_ab=False), *shape, device=DEV, swap_ok=True) == rules
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "0")
+    assert choose_varlen(GemmConfig(), *shape, device=DEV, swap_ok=True) == rules
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV)
+    with pytest.warns(RuntimeWarning, match="cannot run here"):
+        wide = choose_varlen(GemmConfig(), *shape, 4, device=DEV, swap_ok=True)
+    assert not wide.swap_ab

@@ -111,6 +111,20 @@ def test_no_candidate_pins_more_stages_than_shared_memory_holds():
     assert not space._buildable(space.parse_name("coop 256x208 ew"), "varlen", 2)
 
 
+def test_swapped_tiles_are_a_varlen_candidate_with_16_bit_output():
+    swap = [f for f in space.stage1("varlen") if f.get("swap_ab")]
+    assert [space.name_of(f) for f in swap] == ["swap 256x128 p8"]
+    cfg = space.config_of(swap[0])
+    assert cfg.swap_ab and cfg.tuning_pinned
+    for form, size in (("varlen", 4), ("batched", 2), ("general", 2)):
+        assert not any(f.get("swap_ab") for f in space.stage1(form, size))
+    variants = {space.name_of(f) for f in space.stage2(swap[0], "varlen")}
+    assert {"swap 256x128 s3 p8", "swap 256x128 p16", "swap 256x128 p8ns"} <= variants
+    assert not any(" ts" in n or " ew" in n for n in variants)  # (the kernel has neither)
+    for f in swap + space.stage2(swap[0], "varlen"):
+        assert space.parse_name(space.name_of(f)) == f
+
+
 def test_combine_and_names_round_trip():
     parent = next(f for f in space.stage1("varlen") if space.name_of(f) == "coop 128x256 p8")
     a = {**parent, "stages": 3}

@@ -16,9 +16,15 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from .constants import SPLIT_WAYS  # noqa: E402
+from .constants import (  # noqa: E402
+    SPLIT_WAYS,
+    SWAP_ROW_UNIT,
+    SWAP_TILE_COLS,
+    SWAP_TILE_ROWS,
+)
 from .fused_moe import FusedMoeGemmSm90  # noqa: E402
 from .grouped_gemm import GroupedGemmSm90  # noqa: E402
+from .swapped import SwappedGemmSm90  # noqa: E402
 
 DTYPES = {
     "bfloat16": cutlass.BFloat16,
@@ -82,6 +88,7 @@ class CompileKey:
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
     peek_wait: bool = False  # the math warps test the next stage's barrier a k-tile ahead
     split_ways: int = SPLIT_WAYS  # with the tail split: the most CTAs per tail tile
+    swap_ab: bool = False  # varlen: the rows on the WGMMA's N side (swapped.py)
 
     @property
     def fused(self) -> bool:
@@ -107,9 +114,13 @@ class CompileKey:
             parts.append("trima")
         if self.peek_wait:
             parts.append("peek")
+        if self.swap_ab:
+            parts.append("swap")
         return "_".join(parts)
 
     def kernel(self) -> GroupedGemmSm90:
+        if self.swap_ab:
+            return self._swapped_kernel()
         cls = GroupedGemmSm90
         fused = {}
         if self.fused:
@@ -140,6 +151,21 @@ class CompileKey:
             split_ways=self.split_ways,
             **fused,
         )
+
+
+    def _swapped_kernel(self) -> SwappedGemmSm90:
+        """The swapped kernel, for the keys it is built for (its fixed choices must match)."""
+        fixed = {"form": "varlen", "schedule": "cooperative", "visitor": "device",
+                 "tile_m": SWAP_TILE_ROWS, "tile_n": SWAP_TILE_COLS, "cluster_m": 1,
+                 "cluster_n": 1, "tail_split": False, "row_counts": False,
+                 "epi_whole": False, "trim_a": True, "epi_n": SWAP_ROW_UNIT}
+        wrong = {k: getattr(self, k) for k, v in fixed.items() if getattr(self, k) != v}
+        if wrong or self.fused:
+            raise ValueError(f"swapped tiles are built for {fixed} without fused options; "
+                             f"got {wrong or 'fused options'}")
+        return SwappedGemmSm90(DTYPES[self.ab_dtype], DTYPES[self.d_dtype], self.b_major,
+                               ab_stages=self.stages, trace=self.trace,
+                               l2_hints=self.l2_hints, peek_wait=self.peek_wait)
 
 
 def _fake(dtype, shape, leading_dim: int):

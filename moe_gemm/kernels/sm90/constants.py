@@ -14,6 +14,12 @@ TILE_K = 64  # one 128-byte swizzle row of 16-bit data
 # split keeps a tail to at most a few TMA issues a stage (one box per 16 rows ran slower than
 # whole boxes where most tiles are tails: GLM-4.5 gate/up, H200, 2026-11-30).
 A_ROW_BOXES = (64, 32, 16)
+# Swapped tiles (swapped.py): 128 weight columns (two m64 WGMMA blocks) by up to 256 rows (the
+# WGMMA's largest N), an expert's rows split evenly over its tiles in units of 16 (the
+# epilogue's stmatrix subtile; WGMMA's own step is 8).
+SWAP_TILE_COLS = 128
+SWAP_TILE_ROWS = 256
+SWAP_ROW_UNIT = 16
 DESC_BYTES = 128  # one CUtensorMap
 SCHED_STAGES = 8  # scheduler records in flight: the search runs up to 8 tiles ahead
 # general / varlen: the scheduler warp writes each record's descriptors (general: A, B, D;

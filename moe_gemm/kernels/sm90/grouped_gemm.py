@@ -56,6 +56,12 @@ trimmed_a.py): an expert's last tile loads only its expert's rows of A, rounded 
 64-, 32- and 16-row boxes, and arms its stages with those bytes (in a 1x2 cluster the first
 CTA multicasts the boxes to both).
 
+Swapped tiles (swapped.SwappedGemmSm90, a subclass; varlen form): each expert computed as
+out^T = w^T x^T, 128 weight columns on the WGMMA's M side and up to 256 routed rows on its N
+side in 16-row steps, so an expert computes fewer than 16 padding rows; the hooks it
+overrides here are store_tensor (the transposed ragged D), tile_row_span (its even row split
+for the trimmed A loads) and make_problems / make_epilogue / math_role.
+
 Fused MoE options (compile-time, varlen form, all off by default; constants.fused_problem,
 fused_moe.FusedMoeGemmSm90 takes their tensors): a gated epilogue that stores act(gate) * up
 (fused_epilogue.py; the "concat" gate layout loads B's tile as two half boxes), a per-expert
@@ -561,7 +567,7 @@ class GroupedGemmSm90:
                 ),
             )
         if const_expr(self.form == "varlen"):
-            mD_tma = ragged_rows(mD)  # one descriptor for every expert's rows (problems.py)
+            mD_tma = self.store_tensor(mD)  # one descriptor for every expert's rows
         if const_expr(self.form == "masked"):
             mD_tma = ragged_batched_rows(mD)  # each problem clipped at its row count
 
@@ -1033,6 +1039,17 @@ class GroupedGemmSm90:
                     work, read_state = consume_work(sched_pipe, sched, read_state)
         if is_store_warp:
             frags.store_pipe.producer_tail()
+
+    def store_tensor(self, mD: cute.Tensor) -> cute.Tensor:
+        """The varlen form's D as the store descriptor sees it (problems.ragged_rows)."""
+        return ragged_rows(mD)
+
+    def tile_row_span(self, work: WorkTile):
+        """(first row in the expert, rows of the expert) of a varlen tile: the trimmed A
+        loads' span (swapped.py splits an expert's rows evenly instead)."""
+        first = work.m_tile * self.tile_m
+        rows = cutlass.max(cutlass.min(work.rows - first, self.tile_m), Int32(0))
+        return first, rows
 
     @cute.jit
     def mainloop(

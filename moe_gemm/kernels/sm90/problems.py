@@ -323,13 +323,13 @@ class VarlenProblems(Problems):
                 cute.local_tile(tma_b[None, None, work.problem], (cfg.tile_n, cfg.tile_k),
                                 (None, None)))
 
-    def a_row_boxes(self, tma_a_rows: cute.Tensor, work: WorkTile, height: int
+    def a_row_boxes(self, tma_a_rows: cute.Tensor, work: WorkTile, height: int, first: Int32
                     ) -> cute.Tensor:
-        """The expert's A rows in (height, tile_k) boxes (trimmed A loads, trimmed_a.py): box
-        b holds rows [b * height, ...) of the expert. Rows past x's end are zero filled by
-        the TMA unit."""
+        """The tile's A rows in (height, tile_k) boxes (trimmed A loads, trimmed_a.py): box
+        b holds rows [first + b * height, ...) of the expert, `first` the tile's first row in
+        it. Rows past x's end are zero filled by the TMA unit."""
         cfg = self.cfg
-        return cute.local_tile(cute.domain_offset((work.row_start, 0), tma_a_rows),
+        return cute.local_tile(cute.domain_offset((work.row_start + first, 0), tma_a_rows),
                                (height, cfg.tile_k), (None, None))
 
     def b_halves(self, tma_b: cute.Tensor, work: WorkTile):

@@ -59,7 +59,6 @@ class TrimmedA:
             cute.copy(atom_a, self.tAgA[(None, work.m_tile, k)], self.tAsA[(None, stage)],
                       tma_bar_ptr=bar, mcast_mask=mask, cache_policy=policy)
         elif rank_n == 0:
-            first = work.m_tile * cfg.tile_m  # the tile's first row in its expert
             row = Int32(0)  # the next box's first row in the tile
             units = self.units
             for h in A_ROW_BOXES:
@@ -72,7 +71,7 @@ class TrimmedA:
                     if const_expr(h != A_ROW_BOXES[0]):
                         count = cutlass.min(count, Int32(1))
                     for _ in cutlass.range(count, unroll=1):
-                        cute.copy(atom, tAg[(None, (first + row) // h, k)],
+                        cute.copy(atom, tAg[(None, row // h, k)],
                                   tAs[(None, row // h, 0, stage)], tma_bar_ptr=bar,
                                   mcast_mask=mask, cache_policy=policy)
                         row = row + h
@@ -82,15 +81,16 @@ class TrimmedA:
 def trimmed_a(cfg, atoms, tensors, problems, sA: cute.Tensor, work, tAgA: cute.Tensor,
               tAsA: cute.Tensor) -> TrimmedA:
     """The TrimmedA of one tile. atoms / tensors: one TMA atom and tensor per A_ROW_BOXES
-    height (A's own where the tile uses no box of that height)."""
+    height (A's own where the tile uses no box of that height). The tile's rows are the
+    kernel's `tile_row_span` (a whole tile's first row is m_tile * tile_m)."""
     tile_m, tile_k = cfg.tile_m, cfg.tile_k
     smallest = A_ROW_BOXES[-1]
-    rows = cutlass.max(cutlass.min(work.rows - work.m_tile * tile_m, tile_m), Int32(0))
+    first, rows = cfg.tile_row_span(work)
     units = (rows + smallest - 1) // smallest  # (none past the expert's end)
     parts = []
     for h, atom, tma_rows in zip(A_ROW_BOXES, atoms, tensors):
         if h < tile_m:
-            g = problems.a_row_boxes(tma_rows, work, h)
+            g = problems.a_row_boxes(tma_rows, work, h, first)
             s = cute.flat_divide(sA, (h, tile_k))
             tAs, tAg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                              cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
