@@ -106,7 +106,9 @@ class GemmConfig:
             rows, each expert's rows split evenly over its tiles in steps of 16, so an expert
             computes fewer than 16 padding rows (the M-side tiles pad to 64 or 128; for few
             large experts). Cooperative, device visitor, 1x1 cluster, 16-bit output; the
-            other forms refuse it. None = off unless MOE_GEMM_SWAP_AB=1; False = off.
+            other ops refuse it (the MoE layer's fused experts run without it). None = by
+            MOE_GEMM_SWAP_AB, else where an expert fills about one 256-row tile (192-320 rows
+            on at most 128 experts, K >= 2048; heuristics.swap_ab_wanted); False = off.
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,

@@ -134,6 +134,10 @@ def fused_expert_ffn(
     (a top-8 token received by one of 8 ranks has ~1 valid slot of 8). It must be exact.
     None: every slot gets a row, the dropped ones past offs[-1].
     """
+    if config is not None and config.swap_ab:
+        # Swapped tiles are grouped_mm's (the unfused experts take them); the fused kernels
+        # run without (fused_grouped_mm refuses the pin).
+        config = config.replace(swap_ab=None)
     E = w_gate_up.shape[0]
     perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
     # The valid slots sort first: rows [0, S) are theirs (offs[-1] = S).

@@ -552,7 +552,7 @@ class GroupedGemmPlan:
         config: GemmConfig | None = None,
         out_dtype: torch.dtype | None = None,
     ):
-        cfg = _check_config(config)
+        cfg = _check_config(config, "GroupedGemmPlan")
         self._config = config
         if vmap_active():
             # A plan keeps its operands and writes preallocated outputs, which a vmapped

@@ -152,7 +152,7 @@ def fused_grouped_mm_masked_eager(x, w, masked_m, bias, gate, gate_layout, gate_
                                       lambda: run(x, w, masked_m, bias, row_weight, out),
                                       [t for t in (x, w, bias, row_weight) if t is not None])
             return run(x, w, masked_m, bias, row_weight, out)
-    cfg = api._check_config(config)
+    cfg = api._check_config(config, "fused_grouped_mm_masked")
     if api._symbolic(*present):
         from moe_gemm.ops import masked_custom_ops
 

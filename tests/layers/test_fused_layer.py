@@ -198,3 +198,16 @@ def test_gated_and_callable_activations_agree():
 
     g, u = split_gate_up(h, "concat")
     assert torch.allclose(gate_torch("gelu_tanh", g, u, 0.0, 0.0), ref)
+
+
+def test_a_swap_pin_runs_on_both_paths():
+    """swap_ab=True is grouped_mm's: the unfused experts take it and the fused ones run
+    without it (fused_grouped_mm refuses the pin), with the same results either way."""
+    torch.manual_seed(6)
+    moe = randomize(MoE(32, 16, 8, 2, fused=True, config=GemmConfig(swap_ab=True)))
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        y = moe(x)
+        moe.fused = False
+        base = moe(x)
+    assert rel_err(y, naive_moe(moe, x)) < 1e-5 and rel_err(y, base) < 1e-5

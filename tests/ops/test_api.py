@@ -609,6 +609,7 @@ def test_swap_ab_runs_grouped_mm_and_every_other_op_refuses_it() -> None:
     y = grouped_mm(x, w, offs, config=swap)
     assert torch.equal(y, grouped_mm(x, w, offs))
     from moe_gemm.ops.fused import fused_grouped_mm
+    from moe_gemm.ops.fused_masked import fused_grouped_mm_masked
     from moe_gemm.ops.masked import grouped_mm_masked, scaled_grouped_mm_masked
     from moe_gemm.ops.scaled import scaled_grouped_gemm, scaled_grouped_mm
 
@@ -619,6 +620,7 @@ def test_swap_ab_runs_grouped_mm_and_every_other_op_refuses_it() -> None:
         "grouped_mm's 3-D x 3-D form": lambda: grouped_mm(x.view(2, 20, 32), w[:2],
                                                           config=swap),
         "grouped_gemm": lambda: grouped_gemm([x], [w[0]], config=swap),
+        "GroupedGemmPlan": lambda: moe_gemm.GroupedGemmPlan([x], [w[0]], config=swap),
         "grouped_mm_masked": lambda: grouped_mm_masked(
             x.view(2, 20, 32), w[:2], torch.tensor([3, 20], dtype=torch.int32), config=swap),
         "scaled_grouped_mm": lambda: scaled_grouped_mm(x8, w8, sa, sb, offs, config=swap),
@@ -628,6 +630,8 @@ def test_swap_ab_runs_grouped_mm_and_every_other_op_refuses_it() -> None:
             x8.view(2, 20, 32), w8[:2], sa.view(2, 20), sb[:2],
             torch.tensor([3, 20], dtype=torch.int32), config=swap),
         "fused_grouped_mm": lambda: fused_grouped_mm(x, w, offs, gate="silu", config=swap),
+        "fused_grouped_mm_masked": lambda: fused_grouped_mm_masked(
+            x.view(2, 20, 32), w[:2], torch.tensor([3, 20], dtype=torch.int32), config=swap),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"swap_ab=True .*; {name} does not take it"):
