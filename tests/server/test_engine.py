@@ -273,15 +273,19 @@ def test_warm_up_ladder_covers_every_heuristic_choice(monkeypatch):
         WeightSet("x", torch.empty(2, 2, 2), "w", 1)) == (1,)  # torch backend: nothing to build
 
     def key(c):
-        return (c.schedule, c.tile_m, c.tile_n, c.stages)
+        return (c.schedule, c.tile_m, c.tile_n, c.stages, c.swap_ab)
+
+    def choice(T, E, N, K):  # (the engine's launches are grouped_mm's: swapped tiles too)
+        return choose_varlen(engine.config, T, E, N, K, 132, swap_ok=True)
 
     for E, K, N in [(256, 7168, 512), (8, 4096, 14336), (64, 2048, 1024)]:
         ws = WeightSet("x", torch.empty(E, K, N), "w", 1)
         rows = engine.warmup_rows_for(ws)
         assert max(rows) <= 40000
-        warmed = {key(choose_varlen(engine.config, T, E, N, K, 132)) for T in rows}
-        every = {key(choose_varlen(engine.config, T, E, N, K, 132)) for T in range(1, 40001, 7)}
+        warmed = {key(choice(T, E, N, K)) for T in rows}
+        every = {key(choice(T, E, N, K)) for T in range(1, 40001, 7)}
         assert every <= warmed, (E, K, N, rows)
+        assert any(k[-1] for k in every) == (E <= 128)  # the swap window on 8 and 64 experts
         assert len(rows) == len(warmed)  # one run per configuration, no more
 
 
