@@ -205,8 +205,7 @@ class SwappedGemmSm90(GroupedGemmSm90):
         tCrW = tiled_mma.make_fragment_A(thr_w.partition_A(sB))
         num_k_blocks = cute.size(tCrW, mode=[2])
         # One descriptor per k-block and stage serves every variant: a WGMMA's smem descriptor
-        # holds the stage's address, strides and swizzle, its N is the instruction's (built per
-        # variant, they were all kept live across the tile loop and spilled).
+        # holds the stage's address, strides and swizzle; N is the instruction's.
         tCrX = tiled_mma.make_fragment_B(thr_w.partition_B(sA))
         # Likewise the epilogue's staging partition (the subtiles are 128 x 16 in every
         # variant); each variant's accumulator is read by its flat index (store_rows).
