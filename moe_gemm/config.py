@@ -108,7 +108,7 @@ class GemmConfig:
             large experts). Cooperative, device visitor, 1x1 cluster, 16-bit output; the
             other ops refuse it (the MoE layer's fused experts run without it). None = by
             MOE_GEMM_SWAP_AB, else where an expert fills about one 256-row tile (192-320 rows
-            on at most 128 experts, K >= 2048; heuristics.swap_ab_wanted); False = off.
+            on at most 160 experts, K >= 2048; heuristics.swap_ab_wanted); False = off.
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,

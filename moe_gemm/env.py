@@ -230,7 +230,7 @@ VARIABLES: dict[str, Variable] = {
         override_value,
         "1 / 0: grouped_mm's 2-D x 3-D form runs swapped tiles (the routed rows on the WGMMA's "
         "N side, 128 weight columns x up to 256 rows) everywhere / nowhere (default: where "
-        "about 192-320 rows reach each of at most 128 experts, K >= 2048; GemmConfig.swap_ab "
+        "about 192-320 rows reach each of at most 160 experts, K >= 2048; GemmConfig.swap_ab "
         "pins it)"),
     "MOE_GEMM_L2_HINTS": Variable(
         l2_hints_value,

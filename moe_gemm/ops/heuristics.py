@@ -488,12 +488,13 @@ def trim_a_default(choice: KernelChoice) -> bool:
 # swapped tile per expert, where the M-side tiles pad an expert to two 128-row tiles (25% of
 # the multiply-adds) and the swapped one to 16 rows (3%). Measured on an H200 (2026-12-01,
 # `benchmarks.env_ab --switch MOE_GEMM_SWAP_AB`, the zoo's harness, against the tuned
-# tables' picks): all 20 zoo and held-out cases in this window faster (26 measurements),
-# 1.016-1.50x; outside it mixed or slower (many rows per expert: the picks' larger tiles and
-# clusters win, down to 0.67x at 2048 rows of K = 32768; 256 experts or K = 1024: 0.92-0.98x;
-# decode-sized experts: a median 0.945x). docs/measurements.md, 2026-12-01 (swapped tiles).
+# tables' picks): all 27 zoo and held-out cases in this window faster (34 measurements),
+# 1.016-1.50x, 160 experts included (GLM-4.5, Qwen3-Coder-480B: 1.05-1.10x); outside it mixed
+# or slower (many rows per expert: the picks' larger tiles and clusters win, down to 0.67x at
+# 2048 rows of K = 32768; 256 experts or K = 768-1024: 0.92-0.98x; decode-sized experts: a
+# median 0.945x). docs/measurements.md, 2026-12-01 (swapped tiles).
 SWAP_ROWS_PER_EXPERT = (192, 320)
-SWAP_MAX_EXPERTS = 128
+SWAP_MAX_EXPERTS = 160
 SWAP_MIN_K = 2048
 
 

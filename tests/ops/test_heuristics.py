@@ -317,7 +317,8 @@ def test_general_grid_count_adds_no_pass_where_the_rows_alone_exceed_the_grid():
     (4096, 16, 5120, True),  # 256 rows per expert (Llama-4-Scout at 4096 tokens)
     (192 * 64, 64, 2048, True), (320 * 64, 64, 2048, True),  # the window's edges
     (191 * 64, 64, 2048, False), (321 * 64, 64, 2048, False),
-    (256 * 256, 256, 7168, False),  # more than 128 experts
+    (200 * 160, 160, 5120, True), (200 * 161, 161, 5120, False),  # at most 160 experts
+    (256 * 256, 256, 7168, False),
     (256 * 64, 64, 1024, False),  # short K
     (0, 0, 2048, False),
 ])
