@@ -139,8 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
     p.add_argument("--configs", help="';'-separated config names (as printed, e.g. 'coop "
-                   "128x256 c1x2 s3 p16'): time only these and the rules' choice, print, and "
-                   "write no table")
+                   "128x256 c1x2 s3 p16' or 'swap 256x128'): time only these and the rules' "
+                   "choice, print, and write no table")
     p.add_argument("--report", help="with --configs: also write the timings as JSON here")
     p.add_argument("--shard", type=parse_shard, metavar="I/N", help="tune shard I of N of "
                    "the shapes (every N-th, from the I-th): one process per GPU, each with its "

@@ -152,7 +152,6 @@ class CompileKey:
             **fused,
         )
 
-
     def _swapped_kernel(self) -> SwappedGemmSm90:
         """The swapped kernel, for the keys it is built for (its fixed choices must match)."""
         fixed = {"form": "varlen", "schedule": "cooperative", "visitor": "device",
