@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -67,7 +68,8 @@ HOLD = {"model": _model_of, "tokens": _tokens_of}
 def _family(name: str) -> str:
     """The plain-default member of a config's schedule x tile x cluster family, by name."""
     words = name.split()
-    base = " ".join(w for w in words[:3] if not w.startswith(("s", "p")) or w == "pp")
+    # (stages 's3' and rasters 'p8ns' dropped; 'swap' and 'pp' kept)
+    base = " ".join(w for w in words[:3] if not re.fullmatch(r"s\d+|p\d+n?s?", w))
     return name_of(parse_name(base))
 
 

@@ -75,6 +75,7 @@ from benchmarks.suite import (
     _build_quack_tuned,
     _ours,
     quack_autotune_seconds,
+    quack_operands,
 )
 from moe_gemm.tuning import zoo as models
 from moe_gemm.tuning.argcheck import empty_option, output_problem
@@ -94,7 +95,8 @@ DEFAULT_BUDGET_S = 480.0
 QUACK_TUNE_CAP_S = 40.0
 GRAPH_NAME = "torch.mm loop (CUDA graph)"
 # Options whose empty value would read as "all" or "the default" (see empty_option).
-NONEMPTY = ["models", "tokens", "proj", "resume", "quack_cache", "out", "out_dir", "png",
+NONEMPTY = ["models", "tokens", "proj", "resume", "quack_cache", "quack_chosen", "out",
+            "out_dir", "png",
             "device", "skip_impl", "merge"]
 SMOKE_SCALE = 64  # smoke mode: N and K divided by this (at least 16), E at most 8
 
@@ -161,7 +163,7 @@ def parse_cases(text: str) -> list[tuple[str, str, int]]:
 
 
 def implementations(run: Run, quack_tuned: bool, cap_s: float,
-                    budget_left) -> list[Impl]:
+                    budget_left, quack_chosen: dict[str, str] | None = None) -> list[Impl]:
     """Ours (default), then the peers: torch's grouped_mm, the mm loop in a CUDA graph, QuACK."""
     impls = [
         Impl(DEFAULT_NAME, False, _ours(None), default=True,
@@ -174,10 +176,93 @@ def implementations(run: Run, quack_tuned: bool, cap_s: float,
              notes="quack.gemm_interface.gemm(x, w, cu_seqlens_m=..., tuned=False)"),
     ]
     if quack_tuned:
-        impls.append(Impl(QUACK_TUNED_NAME, True, _guarded_quack_tuned(run, cap_s, budget_left),
-                          notes="quack.gemm_interface.gemm(..., tuned=True): QuACK's "
-                          "autotuner on the first call"))
+        tuned = _guarded_quack_tuned(run, cap_s, budget_left)
+        notes = ("quack.gemm_interface.gemm(..., tuned=True): QuACK's autotuner on the first "
+                 "call")
+        if quack_chosen:
+            tuned = _replayed_quack_tuned(quack_chosen, tuned)
+            notes += ("; where --quack-chosen names the config it chose for the case in an "
+                      "earlier run on this GPU kind, that config is run instead (its chosen "
+                      "field says 'replayed')")
+        impls.append(Impl(QUACK_TUNED_NAME, True, tuned, notes=notes))
     return impls
+
+
+def read_quack_chosen(path: str) -> tuple[str, dict[str, str]]:
+    """--quack-chosen FILE (an earlier zoo run): its device and, per case, the config QuACK's
+    autotuner chose there (its row's "chosen"). ValueError saying why it cannot be used."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--quack-chosen {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--quack-chosen {path}: not JSON ({exc})") from None
+    zoo_report.check_run(f"--quack-chosen {path}", old)
+    chosen = {}
+    for r in old.get("results", []):
+        text = r.get("chosen")
+        if r.get("impl") == QUACK_TUNED_NAME and r.get("status") == "ok" and text:
+            quack_config_fields(text)  # (ValueError naming the text it cannot read)
+            chosen[r.get("case") or r["shape"]] = text
+    if not chosen:
+        raise ValueError(f"--quack-chosen {path}: no case where QuACK tuned ran and said "
+                         "what it chose")
+    return str(old.get("device")), chosen
+
+
+def quack_config_fields(text: str) -> dict[str, Any]:
+    """QuACK GemmConfig keyword arguments from its repr as the zoo records it ('config:
+    GemmConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=1, ...)'): ints, booleans
+    and None. ValueError for text of another form."""
+    import re
+
+    m = re.search(r"GemmConfig\(([^()]*)\)", text)
+    if m is None:
+        raise ValueError(f"QuACK's choice {text[:80]!r}: expected 'GemmConfig(...)'")
+    fields: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in m.group(1).split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"QuACK's choice {text[:80]!r}: cannot read {item!r}")
+        consts = {"True": True, "False": False, "None": None}
+        if value in consts:
+            fields[name] = consts[value]
+        elif re.fullmatch(r"-?\d+", value):
+            fields[name] = int(value)
+        else:
+            raise ValueError(f"QuACK's choice {text[:80]!r}: cannot read {item!r}")
+    if "tile_m" not in fields or "tile_n" not in fields:
+        raise ValueError(f"QuACK's choice {text[:80]!r}: no tile_m / tile_n")
+    return fields
+
+
+def _replayed_quack_tuned(chosen: dict[str, str], fallback):
+    """QuACK tuned as its autotuner chose on an earlier run of the same case (the config run
+    directly: its autotune, 10-65 s a case on an H200, is what a run of every case cannot
+    afford on one GPU); `fallback` (the autotune) for a case the earlier run lacks."""
+
+    def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
+        text = chosen.get(spec.name)
+        if text is None:
+            return fallback(spec, inp, device)
+        _, x, w, cu = quack_operands(inp, device)
+        from quack.gemm_config import GemmConfig as QuackConfig  # type: ignore
+        from quack.gemm_interface import gemm_tuned  # type: ignore
+
+        known = getattr(QuackConfig, "__dataclass_fields__", None)
+        kwargs = {k: v for k, v in quack_config_fields(text).items()
+                  if known is None or k in known}
+        cfg = QuackConfig(**kwargs)
+        out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=device)
+
+        def run() -> torch.Tensor:
+            # gemm_tuned.fn writes `out` (it returns QuACK's own tuple): the check reads out.
+            gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)
+            return out
+
+        return Prepared(run, run, describe=lambda: f"{text} (replayed)")
+
+    return build
 
 
 def impl_names(fp8: bool) -> list[str]:
@@ -296,6 +381,8 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
             "reps": args.reps, "seed": args.seed, "smoke": args.smoke,
             "budget_s": args.budget_s, "quack_tuned": args.quack_tuned,
             "quack_autotune_cache": bool(getattr(args, "quack_cache", None)),
+            "quack_chosen_from": (Path(args.quack_chosen).name
+                                  if getattr(args, "quack_chosen", None) else None),
             # "drawn in arrays" tells these counts from those of the token-by-token draw
             # before it (the same law, other counts for a seed): zoo_report refuses to merge
             # runs of the two, and --resume to extend one with the other.
@@ -346,11 +433,18 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
     doc["runs"].append({"date": doc["date"], "argv": argv, "ceilings": ceilings})
     budget_left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
     quack_tuned = args.quack_tuned and not args.fp8
-    impls = implementations(r, quack_tuned, args.quack_tune_cap_s, budget_left)
+    quack_chosen = None
+    if quack_tuned and args.quack_chosen:
+        chosen_on, quack_chosen = read_quack_chosen(args.quack_chosen)
+        if chosen_on != doc["device"]:
+            raise ValueError(f"--quack-chosen {args.quack_chosen} was measured on "
+                             f"{chosen_on}, this is {doc['device']}")
+    impls = implementations(r, quack_tuned, args.quack_tune_cap_s, budget_left, quack_chosen)
     history = 1.0
     try:
         for i, (spec, fields) in enumerate(cases):
-            est = estimate_case_s(fields, ceilings, args.reps, quack_tuned,
+            autotunes = quack_tuned and spec.name not in (quack_chosen or {})
+            est = estimate_case_s(fields, ceilings, args.reps, autotunes,
                                   args.quack_tune_cap_s, history)
             if budget_left() < est:
                 _leave(doc, cases[i:])
@@ -460,6 +554,10 @@ def _parser() -> argparse.ArgumentParser:
                    "(QUACK_CACHE_DIR, QUACK_CACHE_AUTOTUNING=1): QuACK tuned's timings per "
                    "shape are kept in DIR, and a later run on the same GPU kind reads its "
                    "choice there instead of autotuning again (raise --quack-tune-cap-s then)")
+    p.add_argument("--quack-chosen", metavar="FILE", help="an earlier zoo run on this GPU "
+                   "kind: QuACK tuned runs the config its autotuner chose there for each case "
+                   "FILE has (no autotune; the row's chosen says 'replayed'), autotuning only "
+                   "the others")
     p.add_argument("--resume", metavar="FILE", help="keep FILE's finished cases, run the rest")
     p.add_argument("--rerun", action="store_true", help="with --resume: measure this run's "
                    "cases again where FILE has them too (e.g. after a retune), keeping FILE's "
@@ -604,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         build_cases(args.models, args.tokens, proj, args.seed, True, args.fp8)
+        if args.quack_chosen:
+            read_quack_chosen(args.quack_chosen)
         if args.resume:
             old = read_resume(args.resume)
             if args.gpus != 1:  # (else each shard refuses it: one error, not N; they and a

@@ -107,8 +107,9 @@ class GemmConfig:
             computes fewer than 16 padding rows (the M-side tiles pad to 64 or 128; for few
             large experts). Cooperative, device visitor, 1x1 cluster, 16-bit output; the
             other ops refuse it (the MoE layer's fused experts run without it). None = by
-            MOE_GEMM_SWAP_AB, else where an expert fills about one 256-row tile (192-320 rows
-            on at most 160 experts, K >= 2048; heuristics.swap_ab_wanted); False = off.
+            MOE_GEMM_SWAP_AB, else as a tuned table's exact entry measured it, else where an
+            expert fills about one 256-row tile (192-320 rows on at most 160 experts,
+            K >= 2048; heuristics.swap_ab_wanted); False = off.
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,

@@ -450,7 +450,10 @@ def choose_varlen(
     shares = split_shares() if split_ok else 0
     choice = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtype,
                                   out_dtype or dtype, state, shares)
-    if swap_ok and swap_ab_wanted(config, T, E, K, out_itemsize):
+    measured = _measured_swap(config, T, E, N, K, num_sms, device, dtype, out_dtype or dtype,
+                              state) if swap_ok and device else None
+    if swap_ok and swap_ab_wanted(config, T, E, K, out_itemsize, measured, N=N,
+                                  num_sms=num_sms):
         if not choice.swap_ab:  # (a pin or a tuned entry made it so already, with its stages)
             choice = swapped_choice(choice, out_itemsize)
     elif choice.swap_ab and (not swap_ok or config.swap_ab is False
@@ -492,16 +495,22 @@ def trim_a_default(choice: KernelChoice) -> bool:
 # 1.016-1.50x, 160 experts included (GLM-4.5, Qwen3-Coder-480B: 1.05-1.10x); outside it mixed
 # or slower (many rows per expert: the picks' larger tiles and clusters win, down to 0.67x at
 # 2048 rows of K = 32768; 256 experts or K = 768-1024: 0.92-0.98x; decode-sized experts: a
-# median 0.945x). docs/measurements.md, 2026-12-01 (swapped tiles).
+# median 0.945x). docs/measurements.md, 2026-12-01 (swapped tiles). A tuned table's exact
+# entry that was timed beside the swapped kernel (`moe-gemm tune`, `--rerank --rivals`)
+# names swap_ab and decides instead (_measured_swap): the window is the guess off those shapes.
 SWAP_ROWS_PER_EXPERT = (192, 320)
 SWAP_MAX_EXPERTS = 160
 SWAP_MIN_K = 2048
 
 
-def swap_ab_wanted(config: GemmConfig, T: int, E: int, K: int, out_itemsize: int) -> bool:
+def swap_ab_wanted(config: GemmConfig, T: int, E: int, K: int, out_itemsize: int,
+                   measured: bool | None = None, *, N: int | None = None,
+                   num_sms: int | None = None) -> bool:
     """Whether grouped_mm's varlen form runs swapped tiles: config.swap_ab where it is set,
-    else MOE_GEMM_SWAP_AB where it is set, else by the window above for an all-auto config
-    (T routed rows over E experts of depth K, 16-bit output)."""
+    else MOE_GEMM_SWAP_AB where it is set, else for an all-auto config (T routed rows over E
+    experts of depth K, 16-bit output) `measured` where a tuned table's exact entry decided it
+    (an entry timed beside the swapped kernel names swap_ab either way), else the window
+    above; with N and num_sms, only where the swapped tiles fill at least one wave."""
     if config.swap_ab is not None:
         return config.swap_ab
     forced = env_value(SWAP_AB_ENV)
@@ -509,8 +518,22 @@ def swap_ab_wanted(config: GemmConfig, T: int, E: int, K: int, out_itemsize: int
         return bool(forced)
     if config.tuning_pinned or out_itemsize != 2 or E == 0:
         return False
+    if measured is not None:
+        return measured
     low, high = SWAP_ROWS_PER_EXPERT
+    if N is not None and num_sms and swapped_tiles(T, E, N) < num_sms:
+        # Fewer tiles than SMs leaves SMs idle that the M-side tiles (2-4x as many on such
+        # shapes) keep busy: 16 experts x 256 rows x N = 512 is 64 swapped tiles on 132 SMs,
+        # where ping-pong 128x192 won (H200, the tuner's re-rank, 2026-12-01). The 27 cases
+        # the window was measured on had 512 or more.
+        return False
     return E <= SWAP_MAX_EXPERTS and K >= SWAP_MIN_K and low * E <= T <= high * E
+
+
+def swapped_tiles(T: int, E: int, N: int) -> int:
+    """About how many swapped tiles T routed rows over E experts make (an expert in the window
+    fills one or two 256-row tiles; each tile is SWAP_TILE_COLS weight columns wide)."""
+    return max(E, -(-T // SWAP_TILE_ROWS)) * -(-N // SWAP_TILE_COLS)
 
 
 def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None = None
@@ -549,6 +572,19 @@ def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtyp
         except ValueError as exc:
             _unusable(hit, exc)
     return _varlen_fitted(config, config, T, E, N, K, out_itemsize, shares, num_sms)
+
+
+@functools.lru_cache(maxsize=512)
+def _measured_swap(config, T, E, N, K, num_sms, device, dtype, out_dtype, state
+                   ) -> bool | None:
+    """swap_ab as a tuned table's exact entry for the shape names it (True or False), else
+    None: the tuner and `moe-gemm tune --rerank` write it where they timed the swapped kernel,
+    and that measurement outranks the window (a neighbours pick does not: the window is the
+    better guess off the tuned shapes)."""
+    hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype)
+    if hit is None or hit.how != "exact":
+        return None
+    return dict(hit.fields).get("swap_ab")
 
 
 def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int, K: int,
@@ -888,6 +924,6 @@ def tuned_hit(form: str, config: GemmConfig, num_sms: int, *, device: str | None
 
 def clear_caches() -> None:
     """Forget every cached choice (tests; the online autotuner after adding an entry)."""
-    for fn in (_choose_general_tuned, _choose_general, _choose_varlen_tuned,
+    for fn in (_choose_general_tuned, _choose_general, _choose_varlen_tuned, _measured_swap,
                _choose_batched_tuned, _choose_batched):
         fn.cache_clear()

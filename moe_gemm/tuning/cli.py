@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from moe_gemm.tuning import rerank, zoo
+from moe_gemm.tuning import rerank, space, zoo
 from moe_gemm.tuning.argcheck import empty_option, output_problem
 from moe_gemm.tuning.shards import (
     finish_shards,
@@ -129,9 +130,17 @@ def _parser() -> argparse.ArgumentParser:
                    "TABLE's pick, the --top fastest other configs of its samples and the "
                    "rules' choice against one another (--rounds rounds, the zoo's regime "
                    "unless --timing/--rest-ms/--sample-ms say otherwise) and write the "
-                   "winner; shapes TABLE has no entry for are skipped")
+                   "winner; shapes TABLE has no entry for are skipped (unless --rivals)")
     p.add_argument("--top", type=int, default=rerank.DEFAULT_TOP,
                    help="with --rerank: rivals per shape (default %(default)s)")
+    p.add_argument("--rivals", default=None, help="with --rerank: configs timed beside "
+                   "every shape's pick, ';'-separated ('swap 256x128;coop 128x256 c1x2 s4'); "
+                   "shapes TABLE has no entry for are then re-ranked from the rules' choice")
+    p.add_argument("--rivals-file", metavar="FILE", default=None, help="with --rerank: a "
+                   "JSON object of shape labels ('Kimi-K2/gate_up tokens=8192', as --list "
+                   "shows them) to lists of configs timed beside that shape's pick (as "
+                   "`python -m benchmarks.peer_rivals` writes from a zoo run: the tiles a "
+                   "peer's autotuner chose)")
     p.add_argument("--margin", type=float, default=rerank.DEFAULT_MARGIN, help="with "
                    "--rerank: a rival replaces the pick only when faster by more than this "
                    "fraction (default %(default)s)")
@@ -341,14 +350,47 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _rerank_problem(args: argparse.Namespace) -> str | None:
     if not args.rerank:
-        return None
+        return ("--rivals needs --rerank" if args.rivals else
+                "--rivals-file needs --rerank" if args.rivals_file else None)
     if args.configs:
         return "--rerank and --configs are two ways to time given configs; give one"
     if args.top < 1:
         return f"--top {args.top}: must be >= 1"
     if not 0 <= args.margin < 1:  # (nan too)
         return f"--margin {args.margin}: must be in [0, 1)"
+    try:
+        rerank_rivals(args)
+    except ValueError as exc:
+        return f"--rivals: {exc}"
+    try:
+        rivals_by_label(args)
+    except ValueError as exc:
+        return f"--rivals-file {args.rivals_file}: {exc}"
     return None
+
+
+def rerank_rivals(args: argparse.Namespace) -> tuple[dict, ...]:
+    """--rivals as config fields (ValueError naming a config it cannot read)."""
+    names = [n.strip() for n in (args.rivals or "").split(";") if n.strip()]
+    return tuple(space.parse_name(n, args.form) for n in names)
+
+
+def rivals_by_label(args: argparse.Namespace) -> dict[str, tuple[dict, ...]]:
+    """--rivals-file as {shape label: config fields}; ValueError saying what is wrong."""
+    if not args.rivals_file:
+        return {}
+    try:
+        doc = json.loads(Path(args.rivals_file).read_text())
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(doc, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(n, str) for n in v)
+            for k, v in doc.items()):
+        raise ValueError("expected an object of shape labels to lists of config names")
+    return {label: tuple(space.parse_name(n, args.form) for n in names)
+            for label, names in doc.items()}
 
 
 def _out_path(args: argparse.Namespace, slug: str) -> Path:
@@ -514,10 +556,14 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     os.environ.setdefault("MOE_GEMM_TUNED_TABLES", "1")
     found = {}
     if source is not None:
+        extra, by_label = rerank_rivals(args), rivals_by_label(args)
         found = {i: f for i, s in enumerate(shapes)
-                 if (f := rerank.leaders(source, s, args.top)) is not None}
-        log(f"[tune] --rerank {args.rerank}: {len(found)} of {len(shapes)} shapes have an "
-            f"entry there; the others are skipped")
+                 if (f := rerank.leaders(source, s, args.top,
+                                         extra + by_label.get(s.label, ()), nsm)) is not None}
+        have_entry = sum(1 for f in found.values() if f.entry)
+        log(f"[tune] --rerank {args.rerank}: {have_entry} of {len(shapes)} shapes have an "
+            "entry there; " + ("the others start from the rules' choice" if extra
+                               or by_label else "the others are skipped"))
     with CompilePool(args.workers) as pool:
         if source is None:
             _precompile(shapes, pool, nsm, log)

@@ -137,9 +137,15 @@ class ShapeResult:
         if self.winner is None:
             return None
         k = self.shape.key()
+        config = {f: v for f, v in self.winner.fields.items() if v is not None}
+        if not config.get("swap_ab") and any(o.fields.get("swap_ab") and o.samples
+                                             for o in self.outcomes):
+            # The swapped kernel was timed here and lost: say so, so the lookup keeps this
+            # pick where the swapped tiles' window would take the shape (heuristics).
+            config["swap_ab"] = False
         entry = {"form": k.form, "dtype": k.dtype, "out_dtype": k.out_dtype, "E": k.E,
                  "N": k.N, "K": k.K, "bucket": k.bucket, "rows": self.shape.rows,
-                 "config": {f: v for f, v in self.winner.fields.items() if v is not None},
+                 "config": config,
                  "us": round(self.winner.decisive_ms * 1e3, 2), "name": self.winner.name,
                  "layout": self.shape.layout,
                  "candidates": sum(1 for o in self.outcomes if o.status == "ok")}

@@ -118,6 +118,11 @@ def _json_data(inp: V2Input, dtype: torch.dtype, count: int) -> torch.Tensor:
         raise bad_request(
             f"input {inp.name!r}: shape {inp.shape} needs {count} values; 'data' has {arr.size}"
         )
+    if arr.ndim > 1 and list(arr.shape) != list(inp.shape):
+        # The protocol takes the data flat or nested as the shape: [[1, 2, 3], [4, 5, 6]]
+        # under shape [3, 2] is one or the other client's mistake, not a reshape to guess.
+        raise bad_request(f"input {inp.name!r}: 'data' is nested as {list(arr.shape)}, its "
+                          f"shape is {inp.shape}; nest it as the shape or send it flat")
     flat = np.ascontiguousarray(arr.reshape(-1))
     if dtype == torch.bool:
         return torch.from_numpy(flat)

@@ -98,6 +98,8 @@ def test_a_pick_whose_tile_the_held_out_shape_never_timed_is_untimed_and_says_wh
 def test_an_untimed_variation_is_scored_by_its_family():
     assert cg._family("coop 128x192 c1x2 s4 p4 ts") == "coop 128x192 c1x2 p8"
     assert cg._family("pp 64x256 p8") == "pp 64x256 p8"
+    # (a swapped pick, which the re-ranked tables name: its family is the swapped tile)
+    assert cg._family("swap 256x128 p8ns") == "swap 256x128 p8"
 
 
 def test_cli(tmp_path, capsys):

@@ -490,3 +490,61 @@ def test_out_and_out_dir_together_are_refused(tmp_path, capsys, monkeypatch):
     [written] = folder.iterdir()
     assert written.name.startswith("zoo-cpu-") and len(json.loads(written.read_text())[
         "cases"]) == 2
+
+
+QUACK_REPR = ("config: GemmConfig(tile_m=128, tile_n=256, tile_k=None, num_warps=None, "
+              "pingpong=False, is_dynamic_persistent=False, cluster_m=1, cluster_n=2, "
+              "cluster_k=1, split_k=1, swap_ab=False, max_swizzle_size=8, "
+              "device_capacity=9, use_tma_gather=False)")
+
+
+def test_quacks_recorded_choice_reads_back_as_its_config_fields():
+    fields = zoo.quack_config_fields(QUACK_REPR)
+    assert fields["tile_m"] == 128 and fields["tile_n"] == 256 and fields["cluster_n"] == 2
+    assert fields["pingpong"] is False and fields["tile_k"] is None
+    assert len(fields) == 14
+    for bad in ("n/a", "GemmConfig(tile_m=128)", "GemmConfig(tile_m=x, tile_n=1)",
+                "GemmConfig(tile_m=1, tile_n=2, 3)"):
+        with pytest.raises(ValueError, match="QuACK's choice"):
+            zoo.quack_config_fields(bad)
+
+
+def _zoo_run_with(tmp_path: Path, rows: list[dict], device: str = "NVIDIA H200") -> Path:
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"device": device, "cases": {}, "results": rows}))
+    return path
+
+
+def test_quack_chosen_takes_each_cases_recorded_choice(tmp_path):
+    ok = {"impl": zoo.QUACK_TUNED_NAME, "status": "ok", "case": "M/gate_up/8192",
+          "shape": "E=8 N=1 K=1 rows=1", "chosen": QUACK_REPR}
+    rows = [ok, dict(ok, case="M/down/8192", status="failed"),  # not timed: not replayed
+            dict(ok, case="M/down/16", chosen=None),  # nothing said: autotuned
+            dict(ok, impl=zoo.QUACK_NAME, case="M/down/2048")]  # untuned QuACK
+    device, chosen = zoo.read_quack_chosen(str(_zoo_run_with(tmp_path, rows)))
+    assert device == "NVIDIA H200" and chosen == {"M/gate_up/8192": QUACK_REPR}
+
+
+@pytest.mark.parametrize("rows, words", [
+    ([], "no case where QuACK tuned ran"),
+    ([{"impl": "QuACK varlen (tuned)", "status": "ok", "case": "a", "shape": "s",
+       "chosen": "GemmConfig(tile_m=?)"}], "cannot read"),
+])
+def test_a_quack_chosen_file_that_cannot_be_used_is_refused(tmp_path, capsys, rows, words):
+    path = _zoo_run_with(tmp_path, rows)
+    assert zoo.main(["--smoke", "--quiet", "--quack-chosen", str(path), "--out",
+                     str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+    assert zoo.main(["--smoke", "--quack-chosen", str(tmp_path / "missing.json")]) == 2
+    assert "--quack-chosen" in capsys.readouterr().err
+
+
+def test_quack_chosen_from_another_gpu_kind_is_refused(tmp_path, capsys):
+    ok = {"impl": zoo.QUACK_TUNED_NAME, "status": "ok", "case": "M/gate_up/8192",
+          "shape": "E=8 N=1 K=1 rows=1", "chosen": QUACK_REPR}
+    path = _zoo_run_with(tmp_path, [ok])
+    out = tmp_path / "x.json"
+    assert zoo.main(["--smoke", "--quiet", "--quack-chosen", str(path), "--out",
+                     str(out)]) == 2
+    assert "was measured on NVIDIA H200" in capsys.readouterr().err

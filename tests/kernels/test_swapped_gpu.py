@@ -119,10 +119,11 @@ def test_cuda_graph_replays_with_new_offsets():
 
 
 def test_the_window_takes_it_by_default(monkeypatch):
-    """256 rows on each of 16 experts (Llama-4-Scout's up-projection at 4096 tokens, N cut):
-    swapped by default, not with MOE_GEMM_SWAP_AB=0, the same numbers either way."""
+    """256 rows on each of 16 experts (Llama-4-Scout's up-projection at 4096 tokens, N cut
+    to 2048: 256 swapped tiles, two waves): swapped by default, not with MOE_GEMM_SWAP_AB=0,
+    the same numbers either way."""
     counts = [256] * 16
-    x, w, offs, _ = _operands(counts, 512, 2048, "EKN", torch.bfloat16, 0, 4)
+    x, w, offs, _ = _operands(counts, 2048, 2048, "EKN", torch.bfloat16, 0, 4)
     monkeypatch.delenv(SWAP_AB_ENV, raising=False)
     a = moe_gemm.grouped_mm(x, w, offs)
     assert last_launch().choice.swap_ab

@@ -159,3 +159,38 @@ def test_rerank_through_the_cli(few_candidates, tmp_path):
     assert entry["name"] in timed and 3 <= len(timed) <= 4  # pick, 2 rivals, (rules)
     sampled = {space.name_of({"stages": None, **s["config"]}) for s in source["samples"]}
     assert new["name"] in sampled | timed
+
+
+def test_a_rerank_against_the_swapped_kernel_decides_what_the_default_launches(
+        few_candidates, tmp_path, monkeypatch):
+    """On 256 rows of each of 16 experts, K = 2048 (the window's rows, N = 512 below its one
+    wave) a re-rank with the swapped kernel as a rival writes an entry that names swap_ab, and
+    with that table the default launches what the entry says, whichever way the timing went
+    (on an H200, 2026-12-01: ping-pong 128x192 4 stages, not swapped)."""
+    from moe_gemm.tuning import cli
+
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    searched, reranked = tmp_path / "searched.json", tmp_path / "reranked.json"
+    shape = ["--shapes", "16,512,2048,4096", "--rounds", "3", "--workers", "4", "--quiet"]
+    assert cli.main([*shape, "--out", str(searched), "--no-merge"]) == 0
+    assert cli.main([*shape, "--rerank", str(searched), "--top", "1", "--rivals",
+                     "swap 256x128", "--out", str(reranked), "--no-merge"]) == 0
+    (new,) = json.loads(reranked.read_text())["entries"]
+    assert isinstance(new["config"].get("swap_ab"), bool), new["config"]
+    assert any(n.startswith("swap 256x128") for n in new["rerank"]["timed"])
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(reranked))
+    tuned.clear_caches()
+    heuristics.clear_caches()
+    dev = torch.device("cuda")
+    x = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(16, 512, 2048, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    offs = torch.arange(256, 4097, 256, device=dev, dtype=torch.int32)
+    y = moe_gemm.grouped_mm(x, w, offs)
+    chosen = launch_info.last_launch().choice
+    record("tuning/rerank-swap", chosen.swap_ab == new["config"]["swap_ab"],
+           entry=new["name"], swap_ab=chosen.swap_ab)
+    assert chosen.swap_ab == new["config"]["swap_ab"]
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x, w, offs)
+    low = moe_gemm.grouped_mm(x, w, offs, config=GemmConfig(backend="torch"))
+    base = (low.float() - ref).abs().max().item()
+    assert (y.float() - ref).abs().max().item() <= 2 * base + 1e-5

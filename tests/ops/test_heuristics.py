@@ -337,6 +337,22 @@ def test_swap_window(monkeypatch, T, E, K, want):
     assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 2) is False
 
 
+@pytest.mark.parametrize("N,want", [(512, False), (1024, False), (1152, True), (16384, True)])
+def test_the_window_wants_a_wave_of_swapped_tiles(monkeypatch, N, want):
+    """16 experts x 256 rows make 16 x N/128 swapped tiles: under 132 (N <= 1024) SMs would
+    idle that the M-side tiles keep busy; the switch and a pin still swap."""
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    assert heuristics.swapped_tiles(4096, 16, N) == 16 * (N // 128)
+    assert heuristics.swap_ab_wanted(GemmConfig(), 4096, 16, 5120, 2, N=N, num_sms=132) is want
+    assert heuristics.swap_ab_wanted(GemmConfig(), 4096, 16, 5120, 2) is True  # N not given
+    c = heuristics.choose_varlen(GemmConfig(), 4096, 16, N, 5120, 132, swap_ok=True)
+    assert c.swap_ab is want
+    assert heuristics.swap_ab_wanted(GemmConfig(swap_ab=True), 4096, 16, 5120, 2, N=N,
+                                     num_sms=132) is True
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "1")
+    assert heuristics.choose_varlen(GemmConfig(), 4096, 16, N, 5120, 132, swap_ok=True).swap_ab
+
+
 def test_swapped_choice_and_its_compile_key(monkeypatch):
     import torch
 

@@ -644,3 +644,38 @@ def test_a_swapped_entry_runs_where_the_launch_can_take_it(_isolated, monkeypatc
     with pytest.warns(RuntimeWarning, match="cannot run here"):
         wide = choose_varlen(GemmConfig(), *shape, 4, device=DEV, swap_ok=True)
     assert not wide.swap_ab
+
+
+def test_an_exact_entry_that_timed_the_swapped_kernel_decides_over_the_window(
+        _isolated, monkeypatch):
+    """The window (heuristics.swap_ab_wanted) guesses where no measurement says otherwise: an
+    exact entry naming swap_ab=False (the tuner or a re-rank timed the swapped kernel there and
+    it lost) keeps its pick inside the window; one naming True swaps outside it; an entry that
+    does not name it, or a neighbours pick, leaves the window to decide. Pins and
+    MOE_GEMM_SWAP_AB still come first."""
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    inside = (64 * 256, 64, 4096, 7168, 132)  # 256 rows per expert: in the window
+    outside = (64 * 1024, 64, 4096, 7168, 132)  # 1024 rows per expert: out of it
+    assert heuristics.swap_ab_wanted(GemmConfig(), 64 * 256, 64, 7168, 2)
+    assert not heuristics.swap_ab_wanted(GemmConfig(), 64 * 1024, 64, 7168, 2)
+    ship(_isolated, table([entry(bucket=8, config=dict(PP_64x256, swap_ab=False)),
+                           entry(bucket=10, config=dict(SWAP))]))
+    kept = choose_varlen(GemmConfig(), *inside, device=DEV, swap_ok=True)
+    assert not kept.swap_ab and (kept.schedule, kept.tile_m, kept.tile_n) == ("pingpong", 64,
+                                                                             256)
+    swapped = choose_varlen(GemmConfig(), *outside, device=DEV, swap_ok=True)
+    assert swapped.swap_ab and (swapped.tile_m, swapped.tile_n) == (256, 128)
+    # the caller's switch and pin outrank the measurement
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "1")
+    assert choose_varlen(GemmConfig(), *inside, device=DEV, swap_ok=True).swap_ab
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV)
+    assert choose_varlen(GemmConfig(swap_ab=True), *inside, device=DEV, swap_ok=True).swap_ab
+    assert not choose_varlen(GemmConfig(), *outside, device=DEV, swap_ok=False).swap_ab
+    # an entry that does not name swap_ab: the window swaps its pick
+    ship(_isolated, table([entry(bucket=8, config=dict(PP_64x256))]))
+    heuristics.clear_caches()
+    assert choose_varlen(GemmConfig(), *inside, device=DEV, swap_ok=True).swap_ab
+    # no table at all: the window
+    ship(_isolated, table([]))
+    heuristics.clear_caches()
+    assert choose_varlen(GemmConfig(), *inside, device=DEV, swap_ok=True).swap_ab

@@ -386,6 +386,17 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
     j = {"inputs": [{"name": "x", "shape": [2, K], "datatype": "FP32", "data": [1.0] * 3},
                     {"name": "counts", "shape": [E], "datatype": "INT32", "data": [2, 0, 0, 0]}]}
     cases.append(("json data count mismatch", json.dumps(j).encode(), AUTH, 400))
+    # nested, the right count, another shape: [[...K...], [...K...]] is [2, K], not [K, 2]
+    jn = {"inputs": [{"name": "x", "shape": [K, 2], "datatype": "FP32",
+                      "data": [[1.0] * K, [1.0] * K]},
+                     {"name": "counts", "shape": [E], "datatype": "INT32",
+                      "data": [2, 0, 0, 0]}]}
+    cases.append(("json nested other than its shape", json.dumps(jn).encode(), AUTH, 400))
+    jn2 = {"inputs": [{"name": "x", "shape": [2, K], "datatype": "FP32",
+                       "data": [[1.0] * (2 * K)]},
+                      {"name": "counts", "shape": [E], "datatype": "INT32",
+                       "data": [2, 0, 0, 0]}]}
+    cases.append(("json nested one level short", json.dumps(jn2).encode(), AUTH, 400))
     j2 = {"inputs": [{"name": "q", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
     cases.append(("unexpected input", json.dumps(j2).encode(), AUTH, 400))
     cases.append(("not json", b"{{{", AUTH, 400))

@@ -239,3 +239,151 @@ def test_an_out_that_is_no_table_for_this_device_is_refused_not_replaced(
     err = capsys.readouterr().err
     assert err.startswith(f"moe-gemm tune: --out {out} is not a table for this device (")
     assert err.count("\n") == 1 and out.read_text() == content
+
+
+SWAPPED = "swap 256x128 p8"
+
+
+def test_rivals_join_every_shape_and_a_shape_without_an_entry_starts_from_the_rules():
+    from moe_gemm.tuning.runner import rules_fields
+
+    extra = (space.parse_name("coop 128x256 c1x2 s4"), space.parse_name("pp 128x192 p8"))
+    found = rerank.leaders(_table(), SHAPE, top=1, extra=extra)
+    # the pick, its fastest sample rival, then the given rivals not already there
+    assert [space.name_of(f) for f in found.rivals] == ["pp 128x128 c1x2 p8",
+                                                        "coop 128x256 c1x2 s4 p8"]
+    other = TuneShape("varlen", 4, 512, 2048, 4096, counts=(1024,) * 4)
+    assert rerank.leaders(_table(), other, top=2) is None
+    found = rerank.leaders(_table(), other, top=2, extra=extra)
+    assert found.entry == {} and found.pick == rules_fields(other, 132)
+    assert {space.name_of(f) for f in found.rivals} == {space.name_of(f) for f in extra}
+
+
+def _window_shape_and_table(config_extra: dict | None = None):
+    shape = TuneShape("varlen", 16, 2048, 4096, 16 * 256, counts=(256,) * 16)
+    k = shape.key()
+    config = {f: v for f, v in space.parse_name("pp 128x192 p8").items() if v is not None}
+    config.update(config_extra or {})
+    entry = {"form": k.form, "dtype": k.dtype, "out_dtype": k.out_dtype, "E": k.E, "N": k.N,
+             "K": k.K, "bucket": k.bucket, "rows": shape.rows, "config": config, "us": 100.0,
+             "name": "pp 128x192 p8"}
+    return shape, {"device": "X", "entries": [entry], "samples": []}
+
+
+def test_inside_the_swap_window_the_swapped_kernel_is_the_pick_to_beat(monkeypatch):
+    """The default launches swapped tiles there, not the entry's pick: a re-rank starts from
+    what the default launches, so the entry's pick must beat it by the margin; an entry that
+    names swap_ab (a measurement) is its own pick."""
+    from moe_gemm.ops import heuristics
+
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    shape, table = _window_shape_and_table()
+    found = rerank.leaders(table, shape, top=2)
+    assert space.name_of(found.pick).startswith("swap 256x128")
+    assert [space.name_of(f) for f in found.rivals] == ["pp 128x192 p8"]
+    shape, table = _window_shape_and_table({"swap_ab": False})
+    found = rerank.leaders(table, shape, top=2)
+    assert space.name_of(found.pick) == "pp 128x192 p8" and found.rivals == []
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "0")  # the switch off: no swapped default
+    shape, table = _window_shape_and_table()
+    assert space.name_of(rerank.leaders(table, shape, top=2).pick) == "pp 128x192 p8"
+
+
+@pytest.mark.parametrize("swap_us,expect_swap", [(90.0, True), (99.0, False), (120.0, False)])
+def test_an_entry_written_after_timing_the_swapped_kernel_names_swap_ab(swap_us, expect_swap):
+    """The lookup lets such an entry outrank the swapped tiles' window (heuristics), so the
+    entry must say which way the measurement went: True where the swapped kernel won, False
+    where it lost or stayed within the margin."""
+    found = rerank.leaders(_table(), SHAPE, top=1, extra=(space.parse_name("swap 256x128"),))
+    times = {"pp 128x192 p8": 100.0, "pp 128x128 c1x2 p8": 150.0, RULES: 150.0,
+             SWAPPED: swap_us}
+    res = rerank.rerank_shape(SHAPE, FakeRunner(_costs(times)), found, rounds=5, margin=0.03)
+    entry = res.entry()
+    assert entry["config"]["swap_ab"] is expect_swap
+    assert (entry["name"] == SWAPPED) is expect_swap
+    assert table_io._valid_entry(entry)
+
+
+def test_an_entry_that_never_timed_the_swapped_kernel_leaves_swap_ab_unnamed():
+    found = rerank.leaders(_table(), SHAPE, top=1)
+    times = {"pp 128x192 p8": 100.0, "pp 128x128 c1x2 p8": 150.0, RULES: 150.0}
+    entry = rerank.rerank_shape(SHAPE, FakeRunner(_costs(times)), found, rounds=5).entry()
+    assert "swap_ab" not in entry["config"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--rivals", "swap 256x128"], "--rivals needs --rerank"),
+    (["--rerank", "t.json", "--rivals", "swap 256"], "--rivals: config 'swap 256'"),
+    (["--rerank", "t.json", "--rivals", "pp 128x192;banana 1x2"], "--rivals: config 'banana"),
+])
+def test_bad_rivals_are_refused(extra, message, capsys):
+    assert cli.main(["--zoo", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_cli_reranks_shapes_without_an_entry_when_given_rivals(monkeypatch, tmp_path,
+                                                                   capsys):
+    import json
+
+    times = {"pp 128x192 p8": 100.0, RULES: 150.0, SWAPPED: 80.0}
+    _fake_gpu(monkeypatch, times)
+    table = {"format": "moe_gemm.tuned-table/1", "device": "X", "sm_count": 132,
+             "versions": {}, "ceilings": {}, "entries": [], "samples": []}
+    path = tmp_path / "X.json"
+    path.write_text(json.dumps(table))
+    rc = cli.main(["--shapes", "4,512,2048,4096", "--rerank", str(path), "--rivals",
+                   "swap 256x128", "--rounds", "3", "--out", str(path)])
+    assert rc == 0, capsys.readouterr().err
+    assert "0 of 1 shapes have an entry there; the others start from the rules' choice" in \
+        capsys.readouterr().err
+    (new,) = json.loads(path.read_text())["entries"]
+    assert new["name"] == SWAPPED and new["config"]["swap_ab"] is True
+    assert set(new["rerank"]["timed"]) == {RULES, SWAPPED}
+
+
+def test_the_record_names_the_pick_timed_and_the_tables_own_where_the_window_replaced_it(
+        monkeypatch):
+    from moe_gemm.ops import heuristics
+
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    shape, table = _window_shape_and_table()
+    found = rerank.leaders(table, shape, top=1)
+    swapped = space.name_of(found.pick)
+    times = {swapped: 100.0, "pp 128x192 p8": 90.0}
+    res = rerank.rerank_shape(shape, FakeRunner(lambda f: times.get(space.name_of(f), 200.0)
+                                                / 1e3), found, rounds=3, margin=0.03)
+    record = res.entry()["rerank"]
+    assert record["from"] == swapped and record["from_us"] == pytest.approx(100.0)
+    assert record["table_pick"] == "pp 128x192 p8"
+    assert res.entry()["name"] == "pp 128x192 p8" and res.entry()["config"]["swap_ab"] is False
+
+
+def test_a_pick_measured_against_the_swapped_kernel_keeps_that_verdict_when_replaced():
+    """An entry naming swap_ab=False (the swapped kernel lost there) re-ranked without the
+    swapped kernel: a new winner, or the rules' choice of the pick's own name (which the
+    comparison times in its place), is written with swap_ab=False too."""
+    table = _table()
+    table["entries"][0]["config"]["swap_ab"] = False
+    found = rerank.leaders(table, SHAPE, top=1)
+    assert found.pick["swap_ab"] is False
+    times = {"pp 128x192 p8": 100.0, "pp 128x128 c1x2 p8": 80.0, RULES: 150.0}
+    entry = rerank.rerank_shape(SHAPE, FakeRunner(_costs(times)), found, rounds=3).entry()
+    assert entry["name"] == "pp 128x128 c1x2 p8" and entry["config"]["swap_ab"] is False
+    times = {"pp 128x192 p8": 100.0, "pp 128x128 c1x2 p8": 120.0, RULES: 50.0}
+    entry = rerank.rerank_shape(SHAPE, FakeRunner(_costs(times)), found, rounds=3).entry()
+    assert entry["name"] == RULES and entry["config"]["swap_ab"] is False
+
+
+@pytest.mark.parametrize("content, words", [
+    ("[1]", "expected an object of shape labels"),
+    ('{"a": ["pp 128x"]}', "config 'pp 128x'"),
+    ("{", "not JSON"),
+])
+def test_a_bad_rivals_file_is_refused(tmp_path, capsys, content, words):
+    path = tmp_path / "r.json"
+    path.write_text(content)
+    assert cli.main(["--zoo", "--rerank", "t.json", "--rivals-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--rivals-file {path}" in err and words in err, err
+    assert cli.main(["--zoo", "--rivals-file", str(path)]) == 2
+    assert "--rivals-file needs --rerank" in capsys.readouterr().err
