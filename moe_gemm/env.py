@@ -229,9 +229,9 @@ VARIABLES: dict[str, Variable] = {
     "MOE_GEMM_SWAP_AB": Variable(
         override_value,
         "1 / 0: grouped_mm's 2-D x 3-D form runs swapped tiles (the routed rows on the WGMMA's "
-        "N side, 128 weight columns x up to 256 rows) everywhere / nowhere (default: where "
-        "about 192-320 rows reach each of at most 160 experts, K >= 2048; GemmConfig.swap_ab "
-        "pins it)"),
+        "N side, 128 weight columns x up to 256 rows) everywhere / nowhere (default: as a "
+        "tuned table's entry measured it, else where about 192-320 rows reach each of at most "
+        "160 experts, K >= 2048 and the tiles fill the SMs; GemmConfig.swap_ab pins it)"),
     "MOE_GEMM_L2_HINTS": Variable(
         l2_hints_value,
         "'a,b', each first, normal or last: L2 eviction hints on the A and B loads"),

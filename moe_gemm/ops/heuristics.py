@@ -23,9 +23,6 @@ from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
 from moe_gemm.env import env_reader, env_value
 from moe_gemm.kernels.sm90.constants import (
     SPLIT_WAYS,
-    SWAP_ROW_UNIT,
-    SWAP_TILE_COLS,
-    SWAP_TILE_ROWS,
     TILE_K,
     raster_code,
     raster_fields,
@@ -33,6 +30,15 @@ from moe_gemm.kernels.sm90.constants import (
 from moe_gemm.ops import grid_fit, tuned
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops.grid_fit import LONG_K, SHORT_K_TILES
+from moe_gemm.ops.swap_rules import (  # noqa: F401 (the swapped tiles' rules, re-exported)
+    SWAP_AB_ENV,
+    SWAP_MAX_EXPERTS,
+    SWAP_MIN_K,
+    SWAP_ROWS_PER_EXPERT,
+    swap_ab_wanted,
+    swapped_choice,
+    swapped_tiles,
+)
 
 
 def raster_of(config: GemmConfig, default_panel: int) -> int:
@@ -73,7 +79,6 @@ TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 SPLIT_WAYS_ENV = "MOE_GEMM_SPLIT_WAYS"
 TRIM_A_ENV = "MOE_GEMM_TRIM_A"
 PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
-SWAP_AB_ENV = "MOE_GEMM_SWAP_AB"
 # What choose_general reads from the environment besides its arguments: a cache above it
 # (general_launch.general_shape) keys on their values, so a changed switch applies to the
 # next call, as it does for grouped_mm.
@@ -485,69 +490,6 @@ def trim_a_default(choice: KernelChoice) -> bool:
     if choice.schedule == "pingpong" and choice.cluster_n == 1:
         return choice.tile_m == 64 or choice.tile_n >= 192
     return True
-
-
-# Where an all-auto config takes swapped tiles (kernels/sm90/swapped.py): about one 256-row
-# swapped tile per expert, where the M-side tiles pad an expert to two 128-row tiles (25% of
-# the multiply-adds) and the swapped one to 16 rows (3%). Measured on an H200 (2026-12-01,
-# `benchmarks.env_ab --switch MOE_GEMM_SWAP_AB`, the zoo's harness, against the tuned
-# tables' picks): all 27 zoo and held-out cases in this window faster (34 measurements),
-# 1.016-1.50x, 160 experts included (GLM-4.5, Qwen3-Coder-480B: 1.05-1.10x); outside it mixed
-# or slower (many rows per expert: the picks' larger tiles and clusters win, down to 0.67x at
-# 2048 rows of K = 32768; 256 experts or K = 768-1024: 0.92-0.98x; decode-sized experts: a
-# median 0.945x). docs/measurements.md, 2026-12-01 (swapped tiles). A tuned table's exact
-# entry that was timed beside the swapped kernel (`moe-gemm tune`, `--rerank --rivals`)
-# names swap_ab and decides instead (_measured_swap): the window is the guess off those shapes.
-SWAP_ROWS_PER_EXPERT = (192, 320)
-SWAP_MAX_EXPERTS = 160
-SWAP_MIN_K = 2048
-
-
-def swap_ab_wanted(config: GemmConfig, T: int, E: int, K: int, out_itemsize: int,
-                   measured: bool | None = None, *, N: int | None = None,
-                   num_sms: int | None = None) -> bool:
-    """Whether grouped_mm's varlen form runs swapped tiles: config.swap_ab where it is set,
-    else MOE_GEMM_SWAP_AB where it is set, else for an all-auto config (T routed rows over E
-    experts of depth K, 16-bit output) `measured` where a tuned table's exact entry decided it
-    (an entry timed beside the swapped kernel names swap_ab either way), else the window
-    above; with N and num_sms, only where the swapped tiles fill at least one wave."""
-    if config.swap_ab is not None:
-        return config.swap_ab
-    forced = env_value(SWAP_AB_ENV)
-    if forced is not None:
-        return bool(forced)
-    if config.tuning_pinned or out_itemsize != 2 or E == 0:
-        return False
-    if measured is not None:
-        return measured
-    low, high = SWAP_ROWS_PER_EXPERT
-    if N is not None and num_sms and swapped_tiles(T, E, N) < num_sms:
-        # Fewer tiles than SMs leaves SMs idle that the M-side tiles (2-4x as many on such
-        # shapes) keep busy: 16 experts x 256 rows x N = 512 is 64 swapped tiles on 132 SMs,
-        # where ping-pong 128x192 won (H200, the tuner's re-rank, 2026-12-01). The 27 cases
-        # the window was measured on had 512 or more.
-        return False
-    return E <= SWAP_MAX_EXPERTS and K >= SWAP_MIN_K and low * E <= T <= high * E
-
-
-def swapped_tiles(T: int, E: int, N: int) -> int:
-    """About how many swapped tiles T routed rows over E experts make (an expert in the window
-    fills one or two 256-row tiles; each tile is SWAP_TILE_COLS weight columns wide)."""
-    return max(E, -(-T // SWAP_TILE_ROWS)) * -(-N // SWAP_TILE_COLS)
-
-
-def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None = None
-                   ) -> KernelChoice:
-    """The swapped kernel's choice (kernels/sm90/swapped.py): its fixed tile, schedule,
-    visitor and cluster, the raster and the L2 hints of `choice`, `stages` A/B stages (None:
-    as many as fit)."""
-    if out_itemsize != 2:
-        raise ValueError("swap_ab=True stores 16-bit output (bf16 or fp16); got a "
-                         f"{out_itemsize * 8}-bit out_dtype")
-    return replace(choice, schedule="cooperative", visitor="device", tile_m=SWAP_TILE_ROWS,
-                   tile_n=SWAP_TILE_COLS, stages=stages, epi_n=SWAP_ROW_UNIT, cluster_m=1,
-                   cluster_n=1, epi_whole=False, tail_split=False, trim_a=True, swap_ab=True,
-                   wave_fit=False)
 
 
 def with_peek_wait(choice: KernelChoice) -> KernelChoice:

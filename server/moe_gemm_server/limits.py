@@ -192,7 +192,24 @@ class BodyLimitMiddleware:
             body_done = not message.get("more_body", False)
             return message
 
-        await self.app(scope, limited_receive, send)
+        has_body = (declared or 0) > 0 or _is_chunked(scope)
+
+        async def closing_send(message: Message) -> None:
+            headers = message.get("headers", [])
+            if (message["type"] == "http.response.start" and has_body and not body_done
+                    and not any(k.lower() == b"connection" for k, _ in headers)):
+                # Answered before its body is in (a 401, a 404, a refused header): left open,
+                # the connection would go on receiving the rest, however long, only for the
+                # server to discard it before the next request could be read.
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, limited_receive, closing_send)
+
+
+def _is_chunked(scope: Scope) -> bool:
+    return any(k == b"transfer-encoding" and b"chunked" in v.lower()
+               for k, v in scope.get("headers", ()))
 
 
 async def _send_error(send: Send, status: int, message: str, close: bool = False) -> None:

@@ -157,3 +157,23 @@ def test_a_chunked_body_over_the_limit_gets_413_and_the_connection_is_closed(
             assert status == 413 and b"--max-body-bytes" in body, (status, body)
             assert headers.get("connection") == "close", headers
             assert sock.recv(1) == b""  # closed: the rest of the body is not received
+
+
+@pytest.mark.parametrize("what, head", [
+    ("no token", b"PUT /v1/weights/w HTTP/1.1\r\nHost: t\r\n"),
+    ("an unknown path", b"POST /v1/nowhere HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+     + ADMIN.encode() + b"\r\n"),
+])
+def test_an_early_answer_to_a_body_still_arriving_closes_the_connection(server, what, head):
+    """Answered before its body is in (401 without a token, 404 on an unknown path), a chunked
+    or announced body would keep the connection open while the server received the rest,
+    however long, only to discard it (or read it as the next request): the answer says
+    Connection: close and the connection ends after it."""
+    for framing in (b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+                    b"Content-Length: 10000000\r\n\r\n" + b"\0" * 1000):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=15) as sock:
+            sock.sendall(head + framing)
+            status, headers, _ = read_http_response(sock)
+            assert status in (401, 404), (what, status)
+            assert headers.get("connection") == "close", (what, headers)
+            assert sock.recv(1) == b""
