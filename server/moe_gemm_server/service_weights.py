@@ -180,6 +180,7 @@ class WeightsMixin:
             # the directory the sets came from, and if that goes before the commit, the rename
             # of the temp file out of it fails (507) rather than storing the set elsewhere.
             await asyncio.to_thread(self._check_data_dir, what)
+            await asyncio.to_thread(self._check_obstruction, name, what)
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype == "application/json":
                 limit = upload_limit(self.settings, ctype)
@@ -320,6 +321,16 @@ class WeightsMixin:
         finally:
             self._reserved_bytes -= nbytes
 
+    def _check_obstruction(self, name: str, what: str) -> None:
+        """409 where the set's file name in the data directory holds something other than a
+        file (a directory made there by hand): no upload can be renamed over it, and no delete
+        removes it; an operator must."""
+        thing = self.store.obstruction(name)
+        if thing is not None:
+            raise APIError(409, f"the data directory {self.store.root} holds {thing} at "
+                                f"{self.store.path_for(name).name}, where weight set {name!r} "
+                                f"would be stored; {what} (remove it from the data directory)")
+
     def _check_data_dir(self, what: str) -> None:
         """507 while the data directory's path names another directory than the one the
         resident sets were loaded from (sync.py: a volume unmounted from under it): a set
@@ -396,6 +407,7 @@ class WeightsMixin:
         assert self.engine is not None and self._weights_lock is not None
         async with self._weights_lock:
             await asyncio.to_thread(self._check_data_dir, f"weight set {name!r} was not deleted")
+            await asyncio.to_thread(self._check_obstruction, name, "nothing was deleted")
             on_disk, ws = await _to_the_end(self._delete(name))
         if not on_disk and ws is None:
             raise APIError(404, f"unknown weight set {name!r}")

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,6 +226,19 @@ class WeightStore:
     def path_for(self, name: str) -> Path:
         check_name(name)
         return self.root / f"{name}{SUFFIX}"
+
+    def obstruction(self, name: str) -> str | None:
+        """What stands at the set's file name that is not a regular file (a directory an
+        operator made there, a socket), for a message; None where the name is free or holds a
+        file (a symlink to one included). Such an entry is no set (names() skips it), cannot
+        be replaced by an upload's rename, nor removed by a delete."""
+        try:
+            mode = os.stat(self.path_for(name)).st_mode
+        except OSError:  # (absent, a dangling link: free; unreachable: the operation says)
+            return None
+        if stat.S_ISREG(mode):
+            return None
+        return "a directory" if stat.S_ISDIR(mode) else "an entry that is not a regular file"
 
     def new_temp(self) -> Path:
         """A fresh hidden temp path in the data directory (same filesystem as the sets)."""

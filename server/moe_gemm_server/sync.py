@@ -40,6 +40,7 @@ import contextlib
 import functools
 import logging
 import os
+import stat
 from typing import TYPE_CHECKING
 
 from moe_gemm_server.engine import is_out_of_memory
@@ -74,11 +75,14 @@ class StoreWatcher:
         self.loading: dict[str, asyncio.Task[int]] = {}
 
     def file_id(self, name: str) -> FileId | None:
+        """The identity of the set's file, None where there is none (a directory or another
+        entry that is no file at that name is none either: the listing skips it too, and a
+        load of it would fail for good, making the name 503 instead of 404)."""
         try:
             st = os.stat(self.service.store.path_for(name))
         except FileNotFoundError:
             return None
-        return file_id_of(st)
+        return file_id_of(st) if stat.S_ISREG(st.st_mode) else None
 
     def record(self, name: str, fid: FileId | None) -> None:
         """This server installed `name` from the file version `fid` (or removed it: None)."""

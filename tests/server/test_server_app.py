@@ -301,6 +301,30 @@ def test_an_upload_of_many_tensors_is_refused_with_a_short_message(tmp_path):
         assert client.get("/v1/weights").json()["weights"] == []
 
 
+def test_a_directory_at_a_sets_file_name_is_a_409_not_a_storage_failure(tmp_path):
+    """A directory made by hand at <name>.safetensors is no set (the listing skips it, GET is
+    404); a PUT of that name could not rename its upload over it and a DELETE could not
+    remove it, each answered 507 "data directory cannot be written (Is a directory)": a 409
+    naming the entry now, and the directory is left alone. Other names work as ever."""
+    data = tmp_path / "data"
+    (data / "blocked.safetensors").mkdir(parents=True)
+    (data / "blocked.safetensors" / "keep").write_text("x")
+    w = torch.randn(2, 4, 3)
+    with TestClient(create_app(_settings(tmp_path), engine=Engine("cpu"))) as client:
+        _wait_ready(client)
+        assert client.get("/v1/weights").json()["weights"] == []
+        assert client.get("/v1/weights/blocked").status_code == 404
+        r = client.put("/v1/weights/blocked", content=st_body({"w": w}))
+        assert r.status_code == 409, r.text
+        assert "a directory at blocked.safetensors" in r.json()["error"]
+        r = client.delete("/v1/weights/blocked")
+        assert r.status_code == 409 and "nothing was deleted" in r.json()["error"], r.text
+        assert (data / "blocked.safetensors" / "keep").read_text() == "x"
+        assert client.put("/v1/weights/free", content=st_body({"w": w})).status_code == 201
+        assert client.delete("/v1/weights/free").status_code in (200, 204)
+        assert not list(data.glob(".*"))  # (no upload's temp file left behind)
+
+
 # --------------------------------------------------------------------------- settings, CLI
 
 
