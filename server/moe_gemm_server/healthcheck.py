@@ -4,17 +4,19 @@ The container's HEALTHCHECK. It asks GET /v2/health/ready where the server reall
 port (and host) come from the running server's own command line, found in /proc (in a container
 PID 1, or the process under `docker run --init`), read with the server's own parser and its
 precedence: flag > MOE_GEMM_* variable > default. So `docker run IMAGE --port 9000` and
-`docker run -e MOE_GEMM_PORT=9000 IMAGE` are both probed on 9000. It imports no torch (~0.3 s).
+`docker run -e MOE_GEMM_PORT=9000 IMAGE` are both probed on 9000; a server started on port 0
+is probed on the port it listens on (its socket, found in /proc). It imports no torch (~0.3 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import ssl
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .config import Settings
@@ -42,6 +44,11 @@ def server_args(cmdline: Sequence[str]) -> list[str] | None:
 def find_server(proc: Path = Path("/proc")) -> list[str]:
     """The running server's flags: PID 1's if it is the server, else the lowest-numbered
     server process's; [] if none is found (then the variables and defaults decide)."""
+    return find_server_process(proc)[1]
+
+
+def find_server_process(proc: Path = Path("/proc")) -> tuple[int | None, list[str]]:
+    """(pid, flags) of the running server as find_server picks it; (None, []) if none."""
     pids = sorted((int(p.name) for p in proc.iterdir() if p.name.isdigit()),
                   key=lambda pid: (pid != 1, pid)) if proc.is_dir() else []
     for pid in pids:
@@ -51,15 +58,43 @@ def find_server(proc: Path = Path("/proc")) -> list[str]:
             continue
         args = server_args([a.decode(errors="replace") for a in raw.split(b"\0") if a])
         if args is not None:
-            return args
-    return []
+            return pid, args
+    return None, []
 
 
-def ready_url(args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
-    """The readiness URL of a server started with `args` under environment `env`.
+def listening_port(proc: Path, pid: int) -> int | None:
+    """The TCP port process `pid` listens on (its first listening socket in
+    /proc/PID/net/tcp and tcp6), for a server started with --port 0 (a port the kernel
+    picked); None where it cannot be read."""
+    inodes = set()
+    try:
+        for fd in (proc / str(pid) / "fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    except OSError:
+        return None
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / str(pid) / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            # (sl, local address:port in hex, remote, state: 0A is LISTEN, ..., inode)
+            if len(f) > 9 and f[3] == "0A" and f[9] in inodes:
+                return int(f[1].rsplit(":", 1)[1], 16)
+    return None
+
+
+def ready_url(args: Sequence[str], env: Mapping[str, str] | None = None,
+              port_zero: Callable[[], int | None] | None = None) -> str:
+    """The readiness URL of a server started with `args` under environment `env`;
+    `port_zero` gives the port a server started with port 0 listens on.
 
     Raises:
-        ValueError: the port is not an integer in [1, 65535].
+        ValueError: the port is not an integer in [1, 65535] (port 0: none found).
     """
     from .cli import build_parser  # the server's own flags (no torch)
 
@@ -74,6 +109,8 @@ def ready_url(args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
         port = int(port)
     except ValueError:
         port = -1
+    if port == 0 and port_zero is not None:
+        port = port_zero() or 0
     if not 1 <= port <= 65535:
         raise ValueError(f"port must be an integer in [1, 65535]; got {port!r}")
     host = _LOOPBACK.get(host, host)
@@ -106,8 +143,10 @@ def probe(url: str, timeout: float = 3.0) -> tuple[bool, str]:
 
 
 def main(proc: Path = Path("/proc")) -> None:
+    pid, args = find_server_process(proc)
     try:
-        url = ready_url(find_server(proc))
+        url = ready_url(args, port_zero=None if pid is None else (
+            lambda: listening_port(proc, pid)))
     except (ValueError, SystemExit) as e:
         print(f"moe-gemm-server healthcheck: cannot tell where the server listens: {e}",
               file=sys.stderr)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from server_testutils import REPO
@@ -86,3 +88,46 @@ def test_module_exits_1_when_nothing_answers(tmp_path):
     assert out.returncode == 1
     assert "healthcheck: http://127.0.0.1:1/v2/health/ready" in out.stderr, out.stderr
     assert out.stdout.strip() == "torch imported: False"
+
+
+def test_a_server_started_on_port_0_is_probed_on_the_port_it_listens_on(tmp_path):
+    """--port 0 (a port the kernel picks) is read back from the server process's listening
+    socket (/proc/PID/fd and /proc/PID/net/tcp*); where none is found it stays an error."""
+    from moe_gemm_server.healthcheck import find_server_process, listening_port
+
+    proc = _fake_proc(tmp_path / "p", {
+        1: ["/sbin/docker-init", "--"], 7: ["moe-gemm-server", "--port", "0"]})
+    (proc / "7" / "fd").mkdir()
+    os.symlink("socket:[4242]", proc / "7" / "fd" / "5")
+    os.symlink("/dev/null", proc / "7" / "fd" / "0")
+    (proc / "7" / "net").mkdir()
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  " \
+           "timeout inode\n"
+    (proc / "7" / "net" / "tcp").write_text(
+        head + "   0: 0100007F:1F90 00000000:0000 01 00000000:00000000 00:00000000 00000000 "
+        "0 0 999 1\n"  # established, another socket
+        "   1: 0100007F:A3F1 00000000:0000 0A 00000000:00000000 00:00000000 00000000 "
+        "0 0 4242 1\n")
+    (proc / "7" / "net" / "tcp6").write_text(head)
+    assert find_server_process(proc) == (7, ["--port", "0"])
+    assert listening_port(proc, 7) == 0xA3F1
+    assert ready_url(["--port", "0"], {}, lambda: listening_port(proc, 7)) == \
+        f"http://127.0.0.1:{0xA3F1}/v2/health/ready"
+    assert listening_port(proc, 8) is None  # no such process
+    with pytest.raises(ValueError):
+        ready_url(["--port", "0"], {}, lambda: None)
+
+
+def test_the_port_0_lookup_finds_a_real_listening_socket():
+    """On this machine's own /proc: a socket this process listens on, on a kernel-picked
+    port, is found."""
+    import socket
+
+    from moe_gemm_server.healthcheck import listening_port
+
+    if not Path("/proc/self/net/tcp").exists():
+        pytest.skip("no /proc/PID/net here")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert listening_port(Path("/proc"), os.getpid()) == s.getsockname()[1]
