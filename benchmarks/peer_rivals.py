@@ -24,20 +24,19 @@ from benchmarks import zoo_report
 from benchmarks.report import write_json
 from benchmarks.suite import QUACK_TUNED_NAME
 from benchmarks.zoo import quack_config_fields
-
-# QuACK's varlen scheduler walks an expert in bands of 8 clusters along N, serpentine along M.
-QUACK_RASTER = "p8ns"
+from moe_gemm.tuning import space
 
 
 def our_name(quack_fields: dict) -> str:
-    """Our config name for a QuACK GemmConfig's tile, schedule and cluster."""
-    words = ["pp" if quack_fields.get("pingpong") else "coop",
-             f"{quack_fields['tile_m']}x{quack_fields['tile_n']}"]
-    cm, cn = quack_fields.get("cluster_m") or 1, quack_fields.get("cluster_n") or 1
-    if (cm, cn) != (1, 1):
-        words.append(f"c{cm}x{cn}")
-    words.append(QUACK_RASTER)
-    return " ".join(words)
+    """Our config name (moe_gemm.tuning.space) for a QuACK GemmConfig's tile, schedule and
+    cluster, in QuACK's varlen tile order: bands of 8 clusters along N, serpentine along M
+    (our raster p8ns)."""
+    return space.name_of({
+        "schedule": "pingpong" if quack_fields.get("pingpong") else "cooperative",
+        "tile_m": quack_fields["tile_m"], "tile_n": quack_fields["tile_n"],
+        "cluster_m": quack_fields.get("cluster_m") or 1,
+        "cluster_n": quack_fields.get("cluster_n") or 1,
+        "raster_panel": 8, "raster_along": "n", "raster_serpentine": True})
 
 
 def tuner_label(case: str) -> str:

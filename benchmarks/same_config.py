@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.ab_cases import tag_rows
 from benchmarks.runner import ab_run, add_ab_options, run_shape
-from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, quack_operands
+from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, build_quack_config
 from benchmarks.zoo import build_cases, parse_cases
 from moe_gemm.tuning import space
 
@@ -79,19 +79,7 @@ def _quack_pinned(fields: dict):
     """An implementation builder: QuACK's varlen GEMM pinned to `fields`' tile and cluster."""
 
     def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
-        _, x, w, cu = quack_operands(inp, device)
-        from quack.gemm_config import GemmConfig as QuackConfig
-        from quack.gemm_interface import gemm_tuned
-
-        out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=device)
-        cfg = QuackConfig(**quack_config(fields))
-
-        def run() -> torch.Tensor:
-            # gemm_tuned.fn writes `out` and returns QuACK's own tuple: the check reads out.
-            gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)
-            return out
-
-        return Prepared(run, run)
+        return build_quack_config(inp, device, quack_config(fields))
 
     return build
 

@@ -583,6 +583,26 @@ def _build_quack_tuned(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Pr
     return Prepared(run, run, describe=_quack_tuned_choice)
 
 
+def build_quack_config(inp: Inputs, device: torch.device, config: dict[str, Any],
+                       describe: str | None = None) -> Prepared:
+    """QuACK's varlen GEMM run with one fixed config (quack.gemm_config.GemmConfig keyword
+    arguments; those this QuACK lacks are dropped), no autotune: gemm_tuned.fn writes into a
+    preallocated out, which the check reads. `describe`: the row's "chosen"."""
+    _, x, w, cu = quack_operands(inp, device)
+    from quack.gemm_config import GemmConfig as QuackConfig  # type: ignore[import-not-found]
+    from quack.gemm_interface import gemm_tuned  # type: ignore[import-not-found]
+
+    known = getattr(QuackConfig, "__dataclass_fields__", None)
+    cfg = QuackConfig(**{k: v for k, v in config.items() if known is None or k in known})
+    out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=device)
+
+    def run() -> torch.Tensor:
+        gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)
+        return out
+
+    return Prepared(run, run, describe=None if describe is None else (lambda: describe))
+
+
 def _quack_tuned_choice() -> str | None:
     """The config QuACK's autotuner chose for its latest call (its Autotuner object keeps it
     as best_config), or None where this QuACK does not say."""

@@ -74,8 +74,8 @@ from benchmarks.suite import (
     _build_quack,
     _build_quack_tuned,
     _ours,
+    build_quack_config,
     quack_autotune_seconds,
-    quack_operands,
 )
 from moe_gemm.tuning import zoo as models
 from moe_gemm.tuning.argcheck import empty_option, output_problem
@@ -245,22 +245,7 @@ def _replayed_quack_tuned(chosen: dict[str, str], fallback):
         text = chosen.get(spec.name)
         if text is None:
             return fallback(spec, inp, device)
-        _, x, w, cu = quack_operands(inp, device)
-        from quack.gemm_config import GemmConfig as QuackConfig  # type: ignore
-        from quack.gemm_interface import gemm_tuned  # type: ignore
-
-        known = getattr(QuackConfig, "__dataclass_fields__", None)
-        kwargs = {k: v for k, v in quack_config_fields(text).items()
-                  if known is None or k in known}
-        cfg = QuackConfig(**kwargs)
-        out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=device)
-
-        def run() -> torch.Tensor:
-            # gemm_tuned.fn writes `out` (it returns QuACK's own tuple): the check reads out.
-            gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)
-            return out
-
-        return Prepared(run, run, describe=lambda: f"{text} (replayed)")
+        return build_quack_config(inp, device, quack_config_fields(text), f"{text} (replayed)")
 
     return build
 

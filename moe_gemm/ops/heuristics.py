@@ -437,10 +437,8 @@ def choose_varlen(
     where swap_ab_wanted says so."""
     state = tuned.state() if device else None
     shares = split_shares() if split_ok else 0
-    choice = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtype,
-                                  out_dtype or dtype, state, shares)
-    measured = _measured_swap(config, T, E, N, K, num_sms, device, dtype, out_dtype or dtype,
-                              state) if swap_ok and device else None
+    choice, measured = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device,
+                                            dtype, out_dtype or dtype, state, shares)
     if swap_ok and swap_ab_wanted(config, T, E, K, out_itemsize, measured, N=N,
                                   num_sms=num_sms):
         if not choice.swap_ab:  # (a pin or a tuned entry made it so already, with its stages)
@@ -449,39 +447,31 @@ def choose_varlen(
                              or env_value(SWAP_AB_ENV) is False):
         # A tuned entry's swapped kernel where the launch cannot run it (the masked and
         # fused forms) or the caller turned it off: the rules, without the tables.
-        choice = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, None, dtype,
-                                      out_dtype or dtype, None, shares)
+        choice, _ = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, None,
+                                         dtype, out_dtype or dtype, None, shares)
     return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(choice))))
 
 
 @functools.lru_cache(maxsize=512)
 def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype,
-                         state, shares) -> KernelChoice:
+                         state, shares) -> tuple[KernelChoice, bool | None]:
+    """(the choice, swap_ab as the tuned table's exact entry names it, else None). The tuner
+    and `moe-gemm tune --rerank` name it where they timed the swapped kernel, and that
+    measurement outranks the window (a neighbours pick does not: the window is the better
+    guess off the tuned shapes)."""
     hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype)
     if hit is not None:
         try:
             tuned_config = hit.apply(config)
             if hit.how == "exact":
-                return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, shares, num_sms)
+                return (_varlen_rules(tuned_config, T, E, N, K, out_itemsize, shares, num_sms),
+                        dict(hit.fields).get("swap_ab"))
             tuned_config = _filled(tuned_config, T, E, N, K, num_sms, shares)
             return _varlen_fitted(config, tuned_config, T, E, N, K, out_itemsize, shares,
-                                  num_sms)
+                                  num_sms), None
         except ValueError as exc:
             _unusable(hit, exc)
-    return _varlen_fitted(config, config, T, E, N, K, out_itemsize, shares, num_sms)
-
-
-@functools.lru_cache(maxsize=512)
-def _measured_swap(config, T, E, N, K, num_sms, device, dtype, out_dtype, state
-                   ) -> bool | None:
-    """swap_ab as a tuned table's exact entry for the shape names it (True or False), else
-    None: the tuner and `moe-gemm tune --rerank` write it where they timed the swapped kernel,
-    and that measurement outranks the window (a neighbours pick does not: the window is the
-    better guess off the tuned shapes)."""
-    hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype)
-    if hit is None or hit.how != "exact":
-        return None
-    return dict(hit.fields).get("swap_ab")
+    return _varlen_fitted(config, config, T, E, N, K, out_itemsize, shares, num_sms), None
 
 
 def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int, K: int,
@@ -793,6 +783,6 @@ def tuned_hit(form: str, config: GemmConfig, num_sms: int, *, device: str | None
 
 def clear_caches() -> None:
     """Forget every cached choice (tests; the online autotuner after adding an entry)."""
-    for fn in (_choose_general_tuned, _choose_general, _choose_varlen_tuned, _measured_swap,
+    for fn in (_choose_general_tuned, _choose_general, _choose_varlen_tuned,
                _choose_batched_tuned, _choose_batched):
         fn.cache_clear()

@@ -30,7 +30,7 @@ SWAP_AB_ENV = "MOE_GEMM_SWAP_AB"
 # 2048 rows of K = 32768; 256 experts or K = 768-1024: 0.92-0.98x; decode-sized experts: a
 # median 0.945x). docs/measurements.md, 2026-12-01 (swapped tiles). A tuned table's exact
 # entry that was timed beside the swapped kernel (`moe-gemm tune`, `--rerank --rivals`)
-# names swap_ab and decides instead (heuristics._measured_swap): the window is the guess
+# names swap_ab and decides instead (heuristics._choose_varlen_tuned): the window is the guess
 # off those shapes.
 SWAP_ROWS_PER_EXPERT = (192, 320)
 SWAP_MAX_EXPERTS = 160

@@ -38,14 +38,11 @@ class BodyLimit(NamedTuple):
 
 
 class BodyTooLarge(APIError):
-    """413. `unread`: refused while the body is still arriving (counted past the limit), so
-    the connection is closed, as after a 413 from Content-Length: left open, the server would
-    go on receiving the rest of a chunked body, however long, only to discard it."""
+    """413. Refused while the body is still arriving, its connection is closed as after any
+    answer sent before the body is in (BodyLimitMiddleware)."""
 
-    def __init__(self, limit: int, what: str = "request body", flag: str = BODY_FLAG,
-                 unread: bool = False) -> None:
-        super().__init__(413, f"{what} exceeds the limit of {limit} bytes ({flag})",
-                         {"Connection": "close"} if unread else None)
+    def __init__(self, limit: int, what: str = "request body", flag: str = BODY_FLAG) -> None:
+        super().__init__(413, f"{what} exceeds the limit of {limit} bytes ({flag})")
 
 
 def content_length(scope: Scope) -> int | None:
@@ -188,7 +185,7 @@ class BodyLimitMiddleware:
                 return message
             received += len(message.get("body", b""))
             if received > limit:
-                raise BodyTooLarge(limit, flag=flag, unread=message.get("more_body", False))
+                raise BodyTooLarge(limit, flag=flag)
             body_done = not message.get("more_body", False)
             return message
 
@@ -299,7 +296,7 @@ async def read_body(request: Request, limit: int, *, allow_encoding: bool = True
     async for chunk in request.stream():
         buf += chunk
         if len(buf) > limit:
-            raise BodyTooLarge(limit, flag=flag, unread=True)
+            raise BodyTooLarge(limit, flag=flag)
         if declared is not None and len(buf) > declared:
             raise bad_request("request body is longer than its Content-Length")
     if declared is not None and len(buf) != declared:

@@ -112,7 +112,10 @@ def test_quack_pinned_hands_the_check_its_output_not_quacks_return_value(monkeyp
     monkeypatch.setitem(sys.modules, "quack.gemm_config", gemm_config)
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", gemm_interface)
     x, w = torch.zeros(6, 4), torch.zeros(2, 4, 3)
-    monkeypatch.setattr(same_config, "quack_operands",
+    from benchmarks import suite
+
+    # (the run is built by suite.build_quack_config, shared with the zoo's replayed QuACK)
+    monkeypatch.setattr(suite, "quack_operands",
                         lambda inp, device: (None, x, w, torch.tensor([0, 2, 6])))
     (fields,) = same_config.parse_configs("pp 128x192 c2x1")
     prepared = same_config._quack_pinned(fields)(None, None, torch.device("cpu"))
