@@ -97,7 +97,7 @@ class GemmConfig:
             ~1024 of K). None = heuristic. The split adds fp32 partial sums in a fixed order
             (run to run bitwise), so results may differ from an unsplit run in the last bit.
             MOE_GEMM_TAIL_SPLIT=0 turns it off everywhere, pinned or not (it relies on the
-            whole persistent grid being resident: see heuristics.tail_split_enabled).
+            whole persistent grid being resident: see choice_switches.tail_split_enabled).
         whole_epilogue: stage a whole output tile in shared memory and store it with two
             barrier syncs instead of two per 32-column subtile (cooperative schedule, 128-row
             tiles, 16-bit output; it costs A/B pipeline stages). None = heuristic.
@@ -109,7 +109,7 @@ class GemmConfig:
             other ops refuse it (the MoE layer's fused experts run without it). None = by
             MOE_GEMM_SWAP_AB, else as a tuned table's exact entry measured it, else where an
             expert fills about one 256-row tile (192-320 rows on at most 160 experts,
-            K >= 2048; heuristics.swap_ab_wanted); False = off.
+            K >= 2048; swap_rules.swap_ab_wanted); False = off.
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,

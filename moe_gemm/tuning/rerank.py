@@ -18,7 +18,7 @@ one process, interleaved, for --rounds rounds, by default eagerly, back to back,
 samples (the zoo's regime). The pick is replaced only by a config faster than it by more than
 `margin` (3%) in those rounds, so a tie, or a gain within the noise, keeps the searched pick.
 Where the default launches swapped tiles instead of an entry's pick (the swapped tiles' window,
-moe_gemm.ops.heuristics.swap_ab_wanted, for an entry that does not name swap_ab), the swapped
+moe_gemm.ops.swap_rules.swap_ab_wanted, for an entry that does not name swap_ab), the swapped
 kernel is the pick to beat and the entry's pick one of its rivals; an entry written after the
 swapped kernel was timed names swap_ab, so the lookup follows the measurement there.
 Entries are written as the search writes them, with a "rerank" record (the regime, the
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_gemm.config import GemmConfig
-from moe_gemm.ops import heuristics
+from moe_gemm.ops import swap_rules
 from moe_gemm.ops.tuned import rows_bucket
 from moe_gemm.tuning import space, table_io
 from moe_gemm.tuning.tuner import Runner, ShapeResult, TuneShape, compare_configs
@@ -108,11 +108,11 @@ def window_swapped(pick: dict, shape: TuneShape, nsm: int) -> dict | None:
     from moe_gemm.tuning.runner import DTYPES, choice_for
 
     isz = DTYPES[shape.out_dtype].itemsize
-    if shape.form != "varlen" or "swap_ab" in pick or not heuristics.swap_ab_wanted(
+    if shape.form != "varlen" or "swap_ab" in pick or not swap_rules.swap_ab_wanted(
             GemmConfig(), shape.rows, shape.E, shape.K, isz, N=shape.N, num_sms=nsm):
         return None
     choice = choice_for(shape, space.config_of(pick), nsm)
-    return space.fields_of(heuristics.swapped_choice(choice, isz), "varlen")
+    return space.fields_of(swap_rules.swapped_choice(choice, isz), "varlen")
 
 
 def rerank_shape(shape: TuneShape, runner: Runner, found: Leaders, *, rounds: int,
