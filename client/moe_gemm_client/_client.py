@@ -1,8 +1,8 @@
 """`Client`: the synchronous client of moe-gemm-server (docs/HTTP-API.md) over httpx.
 
 The calls are described in `_calls.py` and answered by the rules of `_base.py` (retries, error
-mapping); this class only sends, sleeps and exposes the methods. `AsyncClient`
-(`_async_client.py`) is the same with `await`.
+mapping); here `_SyncTransport` only sends and sleeps, and `Client` exposes the methods.
+`AsyncClient` (`_async_client.py`) is the same with `await`.
 """
 
 from __future__ import annotations
@@ -23,29 +23,15 @@ from .types import WeightDeleted, WeightInfo
 
 R = TypeVar("R")
 T = TypeVar("T")
+_Transport = TypeVar("_Transport", bound="_SyncTransport")
 
 __all__ = ["Client"]
 
 
-class Client(_BaseClient):
-    """Synchronous client of moe-gemm-server.
-
-    Args:
-        base_url: The server, e.g. "http://127.0.0.1:8000" (default: $MOE_GEMM_BASE_URL, else
-            that). A path prefix is kept ("http://host/moe" talks to /moe/v1/...).
-        api_key: Sent as `Authorization: Bearer <key>` (default: $MOE_GEMM_API_KEY, else none).
-            Weight changes need the server's admin key.
-        timeout: Seconds per connect/read/write phase, an `httpx.Timeout`, or None for none.
-            Default: 5 s to connect, 300 s for the rest. Every method also takes `timeout=`.
-        max_retries: Retries after the first attempt (default 2); the rule is in the README
-            ("Retries") and in `moe_gemm_client._base`. Every method also takes `max_retries=`.
-        default_headers: Headers added to every request.
-        http_client: An `httpx.Client` to send with (proxies, TLS, a mock transport). It is not
-            closed by `close()`; the client's `timeout` still applies per request.
-
-    Every method also takes `request_id=` (sent as X-Request-Id; the server echoes it) and
-    `extra_headers=`. Errors raise subclasses of `MoeGemmError` (see `moe_gemm_client`).
-    """
+class _SyncTransport(_BaseClient):
+    """What `Client` sends with: its httpx.Client (a pool of its own, or the caller's, which
+    `close()` leaves open), and the attempt loop over it: send, let `_BaseClient` judge the
+    answer or the failure, sleep out the delay it names, send again."""
 
     def __init__(
         self,
@@ -67,8 +53,6 @@ class Client(_BaseClient):
                                                  follow_redirects=False)
         self._sleep: Callable[[float], None] = time.sleep
 
-    # -- plumbing --------------------------------------------------------------------------
-
     def close(self) -> None:
         """Close the connection pool (not an http_client passed in)."""
         if self._owns_http:
@@ -78,7 +62,7 @@ class Client(_BaseClient):
     def is_closed(self) -> bool:
         return self._http.is_closed
 
-    def __enter__(self) -> Client:
+    def __enter__(self: _Transport) -> _Transport:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -98,6 +82,27 @@ class Client(_BaseClient):
                     return outcome.value
                 delay = outcome
             self._sleep(delay)
+
+
+class Client(_SyncTransport):
+    """Synchronous client of moe-gemm-server.
+
+    Args:
+        base_url: The server, e.g. "http://127.0.0.1:8000" (default: $MOE_GEMM_BASE_URL, else
+            that). A path prefix is kept ("http://host/moe" talks to /moe/v1/...).
+        api_key: Sent as `Authorization: Bearer <key>` (default: $MOE_GEMM_API_KEY, else none).
+            Weight changes need the server's admin key.
+        timeout: Seconds per connect/read/write phase, an `httpx.Timeout`, or None for none.
+            Default: 5 s to connect, 300 s for the rest. Every method also takes `timeout=`.
+        max_retries: Retries after the first attempt (default 2); the rule is in the README
+            ("Retries") and in `moe_gemm_client._base`. Every method also takes `max_retries=`.
+        default_headers: Headers added to every request.
+        http_client: An `httpx.Client` to send with (proxies, TLS, a mock transport). It is not
+            closed by `close()`; the client's `timeout` still applies per request.
+
+    Every method also takes `request_id=` (sent as X-Request-Id; the server echoes it) and
+    `extra_headers=`. Errors raise subclasses of `MoeGemmError` (see `moe_gemm_client`).
+    """
 
     # -- health ----------------------------------------------------------------------------
 

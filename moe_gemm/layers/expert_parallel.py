@@ -11,12 +11,13 @@ rank r holds experts [r * E/W, (r + 1) * E/W) (moe_gemm.layers.dispatch.expert_r
 result is the single-process `MoE`'s up to the rounding of the per-rank partial sums to the
 activation dtype (bit-for-bit the same arithmetic in float32 up to summation order).
 
-Loading: `from_moe` shards an existing layer (slices, optionally copied so the full tensors
-can be freed), `from_hf` a transformers block, and `from_state_dict` reads only the local
-experts' keys of a checkpoint mapping (with a lazy mapping such as safetensors' `safe_open`,
-the other ranks' experts are never read). All three go through MoE's own loaders, so every
-checkpoint layout MoE accepts is accepted here; FP8 experts stay FP8 with their scales, and
-each rank quantizes the tokens it receives, as MoE's FP8 forward does.
+Loading (layers/expert_parallel_loaders.py): `from_moe` shards an existing layer (slices,
+optionally copied so the full tensors can be freed), `from_hf` a transformers block, and
+`from_state_dict` reads only the local experts' keys of a checkpoint mapping (with a lazy
+mapping such as safetensors' `safe_open`, the other ranks' experts are never read). All three
+go through MoE's own loaders, so every checkpoint layout MoE accepts is accepted here; FP8
+experts stay FP8 with their scales, and each rank quantizes the tokens it receives, as MoE's
+FP8 forward does.
 
 Dispatch and combine are behind the `Dispatcher` interface (moe_gemm.layers.dispatch):
 `AllToAllDispatcher` on torch.distributed is the default; DeepEP's kernels plug in instead.
@@ -33,14 +34,8 @@ from torch import nn
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.dispatch import Dispatched, Dispatcher, expert_range
-from moe_gemm.layers.expert_shards import (
-    ROUTING,
-    ROUTING_DEFAULTS,
-    dispatcher_or_default,
-    local_moe,
-    router_of,
-    shard_of_state_dict,
-)
+from moe_gemm.layers.expert_parallel_loaders import ExpertParallelLoaders
+from moe_gemm.layers.expert_shards import ROUTING, ROUTING_DEFAULTS, dispatcher_or_default
 from moe_gemm.layers.experts import (
     INFERENCE_ONLY_MESSAGE,
     canonical_activation,
@@ -105,12 +100,13 @@ def local_expert_ffn(
     return combine_rows(y, rows, w)
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
     """A MoE layer whose routed experts are split over a process group. Inference only.
 
-    Build it with `from_moe`, `from_hf` or `from_state_dict` (every rank of the group calls
-    the same constructor with the same arguments); each rank then calls it on its own tokens,
-    all ranks for every forward (it runs collectives), a rank with no tokens included.
+    Build it with `from_moe`, `from_hf` or `from_state_dict` (ExpertParallelLoaders: every
+    rank of the group calls the same constructor with the same arguments); each rank then
+    calls it on its own tokens, all ranks for every forward (it runs collectives), a rank
+    with no tokens included.
 
     The local experts run as `moe`'s would: its activation, `config` and `fused` (set
     `layer.local.activation`, `.fused` or `.config` to switch a built layer; the activation
@@ -216,87 +212,6 @@ class ExpertParallelMoE(nn.Module):
                 the ranks whose constructor refused its arguments.
         """
         agree_on_replicas(self, True)
-
-    # -- constructors ----------------------------------------------------------------------
-
-    @classmethod
-    def from_moe(
-        cls,
-        moe: MoE,
-        *,
-        group: dist.ProcessGroup | None = None,
-        dispatcher: Dispatcher | None = None,
-        copy: bool = True,
-        check_replicated: bool = True,
-    ) -> ExpertParallelMoE:
-        """This rank's shard of a whole MoE layer: its routing options (the router jitter
-        too), training / eval mode, activation, shared experts, `config` and `fused` come
-        along.
-
-        Args:
-            moe: the full layer (every rank passes an equal one).
-            group, dispatcher, check_replicated: see the class.
-            copy: copy the local experts (so the full tensors can be freed); False keeps
-                views into `moe`'s storage.
-        """
-        dispatcher = dispatcher_or_default(dispatcher, group)
-        with refusing(dispatcher):
-            local = local_moe(moe, dispatcher, check_flag("copy", copy))
-        layer = cls(local, router_of(moe), moe.num_experts, dispatcher=dispatcher,
-                    check_replicated=check_replicated)
-        return layer.train(moe.training)  # (moe's mode: whether its router jitter applies)
-
-    @classmethod
-    def from_hf(
-        cls,
-        block: nn.Module,
-        *,
-        group: dist.ProcessGroup | None = None,
-        dispatcher: Dispatcher | None = None,
-        config: GemmConfig | None = None,
-        copy: bool = True,
-        check_replicated: bool = True,
-    ) -> ExpertParallelMoE:
-        """This rank's shard of a transformers MoE block (the blocks `MoE.from_hf` takes)."""
-        dispatcher = dispatcher_or_default(dispatcher, group)
-        with refusing(dispatcher):
-            moe = MoE.from_hf(block, config=config)
-        return cls.from_moe(moe, dispatcher=dispatcher, copy=copy,
-                            check_replicated=check_replicated)
-
-    @classmethod
-    def from_state_dict(
-        cls,
-        state_dict: Mapping[str, torch.Tensor],
-        top_k: int,
-        *,
-        prefix: str = "",
-        strict: bool = True,
-        group: dist.ProcessGroup | None = None,
-        dispatcher: Dispatcher | None = None,
-        check_replicated: bool = True,
-        **options: Any,
-    ) -> ExpertParallelMoE:
-        """This rank's shard of one MoE block of a checkpoint; reads only the local experts.
-
-        Accepts every layout `MoE.from_state_dict` does. Per-expert keys
-        ("experts.{e}.w1.weight", "experts.{e}.gate_proj.weight", ...) of other ranks' experts
-        are never read; fused ones ("experts.gate_up_proj" [E, 2I, H], vLLM's "w13_weight")
-        are sliced to the local experts (read lazily by a mapping whose tensors are lazy).
-        This layer's own `state_dict()` is read too: each rank passes its own (it holds that
-        rank's experts only), in a group of the size that saved it (another size: ValueError).
-
-        Args:
-            state_dict: name -> tensor (any Mapping; only the needed keys are indexed).
-            top_k, prefix, strict, **options: as `MoE.from_state_dict` (routing options).
-            group, dispatcher, check_replicated: see the class.
-        """
-        dispatcher = dispatcher_or_default(dispatcher, group)
-        # A rank whose checkpoint or options are refused joins the replica check flagged.
-        with refusing(dispatcher):
-            local, router, E = shard_of_state_dict(state_dict, top_k, prefix, strict,
-                                                   dispatcher, options)
-        return cls(local, router, E, dispatcher=dispatcher, check_replicated=check_replicated)
 
     # -- forward ---------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@
 `moe_forward` is the functional form (route + experts), `MoE` the nn.Module with transformers'
 parameter names and layouts; its loaders (from_fused, from_vllm, from_state_dict, from_hf)
 come from the MoELoaders mixin in layers/checkpoints.py, from_hf's work is done in
-integrations/transformers.py.
+integrations/transformers.py; its switchable options (activation, fused, config,
+router_jitter_noise), checked on assignment, from the MoEOptions mixin in
+layers/moe_options.py.
 The forward has no data-dependent Python control flow and never synchronizes on CUDA:
 torch.compile(fullgraph=True) traces it whole, and a CUDA graph captures it.
 
@@ -50,9 +52,9 @@ from moe_gemm.layers.layer_checks import (
     check_parameters,
     check_routing,
 )
+from moe_gemm.layers.moe_options import MoEOptions, replace_activation
 from moe_gemm.layers.routing import (
     check_flag,
-    check_jitter_noise,
     check_router_weight,
     route_tokens,
     router_jitter,
@@ -145,16 +147,6 @@ def moe_forward(
 
 # ---------------------------------------------------------------------------------------------
 # The module
-
-
-def _replace_activation(module: nn.Module, value: object) -> None:
-    """Before `module.activation = value`: the value checked as the constructors check it (a
-    bad name fails here, not in the next forward), and a module activation set before (which
-    nn.Module keeps as a child module) removed for a plain one (torch refuses a str over a
-    child module: a layer built with nn.GELU() could not be switched to "silu")."""
-    resolve_activation(value)
-    if not isinstance(value, nn.Module):
-        module.__dict__.get("_modules", {}).pop("activation", None)
 
 
 def _activation_name(act: object) -> str:
@@ -258,7 +250,7 @@ class GatedMLP(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "activation":
-            _replace_activation(self, value)
+            replace_activation(self, value)
         super().__setattr__(name, value)
 
     def follow_activation(self, activation: Activation) -> None:
@@ -267,7 +259,7 @@ class GatedMLP(nn.Module):
         (nn.PReLU()) registered by both the layer and this MLP appeared in state_dict()
         twice, under "activation." and "shared_experts.activation.", and a checkpoint of
         the layer was refused by its own loader. Checked as an assignment is."""
-        _replace_activation(self, activation)
+        replace_activation(self, activation)
         self._modules.pop("activation", None)  # (a module activation of its own, set before)
         object.__setattr__(self, "activation", activation)  # (nn.Module's would register it)
 
@@ -282,7 +274,7 @@ class GatedMLP(nn.Module):
         return f"activation={_activation_name(self.activation)!r}"
 
 
-class MoE(MoELoaders, nn.Module):
+class MoE(MoELoaders, MoEOptions):
     """A mixture-of-experts FFN layer on moe_gemm's grouped GEMMs. Inference only.
 
     out = sum over the top-k experts e of weight_e * down_e(act(gate_e(x)) * up_e(x))
@@ -417,72 +409,6 @@ class MoE(MoELoaders, nn.Module):
         """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (FP8
         experts drawn in float32 and quantized into the layer's tensors)."""
         _init_parameters(self)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # `activation` is the layer's one activation (transformers' hidden_act, which its
-        # shared expert uses too): an assignment is checked as in the constructor and reaches
-        # the shared expert, which otherwise kept the constructor's (the layer then ran two
-        # activations, and from_moe's shards, built from the attribute, disagreed with it).
-        # Here rather than a property: nn.Module.__setattr__ files a module value (an
-        # activation module such as transformers' ACT2FN ones) under _modules, bypassing one.
-        # The shared expert follows it without registering it (GatedMLP.follow_activation):
-        # a module activation is the layer's child alone, its parameters one state_dict key.
-        if name == "activation":
-            _replace_activation(self, value)
-            shared = self.__dict__.get("_modules", {}).get("shared_experts")
-            if shared is not None:
-                shared.follow_activation(value)
-        super().__setattr__(name, value)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A state_dict saved while the shared expert registered the layer's module activation
-        # too holds its parameters a second time, under "shared_experts.activation.": the
-        # same values, read as the layer's own "activation." ones (load_state_dict passes a
-        # copy of the caller's mapping, for hooks such as this to edit).
-        shared = self._modules.get("shared_experts")
-        if shared is not None and "activation" not in shared._modules:
-            old = prefix + "shared_experts.activation."
-            for key in [k for k in state_dict if k.startswith(old)]:
-                value = state_dict.pop(key)
-                state_dict.setdefault(prefix + "activation." + key[len(old):], value)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    # `fused` and `config` are documented as attributes to switch on a built layer: checked
-    # on every assignment as in the constructor (a string such as "no" would otherwise force
-    # the fused path silently, and a string config fail deep in the GEMM dispatch).
-    @property
-    def fused(self) -> bool | None:
-        """The experts on the fused kernel: None = where it runs, True = always, False =
-        never (see the class)."""
-        return self._fused
-
-    @fused.setter
-    def fused(self, value: bool | None) -> None:
-        check_gemm_options(None, value)
-        self._fused = None if value is None else bool(value)
-
-    @property
-    def config(self) -> GemmConfig | None:
-        """The GemmConfig of the grouped GEMMs (None = automatic)."""
-        return self._config
-
-    @config.setter
-    def config(self, value: GemmConfig | None) -> None:
-        check_gemm_options(value, None)
-        self._config = value
-
-    # (the value of a layer pickled before the option existed: no jitter)
-    _router_jitter_noise: float = 0.0
-
-    @property
-    def router_jitter_noise(self) -> float:
-        """Mixtral's router jitter, applied by the forward in training mode (see the class);
-        0 = off."""
-        return self._router_jitter_noise
-
-    @router_jitter_noise.setter
-    def router_jitter_noise(self, value: float) -> None:
-        self._router_jitter_noise = check_jitter_noise(value)
 
     @property
     def fp8(self) -> str | None:

@@ -18,24 +18,23 @@ Scheduling, on the event loop:
   anyway), so the event loop keeps accepting requests while the device computes;
 - if a merged launch runs out of device memory, its jobs are retried one by one and only
   those that still do not fit fail.
+
+The queue's bookkeeping (a heap per key, the jobs, rows and FLOPs each holds) and `Job` are
+job_queue.py's; the batcher decides when to launch and runs the launches.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from moe_gemm_server.engine import Engine, EngineOutOfMemory
 
-from moe_gemm_server.engine import Engine, EngineOutOfMemory, WeightSet
-
+from .job_queue import Job, JobQueue
 from .logs import log_field
 from .metrics import Metrics, StatsBook
 
@@ -52,28 +51,6 @@ class Draining(Exception):
 
 class JobTimeout(Exception):
     """The job's deadline passed before it could run."""
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's work. `payload` is (x, counts) for "mm", (a_list, b_list) for "gemm"."""
-
-    kind: str
-    key: Hashable
-    payload: tuple[Any, Any]
-    rows: int
-    flops: int
-    out_dtype: torch.dtype
-    ws: WeightSet | None = None
-    priority: int = 2
-    deadline: float | None = None  # time.monotonic() seconds
-    model: str = ""
-    request_id: str = ""
-    seq: int = 0
-    t_enqueue: float = 0.0
-    t_start: float = 0.0
-    state: str = "new"  # new -> queued -> running -> done | cancelled | expired
-    future: asyncio.Future[Any] | None = field(default=None, repr=False)
 
 
 def _version(job: Job) -> int | None:
@@ -106,10 +83,7 @@ class Batcher:
         self.metrics = metrics
         self.stats = stats
         self._run_fn = run or run_jobs
-        self._queues: dict[Hashable, list[tuple[int, int, Job]]] = {}
-        self._agg: dict[Hashable, list[int]] = {}  # key -> [jobs, rows, flops] still queued
-        self._queued = 0
-        self._seq = itertools.count()
+        self._jobs = JobQueue(metrics)
         self._wakeup = asyncio.Event()
         self._running = 0
         self._current: list[Job] = []  # the batch being executed
@@ -122,11 +96,11 @@ class Batcher:
 
     @property
     def queued(self) -> int:
-        return self._queued
+        return len(self._jobs)
 
     @property
     def busy(self) -> bool:
-        return self._queued > 0 or self._running > 0
+        return len(self._jobs) > 0 or self._running > 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="moe-gemm-batcher")
@@ -141,27 +115,20 @@ class Batcher:
         if self.draining:
             self.metrics.rejections.labels("draining").inc()
             raise Draining()
-        if self._queued >= self.max_queue:
+        if len(self._jobs) >= self.max_queue:
             self.metrics.rejections.labels("queue_full").inc()
             raise QueueFull()
         job.future = asyncio.get_running_loop().create_future()
-        job.seq = next(self._seq)
         job.t_enqueue = time.monotonic()
         job.state = "queued"
-        heapq.heappush(self._queues.setdefault(job.key, []), (job.priority, job.seq, job))
-        agg = self._agg.setdefault(job.key, [0, 0, 0])
-        agg[0] += 1
-        agg[1] += job.rows
-        agg[2] += job.flops
-        self._queued += 1
-        self.metrics.queued.set(self._queued)
+        self._jobs.push(job)
         self._wakeup.set()
         return job.future
 
     def cancel(self, job: Job, reason: str) -> None:
         """Drop a queued job (or discard a running job's result), counting `reason`."""
         if job.state == "queued":
-            self._unaccount(job)
+            self._jobs.remove(job)
             job.state = "cancelled"
             self.metrics.rejections.labels(reason).inc()
             self._wakeup.set()
@@ -203,87 +170,34 @@ class Batcher:
         Draining now (the launch itself runs on; its results are discarded). Returns how many
         jobs were failed."""
         self.draining = True
-        pending = [job for heap in self._queues.values() for _, _, job in heap]
         failed = 0
-        for job in pending + self._current:
+        for job in self._jobs.clear() + self._current:
             if job.state in ("queued", "running"):
                 job.state = "cancelled"
                 failed += 1
                 if job.future is not None and not job.future.done():
                     job.future.set_exception(Draining())
-        self._queues.clear()
-        self._agg.clear()
-        self._queued = 0
-        self.metrics.queued.set(0)
         return failed
 
     # ------------------------------------------------------------------ scheduling
 
-    def _unaccount(self, job: Job) -> None:
-        agg = self._agg[job.key]
-        agg[0] -= 1
-        agg[1] -= job.rows
-        agg[2] -= job.flops
-        self._queued -= 1
-        self.metrics.queued.set(self._queued)
-
-    def _head(self, key: Hashable) -> Job | None:
-        heap = self._queues.get(key)
-        while heap and heap[0][2].state != "queued":
-            heapq.heappop(heap)  # lazily drop cancelled / expired jobs
-        if not heap:
-            self._queues.pop(key, None)
-            self._agg.pop(key, None)
-            return None
-        return heap[0][2]
-
-    def _best(self) -> Job | None:
-        best = None
-        for key in list(self._queues):
-            job = self._head(key)
-            if job is not None and (best is None or (job.priority, job.seq) < (best.priority,
-                                                                               best.seq)):
-                best = job
-        return best
+    def _take(self, key: Hashable) -> list[Job]:
+        """The next launch's jobs under `key`; those whose deadline passed while queued are
+        failed with JobTimeout, never run."""
+        batch, expired = self._jobs.take(key, self.max_requests, self.max_rows, self.max_flops)
+        for job in expired:
+            self.metrics.rejections.labels("timeout").inc()
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(JobTimeout())
+        return batch
 
     def _full(self, key: Hashable) -> bool:
-        agg = self._agg.get(key)
-        if agg is None:
-            return False
-        return agg[0] >= self.max_requests or agg[1] >= self.max_rows or agg[2] >= self.max_flops
-
-    def _take(self, key: Hashable) -> list[Job]:
-        heap = self._queues.get(key, [])
-        batch: list[Job] = []
-        rows = flops = 0
-        now = time.monotonic()
-        while heap and len(batch) < self.max_requests:
-            job = heap[0][2]
-            if job.state != "queued":
-                heapq.heappop(heap)
-                continue
-            if job.deadline is not None and now >= job.deadline:
-                heapq.heappop(heap)
-                self._unaccount(job)
-                job.state = "expired"
-                self.metrics.rejections.labels("timeout").inc()
-                if job.future is not None and not job.future.done():
-                    job.future.set_exception(JobTimeout())
-                continue
-            if batch and (rows + job.rows > self.max_rows or flops + job.flops > self.max_flops):
-                break
-            heapq.heappop(heap)
-            self._unaccount(job)
-            job.state = "running"
-            job.t_start = now
-            batch.append(job)
-            rows += job.rows
-            flops += job.flops
-        return batch
+        """Whether the jobs queued under `key` fill a launch (max requests, rows or FLOPs)."""
+        return self._jobs.full(key, self.max_requests, self.max_rows, self.max_flops)
 
     async def _loop(self) -> None:
         while True:
-            head = self._best()
+            head = self._jobs.best()
             if head is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -307,7 +221,7 @@ class Batcher:
                     continue
                 # A higher-priority job may have arrived: lead with the best one now, without
                 # a second wait.
-                head = self._best()
+                head = self._jobs.best()
                 if head is None:
                     continue
             batch = self._take(head.key)

@@ -6,7 +6,8 @@ atomically and swapped in under it: the set is acknowledged only when durable, a
 upload leaves the previous version as it was. The commit and the swap run to their end even
 if the request is cancelled meanwhile (disk and memory then agree). An upload with the same
 content as one of the same name still in progress (a PUT repeated after a timeout) waits for
-that one and answers with its outcome. Held by a mixin the Service inherits.
+that one and answers with its outcome. Held by a mixin the Service inherits; the resident
+budget an upload is admitted under is resident_budget.py's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .errors import APIError, unavailable, unprocessable
 from .faults import is_no_space
 from .limits import BODY_FLAG, WEIGHT_FLAG, BodyLimit, BodyTooLarge, content_length, read_body
 from .metrics import Metrics, StatsBook
+from .resident_budget import ResidentBudget
 from .storage import (
     CommitInDoubt,
     WeightStore,
@@ -59,14 +61,6 @@ SAFETENSORS_TYPES = ("", "application/octet-stream", "application/safetensors",
 OFF_LOOP_HEADER_BYTES = 1 << 20
 
 T = TypeVar("T")
-
-
-class OverBudget(APIError):
-    """507: a set of `nbytes` resident bytes does not fit under --max-resident-bytes now."""
-
-    def __init__(self, nbytes: int, message: str) -> None:
-        super().__init__(507, message, reason="over_budget")
-        self.nbytes = nbytes
 
 
 @dataclass(eq=False)  # (one upload is equal only to itself: list.remove must not compare tensors)
@@ -100,12 +94,13 @@ def upload_limit(settings: Settings, content_type: str) -> BodyLimit:
     return BodyLimit(settings.max_weight_bytes, WEIGHT_FLAG)
 
 
-class WeightsMixin:
+class WeightsMixin(ResidentBudget):
     """Service's weight-set methods (Service inherits them).
 
     They use the Service's settings, engine, store, watcher, metrics and stats, the weights
-    lock (one install or delete at a time), the bytes reserved by uploads in flight, and
-    `_check_fatal` (a device error during an upload is the process's end).
+    lock (one install or delete at a time), the resident budget (ResidentBudget, which
+    counts the bytes reserved by uploads in flight), and `_check_fatal` (a device error
+    during an upload is the process's end).
     """
 
     settings: Settings
@@ -116,7 +111,6 @@ class WeightsMixin:
     stats: StatsBook
     not_ready_reason: str
     _weights_lock: asyncio.Lock | None
-    _reserved_bytes: int
     _uploads: dict[str, list[Upload]]  # name -> uploads and loads of it in progress
 
     async def weight_set(self, name: str) -> WeightSet:
@@ -307,20 +301,6 @@ class WeightsMixin:
             self._check_budget(name, nbytes)
         return True
 
-    @contextlib.contextmanager
-    def _reserve(self, name: str, nbytes: int) -> Iterator[None]:
-        """Admit a set of `nbytes` under the budget (507 otherwise) and count its bytes as
-        reserved until the block ends. The check and the reservation run with no await between
-        them, so two loads in flight (an upload here, a set another server wrote: sync.py)
-        never both pass a check that counted neither; end the block once the set is installed
-        (or failed), so that its bytes are counted at every moment."""
-        self._check_budget(name, nbytes)
-        self._reserved_bytes += nbytes
-        try:
-            yield
-        finally:
-            self._reserved_bytes -= nbytes
-
     def _check_obstruction(self, name: str, what: str) -> None:
         """409 where the set's file name in the data directory holds something other than a
         file (a directory made there by hand): no upload can be renamed over it, and no delete
@@ -348,60 +328,6 @@ class WeightsMixin:
                                 "the resident weight sets were loaded from (its volume "
                                 f"unmounted?); {what}; restart the server if the volume was "
                                 "replaced on purpose", reason="not_writable")
-
-    def _budget_use(self, name: str) -> tuple[int, int]:
-        """(bytes held by the resident sets and the loads in progress, of them the bytes of
-        the resident version of `name`, which its replacement frees)."""
-        assert self.engine is not None
-        try:
-            replaced = self.engine.get_weights(name).nbytes
-        except KeyError:
-            replaced = 0
-        return self.engine.resident_bytes + self._reserved_bytes, replaced
-
-    def fits_budget(self, name: str, nbytes: int) -> bool:
-        """Whether a set `name` of `nbytes` would fit under --max-resident-bytes now (a
-        replaced set's bytes count as freed: the swap releases them)."""
-        budget = self.settings.max_resident_bytes
-        if budget is None:
-            return True
-        resident, replaced = self._budget_use(name)
-        return resident - replaced + nbytes <= budget
-
-    def _check_budget(self, name: str, nbytes: int) -> None:
-        """OverBudget (507) unless fits_budget."""
-        if not self.fits_budget(name, nbytes):
-            raise OverBudget(nbytes, f"weight set {name!r} needs {nbytes} bytes but only "
-                                     f"{self.budget_report(name)}; delete a set or raise the "
-                                     "budget")
-
-    def budget_report(self, name: str) -> str:
-        """How the resident budget stands at this moment, for a message about the set `name`
-        (--max-resident-bytes is set): "F of the B-byte resident budget ... are free (R bytes
-        held by ...)"."""
-        budget = self.settings.max_resident_bytes
-        assert budget is not None and self.engine is not None
-        resident, replaced = self._budget_use(name)
-        # "free" counts the replaced version's bytes; say so, or the free bytes and the bytes
-        # held would not add up to the budget
-        freed = (f", {replaced} of them by the version of {name!r} this upload replaces"
-                 if replaced else "")
-        return (f"{max(0, budget - resident + replaced)} of the {budget}-byte resident budget "
-                f"(--max-resident-bytes) are free ({resident} bytes held by "
-                f"{len(self.engine.weight_sets())} set(s) and uploads in progress{freed})")
-
-    def memory_report(self) -> str:
-        """What the device holds and has free at this moment, for a message about a set that
-        does not fit in its memory: "cuda:0: R bytes held by S resident set(s), F of T bytes
-        free" (without the free bytes where the platform does not tell them)."""
-        assert self.engine is not None
-        held = (f"{self.engine.device}: {self.engine.resident_bytes} bytes held by "
-                f"{len(self.engine.weight_sets())} resident set(s)")
-        memory = self.engine.free_memory()
-        if memory is None:
-            return held
-        free, total = memory
-        return f"{held}, {free} of {total} bytes free"
 
     async def delete_weights(self, name: str) -> None:
         assert self.engine is not None and self._weights_lock is not None

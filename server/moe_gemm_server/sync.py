@@ -19,7 +19,7 @@ replaced, still resident here in its old version, waits for the rescan). One loa
 runs at a time (`load_once`): the requests and the rescan that want it join it. Serving
 never waits for a rescan: the scan and loads run in worker threads, and a set is swapped in
 atomically as for an upload. A set loaded here holds its bytes in the resident budget from its
-check to its install, as an upload does (service_weights.WeightsMixin._reserve).
+check to its install, as an upload does (resident_budget.ResidentBudget._reserve).
 
 A listing says which sets were deleted only if it is a listing of the directory they were
 loaded from. A shared volume unmounted from under the data directory leaves its mountpoint, an
@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 from moe_gemm_server.engine import is_out_of_memory
 
 from .errors import WEIGHT_SET_UNREADABLE, APIError
-from .service_weights import OverBudget, Upload, resident_nbytes
+from .resident_budget import OverBudget
+from .service_weights import Upload, resident_nbytes
 from .storage import DirId, FileId, file_id_of
 
 if TYPE_CHECKING:

@@ -1,0 +1,99 @@
+"""The options a built MoE layer switches by assignment: `activation`, `fused`, `config` and
+`router_jitter_noise`, each checked when assigned as the constructor checks it.
+
+The MoE class documents them as attributes to set on a built layer; an unchecked assignment
+went wrong late and far from its cause (a string such as "no" for `fused` forced the fused
+path silently, a string `config` failed deep in the GEMM dispatch, a bad activation name in
+the next forward). MoE inherits them from the MoEOptions mixin here; `replace_activation` is
+the check of an activation assignment, which the shared expert (moe.GatedMLP) applies too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from moe_gemm.config import GemmConfig
+from moe_gemm.layers.experts import check_gemm_options, resolve_activation
+from moe_gemm.layers.routing import check_jitter_noise
+
+__all__ = ["MoEOptions", "replace_activation"]
+
+
+def replace_activation(module: nn.Module, value: object) -> None:
+    """Before `module.activation = value`: the value checked as the constructors check it (a
+    bad name fails here, not in the next forward), and a module activation set before (which
+    nn.Module keeps as a child module) removed for a plain one (torch refuses a str over a
+    child module: a layer built with nn.GELU() could not be switched to "silu")."""
+    resolve_activation(value)
+    if not isinstance(value, nn.Module):
+        module.__dict__.get("_modules", {}).pop("activation", None)
+
+
+class MoEOptions(nn.Module):
+    """MoE's switchable options (MoE inherits them): checked on every assignment, and the
+    activation kept the layer's own, which its shared expert follows."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `activation` is the layer's one activation (transformers' hidden_act, which its
+        # shared expert uses too): an assignment is checked as in the constructor and reaches
+        # the shared expert, which otherwise kept the constructor's (the layer then ran two
+        # activations, and from_moe's shards, built from the attribute, disagreed with it).
+        # Here rather than a property: nn.Module.__setattr__ files a module value (an
+        # activation module such as transformers' ACT2FN ones) under _modules, bypassing one.
+        # The shared expert follows it without registering it (GatedMLP.follow_activation):
+        # a module activation is the layer's child alone, its parameters one state_dict key.
+        if name == "activation":
+            replace_activation(self, value)
+            shared = self.__dict__.get("_modules", {}).get("shared_experts")
+            if shared is not None:
+                shared.follow_activation(value)
+        super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A state_dict saved while the shared expert registered the layer's module activation
+        # too holds its parameters a second time, under "shared_experts.activation.": the
+        # same values, read as the layer's own "activation." ones (load_state_dict passes a
+        # copy of the caller's mapping, for hooks such as this to edit).
+        shared = self._modules.get("shared_experts")
+        if shared is not None and "activation" not in shared._modules:
+            old = prefix + "shared_experts.activation."
+            for key in [k for k in state_dict if k.startswith(old)]:
+                value = state_dict.pop(key)
+                state_dict.setdefault(prefix + "activation." + key[len(old):], value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def fused(self) -> bool | None:
+        """The experts on the fused kernel: None = where it runs, True = always, False =
+        never (see MoE)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool | None) -> None:
+        check_gemm_options(None, value)
+        self._fused = None if value is None else bool(value)
+
+    @property
+    def config(self) -> GemmConfig | None:
+        """The GemmConfig of the grouped GEMMs (None = automatic)."""
+        return self._config
+
+    @config.setter
+    def config(self, value: GemmConfig | None) -> None:
+        check_gemm_options(value, None)
+        self._config = value
+
+    # (the value of a layer pickled before the option existed: no jitter)
+    _router_jitter_noise: float = 0.0
+
+    @property
+    def router_jitter_noise(self) -> float:
+        """Mixtral's router jitter, applied by the forward in training mode (see MoE);
+        0 = off."""
+        return self._router_jitter_noise
+
+    @router_jitter_noise.setter
+    def router_jitter_noise(self, value: float) -> None:
+        self._router_jitter_noise = check_jitter_noise(value)
