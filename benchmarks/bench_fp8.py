@@ -13,8 +13,10 @@
 3. Per shape, interleaved round by round, each captured in a CUDA graph: ours (block scales,
    the default config; the same with the scales loaded by the math threads three stages
    ahead instead of staged in shared memory (`-ring`), one stage ahead (`-ahead1`, the
-   plain loop) and four (`-ahead4`), and with the lagged promotion on scales from global
-   memory (`-lag`); unless --no-sweep a few alternative configs), ours row-wise,
+   plain loop) and four (`-ahead4`), with the lagged promotion on scales from global
+   memory (`-lag`), and with every stage waited for in full rather than through a probe of
+   its barrier made a stage earlier (`-nopeek`, also row-wise); unless --no-sweep a few
+   alternative configs), ours row-wise,
    torch._scaled_grouped_mm (row-wise, where the installed torch has it), torch's
    block-scaled grouped mm (where it exists), our bf16 kernel and torch's bf16 grouped_mm on
    the same shape, and the dense FP8 ceiling. Each implementation's result is spot-checked
@@ -49,6 +51,7 @@ from benchmarks.fp8_operands import (
     BF16,
     CHUNK_ELEMS,
     E4M3,
+    peek_wait,
     promote_lag,
     quantize_acts,
     quantize_weights,
@@ -193,6 +196,10 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
 
     impls["ours-fp8-block"] = (ours(block), block)
     impls["ours-fp8-row"] = (ours(row), row)
+    # each stage waited for in full, not through a probe made a stage earlier
+    no_peek = functools.partial(peek_wait, False)
+    impls["ours-fp8-block-nopeek"] = (switched(block, no_peek), block)
+    impls["ours-fp8-row-nopeek"] = (switched(row, no_peek), row)
     # the lagged promotion with the scales from global memory
     impls["ours-fp8-block-lag"] = (switched(block, promote_lag, no_staging), block)
     for n in (1, 4):  # the scales n stages ahead, beside the default ring's 3 (1: plain)

@@ -219,6 +219,15 @@ def scale_ahead(stages: int) -> contextlib.AbstractContextManager[None]:
     return _switched(SCALE_AHEAD_ENV, str(stages))
 
 
+def peek_wait(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Our FP8 kernels with each stage's wait taking a probe of its barrier made a stage
+    earlier (MOE_GEMM_FP8_PEEK_WAIT=1, the default) or waiting in full (0) inside the block:
+    the `-nopeek` rows."""
+    from moe_gemm.ops.heuristics_fp8 import PEEK_WAIT_FP8_ENV
+
+    return _switched(PEEK_WAIT_FP8_ENV, "1" if on else "0")
+
+
 def smem_scales(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Our block-scaled FP8 kernels with the scales staged in shared memory by TMA
     (MOE_GEMM_FP8_SMEM_SCALES=1, the varlen default) or loaded by the math threads (0) inside

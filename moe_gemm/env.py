@@ -267,6 +267,11 @@ VARIABLES: dict[str, Variable] = {
         "1 / 0: the FP8 block scales of the varlen form staged in shared memory by TMA, with the "
         "lagged promotion, on tiles with room for it / loaded by the math threads (default: "
         "staged, except on decode-sized experts whose K / 128 is not a multiple of 4)"),
+    "MOE_GEMM_FP8_PEEK_WAIT": Variable(
+        override_value,
+        "0 / 1: the FP8 stage loops wait for each stage's operands in full / take a probe of "
+        "its barrier made a stage earlier (default: the probe in the varlen form, but for "
+        "row-wise decode tiles)"),
     "MOE_GEMM_FP8_PROMOTE_LAG": Variable(
         flag_value,
         "1: the FP8 promotion one stage behind the WGMMAs also where the scales are not staged"),

@@ -47,7 +47,12 @@ from moe_gemm.ops.heuristics import (
     TAIL_SPLIT_ENV,
     TRIM_A_ENV,
 )
-from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, SMEM_SCALES_ENV
+from moe_gemm.ops.heuristics_fp8 import (
+    PEEK_WAIT_FP8_ENV,
+    PROMOTE_LAG_ENV,
+    SCALE_AHEAD_ENV,
+    SMEM_SCALES_ENV,
+)
 from moe_gemm.ops.reference import grouped_bmm_torch, grouped_gemm_torch, grouped_mm_torch
 from moe_gemm.ops.signature import PlanCache, TensorSignature
 from moe_gemm.ops.support import (
@@ -96,8 +101,8 @@ _scans = 0
 # them, tuned.state.)
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
                   TAIL_SPLIT_ENV, SPLIT_WAYS_ENV, TRIM_A_ENV, PEEK_WAIT_ENV, PROMOTE_LAG_ENV,
-                  SCALE_AHEAD_ENV, SMEM_SCALES_ENV, GATHER_WIDE_ENV, FAST_GATE_ENV, SWAP_AB_ENV,
-                  *tuned.SWITCHES)
+                  SCALE_AHEAD_ENV, SMEM_SCALES_ENV, PEEK_WAIT_FP8_ENV, GATHER_WIDE_ENV,
+                  FAST_GATE_ENV, SWAP_AB_ENV, *tuned.SWITCHES)
 
 
 _switches = env_reader(_PLAN_SWITCHES)  # () -> their values, read at every call

@@ -104,6 +104,35 @@ STAGED_KB_MULTIPLE = 4
 WHOLE_EPILOGUE_IN_PAIRS = True
 
 
+# The FP8 stage loops can probe the next stage's full barrier right after issuing a stage and
+# take that probe at the next wait (kernels/sm90/stage_wait.py): the math warps of the FP8
+# loop are issue-bound (the promotion's FFMAs), and waiting on the barrier after the promotion
+# put its latency between two WGMMA batches. ncu on an H200 (2026-12-02, 8 experts x 8192
+# rows, N 4096, K 7168, base clocks): tensor pipe 82.7% -> 87.8% busy with block scales, 82.0%
+# -> 89.4% row-wise (cuBLAS's dense row-wise kernel on the same tile: 91.5%). Timed
+# (bench_fp8's `-nopeek` rows, fp8-nvidia-h200-2026-12-02.json, and a second run of the decode
+# rows): the five compute-bound varlen shapes 2.3-5.1% faster with block scales and 3.1-5.6%
+# row-wise; varlen decode with block scales (the lagged ping-pong 64x128) 1.9% and 0.3-0.6%
+# faster; but row-wise varlen decode (plain ping-pong 64x128) 0.6-0.8% and the batched decode
+# headline (cooperative 128x128, either scales) 0.8-1.2% slower in both runs (there the
+# probe's short suspend holds back the release of a stage the memory-bound load warp waits
+# for). So the varlen form probes, except row-wise ping-pong tiles; the batched, general and
+# masked forms (decode-sized in their measured uses, no compute-bound shape timed) do not.
+# MOE_GEMM_FP8_PEEK_WAIT=0 / 1 forces it off / on everywhere. The plan caches key on it
+# (ops/api.py's switches).
+PEEK_WAIT_FP8_ENV = "MOE_GEMM_FP8_PEEK_WAIT"
+
+
+def default_peek_wait(form: str, schedule: str, mode: str) -> bool:
+    """Whether an FP8 kernel probes its stage barriers a stage ahead by default (above)."""
+    return form == "varlen" and not (mode == "outer" and schedule == "pingpong")
+
+
+def peek_wait_requested() -> bool | None:
+    """MOE_GEMM_FP8_PEEK_WAIT as True / False, None when unset or empty (the default)."""
+    return env_value(PEEK_WAIT_FP8_ENV)
+
+
 def smem_scales_requested() -> bool | None:
     """MOE_GEMM_FP8_SMEM_SCALES as True / False, None when unset or empty (the default).
     Raises EnvError (a ValueError) for anything but 1 / 0 (or true / false, yes / no, on /
@@ -124,7 +153,7 @@ def choose_fp8(form: str, config: GemmConfig, avg_m: float, N: int, K: int,
     return with_split_ways(with_l2_hints(_choose(
         form, config, avg_m, N, K, out_itemsize, kernel_scale_mode(granularity),
         tail_split_enabled(), promote_lag_requested(), scale_ahead_requested(),
-        smem_scales_requested())))
+        smem_scales_requested(), peek_wait_requested())))
 
 
 def _default_tile_n(N: int) -> int:
@@ -162,7 +191,7 @@ def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=512)
 def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
             mode: str, split_ok: bool, lag: bool = False, ahead: int = 0,
-            smem: bool | None = None) -> KernelChoice:
+            smem: bool | None = None, peek: bool | None = None) -> KernelChoice:
     if config.visitor == "host":
         raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
                          "'auto'")
@@ -228,7 +257,9 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,
                         epi_whole=epi_whole, tail_split=tail_split and split_ok,
-                        promote_lag=lag, scale_ahead=ahead, smem_scales=smem)
+                        promote_lag=lag, scale_ahead=ahead, smem_scales=smem,
+                        peek_wait=default_peek_wait(form, schedule, mode) if peek is None
+                        else peek)
 
 
 def clear_caches() -> None:

@@ -48,7 +48,8 @@ def fp8_compile_key(form: str, ab: torch.dtype, d: torch.dtype, granularity: str
         form, _NAMES[ab], _NAMES[d], kernel_scale_mode(granularity), choice.schedule,
         choice.visitor, choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints,
         choice.epi_n, choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split,
-        choice.promote_lag, choice.scale_ahead, choice.smem_scales, choice.split_ways)
+        choice.promote_lag, choice.scale_ahead, choice.smem_scales, choice.split_ways,
+        choice.peek_wait)
 
 
 @functools.lru_cache(maxsize=256)

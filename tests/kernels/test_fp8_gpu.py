@@ -26,7 +26,12 @@ from moe_gemm import (
     scaled_grouped_mm,
 )
 from moe_gemm.ops import launch_info
-from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV, SCALE_AHEAD_ENV, SMEM_SCALES_ENV
+from moe_gemm.ops.heuristics_fp8 import (
+    PEEK_WAIT_FP8_ENV,
+    PROMOTE_LAG_ENV,
+    SCALE_AHEAD_ENV,
+    SMEM_SCALES_ENV,
+)
 from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
 from moe_gemm.testing import poison_
@@ -40,7 +45,7 @@ from moe_gemm.testing_fp8 import (
 )
 
 from .gpu_report import record
-from .variants_fp8 import FORM_LOOPS, LOOP_CASES
+from .variants_fp8 import FORM_LOOPS, LOOP_CASES, PEEK_CASES, PEEK_LOOP_ENV
 
 pytestmark = pytest.mark.gpu
 
@@ -277,6 +282,55 @@ def test_scale_loop_long_k_tail_split_and_forms(monkeypatch, loop):
     for i, (p, q, r) in enumerate(zip(plain, other, scaled_grouped_gemm_ref(a, b, ga, gb))):
         check(f"fp8/{loop}/general/{i}", q, r)
         assert torch.equal(p, q)
+
+
+# Probed stage waits (MOE_GEMM_FP8_PEEK_WAIT, the default) against waits in full, in every
+# stage loop: only the waits differ, so the outputs are bit for bit equal. 1, 3 and 7 stages
+# (the lagged loop's pairs of both parities; the ring's remainders), empty experts.
+@pytest.mark.parametrize("K", [128, 384, 896])
+@pytest.mark.parametrize("case", PEEK_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3][0]}x{c[3][1]}-c{c[4]}x{c[5]}")
+def test_probed_waits_equal_full_waits(monkeypatch, case, K):
+    loop, g, sched, tile, cm, cn = case
+    cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+               tail_split=False)
+    x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, g, device=DEV,
+                                             empty_fraction=0.3, total=650, seed=31 + K)
+    end = int(offs[-1])
+    for name, value in PEEK_LOOP_ENV[loop].items():
+        monkeypatch.setenv(name, value)
+    outs = {}
+    for peek in ("0", "1"):
+        monkeypatch.setenv(PEEK_WAIT_FP8_ENV, peek)
+        out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
+        outs[peek] = scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
+        choice = launch_info.last_launch().choice
+        assert choice.peek_wait == (peek == "1")
+        assert choice.smem_scales == (loop == "staged" and g == "block")
+        assert choice.promote_lag == (loop in ("staged", "lagged") and g == "block")
+    name = f"fp8/peek/{loop}-{g}-{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
+    check(name, outs["1"][:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
+    same = torch.equal(outs["1"][:end], outs["0"][:end])
+    record(f"{name}/equals-full-waits", same)
+    assert same, f"{name}: the probed waits changed the output"
+    assert bool(torch.isnan(outs["1"][end:].float()).all()), f"{name}: rows past offs written"
+
+
+def test_probed_waits_with_the_tail_split_long_k(monkeypatch):
+    # each CTA's K range starts mid-way; the split's parts add in any order
+    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=33)
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
+    outs = {}
+    for peek in ("0", "1"):
+        monkeypatch.setenv(PEEK_WAIT_FP8_ENV, peek)
+        outs[peek] = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+        choice = launch_info.last_launch().choice
+        assert choice.tail_split and choice.peek_wait == (peek == "1")
+    check("fp8/peek/tail-split", outs["1"], scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    diff = float((outs["1"].float() - outs["0"].float()).abs().max())
+    bound = 1e-2 * float(outs["0"].float().abs().max())
+    record("fp8/peek/tail-split-vs-full-waits", diff <= bound, max_abs_diff=diff)
+    assert diff <= bound
 
 
 # Scale layouts the staged-scale kernel's TMA loads take as they are (M-major A scales with

@@ -6,6 +6,8 @@ to the tests and missed here compiles inside the test."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from unittest import mock
 
 import torch
 
@@ -34,6 +36,21 @@ LOOP_CASES = [("lagged", "cooperative", (128, 128), 1, 1),
               ("smem", "cooperative", (128, 64), 1, 2), ("smem", "pingpong", (128, 64), 1, 1)]
 # the loops test_scale_loop_long_k_tail_split_and_forms runs
 FORM_LOOPS = ("lagged", "ahead2", "ahead3", "smem")
+
+# (loop, granularity, schedule, tile, cluster_m, cluster_n) of test_fp8_gpu.py's probed-wait
+# test: each stage loop (the staged scales with the lag, the scale ring, the plain loop, the
+# lag on global scales) with its waits probed a stage ahead and in full
+PEEK_CASES = [("staged", "block", "cooperative", (128, 128), 1, 2),
+              ("staged", "block", "pingpong", (64, 128), 1, 1),
+              ("ring", "block", "cooperative", (128, 128), 1, 1),
+              ("plain", "block", "cooperative", (128, 192), 1, 1),
+              ("lagged", "block", "cooperative", (128, 128), 2, 1),
+              ("plain", "row", "cooperative", (128, 128), 1, 2),
+              ("plain", "row", "pingpong", (64, 128), 1, 1)]
+# each loop's switches (MOE_GEMM_FP8_*; the staged scales are the varlen default)
+PEEK_LOOP_ENV = {"staged": {}, "ring": {"MOE_GEMM_FP8_SMEM_SCALES": "0"},
+                 "plain": {"MOE_GEMM_FP8_SMEM_SCALES": "0", "MOE_GEMM_FP8_SCALE_AHEAD": "1"},
+                 "lagged": {"MOE_GEMM_FP8_SMEM_SCALES": "0", "MOE_GEMM_FP8_PROMOTE_LAG": "1"}}
 
 
 def fp8_test_variants() -> list:
@@ -132,6 +149,17 @@ def fp8_test_variants() -> list:
     add("varlen", "block", None, 300 / 4, 40, 640, loops=FORM_LOOPS)  # a narrow two-block tile
     for K in (512, 640):  # test_staged_scale_layouts
         add("varlen", "block", cute(tail_split=False), 701 / 5, 392, K, loops=("smem",))
+    # test_fp8_gpu.py's probed-wait cases, each way
+    for loop, g, sched, tile, cm, cn in PEEK_CASES:
+        cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+                   tail_split=False)
+        for peek in ("0", "1"):
+            with mock.patch.dict(os.environ, {**PEEK_LOOP_ENV[loop],
+                                              "MOE_GEMM_FP8_PEEK_WAIT": peek}):
+                add("varlen", g, cfg, 650 / 6, 392, 640)
+    with mock.patch.dict(os.environ, {"MOE_GEMM_FP8_PEEK_WAIT": "0"}):
+        add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
+                                    tail_split=True), 300, 1024, 4096)
     # The FP8 benchmark's shapes, its default and sweep configs (benchmarks/bench_fp8.py).
     try:
         from benchmarks import bench_fp8
@@ -140,6 +168,9 @@ def fp8_test_variants() -> list:
     for shape in bench_fp8.SHAPES if bench_fp8 else ():
         avg = shape.rows if shape.form == "batched" else shape.rows / shape.groups
         add(shape.form, "row", None, avg, shape.N, shape.K)
+        with mock.patch.dict(os.environ, {"MOE_GEMM_FP8_PEEK_WAIT": "0"}):  # the -nopeek rows
+            add(shape.form, "row", None, avg, shape.N, shape.K)
+            add(shape.form, "block", None, avg, shape.N, shape.K)
         # its -ring, -ahead1, -ahead4 and -lag rows beside the default
         add(shape.form, "block", None, avg, shape.N, shape.K,
             loops=("ahead3", "ahead4", "lagged"))

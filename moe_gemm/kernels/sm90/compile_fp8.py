@@ -49,13 +49,15 @@ class Fp8CompileKey:
     scale_ahead: int = 1  # block scales: stages ahead of their promotion the scales load
     smem_scales: bool = False  # block scales staged in shared memory by TMA (varlen)
     split_ways: int = SPLIT_WAYS  # with the tail split: the most CTAs per tail tile
+    peek_wait: bool = False  # the next stage's barrier probed a stage ahead (stage_wait.py)
 
     def name(self) -> str:
         return "_".join(["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode,
                          self.schedule, self.visitor, str(self.tile_m), str(self.tile_n)]
                         + option_parts(self) + (["lag"] if self.promote_lag else [])
                         + ([f"ahead{self.scale_ahead}"] if self.scale_ahead != 1 else [])
-                        + (["sscales"] if self.smem_scales else []))
+                        + (["sscales"] if self.smem_scales else [])
+                        + (["peek"] if self.peek_wait else []))
 
     def kernel(self) -> GroupedGemmFp8Sm90:
         return GroupedGemmFp8Sm90(
@@ -65,7 +67,7 @@ class Fp8CompileKey:
             cluster_m=self.cluster_m, cluster_n=self.cluster_n, epi_whole=self.epi_whole,
             tail_split=self.tail_split, promote_lag=self.promote_lag,
             scale_ahead=self.scale_ahead, smem_scales=self.smem_scales,
-            split_ways=self.split_ways,
+            split_ways=self.split_ways, peek_wait=self.peek_wait,
         )
 
 
@@ -175,8 +177,10 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
     """The FP8 variants `moe-gemm check` compiles (a few seconds each, so a handful): each
     form, both scale modes, both schedules, a two-scale-block tile, a cluster, the tail split,
     e5m2, every output dtype, the lagged promotion, the prefetched and the staged scales at
-    least once."""
+    least once; each with the probed stage waits (the varlen default), and the
+    compute-bound default once without them."""
     def key(form, ab, d, mode, schedule, tile, **extra):
+        extra.setdefault("peek_wait", True)
         return Fp8CompileKey(form, ab, d, mode, schedule, "device", *tile, **extra)
 
     e4, e5 = "float8_e4m3fn", "float8_e5m2"
@@ -201,4 +205,7 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         # the compute-bound default: the same with the whole-tile epilogue
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True, epi_whole=True),
+        # ... and with every stage waited for in full (MOE_GEMM_FP8_PEEK_WAIT=0)
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
+            smem_scales=True, promote_lag=True, epi_whole=True, peek_wait=False),
     ]

@@ -42,6 +42,10 @@ the ring. The second accumulator caps the tiles (constants_fp8.fp8_tile_problem)
 cooperative 128 x up to 192, ping-pong 64 x up to 192 or 128 x up to 96. Block-scaled tiles
 span at most two 128-column scale blocks (so 176 and 208 columns are refused); a tile whose
 columns straddle a block boundary picks each 8-column group's B scale by a run-time split.
+With peek_wait (the varlen default, ops/heuristics_fp8.py) every loop probes the next stage's full
+barrier right after issuing a stage and its next wait takes that probe (kernels/sm90/
+stage_wait.py): the promotion's instructions hide the barrier's latency instead of following
+it. The waits change, not the arithmetic: outputs are bit for bit the same.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from .constants_fp8 import (
 )
 from .grouped_gemm import BAR_MMA_ORDER, GroupedGemmSm90, ProblemArgs, RunArgs
 from .problems import BatchedProblems, GeneralProblems, MaskedProblems, VarlenProblems
+from .stage_wait import probe_full, wait_full_unless_ready
 from .tile_scheduler import WorkTile, ceil_div_i32
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -236,6 +241,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     Args (compile-time): as GroupedGemmSm90, except
         ab_dtype: cutlass.Float8E4M3FN or cutlass.Float8E5M2 (A and B alike).
         scale_mode: "block" (1x128 A, 128x128 B scales) or "outer" (row-wise A, column-wise B).
+        peek_wait: every stage loop probes the next stage's barrier a stage ahead.
     B is always K-major.
 
     Launch arguments (__call__): GroupedGemmSm90's, plus after mD:
@@ -250,7 +256,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def __init__(self, ab_dtype, d_dtype, form, schedule, visitor, tile_mn, scale_mode: str,
                  ab_stages=None, trace=False, l2_hints=False, epi_n=32, cluster_m=1,
                  cluster_n=1, epi_whole=False, tail_split=False, promote_lag=False,
-                 scale_ahead=1, smem_scales=False, split_ways=SPLIT_WAYS):
+                 scale_ahead=1, smem_scales=False, split_ways=SPLIT_WAYS, peek_wait=False):
         if ab_dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
             raise ValueError(f"the FP8 kernel takes float8 e4m3 or e5m2 inputs; got {ab_dtype}")
         why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode, promote_lag)
@@ -281,7 +287,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         super().__init__(ab_dtype, d_dtype, "k", form, schedule, visitor, tile_mn,
                          ab_stages=ab_stages, trace=trace, l2_hints=l2_hints, epi_n=epi_n,
                          cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
-                         tail_split=tail_split, split_ways=split_ways)
+                         tail_split=tail_split, split_ways=split_ways, peek_wait=peek_wait)
         self.load_regs, self.math_regs = fp8_register_split(schedule, *tile_mn, promote_lag)
         self.blocks_spanned = scale_blocks_spanned(self.tile_n)
         assert scale_mode in SCALE_MODES
@@ -413,13 +419,15 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 if k_tiles > 0:
                     self._load_scales(cur, work.k_start, fmap, sa, my_rows, sb, nb0, nb1)
             warpgroup.fence()
+            ready = self._probe(ab_pipe, ab_state)
             for k in cutlass.range(0, k_tiles, 1, unroll=1):
                 if const_expr(self.scale_mode == "block"):
                     # The next stage's scales (the last stage reloads its own: branch-free).
                     self._load_scales(nxt, work.k_start + cutlass.min(k + 1, k_tiles - 1),
                                       fmap, sa, my_rows, sb, nb0, nb1)
-                tiled_mma, ab_state = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
-                                        num_k_blocks, acc, cur, prod, fmap, split)
+                tiled_mma, ab_state, ready = self._stage(
+                    ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc, cur,
+                    prod, fmap, split, ready)
                 if const_expr(self.scale_mode == "block"):
                     for s in cutlass.range_constexpr(n_sc):
                         cur[s] = nxt[s]
@@ -503,34 +511,52 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 self._load_scales(bufs[r], cutlass.min(work.k_start + r, last), fmap, sa,
                                   my_rows, sb, nb0, nb1)
         warpgroup.fence()
+        ready = self._probe(ab_pipe, ab_state)
         rounds = k_tiles // ring
         for kk in cutlass.range(0, rounds, 1, unroll=1):
             for r in cutlass.range_constexpr(ring):
-                tiled_mma, ab_state = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
-                                        num_k_blocks, acc, bufs[r], prod, fmap, split)
+                tiled_mma, ab_state, ready = self._stage(
+                    ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc, bufs[r],
+                    prod, fmap, split, ready)
                 self._load_scales(bufs[r], cutlass.min(work.k_start + kk * ring + r + ring,
                                                        last), fmap, sa, my_rows, sb, nb0, nb1)
         rest = k_tiles - rounds * ring
         for r in cutlass.range_constexpr(ring - 1):
             if rest > r:
-                tiled_mma, ab_state = self._stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
-                                        num_k_blocks, acc, bufs[r], prod, fmap, split)
+                tiled_mma, ab_state, ready = self._stage(
+                    ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc, bufs[r],
+                    prod, fmap, split, ready)
         return ab_state
 
     @cute.jit
     def _stage(self, ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
-               num_k_blocks: cutlass.Constexpr, acc, sc, prod, fmap: cutlass.Constexpr, split):
-        """One stage of the plain loop: its WGMMAs into tmp, wait for them, release the
-        stage's smem and promote tmp into acc with the scales sc. Returns tiled_mma and the
-        advanced ab_state for the caller to rebind in its own loop or branch body (the tracer
-        threads only values rebound there; see _issue_stage)."""
+               num_k_blocks: cutlass.Constexpr, acc, sc, prod, fmap: cutlass.Constexpr, split,
+               ready):
+        """One stage of the plain loop: its WGMMAs into tmp (`ready`: the probe of its full
+        barrier), the next stage's barrier probed, wait for the WGMMAs, release the stage's
+        smem and promote tmp into acc with the scales sc. Returns tiled_mma, the advanced
+        ab_state and the next stage's probe for the caller to rebind in its own loop or
+        branch body (the tracer threads only values rebound there; see _issue_stage)."""
         tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
-                                      num_k_blocks)
+                                      num_k_blocks, ready)
+        ready = self._probe(ab_pipe, ab_state, ahead=True)
         warpgroup.wait_group(0)
         ab_pipe.consumer_release(ab_state)
         ab_state.advance()
         self._promote(acc, tmp, sc, prod, fmap, split)
-        return tiled_mma, ab_state
+        return tiled_mma, ab_state, ready
+
+    @cute.jit
+    def _probe(self, ab_pipe, ab_state, ahead: cutlass.Constexpr = False):
+        """peek_wait: whether the stage at ab_state (ahead: the one after it) is already full
+        (kernels/sm90/stage_wait.py); else a constant False that _issue_stage ignores."""
+        if const_expr(self.peek_wait):
+            state = ab_state
+            if const_expr(ahead):
+                state = ab_state.clone()
+                state.advance()
+            return probe_full(ab_pipe, state)
+        return cutlass.Boolean(False)
 
     @cute.jit
     def _mainloop_lagged(self, ab_pipe, ab_state, tiled_mma, acc, tmp0, tmp1, sc0, sc1, prod,
@@ -557,32 +583,37 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             self._lag_load(sc1, k0 + 1, last, fmap, sa, my_rows, sb, nb0, nb1)
             # Stage 0 into tmp0; then pairs of stages with static roles (no branch inside the
             # loop, so that ptxas can see which WGMMA group each read waits for).
+            # (peek_wait: each later issue's wait takes the probe made right after the issue
+            # before it; the first waits in full)
             tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA, tCrB,
-                                          num_k_blocks)
+                                          num_k_blocks, cutlass.Boolean(False))
             self._lag_read(sc0, staged, ab_state.index, slots, k0, n_sc)
             ab_state.advance()
+            ready = self._probe(ab_pipe, ab_state)
             for kk in cutlass.range(0, (k_tiles - 1) // 2, 1, unroll=1):
                 k1 = 2 * kk + 1
                 # Stage k1 into tmp1 while stage k1 - 1 (tmp0) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
-                                              tCrB, num_k_blocks)
+                                              tCrB, num_k_blocks, ready)
                 self._lag_read(sc1, staged, ab_state.index, slots, k0 + k1, n_sc)
                 ab_state.advance()
+                ready = self._probe(ab_pipe, ab_state)
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp0, sc0, prod, fmap, split)
                 self._lag_load(sc0, k0 + k1 + 1, last, fmap, sa, my_rows, sb, nb0, nb1)
                 # Stage k1 + 1 into tmp0 while stage k1 (tmp1) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp0, tCrA,
-                                              tCrB, num_k_blocks)
+                                              tCrB, num_k_blocks, ready)
                 self._lag_read(sc0, staged, ab_state.index, slots, k0 + k1 + 1, n_sc)
                 ab_state.advance()
+                ready = self._probe(ab_pipe, ab_state)
                 release_state = self._retire_and_promote(
                     ab_pipe, release_state, 1, acc, tmp1, sc1, prod, fmap, split)
                 self._lag_load(sc1, k0 + k1 + 2, last, fmap, sa, my_rows, sb, nb0, nb1)
             if k_tiles % 2 == 0:
                 # The last stage into tmp1 while the one before (tmp0) is promoted.
                 tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp1, tCrA,
-                                              tCrB, num_k_blocks)
+                                              tCrB, num_k_blocks, ready)
                 self._lag_read(sc1, staged, ab_state.index, slots, last, n_sc)
                 ab_state.advance()
                 release_state = self._retire_and_promote(
@@ -635,9 +666,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     @cute.jit
     def _issue_stage(self, ab_pipe, ab_state, tiled_mma, tmp: cute.Tensor, tCrA, tCrB,
-                     num_k_blocks: cutlass.Constexpr):
-        """Wait for a stage's A/B tiles and issue its WGMMAs into tmp (overwritten)."""
-        ab_pipe.consumer_wait(ab_state)
+                     num_k_blocks: cutlass.Constexpr, ready):
+        """Wait for a stage's A/B tiles (unless `ready`, its probe, saw them: peek_wait) and
+        issue its WGMMAs into tmp (overwritten)."""
+        if const_expr(self.peek_wait):
+            wait_full_unless_ready(ab_pipe, ab_state, ready)
+        else:
+            ab_pipe.consumer_wait(ab_state)
         # The promotion read tmp: order those reads before the WGMMAs rewrite it.
         warpgroup.fence()
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
