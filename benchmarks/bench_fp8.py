@@ -15,8 +15,9 @@
    ahead instead of staged in shared memory (`-ring`), one stage ahead (`-ahead1`, the
    plain loop) and four (`-ahead4`), with the lagged promotion on scales from global
    memory (`-lag`), and with every stage waited for in full rather than through a probe of
-   its barrier made a stage earlier (`-nopeek`, also row-wise); unless --no-sweep a few
-   alternative configs), ours row-wise,
+   its barrier made a stage earlier (`-nopeek`, also row-wise), and with the staged scales
+   promoted in the plain loop rather than a stage behind (`-staged-plain`); unless
+   --no-sweep a few alternative configs), ours row-wise,
    torch._scaled_grouped_mm (row-wise, where the installed torch has it), torch's
    block-scaled grouped mm (where it exists), our bf16 kernel and torch's bf16 grouped_mm on
    the same shape, and the dense FP8 ceiling. Each implementation's result is spot-checked
@@ -200,6 +201,9 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
     no_peek = functools.partial(peek_wait, False)
     impls["ours-fp8-block-nopeek"] = (switched(block, no_peek), block)
     impls["ours-fp8-row-nopeek"] = (switched(row, no_peek), row)
+    # the staged scales promoted in the plain loop (two accumulators), not a stage behind
+    impls["ours-fp8-block-staged-plain"] = (
+        switched(block, functools.partial(promote_lag, False)), block)
     # the lagged promotion with the scales from global memory
     impls["ours-fp8-block-lag"] = (switched(block, promote_lag, no_staging), block)
     for n in (1, 4):  # the scales n stages ahead, beside the default ring's 3 (1: plain)

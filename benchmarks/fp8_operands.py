@@ -202,13 +202,14 @@ def _switched(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-def promote_lag() -> contextlib.AbstractContextManager[None]:
+def promote_lag(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Our FP8 kernels with the lagged promotion (MOE_GEMM_FP8_PROMOTE_LAG=1) inside the block:
     the benchmarks' `ours-fp8-block-lag` rows (with smem_scales(False): the lag on scales
-    loaded from global memory)."""
+    loaded from global memory); on=False (0): staged scales promoted in the plain loop, the
+    `-staged-plain` rows."""
     from moe_gemm.ops.heuristics_fp8 import PROMOTE_LAG_ENV
 
-    return _switched(PROMOTE_LAG_ENV, "1")
+    return _switched(PROMOTE_LAG_ENV, "1" if on else "0")
 
 
 def scale_ahead(stages: int) -> contextlib.AbstractContextManager[None]:

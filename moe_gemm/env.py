@@ -273,8 +273,9 @@ VARIABLES: dict[str, Variable] = {
         "its barrier made a stage earlier (default: the probe in the varlen form, but for "
         "row-wise decode tiles)"),
     "MOE_GEMM_FP8_PROMOTE_LAG": Variable(
-        flag_value,
-        "1: the FP8 promotion one stage behind the WGMMAs also where the scales are not staged"),
+        override_value,
+        "1: the FP8 promotion one stage behind the WGMMAs also where the scales are not staged; "
+        "0: staged scales promoted in the plain loop, not a stage behind"),
     "MOE_GEMM_FP8_QUANT": Variable(
         choice_of("torch", "kernel"),
         "torch: the FP8 quantizers run torch ops even where the kernel runs"),

@@ -33,12 +33,17 @@ from moe_gemm.ops.heuristics import (
 # loop and the ring on an H200 (2026-11-28 and 2026-11-29, bench_fp8: DeepSeek-V3 EP32 up 8k
 # rows 620-626 us against 529 plain and 459 ring), hence off there unless
 # MOE_GEMM_FP8_PROMOTE_LAG=1; with the scales staged in shared memory (below) it is the
-# varlen default. The plan caches key on it (ops/api.py's switches).
+# varlen default. MOE_GEMM_FP8_PROMOTE_LAG=0 promotes staged scales in the plain loop instead
+# (GroupedGemmFp8Sm90._mainloop_staged: two accumulators, not three; with the probed waits the
+# row-wise plain loop kept the tensor pipe 89.4% busy against the lagged block-scaled loop's
+# 87.8% under ncu on an H200, 2026-12-02; not yet timed with block scales: bench_fp8's
+# `-staged-plain` rows). The plan caches key on it (ops/api.py's switches).
 PROMOTE_LAG_ENV = "MOE_GEMM_FP8_PROMOTE_LAG"
 
 
-def promote_lag_requested() -> bool:
-    return bool(env_value(PROMOTE_LAG_ENV))
+def promote_lag_requested() -> bool | None:
+    """MOE_GEMM_FP8_PROMOTE_LAG as True / False, None when unset or empty (the default)."""
+    return env_value(PROMOTE_LAG_ENV)
 
 
 # The block-scaled plain loop with each stage's scales loaded this many stages before its
@@ -190,7 +195,7 @@ def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=512)
 def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
-            mode: str, split_ok: bool, lag: bool = False, ahead: int = 0,
+            mode: str, split_ok: bool, lag: bool | None = None, ahead: int = 0,
             smem: bool | None = None, peek: bool | None = None) -> KernelChoice:
     if config.visitor == "host":
         raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
@@ -242,18 +247,20 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     # The lag where asked for and built (block scales, room for a third accumulator).
     lag_fits = fp8_tile_problem(schedule, tile[0], tile[1], mode, promote_lag=True) is None
     # Staged scales (varlen, block scales, tiles with room for the lag, which they run
-    # with): by default unless a ring depth is pinned.
+    # with unless MOE_GEMM_FP8_PROMOTE_LAG=0): by default unless a ring depth is pinned.
     if smem is None:
         smem = (DEFAULT_SMEM_SCALES and ahead == 0
                 and ((K // FP8_TILE_K) % STAGED_KB_MULTIPLE == 0
                      or avg_m > FP8_PINGPONG_MAX_ROWS))
     smem = smem and mode == "block" and form == "varlen" and lag_fits
-    lag = lag_fits and (lag or smem)
+    # (lag False: staged scales promoted in the plain loop; None: the default)
+    lag = lag_fits and lag is not False and (bool(lag) or smem)
     # The scales' prefetch depth where the plain block-scaled loop runs (the lagged loop and
     # row-wise scales load none per stage); 0: the default above.
     if ahead == 0:
         ahead = DEFAULT_SCALE_AHEAD if scale_blocks_spanned(tile[1]) == 1 else 1
-    ahead = ahead if mode == "block" and not lag else 1  # (staged scales run the lag)
+    # (the lagged loop and staged scales load none per stage)
+    ahead = ahead if mode == "block" and not lag and not smem else 1
     return KernelChoice(schedule, "device", tile[0], tile[1], config.stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,
                         epi_whole=epi_whole, tail_split=tail_split and split_ok,

@@ -45,7 +45,7 @@ from moe_gemm.testing_fp8 import (
 )
 
 from .gpu_report import record
-from .variants_fp8 import FORM_LOOPS, LOOP_CASES, PEEK_CASES, PEEK_LOOP_ENV
+from .variants_fp8 import FORM_LOOPS, LOOP_CASES, PEEK_CASES, PEEK_LOOP_ENV, STAGED_PLAIN_CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -330,6 +330,50 @@ def test_probed_waits_with_the_tail_split_long_k(monkeypatch):
     diff = float((outs["1"].float() - outs["0"].float()).abs().max())
     bound = 1e-2 * float(outs["0"].float().abs().max())
     record("fp8/peek/tail-split-vs-full-waits", diff <= bound, max_abs_diff=diff)
+    assert diff <= bound
+
+
+# Staged scales promoted in the plain loop (MOE_GEMM_FP8_PROMOTE_LAG=0: two accumulators)
+# against the lagged loop (the default): the same FMAs in the same order, so bit for bit equal;
+# 1 to 7 stages, empty experts, rows past offs untouched; and with the tail split on long K.
+@pytest.mark.parametrize("K", [128, 256, 384, 640, 896])
+@pytest.mark.parametrize("case", STAGED_PLAIN_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-c{c[2]}x{c[3]}")
+def test_staged_scales_in_the_plain_loop_equal_the_lagged_loop(monkeypatch, case, K):
+    sched, tile, cm, cn = case
+    cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+               tail_split=False)
+    x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, "block", device=DEV,
+                                             empty_fraction=0.3, total=650, seed=41 + K)
+    end = int(offs[-1])
+    outs = {}
+    for lag in ("", "0"):
+        monkeypatch.setenv(PROMOTE_LAG_ENV, lag)
+        out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
+        outs[lag] = scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
+        choice = launch_info.last_launch().choice
+        assert choice.smem_scales and choice.promote_lag == (lag == "")
+    name = f"fp8/staged-plain/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
+    check(name, outs["0"][:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
+    same = torch.equal(outs["0"][:end], outs[""][:end])
+    record(f"{name}/equals-lagged", same)
+    assert same, f"{name}: differs from the lagged loop"
+    assert bool(torch.isnan(outs["0"][end:].float()).all()), f"{name}: rows past offs written"
+
+
+def test_staged_scales_in_the_plain_loop_with_the_tail_split(monkeypatch):
+    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=43)
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
+    outs = {}
+    for lag in ("", "0"):
+        monkeypatch.setenv(PROMOTE_LAG_ENV, lag)
+        outs[lag] = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
+        choice = launch_info.last_launch().choice
+        assert choice.tail_split and choice.smem_scales and choice.promote_lag == (lag == "")
+    check("fp8/staged-plain/tail-split", outs["0"], scaled_grouped_mm_ref(x, w, sa, sb, offs))
+    diff = float((outs["0"].float() - outs[""].float()).abs().max())
+    bound = 1e-2 * float(outs[""].float().abs().max())  # the split's parts add in any order
+    record("fp8/staged-plain/tail-split-vs-lagged", diff <= bound, max_abs_diff=diff)
     assert diff <= bound
 
 

@@ -47,6 +47,10 @@ PEEK_CASES = [("staged", "block", "cooperative", (128, 128), 1, 2),
               ("lagged", "block", "cooperative", (128, 128), 2, 1),
               ("plain", "row", "cooperative", (128, 128), 1, 2),
               ("plain", "row", "pingpong", (64, 128), 1, 1)]
+# (schedule, tile, cluster_m, cluster_n) of the staged scales promoted in the plain loop
+STAGED_PLAIN_CASES = [("cooperative", (128, 128), 1, 1), ("cooperative", (128, 128), 1, 2),
+                      ("cooperative", (128, 128), 2, 1), ("pingpong", (64, 128), 1, 1),
+                      ("cooperative", (128, 64), 1, 2), ("pingpong", (128, 64), 1, 1)]
 # each loop's switches (MOE_GEMM_FP8_*; the staged scales are the varlen default)
 PEEK_LOOP_ENV = {"staged": {}, "ring": {"MOE_GEMM_FP8_SMEM_SCALES": "0"},
                  "plain": {"MOE_GEMM_FP8_SMEM_SCALES": "0", "MOE_GEMM_FP8_SCALE_AHEAD": "1"},
@@ -160,6 +164,17 @@ def fp8_test_variants() -> list:
     with mock.patch.dict(os.environ, {"MOE_GEMM_FP8_PEEK_WAIT": "0"}):
         add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
                                     tail_split=True), 300, 1024, 4096)
+    # test_fp8_gpu.py's staged scales promoted in the plain loop, beside the lagged loop
+    for sched, tile, cm, cn in STAGED_PLAIN_CASES:
+        cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
+                   tail_split=False)
+        for lag in ("0", ""):
+            with mock.patch.dict(os.environ, {"MOE_GEMM_FP8_PROMOTE_LAG": lag}):
+                add("varlen", "block", cfg, 650 / 6, 392, 640)
+    for lag in ("0", ""):
+        with mock.patch.dict(os.environ, {"MOE_GEMM_FP8_PROMOTE_LAG": lag}):
+            add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
+                                        tail_split=True), 300, 1024, 4096)
     # The FP8 benchmark's shapes, its default and sweep configs (benchmarks/bench_fp8.py).
     try:
         from benchmarks import bench_fp8

@@ -5,11 +5,14 @@ kernel sees (scale views, tables, zero tail, grid), cached plans, pins and refus
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from fp8_fakes import KernelFactory, Memory, install
 
 from moe_gemm import GemmConfig, scaled_grouped_gemm, scaled_grouped_mm
+from moe_gemm.env import EnvError
 from moe_gemm.ops import heuristics_fp8, launch_info, scaled_launch
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
 from moe_gemm.testing import poison_
@@ -392,3 +395,26 @@ def test_layouts_the_kernel_refuses(fp8_kernel):
     xr, wr, sar, sbr, offsr = make_fp8_moe_inputs(16, 2, 136, 64, "row", seed=10)
     with pytest.raises(ValueError, match="16 bytes"):
         scaled_grouped_mm(xr, wr, sar, sbr, offsr, config=GemmConfig(backend="cute"))
+
+
+def test_promote_lag_zero_promotes_staged_scales_in_the_plain_loop(monkeypatch):
+    """MOE_GEMM_FP8_PROMOTE_LAG=0: where the scales are staged, the plain loop promotes them
+    (no third accumulator, no scale ring); elsewhere nothing changes."""
+    choose = heuristics_fp8.choose_fp8
+    for name in (heuristics_fp8.SMEM_SCALES_ENV, heuristics_fp8.SCALE_AHEAD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV, raising=False)
+    cases = [("varlen", avg, "block") for avg in (4, 64, 2048)]
+    others = [("varlen", 64, "row"), ("batched", 64, "block"), ("general", 64, "block")]
+    default = {c: choose(c[0], GemmConfig(), c[1], 4096, 7168, 2, c[2]) for c in cases + others}
+    monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "0")
+    for c in cases:
+        plain = choose(c[0], GemmConfig(), c[1], 4096, 7168, 2, c[2])
+        assert default[c].smem_scales and default[c].promote_lag
+        assert plain.smem_scales and not plain.promote_lag and plain.scale_ahead == 1
+        assert dataclasses.replace(plain, promote_lag=True) == default[c]
+    for c in others:
+        assert choose(c[0], GemmConfig(), c[1], 4096, 7168, 2, c[2]) == default[c]
+    monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "lagged")
+    with pytest.raises(EnvError, match=heuristics_fp8.PROMOTE_LAG_ENV):
+        choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")

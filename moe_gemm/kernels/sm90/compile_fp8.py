@@ -205,6 +205,9 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         # the compute-bound default: the same with the whole-tile epilogue
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True, epi_whole=True),
+        # ... with the staged scales promoted in the plain loop (MOE_GEMM_FP8_PROMOTE_LAG=0)
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
+            smem_scales=True, epi_whole=True),
         # ... and with every stage waited for in full (MOE_GEMM_FP8_PEEK_WAIT=0)
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True, epi_whole=True, peek_wait=False),

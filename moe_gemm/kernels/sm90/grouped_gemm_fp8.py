@@ -38,7 +38,8 @@ stage's last WGMMA; its output is bit for bit the plain loop's too. With staged 
 lagged loop reads a stage's scales from shared memory once its WGMMAs are issued
 (_mainloop_lagged with smem_scales: the varlen default where the third accumulator fits, see
 ops/heuristics_fp8.py); loaded from global memory instead, the lag ran 25-36% slower than
-the ring. The second accumulator caps the tiles (constants_fp8.fp8_tile_problem):
+the ring. Staged scales without the lag (_mainloop_staged, MOE_GEMM_FP8_PROMOTE_LAG=0) run
+the plain loop on them with two accumulators. The second accumulator caps the tiles (constants_fp8.fp8_tile_problem):
 cooperative 128 x up to 192, ping-pong 64 x up to 192 or 128 x up to 96. Block-scaled tiles
 span at most two 128-column scale blocks (so 176 and 208 columns are refused); a tile whose
 columns straddle a block boundary picks each 8-column group's B scale by a run-time split.
@@ -267,9 +268,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError("scale_ahead (1 to 4) is built for the plain block-scaled loop; "
                              f"got {scale_ahead} with {scale_mode} scales"
                              + (" and the lagged promotion" if promote_lag else ""))
-        if smem_scales and (scale_mode != "block" or scale_ahead != 1 or not promote_lag):
+        if smem_scales and (scale_mode != "block" or scale_ahead != 1):
             raise ValueError("smem_scales (block scales staged by the load warp) is built for "
-                             "block scales read by the lagged loop: promote_lag, scale_ahead 1")
+                             "block scales read by the lagged or the plain loop (scale_ahead "
+                             "1)")
         self.scale_mode = scale_mode
         self.promote_lag = promote_lag
         self.scale_ahead = scale_ahead
@@ -407,6 +409,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 ab_pipe, ab_state, tiled_mma, acc, tmp, tmp1, sc0, sc1, prod, tCrA, tCrB,
                 k_tiles, num_k_blocks, work, fmap, sa, my_rows, sb, nb0, nb1, split, staged,
                 slots, n_sc)
+        elif const_expr(self.smem_scales):
+            ab_state = self._mainloop_staged(
+                ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
+                num_k_blocks, work, fmap, split, staged, self._staged_slots(work, fmap, coords),
+                n_sc)
         elif const_expr(self.scale_mode == "block" and self.scale_ahead > 1):
             ab_state = self._mainloop_prefetched(
                 ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
@@ -526,6 +533,32 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 tiled_mma, ab_state, ready = self._stage(
                     ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB, num_k_blocks, acc, bufs[r],
                     prod, fmap, split, ready)
+        return ab_state
+
+    @cute.jit
+    def _mainloop_staged(self, ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB,
+                         k_tiles: Int32, num_k_blocks: cutlass.Constexpr, work: WorkTile,
+                         fmap: cutlass.Constexpr, split, staged, slots,
+                         n_sc: cutlass.Constexpr):
+        """The plain stage loop on staged scales (smem_scales without promote_lag): a stage's
+        scales are read from shared memory once its WGMMAs are issued, the next stage's
+        barrier is probed (peek_wait), then the stage's WGMMAs are waited for, its smem
+        released and its partials promoted. Two accumulators where the lag holds three (the
+        lagged loop's register pressure made ptxas re-read the thread index every stage);
+        the other warpgroup's WGMMAs keep the tensor cores busy while this one promotes. The
+        same FMAs in the same order as the lagged loop: bit for bit its output."""
+        sc = cute.make_rmem_tensor((n_sc,), Float32)
+        warpgroup.fence()
+        ready = self._probe(ab_pipe, ab_state)
+        for k in cutlass.range(0, k_tiles, 1, unroll=1):
+            tiled_mma = self._issue_stage(ab_pipe, ab_state, tiled_mma, tmp, tCrA, tCrB,
+                                          num_k_blocks, ready)
+            self._read_staged(sc, staged, ab_state.index, slots, work.k_start + k, n_sc)
+            ready = self._probe(ab_pipe, ab_state, ahead=True)
+            warpgroup.wait_group(0)
+            ab_pipe.consumer_release(ab_state)
+            ab_state.advance()
+            self._promote(acc, tmp, sc, prod, fmap, split)
         return ab_state
 
     @cute.jit
