@@ -39,14 +39,15 @@ lagged loop reads a stage's scales from shared memory once its WGMMAs are issued
 (_mainloop_lagged with smem_scales: the varlen default where the third accumulator fits, see
 ops/heuristics_fp8.py); loaded from global memory instead, the lag ran 25-36% slower than
 the ring. Staged scales without the lag (_mainloop_staged, MOE_GEMM_FP8_PROMOTE_LAG=0) run
-the plain loop on them with two accumulators. The second accumulator caps the tiles (constants_fp8.fp8_tile_problem):
-cooperative 128 x up to 192, ping-pong 64 x up to 192 or 128 x up to 96. Block-scaled tiles
-span at most two 128-column scale blocks (so 176 and 208 columns are refused); a tile whose
-columns straddle a block boundary picks each 8-column group's B scale by a run-time split.
-With peek_wait (the varlen default, ops/heuristics_fp8.py) every loop probes the next stage's full
-barrier right after issuing a stage and its next wait takes that probe (kernels/sm90/
-stage_wait.py): the promotion's instructions hide the barrier's latency instead of following
-it. The waits change, not the arithmetic: outputs are bit for bit the same.
+the plain loop on them with two accumulators. The second accumulator caps the tiles
+(constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to 192 or
+128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176 and 208
+columns are refused); a tile whose columns straddle a block boundary picks each 8-column
+group's B scale by a run-time split. With peek_wait (the varlen default,
+ops/heuristics_fp8.py) every loop probes the next stage's full barrier right after issuing a
+stage and its next wait takes that probe (kernels/sm90/stage_wait.py): the promotion's
+instructions hide the barrier's latency instead of following it. The waits change, not the
+arithmetic: outputs are bit for bit the same.
 """
 
 from __future__ import annotations
