@@ -284,6 +284,48 @@ def test_scale_loop_long_k_tail_split_and_forms(monkeypatch, loop):
         assert torch.equal(p, q)
 
 
+def _each_value(monkeypatch, env, values, run, expect):
+    """run() with `env` at each of `values`: {value: output}; expect(value, choice) checks
+    the kernel each launched."""
+    outs = {}
+    for value in values:
+        monkeypatch.setenv(env, value)
+        outs[value] = run()
+        expect(value, launch_info.last_launch().choice)
+    return outs
+
+
+def _bit_for_bit(name, new, base, ref, end, what):
+    """new (poisoned first) against the fp64 reference and bit for bit against base (the
+    `what` it must equal) up to row `end`; rows past it untouched."""
+    check(name, new[:end], ref[:end])
+    same = torch.equal(new[:end], base[:end])
+    record(f"{name}/equals-{what}", same)
+    assert same, f"{name}: differs from the {what}"
+    assert bool(torch.isnan(new[end:].float()).all()), f"{name}: rows past offs written"
+
+
+def _close_under_the_split(name, new, base, ref, what):
+    """A tail-split launch against the reference and within 1% of max|base| of base (the
+    split's parts add in any order)."""
+    check(name, new, ref)
+    diff = float((new.float() - base.float()).abs().max())
+    bound = 1e-2 * float(base.float().abs().max())
+    record(f"{name}-vs-{what}", diff <= bound, max_abs_diff=diff)
+    assert diff <= bound
+
+
+def _loop_inputs(g, K, seed):
+    """700 rows over 6 experts (some empty), 650 routed, N = 392: the loop tests' operands."""
+    return make_fp8_moe_inputs(700, 6, K, 392, g, device=DEV, empty_fraction=0.3, total=650,
+                               seed=seed)
+
+
+def _poisoned_run(x, w, sa, sb, offs, cfg):
+    return lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg,
+                                     out=poison_(torch.empty(700, 392, dtype=BF16, device=DEV)))
+
+
 # Probed stage waits (MOE_GEMM_FP8_PEEK_WAIT, the default) against waits in full, in every
 # stage loop: only the waits differ, so the outputs are bit for bit equal. 1, 3 and 7 stages
 # (the lagged loop's pairs of both parities; the ring's remainders), empty experts.
@@ -294,43 +336,34 @@ def test_probed_waits_equal_full_waits(monkeypatch, case, K):
     loop, g, sched, tile, cm, cn = case
     cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
                tail_split=False)
-    x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, g, device=DEV,
-                                             empty_fraction=0.3, total=650, seed=31 + K)
-    end = int(offs[-1])
+    x, w, sa, sb, offs = _loop_inputs(g, K, 31 + K)
     for name, value in PEEK_LOOP_ENV[loop].items():
         monkeypatch.setenv(name, value)
-    outs = {}
-    for peek in ("0", "1"):
-        monkeypatch.setenv(PEEK_WAIT_FP8_ENV, peek)
-        out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
-        outs[peek] = scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
-        choice = launch_info.last_launch().choice
+
+    def expect(peek, choice):
         assert choice.peek_wait == (peek == "1")
         assert choice.smem_scales == (loop == "staged" and g == "block")
         assert choice.promote_lag == (loop in ("staged", "lagged") and g == "block")
-    name = f"fp8/peek/{loop}-{g}-{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
-    check(name, outs["1"][:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
-    same = torch.equal(outs["1"][:end], outs["0"][:end])
-    record(f"{name}/equals-full-waits", same)
-    assert same, f"{name}: the probed waits changed the output"
-    assert bool(torch.isnan(outs["1"][end:].float()).all()), f"{name}: rows past offs written"
+
+    outs = _each_value(monkeypatch, PEEK_WAIT_FP8_ENV, ("0", "1"),
+                       _poisoned_run(x, w, sa, sb, offs, cfg), expect)
+    _bit_for_bit(f"fp8/peek/{loop}-{g}-{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}",
+                 outs["1"], outs["0"], scaled_grouped_mm_ref(x, w, sa, sb, offs),
+                 int(offs[-1]), "full-waits")
 
 
 def test_probed_waits_with_the_tail_split_long_k(monkeypatch):
-    # each CTA's K range starts mid-way; the split's parts add in any order
+    # each CTA's K range starts mid-way
     x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=33)
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
-    outs = {}
-    for peek in ("0", "1"):
-        monkeypatch.setenv(PEEK_WAIT_FP8_ENV, peek)
-        outs[peek] = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
-        choice = launch_info.last_launch().choice
+
+    def expect(peek, choice):
         assert choice.tail_split and choice.peek_wait == (peek == "1")
-    check("fp8/peek/tail-split", outs["1"], scaled_grouped_mm_ref(x, w, sa, sb, offs))
-    diff = float((outs["1"].float() - outs["0"].float()).abs().max())
-    bound = 1e-2 * float(outs["0"].float().abs().max())
-    record("fp8/peek/tail-split-vs-full-waits", diff <= bound, max_abs_diff=diff)
-    assert diff <= bound
+
+    outs = _each_value(monkeypatch, PEEK_WAIT_FP8_ENV, ("0", "1"),
+                       lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), expect)
+    _close_under_the_split("fp8/peek/tail-split", outs["1"], outs["0"],
+                           scaled_grouped_mm_ref(x, w, sa, sb, offs), "full-waits")
 
 
 # Staged scales promoted in the plain loop (MOE_GEMM_FP8_PROMOTE_LAG=0: two accumulators)
@@ -343,38 +376,29 @@ def test_staged_scales_in_the_plain_loop_equal_the_lagged_loop(monkeypatch, case
     sched, tile, cm, cn = case
     cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,
                tail_split=False)
-    x, w, sa, sb, offs = make_fp8_moe_inputs(700, 6, K, 392, "block", device=DEV,
-                                             empty_fraction=0.3, total=650, seed=41 + K)
-    end = int(offs[-1])
-    outs = {}
-    for lag in ("", "0"):
-        monkeypatch.setenv(PROMOTE_LAG_ENV, lag)
-        out = poison_(torch.empty(700, 392, dtype=BF16, device=DEV))
-        outs[lag] = scaled_grouped_mm(x, w, sa, sb, offs, out=out, config=cfg)
-        choice = launch_info.last_launch().choice
+    x, w, sa, sb, offs = _loop_inputs("block", K, 41 + K)
+
+    def expect(lag, choice):
         assert choice.smem_scales and choice.promote_lag == (lag == "")
-    name = f"fp8/staged-plain/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}"
-    check(name, outs["0"][:end], scaled_grouped_mm_ref(x, w, sa, sb, offs)[:end])
-    same = torch.equal(outs["0"][:end], outs[""][:end])
-    record(f"{name}/equals-lagged", same)
-    assert same, f"{name}: differs from the lagged loop"
-    assert bool(torch.isnan(outs["0"][end:].float()).all()), f"{name}: rows past offs written"
+
+    outs = _each_value(monkeypatch, PROMOTE_LAG_ENV, ("", "0"),
+                       _poisoned_run(x, w, sa, sb, offs, cfg), expect)
+    _bit_for_bit(f"fp8/staged-plain/{sched}-{tile[0]}x{tile[1]}-c{cm}x{cn}/K={K}",
+                 outs["0"], outs[""], scaled_grouped_mm_ref(x, w, sa, sb, offs),
+                 int(offs[-1]), "lagged")
 
 
 def test_staged_scales_in_the_plain_loop_with_the_tail_split(monkeypatch):
     x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=43)
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
-    outs = {}
-    for lag in ("", "0"):
-        monkeypatch.setenv(PROMOTE_LAG_ENV, lag)
-        outs[lag] = scaled_grouped_mm(x, w, sa, sb, offs, config=cfg)
-        choice = launch_info.last_launch().choice
+
+    def expect(lag, choice):
         assert choice.tail_split and choice.smem_scales and choice.promote_lag == (lag == "")
-    check("fp8/staged-plain/tail-split", outs["0"], scaled_grouped_mm_ref(x, w, sa, sb, offs))
-    diff = float((outs["0"].float() - outs[""].float()).abs().max())
-    bound = 1e-2 * float(outs[""].float().abs().max())  # the split's parts add in any order
-    record("fp8/staged-plain/tail-split-vs-lagged", diff <= bound, max_abs_diff=diff)
-    assert diff <= bound
+
+    outs = _each_value(monkeypatch, PROMOTE_LAG_ENV, ("", "0"),
+                       lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), expect)
+    _close_under_the_split("fp8/staged-plain/tail-split", outs["0"], outs[""],
+                           scaled_grouped_mm_ref(x, w, sa, sb, offs), "lagged")
 
 
 # Scale layouts the staged-scale kernel's TMA loads take as they are (M-major A scales with
