@@ -72,7 +72,7 @@ from .constants_fp8 import (
 )
 from .grouped_gemm import BAR_MMA_ORDER, GroupedGemmSm90, ProblemArgs, RunArgs
 from .problems import BatchedProblems, GeneralProblems, MaskedProblems, VarlenProblems
-from .stage_wait import probe_full, wait_full_unless_ready
+from .stage_wait import wait_full_unless_ready
 from .tile_scheduler import WorkTile, ceil_div_i32
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -589,7 +589,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             if const_expr(ahead):
                 state = ab_state.clone()
                 state.advance()
-            return probe_full(ab_pipe, state)
+            return ab_pipe.consumer_try_wait(state)
         return cutlass.Boolean(False)
 
     @cute.jit

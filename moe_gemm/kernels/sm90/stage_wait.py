@@ -6,7 +6,7 @@ full barrier. Under ncu (H200, 2026-12-02, 8 experts x 8192 rows, N 4096, K 7168
 clocks) the math warps were issue-bound there: 12.6% of their stall samples sat in that
 barrier's try-wait and sleep loop while the tensor pipe idled (82.7% busy against cuBLAS's
 91.5% on the same 128x128 tile). Probing the barrier right after a stage's WGMMAs are issued
-(`probe_full`, a non-blocking try-wait) lets the barrier complete in the shadow of the
+(the pipeline's `consumer_try_wait`) lets the barrier complete in the shadow of the
 promotion; the wait before the next issue (`wait_full_unless_ready`) then costs one predicated
 branch when the probe already saw the stage full. Samples in the wait fell to 0.4% and the
 tensor pipe rose to 87.8% (block scales) and 89.4% (row-wise scales).
@@ -19,7 +19,7 @@ labels are local to its braces, so it may be inlined any number of times.
 
 from __future__ import annotations
 
-from cutlass import Boolean, Int32
+from cutlass import Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -36,12 +36,6 @@ _WAIT_UNLESS_READY = (
     "DONE:\n"
     "}"
 )
-
-
-def probe_full(pipe, state) -> Boolean:
-    """Whether the stage at `state` is already full (a try-wait: it never blocks past the
-    hardware's own short suspend)."""
-    return pipe.consumer_try_wait(state)
 
 
 @dsl_user_op
@@ -61,6 +55,6 @@ def _wait_unless_ready(barrier, phase, ready, *, loc=None, ip=None) -> None:
 
 
 def wait_full_unless_ready(pipe, state, ready) -> None:
-    """Wait for the stage at `state` to be full, unless `ready` (an earlier probe_full of the
-    same state) already saw it full."""
+    """Wait for the stage at `state` to be full, unless `ready` (an earlier
+    `pipe.consumer_try_wait(state)`) already saw it full."""
     _wait_unless_ready(pipe.sync_object_full.get_barrier(state.index), state.phase, ready)
