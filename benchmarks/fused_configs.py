@@ -92,11 +92,12 @@ def variant_words(text: str) -> tuple[list[str], set[str]]:
 
 def parse_variant(text: str) -> GemmConfig | None:
     """'coop 256x192 c2x1 [wide|select] [ieeegate]' -> its GemmConfig (ValueError naming the
-    form); 'default' with at least one option word -> None (the default's kernel, under it)."""
+    form); 'default', alone or with option words -> None (the default's kernel, under them:
+    the bare word is the row every case times first anyway)."""
     words, options = variant_words(text)
     if options >= set(GATHER_WORDS):
         raise ValueError(f"a variant gathers one way, [wide|select]; got {text!r}")
-    if words == [DEFAULT] and options:
+    if words == [DEFAULT]:
         return None
     try:
         fields = space.parse_name(" ".join(words))

@@ -275,7 +275,8 @@ VARIABLES: dict[str, Variable] = {
     "MOE_GEMM_FP8_PROMOTE_LAG": Variable(
         override_value,
         "1: the FP8 promotion one stage behind the WGMMAs also where the scales are not staged; "
-        "0: staged scales promoted in the plain loop, not a stage behind"),
+        "0: staged scales promoted in the plain loop, not a stage behind (slower: an A/B "
+        "switch)"),
     "MOE_GEMM_FP8_QUANT": Variable(
         choice_of("torch", "kernel"),
         "torch: the FP8 quantizers run torch ops even where the kernel runs"),

@@ -34,10 +34,10 @@ from moe_gemm.ops.heuristics import (
 # rows 620-626 us against 529 plain and 459 ring), hence off there unless
 # MOE_GEMM_FP8_PROMOTE_LAG=1; with the scales staged in shared memory (below) it is the
 # varlen default. MOE_GEMM_FP8_PROMOTE_LAG=0 promotes staged scales in the plain loop instead
-# (GroupedGemmFp8Sm90._mainloop_staged: two accumulators, not three; with the probed waits the
-# row-wise plain loop kept the tensor pipe 89.4% busy against the lagged block-scaled loop's
-# 87.8% under ncu on an H200, 2026-12-02; not yet timed with block scales: bench_fp8's
-# `-staged-plain` rows). The plan caches key on it (ops/api.py's switches).
+# (GroupedGemmFp8Sm90._mainloop_staged: two accumulators, not three), an A/B switch: timed on
+# an H200 (2026-12-02, bench_fp8's `-staged-plain` rows) it ran 16-23% slower than the lag on
+# every compute-bound shape (DeepSeek-V3 EP32 up 8k rows 525 against 427 us) and 2-5% on the
+# varlen decode rows. The plan caches key on it (ops/api.py's switches).
 PROMOTE_LAG_ENV = "MOE_GEMM_FP8_PROMOTE_LAG"
 
 

@@ -39,7 +39,8 @@ lagged loop reads a stage's scales from shared memory once its WGMMAs are issued
 (_mainloop_lagged with smem_scales: the varlen default where the third accumulator fits, see
 ops/heuristics_fp8.py); loaded from global memory instead, the lag ran 25-36% slower than
 the ring. Staged scales without the lag (_mainloop_staged, MOE_GEMM_FP8_PROMOTE_LAG=0) run
-the plain loop on them with two accumulators. The second accumulator caps the tiles
+the plain loop on them with two accumulators: 16-23% slower than the lag on compute-bound
+shapes (H200), an A/B switch. The second accumulator caps the tiles
 (constants_fp8.fp8_tile_problem): cooperative 128 x up to 192, ping-pong 64 x up to 192 or
 128 x up to 96. Block-scaled tiles span at most two 128-column scale blocks (so 176 and 208
 columns are refused); a tile whose columns straddle a block boundary picks each 8-column
@@ -545,9 +546,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         scales are read from shared memory once its WGMMAs are issued, the next stage's
         barrier is probed (peek_wait), then the stage's WGMMAs are waited for, its smem
         released and its partials promoted. Two accumulators where the lag holds three (the
-        lagged loop's register pressure made ptxas re-read the thread index every stage);
-        the other warpgroup's WGMMAs keep the tensor cores busy while this one promotes. The
-        same FMAs in the same order as the lagged loop: bit for bit its output."""
+        lagged loop's register pressure made ptxas re-read the thread index every stage).
+        Slower than the lag all the same (H200: 16-23% on compute-bound shapes; under ncu 38%
+        of the math warps' stall samples wait on their own WGMMAs), kept as the A/B switch
+        MOE_GEMM_FP8_PROMOTE_LAG=0. The same FMAs in the same order as the lagged loop: bit
+        for bit its output."""
         sc = cute.make_rmem_tensor((n_sc,), Float32)
         warpgroup.fence()
         ready = self._probe(ab_pipe, ab_state)
