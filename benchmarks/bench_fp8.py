@@ -9,13 +9,14 @@
 2. Shapes: the FP8 decode headline (256 x 128x512x7168, each problem its own weights, the
    batched form), E=256 decode routing (256 and 2048 routed rows, N=512, K=7168), and
    DeepSeek-V3 / Kimi-K2 expert-parallel prefill shards (4k-32k rows; up 4096x7168, down
-   7168x2048; DeepGEMM's published 4 x 8192 rows among them).
+   7168x2048; DeepGEMM's published 4 x 8192 rows among them, also as the batched form).
 3. Per shape, interleaved round by round, each captured in a CUDA graph: ours (block scales,
    the default config; the same with the scales loaded by the math threads three stages
    ahead instead of staged in shared memory (`-ring`), one stage ahead (`-ahead1`, the
    plain loop) and four (`-ahead4`), with the lagged promotion on scales from global
    memory (`-lag`), and with every stage waited for in full rather than through a probe of
-   its barrier made a stage earlier (`-nopeek`, also row-wise), and with the staged scales
+   its barrier made a stage earlier (`-nopeek`, also row-wise; `-peek`: the probe forced on,
+   for the forms and tiles whose default waits in full), and with the staged scales
    promoted in the plain loop rather than a stage behind (`-staged-plain`); unless
    --no-sweep a few alternative configs), ours row-wise,
    torch._scaled_grouped_mm (row-wise, where the installed torch has it), torch's
@@ -94,6 +95,10 @@ SHAPES = [
           "DeepGEMM's contiguous 4 x 8192 rows, N7168 K2048"),
     Shape("kimi-k2-ep32-up-16k", "varlen", 12, 16384, 4096, 7168, "compute",
           "Kimi-K2 EP32 shard (12 of 384 experts) gate_up, 16k rows"),
+    Shape("deepgemm-4x8192-up-batched", "batched", 4, 8192, 4096, 7168, "compute",
+          "DeepGEMM's 4 x 8192 rows as the batched form (a 3-D x), N4096 K7168"),
+    Shape("deepgemm-4x8192-down-batched", "batched", 4, 8192, 7168, 2048, "compute",
+          "DeepGEMM's 4 x 8192 rows as the batched form (a 3-D x), N7168 K2048"),
 ]
 SMOKE_SHAPES = [
     Shape("smoke-batched", "batched", 4, 64, 128, 256, "memory"),
@@ -201,6 +206,9 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
     no_peek = functools.partial(peek_wait, False)
     impls["ours-fp8-block-nopeek"] = (switched(block, no_peek), block)
     impls["ours-fp8-row-nopeek"] = (switched(row, no_peek), row)
+    peek = functools.partial(peek_wait, True)  # (the default's way where it probes)
+    impls["ours-fp8-block-peek"] = (switched(block, peek), block)
+    impls["ours-fp8-row-peek"] = (switched(row, peek), row)
     # the staged scales promoted in the plain loop (two accumulators), not a stage behind
     impls["ours-fp8-block-staged-plain"] = (
         switched(block, functools.partial(promote_lag, False)), block)

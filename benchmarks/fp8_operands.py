@@ -222,8 +222,8 @@ def scale_ahead(stages: int) -> contextlib.AbstractContextManager[None]:
 
 def peek_wait(on: bool) -> contextlib.AbstractContextManager[None]:
     """Our FP8 kernels with each stage's wait taking a probe of its barrier made a stage
-    earlier (MOE_GEMM_FP8_PEEK_WAIT=1, the default) or waiting in full (0) inside the block:
-    the `-nopeek` rows."""
+    earlier (MOE_GEMM_FP8_PEEK_WAIT=1, the varlen default: the `-peek` rows) or waiting in
+    full (0: the `-nopeek` rows) inside the block."""
     from moe_gemm.ops.heuristics_fp8 import PEEK_WAIT_FP8_ENV
 
     return _switched(PEEK_WAIT_FP8_ENV, "1" if on else "0")

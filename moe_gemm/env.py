@@ -264,9 +264,10 @@ VARIABLES: dict[str, Variable] = {
         "(default 3 on tiles within one scale block; 1: the plain loop)"),
     "MOE_GEMM_FP8_SMEM_SCALES": Variable(
         override_value,
-        "1 / 0: the FP8 block scales of the varlen form staged in shared memory by TMA, with the "
-        "lagged promotion, on tiles with room for it / loaded by the math threads (default: "
-        "staged, except on decode-sized experts whose K / 128 is not a multiple of 4)"),
+        "1 / 0: the FP8 block scales of the varlen and batched forms staged in shared memory by "
+        "TMA, with the lagged promotion, on tiles with room for it / loaded by the math "
+        "threads (default: staged in the varlen form, except on decode-sized experts whose "
+        "K / 128 is not a multiple of 4; loaded by the math threads in the batched form)"),
     "MOE_GEMM_FP8_PEEK_WAIT": Variable(
         override_value,
         "0 / 1: the FP8 stage loops wait for each stage's operands in full / take a probe of "

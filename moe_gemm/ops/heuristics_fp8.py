@@ -95,6 +95,15 @@ DEFAULT_SMEM_SCALES = True
 # down, K = 768, at 16 tokens 42.6 us staged against 38.6 with the ring, at 2048 tokens 93.4
 # against 103.2; GLM-4.5-Air down, K = 1408: 125.2 / 119.6 and 281.9 / 299.6).
 STAGED_KB_MULTIPLE = 4
+# The forms that can stage them: varlen and batched (one scale tensor per operand, whose
+# problem the TMA box indexes); the masked form keeps the ring and general's per-problem scale
+# pointers have no TMA descriptor. The batched form stages only when asked
+# (MOE_GEMM_FP8_SMEM_SCALES=1): on an H200 (2026-12-02, bench_fp8, its default cooperative
+# 128x128 1x2 tile) the staged scales with the lag ran slower than its ring, DeepGEMM's 4 x
+# 8192 rows as 3-D x up 2121 against 1892 us, down 1097 against 1023, the decode headline 316
+# against 303, where the same rows in the varlen form (with the whole-tile epilogue the
+# batched form lacks) ran 1505 staged against 2013 with the ring.
+_STAGED_FORMS = ("varlen", "batched")
 
 
 # The whole-tile epilogue (the tile's 16-bit output staged in shared memory at once, then one
@@ -249,10 +258,10 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
     # Staged scales (varlen, block scales, tiles with room for the lag, which they run
     # with unless MOE_GEMM_FP8_PROMOTE_LAG=0): by default unless a ring depth is pinned.
     if smem is None:
-        smem = (DEFAULT_SMEM_SCALES and ahead == 0
+        smem = (DEFAULT_SMEM_SCALES and form == "varlen" and ahead == 0
                 and ((K // FP8_TILE_K) % STAGED_KB_MULTIPLE == 0
                      or avg_m > FP8_PINGPONG_MAX_ROWS))
-    smem = smem and mode == "block" and form == "varlen" and lag_fits
+    smem = smem and mode == "block" and form in _STAGED_FORMS and lag_fits
     # (lag False: staged scales promoted in the plain loop; None: the default)
     lag = lag_fits and lag is not False and (bool(lag) or smem)
     # The scales' prefetch depth where the plain block-scaled loop runs (the lagged loop and

@@ -16,6 +16,7 @@ Scales reach the kernel as the views of ops/scaled_validation.py (A (..., rows, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -68,16 +69,27 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _tma_scales(sfa: torch.Tensor, sfb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The block scales as the staged-scale kernel's TMA loads take them (smem_scales):
-    sfa (T, KB) M-major and sfb (E, KB, C) k-block-major, each with 16-byte aligned strides
-    and base. Scales already laid out so are used as they are: M-major A scales (DeepGEMM's
-    and torch's blockwise scaled_mm's layout) and a checkpoint's (N / 128, K / 128) weight
-    scales transposed with K / 128 a multiple of 4 (every DeepSeek-V3, Kimi-K2 and Qwen3
-    shape); others are copied (T x KB and E x KB x C floats: a few us beside the GEMM).
+    sfa (T, KB), or (G, M, KB) in the batched form, M-major and sfb (E, KB, C) k-block-major,
+    each with 16-byte aligned strides and base. Scales already laid out so are used as they
+    are: M-major A scales (DeepGEMM's and torch's blockwise scaled_mm's layout, and
+    quantize_acts' of a 2-D or 3-D x with M a multiple of 4) and a checkpoint's (N / 128,
+    K / 128) weight scales transposed with K / 128 a multiple of 4 (every DeepSeek-V3, Kimi-K2
+    and Qwen3 shape); others are copied (T x KB and E x KB x C floats: a few us beside the
+    GEMM).
     """
-    T, KB = sfa.shape
-    if not (sfa.stride(0) == 1 and sfa.stride(1) % 4 == 0 and sfa.stride(1) >= T
-            and sfa.data_ptr() % 16 == 0):
-        sfa = token_major_scales(T, KB, sfa.device).copy_(sfa)
+    KB = sfa.shape[-1]
+    if sfa.dim() == 2:
+        T = sfa.shape[0]
+        if not (sfa.stride(0) == 1 and sfa.stride(1) % 4 == 0 and sfa.stride(1) >= T
+                and sfa.data_ptr() % 16 == 0):
+            sfa = token_major_scales(T, KB, sfa.device).copy_(sfa)
+    else:
+        G, M, _ = sfa.shape
+        if not (sfa.stride(1) == 1 and sfa.stride(2) % 4 == 0 and sfa.stride(2) >= M
+                and sfa.stride(0) % 4 == 0 and sfa.data_ptr() % 16 == 0):
+            mp = -(-M // 4) * 4  # (each problem's k-block columns 16-byte aligned)
+            buf = torch.empty(G, KB, mp, dtype=torch.float32, device=sfa.device)[:, :, :M]
+            sfa = buf.transpose(1, 2).copy_(sfa)
     E, _, C = sfb.shape
     if not (sfb.stride(1) == 1 and sfb.stride(2) % 4 == 0 and sfb.stride(0) % 4 == 0
             and sfb.stride(2) >= KB and sfb.data_ptr() % 16 == 0):
@@ -158,8 +170,31 @@ class Fp8MmPlan(CheckedPlan):
         return out
 
 
+# Batched block-scaled calls with at least this many rows per problem run the varlen kernel
+# on x's G x M rows (offs every M rows), whose default stages the scales in shared memory,
+# promotes a stage behind and stores whole tiles, where the batched kernel loads its scales
+# three stages ahead: on an H200 (2026-12-02, bench_fp8, in one run) DeepGEMM's 4 x 8192
+# rows took 1906-1914 us (up, N 4096, K 7168) and 1032-1054 (down, N 7168, K 2048) in the
+# batched kernel against 1514-1521 and 784-785 in the varlen one, and on 8 x 1024-row
+# experts the varlen default ran 414-427 us against 562-592 with that scale ring. Below, the
+# decode-sized problems keep the batched kernel (unmeasured there).
+BATCHED_AS_VARLEN_MIN_ROWS = 1024
+# Those calls' offsets [M, 2M, ..., G * M] per (device, G, M), kept for good: a CUDA graph
+# that captured a launch reads them at every replay, after its plan may have left the cache.
+_ROW_OFFS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _row_offsets(device: torch.device, G: int, M: int) -> torch.Tensor:
+    key = (device, G, M)
+    offs = _ROW_OFFS.get(key)
+    if offs is None:
+        offs = _ROW_OFFS[key] = torch.arange(M, G * M + 1, M, dtype=torch.int32, device=device)
+    return offs
+
+
 class Fp8BmmPlan(CheckedPlan):
-    """scaled_grouped_mm's batched (3D x 3D) launch: one descriptor per operand."""
+    """scaled_grouped_mm's batched (3D x 3D) launch: one descriptor per operand; compute-bound
+    block-scaled problems through the varlen kernel (BATCHED_AS_VARLEN_MIN_ROWS)."""
 
     def __init__(self, args: ScaledMmArgs, config: GemmConfig, trace: bool = False):
         x, w = args.x, args.w
@@ -173,7 +208,17 @@ class Fp8BmmPlan(CheckedPlan):
         self.trivial = G == 0 or M == 0 or N == 0
         self.zero = K == 0
         self.cacheable = not launch_resources._fresh()
+        self.varlen: Fp8MmPlan | None = None
         if self.trivial or self.zero:
+            return
+        if _as_varlen(args, config, trace):
+            # x's G x M rows as one (G * M, K) operand with an expert every M rows (the
+            # offsets made outside any capture: _as_varlen)
+            self.offs = _row_offsets(device, G, M)
+            self.varlen = Fp8MmPlan(dataclasses.replace(
+                args, x=x.view(G * M, K), scale_a=args.scale_a.reshape(G * M, -1),
+                offs=self.offs, out=None), config)
+            self.choice = self.varlen.choice
             return
         nsm = sm_count(device)
         self.choice = choice = choose_fp8("batched", config, M, N, K, args.out_dtype.itemsize,
@@ -200,10 +245,17 @@ class Fp8BmmPlan(CheckedPlan):
         if self.zero:
             return out.zero_()
         G, M, N = self.shape
+        if self.varlen is not None:
+            # (out's rows as one (G * M, N) view: _as_varlen checked that out has one)
+            self.varlen.launch(x.view(G * M, -1), w, scale_a.reshape(G * M, -1), scale_b,
+                               self.offs, out.view(G * M, N))
+            return out
         g = self.granularity
         sfa = _dense(a_scale_view(scale_a, g, (G,), M))
         sfb = _dense(b_scale_view(scale_b, g, (G,), N))
         choice = self.choice
+        if choice.smem_scales:
+            sfa, sfb = _tma_scales(sfa, sfb)
         trace_t = (launch_resources._trace_tensor(self.num_ctas, self.max_tiles, self.device)
                    if self.trace else None)
         workspace = self.workspace.get(choice) if choice.tail_split else self.no_workspace
@@ -216,6 +268,20 @@ class Fp8BmmPlan(CheckedPlan):
                     choice.swizzle, choice.a_policy, choice.b_policy, launch_kernel.PDL, 0)
         launch_info._local.raw = (choice, self.num_ctas, G, None, trace_t)
         return out
+
+
+def _as_varlen(args: ScaledMmArgs, config: GemmConfig, trace: bool) -> bool:
+    """Whether a batched call runs as the varlen form (BATCHED_AS_VARLEN_MIN_ROWS): block
+    scales, the default config, at least that many rows per problem, x's and out's problems
+    one run of rows each (a (G * M, .) view), A scales (G, M, K / 128), no trace, and not
+    while a CUDA graph is being captured (the offsets are made outside it)."""
+    x, out = args.x, args.out
+    M = x.shape[1]
+    return (args.granularity == "block" and M >= BATCHED_AS_VARLEN_MIN_ROWS and not trace
+            and dataclasses.replace(config, backend="auto") == GemmConfig()
+            and x.stride(0) == M * x.stride(1) and args.scale_a.dim() == 3
+            and (out is None or out.stride(0) == M * out.stride(1))
+            and not launch_resources._fresh())
 
 
 class Fp8GeneralLaunch:

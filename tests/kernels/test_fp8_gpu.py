@@ -32,7 +32,7 @@ from moe_gemm.ops.heuristics_fp8 import (
     SCALE_AHEAD_ENV,
     SMEM_SCALES_ENV,
 )
-from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch
+from moe_gemm.ops.quantize import _kernel_ok, _per_token_group_torch, token_major_scales
 from moe_gemm.ops.scaled_reference import scaled_grouped_gemm_ref, scaled_grouped_mm_ref
 from moe_gemm.testing import poison_
 from moe_gemm.testing_fp8 import (
@@ -268,13 +268,28 @@ def test_scale_loop_long_k_tail_split_and_forms(monkeypatch, loop):
     assert launch_info.last_launch().choice.tile_n == 48
     check(f"fp8/{loop}/narrow", other, scaled_grouped_mm_ref(x, w, sa, sb, offs))
     assert torch.equal(other, plain)
-    if loop == "smem":
-        return  # (the staged scales are built for the varlen form)
     xb, wb, sab, sbb = make_fp8_batched_inputs(5, 100, 384, 264, "block", device=DEV, seed=22)
     plain, other = _plain_and(
         monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg), loop)
     check(f"fp8/{loop}/batched", other, scaled_grouped_mm_ref(xb, wb, sab, sbb))
     assert torch.equal(other, plain)
+    if loop == "smem":
+        # Staged from A scales whose problems are not a multiple of 4 rows (the launch lays
+        # them out padded) and from the token-major layout the quantizer gives, as it is.
+        xb, wb, sab, sbb = make_fp8_batched_inputs(3, 37, 512, 136, "block", device=DEV,
+                                                   seed=25)
+        plain, other = _plain_and(
+            monkeypatch, lambda: scaled_grouped_mm(xb, wb, sab, sbb, config=cfg), loop)
+        check(f"fp8/{loop}/batched-odd-rows", other, scaled_grouped_mm_ref(xb, wb, sab, sbb))
+        assert torch.equal(other, plain)
+        tm = token_major_scales(3 * 40, 4, DEV).view(3, 40, 4)[:, :37]
+        tm.copy_(sab)
+        assert tm.stride(1) == 1
+        monkeypatch.setenv(SMEM_SCALES_ENV, "1")  # (_plain_and cleared it; the depth is 1)
+        again = scaled_grouped_mm(xb, wb, tm, sbb, config=cfg)
+        assert launch_info.last_launch().choice.smem_scales
+        assert torch.equal(again, other)
+        return  # (general's per-problem scales have no TMA descriptor: not staged)
     a, b, ga, gb = make_fp8_grouped_inputs([(100, 264, 384), (37, 136, 256), (0, 64, 128)],
                                            "block", device=DEV, seed=23)
     plain, other = _plain_and(
@@ -543,6 +558,25 @@ def test_batched(granularity):
     out = poison_(torch.empty(12, 200, 264, dtype=BF16, device=DEV))
     y = scaled_grouped_mm(x, w, sa, sb, out=out, config=cute())
     check(f"fp8/batched/{granularity}", y, scaled_grouped_mm_ref(x, w, sa, sb))
+
+
+def test_compute_bound_batched_runs_the_varlen_kernel():
+    """A batched block-scaled call of BATCHED_AS_VARLEN_MIN_ROWS rows a problem launches the
+    varlen kernel on x's rows: close to the reference and bit for bit the varlen call on the
+    same rows with an expert every M rows; a given out is written in place."""
+    from moe_gemm.ops.scaled_launch import BATCHED_AS_VARLEN_MIN_ROWS as M
+
+    G, K, N = 2, 512, 264
+    x, w, sa, sb = make_fp8_batched_inputs(G, M, K, N, "block", device=DEV, seed=41)
+    out = poison_(torch.empty(G, M, N, dtype=BF16, device=DEV))
+    y = scaled_grouped_mm(x, w, sa, sb, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert launch_info.last_launch().choice.smem_scales  # (the varlen default's staging)
+    check("fp8/batched-as-varlen", y, scaled_grouped_mm_ref(x, w, sa, sb))
+    offs = torch.arange(M, G * M + 1, M, dtype=torch.int32, device=DEV)
+    v = scaled_grouped_mm(x.view(G * M, K), w, sa.reshape(G * M, -1), sb, offs)
+    assert torch.equal(y.view(G * M, N), v)
+    assert torch.equal(scaled_grouped_mm(x, w, sa, sb), y)  # the cached plan, out allocated
 
 
 def test_batched_decode_headline():

@@ -75,8 +75,9 @@ def fp8_test_variants() -> list:
         lag_fits = fp8_tile_problem(choice.schedule, choice.tile_m, choice.tile_n, "block",
                                     promote_lag=True) is None
         for loop in loops:
-            if loop == "smem" and (form != "varlen" or not lag_fits):
-                continue  # (built for the varlen form's tiles with room for the lag)
+            if loop == "smem" and (form not in ("varlen", "batched") or not lag_fits):
+                continue  # (built for the varlen and batched forms' tiles with room for
+                # the lag)
             change = ({"promote_lag": True} if loop == "lagged"
                       else {"smem_scales": True, "promote_lag": True} if loop == "smem"
                       else {"scale_ahead": int(loop.removeprefix("ahead"))})
@@ -140,6 +141,7 @@ def fp8_test_variants() -> list:
     add("varlen", "block", cute(), 187, 512, 2048)
     add("batched", "block", None, 128, 512, 7168)
     add("batched", "row", cute(), 1, 256, 1024)
+    add("varlen", "block", None, 1024, 264, 512)  # a compute-bound batched call (as varlen)
     # test_fp8_gpu.py's loop cases
     for loop, sched, tile, cm, cn in LOOP_CASES:
         cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,

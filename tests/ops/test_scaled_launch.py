@@ -208,7 +208,7 @@ def test_whole_epilogue_by_default_in_pairs_of_varlen_tiles() -> None:
 
 def test_lagged_promotion_is_opt_in(fp8_kernel, monkeypatch):
     """With the scales loaded by the math threads (MOE_GEMM_FP8_SMEM_SCALES=0, and the
-    batched and general forms), MOE_GEMM_FP8_PROMOTE_LAG=1 asks for the lagged promotion; it
+    batched, general and masked forms), MOE_GEMM_FP8_PROMOTE_LAG=1 asks for the lagged promotion; it
     is taken where it is built (block scales, a tile with room for a third accumulator), and
     a repeated call's cached plan follows the switch."""
     choose = heuristics_fp8.choose_fp8
@@ -217,6 +217,7 @@ def test_lagged_promotion_is_opt_in(fp8_kernel, monkeypatch):
     assert not choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
     monkeypatch.delenv(heuristics_fp8.SMEM_SCALES_ENV)
     assert not choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
+    assert not choose("general", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
     monkeypatch.setenv(heuristics_fp8.SMEM_SCALES_ENV, "0")
     monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "1")
     assert choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block").promote_lag
@@ -301,7 +302,8 @@ def test_prefetched_scales_default_and_switch(fp8_kernel, monkeypatch):
 
 def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
     """Varlen block-scaled tiles with room for the lag stage their scales in shared memory
-    and promote a stage behind by default; other forms, row-wise scales and tiles spanning
+    and promote a stage behind by default (batched ones when asked); other forms, row-wise
+    scales and tiles spanning
     two scale blocks do not. MOE_GEMM_FP8_SMEM_SCALES=0 / 1 forces the ring / the staged
     scales (on tiles with room for the lag), a pinned scale depth means the ring, a bad
     value is refused with the variable named, decode-sized experts with K / 128 not a
@@ -321,6 +323,7 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
     for c in (choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "row"),
               choose("varlen", GemmConfig(), 4, 4096, 768, 2, "block"),  # K / 128 = 6
               choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block"),
+              choose("masked", GemmConfig(), 64, 4096, 7168, 2, "block"),
               choose("general", GemmConfig(), 64, 4096, 7168, 2, "block"),
               choose("varlen", wide, 64, 4096, 7168, 2, "block")):
         assert not c.smem_scales
@@ -335,7 +338,9 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
     monkeypatch.setenv(env, "1")  # (tiles without room for the lag keep the ring)
     staged_wide = choose("varlen", wide, 64, 4096, 7168, 2, "block")
     assert not staged_wide.smem_scales and not staged_wide.promote_lag
-    assert not choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block").smem_scales
+    assert not choose("masked", GemmConfig(), 64, 4096, 7168, 2, "block").smem_scales
+    forced = choose("batched", GemmConfig(), 64, 4096, 7168, 2, "block")
+    assert forced.smem_scales and forced.promote_lag  # (the batched form stages when asked)
     for bad in ("2", "maybe", "-1"):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
@@ -363,6 +368,18 @@ def test_staged_scales_default_and_switch(fp8_kernel, monkeypatch):
             assert sfa.stride(1) % 4 == 0 and sfa.stride(1) >= sfa.shape[0]
             assert sfb.stride(1) == 1 and sfb.stride(2) % 4 == 0 and sfb.stride(0) % 4 == 0
     assert sum(c[3].stride(0) == 1 for c in fp8_kernel.calls[before:]) == 3
+    # The batched form stages them when asked: A scales M-major within each problem (padded
+    # to 4 rows where M is not a multiple of 4), the values unchanged.
+    monkeypatch.setenv(env, "1")
+    for M in (40, 37):
+        xb, wb, sab, sbb = make_fp8_batched_inputs(2, M, 512, 256, "block", seed=M)
+        key = _key_that_ran(fp8_kernel, lambda: assert_fp8_close(
+            scaled_grouped_mm(xb, wb, sab, sbb), scaled_grouped_mm_ref(xb, wb, sab, sbb)))
+        assert key.form == "batched" and key.smem_scales and key.promote_lag
+        sfa, sfb = fp8_kernel.calls[-1][3], fp8_kernel.calls[-1][4]
+        assert sfa.stride(1) == 1 and sfa.stride(2) % 4 == 0 and sfa.stride(2) >= M
+        assert sfa.stride(0) % 4 == 0 and sfa.data_ptr() % 16 == 0 and torch.equal(sfa, sab)
+        assert sfb.stride(1) == 1 and sfb.stride(2) % 4 == 0 and torch.equal(sfb, sbb)
 
 
 def test_pins_honoured_and_refused(fp8_kernel):
@@ -405,7 +422,8 @@ def test_promote_lag_zero_promotes_staged_scales_in_the_plain_loop(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv(heuristics_fp8.PROMOTE_LAG_ENV, raising=False)
     cases = [("varlen", avg, "block") for avg in (4, 64, 2048)]
-    others = [("varlen", 64, "row"), ("batched", 64, "block"), ("general", 64, "block")]
+    others = [("varlen", 64, "row"), ("batched", 64, "block"), ("masked", 64, "block"),
+              ("general", 64, "block")]
     default = {c: choose(c[0], GemmConfig(), c[1], 4096, 7168, 2, c[2]) for c in cases + others}
     monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "0")
     for c in cases:
@@ -418,3 +436,36 @@ def test_promote_lag_zero_promotes_staged_scales_in_the_plain_loop(monkeypatch):
     monkeypatch.setenv(heuristics_fp8.PROMOTE_LAG_ENV, "lagged")
     with pytest.raises(EnvError, match=heuristics_fp8.PROMOTE_LAG_ENV):
         choose("varlen", GemmConfig(), 64, 4096, 7168, 2, "block")
+
+
+@pytest.mark.parametrize("given_out", [False, True])
+def test_compute_bound_batched_block_calls_run_the_varlen_kernel(fp8_kernel, given_out):
+    """Block-scaled batched problems of BATCHED_AS_VARLEN_MIN_ROWS rows or more launch the
+    varlen kernel on x's G x M rows (offs every M rows) with the same result; below, other
+    scales, a pinned config or rows that are not one run per problem keep the batched
+    kernel."""
+    from moe_gemm.ops.scaled_launch import BATCHED_AS_VARLEN_MIN_ROWS as M
+
+    G, K, N = 3, 256, 136
+    x, w, sa, sb = make_fp8_batched_inputs(G, M, K, N, "block", seed=31)
+    ref = scaled_grouped_mm_ref(x, w, sa, sb)
+    out = torch.full((G, M, N), float("nan"), dtype=torch.bfloat16) if given_out else None
+    for _ in range(2):  # the second call takes the cached plan (without out)
+        y = scaled_grouped_mm(x, w, sa, sb, out=out)
+        assert_fp8_close(y, ref)
+        if given_out:
+            assert y.data_ptr() == out.data_ptr()
+        key = fp8_kernel.made[-1].key
+        assert key.form == "varlen" and key.smem_scales and key.promote_lag
+        call = fp8_kernel.calls[-1]
+        assert call[0].shape == (G * M, K) and call[0].data_ptr() == x.data_ptr()
+        assert call[7].tolist() == [M * (g + 1) for g in range(G)]  # offs
+    xl, wl, sal, sbl = make_fp8_batched_inputs(G, M + 8, K, N, "block", seed=34)
+    for args, cfg in (
+            (make_fp8_batched_inputs(G, M - 8, K, N, "block", seed=32), None),
+            (make_fp8_batched_inputs(G, M, K, N, "row", seed=33), None),
+            ((x, w, sa, sb), GemmConfig(tile_m=128, tile_n=128)),
+            ((xl[:, :M], wl, sal[:, :M], sbl), None)):  # problems with a gap between them
+        y = scaled_grouped_mm(*args, config=cfg)
+        assert fp8_kernel.made[-1].key.form == "batched"
+        assert_fp8_close(y, scaled_grouped_mm_ref(*args))

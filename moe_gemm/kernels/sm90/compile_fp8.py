@@ -47,7 +47,7 @@ class Fp8CompileKey:
     tail_split: bool = False
     promote_lag: bool = False  # the promotion one stage behind the WGMMAs
     scale_ahead: int = 1  # block scales: stages ahead of their promotion the scales load
-    smem_scales: bool = False  # block scales staged in shared memory by TMA (varlen)
+    smem_scales: bool = False  # block scales staged in shared memory by TMA (varlen, batched)
     split_ways: int = SPLIT_WAYS  # with the tail split: the most CTAs per tail tile
     peek_wait: bool = False  # the next stage's barrier probed a stage ahead (stage_wait.py)
 
@@ -91,8 +91,21 @@ def fake_arguments(key: Fp8CompileKey) -> tuple:
         batch = cute.sym_int()
         a = _fake(ab, (batch, rows, k), leading_dim=2)
         out = _fake(d, (batch, rows, n), leading_dim=2)
-        sfa = _fake_scales((batch, rows, kb))
-        sfb = _fake_scales((batch, kb, cols))
+        if key.smem_scales:
+            # TMA-loaded: sfa M-major within each problem, sfb k-block-major, 16-byte
+            # aligned (scaled_launch.py)
+            def div4():  # a stride of its own, a multiple of 4 floats
+                return cute.sym_int64(divisibility=4)
+
+            sfa = cute.runtime.make_fake_tensor(
+                cutlass.Float32, (batch, rows, kb), stride=(div4(), 1, div4()),
+                assumed_align=16)
+            sfb = cute.runtime.make_fake_tensor(
+                cutlass.Float32, (batch, kb, cols), stride=(div4(), 1, div4()),
+                assumed_align=16)
+        else:
+            sfa = _fake_scales((batch, rows, kb))
+            sfb = _fake_scales((batch, kb, cols))
     else:
         a = _fake(ab, (rows, k), leading_dim=1)
         out = _fake(d, (rows, n), leading_dim=1)
@@ -211,4 +224,7 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         # ... and with every stage waited for in full (MOE_GEMM_FP8_PEEK_WAIT=0)
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True, epi_whole=True, peek_wait=False),
+        # the batched form's staged scales (its default waits in full)
+        key("batched", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
+            smem_scales=True, promote_lag=True, peek_wait=False),
     ]

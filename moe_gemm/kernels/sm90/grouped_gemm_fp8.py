@@ -20,9 +20,9 @@ epilogue); this class changes:
   beside 32 KiB of operands). The math threads read them straight from global memory ahead
   of their use (one stage in the plain loop, more in the prefetched one), with any strides
   and the row index clamped into the scale tensor (rows past an expert's end or past T read
-  a valid, unused scale); or, in the varlen form (smem_scales), the load warp stages them in
-  shared memory by TMA beside each stage's operands (ScaleLoads) from M-major A scales and
-  k-block-major B scales (ops/scaled_launch.py lays them out so).
+  a valid, unused scale); or, in the varlen and batched forms (smem_scales), the load warp
+  stages them in shared memory by TMA beside each stage's operands (ScaleLoads) from M-major
+  A scales and k-block-major B scales (ops/scaled_launch.py lays them out so).
 
 In the plain stage loop each warpgroup waits for its stage's WGMMAs, then promotes: the tensor
 cores stay busy only while the other warpgroup's WGMMAs run. The lagged loop (promote_lag,
@@ -281,9 +281,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         if smem_scales and tile_mn[0] + SA_PAD > 256:
             raise ValueError("smem_scales takes tiles of at most 252 rows (a TMA box of at "
                              "most 256)")
-        if smem_scales and form != "varlen":
+        if smem_scales and form not in ("varlen", "batched"):
             raise ValueError("smem_scales (block scales staged by TMA) is built for the varlen "
-                             f"form; got {form}")
+                             f"and batched forms; got {form}")
         # A stage's staged scales (ScaleLoads): a slot of the tile's A scales and SB_BOX B
         # scales, whose bytes the stage's full barrier also waits for.
         self.staged_scale_floats = staged_slot_floats(tile_mn[0]) if smem_scales else 0
@@ -470,12 +470,19 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     def scale_tma_atoms(self, args: Fp8ProblemArgs):
         """(atom, tensor) of the A scales' and the B scales' TMA loads (smem_scales; traced
-        in build_and_launch). sfa (T, KB) is M-major and sfb (E, KB, C) k-block-major (a
-        checkpoint's (N / 128, K / 128) blocks transposed), both with 16-byte aligned strides
-        (ops/scaled_launch.py copies scales that are not)."""
+        in build_and_launch). sfa (T, KB), or (G, M, KB) in the batched form, is M-major and
+        sfb (E, KB, C) k-block-major (a checkpoint's (N / 128, K / 128) blocks transposed),
+        both with 16-byte aligned strides (ops/scaled_launch.py copies scales that are not).
+        A batched sfa loads as (M, KB, G): the problem is the box's batch mode, as E is
+        sfb's."""
         op = cpasync.CopyBulkTensorTileG2SOp()
         sa_box = (self.tile_m + SA_PAD, 1)
-        atom_sa, tma_sa = cpasync.make_tiled_tma_atom(op, args.sfa, cute.make_layout(sa_box),
+        sfa = args.sfa
+        if self.form == "batched":
+            sfa = cute.make_tensor(sfa.iterator, cute.make_layout(
+                (sfa.shape[1], sfa.shape[2], sfa.shape[0]),
+                stride=(sfa.stride[1], sfa.stride[2], sfa.stride[0])))
+        atom_sa, tma_sa = cpasync.make_tiled_tma_atom(op, sfa, cute.make_layout(sa_box),
                                                       sa_box)
         sfb = args.sfb
         sfb_kce = cute.make_tensor(sfb.iterator, cute.make_layout(
@@ -496,7 +503,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                                cute.make_layout((*SB_BOX, self.ab_stages),
                                                 stride=(1, SB_BOX[0], slot)))
         row0 = work.row_start + work.m_tile * self.tile_m
-        gSA = cute.domain_offset((row0 & -4, 0), tma.tma_sa)
+        tma_sa = tma.tma_sa
+        if const_expr(self.form == "batched"):
+            tma_sa = tma_sa[None, None, work.problem]  # (rows 0.. of the problem, k blocks)
+        gSA = cute.domain_offset((row0 & -4, 0), tma_sa)
         nb0 = work.n_tile * self.tile_n // SCALE_BLOCK
         gSB = cute.domain_offset((0, nb0), tma.tma_sb[None, None, work.problem])
         return ScaleLoads(tma.atom_sa, tma.atom_sb, sa_box, sSA, gSA, sSB, gSB)
