@@ -256,11 +256,8 @@ def test_scale_loop_long_k_tail_split_and_forms(monkeypatch, loop):
     plain, other = _plain_and(
         monkeypatch, lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), loop)
     assert launch_info.last_launch().choice.tail_split
-    check(f"fp8/{loop}/tail-split", other, scaled_grouped_mm_ref(x, w, sa, sb, offs))
-    diff = float((other.float() - plain.float()).abs().max())
-    bound = 1e-2 * float(plain.float().abs().max())  # the split's halves may add in any order
-    record(f"fp8/{loop}/tail-split-vs-plain", diff <= bound, max_abs_diff=diff)
-    assert diff <= bound
+    _close_under_the_split(f"fp8/{loop}/tail-split", other, plain,
+                           scaled_grouped_mm_ref(x, w, sa, sb, offs), "plain")
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128)
     # a narrow output: the default 128x48 tile spans two 128-column scale blocks
     x, w, sa, sb, offs = make_fp8_moe_inputs(300, 4, 640, 40, "block", device=DEV, seed=24)
@@ -367,18 +364,24 @@ def test_probed_waits_equal_full_waits(monkeypatch, case, K):
                  int(offs[-1]), "full-waits")
 
 
-def test_probed_waits_with_the_tail_split_long_k(monkeypatch):
-    # each CTA's K range starts mid-way
-    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=33)
+def _tail_split_each_way(monkeypatch, name, env, values, expect, seed, what):
+    """The long-K tail-split case (each CTA's K range starts mid-way) with `env` at each of
+    `values` (base, new): new against the reference and within the split's bound of base."""
+    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV,
+                                             seed=seed)
     cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
+    outs = _each_value(monkeypatch, env, values,
+                       lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), expect)
+    _close_under_the_split(name, outs[values[1]], outs[values[0]],
+                           scaled_grouped_mm_ref(x, w, sa, sb, offs), what)
 
+
+def test_probed_waits_with_the_tail_split_long_k(monkeypatch):
     def expect(peek, choice):
         assert choice.tail_split and choice.peek_wait == (peek == "1")
 
-    outs = _each_value(monkeypatch, PEEK_WAIT_FP8_ENV, ("0", "1"),
-                       lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), expect)
-    _close_under_the_split("fp8/peek/tail-split", outs["1"], outs["0"],
-                           scaled_grouped_mm_ref(x, w, sa, sb, offs), "full-waits")
+    _tail_split_each_way(monkeypatch, "fp8/peek/tail-split", PEEK_WAIT_FP8_ENV, ("0", "1"),
+                         expect, 33, "full-waits")
 
 
 # Staged scales promoted in the plain loop (MOE_GEMM_FP8_PROMOTE_LAG=0: two accumulators)
@@ -404,16 +407,11 @@ def test_staged_scales_in_the_plain_loop_equal_the_lagged_loop(monkeypatch, case
 
 
 def test_staged_scales_in_the_plain_loop_with_the_tail_split(monkeypatch):
-    x, w, sa, sb, offs = make_fp8_moe_inputs(2400, 8, 4096, 1024, "block", device=DEV, seed=43)
-    cfg = cute(schedule="cooperative", tile_m=128, tile_n=128, tail_split=True)
-
     def expect(lag, choice):
         assert choice.tail_split and choice.smem_scales and choice.promote_lag == (lag == "")
 
-    outs = _each_value(monkeypatch, PROMOTE_LAG_ENV, ("", "0"),
-                       lambda: scaled_grouped_mm(x, w, sa, sb, offs, config=cfg), expect)
-    _close_under_the_split("fp8/staged-plain/tail-split", outs["0"], outs[""],
-                           scaled_grouped_mm_ref(x, w, sa, sb, offs), "lagged")
+    _tail_split_each_way(monkeypatch, "fp8/staged-plain/tail-split", PROMOTE_LAG_ENV, ("", "0"),
+                         expect, 43, "lagged")
 
 
 # Scale layouts the staged-scale kernel's TMA loads take as they are (M-major A scales with

@@ -77,6 +77,16 @@ def _fake_scales(shape):
         cutlass.Float32, shape, stride=tuple(cute.sym_int64() for _ in shape), assumed_align=4)
 
 
+def _fake_tma_scales(shape, unit_dim: int):
+    """fp32 scales as the staged kernel's TMA loads take them (scaled_launch.py lays them out
+    so): unit stride along `unit_dim`, every other stride its own multiple of 4 floats, a
+    16-byte aligned base."""
+    stride = tuple(1 if i == unit_dim else cute.sym_int64(divisibility=4)
+                   for i in range(len(shape)))
+    return cute.runtime.make_fake_tensor(cutlass.Float32, shape, stride=stride,
+                                         assumed_align=16)
+
+
 def fake_arguments(key: Fp8CompileKey) -> tuple:
     ab = FP8_DTYPES[key.ab_dtype]
     d = DTYPES[key.d_dtype]
@@ -91,33 +101,18 @@ def fake_arguments(key: Fp8CompileKey) -> tuple:
         batch = cute.sym_int()
         a = _fake(ab, (batch, rows, k), leading_dim=2)
         out = _fake(d, (batch, rows, n), leading_dim=2)
-        if key.smem_scales:
-            # TMA-loaded: sfa M-major within each problem, sfb k-block-major, 16-byte
-            # aligned (scaled_launch.py)
-            def div4():  # a stride of its own, a multiple of 4 floats
-                return cute.sym_int64(divisibility=4)
-
-            sfa = cute.runtime.make_fake_tensor(
-                cutlass.Float32, (batch, rows, kb), stride=(div4(), 1, div4()),
-                assumed_align=16)
-            sfb = cute.runtime.make_fake_tensor(
-                cutlass.Float32, (batch, kb, cols), stride=(div4(), 1, div4()),
-                assumed_align=16)
+        if key.smem_scales:  # sfa M-major within each problem, sfb k-block-major
+            sfa = _fake_tma_scales((batch, rows, kb), 1)
+            sfb = _fake_tma_scales((batch, kb, cols), 1)
         else:
             sfa = _fake_scales((batch, rows, kb))
             sfb = _fake_scales((batch, kb, cols))
     else:
         a = _fake(ab, (rows, k), leading_dim=1)
         out = _fake(d, (rows, n), leading_dim=1)
-        if key.form == "varlen" and key.smem_scales:
-            # TMA-loaded: sfa M-major, sfb k-block-major, 16-byte aligned (scaled_launch.py)
-            sfa = cute.runtime.make_fake_tensor(
-                cutlass.Float32, (rows, kb), stride=(1, cute.sym_int64(divisibility=4)),
-                assumed_align=16)
-            sfb = cute.runtime.make_fake_tensor(
-                cutlass.Float32, (cute.sym_int(), kb, cols),
-                stride=(cute.sym_int64(divisibility=4), 1, cute.sym_int64(divisibility=4)),
-                assumed_align=16)
+        if key.form == "varlen" and key.smem_scales:  # sfa M-major, sfb k-block-major
+            sfa = _fake_tma_scales((rows, kb), 0)
+            sfb = _fake_tma_scales((cute.sym_int(), kb, cols), 1)
         elif key.form == "varlen":
             sfa = _fake_scales((rows, kb))
             sfb = _fake_scales((cute.sym_int(), kb, cols))
