@@ -17,7 +17,9 @@
    memory (`-lag`), and with every stage waited for in full rather than through a probe of
    its barrier made a stage earlier (`-nopeek`, also row-wise; `-peek`: the probe forced on,
    for the forms and tiles whose default waits in full), and with the staged scales
-   promoted in the plain loop rather than a stage behind (`-staged-plain`); unless
+   promoted in the plain loop rather than a stage behind (`-staged-plain`), and with the
+   second warpgroup of a tile whose last 64 rows are empty left idle (`-halfskip`, also
+   row-wise); unless
    --no-sweep a few alternative configs), ours row-wise,
    torch._scaled_grouped_mm (row-wise, where the installed torch has it), torch's
    block-scaled grouped mm (where it exists), our bf16 kernel and torch's bf16 grouped_mm on
@@ -53,6 +55,7 @@ from benchmarks.fp8_operands import (
     BF16,
     CHUNK_ELEMS,
     E4M3,
+    half_skip,
     peek_wait,
     promote_lag,
     quantize_acts,
@@ -209,6 +212,10 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
     peek = functools.partial(peek_wait, True)  # (the default's way where it probes)
     impls["ours-fp8-block-peek"] = (switched(block, peek), block)
     impls["ours-fp8-row-peek"] = (switched(row, peek), row)
+    # a tile's second warpgroup idle where all its rows are past the expert's end
+    skip = functools.partial(half_skip, True)
+    impls["ours-fp8-block-halfskip"] = (switched(block, skip), block)
+    impls["ours-fp8-row-halfskip"] = (switched(row, skip), row)
     # the staged scales promoted in the plain loop (two accumulators), not a stage behind
     impls["ours-fp8-block-staged-plain"] = (
         switched(block, functools.partial(promote_lag, False)), block)

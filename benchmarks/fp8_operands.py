@@ -229,6 +229,15 @@ def peek_wait(on: bool) -> contextlib.AbstractContextManager[None]:
     return _switched(PEEK_WAIT_FP8_ENV, "1" if on else "0")
 
 
+def half_skip(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Our FP8 kernels with (MOE_GEMM_FP8_HALF_SKIP=1: the `-halfskip` rows) or without (0,
+    the default) the idle second warpgroup on cooperative 128-row tiles whose last 64 rows are
+    past the problem's end, inside the block."""
+    from moe_gemm.ops.heuristics_fp8 import HALF_SKIP_ENV
+
+    return _switched(HALF_SKIP_ENV, "1" if on else "0")
+
+
 def smem_scales(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Our block-scaled FP8 kernels with the scales staged in shared memory by TMA
     (MOE_GEMM_FP8_SMEM_SCALES=1, the varlen default) or loaded by the math threads (0) inside

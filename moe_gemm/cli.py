@@ -286,7 +286,7 @@ def _key_extras(key) -> str:
     if getattr(key, "gate", ""):
         extras.append(f"gate={key.gate}/{key.gate_layout}")
     for flag in ("bias", "row_scale", "gather", "row_counts", "fast_gate", "promote_lag",
-                 "smem_scales", "peek_wait", "swap_ab"):
+                 "smem_scales", "peek_wait", "swap_ab", "skip_empty_half"):
         if getattr(key, flag, False):
             extras.append(flag)
     return "".join(" " + e for e in extras)

@@ -273,6 +273,11 @@ VARIABLES: dict[str, Variable] = {
         "0 / 1: the FP8 stage loops wait for each stage's operands in full / take a probe of "
         "its barrier made a stage earlier (default: the probe in the varlen form, but for "
         "row-wise decode tiles)"),
+    "MOE_GEMM_FP8_HALF_SKIP": Variable(
+        override_value,
+        "1: an FP8 cooperative 128-row tile's second warpgroup skips its WGMMAs where all its "
+        "64 rows are past the problem's end (default 0: it runs them; the skip measured "
+        "slower on experts of a few hundred rows)"),
     "MOE_GEMM_FP8_PROMOTE_LAG": Variable(
         override_value,
         "1: the FP8 promotion one stage behind the WGMMAs also where the scales are not staged; "

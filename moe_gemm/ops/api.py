@@ -48,6 +48,7 @@ from moe_gemm.ops.heuristics import (
     TRIM_A_ENV,
 )
 from moe_gemm.ops.heuristics_fp8 import (
+    HALF_SKIP_ENV,
     PEEK_WAIT_FP8_ENV,
     PROMOTE_LAG_ENV,
     SCALE_AHEAD_ENV,
@@ -101,7 +102,8 @@ _scans = 0
 # them, tuned.state.)
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
                   TAIL_SPLIT_ENV, SPLIT_WAYS_ENV, TRIM_A_ENV, PEEK_WAIT_ENV, PROMOTE_LAG_ENV,
-                  SCALE_AHEAD_ENV, SMEM_SCALES_ENV, PEEK_WAIT_FP8_ENV, GATHER_WIDE_ENV,
+                  SCALE_AHEAD_ENV, SMEM_SCALES_ENV, PEEK_WAIT_FP8_ENV, HALF_SKIP_ENV,
+                  GATHER_WIDE_ENV,
                   FAST_GATE_ENV, SWAP_AB_ENV, *tuned.SWITCHES)
 
 

@@ -11,7 +11,7 @@ written once); with MOE_GEMM_COMBINE=torch, while torch.compile traces, and for 
 kernel does not take, it is embedding_bag. On an H200 (2026-11-29) the kernel took 0.16 ms where
 embedding_bag took 0.76 ms (Qwen3-30B-A3B at 16384 tokens: 131072 rows of 2048, k=8; the copy
 floor 0.15 ms): the fused Qwen3 layer 3.23 -> 2.54 ms at that size, in one process
-(benchmarks/results/moe-layer-nvidia-h200-2026-11-29.json).
+(docs/measurements.md, 2026-11-29).
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ class KernelChoice:
     promote_lag: bool = False  # FP8: promotion one stage behind the WGMMAs (heuristics_fp8)
     scale_ahead: int = 1  # FP8 block scales: stages ahead their scales load (heuristics_fp8)
     smem_scales: bool = False  # FP8 block scales staged in shared memory (heuristics_fp8)
+    skip_empty_half: bool = False  # FP8: a warpgroup whose rows are all past the end idles
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
     peek_wait: bool = False  # 16-bit: the math warps test the next stage's barrier a k-tile ahead
     split_ways: int = SPLIT_WAYS  # with tail_split: the most CTAs one tail tile is split over

@@ -147,6 +147,27 @@ def peek_wait_requested() -> bool | None:
     return env_value(PEEK_WAIT_FP8_ENV)
 
 
+# A cooperative 128-row tile whose rows past its problem's end cover the second warpgroup's
+# 64 rows (an expert's last tile of at most 64 rows) can leave that warpgroup idle: it takes
+# the stages off the ring without WGMMAs or promotions, and the first warpgroup's WGMMAs have
+# the tensor cores to themselves (GroupedGemmFp8Sm90 skip_empty_half). Measured on an H200
+# (2026-12-02, block and row-wise scales, interleaved in one process): on routed experts of
+# ~1k rows (bench_fp8's DeepSeek-V3 / Kimi-K2 EP32 shards, whose last tiles waste 4-8% of the
+# MMA rows) 0.4-3.2% faster in two runs; but on the zoo's 8192-token cases of 128-384 experts
+# (~170-410 rows each; DeepSeek-V3, Kimi-K2, GLM-4.5, Qwen3-235B) up to 10% slower with
+# block scales and 31% row-wise (DeepSeek-V3 gate-up 4.40 against 4.09 ms), unexplained:
+# the idle warpgroup still waits on every stage's full barrier (it must not release a stage
+# before its fill), and a build where the busy warpgroup released for both was slower still.
+# Off by default; MOE_GEMM_FP8_HALF_SKIP=1 turns it on (an A/B switch; the plan caches key
+# on it).
+HALF_SKIP_ENV = "MOE_GEMM_FP8_HALF_SKIP"
+
+
+def half_skip_requested() -> bool | None:
+    """MOE_GEMM_FP8_HALF_SKIP as True / False, None when unset or empty (the default)."""
+    return env_value(HALF_SKIP_ENV)
+
+
 def smem_scales_requested() -> bool | None:
     """MOE_GEMM_FP8_SMEM_SCALES as True / False, None when unset or empty (the default).
     Raises EnvError (a ValueError) for anything but 1 / 0 (or true / false, yes / no, on /
@@ -167,7 +188,7 @@ def choose_fp8(form: str, config: GemmConfig, avg_m: float, N: int, K: int,
     return with_split_ways(with_l2_hints(_choose(
         form, config, avg_m, N, K, out_itemsize, kernel_scale_mode(granularity),
         tail_split_enabled(), promote_lag_requested(), scale_ahead_requested(),
-        smem_scales_requested(), peek_wait_requested())))
+        smem_scales_requested(), peek_wait_requested(), half_skip_requested())))
 
 
 def _default_tile_n(N: int) -> int:
@@ -205,7 +226,8 @@ def _default_cluster(form: str, N: int, tile_n: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=512)
 def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_itemsize: int,
             mode: str, split_ok: bool, lag: bool | None = None, ahead: int = 0,
-            smem: bool | None = None, peek: bool | None = None) -> KernelChoice:
+            smem: bool | None = None, peek: bool | None = None,
+            half_skip: bool | None = None) -> KernelChoice:
     if config.visitor == "host":
         raise ValueError("the FP8 kernels run the device visitor; use visitor='device' or "
                          "'auto'")
@@ -275,7 +297,10 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
                         epi_whole=epi_whole, tail_split=tail_split and split_ok,
                         promote_lag=lag, scale_ahead=ahead, smem_scales=smem,
                         peek_wait=default_peek_wait(form, schedule, mode) if peek is None
-                        else peek)
+                        else peek,
+                        # (built for cooperative 128-row tiles: one 64-row half a warpgroup)
+                        skip_empty_half=(bool(half_skip) and schedule == "cooperative"
+                                         and tile[0] == 128))
 
 
 def clear_caches() -> None:

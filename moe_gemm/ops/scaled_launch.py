@@ -50,7 +50,7 @@ def fp8_compile_key(form: str, ab: torch.dtype, d: torch.dtype, granularity: str
         choice.visitor, choice.tile_m, choice.tile_n, choice.stages, trace, choice.l2_hints,
         choice.epi_n, choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split,
         choice.promote_lag, choice.scale_ahead, choice.smem_scales, choice.split_ways,
-        choice.peek_wait)
+        choice.peek_wait, choice.skip_empty_half)
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,6 +27,7 @@ from moe_gemm import (
 )
 from moe_gemm.ops import launch_info
 from moe_gemm.ops.heuristics_fp8 import (
+    HALF_SKIP_ENV,
     PEEK_WAIT_FP8_ENV,
     PROMOTE_LAG_ENV,
     SCALE_AHEAD_ENV,
@@ -45,7 +46,15 @@ from moe_gemm.testing_fp8 import (
 )
 
 from .gpu_report import record
-from .variants_fp8 import FORM_LOOPS, LOOP_CASES, PEEK_CASES, PEEK_LOOP_ENV, STAGED_PLAIN_CASES
+from .variants_fp8 import (
+    FORM_LOOPS,
+    HALF_SKIP_CASES,
+    HALF_SKIP_COUNTS,
+    LOOP_CASES,
+    PEEK_CASES,
+    PEEK_LOOP_ENV,
+    STAGED_PLAIN_CASES,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -382,6 +391,58 @@ def test_probed_waits_with_the_tail_split_long_k(monkeypatch):
 
     _tail_split_each_way(monkeypatch, "fp8/peek/tail-split", PEEK_WAIT_FP8_ENV, ("0", "1"),
                          expect, 33, "full-waits")
+
+
+# A cooperative 128-row tile's second warpgroup idle where its 64 rows are all past the
+# expert's end (MOE_GEMM_FP8_HALF_SKIP=1) against the whole tile computed (the default): those
+# rows are never stored, so the outputs are bit for bit equal. Experts whose last tiles hold
+# 1, 2, 44 and 64 rows (skipped) and 65, 72 and 127 (not), an empty one, rows past offs
+# untouched; each stage loop, clusters both ways, a two-block tile, row-wise scales.
+@pytest.mark.parametrize("K", [128, 896])
+@pytest.mark.parametrize("case", HALF_SKIP_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1]}-128x{c[2]}-c{c[3]}x{c[4]}")
+def test_skipped_empty_halves_equal_the_whole_tile(monkeypatch, case, K):
+    loop, g, tile_n, cm, cn = case
+    cfg = cute(schedule="cooperative", tile_m=128, tile_n=tile_n, cluster_m=cm, cluster_n=cn,
+               tail_split=False)
+    x, w, sa, sb, _ = make_fp8_moe_inputs(1200, len(HALF_SKIP_COUNTS), K, 392, g,
+                                          device=DEV, seed=51 + K)
+    offs = torch.tensor(HALF_SKIP_COUNTS).cumsum(0).to(torch.int32).to(DEV)
+    for name, value in PEEK_LOOP_ENV[loop].items():
+        monkeypatch.setenv(name, value)
+
+    def expect(skip, choice):
+        assert choice.skip_empty_half == (skip == "1")
+
+    run = lambda: scaled_grouped_mm(  # noqa: E731
+        x, w, sa, sb, offs, config=cfg,
+        out=poison_(torch.empty(1200, 392, dtype=BF16, device=DEV)))
+    outs = _each_value(monkeypatch, HALF_SKIP_ENV, ("0", "1"), run, expect)
+    _bit_for_bit(f"fp8/half-skip/{loop}-{g}-128x{tile_n}-c{cm}x{cn}/K={K}", outs["1"],
+                 outs["0"], scaled_grouped_mm_ref(x, w, sa, sb, offs), int(offs[-1]),
+                 "whole-tile")
+
+
+def test_skipped_empty_halves_batched_and_tail_split(monkeypatch):
+    """The batched form (problems of 190 rows: a last tile of 62) with its default tile, and
+    the long-K tail split, each with and without the skip."""
+    x, w, sa, sb = make_fp8_batched_inputs(3, 190, 384, 264, "block", device=DEV, seed=52)
+
+    def expect(skip, choice):
+        assert choice.skip_empty_half == (skip == "1")
+
+    outs = _each_value(monkeypatch, HALF_SKIP_ENV, ("0", "1"),
+                       lambda: scaled_grouped_mm(x, w, sa, sb, config=cute()), expect)
+    check("fp8/half-skip/batched", outs["1"], scaled_grouped_mm_ref(x, w, sa, sb))
+    same = torch.equal(outs["1"], outs["0"])
+    record("fp8/half-skip/batched/equals-whole-tile", same)
+    assert same
+
+    def expect_split(skip, choice):
+        assert choice.tail_split and choice.skip_empty_half == (skip == "1")
+
+    _tail_split_each_way(monkeypatch, "fp8/half-skip/tail-split", HALF_SKIP_ENV, ("0", "1"),
+                         expect_split, 53, "whole-tile")
 
 
 # Staged scales promoted in the plain loop (MOE_GEMM_FP8_PROMOTE_LAG=0: two accumulators)

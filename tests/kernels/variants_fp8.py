@@ -51,6 +51,13 @@ PEEK_CASES = [("staged", "block", "cooperative", (128, 128), 1, 2),
 STAGED_PLAIN_CASES = [("cooperative", (128, 128), 1, 1), ("cooperative", (128, 128), 1, 2),
                       ("cooperative", (128, 128), 2, 1), ("pingpong", (64, 128), 1, 1),
                       ("cooperative", (128, 64), 1, 2), ("pingpong", (128, 64), 1, 1)]
+# (loop, granularity, tile_n, cluster_m, cluster_n) of test_fp8_gpu.py's skipped-half test:
+# cooperative 128-row tiles with each stage loop, with and without MOE_GEMM_FP8_HALF_SKIP
+HALF_SKIP_CASES = [("staged", "block", 128, 1, 2), ("staged", "block", 128, 1, 1),
+                   ("ring", "block", 128, 1, 1), ("plain", "block", 192, 1, 1),
+                   ("lagged", "block", 128, 2, 1), ("plain", "row", 128, 1, 2)]
+# rows per expert there: last tiles of 2, none, 64, 1, 72, 127, 65 and 44 rows
+HALF_SKIP_COUNTS = (130, 0, 64, 1, 200, 255, 65, 300)
 # each loop's switches (MOE_GEMM_FP8_*; the staged scales are the varlen default)
 PEEK_LOOP_ENV = {"staged": {}, "ring": {"MOE_GEMM_FP8_SMEM_SCALES": "0"},
                  "plain": {"MOE_GEMM_FP8_SMEM_SCALES": "0", "MOE_GEMM_FP8_SCALE_AHEAD": "1"},
@@ -166,6 +173,20 @@ def fp8_test_variants() -> list:
     with mock.patch.dict(os.environ, {"MOE_GEMM_FP8_PEEK_WAIT": "0"}):
         add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
                                     tail_split=True), 300, 1024, 4096)
+    # test_fp8_gpu.py's skipped empty halves, each way (and the batched form's and the tail
+    # split's with the skip)
+    for loop, g, tile_n, cm, cn in HALF_SKIP_CASES:
+        cfg = cute(schedule="cooperative", tile_m=128, tile_n=tile_n, cluster_m=cm,
+                   cluster_n=cn, tail_split=False)
+        for skip in ("0", "1"):
+            with mock.patch.dict(os.environ, {**PEEK_LOOP_ENV[loop],
+                                              "MOE_GEMM_FP8_HALF_SKIP": skip}):
+                add("varlen", g, cfg, sum(HALF_SKIP_COUNTS) / 8, 392, 640)
+    with mock.patch.dict(os.environ, {"MOE_GEMM_FP8_HALF_SKIP": "1"}):
+        add("batched", "block", cute(), 190, 264, 384)
+        add("varlen", "block", cute(schedule="cooperative", tile_m=128, tile_n=128,
+                                    tail_split=True), 300, 1024, 4096)
+    add("batched", "block", cute(), 190, 264, 384)
     # test_fp8_gpu.py's staged scales promoted in the plain loop, beside the lagged loop
     for sched, tile, cm, cn in STAGED_PLAIN_CASES:
         cfg = cute(schedule=sched, tile_m=tile[0], tile_n=tile[1], cluster_m=cm, cluster_n=cn,

@@ -50,11 +50,14 @@ class Fp8CompileKey:
     smem_scales: bool = False  # block scales staged in shared memory by TMA (varlen, batched)
     split_ways: int = SPLIT_WAYS  # with the tail split: the most CTAs per tail tile
     peek_wait: bool = False  # the next stage's barrier probed a stage ahead (stage_wait.py)
+    skip_empty_half: bool = False  # a warpgroup whose 64 rows are past the end skips its MMAs
 
     def name(self) -> str:
         return "_".join(["fp8", self.form, self.ab_dtype, self.d_dtype, self.scale_mode,
                          self.schedule, self.visitor, str(self.tile_m), str(self.tile_n)]
-                        + option_parts(self) + (["lag"] if self.promote_lag else [])
+                        + option_parts(self)
+                        + (["halfskip"] if self.skip_empty_half else [])
+                        + (["lag"] if self.promote_lag else [])
                         + ([f"ahead{self.scale_ahead}"] if self.scale_ahead != 1 else [])
                         + (["sscales"] if self.smem_scales else [])
                         + (["peek"] if self.peek_wait else []))
@@ -68,6 +71,7 @@ class Fp8CompileKey:
             tail_split=self.tail_split, promote_lag=self.promote_lag,
             scale_ahead=self.scale_ahead, smem_scales=self.smem_scales,
             split_ways=self.split_ways, peek_wait=self.peek_wait,
+            skip_empty_half=self.skip_empty_half,
         )
 
 
@@ -186,16 +190,18 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
     form, both scale modes, both schedules, a two-scale-block tile, a cluster, the tail split,
     e5m2, every output dtype, the lagged promotion, the prefetched and the staged scales at
     least once; each with the probed stage waits (the varlen default), and the
-    compute-bound default once without them."""
+    compute-bound default once without them and once with its empty halves skipped."""
     def key(form, ab, d, mode, schedule, tile, **extra):
         extra.setdefault("peek_wait", True)
         return Fp8CompileKey(form, ab, d, mode, schedule, "device", *tile, **extra)
 
     e4, e5 = "float8_e4m3fn", "float8_e5m2"
     return [
-        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), tail_split=True),
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), tail_split=True,
+            skip_empty_half=True),  # (the skip is opt-in: MOE_GEMM_FP8_HALF_SKIP=1)
         key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128)),
-        key("varlen", e4, "float32", "outer", "cooperative", (128, 192), cluster_m=2),
+        key("varlen", e4, "float32", "outer", "cooperative", (128, 192), cluster_m=2,
+            skip_empty_half=True),
         key("batched", e4, "bfloat16", "block", "cooperative", (128, 160)),
         key("masked", e4, "bfloat16", "block", "cooperative", (128, 128)),
         key("masked", e4, "bfloat16", "outer", "pingpong", (64, 128), cluster_n=2),
@@ -213,6 +219,9 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         # the compute-bound default: the same with the whole-tile epilogue
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True, epi_whole=True),
+        # ... with the empty halves skipped (MOE_GEMM_FP8_HALF_SKIP=1)
+        key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
+            smem_scales=True, promote_lag=True, epi_whole=True, skip_empty_half=True),
         # ... with the staged scales promoted in the plain loop (MOE_GEMM_FP8_PROMOTE_LAG=0)
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, epi_whole=True),

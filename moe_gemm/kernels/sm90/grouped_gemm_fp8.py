@@ -48,7 +48,11 @@ group's B scale by a run-time split. With peek_wait (the varlen default,
 ops/heuristics_fp8.py) every loop probes the next stage's full barrier right after issuing a
 stage and its next wait takes that probe (kernels/sm90/stage_wait.py): the promotion's
 instructions hide the barrier's latency instead of following it. The waits change, not the
-arithmetic: outputs are bit for bit the same.
+arithmetic: outputs are bit for bit the same. With skip_empty_half (cooperative 128-row
+tiles, opt-in: ops/heuristics_fp8.py) a warpgroup whose 64 rows all lie past the problem's
+end (an expert's last tile of at most 64 rows) takes its stages off the ring without WGMMAs:
+its rows are never stored, and the other warpgroup's WGMMAs have the tensor cores to
+themselves.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ from .stage_wait import wait_full_unless_ready
 from .tile_scheduler import WorkTile, ceil_div_i32
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# The rows of one warpgroup's share of a cooperative 128-row tile (an m64 WGMMA's rows).
+HALF_ROWS = 64
 SMETA_INTS = 8  # general form: (G, 8) int64 per problem, see Fp8GeneralProblems
 
 
@@ -259,7 +265,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def __init__(self, ab_dtype, d_dtype, form, schedule, visitor, tile_mn, scale_mode: str,
                  ab_stages=None, trace=False, l2_hints=False, epi_n=32, cluster_m=1,
                  cluster_n=1, epi_whole=False, tail_split=False, promote_lag=False,
-                 scale_ahead=1, smem_scales=False, split_ways=SPLIT_WAYS, peek_wait=False):
+                 scale_ahead=1, smem_scales=False, split_ways=SPLIT_WAYS, peek_wait=False,
+                 skip_empty_half=False):
         if ab_dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
             raise ValueError(f"the FP8 kernel takes float8 e4m3 or e5m2 inputs; got {ab_dtype}")
         why = fp8_tile_problem(schedule, tile_mn[0], tile_mn[1], scale_mode, promote_lag)
@@ -274,6 +281,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError("smem_scales (block scales staged by the load warp) is built for "
                              "block scales read by the lagged or the plain loop (scale_ahead "
                              "1)")
+        if skip_empty_half and not (schedule == "cooperative" and tile_mn[0] == 128):
+            raise ValueError("skip_empty_half is built for cooperative 128-row tiles (one "
+                             f"64-row half per warpgroup); got {schedule} {tile_mn[0]} rows")
+        self.skip_empty_half = skip_empty_half
         self.scale_mode = scale_mode
         self.promote_lag = promote_lag
         self.scale_ahead = scale_ahead
@@ -401,6 +412,49 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         prod = cute.make_rmem_tensor((2 * n_rows,), Float32)
 
         acc.fill(0.0)
+        if const_expr(self.skip_empty_half):
+            # This warpgroup's 64 rows of the tile all lie past its problem's end (both
+            # warpgroups' on a cluster rank past the edge): nothing of them is stored, so it
+            # takes its stages off the ring without WGMMAs (its accumulator stays zeros).
+            if math_wg * HALF_ROWS >= work.rows - work.m_tile * self.tile_m:
+                ab_state = self._drain_stages(ab_pipe, ab_state, k_tiles)
+            else:
+                ab_state = self._promoted_loop(
+                    ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
+                    num_k_blocks, work, fmap, coords, split, sa, my_rows, sb, nb0, nb1, staged,
+                    n_sc)
+        else:
+            ab_state = self._promoted_loop(
+                ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB, k_tiles,
+                num_k_blocks, work, fmap, coords, split, sa, my_rows, sb, nb0, nb1, staged,
+                n_sc)
+        if const_expr(self.pingpong):
+            # Every WGMMA of this tile has retired: the other warpgroup's mainloop may start.
+            cute.arch.barrier_arrive(
+                barrier_id=BAR_MMA_ORDER + 1 - math_wg, number_of_threads=2 * self.threads_per_wg
+            )
+        if const_expr(self.scale_mode == "outer"):
+            if k_tiles > 0:
+                self._scale_outer(acc, fmap, coords, sa, my_rows, sb, n0, cols_lim)
+        return ab_state
+
+    @cute.jit
+    def _drain_stages(self, ab_pipe, ab_state, k_tiles: Int32):
+        """Take k_tiles stages off the ring without reading them (skip_empty_half). Each is
+        waited for before it is released: a release before its stage's fill would count
+        towards the round before, and a run ahead would arrive twice on one empty barrier."""
+        for _k in cutlass.range(0, k_tiles, 1, unroll=1):
+            ab_pipe.consumer_wait(ab_state)
+            ab_pipe.consumer_release(ab_state)
+            ab_state.advance()
+        return ab_state
+
+    @cute.jit
+    def _promoted_loop(self, ab_pipe, ab_state, tiled_mma, acc, tmp, prod, tCrA, tCrB,
+                       k_tiles: Int32, num_k_blocks: cutlass.Constexpr, work: WorkTile,
+                       fmap: cutlass.Constexpr, coords, split, sa, my_rows, sb, nb0, nb1,
+                       staged, n_sc: cutlass.Constexpr):
+        """The stage loop the compile-time options pick (see the module docstring)."""
         if const_expr(self.promote_lag):
             tmp1 = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
             sc0 = cute.make_rmem_tensor((n_sc,), Float32)
@@ -440,14 +494,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 if const_expr(self.scale_mode == "block"):
                     for s in cutlass.range_constexpr(n_sc):
                         cur[s] = nxt[s]
-        if const_expr(self.pingpong):
-            # Every WGMMA of this tile has retired: the other warpgroup's mainloop may start.
-            cute.arch.barrier_arrive(
-                barrier_id=BAR_MMA_ORDER + 1 - math_wg, number_of_threads=2 * self.threads_per_wg
-            )
-        if const_expr(self.scale_mode == "outer"):
-            if k_tiles > 0:
-                self._scale_outer(acc, fmap, coords, sa, my_rows, sb, n0, cols_lim)
         return ab_state
 
     def _staged_slots(self, work: WorkTile, fmap: FragmentMap, coords: cute.Tensor) -> list:
