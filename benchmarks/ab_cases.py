@@ -19,15 +19,17 @@ def add_case_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--projs", default="gate_up,down", help="projections (default: both)")
 
 
-def cases_from_args(args: argparse.Namespace) -> list:
-    """The (ShapeSpec, fields) zoo cases the options name (ValueError naming a bad one)."""
+def cases_from_args(args: argparse.Namespace, fp8: bool = False) -> list:
+    """The (ShapeSpec, fields) zoo cases the options name (ValueError naming a bad one);
+    with fp8, the FP8 cases of models that ship FP8 checkpoints (--models all: those)."""
     projs = [s.strip() for s in args.projs.split(",") if s.strip()]
     if not projs or any(p not in ("gate_up", "down") for p in projs):
         raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
     if args.cases:
-        return [build_cases(m, str(t), [p], args.seed, False)[0]
+        return [build_cases(m, str(t), [p], args.seed, False, fp8)[0]
                 for m, p, t in parse_cases(args.cases)]
-    return build_cases(args.models, args.tokens, projs, args.seed, False)
+    models = None if fp8 and args.models == "all" else args.models
+    return build_cases(models, args.tokens, projs, args.seed, False, fp8)
 
 
 CASE_FIELDS = ("model", "proj", "tokens", "E", "N", "K", "rows", "layout")

@@ -179,8 +179,8 @@ def _impl(name: str):
         "mm_loop": suite._build_loop,
         "quack": suite._build_quack,
         "quack_tuned": suite._build_quack_tuned,
-        "ours_fp8_block": suite_fp8._ours_fp8("block"),
-        "ours_fp8_row": suite_fp8._ours_fp8("row"),
+        "ours_fp8_block": suite_fp8.ours_fp8("block"),
+        "ours_fp8_row": suite_fp8.ours_fp8("row"),
         "torch_fp8_row": suite_fp8._torch_peer("row"),
     }[name]
 

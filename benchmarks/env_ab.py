@@ -4,6 +4,7 @@ process.
     python -m benchmarks.env_ab --switch MOE_GEMM_TRIM_A [--values 0,1] [--models all]
         [--tokens 2048,8192] [--projs gate_up,down] [--cases MODEL/PROJ/TOKENS,...]
         [--configs "pp 128x128;coop 128x256"] [--reps 10] [--out FILE]
+    python -m benchmarks.env_ab --fp8 --switch MOE_GEMM_FP8_HALF_SKIP [--models ...] ...
 
 Some kernel options are environment switches that grouped_mm's plan cache keys on (trimmed A
 loads, the tail split): a change applies to the next call. Per zoo case this times our
@@ -12,7 +13,10 @@ interleaved round by round through the zoo's harness (benchmarks.runner: the zoo
 routing, every output checked against a float32 reference first, then back-to-back samples
 behind a sleep backlog). A case where the switch does not change the kernel the default
 launches is skipped (its pinned configs too). Rows carry `switch_value` and `vs_first` = the
-first value's time / this one's (above 1: faster than the first value).
+first value's time / this one's (above 1: faster than the first value). With --fp8 the cases
+are the FP8 zoo's (models that ship FP8 checkpoints) and the rows our scaled_grouped_mm
+default with block scales and with row-wise scales (labels fp8-block, fp8-row), each at
+every value; --configs is not taken there.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from unittest import mock
 
 import torch
 
+from benchmarks import suite_fp8
 from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line, tag_rows
 from benchmarks.runner import ab_run, add_ab_options, run_shape
-from benchmarks.suite import Impl, Prepared, _ours
+from benchmarks.suite import FP8, Impl, Prepared, _ours
 from moe_gemm.tuning import space
 
 OURS = "moe_gemm"
@@ -52,18 +57,35 @@ def with_switch(build: Callable, name: str, value: str) -> Callable:
     return built
 
 
-def launched_key(case: dict[str, Any], device: torch.device, name: str, value: str) -> object:
-    """The kernel our default launches on a zoo case with the switch at `value`."""
+def launched_key(case: dict[str, Any], device: torch.device, name: str, value: str,
+                 fp8: bool = False) -> object:
+    """The kernel our default launches on a zoo case with the switch at `value` (fp8: the
+    block-scaled and the row-wise kernels of scaled_grouped_mm, bf16 output)."""
     from moe_gemm.capability import device_name, sm_count
     from moe_gemm.tuning.zoo import default_kernel_key
 
     with mock.patch.dict(os.environ, {name: value}):
+        if fp8:
+            from moe_gemm.config import GemmConfig
+            from moe_gemm.ops.heuristics_fp8 import choose_fp8
+            from moe_gemm.ops.scaled_launch import fp8_compile_key
+
+            avg = case["rows"] / case["E"]
+            return tuple(fp8_compile_key("varlen", torch.float8_e4m3fn, torch.bfloat16, g,
+                                         choose_fp8("varlen", GemmConfig(), avg, case["N"],
+                                                    case["K"], 2, g))
+                         for g in ("block", "row"))
         return default_kernel_key(case["E"], case["N"], case["K"], case["rows"],
                                   case.get("layout", "ENK"), device_name(device),
                                   sm_count(device))
 
 
-def implementations(configs: list[str], name: str, values: list[str]) -> list[Impl]:
+def implementations(configs: list[str], name: str, values: list[str],
+                    fp8: bool = False) -> list[Impl]:
+    if fp8:  # our FP8 default, block-scaled and row-wise, at each value
+        return [Impl(f"{OURS} fp8-{g} {name}={v}", peer=False,
+                     build=with_switch(suite_fp8.ours_fp8(g), name, v), dtype=FP8, scale=g)
+                for g in ("block", "row") for v in values]
     impls = []
     for label in ["default"] + configs:
         cfg = None if label == "default" else space.config_of(space.parse_name(label))
@@ -107,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--configs", default="", help="';'-separated configs to time besides the "
                    "default, as `moe-gemm tune` names them ('pp 128x128;coop 128x256')")
+    p.add_argument("--fp8", action="store_true", help="the FP8 zoo's cases and our FP8 "
+                   "default (block-scaled and row-wise)")
     add_case_options(p)
     add_ab_options(p, reps=10)
     return p
@@ -125,20 +149,23 @@ def main(argv: list[str] | None = None) -> int:
                              "(docs/USAGE.md lists them)")
         if len(values) < 2 or len(set(values)) != len(values):
             raise ValueError(f"--values needs two or more distinct values; got {args.values!r}")
+        if args.fp8 and configs:
+            raise ValueError("--configs is not taken with --fp8 (the FP8 default only)")
         for c in configs:
             space.config_of(space.parse_name(c))
-        cases = cases_from_args(args)
+        cases = cases_from_args(args, args.fp8)
     except ValueError as exc:
         print(f"env_ab: {exc}", file=sys.stderr)
         return 2
     run = ab_run(args, argv, "env_ab", "the switches are our Hopper kernels'",
-                 settings={"switch": name, "values": values, "configs": configs})
+                 settings={"switch": name, "values": values, "configs": configs,
+                           "fp8": args.fp8})
     if isinstance(run, str):
         print(run, file=sys.stderr)
         return 2
-    impls = implementations(configs, name, values)
+    impls = implementations(configs, name, values, args.fp8)
     for spec, f in cases:
-        keys = {launched_key(f, run.device, name, v) for v in values}
+        keys = {launched_key(f, run.device, name, v, args.fp8) for v in values}
         if len(keys) == 1:
             print(f"{spec.name}: skipped, {name} does not change the default's kernel here",
                   flush=True)

@@ -98,7 +98,7 @@ def _checked(run: Callable[[], object], check: Callable[[], object], s: Scaled) 
                     tolerance=TOLERANCE[FP8])
 
 
-def _ours_fp8(granularity: str, ring: bool = False
+def ours_fp8(granularity: str, ring: bool = False
               ) -> Callable[[ShapeSpec, Inputs, torch.device], Prepared]:
     def build(spec: ShapeSpec, inp: Inputs, device: torch.device) -> Prepared:
         import moe_gemm
@@ -176,11 +176,11 @@ def implementations(spec: ShapeSpec, compute_bound: bool) -> list[Impl]:
     FP8 ceiling."""
     notes = f"scaled_grouped_mm(x, w, scale_a, scale_b{', offs' if spec.form == 'varlen' else ''}"
     return [
-        Impl(OURS_BLOCK, False, _ours_fp8("block"), default=True, dtype=FP8, scale="block",
+        Impl(OURS_BLOCK, False, ours_fp8("block"), default=True, dtype=FP8, scale="block",
              notes=f"{notes}), 1x128 / 128x128 block scales, config=None"),
-        Impl(OURS_ROW, False, _ours_fp8("row"), dtype=FP8, scale="row",
+        Impl(OURS_ROW, False, ours_fp8("row"), dtype=FP8, scale="row",
              notes=f"{notes}), per-token / per-channel scales, config=None"),
-        Impl(OURS_BLOCK_RING, False, _ours_fp8("block", ring=True), dtype=FP8, scale="block",
+        Impl(OURS_BLOCK_RING, False, ours_fp8("block", ring=True), dtype=FP8, scale="block",
              notes=f"{notes}), block scales, config=None, MOE_GEMM_FP8_SMEM_SCALES=0"),
         Impl(TORCH_ROW, True, _torch_peer("row"), dtype=FP8, scale="row",
              notes="torch._scaled_grouped_mm(x, w, scale_a, scale_b, offs=..., "

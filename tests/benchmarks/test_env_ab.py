@@ -21,6 +21,10 @@ SWITCH = "MOE_GEMM_TRIM_A"
     (["--switch", SWITCH, "--configs", "pp 999x1"], "999x1"),
     (["--switch", SWITCH, "--projs", "up"], "--projs takes gate_up"),
     (["--switch", SWITCH, "--cases", "Nope/down/16"], "Nope"),
+    (["--fp8", "--switch", SWITCH, "--configs", "pp 128x128"], "not taken with --fp8"),
+    (["--fp8", "--switch", SWITCH, "--cases", "Mixtral-8x7B/down/16"],
+     "no FP8 checkpoint is published for Mixtral-8x7B"),
+    (["--fp8", "--switch", SWITCH, "--models", "OLMoE-1B-7B"], "no FP8 checkpoint"),
 ])
 def test_bad_arguments_exit_2_with_the_reason(capsys, argv, message):
     assert env_ab.main(argv + ["--device", "cpu"]) == 2
@@ -78,3 +82,34 @@ def test_ratios_against_the_first_value_and_the_summary():
     summary = env_ab.summary(rows, ["0", "1"])
     assert summary == ["default =1: vs =0 over 1 cases: median 1.250, min 1.250, max 1.250; "
                        ">1% faster on 1, >1% slower on 0"]
+
+
+def test_fp8_cases_rows_and_the_kernels_a_switch_changes():
+    """--fp8: the FP8 zoo's cases (--models all: the models with FP8 checkpoints), our
+    block-scaled and row-wise defaults at each value, and a switch told apart by the FP8
+    kernels it changes (the empty-half skip: cooperative prefill tiles, not decode's
+    ping-pong ones)."""
+    from benchmarks.ab_cases import add_case_options, cases_from_args
+    from benchmarks.zoo import FP8_MODELS
+
+    p = env_ab.argparse.ArgumentParser()
+    add_case_options(p)
+    p.add_argument("--seed", type=int, default=1234)
+    cases = cases_from_args(p.parse_args(["--tokens", "16"]), fp8=True)
+    assert {f["model"] for _, f in cases} == set(FP8_MODELS)
+    assert all(spec.dtype == "fp8" and spec.name.endswith("/fp8") for spec, _ in cases)
+    impls = env_ab.implementations([], "MOE_GEMM_FP8_HALF_SKIP", ["0", "1"], fp8=True)
+    assert [i.name for i in impls] == [f"moe_gemm fp8-{g} MOE_GEMM_FP8_HALF_SKIP={v}"
+                                      for g in ("block", "row") for v in ("0", "1")]
+    assert all(i.dtype == "fp8" and not i.peer for i in impls)
+    dev = torch.device("cpu")
+    prefill = {"E": 8, "N": 4096, "K": 7168, "rows": 8192}
+    keys = {env_ab.launched_key(prefill, dev, "MOE_GEMM_FP8_HALF_SKIP", v, fp8=True)
+            for v in ("0", "1")}
+    assert len(keys) == 2
+    assert {tuple(k.skip_empty_half for k in ks) for ks in keys} == {(False, False),
+                                                                     (True, True)}
+    decode = {"E": 256, "N": 512, "K": 7168, "rows": 128}
+    keys = {env_ab.launched_key(decode, dev, "MOE_GEMM_FP8_HALF_SKIP", v, fp8=True)
+            for v in ("0", "1")}
+    assert len(keys) == 1
