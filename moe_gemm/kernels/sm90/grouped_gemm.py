@@ -112,6 +112,7 @@ from .problems import (
     GeneralProblems,
     MaskedProblems,
     VarlenProblems,
+    batch_last,
     ragged_batched_rows,
     ragged_rows,
 )
@@ -552,20 +553,8 @@ class GroupedGemmSm90:
             )
         if const_expr(self.form in ("batched", "masked")):
             # (G, M, K) -> (M, K, G) and (G, M, N) -> (M, N, G): the problem is TMA mode 2.
-            mA_tma = cute.make_tensor(
-                mA.iterator,
-                cute.make_layout(
-                    (mA.shape[1], mA.shape[2], mA.shape[0]),
-                    stride=(mA.stride[1], mA.stride[2], mA.stride[0]),
-                ),
-            )
-            mD_tma = cute.make_tensor(
-                mD.iterator,
-                cute.make_layout(
-                    (mD.shape[1], mD.shape[2], mD.shape[0]),
-                    stride=(mD.stride[1], mD.stride[2], mD.stride[0]),
-                ),
-            )
+            mA_tma = batch_last(mA)
+            mD_tma = batch_last(mD)
         if const_expr(self.form == "varlen"):
             mD_tma = self.store_tensor(mD)  # one descriptor for every expert's rows
         if const_expr(self.form == "masked"):

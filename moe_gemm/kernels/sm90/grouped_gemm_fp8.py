@@ -76,7 +76,13 @@ from .constants_fp8 import (
     scale_blocks_spanned,
 )
 from .grouped_gemm import BAR_MMA_ORDER, GroupedGemmSm90, ProblemArgs, RunArgs
-from .problems import BatchedProblems, GeneralProblems, MaskedProblems, VarlenProblems
+from .problems import (
+    BatchedProblems,
+    GeneralProblems,
+    MaskedProblems,
+    VarlenProblems,
+    batch_last,
+)
 from .stage_wait import wait_full_unless_ready
 from .tile_scheduler import WorkTile, ceil_div_i32
 
@@ -523,19 +529,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sfb's."""
         op = cpasync.CopyBulkTensorTileG2SOp()
         sa_box = (self.tile_m + SA_PAD, 1)
-        sfa = args.sfa
-        if self.form == "batched":
-            sfa = cute.make_tensor(sfa.iterator, cute.make_layout(
-                (sfa.shape[1], sfa.shape[2], sfa.shape[0]),
-                stride=(sfa.stride[1], sfa.stride[2], sfa.stride[0])))
+        sfa = batch_last(args.sfa) if self.form == "batched" else args.sfa
         atom_sa, tma_sa = cpasync.make_tiled_tma_atom(op, sfa, cute.make_layout(sa_box),
                                                       sa_box)
-        sfb = args.sfb
-        sfb_kce = cute.make_tensor(sfb.iterator, cute.make_layout(
-            (sfb.shape[1], sfb.shape[2], sfb.shape[0]),
-            stride=(sfb.stride[1], sfb.stride[2], sfb.stride[0])))
         atom_sb, tma_sb = cpasync.make_tiled_tma_atom(
-            op, sfb_kce, cute.make_layout(SB_BOX), SB_BOX)
+            op, batch_last(args.sfb), cute.make_layout(SB_BOX), SB_BOX)
         return atom_sa, tma_sa, atom_sb, tma_sb
 
     @cute.jit

@@ -68,6 +68,13 @@ def gmem_desc(ws_base: Int64, slot: int) -> cute.Pointer:
     )
 
 
+def batch_last(t: cute.Tensor) -> cute.Tensor:
+    """A (G, X, Y) tensor viewed as (X, Y, G): the problem index as the last mode, the batch
+    mode of a TMA descriptor (the batched forms' operands, the batched scales)."""
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        (t.shape[1], t.shape[2], t.shape[0]), stride=(t.stride[1], t.stride[2], t.stride[0])))
+
+
 def ragged_rows(mD: cute.Tensor) -> cute.Tensor:
     """out (T, N) as a (T, N, T) tensor whose one TMA descriptor serves every expert.
 
