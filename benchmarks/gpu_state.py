@@ -52,6 +52,15 @@ class GpuState:
             return None
         return mw.value / 1000.0
 
+    def energy_mj(self) -> int | None:
+        """The board's energy counter (mJ since the driver loaded; Volta and later)."""
+        if self._handle is None:
+            return None
+        mj = ctypes.c_ulonglong(0)
+        if self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(mj)):
+            return None
+        return int(mj.value)
+
     def reading(self) -> tuple[float | None, float | None]:
         return self.sm_mhz(), self.power_w()
 

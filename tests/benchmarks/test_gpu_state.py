@@ -46,6 +46,13 @@ class FakeNvml:
         out._obj.value = self.mw  # type: ignore[attr-defined]
         return 0
 
+    energy_rc = 0
+    mj = 123_456_789_012
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: object, out: object) -> int:
+        out._obj.value = self.mj  # type: ignore[attr-defined]
+        return self.energy_rc
+
 
 def test_nvml_index_follows_cuda_visible_devices() -> None:
     assert nvml_index(0, None) == 0 and nvml_index(1, "") == 1
@@ -129,3 +136,12 @@ def test_sample_while_reads_only_while_the_work_runs() -> None:
     quick = open_gpu_state(0, loader=lib2)
     assert quick.sample_while(lambda: False, every_s=0) == (1755.0, 698.5)  # one reading
     assert GpuState().sample_while(lambda: True) == (None, None)
+
+
+def test_energy_counter_reads_millijoules_or_none() -> None:
+    lib = FakeNvml()
+    state = open_gpu_state(0, loader=lib)
+    assert state.energy_mj() == 123_456_789_012  # (a 64-bit counter: past 2**32 mJ)
+    lib.energy_rc = 3  # NVML_ERROR_NOT_SUPPORTED
+    assert state.energy_mj() is None
+    assert GpuState().energy_mj() is None
