@@ -35,6 +35,15 @@ def cases_from_args(args: argparse.Namespace, fp8: bool = False) -> list:
 CASE_FIELDS = ("model", "proj", "tokens", "E", "N", "K", "rows", "layout")
 
 
+def table_key(case: dict) -> tuple:
+    """A zoo case's (or row's) exact key in a tuned table: bf16 varlen, its rows-per-expert
+    bucket."""
+    from moe_gemm.ops.tuned import rows_bucket
+
+    return ("varlen", "bfloat16", "bfloat16", case["E"], case["N"], case["K"],
+            rows_bucket(case["rows"] / case["E"]))
+
+
 def tag_rows(rows: list[dict], name: str, fields: dict, **extra) -> None:
     """Put the zoo case (its name and CASE_FIELDS of `fields`) and `extra` on each row."""
     for r in rows:

@@ -5,6 +5,16 @@
     moe-gemm tune --rerank moe_gemm/tables/nvidia-h200.json --zoo --tokens 8192 \\
         --rivals-file rivals.json --out moe_gemm/tables/nvidia-h200.json
 
+    python -m benchmarks.peer_rivals ZOO.json --only-lost \\
+        --table moe_gemm/tables/nvidia-h200.json --out rivals-table.json
+    python -m benchmarks.pick_ab --cases <the cases it prints> --against rivals-table.json \\
+        --adopt moe_gemm/tables/nvidia-h200.json
+
+With --table the output is that table with each case's exact entry set to QuACK's choice
+(a table for `benchmarks.pick_ab --against`, which times the two picks in the zoo's own regime
+and with --adopt keeps the faster; the tuner's re-rank times in its own regime, where picks
+rank differently on some shapes: docs/measurements.md, 2026-12-02).
+
 At the same tile, schedule, cluster and tile order our kernel runs within about 2% of QuACK's
 (docs/measurements.md, "Our kernel against QuACK's at the same config"), so where QuACK tuned
 beats our default the tile its autotuner chose is the first config of ours to try there. For
@@ -21,10 +31,11 @@ import sys
 from pathlib import Path
 
 from benchmarks import zoo_report
+from benchmarks.ab_cases import table_key
 from benchmarks.report import write_json
 from benchmarks.suite import QUACK_TUNED_NAME
 from benchmarks.zoo import quack_config_fields
-from moe_gemm.tuning import space
+from moe_gemm.tuning import space, table_io
 
 
 def our_name(quack_fields: dict) -> str:
@@ -63,11 +74,39 @@ def peer_rivals(run: dict, only_lost: bool = False) -> dict[str, list[str]]:
     return out
 
 
+def rival_table(run: dict, table: dict, only_lost: bool = False) -> tuple[dict, list[str]]:
+    """`table` with the exact entry of each case of `run` (only_lost: each case our default
+    trailed) set to QuACK tuned's choice there, and the cases whose entry changed. A case the
+    table has no entry for is left out (pick_ab times such a case without a rival)."""
+    rivals = peer_rivals(run, only_lost)
+    by_label = {tuner_label(r["case"]): r for r in run.get("results", [])
+                if r.get("default") and r.get("case") and all(k in r for k in
+                                                              ("E", "N", "K", "rows"))}
+    out = json.loads(json.dumps(table))  # (a deep copy: the caller's table stays as it was)
+    changed = []
+    for label, names in rivals.items():
+        row = by_label.get(label)
+        entry = row and table_io.find_entry(out, table_key(row))
+        if not entry:
+            continue
+        fields = space.parse_name(names[0])
+        if names[0] == entry.get("name"):
+            continue
+        keep = {k: entry["config"][k] for k in ("swap_ab",) if k in entry["config"]}
+        entry["config"] = {**{k: v for k, v in fields.items() if v is not None}, **keep}
+        entry["name"] = names[0]
+        changed.append(row["case"])
+    return out, changed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peer_rivals", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a zoo run's JSON (benchmarks/results/zoo-<device>-<date>.json)")
-    p.add_argument("--out", required=True, help="the rivals file to write")
+    p.add_argument("--out", required=True, help="the rivals file to write (with --table: "
+                   "the table to write)")
+    p.add_argument("--table", metavar="TABLE", help="write TABLE with each case's entry set to "
+                   "QuACK's choice instead of a rivals file, and print the cases it changed")
     p.add_argument("--only-lost", action="store_true",
                    help="only the cases where our default trailed the best peer")
     args = p.parse_args(argv)
@@ -84,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         zoo_report.check_run(args.run, run)
         rivals = peer_rivals(run, args.only_lost)
+        if args.table:
+            table = table_io.read_table(Path(args.table), run.get("device"))
+    except OSError as exc:
+        print(f"error: {args.table}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -91,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run}: no case where QuACK tuned ran and said what it chose",
               file=sys.stderr)
         return 2
+    if args.table:
+        doc, changed = rival_table(run, table, args.only_lost)
+        if not changed:
+            print(f"error: {args.table} already holds QuACK's choice (or has no entry) for "
+                  "every case: nothing to time", file=sys.stderr)
+            return 2
+        table_io.write(Path(args.out), doc)
+        print(f"wrote {args.out}: {len(changed)} entries changed; cases: {','.join(changed)}")
+        return 0
     write_json(Path(args.out), rivals)
     print(f"wrote {args.out}: {len(rivals)} shapes")
     return 0

@@ -4,6 +4,7 @@ zoo's regime.
     python -m benchmarks.pick_ab --vary p8 --vary p8ns [--models all] [--tokens 2048,8192]
         [--reps 10] [--out FILE]
     python -m benchmarks.pick_ab --against T.json     the pick against T's pick (exact key)
+    python -m benchmarks.pick_ab --against T.json --adopt TABLE [--min-gain 0.013]
 
 The tuner ranks configs by CUDA-graph samples with a rest between them; the zoo times back to
 back behind a sleep backlog, as a serving loop runs. Some levers (the tile order above all)
@@ -15,7 +16,9 @@ and with `--against T.json` the pick of another tuned table for the same key is 
 too (after the default pick itself, unless --vary names the first). Every variant goes through the zoo's harness in one process (same inputs and routing,
 every output checked against a float32 reference first, then interleaved rounds). Each row
 carries `vs_first` = the first variant's time / this one's (above 1: this one faster) and
-`is_default` where the variant is what the default launches. With --with-peers the zoo's
+`is_default` where the variant is what the default launches. With --adopt TABLE, each case
+where T's pick ran at least --min-gain faster than the default's pick gets T's entry in TABLE
+(with a `zoo_ab` record of the two times); TABLE is rewritten once at the end. With --with-peers the zoo's
 peers (not QuACK tuned) run in the same rounds, so each variant runs among the same kernels as
 in the zoo: the A/B alone interleaves only our own, and some kernels time differently there.
 """
@@ -23,6 +26,7 @@ in the zoo: the A/B alone interleaves only our own, and some kernels time differ
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -31,12 +35,15 @@ from typing import Any
 import torch
 
 from benchmarks import zoo
-from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line, tag_rows
+from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line, table_key, tag_rows
 from benchmarks.runner import ab_run, add_ab_options, run_shape
 from benchmarks.suite import Impl, _ours
-from moe_gemm.tuning import space
+from moe_gemm.tuning import space, table_io
 
 OURS = "moe_gemm"
+# --adopt's default margin: above the spread of two interleaved rounds of one config in the
+# zoo's harness on compute-bound rows (~1%; docs/measurements.md).
+MIN_GAIN = 0.013
 
 # A --vary word and the kind of field it sets; a variant's word replaces the pick's word of
 # the same kind (so 'p8' after a pick of 'p8ns' is along m, not serpentine).
@@ -75,11 +82,7 @@ def parse_variants(items: list[str], against: bool = False) -> list[list[str]]:
 
 def table_pick(doc: dict, case: dict[str, Any]) -> dict | None:
     """The fields of `doc`'s entry for a zoo case's exact key (bf16 varlen), or None."""
-    from moe_gemm.ops.tuned import rows_bucket
-    from moe_gemm.tuning import table_io
-
-    entry = table_io.find_entry(doc, ("varlen", "bfloat16", "bfloat16", case["E"], case["N"],
-                                      case["K"], rows_bucket(case["rows"] / case["E"])))
+    entry = table_io.find_entry(doc, table_key(case))
     return None if entry is None else table_io.explicit_fields(entry["config"])
 
 
@@ -145,6 +148,34 @@ def add_ratios(rows: list[dict[str, Any]], pick: dict, flops: float) -> list[str
     return lines
 
 
+def adopt(table: dict, other: dict, results: list[dict[str, Any]], against: int,
+          min_gain: float, device: str, when: str) -> list[str]:
+    """Put `other`'s entry into `table` for each case whose variant `against` (the --against
+    pick) ran at least min_gain faster than variant 0; the lines saying what changed."""
+    lines = []
+    by_case: dict[str, dict[int, dict]] = {}
+    for r in results:
+        if r.get("ms"):
+            by_case.setdefault(r["case"], {})[r.get("variant", -1)] = r
+    for case, rows in by_case.items():
+        base, theirs = rows.get(0), rows.get(against)
+        if base is None or theirs is None or base["ms"] / theirs["ms"] < 1.0 + min_gain:
+            continue
+        key = table_key(theirs)
+        new, mine = table_io.find_entry(other, key), table_io.find_entry(table, key)
+        if new is None or mine is None:
+            continue
+        old = mine.get("name")
+        mine["config"] = dict(new["config"])
+        mine["name"] = new.get("name") or space.name_of(table_io.explicit_fields(new["config"]))
+        mine["zoo_ab"] = {"date": when, "device": device, "against": old,
+                          "ms": round(theirs["ms"], 4), "against_ms": round(base["ms"], 4),
+                          "speedup": round(base["ms"] / theirs["ms"], 3),
+                          "how": "benchmarks.pick_ab --against (the zoo's regime)"}
+        lines.append(f"{case}: {old} -> {mine['name']} ({base['ms'] / theirs['ms']:.3f}x)")
+    return lines
+
+
 def summary(results: list[dict[str, Any]]) -> list[str]:
     """Per variant (by its words' position), the median and range of vs_first over cases."""
     by_case: dict[str, list[dict]] = {}
@@ -167,6 +198,11 @@ def _parser() -> argparse.ArgumentParser:
                    "configs ('p8ns', 's4 p16'); give two or more, the first is the baseline")
     p.add_argument("--against", metavar="TABLE", help="also time this tuned table's pick "
                    "for each case's key (a case it has no entry for runs without it)")
+    p.add_argument("--adopt", metavar="TABLE", help="with --against: put the --against pick "
+                   "into TABLE's entry for each case where it ran at least --min-gain faster "
+                   "than the default's pick")
+    p.add_argument("--min-gain", type=float, default=MIN_GAIN,
+                   help="--adopt's margin, as a fraction (default %(default)s)")
     p.add_argument("--with-peers", action="store_true", help="interleave the zoo's peers "
                    "too (torch's grouped_mm, the mm loop in a CUDA graph, QuACK untuned), so "
                    "each variant runs among the same kernels as in the zoo")
@@ -181,15 +217,24 @@ def main(argv: list[str] | None = None) -> int:
         variants = parse_variants(args.vary, against=bool(args.against))
         other = None
         if args.against:
-            import json
-
-            from moe_gemm.tuning import table_io
-
             try:
                 other = table_io.read_table(Path(args.against))
             except (OSError, json.JSONDecodeError) as exc:
                 raise ValueError(f"--against {args.against}: {exc}") from None
         cases = cases_from_args(args)
+        table = None
+        if args.adopt:
+            if other is None:
+                raise ValueError("--adopt takes the --against table's picks: give --against")
+            if not 0.0 <= args.min_gain < 1.0:
+                raise ValueError(f"--min-gain is a fraction in [0, 1); got {args.min_gain}")
+            try:
+                table = table_io.read_table(Path(args.adopt))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"--adopt {args.adopt}: {exc}") from None
+            if table.get("device") != other.get("device"):
+                raise ValueError(f"--adopt {args.adopt} is for {table.get('device')!r}, "
+                                 f"--against {args.against} for {other.get('device')!r}")
     except ValueError as exc:
         print(f"pick_ab: {exc}", file=sys.stderr)
         return 2
@@ -227,6 +272,17 @@ def main(argv: list[str] | None = None) -> int:
         print("pick_ab: no case timed two variants: nothing to compare", file=sys.stderr)
         return 1
     print("\n".join(lines))
+    if table is not None:
+        if table.get("device") != doc["device"]:
+            print(f"pick_ab: --adopt {args.adopt} is for {table.get('device')!r}, this GPU is "
+                  f"{doc['device']!r}: left as it was", file=sys.stderr)
+            return 1
+        changed = adopt(table, other, doc["results"], len(variants), args.min_gain,
+                        doc["device"], doc["date"])
+        if changed:
+            table_io.write(Path(args.adopt), table)
+        print("\n".join(changed) or f"--adopt: no pick ran {args.min_gain:.1%} faster; "
+              f"{args.adopt} left as it was")
     return 0
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks import peer_rivals
+from benchmarks.ab_cases import table_key
 from benchmarks.suite import DEFAULT_NAME, QUACK_NAME, QUACK_TUNED_NAME
 from moe_gemm.tuning import cli, space
 
@@ -72,3 +73,57 @@ def test_a_run_it_cannot_use_is_refused(tmp_path, capsys, content, words):
     err = capsys.readouterr().err
     assert err.startswith("error:") and words in err and err.count("\n") == 1, err
     assert peer_rivals.main([str(tmp_path / "missing.json"), "--out", "x.json"]) == 2
+
+
+def _table_run() -> tuple[dict, dict]:
+    """A zoo run whose two cases carry their sizes, and a table with entries for both (the
+    OLMoE one already QuACK's choice) and none for a third case."""
+    run = _run()
+    sizes = {"Kimi-K2/gate_up/8192": (384, 4096, 7168, 65536),
+             "OLMoE-1B-7B/down/2048": (64, 2048, 1024, 16384)}
+    for r in run["results"]:
+        if r.get("default"):
+            r.update(zip(("E", "N", "K", "rows"), sizes[r["case"]]))
+    entries = []
+    for (E, N, K, rows), name in zip(sizes.values(), ["coop 128x256 s3 p16 ts", "pp 128x192 p8ns"]):
+        key = table_key({"E": E, "N": N, "K": K, "rows": rows})
+        fields = space.parse_name(name)
+        config = {k: v for k, v in fields.items() if v is not None}
+        entries.append({"form": key[0], "dtype": key[1], "out_dtype": key[2], "E": E, "N": N,
+                        "K": K, "bucket": key[6], "rows": rows, "us": 1.0, "name": name,
+                        "config": {**config, "swap_ab": False}})
+    return run, {"format": "moe_gemm.tuned-table/1", "device": "NVIDIA H200", "sm_count": 132,
+                 "entries": entries}
+
+
+def test_a_rival_table_holds_quacks_choice_where_it_differs():
+    run, table = _table_run()
+    out, changed = peer_rivals.rival_table(run, table)
+    assert changed == ["Kimi-K2/gate_up/8192"]  # OLMoE's entry is QuACK's choice already
+    kimi = out["entries"][0]
+    assert kimi["name"] == "coop 128x256 c1x2 p8ns"
+    assert (kimi["config"]["cluster_n"], kimi["config"]["raster_along"]) == (2, "n")
+    assert kimi["config"]["swap_ab"] is False  # (the entry's own swap decision is kept)
+    assert table["entries"][0]["name"] == "coop 128x256 s3 p16 ts"  # the input is untouched
+    assert peer_rivals.rival_table(run, table, only_lost=True)[1] == ["Kimi-K2/gate_up/8192"]
+
+
+def test_cli_table_mode_writes_a_table_and_names_the_cases(tmp_path, capsys):
+    run, table = _table_run()
+    zoo, shipped, out = tmp_path / "zoo.json", tmp_path / "table.json", tmp_path / "T.json"
+    zoo.write_text(json.dumps(run))
+    shipped.write_text(json.dumps(table))
+    assert peer_rivals.main([str(zoo), "--table", str(shipped), "--out", str(out)]) == 0
+    assert "cases: Kimi-K2/gate_up/8192" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert {e["name"] for e in written["entries"]} == {"coop 128x256 c1x2 p8ns",
+                                                       "pp 128x192 p8ns"}
+    # nothing left to time, another GPU's table, a missing table: refused with a reason
+    assert peer_rivals.main([str(zoo), "--table", str(out), "--out", str(out)]) == 2
+    assert "nothing to time" in capsys.readouterr().err
+    shipped.write_text(json.dumps({**table, "device": "NVIDIA H100 80GB HBM3"}))
+    assert peer_rivals.main([str(zoo), "--table", str(shipped), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error:")
+    assert peer_rivals.main([str(zoo), "--table", str(tmp_path / "no.json"), "--out",
+                             str(out)]) == 2
+    assert "no.json" in capsys.readouterr().err

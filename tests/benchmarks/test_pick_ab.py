@@ -3,9 +3,12 @@ its ratios (the timing itself needs a Hopper GPU)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import pick_ab
+from benchmarks.ab_cases import table_key
 from moe_gemm.ops.tuned import rows_bucket
 from moe_gemm.tuning import space
 
@@ -145,3 +148,62 @@ def test_variants_and_peers_go_through_the_zoo_harness_on_cpu():
     rows = run.doc["results"]
     assert [r["impl"] for r in rows] == [i.name for i, _ in impls] + [p.name for p in peers]
     assert rows[0]["status"] == "n/a" and "Hopper kernels" in rows[0]["reason"]
+
+
+def _table(device: str, *entries: dict) -> dict:
+    return {"format": "moe_gemm.tuned-table/1", "device": device, "entries": list(entries)}
+
+
+def _entry(E: int, N: int, K: int, rows: int, name: str) -> dict:
+    key = table_key({"E": E, "N": N, "K": K, "rows": rows})
+    fields = space.parse_name(name)
+    return {"form": key[0], "dtype": key[1], "out_dtype": key[2], "E": E, "N": N, "K": K,
+            "bucket": key[6], "rows": rows, "us": 1.0, "name": name,
+            "config": {k: v for k, v in fields.items() if v is not None}}
+
+
+def _rows(case: str, E: int, N: int, K: int, rows: int, base_ms: float, theirs_ms: float):
+    fields = {"case": case, "E": E, "N": N, "K": K, "rows": rows}
+    return [{**fields, "impl": "moe_gemm a", "variant": 0, "ms": base_ms},
+            {**fields, "impl": "moe_gemm b", "variant": 1, "ms": theirs_ms},
+            {**fields, "impl": "QuACK varlen", "variant": -1, "ms": 0.5}]
+
+
+def test_adopt_takes_the_against_pick_only_where_it_won_by_the_margin():
+    mine = _table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "pp 128x160 c1x2 p8"),
+                  _entry(64, 2048, 1024, 65536, "pp 128x128 c1x2 p8"),
+                  _entry(128, 5120, 8192, 4096, "pp 64x256 c1x2 s4 p8"))
+    theirs = _table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "coop 128x256 c1x2 p8ns"),
+                    _entry(64, 2048, 1024, 65536, "pp 128x208 c1x2 p8ns"),
+                    _entry(128, 5120, 8192, 4096, "coop 128x256 c1x2 p8ns"))
+    results = (_rows("Mixtral-8x7B/down/2048", 8, 4096, 14336, 4096, 2.0, 1.9)  # 5.3% faster
+               + _rows("OLMoE-1B-7B/down/8192", 64, 2048, 1024, 65536, 1.0, 0.99)  # 1%: noise
+               + _rows("Llama-4-Maverick/down/4096", 128, 5120, 8192, 4096, 2.5, 2.6))  # slower
+    lines = pick_ab.adopt(mine, theirs, results, 1, 0.013, "NVIDIA H200", "2026-12-02")
+    assert lines == ["Mixtral-8x7B/down/2048: pp 128x160 c1x2 p8 -> coop 128x256 c1x2 p8ns "
+                     "(1.053x)"]
+    won = mine["entries"][0]
+    assert won["name"] == "coop 128x256 c1x2 p8ns" and won["config"] == theirs["entries"][0][
+        "config"]
+    assert won["zoo_ab"]["against"] == "pp 128x160 c1x2 p8" and won["zoo_ab"]["speedup"] == 1.053
+    assert [e["name"] for e in mine["entries"][1:]] == ["pp 128x128 c1x2 p8",
+                                                         "pp 64x256 c1x2 s4 p8"]
+    # the other table's entry stays its own object (a later change to one leaves the other)
+    won["config"]["stages"] = 4
+    assert "stages" not in theirs["entries"][0]["config"]
+
+
+def test_adopt_needs_against_a_readable_table_and_a_sane_margin(tmp_path, capsys):
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(_table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "pp 128x160 p8"))))
+    base = ["--cases", "Mixtral-8x7B/down/2048", "--device", "cuda"]
+    assert pick_ab.main([*base, "--vary", "p8", "--vary", "p8ns", "--adopt", str(t)]) == 2
+    assert "give --against" in capsys.readouterr().err
+    assert pick_ab.main([*base, "--against", str(t), "--adopt", str(t), "--min-gain", "1.5"]) == 2
+    assert "--min-gain" in capsys.readouterr().err
+    assert pick_ab.main([*base, "--against", str(t), "--adopt", str(tmp_path / "no.json")]) == 2
+    assert "--adopt" in capsys.readouterr().err
+    other = tmp_path / "h100.json"
+    other.write_text(json.dumps(_table("NVIDIA H100 80GB HBM3")))
+    assert pick_ab.main([*base, "--against", str(t), "--adopt", str(other)]) == 2
+    assert "is for 'NVIDIA H100 80GB HBM3'" in capsys.readouterr().err
