@@ -41,7 +41,8 @@ DEFAULT_IMPLS = "default,quack"
 
 
 def implementations(run, words: list[str]) -> list[Impl]:
-    """The Impls `--impls` names (ValueError naming one it does not know)."""
+    """The Impls `--impls` names (ValueError naming one it does not know); `run` is the zoo's
+    (None: the peers need none but QuACK tuned, which is not offered here)."""
     zoo_impls = {i.name: i for i in zoo.implementations(run, False, 0.0, lambda: 0.0)}
     out = []
     for w in words:
@@ -102,10 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds <= 0:
         print("sustained: --seconds must be positive", file=sys.stderr)
         return 2
+    words = [w.strip() for w in args.impls.split(",") if w.strip()]
     try:
         cases = cases_from_args(args)
-    except ValueError as exc:
+        impls = implementations(None, words)  # (checked before any GPU work)
+    except (KeyError, ValueError) as exc:
         print(f"sustained: {exc}", file=sys.stderr)
+        return 2
+    if not impls:
+        print("sustained: --impls names no implementation", file=sys.stderr)
         return 2
     run = ab_run(args, argv, "sustained", "it times GPU kernels",
                  settings={"seconds": args.seconds,
@@ -113,11 +119,6 @@ def main(argv: list[str] | None = None) -> int:
                            "energy from NVML's total energy counter"})
     if isinstance(run, str):
         print(run, file=sys.stderr)
-        return 2
-    try:
-        impls = implementations(run, [w.strip() for w in args.impls.split(",") if w.strip()])
-    except (KeyError, ValueError) as exc:
-        print(f"sustained: --impls: {exc}", file=sys.stderr)
         return 2
     state = open_gpu_state(run.device.index or 0)
     if not state.available:

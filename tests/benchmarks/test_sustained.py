@@ -37,3 +37,12 @@ def test_bad_arguments_exit_2_with_a_reason(capsys):
 def test_without_a_gpu_it_says_what_it_needs(capsys):
     assert sustained.main(["--cases", "OLMoE-1B-7B/down/8192", "--device", "cpu"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_implementations_are_refused_before_any_gpu_work(capsys):
+    assert sustained.main(["--cases", "OLMoE-1B-7B/down/8192", "--device", "cpu",
+                           "--impls", "default,pp 100x100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sustained:") and "needs a CUDA GPU" not in err
+    assert sustained.main(["--cases", "OLMoE-1B-7B/down/8192", "--impls", " , "]) == 2
+    assert "names no implementation" in capsys.readouterr().err
