@@ -87,11 +87,9 @@ def rival_table(run: dict, table: dict, only_lost: bool = False) -> tuple[dict, 
     for label, names in rivals.items():
         row = by_label.get(label)
         entry = row and table_io.find_entry(out, table_key(row))
-        if not entry:
+        if not entry or names[0] == entry.get("name"):
             continue
         fields = space.parse_name(names[0])
-        if names[0] == entry.get("name"):
-            continue
         keep = {k: entry["config"][k] for k in ("swap_ab",) if k in entry["config"]}
         entry["config"] = {**{k: v for k, v in fields.items() if v is not None}, **keep}
         entry["name"] = names[0]

@@ -16,11 +16,13 @@ and with `--against T.json` the pick of another tuned table for the same key is 
 too (after the default pick itself, unless --vary names the first). Every variant goes through the zoo's harness in one process (same inputs and routing,
 every output checked against a float32 reference first, then interleaved rounds). Each row
 carries `vs_first` = the first variant's time / this one's (above 1: this one faster) and
-`is_default` where the variant is what the default launches. With --adopt TABLE, each case
-where T's pick ran at least --min-gain faster than the default's pick gets T's entry in TABLE
-(with a `zoo_ab` record of the two times); TABLE is rewritten once at the end. With --with-peers the zoo's
+`is_default` where the variant is what the default launches. With --with-peers the zoo's
 peers (not QuACK tuned) run in the same rounds, so each variant runs among the same kernels as
 in the zoo: the A/B alone interleaves only our own, and some kernels time differently there.
+
+With --adopt TABLE, each case where T's pick ran at least --min-gain faster than the default's
+pick gets T's entry in TABLE (with a `zoo_ab` record of the two times); TABLE is rewritten once,
+at the end. `benchmarks.peer_rivals --table` writes such a T from a zoo run.
 """
 
 from __future__ import annotations
