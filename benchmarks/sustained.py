@@ -9,9 +9,10 @@ Compute-bound GEMMs on an H100 or H200 SXM run at the board's power limit (700 W
 SM clock drops to what that power buys: there a kernel's speed is set by the energy it
 spends per call, not only by its cycles. The zoo's samples (a few ms behind a GPU sleep)
 start on a cooled GPU; a sample here runs `--seconds` without a gap, so the clock has settled
-at the limit, and the energy counter's delta over it (mJ, updated by the driver every few
-ms) divided by the calls gives joules per call. Implementations interleave round by round,
-the order rotating. Every output is checked against a float32 reference first (the zoo's
+at the limit, and the energy counter's delta over it (mJ) divided by the calls gives the
+energy per call. The host queues the calls in batches of about 5 ms of GPU work, so kernels
+shorter than their own launch cost leave gaps (the zoo's compute-bound rows take 0.3-10 ms).
+Implementations interleave round by round, the order rotating. Every output is checked against a float32 reference first (the zoo's
 harness builds and checks them).
 
 Implementations: `default` (our default pick), a config of ours as `moe-gemm tune` names it
