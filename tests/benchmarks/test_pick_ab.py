@@ -186,6 +186,7 @@ def test_adopt_takes_the_against_pick_only_where_it_won_by_the_margin():
     assert won["name"] == "coop 128x256 c1x2 p8ns" and won["config"] == theirs["entries"][0][
         "config"]
     assert won["zoo_ab"]["against"] == "pp 128x160 c1x2 p8" and won["zoo_ab"]["speedup"] == 1.053
+    assert won["us"] == 1900.0  # the adopted pick's own time, not the old pick's
     assert [e["name"] for e in mine["entries"][1:]] == ["pp 128x128 c1x2 p8",
                                                          "pp 64x256 c1x2 s4 p8"]
     # the other table's entry stays its own object (a later change to one leaves the other)
