@@ -26,6 +26,7 @@ n-tiles), keyed by the tuner's label of the zoo shape ('Kimi-K2/gate_up tokens=8
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -82,7 +83,7 @@ def rival_table(run: dict, table: dict, only_lost: bool = False) -> tuple[dict, 
     by_label = {tuner_label(r["case"]): r for r in run.get("results", [])
                 if r.get("default") and r.get("case") and all(k in r for k in
                                                               ("E", "N", "K", "rows"))}
-    out = json.loads(json.dumps(table))  # (a deep copy: the caller's table stays as it was)
+    out = copy.deepcopy(table)  # (the caller's table stays as it was)
     changed = []
     for label, names in rivals.items():
         row = by_label.get(label)
