@@ -26,7 +26,8 @@ NVML_SUCCESS = 0
 
 
 class GpuState:
-    """Reads one GPU's current SM clock (MHz) and power draw (W); None where it cannot."""
+    """Reads one GPU's current SM clock (MHz), power draw (W) and energy counter (mJ); None
+    where it cannot."""
 
     def __init__(self, handle: Any = None, lib: Any = None) -> None:
         self._lib = lib
@@ -36,30 +37,26 @@ class GpuState:
     def available(self) -> bool:
         return self._handle is not None
 
-    def sm_mhz(self) -> float | None:
+    def _query(self, name: str, out_type: Any, *args: Any) -> int | None:
+        """NVML's nvmlDevice<name>(handle, *args, &out), or None (no GPU, or an error code)."""
         if self._handle is None:
             return None
-        mhz = ctypes.c_uint(0)
-        if self._lib.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(mhz)):
+        out = out_type(0)
+        if getattr(self._lib, name)(self._handle, *args, ctypes.byref(out)):
             return None
-        return float(mhz.value)
+        return int(out.value)
+
+    def sm_mhz(self) -> float | None:
+        mhz = self._query("nvmlDeviceGetClockInfo", ctypes.c_uint, NVML_CLOCK_SM)
+        return None if mhz is None else float(mhz)
 
     def power_w(self) -> float | None:
-        if self._handle is None:
-            return None
-        mw = ctypes.c_uint(0)
-        if self._lib.nvmlDeviceGetPowerUsage(self._handle, ctypes.byref(mw)):
-            return None
-        return mw.value / 1000.0
+        mw = self._query("nvmlDeviceGetPowerUsage", ctypes.c_uint)
+        return None if mw is None else mw / 1000.0
 
     def energy_mj(self) -> int | None:
         """The board's energy counter (mJ since the driver loaded; Volta and later)."""
-        if self._handle is None:
-            return None
-        mj = ctypes.c_ulonglong(0)
-        if self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(mj)):
-            return None
-        return int(mj.value)
+        return self._query("nvmlDeviceGetTotalEnergyConsumption", ctypes.c_ulonglong)
 
     def reading(self) -> tuple[float | None, float | None]:
         return self.sm_mhz(), self.power_w()

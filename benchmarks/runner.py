@@ -174,6 +174,17 @@ def _shape_seed(seed: int, name: str, index: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode()) * 101 + index) % (2**63)
 
 
+def input_sets(run: Run, spec: ShapeSpec) -> list[Inputs]:
+    """A shape's input sets: the first, then as many more as rotating through them needs to
+    find no operand left in L2 by the previous launch (suite.input_sets_needed)."""
+    counts = spec.counts(run.seed)
+    sets = [make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, 0))]
+    nsets = input_sets_needed(input_bytes(sets[0]), run.l2_bytes, 2 if run.smoke else 64)
+    sets += [make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, i))
+             for i in range(1, nsets)]
+    return sets
+
+
 def after_error(run: Run, shape: str, impl: str, exc: BaseException) -> None:
     if run.device.type != "cuda":
         return
@@ -414,16 +425,10 @@ def run_shape(run: Run, spec: ShapeSpec, impls: Sequence[Impl] | None = None) ->
         run.save()
         return
     t_shape = time.perf_counter()
-    sets: list[Inputs] = []
     try:
         run.mark(spec.name, "input generation")
-        counts = spec.counts(run.seed)
-        sets.append(make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, 0)))
-        set_bytes = input_bytes(sets[0])
-        nsets = input_sets_needed(set_bytes, run.l2_bytes, 2 if run.smoke else 64)
-        for i in range(1, nsets):
-            sets.append(make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, i)))
-        info.update(input_sets=nsets, set_bytes=set_bytes)
+        sets = input_sets(run, spec)
+        info.update(input_sets=len(sets), set_bytes=input_bytes(sets[0]))
         ref = reference(sets[0])
     except Exception as exc:
         results.extend(_not_run_row(spec, i, f"input generation failed: {short_error(exc)}")

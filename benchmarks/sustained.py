@@ -32,9 +32,9 @@ import torch
 from benchmarks import zoo
 from benchmarks.ab_cases import add_case_options, cases_from_args, tag_rows
 from benchmarks.gpu_state import open_gpu_state
-from benchmarks.runner import _shape_seed, ab_run, add_ab_options, prepare_impl
+from benchmarks.runner import ab_run, add_ab_options, input_sets, prepare_impl
 from benchmarks.scoring import flops, shape_bytes
-from benchmarks.suite import Impl, _ours, input_bytes, input_sets_needed, make_inputs, reference
+from benchmarks.suite import Impl, _ours, reference
 from moe_gemm.tuning import space
 
 PEERS = {"grouped_mm": zoo.GROUPED_MM_NAME, "mm_loop": zoo.GRAPH_NAME, "quack": zoo.QUACK_NAME}
@@ -127,14 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':30} | {'impl':34} | {'us':>8} | {'TFLOP/s':>7} | {'GB/s':>6} | "
           f"{'mJ/call':>8} | {'W':>5} | {'MHz':>5} | ratio", flush=True)
     for spec, f in cases:
-        counts = spec.counts(run.seed)
         sizes = spec.sizes(run.seed)
         work, nbytes = flops(sizes), shape_bytes(sizes, spec.dtype)["bytes"]
         run.doc["shapes"][spec.name] = {"flops": work, "bytes": nbytes}
-        sets = [make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, 0))]
-        nsets = input_sets_needed(input_bytes(sets[0]), run.l2_bytes, 16)
-        sets += [make_inputs(spec, counts, run.device, _shape_seed(run.seed, spec.name, i))
-                 for i in range(1, nsets)]
+        sets = input_sets(run, spec)
         ref = reference(sets[0])
         ready = []
         for impl in impls:
