@@ -212,10 +212,12 @@ def implementations(shape: Shape, ops: dict, sweep: bool) -> dict[str, tuple[Any
     peek = functools.partial(peek_wait, True)  # (the default's way where it probes)
     impls["ours-fp8-block-peek"] = (switched(block, peek), block)
     impls["ours-fp8-row-peek"] = (switched(row, peek), row)
-    # a tile's second warpgroup idle where all its rows are past the expert's end
-    skip = functools.partial(half_skip, True)
-    impls["ours-fp8-block-halfskip"] = (switched(block, skip), block)
-    impls["ours-fp8-row-halfskip"] = (switched(row, skip), row)
+    # a tile's second warpgroup idle where all its rows are past the expert's end, on every
+    # tile that builds it / on none (the default: from HALF_SKIP_MIN_ROWS rows per problem)
+    for suffix, on in (("halfskip", True), ("nohalfskip", False)):
+        skip = functools.partial(half_skip, on)
+        impls[f"ours-fp8-block-{suffix}"] = (switched(block, skip), block)
+        impls[f"ours-fp8-row-{suffix}"] = (switched(row, skip), row)
     # the staged scales promoted in the plain loop (two accumulators), not a stage behind
     impls["ours-fp8-block-staged-plain"] = (
         switched(block, functools.partial(promote_lag, False)), block)

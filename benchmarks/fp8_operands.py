@@ -230,9 +230,10 @@ def peek_wait(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def half_skip(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Our FP8 kernels with (MOE_GEMM_FP8_HALF_SKIP=1: the `-halfskip` rows) or without (0,
-    the default) the idle second warpgroup on cooperative 128-row tiles whose last 64 rows are
-    past the problem's end, inside the block."""
+    """Our FP8 kernels with (MOE_GEMM_FP8_HALF_SKIP=1: the `-halfskip` rows) or without (0:
+    the `-nohalfskip` rows) the idle second warpgroup on cooperative 128-row tiles whose last
+    64 rows are past the problem's end, on every such tile, inside the block (the default
+    takes it from heuristics_fp8.HALF_SKIP_MIN_ROWS rows per problem)."""
     from moe_gemm.ops.heuristics_fp8 import HALF_SKIP_ENV
 
     return _switched(HALF_SKIP_ENV, "1" if on else "0")

@@ -275,9 +275,10 @@ VARIABLES: dict[str, Variable] = {
         "row-wise decode tiles)"),
     "MOE_GEMM_FP8_HALF_SKIP": Variable(
         override_value,
-        "1: an FP8 cooperative 128-row tile's second warpgroup skips its WGMMAs where all its "
-        "64 rows are past the problem's end (default 0: it runs them; the skip measured "
-        "slower on experts of a few hundred rows)"),
+        "1 / 0: an FP8 cooperative 128-row tile's second warpgroup skips / runs its WGMMAs "
+        "where all its 64 rows are past the problem's end (default: the skip from 768 rows "
+        "per problem in grouped_mm's forms; it measured slower on experts of a few hundred "
+        "rows)"),
     "MOE_GEMM_FP8_PROMOTE_LAG": Variable(
         override_value,
         "1: the FP8 promotion one stage behind the WGMMAs also where the scales are not staged; "

@@ -158,9 +158,19 @@ def peek_wait_requested() -> bool | None:
 # block scales and 31% row-wise (DeepSeek-V3 gate-up 4.40 against 4.09 ms), unexplained:
 # the idle warpgroup still waits on every stage's full barrier (it must not release a stage
 # before its fill), and a build where the busy warpgroup released for both was slower still.
-# Off by default; MOE_GEMM_FP8_HALF_SKIP=1 turns it on (an A/B switch; the plan caches key
-# on it).
+# On problems of 8192 rows (DeepGEMM's 4 x 8192, varlen and batched) it ran within 0.7%.
+# So it is on by default from HALF_SKIP_MIN_ROWS rows per problem (the varlen and batched
+# forms, where those measurements were made), off below; MOE_GEMM_FP8_HALF_SKIP=1 / 0 forces
+# it on / off everywhere (the plan caches key on it).
 HALF_SKIP_ENV = "MOE_GEMM_FP8_HALF_SKIP"
+HALF_SKIP_MIN_ROWS = 768
+_HALF_SKIP_FORMS = ("varlen", "batched")
+
+
+def default_half_skip(form: str, avg_m: float) -> bool:
+    """Whether an FP8 cooperative 128-row tile skips an empty second half by default: on
+    problems of HALF_SKIP_MIN_ROWS rows or more (about) in the varlen and batched forms."""
+    return form in _HALF_SKIP_FORMS and avg_m >= HALF_SKIP_MIN_ROWS
 
 
 def half_skip_requested() -> bool | None:
@@ -299,8 +309,9 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
                         peek_wait=default_peek_wait(form, schedule, mode) if peek is None
                         else peek,
                         # (built for cooperative 128-row tiles: one 64-row half a warpgroup)
-                        skip_empty_half=(bool(half_skip) and schedule == "cooperative"
-                                         and tile[0] == 128))
+                        skip_empty_half=((default_half_skip(form, avg_m) if half_skip is None
+                                          else half_skip)
+                                         and schedule == "cooperative" and tile[0] == 128))
 
 
 def clear_caches() -> None:

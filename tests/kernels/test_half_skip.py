@@ -1,6 +1,8 @@
-"""The FP8 kernels' skipped empty halves on the CPU: off by default, the switch that takes
-them where the kernel builds them, the compile key that names them and the tiles the kernel
-refuses them on. (The skip itself runs in test_fp8_gpu.py, bit for bit against whole tiles.)"""
+"""The FP8 kernels' skipped empty halves on the CPU: on by default only on problems of
+HALF_SKIP_MIN_ROWS rows or more in grouped_mm's forms, the switch that takes them everywhere
+the kernel builds them (or nowhere), the compile key that names them and the tiles the kernel
+refuses them on. (The skip itself runs in test_fp8_gpu.py, bit for bit against whole
+tiles.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from moe_gemm.config import GemmConfig
 from moe_gemm.env import EnvError
 from moe_gemm.ops import api
-from moe_gemm.ops.heuristics_fp8 import HALF_SKIP_ENV, choose_fp8
+from moe_gemm.ops.heuristics_fp8 import HALF_SKIP_ENV, HALF_SKIP_MIN_ROWS, choose_fp8
 from moe_gemm.ops.scaled_launch import fp8_compile_key
 
 CFG = GemmConfig()
@@ -27,11 +29,34 @@ def _choices(config=CFG):
             for g in ("block", "row")]
 
 
-def test_off_by_default(monkeypatch):
+def test_off_by_default_below_the_row_threshold_and_off_everywhere_when_switched_off(
+        monkeypatch):
     monkeypatch.delenv(HALF_SKIP_ENV, raising=False)
     assert not any(c.skip_empty_half for _, _, c in _choices())
     monkeypatch.setenv(HALF_SKIP_ENV, "0")
     assert not any(c.skip_empty_half for _, _, c in _choices())
+    big = [(form, choose_fp8(form, CFG, float(HALF_SKIP_MIN_ROWS), 4096, 7168, 2, g))
+           for form in ("varlen", "batched", "general", "masked") for g in ("block", "row")]
+    assert not any(c.skip_empty_half for _, c in big)
+
+
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_on_by_default_from_the_row_threshold_in_grouped_mms_forms(monkeypatch, granularity):
+    monkeypatch.delenv(HALF_SKIP_ENV, raising=False)
+    for form in ("varlen", "batched"):
+        below = choose_fp8(form, CFG, HALF_SKIP_MIN_ROWS - 1.0, 4096, 7168, 2, granularity)
+        at = choose_fp8(form, CFG, float(HALF_SKIP_MIN_ROWS), 4096, 7168, 2, granularity)
+        assert (below.schedule, below.tile_m) == (at.schedule, at.tile_m) == (
+            "cooperative", 128)
+        assert not below.skip_empty_half and at.skip_empty_half, form
+        # nothing else about the kernel changes
+        assert dataclasses.replace(below, skip_empty_half=True) == at
+    # the general form (per-problem sizes) and the masked form were never timed with it
+    for form in ("general", "masked"):
+        assert not choose_fp8(form, CFG, 4096.0, 4096, 7168, 2, granularity).skip_empty_half
+    # a pinned ping-pong tile (a warpgroup a tile) never takes it
+    assert not choose_fp8("varlen", GemmConfig(schedule="pingpong", tile_m=128, tile_n=64),
+                          4096.0, 1024, 4096, 2, granularity).skip_empty_half
 
 
 def test_the_switch_takes_it_on_every_cooperative_128_row_tile_only(monkeypatch):
