@@ -236,6 +236,9 @@ def quack_config_fields(text: str) -> dict[str, Any]:
     return fields
 
 
+REPLAYED = "(replayed)"
+
+
 def _replayed_quack_tuned(chosen: dict[str, str], fallback):
     """QuACK tuned as its autotuner chose on an earlier run of the same case (the config run
     directly: its autotune, 10-65 s a case on an H200, is what a run of every case cannot
@@ -245,7 +248,9 @@ def _replayed_quack_tuned(chosen: dict[str, str], fallback):
         text = chosen.get(spec.name)
         if text is None:
             return fallback(spec, inp, device)
-        return build_quack_config(inp, device, quack_config_fields(text), f"{text} (replayed)")
+        # (a choice an earlier run had replayed already says so once, not once per replay)
+        label = text if text.endswith(REPLAYED) else f"{text} {REPLAYED}"
+        return build_quack_config(inp, device, quack_config_fields(text), label)
 
     return build
 

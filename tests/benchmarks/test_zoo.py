@@ -548,3 +548,17 @@ def test_quack_chosen_from_another_gpu_kind_is_refused(tmp_path, capsys):
     assert zoo.main(["--smoke", "--quiet", "--quack-chosen", str(path), "--out",
                      str(out)]) == 2
     assert "was measured on NVIDIA H200" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recorded", [QUACK_REPR, QUACK_REPR + " (replayed)"])
+def test_a_replayed_choice_says_replayed_once(monkeypatch, recorded):
+    # A run that replays an earlier run's choice, itself replayed, labels its row once.
+    seen = []
+    monkeypatch.setattr(zoo, "build_quack_config",
+                        lambda inp, device, fields, describe: seen.append((fields, describe)))
+    spec = type("Spec", (), {"name": "M/gate_up/8192"})()
+    build = zoo._replayed_quack_tuned({"M/gate_up/8192": recorded}, None)
+    build(spec, None, None)
+    fields, label = seen[0]
+    assert label == QUACK_REPR + " (replayed)"
+    assert fields == zoo.quack_config_fields(QUACK_REPR)
