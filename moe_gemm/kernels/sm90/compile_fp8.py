@@ -198,7 +198,7 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
     e4, e5 = "float8_e4m3fn", "float8_e5m2"
     return [
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), tail_split=True,
-            skip_empty_half=True),  # (the skip is opt-in: MOE_GEMM_FP8_HALF_SKIP=1)
+            skip_empty_half=True),  # (MOE_GEMM_FP8_HALF_SKIP=1 on any cooperative 128-row tile)
         key("varlen", e4, "bfloat16", "block", "pingpong", (64, 128)),
         key("varlen", e4, "float32", "outer", "cooperative", (128, 192), cluster_m=2,
             skip_empty_half=True),
@@ -219,7 +219,7 @@ def fp8_check_variants() -> list[Fp8CompileKey]:
         # the compute-bound default: the same with the whole-tile epilogue
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True, epi_whole=True),
-        # ... with the empty halves skipped (MOE_GEMM_FP8_HALF_SKIP=1)
+        # ... with the empty halves skipped (its default from 768 rows per problem)
         key("varlen", e4, "bfloat16", "block", "cooperative", (128, 128), cluster_n=2,
             smem_scales=True, promote_lag=True, epi_whole=True, skip_empty_half=True),
         # ... with the staged scales promoted in the plain loop (MOE_GEMM_FP8_PROMOTE_LAG=0)
