@@ -124,14 +124,25 @@ def sweep_configs(shape: Shape) -> dict[str, Any]:
         "pp-64x192": GemmConfig(schedule="pingpong", tile_m=64, tile_n=192),
     }
     if shape.form == "batched":
-        c["coop-128x128-c1x2"] = GemmConfig(schedule="cooperative", tile_m=128, tile_n=128,
-                                            cluster_m=1, cluster_n=2)
+        if shape.bound != "compute":  # (compute-bound: the pair's rows below)
+            c["coop-128x128-c1x2"] = GemmConfig(schedule="cooperative", tile_m=128,
+                                                tile_n=128, cluster_m=1, cluster_n=2)
     else:
         c["coop-128x128-c2x1"] = GemmConfig(schedule="cooperative", tile_m=128, tile_n=128,
                                             cluster_m=2, cluster_n=1)
         if shape.bound == "compute":
             c["coop-128x128-ts"] = GemmConfig(schedule="cooperative", tile_m=128, tile_n=128,
                                               tail_split=True)
+    if shape.bound == "compute":
+        # The default pair's tile order and depth: panels of 4, 8 or 16 m-tiles (the default
+        # is 16 in the varlen form, 8 in the others), panels of n-tiles walked serpentine,
+        # and four stages.
+        pair = dict(schedule="cooperative", tile_m=128, tile_n=128, cluster_m=1, cluster_n=2)
+        for panel in (4, 8, 16):
+            c[f"coop-128x128-c1x2-p{panel}"] = GemmConfig(**pair, raster_panel=panel)
+        c["coop-128x128-c1x2-p8ns"] = GemmConfig(**pair, raster_panel=8, raster_along="n",
+                                                 raster_serpentine=True)
+        c["coop-128x128-c1x2-s4"] = GemmConfig(**pair, stages=4)
     return c
 
 

@@ -48,6 +48,13 @@ SPLITS = {
                                           ("general", "*")],
     "tests/kernels/test_clusters_gpu.py": [("clusters-general", "test_cluster_general*"),
                                            ("clusters", "*")],
+    "tests/kernels/test_fuzz_gpu.py": [("fuzz-masked", "test_fuzz_grouped_mm_masked*"),
+                                       ("fuzz-grouped-mm", "test_fuzz_grouped_mm*"),
+                                       ("fuzz-grouped-gemm", "test_fuzz_grouped_gemm*"),
+                                       ("fuzz-fp8", "test_fuzz_*fp8*"),
+                                       ("fuzz-fp8", "test_fuzz_scaled*"),
+                                       ("fuzz-fused", "test_fuzz_fused*"),
+                                       ("fuzz", "*")],
 }
 OUTCOME_ORDER = ("passed", "xfailed", "skipped", "xpassed", "failed", "error")
 # Groups that need several GPUs in one process (NCCL): with --gpus they see every GPU given.

@@ -187,6 +187,24 @@ def test_default_cluster_only_where_the_config_leaves_it(fp8_kernel):
     assert (pinned.cluster_m, pinned.cluster_n) == (2, 1)
 
 
+def test_default_raster_panel_by_form() -> None:
+    """Panels of 16 m-tiles in the varlen form, 8 in the others, where the config leaves the
+    order to us; a pinned panel, axis or serpentine walk is the kernel's order everywhere."""
+    from moe_gemm.kernels.sm90.constants import raster_code
+
+    def choose(form, **cfg):
+        return heuristics_fp8.choose_fp8(form, GemmConfig(**cfg), 1024.0, 4096, 7168, 2,
+                                         "block").swizzle
+
+    assert choose("varlen") == raster_code(16)
+    for form in ("batched", "masked", "general"):
+        assert choose(form) == raster_code(8), form
+    for form in ("varlen", "batched"):
+        assert choose(form, raster_panel=4) == raster_code(4)
+        assert choose(form, raster_along="n", raster_serpentine=True) == raster_code(
+            heuristics_fp8.default_raster_panel(form), "n", True)
+
+
 def test_whole_epilogue_by_default_in_pairs_of_varlen_tiles() -> None:
     """The varlen form's compute-bound default, cooperative 128x128 in a 1x2 cluster, stores
     through the whole-tile epilogue where the output is 16-bit; not for fp32 output, the
