@@ -403,6 +403,8 @@ def time_interleaved(run: Run, spec: ShapeSpec, timings: list[_Timing]) -> None:
             ms_p90=quantile(t.b2b, 0.9), ms_single=median(t.single),
             ms_single_p10=quantile(t.single, 0.1), ms_single_p90=quantile(t.single, 0.9),
             calls_per_sample=t.calls, reps=run.reps, input_sets=len(t.prepared),
+            # each round's sample, in round order: the paired ratios of zoo_report read them
+            ms_rounds=[round(x, 6) for x in t.b2b],
         )
         if t.repeat:
             t.row["ms_repeat"] = median(t.repeat)

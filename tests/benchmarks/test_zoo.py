@@ -114,6 +114,45 @@ def test_bar_and_derive_hand_computed():
         {"case": "a", "peer": "p3", "status": "n/a", "reason": "over the cap"}]
 
 
+def test_paired_round_ratios_class_the_losses():
+    """Round by round, the fastest peer's sample over ours: its median and spread on the row;
+    the bar counts losses in 9 of 10 rounds apart from those within the spread."""
+    def rows(case, ours, p1, p2):
+        return [
+            {"case": case, "impl": "ours", "peer": False, "default": True, "status": "ok",
+             "ms": sorted(ours)[len(ours) // 2], "ms_rounds": ours},
+            {"case": case, "impl": "p1", "peer": True, "default": False, "status": "ok",
+             "ms": sorted(p1)[len(p1) // 2], "ms_rounds": p1},
+            {"case": case, "impl": "p2", "peer": True, "default": False, "status": "ok",
+             "ms": sorted(p2)[len(p2) // 2], "ms_rounds": p2},
+        ]
+
+    info = {"bytes": 10**9, "flops": 10**12}
+    ceilings = {"copy_bytes_per_s": 2e12, "mm_flops_per_s": 1e15}
+    # a: ours 1.0 every round, the best peer 1.1 / 0.9 alternately (a tie by the spread);
+    # b: the peers faster in every round (a loss); c: ours faster in every round.
+    a = rows("a", [1.0] * 10, [1.1, 0.9] * 5, [2.0] * 10)
+    b = rows("b", [1.0] * 10, [0.95] * 10, [0.97] * 10)
+    c = rows("c", [1.0] * 10, [1.2] * 10, [1.3, 1.25] * 5)
+    for case in (a, b, c):
+        zoo_report.derive_case(case, info, ceilings)
+    assert a[0]["vs_best_peer_rounds"] == {"median": 1.0,
+                                           "p10": 0.9, "p90": 1.1}
+    assert b[0]["vs_best_peer_rounds"] == {"median": 0.95, "p10": 0.95, "p90": 0.95}
+    assert c[0]["vs_best_peer_rounds"]["p10"] == 1.2
+    # a peer's ratio is taken against the other peers and ours
+    assert b[1]["vs_best_peer_rounds"]["median"] == pytest.approx(round(0.97 / 0.95, 4))
+    res = zoo_report.bar(a + b + c)
+    assert (res["rounds_classed"], res["behind_in_90pct_of_rounds"],
+            res["ahead_in_90pct_of_rounds"]) == (3, 1, 1)
+    assert [w["rounds"]["p90"] for w in res["peer_wins"]] == [0.95]
+    # rows without every round's samples are not classed
+    del a[1]["ms_rounds"]
+    zoo_report.derive_case(a, info, ceilings)
+    assert "vs_best_peer_rounds" not in a[0]
+    assert zoo_report.bar(a)["rounds_classed"] == 0
+
+
 def test_budget_stops_cleanly_and_resume_finishes(tmp_path):
     # A budget that fits nothing: no case runs, the JSON says which were left and why.
     doc = _run(tmp_path, "--models", "OLMoE-1B-7B", "--tokens", "1,16", "--budget-s", "0.01")
