@@ -1,8 +1,9 @@
-"""Randomized bad input: a valid call of each public op with one or two of its arguments
-replaced by something a user might pass by mistake (another dtype, rank, size, device type,
-offsets out of order, a list for a tensor, a string for a dtype, ...). The op must either
-accept it (some replacements are valid input) and return a result of the documented shape,
-or raise TypeError or ValueError: never another exception type, a crash or a hang.
+"""Randomized bad input: a valid call of each public op (and of GroupedGemmPlan and the MoE
+layer's constructor) with one or two of its arguments replaced by something a user might pass
+by mistake (another dtype, rank, size, device type, offsets out of order, a list for a tensor,
+a string for a dtype, ...). The op must either accept it (some replacements are valid input)
+and return a result of the documented shape, or raise TypeError or ValueError: never another
+exception type, a crash or a hang.
 
 Fresh cases every run; MOE_GEMM_FUZZ_SEED replays one (the failure message names it).
 """
@@ -273,3 +274,67 @@ def test_quantizers_bad_input(i):
         assert isinstance(q, torch.Tensor) and isinstance(s, torch.Tensor)
 
     _check(name, i, getattr(moe_gemm, name), args, ("x",), 0, shape_of)
+
+
+@pytest.mark.parametrize("i", range(CASES // 2))
+def test_grouped_gemm_plan_bad_input(i):
+    """Building a plan from mistaken lists, and calling a good plan with mistaken tensors."""
+    r = random.Random(f"{SEED}/plan-args/{i}")
+    sizes = [(r.randint(0, 9), 8 * r.randint(1, 4), 8 * r.randint(1, 4))
+             for _ in range(r.randint(1, 4))]
+    args = {"a": [torch.randn(m, k).to(BF16) for m, _, k in sizes],
+            "b": [torch.randn(k, n).to(BF16) for _, n, k in sizes]}
+
+    def built(plan, a):
+        assert isinstance(plan, moe_gemm.GroupedGemmPlan)
+
+    _check("GroupedGemmPlan", i, moe_gemm.GroupedGemmPlan, args, ("a", "b"), 0, built)
+    plan = moe_gemm.GroupedGemmPlan(args["a"], args["b"])
+
+    def called(ys, a):
+        assert isinstance(ys, list) and len(ys) == len(sizes)
+
+    _check("GroupedGemmPlan call", i, plan, args, ("a", "b"), 0, called)
+
+
+# MoE(hidden_size, intermediate_size, num_experts, top_k, **options): a user's mistakes in the
+# layer's arguments.
+MOE_MISTAKES: dict[str, list[Any]] = {
+    "hidden_size": [0, -8, 8.5, "64", None, True],
+    "intermediate_size": [0, -1, 3.0, "x", None],
+    "num_experts": [0, -2, 2.0, None],
+    "top_k": [0, 9, -1, 1.5, None],
+    "scoring": ["softmax ", "sigmoid_", 3, None],
+    "n_group": [0, 3, -1, 2.0],
+    "topk_group": [0, 5, 1.0],
+    "routed_scaling_factor": [float("nan"), float("inf"), "2", -1.0, 0.0],
+    "router_jitter_noise": [-0.1, float("nan"), "0"],
+    "activation": ["swish!", 3, None, "relu2"],
+    "shared_intermediate_size": [-1, 1.5, "8"],
+    "dtype": ["bf16", torch.int32, 16],
+    "config": [{"backend": "torch"}, "cute"],
+    "fused": ["yes", 1, 0.0],
+}
+
+
+@pytest.mark.parametrize("i", range(CASES // 2))
+def test_moe_layer_bad_arguments(i):
+    r = random.Random(f"{SEED}/moe-args/{i}")
+    kw = {"hidden_size": 64, "intermediate_size": 32, "num_experts": 8, "top_k": 2,
+          "n_group": 2, "topk_group": 1}
+    done = []
+    for name in r.sample(sorted(MOE_MISTAKES), r.choice([1, 1, 2])):
+        kw[name] = r.choice(MOE_MISTAKES[name])
+        done.append(f"{name}={kw[name]!r}")
+    try:
+        layer = moe_gemm.MoE(**kw)
+    except (TypeError, ValueError):
+        return
+    except Exception as exc:  # noqa: BLE001 - the point: name the wrong exception type
+        raise AssertionError(f"seed={SEED} MoE[{i}] ({'; '.join(done)}): "
+                             f"{type(exc).__name__}: {str(exc)[:300]}") from None
+    # accepted: a forward of the documented shape
+    x = torch.randn(3, layer.hidden_size, dtype=layer.router_weight.dtype)
+    with torch.no_grad():
+        assert layer(x).shape == x.shape
+
