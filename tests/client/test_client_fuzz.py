@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import secrets
-import time
 from typing import Any
 
 import httpx
@@ -32,12 +31,9 @@ E, K, N = 3, 8, 5
 def client(tmp_path_factory):
     data = tmp_path_factory.mktemp("client-fuzz") / "d"
     with TestClient(create_app(Settings(data_dir=data)), raise_server_exceptions=False) as http:
-        deadline = time.monotonic() + 30
-        while http.get("/v2/health/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
         c = mgc.Client(base_url="http://testserver", max_retries=0,
                        http_client=httpx.Client(transport=_Forward(http)))
+        c.wait_until_ready(30.0)
         w = np.random.default_rng(0).standard_normal((E, K, N)).astype(np.float32)
         c.put_weights("m", w)
         yield c, w

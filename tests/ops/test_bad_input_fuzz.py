@@ -172,13 +172,18 @@ def test_grouped_mm_bad_input(i):
     _check("grouped_mm", i, moe_gemm.grouped_mm, args, ("x", "w", "offs"), T, shape_of)
 
 
+def _gemm_lists(r: random.Random, most: int) -> tuple[list[tuple[int, int, int]], dict]:
+    """Up to `most` small problems' sizes (M, N, K) and grouped_gemm's a and b lists."""
+    sizes = [(r.randint(0, 9), 8 * r.randint(1, 4), 8 * r.randint(1, 4))
+             for _ in range(r.randint(1, most))]
+    return sizes, {"a": [torch.randn(m, k).to(BF16) for m, _, k in sizes],
+                   "b": [torch.randn(k, n).to(BF16) for _, n, k in sizes]}
+
+
 @pytest.mark.parametrize("i", range(CASES))
 def test_grouped_gemm_bad_input(i):
     r = random.Random(f"{SEED}/grouped_gemm-args/{i}")
-    sizes = [(r.randint(0, 9), 8 * r.randint(1, 4), 8 * r.randint(1, 4))
-             for _ in range(r.randint(1, 5))]
-    args = {"a": [torch.randn(m, k).to(BF16) for m, _, k in sizes],
-            "b": [torch.randn(k, n).to(BF16) for _, n, k in sizes]}
+    sizes, args = _gemm_lists(r, 5)
     if r.random() < 0.3:
         args["out"] = [torch.empty(m, n, dtype=BF16) for m, n, _ in sizes]
 
@@ -280,10 +285,7 @@ def test_quantizers_bad_input(i):
 def test_grouped_gemm_plan_bad_input(i):
     """Building a plan from mistaken lists, and calling a good plan with mistaken tensors."""
     r = random.Random(f"{SEED}/plan-args/{i}")
-    sizes = [(r.randint(0, 9), 8 * r.randint(1, 4), 8 * r.randint(1, 4))
-             for _ in range(r.randint(1, 4))]
-    args = {"a": [torch.randn(m, k).to(BF16) for m, _, k in sizes],
-            "b": [torch.randn(k, n).to(BF16) for _, n, k in sizes]}
+    sizes, args = _gemm_lists(r, 4)
 
     def built(plan, a):
         assert isinstance(plan, moe_gemm.GroupedGemmPlan)
