@@ -6,7 +6,8 @@ ceilings measured in the run that timed it: `floor_ms` (the roofline floor), `tf
 > 1: faster than every peer), and where the rows carry their rounds' samples
 `vs_best_peer_rounds`: the same ratio taken round by round (the fastest peer of each round
 against this row's sample of that round; the rounds interleave the implementations, so a
-round's clock and power state are shared) as its median, p10 and p90. In an FP8 run each row's floor counts its own operands' bytes
+round's clock and power state are shared) as its median, p10 and p90. In an FP8 run each
+row's floor counts its own operands' bytes
 (FP8 values and scales, or bf16) and its dtype's dense rate, the peers are torch's FP8 grouped
 GEMMs, and where the dense FP8 ceiling was timed the FP8 rows get `fraction_of_dense`. The bar: our default at least as fast as the best peer on at
 least BAR_SHARE of the cases and at least BAR_MIN on every case.

@@ -171,10 +171,13 @@ _HALF_SKIP_FORMS = ("varlen", "batched")
 # of the varlen form's FP8 tiles. Routed experts of ~1k rows skewed up to ~3x span 8-24
 # 128-row tiles: in panels of 8 a large expert leaves a short last panel that walks every
 # column of B again for one or two m-tiles; panels of 16 leave fewer. Measured on an H200
-# (2026-12-02, bench_fp8's sweep, block scales, one process, interleaved), cooperative
-# 128x128 in 1x2 clusters, panels of 16 against 8: DeepSeek-V3 EP32 up 8k rows 396 against
-# 402 us, down 214 against 219, Kimi-K2 EP32 up 16k 764 against 782 (1.5-2.3%); panels of 4
-# ran 0.7-2% slower than 8 on the up projections. The other forms keep 8 (not measured).
+# (2026-12-02, bench_fp8's sweep, block scales, two runs, each in one process, interleaved),
+# cooperative 128x128 in 1x2 clusters, panels of 16 against 8: the up projections 1.1-2.2%
+# faster (DeepSeek-V3 EP32 8k rows 395-396 against 400-402 us, Kimi-K2 EP32 16k 764-765
+# against 777-782, DeepGEMM's 4 x 8192 1453 against 1473), the downs within 0.2% in the
+# second run (2.3% faster in the first); panels of 4 ran 2-4% slower than 8 on the ups. The
+# batched form's compute-bound default runs the varlen kernel (scaled_launch); the other
+# forms keep 8 (not measured).
 VARLEN_RASTER_PANEL = 16
 DEFAULT_RASTER_PANEL = 8
 
