@@ -83,6 +83,7 @@ FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, torch router"  # --router-torch
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
 FUSED_IEEE_GATE = "moe_gemm fused, IEEE gate"  # --ieee-gate
+FUSED_SELECT = "moe_gemm fused, index_select"  # --index-select
 # DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
 # none), so that the two compare like for like.
 FUSED_ROUTED = "moe_gemm fused, routed experts only"
@@ -94,6 +95,8 @@ SWITCHED = {
     FUSED_ROUTER: ("router_torch", ROUTER_ENV, "torch", "with the routers' torch ops"),
     FUSED_IEEE_GATE: ("ieee_gate", FAST_GATE_ENV, "0",
                       "with the IEEE sigmoid in the gated epilogue"),
+    FUSED_SELECT: ("index_select", GATHER_ENV, "0",
+                   "with the tokens gathered by index_select (the in-kernel gather off)"),
     FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
                  "with the in-kernel gather at every size, on every tile below the heavy "
                  "accumulators"),

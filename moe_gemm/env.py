@@ -251,9 +251,9 @@ VARIABLES: dict[str, Variable] = {
     "MOE_GEMM_FUSED_GATHER_WIDE": Variable(
         flag_value,
         "1: the fused kernel gathers in kernel at every batch size and on tiles past 128 rows or "
-        "128 accumulator registers on any weight (by default below 1024 routed rows, or on "
-        "weights of at most 2048 columns; no routed copy of x, but 0.87-0.96x the speed of "
-        "index_select + TMA on wider ones on the H200)"),
+        "128 accumulator registers on any weight (by default below 32 routed rows; no routed "
+        "copy of x, but 0.87-0.96x the speed of index_select + TMA on the gate-up GEMM of wide "
+        "weights, 0.93-0.99x the whole layer's on narrow ones, on the H200)"),
     "MOE_GEMM_FUSED_FAST_GATE": Variable(
         switch_value,
         "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid from the IEEE exp and "

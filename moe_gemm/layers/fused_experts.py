@@ -9,9 +9,8 @@ routed rows.
     out[t] = sum_j y[row of (t, j)]                                (T, H) combine_rows
 
 against the unfused path (layers/experts.py) this drops the permuted copy of x (S x H written
-and read where the kernel gathers: below 1024 routed rows, and at every size on gate-up
-weights of at most 2048 columns; elsewhere one index_select makes it, the faster way on wider
-weights' prefill), the (S, 2I) gate-up output and the activation pass over
+and read where the kernel gathers: below 32 routed rows; elsewhere one index_select makes
+it, the faster way past decode), the (S, 2I) gate-up output and the activation pass over
 it (written, read, (S, I) written again), and the weight multiply of the combine.
 
 The combine: each routed row is scaled in the down GEMM's epilogue (fp32, before its one

@@ -26,7 +26,7 @@ GENERAL_SWITCHES = ("MOE_GEMM_L2_HINTS", PEEK_WAIT_ENV, TAIL_SPLIT_ENV, SPLIT_WA
                     *tuned.SWITCHES)
 general_switches = env_reader(GENERAL_SWITCHES)  # () -> their values
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
-# past the register form (by default only on narrow weights: fused_launch.GATHER_NARROW_N)
+# past the register form (by default only below fused_launch.GATHER_MAX_ROWS routed rows)
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
 # 0: the fused gated epilogue takes the IEEE sigmoid, not the SFU's (fused_launch.fused_key)
 FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"

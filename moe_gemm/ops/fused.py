@@ -12,11 +12,11 @@ Routed row r of expert e (rows offs[e-1]:offs[e]) computes, in fp32 and rounded 
 so the MoE layer's two expert GEMMs need no permuted copy of the tokens (gather-A), no
 (S, 2I) intermediate and activation pass (the gated epilogue of the gate-up GEMM) and no
 separate weighting pass (the row weights in the down GEMM's epilogue); layers/experts.py
-builds the fused expert FFN on it. The kernel gathers x's rows itself below 1024 routed rows,
-and at every size on weights of at most 2048 columns, where that keeps the tile it would use
-without the gather and x's rows are whole 16-byte chunks; elsewhere the plan gathers them
-with one index_select first, the faster way on wider weights' prefill (ops/fused_launch.
-fused_choice says why), with the same clamping of unchecked indices.
+builds the fused expert FFN on it. The kernel gathers x's rows itself below 32 routed rows
+(decode), where that keeps the tile it would use without the gather and x's rows are whole
+16-byte chunks; elsewhere the plan gathers them with one index_select first, the faster way
+past decode (ops/fused_launch.GATHER_MAX_ROWS says why), with the same clamping of
+unchecked indices.
 
 Gates: "silu" (SwiGLU), "gelu" (GEGLU, erf), "gelu_tanh", "clamped_swiglu" (gpt-oss:
 gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).

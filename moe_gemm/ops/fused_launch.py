@@ -4,14 +4,14 @@ TMA rules of its operands, and FusedPlan, built once per signature like mm_launc
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
 S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what the fused
 options can build (fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel
-gather (gather-A) serves batches below GATHER_MAX_ROWS routed rows, where it saves
+gather (gather-A) serves decode batches below GATHER_MAX_ROWS routed rows, where it saves
 index_select's launch; it needs no A multicast and, in that form, at most 128 rows and 128
-accumulator registers per thread (its rows' indices sit in registers). The wide form keeps
-any tile below the heavy accumulators (its rows' indices in shared memory) at every batch
-size: by default on narrow weights (GATHER_NARROW_N, where it beats index_select + the same
-tile), everywhere with MOE_GEMM_FUSED_GATHER_WIDE=1. It saves the routed copy of x (S x K
-elements) but on wider weights runs the gate-up GEMM slower than index_select + the same tile
-(H200, 2026-11-29: 0.87-0.96x on DeepSeek-V3 EP8, 0.90-0.95x on Mixtral-8x7B). The fused
+accumulator registers per thread (its rows' indices sit in registers). The wide form
+(MOE_GEMM_FUSED_GATHER_WIDE=1, opt-in) gathers at every batch size and keeps any tile below
+the heavy accumulators (its rows' indices in shared memory). It saves the routed copy of x
+(S x K elements) but runs the gate-up GEMM slower than index_select + the same tile on wide
+weights (H200, 2026-11-29: 0.87-0.96x on DeepSeek-V3 EP8, 0.90-0.95x on Mixtral-8x7B) and
+the whole layer slower on narrow ones (GATHER_MAX_ROWS says by how much). The fused
 epilogue's extra registers (bias, row weights, activation) are kept off the heaviest
 accumulators (> 192 registers: ptxas spilled a few bytes there), and with both a bias and row
 weights from the whole-tile epilogue. The sigmoid gates (SiLU, clamped SwiGLU) take the SFU's
@@ -62,22 +62,18 @@ FUSED_MAX_ACC_REGS = 192
 # every gate layout, cooperative 256x192; the IEEE sigmoid none) and ran gpt-oss-120b's gate-up
 # at 4096 tokens 9.5% slower (H200, 2026-11-29). Those tiles keep the IEEE sigmoid.
 FAST_GATE_BIASED_ACC_REGS = 192
-# The in-kernel gather only below this many routed rows; from it on the plan gathers with
-# index_select (its time included, H200 2026-11-29, the same tile either way): DeepSeek-V3 EP8
-# gate-up 0.95x at 8 rows, 1.01x at 1024, 1.04x at 8192, 1.06x at 32768, 1.07x at 131072;
-# Qwen3-30B-A3B 0.80x at 8 rows, 1.02x at 1024. (The kernel's cp.async gather costs it 5-11%
-# where it is compute-bound; index_select is one launch and S x K elements written and read.)
-GATHER_MAX_ROWS = 1024
-# ... except on narrow weights (N, the gate-up's 2I, at most this), where index_select's pass
-# over S x K elements is a larger share of a GEMM of fewer columns: there the kernel gathers at
-# every batch size, in the wide form (rows' indices in shared memory) where that keeps the
-# tile. Gate-up GEMM, in-kernel gather against index_select + the same tile (H200, 2026-11-29,
-# benchmarks.fused_configs, index_select's time included): N = 1536 (Qwen3-30B-A3B) 1.06-1.11x
-# at 8192 routed rows, 1.03-1.08x at 131072; N = 2048 (OLMoE) 1.07x / 1.02x / 1.01x at 8192 /
-# 32768 / 131072; N = 3072 (Qwen3-235B-A22B) 1.06x at 32768 but 0.98x at 131072; N = 4096
-# (DeepSeek-V3 EP8) 0.87-0.96x, N = 28672 (Mixtral-8x7B) 0.90-0.95x. It also saves the routed
-# copy of x (537 MB for Qwen3-30B-A3B at 16384 tokens).
-GATHER_NARROW_N = 2048
+# The in-kernel gather only below this many routed rows (decode: a token or a few); from it on
+# the plan gathers with index_select. Whole MoE layer forward, default against index_select,
+# CUDA-graph replays (H200, 2026-12-02 and 12-03, benchmarks.bench_moe_layer): 1 token
+# 0.99-1.04x (Qwen3-30B-A3B 1.04x, DeepSeek-V3 EP8 1.01x), but from 16 tokens (32-1024 routed
+# rows) index_select is as fast or faster, by 1.5-2.5% at 16 tokens on three of four models
+# (DeepSeek-V3 EP8: 0.7771 ms gathered, 0.7576 ms with index_select, 0.7657 ms unfused): its
+# launch costs less than the cp.async gather's slower main loop (5-11% of the GEMM where it
+# is compute-bound) once a tile has more than a few rows. The wide form on narrow weights, which won the gate-up GEMM alone
+# (Qwen3-30B-A3B, N = 1536: 1.06-1.11x at 8192 routed rows, benchmarks.fused_configs), lost
+# the whole layer in both runs: 0.98-0.99x at 1024 tokens, 0.94-0.98x at 4096, 0.93-0.95x at
+# 16384 (not profiled further). It stays opt-in.
+GATHER_MAX_ROWS = 32
 _GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
 
 
@@ -155,10 +151,9 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     rows the choice plans for (the masked layout: experts times the expected rows each;
     default S).
 
-    With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows, at any
-    size on weights of at most GATHER_NARROW_N columns (or on any weight with
-    MOE_GEMM_FUSED_GATHER_WIDE=1; both in the wide form), and only where it keeps the tile the
-    options would get without it: gather-A caps the tile (no A multicast; in the register form
+    With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows (at any
+    size with MOE_GEMM_FUSED_GATHER_WIDE=1, in the wide form), and only where it keeps the
+    tile the options would get without it: gather-A caps the tile (no A multicast; in the register form
     at most 128 rows and 128 accumulator registers per thread), and on an H100 (2026-11-25) a
     capped tile lost 1.3-2x on prefill shapes (Mixtral 8x7B gate-up at 2k routed rows: 1.76 ms
     gathered in a 64x192 tile against 0.96 ms for a 128x192 tile after a 0.02 ms
@@ -171,8 +166,7 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)
     fitted = fit_fused(choice, gate, False, **extra)
-    wide = env_value(GATHER_WIDE_ENV) or (args.N <= GATHER_NARROW_N
-                                         and args.S >= GATHER_MAX_ROWS)
+    wide = env_value(GATHER_WIDE_ENV)
     gather = (args.row_index is not None and whole_chunk_rows(args)
               and (args.S < GATHER_MAX_ROWS or wide))
     if gather:

@@ -13,7 +13,10 @@ GEMM output, bf16 bias, activation and weight), plus 1e-3 of the result's scale.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -35,11 +38,25 @@ CLAMP = dict(gate_alpha=1.702, gate_limit=1.0)
 
 def case(name, *, T=300, S=777, E=10, K=264, N=400, gate=None, layout="concat", w_major="k",
          gather=True, bias=False, scale=False, empty=(1, 4, 7), tail=23, config=None,
-         out_mode="given", dtype=BF16, out_dtype=None, x_scale=0.5):
-    """One launch's arguments as a dict (the GPU run and kernels/variants.py read it)."""
+         out_mode="given", dtype=BF16, out_dtype=None, x_scale=0.5, kernel_gather=None):
+    """One launch's arguments as a dict (the GPU run and kernels/variants.py read it).
+    kernel_gather (default: gather): run under MOE_GEMM_FUSED_GATHER_WIDE=1, where the kernel
+    gathers x's rows itself at every batch size (in registers on tiles that fit, else in
+    shared memory): the cases test the kernel's gather past the default's decode sizes; the
+    default's own choice is tested by cases with kernel_gather=False."""
     return dict(name=name, T=T, S=S, E=E, K=K, N=N, gate=gate, layout=layout, w_major=w_major,
                 gather=gather, bias=bias, scale=scale, empty=empty, tail=tail, config=config,
-                out_mode=out_mode, dtype=dtype, out_dtype=out_dtype, x_scale=x_scale)
+                out_mode=out_mode, dtype=dtype, out_dtype=out_dtype, x_scale=x_scale,
+                kernel_gather=gather if kernel_gather is None else kernel_gather)
+
+
+def case_env(c: dict):
+    """The switches c runs under (kernels/variants.py compiles its keys under them too)."""
+    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+
+    if c["kernel_gather"]:
+        return mock.patch.dict(os.environ, {GATHER_WIDE_ENV: "1"})
+    return contextlib.nullcontext()
 
 
 def routed_counts(c: dict, gen: torch.Generator) -> list[int]:
@@ -79,6 +96,11 @@ def inputs(c: dict):
 
 
 def run_case(c: dict):
+    with case_env(c):
+        _run_case(c)
+
+
+def _run_case(c: dict):
     x, w, offs, kw = inputs(c)
     S, live = c["S"], c["S"] - c["tail"]
     n_out = c["N"] // 2 if c["gate"] else c["N"]
@@ -181,33 +203,46 @@ FORCED_CASES = [
     for s, m, n, g in [(_C, 128, 192, "silu"), (_P, 128, 208, None)]
 ]
 
-# Gather-A where the in-kernel gather would cap the tile, or from GATHER_MAX_ROWS routed rows
-# on weights wider than GATHER_NARROW_N: the plan gathers (index_select) and the kernel reads
-# routed rows (ops/fused_launch.fused_choice); a cluster along N forces it on a small shape, a
-# Mixtral-like gate-up takes it by default, and a tile the gather keeps takes it at 1200 rows.
+# Gather-A by default from GATHER_MAX_ROWS routed rows, or where the in-kernel gather would cap
+# the tile: the plan gathers (index_select) and the kernel reads routed rows
+# (ops/fused_launch.fused_choice); a cluster along N forces it on a small shape, a
+# Mixtral-like gate-up takes it by default, a tile the gather keeps takes it at 1200 rows, the
+# default config at 777 rows, and narrow weights (Qwen3-30B-A3B-like) at 1500-2400 rows.
 PLAN_GATHER_CASES = [
     case("plan-gather/cluster-n", T=200, S=600, E=6, K=256, N=512, gate="silu",
-         config=GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=256,
-                           cluster_m=1, cluster_n=2)),
+         kernel_gather=False, config=GemmConfig(backend="cute", schedule="cooperative",
+                                                 tile_m=128, tile_n=256, cluster_m=1,
+                                                 cluster_n=2)),
     case("plan-gather/large-batch", T=600, S=1200, E=8, K=520, N=2560, gate="silu",
-         bias=True, config=GemmConfig(backend="cute", schedule="pingpong", tile_m=64,
-                                      tile_n=256, cluster_m=2, cluster_n=1)),
+         bias=True, kernel_gather=False, config=GemmConfig(
+             backend="cute", schedule="pingpong", tile_m=64, tile_n=256, cluster_m=2,
+             cluster_n=1)),
     case("plan-gather/default-large", T=1024, S=2048, E=8, K=1024, N=4096, gate="silu",
-         empty=(3,), tail=64),
-]
-
-# Narrow weights (at most GATHER_NARROW_N columns) from GATHER_MAX_ROWS routed rows: the kernel
-# gathers by default, in the wide form, on the default config's tile (unless it is clustered
-# along N) and on an ungated one with row weights.
-NARROW_GATHER_CASES = [
-    case("narrow-gather/default-config", T=800, S=2400, E=8, K=520, N=1024, gate="silu",
-         empty=(2,), tail=40),
-    case("narrow-gather/plain-row-weights", T=600, S=1500, E=6, K=264, N=512, scale=True,
+         empty=(3,), tail=64, kernel_gather=False),
+    case("plan-gather/default-mid", gate="silu", bias=True, kernel_gather=False),
+    case("plan-gather/default-mid-alternating", T=40, S=320, gate="clamped_swiglu",
+         layout="alternating", w_major="n", bias=True, kernel_gather=False),
+    case("plan-gather/narrow-default", T=800, S=2400, E=8, K=520, N=1024, gate="silu",
+         empty=(2,), tail=40, kernel_gather=False),
+    case("plan-gather/narrow-plain-row-weights", T=600, S=1500, E=6, K=264, N=512,
+         scale=True, kernel_gather=False,
          config=GemmConfig(backend="cute", schedule="pingpong", tile_m=128, tile_n=192)),
 ]
 
+# Decode-sized batches (below GATHER_MAX_ROWS routed rows): the kernel gathers by default,
+# in registers, on the default config's tile.
+DECODE_GATHER_CASES = [
+    case("decode-gather/silu", T=3, S=24, E=16, K=520, N=512, gate="silu", tail=2,
+         kernel_gather=False),
+    case("decode-gather/clamped-alternating-bias", T=1, S=4, E=32, K=264, N=384,
+         gate="clamped_swiglu", layout="alternating", w_major="n", bias=True, empty=(0,),
+         tail=0, kernel_gather=False),
+    case("decode-gather/plain-row-weights", T=4, S=31, E=8, K=1032, N=256, scale=True,
+         empty=(5,), tail=1, kernel_gather=False),
+]
+
 ALL_CASES = (GATE_CASES + OPTION_CASES + EDGE_CASES + FORCED_CASES + PLAN_GATHER_CASES
-             + NARROW_GATHER_CASES)
+             + DECODE_GATHER_CASES)
 
 # Both sigmoids (the SFU's, the default, and the IEEE one under MOE_GEMM_FUSED_FAST_GATE=0):
 # SiLU and the clamped SwiGLU on the default tile, the in-kernel gather and a cooperative 2x1
@@ -231,13 +266,14 @@ SIGMOID_CASES = [
 
 
 def _wide(name, s, m, n, cm=1, **kw):
-    return case(f"wide-gather/{s}-{m}x{n}-c{cm}x1/{name}", config=GemmConfig(
-        backend="cute", schedule=s, tile_m=m, tile_n=n, cluster_m=cm, cluster_n=1), **kw)
+    return case(f"wide-gather/{s}-{m}x{n}-c{cm}x1/{name}", kernel_gather=False,
+                config=GemmConfig(backend="cute", schedule=s, tile_m=m, tile_n=n,
+                                  cluster_m=cm, cluster_n=1), **kw)
 
 
 # Gather-A on tiles past 128 rows or 128 accumulator registers (the rows' indices in shared
-# memory), with MOE_GEMM_FUSED_GATHER_WIDE=1; without it only from GATHER_MAX_ROWS routed
-# rows on weights of at most GATHER_NARROW_N columns (the others take the plan's gather).
+# memory), with MOE_GEMM_FUSED_GATHER_WIDE=1; without it the plan gathers (these batches are
+# past fused_launch.GATHER_MAX_ROWS).
 WIDE_GATHER_CASES = [
     _wide("silu", _P, 128, 192, 2, T=700, S=2100, E=8, K=1032, N=512, gate="silu", bias=True),
     _wide("silu", _C, 256, 192, 2, T=700, S=2100, E=8, K=1032, N=512, gate="silu"),
@@ -269,15 +305,25 @@ def test_edges(c):
 
 @pytest.mark.parametrize("c", FORCED_CASES, ids=[c["name"] for c in FORCED_CASES])
 def test_forced_configs(c):
-    if c["gather"]:  # (below fused_launch.GATHER_MAX_ROWS, on tiles the gather keeps)
+    if c["gather"]:  # (kernel_gather: on tiles the gather keeps)
         x, w, offs, kw = inputs(c)
         assert _gathers_in_kernel(c, x, w, offs, kw)
     run_case(c)
 
 
+CLAMP_CASE = case("clamp", T=50, S=120, E=3, K=64, N=64, gate="silu", tail=0, empty=())
+GRAPH_CASE = case("graph", T=256, S=512, E=8, K=256, N=256, gate="silu", scale=True, tail=0,
+                  empty=(2,), out_mode="alloc")
+
+
 def test_unchecked_indices_are_clamped_never_read_out_of_bounds():
-    c = case("clamp", T=50, S=120, E=3, K=64, N=64, gate="silu", tail=0, empty=())
+    with case_env(CLAMP_CASE):
+        _clamped_in_kernel(CLAMP_CASE)
+
+
+def _clamped_in_kernel(c: dict) -> None:
     x, w, offs, kw = inputs(c)
+    assert _gathers_in_kernel(c, x, w, offs, kw)
     bad = kw["row_index"].clone()
     bad[::7] = 50 + 1000  # past x's rows
     bad[3::11] = -5
@@ -315,8 +361,9 @@ def _plan_choice(c: dict, x, w, offs, kw):
     from moe_gemm.ops.fused_validation import check_fused_mm
 
     args = check_fused_mm(x, w, offs, **kw)
-    return (args, *fused_choice(args, c["config"] or GemmConfig(), sm_count(x.device),
-                                x.device))
+    with case_env(c):
+        return (args, *fused_choice(args, c["config"] or GemmConfig(), sm_count(x.device),
+                                    x.device))
 
 
 def _gathers_in_kernel(c: dict, x, w, offs, kw) -> bool:
@@ -330,14 +377,13 @@ def test_gather_by_the_plan_where_the_kernel_gather_caps_the_tile(c):
     run_case(c)
 
 
-@pytest.mark.parametrize("c", NARROW_GATHER_CASES, ids=[c["name"] for c in NARROW_GATHER_CASES])
-def test_narrow_weights_gather_in_the_kernel_by_default(c, monkeypatch):
-    from moe_gemm.ops.fused_launch import GATHER_WIDE_ENV
+@pytest.mark.parametrize("c", DECODE_GATHER_CASES, ids=[c["name"] for c in DECODE_GATHER_CASES])
+def test_decode_batches_gather_in_the_kernel_by_default(c, monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS, GATHER_WIDE_ENV
 
     monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
     x, w, offs, kw = inputs(c)
-    _, choice, in_kernel = _plan_choice(c, x, w, offs, kw)
-    assert in_kernel == (choice.cluster_n == 1)  # (a cluster along N multicasts A)
+    assert c["S"] < GATHER_MAX_ROWS and _gathers_in_kernel(c, x, w, offs, kw)
     run_case(c)
 
 
@@ -381,9 +427,13 @@ def test_repeated_calls_reuse_the_plan_and_follow_new_values():
 
 
 def test_cuda_graph_replay_with_new_routing():
-    c = case("graph", T=256, S=512, E=8, K=256, N=256, gate="silu", scale=True, tail=0,
-             empty=(2,), out_mode="alloc")
+    with case_env(GRAPH_CASE):
+        _graph_replays(GRAPH_CASE)
+
+
+def _graph_replays(c: dict) -> None:
     x, w, offs, kw = inputs(c)
+    assert _gathers_in_kernel(c, x, w, offs, kw)
     cfg = GemmConfig(backend="cute")
     moe_gemm.fused_grouped_mm(x, w, offs, config=cfg, **kw)  # compile and plan outside
     static = dict(x=x.clone(), offs=offs.clone(), index=kw["row_index"].clone(),
@@ -427,12 +477,11 @@ def test_sigmoid_gate(c, fast, monkeypatch):
 
 @pytest.mark.parametrize("c", WIDE_GATHER_CASES, ids=[c["name"] for c in WIDE_GATHER_CASES])
 def test_wide_gather_keeps_the_tile(c, monkeypatch):
-    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS, GATHER_NARROW_N, GATHER_WIDE_ENV
+    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS, GATHER_WIDE_ENV
 
     x, w, offs, kw = inputs(c)
     monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
-    narrow = c["N"] <= GATHER_NARROW_N and c["S"] >= GATHER_MAX_ROWS  # the default's wide form
-    assert _gathers_in_kernel(c, x, w, offs, kw) == narrow
+    assert c["S"] >= GATHER_MAX_ROWS and not _gathers_in_kernel(c, x, w, offs, kw)
     monkeypatch.setenv(GATHER_WIDE_ENV, "1")
     assert _gathers_in_kernel(c, x, w, offs, kw)
     run_case(c)

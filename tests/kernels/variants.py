@@ -168,10 +168,12 @@ def _fused_tests(v: Variants) -> None:
 
     def add(c: dict) -> None:
         extra = t.CLAMP if c["gate"] == "clamped_swiglu" else {}
-        v.keys.add(fused_key(c["S"], c["T"], c["E"], c["N"], c["K"], gate=c["gate"],
-                             layout=c["layout"], w_major=c["w_major"], gather=c["gather"],
-                             bias=c["bias"], scale=c["scale"], config=c["config"],
-                             dtype=c["dtype"], out_dtype=c["out_dtype"], **extra, nsm=v.nsm))
+        with t.case_env(c):
+            v.keys.add(fused_key(c["S"], c["T"], c["E"], c["N"], c["K"], gate=c["gate"],
+                                 layout=c["layout"], w_major=c["w_major"], gather=c["gather"],
+                                 bias=c["bias"], scale=c["scale"], config=c["config"],
+                                 dtype=c["dtype"], out_dtype=c["out_dtype"], **extra,
+                                 nsm=v.nsm))
 
     for c in t.ALL_CASES:
         if c["S"] - c["tail"] > 0 or c["tail"] != 0:
@@ -185,10 +187,11 @@ def _fused_tests(v: Variants) -> None:
         with mock.patch.dict(os.environ, {switch: value}):
             for c in cases:
                 add(c)
-    # The clamp, repeat and graph tests.
+    # The clamp, checked-indices, repeat and graph tests.
+    add(t.CLAMP_CASE)
+    add(t.GRAPH_CASE)
     v.keys.add(fused_key(120, 50, 3, 64, 64, gate="silu", nsm=v.nsm))
     v.keys.add(fused_key(777, 300, 10, 400, 264, gate="silu", bias=True, nsm=v.nsm))
-    v.keys.add(fused_key(512, 256, 8, 256, 256, gate="silu", scale=True, nsm=v.nsm))
 
 
 def _layer_keys(v: Variants, T: int, H: int, I: int, E: int, k: int, act: str = "silu",

@@ -424,27 +424,34 @@ def test_the_kernel_gathers_only_small_batches_by_default(monkeypatch):
                         torch.device("meta"))[1]
 
 
-def test_narrow_weights_gather_in_the_kernel_at_every_size(monkeypatch):
-    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS, GATHER_NARROW_N
+def test_past_decode_only_the_switch_gathers_in_the_kernel(monkeypatch):
+    from moe_gemm.ops.fused_launch import GATHER_MAX_ROWS
 
     monkeypatch.delenv(GATHER_WIDE_ENV, raising=False)
     meta = torch.device("meta")
-    # Qwen3-30B-A3B's gate-up (N = 2I = 1536) on a tile past the register form: the wide
-    # form keeps it from GATHER_MAX_ROWS rows on; below, the register form would cap it.
+    # A tile the register form keeps: gathered in the kernel below GATHER_MAX_ROWS only, on
+    # narrow weights (Qwen3-30B-A3B's gate-up, N = 2I = 1536) as on wide ones.
+    small = GemmConfig(schedule="pingpong", tile_m=64, tile_n=128, cluster_m=1, cluster_n=1)
+    for N in (1536, 4096):
+        for S, expected in ((8, True), (GATHER_MAX_ROWS - 1, True), (GATHER_MAX_ROWS, False),
+                            (1024, False), (131072, False)):
+            args = _meta_args(max(1, S // 8), S, 128, N, 2048, gate="silu")
+            assert fused_choice(args, small, 132, meta)[1] == expected, (N, S)
+    # A tile past the register form: the plan gathers at every size by default (below
+    # GATHER_MAX_ROWS the register form would cap it); the wide form keeps it with the switch.
     pp = GemmConfig(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=1, cluster_n=1)
-    for S, expected in ((GATHER_MAX_ROWS - 1, False), (GATHER_MAX_ROWS, True), (131072, True)):
-        args = _meta_args(S // 8, S, 128, 1536, 2048, gate="silu")
-        choice, in_kernel = fused_choice(args, pp, 132, meta)
-        assert in_kernel == expected and (choice.tile_m, choice.tile_n) == (128, 192), S
-    # The threshold is on w's columns, inclusive.
-    for N, expected in ((GATHER_NARROW_N, True), (GATHER_NARROW_N + 32, False)):
-        args = _meta_args(4096, 32768, 64, N, 2048, gate="silu")
-        assert fused_choice(args, pp, 132, meta)[1] == expected, N
-    # A cluster along N still multicasts A: the plan gathers, whatever the width.
-    c1x2 = GemmConfig(schedule="pingpong", tile_m=128, tile_n=160, cluster_m=1, cluster_n=2)
-    choice, in_kernel = fused_choice(_meta_args(4096, 32768, 128, 1536, 2048, gate="silu"),
-                                     c1x2, 132, meta)
-    assert not in_kernel and choice.cluster_n == 2
+    for wide in (False, True):
+        monkeypatch.setenv(GATHER_WIDE_ENV, "1" if wide else "0")
+        for S in (GATHER_MAX_ROWS - 8, GATHER_MAX_ROWS, 2048, 131072):
+            args = _meta_args(max(1, S // 8), S, 128, 1536, 2048, gate="silu")
+            choice, in_kernel = fused_choice(args, pp, 132, meta)
+            assert in_kernel == wide and (choice.tile_m, choice.tile_n) == (128, 192), S
+        # A cluster along N still multicasts A: the plan gathers, whatever the switch.
+        c1x2 = GemmConfig(schedule="pingpong", tile_m=128, tile_n=160, cluster_m=1,
+                          cluster_n=2)
+        choice, in_kernel = fused_choice(_meta_args(4096, 32768, 128, 1536, 2048, gate="silu"),
+                                         c1x2, 132, meta)
+        assert not in_kernel and choice.cluster_n == 2
 
 
 def test_row_weights_alone_keep_grouped_mms_tile():
@@ -471,21 +478,23 @@ def test_the_kernel_gathers_only_where_that_keeps_the_tile():
     from moe_gemm.ops.fused_launch import fused_choice
 
     meta = torch.device("meta")
-    # A cluster along N multicasts A, which the gather cannot: the plan gathers instead.
+    # A decode batch (below fused_launch.GATHER_MAX_ROWS routed rows), where the kernel
+    # gathers by default. A cluster along N multicasts A, which the gather cannot: the plan
+    # gathers instead.
     pinned = GemmConfig(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1,
                         cluster_n=2)
-    choice, in_kernel = fused_choice(_meta_args(200, 600, 6, 512, 256, gate="silu"), pinned,
+    choice, in_kernel = fused_choice(_meta_args(6, 24, 6, 512, 256, gate="silu"), pinned,
                                      132, meta)
     assert not in_kernel and (choice.tile_m, choice.tile_n, choice.cluster_n) == (128, 256, 2)
     # Without a cluster along N the same pinned tile gathers in the kernel.
     pinned1 = GemmConfig(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1,
                          cluster_n=1)
-    choice, in_kernel = fused_choice(_meta_args(200, 600, 6, 512, 256, gate="silu"), pinned1,
+    choice, in_kernel = fused_choice(_meta_args(6, 24, 6, 512, 256, gate="silu"), pinned1,
                                      132, meta)
     assert in_kernel and (choice.tile_m, choice.tile_n) == (128, 256)
     # A ping-pong 128-row tile: the gather caps it (64 rows), so the plan gathers.
     pp = GemmConfig(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=1, cluster_n=1)
-    choice, in_kernel = fused_choice(_meta_args(200, 600, 6, 512, 256, gate="silu"), pp, 132,
+    choice, in_kernel = fused_choice(_meta_args(6, 24, 6, 512, 256, gate="silu"), pp, 132,
                                      meta)
     assert not in_kernel and (choice.tile_m, choice.tile_n) == (128, 192)
 
