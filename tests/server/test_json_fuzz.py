@@ -45,6 +45,12 @@ def _nodes(doc: Any, path: tuple = ()) -> list[tuple]:
     return out
 
 
+def _junk(r: random.Random) -> Any:
+    """A JUNK value as a new object: a shared one, mutated by a later step of the same case,
+    would change JUNK for every later case or end up inside itself (a circular document)."""
+    return copy.deepcopy(r.choice(JUNK))
+
+
 def _mutate(doc: Any, r: random.Random) -> tuple[Any, str]:
     doc = copy.deepcopy(doc)
     done = []
@@ -59,14 +65,13 @@ def _mutate(doc: Any, r: random.Random) -> tuple[Any, str]:
         key = path[-1]
         action = r.choice(["replace", "replace", "remove", "add", "wrap", "duplicate"])
         if action == "replace":
-            parent[key] = r.choice(JUNK)
+            parent[key] = _junk(r)
         elif action == "remove":
             del parent[key]
         elif action == "add" and isinstance(parent, dict):
-            parent[r.choice(["extra", "X", "dtype", "parameters", "outputs", "id"])] = r.choice(
-                JUNK)
+            parent[r.choice(["extra", "X", "dtype", "parameters", "outputs", "id"])] = _junk(r)
         elif action == "add":
-            parent.append(r.choice(JUNK))
+            parent.append(_junk(r))
         elif action == "wrap":
             parent[key] = [parent[key]]
         else:
