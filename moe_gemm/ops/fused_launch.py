@@ -69,10 +69,10 @@ FAST_GATE_BIASED_ACC_REGS = 192
 # rows) index_select is as fast or faster, by 1.5-2.5% at 16 tokens on three of four models
 # (DeepSeek-V3 EP8: 0.7771 ms gathered, 0.7576 ms with index_select, 0.7657 ms unfused): its
 # launch costs less than the cp.async gather's slower main loop (5-11% of the GEMM where it
-# is compute-bound) once a tile has more than a few rows. The wide form on narrow weights, which won the gate-up GEMM alone
-# (Qwen3-30B-A3B, N = 1536: 1.06-1.11x at 8192 routed rows, benchmarks.fused_configs), lost
-# the whole layer in both runs: 0.98-0.99x at 1024 tokens, 0.94-0.98x at 4096, 0.93-0.95x at
-# 16384 (not profiled further). It stays opt-in.
+# is compute-bound) once a tile has more than a few rows. The wide form on narrow weights,
+# which won the gate-up GEMM alone (Qwen3-30B-A3B, N = 1536: 1.06-1.11x at 8192 routed rows,
+# benchmarks.fused_configs), lost the whole layer in both runs: 0.98-0.99x at 1024 tokens,
+# 0.94-0.98x at 4096, 0.93-0.95x at 16384 (not profiled further). It stays opt-in.
 GATHER_MAX_ROWS = 32
 _GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
 
@@ -153,11 +153,11 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
 
     With a row_index, the in-kernel gather is used below GATHER_MAX_ROWS routed rows (at any
     size with MOE_GEMM_FUSED_GATHER_WIDE=1, in the wide form), and only where it keeps the
-    tile the options would get without it: gather-A caps the tile (no A multicast; in the register form
-    at most 128 rows and 128 accumulator registers per thread), and on an H100 (2026-11-25) a
-    capped tile lost 1.3-2x on prefill shapes (Mixtral 8x7B gate-up at 2k routed rows: 1.76 ms
-    gathered in a 64x192 tile against 0.96 ms for a 128x192 tile after a 0.02 ms
-    index_select). Otherwise the plan gathers with index_select and the kernel reads the
+    tile the options would get without it: gather-A caps the tile (no A multicast; in the
+    register form at most 128 rows and 128 accumulator registers per thread), and on an H100
+    (2026-11-25) a capped tile lost 1.3-2x on prefill shapes (Mixtral 8x7B gate-up at 2k
+    routed rows: 1.76 ms gathered in a 64x192 tile against 0.96 ms for a 128x192 tile after a
+    0.02 ms index_select). Otherwise the plan gathers with index_select and the kernel reads the
     routed rows."""
     choice = choose_varlen(
         config, args.S if rows is None else rows, args.E, args.N, args.K, nsm,
