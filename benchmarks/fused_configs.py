@@ -21,8 +21,11 @@ gather in the kernel at every batch size, also on tiles past 128 rows or 128 acc
 registers), `ieeegate` with MOE_GEMM_FUSED_FAST_GATE=0 (SiLU's sigmoid from the IEEE exp and
 divide, not the SFU's approximations), `select` gathers the up GEMM's rows with index_select
 first, as the plan does where the kernel does not gather (its time included). The default (no
-config) is always the first. With `--quack`, a peer row: QuACK's own kernel for the same
-GEMM, autotuned (quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated
+config) is always the first. "unfused" (or "unfused noswap") is the unfused layer's way
+instead: grouped_mm on its own choice (swapped tiles where its rules take them; "noswap":
+without) writing every column, then the bias, the gate and the row weight as torch ops (the
+up GEMM's rows gathered with index_select first). With `--quack`, a peer row: QuACK's own
+kernel for the same GEMM, autotuned (quack.gemm_interface, tuned=True, what SonicMoE calls): for gate-up its gated
 GEMM with its A gather (A_idx, SwiGLU over concatenated gate/up columns), for down its varlen
 GEMM (with the bias, without the row weights, which ours applies in its epilogue: its output is
 checked scaled by them); not for gpt-oss's gate-up (its clamped SwiGLU over alternating
@@ -90,10 +93,22 @@ def variant_words(text: str) -> tuple[list[str], set[str]]:
     return words, options
 
 
+UNFUSED = "unfused"
+
+
+def is_unfused(text: str) -> bool:
+    """Whether a variant is the unfused way ('unfused' or 'unfused noswap')."""
+    return text.split()[:1] == [UNFUSED]
+
+
 def parse_variant(text: str) -> GemmConfig | None:
     """'coop 256x192 c2x1 [wide|select] [ieeegate]' -> its GemmConfig (ValueError naming the
     form); 'default', alone or with option words -> None (the default's kernel, under them:
     the bare word is the row every case times first anyway)."""
+    if is_unfused(text):
+        if text.split() not in ([UNFUSED], [UNFUSED, "noswap"]):
+            raise ValueError(f"the unfused variant is 'unfused' or 'unfused noswap'; got {text!r}")
+        return GemmConfig(swap_ab=False) if "noswap" in text.split() else GemmConfig()
     words, options = variant_words(text)
     if options >= set(GATHER_WORDS):
         raise ValueError(f"a variant gathers one way, [wide|select]; got {text!r}")
@@ -138,8 +153,34 @@ def variant_kw(kw: dict, text: str, gathered: torch.Tensor | None = None) -> dic
     return dict(rest, x=gathered)
 
 
+def unfused_call(kw: dict, cfg: GemmConfig):
+    """The unfused layer's way for the fused call `kw`: index_select, grouped_mm writing every
+    column on its own choice under cfg, then bias, gate and row weight as torch ops."""
+    from moe_gemm import grouped_mm
+    from moe_gemm.ops.fused_reference import expert_of_rows, gate_torch, split_gate_up
+
+    def run():
+        x = kw["x"]
+        if kw.get("row_index") is not None:
+            x = x.index_select(0, kw["row_index"])
+        h = grouped_mm(x, kw["w"], kw["offs"], config=cfg)
+        if kw.get("bias") is not None:
+            expert = expert_of_rows(kw["offs"], h.shape[0]).clamp(max=kw["w"].shape[0] - 1)
+            h = h + kw["bias"].to(h.dtype).index_select(0, expert)
+        if kw.get("gate") is not None:
+            h = gate_torch(kw["gate"], *split_gate_up(h, kw["gate_layout"]),
+                           kw.get("gate_alpha", 1.702), kw.get("gate_limit", 7.0))
+        if kw.get("row_weight") is not None:
+            h = h * kw["row_weight"].to(h.dtype)[:, None]
+        return h
+
+    return run
+
+
 def variant_call(kw: dict, cfg, text: str):
     """The variant's timed call, under its environment ('select': the index_select included)."""
+    if is_unfused(text):
+        return unfused_call(kw, cfg)
     if selects_first(text) and kw.get("row_index") is not None:
         def run():
             gathered = kw["x"].index_select(0, kw["row_index"])
@@ -263,6 +304,9 @@ def kernel_choices(case: dict, device: torch.device, nsm: int) -> dict[str, tupl
 
     picked: dict[str, tuple | None] = {}
     for name, cfg in case["configs"].items():
+        if is_unfused(name):
+            picked[name] = None  # (grouped_mm's kernels: compiled at the check call)
+            continue
         args = check_fused_mm(**variant_kw(case["kw"], name))
         try:
             picked[name] = with_environment(
@@ -284,14 +328,25 @@ def describe(choice, in_kernel: bool) -> str:
 
 def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
     """The kernels the variants launch, for the parallel precompile."""
+    from moe_gemm.ops import launch_kernel
     from moe_gemm.ops.fused_launch import fused_key
     from moe_gemm.ops.fused_validation import check_fused_mm
+    from moe_gemm.ops.heuristics import choose_varlen
 
     keys = set()
     for case in cases:
         major = "k" if case["kw"]["w"].stride(1) == 1 else "n"
         for name, picked in kernel_choices(case, device, nsm).items():
-            if picked is not None:
+            if is_unfused(name):  # grouped_mm's choice, as its plan makes it (ops/mm_launch)
+                kw = case["kw"]
+                E, K, N = kw["w"].shape
+                bf16 = kw["x"].dtype
+                S = (kw["x"] if kw.get("row_index") is None else kw["row_index"]).shape[0]
+                choice = choose_varlen(case["configs"][name], S, E, N, K, nsm, bf16.itemsize,
+                                       **launch_kernel.table_keys(device, bf16, bf16),
+                                       swap_ok=True)
+                keys.add(launch_kernel._compile_key("varlen", bf16, bf16, major, choice, False))
+            elif picked is not None:
                 args = check_fused_mm(**variant_kw(case["kw"], name))
                 keys.add(with_environment(  # (fused_key reads the sigmoid's switch)
                     lambda args=args, picked=picked: fused_key(args, picked[0], major,

@@ -60,6 +60,27 @@ def test_select_variant_gathers_first_and_matches_the_in_kernel_gather():
     assert False in {k.gather for k in keys}  # the select variant's kernel reads routed rows
 
 
+@pytest.mark.parametrize("model", ["deepseek-v3-ep8", "gpt-oss-120b"])
+def test_unfused_variant_computes_what_the_fused_call_does(model):
+    """'unfused' (grouped_mm, then bias, gate and row weight as torch ops) against the fused
+    call, on the up (gather, gate; gpt-oss: bias, clamped SwiGLU, alternating) and the down
+    (row weight; gpt-oss: bias) GEMM."""
+    assert fc.parse_variant("unfused") == fc.GemmConfig()
+    assert fc.parse_variant("unfused noswap").swap_ab is False
+    for bad in ("unfused wide", "unfused noswap noswap", "unfused coop 128x128"):
+        with pytest.raises(ValueError, match="'unfused' or 'unfused noswap'"):
+            fc.parse_variant(bad)
+    for case in fc.build_cases(fc.parser().parse_args(
+            ["--models", model, "--tokens", "9", "--smoke", "--up", "unfused", "--down",
+             "unfused noswap"]), torch.device("cpu")):
+        name = "unfused" if case["proj"] == "up" else "unfused noswap"
+        want = fc.variant_call(case["kw"], None, "default")()
+        got = fc.variant_call(case["kw"], case["configs"][name], name)()
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert fc.kernel_choices(case, torch.device("cpu"), 132)[name] is None
+
+
 def test_with_environment_sets_the_variables_for_the_call_only(monkeypatch):
     import os
 

@@ -11,7 +11,12 @@ import math
 import pytest
 import torch
 
-from moe_gemm.layers.routing import permute_by_expert, sigmoid_grouped_topk, softmax_topk
+from moe_gemm.layers.routing import (
+    permute_by_expert,
+    router_logits_fp32,
+    sigmoid_grouped_topk,
+    softmax_topk,
+)
 
 
 def _softmax_topk_ref(logits: torch.Tensor, k: int, renormalize: bool) -> list[dict[int, float]]:
@@ -327,3 +332,20 @@ def test_permutation_with_many_experts_uses_a_wider_key() -> None:
     ids = torch.randint(-1, 40002, (40, 3))
     _check_permutation(ids, 40000)
     _check_permutation(torch.randint(0, 300, (40, 3)), 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp32_router_logits_off_the_gpu_are_the_fp32_gemm(dtype: torch.dtype) -> None:
+    x = torch.randn(37, 96).to(dtype)
+    w = torch.randn(12, 96).to(dtype)
+    logits = router_logits_fp32(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (37, 12)
+    assert torch.equal(logits, torch.nn.functional.linear(x.float(), w.float()))
+    ref = x.double() @ w.double().t()  # bf16 / fp16 products are exact: only the sums round
+    assert torch.allclose(logits.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_fp32_router_logits_of_mixed_dtypes_widen_both() -> None:
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    w = torch.randn(4, 16)  # an fp32 router weight: its products are not exact in bf16
+    assert torch.equal(router_logits_fp32(x, w), torch.nn.functional.linear(x.float(), w))

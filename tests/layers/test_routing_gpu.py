@@ -15,7 +15,12 @@ from test_routing import (
 )
 
 from moe_gemm.layers import routing
-from moe_gemm.layers.routing import permute_by_expert, sigmoid_grouped_topk, softmax_topk
+from moe_gemm.layers.routing import (
+    permute_by_expert,
+    router_logits_fp32,
+    sigmoid_grouped_topk,
+    softmax_topk,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +62,45 @@ def test_permutation_on_the_gpu(T: int, k: int, E: int) -> None:
     cpu = permute_by_expert(ids.cpu(), E)  # the same permutation (a stable sort is unique)
     assert torch.equal(p.slot_order.cpu(), cpu.slot_order)
     assert torch.equal(p.offs.cpu(), cpu.offs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,E", [(1, 7168, 256), (333, 7168, 32), (2048, 5120, 160),
+                                   (64, 100, 7)])
+def test_fp32_router_logits_on_the_gpu_are_the_fp32_sums(dtype, T: int, H: int, E: int) -> None:
+    """16-bit operands on the tensor cores with fp32 output: the fp32 GEMM's logits to fp32
+    accumulation order (the products are exact), so the same experts as the widened GEMM."""
+    x = torch.randn(T, H, device=DEV).to(dtype)
+    w = (torch.randn(E, H, device=DEV) * 0.02).to(dtype)
+    logits = router_logits_fp32(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (T, E)
+    ref = (x.double() @ w.double().t())
+    # The classic bound of a sum of H terms in fp32, H * 2^-23 * sum |products| (2^-23: the
+    # tensor cores may truncate where IEEE rounds): wrong operands or a lost block of K land
+    # orders of magnitude past it.
+    bound = H * 2.0**-23 * (x.double().abs() @ w.double().abs().t())
+    assert bool(((logits.double() - ref).abs() <= bound).all())
+    widened = torch.nn.functional.linear(x.float(), w.float())
+    assert bool(((logits.double() - widened.double()).abs() <= 2 * bound).all())
+    bias = torch.randn(E, device=DEV) * 0.01
+    k = min(8, E)
+    groups = 8 if E % 8 == 0 and E // 8 >= 2 else 1
+    got = sigmoid_grouped_topk(logits, bias, k, groups, min(4, groups), 2.5, True)
+    want = sigmoid_grouped_topk(ref.float(), bias, k, groups, min(4, groups), 2.5, True)
+    # The same experts wherever the reference's k-th and (k+1)-th scores are not a near-tie.
+    same = (got[1].sort(dim=1).values == want[1].sort(dim=1).values).all(dim=1)
+    assert same.float().mean().item() >= 0.99
+
+
+def test_fp32_router_logits_keep_a_gradient_where_one_is_recorded() -> None:
+    """torch.mm's out_dtype form has no derivative: with gradients recorded the widened GEMM
+    runs, and the weight gets its gradient."""
+    x = torch.randn(8, 64, device=DEV).bfloat16()
+    w = torch.randn(4, 64, device=DEV).bfloat16().requires_grad_()
+    y = router_logits_fp32(x, w)
+    assert y.dtype == torch.float32 and y.grad_fn is not None
+    y.sum().backward()
+    torch.testing.assert_close(w.grad.float(), x.float().sum(0).expand(4, -1),
+                               rtol=1e-2, atol=1e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(router_logits_fp32(x, w), y.detach(), rtol=1e-5, atol=1e-4)
