@@ -66,6 +66,7 @@ from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
 from moe_gemm.ops.fused_launch import FAST_GATE_ENV, GATHER_WIDE_ENV  # noqa: E402
 from moe_gemm.ops.router_topk import ROUTER_ENV  # noqa: E402
+from moe_gemm.ops.swap_rules import SWAP_AB_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 from moe_gemm.tuning.table_io import json_line  # noqa: E402
 
@@ -84,6 +85,7 @@ FUSED_ROUTER = "moe_gemm fused, torch router"  # --router-torch
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
 FUSED_IEEE_GATE = "moe_gemm fused, IEEE gate"  # --ieee-gate
 FUSED_SELECT = "moe_gemm fused, index_select"  # --index-select
+FUSED_NOSWAP = "moe_gemm fused, no swapped tiles"  # --no-swap
 # DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
 # none), so that the two compare like for like.
 FUSED_ROUTED = "moe_gemm fused, routed experts only"
@@ -97,6 +99,8 @@ SWITCHED = {
                       "with the IEEE sigmoid in the gated epilogue"),
     FUSED_SELECT: ("index_select", GATHER_ENV, "0",
                    "with the tokens gathered by index_select (the in-kernel gather off)"),
+    FUSED_NOSWAP: ("no_swap", SWAP_AB_ENV, "0",
+                   "without swapped tiles (the fused kernels' M-side tiles at every size)"),
     FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
                  "with the in-kernel gather at every size, on every tile below the heavy "
                  "accumulators"),

@@ -207,6 +207,16 @@ def check_variants(full: bool):
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 128), **swap)
     add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 128), **swap)
     add("varlen", "float16", "float16", "k", "cooperative", (256, 128), peek_wait=True, **swap)
+    # Swapped tiles with the fused options (swapped_fused.py): the gate-up GEMM's gated
+    # epilogue (concat weights), a biased clamped SwiGLU with row weights, the down GEMM's
+    # row weights and bias.
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 128), gate="silu",
+        gate_layout="concat", fast_gate=True, **swap)
+    add("varlen", "float16", "float16", "k", "cooperative", (256, 128), gate="clamped_swiglu",
+        gate_layout="concat", gate_alpha=1.702, gate_limit=7.0, bias=True, row_scale=True,
+        **swap)
+    add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 128), bias=True,
+        row_scale=True, **swap)
     # Peeked stage waits (the next stage's barrier tested a k-tile ahead): both schedules.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), cluster_n=2,
         trim_a=True, peek_wait=True)

@@ -105,8 +105,9 @@ class GemmConfig:
             the routed rows on the WGMMA's N side: tiles of 128 weight columns by up to 256
             rows, each expert's rows split evenly over its tiles in steps of 16, so an expert
             computes fewer than 16 padding rows (the M-side tiles pad to 64 or 128; for few
-            large experts). Cooperative, device visitor, 1x1 cluster, 16-bit output; the
-            other ops refuse it (the MoE layer's fused experts run without it). None = by
+            large experts). Cooperative, device visitor, 1x1 cluster, 16-bit output; also
+            fused_grouped_mm without a gate or with the concat gate layout (its other
+            layouts and the other ops refuse it). None = by
             MOE_GEMM_SWAP_AB, else as a tuned table's exact entry measured it, else where an
             expert fills about one 256-row tile (192-320 rows on at most 160 experts,
             K >= 2048; swap_rules.swap_ab_wanted); False = off.

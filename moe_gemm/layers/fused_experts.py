@@ -133,9 +133,9 @@ def fused_expert_ffn(
     (a top-8 token received by one of 8 ranks has ~1 valid slot of 8). It must be exact.
     None: every slot gets a row, the dropped ones past offs[-1].
     """
-    if config is not None and config.swap_ab:
-        # Swapped tiles are grouped_mm's (the unfused experts take them); the fused kernels
-        # run without (fused_grouped_mm refuses the pin).
+    if config is not None and config.swap_ab and spec.layout != "concat":
+        # The fused kernels run swapped tiles over concat gate-up weights only
+        # (fused_grouped_mm refuses the pin for the other layouts): the rules decide.
         config = config.replace(swap_ab=None)
     E = w_gate_up.shape[0]
     perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)

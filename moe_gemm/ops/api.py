@@ -165,7 +165,8 @@ def _check_config(config: object, swap_refused: str | None = None) -> GemmConfig
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a moe_gemm.GemmConfig or None; got {type(config).__name__}")
     if swap_refused is not None and config.swap_ab:
-        raise ValueError(f"swap_ab=True is built for grouped_mm's 2-D x 3-D (MoE) form; "
+        raise ValueError(f"swap_ab=True is built for grouped_mm's 2-D x 3-D (MoE) form and "
+                         f"fused_grouped_mm without a gate or over concat gate-up weights; "
                          f"{swap_refused} does not take it")
     return config
 

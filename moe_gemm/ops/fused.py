@@ -137,7 +137,8 @@ def fused_grouped_mm_eager(x, w, offs, row_index, row_weight, bias, gate, gate_l
             if link and torch.is_grad_enabled():
                 return inference_only(NO_BACKWARD, run, _grad_inputs(x, w, row_weight, bias))
             return run()
-    cfg = api._check_config(config, "fused_grouped_mm")
+    cfg = api._check_config(config, None if gate is None or gate_layout == "concat" else (
+        f"fused_grouped_mm with the {gate_layout!r} gate layout"))
     if api._symbolic(*present):
         return fused_custom_ops.fused_grouped_mm(
             x, w, offs, row_index=row_index, bias=bias, gate=gate, gate_layout=gate_layout,

@@ -2,8 +2,11 @@
 TMA rules of its operands, and FusedPlan, built once per signature like mm_launch.MmPlan.
 
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
-S routed rows, N = w's columns, K; tuned tables included) and is then fitted to what the fused
-options can build (fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel
+S routed rows, N = w's columns, K; tuned tables included). Where grouped_mm would run swapped
+tiles (swap_rules' window: about one 256-row tile per expert), a gate over concat weights runs
+on them too (kernels/sm90/swapped_fused.py; without a gate only where config.swap_ab pins
+them: `swappable`). Otherwise the choice is fitted to what the plain fused kernel can build
+(fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel
 gather (gather-A) serves decode batches below GATHER_MAX_ROWS routed rows, where it saves
 index_select's launch; it needs no A multicast and, in that form, at most 128 rows and 128
 accumulator registers per thread (its rows' indices sit in registers). The wide form
@@ -161,7 +164,12 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     routed rows."""
     choice = choose_varlen(
         config, args.S if rows is None else rows, args.E, args.N, args.K, nsm,
-        args.out_dtype.itemsize, **launch_kernel.table_keys(device, args.dtype, args.out_dtype))
+        args.out_dtype.itemsize, **launch_kernel.table_keys(device, args.dtype, args.out_dtype),
+        swap_ok=rows is None and swappable(args, config))
+    if choice.swap_ab:
+        # The swapped kernel's fixed tile (kernels/sm90/swapped_fused.py); the plan gathers
+        # the routed rows with index_select.
+        return choice, False
     gate = args.gate is not None
     extra = dict(bias_and_scale=args.bias is not None and args.row_weight is not None,
                  heavy_epilogue=gate or args.bias is not None)
@@ -186,6 +194,22 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     if why is not None:  # (a config that pins what the options cannot build)
         raise ValueError(f"the fused kernel cannot use this config: {why}")
     return fitted, gather
+
+
+def swappable(args: FusedMmArgs, config: GemmConfig) -> bool:
+    """Whether these options may run swapped tiles (kernels/sm90/swapped_fused.py; 16-bit
+    output, swap_rules checks): a gate over concat weights (the kernel pairs gate and up
+    columns across its two math warpgroups), or any options without a gate where
+    config.swap_ab pins them.
+
+    Without a gate (the down GEMM) the window's guess does not hold: swapped tiles ran
+    DeepSeek-V3 EP8's down GEMM (N 7168, K 2048) at 0.86-0.89x the plain fused kernel at
+    192-320 rows per expert and Mixtral-8x7B's (N 4096, K 14336) at 0.93-1.20x (H200,
+    2026-12-03, benchmarks.fused_configs, 768-1280 tokens), while the gated gate-up GEMM gained
+    1.05-1.10x on both."""
+    if args.gate is None:
+        return bool(config.swap_ab)
+    return args.gate_layout == "concat"
 
 
 def whole_chunk_rows(args: FusedMmArgs) -> bool:

@@ -38,18 +38,19 @@ def test_smoke_combine_torch_row_and_profile(tmp_path):
     out = tmp_path / "moe-layer.json"
     rc = bml.main(["--smoke", "--models", "qwen3-30b-a3b", "--tokens", "4", "--rounds", "2",
                    "--target-ms", "1", "--combine-torch", "--router-torch", "--gather-wide",
-                   "--ieee-gate", "--profile", "--out", str(out)])
+                   "--ieee-gate", "--no-swap", "--profile", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert {r["impl"] for r in data["rows"]} == {bml.FUSED, bml.UNFUSED, bml.HF,
                                                  bml.FUSED_COMBINE, bml.FUSED_ROUTER,
-                                                 bml.FUSED_WIDE, bml.FUSED_IEEE_GATE}
+                                                 bml.FUSED_WIDE, bml.FUSED_IEEE_GATE,
+                                                 bml.FUSED_NOSWAP}
     # (on the CPU the switch changes nothing: the same layer, the same result)
     assert data["accuracy"]["qwen3-30b-a3b"][bml.FUSED_COMBINE] < 1e-6
     assert data["accuracy"]["qwen3-30b-a3b"][bml.FUSED_ROUTER] < 1e-6
     prof = data["profile"]["qwen3-30b-a3b"]["4"]
     assert set(prof) == {bml.FUSED, bml.UNFUSED, bml.HF, bml.FUSED_COMBINE, bml.FUSED_ROUTER,
-                         bml.FUSED_WIDE, bml.FUSED_IEEE_GATE}
+                         bml.FUSED_WIDE, bml.FUSED_IEEE_GATE, bml.FUSED_NOSWAP}
     for kernels in prof.values():
         assert 0 < len(kernels) <= bml.PROFILE_TOP
         assert all(k["ms"] > 0 and k["launches"] > 0 and k["kernel"] for k in kernels)

@@ -37,6 +37,12 @@ def test_parse_variant():
     with pytest.raises(ValueError, match="wide\\|select"):
         fc.parse_variant("pp 128x192 ieeegate ieeegate")
     assert fc.parse_variant("default wide") is None  # the default's kernel, gathering wide
+    # swapped tiles: pinned, or kept out of the default's kernel
+    assert fc.parse_variant("swap 256x128").swap_ab is True
+    assert fc.parse_variant("default noswap") is None
+    assert fc.variant_env("default noswap") == {"MOE_GEMM_SWAP_AB": "0"}
+    assert fc.variant_env("coop 256x192 c2x1 ieeegate noswap") == {
+        "MOE_GEMM_FUSED_FAST_GATE": "0", "MOE_GEMM_SWAP_AB": "0"}
     cfg = fc.parse_variant("pp 128x192 c2x1 p8ns")  # the tuner's raster words
     assert (cfg.raster_panel, cfg.raster_along, cfg.raster_serpentine) == (8, "n", True)
     for bad in ("pp 128x128 wide select", "pp 128x128 c2x1 host"):

@@ -99,8 +99,8 @@ def test_refusals():
             ("varlen", "cooperative", (128, 256), {}, "'tile_m': 128"),
             ("varlen", "cooperative", (256, 128), {"cluster_m": 2}, "'cluster_m': 2"),
             ("varlen", "cooperative", (256, 128), {"tail_split": True}, "'tail_split': True"),
-            ("varlen", "cooperative", (256, 128), {"gate": "silu", "gate_layout": "concat"},
-             "fused options")):
+            ("varlen", "cooperative", (256, 128),
+             {"gate": "silu", "gate_layout": "concat", "gather": True}, "gather-A")):
         key = CompileKey(form, "bfloat16", "bfloat16", "k", schedule, "device", *tile,
                          **{**base, **extra})
         with pytest.raises(ValueError, match=what):

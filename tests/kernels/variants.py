@@ -192,6 +192,17 @@ def _fused_tests(v: Variants) -> None:
     add(t.GRAPH_CASE)
     v.keys.add(fused_key(120, 50, 3, 64, 64, gate="silu", nsm=v.nsm))
     v.keys.add(fused_key(777, 300, 10, 400, 264, gate="silu", bias=True, nsm=v.nsm))
+    # Swapped tiles with the fused options (test_swapped_fused_gpu.py): its cases, then its
+    # graph and default-window launches.
+    from . import test_swapped_fused_gpu as s
+
+    for c in s.CASES:
+        add(c)
+    for S, E, I, H, config in ((756, 4, 192, 256, s.SWAP), (2048, 8, 2048, 2048, None)):
+        v.keys.add(fused_key(S, S, E, 2 * I, H, gate="silu", gather=False, config=config,
+                             nsm=v.nsm))
+        v.keys.add(fused_key(S, S, E, H, I, gather=False, scale=True, config=config,
+                             nsm=v.nsm))
 
 
 def _layer_keys(v: Variants, T: int, H: int, I: int, E: int, k: int, act: str = "silu",

@@ -201,8 +201,8 @@ def test_gated_and_callable_activations_agree():
 
 
 def test_a_swap_pin_runs_on_both_paths():
-    """swap_ab=True is grouped_mm's: the unfused experts take it and the fused ones run
-    without it (fused_grouped_mm refuses the pin), with the same results either way."""
+    """swap_ab=True: the unfused experts take it, and so do the fused ones over the layer's
+    concat gate-up weights, with the same results either way."""
     torch.manual_seed(6)
     moe = randomize(MoE(32, 16, 8, 2, fused=True, config=GemmConfig(swap_ab=True)))
     x = torch.randn(9, 32)

@@ -7,6 +7,7 @@ bmm / torch grouped_mm paths of moe_gemm.ops.reference.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 
@@ -598,9 +599,10 @@ def test_forced_cute_rejects_unsupported_input(fake_hopper: Recorder) -> None:
 
 
 def test_swap_ab_runs_grouped_mm_and_every_other_op_refuses_it() -> None:
-    """swap_ab=True is grouped_mm's 2-D x 3-D option: there it gives the reference result on
-    any backend (the torch backend computes the same product); every other op refuses it
-    with a ValueError naming itself, on the CPU as on a GPU."""
+    """swap_ab=True is grouped_mm's 2-D x 3-D option and fused_grouped_mm's (no gate, or
+    concat gate-up weights): there it gives the reference result on any backend (the torch
+    backend computes the same product); every other op refuses it with a ValueError naming
+    itself, on the CPU as on a GPU."""
     g = torch.Generator().manual_seed(0)
     swap = GemmConfig(swap_ab=True)
     x = torch.randn(40, 32, generator=g)
@@ -629,10 +631,19 @@ def test_swap_ab_runs_grouped_mm_and_every_other_op_refuses_it() -> None:
         "scaled_grouped_mm_masked": lambda: scaled_grouped_mm_masked(
             x8.view(2, 20, 32), w8[:2], sa.view(2, 20), sb[:2],
             torch.tensor([3, 20], dtype=torch.int32), config=swap),
-        "fused_grouped_mm": lambda: fused_grouped_mm(x, w, offs, gate="silu", config=swap),
+        "fused_grouped_mm with the 'interleaved' gate layout": lambda: fused_grouped_mm(
+            x, w, offs, gate="silu", gate_layout="interleaved", config=swap),
+        "fused_grouped_mm with the 'alternating' gate layout": lambda: fused_grouped_mm(
+            x, w, offs, gate="silu", gate_layout="alternating", config=swap),
         "fused_grouped_mm_masked": lambda: fused_grouped_mm_masked(
             x.view(2, 20, 32), w[:2], torch.tensor([3, 20], dtype=torch.int32), config=swap),
     }
     for name, call in calls.items():
-        with pytest.raises(ValueError, match=f"swap_ab=True .*; {name} does not take it"):
+        with pytest.raises(ValueError, match=f"swap_ab=True .*; {re.escape(name)} does not "
+                                             "take it"):
             call()
+    # fused_grouped_mm takes it without a gate and over concat gate-up weights: the
+    # same result as without it (the torch backend here).
+    for kw in (dict(gate="silu"), dict(row_weight=torch.rand(40, generator=g))):
+        y = fused_grouped_mm(x, w, offs, config=swap, **kw)
+        assert torch.allclose(y, fused_grouped_mm(x, w, offs, **kw))

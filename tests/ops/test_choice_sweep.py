@@ -52,7 +52,7 @@ def _assert_buildable(choice, tiles_ok=True):
 @pytest.mark.parametrize("device", [None, "NVIDIA H100 80GB HBM3"])
 def test_fused_choices_are_buildable(device, monkeypatch):
     monkeypatch.setattr(launch_kernel, "_table_device", lambda _: device)  # tables or rules
-    for S, N, K in itertools.product((1, 64, 4096), (96, 768, 14336), (128, 7168)):
+    for S, N, K in itertools.product((1, 64, 2048, 4096), (96, 768, 14336), (128, 7168)):
         for gate, layout, gather, bias, weight in itertools.product(
                 (None, "silu"), ("concat", "interleaved", "alternating"), (False, True),
                 (False, True), (False, True)):

@@ -25,6 +25,7 @@ from .constants import (  # noqa: E402
 from .fused_moe import FusedMoeGemmSm90  # noqa: E402
 from .grouped_gemm import GroupedGemmSm90  # noqa: E402
 from .swapped import SwappedGemmSm90  # noqa: E402
+from .swapped_fused import SwappedFusedMoeGemmSm90  # noqa: E402
 
 DTYPES = {
     "bfloat16": cutlass.BFloat16,
@@ -159,12 +160,19 @@ class CompileKey:
                  "cluster_n": 1, "tail_split": False, "row_counts": False,
                  "epi_whole": False, "trim_a": True, "epi_n": SWAP_ROW_UNIT}
         wrong = {k: getattr(self, k) for k, v in fixed.items() if getattr(self, k) != v}
-        if wrong or self.fused:
-            raise ValueError(f"swapped tiles are built for {fixed} without fused options; "
-                             f"got {wrong or 'fused options'}")
+        if wrong or self.gather:
+            raise ValueError(f"swapped tiles are built for {fixed} without gather-A; "
+                             f"got {wrong or 'gather-A'}")
+        common = dict(ab_stages=self.stages, trace=self.trace, l2_hints=self.l2_hints,
+                      peek_wait=self.peek_wait)
+        if self.fused:
+            return SwappedFusedMoeGemmSm90(
+                DTYPES[self.ab_dtype], DTYPES[self.d_dtype], self.b_major, **common,
+                gate=self.gate or None, gate_layout=self.gate_layout or "concat",
+                gate_alpha=self.gate_alpha, gate_limit=self.gate_limit, bias=self.bias,
+                row_scale=self.row_scale, fast_gate=self.fast_gate)
         return SwappedGemmSm90(DTYPES[self.ab_dtype], DTYPES[self.d_dtype], self.b_major,
-                               ab_stages=self.stages, trace=self.trace,
-                               l2_hints=self.l2_hints, peek_wait=self.peek_wait)
+                               **common)
 
 
 def _fake(dtype, shape, leading_dim: int):

@@ -60,7 +60,9 @@ Swapped tiles (swapped.SwappedGemmSm90, a subclass; varlen form): each expert co
 out^T = w^T x^T, 128 weight columns on the WGMMA's M side and up to 256 routed rows on its N
 side in 16-row steps, so an expert computes fewer than 16 padding rows; the hooks it
 overrides here are store_tensor (the transposed ragged D), tile_row_span (its even row split
-for the trimmed A loads) and make_problems / make_epilogue / math_role.
+for the trimmed A loads) and make_problems / make_epilogue / math_role. Its fused subclass
+(swapped_fused.py) adds the gated epilogue over concat weights, a bias and row weights; its
+math warpgroups exchange the up values through epi_scratch_floats of shared memory.
 
 Fused MoE options (compile-time, varlen form, all off by default; constants.fused_problem,
 fused_moe.FusedMoeGemmSm90 takes their tensors): a gated epilogue that stores act(gate) * up
@@ -256,6 +258,10 @@ class GroupedGemmSm90:
     # object whose fill_stage(k, stage, barrier) issues k-tile k's copies.
     staged_scale_floats: int = 0
     staged_tx_bytes: int = 0
+    # fp32 values of shared memory the math warpgroups exchange in the epilogue (the swapped
+    # gated kernel's up accumulators, swapped_fused.py; none here). A subclass that sets it
+    # keeps them within the epilogue staging its stage count was planned with.
+    epi_scratch_floats: int = 0
 
     def __init__(
         self,
@@ -626,6 +632,10 @@ class GroupedGemmSm90:
                     cute.struct.MemRange[cutlass.Float32,
                                          self.ab_stages * self.staged_scale_floats], 128
                 ]
+            if const_expr(self.epi_scratch_floats > 0):
+                epi_scratch: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Float32, self.epi_scratch_floats], 128
+                ]
 
         self.shared_storage = SharedStorage
 
@@ -747,6 +757,9 @@ class GroupedGemmSm90:
         if const_expr(self.staged_scale_floats > 0):
             staged = storage.stage_scales.get_tensor(
                 cute.make_layout((self.staged_scale_floats, self.ab_stages)))
+        scratch = None  # the epilogue's exchange (epi_scratch_floats)
+        if const_expr(self.epi_scratch_floats > 0):
+            scratch = storage.epi_scratch.get_tensor(cute.make_layout(self.epi_scratch_floats))
         problems = self.make_problems(args)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
@@ -784,7 +797,7 @@ class GroupedGemmSm90:
         else:
             cute.arch.setmaxregister_increase(self.math_regs)
             self.math_role(ab_pipe, sched_pipe, sched, tiled_mma, sA, sB, sD, tma,
-                           problems, run, tidx, warp_idx, wg_idx - 1, staged)
+                           problems, run, tidx, warp_idx, wg_idx - 1, staged, scratch)
 
     # ------------------------------------------------------------------------------------------
     # Load warp
@@ -932,6 +945,7 @@ class GroupedGemmSm90:
         warp_idx: Int32,
         math_wg: Int32,  # 0 or 1
         staged: cute.Tensor | None,
+        scratch: cute.Tensor | None = None,
     ):
         if const_expr(self.pingpong):
             mma_tidx = tidx % self.threads_per_wg

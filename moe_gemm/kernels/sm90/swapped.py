@@ -27,7 +27,8 @@ first row and B (the weights) as ever. What changes:
   clipped at the expert's end like the plain kernel's stores.
 
 Constraints beyond the plain kernel's: varlen form, cooperative, device visitor, 1x1
-cluster, 16-bit output, no tail split, no fused options.
+cluster, 16-bit output, no tail split. The fused MoE options (a concat-layout gate, bias,
+row weights; no gather-A) are swapped_fused.py's subclass.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class SwappedVarlenProblems(VarlenProblems):
         last = work.row_start + work.rows - 1
         expert = cute.domain_offset((0, self.mD.shape[0] - work.rows + first),
                                     tma_d[None, None, last])
-        return cute.local_tile(expert, (SWAP_TILE_COLS, SWAP_TILE_ROWS), (work.n_tile, 0))
+        # (d_tile_n: the stored columns of a tile, 128; 64 for a gated one)
+        return cute.local_tile(expert, (self.cfg.d_tile_n, SWAP_TILE_ROWS), (work.n_tile, 0))
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,7 +105,8 @@ class SwappedEpilogue(Epilogue):
                    sD: cute.Tensor,
                    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, problems, work: WorkTile,
                    epi_bar_id: Int32, epi_threads: cutlass.Constexpr,
-                   is_store_warp: cutlass.Boolean):
+                   is_store_warp: cutlass.Boolean, scratch: cute.Tensor | None = None):
+        """Subtiles 0..subtiles-1 of the tile from `acc` (scratch: swapped_fused.py's)."""
         cfg = self.cfg
         gD = problems.store_view(tma_d, work)
         gD_epi = cute.zipped_divide(gD, cfg.epi_tile)
@@ -118,9 +121,7 @@ class SwappedEpilogue(Epilogue):
         for e in cutlass.range_constexpr(subtiles):
             # Subtile e of the tile is the accumulator's values [e * 8, e * 8 + 8) (the WGMMA
             # C fragment orders them by n8 block last; tests/kernels/test_swapped.py).
-            for v in cutlass.range_constexpr(frags.size_rD):
-                frags.tRS_rD[v] = acc[e * frags.size_rD + v]
-            frags.tRS_rD_out.store(frags.tRS_rD.load().to(cfg.d_dtype))
+            self.subtile_values(frags, acc, e, problems, work)
             buf = e % cfg.epi_stages
             cute.copy(frags.tiled_copy_r2s, frags.tRS_rD_out,
                       frags.tRS_sD[(None, None, None, buf)])
@@ -135,6 +136,16 @@ class SwappedEpilogue(Epilogue):
             cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
 
 
+    @cute.jit
+    def subtile_values(self, frags: EpilogueFrags, acc: cute.Tensor, e: cutlass.Constexpr,
+                       problems, work: WorkTile):
+        """Subtile e's values, converted, into frags.tRS_rD_out (a fused subclass adds its
+        bias and row weights)."""
+        for v in cutlass.range_constexpr(frags.size_rD):
+            frags.tRS_rD[v] = acc[e * frags.size_rD + v]
+        frags.tRS_rD_out.store(frags.tRS_rD.load().to(self.cfg.d_dtype))
+
+
 class SwappedGemmSm90(GroupedGemmSm90):
     """GroupedGemmSm90's varlen form with the rows on the WGMMA's N side (module docstring).
 
@@ -143,13 +154,15 @@ class SwappedGemmSm90(GroupedGemmSm90):
     """
 
     def __init__(self, ab_dtype, d_dtype, b_major, ab_stages: int | None = None,
-                 trace: bool = False, l2_hints: bool = False, peek_wait: bool = False):
+                 trace: bool = False, l2_hints: bool = False, peek_wait: bool = False,
+                 **fused):
+        """fused: the fused MoE options swapped_fused.SwappedFusedMoeGemmSm90 builds."""
         if d_dtype.width != 16:
             raise ValueError("swapped tiles store 16-bit output (bf16 or fp16)")
         super().__init__(ab_dtype, d_dtype, b_major, "varlen", "cooperative", "device",
                          (SWAP_TILE_ROWS, SWAP_TILE_COLS), ab_stages=ab_stages, trace=trace,
                          l2_hints=l2_hints, epi_n=SWAP_ROW_UNIT, trim_a=True,
-                         peek_wait=peek_wait)
+                         peek_wait=peek_wait, **fused)
         # The epilogue's subtile is (128 weight columns, 16 rows): the plain kernel's
         # cooperative staging for 16-wide subtiles has that size (8 buffers of 4 KiB).
         assert self.epi_tile == (SWAP_TILE_COLS, SWAP_ROW_UNIT), self.epi_tile
@@ -191,7 +204,7 @@ class SwappedGemmSm90(GroupedGemmSm90):
 
     @cute.jit
     def math_role(self, ab_pipe, sched_pipe, sched, tiled_mma, sA, sB, sD, tma, problems, run,
-                  tidx, warp_idx, math_wg, staged):
+                  tidx, warp_idx, math_wg, staged, scratch=None):
         """Per tile: the variant of its rows (N = 16u) runs the plain mainloop into an
         accumulator of its own and stores u subtiles. (Each variant owns its accumulator: one
         register tensor shared by variants of different N made ptxas serialize the WGMMAs.)"""
@@ -238,7 +251,7 @@ class SwappedGemmSm90(GroupedGemmSm90):
                                              work.k_tiles, num_k_blocks, math_wg, work,
                                              problems, staged)
                     self.epi.store_rows(frags, acc, u, sD, tma.atom_d, tma.tma_d, problems, work,
-                                        epi_bar_id, epi_threads, is_store_warp)
+                                        epi_bar_id, epi_threads, is_store_warp, scratch)
             if const_expr(self.trace):
                 if mma_tidx == 0:
                     trace = run.trace

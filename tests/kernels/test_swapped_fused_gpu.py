@@ -1,0 +1,130 @@
+"""Swapped tiles with the fused MoE options (kernels/sm90/swapped_fused.py) on the GPU, against
+the fp32 loop reference (test_fused_moe_gpu.py's cases and 2x rule): every gate over concat
+weights, with and without a bias and row weights; the down GEMM's row weights and bias in
+both weight majors; experts from empty to several 256-row tiles, rows crossing every 16-row
+line, rows past offs[-1] (zeros, or untouched in a given out), K off the 64-deep stage, I off
+the 64-column output tile; fp16; routed rows gathered by the plan (index_select). Then a CUDA
+graph replayed with new offsets, and the default's window (MOE_GEMM_SWAP_AB=0 turns it off).
+
+    python3 scripts/gpu_session.py --paths tests/kernels/test_swapped_fused_gpu.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_gemm
+from moe_gemm import GemmConfig
+from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
+from moe_gemm.ops.launch_info import last_launch
+from moe_gemm.ops.swap_rules import SWAP_AB_ENV
+
+from .gpu_report import record
+from .helpers import check
+from .test_fused_moe_gpu import case, run_case
+
+pytestmark = pytest.mark.gpu
+
+SWAP = GemmConfig(backend="cute", swap_ab=True)
+
+
+def swapped(name, **kw):
+    return case(f"swapped-fused/{name}", config=SWAP, kernel_gather=False, **kw)
+
+
+CASES = [
+    *(swapped(f"gate/{g}", gate=g, bias=bias, scale=scale, K=264, N=400)
+      for g in ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+      for bias, scale in ((False, False), (True, True))),
+    swapped("gate/silu/long-k", gate="silu", K=2056, N=256, S=1500, E=4, empty=(2,)),
+    swapped("gate/silu/several-tiles", gate="silu", K=128, N=528, T=900, S=2100, E=3,
+            empty=(), tail=17),
+    swapped("gate/silu/fp16-ours", gate="silu", bias=True, dtype=torch.float16,
+            out_mode="ours"),
+    swapped("down/scale", scale=True, gather=False, N=400, K=200),
+    swapped("down/bias-scale/n", bias=True, scale=True, gather=False, w_major="n", N=264,
+            K=320),
+    swapped("down/bias-scale/k", bias=True, scale=True, gather=False, w_major="k", N=1000,
+            K=136, S=2100, E=4, empty=(0,), out_mode="ours"),
+    swapped("down/one-row-experts", scale=True, gather=False, S=40, E=37, empty=(), tail=3,
+            N=192, K=64),
+]
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
+def test_swapped_fused_matches_the_reference(c):
+    run_case(c)
+    info = last_launch()
+    ok = info is not None and info.choice.swap_ab
+    record(f"{c['name']}/swapped", ok)
+    assert ok, "the launch did not run swapped tiles"
+
+
+def _layer_operands(counts, I, H, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, S = len(counts), sum(counts)
+    x = (torch.randn(S, H, generator=g, device="cuda") * 0.5).bfloat16()
+    w1 = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    weight = torch.rand(S, generator=g, device="cuda")
+    return x, w1.transpose(1, 2), w2.transpose(1, 2), offs, weight
+
+
+def _both(x, w1, w2, offs, weight, config=None):
+    a = moe_gemm.fused_grouped_mm(x, w1, offs, gate="silu", config=config)
+    gate_up = last_launch().choice.swap_ab
+    y = moe_gemm.fused_grouped_mm(a, w2, offs, row_weight=weight, config=config)
+    return a, y, gate_up, last_launch().choice.swap_ab
+
+
+def test_cuda_graph_replays_with_new_offsets():
+    counts = [300, 0, 257, 199]
+    x, w1, w2, offs, weight = _layer_operands(counts, 192, 256, 5)
+    _both(x, w1, w2, offs, weight, SWAP)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a, y, _, _ = _both(x, w1, w2, offs, weight, SWAP)
+    for new in ([300, 0, 257, 199], [1, 500, 0, 255], [16, 17, 600, 0]):
+        offs.copy_(torch.tensor(new).cumsum(0).to(torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = sum(new)
+        zero = bool((a[rows:] == 0).all()) and bool((y[rows:] == 0).all())
+        record(f"swapped-fused/graph/{new}/tail", zero)
+        assert zero, "rows past offs[-1] are not 0 after a replay"
+        ref_a = fused_grouped_mm_ref(x[:rows], w1, offs, gate="silu", dtype=torch.float32)
+        low_a = fused_grouped_mm_ref(x[:rows], w1, offs, gate="silu", dtype=torch.bfloat16)
+        check(f"swapped-fused/graph/{new}/gate-up", a[:rows], ref_a, low_a)
+        ref_y = fused_grouped_mm_ref(a[:rows], w2, offs, row_weight=weight[:rows],
+                                     dtype=torch.float32)
+        low_y = fused_grouped_mm_ref(a[:rows], w2, offs, row_weight=weight[:rows],
+                                     dtype=torch.bfloat16)
+        check(f"swapped-fused/graph/{new}/down", y[:rows], ref_y, low_y)
+
+
+def test_the_window_takes_it_by_default(monkeypatch):
+    """256 rows on each of 8 experts of DeepSeek-V3's depth (K 7168 cut to 2048): the gated
+    gate-up GEMM swapped by default (the down GEMM only where pinned: fused_launch.swappable),
+    neither with MOE_GEMM_SWAP_AB=0, the same numbers either way."""
+    counts = [256] * 8
+    x, w1, w2, offs, weight = _layer_operands(counts, 2048, 2048, 6)
+    monkeypatch.delenv(SWAP_AB_ENV, raising=False)
+    a, y, swap_a, swap_y = _both(x, w1, w2, offs, weight)
+    monkeypatch.setenv(SWAP_AB_ENV, "0")
+    a0, y0, off_a, off_y = _both(x, w1, w2, offs, weight)
+    torch.cuda.synchronize()
+    record("swapped-fused/window-default", swap_a and not (swap_y or off_a or off_y))
+    assert swap_a and not (swap_y or off_a or off_y)
+    ref_a = fused_grouped_mm_ref(x, w1, offs, gate="silu", dtype=torch.float32)
+    low_a = fused_grouped_mm_ref(x, w1, offs, gate="silu", dtype=torch.bfloat16)
+    check("swapped-fused/window/gate-up", a, ref_a, low_a)
+    check("swapped-fused/window-off/gate-up", a0, ref_a, low_a)
+    ref_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.float32)
+    low_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.bfloat16)
+    check("swapped-fused/window/down", y, ref_y, low_y)
+    ref_y0 = fused_grouped_mm_ref(a0, w2, offs, row_weight=weight, dtype=torch.float32)
+    low_y0 = fused_grouped_mm_ref(a0, w2, offs, row_weight=weight, dtype=torch.bfloat16)
+    check("swapped-fused/window-off/down", y0, ref_y0, low_y0)
