@@ -87,9 +87,9 @@ def group_name(nodeid: str) -> str:
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    # tests/: the report plugin is `kernels.gpu_report`, the name pytest gives tests/kernels.
-    paths = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "server"),
-             os.path.join(ROOT, "client")]
+    # ROOT: the report plugin is `tests.kernels.gpu_report`, the name pytest gives it. tests/
+    # itself stays off the path: its folders would shadow installed packages of the same name.
+    paths = [ROOT, os.path.join(ROOT, "server"), os.path.join(ROOT, "client")]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -169,7 +169,7 @@ def collect(paths: list[str], kexpr: str | None, log: str) -> tuple[list[str], l
     """(node ids of the gpu-marked tests, collection errors)."""
     ids_file = log + ".json"
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
-           "-p", "no:cacheprovider", "-p", "kernels.gpu_report",
+           "-p", "no:cacheprovider", "-p", "tests.kernels.gpu_report",
            "--continue-on-collection-errors", *paths]
     if kexpr:
         cmd += ["-k", kexpr]
@@ -257,7 +257,7 @@ def run_groups(groups: list[Group], jobs: int, group_timeout: float, deadline: f
             g.log = os.path.join(work, f"{g.name}.log")
             g.report = os.path.join(work, f"{g.name}.jsonl")
             cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                   "-p", "no:randomly", "-p", "kernels.gpu_report", "--tb=short", "-rfE",
+                   "-p", "no:randomly", "-p", "tests.kernels.gpu_report", "--tb=short", "-rfE",
                    *pytest_args, *g.tests]
             extra = {"MOE_GEMM_GPU_REPORT": g.report}
             if gpus:

@@ -33,7 +33,7 @@ import time
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # moe_gemm; tests/kernels as pytest names it
+sys.path[:0] = [ROOT]  # moe_gemm; the tests package (tests.kernels.variants)
 
 
 def zoo_variants(device: str, nsm: int = 132) -> list:
@@ -82,19 +82,19 @@ def variant_set(name: str, device: str | None = None) -> list:
             raise SystemExit("--set zoo needs --device (a shipped table's GPU name)")
         return zoo_variants(device)
     if name == "fp8":
-        from kernels.variants_fp8 import fp8_test_variants
+        from tests.kernels.variants_fp8 import fp8_test_variants
 
         return fp8_test_variants()
     from moe_gemm.cli import check_variants
 
     if name == "fused":
-        from kernels.variants import fused_test_variants
+        from tests.kernels.variants import fused_test_variants
 
         return fused_test_variants()
     keys = set(check_variants(full=True))
     if name == "tests":
-        from kernels.variants import kernel_test_variants, router_test_variants
-        from kernels.variants_fp8 import fp8_test_variants
+        from tests.kernels.variants import kernel_test_variants, router_test_variants
+        from tests.kernels.variants_fp8 import fp8_test_variants
 
         keys.update(kernel_test_variants())
         keys.update(router_test_variants())

@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT]  # moe_gemm; the tests package (tests.kernels.variants_fp8)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 SERIALIZED = ("C7514", "C7515", "C7510")
@@ -59,7 +59,7 @@ def audit(key) -> tuple[str, dict]:
 
 def variants(which: str) -> list:
     if which == "fp8":
-        from kernels.variants_fp8 import fp8_test_variants
+        from tests.kernels.variants_fp8 import fp8_test_variants
 
         return [k for k in fp8_test_variants() if k.name().startswith("fp8_")]
     from moe_gemm.cli import check_variants

@@ -8,9 +8,9 @@ they happen, so a run that crashes midway still keeps everything it finished:
 With $MOE_GEMM_GPU_COLLECT set, the node ids of the selected tests are written there as a
 JSON list once collection is done (how scripts/gpu_session.py finds the GPU tests).
 
-The hooks act only where this module is loaded as a plugin: `pytest -p kernels.gpu_report`
-with tests/ on PYTHONPATH, as scripts/gpu_session.py does (the name pytest itself gives the
-package of tests/kernels, so the tests' `from .gpu_report import record` is this module).
+The hooks act only where this module is loaded as a plugin: `pytest -p tests.kernels.gpu_report`
+with the repository root on PYTHONPATH, as scripts/gpu_session.py does (the name pytest itself
+gives this module, so the tests' `from .gpu_report import record` is the plugin's module).
 """
 
 from __future__ import annotations

@@ -275,13 +275,13 @@ pytest_plugins = ["pytester"]
 
 def test_report_plugin_writes_tests_cases_and_collected_ids(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
-        ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")])))
+        ROOT, os.environ.get("PYTHONPATH")])))
     report, ids = pytester.path / "r.jsonl", pytester.path / "ids.json"
     monkeypatch.setenv("MOE_GEMM_GPU_REPORT", str(report))
     monkeypatch.setenv("MOE_GEMM_GPU_COLLECT", str(ids))
     pytester.makepyfile(test_inner="""
         import pytest
-        from kernels.gpu_report import record
+        from tests.kernels.gpu_report import record
 
         def test_ok():
             record("case-ok", True, err=0.5)
@@ -293,7 +293,7 @@ def test_report_plugin_writes_tests_cases_and_collected_ids(pytester, monkeypatc
         def test_skip():
             pass
     """)
-    result = pytester.runpytest_subprocess("-p", "kernels.gpu_report", "-q")
+    result = pytester.runpytest_subprocess("-p", "tests.kernels.gpu_report", "-q")
     result.assert_outcomes(passed=1, failed=1, skipped=1)
     rows = [json.loads(line) for line in report.read_text().splitlines()]
     tests = {r["nodeid"].split("::")[1]: r["outcome"] for r in rows if r["kind"] == "test"}

@@ -18,7 +18,7 @@ DEVICE = "cuda"
 
 def _record(name, passed, **fields):
     try:
-        from kernels.gpu_report import record
+        from tests.kernels.gpu_report import record
     except ImportError:  # (run outside scripts/gpu_session.py)
         return
     record(name, passed, **fields)

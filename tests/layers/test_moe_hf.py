@@ -500,7 +500,7 @@ def test_expert_parallel_sentinels_never_take_a_bias() -> None:
 
 TRANSFORMERS_MODELS = pathlib.Path(transformers.__file__).parent / "models"
 USAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "USAGE.md"
-DOCUMENTED_TRANSFORMERS = "5.24."  # the release docs/USAGE.md counts the families of
+DOCUMENTED_TRANSFORMERS = "5.25."  # the release docs/USAGE.md counts the families of
 
 
 def _experts_classes() -> list[tuple[str, str, str]]:
@@ -515,8 +515,8 @@ def _experts_classes() -> list[tuple[str, str, str]]:
 
 
 def test_usage_counts_the_families_the_switch_reaches() -> None:
-    # docs/USAGE.md said 25 families on transformers 5.24, which dispatches the experts of 67
-    # (68 experts classes), and named Llama-4 alone among the MoE families it does not.
+    # transformers 5.25 dispatches the experts of 72 families (73 experts classes); the MoE
+    # families it does not are named in docs/USAGE.md.
     text = " ".join(USAGE.read_text(encoding="utf-8").split())
     m = re.search(r"\((\d+) MoE families on transformers (\d+)\.(\d+)", text)
     assert m, "docs/USAGE.md no longer counts the families as this test expects"
@@ -527,7 +527,6 @@ def test_usage_counts_the_families_the_switch_reaches() -> None:
     assert int(m[1]) == len(families), f"transformers dispatches the experts of {families}"
     # The MoE families named as not reached run their experts on their own.
     named = {"Llama-4": "llama4", "DBRX": "dbrx", "JetMoE": "jetmoe",
-             "LongCat-Flash": "longcat_flash", "Step-3.7": "step3p7",
              "Switch Transformers": "switch_transformers"}
     exclusions = re.search(r"; not (.*?), whose experts transformers runs on its own", text)
     assert exclusions, "docs/USAGE.md no longer names the families the switch does not reach"
@@ -563,8 +562,11 @@ def _tiny_experts(family: str, module: str, cls_name: str) -> torch.nn.Module:
                     pass
         cls = getattr(modeling, cls_name)
         # (Ernie-4.5-VL's experts take their width from the block: the config holds a list)
+        params = inspect.signature(cls.__init__).parameters
         kwargs = ({"intermediate_size": _TINY["intermediate_size"]}
-                  if "intermediate_size" in inspect.signature(cls.__init__).parameters else {})
+                  if "intermediate_size" in params else {})
+        if "layer_idx" in params:  # (Step-3.7's experts: per-layer clamp limits)
+            kwargs["layer_idx"] = 0
         try:
             experts = cls(config, **kwargs)
         except Exception as exc:  # noqa: BLE001 (another config class of the family may fit)
@@ -578,6 +580,21 @@ def _tiny_experts(family: str, module: str, cls_name: str) -> torch.nn.Module:
                 f"{transformers.__version__}: {errors[:1]}")
 
 
+def _routes_per_row(ref: torch.nn.Module, x: torch.Tensor, E: int) -> int:
+    """Top-k routes per token the class's own eager forward takes: 3, or 1 where the class is
+    a per-route projection (Ergo's takes one unit-weight route per row, squeezing the last
+    dim; its subclass, the model's experts, spreads the routes and weighs them itself)."""
+    for k in (3, 1):
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(x.shape[0])])
+        try:
+            with torch.no_grad():
+                ref(x, ids, torch.rand(x.shape[0], k, dtype=x.dtype))
+        except (IndexError, RuntimeError):
+            continue
+        return k
+    pytest.fail(f"{type(ref).__name__}'s eager forward takes neither 3 nor 1 route per row")
+
+
 @pytest.mark.parametrize("family,module,cls_name",
                          [pytest.param(*c, id=f"{c[0]}.{c[2]}") for c in _experts_classes()])
 def test_switch_matches_transformers_on_every_experts_class(family, module, cls_name) -> None:
@@ -589,11 +606,13 @@ def test_switch_matches_transformers_on_every_experts_class(family, module, cls_
     w_in = experts.gate_up_proj if experts.has_gate else experts.up_proj
     H = w_in.shape[1] if experts.is_transposed else w_in.shape[2]
     E = experts.num_experts
-    x = torch.randn(17, H)
-    ids = torch.stack([torch.randperm(E - 2)[:3] for _ in range(17)])  # 2 experts get none
-    w = torch.rand(17, 3)
     ref = copy.deepcopy(experts).double()
     ref.config._experts_implementation = "eager"
+    x = torch.randn(17, H)
+    k = _routes_per_row(ref, x.double(), E)
+    ids = torch.stack([torch.randperm(E - 2)[:k] for _ in range(17)])  # 2 experts get none
+    # A per-route projection's routes have unit weight (its caller weighs them after a norm).
+    w = torch.rand(17, k) if k > 1 else torch.ones(17, 1)
     for T in (17, 1):
         with torch.no_grad():
             want = ref(x[:T].double(), ids[:T], w[:T].double())
@@ -613,6 +632,47 @@ def test_switch_matches_transformers_on_every_experts_class(family, module, cls_
     assert got.dtype == torch.bfloat16
     assert_close_to_ref(got, want, base, max_calc_diff=max(1e-5, 2 * calc_diff(base, want)),
                         name=cls_name)
+
+
+def _experts_subclasses() -> list[tuple[str, str, str, str]]:
+    """(family, module, decorated class, subclass) where a model's experts module subclasses
+    a dispatched class and calls it from its own forward (Ergo's per-route projection)."""
+    found = []
+    for family, module, cls_name in _experts_classes():
+        modeling = importlib.import_module(f"transformers.models.{family}.{module}")
+        base = getattr(modeling, cls_name)
+        found += [(family, module, cls_name, c.__name__) for c in vars(modeling).values()
+                  if isinstance(c, type) and c is not base and issubclass(c, base)
+                  and c.__module__ == modeling.__name__]
+    return found
+
+
+@pytest.mark.parametrize("family,module,cls_name,sub_name",
+                         [pytest.param(*c, id=f"{c[0]}.{c[3]}") for c in _experts_subclasses()])
+def test_switch_inside_a_subclassed_experts_module(family, module, cls_name, sub_name) -> None:
+    # The model's own experts module (top-k routes, real weights) with the switch on matches
+    # its eager forward: the dispatched projection inside sees the routes the subclass makes.
+    register_transformers()
+    built = _tiny_experts(family, module, cls_name)
+    modeling = importlib.import_module(f"transformers.models.{family}.{module}")
+    try:
+        experts = getattr(modeling, sub_name)(built.config)
+    except Exception as exc:  # noqa: BLE001 (a subclass taking more than the config)
+        pytest.skip(f"{sub_name} not built from {type(built.config).__name__}: {exc!r}")
+    experts = _randomize(experts, seed=int(torch.randint(1 << 30, ())), scale=0.3)
+    w_in = built.gate_up_proj if built.has_gate else built.up_proj
+    H = w_in.shape[1] if built.is_transposed else w_in.shape[2]
+    E = experts.num_experts
+    x = torch.randn(17, H)
+    ids = torch.stack([torch.randperm(E - 2)[:3] for _ in range(17)])
+    w = torch.rand(17, 3)
+    ref = copy.deepcopy(experts).double()
+    ref.config._experts_implementation = "eager"
+    with torch.no_grad():
+        want = ref(x.double(), ids, w.double())
+        experts.config._experts_implementation = "moe_gemm"
+        got = experts(x, ids, w)
+    assert rel_err(got, want) < 1e-5
 
 
 def _mixtral_experts_with(**weights: torch.Tensor) -> torch.nn.Module:
