@@ -532,3 +532,28 @@ def test_precompile_usage_errors_exit_2_in_one_line(argv, words, capsys, monkeyp
         pre.main(argv)
     assert exc.value.code == 2
     assert f"error: {words}" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_gpu_session_keeps_tests_folder_off_the_path():
+    # tests/ on PYTHONPATH would make tests/kernels the top-level `kernels`, shadowing the
+    # Hugging Face package transformers imports (its GPU tests would fail to collect).
+    gs = _load_script("gpu_session")
+    paths = gs.child_env()["PYTHONPATH"].split(os.pathsep)
+    assert ROOT in paths and os.path.join(ROOT, "tests") not in paths
+
+
+@pytest.mark.slow
+def test_precompile_lists_the_test_sets_from_a_plain_shell(tmp_path):
+    # The precompile step imports tests.kernels' variant lists by the package name pytest
+    # gives them, with no PYTHONPATH and from another working directory.
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for which in ("fused", "fp8"):
+        run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "precompile.py"),
+                              "--list", "--set", which], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        names = run.stdout.split()
+        assert names and all(n.startswith(("varlen_", "fp8", "general_", "batched_", "masked_"))
+                             for n in names[:3]), names[:3]
