@@ -10,10 +10,9 @@ import torch
 
 from moe_gemm.kernels.sm90.constants import GATE_BLOCK, GATE_LAYOUTS, GATES
 from moe_gemm.ops.validation import (
-    _check_dtype,
-    _check_writable_out,
-    check_dense,
     check_offs_values,
+    check_out,
+    check_varlen_operands,
     offs_check_requested,
     resolve_out_dtype,
     shape_text,
@@ -99,35 +98,13 @@ def check_fused_mm(
     out_dtype: torch.dtype | None = None, concrete: bool = True,
 ) -> FusedMmArgs:
     """concrete=False (fake tensors): skip the check that reads offs values."""
-    for name, t, hint in (("x", x, "(T, K)"), ("w", w, "(E, K, N)"), ("offs", offs, "(E,)")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
+    check_varlen_operands(x, w, offs, batched_form=False, dense=(
+        ("row_index", row_index), ("row_weight", row_weight), ("bias", bias), ("out", out)))
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
     assert isinstance(offs, torch.Tensor)
-    for name, t in (("x", x), ("w", w), ("offs", offs), ("row_index", row_index),
-                    ("row_weight", row_weight), ("bias", bias), ("out", out)):
-        check_dense(name, t)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (T, K); got shape {shape_text(x)}")
-    if w.dim() != 3:
-        raise ValueError(f"w must be 3-D (E, K, N) (for an (E, N, K) weight pass "
-                         f"w.transpose(1, 2)); got shape {shape_text(w)}")
-    _check_dtype("x", x)
-    if w.dtype != x.dtype:
-        raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
     device = x.device
-    for name, t in (("w", w), ("offs", offs)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but x is on {device}")
-    if offs.dtype != torch.int32:
-        raise TypeError(f"offs must be int32 cumulative end rows (E,); got dtype {offs.dtype}")
-    T, K = x.shape
-    E, Kw, N = w.shape
-    if Kw != K:
-        raise ValueError(f"x is (T, K) = {shape_text(x)}, so w must be (E, {K}, N); got "
-                         f"{shape_text(w)}")
-    if offs.dim() != 1 or offs.shape[0] != E:
-        raise ValueError(f"offs must have one entry per expert: ({E},); got {shape_text(offs)}")
+    T = x.shape[0]
+    E, _, N = w.shape
     S = T
     if row_index is not None:
         if not isinstance(row_index, torch.Tensor):
@@ -188,21 +165,9 @@ def check_fused_mm(
         except ValueError as exc:  # (offs count the routed rows: S, not x's rows under a gather)
             raise ValueError(str(exc).replace(f"T = {S} (rows of x)",
                                               f"S = {S} (routed rows)")) from None
-    odt = resolve_out_dtype(x.dtype, out_dtype)
     n_out = N // 2 if gate_name else N
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor (S, N); got {type(out).__name__}")
-        if out_dtype is None:
-            odt = out.dtype
-            _check_dtype("out", out)
-        if tuple(out.shape) != (S, n_out):
-            raise ValueError(f"out must be (S, {'N / 2' if gate_name else 'N'}) = ({S}, "
-                             f"{n_out}); got {shape_text(out)}")
-        if out.dtype != odt:
-            raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
-        if out.device != device:
-            raise ValueError(f"out is on {out.device} but x is on {device}")
-        _check_writable_out("out", out)
+    odt = check_out(out, (S, n_out), f"(S, {'N / 2' if gate_name else 'N'})",
+                    resolve_out_dtype(x.dtype, out_dtype), device,
+                    dtype_from_out=out_dtype is None)
     return FusedMmArgs(x, w, offs, row_index, row_weight, bias, gate_name, gate_layout, alpha,
                        limit, out, x.dtype, odt)

@@ -31,8 +31,11 @@ from moe_gemm.ops.aliasing import outputs_aliasing_inputs
 from moe_gemm.ops.validation import (
     _as_tensor_list,
     _check_writable_out,
+    check_batched_operands,
     check_dense,
     check_offs_values,
+    check_out,
+    check_varlen_operands,
     offs_check_requested,
     shape_text,
 )
@@ -174,68 +177,21 @@ def check_scaled_grouped_mm(x: object, w: object, scale_a: object, scale_b: obje
                             concrete: bool = True) -> ScaledMmArgs:
     """concrete=False (fake tensors): skip the check that reads offs values."""
     batched = offs is None
-    for name, t, hint in (("x", x, "(G, M, K)" if batched else "(T, K)"),
-                          ("w", w, "(G, K, N)" if batched else "(E, K, N)")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
-    assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
-    for name, t in (("x", x), ("w", w), ("offs", offs), ("out", out)):
-        check_dense(name, t)
     if batched:
-        if x.dim() != 3:
-            hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
-            raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape "
-                             f"{shape_text(x)}{hint}")
-    elif x.dim() != 2:
-        raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape {shape_text(x)}")
-    if w.dim() != 3:
-        raise ValueError(f"w must be 3-D (E, K, N) (for an (E, N, K) weight pass "
-                         f"w.transpose(1, 2)); got shape {shape_text(w)}")
-    _check_fp8("x", x)
-    if w.dtype != x.dtype:
-        raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
-    if w.device != x.device:
-        raise ValueError(f"w is on {w.device} but x is on {x.device}; they must be on one "
-                         "device")
-    K, N = x.shape[-1], w.shape[2]
-    if batched:
-        G, M = x.shape[0], x.shape[1]
-        if w.shape[0] != G or w.shape[1] != K:
-            raise ValueError(f"x is (G, M, K) = {shape_text(x)}, so w must be ({G}, {K}, N); got "
-                             f"{shape_text(w)}")
-        rows, a_lead = M, (G,)
+        check_batched_operands(x, w, dense=(("out", out),), check_x_dtype=_check_fp8)
     else:
-        if not isinstance(offs, torch.Tensor):
-            raise TypeError(f"offs must be a torch.Tensor (E,) or None; got {type(offs).__name__}")
-        if w.shape[1] != K:
-            raise ValueError(f"x is (T, K) = {shape_text(x)}, so w must be (E, {K}, N); got "
-                             f"{shape_text(w)}")
-        if offs.device != x.device:
-            raise ValueError(f"offs is on {offs.device} but x is on {x.device}; offs must live "
-                             "with x")
-        if offs.dtype != torch.int32:
-            raise TypeError(f"offs must be int32 cumulative end rows (E,); got dtype {offs.dtype}")
-        if offs.dim() != 1 or offs.shape[0] != w.shape[0]:
-            raise ValueError(f"offs must have one entry per expert: ({w.shape[0]},); got "
-                             f"{shape_text(offs)}")
-        rows, a_lead = x.shape[0], ()
+        check_varlen_operands(x, w, offs, dense=(("out", out),), check_x_dtype=_check_fp8,
+                              offs_hint="(E,) or None")
+    assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+    K, N = x.shape[-1], w.shape[2]
+    rows, a_lead = (x.shape[1], (x.shape[0],)) if batched else (x.shape[0], ())
     sa = _check_scale("scale_a", scale_a, x.device)
     sb = _check_scale("scale_b", scale_b, x.device)
     granularity = granularity_of(sa, sb, (w.shape[0],), rows, K, N, a_lead)
     if not batched and concrete and (offs.device.type == "cpu" or offs_check_requested()):
         check_offs_values(offs, rows)
-    odt = resolve_fp8_out_dtype(out_dtype, out)
-    if out is not None:
-        want = (*x.shape[:-1], N)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor {_dims(want)}; got {type(out).__name__}")
-        if tuple(out.shape) != want:
-            raise ValueError(f"out must be {_dims(want)}; got {shape_text(out)}")
-        if out.dtype != odt:
-            raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
-        if out.device != x.device:
-            raise ValueError(f"out is on {out.device} but x is on {x.device}")
-        _check_writable_out("out", out)
+    odt = check_out(out, (*x.shape[:-1], N), "(G, M, N)" if batched else "(T, N)",
+                    resolve_fp8_out_dtype(out_dtype, out), x.device)
     return ScaledMmArgs(x, w, sa, sb, offs, out, granularity, x.dtype, odt)
 
 

@@ -8,7 +8,7 @@ clamp offsets into [0, T] so that bad values on the GPU can never write out of b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -298,6 +298,109 @@ def _explain_grouped_gemm(
     raise AssertionError("unreachable: fast check failed but no operand is wrong")
 
 
+
+def check_tensor_args(*specs: tuple[str, object, str]) -> None:
+    """TypeError for the first (name, value, shape hint) whose value is not a tensor."""
+    for name, t, hint in specs:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
+
+
+def _check_weight(x: torch.Tensor, w: torch.Tensor, lead: str,
+                  check_x_dtype: Callable[[str, torch.Tensor], None]) -> None:
+    """w 3-D, x's dtype (check_x_dtype) shared by w, and one device."""
+    if w.dim() != 3:
+        article = "an" if lead == "E" else "a"
+        raise ValueError(f"w must be 3-D ({lead}, K, N) (for {article} ({lead}, N, K) weight "
+                         f"pass w.transpose(1, 2)); got shape {shape_text(w)}")
+    check_x_dtype("x", x)
+    if w.dtype != x.dtype:
+        raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
+    if w.device != x.device:
+        raise ValueError(f"w is on {w.device} but x is on {x.device}; they must be on one device")
+
+
+def check_varlen_operands(
+    x: object, w: object, offs: object, *, dense: tuple[tuple[str, object], ...] = (),
+    check_x_dtype: Callable[[str, torch.Tensor], None] | None = None,
+    batched_form: bool = True, offs_hint: str = "(E,)",
+) -> None:
+    """The MoE form's operands: x (T, K), w (E, K, N) of x's dtype, offs (E,) int32, dense,
+    on x's device (the tensors of `dense`, (name, value) pairs, are checked dense too, first:
+    a nested tensor has no shape to check). check_x_dtype: the op's dtype check of x (16-bit
+    or fp32 by default); batched_form: whether the op has a batched form a 3-D x could mean."""
+    check_tensor_args(("x", x, "(T, K)"), ("w", w, "(E, K, N)"), ("offs", offs, offs_hint))
+    assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+    assert isinstance(offs, torch.Tensor)
+    for name, t in (("x", x), ("w", w), ("offs", offs), *dense):
+        check_dense(name, t)
+    if x.dim() != 2:
+        when = " when offs is given" if batched_form else ""
+        hint = (" (3-D x (G, M, K) is the batched form: pass offs=None)"
+                if batched_form and x.dim() == 3 else "")
+        raise ValueError(f"x must be 2-D (T, K){when}; got shape {shape_text(x)}{hint}")
+    _check_weight(x, w, "E", check_x_dtype or _check_dtype)
+    if offs.device != x.device:
+        raise ValueError(
+            f"offs is on {offs.device} but x is on {x.device}; offs must live with x"
+        )
+    if offs.dtype != torch.int32:
+        raise TypeError(f"offs must be int32 cumulative end rows (E,); got dtype {offs.dtype}")
+    if offs.dim() != 1:
+        raise ValueError(f"offs must be 1-D (E,) = ({w.shape[0]},); got shape {shape_text(offs)}")
+    K = x.shape[1]
+    E, Kw, _ = w.shape
+    if Kw != K:
+        raise ValueError(f"x is (T, K) = {shape_text(x)}, so w must be (E, {K}, N); got "
+                         f"{shape_text(w)}")
+    if offs.shape[0] != E:
+        raise ValueError(f"offs must have one entry per expert: ({E},); got {shape_text(offs)}")
+
+
+def check_batched_operands(
+    x: object, w: object, *, dense: tuple[tuple[str, object], ...] = (),
+    check_x_dtype: Callable[[str, torch.Tensor], None] | None = None,
+) -> None:
+    """The batched form's operands: x (G, M, K), w (G, K, N) of x's dtype, dense, one device
+    (`dense` and check_x_dtype as check_varlen_operands takes them)."""
+    check_tensor_args(("x", x, "(G, M, K)"), ("w", w, "(G, K, N)"))
+    assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+    for name, t in (("x", x), ("w", w), *dense):
+        check_dense(name, t)
+    if x.dim() != 3:
+        hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
+        raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape "
+                         f"{shape_text(x)}{hint}")
+    _check_weight(x, w, "G", check_x_dtype or _check_dtype)
+    G, _, K = x.shape
+    if w.shape[0] != G or w.shape[1] != K:
+        raise ValueError(f"x is (G, M, K) = {shape_text(x)}, so w must be ({G}, {K}, N); "
+                         f"got {shape_text(w)}")
+
+
+def check_out(out: object, want: tuple[int, ...], dims: str, odt: torch.dtype,
+              device: torch.device, *, dtype_from_out: bool = False) -> torch.dtype:
+    """An `out` argument (None passes): a tensor of shape `want` (`dims` names it, e.g.
+    "(T, N)"), dtype odt, on the operands' device, writable. dtype_from_out (no out_dtype
+    given, and the op takes out's dtype then): out's own dtype, if supported, is the output
+    dtype. Returns the output dtype."""
+    if out is None:
+        return odt
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor {dims}; got {type(out).__name__}")
+    if dtype_from_out:
+        odt = out.dtype
+        _check_dtype("out", out)
+    if tuple(out.shape) != want:
+        raise ValueError(f"out must be {dims} = {want}; got {shape_text(out)}")
+    if out.dtype != odt:
+        raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but x is on {device}")
+    _check_writable_out("out", out)
+    return odt
+
+
 # MOE_GEMM_CHECK_OFFS, read at every call that could check on the host.
 offs_check_requested = env_value_reader("MOE_GEMM_CHECK_OFFS")
 
@@ -307,58 +410,14 @@ def check_grouped_mm(
     concrete: bool = True,
 ) -> GroupedMmArgs:
     """concrete=False (fake tensors): skip the check that reads offs values."""
-    for name, t, hint in (("x", x, "(T, K)"), ("w", w, "(E, K, N)"), ("offs", offs, "(E,)")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
+    check_varlen_operands(x, w, offs, dense=(("out", out),))
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
     assert isinstance(offs, torch.Tensor)
-    for name, t in (("x", x), ("w", w), ("offs", offs), ("out", out)):
-        check_dense(name, t)
-    if x.dim() != 2:
-        hint = " (3-D x (G, M, K) is the batched form: pass offs=None)" if x.dim() == 3 else ""
-        raise ValueError(f"x must be 2-D (T, K) when offs is given; got shape "
-                         f"{shape_text(x)}{hint}")
-    if w.dim() != 3:
-        raise ValueError(
-            f"w must be 3-D (E, K, N) (for an (E, N, K) weight pass w.transpose(1, 2)); "
-            f"got shape {shape_text(w)}"
-        )
-    _check_dtype("x", x)
-    if w.dtype != x.dtype:
-        raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
-    if w.device != x.device:
-        raise ValueError(f"w is on {w.device} but x is on {x.device}; they must be on one device")
-    if offs.device != x.device:
-        raise ValueError(
-            f"offs is on {offs.device} but x is on {x.device}; offs must live with x"
-        )
-    if offs.dtype != torch.int32:
-        raise TypeError(f"offs must be int32 cumulative end rows (E,); got dtype {offs.dtype}")
-    if offs.dim() != 1:
-        raise ValueError(f"offs must be 1-D (E,) = ({w.shape[0]},); got shape {shape_text(offs)}")
-    T, K = x.shape
-    E, Kw, N = w.shape
-    if Kw != K:
-        raise ValueError(f"x is (T, K) = {shape_text(x)}, so w must be (E, {K}, N); got "
-                         f"{shape_text(w)}")
-    if offs.shape[0] != E:
-        raise ValueError(f"offs must have one entry per expert: ({E},); got {shape_text(offs)}")
+    T, N = x.shape[0], w.shape[2]
     if concrete and (offs.device.type == "cpu" or offs_check_requested()):
         check_offs_values(offs, T)
-    odt = resolve_out_dtype(x.dtype, out_dtype)
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor (T, N); got {type(out).__name__}")
-        if out_dtype is None:
-            odt = out.dtype
-            _check_dtype("out", out)
-        if tuple(out.shape) != (T, N):
-            raise ValueError(f"out must be (T, N) = ({T}, {N}); got {shape_text(out)}")
-        if out.dtype != odt:
-            raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
-        if out.device != x.device:
-            raise ValueError(f"out is on {out.device} but x is on {x.device}")
-        _check_writable_out("out", out)
+    odt = check_out(out, (T, N), "(T, N)", resolve_out_dtype(x.dtype, out_dtype), x.device,
+                    dtype_from_out=out_dtype is None)
     return GroupedMmArgs(x, w, offs, out, x.dtype, odt)
 
 
@@ -384,43 +443,9 @@ def check_grouped_bmm(
     x: object, w: object, out: object, out_dtype: torch.dtype | None
 ) -> GroupedBmmArgs:
     """grouped_mm without offs: x (G, M, K) @ w (G, K, N) -> (G, M, N)."""
-    for name, t, hint in (("x", x, "(G, M, K)"), ("w", w, "(G, K, N)")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {hint}; got {type(t).__name__}")
+    check_batched_operands(x, w, dense=(("out", out),))
     assert isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
-    for name, t in (("x", x), ("w", w), ("out", out)):
-        check_dense(name, t)
-    if x.dim() != 3:
-        hint = " (2-D x (T, K) is the MoE form: pass offs)" if x.dim() == 2 else ""
-        raise ValueError(f"x must be 3-D (G, M, K) when offs is None; got shape "
-                         f"{shape_text(x)}{hint}")
-    if w.dim() != 3:
-        raise ValueError(
-            f"w must be 3-D (G, K, N) (for a (G, N, K) weight pass w.transpose(1, 2)); "
-            f"got shape {shape_text(w)}"
-        )
-    _check_dtype("x", x)
-    if w.dtype != x.dtype:
-        raise TypeError(f"w has dtype {w.dtype} but x has {x.dtype}; they must match")
-    if w.device != x.device:
-        raise ValueError(f"w is on {w.device} but x is on {x.device}; they must be on one device")
-    G, M, K = x.shape
-    if w.shape[0] != G or w.shape[1] != K:
-        raise ValueError(f"x is (G, M, K) = {shape_text(x)}, so w must be ({G}, {K}, N); "
-                         f"got {shape_text(w)}")
-    N = w.shape[2]
-    odt = resolve_out_dtype(x.dtype, out_dtype)
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor (G, M, N); got {type(out).__name__}")
-        if out_dtype is None:
-            odt = out.dtype
-            _check_dtype("out", out)
-        if tuple(out.shape) != (G, M, N):
-            raise ValueError(f"out must be (G, M, N) = ({G}, {M}, {N}); got {shape_text(out)}")
-        if out.dtype != odt:
-            raise TypeError(f"out must have dtype {odt}; got {out.dtype}")
-        if out.device != x.device:
-            raise ValueError(f"out is on {out.device} but x is on {x.device}")
-        _check_writable_out("out", out)
+    (G, M, _), N = x.shape, w.shape[2]
+    odt = check_out(out, (G, M, N), "(G, M, N)", resolve_out_dtype(x.dtype, out_dtype),
+                    x.device, dtype_from_out=out_dtype is None)
     return GroupedBmmArgs(x, w, out, x.dtype, odt)
