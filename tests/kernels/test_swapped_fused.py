@@ -71,6 +71,47 @@ def test_gated_pairs_and_stages_every_output_once():
     assert sorted(written) == [(c, r) for c in range(64) for r in range(256)]
 
 
+def _tile_input_mapping(k, threads: int):
+    import cutlass.cute as cute
+
+    from moe_gemm.kernels.sm90.constants import SWAP_ROW_UNIT, SWAP_TILE_COLS, SWAP_TILE_ROWS
+    from moe_gemm.kernels.sm90.fused_epilogue import static_offsets
+    from moe_gemm.kernels.sm90.swapped_fused import SUBTILE_VALUES, row_lane_split, row_slots
+
+    k._setup()
+    tile = cute.make_identity_tensor((SWAP_TILE_COLS, SWAP_TILE_ROWS))
+    bad_lane = bad_slot = bad_col = 0
+    for t in range(threads):
+        part = k.tiled_mma.get_slice(t).partition_C(tile)
+        coords, offsets = _coords(part), static_offsets(part)
+        for i, ((col, row), (col_off, row_off)) in enumerate(zip(coords, offsets)):
+            lane, slot = row_lane_split(row, row_off)
+            # the lane that loaded row `row` (row = 32 slot + lane), among the tile's slots
+            bad_lane += slot * 32 + lane != row
+            subtiles = i // SUBTILE_VALUES + 1  # the fewest subtiles a tile holding i has
+            bad_slot += not slot < row_slots(subtiles) or row >= subtiles * SWAP_ROW_UNIT
+            # every subtile's value at this column offset has its first subtile's column
+            first = [v for v in range(SUBTILE_VALUES) if offsets[v][0] == col_off]
+            bad_col += not first or coords[first[0]][0] != col
+    return bad_lane, bad_slot, bad_col
+
+
+@pytest.mark.parametrize("fused", [dict(row_scale=True, bias=True),
+                                   dict(gate="silu", gate_layout="concat", row_scale=True,
+                                        bias=True)], ids=["down", "gated"])
+def test_tile_inputs_reach_every_value(fused):
+    """The epilogue loads a tile's biases and row weights once (lane l the rows l, l + 32,
+    ...) and hands each value its row's weight by a shuffle from that lane: for every thread
+    (both warpgroups; the gated tile's warpgroup 0 uses them) and every value, the lane and
+    slot it reads hold its own row, the slot is one its tile's row count loads, and its
+    bias is the one loaded for its column."""
+    k = _key(**fused).kernel()
+    bad_lane, bad_slot, bad_col = _trace(lambda: _tile_input_mapping(k, 256))
+    assert bad_lane == 0, f"{bad_lane} values read another row's weight"
+    assert bad_slot == 0, f"{bad_slot} values read a slot their tile does not load"
+    assert bad_col == 0, f"{bad_col} values read another column's bias"
+
+
 def test_fixed_choices_and_shared_memory():
     from moe_gemm.kernels.sm90.constants import SWAP_ROW_UNIT
     from moe_gemm.kernels.sm90.swapped_fused import SwappedFusedMoeGemmSm90

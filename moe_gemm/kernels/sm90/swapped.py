@@ -113,6 +113,8 @@ class SwappedEpilogue(Epilogue):
         bSG_sD, bSG_gD = cpasync.tma_partition(
             tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
         )
+        # (issued before the barrier: their latency overlaps the wait)
+        inputs = self.tile_inputs(frags, problems, work, subtiles)
         # Tiles store 1 to 16 subtiles, so each starts at staging buffer 0: the previous
         # tile's stores (issued a whole mainloop ago) must have read theirs.
         if is_store_warp:
@@ -121,7 +123,7 @@ class SwappedEpilogue(Epilogue):
         for e in cutlass.range_constexpr(subtiles):
             # Subtile e of the tile is the accumulator's values [e * 8, e * 8 + 8) (the WGMMA
             # C fragment orders them by n8 block last; tests/kernels/test_swapped.py).
-            self.subtile_values(frags, acc, e, problems, work)
+            self.subtile_values(frags, acc, e, problems, work, inputs)
             buf = e % cfg.epi_stages
             cute.copy(frags.tiled_copy_r2s, frags.tRS_rD_out,
                       frags.tRS_sD[(None, None, None, buf)])
@@ -136,11 +138,17 @@ class SwappedEpilogue(Epilogue):
             cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
 
 
+    def tile_inputs(self, frags: EpilogueFrags, problems, work: WorkTile,
+                    subtiles: cutlass.Constexpr):
+        """What the tile's subtiles read besides the accumulators, loaded once per tile (a
+        fused subclass's biases and row weights; none here)."""
+        return None
+
     @cute.jit
     def subtile_values(self, frags: EpilogueFrags, acc: cute.Tensor, e: cutlass.Constexpr,
-                       problems, work: WorkTile):
+                       problems, work: WorkTile, inputs=None):
         """Subtile e's values, converted, into frags.tRS_rD_out (a fused subclass adds its
-        bias and row weights)."""
+        bias and row weights from `inputs`, tile_inputs')."""
         for v in cutlass.range_constexpr(frags.size_rD):
             frags.tRS_rD[v] = acc[e * frags.size_rD + v]
         frags.tRS_rD_out.store(frags.tRS_rD.load().to(self.cfg.d_dtype))

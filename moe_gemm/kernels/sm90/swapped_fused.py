@@ -19,6 +19,11 @@ tiles (swap_rules' window; grouped_mm's unfused GEMMs run swapped tiles there).
 - bias and row weights without a gate (the down GEMM): each accumulator value plus the bias
   of its weight column, times the weight of its routed row, in the swapped epilogue's
   subtile loop (both warpgroups, the 128 x 16 subtiles of swapped.py).
+- Both load a tile's biases and row weights once, before its subtiles (`tile_inputs`): a
+  thread's bias columns are the same in every subtile, and the tile's up to 256 row weights
+  are spread over the warp's lanes (8 loads a lane), each value taking its row's weight from
+  the lane that holds it by one shuffle. Per value they were 548 global loads in the PTX of
+  the row-weighted kernel (all 16 row-count variants), 76 now.
 
 The exchange buffers take the place of half of the swapped kernel's staging (8 x 4 KiB there;
 here 8 x 2 KiB of 64 x 16 output subtiles plus 2 x 4 KiB), so the A/B stages are those of the
@@ -50,6 +55,30 @@ BAR_GATED_STORE = 7  # named barrier: math warpgroup 0 around a gated subtile's 
 EXCHANGE_BUFFERS = 2
 GATED_COLS = SWAP_TILE_COLS // 2  # output columns of a gated tile
 SUBTILE_VALUES = SWAP_TILE_COLS * SWAP_ROW_UNIT // 256  # a math thread's values per subtile
+WARP_LANES = 32
+
+
+def row_slots(subtiles: int) -> int:
+    """Row weights a lane holds for a tile of `subtiles` 16-row subtiles: lane l holds the
+    weights of the tile's rows l, l + 32, ... (one load each, once per tile)."""
+    return -(-subtiles * SWAP_ROW_UNIT // WARP_LANES)
+
+
+def row_lane_split(row, row_offset: int) -> tuple:
+    """(lane, slot) holding the weight of a value's tile row `row` (its coordinate; row_offset:
+    the static part of it, its offset from the thread's first row). The WGMMA C fragment puts
+    a thread's first row at 2 (lane % 4) and its other rows 8c + {0, 1} further, so a row's
+    32-row block (the slot) is its static offset's: tests/kernels/test_swapped_fused.py
+    checks it for every thread."""
+    return row % WARP_LANES, row_offset // WARP_LANES
+
+
+@cute.jit
+def row_weight_of(lane_weights: list, row, row_offset: cutlass.Constexpr):
+    """The weight of tile row `row` from the lane that loaded it (tile_inputs), by one
+    shuffle: every lane of the warp runs it."""
+    lane, slot = row_lane_split(row, row_offset)
+    return cute.arch.shuffle_sync(lane_weights[slot], lane)
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,33 +124,69 @@ class SwappedFusedEpilogue(SwappedEpilogue):
                              cute.size(tRS_rD), store_pipe, (coords,))
 
     @cute.jit
-    def subtile_values(self, frags: EpilogueFrags, acc: cute.Tensor, e: cutlass.Constexpr,
-                       problems, work: WorkTile):
-        """(no gate) value + bias[expert, weight column], times row_weight[routed row]."""
+    def tile_inputs(self, frags: EpilogueFrags, problems, work: WorkTile,
+                    subtiles: cutlass.Constexpr):
+        """The tile's biases and row weights, loaded once before its subtiles (per subtile
+        they were 2-4 bias and 4 row-weight loads a thread, 16 times a tile): (biases by
+        their static column offset, each a (gate or plain, up) pair; the row weights this
+        lane holds, `row_weight_of`)."""
         cfg = self.cfg
         coords = frags.tRS_rExtra[0]
-        size = frags.size_rD
+        offsets = static_offsets(coords)
         num_experts = problems.num_experts()
         live = work.problem < num_experts  # (not the zero tail)
         expert = cutlass.min(work.problem, num_experts - 1)
-        first, _ = even_row_span(work.m_tile, work.rows)
-        first_row = work.row_start + first
-        last_row = problems.mD.shape[0] - 1
-        col0 = work.n_tile * SWAP_TILE_COLS
+        biases = {}
+        if const_expr(cfg.has_bias):
+            bias_cols = problems.bias.shape[1]
+            gated = cfg.gate is not None
+            col0 = work.n_tile * (GATED_COLS if gated else SWAP_TILE_COLS)
+            out_cols = problems.mD.shape[1]
+            # A thread's columns are those of its first subtile's values, in every subtile.
+            for v in cutlass.range_constexpr(SUBTILE_VALUES):
+                if const_expr(offsets[v][0] not in biases):
+                    col = col0 + coords[v][0]
+                    if const_expr(gated):
+                        # gate column col of w and its up column I further (a column past I
+                        # in the last tile reads an up bias: its output is clipped at the store)
+                        biases[offsets[v][0]] = (
+                            _bias_at(problems.bias, expert, col, bias_cols, live, False),
+                            _bias_at(problems.bias, expert, out_cols + col, bias_cols, live,
+                                     False))
+                    else:
+                        biases[offsets[v][0]] = (
+                            _bias_at(problems.bias, expert, col, bias_cols, live, True),
+                            Float32(0.0))
+        weights = []
+        if const_expr(cfg.row_scale):
+            first, _ = even_row_span(work.m_tile, work.rows)
+            first_row = work.row_start + first
+            last_row = problems.mD.shape[0] - 1
+            lane = cute.arch.lane_idx()
+            for s in cutlass.range_constexpr(row_slots(subtiles)):
+                weights.append(_row_weight_at(problems.row_weight,
+                                              first_row + s * WARP_LANES + lane, last_row, live))
+        return biases, weights
+
+    @cute.jit
+    def subtile_values(self, frags: EpilogueFrags, acc: cute.Tensor, e: cutlass.Constexpr,
+                       problems, work: WorkTile, inputs=None):
+        """(no gate) value + bias[expert, weight column], times row_weight[routed row]."""
+        cfg = self.cfg
+        coords = frags.tRS_rExtra[0]
         offsets = static_offsets(coords)
-        biases, weights = {}, {}
+        biases, lane_weights = inputs
+        size = frags.size_rD
+        weights = {}
         for v in cutlass.range_constexpr(size):
             i = e * size + v
             val = acc[i]
             if const_expr(cfg.has_bias):
-                if const_expr(offsets[i][0] not in biases):
-                    biases[offsets[i][0]] = _bias_at(problems.bias, expert, col0 + coords[i][0],
-                                                     problems.bias.shape[1], live, True)
-                val = val + biases[offsets[i][0]]
+                val = val + biases[offsets[i][0]][0]
             if const_expr(cfg.row_scale):
                 if const_expr(offsets[i][1] not in weights):
-                    weights[offsets[i][1]] = _row_weight_at(
-                        problems.row_weight, first_row + coords[i][1], last_row, live)
+                    weights[offsets[i][1]] = row_weight_of(lane_weights, coords[i][1],
+                                                           offsets[i][1])
                 val = val * weights[offsets[i][1]]
             frags.tRS_rD[v] = val
         frags.tRS_rD_out.store(frags.tRS_rD.load().to(cfg.d_dtype))
@@ -163,6 +228,9 @@ class SwappedFusedEpilogue(SwappedEpilogue):
         bSG_sD, bSG_gD = cpasync.tma_partition(
             tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
         )
+        # (both warpgroups load them, so that no value is defined under a branch; warpgroup
+        # 1's go unused)
+        inputs = self.tile_inputs(frags, problems, work, subtiles)
         # The previous tile's stores have read their staging (issued a mainloop ago), and
         # warpgroup 0 has read the previous tile's exchange.
         if is_store_warp:
@@ -177,50 +245,34 @@ class SwappedFusedEpilogue(SwappedEpilogue):
             # previous subtile's barrier, which warpgroup 1 passed before writing it.
             cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
             if gate_group:
-                self._gated_subtile(frags, acc, e, exchange, t, slot, problems, work,
-                                    tma_atom_d, bSG_sD, bSG_gD, is_store_warp)
+                self._gated_subtile(frags, acc, e, exchange, t, slot, inputs, tma_atom_d,
+                                    bSG_sD, bSG_gD, is_store_warp)
 
     @cute.jit
     def _gated_subtile(self, frags: EpilogueFrags, acc: cute.Tensor, e: cutlass.Constexpr,
-                       exchange: cute.Tensor, t: Int32, slot: cutlass.Constexpr, problems,
-                       work: WorkTile, tma_atom_d: cute.CopyAtom, bSG_sD: cute.Tensor,
-                       bSG_gD: cute.Tensor, is_store_warp: cutlass.Boolean):
-        """Warpgroup 0: subtile e's outputs from its gate values and the exchanged up values,
-        staged and stored."""
+                       exchange: cute.Tensor, t: Int32, slot: cutlass.Constexpr, inputs,
+                       tma_atom_d: cute.CopyAtom, bSG_sD: cute.Tensor, bSG_gD: cute.Tensor,
+                       is_store_warp: cutlass.Boolean):
+        """Warpgroup 0: subtile e's outputs from its gate values and the exchanged up values
+        (inputs: tile_inputs'), staged and stored."""
         cfg = self.cfg
         coords = frags.tRS_rExtra[0]
         offsets = static_offsets(coords)
-        num_experts = problems.num_experts()
-        live = work.problem < num_experts  # (not the zero tail)
-        expert = cutlass.min(work.problem, num_experts - 1)
-        out_cols = problems.mD.shape[1]
-        bias_cols = problems.bias.shape[1]
-        first, _ = even_row_span(work.m_tile, work.rows)
-        first_row = work.row_start + first
-        last_row = problems.mD.shape[0] - 1
-        col0 = work.n_tile * GATED_COLS
-        biases, weights = {}, {}
+        biases, lane_weights = inputs
+        weights = {}
         for v in cutlass.range_constexpr(SUBTILE_VALUES):
             i = e * SUBTILE_VALUES + v
             g = acc[i]
             u = exchange[v, t, slot]
             if const_expr(cfg.has_bias):
-                if const_expr(offsets[i][0] not in biases):
-                    # gate column col0 + m of w, its up column I further (a column past I
-                    # in the last tile reads an up bias: its output is clipped at the store)
-                    gcol = col0 + coords[i][0]
-                    biases[offsets[i][0]] = (
-                        _bias_at(problems.bias, expert, gcol, bias_cols, live, False),
-                        _bias_at(problems.bias, expert, out_cols + gcol, bias_cols, live,
-                                 False))
                 bg, bu = biases[offsets[i][0]]
                 g = g + bg
                 u = u + bu
             val = gate_value(cfg.gate, g, u, cfg.gate_alpha, cfg.gate_limit, cfg.fast_gate)
             if const_expr(cfg.row_scale):
                 if const_expr(offsets[i][1] not in weights):
-                    weights[offsets[i][1]] = _row_weight_at(
-                        problems.row_weight, first_row + coords[i][1], last_row, live)
+                    weights[offsets[i][1]] = row_weight_of(lane_weights, coords[i][1],
+                                                           offsets[i][1])
                 val = val * weights[offsets[i][1]]
             frags.tRS_rD[v] = Float32(val)
         frags.tRS_rD_out.store(frags.tRS_rD.load().to(cfg.d_dtype))
