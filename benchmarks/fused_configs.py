@@ -71,6 +71,9 @@ MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_lay
     "olmoe-1b-7b": dict(kind="qwen3", H=2048, I=1024, E=64, k=8),
     "qwen3-235b-a22b": dict(kind="qwen3", H=4096, I=1536, E=128, k=8),
     "glm-4.5": dict(kind="qwen3", H=5120, I=1536, E=160, k=8),
+    # (down GEMMs of long K: where the down GEMM's swapped tiles pay, fused_launch.swappable)
+    "mixtral-8x22b": dict(kind="mixtral", H=6144, I=16384, E=8, k=2),
+    "llama-4-scout": dict(kind="llama4", H=5120, I=8192, E=16, k=1),
 }
 SMOKE_MODELS = {name: dict(m, H=64, I=32, E=8, k=min(m["k"], 4)) for name, m in MODELS.items()}
 UP = ("coop 128x256", "coop 128x256 c2x1", "coop 256x128 c2x1", "coop 256x192",

@@ -4,8 +4,8 @@ TMA rules of its operands, and FusedPlan, built once per signature like mm_launc
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
 S routed rows, N = w's columns, K; tuned tables included). Where grouped_mm would run swapped
 tiles (swap_rules' window: about one 256-row tile per expert), a gate over concat weights runs
-on them too (kernels/sm90/swapped_fused.py; without a gate only where config.swap_ab pins
-them: `swappable`). Otherwise the choice is fitted to what the plain fused kernel can build
+on them too (kernels/sm90/swapped_fused.py; without a gate only on long K with at most one
+such tile per expert, or where config.swap_ab pins them: `swappable`). Otherwise the choice is fitted to what the plain fused kernel can build
 (fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel
 gather (gather-A) serves decode batches below GATHER_MAX_ROWS routed rows, where it saves
 index_select's launch; it needs no A multicast and, in that form, at most 128 rows and 128
@@ -33,6 +33,7 @@ from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import (
     HEAVY_ACC_REGS,
     SIGMOID_GATES,
+    SWAP_TILE_ROWS,
     acc_regs,
     fused_problem,
 )
@@ -196,19 +197,31 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     return fitted, gather
 
 
+# Where the down GEMM (no gate) takes swapped tiles unpinned (swappable): K of at least 4096
+# and at most one 256-row swapped tile per expert on average.
+DOWN_SWAP_MIN_K = 4096
+DOWN_SWAP_MAX_ROWS = SWAP_TILE_ROWS
+
+
 def swappable(args: FusedMmArgs, config: GemmConfig) -> bool:
     """Whether these options may run swapped tiles (kernels/sm90/swapped_fused.py; 16-bit
     output, swap_rules checks): a gate over concat weights (the kernel pairs gate and up
-    columns across its two math warpgroups), or any options without a gate where
-    config.swap_ab pins them.
+    columns across its two math warpgroups); the options without a gate (the down GEMM) where
+    config.swap_ab pins them, else on long K with at most one swapped tile per expert
+    (DOWN_SWAP_MIN_K, DOWN_SWAP_MAX_ROWS).
 
-    Without a gate (the down GEMM) the window's guess does not hold: swapped tiles ran
-    DeepSeek-V3 EP8's down GEMM (N 7168, K 2048) at 0.86-0.89x the plain fused kernel at
-    192-320 rows per expert and Mixtral-8x7B's (N 4096, K 14336) at 0.93-1.20x (H200,
-    2026-12-03, benchmarks.fused_configs, 768-1280 tokens), while the gated gate-up GEMM gained
-    1.05-1.10x on both."""
+    Without a gate the window's guess holds only there. On an H200 (2026-12-04,
+    benchmarks.fused_configs, the epilogue's row weights loaded once a tile), swapped tiles
+    over the plain fused kernel's at 192-256 rows per expert: Mixtral-8x7B (N 4096, K 14336)
+    1.01-1.20x, Mixtral-8x22B (N 6144, K 16384) 1.01-1.20x, Llama-4-Scout (N 5120, K 8192)
+    0.97-1.03x; at 320 rows (two swapped tiles an expert, each reading the expert's whole
+    weight panel) Mixtral-8x7B 0.92x; on DeepSeek-V3 EP8's short K (N 7168, K 2048, where the
+    epilogue weighs more against the k-loop) 0.97-1.01x. The gated gate-up GEMM gained
+    1.02-1.09x at 192-320 rows on DeepSeek-V3 EP8 and Mixtral-8x7B."""
     if args.gate is None:
-        return bool(config.swap_ab)
+        if config.swap_ab is not None:
+            return bool(config.swap_ab)
+        return args.K >= DOWN_SWAP_MIN_K and args.S <= DOWN_SWAP_MAX_ROWS * max(args.E, 1)
     return args.gate_layout == "concat"
 
 

@@ -1,6 +1,7 @@
 """Where fused_grouped_mm runs swapped tiles (ops/fused_launch.fused_choice,
 kernels/sm90/swapped_fused.py): grouped_mm's window (about one 256-row tile per expert) for a
-gate over concat weights; the down GEMM's options (no gate) where config.swap_ab pins them;
+gate over concat weights; the down GEMM's options (no gate) on long K with at most one
+swapped tile per expert, or where config.swap_ab pins them;
 never for the other gate layouts, the masked layout or 32-bit output, and never with the
 in-kernel gather. (Meta tensors: no GPU; the kernel objects are built, not compiled.)"""
 
@@ -66,10 +67,28 @@ def test_other_gate_layouts_keep_the_plain_fused_tiles(layout):
     assert not choice.swap_ab
 
 
-def test_the_down_gemm_keeps_the_plain_fused_tiles_unless_pinned():
+def test_the_down_gemm_keeps_the_plain_fused_tiles_on_short_k_unless_pinned():
+    # DeepSeek-V3's down GEMM (K = I = 2048) in the window
     for extra in (dict(weight=True), dict(weight=True, bias=True)):
         choice, _ = _choose(_args(WINDOW_ROWS, gate=None, K=I, N=H, **extra))
         assert not choice.swap_ab, extra
+
+
+@pytest.mark.parametrize("rows_per_expert", [192, 224, 256])
+def test_the_down_gemm_on_long_k_takes_one_swapped_tile_per_expert(rows_per_expert):
+    # Mixtral-8x7B's down GEMM: K = 14336, N = 4096 (256 swapped tiles: a wave and more)
+    args = _args(rows_per_expert * E, gate=None, weight=True, K=14336, N=4096)
+    choice, in_kernel = _choose(args)
+    assert choice.swap_ab and not in_kernel
+    assert not _choose(args, GemmConfig(swap_ab=False))[0].swap_ab
+
+
+@pytest.mark.parametrize("rows_per_expert,K", [(288, 14336), (320, 14336), (256, 2048),
+                                               (256, 4088), (128, 14336)])
+def test_the_down_gemm_keeps_the_plain_fused_tiles_past_one_tile_or_on_shorter_k(
+        rows_per_expert, K):
+    args = _args(rows_per_expert * E, gate=None, weight=True, K=K, N=4096)
+    assert not _choose(args)[0].swap_ab
 
 
 def test_outside_the_window_and_when_turned_off(monkeypatch):
