@@ -4,7 +4,8 @@ weights, with and without a bias and row weights; the down GEMM's row weights an
 both weight majors; experts from empty to several 256-row tiles, rows crossing every 16-row
 line, rows past offs[-1] (zeros, or untouched in a given out), K off the 64-deep stage, I off
 the 64-column output tile; fp16; routed rows gathered by the plan (index_select). Then a CUDA
-graph replayed with new offsets, and the default's window (MOE_GEMM_SWAP_AB=0 turns it off).
+graph replayed with new offsets, and the default's window for each GEMM (MOE_GEMM_SWAP_AB=0
+turns it off).
 
     python3 scripts/gpu_session.py --paths tests/kernels/test_swapped_fused_gpu.py --out $OUT
 """
@@ -107,7 +108,7 @@ def test_cuda_graph_replays_with_new_offsets():
 
 def test_the_window_takes_it_by_default(monkeypatch):
     """256 rows on each of 8 experts of DeepSeek-V3's depth (K 7168 cut to 2048): the gated
-    gate-up GEMM swapped by default (the down GEMM only where pinned: fused_launch.swappable),
+    gate-up GEMM swapped by default (the down GEMM not on this short K: fused_launch.swappable),
     neither with MOE_GEMM_SWAP_AB=0, the same numbers either way."""
     counts = [256] * 8
     x, w1, w2, offs, weight = _layer_operands(counts, 2048, 2048, 6)
@@ -128,3 +129,22 @@ def test_the_window_takes_it_by_default(monkeypatch):
     ref_y0 = fused_grouped_mm_ref(a0, w2, offs, row_weight=weight, dtype=torch.float32)
     low_y0 = fused_grouped_mm_ref(a0, w2, offs, row_weight=weight, dtype=torch.bfloat16)
     check("swapped-fused/window-off/down", y0, ref_y0, low_y0)
+
+
+def test_the_down_gemm_takes_them_by_default_on_long_k(monkeypatch):
+    """Experts of 180-256 rows (one swapped tile each), the down GEMM's K 4096: both GEMMs
+    swapped by default (fused_launch.swappable), neither with MOE_GEMM_SWAP_AB=0, the same
+    numbers either way."""
+    counts = [256, 200, 240, 180, 256, 230, 210, 220]
+    x, w1, w2, offs, weight = _layer_operands(counts, 4096, 2304, 7)
+    monkeypatch.delenv(SWAP_AB_ENV, raising=False)
+    a, y, swap_a, swap_y = _both(x, w1, w2, offs, weight)
+    monkeypatch.setenv(SWAP_AB_ENV, "0")
+    _, y0, off_a, off_y = _both(x, w1, w2, offs, weight)
+    torch.cuda.synchronize()
+    record("swapped-fused/long-k-down-default", swap_a and swap_y and not (off_a or off_y))
+    assert swap_a and swap_y and not (off_a or off_y)
+    ref_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.float32)
+    low_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.bfloat16)
+    check("swapped-fused/long-k/down", y, ref_y, low_y)
+    check("swapped-fused/long-k-off/down", y0, ref_y, low_y)
