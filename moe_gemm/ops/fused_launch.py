@@ -5,8 +5,9 @@ The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the ac
 S routed rows, N = w's columns, K; tuned tables included). Where grouped_mm would run swapped
 tiles (swap_rules' window: about one 256-row tile per expert), a gate over concat weights runs
 on them too (kernels/sm90/swapped_fused.py; without a gate only on long K with at most one
-such tile per expert, or where config.swap_ab pins them: `swappable`). Otherwise the choice is fitted to what the plain fused kernel can build
-(fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel
+such tile per expert, or where config.swap_ab pins them: `swappable`). Otherwise the choice
+is fitted to what the plain fused kernel can build (fit_fused): a gated tile needs tile_n a
+multiple of 32; the in-kernel
 gather (gather-A) serves decode batches below GATHER_MAX_ROWS routed rows, where it saves
 index_select's launch; it needs no A multicast and, in that form, at most 128 rows and 128
 accumulator registers per thread (its rows' indices sit in registers). The wide form
