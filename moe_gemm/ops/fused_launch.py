@@ -164,10 +164,16 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     routed rows: 1.76 ms gathered in a 64x192 tile against 0.96 ms for a 128x192 tile after a
     0.02 ms index_select). Otherwise the plan gathers with index_select and the kernel reads the
     routed rows."""
+    # table_unswap=False: a tuned entry timed on grouped_mm's kernels with the swapped kernel
+    # slower does not keep these kernels off swapped tiles where `swappable` and the window
+    # take them. Mixtral-8x22B's down GEMM at 192-256 rows per expert (H200, 2026-12-04,
+    # benchmarks.fused_configs): the entry's ping-pong 192x128 in a 1x2 cluster, 1.021x the
+    # swapped kernel on grouped_mm (the tuner's skewed routing), ran the fused down GEMM at
+    # 0.86-0.88x of the swapped tiles under the layer's router.
     choice = choose_varlen(
         config, args.S if rows is None else rows, args.E, args.N, args.K, nsm,
         args.out_dtype.itemsize, **launch_kernel.table_keys(device, args.dtype, args.out_dtype),
-        swap_ok=rows is None and swappable(args, config))
+        swap_ok=rows is None and swappable(args, config), table_unswap=False)
     if choice.swap_ab:
         # The swapped kernel's fixed tile (kernels/sm90/swapped_fused.py); the plan gathers
         # the routed rows with index_select.

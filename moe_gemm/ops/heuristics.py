@@ -429,17 +429,21 @@ def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: fl
 def choose_varlen(
     config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int, out_itemsize: int = 2,
     *, device: str | None = None, dtype: str = "bfloat16", out_dtype: str | None = None,
-    split_ok: bool = True, swap_ok: bool = False,
+    split_ok: bool = True, swap_ok: bool = False, table_unswap: bool = True,
 ) -> KernelChoice:
     """For grouped_mm (per-expert row counts live on the GPU: decide from T and E only).
     device: the GPU's name, for the tuned tables (None: rules only); split_ok=False: for a
     kernel built without the tail split (the masked form), whose choice must not count on
     it; swap_ok: the launch can run swapped tiles (grouped_mm's plain 2-D x 3-D form), taken
-    where swap_ab_wanted says so."""
+    where swap_ab_wanted says so; table_unswap=False: a tuned entry's swap_ab=False (timed on
+    grouped_mm's kernels) does not keep the M-side tiles where the window would swap (the
+    fused kernels, whose epilogues rank the two differently: fused_launch.swappable)."""
     state = tuned.state() if device else None
     shares = split_shares() if split_ok else 0
     choice, measured = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device,
                                             dtype, out_dtype or dtype, state, shares)
+    if measured is False and not table_unswap:
+        measured = None
     if swap_ok and swap_ab_wanted(config, T, E, K, out_itemsize, measured, N=N,
                                   num_sms=num_sms):
         if not choice.swap_ab:  # (a pin or a tuned entry made it so already, with its stages)
@@ -447,9 +451,10 @@ def choose_varlen(
     elif choice.swap_ab and (not swap_ok or config.swap_ab is False
                              or env_value(SWAP_AB_ENV) is False):
         # A tuned entry's swapped kernel where the launch cannot run it (the masked and
-        # fused forms) or the caller turned it off: the rules, without the tables.
-        choice, _ = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, None,
-                                         dtype, out_dtype or dtype, None, shares)
+        # fused forms) or the caller turned it off: the best other config the same search
+        # timed on that shape, else the rules without the tables.
+        choice = _choose_varlen_unswapped(config, T, E, N, K, num_sms, out_itemsize, device,
+                                          dtype, out_dtype or dtype, state, shares)
     return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(choice))))
 
 
@@ -473,6 +478,31 @@ def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtyp
         except ValueError as exc:
             _unusable(hit, exc)
     return _varlen_fitted(config, config, T, E, N, K, out_itemsize, shares, num_sms), None
+
+
+@functools.lru_cache(maxsize=512)
+def _choose_varlen_unswapped(config, T, E, N, K, num_sms, out_itemsize, device, dtype,
+                             out_dtype, state, shares) -> KernelChoice:
+    """The choice for a launch that cannot run the swapped tiles its tuned entry names:
+    tuned.unswapped_pick (that shape's fastest M-side config as timed nearby, else the
+    neighbours' vote among M-side configs), else the rules."""
+    if device is not None and not config.tuning_pinned and T > 0 and E > 0:
+        key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
+        rules = _varlen_rules(config, T, E, N, K, out_itemsize, shares, num_sms)
+        hit = tuned.unswapped_pick(device, key, T, choice_fields(rules, "varlen"))
+        if hit is not None:
+            try:
+                if hit.how == "exact":
+                    return _varlen_rules(hit.apply(config), T, E, N, K, out_itemsize,
+                                         shares, num_sms)
+                return _varlen_fitted(config, _filled(hit.apply(config), T, E, N, K, num_sms,
+                                                      shares),
+                                      T, E, N, K, out_itemsize, shares, num_sms)
+            except ValueError as exc:
+                _unusable(hit, exc)
+    choice, _ = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, None, dtype,
+                                     out_dtype, None, shares)
+    return choice
 
 
 def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int, K: int,
@@ -785,5 +815,6 @@ def tuned_hit(form: str, config: GemmConfig, num_sms: int, *, device: str | None
 def clear_caches() -> None:
     """Forget every cached choice (tests; the online autotuner after adding an entry)."""
     for fn in (_choose_general_tuned, _choose_general, _choose_varlen_tuned,
+               _choose_varlen_unswapped,
                _choose_batched_tuned, _choose_batched):
         fn.cache_clear()

@@ -46,7 +46,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moe_gemm.config import TUNED_FIELDS, GemmConfig
 from moe_gemm.env import env_value
@@ -76,6 +76,12 @@ MIN_VOTERS = 4
 NEIGHBOUR_REACH = 4.0
 VOTE_SOFTENING = 0.1
 RULES_MARGIN = math.log(1.01)
+# unswapped_pick reads a shape's samples only this close to the call's rows (octaves). The
+# fused down GEMM of Mixtral-8x7B (H200, 2026-12-04, benchmarks.fused_configs, the layer's
+# router): the runner-up timed at 256 rows per expert (cooperative 256x192 in a 1x2 cluster)
+# ran 1.05x the rules' pick at 288 rows (0.17 octave away) and 0.75x at 320 (0.32 octave:
+# 256-row tiles cut an expert into a full and a quarter-full tile there).
+SAMPLE_REACH = 0.25
 FORMS = ("varlen", "batched", "general")
 
 
@@ -151,10 +157,12 @@ def quantized_rows(rows_per_problem: float) -> float:
 
 
 def neighbours_pick(shapes: list[TimedShape], key: Key, rows: int,
-                    baseline: tuple | None = None) -> tuple | None:
+                    baseline: tuple | None = None,
+                    accept: Callable[[tuple], bool] | None = None) -> tuple | None:
     """The config the NEIGHBOURS timed shapes nearest to `key` (with `rows` rows over key.E
-    problems) favour (normalized fields), or None: too few shapes within reach, no config
-    timed on all of them, or `baseline` (the rules' config) scoring within RULES_MARGIN."""
+    problems) favour (normalized fields; only configs `accept` admits, where given), or None:
+    too few shapes within reach, no config timed on all of them, or `baseline` (the rules'
+    config) scoring within RULES_MARGIN."""
     at = _place(key.N, key.K, quantized_rows(rows / max(1, key.E)))
     fam = (key.form, key.dtype, key.out_dtype)
     near = [(d, i) for d, i in sorted((sum(abs(a - b) for a, b in zip(at, s.at)), i)
@@ -167,7 +175,8 @@ def neighbours_pick(shapes: list[TimedShape], key: Key, rows: int,
     total = sum(weights)
     scores = {}
     for fields in voters[0]:
-        if all(fields in v for v in voters[1:]) and _fits_form(dict(fields), key):
+        if (all(fields in v for v in voters[1:]) and _fits_form(dict(fields), key)
+                and (accept is None or accept(fields))):
             scores[fields] = sum(w * v[fields] for w, v in zip(weights, voters)) / total
     if not scores:
         return None
@@ -575,18 +584,59 @@ def lookup(device: str, key: Key, rows: int, nsm: int,
     # the call that made it.
     found = _picks.get(memo, _UNSEEN)
     if found is _UNSEEN:
-        seen: set[tuple] = set()
-        timed = []
-        for t in tables:  # in priority order: a shape timed twice votes with the first
-            for s in t.timed:
-                if s.shape not in seen:
-                    seen.add(s.shape)
-                    timed.append(s)
-        found = neighbours_pick(timed, key, rows, base)
+        found = neighbours_pick(_timed_shapes(tables), key, rows, base)
         if len(_picks) > 4096:
             _picks.clear()
         _picks[memo] = found
     return None if found is None else Hit(found, "neighbours", ",".join(t.path for t in tables))
+
+
+def unswapped_pick(device: str, key: Key, rows: int,
+                   baseline: dict | None = None) -> Hit | None:
+    """A config without swapped tiles for `key` with `rows` rows, for a launch that cannot run
+    the swapped kernel an exact entry names (the fused and masked forms, or swap_ab turned
+    off), where the rules alone can be far off: the fastest unswapped config the tables timed
+    on key's own shape (form, dtypes, E, N, K) at the row count nearest to `rows`, if one
+    lies within SAMPLE_REACH octaves of it ("exact"); else the neighbours' vote among
+    unswapped configs ("neighbours", `baseline` as in lookup); else None."""
+    tables = tables_for(device)
+    family = key.family()
+    best: tuple[float, TimedShape] | None = None
+    for t in tables:
+        for s in t.timed:
+            if s.shape[:6] != family:
+                continue
+            gap = abs(math.log2(max(s.shape[6], 1) / max(rows, 1)))
+            if gap <= SAMPLE_REACH and (best is None or gap < best[0]):
+                best = (gap, s)
+        if best is not None:  # (the most specific table that timed the shape answers)
+            break
+    source = ",".join(t.path for t in tables)
+    if best is not None:
+        timed = best[1].log_regret
+        unswapped = [f for f in timed if _unswapped(f) and _fits_form(dict(f), key)]
+        if unswapped:
+            return Hit(min(unswapped, key=lambda f: (timed[f], repr(f))), "exact", source)
+    base = None if baseline is None else normalize(baseline)
+    found = neighbours_pick(_timed_shapes(tables), key, rows, base, accept=_unswapped)
+    return None if found is None else Hit(found, "neighbours", source)
+
+
+def _unswapped(fields: tuple[tuple[str, Any], ...]) -> bool:
+    return not dict(fields).get("swap_ab")
+
+
+def _timed_shapes(tables: list[Table]) -> list[TimedShape]:
+    """The timed shapes of `tables`, in priority order: a shape timed twice votes with the
+    first."""
+    seen: set[tuple] = set()
+    timed = []
+    for t in tables:
+        for s in t.timed:
+            if s.shape not in seen:
+                seen.add(s.shape)
+                timed.append(s)
+    return timed
 
 
 def clear_caches() -> None:

@@ -646,6 +646,68 @@ def test_a_swapped_entry_runs_where_the_launch_can_take_it(_isolated, monkeypatc
     assert not wide.swap_ab
 
 
+def test_the_fused_kernels_swap_in_the_window_whatever_an_entry_timed_on_grouped_mm(
+        _isolated, monkeypatch):
+    """table_unswap=False (the fused kernels, fused_launch.fused_choice): an exact entry's
+    swap_ab=False, timed on grouped_mm's kernels, does not keep the M-side tiles inside the
+    window; an entry's swap_ab=True still swaps outside it."""
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    inside = (64 * 256, 64, 4096, 7168, 132)
+    outside = (64 * 1024, 64, 4096, 7168, 132)
+    ship(_isolated, table([entry(bucket=8, config=dict(PP_64x256, swap_ab=False)),
+                           entry(bucket=10, config=dict(SWAP))]))
+    assert not choose_varlen(GemmConfig(), *inside, device=DEV, swap_ok=True).swap_ab
+    fused = choose_varlen(GemmConfig(), *inside, device=DEV, swap_ok=True, table_unswap=False)
+    assert fused.swap_ab and (fused.tile_m, fused.tile_n) == (256, 128)
+    assert choose_varlen(GemmConfig(), *outside, device=DEV, swap_ok=True,
+                         table_unswap=False).swap_ab
+    # pins still decide
+    assert not choose_varlen(GemmConfig(swap_ab=False), *inside, device=DEV, swap_ok=True,
+                             table_unswap=False).swap_ab
+
+
+def test_a_launch_that_cannot_swap_takes_the_runner_up_its_entry_timed(_isolated, monkeypatch):
+    """Where an exact entry names the swapped kernel and the launch cannot run it (the fused
+    and masked forms: swap_ok False; a caller's swap_ab=False; MOE_GEMM_SWAP_AB=0), the choice
+    is the fastest unswapped config the same search timed on that shape (its samples at the
+    row count nearest the call's within the bucket), not the rules; with no such samples, the
+    rules."""
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    E, N, K = 64, 4096, 7168
+    near = samples(E, N, K, E * 256, [(SWAP, 90.0), (SMALL, 120.0), (BIG, 100.0)])
+    # the same shape timed at another row count of the bucket, ranking the other way
+    edge = samples(E, N, K, E * 200, [(SWAP, 90.0), (SMALL, 95.0), (BIG, 130.0)])
+    # another shape, where SMALL wins (must not be read for this key)
+    other = samples(E, 2 * N, K, E * 256, [(SMALL, 50.0), (BIG, 100.0)])
+    ship(_isolated, table([entry(E=E, N=N, K=K, bucket=8, config=SWAP)],
+                          samples=near + edge + other))
+    rules = choose_varlen(GemmConfig(), E * 256, E, N, K, 132)
+    assert (rules.schedule, rules.tile_n) != ("cooperative", 192)
+
+    hit = tuned.unswapped_pick(DEV, key(E=E, N=N, K=K, bucket=8), E * 256)
+    assert hit.fields == tuned.normalize(BIG)
+    assert tuned.unswapped_pick(DEV, key(E=E, N=N, K=K, bucket=8), E * 210).fields == (
+        tuned.normalize(SMALL))
+    # no timing of this shape in this bucket
+    assert tuned.unswapped_pick(DEV, key(E=E, N=N, K=K, bucket=10), E * 1024) is None
+
+    assert choose_varlen(GemmConfig(), E * 256, E, N, K, 132, device=DEV, swap_ok=True).swap_ab
+    for c in (choose_varlen(GemmConfig(), E * 256, E, N, K, 132, device=DEV),
+              choose_varlen(GemmConfig(swap_ab=False), E * 256, E, N, K, 132, device=DEV,
+                            swap_ok=True)):
+        assert not c.swap_ab and (c.schedule, c.tile_m, c.tile_n) == ("cooperative", 128, 192)
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "0")
+    heuristics.clear_caches()
+    c = choose_varlen(GemmConfig(), E * 256, E, N, K, 132, device=DEV, swap_ok=True)
+    assert not c.swap_ab and (c.schedule, c.tile_n) == ("cooperative", 192)
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV)
+
+    # the entry without samples: the rules, as before
+    ship(_isolated, table([entry(E=E, N=N, K=K, bucket=8, config=SWAP)]))
+    heuristics.clear_caches()
+    assert choose_varlen(GemmConfig(), E * 256, E, N, K, 132, device=DEV) == rules
+
+
 def test_an_exact_entry_that_timed_the_swapped_kernel_decides_over_the_window(
         _isolated, monkeypatch):
     """The window (heuristics.swap_ab_wanted) guesses where no measurement says otherwise: an
