@@ -388,6 +388,8 @@ def parse_samples(raw: Any) -> list[TimedShape]:
 _warned: set[str] = set()
 # lookup's neighbours answers: (device, state(), key, quantized rows, baseline) -> fields
 _picks: dict[tuple, tuple | None] = {}
+# unswapped_pick's votes: (device, state(), key, quantized rows, baseline) -> fields or None
+_unswapped_picks: dict[tuple, tuple | None] = {}
 _lock = threading.RLock()
 _generation = 0
 _UNSEEN = object()  # (None is a memoized answer: no pick)
@@ -598,8 +600,10 @@ def unswapped_pick(device: str, key: Key, rows: int,
     off), where the rules alone can be far off: the fastest unswapped config the tables timed
     on key's own shape (form, dtypes, E, N, K) at the row count nearest to `rows`, if one
     lies within SAMPLE_REACH octaves of it ("exact"); else the neighbours' vote among
-    unswapped configs ("neighbours", `baseline` as in lookup); else None."""
+    unswapped configs ("neighbours", `baseline` as in lookup, memoized per quarter octave of
+    rows per problem as lookup's vote); else None."""
     tables = tables_for(device)
+    source = ",".join(t.path for t in tables)
     family = key.family()
     best: tuple[float, TimedShape] | None = None
     for t in tables:
@@ -611,14 +615,21 @@ def unswapped_pick(device: str, key: Key, rows: int,
                 best = (gap, s)
         if best is not None:  # (the most specific table that timed the shape answers)
             break
-    source = ",".join(t.path for t in tables)
     if best is not None:
         timed = best[1].log_regret
         unswapped = [f for f in timed if _unswapped(f) and _fits_form(dict(f), key)]
         if unswapped:
-            return Hit(min(unswapped, key=lambda f: (timed[f], repr(f))), "exact", source)
+            fastest = min(timed[f] for f in unswapped)
+            return Hit(min((f for f in unswapped if timed[f] == fastest), key=repr), "exact",
+                       source)
     base = None if baseline is None else normalize(baseline)
-    found = neighbours_pick(_timed_shapes(tables), key, rows, base, accept=_unswapped)
+    memo = (device, state(), key, quantized_rows(rows / max(1, key.E)), base)
+    found = _unswapped_picks.get(memo, _UNSEEN)
+    if found is _UNSEEN:
+        found = neighbours_pick(_timed_shapes(tables), key, rows, base, accept=_unswapped)
+        if len(_unswapped_picks) > 4096:
+            _unswapped_picks.clear()
+        _unswapped_picks[memo] = found
     return None if found is None else Hit(found, "neighbours", source)
 
 
@@ -644,6 +655,7 @@ def clear_caches() -> None:
     for fn in (_shipped, _user, _online, _in_memory, _has_form):
         fn.cache_clear()
     _picks.clear()
+    _unswapped_picks.clear()
     _memory.clear()
 
 
