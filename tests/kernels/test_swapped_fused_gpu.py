@@ -148,3 +148,64 @@ def test_the_down_gemm_takes_them_by_default_on_long_k(monkeypatch):
     low_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.bfloat16)
     check("swapped-fused/long-k/down", y, ref_y, low_y)
     check("swapped-fused/long-k-off/down", y0, ref_y, low_y)
+
+
+def test_a_swapped_entry_the_fused_down_gemm_cannot_run_gives_way_to_its_shape_samples(
+        monkeypatch, tmp_path):
+    """A tuned entry naming the swapped kernel for a down GEMM of short K (2048: no swapped
+    tiles for the fused kernels, fused_launch.swappable): grouped_mm runs the entry's swapped
+    kernel, the fused down GEMM the fastest unswapped config the entry's search timed on that
+    shape (tuned.unswapped_pick; here ping-pong 128x192 in a 1x2 cluster), not the bare
+    rules, and both match the reference."""
+    import json
+
+    from moe_gemm.capability import device_name
+    from moe_gemm.ops import heuristics, tuned
+
+    counts = [256, 250, 262, 240, 256, 270, 244, 256]
+    E, S, I, H = len(counts), sum(counts), 2048, 2304
+    x, w1, w2, offs, weight = _layer_operands(counts, I, H, 8)
+    dev = device_name(torch.device("cuda"))
+    swap = {"schedule": "cooperative", "tile_m": 256, "tile_n": 128, "raster_panel": 16,
+            "visitor": "device", "swap_ab": True}
+    runner_up = {"schedule": "pingpong", "tile_m": 128, "tile_n": 192, "cluster_m": 1,
+                 "cluster_n": 2, "raster_panel": 8, "visitor": "device"}
+    slow = {"schedule": "cooperative", "tile_m": 128, "tile_n": 256, "raster_panel": 8,
+            "visitor": "device"}
+    shape = {"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16", "E": E, "N": H,
+             "K": I}
+    doc = {"format": tuned.FORMAT, "device": dev, "sm_count": torch.cuda.get_device_properties(
+               0).multi_processor_count,
+           "entries": [{**shape, "bucket": tuned.rows_bucket(S / E), "config": swap,
+                        "us": 90.0}],
+           "samples": [{**shape, "rows": S, "config": c, "us": us}
+                       for c, us in ((swap, 90.0), (runner_up, 100.0), (slow, 130.0))]}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.delenv(SWAP_AB_ENV, raising=False)
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(path))
+    tuned.clear_caches()
+    heuristics.clear_caches()
+    try:
+        a = moe_gemm.fused_grouped_mm(x, w1, offs, gate="silu")
+        plain = moe_gemm.grouped_mm(a, w2, offs)
+        plain_choice = last_launch().choice
+        y = moe_gemm.fused_grouped_mm(a, w2, offs, row_weight=weight)
+        fused_choice = last_launch().choice
+        torch.cuda.synchronize()
+    finally:
+        monkeypatch.delenv(tuned.USER_TABLE_ENV)
+        tuned.clear_caches()
+        heuristics.clear_caches()
+    picked = (not fused_choice.swap_ab and fused_choice.schedule == "pingpong"
+              and (fused_choice.tile_m, fused_choice.tile_n, fused_choice.cluster_n)
+              == (128, 192, 2))
+    record("swapped-fused/entry-runner-up", plain_choice.swap_ab and picked)
+    assert plain_choice.swap_ab, "grouped_mm did not run the entry's swapped kernel"
+    assert picked, f"the fused down GEMM took {fused_choice}, not the shape's runner-up"
+    ref_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.float32)
+    low_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.bfloat16)
+    check("swapped-fused/entry-runner-up/down", y, ref_y, low_y)
+    ref_p = fused_grouped_mm_ref(a, w2, offs, dtype=torch.float32)
+    low_p = fused_grouped_mm_ref(a, w2, offs, dtype=torch.bfloat16)
+    check("swapped-fused/entry-runner-up/grouped_mm", plain, ref_p, low_p)
