@@ -466,17 +466,9 @@ def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtyp
     measurement outranks the window (a neighbours pick does not: the window is the better
     guess off the tuned shapes)."""
     hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype)
-    if hit is not None:
-        try:
-            tuned_config = hit.apply(config)
-            if hit.how == "exact":
-                return (_varlen_rules(tuned_config, T, E, N, K, out_itemsize, shares, num_sms),
-                        dict(hit.fields).get("swap_ab"))
-            tuned_config = _filled(tuned_config, T, E, N, K, num_sms, shares)
-            return _varlen_fitted(config, tuned_config, T, E, N, K, out_itemsize, shares,
-                                  num_sms), None
-        except ValueError as exc:
-            _unusable(hit, exc)
+    choice = _varlen_from_hit(config, hit, T, E, N, K, out_itemsize, shares, num_sms)
+    if choice is not None:
+        return choice, dict(hit.fields).get("swap_ab") if hit.how == "exact" else None
     return _varlen_fitted(config, config, T, E, N, K, out_itemsize, shares, num_sms), None
 
 
@@ -486,23 +478,29 @@ def _choose_varlen_unswapped(config, T, E, N, K, num_sms, out_itemsize, device, 
     """The choice for a launch that cannot run the swapped tiles its tuned entry names:
     tuned.unswapped_pick (that shape's fastest M-side config as timed nearby, else the
     neighbours' vote among M-side configs), else the rules."""
-    if device is not None and not config.tuning_pinned and T > 0 and E > 0:
-        key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
-        rules = _varlen_rules(config, T, E, N, K, out_itemsize, shares, num_sms)
-        hit = tuned.unswapped_pick(device, key, T, choice_fields(rules, "varlen"))
-        if hit is not None:
-            try:
-                if hit.how == "exact":
-                    return _varlen_rules(hit.apply(config), T, E, N, K, out_itemsize,
-                                         shares, num_sms)
-                return _varlen_fitted(config, _filled(hit.apply(config), T, E, N, K, num_sms,
-                                                      shares),
-                                      T, E, N, K, out_itemsize, shares, num_sms)
-            except ValueError as exc:
-                _unusable(hit, exc)
-    choice, _ = _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, None, dtype,
-                                     out_dtype, None, shares)
-    return choice
+    hit = _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype, unswapped=True)
+    choice = _varlen_from_hit(config, hit, T, E, N, K, out_itemsize, shares, num_sms)
+    if choice is not None:
+        return choice
+    return _varlen_fitted(config, config, T, E, N, K, out_itemsize, shares, num_sms)
+
+
+def _varlen_from_hit(config, hit, T, E, N, K, out_itemsize, shares,
+                     num_sms) -> KernelChoice | None:
+    """A tuned hit's choice: an exact entry's config through the rules, a neighbours' pick
+    filled and fitted to whole waves; None without a hit or where the hit cannot build here
+    (warned once)."""
+    if hit is None:
+        return None
+    try:
+        tuned_config = hit.apply(config)
+        if hit.how == "exact":
+            return _varlen_rules(tuned_config, T, E, N, K, out_itemsize, shares, num_sms)
+        tuned_config = _filled(tuned_config, T, E, N, K, num_sms, shares)
+        return _varlen_fitted(config, tuned_config, T, E, N, K, out_itemsize, shares, num_sms)
+    except ValueError as exc:
+        _unusable(hit, exc)
+        return None
 
 
 def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int, K: int,
@@ -549,13 +547,18 @@ def _fit_waves(config: GemmConfig, choice: KernelChoice,
     return replace(rules(moved), wave_fit=True)
 
 
-def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype) -> tuned.Hit | None:
+def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype,
+                unswapped: bool = False) -> tuned.Hit | None:
+    """The tables' answer for a varlen shape (tuned.lookup; unswapped: tuned.unswapped_pick,
+    for a launch that cannot run an entry's swapped kernel)."""
     if device is None or config.tuning_pinned or T <= 0 or E <= 0:
         return None
     key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
-    rules = _varlen_rules(config, T, E, N, K, _ITEMSIZE.get(out_dtype, 2), split_shares(),
-                          num_sms)
-    return tuned.lookup(device, key, T, num_sms, choice_fields(rules, "varlen"))
+    rules = choice_fields(_varlen_rules(config, T, E, N, K, _ITEMSIZE.get(out_dtype, 2),
+                                        split_shares(), num_sms), "varlen")
+    if unswapped:
+        return tuned.unswapped_pick(device, key, T, rules)
+    return tuned.lookup(device, key, T, num_sms, rules)
 
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -80,6 +80,16 @@ def _both(x, w1, w2, offs, weight, config=None):
     return a, y, gate_up, last_launch().choice.swap_ab
 
 
+def _check_ref(name, got, x, w, offs, *outs, **options):
+    """`got` (and each of `outs`) against fused_grouped_mm_ref of (x, w, offs, options) in
+    fp32, with its bf16-rounded twin for the tolerance (helpers.check)."""
+    ref = fused_grouped_mm_ref(x, w, offs, dtype=torch.float32, **options)
+    low = fused_grouped_mm_ref(x, w, offs, dtype=torch.bfloat16, **options)
+    check(name, got, ref, low)
+    for extra_name, extra in outs:
+        check(extra_name, extra, ref, low)
+
+
 def test_cuda_graph_replays_with_new_offsets():
     counts = [300, 0, 257, 199]
     x, w1, w2, offs, weight = _layer_operands(counts, 192, 256, 5)
@@ -96,14 +106,20 @@ def test_cuda_graph_replays_with_new_offsets():
         zero = bool((a[rows:] == 0).all()) and bool((y[rows:] == 0).all())
         record(f"swapped-fused/graph/{new}/tail", zero)
         assert zero, "rows past offs[-1] are not 0 after a replay"
-        ref_a = fused_grouped_mm_ref(x[:rows], w1, offs, gate="silu", dtype=torch.float32)
-        low_a = fused_grouped_mm_ref(x[:rows], w1, offs, gate="silu", dtype=torch.bfloat16)
-        check(f"swapped-fused/graph/{new}/gate-up", a[:rows], ref_a, low_a)
-        ref_y = fused_grouped_mm_ref(a[:rows], w2, offs, row_weight=weight[:rows],
-                                     dtype=torch.float32)
-        low_y = fused_grouped_mm_ref(a[:rows], w2, offs, row_weight=weight[:rows],
-                                     dtype=torch.bfloat16)
-        check(f"swapped-fused/graph/{new}/down", y[:rows], ref_y, low_y)
+        _check_ref(f"swapped-fused/graph/{new}/gate-up", a[:rows], x[:rows], w1, offs,
+                   gate="silu")
+        _check_ref(f"swapped-fused/graph/{new}/down", y[:rows], a[:rows], w2, offs,
+                   row_weight=weight[:rows])
+
+
+def _default_and_off(monkeypatch, x, w1, w2, offs, weight):
+    """_both by default, then with MOE_GEMM_SWAP_AB=0, synchronized."""
+    monkeypatch.delenv(SWAP_AB_ENV, raising=False)
+    default = _both(x, w1, w2, offs, weight)
+    monkeypatch.setenv(SWAP_AB_ENV, "0")
+    off = _both(x, w1, w2, offs, weight)
+    torch.cuda.synchronize()
+    return default, off
 
 
 def test_the_window_takes_it_by_default(monkeypatch):
@@ -112,23 +128,14 @@ def test_the_window_takes_it_by_default(monkeypatch):
     neither with MOE_GEMM_SWAP_AB=0, the same numbers either way."""
     counts = [256] * 8
     x, w1, w2, offs, weight = _layer_operands(counts, 2048, 2048, 6)
-    monkeypatch.delenv(SWAP_AB_ENV, raising=False)
-    a, y, swap_a, swap_y = _both(x, w1, w2, offs, weight)
-    monkeypatch.setenv(SWAP_AB_ENV, "0")
-    a0, y0, off_a, off_y = _both(x, w1, w2, offs, weight)
-    torch.cuda.synchronize()
+    (a, y, swap_a, swap_y), (a0, y0, off_a, off_y) = _default_and_off(
+        monkeypatch, x, w1, w2, offs, weight)
     record("swapped-fused/window-default", swap_a and not (swap_y or off_a or off_y))
     assert swap_a and not (swap_y or off_a or off_y)
-    ref_a = fused_grouped_mm_ref(x, w1, offs, gate="silu", dtype=torch.float32)
-    low_a = fused_grouped_mm_ref(x, w1, offs, gate="silu", dtype=torch.bfloat16)
-    check("swapped-fused/window/gate-up", a, ref_a, low_a)
-    check("swapped-fused/window-off/gate-up", a0, ref_a, low_a)
-    ref_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.float32)
-    low_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.bfloat16)
-    check("swapped-fused/window/down", y, ref_y, low_y)
-    ref_y0 = fused_grouped_mm_ref(a0, w2, offs, row_weight=weight, dtype=torch.float32)
-    low_y0 = fused_grouped_mm_ref(a0, w2, offs, row_weight=weight, dtype=torch.bfloat16)
-    check("swapped-fused/window-off/down", y0, ref_y0, low_y0)
+    _check_ref("swapped-fused/window/gate-up", a, x, w1, offs,
+               ("swapped-fused/window-off/gate-up", a0), gate="silu")
+    _check_ref("swapped-fused/window/down", y, a, w2, offs, row_weight=weight)
+    _check_ref("swapped-fused/window-off/down", y0, a0, w2, offs, row_weight=weight)
 
 
 def test_the_down_gemm_takes_them_by_default_on_long_k(monkeypatch):
@@ -137,17 +144,12 @@ def test_the_down_gemm_takes_them_by_default_on_long_k(monkeypatch):
     numbers either way."""
     counts = [256, 200, 240, 180, 256, 230, 210, 220]
     x, w1, w2, offs, weight = _layer_operands(counts, 4096, 2304, 7)
-    monkeypatch.delenv(SWAP_AB_ENV, raising=False)
-    a, y, swap_a, swap_y = _both(x, w1, w2, offs, weight)
-    monkeypatch.setenv(SWAP_AB_ENV, "0")
-    _, y0, off_a, off_y = _both(x, w1, w2, offs, weight)
-    torch.cuda.synchronize()
+    (a, y, swap_a, swap_y), (_, y0, off_a, off_y) = _default_and_off(
+        monkeypatch, x, w1, w2, offs, weight)
     record("swapped-fused/long-k-down-default", swap_a and swap_y and not (off_a or off_y))
     assert swap_a and swap_y and not (off_a or off_y)
-    ref_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.float32)
-    low_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.bfloat16)
-    check("swapped-fused/long-k/down", y, ref_y, low_y)
-    check("swapped-fused/long-k-off/down", y0, ref_y, low_y)
+    _check_ref("swapped-fused/long-k/down", y, a, w2, offs,
+               ("swapped-fused/long-k-off/down", y0), row_weight=weight)
 
 
 def test_a_swapped_entry_the_fused_down_gemm_cannot_run_gives_way_to_its_shape_samples(
@@ -203,9 +205,5 @@ def test_a_swapped_entry_the_fused_down_gemm_cannot_run_gives_way_to_its_shape_s
     record("swapped-fused/entry-runner-up", plain_choice.swap_ab and picked)
     assert plain_choice.swap_ab, "grouped_mm did not run the entry's swapped kernel"
     assert picked, f"the fused down GEMM took {fused_choice}, not the shape's runner-up"
-    ref_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.float32)
-    low_y = fused_grouped_mm_ref(a, w2, offs, row_weight=weight, dtype=torch.bfloat16)
-    check("swapped-fused/entry-runner-up/down", y, ref_y, low_y)
-    ref_p = fused_grouped_mm_ref(a, w2, offs, dtype=torch.float32)
-    low_p = fused_grouped_mm_ref(a, w2, offs, dtype=torch.bfloat16)
-    check("swapped-fused/entry-runner-up/grouped_mm", plain, ref_p, low_p)
+    _check_ref("swapped-fused/entry-runner-up/down", y, a, w2, offs, row_weight=weight)
+    _check_ref("swapped-fused/entry-runner-up/grouped_mm", plain, a, w2, offs)
