@@ -1,11 +1,13 @@
 """The fused MoE kernel's default pick against other configs, on MoE layers' two expert GEMMs.
 
     python -m benchmarks.fused_configs [--models deepseek-v3-ep8,qwen3-30b-a3b]
-        [--tokens 4096,16384] [--up 'pp 128x192 c2x1' ...] [--down 'pp 128x128 c1x2' ...]
+        [--layer H,I,E,K[,gpt-oss] ...] [--tokens 4096,16384] [--up 'pp 128x192 c2x1' ...] [--down 'pp 128x128 c1x2' ...]
         [--out FILE] [--smoke]
 
-The fused layer's GEMMs have no tuned table of their own: they take grouped_mm's pick for the
-shape (its tuned table, then the rules) fitted to the fused options (ops/fused_launch.fit_fused:
+The fused layer's GEMMs take a tuned table's entries of their own forms where it has them
+(moe_gemm.ops.tuned.FUSED_FORMS: `python -m benchmarks.fused_adopt` writes them from this
+benchmark's --out file), else grouped_mm's pick for the shape (its tuned table, then the rules)
+fitted to the fused options (ops/fused_launch.fit_fused:
 a gated tile's N a multiple of 32, the epilogue's register cap, and the in-kernel gather only
 where it keeps that tile; elsewhere the plan gathers with index_select, and the time here
 includes it). This measures what another config would give, per model and token count:
@@ -60,6 +62,8 @@ from benchmarks.report import write_json  # noqa: E402
 from moe_gemm import GemmConfig  # noqa: E402
 from moe_gemm.capability import sm_count  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
+from moe_gemm.ops.heuristics import choice_fields  # noqa: E402
+from moe_gemm.ops.tuned import fused_form  # noqa: E402
 from moe_gemm.tuning import space  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_layer)
@@ -75,6 +79,26 @@ MODELS: dict[str, dict[str, Any]] = {  # (the layers of benchmarks.bench_moe_lay
     "mixtral-8x22b": dict(kind="mixtral", H=6144, I=16384, E=8, k=2),
     "llama-4-scout": dict(kind="llama4", H=5120, I=8192, E=16, k=1),
 }
+DEFAULT_MODELS = "deepseek-v3-ep8,qwen3-30b-a3b"
+
+
+def parse_layer(text: str) -> tuple[str, dict[str, Any]]:
+    """'H,I,E,K[,gpt-oss]' -> (its name, a layer as MODELS holds them); ValueError naming the
+    form."""
+    parts = [p.strip() for p in text.split(",")]
+    kind = parts.pop() if len(parts) == 5 and parts[-1] == "gpt-oss" else "custom"
+    try:
+        H, I, E, k = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--layer is 'H,I,E,K[,gpt-oss]' (positive integers, K <= E), "
+                         f"e.g. '2880,2880,128,4,gpt-oss'; got {text!r}") from None
+    if min(H, I, E, k) <= 0 or k > E:
+        raise ValueError(f"--layer is 'H,I,E,K[,gpt-oss]' (positive integers, K <= E); "
+                         f"got {text!r}")
+    return f"layer-{H}x{I}x{E}x{k}" + ("-gpt-oss" if kind == "gpt-oss" else ""), dict(
+        kind=kind, H=H, I=I, E=E, k=k)
+
+
 SMOKE_MODELS = {name: dict(m, H=64, I=32, E=8, k=min(m["k"], 4)) for name, m in MODELS.items()}
 UP = ("coop 128x256", "coop 128x256 c2x1", "coop 256x128 c2x1", "coop 256x192",
       "coop 256x192 c2x1", "coop 256x160 c2x1", "pp 128x192 c2x1", "pp 128x128 c2x1",
@@ -296,10 +320,15 @@ def layer_case(m: dict, T: int, device: torch.device, dtype: torch.dtype,
         up["bias"] = torch.randn(E, 2 * I, generator=g).to(device)
         down["bias"] = torch.randn(E, H, generator=g).to(device)
     size = torch.finfo(dtype).bits // 8
+    name = str(dtype).removeprefix("torch.")
     return {
         "up": dict(kw=up, flops=2 * S * H * 2 * I,
-                   bytes=(T * H + E * H * 2 * I + S * I) * size),
-        "down": dict(kw=down, flops=2 * S * I * H, bytes=(S * I + E * I * H + S * H) * size),
+                   bytes=(T * H + E * H * 2 * I + S * I) * size,
+                   shape=dict(form=fused_form(True, gpt), dtype=name, out_dtype=name, E=E,
+                              N=2 * I, K=H, rows=S)),
+        "down": dict(kw=down, flops=2 * S * I * H, bytes=(S * I + E * I * H + S * H) * size,
+                     shape=dict(form=fused_form(False, gpt), dtype=name, out_dtype=name, E=E,
+                                N=H, K=I, rows=S)),
     }
 
 
@@ -327,8 +356,6 @@ def kernel_choices(case: dict, device: torch.device, nsm: int) -> dict[str, tupl
 def describe(choice, in_kernel: bool) -> str:
     """A fitted choice in the tuner's notation, e.g. 'coop 128x256 c2x1 s3 p16 ew, in-kernel
     gather' (stages named where the choice pins them, else the kernel takes what fits)."""
-    from moe_gemm.ops.heuristics import choice_fields
-
     return space.name_of(choice_fields(choice, "varlen")) + (
         ", in-kernel gather" if in_kernel else "")
 
@@ -381,9 +408,10 @@ def run_case(case: dict, rounds: int, calls: int, device: torch.device,
     rows, fns, ref = [], [], None
     for name, cfg in case["configs"].items():
         row: dict[str, Any] = dict(model=case["model"], proj=case["proj"],
-                                   tokens=case["tokens"], variant=name)
+                                   tokens=case["tokens"], variant=name, shape=case["shape"])
         if picked and picked.get(name) is not None:
             row["kernel"] = describe(*picked[name])
+            row["fields"] = choice_fields(picked[name][0], "varlen")
         fn = variant_call(case["kw"], cfg, name)
         try:
             y = fn().float()
@@ -412,12 +440,16 @@ def run_case(case: dict, rounds: int, calls: int, device: torch.device,
 
 
 def build_cases(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    models = SMOKE_MODELS if args.smoke else MODELS
+    models = dict(SMOKE_MODELS if args.smoke else MODELS)
+    for text in args.layer or ():
+        name, layer = parse_layer(text)
+        models[name] = layer
     dtype = torch.float32 if args.smoke else torch.bfloat16
     variants = {"up": args.up if args.up is not None else list(UP),
                 "down": args.down if args.down is not None else list(DOWN)}
     cases = []
-    for name in args.models.split(","):
+    names = [] if args.layer and args.models is None else (args.models or DEFAULT_MODELS).split(",")
+    for name in names + [parse_layer(text)[0] for text in args.layer or ()]:
         for T in (int(t) for t in args.tokens.split(",")):
             for proj, case in layer_case(models[name], T, device, dtype).items():
                 configs = {DEFAULT: None}
@@ -442,8 +474,13 @@ def table(rows: list[dict]) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fused_configs",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="deepseek-v3-ep8,qwen3-30b-a3b",
-                   help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated subset of {','.join(MODELS)} (default "
+                        f"{DEFAULT_MODELS}, none where --layer is given)")
+    p.add_argument("--layer", action="append", default=None, metavar="H,I,E,K[,gpt-oss]",
+                   help="a layer of your own (repeatable): hidden size, expert intermediate "
+                        "size, experts, top-k; 'gpt-oss' for biases and clamped SwiGLU over "
+                        "alternating columns (else SiLU over concat weights)")
     p.add_argument("--tokens", default="16384", help="comma-separated token counts")
     p.add_argument("--up", action="append", default=None,
                    help="a gate-up variant (repeatable; default: a built-in list)")
@@ -463,7 +500,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    unknown = [m for m in (args.models or "").split(",") if m and m not in MODELS]
     if unknown:
         print(f"error: unknown model(s) {', '.join(unknown)}; expected some of "
               f"{', '.join(MODELS)}", file=sys.stderr)
@@ -473,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA GPU (use --smoke on a CPU)", file=sys.stderr)
         return 2
     try:
+        for text in args.layer or ():
+            parse_layer(text)
         cases = build_cases(args, device)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

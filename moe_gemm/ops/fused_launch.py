@@ -2,7 +2,8 @@
 TMA rules of its operands, and FusedPlan, built once per signature like mm_launch.MmPlan.
 
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
-S routed rows, N = w's columns, K; tuned tables included). Where grouped_mm would run swapped
+S routed rows, N = w's columns, K; tuned tables included); a table entry or vote timed on the
+fused kernels themselves (tuned.FUSED_FORMS, by gate and bias) takes precedence (fused_tuned). Where grouped_mm would run swapped
 tiles (swap_rules' window: about one 256-row tile per expert), a gate over concat weights runs
 on them too (kernels/sm90/swapped_fused.py; without a gate only on long K with at most one
 such tile per expert, or where config.swap_ab pins them: `swappable`). Otherwise the choice
@@ -38,13 +39,16 @@ from moe_gemm.kernels.sm90.constants import (
     acc_regs,
     fused_problem,
 )
-from moe_gemm.ops import launch_info, launch_kernel, launch_resources
+from moe_gemm.ops import launch_info, launch_kernel, launch_resources, tuned
 from moe_gemm.ops.fused_validation import FusedMmArgs
 from moe_gemm.ops.heuristics import (
     FAST_GATE_ENV,
     GATHER_WIDE_ENV,
+    SWAP_AB_ENV,
     KernelChoice,
+    choice_fields,
     choose_varlen,
+    varlen_hit_choice,
     with_peek_wait,
     with_split_ways,
     with_trim_a,
@@ -174,6 +178,8 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
         config, args.S if rows is None else rows, args.E, args.N, args.K, nsm,
         args.out_dtype.itemsize, **launch_kernel.table_keys(device, args.dtype, args.out_dtype),
         swap_ok=rows is None and swappable(args, config), table_unswap=False)
+    if rows is None:
+        choice = fused_tuned(args, config, choice, nsm, device) or choice
     if choice.swap_ab:
         # The swapped kernel's fixed tile (kernels/sm90/swapped_fused.py); the plan gathers
         # the routed rows with index_select.
@@ -202,6 +208,38 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     if why is not None:  # (a config that pins what the options cannot build)
         raise ValueError(f"the fused kernel cannot use this config: {why}")
     return fitted, gather
+
+
+def fused_tuned(args: FusedMmArgs, config: GemmConfig, default: KernelChoice, nsm: int,
+                device: torch.device) -> KernelChoice | None:
+    """The tuned tables' answer for the fused kernel itself (tuned.FUSED_FORMS, timed on the
+    fused kernels): the entry for this launch's form (gate, bias), dtypes, E, N, K and
+    rows-per-expert bucket, else the config timed fastest on this shape within a quarter
+    octave of its rows, else the vote of the fused shapes timed nearby, which must beat
+    `default` (grouped_mm's answer for the shape) by the tables' margin; None without these,
+    for a pinned config, or for swapped tiles these options cannot run or were turned off.
+
+    gpt-oss-120b's biased GEMMs on an H200 (2026-12-04, benchmarks.fused_configs): grouped_mm's
+    cooperative picks at 32-128 rows per expert ran the fused gate-up 0.93-0.97x and the fused
+    down 0.91-0.99x as fast as the best ping-pong tile timed (the bias and the activation
+    beside the accumulators weigh on a cooperative tile, whose two warpgroups both leave the
+    k-loop for its epilogue; a ping-pong warpgroup's epilogue overlaps the other's k-loop)."""
+    keys = launch_kernel.table_keys(device, args.dtype, args.out_dtype)
+    if keys["device"] is None or config.tuning_pinned or args.S <= 0 or args.E <= 0:
+        return None
+    key = tuned.Key(tuned.fused_form(args.gate is not None, args.bias is not None),
+                    keys["dtype"], keys["out_dtype"], args.E, args.N, args.K,
+                    tuned.rows_bucket(args.S / args.E))
+    hit = tuned.measured_lookup(keys["device"], key, args.S, nsm,
+                                choice_fields(default, "varlen"))
+    if hit is None:
+        return None
+    if dict(hit.fields).get("swap_ab") and (
+            config.swap_ab is False or env_value(SWAP_AB_ENV) is False
+            or not swappable(args, GemmConfig(swap_ab=True))):
+        return None
+    return varlen_hit_choice(config, hit, args.S, args.E, args.N, args.K, nsm,
+                             args.out_dtype.itemsize)
 
 
 # Where the down GEMM (no gate) takes swapped tiles unpinned (swappable): K of at least 4096

@@ -458,6 +458,18 @@ def choose_varlen(
     return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(choice))))
 
 
+def varlen_hit_choice(config: GemmConfig, hit: tuned.Hit | None, T: int, E: int, N: int,
+                      K: int, num_sms: int, out_itemsize: int = 2) -> KernelChoice | None:
+    """A tuned hit's choice for a varlen launch, finished as choose_varlen finishes its own;
+    None without a hit or where the hit cannot build here (warned once). For a form of its
+    own that looks the tables up itself (the fused kernels: fused_launch.fused_tuned)."""
+    choice = _varlen_from_hit(config, hit, T, E, N, K, out_itemsize,
+                              split_shares(), num_sms)
+    if choice is None:
+        return None
+    return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(choice))))
+
+
 @functools.lru_cache(maxsize=512)
 def _choose_varlen_tuned(config, T, E, N, K, num_sms, out_itemsize, device, dtype, out_dtype,
                          state, shares) -> tuple[KernelChoice, bool | None]:

@@ -20,6 +20,10 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
    (--hold tokens) 1.015-1.016x, the rules 1.02-1.05x (docs/measurements.md);
 3. nothing: the heuristics' rules decide.
 
+The fused MoE kernel (ops/fused_launch.py) asks the same way under its own forms
+(FUSED_FORMS: its entries and samples, timed on the fused kernels), before it falls back to
+grouped_mm's answer for the shape.
+
 Buckets: rows per problem r (varlen: T / E; batched: M; general: mean M) rounded in log2,
 bucket = round(log2 r), so bucket b covers r in [2^(b-0.5), 2^(b+0.5)).
 
@@ -82,7 +86,20 @@ RULES_MARGIN = math.log(1.01)
 # ran 1.05x the rules' pick at 288 rows (0.17 octave away) and 0.75x at 320 (0.32 octave:
 # 256-row tiles cut an expert into a full and a quarter-full tile there).
 SAMPLE_REACH = 0.25
-FORMS = ("varlen", "batched", "general")
+# The fused MoE kernel's own forms (ops/fused_launch.py), named by what its epilogue carries
+# beside the accumulators: the gate (an activation over gate/up column pairs) and a
+# per-column bias. Their entries and samples are timed on the fused kernels under the MoE
+# layer's routing (benchmarks.fused_configs, adopted by benchmarks.fused_adopt): the epilogue
+# ranks the tiles differently from grouped_mm's plain store (gpt-oss-120b's biased GEMMs on an
+# H200, 2026-12-04: cooperative tiles, grouped_mm's picks at 32-128 rows per expert, ran
+# 0.93-0.97x ping-pong ones). A form is its own family, so they never vote for grouped_mm.
+FUSED_FORMS = ("fused", "fused-gate", "fused-bias", "fused-gate-bias")
+FORMS = ("varlen", "batched", "general", *FUSED_FORMS)
+
+
+def fused_form(gate: bool, bias: bool) -> str:
+    """The table form of a fused launch with (or without) a gate and a bias."""
+    return "fused" + ("-gate" if gate else "") + ("-bias" if bias else "")
 
 
 def device_slug(name: str) -> str:
@@ -103,7 +120,7 @@ def rows_bucket(rows_per_problem: float) -> int:
 class Key:
     """What a table entry is for."""
 
-    form: str  # "varlen" | "batched" | "general"
+    form: str  # "varlen" | "batched" | "general" | one of FUSED_FORMS
     dtype: str  # input dtype, e.g. "bfloat16"
     out_dtype: str
     E: int  # experts (varlen), problems (batched), non-empty problems (general)
@@ -593,17 +610,12 @@ def lookup(device: str, key: Key, rows: int, nsm: int,
     return None if found is None else Hit(found, "neighbours", ",".join(t.path for t in tables))
 
 
-def unswapped_pick(device: str, key: Key, rows: int,
-                   baseline: dict | None = None) -> Hit | None:
-    """A config without swapped tiles for `key` with `rows` rows, for a launch that cannot run
-    the swapped kernel an exact entry names (the fused and masked forms, or swap_ab turned
-    off), where the rules alone can be far off: the fastest unswapped config the tables timed
-    on key's own shape (form, dtypes, E, N, K) at the row count nearest to `rows`, if one
-    lies within SAMPLE_REACH octaves of it ("exact"); else the neighbours' vote among
-    unswapped configs ("neighbours", `baseline` as in lookup, memoized per quarter octave of
-    rows per problem as lookup's vote); else None."""
+def sample_pick(device: str, key: Key, rows: int,
+                accept: Callable[[tuple], bool] | None = None) -> Hit | None:
+    """The fastest config (of those `accept` admits) the tables timed on key's own shape (form,
+    dtypes, E, N, K) at the row count nearest to `rows`, if one lies within SAMPLE_REACH
+    octaves of it ("exact"; the most specific table that timed the shape answers), else None."""
     tables = tables_for(device)
-    source = ",".join(t.path for t in tables)
     family = key.family()
     best: tuple[float, TimedShape] | None = None
     for t in tables:
@@ -613,15 +625,44 @@ def unswapped_pick(device: str, key: Key, rows: int,
             gap = abs(math.log2(max(s.shape[6], 1) / max(rows, 1)))
             if gap <= SAMPLE_REACH and (best is None or gap < best[0]):
                 best = (gap, s)
-        if best is not None:  # (the most specific table that timed the shape answers)
+        if best is not None:
             break
-    if best is not None:
-        timed = best[1].log_regret
-        unswapped = [f for f in timed if _unswapped(f) and _fits_form(dict(f), key)]
-        if unswapped:
-            fastest = min(timed[f] for f in unswapped)
-            return Hit(min((f for f in unswapped if timed[f] == fastest), key=repr), "exact",
-                       source)
+    if best is None:
+        return None
+    timed = best[1].log_regret
+    admitted = [f for f in timed if _fits_form(dict(f), key) and (accept is None or accept(f))]
+    if not admitted:
+        return None
+    fastest = min(timed[f] for f in admitted)
+    return Hit(min((f for f in admitted if timed[f] == fastest), key=repr), "exact",
+               ",".join(t.path for t in tables))
+
+
+def measured_lookup(device: str, key: Key, rows: int, nsm: int,
+                    baseline: dict | None = None) -> Hit | None:
+    """`lookup` with the shape's own samples between its entry and the vote (sample_pick), for
+    forms whose tables hold an entry only where a config beat the default by a margin (the
+    fused forms: benchmarks.fused_adopt): a row count that was timed keeps the config timed
+    fastest there, rather than a vote that also weighs its neighbours."""
+    for t in tables_for(device):
+        hit = t.entries.get(key)
+        if hit is not None:
+            return Hit(hit[0], "exact", t.path, hit[1])
+    return sample_pick(device, key, rows) or lookup(device, key, rows, nsm, baseline)
+
+
+def unswapped_pick(device: str, key: Key, rows: int,
+                   baseline: dict | None = None) -> Hit | None:
+    """A config without swapped tiles for `key` with `rows` rows, for a launch that cannot run
+    the swapped kernel an exact entry names (the fused and masked forms, or swap_ab turned
+    off), where the rules alone can be far off: the fastest unswapped config the tables timed
+    on key's own shape at the row count nearest to `rows` (sample_pick); else the neighbours'
+    vote among unswapped configs ("neighbours", `baseline` as in lookup, memoized per quarter
+    octave of rows per problem as lookup's vote); else None."""
+    hit = sample_pick(device, key, rows, accept=_unswapped)
+    if hit is not None:
+        return hit
+    tables = tables_for(device)
     base = None if baseline is None else normalize(baseline)
     memo = (device, state(), key, quantized_rows(rows / max(1, key.E)), base)
     found = _unswapped_picks.get(memo, _UNSEEN)
@@ -630,7 +671,8 @@ def unswapped_pick(device: str, key: Key, rows: int,
         if len(_unswapped_picks) > 4096:
             _unswapped_picks.clear()
         _unswapped_picks[memo] = found
-    return None if found is None else Hit(found, "neighbours", source)
+    return None if found is None else Hit(found, "neighbours",
+                                          ",".join(t.path for t in tables))
 
 
 def _unswapped(fields: tuple[tuple[str, Any], ...]) -> bool:

@@ -200,3 +200,30 @@ def test_a_non_finite_result_is_written_as_null(tmp_path, monkeypatch):
 
     rows = json.loads(out.read_text(), parse_constant=no_constant)["rows"]
     assert rows and all(r["rel_err"] is None for r in rows)
+
+
+def test_a_layer_of_your_own():
+    name, layer = fc.parse_layer("2880, 2880,32,4,gpt-oss")
+    assert name == "layer-2880x2880x32x4-gpt-oss"
+    assert layer == dict(kind="gpt-oss", H=2880, I=2880, E=32, k=4)
+    assert fc.parse_layer("64,32,8,2") == ("layer-64x32x8x2", dict(kind="custom", H=64, I=32,
+                                                                  E=8, k=2))
+    for bad in ("64,32,8", "64,32,8,9", "64,32,0,1", "64,32,8,2,mixtral", "a,b,c,d"):
+        with pytest.raises(ValueError, match="H,I,E,K"):
+            fc.parse_layer(bad)
+    cases = fc.build_cases(fc.parser().parse_args(
+        ["--layer", "64,32,8,2,gpt-oss", "--tokens", "5", "--smoke", "--up", "pp 128x128",
+         "--down", "pp 128x128"]), torch.device("cpu"))
+    assert [c["model"] for c in cases] == ["layer-64x32x8x2-gpt-oss"] * 2
+    up = cases[0]
+    assert up["shape"] == dict(form="fused-gate-bias", dtype="float32", out_dtype="float32",
+                               E=8, N=64, K=64, rows=10)
+    assert up["kw"]["gate"] == "clamped_swiglu" and up["kw"]["bias"].shape == (8, 64)
+    assert cases[1]["shape"]["form"] == "fused-bias"
+    # with --models too, both
+    both = fc.build_cases(fc.parser().parse_args(
+        ["--models", "qwen3-30b-a3b", "--layer", "64,32,8,2", "--tokens", "5", "--smoke",
+         "--up", "pp 128x128", "--down", "pp 128x128"]), torch.device("cpu"))
+    assert [c["model"] for c in both][::2] == ["qwen3-30b-a3b", "layer-64x32x8x2"]
+    assert both[2]["shape"]["form"] == "fused-gate" and both[3]["shape"]["form"] == "fused"
+    assert fc.main(["--layer", "64,32", "--smoke"]) == 2

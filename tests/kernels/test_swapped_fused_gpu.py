@@ -185,6 +185,7 @@ def test_a_swapped_entry_the_fused_down_gemm_cannot_run_gives_way_to_its_shape_s
     path = tmp_path / "table.json"
     path.write_text(json.dumps(doc))
     monkeypatch.delenv(SWAP_AB_ENV, raising=False)
+    monkeypatch.delenv(tuned.TABLES_ENV)  # (the tests' default turns the tables off)
     monkeypatch.setenv(tuned.USER_TABLE_ENV, str(path))
     tuned.clear_caches()
     heuristics.clear_caches()
