@@ -15,7 +15,8 @@ default's time over theirs; the best is adopted as the key's entry where it scor
 default is what the table already answers, so a second run measures against the entry the
 first adopted.) Variants under option words (wide, select, ieeegate, noswap) change more than
 the config and are never adopted. Every timed kernel becomes a sample of its shape (rows =
-routed rows), so a launch between the timed buckets gets the fused shapes' vote. The entry
+routed rows): a launch within a quarter octave of a timed row count, in a bucket with no
+entry, takes the kernel timed fastest there (tuned.measured_lookup). The entry
 records the run (`fused_ab`: date, device, token counts, the default it beat, per-token
 speedups). A run on another device than the table's is refused.
 """

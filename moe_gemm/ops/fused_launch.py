@@ -2,8 +2,8 @@
 TMA rules of its operands, and FusedPlan, built once per signature like mm_launch.MmPlan.
 
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
-S routed rows, N = w's columns, K; tuned tables included); a table entry or vote timed on the
-fused kernels themselves (tuned.FUSED_FORMS, by gate and bias) takes precedence (fused_tuned). Where grouped_mm would run swapped
+S routed rows, N = w's columns, K; tuned tables included); what a table measured on the fused kernels themselves
+(tuned.FUSED_FORMS, by gate and bias) takes precedence (fused_tuned). Where grouped_mm would run swapped
 tiles (swap_rules' window: about one 256-row tile per expert), a gate over concat weights runs
 on them too (kernels/sm90/swapped_fused.py; without a gate only on long K with at most one
 such tile per expert, or where config.swap_ab pins them: `swappable`). Otherwise the choice
@@ -46,7 +46,6 @@ from moe_gemm.ops.heuristics import (
     GATHER_WIDE_ENV,
     SWAP_AB_ENV,
     KernelChoice,
-    choice_fields,
     choose_varlen,
     varlen_hit_choice,
     with_peek_wait,
@@ -179,7 +178,7 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
         args.out_dtype.itemsize, **launch_kernel.table_keys(device, args.dtype, args.out_dtype),
         swap_ok=rows is None and swappable(args, config), table_unswap=False)
     if rows is None:
-        choice = fused_tuned(args, config, choice, nsm, device) or choice
+        choice = fused_tuned(args, config, nsm, device) or choice
     if choice.swap_ab:
         # The swapped kernel's fixed tile (kernels/sm90/swapped_fused.py); the plan gathers
         # the routed rows with index_select.
@@ -210,14 +209,14 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
     return fitted, gather
 
 
-def fused_tuned(args: FusedMmArgs, config: GemmConfig, default: KernelChoice, nsm: int,
+def fused_tuned(args: FusedMmArgs, config: GemmConfig, nsm: int,
                 device: torch.device) -> KernelChoice | None:
     """The tuned tables' answer for the fused kernel itself (tuned.FUSED_FORMS, timed on the
     fused kernels): the entry for this launch's form (gate, bias), dtypes, E, N, K and
     rows-per-expert bucket, else the config timed fastest on this shape within a quarter
-    octave of its rows, else the vote of the fused shapes timed nearby, which must beat
-    `default` (grouped_mm's answer for the shape) by the tables' margin; None without these,
-    for a pinned config, or for swapped tiles these options cannot run or were turned off.
+    octave of its rows (tuned.measured_lookup; no vote: grouped_mm's answer stays where the
+    fused kernels were not timed); None without either, for a pinned config, or for swapped
+    tiles these options cannot run or were turned off.
 
     gpt-oss-120b's biased GEMMs on an H200 (2026-12-04, benchmarks.fused_configs): grouped_mm's
     cooperative picks at 32-128 rows per expert ran the fused gate-up 0.93-0.97x and the fused
@@ -230,8 +229,7 @@ def fused_tuned(args: FusedMmArgs, config: GemmConfig, default: KernelChoice, ns
     key = tuned.Key(tuned.fused_form(args.gate is not None, args.bias is not None),
                     keys["dtype"], keys["out_dtype"], args.E, args.N, args.K,
                     tuned.rows_bucket(args.S / args.E))
-    hit = tuned.measured_lookup(keys["device"], key, args.S, nsm,
-                                choice_fields(default, "varlen"))
+    hit = tuned.measured_lookup(keys["device"], key, args.S)
     if hit is None:
         return None
     if dict(hit.fields).get("swap_ab") and (

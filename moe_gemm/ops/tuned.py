@@ -20,9 +20,9 @@ GemmConfig leaves every tuned field at "auto", the heuristics ask `lookup` here,
    (--hold tokens) 1.015-1.016x, the rules 1.02-1.05x (docs/measurements.md);
 3. nothing: the heuristics' rules decide.
 
-The fused MoE kernel (ops/fused_launch.py) asks the same way under its own forms
-(FUSED_FORMS: its entries and samples, timed on the fused kernels), before it falls back to
-grouped_mm's answer for the shape.
+The fused MoE kernel (ops/fused_launch.py) asks its own forms (FUSED_FORMS: entries and samples
+timed on the fused kernels) for what was measured alone (measured_lookup: the entry, else the
+shape's samples near the call's rows; no vote), before it falls back to grouped_mm's answer.
 
 Buckets: rows per problem r (varlen: T / E; batched: M; general: mean M) rounded in log2,
 bucket = round(log2 r), so bucket b covers r in [2^(b-0.5), 2^(b+0.5)).
@@ -638,17 +638,19 @@ def sample_pick(device: str, key: Key, rows: int,
                ",".join(t.path for t in tables))
 
 
-def measured_lookup(device: str, key: Key, rows: int, nsm: int,
-                    baseline: dict | None = None) -> Hit | None:
-    """`lookup` with the shape's own samples between its entry and the vote (sample_pick), for
-    forms whose tables hold an entry only where a config beat the default by a margin (the
-    fused forms: benchmarks.fused_adopt): a row count that was timed keeps the config timed
-    fastest there, rather than a vote that also weighs its neighbours."""
+def measured_lookup(device: str, key: Key, rows: int) -> Hit | None:
+    """What was measured for `key` alone: its entry ("exact"), else the config timed fastest on
+    its shape within SAMPLE_REACH octaves of `rows` (sample_pick); no vote. For the fused
+    forms, whose tables hold an entry only where a config beat the default by a margin
+    (benchmarks.fused_adopt) and few shapes: a timed row count keeps what ran fastest there,
+    and a launch nobody timed keeps grouped_mm's answer rather than a vote of a few shapes
+    (gpt-oss-120b's fused GEMMs on an H200, 2026-12-04: two runs at 256 rows per expert put the
+    same two tiles 3-4% apart one way and 0.4-1.7% the other)."""
     for t in tables_for(device):
         hit = t.entries.get(key)
         if hit is not None:
             return Hit(hit[0], "exact", t.path, hit[1])
-    return sample_pick(device, key, rows) or lookup(device, key, rows, nsm, baseline)
+    return sample_pick(device, key, rows)
 
 
 def unswapped_pick(device: str, key: Key, rows: int,

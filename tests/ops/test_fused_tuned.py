@@ -1,8 +1,8 @@
 """The fused kernels' own tuned entries (tuned.FUSED_FORMS, ops/fused_launch.fused_tuned), on
 the CPU (meta tensors, a test device's name for the tables): an entry of the launch's form
 (gate, bias) outranks grouped_mm's answer for the shape, never the other way round; pins,
-swapped tiles the options cannot run and the swap switch keep it out; the fused shapes'
-samples vote between timed buckets."""
+swapped tiles the options cannot run and the swap switch keep it out; the shape's own samples
+near the call's rows decide where no entry does, and nothing unmeasured is guessed."""
 
 from __future__ import annotations
 
@@ -159,39 +159,32 @@ def test_a_swapped_entry_runs_only_where_the_options_take_swapped_tiles(_tables,
                             META)[0].swap_ab
 
 
-def test_the_fused_shapes_samples_vote_between_timed_buckets(_tables):
-    """No entry at the call's bucket: the fused shapes timed nearby (their samples) vote, as
-    grouped_mm's do among its own; grouped_mm's shapes take no part."""
+def test_a_timed_row_count_keeps_what_ran_fastest_there_and_nothing_else_is_guessed(_tables):
+    """Without an entry (the adoption kept the default there), the shape's own samples within a
+    quarter octave of the call's rows decide; past that reach nothing fused was measured, and
+    grouped_mm's answer stays (no vote among a few fused shapes); grouped_mm's own choice never
+    reads the fused samples."""
     samples = []
-    for rows_per_expert in (16, 32, 64, 128):
-        for config, us in ((PP, 100.0), (COOP, 112.0)):
+    for rows_per_expert in (16, 32, 64, 128, 256):
+        pp_wins = rows_per_expert != 32
+        for config, us in ((PP, 100.0 if pp_wins else 104.0),
+                           (COOP, 106.0 if pp_wins else 100.0)):
             samples.append(dict(_shape("fused-gate-bias", 2 * I, H, rows_per_expert * E),
                                 config=config, us=us * rows_per_expert / 16))
             # grouped_mm timed the other way round on the same shapes
             samples.append(dict(_shape("varlen", 2 * I, H, rows_per_expert * E),
-                                config=config, us=(212.0 - us) * rows_per_expert / 16))
-    _ship(_tables, [], samples)
-    between = 45 * E  # no entry, between the 32- and 64-row samples
-    up, _ = fused_choice(_up(rows=between), GemmConfig(), 132, META)
-    assert _tile(up) == ("pingpong", 128, 128, 2, False)
-    grouped = _grouped_mm_choice(between, 2 * I, H)
-    assert _tile(grouped)[:3] == ("cooperative", 128, 192)
-
-
-def test_a_timed_row_count_keeps_what_was_timed_fastest_there(_tables):
-    """Without an entry (the adoption kept the default there), the shape's own samples at the
-    call's rows outrank the neighbours' vote: the vote would take the tile that won nearby."""
-    samples = []
-    for rows_per_expert in (16, 32, 64, 128, 256):
-        pp_wins = rows_per_expert != 32
-        for config, us in ((PP, 100.0 if pp_wins else 104.0), (COOP, 106.0 if pp_wins else 100.0)):
-            samples.append(dict(_shape("fused-gate-bias", 2 * I, H, rows_per_expert * E),
-                                config=config, us=us * rows_per_expert / 16))
+                                config=config, us=(206.0 - us) * rows_per_expert / 16))
     _ship(_tables, [], samples)
     assert _tile(fused_choice(_up(rows=32 * E), GemmConfig(), 132, META)[0])[:3] == (
         "cooperative", 128, 192)
     assert _tile(fused_choice(_up(rows=34 * E), GemmConfig(), 132, META)[0])[:3] == (
         "cooperative", 128, 192)  # within a quarter octave of the timed 32 rows
-    # past the reach: the vote, where ping-pong won on most neighbours
-    assert _tile(fused_choice(_up(rows=45 * E), GemmConfig(), 132, META)[0]) == (
+    assert _tile(fused_choice(_up(rows=64 * E), GemmConfig(), 132, META)[0]) == (
         "pingpong", 128, 128, 2, False)
+    # 45 rows: half an octave from 32 and from 64, nothing measured: grouped_mm's answer (here
+    # its neighbours' vote, where its own samples favour the other tile)
+    between = 45 * E
+    grouped = _grouped_mm_choice(between, 2 * I, H)
+    assert _tile(grouped)[:3] == ("cooperative", 128, 192)
+    fused = fused_choice(_up(rows=between), GemmConfig(), 132, META)[0]
+    assert _tile(fused)[:3] == ("cooperative", 128, 192)
