@@ -1,8 +1,8 @@
 """The fused MoE kernel's default pick against other configs, on MoE layers' two expert GEMMs.
 
     python -m benchmarks.fused_configs [--models deepseek-v3-ep8,qwen3-30b-a3b]
-        [--layer H,I,E,K[,gpt-oss] ...] [--tokens 4096,16384] [--up 'pp 128x192 c2x1' ...] [--down 'pp 128x128 c1x2' ...]
-        [--out FILE] [--smoke]
+        [--layer H,I,E,K[,gpt-oss] ...] [--tokens 4096,16384] [--up 'pp 128x192 c2x1' ...]
+        [--down 'pp 128x128 c1x2' ...] [--out FILE] [--smoke]
 
 The fused layer's GEMMs take a tuned table's entries of their own forms where it has them
 (moe_gemm.ops.tuned.FUSED_FORMS: `python -m benchmarks.fused_adopt` writes them from this
@@ -510,8 +510,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA GPU (use --smoke on a CPU)", file=sys.stderr)
         return 2
     try:
-        for text in args.layer or ():
-            parse_layer(text)
         cases = build_cases(args, device)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

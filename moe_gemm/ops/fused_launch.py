@@ -2,16 +2,16 @@
 TMA rules of its operands, and FusedPlan, built once per signature like mm_launch.MmPlan.
 
 The kernel choice starts from grouped_mm's (heuristics.choose_varlen over the accumulator shape:
-S routed rows, N = w's columns, K; tuned tables included); what a table measured on the fused kernels themselves
-(tuned.FUSED_FORMS, by gate and bias) takes precedence (fused_tuned). Where grouped_mm would run swapped
-tiles (swap_rules' window: about one 256-row tile per expert), a gate over concat weights runs
-on them too (kernels/sm90/swapped_fused.py; without a gate only on long K with at most one
-such tile per expert, or where config.swap_ab pins them: `swappable`). Otherwise the choice
-is fitted to what the plain fused kernel can build (fit_fused): a gated tile needs tile_n a
-multiple of 32; the in-kernel
-gather (gather-A) serves decode batches below GATHER_MAX_ROWS routed rows, where it saves
-index_select's launch; it needs no A multicast and, in that form, at most 128 rows and 128
-accumulator registers per thread (its rows' indices sit in registers). The wide form
+S routed rows, N = w's columns, K; tuned tables included); what a table measured on the fused
+kernels themselves (tuned.FUSED_FORMS, by gate and bias) takes precedence (fused_tuned). Where
+grouped_mm would run swapped tiles (swap_rules' window: about one 256-row tile per expert), a
+gate over concat weights runs on them too (kernels/sm90/swapped_fused.py; without a gate only
+on long K with at most one such tile per expert, or where config.swap_ab pins them:
+`swappable`). Otherwise the choice is fitted to what the plain fused kernel can build
+(fit_fused): a gated tile needs tile_n a multiple of 32; the in-kernel gather (gather-A)
+serves decode batches below GATHER_MAX_ROWS routed rows, where it saves index_select's launch;
+it needs no A multicast and, in that form, at most 128 rows and 128 accumulator registers per
+thread (its rows' indices sit in registers). The wide form
 (MOE_GEMM_FUSED_GATHER_WIDE=1, opt-in) gathers at every batch size and keeps any tile below
 the heavy accumulators (its rows' indices in shared memory). It saves the routed copy of x
 (S x K elements) but runs the gate-up GEMM slower than index_select + the same tile on wide
