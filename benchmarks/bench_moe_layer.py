@@ -330,17 +330,18 @@ class Timed:
 PROFILE_TOP = 8  # kernels kept per implementation by --profile
 
 
-def kernel_breakdown(t: Timed, device: torch.device, calls: int = 3) -> list[dict[str, Any]]:
-    """Where one implementation's time goes (--profile): its kernels over `calls` eager
-    forwards (torch.profiler; CPU ops on a CPU), most time first: name, ms and launches per
-    forward."""
+def kernel_breakdown(t: Timed, device: torch.device, calls: int = 3) -> dict[str, Any]:
+    """Where one implementation's time goes (--profile): its kernels over `calls` of what is
+    timed (the CUDA-graph replay where it captured, else eager forwards; torch.profiler; CPU
+    ops on a CPU): the sum over every kernel per forward ('kernel_ms') and the PROFILE_TOP
+    kernels, most time first: name, ms and launches per forward."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     with torch.inference_mode(), profile(
             activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
-            t.fn(t.x)
+            t.call()
         if cuda:
             torch.cuda.synchronize()
 
@@ -348,8 +349,9 @@ def kernel_breakdown(t: Timed, device: torch.device, calls: int = 3) -> list[dic
         return e.device_time_total if cuda else e.self_cpu_time_total
 
     events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=spent, reverse=True)
-    return [{"kernel": e.key[:120], "ms": round(spent(e) / calls / 1e3, 4),
-             "launches": e.count / calls} for e in events[:PROFILE_TOP]]
+    return {"mode": t.mode, "kernel_ms": round(sum(map(spent, events)) / calls / 1e3, 4),
+            "top": [{"kernel": e.key[:120], "ms": round(spent(e) / calls / 1e3, 4),
+                     "launches": e.count / calls} for e in events[:PROFILE_TOP]]}
 
 
 def time_calls(fn: Callable[[], Any], calls: int, device: torch.device) -> float:
@@ -532,9 +534,9 @@ def run(args: argparse.Namespace) -> dict:
             if args.profile:
                 kept = result.setdefault("profile", {}).setdefault(n, {})[str(T)] = {}
                 for name, t in timed.items():
-                    kept[name] = top = kernel_breakdown(t, device)
-                    print(f"{'':16s}   {name:24s} " + ", ".join(
-                        f"{k['kernel'][:40]} {k['ms']:.3f}" for k in top[:3]), flush=True)
+                    kept[name] = spent = kernel_breakdown(t, device)
+                    print(f"{'':16s}   {name:24s} kernels {spent['kernel_ms']:.3f} ms: " + ", ".join(
+                        f"{k['kernel'][:40]} {k['ms']:.3f}" for k in spent["top"][:3]), flush=True)
             if SONIC in timed and result["sonicmoe"].get("status") == "trying":
                 result["sonicmoe"]["status"] = "ran"
             del timed, x
@@ -645,8 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-timeout", type=float, default=300.0)
     p.add_argument("--no-sonic", action="store_true", help="skip SonicMoE")
     p.add_argument("--profile", action="store_true",
-                   help=f"also record each implementation's top {PROFILE_TOP} kernels per case "
-                        "(torch.profiler; JSON 'profile')")
+                   help=f"also record each implementation's kernel time per forward and its top "
+                        f"{PROFILE_TOP} kernels per case, over what is timed (graph replays "
+                        "where it captures; torch.profiler; JSON 'profile')")
     for impl, (option, name, value, what) in SWITCHED.items():
         p.add_argument("--" + option.replace("_", "-"), action="store_true",
                        help=f"also time the fused layer {what} ('{impl}', {name}={value})")
