@@ -2,7 +2,7 @@
 
     python -m benchmarks.fused_configs [--models deepseek-v3-ep8,qwen3-30b-a3b]
         [--layer H,I,E,K[,gpt-oss] ...] [--tokens 4096,16384] [--up 'pp 128x192 c2x1' ...]
-        [--down 'pp 128x128 c1x2' ...] [--out FILE] [--smoke]
+        [--down 'pp 128x128 c1x2' ...] [--rounds 7] [--order-seed 0] [--out FILE] [--smoke]
 
 The fused layer's GEMMs take a tuned table's entries of their own forms where it has them
 (moe_gemm.ops.tuned.FUSED_FORMS: `python -m benchmarks.fused_adopt` writes them from this
@@ -37,10 +37,13 @@ columns).
 QUACK_PRINT_AUTOTUNING=1 prints the config its autotuner picked. Every variant's output is
 checked against the default's before timing (a mismatch is an error, not a time). Kernels are
 compiled first, in parallel. Timing: `--calls` back-to-back calls between CUDA events, variants
-interleaved round by round (the layer bench's order: a seeded shuffle each round, each batch
-behind half a batch of warm-up), the median round; routing: each token's top-k distinct experts
-of seeded random logits with a linear skew across experts. The rows print us | TFLOP/s | GB/s |
-ratio (the default's time over the variant's: above 1, faster).
+interleaved round by round (the layer bench's order: a shuffle each round seeded by
+`--order-seed`, each batch behind half a batch of warm-up), the median round. What precedes a
+kernel moves its time (power state): an H200 ran one config 1.024-1.030x faster under one name
+than under another in two runs of the same order (2026-12-04), so a run that confirms leaders
+takes another seed. Routing: each token's top-k distinct experts of seeded random logits with a
+linear skew across experts. The rows print us | TFLOP/s | GB/s | ratio (the default's time
+over the variant's: above 1, faster).
 """
 
 from __future__ import annotations
@@ -389,19 +392,22 @@ def compile_keys(cases: list[dict], device: torch.device, nsm: int) -> set:
     return keys
 
 
-def time_interleaved(fns: list, rounds: int, calls: int, device: torch.device) -> list[float]:
+def time_interleaved(fns: list, rounds: int, calls: int, device: torch.device,
+                     order_seed: int = 0) -> list[float]:
     """Median ms per call of each fn, interleaved round by round in the layer bench's round
-    order, each batch behind its own warm-up (bench_moe_layer.round_order, warm_calls)."""
+    order (a shuffle per round from order_seed), each batch behind its own warm-up
+    (bench_moe_layer.round_order, warm_calls)."""
     times: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
-        for i in round_order(range(len(fns)), r):
+        for i in round_order(range(len(fns)), r, order_seed):
             time_calls(fns[i], warm_calls(calls), device)
             times[i].append(time_calls(fns[i], calls, device))
     return [statistics.median(t) for t in times]
 
 
 def run_case(case: dict, rounds: int, calls: int, device: torch.device,
-             picked: dict[str, tuple | None] | None = None, quack: bool = False) -> list[dict]:
+             picked: dict[str, tuple | None] | None = None, quack: bool = False,
+             order_seed: int = 0) -> list[dict]:
     """One GEMM's variants: checked against the default, then timed. picked: each variant's
     kernel choice (kernel_choices; GPU runs), recorded as the row's 'kernel'; quack: QuACK's
     autotuned kernel as a peer row (quack_peer)."""
@@ -431,7 +437,7 @@ def run_case(case: dict, rounds: int, calls: int, device: torch.device,
             fns.append((row, fn))
     if device.type == "cuda":
         torch.cuda.synchronize()
-    ms = time_interleaved([f for _, f in fns], rounds, calls, device)
+    ms = time_interleaved([f for _, f in fns], rounds, calls, device, order_seed)
     base = ms[0]
     for (row, _), t in zip(fns, ms):
         row.update(us=round(t * 1e3, 2), tflops=round(case["flops"] / t / 1e9, 1),
@@ -488,6 +494,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a down variant (repeatable; default: a built-in list)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=3, help="calls per timed batch")
+    p.add_argument("--order-seed", type=int, default=0,
+                   help="seeds the rounds' shuffled order; a run repeated to confirm leaders "
+                        "takes another (the same order repeats any bias of what precedes what)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile workers")
     p.add_argument("--compile-timeout", type=float, default=300.0)
     p.add_argument("--quack", action="store_true",
@@ -517,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "suite": "fused-configs", "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "timing": dict(rounds=args.rounds, calls=args.calls), "precompile": None,
+        "timing": dict(rounds=args.rounds, calls=args.calls, order_seed=args.order_seed),
+        "precompile": None,
     }
     if device.type == "cuda":
         from benchmarks.bench_moe_layer import precompile
@@ -527,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in cases:
         picked = kernel_choices(case, device, sm_count(device)) if device.type == "cuda" else None
-        rows += run_case(case, args.rounds, args.calls, device, picked, args.quack)
+        rows += run_case(case, args.rounds, args.calls, device, picked, args.quack,
+                         args.order_seed)
     result["rows"] = rows
     if args.out:
         write_json(Path(args.out), result)

@@ -121,3 +121,62 @@ def test_refusals_and_the_dry_run(tmp_path, capsys):
     assert fused_adopt.main([str(tmp_path / "fc.json"), "--table", str(path),
                              "--min-gain", "1.5"]) == 2
     assert path.read_text() == before
+
+
+def _bucket5_run(speedup_pp, default=COOP, us=1000.0):
+    """A run at 1024 and 1280 tokens (bucket 5) of the up GEMM: the default and pp 128x128."""
+    rows = []
+    for tokens in (1024, 1280):
+        rows += [_row("up", tokens, "default", default, us),
+                 _row("up", tokens, "pp 128x128 c1x2 p8", PP, us / speedup_pp),
+                 _row("up", tokens, "pp 64x256 p8", PP_64, us / 0.95)]
+    return _result(rows)
+
+
+UP5 = ("fused-gate-bias", "bfloat16", "bfloat16", E, 5760, 2880, 5)
+
+
+def test_runs_are_pooled_a_leader_of_one_run_that_ties_in_the_next_is_kept_out():
+    table = _table()
+    lines = fused_adopt.adopt(table, [_bucket5_run(1.04), _bucket5_run(1.00)])
+    assert not table["entries"], lines  # geometric mean ~1.02 with 1.00 in one run: below
+    assert any("kept" in line and "2 runs" in line for line in lines)
+    table = _table()
+    lines = fused_adopt.adopt(table, [_bucket5_run(1.03), _bucket5_run(1.035)])
+    (e,) = table["entries"]
+    assert table_io.entry_key(e) == UP5
+    assert e["fused_ab"]["runs"] == 2
+    assert e["fused_ab"]["tokens"] == [1024, 1280, 1024, 1280]
+    assert e["fused_ab"]["speedups"] == pytest.approx([1.03, 1.03, 1.035, 1.035], abs=1e-3)
+    # the entry's time is the newest run's
+    assert e["us"] == pytest.approx(1000.0 / 1.035, abs=0.01)
+
+
+def test_a_run_against_another_default_is_left_out_of_that_key():
+    # the older run measured against pp 64x256 (the table then), the newest against coop:
+    # only the newest decides
+    old = _bucket5_run(1.20, default=PP_64)
+    table = _table()
+    lines = fused_adopt.adopt(table, [old, _bucket5_run(1.01)])
+    assert not table["entries"], lines
+    assert any("1 left out" in line for line in lines)
+
+
+def test_the_newest_run_gives_each_shape_its_samples(tmp_path):
+    path = tmp_path / "t.json"
+    table_io.write(path, _table())
+    files = []
+    for i, us in enumerate((1000.0, 2000.0)):
+        files.append(tmp_path / f"fc{i}.json")
+        files[-1].write_text(json.dumps(_bucket5_run(1.0, us=us)))
+    assert fused_adopt.main([*map(str, files), "--table", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    at_1024 = sorted(s["us"] for s in doc["samples"] if s["rows"] == 4096)
+    assert at_1024 == pytest.approx([2000.0, 2000.0, 2000.0 / 0.95], abs=0.01)
+    # a second file from another device refuses the whole adoption
+    (tmp_path / "other.json").write_text(json.dumps(dict(_bucket5_run(1.1),
+                                                         device="NVIDIA Other")))
+    before = path.read_text()
+    assert fused_adopt.main([str(files[0]), str(tmp_path / "other.json"), "--table",
+                             str(path)]) == 2
+    assert path.read_text() == before

@@ -142,6 +142,23 @@ def test_smoke_run_writes_rows(tmp_path):
         ("down", "pp 128x128 c1x2")]
     assert all(r["us"] > 0 and r["rel_err"] <= 2e-2 for r in rows)
     assert rows[0]["ratio"] == 1.0
+    assert data["timing"]["order_seed"] == 0
+
+
+def test_the_order_seed_changes_which_variant_follows_which():
+    def orders(seed: int) -> list[list[int]]:
+        seen: list[int] = []
+        fns = [lambda i=i: seen.append(i) for i in range(5)]
+        fc.time_interleaved(fns, rounds=4, calls=1, device=torch.device("cpu"),
+                            order_seed=seed)
+        # each batch runs behind its own warm-up: one warm-up call and one timed call per fn
+        timed = seen[1::2]
+        assert sorted(timed) == sorted(list(range(5)) * 4)
+        return [timed[5 * r:5 * r + 5] for r in range(4)]
+
+    assert orders(0) == orders(0)  # reproducible
+    assert orders(0) != orders(1)
+    assert all(sorted(o) == list(range(5)) for o in orders(1))  # every fn once a round
 
 
 def test_bad_arguments_are_errors(capsys):
