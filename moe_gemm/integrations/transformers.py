@@ -287,12 +287,24 @@ def is_registered() -> bool:
 
 # transformers block class -> router kind. Each was checked against the transformers 5 source
 # (router arithmetic and the block's forward) and is covered by tests/layers/test_moe_hf.py.
+# transformers 5 blocks by class name, and their routing. The softmax blocks route as Mixtral
+# (softmax over the experts, top-k, renormalized where the router has norm_topk_prob, always
+# where it has none) and may carry Qwen2-MoE's sigmoid-gated shared expert; the sigmoid ones
+# as DeepSeek-V3 (group-limited top-k of biased sigmoid scores, routed_scaling_factor) with
+# shared experts. tests/layers/test_moe_hf.py checks each against the block itself.
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
+    "MiniMaxSparseMoeBlock": "softmax",
+    "OlmoeSparseMoeBlock": "softmax",
+    "FlexOlmoSparseMoeBlock": "softmax",
     "Qwen2MoeSparseMoeBlock": "softmax",
     "Qwen3MoeSparseMoeBlock": "softmax",
+    "Qwen3NextSparseMoeBlock": "softmax",
+    "Qwen3_5MoeSparseMoeBlock": "softmax",
     "DeepseekV3MoE": "sigmoid",
+    "Dots1MoE": "sigmoid",
     "Glm4MoeMoE": "sigmoid",
+    "Glm4MoeLiteMoE": "sigmoid",
 }
 
 

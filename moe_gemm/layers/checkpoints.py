@@ -146,9 +146,11 @@ class MoELoaders:
     def from_hf(cls, block: nn.Module, *, config: GemmConfig | None = None) -> MoE:
         """Our layer for a transformers 5 MoE block, sharing its weights (no copy).
 
-        Supported blocks: MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock (with its gated shared
-        expert), Qwen3MoeSparseMoeBlock, DeepseekV3MoE and Glm4MoeMoE (sigmoid group-limited
-        routing, shared experts). The result gives the same outputs as `block` (fp32: within
+        Supported blocks (moe_gemm.integrations.transformers.HF_BLOCKS): Mixtral's, MiniMax's,
+        OLMoE's, FlexOlmo's, Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's (with their gated
+        shared expert), Qwen3-MoE's; DeepSeek-V3's, dots.llm1's, GLM-4-MoE's and
+        GLM-4-MoE-Lite's (sigmoid group-limited routing, shared experts). The result gives the
+        same outputs as `block` (fp32: within
         float rounding): it takes the block's training / eval mode, and Mixtral's router
         jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation
         without one of our names is the experts' own act_fn module (shared with the block,

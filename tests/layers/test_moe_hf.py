@@ -136,6 +136,59 @@ BLOCKS = [
 ]
 
 
+class _Later:
+    """A transformers block class named by module: imported when a test uses it (an older
+    transformers 5 without the model skips its cases, not the file)."""
+
+    def __init__(self, model: str, block: str, config: str):
+        self.model, self.block, self.config = model, block, config
+        self.__name__ = block
+
+    def _module(self, kind: str):
+        try:
+            return importlib.import_module(f"transformers.models.{self.model}.{kind}_{self.model}")
+        except ImportError:
+            pytest.skip(f"this transformers has no {self.model}")
+
+    def __call__(self, config):
+        return getattr(self._module("modeling"), self.block)(config)
+
+    def make_config(self, **kw):
+        return lambda: getattr(self._module("configuration"), self.config)(**kw)
+
+
+def _later(model: str, block: str, config: str, case: str, **kw):
+    later = _Later(model, block, config)
+    return pytest.param(later, later.make_config(**kw), id=case)
+
+
+# Blocks that route as the ones above (HF_BLOCKS), each checked against the block itself.
+BLOCKS += [
+    _later("olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig", "olmoe-no-renorm", hidden_size=48,
+           intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    _later("flex_olmo", "FlexOlmoSparseMoeBlock", "FlexOlmoConfig", "flex-olmo", hidden_size=40,
+           intermediate_size=24, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True),
+    _later("minimax", "MiniMaxSparseMoeBlock", "MiniMaxConfig", "minimax", hidden_size=48,
+           intermediate_size=32, num_local_experts=6, num_experts_per_tok=2),
+    _later("qwen3_next", "Qwen3NextSparseMoeBlock", "Qwen3NextConfig", "qwen3-next",
+           hidden_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+           num_experts=10, num_experts_per_tok=3, norm_topk_prob=True),
+    _later("qwen3_next", "Qwen3NextSparseMoeBlock", "Qwen3NextConfig", "qwen3-next-no-renorm",
+           hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+           num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    # (its router always renormalizes and has no norm_topk_prob)
+    _later("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeTextConfig", "qwen3.5-moe",
+           hidden_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+           num_experts=10, num_experts_per_tok=3),
+    _later("dots1", "Dots1MoE", "Dots1Config", "dots1", hidden_size=64, moe_intermediate_size=16,
+           n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+           n_shared_experts=2, routed_scaling_factor=2.5),
+    _later("glm4_moe_lite", "Glm4MoeLiteMoE", "Glm4MoeLiteConfig", "glm4-moe-lite",
+           hidden_size=48, moe_intermediate_size=32, n_routed_experts=12, num_experts_per_tok=3,
+           n_group=3, topk_group=2, n_shared_experts=1, routed_scaling_factor=1.8),
+]
+
+
 @pytest.mark.parametrize("cls,make_config", BLOCKS)
 def test_from_hf_matches_block_fp32(cls: type, make_config) -> None:
     block = _block(cls, make_config(), seed=1)
@@ -186,7 +239,7 @@ def test_from_hf_cast_keeps_the_correction_bias_float32(cast: str) -> None:
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6]])
+@pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6], *BLOCKS[9:]])
 def test_from_hf_also_matches_transformers_grouped_mm(cls: type, make_config) -> None:
     block = _block(cls, make_config(), seed=2)
     moe = MoE.from_hf(block)
@@ -196,7 +249,7 @@ def test_from_hf_also_matches_transformers_grouped_mm(cls: type, make_config) ->
         assert rel_err(moe(x), block(x)) < 1e-5
 
 
-@pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6]])
+@pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6], *BLOCKS[9:]])
 def test_from_hf_bf16_two_x_rule(cls: type, make_config) -> None:
     block32 = _block(cls, make_config(), seed=3)
     block = _block(cls, make_config(), seed=3).to(torch.bfloat16)
