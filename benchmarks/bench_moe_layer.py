@@ -393,14 +393,14 @@ def warm_calls(calls: int) -> int:
 
 
 def measure(timed: dict[str, Timed], device: torch.device, rounds: int,
-            target_ms: float) -> dict[str, float]:
-    """Median ms per call of each implementation, interleaved round by round (round_order),
-    each batch behind its own warm-up (warm_calls)."""
+            target_ms: float, order_seed: int = 0) -> dict[str, float]:
+    """Median ms per call of each implementation, interleaved round by round (round_order,
+    shuffled from order_seed), each batch behind its own warm-up (warm_calls)."""
     first = {name: time_batch(t, 1, device) for name, t in timed.items()}
     calls = {name: max(2, min(200, int(target_ms / max(ms, 1e-3)))) for name, ms in first.items()}
     samples: dict[str, list[float]] = {name: [] for name in timed}
     for r in range(rounds):
-        for name in round_order(timed, r):
+        for name in round_order(timed, r, order_seed):
             time_batch(timed[name], warm_calls(calls[name]), device)
             samples[name].append(time_batch(timed[name], calls[name], device))
     return {name: statistics.median(v) for name, v in samples.items()}
@@ -434,6 +434,7 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "timing": "CUDA-graph replays where they capture (row 'mode'), interleaved rounds, "
                   "median ms per call",
+        "order_seed": args.order_seed,
         "models": {n: models[n] for n in names},
         "rows": [],
         "accuracy": {},
@@ -522,7 +523,7 @@ def run(args: argparse.Namespace) -> dict:
             for name, diff in _agreement(timed).items():
                 old = worst.get(name, 0.0)
                 worst[name] = diff if math.isnan(diff) or diff > old else old  # (NaN sticks)
-            ms = measure(timed, device, args.rounds, args.target_ms)
+            ms = measure(timed, device, args.rounds, args.target_ms, args.order_seed)
             base = ms[UNFUSED]
             for name, t in timed.items():
                 row = {"model": n, "tokens": T, "impl": name, "ms": round(ms[name], 4),
@@ -640,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", help="comma-separated token counts (default 1..16384)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case")
     p.add_argument("--target-ms", type=float, default=20.0, help="length of a timed batch")
+    p.add_argument("--order-seed", type=int, default=0,
+                   help="seeds the rounds' shuffled order (a repeated run takes another: what "
+                        "precedes a layer moves its time at the power limit)")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop timing past this")
     p.add_argument("--sonic-budget-s", type=float, default=60.0,
                    help="stop trying SonicMoE once its first calls took this long")

@@ -48,6 +48,7 @@ def test_smoke_combine_torch_row_and_profile(tmp_path):
     # (on the CPU the switch changes nothing: the same layer, the same result)
     assert data["accuracy"]["qwen3-30b-a3b"][bml.FUSED_COMBINE] < 1e-6
     assert data["accuracy"]["qwen3-30b-a3b"][bml.FUSED_ROUTER] < 1e-6
+    assert data["order_seed"] == 0
     prof = data["profile"]["qwen3-30b-a3b"]["4"]
     assert set(prof) == {bml.FUSED, bml.UNFUSED, bml.HF, bml.FUSED_COMBINE, bml.FUSED_ROUTER,
                          bml.FUSED_WIDE, bml.FUSED_IEEE_GATE, bml.FUSED_NOSWAP}
