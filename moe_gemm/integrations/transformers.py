@@ -285,13 +285,12 @@ def is_registered() -> bool:
 # ---------------------------------------------------------------------------------------------
 # MoE.from_hf
 
-# transformers block class -> router kind. Each was checked against the transformers 5 source
-# (router arithmetic and the block's forward) and is covered by tests/layers/test_moe_hf.py.
-# transformers 5 blocks by class name, and their routing. The softmax blocks route as Mixtral
-# (softmax over the experts, top-k, renormalized where the router has norm_topk_prob, always
-# where it has none) and may carry Qwen2-MoE's sigmoid-gated shared expert; the sigmoid ones
-# as DeepSeek-V3 (group-limited top-k of biased sigmoid scores, routed_scaling_factor) with
-# shared experts. tests/layers/test_moe_hf.py checks each against the block itself.
+# transformers 5 block class -> router kind, each checked against the transformers 5 source
+# (router arithmetic and the block's forward) and covered by tests/layers/test_moe_hf.py. The
+# softmax blocks route as Mixtral (softmax over the experts, top-k, renormalized where the
+# router has norm_topk_prob, always where it has none) and may carry Qwen2-MoE's
+# sigmoid-gated shared expert; the sigmoid ones as DeepSeek-V3 (group-limited top-k of biased
+# sigmoid scores, routed_scaling_factor) with shared experts.
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
     "MiniMaxSparseMoeBlock": "softmax",
