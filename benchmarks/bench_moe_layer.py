@@ -64,7 +64,11 @@ import moe_gemm  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
-from moe_gemm.ops.fused_launch import FAST_GATE_ENV, GATHER_WIDE_ENV  # noqa: E402
+from moe_gemm.ops.fused_launch import (  # noqa: E402
+    FAST_GATE_ENV,
+    GATHER_FENCE_ENV,
+    GATHER_WIDE_ENV,
+)
 from moe_gemm.ops.router_topk import ROUTER_ENV  # noqa: E402
 from moe_gemm.ops.swap_rules import SWAP_AB_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
@@ -83,27 +87,31 @@ FUSED, UNFUSED, HF, SONIC = ("moe_gemm fused", "moe_gemm unfused", "transformers
 FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, torch router"  # --router-torch
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
+FUSED_WIDE_NOFENCE = "moe_gemm fused, wide gather, no fence"  # --gather-wide-nofence
 FUSED_IEEE_GATE = "moe_gemm fused, IEEE gate"  # --ieee-gate
 FUSED_SELECT = "moe_gemm fused, index_select"  # --index-select
 FUSED_NOSWAP = "moe_gemm fused, no swapped tiles"  # --no-swap
 # DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
 # none), so that the two compare like for like.
 FUSED_ROUTED = "moe_gemm fused, routed experts only"
-# The fused layer again under a library switch, beside the default: impl name -> (option,
-# variable, value, what the option adds).
+# The fused layer again under library switches, beside the default: impl name -> (option,
+# {variable: value}, what the option adds).
 SWITCHED = {
-    FUSED_COMBINE: ("combine_torch", COMBINE_ENV, "torch",
+    FUSED_COMBINE: ("combine_torch", {COMBINE_ENV: "torch"},
                     "with embedding_bag as the top-k combine"),
-    FUSED_ROUTER: ("router_torch", ROUTER_ENV, "torch", "with the routers' torch ops"),
-    FUSED_IEEE_GATE: ("ieee_gate", FAST_GATE_ENV, "0",
+    FUSED_ROUTER: ("router_torch", {ROUTER_ENV: "torch"}, "with the routers' torch ops"),
+    FUSED_IEEE_GATE: ("ieee_gate", {FAST_GATE_ENV: "0"},
                       "with the IEEE sigmoid in the gated epilogue"),
-    FUSED_SELECT: ("index_select", GATHER_ENV, "0",
+    FUSED_SELECT: ("index_select", {GATHER_ENV: "0"},
                    "with the tokens gathered by index_select (the in-kernel gather off)"),
-    FUSED_NOSWAP: ("no_swap", SWAP_AB_ENV, "0",
+    FUSED_NOSWAP: ("no_swap", {SWAP_AB_ENV: "0"},
                    "without swapped tiles (the fused kernels' M-side tiles at every size)"),
-    FUSED_WIDE: ("gather_wide", GATHER_WIDE_ENV, "1",
+    FUSED_WIDE: ("gather_wide", {GATHER_WIDE_ENV: "1"},
                  "with the in-kernel gather at every size, on every tile below the heavy "
                  "accumulators"),
+    FUSED_WIDE_NOFENCE: ("gather_wide_nofence", {GATHER_WIDE_ENV: "1", GATHER_FENCE_ENV: "0"},
+                         "with the in-kernel gather at every size (as --gather-wide) and no "
+                         "proxy fence before the WGMMAs read a gathered stage"),
 }
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
@@ -190,19 +198,20 @@ def routed_only(moe: torch.nn.Module) -> Callable:
     return run
 
 
-def with_env(fn: Callable, name: str, value: str) -> Callable:
-    """fn with the environment variable `name` set to `value` during each call (and so during
-    a CUDA-graph capture of it)."""
+def with_env(fn: Callable, env: dict[str, str]) -> Callable:
+    """fn with the environment variables of `env` set during each call (and so during a
+    CUDA-graph capture of it)."""
     def run(*args: Any, **kwargs: Any) -> Any:
-        old = os.environ.get(name)
-        os.environ[name] = value
+        old = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         try:
             return fn(*args, **kwargs)
         finally:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+            for name, value in old.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     return run
 
@@ -450,9 +459,9 @@ def run(args: argparse.Namespace) -> dict:
         keys = set()
         for n in names:
             keys |= kernel_keys(models[n], tokens, device)
-            for option, name, value, _ in SWITCHED.values():  # (a switch may change kernels)
+            for option, env, _ in SWITCHED.values():  # (a switch may change kernels)
                 if getattr(args, option):
-                    keys |= with_env(kernel_keys, name, value)(models[n], tokens, device)
+                    keys |= with_env(kernel_keys, env)(models[n], tokens, device)
         result["precompile"] = precompile(keys, args.jobs, args.compile_timeout)
     impl_names = [FUSED, UNFUSED, HF]
     if not smoke:
@@ -474,12 +483,12 @@ def run(args: argparse.Namespace) -> dict:
             UNFUSED: ours(m["kind"], block, False),
             HF: transformers_layer(m["kind"], block),
         }
-        for impl, (option, name, value, _) in SWITCHED.items():
+        for impl, (option, env, _) in SWITCHED.items():
             if getattr(args, option) and FUSED in impl_names:
                 # The fused layer itself under the switch: the same weights in the same memory
                 # (two copies measured up to 8% apart on DeepSeek-V3 EP8 on an H200, whichever
                 # switch each had).
-                impls[impl] = with_env(impls[FUSED], name, value)
+                impls[impl] = with_env(impls[FUSED], env)
         if m["kind"] == "deepseek" and FUSED in impl_names:
             impls[FUSED_ROUTED] = routed_only(impls[FUSED])
         impls = {name: fn for name, fn in impls.items()
@@ -654,9 +663,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"also record each implementation's kernel time per forward and its top "
                         f"{PROFILE_TOP} kernels per case, over what is timed (graph replays "
                         "where it captures; torch.profiler; JSON 'profile')")
-    for impl, (option, name, value, what) in SWITCHED.items():
+    for impl, (option, env, what) in SWITCHED.items():
+        setting = " ".join(f"{name}={value}" for name, value in env.items())
         p.add_argument("--" + option.replace("_", "-"), action="store_true",
-                       help=f"also time the fused layer {what} ('{impl}', {name}={value})")
+                       help=f"also time the fused layer {what} ('{impl}', {setting})")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU (fp32, the fused ops' torch backend)")
     p.add_argument("--probe", action="store_true",

@@ -16,13 +16,14 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "CONFIG [wide|select] [ieeegate] [noswap]" or "default" with those words: CONFIG as
+A variant is "CONFIG [wide|select] [nofence] [ieeegate] [noswap]" or "default" with those words: CONFIG as
 `moe-gemm tune` names configs (tuning/space.py: "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g.
 "coop 256x192 c2x1 p8ns", or "swap 256x128": swapped tiles); `noswap` runs it with
 MOE_GEMM_SWAP_AB=0 (where the default would take swapped tiles, the M-side tiles); `wide` runs
 it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's
 gather in the kernel at every batch size, also on tiles past 128 rows or 128 accumulator
-registers), `ieeegate` with MOE_GEMM_FUSED_FAST_GATE=0 (SiLU's sigmoid from the IEEE exp and
+registers), `nofence` with MOE_GEMM_GATHER_FENCE=0 (an in-kernel gather without the math
+warps' proxy fence before each gathered stage), `ieeegate` with MOE_GEMM_FUSED_FAST_GATE=0 (SiLU's sigmoid from the IEEE exp and
 divide, not the SFU's approximations), `select` gathers the up GEMM's rows with index_select
 first, as the plan does where the kernel does not gather (its time included). The default (no
 config) is always the first. "unfused" (or "unfused noswap") is the unfused layer's way
@@ -113,7 +114,7 @@ QUACK = "QuACK (tuned)"
 
 
 GATHER_WORDS = ("wide", "select")  # how the up GEMM gathers (at most one)
-OPTION_WORDS = GATHER_WORDS + ("ieeegate", "noswap")  # a variant's trailing words
+OPTION_WORDS = GATHER_WORDS + ("nofence", "ieeegate", "noswap")  # a variant's trailing words
 
 
 def variant_words(text: str) -> tuple[list[str], set[str]]:
@@ -134,7 +135,7 @@ def is_unfused(text: str) -> bool:
 
 
 def parse_variant(text: str) -> GemmConfig | None:
-    """'coop 256x192 c2x1 [wide|select] [ieeegate] [noswap]' -> its GemmConfig (ValueError naming the
+    """'coop 256x192 c2x1 [wide|select] [nofence] [ieeegate] [noswap]' -> its GemmConfig (ValueError naming the
     form); 'default', alone or with option words -> None (the default's kernel, under them:
     the bare word is the row every case times first anyway)."""
     if is_unfused(text):
@@ -153,17 +154,25 @@ def parse_variant(text: str) -> GemmConfig | None:
         return space.config_of(fields, backend="auto")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"a variant is 'pp|coop MxN [cAxB] [sS] [pP[n][s]] [wide|select] "
-                         f"[ieeegate] [noswap]', e.g. 'coop 256x192 c2x1'; got {text!r} ({exc})"
+                         f"[nofence] [ieeegate] [noswap]', e.g. 'coop 256x192 c2x1'; got {text!r} ({exc})"
                          ) from None
 
 
 def variant_env(text: str) -> dict[str, str]:
-    """The environment a variant runs under ('wide': the wide in-kernel gather; 'ieeegate':
-    the IEEE sigmoid in the gated epilogue; 'noswap': no swapped tiles)."""
-    from moe_gemm.ops.heuristics import FAST_GATE_ENV, GATHER_WIDE_ENV, SWAP_AB_ENV
+    """The environment a variant runs under ('wide': the wide in-kernel gather; 'nofence': the
+    gather without the proxy fence; 'ieeegate': the IEEE sigmoid in the gated epilogue;
+    'noswap': no swapped tiles)."""
+    from moe_gemm.ops.heuristics import (
+        FAST_GATE_ENV,
+        GATHER_FENCE_ENV,
+        GATHER_WIDE_ENV,
+        SWAP_AB_ENV,
+    )
 
     options = variant_words(text)[1]
     env = {GATHER_WIDE_ENV: "1"} if "wide" in options else {}
+    if "nofence" in options:
+        env[GATHER_FENCE_ENV] = "0"
     if "ieeegate" in options:
         env[FAST_GATE_ENV] = "0"
     if "noswap" in options:
@@ -227,9 +236,7 @@ def variant_call(kw: dict, cfg, text: str):
 
 def with_environment(fn, env: dict[str, str]):
     """fn with `env` set during each call (the plans key on the switches they read)."""
-    for name, value in env.items():
-        fn = with_env(fn, name, value)
-    return fn
+    return with_env(fn, env) if env else fn
 
 
 def quack_peer(case: dict) -> tuple[Any, Any, str | None]:

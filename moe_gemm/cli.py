@@ -256,6 +256,9 @@ def check_variants(full: bool):
         gate_layout="concat", gather=True)
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 192), cluster_m=2,
         gate="silu", gate_layout="concat", gather=True)
+    # Gather-A without the proxy fence before a gathered stage's WGMMAs (MOE_GEMM_GATHER_FENCE=0).
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), cluster_m=2, gate="silu",
+        gate_layout="concat", gather=True, gather_fence=False, fast_gate=True)
     if full:
         # Every listed tile in every form, B majors alternating (the default list above has
         # the rest).
@@ -295,6 +298,8 @@ def _key_extras(key) -> str:
         extras.append(f"scale_ahead={key.scale_ahead}")
     if getattr(key, "gate", ""):
         extras.append(f"gate={key.gate}/{key.gate_layout}")
+    if getattr(key, "gather", False) and not key.gather_fence:
+        extras.append("gather_fence=off")
     for flag in ("bias", "row_scale", "gather", "row_counts", "fast_gate", "promote_lag",
                  "smem_scales", "peek_wait", "swap_ab", "skip_empty_half"):
         if getattr(key, flag, False):

@@ -252,8 +252,12 @@ VARIABLES: dict[str, Variable] = {
         flag_value,
         "1: the fused kernel gathers in kernel at every batch size and on tiles past 128 rows or "
         "128 accumulator registers on any weight (by default below 32 routed rows; no routed "
-        "copy of x, but 0.87-0.96x the speed of index_select + TMA on the gate-up GEMM of wide "
-        "weights, 0.93-0.99x the whole layer's on narrow ones, on the H200)"),
+        "copy of x; the whole layer 0.96-1.06x the speed of index_select + TMA loads, on the "
+        "H200)"),
+    "MOE_GEMM_GATHER_FENCE": Variable(
+        switch_value,
+        "0: the in-kernel gather's math warps read a gathered stage once its barrier completes, "
+        "without a proxy fence before their WGMMAs (as CUTLASS's cp.async mainloop does)"),
     "MOE_GEMM_FUSED_FAST_GATE": Variable(
         switch_value,
         "0: the fused SiLU / clamped SwiGLU epilogue takes its sigmoid from the IEEE exp and "

@@ -386,6 +386,7 @@ def _readers() -> dict[str, object]:
         "MOE_GEMM_FUSED_GATHER": fused_experts._gather_in_kernel,
         "MOE_GEMM_FUSED_GATHER_WIDE": lambda: fused_launch.fused_choice(
             _fused_args(), GemmConfig(), 132, torch.device("meta")),
+        "MOE_GEMM_GATHER_FENCE": fused_launch.gather_fence,
         "MOE_GEMM_FUSED_FAST_GATE": lambda: fused_launch.fast_gate(_fused_args("silu"),
                                                                    _choice()),
         "MOE_GEMM_FP8_SCALE_AHEAD": heuristics_fp8.scale_ahead_requested,
@@ -420,6 +421,7 @@ VALUES = {
     "MOE_GEMM_FUSED": ("flase", "0"),
     "MOE_GEMM_FUSED_GATHER": ("index_select", "false"),
     "MOE_GEMM_FUSED_GATHER_WIDE": ("wide", "1"),
+    "MOE_GEMM_GATHER_FENCE": ("fenced", "0"),
     "MOE_GEMM_FUSED_FAST_GATE": ("sfu", "0"),
     "MOE_GEMM_FP8_SCALE_AHEAD": ("5", "2"),
     "MOE_GEMM_FP8_SMEM_SCALES": ("staged", "0"),

@@ -485,7 +485,13 @@ class FileTensorPayload(Payload):
         return len(self.header) + sum(part.nbytes for part, _ in self.parts)
 
     def _check_unchanged(self, f: Any) -> None:
-        if _file_identity(os.fstat(f.fileno())) != self._identity:
+        # The open file (written in place) and the path (replaced by a rename while the body
+        # streams: the open file is still the old one).
+        try:
+            at_path = _file_identity(os.stat(self.path))
+        except OSError:
+            at_path = None  # (removed)
+        if _file_identity(os.fstat(f.fileno())) != self._identity or at_path != self._identity:
             # Raised while the body is being sent: the request is cut short, nothing is stored.
             raise OSError(f"{self.path} changed since its header was read (replaced, rewritten "
                           "or touched); upload it again")

@@ -254,6 +254,9 @@ def moe_from_state_dict(
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
     strict = check_flag("strict", strict)  # ("no" would be truthy: strict where declined)
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str (e.g. 'model.layers.3.mlp.', or '' for none); "
+                        f"got {type(prefix).__name__}")
     keys = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
     if "router_weight" in keys and "gate.weight" not in keys:
         # This layer's own state_dict (MoE.state_dict()): its names read as the checkpoint
@@ -401,8 +404,8 @@ def moe_from_tensors(
         check_fp8_experts(gate_up_proj, down_proj, *(scales or (None, None)))
     elif gate_up_proj.dtype not in FLOAT_DTYPES or down_proj.dtype != gate_up_proj.dtype:
         raise TypeError(
-            f"expert weights must share one dtype among bf16, fp16, fp32; got "
-            f"{gate_up_proj.dtype} and {down_proj.dtype}"
+            f"expert weights must be bf16, fp16 or fp32, both of one dtype (or FP8 with "
+            f"scales); got gate_up_proj {gate_up_proj.dtype} and down_proj {down_proj.dtype}"
         )
     device = gate_up_proj.device
     for name, t in (("down_proj", down_proj), ("router_weight", router_weight)):

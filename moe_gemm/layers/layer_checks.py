@@ -76,13 +76,9 @@ def check_layer_args(hidden_size, intermediate_size, shared_intermediate_size, n
     ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int; got {value!r}")
-        if value < 0:
-            raise ValueError(f"{name} must be an int >= 0; got {value!r}")
-    if hidden_size < 1 or intermediate_size < 1:
-        raise ValueError(
-            f"hidden_size and intermediate_size must be >= 1; got {hidden_size}, "
-            f"{intermediate_size}"
-        )
+        if value < (0 if name == "shared_intermediate_size" else 1):
+            raise ValueError(f"{name} must be an int >= "
+                             f"{0 if name == 'shared_intermediate_size' else 1}; got {value!r}")
     check_routing(num_experts, top_k, scoring, n_group, topk_group, routed_scaling_factor,
                    renormalize)
     if isinstance(correction_bias, torch.Tensor):

@@ -441,6 +441,10 @@ def route_tokens(
     """(weights [T, k] float32, ids [T, k] int64) of tokens x [T, H] under the router
     weight [E, H]: the logits (in float32 with router_fp32, else in the weight's dtype), then
     softmax_topk or sigmoid_grouped_topk."""
+    if scoring not in ("softmax", "sigmoid"):
+        # (a layer's `scoring` reassigned after construction reaches here unchecked: any
+        # other value would have routed as sigmoid)
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {scoring!r}")
     if router_fp32:
         logits = router_logits_fp32(x, router_weight)  # DeepSeek-V3 / GLM-4-MoE
     else:

@@ -40,6 +40,7 @@ from moe_gemm.ops.aliasing import overlaps_any
 from moe_gemm.ops.autograd import inference_only
 from moe_gemm.ops.heuristics import (
     FAST_GATE_ENV,
+    GATHER_FENCE_ENV,
     GATHER_WIDE_ENV,
     PEEK_WAIT_ENV,
     SPLIT_WAYS_ENV,
@@ -103,7 +104,7 @@ _scans = 0
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
                   TAIL_SPLIT_ENV, SPLIT_WAYS_ENV, TRIM_A_ENV, PEEK_WAIT_ENV, PROMOTE_LAG_ENV,
                   SCALE_AHEAD_ENV, SMEM_SCALES_ENV, PEEK_WAIT_FP8_ENV, HALF_SKIP_ENV,
-                  GATHER_WIDE_ENV,
+                  GATHER_WIDE_ENV, GATHER_FENCE_ENV,
                   FAST_GATE_ENV, SWAP_AB_ENV, *tuned.SWITCHES)
 
 

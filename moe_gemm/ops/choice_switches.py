@@ -28,6 +28,9 @@ general_switches = env_reader(GENERAL_SWITCHES)  # () -> their values
 # 1: the fused kernel gathers in kernel at every size on any weight, in the wide form on tiles
 # past the register form (by default only below fused_launch.GATHER_MAX_ROWS routed rows)
 GATHER_WIDE_ENV = "MOE_GEMM_FUSED_GATHER_WIDE"
+# 0 / 1: the in-kernel gather's math warps fence the proxies before reading a gathered stage
+# or not (fused_launch.gather_fence)
+GATHER_FENCE_ENV = "MOE_GEMM_GATHER_FENCE"
 # 0: the fused gated epilogue takes the IEEE sigmoid, not the SFU's (fused_launch.fused_key)
 FAST_GATE_ENV = "MOE_GEMM_FUSED_FAST_GATE"
 # TMA L2 eviction priorities (createpolicy encodings, as CUTLASS's CacheHintSm90), by the

@@ -43,6 +43,7 @@ from moe_gemm.ops import launch_info, launch_kernel, launch_resources, tuned
 from moe_gemm.ops.fused_validation import FusedMmArgs
 from moe_gemm.ops.heuristics import (
     FAST_GATE_ENV,
+    GATHER_FENCE_ENV,
     GATHER_WIDE_ENV,
     SWAP_AB_ENV,
     KernelChoice,
@@ -80,7 +81,13 @@ FAST_GATE_BIASED_ACC_REGS = 192
 # is compute-bound) once a tile has more than a few rows. The wide form on narrow weights,
 # which won the gate-up GEMM alone (Qwen3-30B-A3B, N = 1536: 1.06-1.11x at 8192 routed rows,
 # benchmarks.fused_configs), lost the whole layer in both runs: 0.98-0.99x at 1024 tokens,
-# 0.94-0.98x at 4096, 0.93-0.95x at 16384 (not profiled further). It stays opt-in.
+# 0.94-0.98x at 4096, 0.93-0.95x at 16384 (2026-12-03). With the gather's copies at a few
+# instructions each (kernels/sm90/gather.py, 2026-12-04) the wide form ran the whole layer at
+# 0.96-1.06x index_select's speed (Qwen3-30B-A3B, DeepSeek-V3 EP8, gpt-oss-120b, Mixtral-8x7B,
+# 1024-16384 tokens, two runs), within what the harness gives one kernel timed under two names
+# (Qwen3's 16384-token gate-up keeps its 1x2 cluster and so index_select under the switch:
+# 1.040 and 1.025x); the gate-up GEMM alone gained beyond that only on Qwen3-30B-A3B at 4096
+# tokens (1.05-1.06x). It stays opt-in (gather-ab-nvidia-h200-2026-12-04.json).
 GATHER_MAX_ROWS = 32
 _GATHER_PINGPONG_N = (128, 192, 256)  # ping-pong 64-row tiles (config.PINGPONG_TILES)
 
@@ -298,7 +305,13 @@ def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: boo
         gate_alpha=args.gate_alpha if clamped else 0.0,
         gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
         row_scale=args.row_weight is not None, gather=gather,
-        fast_gate=fast_gate(args, choice))
+        gather_fence=not gather or gather_fence(), fast_gate=fast_gate(args, choice))
+
+
+def gather_fence() -> bool:
+    """Whether an in-kernel gather's math warps fence the proxies before their WGMMAs read a
+    gathered stage (GroupedGemmSm90._acquire_gathered; MOE_GEMM_GATHER_FENCE)."""
+    return bool(env_value(GATHER_FENCE_ENV))
 
 
 def fast_gate(args: FusedMmArgs, choice: KernelChoice) -> bool:

@@ -58,11 +58,14 @@ def gather_index(row_index: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows,) int64 expert of each routed row; E for rows past offs[-1] (on the device)."""
+    """(rows,) int64 expert of each routed row; E for rows past the last end (on the device).
+    The ends as the kernels read them: offs clamped into [0, rows], a decreasing entry an
+    empty expert (the running maximum), as the GEMM's spans (reference.fitted_ends)."""
     r = torch.arange(rows, device=offs.device, dtype=torch.int32)
-    # (a strided offs, e.g. a column of a larger tensor or a vmap slice, is valid input: made
-    # contiguous here, as searchsorted would copy it anyway, without its performance warning)
-    return torch.searchsorted(offs.contiguous(), r, right=True)
+    if offs.numel() == 0:
+        return torch.zeros(rows, dtype=torch.int64, device=offs.device)
+    ends = offs.to(torch.int32).clamp(0, rows).cummax(0).values  # (contiguous, sorted)
+    return torch.searchsorted(ends, r, right=True)
 
 
 def _epilogue(args: FusedMmArgs, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from moe_gemm.ops import grid_fit, tuned
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops.choice_switches import (  # noqa: F401 (re-exported)
     FAST_GATE_ENV,
+    GATHER_FENCE_ENV,
     GATHER_WIDE_ENV,
     GENERAL_SWITCHES,
     L2_POLICY,

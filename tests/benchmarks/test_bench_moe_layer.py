@@ -62,16 +62,27 @@ def test_smoke_combine_torch_row_and_profile(tmp_path):
         assert spent["kernel_ms"] >= sum(k["ms"] for k in kernels) - 1e-3
 
 
-def test_with_env_sets_the_variable_for_the_call_only(monkeypatch):
+def test_with_env_sets_the_variables_for_the_call_only(monkeypatch):
     monkeypatch.delenv("MOE_GEMM_COMBINE", raising=False)
+    monkeypatch.delenv("MOE_GEMM_GATHER_FENCE", raising=False)
     seen = []
-    fn = bml.with_env(lambda x: seen.append(os.environ.get("MOE_GEMM_COMBINE")),
-                      "MOE_GEMM_COMBINE", "torch")
+    fn = bml.with_env(lambda x: seen.append((os.environ.get("MOE_GEMM_COMBINE"),
+                                             os.environ.get("MOE_GEMM_GATHER_FENCE"))),
+                      {"MOE_GEMM_COMBINE": "torch", "MOE_GEMM_GATHER_FENCE": "0"})
     fn(None)
-    assert seen == ["torch"] and "MOE_GEMM_COMBINE" not in os.environ
+    assert seen == [("torch", "0")] and "MOE_GEMM_COMBINE" not in os.environ
+    assert "MOE_GEMM_GATHER_FENCE" not in os.environ
     monkeypatch.setenv("MOE_GEMM_COMBINE", "other")
     fn(None)
-    assert seen[-1] == "torch" and os.environ["MOE_GEMM_COMBINE"] == "other"
+    assert seen[-1] == ("torch", "0") and os.environ["MOE_GEMM_COMBINE"] == "other"
+    assert "MOE_GEMM_GATHER_FENCE" not in os.environ
+
+
+def test_every_switched_variant_names_its_variables():
+    for impl, (option, env, what) in bml.SWITCHED.items():
+        assert env and all(name.startswith("MOE_GEMM_") for name in env), impl
+    assert bml.SWITCHED[bml.FUSED_WIDE_NOFENCE][1] == {"MOE_GEMM_FUSED_GATHER_WIDE": "1",
+                                                      "MOE_GEMM_GATHER_FENCE": "0"}
 
 
 @pytest.mark.parametrize("model", list(bml.MODELS))

@@ -1147,3 +1147,29 @@ def test_upload_safetensors_refuses_a_file_changed_after_its_header_was_read(mod
     safetensors.numpy.save_file({"w": w}, str(path))
     run(client, "upload_safetensors", "w", path, progress=lambda s, t: None)
     np.testing.assert_array_equal(handler.weights["w"][0], w)
+
+
+def test_a_file_replaced_while_its_body_streams_cuts_the_upload_short(rng, tmp_path):
+    """Replaced by a rename after part of the body went out: the open file is still the old
+    one (its bytes consistent), but the upload is of a file that no longer is at the path,
+    which client/README.md promises is an OSError before the body's last bytes."""
+    import os
+
+    import safetensors.numpy
+
+    from moe_gemm_client._tensors import FileTensorPayload, read_safetensors_header
+
+    w = rng.standard_normal((4, 64, 32)).astype(np.float32)
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"w": w}, str(path))
+    payload = FileTensorPayload(path, read_safetensors_header(path)["w"], "w")
+    chunks = payload.iter_chunks(4096)
+    assert next(chunks) == payload.header and len(next(chunks)) == 4096
+    safetensors.numpy.save_file({"w": w + 1}, str(tmp_path / "new.safetensors"))
+    os.replace(tmp_path / "new.safetensors", path)
+    with pytest.raises(OSError, match="changed since its header was read"):
+        list(chunks)
+    # The file now at the path goes through whole.
+    payload = FileTensorPayload(path, read_safetensors_header(path)["w"], "w")
+    body = b"".join(payload.iter_chunks(4096))
+    assert len(body) == payload.nbytes

@@ -118,8 +118,13 @@ def test_from_fused_shape_errors() -> None:
         MoE.from_fused(gu, down, router[:3], 2)
     with pytest.raises(ValueError, match=r"gate_up_proj must be \(E, 2I, H\)"):
         MoE.from_fused(gu[:, :-1], down, router, 2)
-    with pytest.raises(TypeError, match="share one dtype"):
+    with pytest.raises(TypeError, match="both of one dtype.*got gate_up_proj torch.float32 "
+                                        "and down_proj torch.float64"):
         MoE.from_fused(gu, down.double(), router, 2)
+    with pytest.raises(TypeError, match="must be bf16, fp16 or fp32.*gate_up_proj torch.float64"):
+        MoE.from_fused(gu.double(), down.double(), router.double(), 2)
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        MoE.from_state_dict(MoE.from_fused(gu, down, router, 2).state_dict(), 2, prefix=None)
     with pytest.raises(ValueError, match="top_k must be in"):
         MoE.from_fused(gu, down, router, 5)
     with pytest.raises(ValueError, match=r"shared\['up_proj'\] must be \(8, 32\)"):

@@ -298,8 +298,8 @@ def test_backward_raises_under_torch_func() -> None:
         ({"activation": 3}, TypeError, "activation must be a str or a callable"),
         ({"shared_expert_gate": True}, ValueError, "needs a shared expert"),
         ({"config": {"backend": "torch"}}, TypeError, "config must be a moe_gemm.GemmConfig"),
-        ({"hidden_size": 0}, ValueError, "must be >= 1"),
-        ({"intermediate_size": -1}, ValueError, "intermediate_size must be an int >= 0"),
+        ({"hidden_size": 0}, ValueError, "hidden_size must be an int >= 1; got 0"),
+        ({"intermediate_size": -1}, ValueError, "intermediate_size must be an int >= 1"),
         ({"dtype": torch.float64}, TypeError, "dtype must be"),
         ({"hidden_size": 32.0}, TypeError, "hidden_size must be an int"),
         ({"top_k": 2.0}, TypeError, "top_k must be an int"),
@@ -737,3 +737,16 @@ def test_functional_rejects_bad_options() -> None:
     y = moe_forward(x, rw, wg, wd, 2, config=cfg, fused=False, router_fp32=True)
     torch.testing.assert_close(moe_experts(x, *reversed(softmax_topk(
         F.linear(x, rw), 2)), wg, wd, config=cfg, fused=False), y)
+
+
+@pytest.mark.parametrize("scoring", ["Softmax", "sigmoid ", "topk", None])
+def test_a_reassigned_unknown_scoring_raises_at_forward(scoring):
+    # The constructor checks `scoring`; an assignment afterwards reaches the router, which
+    # routed any value but "softmax" as sigmoid.
+    moe = randomize(MoE(32, 16, 8, 2))
+    x = torch.randn(5, 32)
+    moe.scoring = scoring
+    with pytest.raises(ValueError, match="scoring must be 'softmax' or 'sigmoid'"):
+        moe(x)
+    moe.scoring = "softmax"
+    assert moe(x).shape == (5, 32)

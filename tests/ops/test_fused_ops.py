@@ -67,6 +67,24 @@ def test_torch_backend_matches_float64(gate, layout, gather, bias, scale):
     assert end < S and bool((y[end:] == 0).all())  # rows past offs[-1]: zero
 
 
+@pytest.mark.parametrize("ends", [[6, 3, 10, 13], [10, 3, 5, 12], [4, 4, 2, 20], [-3, 5, 1, 7]])
+@pytest.mark.parametrize("gate,bias,scale", [(None, True, True), ("silu", True, False),
+                                             ("gelu", False, True)])
+def test_torch_backend_reads_unchecked_offs_as_the_kernel_does(ends, gate, bias, scale):
+    # On a GPU offs values are not checked (no host sync): a decreasing entry is an empty
+    # expert and values are clamped into [0, S], for the GEMM's spans and for the expert whose
+    # bias, gate and row weight each row takes alike (the float64 loop's reading of offs).
+    x, w, _, index, g = _case(sum(ends) + len(str(gate)))
+    E, N, S = w.shape[0], w.shape[2], index.shape[0]
+    offs = torch.tensor(ends, dtype=torch.int32)
+    kw = dict(row_index=index, bias=torch.randn(E, N, generator=g) if bias else None,
+              row_weight=torch.rand(S, generator=g) if scale else None, gate=gate)
+    args = check_fused_mm(x, w, offs, **kw, concrete=False)
+    y = fused_grouped_mm_torch(args)
+    ref = fused_grouped_mm_ref(x, w, offs.clamp(0, S), dtype=torch.float64, **kw)
+    assert torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_torch_backend_clamps_unchecked_row_index_into_xs_rows():
     """row_index values on a GPU are not checked (no host sync; the docstring promises wrong
     rows, never an out-of-bounds read), and the torch backend runs there too (fp32, other

@@ -515,7 +515,11 @@ def test_hostile_inputs_get_4xx_with_a_json_error(tmp_path):
         req["inputs"][1]["data"] = [3, 0, 5, 2]
         req["parameters"] = {"timeout": 10**400}
         r = client.post("/v2/models/m/infer", json=req)
-        assert r.status_code == 200, r.text  # beyond a year: no timeout (was a 500)
+        # (was a 500; then served as no timeout, where X-Timeout-Us was a 400: now as the header)
+        assert r.status_code == 400 and "below 10^18" in r.json()["error"], r.text
+        req["parameters"] = {"timeout": 10**18 - 1}  # beyond any wait: no timeout
+        r = client.post("/v2/models/m/infer", json=req)
+        assert r.status_code == 200, r.text
         req.pop("parameters")
         req["inputs"][0] = {"name": "x", "datatype": "FP32", "shape": [2**63, 0], "data": []}
         r = client.post("/v2/models/m/infer", json=req)

@@ -404,6 +404,10 @@ def _bad_v2_cases() -> list[tuple[str, bytes, dict[str, str], int]]:
     j3 = dict(j, parameters={"priority": -1})
     j3["inputs"][0]["data"] = [1.0] * 2 * K
     cases.append(("negative priority", json.dumps(j3).encode(), AUTH, 400))
+    for name, huge in (("priority", 2 ** 70), ("timeout", 10 ** 30), ("timeout", 10 ** 18)):
+        # (the bound of the X-Priority / X-Timeout-Us headers these mirror)
+        jh = dict(j3, parameters={name: huge})
+        cases.append((f"{name} {huge} past 10^18", json.dumps(jh).encode(), AUTH, 400))
     j4 = dict(j3, parameters={})
     j4["inputs"][0]["data"] = [1.0] * (2 * K - 1) + [1e39]  # finite JSON, beyond FP32: not inf
     cases.append(("json value beyond the datatype's range", json.dumps(j4).encode(), AUTH, 400))

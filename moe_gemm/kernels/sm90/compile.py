@@ -84,6 +84,7 @@ class CompileKey:
     bias: bool = False  # per-expert bias on the accumulators
     row_scale: bool = False  # each row times its weight
     gather: bool = False  # A's rows read through an index (gather-A)
+    gather_fence: bool = True  # gather-A: a proxy fence before the WGMMAs read a stage
     fast_gate: bool = False  # a sigmoid gate from the SFU's approximate exp2 and reciprocal
     row_counts: bool = False  # varlen: offs are per-expert row counts (the masked layout)
     trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
@@ -106,7 +107,7 @@ class CompileKey:
         if self.row_scale:
             parts.append("rowscale")
         if self.gather:
-            parts.append("gather")
+            parts.append("gather" if self.gather_fence else "gather-nofence")
         if self.fast_gate:
             parts.append("fastgate")
         if self.row_counts:
@@ -129,7 +130,7 @@ class CompileKey:
             fused = {"gate": self.gate or None, "gate_layout": self.gate_layout or "concat",
                      "gate_alpha": self.gate_alpha, "gate_limit": self.gate_limit,
                      "bias": self.bias, "row_scale": self.row_scale, "gather_a": self.gather,
-                     "fast_gate": self.fast_gate}
+                     "gather_fence": self.gather_fence, "fast_gate": self.fast_gate}
         return cls(
             ab_dtype=DTYPES[self.ab_dtype],
             d_dtype=DTYPES[self.d_dtype],

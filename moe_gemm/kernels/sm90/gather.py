@@ -14,12 +14,19 @@ accumulator registers, in shared memory (s_rows: the row of x of each of the til
 the gather threads fit the default 40-register producer (constants.gather_rows_in_registers).
 Eight lanes a row, one 16-byte copy each (whole 128-byte lines a warp instruction, but twice
 the rows a thread), was no faster (0.53-0.62x with two warps): the gather threads are bound by
-their instructions per stage, not by L1 requests.
+their instructions per stage, not by L1 requests. So a copy's addresses take a few adds
+(fill_stage: per-thread swizzled offsets, one source address a row and k-tile): the stage's
+fill fell from 112 to 62 PTX instructions (eight copies), and the gathered Qwen3-30B-A3B
+gate-up GEMM at 4096 tokens (ping-pong 64x256 2x1) from 76.3M to 70.7M warp instructions and
+473 to 457 us under ncu (the TMA-loaded one: 42.7M, 405 us; H200, base clocks), its tensor
+pipe 79% -> 82% busy (94%); 0.93-1.06x index_select + TMA on four models' gate-up GEMMs.
 
 Completion: every gather thread arrives on the stage's full barrier once its copies of the
 stage have landed (cp.async.mbarrier.arrive.noinc: the barrier was initialised expecting those
 arrivals beside the TMA thread's), so the math warpgroups wait on one barrier as before; they
-fence the async proxy before their WGMMAs read the rows (GroupedGemmSm90._acquire_gathered).
+fence the async proxy before their WGMMAs read the rows (GroupedGemmSm90._acquire_gathered;
+without the fence, as CUTLASS's cp.async mainloop runs, times moved 0.98-1.03x with no
+consistent sign: MOE_GEMM_GATHER_FENCE=0).
 
 Bounds: a row past out's rows (S) or a K chunk past K is not read and its 16 bytes are zero
 filled (cp.async with a source size of 0); an index outside [0, T) of x is clamped into it, so
@@ -60,29 +67,17 @@ def swizzle_128b(offset):
     return offset ^ ((offset >> 3) & SWIZZLE_MASK)
 
 
-@cute.jit
-def smem_chunk(sA_staged: cute.ComposedLayout, base, row: Int32, col: Int32, stage: Int32,
-               dtype: cutlass.Constexpr) -> cute.Tensor:
-    """The 16-byte chunk of A's stage `stage` at (row, col) as a (CHUNK,) tensor. The staged
-    layout's outer part gives the unswizzled element offset (row * TILE_K + col + stage *
-    tile_m * TILE_K); the swizzle is applied to the byte offset, as the TMA unit does."""
-    offset = cute.crd2idx((row, col, stage), sA_staged.outer) * (dtype.width // 8)
-    ptr = cute.make_ptr(dtype, base + swizzle_128b(offset), cute.AddressSpace.smem,
-                        assumed_align=16)
-    return cute.make_tensor(ptr, cute.make_layout(((CHUNK,), 1)))
-
-
-@cute.jit
-def _copy_chunk(atom, pred: cute.Tensor, x_base, row_bytes, row: Int32, col: Int32, K,
-                dst: cute.Tensor, dtype: cutlass.Constexpr):
-    """One 16-byte cp.async of x's row `row` at column col into dst; zero filled past K or for
-    row -1 (past out's rows)."""
-    src_ptr = cute.make_ptr(
-        dtype, x_base + Int64(cutlass.max(row, Int32(0))) * row_bytes
-        + Int64(col) * (dtype.width // 8), cute.AddressSpace.gmem, assumed_align=16)
-    src = cute.make_tensor(src_ptr, cute.make_layout(((CHUNK,), 1)))
-    pred[0] = row >= 0 and col < K
-    cute.copy(atom, src, dst, pred=pred)
+# The byte offsets of a thread's chunks in a stage. A's stages are row-major 128-byte rows
+# (tile row r, column col of stage s at (s * tile_m + r) * TILE_K + col elements); the swizzle
+# XORs bits 4-6 with bits 7-9, i.e. the row modulo 8. A thread's rows r0 + i * ROWS_PER_PASS
+# all share r0 modulo 8 (ROWS_PER_PASS is a multiple of 8), and a stage or a pass of rows moves
+# the offset by multiples of 1024 bytes, which the swizzle leaves alone: so the swizzled
+# offset of (row r0 + i * ROWS_PER_PASS, chunk c + j * THREADS_PER_ROW, stage s) is
+# swizzle_128b(offset of (r0, chunk, 0)) + i * PASS_BYTES + s * stage bytes, a per-thread
+# constant plus compile-time ones (and fill_stage's address arithmetic a few adds a copy).
+ROW_BYTES = TILE_K * 2  # (16-bit values)
+PASS_BYTES = ROWS_PER_PASS * ROW_BYTES
+assert ROWS_PER_PASS % 8 == 0 and PASS_BYTES % 1024 == 0
 
 
 @dataclass(frozen=True)
@@ -102,23 +97,28 @@ class RowGather:
     T: Any
     S: Any
     index: cute.Tensor  # row_index (S,)
-    s_base: Any  # A's staging in shared memory: address and (swizzled) layout
-    a_smem_staged: cute.ComposedLayout
+    s_base: Any  # A's staging in shared memory (1024-byte aligned)
+    s_offs: tuple  # per chunk j of a row: its swizzled byte offset in stage 0 at row r0
+    c_bytes: Any  # the byte offset of chunk c in a row of x
     s_rows: cute.Tensor  # (tile_m,) int32 in shared memory (cfg.gather_rows_in_smem)
     rows: cute.Tensor  # register form: per row of the thread, the row of x or -1
     pred: cute.Tensor
     atom: Any
 
     @staticmethod
-    def create(cfg, problems, s_base, a_smem_staged: cute.ComposedLayout, s_rows: cute.Tensor,
-               gtid: Int32) -> RowGather:
+    def create(cfg, problems, s_base, s_rows: cute.Tensor, gtid: Int32) -> RowGather:
         dtype = cfg.ab_dtype
+        if dtype.width != 16:
+            raise ValueError("the gather copies 16-bit operands")
         mA = problems.mA  # x (T, K)
+        r0, c = gtid // THREADS_PER_ROW, gtid % THREADS_PER_ROW
+        s_offs = tuple(swizzle_128b(r0 * ROW_BYTES + (c + j * THREADS_PER_ROW) * 16)
+                       for j in range(CHUNKS_PER_THREAD))
         return RowGather(
-            cfg=cfg, r0=gtid // THREADS_PER_ROW, c=gtid % THREADS_PER_ROW,
+            cfg=cfg, r0=r0, c=c,
             x_base=mA.iterator.toint(), row_bytes=Int64(mA.stride[0]) * (dtype.width // 8),
             K=mA.shape[1], T=mA.shape[0], S=problems.mD.shape[0], index=problems.row_index,
-            s_base=s_base, a_smem_staged=a_smem_staged, s_rows=s_rows,
+            s_base=s_base, s_offs=s_offs, c_bytes=Int64(c * 16), s_rows=s_rows,
             rows=cute.make_rmem_tensor(cute.make_layout((cfg.tile_m // ROWS_PER_PASS,)), Int32),
             pred=cute.make_rmem_tensor(cute.make_layout(((CHUNK,), 1), stride=((0,), 1)),
                                        cutlass.Boolean),
@@ -128,6 +128,10 @@ class RowGather:
     @property
     def rows_per_thread(self) -> int:
         return self.cfg.tile_m // ROWS_PER_PASS
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.cfg.tile_m * ROW_BYTES
 
     @cute.jit
     def start_tile(self, work):
@@ -152,21 +156,32 @@ class RowGather:
     @cute.jit
     def fill_stage(self, work, kk: Int32, ab_pipe: pipeline.PipelineTmaAsync, ab_state):
         """Copy this thread's chunks of k-tile kk of the record into stage ab_state.index (its
-        empty barrier already waited on) and arrive on its full barrier when they land."""
+        empty barrier already waited on) and arrive on its full barrier when they land. A
+        chunk of a row past out's rows, or past K in the last k-tile, is zero filled."""
         k0 = (kk + work.k_start) * TILE_K
         dtype = self.cfg.ab_dtype
+        stage_base = self.s_base + ab_state.index * self.stage_bytes
+        k_bytes = Int64(k0) * 2 + self.c_bytes
+        whole = k0 + TILE_K <= self.K
         for i in cutlass.range_constexpr(self.rows_per_thread):
             row = Int32(0)
             if cutlass.const_expr(self.cfg.gather_rows_in_smem):
                 row = self.s_rows[self.r0 + i * ROWS_PER_PASS]  # one shared read a row
             else:
                 row = self.rows[i]
+            src_row = self.x_base + Int64(cutlass.max(row, Int32(0))) * self.row_bytes + k_bytes
             for j in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                chunk = self.c + j * THREADS_PER_ROW
-                dst = smem_chunk(self.a_smem_staged, self.s_base, self.r0 + i * ROWS_PER_PASS,
-                                 chunk * CHUNK, ab_state.index, dtype)
-                _copy_chunk(self.atom, self.pred, self.x_base, self.row_bytes, row,
-                            k0 + chunk * CHUNK, self.K, dst, dtype)
+                dst = cute.make_tensor(
+                    cute.make_ptr(dtype, stage_base + self.s_offs[j] + i * PASS_BYTES,
+                                  cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout(((CHUNK,), 1)))
+                src = cute.make_tensor(
+                    cute.make_ptr(dtype, src_row + j * THREADS_PER_ROW * 16,
+                                  cute.AddressSpace.gmem, assumed_align=16),
+                    cute.make_layout(((CHUNK,), 1)))
+                self.pred[0] = row >= 0 and (
+                    whole or k0 + (self.c + j * THREADS_PER_ROW) * CHUNK < self.K)
+                cute.copy(self.atom, src, dst, pred=self.pred)
         cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(ab_state))
 
     @cute.jit

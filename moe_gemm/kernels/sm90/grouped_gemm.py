@@ -288,6 +288,7 @@ class GroupedGemmSm90:
         bias: bool = False,
         row_scale: bool = False,
         gather_a: bool = False,
+        gather_fence: bool = True,
         fast_gate: bool = False,
         row_counts: bool = False,
         trim_a: bool = False,
@@ -356,6 +357,7 @@ class GroupedGemmSm90:
         self.has_bias = bias
         self.row_scale = row_scale
         self.gather_a = gather_a
+        self.gather_fence = gather_fence  # (see _acquire_gathered)
         # The sigmoid of SiLU / gpt-oss's clamped SwiGLU from MUFU.EX2 and MUFU.RCP
         # (fused_epilogue.sigmoid_fast), the library's default (MOE_GEMM_FUSED_FAST_GATE=0:
         # the IEEE exp and divide, ~22 instructions a value with a slow-path call).
@@ -776,7 +778,7 @@ class GroupedGemmSm90:
                 s_rows = storage.gather_rows.get_tensor(cute.make_layout(
                     self.tile_m if const_expr(self.gather_rows_in_smem) else 1))
                 gather = RowGather.create(self, problems, storage.sA.data_ptr().toint(),
-                                          a_smem_staged, s_rows, tidx)
+                                          s_rows, tidx)
             if warp_idx == self.sched_warp:
                 cta, _, _ = cute.arch.block_idx()
                 scheduler = TileScheduler(self, problems,
@@ -1127,8 +1129,10 @@ class GroupedGemmSm90:
     @cute.jit
     def _acquire_gathered(self):
         """Gather-A: the stage's A rows were written by cp.async (the generic proxy) and the
-        WGMMAs read shared memory through the async proxy. The full barrier made the writes
-        visible to this thread; this fence orders them before its WGMMAs (the TMA-only
-        kernels need none: TMA writes through the async proxy)."""
-        if const_expr(self.gather_a):
+        WGMMAs read shared memory through the async proxy. The full barrier, which the copies
+        arrive on once they land, made the writes visible to this thread; gather_fence adds a
+        proxy fence before its WGMMAs (the TMA-only kernels need none: TMA writes through the
+        async proxy). CUTLASS's cp.async GMMA mainloop and QuACK's gather-A kernel issue
+        none there and rely on the barrier alone; MOE_GEMM_GATHER_FENCE picks (ops/fused_launch)."""
+        if const_expr(self.gather_a and self.gather_fence):
             cute.arch.fence_proxy("async.shared", space="cta")

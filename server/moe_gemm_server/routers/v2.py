@@ -190,8 +190,11 @@ def _param_int(params: dict[str, Any], name: str) -> int | None:
     value = params.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise bad_request(f"parameters.{name} must be a non-negative integer; got {value!r}")
+    # (the bound of the X-Priority / X-Timeout-Us headers, which these parameters mirror)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 10**18:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise bad_request(f"parameters.{name} must be a non-negative integer below 10^18; "
+                          f"got {shown}")
     return value
 
 
