@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwad
 
 
 class InferenceOnly(torch.autograd.Function):
@@ -52,7 +53,12 @@ def inference_only_composite(message: str, run: Callable[[], Any],
     through torch's ops where the layer promises it raises. Under a differentiating transform
     this raises `message` at once (grad(f) would raise it anyway); under vmap alone the
     result gets the traced form's raising backward (custom_ops.mark_inference_only, per
-    batch entry). One C call more than inference_only outside torch.func."""
+    batch entry). Forward-mode AD (torch.func.jvp, jacfwd, or dual tensors of
+    torch.autograd.forward_ad) through a tensor given raises `message` too (before: torch's
+    complaint about an op of the composite without a forward-mode rule). One C call more than
+    inference_only outside torch.func."""
+    if _forward_ad(tensors):
+        raise RuntimeError(message)
     if _depth() == 0:
         return inference_only(message, run, tensors)
     if not (torch.is_grad_enabled() and any(t is not None and _requires_grad(t)
@@ -68,6 +74,20 @@ def inference_only_composite(message: str, run: Callable[[], Any],
     if isinstance(out, (list, tuple)):
         return type(out)(mark_inference_only(t, message) for t in out)
     return mark_inference_only(out, message)
+
+
+def _forward_ad(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether forward-mode AD differentiates through one of `tensors`: a torch.func jvp
+    transform with a tensor it wraps, or a dual tensor of an open forward_ad level."""
+    if _depth() > 0 and any(t is not None and _wrapped(t) for t in tensors):
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        if any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
+            return True
+    if fwad._current_level >= 0:  # (-1 outside any `with forward_ad.dual_level()`)
+        return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
+    return False
 
 
 _depth = torch._C._functorch.get_dynamic_layer_stack_depth

@@ -279,6 +279,28 @@ def test_backward_raises_under_torch_func() -> None:
         torch.func.vmap(fp8)(torch.randn(2, 3, 128, requires_grad=True)).sum().backward()
 
 
+def test_forward_mode_ad_raises_the_layers_error() -> None:
+    """jvp / jacfwd or a forward_ad dual tensor through the layer failed inside torch with
+    "_embedding_bag ... forward AD not implemented"; now with the layer's own message."""
+    import torch.autograd.forward_ad as fwad
+
+    moe = randomize(MoE(32, 16, 8, 2)).requires_grad_(False)
+    x = torch.randn(5, 32)
+    for call in (lambda: torch.func.jvp(moe, (x,), (torch.randn_like(x),)),
+                 lambda: torch.func.jacfwd(moe)(x[:2])):
+        with pytest.raises(RuntimeError, match="inference-only"):
+            call()
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, torch.randn_like(x))
+        with pytest.raises(RuntimeError, match="inference-only"):
+            moe(dual)
+        assert moe(x).shape == (5, 32)  # (a plain tensor at an open level runs)
+    fp8 = MoE(128, 128, 4, 2).quantize_fp8().requires_grad_(False)
+    xf = torch.randn(3, 128)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        torch.func.jvp(fp8, (xf,), (torch.randn_like(xf),))
+
+
 # ---------------------------------------------------------------------------------------------
 # argument checks
 
