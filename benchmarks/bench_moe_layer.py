@@ -88,6 +88,10 @@ FUSED_COMBINE = "moe_gemm fused, embedding_bag combine"  # --combine-torch
 FUSED_ROUTER = "moe_gemm fused, torch router"  # --router-torch
 FUSED_WIDE = "moe_gemm fused, wide gather"  # --gather-wide
 FUSED_WIDE_NOFENCE = "moe_gemm fused, wide gather, no fence"  # --gather-wide-nofence
+# The fused layer once more, unchanged, under a second name (--control): what the harness gives
+# one thing timed twice (an H200 ran one kernel 1.025-1.040x faster under one name than under
+# another, 2026-12-04), the margin a switch's row must clear.
+FUSED_CONTROL = "moe_gemm fused, control"
 FUSED_IEEE_GATE = "moe_gemm fused, IEEE gate"  # --ieee-gate
 FUSED_SELECT = "moe_gemm fused, index_select"  # --index-select
 FUSED_NOSWAP = "moe_gemm fused, no swapped tiles"  # --no-swap
@@ -112,6 +116,8 @@ SWITCHED = {
     FUSED_WIDE_NOFENCE: ("gather_wide_nofence", {GATHER_WIDE_ENV: "1", GATHER_FENCE_ENV: "0"},
                          "with the in-kernel gather at every size (as --gather-wide) and no "
                          "proxy fence before the WGMMAs read a gathered stage"),
+    FUSED_CONTROL: ("control", {}, "once more, unchanged (an A/A control: its ratio to the "
+                                   "default row is the run's own margin)"),
 }
 PROBE_TOKENS = 256
 PROBE_MAX_DIFF = 1e-3  # calc_diff of the fused against the unfused layer (bf16: ~1e-5)
@@ -664,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{PROFILE_TOP} kernels per case, over what is timed (graph replays "
                         "where it captures; torch.profiler; JSON 'profile')")
     for impl, (option, env, what) in SWITCHED.items():
-        setting = " ".join(f"{name}={value}" for name, value in env.items())
+        setting = " ".join(f"{name}={value}" for name, value in env.items()) or "no switch"
         p.add_argument("--" + option.replace("_", "-"), action="store_true",
                        help=f"also time the fused layer {what} ('{impl}', {setting})")
     p.add_argument("--smoke", action="store_true",

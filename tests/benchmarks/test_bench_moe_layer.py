@@ -80,7 +80,8 @@ def test_with_env_sets_the_variables_for_the_call_only(monkeypatch):
 
 def test_every_switched_variant_names_its_variables():
     for impl, (option, env, what) in bml.SWITCHED.items():
-        assert env and all(name.startswith("MOE_GEMM_") for name in env), impl
+        assert all(name.startswith("MOE_GEMM_") for name in env), impl
+        assert bool(env) == (impl != bml.FUSED_CONTROL), impl
     assert bml.SWITCHED[bml.FUSED_WIDE_NOFENCE][1] == {"MOE_GEMM_FUSED_GATHER_WIDE": "1",
                                                       "MOE_GEMM_GATHER_FENCE": "0"}
 
