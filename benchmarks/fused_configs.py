@@ -16,15 +16,18 @@ includes it). This measures what another config would give, per model and token 
   gated activation; gpt-oss: biases and clamped SwiGLU over alternating columns);
 - down: fused_grouped_mm(h, w_down, offs, row_weight=...) (gpt-oss: with its bias).
 
-A variant is "CONFIG [wide|select] [nofence] [ieeegate] [noswap]" or "default" with those words: CONFIG as
+A variant is "CONFIG [wide|select] [nofence] [ieeegate] [noswap] [control]" or "default" with
+those words: CONFIG as
 `moe-gemm tune` names configs (tuning/space.py: "pp|coop MxN [cAxB] [sS] [pP[n][s]]", e.g.
 "coop 256x192 c2x1 p8ns", or "swap 256x128": swapped tiles); `noswap` runs it with
-MOE_GEMM_SWAP_AB=0 (where the default would take swapped tiles, the M-side tiles); `wide` runs
-it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up GEMM's
-gather in the kernel at every batch size, also on tiles past 128 rows or 128 accumulator
-registers), `nofence` with MOE_GEMM_GATHER_FENCE=0 (an in-kernel gather without the math
-warps' proxy fence before each gathered stage), `ieeegate` with MOE_GEMM_FUSED_FAST_GATE=0 (SiLU's sigmoid from the IEEE exp and
-divide, not the SFU's approximations), `select` gathers the up GEMM's rows with index_select
+MOE_GEMM_SWAP_AB=0 (where the default would take swapped tiles, the M-side tiles); `control`
+changes nothing ("default control": the default timed again under a second name, what the
+harness gives one kernel twice); `wide` runs it with MOE_GEMM_FUSED_GATHER_WIDE=1 (the up
+GEMM's gather in the kernel at every batch size, also on tiles past 128 rows or 128
+accumulator registers), `nofence` with MOE_GEMM_GATHER_FENCE=0 (an in-kernel gather without
+the math warps' proxy fence before each gathered stage), `ieeegate` with
+MOE_GEMM_FUSED_FAST_GATE=0 (SiLU's sigmoid from the IEEE exp and divide, not the SFU's
+approximations), `select` gathers the up GEMM's rows with index_select
 first, as the plan does where the kernel does not gather (its time included). The default (no
 config) is always the first. "unfused" (or "unfused noswap") is the unfused layer's way
 instead: grouped_mm on its own choice (swapped tiles where its rules take them; "noswap":
@@ -114,7 +117,9 @@ QUACK = "QuACK (tuned)"
 
 
 GATHER_WORDS = ("wide", "select")  # how the up GEMM gathers (at most one)
-OPTION_WORDS = GATHER_WORDS + ("nofence", "ieeegate", "noswap")  # a variant's trailing words
+# ("control" changes nothing: "default control" is the default's kernel timed again under a
+# second name, the run's own A/A margin)
+OPTION_WORDS = GATHER_WORDS + ("nofence", "ieeegate", "noswap", "control")  # a variant's trailing words
 
 
 def variant_words(text: str) -> tuple[list[str], set[str]]:

@@ -46,6 +46,9 @@ def test_parse_variant():
     assert fc.variant_env("default wide nofence") == {
         "MOE_GEMM_FUSED_GATHER_WIDE": "1", "MOE_GEMM_GATHER_FENCE": "0"}
     assert fc.parse_variant("pp 128x192 wide nofence").tile_n == 192
+    # the A/A control: the default's kernel and environment under a second name
+    assert fc.parse_variant("default control") is None and fc.variant_env("default control") == {}
+    assert not fc.selects_first("default control")
     cfg = fc.parse_variant("pp 128x192 c2x1 p8ns")  # the tuner's raster words
     assert (cfg.raster_panel, cfg.raster_along, cfg.raster_serpentine) == (8, "n", True)
     for bad in ("pp 128x128 wide select", "pp 128x128 c2x1 host"):
