@@ -295,14 +295,17 @@ SHAPES = {"bench": (full_suite, smoke_suite),
 
 
 def split_suite(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(--suite value or "bench", the other arguments); None when the value is unknown."""
+    """(--suite value or "bench", the other arguments); None when the value is unknown. The
+    abbreviations argparse takes for --suite (--sui, --suit) count too: `--sui fp8` ran the
+    bf16 suite."""
     rest, suite, i = [], "bench", 0
+    names = ("--sui", "--suit", "--suite")
     while i < len(argv):
         a = argv[i]
-        if a == "--suite" and i + 1 < len(argv):
+        if a in names and i + 1 < len(argv):
             suite, i = argv[i + 1], i + 2
             continue
-        if a.startswith("--suite="):
+        if a.split("=", 1)[0] in names and "=" in a:
             suite = a.split("=", 1)[1]
         else:
             rest.append(a)

@@ -519,13 +519,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def arg_problem(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot make a run, or None (checked before any work: a bad --tokens
+    or --rounds ended in a traceback, and a bad --out only after the whole run)."""
+    from moe_gemm.tuning.argcheck import output_problem
+
+    if args.models is not None:
+        names = [n.strip() for n in args.models.split(",")]
+        unknown = [n for n in names if n not in MODELS]
+        if unknown or not any(names):
+            return (f"--models: unknown model(s) "
+                    f"{', '.join(map(repr, unknown)) or repr(args.models)}; "
+                    f"expected some of {', '.join(MODELS)}")
+    items = args.tokens.split(",")
+    if not all(t.strip().isdigit() and int(t) > 0 for t in items):
+        return f"--tokens takes comma-separated positive integers; got {args.tokens!r}"
+    if args.rounds < 1 or args.calls < 1:
+        return f"--rounds and --calls must be at least 1; got {args.rounds} and {args.calls}"
+    return output_problem(Path(args.out), "--out") if args.out else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    unknown = [m for m in (args.models or "").split(",") if m and m not in MODELS]
-    if unknown:
-        print(f"error: unknown model(s) {', '.join(unknown)}; expected some of "
-              f"{', '.join(MODELS)}", file=sys.stderr)
+    problem = arg_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.models is not None:
+        args.models = ",".join(n.strip() for n in args.models.split(","))
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU (use --smoke on a CPU)", file=sys.stderr)

@@ -318,7 +318,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     import tempfile
     import time
 
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    arch = os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    if arch != "sm_90a":
+        # (every variant failed alike under another target, reading as 101 kernel regressions)
+        print(f"moe-gemm check: the kernels are built for sm_90a; CUTE_DSL_ARCH is {arch!r} "
+              "(unset it, or set it to sm_90a)", file=sys.stderr)
+        return 2
     from moe_gemm.capability import cutlass_dsl_problem
 
     problem = cutlass_dsl_problem()

@@ -298,6 +298,17 @@ def test_check_without_the_dsl_names_the_command(monkeypatch: pytest.MonkeyPatch
     assert capsys.readouterr().err == "moe-gemm check: cannot compile: the DSL is missing\n"
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "bogus"])
+def test_check_under_another_target_is_one_line(arch: str, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A CUTE_DSL_ARCH other than sm_90a failed every variant alike (101 errors, exit 1, read
+    as kernel regressions): one line naming the variable, exit 2, before any compile."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    assert cli.main(["check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"CUTE_DSL_ARCH is {arch!r}" in err
+
+
 def test_info_prints_everything_and_marks_each_refused_variable(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A refused MOE_GEMM_DISABLE_CUTE stopped `info` with one line and nothing else: now it

@@ -643,3 +643,15 @@ def test_results_files_are_strict_json_and_a_failed_write_leaves_no_temporary(
     with pytest.raises(OSError):
         write_json(folder, doc, compact=compact)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "r.json"]
+
+
+@pytest.mark.parametrize("argv", [["--sui", "fp8", "--smoke"], ["--suit=fp8", "--smoke"],
+                                  ["--suite", "fp8", "--smoke"]])
+def test_suite_abbreviations_pick_the_suite(argv):
+    # argparse takes --sui / --suit for --suite; the suite split read only the full name and
+    # ran the bf16 suite for them
+    from benchmarks.bench import split_suite
+
+    assert split_suite(argv) == ("fp8", ["--smoke"])
+    assert split_suite(["--smoke"]) == ("bench", ["--smoke"])
+    assert split_suite(["--sui", "nope"])[0] is None

@@ -250,3 +250,22 @@ def test_a_layer_of_your_own():
     assert [c["model"] for c in both][::2] == ["qwen3-30b-a3b", "layer-64x32x8x2"]
     assert both[2]["shape"]["form"] == "fused-gate" and both[3]["shape"]["form"] == "fused"
     assert fc.main(["--layer", "64,32", "--smoke"]) == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--smoke", "--tokens", "0"], "--tokens takes comma-separated positive integers"),
+    (["--smoke", "--tokens", "abc"], "--tokens takes comma-separated positive integers"),
+    (["--smoke", "--rounds", "0"], "--rounds and --calls must be at least 1"),
+    (["--smoke", "--calls", "0"], "--rounds and --calls must be at least 1"),
+    (["--smoke", "--models", ""], "--models: unknown"),
+    (["--smoke", "--models", "qwen3-30b-a3b,bogus"], "--models: unknown model(s) 'bogus'"),
+])
+def test_bad_arguments_are_one_line_before_any_work(argv, message, capsys):
+    assert fc.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
+    assert fc.main(["--smoke", "--out", str(tmp_path)]) == 2  # a folder
+    assert "--out" in capsys.readouterr().err
