@@ -645,6 +645,8 @@ def _arg_problem(args: argparse.Namespace) -> str | None:
             return f"--tokens takes comma-separated positive integers; got {args.tokens!r}"
     if args.rounds < 1:
         return "--rounds must be at least 1"
+    if not args.budget_s > 0:  # (a negative one timed nothing and exited 0)
+        return f"--budget-s must be > 0; got {args.budget_s}"
     return output_problem(Path(args.out), "--out") if args.out else None
 
 

@@ -214,6 +214,12 @@ def form_problem(cfg: dict, form: str, out_dtype: str | None = None) -> str | No
         return "'ew' is for 16-bit output"
     if form != "general" and (cfg.get("visitor") == "host" or cfg.get("sort_by_k")):
         return "'host' and 'ksort' are for --form general"
+    if cfg.get("swap_ab"):
+        # (what grouped_mm / swap_rules refuse at run time: accepted here, every shape failed)
+        if form in ("batched", "general"):
+            return "'swap' tiles are for --form varlen (grouped_mm's 2-D x 3-D form)"
+        if out_dtype and _ITEMSIZE.get(out_dtype, 2) != 2:
+            return "'swap' tiles store 16-bit output"
     return None
 
 

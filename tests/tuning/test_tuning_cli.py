@@ -125,6 +125,21 @@ def test_configs_the_dtypes_cannot_build_are_refused_at_once(config, options, wo
                      "s4;pp 128x208 s5", "--out-dtype", "bf16", "--list"]) == 0
 
 
+@pytest.mark.parametrize("options,words", [
+    (["--form", "batched"], "'swap' tiles are for --form varlen"),
+    (["--form", "general"], "'swap' tiles are for --form varlen"),
+    (["--out-dtype", "fp32"], "'swap' tiles store 16-bit output"),
+])
+def test_swapped_configs_outside_their_form_are_refused_at_once(options, words, capsys):
+    # grouped_mm refuses them at run time (other forms, a 32-bit output): accepted by the
+    # A/B, each shape failed after the GPU work had started.
+    assert cli.main(["--shapes", "8,512,256,64", *options, "--configs", "swap 256x128",
+                     "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-gemm tune: config 'swap 256x128': ") and words in err
+    assert cli.main(["--shapes", "8,512,256,64", "--configs", "swap 256x128", "--list"]) == 0
+
+
 def test_general_configs_take_host_ksort_and_the_tail_split(capsys):
     assert cli.main(["--shapes", "8,512,256,64", "--form", "general", "--configs",
                      "coop 128x256 host ksort", "--list"]) == 0
