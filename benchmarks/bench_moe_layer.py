@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moe_gemm  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
+from benchmarks.runner import counts_problem, names_problem, split_names  # noqa: E402
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
 from moe_gemm.ops.fused_launch import (  # noqa: E402
@@ -633,16 +634,10 @@ def _arg_problem(args: argparse.Namespace) -> str | None:
     folder raised IsADirectoryError after the whole run, its results lost."""
     from moe_gemm.tuning.argcheck import output_problem
 
-    if args.models is not None:
-        names = [n for n in args.models.split(",") if n]
-        bad = [n for n in names if n not in MODELS]
-        if bad or not names:
-            return (f"--models: unknown {', '.join(bad) or repr(args.models)}; known: "
-                    f"{', '.join(MODELS)}")
-    if args.tokens is not None:
-        items = args.tokens.split(",")
-        if not all(t.strip().isdigit() and int(t) > 0 for t in items):
-            return f"--tokens takes comma-separated positive integers; got {args.tokens!r}"
+    if args.models is not None and (why := names_problem(args.models, list(MODELS))):
+        return why
+    if args.tokens is not None and (why := counts_problem(args.tokens)):
+        return why
     if args.rounds < 1:
         return "--rounds must be at least 1"
     if not args.budget_s > 0:  # (a negative one timed nothing and exited 0)
@@ -690,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     if why := _arg_problem(args):
         print(f"bench_moe_layer: {why}", file=sys.stderr)
         return 2
+    if args.models is not None:  # (' qwen3-30b-a3b' was checked as its stripped name)
+        args.models = ",".join(split_names(args.models))
     result = run(args)
     if args.out:
         # (json.dumps wrote a NaN or infinite value as the bare word NaN or Infinity, which

@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.bench_moe_layer import round_order, time_calls, warm_calls, with_env  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
+from benchmarks.runner import counts_problem, names_problem, split_names  # noqa: E402
 from moe_gemm import GemmConfig  # noqa: E402
 from moe_gemm.capability import sm_count  # noqa: E402
 from moe_gemm.ops.fused import fused_grouped_mm  # noqa: E402
@@ -524,16 +525,10 @@ def arg_problem(args: argparse.Namespace) -> str | None:
     or --rounds ended in a traceback, and a bad --out only after the whole run)."""
     from moe_gemm.tuning.argcheck import output_problem
 
-    if args.models is not None:
-        names = [n.strip() for n in args.models.split(",")]
-        unknown = [n for n in names if n not in MODELS]
-        if unknown or not any(names):
-            return (f"--models: unknown model(s) "
-                    f"{', '.join(map(repr, unknown)) or repr(args.models)}; "
-                    f"expected some of {', '.join(MODELS)}")
-    items = args.tokens.split(",")
-    if not all(t.strip().isdigit() and int(t) > 0 for t in items):
-        return f"--tokens takes comma-separated positive integers; got {args.tokens!r}"
+    if args.models is not None and (why := names_problem(args.models, list(MODELS))):
+        return why
+    if why := counts_problem(args.tokens):
+        return why
     if args.rounds < 1 or args.calls < 1:
         return f"--rounds and --calls must be at least 1; got {args.rounds} and {args.calls}"
     return output_problem(Path(args.out), "--out") if args.out else None
@@ -546,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.models is not None:
-        args.models = ",".join(n.strip() for n in args.models.split(","))
+        args.models = ",".join(split_names(args.models))
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU (use --smoke on a CPU)", file=sys.stderr)

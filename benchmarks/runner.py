@@ -77,6 +77,27 @@ def device_info(device: torch.device) -> tuple[str, dict[str, Any], int]:
     return props.name, info, l2
 
 
+def names_problem(text: str, known: Sequence[str], option: str = "--models") -> str | None:
+    """Why a comma-separated list of names is unusable (a name not in `known`, an empty one
+    among them), or None. Names are read stripped (`split_names`)."""
+    unknown = [n for n in split_names(text) if n not in known]
+    if unknown:
+        return (f"{option}: unknown {', '.join(map(repr, unknown))}; expected some of "
+                f"{', '.join(known)}")
+    return None
+
+
+def split_names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",")]
+
+
+def counts_problem(text: str, option: str = "--tokens") -> str | None:
+    """Why a comma-separated list of positive integers is not one, or None."""
+    if not all(t.strip().isdigit() and int(t) > 0 for t in text.split(",")):
+        return f"{option} takes comma-separated positive integers; got {text!r}"
+    return None
+
+
 def bench_device(requested: str | None, smoke: bool, needs: str) -> torch.device:
     """The device a benchmark runs on: `requested` ("cuda", "cuda:1", "cpu"; None or "auto":
     the GPU if there is one), made current when it is a GPU. Raises ValueError with the line to
@@ -90,7 +111,7 @@ def bench_device(requested: str | None, smoke: bool, needs: str) -> torch.device
         raise ValueError(f"bad --device {name!r}: {exc}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda but no CUDA GPU is visible")
+            raise ValueError(f"--device {name}: no CUDA GPU is visible here")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         elif device.index >= torch.cuda.device_count():

@@ -518,14 +518,23 @@ def _refuse_environment() -> None:
         raise EnvError("; ".join(refused.values()))
 
 
+def _asks_help(args: list[str]) -> bool:
+    """Whether a command line asks for its help (-h, --help or an abbreviation argparse
+    takes), which answers whatever the environment holds, as the other commands' do."""
+    for a in args:
+        if a == "--":
+            return False
+        if a == "-h" or (len(a) >= 3 and "--help".startswith(a)):
+            return True
+    return False
+
+
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        _refuse_environment()
-        return cmd_bench(argv[1:])
-    if argv and argv[0] == "tune":
-        _refuse_environment()
-        return cmd_tune(argv[1:])
+    if argv and argv[0] in ("bench", "tune"):
+        if not _asks_help(argv[1:]):
+            _refuse_environment()
+        return cmd_bench(argv[1:]) if argv[0] == "bench" else cmd_tune(argv[1:])
     args = build_parser().parse_args(argv)  # (--help and --version answer whatever is set)
     if args.cmd != "info":
         _refuse_environment()

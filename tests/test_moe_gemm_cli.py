@@ -411,6 +411,24 @@ def test_every_command_refuses_a_value_the_library_refuses(
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("argv", [["tune", "--help"], ["tune", "-h"], ["bench", "--hel"],
+                                  ["bench", "--suite", "zoo", "--help"]])
+def test_bench_and_tune_help_answer_whatever_is_set(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        argv: list[str]) -> None:
+    # Their help was refused (one line, exit 2) under a refused MOE_GEMM_* value, while every
+    # other command's help answered.
+    _only(monkeypatch, MOE_GEMM_TUNED_TABLES="maybe")
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0 and f"usage: moe-gemm {argv[0]}" in capsys.readouterr().out
+
+
+def test_a_help_word_after_the_options_end_is_an_argument() -> None:
+    assert cli._asks_help(["--list", "-h"]) and cli._asks_help(["--he"])
+    assert not cli._asks_help(["--", "--help"]) and not cli._asks_help(["--hx", "-"])
+
+
 def test_help_answers_and_info_reports_whatever_is_set(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     _only(monkeypatch, MOE_GEMM_TUNED_TABLES="maybe")

@@ -62,23 +62,28 @@ FIRST_SHAPE_EST_S = 10.0
 INT32_MAX = 2**31 - 1
 
 
-def _rest_ms(text: str) -> float:
-    """--rest-ms: a finite number of milliseconds >= 0."""
+def _milliseconds(text: str, positive: bool) -> float:
+    """A finite number of milliseconds, >= 0 (or > 0 where `positive`); the message states
+    the bound of the option that takes it."""
     try:
         v = float(text)
     except ValueError:
         v = math.nan
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
+        bound = "> 0" if positive else ">= 0"
+        raise argparse.ArgumentTypeError(f"expected a finite number of milliseconds {bound}, "
+                                         f"got {text!r}")
     return v
+
+
+def _rest_ms(text: str) -> float:
+    """--rest-ms: a finite number of milliseconds >= 0."""
+    return _milliseconds(text, positive=False)
 
 
 def _sample_ms(text: str) -> float:
     """--sample-ms: a finite number of milliseconds > 0."""
-    v = _rest_ms(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected milliseconds > 0, got {text!r}")
-    return v
+    return _milliseconds(text, positive=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -366,6 +371,8 @@ def _rerank_problem(args: argparse.Namespace) -> str | None:
         rivals_by_label(args)
     except ValueError as exc:
         return f"--rivals-file {args.rivals_file}: {exc}"
+    if not Path(args.rerank).is_file():  # (before --list answers as if it could run)
+        return f"--rerank {args.rerank}: no such table file"
     return None
 
 

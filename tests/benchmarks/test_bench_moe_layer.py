@@ -179,8 +179,10 @@ def test_measure_warms_each_batch_before_timing_it():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--models", "mixtral"], "--models: unknown mixtral; known: "),
-    (["--models", ""], "--models: unknown ''; known: "),
+    (["--models", "mixtral"], "--models: unknown 'mixtral'; expected some of "),
+    (["--models", ""], "--models: unknown ''; expected some of "),
+    # (a trailing comma passed the check, then ended in a KeyError for '')
+    (["--models", "qwen3-30b-a3b,"], "--models: unknown ''; expected some of "),
     (["--tokens", "4,x"], "--tokens takes comma-separated positive integers; got '4,x'"),
     (["--tokens", "0"], "--tokens takes comma-separated positive integers; got '0'"),
     (["--rounds", "0"], "--rounds must be at least 1"),

@@ -100,6 +100,16 @@ def test_bad_arguments_are_one_line_before_anything_is_measured(tmp_path, capsys
     assert chosen == []
 
 
+def test_bench_device_names_the_device_asked_for_without_a_gpu(monkeypatch):
+    import pytest
+
+    from benchmarks.runner import bench_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^--device cuda:3: no CUDA GPU is visible here$"):
+        bench_device("cuda:3", False, "the suite")
+
+
 def test_bench_device_refuses_a_gpu_index_past_the_last(monkeypatch):
     import pytest
 

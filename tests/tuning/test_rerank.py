@@ -99,6 +99,13 @@ def test_bad_rerank_options_are_refused(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_missing_rerank_table_is_refused_before_the_list(capsys, tmp_path):
+    # `--rerank missing.json --zoo --list` listed the shapes and exited 0; the run would stop
+    # at the table.
+    assert cli.main(["--zoo", "--list", "--rerank", str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.endswith("missing.json: no such table file\n")
+
+
 def test_an_empty_rerank_table_name_is_refused(capsys):
     assert cli.main(["--zoo", "--rerank", ""]) == 2
     assert "--rerank" in capsys.readouterr().err
