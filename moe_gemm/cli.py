@@ -100,6 +100,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"env      {name}={value}  ({LIBRARY_VARIABLES[name]})")
         if name in refused:
             print(f"         REFUSED: {refused[name]}")
+        elif name == "MOE_GEMM_TUNED_TABLE" and value and not os.path.isfile(value):
+            # (not a refusal: the lookup warns once and goes on without it)
+            print("         NOTE: no such file; the kernels' config lookup warns and skips it")
     others = info["environment_other"]
     assert isinstance(others, list)
     if others:

@@ -439,3 +439,15 @@ def test_help_answers_and_info_reports_whatever_is_set(
     assert "REFUSED: MOE_GEMM_TUNED_TABLES='maybe'" in capsys.readouterr().out
     monkeypatch.setenv("MOE_GEMM_TUNED_TABLES", "off")
     assert cli.main(["demo"]) == 0
+
+
+def test_info_notes_a_tuned_table_path_that_does_not_exist(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    # A mistyped MOE_GEMM_TUNED_TABLE is not refused (the lookup warns and goes on), but info
+    # showed it as if it were read.
+    _only(monkeypatch, MOE_GEMM_TUNED_TABLE=str(tmp_path / "typo.json"))
+    assert cli.main(["info"]) == 0
+    assert "NOTE: no such file" in capsys.readouterr().out
+    (tmp_path / "typo.json").write_text("{}")
+    assert cli.main(["info"]) == 0
+    assert "NOTE" not in capsys.readouterr().out

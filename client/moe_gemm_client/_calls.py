@@ -187,8 +187,14 @@ def list_call(**common: Any) -> _Call[list[WeightInfo]]:
 
 def get_call(name: str, **common: Any) -> _Call[WeightInfo]:
     name = check_name(name)
-    call = _Call("GET", f"/v1/weights/{name}", lambda r: WeightInfo.from_json(_json(r)))
-    return with_options(call, **common)
+
+    def parse(response: httpx.Response) -> WeightInfo:
+        info = WeightInfo.from_json(_json(response))
+        if info.name != name:
+            raise ValueError(f"asked for weight set {name!r}; the answer describes {info.name!r}")
+        return info
+
+    return with_options(_Call("GET", f"/v1/weights/{name}", parse), **common)
 
 
 def delete_call(name: str, **common: Any) -> _Call[WeightDeleted]:
@@ -284,6 +290,8 @@ def grouped_mm_call(name: str, x: object, counts: object, offs: object,
         y = _matmul_output(response, "y")
         if y.ndim != 2 or y.shape[0] != rows:
             raise ValueError(f"expected y of shape ({rows}, N); got {y.shape}")
+        if y.dtype != x_arr.dtype:  # (y comes back in x's dtype)
+            raise ValueError(f"expected y in x's dtype {x_arr.dtype}; got {y.dtype}")
         out = kind.wrap(y)
         return (out, answer_request_id(call, response)) if return_request_id else out
 
@@ -306,6 +314,7 @@ def grouped_gemm_call(a_list: object, b_list: object, return_request_id: bool,
     tensors: dict[str, np.ndarray] = {}
     kinds: list[ArrayKind] = []
     shapes: list[tuple[int, int]] = []
+    dtypes: list[np.dtype[Any]] = []
     for i, (a, b) in enumerate(zip(a_items, b_items)):
         a_arr, kind = as_data_array(a, f"a_list[{i}]", "(M_i, K_i)", 2)
         b_arr, _ = as_data_array(b, f"b_list[{i}]", "(K_i, N_i)", 2)
@@ -313,6 +322,7 @@ def grouped_gemm_call(a_list: object, b_list: object, return_request_id: bool,
         tensors[f"b.{i}"] = b_arr
         kinds.append(kind)
         shapes.append((a_arr.shape[0], b_arr.shape[1]))
+        dtypes.append(a_arr.dtype)
 
     def parse(response: httpx.Response) -> Any:
         outs = []
@@ -320,6 +330,9 @@ def grouped_gemm_call(a_list: object, b_list: object, return_request_id: bool,
             d = _matmul_output(response, f"d.{i}")
             if d.shape != (m, n):
                 raise ValueError(f"expected d.{i} of shape ({m}, {n}); got {d.shape}")
+            if d.dtype != dtypes[i]:  # (d_i comes back in a_i's dtype)
+                raise ValueError(f"expected d.{i} in a_list[{i}]'s dtype {dtypes[i]}; got "
+                                 f"{d.dtype}")
             outs.append(kinds[i].wrap(d))
         return (outs, answer_request_id(call, response)) if return_request_id else outs
 

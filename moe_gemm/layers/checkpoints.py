@@ -258,10 +258,12 @@ def moe_from_state_dict(
         raise TypeError(f"prefix must be a str (e.g. 'model.layers.3.mlp.', or '' for none); "
                         f"got {type(prefix).__name__}")
     keys = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
+    given = {}  # checkpoint name -> the name this state_dict spells it with (messages)
     if "router_weight" in keys and "gate.weight" not in keys:
         # This layer's own state_dict (MoE.state_dict()): its names read as the checkpoint
         # names of the same tensors (the experts are transformers 5's fused layout).
         keys = {OWN_NAMES.get(k, k): full for k, full in keys.items()}
+        given = {ckpt: own for own, ckpt in OWN_NAMES.items()}
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor | None:
@@ -278,7 +280,8 @@ def moe_from_state_dict(
     if router_weight is None:
         raise KeyError(f"no router weight {prefix + 'gate.weight'!r} in the state dict")
     bias = take("gate.e_score_correction_bias")
-    gate_up, down, scales = _experts_from_keys(take, keys, prefix)
+    gate_up, down, scales = _experts_from_keys(
+        take, keys, prefix, lambda name: keys.get(name, prefix + given.get(name, name)))
     shared: dict[str, torch.Tensor] | None = None
     bases = [b for b in ("shared_experts.", "shared_expert.") if any(k.startswith(b)
                                                                       for k in keys)]
@@ -415,6 +418,10 @@ def moe_from_tensors(
         check_correction_bias(bias, E, device, "e_score_correction_bias", "gate_up_proj is")
     shared_size = 0
     if shared is not None:
+        if not isinstance(shared, Mapping):  # (a str's set() is its letters)
+            raise TypeError(f"shared must be a mapping of names to tensors ({{'gate_proj': ..., "
+                            f"'up_proj': ..., 'down_proj': ...}}) or None; got "
+                            f"{type(shared).__name__}")
         unknown = set(shared) - {"gate_proj", "up_proj", "down_proj", "gate"}
         if unknown or not {"gate_proj", "up_proj", "down_proj"} <= set(shared):
             raise ValueError(
@@ -666,10 +673,11 @@ def _check_expert(t: Mapping[str, torch.Tensor], names: Mapping[str, str],
 
 
 def _experts_from_keys(
-    take: Callable[[str], torch.Tensor | None], keys: Mapping[str, str], prefix: str
+    take: Callable[[str], torch.Tensor | None], keys: Mapping[str, str], prefix: str,
+    shown: Callable[[str], str],
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(gate_up (E, 2I, H), down (E, H, I), FP8 scales or None) from fused or per-expert
-    checkpoint keys."""
+    checkpoint keys (`shown`: a checkpoint name as the state_dict spells it, for messages)."""
     for gu_name, d_name, gu_scale, d_scale in (
             ("experts.gate_up_proj", "experts.down_proj", ("experts.gate_up_proj_scale_inv",),
              ("experts.down_proj_scale_inv",)),
@@ -679,7 +687,7 @@ def _experts_from_keys(
         gate_up, down = take(gu_name), take(d_name)
         if gate_up is not None or down is not None:
             if gate_up is None or down is None:
-                raise ValueError(f"{prefix + gu_name!r} and {prefix + d_name!r} go together")
+                raise ValueError(f"{shown(gu_name)!r} and {shown(d_name)!r} go together")
             return gate_up, down, _fused_scales(take, (gu_scale, d_scale), gate_up, down)
     for gate_n, up_n, down_n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")):
         ids = sorted(

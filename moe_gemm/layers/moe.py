@@ -54,6 +54,7 @@ from moe_gemm.layers.layer_checks import (
 )
 from moe_gemm.layers.moe_options import MoEOptions, replace_activation
 from moe_gemm.layers.routing import (
+    check_correction_bias,
     check_flag,
     check_router_weight,
     route_tokens,
@@ -133,6 +134,8 @@ def moe_forward(
     check_routing(E, top_k, scoring, n_group, topk_group, routed_scaling_factor, renormalize)
     if correction_bias is not None and scoring != "sigmoid":
         raise ValueError("correction_bias is used by scoring='sigmoid' only")
+    if correction_bias is not None:  # (routing would name it 'bias' and the logits' device)
+        check_correction_bias(correction_bias, E, x.device, "correction_bias", "x is")
     # Before routing, so that a bad option fails before any work (moe_experts checks again).
     check_gemm_options(config, fused)
     router_fp32 = check_flag("router_fp32", router_fp32, none_ok=True)

@@ -372,7 +372,10 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
         raise ValueError(f"topk_ids must be 2-D (T, k); got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in _INT_DTYPES:
         raise TypeError(f"topk_ids must be an integer tensor (int32 or int64); got {topk_ids.dtype}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"num_experts must be an int >= 1; got {type(num_experts).__name__} "
+                        f"{num_experts!r}")
+    if num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1; got {num_experts!r}")
     T, k = topk_ids.shape
     device = topk_ids.device

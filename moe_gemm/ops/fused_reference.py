@@ -3,7 +3,10 @@
 - `fused_grouped_mm_torch`: what `backend="auto"` runs where the Hopper kernels cannot (CPU,
   other GPUs), for arguments checked by ops/fused_validation.py. The grouped GEMM is the torch
   backend's (ops/reference.py); bias, activation and row weights follow in fp32 and the result
-  is rounded once, as in the kernel's epilogue.
+  is rounded once, as in the kernel's epilogue. (bf16 on a CUDA GPU where torch's own
+  grouped_mm runs: its accumulators come back rounded to bf16, which keeps the call free of
+  host syncs and costs a second rounding; fp16 takes the fp32 accumulators there, since an
+  fp16 one past 65504 would be inf before a bias or row weight could bring it back.)
 - `fused_grouped_mm_ref`: float32 / float64, a loop over experts, as plain as possible.
 
 Semantics (both, and the kernel): with row_index, routed row r is x[row_index[r]]; rows of
@@ -96,9 +99,9 @@ def fused_grouped_mm_torch(args: FusedMmArgs) -> torch.Tensor:
     xs = x if args.row_index is None else x.index_select(
         0, gather_index(args.row_index, x.shape[0]))
     # fp32 accumulators where the per-expert loop runs; torch's native bf16 grouped_mm on CUDA
-    # (sync-free) returns bf16.
+    # (sync-free) returns bf16. Not fp16's: its range ends at 65504 (module docstring).
     mm = GroupedMmArgs(xs, args.w, args.offs, None, args.dtype, torch.float32)
-    if xs.device.type == "cuda" and _grouped_mm_native_ok(
+    if args.dtype == torch.bfloat16 and xs.device.type == "cuda" and _grouped_mm_native_ok(
             GroupedMmArgs(xs, args.w, args.offs, None, args.dtype, args.dtype)):
         mm = GroupedMmArgs(xs, args.w, args.offs, None, args.dtype, args.dtype)
     y, live = _epilogue(args, grouped_mm_torch(mm))

@@ -368,8 +368,9 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
                          f"{tuple(q.shape)}")
     got = tuple(scale.shape)
     if got != want and not (granularity == "tensor" and got == (1,)):
+        shapes = f"{want} or (1,)" if granularity == "tensor" else f"{want}"
         raise ValueError(f"{granularity} scales of q {tuple(q.shape)} (block_size {b}) must "
-                         f"have shape {want}; got {got}")
+                         f"have shape {shapes}; got {got}")
     v = q.float()
     s = scale.float()
     if granularity == "tensor":

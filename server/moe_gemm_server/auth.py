@@ -18,9 +18,15 @@ from .errors import APIError
 
 
 def bearer_token(request: Request) -> str | None:
-    value = request.headers.get("authorization")
-    if value is None:
+    """The bearer token, or None without one. Authorization sent more than once with different
+    values is a 400, as the other headers the service reads (routers/common.single_header):
+    acting on the first would let a proxy's or a client's second credential go unread."""
+    values = request.headers.getlist("authorization")
+    if len({v.strip() for v in values}) > 1:
+        raise APIError(400, f"authorization is given {len(values)} times with different values")
+    if not values:
         return None
+    value = values[0]
     scheme, _, token = value.strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None

@@ -146,6 +146,37 @@ def test_malformed_success_body_is_a_validation_error(mode):
         run(make(mode, handler), "grouped_mm", "l0", np.ones((3, 2), np.float32), counts=[3])
 
 
+
+def _st_answer(**tensors: np.ndarray) -> httpx.Response:
+    return httpx.Response(200, content=mgc._tensors.encode_safetensors(tensors).to_bytes())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_answer_in_another_dtype_or_for_another_set_is_a_validation_error(mode):
+    # y / d_i come back in x's / a_i's dtype; answers of int32 or float64 were returned as
+    # they came, and get_weights("a") took an answer describing "b".
+    x = np.ones((3, 2), np.float32)
+    for wrong in (np.int32, np.float64, np.float16):
+        handler, _ = sequence(_st_answer(y=np.zeros((3, 4), wrong)))
+        with pytest.raises(mgc.APIResponseValidationError,
+                           match=f"expected y in x's dtype float32; got {np.dtype(wrong)}"):
+            run(make(mode, handler), "grouped_mm", "l0", x, counts=[3])
+    handler, _ = sequence(_st_answer(y=np.zeros((3, 4), np.float32)))
+    assert run(make(mode, handler), "grouped_mm", "l0", x, counts=[3]).dtype == np.float32
+    handler, _ = sequence(_st_answer(**{"d.0": np.zeros((3, 5), np.float32),
+                                        "d.1": np.zeros((1, 5), np.float32)}))
+    a, b = [x, np.ones((1, 2), np.float16)], [np.ones((2, 5), np.float32),
+                                              np.ones((2, 5), np.float16)]
+    with pytest.raises(mgc.APIResponseValidationError,
+                       match=r"expected d.1 in a_list\[1\]'s dtype float16; got float32"):
+        run(make(mode, handler), "grouped_gemm", a, b)
+    handler, _ = sequence(ok_json({**INFO, "name": "b"}))
+    with pytest.raises(mgc.APIResponseValidationError, match="describes 'b'"):
+        run(make(mode, handler), "get_weights", "a")
+    handler, _ = sequence(ok_json(INFO))
+    assert run(make(mode, handler), "get_weights", "l0").name == "l0"
+
+
 DEEP = b'{"error": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 

@@ -492,3 +492,17 @@ def test_wide_gather_clamps_unchecked_indices(monkeypatch):
 
     monkeypatch.setenv(GATHER_WIDE_ENV, "1")
     _check_clamped_indices(WIDE_GATHER_CASES[0], "wide-gather/clamp", in_kernel=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_torch_backend_on_the_gpu_keeps_a_large_accumulator_for_the_epilogue(dtype):
+    # fp16 took torch's grouped_mm there, whose fp16 accumulators (past 65504: inf) reached the
+    # row weight that would have scaled them back; the kernel and the CPU gave 160.
+    x = torch.full((2, 16), 100.0, dtype=dtype, device="cuda")
+    w = torch.full((1, 16, 16), 100.0, dtype=dtype, device="cuda")
+    offs = torch.tensor([2], dtype=torch.int32, device="cuda")
+    weight = torch.full((2,), 0.001, device="cuda")
+    for backend in ("torch", "auto"):
+        y = moe_gemm.fused_grouped_mm(x, w, offs, row_weight=weight,
+                                      config=GemmConfig(backend=backend))
+        assert torch.equal(y.float().cpu(), torch.full((2, 16), 160.0)), (backend, y)

@@ -105,8 +105,18 @@ def test_from_state_dict_errors() -> None:
         MoE.from_state_dict({k: v for k, v in sd.items() if k != "gate.weight"}, 2)
     with pytest.raises(KeyError, match="no expert weights"):
         MoE.from_state_dict({"gate.weight": router}, 2)
-    with pytest.raises(ValueError, match="go together"):
+    with pytest.raises(ValueError, match="'experts.gate_up_proj' and 'experts.down_proj' go "
+                                         "together"):
         MoE.from_state_dict({"gate.weight": router, "experts.gate_up_proj": gate}, 2)
+
+
+def test_the_layers_own_state_dict_is_named_by_its_own_keys() -> None:
+    # A layer's own state_dict without down_proj was reported as missing
+    # 'experts.down_proj', a name it does not have.
+    own = {"m." + k: v for k, v in MoE(16, 8, 4, 2).state_dict().items()}
+    del own["m.down_proj"]
+    with pytest.raises(ValueError, match=r"^'m\.gate_up_proj' and 'm\.down_proj' go together$"):
+        MoE.from_state_dict(own, 2, prefix="m.")
 
 
 def test_from_fused_shape_errors() -> None:
@@ -223,6 +233,10 @@ def test_from_fused_checks_the_shared_weights() -> None:
     shared["gate_proj"] = [[0.0]]
     with pytest.raises(TypeError, match=r"shared\['gate_proj'\] must be a torch.Tensor"):
         MoE.from_fused(gu, dn, rw, 2, shared=shared)
+    # Not a mapping: set() of an int raised Python's own TypeError, of a str named its letters.
+    for bad in (5, "gate_proj", ["gate_proj"]):
+        with pytest.raises(TypeError, match="shared must be a mapping of names to tensors"):
+            MoE.from_fused(gu, dn, rw, 2, shared=bad)  # type: ignore[arg-type]
 
 
 def _per_expert_sd(E: int = 4, H: int = 32, I: int = 16) -> dict:

@@ -153,6 +153,19 @@ def test_moe_experts_matches_naive_and_drops_sentinels() -> None:
     torch.testing.assert_close(y2, y, rtol=1e-6, atol=1e-6)
 
 
+def test_moe_forward_names_the_correction_bias_in_its_errors() -> None:
+    # Checked only inside routing, whose messages spoke of 'bias' and the logits.
+    x, rw = torch.randn(3, 16), torch.randn(4, 16)
+    wgu, wd = torch.randn(4, 16, 16), torch.randn(4, 8, 16)
+    for bias, exc, words in ((torch.randn(5), ValueError,
+                              r"^correction_bias must be \(E,\) = \(4,\); got shape \(5,\)$"),
+                             (torch.randn(4, device="meta"), ValueError,
+                              "^correction_bias is on meta but x is on cpu$"),
+                             ([0.0] * 4, TypeError, "^correction_bias must be a torch.Tensor")):
+        with pytest.raises(exc, match=words):
+            moe_forward(x, rw, wgu, wd, 2, scoring="sigmoid", correction_bias=bias)
+
+
 def test_moe_forward_matches_module() -> None:
     moe = randomize(MoE(32, 16, 8, 3, scoring="sigmoid", n_group=4, topk_group=2,
                          routed_scaling_factor=1.7))

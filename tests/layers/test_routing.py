@@ -295,6 +295,10 @@ def test_permutation_rejects_bad_input() -> None:
         permute_by_expert([[0, 1]], 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_experts must be an int >= 1"):
         permute_by_expert(torch.zeros(2, 2, dtype=torch.long), 0)
+    # a wrong type is a TypeError, as for the other routing arguments (was a ValueError)
+    for bad in (4.0, True, "4"):
+        with pytest.raises(TypeError, match="num_experts must be an int >= 1"):
+            permute_by_expert(torch.zeros(2, 2, dtype=torch.long), bad)  # type: ignore[arg-type]
 
 
 def test_permutation_ids_in_range_must_be_a_bool() -> None:

@@ -229,6 +229,10 @@ def test_dequantize_checks_the_scale_shape():
                              ("tensor", torch.ones(2))):
         with pytest.raises(ValueError, match=f"{granularity} scales of q"):
             dequantize_fp8(q, bad, granularity)
+    # (the message names every shape it takes: () and (1,) for one scale)
+    with pytest.raises(ValueError, match=r"must have shape \(\) or \(1,\); got \(2,\)"):
+        dequantize_fp8(q, torch.ones(2), "tensor")
+    assert torch.equal(dequantize_fp8(q, torch.ones(1), "tensor"), q.float())
     with pytest.raises(TypeError, match="q must be"):
         dequantize_fp8([1.0], torch.ones(()), "tensor")
     with pytest.raises(TypeError, match="scale must be a float tensor"):

@@ -137,6 +137,18 @@ def test_api_keys_without_admin_key_disable_weight_changes(tmp_path):
         assert client.get("/v1/weights").status_code == 401
 
 
+def test_a_repeated_authorization_header_with_different_values_is_refused(tmp_path):
+    # The first copy won: a request carrying a valid key and a wrong one was served.
+    with TestClient(create_app(_settings(tmp_path, api_key=["k1"]))) as client:
+        _wait_ready(client)
+        two = [("authorization", "Bearer k1"), ("authorization", "Bearer nope")]
+        r = client.get("/v1/weights", headers=two)
+        assert r.status_code == 400
+        assert r.json()["error"] == "authorization is given 2 times with different values"
+        same = [("authorization", "Bearer k1"), ("authorization", " Bearer k1")]
+        assert client.get("/v1/weights", headers=same).status_code == 200
+
+
 def test_admin_key_only(tmp_path):
     """An admin key alone: reads and matmuls stay open, weight changes need the key."""
     with TestClient(create_app(_settings(tmp_path, admin_key="adm"))) as client:
@@ -497,15 +509,23 @@ def test_hostile_inputs_get_4xx_with_a_json_error(tmp_path):
             r = mm(ok_body, **{"x-timeout-us": bad})
             assert r.status_code == 400 and "x-timeout-us must be" in r.json()["error"], bad
         assert mm(ok_body, **{"x-timeout-us": "999999999999999999"}).status_code == 200
+        # leading zeros keep a value below 10^18 (refused by its digit count before)
+        assert mm(ok_body, **{"x-timeout-us": "000000000000000001000000"}).status_code == 200
+        assert mm(ok_body, **{"x-priority": "0000000000000000005"}).status_code == 200
+        r = mm(ok_body, **{"x-timeout-us": "0" + "1" + "0" * 18})
+        assert r.status_code == 400 and "below 10^18" in r.json()["error"]
         # a header given twice: the same value is one value, different values are a 400
-        for name, values, status in (("x-priority", ("1", "1"), 200),
-                                     ("x-priority", ("1", "bogus"), 400),
-                                     ("x-timeout-us", ("5000000", "1"), 400)):
+        for name, values, status, words in (
+                ("x-priority", ("1", "1"), 200, ""),
+                # (one value written two ways: compared as numbers)
+                ("x-priority", ("5", "05"), 200, ""),
+                ("x-priority", ("1", "bogus"), 400, "x-priority must be a non-negative"),
+                ("x-timeout-us", ("5000000", "1"), 400, "x-timeout-us is given 2 times")):
             r = client.post("/v1/weights/m/grouped-mm", content=ok_body,
                             headers=[(name, v) for v in values])
             assert r.status_code == status, (name, values, r.text)
             if status == 400:
-                assert f"{name} is given 2 times" in r.json()["error"]
+                assert words in r.json()["error"]
         # v2: a value that does not fit the declared INT32, a shape past int32
         req = {"inputs": [
             {"name": "x", "datatype": "FP32", "shape": [10, 32], "data": x.tolist()},

@@ -52,16 +52,24 @@ def single_header(request: Request, name: str) -> str | None:
     return values[0] if values else None
 
 
-def _int_header(request: Request, name: str) -> int | None:
-    raw = single_header(request, name)
-    if raw is None:
-        return None
+def _int_value(name: str, raw: str) -> int:
     text = raw.strip()
-    # Plain decimal digits only (int() would also take "1_000" and "+5"); at most 18 of them.
-    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+    # Plain decimal digits only (int() would also take "1_000" and "+5"), below 10^18: at most
+    # 18 digits once leading zeros are dropped (a plain decimal count keeps its value with them,
+    # as Inference-Header-Content-Length's does).
+    if not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > 18:
         shown = raw if len(raw) <= 40 else raw[:40] + "..."
         raise bad_request(f"{name} must be a non-negative integer below 10^18; got {shown!r}")
     return int(text)
+
+
+def _int_header(request: Request, name: str) -> int | None:
+    """An integer header's value (single_header's rule on the values: "5" and "05" agree)."""
+    values = {_int_value(name, raw) for raw in request.headers.getlist(name)}
+    if len(values) > 1:
+        raise bad_request(f"{name} is given {len(request.headers.getlist(name))} times with "
+                          "different values")
+    return values.pop() if values else None
 
 
 def native_params(request: Request) -> tuple[int | None, int | None]:
