@@ -430,6 +430,9 @@ def test_a_binary_header_length_given_twice_with_different_values_is_refused(mai
     assert r.status_code == 400 and "given 2 times" in r.json()["error"], r.text
     r = httpx.post(url, content=body, headers=[*twice, ("Inference-Header-Content-Length", n)])
     assert r.status_code == 200, r.text  # the same value twice is that value
+    r = httpx.post(url, content=body,
+                   headers=[*twice, ("Inference-Header-Content-Length", "00" + n)])
+    assert r.status_code == 200, r.text  # ... also written with leading zeros
 
 
 @pytest.mark.parametrize("case", _bad_v2_cases(), ids=lambda c: c[0])

@@ -47,9 +47,16 @@ def single_header(request: Request, name: str) -> str | None:
     copy was meant cannot be known: taking the first would act on a value the client may not
     have meant, as two Content-Length values are an error in HTTP)."""
     values = request.headers.getlist(name)
-    if len({v.strip() for v in values}) > 1:
+    if len({_plain(v) for v in values}) > 1:
         raise bad_request(f"{name} is given {len(values)} times with different values")
     return values[0] if values else None
+
+
+def _plain(value: str) -> str:
+    """A header value as compared for sameness: stripped, and a decimal count without its
+    leading zeros ("5" and "05" are one value)."""
+    text = value.strip()
+    return (text.lstrip("0") or "0") if text.isascii() and text.isdigit() else text
 
 
 def _int_value(name: str, raw: str) -> int:
