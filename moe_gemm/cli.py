@@ -102,7 +102,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"         REFUSED: {refused[name]}")
         elif name == "MOE_GEMM_TUNED_TABLE" and value and not os.path.isfile(value):
             # (not a refusal: the lookup warns once and goes on without it)
-            print("         NOTE: no such file; the kernels' config lookup warns and skips it")
+            what = "a folder" if os.path.isdir(value) else "no such file"
+            print(f"         NOTE: {what}, not a table; the kernels' config lookup warns and "
+                  "skips it")
     others = info["environment_other"]
     assert isinstance(others, list)
     if others:

@@ -447,7 +447,11 @@ def test_info_notes_a_tuned_table_path_that_does_not_exist(
     # showed it as if it were read.
     _only(monkeypatch, MOE_GEMM_TUNED_TABLE=str(tmp_path / "typo.json"))
     assert cli.main(["info"]) == 0
-    assert "NOTE: no such file" in capsys.readouterr().out
+    assert "NOTE: no such file, not a table" in capsys.readouterr().out
+    _only(monkeypatch, MOE_GEMM_TUNED_TABLE=str(tmp_path))
+    assert cli.main(["info"]) == 0
+    assert "NOTE: a folder, not a table" in capsys.readouterr().out
+    _only(monkeypatch, MOE_GEMM_TUNED_TABLE=str(tmp_path / "typo.json"))
     (tmp_path / "typo.json").write_text("{}")
     assert cli.main(["info"]) == 0
     assert "NOTE" not in capsys.readouterr().out

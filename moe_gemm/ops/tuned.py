@@ -373,9 +373,8 @@ def parse_samples(raw: Any) -> list[TimedShape]:
         try:
             shape = (str(s["form"]), str(s["dtype"]), str(s.get("out_dtype", s["dtype"])),
                      _whole(s["E"]), _whole(s["N"]), _whole(s["K"]), _whole(s["rows"]))
-            us = float(s["us"])
-            if shape[0] not in FORMS or min(shape[3:6]) <= 0 or shape[6] < 0 or not (
-                    0 < us < math.inf):
+            us = _time(s["us"])  # (as an entry's: a bool or a string is no time)
+            if shape[0] not in FORMS or min(shape[3:6]) <= 0 or shape[6] < 0 or us is None:
                 # (an infinite time would make the shape's regrets inf / inf = nan, and a
                 # NaN score compares False with every other, so it could win the vote)
                 continue
@@ -428,8 +427,10 @@ def _warn_once(what: str, message: str) -> None:
         warnings.warn(f"moe_gemm: {message}", RuntimeWarning, stacklevel=4)
 
 
-def _read(path: Path, device: str, versions: dict[str, Any] | None) -> Table | None:
-    """The table at `path` for `device`, or None with one warning (missing files are silent)."""
+def _read(path: Path, device: str, versions: dict[str, Any] | None,
+          sibling_ok: bool = False) -> Table | None:
+    """The table at `path` for `device`, or None with one warning (missing files are silent).
+    sibling_ok: a table made for the device's sibling (SIBLINGS) serves too."""
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
@@ -455,8 +456,11 @@ def _read(path: Path, device: str, versions: dict[str, Any] | None) -> Table | N
         _warn_once(f"{path}:json", f"tuned table {path} is not valid JSON "
                    f"({type(exc).__name__}: {str(exc)[:200]}); ignored")
         return None
+    made_for = device
+    if sibling_ok and isinstance(doc, dict) and doc.get("device") == sibling_of(device):
+        made_for = doc["device"]  # (a copy of the sibling's shipped table, say)
     try:
-        table = parse_table(doc, str(path), device, versions)
+        table = parse_table(doc, str(path), made_for, versions)
     except TableError as exc:
         _warn_once(f"{path}:{device}", f"tuned table {path} ignored: {exc}")
         return None
@@ -479,6 +483,14 @@ SIBLINGS = (
     (re.compile(r"\b(H200|GH200)\b"), "NVIDIA H200"),
     (re.compile(r"\b(H100|H800)\b"), "NVIDIA H100 80GB HBM3"),
 )
+
+
+def sibling_of(device: str) -> str | None:
+    """The device whose tables stand in for `device` (SIBLINGS), None if none does."""
+    for pattern, sibling in SIBLINGS:
+        if pattern.search(device) and sibling != device:
+            return sibling
+    return None
 
 
 def shipped_device(device: str) -> str | None:
@@ -510,7 +522,9 @@ def _shipped(device: str) -> Table | None:
 
 @functools.lru_cache(maxsize=8)
 def _user(path: str, mtime: float, device: str) -> Table | None:
-    return _read(Path(path), device, None)
+    # (USAGE: a table of one's own may start as a copy of the shipped one, which on an H200
+    # NVL or an H100 PCIe is its sibling's)
+    return _read(Path(path), device, None, sibling_ok=True)
 
 
 # Online-autotune results kept in this process only (device -> table document): with the disk

@@ -57,7 +57,7 @@ SHAPE_BUDGET_S = 30.0
 NO_GPU = "needs a CUDA GPU (use --list without one)"
 # Options whose empty value would read as "all" or "the default" (see empty_option).
 NONEMPTY = ["models", "tokens", "shapes", "configs", "out", "out_dir", "report", "skip_table",
-            "merge", "device", "rerank"]
+            "merge", "device", "rerank", "rivals", "rivals_file"]
 FIRST_SHAPE_EST_S = 10.0
 INT32_MAX = 2**31 - 1
 
@@ -178,9 +178,13 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
     from moe_gemm.tuning.tuner import TuneShape
 
     shapes = []
+    seen: set[tuple] = set()  # (a shape given twice was tuned twice, the second run kept)
     for item in items:
+        if any(not v.strip() for v in item.split(",")):
+            # ("8,,128,128,16" dropped the empty field and read E=8 N=128 K=128 rows=16)
+            raise ValueError(f"--shapes {item!r}: an empty field; expected E,N,K,ROWS[,ROWS...]")
         try:
-            nums = [int(v) for v in item.split(",") if v.strip()]
+            nums = [int(v) for v in item.split(",")]
         except ValueError:
             raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...] integers"
                              ) from None
@@ -193,6 +197,9 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
                              f"to {INT32_MAX}")
         E, N, K = nums[:3]
         for rows in nums[3:]:
+            if (E, N, K, rows) in seen:
+                continue
+            seen.add((E, N, K, rows))
             if form == "batched":
                 shapes.append(TuneShape("batched", E, N, K, rows * E, dtype=dtype,
                                         out_dtype=out_dtype, layout=layout,
@@ -283,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
     if args.merge:
+        if others := _beside_merge(args):
+            # (they were ignored: `--list --merge` wrote the table, bad values passed)
+            print(f"moe-gemm tune: --merge puts tables together and does nothing else; drop "
+                  f"{', '.join(others)}", file=sys.stderr)
+            return 2
         return merge(args.merge, args.out, log, out_dir=args.out_dir)
     if why := _rerank_problem(args):
         print(f"moe-gemm tune: {why}", file=sys.stderr)
@@ -314,16 +326,21 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"moe-gemm tune: {exc}", file=sys.stderr)
             return 2
+    for flag, value in (("--budget-s", args.budget_s), ("--shape-budget-s", args.shape_budget_s)):
+        if value is not None and not value > 0:  # (nan too; checked before --list answers)
+            print(f"moe-gemm tune: {flag} must be positive", file=sys.stderr)
+            return 2
+    if args.skip_table and not Path(args.skip_table).is_file():
+        # (a run logged it as "not used" and tuned every shape again)
+        print(f"moe-gemm tune: --skip-table {args.skip_table}: no such table file",
+              file=sys.stderr)
+        return 2
     if args.list:
         for s in shapes:
             k = s.key()
             print(f"{s.describe():58s} {k.form} E={k.E} N={k.N} K={k.K} bucket={k.bucket} "
                   f"{s.layout}")
         return 0
-    for flag, value in (("--budget-s", args.budget_s), ("--shape-budget-s", args.shape_budget_s)):
-        if value is not None and not value > 0:  # (nan too)
-            print(f"moe-gemm tune: {flag} must be positive", file=sys.stderr)
-            return 2
     if configs and args.gpus != 1:
         print("moe-gemm tune: --configs times on one GPU; drop --gpus", file=sys.stderr)
         return 2
@@ -339,6 +356,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus != 1:
         return run_on_gpus(args, argv, log)
     return run(args, shapes, log)
+
+
+# What --merge cannot be combined with: (argparse dest, option), given when not its default.
+_RUN_OPTIONS = (("list", "--list"), ("zoo", "--zoo"), ("shapes", "--shapes"),
+                ("models", "--models"), ("tokens", "--tokens"), ("configs", "--configs"),
+                ("rerank", "--rerank"), ("rivals", "--rivals"), ("rivals_file", "--rivals-file"),
+                ("resume", "--resume"), ("no_merge", "--no-merge"),
+                ("skip_table", "--skip-table"), ("report", "--report"), ("shard", "--shard"))
+
+
+def _beside_merge(args: argparse.Namespace) -> list[str]:
+    return [option for dest, option in _RUN_OPTIONS if getattr(args, dest, None) not in
+            (None, False, [], "")]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -377,9 +407,20 @@ def _rerank_problem(args: argparse.Namespace) -> str | None:
 
 
 def rerank_rivals(args: argparse.Namespace) -> tuple[dict, ...]:
-    """--rivals as config fields (ValueError naming a config it cannot read)."""
+    """--rivals as config fields (ValueError naming a config it cannot read or run, as for
+    --configs)."""
     names = [n.strip() for n in (args.rivals or "").split(";") if n.strip()]
-    return tuple(space.parse_name(n, args.form) for n in names)
+    if args.rivals is not None and not names:
+        raise ValueError(f"{args.rivals!r} names no config")
+    return tuple(_runnable(n, args) for n in names)
+
+
+def _runnable(name: str, args: argparse.Namespace) -> dict:
+    """A config name's fields, refused (ValueError) where config_problem refuses them."""
+    fields = space.parse_name(name, args.form)
+    dtype = DTYPE_NAMES[args.dtype]
+    config_problem(name, fields, args.form, dtype, DTYPE_NAMES[args.out_dtype or args.dtype])
+    return fields
 
 
 def rivals_by_label(args: argparse.Namespace) -> dict[str, tuple[dict, ...]]:
@@ -387,7 +428,7 @@ def rivals_by_label(args: argparse.Namespace) -> dict[str, tuple[dict, ...]]:
     if not args.rivals_file:
         return {}
     try:
-        doc = json.loads(Path(args.rivals_file).read_text())
+        doc = json.loads(Path(args.rivals_file).read_bytes())
     except OSError as exc:
         raise ValueError(exc.strerror or str(exc)) from None
     except ValueError as exc:
@@ -396,8 +437,7 @@ def rivals_by_label(args: argparse.Namespace) -> dict[str, tuple[dict, ...]]:
             isinstance(k, str) and isinstance(v, list) and all(isinstance(n, str) for n in v)
             for k, v in doc.items()):
         raise ValueError("expected an object of shape labels to lists of config names")
-    return {label: tuple(space.parse_name(n, args.form) for n in names)
-            for label, names in doc.items()}
+    return {label: tuple(_runnable(n, args) for n in names) for label, names in doc.items()}
 
 
 def _out_path(args: argparse.Namespace, slug: str) -> Path:

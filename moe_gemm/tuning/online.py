@@ -9,8 +9,9 @@ within MOE_GEMM_AUTOTUNE_BUDGET_S seconds (default 30, compiles included). The w
 the online cache (cache_root()/tuned/<device>.json, with library, DSL, driver, device and
 kernel-source versions; an entry from other versions is ignored) and the plan is built from
 it (MOE_GEMM_DISK_CACHE=0, or a cache folder that cannot be written: kept in memory, for this
-process). A capturing stream never tunes (the plan then uses what the tables and rules say), so
-tuning never lands on the hot path of a captured graph. A shape that failed to tune (out of
+process). A capturing stream never tunes (the plan then uses what the tables and rules say),
+so tuning never lands on the hot path of a captured graph; nor does MOE_GEMM_TUNED_TABLES=0
+(no lookup would read the result). A shape that failed to tune (out of
 memory, nothing compiled) is not retried in the same process.
 
 Covers grouped_mm's 2-D (varlen) and 3-D (batched) forms; grouped_gemm's lists use the tables
@@ -41,8 +42,9 @@ _lock = threading.Lock()
 
 
 def requested(config: GemmConfig) -> bool:
-    """Whether a plan for `config` should be tuned online (cheap: checked per new plan)."""
-    if not env_value(AUTOTUNE_ENV) or config.tuning_pinned:
+    """Whether a plan for `config` should be tuned online (cheap: checked per new plan). Not
+    with MOE_GEMM_TUNED_TABLES=0: no lookup would read what it wrote."""
+    if not env_value(AUTOTUNE_ENV) or config.tuning_pinned or not tuned.enabled():
         return False
     # Checked here, on the caller's path: read only inside the tune, a bad budget would end
     # up as the warning of a failed tune instead of an error naming the variable.

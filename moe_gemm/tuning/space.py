@@ -72,10 +72,28 @@ _NAME_SCHEDULES = {"pp": "pingpong", "pingpong": "pingpong", "coop": "cooperativ
                    "cooperative": "cooperative", "swap": "cooperative"}
 
 
+def _count(word: str, digits: str) -> int:
+    """A positive decimal count written in ASCII digits (int() also takes '1_28', full-width
+    digits and signs); ValueError naming the word."""
+    if not (digits.isascii() and digits.isdigit()) or int(digits) < 1:
+        raise ValueError(f"{word!r} (expected a positive count)")
+    return int(digits)
+
+
+def _pair(word: str, body: str) -> tuple[int, int]:
+    parts = body.split("x")
+    if len(parts) != 2:
+        raise ValueError(f"{word!r} (expected two counts as AxB)")
+    return _count(word, parts[0]), _count(word, parts[1])
+
+
 def parse_name(text: str, form: str = "varlen") -> Fields:
     """The fields of a config written as name_of writes it ('coop 128x256 c1x2 s3 p16 ts ew';
     ':' or ',' may separate the words). Unnamed fields take stage 1's defaults. Raises
-    ValueError naming the word it does not understand."""
+    ValueError naming the word it does not understand (or a field given twice), TypeError for
+    a name that is not a str."""
+    if not isinstance(text, str):
+        raise TypeError(f"a config name must be a str; got {type(text).__name__}")
     words = [w for w in text.replace(":", " ").replace(",", " ").split() if w]
     if len(words) < 2 or words[0] not in _NAME_SCHEDULES:
         raise ValueError(f"config {text!r}: expected 'pp|coop|swap MxN [cMxN] [sS] [pP[n][s]] "
@@ -88,9 +106,14 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
         fields["sort_by_k"] = False
     if words[0] == "swap":
         fields["swap_ab"] = True
+    seen: set[str] = set()  # ('s3 s4' kept the last, silently)
     try:
-        fields["tile_m"], fields["tile_n"] = (int(v) for v in words[1].split("x"))
+        fields["tile_m"], fields["tile_n"] = _pair(words[1], words[1])
         for w in words[2:]:
+            kind = w if w in ("ts", "ew", "host", "ksort") else w[0]
+            if kind in seen:
+                raise ValueError(f"{w!r} (that field is given twice)")
+            seen.add(kind)
             if w == "ts":
                 fields["tail_split"] = True
             elif w == "ew":
@@ -100,21 +123,21 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
             elif w == "ksort":
                 fields["sort_by_k"] = True
             elif w[0] == "c" and "x" in w:
-                fields["cluster_m"], fields["cluster_n"] = (int(v) for v in w[1:].split("x"))
+                fields["cluster_m"], fields["cluster_n"] = _pair(w, w[1:])
             elif w[0] == "s":
-                fields["stages"] = int(w[1:])
+                fields["stages"] = _count(w, w[1:])
             elif w[0] == "p":
                 body = w[1:]
                 serpentine = body.endswith("s")
                 body = body[:-1] if serpentine else body
                 along_n = body.endswith("n")
-                fields["raster_panel"] = int(body[:-1] if along_n else body)
+                fields["raster_panel"] = _count(w, body[:-1] if along_n else body)
                 if along_n:
                     fields["raster_along"] = "n"
                 if serpentine:
                     fields["raster_serpentine"] = True
             else:
-                raise ValueError(w)
+                raise ValueError(repr(w))
     except ValueError as exc:
         raise ValueError(f"config {text!r}: cannot read {exc}") from None
     return fields

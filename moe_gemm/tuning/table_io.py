@@ -52,7 +52,9 @@ def read_table(path: Path, device: str | None = None,
     does not parse, "samples" or "failures" that is not a list) is left out, and `warn` told,
     so that merging and sorting the table never meets it."""
     try:
-        doc = json.loads(path.read_text())
+        # (bytes, as the library's reader takes them: json detects a BOM or UTF-16 there, and
+        # a table the lookup uses must not be refused here)
+        doc = json.loads(path.read_bytes())
     except RecursionError:  # nested past the parser's depth: no table is
         raise ValueError(f"{path} is not a tuned table (nested too deeply)") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("device"), str):

@@ -120,6 +120,23 @@ def test_a_hopper_part_without_its_own_table_uses_its_siblings(_isolated, device
     assert dict(tuned.lookup(device, key(), 64 * 256, 114).fields)["tile_n"] == 128
 
 
+def test_a_copy_of_the_siblings_table_serves_as_ones_own(_isolated, tmp_path, monkeypatch):
+    # USAGE: start a table of your own from a copy of the shipped one; on an H200 NVL that is
+    # the H200's, which the user-table reader refused as "made for 'NVIDIA H200'".
+    mine = write(tmp_path / "mine.json", table([entry(config=dict(PP_64x256))],
+                                               device="NVIDIA H200"))
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(mine))
+    hit = tuned.lookup("NVIDIA H200 NVL", key(), 64 * 256, 132)
+    assert hit.how == "exact" and hit.source == str(mine)
+    # Not another family's: an H100 table on an H200 NVL is still foreign.
+    other = write(tmp_path / "h100.json", table([entry(config=dict(PP_64x256))],
+                                                device="NVIDIA H100 80GB HBM3"))
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(other))
+    tuned.clear_caches()
+    with pytest.warns(RuntimeWarning, match="made for 'NVIDIA H100 80GB HBM3'"):
+        assert tuned.lookup("NVIDIA H200 NVL", key(), 64 * 256, 132) is None
+
+
 def test_user_table_wins_over_shipped(_isolated, tmp_path, monkeypatch):
     ship(_isolated, table([entry()]))
     user = write(tmp_path / "mine.json", table([entry(config=dict(PP_64x256))]))
@@ -305,6 +322,19 @@ def test_a_sample_with_an_infinite_time_is_left_out_not_a_voter(_isolated):
     # Three voters, fewer than MIN_VOTERS: the rules decide (the inf shape made a fourth,
     # and SMALL, the only config timed on all four, won with a NaN score).
     assert tuned.lookup(DEV, key(E=128, N=4096, K=4096, bucket=9), 128 * 512, 132) is None
+
+
+def test_a_sample_whose_time_is_not_a_number_is_left_out(_isolated):
+    # float(True) is 1.0: a sample of "us": true was a 1 us time and won the vote; a string
+    # was read as its number. Entries already refused both.
+    fast = [s for N in (2048, 4096, 8192)
+            for s in samples(128, N, 4096, 128 * 512, [(SMALL, 900.0), (BIG, 600.0)])]
+    for bad in (True, "1", None, [1]):
+        ship(_isolated, table([], samples=fast + samples(128, 4096, 8192, 128 * 512,
+                                                         [(SMALL, bad), (BIG, 600.0)])))
+        timed = tuned.tables_for(DEV)[0].timed
+        assert len(timed) == 4 and all(len(t.log_regret) == 2 for t in timed[:3])
+        assert len(timed[3].log_regret) == 1, bad  # the bad time is no sample
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ CONFIG = {"schedule": "pingpong", "tile_m": 128, "tile_n": 192, "visitor": "devi
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    for name in (online.AUTOTUNE_ENV, online.BUDGET_ENV, tuned.USER_TABLE_ENV):
+    for name in (online.AUTOTUNE_ENV, online.BUDGET_ENV, tuned.USER_TABLE_ENV,
+                 tuned.TABLES_ENV):  # (the tables on, as the switches read them)
         monkeypatch.delenv(name, raising=False)
 
 
@@ -166,3 +167,50 @@ def test_a_refused_run_leaves_no_folder_behind(tmp_path, capsys, monkeypatch):
     assert cli.NO_GPU in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+# The command line's other options (a QA sweep's findings): each was ignored or let through
+
+
+def test_merge_is_refused_beside_the_options_of_a_run(tmp_path, capsys):
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps(table_io.new_table(DEV, 132, {}, {})))
+    out = tmp_path / "o.json"
+    for extra in (["--list"], ["--no-merge"], ["--zoo", "--models", "bogus"],
+                  ["--shapes", "1,2,3,4"], ["--rerank", "x.json"]):
+        assert cli.main(["--merge", str(src), "--out", str(out), *extra]) == 2
+        assert "--merge puts tables together and does nothing else; drop" in (
+            capsys.readouterr().err)
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--shapes", "8,,128,128,16", "--list"], "an empty field"),
+    (["--shapes", "8,128,128,16", "--list", "--budget-s", "nan"], "--budget-s must be"),
+    (["--shapes", "8,128,128,16", "--list", "--shape-budget-s", "0"], "--shape-budget-s must"),
+    (["--shapes", "8,128,128,16", "--list", "--skip-table", "missing.json"],
+     "--skip-table missing.json: no such table file"),
+    (["--zoo", "--list", "--rerank", "t.json", "--rivals", "pp 100x100"], "--rivals: config"),
+    (["--zoo", "--list", "--rerank", "t.json", "--rivals", ";"], "names no config"),
+    (["--zoo", "--list", "--rivals", ""], "--rivals is empty"),
+    (["--zoo", "--list", "--rivals-file", ""], "--rivals-file is empty"),
+])
+def test_bad_values_are_refused_before_the_list(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+
+
+def test_a_shape_given_twice_is_listed_and_tuned_once(capsys):
+    assert cli.main(["--shapes", "8,128,128,16,16", "--shapes", "8,128,128,16", "--list"]) == 0
+    assert capsys.readouterr().out.count("E=8 N=128 K=128 rows=16") == 1
+
+
+def test_the_tuner_reads_a_table_the_library_reads(tmp_path):
+    # A UTF-8 BOM (or UTF-16) table: the lookup used it, `--merge` refused it.
+    doc = table_io.new_table(DEV, 132, {}, {})
+    for data in (b"\xef\xbb\xbf" + json.dumps(doc).encode(), json.dumps(doc).encode("utf-16")):
+        path = tmp_path / "t.json"
+        path.write_bytes(data)
+        assert table_io.read_table(path, DEV)["device"] == DEV

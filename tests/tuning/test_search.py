@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import statistics
 
 import pytest
@@ -349,3 +350,25 @@ def test_the_final_rounds_decide():
     assert res.winner is best
     assert best is not min(finalists, key=lambda o: cost_by_tile(o.fields))
     assert res.entry()["us"] == pytest.approx(statistics.median(best.final) * 1e3, rel=1e-3)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("pp 128", "cannot read '128' (expected two counts as AxB)"),  # (Python's unpack error)
+    ("pp 128x", "cannot read '128x' (expected a positive count)"),
+    ("pp 128x128 s", "cannot read 's' (expected a positive count)"),
+    ("pp 128x128 s3 s4", "cannot read 's4' (that field is given twice)"),  # (s4 won)
+    ("pp 128x128 p8 p16", "cannot read 'p16' (that field is given twice)"),
+    ("pp 1_28x128", "cannot read '1_28x128' (expected a positive count)"),  # (int(): 128)
+    ("pp -128x128", "cannot read '-128x128' (expected a positive count)"),
+    ("pp 128x128 s-3", "cannot read 's-3' (expected a positive count)"),
+    ("pp 128x128 c0x0", "cannot read 'c0x0' (expected a positive count)"),
+    ("pp 128x128 zz", "cannot read 'zz'"),
+])
+def test_a_malformed_name_says_which_word(text, words):
+    with pytest.raises(ValueError, match=re.escape(f"config {text!r}: {words}")):
+        space.parse_name(text)
+
+
+def test_a_name_that_is_not_a_str_is_a_type_error():
+    with pytest.raises(TypeError, match="a config name must be a str; got int"):
+        space.parse_name(5)  # type: ignore[arg-type]

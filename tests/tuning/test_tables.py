@@ -183,6 +183,11 @@ def test_requested(monkeypatch):
     assert not online.requested(GemmConfig(stages=3))  # a pinned config is the caller's
     monkeypatch.setenv(online.AUTOTUNE_ENV, "0")
     assert not online.requested(GemmConfig())
+    # With the tables off no lookup reads what a tune writes: every new shape was tuned (a
+    # host sync and up to the budget) for nothing.
+    monkeypatch.setenv(online.AUTOTUNE_ENV, "1")
+    monkeypatch.setenv(tuned.TABLES_ENV, "0")
+    assert not online.requested(GemmConfig())
 
 
 def test_store_feeds_lookups_and_replaces_other_versions(monkeypatch):
