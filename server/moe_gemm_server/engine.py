@@ -46,6 +46,7 @@ import torch
 
 from moe_gemm.capability import cute_problem
 from moe_gemm.config import GemmConfig
+from moe_gemm.ops.tuned import enabled as tables_on
 from moe_gemm.ops.validation import SUPPORTED_DTYPES, shape_text
 
 from .engine_launches import LaunchMixin
@@ -271,6 +272,9 @@ class Engine(WarmUpMixin, LaunchMixin):
             # (tuning picks among our kernels' configs; the torch backend has none)
             log.warning("tuning at start is skipped: the engine runs the torch backend (%s)",
                         self.backend_reason)
+        elif self.tune and not tables_on():
+            log.warning("tuning at start is skipped: MOE_GEMM_TUNED_TABLES=0 turns the tables "
+                        "off, so no launch would read what it finds")
         self._lock = threading.RLock()  # launches
         # The registry has its own lock: swapping a set in must not wait for a launch.
         self._registry_lock = threading.Lock()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.ops.tuned import enabled as tables_on
 
 from .fp8_weights import fp8_warm_choices
 
@@ -71,7 +72,7 @@ class WarmUpMixin:
             return
         act = ws.act_dtype
         out_dtypes = [act] + ([torch.float32] if act != torch.float32 else [])
-        if self.tune and self.backend == "cute" and ws.scale is None:
+        if self.tune and self.backend == "cute" and ws.scale is None and tables_on():
             self.tune_weights(ws)
         with self._warming():
             for T in self.warmup_rows_for(ws):

@@ -102,3 +102,17 @@ def test_kernel_report_names_configs_and_sources(pretend_cute):
     assert by_rows[min(by_rows)]["config"].startswith("pp ")
     info = WeightSet("moe", ws.w, "w", 1, kernels=report).info()
     assert info["kernels"] == [dict(r) for r in report]
+
+
+def test_tables_off_skip_tuning_at_start_with_a_word(monkeypatch, caplog):
+    # MOE_GEMM_TUNED_TABLES=0: the tune's result would be read by no launch (the online
+    # autotune is off with the tables), so the engine says so instead of tuning for nothing.
+    import moe_gemm_server.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "cute_problem", lambda device: None)
+    monkeypatch.setenv(tuned.TABLES_ENV, "0")
+    with caplog.at_level("WARNING", logger="moe_gemm_server.engine"):
+        engine = Engine("cpu", tune=True)
+    assert engine.backend == "cute"
+    said = [r.getMessage() for r in caplog.records if "tuning at start" in r.getMessage()]
+    assert len(said) == 1 and "MOE_GEMM_TUNED_TABLES=0" in said[0], said
