@@ -34,6 +34,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -330,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and not value > 0:  # (nan too; checked before --list answers)
             print(f"moe-gemm tune: {flag} must be positive", file=sys.stderr)
             return 2
+    if not re.fullmatch(r"cuda(:\d+)?", args.device.strip()):
+        # (--list answered for any --device; a run refused it: cuda or cuda:N only, the GPU
+        # itself is checked when the run starts)
+        print(f"moe-gemm tune: --device {args.device!r}: expected cuda or cuda:N",
+              file=sys.stderr)
+        return 2
     if args.skip_table and not Path(args.skip_table).is_file():
         # (a run logged it as "not used" and tuned every shape again)
         print(f"moe-gemm tune: --skip-table {args.skip_table}: no such table file",

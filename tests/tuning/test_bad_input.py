@@ -193,6 +193,7 @@ def test_merge_is_refused_beside_the_options_of_a_run(tmp_path, capsys):
     (["--zoo", "--list", "--rerank", "t.json", "--rivals", "pp 100x100"], "--rivals: config"),
     (["--zoo", "--list", "--rerank", "t.json", "--rivals", ";"], "names no config"),
     (["--zoo", "--list", "--rivals", ""], "--rivals is empty"),
+    (["--zoo", "--list", "--device", "bogus"], "--device 'bogus': expected cuda or cuda:N"),
     (["--zoo", "--list", "--rivals-file", ""], "--rivals-file is empty"),
 ])
 def test_bad_values_are_refused_before_the_list(argv, words, capsys, tmp_path, monkeypatch):
