@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.list:
+        # (as a run leaves out what --resume's --out and --skip-table already hold)
+        have = _listed_as_done(args)
+        shapes = [s for s in shapes if table_io_key(s) not in have]
         for s in shapes:
             k = s.key()
             print(f"{s.describe():58s} {k.form} E={k.E} N={k.N} K={k.K} bucket={k.bucket} "
@@ -363,6 +366,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus != 1:
         return run_on_gpus(args, argv, log)
     return run(args, shapes, log)
+
+
+def table_io_key(shape) -> tuple:
+    from moe_gemm.tuning import table_io
+
+    return table_io.key_tuple(shape.key())
+
+
+def _listed_as_done(args: argparse.Namespace) -> set[tuple]:
+    """The table keys a run would skip, where --list can know them without the GPU: the
+    entries of --out with --resume, and of --skip-table (read for whichever device they were
+    made for; a run reads them for its own and skips the same keys there)."""
+    from moe_gemm.tuning import table_io
+
+    paths = [Path(args.skip_table)] if args.skip_table else []
+    if args.resume and not args.no_merge and args.out:
+        paths.append(Path(args.out))
+    have: set[tuple] = set()
+    for path in paths:
+        try:
+            have |= {table_io.entry_key(e) for e in table_io.read_table(path)["entries"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # (a run says why it does not use it)
+    return have
 
 
 # What --merge cannot be combined with: (argparse dest, option), given when not its default.

@@ -215,3 +215,20 @@ def test_the_tuner_reads_a_table_the_library_reads(tmp_path):
         path = tmp_path / "t.json"
         path.write_bytes(data)
         assert table_io.read_table(path, DEV)["device"] == DEV
+
+
+def test_list_leaves_out_what_resume_and_skip_table_would_skip(tmp_path, capsys):
+    # --list printed every shape though a run skips those the tables already hold.
+    out = tmp_path / "t.json"
+    doc = table_io.new_table(DEV, 132, {}, {})
+    doc["entries"].append({"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16",
+                           "E": 8, "N": 128, "K": 128, "bucket": 1, "rows": 16,
+                           "config": CONFIG, "us": 12.0})
+    out.write_text(json.dumps(doc))
+    shapes = ["--shapes", "8,128,128,16,1024"]
+    assert cli.main([*shapes, "--list"]) == 0
+    assert capsys.readouterr().out.count("\n") == 2
+    for extra in (["--resume", "--out", str(out)], ["--skip-table", str(out)]):
+        assert cli.main([*shapes, "--list", *extra]) == 0
+        listed = capsys.readouterr().out
+        assert "rows=16 " not in listed and "rows=1024" in listed, extra
