@@ -48,6 +48,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_gemm  # noqa: E402
+from benchmarks.report import out_argument  # noqa: E402
 from moe_gemm.layers.dispatch import AllToAllDispatcher, expert_range  # noqa: E402
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE  # noqa: E402
 from moe_gemm.layers.moe import MoE  # noqa: E402
@@ -275,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="gloo on CPUs even where GPUs exist")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPUs (a quick check)")
     p.add_argument("--timeout-s", type=float, default=600)
-    p.add_argument("--out", help="write the JSON here (rank 0)")
+    p.add_argument("--out", type=out_argument, help="write the JSON here (rank 0)")
     args = p.parse_args(argv)
     if args.smoke:
         args.cpu = True

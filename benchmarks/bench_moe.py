@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_gemm  # noqa: E402
-from benchmarks.report import write_json  # noqa: E402
+from benchmarks.report import out_path_argument, write_json  # noqa: E402
 from moe_gemm.capability import cute_problem  # noqa: E402
 from moe_gemm.config import GemmConfig  # noqa: E402
 from moe_gemm.layers.moe import MoE, moe_experts  # noqa: E402
@@ -285,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is there")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on the CPU (H=64, I=32, E=8, top-2, 3 token counts)")
-    p.add_argument("--out", type=Path, help="write the JSON report here")
+    p.add_argument("--out", type=out_path_argument, help="write the JSON report here")
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden, args.intermediate, args.experts, args.topk = 64, 32, 8, 2

@@ -642,6 +642,11 @@ def _arg_problem(args: argparse.Namespace) -> str | None:
         return "--rounds must be at least 1"
     if not args.budget_s > 0:  # (a negative one timed nothing and exited 0)
         return f"--budget-s must be > 0; got {args.budget_s}"
+    for option, value in (("--target-ms", args.target_ms), ("--sonic-budget-s",
+                                                             args.sonic_budget_s),
+                          ("--probe-timeout", args.probe_timeout)):
+        if not 0 < value < math.inf:  # (--target-ms nan: a traceback after the warm-up)
+            return f"{option} must be a positive finite number; got {value}"
     return output_problem(Path(args.out), "--out") if args.out else None
 
 
@@ -676,15 +681,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="(the child process) one fused forward per model; prints JSON")
     p.add_argument("--probe-timeout", type=float, default=150.0)
     args = p.parse_args(argv)
-    if args.probe:
-        print(json_line(probe(args.models.split(",") if args.models else list(MODELS))))
-        return 0
-    if not args.smoke and not torch.cuda.is_available():
-        print("bench_moe_layer: no CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
-        return 2
-    if why := _arg_problem(args):
+    if why := _arg_problem(args):  # (before --probe too: an unknown model was a KeyError)
         print(f"bench_moe_layer: {why}", file=sys.stderr)
         return 2
+    if (args.probe or not args.smoke) and not torch.cuda.is_available():
+        print("bench_moe_layer: no CUDA GPU (use --smoke on the CPU; --probe needs one)",
+              file=sys.stderr)
+        return 2
+    if args.probe:
+        print(json_line(probe(split_names(args.models) if args.models else list(MODELS))))
+        return 0
     if args.models is not None:  # (' qwen3-30b-a3b' was checked as its stripped name)
         args.models = ",".join(split_names(args.models))
     result = run(args)

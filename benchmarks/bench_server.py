@@ -238,9 +238,21 @@ def _st(tensors: dict) -> bytes:
     return save(tensors)
 
 
+def _out_path(text: str) -> Path:
+    """--out, refused when argparse reads it if it is empty or cannot be written (it was a
+    traceback once the whole run was done)."""
+    from moe_gemm.tuning.argcheck import output_problem
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (leave the option out to write nothing)")
+    if why := output_problem(Path(text), "--out"):
+        raise argparse.ArgumentTypeError(why.removeprefix("--out "))
+    return Path(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--out", type=_out_path, help="write the results as JSON here")
     p.add_argument("--concurrency", default="1,8,64,256")
     p.add_argument("--sizes", default="small,large")
     p.add_argument("--modes", default="on,off", help="batching modes: on, off")

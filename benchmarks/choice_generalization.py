@@ -33,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_json
+from benchmarks.report import out_argument, write_json
 from moe_gemm.ops import tuned
 from moe_gemm.tuning.space import name_of, parse_name
 
@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hold", choices=sorted(HOLD), default="model",
                    help="what each round leaves out of the table: a zoo model's shapes "
                    "(default), or every shape at one token count")
-    p.add_argument("--out", help="write the per-shape rows and the summaries as JSON")
+    p.add_argument("--out", type=out_argument, help="write the per-shape rows and the summaries as JSON")
     return p
 
 

@@ -324,6 +324,8 @@ def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
 
 
 def _parser() -> argparse.ArgumentParser:
+    from benchmarks.report import out_argument
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.dram_traffic",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=None, help="comma-separated zoo models, or 'all' "
@@ -342,7 +344,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None,
                    help="with --suite: comma-separated suite shape names (default all)")
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed (the zoo's)")
-    p.add_argument("--out", help="write the rows as JSON")
+    p.add_argument("--out", type=out_argument, help="write the rows as JSON")
     p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH)")
     p.add_argument("--bytes-only", action="store_true",
                    help="leave out the utilization metrics (tensor pipe, L2, DRAM percent)")

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_json
+from benchmarks.report import out_argument, write_json
 from moe_gemm.config import GemmConfig
 from moe_gemm.kernels.sm90.constants import SWAP_TILE_COLS
 from moe_gemm.ops import schedule as sched
@@ -205,10 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="2048,8192", help="token counts (default 2048,8192)")
     p.add_argument("--device", default=H100, help="tuned table to choose from ('' = rules)")
     p.add_argument("--seed", type=int, default=1234, help="routing seed (the zoo's)")
-    p.add_argument("--out", help="write the rows and the summary as JSON")
+    p.add_argument("--out", type=out_argument, help="write the rows and the summary as JSON")
     args = p.parse_args(argv)
-    tokens = models.parse_tokens(args.tokens, (2048, 8192))
-    rows = waste_rows(args.models, tokens, args.device or None, args.seed)
+    try:  # (a bad --models or --tokens was a traceback; raster_waves says it in one line)
+        tokens = models.parse_tokens(args.tokens, (2048, 8192))
+        rows = waste_rows(args.models, tokens, args.device or None, args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     floor = granularity_floor(args.models, tokens, args.seed)
     designs = tail_designs(args.models, tokens, args.seed)
     swapped = swap_designs(args.models, tokens, args.seed)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from benchmarks import zoo_report
 from benchmarks.ab_cases import table_key
-from benchmarks.report import write_json
+from benchmarks.report import out_argument, write_json
 from benchmarks.suite import QUACK_TUNED_NAME
 from benchmarks.zoo import quack_config_fields
 from moe_gemm.tuning import space, table_io
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peer_rivals", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a zoo run's JSON (benchmarks/results/zoo-<device>-<date>.json)")
-    p.add_argument("--out", required=True, help="the rivals file to write (with --table: "
+    p.add_argument("--out", type=out_argument, required=True, help="the rivals file to write (with --table: "
                    "the table to write)")
     p.add_argument("--table", metavar="TABLE", help="write TABLE with each case's entry set to "
                    "QuACK's choice instead of a rivals file, and print the cases it changed")

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_json
+from benchmarks.report import out_argument, write_json
 from moe_gemm.kernels.sm90.constants import raster_code
 from moe_gemm.ops import schedule as sched
 from moe_gemm.tuning import space
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
                    help="';'-separated configs as the tuner names them")
     p.add_argument("--seed", type=int, default=1234, help="routing seed (the zoo's)")
-    p.add_argument("--out", help="write the rows and the summary as JSON")
+    p.add_argument("--out", type=out_argument, help="write the rows and the summary as JSON")
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(";") if c.strip()]
     try:

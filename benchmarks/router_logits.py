@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks.report import write_json  # noqa: E402
+from benchmarks.report import out_argument, write_json  # noqa: E402
 from moe_gemm.layers.routing import router_logits_fp32, sigmoid_grouped_topk  # noqa: E402
 
 SHAPES = {"deepseek-v3": (7168, 256), "deepseek-v3-ep8": (7168, 32), "glm-4.5": (5120, 160)}
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1024,4096,16384", help="comma-separated token counts")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
-    p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--out", type=out_argument, help="write the JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the harness")
     args = p.parse_args(argv)
     try:

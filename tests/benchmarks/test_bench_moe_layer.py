@@ -187,6 +187,10 @@ def test_measure_warms_each_batch_before_timing_it():
     (["--tokens", "0"], "--tokens takes comma-separated positive integers; got '0'"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--budget-s", "-1"], "--budget-s must be > 0; got -1.0"),
+    # (nan: a traceback once the warm-up was done)
+    (["--target-ms", "nan"], "--target-ms must be a positive finite number; got nan"),
+    (["--sonic-budget-s", "-1"], "--sonic-budget-s must be a positive finite number"),
+    (["--probe", "--models", "nosuch"], "--models: unknown 'nosuch'"),  # (was a KeyError)
     (["--out", "{tmp}"], "--out {tmp}: is a folder, not a file")])
 def test_bad_arguments_are_one_line_before_the_run(tmp_path, capsys, monkeypatch, argv, words):
     # An unknown model raised KeyError, a --tokens typo ValueError, 0 tokens ran as a case, an

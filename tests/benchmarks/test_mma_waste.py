@@ -114,3 +114,11 @@ def test_swap_designs_reach_the_granularity_floor():
                   for rows in sched.even_row_split(r, 256, 16)) / mma_waste.SWAP_TILE_COLS
     plain = sum(mma_waste.operand_rows_loaded(r, 128) for r in counts) / mma_waste.BYTES_TILE_N
     assert swapped < plain  # fewer operand bytes per weight column than 128-row tiles
+
+
+def test_bad_models_or_tokens_are_one_line(capsys):
+    # (a bare ValueError traceback before)
+    for argv in (["--models", "nosuch"], ["--tokens", "abc"], ["--tokens", "0"]):
+        assert mma_waste.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
