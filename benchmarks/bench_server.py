@@ -239,15 +239,11 @@ def _st(tensors: dict) -> bytes:
 
 
 def _out_path(text: str) -> Path:
-    """--out, refused when argparse reads it if it is empty or cannot be written (it was a
-    traceback once the whole run was done)."""
-    from moe_gemm.tuning.argcheck import output_problem
+    """--out, checked when argparse reads it (argcheck.out_argument; run as a script, this
+    file does not import the benchmarks package)."""
+    from moe_gemm.tuning.argcheck import out_argument
 
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty (leave the option out to write nothing)")
-    if why := output_problem(Path(text), "--out"):
-        raise argparse.ArgumentTypeError(why.removeprefix("--out "))
-    return Path(text)
+    return Path(out_argument(text))
 
 
 def main() -> None:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 from benchmarks.suite import DEFAULT_NAME
 
 # The one writer of results (strict JSON: NaN and inf as null), shared with `moe-gemm tune`.
-from moe_gemm.tuning.argcheck import output_problem
+from moe_gemm.tuning.argcheck import out_argument
 from moe_gemm.tuning.table_io import write_json
 
-__all__ = ["plot_png", "write_json"]
+__all__ = ["out_argument", "out_path_argument", "plot_png", "write_json"]
 
 
 def plot_png(doc: dict[str, Any], path: Path) -> str | None:
@@ -67,17 +66,6 @@ def plot_png(doc: dict[str, Any], path: Path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
-
-
-def out_argument(text: str) -> str:
-    """argparse's type for an --out path: an empty one or one that cannot be written is
-    refused when the arguments are read (one line, exit 2), not by a traceback once the work
-    is done."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty (leave the option out to write nothing)")
-    if why := output_problem(Path(text), "--out"):
-        raise argparse.ArgumentTypeError(why.removeprefix("--out "))
-    return text
 
 
 def out_path_argument(text: str) -> Path:

@@ -22,6 +22,17 @@ def empty_option(args: argparse.Namespace, names: list[str]) -> str | None:
     return None
 
 
+def out_argument(text: str) -> str:
+    """argparse's type for an --out path: an empty one or one that cannot be written is
+    refused when the arguments are read (one line, exit 2), not by a traceback once the work
+    is done."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (leave the option out to write nothing)")
+    if why := output_problem(Path(text), "--out"):
+        raise argparse.ArgumentTypeError(why.removeprefix("--out "))
+    return text
+
+
 def output_problem(path: Path, option: str = "--out") -> str | None:
     """Why a file cannot be written at `path` (its missing folders created by the write), checked
     before a command does its work so that a bad path fails at once instead of after the work,
