@@ -72,6 +72,7 @@ from moe_gemm.ops.fused_launch import (  # noqa: E402
 )
 from moe_gemm.ops.router_topk import ROUTER_ENV  # noqa: E402
 from moe_gemm.ops.swap_rules import SWAP_AB_ENV  # noqa: E402
+from moe_gemm.ops.token_gather import TOKEN_GATHER_ENV  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 from moe_gemm.tuning.table_io import json_line  # noqa: E402
 
@@ -95,6 +96,7 @@ FUSED_WIDE_NOFENCE = "moe_gemm fused, wide gather, no fence"  # --gather-wide-no
 FUSED_CONTROL = "moe_gemm fused, control"
 FUSED_IEEE_GATE = "moe_gemm fused, IEEE gate"  # --ieee-gate
 FUSED_SELECT = "moe_gemm fused, index_select"  # --index-select
+FUSED_TORCH_GATHER = "moe_gemm fused, torch token gather"  # --token-gather-torch
 FUSED_NOSWAP = "moe_gemm fused, no swapped tiles"  # --no-swap
 # DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
 # none), so that the two compare like for like.
@@ -109,6 +111,9 @@ SWITCHED = {
                       "with the IEEE sigmoid in the gated epilogue"),
     FUSED_SELECT: ("index_select", {GATHER_ENV: "0"},
                    "with the tokens gathered by index_select (the in-kernel gather off)"),
+    FUSED_TORCH_GATHER: ("token_gather_torch", {TOKEN_GATHER_ENV: "torch"},
+                         "with the plan's token gather as torch's index_select (not our "
+                         "kernel)"),
     FUSED_NOSWAP: ("no_swap", {SWAP_AB_ENV: "0"},
                    "without swapped tiles (the fused kernels' M-side tiles at every size)"),
     FUSED_WIDE: ("gather_wide", {GATHER_WIDE_ENV: "1"},

@@ -298,6 +298,9 @@ VARIABLES: dict[str, Variable] = {
     "MOE_GEMM_COMBINE": Variable(
         choice_of("torch", "kernel"),
         "torch: the MoE layers' top-k combine as embedding_bag even where its kernel runs"),
+    "MOE_GEMM_TOKEN_GATHER": Variable(
+        choice_of("torch", "kernel"),
+        "torch: the MoE layers' token gather as index_select even where its kernel runs"),
 }
 
 

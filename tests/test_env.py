@@ -359,6 +359,7 @@ def _readers() -> dict[str, object]:
         kernel_cache,
         quantize,
         router_topk,
+        token_gather,
         tuned,
         validation,
     )
@@ -397,6 +398,7 @@ def _readers() -> dict[str, object]:
         "MOE_GEMM_FP8_QUANT": lambda: quantize._kernel_ok(_OnCuda()),
         "MOE_GEMM_ROUTER": lambda: router_topk._takes(torch.zeros(2, 4), 2),
         "MOE_GEMM_COMBINE": lambda: combine._kernel_ok(_OnCuda(), None, None),
+        "MOE_GEMM_TOKEN_GATHER": lambda: token_gather._kernel_ok(_OnCuda(), None),
     }
 
 
@@ -431,6 +433,7 @@ VALUES = {
     "MOE_GEMM_FP8_QUANT": ("cuda", "torch"),
     "MOE_GEMM_ROUTER": ("torch ops", "KERNEL"),
     "MOE_GEMM_COMBINE": ("embedding_bag", " Torch "),
+    "MOE_GEMM_TOKEN_GATHER": ("index_select", "kernel"),
 }
 
 

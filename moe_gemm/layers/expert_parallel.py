@@ -58,6 +58,7 @@ from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only_composite, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
+from moe_gemm.ops.token_gather import gather_rows
 
 __all__ = ["ExpertParallelMoE"]
 
@@ -82,7 +83,7 @@ def local_expert_ffn(
     E = w_gate_up.shape[0]
     perm = permute_by_expert(local_ids, E)
     S = perm.token_index.shape[0] if num_valid_slots is None else num_valid_slots
-    xs = x.index_select(0, perm.token_index[:S])  # (S, H), rows grouped by local expert
+    xs = gather_rows(x, perm.token_index[:S])  # (S, H), rows grouped by local expert
     h = grouped_mm(xs, w_gate_up, perm.offs, config=config)  # (S, 2I)
     gate, up = h.chunk(2, dim=-1)
     a = resolve_activation(activation)(gate) * up

@@ -20,6 +20,8 @@ Why the pieces are chosen as they are:
 - Weights live in the layout transformers and vLLM store: gate_up_proj (E, 2I, H) and
   down_proj (E, H, I). The GEMMs take their transposed views (E, H, 2I) and (E, I, H), with no
   copy; that K-major B operand is also the one WGMMA reads natively.
+- The gather is one pass too (ops/token_gather.gather_rows: a kernel on Hopper, index_select
+  elsewhere).
 - The combine is one pass (ops/combine.combine_rows: a kernel on Hopper, embedding_bag
   elsewhere): a gather by the inverse permutation fused with the weighted sum over the k
   slots, accumulated in fp32 and rounded once, deterministic (no atomics) and reading the
@@ -44,6 +46,7 @@ from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only_composite, needs_link
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.custom_ops import mark_inference_only
+from moe_gemm.ops.token_gather import gather_rows
 from moe_gemm.ops.validation import check_dense, shape_text
 
 __all__ = ["ACTIVATIONS", "FLOAT_DTYPES", "INFERENCE_ONLY_MESSAGE", "Activation",
@@ -160,7 +163,7 @@ def _expert_ffn(x, topk_ids, topk_weights, w_gate_up, w_down, gate_fn, *, bias_g
                 bias_down, post_fn, config, ids_in_range=False) -> torch.Tensor:
     E = w_gate_up.shape[0]
     perm = permute_by_expert(topk_ids, E, ids_in_range=ids_in_range)
-    xs = x.index_select(0, perm.token_index)  # (S, H), rows grouped by expert
+    xs = gather_rows(x, perm.token_index)  # (S, H), rows grouped by expert
     h = grouped_mm(xs, w_gate_up, perm.offs, config=config)  # (S, N1)
     if bias_gate_up is not None or bias_down is not None:
         # dropped slots sort last with expert id E: clamp so the bias gather stays in bounds

@@ -36,6 +36,7 @@ from moe_gemm.env import env_value
 from moe_gemm.layers.routing import permute_by_expert
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.fused import fused_grouped_mm
+from moe_gemm.ops.token_gather import gather_rows
 
 __all__ = ["FUSED_ENV", "GATHER_ENV", "FusedGate", "fused_expert_ffn", "fused_gate_for",
            "use_fused"]
@@ -149,7 +150,7 @@ def fused_expert_ffn(
     if _gather_in_kernel():
         xs, index = x, token_index.to(torch.int32)
     else:
-        xs, index = x.index_select(0, token_index), None
+        xs, index = gather_rows(x, token_index), None
     a = fused_grouped_mm(xs, w_gate_up, perm.offs, row_index=index, bias=bias_gate_up,
                          gate=spec.gate, gate_layout=spec.layout, gate_alpha=spec.alpha,
                          gate_limit=spec.limit, config=config)

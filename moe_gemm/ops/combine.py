@@ -21,9 +21,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from moe_gemm.env import env_value
-from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K, COMBINE_VEC
+from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K
 from moe_gemm.ops import launch_resources
+from moe_gemm.ops.row_kernels import row_kernel_allowed, vector_rows_ok
 
 COMBINE_ENV = "MOE_GEMM_COMBINE"  # "torch": embedding_bag even where the kernel runs
 _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -88,13 +88,7 @@ def _check(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) ->
 
 
 def _kernel_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:
-    if (y.device.type != "cuda" or torch.compiler.is_compiling()
-            or env_value(COMBINE_ENV) == "torch"):
-        return False
-    from moe_gemm.capability import cute_problem
-
-    # (cute_problem first: under torch.func's grad the tensors have no data pointer to check)
-    return cute_problem(y.device) is None and _layout_ok(y, rows, weights)
+    return row_kernel_allowed(y, COMBINE_ENV) and _layout_ok(y, rows, weights)
 
 
 def _layout_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:
@@ -106,10 +100,7 @@ def _layout_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None
     if weights is not None and (weights.shape != rows.shape
                                 or weights.dtype not in (y.dtype, torch.float32)):
         return False
-    S, H = y.shape
-    # 16-byte vectors: H contiguous, rows 16-byte aligned.
-    return not (S == 0 or H % COMBINE_VEC or y.stride(1) != 1 or y.stride(0) % COMBINE_VEC
-                or y.data_ptr() % 16)
+    return vector_rows_ok(y)
 
 
 @functools.lru_cache(maxsize=32)

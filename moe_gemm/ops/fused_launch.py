@@ -64,6 +64,7 @@ from moe_gemm.ops.support import (
     tma_problem,
     tma_views,
 )
+from moe_gemm.ops.token_gather import gather_untracked
 
 FUSED_MAX_ACC_REGS = 192
 # The SFU sigmoid (fast_gate) frees ptxas to hoist a biased epilogue's loads: with a bias on
@@ -395,14 +396,13 @@ class FusedPlan(CheckedPlan):
         index = self.no_index
         if self.host_gather:
             # Clamped as the kernel's gather clamps: unchecked indices on the GPU may give
-            # wrong rows, never an out-of-bounds read (index_select would fault the context).
-            rows = row_index.clamp(0, x.shape[0] - 1)
+            # wrong rows, never an out-of-bounds read (ops/token_gather.py).
             if self.gather_pad:
                 K = x.shape[1]
-                x = torch.nn.functional.pad(x, (0, self.gather_pad)).index_select(0, rows)
-                x = x[:, :K]
+                x = gather_untracked(torch.nn.functional.pad(x, (0, self.gather_pad)),
+                                     row_index)[:, :K]
             else:
-                x = x.index_select(0, rows)
+                x = gather_untracked(x, row_index)
         if row_index is not None and not self.host_gather:
             index = row_index if row_index.dtype == torch.int32 else row_index.int()
             index = index if index.is_contiguous() else index.contiguous()

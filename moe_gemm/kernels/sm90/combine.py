@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from .constants import COMBINE_MAX_K as MAX_K
-from .constants import COMBINE_VEC as VEC
+from .vector_rows import VEC, fake_vector_rows
 
 THREADS = 128  # threads per CTA: 1024 values of a row (H = 2048: two CTAs per token)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -91,13 +91,7 @@ def compile_combine(key: CombineCompileKey, keep_dir: str | None = None):
     """cute.compile the combine for rows of 16-byte multiples, 16-byte aligned (y and out with
     H contiguous), rows and w (T, k) with any strides."""
     dt, it = DTYPES[key.dtype], INDEX_DTYPES[key.index_dtype]
-    h = cute.sym_int(divisibility=VEC)
-
-    def rows_of(n):
-        return cute.runtime.make_fake_tensor(
-            dt, (n, h), stride=(cute.sym_int64(divisibility=VEC), 1), assumed_align=16)
-
-    y, out = rows_of(cute.sym_int()), rows_of(cute.sym_int())
+    y, out = fake_vector_rows(dt), fake_vector_rows(dt)
     t, k = cute.sym_int(), key.k
     rows = cute.runtime.make_fake_tensor(it, (t, k), stride=(cute.sym_int64(), cute.sym_int64()))
     w = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int()),

@@ -1,0 +1,97 @@
+"""The MoE layers' token gather: the routed rows, each a copy of its token's row of x.
+
+    gather_rows(x, rows)   out[r] = x[rows[r]]     (S, H), S = len(rows)
+
+On an sm90a GPU with the CuTe DSL it is one kernel (kernels/sm90/token_gather.py: out written
+once, x read through L2); with MOE_GEMM_TOKEN_GATHER=torch, while torch.compile traces, and for
+layouts the kernel does not take, it is index_select. On an H200 the kernel took 0.196 ms where
+index_select took 0.256 ms (Qwen3-30B-A3B at 16384 tokens: 131072 routed rows of 2048), 1.22-1.37x
+faster at 16384 tokens on four models' shapes (docs/measurements.md, 2026-12-04).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_gemm.ops.row_kernels import row_kernel_allowed, vector_rows_ok
+
+TOKEN_GATHER_ENV = "MOE_GEMM_TOKEN_GATHER"  # "torch": index_select even where the kernel runs
+_KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(S, H) in x's dtype: out[r] = x[rows[r]].
+
+    x: (T, H) floating; rows: (S,) int64 or int32, values in [0, T), on x's device (TypeError
+    or ValueError naming what is expected otherwise). A row index outside [0, T) is refused on
+    the CPU (index_select's IndexError); on a GPU it is not checked (that is a host sync per
+    call) but clamped into range, by the kernel and the index_select path alike: a wrong row,
+    never an out-of-bounds read or a device assert that ends the process's CUDA context."""
+    _check(x, rows)
+    if x.requires_grad and torch.is_grad_enabled():
+        return x.index_select(0, _clamped(x, rows))  # (the kernel has no backward)
+    return gather_untracked(x, rows)
+
+
+def gather_untracked(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """gather_rows for checked arguments whose result autograd does not track (the fused
+    kernels' plans, below their own backward)."""
+    if _kernel_ok(x, rows):
+        return _gather_kernel(x, rows)
+    return x.index_select(0, _clamped(x, rows))
+
+
+def _clamped(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """rows clamped into [0, T) on a GPU, as the kernel clamps them (T > 0 wherever rows has
+    values, see _check); as given on the CPU, where index_select names a bad one."""
+    if x.device.type != "cpu" and rows.numel():
+        return rows.clamp(0, x.shape[0] - 1)
+    return rows
+
+
+def _check(x: torch.Tensor, rows: torch.Tensor) -> None:
+    """The dtypes, shapes and devices gather_rows takes, from metadata only (no host sync)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(rows, torch.Tensor)):
+        raise TypeError(f"gather_rows: x and rows must be torch.Tensors; got "
+                        f"{type(x).__name__}, {type(rows).__name__}")
+    if x.dim() != 2 or not x.is_floating_point():
+        raise TypeError(f"gather_rows: x must be a 2-D (T, H) floating tensor; got "
+                        f"{tuple(x.shape)} {x.dtype}")
+    if rows.dim() != 1 or rows.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"gather_rows: rows must be a 1-D (S,) int64 or int32 tensor; got "
+                        f"{tuple(rows.shape)} {rows.dtype}")
+    if rows.device != x.device:
+        raise ValueError(f"gather_rows: rows must be on x's device {x.device}; got "
+                         f"{rows.device}")
+    if x.shape[0] == 0 and rows.numel():
+        raise ValueError(f"gather_rows: x has no rows for the {rows.numel()} indices of rows "
+                         f"(each must be in [0, T), T = 0)")
+
+
+def _kernel_ok(x: torch.Tensor, rows: torch.Tensor) -> bool:
+    return row_kernel_allowed(x, TOKEN_GATHER_ENV) and _layout_ok(x, rows)
+
+
+def _layout_ok(x: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether the kernel takes this dtype, shape, strides and alignment: 16-byte vectors
+    (H contiguous, rows 16-byte aligned) and something to copy."""
+    return (x.dtype in _KERNEL_DTYPES and x.shape[1] > 0 and rows.numel() > 0
+            and vector_rows_ok(x))
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel(dtype: torch.dtype, index_dtype: torch.dtype):
+    from moe_gemm.kernels.sm90.token_gather import GatherCompileKey, compile_gather
+    from moe_gemm.ops import kernel_cache as cache
+
+    key = GatherCompileKey(_KERNEL_DTYPES[dtype], _INDEX_DTYPES[index_dtype])
+    return cache.get_or_compile(key, key.name, lambda: compile_gather(key))
+
+
+def _gather_kernel(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    _kernel(x.dtype, rows.dtype)(x, rows, out)
+    return out
