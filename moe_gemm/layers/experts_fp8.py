@@ -43,6 +43,7 @@ from moe_gemm.ops.quantize import (
     quantize_fp8_per_token_group,
 )
 from moe_gemm.ops.scaled import scaled_grouped_mm
+from moe_gemm.ops.token_gather import gather_rows
 from moe_gemm.ops.validation import shape_text
 
 FP8_DTYPES = tuple(FP8_MAX)
@@ -164,10 +165,13 @@ def _gather_scales(s: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t[index] for any dtype (FP8 rows move as bytes)."""
+    """t[index] for any dtype. FP8 rows move as bits: pairs of values as 16-bit words through
+    the token gather (ops/token_gather.py: copied, never computed on), else as bytes."""
     if t.dtype in FP8_DTYPES:
+        if t.dim() == 2 and t.shape[1] % 2 == 0 and t.stride(1) == 1 and t.stride(0) % 2 == 0:
+            return gather_rows(t.view(torch.bfloat16), index).view(t.dtype)
         return t.view(torch.uint8).index_select(0, index).view(t.dtype)
-    return t.index_select(0, index)
+    return gather_rows(t, index)
 
 
 def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, down_scale,

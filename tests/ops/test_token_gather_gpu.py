@@ -95,3 +95,19 @@ def test_cuda_graph_replay_sees_new_rows():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x2.index_select(0, rows2), atol=0, rtol=0)
+
+
+def test_fp8_rows_move_bit_for_bit_as_16_bit_words():
+    # The FP8 layer gathers its quantized rows through the kernel as pairs of values
+    # (layers/experts_fp8._gather_rows): every bit pattern, NaN encodings included, arrives.
+    from moe_gemm.layers.experts_fp8 import _gather_rows
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    raw = torch.randint(0, 256, (300, 7168), device=DEV, generator=gen, dtype=torch.uint8)
+    rows = torch.randint(0, 300, (2400,), device=DEV, generator=gen)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = raw.view(dtype)
+        assert token_gather._kernel_ok(t.view(torch.bfloat16), rows)
+        got = _gather_rows(t, rows)
+        assert got.dtype == dtype
+        assert torch.equal(got.view(torch.uint8), raw[rows])
