@@ -346,6 +346,17 @@ def main(argv: list[str] | None = None) -> int:
         # (as a run leaves out what --resume's --out and --skip-table already hold)
         have = _listed_as_done(args)
         shapes = [s for s in shapes if table_io_key(s) not in have]
+        if args.rerank and not (args.rivals or args.rivals_file):
+            # (a re-rank without rivals skips the shapes its table has no entry for)
+            from moe_gemm.tuning import table_io
+
+            try:
+                source = table_io.read_table(Path(args.rerank))
+            except (OSError, ValueError) as exc:
+                print(f"moe-gemm tune: --rerank {args.rerank}: {exc}", file=sys.stderr)
+                return 2
+            shapes = [s for s in shapes
+                      if table_io.find_entry(source, table_io_key(s)) is not None]
         for s in shapes:
             k = s.key()
             print(f"{s.describe():58s} {k.form} E={k.E} N={k.N} K={k.K} bucket={k.bucket} "

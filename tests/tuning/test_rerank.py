@@ -394,3 +394,30 @@ def test_a_bad_rivals_file_is_refused(tmp_path, capsys, content, words):
     assert f"--rivals-file {path}" in err and words in err, err
     assert cli.main(["--zoo", "--rivals-file", str(path)]) == 2
     assert "--rivals-file needs --rerank" in capsys.readouterr().err
+
+
+def test_the_list_of_a_rerank_without_rivals_leaves_out_shapes_without_an_entry(
+        capsys, tmp_path):
+    # A re-rank without rivals skips every shape its table has no entry for; --list listed
+    # them all.
+    import json
+    from pathlib import Path
+
+    shipped = Path(cli.__file__).resolve().parents[1] / "tables" / "nvidia-h200.json"
+    doc = json.loads(shipped.read_text())
+    args = ["--zoo", "--models", "qwen3-30b-a3b", "--tokens", "2048,8192", "--list"]
+    assert cli.main(args) == 0
+    every = capsys.readouterr().out.splitlines()
+    kept = [e for e in doc["entries"] if e["N"] == 1536 and e["K"] == 2048]  # the gate/up GEMM
+    assert kept and len(kept) < len(doc["entries"])
+    doc["entries"] = kept
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps(doc))
+    assert cli.main([*args, "--rerank", str(table)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert 0 < len(listed) < len(every) and all("N=1536 K=2048" in line for line in listed)
+    assert cli.main([*args, "--rerank", str(table), "--rivals", "pp 128x128"]) == 0
+    assert capsys.readouterr().out.splitlines() == every  # rivals: every shape runs
+    table.write_text("[]")
+    assert cli.main([*args, "--rerank", str(table)]) == 2
+    assert "not a tuned table" in capsys.readouterr().err
