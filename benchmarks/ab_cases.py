@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from benchmarks.runner import names_problem, split_names, zoo_tokens_problem
 from benchmarks.zoo import build_cases, parse_cases
+from moe_gemm.tuning.argcheck import empty_option
 
 
 def add_case_options(p: argparse.ArgumentParser) -> None:
@@ -22,10 +24,16 @@ def add_case_options(p: argparse.ArgumentParser) -> None:
 def cases_from_args(args: argparse.Namespace, fp8: bool = False) -> list:
     """The (ShapeSpec, fields) zoo cases the options name (ValueError naming a bad one);
     with fp8, the FP8 cases of models that ship FP8 checkpoints (--models all: those)."""
-    projs = [s.strip() for s in args.projs.split(",") if s.strip()]
-    if not projs or any(p not in ("gate_up", "down") for p in projs):
+    # An empty value or item is refused, not read as the default or left out: `--cases ""`
+    # (an unset shell variable) ran every default case, and `--models "a,"` stood for 'a'.
+    if why := (empty_option(args, ["cases", "models", "tokens", "projs"])
+               or names_problem(args.models, None, "--models")
+               or zoo_tokens_problem(args.tokens)):
+        raise ValueError(why)
+    projs = split_names(args.projs)
+    if any(p not in ("gate_up", "down") for p in projs):
         raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
-    if args.cases:
+    if args.cases is not None:
         return [build_cases(m, str(t), [p], args.seed, False, fp8)[0]
                 for m, p, t in parse_cases(args.cases)]
     models = None if fp8 and args.models == "all" else args.models

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moe_gemm  # noqa: E402
 from benchmarks.report import out_argument  # noqa: E402
+from benchmarks.runner import counts_problem, number_problem, split_names  # noqa: E402
 from moe_gemm.layers.dispatch import AllToAllDispatcher, expert_range  # noqa: E402
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE  # noqa: E402
 from moe_gemm.layers.moe import MoE  # noqa: E402
@@ -259,8 +260,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=None,
                    help="spawn this many ranks (default: launched by torchrun, else all GPUs)")
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")],
-                   default=None, help="tokens per rank, comma-separated (default "
+    p.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default "
                    "128..16384; --smoke: 8,32)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
@@ -278,6 +278,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--out", type=out_argument, help="write the JSON here (rank 0)")
     args = p.parse_args(argv)
+    # Checked before --smoke replaces the sizes, and before any rank starts: a bad size was a
+    # traceback in every rank (0 tokens ran as a case), --world 0 meant "the default" and
+    # --timeout-s nan a traceback from the process group.
+    if why := _arg_problem(args):
+        p.error(why)
+    if args.tokens is not None:
+        args.tokens = [int(t) for t in split_names(args.tokens)]
     if args.smoke:
         args.cpu = True
         for name, value in SMOKE.items():
@@ -285,18 +292,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, name, value)
     if args.tokens is None:
         args.tokens = DEFAULT_TOKENS
+    if args.world is not None and (why := _split_problem(args, args.world)):
+        p.error(why)
     return args
+
+
+def _arg_problem(args: argparse.Namespace) -> str | None:
+    """Why the sizes and counts cannot make a run, or None."""
+    for option in ("hidden", "intermediate", "experts", "top_k", "iters", "world"):
+        value = getattr(args, option)
+        if value is not None and (why := number_problem(value, "--" + option.replace("_", "-"))):
+            return why
+    for option in ("shared", "warmup"):  # (--shared 0: no shared expert)
+        if why := number_problem(getattr(args, option), f"--{option}", zero=True):
+            return why
+    if why := number_problem(args.timeout_s, "--timeout-s"):
+        return why
+    return counts_problem(args.tokens) if args.tokens is not None else None
+
+
+def _split_problem(args: argparse.Namespace, world: int) -> str | None:
+    """Why `world` ranks cannot split the layer (its experts evenly, top-k of them), or None:
+    each rank raised a ValueError traceback of its own."""
+    smoke = " (--smoke's)" * args.smoke
+    if args.top_k > args.experts:
+        return f"--top-k {args.top_k} is more than --experts {args.experts}{smoke}"
+    if args.experts % world:
+        return f"--experts {args.experts}{smoke} does not split evenly over {world} ranks"
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        _main_rank(args)
-        return
-    world = args.world or (torch.cuda.device_count() if torch.cuda.is_available()
-                           and not args.cpu else 2)
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world or (
+        torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 2)
     if world < 1:
         raise SystemExit("--world must be >= 1")
+    if why := _split_problem(args, world):  # (a world parse_args did not know: one line)
+        print(f"{Path(sys.argv[0]).name}: error: {why}", file=sys.stderr)
+        raise SystemExit(2)
+    if torchrun:
+        _main_rank(args)
+        return
     import torch.multiprocessing as mp
 
     mp.start_processes(_spawned, args=(world, _free_port(), args), nprocs=world,

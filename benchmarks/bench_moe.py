@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moe_gemm  # noqa: E402
 from benchmarks.report import out_path_argument, write_json  # noqa: E402
+from benchmarks.runner import counts_problem, number_problem, split_names  # noqa: E402
 from moe_gemm.capability import cute_problem  # noqa: E402
 from moe_gemm.config import GemmConfig  # noqa: E402
 from moe_gemm.layers.moe import MoE, moe_experts  # noqa: E402
@@ -162,9 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     H, I, k = args.hidden, args.intermediate, args.topk
-    E = args.experts // args.ep
-    if args.experts % args.ep:
-        raise SystemExit(f"--experts {args.experts} is not divisible by --ep {args.ep}")
+    E = args.experts // args.ep  # (parse_args checked that --ep divides --experts)
     tokens = args.tokens
     config = GemmConfig(backend=args.backend)
     tf = _transformers()
@@ -271,8 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ways: time one rank's E/ep experts (8 -> E=32)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (8)")
-    p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")],
-                   default=DEFAULT_TOKENS, help="comma-separated token counts")
+    p.add_argument("--tokens", help="comma-separated token counts (default 1..8192)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--backend", choices=["auto", "cute", "torch"], default="auto",
                    help="moe_gemm backend for our rows")
@@ -287,15 +285,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tiny sizes on the CPU (H=64, I=32, E=8, top-2, 3 token counts)")
     p.add_argument("--out", type=out_path_argument, help="write the JSON report here")
     args = p.parse_args(argv)
+    # Checked before --smoke replaces the sizes: a bad value is refused, not run (a size of 0
+    # was timed as a case, a negative one or --ep 0 was a traceback, after minutes of
+    # building weights without --smoke).
+    if why := _arg_problem(args):
+        p.error(why)
+    args.tokens = ([int(t) for t in split_names(args.tokens)] if args.tokens is not None
+                   else DEFAULT_TOKENS)
     if args.smoke:
         args.hidden, args.intermediate, args.experts, args.topk = 64, 32, 8, 2
         args.tokens, args.iters, args.warmup, args.cpu = [1, 7, 33], 3, 1, True
         args.layer = True
     elif args.iters < 20:
         p.error("--iters must be >= 20 for a stable median (use --smoke for a quick check)")
-    if not 1 <= args.topk <= args.experts // max(args.ep, 1):
-        p.error(f"--topk must be in [1, experts / ep = {args.experts // max(args.ep, 1)}]")
+    if args.experts % args.ep:  # (of the sizes run; was a SystemExit from run(): exit 1)
+        p.error(f"--ep {args.ep} must divide --experts {args.experts}"
+                + " (--smoke's)" * args.smoke)
+    if not 1 <= args.topk <= args.experts // args.ep:
+        p.error(f"--topk must be in [1, experts / ep = {args.experts // args.ep}]")
     return args
+
+
+def _arg_problem(args: argparse.Namespace) -> str | None:
+    """Why the sizes and counts cannot make a run, or None."""
+    for option in ("hidden", "intermediate", "experts", "ep", "topk", "iters"):
+        if why := number_problem(getattr(args, option), f"--{option}"):
+            return why
+    if why := number_problem(args.warmup, "--warmup", zero=True):
+        return why
+    return counts_problem(args.tokens) if args.tokens is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moe_gemm  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
-from benchmarks.runner import counts_problem, names_problem, split_names  # noqa: E402
+from benchmarks.runner import (  # noqa: E402
+    counts_problem,
+    names_problem,
+    number_problem,
+    split_names,
+)
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
 from moe_gemm.ops.fused_launch import (  # noqa: E402
@@ -647,11 +652,12 @@ def _arg_problem(args: argparse.Namespace) -> str | None:
         return "--rounds must be at least 1"
     if not args.budget_s > 0:  # (a negative one timed nothing and exited 0)
         return f"--budget-s must be > 0; got {args.budget_s}"
+    # (--target-ms nan: a traceback after the warm-up)
     for option, value in (("--target-ms", args.target_ms), ("--sonic-budget-s",
                                                              args.sonic_budget_s),
                           ("--probe-timeout", args.probe_timeout)):
-        if not 0 < value < math.inf:  # (--target-ms nan: a traceback after the warm-up)
-            return f"{option} must be a positive finite number; got {value}"
+        if why := number_problem(value, option):
+            return why
     return output_problem(Path(args.out), "--out") if args.out else None
 
 

@@ -48,6 +48,8 @@ SIZES = {
     "cuda": {"experts": 64, "k": 2048, "n": 1024, "dtype": "bfloat16",
              "rows": {"small": 64, "large": 1024}},
 }
+# Batching modes: the server's dynamic batcher on, or off (--no-batching).
+MODES = ("on", "off")
 
 
 # --------------------------------------------------------------------------- tiny HTTP client
@@ -246,12 +248,29 @@ def _out_path(text: str) -> Path:
     return Path(out_argument(text))
 
 
-def main() -> None:
+def _arg_problem(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot make a run, or None (checked before any server starts: an
+    unknown size was a KeyError, an unknown mode ran as 'off', an empty --concurrency a
+    ValueError, and a zero, negative or nan --duration or --warmup measured nothing)."""
+    if str(REPO) not in sys.path:  # (run as a script: the checkout's benchmarks package)
+        sys.path.insert(0, str(REPO))
+    from benchmarks.runner import counts_problem, names_problem, number_problem
+
+    return (names_problem(args.sizes, list(SIZES["cpu"]["rows"]), "--sizes")
+            or names_problem(args.modes, list(MODES), "--modes")
+            or counts_problem(args.concurrency, "--concurrency")
+            or number_problem(args.duration, "--duration")
+            or number_problem(args.warmup, "--warmup", zero=True)
+            or number_problem(args.client_procs, "--client-procs", zero=True)
+            or number_problem(args.batch_delay_us, "--batch-delay-us", zero=True))
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=_out_path, help="write the results as JSON here")
     p.add_argument("--concurrency", default="1,8,64,256")
     p.add_argument("--sizes", default="small,large")
-    p.add_argument("--modes", default="on,off", help="batching modes: on, off")
+    p.add_argument("--modes", default=",".join(MODES), help="batching modes: on, off")
     p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per point")
     p.add_argument("--client-procs", type=int, default=0,
@@ -263,11 +282,14 @@ def main() -> None:
     p.add_argument("--date", default=None, help="date written to the JSON (default today)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for the server (repeatable)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if why := _arg_problem(args):
+        p.error(why)
 
     import torch
 
     # Here, not at the top: the spawned load generators import this module, and stay light.
+    from benchmarks.runner import split_names
     from moe_gemm.tuning.table_io import json_line, write_json
 
     use_cuda = args.device.startswith("cuda") or (args.device == "auto"
@@ -278,9 +300,9 @@ def main() -> None:
     label = args.device_label or (torch.cuda.get_device_name() if use_cuda
                                   else f"cpu ({cores} cores)")
     procs = args.client_procs or (1 if cores <= 4 else 4)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    sizes = args.sizes.split(",")
-    modes = args.modes.split(",")
+    levels = [int(c) for c in split_names(args.concurrency)]
+    sizes = split_names(args.sizes)
+    modes = split_names(args.modes)
     dtype = getattr(torch, size["dtype"])
     E, K, N = size["experts"], size["k"], size["n"]
     gen = torch.Generator().manual_seed(0)

@@ -197,16 +197,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: no shipped table for {device!r} ({path.name})", file=sys.stderr)
             return 2
         paths.append(str(path))
-    results = []
-    for path in paths:
+    docs = []
+    for path in paths:  # (all read first: a bad second table is refused before any output)
         try:
             with open(path) as f:
                 doc = json.load(f)
-            if doc.get("format") != tuned.FORMAT or not doc.get("samples"):
-                raise ValueError(f"not a {tuned.FORMAT} table with samples")
+            # (a top-level list or number was an AttributeError traceback from .get)
+            if (not isinstance(doc, dict) or doc.get("format") != tuned.FORMAT
+                    or not doc.get("samples")):
+                raise ValueError(f"not a {tuned.FORMAT} table with samples"
+                                 + ("" if isinstance(doc, dict) else
+                                    " (its top level is not a JSON object)"))
         except (OSError, ValueError) as exc:
             print(f"error: {path}: {exc}", file=sys.stderr)
             return 2
+        docs.append(doc)
+    results = []
+    for path, doc in zip(paths, docs):
         res = evaluate(doc, args.hold)
         res["table"] = path
         results.append(res)

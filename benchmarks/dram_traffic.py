@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import shutil
 import subprocess
 import sys
@@ -192,13 +191,14 @@ NOT_APPLICABLE_RC = 4  # the worker's exit status when the implementation does n
 def suite_cases(only: str | None) -> list[tuple[Any, dict[str, Any]]]:
     """(ShapeSpec, fields) of the benchmark suite's 16-bit shapes (all of them, or the names in
     `only`; ValueError naming an unknown one)."""
+    from benchmarks.runner import names_problem, split_names
     from benchmarks.suite import full_suite
 
     specs = full_suite()
-    names = [s for s in (only or "").split(",") if s]
-    if bad := [n for n in names if n not in {s.name for s in specs}]:
-        raise ValueError(f"unknown suite shape(s) {', '.join(bad)}; expected some of "
-                         f"{', '.join(s.name for s in specs)}")
+    # (an empty name, as a trailing comma leaves, is unknown: refused, not dropped)
+    if only is not None and (why := names_problem(only, [s.name for s in specs], "--only")):
+        raise ValueError(why)
+    names = [] if only is None else split_names(only)
     return [(s, {"suite": s.name, "form": s.form, "dtype": s.dtype, "shape": s.description})
             for s in specs if not names or s.name in names]
 
@@ -359,9 +359,23 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
         return worker(args.worker[0], args.worker[1], args.seed)
+    from benchmarks.report import write_json
+    from benchmarks.runner import names_problem, split_names, zoo_tokens_problem
+    from benchmarks.zoo import build_cases
+    from moe_gemm.tuning.argcheck import empty_option
+
+    # An empty value or entry is refused, not read as the default or dropped: `--impls ""`
+    # ran the default implementations, `--only ""` every suite shape, `--proj ","` nothing.
+    if why := (empty_option(args, ["models", "tokens", "proj", "impls", "only", "ncu"])
+               or (args.impls is not None and names_problem(args.impls, None, "--impls"))
+               or (args.models is not None and names_problem(args.models, None, "--models"))
+               or zoo_tokens_problem(args.tokens)
+               or names_problem(args.proj, ["gate_up", "down"], "--proj")):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     allowed = FP8_IMPLS if args.fp8 else IMPLS
-    impls = [s for s in (args.impls or ",".join(FP8_IMPLS if args.fp8 else DEFAULT_IMPLS))
-             .split(",") if s]
+    impls = split_names(args.impls) if args.impls is not None else list(
+        FP8_IMPLS if args.fp8 else DEFAULT_IMPLS)
     if bad := [s for s in impls if s not in allowed and (args.fp8 or not s.startswith("ours:"))]:
         print(f"error: unknown implementation(s) {', '.join(bad)}{' for --fp8' * args.fp8}; "
               f"expected some of {', '.join(allowed)}" + ("" if args.fp8 else
@@ -374,26 +388,15 @@ def main(argv: list[str] | None = None) -> int:
             except (TypeError, ValueError) as exc:
                 print(f"error: {s!r}: {exc}", file=sys.stderr)
                 return 2
-    if args.suite and (args.fp8 or args.models):
+    if args.suite and (args.fp8 or args.models is not None):
         print("error: --suite takes the suite's shapes; leave out --fp8 and --models",
               file=sys.stderr)
         return 2
-    if args.only and not args.suite:
+    if args.only is not None and not args.suite:
         print("error: --only names suite shapes; it needs --suite", file=sys.stderr)
         return 2
-    projs = [s for s in args.proj.split(",") if s]
-    if bad := [s for s in projs if s not in ("gate_up", "down")]:
-        print(f"error: unknown projection(s) {', '.join(bad)}; expected gate_up, down",
-              file=sys.stderr)
-        return 2
-    ncu = args.ncu or shutil.which("ncu")
-    if not ncu or not os.path.exists(ncu):
-        print("error: ncu (Nsight Compute) is not on PATH; pass --ncu", file=sys.stderr)
-        return 2
-    from benchmarks.report import write_json
-    from benchmarks.zoo import build_cases
-
-    try:
+    projs = split_names(args.proj)
+    try:  # (before looking for ncu: a bad --models is said here too, where there is none)
         if args.suite:
             cases = [(spec, {**fields, "case": SUITE_PREFIX + spec.name})
                      for spec, fields in suite_cases(args.only)]
@@ -402,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
                                 fp8=args.fp8)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # shutil.which takes a path as well as a name, and only an executable file (an --ncu
+    # folder passed os.path.exists, then every worker failed with PermissionError).
+    ncu = shutil.which(args.ncu or "ncu")
+    if not ncu:
+        print(f"error: --ncu {args.ncu}: not an executable file" if args.ncu else
+              "error: ncu (Nsight Compute) is not on PATH; pass --ncu", file=sys.stderr)
         return 2
     doc: dict[str, Any] = {
         "date": datetime.now(timezone.utc).date().isoformat(),

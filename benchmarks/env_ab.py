@@ -32,9 +32,10 @@ import torch
 
 from benchmarks import suite_fp8
 from benchmarks.ab_cases import add_case_options, cases_from_args, ratio_line, tag_rows
-from benchmarks.runner import ab_run, add_ab_options, run_shape
+from benchmarks.runner import ab_run, add_ab_options, names_problem, run_shape, split_names
 from benchmarks.suite import FP8, Impl, Prepared, _ours
 from moe_gemm.tuning import space
+from moe_gemm.tuning.argcheck import empty_option
 
 OURS = "moe_gemm"
 
@@ -127,8 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--switch", required=True, help="a MOE_GEMM_* kernel switch")
     p.add_argument("--values", default="0,1", help="its values, the first the baseline "
                    "(default: %(default)s)")
-    p.add_argument("--configs", default="", help="';'-separated configs to time besides the "
-                   "default, as `moe-gemm tune` names them ('pp 128x128;coop 128x256')")
+    p.add_argument("--configs", help="';'-separated configs to time besides the default, as "
+                   "`moe-gemm tune` names them ('pp 128x128;coop 128x256') (default: none)")
     p.add_argument("--fp8", action="store_true", help="the FP8 zoo's cases and our FP8 "
                    "default (block-scaled and row-wise)")
     add_case_options(p)
@@ -141,9 +142,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     name = args.switch
-    values = [v.strip() for v in args.values.split(",") if v.strip()]
-    configs = [c.strip() for c in args.configs.split(";") if c.strip()]
+    values = split_names(args.values)
+    configs = [] if args.configs is None else split_names(args.configs, ";")
     try:
+        # An empty value or item is refused, not dropped: `--configs "$C"` with C unset timed
+        # the default alone, and `--values 0,1,` stood for 0,1.
+        if why := (empty_option(args, ["values", "configs"])
+                   or names_problem(args.values, None, "--values")
+                   or (args.configs is not None
+                       and names_problem(args.configs, None, "--configs", ";"))):
+            raise ValueError(why)
         if name not in LIBRARY_VARIABLES:
             raise ValueError(f"--switch {name!r} is not one of the library's variables "
                              "(docs/USAGE.md lists them)")

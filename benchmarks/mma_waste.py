@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import out_argument, write_json
+from benchmarks.runner import names_problem, zoo_tokens_problem
 from moe_gemm.config import GemmConfig
 from moe_gemm.kernels.sm90.constants import SWAP_TILE_COLS
 from moe_gemm.ops import schedule as sched
 from moe_gemm.ops.heuristics import choose_varlen
 from moe_gemm.tuning import zoo as models
+from moe_gemm.tuning.argcheck import empty_option
 
 H100 = "NVIDIA H100 80GB HBM3"
 NUM_SMS = 132
@@ -207,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="routing seed (the zoo's)")
     p.add_argument("--out", type=out_argument, help="write the rows and the summary as JSON")
     args = p.parse_args(argv)
+    # An empty value or entry is refused, not read as the default or dropped (`--models ""`
+    # was the default models; '' --device is the rules, documented, so it is not checked).
+    if why := (empty_option(args, ["models", "tokens"])
+               or (args.models is not None and names_problem(args.models, None, "--models"))
+               or zoo_tokens_problem(args.tokens)):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     try:  # (a bad --models or --tokens was a traceback; raster_waves says it in one line)
         tokens = models.parse_tokens(args.tokens, (2048, 8192))
         rows = waste_rows(args.models, tokens, args.device or None, args.seed)

@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import out_argument, write_json
+from benchmarks.runner import names_problem, split_names, zoo_tokens_problem
 from moe_gemm.kernels.sm90.constants import raster_code
 from moe_gemm.ops import schedule as sched
 from moe_gemm.tuning import space
 from moe_gemm.tuning import zoo as models
+from moe_gemm.tuning.argcheck import empty_option
 
 NUM_SMS = 132
 BYTES = 2  # 16-bit operands
@@ -108,7 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="routing seed (the zoo's)")
     p.add_argument("--out", type=out_argument, help="write the rows and the summary as JSON")
     args = p.parse_args(argv)
-    configs = [c.strip() for c in args.configs.split(";") if c.strip()]
+    # An empty value or entry is refused, not read as the default or dropped (`--models ""`
+    # was the default models, `--configs ";"` an empty table that exited 0).
+    if why := (empty_option(args, ["models", "tokens", "configs"])
+               or (args.models is not None and names_problem(args.models, None, "--models"))
+               or zoo_tokens_problem(args.tokens)
+               or names_problem(args.configs, None, "--configs", ";")):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    configs = split_names(args.configs, ";")
     try:
         for c in configs:
             space.parse_name(c)

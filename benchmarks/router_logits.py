@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks.report import out_argument, write_json  # noqa: E402
+from benchmarks.runner import counts_problem, number_problem, split_names  # noqa: E402
 from moe_gemm.layers.routing import router_logits_fp32, sigmoid_grouped_topk  # noqa: E402
 
 SHAPES = {"deepseek-v3": (7168, 256), "deepseek-v3-ep8": (7168, 32), "glm-4.5": (5120, 160)}
@@ -108,14 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=out_argument, help="write the JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the harness")
     args = p.parse_args(argv)
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        tokens = []
-    if not tokens or min(tokens) < 1:
-        print(f"error: --tokens is comma-separated positive integers; got {args.tokens!r}",
-              file=sys.stderr)
+    # (with --smoke too, which runs one round of one call: --rounds 0 was a StatisticsError
+    # traceback and --calls 0 a ZeroDivisionError once the first shape was set up)
+    if why := (counts_problem(args.tokens) or number_problem(args.rounds, "--rounds")
+               or number_problem(args.calls, "--calls")):
+        print(f"error: {why}", file=sys.stderr)
         return 2
+    tokens = [int(t) for t in split_names(args.tokens)]
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU (use --smoke on a CPU)", file=sys.stderr)

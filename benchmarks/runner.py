@@ -77,25 +77,53 @@ def device_info(device: torch.device) -> tuple[str, dict[str, Any], int]:
     return props.name, info, l2
 
 
-def names_problem(text: str, known: Sequence[str], option: str = "--models") -> str | None:
-    """Why a comma-separated list of names is unusable (a name not in `known`, an empty one
-    among them), or None. Names are read stripped (`split_names`)."""
-    unknown = [n for n in split_names(text) if n not in known]
+def names_problem(text: str, known: Sequence[str] | None, option: str = "--models",
+                  sep: str = ",") -> str | None:
+    """Why a `sep`-separated list of names is unusable (a name not in `known`, an empty one
+    among them), or None. Names are read stripped (`split_names`) and a duplicate is kept.
+    With `known` None any name goes, but an empty one (a stray or trailing separator) is still
+    refused: dropping it silently would let `--x "a,"` stand for a list it does not spell."""
+    names = split_names(text, sep)
+    if known is None:
+        if "" in names:
+            return f"{option}: an empty entry in {text!r} (a stray {sep!r}?)"
+        return None
+    unknown = [n for n in names if n not in known]
     if unknown:
         return (f"{option}: unknown {', '.join(map(repr, unknown))}; expected some of "
                 f"{', '.join(known)}")
     return None
 
 
-def split_names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",")]
+def split_names(text: str, sep: str = ",") -> list[str]:
+    """The stripped items of a `sep`-separated option value, in order, empty ones and
+    duplicates kept (the checks above refuse an empty one; a duplicate is the caller's)."""
+    return [n.strip() for n in text.split(sep)]
 
 
 def counts_problem(text: str, option: str = "--tokens") -> str | None:
     """Why a comma-separated list of positive integers is not one, or None."""
-    if not all(t.strip().isdigit() and int(t) > 0 for t in text.split(",")):
+    # (isdecimal, not isdigit: '²' is a digit that int() refuses, a ValueError traceback)
+    if not all(t.isdecimal() and int(t) > 0 for t in split_names(text)):
         return f"{option} takes comma-separated positive integers; got {text!r}"
     return None
+
+
+def zoo_tokens_problem(text: str, option: str = "--tokens") -> str | None:
+    """counts_problem for a zoo --tokens, which also takes 'all' (moe_gemm.tuning.zoo's
+    parse_tokens, which itself drops an empty item: `--tokens 2048,` is refused here)."""
+    return None if text.strip().lower() == "all" else counts_problem(text, option)
+
+
+def number_problem(value: float, option: str, zero: bool = False) -> str | None:
+    """Why an option's number is not a finite one > 0 (>= 0 with `zero`), or None. (A plain
+    `value <= 0` test lets nan and inf through: a run that then times nothing, or never
+    stops.)"""
+    if math.isfinite(value) and (value >= 0 if zero else value > 0):
+        return None
+    what = "a non-negative" if zero else "a positive"
+    what += " integer" if isinstance(value, int) else " finite number"
+    return f"{option} must be {what}; got {value}"
 
 
 def bench_device(requested: str | None, smoke: bool, needs: str) -> torch.device:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.ab_cases import tag_rows
-from benchmarks.runner import ab_run, add_ab_options, run_shape
+from benchmarks.runner import ab_run, add_ab_options, names_problem, run_shape, split_names
 from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, build_quack_config
 from benchmarks.zoo import build_cases, parse_cases
 from moe_gemm.tuning import space
@@ -58,10 +58,10 @@ def _names_a_raster(name: str) -> bool:
 def parse_configs(text: str) -> list[dict]:
     """';'-separated config names -> their fields (ValueError naming a bad one); a name without
     a raster word takes QuACK's order (QUACK_ORDER)."""
-    names = [s.strip() for s in text.split(";") if s.strip()]
-    fields = [space.parse_name(n if _names_a_raster(n) else f"{n} {QUACK_ORDER}") for n in names]
-    if not fields:
-        raise ValueError("no config given")
+    if why := names_problem(text, None, "--configs", ";"):  # (an empty one, as in 'a;')
+        raise ValueError(why)
+    fields = [space.parse_name(n if _names_a_raster(n) else f"{n} {QUACK_ORDER}")
+              for n in split_names(text, ";")]
     for f in fields:
         space.config_of(f)  # buildable by us (ValueError otherwise)
     return fields

@@ -32,10 +32,19 @@ import torch
 from benchmarks import zoo
 from benchmarks.ab_cases import add_case_options, cases_from_args, tag_rows
 from benchmarks.gpu_state import open_gpu_state
-from benchmarks.runner import ab_run, add_ab_options, input_sets, prepare_impl
+from benchmarks.runner import (
+    ab_run,
+    add_ab_options,
+    input_sets,
+    names_problem,
+    number_problem,
+    prepare_impl,
+    split_names,
+)
 from benchmarks.scoring import flops, shape_bytes
 from benchmarks.suite import Impl, _ours, reference
 from moe_gemm.tuning import space
+from moe_gemm.tuning.argcheck import empty_option
 
 PEERS = {"grouped_mm": zoo.GROUPED_MM_NAME, "mm_loop": zoo.GRAPH_NAME, "quack": zoo.QUACK_NAME}
 DEFAULT_IMPLS = "default,quack"
@@ -101,18 +110,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.seconds <= 0:
-        print("sustained: --seconds must be positive", file=sys.stderr)
+    # (nan passed a `<= 0` test and sampled nothing; inf never ended a sample)
+    if why := number_problem(args.seconds, "--seconds"):
+        print(f"sustained: {why}", file=sys.stderr)
         return 2
-    words = [w.strip() for w in args.impls.split(",") if w.strip()]
+    words = split_names(args.impls)
     try:
+        # An empty --impls or entry is refused, not dropped (`--impls ""` timed the default).
+        if why := empty_option(args, ["impls"]) or names_problem(args.impls, None, "--impls"):
+            raise ValueError(why)
         cases = cases_from_args(args)
         impls = implementations(None, words)  # (checked before any GPU work)
+        names = [i.name for i in impls]
+        if twice := list(dict.fromkeys(n for n in names if names.count(n) > 1)):
+            # (samples are gathered by name: the two rows would share, and mix, one list)
+            raise ValueError(f"--impls names {', '.join(map(repr, twice))} more than once")
     except (KeyError, ValueError) as exc:
         print(f"sustained: {exc}", file=sys.stderr)
-        return 2
-    if not impls:
-        print("sustained: --impls names no implementation", file=sys.stderr)
         return 2
     run = ab_run(args, argv, "sustained", "it times GPU kernels",
                  settings={"seconds": args.seconds,

@@ -55,6 +55,7 @@ from benchmarks.runner import (
     device_info,
     our_failures,
     run_shape,
+    split_names,
     unknown_skip,
 )
 from benchmarks.scoring import fp8_compute_bound
@@ -149,16 +150,15 @@ def build_cases(model_names: str | None, tokens: str | None, projs: list[str], s
 
 
 def parse_cases(text: str) -> list[tuple[str, str, int]]:
-    """'MODEL/PROJ/TOKENS,...' -> [(model, proj, tokens)] (ValueError naming a bad item)."""
+    """'MODEL/PROJ/TOKENS,...' -> [(model, proj, tokens)] (ValueError naming a bad item; an
+    empty one, as a trailing comma leaves, too: split_names, as every list option)."""
     cases = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    for item in split_names(text):
         parts = item.split("/")
-        if len(parts) != 3 or parts[1] not in ("gate_up", "down") or not parts[2].isdigit():
-            raise ValueError(f"a case is MODEL/gate_up|down/TOKENS, e.g. "
+        if len(parts) != 3 or parts[1] not in ("gate_up", "down") or not parts[2].isdecimal():
+            raise ValueError(f"--cases: a case is MODEL/gate_up|down/TOKENS, e.g. "
                              f"OLMoE-1B-7B/down/8192; got {item!r}")
         cases.append((parts[0], parts[1], int(parts[2])))
-    if not cases:
-        raise ValueError("no case given")
     return cases
 
 

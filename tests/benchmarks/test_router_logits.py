@@ -25,4 +25,4 @@ def test_smoke_run_writes_rows(tmp_path, capsys):
 def test_bad_tokens_are_an_error(capsys):
     for bad in ("1k", "0", "", "16,-1"):
         assert rl.main(["--smoke", "--tokens", bad]) == 2
-        assert "--tokens is comma-separated positive integers" in capsys.readouterr().err
+        assert "--tokens takes comma-separated positive integers" in capsys.readouterr().err

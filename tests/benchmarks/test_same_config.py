@@ -12,7 +12,7 @@ def test_cases_parse_and_bad_ones_are_named():
     assert same_config.parse_cases("OLMoE-1B-7B/down/8192, GLM-4.5/gate_up/2048") == [
         ("OLMoE-1B-7B", "down", 8192), ("GLM-4.5", "gate_up", 2048)]
     for bad in ("OLMoE-1B-7B/up/8192", "OLMoE-1B-7B/down", "OLMoE-1B-7B/down/many", ""):
-        with pytest.raises(ValueError, match="MODEL/gate_up|down/TOKENS|no case"):
+        with pytest.raises(ValueError, match="MODEL/gate_up|down/TOKENS"):
             same_config.parse_cases(bad)
 
 
@@ -26,7 +26,7 @@ def test_configs_map_to_the_same_quack_tile_schedule_and_cluster():
         256, 128, False, 1, 2)
     with pytest.raises(ValueError):
         same_config.parse_configs("pp 100x100")
-    with pytest.raises(ValueError, match="no config"):
+    with pytest.raises(ValueError, match="--configs: an empty entry"):
         same_config.parse_configs(" ; ")
 
 
