@@ -1,6 +1,13 @@
 """When the MoE layers' row kernels (the top-k combine, the token gather) run: a tensor on a
 CUDA device the CuTe kernels serve, outside torch.compile's tracing, with their switch not set
-to "torch", and rows of 16-byte vectors (kernels/sm90/vector_rows.py)."""
+to "torch", and rows of 16-byte vectors (kernels/sm90/vector_rows.py) within the kernels'
+sizes: row counts an Int32 indexes, rows no wider than the launch grid's y dimension covers.
+
+A tensor the kernels are not given (the callers take torch's op instead): a subclass (a
+FakeTensor or DTensor has no memory of its own, and any subclass's __torch_function__ or
+__torch_dispatch__ should see the op), and any tensor while a TorchDispatchMode runs
+(FakeTensorMode over real tensors, make_fx's tracer, FlopCounterMode...: a kernel launch is
+invisible to them, so a traced graph would lose the copy)."""
 
 from __future__ import annotations
 
@@ -8,6 +15,20 @@ import torch
 
 from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import COMBINE_VEC
+
+# A launch grid's y dimension (the 16-byte vectors of a row, in CTAs of ROW_THREADS threads)
+# is at most 65535 CTAs (x: 2^31 - 1).
+MAX_GRID_Y = 65535
+# The fewest threads a row kernel's CTA has (the token gather's 64; the combine's 128): rows
+# of up to MAX_GRID_Y * ROW_THREADS vectors (33,553,920 values) fit every row kernel's grid.
+ROW_THREADS = 64
+MAX_ROW_VECS = MAX_GRID_Y * ROW_THREADS
+# Row counts the kernels index in Int32 (their shapes are Int32, the wrapper refuses larger
+# ones), with room past the last for a CTA's rows (the gather rounds S up to its 8 rows).
+MAX_ROWS = 2**31 - 1024
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (a Parameter is a plain tensor with a flag)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 def row_kernel_allowed(t: torch.Tensor, switch: str) -> bool:
@@ -20,9 +41,20 @@ def row_kernel_allowed(t: torch.Tensor, switch: str) -> bool:
     return cute_problem(t.device) is None
 
 
+def plain_tensor(t: torch.Tensor) -> bool:
+    """Whether t is a tensor a kernel may be given: a dense torch.Tensor (or Parameter) of
+    its own memory, its values as stored (no lazy negation), with no TorchDispatchMode
+    running (see the module docstring)."""
+    return (type(t) in _PLAIN and t.layout == torch.strided and not t.is_nested
+            and not t.is_neg() and not _dispatch_modes())
+
+
 def vector_rows_ok(t: torch.Tensor) -> bool:
-    """Whether a (rows, H) tensor is rows of 16-byte vectors the kernels read: at least one
-    row, H a multiple of COMBINE_VEC and contiguous, rows 16-byte aligned."""
+    """Whether a (rows, H) tensor is rows of 16-byte vectors the kernels read: a plain tensor,
+    1 to MAX_ROWS rows, H a multiple of COMBINE_VEC of at most MAX_ROW_VECS vectors and
+    contiguous, rows 16-byte aligned."""
+    if not plain_tensor(t):  # (before data_ptr: a FakeTensor's is a placeholder)
+        return False
     rows, H = t.shape
-    return not (rows == 0 or H % COMBINE_VEC or t.stride(1) != 1 or t.stride(0) % COMBINE_VEC
-                or t.data_ptr() % 16)
+    return not (rows == 0 or rows > MAX_ROWS or H % COMBINE_VEC or H > MAX_ROW_VECS * COMBINE_VEC
+                or t.stride(1) != 1 or t.stride(0) % COMBINE_VEC or t.data_ptr() % 16)

@@ -2,11 +2,16 @@
 
     gather_rows(x, rows)   out[r] = x[rows[r]]     (S, H), S = len(rows)
 
-On an sm90a GPU with the CuTe DSL it is one kernel (kernels/sm90/token_gather.py: out written
-once, x read through L2); with MOE_GEMM_TOKEN_GATHER=torch, while torch.compile traces, and for
-layouts the kernel does not take, it is index_select. On an H200 the kernel took 0.196 ms where
-index_select took 0.256 ms (Qwen3-30B-A3B at 16384 tokens: 131072 routed rows of 2048), 1.22-1.37x
-faster at 16384 tokens on four models' shapes (docs/measurements.md, 2026-12-04).
+The result is always a new contiguous (S, H) tensor (never a view of x). On an sm90a GPU with
+the CuTe DSL it is one kernel (kernels/sm90/token_gather.py: out written once, x read through
+L2); with MOE_GEMM_TOKEN_GATHER=torch, while torch.compile traces, under a torch.func
+transform or a TorchDispatchMode (FakeTensorMode, make_fx, FlopCounterMode), for a tensor
+subclass, for an x that autograd differentiates through (it requires grad with grad enabled,
+or is a forward-mode dual tensor), and for layouts and sizes the kernel does not take
+(ops/row_kernels.py: rows of 16-byte vectors, at most 33,553,920 values wide, under 2^31 rows)
+it is index_select. On an H200 the kernel took 0.196 ms where index_select took 0.256 ms
+(Qwen3-30B-A3B at 16384 tokens: 131072 routed rows of 2048), 1.22-1.37x faster at 16384 tokens
+on four models' shapes (docs/measurements.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.autograd.forward_ad as fwad
 
-from moe_gemm.ops.row_kernels import row_kernel_allowed, vector_rows_ok
+from moe_gemm.ops.row_kernels import MAX_ROWS, plain_tensor, row_kernel_allowed, vector_rows_ok
 
 TOKEN_GATHER_ENV = "MOE_GEMM_TOKEN_GATHER"  # "torch": index_select even where the kernel runs
 _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -25,14 +31,17 @@ _INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """(S, H) in x's dtype: out[r] = x[rows[r]].
 
-    x: (T, H) floating; rows: (S,) int64 or int32, values in [0, T), on x's device (TypeError
-    or ValueError naming what is expected otherwise). A row index outside [0, T) is refused on
-    the CPU (index_select's IndexError); on a GPU it is not checked (that is a host sync per
+    x: (T, H) dense floating (fp8 included); rows: (S,) dense int64 or int32 (any strides,
+    expanded too), values in [0, T), on x's device (TypeError or ValueError naming what is
+    expected otherwise). The result is a new contiguous tensor; autograd tracks it where x
+    requires grad with grad enabled, and forward-mode AD where x is a dual tensor. A row index
+    outside [0, T) is refused on the CPU (index_select's IndexError; a RuntimeError from the
+    compiled code under torch.compile); on a GPU it is not checked (that is a host sync per
     call) but clamped into range, by the kernel and the index_select path alike: a wrong row,
     never an out-of-bounds read or a device assert that ends the process's CUDA context."""
     _check(x, rows)
-    if x.requires_grad and torch.is_grad_enabled():
-        return x.index_select(0, _clamped(x, rows))  # (the kernel has no backward)
+    if _tracked(x):
+        return x.index_select(0, _clamped(x, rows))  # (the kernel has no derivative)
     return gather_untracked(x, rows)
 
 
@@ -44,11 +53,25 @@ def gather_untracked(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, _clamped(x, rows))
 
 
+def _tracked(x: torch.Tensor) -> bool:
+    """Whether autograd differentiates through x here: backward (x requires grad, grad
+    enabled) or forward mode (x a dual tensor of an open torch.autograd.forward_ad level,
+    which no_grad leaves on). (torch.func's grad and jvp keep the kernel off by themselves:
+    capability.cute_problem.)"""
+    if x.requires_grad and torch.is_grad_enabled():
+        return True
+    # (_current_level is -1 outside any `with forward_ad.dual_level()`: one attribute read)
+    return fwad._current_level >= 0 and fwad.unpack_dual(x).tangent is not None
+
+
 def _clamped(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """rows clamped into [0, T) on a GPU, as the kernel clamps them (T > 0 wherever rows has
     values, see _check); as given on the CPU, where index_select names a bad one."""
     if x.device.type != "cpu" and rows.numel():
-        return rows.clamp(0, x.shape[0] - 1)
+        last = x.shape[0] - 1
+        if last > torch.iinfo(rows.dtype).max:  # (int32 rows of an x of 2^31 rows or more:
+            return rows.clamp(min=0)  # every value is at most T - 1, which int32 cannot hold)
+        return rows.clamp(0, last)
     return rows
 
 
@@ -57,6 +80,11 @@ def _check(x: torch.Tensor, rows: torch.Tensor) -> None:
     if not (isinstance(x, torch.Tensor) and isinstance(rows, torch.Tensor)):
         raise TypeError(f"gather_rows: x and rows must be torch.Tensors; got "
                         f"{type(x).__name__}, {type(rows).__name__}")
+    for name, t in (("x", x), ("rows", rows)):
+        # (first: a nested tensor has no sizes to read, and reports the strided layout)
+        if t.is_nested or t.layout != torch.strided:
+            got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+            raise TypeError(f"gather_rows: {name} must be a dense (strided) tensor; got {got}")
     if x.dim() != 2 or not x.is_floating_point():
         raise TypeError(f"gather_rows: x must be a 2-D (T, H) floating tensor; got "
                         f"{tuple(x.shape)} {x.dtype}")
@@ -76,10 +104,11 @@ def _kernel_ok(x: torch.Tensor, rows: torch.Tensor) -> bool:
 
 
 def _layout_ok(x: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether the kernel takes this dtype, shape, strides and alignment: 16-byte vectors
-    (H contiguous, rows 16-byte aligned) and something to copy."""
-    return (x.dtype in _KERNEL_DTYPES and x.shape[1] > 0 and rows.numel() > 0
-            and vector_rows_ok(x))
+    """Whether the kernel takes these tensors, dtype, shape, strides and alignment: plain
+    tensors, 16-byte vectors (H contiguous, rows 16-byte aligned), something to copy, and
+    sizes within the kernel's Int32 indices and launch grid (ops/row_kernels.py)."""
+    return (x.dtype in _KERNEL_DTYPES and x.shape[1] > 0 and 0 < rows.shape[0] <= MAX_ROWS
+            and plain_tensor(rows) and vector_rows_ok(x))
 
 
 @functools.lru_cache(maxsize=8)

@@ -12,6 +12,11 @@ against 0.924 ms. Of the CTA shapes tried (2, 4, 8 or 16 rows; 64, 128 or 256 th
 of 64 threads ran 10-12% faster than 4 of 128 and 16 of 64 no faster.
 
 A row index outside [0, T) is clamped into it (a wrong row, never an out-of-bounds read).
+Addresses are 64-bit (x's and out's row strides are Int64, an int64 index stays Int64), so x
+and out may hold 2^31 values or more; the sizes are Int32: T and S at most
+ops/row_kernels.MAX_ROWS (the grid's rounding of S up to ROWS and a CTA's rows past the last
+stay in range) and H / VEC at most 65535 * THREADS (the grid's y dimension), which the caller
+(ops/token_gather.py) keeps to, taking index_select past them.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ class TokenGatherSm90:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRows: cute.Tensor, mOut: cute.Tensor, stream):
-        # mX (T, H), mRows (S,), mOut (S, H); H a multiple of VEC, T > 0, S > 0.
+        # mX (T, H), mRows (S,), mOut (S, H); H a multiple of VEC; T and S in [1, MAX_ROWS];
+        # H / VEC <= 65535 * threads (the module docstring).
         vecs = mOut.shape[1] // VEC
         self.kernel(mX, mRows, mOut).launch(
             grid=((mOut.shape[0] + self.rows - 1) // self.rows,
