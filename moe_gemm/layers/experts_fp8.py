@@ -164,16 +164,6 @@ def _gather_scales(s: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return s.index_select(0, index)
 
 
-def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t[index] for any dtype. FP8 rows move as bits: pairs of values as 16-bit words through
-    the token gather (ops/token_gather.py: copied, never computed on), else as bytes."""
-    if t.dtype in FP8_DTYPES:
-        if t.dim() == 2 and t.shape[1] % 2 == 0 and t.stride(1) == 1 and t.stride(0) % 2 == 0:
-            return gather_rows(t.view(torch.bfloat16), index).view(t.dtype)
-        return t.view(torch.uint8).index_select(0, index).view(t.dtype)
-    return gather_rows(t, index)
-
-
 def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, down_scale,
                     gate_fn, config, ids_in_range=False, num_valid_slots=None) -> torch.Tensor:
     E = gate_up.shape[0]
@@ -184,7 +174,7 @@ def _expert_ffn_fp8(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, dow
     S = perm.token_index.shape[0] if num_valid_slots is None else num_valid_slots
     index = perm.token_index[:S]
     xq, sx = _quantize_acts(x, g, gate_up.dtype)  # T rows, before the gather
-    xs = _gather_rows(xq, index)  # (S, H), rows grouped by expert
+    xs = gather_rows(xq, index)  # (S, H), rows grouped by expert (FP8 moved as bits)
     ss = _gather_scales(sx, index)
     # (E, K, N) K-major views of the (E, N, K) weights and of their block scales: no copy.
     s1, s2 = gate_up_scale, down_scale

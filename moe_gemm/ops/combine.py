@@ -23,11 +23,15 @@ import torch.nn.functional as F
 
 from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K
 from moe_gemm.ops import launch_resources
-from moe_gemm.ops.row_kernels import row_kernel_allowed, vector_rows_ok
+from moe_gemm.ops.row_kernels import (
+    INDEX_DTYPES,
+    KERNEL_DTYPES,
+    check_row_operands,
+    row_kernel_allowed,
+    vector_rows_ok,
+)
 
 COMBINE_ENV = "MOE_GEMM_COMBINE"  # "torch": embedding_bag even where the kernel runs
-_KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
 
 
 def combine_rows(y: torch.Tensor, rows: torch.Tensor,
@@ -63,15 +67,7 @@ def _check(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) ->
         got = ", ".join(type(t).__name__ for t in (y, rows, weights))
         raise TypeError(f"combine_rows: y, rows and weights must be torch.Tensors (weights may "
                         f"be None); got {got}")
-    if y.dim() != 2 or not y.is_floating_point():
-        raise TypeError(f"combine_rows: y must be a 2-D (S, H) floating tensor; got "
-                        f"{tuple(y.shape)} {y.dtype}")
-    if rows.dim() != 2 or rows.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"combine_rows: rows must be a 2-D (T, k) int64 or int32 tensor; got "
-                        f"{tuple(rows.shape)} {rows.dtype}")
-    if rows.device != y.device:
-        raise ValueError(f"combine_rows: rows must be on y's device {y.device}; got "
-                         f"{rows.device}")
+    check_row_operands("combine_rows", "y", y, "(S, H)", rows, "(T, k)", 2)
     if weights is not None:
         if not weights.is_floating_point():
             raise TypeError(f"combine_rows: weights must be a floating tensor; got "
@@ -93,7 +89,7 @@ def _kernel_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None
 
 def _layout_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:
     """Whether the kernel takes these dtypes, shapes, strides and alignment."""
-    if y.dtype not in _KERNEL_DTYPES or rows.dtype not in _INDEX_DTYPES:
+    if y.dtype not in KERNEL_DTYPES or rows.dtype not in INDEX_DTYPES:
         return False
     if y.dim() != 2 or rows.dim() != 2 or not 1 <= rows.shape[1] <= COMBINE_MAX_K:
         return False
@@ -108,7 +104,7 @@ def _kernel(dtype: torch.dtype, index_dtype: torch.dtype, k: int, weighted: bool
     from moe_gemm.kernels.sm90.combine import CombineCompileKey, compile_combine
     from moe_gemm.ops import kernel_cache as cache
 
-    key = CombineCompileKey(_KERNEL_DTYPES[dtype], _INDEX_DTYPES[index_dtype], k, weighted)
+    key = CombineCompileKey(KERNEL_DTYPES[dtype], INDEX_DTYPES[index_dtype], k, weighted)
     return cache.get_or_compile(key, key.name, lambda: compile_combine(key))
 
 

@@ -27,6 +27,10 @@ MAX_ROW_VECS = MAX_GRID_Y * ROW_THREADS
 # ones), with room past the last for a CTA's rows (the gather rounds S up to its 8 rows).
 MAX_ROWS = 2**31 - 1024
 
+# The kernels' row and index dtypes, by the names their compile keys take.
+KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # (a Parameter is a plain tensor with a flag)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
@@ -58,3 +62,25 @@ def vector_rows_ok(t: torch.Tensor) -> bool:
     rows, H = t.shape
     return not (rows == 0 or rows > MAX_ROWS or H % COMBINE_VEC or H > MAX_ROW_VECS * COMBINE_VEC
                 or t.stride(1) != 1 or t.stride(0) % COMBINE_VEC or t.data_ptr() % 16)
+
+
+def check_row_operands(op: str, name: str, t: torch.Tensor, t_shape: str, rows: torch.Tensor,
+                       rows_shape: str, rank: int) -> None:
+    """TypeError / ValueError naming what `op` expects, from metadata only (no host sync):
+    `name` a dense 2-D `t_shape` floating tensor, `rows` a dense int64 / int32 tensor of
+    `rows_shape` (`rank` dimensions) on t's device. (Unchecked, a CPU rows beside
+    a GPU t reached a kernel as a host pointer, and a sparse or nested tensor failed inside
+    torch with a message about its own arguments.)"""
+    for label, x in ((name, t), ("rows", rows)):
+        # (first: a nested tensor has no sizes to read, and reports the strided layout)
+        if x.is_nested or x.layout != torch.strided:
+            got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
+            raise TypeError(f"{op}: {label} must be a dense (strided) tensor; got {got}")
+    if t.dim() != 2 or not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a 2-D {t_shape} floating tensor; got "
+                        f"{tuple(t.shape)} {t.dtype}")
+    if rows.dim() != rank or rows.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{op}: rows must be a {rank}-D {rows_shape} int64 or int32 tensor; got "
+                        f"{tuple(rows.shape)} {rows.dtype}")
+    if rows.device != t.device:
+        raise ValueError(f"{op}: rows must be on {name}'s device {t.device}; got {rows.device}")

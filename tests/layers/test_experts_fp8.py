@@ -60,19 +60,3 @@ def test_a_down_projection_that_does_not_fit_gate_up_is_refused_by_the_check(gra
     err = float((y.double() - ref).norm() / ref.norm())
     assert err < 1e-2, err
 
-
-@pytest.mark.parametrize("H", [64, 7, 2])
-def test_fp8_rows_are_gathered_bit_for_bit(H):
-    # FP8 rows move as 16-bit words where their width allows (the token gather), else as
-    # bytes: either way every bit, NaN and negative-zero encodings included, arrives as is.
-    from moe_gemm.layers.experts_fp8 import _gather_rows
-
-    gen = torch.Generator().manual_seed(H)
-    raw = torch.randint(0, 256, (9, H + 3), generator=gen, dtype=torch.uint8)
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        t = raw.view(dtype)[:, :H]  # a strided view: rows H + 3 bytes apart
-        index = torch.tensor([8, 0, 0, 3, 7], dtype=torch.int64)
-        for src in (t, t.contiguous()):
-            got = _gather_rows(src, index)
-            assert got.dtype == dtype and got.shape == (5, H)
-            assert torch.equal(got.view(torch.uint8), src.contiguous().view(torch.uint8)[index])

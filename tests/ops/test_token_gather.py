@@ -344,3 +344,32 @@ def test_vmap():
                        xs[:, rows])
     rs = torch.stack([rows, rows.flip(0)])
     assert torch.equal(torch.vmap(token_gather.gather_rows, in_dims=(None, 0))(x, rs), x[rs])
+
+
+@pytest.mark.parametrize("H", [64, 7, 2])
+def test_fp8_rows_are_gathered_bit_for_bit(H):
+    # FP8 rows move as 16-bit words where their width allows (the kernel on a GPU), else as
+    # index_select: either way every bit, NaN and negative-zero encodings included, arrives as is.
+    gen = torch.Generator().manual_seed(H)
+    raw = torch.randint(0, 256, (9, H + 3), generator=gen, dtype=torch.uint8)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = raw.view(dtype)[:, :H]  # a strided view: rows H + 3 bytes apart
+        index = torch.tensor([8, 0, 0, 3, 7], dtype=torch.int64)
+        for src in (t, t.contiguous()):
+            got = token_gather.gather_rows(src, index)
+            assert got.dtype == dtype and got.shape == (5, H)
+            assert torch.equal(got.view(torch.uint8), src.contiguous().view(torch.uint8)[index])
+
+
+def test_fp8_rows_reach_the_kernel_as_16_bit_words(on_gpu):
+    raw = torch.randint(0, 256, (12, 48), dtype=torch.uint8)
+    index = torch.tensor([11, 0, 5, 5], dtype=torch.int64)
+    x = raw.view(torch.float8_e4m3fn)
+    out = token_gather.gather_rows(x[:, :32], index)  # rows 48 bytes apart: 24 words
+    assert _kernel_calls(on_gpu) == 1 and (torch.bfloat16, torch.int64) in on_gpu
+    assert out.dtype == x.dtype and torch.equal(out.view(torch.uint8), raw[index, :32])
+    for odd in (x[:, :31], x[:, 1:33], x.reshape(-1)[:33 * 11].view(11, 33)):
+        got = token_gather.gather_rows(odd, index.clamp(max=10))  # odd width, offset, stride
+        assert torch.equal(got.view(torch.uint8), odd.contiguous().view(torch.uint8)[
+            index.clamp(max=10)])
+    assert _kernel_calls(on_gpu) == 1  # (those took index_select)

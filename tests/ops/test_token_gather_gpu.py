@@ -103,8 +103,9 @@ def test_cuda_graph_replay_sees_new_rows():
 
 def test_fp8_rows_move_bit_for_bit_as_16_bit_words():
     # The FP8 layer gathers its quantized rows through the kernel as pairs of values
-    # (layers/experts_fp8._gather_rows): every bit pattern, NaN encodings included, arrives.
-    from moe_gemm.layers.experts_fp8 import _gather_rows
+    # (gather_rows views 1-byte rows as 16-bit words): every bit pattern, NaN encodings
+    # included, arrives.
+    _gather_rows = token_gather.gather_rows
 
     gen = torch.Generator(device=DEV).manual_seed(11)
     raw = torch.randint(0, 256, (300, 7168), device=DEV, generator=gen, dtype=torch.uint8)
@@ -252,7 +253,8 @@ def test_vmap_and_torch_compile():
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32,
                                    torch.float64])
-def test_other_floating_dtypes_take_index_select(dtype):
+def test_other_floating_dtypes_keep_their_bits(dtype):
+    # (fp32 / fp64: index_select; FP8: the kernel on 16-bit words, not on its own dtype)
     x, rows = _case(64, 100, 256, seed=19)
     x = x.float().to(dtype)
     assert not token_gather._kernel_ok(x, rows)
