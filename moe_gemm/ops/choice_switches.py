@@ -13,7 +13,7 @@ from moe_gemm.kernels.sm90.constants import SPLIT_WAYS
 from moe_gemm.ops import tuned
 
 if TYPE_CHECKING:
-    from moe_gemm.ops.heuristics import KernelChoice
+    from moe_gemm.ops.choice_rules import KernelChoice
 
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 SPLIT_WAYS_ENV = "MOE_GEMM_SPLIT_WAYS"

@@ -15,20 +15,31 @@ routings for grouped_mm of several experts).
 from __future__ import annotations
 
 import functools
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, replace
 
-from moe_gemm.config import COOPERATIVE_TILES, PINGPONG_TILES, GemmConfig
+from moe_gemm.config import GemmConfig
 from moe_gemm.env import env_value
-from moe_gemm.kernels.sm90.constants import (
-    SPLIT_WAYS,
-    TILE_K,
-    raster_code,
-    raster_fields,
-)
+from moe_gemm.kernels.sm90.constants import SPLIT_WAYS, TILE_K
 from moe_gemm.ops import grid_fit, tuned
 from moe_gemm.ops import schedule as sched
+from moe_gemm.ops.choice_rules import (  # noqa: F401 (KernelChoice, raster_of, choice_fields re-exported)
+    AB_ITEMSIZE,
+    ITEMSIZE,
+    KernelChoice,
+    check_tail_split,
+    check_tile,
+    choice_fields,
+    cluster_choice,
+    fill_known,
+    fit_schedule,
+    fit_waves,
+    general_rules,
+    narrowed,
+    pick_tile,
+    pinned_whole_epilogue,
+    raster_of,
+    split_allowed,
+    warn_unusable,
+)
 from moe_gemm.ops.choice_switches import (  # noqa: F401 (re-exported)
     FAST_GATE_ENV,
     GATHER_FENCE_ENV,
@@ -60,123 +71,14 @@ from moe_gemm.ops.swap_rules import (  # noqa: F401 (the swapped tiles' rules, r
 )
 
 
-def raster_of(config: GemmConfig, default_panel: int) -> int:
-    """The kernel's raster code for a config's raster pins, the panel defaulting to
-    `default_panel` (m-tiles per panel, no serpentine, unless pinned)."""
-    return raster_code(config.raster_panel or default_panel, config.raster_along or "m",
-                       bool(config.raster_serpentine))
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    schedule: str  # "pingpong" | "cooperative"
-    visitor: str  # "device" | "host"
-    tile_m: int
-    tile_n: int
-    stages: int | None
-    sort_by_k: bool
-    swizzle: int  # the raster code: panel, axis, serpentine (constants.raster_code)
-    a_policy: int = 0  # L2 eviction priority of A / B loads, used when l2_hints is set
-    b_policy: int = 0
-    l2_hints: bool = False
-    epi_n: int = 32  # cooperative epilogue subtile width (compile-time)
-    cluster_m: int = 1  # CTAs per cluster along M (B multicast)
-    cluster_n: int = 1  # CTAs per cluster along N (A multicast)
-    epi_whole: bool = False  # whole-tile epilogue (compile-time)
-    tail_split: bool = False  # a short last wave split over K (kernels/constants.py)
-    promote_lag: bool = False  # FP8: promotion one stage behind the WGMMAs (heuristics_fp8)
-    scale_ahead: int = 1  # FP8 block scales: stages ahead their scales load (heuristics_fp8)
-    smem_scales: bool = False  # FP8 block scales staged in shared memory (heuristics_fp8)
-    skip_empty_half: bool = False  # FP8: a warpgroup whose rows are all past the end idles
-    trim_a: bool = False  # varlen: an expert's last tile loads only its own A rows
-    peek_wait: bool = False  # 16-bit: the math warps test the next stage's barrier a k-tile ahead
-    split_ways: int = SPLIT_WAYS  # with tail_split: the most CTAs one tail tile is split over
-    wave_fit: bool = False  # the whole-wave fit moved the tile (grid_fit.wave_fit; reports)
-    swap_ab: bool = False  # varlen: the rows on the WGMMA's N side (kernels/sm90/swapped.py)
-
-
-def _pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:
-    if schedule == "cooperative":
-        # 128x256: each A row feeds 256 columns, the least L2 traffic per FLOP.
-        return (128, 256) if n >= 256 else (128, 128)
-    # Ping-pong: each warpgroup owns a tile (tile_m * tile_n / 128 fp32 accumulators per
-    # thread: 192 at 128x192, the most that fits beside the epilogue's registers).
-    if avg_m <= 64 and n >= 256:
-        return (64, 256)
-    if avg_m > 64 and n >= 192:
-        # 128x192 over 128x128 wherever it was measured (H200, 2026-11-21, back-to-back):
-        # k-varying 122 us vs 136; varlen, E=8 N=14336 K=4096 at 128 rows/expert 313 vs 356,
-        # E=128 N=2048 K=768 at 256 rows/expert 213 vs 233, E=128 N=5760 K=2880 1349 vs 1422
-        # (docs/measurements.md).
-        return (128, 192)
-    return (128, 128)
-
-
-def _split_allowed(config: GemmConfig, pinned_split: bool = True) -> bool:
-    """Whether a config leaves the grid-filling rule free to take the tail split (cooperative,
-    device visitor, 1x1 cluster): not pinned to a cluster or the host visitor, nor (where
-    pinned_split: the config is the caller's) the split pinned off."""
-    return ((config.tail_split is not False or not pinned_split)
-            and config.visitor in ("auto", "device")
-            and (config.cluster_m or 1) * (config.cluster_n or 1) == 1)
-
-
-def _fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages: int | None,
-                avg_m: float, n: int, tiles: Callable[[int, int], float], num_sms: int,
-                k_tiles: float, shares: int = 0
-                ) -> tuple[str, tuple[int, int], int | None, bool]:
-    """The general and batched forms' (schedule, tile, stages, tail split) past
-    _general_rules, where the tile count is known: problems of at most 64 rows take
-    ping-pong's 64-row tile even on long K (8 x 1x4096x4096: 65.0 us against cooperative
-    128x256's 71.8; the varlen rule's 64-row tile, moe-decode 271 against 300), then
-    grid_fit.fill_grid fills a grid that the tile leaves mostly idle (shares: where the form
-    builds the tail split and the caller allows it, the most CTAs it may share a tile over,
-    else 0). A pinned tile or schedule is kept."""
-    if config.tile_m is not None:
-        return schedule, tile, stages, False
-    if (schedule == "cooperative" and config.schedule == "auto" and avg_m <= 64
-            and k_tiles > SHORT_K_TILES and _fit_schedule("pingpong", config) == "pingpong"):
-        schedule, tile, stages = "pingpong", _pick_tile("pingpong", avg_m, n), config.stages
-    filled, narrow, split = grid_fit.fill_grid(schedule, tile, tiles, num_sms, k_tiles,
-                                               shares if _split_allowed(config) else 0,
-                                               config.schedule == "auto")
-    if (filled, narrow) != (schedule, tile):
-        # (the rules' stage count is for their tile: the new one takes its default)
-        return filled, narrow, config.stages, split
-    return schedule, tile, stages, split
-
-
 def _filled(config: GemmConfig, T: int, E: int, N: int, K: int, num_sms: int,
             shares: int) -> GemmConfig:
     """A tile voted by the nearest tuned shapes, fitted to the grid as grid_fit.fill_grid fits
     the rules' tile: the vote weighs shapes by distance in N, K and rows per expert, which does
     not say how many experts get rows (one routed row on 64 experts lies beside 16 tokens x
     top-8)."""
-    return _narrowed(config, lambda tm, tn: grid_fit.expected_tiles(T, E, N, tm, tn), num_sms,
+    return narrowed(config, lambda tm, tn: grid_fit.expected_tiles(T, E, N, tm, tn), num_sms,
                      -(-K // TILE_K), shares)
-
-
-def _narrowed(config: GemmConfig, tiles: Callable[[int, int], float], num_sms: int,
-              k_tiles: float, shares: int = 0) -> GemmConfig:
-    """A voted config fitted by grid_fit.fill_grid (tiles: the launch's tile count). The
-    vote's stages, whole-tile epilogue and tail split were timed on its tile: a new tile takes
-    what the rules give it (default stages, no whole-tile epilogue, the tail split where
-    grid_fit.fill_grid takes it), else the H200 table's vote for E=1 N=512 K=14336 at 512 rows
-    ran 128x64 with 128x256's 3 stages and whole epilogue."""
-    tile = (config.tile_m, config.tile_n)
-    if config.tile_m is None or config.schedule not in ("pingpong", "cooperative"):
-        return config
-    # (A vote's own tail split was timed for another launch: not a pin here.)
-    schedule, narrow, split = grid_fit.fill_grid(
-        config.schedule, tile, tiles, num_sms, k_tiles,
-        shares if _split_allowed(config, False) else 0, True)
-    if (schedule, narrow) == (config.schedule, tile):
-        return config.replace(tail_split=True) if split and not config.tail_split else config
-    try:
-        return config.replace(schedule=schedule, tile_m=narrow[0], tile_n=narrow[1],
-                              stages=None, whole_epilogue=False, tail_split=split)
-    except ValueError:  # (a pinned field the new tile does not build with: keep the vote)
-        return config
 
 
 def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
@@ -188,7 +90,7 @@ def _general_filled(config: GemmConfig, sizes: tuple[tuple[int, int, int], ...],
     live = [(m, n, k) for m, n, k in sizes if m > 0 and n > 0]
     if not live or len(live) >= num_sms:
         return config
-    return _narrowed(config, grid_fit.list_tiles(live), num_sms,
+    return narrowed(config, grid_fit.list_tiles(live), num_sms,
                      sum(-(-k // TILE_K) for _, _, k in live) / len(live), shares)
 
 
@@ -219,7 +121,7 @@ def _choose_general_tuned(config, sizes, num_sms, out_itemsize, device, dtype, o
             tuned_config = _general_filled(tuned_config, sizes, num_sms, shares)
             return _general_fitted(config, tuned_config, sizes, num_sms, out_itemsize, shares)
         except ValueError as exc:
-            _unusable(hit, exc)
+            warn_unusable(hit, exc)
     return _general_fitted(config, config, sizes, num_sms, out_itemsize, shares)
 
 
@@ -253,7 +155,7 @@ def _general_fitted(user: GemmConfig, config: GemmConfig, sizes, num_sms: int,
     if not blocks:
         return choice
     live = sum(blocks.values())
-    return _fit_waves(
+    return fit_waves(
         config, choice, lambda c: _choose_general(c, sizes, num_sms, out_itemsize, shares),
         grid_fit.cluster_ctas([(g, m, n) for (m, n), g in blocks.items()]),
         flops, bytes_moved, k_sum / live, num_sms, area)
@@ -284,20 +186,9 @@ def _general_hit(config, sizes, num_sms, device, dtype, out_dtype) -> tuned.Hit 
     found = _general_key(sizes, dtype, out_dtype)
     if found is None:
         return None
-    rules = _choose_general(config, sizes, num_sms, _ITEMSIZE.get(out_dtype, 2),
+    rules = _choose_general(config, sizes, num_sms, ITEMSIZE.get(out_dtype, 2),
                             split_shares())
     return tuned.lookup(device, found[0], found[1], num_sms, choice_fields(rules, "general"))
-
-
-_unusable_warned: set = set()
-
-
-def _unusable(hit: tuned.Hit, exc: Exception) -> None:
-    """A table entry the rules refuse for this call (it then runs by the rules): warn once."""
-    if hit.fields not in _unusable_warned:
-        _unusable_warned.add(hit.fields)
-        warnings.warn(f"moe_gemm: tuned config {dict(hit.fields)} from {hit.source} cannot run "
-                      f"here ({exc}); using the rules", RuntimeWarning, stacklevel=5)
 
 
 @functools.lru_cache(maxsize=256)
@@ -323,7 +214,7 @@ def _choose_general(
     # ping-pong, whose epilogue hides behind the other warpgroup's mainloop (k-varying,
     # 2-16 k-tiles per tile: pingpong 128x192 122 us vs cooperative 130).
     avg_k_tiles = sum_k_tiles / max(1, count)
-    schedule, tile, stages = _general_rules(config, avg_m, max_n, avg_k_tiles)
+    schedule, tile, stages = general_rules(config, avg_m, max_n, avg_k_tiles)
     ruled, filled_split = (schedule, tile), False
     if count < num_sms:  # (each live problem has a tile at least: no more can fill the grid)
 
@@ -337,10 +228,10 @@ def _choose_general(
                 return sum_m / tm
             return exact(tm, tn)
 
-        schedule, tile, stages, filled_split = _fill_known(
+        schedule, tile, stages, filled_split = fill_known(
             config, schedule, tile, stages, avg_m, max_n, tiles, num_sms, avg_k_tiles, shares)
     visitor = config.visitor if config.visitor != "auto" else "device"
-    cm, cn = _cluster_choice(config)
+    cm, cn = cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"
             and not config.tail_split and tile[1] == 256
             and grid_fit.pairs_fill(sizes, tile[0], tile[1])):
@@ -365,8 +256,8 @@ def _choose_general(
     else:
         tail_split = config.tail_split
         if tail_split:
-            _check_tail_split(schedule, visitor, cm, cn)
-    epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
+            check_tail_split(schedule, visitor, cm, cn)
+    epi_whole = pinned_whole_epilogue(config, schedule, out_itemsize)
     swizzle = raster_of(config, 8)
     return _general_choice(schedule, visitor, tile[0], tile[1], stages, sort, cm, cn, swizzle,
                            epi_whole, tail_split and shares > 0)
@@ -382,49 +273,6 @@ def _general_choice(schedule: str, visitor: str, tile_m: int, tile_n: int, stage
     return KernelChoice(schedule, visitor, tile_m, tile_n, stages, sort, swizzle,
                         cluster_m=cluster_m, cluster_n=cluster_n, epi_whole=epi_whole,
                         tail_split=tail_split)
-
-
-def _pinned_whole_epilogue(config: GemmConfig, schedule: str, out_itemsize: int) -> bool:
-    """config.whole_epilogue where the rules do not decide it (general and batched forms)."""
-    if not config.whole_epilogue:
-        return False
-    _check_whole_epilogue(schedule, out_itemsize)
-    return True
-
-
-def _check_whole_epilogue(schedule: str, out_itemsize: int) -> None:
-    if schedule != "cooperative":
-        raise ValueError("whole_epilogue=True is built for the cooperative schedule; the "
-                         f"configured tile runs {schedule}")
-    if out_itemsize != 2:
-        raise ValueError("whole_epilogue=True is built for 16-bit (bf16/fp16) output")
-
-
-def _check_tail_split(schedule: str, visitor: str, cm: int, cn: int) -> None:
-    if schedule != "cooperative" or visitor != "device" or cm * cn != 1:
-        raise ValueError("tail_split=True is built for the cooperative schedule, the device "
-                         f"visitor and a 1x1 cluster; this config runs {schedule}, visitor "
-                         f"{visitor}, cluster {cm}x{cn}")
-
-
-def _general_rules(config: GemmConfig, avg_m: float, max_n: int, avg_k_tiles: float
-                   ) -> tuple[str, tuple[int, int], int | None]:
-    """(schedule, tile, stages) for problems known on the host (general and batched forms)."""
-    if config.schedule != "auto":
-        schedule = config.schedule
-    else:
-        schedule = _fit_schedule("pingpong" if avg_k_tiles <= SHORT_K_TILES and max_n >= 192
-                                 else "cooperative", config)
-    if config.tile_m is not None:
-        tile = (config.tile_m, config.tile_n)
-        _check_tile(schedule, tile)
-    else:
-        tile = _pick_tile(schedule, avg_m, max_n)
-    stages = config.stages
-    if stages is None and schedule == "cooperative" and tile == (128, 256) and avg_k_tiles >= 64:
-        # Long K: 3 stages beat 4 (uniform 561 vs 568 us; moe-prefill 3189 vs 3256).
-        stages = 3
-    return schedule, tile, stages
 
 
 def choose_varlen(
@@ -512,7 +360,7 @@ def _varlen_from_hit(config, hit, T, E, N, K, out_itemsize, shares,
         tuned_config = _filled(tuned_config, T, E, N, K, num_sms, shares)
         return _varlen_fitted(config, tuned_config, T, E, N, K, out_itemsize, shares, num_sms)
     except ValueError as exc:
-        _unusable(hit, exc)
+        warn_unusable(hit, exc)
         return None
 
 
@@ -525,39 +373,10 @@ def _varlen_fitted(user: GemmConfig, config: GemmConfig, T: int, E: int, N: int,
     if T <= 0 or E <= 0 or user.tuning_pinned:
         return choice
     ctas = (grid_fit.cluster_ctas(((1, T, N),)) if E == 1 else grid_fit.routed_ctas(T, E, N))
-    return _fit_waves(
+    return fit_waves(
         config, choice, lambda c: _varlen_rules(c, T, E, N, K, out_itemsize, shares, num_sms),
         ctas, 2.0 * T * N * K,
         (T * K + min(E, T) * N * K) * AB_ITEMSIZE + T * N * out_itemsize, K, num_sms, T * N)
-
-
-# The kernels' operands are 16-bit (bf16 / fp16).
-AB_ITEMSIZE = 2
-
-
-def _fit_waves(config: GemmConfig, choice: KernelChoice,
-               rules: Callable[[GemmConfig], KernelChoice], ctas: grid_fit.CtaCount,
-               flops: float, bytes_moved: float, K: float, num_sms: int,
-               area: float) -> KernelChoice:
-    """`choice` (the form's rules for `config`), or where grid_fit.wave_fit moves it, the
-    rules for config pinned to the fit's tile and cluster (default stages, no tail split or
-    whole-tile epilogue: what the fit assumed), marked wave_fit. For a caller's config that
-    pins no tuned field (the callers check); ctas: the launch's CTA count per tile and
-    cluster, K: the problems' (average) depth, area: their output elements."""
-    member = grid_fit.wave_fit(
-        choice.schedule, (choice.tile_m, choice.tile_n), (choice.cluster_m, choice.cluster_n),
-        choice.tail_split, ctas, num_sms,
-        grid_fit.intensity(flops, bytes_moved), K / TILE_K, SHORT_K_TILES, area)
-    if member is None:
-        return choice
-    schedule, tm, tn, cm, cn = member
-    try:
-        moved = config.replace(schedule=schedule, tile_m=tm, tile_n=tn, cluster_m=cm,
-                               cluster_n=cn, stages=None, whole_epilogue=False,
-                               tail_split=False)
-    except ValueError:  # (a vote's field the member does not build with: keep the choice)
-        return choice
-    return replace(rules(moved), wave_fit=True)
 
 
 def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype,
@@ -567,37 +386,11 @@ def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype,
     if device is None or config.tuning_pinned or T <= 0 or E <= 0:
         return None
     key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
-    rules = choice_fields(_varlen_rules(config, T, E, N, K, _ITEMSIZE.get(out_dtype, 2),
+    rules = choice_fields(_varlen_rules(config, T, E, N, K, ITEMSIZE.get(out_dtype, 2),
                                         split_shares(), num_sms), "varlen")
     if unswapped:
         return tuned.unswapped_pick(device, key, T, rules)
     return tuned.lookup(device, key, T, num_sms, rules)
-
-
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def choice_fields(choice: KernelChoice, form: str) -> dict:
-    """The explicit GemmConfig fields that reproduce a KernelChoice (for the tuner's candidates
-    and for comparing the rules' choice with a tuned table's)."""
-    panel, along, serpentine = raster_fields(choice.swizzle)
-    fields = {
-        "schedule": choice.schedule, "visitor": choice.visitor,
-        "tile_m": choice.tile_m, "tile_n": choice.tile_n,
-        "cluster_m": choice.cluster_m, "cluster_n": choice.cluster_n,
-        "stages": choice.stages, "raster_panel": panel,
-        "whole_epilogue": choice.epi_whole,
-    }
-    if along != "m":
-        fields["raster_along"] = along
-    if serpentine:
-        fields["raster_serpentine"] = True
-    fields["tail_split"] = choice.tail_split
-    if form == "general":
-        fields["sort_by_k"] = choice.sort_by_k
-    if choice.swap_ab:
-        fields["swap_ab"] = True
-    return fields
 
 
 def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsize: int,
@@ -616,22 +409,22 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
             # rows/expert: pingpong 128x192 213 / 216 us vs cooperative 128x256 222 / 221 (two
             # runs, H200, 2026-11-21); at K=1408 (moe-down) cooperative still wins, 191 vs 200.
             schedule = "pingpong"
-        schedule = _fit_schedule(schedule, config)
-    narrowed = filled_split = False
+        schedule = fit_schedule(schedule, config)
+    tile_narrowed = filled_split = False
     if config.tile_m is not None:
         tile = (config.tile_m, config.tile_n)
-        _check_tile(schedule, tile)
+        check_tile(schedule, tile)
     else:
-        picked = _pick_tile(schedule, avg_m, N)
+        picked = pick_tile(schedule, avg_m, N)
         ruled = schedule
         schedule, tile, filled_split = grid_fit.fill_grid(
             schedule, picked, lambda tm, tn: grid_fit.expected_tiles(T, E, N, tm, tn), num_sms,
-            -(-K // TILE_K), shares if _split_allowed(config) else 0,
+            -(-K // TILE_K), shares if split_allowed(config) else 0,
             config.schedule == "auto")
-        narrowed = (schedule, tile) != (ruled, picked)
+        tile_narrowed = (schedule, tile) != (ruled, picked)
     visitor = config.visitor if config.visitor != "auto" else "device"
     stages = config.stages
-    cm, cn = _cluster_choice(config)
+    cm, cn = cluster_choice(config)
     if cm * cn > 1:
         visitor = "device"
     # Long K, cooperative 128x256: 3 A/B stages (see choose_general), but in a 1x2 cluster
@@ -652,7 +445,7 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
         if epi_whole:
             stages = 3
     else:
-        epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
+        epi_whole = pinned_whole_epilogue(config, schedule, out_itemsize)
     # Raster panel (m-tiles per panel, see schedule.tile_coord): 16 for the same long-K case.
     # A wider panel re-reads each expert's B from HBM fewer times (mixtral: 17 m-tiles per
     # expert, B 117 MB each: 3 passes at 8, 2 at 16), which saves power, and under sustained
@@ -672,11 +465,11 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # 65 against 68).
     if config.tail_split is None:
         tail_split = filled_split or (schedule == "cooperative" and visitor == "device"
-                                      and cm * cn == 1 and K >= LONG_K and not narrowed)
+                                      and cm * cn == 1 and K >= LONG_K and not tile_narrowed)
     else:
         tail_split = config.tail_split
         if tail_split:
-            _check_tail_split(schedule, visitor, cm, cn)
+            check_tail_split(schedule, visitor, cm, cn)
     choice = KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, swizzle,
                           cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
                           tail_split=tail_split and shares > 0)
@@ -705,12 +498,12 @@ def _choose_batched_tuned(config, G, M, N, K, num_sms, out_itemsize, device, dty
             tuned_config = hit.apply(config)
             if hit.how == "exact":
                 return _choose_batched(tuned_config, G, M, N, K, num_sms, out_itemsize, shares)
-            tuned_config = _narrowed(tuned_config, grid_fit.batched_tiles(G, M, N), num_sms,
+            tuned_config = narrowed(tuned_config, grid_fit.batched_tiles(G, M, N), num_sms,
                                      -(-K // TILE_K), shares)
             return _batched_fitted(config, tuned_config, G, M, N, K, num_sms, out_itemsize,
                                    shares)
         except ValueError as exc:
-            _unusable(hit, exc)
+            warn_unusable(hit, exc)
     return _batched_fitted(config, config, G, M, N, K, num_sms, out_itemsize, shares)
 
 
@@ -720,7 +513,7 @@ def _batched_fitted(user: GemmConfig, config: GemmConfig, G: int, M: int, N: int
     choice = _choose_batched(config, G, M, N, K, num_sms, out_itemsize, shares)
     if user.tuning_pinned:
         return choice
-    return _fit_waves(
+    return fit_waves(
         config, choice, lambda c: _choose_batched(c, G, M, N, K, num_sms, out_itemsize, shares),
         grid_fit.cluster_ctas(((G, M, N),)), 2.0 * G * M * N * K,
         G * ((M * K + N * K) * AB_ITEMSIZE + M * N * out_itemsize), K, num_sms, G * M * N)
@@ -730,7 +523,7 @@ def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned
     if device is None or config.tuning_pinned or G <= 0 or M <= 0:
         return None
     key = tuned.Key("batched", dtype, out_dtype, G, N, K, tuned.rows_bucket(M))
-    rules = _choose_batched(config, G, M, N, K, num_sms, _ITEMSIZE.get(out_dtype, 2),
+    rules = _choose_batched(config, G, M, N, K, num_sms, ITEMSIZE.get(out_dtype, 2),
                             split_shares())
     return tuned.lookup(device, key, G * M, num_sms, choice_fields(rules, "batched"))
 
@@ -738,66 +531,27 @@ def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned
 @functools.lru_cache(maxsize=256)
 def _choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int,
                     out_itemsize: int = 2, shares: int = SPLIT_WAYS) -> KernelChoice:
-    schedule, tile, stages = _general_rules(config, M, N, -(-K // TILE_K))
+    schedule, tile, stages = general_rules(config, M, N, -(-K // TILE_K))
     ruled = tile
-    schedule, tile, stages, filled_split = _fill_known(
+    schedule, tile, stages, filled_split = fill_known(
         config, schedule, tile, stages, M, N, grid_fit.batched_tiles(G, M, N), num_sms,
         -(-K // TILE_K), shares)
     # Tiles are found by division (every problem has the same count): the visitor and K-sort
     # have nothing to decide here.
-    cm, cn = _cluster_choice(config)
+    cm, cn = cluster_choice(config)
     if (config.cluster_m is None and schedule == "cooperative" and N >= 2 * tile[1]
             and tile == ruled and not filled_split and not config.tail_split):
         # 1x2: the two CTAs of a cluster take the two n-tiles of one m-tile and multicast A.
         # Uniform headline (256 x 128x512x7168, H200, 2026-11-21, back-to-back): 524 us vs
         # 543 at 1x1 and torch.bmm 531; fp16 524 vs 541 / 532 (interleaved A/B).
         cm, cn = 1, 2
-    epi_whole = _pinned_whole_epilogue(config, schedule, out_itemsize)
+    epi_whole = pinned_whole_epilogue(config, schedule, out_itemsize)
     tail_split = filled_split if config.tail_split is None else config.tail_split
     if tail_split:
-        _check_tail_split(schedule, "device", cm, cn)
+        check_tail_split(schedule, "device", cm, cn)
     return KernelChoice(schedule, "device", tile[0], tile[1], stages, False,
                         raster_of(config, 8), cluster_m=cm, cluster_n=cn,
                         epi_whole=epi_whole, tail_split=tail_split and shares > 0)
-
-
-def _cluster_choice(config: GemmConfig) -> tuple[int, int]:
-    """(cluster_m, cluster_n): what the config pins, else 1x1 (AGENTS.md has the 2x1 / 1x2
-    measurements; the general and batched rules may then pick 1x2). Both schedules build
-    every cluster (_fit_schedule says which one "auto" takes under a pinned one)."""
-    if config.cluster_m is None:
-        return 1, 1
-    return config.cluster_m, config.cluster_n or 1
-
-
-def _fit_schedule(schedule: str, config: GemmConfig) -> str:
-    """The rule's schedule (for schedule="auto"), fitted to what the config fixes: under a
-    pinned cluster, the tail split or the whole-tile epilogue the cooperative one, but a given
-    tile built for one schedule only (e.g. 128x256 cooperative, 64x256 ping-pong) selects
-    that schedule, as GemmConfig documents. Clusters build with both schedules, so a
-    ping-pong-only tile in a pinned cluster runs ping-pong; GemmConfig already refuses the
-    tail split and the whole-tile epilogue on a ping-pong-only tile."""
-    if (config.cluster_m or 1) * (config.cluster_n or 1) > 1:
-        schedule = "cooperative"
-    if config.tail_split or config.whole_epilogue:
-        schedule = "cooperative"
-    if config.tile_m is not None:
-        tile = (config.tile_m, config.tile_n)
-        if schedule == "pingpong" and tile not in PINGPONG_TILES:
-            schedule = "cooperative"
-        elif schedule == "cooperative" and tile not in COOPERATIVE_TILES:
-            schedule = "pingpong"
-    return schedule
-
-
-@functools.lru_cache(maxsize=64)
-def _check_tile(schedule: str, tile: tuple[int, int]) -> None:
-    allowed = PINGPONG_TILES if schedule == "pingpong" else COOPERATIVE_TILES
-    if tile not in allowed:
-        raise ValueError(
-            f"tile {tile[0]}x{tile[1]} is not built for schedule {schedule!r}; expected one of "
-            + ", ".join(f"{m}x{n}" for m, n in allowed)
-        )
 
 
 def choice_source(hit: tuned.Hit | None, choice: KernelChoice) -> str:

@@ -19,13 +19,8 @@ from moe_gemm.kernels.sm90.constants_fp8 import (
     fp8_tile_problem,
     scale_blocks_spanned,
 )
-from moe_gemm.ops.heuristics import (
-    KernelChoice,
-    raster_of,
-    tail_split_enabled,
-    with_l2_hints,
-    with_split_ways,
-)
+from moe_gemm.ops.choice_rules import KernelChoice, raster_of
+from moe_gemm.ops.choice_switches import tail_split_enabled, with_l2_hints, with_split_ways
 
 # The block-scaled kernel's promotion one stage behind the WGMMAs
 # (GroupedGemmFp8Sm90._mainloop_lagged), for tiles with room for a third accumulator. With the

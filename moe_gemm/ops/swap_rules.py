@@ -16,7 +16,7 @@ from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import SWAP_ROW_UNIT, SWAP_TILE_COLS, SWAP_TILE_ROWS
 
 if TYPE_CHECKING:
-    from moe_gemm.ops.heuristics import KernelChoice
+    from moe_gemm.ops.choice_rules import KernelChoice
 
 SWAP_AB_ENV = "MOE_GEMM_SWAP_AB"
 
