@@ -7,9 +7,10 @@ The k rows are summed in slot order in fp32 and rounded once to y's dtype, as
 `F.embedding_bag(rows, y, per_sample_weights=weights, mode="sum")` does, which it replaces.
 
 On an sm90a GPU with the CuTe DSL it is one kernel (kernels/sm90/combine.py: y read once, out
-written once); with MOE_GEMM_COMBINE=torch, while torch.compile traces, and for shapes the
-kernel does not take, it is embedding_bag. On an H200 (2026-11-29) the kernel took 0.16 ms where
-embedding_bag took 0.76 ms (Qwen3-30B-A3B at 16384 tokens: 131072 rows of 2048, k=8; the copy
+written once); with MOE_GEMM_COMBINE=torch, while torch.compile traces, for shapes the kernel
+does not take, and where autograd tracks y or the weights (the kernel has no derivative), it
+is embedding_bag. On an H200 (2026-11-29) the kernel took 0.16 ms where embedding_bag took
+0.76 ms (Qwen3-30B-A3B at 16384 tokens: 131072 rows of 2048, k=8; the copy
 floor 0.15 ms): the fused Qwen3 layer 3.23 -> 2.54 ms at that size, in one process
 (docs/measurements.md, 2026-11-29).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.autograd.forward_ad as fwad
 import torch.nn.functional as F
 
 from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K
@@ -26,6 +28,7 @@ from moe_gemm.ops import launch_resources
 from moe_gemm.ops.row_kernels import (
     INDEX_DTYPES,
     KERNEL_DTYPES,
+    autograd_tracked,
     check_row_operands,
     row_kernel_allowed,
     vector_rows_ok,
@@ -55,7 +58,27 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
     w = weights if weights is None or weights.dtype == y.dtype else weights.to(y.dtype)
     if y.device.type != "cpu":
         rows = rows.clamp(0, y.shape[0] - 1)  # (as the kernel does; S > 0, see _check)
+    if _forward_dual(y, w):
+        return _gathered_sum(y, rows, w)
     return F.embedding_bag(rows, y, per_sample_weights=w, mode="sum")
+
+
+def _forward_dual(y: torch.Tensor, w: torch.Tensor | None) -> bool:
+    """Whether y or w is a forward-mode dual tensor (embedding_bag has no forward derivative:
+    torch raises NotImplementedError)."""
+    if fwad._current_level < 0:
+        return False
+    return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in (y, w))
+
+
+def _gathered_sum(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """embedding_bag's sum from differentiable pieces (forward mode): the k rows gathered,
+    weighted and summed in fp32, rounded once to y's dtype."""
+    T, k = rows.shape
+    part = y.index_select(0, rows.reshape(-1)).view(T, k, y.shape[1]).float()
+    if w is not None:
+        part = part * w.float().unsqueeze(-1)
+    return part.sum(1).to(y.dtype)
 
 
 def _check(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
@@ -84,7 +107,9 @@ def _check(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) ->
 
 
 def _kernel_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:
-    return row_kernel_allowed(y, COMBINE_ENV) and _layout_ok(y, rows, weights)
+    # (autograd through y or the weights: embedding_bag, which has the derivatives)
+    return (row_kernel_allowed(y, COMBINE_ENV) and not autograd_tracked(y)
+            and not autograd_tracked(weights) and _layout_ok(y, rows, weights))
 
 
 def _layout_ok(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> bool:

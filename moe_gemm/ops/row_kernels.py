@@ -12,6 +12,7 @@ invisible to them, so a traced graph would lose the copy)."""
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwad
 
 from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import COMBINE_VEC
@@ -43,6 +44,19 @@ def row_kernel_allowed(t: torch.Tensor, switch: str) -> bool:
 
     # (before any layout check: under torch.func's grad the tensors have no data pointer)
     return cute_problem(t.device) is None
+
+
+def autograd_tracked(t: torch.Tensor | None) -> bool:
+    """Whether autograd differentiates through t here (the kernels have no derivative: the
+    callers then take torch's op): backward (t requires grad, grad enabled) or forward mode
+    (t a dual tensor of an open torch.autograd.forward_ad level, which no_grad leaves on).
+    (torch.func's grad and jvp keep the kernels off by themselves: capability.cute_problem.)"""
+    if t is None:
+        return False
+    if t.requires_grad and torch.is_grad_enabled():
+        return True
+    # (_current_level is -1 outside any `with forward_ad.dual_level()`: one attribute read)
+    return fwad._current_level >= 0 and fwad.unpack_dual(t).tangent is not None
 
 
 def plain_tensor(t: torch.Tensor) -> bool:

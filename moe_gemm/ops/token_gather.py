@@ -20,12 +20,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.autograd.forward_ad as fwad
 
 from moe_gemm.ops.row_kernels import (
     INDEX_DTYPES,
     KERNEL_DTYPES,
     MAX_ROWS,
+    autograd_tracked,
     check_row_operands,
     plain_tensor,
     row_kernel_allowed,
@@ -47,7 +47,7 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     call) but clamped into range, by the kernel and the index_select path alike: a wrong row,
     never an out-of-bounds read or a device assert that ends the process's CUDA context."""
     _check(x, rows)
-    if _tracked(x):
+    if autograd_tracked(x):
         return _index_select(x, rows)  # (the kernel has no derivative)
     return gather_untracked(x, rows)
 
@@ -82,17 +82,6 @@ def _as_words(x: torch.Tensor) -> torch.Tensor | None:
     if x.shape[1] % 2 or x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         return None
     return x.view(torch.bfloat16)
-
-
-def _tracked(x: torch.Tensor) -> bool:
-    """Whether autograd differentiates through x here: backward (x requires grad, grad
-    enabled) or forward mode (x a dual tensor of an open torch.autograd.forward_ad level,
-    which no_grad leaves on). (torch.func's grad and jvp keep the kernel off by themselves:
-    capability.cute_problem.)"""
-    if x.requires_grad and torch.is_grad_enabled():
-        return True
-    # (_current_level is -1 outside any `with forward_ad.dual_level()`: one attribute read)
-    return fwad._current_level >= 0 and fwad.unpack_dual(x).tangent is not None
 
 
 def _clamped(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

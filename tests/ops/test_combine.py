@@ -149,3 +149,51 @@ def test_checks_come_before_the_no_slot_shortcut():
     with pytest.raises(TypeError, match="int64 or int32"):
         combine.combine_rows(y, torch.zeros(4, 0))  # float rows of no slots
     assert combine.combine_rows(y[:0], torch.zeros(4, 0, dtype=torch.int32)).shape == (4, 16)
+
+
+@pytest.fixture
+def kernel_allowed(monkeypatch):
+    """The kernel path as on a GPU (row_kernel_allowed true, layouts checked), the compiled
+    kernel replaced by the emulator: what decides between it and embedding_bag is the code's."""
+    made = {}
+
+    def fake_kernel(dtype, index_dtype, k, weighted):
+        return made.setdefault((dtype, index_dtype, k, weighted), _Emulator(k, weighted))
+
+    monkeypatch.setattr(combine, "row_kernel_allowed", lambda t, switch: True)
+    monkeypatch.setattr(combine, "_kernel", fake_kernel)
+    monkeypatch.setattr(launch_resources, "_capturing", lambda: False)
+    return made
+
+
+@pytest.mark.parametrize("tracked", ["y", "weights"])
+def test_autograd_takes_embedding_bag_and_its_gradients(kernel_allowed, tracked):
+    # The kernel has no derivative: with grad on y or the weights, embedding_bag runs (it
+    # used to be the kernel, its result detached from the graph without a word).
+    y, rows, w = _inputs(9, 20, 32, 3, weights=torch.bfloat16, seed=4)
+    (y if tracked == "y" else w).requires_grad_(True)
+    out = combine.combine_rows(y, rows, w)
+    assert not any(e.calls for e in kernel_allowed.values())
+    assert out.requires_grad
+    out.float().sum().backward()
+    leaf = y if tracked == "y" else w
+    assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+    if tracked == "weights":  # d out / d w[t, j] = sum over H of y[rows[t, j]]
+        want = y.double()[rows].sum(-1)
+        torch.testing.assert_close(w.grad.double(), want, rtol=2 ** -6, atol=5e-2)
+    with torch.no_grad():  # no grad: the kernel again
+        combine.combine_rows(y, rows, w)
+    assert sum(len(e.calls) for e in kernel_allowed.values()) == 1
+
+
+def test_forward_mode_dual_y_takes_embedding_bag(kernel_allowed):
+    import torch.autograd.forward_ad as fwad
+
+    y, rows, _ = _inputs(5, 11, 16, 2, seed=5)
+    with fwad.dual_level(), torch.no_grad():
+        dual = fwad.make_dual(y.float(), torch.ones_like(y, dtype=torch.float32)).bfloat16()
+        out = combine.combine_rows(dual, rows)
+        primal, tangent = fwad.unpack_dual(out)
+    assert not any(e.calls for e in kernel_allowed.values())
+    assert tangent is not None and torch.equal(tangent, torch.full_like(tangent, 2.0))
+    torch.testing.assert_close(primal, F.embedding_bag(rows, y, mode="sum"))
