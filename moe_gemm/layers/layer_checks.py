@@ -12,6 +12,7 @@ import torch
 
 from moe_gemm.layers.experts import FLOAT_DTYPES, check_gemm_options, resolve_activation
 from moe_gemm.layers.routing import (
+    ROUTER_DTYPES,
     check_flag,
     check_jitter_noise,
     check_router_weight,
@@ -144,7 +145,7 @@ def check_parameters(p: Mapping[str, Any], H: int) -> None:
         E, I2 = gu.shape[0], gu.shape[1]
         if (gu.shape[2] == H and not I2 % 2 and down.shape == (E, H, I2 // 2)
                 and down.dtype == gu.dtype and down.device == gu.device
-                and rw.shape == (E, H) and rw.device == gu.device and rw.is_floating_point()):
+                and rw.shape == (E, H) and rw.device == gu.device and rw.dtype in ROUTER_DTYPES):
             return
     for name, t in (("gate_up_proj", gu), ("down_proj", down)):
         if not isinstance(t, torch.Tensor):

@@ -45,7 +45,7 @@ from moe_gemm.ops.validation import check_dense, shape_text
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 # Router weights: the layer's float dtypes, and fp64 (the logits are upcast to fp32 anyway).
-_ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # torch.mm(..., out_dtype=) (aten::mm.dtype): 16-bit operands, fp32 output, on CUDA.
 _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
@@ -150,7 +150,7 @@ def check_router_weight(w: object, E: int, H: int) -> torch.Tensor:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"router_weight must be a torch.Tensor (E, H); got {type(w).__name__}")
     check_dense("router_weight", w)
-    if w.dtype not in _ROUTER_DTYPES:
+    if w.dtype not in ROUTER_DTYPES:
         raise TypeError(f"router_weight must be a floating-point tensor (bf16, fp16, fp32 or "
                         f"fp64); got {w.dtype}")
     if tuple(w.shape) != (E, H):

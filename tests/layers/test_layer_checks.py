@@ -39,6 +39,10 @@ def test_check_parameters_passes_matching_weights_and_names_each_mismatch() -> N
         (_params(router_weight=torch.zeros(E + 1, H)), ValueError, "router_weight"),
         (_params(router_weight=torch.zeros(E, H, device="meta")), ValueError,
          "router_weight is on meta but its expert weights are on cpu"),
+        # An FP8 router passed the fast path (is_floating_point) and routed tokens cast to
+        # float8 with no scale: the loaders' TypeError now.
+        (_params(router_weight=torch.zeros(E, H).to(torch.float8_e4m3fn)), TypeError,
+         "router_weight must be a floating-point tensor"),
     ]
     for params, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -92,3 +96,14 @@ def test_check_routing_and_layer_args() -> None:
         assert check_layer_args(**{**good, "dtype": torch.float32}) is True
     finally:
         torch.set_default_dtype(default)
+
+
+def test_an_fp8_router_assigned_to_a_built_layer_is_refused_at_forward() -> None:
+    import moe_gemm
+
+    m = moe_gemm.MoE(32, 16, 4, 2)
+    m.router_weight = torch.nn.Parameter(m.router_weight.data.to(torch.float8_e4m3fn),
+                                         requires_grad=False)
+    with pytest.raises(TypeError, match="router_weight must be a floating-point tensor"):
+        with torch.no_grad():
+            m(torch.randn(3, 32))
