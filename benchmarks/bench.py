@@ -332,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     extra = [HOST_OVERHEAD] if suite_name == "bench" else []
     known = [s.name for s in suite] + extra
     # None only: an empty --only names no shape and is refused, not read as the whole suite.
-    names = known if args.only is None else [n.strip() for n in args.only.split(",")
-                                             if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if not names:
+    names = known if args.only is None else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n and n not in known]
+    if any(names) and "" in names:
+        print(f"error: --only: an empty entry in {args.only!r} (a stray ','?)", file=sys.stderr)
+        return 2
+    if not any(names):
         print(f"error: --only names no shape; expected some of {', '.join(known)}",
               file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ def parser(doc: str | None, reps: int, budget_s: float) -> argparse.ArgumentPars
 
 
 def _only(args: argparse.Namespace) -> list[str] | None:
-    return None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    return None if args.only is None else [n.strip() for n in args.only.split(",")]
 
 
 def pick_shapes(args: argparse.Namespace, shapes: Sequence, smoke_shapes: Sequence) -> list:
@@ -60,8 +60,10 @@ def arg_problem(args: argparse.Namespace, shapes: Sequence, smoke_shapes: Sequen
         return "--budget-s must be positive"
     known = [s.name for s in (smoke_shapes if args.smoke else shapes)]
     wanted = _only(args)
-    if wanted is not None and not wanted:
+    if wanted is not None and not any(wanted):
         return f"--only names no shape; expected some of {', '.join(known)}"
+    if wanted is not None and "" in wanted:
+        return f"--only: an empty entry in {args.only!r} (a stray ','?)"
     if wanted and (unknown := [n for n in wanted if n not in known]):
         return f"unknown shape(s) {', '.join(unknown)}; expected some of {', '.join(known)}"
     if not args.smoke and not torch.cuda.is_available():

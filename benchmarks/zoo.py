@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     # Checked before --gpus starts its shards, so that a bad argument is one error, not N.
     # --reps 0 is refused (as `moe-gemm bench --reps 0` is), not read as the default.
     args.reps = args.reps if args.reps is not None else (2 if args.smoke else DEFAULT_REPS)
-    proj = [p.strip() for p in args.proj.split(",") if p.strip()]
+    proj = [p.strip() for p in args.proj.split(",")]  # (an empty one: refused below)
     why = ("--reps must be at least 1" if args.reps < 1
            else "--proj must be a subset of gate_up,down"
            if not set(proj) <= {"gate_up", "down"} or not proj

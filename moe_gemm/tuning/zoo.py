@@ -173,9 +173,11 @@ def select_models(spec: str | None) -> list[MoEModel]:
         return list(HELD_OUT)
     lower = {name.lower(): model for name, model in BY_NAME.items()}
     picked, unknown = [], []
-    for name in (s.strip() for s in spec.split(",")):
-        if not name:
-            continue
+    names = [s.strip() for s in spec.split(",")]
+    if any(names) and "" in names:  # (a stray or trailing comma: not a list it spells)
+        raise ValueError(f"an empty model name in {spec!r} (a stray ','?); known: "
+                         + ", ".join(BY_NAME) + " ('all', 'default', 'held-out')")
+    for name in filter(None, names):
         model = lower.get(name.lower())
         if model is None:
             unknown.append(name)
@@ -195,7 +197,7 @@ def parse_tokens(spec: str | None, default: tuple[int, ...]) -> list[int]:
     if spec.strip().lower() == "all":
         return list(TOKENS)
     try:
-        values = [int(v) for v in spec.split(",") if v.strip()]
+        values = [int(v) for v in spec.split(",")]  # ('' of a stray comma: refused)
     except ValueError:
         raise ValueError(f"tokens must be comma-separated positive integers; got {spec!r}"
                          ) from None

@@ -655,3 +655,11 @@ def test_suite_abbreviations_pick_the_suite(argv):
     assert split_suite(argv) == ("fp8", ["--smoke"])
     assert split_suite(["--smoke"]) == ("bench", ["--smoke"])
     assert split_suite(["--sui", "nope"])[0] is None
+
+
+@pytest.mark.parametrize("only", ["uniform,", "uniform,,mixtral"])
+def test_an_only_with_a_stray_comma_is_refused(
+        only: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--smoke", "--only", only, "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only: an empty entry in") and err.count("\n") == 1

@@ -109,3 +109,13 @@ def test_a_shape_that_raised_is_exit_status_1(tmp_path, capsys):
     assert failed == ["bad"] and shape_list.exit_status(failed) == 1
     assert "failed: bad" in capsys.readouterr().err
     assert shape_list.exit_status([]) == 0
+
+
+def test_only_with_a_stray_comma_is_refused():
+    # "a," was read as "a": a list that does not spell what it runs.
+    shapes = [type("S", (), {"name": n})() for n in ("a", "b")]
+    for only, words in (("a,", "an empty entry"), ("a,,b", "an empty entry"),
+                        (",", "names no shape")):
+        args = shape_list.parser(None, reps=3, budget_s=10.0).parse_args(
+            ["--out", "x.json", "--only", only, "--smoke"])
+        assert words in shape_list.arg_problem(args, shapes, shapes)

@@ -358,3 +358,16 @@ def test_gpus_without_a_cuda_torch_says_it_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert cli.main(["--shapes", "8,256,256,64", "--gpus", "2"]) == 2
     assert capsys.readouterr().err == f"moe-gemm tune: {cli.NO_GPU}\n"
+
+
+@pytest.mark.parametrize("spec", ["DeepSeek-V3,", ",Kimi-K2", "DeepSeek-V3,,Kimi-K2"])
+def test_select_models_refuses_a_stray_comma(spec):
+    # A stray comma was dropped: the list ran as if it spelled fewer entries.
+    with pytest.raises(ValueError, match="an empty model name in"):
+        __import__("moe_gemm.tuning.zoo", fromlist=["x"]).select_models(spec)
+
+
+@pytest.mark.parametrize("spec", ["2048,", ",16", "16,,2048"])
+def test_parse_tokens_refuses_a_stray_comma(spec):
+    with pytest.raises(ValueError, match="comma-separated positive integers"):
+        __import__("moe_gemm.tuning.zoo", fromlist=["x"]).parse_tokens(spec, (1,))
