@@ -5,6 +5,7 @@ with 2), or None."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -67,3 +68,13 @@ def output_problem(path: Path, option: str = "--out") -> str | None:
                 folder.rmdir()
             except OSError:  # (something else was put there meanwhile: leave it)
                 break
+
+
+def loads_json(data: str | bytes) -> object:
+    """json.loads for a file a command was given, every parse failure a ValueError (the
+    callers' one-line "not JSON" error): json.JSONDecodeError and UnicodeDecodeError already
+    are; a RecursionError (arrays or objects nested past the parser's depth) was a traceback."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import re
@@ -40,7 +39,7 @@ import time
 from pathlib import Path
 
 from moe_gemm.tuning import rerank, space
-from moe_gemm.tuning.argcheck import empty_option, output_problem
+from moe_gemm.tuning.argcheck import empty_option, loads_json, output_problem
 from moe_gemm.tuning.shape_args import (  # noqa: F401 (re-exported: the benchmarks' A/Bs)
     DEFAULT_TOKENS,
     config_problem,
@@ -261,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-gemm tune: --device {args.device!r}: expected cuda or cuda:N",
               file=sys.stderr)
         return 2
-    if args.skip_table and not Path(args.skip_table).is_file():
-        # (a run logged it as "not used" and tuned every shape again)
-        print(f"moe-gemm tune: --skip-table {args.skip_table}: no such table file",
-              file=sys.stderr)
+    if args.skip_table and (why := _skip_table_problem(Path(args.skip_table))):
+        # (a run logged it as "not used" and tuned every shape again, where --list had left
+        # out what it holds)
+        print(f"moe-gemm tune: --skip-table {args.skip_table}: {why}", file=sys.stderr)
         return 2
     if args.list:
         # (as a run leaves out what --resume's --out and --skip-table already hold)
@@ -309,10 +308,25 @@ def table_io_key(shape) -> tuple:
     return table_io.key_tuple(shape.key())
 
 
+def _skip_table_problem(path: Path) -> str | None:
+    """Why --skip-table's file is no table (missing, not JSON, no tuned table), or None. Its
+    device is checked when a run starts (a table made for another GPU is refused then)."""
+    from moe_gemm.tuning import table_io
+
+    if not path.is_file():
+        return "no such table file"
+    try:
+        table_io.read_table(path)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def _listed_as_done(args: argparse.Namespace) -> set[tuple]:
     """The table keys a run would skip, where --list can know them without the GPU: the
     entries of --out with --resume, and of --skip-table (read for whichever device they were
-    made for; a run reads them for its own and skips the same keys there)."""
+    made for; a run refuses a --skip-table made for another device, and reads --out for its
+    own)."""
     from moe_gemm.tuning import table_io
 
     paths = [Path(args.skip_table)] if args.skip_table else []
@@ -397,7 +411,7 @@ def rivals_by_label(args: argparse.Namespace) -> dict[str, tuple[dict, ...]]:
     if not args.rivals_file:
         return {}
     try:
-        doc = json.loads(Path(args.rivals_file).read_bytes())
+        doc = loads_json(Path(args.rivals_file).read_bytes())
     except OSError as exc:
         raise ValueError(exc.strerror or str(exc)) from None
     except ValueError as exc:
@@ -559,7 +573,10 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             have |= {table_io.entry_key(e)
                      for e in table_io.read_table(Path(args.skip_table), name)["entries"]}
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            log(f"[tune] --skip-table {args.skip_table}: not used ({exc})")
+            # (it was logged as "not used" and every shape tuned again, where --list had left
+            # out what it holds: a table of another device, most likely)
+            print(f"moe-gemm tune: --skip-table {args.skip_table}: {exc}", file=sys.stderr)
+            return 2
     if have:
         before = len(shapes)
         shapes = [s for s in shapes if table_io.key_tuple(s.key()) not in have]

@@ -4,6 +4,7 @@ naming the bad item before any GPU work."""
 
 from __future__ import annotations
 
+from moe_gemm.ops.support import MAX_PROBLEMS
 from moe_gemm.tuning import zoo
 
 DEFAULT_TOKENS = (16, 2048, 8192, 128, 512, 1, 32768)
@@ -34,6 +35,11 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
             raise ValueError(f"--shapes {item!r}: expected E,N,K,ROWS[,ROWS...], each from 1 "
                              f"to {INT32_MAX}")
         E, N, K = nums[:3]
+        if E > MAX_PROBLEMS:
+            # (the routing of a larger E was built as E-long lists before anything checked
+            # it: minutes and gigabytes, then a MemoryError)
+            raise ValueError(f"--shapes {item!r}: E (the expert count) must be at most "
+                             f"{MAX_PROBLEMS}, the kernels' problem count")
         for rows in nums[3:]:
             if (E, N, K, rows) in seen:
                 continue

@@ -27,3 +27,13 @@ def test_a_folder_where_no_file_can_be_made_is_refused(
     for option, name in (("--out", "b.json"), ("--png", "b.png")):
         why = output_problem(Path("/proc") / name, option)
         assert why is not None and why.startswith(f"{option} /proc/{name}: cannot create a file")
+
+
+def test_loads_json_makes_every_parse_failure_a_value_error() -> None:
+    from moe_gemm.tuning.argcheck import loads_json
+
+    assert loads_json(b'{"a": [1, 2]}') == {"a": [1, 2]}
+    for bad, words in (("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                       ("{", "Expecting"), (b"\xff\xfe\x00", None)):
+        with pytest.raises(ValueError, match=words):
+            loads_json(bad)

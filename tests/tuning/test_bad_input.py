@@ -190,6 +190,17 @@ def test_merge_is_refused_beside_the_options_of_a_run(tmp_path, capsys):
     (["--shapes", "8,128,128,16", "--list", "--shape-budget-s", "0"], "--shape-budget-s must"),
     (["--shapes", "8,128,128,16", "--list", "--skip-table", "missing.json"],
      "--skip-table missing.json: no such table file"),
+    # (a corrupt one was left out of the list and only logged by a run, which tuned every
+    # shape again)
+    (["--shapes", "8,128,128,16", "--list", "--skip-table", "deep.json"],
+     "--skip-table deep.json: deep.json is not a tuned table (nested too deeply)"),
+    (["--shapes", "8,128,128,16", "--list", "--skip-table", "list.json"],
+     "--skip-table list.json: list.json is not a tuned table (no device name)"),
+    # (an E past the kernels' problem count built E-long routing lists: a MemoryError)
+    (["--shapes", "100000000,128,128,16", "--list"],
+     "E (the expert count) must be at most 65535"),
+    (["--zoo", "--list", "--rerank", "t.json", "--rivals-file", "deep.json"],
+     "--rivals-file deep.json: not JSON (nested too deeply)"),
     (["--zoo", "--list", "--rerank", "t.json", "--rivals", "pp 100x100"], "--rivals: config"),
     (["--zoo", "--list", "--rerank", "t.json", "--rivals", ";"], "names no config"),
     (["--zoo", "--list", "--rivals", ""], "--rivals is empty"),
@@ -198,6 +209,8 @@ def test_merge_is_refused_beside_the_options_of_a_run(tmp_path, capsys):
 ])
 def test_bad_values_are_refused_before_the_list(argv, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "list.json").write_text("[]")
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
