@@ -296,10 +296,10 @@ SHAPES = {"bench": (full_suite, smoke_suite),
 
 def split_suite(argv: list[str]) -> tuple[str | None, list[str]]:
     """(--suite value or "bench", the other arguments); None when the value is unknown. The
-    abbreviations argparse takes for --suite (--sui, --suit) count too: `--sui fp8` ran the
-    bf16 suite."""
+    abbreviations argparse takes for --suite (--su, --sui, --suit: unique among the options)
+    count too: `--sui fp8` ran the bf16 suite."""
     rest, suite, i = [], "bench", 0
-    names = ("--sui", "--suit", "--suite")
+    names = ("--su", "--sui", "--suit", "--suite")
     while i < len(argv):
         a = argv[i]
         if a in names and i + 1 < len(argv):
@@ -373,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     # The results folder's naming, <suite>-<device>-<date> (a CPU smoke run's says "cpu")
     device_part = device_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" \
         else "cpu"
+    for option, value in (("--out", args.out), ("--png", args.png)):
+        # (an empty one, e.g. an unset shell variable, was read as the default and wrote there)
+        if value is not None and not value.strip():
+            print(f"error: {option} is empty (leave the option out for its default)",
+                  file=sys.stderr)
+            return 2
     out_path = Path(args.out) if args.out else (
         Path("benchmarks/results") / f"{stem}-{device_part}-{date}.json")
     png_path = None if (args.png or "").lower() == "none" else (

@@ -24,7 +24,6 @@ one tuned: its nearest timed shapes are the same projections at other token coun
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import statistics
@@ -35,6 +34,7 @@ from typing import Any
 
 from benchmarks.report import out_argument, write_json
 from moe_gemm.ops import tuned
+from moe_gemm.tuning import table_io
 from moe_gemm.tuning.space import name_of, parse_name
 
 DEFAULT_DEVICES = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
@@ -200,14 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     docs = []
     for path in paths:  # (all read first: a bad second table is refused before any output)
         try:
-            with open(path) as f:
-                doc = json.load(f)
-            # (a top-level list or number was an AttributeError traceback from .get)
-            if (not isinstance(doc, dict) or doc.get("format") != tuned.FORMAT
-                    or not doc.get("samples")):
-                raise ValueError(f"not a {tuned.FORMAT} table with samples"
-                                 + ("" if isinstance(doc, dict) else
-                                    " (its top level is not a JSON object)"))
+            # The tuner's reader: entries and samples that do not parse are left out with a
+            # warning, as the library's lookup skips them (indexed unchecked, a non-object
+            # entry or a sample of E=1e400 was a TypeError / OverflowError traceback).
+            doc = table_io.read_table(Path(path), warn=lambda why: print(
+                f"warning: {why}", file=sys.stderr))
+            if not doc["samples"]:
+                raise ValueError(f"not a {tuned.FORMAT} table with samples")
         except (OSError, ValueError) as exc:
             print(f"error: {path}: {exc}", file=sys.stderr)
             return 2

@@ -30,7 +30,6 @@ run on another device than the table's is refused.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.fused_configs import DEFAULT, OPTION_WORDS, is_unfused  # noqa: E402
 from moe_gemm.ops import tuned  # noqa: E402
 from moe_gemm.tuning import space, table_io  # noqa: E402
+from moe_gemm.tuning.argcheck import loads_json  # noqa: E402
 
 # Above the spread of two interleaved rounds of one kernel in fused_configs' harness (the
 # same config under two names differed by up to 1% on an H200, 2026-12-04).
@@ -225,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = []
         for name in args.results:
-            result = json.loads(Path(name).read_text())
+            try:
+                result = loads_json(Path(name).read_bytes())
+            except ValueError as exc:  # (named: several results may be given)
+                raise ValueError(f"{name}: not JSON ({exc})") from None
             if not isinstance(result, dict) or result.get("suite") != "fused-configs":
                 raise ValueError(f"{name} is not a benchmarks.fused_configs result")
             results.append(result)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from benchmarks.report import out_argument, write_json
 from benchmarks.suite import QUACK_TUNED_NAME
 from benchmarks.zoo import quack_config_fields
 from moe_gemm.tuning import space, table_io
+from moe_gemm.tuning.argcheck import loads_json
 
 
 def our_name(quack_fields: dict) -> str:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     try:
-        run = json.loads(text)
+        run = loads_json(text)
     except ValueError as exc:
         print(f"error: {args.run}: not JSON ({exc})", file=sys.stderr)
         return 2

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -79,7 +78,7 @@ from benchmarks.suite import (
     quack_autotune_seconds,
 )
 from moe_gemm.tuning import zoo as models
-from moe_gemm.tuning.argcheck import empty_option, output_problem
+from moe_gemm.tuning.argcheck import empty_option, loads_json, output_problem
 from moe_gemm.tuning.shards import (
     finish_shards,
     gpu_ids,
@@ -192,7 +191,7 @@ def read_quack_chosen(path: str) -> tuple[str, dict[str, str]]:
     """--quack-chosen FILE (an earlier zoo run): its device and, per case, the config QuACK's
     autotuner chose there (its row's "chosen"). ValueError saying why it cannot be used."""
     try:
-        old = json.loads(Path(path).read_text())
+        old = loads_json(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"--quack-chosen {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
@@ -480,7 +479,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
 def read_resume(path: str) -> dict[str, Any]:
     """--resume FILE's run, checked as --merge checks its files (ValueError saying why)."""
     try:
-        old = json.loads(Path(path).read_text())
+        old = loads_json(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"--resume {path}: {exc.strerror or exc}") from None
     except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
@@ -604,7 +603,7 @@ def merge(args: argparse.Namespace) -> int:
     from moe_gemm.ops.tuned import device_slug
 
     try:
-        docs = [(f, json.loads(Path(f).read_text())) for f in args.merge]
+        docs = [(f, loads_json(Path(f).read_text())) for f in args.merge]
         doc = zoo_report.merge_docs(docs)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         print(f"error: --merge: {exc}", file=sys.stderr)

@@ -378,6 +378,11 @@ def cmd_bench(argv: list[str]) -> int:
               "folder is not installed with the package)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(root))
+    # ... and for the processes it starts (`--isolate`'s per-shape runs, the zoo's `--gpus`
+    # shards: `python -m benchmarks...`), which from another working directory found no
+    # `benchmarks` module and reported every shape failed.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     from benchmarks import bench
 
     return bench.main(argv)

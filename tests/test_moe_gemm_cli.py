@@ -455,3 +455,21 @@ def test_info_notes_a_tuned_table_path_that_does_not_exist(
     (tmp_path / "typo.json").write_text("{}")
     assert cli.main(["info"]) == 0
     assert "NOTE" not in capsys.readouterr().out
+
+
+def test_bench_puts_the_checkout_on_its_child_processes_path(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # `--isolate` and the zoo's `--gpus` run `python -m benchmarks...`: from another working
+    # folder they found no `benchmarks` module and reported every shape failed.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    seen = {}
+    from benchmarks import bench as bench_module
+
+    monkeypatch.setattr(bench_module, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert cli.cmd_bench(["--list"]) == 0
+    root = str(Path(cli.__file__).resolve().parents[1])
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
+    child = subprocess.run([sys.executable, "-c", "import benchmarks.bench"],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert child.returncode == 0, child.stderr

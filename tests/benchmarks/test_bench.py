@@ -663,3 +663,27 @@ def test_an_only_with_a_stray_comma_is_refused(
     assert bench.main(["--smoke", "--only", only, "--out", str(tmp_path / "b.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --only: an empty entry in") and err.count("\n") == 1
+
+
+def test_the_shortest_suite_abbreviation_selects_the_suite() -> None:
+    # argparse takes --su for --suite (no other option starts so); it was parsed and ignored:
+    # `--su zoo` ran the bf16 suite.
+    assert bench.split_suite(["--su", "zoo", "--list"]) == ("zoo", ["--list"])
+    assert bench.split_suite(["--su=fp8"]) == ("fp8", [])
+    assert [a for a in bench._parser()._option_string_actions if a.startswith("--su")] == [
+        "--suite"]
+
+
+@pytest.mark.parametrize("option", ["--out", "--png"])
+def test_an_empty_out_or_png_is_refused_not_the_default(
+        option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # It was read as "the default" and wrote benchmarks/results/... under the working folder.
+    monkeypatch.chdir(tmp_path)
+    argv = ["--smoke", "--only", "uniform", option, " "]
+    if option == "--png":
+        argv += ["--out", str(tmp_path / "b.json")]
+    assert bench.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {option} is empty (leave the option out for its " \
+                                      "default)\n"
+    assert not any(tmp_path.rglob("*.json")) and not any(tmp_path.rglob("*.png"))

@@ -291,15 +291,15 @@ def test_choice_generalization_refuses_a_table_that_is_not_an_object(top, tmp_pa
     path = tmp_path / "t.json"
     path.write_text(json.dumps(top))  # (a top-level list was an AttributeError traceback)
     err = _one_line(choice_generalization.main(["--table", str(path)]), capsys)
-    assert err == (f"error: {path}: not a moe_gemm.tuned-table/1 table with samples (its top "
-                   "level is not a JSON object)")
+    # (read as the tuner reads a table: the reader names what it lacks)
+    assert err == f"error: {path}: {path} is not a tuned table (no device name)"
 
 
 def test_choice_generalization_reads_every_table_before_scoring_one(tmp_path, capsys,
                                                                     monkeypatch):
     # (a bad second table was refused only after the first had been scored and printed)
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    good.write_text(json.dumps({"format": choice_generalization.tuned.FORMAT, "samples": [1]}))
+    good.write_bytes(choice_generalization.tuned.shipped_path("NVIDIA H200").read_bytes())
     bad.write_text("[]")
     monkeypatch.setattr(choice_generalization, "evaluate", lambda *a: pytest.fail("scored"))
     err = _one_line(choice_generalization.main(["--table", str(good), "--table", str(bad)]),

@@ -131,3 +131,19 @@ def test_shipped_tables_score():
         nb = s["neighbours"]
         assert nb["untimed"] == nb["untimed_newer_tile"] <= len(r["rows"]) // 20
         assert nb["median"] >= 1.0
+
+
+def test_cli_skips_what_the_reader_skips(tmp_path, capsys):
+    # A non-object entry or a sample of an E past any float was a TypeError / OverflowError
+    # traceback; the library's lookup skips them with a warning, and so does this tool now.
+    doc = _doc()
+    doc["entries"].append(5)
+    doc["samples"].append({**doc["samples"][0], "E": 1e400})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc).replace("Infinity", "1e400"))
+    assert cg.main(["--table", str(path), "--out", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert "left out 1 unreadable entries, 1 unreadable samples" in err
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert cg.main(["--table", str(tmp_path / "deep.json")]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
