@@ -236,7 +236,8 @@ def as_index_array(obj: object, name: str, shape_hint: str) -> np.ndarray:
     if is_torch_tensor(obj):
         torch = _torch()
         t = obj.detach()  # type: ignore[attr-defined]
-        if t.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        # (every integer dtype, as for a numpy array: torch's uint16/32/64 were refused)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor {shape_hint}; got {t.dtype}")
         arr = t.cpu().numpy()
     elif isinstance(obj, np.ndarray):

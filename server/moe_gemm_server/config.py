@@ -148,7 +148,9 @@ class Settings(BaseSettings):
             v = v.strip()
             if v in ("", "auto"):
                 return None
-            return [int(t) for t in v.split(",") if t.strip()]
+            # (an empty item, "1,,2" or "1,", is left in: refused below as not an int, not
+            # dropped to stand for a list the value does not spell)
+            return [t.strip() for t in v.split(",")]
         return v
 
     @field_validator("log_level", mode="before")

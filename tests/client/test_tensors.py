@@ -219,3 +219,17 @@ def test_read_header_nested_too_deeply_is_a_valueerror(tmp_path):
 def test_numpy_kind_returns_the_array_itself():
     a = np.ones((2, 2), np.float32)
     assert NUMPY.wrap(a) is a
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+                                   torch.int8, torch.int16, torch.int32, torch.int64])
+def test_index_tensors_of_every_integer_dtype(dtype):
+    # torch's uint16/32/64 were refused ("must be an integer tensor") though numpy's are taken.
+    got = as_index_array(torch.tensor([3, 0, 5]).to(dtype), "counts", "(E,)")
+    assert got.dtype == np.int32 and got.tolist() == [3, 0, 5]
+    for bad in (torch.tensor([True]), torch.tensor([1.0]).to(torch.float8_e4m3fn),
+                torch.tensor([1 + 1j])):
+        with pytest.raises(TypeError, match="counts must be an integer tensor"):
+            as_index_array(bad, "counts", "(E,)")
+    with pytest.raises(ValueError, match="outside int32"):
+        as_index_array(torch.tensor([2**31]).to(torch.uint32), "counts", "(E,)")

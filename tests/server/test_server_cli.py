@@ -493,3 +493,14 @@ def test_warmup_rows_up_to_the_launch_limit_are_taken(tmp_path):
     s = settings_from_args(["--max-rows", "64", "--max-batch-rows", "128",
                             "--warmup-rows", "1,128", "--data-dir", str(tmp_path)])
     assert s.warmup_rows == [1, 128]
+
+
+@pytest.mark.parametrize("value", ["1,,2", "16,", ",8"])
+def test_warmup_rows_with_a_stray_comma_are_refused(tmp_path, value):
+    # The empty item was dropped: "1,,2" started a server warming [1, 2] without a word.
+    with pytest.raises(SystemExit) as e:
+        settings_from_args(["--warmup-rows", value, "--port", "0", "--data-dir", str(tmp_path)])
+    msg = str(e.value.code)
+    assert msg.startswith("moe-gemm-server: invalid settings: warmup_rows") and "\n" not in msg
+    assert settings_from_args(["--warmup-rows", " 16, 64 ", "--data-dir", str(tmp_path)]
+                              ).warmup_rows == [16, 64]
