@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
     if args.merge:
-        if others := _beside_merge(args):
+        if others := _beside_merge(argv):
             # (they were ignored: `--list --merge` wrote the table, bad values passed)
             print(f"moe-gemm tune: --merge puts tables together and does nothing else; drop "
                   f"{', '.join(others)}", file=sys.stderr)
@@ -341,17 +341,21 @@ def _listed_as_done(args: argparse.Namespace) -> set[tuple]:
     return have
 
 
-# What --merge cannot be combined with: (argparse dest, option), given when not its default.
-_RUN_OPTIONS = (("list", "--list"), ("zoo", "--zoo"), ("shapes", "--shapes"),
-                ("models", "--models"), ("tokens", "--tokens"), ("configs", "--configs"),
-                ("rerank", "--rerank"), ("rivals", "--rivals"), ("rivals_file", "--rivals-file"),
-                ("resume", "--resume"), ("no_merge", "--no-merge"),
-                ("skip_table", "--skip-table"), ("report", "--report"), ("shard", "--shard"))
+# What --merge takes beside its tables (argparse dests); any other option given is refused.
+_MERGE_OPTIONS = frozenset({"merge", "out", "out_dir", "quiet", "help"})
 
 
-def _beside_merge(args: argparse.Namespace) -> list[str]:
-    return [option for dest, option in _RUN_OPTIONS if getattr(args, dest, None) not in
-            (None, False, [], "")]
+def _beside_merge(argv: list[str]) -> list[str]:
+    """The options given in `argv` that --merge does not take (it ignored them: `--device
+    cpu`, `--gpus 2` or `--list` with --merge wrote the table; bad values passed)."""
+    parser = _parser()
+    unset = object()
+    # (None for the appending options: argparse appends to a default it is given)
+    parser.set_defaults(**{a.dest: None if isinstance(a, argparse._AppendAction) else unset
+                           for a in parser._actions})
+    given = vars(parser.parse_args(argv))
+    return [a.option_strings[0] for a in parser._actions
+            if a.dest not in _MERGE_OPTIONS and given.get(a.dest, unset) not in (unset, None)]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -367,15 +371,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _rerank_problem(args: argparse.Namespace) -> str | None:
+    # (the values first, whatever else is given: `--top -5 --margin 7` passed without
+    # --rerank)
+    if args.top < 1:
+        return f"--top {args.top}: must be >= 1"
+    if not 0 <= args.margin < 1:  # (nan too)
+        return f"--margin {args.margin}: must be in [0, 1)"
     if not args.rerank:
         return ("--rivals needs --rerank" if args.rivals else
                 "--rivals-file needs --rerank" if args.rivals_file else None)
     if args.configs:
         return "--rerank and --configs are two ways to time given configs; give one"
-    if args.top < 1:
-        return f"--top {args.top}: must be >= 1"
-    if not 0 <= args.margin < 1:  # (nan too)
-        return f"--margin {args.margin}: must be in [0, 1)"
     try:
         rerank_rivals(args)
     except ValueError as exc:

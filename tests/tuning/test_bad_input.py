@@ -177,7 +177,9 @@ def test_merge_is_refused_beside_the_options_of_a_run(tmp_path, capsys):
     src.write_text(json.dumps(table_io.new_table(DEV, 132, {}, {})))
     out = tmp_path / "o.json"
     for extra in (["--list"], ["--no-merge"], ["--zoo", "--models", "bogus"],
-                  ["--shapes", "1,2,3,4"], ["--rerank", "x.json"]):
+                  ["--shapes", "1,2,3,4"], ["--rerank", "x.json"],
+                  # (ignored until every option but --out / --out-dir / --quiet was refused)
+                  ["--device", "cpu"], ["--gpus", "2"], ["--dtype", "fp16"], ["--top", "2"]):
         assert cli.main(["--merge", str(src), "--out", str(out), *extra]) == 2
         assert "--merge puts tables together and does nothing else; drop" in (
             capsys.readouterr().err)
@@ -205,6 +207,9 @@ def test_merge_is_refused_beside_the_options_of_a_run(tmp_path, capsys):
     (["--zoo", "--list", "--rerank", "t.json", "--rivals", ";"], "names no config"),
     (["--zoo", "--list", "--rivals", ""], "--rivals is empty"),
     (["--zoo", "--list", "--device", "bogus"], "--device 'bogus': expected cuda or cuda:N"),
+    # (checked with --rerank only: without it these bad values passed)
+    (["--zoo", "--list", "--top", "-5"], "--top -5: must be >= 1"),
+    (["--zoo", "--list", "--margin", "7"], "--margin 7.0: must be in [0, 1)"),
     (["--zoo", "--list", "--rivals-file", ""], "--rivals-file is empty"),
 ])
 def test_bad_values_are_refused_before_the_list(argv, words, capsys, tmp_path, monkeypatch):
