@@ -491,8 +491,15 @@ class MoE(MoELoaders, MoEOptions):
 
     def _check_parameters(self) -> None:
         """The router and expert weights against one another (layer_checks.check_parameters),
-        for weights assigned after construction; on every forward (~2 us of CPU)."""
-        check_parameters(self._parameters, self.hidden_size)
+        for weights assigned after construction; on every forward (~2 us of CPU). A weight
+        that is not a registered Parameter (a parametrization's, or a plain tensor set after
+        `del layer.down_proj`) is read as the forward reads it, by attribute (indexing
+        _parameters was a KeyError there)."""
+        p = self._parameters
+        if not ("gate_up_proj" in p and "down_proj" in p and "router_weight" in p):
+            p = {name: getattr(self, name, None)
+                 for name in ("gate_up_proj", "down_proj", "router_weight")}
+        check_parameters(p, self.hidden_size)
 
     def check_weight_dtype(self, layer: str = "MoE") -> None:
         """A layer cast with .double() (16-bit experts in a dtype the kernels do not take): a

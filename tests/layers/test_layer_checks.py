@@ -107,3 +107,36 @@ def test_an_fp8_router_assigned_to_a_built_layer_is_refused_at_forward() -> None
     with pytest.raises(TypeError, match="router_weight must be a floating-point tensor"):
         with torch.no_grad():
             m(torch.randn(3, 32))
+
+
+@pytest.mark.parametrize("name", ["gate_up_proj", "down_proj", "router_weight"])
+def test_a_parametrized_or_plain_tensor_weight_runs_as_the_forward_reads_it(name) -> None:
+    # A parametrization moves the Parameter to layer.parametrizations, and a plain tensor set
+    # after `del` lives in __dict__: the checks indexed _parameters, a KeyError.
+    import torch.nn.utils.parametrize as P
+
+    import moe_gemm
+
+    torch.manual_seed(0)
+    m = moe_gemm.MoE(32, 16, 4, 2, dtype=torch.float32)
+    x = torch.randn(5, 32)
+
+    class Scale(torch.nn.Module):
+        def forward(self, w):
+            return w * 0.5
+
+    ref = moe_gemm.MoE(32, 16, 4, 2, dtype=torch.float32)
+    ref.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        getattr(ref, name).mul_(0.5)
+        want = ref(x)
+        P.register_parametrization(m, name, Scale())
+        torch.testing.assert_close(m(x), want)
+        P.remove_parametrizations(m, name, leave_parametrized=True)
+        plain = getattr(m, name).detach().clone()
+        delattr(m, name)
+        setattr(m, name, plain)  # (a plain tensor attribute, not a Parameter)
+        torch.testing.assert_close(m(x), want)
+        setattr(m, name, plain[:1])
+        with pytest.raises(ValueError, match=name):
+            m(x)
