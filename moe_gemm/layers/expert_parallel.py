@@ -178,17 +178,21 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
                                       "router_weight is")
             self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
             self.register_buffer("e_score_correction_bias", bias)
+            missing = [n for n in ROUTING if n not in router and n not in ROUTING_DEFAULTS]
+            if missing:  # (a bare KeyError before)
+                raise ValueError(f"router is missing {', '.join(map(repr, missing))}; it holds "
+                                 f"router_weight and the routing options {', '.join(ROUTING)}")
+            opts = {n: router.get(n, ROUTING_DEFAULTS.get(n)) for n in ROUTING}
+            # The routing options are checked by a full-size MoE's own validation (a meta
+            # probe: any dtype it takes, whatever torch's default is), the correction bias
+            # with them (softmax scoring has none: it was kept and never read), and taken as
+            # the probe resolves them: router_fp32=None is True for sigmoid scoring (kept as
+            # None it ran the router in the weight's dtype), and 2 and 2.0 are one value on
+            # every rank (they hashed apart in check_replicated).
+            probe = MoE(moe.hidden_size, 1, num_experts, correction_bias=bias is not None,
+                        device="meta", dtype=torch.float32, **opts)
             for name in ROUTING:
-                value = router[name] if name not in ROUTING_DEFAULTS else router.get(
-                    name, ROUTING_DEFAULTS[name])
-                setattr(self, name, value)
-            # the routing options are checked by a full-size MoE's own validation (a meta
-            # probe: any dtype it takes, whatever torch's default is)
-            MoE(moe.hidden_size, 1, num_experts, self.top_k, scoring=self.scoring,
-                renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
-                routed_scaling_factor=self.routed_scaling_factor, router_fp32=self.router_fp32,
-                router_jitter_noise=self.router_jitter_noise, device="meta",
-                dtype=torch.float32)
+                setattr(self, name, getattr(probe, name))
             # (one float on every rank: an int 0 and 0.0 hash apart in check_replicated)
             self.router_jitter_noise = float(self.router_jitter_noise)
         agree_on_replicas(self, bool(check_replicated))

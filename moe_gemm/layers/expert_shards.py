@@ -82,6 +82,31 @@ def router_of(moe: MoE) -> dict[str, Any]:
     return out
 
 
+def check_own_shard(local_rows: torch.Tensor | None, router_weight: torch.Tensor,
+                    dispatcher: Dispatcher) -> None:
+    """An ExpertParallelMoE's own state_dict holds one rank's experts, and its local layer's
+    router rows are that rank's rows of the full router: rows that are not this rank's mean
+    another rank's file (a restart that remapped ranks), whose experts would answer for the
+    wrong expert ids, silently. A ValueError naming the rank whose rows they are."""
+    rank, world = dispatcher.rank, dispatcher.world_size
+    E = router_weight.shape[0]
+    start, end = expert_range(E, rank, world)
+    if (not isinstance(local_rows, torch.Tensor) or local_rows.shape != (end - start,
+                                                                        *router_weight.shape[1:])
+            or "meta" in (local_rows.device.type, router_weight.device.type)):
+        return  # (a count that differs is refused by the caller, naming the counts)
+    rows = local_rows.to(router_weight.device)
+    if torch.equal(rows, router_weight[start:end]):
+        return
+    owners = [r for r in range(world)
+              if (lambda s, e: e - s == end - start and torch.equal(rows, router_weight[s:e]))(
+                  *expert_range(E, r, world))]
+    whose = f"rank {owners[0]}'s" if owners else "no rank's"
+    raise ValueError(f"this state dict holds {whose} experts of the {world}-rank "
+                     f"ExpertParallelMoE that saved it (its router rows say so); rank {rank} "
+                     "must load its own rank's state_dict")
+
+
 def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, prefix: str,
                         strict: bool, dispatcher: Dispatcher, options: dict[str, Any]
                         ) -> tuple[MoE, dict[str, Any], int]:
@@ -97,6 +122,8 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
         bias = state_dict.get(prefix + "e_score_correction_bias")
         E = router_weight.shape[0]
         start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
+        check_own_shard(state_dict.get(prefix + "local.router_weight"), router_weight,
+                        dispatcher)
         local_sd = Renamed(state_dict, prefix, {}, strip=prefix + "local.")
         unused = sorted(k for k in state_dict if k.startswith(prefix)
                         and not k.startswith(prefix + "local.")

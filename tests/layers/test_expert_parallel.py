@@ -1140,3 +1140,58 @@ def test_fp8_experts_compute_only_the_valid_slots(monkeypatch: pytest.MonkeyPatc
         torch.use_deterministic_algorithms(deterministic)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, every, rtol=0, atol=0)
+
+
+class _Rank(_OneRank):
+    """Rank `rank` of `world`, for the constructors (no process group)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size = rank, world
+
+
+def test_another_ranks_own_state_dict_is_refused() -> None:
+    # It loaded without a word, its experts answering for this rank's expert ids: 0.9-1.4
+    # relative error (a restart that remapped ranks).
+    moe = MoE(16, 8, 8, 2)
+    sds = [ExpertParallelMoE.from_moe(moe, dispatcher=_Rank(r, 2), check_replicated=False
+                                      ).state_dict() for r in range(2)]
+    for r in range(2):
+        got = ExpertParallelMoE.from_state_dict(sds[r], 2, dispatcher=_Rank(r, 2),
+                                                check_replicated=False)
+        torch.testing.assert_close(got.local.gate_up_proj, moe.gate_up_proj[4 * r:4 * r + 4])
+        with pytest.raises(ValueError, match=rf"holds rank {r}'s experts of the 2-rank .* "
+                                             rf"rank {1 - r} must load its own"):
+            ExpertParallelMoE.from_state_dict(sds[r], 2, dispatcher=_Rank(1 - r, 2),
+                                              check_replicated=False)
+
+
+def _router_of(moe: MoE, **change) -> dict:
+    names = ("top_k", "scoring", "renormalize", "n_group", "topk_group",
+             "routed_scaling_factor", "router_fp32", "router_jitter_noise")
+    return {"router_weight": moe.router_weight,
+            "e_score_correction_bias": moe.e_score_correction_bias,
+            **{n: getattr(moe, n) for n in names}, **change}
+
+
+def test_constructor_takes_the_routing_options_as_moe_resolves_them() -> None:
+    # router_fp32=None is True for sigmoid scoring in MoE; kept as None the shard routed in
+    # the weights' dtype (bf16 here: other experts picked than the layer's). 2 and 2.0 are one
+    # scaling factor on every rank.
+    moe = MoE(64, 16, 16, 4, scoring="sigmoid", n_group=4, topk_group=2,
+              routed_scaling_factor=2.0, dtype=torch.bfloat16)
+    ep = ExpertParallelMoE(moe, _router_of(moe, router_fp32=None, routed_scaling_factor=2),
+                           16, dispatcher=_Local(), check_replicated=False)
+    assert ep.router_fp32 is True and type(ep.routed_scaling_factor) is float
+    x = torch.randn(50, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(ep(x), moe(x))
+
+
+def test_constructor_refuses_a_bias_of_softmax_scoring_and_names_missing_options() -> None:
+    moe = MoE(16, 8, 4, 2)
+    with pytest.raises(ValueError, match="correction_bias .*sigmoid"):
+        ExpertParallelMoE(moe, _router_of(moe, e_score_correction_bias=torch.zeros(4)), 4,
+                          dispatcher=_OneRank())
+    router = _router_of(moe)
+    del router["router_fp32"], router["top_k"]
+    with pytest.raises(ValueError, match="router is missing 'top_k', 'router_fp32'"):
+        ExpertParallelMoE(moe, router, 4, dispatcher=_OneRank())
