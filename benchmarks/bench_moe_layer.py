@@ -69,6 +69,7 @@ from benchmarks.runner import (  # noqa: E402
     split_names,
 )
 from moe_gemm.layers.fused_experts import GATHER_ENV  # noqa: E402
+from moe_gemm.layers.shared_stream import SHARED_STREAM_ENV  # noqa: E402
 from moe_gemm.ops.combine import COMBINE_ENV  # noqa: E402
 from moe_gemm.ops.fused_launch import (  # noqa: E402
     FAST_GATE_ENV,
@@ -103,6 +104,7 @@ FUSED_IEEE_GATE = "moe_gemm fused, IEEE gate"  # --ieee-gate
 FUSED_SELECT = "moe_gemm fused, index_select"  # --index-select
 FUSED_TORCH_GATHER = "moe_gemm fused, torch token gather"  # --token-gather-torch
 FUSED_NOSWAP = "moe_gemm fused, no swapped tiles"  # --no-swap
+FUSED_SHARED_STREAM = "moe_gemm fused, shared expert after the routed"  # --shared-after
 # DeepSeek-V3's fused layer without its shared expert: the scope of SonicMoE's row (which has
 # none), so that the two compare like for like.
 FUSED_ROUTED = "moe_gemm fused, routed experts only"
@@ -119,6 +121,10 @@ SWITCHED = {
     FUSED_TORCH_GATHER: ("token_gather_torch", {TOKEN_GATHER_ENV: "torch"},
                          "with the plan's token gather as torch's index_select (not our "
                          "kernel)"),
+    FUSED_SHARED_STREAM: ("shared_after", {SHARED_STREAM_ENV: "0"},
+                          "with the shared expert after the routed experts on one stream (the "
+                          "default: on a second stream beside them; DeepSeek-V3, the other "
+                          "models have none)"),
     FUSED_NOSWAP: ("no_swap", {SWAP_AB_ENV: "0"},
                    "without swapped tiles (the fused kernels' M-side tiles at every size)"),
     FUSED_WIDE: ("gather_wide", {GATHER_WIDE_ENV: "1"},

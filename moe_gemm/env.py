@@ -301,6 +301,10 @@ VARIABLES: dict[str, Variable] = {
     "MOE_GEMM_TOKEN_GATHER": Variable(
         choice_of("torch", "kernel"),
         "torch: the MoE layers' token gather as index_select even where its kernel runs"),
+    "MOE_GEMM_SHARED_STREAM": Variable(
+        switch_value,
+        "0: a MoE layer's shared expert runs after its routed experts on the caller's stream, "
+        "not on a second CUDA stream beside them"),
 }
 
 

@@ -350,7 +350,7 @@ def _readers() -> dict[str, object]:
     """The function of the library that reads each variable (called with nothing else set)."""
     from moe_gemm import capability
     from moe_gemm.config import GemmConfig
-    from moe_gemm.layers import fused_experts
+    from moe_gemm.layers import fused_experts, shared_stream
     from moe_gemm.ops import (
         combine,
         fused_launch,
@@ -399,6 +399,7 @@ def _readers() -> dict[str, object]:
         "MOE_GEMM_ROUTER": lambda: router_topk._takes(torch.zeros(2, 4), 2),
         "MOE_GEMM_COMBINE": lambda: combine._kernel_ok(_OnCuda(), None, None),
         "MOE_GEMM_TOKEN_GATHER": lambda: token_gather._kernel_ok(_OnCuda(), None),
+        "MOE_GEMM_SHARED_STREAM": lambda: shared_stream.side_stream_wanted(_OnCuda()),
     }
 
 
@@ -434,6 +435,7 @@ VALUES = {
     "MOE_GEMM_ROUTER": ("torch ops", "KERNEL"),
     "MOE_GEMM_COMBINE": ("embedding_bag", " Torch "),
     "MOE_GEMM_TOKEN_GATHER": ("index_select", "kernel"),
+    "MOE_GEMM_SHARED_STREAM": ("side", "0"),
 }
 
 

@@ -60,6 +60,7 @@ from moe_gemm.layers.routing import (
     route_tokens,
     router_jitter,
 )
+from moe_gemm.layers.shared_stream import routed_beside_shared, side_stream_wanted
 from moe_gemm.ops.validation import check_dense, shape_text
 
 __all__ = ["GatedMLP", "MoE", "moe_experts", "moe_forward"]
@@ -533,9 +534,16 @@ class MoE(MoELoaders, MoEOptions):
         if self.training and self.router_jitter_noise > 0:
             x = router_jitter(x, self.router_jitter_noise)  # (drawn as the input's shape)
         x2 = x.reshape(-1, self.hidden_size)
-        weights, ids = self._route_tokens(x2)
-        y = _routed_experts(self, x2, ids, weights).to(x.dtype)
-        shared = shared_expert_output(self, x2)
+
+        def routed() -> torch.Tensor:
+            weights, ids = self._route_tokens(x2)
+            return _routed_experts(self, x2, ids, weights).to(x.dtype)
+
+        if self.shared_experts is not None and side_stream_wanted(x2):
+            y, shared = routed_beside_shared(x2.device, routed,
+                                             lambda: shared_expert_output(self, x2))
+        else:
+            y, shared = routed(), shared_expert_output(self, x2)
         if shared is not None:
             y = y + shared.to(x.dtype)  # (the sum in the caller's dtype)
         return y.view(x.shape)

@@ -187,3 +187,43 @@ def test_hf_block_on_gpu_matches_transformers() -> None:
     assert_close_to_ref(y_experts, ref_experts, base_experts,
                         max_calc_diff=max(1e-5, 2 * calc_diff(base_experts, ref_experts)),
                         name="moe_gemm experts forward")
+
+
+@pytest.mark.parametrize("extra", [{"shared_intermediate_size": 384},
+                                   {"shared_intermediate_size": 512, "shared_expert_gate": True}])
+def test_shared_expert_on_a_side_stream_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch,
+                                                            extra: dict) -> None:
+    # The default: the same kernels on the same inputs as MOE_GEMM_SHARED_STREAM=0, the shared
+    # expert issued on a second stream; eager and in a CUDA graph (two branches), from a
+    # caller's stream.
+    from moe_gemm.layers import shared_stream
+
+    T, H = 200, 768
+    moe = _moe(H, 256, 16, 4, UNDER_TEST, **extra)
+    xs = [_x(T, H, 30 + i) for i in range(3)]
+    with torch.inference_mode():
+        monkeypatch.setenv(shared_stream.SHARED_STREAM_ENV, "0")
+        want = [moe(x) for x in xs]
+        monkeypatch.delenv(shared_stream.SHARED_STREAM_ENV)
+        calls = []
+        real = shared_stream.routed_beside_shared
+        monkeypatch.setattr("moe_gemm.layers.moe.routed_beside_shared",
+                            lambda *a: calls.append(1) or real(*a))
+        for x, w in zip(xs, want):
+            assert torch.equal(moe(x), w)
+        assert len(calls) == len(xs)
+        caller = torch.cuda.Stream()
+        caller.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(caller):
+            got = moe(xs[0])
+        torch.cuda.current_stream().wait_stream(caller)
+        assert torch.equal(got, want[0])
+        static_x = xs[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = moe(static_x)
+        for x, w in zip(xs, want):
+            static_x.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_y, w)
