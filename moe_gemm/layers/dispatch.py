@@ -131,12 +131,26 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
-def _check_senders(sigs: list[list[int]], rank: int, *, same_tokens: bool) -> None:
+def rank_text(group: Any, ranks: list[int]) -> str:
+    """Ranks of a process group as messages name them: "[1]", and where the group numbers them
+    otherwise than the whole world (a subgroup), their global ranks beside ("[1] (global
+    ranks [2])"): a user reading one process's log knows it by its global rank."""
+    try:
+        glob = [dist.get_global_rank(group, r) for r in ranks] if (
+            group is not None and dist.is_initialized()) else ranks
+    except (RuntimeError, ValueError):  # (not a group this process belongs to)
+        glob = ranks
+    return f"{ranks}" if glob == ranks else f"{ranks} (global ranks {glob})"
+
+
+def _check_senders(sigs: list[list[int]], rank: int, *, same_tokens: bool,
+                   group: Any = None) -> None:
     """Raise ValueError (on every rank alike: each sees every sender's signature) when a rank
     refused its input or the ranks' token shapes or dtypes differ."""
     refused = [r for r, s in enumerate(sigs) if s[-1]]
     if refused:
-        raise ValueError(f"rank(s) {refused} refused their input to this forward (their own "
+        raise ValueError(f"rank(s) {rank_text(group, refused)} refused their input to this "
+                         "forward (their own "
                          f"error says why); rank {rank} stops too instead of waiting for them")
     names = ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2",
              "another dtype"]
@@ -250,7 +264,8 @@ class AllToAllDispatcher:
                 # Every rank sends T rows to every rank, so every rank's T must be the same
                 # (else gloo aborts the process). Read where it costs no sync: on a GPU this
                 # is the host read static splits avoid, and the caller must ensure it.
-                _check_senders(counts_recv[:, 2:].tolist(), self.rank, same_tokens=True)
+                _check_senders(counts_recv[:, 2:].tolist(), self.rank, same_tokens=True,
+                               group=group)
             # Row r*T + j of the send buffer is the j-th token sent to rank r; the rest of
             # each block is padding whose slots all say -1 (the receiver computes nothing
             # for them). Rows that are not sent land in a scratch row past the buffer.
@@ -277,7 +292,7 @@ class AllToAllDispatcher:
             send_splits, recv_splits, num_valid = host[:W], host[W:2 * W], host[2 * W]
             n = len(_SIGNATURE)
             _check_senders([host[2 * W + 1 + r * n:2 * W + 1 + (r + 1) * n] for r in range(W)],
-                           self.rank, same_tokens=False)
+                           self.rank, same_tokens=False, group=group)
             send_rows, recv_rows = sum(send_splits), sum(recv_splits)
             send_x = x.index_select(0, tok[:send_rows])
             send_meta = meta[:send_rows]

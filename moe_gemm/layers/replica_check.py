@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from moe_gemm.layers.dispatch import Dispatcher
+from moe_gemm.layers.dispatch import Dispatcher, rank_text
 from moe_gemm.layers.expert_shards import ROUTING
 
 if TYPE_CHECKING:
@@ -45,8 +45,9 @@ def agree_on_replicas(layer: ExpertParallelMoE, check: bool) -> None:
     refused = [r for r in range(layer.world_size) if table[r, 0]]
     if refused:
         raise ValueError(
-            f"ExpertParallelMoE: rank(s) {refused} could not build the layer (their own "
-            f"error says why); rank {layer.rank} stops too instead of waiting for them")
+            f"ExpertParallelMoE: rank(s) {rank_text(layer.dispatcher.group, refused)} could "
+            f"not build the layer (their own error says why); rank {layer.rank} stops too "
+            "instead of waiting for them")
     checking = table[:, 1].tolist()
     if len(set(checking)) > 1:
         on = [r for r, c in enumerate(checking) if c]

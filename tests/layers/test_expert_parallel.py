@@ -1195,3 +1195,22 @@ def test_constructor_refuses_a_bias_of_softmax_scoring_and_names_missing_options
     del router["router_fp32"], router["top_k"]
     with pytest.raises(ValueError, match="router is missing 'top_k', 'router_fp32'"):
         ExpertParallelMoE(moe, router, 4, dispatcher=_OneRank())
+
+
+def test_rank_text_names_global_ranks_of_a_subgroup(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Messages quoted the ranks within the group: with groups [0, 2] and [1, 3], global rank 2
+    # refusing its input read "rank(s) [1] refused" on rank 0.
+    from moe_gemm.layers import dispatch
+
+    assert dispatch.rank_text(None, [1]) == "[1]"  # (the default group: the world's ranks)
+    monkeypatch.setattr(dispatch.dist, "is_initialized", lambda: True)
+    sub = object()
+    monkeypatch.setattr(dispatch.dist, "get_global_rank", lambda g, r: 2 * r if g is sub else r)
+    assert dispatch.rank_text(sub, [0, 1]) == "[0, 1] (global ranks [0, 2])"
+    assert dispatch.rank_text(object(), [1]) == "[1]"  # (numbered as the world)
+
+    def not_member(g, r):
+        raise ValueError("not in the group")
+
+    monkeypatch.setattr(dispatch.dist, "get_global_rank", not_member)
+    assert dispatch.rank_text(sub, [1]) == "[1]"
