@@ -98,10 +98,12 @@ def check_own_shard(local_rows: torch.Tensor | None, router_weight: torch.Tensor
     rows = local_rows.to(router_weight.device)
     if torch.equal(rows, router_weight[start:end]):
         return
-    owners = [r for r in range(world)
-              if (lambda s, e: e - s == end - start and torch.equal(rows, router_weight[s:e]))(
-                  *expert_range(E, r, world))]
-    whose = f"rank {owners[0]}'s" if owners else "no rank's"
+    whose = "no rank's"
+    for r in range(world):
+        s, e = expert_range(E, r, world)
+        if e - s == end - start and torch.equal(rows, router_weight[s:e]):
+            whose = f"rank {r}'s"
+            break
     raise ValueError(f"this state dict holds {whose} experts of the {world}-rank "
                      f"ExpertParallelMoE that saved it (its router rows say so); rank {rank} "
                      "must load its own rank's state_dict")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.autograd.forward_ad as fwad
 import torch.nn.functional as F
 
 from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K
@@ -30,6 +29,7 @@ from moe_gemm.ops.row_kernels import (
     KERNEL_DTYPES,
     autograd_tracked,
     check_row_operands,
+    forward_dual,
     row_kernel_allowed,
     vector_rows_ok,
 )
@@ -58,17 +58,9 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
     w = weights if weights is None or weights.dtype == y.dtype else weights.to(y.dtype)
     if y.device.type != "cpu":
         rows = rows.clamp(0, y.shape[0] - 1)  # (as the kernel does; S > 0, see _check)
-    if _forward_dual(y, w):
+    if forward_dual(y) or forward_dual(w):  # (embedding_bag has no forward derivative)
         return _gathered_sum(y, rows, w)
     return F.embedding_bag(rows, y, per_sample_weights=w, mode="sum")
-
-
-def _forward_dual(y: torch.Tensor, w: torch.Tensor | None) -> bool:
-    """Whether y or w is a forward-mode dual tensor (embedding_bag has no forward derivative:
-    torch raises NotImplementedError)."""
-    if fwad._current_level < 0:
-        return False
-    return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in (y, w))
 
 
 def _gathered_sum(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:

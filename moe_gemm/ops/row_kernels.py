@@ -53,10 +53,14 @@ def autograd_tracked(t: torch.Tensor | None) -> bool:
     (torch.func's grad and jvp keep the kernels off by themselves: capability.cute_problem.)"""
     if t is None:
         return False
-    if t.requires_grad and torch.is_grad_enabled():
-        return True
+    return (t.requires_grad and torch.is_grad_enabled()) or forward_dual(t)
+
+
+def forward_dual(t: torch.Tensor | None) -> bool:
+    """Whether t is a dual tensor of an open torch.autograd.forward_ad level."""
     # (_current_level is -1 outside any `with forward_ad.dual_level()`: one attribute read)
-    return fwad._current_level >= 0 and fwad.unpack_dual(t).tangent is not None
+    return (t is not None and fwad._current_level >= 0
+            and fwad.unpack_dual(t).tangent is not None)
 
 
 def plain_tensor(t: torch.Tensor) -> bool:
