@@ -82,6 +82,7 @@ __all__ = ["ABORT_ENV", "main"]
 HOST_OVERHEAD = "host-overhead"
 DEFAULT_REPS = 30
 SMOKE_REPS = 3
+ISOLATE_TIMEOUT_S = 300.0  # per shape subprocess (the largest suite shape with every peer: ~60 s)
 
 
 def _new_doc(device: torch.device, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -274,8 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="routing and data seed")
     p.add_argument("--isolate", action="store_true",
                    help="one subprocess per shape; a crash loses one implementation only")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds per shape subprocess with --isolate")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds per shape subprocess with --isolate (default "
+                   f"{ISOLATE_TIMEOUT_S:.0f})")
     p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<device>-<date>."
                    "json)")
     p.add_argument("--png", help="PNG path (default: beside the JSON); 'none' to skip")
@@ -357,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         print("error: --reps must be at least 1", file=sys.stderr)
         return 2
+    if args.timeout is not None and not args.isolate:
+        # (without --isolate nothing bounds a shape: a limit that looked set would not hold)
+        print("error: --timeout applies with --isolate only", file=sys.stderr)
+        return 2
+    if args.timeout is None:
+        args.timeout = ISOLATE_TIMEOUT_S
     if not args.timeout > 0:  # (nan too) else every --isolate shape "times out" at once
         print("error: --timeout must be positive", file=sys.stderr)
         return 2

@@ -49,7 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moe_gemm  # noqa: E402
 from benchmarks.report import out_argument  # noqa: E402
-from benchmarks.runner import counts_problem, number_problem, split_names  # noqa: E402
+from benchmarks.runner import (  # noqa: E402
+    counts_problem,
+    given_options,
+    number_problem,
+    split_names,
+)
 from moe_gemm.layers.dispatch import AllToAllDispatcher, expert_range  # noqa: E402
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE  # noqa: E402
 from moe_gemm.layers.moe import MoE  # noqa: E402
@@ -274,7 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fixed-size all-to-all (no host read of the counts)")
     p.add_argument("--no-check", dest="check", action="store_false")
     p.add_argument("--cpu", action="store_true", help="gloo on CPUs even where GPUs exist")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPUs (a quick check)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPUs (a quick check; a size "
+                   "given beside it stands)")
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--out", type=out_argument, help="write the JSON here (rank 0)")
     args = p.parse_args(argv)
@@ -285,11 +291,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(why)
     if args.tokens is not None:
         args.tokens = [int(t) for t in split_names(args.tokens)]
+    args.preset = set()  # the sizes --smoke filled in (an explicit one beside it stands)
     if args.smoke:
         args.cpu = True
-        for name, value in SMOKE.items():
-            if name != "tokens" or args.tokens is None:
-                setattr(args, name, value)
+        args.preset = set(SMOKE) - given_options(p, argv)
+        for name in args.preset:
+            setattr(args, name, SMOKE[name])
     if args.tokens is None:
         args.tokens = DEFAULT_TOKENS
     if args.world is not None and (why := _split_problem(args, args.world)):
@@ -314,7 +321,7 @@ def _arg_problem(args: argparse.Namespace) -> str | None:
 def _split_problem(args: argparse.Namespace, world: int) -> str | None:
     """Why `world` ranks cannot split the layer (its experts evenly, top-k of them), or None:
     each rank raised a ValueError traceback of its own."""
-    smoke = " (--smoke's)" * args.smoke
+    smoke = " (--smoke's)" * ("experts" in getattr(args, "preset", ()))
     if args.top_k > args.experts:
         return f"--top-k {args.top_k} is more than --experts {args.experts}{smoke}"
     if args.experts % world:

@@ -44,13 +44,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import moe_gemm  # noqa: E402
 from benchmarks.report import out_path_argument, write_json  # noqa: E402
-from benchmarks.runner import counts_problem, number_problem, split_names  # noqa: E402
+from benchmarks.runner import (  # noqa: E402
+    counts_problem,
+    given_options,
+    number_problem,
+    split_names,
+)
 from moe_gemm.capability import cute_problem  # noqa: E402
 from moe_gemm.config import GemmConfig  # noqa: E402
 from moe_gemm.layers.moe import MoE, moe_experts  # noqa: E402
 from moe_gemm.testing import calc_diff  # noqa: E402
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+# --smoke's sizes on the CPU (each stands unless given beside it)
+SMOKE = {"hidden": 64, "intermediate": 32, "experts": 8, "topk": 2, "tokens": [1, 7, 33],
+         "iters": 3, "warmup": 1}
 PEER = "hf_grouped_mm"
 OURS = "moe_gemm"
 
@@ -282,7 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is there")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes on the CPU (H=64, I=32, E=8, top-2, 3 token counts)")
+                   help="tiny sizes on the CPU (H=64, I=32, E=8, top-2, 3 token counts; a size "
+                   "given beside it stands)")
     p.add_argument("--out", type=out_path_argument, help="write the JSON report here")
     args = p.parse_args(argv)
     # Checked before --smoke replaces the sizes: a bad value is refused, not run (a size of 0
@@ -292,15 +301,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(why)
     args.tokens = ([int(t) for t in split_names(args.tokens)] if args.tokens is not None
                    else DEFAULT_TOKENS)
+    args.preset = set()  # the sizes --smoke filled in (an explicit one beside it stands)
     if args.smoke:
-        args.hidden, args.intermediate, args.experts, args.topk = 64, 32, 8, 2
-        args.tokens, args.iters, args.warmup, args.cpu = [1, 7, 33], 3, 1, True
-        args.layer = True
+        args.preset = set(SMOKE) - given_options(p, argv)
+        for name in args.preset:
+            setattr(args, name, SMOKE[name])
+        args.cpu = args.layer = True
     elif args.iters < 20:
         p.error("--iters must be >= 20 for a stable median (use --smoke for a quick check)")
     if args.experts % args.ep:  # (of the sizes run; was a SystemExit from run(): exit 1)
         p.error(f"--ep {args.ep} must divide --experts {args.experts}"
-                + " (--smoke's)" * args.smoke)
+                + " (--smoke's)" * ("experts" in args.preset))
     if not 1 <= args.topk <= args.experts // args.ep:
         p.error(f"--topk must be in [1, experts / ep = {args.experts // args.ep}]")
     return args

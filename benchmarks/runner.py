@@ -10,6 +10,7 @@ implementation becomes an "error" row with its message, one that cannot take the
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import math
@@ -99,6 +100,21 @@ def split_names(text: str, sep: str = ",") -> list[str]:
     """The stripped items of a `sep`-separated option value, in order, empty ones and
     duplicates kept (the checks above refuse an empty one; a duplicate is the caller's)."""
     return [n.strip() for n in text.split(sep)]
+
+
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The dests of the options argv sets explicitly (a preset such as --smoke fills only the
+    others: an explicit --hidden 128 beside it is what the user asked for)."""
+    actions = parser._actions  # noqa: SLF001 - argparse has no public walk of its actions
+    kept = [(a.default, a.required) for a in actions]
+    try:
+        for a in actions:
+            a.default, a.required = argparse.SUPPRESS, False
+        seen, _ = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        for a, (default, required) in zip(actions, kept):
+            a.default, a.required = default, required
+    return set(vars(seen))
 
 
 def counts_problem(text: str, option: str = "--tokens") -> str | None:

@@ -213,6 +213,12 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
             )
     elif dev.type != "cpu":
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]'; got {device!r}")
+    elif dev.index not in (None, 0):
+        # torch takes "cpu:1" and places tensors on the one CPU device: a typo for cuda:1
+        # would serve from the CPU without a word.
+        raise ValueError(f"device {device!r}: the CPU has index 0 only (did you mean cuda?)")
+    else:
+        dev = torch.device("cpu")
     return dev
 
 

@@ -452,7 +452,10 @@ def test_an_empty_only_is_refused_not_the_whole_suite(
      "error: --png {folder}: is a folder, not a file"),
     (["--out", "{folder}/b.json", "--isolate", "--timeout", "-1"],
      "error: --timeout must be positive"),
-    (["--out", "{folder}/b.json", "--timeout", "nan"], "error: --timeout must be positive")])
+    (["--out", "{folder}/b.json", "--isolate", "--timeout", "nan"],
+     "error: --timeout must be positive"),
+    # (it bounds --isolate's subprocesses; alone it bounded nothing and said nothing)
+    (["--out", "{folder}/b.json", "--timeout", "60"], "error: --timeout applies with --isolate only")])
 def test_bad_out_png_and_timeout_are_refused_before_the_suite_runs(
         argv: list[str], words: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -108,16 +108,29 @@ def _refused(fn, argv, capsys) -> str:
 ])
 @pytest.mark.parametrize("smoke", [[], ["--smoke"]])
 def test_bench_moe_refuses_bad_sizes(argv, words, smoke, capsys):
-    # With --smoke too: its sizes replaced the bad ones, which then ran (a size of 0 as well).
-    if smoke and argv[0] == "--experts" and len(argv) > 2:
-        words = "--ep 3 must divide --experts 8 (--smoke's)"
+    # With --smoke too: its sizes replaced the bad ones, which then ran (a size of 0 as well);
+    # now a size given beside --smoke stands (its own experts=10 is the one refused).
     assert _refused(bench_moe.parse_args, smoke + argv, capsys).endswith(f": error: {words}")
 
 
 def test_bench_moe_reads_its_tokens_as_before():
     assert bench_moe.parse_args(["--tokens", "1, 8"]).tokens == [1, 8]
     assert bench_moe.parse_args([]).tokens == bench_moe.DEFAULT_TOKENS
-    assert bench_moe.parse_args(["--smoke", "--tokens", "5"]).tokens == [1, 7, 33]
+    # (--smoke replaced the tokens given beside it: they stand, as every size does)
+    assert bench_moe.parse_args(["--smoke", "--tokens", "5"]).tokens == [5]
+    smoke = bench_moe.parse_args(["--smoke", "--hidden", "128", "--topk", "1"])
+    assert (smoke.hidden, smoke.intermediate, smoke.topk, smoke.tokens) == (128, 32, 1, [1, 7, 33])
+    with pytest.raises(SystemExit):  # (the smoke's 8 experts, its message says so)
+        bench_moe.parse_args(["--smoke", "--ep", "3"])
+
+
+def test_bench_expert_parallel_keeps_sizes_given_beside_smoke():
+    args = bench_expert_parallel.parse_args(["--smoke", "--experts", "8", "--top-k", "2"])
+    assert (args.hidden, args.experts, args.top_k, args.tokens) == (64, 8, 2, [8, 32])
+    args = bench_expert_parallel.parse_args(["--smoke", "--tokens", "3", "--iters", "2"])
+    assert (args.experts, args.tokens, args.iters) == (16, [3], 2)
+    plain = bench_expert_parallel.parse_args([])
+    assert (plain.hidden, plain.experts) == (7168, 256) and plain.preset == set()
 
 
 @pytest.mark.parametrize("argv,words", [

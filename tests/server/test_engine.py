@@ -32,6 +32,9 @@ def test_device_resolution():
     assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="auto"):
         resolve_device("tpu")
+    assert resolve_device("cpu:0") == torch.device("cpu")
+    with pytest.raises(ValueError, match="index 0 only"):
+        resolve_device("cpu:1")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             resolve_device("cuda")
