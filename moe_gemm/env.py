@@ -265,7 +265,8 @@ VARIABLES: dict[str, Variable] = {
     "MOE_GEMM_FP8_SCALE_AHEAD": Variable(
         integer_in(1, 4),
         "1-4: stages ahead the math threads load the FP8 block scales where they are not staged "
-        "(default 3 on tiles within one scale block; 1: the plain loop)"),
+        "(default 3 on tiles within one scale block; 1: the plain loop; set, it turns the staged "
+        "scales off unless MOE_GEMM_FP8_SMEM_SCALES=1 asks for them)"),
     "MOE_GEMM_FP8_SMEM_SCALES": Variable(
         override_value,
         "1 / 0: the FP8 block scales of the varlen and batched forms staged in shared memory by "

@@ -16,7 +16,8 @@ same path runs through the torch backend (transformers' own FP8 experts need a G
 
 What it refuses, with a ValueError naming it: static activation scales (the checkpoint's
 calibrated input scales; moe_gemm quantizes each token dynamically), experts without a gate
-projection, expert biases, FP4 experts and weight blocks other than 128x128.
+projection, expert biases, FP4 experts, weight blocks other than 128x128, and hidden or
+intermediate sizes that are not multiples of 128 (block scales) or of 16 (per-tensor scales).
 """
 
 from __future__ import annotations
@@ -86,13 +87,14 @@ def _check_module(experts: nn.Module) -> None:
     if getattr(experts, "activation_scheme", "dynamic") != "dynamic":
         problems.append(f"activation_scheme={experts.activation_scheme!r} (moe_gemm quantizes "
                         "the tokens dynamically, per token)")
-    if not getattr(experts, "has_gate", True):
+    gated = getattr(experts, "has_gate", True)
+    if not gated:
         problems.append("has_gate=False (no gate projection)")
     if getattr(experts, "has_bias", False):
         problems.append("has_bias=True (expert biases)")
     w = getattr(experts, "gate_up_proj", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in FP8_DTYPES or (
-            getattr(experts, "gate_up_proj_scale_inv", None) is None):
+    if gated and (not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in FP8_DTYPES
+                  or getattr(experts, "gate_up_proj_scale_inv", None) is None):
         problems.append("weights that are not FP8 [E, 2I, H] with their scale_inv (FP4 "
                         "experts among them)")
     if problems:

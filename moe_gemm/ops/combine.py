@@ -44,7 +44,8 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
     y: (S, H) floating; rows: (T, k) int64 or int32, values in [0, S) (the caller's own
     permutation); weights: (T, k) floating (y's dtype or float32 for the kernel); all on y's
     device (TypeError or ValueError naming what is expected otherwise). A row index outside
-    [0, S) is refused on the CPU (embedding_bag's RuntimeError, naming the range); on a GPU
+    [0, S) is refused on the CPU (IndexError naming the range; embedding_bag's RuntimeError
+    while torch.compile traces or under torch.func transforms); on a GPU
     it is not checked (that is a host sync per call) but clamped into range, by the kernel
     and the embedding_bag path alike: a wrong row, never an out-of-bounds read or a device
     assert that ends the process's CUDA context."""
@@ -55,17 +56,43 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
         return y.new_zeros(rows.shape[0], y.shape[-1])
     if _kernel_ok(y, rows, weights):
         return _combine_kernel(y, rows, weights)
-    w = weights if weights is None or weights.dtype == y.dtype else weights.to(y.dtype)
     if y.device.type != "cpu":
         rows = rows.clamp(0, y.shape[0] - 1)  # (as the kernel does; S > 0, see _check)
-    if forward_dual(y) or forward_dual(w):  # (embedding_bag has no forward derivative)
-        return _gathered_sum(y, rows, w)
+    elif not (torch.compiler.is_compiling() or _functorch_wrapped(rows)):
+        _check_cpu_rows(rows, y.shape[0])
+    if forward_dual(y) or forward_dual(weights):  # (embedding_bag has no forward derivative)
+        return _gathered_sum(y, rows, weights)
+    if y.dtype in (torch.bfloat16, torch.float16) and (
+            y.device.type == "cpu" or (weights is not None and weights.dtype == torch.float32)):
+        # The sum in fp32, rounded once, as the kernel: the CPU's 16-bit embedding_bag rounds
+        # along the way (bf16: 1 ulp off in ~4% of the elements of 8-slot sums), and fp32
+        # weights rounded to y's dtype first would scale each row by another number.
+        w32 = None if weights is None else weights.float()
+        return F.embedding_bag(rows, y.float(), per_sample_weights=w32, mode="sum").to(y.dtype)
+    w = weights if weights is None or weights.dtype == y.dtype else weights.to(y.dtype)
     return F.embedding_bag(rows, y, per_sample_weights=w, mode="sum")
 
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _check_cpu_rows(rows: torch.Tensor, S: int) -> None:
+    """IndexError naming the range for a CPU row index outside [0, S) (embedding_bag names it
+    for the first token's slots only; for the others it asserts `i < index_size`). Not while
+    torch.compile traces or under torch.func transforms, which cannot read values (there
+    embedding_bag's own error stands)."""
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= S):
+        bad = rows[(rows < 0) | (rows >= S)][0].item()
+        raise IndexError(f"combine_rows: rows holds {bad}, outside [0, S) = [0, {S})")
+
+
 def _gathered_sum(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """embedding_bag's sum from differentiable pieces (forward mode): the k rows gathered,
-    weighted and summed in fp32, rounded once to y's dtype."""
+    """The sum from differentiable pieces (forward mode; embedding_bag has no forward
+    derivative): the k rows gathered, weighted and summed in fp32, rounded once to y's dtype
+    (fp64 stays fp64)."""
+    if y.dtype == torch.float64:
+        part = y.index_select(0, rows.reshape(-1)).view(*rows.shape, y.shape[1])
+        return (part if w is None else part * w.to(y.dtype).unsqueeze(-1)).sum(1)
     T, k = rows.shape
     part = y.index_select(0, rows.reshape(-1)).view(T, k, y.shape[1]).float()
     if w is not None:

@@ -19,6 +19,8 @@ the kernels cannot run). Eager calls never come here: they skip the custom-op di
                                ScalarType? out_dtype) -> (Tensor, Tensor)
     moe_gemm::_grouped_gemm_grad(Tensor[] grads, Tensor[] a, Tensor[] b, str config,
                                  ScalarType? out_dtype) -> Tensor[]
+    moe_gemm::_check_gemm_outs(Tensor[] a, Tensor[] b, Tensor(a!)[] out,
+                               ScalarType? out_dtype) -> ()   (eager's checks of `out`)
     moe_gemm::_inference_only(Tensor y, str message) -> Tensor
     moe_gemm::_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, str message) -> Tensor
 
@@ -121,22 +123,29 @@ def grouped_gemm(a: Any, b: Any, *, out: Any = None, config: GemmConfig | None =
         return list(torch.ops.moe_gemm._grouped_gemm(a, b, text, out_dtype))
     out = _as_tensor_list("out", out, "(M_i, N_i)")
     check_traced_outs(out)
-    if out and differentiable_out(out[0], out_dtype, *a, *b):
-        if len(out) != len(a):
-            raise ValueError(f"out must hold one tensor per problem ({len(a)}); got {len(out)}")
-        for i, o in enumerate(out):
-            if o.dtype != out[0].dtype:  # (eager's message)
-                raise TypeError(f"out[{i}] must have dtype {out[0].dtype}; got {o.dtype}")
+    if out and grad_tracked(*a, *b):
+        # (eager's checks of out first: count, shapes, one dtype, out_dtype's)
+        torch.ops.moe_gemm._check_gemm_outs(detached(a), detached(b), out, out_dtype)
         ys = torch.ops.moe_gemm._grouped_gemm(a, b, text, out[0].dtype)
         return [write_rows(o, y, None, f"out[{i}]") for i, (o, y) in enumerate(zip(out, ys))]
     torch.ops.moe_gemm._grouped_gemm_out(a, b, out, text, out_dtype)
     return out
 
 
+def detached(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.detach() for t in tensors]
+
+
 def check_traced_outs(outs: list[Tensor]) -> None:
     """check_traced_args of each tensor of a list `out` (_as_tensor_list made it)."""
     for i, o in enumerate(outs):
         check_traced_args(out=o, out_name=f"out[{i}]")
+
+
+def grad_tracked(*inputs: Tensor | None) -> bool:
+    """Grad on and an input requiring it: a traced call must then stay differentiable."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in inputs)
 
 
 def differentiable_out(out: Tensor, out_dtype: torch.dtype | None,
@@ -146,8 +155,7 @@ def differentiable_out(out: Tensor, out_dtype: torch.dtype | None,
     copies into `out` (write_rows), as the eager call's in-place write is differentiable. The
     `_out` ops run under no_grad and have no autograd: through them the gradient would be
     lost without a word."""
-    if not torch.is_grad_enabled() or not any(
-            isinstance(t, Tensor) and t.requires_grad for t in inputs):
+    if not grad_tracked(*inputs):
         return False
     if out_dtype is not None and out_dtype != out.dtype:
         # (a TypeError, as the eager call's check of out's dtype)
@@ -156,17 +164,23 @@ def differentiable_out(out: Tensor, out_dtype: torch.dtype | None,
     return True
 
 
+# The tensor arguments of the ops that may be None (the others, x, w, scales, masked_m, must
+# be tensors).
+OPTIONAL_TENSORS = frozenset(("offs", "row_index", "bias", "row_weight"))
+
+
 def check_traced_args(tensors: dict[str, Any] | None = None, out_dtype: Any = None,
                       reals: dict[str, Any] | None = None,
                       out: Any = None, out_name: str = "out") -> None:
     """The argument checks eager makes that a traced call must make itself: the op's schema
     would refuse wrong types with torch's own message (or coerce them), and the registered
     ops run under no_grad, where eager's refusal of an `out` autograd tracks cannot fire.
-    tensors: optional tensor arguments; reals: numbers (symbols that torch.compile traces in
+    tensors: tensor arguments (None allowed for OPTIONAL_TENSORS); reals: numbers (symbols that torch.compile traces in
     place of ints and floats pass); out: the output."""
     for name, t in (tensors or {}).items():
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
+        if not isinstance(t, Tensor) and (t is not None or name not in OPTIONAL_TENSORS):
+            maybe = " or None" if name in OPTIONAL_TENSORS else ""
+            raise TypeError(f"{name} must be a torch.Tensor{maybe}; got {type(t).__name__}")
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype or None; got {out_dtype!r}")
     for name, v in (reals or {}).items():
@@ -292,6 +306,24 @@ def _grouped_gemm_out(a, b, out, config, out_dtype):
 
 @_grouped_gemm_out.register_fake
 def _grouped_gemm_out_fake(a, b, out, config, out_dtype):
+    check_grouped_gemm(a, b, out, out_dtype, concrete=False)
+
+
+# A traced call with `out` that must stay differentiable runs the functional op and copies its
+# results into `out` (differentiable_out): eager's checks of `out` then run through this op, at
+# trace time on fake tensors and when the graph runs on real ones, the overlap of two outputs
+# included (a traced call has no memory to compare, and copying into outputs that share memory
+# gave a wrong result without a word). It declares `out` mutated, though it writes nothing, so
+# that the compiled graph keeps it (an op with no result and no mutation is dead code).
+@torch.library.custom_op(
+    "moe_gemm::_check_gemm_outs", mutates_args=("out",),
+    schema="(Tensor[] a, Tensor[] b, Tensor(a!)[] out, ScalarType? out_dtype) -> ()")
+def _check_gemm_outs(a, b, out, out_dtype):
+    check_grouped_gemm(a, b, out, out_dtype)
+
+
+@_check_gemm_outs.register_fake
+def _check_gemm_outs_fake(a, b, out, out_dtype):
     check_grouped_gemm(a, b, out, out_dtype, concrete=False)
 
 
@@ -521,4 +553,5 @@ _grouped_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
 
 # torch.vmap: each batch entry through the op, results stacked (ops/vmap.py).
 register_loop_vmap(_grouped_mm, _grouped_mm_out, _grouped_gemm, _grouped_gemm_out,
+                   _check_gemm_outs,
                    _grouped_mm_grad, _grouped_gemm_grad, _no_backward, _inference_only)

@@ -9,6 +9,9 @@ as ops/custom_ops.py does for the 16-bit ones:
     moe_gemm::_scaled_grouped_gemm(Tensor[] a, Tensor[] b, Tensor[] scale_a,
                                    Tensor[] scale_b, str config,
                                    ScalarType? out_dtype) -> Tensor[]
+    moe_gemm::_scaled_grouped_gemm_out(Tensor[] a, Tensor[] b, Tensor[] scale_a,
+                                       Tensor[] scale_b, Tensor(a!)[] out, str config,
+                                       ScalarType? out_dtype) -> ()
 
 The public functions (ops/scaled.py) are the API; they call these only while traced. The
 backward raises when it runs (inference-only, as the kernels).
@@ -31,8 +34,10 @@ from moe_gemm.ops.custom_ops import (
     check_traced_args,
     check_traced_outs,
     decode_config,
+    detached,
     differentiable_out,
     encode_config,
+    grad_tracked,
     write_rows,
 )
 from moe_gemm.ops.scaled_validation import (
@@ -78,22 +83,25 @@ def scaled_grouped_gemm(a: Any, b: Any, scale_a: Any, scale_b: Any, *, out: Any 
     text = encode_config(config)
     hints = {"a": "(M_i, K_i)", "b": "(K_i, N_i)", "scale_a": "of float32 scales",
              "scale_b": "of float32 scales"}  # (eager's messages, not the schema's)
-    lists = [_as_tensor_list(n, s, hints[n]) for n, s in zip(hints, (a, b, scale_a, scale_b))]
+    lists = [_as_tensor_list(n, s, hints[n], "tensors" if n.startswith("scale") else "2-D tensors")
+             for n, s in zip(hints, (a, b, scale_a, scale_b))]
     check_traced_args(out_dtype=out_dtype)
     if out is not None:
-        # No out variant is registered: the functional op at out's dtype, then copied in,
-        # with eager's checks of `out` (count, tensors, dtype, shapes, not tracked by autograd).
         outs = _as_tensor_list("out", out, "(M_i, N_i)")
-        if len(outs) != len(lists[0]):
-            raise ValueError(f"out must hold one tensor per problem ({len(lists[0])}); got "
-                             f"{len(outs)}")
         check_traced_outs(outs)
-        odt = resolve_fp8_out_dtype(out_dtype, outs[0] if outs else None)
-        if any(o.dtype != odt for o in outs):
-            raise ValueError(f"every out tensor must be {odt}; got "
-                             f"{sorted({str(o.dtype) for o in outs})}")
-        res = torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, odt)
-        return [write_rows(o, r, None, f"out[{i}]") for i, (o, r) in enumerate(zip(outs, res))]
+        if outs and grad_tracked(*(t for ts in lists for t in ts)):
+            # The functional op at out's dtype, copied in (write_rows: differentiable, as the
+            # eager call's in-place write), after eager's checks of `out` (its count, shapes,
+            # one dtype, out_dtype's).
+            torch.ops.moe_gemm._check_scaled_gemm_outs(*map(detached, lists), outs, out_dtype)
+            res = torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, outs[0].dtype)
+            return [write_rows(o, r, None, f"out[{i}]")
+                    for i, (o, r) in enumerate(zip(outs, res))]
+        # The `_out` op: eager's checks when it runs, the overlap of outputs included (a
+        # traced call has no memory to compare: copying the functional op's results into
+        # outputs that share memory gave a wrong result without a word).
+        torch.ops.moe_gemm._scaled_grouped_gemm_out(*lists, outs, text, out_dtype)
+        return outs
     return list(torch.ops.moe_gemm._scaled_grouped_gemm(*lists, text, out_dtype))
 
 
@@ -152,6 +160,36 @@ def _scaled_grouped_gemm_fake(a, b, scale_a, scale_b, config, out_dtype):
             for ai, bi in zip(args.a, args.b)]
 
 
+@torch.library.custom_op(
+    "moe_gemm::_scaled_grouped_gemm_out", mutates_args=("out",),
+    schema="(Tensor[] a, Tensor[] b, Tensor[] scale_a, Tensor[] scale_b, Tensor(a!)[] out, "
+           "str config, ScalarType? out_dtype) -> ()")
+def _scaled_grouped_gemm_out(a, b, scale_a, scale_b, out, config, out_dtype):
+    with _in_graph():
+        _eager().scaled_grouped_gemm_eager(a, b, scale_a, scale_b, out, out_dtype,
+                                           decode_config(config))
+
+
+@_scaled_grouped_gemm_out.register_fake
+def _scaled_grouped_gemm_out_fake(a, b, scale_a, scale_b, out, config, out_dtype):
+    check_scaled_grouped_gemm(a, b, scale_a, scale_b, out, out_dtype)  # (as eager)
+
+
+@torch.library.custom_op(
+    "moe_gemm::_check_scaled_gemm_outs", mutates_args=("out",),
+    schema="(Tensor[] a, Tensor[] b, Tensor[] scale_a, Tensor[] scale_b, Tensor(a!)[] out, "
+           "ScalarType? out_dtype) -> ()")
+def _check_scaled_gemm_outs(a, b, scale_a, scale_b, out, out_dtype):
+    """Eager's checks of `out` for a traced call that stays differentiable (as
+    custom_ops._check_gemm_outs: at trace time, and on the real tensors when it runs)."""
+    check_scaled_grouped_gemm(a, b, scale_a, scale_b, out, out_dtype)
+
+
+@_check_scaled_gemm_outs.register_fake
+def _check_scaled_gemm_outs_fake(a, b, scale_a, scale_b, out, out_dtype):
+    check_scaled_grouped_gemm(a, b, scale_a, scale_b, out, out_dtype)
+
+
 def _mm_setup(ctx, inputs, output) -> None:
     ctx.metas = tuple((t.shape, t.dtype) for t in inputs[:4])
 
@@ -185,10 +223,12 @@ def _scaled_mm_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     return _mm_flops(x_shape, w_shape)
 
 
-@register_flop_formula(torch.ops.moe_gemm._scaled_grouped_gemm)
+@register_flop_formula([torch.ops.moe_gemm._scaled_grouped_gemm,
+                        torch.ops.moe_gemm._scaled_grouped_gemm_out])
 def _scaled_gemm_flop(a_shapes, b_shapes, *args, out_shape=None, **kwargs) -> int:
     return _gemm_flops(a_shapes, b_shapes)
 
 
 # torch.vmap: each batch entry through the op, results stacked (ops/vmap.py).
-register_loop_vmap(_scaled_grouped_mm, _scaled_grouped_mm_out, _scaled_grouped_gemm)
+register_loop_vmap(_scaled_grouped_mm, _scaled_grouped_mm_out, _scaled_grouped_gemm,
+                   _scaled_grouped_gemm_out, _check_scaled_gemm_outs)

@@ -199,8 +199,8 @@ def check_scaled_grouped_gemm(a: object, b: object, scale_a: object, scale_b: ob
                               out: object, out_dtype: object) -> ScaledGemmArgs:
     a_list = _as_tensor_list("a", a, "(M_i, K_i)")
     b_list = _as_tensor_list("b", b, "(K_i, N_i)")
-    sa_list = _as_tensor_list("scale_a", scale_a, "of float32 scales")
-    sb_list = _as_tensor_list("scale_b", scale_b, "of float32 scales")
+    sa_list = _as_tensor_list("scale_a", scale_a, "of float32 scales", "tensors")
+    sb_list = _as_tensor_list("scale_b", scale_b, "of float32 scales", "tensors")
     G = len(a_list)
     if not len(b_list) == len(sa_list) == len(sb_list) == G:
         raise ValueError(f"expected one b, scale_a and scale_b per a: got len(a)={G}, "

@@ -142,19 +142,20 @@ def resolve_out_dtype(dtype: torch.dtype, out_dtype: torch.dtype | None) -> torc
     return out_dtype
 
 
-def _as_tensor_list(name: str, seq: object, shape_hint: str) -> list[torch.Tensor]:
+def _as_tensor_list(name: str, seq: object, shape_hint: str,
+                    kind: str = "2-D tensors") -> list[torch.Tensor]:
     if isinstance(seq, torch.Tensor) and seq.is_nested:
         # (the closest thing to the list asked for: say how to get that list)
-        raise TypeError(f"{name} must be a sequence (list or tuple) of 2-D tensors {shape_hint}; "
+        raise TypeError(f"{name} must be a sequence (list or tuple) of {kind} {shape_hint}; "
                         f"got {NESTED} (pass list({name}.unbind()))")
     if isinstance(seq, torch.Tensor):
         raise TypeError(
-            f"{name} must be a sequence (list or tuple) of 2-D tensors {shape_hint}; got a single "
+            f"{name} must be a sequence (list or tuple) of {kind} {shape_hint}; got a single "
             f"tensor of shape {shape_text(seq)} (use list(t.unbind(0)) for a 3-D batch)"
         )
     if not isinstance(seq, Sequence) or isinstance(seq, (str, bytes)):
         raise TypeError(
-            f"{name} must be a sequence (list or tuple) of 2-D tensors {shape_hint}; "
+            f"{name} must be a sequence (list or tuple) of {kind} {shape_hint}; "
             f"got {type(seq).__name__}"
         )
     items = list(seq)

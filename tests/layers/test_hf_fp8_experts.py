@@ -125,6 +125,17 @@ def test_what_the_fp8_path_cannot_run_is_named(change, pattern):
         moe_gemm_fp8_experts_forward(m, x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
 
 
+def test_experts_without_a_gate_are_refused_for_that_alone():
+    # (the refusal also blamed "weights that are not FP8 [E, 2I, H]", which they may well be)
+    m = _experts(8)
+    m.has_gate = False
+    m.up_proj, m.up_proj_scale_inv = m.gate_up_proj, m.gate_up_proj_scale_inv
+    del m.gate_up_proj, m.gate_up_proj_scale_inv
+    x = torch.randn(3, H).bfloat16()
+    with pytest.raises(ValueError, match=r"with has_gate=False \(no gate projection\)$"):
+        moe_gemm_fp8_experts_forward(m, x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
 @pytest.mark.parametrize("change,error,pattern", [
     (lambda x, i, w: (x[None], i, w), ValueError, r"hidden_states must be \(T, H\)"),
     (lambda x, i, w: (x, i.float(), w), TypeError, "top_k_index must hold integer expert ids"),

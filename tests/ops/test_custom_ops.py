@@ -535,7 +535,7 @@ def test_traced_out_checks_as_eager() -> None:
             grouped_mm(xg, w, offs, out=torch.zeros(x.shape[0], 8), out_dtype=torch.float16)
         with pytest.raises(ValueError, match=r"out must be \(19, 8\)"):
             grouped_mm(xg, w, offs, out=torch.zeros(x.shape[0] + 1, 8))
-        with pytest.raises(ValueError, match="one tensor per problem"):
+        with pytest.raises(ValueError, match="one out per problem"):
             grouped_gemm([xg[:3], xg[3:5]], [w[0], w[1]], out=[torch.zeros(3, 8)])
         with pytest.raises(TypeError, match=r"out\[1\] must have dtype torch.float32"):
             grouped_gemm([xg[:3], xg[3:5]], [w[0], w[1]],
@@ -674,3 +674,27 @@ def test_public_names_unchanged() -> None:
                  "sigmoid_grouped_topk", "ExpertPermutation"):
         assert hasattr(moe_gemm, name), name
     assert moe_gemm.grouped_mm is api.grouped_mm and moe_gemm.grouped_gemm is api.grouped_gemm
+
+
+def test_a_wrapper_refusal_under_fullgraph_carries_our_message_as_its_cause() -> None:
+    """docs/USAGE.md: an argument the Python function refuses before any op runs stops a
+    fullgraph trace with torch's Unsupported, our error as its cause; without fullgraph, our
+    error itself. A required tensor argument is not offered None in the message."""
+    import torch._dynamo
+
+    x, w, offs = _moe(45)
+
+    def bad_gate(x):
+        return moe_gemm.fused_grouped_mm(x, w, offs, gate="relu")
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        torch.compile(bad_gate, fullgraph=True, backend="eager")(x)
+    assert "gate must be one of" in str(info.value.__cause__)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        torch.compile(bad_gate, backend="eager")(x)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False), pytest.raises(
+            TypeError, match="^x must be a torch.Tensor; got list"):
+        grouped_mm([x], w, offs)

@@ -76,10 +76,10 @@ def test_traced_scaled_grouped_gemm_checks_and_fills_out_as_eager():
     with FlopCounterMode(display=False):
         got = scaled_grouped_gemm(a, b, sa, sb, out=[torch.zeros(4, 16), torch.zeros(3, 32)])
         for bad, err, pattern in (
-                ([torch.zeros(4, 16)], ValueError, "one tensor per problem"),
+                ([torch.zeros(4, 16)], ValueError, "one out per problem"),
                 ([torch.zeros(1, 16), torch.zeros(3, 32)], ValueError, r"out\[0\] must be"),
-                ([torch.zeros(4, 16), torch.zeros(3, 32, dtype=torch.float16)], ValueError,
-                 "every out tensor must be"),
+                ([torch.zeros(4, 16), torch.zeros(3, 32, dtype=torch.float16)], TypeError,
+                 r"out\[1\] must have dtype torch.float32"),
                 ([torch.zeros(4, 16), None], TypeError, r"out\[1\] must be a torch.Tensor")):
             with pytest.raises(err, match=pattern):
                 scaled_grouped_gemm(a, b, sa, sb, out=bad)
