@@ -179,3 +179,36 @@ def test_compiled_backward_with_out_raises_too():
     torch.testing.assert_close(y.detach(), want, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="inference-only"):
         y.float().sum().backward()
+
+
+def test_compiled_scaled_grouped_gemm_refuses_outputs_that_share_memory():
+    """Compiled scaled_grouped_gemm(out=) with two outputs over one buffer: eager's
+    ValueError (it copied the results into them: a wrong out[0] without a word); separate
+    outputs are written and returned as eagerly. (Separate functions and a reset between:
+    torch 2.13 replays a graph traced for aliased list inputs for separate ones, and
+    inductor's on-disk cache does the same across processes; our op's checks then refuse the
+    views it is handed.)"""
+    import torch._dynamo
+
+    a, b, sa, sb = make_fp8_grouped_inputs([(5, 16, 128), (3, 16, 128)], "block", seed=11)
+    want = scaled_grouped_gemm(a, b, sa, sb)
+
+    def separate(outs):
+        return scaled_grouped_gemm(a, b, sa, sb, out=outs)
+
+    def aliased(outs):
+        return scaled_grouped_gemm(a, b, sa, sb, out=outs)
+
+    big = torch.zeros(5, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="share memory"):
+        scaled_grouped_gemm(a, b, sa, sb, out=[big, big[2:5]])
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="share memory"):
+        torch.compile(aliased, fullgraph=True, backend="aot_eager")([big, big[2:5]])
+    torch._dynamo.reset()
+    outs = [torch.full((5, 16), float("nan"), dtype=torch.bfloat16),
+            torch.full((3, 16), float("nan"), dtype=torch.bfloat16)]
+    got = torch.compile(separate, fullgraph=True, backend="aot_eager")(outs)
+    assert got[0] is outs[0] and got[1] is outs[1]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
