@@ -13,6 +13,7 @@ import os
 import sys
 
 from moe_gemm.env import LIBRARY_VARIABLES, EnvError, refused_variables, variables_set
+from moe_gemm.env import text_value as env_text
 
 
 def _version(dist: str) -> str:
@@ -97,12 +98,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     env = info["environment"]
     assert isinstance(env, dict)
     for name, value in env.items():
-        print(f"env      {name}={value}  ({LIBRARY_VARIABLES[name]})")
+        # (a value that is not valid text, e.g. bytes undecodable in the locale, as its
+        # escapes: printed raw it was a UnicodeEncodeError traceback on a strict stdout)
+        shown = value.encode("utf-8", "backslashreplace").decode() if isinstance(
+            value, str) else value
+        print(f"env      {name}={shown}  ({LIBRARY_VARIABLES[name]})")
         if name in refused:
             print(f"         REFUSED: {refused[name]}")
-        elif name == "MOE_GEMM_TUNED_TABLE" and value and not os.path.isfile(value):
+        elif name == "MOE_GEMM_TUNED_TABLE" and (path := env_text(name, value)) and (
+                not os.path.isfile(path)):
             # (not a refusal: the lookup warns once and goes on without it)
-            what = "a folder" if os.path.isdir(value) else "no such file"
+            what = ("a folder" if os.path.isdir(path) else
+                    "a device or other special file" if os.path.exists(path) else "no such file")
             print(f"         NOTE: {what}, not a table; the kernels' config lookup warns and "
                   "skips it")
     others = info["environment_other"]

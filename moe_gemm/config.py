@@ -83,9 +83,10 @@ class GemmConfig:
             once share B's (the expert weights') columns in L2; 1 to 64, None = heuristic.
         raster_along: the panels' axis, "m" (panels of m-tiles, the default) or "n" (panels
             of n-tiles: CTAs running at once share A's rows; QuACK's order for varlen-M).
-            None = "m".
+            None = heuristic ("m" by the rules; a tuned table's entry may pick "n").
         raster_serpentine: odd panels walk the other axis backwards, so a panel starts on the
-            tiles the previous one ended on (still in L2). None = False.
+            tiles the previous one ended on (still in L2). None = heuristic (off by the
+            rules; a tuned table's entry may turn it on).
         tail_split: when the last wave of tiles fills at most half the grid (or a launch has
             that few tiles), 2 or more CTAs share each of its tiles, a share of K each, as
             many as the idle SMs, K and a cap allow (8; MOE_GEMM_SPLIT_WAYS sets it, 2 to 16:

@@ -69,8 +69,9 @@ def override_value(name: str, value: str | None) -> bool | None:
 
 
 def text_value(name: str, value: str | None) -> str | None:
-    """A path or other free text: the value, None when unset or empty (no value is refused)."""
-    return value or None
+    """A path: the value with a leading ~ expanded (an env file or a quoted value reaches us
+    unexpanded), None when unset, empty or blank (no value is refused)."""
+    return os.path.expanduser(value) if value and value.strip() else None
 
 
 def choice_of(*choices: str) -> Parser:
@@ -126,9 +127,9 @@ L2_HINT_WORDS = ("first", "normal", "last")  # the TMA loads' L2 eviction priori
 def l2_hints_value(name: str, value: str | None) -> tuple[str, str] | None:
     """'a,b', each one of L2_HINT_WORDS (A's and B's policy): the pair, None when unset or
     empty; EnvError for anything else."""
-    if not value:
+    if not value or not value.strip():  # (set but blank: the default, as for the others)
         return None
-    parts = [v.strip() for v in value.split(",")]
+    parts = [v.strip().lower() for v in value.split(",")]  # (any case, as the others)
     if len(parts) != 2 or not all(p in L2_HINT_WORDS for p in parts):
         raise EnvError(f"{name}={value!r}: expected 'a,b' (A's and B's policy), each one of "
                        f"{', '.join(L2_HINT_WORDS)}")

@@ -516,3 +516,25 @@ def test_refusal_names_nothing_for_values_taken() -> None:
         "MOE_GEMM_FP8_SCALE_AHEAD='0': expected an integer from 1 to 4 (or unset)")
     with pytest.raises(KeyError):
         env_module.env_value("MOE_GEMM_NOT_DECLARED")
+
+
+def test_l2_hints_read_blank_as_unset_and_words_in_any_case() -> None:
+    # (a blank value was refused and First,LAST was, where every other variable takes both)
+    read = env_module.l2_hints_value
+    assert read("MOE_GEMM_L2_HINTS", " ") is None and read("MOE_GEMM_L2_HINTS", "") is None
+    assert read("MOE_GEMM_L2_HINTS", "First, LAST") == ("first", "last")
+    with pytest.raises(env_module.EnvError, match="expected 'a,b'"):
+        read("MOE_GEMM_L2_HINTS", "first")
+
+
+def test_paths_expand_a_tilde_and_read_blank_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (" " was a cache folder named " " in the working directory, "~/x" a folder named "~")
+    from moe_gemm.ops import kernel_cache
+
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert env_module.text_value("MOE_GEMM_CACHE_DIR", "~/kc") == "/home/someone/kc"
+    assert env_module.text_value("MOE_GEMM_CACHE_DIR", " ") is None
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", "~/kc")
+    assert str(kernel_cache.cache_root()) == "/home/someone/kc"
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", "  ")
+    assert kernel_cache.cache_root() == kernel_cache.Path.home() / ".cache" / "moe_gemm"

@@ -455,6 +455,23 @@ def test_info_notes_a_tuned_table_path_that_does_not_exist(
     (tmp_path / "typo.json").write_text("{}")
     assert cli.main(["info"]) == 0
     assert "NOTE" not in capsys.readouterr().out
+    if os.path.exists("/dev/null"):  # (it exists; it is not a file that holds a table)
+        _only(monkeypatch, MOE_GEMM_TUNED_TABLE="/dev/null")
+        assert cli.main(["info"]) == 0
+        assert "NOTE: a device or other special file, not a table" in capsys.readouterr().out
+
+
+def test_info_prints_a_value_that_is_not_text_as_its_escapes() -> None:
+    # Bytes the locale cannot decode arrive as surrogates: printed raw on a strict stdout,
+    # a UnicodeEncodeError traceback instead of the REFUSED line.
+    env = {**os.environ, "MOE_GEMM_SWAP_AB": "\udcff", "PYTHONIOENCODING": "utf-8:strict"}
+    done = subprocess.run([sys.executable, "-m", "moe_gemm", "info"], env=env,
+                          capture_output=True, text=True, timeout=120,
+                          encoding="utf-8", errors="backslashreplace")
+    assert done.returncode == 1, done.stderr
+    assert "MOE_GEMM_SWAP_AB=\\udcff" in done.stdout
+    assert "REFUSED: MOE_GEMM_SWAP_AB='\\udcff'" in done.stdout
+    assert "Traceback" not in done.stderr
 
 
 def test_bench_puts_the_checkout_on_its_child_processes_path(

@@ -79,6 +79,19 @@ def split_allowed(config: GemmConfig, pinned_split: bool = True) -> bool:
             and (config.cluster_m or 1) * (config.cluster_n or 1) == 1)
 
 
+def short_rows(config: GemmConfig, schedule: str, tile: tuple[int, int], stages: int | None,
+               avg_m: float, n: int, k_tiles: float) -> tuple[str, tuple[int, int], int | None]:
+    """Problems of at most 64 rows on long K: ping-pong's 64-row tile where the rules gave
+    cooperative (fill_known's first step; also for lists of more problems than SMs, where the
+    grid is full and nothing else of fill_known applies: 132 problems of 16 x 4096 x 4096
+    took cooperative 128x256 1x2, 7x the useful MMA work, where 131 took ping-pong 64x256)."""
+    if (config.tile_m is None and schedule == "cooperative" and config.schedule == "auto"
+            and avg_m <= 64 and k_tiles > SHORT_K_TILES
+            and fit_schedule("pingpong", config) == "pingpong"):
+        return "pingpong", pick_tile("pingpong", avg_m, n), config.stages
+    return schedule, tile, stages
+
+
 def fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages: int | None,
                 avg_m: float, n: int, tiles: Callable[[int, int], float], num_sms: int,
                 k_tiles: float, shares: int = 0
@@ -92,9 +105,7 @@ def fill_known(config: GemmConfig, schedule: str, tile: tuple[int, int], stages:
     else 0). A pinned tile or schedule is kept."""
     if config.tile_m is not None:
         return schedule, tile, stages, False
-    if (schedule == "cooperative" and config.schedule == "auto" and avg_m <= 64
-            and k_tiles > SHORT_K_TILES and fit_schedule("pingpong", config) == "pingpong"):
-        schedule, tile, stages = "pingpong", pick_tile("pingpong", avg_m, n), config.stages
+    schedule, tile, stages = short_rows(config, schedule, tile, stages, avg_m, n, k_tiles)
     filled, narrow, split = grid_fit.fill_grid(schedule, tile, tiles, num_sms, k_tiles,
                                                shares if split_allowed(config) else 0,
                                                config.schedule == "auto")

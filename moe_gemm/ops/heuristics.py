@@ -37,6 +37,7 @@ from moe_gemm.ops.choice_rules import (  # noqa: F401 (KernelChoice, raster_of, 
     pick_tile,
     pinned_whole_epilogue,
     raster_of,
+    short_rows,
     split_allowed,
     warn_unusable,
 )
@@ -230,6 +231,9 @@ def _choose_general(
 
         schedule, tile, stages, filled_split = fill_known(
             config, schedule, tile, stages, avg_m, max_n, tiles, num_sms, avg_k_tiles, shares)
+    else:
+        schedule, tile, stages = short_rows(config, schedule, tile, stages, avg_m, max_n,
+                                            avg_k_tiles)
     visitor = config.visitor if config.visitor != "auto" else "device"
     cm, cn = cluster_choice(config)
     if (config.cluster_m is None and config.visitor != "host" and schedule == "cooperative"

@@ -265,9 +265,11 @@ def _choose(form: str, config: GemmConfig, avg_m: float, N: int, K: int, out_ite
         if schedule == "auto":
             # A 64-row tile is ping-pong only; otherwise the one that builds it, cooperative
             # first.
+            # Where neither builds it, the cooperative refusal is the one to name for a
+            # 256-row tile (ping-pong has no such rows: that would not be the reason).
+            coop_why = fp8_tile_problem("cooperative", *tile, mode)
             schedule = "pingpong" if tile[0] == 64 else (
-                "cooperative" if fp8_tile_problem("cooperative", *tile, mode) is None
-                else "pingpong")
+                "cooperative" if coop_why is None or tile[0] == 256 else "pingpong")
     else:
         if config.schedule != "auto":
             schedule = config.schedule

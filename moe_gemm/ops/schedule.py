@@ -93,7 +93,8 @@ def tile_coord(t: int, tiles_m: int, tiles_n: int, swizzle: int = 0) -> tuple[in
     M (or N), the panel's own axis fastest, panel after panel (the last may be narrower);
     serpentine walks the other axis backwards in odd panels, so a panel starts where the
     previous one ended. A plain positive number is panels of that many m-tiles; panel 0 (or
-    one at least the problem's extent) is plain column-major (M fastest).
+    one at least the problem's extent) walks the whole problem along its axis (M fastest,
+    column-major, along M; N fastest along N).
     """
     if not 0 <= t < tiles_m * tiles_n:
         raise ValueError(f"tile {t} outside a {tiles_m}x{tiles_n} problem")

@@ -41,16 +41,21 @@ def swap_ab_wanted(config: GemmConfig, T: int, E: int, K: int, out_itemsize: int
                    measured: bool | None = None, *, N: int | None = None,
                    num_sms: int | None = None) -> bool:
     """Whether grouped_mm's varlen form runs swapped tiles: config.swap_ab where it is set,
-    else MOE_GEMM_SWAP_AB where it is set, else for an all-auto config (T routed rows over E
+    else never for a config pinning the kernel's choice or for 32-bit output, else
+    MOE_GEMM_SWAP_AB where it is set, else for an all-auto config (T routed rows over E
     experts of depth K, 16-bit output) `measured` where a tuned table's exact entry decided it
     (an entry timed beside the swapped kernel names swap_ab either way), else the window
     above; with N and num_sms, only where the swapped tiles fill at least one wave."""
     if config.swap_ab is not None:
         return config.swap_ab
+    if config.tuning_pinned or out_itemsize != 2:
+        # (the switch too: it must not override a caller's pinned tile, schedule or cluster
+        # without a word, nor refuse fp32 output, which the swapped tiles cannot store)
+        return False
     forced = env_value(SWAP_AB_ENV)
     if forced is not None:
         return bool(forced)
-    if config.tuning_pinned or out_itemsize != 2 or E == 0:
+    if E == 0:
         return False
     if measured is not None:
         return measured

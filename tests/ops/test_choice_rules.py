@@ -110,3 +110,17 @@ def test_kernel_choice_is_hashable_and_frozen():
     assert hash(c) == hash(KernelChoice("pingpong", "device", 128, 192, None, False, 8))
     with pytest.raises(AttributeError):
         c.tile_m = 64
+
+
+@pytest.mark.parametrize("count", [8, 131, 132, 1000])
+def test_short_rows_take_the_64_row_tile_at_any_problem_count(count):
+    """Problems of 16 rows and long K: ping-pong 64-row tiles, also past one problem per SM
+    (at 132 problems on 132 SMs the grid-fill step was skipped and with it this rule:
+    cooperative 128x256, 8x the rows computed)."""
+    from moe_gemm.ops import heuristics
+
+    c = heuristics._choose_general(GemmConfig(), ((16, 4096, 4096),) * count, 132)
+    assert (c.schedule, c.tile_m) == ("pingpong", 64)
+    pinned = heuristics._choose_general(GemmConfig(schedule="cooperative"),
+                                        ((16, 4096, 4096),) * count, 132)
+    assert pinned.schedule == "cooperative"

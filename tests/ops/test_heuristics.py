@@ -333,6 +333,10 @@ def test_swap_window(monkeypatch, T, E, K, want):
     monkeypatch.setenv(heuristics.SWAP_AB_ENV, "1")
     assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 2) is True
     assert heuristics.swap_ab_wanted(GemmConfig(swap_ab=False), T, E, K, 2) is False
+    # The switch neither overrides a caller's pins nor asks fp32 output of swapped tiles
+    # (which store 16 bits only: every fp32-output grouped_mm raised under it).
+    assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 4) is False
+    assert heuristics.swap_ab_wanted(GemmConfig(schedule="pingpong"), T, E, K, 2) is False
     monkeypatch.setenv(heuristics.SWAP_AB_ENV, "0")
     assert heuristics.swap_ab_wanted(GemmConfig(), T, E, K, 2) is False
 
@@ -351,6 +355,12 @@ def test_the_window_wants_a_wave_of_swapped_tiles(monkeypatch, N, want):
                                      num_sms=132) is True
     monkeypatch.setenv(heuristics.SWAP_AB_ENV, "1")
     assert heuristics.choose_varlen(GemmConfig(), 4096, 16, N, 5120, 132, swap_ok=True).swap_ab
+    fp32 = heuristics.choose_varlen(GemmConfig(), 4096, 16, N, 5120, 132, 4, swap_ok=True)
+    assert not fp32.swap_ab
+    pinned = heuristics.choose_varlen(GemmConfig(schedule="pingpong", tile_m=128, tile_n=192),
+                                      4096, 16, N, 5120, 132, swap_ok=True)
+    assert (pinned.swap_ab, pinned.schedule, pinned.tile_m, pinned.tile_n) == (
+        False, "pingpong", 128, 192)
 
 
 def test_swapped_choice_and_its_compile_key(monkeypatch):

@@ -487,3 +487,11 @@ def test_compute_bound_batched_block_calls_run_the_varlen_kernel(fp8_kernel, giv
         y = scaled_grouped_mm(*args, config=cfg)
         assert fp8_kernel.made[-1].key.form == "batched"
         assert_fp8_close(y, scaled_grouped_mm_ref(*args))
+
+
+def test_a_256_row_fp8_tile_is_refused_for_its_own_reason():
+    # (schedule "auto" tried ping-pong for it and said ping-pong has no 256-row tiles)
+    from moe_gemm.ops.heuristics_fp8 import choose_fp8
+
+    with pytest.raises(ValueError, match="cooperative 256x128 needs"):
+        choose_fp8("varlen", GemmConfig(tile_m=256, tile_n=128), 1024.0, 4096, 7168, 2, "block")
