@@ -21,6 +21,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from moe_gemm.kernels.sm90.constants import COMBINE_MAX_K
 from moe_gemm.ops import launch_resources
@@ -58,7 +59,7 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
         return _combine_kernel(y, rows, weights)
     if y.device.type != "cpu":
         rows = rows.clamp(0, y.shape[0] - 1)  # (as the kernel does; S > 0, see _check)
-    elif not (torch.compiler.is_compiling() or _functorch_wrapped(rows)):
+    elif not (torch.compiler.is_compiling() or _functorch_wrapped(rows) or is_fake(rows)):
         _check_cpu_rows(rows, y.shape[0])
     if forward_dual(y) or forward_dual(weights):  # (embedding_bag has no forward derivative)
         return _gathered_sum(y, rows, weights)
@@ -79,8 +80,8 @@ _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 def _check_cpu_rows(rows: torch.Tensor, S: int) -> None:
     """IndexError naming the range for a CPU row index outside [0, S) (embedding_bag names it
     for the first token's slots only; for the others it asserts `i < index_size`). Not while
-    torch.compile traces or under torch.func transforms, which cannot read values (there
-    embedding_bag's own error stands)."""
+    torch.compile traces, under torch.func transforms or on fake tensors (FakeTensorMode),
+    which have no values to read (there embedding_bag's own error stands)."""
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= S):
         bad = rows[(rows < 0) | (rows >= S)][0].item()
         raise IndexError(f"combine_rows: rows holds {bad}, outside [0, S) = [0, {S})")

@@ -228,3 +228,14 @@ def test_forward_mode_dual_y_takes_embedding_bag(kernel_allowed):
     assert not any(e.calls for e in kernel_allowed.values())
     assert tangent is not None and torch.equal(tangent, torch.full_like(tangent, 2.0))
     torch.testing.assert_close(primal, F.embedding_bag(rows, y, mode="sum"))
+
+
+def test_fake_tensors_take_no_value_check():
+    # (the CPU range check read values: the layer under FakeTensorMode raised
+    # DataDependentOutputException)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = combine.combine_rows(torch.randn(6, 8), torch.zeros(3, 2, dtype=torch.long),
+                                   torch.rand(3, 2))
+    assert out.shape == (3, 8)
