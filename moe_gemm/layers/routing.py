@@ -104,7 +104,11 @@ def check_scaling_factor(value: object) -> float:
     weight into NaN / inf without any error at the forward)."""
     if isinstance(value, torch.SymFloat) or torch.compiler.is_compiling():
         # torch.compile(dynamic=True) traces a float as a symbol, whose value is known only
-        # at run time (MoE checks its own factor as a number when it is made).
+        # at run time; comparisons keep it one (a guard, not a specialisation). A factor set
+        # to NaN or inf after the layer was made is refused here too (it made every output
+        # NaN where eager refused it).
+        if value != value or value == math.inf or value == -math.inf:
+            raise ValueError(f"routed_scaling_factor must be finite; got {value!r}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"routed_scaling_factor must be a float; got {value!r}")

@@ -353,3 +353,23 @@ def test_fp32_router_logits_of_mixed_dtypes_widen_both() -> None:
     x = torch.randn(5, 16).to(torch.bfloat16)
     w = torch.randn(4, 16)  # an fp32 router weight: its products are not exact in bf16
     assert torch.equal(router_logits_fp32(x, w), torch.nn.functional.linear(x.float(), w))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_non_finite_factor_set_later_is_refused_when_compiled_too(dynamic):
+    # (eager refused it; compiled, every output turned NaN without a word)
+    import torch._dynamo
+
+    from moe_gemm import MoE
+
+    m = MoE(32, 24, 8, 2, scoring="sigmoid", routed_scaling_factor=2.5,
+            dtype=torch.float32).eval()
+    x = torch.randn(5, 32)
+    torch._dynamo.reset()
+    f = torch.compile(m, fullgraph=True, dynamic=dynamic, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), m(x))
+        m.routed_scaling_factor = float("nan")
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            f(x)
+    assert "routed_scaling_factor must be finite" in str(info.value.__cause__)
