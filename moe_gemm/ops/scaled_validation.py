@@ -117,7 +117,9 @@ def resolve_fp8_out_dtype(out_dtype: object, out: object) -> torch.dtype:
 
 def _check_fp8(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FP8_DTYPES:
-        hint = (" (quantize it first, e.g. moe_gemm.quantize_fp8_per_token_group)"
+        fnuz = t.dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+        hint = (" (the fnuz encodings, AMD's, are not taken: convert to the OCP formats)"
+                if fnuz else " (quantize it first, e.g. moe_gemm.quantize_fp8_per_token_group)"
                 if t.is_floating_point() else "")
         raise TypeError(f"{name} must be {_FP8_NAMES}; got {t.dtype}{hint}")
 

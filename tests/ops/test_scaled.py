@@ -441,3 +441,12 @@ def test_public_names():
                  "quantize_fp8_per_block", "quantize_fp8_per_row", "quantize_fp8_per_tensor",
                  "dequantize_fp8"):
         assert name in moe_gemm.__all__ and callable(getattr(moe_gemm, name))
+
+
+def test_fnuz_operands_are_named_as_such():
+    # (the hint said "quantize it first" of a tensor that already is FP8)
+    x = torch.zeros(4, 128).to(torch.float8_e4m3fnuz)
+    w = torch.zeros(2, 128, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="got torch.float8_e4m3fnuz .the fnuz encodings"):
+        scaled_grouped_mm(x, w, torch.ones(4), torch.ones(2, 16),
+                          torch.tensor([2, 4], dtype=torch.int32))
