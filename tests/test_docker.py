@@ -118,6 +118,10 @@ def test_runtime_stage_has_no_build_tools(dockerfile):
         assert tool not in runtime_runs + " ", f"{tool!r} in the runtime stage"
     copies = [rest for word, rest in runtime if word == "COPY"]
     assert copies == ["--from=build /opt/venv /opt/venv"], copies
+    # The copied environment holds no pip either: the build stage removes it last (the venv
+    # has its own pip, which the image carried although the docs say it does not).
+    build_runs = [rest for word, rest in build if word == "RUN"]
+    assert build_runs[-1].endswith("&& python -m pip uninstall -y pip"), build_runs[-1]
 
 
 def test_runs_as_a_non_root_user_with_exec_form_entrypoint(dockerfile):

@@ -3,8 +3,9 @@
 Every flag has a MOE_GEMM_* environment variable (see config.py); a flag wins over the
 variable. On the first SIGTERM or SIGINT the server does not stop listening: readiness turns
 503 (so a load balancer stops sending), new requests get 503, queued and in-flight requests
-finish (at most --drain-timeout-s), and only then uvicorn shuts down; the process exits 0. A
-second signal stops at once.
+finish, and only then uvicorn shuts down, waiting for answers still being read with what is
+left of the same --drain-timeout-s (at least 1 s); the process exits 0. A second signal stops
+at once.
 
 A signal before the server serves (while it imports, builds its engine, binds) stops the start
 with one line and exit 0: the signals are the process's own from the first line of `main`

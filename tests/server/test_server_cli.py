@@ -504,3 +504,24 @@ def test_warmup_rows_with_a_stray_comma_are_refused(tmp_path, value):
     assert msg.startswith("moe-gemm-server: invalid settings: warmup_rows") and "\n" not in msg
     assert settings_from_args(["--warmup-rows", " 16, 64 ", "--data-dir", str(tmp_path)]
                               ).warmup_rows == [16, 64]
+
+
+@pytest.mark.parametrize("drain_s, spent_s, left_s", [(30.0, 0.0, 30), (3.0, 2.2, 1),
+                                                      (1.0, 1.0, 1)])
+def test_uvicorn_waits_only_what_is_left_of_the_drain_timeout(drain_s, spent_s, left_s):
+    """After the drain, uvicorn waits for open connections (answers still being read) up to
+    its graceful timeout, which was the whole --drain-timeout-s again: a stop could take
+    twice the documented bound (and past the manifests' grace periods). It is now what the
+    drain left of it, at least 1 s."""
+    class FakeService:
+        settings = SimpleNamespace(drain_timeout_s=drain_s)
+
+        async def drain(self, timeout: float) -> bool:
+            await asyncio.sleep(spent_s)
+            return True
+
+    app = SimpleNamespace(state=SimpleNamespace(service=FakeService()))
+    server = DrainingServer(uvicorn.Config(app=lambda scope, receive, send: None,
+                                           timeout_graceful_shutdown=int(drain_s)), app)
+    asyncio.run(server._drain())
+    assert server.should_exit and server.config.timeout_graceful_shutdown == left_s
