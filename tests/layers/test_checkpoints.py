@@ -79,6 +79,13 @@ def test_from_state_dict_deepseek_and_qwen2_shared() -> None:
            "shared_expert_gate.weight": torch.randn(1, 32)}
     moe = MoE.from_state_dict(sdq, 2, renormalize=False)
     assert moe.scoring == "softmax" and moe.shared_expert_gate is not None
+    # Each source tensor in its place (naive_moe reads the loaded layer: a gate/up swap of the
+    # shared expert passed the forward check below).
+    se = moe.shared_experts
+    for got, want in ((se.gate_proj.weight, sg), (se.up_proj.weight, su),
+                      (se.down_proj.weight, sd_),
+                      (moe.shared_expert_gate.weight, sdq["shared_expert_gate.weight"])):
+        assert torch.equal(got, want)
     assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
 
 
