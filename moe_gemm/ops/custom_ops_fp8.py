@@ -154,7 +154,7 @@ def _scaled_grouped_gemm(a, b, scale_a, scale_b, config, out_dtype):
 
 @_scaled_grouped_gemm.register_fake
 def _scaled_grouped_gemm_fake(a, b, scale_a, scale_b, config, out_dtype):
-    args = check_scaled_grouped_gemm(a, b, scale_a, scale_b, None, out_dtype)  # (as eager)
+    args = check_scaled_grouped_gemm(a, b, scale_a, scale_b, None, out_dtype, concrete=False)
     odt = resolve_fp8_out_dtype(out_dtype, None)
     return [ai.new_empty((ai.shape[0], bi.shape[1]), dtype=odt)
             for ai, bi in zip(args.a, args.b)]
@@ -172,7 +172,7 @@ def _scaled_grouped_gemm_out(a, b, scale_a, scale_b, out, config, out_dtype):
 
 @_scaled_grouped_gemm_out.register_fake
 def _scaled_grouped_gemm_out_fake(a, b, scale_a, scale_b, out, config, out_dtype):
-    check_scaled_grouped_gemm(a, b, scale_a, scale_b, out, out_dtype)  # (as eager)
+    check_scaled_grouped_gemm(a, b, scale_a, scale_b, out, out_dtype, concrete=False)
 
 
 @torch.library.custom_op(
@@ -187,7 +187,7 @@ def _check_scaled_gemm_outs(a, b, scale_a, scale_b, out, out_dtype):
 
 @_check_scaled_gemm_outs.register_fake
 def _check_scaled_gemm_outs_fake(a, b, scale_a, scale_b, out, out_dtype):
-    check_scaled_grouped_gemm(a, b, scale_a, scale_b, out, out_dtype)
+    check_scaled_grouped_gemm(a, b, scale_a, scale_b, out, out_dtype, concrete=False)
 
 
 def _mm_setup(ctx, inputs, output) -> None:

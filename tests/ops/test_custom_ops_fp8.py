@@ -212,3 +212,28 @@ def test_compiled_scaled_grouped_gemm_refuses_outputs_that_share_memory():
     assert got[0] is outs[0] and got[1] is outs[1]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_fake_implementations_never_read_an_address():
+    """The fake implementations run on fake tensors, whose address a CUDA one refuses to give
+    (RuntimeError; a CPU one warns and says 0): the list ops' checks of `out` skip the memory
+    comparison there (it runs when the graph runs, on real tensors). Warnings as errors stand
+    in for the CUDA refusal on this CPU."""
+    import warnings
+
+    a, b, sa, sb = make_fp8_grouped_inputs([(5, 16, 128), (0, 16, 128), (3, 32, 128)], "row",
+                                           seed=12)
+    with FakeTensorMode() as mode:
+        fa, fb, fsa, fsb = ([mode.from_tensor(t) for t in ts] for ts in (a, b, sa, sb))
+        outs = [torch.empty(5, 16, dtype=torch.float32), torch.empty(0, 16, dtype=torch.float32),
+                torch.empty(3, 32, dtype=torch.float32)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*data pointer of FakeTensor.*")
+            OPS._scaled_grouped_gemm_out(fa, fb, fsa, fsb, outs, "", None)
+            OPS._check_scaled_gemm_outs(fa, fb, fsa, fsb, outs, None)
+            res = OPS._scaled_grouped_gemm(fa, fb, fsa, fsb, "", torch.float32)
+            assert [tuple(r.shape) for r in res] == [(5, 16), (0, 16), (3, 32)]
+            OPS._grouped_gemm_out([t.to(torch.bfloat16) for t in fa],
+                                  [t.to(torch.bfloat16) for t in fb], outs, "", None)
+            OPS._check_gemm_outs([t.to(torch.bfloat16) for t in fa],
+                                 [t.to(torch.bfloat16) for t in fb], outs, None)
