@@ -46,10 +46,10 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor,
     permutation); weights: (T, k) floating (y's dtype or float32 for the kernel); all on y's
     device (TypeError or ValueError naming what is expected otherwise). A row index outside
     [0, S) is refused on the CPU (IndexError naming the range; embedding_bag's RuntimeError
-    while torch.compile traces or under torch.func transforms); on a GPU
-    it is not checked (that is a host sync per call) but clamped into range, by the kernel
-    and the embedding_bag path alike: a wrong row, never an out-of-bounds read or a device
-    assert that ends the process's CUDA context."""
+    while torch.compile traces or under torch.func transforms; fake tensors have no values to
+    check); on a GPU it is not checked (that is a host sync per call) but clamped into range,
+    by the kernel and the embedding_bag path alike: a wrong row, never an out-of-bounds read
+    or a device assert that ends the process's CUDA context."""
     _check(y, rows, weights)
     if rows.shape[1] == 0:
         # No slots: every token's sum is empty (embedding_bag cannot make bags of no rows

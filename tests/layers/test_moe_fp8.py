@@ -119,6 +119,19 @@ def test_from_state_dict_per_expert_fp8(fmt, granularity):
         assert torch.equal(moe.gate_up_proj_scale_inv[3, 1:], s)
     else:
         assert moe.gate_up_proj_scale_inv.shape == (8, 256)
+    # The shared expert is dequantized on load: each weight is its FP8 values times their
+    # scale (a 128x128 block's, or the row's), rounded once to bf16. Checked exactly here,
+    # since the reference below runs the layer's own shared expert.
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        q = sd[f"shared_experts.{n}.weight"].float()
+        if fmt == "inv":
+            s = sd[f"shared_experts.{n}.weight_scale_inv"]
+            s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:q.shape[0], :q.shape[1]]
+        else:
+            s = sd[f"shared_experts.{n}.weight_scale"]
+        want = (q * s).to(torch.bfloat16)
+        got = getattr(moe.shared_experts, n).weight
+        assert torch.equal(got, want), n
     x = _x(seed=4)
     with torch.no_grad():
         y = moe(x)

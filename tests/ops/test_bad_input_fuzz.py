@@ -2,8 +2,8 @@
 layer's constructor) with one or two of its arguments replaced by something a user might pass
 by mistake (another dtype, rank, size, device type, offsets out of order, a list for a tensor,
 a string for a dtype, ...). The op must either accept it (some replacements are valid input)
-and return a result of the documented shape, or raise TypeError or ValueError: never another
-exception type, a crash or a hang.
+and return the documented result (checked against an fp64 reference of the arguments it
+took), or raise TypeError or ValueError: never another exception type, a crash or a hang.
 
 Fresh cases every run; MOE_GEMM_FUZZ_SEED replays one (the failure message names it).
 """
@@ -21,6 +21,10 @@ import torch
 
 import moe_gemm
 from moe_gemm import GemmConfig
+from moe_gemm.ops.fused_reference import fused_grouped_mm_ref
+from moe_gemm.ops.reference import grouped_gemm_ref, grouped_mm_ref
+from moe_gemm.ops.scaled_reference import scaled_grouped_mm_ref
+from moe_gemm.testing import assert_close_to_ref
 
 SEED = int(os.environ.get("MOE_GEMM_FUZZ_SEED") or secrets.randbits(31))
 CASES = int(os.environ.get("MOE_GEMM_FUZZ_CASES") or 120)
@@ -143,7 +147,20 @@ def _check(op_name: str, i: int, op, args, positional, T, shape_of) -> None:
     except Exception as exc:  # noqa: BLE001 - the point: name the wrong exception type
         raise AssertionError(f"seed={SEED} {op_name}[{i}] ({what}): {type(exc).__name__}: "
                              f"{str(exc)[:300]}") from None
-    shape_of(out, bad)  # accepted: a result of the documented shape
+    shape_of(out, bad)  # accepted: the documented result of what was passed
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+    """An accepted call's result against the fp64 reference of the arguments it took."""
+    assert_close_to_ref(out, ref, name=f"seed={SEED} {name}")
+
+
+def _given_out(a: dict[str, Any], y: Any, name: str = "out") -> None:
+    """A result written into a caller's `out` is that tensor."""
+    if isinstance(a.get(name), torch.Tensor):
+        assert y is a[name]
+    elif isinstance(a.get(name), list):
+        assert len(y) == len(a[name]) and all(yi is oi for yi, oi in zip(y, a[name]))
 
 
 def _moe_args(r: random.Random):
@@ -168,6 +185,15 @@ def test_grouped_mm_bad_input(i):
 
     def shape_of(y, a):
         assert isinstance(y, torch.Tensor) and y.dim() == a["x"].dim()
+        _given_out(a, y)
+        x, w, offs = a["x"], a["w"], a["offs"]
+        if offs is None:  # the batched form
+            ref = torch.bmm(x.double(), w.double())
+        else:  # rows past offs[-1]: zero in a new result, untouched in a given one
+            ref = grouped_mm_ref(x, w, offs, torch.float64)
+            live = int(offs[-1]) if offs.numel() else 0
+            y, ref = (y[:live], ref[:live]) if isinstance(a.get("out"), torch.Tensor) else (y, ref)
+        _close(y, ref, "grouped_mm")
 
     _check("grouped_mm", i, moe_gemm.grouped_mm, args, ("x", "w", "offs"), T, shape_of)
 
@@ -189,6 +215,9 @@ def test_grouped_gemm_bad_input(i):
 
     def shape_of(ys, a):
         assert isinstance(ys, list) and len(ys) == len(a["a"])
+        _given_out(a, ys)
+        for i, (y, ref) in enumerate(zip(ys, grouped_gemm_ref(a["a"], a["b"], torch.float64))):
+            _close(y, ref, f"grouped_gemm[{i}]")
 
     _check("grouped_gemm", i, moe_gemm.grouped_gemm, args, ("a", "b"), 0, shape_of)
 
@@ -204,6 +233,9 @@ def test_grouped_mm_masked_bad_input(i):
 
     def shape_of(y, a):
         assert isinstance(y, torch.Tensor) and y.dim() == 3
+        # rows at and past masked_m[g] are unspecified
+        for g, m in enumerate(a["masked_m"].reshape(-1).tolist()):
+            _close(y[g, :m], a["x"][g, :m].double() @ a["w"][g].double(), f"masked[{g}]")
 
     _check("grouped_mm_masked", i, moe_gemm.grouped_mm_masked, args, ("x", "w", "masked_m"),
            M, shape_of)
@@ -233,6 +265,8 @@ def test_scaled_grouped_mm_bad_input(i):
 
     def shape_of(y, a):
         assert isinstance(y, torch.Tensor)
+        ref = scaled_grouped_mm_ref(a["x"], a["w"], a["scale_a"], a["scale_b"], a["offs"])
+        _close(y, ref, "scaled_grouped_mm")
 
     _check("scaled_grouped_mm", i, moe_gemm.scaled_grouped_mm, args,
            ("x", "w", "scale_a", "scale_b", "offs"), T, shape_of)
@@ -256,6 +290,10 @@ def test_fused_grouped_mm_bad_input(i):
 
     def shape_of(y, a):
         assert isinstance(y, torch.Tensor) and y.dim() == 2
+        opts = {n: a[n] for n in ("row_index", "row_weight", "bias", "gate", "gate_layout")
+                if n in a}
+        _close(y, fused_grouped_mm_ref(a["x"], a["w"], a["offs"], dtype=torch.float64, **opts),
+               "fused_grouped_mm")
 
     _check("fused_grouped_mm", i, moe_gemm.fused_grouped_mm, args, ("x", "w", "offs"), T,
            shape_of)

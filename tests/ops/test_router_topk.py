@@ -124,7 +124,7 @@ def group_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_sigmoid_grouped_topk_takes_the_kernel_result(group_kernel, use_bias):
+def test_sigmoid_grouped_topk_takes_the_kernel_result(group_kernel, use_bias, monkeypatch):
     logits = torch.randn(11, 64)
     bias = torch.randn(64, dtype=torch.float64) * 0.1 if use_bias else None
     weights, ids = routing.sigmoid_grouped_topk(logits, bias, 6, 8, 3, 2.5, True)
@@ -137,6 +137,13 @@ def test_sigmoid_grouped_topk_takes_the_kernel_result(group_kernel, use_bias):
     else:
         assert b.shape == (1,)  # a placeholder the kernel does not read
     assert weights.shape == ids.shape == (11, 6) and weights.dtype == torch.float32
+    # What the kernel wrote is what the caller gets: the torch path's routing, neither scaled
+    # again nor reordered.
+    monkeypatch.setenv(router_topk.ROUTER_ENV, "torch")
+    want_w, want_i = routing.sigmoid_grouped_topk(logits, bias, 6, 8, 3, 2.5, True)
+    assert torch.equal(ids, want_i)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert len(emu.calls) == 1  # (the reference call took torch, not the kernel)
 
 
 def test_sigmoid_grouped_topk_falls_back(group_kernel, monkeypatch):
