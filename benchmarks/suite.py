@@ -85,6 +85,8 @@ class ShapeSpec:
             sum) instead of drawn by zipf_counts.
         layout: varlen only: the weights' storage, "ENK" ((E, N, K) K-contiguous, passed as
             w_t.transpose(1, 2)) or "EKN" ((E, K, N) N-contiguous, passed as is).
+        b_layout: general only: each B's storage, "KN" ((K, N) row-major) or "NK" (the
+            transposed view of an (N, K) row-major weight, as nn.Linear stores it).
     """
 
     name: str
@@ -101,6 +103,7 @@ class ShapeSpec:
     headline: bool = False
     fixed_counts: tuple[int, ...] = ()
     layout: str = "ENK"
+    b_layout: str = "KN"
 
     def __post_init__(self) -> None:
         if self.form not in ("general", "varlen"):
@@ -121,6 +124,9 @@ class ShapeSpec:
                              "to rows")
         if self.layout not in ("ENK", "EKN"):
             raise ValueError(f"{self.name}: layout must be 'ENK' or 'EKN'; got {self.layout!r}")
+        if self.b_layout not in ("KN", "NK"):
+            raise ValueError(f"{self.name}: b_layout must be 'KN' or 'NK'; got "
+                             f"{self.b_layout!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -159,7 +165,10 @@ class ShapeSpec:
         }
         if self.form == "general":
             info["distinct_sizes"] = [list(s) for s in dict.fromkeys(sizes)]
-            info["layout"] = "a[i] (M,K) and b[i] (K,N) row-major, one allocation per problem"
+            info["layout"] = ("a[i] (M,K) and b[i] (K,N) row-major, one allocation per problem"
+                              if self.b_layout == "KN" else
+                              "a[i] (M,K) row-major, b[i] the (K,N) transposed view of an "
+                              "(N,K) row-major weight, one allocation per problem")
         else:
             info.update(experts=self.experts, N=self.n, K=self.k)
             if self.fixed_counts:
@@ -281,7 +290,8 @@ def make_inputs(
         a, b = [], []
         for m, n, k in spec.problems:
             a.append(_randn((m, k), dtype, device, gen))
-            b.append(_randn((k, n), dtype, device, gen))
+            b.append(_randn((k, n), dtype, device, gen) if spec.b_layout == "KN"
+                     else _randn((n, k), dtype, device, gen).t())
         inp = GeneralInputs(a, b)
         if spec.dtype == FP8:  # the batched form: x (G, M, K), w (G, K, N)
             inp.fp8 = scaled_operands(torch.stack(a), torch.stack(b).transpose(1, 2), None)
