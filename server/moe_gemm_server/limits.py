@@ -7,6 +7,8 @@ for bodies without a length (chunked) it counts bytes as the app receives them a
 body: 408 after --body-timeout-s, 503 once a drain stops waiting for bodies (`BodyCutoff`). `read_body` collects a body into one
 buffer and undoes a gzip/deflate Content-Encoding (tritonclient can compress requests) with
 the same limit on the decompressed size, so a compression bomb is a 413 too.
+`LingeringCloseMiddleware` (outermost) holds back the close after an answer sent before its
+request's body is in, while the rest of the body drains.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ from .errors import APIError, bad_request
 from .logs import request_id_var
 
 MiB = 1 << 20
+
+# A request answered before its body is in (401, 403, 404, 413, a refused upload header) gets
+# Connection: close. Closing a socket with unread bytes makes the kernel send a reset, and a
+# client still writing its body (httpx's async client reads only once its body is out) then
+# loses the answer already sent and sees a connection error (a 60 MB grouped-mm to an unknown
+# set: ReadError after retries, where the 404 was due). So the answer goes out at once, and the
+# rest of the body is read and discarded for at most this long before the close, as nginx's
+# lingering close (bounded by time alone there too: lingering_time, 30 s; 5 s pass ~600 MB
+# over a 1 Gbit link).
+LINGER_S = 5.0
 
 
 BODY_FLAG = "--max-body-bytes"
@@ -202,6 +214,82 @@ class BodyLimitMiddleware:
             await send(message)
 
         await self.app(scope, limited_receive, closing_send)
+
+
+class LingeringCloseMiddleware:
+    """The close after an early answer, held back while the rest of the body drains
+    (LINGER_S): outermost, so that the request is logged and counted when its answer is out,
+    not after the drain.
+
+    An answer that says Connection: close, to a request with a body the app has not read to
+    its end, goes out whole at once; its last (empty) piece, on which uvicorn closes the
+    connection, waits until the body has ended, LINGER_S have passed, a piece of it took
+    longer than `body_timeout_s`, or `cutoff` is cut (a stopping server does not linger). Not
+    for a client waiting for 100 Continue: it has sent nothing and, answered, sends nothing.
+    """
+
+    def __init__(self, app: ASGIApp, body_timeout_s: float | None = None,
+                 cutoff: BodyCutoff | None = None) -> None:
+        self.app = app
+        self.body_timeout_s = body_timeout_s
+        self.cutoff = cutoff
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _may_linger(scope):
+            await self.app(scope, receive, send)
+            return
+        body_in = False
+        closing = held = False
+
+        async def watched_receive() -> Message:
+            nonlocal body_in
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_in = True
+            return message
+
+        async def holding_send(message: Message) -> None:
+            nonlocal closing, held
+            if message["type"] == "http.response.start":
+                closing = not body_in and any(
+                    k.lower() == b"connection" and b"close" in v.lower()
+                    for k, v in message.get("headers", ()))
+            elif (closing and message["type"] == "http.response.body"
+                    and not message.get("more_body", False)):
+                message = {**message, "more_body": True}
+                held = True
+            await send(message)
+
+        await self.app(scope, watched_receive, holding_send)
+        if held:
+            await self._drain(receive)
+            await send({"type": "http.response.body", "body": b""})
+
+    async def _drain(self, receive: Receive) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + LINGER_S
+        while (left := end - loop.time()) > 0:
+            if self.body_timeout_s is not None:
+                left = min(left, self.body_timeout_s)
+            try:
+                message = await _receive_within(receive, left, self.cutoff)
+            except APIError:  # (the piece's time, or the drain's cut)
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+
+
+def _may_linger(scope: Scope) -> bool:
+    """A request with a body (announced, or chunked) whose client is not waiting for
+    100 Continue."""
+    headers = scope.get("headers", ())
+    if any(k == b"expect" and v.lower().startswith(b"100") for k, v in headers):
+        return False
+    try:
+        declared = content_length(scope)
+    except APIError:
+        return False
+    return (declared or 0) > 0 or _is_chunked(scope)
 
 
 def _is_chunked(scope: Scope) -> bool:

@@ -1,7 +1,8 @@
 """create_app(): the FastAPI application, with the Service built in its lifespan.
 
-Middleware order (outermost first): ObservabilityMiddleware (request id, metrics, access
-log, last-resort 500) -> BodyLimitMiddleware (413 before reading) -> the routers. Every error
+Middleware order (outermost first): LingeringCloseMiddleware (the close after an early answer
+waits while the body drains) -> ObservabilityMiddleware (request id, metrics, access log,
+last-resort 500) -> BodyLimitMiddleware (413 before reading) -> the routers. Every error
 answer is JSON {"error": ..., "request_id": ...}: our APIError, FastAPI's own 404/405 and
 request-validation errors alike.
 """
@@ -24,7 +25,7 @@ from moe_gemm_server.engine import Engine
 from . import __version__
 from .config import Settings, get_settings
 from .errors import APIError, error_response, request_id_of
-from .limits import BODY_FLAG, BodyLimit, BodyLimitMiddleware
+from .limits import BODY_FLAG, BodyLimit, BodyLimitMiddleware, LingeringCloseMiddleware
 from .middleware import HeadAsGetMiddleware, ObservabilityMiddleware
 from .routers import health, matmul, metrics, v2, weights
 from .service import Service
@@ -80,6 +81,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.add_middleware(ObservabilityMiddleware, metrics=service.metrics,
                        route_for=lambda scope: route_template(
                            [*app.router.routes, *api_routes], scope))
+    app.add_middleware(LingeringCloseMiddleware, body_timeout_s=settings.body_timeout_s,
+                       cutoff=service.body_cutoff)
 
     routers = [module.router for module in (health, weights, matmul, v2, metrics)]
     # (the app's own route list holds wrappers of the included routers, not their routes)

@@ -178,3 +178,64 @@ def test_an_early_answer_to_a_body_still_arriving_closes_the_connection(server, 
             assert status == want, (what, status)
             assert headers.get("connection") == "close", (what, headers)
             assert sock.recv(1) == b""
+
+
+def test_an_early_answer_reaches_an_async_client_still_sending_its_body(tmp_path: Path
+                                                                          ) -> None:
+    """httpx's async client reads the answer only once its body is out. Answered early and
+    closed at once, the socket's unread bytes made the kernel reset the connection, and the
+    client saw ReadError instead of the 401 / 404 / 413 already sent (moe_gemm_client retried
+    it twice, sending the body three times). The server now drains the rest of the body for a
+    few seconds before the close: the client gets the answer."""
+    import asyncio
+
+    from moe_gemm_client import AsyncClient, NotFoundError
+
+    with live_server(tmp_path / "data", "--admin-key", ADMIN, "--api-key", "reader",
+                     "--max-body-bytes", str(16 << 20), "--max-resident-bytes", "20000",
+                     "--warmup-rows", "1") as s:
+        url = f"http://127.0.0.1:{s.port}"
+        body = b"\0" * (12 << 20)
+        cases = [("/v1/weights/nope/grouped-mm", {"Authorization": "Bearer reader"}, body, 404),
+                 ("/v1/weights/nope/grouped-mm", {}, body, 401),
+                 ("/v1/grouped-gemm", {"Authorization": "Bearer reader"}, b"\0" * (40 << 20),
+                  413),
+                 # refused from its safetensors header: over --max-resident-bytes
+                 ("/v1/weights/big", {"Authorization": f"Bearer {ADMIN}"},
+                  st_body({"w": torch.zeros(4, 1024, 1024)}), 507)]
+
+        async def post_all() -> list[tuple[int, dict]]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                res = []
+                for path, headers, data, _ in cases:
+                    call = c.put if path == "/v1/weights/big" else c.post
+                    r = await call(path, content=data, headers={
+                        **headers, "Content-Type": "application/octet-stream"})
+                    res.append((r.status_code, r.json()))
+                return res
+
+        for (path, _, _, want), (status, doc) in zip(cases, asyncio.run(post_all())):
+            assert status == want and "error" in doc, (path, status, doc)
+
+        async def client_call() -> float:
+            async with AsyncClient(url, api_key="reader") as c:
+                t0 = time.monotonic()
+                with pytest.raises(NotFoundError):
+                    await c.grouped_mm("nope", torch.ones(12000, 256), counts=[12000])
+                return time.monotonic() - t0
+
+        assert asyncio.run(client_call()) < 5  # answered, not retried after a reset
+
+
+def test_a_client_waiting_for_100_continue_is_answered_and_closed_at_once(server):
+    """Expect: 100-continue and an early answer: nothing of the body was sent, and none will
+    be, so the server neither asks for it (no 100 Continue) nor lingers before the close."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as sock:
+        sock.sendall(b"POST /v1/nowhere HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                     + ADMIN.encode() + b"\r\nContent-Length: 10000000\r\n"
+                     b"Expect: 100-continue\r\n\r\n")
+        t0 = time.monotonic()
+        status, headers, _ = read_http_response(sock)
+        assert status == 404 and headers.get("connection") == "close", (status, headers)
+        assert sock.recv(1) == b""
+        assert time.monotonic() - t0 < BODY_TIMEOUT_S / 2
