@@ -46,13 +46,15 @@ from ._exceptions import (  # noqa: E402
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
-from .types import KernelInfo, WeightDeleted, WeightInfo  # noqa: E402
+from .types import KernelInfo, NotLoadedInfo, WeightDeleted, WeightInfo, WeightList  # noqa: E402
 
 __all__ = [
     "__version__",
     "Client",
     "AsyncClient",
     "WeightInfo",
+    "WeightList",
+    "NotLoadedInfo",
     "WeightDeleted",
     "KernelInfo",
     "ProgressCallback",

@@ -20,7 +20,7 @@ from . import _constants as C
 from ._base import _BaseClient, _Done
 from ._calls import ProgressCallback, TimeoutTypes, _Call
 from ._exceptions import APIConnectionError
-from .types import WeightDeleted, WeightInfo
+from .types import WeightDeleted, WeightInfo, WeightList
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -164,7 +164,7 @@ class AsyncClient(_BaseClient):
 
     async def list_weights(self, *, request_id: str | None = None, timeout: TimeoutTypes = None,
                            max_retries: int | None = None,
-                           extra_headers: Mapping[str, str] | None = None) -> list[WeightInfo]:
+                           extra_headers: Mapping[str, str] | None = None) -> WeightList:
         """The resident weight sets; see `Client.list_weights`."""
         return await self._request(calls.list_call(
             request_id=request_id, timeout=timeout, max_retries=max_retries,

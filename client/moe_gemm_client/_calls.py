@@ -32,7 +32,7 @@ from ._tensors import (
     encode_safetensors,
     read_safetensors_header,
 )
-from .types import WeightDeleted, WeightInfo
+from .types import WeightDeleted, WeightInfo, WeightList
 
 R = TypeVar("R")
 
@@ -175,12 +175,9 @@ def health_call(path: str, key: str, **common: Any) -> _Call[bool]:
     return with_options(call, **common)
 
 
-def list_call(**common: Any) -> _Call[list[WeightInfo]]:
-    def parse(response: httpx.Response) -> list[WeightInfo]:
-        data = _json(response)
-        if not isinstance(data, dict) or not isinstance(data.get("weights"), list):
-            raise ValueError(f'expected {{"weights": [...]}}; got {data!r:.200}')
-        return [WeightInfo.from_json(item) for item in data["weights"]]
+def list_call(**common: Any) -> _Call[WeightList]:
+    def parse(response: httpx.Response) -> WeightList:
+        return WeightList.from_json(_json(response))
 
     return with_options(_Call("GET", "/v1/weights", parse), **common)
 
@@ -253,19 +250,23 @@ def upload_file_call(name: str, path: str | os.PathLike[str], tensor: str | None
     return with_options(call, **common)
 
 
+def _header_int(name: str, value: object, meaning: str) -> str:
+    # The server takes non-negative decimal integers below 10^18 in these headers (else 400):
+    # refused here, before a body is sent, with what was expected.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 10**18:
+        raise ValueError(f"{name} must be an int in [0, 10**18) ({meaning}); got {value!r}")
+    return str(value)
+
+
 def matmul_headers(priority: int | None, request_timeout_us: int | None) -> dict[str, str]:
     headers = {"Accept": "application/octet-stream, application/json;q=0.9"}
     if priority is not None:
-        if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
-            raise ValueError(f"priority must be an int >= 0 (1 = highest, 0 = default); "
-                             f"got {priority!r}")
-        headers[C.PRIORITY_HEADER] = str(priority)
+        headers[C.PRIORITY_HEADER] = _header_int("priority", priority,
+                                                 "1 = highest, 0 = the server's default")
     if request_timeout_us is not None:
-        if (isinstance(request_timeout_us, bool) or not isinstance(request_timeout_us, int)
-                or request_timeout_us <= 0):
-            raise ValueError(f"request_timeout_us must be an int > 0 (microseconds); "
-                             f"got {request_timeout_us!r}")
-        headers[C.TIMEOUT_US_HEADER] = str(request_timeout_us)
+        headers[C.TIMEOUT_US_HEADER] = _header_int(
+            "request_timeout_us", request_timeout_us,
+            "microseconds; 0 = the server's --default-timeout-us")
     return headers
 
 

@@ -19,7 +19,7 @@ from . import _constants as C
 from ._base import _BaseClient, _Done
 from ._calls import ProgressCallback, TimeoutTypes, _Call
 from ._exceptions import APIConnectionError
-from .types import WeightDeleted, WeightInfo
+from .types import WeightDeleted, WeightInfo, WeightList
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -176,8 +176,10 @@ class Client(_SyncTransport):
 
     def list_weights(self, *, request_id: str | None = None, timeout: TimeoutTypes = None,
                      max_retries: int | None = None,
-                     extra_headers: Mapping[str, str] | None = None) -> list[WeightInfo]:
-        """The resident weight sets (GET /v1/weights)."""
+                     extra_headers: Mapping[str, str] | None = None) -> WeightList:
+        """The resident weight sets (GET /v1/weights): a list of WeightInfo whose
+        `not_loaded` names the sets stored on the server but not served from its memory now
+        (each with the status a request for it gets: 507 left out for room, 503 unreadable)."""
         return self._request(calls.list_call(
             request_id=request_id, timeout=timeout, max_retries=max_retries,
             extra_headers=extra_headers))

@@ -223,15 +223,25 @@ def _cmd_ready(client: Client, args: argparse.Namespace) -> int:
 def _cmd_list(client: Client, args: argparse.Namespace) -> int:
     weights = client.list_weights()
     if args.json:
-        _print_json({"weights": [w.to_json() for w in weights]})
+        _print_json(weights.to_json())
         return EXIT_OK
     rows = [("NAME", "E", "K", "N", "DTYPE", "LAYOUT", "MiB")]
     rows += [(w.name, str(w.experts), str(w.k), str(w.n), w.dtype, w.layout,
               f"{w.bytes / 2**20:.1f}") for w in weights]
+    _print_table(rows)
+    if weights.not_loaded:
+        # Stored on the server but not served from memory: requests naming them get the
+        # status shown (507: no room now; 503: the file cannot be read as a set).
+        print("\nnot loaded:")
+        _print_table([("NAME", "STATUS", "ERROR")]
+                     + [(n.name, str(n.status), n.error) for n in weights.not_loaded])
+    return EXIT_OK
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip())
-    return EXIT_OK
 
 
 def _cmd_info(client: Client, args: argparse.Namespace) -> int:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["KernelInfo", "WeightInfo", "WeightDeleted", "WeightLayout", "DTypeName",
-           "ScaleGranularity"]
+__all__ = ["KernelInfo", "WeightInfo", "WeightList", "NotLoadedInfo", "WeightDeleted",
+           "WeightLayout", "DTypeName", "ScaleGranularity"]
 
 WeightLayout = Literal["w", "w_t"]
 DTypeName = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
@@ -127,6 +127,75 @@ class WeightInfo:
         if self.kernels:
             out["kernels"] = [k.to_json() for k in self.kernels]
         return out
+
+
+@dataclass(frozen=True)
+class NotLoadedInfo:
+    """A weight set stored on the server but not in its memory (GET /v1/weights' `not_loaded`).
+
+    Attributes:
+        name: The set's name.
+        status: What a request naming it is answered: 507 (left out: it does not fit the
+            budget or the device now) or 503 (its file cannot be read as a set).
+        error: The server's message: what it needs against what is free, or why the file
+            cannot be read.
+    """
+
+    name: str
+    status: int
+    error: str
+
+    @classmethod
+    def from_json(cls, data: object) -> NotLoadedInfo:
+        if not isinstance(data, dict):
+            raise ValueError(f"a not_loaded entry must be a JSON object; got {data!r:.200}")
+        return cls(name=_field(data, "name", str), status=_field(data, "status", int),
+                   error=_field(data, "error", str))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "error": self.error}
+
+
+class WeightList(list[WeightInfo]):
+    """The resident weight sets (a list of WeightInfo, as list_weights always returned), with
+    `not_loaded`: the sets stored on the server that it does not serve from memory now, each
+    with the status a request naming it gets. Empty from an older server that does not say."""
+
+    not_loaded: tuple[NotLoadedInfo, ...]
+
+    def __init__(self, weights: Any = (), not_loaded: Any = ()) -> None:
+        super().__init__(weights)
+        self.not_loaded = tuple(not_loaded)
+
+    def __repr__(self) -> str:
+        return f"WeightList({list(self)!r}, not_loaded={self.not_loaded!r})"
+
+    def __eq__(self, other: object) -> bool:
+        # Compares as a list (so `== []` and list equality keep holding); a WeightList also
+        # compares its not_loaded part.
+        if isinstance(other, WeightList) and self.not_loaded != other.not_loaded:
+            return False
+        return list.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # type: ignore[assignment]  # a list: unhashable
+
+    @classmethod
+    def from_json(cls, data: object) -> WeightList:
+        """Build from GET /v1/weights' JSON; ValueError when it is not that shape."""
+        if not isinstance(data, dict) or not isinstance(data.get("weights"), list):
+            raise ValueError(f'expected {{"weights": [...]}}; got {data!r:.200}')
+        not_loaded = _optional(data, "not_loaded", list) or []
+        return cls((WeightInfo.from_json(item) for item in data["weights"]),
+                   (NotLoadedInfo.from_json(item) for item in not_loaded))
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form, as the server sends it."""
+        return {"weights": [w.to_json() for w in self],
+                "not_loaded": [n.to_json() for n in self.not_loaded]}
 
 
 @dataclass(frozen=True)

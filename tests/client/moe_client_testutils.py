@@ -95,6 +95,8 @@ class ContractHandler:
     weights: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)
     scales: dict[str, np.ndarray] = field(default_factory=dict)  # FP8 sets' "scale"
     seen: list[Seen] = field(default_factory=list)
+    # GET /v1/weights' "not_loaded" entries; None: the key is left out (an older server)
+    not_loaded: list[dict[str, object]] | None = None
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = request.read()
@@ -107,8 +109,10 @@ class ContractHandler:
         if path == "/v2/health/ready":
             return httpx.Response(200, json={"ready": True}, headers={"X-Request-Id": rid})
         if path == "/v1/weights" and method == "GET":
-            return httpx.Response(200, json={"weights": [self._info(n) for n in self.weights]},
-                                  headers={"X-Request-Id": rid})
+            listing: dict[str, object] = {"weights": [self._info(n) for n in self.weights]}
+            if self.not_loaded is not None:
+                listing["not_loaded"] = self.not_loaded
+            return httpx.Response(200, json=listing, headers={"X-Request-Id": rid})
         if path == "/v1/grouped-gemm" and method == "POST":
             return self._grouped_gemm(body, rid)
         m = re.fullmatch(r"/v1/weights/([^/]+)(/grouped-mm)?", path)

@@ -54,6 +54,23 @@ def test_health_ready_list_info_delete(server, capsys, rng):
     assert all(c.is_closed or not c._owns_http for c in server.made)
 
 
+def test_list_shows_the_sets_not_loaded(server, capsys, rng):
+    server.weights["alpha"] = (rng.standard_normal((2, 3, 4)).astype(np.float32), "w")
+    assert cli.main(["list"]) == 0
+    assert "not loaded" not in capsys.readouterr().out
+    server.not_loaded = [{"name": "huge", "status": 507, "error": "needs 9 GiB, 1 GiB free"}]
+    assert cli.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[0] == "alpha"
+    at = lines.index("not loaded:")
+    assert lines[at + 1].split() == ["NAME", "STATUS", "ERROR"]
+    assert lines[at + 2].split() == ["huge", "507", "needs", "9", "GiB,", "1", "GiB", "free"]
+    assert cli.main(["list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["not_loaded"] == server.not_loaded
+    assert [w["name"] for w in listed["weights"]] == ["alpha"]
+
+
 def test_api_key_flag_is_sent(server, capsys):
     assert cli.main(["--api-key", "k1", "list"]) == 0
     assert server.seen[-1].headers["Authorization"] == "Bearer k1"

@@ -589,11 +589,56 @@ def test_constructor_validation():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_bad_per_call_options(mode):
-    client = make(mode, ContractHandler())
+    handler = ContractHandler()
+    client = make(mode, handler)
     x = np.ones((1, 2), np.float32)
-    for kwargs in ({"priority": -1}, {"request_timeout_us": 0}, {"max_retries": -2}):
-        with pytest.raises(ValueError):
+    for kwargs in ({"priority": -1}, {"request_timeout_us": -1}, {"priority": 10**18},
+                   {"request_timeout_us": 10**18}, {"request_timeout_us": 1.5},
+                   {"priority": True}, {"max_retries": -2}):
+        with pytest.raises(ValueError, match="priority|request_timeout_us|max_retries"):
             run(client, "grouped_mm", "l0", x, counts=[1], **kwargs)
+    assert handler.seen == []  # refused before anything was sent
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_timeout_and_priority_mean_the_servers_default(mode):
+    """The wire contract reads X-Timeout-Us: 0 and X-Priority: 0 as the server's default
+    (`--default-timeout-us`, the default level): both are sent as given."""
+    handler = ContractHandler()
+    handler.weights["l0"] = (np.ones((1, 2, 2), np.float32), "w")
+    client = make(mode, handler)
+    y = run(client, "grouped_mm", "l0", np.ones((1, 2), np.float32), counts=[1],
+            request_timeout_us=0, priority=0)
+    np.testing.assert_array_equal(y, np.full((1, 2), 2, np.float32))
+    h = handler.seen[-1].headers
+    assert h["X-Timeout-Us"] == "0" and h["X-Priority"] == "0"
+    run(client, "grouped_mm", "l0", np.ones((1, 2), np.float32), counts=[1],
+        request_timeout_us=10**18 - 1)
+    assert handler.seen[-1].headers["X-Timeout-Us"] == str(10**18 - 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_list_weights_names_the_sets_not_loaded(mode):
+    handler = ContractHandler()
+    handler.weights["l0"] = (np.ones((2, 3, 4), np.float32), "w")
+    client = make(mode, handler)
+    listed = run(client, "list_weights")  # an older server: no "not_loaded" key
+    assert isinstance(listed, list) and [w.name for w in listed] == ["l0"]
+    assert listed.not_loaded == () and listed == [run(client, "get_weights", "l0")]
+    handler.not_loaded = [{"name": "big", "status": 507, "error": "does not fit"},
+                          {"name": "bad", "status": 503, "error": "could not be loaded"}]
+    listed = run(client, "list_weights")
+    assert listed.not_loaded == (mgc.NotLoadedInfo("big", 507, "does not fit"),
+                                 mgc.NotLoadedInfo("bad", 503, "could not be loaded"))
+    assert listed.to_json() == {"weights": [listed[0].to_json()],
+                                "not_loaded": handler.not_loaded}
+    assert mgc.WeightList.from_json(listed.to_json()) == listed
+    assert listed != mgc.WeightList(listed, ())  # not_loaded takes part in equality
+    for bad in ([{"name": "big", "status": "507", "error": "x"}], [{"name": "big"}], ["big"],
+                {"big": 507}):
+        handler.not_loaded = bad
+        with pytest.raises(mgc.APIResponseValidationError):
+            run(client, "list_weights")
     with pytest.raises(TypeError):
         run(client, "list_weights", request_id=5)
     for bad in (float("nan"), float("inf")):

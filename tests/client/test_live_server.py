@@ -192,6 +192,29 @@ def test_an_unreadable_stored_set_fails_at_once(url, data_dir):
             client.get_weights("live-unreadable")
     assert info.value.code == "weight_set_unreadable" and info.value.retry_after is None
     assert len(sent) == 1
+    # The listing names it as stored but not served, with the status its requests get.
+    with mgc.Client(url, api_key=API_KEY, timeout=60) as client:
+        listed = client.list_weights()
+    assert "live-unreadable" not in [w.name for w in listed]
+    (entry,) = [n for n in listed.not_loaded if n.name == "live-unreadable"]
+    assert entry.status == 503 and "could not be loaded" in entry.error
+
+
+def test_cli_list_names_a_set_not_loaded(url, data_dir, capsys, monkeypatch):
+    (data_dir / "live-unreadable-cli.safetensors").write_bytes(b"\x00" * 64)
+    with mgc.Client(url, api_key=API_KEY, timeout=60) as client, \
+            pytest.raises(mgc.ServiceUnavailableError):
+        client.get_weights("live-unreadable-cli")
+    monkeypatch.setenv("MOE_GEMM_API_KEY", API_KEY)
+    assert cli.main(["--url", url, "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert ("live-unreadable-cli", 503) in [(n["name"], n["status"])
+                                             for n in listed["not_loaded"]]
+    assert cli.main(["--url", url, "list"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("not loaded:"):].splitlines()
+    assert table[1].split() == ["NAME", "STATUS", "ERROR"]
+    assert any(line.split()[:2] == ["live-unreadable-cli", "503"] for line in table[2:])
 
 
 def test_async_client_round_trip(url):
