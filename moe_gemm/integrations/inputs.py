@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_gemm.ops.validation import shape_text
+
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -30,7 +32,7 @@ def check_expert_inputs(hidden_states: object, top_k_index: object, top_k_weight
     assert isinstance(top_k_weights, torch.Tensor)
     if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
         raise ValueError(f"hidden_states must be (T, H) = (T, {hidden_size}); got "
-                         f"{tuple(hidden_states.shape)}")
+                         f"{shape_text(hidden_states)}")
     if token_dtypes is not None and hidden_states.dtype not in token_dtypes:
         names = ", ".join(str(d) for d in token_dtypes)
         raise TypeError(f"hidden_states must be one of {names}; got {hidden_states.dtype}")
@@ -41,11 +43,11 @@ def check_expert_inputs(hidden_states: object, top_k_index: object, top_k_weight
     # failed inside torch ("step must be nonzero").
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_index.shape[1] < 1:
         raise ValueError(f"top_k_index must be (T, k) = ({T}, k >= 1); got "
-                         f"{tuple(top_k_index.shape)}")
+                         f"{shape_text(top_k_index)}")
     if top_k_index.dtype not in ID_DTYPES:
         raise TypeError(f"top_k_index must hold integer expert ids; got {top_k_index.dtype}")
     if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
-        raise ValueError(f"top_k_weights must match top_k_index {tuple(top_k_index.shape)}; "
-                         f"got {tuple(top_k_weights.shape)}")
+        raise ValueError(f"top_k_weights must match top_k_index {shape_text(top_k_index)}; "
+                         f"got {shape_text(top_k_weights)}")
     if not top_k_weights.is_floating_point():
         raise TypeError(f"top_k_weights must be a float tensor; got {top_k_weights.dtype}")

@@ -53,6 +53,7 @@ from moe_gemm.layers.experts import FLOAT_DTYPES, Activation, expert_ffn
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
 from moe_gemm.layers.moe import MoE
 from moe_gemm.layers.routing import check_flag
+from moe_gemm.ops.validation import shape_text
 
 __all__ = ["NAME", "hf_activation", "is_registered", "moe_from_hf", "moe_gemm_experts_forward",
            "register"]
@@ -141,7 +142,7 @@ def _check_weights_once(experts: nn.Module, has_gate: bool, transposed: bool,
     if w_in.dim() != 3 or w_out.dim() != 3:
         raise ValueError(
             f"{type(experts).__name__}: expected 3-D fused expert weights; got "
-            f"{tuple(w_in.shape)} and {tuple(w_out.shape)}"
+            f"{shape_text(w_in)} and {shape_text(w_out)}"
         )
     if torch.compiler.is_compiling():
         # Traced once and guarded on these shapes: no per-call cost to save, and a global
@@ -192,7 +193,7 @@ def _check_weights(experts: nn.Module, has_gate: bool, transposed: bool,
     if halves and N % 2:
         layout = "(E, H, 2I)" if transposed else "(E, 2I, H)"
         raise ValueError(f"{name}.{in_name} must be {layout}, gate and up halves; got "
-                         f"{tuple(w_in.shape)}")
+                         f"{shape_text(w_in)}")
     I = N // 2 if halves else None if has_gate else N  # None: whatever the gate makes
     down_E, down_I, down_H = (w_out.shape if transposed
                               else (w_out.shape[0], w_out.shape[2], w_out.shape[1]))
@@ -200,14 +201,14 @@ def _check_weights(experts: nn.Module, has_gate: bool, transposed: bool,
         i = "I" if I is None else I
         want = f"(E, I, H) = ({E}, {i}, {H})" if transposed else f"(E, H, I) = ({E}, {H}, {i})"
         raise ValueError(f"{name}.down_proj must be {want} to match {in_name} "
-                         f"{tuple(w_in.shape)}; got {tuple(w_out.shape)}")
+                         f"{shape_text(w_in)}; got {shape_text(w_out)}")
     for n, b, form, width in ((f"{in_name}_bias", bias_in, "(E, 2I)" if has_gate else "(E, I)",
                                N), ("down_proj_bias", bias_out, "(E, H)", H)):
         if b is None:
             continue
         if tuple(b.shape) != (E, width):
             raise ValueError(f"{name}.{n} must be {form} = ({E}, {width}); got "
-                             f"{tuple(b.shape)}")
+                             f"{shape_text(b)}")
         if b.device != w_in.device:
             raise ValueError(f"{name}.{n} is on {b.device} but {in_name} is on {w_in.device}")
 

@@ -315,7 +315,7 @@ def per_channel(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     c = s.numel() // max(E, 1)
     if s.dim() != 3 or s.shape[0] != E or s.shape[2] != 1 or c < 1 or rows % c:
         raise ValueError(f"{name} must be (E, c, 1) per-tensor scales of c equal row chunks of "
-                         f"the {tuple(w.shape)} weights; got {tuple(s.shape)}")
+                         f"the {shape_text(w)} weights; got {shape_text(s)}")
     return s.reshape(E, c, 1).expand(E, c, rows // c).reshape(E, rows).contiguous()
 
 

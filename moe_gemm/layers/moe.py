@@ -14,8 +14,10 @@ layers/moe_options.py.
 The forward has no data-dependent Python control flow and never synchronizes on CUDA:
 torch.compile(fullgraph=True) traces it whole, and a CUDA graph captures it.
 
-Inference only: there is no backward. Calling the layer with gradients enabled on inputs or
-weights works, but `.backward()` through it raises a RuntimeError.
+Inference only: the routed path (the input, the router, the routed experts' weights) has no
+backward. Calling the layer with gradients enabled works, but a `.backward()` that reaches that
+path raises a RuntimeError; a shared expert and a module activation are plain torch modules,
+whose parameters, made trainable, get their gradients.
 """
 
 from __future__ import annotations
@@ -289,9 +291,12 @@ class MoE(MoELoaders, MoEOptions):
     top-k and a routed scaling factor (DeepSeek-V3). Exactly transformers' arithmetic, so
     `MoE.from_hf(block)` reproduces a transformers block's output.
 
-    Inference only: the layer has no backward. Its own parameters are created with
-    requires_grad=False; if it runs with gradients enabled on any input it still computes the
-    output, but a `.backward()` through it raises a RuntimeError. On CUDA the forward never
+    Inference only: the routed path has no backward. The layer's parameters are created with
+    requires_grad=False; if it runs with gradients enabled on the input, the router weight or
+    the routed experts' weights it still computes the output, but a `.backward()` reaching them
+    raises a RuntimeError (torch may have filled other parameters' .grad by then). A shared
+    expert and a module activation (`activation=nn.PReLU()`) are plain torch: their
+    parameters, made trainable, get gradients as in any module. On CUDA the forward never
     synchronizes with the host and can be captured in a CUDA graph (with the cute backend or
     torch's native bf16 grouped_mm under the torch backend).
 

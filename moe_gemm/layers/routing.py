@@ -70,7 +70,7 @@ def _check_logits(logits: object) -> torch.Tensor:
         raise TypeError(f"logits must be a torch.Tensor (T, E); got {type(logits).__name__}")
     check_dense("logits", logits)
     if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D (T, E); got shape {tuple(logits.shape)}")
+        raise ValueError(f"logits must be 2-D (T, E); got shape {shape_text(logits)}")
     if not logits.dtype.is_floating_point:
         raise TypeError(f"logits must be a floating-point tensor (T, E); got {logits.dtype}")
     return logits
@@ -373,7 +373,7 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor (T, k); got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be 2-D (T, k); got shape {tuple(topk_ids.shape)}")
+        raise ValueError(f"topk_ids must be 2-D (T, k); got shape {shape_text(topk_ids)}")
     if topk_ids.dtype not in _INT_DTYPES:
         raise TypeError(f"topk_ids must be an integer tensor (int32 or int64); got {topk_ids.dtype}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):

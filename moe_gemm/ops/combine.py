@@ -34,6 +34,7 @@ from moe_gemm.ops.row_kernels import (
     row_kernel_allowed,
     vector_rows_ok,
 )
+from moe_gemm.ops.validation import shape_text
 
 COMBINE_ENV = "MOE_GEMM_COMBINE"  # "torch": embedding_bag even where the kernel runs
 
@@ -117,7 +118,7 @@ def _check(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) ->
                             f"{weights.dtype}")
         if weights.shape != rows.shape:
             raise ValueError(f"combine_rows: weights must have rows' shape "
-                             f"{tuple(rows.shape)}; got {tuple(weights.shape)}")
+                             f"{shape_text(rows)}; got {shape_text(weights)}")
         if weights.device != y.device:
             raise ValueError(f"combine_rows: weights must be on y's device {y.device}; got "
                              f"{weights.device}")

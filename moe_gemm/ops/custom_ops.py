@@ -209,7 +209,7 @@ def write_rows(out: Tensor, y: Tensor, offs: Tensor | None, name: str = "out") -
     the 2-D forms, all rows of a 3-D or general result; the others keep their values, as the
     eager call leaves them)."""
     if tuple(out.shape) != tuple(y.shape) or out.device != y.device:
-        raise ValueError(f"{name} must be {tuple(y.shape)} on {y.device}; got "
+        raise ValueError(f"{name} must be {shape_text(y)} on {y.device}; got "
                          f"{shape_text(out)} on {out.device}")
     if offs is None:
         return out.copy_(y)

@@ -44,6 +44,7 @@ from moe_gemm.ops.masked_validation import (
     check_grouped_mm_masked,
     check_scaled_grouped_mm_masked,
 )
+from moe_gemm.ops.validation import shape_text
 from moe_gemm.ops.vmap import register_loop_vmap
 
 _FUSED_ARGS = ("Tensor x, Tensor w, Tensor masked_m, Tensor? bias, Tensor? row_weight, "
@@ -64,8 +65,8 @@ def write_valid_rows(out: Tensor, y: Tensor, masked_m: Tensor) -> Tensor:
     no_grad and have no autograd, so through them the result would lose its link to the
     inputs and a backward would skip this call without a word instead of raising."""
     if tuple(out.shape) != tuple(y.shape) or out.device != y.device:
-        raise ValueError(f"out must be {tuple(y.shape)} on {y.device}; got "
-                         f"{tuple(out.shape)} on {out.device}")
+        raise ValueError(f"out must be {shape_text(y)} on {y.device}; got "
+                         f"{shape_text(out)} on {out.device}")
     valid = torch.arange(out.shape[1], device=out.device) < masked_m.unsqueeze(1)
     return out.copy_(torch.where(valid.unsqueeze(-1), y, out))
 

@@ -33,7 +33,7 @@ import torch
 
 from moe_gemm.env import env_value
 from moe_gemm.ops.autograd import inference_only_composite, needs_link
-from moe_gemm.ops.validation import check_dense
+from moe_gemm.ops.validation import check_dense, shape_text
 from moe_gemm.ops.vmap import functorch_active as _functorch_active
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -365,11 +365,11 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
     if want is None:
         raise ValueError(f"{granularity} scales need q with at least "
                          f"{2 if granularity == 'block' else 1} dimension(s); got shape "
-                         f"{tuple(q.shape)}")
+                         f"{shape_text(q)}")
     got = tuple(scale.shape)
     if got != want and not (granularity == "tensor" and got == (1,)):
         shapes = f"{want} or (1,)" if granularity == "tensor" else f"{want}"
-        raise ValueError(f"{granularity} scales of q {tuple(q.shape)} (block_size {b}) must "
+        raise ValueError(f"{granularity} scales of q {shape_text(q)} (block_size {b}) must "
                          f"have shape {shapes}; got {got}")
     v = q.float()
     s = scale.float()

@@ -16,6 +16,7 @@ import torch.autograd.forward_ad as fwad
 
 from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import COMBINE_VEC
+from moe_gemm.ops.validation import shape_text
 
 # A launch grid's y dimension (the 16-byte vectors of a row, in CTAs of ROW_THREADS threads)
 # is at most 65535 CTAs (x: 2^31 - 1).
@@ -96,9 +97,9 @@ def check_row_operands(op: str, name: str, t: torch.Tensor, t_shape: str, rows: 
             raise TypeError(f"{op}: {label} must be a dense (strided) tensor; got {got}")
     if t.dim() != 2 or not t.is_floating_point():
         raise TypeError(f"{op}: {name} must be a 2-D {t_shape} floating tensor; got "
-                        f"{tuple(t.shape)} {t.dtype}")
+                        f"{shape_text(t)} {t.dtype}")
     if rows.dim() != rank or rows.dtype not in INDEX_DTYPES:
         raise TypeError(f"{op}: rows must be a {rank}-D {rows_shape} int64 or int32 tensor; got "
-                        f"{tuple(rows.shape)} {rows.dtype}")
+                        f"{shape_text(rows)} {rows.dtype}")
     if rows.device != t.device:
         raise ValueError(f"{op}: rows must be on {name}'s device {t.device}; got {rows.device}")

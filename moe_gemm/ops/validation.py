@@ -103,8 +103,14 @@ class GroupedBmmArgs:
 
 
 def shape_text(t: torch.Tensor) -> str:
-    """A tensor's shape as Python writes a tuple, for messages: (2, 3), (4,), ()."""
-    return str(tuple(t.shape))
+    """A tensor's shape as Python writes a tuple, for messages: (2, 3), (4,), ().
+
+    Built from each size's int so that torch.compile traces it with dynamic shapes too
+    (dynamo cannot trace str() of a tuple holding symbolic sizes: the message was lost, and
+    without fullgraph the resumed frame raised a TypeError instead of ours); int() reads the
+    size the call has, where an f-string would print a symbol's name."""
+    dims = [f"{int(d)}" for d in t.shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
 # A nested tensor (torch.nested, a prototype API) has no sizes or strides of its own: torch

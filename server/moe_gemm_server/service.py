@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from starlette.requests import Request
@@ -39,6 +39,9 @@ from .storage import WeightStore
 from .sync import StoreWatcher
 
 log = logging.getLogger(__name__)
+
+# request.state key: run() has counted the request in the v2 statistics (success or fail)
+_STATS_COUNTED = "stats_counted"
 
 
 MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
@@ -290,7 +293,8 @@ class Service(WeightsMixin):
 
     async def run(self, request: Request, job: Job) -> Any:
         """Queue `job` and wait for its result, its deadline, or the client leaving."""
-        arrival = request.scope.get("state", {}).get("t_arrival", time.monotonic())
+        state = request.scope.setdefault("state", {})
+        arrival = state.get("t_arrival", time.monotonic())
         ok = False
         try:
             result = await self._run(request, job)
@@ -298,8 +302,28 @@ class Service(WeightsMixin):
             return result
         finally:
             if job.model:
+                state[_STATS_COUNTED] = True
                 self.stats.done(job.model, ok, time.monotonic() - arrival,
                                 None if job.ws is None else job.ws.version)
+
+    @contextlib.contextmanager
+    def failures_counted(self, request: Request, name: str) -> Iterator[None]:
+        """A request naming weight set `name` that ends in an error before run() counted it (the
+        queue full, a body or parameter refused, the set left out of memory) is a failure in
+        the set's v2 statistics, as Triton's `fail` counts every failed request of a model;
+        an unknown name (404, 422) counts toward no set."""
+        try:
+            yield
+        except BaseException:
+            state = request.scope.get("state", {})
+            try:
+                ws = self.engine.get_weights(name) if self.engine is not None else None
+            except KeyError:
+                ws = None
+            if ws is not None and not state.get(_STATS_COUNTED):
+                arrival = state.get("t_arrival", time.monotonic())
+                self.stats.done(name, False, time.monotonic() - arrival, ws.version)
+            raise
 
     async def _run(self, request: Request, job: Job) -> Any:
         assert self.batcher is not None

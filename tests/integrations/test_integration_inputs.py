@@ -44,3 +44,25 @@ def test_what_fits_passes_and_token_dtypes_can_be_narrowed():
         check_expert_inputs(x.double(), ids, w, hidden_size=H, device=CPU,
                             token_dtypes=(torch.bfloat16, torch.float32))
     check_expert_inputs(x[:0], ids[:0], w[:0], hidden_size=H, device=CPU)  # no tokens
+
+
+def test_a_mistake_is_named_when_compiled_with_dynamic_shapes():
+    """The shapes in the message are the call's sizes, also where torch.compile traces them
+    as symbols (it could not format them before: the message was lost)."""
+    import torch._dynamo
+
+    def check(x, i, w):
+        check_expert_inputs(x, i, w, hidden_size=H, device=CPU)
+        return x * 2
+
+    x, ids, w = _inputs(T=9)
+    torch._dynamo.reset()
+    f = torch.compile(check, fullgraph=True, dynamic=True, backend="eager")
+    torch.testing.assert_close(f(x, ids, w), x * 2)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        f(x[:, :16], ids, w)
+    assert r"hidden_states must be (T, H) = (T, 32); got (9, 16)" in str(info.value.__cause__)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        f(x, ids, w[:, :1])
+    assert "got (9, 1)" in str(info.value.__cause__)
+    torch._dynamo.reset()

@@ -164,3 +164,30 @@ def test_fp8_layer_compiles_on_tracked_hidden_states(dynamo, granularity, dims) 
     with pytest.raises(RuntimeError, match="FP8 MoE layer is inference-only"):
         y.sum().backward()
     assert x.grad is None
+
+
+@pytest.mark.parametrize("how", ["automatic", "dynamic"])
+def test_a_wrong_hidden_size_is_named_under_dynamic_shapes(dynamo, how) -> None:
+    """A compiled layer that has seen two token counts traces the count as a symbol: the
+    refusal's message used to be lost (fullgraph: Unsupported on str() of a symbolic shape,
+    no cause; without fullgraph: a TypeError from the resumed frame). Now it is ours, with the
+    sizes the call has, as in eager."""
+    m = MoE(16, 8, 4, 2, dtype=torch.float32).eval()
+    bad = torch.randn(5, 15)
+    with pytest.raises(ValueError) as eager:
+        m(bad)
+    assert str(eager.value) == "hidden_states must be (..., H) = (..., 16); got (5, 15)"
+    kw = {"dynamic": True} if how == "dynamic" else {}
+    f = torch.compile(m, fullgraph=True, backend="aot_eager", **kw)
+    with torch.no_grad():
+        for t in (5, 7):
+            x = torch.randn(t, 16)
+            torch.testing.assert_close(f(x), m(x))
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            f(bad)
+    assert str(eager.value) in str(info.value.__cause__)
+    torch._dynamo.reset()
+    g = torch.compile(m, backend="aot_eager", dynamic=True)
+    with torch.no_grad(), pytest.raises(ValueError) as plain:
+        g(bad)
+    assert str(plain.value) == str(eager.value)

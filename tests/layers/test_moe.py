@@ -255,6 +255,25 @@ def test_backward_raises() -> None:
                     moe.w_gate_up.detach(), moe.w_down.detach()).sum().backward()
 
 
+def test_a_trainable_shared_expert_gets_its_gradients() -> None:
+    """The docstring's contract: only the routed path refuses a backward; a shared expert made
+    trainable (a frozen routed part, a tuned shared part) is plain torch and gets gradients,
+    those of the same module in the naive layer."""
+    moe = randomize(MoE(32, 16, 8, 2, shared_intermediate_size=24, dtype=torch.float32))
+    moe.shared_experts.requires_grad_(True)
+    x, g = torch.randn(5, 32), torch.randn(5, 32)
+    moe(x).backward(g)
+    got = [p.grad.clone() for p in moe.shared_experts.parameters()]
+    moe.zero_grad(set_to_none=True)
+    naive_moe(moe, x).backward(g)
+    want = [p.grad for p in moe.shared_experts.parameters()]
+    assert len(got) == 3
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
+    with pytest.raises(RuntimeError, match="inference-only"):  # the routed path still refuses
+        moe(x.clone().requires_grad_(True)).sum().backward()
+
+
 def test_backward_raises_under_torch_func() -> None:
     """Under torch.vmap the result went unlinked (a BatchedTensor reports requires_grad=False):
     a backward ran through torch's ops and left a gradient in x.grad; with the weights

@@ -552,3 +552,45 @@ def test_the_kserve_client_works_and_gets_the_non_finite_refusal(main_server, mo
     with pytest.raises(httpx.HTTPStatusError) as ei:
         asyncio.run(infer("v2-fp32", np.full((3, K), 3e38, np.float32)))
     assert ei.value.response.status_code == 422 and "binary_data" in str(ei.value)
+
+
+def test_stats_fail_counts_every_failed_request_of_the_model(main_server):
+    """Triton's `fail` counts a model's failed requests; it counted only those that reached
+    the queue (a timeout, a device error), never a refused body or parameter. Now every
+    request naming a resident set that ends in an error counts, on both APIs, once."""
+    name = "v2-failcount"
+    w = torch.randn(E, K, N)
+    url = main_server.url
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.put(f"/v1/weights/{name}", content=st_body({"w": w}),
+                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 201
+
+        def counts() -> tuple[int, int]:
+            r = http.get(f"/v2/models/{name}/stats", headers=AUTH)
+            inf = r.json()["model_stats"][0]["inference_stats"]
+            return inf["success"]["count"], inf["fail"]["count"]
+
+        good = {"inputs": [{"name": "x", "shape": [2, K], "datatype": "FP32",
+                            "data": [0.5] * (2 * K)},
+                           {"name": "counts", "shape": [E], "datatype": "INT32",
+                            "data": [2, 0, 0, 0]}]}
+        bad_shape = json.loads(json.dumps(good))
+        bad_shape["inputs"][0]["shape"] = [2, K + 1]
+        bad_param = dict(good, parameters={"sequence_id": 7})
+        assert http.post(f"/v2/models/{name}/infer", json=good, headers=AUTH).status_code == 200
+        assert counts() == (1, 0)
+        for body in (bad_shape, bad_param):
+            r = http.post(f"/v2/models/{name}/infer", json=body, headers=AUTH)
+            assert r.status_code == 400, r.text
+        assert counts() == (1, 2)
+        r = http.post(f"/v1/weights/{name}/grouped-mm", content=b"not safetensors",
+                      headers=AUTH)
+        assert r.status_code in (400, 422), r.text
+        assert counts() == (1, 3)
+        # a request the server never saw as this model's: no count
+        assert http.post(f"/v2/models/{name}-other/infer", json=good,
+                         headers=AUTH).status_code == 404
+        assert http.post(f"/v2/models/{name}/infer", json=good).status_code == 401
+        assert counts() == (1, 3)
+        assert http.delete(f"/v1/weights/{name}",
+                           headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 200

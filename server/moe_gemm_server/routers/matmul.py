@@ -19,7 +19,7 @@ from ..dependencies import hot_path
 from ..errors import request_id_of
 from ..jobs import check_mm_names, check_problem_count, gemm_job, gemm_problems, mm_job
 from ..limits import read_body
-from ..service import ClientGone
+from ..service import ClientGone, Service
 from .common import (
     body_format,
     check_json_answer,
@@ -35,6 +35,11 @@ router = APIRouter(tags=["matmul"])
 async def grouped_mm(name: str, request: Request) -> Response:
     """y (T, N): rows of x grouped by expert (counts or offs) times the set's weights."""
     service = hot_path(request)
+    with service.failures_counted(request, name):
+        return await _grouped_mm(name, request, service)
+
+
+async def _grouped_mm(name: str, request: Request, service: Service) -> Response:
     service.admit(request)
     ws = await service.weight_set(name)
     fmt = body_format(request)

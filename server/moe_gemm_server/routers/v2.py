@@ -243,6 +243,11 @@ def _check_body_model(req: V2Request, name: str) -> None:
 
 
 async def _infer(name: str, request: Request, service: Service) -> Response:
+    with service.failures_counted(request, name):
+        return await _infer_counted(name, request, service)
+
+
+async def _infer_counted(name: str, request: Request, service: Service) -> Response:
     service.admit(request)
     ws = await service.weight_set(name)
     async with service.tracked():
