@@ -119,4 +119,4 @@ def test_fresh_venv_install_without_torch(tmp_path):
         out = _run([cli, "--url", url, "health"], timeout=60, env=env)
         assert out.returncode == 0 and json.loads(out.stdout) == {"live": True}, out.stderr
         out = _run([cli, "--url", url, "list", "--json"], timeout=60, env=env)
-        assert out.returncode == 0 and json.loads(out.stdout) == {"weights": []}, out.stderr
+        assert out.returncode == 0 and json.loads(out.stdout) == {"weights": [], "not_loaded": []}, out.stderr
