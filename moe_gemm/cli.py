@@ -523,6 +523,28 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):  # no real file behind sys.stdout
             pass
         return SIGPIPE_EXIT
+    except OSError as exc:
+        # Output that cannot be written (`moe-gemm info --json > /dev/full`: ENOSPC; EIO on a
+        # lost terminal): one line and exit 1, as `cat` says "write error", not a traceback.
+        command = " ".join(["moe-gemm", *(sys.argv[1:] if argv is None else argv)[:1]])
+        where = f" ({exc.filename})" if exc.filename else ""
+        _quiet_stdout()
+        print(f"{command}: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Flush stdout; where that fails (the error was stdout's own), point it at /dev/null so
+    that the interpreter's final flush cannot raise again."""
+    try:
+        sys.stdout.flush()
+        return
+    except (OSError, ValueError):
+        pass
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _refuse_environment() -> None:

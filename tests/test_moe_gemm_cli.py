@@ -278,6 +278,22 @@ def test_a_closed_stdout_ends_quietly(command) -> None:
 
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("command", [["moe_gemm.cli", "info", "--json"],
+                                     ["moe_gemm.cli", "tune", "--list", "--zoo"]],
+                         ids=["info", "tune-list"])
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(command) -> None:
+    """`moe-gemm info --json > /dev/full` ended in an OSError traceback: now one line naming
+    the failure, exit 1."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", *command], stdout=full,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr == f"moe-gemm {command[1]}: No space left on device\n", out.stderr
+
+
 def test_a_bad_switch_value_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("MOE_GEMM_DISABLE_CUTE", "maybe")

@@ -427,26 +427,37 @@ def _warn_once(what: str, message: str) -> None:
         warnings.warn(f"moe_gemm: {message}", RuntimeWarning, stacklevel=4)
 
 
+def read_table_bytes(path: Path, what: str = "a table") -> bytes:
+    """The bytes of the table file at `path`: OSError where it cannot be read, ValueError
+    (starting with the path) where it is not a regular file of at most MAX_TABLE_BYTES. A
+    FIFO or a device (/dev/stdin, /dev/zero) would block the read until a writer comes, or
+    fill memory: only a regular file is read."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    if info.st_size > MAX_TABLE_BYTES:
+        raise ValueError(f"{path} is {info.st_size} bytes, more than {what}'s "
+                         f"{MAX_TABLE_BYTES}")
+    with open(path, "rb") as f:  # (at most the limit, should it grow after the stat)
+        raw = f.read(MAX_TABLE_BYTES + 1)
+    if len(raw) > MAX_TABLE_BYTES:
+        raise ValueError(f"{path} is more than {what}'s {MAX_TABLE_BYTES} bytes")
+    return raw
+
+
 def _read(path: Path, device: str, versions: dict[str, Any] | None,
           sibling_ok: bool = False) -> Table | None:
     """The table at `path` for `device`, or None with one warning (missing files are silent).
     sibling_ok: a table made for the device's sibling (SIBLINGS) serves too."""
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            # A FIFO or a device (/dev/stdin, /dev/zero) would block the call that reads the
-            # table until a writer comes, or fill memory: only a regular file is a table.
-            _warn_once(f"{path}:read", f"tuned table {path} is not a regular file; ignored")
-            return None
-        if info.st_size > MAX_TABLE_BYTES:
-            _warn_once(f"{path}:read", f"tuned table {path} is {info.st_size} bytes, more than "
-                       f"a table's {MAX_TABLE_BYTES}; ignored")
-            return None
-        raw = path.read_bytes()
+        raw = read_table_bytes(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
         _warn_once(f"{path}:read", f"cannot read tuned table {path} ({exc}); ignored")
+        return None
+    except ValueError as exc:
+        _warn_once(f"{path}:read", f"tuned table {exc}; ignored")
         return None
     try:
         # Bytes, so that json detects the encoding and a file that is not text at all is a

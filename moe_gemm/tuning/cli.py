@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from moe_gemm.ops import tuned
 from moe_gemm.tuning import rerank, space
 from moe_gemm.tuning.argcheck import empty_option, loads_json, output_problem
 from moe_gemm.tuning.shape_args import (  # noqa: F401 (re-exported: the benchmarks' A/Bs)
@@ -251,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe-gemm tune: {exc}", file=sys.stderr)
             return 2
     for flag, value in (("--budget-s", args.budget_s), ("--shape-budget-s", args.shape_budget_s)):
-        if value is not None and not value > 0:  # (nan too; checked before --list answers)
-            print(f"moe-gemm tune: {flag} must be positive", file=sys.stderr)
+        # (nan too; inf is refused as the other commands' seconds are: no limit is the
+        # option left out; checked before --list answers)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            print(f"moe-gemm tune: {flag} must be a positive finite number of seconds",
+                  file=sys.stderr)
             return 2
     if not re.fullmatch(r"cuda(:\d+)?", args.device.strip()):
         # (--list answered for any --device; a run refused it: cuda or cuda:N only, the GPU
@@ -417,9 +421,11 @@ def rivals_by_label(args: argparse.Namespace) -> dict[str, tuple[dict, ...]]:
     if not args.rivals_file:
         return {}
     try:
-        doc = loads_json(Path(args.rivals_file).read_bytes())
+        raw = tuned.read_table_bytes(Path(args.rivals_file), "a rivals file")
     except OSError as exc:
         raise ValueError(exc.strerror or str(exc)) from None
+    try:
+        doc = loads_json(raw)
     except ValueError as exc:
         raise ValueError(f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or not all(

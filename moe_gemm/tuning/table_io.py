@@ -54,7 +54,7 @@ def read_table(path: Path, device: str | None = None,
     try:
         # (bytes, as the library's reader takes them: json detects a BOM or UTF-16 there, and
         # a table the lookup uses must not be refused here)
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(tuned.read_table_bytes(path))
     except RecursionError:  # nested past the parser's depth: no table is
         raise ValueError(f"{path} is not a tuned table (nested too deeply)") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("device"), str):

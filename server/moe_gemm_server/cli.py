@@ -20,6 +20,8 @@ process; the stored weight sets are loaded again on that start.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .start_signals import StartSignals
@@ -114,19 +116,27 @@ def settings_from_args(argv: Sequence[str] | None = None) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as e:
-        msgs = "; ".join(_setting_error(err) for err in e.errors())
+        msgs = "; ".join(_setting_error(err, overrides) for err in e.errors())
         raise SystemExit(f"moe-gemm-server: invalid settings: {msgs}") from None
 
 
-def _setting_error(err: Any) -> str:
-    """`field (--flag): message` for one pydantic error: the user typed the flag (or its
-    MOE_GEMM_ variable), so both names are given; pydantic's "Value error, " prefix of our own
-    validators' messages is dropped."""
-    loc = ".".join(str(p) for p in err["loc"])
+def _setting_error(err: Any, given: Collection[str] = ()) -> str:
+    """`field (--flag): message` for one pydantic error where the flag was given (`given`: the
+    fields set by flags), else `field (MOE_GEMM_FIELD): message` when the variable is set
+    (the flag wins over it, so it is the one to fix; its value is not repeated, as it may be
+    a key), else `field (--flag)`. pydantic's
+    "Value error, " prefix of our own validators' messages is dropped."""
     msg = str(err["msg"]).removeprefix("Value error, ")
     if not err["loc"]:
         return msg
-    return f"{loc} (--{str(err['loc'][0]).replace('_', '-')}): {msg}"
+    loc = ".".join(str(p) for p in err["loc"])
+    field = str(err["loc"][0])
+    variable = f"MOE_GEMM_{field.upper()}"
+    # (pydantic-settings matches variable names in any case, as os.environ holds them)
+    env = {k.upper(): v for k, v in os.environ.items()}
+    if field not in given and variable in env:
+        return f"{loc} ({variable}): {msg}"
+    return f"{loc} (--{field.replace('_', '-')}): {msg}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

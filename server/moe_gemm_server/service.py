@@ -26,6 +26,7 @@ from typing import Any
 from starlette.requests import Request
 
 from moe_gemm.config import GemmConfig
+from moe_gemm.env import refused_variables
 from moe_gemm_server.engine import Engine, EngineOutOfMemory
 
 from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
@@ -48,7 +49,9 @@ MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
 
 
 def build_engine(settings: Settings) -> Engine:
-    """The Engine `settings` describe. Raises ValueError (device) or RuntimeError (backend)."""
+    """The Engine `settings` describe. Raises ValueError (device, or a library MOE_GEMM_*
+    variable set to a value the library refuses) or RuntimeError (backend)."""
+    check_library_environment()
     return Engine(
         settings.device,
         config=GemmConfig(backend=settings.backend),
@@ -56,6 +59,16 @@ def build_engine(settings: Settings) -> Engine:
         max_rows=max(settings.max_rows, settings.max_batch_rows),
         tune=settings.tune_at_start,
     )
+
+
+def check_library_environment() -> None:
+    """ValueError naming each library MOE_GEMM_* variable (moe_gemm.env) set to a value the
+    library refuses. The library reads most of them only where it acts on them (a tuned-table
+    lookup, the fused path on a GPU), so a typo such as MOE_GEMM_FUSED=flase would otherwise
+    start a server whose every matmul then fails with that message, answered 422 as if the
+    client had sent something wrong: the operator's mistake is refused at start instead."""
+    if refused := refused_variables():
+        raise ValueError("the library refuses its environment: " + "; ".join(refused.values()))
 
 
 class ClientGone(Exception):

@@ -254,6 +254,49 @@ def test_every_start_up_refusal_is_one_line(tmp_path, restore_logging):
     assert "max_queue" in msg
 
 
+@pytest.mark.parametrize("name,value", [("MOE_GEMM_TUNED_TABLES", "maybe"),
+                                        ("MOE_GEMM_CHECK_OFFS", "bogus"),
+                                        ("MOE_GEMM_FUSED", "flase"),
+                                        ("MOE_GEMM_SPLIT_WAYS", "1"),
+                                        ("MOE_GEMM_ROUTER", "triton")])
+def test_a_library_variable_the_library_refuses_refuses_the_start(tmp_path, monkeypatch,
+                                                                   restore_logging, name, value):
+    # Most library variables are read only on a GPU call path: started anyway, the server's
+    # every matmul there would fail and be answered as the client's fault.
+    monkeypatch.setenv(name, value)
+    msg = _refusal(["--device", "cpu", "--port", "0", "--data-dir", str(tmp_path / "data")])
+    assert f"{name}={value!r}" in msg and "expected" in msg
+
+
+def test_library_variables_the_library_takes_let_the_server_start(tmp_path, monkeypatch):
+    for name, value in [("MOE_GEMM_TUNED_TABLES", "0"), ("MOE_GEMM_FUSED", "off"),
+                        ("MOE_GEMM_SPLIT_WAYS", "4"), ("MOE_GEMM_ROUTER", "torch"),
+                        ("MOE_GEMM_CHECK_OFFS", "")]:
+        monkeypatch.setenv(name, value)
+    from moe_gemm_server.config import Settings
+    from moe_gemm_server.service import build_engine
+
+    engine = build_engine(Settings(device="cpu", data_dir=tmp_path / "data"))
+    assert engine.backend == "torch"
+
+
+def test_a_refused_setting_names_the_variable_or_the_flag_that_set_it(monkeypatch,
+                                                                      restore_logging):
+    monkeypatch.setenv("MOE_GEMM_MAX_QUEUE", "0")
+    msg = _refusal([])
+    assert "max_queue (MOE_GEMM_MAX_QUEUE): " in msg and "--max-queue" not in msg, msg
+    monkeypatch.setenv("MOE_GEMM_MAX_QUEUE", "5")  # the flag wins, and is the one named
+    msg = _refusal(["--max-queue", "0"])
+    assert "max_queue (--max-queue): " in msg and "MOE_GEMM_MAX_QUEUE" not in msg, msg
+    monkeypatch.delenv("MOE_GEMM_MAX_QUEUE")
+    monkeypatch.setenv("moe_gemm_port", "abc")  # (matched in any case, as pydantic reads it)
+    msg = _refusal([])
+    assert "port (MOE_GEMM_PORT): " in msg, msg
+    monkeypatch.setenv("MOE_GEMM_ADMIN_KEY", "secret-key\x07")  # a key is never repeated
+    msg = _refusal([])
+    assert "admin_key (MOE_GEMM_ADMIN_KEY): " in msg and "secret-key" not in msg, msg
+
+
 def test_refused_backend_in_a_real_process_prints_one_line(tmp_path):
     """What a user sees: one line on stderr, exit 1, no traceback, nothing bound."""
     out = _run("--device", "cpu", "--backend", "cute", "--data-dir", str(tmp_path / "d"),
@@ -334,7 +377,7 @@ def test_empty_data_dir_is_refused_not_the_current_directory(tmp_path, value):
 def test_empty_data_dir_variable_is_refused_too(monkeypatch, restore_logging):
     monkeypatch.setenv("MOE_GEMM_DATA_DIR", "")
     msg = _refusal(["--port", "0"])
-    assert "--data-dir" in msg and "non-empty path" in msg
+    assert "data_dir (MOE_GEMM_DATA_DIR): " in msg and "non-empty path" in msg
 
 
 @pytest.mark.parametrize("field", ["ssl_certfile", "ssl_keyfile"])
@@ -347,7 +390,7 @@ def test_an_empty_tls_variable_is_refused_naming_it(monkeypatch, restore_logging
     var, flag = f"MOE_GEMM_{field.upper()}", "--" + field.replace("_", "-")
     monkeypatch.setenv(var, value)
     msg = _refusal(["--port", "0", "--data-dir", str(tmp_path)])
-    assert msg.startswith(f"moe-gemm-server: invalid settings: {field} ({flag}): "), msg
+    assert msg.startswith(f"moe-gemm-server: invalid settings: {field} ({var}): "), msg
     assert f"the path is empty ({flag} or {var})" in msg and "directory" not in msg, msg
     monkeypatch.delenv(var)
     msg = _refusal([flag, value, "--port", "0", "--data-dir", str(tmp_path)])
@@ -368,7 +411,7 @@ def test_the_admin_key_is_stripped_as_api_keys_are(monkeypatch, tmp_path, value)
     monkeypatch.setenv("MOE_GEMM_ADMIN_KEY", "\n")  # (nothing but the newline: still refused)
     with pytest.raises(SystemExit) as e:
         settings_from_args(["--port", "0", "--data-dir", str(tmp_path)])
-    assert "admin_key (--admin-key): " in str(e.value.code)
+    assert "admin_key (MOE_GEMM_ADMIN_KEY): " in str(e.value.code)
     assert "non-empty printable ASCII" in str(e.value.code)
 
 
@@ -461,7 +504,7 @@ def test_an_api_key_variable_of_commas_alone_is_refused(monkeypatch, restore_log
         settings_from_args(["--port", "0", "--data-dir", str(tmp_path)])
     msg = str(e.value.code)
     assert msg.startswith("moe-gemm-server: ") and "\n" not in msg, msg
-    assert "api_key (--api-key): " in msg and "names no key" in msg, msg
+    assert "api_key (MOE_GEMM_API_KEY): " in msg and "names no key" in msg, msg
     monkeypatch.setenv("MOE_GEMM_API_KEY", "")  # empty: no keys, as before
     assert Settings(data_dir=tmp_path).api_key == []
     monkeypatch.setenv("MOE_GEMM_API_KEY", "a,,b ,")

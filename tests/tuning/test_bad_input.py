@@ -5,6 +5,7 @@ line and exit 2), never a traceback or a silent default."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,30 @@ def test_merge_of_a_pathologically_nested_file_is_one_line(tmp_path, capsys):
     assert cli.main(["--merge", str(deep), "--out", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"moe-gemm tune: --merge {deep}: ") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_merge_of_a_fifo_or_a_device_is_one_line_not_a_hang(tmp_path, capsys):
+    # A FIFO with no writer would block the read for ever, /dev/zero fill memory: only a
+    # regular file is read, as the library's own table reader does.
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        if not path.exists():
+            continue
+        assert cli.main(["--merge", str(path), "--out", str(tmp_path / "o.json")]) == 2
+        err = capsys.readouterr().err
+        assert err == f"moe-gemm tune: --merge {path}: {path} is not a regular file\n"
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_merge_of_a_file_past_the_table_limit_is_one_line(tmp_path, capsys, monkeypatch):
+    src = _table(tmp_path, "big.json")
+    monkeypatch.setattr(tuned, "MAX_TABLE_BYTES", src.stat().st_size - 1)
+    assert cli.main(["--merge", str(src), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: --merge {src}: {src} is ") and "more than" in err
+    assert err.count("\n") == 1
 
 
 def test_merge_of_a_table_whose_versions_is_not_an_object_is_one_line(tmp_path, capsys):

@@ -3,6 +3,8 @@ the entry records, and the CLI's checks (timing itself runs on a GPU)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from test_search import FakeRunner
 
@@ -379,6 +381,15 @@ def test_a_pick_measured_against_the_swapped_kernel_keeps_that_verdict_when_repl
     times = {"pp 128x192 p8": 100.0, "pp 128x128 c1x2 p8": 120.0, RULES: 50.0}
     entry = rerank.rerank_shape(SHAPE, FakeRunner(_costs(times)), found, rounds=3).entry()
     assert entry["name"] == RULES and entry["config"]["swap_ab"] is False
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_rivals_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
+    fifo = tmp_path / "r.json"
+    os.mkfifo(fifo)
+    assert cli.main(["--zoo", "--rerank", "t.json", "--rivals-file", str(fifo)]) == 2
+    err = capsys.readouterr().err
+    assert f"--rivals-file {fifo}: {fifo} is not a regular file" in err, err
 
 
 @pytest.mark.parametrize("content, words", [

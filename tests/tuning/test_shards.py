@@ -336,8 +336,12 @@ def test_merge_into_out_dir_writes_the_device_table(tmp_path, capsys):
     (["--merge", ""], "--merge is empty"),
     (["--shapes", "8,256,256,64", "--gpus", "0"], "--gpus 0: must be >= 1"),
     (["--shapes", "8,256,256,64", "--gpus", "-1"], "--gpus -1: must be >= 1"),
-    (["--shapes", "8,256,256,64", "--shape-budget-s", "-3"], "--shape-budget-s must be positive"),
-    (["--shapes", "8,256,256,64", "--budget-s", "nan"], "--budget-s must be positive")])
+    (["--shapes", "8,256,256,64", "--shape-budget-s", "-3"],
+     "--shape-budget-s must be a positive finite number of seconds"),
+    (["--shapes", "8,256,256,64", "--budget-s", "nan"], "--budget-s must be a positive finite"),
+    (["--shapes", "8,256,256,64", "--budget-s", "inf"], "--budget-s must be a positive finite"),
+    (["--shapes", "8,256,256,64", "--shape-budget-s", "inf", "--list"],
+     "--shape-budget-s must be a positive finite")])
 def test_empty_values_and_gpus_below_one_are_refused(capsys, argv, words):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
