@@ -124,8 +124,8 @@ def _setting_error(err: Any, given: Collection[str] = ()) -> str:
     """`field (--flag): message` for one pydantic error where the flag was given (`given`: the
     fields set by flags), else `field (MOE_GEMM_FIELD): message` when the variable is set
     (the flag wins over it, so it is the one to fix; its value is not repeated, as it may be
-    a key), else `field (--flag)`. pydantic's
-    "Value error, " prefix of our own validators' messages is dropped."""
+    a key), else `field (--flag)`. pydantic's "Value error, " prefix of our own validators'
+    messages is dropped."""
     msg = str(err["msg"]).removeprefix("Value error, ")
     if not err["loc"]:
         return msg
