@@ -24,7 +24,14 @@ import argparse
 import sys
 from typing import Any
 
-from benchmarks.runner import ab_run, add_ab_options, names_problem, run_shape, split_names
+from benchmarks.runner import (
+    ab_start,
+    add_ab_options,
+    config_fields,
+    names_problem,
+    run_shape,
+    split_names,
+)
 from benchmarks.suite import (
     DEFAULT_NAME,
     GROUPED_MM_NAME,
@@ -60,14 +67,7 @@ def parse_cases(text: str) -> list[tuple[int, int, int, int]]:
 
 def parse_configs(text: str) -> list[dict]:
     """';'-separated config names -> their fields, each buildable (ValueError otherwise)."""
-    if not text:
-        return []
-    if why := names_problem(text, None, "--configs", ";"):
-        raise ValueError(why)
-    fields = [space.parse_name(n, form="general") for n in split_names(text, ";")]
-    for f in fields:
-        space.config_of(f)
-    return fields
+    return config_fields(text, form="general") if text else []
 
 
 def implementations(configs: list[dict], peers: bool) -> list[Impl]:
@@ -120,16 +120,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        cases = parse_cases(args.cases)
-        configs = parse_configs(args.configs)
-    except ValueError as exc:
-        print(f"lists_ab: {exc}", file=sys.stderr)
+    started = ab_start(args, argv, "lists_ab", "our kernels are Hopper kernels",
+                       lambda: (parse_cases(args.cases), parse_configs(args.configs)))
+    if started is None:
         return 2
-    run = ab_run(args, argv, "lists_ab", "our kernels are Hopper kernels")
-    if isinstance(run, str):
-        print(run, file=sys.stderr)
-        return 2
+    (cases, configs), run = started
     doc = run.doc
     impls = implementations(configs, args.peers)
     print("impl | us | TFLOP/s | GB/s | default / this")

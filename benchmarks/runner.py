@@ -543,6 +543,35 @@ def add_ab_options(p, reps: int) -> None:
     p.add_argument("--out", help="write the rows as JSON here")
 
 
+def config_fields(text: str, name: Callable[[str], str] = str, **parse: Any) -> list[dict]:
+    """`--configs`: ';'-separated config names (each through `name` first) -> their fields,
+    each buildable by us; ValueError naming a bad one (an empty name too, as in 'a;')."""
+    from moe_gemm.tuning import space
+
+    if why := names_problem(text, None, "--configs", ";"):
+        raise ValueError(why)
+    fields = [space.parse_name(name(n), **parse) for n in split_names(text, ";")]
+    for f in fields:
+        space.config_of(f)
+    return fields
+
+
+def ab_start(args, argv: list[str] | None, prog: str, needs: str, parse: Callable[[], Any]
+             ) -> tuple[Any, Run] | None:
+    """An A/B script's start: `parse()` (its options; a ValueError is printed as `prog: ...`)
+    and then ab_run's Run. None after printing why it cannot run (the script exits 2)."""
+    try:
+        parsed = parse()
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    run = ab_run(args, argv, prog, needs)
+    if isinstance(run, str):
+        print(run, file=sys.stderr)
+        return None
+    return parsed, run
+
+
 def ab_run(args, argv: list[str] | None, prog: str, needs: str, **doc_fields: Any
            ) -> Run | str:
     """The Run of an A/B script on a CUDA GPU (args: add_ab_options'), or the line to print

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.ab_cases import tag_rows
-from benchmarks.runner import ab_run, add_ab_options, names_problem, run_shape, split_names
+from benchmarks.runner import ab_start, add_ab_options, config_fields, run_shape
 from benchmarks.suite import Impl, Inputs, Prepared, ShapeSpec, _ours, build_quack_config
 from benchmarks.zoo import build_cases, parse_cases
 from moe_gemm.tuning import space
@@ -58,13 +58,7 @@ def _names_a_raster(name: str) -> bool:
 def parse_configs(text: str) -> list[dict]:
     """';'-separated config names -> their fields (ValueError naming a bad one); a name without
     a raster word takes QuACK's order (QUACK_ORDER)."""
-    if why := names_problem(text, None, "--configs", ";"):  # (an empty one, as in 'a;')
-        raise ValueError(why)
-    fields = [space.parse_name(n if _names_a_raster(n) else f"{n} {QUACK_ORDER}")
-              for n in split_names(text, ";")]
-    for f in fields:
-        space.config_of(f)  # buildable by us (ValueError otherwise)
-    return fields
+    return config_fields(text, lambda n: n if _names_a_raster(n) else f"{n} {QUACK_ORDER}")
 
 
 def quack_config(fields: dict) -> dict:
@@ -129,16 +123,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        cases = parse_cases(args.cases)
-        configs = parse_configs(args.configs)
-    except ValueError as exc:
-        print(f"same_config: {exc}", file=sys.stderr)
+    started = ab_start(args, argv, "same_config", "our kernels and QuACK's are Hopper kernels",
+                       lambda: (parse_cases(args.cases), parse_configs(args.configs)))
+    if started is None:
         return 2
-    run = ab_run(args, argv, "same_config", "our kernels and QuACK's are Hopper kernels")
-    if isinstance(run, str):
-        print(run, file=sys.stderr)
-        return 2
+    (cases, configs), run = started
     doc = run.doc
     impls = implementations(configs)
     for model, proj, tokens in cases:
