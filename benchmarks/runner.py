@@ -45,6 +45,7 @@ from benchmarks.suite import (
     rel_err,
     short_error,
 )
+from moe_gemm.tuning import space
 from moe_gemm.tuning.table_io import json_line, write_text_atomic
 
 # Fault injection for testing --isolate: "SHAPE/IMPL" makes that implementation abort the
@@ -546,8 +547,6 @@ def add_ab_options(p, reps: int) -> None:
 def config_fields(text: str, name: Callable[[str], str] = str, **parse: Any) -> list[dict]:
     """`--configs`: ';'-separated config names (each through `name` first) -> their fields,
     each buildable by us; ValueError naming a bad one (an empty name too, as in 'a;')."""
-    from moe_gemm.tuning import space
-
     if why := names_problem(text, None, "--configs", ";"):
         raise ValueError(why)
     fields = [space.parse_name(name(n), **parse) for n in split_names(text, ";")]
