@@ -646,7 +646,10 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             slowest = max(slowest if done else 0.0, res.seconds)
             done += 1
             # A re-rank's samples are in another regime than the search's: the table keeps
-            # the search's (the lookup's neighbours step votes with them).
+            # the search's (the lookup's neighbours step votes with them). A shape re-ranked
+            # from the rules' choice (no entry before) gets its entry and no samples: its few
+            # timed configs would narrow that vote to themselves (it counts only configs
+            # timed on every voter).
             table_io.add_result(doc, res.entry(), [] if source is not None else res.samples())
             doc.setdefault("failures", [])
             doc["failures"] += [{"shape": shape.describe(), **f} for f in res.failures()]
