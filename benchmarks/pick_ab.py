@@ -22,7 +22,8 @@ in the zoo: the A/B alone interleaves only our own, and some kernels time differ
 
 With --adopt TABLE, each case where T's pick ran at least --min-gain faster than the default's
 pick gets T's entry in TABLE (with a `zoo_ab` record of the two times); TABLE is rewritten once,
-at the end. `benchmarks.peer_rivals --table` writes such a T from a zoo run.
+at the end. --adopt runs the peers in the same rounds unless --no-with-peers says otherwise:
+our kernels alone have ranked two picks the other way round from the zoo's own rows. `benchmarks.peer_rivals --table` writes such a T from a zoo run.
 """
 
 from __future__ import annotations
@@ -151,9 +152,12 @@ def add_ratios(rows: list[dict[str, Any]], pick: dict, flops: float) -> list[str
 
 
 def adopt(table: dict, other: dict, results: list[dict[str, Any]], against: int,
-          min_gain: float, device: str, when: str) -> list[str]:
+          min_gain: float, device: str, when: str, with_peers: bool = False) -> list[str]:
     """Put `other`'s entry into `table` for each case whose variant `against` (the --against
-    pick) ran at least min_gain faster than variant 0; the lines saying what changed."""
+    pick) ran at least min_gain faster than variant 0; the lines saying what changed.
+    with_peers: whether the zoo's peers ran in the same rounds (the entry's record says)."""
+    how = ("benchmarks.pick_ab --against (the zoo's regime"
+           + (", among its peers)" if with_peers else ", our kernels alone)"))
     lines = []
     by_case: dict[str, dict[int, dict]] = {}
     for r in results:
@@ -174,7 +178,7 @@ def adopt(table: dict, other: dict, results: list[dict[str, Any]], against: int,
         mine["zoo_ab"] = {"date": when, "device": device, "against": old,
                           "ms": round(theirs["ms"], 4), "against_ms": round(base["ms"], 4),
                           "speedup": round(base["ms"] / theirs["ms"], 3),
-                          "how": "benchmarks.pick_ab --against (the zoo's regime)"}
+                          "how": how}
         lines.append(f"{case}: {old} -> {mine['name']} ({base['ms'] / theirs['ms']:.3f}x)")
     return lines
 
@@ -193,6 +197,13 @@ def summary(results: list[dict[str, Any]]) -> list[str]:
             for v, ratios in sorted(per_variant.items())]
 
 
+def peers_wanted(args: argparse.Namespace) -> bool:
+    """--with-peers as given, else on exactly when --adopt changes a table: an A/B of our
+    kernels alone has ranked a pick the zoo's own rows then measured 11% slower (the zoo runs
+    each kernel among the peers; docs/measurements.md, 2026-12-05), and the zoo decides."""
+    return bool(args.adopt) if args.with_peers is None else args.with_peers
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pick_ab",
                                 description=__doc__.split("\n\n")[0])
@@ -206,9 +217,10 @@ def _parser() -> argparse.ArgumentParser:
                    "than the default's pick")
     p.add_argument("--min-gain", type=float, default=MIN_GAIN,
                    help="--adopt's margin, as a fraction (default %(default)s)")
-    p.add_argument("--with-peers", action="store_true", help="interleave the zoo's peers "
-                   "too (torch's grouped_mm, the mm loop in a CUDA graph, QuACK untuned), so "
-                   "each variant runs among the same kernels as in the zoo")
+    p.add_argument("--with-peers", action=argparse.BooleanOptionalAction, default=None,
+                   help="interleave the zoo's peers too (torch's grouped_mm, the mm loop in a "
+                   "CUDA graph, QuACK untuned), so each variant runs among the same kernels "
+                   "as in the zoo (default: on with --adopt, off otherwise)")
     add_case_options(p)
     add_ab_options(p, reps=10)
     return p
@@ -216,6 +228,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.with_peers = peers_wanted(args)
     try:
         variants = parse_variants(args.vary, against=bool(args.against))
         other = None
@@ -281,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{doc['device']!r}: left as it was", file=sys.stderr)
             return 1
         changed = adopt(table, other, doc["results"], len(variants), args.min_gain,
-                        doc["device"], doc["date"])
+                        doc["device"], doc["date"], with_peers=args.with_peers)
         if changed:
             table_io.write(Path(args.adopt), table)
         print("\n".join(changed) or f"--adopt: no pick ran {args.min_gain:.1%} faster; "

@@ -194,6 +194,30 @@ def test_adopt_takes_the_against_pick_only_where_it_won_by_the_margin():
     assert "stages" not in theirs["entries"][0]["config"]
 
 
+def test_adopt_runs_among_the_peers_unless_told_not_to():
+    parse = pick_ab._parser().parse_args
+    base = ["--cases", "Mixtral-8x7B/down/2048"]
+    assert pick_ab.peers_wanted(parse(base + ["--against", "t.json", "--adopt", "a.json"]))
+    assert not pick_ab.peers_wanted(parse(base + ["--against", "t.json", "--adopt", "a.json",
+                                                  "--no-with-peers"]))
+    assert not pick_ab.peers_wanted(parse(base + ["--against", "t.json"]))
+    assert not pick_ab.peers_wanted(parse(base + ["--vary", "p8", "--vary", "p8ns"]))
+    assert pick_ab.peers_wanted(parse(base + ["--vary", "p8", "--vary", "p8ns", "--with-peers"]))
+
+
+def test_the_adopted_entrys_record_names_the_regime_that_decided():
+    def tables():
+        return (_table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "pp 128x160 c1x2 p8")),
+                _table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "coop 128x256 c1x2 p8ns")))
+    results = _rows("Mixtral-8x7B/down/2048", 8, 4096, 14336, 4096, 2.0, 1.9)
+    mine, theirs = tables()
+    pick_ab.adopt(mine, theirs, results, 1, 0.013, "NVIDIA H200", "2026-12-05", with_peers=True)
+    assert mine["entries"][0]["zoo_ab"]["how"].endswith("among its peers)")
+    mine, theirs = tables()
+    pick_ab.adopt(mine, theirs, results, 1, 0.013, "NVIDIA H200", "2026-12-05")
+    assert mine["entries"][0]["zoo_ab"]["how"].endswith("our kernels alone)")
+
+
 def test_adopt_needs_against_a_readable_table_and_a_sane_margin(tmp_path, capsys):
     t = tmp_path / "t.json"
     t.write_text(json.dumps(_table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "pp 128x160 p8"))))
