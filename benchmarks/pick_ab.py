@@ -23,7 +23,8 @@ in the zoo: the A/B alone interleaves only our own, and some kernels time differ
 With --adopt TABLE, each case where T's pick ran at least --min-gain faster than the default's
 pick gets T's entry in TABLE (with a `zoo_ab` record of the two times); TABLE is rewritten once,
 at the end. --adopt runs the peers in the same rounds unless --no-with-peers says otherwise:
-our kernels alone have ranked a pick the other way round from the zoo's own rows. `benchmarks.peer_rivals --table` writes such a T from a zoo run.
+our kernels alone have ranked a pick the other way round from the zoo's own rows.
+`benchmarks.peer_rivals --table` writes such a T from a zoo run.
 """
 
 from __future__ import annotations
