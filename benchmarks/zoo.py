@@ -95,7 +95,7 @@ DEFAULT_BUDGET_S = 480.0
 QUACK_TUNE_CAP_S = 40.0
 GRAPH_NAME = "torch.mm loop (CUDA graph)"
 # Options whose empty value would read as "all" or "the default" (see empty_option).
-NONEMPTY = ["models", "tokens", "proj", "resume", "quack_cache", "quack_chosen", "out",
+NONEMPTY = ["cases", "models", "tokens", "proj", "resume", "quack_cache", "quack_chosen", "out",
             "out_dir", "png",
             "device", "skip_impl", "merge"]
 SMOKE_SCALE = 64  # smoke mode: N and K divided by this (at least 16), E at most 8
@@ -145,6 +145,21 @@ def build_cases(model_names: str | None, tokens: str | None, projs: list[str], s
                 if fp8:
                     fields["checkpoint"] = m.fp8_id
                 cases.append((spec, fields))
+    return cases
+
+
+def selected_cases(args: argparse.Namespace, projs: list[str], smoke: bool
+                   ) -> list[tuple[ShapeSpec, dict[str, Any]]]:
+    """The cases a run measures: --cases in the order given, else --models x --tokens x
+    --proj (build_cases). ValueError naming a bad one."""
+    if args.cases is None:
+        return build_cases(args.models, args.tokens, projs, args.seed, smoke, args.fp8)
+    cases, seen = [], set()
+    for m, p, t in parse_cases(args.cases):
+        spec, fields = build_cases(m, str(t), [p], args.seed, smoke, args.fp8)[0]
+        if spec.name not in seen:  # (a case named twice is measured once)
+            seen.add(spec.name)
+            cases.append((spec, fields))
     return cases
 
 
@@ -396,8 +411,7 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device,
     """Every case that fits the budget; the JSON (and the PNG) rewritten after each, so a
     run stopped at any point leaves what finished."""
     t0 = time.monotonic()
-    cases = take_shard(build_cases(args.models, args.tokens, args.proj, args.seed, args.smoke,
-                                   args.fp8), args.shard)
+    cases = take_shard(selected_cases(args, args.proj, args.smoke), args.shard)
     doc = new_doc(device, args, argv)
     if args.resume:
         old = read_resume(args.resume)
@@ -529,6 +543,9 @@ def _parser() -> argparse.ArgumentParser:
                    f"{','.join(map(str, models.TOKENS))}; default "
                    f"{','.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--proj", default="gate_up,down", help="projections (default both)")
+    p.add_argument("--cases", help="comma-separated MODEL/PROJ/TOKENS cases, measured in "
+                   "that order (instead of --models x --tokens x --proj; e.g. to measure a "
+                   "few rows of a --resume FILE again with --rerun)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help="wall seconds for the whole run; cases that would not fit are listed "
                    "as not run (default %(default)s)")
@@ -690,7 +707,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     try:
-        build_cases(args.models, args.tokens, proj, args.seed, True, args.fp8)
+        if args.cases is not None and (args.models is not None or args.tokens is not None
+                                       or set(proj) != {"gate_up", "down"}):
+            raise ValueError("--cases names the cases itself: give it or --models / --tokens "
+                             "/ --proj, not both")
+        selected_cases(args, proj, True)
         if args.quack_chosen:
             read_quack_chosen(args.quack_chosen)
         if args.resume:

@@ -601,3 +601,27 @@ def test_a_replayed_choice_says_replayed_once(monkeypatch, recorded):
     fields, label = seen[0]
     assert label == QUACK_REPR + " (replayed)"
     assert fields == zoo.quack_config_fields(QUACK_REPR)
+
+
+def test_cases_measures_just_the_rows_named_in_their_order(tmp_path, capsys):
+    doc = _run(tmp_path, "--cases", "OLMoE-1B-7B/down/16,DeepSeek-V3/gate_up/1,"
+               "OLMoE-1B-7B/down/16")
+    assert list(doc["cases"]) == ["OLMoE-1B-7B/down/16", "DeepSeek-V3/gate_up/1"]
+    assert {r["case"] for r in doc["results"]} == set(doc["cases"])
+    assert doc["complete"] is True and doc["not_run"] == []
+    # Measured again on their own: the other case of the file keeps its rows and its run.
+    again = _run(tmp_path, "--cases", "DeepSeek-V3/gate_up/1", "--resume",
+                 str(tmp_path / "zoo.json"), "--rerun", name="again.json")
+    assert again["cases"]["DeepSeek-V3/gate_up/1"]["run"] == 1
+    assert again["cases"]["OLMoE-1B-7B/down/16"]["run"] == 0
+    assert ([r for r in again["results"] if r["case"] == "OLMoE-1B-7B/down/16"]
+            == [r for r in doc["results"] if r["case"] == "OLMoE-1B-7B/down/16"])
+    capsys.readouterr()
+    for argv, says in ((["--cases", "OLMoE-1B-7B/down/16", "--models", "OLMoE-1B-7B"], "not both"),
+                       (["--cases", "OLMoE-1B-7B/down/16", "--proj", "down"], "not both"),
+                       (["--cases", "OLMoE-1B-7B/up/16"], "--cases: a case is"),
+                       (["--cases", "Nope/down/16"], "Nope"),
+                       (["--cases", ""], "--cases")):
+        assert zoo.main(["--smoke", "--out", str(tmp_path / "x.json"), *argv]) == 2, argv
+        assert says in capsys.readouterr().err, argv
+    assert not (tmp_path / "x.json").exists()
