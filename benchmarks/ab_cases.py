@@ -8,7 +8,7 @@ import argparse
 import statistics
 
 from benchmarks.runner import names_problem, split_names, zoo_tokens_problem
-from benchmarks.zoo import build_cases, parse_cases
+from benchmarks.zoo import build_cases, named_cases
 from moe_gemm.tuning.argcheck import empty_option
 
 
@@ -34,8 +34,7 @@ def cases_from_args(args: argparse.Namespace, fp8: bool = False) -> list:
     if any(p not in ("gate_up", "down") for p in projs):
         raise ValueError(f"--projs takes gate_up and/or down; got {args.projs!r}")
     if args.cases is not None:
-        return [build_cases(m, str(t), [p], args.seed, False, fp8)[0]
-                for m, p, t in parse_cases(args.cases)]
+        return named_cases(args.cases, args.seed, False, fp8)
     models = None if fp8 and args.models == "all" else args.models
     return build_cases(models, args.tokens, projs, args.seed, False, fp8)
 

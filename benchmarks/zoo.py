@@ -154,10 +154,17 @@ def selected_cases(args: argparse.Namespace, projs: list[str], smoke: bool
     --proj (build_cases). ValueError naming a bad one."""
     if args.cases is None:
         return build_cases(args.models, args.tokens, projs, args.seed, smoke, args.fp8)
+    return named_cases(args.cases, args.seed, smoke, args.fp8)
+
+
+def named_cases(text: str, seed: int, smoke: bool, fp8: bool = False
+                ) -> list[tuple[ShapeSpec, dict[str, Any]]]:
+    """The cases of a --cases value ('MODEL/PROJ/TOKENS,...'), in its order; a case named
+    twice is measured once. ValueError naming a bad one."""
     cases, seen = [], set()
-    for m, p, t in parse_cases(args.cases):
-        spec, fields = build_cases(m, str(t), [p], args.seed, smoke, args.fp8)[0]
-        if spec.name not in seen:  # (a case named twice is measured once)
+    for m, p, t in parse_cases(text):
+        spec, fields = build_cases(m, str(t), [p], seed, smoke, fp8)[0]
+        if spec.name not in seen:
             seen.add(spec.name)
             cases.append((spec, fields))
     return cases
