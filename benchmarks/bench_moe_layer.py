@@ -34,7 +34,9 @@ round by round (each round in a seeded shuffled order, each batch right after ha
 the same implementation, untimed), the median batch per call. Kernels are compiled before
 timing, in parallel (every variant the fused and unfused layers will launch, from the library's
 own choice). The JSON keeps device, date, versions, per-row times with the speedup over the
-unfused layer, and per model each implementation's worst agreement (calc_diff) with the unfused
+unfused layer (of the medians; and `speedup_vs_unfused_rounds`, the ratio within each round:
+its median, 10th and 90th percentile, which the power state's drift between runs moves less),
+and per model each implementation's worst agreement (calc_diff) with the unfused
 layer over the timed token counts.
 """
 
@@ -426,8 +428,15 @@ def warm_calls(calls: int) -> int:
 
 def measure(timed: dict[str, Timed], device: torch.device, rounds: int,
             target_ms: float, order_seed: int = 0) -> dict[str, float]:
-    """Median ms per call of each implementation, interleaved round by round (round_order,
-    shuffled from order_seed), each batch behind its own warm-up (warm_calls)."""
+    """Median ms per call of each implementation (measure_rounds)."""
+    samples = measure_rounds(timed, device, rounds, target_ms, order_seed)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def measure_rounds(timed: dict[str, Timed], device: torch.device, rounds: int,
+                   target_ms: float, order_seed: int = 0) -> dict[str, list[float]]:
+    """Each implementation's ms per call in every round, interleaved round by round
+    (round_order, shuffled from order_seed), each batch behind its own warm-up (warm_calls)."""
     first = {name: time_batch(t, 1, device) for name, t in timed.items()}
     calls = {name: max(2, min(200, int(target_ms / max(ms, 1e-3)))) for name, ms in first.items()}
     samples: dict[str, list[float]] = {name: [] for name in timed}
@@ -435,7 +444,23 @@ def measure(timed: dict[str, Timed], device: torch.device, rounds: int,
         for name in round_order(timed, r, order_seed):
             time_batch(timed[name], warm_calls(calls[name]), device)
             samples[name].append(time_batch(timed[name], calls[name], device))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def paired_speedups(base: list[float], ms: list[float]) -> dict[str, float]:
+    """The speed-up over the base implementation round by round (base over ms of the same
+    round), as median, 10th and 90th percentile: a layer's time drifts with the GPU's power
+    state between runs (DeepSeek-V3 EP8 at 4096 tokens, H100, 2026-12-05: 0.96x in one run,
+    1.03x in the next, the same kernels), and a ratio inside one round sees both sides in the
+    same state."""
+    ratios = sorted(b / m for b, m in zip(base, ms) if m > 0)
+    if not ratios:
+        return {}
+
+    def at(q: float) -> float:
+        return round(ratios[min(len(ratios) - 1, max(0, round(q * (len(ratios) - 1))))], 3)
+
+    return {"median": round(statistics.median(ratios), 3), "p10": at(0.1), "p90": at(0.9)}
 
 
 def layer_flops(m: dict, T: int) -> float:
@@ -465,7 +490,8 @@ def run(args: argparse.Namespace) -> dict:
                      "python": platform.python_version()},
         "dtype": str(dtype).removeprefix("torch."),
         "timing": "CUDA-graph replays where they capture (row 'mode'), interleaved rounds, "
-                  "median ms per call",
+                  "median ms per call; speedup_vs_unfused_rounds: the ratio within each round "
+                  "(median, p10, p90)",
         "order_seed": args.order_seed,
         "models": {n: models[n] for n in names},
         "rows": [],
@@ -555,15 +581,21 @@ def run(args: argparse.Namespace) -> dict:
             for name, diff in _agreement(timed).items():
                 old = worst.get(name, 0.0)
                 worst[name] = diff if math.isnan(diff) or diff > old else old  # (NaN sticks)
-            ms = measure(timed, device, args.rounds, args.target_ms, args.order_seed)
+            samples = measure_rounds(timed, device, args.rounds, args.target_ms,
+                                     args.order_seed)
+            ms = {name: statistics.median(v) for name, v in samples.items()}
             base = ms[UNFUSED]
             for name, t in timed.items():
                 row = {"model": n, "tokens": T, "impl": name, "ms": round(ms[name], 4),
                        "mode": t.mode, "speedup_vs_unfused": round(base / ms[name], 3),
+                       "speedup_vs_unfused_rounds": paired_speedups(samples[UNFUSED],
+                                                                    samples[name]),
                        "tflops": round(layer_flops(m, T) / ms[name] / 1e9, 2)}
                 result["rows"].append(row)
+                paired = row["speedup_vs_unfused_rounds"]
+                spread = f" (rounds {paired['p10']:.2f}-{paired['p90']:.2f})" if paired else ""
                 print(f"{n:16s} T={T:6d} {name:24s} {ms[name]:9.4f} ms  x{row['speedup_vs_unfused']:.2f} "
-                      f"vs unfused  [{t.mode}]", flush=True)
+                      f"vs unfused{spread}  [{t.mode}]", flush=True)
             if args.profile:
                 kept = result.setdefault("profile", {}).setdefault(n, {})[str(T)] = {}
                 for name, t in timed.items():

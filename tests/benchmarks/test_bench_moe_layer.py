@@ -29,6 +29,10 @@ def test_smoke_run_writes_the_json(tmp_path):
         "deepseek-v3-ep8"}
     for row in data["rows"]:
         assert row["ms"] > 0 and row["mode"] == "eager" and row["tflops"] >= 0
+        paired = row["speedup_vs_unfused_rounds"]
+        assert paired["p10"] <= paired["median"] <= paired["p90"]
+        if row["impl"] == bml.UNFUSED:  # (against itself, round by round: exactly 1)
+            assert paired == {"median": 1.0, "p10": 1.0, "p90": 1.0}
     for model, diffs in data["accuracy"].items():
         assert set(diffs) == {bml.FUSED, bml.HF}
         assert all(d < 1e-6 for d in diffs.values()), (model, diffs)
@@ -155,6 +159,18 @@ def test_round_order_varies_who_goes_first_and_who_goes_before_whom():
     before = {n: {o[o.index(n) - 1] for o in orders if o.index(n) > 0} for n in names}
     assert all(len(b) >= 2 for b in before.values()), before
     assert bml.round_order({"x": 1}, 3) == ["x"] and bml.round_order([], 3) == []
+
+
+def test_paired_speedups_take_each_round_on_its_own():
+    # Both sides drift together (the second half of the run 2x slower): the ratio of the
+    # medians would mix rounds, the ratio within a round stays 1.25.
+    base = [10.0, 10.0, 20.0, 20.0, 20.0]
+    ms = [8.0, 8.0, 16.0, 16.0, 16.0]
+    assert bml.paired_speedups(base, ms) == {"median": 1.25, "p10": 1.25, "p90": 1.25}
+    spread = bml.paired_speedups([1.0] * 11, [1.0 / (0.9 + 0.02 * i) for i in range(11)])
+    assert spread == {"median": 1.0, "p10": 0.92, "p90": 1.08}
+    assert bml.paired_speedups([], []) == {}
+    assert bml.paired_speedups([1.0], [0.0]) == {}  # (a zero time is no ratio)
 
 
 def test_measure_warms_each_batch_before_timing_it():
