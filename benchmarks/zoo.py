@@ -92,7 +92,11 @@ FP8_MODELS = models.FP8_MODELS
 DEFAULT_TOKENS = models.DEFAULT_TOKENS
 DEFAULT_REPS = 15
 DEFAULT_BUDGET_S = 480.0
-QUACK_TUNE_CAP_S = 40.0
+# The cap is compared with the autotune's estimate (suite.quack_autotune_seconds): 40-67 s on
+# the largest gate/up rows of an H100 (DeepSeek-V3, Kimi-K2, Llama-4-Maverick, Mixtral-8x22B;
+# 24-66 s measured where not cached, 2026-12-05). A cap below that leaves the peer out
+# exactly where the bar needs it (bar.peers_not_run).
+QUACK_TUNE_CAP_S = 75.0
 GRAPH_NAME = "torch.mm loop (CUDA graph)"
 # Options whose empty value would read as "all" or "the default" (see empty_option).
 NONEMPTY = ["cases", "models", "tokens", "proj", "resume", "quack_cache", "quack_chosen", "out",
