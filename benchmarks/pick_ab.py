@@ -5,6 +5,7 @@ zoo's regime.
         [--reps 10] [--out FILE]
     python -m benchmarks.pick_ab --against T.json     the pick against T's pick (exact key)
     python -m benchmarks.pick_ab --against T.json --adopt TABLE [--min-gain 0.013]
+    python -m benchmarks.pick_ab --against-config 'swap 256x128' [--adopt TABLE]
 
 The tuner ranks configs by CUDA-graph samples with a rest between them; the zoo times back to
 back behind a sleep backlog, as a serving loop runs. Some levers (the tile order above all)
@@ -19,6 +20,10 @@ carries `vs_first` = the first variant's time / this one's (above 1: this one fa
 `is_default` where the variant is what the default launches. With --with-peers the zoo's
 peers (not QuACK tuned) run in the same rounds, so each variant runs among the same kernels as
 in the zoo: the A/B alone interleaves only our own, and some kernels time differently there.
+
+`--against-config NAME` does the same with one config for every case (a config the tables'
+searches never timed there, such as the swapped kernel on many rows per expert), as a table of
+that config at each case's key would.
 
 With --adopt TABLE, each case where T's pick ran at least --min-gain faster than the default's
 pick gets T's entry in TABLE (with a `zoo_ab` record of the two times); TABLE is rewritten once,
@@ -90,6 +95,28 @@ def table_pick(doc: dict, case: dict[str, Any]) -> dict | None:
     return None if entry is None else table_io.explicit_fields(entry["config"])
 
 
+def config_table(name: str, cases: list, device: str | None) -> dict:
+    """A table holding config `name` (as `moe-gemm tune` names configs) at each zoo case's
+    exact key: what --against-config times and --adopt takes (ValueError naming a config the
+    kernels cannot build for the bf16 varlen form)."""
+    from moe_gemm.ops.tuned import rows_bucket
+
+    fields = space.parse_name(name, "varlen")
+    space.config_of(fields)  # buildable (ValueError otherwise)
+    config = {k: v for k, v in fields.items() if v is not None}
+    entries, keys = [], set()
+    for _, f in cases:
+        key = table_key(f)
+        if key in keys:
+            continue
+        keys.add(key)
+        entries.append({"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16",
+                        "E": f["E"], "N": f["N"], "K": f["K"],
+                        "bucket": rows_bucket(f["rows"] / f["E"]), "rows": f["rows"],
+                        "config": dict(config), "name": space.name_of(fields)})
+    return {"device": device, "entries": entries, "samples": []}
+
+
 def vary(fields: dict, words: list[str]) -> dict:
     """The pick's fields with `words` applied (a word replaces the pick's word of its kind)."""
     kinds = {_kind(w) for w in words}
@@ -153,11 +180,13 @@ def add_ratios(rows: list[dict[str, Any]], pick: dict, flops: float) -> list[str
 
 
 def adopt(table: dict, other: dict, results: list[dict[str, Any]], against: int,
-          min_gain: float, device: str, when: str, with_peers: bool = False) -> list[str]:
+          min_gain: float, device: str, when: str, with_peers: bool = False,
+          source: str = "--against") -> list[str]:
     """Put `other`'s entry into `table` for each case whose variant `against` (the --against
     pick) ran at least min_gain faster than variant 0; the lines saying what changed.
-    with_peers: whether the zoo's peers ran in the same rounds (the entry's record says)."""
-    how = ("benchmarks.pick_ab --against (the zoo's regime"
+    with_peers: whether the zoo's peers ran in the same rounds (the entry's record says);
+    source: the option that named the rival (the record's `how`)."""
+    how = (f"benchmarks.pick_ab {source} (the zoo's regime"
            + (", among its peers)" if with_peers else ", our kernels alone)"))
     lines = []
     by_case: dict[str, dict[int, dict]] = {}
@@ -213,6 +242,9 @@ def _parser() -> argparse.ArgumentParser:
                    "configs ('p8ns', 's4 p16'); give two or more, the first is the baseline")
     p.add_argument("--against", metavar="TABLE", help="also time this tuned table's pick "
                    "for each case's key (a case it has no entry for runs without it)")
+    p.add_argument("--against-config", metavar="NAME", help="instead of --against: time this "
+                   "config ('swap 256x128', 'coop 256x128 c1x2') on every case, as a table "
+                   "holding it at each case's key")
     p.add_argument("--adopt", metavar="TABLE", help="with --against: put the --against pick "
                    "into TABLE's entry for each case where it ran at least --min-gain faster "
                    "than the default's pick")
@@ -231,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.with_peers = peers_wanted(args)
     try:
-        variants = parse_variants(args.vary, against=bool(args.against))
+        if args.against and args.against_config:
+            raise ValueError("give --against or --against-config, not both")
+        against = args.against or args.against_config
+        variants = parse_variants(args.vary, against=bool(against))
         other = None
         if args.against:
             try:
@@ -241,14 +276,22 @@ def main(argv: list[str] | None = None) -> int:
         cases = cases_from_args(args)
         table = None
         if args.adopt:
-            if other is None:
-                raise ValueError("--adopt takes the --against table's picks: give --against")
+            if not against:
+                raise ValueError("--adopt takes the --against table's picks: give --against "
+                                 "or --against-config")
             if not 0.0 <= args.min_gain < 1.0:
                 raise ValueError(f"--min-gain is a fraction in [0, 1); got {args.min_gain}")
             try:
                 table = table_io.read_table(Path(args.adopt))
             except (OSError, json.JSONDecodeError) as exc:
                 raise ValueError(f"--adopt {args.adopt}: {exc}") from None
+        if args.against_config:
+            try:
+                other = config_table(args.against_config, cases,
+                                     table.get("device") if table is not None else None)
+            except ValueError as exc:
+                raise ValueError(f"--against-config {args.against_config!r}: {exc}") from None
+        if table is not None:
             if table.get("device") != other.get("device"):
                 raise ValueError(f"--adopt {args.adopt} is for {table.get('device')!r}, "
                                  f"--against {args.against} for {other.get('device')!r}")
@@ -257,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run = ab_run(args, argv, "pick_ab", "the configs are our Hopper kernels'",
                  variants=[" ".join(v) or "default" for v in variants] + (
-                     [f"table {args.against}"] if other is not None else []),
+                     [f"table {args.against}" if args.against
+                      else f"config {args.against_config}"] if other is not None else []),
                  settings={"with_peers": args.with_peers})
     if isinstance(run, str):
         print(run, file=sys.stderr)
@@ -294,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pick_ab: --adopt {args.adopt} is for {table.get('device')!r}, this GPU is "
                   f"{doc['device']!r}: left as it was", file=sys.stderr)
             return 1
+        source = (f"--against-config '{args.against_config}'" if args.against_config
+                  else "--against")
         changed = adopt(table, other, doc["results"], len(variants), args.min_gain,
-                        doc["device"], doc["date"], with_peers=args.with_peers)
+                        doc["device"], doc["date"], with_peers=args.with_peers, source=source)
         if changed:
             table_io.write(Path(args.adopt), table)
         print("\n".join(changed) or f"--adopt: no pick ran {args.min_gain:.1%} faster; "

@@ -232,3 +232,44 @@ def test_adopt_needs_against_a_readable_table_and_a_sane_margin(tmp_path, capsys
     other.write_text(json.dumps(_table("NVIDIA H100 80GB HBM3")))
     assert pick_ab.main([*base, "--against", str(t), "--adopt", str(other)]) == 2
     assert "is for 'NVIDIA H100 80GB HBM3'" in capsys.readouterr().err
+
+
+def test_against_config_is_a_table_of_that_config_at_each_cases_key():
+    from benchmarks import zoo
+
+    cases = zoo.named_cases("Mixtral-8x7B/down/2048,Llama-4-Scout/gate_up/8192", 1234, False)
+    cases.append(cases[0])  # (a key named twice gets one entry)
+    doc = pick_ab.config_table("swap 256x128", cases, "NVIDIA H100 80GB HBM3")
+    assert doc["device"] == "NVIDIA H100 80GB HBM3"
+    assert len(doc["entries"]) == len({table_key(f) for _, f in cases}) == 2
+    for _, f in cases:
+        entry = pick_ab.table_pick(doc, f)  # (what --against reads from a table)
+        assert entry is not None and entry["swap_ab"] is True
+        assert (entry["tile_m"], entry["tile_n"]) == (256, 128)
+    assert [e["name"] for e in doc["entries"]] == ["swap 256x128 p8"] * 2
+    with pytest.raises(ValueError, match="expected"):
+        pick_ab.config_table("swap", cases, None)
+
+
+def test_against_config_adopts_like_against_and_says_so():
+    mine = _table("NVIDIA H100 80GB HBM3", _entry(8, 4096, 14336, 4096, "pp 128x160 c1x2 p8"))
+    theirs = pick_ab.config_table(
+        "swap 256x128", [(None, {"E": 8, "N": 4096, "K": 14336, "rows": 4096})],
+        "NVIDIA H100 80GB HBM3")
+    results = _rows("Mixtral-8x7B/down/2048", 8, 4096, 14336, 4096, 2.0, 1.8)
+    lines = pick_ab.adopt(mine, theirs, results, 1, 0.013, "NVIDIA H100 80GB HBM3",
+                          "2026-12-05", with_peers=True, source="--against-config 'swap 256x128'")
+    assert lines == ["Mixtral-8x7B/down/2048: pp 128x160 c1x2 p8 -> swap 256x128 p8 (1.111x)"]
+    won = mine["entries"][0]
+    assert won["config"]["swap_ab"] is True
+    assert won["zoo_ab"]["how"].startswith("benchmarks.pick_ab --against-config 'swap 256x128'")
+
+
+def test_against_config_refuses_a_bad_name_and_against_beside_it(tmp_path, capsys):
+    base = ["--cases", "Mixtral-8x7B/down/2048", "--device", "cuda"]
+    assert pick_ab.main([*base, "--against-config", "swap"]) == 2
+    assert "--against-config 'swap'" in capsys.readouterr().err
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(_table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "pp 128x160 p8"))))
+    assert pick_ab.main([*base, "--against", str(t), "--against-config", "swap 256x128"]) == 2
+    assert "not both" in capsys.readouterr().err
