@@ -557,3 +557,34 @@ def test_precompile_lists_the_test_sets_from_a_plain_shell(tmp_path):
         names = run.stdout.split()
         assert names and all(n.startswith(("varlen_", "fp8", "general_", "batched_", "masked_"))
                              for n in names[:3]), names[:3]
+
+
+def test_ncu_probe_layer_calls_are_the_fused_gemms_and_their_plain_twins(monkeypatch):
+    """scripts/ncu_probe.py --layer: on the CPU (the torch backend) the fused gate-up call is
+    the gate over the plain call's columns, the interleaved weight gives the same, and the
+    fused down call is the plain one times the row weights."""
+    import torch
+
+    from benchmarks import fused_configs
+    from moe_gemm.ops.fused_reference import gate_torch, split_gate_up
+
+    probe = _load_script("ncu_probe")
+    # (a small layer of Qwen3's kind: the real ones' weights take a minute to draw on a CPU)
+    monkeypatch.setitem(fused_configs.MODELS, "tiny", dict(kind="qwen3", H=256, I=768 // 8,
+                                                           E=8, k=4))
+    monkeypatch.setitem(fused_configs.MODELS, "tiny-gpt", dict(kind="gpt-oss", H=64, I=64,
+                                                               E=4, k=2))
+    calls = probe.layer_calls("tiny", 16, True, torch.device("cpu"))
+    assert list(calls) == ["plain up", "fused up", "plain down", "fused down",
+                           "fused up, interleaved"]
+    out = {name: call().float() for name, call in calls.items()}
+    gate, up = split_gate_up(out["plain up"], "concat")
+    want = gate_torch("silu", gate, up, 1.702, 7.0)
+    assert out["fused up"].shape == want.shape == (64, 96)
+    # (the plain call rounds its 2I columns to bf16 before the gate; the fused one does not)
+    torch.testing.assert_close(out["fused up"], want, atol=0.1, rtol=0.05)
+    assert torch.equal(out["fused up, interleaved"], out["fused up"])
+    assert out["fused down"].shape == out["plain down"].shape == (64, 256)
+    assert not torch.equal(out["fused down"], out["plain down"])  # (row weights in (0, 1))
+    with pytest.raises(SystemExit, match="concat-gate"):
+        probe.layer_calls("tiny-gpt", 4, False, torch.device("cpu"))
