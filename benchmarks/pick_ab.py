@@ -245,9 +245,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--against-config", metavar="NAME", help="instead of --against: time this "
                    "config ('swap 256x128', 'coop 256x128 c1x2') on every case, as a table "
                    "holding it at each case's key")
-    p.add_argument("--adopt", metavar="TABLE", help="with --against: put the --against pick "
-                   "into TABLE's entry for each case where it ran at least --min-gain faster "
-                   "than the default's pick")
+    p.add_argument("--adopt", metavar="TABLE", help="with --against or --against-config: put "
+                   "that pick into TABLE's entry for each case where it ran at least "
+                   "--min-gain faster than the default's pick")
     p.add_argument("--min-gain", type=float, default=MIN_GAIN,
                    help="--adopt's margin, as a fraction (default %(default)s)")
     p.add_argument("--with-peers", action=argparse.BooleanOptionalAction, default=None,
