@@ -63,6 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_gemm  # noqa: E402
+from benchmarks.clock import quantile  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from benchmarks.runner import (  # noqa: E402
     counts_problem,
@@ -453,14 +454,11 @@ def paired_speedups(base: list[float], ms: list[float]) -> dict[str, float]:
     state between runs (DeepSeek-V3 EP8 at 4096 tokens, H100, 2026-12-05: 0.96x in one run,
     1.03x in the next, the same kernels), and a ratio inside one round sees both sides in the
     same state."""
-    ratios = sorted(b / m for b, m in zip(base, ms) if m > 0)
+    ratios = [b / m for b, m in zip(base, ms) if m > 0]
     if not ratios:
         return {}
-
-    def at(q: float) -> float:
-        return round(ratios[min(len(ratios) - 1, max(0, round(q * (len(ratios) - 1))))], 3)
-
-    return {"median": round(statistics.median(ratios), 3), "p10": at(0.1), "p90": at(0.9)}
+    return {"median": round(statistics.median(ratios), 3),
+            "p10": round(quantile(ratios, 0.1), 3), "p90": round(quantile(ratios, 0.9), 3)}
 
 
 def layer_flops(m: dict, T: int) -> float:
