@@ -19,7 +19,7 @@ from . import _calls as calls
 from . import _constants as C
 from ._base import _BaseClient, _Done
 from ._calls import ProgressCallback, TimeoutTypes, _Call
-from ._exceptions import APIConnectionError
+from ._exceptions import APIConnectionError, APIStatusError
 from .types import WeightDeleted, WeightInfo, WeightList
 
 R = TypeVar("R")
@@ -155,6 +155,9 @@ class AsyncClient(_BaseClient):
                     return True
             except APIConnectionError as exc:
                 unreachable = exc
+            except APIStatusError as exc:
+                if not self._not_ready_yet(exc):
+                    raise
             left = deadline - time.monotonic()
             if left <= 0:
                 if raise_unreachable and unreachable is not None:

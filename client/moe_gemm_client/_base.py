@@ -233,6 +233,15 @@ class _BaseClient:
             if math.isnan(value) or value < 0:
                 raise ValueError(f"wait_until_ready {name} must be seconds >= 0; got {value!r}")
 
+    @staticmethod
+    def _not_ready_yet(exc: APIStatusError) -> bool:
+        """Whether a status error of a readiness poll means "not yet", as a connection error
+        does: the statuses the client retries (a gateway's 502 while the server behind it
+        starts, a 429 or a 408), which say nothing of the server's readiness except that it
+        did not answer this poll. Any other status (a 401 from a gateway, a 404 for a wrong
+        URL prefix) says the poll itself is wrong, and ends the wait."""
+        return exc.status_code in C.RETRYABLE_STATUSES
+
     # -- request building ------------------------------------------------------------------
 
     def _headers(self, call: _Call[Any]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from . import _calls as calls
 from . import _constants as C
 from ._base import _BaseClient, _Done
 from ._calls import ProgressCallback, TimeoutTypes, _Call
-from ._exceptions import APIConnectionError
+from ._exceptions import APIConnectionError, APIStatusError
 from .types import WeightDeleted, WeightInfo, WeightList
 
 R = TypeVar("R")
@@ -141,7 +141,8 @@ class Client(_SyncTransport):
                          raise_unreachable: bool = False) -> bool:
         """Poll ready() until it says yes or `timeout` seconds pass.
 
-        Connection errors count as "not yet" (the server may still be starting).
+        Connection errors count as "not yet" (the server may still be starting), and so do the
+        statuses the client retries (408, 429, 502: a gateway whose server is not up yet).
 
         Args:
             raise_unreachable: if the last poll before the deadline could not reach the
@@ -165,6 +166,9 @@ class Client(_SyncTransport):
                     return True
             except APIConnectionError as exc:
                 unreachable = exc
+            except APIStatusError as exc:
+                if not self._not_ready_yet(exc):
+                    raise
             left = deadline - time.monotonic()
             if left <= 0:
                 if raise_unreachable and unreachable is not None:

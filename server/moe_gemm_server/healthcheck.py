@@ -132,9 +132,13 @@ def probe(url: str, timeout: float = 3.0) -> tuple[bool, str]:
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
+    # No proxy: urlopen would send the probe through $HTTP_PROXY / $HTTPS_PROXY (which Docker
+    # sets in every container from the client's proxy settings) unless $NO_PROXY names the
+    # host, and a proxy elsewhere cannot reach this container's own port.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=context))
     try:
-        with urllib.request.urlopen(url, timeout=timeout,  # noqa: S310 - local URL
-                                    context=context) as r:
+        with opener.open(url, timeout=timeout) as r:  # noqa: S310 - local URL
             return r.status == 200, f"{r.status}"
     except urllib.error.HTTPError as e:
         return False, f"{e.code} {e.read(300).decode(errors='replace')}"

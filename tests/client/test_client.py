@@ -777,6 +777,25 @@ def test_wait_until_ready(mode):
                raise_unreachable=True) is False
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_wait_until_ready_waits_through_a_gateway_whose_server_is_not_up(mode):
+    """A gateway in front of a starting server answers 502 (its upstream refuses): not yet,
+    as a refused connection is, not an error that ends the wait. A status that says the poll
+    itself is wrong (a gateway's 401) still raises at once."""
+    handler, seen = sequence(httpx.Response(502, text="<html>Bad Gateway</html>"),
+                             httpx.Response(429, headers={"Retry-After": "1"}),
+                             ok_json({"ready": True}))
+    client = make(mode, handler)
+    assert run(client, "wait_until_ready", 5.0, interval=0.01) is True
+    assert len(seen) == 3
+    handler, _ = sequence(httpx.Response(502, text="Bad Gateway"))
+    assert run(make(mode, handler), "wait_until_ready", 0.05, interval=0.01) is False
+    handler, seen = sequence(httpx.Response(401, json={"error": "key"}))
+    with pytest.raises(mgc.AuthenticationError):
+        run(make(mode, handler), "wait_until_ready", 5.0, interval=0.01)
+    assert len(seen) == 1
+
+
 # ------------------------------------------------------------------------------------------
 # weights
 

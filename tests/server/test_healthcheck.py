@@ -90,6 +90,22 @@ def test_module_exits_1_when_nothing_answers(tmp_path):
     assert out.stdout.strip() == "torch imported: False"
 
 
+def test_the_probe_goes_past_a_proxy_the_environment_names(main_server, tmp_path):
+    """HTTP_PROXY and friends (Docker sets them in every container from the client's proxy
+    settings) must not carry the probe of the server's own port to a proxy, which cannot
+    reach it: the server is ready, so the check passes."""
+    port = main_server.url.rsplit(":", 1)[1]
+    proc = _fake_proc(tmp_path / "proc", {1: ["moe-gemm-server", "--port", port]})
+    dead = "http://127.0.0.1:9"  # (the discard port: nothing listens there)
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'server'}", "PATH": "/usr/bin:/bin",
+           "HTTP_PROXY": dead, "http_proxy": dead, "HTTPS_PROXY": dead, "https_proxy": dead}
+    code = ("from pathlib import Path\nfrom moe_gemm_server import healthcheck\n"
+            f"healthcheck.main(Path({str(proc)!r}))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
 def test_a_server_started_on_port_0_is_probed_on_the_port_it_listens_on(tmp_path):
     """--port 0 (a port the kernel picks) is read back from the server process's listening
     socket (/proc/PID/fd and /proc/PID/net/tcp*); where none is found it stays an error."""
