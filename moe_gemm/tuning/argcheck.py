@@ -41,24 +41,48 @@ def output_problem(path: Path, option: str = "--out") -> str | None:
     prove they can be (a permission check alone is wrong for root, for whom /proc looks
     writable) and removed again, so a command refused afterwards (no GPU, say) leaves no empty
     folders; the writers create them when they write."""
+    why = _write_problem(path)
+    return None if why is None else f"{option} {path}: {why}"
+
+
+def cache_problem() -> str | None:
+    """Why the compiled-kernel cache (MOE_GEMM_CACHE_DIR, default ~/.cache/moe_gemm) cannot be
+    written, or None (also with MOE_GEMM_DISK_CACHE=0: nothing is written there). The tuner's
+    compile workers hand every kernel over through it: with a file in its place or a folder
+    that is not writable each compile failed, and a run on the GPU ended with every shape
+    "tuned" to nothing, its reason only in the table's failures."""
+    from moe_gemm.ops.kernel_cache import cache_root, disk_cache_enabled
+
+    if not disk_cache_enabled():
+        return None
+    root = cache_root()
+    why = _write_problem(root / "probe")
+    if why is None:
+        return None
+    return (f"the kernel cache {root} cannot be written ({why}): set MOE_GEMM_CACHE_DIR to a "
+            "writable folder, or MOE_GEMM_DISK_CACHE=0")
+
+
+def _write_problem(path: Path) -> str | None:
+    """output_problem's reason, without the option and path it starts with."""
     if path.is_dir():
-        return f"{option} {path}: is a folder, not a file"
+        return "is a folder, not a file"
     existing = next((p for p in path.parents if p.exists()), None)
     if existing is not None and not existing.is_dir():
-        return f"{option} {path}: {existing} is a file, not a folder"
+        return f"{existing} is a file, not a folder"
     missing = [p for p in path.parents if not p.exists()]  # deepest first
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        return f"{option} {path}: cannot create its folder ({exc.strerror or exc})"
+        return f"cannot create its folder ({exc.strerror or exc})"
     try:
         if not os.access(path.parent, os.W_OK | os.X_OK):
-            return f"{option} {path}: its folder is not writable"
+            return "its folder is not writable"
         # The writers put a temporary file beside `path`, then rename it: prove one can be made.
         try:
             fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         except OSError as exc:
-            return f"{option} {path}: cannot create a file in its folder ({exc.strerror or exc})"
+            return f"cannot create a file in its folder ({exc.strerror or exc})"
         os.close(fd)
         os.unlink(probe)
         return None

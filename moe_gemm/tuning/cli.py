@@ -40,7 +40,7 @@ from pathlib import Path
 
 from moe_gemm.ops import tuned
 from moe_gemm.tuning import rerank, space
-from moe_gemm.tuning.argcheck import empty_option, loads_json, output_problem
+from moe_gemm.tuning.argcheck import cache_problem, empty_option, loads_json, output_problem
 from moe_gemm.tuning.shape_args import (  # noqa: F401 (re-exported: the benchmarks' A/Bs)
     DEFAULT_TOKENS,
     config_problem,
@@ -166,8 +166,10 @@ def _parser() -> argparse.ArgumentParser:
                    "own --out; --merge puts them together")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="tune on N GPUs at once: "
                    "one shard per GPU (the first N visible), merged into --out at the end")
-    p.add_argument("--skip-table", metavar="FILE", help="skip shapes this table has an entry "
-                   "for (as --resume does with --out's)")
+    # (repeatable: a --gpus --resume run hands its shards --out's table after the caller's)
+    p.add_argument("--skip-table", action="append", default=[], metavar="FILE",
+                   help="skip shapes this table has an entry for (as --resume does with "
+                   "--out's) (repeatable)")
     p.add_argument("--merge", action="append", default=[], metavar="FILE",
                    help="add this table's entries and samples into the table at --out (or "
                    "<device>.json in --out-dir) (repeatable; later files win on the same key) "
@@ -187,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         # (--out would win and --out-dir be ignored. A --gpus run's shards are told their own
         # --out after the caller's options, so a shard may carry both.)
         why = "--out and --out-dir both name the table to write: give one"
+    if why is None and args.report and not args.configs:
+        # (a tuning run or a re-rank wrote its table and left --report unwritten, silently)
+        why = "--report writes the timings of --configs: add --configs, or drop --report"
     if why is None and args.gpus < 1:
         # Checked here, before --gpus looks for GPUs, so that it is the error reported.
         why = f"--gpus {args.gpus}: must be >= 1"
@@ -264,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-gemm tune: --device {args.device!r}: expected cuda or cuda:N",
               file=sys.stderr)
         return 2
-    if args.skip_table and (why := _skip_table_problem(Path(args.skip_table))):
-        # (a run logged it as "not used" and tuned every shape again, where --list had left
-        # out what it holds)
-        print(f"moe-gemm tune: --skip-table {args.skip_table}: {why}", file=sys.stderr)
-        return 2
+    for skip_table in args.skip_table:
+        if why := _skip_table_problem(Path(skip_table)):
+            # (a run logged it as "not used" and tuned every shape again, where --list had
+            # left out what it holds)
+            print(f"moe-gemm tune: --skip-table {skip_table}: {why}", file=sys.stderr)
+            return 2
     if args.list:
         # (as a run leaves out what --resume's --out and --skip-table already hold)
         have = _listed_as_done(args)
@@ -299,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         if path and (why := output_problem(Path(path), option)):
             print(f"moe-gemm tune: {why}", file=sys.stderr)
             return 2
+    if why := cache_problem():  # (the compile workers hand every kernel over through it)
+        print(f"moe-gemm tune: {why}", file=sys.stderr)
+        return 2
     if configs:
         return run_compare(args, shapes, configs, log)
     if args.gpus != 1:
@@ -333,7 +342,7 @@ def _listed_as_done(args: argparse.Namespace) -> set[tuple]:
     own)."""
     from moe_gemm.tuning import table_io
 
-    paths = [Path(args.skip_table)] if args.skip_table else []
+    paths = [Path(p) for p in args.skip_table]
     if args.resume and not args.no_merge and args.out:
         paths.append(Path(args.out))
     have: set[tuple] = set()
@@ -580,14 +589,14 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     else:
         doc["ceilings"], doc["versions"] = ceilings, runtime_versions(name)
     have = {table_io.entry_key(e) for e in doc["entries"]} if args.resume else set()
-    if args.skip_table:
+    for skip_table in args.skip_table:
         try:
             have |= {table_io.entry_key(e)
-                     for e in table_io.read_table(Path(args.skip_table), name)["entries"]}
+                     for e in table_io.read_table(Path(skip_table), name)["entries"]}
         except (OSError, ValueError, KeyError, TypeError) as exc:
             # (it was logged as "not used" and every shape tuned again, where --list had left
             # out what it holds: a table of another device, most likely)
-            print(f"moe-gemm tune: --skip-table {args.skip_table}: {exc}", file=sys.stderr)
+            print(f"moe-gemm tune: --skip-table {skip_table}: {exc}", file=sys.stderr)
             return 2
     if have:
         before = len(shapes)

@@ -104,6 +104,12 @@ def tune_once(device: torch.device, E: int, N: int, K: int, T: int, counts: list
     """Tune grouped_mm(x (T, K), w (E, K, N), offs) for this routing once, as a call with
     MOE_GEMM_AUTOTUNE=1 would (a server tuning its weight sets at start); a shape with an
     exact table entry, or already tried in this process, is left alone."""
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        # (a CPU device reached torch.cuda's capture query: an obscure RuntimeError from a
+        # CPU-only torch; where CUDA is present, device_name read the current GPU's name and
+        # the tune failed on the CPU tensors, a warning)
+        raise ValueError(f"tune_once tunes the kernels on a CUDA device (a torch.device); got "
+                         f"{device!r}")
     if min(T, E, N, K) <= 0 or len(counts) != E or sum(counts) != T:
         raise ValueError(f"tune_once needs E counts summing to T > 0; got E={E}, T={T}, "
                          f"{len(counts)} counts summing to {sum(counts)}")

@@ -166,7 +166,8 @@ def test_outputs_that_cannot_be_written_fail_before_any_tuning(option, value, tm
     f = tmp_path / "a-file"
     f.write_text("x")
     path = value.format(f=f)
-    assert cli.main(["--shapes", "8,256,256,64", option, path]) == 2
+    ab = ["--configs", "pp 128x128"] if option == "--report" else []  # (--report's A/B)
+    assert cli.main(["--shapes", "8,256,256,64", *ab, option, path]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"moe-gemm tune: {option} ") and "is a file, not a folder" in err
 
@@ -275,3 +276,49 @@ def test_list_leaves_out_what_resume_and_skip_table_would_skip(tmp_path, capsys)
         assert cli.main([*shapes, "--list", *extra]) == 0
         listed = capsys.readouterr().out
         assert "rows=16 " not in listed and "rows=1024" in listed, extra
+
+
+def test_report_without_configs_is_refused(tmp_path, capsys):
+    # --report writes the timings of a --configs A/B; a tuning run left it unwritten, silently.
+    report = tmp_path / "r.json"
+    assert cli.main(["--shapes", "8,128,128,16", "--report", str(report)]) == 2
+    assert capsys.readouterr().err == ("moe-gemm tune: --report writes the timings of "
+                                       "--configs: add --configs, or drop --report\n")
+    assert not report.exists()
+
+
+def test_a_kernel_cache_that_cannot_be_written_is_refused_before_any_tuning(
+        tmp_path, capsys, monkeypatch):
+    # The compile workers hand every kernel over through the cache: with a file in its place
+    # each compile failed and a GPU run "tuned" every shape to nothing. Refused at once, in
+    # one line (here before the check for a GPU); --list writes nothing there.
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(tmp_path / "a-file"))
+    shapes = ["--shapes", "8,128,128,16"]
+    assert cli.main(shapes) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: the kernel cache {tmp_path / 'a-file'} cannot be "
+                          "written (") and "is a file, not a folder" in err
+    assert err.rstrip().endswith("or MOE_GEMM_DISK_CACHE=0") and err.count("\n") == 1
+    assert cli.main([*shapes, "--list"]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("MOE_GEMM_DISK_CACHE", "0")  # (nothing is written there then)
+    assert cli.main(shapes) == 2
+    assert "the kernel cache" not in capsys.readouterr().err
+
+
+def test_every_skip_table_given_is_skipped(tmp_path, capsys):
+    # --skip-table is repeatable: a --gpus --resume run adds --out's table beside the
+    # caller's, and one value (the last) replaced the caller's.
+    tables = []
+    for rows, bucket in ((16, 1), (1024, 7)):
+        doc = table_io.new_table(DEV, 132, {}, {})
+        doc["entries"].append({"form": "varlen", "dtype": "bfloat16", "out_dtype": "bfloat16",
+                               "E": 8, "N": 128, "K": 128, "bucket": bucket, "rows": rows,
+                               "config": CONFIG, "us": 12.0})
+        tables.append(tmp_path / f"t{rows}.json")
+        tables[-1].write_text(json.dumps(doc))
+    argv = ["--shapes", "8,128,128,16,1024,4096", "--list"]
+    assert cli.main([*argv, "--skip-table", str(tables[0]), "--skip-table", str(tables[1])]) == 0
+    listed = capsys.readouterr().out
+    assert "rows=16 " not in listed and "rows=1024 " not in listed and "rows=4096" in listed

@@ -217,6 +217,19 @@ def test_tune_on_gpus_merges_every_shard_into_the_table(tmp_path, fake_gpus, cap
     assert "--skip-table" not in " ".join(seen[0][0][0])
 
 
+def test_tune_on_gpus_with_resume_keeps_the_callers_skip_table(tmp_path, fake_gpus, capsys):
+    # --resume hands the shards --out's table as a --skip-table after the caller's options;
+    # a caller's own --skip-table was replaced by it (argparse kept the last value).
+    fake, seen = fake_gpus
+    out = _table(tmp_path / "t.json", [_entry(64, 1.0)])
+    mine = _table(tmp_path / "mine.json", [_entry(32, 1.0)])
+    assert cli.main(["--zoo", "--models", "OLMoE-1B-7B", "--tokens", "16", "--gpus", "2",
+                     "--out", str(out), "--resume", "--skip-table", str(mine)]) == 0
+    for cmd in seen[0][0]:
+        shard = cli.parse_args(cmd[3:])
+        assert shard.skip_table == [str(mine), str(out)]
+
+
 def test_tune_on_gpus_keeps_what_finished_when_a_shard_fails(tmp_path, fake_gpus, capsys):
     fake, seen = fake_gpus
     fake.fail = {"1"}

@@ -277,10 +277,21 @@ def test_an_online_cache_that_cannot_be_written_does_not_fail_the_call(monkeypat
     monkeypatch.setattr(online, "_tune", lambda shape, device, name: (_online_entry(), []))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        online.tune_once(torch.device("cpu"), 8, 512, 256, 64, [8] * 8)
+        online.tune_once(torch.device("cuda", 0), 8, 512, 256, 64, [8] * 8)
     assert sum("cannot write the online autotune cache" in str(w.message) for w in seen) == 1
     key = tuned.Key("varlen", "bfloat16", "bfloat16", 8, 512, 256, 3)
     assert tuned.lookup(DEV, key, 64, 132).source == tuned.MEMORY_SOURCE
+
+
+@pytest.mark.parametrize("device", ["torch cpu", "cpu", "cuda"])
+def test_tune_once_refuses_a_device_that_is_not_a_cuda_torch_device(device):
+    # A CPU device reached torch.cuda's capture query: a CPU-only torch raised an obscure
+    # RuntimeError ("dummy base class"); a string failed on its missing .index.
+    import torch
+
+    dev = torch.device("cpu") if device == "torch cpu" else device
+    with pytest.raises(ValueError, match="tune_once tunes the kernels on a CUDA device"):
+        online.tune_once(dev, 8, 512, 256, 64, [8] * 8)
 
 
 def test_varlen_shape_from_offs(monkeypatch):
