@@ -468,8 +468,11 @@ def _read(path: Path, device: str, versions: dict[str, Any] | None,
                    f"({type(exc).__name__}: {str(exc)[:200]}); ignored")
         return None
     made_for = device
-    if sibling_ok and isinstance(doc, dict) and doc.get("device") == sibling_of(device):
-        made_for = doc["device"]  # (a copy of the sibling's shipped table, say)
+    sibling = sibling_of(device) if sibling_ok else None
+    if sibling is not None and isinstance(doc, dict) and doc.get("device") == sibling:
+        # (a copy of the sibling's shipped table, say. An H100 or H200 has no sibling: a
+        # table without "device" then compared equal to None and raised a KeyError here.)
+        made_for = sibling
     try:
         table = parse_table(doc, str(path), made_for, versions)
     except TableError as exc:

@@ -137,6 +137,18 @@ def test_a_copy_of_the_siblings_table_serves_as_ones_own(_isolated, tmp_path, mo
         assert tuned.lookup("NVIDIA H200 NVL", key(), 64 * 256, 132) is None
 
 
+@pytest.mark.parametrize("device", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", DEV])
+def test_a_user_table_without_a_device_is_ignored_with_a_warning(_isolated, tmp_path,
+                                                                 monkeypatch, device):
+    # On a device with no sibling (an H100 SXM, an H200) the sibling check compared the
+    # missing "device" with None and raised a KeyError in every lookup.
+    doc = table([entry()])
+    del doc["device"]
+    monkeypatch.setenv(tuned.USER_TABLE_ENV, str(write(tmp_path / "mine.json", doc)))
+    with pytest.warns(RuntimeWarning, match="made for None"):
+        assert tuned.lookup(device, key(), 64 * 256, 132) is None
+
+
 def test_user_table_wins_over_shipped(_isolated, tmp_path, monkeypatch):
     ship(_isolated, table([entry()]))
     user = write(tmp_path / "mine.json", table([entry(config=dict(PP_64x256))]))
