@@ -97,15 +97,19 @@ def get_or_compile(key: Any, name: str | Callable[[], str], compile_fn: Callable
         if fn is not None:
             return fn
         if not disk_cache_enabled():
-            stats["compiles"] += 1
-            fn = compile_fn()
-            _memory[key] = fn
-            return fn
+            return _compiled_in_memory(key, compile_fn)
         if callable(name):
             name = name()
         directory = cache_root() / fingerprint()
         obj = directory / f"{name}.o"
-        with _file_lock(directory / f"{name}.lock"):
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(_file_lock(directory / f"{name}.lock"))
+            except OSError as exc:
+                # A cache folder that cannot be made or written (a file in its place, a
+                # read-only mount) costs the disk cache, never the call.
+                _warn_unwritable(directory, exc)
+                return _compiled_in_memory(key, compile_fn)
             if obj.exists():
                 try:
                     fn = _load(obj)
@@ -128,6 +132,24 @@ def get_or_compile(key: Any, name: str | Callable[[], str], compile_fn: Callable
                                   RuntimeWarning, stacklevel=2)
         _memory[key] = fn
         return fn
+
+
+def _compiled_in_memory(key: Any, compile_fn: Callable[[], Any]) -> Any:
+    stats["compiles"] += 1
+    fn = compile_fn()
+    _memory[key] = fn
+    return fn
+
+
+_warned_dirs: set[Path] = set()
+
+
+def _warn_unwritable(directory: Path, exc: OSError) -> None:
+    if directory not in _warned_dirs:
+        _warned_dirs.add(directory)
+        warnings.warn(f"moe_gemm cache: cannot use {directory} ({exc}); compiled kernels are "
+                      "kept in memory only (set MOE_GEMM_CACHE_DIR to a writable folder, or "
+                      "MOE_GEMM_DISK_CACHE=0)", RuntimeWarning, stacklevel=3)
 
 
 def clear_memory() -> None:

@@ -3,6 +3,7 @@ compiled objects (a real compile is `moe-gemm check`'s job)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,20 @@ def test_a_disk_object_is_loaded_not_recompiled(fresh: Path,
 
     k = cache.get_or_compile(("k", 4), lambda: "k4", must_not_compile)
     assert k.tag == "disk" and loaded == [fresh / cache.fingerprint() / "k4.o"]
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_the_disk_cache_not_the_call(
+        fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A file where the folder should be (or a read-only mount): the lock file cannot be made.
+    # The kernel call raised NotADirectoryError; now it compiles into memory, warning once.
+    blocker = fresh / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(cache, "_warned_dirs", set())
+    with pytest.warns(RuntimeWarning, match="kept in memory only"):
+        k = cache.get_or_compile(("k", 5), "k5", lambda: FakeKernel("e"))
+    assert k.tag == "e"
+    assert cache.get_or_compile(("k", 5), "k5", lambda: FakeKernel("other")) is k
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second kernel compiles without a second warning
+        assert cache.get_or_compile(("k", 6), "k6", lambda: FakeKernel("f")).tag == "f"
