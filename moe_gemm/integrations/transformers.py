@@ -345,7 +345,7 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     if mlp is not None:
         if not _same_activation(hf_activation(mlp.act_fn), opts["activation"]):
             raise ValueError("MoE.from_hf needs the shared expert to use the experts' activation")
-        dtype = router.weight.dtype
+        dtype = _dense_dtype(block, router.weight.dtype)
         shared = {n: _dense_hf_weight(getattr(mlp, n), dtype)
                   for n in ("gate_proj", "up_proj", "down_proj")}
         gate = getattr(block, "shared_expert_gate", None)
@@ -364,11 +364,26 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     return moe.train(block.training)
 
 
+def _dense_dtype(block: nn.Module, router_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an FP8 shared expert is dequantized into: the router's where it is 16-bit,
+    else the dtype the model was loaded in (the block's config.dtype), else the router's.
+    transformers keeps the router of DeepSeek-V3, GLM-4.5 and dots.llm1 in fp32 whatever the
+    model's dtype (_keep_in_fp32_modules_strict), the very models whose FP8 checkpoints
+    quantize the shared expert: taken from the router, a bf16 model's shared expert was
+    dequantized into fp32, twice the memory of from_state_dict's bf16 copy and fp32 GEMMs."""
+    if router_dtype in (torch.bfloat16, torch.float16):
+        return router_dtype
+    loaded = getattr(getattr(block, "config", None), "dtype", None)
+    if isinstance(loaded, str):  # (a config read from JSON may still hold the name)
+        loaded = getattr(torch, loaded, None)
+    return loaded if loaded in FLOAT_DTYPES else router_dtype
+
+
 def _dense_hf_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """A shared-expert projection's weight: its own Parameter, or, for transformers' FP8Linear
     (an FP8 checkpoint quantizes the shared expert too: DeepSeek-V3's, GLM's), the FP8 weight
-    dequantized with its weight_scale_inv (128x128 blocks or per tensor) into `dtype` (the
-    router's, where that is 16/32-bit, else bf16), a copy, as from_state_dict keeps a
+    dequantized with its weight_scale_inv (128x128 blocks or per tensor) into `dtype`
+    (_dense_dtype, where that is 16/32-bit, else bf16), a copy, as from_state_dict keeps a
     checkpoint's FP8 shared expert: it is one dense MLP."""
     from moe_gemm.layers.experts_fp8 import FP8_DTYPES, decoding_scale, dequantize_weight
 

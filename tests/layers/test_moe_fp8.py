@@ -334,6 +334,37 @@ def test_from_hf_fp8_block_with_an_fp8_shared_expert(block_size):
     assert fp8_errors(y, routed.double() + shared)["rel"] < 1e-4  # fp32 compute
 
 
+def test_from_hf_fp8_shared_expert_takes_the_models_dtype_not_its_fp32_routers():
+    """transformers keeps DeepSeek-V3's router in fp32 in a bf16 model
+    (_keep_in_fp32_modules_strict): the FP8 shared expert is dequantized into the model's
+    bf16, as from_state_dict does, not into the router's fp32 (twice the memory)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from moe_gemm import dequantize_fp8
+
+    _, cfg = _deepseek_block(n_shared=1, seed=31)
+    cfg.update(dict(vocab_size=32, num_hidden_layers=1, first_k_dense_replace=0,
+                    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+                    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
+    block = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).model.layers[0].mlp
+    assert block.gate.weight.dtype == torch.float32  # (what this test is about)
+    dense = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        w = torch.randn(getattr(block.shared_experts, name).weight.shape) * 0.05
+        q, sc = quantize_fp8_per_block(w)
+        dense[name] = dequantize_fp8(q, sc, "block").bfloat16()
+        lin = FP8Linear(w.shape[1], w.shape[0], block_size=(128, 128))
+        lin.weight = torch.nn.Parameter(q, requires_grad=False)
+        lin.weight_scale_inv = torch.nn.Parameter(sc, requires_grad=False)
+        setattr(block.shared_experts, name, lin)
+    moe = MoE.from_hf(block)
+    for name, want in dense.items():
+        got = getattr(moe.shared_experts, name).weight
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
+    assert moe.router_weight is block.gate.weight  # the router itself stays as it is
+
+
 def test_fp8_layer_keeps_its_dtypes_under_module_casts():
     """module.to(dtype) / .half() / .float() (FP8 is floating point to torch) cast the router and
     the shared expert, never the FP8 experts or their float32 scales; device moves still apply."""
