@@ -78,7 +78,7 @@ from benchmarks.suite import (
     quack_autotune_seconds,
 )
 from moe_gemm.tuning import zoo as models
-from moe_gemm.tuning.argcheck import empty_option, loads_json, output_problem
+from moe_gemm.tuning.argcheck import cache_problem, empty_option, loads_json, output_problem
 from moe_gemm.tuning.shards import (
     finish_shards,
     gpu_ids,
@@ -359,6 +359,11 @@ def _precompile(cases, device: torch.device, log) -> Any:
         from moe_gemm.tuning.compile_pool import CompilePool
 
         if cute_problem(device):
+            return None
+        if why := cache_problem():
+            # (the workers hand their kernels over through the disk cache: without it each
+            # kernel would be compiled twice, once in a worker and again in this process)
+            log(f"[zoo] not compiling ahead: {why}")
             return None
         name, nsm = device_name(device), sm_count(device)
         keys = [models.default_kernel_key(f["E"], f["N"], f["K"], f["rows"], f["layout"], name,

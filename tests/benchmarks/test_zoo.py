@@ -625,3 +625,20 @@ def test_cases_measures_just_the_rows_named_in_their_order(tmp_path, capsys):
         assert zoo.main(["--smoke", "--out", str(tmp_path / "x.json"), *argv]) == 2, argv
         assert says in capsys.readouterr().err, argv
     assert not (tmp_path / "x.json").exists()
+
+
+def test_no_compiling_ahead_without_a_writable_kernel_cache(tmp_path, monkeypatch):
+    # The workers hand their kernels over through the disk cache; without one every kernel
+    # would be compiled twice. (The device checks are stood in for: no GPU here.)
+    import torch
+
+    from moe_gemm import capability
+
+    monkeypatch.setattr(capability, "cute_problem", lambda device=None: None)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("MOE_GEMM_CACHE_DIR", str(blocker))
+    monkeypatch.delenv("MOE_GEMM_DISK_CACHE", raising=False)
+    logged: list[str] = []
+    assert zoo._precompile([], torch.device("cuda"), logged.append) is None
+    assert len(logged) == 1 and "not compiling ahead" in logged[0] and str(blocker) in logged[0]
