@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -279,6 +280,14 @@ _INTS = TypeAdapter(list[StrictInt])
 _MATS = TypeAdapter(list[list[list[_NUM]]])
 
 
+def _json_error(e: ValueError) -> str:
+    """json's reason, without the advice Python gives its own programmers: an integer
+    literal past the interpreter's digit limit says to call sys.set_int_max_str_digits()."""
+    if "integer string conversion" in str(e):
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return str(e)
+
+
 def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
     """The body as a JSON object (400 otherwise, and for a key given twice in any object)."""
     try:
@@ -286,7 +295,7 @@ def parse_json_object(body: bytes | bytearray) -> dict[str, Any]:
         obj = json.loads(body.decode("utf-8"), object_pairs_hook=no_duplicate_keys,
                          parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError) as e:
-        raise bad_request(f"malformed JSON body: {e}") from None
+        raise bad_request(f"malformed JSON body: {_json_error(e)}") from None
     except RecursionError:
         raise bad_request("malformed JSON body: nested too deeply") from None
     if not isinstance(obj, dict):

@@ -250,6 +250,15 @@ def test_json_decoders():
         assert ei.value.status == status, obj
 
 
+def test_a_json_integer_past_the_digit_limit_is_400_without_python_advice():
+    body = b'{"x": [[' + b"9" * 5000 + b']], "counts": [1]}'
+    with pytest.raises(APIError) as ei:
+        parse_json_object(body)
+    assert ei.value.status == 400
+    msg = ei.value.message
+    assert "more than" in msg and "digits" in msg and "set_int_max_str_digits" not in msg
+
+
 @pytest.mark.parametrize("body, key", [
     (b'{"x": [[1, 2]], "counts": [1], "x": [[3, 4]]}', "x"),
     (b'{"a": [[[1]]], "b": [[[1]]], "dtype": "float32", "dtype": "float16"}', "dtype"),
