@@ -220,10 +220,15 @@ def moe_from_state_dict(
     *,
     prefix: str = "",
     strict: bool = True,
+    experts: tuple[int, int] | None = None,
     **options: Any,
 ) -> MoE:
     """MoE.from_state_dict (see there for the arguments): a `cls` layer from one MoE block of
     a checkpoint.
+
+    experts: [start, end), the checkpoint's numbers of the per-expert keys to load (an
+    expert-parallel rank's share, whose view of the checkpoint holds only those); None: all,
+    numbered from 0.
 
     Keys are read under `prefix` (e.g. "model.layers.3.mlp."):
         router: "gate.weight" [E, H]; "gate.e_score_correction_bias" [E] (DeepSeek).
@@ -281,7 +286,7 @@ def moe_from_state_dict(
         raise KeyError(f"no router weight {prefix + 'gate.weight'!r} in the state dict")
     bias = take("gate.e_score_correction_bias")
     gate_up, down, scales = _experts_from_keys(
-        take, keys, prefix, lambda name: keys.get(name, prefix + given.get(name, name)))
+        take, keys, prefix, lambda name: keys.get(name, prefix + given.get(name, name)), experts)
     shared: dict[str, torch.Tensor] | None = None
     bases = [b for b in ("shared_experts.", "shared_expert.") if any(k.startswith(b)
                                                                       for k in keys)]
@@ -674,10 +679,11 @@ def _check_expert(t: Mapping[str, torch.Tensor], names: Mapping[str, str],
 
 def _experts_from_keys(
     take: Callable[[str], torch.Tensor | None], keys: Mapping[str, str], prefix: str,
-    shown: Callable[[str], str],
+    shown: Callable[[str], str], span: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(gate_up (E, 2I, H), down (E, H, I), FP8 scales or None) from fused or per-expert
-    checkpoint keys (`shown`: a checkpoint name as the state_dict spells it, for messages)."""
+    checkpoint keys (`shown`: a checkpoint name as the state_dict spells it, for messages;
+    `span`: the [start, end) numbers the per-expert keys must have, None for 0..E-1)."""
     for gu_name, d_name, gu_scale, d_scale in (
             ("experts.gate_up_proj", "experts.down_proj", ("experts.gate_up_proj_scale_inv",),
              ("experts.down_proj_scale_inv",)),
@@ -690,15 +696,20 @@ def _experts_from_keys(
                 raise ValueError(f"{shown(gu_name)!r} and {shown(d_name)!r} go together")
             return gate_up, down, _fused_scales(take, (gu_scale, d_scale), gate_up, down)
     for gate_n, up_n, down_n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")):
+        # (an expert is known by any of its three weights: one without its gate weight is
+        # refused naming that key, not as unused up / down keys or a router of other size)
         ids = sorted(
             {int(k.split(".")[1]) for k in keys
              if k.startswith("experts.") and k.split(".")[1].isdigit()
-             and k.split(".")[2:3] == [gate_n]}
+             and k.split(".")[2:3] in ([gate_n], [up_n], [down_n])}
         )
         if not ids:
             continue
-        if ids != list(range(len(ids))):
+        if span is None and ids != list(range(len(ids))):
             raise ValueError(f"experts under {prefix!r} must be numbered 0..E-1; got {ids}")
+        if span is not None and ids != list(range(*span)):
+            raise ValueError(f"experts under {prefix!r} must be numbered {span[0]}..{span[1] - 1} "
+                             f"(this rank's share); got {ids}")
         gate_up_list, down_list, s_gate_up, s_down = [], [], [], []
         kinds: set[str | None] = set()
         ref: tuple[str, torch.Tensor] | None = None  # expert 0's gate weight

@@ -1,9 +1,10 @@
 """Loading an expert-parallel layer: this rank's experts of a whole layer or of a checkpoint.
 
 `local_moe` cuts this rank's experts out of a whole MoE (the shared experts whole);
-`shard_of_state_dict` reads a checkpoint mapping through `LocalShard`, a view that renumbers
-the local experts from 0 and slices fused expert tensors to them, so that MoE's own loaders
-validate and stack them and other ranks' experts are never indexed (with a lazy mapping such
+`shard_of_state_dict` reads a checkpoint mapping through `LocalShard`, a view that hides other
+ranks' experts and slices fused expert tensors to the local ones, so that MoE's own loaders
+validate and stack them (under the checkpoint's own expert numbers, which their messages name)
+and other ranks' experts are never indexed (with a lazy mapping such
 as safetensors' `safe_open`, never read). `router_of` is the routing a layer of all E experts
 needs beside them (moe_gemm.layers.expert_parallel).
 """
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_gemm.layers.checkpoints import OWN_NAMES, check_loader_options
+from moe_gemm.layers.checkpoints import OWN_NAMES, check_loader_options, moe_from_state_dict
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher, expert_range
 from moe_gemm.layers.moe import MoE
+from moe_gemm.ops.validation import shape_text
 
 # The routing options an expert-parallel layer holds itself (every rank alike).
 ROUTING = ("top_k", "scoring", "renormalize", "n_group", "topk_group", "routed_scaling_factor",
@@ -116,11 +118,15 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
     (ExpertParallelMoE.from_state_dict's arguments)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+    if not isinstance(prefix, str):  # (as MoE.from_state_dict; else `prefix + "..."` fails)
+        raise TypeError(f"prefix must be a str (e.g. 'model.layers.3.mlp.', or '' for none); "
+                        f"got {type(prefix).__name__}")
     local_sd: Mapping[str, torch.Tensor]
+    span: tuple[int, int] | None = None  # the checkpoint's numbers of the local experts
     if is_expert_parallel_state(state_dict, prefix):
         # An ExpertParallelMoE's own state_dict: the full router beside this rank's experts
         # (already local, under "local."), which are read whole.
-        router_weight = state_dict[prefix + "router_weight"]
+        router_weight = _router(state_dict, prefix + "router_weight")
         bias = state_dict.get(prefix + "e_score_correction_bias")
         E = router_weight.shape[0]
         start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
@@ -142,10 +148,12 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
         router_key = prefix + "gate.weight"
         if router_key not in state_dict:
             raise KeyError(f"no router weight {router_key!r} in the state dict")
-        router_weight = state_dict[router_key]
+        router_weight = _router(state_dict, router_key)
         E = router_weight.shape[0]
         start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
         local_sd = LocalShard(state_dict, prefix, start, end, E)
+        local_sd.check_experts(router_key, router_weight)
+        span = (start, end)
         bias = local_sd.full_bias
     check_loader_options(options)  # (the probe below would take a dtype and ignore it)
     routing = {k: v for k, v in options.items() if k not in LOCAL_OPTIONS}
@@ -154,7 +162,8 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
     # The local MoE sees the local experts and the local rows of the router (never used:
     # routing is over all E experts), so MoE's loader validates and stacks them.
     local_opts = {k: options[k] for k in LOCAL_OPTIONS if k in options}
-    local = MoE.from_state_dict(local_sd, 1, prefix=prefix, strict=strict, **local_opts)
+    local = moe_from_state_dict(MoE, local_sd, 1, prefix=prefix, strict=strict, experts=span,
+                                **local_opts)
     if local.num_experts != end - start:
         # (only an ExpertParallelMoE's own state_dict gets here: LocalShard slices the rest)
         raise ValueError(
@@ -210,10 +219,24 @@ class Renamed(Mapping[str, torch.Tensor]):
         return len(self.keys_map)
 
 
+def _router(state_dict: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    """The router weight at `key`: a 2-D tensor (E, H), whose rows decide E and the ranks'
+    shares (so it is checked before they are cut: anything else failed on .shape, an
+    AttributeError, or sliced a 1-D tensor's values as experts)."""
+    router = state_dict[key]
+    if not isinstance(router, torch.Tensor):
+        raise TypeError(f"state_dict[{key!r}] must be a torch.Tensor; got "
+                        f"{type(router).__name__}")
+    if router.dim() != 2:
+        raise ValueError(f"router weight {key!r} must be 2-D (E, H); got {shape_text(router)}")
+    return router
+
+
 class LocalShard(Mapping[str, torch.Tensor]):
-    """The view of a checkpoint mapping that one rank loads: local experts renumbered from 0,
-    fused expert tensors and the router sliced to the local rows; other keys as they are.
-    Keys of other ranks' experts are hidden and their tensors never indexed."""
+    """The view of a checkpoint mapping that one rank loads: the local experts' keys as they
+    are (the checkpoint's numbers), fused expert tensors and the router sliced to the local
+    rows; other keys as they are. Keys of other ranks' experts are hidden and their tensors
+    never indexed."""
 
     # FP8 scales of fused experts: per expert (sliced like the weights) or one value for all
     # (a per-tensor scale, kept whole).
@@ -225,11 +248,14 @@ class LocalShard(Mapping[str, torch.Tensor]):
                  num_experts: int):
         self.sd, self.prefix, self.start, self.end = sd, prefix, start, end
         self.num_experts = num_experts
+        # Every per-expert key's expert number, this rank's or not (check_experts)
+        self.expert_keys: dict[int, str] = {}
         self.keys_map: dict[str, str | tuple[str, int, int]] = {}
         self.scale_keys: set[str] = set()
         sliced = ("gate.weight", "experts.gate_up_proj", "experts.down_proj",
                   "experts.w13_weight", "experts.w2_weight")
         self.full_bias: torch.Tensor | None = None
+        self.bias_key = prefix + "gate.e_score_correction_bias"
         for key in sd:
             if not key.startswith(prefix):
                 continue
@@ -245,11 +271,31 @@ class LocalShard(Mapping[str, torch.Tensor]):
                 self.scale_keys.add(key)
             elif parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():
                 e = int(parts[1])
+                self.expert_keys.setdefault(e, key)
                 if start <= e < end:
-                    local = ".".join([prefix + "experts", str(e - start), *parts[2:]])
-                    self.keys_map[local] = key
+                    self.keys_map[key] = key
             else:
                 self.keys_map[key] = key
+
+    def check_experts(self, router_key: str, router: torch.Tensor) -> None:
+        """Per-expert keys must number the router's E experts: keys of an expert past E (no
+        rank holds it) or a local expert without keys are a ValueError naming them (the
+        first were silently left out, and the second refused with the local layer's sizes
+        instead of the experts' numbers)."""
+        if not self.expert_keys:
+            return  # fused experts (checked against E when sliced)
+        beyond = sorted(e for e in self.expert_keys if e >= self.num_experts)
+        if beyond:
+            raise ValueError(
+                f"{self.expert_keys[beyond[0]]!r} is expert {beyond[0]} but the router "
+                f"{router_key!r} {shape_text(router)} has {self.num_experts} experts (experts "
+                f"{beyond[:8]} are past it); the checkpoint's experts and router disagree")
+        missing = [e for e in range(self.start, self.end) if e not in self.expert_keys]
+        if missing:
+            raise ValueError(
+                f"experts {missing[:8]} of the router's {self.num_experts} have no weights "
+                f"under {self.prefix + 'experts.'!r} (this rank holds experts "
+                f"[{self.start}, {self.end}))")
 
     def __getitem__(self, key: str) -> torch.Tensor:
         src = self.keys_map[key]
@@ -258,6 +304,17 @@ class LocalShard(Mapping[str, torch.Tensor]):
             t = self.sd[name]
             if name in self.scale_keys and (t.dim() == 0 or t.shape[0] != self.num_experts):
                 return t  # one scale for every expert
+            if not isinstance(t, torch.Tensor):  # (MoE's loader names it; a slice would not)
+                return t
+            if t.dim() == 0 or t.shape[0] != self.num_experts or (
+                    name == self.bias_key and t.dim() != 1):
+                # A slice of another count of experts is this rank's rows of the wrong tensor
+                # (MoE refuses it whole; the ranks' slices would pass unnoticed, or be refused
+                # with the local sizes).
+                want = (f"be ({self.num_experts},), one value per expert of the router"
+                        if name == self.bias_key else
+                        f"hold the router's {self.num_experts} experts in its first dimension")
+                raise ValueError(f"{name!r} {shape_text(t)} must {want}")
             return t[a:b]
         return self.sd[src]
 

@@ -93,15 +93,17 @@ def gather_digests(dispatcher: Dispatcher, mine: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def refusing(dispatcher: Dispatcher) -> Iterator[None]:
-    """Construction before the replica check: a rank whose arguments are refused (its own
-    TypeError, ValueError or KeyError, e.g. a bad top_k or a missing checkpoint key) joins the
-    check's all-gather with a digest flagged as refused, so that the other ranks raise
-    ValueError too instead of waiting in it until the group's timeout (the all-gather runs
-    whatever check_replicated says, so the others would wait there too, or in their first
-    forward for a rank that has no layer)."""
+    """Construction before the replica check: a rank whose construction fails (its own
+    TypeError, ValueError or KeyError, e.g. a bad top_k or a missing checkpoint key, or any
+    other error, such as a lazy checkpoint mapping's missing or corrupt file on this rank's
+    disk) joins the check's all-gather with a digest flagged as refused, so that the other
+    ranks raise ValueError too instead of waiting in it until the group's timeout (the
+    all-gather runs whatever check_replicated says, so the others would wait there too, or in
+    their first forward for a rank that has no layer). The rank's own error is raised as it
+    was."""
     try:
         yield
-    except (TypeError, ValueError, KeyError):
+    except Exception:
         if checks_replicas(dispatcher):
             flagged = torch.zeros(DIGEST_SIZE, dtype=torch.int64)
             flagged[0] = 1

@@ -296,6 +296,16 @@ def test_from_state_dict_rejects_inconsistent_experts(key: str, value: object,
         MoE.from_state_dict(sd, 2)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_from_state_dict_names_an_experts_missing_gate_weight(strict: bool) -> None:
+    # The experts were counted by their gate weights alone: the last expert's up and down
+    # weights were refused as unused keys (strict) or the router as of another size.
+    sd = _per_expert_sd()
+    del sd["experts.3.w1.weight"]
+    with pytest.raises(ValueError, match=r"expert 3 has no experts\.3\.w1\.weight"):
+        MoE.from_state_dict(sd, 2, strict=strict)
+
+
 def test_from_state_dict_names_the_full_key() -> None:
     sd = {"mlp." + k: v for k, v in _per_expert_sd().items()}
     sd["mlp.experts.1.w2.weight"] = torch.zeros(32, 16, dtype=torch.bfloat16)

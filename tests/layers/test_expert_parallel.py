@@ -488,6 +488,48 @@ def one_rank_fails_to_build(rank: int, world: int) -> list[str]:
     return errs
 
 
+class _MissingFile(dict):  # type: ignore[type-arg]
+    """A lazy checkpoint mapping whose tensors at `missing` live in a file this rank's disk
+    lacks (a safetensors shard copied to some nodes only): indexing one raises OSError."""
+
+    def __init__(self, sd: dict, missing: set[str]):
+        super().__init__(sd)
+        self.missing = missing
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.missing:
+            raise FileNotFoundError(f"model-00002-of-00002.safetensors (holding {key!r})")
+        return super().__getitem__(key)
+
+
+@case
+def one_rank_cannot_read_its_checkpoint(rank: int, world: int) -> list[str]:
+    """A rank whose construction fails with an error other than a refusal (its lazy
+    checkpoint's shard file missing: OSError) joins the replica check flagged as well: the
+    other ranks raise ValueError at once instead of waiting in the check's all-gather for the
+    group's timeout."""
+    # A group of its own with a short timeout: a rank left waiting fails this case in seconds.
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+    moe = _full_moe(24, torch.float32)
+    sd = {"gate.weight": moe.router_weight}
+    for e in range(moe.num_experts):
+        I = moe.intermediate_size
+        sd[f"experts.{e}.gate_proj.weight"] = moe.gate_up_proj[e, :I]
+        sd[f"experts.{e}.up_proj.weight"] = moe.gate_up_proj[e, I:]
+        sd[f"experts.{e}.down_proj.weight"] = moe.down_proj[e]
+    last = rank == world - 1
+    missing = {f"experts.{moe.num_experts - 1}.down_proj.weight"} if last else set()
+    try:
+        ExpertParallelMoE.from_state_dict(_MissingFile(sd, missing), 2, group=group)
+        return [f"rank {rank} built the layer"]
+    except FileNotFoundError:
+        return [] if last else [f"rank {rank} raised the last rank's FileNotFoundError"]
+    except ValueError as e:
+        if last or f"rank(s) [{world - 1}] could not build" not in str(e):
+            return [f"unclear message on rank {rank}: {e}"]
+    return []
+
+
 @case
 def ranks_disagreeing_on_check_replicated(rank: int, world: int) -> list[str]:
     """check_replicated True on some ranks and False on the others: a ValueError on every rank

@@ -60,13 +60,14 @@ def _per_expert_checkpoint(E: int, H: int, I: int, seed: int) -> dict[str, torch
     return sd
 
 
-def test_local_shard_renumbers_the_local_experts_and_hides_the_others() -> None:
+def test_local_shard_keeps_the_local_experts_and_hides_the_others() -> None:
     sd = Recording(_per_expert_checkpoint(8, 16, 8, seed=1))
     view = LocalShard(sd, "mlp.", 4, 6, 8)  # rank 2 of 4
     experts = sorted(k for k in view if ".experts." in k)
-    assert experts == [f"mlp.experts.{e}.{n}.weight" for e in (0, 1) for n in ("w1", "w2", "w3")]
+    # the checkpoint's own numbers, which the loader's messages name
+    assert experts == [f"mlp.experts.{e}.{n}.weight" for e in (4, 5) for n in ("w1", "w2", "w3")]
     assert sd.read == []  # building the view indexes nothing
-    assert torch.equal(view["mlp.experts.1.w3.weight"], sd.sd["mlp.experts.5.w3.weight"])
+    assert view["mlp.experts.5.w3.weight"] is sd.sd["mlp.experts.5.w3.weight"]
     assert torch.equal(view["mlp.gate.weight"], sd.sd["mlp.gate.weight"][4:6])
     with pytest.raises(KeyError):
         view["mlp.experts.2.w1.weight"]  # another rank's expert is not there
@@ -150,3 +151,68 @@ def test_router_of_and_the_dispatcher_default() -> None:
     assert dispatcher_or_default(mine, None) is mine
     with pytest.raises(TypeError, match="dispatcher must be a Dispatcher"):
         dispatcher_or_default(object(), None)
+
+
+def test_shard_of_state_dict_refuses_experts_that_disagree_with_the_router() -> None:
+    # MoE.from_state_dict refuses these checkpoints; each rank's share of them passed
+    # (experts past the router's E hidden on every rank, fused tensors of another count of
+    # experts sliced) or was refused with the local layer's sizes.
+    sd = _per_expert_checkpoint(6, 16, 8, seed=6)
+    for n, shape in (("w1", (8, 16)), ("w3", (8, 16)), ("w2", (16, 8))):
+        sd[f"mlp.experts.6.{n}.weight"] = torch.randn(*shape)
+    for rank in range(3):
+        with pytest.raises(ValueError, match=r"'mlp.experts.6.w1.weight' is expert 6 but the "
+                                             r"router 'mlp.gate.weight' \(6, 16\) has 6"):
+            shard_of_state_dict(sd, 2, "mlp.", True, Rank(rank, 3), {})
+    sd = _per_expert_checkpoint(6, 16, 8, seed=7)
+    for n in ("w1", "w2", "w3"):
+        del sd[f"mlp.experts.3.{n}.weight"]
+    shard_of_state_dict(sd, 2, "mlp.", True, Rank(0, 3), {})  # experts 0 and 1 are whole
+    with pytest.raises(ValueError, match=r"experts \[3\] of the router's 6 have no weights under "
+                                         r"'mlp.experts.' \(this rank holds experts \[2, 4\)\)"):
+        shard_of_state_dict(sd, 2, "mlp.", True, Rank(1, 3), {})
+    full = MoE.from_state_dict(_per_expert_checkpoint(6, 16, 8, seed=8), 2, prefix="mlp.")
+    for name, t in (("experts.gate_up_proj", full.gate_up_proj.data[:5]),
+                    ("experts.down_proj", torch.cat([full.down_proj.data] * 2))):
+        fused = {"gate.weight": full.router_weight.data,
+                 "experts.gate_up_proj": full.gate_up_proj.data,
+                 "experts.down_proj": full.down_proj.data, name: t}
+        for rank in range(3):
+            with pytest.raises(ValueError, match=f"'{name}' {tuple(t.shape)} must hold the "
+                                                 "router's 6 experts".replace("(", r"\(")
+                                                 .replace(")", r"\)")):
+                shard_of_state_dict(fused, 2, "", True, Rank(rank, 3), {})
+    fused["gate.e_score_correction_bias"] = torch.zeros(6, 1)
+    with pytest.raises(ValueError, match=r"'gate.e_score_correction_bias' \(6, 1\) must be "
+                                         r"\(6,\)"):
+        shard_of_state_dict(fused, 2, "", True, Rank(1, 3), {})
+
+
+def test_shard_of_state_dict_names_the_checkpoints_own_keys() -> None:
+    # The local layer's loader saw the local experts renumbered from 0: its messages named
+    # another expert's key (mlp.experts.1.w2.weight for expert 5's).
+    sd = _per_expert_checkpoint(6, 16, 8, seed=9)
+    sd["mlp.experts.5.w2.weight"] = torch.randn(16, 9)
+    with pytest.raises(ValueError, match=r"mlp.experts.5.w2.weight is \(16, 9\), expected "
+                                         r"\(16, 8\) to match mlp.experts.4.w1.weight"):
+        shard_of_state_dict(sd, 2, "mlp.", True, Rank(2, 3), {})
+    sd = _per_expert_checkpoint(6, 16, 8, seed=10)
+    del sd["mlp.experts.4.w3.weight"]
+    with pytest.raises(ValueError, match=r"expert 4 has no mlp.experts.4.w3.weight"):
+        shard_of_state_dict(sd, 2, "mlp.", True, Rank(2, 3), {})
+    sd = _per_expert_checkpoint(6, 16, 8, seed=11)
+    sd["mlp.experts.3.w1.bias"] = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"does not use .*\['mlp.experts.3.w1.bias'\]"):
+        shard_of_state_dict(sd, 2, "mlp.", True, Rank(1, 3), {})
+
+
+def test_shard_of_state_dict_checks_the_router_and_prefix_types() -> None:
+    sd = _per_expert_checkpoint(4, 16, 8, seed=12)
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        shard_of_state_dict(sd, 2, 3, True, Rank(0, 2), {})  # type: ignore[arg-type]
+    for router, exc, pattern in ((1.0, TypeError, r"state_dict\['mlp.gate.weight'\] must be a "
+                                                  "torch.Tensor; got float"),
+                                 (torch.randn(4), ValueError, "must be 2-D")):
+        with pytest.raises(exc, match=pattern):
+            shard_of_state_dict({**sd, "mlp.gate.weight": router}, 2, "mlp.", True,
+                                Rank(0, 2), {})
