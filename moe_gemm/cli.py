@@ -219,6 +219,9 @@ def check_variants(full: bool):
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 128), **swap)
     add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 128), **swap)
     add("varlen", "float16", "float16", "k", "cooperative", (256, 128), peek_wait=True, **swap)
+    # ... in a 1x2 cluster (the rows of x multicast to two weight-column tiles).
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 128), cluster_n=2, **swap)
+    add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 128), cluster_n=2, **swap)
     # Swapped tiles with the fused options (swapped_fused.py): the gate-up GEMM's gated
     # epilogue (concat weights), a biased clamped SwiGLU with row weights, the down GEMM's
     # row weights and bias.
@@ -229,6 +232,8 @@ def check_variants(full: bool):
         **swap)
     add("varlen", "bfloat16", "bfloat16", "n", "cooperative", (256, 128), bias=True,
         row_scale=True, **swap)
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (256, 128), gate="silu",
+        gate_layout="concat", fast_gate=True, cluster_n=2, **swap)
     # Peeked stage waits (the next stage's barrier tested a k-tile ahead): both schedules.
     add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), cluster_n=2,
         trim_a=True, peek_wait=True)

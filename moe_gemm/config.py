@@ -40,6 +40,12 @@ COOPERATIVE_TILES = ((128, 64), (128, 128), (128, 160), (128, 192), (128, 224), 
 # multicast) or 1x2 (horizontally adjacent, sharing A); both schedules, device visitor, every
 # form (grouped_gemm's lists too). The two tiles of a pair always belong to one problem.
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
+# Swapped tiles (swap_ab) in a cluster: 1x2 only, two CTAs on adjacent weight-column tiles of
+# one expert sharing its rows of x by multicast (kernels/sm90/swapped.py). A tile loads 256
+# rows of x and 128 weight columns a k-step: the pair loads 128 + 256 / 2 units a CTA instead
+# of 384, a third less L2 -> SM traffic on the few-large-expert shapes where cuBLAS's
+# 2-CTA-cluster kernels beat the 1x1 swapped tiles.
+SWAP_CLUSTERS = ((1, 1), (1, 2))
 # Raster panels wider than this gain nothing: an H100/H200 runs at most 132 CTAs at once, and
 # 64 m-tiles of 128 rows already cover an 8k-row expert.
 MAX_RASTER_PANEL = 64
@@ -106,7 +112,8 @@ class GemmConfig:
             the routed rows on the WGMMA's N side: tiles of 128 weight columns by up to 256
             rows, each expert's rows split evenly over its tiles in steps of 16, so an expert
             computes fewer than 16 padding rows (the M-side tiles pad to 64 or 128; for few
-            large experts). Cooperative, device visitor, 1x1 cluster, 16-bit output; also
+            large experts). Cooperative, device visitor, a 1x1 cluster (or a pinned 1x2:
+            adjacent weight-column tiles share the rows of x), 16-bit output; also
             fused_grouped_mm without a gate or with the concat gate layout (its other
             layouts and the other ops refuse it). None = by
             MOE_GEMM_SWAP_AB, else as a tuned table's exact entry measured it, else where an
@@ -222,7 +229,7 @@ class GemmConfig:
             conflicts.append("visitor='host'")
         if self.tile_m is not None and (self.tile_m, self.tile_n) != (256, 128):
             conflicts.append(f"tile {self.tile_m}x{self.tile_n}")
-        if self.cluster_m is not None and (self.cluster_m, self.cluster_n) != (1, 1):
+        if self.cluster_m is not None and (self.cluster_m, self.cluster_n) not in SWAP_CLUSTERS:
             conflicts.append(f"cluster {self.cluster_m}x{self.cluster_n}")
         if self.tail_split:
             conflicts.append("tail_split=True")
@@ -231,7 +238,8 @@ class GemmConfig:
         if conflicts:
             raise ValueError(
                 "swap_ab=True runs cooperative tiles of 256 rows x 128 columns on the device "
-                "visitor in a 1x1 cluster, without the tail split or the whole-tile epilogue; "
+                "visitor in a 1x1 or 1x2 cluster, without the tail split or the whole-tile "
+                "epilogue; "
                 f"got {', '.join(conflicts)}")
 
     @property

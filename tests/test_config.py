@@ -59,6 +59,8 @@ def test_swap_ab_pins_its_kernel_and_refuses_other_pins() -> None:
     # Pins of the kernel's own values are taken.
     GemmConfig(swap_ab=True, schedule="cooperative", visitor="device", tile_m=256, tile_n=128,
                cluster_m=1, cluster_n=1, tail_split=False, whole_epilogue=False, stages=4)
+    # ... and the 1x2 cluster (two weight-column tiles sharing the rows of x).
+    GemmConfig(swap_ab=True, cluster_m=1, cluster_n=2)
     with pytest.raises(TypeError, match="swap_ab must be None or a bool"):
         GemmConfig(swap_ab=1)  # type: ignore[arg-type]
     for pins, named in (({"schedule": "pingpong"}, "schedule='pingpong'"),

@@ -478,8 +478,12 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
                           cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
                           tail_split=tail_split and shares > 0)
     # A config (a caller's pin or a tuned entry) with swap_ab=True: the swapped kernel, with
-    # the config's raster and stages.
-    return swapped_choice(choice, out_itemsize, config.stages) if config.swap_ab else choice
+    # the config's raster, stages and cluster where it pins one (1x1 or 1x2; the rules' own
+    # cluster is the M-side tile's, not the swapped one's).
+    if not config.swap_ab:
+        return choice
+    return swapped_choice(choice, out_itemsize, config.stages,
+                          config.cluster_n if config.cluster_m is not None else 1)
 
 
 def choose_batched(config: GemmConfig, G: int, M: int, N: int, K: int, num_sms: int,

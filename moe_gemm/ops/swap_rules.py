@@ -75,17 +75,19 @@ def swapped_tiles(T: int, E: int, N: int) -> int:
     return max(E, -(-T // SWAP_TILE_ROWS)) * -(-N // SWAP_TILE_COLS)
 
 
-def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None = None
-                   ) -> KernelChoice:
-    """The swapped kernel's choice (kernels/sm90/swapped.py): its fixed tile, schedule,
-    visitor and cluster, the raster and the L2 hints of `choice`, `stages` A/B stages (None:
-    as many as fit)."""
+def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None = None,
+                   cluster_n: int = 1) -> KernelChoice:
+    """The swapped kernel's choice (kernels/sm90/swapped.py): its fixed tile, schedule and
+    visitor, a 1 x `cluster_n` cluster (1 or 2: config.SWAP_CLUSTERS), the raster and the L2
+    hints of `choice`, `stages` A/B stages (None: as many as fit)."""
+    if cluster_n not in (1, 2):
+        raise ValueError(f"swapped tiles run in a 1x1 or 1x2 cluster; got 1x{cluster_n}")
     if out_itemsize != 2:
         raise ValueError("swap_ab=True stores 16-bit output (bf16 or fp16); got a "
                          f"{out_itemsize * 8}-bit out_dtype")
     return replace(choice, schedule="cooperative", visitor="device", tile_m=SWAP_TILE_ROWS,
                    tile_n=SWAP_TILE_COLS, stages=stages, epi_n=SWAP_ROW_UNIT, cluster_m=1,
-                   cluster_n=1, epi_whole=False, tail_split=False, trim_a=True, swap_ab=True,
+                   cluster_n=cluster_n, epi_whole=False, tail_split=False, trim_a=True, swap_ab=True,
                    wave_fit=False)
 
 

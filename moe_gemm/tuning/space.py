@@ -5,9 +5,9 @@ COOPERATIVE_TILES, CLUSTERS; whatever the kernel builds today), each with the de
 raster panel 8, no tail split and the subtile epilogue; GemmConfig's validation decides what
 is buildable, so a tile or cluster added to (or removed from) the lists is tried (or not)
 without a change here. grouped_mm's varlen form with 16-bit output also tries swapped tiles
-('swap 256x128': the rows on the WGMMA's N side, kernels/sm90/swapped.py). The rules' own
-choice for the shape is always a candidate, so a tuned entry is never slower than the rules
-as measured.
+('swap 256x128' and 'swap 256x128 c1x2': the rows on the WGMMA's N side,
+kernels/sm90/swapped.py). The rules' own choice for the shape is always a candidate, so a
+tuned entry is never slower than the rules as measured.
 
 Stage 2 varies one field at a time around the best few of stage 1: pipeline stages, raster
 panel, tail split, whole-tile epilogue, and for grouped_gemm's lists the visitor and K-sort.
@@ -204,9 +204,10 @@ def stage1(form: str, out_itemsize: int = 2) -> list[Fields]:
                     fields["sort_by_k"] = False
                 if _buildable(fields, form, out_itemsize):
                     out.append(fields)
-    swapped = parse_name(f"swap {SWAP_TILE_ROWS}x{SWAP_TILE_COLS}", form)
-    if _buildable(swapped, form, out_itemsize):
-        out.append(swapped)
+    for cm, cn in cfgmod.SWAP_CLUSTERS:
+        swapped = parse_name(f"swap {SWAP_TILE_ROWS}x{SWAP_TILE_COLS} c{cm}x{cn}", form)
+        if _buildable(swapped, form, out_itemsize):
+            out.append(swapped)
     return out
 
 

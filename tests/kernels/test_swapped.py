@@ -22,12 +22,12 @@ pytestmark = pytest.mark.skipif(cutlass_dsl_problem() is not None,
                                 reason=f"CuTe DSL: {cutlass_dsl_problem()}")
 
 
-def _swapped(b_major="k", d_dtype="bfloat16"):
+def _swapped(b_major="k", d_dtype="bfloat16", cluster_n=1):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from moe_gemm.kernels.sm90.compile import CompileKey
 
     return CompileKey("varlen", "bfloat16", d_dtype, b_major, "cooperative", "device", 256, 128,
-                      epi_n=16, trim_a=True, swap_ab=True).kernel()
+                      epi_n=16, trim_a=True, swap_ab=True, cluster_n=cluster_n).kernel()
 
 
 def _variant_mapping(k) -> tuple[int, int, set]:
@@ -84,6 +84,10 @@ def test_fixed_choices_and_shared_memory():
     # 48 KiB a stage (256 rows of x and 128 weight columns of 64 K): four beside 32 KiB of
     # epilogue staging.
     assert k.ab_stages == 4
+    # The 1x2 pair: the rows of x (A) multicast to both CTAs, nothing else changes.
+    pair = _swapped("k", cluster_n=2)
+    assert (pair.cluster_m, pair.cluster_n, pair.cluster_size) == (1, 2, 2)
+    assert pair.ab_stages == 4 and pair.epi_tile == k.epi_tile
 
 
 def test_refusals():
@@ -98,6 +102,8 @@ def test_refusals():
             ("varlen", "pingpong", (128, 128), {}, "'schedule': 'pingpong'"),
             ("varlen", "cooperative", (128, 256), {}, "'tile_m': 128"),
             ("varlen", "cooperative", (256, 128), {"cluster_m": 2}, "'cluster_m': 2"),
+            ("varlen", "cooperative", (256, 128), {"cluster_m": 2, "cluster_n": 2},
+             "'cluster_m': 2"),
             ("varlen", "cooperative", (256, 128), {"tail_split": True}, "'tail_split': True"),
             ("varlen", "cooperative", (256, 128),
              {"gate": "silu", "gate_layout": "concat", "gather": True}, "gather-A")):

@@ -5,7 +5,8 @@ both weight majors; experts from empty to several 256-row tiles, rows crossing e
 line, rows past offs[-1] (zeros, or untouched in a given out), K off the 64-deep stage, I off
 the 64-column output tile; fp16; routed rows gathered by the plan (index_select). Then a CUDA
 graph replayed with new offsets, and the default's window for each GEMM (MOE_GEMM_SWAP_AB=0
-turns it off).
+turns it off). A few cases pin the 1x2 cluster (the rows of x multicast to two weight-column
+tiles), with an odd column-tile count (the pair's second tile past the edge stores nothing).
 
     python3 scripts/gpu_session.py --paths tests/kernels/test_swapped_fused_gpu.py --out $OUT
 """
@@ -28,10 +29,11 @@ from .test_fused_moe_gpu import case, run_case
 pytestmark = pytest.mark.gpu
 
 SWAP = GemmConfig(backend="cute", swap_ab=True)
+PAIR = GemmConfig(backend="cute", swap_ab=True, cluster_m=1, cluster_n=2)
 
 
-def swapped(name, **kw):
-    return case(f"swapped-fused/{name}", config=SWAP, kernel_gather=False, **kw)
+def swapped(name, config=SWAP, **kw):
+    return case(f"swapped-fused/{name}", config=config, kernel_gather=False, **kw)
 
 
 CASES = [
@@ -50,6 +52,14 @@ CASES = [
             K=136, S=2100, E=4, empty=(0,), out_mode="ours"),
     swapped("down/one-row-experts", scale=True, gather=False, S=40, E=37, empty=(), tail=3,
             N=192, K=64),
+    # The 1x2 pair: 2I = 400 and N = 264 and 1000 are 4, 3 and 8 weight-column tiles.
+    swapped("1x2/gate/silu", config=PAIR, gate="silu", bias=True, scale=True, K=264, N=400),
+    swapped("1x2/gate/clamped_swiglu/long-k", config=PAIR, gate="clamped_swiglu", K=2056,
+            N=256, S=1500, E=4, empty=(2,)),
+    swapped("1x2/down/bias-scale/n", config=PAIR, bias=True, scale=True, gather=False,
+            w_major="n", N=264, K=320),
+    swapped("1x2/down/scale/k", config=PAIR, scale=True, gather=False, w_major="k", N=1000,
+            K=136, S=2100, E=4, empty=(0,), out_mode="ours"),
 ]
 
 
@@ -57,9 +67,10 @@ CASES = [
 def test_swapped_fused_matches_the_reference(c):
     run_case(c)
     info = last_launch()
-    ok = info is not None and info.choice.swap_ab
+    ok = info is not None and info.choice.swap_ab and (
+        info.choice.cluster_n == (c["config"].cluster_n or 1))
     record(f"{c['name']}/swapped", ok)
-    assert ok, "the launch did not run swapped tiles"
+    assert ok, "the launch did not run swapped tiles in the pinned cluster"
 
 
 def _layer_operands(counts, I, H, seed):

@@ -382,6 +382,27 @@ def test_swapped_choice_and_its_compile_key(monkeypatch):
         choose_varlen(GemmConfig(swap_ab=True), 4096, 16, 16384, 5120, 132, 4, swap_ok=True)
 
 
+def test_a_swap_pin_takes_its_1x2_cluster_and_not_the_rules_cluster(monkeypatch):
+    import torch
+
+    from moe_gemm.ops.launch_kernel import _compile_key
+
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    pair = choose_varlen(GemmConfig(swap_ab=True, cluster_m=1, cluster_n=2), 4096, 8, 6144,
+                         16384, 132, swap_ok=True)
+    assert pair.swap_ab and (pair.cluster_m, pair.cluster_n) == (1, 2)
+    assert (pair.tile_m, pair.tile_n, pair.schedule) == (256, 128, "cooperative")
+    key = _compile_key("varlen", torch.bfloat16, torch.bfloat16, "k", pair, False)
+    assert key.swap_ab and (key.cluster_m, key.cluster_n) == (1, 2)
+    # Without a cluster pin the swapped kernel runs 1x1, whatever cluster the rules would
+    # give the M-side tile of that shape.
+    rules = choose_varlen(GemmConfig(), 4096, 8, 6144, 16384, 132)
+    lone = choose_varlen(GemmConfig(swap_ab=True), 4096, 8, 6144, 16384, 132, swap_ok=True)
+    assert (lone.cluster_m, lone.cluster_n) == (1, 1), rules
+    with pytest.raises(ValueError, match="1x1 or 1x2 cluster"):
+        heuristics.swapped_choice(rules, 2, cluster_n=4)
+
+
 def test_a_swap_pin_keeps_its_stages(monkeypatch):
     monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
     c = choose_varlen(GemmConfig(swap_ab=True, stages=3, raster_panel=4), 4096, 16, 16384,

@@ -114,7 +114,7 @@ def test_no_candidate_pins_more_stages_than_shared_memory_holds():
 
 def test_swapped_tiles_are_a_varlen_candidate_with_16_bit_output():
     swap = [f for f in space.stage1("varlen") if f.get("swap_ab")]
-    assert [space.name_of(f) for f in swap] == ["swap 256x128 p8"]
+    assert [space.name_of(f) for f in swap] == ["swap 256x128 p8", "swap 256x128 c1x2 p8"]
     cfg = space.config_of(swap[0])
     assert cfg.swap_ab and cfg.tuning_pinned
     for form, size in (("varlen", 4), ("batched", 2), ("general", 2)):

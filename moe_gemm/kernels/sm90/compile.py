@@ -158,14 +158,16 @@ class CompileKey:
         """The swapped kernel, for the keys it is built for (its fixed choices must match)."""
         fixed = {"form": "varlen", "schedule": "cooperative", "visitor": "device",
                  "tile_m": SWAP_TILE_ROWS, "tile_n": SWAP_TILE_COLS, "cluster_m": 1,
-                 "cluster_n": 1, "tail_split": False, "row_counts": False,
+                 "tail_split": False, "row_counts": False,
                  "epi_whole": False, "trim_a": True, "epi_n": SWAP_ROW_UNIT}
         wrong = {k: getattr(self, k) for k, v in fixed.items() if getattr(self, k) != v}
+        if self.cluster_n not in (1, 2):
+            wrong["cluster_n"] = self.cluster_n
         if wrong or self.gather:
-            raise ValueError(f"swapped tiles are built for {fixed} without gather-A; "
-                             f"got {wrong or 'gather-A'}")
+            raise ValueError(f"swapped tiles are built for {fixed}, cluster_n 1 or 2, without "
+                             f"gather-A; got {wrong or 'gather-A'}")
         common = dict(ab_stages=self.stages, trace=self.trace, l2_hints=self.l2_hints,
-                      peek_wait=self.peek_wait)
+                      peek_wait=self.peek_wait, cluster_n=self.cluster_n)
         if self.fused:
             return SwappedFusedMoeGemmSm90(
                 DTYPES[self.ab_dtype], DTYPES[self.d_dtype], self.b_major, **common,

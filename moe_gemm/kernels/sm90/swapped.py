@@ -26,7 +26,14 @@ first row and B (the weights) as ever. What changes:
   transposed ragged view of out, in 128 x 16 subtiles, only those with live rows, the last
   clipped at the expert's end like the plain kernel's stores.
 
-Constraints beyond the plain kernel's: varlen form, cooperative, device visitor, 1x1
+In a 1x2 cluster the pair takes two adjacent weight-column tiles of one expert and the same
+rows: the load warps multicast each stage's rows of x to both CTAs, as the plain kernel's 1x2
+pair does (a tile loads 256 rows and 128 weight columns a k-step: a CTA then fetches 128 +
+256 / 2 units instead of 384, a third less L2 -> SM traffic). A pair whose second tile lies
+past the expert's last weight column (an odd column-tile count) computes that tile for the
+multicast and stores nothing.
+
+Constraints beyond the plain kernel's: varlen form, cooperative, device visitor, 1x1 or 1x2
 cluster, 16-bit output, no tail split. The fused MoE options (a concat-layout gate, bias,
 row weights; no gather-A) are swapped_fused.py's subclass.
 """
@@ -158,19 +165,22 @@ class SwappedGemmSm90(GroupedGemmSm90):
     """GroupedGemmSm90's varlen form with the rows on the WGMMA's N side (module docstring).
 
     Args: as GroupedGemmSm90's, less those fixed here (form varlen, cooperative, tile 256 rows
-    x 128 columns, device visitor, 1x1 cluster, trimmed A loads, 16-row epilogue subtiles).
+    x 128 columns, device visitor, trimmed A loads, 16-row epilogue subtiles); cluster_n 1 or
+    2 (a 1x2 cluster multicasts the rows of x to two adjacent weight-column tiles).
     """
 
     def __init__(self, ab_dtype, d_dtype, b_major, ab_stages: int | None = None,
                  trace: bool = False, l2_hints: bool = False, peek_wait: bool = False,
-                 **fused):
+                 cluster_n: int = 1, **fused):
         """fused: the fused MoE options swapped_fused.SwappedFusedMoeGemmSm90 builds."""
         if d_dtype.width != 16:
             raise ValueError("swapped tiles store 16-bit output (bf16 or fp16)")
+        if cluster_n not in (1, 2):
+            raise ValueError(f"swapped tiles run in a 1x1 or 1x2 cluster; got 1x{cluster_n}")
         super().__init__(ab_dtype, d_dtype, b_major, "varlen", "cooperative", "device",
                          (SWAP_TILE_ROWS, SWAP_TILE_COLS), ab_stages=ab_stages, trace=trace,
                          l2_hints=l2_hints, epi_n=SWAP_ROW_UNIT, trim_a=True,
-                         peek_wait=peek_wait, **fused)
+                         peek_wait=peek_wait, cluster_n=cluster_n, **fused)
         # The epilogue's subtile is (128 weight columns, 16 rows): the plain kernel's
         # cooperative staging for 16-wide subtiles has that size (8 buffers of 4 KiB).
         assert self.epi_tile == (SWAP_TILE_COLS, SWAP_ROW_UNIT), self.epi_tile
@@ -258,10 +268,15 @@ class SwappedGemmSm90(GroupedGemmSm90):
                     ab_state = self.mainloop(ab_pipe, ab_state, mma, acc, tCrW, tCrX,
                                              work.k_tiles, num_k_blocks, math_wg, work,
                                              problems, staged)
-                    self.epi.store_rows(frags, acc, u, sD, tma.atom_d, tma.tma_d, problems, work,
-                                        epi_bar_id, epi_threads, is_store_warp, scratch)
+                    # (a 1x2 pair's tile past the expert's last weight column computed for
+                    # the multicast: nothing to store; uniform over the tile's threads)
+                    if work.stores():
+                        self.epi.store_rows(frags, acc, u, sD, tma.atom_d, tma.tma_d, problems,
+                                            work, epi_bar_id, epi_threads, is_store_warp,
+                                            scratch)
             if const_expr(self.trace):
-                if mma_tidx == 0:
+                # (a tile that stores nothing leaves its slot at -1, as in the plain kernel)
+                if mma_tidx == 0 and work.stores():
                     trace = run.trace
                     slot = cutlass.min(seen, trace.shape[1] - 1)
                     trace[cta, slot, 0] = work.problem

@@ -302,7 +302,7 @@ class SwappedFusedMoeGemmSm90(SwappedGemmSm90, FusedMoeGemmSm90):
                  trace: bool = False, l2_hints: bool = False, peek_wait: bool = False, *,
                  gate: str | None = None, gate_layout: str = "concat", gate_alpha: float = 0.0,
                  gate_limit: float = 0.0, bias: bool = False, row_scale: bool = False,
-                 fast_gate: bool = False):
+                 fast_gate: bool = False, cluster_n: int = 1):
         if gate and gate_layout != "concat":
             raise ValueError("swapped tiles pair gate and up columns across the two math "
                              f"warpgroups: the concat gate layout only; got {gate_layout!r}")
@@ -310,7 +310,7 @@ class SwappedFusedMoeGemmSm90(SwappedGemmSm90, FusedMoeGemmSm90):
             raise ValueError("SwappedFusedMoeGemmSm90 needs a fused option (gate, bias or "
                              "row_scale); SwappedGemmSm90 is the plain kernel")
         super().__init__(ab_dtype, d_dtype, b_major, ab_stages=ab_stages, trace=trace,
-                         l2_hints=l2_hints, peek_wait=peek_wait, gate=gate,
+                         l2_hints=l2_hints, peek_wait=peek_wait, cluster_n=cluster_n, gate=gate,
                          gate_layout=gate_layout, gate_alpha=gate_alpha, gate_limit=gate_limit,
                          bias=bias, row_scale=row_scale, fast_gate=fast_gate)
         if self.gate is not None:
