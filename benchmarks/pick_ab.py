@@ -205,6 +205,9 @@ def adopt(table: dict, other: dict, results: list[dict[str, Any]], against: int,
         mine["config"] = dict(new["config"])
         mine["name"] = new.get("name") or space.name_of(table_io.explicit_fields(new["config"]))
         mine["us"] = round(theirs["ms"] * 1e3, 2)  # (this regime's time: see zoo_ab)
+        # A zoo_check record speaks of the pick it checked ("this pick ... put back"): about
+        # the replaced pick it would now be read as this one's.
+        mine.pop("zoo_check", None)
         mine["zoo_ab"] = {"date": when, "device": device, "against": old,
                           "ms": round(theirs["ms"], 4), "against_ms": round(base["ms"], 4),
                           "speedup": round(base["ms"] / theirs["ms"], 3),

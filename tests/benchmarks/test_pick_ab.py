@@ -179,10 +179,14 @@ def test_adopt_takes_the_against_pick_only_where_it_won_by_the_margin():
     results = (_rows("Mixtral-8x7B/down/2048", 8, 4096, 14336, 4096, 2.0, 1.9)  # 5.3% faster
                + _rows("OLMoE-1B-7B/down/8192", 64, 2048, 1024, 65536, 1.0, 0.99)  # 1%: noise
                + _rows("Llama-4-Maverick/down/4096", 128, 5120, 8192, 4096, 2.5, 2.6))  # slower
+    mine["entries"][0]["zoo_check"] = {"how": "the zoo's own rows: this pick ... put back"}
+    mine["entries"][2]["zoo_check"] = {"how": "kept"}
     lines = pick_ab.adopt(mine, theirs, results, 1, 0.013, "NVIDIA H200", "2026-12-02")
     assert lines == ["Mixtral-8x7B/down/2048: pp 128x160 c1x2 p8 -> coop 128x256 c1x2 p8ns "
                      "(1.053x)"]
     won = mine["entries"][0]
+    # (the replaced pick's check is not carried over to the new one; an unchanged entry's stays)
+    assert "zoo_check" not in won and mine["entries"][2]["zoo_check"] == {"how": "kept"}
     assert won["name"] == "coop 128x256 c1x2 p8ns" and won["config"] == theirs["entries"][0][
         "config"]
     assert won["zoo_ab"]["against"] == "pp 128x160 c1x2 p8" and won["zoo_ab"]["speedup"] == 1.053
