@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from moe_gemm.config import GemmConfig
+from moe_gemm.config import SWAP_CLUSTERS, GemmConfig
 from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import SWAP_ROW_UNIT, SWAP_TILE_COLS, SWAP_TILE_ROWS
 
@@ -80,7 +80,7 @@ def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None =
     """The swapped kernel's choice (kernels/sm90/swapped.py): its fixed tile, schedule and
     visitor, a 1 x `cluster_n` cluster (1 or 2: config.SWAP_CLUSTERS), the raster and the L2
     hints of `choice`, `stages` A/B stages (None: as many as fit)."""
-    if cluster_n not in (1, 2):
+    if (1, cluster_n) not in SWAP_CLUSTERS:
         raise ValueError(f"swapped tiles run in a 1x1 or 1x2 cluster; got 1x{cluster_n}")
     if out_itemsize != 2:
         raise ValueError("swap_ab=True stores 16-bit output (bf16 or fp16); got a "

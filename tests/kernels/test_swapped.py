@@ -104,6 +104,7 @@ def test_refusals():
             ("varlen", "cooperative", (256, 128), {"cluster_m": 2}, "'cluster_m': 2"),
             ("varlen", "cooperative", (256, 128), {"cluster_m": 2, "cluster_n": 2},
              "'cluster_m': 2"),
+            ("varlen", "cooperative", (256, 128), {"cluster_n": 4}, "1x1 or 1x2 cluster"),
             ("varlen", "cooperative", (256, 128), {"tail_split": True}, "'tail_split': True"),
             ("varlen", "cooperative", (256, 128),
              {"gate": "silu", "gate_layout": "concat", "gather": True}, "gather-A")):

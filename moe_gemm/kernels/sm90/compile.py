@@ -160,12 +160,11 @@ class CompileKey:
                  "tile_m": SWAP_TILE_ROWS, "tile_n": SWAP_TILE_COLS, "cluster_m": 1,
                  "tail_split": False, "row_counts": False,
                  "epi_whole": False, "trim_a": True, "epi_n": SWAP_ROW_UNIT}
+        # (cluster_n: 1 or 2, which SwappedGemmSm90 checks)
         wrong = {k: getattr(self, k) for k, v in fixed.items() if getattr(self, k) != v}
-        if self.cluster_n not in (1, 2):
-            wrong["cluster_n"] = self.cluster_n
         if wrong or self.gather:
-            raise ValueError(f"swapped tiles are built for {fixed}, cluster_n 1 or 2, without "
-                             f"gather-A; got {wrong or 'gather-A'}")
+            raise ValueError(f"swapped tiles are built for {fixed} without gather-A; "
+                             f"got {wrong or 'gather-A'}")
         common = dict(ab_stages=self.stages, trace=self.trace, l2_hints=self.l2_hints,
                       peek_wait=self.peek_wait, cluster_n=self.cluster_n)
         if self.fused:
