@@ -1,6 +1,6 @@
 """The tiles a peer's autotuner chose in a zoo run, as re-rank rivals for our tuned tables.
 
-    python -m benchmarks.peer_rivals benchmarks/results/zoo-nvidia-h200-2026-12-02.json \\
+    python -m benchmarks.peer_rivals benchmarks/results/zoo-nvidia-h200-2026-12-06.json \\
         --out rivals.json
     moe-gemm tune --rerank moe_gemm/tables/nvidia-h200.json --zoo --tokens 8192 \\
         --rivals-file rivals.json --out moe_gemm/tables/nvidia-h200.json
