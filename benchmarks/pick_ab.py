@@ -27,7 +27,9 @@ that config at each case's key would.
 
 With --adopt TABLE, each case where T's pick ran at least --min-gain faster than the default's
 pick gets T's entry in TABLE (with a `zoo_ab` record of the two times); TABLE is rewritten once,
-at the end. --adopt runs the peers in the same rounds unless --no-with-peers says otherwise:
+at the end. T may be another device's table (the H100's picks tried on an H200): only its
+config moves, with the time measured here, and the record's `how` names T's device. TABLE must
+be this GPU's. --adopt runs the peers in the same rounds unless --no-with-peers says otherwise:
 our kernels alone have ranked a pick the other way round from the zoo's own rows.
 `benchmarks.peer_rivals --table` writes such a T from a zoo run.
 """
@@ -93,6 +95,15 @@ def table_pick(doc: dict, case: dict[str, Any]) -> dict | None:
     """The fields of `doc`'s entry for a zoo case's exact key (bf16 varlen), or None."""
     entry = table_io.find_entry(doc, table_key(case))
     return None if entry is None else table_io.explicit_fields(entry["config"])
+
+
+def _foreign(other: dict, table: dict) -> str:
+    """' (<device>'s table)' where the --against table was tuned on another device than the
+    --adopt table's: its picks are candidates timed here like any other (only the config
+    moves into the adopted entry, with this device's time), and the record says where the
+    rival came from."""
+    theirs = other.get("device")
+    return f" ({theirs}'s table)" if theirs and theirs != table.get("device") else ""
 
 
 def config_table(name: str, cases: list, device: str | None) -> dict:
@@ -294,10 +305,6 @@ def main(argv: list[str] | None = None) -> int:
                                      table.get("device") if table is not None else None)
             except ValueError as exc:
                 raise ValueError(f"--against-config {args.against_config!r}: {exc}") from None
-        if table is not None:
-            if table.get("device") != other.get("device"):
-                raise ValueError(f"--adopt {args.adopt} is for {table.get('device')!r}, "
-                                 f"--against {args.against} for {other.get('device')!r}")
     except ValueError as exc:
         print(f"pick_ab: {exc}", file=sys.stderr)
         return 2
@@ -342,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{doc['device']!r}: left as it was", file=sys.stderr)
             return 1
         source = (f"--against-config '{args.against_config}'" if args.against_config
-                  else "--against")
+                  else "--against" + _foreign(other, table))
         changed = adopt(table, other, doc["results"], len(variants), args.min_gain,
                         doc["device"], doc["date"], with_peers=args.with_peers, source=source)
         if changed:

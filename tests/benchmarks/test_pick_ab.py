@@ -232,10 +232,23 @@ def test_adopt_needs_against_a_readable_table_and_a_sane_margin(tmp_path, capsys
     assert "--min-gain" in capsys.readouterr().err
     assert pick_ab.main([*base, "--against", str(t), "--adopt", str(tmp_path / "no.json")]) == 2
     assert "--adopt" in capsys.readouterr().err
-    other = tmp_path / "h100.json"
-    other.write_text(json.dumps(_table("NVIDIA H100 80GB HBM3")))
-    assert pick_ab.main([*base, "--against", str(t), "--adopt", str(other)]) == 2
-    assert "is for 'NVIDIA H100 80GB HBM3'" in capsys.readouterr().err
+
+
+def test_adopt_takes_another_devices_picks_and_says_whose():
+    """An H100 table's pick tried on an H200: only its config moves into the H200 table, with
+    the time measured here, and the record names the table's device."""
+    mine = _table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "pp 128x160 p8"))
+    theirs = _table("NVIDIA H100 80GB HBM3", _entry(8, 4096, 14336, 4096,
+                                                    "coop 128x256 c1x2 p8ns"))
+    results = _rows("Mixtral-8x7B/down/2048", 8, 4096, 14336, 4096, 2.0, 1.9)
+    source = "--against" + pick_ab._foreign(theirs, mine)
+    lines = pick_ab.adopt(mine, theirs, results, 1, 0.013, "NVIDIA H200", "2026-12-06",
+                          with_peers=True, source=source)
+    entry = mine["entries"][0]
+    assert lines and entry["name"] == "coop 128x256 c1x2 p8ns"
+    assert entry["us"] == 1900.0 and entry["zoo_ab"]["device"] == "NVIDIA H200"
+    assert "(NVIDIA H100 80GB HBM3's table)" in entry["zoo_ab"]["how"]
+    assert pick_ab._foreign(_table("NVIDIA H200"), mine) == ""
 
 
 def test_against_config_is_a_table_of_that_config_at_each_cases_key():
