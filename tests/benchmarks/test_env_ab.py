@@ -58,8 +58,9 @@ def test_a_case_the_switch_does_not_change_is_told_apart(monkeypatch):
     monkeypatch.setattr("moe_gemm.capability.device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr("moe_gemm.capability.sm_count", lambda d: 132)
     dev = torch.device("cpu")
-    # DeepSeek-V3 gate/up at 8192 tokens: a cooperative 1x1 pick, which trims.
-    case = {"E": 256, "N": 4096, "K": 7168, "rows": 65536, "layout": "ENK"}
+    # Kimi-K2 gate/up at 8192 tokens: a cooperative 128x256 pick in a 1x2 cluster, which trims
+    # where the switch lets it.
+    case = {"E": 384, "N": 4096, "K": 7168, "rows": 65536, "layout": "ENK"}
     keys = {env_ab.launched_key(case, dev, SWITCH, v) for v in ("0", "1")}
     assert len(keys) == 2 and {k.trim_a for k in keys} == {False, True}
     # The same with the tail split off: MOE_GEMM_TAIL_SPLIT=0 changes only a cooperative
