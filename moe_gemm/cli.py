@@ -169,6 +169,16 @@ def check_variants(full: bool):
                            128, tail_split=True))
     keys.append(CompileKey("general", "float16", "float32", "k", "cooperative", "device", 128,
                            64, tail_split=True))
+    # ... on ping-pong tiles (each warpgroup joins its own tile's shares) and in 2-CTA
+    # clusters (the split's unit is the cluster tile).
+    keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "k", "pingpong", "device", 128,
+                           192, cluster_n=2, tail_split=True))
+    keys.append(CompileKey("general", "float16", "float32", "n", "pingpong", "device", 128,
+                           128, tail_split=True))
+    keys.append(CompileKey("batched", "bfloat16", "bfloat16", "n", "cooperative", "device", 128,
+                           256, 3, cluster_m=2, tail_split=True))
+    keys.append(CompileKey("varlen", "bfloat16", "bfloat16", "n", "pingpong", "device", 192,
+                           128, cluster_n=2, tail_split=True))
     keys.append(CompileKey("batched", "float16", "float32", "k", "pingpong", "device", 128, 192))
     # The tile family: every tile beyond 128x{64..256} at least once, in every form, both B
     # majors, 16-bit and fp32 output; the 208-accumulator tiles (24/240 registers); ping-pong

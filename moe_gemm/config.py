@@ -98,10 +98,13 @@ class GemmConfig:
             many as the idle SMs, K and a cap allow (8; MOE_GEMM_SPLIT_WAYS sets it, 2 to 16:
             under 4, decode keeps its ping-pong tile, which trades for a split one only where
             it gets four shares; grouped_mm and grouped_gemm, not the masked form nor the
-            FP8 lists; cooperative schedule, device visitor, 1x1 cluster, which a pinned
-            split takes over the rules' own cluster; in grouped_gemm's lists the deepest
-            problem sizes the split and a shallower tile takes fewer shares, each keeping
-            ~1024 of K). None = heuristic. The split adds fp32 partial sums in a fixed order
+            FP8 lists; device visitor; the rules take it on cooperative 1x1 tiles only, and a
+            pinned split under schedule="auto" runs the cooperative schedule without the
+            rules' own cluster; pinned with schedule="pingpong" or a pinned 2x1 / 1x2
+            cluster it splits those tiles (a cluster's two CTAs share out K alike; the fused
+            MoE kernels and FP8 run cooperative 1x1 splits only, else unsplit); in
+            grouped_gemm's lists the deepest problem sizes the split and a shallower tile
+            takes fewer shares, each keeping ~1024 of K). None = heuristic. The split adds fp32 partial sums in a fixed order
             (run to run bitwise), so results may differ from an unsplit run in the last bit.
             MOE_GEMM_TAIL_SPLIT=0 turns it off everywhere, pinned or not (it relies on the
             whole persistent grid being resident: see choice_switches.tail_split_enabled).
@@ -192,18 +195,16 @@ class GemmConfig:
         if self.raster_panel is not None and self.raster_panel > MAX_RASTER_PANEL:
             raise ValueError(f"raster_panel must be between 1 and {MAX_RASTER_PANEL}; got "
                              f"{self.raster_panel}")
-        if self.tail_split:
-            if self.schedule == "pingpong" or self.visitor == "host":
-                raise ValueError("tail_split=True is built for the cooperative schedule and the "
-                                 "device visitor; use schedule='cooperative' or 'auto' and "
-                                 "visitor='device' or 'auto'")
-            if self.cluster_m is not None and (self.cluster_m, self.cluster_n) != (1, 1):
-                raise ValueError("tail_split=True is built for the 1x1 cluster only; got "
-                                 f"cluster {self.cluster_m}x{self.cluster_n}")
+        if self.tail_split and self.visitor == "host":
+            raise ValueError("tail_split=True is built for the device visitor; use "
+                             "visitor='device' or 'auto'")
         if self.whole_epilogue and self.schedule == "pingpong":
             raise ValueError("whole_epilogue=True is built for the cooperative schedule; use "
                              "schedule='cooperative' or 'auto'")
-        if ((self.tail_split or self.whole_epilogue) and self.tile_m is not None
+        # Under schedule="auto" the tail split selects the cooperative schedule (a pinned
+        # schedule="pingpong" builds it on ping-pong tiles).
+        if ((self.tail_split and self.schedule != "pingpong" or self.whole_epilogue)
+                and self.tile_m is not None
                 and (self.tile_m, self.tile_n) not in COOPERATIVE_TILES):
             which = "tail_split" if self.tail_split else "whole_epilogue"
             raise ValueError(

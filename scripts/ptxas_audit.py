@@ -4,6 +4,8 @@ Compiles every variant of `moe-gemm check --full` (or the FP8 GPU tests' set) fo
 this machine (no GPU), runs `ptxas -v` on its PTX and reports, per variant, the spill bytes
 and ptxas's WGMMA notes:
   C7514 / C7515 / C7510  the WGMMAs of a stage are serialized (a performance loss);
+  C7520                  every WGMMA serialized: a compiler-inserted warpgroup.arrive sits
+                         in what ptxas takes for a divergent path;
   C7517                  a warpgroup.wait injected so that other code can read WGMMA
                          results (one per tile where it sits outside the stage loop);
   C7519                  a warpgroup.arrive (wgmma.fence) injected.
@@ -28,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]  # moe_gemm; the tests package (tests.kernels.variants_fp8)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-SERIALIZED = ("C7514", "C7515", "C7510")
+SERIALIZED = ("C7514", "C7515", "C7510", "C7520")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 

@@ -132,6 +132,11 @@ def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
     any tile below HEAVY_ACC_REGS accumulator registers (the module docstring)."""
     if bias_and_scale and choice.epi_whole:
         choice = dataclasses.replace(choice, epi_whole=False)
+    if choice.tail_split and (choice.schedule != "cooperative"
+                              or choice.cluster_m * choice.cluster_n > 1):
+        # The fused epilogues were built and GPU-tested with the tail split of cooperative
+        # 1x1 tiles only; a ping-pong or clustered split (grouped_mm's) runs unsplit here.
+        choice = dataclasses.replace(choice, tail_split=False)
     schedule, tm, tn = choice.schedule, choice.tile_m, choice.tile_n
     cm, cn = choice.cluster_m, choice.cluster_n
     if gate and tn % 32:

@@ -20,13 +20,13 @@ plain Python/numpy so it runs (and is tested) anywhere:
   `host_precompute_table` builds the per-CTA table of (problem_idx, problem_start_tile) that
   the host visitor uploads (CUTLASS kHostPrecompute). Both must assign identically.
 - `cost_model` gives each CTA's work in k-iterations and the makespan, which decides K-sort.
-- Tail split (cooperative general/varlen/batched kernels for long K,
-  `tail_split_assignment`): when the last wave holds rem <= G/2 tiles, the launch splits
-  them `ways` times (`tail_split_units`): unit full+j (full = the tiles of the whole waves)
-  is share j // rem of tile full + j mod rem over a share of K; a tile takes min(ways, its
-  own k-tiles / 16, at least 2) shares (fewer where a list's problem is shallower than the
-  deepest), the first of them publish fp32 partials and the last one's CTA adds them and
-  stores.
+- Tail split (general/varlen/batched kernels for long K, `tail_split_assignment`; under a
+  cluster its unit is the cluster tile, `tail_split_tiles`): when the last wave holds rem <=
+  G/2 tiles, the launch splits them `ways` times (`tail_split_units`): unit full+j (full =
+  the tiles of the whole waves) is share j // rem of tile full + j mod rem over a share of
+  K; a tile takes min(ways, its own k-tiles / 16, at least 2) shares (fewer where a list's
+  problem is shallower than the deepest), the first of them publish fp32 partials and the
+  last one's CTA adds them and stores.
 """
 
 from __future__ import annotations
@@ -327,6 +327,34 @@ def tail_split_assignment(
                 owners[c].append((p, lin - int(starts[p])))
             t += num_ctas
     return Assignment(tuple(tuple(o) for o in owners))
+
+
+def tail_split_tiles(
+    sizes_mn: Sequence[tuple[int, int]], k_tiles: Sequence[int], tile_m: int, tile_n: int,
+    num_ctas: int, swizzle: int = 0, cluster_m: int = 1, cluster_n: int = 1,
+    max_ways: int = SPLIT_WAYS,
+) -> list[list[tuple[int, int, int]]]:
+    """Per CTA, the (problem, m_tile, n_tile) tiles it stores, in order, for a tail-split
+    kernel of any cluster (what its trace records; `cta_tiles` without the split). Under a
+    cm x cn cluster the split's unit is the cluster tile: `tail_split_assignment` over the
+    cluster tiles on num_ctas / (cm * cn) clusters says which cluster stores each, and its
+    CTA of rank r stores the rank's tile of it (none past the problem's edge)."""
+    size = cluster_m * cluster_n
+    units_mn = [(ceil_div(m, tile_m * cluster_m), ceil_div(n, tile_n * cluster_n))
+                for m, n in sizes_mn]
+    owners = tail_split_assignment([um * un for um, un in units_mn], k_tiles,
+                                   num_ctas // size, max_ways).per_cta
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(num_ctas)]
+    for c, cluster in enumerate(owners):
+        for p, local in cluster:
+            m, n = sizes_mn[p]
+            mu, nu = tile_coord(local, *units_mn[p], swizzle)
+            for rank in range(size):
+                mt = mu * cluster_m + (rank if cluster_m > 1 else 0)
+                nt = nu * cluster_n + (rank if cluster_n > 1 else 0)
+                if mt < ceil_div(m, tile_m) and nt < ceil_div(n, tile_n):
+                    out[c * size + rank].append((p, mt, nt))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

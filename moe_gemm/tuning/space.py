@@ -232,8 +232,9 @@ def stage2(parent: Fields, form: str, out_itemsize: int = 2) -> list[Fields]:
     cluster1 = (parent.get("cluster_m") or 1) * (parent.get("cluster_n") or 1) == 1
     if parent["schedule"] == "cooperative":
         add(whole_epilogue=not parent.get("whole_epilogue"))
-        if cluster1 and parent.get("visitor") != "host":
-            add(tail_split=not parent.get("tail_split"))
+    if parent.get("visitor") != "host":
+        # (both schedules and every cluster build it: a 2-CTA cluster splits its cluster tile)
+        add(tail_split=not parent.get("tail_split"))
     if form == "general":
         add(sort_by_k=not parent.get("sort_by_k"))
         if cluster1:

@@ -98,25 +98,35 @@ def test_raster_code_refuses_bad_fields(panel, along, serp):
         raster_code(panel, along, serp)
 
 
-@pytest.fixture(scope="module")
-def split_fn(dsl):
+def _split_probe(dsl, cluster_size: int):
+    """The scheduler warp's tail-split units (TailSplit.plan / unit / split_k) of a kernel of
+    `cluster_size`-CTA clusters, run on the CPU: run(total, grid, k_tiles, tile_k, rank, skip)
+    -> per unit t (lin, share, problem, k_tiles, k_start, role); skip: the CTA's tile is past
+    its problem's edge (ROLE_SKIP)."""
     cutlass, cute, from_dlpack = dsl
     from cutlass import Int32
 
     from moe_gemm.kernels.sm90.tail_split import TailSplit
-    from moe_gemm.kernels.sm90.tile_scheduler import ROLE_TILE, WorkTile
+    from moe_gemm.kernels.sm90.tile_scheduler import ROLE_SKIP, ROLE_TILE, WorkTile
 
     class Cfg:
         tile_m, tile_n, threads_per_wg, split_ways = 128, 256, 128, SPLIT_WAYS
+        pingpong = False
+
+    Cfg.cluster_size = cluster_size
 
     @cute.jit
-    def probe(out: cute.Tensor, total: Int32, grid: Int32, k_tiles: Int32, tile_k: Int32):
+    def probe(out: cute.Tensor, total: Int32, grid: Int32, k_tiles: Int32, tile_k: Int32,
+              rank: Int32, skip: Int32):
         tail = TailSplit(Cfg())
         plan = tail.plan(total, grid, k_tiles)
+        role = Int32(ROLE_TILE)
+        if skip != 0:
+            role = Int32(ROLE_SKIP)
         for t in cutlass.range(total + grid):
             lin, share, tail_i = tail.unit(plan, t)
-            work = tail.split_k(WorkTile(7, 1, 2, tile_k, 0, ROLE_TILE, 0, 0), share, tail_i,
-                                plan)
+            work = tail.split_k(WorkTile(7, 1, 2, tile_k, 0, role, 0, 0), share, tail_i,
+                                plan, rank)
             out[t, 0] = lin
             out[t, 1] = share
             out[t, 2] = work.problem
@@ -125,16 +135,55 @@ def split_fn(dsl):
             out[t, 5] = work.role
 
     out = torch.zeros(1024, 6, dtype=torch.int32)
-    compiled = cute.compile(probe, from_dlpack(out), Int32(1), Int32(1), Int32(1), Int32(1))
+    compiled = cute.compile(probe, from_dlpack(out), Int32(1), Int32(1), Int32(1), Int32(1),
+                            Int32(0), Int32(0))
 
-    def run(total, grid, k_tiles, tile_k=None):
+    def run(total, grid, k_tiles, tile_k=None, rank=0, skip=False):
         """tile_k: this tile's k-iterations (default k_tiles; 0: the varlen zero tail)."""
         out.fill_(-9)
         compiled(from_dlpack(out), Int32(total), Int32(grid), Int32(k_tiles),
-                 Int32(k_tiles if tile_k is None else tile_k))
+                 Int32(k_tiles if tile_k is None else tile_k), Int32(rank), Int32(int(skip)))
         return out[:total + grid].tolist()
 
     return run
+
+
+@pytest.fixture(scope="module")
+def split_fn(dsl):
+    return _split_probe(dsl, 1)
+
+
+@pytest.fixture(scope="module")
+def cluster_split_fn(dsl):
+    return _split_probe(dsl, 2)
+
+
+@pytest.mark.parametrize("total,grid", [(10, 8), (300, 66), (100, 33), (40, 66)])
+@pytest.mark.parametrize("k_tiles", [SPLIT_MIN_K_TILES - 1, 64])
+def test_tail_split_cluster_units(cluster_split_fn, total, grid, k_tiles):
+    """Under a 2-CTA cluster (total: cluster tiles, grid: clusters) both ranks run the same
+    share of K; rank r of tail cluster tile i joins through tail tile 2 * i + r; a rank past
+    its problem's edge keeps ROLE_SKIP on every share (it computes for its peer only)."""
+    from moe_gemm.kernels.sm90 import tail_split as ts
+    from moe_gemm.kernels.sm90.tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, ROLE_SKIP
+
+    split = sched.tail_split_units(total, grid, k_tiles)
+    ranks = [cluster_split_fn(total, grid, k_tiles, rank=r) for r in (0, 1)]
+    skipped = cluster_split_fn(total, grid, k_tiles, rank=1, skip=True)
+    for t in range(total + grid):
+        r0, r1, sk = ranks[0][t], ranks[1][t], skipped[t]
+        assert r0[:5] == r1[:5] == sk[:5]  # the same unit, problem and share of K
+        if split is None or t < split[0] or r0[2] < 0 or r0[1] == 0:
+            assert r0[5] == r1[5] and sk[5] == ROLE_SKIP
+            continue
+        full, rem, ways = split
+        tail_i, p = (t - full) % rem, (t - full) // rem
+        kind = ROLE_FINISH if p == ways - 1 else ROLE_PUBLISH
+        for rank, role in ((0, r0[5]), (1, r1[5])):
+            assert role & 3 == kind
+            assert (role >> ts.TAIL_SHIFT) & ts.TAIL_MASK == 2 * tail_i + rank
+            assert (role >> ts.STRIDE_SHIFT) & ts.STRIDE_MASK == ways
+        assert sk[5] == ROLE_SKIP
 
 
 @pytest.mark.parametrize("total,grid", [(10, 8), (13, 8), (16, 8), (7, 8), (3, 8), (0, 8),

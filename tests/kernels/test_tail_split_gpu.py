@@ -27,6 +27,11 @@ from .helpers import (
 
 pytestmark = pytest.mark.gpu
 
+# The rules' own choice for these shapes without a tuned table (cooperative 128x256, split on
+# long K), pinned: a GPU's table or swap window may pick other tiles for them (an H100's
+# launched swapped ones), which these tests do not mean to split.
+M_SIDE = GemmConfig(backend="cute", schedule="cooperative", tile_m=128, tile_n=256)
+
 
 @pytest.mark.parametrize("dtype,out_dtype,w_layout,out_mode", [
     ("bf16", None, "nk_view", "given"),
@@ -52,7 +57,7 @@ def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
     if out_mode == "given":
         out = torch.full((T, TS_N), float("nan"), dtype=odt, device="cuda")
         out[T - zero_tail:] = 7.0  # rows past offs[-1] must stay untouched
-    y = moe_gemm.grouped_mm(x, w, offs, out=out, out_dtype=out_dtype)
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, out_dtype=out_dtype, config=M_SIDE)
     torch.cuda.synchronize()
     info = last_launch()
     assert info.choice.tail_split and info.choice.schedule == "cooperative"
@@ -76,7 +81,7 @@ def test_tail_split_rows(dtype, out_dtype, w_layout, out_mode):
         check(name, y, ref, low, T=T, K=K)
     # The same call again (an allocated out adds the zero tail's tiles: another split).
     again = moe_gemm.grouped_mm(x, w, offs, out=None if out is None else torch.full_like(out, 3.0),
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, config=M_SIDE)
     same = torch.equal(again[:T - zero_tail], y[:T - zero_tail])
     record(f"{name}/run-to-run-bitwise", same)
     assert same
@@ -100,7 +105,7 @@ def test_tail_split_visits(extra_rows):
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(len(counts), K, TS_N, device="cuda", dtype=torch.bfloat16)
-    grouped_mm_cute(check_grouped_mm(x, w, offs, None, None), GemmConfig(backend="cute"),
+    grouped_mm_cute(check_grouped_mm(x, w, offs, None, None), M_SIDE,
                     trace=True)
     torch.cuda.synchronize()
     info = last_launch()
@@ -132,7 +137,7 @@ def test_tail_split_replays_reset_counters():
     w = torch.randn(E, TS_N, K, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     for trial in range(3):
         x.copy_(torch.randn(T, K, device="cuda", dtype=torch.bfloat16))
-        y = moe_gemm.grouped_mm(x, w, offs)
+        y = moe_gemm.grouped_mm(x, w, offs, config=M_SIDE)
         torch.cuda.synchronize()
         check_mm(f"tail-split/eager{trial}", y, x, w, offs)
     info = launch_info.last_launch()
@@ -149,13 +154,13 @@ def test_tail_split_replays_reset_counters():
         assert zero
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        yg = moe_gemm.grouped_mm(x, w, offs)
+        yg = moe_gemm.grouped_mm(x, w, offs, config=M_SIDE)
     for trial in range(3):
         x.copy_(torch.randn(T, K, device="cuda", dtype=torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
         check_mm(f"tail-split/graph-replay{trial}", yg, x, w, offs)
-        eager = moe_gemm.grouped_mm(x, w, offs)
+        eager = moe_gemm.grouped_mm(x, w, offs, config=M_SIDE)
         same = torch.equal(eager, yg)
         record(f"tail-split/graph-replay{trial}/eager-bitwise", same)
         assert same
@@ -177,7 +182,7 @@ def test_tail_split_switch_applies_to_next_call(monkeypatch):
             monkeypatch.delenv("MOE_GEMM_TAIL_SPLIT", raising=False)
         else:
             monkeypatch.setenv("MOE_GEMM_TAIL_SPLIT", value)
-        y = moe_gemm.grouped_mm(x, w, offs)
+        y = moe_gemm.grouped_mm(x, w, offs, config=M_SIDE)
         torch.cuda.synchronize()
         got = last_launch().choice.tail_split
         record(f"tail-split/switch={value}/applied", got == want)
@@ -351,3 +356,127 @@ def test_tail_split_lists(case, sort_by_k, dtype, out_dtype, b_layout):
     ok = trace_assignment(info) == want
     record(f"{name}/visits", ok)
     assert ok, "kernel tile visits differ from moe_gemm.schedule.tail_split_assignment"
+
+
+# Pinned splits of ping-pong tiles and of 2-CTA clusters (the split's unit is the cluster
+# tile): column-tile counts that leave a 1x2 cluster's last rank past the edge (it computes its
+# share for its peer and joins nothing), odd m-tile counts for 2x1, empty experts, 1 row.
+CLUSTER_SPLITS = {
+    "pp128x192-c1x2": dict(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=1,
+                           cluster_n=2),
+    "pp128x192-c2x1": dict(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=2,
+                           cluster_n=1),
+    "pp128x128": dict(schedule="pingpong", tile_m=128, tile_n=128, cluster_m=1, cluster_n=1),
+    "pp192x128-c1x2": dict(schedule="pingpong", tile_m=192, tile_n=128, cluster_m=1,
+                           cluster_n=2),
+    "coop128x256-c1x2": dict(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1,
+                             cluster_n=2, stages=3),
+}
+SPLIT_COUNTS = [1, 0, 700, 129, 1000, 300, 77, 0, 64]
+
+
+def cluster_split_case(pins: dict, nsm: int) -> tuple[list[int], int, int]:
+    """(expert rows, N, the launch's clusters) whose cluster tiles leave a last wave of at
+    most half the clusters (so the kernel splits it): three column tiles (a 1x2 cluster's
+    second column pair has one rank past the edge)."""
+    from moe_gemm.ops.launch_kernel import max_clusters
+
+    tm, tn, cm, cn = pins["tile_m"], pins["tile_n"], pins["cluster_m"], pins["cluster_n"]
+    size = cm * cn
+    clusters = min(max_clusters(0, size, nsm), nsm // size)
+    N = 3 * tn
+    counts = list(SPLIT_COUNTS)
+    while True:
+        units = sum(-(-c // (tm * cm)) for c in counts) * -(-N // (tn * cn))
+        if sched.tail_split_units(units, clusters, TS_K // 64) is not None:
+            return counts, N, clusters
+        counts[2] += tm * cm
+
+
+@pytest.mark.parametrize("name", list(CLUSTER_SPLITS))
+def test_tail_split_clusters_and_pingpong(name):
+    """A pinned split of ping-pong tiles or of cluster tiles: the result within the 2x rule
+    (a NaN-poisoned out fully written below offs[-1], untouched past it; an allocated one's
+    zero tail), run-to-run bitwise, the stores where schedule.tail_split_tiles puts them,
+    CUDA-graph replays on new values equal to eager calls."""
+    from moe_gemm.ops.launch_info import last_launch, trace_assignment
+    from moe_gemm.ops.mm_launch import grouped_mm_cute
+
+    pins = CLUSTER_SPLITS[name]
+    counts, N, clusters = cluster_split_case(pins, num_sms())
+    K, zero_tail = TS_K, 40
+    E, T = len(counts), sum(counts) + zero_tail
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    g = torch.Generator(device="cuda").manual_seed(43)
+    x = rand((T, K), torch.bfloat16, g)
+    w = rand((E, N, K), torch.bfloat16, g).transpose(1, 2)
+    cfg = GemmConfig(backend="cute", tail_split=True, **pins)
+    label = f"tail-split/pinned/{name}"
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out[T - zero_tail:] = 7.0
+    y = moe_gemm.grouped_mm(x, w, offs, out=out, config=cfg)
+    torch.cuda.synchronize()
+    ch = last_launch().choice
+    assert ch.tail_split and (ch.schedule, ch.tile_m, ch.tile_n, ch.cluster_m, ch.cluster_n) == (
+        pins["schedule"], pins["tile_m"], pins["tile_n"], pins["cluster_m"], pins["cluster_n"])
+    untouched = bool((y[T - zero_tail:] == 7.0).all())
+    record(f"{label}/tail-untouched", untouched)
+    assert untouched
+    check_mm(label, y[:T - zero_tail], x[:T - zero_tail], w, offs)
+    again = moe_gemm.grouped_mm(x, w, offs, out=torch.full_like(out, 3.0), config=cfg)
+    same = torch.equal(again[:T - zero_tail], y[:T - zero_tail])
+    record(f"{label}/run-to-run-bitwise", same)
+    assert same
+    # An allocated out adds the zero tail's tiles (another split): zeros past offs[-1].
+    alloc = moe_gemm.grouped_mm(x, w, offs, config=cfg)
+    zeros = bool((alloc[T - zero_tail:] == 0).all())
+    record(f"{label}/zero-tail", zeros)
+    assert zeros
+    check_mm(f"{label}/alloc", alloc[:T - zero_tail], x[:T - zero_tail], w, offs)
+    # The trace: every tile stored once, by the CTA the schedule names.
+    xs = x[:T - zero_tail]
+    grouped_mm_cute(check_grouped_mm(xs, w, offs, None, None), cfg, trace=True)
+    torch.cuda.synchronize()
+    info = last_launch()
+    assert info.num_ctas == clusters * pins["cluster_m"] * pins["cluster_n"]
+    want = sched.tail_split_tiles([(c, N) for c in counts], [K // 64] * E, pins["tile_m"],
+                                  pins["tile_n"], info.num_ctas, info.choice.swizzle,
+                                  pins["cluster_m"], pins["cluster_n"])
+    ok = trace_assignment(info) == want
+    record(f"{label}/visits", ok)
+    assert ok, "kernel tile visits differ from moe_gemm.schedule.tail_split_tiles"
+    # CUDA-graph replays on new values (the finishers reset their counters every launch).
+    check_mm(f"{label}/no-zero-tail", moe_gemm.grouped_mm(xs, w, offs, config=cfg), xs, w, offs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = moe_gemm.grouped_mm(xs, w, offs, config=cfg)
+    for trial in range(2):
+        xs.copy_(torch.randn_like(xs))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = moe_gemm.grouped_mm(xs, w, offs, config=cfg)
+        same = torch.equal(eager, yg)
+        record(f"{label}/graph-replay{trial}/eager-bitwise", same)
+        assert same
+    check_mm(f"{label}/graph-replay", yg, xs, w, offs)
+
+
+def test_tail_split_pingpong_lists():
+    """grouped_gemm's lists with a pinned ping-pong split in a 1x2 cluster (each tile's own
+    shares of its own K): every output within the 2x rule, NaN-poisoned outs fully written."""
+    from moe_gemm.ops.launch_info import last_launch
+
+    sizes = LIST_CASES["mixed-k"]
+    cfg = GemmConfig(backend="cute", schedule="pingpong", tile_m=128, tile_n=128,
+                     cluster_m=1, cluster_n=2, tail_split=True)
+    a, b = _list_operands(sizes, torch.bfloat16, "col", 31)
+    out = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+           for m, n, k in sizes]
+    res = moe_gemm.grouped_gemm(a, b, out=out, config=cfg)
+    torch.cuda.synchronize()
+    ch = last_launch().choice
+    assert ch.tail_split and ch.schedule == "pingpong" and ch.cluster_n == 2
+    for i, (ai, bi) in enumerate(zip(a, b)):
+        ref = ai.float() @ bi.float()
+        low = (ai @ bi) if ai.shape[1] else torch.zeros_like(ref).to(torch.bfloat16)
+        check(f"tail-split/pinned/lists-pp-c1x2[{i}]", res[i], ref, low, size=sizes[i])

@@ -384,6 +384,23 @@ def _tail_split_tests(v: Variants) -> None:
         v.batched(G, M, N, h.TS_K, _cfg(schedule="cooperative"), tail_split=True, cluster_m=1,
                   cluster_n=1)
     _tail_split_list_tests(v)
+    _tail_split_pinned_tests(v)
+
+
+def _tail_split_pinned_tests(v: Variants) -> None:
+    """test_tail_split_clusters_and_pingpong and test_tail_split_pingpong_lists."""
+    from .test_tail_split_gpu import CLUSTER_SPLITS, LIST_CASES, cluster_split_case
+
+    for pins in CLUSTER_SPLITS.values():
+        counts, N, _ = cluster_split_case(pins, v.nsm)
+        T, E = sum(counts), len(counts)
+        cfg = _cfg(tail_split=True, **pins)
+        for rows in (T, T + 40):
+            v.varlen(rows, E, N, h.TS_K, cfg, b_major="k")
+        v.varlen(T, E, N, h.TS_K, cfg, b_major="k", trace=True)
+    v.general(LIST_CASES["mixed-k"], _cfg(schedule="pingpong", tile_m=128, tile_n=128,
+                                          cluster_m=1, cluster_n=2, tail_split=True),
+              b_major="k")
 
 
 def _tail_split_list_tests(v: Variants) -> None:

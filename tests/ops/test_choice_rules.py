@@ -59,10 +59,13 @@ def test_general_rules_long_k_takes_three_stages_unless_pinned():
 
 
 def test_check_tail_split_refuses_what_does_not_build_it():
-    check_tail_split("cooperative", "device", 1, 1)
-    for args in (("pingpong", "device", 1, 1), ("cooperative", "host", 1, 1),
-                 ("cooperative", "device", 1, 2)):
-        with pytest.raises(ValueError, match="tail_split=True is built for"):
+    # Both schedules and every cluster build it (a cluster splits its cluster tile) ...
+    for args in (("cooperative", "device", 1, 1), ("pingpong", "device", 1, 1),
+                 ("cooperative", "device", 1, 2), ("pingpong", "device", 2, 1)):
+        check_tail_split(*args)
+    # ... on the device visitor only.
+    for args in (("cooperative", "host", 1, 1), ("pingpong", "host", 1, 1)):
+        with pytest.raises(ValueError, match="tail_split=True is built for the device visitor"):
             check_tail_split(*args)
 
 

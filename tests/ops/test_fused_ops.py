@@ -402,6 +402,19 @@ def test_fit_fused_gives_buildable_tiles(choice, gate, gather, wide):
             assert gather_rows_in_registers(fitted.schedule, fitted.tile_m, fitted.tile_n)
 
 
+@pytest.mark.parametrize("choice", [
+    _choice("pingpong", 128, 192, cn=2, tail_split=True), _choice("pingpong", 128, 128,
+                                                                  tail_split=True),
+    _choice("cooperative", 128, 256, cm=2, tail_split=True),
+])
+def test_fit_fused_runs_a_pingpong_or_clustered_split_unsplit(choice):
+    # (a tuned grouped_mm entry may pin them; the fused kernels split cooperative 1x1 only)
+    for gate, gather in ((True, False), (False, False), (True, True)):
+        assert not fit_fused(choice, gate, gather).tail_split
+    coop = _choice("cooperative", 128, 256, tail_split=True)
+    assert fit_fused(coop, True, False).tail_split
+
+
 def test_wide_gather_keeps_the_tile_below_the_heavy_accumulators():
     for choice in (_choice("pingpong", 128, 192, cm=2), _choice("cooperative", 256, 128, cm=2),
                    _choice("pingpong", 128, 160)):

@@ -85,6 +85,19 @@ def test_long_k_on_few_experts_takes_cooperative_128x128_split(monkeypatch):
     assert (pinned.tile_m, pinned.tile_n) == (128, 256) and pinned.tail_split
     split = choose_varlen(GemmConfig(tail_split=True), 1024, 8, 512, 32768, 132)
     assert _sched_tile(split) == ("cooperative", (128, 128)) and split.tail_split
+    # ... also on a pinned ping-pong tile in a pinned cluster (a tuned table's entry, too),
+    # and in grouped_gemm's lists; the rules themselves never split those.
+    for cm, cn in ((1, 2), (2, 1), (1, 1)):
+        pp = GemmConfig(schedule="pingpong", tile_m=128, tile_n=192, cluster_m=cm,
+                        cluster_n=cn, tail_split=True)
+        c = choose_varlen(pp, 4096, 8, 6144, 16384, 132)
+        assert (*_sched_tile(c), c.cluster_m, c.cluster_n, c.tail_split) == (
+            "pingpong", (128, 192), cm, cn, True)
+        c = heuristics.choose_general(pp, ((512, 1024, 8192),) * 3, 132)
+        assert (*_sched_tile(c), c.cluster_m, c.cluster_n, c.tail_split) == (
+            "pingpong", (128, 192), cm, cn, True)
+    assert not choose_varlen(GemmConfig(schedule="pingpong", cluster_m=1, cluster_n=2),
+                             4096, 8, 6144, 16384, 132).tail_split
     # Without the split (pinned off or switched off): the narrow tile, one short wave.
     off = choose_varlen(GemmConfig(tail_split=False), 1024, 8, 512, 32768, 132)
     assert _sched_tile(off) == ("cooperative", (128, 64)) and not off.tail_split

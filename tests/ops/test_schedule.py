@@ -474,6 +474,47 @@ def test_tail_split_assignment_mixtral() -> None:
     assert tail_split_assignment(counts, [8] * 8, 132) == linear_assignment(counts, 132)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_tail_split_tiles_clusters(seed: int) -> None:
+    """The cluster form of the split's Python truth: every tile of every problem stored once
+    (none past an edge); 1x1 is tail_split_assignment mapped to tile coordinates; a cluster
+    whose last wave is not split stores what cta_tiles says; a split one stores each cluster
+    tile's tiles on the CTAs of one cluster (ranks in order)."""
+    from moe_gemm.ops.schedule import (
+        cta_tiles,
+        tail_split_assignment,
+        tail_split_tiles,
+        tail_split_units,
+    )
+
+    rng = random.Random(seed)
+    num_ctas = rng.choice([16, 66, 132])
+    tm, tn = rng.choice([(128, 192), (128, 128), (192, 128), (128, 256)])
+    cm, cn = rng.choice([(1, 1), (1, 2), (2, 1)])
+    sizes = [(rng.choice([0, 1, 64, 129, 300, 700]), rng.choice([1, 2, 3, 5]) * tn)
+             for _ in range(rng.randint(1, 12))]
+    k = rng.choice([8, 16, 64, 256])
+    swizzle = rng.choice([0, 2, 8])
+    got = tail_split_tiles(sizes, [k] * len(sizes), tm, tn, num_ctas, swizzle, cm, cn)
+    assert len(got) == num_ctas
+    stored = Counter(t for cta in got for t in cta)
+    every = Counter((p, mt, nt) for p, (m, n) in enumerate(sizes)
+                    for mt in range(ceil_div(m, tm)) for nt in range(ceil_div(n, tn)))
+    assert stored == every
+    size = cm * cn
+    units = sum(ceil_div(m, tm * cm) * ceil_div(n, tn * cn) for m, n in sizes)
+    if tail_split_units(units, num_ctas // size, k) is None:
+        assert got == cta_tiles(sizes, tm, tn, num_ctas, swizzle, cm, cn)
+    if size == 1:
+        counts = [ceil_div(m, tm) * ceil_div(n, tn) for m, n in sizes]
+        owners = tail_split_assignment(counts, [k] * len(sizes), num_ctas).per_cta
+        assert got == [[(p, *tile_coord(j, ceil_div(sizes[p][0], tm), ceil_div(sizes[p][1], tn),
+                                        swizzle)) for p, j in cta] for cta in owners]
+    for c in range(0, num_ctas, size):  # a cluster's CTAs store the same cluster tiles
+        peers = [[(p, mt // cm, nt // cn) for p, mt, nt in got[c + r]] for r in range(size)]
+        assert all(set(q) <= set(peers[0]) or set(peers[0]) <= set(q) for q in peers)
+
+
 def test_even_row_span_splits_each_expert_into_near_equal_tiles() -> None:
     split = even_row_split
     assert split(0) == [] and split(1) == [16] and split(16) == [16] and split(17) == [32]

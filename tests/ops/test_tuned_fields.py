@@ -34,12 +34,14 @@ def test_validation():
     for name in ("tail_split", "whole_epilogue"):
         with pytest.raises(TypeError, match=name):
             GemmConfig(**{name: 1})
-    with pytest.raises(ValueError, match="tail_split=True is built for the cooperative"):
-        GemmConfig(tail_split=True, schedule="pingpong")
-    with pytest.raises(ValueError, match="tail_split=True is built for the cooperative"):
+    with pytest.raises(ValueError, match="tail_split=True is built for the device visitor"):
         GemmConfig(tail_split=True, visitor="host")
-    with pytest.raises(ValueError, match="1x1 cluster"):
-        GemmConfig(tail_split=True, cluster_m=2, cluster_n=1)
+    # Ping-pong tiles and 2-CTA clusters build it (a cluster splits its cluster tile) ...
+    GemmConfig(tail_split=True, schedule="pingpong", tile_m=128, tile_n=192)
+    GemmConfig(tail_split=True, cluster_m=2, cluster_n=1)
+    # ... but under schedule="auto" a split pins the cooperative schedule's tiles.
+    with pytest.raises(ValueError, match="tail_split=True is built for the cooperative"):
+        GemmConfig(tail_split=True, tile_m=64, tile_n=256)
     with pytest.raises(ValueError, match="whole_epilogue=True is built for the cooperative"):
         GemmConfig(whole_epilogue=True, schedule="pingpong")
     # False is always fine, and the configs stay hashable and comparable.

@@ -71,11 +71,14 @@ def test_stage2_varies_one_field_and_only_what_builds():
     (rv,) = [v for v in variants if v.get("raster_along")]
     assert space.name_of(rv) == "coop 128x256 p8ns"
     assert space.config_of(rv).raster_along == "n" and space.config_of(rv).raster_serpentine
-    # A clustered parent never gets a tail split; ping-pong never a whole epilogue; fp32
-    # output never a whole epilogue; general lists get visitor and K-sort besides.
+    # A clustered parent and a ping-pong one get a tail split too (the split's unit is then
+    # the cluster tile); ping-pong never a whole epilogue; fp32 output never a whole
+    # epilogue; general lists get visitor and K-sort besides.
     clustered = {**parent, "cluster_m": 2}
-    assert not any(v.get("tail_split") for v in space.stage2(clustered, "varlen"))
+    assert [space.name_of(v) for v in space.stage2(clustered, "varlen")
+            if v.get("tail_split")] == ["coop 128x256 c2x1 p8 ts"]
     pp = next(f for f in space.stage1("varlen") if f["schedule"] == "pingpong")
+    assert any(v.get("tail_split") for v in space.stage2(pp, "varlen"))
     assert not any(v.get("whole_epilogue") for v in space.stage2(pp, "varlen"))
     assert not any(v.get("whole_epilogue") for v in space.stage2(parent, "varlen", 4))
     gen_parent = next(f for f in space.stage1("general") if f["schedule"] == "cooperative")

@@ -95,7 +95,7 @@ def test_timing_defaults_to_graphs_and_takes_eager(capsys):
     ("coop 128x256 c2x2", "cluster 2x2 is not supported"),
     ("coop 128x256 s99", "stages must be between 2 and 12"),
     ("coop 128x256 p0", "cannot read 'p0' (expected a positive count)"),
-    ("coop 128x256 c1x2 ts", "tail_split=True is built for the 1x1 cluster only"),
+    ("coop 128x256 ts host", "tail_split=True is built for the device visitor"),
     ("coop 128x256 ksort", "'host' and 'ksort' are for --form general"),
     ("pp 128x192 host", "'host' and 'ksort' are for --form general"),
 ])

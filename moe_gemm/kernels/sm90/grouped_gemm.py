@@ -46,10 +46,10 @@ Warp roles (384 threads = 3 warpgroups):
   problem in lockstep; a CTA past the problem's edge loads its half of the shared operand and
   computes, but stores nothing.
 
-Tail split (compile-time `tail_split`, `split_ways`; cooperative, device visitor, 1x1
-cluster, general, varlen and batched forms; tail_split.py): a last wave that fills at most
-half the grid runs each tile as up to `split_ways` shares of K on as many CTAs, joined
-through fp32 workspace slots.
+Tail split (compile-time `tail_split`, `split_ways`; both schedules, any cluster, device
+visitor, general, varlen and batched forms; tail_split.py): a last wave that fills at most
+half the grid runs each tile (cluster tile) as up to `split_ways` shares of K on as many CTAs
+(clusters), joined through fp32 workspace slots.
 
 Trimmed A loads (compile-time `trim_a`; varlen form, A loaded by TMA: no gather-A;
 trimmed_a.py): an expert's last tile loads only its expert's rows of A, rounded up to 16, as
@@ -143,7 +143,8 @@ EVICT_FIRST = 0x12F0000000000000
 EVICT_LAST = 0x14F0000000000000
 
 # Named barrier ids (0 is __syncthreads). Each role owns its ids: epilogue.BAR_EPI (2, 3),
-# the ping-pong mainloop order (4, 5), tail_split.BAR_SPLIT (6).
+# the ping-pong mainloop order (4, 5), tail_split.BAR_SPLIT (6; ping-pong's second
+# warpgroup 8), swapped_fused.BAR_GATED_STORE (7).
 BAR_MMA_ORDER = 4  # + warpgroup index: pingpong "your mainloop may start" tokens
 
 
@@ -337,10 +338,9 @@ class GroupedGemmSm90:
         if not 2 <= split_ways <= 16:
             raise ValueError(f"split_ways must be 2 to 16; got {split_ways!r}")
         self.split_ways = split_ways
-        if tail_split and (schedule != "cooperative" or visitor != "device"
-                           or self.cluster_size > 1 or form == "masked"):
+        if tail_split and (visitor != "device" or form == "masked"):
             raise ValueError("the tail split is built for the general, varlen and batched "
-                             "forms, cooperative schedule, device visitor and 1x1 cluster")
+                             "forms and the device visitor")
         self.tail_split = tail_split
         # Row counts (varlen form): offs holds each expert's row count and expert p's rows
         # start at p * (T / E), the masked layout seen as one (E * M, K) x (problems.py).
@@ -1014,10 +1014,10 @@ class GroupedGemmSm90:
                 kind = work.kind()
                 live = tail.live_rows(acc_coords[0][0], work)
                 if kind == ROLE_PUBLISH:
-                    tail.publish(acc, run.workspace, work.role, mma_tidx, live)
+                    tail.publish(acc, run.workspace, work.role, mma_tidx, live, math_wg)
                     role = Int32(ROLE_SKIP)
                 if kind == ROLE_FINISH:
-                    tail.absorb(acc, run.workspace, work.role, mma_tidx, live)
+                    tail.absorb(acc, run.workspace, work.role, mma_tidx, live, math_wg)
             if role != ROLE_SKIP:  # (always, without a cluster or a tail split)
                 self.epi.store(frags, sD, tma.atom_d, tma.tma_d, problems, work, ring, epi_group,
                                epi_bar_id, epi_threads, is_store_warp, tiles_done)

@@ -18,6 +18,14 @@ slot and bumps the tile's counter (release); the finisher waits for w - 1 on the
 (acquire), adds the partials into its own accumulators in share order (the sum does not
 depend on timing), stores the tile and resets the counter to 0 for the next launch.
 `moe_gemm.ops.schedule.tail_split_assignment` is the Python truth.
+
+Clusters and ping-pong: under a 2-CTA cluster the unit of the split is the cluster tile (T
+counts cluster tiles, `grid` clusters), so both CTAs of a cluster run the same share of K
+(their multicast loads stay paired) and each publishes or finishes its own tile: tail tile
+i's CTA of rank r joins through counter and slots 2 * i + r (a rank past the problem's edge
+computes its share for its peer and joins nothing). In ping-pong each warpgroup owns its
+tiles, so a tile's handoff is one warpgroup's (its own named barrier, 128 threads).
+`moe_gemm.ops.schedule.tail_split_tiles` is the Python truth for those.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 
 from .constants import (
     DESC_RING,
@@ -36,13 +44,18 @@ from .constants import (
     SPLIT_MIN_K_TILES,
     SPLIT_PART_K_TILES,
 )
-from .tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, WorkTile
+from .tile_scheduler import ROLE_FINISH, ROLE_PUBLISH, ROLE_SKIP, WorkTile
 
-BAR_SPLIT = 6  # named barrier: both math warpgroups, around the partial-tile handoff
+# Named barriers around the partial-tile handoff: both math warpgroups (cooperative), or each
+# warpgroup its own (ping-pong: 6 and 8; 7 is the gated swapped epilogue's, 4 and 5 the
+# ping-pong mainloop order's).
+BAR_SPLIT = 6
+BAR_SPLIT_WG1 = 8
 
 # WorkTile.role above its 2 kind bits: the tail tile (its counter), the share, the tile's
 # ways (how many shares its finisher waits for) and the launch's (the stride of the tail
-# tiles' partial slots). (rem <= SPLIT_MAX_CTAS / 2 = 128 tail tiles, ways <= 16.)
+# tiles' partial slots). (rem <= SPLIT_MAX_CTAS / 2 = 128 tail tiles, or 2 per cluster tile
+# of rem <= SPLIT_MAX_CTAS / 4 clusters; ways <= 16.)
 TAIL_SHIFT, SHARE_SHIFT, WAYS_SHIFT, STRIDE_SHIFT = 2, 10, 15, 20
 TAIL_MASK, SHARE_MASK, WAYS_MASK, STRIDE_MASK = 0xFF, 0x1F, 0x1F, 0x1F
 
@@ -66,14 +79,16 @@ def split_role(kind: int, tail_i: Int32, share: Int32, ways: Int32, stride: Int3
 class TailSplit:
     """(Frozen: read-only inside the DSL's dynamic loops, see problems.Problems.)"""
 
-    cfg: object  # the kernel: tile_m, tile_n, threads_per_wg, split_ways
+    cfg: object  # the kernel: tile, cluster_size, pingpong, threads_per_wg, split_ways
 
     # -- scheduler warp ------------------------------------------------------------------------
 
     @cute.jit
     def plan(self, total: Int32, grid: Int32, k_tiles: Int32) -> SplitPlan:
-        """k_tiles: the deepest problem's k-iterations (Problems.split_depth: the varlen and
-        batched forms share one K; in the general form each tile's shares divide its own)."""
+        """total: the launch's tiles (cluster tiles under a cluster), grid: its CTAs
+        (clusters); k_tiles: the deepest problem's k-iterations (Problems.split_depth: the
+        varlen and batched forms share one K; in the general form each tile's shares divide
+        its own)."""
         full = (total // grid) * grid
         rem = total - full
         ways = Int32(1)
@@ -109,13 +124,16 @@ class TailSplit:
         return lin, share, tail_i
 
     @cute.jit
-    def split_k(self, work: WorkTile, share: Int32, tail_i: Int32, plan: SplitPlan
-                ) -> WorkTile:
+    def split_k(self, work: WorkTile, share: Int32, tail_i: Int32, plan: SplitPlan,
+                rank: Int32) -> WorkTile:
         """The unit's share of K and role. The tile takes min(the launch's ways, its own
         k_tiles // SPLIT_PART_K_TILES, at least 2) shares (the same as the launch's where
         every problem has one K; in the general form a shallower tile takes fewer, each
         share keeping ~1024 of K): a share past them, or past the first of a tile too short
-        to split (whose first share's CTA computes it whole), ends its CTA's work."""
+        to split (whose first share's CTA computes it whole), ends its CTA's work. rank: the
+        CTA's in its cluster (0 without one): its tile's counter and slots are tail tile
+        tail_i's rank-th; a rank that stores nothing (past the problem's edge) keeps
+        ROLE_SKIP and computes its share for its peer."""
         problem = work.problem
         k_tiles = work.k_tiles
         k_start = work.k_start
@@ -123,16 +141,18 @@ class TailSplit:
         if share != 0:
             p = share - 1
             ways = cutlass.min(plan.ways, cutlass.max(k_tiles // SPLIT_PART_K_TILES, Int32(2)))
+            tile_i = tail_i * self.cfg.cluster_size + rank
             if k_tiles >= SPLIT_MIN_K_TILES:
                 if p < ways:
                     lo = k_tiles * p // cutlass.max(ways, Int32(1))
                     hi = k_tiles * (p + 1) // cutlass.max(ways, Int32(1))
                     k_start = lo
                     k_tiles = hi - lo
-                    if share == ways:
-                        role = split_role(ROLE_FINISH, tail_i, p, ways, plan.ways)
-                    else:
-                        role = split_role(ROLE_PUBLISH, tail_i, p, ways, plan.ways)
+                    if role != ROLE_SKIP:
+                        if share == ways:
+                            role = split_role(ROLE_FINISH, tile_i, p, ways, plan.ways)
+                        else:
+                            role = split_role(ROLE_PUBLISH, tile_i, p, ways, plan.ways)
                 else:
                     problem = Int32(-1)
             elif share != 1:
@@ -167,18 +187,34 @@ class TailSplit:
         return cute.make_ptr(Int32, base + Int64(tail_i) * 4, cute.AddressSpace.gmem,
                              assumed_align=4)
 
+    def _threads(self) -> int:
+        """The math threads that hold one tile: one warpgroup (ping-pong) or both."""
+        return self.cfg.threads_per_wg * (1 if self.cfg.pingpong else 2)
+
+    @cute.jit
+    def _join(self, math_wg: Int32):
+        """The tile's math threads meet (a named barrier of their own). The ping-pong id is
+        computed, not branched on: a barrier in a branch on the warpgroup made ptxas see the
+        accumulator writes after it as divergent and serialize every WGMMA of the kernel
+        (C7520; the 1x2 ping-pong 128x192 split ran 0.62x the unsplit kernel, H100)."""
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=BAR_SPLIT + (BAR_SPLIT_WG1 - BAR_SPLIT) * math_wg,
+                              number_of_threads=self._threads())
+        else:
+            cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=self._threads())
+
     @cute.jit
     def _partial_tensor(self, acc: cute.Tensor, workspace: cute.Tensor, slot: Int32
                         ) -> cute.Tensor:
         """Partial slot `slot` as (accumulator index, math thread): each thread's fragment
-        element i at i * 256 + thread, so a warp's stores and loads of one element are one
-        128-byte line."""
+        element i at i * (the tile's threads) + thread, so a warp's stores and loads of one
+        element are one 128-byte line."""
         cfg = self.cfg
         grid, _, _ = cute.arch.grid_dim()
         base = workspace.iterator.toint() + Int64(grid) * (DESC_RING * SLOT_BYTES)
         partial = base + SPLIT_COUNTER_BYTES + Int64(slot) * (cfg.tile_m * cfg.tile_n * 4)
         n = cute.size(acc)
-        threads = 2 * cfg.threads_per_wg
+        threads = self._threads()
         return cute.make_tensor(
             cute.make_ptr(cutlass.Float32, partial, cute.AddressSpace.gmem, assumed_align=16),
             cute.make_layout((n, threads), stride=(threads, 1)),
@@ -186,25 +222,26 @@ class TailSplit:
 
     @cute.jit
     def publish(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32,
-                live: cutlass.Boolean):
+                live: cutlass.Boolean, math_wg: Int32):
         """A publishing share: fp32 accumulators to its slot (tail tile i's shares take slots
         i * (the launch's ways - 1) + share), then counter += 1 (release: every math thread's
         stores are fenced and joined at a barrier first). live: whether any of this thread's
-        rows is one the tile stores (`live_rows`); a thread of none writes nothing."""
+        rows is one the tile stores (`live_rows`); a thread of none writes nothing. mma_tidx:
+        the thread's index among the tile's math threads; math_wg: its warpgroup."""
         tail_i, share, _, stride = self._fields(role)
         part = self._partial_tensor(acc, workspace, tail_i * (stride - 1) + share)
         if live:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 part[i, mma_tidx] = acc[i]
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.cfg.threads_per_wg)
+        self._join(math_wg)
         if mma_tidx == 0:
             cute.arch.atomic_add(self._counter(workspace, tail_i), Int32(1), sem="release",
                                  scope="gpu")
 
     @cute.jit
     def absorb(self, acc: cute.Tensor, workspace: cute.Tensor, role: Int32, mma_tidx: Int32,
-               live: cutlass.Boolean):
+               live: cutlass.Boolean, math_wg: Int32):
         """The finishing share: wait until all ways - 1 publishers counted (acquire), add
         their partials into acc in share order (where `live`: the publishers wrote the same
         threads' slots), reset the counter to 0 for the next launch."""
@@ -214,7 +251,7 @@ class TailSplit:
             seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
             while seen < ways - 1:
                 seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
-        cute.arch.barrier(barrier_id=BAR_SPLIT, number_of_threads=2 * self.cfg.threads_per_wg)
+        self._join(math_wg)
         cute.arch.fence_acq_rel_gpu()
         if live:
             for q in cutlass.range(ways - 1):

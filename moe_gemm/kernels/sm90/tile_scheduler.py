@@ -219,16 +219,18 @@ class TileScheduler:
 
     @cute.jit
     def count_all(self, lane: Int32) -> Int32:
-        """Every problem's tiles, summed by the warp (the tail split's plan needs the total)."""
+        """Every problem's units of work (tiles, or cluster tiles under a cluster), summed by
+        the warp (the tail split's plan needs the total)."""
         cfg = self.cfg
+        unit_m = cfg.tile_m * cfg.cluster_m
+        unit_n = cfg.tile_n * cfg.cluster_n
         total = Int32(0)
         if const_expr(self.problems.uniform):
-            total = self.problems.num_problems * self.problems.tiles_each(cfg.tile_m,
-                                                                            cfg.tile_n)
+            total = self.problems.num_problems * self.problems.tiles_each(unit_m, unit_n)
         else:
             p0 = Int32(0)
             while p0 < self.problems.num_problems:
-                cnt = self.problems.tile_count(p0 + lane, cfg.tile_m, cfg.tile_n)
+                cnt = self.problems.tile_count(p0 + lane, unit_m, unit_n)
                 total = total + cute.arch.shuffle_sync(warp_inclusive_sum(cnt, lane), WARP - 1)
                 p0 = p0 + WARP
         return total
@@ -271,8 +273,8 @@ class TileScheduler:
             plan = self.tail.plan(self.count_all(lane), grid,
                                   ceil_div_i32(problems.split_depth(lane), cfg.tile_k))
         while working:
-            lin = t  # the linear tile this record computes (all of it, or a share of its K)
-            share = Int32(0)  # tail split: 0 whole tile, s >= 1 share s - 1 of tail tile tail_i
+            lin = t  # the linear unit this record computes (all of it, or a share of its K)
+            share = Int32(0)  # tail split: 0 whole unit, s >= 1 share s - 1 of tail unit tail_i
             tail_i = Int32(0)
             if const_expr(self.tail is not None):
                 lin, share, tail_i = self.tail.unit(plan, t)
@@ -295,12 +297,11 @@ class TileScheduler:
             if problem >= 0:
                 rows, cols, depth, row_start = problems.dims(problem)
                 expert_rows = rows
-                m_tile, n_tile, role = self._tile_of(lin - start, t - start, rows, cols,
-                                                     rank, raster)
+                m_tile, n_tile, role = self._tile_of(lin - start, rows, cols, rank, raster)
                 work = WorkTile(problem, m_tile, n_tile, ceil_div_i32(depth, cfg.tile_k),
                                 row_start, role, records % DESC_RING, 0, rows)
                 if const_expr(self.tail is not None):
-                    work = self.tail.split_k(work, share, tail_i, plan)
+                    work = self.tail.split_k(work, share, tail_i, plan, rank)
             if work.problem < 0:
                 working = False
             sched_pipe.producer_acquire(state)
@@ -328,10 +329,9 @@ class TileScheduler:
         sched_pipe.producer_tail(state)
 
     @cute.jit
-    def _tile_of(self, local: Int32, local_unit: Int32, rows: Int32, cols: Int32, rank: Int32,
-                 raster: Int32):
-        """(m_tile, n_tile, role) of this CTA's tile: local is the tile's index in its problem
-        (1x1), local_unit the cluster tile's (clusters)."""
+    def _tile_of(self, local: Int32, rows: Int32, cols: Int32, rank: Int32, raster: Int32):
+        """(m_tile, n_tile, role) of this CTA's tile: local is the unit's index in its problem
+        (the tile's, or under a cluster the cluster tile's)."""
         cfg = self.cfg
         tiles_m = ceil_div_i32(rows, cfg.tile_m)
         tiles_n = ceil_div_i32(cols, cfg.tile_n)
@@ -341,7 +341,7 @@ class TileScheduler:
         if const_expr(cfg.cluster_size > 1):
             units_m = ceil_div_i32(rows, cfg.tile_m * cfg.cluster_m)
             units_n = ceil_div_i32(cols, cfg.tile_n * cfg.cluster_n)
-            m_unit, n_unit = raster_tile(local_unit, units_m, units_n, raster)
+            m_unit, n_unit = raster_tile(local, units_m, units_n, raster)
             m_tile = m_unit * cfg.cluster_m
             n_tile = n_unit * cfg.cluster_n
             if const_expr(cfg.cluster_m > 1):
