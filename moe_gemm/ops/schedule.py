@@ -159,6 +159,16 @@ def cta_tiles(
     units = [ceil_div(m, tile_m * cluster_m) * ceil_div(n, tile_n * cluster_n)
              for m, n in sizes_mn]
     owners = linear_assignment(units, num_ctas // size).per_cta
+    return _cluster_ranks(owners, sizes_mn, tile_m, tile_n, num_ctas, swizzle, cluster_m,
+                          cluster_n)
+
+
+def _cluster_ranks(owners, sizes_mn: Sequence[tuple[int, int]], tile_m: int, tile_n: int,
+                   num_ctas: int, swizzle: int, cluster_m: int, cluster_n: int
+                   ) -> list[list[tuple[int, int, int]]]:
+    """Per CTA, the (problem, m_tile, n_tile) it stores, from each cluster's (problem, cluster
+    tile) list: its CTA of rank r takes the rank's tile, none past the problem's edge."""
+    size = cluster_m * cluster_n
     out: list[list[tuple[int, int, int]]] = [[] for _ in range(num_ctas)]
     for c, cluster in enumerate(owners):
         for p, local in cluster:
@@ -344,17 +354,8 @@ def tail_split_tiles(
                 for m, n in sizes_mn]
     owners = tail_split_assignment([um * un for um, un in units_mn], k_tiles,
                                    num_ctas // size, max_ways).per_cta
-    out: list[list[tuple[int, int, int]]] = [[] for _ in range(num_ctas)]
-    for c, cluster in enumerate(owners):
-        for p, local in cluster:
-            m, n = sizes_mn[p]
-            mu, nu = tile_coord(local, *units_mn[p], swizzle)
-            for rank in range(size):
-                mt = mu * cluster_m + (rank if cluster_m > 1 else 0)
-                nt = nu * cluster_n + (rank if cluster_n > 1 else 0)
-                if mt < ceil_div(m, tile_m) and nt < ceil_div(n, tile_n):
-                    out[c * size + rank].append((p, mt, nt))
-    return out
+    return _cluster_ranks(owners, sizes_mn, tile_m, tile_n, num_ctas, swizzle, cluster_m,
+                          cluster_n)
 
 
 # ---------------------------------------------------------------------------------------------
