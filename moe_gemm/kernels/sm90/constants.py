@@ -31,12 +31,13 @@ DESC_RING = 2 * SCHED_STAGES
 SLOT_BYTES = 3 * DESC_BYTES  # a ring slot: the record's A, B and D descriptors
 SLOT_INTS = SLOT_BYTES // 8  # the same in the int64 workspace
 
-# Tail split (cooperative, device visitor, 1x1 cluster; compile-time): when the last wave of
-# tiles fills at most half the grid, each of its tiles is computed by several CTAs (`ways`),
-# each over a share of K. The lower shares (launched first) write their fp32 accumulators to
-# workspace slots and bump the tile's counter; the last one adds them to its own and runs the
-# epilogue. The last wave then takes ~1/ways of a tile's time (mixtral, 56.4 waves of 128x256
-# tiles: ~1%; a launch of 16 tiles on 132 SMs: most of its time).
+# Tail split (device visitor, compile-time; both schedules, and per cluster tile under a 2-CTA
+# cluster): when the last wave of tiles fills at most half the grid, each of its tiles is
+# computed by several CTAs (`ways`), each over a share of K. The lower shares (launched
+# first) write their fp32 accumulators to workspace slots and bump the tile's counter; the
+# last one adds them to its own and runs the epilogue. The last wave then takes ~1/ways of a
+# tile's time (mixtral, 56.4 waves of 128x256 tiles: ~1%; a launch of 16 tiles on 132 SMs:
+# most of its time).
 SPLIT_MIN_K_TILES = 16  # below this a half tile saves less than the 2 x 128 KiB fixup costs
 # A share of fewer k-tiles than this (1024 of K) costs about as much in its fixup (the
 # finisher reads each partial, 128 KiB for 128x256) as it saves: ways <= k_tiles / 16.
