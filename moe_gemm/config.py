@@ -104,8 +104,9 @@ class GemmConfig:
             cluster it splits those tiles (a cluster's two CTAs share out K alike; the fused
             MoE kernels and FP8 run cooperative 1x1 splits only, else unsplit); in
             grouped_gemm's lists the deepest problem sizes the split and a shallower tile
-            takes fewer shares, each keeping ~1024 of K). None = heuristic. The split adds fp32 partial sums in a fixed order
-            (run to run bitwise), so results may differ from an unsplit run in the last bit.
+            takes fewer shares, each keeping ~1024 of K). None = heuristic. The split adds
+            fp32 partial sums in a fixed order (run to run bitwise), so results may differ
+            from an unsplit run in the last bit.
             MOE_GEMM_TAIL_SPLIT=0 turns it off everywhere, pinned or not (it relies on the
             whole persistent grid being resident: see choice_switches.tail_split_enabled).
         whole_epilogue: stage a whole output tile in shared memory and store it with two

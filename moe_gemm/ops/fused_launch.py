@@ -138,7 +138,7 @@ def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
         # 1x1 tiles only; a ping-pong or clustered split (grouped_mm's) runs unsplit here.
         choice = dataclasses.replace(choice, tail_split=False)
     schedule, tm, tn = choice.schedule, choice.tile_m, choice.tile_n
-    cm, cn = choice.cluster_m, choice.cluster_n
+    cn = choice.cluster_n
     if gate and tn % 32:
         tn -= tn % 32  # 208 -> 192
     if heavy_epilogue and acc_regs(schedule, tm, tn) > FUSED_MAX_ACC_REGS:
@@ -157,8 +157,7 @@ def fit_fused(choice: KernelChoice, gate: bool, gather: bool,
         return dataclasses.replace(choice, visitor="device")
     # A new tile: the stage count and the whole-tile epilogue were chosen for the old one.
     return dataclasses.replace(choice, visitor="device", tile_m=tm, tile_n=tn, cluster_n=cn,
-                               stages=None, epi_whole=False,
-                               tail_split=choice.tail_split and cm * cn == 1)
+                               stages=None, epi_whole=False)
 
 
 def _same_tile(a: KernelChoice, b: KernelChoice) -> bool:
