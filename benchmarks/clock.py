@@ -1,11 +1,14 @@
 """Timing callables on one device: CUDA events on a GPU, perf_counter on the CPU.
 
-Three measurements (benchmarks/README.md says which number is which):
+Four measurements (benchmarks/README.md says which number is which):
 - `single`: one call with the GPU idle before it (what a call costs a caller, launch gap
   included);
 - `back_to_back`: N calls queued behind a `torch.cuda._sleep` backlog between two events,
   divided by N: GPU time with the host's enqueue hidden (for kernels under ~100 us,
   per-launch events mostly time the launch gap);
+- `queued`: one call queued behind a backlog between two events: the GPU time of that one
+  call, from its first launch to its last kernel's end, with the host's enqueue hidden (no
+  overlap with a neighbour's launch, as back-to-back calls have);
 - `host_ms`: CPU time of one call, no synchronisation inside the timed region.
 """
 
@@ -52,13 +55,42 @@ class Clock:
         if self.cuda and hasattr(torch.cuda, "_sleep"):
             rest(self.device, min(ms, MAX_BACKLOG_MS))
 
-    def single(self, fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
-        """ms of one call each rep, the device idle before it (launch gap included)."""
+    def single(self, fns: Sequence[Callable[[], object]], reps: int,
+               host: list[float] | None = None) -> list[float]:
+        """ms of one call each rep, the device idle before it (launch gap included); `host`,
+        if given, gets the CPU ms of each of those calls (the call alone, after the sync)."""
         samples = []
         for r in range(reps):
             fn = fns[r % len(fns)]
             self.sync()
             if self.cuda:
+                start, end = self._events()
+                start.record()
+                t0 = time.perf_counter()
+                fn()
+                if host is not None:
+                    host.append((time.perf_counter() - t0) * 1e3)
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+                if host is not None:
+                    host.append(samples[-1])
+        return samples
+
+    def queued(self, fns: Sequence[Callable[[], object]], reps: int, backlog_ms: float
+               ) -> list[float]:
+        """ms of one call each rep, enqueued while the GPU works off a backlog of `backlog_ms`
+        (longer than the call's host time), so the events see the GPU's own time for it."""
+        samples = []
+        for r in range(reps):
+            fn = fns[r % len(fns)]
+            self.sync()
+            if self.cuda:
+                self.backlog(backlog_ms)
                 start, end = self._events()
                 start.record()
                 fn()

@@ -17,11 +17,18 @@ machine has:
 
 Per case: `cpu_us`, time.perf_counter around one call without synchronising (median of many,
 the GPU synchronised every 16 calls outside the timed region so the launch queue never
-fills); `single_us`, CUDA events around one call with the GPU idle; `gpu_us`, the
-back-to-back time behind a GPU backlog (the kernel alone); `launch_gap_us = single_us -
-gpu_us`, the time from the call to its kernel starting. `checks` holds the targets: our
-grouped_mm at or below torch's in CPU time and gap (2-D and 3-D), a repeated plan call at most
-10 us of CPU, grouped_gemm on 256 problems at most 250 us of CPU.
+fills); `single_us`, CUDA events around one call with the GPU idle (`single_cpu_us`: that
+call's own CPU time, right after the synchronisation); `queued_us`, events around
+one call enqueued behind a GPU backlog (the call's own GPU time, its launches' processing on
+the GPU included, the host's enqueue hidden); `gpu_us`, the back-to-back time per call behind
+a backlog (successive launches overlap there); `launch_gap_us = single_us - queued_us`, the
+time the host adds between the call and its kernels running (about `single_cpu_us` where the
+call's kernels are launched at its end; a call that launches a small kernel early, as torch's
+grouped_mm does, shows less); `gap_b2b_us = single_us -
+gpu_us`, the same gap taken against back-to-back time (it also counts the GPU's launch
+processing that back-to-back calls overlap, which differs between kernels). `checks` holds
+the targets: our grouped_mm at or below torch's in CPU time and in both gaps (2-D and 3-D), a
+repeated plan call at most 10 us of CPU, grouped_gemm on 256 problems at most 250 us of CPU.
 """
 
 from __future__ import annotations
@@ -124,11 +131,14 @@ def build_cases(device: torch.device, smoke: bool, seed: int = 0
 ROUNDS = 6  # each measurement is taken in this many interleaved rounds over all cases
 
 
-def _summary(cpu: list[float], single: list[float], b2b: list[float]) -> dict[str, float]:
+def _summary(cpu: list[float], single: list[float], queued: list[float], b2b: list[float],
+             single_cpu: list[float]) -> dict[str, float]:
     return {"cpu_us": median(cpu) * 1e3, "cpu_us_p10": quantile(cpu, 0.1) * 1e3,
             "cpu_us_p90": quantile(cpu, 0.9) * 1e3, "single_us": median(single) * 1e3,
-            "gpu_us": median(b2b) * 1e3,
-            "launch_gap_us": (median(single) - median(b2b)) * 1e3}
+            "single_cpu_us": median(single_cpu) * 1e3,
+            "queued_us": median(queued) * 1e3, "gpu_us": median(b2b) * 1e3,
+            "launch_gap_us": (median(single) - median(queued)) * 1e3,
+            "gap_b2b_us": (median(single) - median(b2b)) * 1e3}
 
 
 def measure_cases(clock: Clock, cases: dict[str, Callable[[], object]], reps: int, iters: int,
@@ -160,8 +170,7 @@ def measure_cases(clock: Clock, cases: dict[str, Callable[[], object]], reps: in
     rounds = 2 if smoke else ROUNDS
     share_iters, share_reps = max(1, iters // rounds), max(1, -(-reps // rounds))
     calls = 1 if smoke else 200
-    samples: dict[str, tuple[list[float], list[float], list[float]]] = {
-        name: ([], [], []) for name in live}
+    samples: dict[str, tuple[list[float], ...]] = {name: ([], [], [], [], []) for name in live}
     for r in range(rounds):
         names = list(live)
         order = names[r % len(names):] + names[:r % len(names)] if names else []
@@ -173,11 +182,18 @@ def measure_cases(clock: Clock, cases: dict[str, Callable[[], object]], reps: in
         for name in order:
             if name in live:
                 attempt(name, lambda: samples[name][1].extend(
-                    clock.single([live[name]], share_reps)))
+                    clock.single([live[name]], share_reps, host=samples[name][4])))
+        for name in order:
+            if name in live:
+                # (a backlog several times the call's host time, so its launches are all
+                # queued before the GPU reaches them)
+                backlog = median(samples[name][0]) * 4 + 0.05
+                attempt(name, lambda: samples[name][2].extend(
+                    clock.queued([live[name]], share_reps, backlog)))
         for name in order:
             if name in live:
                 backlog = median(samples[name][0]) * calls * 1.25 + 0.1
-                attempt(name, lambda: samples[name][2].extend(
+                attempt(name, lambda: samples[name][3].extend(
                     clock.back_to_back([live[name]], share_reps, calls, backlog)))
     for name in live:
         entries[name] = _summary(*samples[name])
@@ -192,7 +208,7 @@ def checks(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for label, ours, theirs in (("grouped_mm 2-D", OURS_MM2, TORCH_MM2),
                                 ("grouped_mm 3-D", OURS_MM3, TORCH_MM3)):
-        for field in ("cpu_us", "launch_gap_us"):
+        for field in ("cpu_us", "launch_gap_us", "gap_b2b_us"):
             v, t = get(ours, field), get(theirs, field)
             out[f"{label} {field} <= torch"] = {
                 "value": v, "torch": t, "ok": None if v is None or t is None else v <= t}
@@ -218,23 +234,28 @@ def measure_host_overhead(clock: Clock, *, smoke: bool, reps: int, skip: frozens
         "shape": info, "calls": entries, "checks": checks(entries),
         "method": f"cpu_us: time.perf_counter around one call, no sync, median of {iters} "
         "(synchronized every 16 calls outside the timed region); single_us: events around one "
-        "call with the GPU idle; every measurement interleaved over the cases in "
-        f"{2 if smoke else ROUNDS} rounds; gpu_us: back-to-back behind a backlog; launch_gap_us = "
-        "single_us - gpu_us, the time from the call to its kernel starting (plus any gaps "
-        "between its kernels)",
+        "call with the GPU idle (single_cpu_us: its CPU time); queued_us: events around one call "
+        "enqueued behind a backlog; "
+        f"every measurement interleaved over the cases in {2 if smoke else ROUNDS} rounds; "
+        "gpu_us: back-to-back behind a backlog; launch_gap_us = single_us - queued_us, the time "
+        "the host adds between the call and its kernels running; gap_b2b_us = single_us - "
+        "gpu_us",
     }
 
 
 def format_lines(result: dict[str, Any]) -> list[str]:
-    # (single: the call's time to its result with the GPU idle. The gap counts from the call
-    # to its first kernel, so a call that launches a small kernel early, as torch's
-    # grouped_mm does, shows a short gap for the same time to result.)
-    lines = [f"{'case':40} | {'cpu us':>8} | {'gap us':>8} | {'gpu us':>8} | {'single us':>9}"]
+    # (single: the call's time to its result with the GPU idle, cpu@idle its CPU time there;
+    # queued: its GPU time alone;
+    # gap = single - queued, b2b gap = single - back-to-back time per call)
+    lines = [f"{'case':40} | {'cpu us':>8} | {'cpu@idle':>8} | {'gap us':>8} | {'b2b gap':>8} "
+             f"| {'queued us':>9} | {'gpu us':>8} | {'single us':>9}"]
     for name, e in result["calls"].items():
         if "error" in e:
             lines.append(f"{name[:40]:40} | error: {e['error'][:60]}")
         else:
-            lines.append(f"{name[:40]:40} | {e['cpu_us']:8.1f} | {e['launch_gap_us']:8.1f} | "
+            lines.append(f"{name[:40]:40} | {e['cpu_us']:8.1f} | {e['single_cpu_us']:8.1f} | "
+                         f"{e['launch_gap_us']:8.1f} | "
+                         f"{e['gap_b2b_us']:8.1f} | {e['queued_us']:9.1f} | "
                          f"{e['gpu_us']:8.1f} | {e['single_us']:9.1f}")
     for name, c in result["checks"].items():
         verdict = {True: "ok", False: "MISSED", None: "not measured"}[c["ok"]]

@@ -35,7 +35,9 @@ def test_cases_are_interleaved_and_a_failing_case_drops_out():
     for name in ("a", "c"):
         e = entries[name]
         assert e["cpu_us"] > 0 and e["single_us"] > 0 and e["gpu_us"] > 0
-        assert e["launch_gap_us"] == e["single_us"] - e["gpu_us"]
+        assert e["queued_us"] > 0 and 0 < e["single_cpu_us"] <= e["single_us"]
+        assert e["launch_gap_us"] == e["single_us"] - e["queued_us"]
+        assert e["gap_b2b_us"] == e["single_us"] - e["gpu_us"]
     # after the warm-ups, the rounds alternate between the live cases, each round starting
     # one case later: "c" leads some round's CPU samples
     timed = log[15:]
@@ -46,12 +48,14 @@ def test_cases_are_interleaved_and_a_failing_case_drops_out():
 
 def test_checks_compare_with_torch_and_limits():
     out = checks({
-        "moe_gemm grouped_mm 2-D": {"cpu_us": 10.0, "launch_gap_us": 30.0},
-        "F.grouped_mm 2-D": {"cpu_us": 12.0, "launch_gap_us": 20.0},
+        "moe_gemm grouped_mm 2-D": {"cpu_us": 10.0, "launch_gap_us": 30.0, "gap_b2b_us": 5.0},
+        "F.grouped_mm 2-D": {"cpu_us": 12.0, "launch_gap_us": 20.0, "gap_b2b_us": 6.0},
         "moe_gemm GroupedGemmPlan call": {"cpu_us": 9.0},
     })
     assert out["grouped_mm 2-D cpu_us <= torch"]["ok"] is True
     assert out["grouped_mm 2-D launch_gap_us <= torch"]["ok"] is False
+    assert out["grouped_mm 2-D gap_b2b_us <= torch"]["ok"] is True
+    assert out["grouped_mm 3-D gap_b2b_us <= torch"]["ok"] is None
     assert out["GroupedGemmPlan call cpu_us <= 10"]["ok"] is True
     assert out["grouped_gemm 256 problems cpu_us <= 250"]["ok"] is None
 
@@ -61,11 +65,13 @@ def test_the_table_shows_each_calls_time_to_result():
     # beside it, so a call that launches a small kernel early is not read as faster.
     from benchmarks.host_overhead import format_lines
 
-    e = {"cpu_us": 14.6, "launch_gap_us": 28.3, "gpu_us": 6.7, "single_us": 35.0}
+    e = {"cpu_us": 14.6, "single_cpu_us": 16.0, "launch_gap_us": 26.1, "gap_b2b_us": 28.3, "queued_us": 8.9,
+         "gpu_us": 6.7, "single_us": 35.0}
     lines = format_lines({"calls": {"ours": e, "bad": {"error": "RuntimeError: x"}},
                           "checks": {}})
     assert lines[0].split("|")[-1].strip() == "single us"
-    assert [c.strip() for c in lines[1].split("|")][1:] == ["14.6", "28.3", "6.7", "35.0"]
+    assert [c.strip() for c in lines[1].split("|")][1:] == ["14.6", "16.0", "26.1", "28.3",
+                                                            "8.9", "6.7", "35.0"]
     assert lines[2].endswith("error: RuntimeError: x")
 
 
