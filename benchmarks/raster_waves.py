@@ -18,6 +18,15 @@ Configs are named as `moe-gemm tune` names them (tuning/space.py); the default l
 the rasters p8 (panels of 8 m-tiles), p16, p8n and p8ns (panels of 8 n-tiles, serpentine) on
 three tiles. The zoo's routing (moe_gemm.tuning.zoo.topk_counts, seeded) gives each expert's
 rows; 132 CTAs (an H100 SXM's or an H200's SMs).
+
+With a tuned table, each zoo case's pick (its exact bf16 varlen entry; swapped tiles left out)
+against the same config under every raster (RASTERS): the cases whose pick reads at least
+--min-ratio times the bytes of the model's best raster, and, with --rivals-out, a table holding
+those picks with that raster, for `benchmarks.pick_ab --against` to time in the zoo's regime
+(the tuner chooses rasters by time; this points at picks worth timing again):
+
+    python -m benchmarks.raster_waves --table moe_gemm/tables/nvidia-h100-80gb-hbm3.json \
+        --models all --tokens 2048,4096,8192 [--min-ratio 1.1] [--rivals-out rivals.json]
 """
 
 from __future__ import annotations
@@ -28,11 +37,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ab_cases import table_key
 from benchmarks.report import out_argument, write_json
 from benchmarks.runner import names_problem, split_names, zoo_tokens_problem
 from moe_gemm.kernels.sm90.constants import raster_code
 from moe_gemm.ops import schedule as sched
-from moe_gemm.tuning import space
+from moe_gemm.tuning import space, table_io
 from moe_gemm.tuning import zoo as models
 from moe_gemm.tuning.argcheck import empty_option
 
@@ -41,6 +51,10 @@ BYTES = 2  # 16-bit operands
 DEFAULT_CONFIGS = tuple(f"{tile} {raster}" for tile in
                         ("pp 64x256 c2x1", "pp 128x192 c2x1", "coop 128x256 c2x1")
                         for raster in ("p8", "p16", "p8n", "p8ns"))
+# The rasters a pick is compared with (--table): panel x axis x serpentine.
+RASTERS = tuple({"raster_panel": panel, "raster_along": along, "raster_serpentine": serpentine}
+                for panel in (4, 8, 16, 32) for along in ("m", "n")
+                for serpentine in (False, True))
 
 
 def wave_bytes(rows: list[int], N: int, K: int, fields: dict, num_ctas: int = NUM_SMS
@@ -79,6 +93,88 @@ def rows_of(model_names: str | None, tokens: list[int], configs: list[str], seed
     return out
 
 
+def _raster_of(fields: dict) -> tuple:
+    return (fields.get("raster_panel") or 8, fields.get("raster_along") or "m",
+            bool(fields.get("raster_serpentine")))
+
+
+def table_rows(table: dict, model_names: str | None, tokens: list[int], seed: int
+               ) -> list[dict[str, Any]]:
+    """Per zoo case with an exact entry in `table` (swapped picks left out): the pick's bytes
+    and those of the same config under its best raster (the first of RASTERS at the fewest
+    bytes; the pick's own where none reads fewer)."""
+    out = []
+    for t in tokens:
+        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
+            for p in m.projections():
+                case = {"E": p.E, "N": p.N, "K": p.K}
+                counts = models.topk_counts(p.E, t, min(p.top_k, p.E), seed)
+                case["rows"] = sum(counts)
+                entry = table_io.find_entry(table, table_key(case))
+                if entry is None or entry["config"].get("swap_ab"):
+                    continue
+                pick = table_io.explicit_fields(entry["config"])
+                base, compulsory = wave_bytes(counts, p.N, p.K, pick)
+                if not compulsory:
+                    continue
+                best, best_fields = base, pick
+                for raster in RASTERS:
+                    f = {**pick, **raster}
+                    if _raster_of(f) == _raster_of(pick):
+                        continue
+                    b, _ = wave_bytes(counts, p.N, p.K, f)
+                    if b < best:
+                        best, best_fields = b, f
+                out.append({"model": m.name, "proj": p.proj, "tokens": t, "E": p.E, "N": p.N,
+                            "K": p.K, "rows": case["rows"], "pick": space.name_of(pick),
+                            "pick_x_compulsory": base / compulsory,
+                            "best": space.name_of(best_fields),
+                            "best_x_compulsory": best / compulsory, "ratio": base / best,
+                            "entry": entry, "best_fields": best_fields})
+    return out
+
+
+def rivals_table(table: dict, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """`table`'s header with, for each row, its entry holding the row's best raster (and no
+    timings of its own: pick_ab --against times it)."""
+    entries = []
+    for r in rows:
+        e = {k: v for k, v in r["entry"].items() if k not in ("rerank", "zoo_ab")}
+        config = dict(e["config"])
+        config.update({k: r["best_fields"][k] for k in RASTERS[0]})
+        e["config"], e["name"] = config, r["best"]
+        entries.append(e)
+    return {**{k: v for k, v in table.items() if k not in ("entries", "samples")},
+            "entries": entries, "samples": []}
+
+
+def table_main(args: argparse.Namespace, tokens: list[int]) -> int:
+    try:
+        table = table_io.read_table(Path(args.table))
+    except (OSError, ValueError) as exc:
+        print(f"error: --table: {exc}", file=sys.stderr)
+        return 2
+    rows = table_rows(table, args.models, tokens, args.seed)
+    flagged = [r for r in rows if r["ratio"] >= args.min_ratio]
+    public = [{k: v for k, v in r.items() if k not in ("entry", "best_fields")} for r in rows]
+    if args.out:
+        write_json(Path(args.out), {"table": args.table, "tokens": tokens,
+                                    "num_ctas": NUM_SMS, "rows": public})
+    if args.rivals_out:
+        write_json(Path(args.rivals_out), rivals_table(table, flagged))
+    print(f"{'case':30} | {'pick':28} | {'x comp':>6} | {'best raster':28} | {'x comp':>6} "
+          f"| {'ratio':>5}")
+    for r in flagged:
+        case = f"{r['model']}/{r['proj']}/{r['tokens']}"
+        print(f"{case[:30]:30} | {r['pick'][:28]:28} | {r['pick_x_compulsory']:6.2f} | "
+              f"{r['best'][:28]:28} | {r['best_x_compulsory']:6.2f} | {r['ratio']:5.2f}")
+    print(f"{len(flagged)} of {len(rows)} picks read at least {args.min_ratio:g}x the bytes of "
+          "their best raster")
+    if flagged:
+        print("cases: " + ",".join(f"{r['model']}/{r['proj']}/{r['tokens']}" for r in flagged))
+    return 0
+
+
 def summary(rows: list[dict[str, Any]], configs: list[str]) -> list[dict[str, Any]]:
     """Per config, the median of its bytes over the first config of the same tile's, case by
     case (below 1: fewer panels per wave)."""
@@ -109,6 +205,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="';'-separated configs as the tuner names them")
     p.add_argument("--seed", type=int, default=1234, help="routing seed (the zoo's)")
     p.add_argument("--out", type=out_argument, help="write the rows and the summary as JSON")
+    p.add_argument("--table", default=None,
+                   help="a tuned table: compare each zoo case's pick with its best raster "
+                        "(instead of --configs)")
+    p.add_argument("--min-ratio", type=float, default=1.1,
+                   help="with --table: list the picks reading at least this many times the "
+                        "bytes of their best raster (default 1.1)")
+    p.add_argument("--rivals-out", type=out_argument, default=None,
+                   help="with --table: write those picks with their best raster as a table "
+                        "(for benchmarks.pick_ab --against)")
     args = p.parse_args(argv)
     # An empty value or entry is refused, not read as the default or dropped (`--models ""`
     # was the default models, `--configs ";"` an empty table that exited 0).
@@ -118,6 +223,19 @@ def main(argv: list[str] | None = None) -> int:
                or names_problem(args.configs, None, "--configs", ";")):
         print(f"error: {why}", file=sys.stderr)
         return 2
+    if args.table is None and args.rivals_out:
+        print("error: --rivals-out needs --table", file=sys.stderr)
+        return 2
+    if not args.min_ratio >= 1.0:  # (NaN too)
+        print(f"error: --min-ratio must be at least 1; got {args.min_ratio}", file=sys.stderr)
+        return 2
+    if args.table is not None:
+        try:
+            tokens = models.parse_tokens(args.tokens, (2048, 8192))
+            return table_main(args, tokens)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     configs = split_names(args.configs, ";")
     try:
         for c in configs:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import raster_waves as rw
 from moe_gemm.tuning import space
 
@@ -43,3 +45,64 @@ def test_rows_and_summary(tmp_path):
     first, second = doc["summary"]
     assert first["median"] == 1.0 and second["vs"] == "pp 64x256 c2x1 p8"
     assert rw.main(["--configs", "pp 64x256 nonsense"]) == 2
+
+
+def _table_with(tmp_path, configs: dict[str, str]):
+    """A tuned table whose entries hold, at the exact keys of Mixtral-8x22B's zoo cases at 2048
+    tokens, the configs named per projection ("gate_up", "down")."""
+    from benchmarks import zoo
+    from benchmarks.ab_cases import table_key
+    from moe_gemm.tuning import table_io
+
+    doc = table_io.new_table("NVIDIA Test GPU", 132, {}, {})
+    for proj, name in configs.items():
+        _, f = zoo.named_cases(f"Mixtral-8x22B/{proj}/2048", 1234, False)[0]
+        form, dtype, out_dtype, E, N, K, bucket = table_key(f)
+        config = {k: v for k, v in space.parse_name(name).items() if v is not None}
+        doc["entries"].append({"form": form, "dtype": dtype, "out_dtype": out_dtype, "E": E,
+                               "N": N, "K": K, "bucket": bucket, "rows": f["rows"] // E,
+                               "config": config, "us": 1000.0, "name": name})
+    path = tmp_path / "table.json"
+    table_io.write(path, doc)
+    return path
+
+
+def test_table_mode_points_at_a_pick_whose_raster_rereads_the_weights(tmp_path):
+    # Mixtral-8x22B gate/up at 2048 tokens: panels of 8 n-tiles re-read the weight panels
+    # across waves, 1.45x the compulsory bytes (ncu on an H100 measured 1.45x for this pick);
+    # panels of m-tiles read them once per wave, 1.14x. The down pick is already its best.
+    from benchmarks import zoo
+    from benchmarks.pick_ab import table_pick
+    from moe_gemm.tuning import table_io
+
+    path = _table_with(tmp_path, {"gate_up": "coop 128x256 c1x2 p8ns",
+                                  "down": "coop 128x256 c1x2 p8"})
+    out, rivals = tmp_path / "rows.json", tmp_path / "rivals.json"
+    assert rw.main(["--table", str(path), "--models", "Mixtral-8x22B", "--tokens", "2048",
+                    "--out", str(out), "--rivals-out", str(rivals)]) == 0
+    rows = {r["proj"]: r for r in json.loads(out.read_text())["rows"]}
+    up, down = rows["gate_up"], rows["down"]
+    assert up["pick_x_compulsory"] > 1.4 and up["best_x_compulsory"] < 1.2
+    assert up["ratio"] == pytest.approx(up["pick_x_compulsory"] / up["best_x_compulsory"])
+    assert up["ratio"] > 1.2
+    assert space.parse_name(up["best"]).get("raster_along") in (None, "m")
+    assert down["ratio"] >= 1.0 and down["best_x_compulsory"] <= down["pick_x_compulsory"]
+    table = table_io.read_table(rivals)
+    assert [e["name"] for e in table["entries"]] == [up["best"]]
+    _, f = zoo.named_cases("Mixtral-8x22B/gate_up/2048", 1234, False)[0]
+    fields = table_pick(table, f)
+    assert (fields["tile_m"], fields["tile_n"], fields["cluster_n"]) == (128, 256, 2)
+    assert (fields["raster_along"], fields["raster_serpentine"]) != ("n", True)
+
+
+def test_table_mode_leaves_out_swapped_picks_and_refuses_bad_options(tmp_path, capsys):
+    path = _table_with(tmp_path, {"gate_up": "swap 256x128 c1x2"})
+    out = tmp_path / "rows.json"
+    assert rw.main(["--table", str(path), "--models", "Mixtral-8x22B", "--tokens", "2048",
+                    "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"] == []
+    assert rw.main(["--rivals-out", str(tmp_path / "r.json")]) == 2
+    assert "--rivals-out needs --table" in capsys.readouterr().err
+    assert rw.main(["--table", str(path), "--min-ratio", "0.5"]) == 2
+    assert rw.main(["--table", str(tmp_path / "missing.json")]) == 2
+    assert "--table" in capsys.readouterr().err
