@@ -538,7 +538,9 @@ class GroupedGemmPlan:
     a, b or out no longer match raises ValueError naming the tensor, on either backend;
     storage moved under an unchanged shape is not detected). On the torch backend with an
     operand that requires grad, a call returns new tensors tied to the autograd graph (their
-    values also written into `out`), so that every call can be backpropagated.
+    values also written into `out`), so that every call can be backpropagated; on the Hopper
+    path it returns views of `out` whose backward raises (the kernels are inference-only),
+    and `out` itself stays out of the autograd graph.
 
     Args: as grouped_gemm (a, b, out, config, out_dtype). `out`, when None, is allocated once
     and reused by every call: copy results you want to keep before the next call.
@@ -604,6 +606,9 @@ class GroupedGemmPlan:
                                     if o.is_inference())
         self._signature = TensorSignature(self._bound, inference_mode=bool(
             self._inference_out)) if self._bound else None
+        # Whether an operand requires grad: the signature holds the autograd flags, so a call
+        # it accepts has these (a change fails it, and _check_bound reads them again).
+        self._grad_operands = any(map(_REQUIRES_GRAD, self._operands))
         self.backend = "torch"
         if not args.a:
             return
@@ -623,16 +628,19 @@ class GroupedGemmPlan:
         if self._signature is not None and not self._signature.check(*self._bound):
             self._check_bound()
         launch = self._launch
-        if launch is None and torch.is_grad_enabled() and any(map(_REQUIRES_GRAD,
-                                                                  self._operands)):
+        grad = self._grad_operands and torch.is_grad_enabled()
+        if launch is None and grad:
             return self._differentiable_call()
         if launch is None:  # the torch backend
-            res = grouped_gemm_torch(self.args) if self.args.a else []
-        elif torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, self._operands)):
-            res = inference_only(NO_BACKWARD, launch.launch, self._operands)
-        else:
-            res = launch.launch()
-        return self._copied_back(res)
+            return self._copied_back(grouped_gemm_torch(self.args) if self.args.a else [])
+        res = self._copied_back(launch.launch())
+        if grad:
+            # Views of the outputs carry the link (backward raises), as the torch backend's
+            # fresh results do; the outputs themselves stay out of the autograd graph, so a
+            # later call without grad returns them unlinked.
+            res = inference_only(NO_BACKWARD, lambda: [o.view_as(o) for o in res],
+                                 self._operands)
+        return res
 
     def _traced_call(self) -> list[torch.Tensor]:
         """A call under torch.compile (or a tensor mode, or inside torch.vmap): the registered
@@ -686,6 +694,7 @@ class GroupedGemmPlan:
         for name, o in self._inference_out:
             check_out_not_inference(name, o)
         self._signature = TensorSignature(self._bound, inference_mode=bool(self._inference_out))
+        self._grad_operands = any(map(_REQUIRES_GRAD, self._operands))
 
     def _differentiable_call(self) -> list[torch.Tensor]:
         """The torch backend with an operand that requires grad: fresh results tied to this

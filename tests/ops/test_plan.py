@@ -155,6 +155,31 @@ def test_autograd_flags_may_change_between_calls() -> None:
     _check_all(plan(), a, [t.detach() for t in b])
 
 
+def test_the_hopper_path_follows_autograd_flags_changed_between_calls(kernel,
+                                                                      monkeypatch) -> None:
+    # The plan keeps whether an operand requires grad beside its signature (which holds the
+    # flags): a flag changed after the build fails the signature once, and each call after it
+    # links its results to autograd (backward raising) exactly while an operand requires grad.
+    from moe_gemm.ops import api
+
+    monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
+    a, b = _problems(seed=16)
+    plan = GroupedGemmPlan(a, b)
+    assert plan.backend == "cute"
+    assert not any(o.requires_grad for o in plan())
+    b[2].requires_grad_()
+    for _ in range(2):
+        outs = plan()
+        assert all(o.requires_grad for o in outs)
+        with pytest.raises(RuntimeError, match="backward"):
+            outs[0].sum().backward()
+    with torch.no_grad():
+        assert not any(o.requires_grad for o in plan())
+    b[2].requires_grad_(False)
+    assert not any(o.requires_grad for o in plan())
+    assert len(kernel.calls) == 5
+
+
 def _compiled(plan):
     return torch.compile(lambda: plan(), fullgraph=True, backend="aot_eager")
 
