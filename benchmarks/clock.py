@@ -59,49 +59,37 @@ class Clock:
                host: list[float] | None = None) -> list[float]:
         """ms of one call each rep, the device idle before it (launch gap included); `host`,
         if given, gets the CPU ms of each of those calls (the call alone, after the sync)."""
-        samples = []
-        for r in range(reps):
-            fn = fns[r % len(fns)]
-            self.sync()
-            if self.cuda:
-                start, end = self._events()
-                start.record()
-                t0 = time.perf_counter()
-                fn()
-                if host is not None:
-                    host.append((time.perf_counter() - t0) * 1e3)
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e3)
-                if host is not None:
-                    host.append(samples[-1])
-        return samples
+        return [self._one_call(fns[r % len(fns)], 0.0, host) for r in range(reps)]
 
     def queued(self, fns: Sequence[Callable[[], object]], reps: int, backlog_ms: float
                ) -> list[float]:
         """ms of one call each rep, enqueued while the GPU works off a backlog of `backlog_ms`
         (longer than the call's host time), so the events see the GPU's own time for it."""
-        samples = []
-        for r in range(reps):
-            fn = fns[r % len(fns)]
-            self.sync()
-            if self.cuda:
-                self.backlog(backlog_ms)
-                start, end = self._events()
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e3)
-        return samples
+        return [self._one_call(fns[r % len(fns)], backlog_ms, None) for r in range(reps)]
+
+    def _one_call(self, fn: Callable[[], object], backlog_ms: float,
+                  host: list[float] | None) -> float:
+        """ms of fn() between two events after a sync (and a backlog of `backlog_ms`, if
+        any); perf_counter on the CPU. `host` gets the call's CPU ms."""
+        self.sync()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+            if host is not None:
+                host.append(ms)
+            return ms
+        if backlog_ms > 0:
+            self.backlog(backlog_ms)
+        start, end = self._events()
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        if host is not None:
+            host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
 
     def back_to_back(
         self, fns: Sequence[Callable[[], object]], reps: int, calls: int, backlog_ms: float
