@@ -9,7 +9,9 @@ wave of the schedule module's tile order (moe_gemm.ops.schedule.cta_tiles: the k
 clusters included), the distinct A and B panels at full K, sums them over the waves, and
 divides by the compulsory bytes (every routed row of A and every used expert's B once). It is
 an upper-bound model of DRAM reads, with no reuse across waves: use it to compare tile orders
-(rasters) of one tile, and ncu (benchmarks.dram_traffic) for the bytes a GPU really reads.
+(rasters) of one tile, and ncu (benchmarks.dram_traffic) for the bytes a GPU really reads (on
+an H100 it matched ncu's read ratio within 0.01 on four compute-bound picks, 1x2 and 2x1
+clusters: docs/measurements.md, 2026-12-06).
 
     python -m benchmarks.raster_waves [--models all] [--tokens 2048,8192] \
         [--configs "pp 64x256 c2x1 p8;pp 64x256 c2x1 p8ns"] [--out waves.json]
@@ -60,18 +62,30 @@ RASTERS = tuple({"raster_panel": panel, "raster_along": along, "raster_serpentin
 def wave_bytes(rows: list[int], N: int, K: int, fields: dict, num_ctas: int = NUM_SMS
                ) -> tuple[int, int]:
     """(bytes of the distinct A and B panels of each wave, summed over the waves; the
-    compulsory bytes) of experts with `rows` rows each, (N, K) each, under a config's fields."""
+    compulsory bytes) of experts with `rows` rows each, (N, K) each, under a config's fields.
+
+    A wave is each cluster's w-th cluster tile (the kernel's order: schedule.linear_assignment
+    and schedule.tile_coord, as schedule.cta_tiles takes them); a CTA of a cluster tile whose
+    tile lies past its problem's edge still runs (it computes for its peer's multicast), so it
+    holds its place in the wave, and loads no panel of its own past the edge."""
     tm, tn = fields["tile_m"], fields["tile_n"]
     cm, cn = fields.get("cluster_m") or 1, fields.get("cluster_n") or 1
     swizzle = raster_code(fields.get("raster_panel") or 8, fields.get("raster_along") or "m",
                           bool(fields.get("raster_serpentine")))
-    per_cta = sched.cta_tiles([(m, N) for m in rows], tm, tn, num_ctas - num_ctas % (cm * cn),
-                              swizzle, cm, cn)
+    tiles_n, units_n = sched.ceil_div(N, tn), sched.ceil_div(N, tn * cn)
+    units = [sched.ceil_div(m, tm * cm) * units_n for m in rows]
+    owners = sched.linear_assignment(units, num_ctas // (cm * cn)).per_cta
     total = 0
-    for w in range(max((len(t) for t in per_cta), default=0)):
-        wave = [t[w] for t in per_cta if w < len(t)]
-        a_panels = {(p, mt) for p, mt, _ in wave}
-        b_panels = {(p, nt) for p, _, nt in wave}
+    for w in range(max((len(o) for o in owners), default=0)):
+        a_panels, b_panels = set(), set()
+        for o in owners:
+            if w >= len(o):
+                continue
+            p, local = o[w]
+            mu, nu = sched.tile_coord(local, sched.ceil_div(rows[p], tm * cm), units_n, swizzle)
+            a_panels.update((p, mu * cm + r) for r in range(cm)
+                            if mu * cm + r < sched.ceil_div(rows[p], tm))
+            b_panels.update((p, nu * cn + r) for r in range(cn) if nu * cn + r < tiles_n)
         total += (len(a_panels) * tm + len(b_panels) * tn) * K * BYTES
     compulsory = (sum(rows) + sum(1 for m in rows if m) * N) * K * BYTES
     return total, compulsory

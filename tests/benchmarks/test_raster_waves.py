@@ -34,6 +34,20 @@ def test_empty_experts_and_clusters():
     assert rw.wave_bytes([0, 0], 256, 128, f) == (0, 0)
 
 
+def test_a_cta_past_the_edge_keeps_its_place_in_the_wave():
+    # One 2x1 cluster; experts of 384 rows (3 m-tiles: the second cluster tile's rank 1 lies
+    # past the edge and computes for the multicast) and 256 rows; N = 256, one n-tile each.
+    # Waves: expert 0's m-tiles 0-1, then m-tile 2 (its peer idle past the edge), then expert
+    # 1's two: 5 A panels and 3 B panels. (Counting only the tiles a CTA stores shifted rank
+    # 1's list by one and paired expert 0's last tile with expert 1's: 4 B panels; that model
+    # read 1.93x for Mixtral-8x22B gate/up at 2048 tokens in 2x1 clusters, where ncu measured
+    # 1.11x on an H100.)
+    f = space.parse_name("coop 128x256 c2x1 p8")
+    total, compulsory = rw.wave_bytes([384, 256], 256, 64, f, num_ctas=2)
+    assert total == (5 * 128 + 3 * 256) * 64 * 2
+    assert compulsory == (384 + 256 + 2 * 256) * 64 * 2
+
+
 def test_rows_and_summary(tmp_path):
     out = tmp_path / "w.json"
     rc = rw.main(["--models", "Qwen3-30B-A3B", "--tokens", "64", "--configs",
