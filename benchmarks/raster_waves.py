@@ -91,19 +91,25 @@ def wave_bytes(rows: list[int], N: int, K: int, fields: dict, num_ctas: int = NU
     return total, compulsory
 
 
+def zoo_cases(model_names: str | None, tokens: list[int], seed: int):
+    """(model, projection, tokens, per-expert rows) of each zoo case, token count by token
+    count (the zoo's seeded routing)."""
+    for t in tokens:
+        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
+            for p in m.projections():
+                yield m, p, t, models.topk_counts(p.E, t, min(p.top_k, p.E), seed)
+
+
 def rows_of(model_names: str | None, tokens: list[int], configs: list[str], seed: int
             ) -> list[dict[str, Any]]:
     fields = {c: space.parse_name(c) for c in configs}
     out = []
-    for t in tokens:
-        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
-            for p in m.projections():
-                counts = models.topk_counts(p.E, t, min(p.top_k, p.E), seed)
-                for name, f in fields.items():
-                    total, compulsory = wave_bytes(counts, p.N, p.K, f)
-                    out.append({"model": m.name, "proj": p.proj, "tokens": t, "E": p.E,
-                                "N": p.N, "K": p.K, "rows": sum(counts), "config": name,
-                                "wave_gb": total / 1e9, "x_compulsory": total / compulsory})
+    for m, p, t, counts in zoo_cases(model_names, tokens, seed):
+        for name, f in fields.items():
+            total, compulsory = wave_bytes(counts, p.N, p.K, f)
+            out.append({"model": m.name, "proj": p.proj, "tokens": t, "E": p.E,
+                        "N": p.N, "K": p.K, "rows": sum(counts), "config": name,
+                        "wave_gb": total / 1e9, "x_compulsory": total / compulsory})
     return out
 
 
@@ -118,42 +124,42 @@ def table_rows(table: dict, model_names: str | None, tokens: list[int], seed: in
     and those of the same config under its best raster (the first of RASTERS at the fewest
     bytes; the pick's own where none reads fewer)."""
     out = []
-    for t in tokens:
-        for m in models.select_models(model_names or ",".join(models.DEFAULT_MODELS)):
-            for p in m.projections():
-                case = {"E": p.E, "N": p.N, "K": p.K}
-                counts = models.topk_counts(p.E, t, min(p.top_k, p.E), seed)
-                case["rows"] = sum(counts)
-                entry = table_io.find_entry(table, table_key(case))
-                if entry is None or entry["config"].get("swap_ab"):
-                    continue
-                pick = table_io.explicit_fields(entry["config"])
-                base, compulsory = wave_bytes(counts, p.N, p.K, pick)
-                if not compulsory:
-                    continue
-                best, best_fields = base, pick
-                for raster in RASTERS:
-                    f = {**pick, **raster}
-                    if _raster_of(f) == _raster_of(pick):
-                        continue
-                    b, _ = wave_bytes(counts, p.N, p.K, f)
-                    if b < best:
-                        best, best_fields = b, f
-                out.append({"model": m.name, "proj": p.proj, "tokens": t, "E": p.E, "N": p.N,
-                            "K": p.K, "rows": case["rows"], "pick": space.name_of(pick),
-                            "pick_x_compulsory": base / compulsory,
-                            "best": space.name_of(best_fields),
-                            "best_x_compulsory": best / compulsory, "ratio": base / best,
-                            "entry": entry, "best_fields": best_fields})
+    for m, p, t, counts in zoo_cases(model_names, tokens, seed):
+        case = {"E": p.E, "N": p.N, "K": p.K, "rows": sum(counts)}
+        entry = table_io.find_entry(table, table_key(case))
+        if entry is None or entry["config"].get("swap_ab"):
+            continue
+        pick = table_io.explicit_fields(entry["config"])
+        base, compulsory = wave_bytes(counts, p.N, p.K, pick)
+        if not compulsory:
+            continue
+        best, best_fields = base, pick
+        for raster in RASTERS:
+            f = {**pick, **raster}
+            if _raster_of(f) == _raster_of(pick):
+                continue
+            b, _ = wave_bytes(counts, p.N, p.K, f)
+            if b < best:
+                best, best_fields = b, f
+        out.append({"model": m.name, "proj": p.proj, "tokens": t, "E": p.E, "N": p.N,
+                    "K": p.K, "rows": case["rows"], "pick": space.name_of(pick),
+                    "pick_x_compulsory": base / compulsory, "best": space.name_of(best_fields),
+                    "best_x_compulsory": best / compulsory, "ratio": base / best,
+                    "entry": entry, "best_fields": best_fields})
     return out
 
 
+# What a rivals table keeps of an entry: its key, its label and the config (then renamed).
+RIVAL_FIELDS = ("form", "dtype", "out_dtype", "E", "N", "K", "bucket", "rows", "layout", "label",
+                "config")
+
+
 def rivals_table(table: dict, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """`table`'s header with, for each row, its entry holding the row's best raster (and no
-    timings of its own: pick_ab --against times it)."""
+    """`table`'s header with, for each row, its entry's key holding the row's best raster
+    (none of the replaced pick's timings or records: pick_ab --against times it)."""
     entries = []
     for r in rows:
-        e = {k: v for k, v in r["entry"].items() if k not in ("rerank", "zoo_ab")}
+        e = {k: v for k, v in r["entry"].items() if k in RIVAL_FIELDS}
         config = dict(e["config"])
         config.update({k: r["best_fields"][k] for k in RASTERS[0]})
         e["config"], e["name"] = config, r["best"]

@@ -103,6 +103,7 @@ def test_table_mode_points_at_a_pick_whose_raster_rereads_the_weights(tmp_path):
     assert down["ratio"] >= 1.0 and down["best_x_compulsory"] <= down["pick_x_compulsory"]
     table = table_io.read_table(rivals)
     assert [e["name"] for e in table["entries"]] == [up["best"]]
+    assert "us" not in table["entries"][0]  # the replaced pick's time is not the rival's
     _, f = zoo.named_cases("Mixtral-8x22B/gate_up/2048", 1234, False)[0]
     fields = table_pick(table, f)
     assert (fields["tile_m"], fields["tile_n"], fields["cluster_n"]) == (128, 256, 2)
