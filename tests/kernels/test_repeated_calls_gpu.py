@@ -238,6 +238,39 @@ def test_plan_recomputes_and_captures(replay, config, monkeypatch):
     verify("graph")
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["launch", "graph-replay"])
+def test_plan_follows_autograd_flags_between_calls(replay, monkeypatch):
+    """A GroupedGemmPlan whose operand starts requiring grad after the build: grad-mode calls
+    return results linked to autograd (backward raising, values right), while the plan's own
+    `out` stays outside the graph, so later calls under no_grad, or after the flag is
+    cleared, return plain tensors."""
+    from moe_gemm.ops.general_launch import PLAN_GRAPH_ENV
+
+    monkeypatch.setenv(PLAN_GRAPH_ENV, "1" if replay else "0")
+    a, b, _ = general_problems(61)
+    plan = moe_gemm.GroupedGemmPlan(a, b)
+    assert plan.backend == "cute"
+    assert not any(o.requires_grad for o in plan())
+    b[1].requires_grad_()
+    for _ in range(2):
+        linked = plan()
+        torch.cuda.synchronize()
+        assert all(o.requires_grad for o in linked if o.numel())
+        assert not any(o.requires_grad for o in plan.out)
+        check_general("plan/grad/grad-mode", [o.detach() for o in linked], a,
+                      [t.detach() for t in b])
+        with pytest.raises(RuntimeError, match="inference-only"):
+            sum(o.float().sum() for o in linked if o.numel()).backward()
+    with torch.no_grad():
+        plain = plan()
+    assert not any(o.requires_grad for o in plain)
+    b[1].requires_grad_(False)
+    plain = plan()
+    torch.cuda.synchronize()
+    assert not any(o.requires_grad for o in plain)
+    check_general("plan/grad/cleared", plain, a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # grouped_mm (varlen and batched): repeated calls run from the cached launch plan
 
