@@ -65,7 +65,12 @@ STALLS = {
        for r in STALL_REASONS},
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_pct",
 }
-OPTIONAL = {**UTILIZATION, **STALLS}
+# With --fabric: the L2 sectors that crossed the fabric between the L2's two partitions (an
+# SM's request served by the far partition), summed over the kernels like the bytes: between two
+# rasters of one tile that read alike from DRAM, the one whose CTAs share data across the
+# partitions pays it here.
+FABRIC = {"lts__t_sectors_srcunit_ltcfabric.sum": "l2_fabric_sectors"}
+OPTIONAL = {**UTILIZATION, **STALLS, **FABRIC}
 IMPLS = ("ours", "grouped_mm", "mm_loop", "quack", "quack_tuned")
 FP8_IMPLS = ("ours_fp8_block", "ours_fp8_row", "torch_fp8_row")
 DEFAULT_IMPLS = ("ours", "quack", "mm_loop")
@@ -141,7 +146,11 @@ def summarize(kernels: list[dict[str, Any]], sizes: list[tuple[int, int, int]],
     read, write = compulsory_of_sizes(sizes, itemsize)
     tot = {short: sum(kr[short] for kr in kernels) for short in METRICS.values()}
     for short in OPTIONAL.values():
-        if all(short in kr for kr in kernels) and tot["gpu_ns"] > 0:
+        if not all(short in kr for kr in kernels):
+            continue
+        if short in FABRIC.values():
+            tot[short] = sum(kr[short] for kr in kernels)
+        elif tot["gpu_ns"] > 0:
             tot[short] = sum(kr[short] * kr["gpu_ns"] for kr in kernels) / tot["gpu_ns"]
     return {
         "kernels": len(kernels),
@@ -290,13 +299,14 @@ def stall_summary(row: dict[str, Any], top: int = 4) -> str:
 
 def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
             sizes: list[tuple[int, int, int]], utilization: bool = True,
-            stalls: bool = False) -> dict[str, Any]:
+            stalls: bool = False, fabric: bool = False) -> dict[str, Any]:
     """One profiled row: sizes are the case's problems (M, N, K)."""
     row: dict[str, Any] = {"case": case, "impl": impl, **fields}
     t0 = time.perf_counter()
     # The optional metric groups asked for, each with the row key that says what it lacks.
     groups = [(g, key) for g, key, on in ((UTILIZATION, "utilization_error", utilization),
-                                          (STALLS, "stall_error", stalls)) if on]
+                                          (STALLS, "stall_error", stalls),
+                                          (FABRIC, "fabric_error", fabric)) if on]
 
     def asked() -> dict[str, str]:
         return {**METRICS, **{m: short for g, _ in groups for m, short in g.items()}}
@@ -304,8 +314,8 @@ def measure(ncu: str, case: str, impl: str, seed: int, fields: dict[str, Any],
     kernels, error, rc = _profile(ncu, case, impl, seed, asked())
     while error and groups and "metric" in error.lower():
         # An ncu that refuses an optional metric's name: without the last group asked for
-        # (the stall ratios, then the utilizations). Any other failure (the worker's own)
-        # would only fail again.
+        # (the fabric sectors, the stall ratios, then the utilizations). Any other failure
+        # (the worker's own) would only fail again.
         _, key = groups.pop()
         row[key] = error
         kernels, error, rc = _profile(ncu, case, impl, seed, asked())
@@ -348,6 +358,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH)")
     p.add_argument("--bytes-only", action="store_true",
                    help="leave out the utilization metrics (tensor pipe, L2, DRAM percent)")
+    p.add_argument("--fabric", action="store_true",
+                   help="also the L2 sectors that crossed between the L2's two partitions "
+                   "(l2_fabric_sectors, 32 bytes each; a line under each row)")
     p.add_argument("--stalls", action="store_true",
                    help="also the warp stall ratios per issued instruction by reason and the "
                    "issue slots' use (a line under each row: its largest stalls)")
@@ -432,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         case = fields.pop("case", spec.name)
         for impl in impls:
             row = measure(ncu, case, impl, args.seed, fields, spec.sizes(args.seed),
-                          utilization=not args.bytes_only, stalls=args.stalls)
+                          utilization=not args.bytes_only, stalls=args.stalls,
+                          fabric=args.fabric)
             doc["rows"].append(row)
             if row["status"] == "ok":
                 tensor, l2 = row.get("tensor_pct"), row.get("l2_pct")
@@ -443,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'-' if l2 is None else f'{l2:.0f}':>5}", flush=True)
                 if args.stalls and (summary := stall_summary(row)):
                     print(f"{'':34} | {'':11} | stalls/issue: {summary}", flush=True)
+                if args.fabric and (sectors := row.get("l2_fabric_sectors")) is not None:
+                    print(f"{'':34} | {'':11} | L2 fabric: {sectors * 32 / 1e9:.2f} GB "
+                          f"({sectors * 32 / row['l2_bytes']:.0%} of L2 bytes)", flush=True)
             else:
                 what = (f"not applicable: {row['why'][:50]}" if row["status"] == "not_applicable"
                         else f"error: {row['error'][:60]}")

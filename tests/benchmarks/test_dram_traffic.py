@@ -312,3 +312,22 @@ def test_an_ncu_that_refuses_the_stall_names_keeps_the_utilizations(tmp_path):
     assert "Failed to find metric" in row["stall_error"]
     assert row["tensor_pct"] == 80 and "utilization_error" not in row
     assert not any(k.startswith("stall_") and k != "stall_error" for k in row)
+
+
+def test_fabric_sectors_are_summed_and_printed(tmp_path, capsys):
+    # Two kernels (the mm loop's shape): the fabric sectors add up like the bytes, unlike the
+    # time-weighted ratios.
+    names = list(dt.METRICS) + list(dt.FABRIC)
+    rows = [(100, 0, 6400, 1000, 50), (100, 0, 3200, 3000, 150)]
+    text = "\n".join(['"ID","Kernel Name",' + ",".join(f'"{n}"' for n in names)] + [
+        f'"{i}","k{i}",' + ",".join(f'"{v}"' for v in rows[i]) for i in range(2)])
+    fake = stand_in_ncu(tmp_path, "*ltcfabric*--worker*", text)
+    out = tmp_path / "f.json"
+    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
+                    "ours", "--bytes-only", "--fabric", "--ncu", str(fake),
+                    "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["l2_fabric_sectors"] == 200
+    assert "fabric_error" not in row
+    # 200 sectors of 32 bytes against 9600 L2 bytes
+    assert "L2 fabric: 0.00 GB (67% of L2 bytes)" in capsys.readouterr().out
