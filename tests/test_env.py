@@ -242,6 +242,10 @@ def test_env_reader_follows_every_change(path: str, clean: pytest.MonkeyPatch) -
     clean.delenv(NAME)
     del os.environ[other]
     assert read() == (None, None)
+    clean.setenv(other, "")  # set but empty is set (each reader parses it as it does)
+    assert read() == (None, "")
+    clean.delenv(other)
+    assert read() == (None, None)
 
 
 def test_every_variable_the_library_reads_is_listed_and_documented() -> None:
