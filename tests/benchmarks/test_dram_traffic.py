@@ -277,12 +277,7 @@ def test_stall_ratios_are_time_weighted_and_summarized(tmp_path, capsys):
     text = "\n".join(['"ID","Kernel Name",' + ",".join(f'"{n}"' for n in names)] + [
         f'"{i}","k{i}",' + ",".join(f'"{v}"' for v in rows[i])
         + "," + ",".join(f'"{value(s, i)}"' for s in shorts) for i in range(2)])
-    fake = stand_in_ncu(tmp_path, "*stalled_barrier_per_issue_active*--worker*", text)
-    out = tmp_path / "s.json"
-    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
-                    "ours", "--bytes-only", "--stalls", "--ncu", str(fake),
-                    "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
+    row = _one_row(tmp_path, "*stalled_barrier_per_issue_active*--worker*", text, "--stalls")
     assert row["stall_barrier"] == pytest.approx((1.0 * 1000 + 3.0 * 3000) / 4000)
     assert row["stall_long_scoreboard"] == pytest.approx(0.5)
     assert row["issue_pct"] == pytest.approx(55.0)
@@ -321,13 +316,18 @@ def test_fabric_sectors_are_summed_and_printed(tmp_path, capsys):
     rows = [(100, 0, 6400, 1000, 50), (100, 0, 3200, 3000, 150)]
     text = "\n".join(['"ID","Kernel Name",' + ",".join(f'"{n}"' for n in names)] + [
         f'"{i}","k{i}",' + ",".join(f'"{v}"' for v in rows[i]) for i in range(2)])
-    fake = stand_in_ncu(tmp_path, "*ltcfabric*--worker*", text)
-    out = tmp_path / "f.json"
-    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
-                    "ours", "--bytes-only", "--fabric", "--ncu", str(fake),
-                    "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
+    row = _one_row(tmp_path, "*ltcfabric*--worker*", text, "--fabric")
     assert row["l2_fabric_sectors"] == 200
     assert "fabric_error" not in row
     # 200 sectors of 32 bytes against 9600 L2 bytes
     assert "L2 fabric: 0.00 GB (67% of L2 bytes)" in capsys.readouterr().out
+
+
+def _one_row(tmp_path, pattern, text, flag):
+    """The row of one OLMoE case of ours profiled by a stand-in ncu answering `text` to a
+    command matching `pattern`, with --bytes-only and `flag`."""
+    fake = stand_in_ncu(tmp_path, pattern, text)
+    out = tmp_path / "rows.json"
+    assert dt.main(["--models", "OLMoE-1B-7B", "--tokens", "16", "--proj", "down", "--impls",
+                    "ours", "--bytes-only", flag, "--ncu", str(fake), "--out", str(out)]) == 0
+    return json.loads(out.read_text())["rows"][0]
