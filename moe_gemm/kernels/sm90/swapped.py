@@ -122,28 +122,34 @@ class SwappedEpilogue(Epilogue):
         )
         # (issued before the barrier: their latency overlaps the wait)
         inputs = self.tile_inputs(frags, problems, work, subtiles)
-        # Tiles store 1 to 16 subtiles, so each starts at staging buffer 0: the previous
-        # tile's stores (issued a whole mainloop ago) must have read theirs.
-        if is_store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
-        for e in cutlass.range_constexpr(subtiles):
-            # Subtile e of the tile is the accumulator's values [e * 8, e * 8 + 8) (the WGMMA
-            # C fragment orders them by n8 block last; tests/kernels/test_swapped.py).
-            self.subtile_values(frags, acc, e, problems, work, inputs)
-            buf = e % cfg.epi_stages
-            cute.copy(frags.tiled_copy_r2s, frags.tRS_rD_out,
-                      frags.tRS_sD[(None, None, None, buf)])
-            # stmatrix writes go through the generic proxy; the TMA store reads through the
+        # The subtiles go out in chunks of one staging buffer each (8 of 4 KiB): the chunk's
+        # stmatrix writes, one fence and barrier, then its TMA stores in one bulk group, which
+        # the next chunk (or tile) waits to have read the staging. Two named-barrier syncs a
+        # chunk, 2 or 4 a tile, where a barrier before and after each subtile's store made
+        # 2u + 1 (33 for 256 rows), all of them time the math warpgroups spend away from the
+        # tensor pipe (the cooperative tile does not overlap its epilogue with a mainloop).
+        for c in cutlass.range_constexpr(-(-subtiles // cfg.epi_stages)):
+            first = c * cfg.epi_stages
+            count = min(cfg.epi_stages, subtiles - first)
+            # The staging is free once the stores issued before it (the previous chunk's, or
+            # the previous tile's, a whole mainloop ago) have read it.
+            if is_store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
+            for i in cutlass.range_constexpr(count):
+                # Subtile e of the tile is the accumulator's values [e * 8, e * 8 + 8) (the
+                # WGMMA C fragment orders them by n8 block last; tests/kernels/test_swapped.py).
+                self.subtile_values(frags, acc, first + i, problems, work, inputs)
+                cute.copy(frags.tiled_copy_r2s, frags.tRS_rD_out,
+                          frags.tRS_sD[(None, None, None, i)])
+            # stmatrix writes go through the generic proxy; the TMA stores read through the
             # async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
             if is_store_warp:
-                cute.copy(tma_atom_d, bSG_sD[(None, buf)], bSG_gD[(None, (0, e))])
+                for i in cutlass.range_constexpr(count):
+                    cute.copy(tma_atom_d, bSG_sD[(None, i)], bSG_gD[(None, (0, first + i))])
                 frags.store_pipe.producer_commit()
-                frags.store_pipe.producer_acquire()
-            cute.arch.barrier(barrier_id=epi_bar_id, number_of_threads=epi_threads)
-
 
     def tile_inputs(self, frags: EpilogueFrags, problems, work: WorkTile,
                     subtiles: cutlass.Constexpr):
