@@ -47,20 +47,14 @@ from moe_gemm.tuning.shape_args import (  # noqa: F401 (re-exported: the benchma
     parse_shape_items,
     zoo_shapes,
 )
-from moe_gemm.tuning.shards import (
-    finish_shards,
-    gpu_ids,
-    launch_shards,
-    parse_shard,
-    take_shard,
-)
+from moe_gemm.tuning.shards import parse_shard, take_shard
+from moe_gemm.tuning.table_merge import NO_GPU, merge, out_path, refuse_out, run_on_gpus
 from moe_gemm.tuning.timing import REST_MS, TARGET_MS, TIMINGS
 from moe_gemm.tuning.tuner import FINAL_ROUNDS
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 SHAPE_BUDGET_S = 30.0
-NO_GPU = "needs a CUDA GPU (use --list without one)"
 # Options whose empty value would read as "all" or "the default" (see empty_option).
 NONEMPTY = ["models", "tokens", "shapes", "configs", "out", "out_dir", "report", "skip_table",
             "merge", "device", "rerank", "rivals", "rivals_file"]
@@ -444,115 +438,6 @@ def rivals_by_label(args: argparse.Namespace) -> dict[str, tuple[dict, ...]]:
     return {label: tuple(_runnable(n, args) for n in names) for label, names in doc.items()}
 
 
-def _out_path(args: argparse.Namespace, slug: str) -> Path:
-    return Path(args.out) if args.out else (
-        Path(args.out_dir) / f"{slug}.json" if args.out_dir else Path(f"tuned-{slug}.json"))
-
-
-def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
-    """`--gpus N`: this command once per GPU, each on shard i of N into a table of its own (a
-    temporary folder), then those tables merged into --out (added to the table there, unless
-    --no-merge). A shard that fails leaves the others' results merged; the exit code says."""
-    import shutil
-
-    import torch
-
-    clash = [o for o, on in (("--shard", args.shard is not None),
-                             ("--device", args.device != "cuda")) if on]
-    if clash:
-        print(f"moe-gemm tune: --gpus picks the shards and devices itself; drop "
-              f"{' and '.join(clash)}", file=sys.stderr)
-        return 2
-    if torch.cuda.device_count() < 1:
-        # Before gpu_ids: CUDA_VISIBLE_DEVICES can name GPUs a CPU-only torch cannot use, and
-        # asking such a torch for a device's name raises an AssertionError.
-        print(f"moe-gemm tune: {NO_GPU}", file=sys.stderr)
-        return 2
-    try:
-        gpus = gpu_ids(args.gpus, torch.cuda.device_count())
-    except ValueError as exc:
-        print(f"moe-gemm tune: {exc}", file=sys.stderr)
-        return 2
-    from moe_gemm.capability import device_name
-    from moe_gemm.ops import tuned
-    from moe_gemm.tuning import table_io
-
-    name = device_name(torch.device("cuda", 0))
-    out = _out_path(args, tuned.device_slug(name))
-    if not args.no_merge and (why := table_io.load_existing(out, name)[1]):
-        return _refuse_out(why)  # now, not when the shards' tables are merged into it
-    # --resume skips what --out holds (as one process would; --no-merge starts afresh).
-    skip = ["--skip-table", str(out)] if args.resume and not args.no_merge and out.exists() else []
-    tmp, codes, parts = launch_shards("moe_gemm.tuning", argv, gpus, "tune",
-                                      ["--no-merge", *skip], log)
-    rc = 1
-    if parts:
-        # --no-merge: a new table of the shards alone, put in place only once it is whole.
-        target = tmp / "merged.json" if args.no_merge else out
-        rc = merge(parts, str(target), log)
-        if rc == 0 and args.no_merge:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(target), str(out))
-    return finish_shards("moe-gemm tune", gpus, codes, len(parts), rc, tmp)
-
-
-def merge(files: list[str], out: str | None, log, out_dir: str | None = None) -> int:
-    """`--merge`: the entries, samples and failures of `files` added into the table at `out`
-    (or <device>.json in `out_dir`; a new table with the first file's header when absent), in
-    order, so a later file's entry replaces an earlier one's for the same key. Every file must
-    be a table of one device; entries and samples the reader would skip are left out, with a
-    warning."""
-    import copy
-
-    from moe_gemm.ops import tuned
-    from moe_gemm.tuning import table_io
-
-    if not out and not out_dir:
-        print("moe-gemm tune: --merge needs --out FILE or --out-dir DIR (the table to add "
-              "into)", file=sys.stderr)
-        return 2
-
-    def warn(s: str) -> None:
-        print(f"moe-gemm tune: warning: {s}", file=sys.stderr)
-
-    docs = []
-    for f in files:
-        try:
-            docs.append((f, table_io.read_table(Path(f), warn=warn)))
-        except (OSError, ValueError) as exc:
-            print(f"moe-gemm tune: --merge {f}: {exc}", file=sys.stderr)
-            return 2
-    device = docs[0][1]["device"]
-    if others := sorted({d["device"] for _, d in docs} - {device}):
-        print(f"moe-gemm tune: --merge takes tables of one device; got {device} and "
-              f"{', '.join(others)}", file=sys.stderr)
-        return 2
-    out_path = Path(out) if out else Path(out_dir) / f"{tuned.device_slug(device)}.json"
-    # Before merging anything: a path that cannot be written fails now, in one line.
-    if why := output_problem(out_path, "--out" if out else "--out-dir"):
-        print(f"moe-gemm tune: {why}", file=sys.stderr)
-        return 2
-    if out_path.exists():
-        try:
-            doc = table_io.read_table(out_path, device, warn=warn)
-        except (OSError, ValueError) as exc:
-            print(f"moe-gemm tune: --out {out}: {exc}", file=sys.stderr)
-            return 2
-    else:  # the first file's header; every file's valid entries are added below
-        doc = {**copy.deepcopy(docs[0][1]), "entries": [], "samples": [],
-               "failures": []}
-    for f, other in docs:
-        n = table_io.merge_into(doc, other)
-        log(f"[tune] --merge {f}: {n} entries")
-    try:
-        table_io.write(out_path, doc)
-    except OSError as exc:  # e.g. the disk filled up since the check above
-        print(f"moe-gemm tune: --out {out_path}: {exc}", file=sys.stderr)
-        return 2
-    print(f"merged {len(files)} tables into {out_path}: {len(doc['entries'])} entries")
-    return 0
-
-
 def run(args: argparse.Namespace, shapes: list, log) -> int:
     """Tune `shapes` on the GPU (imports torch and the DSL only here)."""
     t_start = time.monotonic()
@@ -572,7 +457,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
     name, nsm = device_name(device), sm_count(device)
-    out = _out_path(args, tuned.device_slug(name))
+    out = out_path(args, tuned.device_slug(name))
     source = None
     if args.rerank:
         try:
@@ -582,7 +467,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
             return 2
     doc, why = (None, None) if args.no_merge else table_io.load_existing(out, name)
     if why:
-        return _refuse_out(why)
+        return refuse_out(why)
     ceilings = measure_ceilings(device)
     if doc is None:
         doc = table_io.new_table(name, nsm, runtime_versions(name), ceilings)
@@ -681,16 +566,6 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     print(f"tuned {done} of {len(shapes)} shapes in {total:.0f} s -> {out}"
           + (f"; stopped early ({stopped})" if stopped else ""))
     return 0
-
-
-def _refuse_out(why: str) -> int:
-    """Exit 2 for an --out that is no table for this GPU: replaced by a new table after the
-    first shape, it was lost (another device's table, such as the shipped H100 one named on an
-    H200, or a file that is no table at all), with one log line that --quiet hid. Replacing it
-    takes --no-merge."""
-    print(f"moe-gemm tune: --out {why}: give another --out, or --no-merge to replace it",
-          file=sys.stderr)
-    return 2
 
 
 def _save(out: Path, doc: dict) -> str | None:
