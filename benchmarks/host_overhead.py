@@ -18,17 +18,17 @@ machine has:
 Per case: `cpu_us`, time.perf_counter around one call without synchronising (median of many,
 the GPU synchronised every 16 calls outside the timed region so the launch queue never
 fills); `single_us`, CUDA events around one call with the GPU idle (`single_cpu_us`: that
-call's own CPU time, right after the synchronisation); `queued_us`, events around
-one call enqueued behind a GPU backlog (the call's own GPU time, its launches' processing on
-the GPU included, the host's enqueue hidden); `gpu_us`, the back-to-back time per call behind
-a backlog (successive launches overlap there); `launch_gap_us = single_us - queued_us`, the
-time the host adds between the call and its kernels running (about `single_cpu_us` where the
-call's kernels are launched at its end; a call that launches a small kernel early, as torch's
-grouped_mm does, shows less); `gap_b2b_us = single_us -
-gpu_us`, the same gap taken against back-to-back time (it also counts the GPU's launch
-processing that back-to-back calls overlap, which differs between kernels). `checks` holds
-the targets: our grouped_mm at or below torch's in CPU time and in both gaps (2-D and 3-D), a
-repeated plan call at most 10 us of CPU, grouped_gemm on 256 problems at most 250 us of CPU.
+call's own CPU time, right after the synchronisation); `queued_us`, events around one call
+enqueued behind a GPU backlog (the call's own GPU time, its launches' processing on the GPU
+included, the host's enqueue hidden); `gpu_us`, the back-to-back time per call behind a
+backlog (successive launches overlap there); `launch_gap_us = single_us - queued_us`, the time
+the host adds between the call and its kernels running (about `single_cpu_us` where the call's
+kernels are launched at its end; a call that launches a small kernel early, as torch's
+grouped_mm does, shows less); `gap_b2b_us = single_us - gpu_us`, the same gap taken against
+back-to-back time (it also counts the GPU's launch processing that back-to-back calls overlap,
+which differs between kernels). `checks` holds the targets: our grouped_mm at or below torch's
+in CPU time and in both gaps (2-D and 3-D), a repeated plan call at most 10 us of CPU,
+grouped_gemm on 256 problems at most 250 us of CPU.
 """
 
 from __future__ import annotations

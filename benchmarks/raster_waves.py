@@ -25,7 +25,9 @@ With a tuned table, each zoo case's pick (its exact bf16 varlen entry; swapped t
 against the same config under every raster (RASTERS): the cases whose pick reads at least
 --min-ratio times the bytes of the model's best raster, and, with --rivals-out, a table holding
 those picks with that raster, for `benchmarks.pick_ab --against` to time in the zoo's regime
-(the tuner chooses rasters by time; this points at picks worth timing again):
+(the tuner chooses rasters by time; this points at picks worth timing again; on the H100's
+seven flagged rows none of those rasters ran faster at the power limit, where L2 bytes weigh
+more than DRAM bytes: docs/measurements.md, 2026-12-06 later):
 
     python -m benchmarks.raster_waves --table moe_gemm/tables/nvidia-h100-80gb-hbm3.json \
         --models all --tokens 2048,4096,8192 [--min-ratio 1.1] [--rivals-out rivals.json]
