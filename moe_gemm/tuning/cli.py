@@ -457,7 +457,7 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
     name, nsm = device_name(device), sm_count(device)
-    out = out_path(args, tuned.device_slug(name))
+    out = out_path(args.out, args.out_dir, tuned.device_slug(name))
     source = None
     if args.rerank:
         try:

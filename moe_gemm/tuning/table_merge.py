@@ -13,10 +13,11 @@ from moe_gemm.tuning.shards import finish_shards, gpu_ids, launch_shards
 NO_GPU = "needs a CUDA GPU (use --list without one)"
 
 
-def out_path(args: argparse.Namespace, slug: str) -> Path:
-    """The table a run writes: --out, or <slug>.json in --out-dir, or ./tuned-<slug>.json."""
-    return Path(args.out) if args.out else (
-        Path(args.out_dir) / f"{slug}.json" if args.out_dir else Path(f"tuned-{slug}.json"))
+def out_path(out: str | None, out_dir: str | None, slug: str) -> Path:
+    """The table a run or a merge writes: --out, or <slug>.json in --out-dir, or
+    ./tuned-<slug>.json."""
+    return Path(out) if out else (
+        Path(out_dir) / f"{slug}.json" if out_dir else Path(f"tuned-{slug}.json"))
 
 
 def refuse_out(why: str) -> int:
@@ -58,7 +59,7 @@ def run_on_gpus(args: argparse.Namespace, argv: list[str], log) -> int:
     from moe_gemm.tuning import table_io
 
     name = device_name(torch.device("cuda", 0))
-    out = out_path(args, tuned.device_slug(name))
+    out = out_path(args.out, args.out_dir, tuned.device_slug(name))
     if not args.no_merge and (why := table_io.load_existing(out, name)[1]):
         return refuse_out(why)  # now, not when the shards' tables are merged into it
     # --resume skips what --out holds (as one process would; --no-merge starts afresh).
@@ -107,14 +108,14 @@ def merge(files: list[str], out: str | None, log, out_dir: str | None = None) ->
         print(f"moe-gemm tune: --merge takes tables of one device; got {device} and "
               f"{', '.join(others)}", file=sys.stderr)
         return 2
-    out_path = Path(out) if out else Path(out_dir) / f"{tuned.device_slug(device)}.json"
+    target = out_path(out, out_dir, tuned.device_slug(device))
     # Before merging anything: a path that cannot be written fails now, in one line.
-    if why := output_problem(out_path, "--out" if out else "--out-dir"):
+    if why := output_problem(target, "--out" if out else "--out-dir"):
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
-    if out_path.exists():
+    if target.exists():
         try:
-            doc = table_io.read_table(out_path, device, warn=warn)
+            doc = table_io.read_table(target, device, warn=warn)
         except (OSError, ValueError) as exc:
             print(f"moe-gemm tune: --out {out}: {exc}", file=sys.stderr)
             return 2
@@ -125,9 +126,9 @@ def merge(files: list[str], out: str | None, log, out_dir: str | None = None) ->
         n = table_io.merge_into(doc, other)
         log(f"[tune] --merge {f}: {n} entries")
     try:
-        table_io.write(out_path, doc)
+        table_io.write(target, doc)
     except OSError as exc:  # e.g. the disk filled up since the check above
-        print(f"moe-gemm tune: --out {out_path}: {exc}", file=sys.stderr)
+        print(f"moe-gemm tune: --out {target}: {exc}", file=sys.stderr)
         return 2
-    print(f"merged {len(files)} tables into {out_path}: {len(doc['entries'])} entries")
+    print(f"merged {len(files)} tables into {target}: {len(doc['entries'])} entries")
     return 0
