@@ -109,15 +109,16 @@ def merge(files: list[str], out: str | None, log, out_dir: str | None = None) ->
               f"{', '.join(others)}", file=sys.stderr)
         return 2
     target = out_path(out, out_dir, tuned.device_slug(device))
+    option = "--out" if out else "--out-dir"
     # Before merging anything: a path that cannot be written fails now, in one line.
-    if why := output_problem(target, "--out" if out else "--out-dir"):
+    if why := output_problem(target, option):
         print(f"moe-gemm tune: {why}", file=sys.stderr)
         return 2
     if target.exists():
         try:
             doc = table_io.read_table(target, device, warn=warn)
         except (OSError, ValueError) as exc:
-            print(f"moe-gemm tune: --out {out}: {exc}", file=sys.stderr)
+            print(f"moe-gemm tune: {option} {target}: {exc}", file=sys.stderr)
             return 2
     else:  # the first file's header; every file's valid entries are added below
         doc = {**copy.deepcopy(docs[0][1]), "entries": [], "samples": [],

@@ -339,6 +339,12 @@ def test_merge_into_out_dir_writes_the_device_table(tmp_path, capsys):
     assert [p.name for p in d.iterdir()] == ["nvidia-h200.json"]
     assert cli.main(["--merge", str(s0)]) == 2
     assert "--merge needs --out FILE or --out-dir DIR" in capsys.readouterr().err
+    # A table there that cannot be read: the error names the option and the file it chose.
+    (d / "nvidia-h200.json").write_text("{not json")
+    assert cli.main(["--merge", str(s0), "--out-dir", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-gemm tune: --out-dir {d / 'nvidia-h200.json'}: "), err
+    assert (d / "nvidia-h200.json").read_text() == "{not json"  # left as it was
 
 
 @pytest.mark.parametrize("argv, words", [
