@@ -27,7 +27,7 @@ from moe_gemm.layers.experts_fp8 import (
     row_scale,
 )
 from moe_gemm.layers.routing import check_correction_bias, check_flag, check_router_weight
-from moe_gemm.ops.validation import shape_text
+from moe_gemm.ops.validation import check_dense, shape_text
 
 if TYPE_CHECKING:
     from moe_gemm.config import GemmConfig
@@ -394,6 +394,11 @@ def moe_from_tensors(
         TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
     """
     check_loader_options(options)
+    # The grouped GEMMs take dense experts only: a sparse one was accepted here and refused by
+    # the first forward as an operand `w` the caller never passed, a nested one failed when
+    # its shape was read below (torch's internal RuntimeError).
+    check_dense("gate_up_proj", gate_up_proj)
+    check_dense("down_proj", down_proj)
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
         raise ValueError(
             f"gate_up_proj must be (E, 2I, H) (or (E, H, 2I) with transposed=True); got "
@@ -437,6 +442,8 @@ def moe_from_tensors(
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"shared[{name!r}] must be a torch.Tensor; got "
                                 f"{type(t).__name__}")
+            if t.is_nested:  # (no shape to read below; a sparse one works in F.linear)
+                check_dense(f"shared[{name!r}]", t)
         shared_size = shared["gate_proj"].shape[0]
         want = {"gate_proj": (shared_size, H), "up_proj": (shared_size, H),
                 "down_proj": (H, shared_size), "gate": (1, H)}

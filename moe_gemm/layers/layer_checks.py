@@ -65,7 +65,7 @@ def check_routing(
 def check_layer_args(hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
                  scoring, renormalize, n_group, topk_group, routed_scaling_factor,
                  correction_bias, router_fp32, shared_expert_gate, activation, config, fused,
-                 dtype, router_jitter_noise) -> bool:
+                 dtype, router_jitter_noise, device=None) -> bool:
     """MoE's constructor arguments, checked; returns correction_bias resolved."""
     check_gemm_options(config, fused)
     check_flag("router_fp32", router_fp32, none_ok=True)
@@ -109,6 +109,14 @@ def check_layer_args(hidden_size, intermediate_size, shared_intermediate_size, n
             f"MoE makes its parameters in torch's default dtype when dtype=None, which is "
             f"{torch.get_default_dtype()}; the layer runs in torch.bfloat16, torch.float16 or "
             "torch.float32: pass one as dtype= (e.g. MoE(..., dtype=torch.float32))")
+    if isinstance(device, str):
+        # (torch parses the string only when the first parameter is made: a typo such as
+        # "gpu" was torch's RuntimeError from inside the constructor)
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must be a torch.device, a device string such as 'cpu' "
+                             f"or 'cuda:0', or an index; got {device!r}") from None
     resolve_activation(activation)  # fail early on a bad name
     return bool(correction_bias)
 

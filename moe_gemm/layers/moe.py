@@ -343,7 +343,8 @@ class MoE(MoELoaders, MoEOptions):
             `moe.fused` to switch a built layer.
         device, dtype: where and in what dtype (bf16, fp16 or fp32) to create the
             parameters; dtype=None is torch's default dtype, refused (TypeError) where that
-            is not one of the three (torch.set_default_dtype(torch.float64)).
+            is not one of the three (torch.set_default_dtype(torch.float64)); a device
+            string torch cannot parse ("gpu") is a ValueError.
     """
 
     def __init__(
@@ -374,7 +375,7 @@ class MoE(MoELoaders, MoEOptions):
             hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
             scoring, renormalize, n_group, topk_group, routed_scaling_factor, correction_bias,
             router_fp32, shared_expert_gate, activation, config, fused, dtype,
-            router_jitter_noise)
+            router_jitter_noise, device)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts

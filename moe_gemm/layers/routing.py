@@ -364,7 +364,7 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
         An ExpertPermutation on topk_ids' device.
 
     Raises:
-        TypeError: topk_ids not an integer tensor, ids_in_range not a bool.
+        TypeError: topk_ids not a dense integer tensor, ids_in_range not a bool.
         ValueError: topk_ids not 2-D, num_experts < 1.
     """
     # (a string such as "no" would be truthy: every slot, out-of-range ones included, marked
@@ -372,6 +372,8 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
     ids_in_range = check_flag("ids_in_range", ids_in_range)
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor (T, k); got {type(topk_ids).__name__}")
+    # (a sparse or nested topk_ids failed inside torch's reshape with a RuntimeError)
+    check_dense("topk_ids", topk_ids)
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D (T, k); got shape {shape_text(topk_ids)}")
     if topk_ids.dtype not in _INT_DTYPES:

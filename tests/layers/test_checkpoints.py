@@ -246,6 +246,31 @@ def test_from_fused_checks_the_shared_weights() -> None:
             MoE.from_fused(gu, dn, rw, 2, shared=bad)  # type: ignore[arg-type]
 
 
+def test_from_fused_refuses_sparse_and_nested_expert_weights() -> None:
+    # A sparse expert weight was accepted and refused only by the first forward, as the
+    # grouped GEMM's operand `w`; a nested one raised torch's internal RuntimeError when
+    # its shape was read. Both are a TypeError naming the loader's argument now.
+    E, H, I = 4, 16, 8
+    gu, dn, rw = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, H)
+    with pytest.raises(TypeError, match=r"gate_up_proj must be a dense \(strided\) tensor; "
+                                        r"got layout torch.sparse_coo"):
+        MoE.from_fused(gu.to_sparse(), dn, rw, 2)
+    with pytest.raises(TypeError, match=r"down_proj must be a dense \(strided\) tensor; "
+                                        r"got layout torch.sparse_coo"):
+        MoE.from_vllm(gu, dn.to_sparse(), rw, 2)
+    nested = torch.nested.nested_tensor(list(gu), layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"gate_up_proj must be a dense \(strided\) tensor; "
+                                        r"got a nested tensor"):
+        MoE.from_fused(nested, dn, rw, 2)
+    Is = 6
+    shared = {"gate_proj": torch.nested.nested_tensor(list(torch.randn(2, Is // 2, H)),
+                                                      layout=torch.jagged),
+              "up_proj": torch.randn(Is, H), "down_proj": torch.randn(H, Is)}
+    with pytest.raises(TypeError, match=r"shared\['gate_proj'\] must be a dense \(strided\) "
+                                        r"tensor; got a nested tensor"):
+        MoE.from_fused(gu, dn, rw, 2, shared=shared)
+
+
 def _per_expert_sd(E: int = 4, H: int = 32, I: int = 16) -> dict:
     gate, up, down, router = _expert_tensors(E, H, I)
     sd = {"gate.weight": router}

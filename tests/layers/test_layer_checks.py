@@ -98,6 +98,20 @@ def test_check_routing_and_layer_args() -> None:
         torch.set_default_dtype(default)
 
 
+def test_a_device_string_torch_cannot_parse_is_a_value_error() -> None:
+    # "gpu" reached torch.empty inside the constructor: torch's RuntimeError ("Expected one
+    # of cpu, cuda, ...") from deep in MoE.__init__, not the layer's argument check.
+    from moe_gemm.layers.moe import MoE
+
+    for bad in ("gpu", "cuda:x", ""):
+        with pytest.raises(ValueError, match=f"device must be a torch.device, a device string "
+                                             f"such as 'cpu' or 'cuda:0', or an index; got "
+                                             f"{bad!r}"):
+            MoE(H, I, E, 2, device=bad, dtype=torch.float32)
+    assert MoE(H, I, E, 2, device="cpu", dtype=torch.float32).router_weight.device.type == "cpu"
+    assert MoE(H, I, E, 2, device="meta", dtype=torch.float32).gate_up_proj.is_meta
+
+
 def test_an_fp8_router_assigned_to_a_built_layer_is_refused_at_forward() -> None:
     import moe_gemm
 

@@ -301,6 +301,19 @@ def test_permutation_rejects_bad_input() -> None:
             permute_by_expert(torch.zeros(2, 2, dtype=torch.long), bad)  # type: ignore[arg-type]
 
 
+def test_permutation_refuses_sparse_and_nested_ids() -> None:
+    # A sparse topk_ids failed inside torch's reshape (RuntimeError), a nested one when its
+    # shape was read: a TypeError naming the argument, as every other op's dense check.
+    ids = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(TypeError, match=r"topk_ids must be a dense \(strided\) tensor; got "
+                                        r"layout torch.sparse_coo"):
+        permute_by_expert(ids.to_sparse(), 4)
+    nested = torch.nested.nested_tensor([ids[0], ids[1, :1]], layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"topk_ids must be a dense \(strided\) tensor; got "
+                                        r"a nested tensor"):
+        permute_by_expert(nested, 4)
+
+
 def test_permutation_ids_in_range_must_be_a_bool() -> None:
     # "no" was truthy: the out-of-range ids vouched for, every slot marked valid (and
     # all_valid='no'), the wrong results the flag's docstring warns of.
