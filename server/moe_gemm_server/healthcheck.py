@@ -11,6 +11,7 @@ is probed on the port it listens on (its socket, found in /proc). It imports no 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import ssl
 import sys
@@ -144,6 +145,8 @@ def probe(url: str, timeout: float = 3.0) -> tuple[bool, str]:
         return False, f"{e.code} {e.read(300).decode(errors='replace')}"
     except (urllib.error.URLError, OSError) as e:
         return False, str(getattr(e, "reason", e))
+    except http.client.InvalidURL as e:  # a host no URL can hold ("a b")
+        return False, str(e)
 
 
 def main(proc: Path = Path("/proc")) -> None:

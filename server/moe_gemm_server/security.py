@@ -17,8 +17,10 @@ import contextlib
 import hashlib
 import ipaddress
 import logging
+import os
 import re
 import ssl
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,11 +106,7 @@ def check_tls(settings: Settings) -> None:
                        ("--ssl-keyfile", settings.ssl_keyfile)):
         if path is None:
             continue
-        try:
-            with open(path, "rb") as f:
-                contents[flag] = f.read()
-        except OSError as e:
-            raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+        contents[flag] = _read_pem_file(flag, path)
     if settings.ssl_certfile is None:
         return
     # OpenSSL says only "PEM lib" for either file: look for the PEM blocks first, so that the
@@ -142,6 +140,38 @@ def check_tls(settings: Settings) -> None:
         raise ValueError(f"{files}: not a usable certificate and key: {reason}") from None
     except OSError as e:  # the file vanished or changed between the reads above and here
         raise ValueError(f"--ssl-certfile {settings.ssl_certfile}: {e.strerror or e}") from None
+
+
+# Certificate chains and keys are a few KB (a CA bundle a few hundred): a larger file is not
+# one, and reading it whole would only cost memory.
+MAX_PEM_BYTES = 16 << 20
+
+
+def _read_pem_file(flag: str, path: os.PathLike[str] | str) -> bytes:
+    """The bytes of a TLS file: a regular file of at most MAX_PEM_BYTES (ValueError naming the
+    flag otherwise). A device or a FIFO is refused before it is read: /dev/zero or
+    /dev/urandom filled memory without end, and a FIFO with no writer hung the start."""
+    try:
+        # O_NONBLOCK: opening a FIFO without a writer would block; fstat then refuses it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{flag} {path}: not a regular file (a PEM certificate or key file "
+                             "is expected)")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1  # (the file object owns it now)
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > MAX_PEM_BYTES:
+        raise ValueError(f"{flag} {path}: larger than {MAX_PEM_BYTES} bytes, too large for a "
+                         "PEM certificate or key file")
+    return data
 
 
 def key_id(token: str | None) -> str:

@@ -90,6 +90,24 @@ def test_module_exits_1_when_nothing_answers(tmp_path):
     assert out.stdout.strip() == "torch imported: False"
 
 
+def test_a_host_no_url_can_hold_is_a_failed_probe_not_a_traceback(tmp_path):
+    # (a server that never started, its MOE_GEMM_HOST holding a space: http.client's
+    # InvalidURL escaped the probe as a traceback)
+    url = ready_url(["--port", "1"], {"MOE_GEMM_HOST": "bad host"})
+    ok, seen = probe(url, timeout=1)
+    assert not ok and "bad host" in seen
+    proc = _fake_proc(tmp_path / "proc", {1: ["moe-gemm-server", "--port", "1"]})
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'server'}", "PATH": "/usr/bin:/bin",
+           "MOE_GEMM_HOST": "bad host"}
+    code = ("from pathlib import Path\nfrom moe_gemm_server import healthcheck\n"
+            f"healthcheck.main(Path({str(proc)!r}))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("moe-gemm-server healthcheck: http://bad host:1/"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
 def test_the_probe_goes_past_a_proxy_the_environment_names(main_server, tmp_path):
     """HTTP_PROXY and friends (Docker sets them in every container from the client's proxy
     settings) must not carry the probe of the server's own port to a proxy, which cannot

@@ -18,6 +18,7 @@ import pytest
 import torch
 from server_testutils import REPO, LiveServer, st_body
 
+from moe_gemm_server import security
 from moe_gemm_server.config import Settings
 from moe_gemm_server.security import InsecureStart, check_exposure, check_tls, is_loopback, key_id
 
@@ -64,6 +65,27 @@ def test_tls_files_are_checked(tmp_path: Path) -> None:
         check_tls(Settings(ssl_keyfile=tmp_path / "k.pem", data_dir=tmp_path))
     with pytest.raises(ValueError, match="--ssl-certfile .*missing.pem"):
         check_tls(Settings(ssl_certfile=tmp_path / "missing.pem", data_dir=tmp_path))
+
+
+def test_tls_files_must_be_bounded_regular_files(tmp_path: Path, monkeypatch) -> None:
+    # /dev/zero was read without end (gigabytes a second until the host ran out of memory)
+    # and a FIFO with no writer hung the start; each is now one refusal naming the flag.
+    with pytest.raises(ValueError, match="--ssl-certfile /dev/zero: not a regular file"):
+        check_tls(Settings(ssl_certfile=Path("/dev/zero"), data_dir=tmp_path))
+    fifo = tmp_path / "cert.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"--ssl-certfile .*cert.fifo: not a regular file"):
+        check_tls(Settings(ssl_certfile=fifo, data_dir=tmp_path))
+    with pytest.raises(ValueError, match=r"--ssl-certfile .*: not a regular file"):
+        check_tls(Settings(ssl_certfile=tmp_path, data_dir=tmp_path))
+    (tmp_path / "a").mkdir()
+    cert, _ = _self_signed(tmp_path / "a")
+    with pytest.raises(ValueError, match="--ssl-keyfile /dev/urandom: not a regular file"):
+        check_tls(Settings(ssl_certfile=cert, ssl_keyfile=Path("/dev/urandom"),
+                           data_dir=tmp_path))
+    monkeypatch.setattr(security, "MAX_PEM_BYTES", 64)
+    with pytest.raises(ValueError, match=r"--ssl-certfile .*cert.pem: larger than 64 bytes"):
+        check_tls(Settings(ssl_certfile=cert, data_dir=tmp_path))
 
 
 def test_key_id_is_stable_and_not_the_key() -> None:
