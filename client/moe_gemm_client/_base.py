@@ -64,7 +64,9 @@ from ._tensors import Payload
 R = TypeVar("R")
 
 # What a key can hold in an HTTP/1.1 header value: printable ASCII (no line breaks).
-_API_KEY_RE = re.compile(r"[\x20-\x7e]+")
+# No spaces: the server's keys have none, and one at the end of the header value (a key read
+# with a trailing blank) makes h11 refuse every request, reported as a connection error.
+_API_KEY_RE = re.compile(r"[\x21-\x7e]+")
 # "scheme://" then everything up to the last "@" before the path, query or fragment.
 _USERINFO_RE = re.compile(r"^(\s*[A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
 
@@ -101,7 +103,13 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
         parsed = email.utils.parsedate_tz(ra)
         if parsed is None:
             return None
-        value = email.utils.mktime_tz(parsed) - (time.time() if now is None else now)
+        try:
+            stamp = email.utils.mktime_tz(parsed)
+        except (ValueError, OverflowError):
+            # A date the platform cannot represent (year 99999, from a proxy or a broken
+            # gateway) says nothing usable; raising here would replace the status error.
+            return None
+        value = stamp - (time.time() if now is None else now)
         value = max(value, 0.0)
     if not math.isfinite(value) or value < 0:
         return None
@@ -184,8 +192,9 @@ class _BaseClient:
         if api_key and not _API_KEY_RE.fullmatch(api_key):
             # (checked here: httpx would fail at every request, a non-ASCII key deep inside
             # with a UnicodeEncodeError, a line break as a "connection error"; never echo it)
-            raise ValueError("api_key must be printable ASCII, without line breaks or other "
-                             "control characters (it is sent as 'Authorization: Bearer <key>')")
+            raise ValueError("api_key must be printable ASCII, without spaces, line breaks or "
+                             "other control characters (it is sent as 'Authorization: Bearer "
+                             "<key>')")
         self.api_key = api_key
         if isinstance(max_retries, bool) or not isinstance(max_retries, int):
             raise TypeError(f"max_retries must be an int; got {max_retries!r}")

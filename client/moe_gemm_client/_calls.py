@@ -117,6 +117,10 @@ _HEADER_VALUE_RE = re.compile(r"[\t\x20-\x7e]*")
 def check_headers(headers: Mapping[str, str] | None, what: str) -> dict[str, str]:
     """Header names and values that can go on the wire (TypeError / ValueError before any
     request, naming the header)."""
+    if headers is not None and not isinstance(headers, Mapping):
+        # (a list of pairs, as httpx takes, had no .items(): an AttributeError)
+        raise TypeError(f"{what} must be a mapping of header names to str values; got "
+                        f"{type(headers).__name__}")
     out: dict[str, str] = {}
     for name, value in (headers or {}).items():
         if not isinstance(name, str) or not _HEADER_NAME_RE.fullmatch(name):
@@ -216,6 +220,11 @@ def upload_file_call(name: str, path: str | os.PathLike[str], tensor: str | None
                      layout: str | None, scale_tensor: str | None,
                      progress: ProgressCallback | None, **common: Any) -> _Call[WeightInfo]:
     name = check_name(name)
+    if not isinstance(path, (str, os.PathLike)):
+        # An int is a file descriptor to open() and os.stat(): the upload would read whatever
+        # that descriptor is, then close it under its owner.
+        raise TypeError(f"path must be a str or os.PathLike naming a .safetensors file; got "
+                        f"{type(path).__name__}")
     entries = read_safetensors_header(path)
     if tensor is None:
         for candidate in ("w", "w_t"):

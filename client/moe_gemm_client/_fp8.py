@@ -28,6 +28,7 @@ from ._tensors import (
     FLOAT8_E4M3,
     FLOAT8_E5M2,
     TensorEntry,
+    _dense_cpu,
     _little_endian_c,
     _shape_text,
     _torch,
@@ -87,9 +88,7 @@ def scale_granularity(layout: str, shape: Sequence[int], scale_shape: Sequence[i
 def _fp8_array(obj: Any, dtype: np.dtype[Any], layout: str) -> np.ndarray:
     if is_torch_tensor(obj):
         torch = _torch()
-        t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
+        t = _dense_cpu(obj, "w")
         # numpy cannot take a torch float8 tensor; its bytes are the same FP8 values.
         arr = t.contiguous().view(torch.uint8).numpy().view(dtype)
     else:
@@ -107,7 +106,7 @@ def _scale_array(obj: object) -> np.ndarray:
         if t.dtype != torch.float32:
             raise TypeError(f"scale must be float32 (FP8 decoding scales); got {t.dtype} "
                             "(convert with .float())")
-        return _little_endian_c(t.cpu().numpy())
+        return _little_endian_c(_dense_cpu(t, "scale").numpy())
     if isinstance(obj, np.generic):  # np.float32(0.01): a per-tensor scale, dtype and all
         obj = np.asarray(obj)
     if not isinstance(obj, np.ndarray):

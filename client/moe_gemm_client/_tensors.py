@@ -159,13 +159,30 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+def _dense_cpu(t: Any, name: str) -> Any:
+    """`t` detached, on the CPU, with its values materialized (TypeError / ValueError for a
+    tensor that has none to send: torch's own errors there are NotImplementedError and
+    RuntimeError, deep inside .cpu() / .contiguous() / .numpy())."""
+    torch = _torch()
+    t = t.detach()
+    if t.is_nested:
+        raise TypeError(f"{name} must be a dense tensor; got a nested tensor (pad it, or send "
+                        "its parts one by one)")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor; got layout {t.layout} (convert with "
+                        ".to_dense())")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: it has no values to send")
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # A negated view (torch's lazy negation bit) has no numpy form until it is applied.
+    return t.resolve_neg()
+
+
 def _torch_to_numpy(t: Any, name: str, note: str = "") -> tuple[np.ndarray, ArrayKind]:
     torch = _torch()
     kind = ArrayKind(torch=True, device=t.device)
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+    t = _dense_cpu(t, name).contiguous()
     if t.dtype == torch.bfloat16:
         # Raw bits: view as int16 (same itemsize), then as ml_dtypes.bfloat16. No float32 trip.
         return t.view(torch.int16).numpy().view(BFLOAT16), kind
@@ -239,7 +256,7 @@ def as_index_array(obj: object, name: str, shape_hint: str) -> np.ndarray:
         # (every integer dtype, as for a numpy array: torch's uint16/32/64 were refused)
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor {shape_hint}; got {t.dtype}")
-        arr = t.cpu().numpy()
+        arr = _dense_cpu(t, name).numpy()
     elif isinstance(obj, np.ndarray):
         arr = obj
     elif isinstance(obj, (list, tuple)):

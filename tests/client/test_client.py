@@ -352,6 +352,25 @@ def test_retry_after_http_date(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("when", ["Wed, 21 Oct 99999 07:28:00 GMT",
+                                  "Wed, 21 Oct 99999999999999999999 07:28:00 GMT"])
+def test_retry_after_date_beyond_the_calendar_is_ignored(mode, when):
+    # A date the platform cannot represent is no delay: the answer's own status error is
+    # raised (or retried with the backoff), never a ValueError/OverflowError from the date.
+    assert parse_retry_after(httpx.Headers({"Retry-After": when})) is None
+    handler, _ = sequence(error(503, "draining", **{"Retry-After": when}),
+                          ok_json({"weights": []}))
+    client = make(mode, handler)
+    client._random = lambda: 0.0
+    assert run(client, "list_weights") == []
+    assert client.sleeps == [pytest.approx(0.5)]
+    handler, _ = sequence(error(429, "full", **{"Retry-After": when}))
+    with pytest.raises(mgc.RateLimitError) as info:
+        run(make(mode, handler), "list_weights", max_retries=0)
+    assert info.value.retry_after is None
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_connection_errors_are_retried_for_every_route(mode, rng):
     # All routes are safe to repeat, so a connection that broke mid-request is retried too,
     # including the POST matmuls (pure functions of their body).
@@ -664,13 +683,19 @@ def test_header_values_are_checked_before_sending(mode):
         run(client, "list_weights", extra_headers={"X-Tag": 1})
     with pytest.raises(ValueError, match="not a valid HTTP header name"):
         run(client, "list_weights", extra_headers={"X Tag": "v"})
+    with pytest.raises(TypeError, match="extra_headers must be a mapping"):
+        run(client, "list_weights", extra_headers=[("X-Tag", "v")])
     assert seen == []
     cls = mgc.Client if mode == "sync" else mgc.AsyncClient
-    for key in ("k\u00e9y", "key\nX-Injected: 1"):
+    # (a blank at either end, or inside: the server's keys have none, and a trailing one was
+    # refused by h11 at every request, reported as a connection error and retried)
+    for key in ("k\u00e9y", "key\nX-Injected: 1", "key ", " ", "a key"):
         with pytest.raises(ValueError, match="api_key must be printable ASCII"):
             cls(api_key=key)
     with pytest.raises(TypeError, match="default_headers: header 'X-Tag' must be a str"):
         cls(default_headers={"X-Tag": None})
+    with pytest.raises(TypeError, match="default_headers must be a mapping"):
+        cls(default_headers=[("X-Tag", "v")])
     # what the server echoes still goes out as given
     assert run(client, "list_weights", request_id="req-1:a/b", extra_headers={"X-Tag": "a b"}) == []
     assert seen[-1].headers["x-request-id"] == "req-1:a/b"
@@ -903,6 +928,29 @@ def test_upload_safetensors_file(mode, rng, tmp_path):
     only = tmp_path / "w_t.safetensors"
     safetensors.numpy.save_file({"w_t": w}, str(only))
     assert run(client, "upload_safetensors", "t2", only).layout == "w_t"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_upload_safetensors_refuses_a_file_descriptor(mode, rng, tmp_path):
+    # An int is no path: opened as a descriptor it would upload whatever that descriptor
+    # reads and close it under its owner.
+    import os
+
+    import safetensors.numpy
+
+    handler = ContractHandler()
+    client = make(mode, handler)
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"w": rng.standard_normal((1, 2, 3)).astype(np.float32)},
+                                str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+            run(client, "upload_safetensors", "w", fd)
+        os.fstat(fd)  # still open: not closed by the refused call
+    finally:
+        os.close(fd)
+    assert handler.weights == {}
 
 
 # ------------------------------------------------------------------------------------------

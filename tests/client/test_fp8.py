@@ -134,6 +134,13 @@ BAD_UPLOADS = [
     (np.zeros((2, 4, 4), np.float64), {}, TypeError, r"or FP8 \(float8_e4m3fn"),
     (torch.zeros(2, 4, 4, dtype=torch.float8_e4m3fnuz), {"scale": torch.ones(2)}, TypeError,
      r"torch.bfloat16, or FP8.*got torch.float8_e4m3fnuz"),
+    # tensors with no values to send (torch failed inside .cpu(): NotImplementedError)
+    (torch.empty(2, 256, 200, dtype=torch.float8_e4m3fn, device="meta"),
+     {"scale": torch.ones(2)}, ValueError, "w is a meta tensor"),
+    (torch.zeros(2, 256, 200, dtype=torch.float8_e4m3fn),
+     {"scale": torch.empty(2, device="meta")}, ValueError, "scale is a meta tensor"),
+    (torch.zeros(2, 256, 200, dtype=torch.float8_e4m3fn),
+     {"scale": torch.ones(2).to_sparse()}, TypeError, "scale must be a dense tensor"),
 ]
 
 

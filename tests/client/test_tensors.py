@@ -95,6 +95,27 @@ def test_non_contiguous_and_big_endian_inputs(rng):
     np.testing.assert_array_equal(arr, t.numpy())
 
 
+def test_torch_tensors_without_plain_values_are_refused_or_materialized():
+    # A meta, sparse or nested tensor failed deep inside torch (NotImplementedError,
+    # RuntimeError), not as the documented TypeError / ValueError; a negated view (torch's
+    # lazy negation bit) could not be turned into numpy at all.
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="x is a meta tensor"):
+        as_data_array(torch.empty(3, 4, device="meta"), "x", "(T, K)", 2)
+    with pytest.raises(TypeError, match="x must be a dense tensor; got layout torch.sparse_coo"):
+        as_data_array(x.to_sparse(), "x", "(T, K)", 2)
+    nested = torch.nested.nested_tensor([torch.zeros(2, 4), torch.zeros(3, 4)])
+    with pytest.raises(TypeError, match="x must be a dense tensor; got a nested tensor"):
+        as_data_array(nested, "x", "(T, K)", 2)
+    arr, _ = as_data_array(x._neg_view(), "x", "(T, K)", 2)
+    np.testing.assert_array_equal(arr, (-x).numpy())
+    counts = torch.tensor([1, 2, 0])
+    with pytest.raises(ValueError, match="counts is a meta tensor"):
+        as_index_array(torch.empty(3, dtype=torch.int64, device="meta"), "counts", "(E,)")
+    with pytest.raises(TypeError, match="counts must be a dense tensor"):
+        as_index_array(counts.to_sparse(), "counts", "(E,)")
+
+
 def test_torch_requires_grad_is_detached():
     t = torch.randn(2, 3, requires_grad=True)
     arr, kind = as_data_array(t, "x", "(T, K)", 2)
