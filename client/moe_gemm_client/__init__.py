@@ -35,6 +35,7 @@ from ._exceptions import (  # noqa: E402
     APITimeoutError,
     AuthenticationError,
     BadRequestError,
+    ClientClosedError,
     GatewayTimeoutError,
     InternalServerError,
     MoeGemmError,
@@ -79,4 +80,5 @@ __all__ = [
     "APIConnectionError",
     "APITimeoutError",
     "APIResponseValidationError",
+    "ClientClosedError",
 ]

@@ -84,7 +84,7 @@ class AsyncClient(_BaseClient):
         always used as it is.
         """
         if not self._owns_http or self._http.is_closed:
-            return self._http  # (a closed client stays closed: httpx says so at send)
+            return self._http  # (a closed client stays closed: _request refused it before)
         loop = _running_loop()
         if self._loop is not None and loop is not self._loop:
             self._http = _new_pool()
@@ -92,7 +92,9 @@ class AsyncClient(_BaseClient):
         return self._http
 
     async def close(self) -> None:
-        """Close the connection pool (not an http_client passed in)."""
+        """Close the connection pool (not an http_client passed in). Calls afterwards raise
+        ClientClosedError."""
+        self._closed = True
         if self._owns_http:
             if self._loop is not None and _running_loop() is not self._loop:
                 # Its connections belong to an earlier loop: aclose() here would raise
@@ -102,7 +104,7 @@ class AsyncClient(_BaseClient):
 
     @property
     def is_closed(self) -> bool:
-        return self._http.is_closed
+        return self._closed or self._http.is_closed
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -111,6 +113,7 @@ class AsyncClient(_BaseClient):
         await self.close()
 
     async def _request(self, call: _Call[R]) -> R:
+        self._check_open(self._http)
         state = self._state(call)
         http = self._pool()
         while True:

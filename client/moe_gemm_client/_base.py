@@ -57,6 +57,7 @@ from ._exceptions import (
     APIResponseValidationError,
     APIStatusError,
     APITimeoutError,
+    ClientClosedError,
     status_error_class,
 )
 from ._tensors import Payload
@@ -142,6 +143,9 @@ class _Done(Generic[R]):
     value: R
 
 
+# Doublings of INITIAL_RETRY_DELAY that reach MAX_RETRY_DELAY (0.5 s -> 8 s: 4).
+_DOUBLINGS_TO_CAP = math.ceil(math.log2(C.MAX_RETRY_DELAY / C.INITIAL_RETRY_DELAY))
+
 
 class _BaseClient:
     """Everything Client and AsyncClient share: configuration, request building, answers."""
@@ -204,6 +208,19 @@ class _BaseClient:
         self.timeout = self._check_timeout(timeout)
         self.default_headers = check_headers(default_headers, "default_headers")
         self._random: Callable[[], float] = random.random
+        self._closed = False  # close() was called (an http_client passed in stays open)
+
+    def _check_open(self, http: httpx.Client | httpx.AsyncClient) -> None:
+        """ClientClosedError, before any request is built or sent, for a call on a closed
+        client (httpx's own "Cannot send a request, as the client has been closed" came from
+        deep in the send, naming neither this client nor what to do)."""
+        name = type(self).__name__
+        if self._closed:
+            raise ClientClosedError(f"this {name} is closed (close() was called); create a "
+                                    "new one to send requests")
+        if http.is_closed:
+            raise ClientClosedError(f"the http_client this {name} sends with has been closed "
+                                    "by its owner; pass an open one")
 
     def __repr__(self) -> str:
         key = "set" if self.api_key else "none"
@@ -297,7 +314,10 @@ class _BaseClient:
             after = parse_retry_after(response.headers)
             if after is not None:
                 return min(after, C.MAX_RETRY_AFTER)
-        base = min(C.INITIAL_RETRY_DELAY * 2.0**state.retries_done, C.MAX_RETRY_DELAY)
+        # (the exponent is capped once the delay has reached its cap: 2.0 ** 1024 overflows,
+        # and max_retries has no upper bound)
+        doublings = min(state.retries_done, _DOUBLINGS_TO_CAP)
+        base = min(C.INITIAL_RETRY_DELAY * 2.0**doublings, C.MAX_RETRY_DELAY)
         return base * (1.0 - C.RETRY_JITTER * self._random())
 
     def _take_retry(self, state: _RetryState, response: httpx.Response | None) -> float:

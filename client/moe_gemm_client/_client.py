@@ -54,13 +54,15 @@ class _SyncTransport(_BaseClient):
         self._sleep: Callable[[float], None] = time.sleep
 
     def close(self) -> None:
-        """Close the connection pool (not an http_client passed in)."""
+        """Close the connection pool (not an http_client passed in). Calls afterwards raise
+        ClientClosedError."""
+        self._closed = True
         if self._owns_http:
             self._http.close()
 
     @property
     def is_closed(self) -> bool:
-        return self._http.is_closed
+        return self._closed or self._http.is_closed
 
     def __enter__(self: _Transport) -> _Transport:
         return self
@@ -69,6 +71,7 @@ class _SyncTransport(_BaseClient):
         self.close()
 
     def _request(self, call: _Call[R]) -> R:
+        self._check_open(self._http)
         state = self._state(call)
         while True:
             request = self._build_request(self._http, call, asynchronous=False)

@@ -18,6 +18,8 @@ The hierarchy follows openai-python so that code written against one reads the s
     │   ├── APIConnectionError        no answer: refused, reset, DNS, ...
     │   │   └── APITimeoutError       no answer in time (a kind of connection error, as in openai)
     │   └── APIResponseValidationError  an answer that does not follow the HTTP contract
+    ├── ClientClosedError             a call on a closed client (also a RuntimeError), raised
+    │                                 before any request
     └── (local argument errors are plain ValueError / TypeError, raised before any request)
 
 Every `APIError` carries `message`, `status_code` (None when there was no answer) and
@@ -48,6 +50,7 @@ __all__ = [
     "APIConnectionError",
     "APITimeoutError",
     "APIResponseValidationError",
+    "ClientClosedError",
 ]
 
 
@@ -218,6 +221,12 @@ class APIResponseValidationError(APIError):
             request_id=request_id,
         )
         self.response = response
+
+
+class ClientClosedError(MoeGemmError, RuntimeError):
+    """A call on a client after its `close()`, or whose `http_client` its owner has closed:
+    raised before any request is sent. A RuntimeError too: httpx raised one from deep inside
+    the send, and code written against that may catch it."""
 
 
 _STATUS_CLASSES: dict[int, type[APIStatusError]] = {

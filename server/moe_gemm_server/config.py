@@ -20,6 +20,14 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 MiB = 1 << 20
 GiB = 1 << 30
 
+# Microsecond settings stay below a request's own bound (X-Timeout-Us, v2's parameters.timeout:
+# routers/common.py), which also keeps them within the uint64 fields of Triton's model config
+# (default_timeout_microseconds, max_queue_delay_microseconds) that /v2/models/{name}/config
+# reports them in.
+MAX_US = 10**18
+# The queue bound is reported as Triton's max_queue_size, a uint32.
+MAX_QUEUE = (1 << 32) - 1
+
 # What a key may hold: it arrives in an `Authorization: Bearer <key>` header, which clients
 # send as ASCII (moe_gemm_client refuses anything else; curl sends UTF-8 bytes, which the server
 # reads as Latin-1). A key beyond ASCII was accepted at start and then matched no request.
@@ -151,6 +159,20 @@ class Settings(BaseSettings):
             # (an empty item, "1,,2" or "1,", is left in: refused below as not an int, not
             # dropped to stand for a list the value does not spell)
             return [t.strip() for t in v.split(",")]
+        return v
+
+    @field_validator("batch_delay_us", "default_timeout_us", "max_queue")
+    @classmethod
+    def _triton_bounds(cls, v: int, info: ValidationInfo) -> int:
+        # (here rather than as Field(lt=...): pydantic's "Input should be less than
+        # 1000000000000000000" would say neither why nor in which unit)
+        if info.field_name == "max_queue":
+            if v > MAX_QUEUE:
+                raise ValueError(f"must be at most {MAX_QUEUE} (2^32 - 1): the model "
+                                 "configuration reports it as Triton's max_queue_size, a uint32")
+        elif v >= MAX_US:
+            raise ValueError("must be below 10^18 microseconds, the bound of a request's own "
+                             "timeout (X-Timeout-Us, parameters.timeout)")
         return v
 
     @field_validator("log_level", mode="before")

@@ -96,6 +96,7 @@ class Service(WeightsMixin):
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self._reserved_bytes = 0  # uploads admitted under the budget, not yet installed
+        self._credited: set[str] = set()  # of them, replacements counting the old as freed
         self._uploads: dict[str, list[Upload]] = {}  # of them, those past their checks
         self.watcher = StoreWatcher(self)
         self._sync_task: asyncio.Task[None] | None = None

@@ -302,6 +302,54 @@ def test_exponential_backoff_caps_at_8s(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_backoff_never_overflows_with_a_huge_max_retries(mode):
+    """max_retries has no upper bound; 0.5 * 2.0 ** 1024 raised OverflowError at the 1025th
+    retry, though the delay had been capped at 8 s since the 5th."""
+    failures = 1100
+    handler, seen = sequence(*[httpx.ConnectError("refused")] * failures, ok_json(INFO))
+    client = make(mode, handler, max_retries=10**30)
+    client._random = lambda: 0.0
+    assert run(client, "get_weights", "l0") == mgc.WeightInfo(**INFO)
+    assert len(seen) == failures + 1
+    assert client.sleeps[:5] == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert set(client.sleeps[4:]) == {8.0} and len(client.sleeps) == failures
+    state = client._state(_Call("GET", "/v1/weights", lambda r: None))
+    state.retries_done = 10**30
+    assert client._retry_delay(state, None) == 8.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_on_a_closed_client_is_refused_before_any_request(mode):
+    """After close() a call failed deep inside httpx ("Cannot send a request, as the client
+    has been closed"); it is now the client's own error, raised before anything is sent."""
+    handler, seen = sequence(ok_json(INFO))
+    client = make(mode, handler)
+    run(client, "close")
+    assert client.is_closed
+    for method, args in [("get_weights", ("l0",)), ("health", ()),
+                         ("grouped_mm", ("l0", np.ones((2, 3), np.float32))),
+                         ("wait_until_ready", (5.0,))]:
+        kwargs = {"counts": [2, 0]} if method == "grouped_mm" else {}
+        with pytest.raises(mgc.ClientClosedError, match=r"is closed \(close\(\) was called\)"):
+            run(client, method, *args, **kwargs)
+    assert seen == [] and client.sleeps == []
+    assert issubclass(mgc.ClientClosedError, mgc.MoeGemmError)
+    assert issubclass(mgc.ClientClosedError, RuntimeError)  # (what httpx raised before)
+    assert not issubclass(mgc.ClientClosedError, mgc.APIError)  # (no request was made)
+    # an owned pool, closed by close(), and an http_client its owner closed
+    owned = mgc.Client() if mode == "sync" else mgc.AsyncClient()
+    run(owned, "close")
+    with pytest.raises(mgc.ClientClosedError, match="is closed"):
+        run(owned, "list_weights")
+    client = make(mode, handler)
+    run(client._http, "close" if mode == "sync" else "aclose")
+    assert client.is_closed
+    with pytest.raises(mgc.ClientClosedError, match="http_client .* has been closed"):
+        run(client, "list_weights")
+    assert seen == []
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_jitter_stays_within_25_percent(mode):
     handler, _ = sequence(httpx.ConnectError("refused"))
     client = make(mode, handler, max_retries=6)

@@ -433,6 +433,53 @@ def test_float_flags_refuse_non_finite_and_negative(tmp_path, restore_logging, f
     assert f"{field} ({flag}): " in msg and expected in msg, msg
 
 
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("default_timeout_us", 10**18, "below 10^18 microseconds"),
+    ("default_timeout_us", 10**23, "below 10^18 microseconds"),
+    ("batch_delay_us", 10**18, "below 10^18 microseconds"),
+    ("max_queue", 1 << 32, "at most 4294967295"),
+    ("max_queue", 10**23, "at most 4294967295"),
+])
+@pytest.mark.parametrize("source", ["flag", "variable"])
+def test_settings_the_model_config_reports_are_bounded_at_start(tmp_path, monkeypatch,
+                                                                 restore_logging, field, value,
+                                                                 expected, source):
+    """--default-timeout-us and --batch-delay-us (Triton's uint64 microseconds, bounded as a
+    request's own X-Timeout-Us is) and --max-queue (Triton's uint32 max_queue_size) had no
+    upper bound: 10^23 or 2^32 started, and /v2/models/{name}/config then reported a number
+    Triton's ModelConfig cannot hold, so that page no longer parsed as one."""
+    flag = f"--{field.replace('_', '-')}"
+    argv = ["--port", "0", "--data-dir", str(tmp_path)]
+    if source == "flag":
+        argv += [flag, str(value)]
+        named = flag
+    else:
+        named = f"MOE_GEMM_{field.upper()}"
+        monkeypatch.setenv(named, str(value))
+    with pytest.raises(SystemExit) as e:
+        settings_from_args(argv)
+    msg = str(e.value.code)
+    assert msg.startswith(f"moe-gemm-server: invalid settings: {field} ({named}): "), msg
+    assert expected in msg and "\n" not in msg, msg
+
+
+def test_the_largest_bounded_settings_are_taken(tmp_path):
+    s = settings_from_args(["--default-timeout-us", str(10**18 - 1), "--batch-delay-us",
+                            str(10**18 - 1), "--max-queue", str((1 << 32) - 1),
+                            "--data-dir", str(tmp_path)])
+    assert (s.default_timeout_us, s.batch_delay_us, s.max_queue) == (10**18 - 1, 10**18 - 1,
+                                                                      (1 << 32) - 1)
+
+
+def test_a_huge_setting_in_a_real_process_is_one_line_and_exit_1(tmp_path):
+    out = _run("--max-queue", str(1 << 32), "--port", "0", "--data-dir", str(tmp_path),
+               timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "moe-gemm-server: invalid settings: max_queue (--max-queue): must be at most"), lines
+
+
 def test_drain_timeout_inf_in_a_real_process_is_one_line(tmp_path):
     out = _run("--drain-timeout-s", "inf", "--port", "0", "--data-dir", str(tmp_path))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr

@@ -247,6 +247,41 @@ def test_model_config_says_when_the_server_does_not_batch(tmp_path):
         assert config["instance_group"][0]["kind"] == "KIND_CPU"
 
 
+def test_model_config_numbers_fit_tritons_fields_at_the_largest_settings(tmp_path):
+    """Every number the config reports fits its ModelConfig field (uint64 microseconds,
+    uint32 max_queue_size) at the largest values the settings take; one past them refuses
+    the start (a config past them did not parse as Triton's)."""
+    pytest.importorskip("google.protobuf.json_format")
+    from fastapi.testclient import TestClient
+    from pydantic import ValidationError
+
+    from moe_gemm_server import Settings, create_app
+    from moe_gemm_server.engine import Engine
+
+    largest = {"default_timeout_us": 10**18 - 1, "batch_delay_us": 10**18 - 1,
+               "max_queue": (1 << 32) - 1}
+    for field, value in largest.items():
+        with pytest.raises(ValidationError, match=field):
+            Settings(data_dir=tmp_path, **{field: value + 1})
+    app = create_app(Settings(data_dir=tmp_path, **largest), engine=Engine("cpu", warmup_rows=[1]))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        w = torch.randn(E, K, N).to(torch.bfloat16)
+        assert client.put("/v1/weights/m", content=st_body({"w": w})).status_code == 201
+        config = client.get("/v2/models/m/config").json()
+    batcher = config["dynamic_batching"]
+    assert batcher["max_queue_delay_microseconds"] == largest["batch_delay_us"]
+    policy = batcher["default_queue_policy"]
+    assert policy["default_timeout_microseconds"] == largest["default_timeout_us"]
+    assert policy["max_queue_size"] == largest["max_queue"]
+    parsed = subprocess.run([sys.executable, "-c", _PARSE_AS_MODEL_CONFIG], capture_output=True,
+                            text=True, input=json.dumps([config]), timeout=120)
+    assert parsed.returncode == 0, parsed.stderr
+
+
 # --------------------------------------------------------------------------- raw protocol
 
 

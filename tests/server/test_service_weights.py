@@ -219,6 +219,57 @@ def test_a_put_of_other_content_while_one_is_in_progress_still_counts_its_bytes(
         assert app.state.service._reserved_bytes == 0
 
 
+def test_two_replacements_in_flight_do_not_both_count_the_old_version_as_freed(tmp_path):
+    """Room for two copies of a set, one resident: a replacement warming counts the version
+    it replaces as freed, and a second replacement arriving meanwhile did too, so both were
+    admitted while the device held three copies. Now only one replacement at a time counts
+    the old version as freed: the second is 507, the first completes, and the old version
+    serves until the swap."""
+    engine = GatedEngine("w")
+    budget = 2 * ONE + ONE // 2
+    app = create_app(Settings(data_dir=tmp_path, sync_interval_s=0,
+                              max_resident_bytes=budget), engine=engine)
+    service = app.state.service
+    v1, v2, v3 = torch.randn(2, 16, 32), torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    with TestClient(app) as client:
+        _wait_ready(client)
+        engine.release.set()
+        assert client.put("/v1/weights/w", content=st_body({"w": v1})).status_code == 201
+        engine.release.clear()
+        engine.entered.clear()
+        answers: dict[str, httpx.Response] = {}
+
+        def put(key: str, w: torch.Tensor) -> threading.Thread:
+            t = threading.Thread(target=lambda: answers.__setitem__(key, client.put(
+                "/v1/weights/w", content=st_body({"w": w}))))
+            t.start()
+            return t
+
+        first = put("first", v2)
+        try:
+            wait_event(engine.entered, "the first replacement did not start warming")
+            assert served(client, "w", v1)  # (requests on the old version go on meanwhile)
+            second = put("second", v3)
+            second.join(10)
+            assert not second.is_alive(), "the second replacement was admitted"
+        finally:
+            engine.release.set()
+            first.join(30)
+        r = answers["second"]
+        assert r.status_code == 507, r.text
+        msg = r.json()["error"]
+        assert f"needs {ONE} bytes" in msg and f"{budget}-byte resident budget" in msg, msg
+        assert "another replacement of it in progress counts as freed" in msg, msg
+        assert answers["first"].status_code == 200, answers["first"].text
+        assert served(client, "w", v2)
+        assert torch.equal(st_load((tmp_path / "w.safetensors").read_bytes())["w"], v2)
+        assert service.engine.resident_bytes == ONE
+        assert service._reserved_bytes == 0 and not service._credited
+        # the replacement over, the next one counts the resident version as freed again
+        assert client.put("/v1/weights/w", content=st_body({"w": v3})).status_code == 200
+        assert served(client, "w", v3)
+
+
 # ------------------------------------------------------------------------------ early refusals
 # Against a real process with raw sockets: a request announces a large body, sends only its
 # first bytes and waits for the answer. An upload the header already condemns is answered at
