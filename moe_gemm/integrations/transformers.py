@@ -321,6 +321,7 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
             f"{', '.join(sorted(HF_BLOCKS))}. For other transformers models use "
             'model.set_experts_implementation("moe_gemm").'
         )
+    _check_hf_block(block, kind)
     router, experts = block.gate, block.experts
     _check_fused_gated(experts)
     opts: dict[str, Any] = {"activation": hf_activation(experts.act_fn), "config": config}
@@ -362,6 +363,48 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     # block does not jitter its router's input, one from a training-mode block does, as the
     # block would.
     return moe.train(block.training)
+
+
+# What from_hf reads of a block's router, beyond its (E, H) weight, per router kind.
+_ROUTER_ATTRS = {
+    "softmax": ("top_k",),
+    "sigmoid": ("top_k", "norm_topk_prob", "num_group", "topk_group", "routed_scaling_factor",
+                "e_score_correction_bias"),
+}
+
+
+def _check_hf_block(block: nn.Module, kind: str) -> None:
+    """The block is laid out as transformers 5's class of its name: fused 3-D experts
+    (`@use_experts_implementation`) and a top-k router module. A class of the same name from
+    elsewhere (a checkpoint's remote code, trust_remote_code=True, keeps DeepSeek-V3's experts
+    in an nn.ModuleList of MLPs and its router in an MoEGate) failed with an AttributeError from
+    deep inside ('ModuleList' object has no attribute 'act_fn')."""
+    name = type(block).__name__
+    problems = []
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module):
+        problems.append("no experts module")
+    else:
+        for attr in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, attr, None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 3:
+                problems.append(f"no 3-D experts.{attr} ({type(experts).__name__})")
+        if not hasattr(experts, "act_fn"):
+            problems.append(f"no experts.act_fn ({type(experts).__name__})")
+    router = getattr(block, "gate", None)
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        problems.append("no 2-D gate.weight (the router)")
+    missing = [a for a in _ROUTER_ATTRS[kind] if router is not None and not hasattr(router, a)]
+    if router is not None and missing:
+        problems.append(f"a router ({type(router).__name__}) without {', '.join(missing)}")
+    if problems:
+        raise ValueError(
+            f"MoE.from_hf takes transformers 5's {name} (fused 3-D experts, a top-k router); "
+            f"this {name} (from {type(block).__module__}) has {'; '.join(problems)}. Load the "
+            "model with transformers' own class (without trust_remote_code), or build the "
+            "layer with MoE.from_state_dict"
+        )
 
 
 def _dense_dtype(block: nn.Module, router_dtype: torch.dtype) -> torch.dtype:

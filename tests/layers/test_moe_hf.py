@@ -398,6 +398,48 @@ def test_from_hf_rejects_unknown_blocks() -> None:
         MoE.from_hf(torch.nn.Linear(3, 3))
 
 
+def _remote_code_deepseek_block() -> torch.nn.Module:
+    """A block named as transformers' DeepseekV3MoE but laid out as DeepSeek-V3's remote code
+    (trust_remote_code=True): per-expert MLPs in a ModuleList, an MoEGate router."""
+
+    class MoEGate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 8))
+            self.top_k = 2
+            self.n_group, self.topk_group, self.routed_scaling_factor = 1, 1, 2.5
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(8, 4, bias=False)
+            self.up_proj = torch.nn.Linear(8, 4, bias=False)
+            self.down_proj = torch.nn.Linear(4, 8, bias=False)
+            self.act_fn = torch.nn.SiLU()
+
+    class DeepseekV3MoE(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = MoEGate()
+            self.experts = torch.nn.ModuleList(MLP() for _ in range(4))
+            self.shared_experts = MLP()
+
+    return DeepseekV3MoE()
+
+
+def test_from_hf_names_what_a_same_named_block_lacks() -> None:
+    # A remote-code block of a known class name failed with "AttributeError: 'ModuleList'
+    # object has no attribute 'act_fn'" from inside from_hf.
+    with pytest.raises(ValueError, match=r"(?s)transformers 5's DeepseekV3MoE.*no 3-D "
+                       r"experts\.gate_up_proj \(ModuleList\).*MoEGate\) without "
+                       r"norm_topk_prob.*e_score_correction_bias"):
+        MoE.from_hf(_remote_code_deepseek_block())
+    block = _block(MixtralSparseMoeBlock, BLOCKS[0].values[1](), seed=5)
+    block.gate = torch.nn.Linear(32, 8, bias=False)  # transformers 4's router: no top_k
+    with pytest.raises(ValueError, match=r"a router \(Linear\) without top_k"):
+        MoE.from_hf(block)
+
+
 def test_from_hf_backward_raises() -> None:
     block = _block(MixtralSparseMoeBlock, BLOCKS[0].values[1](), seed=5)
     moe = MoE.from_hf(block)
