@@ -225,15 +225,14 @@ def test_tritonclient_model_config(main_server, triton, models):
     assert httpx.get(f"{main_server.url}/v2/models/v2-fp32/config").status_code == 401
 
 
-def test_model_config_says_when_the_server_does_not_batch(tmp_path):
-    """With --no-batching the config has no dynamic_batching (nor the merge limits)."""
+def _config_of_a_set(settings) -> dict:
+    """/v2/models/m/config of an in-process server with `settings` and one bf16 set "m"."""
     from fastapi.testclient import TestClient
 
-    from moe_gemm_server import Settings, create_app
+    from moe_gemm_server import create_app
     from moe_gemm_server.engine import Engine
 
-    app = create_app(Settings(data_dir=tmp_path, batching=False),
-                     engine=Engine("cpu", warmup_rows=[1]))
+    app = create_app(settings, engine=Engine("cpu", warmup_rows=[1]))
     with TestClient(app) as client:
         deadline = time.monotonic() + 30
         while client.get("/v2/health/ready").status_code != 200:
@@ -241,10 +240,17 @@ def test_model_config_says_when_the_server_does_not_batch(tmp_path):
             time.sleep(0.01)
         w = torch.randn(E, K, N).to(torch.bfloat16)
         assert client.put("/v1/weights/m", content=st_body({"w": w})).status_code == 201
-        config = client.get("/v2/models/m/config").json()
-        assert "dynamic_batching" not in config and "max_batch_rows" not in config["parameters"]
-        assert config["input"][0] == {"name": "x", "data_type": "TYPE_BF16", "dims": [-1, K]}
-        assert config["instance_group"][0]["kind"] == "KIND_CPU"
+        return client.get("/v2/models/m/config").json()
+
+
+def test_model_config_says_when_the_server_does_not_batch(tmp_path):
+    """With --no-batching the config has no dynamic_batching (nor the merge limits)."""
+    from moe_gemm_server import Settings
+
+    config = _config_of_a_set(Settings(data_dir=tmp_path, batching=False))
+    assert "dynamic_batching" not in config and "max_batch_rows" not in config["parameters"]
+    assert config["input"][0] == {"name": "x", "data_type": "TYPE_BF16", "dims": [-1, K]}
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
 
 
 def test_model_config_numbers_fit_tritons_fields_at_the_largest_settings(tmp_path):
@@ -252,26 +258,16 @@ def test_model_config_numbers_fit_tritons_fields_at_the_largest_settings(tmp_pat
     uint32 max_queue_size) at the largest values the settings take; one past them refuses
     the start (a config past them did not parse as Triton's)."""
     pytest.importorskip("google.protobuf.json_format")
-    from fastapi.testclient import TestClient
     from pydantic import ValidationError
 
-    from moe_gemm_server import Settings, create_app
-    from moe_gemm_server.engine import Engine
+    from moe_gemm_server import Settings
 
     largest = {"default_timeout_us": 10**18 - 1, "batch_delay_us": 10**18 - 1,
                "max_queue": (1 << 32) - 1}
     for field, value in largest.items():
         with pytest.raises(ValidationError, match=field):
             Settings(data_dir=tmp_path, **{field: value + 1})
-    app = create_app(Settings(data_dir=tmp_path, **largest), engine=Engine("cpu", warmup_rows=[1]))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 30
-        while client.get("/v2/health/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        w = torch.randn(E, K, N).to(torch.bfloat16)
-        assert client.put("/v1/weights/m", content=st_body({"w": w})).status_code == 201
-        config = client.get("/v2/models/m/config").json()
+    config = _config_of_a_set(Settings(data_dir=tmp_path, **largest))
     batcher = config["dynamic_batching"]
     assert batcher["max_queue_delay_microseconds"] == largest["batch_delay_us"]
     policy = batcher["default_queue_policy"]
