@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from moe_gemm_server.engine import WeightSet
 
 from .. import __version__
+from ..config import MAX_US
 from ..dependencies import ReaderDep, ServiceDep, ServingDep, hot_path
 from ..errors import APIError, bad_request, request_id_of
 from ..jobs import mm_job
@@ -191,7 +192,7 @@ def _param_int(params: dict[str, Any], name: str) -> int | None:
     if value is None:
         return None
     # (the bound of the X-Priority / X-Timeout-Us headers, which these parameters mirror)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 10**18:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_US:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
         raise bad_request(f"parameters.{name} must be a non-negative integer below 10^18; "
                           f"got {shown}")
