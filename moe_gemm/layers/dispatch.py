@@ -18,14 +18,15 @@ kernels plug in behind the same interface (docs/DEPLOYING.md shows the adapter):
 `AllToAllDispatcher` implements this on `torch.distributed.all_to_all_single` (NCCL on GPUs,
 gloo on CPUs). Send counts are exchanged on the device with one all-to-all of W integers; the
 variable-size token all-to-all then needs those counts as host lists, which costs one host read
-of 2 * W + 1 integers per forward; the same exchange carries each rank's token shape and dtype
-(6 integers a rank, read with them), so ranks whose tokens cannot travel together, or a rank
-that refused its input (`refuse`), make every rank raise ValueError instead of aborting gloo or
-waiting in the token all-to-all. `static_splits=True` removes that read: every rank sends a fixed
-T rows to every rank (a token visits a rank at most once, so T always suffices), padding rows
-carrying no valid slot, at W times the link traffic; that path never waits for the host and can
-be captured in a CUDA graph. Every rank must then pass the same number of tokens T (pad to it; a
-rank with no tokens pads too): a ValueError on the CPU, the caller's to ensure on GPUs.
+of 2 * W + 1 integers per forward; the same exchange carries each rank's token shape, dtype and
+static_splits (7 integers a rank, read with them), so ranks whose tokens cannot travel together
+or whose dispatchers disagree on static_splits, or a rank that refused its input (`refuse`),
+make every rank raise ValueError instead of aborting gloo or waiting in the token all-to-all.
+`static_splits=True` removes that read: every rank sends a fixed T rows to every rank (a token
+visits a rank at most once, so T always suffices), padding rows carrying no valid slot, at W
+times the link traffic; that path never waits for the host and can be captured in a CUDA graph.
+Every rank must then pass the same number of tokens T (pad to it; a rank with no tokens pads
+too): a ValueError on the CPU, the caller's to ensure on GPUs.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ class Dispatcher(Protocol):
 
 # What each rank tells every receiver before its tokens move, one int64 each: a mismatch
 # would make the all-to-all itself fail (gloo aborts the process on a size mismatch, NCCL
-# reads garbage or waits), so dispatch raises ValueError on every rank instead.
-_SIGNATURE = ("tokens", "hidden size", "top_k", "num_experts", "dtype", "refused")
+# reads garbage or waits), so dispatch raises ValueError on every rank instead. A rank with
+# static splits sends T rows to every rank where the others expect their exact counts.
+_SIGNATURE = ("static_splits", "tokens", "hidden size", "top_k", "num_experts", "dtype",
+              "refused")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
            torch.float8_e5m2)
 
@@ -146,7 +149,7 @@ def rank_text(group: Any, ranks: list[int]) -> str:
 def _check_senders(sigs: list[list[int]], rank: int, *, same_tokens: bool,
                    group: Any = None) -> None:
     """Raise ValueError (on every rank alike: each sees every sender's signature) when a rank
-    refused its input or the ranks' token shapes or dtypes differ."""
+    refused its input or the ranks' token shapes, dtypes or static_splits differ."""
     refused = [r for r, s in enumerate(sigs) if s[-1]]
     if refused:
         raise ValueError(f"rank(s) {rank_text(group, refused)} refused their input to this "
@@ -154,16 +157,22 @@ def _check_senders(sigs: list[list[int]], rank: int, *, same_tokens: bool,
                          f"error says why); rank {rank} stops too instead of waiting for them")
     names = ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2",
              "another dtype"]
-    first = 0 if same_tokens else 1  # (token counts may differ unless the splits are static)
-    for i in range(first, len(_SIGNATURE) - 1):
+    for i, name in enumerate(_SIGNATURE[:-1]):
+        if name == "tokens" and not same_tokens:
+            continue  # (token counts may differ unless the splits are static)
         values = [s[i] for s in sigs]
         if len(set(values)) > 1:
-            if _SIGNATURE[i] == "dtype":
-                values = [names[v] for v in values]
-            hint = ("static_splits needs the same token count on every rank (pad the tokens "
-                    "to it)" if i == 0 else
-                    "every rank must send tokens of one shape and dtype through one layer")
-            raise ValueError(f"{hint}; the ranks' {_SIGNATURE[i]}: {values}")
+            if name == "static_splits":
+                values = [bool(v) for v in values]
+                hint = "every rank's dispatcher must take the same static_splits"
+            elif name == "tokens":
+                hint = ("static_splits needs the same token count on every rank (pad the "
+                        "tokens to it)")
+            else:
+                if name == "dtype":
+                    values = [names[v] for v in values]
+                hint = "every rank must send tokens of one shape and dtype through one layer"
+            raise ValueError(f"{hint}; the ranks' {name}: {values}")
 
 
 @dataclass
@@ -254,7 +263,7 @@ class AllToAllDispatcher:
         # Counts on the device: (tokens, slots) each rank sends to each rank, then what the
         # receivers check before any token moves (_SIGNATURE). Filled, not copied from the
         # host, so that a CUDA graph can capture it.
-        sig = (T, H, k, num_experts, _dtype_code(x.dtype), 0)  # (_SIGNATURE)
+        sig = (int(self.static_splits), T, H, k, num_experts, _dtype_code(x.dtype), 0)
         counts = torch.stack([send_counts, slot_counts,
                               *(send_counts.new_full((W,), v) for v in sig)], dim=1)
         counts_recv = torch.empty_like(counts)  # (W, 2 + len(_SIGNATURE))

@@ -14,7 +14,8 @@ activation dtype (bit-for-bit the same arithmetic in float32 up to summation ord
 Loading (layers/expert_parallel_loaders.py): `from_moe` shards an existing layer (slices,
 optionally copied so the full tensors can be freed), `from_hf` a transformers block, and
 `from_state_dict` reads only the local experts' keys of a checkpoint mapping (with a lazy
-mapping such as safetensors' `safe_open`, the other ranks' experts are never read). All three
+Mapping, e.g. one whose `__getitem__` calls safetensors' `safe_open(...).get_tensor`, the other
+ranks' experts are never read; a `safe_open` handle itself is not a Mapping). All three
 go through MoE's own loaders, so every checkpoint layout MoE accepts is accepted here; FP8
 experts stay FP8 with their scales, and each rank quantizes the tokens it receives, as MoE's
 FP8 forward does.
@@ -35,7 +36,12 @@ from torch import nn
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.dispatch import Dispatched, Dispatcher, expert_range
 from moe_gemm.layers.expert_parallel_loaders import ExpertParallelLoaders
-from moe_gemm.layers.expert_shards import ROUTING, ROUTING_DEFAULTS, dispatcher_or_default
+from moe_gemm.layers.expert_shards import (
+    ROUTING,
+    ROUTING_DEFAULTS,
+    check_own_shard,
+    dispatcher_or_default,
+)
 from moe_gemm.layers.experts import (
     INFERENCE_ONLY_MESSAGE,
     canonical_activation,
@@ -124,11 +130,12 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
         group: the process group (None = the default group); ignored if `dispatcher` given.
         dispatcher: a Dispatcher (default: AllToAllDispatcher(group)).
         check_replicated: run `check_replicated()` once here (default): ranks whose router,
-            correction bias, shared experts or layer options differ raise ValueError, every
-            rank alike, instead of routing the same token differently on each rank. Every
-            rank must pass the same value; False still costs one all-gather of a few dozen
-            integers at construction (no weight is read), which is how ranks that disagree
-            on it, or a rank whose arguments are refused, make every rank raise.
+            correction bias, shared experts, layer options or dispatchers differ raise
+            ValueError, every rank alike, instead of routing the same token differently on
+            each rank. Every rank must pass the same value; False still costs one
+            all-gather of a few dozen integers at construction (no weight is read), which is
+            how ranks that disagree on it, or a rank whose arguments are refused, make every
+            rank raise.
 
     Raises:
         ValueError: the replicated parts differ between the ranks (check_replicated), the
@@ -200,7 +207,8 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
     def check_replicated(self) -> None:
         """Check that every rank holds the same replicated parts: the router weight, the
         correction bias, the shared experts (and their gate), the routing options, the
-        sizes, dtypes and activations of the experts. Every rank of the group must call it.
+        sizes, dtypes and activations of the experts, the dispatcher's class and its
+        static_splits. Every rank of the group must call it.
 
         Each rank hashes its copies exactly (the bits of every element, position-weighted,
         in integer arithmetic, so summation order cannot matter) and one all-gather of a few
@@ -217,6 +225,17 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
                 the ranks whose constructor refused its arguments.
         """
         agree_on_replicas(self, True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Another rank's own state_dict (a restart that remapped ranks) loaded without a word,
+        # its experts answering for this rank's expert ids: a ValueError naming whose it is,
+        # as from_state_dict refuses it.
+        router = state_dict.get(prefix + "router_weight")
+        if isinstance(router, torch.Tensor) and router.dim() == 2 and (
+                router.shape[0] == self.num_experts):
+            check_own_shard(state_dict.get(prefix + "local.router_weight"), router,
+                            self.dispatcher)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -295,6 +314,13 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
             check_hidden_states(hidden_states, self.hidden_size, self.router_weight.device)
             # (a cast layer: refused on every rank before any collective, as MoE refuses it)
             self.local.check_weight_dtype("ExpertParallelMoE")
+            x = hidden_states
+            if self.training and self.router_jitter_noise > 0:
+                x = router_jitter(x, self.router_jitter_noise)  # (as MoE: this rank's tokens)
+            x2 = x.reshape(-1, self.hidden_size)
+            # (routing options reassigned on one rank, e.g. top_k=0, are refused here: the
+            # others waited in the dispatch)
+            weights, ids = self._route_tokens(x2)
         except (TypeError, ValueError):
             # The other ranks are already on their way into the dispatch's collectives: join
             # its first one flagged as refused, so that they raise too instead of waiting for
@@ -303,20 +329,26 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
             if callable(refuse):
                 refuse(self.router_weight.device)
             raise
-        x = hidden_states
-        if self.training and self.router_jitter_noise > 0:
-            x = router_jitter(x, self.router_jitter_noise)  # (as MoE: this rank's tokens)
-        x2 = x.reshape(-1, self.hidden_size)
-        weights, ids = self._route_tokens(x2)
+
+        def shared() -> torch.Tensor | Exception | None:
+            # A failure of this rank's shared experts (weights replaced on it alone) is raised
+            # after the combine: the other ranks waited there for this rank's expert outputs.
+            try:
+                return self.shared(x2)
+            except Exception as e:  # noqa: BLE001 - raised below
+                return e
+
         # Tokens travel in the experts' dtype; FP8 experts take them in the caller's (they are
         # quantized per token after the dispatch, as in MoE's FP8 forward), which must then be
         # the same on every rank (AllToAllDispatcher raises ValueError otherwise).
         xe = x2 if self.local.fp8 is not None else x2.to(self.local.gate_up_proj.dtype)
-        d, shared = self.dispatcher.dispatch(xe, ids, weights, self.num_experts,
-                                             during=lambda: self.shared(x2))
+        d, shared_y = self.dispatcher.dispatch(xe, ids, weights, self.num_experts,
+                                               during=shared)
         y = self.dispatcher.combine(self.experts(d), d.handle).to(x.dtype)
-        if shared is not None:
-            y = y + shared.to(x.dtype)
+        if isinstance(shared_y, Exception):
+            raise shared_y
+        if shared_y is not None:
+            y = y + shared_y.to(x.dtype)
         return y.view(x.shape)
 
     def _check_weights(self) -> None:

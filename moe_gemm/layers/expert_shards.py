@@ -4,8 +4,8 @@
 `shard_of_state_dict` reads a checkpoint mapping through `LocalShard`, a view that hides other
 ranks' experts and slices fused expert tensors to the local ones, so that MoE's own loaders
 validate and stack them (under the checkpoint's own expert numbers, which their messages name)
-and other ranks' experts are never indexed (with a lazy mapping such
-as safetensors' `safe_open`, never read). `router_of` is the routing a layer of all E experts
+and other ranks' experts are never indexed (with a lazy Mapping, e.g. one over safetensors'
+`safe_open(...).get_tensor`, never read). `router_of` is the routing a layer of all E experts
 needs beside them (moe_gemm.layers.expert_parallel).
 """
 

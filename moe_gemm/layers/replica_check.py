@@ -28,10 +28,11 @@ if TYPE_CHECKING:
     from moe_gemm.layers.expert_parallel import ExpertParallelMoE
 
 # The digest: a refused flag, a checking flag, the 3 sizes, the routing options, the experts'
-# and the shared expert's activations, expert dtype and shapes, then per replicated tensor
-# (router, bias, 3 shared projections, shared gate) its shape and dtype and two hashes
-# (replica_digest). A rank that does not check sends the two flags alone (unchecked_digest).
-DIGEST_SIZE = 2 + 3 + len(ROUTING) + 4 + 6 * 3
+# and the shared expert's activations, expert dtype and shapes, the dispatcher's class and
+# static_splits, then per replicated tensor (router, bias, 3 shared projections, shared gate)
+# its shape and dtype and two hashes (replica_digest). A rank that does not check sends the
+# two flags alone (unchecked_digest).
+DIGEST_SIZE = 2 + 3 + len(ROUTING) + 5 + 6 * 3
 
 
 def agree_on_replicas(layer: ExpertParallelMoE, check: bool) -> None:
@@ -42,10 +43,11 @@ def agree_on_replicas(layer: ExpertParallelMoE, check: bool) -> None:
         return
     names, mine = replica_digest(layer) if check else ([], unchecked_digest())
     table = gather_digests(layer.dispatcher, mine)  # (W, DIGEST_SIZE)
+    group = layer.dispatcher.group  # type: ignore[attr-defined]  (messages name its ranks)
     refused = [r for r in range(layer.world_size) if table[r, 0]]
     if refused:
         raise ValueError(
-            f"ExpertParallelMoE: rank(s) {rank_text(layer.dispatcher.group, refused)} could "
+            f"ExpertParallelMoE: rank(s) {rank_text(group, refused)} could "
             f"not build the layer (their own error says why); rank {layer.rank} stops too "
             "instead of waiting for them")
     checking = table[:, 1].tolist()
@@ -54,14 +56,15 @@ def agree_on_replicas(layer: ExpertParallelMoE, check: bool) -> None:
         off = [r for r, c in enumerate(checking) if not c]
         raise ValueError(
             "ExpertParallelMoE: the ranks disagree on check_replicated (True on ranks "
-            f"{on}, False on ranks {off}); every rank must pass the same value")
+            f"{rank_text(group, on)}, False on ranks {rank_text(group, off)}); every rank "
+            "must pass the same value")
     if not check:
         return
     differ: dict[str, str] = {}
     for i, name in enumerate(names):
         if name not in differ and bool((table[:, i] != table[0, i]).any()):
             # (most values are hashes: say which ranks agree with which)
-            differ[name] = _groups(table[:, i].tolist())
+            differ[name] = _groups(table[:, i].tolist(), group)
     if differ:
         what = "; ".join(f"{name} (ranks {ranks})" for name, ranks in list(differ.items())[:4])
         raise ValueError(
@@ -162,6 +165,11 @@ def replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
         m.shared_experts.activation))
     add("expert dtype", m.gate_up_proj.dtype)
     add("local experts' shapes", tuple(m.gate_up_proj.shape) + tuple(m.down_proj.shape))
+    # (ranks whose dispatchers differ, static splits on some ranks only, disagree on every
+    # forward's split sizes: gloo aborted the processes, NCCL waits)
+    d = layer.dispatcher
+    add("dispatcher", (f"{type(d).__module__}.{type(d).__qualname__}",
+                       getattr(d, "static_splits", None)))
     tensors: dict[str, torch.Tensor | None] = {
         "router_weight": layer.router_weight,
         "e_score_correction_bias": layer.e_score_correction_bias,
@@ -212,11 +220,12 @@ def unchecked_digest() -> torch.Tensor:
     return torch.zeros(DIGEST_SIZE, dtype=torch.int64)
 
 
-def _groups(values: list[int]) -> str:
-    """Ranks grouped by equal value: '[0, 2] vs [1]'."""
+def _groups(values: list[int], group: object = None) -> str:
+    """Ranks grouped by equal value: '[0, 2] vs [1]' (in a subgroup with the global ranks
+    beside, as rank_text names them)."""
     by: dict[int, list[int]] = {}
     for rank, v in enumerate(values):
         by.setdefault(v, []).append(rank)
-    return " vs ".join(str(ranks) for ranks in by.values())
+    return " vs ".join(rank_text(group, ranks) for ranks in by.values())
 
 

@@ -724,6 +724,67 @@ def fused_computes_only_the_valid_slots(rank: int, world: int) -> list[str]:
     return errs
 
 
+@case
+def ranks_disagreeing_on_static_splits(rank: int, world: int) -> list[str]:
+    """Static splits on rank 0 only: a ValueError on every rank naming it, at construction
+    (the replica check) and, unchecked, in each forward's count exchange (gloo aborted every
+    process on the all-to-all's size mismatch); the group then still serves a layer."""
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+    moe = _full_moe(27, torch.float32)
+    x = _tokens(rank, 27, torch.float32, T=3)
+    errs = []
+    for label, check, want in (
+            ("checked", True, f"dispatcher (ranks [0] vs {list(range(1, world))})"),
+            ("unchecked", False, "the same static_splits; the ranks' static_splits: "
+                                 f"{[True] + [False] * (world - 1)}")):
+        try:
+            disp = AllToAllDispatcher(group, static_splits=rank == 0)
+            ExpertParallelMoE.from_moe(moe, dispatcher=disp, check_replicated=check)(x)
+            errs.append(f"{label}: rank {rank} ran")
+        except ValueError as e:
+            if want not in str(e):
+                errs.append(f"{label}: unclear message: {e}")
+    ep = ExpertParallelMoE.from_moe(moe, group=group)
+    return errs + [m for m in [_check("after the refusals", ep(x), moe(x), 1e-5)] if m]
+
+
+@case
+def one_rank_fails_in_routing_or_shared_experts(rank: int, world: int) -> list[str]:
+    """A rank whose routing refuses its options (top_k reassigned to 0 on it alone) makes the
+    others raise as a refused input does; a rank whose shared experts fail (a weight of
+    another shape set on it alone) raises its own error after the combine, the others'
+    outputs unharmed. Both left the other ranks waiting in a collective until the group's
+    timeout."""
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+    moe = _full_moe(28, torch.float32, shared_intermediate_size=8)
+    x = _tokens(rank, 28, torch.float32)
+    want = moe(x)
+    last = rank == world - 1
+    errs = []
+    ep = ExpertParallelMoE.from_moe(moe, group=group)
+    if last:
+        ep.top_k = 0
+    try:
+        ep(x)
+        errs.append(f"top_k=0: rank {rank} ran")
+    except ValueError as e:
+        if not last and f"rank(s) [{world - 1}] refused their input" not in str(e):
+            errs.append(f"top_k=0: unclear message: {e}")
+    ep = ExpertParallelMoE.from_moe(moe, group=group)
+    up = ep.local.shared_experts.up_proj
+    if last:
+        up.weight = torch.nn.Parameter(torch.zeros(8, 15), requires_grad=False)
+    try:
+        errs += [m for m in [_check("beside a failing shared expert", ep(x), want, 1e-5)] if m]
+        if last:
+            errs.append("a shared expert of the wrong shape ran")
+    except RuntimeError as e:
+        if not last:
+            errs.append(f"rank {rank}: {e}")
+    up.weight = moe.shared_experts.up_proj.weight
+    return errs + [m for m in [_check("after the failures", ep(x), want, 1e-5)] if m]
+
+
 def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -1205,6 +1266,18 @@ def test_another_ranks_own_state_dict_is_refused() -> None:
                                              rf"rank {1 - r} must load its own"):
             ExpertParallelMoE.from_state_dict(sds[r], 2, dispatcher=_Rank(1 - r, 2),
                                               check_replicated=False)
+    # load_state_dict too (it loaded another rank's experts silently); its own loads, also
+    # under a prefix, as a submodule of a model.
+    ep = ExpertParallelMoE.from_moe(MoE(16, 8, 8, 2), dispatcher=_Rank(0, 2),
+                                    check_replicated=False)
+    with pytest.raises(ValueError, match="holds rank 1's experts .* rank 0 must load its own"):
+        ep.load_state_dict(sds[1])
+    ep.load_state_dict(sds[0])
+    torch.testing.assert_close(ep.local.gate_up_proj, moe.gate_up_proj[:4])
+    model = torch.nn.Sequential(ep)
+    with pytest.raises(ValueError, match="holds rank 1's experts"):
+        model.load_state_dict({"0." + k: v for k, v in sds[1].items()})
+    model.load_state_dict({"0." + k: v for k, v in sds[0].items()})
 
 
 def _router_of(moe: MoE, **change) -> dict:

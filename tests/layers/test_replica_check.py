@@ -77,7 +77,27 @@ def test_the_digest_has_its_declared_size_and_sees_each_replicated_part() -> Non
     assert changed(lambda m: setattr(m, "top_k", 3)) == {"top_k"}
     assert changed(lambda m: setattr(m.local, "activation", "gelu")) == {"activation",
                                                                         "shared activation"}
+    # static splits on some ranks only: every forward's split sizes disagree (gloo aborted)
+    assert changed(lambda m: setattr(m.dispatcher, "static_splits", True)) == {"dispatcher"}
+    assert changed(lambda m: setattr(m, "dispatcher", _OtherRank(0, 1))) == {"dispatcher"}
     assert changed(lambda m: None) == set()
+
+
+class _OtherRank(Rank):
+    """Another dispatcher class (another rank's DeepEP beside the all-to-all)."""
+
+
+def test_differences_name_a_subgroups_global_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ranks within the group alone: with groups [0, 2] and [1, 3], "ranks [0] vs [1]"
+    # on global rank 3 named ranks 1 and 3 (a refused rank's message names both already).
+    from moe_gemm.layers import dispatch, replica_check
+
+    monkeypatch.setattr(dispatch.dist, "is_initialized", lambda: True)
+    sub = object()
+    monkeypatch.setattr(dispatch.dist, "get_global_rank", lambda g, r: 2 * r + 1)
+    assert replica_check._groups([5, 7, 5], sub) == (
+        "[0, 2] (global ranks [1, 5]) vs [1] (global ranks [3])")
+    assert replica_check._groups([5, 7, 5]) == "[0, 2] vs [1]"  # (the default group)
 
 
 def test_one_rank_or_no_group_is_not_checked() -> None:
