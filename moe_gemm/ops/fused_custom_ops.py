@@ -33,7 +33,7 @@ from moe_gemm.ops.custom_ops import (
     encode_config,
     write_rows,
 )
-from moe_gemm.ops.fused_validation import check_fused_mm, check_gate_names
+from moe_gemm.ops.fused_validation import check_fused_mm, check_gate_names, gate_float
 from moe_gemm.ops.vmap import register_loop_vmap
 
 _ARGS = ("Tensor x, Tensor w, Tensor offs, Tensor? row_index, Tensor? row_weight, "
@@ -51,7 +51,8 @@ def fused_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, *, row_index: Tensor | 
                        "row_weight": row_weight}, out_dtype,
                       reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit}, out=out)
     check_gate_names(gate, gate_layout)  # (eager's errors; '' is not None there either)
-    opts = (gate or "", gate_layout, float(gate_alpha), float(gate_limit))
+    opts = (gate or "", gate_layout, gate_float("gate_alpha", gate_alpha),
+            gate_float("gate_limit", gate_limit))
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm(x, w, offs, row_index, row_weight, bias,
                                                     *opts, text, out_dtype)

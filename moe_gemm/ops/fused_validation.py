@@ -82,10 +82,19 @@ def check_gate_names(gate: object, gate_layout: object) -> str | None:
     return gate_name
 
 
+def gate_float(name: str, value: object) -> float:
+    """float(value) of a gate constant; an int past float's range is a ValueError, as every
+    other non-finite value (float() raised OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite; got an int past float's range") from None
+
+
 def _check_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float; got {value!r}")
-    v = float(value)
+    v = gate_float(name, value)
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite; got {value!r}")
     return v

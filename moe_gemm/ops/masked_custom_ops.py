@@ -39,8 +39,9 @@ from moe_gemm.ops.custom_ops import (
     encode_config,
     traced_int,
 )
-from moe_gemm.ops.fused_validation import check_gate_names
+from moe_gemm.ops.fused_validation import check_gate_names, gate_float
 from moe_gemm.ops.masked_validation import (
+    check_expected_m,
     check_grouped_mm_masked,
     check_scaled_grouped_mm_masked,
 )
@@ -56,6 +57,17 @@ def _eager() -> Any:
     from moe_gemm.ops import masked  # (masked imports this module)
 
     return masked
+
+
+def _expected_m(v: Any) -> int | torch.SymInt | None:
+    """expected_m as the op schema takes it (traced_int). An int past int64 (the schema's
+    cast refused it with torch's pybind error) is capped there: eager caps every hint at M,
+    so the call means the same; a negative one is refused as eager refuses it."""
+    v = traced_int("expected_m", v)
+    if isinstance(v, int) and not -2 ** 63 <= v < 2 ** 63:
+        check_expected_m(v, 1)  # (raises for a negative one)
+        v = 2 ** 63 - 1
+    return v
 
 
 def write_valid_rows(out: Tensor, y: Tensor, masked_m: Tensor) -> Tensor:
@@ -76,7 +88,7 @@ def grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *, expected_m: int
                       out_dtype: torch.dtype | None = None) -> Tensor:
     text = encode_config(config)
     check_traced_args({"x": x, "w": w, "masked_m": masked_m}, out_dtype, out=out)
-    expected_m = traced_int("expected_m", expected_m)
+    expected_m = _expected_m(expected_m)
     if out is None:
         return torch.ops.moe_gemm._grouped_mm_masked(x, w, masked_m, expected_m, text,
                                                      out_dtype)
@@ -95,7 +107,7 @@ def scaled_grouped_mm_masked(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Ten
     text = encode_config(config)
     check_traced_args({"x": x, "w": w, "scale_a": scale_a, "scale_b": scale_b,
                        "masked_m": masked_m}, out_dtype, out=out)
-    expected_m = traced_int("expected_m", expected_m)
+    expected_m = _expected_m(expected_m)
     if out is None:
         return torch.ops.moe_gemm._scaled_grouped_mm_masked(x, w, scale_a, scale_b, masked_m,
                                                             expected_m, text, out_dtype)
@@ -187,10 +199,11 @@ def fused_grouped_mm_masked(x: Tensor, w: Tensor, masked_m: Tensor, *,
     check_traced_args({"x": x, "w": w, "masked_m": masked_m, "bias": bias,
                        "row_weight": row_weight}, out_dtype,
                       reals={"gate_alpha": gate_alpha, "gate_limit": gate_limit}, out=out)
-    expected_m = traced_int("expected_m", expected_m)
+    expected_m = _expected_m(expected_m)
     check_gate_names(gate, gate_layout)  # (eager's errors, not the op schema's)
-    common = (x, w, masked_m, bias, row_weight, gate, gate_layout, float(gate_alpha),
-              float(gate_limit), expected_m)
+    common = (x, w, masked_m, bias, row_weight, gate, gate_layout,
+              gate_float("gate_alpha", gate_alpha), gate_float("gate_limit", gate_limit),
+              expected_m)
     if out is None:
         return torch.ops.moe_gemm._fused_grouped_mm_masked(*common, text, out_dtype)
     if differentiable_out(out, out_dtype, x, w, bias, row_weight):

@@ -285,8 +285,16 @@ def _per_block_chunked(w: torch.Tensor, b: int, dtype: torch.dtype
         # take a batched result)
         return _per_block(w, b, dtype)
     q, scale = in_leading_chunks(lambda t: _per_block(t, b, dtype),
-                                 w.reshape(math.prod(lead), N, K), nb * b * kb * b)
+                                 w.reshape(math.prod(lead), N, K),
+                                 nb * _covered(b, N) * kb * _covered(b, K))
     return q.view(*lead, N, K), scale.view(*lead, nb, kb)
+
+
+def _covered(b: int, size: int) -> int:
+    """The values one block covers along a dim of `size`: b, or the whole dim where a block
+    is larger (one block, padded no further: a block_size of 65536 padded a 16 x 16 weight to
+    16 GiB of fp32)."""
+    return min(b, max(size, 1))
 
 
 def _per_block(w: torch.Tensor, b: int, dtype: torch.dtype
@@ -294,12 +302,13 @@ def _per_block(w: torch.Tensor, b: int, dtype: torch.dtype
     N, K = w.shape[-2:]
     lead = w.shape[:-2]
     nb, kb = -(-N // b), -(-K // b)
+    bn, bk = _covered(b, N), _covered(b, K)
     # Padded out of place: under torch.vmap a batched w cannot be written into an unbatched
     # buffer.
-    padded = torch.nn.functional.pad(w.float(), (0, kb * b - K, 0, nb * b - N))
-    blocks = padded.view(*lead, nb, b, kb, b)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * bk - K, 0, nb * bn - N))
+    blocks = padded.view(*lead, nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=MIN_AMAX)
-    q = _to_fp8(blocks, amax, dtype).view(*lead, nb * b, kb * b)[..., :N, :K]
+    q = _to_fp8(blocks, amax, dtype).view(*lead, nb * bn, kb * bk)[..., :N, :K]
     scale = _ieee_div(amax.view(*lead, nb, kb), FP8_MAX[dtype])
     return q.contiguous(), scale
 
@@ -377,11 +386,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
         return v * s.reshape(())
     if granularity == "row":
         return v * s.unsqueeze(-1)
+    # (each scale repeated over the values its block covers, never more: _covered)
     if granularity == "group":
         K = v.shape[-1]
-        return v * s.repeat_interleave(b, dim=-1)[..., :K]
+        return v * s.repeat_interleave(_covered(b, K), dim=-1)[..., :K]
     N, K = v.shape[-2:]
-    return v * s.repeat_interleave(b, dim=-2)[..., :N, :].repeat_interleave(b, dim=-1)[..., :K]
+    s = s.repeat_interleave(_covered(b, N), dim=-2)[..., :N, :]
+    return v * s.repeat_interleave(_covered(b, K), dim=-1)[..., :K]
 
 
 def _scale_shape(shape: tuple[int, ...], granularity: str, b: int) -> tuple[int, ...] | None:

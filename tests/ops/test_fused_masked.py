@@ -406,6 +406,8 @@ ERRORS = [
     ("alpha-nan", lambda a: a.update(gate="clamped_swiglu", gate_alpha=NAN), ValueError,
      r"gate_alpha must be finite"),
     ("alpha-str", lambda a: a.update(gate_alpha="1.7"), TypeError, r"gate_alpha must be a float"),
+    ("alpha-past-float", lambda a: a.update(gate_alpha=10 ** 400), ValueError,
+     r"gate_alpha must be finite; got an int past float's range"),
     ("limit-zero", lambda a: a.update(gate="clamped_swiglu", gate_limit=0.0), ValueError,
      r"gate_limit must be > 0 for clamped_swiglu"),
     # expected_m
@@ -457,6 +459,16 @@ def test_argument_errors(change, error, match) -> None:
     change(a)
     with pytest.raises(error, match=match):
         _call(a)
+
+
+def test_a_gate_constant_past_floats_range_is_refused_when_traced() -> None:
+    # (the traced wrapper's float() raised OverflowError)
+    from moe_gemm.ops import masked_custom_ops
+
+    a = _err_args()
+    with pytest.raises(ValueError, match=r"gate_limit must be finite; got an int past"):
+        masked_custom_ops.fused_grouped_mm_masked(a["x"], a["w"], a["masked_m"],
+                                                  gate="clamped_swiglu", gate_limit=10 ** 400)
 
 
 @pytest.mark.parametrize("gate", ["relu", "", 3])

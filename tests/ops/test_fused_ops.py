@@ -184,6 +184,8 @@ def _bad(**kw):
     (dict(gate="clamped_swiglu", gate_limit=0.0), ValueError, "gate_limit must be > 0"),
     (dict(gate_alpha="1"), TypeError, "gate_alpha must be a float"),
     (dict(gate_limit=float("nan")), ValueError, "gate_limit must be finite"),
+    (dict(gate_alpha=10 ** 400), ValueError, "gate_alpha must be finite"),
+    (dict(gate_limit=-10 ** 400), ValueError, "gate_limit must be finite"),
     (dict(row_weight=torch.zeros(5)), ValueError, r"row_weight must be \(S,\) = \(13,\)"),
     (dict(row_weight=torch.zeros(13, dtype=torch.int32)), TypeError, "row_weight must be a float"),
     (dict(row_weight=1.0), TypeError, "row_weight must be a torch.Tensor"),
@@ -214,6 +216,17 @@ def test_gate_constants_take_any_real_number():
     got = moe_gemm.fused_grouped_mm(x, w, offs, row_index=index, gate="clamped_swiglu",
                                     gate_alpha=np.float32(1.5), gate_limit=np.int64(3))
     assert torch.equal(got, want)
+
+
+def test_an_int_past_floats_range_is_a_gate_constant_error_when_traced_too():
+    # (float() of it raised OverflowError, eager and in the traced wrapper)
+    from moe_gemm.ops import fused_custom_ops
+
+    x, w, offs, index, _ = _case(11)
+    for name in ("gate_alpha", "gate_limit"):
+        with pytest.raises(ValueError, match=f"{name} must be finite; got an int past"):
+            fused_custom_ops.fused_grouped_mm(x, w, offs, row_index=index,
+                                              gate="clamped_swiglu", **{name: 10 ** 400})
 
 
 @pytest.mark.parametrize("gate", [None, "silu"])

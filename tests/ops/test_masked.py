@@ -377,6 +377,20 @@ def test_expected_m_below_one(value: int) -> None:
         grouped_mm_masked(x, w, mm, expected_m=value)
 
 
+def test_expected_m_past_int64_traced_as_eager() -> None:
+    # A hint past int64 is capped at M as any other (the op schema's int64 cast refused it
+    # under torch.compile with torch's pybind error); one below -2^63 is eager's ValueError.
+    x, w, mm = _err_inputs()
+    want = grouped_mm_masked(x, w, mm)
+    assert torch.equal(grouped_mm_masked(x, w, mm, expected_m=2 ** 70), want)
+    assert torch.equal(masked_custom_ops.grouped_mm_masked(x, w, mm, expected_m=2 ** 70), want)
+    y = masked_custom_ops.fused_grouped_mm_masked(x, w, mm, expected_m=2 ** 64)
+    assert torch.equal(y, moe_gemm.fused_grouped_mm_masked(x, w, mm))
+    for call in (grouped_mm_masked, masked_custom_ops.grouped_mm_masked):
+        with pytest.raises(ValueError, match=r"expected_m must be >= 1 .*; got -2361"):
+            call(x, w, mm, expected_m=-2 ** 71)
+
+
 @pytest.mark.parametrize("shape", [(5, 7), (1, 3, 5, 7), (7,)])
 def test_x_not_3d(shape: tuple[int, ...]) -> None:
     _, w, mm = _err_inputs()

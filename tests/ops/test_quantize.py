@@ -177,6 +177,25 @@ def test_per_block_bounds_its_fp32_working_set(monkeypatch, shape):
         assert torch.equal(flat_s[i], si)
 
 
+@pytest.mark.parametrize("block", [4096, 1 << 40])
+def test_a_block_larger_than_the_weight_pads_no_further(block):
+    """A block past a weight's dims is one block over the whole weight, quantized and
+    dequantized within the weight's own size (each dim was padded to block_size: a 16 x 16
+    weight took 16 GiB of fp32 at 65536, and the process was killed)."""
+    from moe_gemm.testing_fp8 import LargestFloat32
+
+    w = torch.randn(2, 12, 16, generator=_gen(11))
+    with LargestFloat32() as seen:  # (on meta: the sizes, no memory)
+        qm, sm = quantize_fp8_per_block(w.to("meta"), block)
+        dequantize_fp8(qm, sm, "block", block)
+        dequantize_fp8(qm[:, 0], sm[:, 0], "group", block)
+    assert seen.largest <= w.numel()
+    q, s = quantize_fp8_per_block(w, block)
+    q16, s16 = quantize_fp8_per_block(w, 16)  # (one block over each weight too)
+    assert torch.equal(q.view(torch.uint8), q16.view(torch.uint8)) and torch.equal(s, s16)
+    assert torch.equal(dequantize_fp8(q, s, "block", block), dequantize_fp8(q16, s16, "block", 16))
+
+
 def test_per_row_and_per_tensor_round_trip():
     x = torch.randn(9, 300, generator=_gen(4)) * torch.logspace(-2, 2, 9)[:, None]
     q, s = quantize_fp8_per_row(x)
