@@ -62,7 +62,9 @@ class ShapeRunner:
         self.b_major = "k" if shape.layout == "ENK" else "n"
         self._timed: dict[str, timing.Timed] = {}
         gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
+        # (torch takes -2^63 .. 2^64 - 1, reading a negative seed modulo 2^64: any int of
+        # `moe-gemm tune --seed` is read so, where 2^70 was a ValueError once the run began)
+        gen.manual_seed(seed % 2**64)
         first = self._new_set(gen)
         set_bytes = sum(t.numel() * t.element_size() for t in _tensors(first))
         free, _ = torch.cuda.mem_get_info(device)

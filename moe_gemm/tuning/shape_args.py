@@ -43,6 +43,13 @@ def parse_shape_items(items: list[str], form: str, layout: str, dtype: str, out_
         for rows in nums[3:]:
             if (E, N, K, rows) in seen:
                 continue
+            total = rows * E if form == "batched" else rows
+            if max(E * N * K * 2, total * K * 2, total * N * 4) >= 2**63:
+                # (torch refuses a tensor of 2^63 bytes or more: the run stopped on it in a
+                # traceback, after the ceilings and the compiles)
+                raise ValueError(f"--shapes {item!r}: an operand of E={E} N={N} K={K} "
+                                 f"ROWS={rows} takes 2^63 bytes or more, past what a tensor "
+                                 "can hold")
             seen.add((E, N, K, rows))
             if form == "batched":
                 shapes.append(TuneShape("batched", E, N, K, rows * E, dtype=dtype,

@@ -46,14 +46,23 @@ def take_shard(items: Sequence[T], shard: tuple[int, int] | None) -> list[T]:
 
 def gpu_ids(n: int, count: int | None = None) -> list[str]:
     """CUDA_VISIBLE_DEVICES entries of the first `n` GPUs this process may use (the visible
-    list when set, else 0..count-1); ValueError naming what is visible when fewer than n."""
+    list when set, else 0..count-1; count None: shard processes on the CPU, at most one per
+    core); ValueError naming what is visible when fewer than n."""
     if n < 1:  # said as such: "--gpus 0: 2 GPU(s) visible" read as if too few were visible
         raise ValueError(f"--gpus {n}: must be >= 1")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         ids = [v.strip() for v in visible.split(",") if v.strip()]
+    elif count is None:
+        # (the zoo's --smoke shards: n ids were built before any check, and `--gpus 10**20`
+        # never returned)
+        cores = os.cpu_count() or 1
+        if n > cores:
+            raise ValueError(f"--gpus {n}: at most one shard process per CPU core here "
+                             f"({cores}) without GPUs")
+        ids = [str(i) for i in range(n)]
     else:
-        ids = [str(i) for i in range(n if count is None else count)]
+        ids = [str(i) for i in range(count)]
     if len(ids) < n:
         raise ValueError(f"--gpus {n}: {len(ids)} GPU(s) visible"
                          + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""))

@@ -57,6 +57,10 @@ def read_table(path: Path, device: str | None = None,
         doc = json.loads(tuned.read_table_bytes(path))
     except RecursionError:  # nested past the parser's depth: no table is
         raise ValueError(f"{path} is not a tuned table (nested too deeply)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # (the decoder's message alone, "Expecting value: line 1 column 1 (char 0)", was what
+        # `moe-gemm tune --merge` or `--rerank` said of a file that is no JSON at all)
+        raise ValueError(f"{path} is not a tuned table (not JSON: {exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("device"), str):
         raise ValueError(f"{path} is not a tuned table (no device name)")
     _check_header(doc, str(path), device or doc["device"])

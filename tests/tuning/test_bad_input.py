@@ -224,9 +224,19 @@ def test_merge_is_refused_beside_the_options_of_a_run(tmp_path, capsys):
      "--skip-table deep.json: deep.json is not a tuned table (nested too deeply)"),
     (["--shapes", "8,128,128,16", "--list", "--skip-table", "list.json"],
      "--skip-table list.json: list.json is not a tuned table (no device name)"),
+    # (the decoder's message alone, naming neither the file nor what it is not)
+    (["--shapes", "8,128,128,16", "--list", "--skip-table", "text.json"],
+     "--skip-table text.json: text.json is not a tuned table (not JSON: Expecting value"),
+    (["--zoo", "--list", "--rerank", "text.json"],
+     "--rerank text.json: text.json is not a tuned table (not JSON: Expecting value"),
     # (an E past the kernels' problem count built E-long routing lists: a MemoryError)
     (["--shapes", "100000000,128,128,16", "--list"],
      "E (the expert count) must be at most 65535"),
+    # (a tensor past 2^63 bytes: a GPU run stopped in torch's traceback, after the compiles)
+    (["--shapes", "2,2147483647,2147483647,16", "--list"],
+     "an operand of E=2 N=2147483647 K=2147483647 ROWS=16 takes 2^63 bytes or more"),
+    (["--shapes", "65535,128,2147483647,2147483647", "--form", "batched", "--list"],
+     "takes 2^63 bytes or more"),
     (["--zoo", "--list", "--rerank", "t.json", "--rivals-file", "deep.json"],
      "--rivals-file deep.json: not JSON (nested too deeply)"),
     (["--zoo", "--list", "--rerank", "t.json", "--rivals", "pp 100x100"], "--rivals: config"),
@@ -242,6 +252,7 @@ def test_bad_values_are_refused_before_the_list(argv, words, capsys, tmp_path, m
     monkeypatch.chdir(tmp_path)
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "text.json").write_text("not a table\n")
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err

@@ -90,6 +90,20 @@ def test_search_end_to_end(fake_cuda, form, layout):
     r.close()
 
 
+def test_any_int_seeds_the_data(fake_cuda):
+    # `moe-gemm tune --seed` takes any int (the routing's random.Random does): one past
+    # torch's generator range was a ValueError once the run began. A negative seed keeps the
+    # data torch gave it (read modulo 2^64).
+    shape = _shape()
+    weights = {}
+    for seed in (2**70, -1, 2**64 - 1):
+        r = runner_mod.ShapeRunner(shape, torch.device("cpu"), _Pool(), seed=seed)
+        weights[seed] = r.sets[0][1].clone()
+        r.close()
+    assert torch.equal(weights[-1], weights[2**64 - 1])
+    assert not torch.equal(weights[2**70], weights[-1])
+
+
 def test_check_catches_wrong_and_unwritten_results(fake_cuda, monkeypatch):
     shape = _shape()
     r = runner_mod.ShapeRunner(shape, torch.device("cpu"), _Pool(), seed=3)

@@ -147,6 +147,21 @@ def test_gpu_ids_follow_the_visible_list(monkeypatch):
         gpu_ids(4, 99)
 
 
+def test_gpu_ids_on_the_cpu_are_bounded_by_its_cores(monkeypatch):
+    # count None (the zoo's --smoke shards run on the CPU): a list of n ids was built before
+    # any check, so `--gpus 100000000000000000000` never returned.
+    import os
+
+    from moe_gemm.tuning.shards import gpu_ids
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert gpu_ids(3) == ["0", "1", "2"]
+    with pytest.raises(ValueError, match=r"--gpus 100000000000000000000: at most one shard "
+                                         r"process per CPU core here \(4\)"):
+        gpu_ids(10**20)
+
+
 def test_run_shards_runs_each_command_on_its_gpu_and_returns_the_exit_codes():
     import sys
 
