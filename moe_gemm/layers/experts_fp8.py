@@ -44,7 +44,7 @@ from moe_gemm.ops.quantize import (
 )
 from moe_gemm.ops.scaled import scaled_grouped_mm
 from moe_gemm.ops.token_gather import gather_rows
-from moe_gemm.ops.validation import shape_text
+from moe_gemm.ops.validation import check_dense, shape_text
 
 FP8_DTYPES = tuple(FP8_MAX)
 SCALE_BLOCK = 128
@@ -81,6 +81,7 @@ def check_fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: 
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"FP8 expert weights need their {name} (a float32 tensor); got "
                             f"{type(s).__name__}")
+        check_dense(f"the {name}", s)  # (else refused by the first forward as scale_b)
         if s.dtype != torch.float32:
             raise TypeError(f"the {name} must be float32 (decoding scales); got {s.dtype}")
         if s.device != gate_up.device:
@@ -94,8 +95,8 @@ def check_fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: 
         if H % SCALE_BLOCK or I % SCALE_BLOCK:
             raise ValueError(
                 f"128x128 block-scaled experts need hidden ({H}) and intermediate ({I}) sizes "
-                "that are multiples of 128: the FP8 GEMMs' scale blocks tile K (requantize "
-                "row-wise with MoE.quantize_fp8(granularity='row') otherwise)")
+                "that are multiples of 128: the FP8 GEMMs' scale blocks tile K (a 16-bit layer "
+                "of these sizes quantizes row-wise: MoE.quantize_fp8(granularity='row'))")
     else:
         want_gu, want_d = (E, two_i), (E, H)
         if H % 16 or I % 16:
@@ -288,14 +289,21 @@ def row_scale(scale: torch.Tensor, rows: int, name: str = "weight scale") -> tor
 
 def hf_fp8_scales(experts) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The scales of transformers' FP8Experts (gate_up_proj_scale_inv [E, 2I/128, H/128],
-    down_proj_scale_inv) as the layer keeps them, or None for 16-bit experts. Blocks are
+    down_proj_scale_inv) as the layer keeps them, or None for 16-bit experts (neither scale;
+    one without the other is a ValueError naming the missing one). Blocks are
     shared (no copy); per-tensor scales (block_size None: [E, c, 1], one scale for each of c
     equal row chunks: c = 2 for gate_up, a scale per half, 1 for down) become per channel;
     UE8M0 scales (powers of two) are widened to float32 exactly (decoding_scale)."""
     s1 = getattr(experts, "gate_up_proj_scale_inv", None)
     s2 = getattr(experts, "down_proj_scale_inv", None)
-    if s1 is None or s2 is None:
+    if s1 is None and s2 is None:
         return None
+    if s1 is None or s2 is None:
+        # (read as 16-bit experts, FP8 weights with one scale were refused as "a custom
+        # _apply_gate" by from_hf, and failed an assert in the experts implementation)
+        missing = "gate_up_proj_scale_inv" if s1 is None else "down_proj_scale_inv"
+        raise ValueError(f"FP8 experts need both gate_up_proj_scale_inv and "
+                         f"down_proj_scale_inv; {missing} is None")
     block = getattr(experts, "block_size", None)
     if block is not None and tuple(block) != (SCALE_BLOCK, SCALE_BLOCK):
         raise ValueError(f"FP8 experts with weight blocks {tuple(block)} are not supported "

@@ -42,6 +42,8 @@ from moe_gemm.layers.experts import (
     resolve_activation,
 )
 from moe_gemm.layers.experts_fp8 import (
+    FP8_DTYPES,
+    check_fp8_experts,
     expert_ffn_fp8,
     keep_dtypes,
     quantize_experts,
@@ -432,12 +434,13 @@ class MoE(MoELoaders, MoEOptions):
         """Turn the 16-bit expert weights into FP8 in place (the router and the shared expert
         stay as they are) and return the layer. granularity "block": 128x128 weight blocks
         with activations in 1x128 groups (hidden and intermediate sizes multiples of 128);
-        "row": a scale per output channel, activations per token."""
+        "row": a scale per output channel, activations per token. dtype: the FP8 format of
+        the weights and of the activations quantized on the fly, torch.float8_e4m3fn or
+        torch.float8_e5m2. FP8 experts run the unfused FP8 grouped GEMMs whatever `fused`
+        says."""
         if self.fp8 is not None:
             raise ValueError(f"the experts are FP8 already ({self.fp8} scales)")
         q1, s1, q2, s2 = quantize_experts(self.gate_up_proj, self.down_proj, granularity, dtype)
-        from moe_gemm.layers.experts_fp8 import check_fp8_experts
-
         check_fp8_experts(q1, q2, s1, s2)
         self.gate_up_proj = nn.Parameter(q1, requires_grad=False)
         self.down_proj = nn.Parameter(q2, requires_grad=False)
@@ -498,15 +501,22 @@ class MoE(MoELoaders, MoEOptions):
 
     def _check_parameters(self) -> None:
         """The router and expert weights against one another (layer_checks.check_parameters),
-        for weights assigned after construction; on every forward (~2 us of CPU). A weight
-        that is not a registered Parameter (a parametrization's, or a plain tensor set after
-        `del layer.down_proj`) is read as the forward reads it, by attribute (indexing
-        _parameters was a KeyError there)."""
+        and FP8 experts' scales against their weights (experts_fp8.check_fp8_experts), for
+        tensors assigned after construction; on every forward (~2 us of CPU, ~4 us more with
+        FP8 experts). A weight that is not a registered Parameter (a parametrization's, or a
+        plain tensor set after `del layer.down_proj`) is read as the forward reads it, by
+        attribute (indexing _parameters was a KeyError there)."""
         p = self._parameters
         if not ("gate_up_proj" in p and "down_proj" in p and "router_weight" in p):
             p = {name: getattr(self, name, None)
                  for name in ("gate_up_proj", "down_proj", "router_weight")}
         check_parameters(p, self.hidden_size)
+        # (unchecked, a scale of another shape failed with an IndexError inside the GEMM, a
+        # None one with an AttributeError, and FP8 weights without scales were told to cast
+        # the layer, which would drop the scales' values)
+        s1, s2 = self.gate_up_proj_scale_inv, self.down_proj_scale_inv
+        if s1 is not None or s2 is not None or p["gate_up_proj"].dtype in FP8_DTYPES:
+            check_fp8_experts(p["gate_up_proj"], p["down_proj"], s1, s2)
 
     def check_weight_dtype(self, layer: str = "MoE") -> None:
         """A layer cast with .double() (16-bit experts in a dtype the kernels do not take): a

@@ -176,6 +176,16 @@ def test_scales_that_are_not_floating_point_are_refused():
         moe_gemm_fp8_experts_forward(m, x, ids, w)
 
 
+@pytest.mark.parametrize("missing", ["gate_up_proj_scale_inv", "down_proj_scale_inv"])
+def test_a_missing_scale_is_named(missing):
+    # (a missing down_proj_scale_inv failed an assert inside the path)
+    m = _experts(17)
+    setattr(m, missing, None)
+    x, ids, w = _inputs(18, 5, 2)
+    with pytest.raises(ValueError, match="scale_inv"):
+        moe_gemm_fp8_experts_forward(m, x, ids, w)
+
+
 @pytest.mark.parametrize("block", [(128, 128), None])
 def test_fp4_experts_are_refused_by_name(block):
     # FP4 experts hold int8 bytes (one byte per element, like FP8): refused as FP4, not

@@ -573,3 +573,57 @@ def test_fused_per_tensor_chunk_scales_of_small_experts_load(H, I):
     x = torch.randn(9, H, generator=g)
     with torch.no_grad():
         assert torch.equal(three_d(x), two_d(x))
+
+
+def test_scales_assigned_to_a_built_layer_are_checked_against_its_weights():
+    """FP8 scales set on a built layer are checked by the forward as the loaders check them:
+    a scale of another shape failed with an IndexError inside the GEMM, a None one with an
+    AttributeError, FP8 weights left without scales were told to cast the layer (which drops
+    the scales' values), a bf16 scale was refused as the op's `scale_b`; a sparse scale was
+    taken by from_fused and refused by the first forward."""
+    moe = _layer(seed=22).quantize_fp8()
+    x = _x(seed=23)
+    with torch.no_grad():
+        want = moe(x)
+    good = {n: getattr(moe, n) for n in ("gate_up_proj_scale_inv", "down_proj_scale_inv")}
+    P = torch.nn.Parameter
+    for name, value, error, pattern in (
+            ("down_proj_scale_inv", P(torch.ones(8, 3), requires_grad=False), ValueError,
+             r"must be block-wise gate_up \(8, 2, 2\) and down \(8, 2, 1\) .*got \(8, 2, 2\) "
+             r"and \(8, 3\)"),
+            ("down_proj_scale_inv", None, TypeError, "need their down scale"),
+            ("gate_up_proj_scale_inv", None, TypeError, "need their gate_up scale"),
+            ("gate_up_proj_scale_inv",
+             P(good["gate_up_proj_scale_inv"].detach().bfloat16(), requires_grad=False),
+             TypeError, "the gate_up scale must be float32")):
+        setattr(moe, name, value)
+        with torch.no_grad(), pytest.raises(error, match=pattern):
+            moe(x)
+        with pytest.raises(error, match=pattern):
+            moe.route(x)
+        setattr(moe, name, good[name])
+    with torch.no_grad():
+        assert torch.equal(moe(x), want)
+    q1, q2 = moe.gate_up_proj.detach(), moe.down_proj.detach()
+    s1, s2 = good["gate_up_proj_scale_inv"].detach(), good["down_proj_scale_inv"].detach()
+    router = moe.router_weight.detach()
+    with pytest.raises(TypeError, match="the gate_up scale must be a dense"):
+        MoE.from_fused(q1, q2, router, 2, scales=(s1.to_sparse(), s2))
+
+
+def test_from_hf_fp8_experts_with_one_scale_missing_names_it():
+    """FP8Experts holding one scale of the two: a ValueError naming the missing one (read as
+    16-bit experts, they were refused as having "a custom _apply_gate")."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    block, cfg = _deepseek_block(n_shared=0, seed=24)
+    fp8 = FP8Experts(cfg, block_size=(128, 128))
+    for name in ("gate_up_proj", "down_proj"):
+        q, sc = quantize_fp8_per_block(getattr(block.experts, name).detach())
+        setattr(fp8, name, torch.nn.Parameter(q, requires_grad=False))
+        setattr(fp8, name + "_scale_inv", torch.nn.Parameter(sc, requires_grad=False))
+    block.experts = fp8
+    assert MoE.from_hf(block).fp8 == "block"
+    fp8.down_proj_scale_inv = None
+    with pytest.raises(ValueError, match="down_proj_scale_inv is None"):
+        MoE.from_hf(block)
