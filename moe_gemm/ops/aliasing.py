@@ -163,7 +163,11 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
 def outputs_aliasing_inputs(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[int]:
     """Indices of the outputs that may share memory with an input, after checking that no two
     outputs share memory (ValueError naming them). One sweep over the byte spans sorted by
-    start (O(n log n) when nothing meets; inputs may overlap each other freely)."""
+    start (O(n log n) when nothing meets; inputs may overlap each other freely). Under
+    torch.func (grad, vmap) the wrapped tensors' memory is compared, as overlaps_any does
+    (the wrappers have no storage: reading their spans raised torch's RuntimeError)."""
+    if any(map(_wrapped, outs)) or any(map(_wrapped, inputs)):
+        outs, inputs = list(map(_innermost, outs)), list(map(_innermost, inputs))
     items = []
     for i, o in enumerate(outs):
         if (sp := _span(o)) is not None:

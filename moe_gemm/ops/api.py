@@ -69,9 +69,17 @@ from moe_gemm.ops.validation import (
     check_grouped_gemm,
     check_grouped_mm,
     check_out_not_inference,
+    check_out_untracked,
     offs_check_requested,
 )
-from moe_gemm.ops.vmap import batched_values, in_vmap, per_entry, per_entry_into, vmap_active
+from moe_gemm.ops.vmap import (
+    batched_values,
+    check_out_batched,
+    in_vmap,
+    per_entry,
+    per_entry_into,
+    vmap_active,
+)
 
 _warned: set[str] = set()
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -333,6 +341,8 @@ def _detailed_grouped_gemm(a, b, out, config, out_dtype) -> list[torch.Tensor]:
     args = check_grouped_gemm(a, b, out, out_dtype)
     if not args.a:
         return []
+    if args.out is not None:
+        check_out_batched("grouped_gemm", args.out, (*args.a, *args.b))
     if args.out_aliased:
         # Outputs sharing memory with an operand: computed into fresh tensors, then copied.
         given = args.out
@@ -452,6 +462,8 @@ def _detailed_grouped_mm(x, w, offs, out, config, out_dtype) -> torch.Tensor:
     cfg = _check_config(config)
     if _symbolic(*(t for t in (x, w, offs, out) if t is not None)):
         return custom_ops.grouped_mm(x, w, offs, out=out, config=config, out_dtype=out_dtype)
+    if out is not None:
+        check_out_batched("grouped_mm", out, (x, w, offs))
     if offs is not None and batched_values(offs):  # (vmap with grad: ops/vmap.py)
         return per_entry_into(out, out_dtype, lambda dt: per_entry(
             lambda x, w, offs: grouped_mm_eager(x, w, offs, None, config, dt), x, w, offs),
@@ -606,6 +618,11 @@ class GroupedGemmPlan:
                                     if o.is_inference())
         self._signature = TensorSignature(self._bound, inference_mode=bool(
             self._inference_out)) if self._bound else None
+        # Given outputs that require grad (a build under no_grad accepts them): a call with
+        # grad enabled refuses them in _check_bound, as grouped_gemm does (the torch backend's
+        # in-place write raised torch's leaf error, the kernel's would go unnoticed).
+        self._named_out = tuple((f"out[{i}]", o) for i, o in enumerate(given_out))
+        self._tracked_out = any(map(_REQUIRES_GRAD, given_out))
         # Whether an operand requires grad: the signature holds the autograd flags, so a call
         # it accepts has these (a change fails it, and _check_bound reads them again).
         self._grad_operands = any(map(_REQUIRES_GRAD, self._operands))
@@ -625,7 +642,8 @@ class GroupedGemmPlan:
     def __call__(self) -> list[torch.Tensor]:
         if _traced():
             return self._traced_call()
-        if self._signature is not None and not self._signature.check(*self._bound):
+        if (self._signature is not None and not self._signature.check(*self._bound)) or (
+                self._tracked_out and torch.is_grad_enabled()):
             self._check_bound()
         launch = self._launch
         grad = self._grad_operands and torch.is_grad_enabled()
@@ -651,6 +669,8 @@ class GroupedGemmPlan:
         for t, want in zip(self._bound, self._built_for):
             if _layout(t) != want:
                 self._check_bound()
+        for name, o in self._named_out:  # (as the eager call: written under no_grad below)
+            check_out_untracked(name, o)
         args = self.args
         if not args.a:
             return list(self.out)
@@ -678,9 +698,10 @@ class GroupedGemmPlan:
         strides, dtype or device changed since the build (resize_, set_, `.data =`: the torch
         backend would broadcast a shrunk operand into its output, the kernel would run on the
         build's sizes and addresses); torch's RuntimeError for a given output made under
-        torch.inference_mode when the call is outside it. Where only autograd flags changed
-        (requires_grad_ between calls, which a call handles), the signature takes the new
-        ones."""
+        torch.inference_mode when the call is outside it; a ValueError for a given output
+        that requires grad while grad is enabled. Where only the operands' autograd flags
+        changed (requires_grad_ between calls, which a call handles), the signature takes the
+        new ones."""
         G = len(self.args.a)
         for i, (t, want) in enumerate(zip(self._bound, self._built_for)):
             got = _layout(t)
@@ -693,6 +714,9 @@ class GroupedGemmPlan:
                     f"(or copy_ new values into these)")
         for name, o in self._inference_out:
             check_out_not_inference(name, o)
+        for name, o in self._named_out:
+            check_out_untracked(name, o)
+        self._tracked_out = any(o.requires_grad for _, o in self._named_out)
         self._signature = TensorSignature(self._bound, inference_mode=bool(self._inference_out))
         self._grad_operands = any(map(_REQUIRES_GRAD, self._operands))
 

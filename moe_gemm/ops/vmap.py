@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["batched_values", "in_vmap", "per_entry", "per_entry_into", "register_loop_vmap",
-           "vmap_active"]
+__all__ = ["batched_values", "check_out_batched", "in_vmap", "per_entry", "per_entry_into",
+           "register_loop_vmap", "vmap_active"]
 
 _Vmap = torch._C._functorch.TransformType.Vmap
 _depth = torch._C._functorch.get_dynamic_layer_stack_depth
@@ -167,6 +167,20 @@ def batched_values(*values: Any) -> bool:
     if not (_depth() > 0 and _Vmap in _transforms()):
         return False
     return any(v is not None and _is_batched(v) for v in values)
+
+
+def check_out_batched(op: str, outs: Any, inputs: Any) -> None:
+    """The eager path under torch.vmap with grad (not in_vmap): an `out` (a tensor or a list
+    of them) that is not batched where an input is, a ValueError as the registered ops' vmap
+    rule raises it (the write of a batched result into it raised torch's RuntimeError)."""
+    if not vmap_active() or not any(map(_is_batched, inputs)):
+        return
+    for o in (outs if isinstance(outs, (list, tuple)) else (outs,)):
+        if isinstance(o, torch.Tensor) and not _is_batched(o):
+            raise ValueError(
+                f"{op} under torch.vmap: `out` is written in place and must be batched like "
+                f"the inputs (pass a batched `out`, or leave it None and let the op return a "
+                f"new tensor)")
 
 
 def _is_batched(t: Any) -> bool:

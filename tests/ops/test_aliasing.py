@@ -276,3 +276,33 @@ def test_an_interleaved_layout_past_the_counting_limit_counts_as_overlapping(
     assert not aliasing.has_internal_overlap(t)
     monkeypatch.setattr(aliasing, "_COUNTED_MAX", 4)
     assert aliasing.has_internal_overlap(t)
+
+
+def test_grouped_gemm_out_under_grad_and_vmap_of_grad():
+    # torch.func's wrappers have no storage: the aliasing check of grouped_gemm's `out` read
+    # their spans and raised "Cannot access data pointer of Tensor that doesn't have storage"
+    # (grouped_mm's compared the wrapped tensors already).
+    from torch.func import grad, vmap
+
+    g = torch.Generator().manual_seed(21)
+    a = [torch.randn(3, 5, 8, generator=g), torch.randn(3, 2, 4, generator=g)]
+    b = [torch.randn(8, 6, generator=g), torch.randn(4, 3, generator=g)]
+
+    def loss(b0, a0, a1, o0, o1):
+        d = moe_gemm.grouped_gemm([a0, a1], [b0, b[1]], out=[o0, o1], config=TORCH)
+        return d[0].square().sum() + d[1].sum()
+
+    def want(a0):
+        return 2 * a0.double().t() @ (a0.double() @ b[0].double())
+
+    got = grad(loss)(b[0], a[0][0], a[1][0], torch.zeros(5, 6), torch.zeros(2, 3))
+    torch.testing.assert_close(got.double(), want(a[0][0]), rtol=1e-5, atol=1e-5)
+    outs = (torch.full((3, 5, 6), 7.0), torch.full((3, 2, 3), 7.0))
+    got = vmap(grad(loss), in_dims=(None, 0, 0, 0, 0))(b[0], *a, *outs)
+    torch.testing.assert_close(got.double(), torch.stack([want(x) for x in a[0]]),
+                               rtol=1e-5, atol=1e-5)
+    wrapped = []
+    grad(lambda x: wrapped.append(outputs_aliasing_inputs([x[:, :2], torch.zeros(2, 2)],
+                                                          [x, x[:, 2:]])) or x.sum())(
+        torch.randn(2, 4))
+    assert wrapped == [[0]]  # (x[:, :2] lies in x; the fresh tensor in nothing)

@@ -235,3 +235,55 @@ def test_a_plan_built_under_inference_mode_serves_calls_outside_it() -> None:
     got = aliased()[0]
     assert got is aliased.out[0]
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["torch", "cute"])
+def test_a_given_out_that_requires_grad_is_refused_at_calls_with_grad(path, request,
+                                                                       monkeypatch) -> None:
+    # An out that requires grad is refused by the build (grad on) and by grouped_gemm; one
+    # flagged after the build, or taken by a build under no_grad, raised torch's leaf error
+    # from inside the torch backend's write (and the kernel would write it unnoticed).
+    if path == "cute":
+        from moe_gemm.ops import api
+
+        kernel = request.getfixturevalue("kernel")
+        monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
+    a, b = _problems(seed=17)
+    plan, out = _plan_with_out(a, b)
+    assert plan.backend == path
+    plan()
+    out[2].requires_grad_()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^out\[2\] requires grad"):
+            plan()
+    with torch.no_grad():
+        plan()  # (a write outside autograd, as grouped_gemm's under no_grad)
+    out[2].requires_grad_(False)
+    res = plan()
+    if path == "torch":  # (the recorder computes nothing)
+        _check_all(res, a, b)
+    with torch.no_grad():
+        built = GroupedGemmPlan(a, b, out=[o.detach().requires_grad_() for o in out])
+        built()
+    with pytest.raises(ValueError, match=r"^out\[0\] requires grad"):
+        built()
+    if path == "cute":
+        assert len(kernel.calls) == 4
+
+
+@pytest.mark.parametrize("wrap", [_compiled, _flop_counted], ids=["compiled", "tensor_mode"])
+def test_a_traced_call_refuses_a_given_out_that_requires_grad(wrap) -> None:
+    # With an operand that requires grad the traced call wrote the plan's outputs under
+    # no_grad, a given out that requires grad among them, without a word.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    a, b = _problems(torch.float32, seed=18)
+    b[0].requires_grad_()
+    plan, out = _plan_with_out(a, b)
+    out[1].requires_grad_()
+    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported)) as err:
+        wrap(plan)()
+    cause = err.value if isinstance(err.value, ValueError) else err.value.__cause__
+    assert "out[1] requires grad" in str(cause)
+    torch._dynamo.reset()

@@ -336,3 +336,32 @@ def test_vmap_of_grad_with_batched_offs_refuses_what_it_cannot_do() -> None:
         vmap(grad(loss), in_dims=(None, 0, 0))(w, xs, bad)
     # an empty batch: empty gradients
     assert vmap(grad(loss), in_dims=(None, 0, 0))(w, xs[:0], offss[:0]).shape == (0, E, K, N)
+
+
+def test_vmap_of_grad_refuses_an_unbatched_out_as_vmap_does() -> None:
+    # With grad the ops keep the eager path, whose write of a batched result into an
+    # unbatched `out` raised torch's RuntimeError ("vmap: inplace arithmetic ... not
+    # possible"); the message is now vmap's own, for each form.
+    g = torch.Generator().manual_seed(13)
+    w, xs = torch.randn(E, K, N, generator=g), torch.randn(B, T, K, generator=g)
+    offs = torch.tensor([3, 3, 7, T - 2], dtype=torch.int32)
+    offss = torch.stack([_sorted_offs(g, T) for _ in range(B)])
+    msg = r"^grouped_mm under torch\.vmap: `out` is written in place and must be batched"
+    for oi, dims in ((offs, (None, 0, None)), (offss, (None, 0, 0))):
+        with pytest.raises(ValueError, match=msg):
+            vmap(grad(lambda wi, xi, o: moe_gemm.grouped_mm(
+                xi, wi, o, out=torch.zeros(T, N)).sum()), in_dims=dims)(w, xs, oi)
+    with pytest.raises(ValueError, match=msg):
+        vmap(grad(lambda wi, xi: moe_gemm.grouped_mm(xi, wi, out=torch.zeros(2, 5, N)).sum()),
+             in_dims=(None, 0))(w[:2], xs[:, :10].reshape(B, 2, 5, K))
+    with pytest.raises(ValueError, match=r"^grouped_gemm under torch\.vmap: `out` is written"):
+        vmap(grad(lambda bi, ai: moe_gemm.grouped_gemm(
+            [ai], [bi], out=[torch.zeros(T, N)])[0].sum()), in_dims=(None, 0))(w[0], xs)
+    # a batched out is written, an unbatched one beside unbatched inputs too
+    outs = torch.full((B, T, N), 7.0)
+    got = vmap(grad(lambda wi, xi, o: moe_gemm.grouped_mm(xi, wi, offs, out=o).sum()),
+               in_dims=(None, 0, 0))(w, xs, outs)
+    assert got.shape == (B, E, K, N)
+    got = vmap(grad(lambda wi, o: moe_gemm.grouped_mm(xs[0], wi, offs, out=torch.zeros(T, N))
+                    .sum() + o.sum()), in_dims=(None, 0))(w, outs)
+    assert got.shape == (B, E, K, N)
