@@ -11,8 +11,8 @@ loads, the tail split): a change applies to the next call. Per zoo case this tim
 default (tuned table, then the rules) and any pinned `--configs` once per switch value,
 interleaved round by round through the zoo's harness (benchmarks.runner: the zoo's inputs and
 routing, every output checked against a float32 reference first, then back-to-back samples
-behind a sleep backlog). A case where the switch does not change the kernel the default
-launches is skipped (its pinned configs too). Rows carry `switch_value` and `vs_first` = the
+behind a sleep backlog). Without --configs, a case where the switch does not change the kernel
+the default launches is skipped. Rows carry `switch_value` and `vs_first` = the
 first value's time / this one's (above 1: faster than the first value). With --fp8 the cases
 are the FP8 zoo's (models that ship FP8 checkpoints) and the rows our scaled_grouped_mm
 default with block scales and with row-wise scales (labels fp8-block, fp8-row), each at
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = implementations(configs, name, values, args.fp8)
     for spec, f in cases:
         keys = {launched_key(f, run.device, name, v, args.fp8) for v in values}
-        if len(keys) == 1:
+        if len(keys) == 1 and not configs:
             print(f"{spec.name}: skipped, {name} does not change the default's kernel here",
                   flush=True)
             continue

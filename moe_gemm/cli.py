@@ -223,6 +223,14 @@ def check_variants(full: bool):
         trim_a=True)
     add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), gate="silu",
         gate_layout="concat", trim_a=True)
+    # Packed pairs (2x1 clusters pairing consecutive tiles across experts): cooperative with
+    # trimmed A, ping-pong 64-row, an N-major B.
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), cluster_m=2,
+        trim_a=True, packed_pairs=True)
+    add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (64, 256), cluster_m=2,
+        trim_a=True, packed_pairs=True)
+    add("varlen", "bfloat16", "bfloat16", "n", "pingpong", (128, 128), cluster_m=2,
+        packed_pairs=True)
     # Swapped tiles (the routed rows on the WGMMA's N side, 16 variants of N): both weight
     # majors, fp16 with the peeked waits.
     swap = dict(epi_n=16, trim_a=True, swap_ab=True)
@@ -328,7 +336,7 @@ def _key_extras(key) -> str:
     if getattr(key, "gather", False) and not key.gather_fence:
         extras.append("gather_fence=off")
     for flag in ("bias", "row_scale", "gather", "row_counts", "fast_gate", "promote_lag",
-                 "smem_scales", "peek_wait", "swap_ab", "skip_empty_half"):
+                 "smem_scales", "peek_wait", "swap_ab", "skip_empty_half", "packed_pairs"):
         if getattr(key, flag, False):
             extras.append(flag)
     return "".join(" " + e for e in extras)

@@ -42,6 +42,7 @@ from moe_gemm.ops.heuristics import (
     FAST_GATE_ENV,
     GATHER_FENCE_ENV,
     GATHER_WIDE_ENV,
+    PACKED_PAIRS_ENV,
     PEEK_WAIT_ENV,
     SPLIT_WAYS_ENV,
     SWAP_AB_ENV,
@@ -110,7 +111,8 @@ _scans = 0
 # tables' switches too, every one the lookup reads: the heuristics key their own caches on
 # them, tuned.state.)
 _PLAN_SWITCHES = ("MOE_GEMM_DISABLE_CUTE", "MOE_GEMM_CHECK_OFFS", "MOE_GEMM_L2_HINTS",
-                  TAIL_SPLIT_ENV, SPLIT_WAYS_ENV, TRIM_A_ENV, PEEK_WAIT_ENV, PROMOTE_LAG_ENV,
+                  TAIL_SPLIT_ENV, SPLIT_WAYS_ENV, TRIM_A_ENV, PACKED_PAIRS_ENV, PEEK_WAIT_ENV,
+                  PROMOTE_LAG_ENV,
                   SCALE_AHEAD_ENV, SMEM_SCALES_ENV, PEEK_WAIT_FP8_ENV, HALF_SKIP_ENV,
                   GATHER_WIDE_ENV, GATHER_FENCE_ENV,
                   FAST_GATE_ENV, SWAP_AB_ENV, *tuned.SWITCHES)

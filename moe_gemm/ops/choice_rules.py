@@ -51,6 +51,7 @@ class KernelChoice:
     split_ways: int = SPLIT_WAYS  # with tail_split: the most CTAs one tail tile is split over
     wave_fit: bool = False  # the whole-wave fit moved the tile (grid_fit.wave_fit; reports)
     swap_ab: bool = False  # varlen: the rows on the WGMMA's N side (kernels/sm90/swapped.py)
+    packed_pairs: bool = False  # varlen 2x1: a cluster pairs consecutive tiles, across experts
 
 
 def pick_tile(schedule: str, avg_m: float, n: int) -> tuple[int, int]:

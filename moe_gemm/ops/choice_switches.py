@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from moe_gemm.env import env_reader, env_value
-from moe_gemm.kernels.sm90.constants import SPLIT_WAYS
+from moe_gemm.kernels.sm90.constants import SPLIT_WAYS, raster_fields
 from moe_gemm.ops import tuned
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 TAIL_SPLIT_ENV = "MOE_GEMM_TAIL_SPLIT"
 SPLIT_WAYS_ENV = "MOE_GEMM_SPLIT_WAYS"
 TRIM_A_ENV = "MOE_GEMM_TRIM_A"
+PACKED_PAIRS_ENV = "MOE_GEMM_PACKED_PAIRS"
 PEEK_WAIT_ENV = "MOE_GEMM_PEEK_WAIT"
 # What choose_general reads from the environment besides its arguments: a cache above it
 # (general_launch.general_shape) keys on their values, so a changed switch applies to the
@@ -72,6 +73,19 @@ def trim_a_default(choice: KernelChoice) -> bool:
     if choice.schedule == "pingpong" and choice.cluster_n == 1:
         return choice.tile_m == 64 or choice.tile_n >= 192
     return True
+
+
+def with_packed_pairs(choice: KernelChoice) -> KernelChoice:
+    """Packed pairs (GroupedGemmSm90 packed_pairs) where MOE_GEMM_PACKED_PAIRS=1 asks for
+    them and the kernel builds them: varlen 2x1 clusters, device visitor, no tail split, not
+    swapped, and a raster whose panels run along M (consecutive tiles share B's columns;
+    along N every pair would load B twice and A twice: on the H200 a pick rastered along N ran
+    0.59x with them). Opt-in: on the H200 (2026-12-06) cooperative 128x256 2x1 ran a median
+    1.13x faster packed, ping-pong 64x256 2x1 0.84-1.04x (docs/measurements.md)."""
+    on = (bool(env_value(PACKED_PAIRS_ENV)) and (choice.cluster_m, choice.cluster_n) == (2, 1)
+          and choice.visitor == "device" and not choice.tail_split and not choice.swap_ab
+          and raster_fields(choice.swizzle)[1] == "m")
+    return replace(choice, packed_pairs=on) if on != choice.packed_pairs else choice
 
 
 def with_peek_wait(choice: KernelChoice) -> KernelChoice:

@@ -209,7 +209,7 @@ def fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
             fitted = gathered
     # Trimmed A loads decided for the fitted tile (the fit may change it); none where the
     # kernel gathers A's rows itself.
-    fitted = dataclasses.replace(fitted, trim_a=False)
+    fitted = dataclasses.replace(fitted, trim_a=False, packed_pairs=False)
     if not gather:
         fitted = with_trim_a(fitted)
     fitted = with_split_ways(with_peek_wait(fitted))

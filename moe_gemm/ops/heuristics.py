@@ -47,6 +47,7 @@ from moe_gemm.ops.choice_switches import (  # noqa: F401 (re-exported)
     GATHER_WIDE_ENV,
     GENERAL_SWITCHES,
     L2_POLICY,
+    PACKED_PAIRS_ENV,
     PEEK_WAIT_ENV,
     SPLIT_WAYS_ENV,
     TAIL_SPLIT_ENV,
@@ -56,6 +57,7 @@ from moe_gemm.ops.choice_switches import (  # noqa: F401 (re-exported)
     tail_split_enabled,
     trim_a_default,
     with_l2_hints,
+    with_packed_pairs,
     with_peek_wait,
     with_split_ways,
     with_trim_a,
@@ -308,7 +310,8 @@ def choose_varlen(
         # timed on that shape, else the rules without the tables.
         choice = _choose_varlen_unswapped(config, T, E, N, K, num_sms, out_itemsize, device,
                                           dtype, out_dtype or dtype, state, shares)
-    return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(choice))))
+    return with_packed_pairs(with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(
+        choice)))))
 
 
 def varlen_hit_choice(config: GemmConfig, hit: tuned.Hit | None, T: int, E: int, N: int,
@@ -320,7 +323,8 @@ def varlen_hit_choice(config: GemmConfig, hit: tuned.Hit | None, T: int, E: int,
                               split_shares(), num_sms)
     if choice is None:
         return None
-    return with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(choice))))
+    return with_packed_pairs(with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(
+        choice)))))
 
 
 @functools.lru_cache(maxsize=512)

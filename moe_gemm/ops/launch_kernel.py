@@ -40,6 +40,7 @@ def _compile_key(form, ab, d, b_major, choice: KernelChoice, trace: bool):
         choice.cluster_m, choice.cluster_n, choice.epi_whole, choice.tail_split,
         trim_a=choice.trim_a and form == "varlen", peek_wait=choice.peek_wait,
         split_ways=choice.split_ways, swap_ab=choice.swap_ab,
+        packed_pairs=choice.packed_pairs and form == "varlen",
     )
 
 

@@ -87,7 +87,7 @@ class MaskedPlan(_Plan):
         self.choice = choice = dataclasses.replace(_masked_choice(choose_varlen(
             config, G * args.expected_m, G, N, b.K, launch_kernel.sm_count(device),
             b.out_dtype.itemsize, **launch_kernel.table_keys(device, b.dtype, b.out_dtype),
-            split_ok=False), config), trim_a=False)
+            split_ok=False), config), trim_a=False, packed_pairs=False)
         self.w_major = "k" if operand_major(b.w) == "col" else "n"
         self._grid(choice)
         self.meta = launch_resources._small("meta", device, torch.int64, (1, 8))

@@ -183,6 +183,43 @@ def _cluster_ranks(owners, sizes_mn: Sequence[tuple[int, int]], tile_m: int, til
     return out
 
 
+def packed_pair_tiles(
+    sizes_mn: Sequence[tuple[int, int]],
+    experts: int,
+    tile_m: int,
+    tile_n: int,
+    num_ctas: int,
+    swizzle: int = 0,
+) -> list[list[tuple[int, int, int]]]:
+    """`cta_tiles` for the varlen kernel's packed pairs (2x1 clusters, GroupedGemmSm90
+    packed_pairs): the experts' tiles (problems [0, experts), each rasterized by `swizzle`)
+    are numbered end to end and cluster unit u takes tiles 2u and 2u + 1, rank r tile 2u + r
+    (an odd last tile: rank 1 computes it again and stores nothing); the zero tail (problems
+    from `experts` on, the kernel's problem E) follows in ordinary 2x1 cluster tiles. Units go
+    round robin to the num_ctas / 2 clusters."""
+    tiles = []
+    for p in range(experts):
+        m, n = sizes_mn[p]
+        tm, tn = ceil_div(m, tile_m), ceil_div(n, tile_n)
+        tiles += [(p, *tile_coord(j, tm, tn, swizzle)) for j in range(tm * tn)]
+    units: list[list[tuple[int, int, int]]] = [
+        [tiles[i] for i in (2 * u, 2 * u + 1) if i < len(tiles)]
+        for u in range(ceil_div(len(tiles), 2))]
+    for p in range(experts, len(sizes_mn)):
+        m, n = sizes_mn[p]
+        um, un = ceil_div(m, 2 * tile_m), ceil_div(n, tile_n)
+        for z in range(um * un):
+            mu, nu = tile_coord(z, um, un, swizzle)
+            units.append([(p, 2 * mu + r, nu) for r in range(2)
+                          if 2 * mu + r < ceil_div(m, tile_m)])
+    clusters = num_ctas // 2
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(num_ctas)]
+    for u, unit in enumerate(units):
+        for rank, tile in enumerate(unit):
+            out[2 * (u % clusters) + rank].append(tile)
+    return out
+
+
 @dataclass(frozen=True)
 class MmaWork:
     """Tensor-core work of a problem set in multiply-adds: what the problems need and what

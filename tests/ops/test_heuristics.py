@@ -207,6 +207,53 @@ def test_trimmed_a_only_in_the_varlen_compile_key():
     assert not _compile_key("batched", torch.bfloat16, torch.bfloat16, "k", c, False).trim_a
 
 
+@pytest.mark.parametrize("cfg,packed", [
+    (dict(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=2, cluster_n=1), True),
+    (dict(schedule="pingpong", tile_m=64, tile_n=256, cluster_m=2, cluster_n=1), True),
+    (dict(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=2, cluster_n=1,
+          tail_split=True), False),
+    (dict(schedule="cooperative", tile_m=128, tile_n=256, cluster_m=1, cluster_n=2), False),
+    (dict(schedule="cooperative", tile_m=128, tile_n=256), False),
+])
+def test_packed_pairs_where_asked_and_built(monkeypatch, cfg, packed):
+    import torch
+
+    from moe_gemm.ops.heuristics import PACKED_PAIRS_ENV
+    from moe_gemm.ops.launch_kernel import _compile_key
+
+    monkeypatch.delenv(PACKED_PAIRS_ENV, raising=False)
+    assert not _varlen(monkeypatch, None, **cfg).packed_pairs
+    monkeypatch.setenv(PACKED_PAIRS_ENV, "1")
+    c = _varlen(monkeypatch, None, **cfg)
+    assert c.packed_pairs is packed
+    key = _compile_key("varlen", torch.bfloat16, torch.bfloat16, "k", c, False)
+    assert key.packed_pairs is packed and key.name().endswith("_pk") is packed
+    assert not _compile_key("batched", torch.bfloat16, torch.bfloat16, "k", c,
+                            False).packed_pairs
+
+
+def test_packed_pairs_not_on_rasters_along_n(monkeypatch):
+    from moe_gemm.ops.heuristics import PACKED_PAIRS_ENV
+
+    monkeypatch.setenv(PACKED_PAIRS_ENV, "1")
+    cfg = dict(schedule="pingpong", tile_m=64, tile_n=256, cluster_m=2, cluster_n=1)
+    assert _varlen(monkeypatch, None, raster_panel=8, **cfg).packed_pairs
+    assert not _varlen(monkeypatch, None, raster_panel=8, raster_along="n", **cfg).packed_pairs
+
+
+def test_packed_pairs_kernel_refuses_what_it_is_not_built_for():
+    import cutlass
+
+    from moe_gemm.kernels.sm90.grouped_gemm import GroupedGemmSm90
+
+    for form, cluster, split in (("batched", (2, 1), False), ("varlen", (1, 2), False),
+                                 ("varlen", (2, 1), True)):
+        with pytest.raises(ValueError, match="packed pairs"):
+            GroupedGemmSm90(cutlass.BFloat16, cutlass.BFloat16, "k", form, "cooperative",
+                            "device", (128, 256), cluster_m=cluster[0], cluster_n=cluster[1],
+                            tail_split=split, packed_pairs=True)
+
+
 def test_batched_and_general_long_k_on_few_tiles_fill_the_grid():
     # 8 x 128x512x32768: 16 tiles of 128x256 on 132 SMs; 4 x 256x1024x16384: 32. Both
     # forms split 128x128 tiles over K (the lists over their deepest K); without the split

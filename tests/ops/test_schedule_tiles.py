@@ -14,6 +14,7 @@ from moe_gemm.ops.schedule import (
     cta_tiles,
     linear_assignment,
     mma_work,
+    packed_pair_tiles,
     tile_coord,
     tiles_per_problem,
 )
@@ -65,6 +66,44 @@ def test_cta_tiles_past_the_edge_store_nothing():
     # 1x2 with 3 n-tiles: the pair's second CTA has no third column.
     per_cta = cta_tiles([(100, 600)], 128, 256, 2, 8, 1, 2)
     assert per_cta == [[(0, 0, 0), (0, 0, 2)], [(0, 0, 1)]]
+
+
+@pytest.mark.parametrize("raster", RASTERS)
+def test_packed_pairs_store_every_tile_once_in_consecutive_pairs(raster):
+    for sizes in _random_sets(3, 30):
+        for tail in (0, 1, 300):
+            all_sizes = sizes + ([(tail, sizes[0][1])] if tail else [])
+            for tile, ctas in (((128, 256), 132), ((64, 256), 6), ((128, 128), 2)):
+                per_cta = packed_pair_tiles(all_sizes, len(sizes), *tile, ctas, raster)
+                stored = Counter(t for cta in per_cta for t in cta)
+                want = {(p, m, n) for p, (rows, cols) in enumerate(all_sizes)
+                        for m in range(ceil_div(rows, tile[0]))
+                        for n in range(ceil_div(cols, tile[1]))}
+                assert set(stored) == want and set(stored.values()) <= {1}
+                # The experts' tiles in the tile order, pair after pair: rank 1 of a cluster
+                # holds the tile after its rank 0's; the zero tail in ordinary 2x1 tiles.
+                order = [(p, *tile_coord(j, ceil_div(m, tile[0]), ceil_div(n, tile[1]), raster))
+                         for p, (m, n) in enumerate(sizes)
+                         for j in range(ceil_div(m, tile[0]) * ceil_div(n, tile[1]))]
+                nxt = {a: b for a, b in zip(order, order[1:])}
+                E = len(sizes)
+                for c in range(0, ctas, 2):
+                    first = [t for t in per_cta[c] if t[0] < E]
+                    second = [t for t in per_cta[c + 1] if t[0] < E]
+                    assert len(first) - len(second) in (0, 1)
+                    assert second == [nxt[a] for a in first[:len(second)]]
+                    tail_first = set(t for t in per_cta[c] if t[0] >= E)
+                    for p, m, n in (t for t in per_cta[c + 1] if t[0] >= E):
+                        assert m % 2 == 1 and (p, m - 1, n) in tail_first
+
+
+def test_packed_pairs_cross_experts():
+    # Experts of 3 and 1 m-tiles, one column: cluster tiles would compute 6, the pairs 4.
+    per_cta = packed_pair_tiles([(300, 256), (100, 256)], 2, 128, 256, 2, 8)
+    assert per_cta == [[(0, 0, 0), (0, 2, 0)], [(0, 1, 0), (1, 0, 0)]]
+    # An odd count: the last pair's rank 1 stores nothing.
+    per_cta = packed_pair_tiles([(300, 256)], 1, 128, 256, 4, 8)
+    assert per_cta == [[(0, 0, 0)], [(0, 1, 0)], [(0, 2, 0)], []]
 
 
 def test_mma_work_counts_whole_tiles():

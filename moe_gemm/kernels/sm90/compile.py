@@ -91,6 +91,7 @@ class CompileKey:
     peek_wait: bool = False  # the math warps test the next stage's barrier a k-tile ahead
     split_ways: int = SPLIT_WAYS  # with the tail split: the most CTAs per tail tile
     swap_ab: bool = False  # varlen: the rows on the WGMMA's N side (swapped.py)
+    packed_pairs: bool = False  # varlen 2x1: a cluster's CTAs take consecutive tiles
 
     @property
     def fused(self) -> bool:
@@ -114,6 +115,8 @@ class CompileKey:
             parts.append("counts")
         if self.trim_a:
             parts.append("trima")
+        if self.packed_pairs:
+            parts.append("pk")
         if self.peek_wait:
             parts.append("peek")
         if self.swap_ab:
@@ -150,6 +153,7 @@ class CompileKey:
             row_counts=self.row_counts,
             trim_a=self.trim_a,
             peek_wait=self.peek_wait,
+            packed_pairs=self.packed_pairs,
             split_ways=self.split_ways,
             **fused,
         )
@@ -159,7 +163,8 @@ class CompileKey:
         fixed = {"form": "varlen", "schedule": "cooperative", "visitor": "device",
                  "tile_m": SWAP_TILE_ROWS, "tile_n": SWAP_TILE_COLS, "cluster_m": 1,
                  "tail_split": False, "row_counts": False,
-                 "epi_whole": False, "trim_a": True, "epi_n": SWAP_ROW_UNIT}
+                 "epi_whole": False, "trim_a": True, "epi_n": SWAP_ROW_UNIT,
+                 "packed_pairs": False}
         # (cluster_n: 1 or 2, which SwappedGemmSm90 checks)
         wrong = {k: getattr(self, k) for k, v in fixed.items() if getattr(self, k) != v}
         if wrong or self.gather:

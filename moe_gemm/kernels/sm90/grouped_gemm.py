@@ -56,6 +56,13 @@ trimmed_a.py): an expert's last tile loads only its expert's rows of A, rounded 
 64-, 32- and 16-row boxes, and arms its stages with those bytes (in a 1x2 cluster the first
 CTA multicasts the boxes to both).
 
+Packed pairs (compile-time `packed_pairs`; varlen form, 2x1 clusters, device visitor, no tail
+split or gather-A; tile_scheduler.TileScheduler._packed_work): the cluster's two CTAs take two
+consecutive tiles of the tile order, across experts, so an expert with an odd count of m-tiles
+adds no tile computed past its end; B is multicast where the pair shares an expert and a column
+(WorkTile.b_alone otherwise: each CTA loads B's whole box through its own atom). Every expert
+has the same K, so the two CTAs' A/B rings stay in step; the zero tail runs as cluster tiles.
+
 Swapped tiles (swapped.SwappedGemmSm90, a subclass; varlen form): each expert computed as
 out^T = w^T x^T, 128 weight columns on the WGMMA's M side and up to 256 routed rows on its N
 side in 16-row steps, so an expert computes fewer than 16 padding rows; the hooks it
@@ -199,6 +206,10 @@ class TmaOperands:
     tma_a32: cute.Tensor
     atom_a16: cute.CopyAtom
     tma_a16: cute.Tensor
+    # B's whole box for this CTA alone (packed pairs: a pair of tiles that do not share B's
+    # columns); B's own atom and tensor where unused.
+    atom_b1: cute.CopyAtom
+    tma_b1: cute.Tensor
 
     def a_row_atoms(self) -> tuple[tuple, tuple]:
         """The A_ROW_BOXES atoms and tensors, in A_ROW_BOXES' order."""
@@ -294,6 +305,7 @@ class GroupedGemmSm90:
         row_counts: bool = False,
         trim_a: bool = False,
         peek_wait: bool = False,
+        packed_pairs: bool = False,
     ):
         self.ab_dtype = ab_dtype
         self.d_dtype = d_dtype
@@ -377,6 +389,15 @@ class GroupedGemmSm90:
         if trim_a and (form != "varlen" or gather_a):
             raise ValueError("trimmed A loads are built for the varlen form, without gather-A")
         self.trim_a = trim_a
+        # Packed pairs (varlen, 2x1 cluster, device visitor; the scheduler's run): the two
+        # CTAs of a cluster take two consecutive tiles of the tile order, across experts, so
+        # an expert with an odd count of m-tiles costs no extra tile; B is multicast where the
+        # pair shares an expert and a column of tiles, loaded by each CTA alone where not.
+        if packed_pairs and (form != "varlen" or (cluster_m, cluster_n) != (2, 1)
+                             or visitor != "device" or tail_split or gather_a):
+            raise ValueError("packed pairs are built for the varlen form in 2x1 clusters with "
+                             "the device visitor, without the tail split or gather-A")
+        self.packed_pairs = packed_pairs
         # Peeked stage waits: the math warps test the next stage's full barrier (try_wait)
         # right after releasing the current one, so the WGMMAs of the next k-tile issue without
         # a blocking wait when its operands have landed. QuACK's mainloop does this; ours waited
@@ -589,6 +610,10 @@ class GroupedGemmSm90:
             op_b, mB, b_smem, (b_box, self.tile_k), num_multicast=self.cluster_m
         )
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(op_s2g, mD_tma, d_smem, self.epi_tile)
+        atom_b1, tma_b1 = tma_atom_b, tma_b
+        if const_expr(self.packed_pairs):
+            atom_b1, tma_b1 = cpasync.make_tiled_tma_atom(op_g2s, mB, b_smem,
+                                                          (b_box, self.tile_k))
         a_boxes = []  # (atom, tensor) per A_ROW_BOXES height
         for h in A_ROW_BOXES:
             if const_expr(self.trim_a and h < self.tile_m):
@@ -643,7 +668,8 @@ class GroupedGemmSm90:
 
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, atom_sa, tma_sa, atom_sb,
-            tma_sb, *a_boxes[0], *a_boxes[1], *a_boxes[2], args, run, self.tiled_mma,
+            tma_sb, *a_boxes[0], *a_boxes[1], *a_boxes[2], atom_b1, tma_b1, args, run,
+            self.tiled_mma,
             self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
             grid=(num_ctas, 1, 1),
@@ -690,6 +716,8 @@ class GroupedGemmSm90:
         tma_a32: cute.Tensor,
         atom_a16: cute.CopyAtom,
         tma_a16: cute.Tensor,
+        atom_b1: cute.CopyAtom,
+        tma_b1: cute.Tensor,
         args: ProblemArgs,
         run: RunArgs,
         tiled_mma: cute.TiledMma,
@@ -699,7 +727,7 @@ class GroupedGemmSm90:
     ):
         tma = TmaOperands(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, atom_sa,
                           tma_sa, atom_sb, tma_sb, atom_a64, tma_a64, atom_a32, tma_a32,
-                          atom_a16, tma_a16)
+                          atom_a16, tma_a16, atom_b1, tma_b1)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
@@ -873,6 +901,12 @@ class GroupedGemmSm90:
                 tma.atom_b, rank_m, cute.make_layout(self.cluster_m),
                 cute.group_modes(sB_load, 0, 2), cute.group_modes(gB, 0, 2),
             )
+            tB1sB, tB1gB = tBsB, tBgB  # packed pairs: B's whole box, this CTA's alone
+            if const_expr(self.packed_pairs):
+                tB1sB, tB1gB = cpasync.tma_partition(
+                    tma.atom_b1, 0, cute.make_layout(1), cute.group_modes(sB_load, 0, 2),
+                    cute.group_modes(problems.load_views(tma.tma_a, tma.tma_b1, work)[1], 0, 2),
+                )
             trimmed = None
             if const_expr(self.trim_a):
                 trimmed = trimmed_a(self, *tma.a_row_atoms(), problems, sA, work, tAgA, tAsA)
@@ -906,11 +940,25 @@ class GroupedGemmSm90:
                             tma_desc_ptr=problems.load_desc(desc_base, 0), mcast_mask=a_mask,
                             cache_policy=a_policy,
                         )
-                cute.copy(
-                    tma.atom_b, tBgB[(None, work.n_tile, k)], tBsB[(None, ab_state.index)],
-                    tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 1),
-                    mcast_mask=b_mask, cache_policy=b_policy,
-                )
+                if const_expr(self.packed_pairs):
+                    if work.b_alone():
+                        cute.copy(
+                            tma.atom_b1, tB1gB[(None, work.n_tile, k)],
+                            tB1sB[(None, ab_state.index)], tma_bar_ptr=bar,
+                            cache_policy=b_policy,
+                        )
+                    else:
+                        cute.copy(
+                            tma.atom_b, tBgB[(None, work.n_tile, k)],
+                            tBsB[(None, ab_state.index)], tma_bar_ptr=bar, mcast_mask=b_mask,
+                            cache_policy=b_policy,
+                        )
+                else:
+                    cute.copy(
+                        tma.atom_b, tBgB[(None, work.n_tile, k)], tBsB[(None, ab_state.index)],
+                        tma_bar_ptr=bar, tma_desc_ptr=problems.load_desc(desc_base, 1),
+                        mcast_mask=b_mask, cache_policy=b_policy,
+                    )
                 if const_expr(self.gate_halves):
                     cute.copy(
                         tma.atom_b, tBgB_up[(None, work.n_tile, k)],

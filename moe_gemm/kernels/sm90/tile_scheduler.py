@@ -39,6 +39,9 @@ ROLE_SKIP = 0  # computed but not stored (a cluster's CTA past the problem's edg
 ROLE_TILE = 1  # an ordinary tile
 ROLE_FINISH = 2  # a tail tile's last share of K: add the partials, then the epilogue
 ROLE_PUBLISH = 3  # a tail tile's other shares of K: write the fp32 partial, no epilogue
+# Packed pairs (GroupedGemmSm90 packed_pairs; no tail split there): above the kind bits, this
+# CTA loads B's whole box alone (its pair's other tile has another expert or column).
+ROLE_B_ALONE = 4
 
 
 class WorkTile:
@@ -86,6 +89,10 @@ class WorkTile:
 
     def kind(self) -> Int32:
         return self.role & 3
+
+    def b_alone(self):
+        """Packed pairs: whether this CTA loads B's whole box itself (no multicast)."""
+        return (self.role & ROLE_B_ALONE) != 0
 
 
 # The record's size is a host-side constant too (the shared-memory budget counts the ring).
@@ -188,12 +195,14 @@ class TileScheduler:
     tail: object  # tail_split.TailSplit or None
 
     @cute.jit
-    def _search(self, lin: Int32, base_problem: Int32, base_tile: Int32, lane: Int32):
+    def _search(self, lin: Int32, base_problem: Int32, base_tile: Int32, lane: Int32,
+                single: cutlass.Constexpr = False):
         """Device visitor: (problem, its first linear tile, window start, window tile) of
-        linear tile `lin`; problem -1 past the last tile."""
+        linear tile `lin`; problem -1 past the last tile. Units of work are cluster tiles,
+        or (`single`) tiles."""
         cfg = self.cfg
-        unit_m = cfg.tile_m * cfg.cluster_m
-        unit_n = cfg.tile_n * cfg.cluster_n
+        unit_m = cfg.tile_m if const_expr(single) else cfg.tile_m * cfg.cluster_m
+        unit_n = cfg.tile_n if const_expr(single) else cfg.tile_n * cfg.cluster_n
         num_problems = self.problems.num_problems
         problem = Int32(-1)
         start = Int32(0)
@@ -216,6 +225,75 @@ class TileScheduler:
                     base_problem = base_problem + WARP
                     base_tile = window_end
         return problem, start, base_problem, base_tile
+
+    @cute.jit
+    def count_tiles(self, lane: Int32, upto: Int32) -> Int32:
+        """The tiles (tile_m x tile_n, not cluster tiles) of problems [0, upto), summed by the
+        warp (packed pairs: the experts' tiles, the zero tail left out)."""
+        cfg = self.cfg
+        total = Int32(0)
+        p0 = Int32(0)
+        while p0 < upto:
+            cnt = Int32(0)
+            if p0 + lane < upto:
+                cnt = self.problems.tile_count(p0 + lane, cfg.tile_m, cfg.tile_n)
+            total = total + cute.arch.shuffle_sync(warp_inclusive_sum(cnt, lane), WARP - 1)
+            p0 = p0 + WARP
+        return total
+
+    @cute.jit
+    def _tile_at(self, lin: Int32, problem: Int32, start: Int32, raster: Int32):
+        """Packed pairs: (m_tile, n_tile, first row, rows, depth) of linear tile `lin` of
+        `problem`, whose first linear tile is `start` (tiles, not cluster tiles)."""
+        rows, cols, depth, row_start = self.problems.dims(problem)
+        m_tile, n_tile = raster_tile(lin - start, ceil_div_i32(rows, self.cfg.tile_m),
+                                     ceil_div_i32(cols, self.cfg.tile_n), raster)
+        return m_tile, n_tile, row_start, rows, depth
+
+    @cute.jit
+    def _packed_work(self, t: Int32, pairs: Int32, experts_tiles: Int32, rank: Int32,
+                     raster: Int32, base_problem: Int32, base_tile: Int32, lane: Int32,
+                     records: Int32):
+        """Packed pairs: the WorkTile of this CTA (rank 0 or 1) for cluster unit t, and the
+        search state. Units [0, pairs) pair linear tiles 2t and 2t + 1 of the experts' tiles
+        (an odd last one: rank 1 computes rank 0's tile for its B half and stores nothing);
+        the zero tail's cluster tiles follow (problems.VarlenProblems, k-tiles 0 on both
+        ranks, so the two CTAs' A/B rings stay in step: every expert has the same K)."""
+        cfg = self.cfg
+        problems = self.problems
+        work = WorkTile(-1, 0, 0, 0, 0, ROLE_SKIP, records % DESC_RING, 0)
+        if t < pairs:
+            lin0 = 2 * t
+            p0, s0, base_problem, base_tile = self._search(lin0, base_problem, base_tile, lane,
+                                                           single=True)
+            m0, n0, r0, rows0, d0 = self._tile_at(lin0, p0, s0, raster)
+            p1 = p0
+            m1, n1, r1, rows1, d1 = m0, n0, r0, rows0, d0
+            role0 = Int32(ROLE_TILE)
+            role1 = Int32(ROLE_SKIP)  # (an odd last tile: rank 1 repeats rank 0's)
+            if lin0 + 1 < experts_tiles:
+                p1, s1, base_problem, base_tile = self._search(lin0 + 1, base_problem,
+                                                               base_tile, lane, single=True)
+                m1, n1, r1, rows1, d1 = self._tile_at(lin0 + 1, p1, s1, raster)
+                role1 = Int32(ROLE_TILE)
+                if p1 != p0 or n1 != n0:
+                    role0 = role0 | ROLE_B_ALONE
+                    role1 = role1 | ROLE_B_ALONE
+            work = WorkTile(p0, m0, n0, ceil_div_i32(d0, cfg.tile_k), r0, role0,
+                            records % DESC_RING, 0, rows0)
+            if rank == 1:
+                work = WorkTile(p1, m1, n1, ceil_div_i32(d1, cfg.tile_k), r1, role1,
+                                records % DESC_RING, 0, rows1)
+        else:
+            tail = problems.offs.shape[0]  # the zero tail's problem index, E
+            if tail < problems.num_problems:
+                rows, cols, depth, row_start = problems.dims(tail)
+                z = t - pairs
+                if z < problems.tile_count(tail, cfg.tile_m * cfg.cluster_m, cfg.tile_n):
+                    m_tile, n_tile, role = self._tile_of(z, rows, cols, rank, raster)
+                    work = WorkTile(tail, m_tile, n_tile, ceil_div_i32(depth, cfg.tile_k),
+                                    row_start, role, records % DESC_RING, 0, rows)
+        return work, base_problem, base_tile
 
     @cute.jit
     def count_all(self, lane: Int32) -> Int32:
@@ -268,6 +346,11 @@ class TileScheduler:
         if const_expr(problems.uniform):
             per_problem = problems.tiles_each(cfg.tile_m * cfg.cluster_m,
                                               cfg.tile_n * cfg.cluster_n)
+        pairs = Int32(0)  # packed pairs: the pair units, then the zero tail's
+        experts_tiles = Int32(0)
+        if const_expr(cfg.packed_pairs):
+            experts_tiles = self.count_tiles(lane, problems.offs.shape[0])
+            pairs = (experts_tiles + 1) // 2
         plan = None
         if const_expr(self.tail is not None):
             plan = self.tail.plan(self.count_all(lane), grid,
@@ -280,7 +363,9 @@ class TileScheduler:
                 lin, share, tail_i = self.tail.unit(plan, t)
             problem = Int32(-1)
             start = Int32(0)
-            if const_expr(problems.uniform):
+            if const_expr(cfg.packed_pairs):
+                pass  # (the record below: _packed_work)
+            elif const_expr(problems.uniform):
                 if per_problem > 0:
                     if lin < problems.num_problems * per_problem:
                         problem = lin // per_problem
@@ -294,7 +379,12 @@ class TileScheduler:
                     lin, base_problem, base_tile, lane)
             work = WorkTile(-1, 0, 0, 0, 0, ROLE_SKIP, records % DESC_RING, 0)
             expert_rows = Int32(0)
-            if problem >= 0:
+            if const_expr(cfg.packed_pairs):
+                work, base_problem, base_tile = self._packed_work(
+                    t, pairs, experts_tiles, rank, raster, base_problem, base_tile, lane,
+                    records)
+                expert_rows = work.rows
+            elif problem >= 0:
                 rows, cols, depth, row_start = problems.dims(problem)
                 expert_rows = rows
                 m_tile, n_tile, role = self._tile_of(lin - start, rows, cols, rank, raster)
