@@ -287,22 +287,31 @@ def test_from_hf_fp8_experts():
         assert fp8_errors(y, y16)["rel"] < 8e-2
 
 
-@pytest.mark.parametrize("block_size", [(128, 128), None])
-def test_from_hf_fp8_block_with_an_fp8_shared_expert(block_size):
-    """A transformers FP8 checkpoint quantizes the shared expert too (FP8Linear with its
-    weight_scale_inv, as replace_with_fp8_linear converts DeepSeek-V3's shared_experts):
-    from_hf dequantizes it, as from_state_dict does, instead of refusing its FP8 weights."""
-    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+def _fp8_experts_into(block, cfg):
+    """transformers' FP8Experts holding the block's experts quantized in 128x128 blocks, put
+    in place of the block's experts."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
 
-    from moe_gemm import dequantize_fp8
-
-    block, cfg = _deepseek_block(n_shared=2, seed=21)
     fp8 = FP8Experts(cfg, block_size=(128, 128))
     for name in ("gate_up_proj", "down_proj"):
         q, sc = quantize_fp8_per_block(getattr(block.experts, name).detach())
         setattr(fp8, name, torch.nn.Parameter(q, requires_grad=False))
         setattr(fp8, name + "_scale_inv", torch.nn.Parameter(sc, requires_grad=False))
     block.experts = fp8
+    return fp8
+
+
+@pytest.mark.parametrize("block_size", [(128, 128), None])
+def test_from_hf_fp8_block_with_an_fp8_shared_expert(block_size):
+    """A transformers FP8 checkpoint quantizes the shared expert too (FP8Linear with its
+    weight_scale_inv, as replace_with_fp8_linear converts DeepSeek-V3's shared_experts):
+    from_hf dequantizes it, as from_state_dict does, instead of refusing its FP8 weights."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from moe_gemm import dequantize_fp8
+
+    block, cfg = _deepseek_block(n_shared=2, seed=21)
+    fp8 = _fp8_experts_into(block, cfg)
     dense = {}
     for name in ("gate_proj", "up_proj", "down_proj"):
         w = getattr(block.shared_experts, name).weight.detach() * (1 + torch.rand(()))
@@ -614,15 +623,9 @@ def test_scales_assigned_to_a_built_layer_are_checked_against_its_weights():
 def test_from_hf_fp8_experts_with_one_scale_missing_names_it():
     """FP8Experts holding one scale of the two: a ValueError naming the missing one (read as
     16-bit experts, they were refused as having "a custom _apply_gate")."""
-    from transformers.integrations.finegrained_fp8 import FP8Experts
 
     block, cfg = _deepseek_block(n_shared=0, seed=24)
-    fp8 = FP8Experts(cfg, block_size=(128, 128))
-    for name in ("gate_up_proj", "down_proj"):
-        q, sc = quantize_fp8_per_block(getattr(block.experts, name).detach())
-        setattr(fp8, name, torch.nn.Parameter(q, requires_grad=False))
-        setattr(fp8, name + "_scale_inv", torch.nn.Parameter(sc, requires_grad=False))
-    block.experts = fp8
+    fp8 = _fp8_experts_into(block, cfg)
     assert MoE.from_hf(block).fp8 == "block"
     fp8.down_proj_scale_inv = None
     with pytest.raises(ValueError, match="down_proj_scale_inv is None"):
