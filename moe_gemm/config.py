@@ -52,7 +52,7 @@ MAX_RASTER_PANEL = 64
 # The fields a tuned table sets (moe_gemm.ops.tuned); backend stays the caller's.
 TUNED_FIELDS = ("schedule", "visitor", "sort_by_k", "tile_m", "tile_n", "cluster_m",
                 "cluster_n", "stages", "raster_panel", "tail_split", "whole_epilogue",
-                "raster_along", "raster_serpentine", "swap_ab")
+                "raster_along", "raster_serpentine", "swap_ab", "packed_pairs")
 RASTER_AXES = ("m", "n")
 
 
@@ -123,6 +123,13 @@ class GemmConfig:
             MOE_GEMM_SWAP_AB, else as a tuned table's exact entry measured it, else where an
             expert fills about one 256-row tile (192-320 rows on at most 160 experts,
             K >= 2048; swap_rules.swap_ab_wanted); False = off.
+        packed_pairs: grouped_mm's 2-D x 3-D (MoE) form in 2x1 clusters: the cluster's two
+            CTAs take two consecutive tiles of the tile order, across experts, so an expert
+            with an odd count of m-tiles computes no tile past its end (B multicast where the
+            pair shares an expert and a column of tiles). Needs the 2x1 cluster, the device
+            visitor, panels along M and no tail split; the other forms and ops run without
+            it. None = by MOE_GEMM_PACKED_PAIRS, else as a tuned table's entry names it;
+            False = off.
 
     Which kernel an all-"auto" config runs is looked up in tuned tables first (see
     moe_gemm.ops.tuned); a config that pins any of schedule, visitor, sort_by_k, tile,
@@ -145,6 +152,7 @@ class GemmConfig:
     raster_along: str | None = None
     raster_serpentine: bool | None = None
     swap_ab: bool | None = None
+    packed_pairs: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
@@ -153,7 +161,7 @@ class GemmConfig:
         if self.raster_along is not None:
             _check_choice("raster_along", self.raster_along, RASTER_AXES)
         for name in ("sort_by_k", "tail_split", "whole_epilogue", "raster_serpentine",
-                     "swap_ab"):
+                     "swap_ab", "packed_pairs"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be None or a bool; got {value!r}")
@@ -220,6 +228,27 @@ class GemmConfig:
 
         if self.swap_ab:
             self._check_swap_ab()
+        if self.packed_pairs:
+            self._check_packed_pairs()
+
+    def _check_packed_pairs(self) -> None:
+        """packed_pairs=True pairs the tiles of 2x1 clusters: pins that cannot build it are
+        refused."""
+        conflicts = []
+        if self.cluster_m is not None and (self.cluster_m, self.cluster_n) != (2, 1):
+            conflicts.append(f"cluster {self.cluster_m}x{self.cluster_n}")
+        if self.visitor == "host":
+            conflicts.append("visitor='host'")
+        if self.tail_split:
+            conflicts.append("tail_split=True")
+        if self.swap_ab:
+            conflicts.append("swap_ab=True")
+        if self.raster_along == "n":
+            conflicts.append("raster_along='n'")
+        if conflicts:
+            raise ValueError(
+                "packed_pairs=True runs 2x1 clusters on the device visitor with panels along "
+                f"M, without the tail split or swapped tiles; got {', '.join(conflicts)}")
 
     def _check_swap_ab(self) -> None:
         """swap_ab=True fixes the kernel's schedule, tile, visitor and cluster: pins of any
@@ -247,9 +276,11 @@ class GemmConfig:
     @property
     def tuning_pinned(self) -> bool:
         """Whether any field the tuned tables choose is pinned (then the rules decide).
-        swap_ab=False only keeps swapped tiles out: the tables still choose among the rest."""
+        swap_ab=False and packed_pairs=False only keep swapped tiles and packed pairs out: the
+        tables still choose among the rest."""
         return any(getattr(self, name) not in (None, "auto") for name in TUNED_FIELDS
-                   if name != "swap_ab") or bool(self.swap_ab)
+                   if name not in ("swap_ab", "packed_pairs")) or bool(self.swap_ab) or bool(
+            self.packed_pairs)
 
     def replace(self, **changes: object) -> GemmConfig:
         """A copy with some fields changed (validated like a new config)."""

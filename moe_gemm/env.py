@@ -230,10 +230,11 @@ VARIABLES: dict[str, Variable] = {
         "up to 16) / a whole tile of rows, wherever the kernel builds it (default: trimmed but on "
         "ping-pong tiles of 128+ rows and under 192 columns outside 1x2 clusters)"),
     "MOE_GEMM_PACKED_PAIRS": Variable(
-        flag_value,
-        "1: grouped_mm's varlen kernels in 2x1 clusters pair consecutive tiles of the tile order "
-        "across experts (B multicast where the pair shares it), so no cluster computes a tile "
-        "past an expert's end (default off)"),
+        override_value,
+        "1 / 0: grouped_mm's varlen kernels in 2x1 clusters pair consecutive tiles of the tile "
+        "order across experts (B multicast where the pair shares it), so no cluster computes a "
+        "tile past an expert's end / never (default: where a pin or a tuned table's entry "
+        "says)"),
     "MOE_GEMM_PEEK_WAIT": Variable(
         flag_value,
         "1: the 16-bit kernels' math warps test the next A/B stage's barrier a k-tile ahead "

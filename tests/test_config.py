@@ -49,9 +49,25 @@ def test_as_dict_round_trips() -> None:
         "backend": "auto", "schedule": "cooperative", "visitor": "device", "sort_by_k": True,
         "tile_m": tm, "tile_n": tn, "cluster_m": cm, "cluster_n": cn, "stages": 4,
         "raster_panel": 16, "tail_split": False, "whole_epilogue": True, "raster_along": "n",
-        "raster_serpentine": True, "swap_ab": None,
+        "raster_serpentine": True, "swap_ab": None, "packed_pairs": None,
     }
     assert GemmConfig(**d) == c
+
+
+def test_packed_pairs_refuses_pins_that_cannot_build_it() -> None:
+    assert GemmConfig(packed_pairs=True, cluster_m=2, cluster_n=1).packed_pairs
+    assert GemmConfig(packed_pairs=False, cluster_m=1, cluster_n=2).packed_pairs is False
+    for pins, word in ((dict(cluster_m=1, cluster_n=2), "cluster 1x2"),
+                       (dict(visitor="host"), "visitor='host'"),
+                       (dict(tail_split=True), "tail_split=True"),
+                       (dict(raster_along="n"), "raster_along='n'")):
+        with pytest.raises(ValueError, match=f"packed_pairs=True .*{word}"):
+            GemmConfig(packed_pairs=True, **pins)
+    with pytest.raises(TypeError, match="packed_pairs must be None or a bool"):
+        GemmConfig(packed_pairs=1)
+    # packed_pairs=False keeps the tables choosing (as swap_ab=False); True pins.
+    assert not GemmConfig(packed_pairs=False).tuning_pinned
+    assert GemmConfig(packed_pairs=True).tuning_pinned
 
 
 def test_swap_ab_pins_its_kernel_and_refuses_other_pins() -> None:

@@ -246,6 +246,8 @@ def choice_fields(choice: KernelChoice, form: str) -> dict:
         fields["sort_by_k"] = choice.sort_by_k
     if choice.swap_ab:
         fields["swap_ab"] = True
+    if choice.packed_pairs:
+        fields["packed_pairs"] = True
     return fields
 
 
@@ -254,7 +256,7 @@ def cluster_choice(config: GemmConfig) -> tuple[int, int]:
     measurements; the general and batched rules may then pick 1x2). Both schedules build
     every cluster (fit_schedule says which one "auto" takes under a pinned one)."""
     if config.cluster_m is None:
-        return 1, 1
+        return (2, 1) if config.packed_pairs else (1, 1)  # (packed pairs are 2x1's)
     return config.cluster_m, config.cluster_n or 1
 
 

@@ -75,16 +75,29 @@ def trim_a_default(choice: KernelChoice) -> bool:
     return True
 
 
+def packed_pairs_problem(choice: KernelChoice) -> str | None:
+    """Why a choice cannot run packed pairs (GroupedGemmSm90 packed_pairs), or None: they need
+    a 2x1 cluster, the device visitor, no tail split, M-side tiles and panels along M
+    (consecutive tiles share B's columns; along N every pair would load B twice and A twice:
+    on the H200 a pick rastered along N ran 0.59x packed)."""
+    if (choice.cluster_m, choice.cluster_n) != (2, 1):
+        return f"built for 2x1 clusters; the choice runs {choice.cluster_m}x{choice.cluster_n}"
+    if choice.visitor != "device" or choice.tail_split or choice.swap_ab:
+        return "built for the device visitor without the tail split or swapped tiles"
+    if raster_fields(choice.swizzle)[1] != "m":
+        return "built for raster panels along M"
+    return None
+
+
 def with_packed_pairs(choice: KernelChoice) -> KernelChoice:
-    """Packed pairs (GroupedGemmSm90 packed_pairs) where MOE_GEMM_PACKED_PAIRS=1 asks for
-    them and the kernel builds them: varlen 2x1 clusters, device visitor, no tail split, not
-    swapped, and a raster whose panels run along M (consecutive tiles share B's columns;
-    along N every pair would load B twice and A twice: on the H200 a pick rastered along N ran
-    0.59x with them). Opt-in: on the H200 (2026-12-06) cooperative 128x256 2x1 ran a median
-    1.13x faster packed, ping-pong 64x256 2x1 0.84-1.04x (docs/measurements.md)."""
-    on = (bool(env_value(PACKED_PAIRS_ENV)) and (choice.cluster_m, choice.cluster_n) == (2, 1)
-          and choice.visitor == "device" and not choice.tail_split and not choice.swap_ab
-          and raster_fields(choice.swizzle)[1] == "m")
+    """Packed pairs as MOE_GEMM_PACKED_PAIRS says: 1 wherever the choice can run them, 0
+    nowhere, unset as chosen (a pinned packed_pairs or a tuned table's entry). On the H200
+    (2026-12-06) cooperative 128x256 2x1 ran a median 1.13x faster packed, ping-pong 64x256
+    2x1 0.84-1.04x (docs/measurements.md): the tuner decides per shape."""
+    forced = env_value(PACKED_PAIRS_ENV)
+    if forced is None:
+        return choice
+    on = bool(forced) and packed_pairs_problem(choice) is None
     return replace(choice, packed_pairs=on) if on != choice.packed_pairs else choice
 
 

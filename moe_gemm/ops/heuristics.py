@@ -15,6 +15,7 @@ routings for grouped_mm of several experts).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.env import env_value
@@ -53,6 +54,7 @@ from moe_gemm.ops.choice_switches import (  # noqa: F401 (re-exported)
     TAIL_SPLIT_ENV,
     TRIM_A_ENV,
     general_switches,
+    packed_pairs_problem,
     split_shares,
     tail_split_enabled,
     trim_a_default,
@@ -310,8 +312,16 @@ def choose_varlen(
         # timed on that shape, else the rules without the tables.
         choice = _choose_varlen_unswapped(config, T, E, N, K, num_sms, out_itemsize, device,
                                           dtype, out_dtype or dtype, state, shares)
-    return with_packed_pairs(with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(
-        choice)))))
+    return _packed_as_asked(config, with_packed_pairs(with_split_ways(with_peek_wait(
+        with_trim_a(with_l2_hints(choice))))))
+
+
+def _packed_as_asked(config: GemmConfig, choice: KernelChoice) -> KernelChoice:
+    """packed_pairs=False keeps a tuned entry's packed pairs out (the entry's fields override
+    the caller's in Hit.apply)."""
+    if config.packed_pairs is False and choice.packed_pairs:
+        return replace(choice, packed_pairs=False)
+    return choice
 
 
 def varlen_hit_choice(config: GemmConfig, hit: tuned.Hit | None, T: int, E: int, N: int,
@@ -323,8 +333,8 @@ def varlen_hit_choice(config: GemmConfig, hit: tuned.Hit | None, T: int, E: int,
                               split_shares(), num_sms)
     if choice is None:
         return None
-    return with_packed_pairs(with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(
-        choice)))))
+    return _packed_as_asked(config, with_packed_pairs(with_split_ways(with_peek_wait(
+        with_trim_a(with_l2_hints(choice))))))
 
 
 @functools.lru_cache(maxsize=512)
@@ -472,8 +482,9 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     # one short wave already, which the split's fp32 join slowed by 2-4% (133 against 136 us,
     # 65 against 68).
     if config.tail_split is None:
-        tail_split = filled_split or (schedule == "cooperative" and visitor == "device"
-                                      and cm * cn == 1 and K >= LONG_K and not tile_narrowed)
+        tail_split = not config.packed_pairs and (filled_split or (
+            schedule == "cooperative" and visitor == "device" and cm * cn == 1
+            and K >= LONG_K and not tile_narrowed))
     else:
         tail_split = config.tail_split
         if tail_split:
@@ -481,6 +492,13 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     choice = KernelChoice(schedule, visitor, tile[0], tile[1], stages, False, swizzle,
                           cluster_m=cm, cluster_n=cn, epi_whole=epi_whole,
                           tail_split=tail_split and shares > 0)
+    if config.packed_pairs:
+        # (a pin or a tuned entry; GemmConfig refused the pins that cannot build it, and the
+        # rules' own cluster, panel or split must not make it unbuildable either)
+        why = packed_pairs_problem(choice)
+        if why is not None:
+            raise ValueError(f"packed_pairs=True: {why}")
+        choice = replace(choice, packed_pairs=True)
     # A config (a caller's pin or a tuned entry) with swap_ab=True: the swapped kernel, with
     # the config's raster, stages and cluster where it pins one (1x1 or 1x2; the rules' own
     # cluster is the M-side tile's, not the swapped one's).

@@ -59,6 +59,8 @@ def name_of(fields: Fields) -> str:
                  f"{'s' if fields.get('raster_serpentine') else ''}")
     if fields.get("tail_split"):
         parts.append("ts")
+    if fields.get("packed_pairs"):
+        parts.append("pk")
     if fields.get("whole_epilogue"):
         parts.append("ew")
     if fields.get("visitor") == "host":
@@ -97,7 +99,7 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
     words = [w for w in text.replace(":", " ").replace(",", " ").split() if w]
     if len(words) < 2 or words[0] not in _NAME_SCHEDULES:
         raise ValueError(f"config {text!r}: expected 'pp|coop|swap MxN [cMxN] [sS] [pP[n][s]] "
-                         "[ts] [ew] [host] [ksort]'")
+                         "[ts] [pk] [ew] [host] [ksort]'")
     fields: Fields = {"schedule": _NAME_SCHEDULES[words[0]], "visitor": "device",
                       "cluster_m": 1, "cluster_n": 1, "stages": None, "raster_panel": 8,
                       "whole_epilogue": False}
@@ -110,12 +112,14 @@ def parse_name(text: str, form: str = "varlen") -> Fields:
     try:
         fields["tile_m"], fields["tile_n"] = _pair(words[1], words[1])
         for w in words[2:]:
-            kind = w if w in ("ts", "ew", "host", "ksort") else w[0]
+            kind = w if w in ("ts", "ew", "host", "ksort", "pk") else w[0]
             if kind in seen:
                 raise ValueError(f"{w!r} (that field is given twice)")
             seen.add(kind)
             if w == "ts":
                 fields["tail_split"] = True
+            elif w == "pk":
+                fields["packed_pairs"] = True
             elif w == "ew":
                 fields["whole_epilogue"] = True
             elif w == "host":
@@ -154,6 +158,10 @@ def _buildable(fields: Fields, form: str, out_itemsize: int) -> bool:
         return False
     if fields.get("swap_ab") and (form != "varlen" or out_itemsize != 2):
         return False  # (grouped_mm's 2-D x 3-D form, 16-bit output)
+    if fields.get("packed_pairs") and (form != "varlen"
+                                       or (fields.get("cluster_m"), fields.get("cluster_n"))
+                                       != (2, 1)):
+        return False  # (grouped_mm's 2-D x 3-D form in 2x1 clusters)
     if fields.get("whole_epilogue") and fields["tile_m"] != 128:
         return False
     if not _stages_fit(fields, out_itemsize):
@@ -235,6 +243,12 @@ def stage2(parent: Fields, form: str, out_itemsize: int = 2) -> list[Fields]:
     if parent.get("visitor") != "host":
         # (both schedules and every cluster build it: a 2-CTA cluster splits its cluster tile)
         add(tail_split=not parent.get("tail_split"))
+    if form == "varlen" and (parent.get("cluster_m"), parent.get("cluster_n")) == (2, 1) and (
+            not parent.get("packed_pairs")):
+        # Packed pairs: the 2x1 cluster without the tile past an odd expert's end (H200,
+        # 2026-12-06: cooperative 128x256 a median 1.13x its cluster tiles, ping-pong 64x256
+        # 0.84-1.04x, so the tuner decides per shape).
+        add(packed_pairs=True)
     if form == "general":
         add(sort_by_k=not parent.get("sort_by_k"))
         if cluster1:

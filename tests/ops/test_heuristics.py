@@ -232,6 +232,16 @@ def test_packed_pairs_where_asked_and_built(monkeypatch, cfg, packed):
                             False).packed_pairs
 
 
+def test_packed_pairs_pinned_select_the_2x1_cluster_and_the_switch_overrides(monkeypatch):
+    from moe_gemm.ops.heuristics import PACKED_PAIRS_ENV
+
+    monkeypatch.delenv(PACKED_PAIRS_ENV, raising=False)
+    c = _varlen(monkeypatch, None, packed_pairs=True)
+    assert c.packed_pairs and (c.cluster_m, c.cluster_n) == (2, 1) and not c.tail_split
+    monkeypatch.setenv(PACKED_PAIRS_ENV, "0")
+    assert not _varlen(monkeypatch, None, packed_pairs=True).packed_pairs
+
+
 def test_packed_pairs_not_on_rasters_along_n(monkeypatch):
     from moe_gemm.ops.heuristics import PACKED_PAIRS_ENV
 

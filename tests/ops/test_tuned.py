@@ -688,6 +688,25 @@ def test_a_swapped_entry_runs_where_the_launch_can_take_it(_isolated, monkeypatc
     assert not wide.swap_ab
 
 
+def test_a_packed_pairs_entry_runs_packed_unless_the_caller_or_switch_says_no(
+        _isolated, monkeypatch):
+    """A table entry with packed_pairs (the tuner's 'pk') gives grouped_mm's varlen launch the
+    packed 2x1 kernel; a caller's packed_pairs=False and MOE_GEMM_PACKED_PAIRS=0 keep the
+    entry's other fields without it; the masked and fused forms build it never."""
+    monkeypatch.delenv(heuristics.PACKED_PAIRS_ENV, raising=False)
+    packed = dict(PP_64x256, cluster_m=2, cluster_n=1, packed_pairs=True)
+    ship(_isolated, table([entry(bucket=8, config=packed)]))
+    shape = (64 * 256, 64, 4096, 7168, 132)
+    c = choose_varlen(GemmConfig(), *shape, device=DEV)
+    assert c.packed_pairs and (c.tile_m, c.tile_n, c.cluster_m, c.cluster_n) == (64, 256, 2, 1)
+    off = choose_varlen(GemmConfig(packed_pairs=False), *shape, device=DEV)
+    assert not off.packed_pairs and (off.tile_m, off.cluster_m) == (64, 2)
+    monkeypatch.setenv(heuristics.PACKED_PAIRS_ENV, "0")
+    assert choose_varlen(GemmConfig(), *shape, device=DEV) == off
+    monkeypatch.setenv(heuristics.PACKED_PAIRS_ENV, "1")
+    assert choose_varlen(GemmConfig(), *shape, device=DEV) == c
+
+
 def test_the_fused_kernels_swap_in_the_window_whatever_an_entry_timed_on_grouped_mm(
         _isolated, monkeypatch):
     """table_unswap=False (the fused kernels, fused_launch.fused_choice): an exact entry's

@@ -129,6 +129,22 @@ def test_swapped_tiles_are_a_varlen_candidate_with_16_bit_output():
         assert space.parse_name(space.name_of(f)) == f
 
 
+def test_packed_pairs_vary_2x1_varlen_parents_and_round_trip():
+    parent = space.parse_name("pp 64x256 c2x1 p8")
+    packed = {**parent, "packed_pairs": True}
+    assert space.name_of(packed) == "pp 64x256 c2x1 p8 pk"
+    assert space.parse_name("pp 64x256 c2x1 p8 pk") == packed
+    assert space.config_of(packed).packed_pairs
+    assert packed in space.stage2(parent, "varlen")
+    for f in space.stage2(packed, "varlen"):  # (no tail split beside it: it does not build)
+        assert space.parse_name(space.name_of(f)) == f and " ts" not in space.name_of(f)
+    for form, name in (("batched", "pp 64x256 c2x1 p8"), ("varlen", "pp 64x256 c1x2 p8")):
+        assert not any(f.get("packed_pairs")
+                       for f in space.stage2(space.parse_name(name, form), form))
+    with pytest.raises(ValueError, match="given twice"):
+        space.parse_name("pp 64x256 c2x1 pk pk")
+
+
 def test_combine_and_names_round_trip():
     parent = next(f for f in space.stage1("varlen") if space.name_of(f) == "coop 128x256 p8")
     a = {**parent, "stages": 3}
