@@ -256,7 +256,7 @@ def cluster_choice(config: GemmConfig) -> tuple[int, int]:
     measurements; the general and batched rules may then pick 1x2). Both schedules build
     every cluster (fit_schedule says which one "auto" takes under a pinned one)."""
     if config.cluster_m is None:
-        return (2, 1) if config.packed_pairs else (1, 1)  # (packed pairs are 2x1's)
+        return 1, 1
     return config.cluster_m, config.cluster_n or 1
 
 

@@ -443,6 +443,8 @@ def _varlen_rules(config: GemmConfig, T: int, E: int, N: int, K: int, out_itemsi
     visitor = config.visitor if config.visitor != "auto" else "device"
     stages = config.stages
     cm, cn = cluster_choice(config)
+    if config.packed_pairs and config.cluster_m is None:
+        cm, cn = 2, 1  # (packed pairs are the 2x1 cluster's)
     if cm * cn > 1:
         visitor = "device"
     # Long K, cooperative 128x256: 3 A/B stages (see choose_general), but in a 1x2 cluster

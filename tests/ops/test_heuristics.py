@@ -240,6 +240,12 @@ def test_packed_pairs_pinned_select_the_2x1_cluster_and_the_switch_overrides(mon
     assert c.packed_pairs and (c.cluster_m, c.cluster_n) == (2, 1) and not c.tail_split
     monkeypatch.setenv(PACKED_PAIRS_ENV, "0")
     assert not _varlen(monkeypatch, None, packed_pairs=True).packed_pairs
+    # The other forms run without it, on their own clusters.
+    from moe_gemm.ops.heuristics import choose_general
+
+    g = choose_general(GemmConfig(backend="cute", packed_pairs=True), ((4096, 4096, 4096),) * 8,
+                       132)
+    assert not g.packed_pairs and (g.cluster_m, g.cluster_n) != (2, 1)
 
 
 def test_packed_pairs_not_on_rasters_along_n(monkeypatch):
