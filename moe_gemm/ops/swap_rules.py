@@ -79,7 +79,8 @@ def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None =
                    cluster_n: int = 1) -> KernelChoice:
     """The swapped kernel's choice (kernels/sm90/swapped.py): its fixed tile, schedule and
     visitor, a 1 x `cluster_n` cluster (1 or 2: config.SWAP_CLUSTERS), the raster and the L2
-    hints of `choice`, `stages` A/B stages (None: as many as fit)."""
+    hints of `choice`, `stages` A/B stages (None: as many as fit); never packed pairs (a
+    tuned entry's packed 2x1 kernel where the window swaps: the swapped kernel refuses them)."""
     if (1, cluster_n) not in SWAP_CLUSTERS:
         raise ValueError(f"swapped tiles run in a 1x1 or 1x2 cluster; got 1x{cluster_n}")
     if out_itemsize != 2:
@@ -88,6 +89,6 @@ def swapped_choice(choice: KernelChoice, out_itemsize: int, stages: int | None =
     return replace(choice, schedule="cooperative", visitor="device", tile_m=SWAP_TILE_ROWS,
                    tile_n=SWAP_TILE_COLS, stages=stages, epi_n=SWAP_ROW_UNIT, cluster_m=1,
                    cluster_n=cluster_n, epi_whole=False, tail_split=False, trim_a=True, swap_ab=True,
-                   wave_fit=False)
+                   wave_fit=False, packed_pairs=False)
 
 

@@ -707,6 +707,30 @@ def test_a_packed_pairs_entry_runs_packed_unless_the_caller_or_switch_says_no(
     assert choose_varlen(GemmConfig(), *shape, device=DEV) == c
 
 
+def test_a_packed_pairs_entry_where_the_window_swaps_runs_the_swapped_kernel_unpacked(
+        _isolated, monkeypatch):
+    """An entry with packed_pairs that names no swap_ab, on a shape in the swap window (256
+    rows per expert, K=7168): grouped_mm's launch (swap_ok) takes the swapped kernel, which
+    has no packed pairs (its compile key refuses them), also where MOE_GEMM_SWAP_AB=1
+    forces it."""
+    from moe_gemm.kernels.sm90.constants import SWAP_TILE_ROWS
+
+    monkeypatch.delenv(heuristics.PACKED_PAIRS_ENV, raising=False)
+    monkeypatch.delenv(heuristics.SWAP_AB_ENV, raising=False)
+    packed = dict(PP_64x256, cluster_m=2, cluster_n=1, packed_pairs=True)
+    ship(_isolated, table([entry(bucket=8, config=packed)]))
+    shape = (64 * 256, 64, 4096, 7168, 132)
+    assert choose_varlen(GemmConfig(), *shape, device=DEV).packed_pairs  # (swap_ok=False)
+    c = choose_varlen(GemmConfig(), *shape, device=DEV, swap_ok=True)
+    assert c.swap_ab and c.tile_m == SWAP_TILE_ROWS and not c.packed_pairs
+    # 340 rows per expert: the entry's bucket, past the window (packed), unless forced.
+    wide = (64 * 340, 64, 4096, 7168, 132)
+    assert choose_varlen(GemmConfig(), *wide, device=DEV, swap_ok=True).packed_pairs
+    monkeypatch.setenv(heuristics.SWAP_AB_ENV, "1")
+    forced = choose_varlen(GemmConfig(), *wide, device=DEV, swap_ok=True)
+    assert forced.swap_ab and not forced.packed_pairs
+
+
 def test_the_fused_kernels_swap_in_the_window_whatever_an_entry_timed_on_grouped_mm(
         _isolated, monkeypatch):
     """table_unswap=False (the fused kernels, fused_launch.fused_choice): an exact entry's

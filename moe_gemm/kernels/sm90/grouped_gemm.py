@@ -393,10 +393,13 @@ class GroupedGemmSm90:
         # CTAs of a cluster take two consecutive tiles of the tile order, across experts, so
         # an expert with an odd count of m-tiles costs no extra tile; B is multicast where the
         # pair shares an expert and a column of tiles, loaded by each CTA alone where not.
+        # (The concat gate layout's up half is always multicast: not with them.)
         if packed_pairs and (form != "varlen" or (cluster_m, cluster_n) != (2, 1)
-                             or visitor != "device" or tail_split or gather_a):
+                             or visitor != "device" or tail_split or gather_a
+                             or self.gate_halves):
             raise ValueError("packed pairs are built for the varlen form in 2x1 clusters with "
-                             "the device visitor, without the tail split or gather-A")
+                             "the device visitor, without the tail split, gather-A or the "
+                             "concat gate layout")
         self.packed_pairs = packed_pairs
         # Peeked stage waits: the math warps test the next stage's full barrier (try_wait)
         # right after releasing the current one, so the WGMMAs of the next k-tile issue without
