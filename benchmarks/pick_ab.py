@@ -256,9 +256,9 @@ def _parser() -> argparse.ArgumentParser:
                    "configs ('p8ns', 's4 p16'); give two or more, the first is the baseline")
     p.add_argument("--against", metavar="TABLE", help="also time this tuned table's pick "
                    "for each case's key (a case it has no entry for runs without it)")
-    p.add_argument("--against-config", metavar="NAME", help="instead of --against: time this "
-                   "config ('swap 256x128', 'coop 256x128 c1x2') on every case, as a table "
-                   "holding it at each case's key")
+    p.add_argument("--against-config", metavar="NAME", action="append", help="instead of "
+                   "--against: time this config ('swap 256x128', 'coop 256x128 c1x2') on every "
+                   "case, as a table holding it at each case's key (one per run)")
     p.add_argument("--adopt", metavar="TABLE", help="with --against or --against-config: put "
                    "that pick into TABLE's entry for each case where it ran at least "
                    "--min-gain faster than the default's pick")
@@ -277,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.with_peers = peers_wanted(args)
     try:
+        if args.against_config is not None:
+            if len(args.against_config) > 1:
+                # (argparse kept the last one: a second rival was dropped without a word)
+                raise ValueError("give one --against-config a run (run pick_ab once per "
+                                 f"rival); got {len(args.against_config)}: "
+                                 + ", ".join(repr(c) for c in args.against_config))
+            args.against_config = args.against_config[0]
         if args.against and args.against_config:
             raise ValueError("give --against or --against-config, not both")
         against = args.against or args.against_config

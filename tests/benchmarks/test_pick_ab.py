@@ -292,3 +292,7 @@ def test_against_config_refuses_a_bad_name_and_against_beside_it(tmp_path, capsy
     t.write_text(json.dumps(_table("NVIDIA H200", _entry(8, 4096, 14336, 4096, "pp 128x160 p8"))))
     assert pick_ab.main([*base, "--against", str(t), "--against-config", "swap 256x128"]) == 2
     assert "not both" in capsys.readouterr().err
+    # A second rival was dropped without a word (the last one kept): refused, naming both.
+    assert pick_ab.main([*base, "--against-config", "swap 256x128", "--against-config",
+                         "pp 64x256 c2x1 pk"]) == 2
+    assert "give one --against-config a run" in capsys.readouterr().err
