@@ -89,12 +89,16 @@ def packed_pairs_problem(choice: KernelChoice) -> str | None:
     return None
 
 
-def with_packed_pairs(choice: KernelChoice) -> KernelChoice:
+def with_packed_pairs(choice: KernelChoice, asked: bool | None = None) -> KernelChoice:
     """Packed pairs as MOE_GEMM_PACKED_PAIRS says: 1 wherever the choice can run them, 0
-    nowhere, unset as chosen (a pinned packed_pairs or a tuned table's entry). On the H200
-    (2026-12-06) cooperative 128x256 2x1 ran a median 1.13x faster packed, ping-pong 64x256
-    2x1 0.84-1.04x (docs/measurements.md): the tuner decides per shape."""
+    nowhere; unset, as chosen (a pinned packed_pairs or a tuned table's entry), except that
+    the caller's `asked` False (GemmConfig.packed_pairs) keeps a tuned entry's out (its fields
+    override the caller's in tuned.Hit.apply). On the H200 (2026-12-06) cooperative 128x256
+    2x1 ran a median 1.13x faster packed, ping-pong 64x256 2x1 0.84-1.04x
+    (docs/measurements.md): the tuner decides per shape."""
     forced = env_value(PACKED_PAIRS_ENV)
+    if forced is None and asked is False:
+        forced = False
     if forced is None:
         return choice
     on = bool(forced) and packed_pairs_problem(choice) is None

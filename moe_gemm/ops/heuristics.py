@@ -312,16 +312,8 @@ def choose_varlen(
         # timed on that shape, else the rules without the tables.
         choice = _choose_varlen_unswapped(config, T, E, N, K, num_sms, out_itemsize, device,
                                           dtype, out_dtype or dtype, state, shares)
-    return _packed_as_asked(config, with_packed_pairs(with_split_ways(with_peek_wait(
-        with_trim_a(with_l2_hints(choice))))))
-
-
-def _packed_as_asked(config: GemmConfig, choice: KernelChoice) -> KernelChoice:
-    """packed_pairs=False keeps a tuned entry's packed pairs out (the entry's fields override
-    the caller's in Hit.apply)."""
-    if config.packed_pairs is False and choice.packed_pairs:
-        return replace(choice, packed_pairs=False)
-    return choice
+    return with_packed_pairs(with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(
+        choice)))), config.packed_pairs)
 
 
 def varlen_hit_choice(config: GemmConfig, hit: tuned.Hit | None, T: int, E: int, N: int,
@@ -333,8 +325,8 @@ def varlen_hit_choice(config: GemmConfig, hit: tuned.Hit | None, T: int, E: int,
                               split_shares(), num_sms)
     if choice is None:
         return None
-    return _packed_as_asked(config, with_packed_pairs(with_split_ways(with_peek_wait(
-        with_trim_a(with_l2_hints(choice))))))
+    return with_packed_pairs(with_split_ways(with_peek_wait(with_trim_a(with_l2_hints(
+        choice)))), config.packed_pairs)
 
 
 @functools.lru_cache(maxsize=512)

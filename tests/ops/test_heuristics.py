@@ -257,19 +257,6 @@ def test_packed_pairs_not_on_rasters_along_n(monkeypatch):
     assert not _varlen(monkeypatch, None, raster_panel=8, raster_along="n", **cfg).packed_pairs
 
 
-def test_packed_pairs_kernel_refuses_what_it_is_not_built_for():
-    import cutlass
-
-    from moe_gemm.kernels.sm90.grouped_gemm import GroupedGemmSm90
-
-    for form, cluster, split in (("batched", (2, 1), False), ("varlen", (1, 2), False),
-                                 ("varlen", (2, 1), True)):
-        with pytest.raises(ValueError, match="packed pairs"):
-            GroupedGemmSm90(cutlass.BFloat16, cutlass.BFloat16, "k", form, "cooperative",
-                            "device", (128, 256), cluster_m=cluster[0], cluster_n=cluster[1],
-                            tail_split=split, packed_pairs=True)
-
-
 def test_batched_and_general_long_k_on_few_tiles_fill_the_grid():
     # 8 x 128x512x32768: 16 tiles of 128x256 on 132 SMs; 4 x 256x1024x16384: 32. Both
     # forms split 128x128 tiles over K (the lists over their deepest K); without the split
