@@ -9,7 +9,8 @@ Modules, top to bottom (imports only go down):
                  problem's first masked_m[g] rows (masked_validation, masked_launch,
                  masked_custom_ops beside it); fused_masked: fused_grouped_mm_masked, the
                  masked layout with the fused bias, gate and row weights
-    quantize     FP8 quantization helpers (1x128 groups, 128x128 blocks, rows, tensors)
+    quantize     FP8 quantization helpers (1x128 groups, 128x128 blocks, rows, tensors);
+                 quantize_custom_ops: the block ones as registered ops, opaque to torch.compile
     fused        fused_grouped_mm: grouped_mm with the MoE gather, bias, gate and row
                  weights in the kernel (fused_validation, fused_launch, fused_reference,
                  fused_custom_ops: its checks, host side, torch backend, registered ops)

@@ -344,7 +344,13 @@ def _no_backward_fake(grad, size, dtype, message):
 
 
 def _raising_grad(grad: Tensor, like: tuple, op: str) -> Tensor:
-    return torch.ops.moe_gemm._no_backward(grad, like[0], like[1], NO_BACKWARD.format(op=op))
+    return raise_in_backward(grad, like, NO_BACKWARD.format(op=op))
+
+
+def raise_in_backward(grad: Tensor, like: tuple, message: str) -> Tensor:
+    """A gradient shaped like `like` (shape, dtype) whose computation raises `message` when
+    the backward runs (not when it is traced)."""
+    return torch.ops.moe_gemm._no_backward(grad, like[0], like[1], message)
 
 
 # Where the forward ran torch's own ops (asked for with GemmConfig(backend="torch"), off the

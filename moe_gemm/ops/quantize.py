@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from moe_gemm.env import env_value
+from moe_gemm.ops import quantize_custom_ops
 from moe_gemm.ops.autograd import inference_only_composite, needs_link
 from moe_gemm.ops.validation import check_dense, shape_text
 from moe_gemm.ops.vmap import functorch_active as _functorch_active
@@ -272,7 +273,16 @@ def quantize_fp8_per_block(w: torch.Tensor, block_size: int = 128, *,
     b = _check_block("block_size", block_size)
     if w.dim() < 2:
         raise ValueError(f"w must have at least two dimensions (..., N, K); got {w.dim()}")
-    return _untracked(lambda: _per_block_chunked(w, b, dtype), w)
+    return _untracked(lambda: per_block_values(w, b, dtype), w)
+
+
+def per_block_values(w: torch.Tensor, b: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_per_block's (q, scale) of checked arguments; while traced by
+    torch.compile, through its custom op (ops/quantize_custom_ops.py says why)."""
+    if torch.compiler.is_compiling():
+        return quantize_custom_ops.quantize_per_block(w, b, dtype)
+    return _per_block_chunked(w, b, dtype)
 
 
 def _per_block_chunked(w: torch.Tensor, b: int, dtype: torch.dtype
@@ -380,6 +390,14 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str,
         shapes = f"{want} or (1,)" if granularity == "tensor" else f"{want}"
         raise ValueError(f"{granularity} scales of q {shape_text(q)} (block_size {b}) must "
                          f"have shape {shapes}; got {got}")
+    if torch.compiler.is_compiling() and granularity in ("group", "block"):
+        return quantize_custom_ops.dequantize(q, scale, granularity, b)
+    return dequantized_values(q, scale, granularity, b)
+
+
+def dequantized_values(q: torch.Tensor, scale: torch.Tensor, granularity: str, b: int
+                       ) -> torch.Tensor:
+    """dequantize_fp8's result for checked arguments."""
     v = q.float()
     s = scale.float()
     if granularity == "tensor":
