@@ -241,6 +241,34 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
                      f"{shape_text(q)}")
 
 
+def expert_weight_kind_errors(layer_weights: dict[str, torch.Tensor | None],
+                              state_dict: dict, prefix: str) -> dict[str, str]:
+    """For load_state_dict: each expert weight key whose tensor in `state_dict` is FP8 where
+    the layer's is not, or the other way round, with the message that says so. torch's
+    load would copy the values with a dtype cast (FP8 codes read as numbers, or 16-bit values
+    cast to FP8 codes) under the layer's old scales, or none: a layer answering with values
+    off by the scales' factor, without a word (strict=False, where the scale keys are missing
+    or unexpected, raised nothing)."""
+    errors = {}
+    for name, mine in layer_weights.items():
+        theirs = state_dict.get(prefix + name)
+        if mine is None or not isinstance(theirs, torch.Tensor):
+            continue
+        if (theirs.dtype in FP8_DTYPES) == (mine.dtype in FP8_DTYPES):
+            continue
+        if mine.dtype in FP8_DTYPES:
+            how = ("this layer's experts are FP8 with decoding scales: load an FP8 "
+                   "checkpoint with its scales, or load the 16-bit one into a 16-bit layer "
+                   "and call quantize_fp8()")
+        else:
+            how = ("this layer's experts are 16-bit: call quantize_fp8() with the "
+                   "checkpoint's granularity before loading an FP8 state_dict (its scales "
+                   "too), or build the layer from the FP8 checkpoint")
+        errors[prefix + name] = (f"{prefix + name}: the state_dict holds a {theirs.dtype} "
+                                 f"tensor for the layer's {mine.dtype} parameter; {how}")
+    return errors
+
+
 def keep_dtypes(fn: Callable[[torch.Tensor], torch.Tensor], keep: tuple[torch.Tensor, ...]
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """nn.Module._apply's `fn`, changed for the tensors in `keep`: where fn would change their

@@ -45,6 +45,7 @@ from moe_gemm.layers.experts_fp8 import (
     FP8_DTYPES,
     check_fp8_experts,
     expert_ffn_fp8,
+    expert_weight_kind_errors,
     keep_dtypes,
     quantize_experts,
     scale_granularity,
@@ -447,6 +448,20 @@ class MoE(MoELoaders, MoEOptions):
         self.gate_up_proj_scale_inv = nn.Parameter(s1, requires_grad=False)
         self.down_proj_scale_inv = nn.Parameter(s2, requires_grad=False)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # FP8 expert weights into a 16-bit layer or 16-bit ones into an FP8 layer: an error
+        # (as torch reports a size mismatch: listed, that parameter left as it was), never a
+        # cast copy under the wrong scales.
+        wrong = expert_weight_kind_errors(
+            {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}, state_dict, prefix)
+        for key, message in wrong.items():
+            state_dict.pop(key)
+            error_msgs.append(message)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        missing_keys[:] = [k for k in missing_keys if k not in wrong]
 
     def _apply(self, fn, recurse=True):
         # Under module.to(dtype) / .half() these keep their dtypes (experts_fp8.keep_dtypes):

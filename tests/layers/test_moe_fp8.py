@@ -630,3 +630,37 @@ def test_from_hf_fp8_experts_with_one_scale_missing_names_it():
     fp8.down_proj_scale_inv = None
     with pytest.raises(ValueError, match="down_proj_scale_inv is None"):
         MoE.from_hf(block)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_refuses_16_bit_experts_into_fp8_and_fp8_into_16_bit(strict):
+    """torch's load would cast: 16-bit weights to FP8 codes under the FP8 layer's old scales,
+    FP8 codes to bf16 numbers with no scale; with strict=False neither raised (the scale keys
+    missing or unexpected), and the layer answered with values off by the scales' factor."""
+    plain = _layer()
+    fp8 = _layer(seed=3).quantize_fp8()
+    before = {k: v.clone() for k, v in fp8.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"gate_up_proj: the state_dict holds a "
+                       r"torch.bfloat16 tensor for the layer.s torch.float8_e4m3fn parameter; .*FP8"):
+        fp8.load_state_dict(plain.state_dict(), strict=strict)
+    after = fp8.state_dict()
+    for k in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv"):  # left as they were
+        assert after[k].dtype == before[k].dtype
+        assert torch.equal(after[k].view(torch.uint8), before[k].view(torch.uint8))
+    fp8_sd = _layer(seed=4).quantize_fp8().state_dict()
+    plain_w = plain.gate_up_proj.detach().clone()
+    with pytest.raises(RuntimeError, match=r"down_proj: the state_dict holds a "
+                       r"torch.float8_e4m3fn tensor for the layer.s torch.bfloat16 parameter; .*quantize_fp8"):
+        plain.load_state_dict(fp8_sd, strict=strict)
+    assert torch.equal(plain.gate_up_proj, plain_w)
+
+
+def test_load_state_dict_of_an_fp8_layer_into_an_fp8_layer_still_loads():
+    src, dst = _layer(seed=5).quantize_fp8(), _layer(seed=6).quantize_fp8()
+    dst.load_state_dict(src.state_dict())
+    x = _x()
+    with torch.no_grad():
+        assert torch.equal(dst(x), src(x))
+    row_src = _layer(seed=7).quantize_fp8("row")
+    with pytest.raises(RuntimeError, match="size mismatch"):  # torch's own check: untouched
+        dst.load_state_dict(row_src.state_dict())
