@@ -85,3 +85,25 @@ def test_packed_pairs_store_where_the_schedule_says(monkeypatch, schedule, tile)
     ok = trace_assignment(info) == want
     record(f"packed-pairs/trace/{schedule}/{tile[0]}x{tile[1]}", ok, choice=str(ch))
     assert ok, "kernel tile visits differ from moe_gemm.ops.schedule.packed_pair_tiles"
+
+
+@pytest.mark.parametrize("schedule,tile", CONFIGS[:2], ids=IDS[:2])
+def test_packed_pairs_with_n_major_weights(monkeypatch, schedule, tile):
+    """Weights stored (E, K, N), N contiguous (the B-alone atom loads the other major)."""
+    counts = _counts(tile[0])
+    K, tail = 320, 9
+    x, w_k, offs, T, cfg = switch_case(counts, K, 17, tail, schedule, tile, (2, 1))
+    w = w_k.contiguous()  # (E, K, N) with N contiguous: the same values
+    assert w.stride(2) == 1
+    outs = {}
+    for packed in ("0", "1"):
+        monkeypatch.setenv(PACKED_PAIRS_ENV, packed)
+        outs[packed] = moe_gemm.grouped_mm(x, w, offs, config=cfg)
+        assert last_launch().choice.packed_pairs == (packed == "1")
+    torch.cuda.synchronize()
+    assert torch.equal(outs["0"], outs["1"]), "packed pairs changed the result"
+    rows = T - tail
+    assert bool((outs["1"][rows:] == 0).all()), "rows past offs[-1] are not zero"
+    ref = moe_gemm.ops.reference.grouped_mm_ref(x[:rows], w, offs)
+    check(f"packed-pairs/n-major/{schedule}/{tile[0]}x{tile[1]}", outs["1"][:rows], ref,
+          varlen_low(x, w, counts), E=len(counts), T=T, N=w.shape[2], K=K)

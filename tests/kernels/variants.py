@@ -587,13 +587,33 @@ def _masked_tests(v: Variants) -> None:
         v.masked(16, 256, 1024, 2048, CUTE, b_major="k", expected_m=expected_m)
 
 
+def _packed_pairs_tests(v: Variants) -> None:
+    from moe_gemm.ops.choice_switches import PACKED_PAIRS_ENV
+
+    from .test_packed_pairs_gpu import CONFIGS, _counts
+
+    for i, (schedule, (tm, tn)) in enumerate(CONFIGS):
+        counts = _counts(tm)
+        cfg = _cfg(schedule=schedule, tile_m=tm, tile_n=tn, cluster_m=2, cluster_n=1)
+        for packed in ("0", "1"):
+            with mock.patch.dict(os.environ, {PACKED_PAIRS_ENV: packed}):
+                for K in (64, 1000):
+                    v.varlen(sum(counts) + 37, len(counts), 264, K, cfg, b_major="k")
+                if i < 2:
+                    v.varlen(sum(counts) + 9, len(counts), 264, 320, cfg, b_major="n")
+                    if packed == "1":
+                        v.varlen(3 * sum(counts) + 50, 3 * len(counts), 1000, 128, cfg,
+                                 b_major="k", trace=True)
+
+
 def kernel_test_variants(nsm: int = NUM_SMS) -> list:
     """The CompileKeys the GPU tests launch, sorted by name."""
     v = Variants(nsm)
     for collect in (_general_tests, _varlen_tests, _batched_tests, _cluster_tests,
                     _tail_split_tests, _trace_tests, _edge_rows_tests, _other_tests,
                     _layer_tests, _fused_tests, _fused_layer_tests, _masked_tests,
-                    _fused_masked_tests, _trimmed_a_tests, _peek_wait_tests):
+                    _fused_masked_tests, _trimmed_a_tests, _peek_wait_tests,
+                    _packed_pairs_tests):
         collect(v)
     return sorted(v.keys, key=lambda k: k.name())
 
