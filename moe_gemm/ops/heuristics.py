@@ -191,9 +191,9 @@ def _general_hit(config, sizes, num_sms, device, dtype, out_dtype) -> tuned.Hit 
     found = _general_key(sizes, dtype, out_dtype)
     if found is None:
         return None
-    rules = _choose_general(config, sizes, num_sms, ITEMSIZE.get(out_dtype, 2),
-                            split_shares())
-    return tuned.lookup(device, found[0], found[1], num_sms, choice_fields(rules, "general"))
+    rules = rules_baseline("general", config, num_sms, dtype=dtype, out_dtype=out_dtype,
+                           shape=sizes)
+    return tuned.lookup(device, found[0], found[1], num_sms, rules)
 
 
 @functools.lru_cache(maxsize=256)
@@ -396,8 +396,8 @@ def _varlen_hit(config, T, E, N, K, num_sms, device, dtype, out_dtype,
     if device is None or config.tuning_pinned or T <= 0 or E <= 0:
         return None
     key = tuned.Key("varlen", dtype, out_dtype, E, N, K, tuned.rows_bucket(T / E))
-    rules = choice_fields(_varlen_rules(config, T, E, N, K, ITEMSIZE.get(out_dtype, 2),
-                                        split_shares(), num_sms), "varlen")
+    rules = rules_baseline("varlen", config, num_sms, dtype=dtype, out_dtype=out_dtype,
+                           shape=(T, E, N, K))
     if unswapped:
         return tuned.unswapped_pick(device, key, T, rules)
     return tuned.lookup(device, key, T, num_sms, rules)
@@ -547,9 +547,9 @@ def _batched_hit(config, G, M, N, K, num_sms, device, dtype, out_dtype) -> tuned
     if device is None or config.tuning_pinned or G <= 0 or M <= 0:
         return None
     key = tuned.Key("batched", dtype, out_dtype, G, N, K, tuned.rows_bucket(M))
-    rules = _choose_batched(config, G, M, N, K, num_sms, ITEMSIZE.get(out_dtype, 2),
-                            split_shares())
-    return tuned.lookup(device, key, G * M, num_sms, choice_fields(rules, "batched"))
+    rules = rules_baseline("batched", config, num_sms, dtype=dtype, out_dtype=out_dtype,
+                           shape=(G, M, N, K))
+    return tuned.lookup(device, key, G * M, num_sms, rules)
 
 
 @functools.lru_cache(maxsize=256)
@@ -604,6 +604,23 @@ def tuned_hit(form: str, config: GemmConfig, num_sms: int, *, device: str | None
     if form == "general":
         return _general_hit(config, tuple(shape), num_sms, device, dtype, out_dtype)
     raise ValueError(f"form must be 'varlen', 'batched' or 'general'; got {form!r}")
+
+
+def rules_baseline(form: str, config: GemmConfig, num_sms: int, *, dtype: str = "bfloat16",
+                   out_dtype: str | None = None, shape: tuple = ()) -> dict:
+    """The rules' config for this call as the tables' neighbours vote compares against it
+    (tuned.lookup's baseline: the rules before the grid fit); shape as tuned_hit's."""
+    itemsize = ITEMSIZE.get(out_dtype or dtype, 2)
+    if form == "varlen":
+        T, E, N, K = shape
+        rules = _varlen_rules(config, T, E, N, K, itemsize, split_shares(), num_sms)
+    elif form == "batched":
+        rules = _choose_batched(config, *shape, num_sms, itemsize, split_shares())
+    elif form == "general":
+        rules = _choose_general(config, tuple(shape), num_sms, itemsize, split_shares())
+    else:
+        raise ValueError(f"form must be 'varlen', 'batched' or 'general'; got {form!r}")
+    return choice_fields(rules, form)
 
 
 def clear_caches() -> None:

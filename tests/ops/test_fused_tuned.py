@@ -165,7 +165,12 @@ def test_a_timed_row_count_keeps_what_ran_fastest_there_and_nothing_else_is_gues
     grouped_mm's answer stays (no vote among a few fused shapes); grouped_mm's own choice never
     reads the fused samples."""
     samples = []
+    # grouped_mm's rules' config at 45 rows per expert, timed slower than both on its shapes
+    # (the vote then has it to beat)
+    rules = heuristics.rules_baseline("varlen", GemmConfig(), 132, shape=(45 * E, E, 2 * I, H))
     for rows_per_expert in (16, 32, 64, 128, 256):
+        samples.append(dict(_shape("varlen", 2 * I, H, rows_per_expert * E), config=rules,
+                            us=220.0 * rows_per_expert / 16))
         pp_wins = rows_per_expert != 32
         for config, us in ((PP, 100.0 if pp_wins else 104.0),
                            (COOP, 106.0 if pp_wins else 100.0)):

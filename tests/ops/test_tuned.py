@@ -505,7 +505,18 @@ def test_neighbours_answer_unseen_shapes_from_the_nearest_timed_ones(_isolated):
     # Out of reach (N 2^16, four octaves past the grid), another form: the rules decide.
     assert tuned.lookup(DEV, key(E=96, N=1 << 17, K=4096, bucket=9), 96 * 512, 132) is None
     assert tuned.lookup(DEV, key(form="batched", E=8, N=2048, K=4096), 8 * 512, 132) is None
-    # Through the heuristics.
+    # Through the heuristics: the rules' own config, never timed on this grid, stands
+    # (nothing says the vote beats it) ...
+    rules = choose_varlen(GemmConfig(), 96 * 512, 96, 3000, 5000, 132)
+    c = choose_varlen(GemmConfig(), 96 * 512, 96, 3000, 5000, 132, device=DEV)
+    assert c == rules and (c.tile_m, c.tile_n) != (128, 192)
+    # ... until the voters time it too, slower than the vote's pick.
+    rules_cfg = heuristics.rules_baseline("varlen", GemmConfig(), 132,
+                                          shape=(96 * 512, 96, 3000, 5000))
+    slow = [s for N in (2048, 4096, 8192) for K in (2048, 4096, 8192)
+            for s in samples(128, N, K, 128 * 512, [(rules_cfg, 700.0)])]
+    ship(_isolated, table([], samples=timed_grid() + slow))
+    heuristics.clear_caches()  # (the same table path, rewritten within one mtime tick)
     c = choose_varlen(GemmConfig(), 96 * 512, 96, 3000, 5000, 132, device=DEV)
     assert (c.schedule, c.tile_m, c.tile_n) == ("cooperative", 128, 192)
 
@@ -520,9 +531,20 @@ def test_neighbours_keep_the_rules_unless_clearly_better(_isolated):
     ship(_isolated, table([], samples=timed_grid()))
     hit = tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=SMALL)
     assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 192
-    # A rules' config never timed there cannot be compared: the vote decides.
+    # A rules' config no voter timed cannot be shown slower: the rules keep the call.
     other = {**BIG, "tile_n": 128}
-    assert tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=other).how == "neighbours"
+    assert tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=other) is None
+    # Timed on some voters only: compared with the pick on those. (The Llama-4-Scout down
+    # projection at 4096 tokens, H200: a vote of eight for a tile none of them had timed
+    # against the rules' swapped tile ran 1.76x the best measured config, the rules 0.95x.)
+    nearest = [s for K in (4096, 8192) for s in samples(128, 4096, K, 128 * 512,
+                                                          [(other, 650.0)])]
+    ship(_isolated, table([], samples=timed_grid() + nearest))
+    hit = tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=other)
+    assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 192
+    faster = [dict(s, us=500.0) for s in nearest]
+    ship(_isolated, table([], samples=timed_grid() + faster))
+    assert tuned.lookup(DEV, prefill, 96 * 512, 132, baseline=other) is None
 
 
 def test_nearer_neighbours_weigh_more(_isolated):
@@ -561,8 +583,12 @@ def test_a_narrowed_vote_takes_the_rules_fields_of_its_narrow_tile(_isolated):
     # K, and the stages and epilogue of the wide tile do not come along.
     wide = {**COOP_128x192, "tile_n": 256, "stages": 3, "whole_epilogue": True,
             "tail_split": True, "raster_panel": 16}
+    # (each query's rules' config timed too, slower: the vote must beat it where it was timed)
+    rules = [heuristics.rules_baseline("varlen", GemmConfig(), 132, shape=q)
+             for q in ((64 * 128, 64, 1024, 16384), (1024, 8, 512, 32768))]
     grid = [s for N in (256, 512, 1024) for K in (16384, 32768)
-            for s in samples(8, N, K, 8 * 128, [(wide, 300.0), (BIG, 400.0)])]
+            for s in samples(8, N, K, 8 * 128, [(wide, 300.0), (BIG, 400.0)]
+                             + [(r, 500.0) for r in rules if r != wide])]
     ship(_isolated, table([], samples=grid))
     # 64 experts of ~128 rows, N=1024: ~384 tiles of 128x256, a grid they fill: kept whole
     c = choose_varlen(GemmConfig(), 64 * 128, 64, 1024, 16384, 132, device=DEV)
@@ -586,14 +612,15 @@ def test_a_narrowed_vote_in_the_3d_and_list_forms(_isolated, form):
     # tile narrows as the rules' does (to 128x128 split over K, in both forms), with the
     # narrow tile's default stages.
     wide = {**COOP_128x192, "tile_n": 256, "stages": 3}
+    shape = (8, 128, 512, 32768) if form == "batched" else ((128, 512, 32768),) * 8
+    rules = heuristics.rules_baseline(form, GemmConfig(), 132, shape=shape)
     grid = [s for N in (256, 512, 1024) for K in (16384, 32768)
-            for s in samples(8, N, K, 8 * 128, [(wide, 300.0), (BIG, 400.0)], form=form)]
+            for s in samples(8, N, K, 8 * 128, [(wide, 300.0), (BIG, 400.0), (rules, 500.0)],
+                             form=form)]
     ship(_isolated, table([], samples=grid))
     if form == "batched":
-        shape = (8, 128, 512, 32768)
         c = choose_batched(GemmConfig(), *shape, 132, device=DEV)
     else:
-        shape = ((128, 512, 32768),) * 8
         c = choose_general(GemmConfig(), shape, 132, device=DEV)
     hit = heuristics.tuned_hit(form, GemmConfig(), 132, device=DEV, shape=shape)
     assert hit.how == "neighbours" and dict(hit.fields)["tile_n"] == 256
