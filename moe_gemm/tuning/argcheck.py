@@ -102,3 +102,28 @@ def loads_json(data: str | bytes) -> object:
         return json.loads(data)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+def choice_switches_set() -> str | None:
+    """The kernel-choice switches set in the environment (MOE_GEMM_PACKED_PAIRS=1, ...), as one
+    warning line, or None. Each changes every candidate the tuner builds after the candidate
+    is named (ops/choice_switches.py, ops/swap_rules.py), while the table records the names:
+    a table tuned under MOE_GEMM_PACKED_PAIRS=1 held 2x1 configs timed packed and launched
+    unpacked."""
+    from moe_gemm.ops.choice_switches import (
+        PACKED_PAIRS_ENV,
+        PEEK_WAIT_ENV,
+        SPLIT_WAYS_ENV,
+        TAIL_SPLIT_ENV,
+        TRIM_A_ENV,
+    )
+    from moe_gemm.ops.swap_rules import SWAP_AB_ENV
+
+    names = ("MOE_GEMM_L2_HINTS", PACKED_PAIRS_ENV, PEEK_WAIT_ENV, SPLIT_WAYS_ENV,
+             TAIL_SPLIT_ENV, TRIM_A_ENV, SWAP_AB_ENV)
+    set_ = [f"{n}={os.environ[n]}" for n in names if os.environ.get(n, "").strip()]
+    if not set_:
+        return None
+    return (f"{', '.join(set_)} set: every candidate is built and timed with "
+            f"{'it' if len(set_) == 1 else 'them'}, and the table records the configs without "
+            f"{'it' if len(set_) == 1 else 'them'} (unset to tune the configs as named)")

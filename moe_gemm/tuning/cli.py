@@ -40,7 +40,13 @@ from pathlib import Path
 
 from moe_gemm.ops import tuned
 from moe_gemm.tuning import rerank, space
-from moe_gemm.tuning.argcheck import cache_problem, empty_option, loads_json, output_problem
+from moe_gemm.tuning.argcheck import (
+    cache_problem,
+    choice_switches_set,
+    empty_option,
+    loads_json,
+    output_problem,
+)
 from moe_gemm.tuning.shape_args import (  # noqa: F401 (re-exported: the benchmarks' A/Bs)
     DEFAULT_TOKENS,
     config_problem,
@@ -491,6 +497,8 @@ def run(args: argparse.Namespace, shapes: list, log) -> int:
     log(f"[tune] {name}: {len(shapes)} shapes -> {out}; copy "
         f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, mm "
         f"{ceilings['mm_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    if switched := choice_switches_set():
+        log(f"[tune] warning: {switched}")
     done, stopped, slowest = 0, None, FIRST_SHAPE_EST_S
     os.environ.setdefault("MOE_GEMM_TUNED_TABLES", "1")
     found = {}

@@ -37,3 +37,20 @@ def test_loads_json_makes_every_parse_failure_a_value_error() -> None:
                        ("{", "Expecting"), (b"\xff\xfe\x00", None)):
         with pytest.raises(ValueError, match=words):
             loads_json(bad)
+
+
+def test_choice_switches_set_names_each_switch_the_tuner_would_time_under(monkeypatch):
+    from moe_gemm.tuning.argcheck import choice_switches_set
+
+    for name in ("MOE_GEMM_L2_HINTS", "MOE_GEMM_PACKED_PAIRS", "MOE_GEMM_PEEK_WAIT",
+                 "MOE_GEMM_SPLIT_WAYS", "MOE_GEMM_TAIL_SPLIT", "MOE_GEMM_TRIM_A",
+                 "MOE_GEMM_SWAP_AB"):
+        monkeypatch.delenv(name, raising=False)
+    assert choice_switches_set() is None
+    monkeypatch.setenv("MOE_GEMM_PACKED_PAIRS", "1")
+    line = choice_switches_set()
+    assert "MOE_GEMM_PACKED_PAIRS=1 set" in line and "without it" in line
+    monkeypatch.setenv("MOE_GEMM_TRIM_A", "0")
+    monkeypatch.setenv("MOE_GEMM_SWAP_AB", " ")  # blank: unset
+    line = choice_switches_set()
+    assert "MOE_GEMM_PACKED_PAIRS=1, MOE_GEMM_TRIM_A=0 set" in line and "without them" in line
