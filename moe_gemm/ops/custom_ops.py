@@ -437,7 +437,7 @@ def _inference_only_setup(ctx, inputs, output) -> None:
 
 
 def _inference_only_backward(ctx, grad):
-    return torch.ops.moe_gemm._no_backward(grad, ctx.meta[0], ctx.meta[1], ctx.message), None
+    return raise_in_backward(grad, ctx.meta, ctx.message), None
 
 
 _inference_only.register_autograd(_inference_only_backward, setup_context=_inference_only_setup)

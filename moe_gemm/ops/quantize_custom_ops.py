@@ -123,8 +123,7 @@ register_loop_vmap(_quantize_fp8_per_block, _dequantize_fp8, _dequantize_fp8_sca
 
 
 def quantize_per_block(w: Tensor, block_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    q, scale = torch.ops.moe_gemm._quantize_fp8_per_block(w, block_size, dtype)
-    return q, scale
+    return torch.ops.moe_gemm._quantize_fp8_per_block(w, block_size, dtype)
 
 
 def dequantize(q: Tensor, scale: Tensor, granularity: str, block_size: int) -> Tensor:
