@@ -316,7 +316,8 @@ class MoE(MoELoaders, MoEOptions):
     Args:
         hidden_size: H.
         intermediate_size: I, per expert.
-        num_experts: E.
+        num_experts: E. Both attributes read the expert weights' sizes (new weights assigned
+            later update them; assigning another value than theirs is a ValueError).
         top_k: experts per token, 1 <= top_k <= E.
         scoring: "softmax" or "sigmoid".
         renormalize: divide the top-k weights by their sum.
@@ -325,7 +326,8 @@ class MoE(MoELoaders, MoEOptions):
         correction_bias: keep an e_score_correction_bias buffer (sigmoid only); None = True
             for sigmoid.
         router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for
-            softmax (Mixtral and Qwen compute them in the weight dtype).
+            softmax (Mixtral and Qwen compute them in the weight dtype). An attribute
+            (an assignment is checked; None picks the scoring's default again).
         router_jitter_noise: Mixtral's router jitter (transformers' config.router_jitter_noise,
             which from_hf carries): in training mode (module.train(), torch's default for a
             new module) the forward multiplies its input by uniform noise in
@@ -388,7 +390,7 @@ class MoE(MoELoaders, MoEOptions):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
-        self.router_fp32 = scoring == "sigmoid" if router_fp32 is None else bool(router_fp32)
+        self.router_fp32 = router_fp32  # (None: the scoring's default; see MoEOptions)
         self.router_jitter_noise = router_jitter_noise
         self.activation = activation
         self.config = config

@@ -1,5 +1,6 @@
-"""The options a built MoE layer switches by assignment: `activation`, `fused`, `config` and
-`router_jitter_noise`, each checked when assigned as the constructor checks it.
+"""The options a built MoE layer switches by assignment: `activation`, `fused`, `config`,
+`router_fp32` and `router_jitter_noise`, each checked when assigned as the constructor checks
+it; and `num_experts` / `intermediate_size`, which the expert weights decide.
 
 The MoE class documents them as attributes to set on a built layer; an unchecked assignment
 went wrong late and far from its cause (a string such as "no" for `fused` forced the fused
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.experts import check_gemm_options, resolve_activation
-from moe_gemm.layers.routing import check_jitter_noise
+from moe_gemm.layers.routing import check_flag, check_jitter_noise
 
 __all__ = ["MoEOptions", "replace_activation"]
 
@@ -97,3 +99,65 @@ class MoEOptions(nn.Module):
     @router_jitter_noise.setter
     def router_jitter_noise(self, value: float) -> None:
         self._router_jitter_noise = check_jitter_noise(value)
+
+    @property
+    def router_fp32(self) -> bool:
+        """The router logits in fp32 (see MoE). Assigning None picks the scoring's default
+        (True for sigmoid); anything but a bool was silently truthy."""
+        d = self.__dict__
+        # (a layer pickled before the check kept the plain attribute)
+        return d["_router_fp32"] if "_router_fp32" in d else d["router_fp32"]
+
+    @router_fp32.setter
+    def router_fp32(self, value: bool | None) -> None:
+        flag = check_flag("router_fp32", value, none_ok=True)
+        self._router_fp32 = self.scoring == "sigmoid" if flag is None else flag
+
+    # E and I are the expert weights' sizes: a reassignment that disagrees with them was
+    # silently ignored (the forward reads the weights), and one of new weights (assigned, or
+    # load_state_dict(assign=True)) left the attributes stale.
+    def _expert_weight(self) -> torch.Tensor | None:
+        w = self.__dict__.get("_parameters", {}).get("gate_up_proj")
+        if w is None:  # (deleted, and perhaps a plain tensor set in its place)
+            w = self.__dict__.get("gate_up_proj")
+        return w if isinstance(w, torch.Tensor) and w.dim() == 3 else None
+
+    def _sizes_attribute(self, name: str, of_weight: int | None) -> int:
+        if of_weight is not None:
+            return of_weight
+        d = self.__dict__
+        for key in ("_" + name, name):  # (a layer pickled before these were properties: name)
+            if key in d:
+                return d[key]
+        raise AttributeError(name)
+
+    def _set_size(self, name: str, value: object, of_weight: int | None, what: str) -> None:
+        if of_weight is not None and value != of_weight:
+            raise ValueError(
+                f"{name} is the expert weights' {what} ({of_weight}); got {value!r}: assign "
+                "weights of another size (gate_up_proj, down_proj, router_weight) instead")
+        self.__dict__["_" + name] = value
+
+    @property
+    def num_experts(self) -> int:
+        """E, the expert weights' first dimension."""
+        w = self._expert_weight()
+        return self._sizes_attribute("num_experts", None if w is None else int(w.shape[0]))
+
+    @num_experts.setter
+    def num_experts(self, value: int) -> None:
+        w = self._expert_weight()
+        self._set_size("num_experts", value, None if w is None else int(w.shape[0]), "E")
+
+    @property
+    def intermediate_size(self) -> int:
+        """I, the experts' intermediate size (gate_up_proj holds 2I rows)."""
+        w = self._expert_weight()
+        return self._sizes_attribute("intermediate_size",
+                                     None if w is None else int(w.shape[1]) // 2)
+
+    @intermediate_size.setter
+    def intermediate_size(self, value: int) -> None:
+        w = self._expert_weight()
+        self._set_size("intermediate_size", value,
+                       None if w is None else int(w.shape[1]) // 2, "I")

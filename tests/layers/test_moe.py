@@ -716,6 +716,46 @@ def test_weights_assigned_after_construction_with_new_sizes_run() -> None:
     assert rel_err(moe(x), naive_moe(moe, x)) < 1e-5
 
 
+def test_sizes_follow_the_weights_and_disagreeing_assignments_raise() -> None:
+    # E and I are the weights' sizes: new weights update them, and an assignment that
+    # disagrees with the weights (silently ignored by the forward before) names them.
+    moe = randomize(MoE(32, 16, 8, 2))
+    moe.router_weight = torch.nn.Parameter(torch.randn(4, 32), requires_grad=False)
+    moe.gate_up_proj = torch.nn.Parameter(torch.randn(4, 12, 32) / 6, requires_grad=False)
+    moe.down_proj = torch.nn.Parameter(torch.randn(4, 32, 6) / 3, requires_grad=False)
+    assert (moe.num_experts, moe.intermediate_size) == (4, 6)
+    assert "intermediate_size=6, num_experts=4" in repr(moe)
+    with pytest.raises(ValueError, match=r"num_experts is the expert weights' E \(4\); got 8"):
+        moe.num_experts = 8
+    with pytest.raises(ValueError, match=r"intermediate_size is the expert weights' I \(6\)"):
+        moe.intermediate_size = 16
+    assert (moe.num_experts, moe.intermediate_size) == (4, 6)
+    # a layer on the meta device, and a copy, report the constructor's sizes
+    meta = MoE(32, 16, 8, 2, device="meta")
+    assert (meta.num_experts, meta.intermediate_size) == (8, 16)
+    assert copy.deepcopy(moe).num_experts == 4
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_router_fp32_assignment_is_checked(scoring: str) -> None:
+    torch.manual_seed(0)
+    moe = randomize(MoE(32, 16, 8, 2, scoring=scoring))
+    assert moe.router_fp32 is (scoring == "sigmoid")
+    for bad in ("yes", 2, 1.0):
+        with pytest.raises(TypeError, match="router_fp32 must be a bool or None"):
+            moe.router_fp32 = bad
+    assert moe.router_fp32 is (scoring == "sigmoid")
+    moe.router_fp32 = not moe.router_fp32
+    moe.router_fp32 = None  # the scoring's default again
+    assert moe.router_fp32 is (scoring == "sigmoid")
+    moe.router_fp32 = True  # fp32 logits: the same routing as a layer built with it
+    built = randomize(MoE(32, 16, 8, 2, scoring=scoring, router_fp32=True))
+    built.load_state_dict(moe.state_dict())
+    x = torch.randn(7, 32, dtype=torch.bfloat16)
+    moe, built = moe.bfloat16(), built.bfloat16()
+    torch.testing.assert_close(moe.route(x), built.route(x), rtol=0, atol=0)
+
+
 @pytest.mark.slow  # CPU timings of 3 token counts x 4 implementations: a few seconds
 def test_benchmark_smoke(tmp_path) -> None:
     import importlib.util
