@@ -116,48 +116,39 @@ class MoEOptions(nn.Module):
     # E and I are the expert weights' sizes: a reassignment that disagrees with them was
     # silently ignored (the forward reads the weights), and one of new weights (assigned, or
     # load_state_dict(assign=True)) left the attributes stale.
-    def _expert_weight(self) -> torch.Tensor | None:
+    def _size_of_weights(self, name: str) -> int | None:
+        """num_experts / intermediate_size as gate_up_proj [E, 2I, H] holds them (None while
+        there is none: during construction, or deleted)."""
         w = self.__dict__.get("_parameters", {}).get("gate_up_proj")
         if w is None:  # (deleted, and perhaps a plain tensor set in its place)
             w = self.__dict__.get("gate_up_proj")
-        return w if isinstance(w, torch.Tensor) and w.dim() == 3 else None
+        if not (isinstance(w, torch.Tensor) and w.dim() == 3):
+            return None
+        return int(w.shape[0]) if name == "num_experts" else int(w.shape[1]) // 2
 
-    def _sizes_attribute(self, name: str, of_weight: int | None) -> int:
-        if of_weight is not None:
-            return of_weight
+    def _size(self, name: str) -> int:
+        size = self._size_of_weights(name)
+        if size is not None:
+            return size
         d = self.__dict__
         for key in ("_" + name, name):  # (a layer pickled before these were properties: name)
             if key in d:
                 return d[key]
         raise AttributeError(name)
 
-    def _set_size(self, name: str, value: object, of_weight: int | None, what: str) -> None:
-        if of_weight is not None and value != of_weight:
+    def _set_size(self, name: str, value: object) -> None:
+        size = self._size_of_weights(name)
+        if size is not None and value != size:
+            what = "E" if name == "num_experts" else "I"
             raise ValueError(
-                f"{name} is the expert weights' {what} ({of_weight}); got {value!r}: assign "
+                f"{name} is the expert weights' {what} ({size}); got {value!r}: assign "
                 "weights of another size (gate_up_proj, down_proj, router_weight) instead")
         self.__dict__["_" + name] = value
 
-    @property
-    def num_experts(self) -> int:
-        """E, the expert weights' first dimension."""
-        w = self._expert_weight()
-        return self._sizes_attribute("num_experts", None if w is None else int(w.shape[0]))
-
-    @num_experts.setter
-    def num_experts(self, value: int) -> None:
-        w = self._expert_weight()
-        self._set_size("num_experts", value, None if w is None else int(w.shape[0]), "E")
-
-    @property
-    def intermediate_size(self) -> int:
-        """I, the experts' intermediate size (gate_up_proj holds 2I rows)."""
-        w = self._expert_weight()
-        return self._sizes_attribute("intermediate_size",
-                                     None if w is None else int(w.shape[1]) // 2)
-
-    @intermediate_size.setter
-    def intermediate_size(self, value: int) -> None:
-        w = self._expert_weight()
-        self._set_size("intermediate_size", value,
-                       None if w is None else int(w.shape[1]) // 2, "I")
+    num_experts = property(lambda self: self._size("num_experts"),
+                           lambda self, value: self._set_size("num_experts", value),
+                           doc="E, the expert weights' first dimension.")
+    intermediate_size = property(
+        lambda self: self._size("intermediate_size"),
+        lambda self, value: self._set_size("intermediate_size", value),
+        doc="I, the experts' intermediate size (gate_up_proj holds 2I rows).")
