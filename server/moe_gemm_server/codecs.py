@@ -454,7 +454,8 @@ def decode_json_grouped_gemm(obj: Mapping[str, Any],
         if key not in obj:
             raise bad_request(f"missing field {key!r} (a list of matrices)")
         if not isinstance(obj[key], list):
-            raise bad_request(f"{key!r} must be a list of matrices")
+            # (a value of the wrong rank: 422, as a matrix of the wrong rank is)
+            raise unprocessable(f"{key!r} must be a list of matrices")
     a, b = obj["a"], obj["b"]
     if check_count is not None:
         check_count(max(len(a), len(b)))

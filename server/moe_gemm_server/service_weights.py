@@ -53,8 +53,17 @@ log = logging.getLogger("moe_gemm_server.service")
 
 WRITE_CHUNK = 4 << 20
 
-SAFETENSORS_TYPES = ("", "application/octet-stream", "application/safetensors",
+SAFETENSORS_TYPES = ("application/octet-stream", "application/safetensors",
                      "application/x-safetensors")
+
+
+def media_type(request: Request) -> str | None:
+    """The Content-Type's media type, lowercased, without its parameters; None where the
+    request has no Content-Type (its body is then read as safetensors). A header naming no
+    type (`; charset=utf-8`) gives "", which no route takes (415), rather than passing for
+    an absent one."""
+    raw = request.headers.get("content-type")
+    return None if raw is None else raw.split(";")[0].strip().lower()
 
 # A safetensors header longer than this is checked in a worker thread (a long one takes a while
 # to parse, and on the event loop that would stall every other request).
@@ -175,14 +184,14 @@ class WeightsMixin(ResidentBudget):
             # of the temp file out of it fails (507) rather than storing the set elsewhere.
             await asyncio.to_thread(self._check_data_dir, what)
             await asyncio.to_thread(self._check_obstruction, name, what)
-            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            ctype = media_type(request)
             if ctype == "application/json":
                 limit = upload_limit(self.settings, ctype)
                 body = await read_body(request, limit.bytes, allow_encoding=False,
                                        flag=limit.flag)
                 data = await asyncio.to_thread(_json_weights, body)
                 await asyncio.to_thread(_write_file, temp, data)
-            elif ctype in SAFETENSORS_TYPES:
+            elif ctype is None or ctype in SAFETENSORS_TYPES:
                 declared = content_length(request.scope)
                 await _stream_to_file(request, temp, self.settings.max_weight_bytes,
                                       lambda head: self._check_header(name, head, declared))

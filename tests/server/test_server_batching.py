@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import socket
 import threading
 import time
@@ -353,6 +354,11 @@ def test_a_request_timeout_shortens_the_default_but_never_lengthens_it(tmp_path)
         t0 = time.monotonic()
         r = HTTP.post(f"{url}/v2/models/d/infer", json=body)
         assert r.status_code == 504 and 0.59 <= time.monotonic() - t0 < 2.5
+        # A v2 body that stalls before its parameters.timeout could be read: the default
+        # bounds it.
+        status, elapsed = _stalled_post(url, "/v2/models/d/infer", json.dumps(body).encode(),
+                                        {"Content-Type": "application/json"})
+        assert status == 504 and 0.59 <= elapsed < 3.0, (status, elapsed)
     finally:
         server.stop()
 
@@ -409,6 +415,47 @@ def test_queued_timeout_answers_504_at_the_deadline(slow_server):
         before, "moe_gemm_batch_requests_sum", kind="mm")
     assert (metric(after, "moe_gemm_rejections_total", reason="timeout")
             - metric(before, "moe_gemm_rejections_total", reason="timeout")) == 2
+
+
+def _stalled_post(url: str, path: str, body: bytes, headers: dict[str, str]
+                  ) -> tuple[int, float]:
+    """POST whose body stops after its first 10 bytes (the rest never comes): the status of
+    the answer and the seconds it took."""
+    host, port = url.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        t0 = time.monotonic()
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{head}Content-Length: "
+                     f"{len(body)}\r\n\r\n".encode() + body[:10])
+        answer = sock.recv(4096)
+        elapsed = time.monotonic() - t0
+    return int(answer.split(b" ", 2)[1]), elapsed
+
+
+@pytest.mark.parametrize("form", ["grouped-mm", "grouped-gemm", "json"])
+def test_timeout_while_the_body_arrives_answers_504_at_the_deadline(slow_server, form):
+    """The timeout covers the request's whole life, its body's arrival too: a body that
+    stalls is answered 504 at the deadline, not once its last byte comes (nor with a 408 at
+    --body-timeout-s, 60 s)."""
+    url = slow_server.url
+    _put(url, "b", torch.randn(2, 8, 4))
+    if form == "grouped-gemm":
+        path = "/v1/grouped-gemm"
+        body = st_body({"a.0": torch.randn(3, 8), "b.0": torch.randn(8, 4)})
+        ctype = "application/octet-stream"
+    else:
+        path = "/v1/weights/b/grouped-mm"
+        if form == "json":
+            body, ctype = b'{"x": [[1, 2, 3, 4, 5, 6, 7, 8]], "counts": [1, 0]}', "application/json"
+        else:
+            body = st_body({"x": torch.randn(2, 8), "counts": torch.tensor([1, 1], dtype=torch.int32)})
+            ctype = "application/octet-stream"
+    before = metric(_metrics(url), "moe_gemm_rejections_total", reason="timeout")
+    status, elapsed = _stalled_post(url, path, body, {"Content-Type": ctype,
+                                                      "X-Timeout-Us": "300000"})
+    assert status == 504 and 0.29 <= elapsed < 3.0, (status, elapsed)
+    assert metric(_metrics(url), "moe_gemm_rejections_total", reason="timeout") == before + 1
+    assert HTTP.get(f"{url}/v2/health/ready").status_code == 200
 
 
 def test_disconnect_drops_queued_work(slow_server):

@@ -172,6 +172,27 @@ def test_an_activation_of_the_wrong_rank_is_422_in_json_and_safetensors(small):
     assert r_st.status_code == r_js.status_code == 422, (r_st.text, r_js.text)
     r = small.post("/v1/grouped-gemm", json={"a": [[1.0, 2.0]], "b": [[[1.0], [2.0]]]})
     assert r.status_code == 422 and "'a[0]' must be 2-D (M_i, K_i)" in r.json()["error"]
+    for body in ({"a": 1, "b": [[[1.0]]]}, {"a": [[[1.0]]], "b": 2.0}):  # (a scalar: rank 0)
+        r = small.post("/v1/grouped-gemm", json=body)
+        assert r.status_code == 422 and "must be a list of matrices" in r.json()["error"]
+
+
+def test_a_content_type_naming_no_media_type_is_415_not_safetensors(small):
+    """No Content-Type is safetensors; one that names no type (a bare parameter, or only
+    separators) is an unsupported type like any other, on the matmul and the upload routes."""
+    assert small.put("/v1/weights/ct", content=st_body({"w": torch.randn(2, 3, 4)}),
+                     headers={"Content-Type": "application/octet-stream"}).status_code == 201
+    x = st_body({"x": torch.randn(3, 3), "counts": torch.tensor([1, 2], dtype=torch.int32)})
+    for ctype in (";;;", "; charset=utf-8"):
+        for method, url, body in (("POST", "/v1/weights/ct/grouped-mm", x),
+                                  ("POST", "/v1/grouped-gemm", x),
+                                  ("PUT", "/v1/weights/ct2", st_body({"w": torch.randn(2, 3, 4)}))):
+            r = small.request(method, url, content=body, headers={"Content-Type": ctype})
+            assert r.status_code == 415 and "Content-Type" in r.json()["error"], (ctype, url, r.text)
+    assert small.get("/v1/weights/ct2").status_code == 404
+    # (the request without any Content-Type still reads as safetensors)
+    r = small.post("/v1/weights/ct/grouped-mm", content=x)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("set_dtype,x_dtype,accepted", [

@@ -11,7 +11,7 @@ from fastapi import Request, Response
 
 from ..codecs import check_json_finite, encode_json, encode_safetensors, tensor_to_json
 from ..errors import APIError, bad_request
-from ..service_weights import SAFETENSORS_TYPES
+from ..service_weights import SAFETENSORS_TYPES, media_type
 
 OCTET = "application/octet-stream"
 JSON = "application/json"
@@ -21,10 +21,10 @@ T = TypeVar("T")
 
 def body_format(request: Request) -> str:
     """"json" or "safetensors" from Content-Type (none = safetensors); 415 otherwise."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    ctype = media_type(request)
     if ctype == JSON:
         return "json"
-    if ctype in SAFETENSORS_TYPES:
+    if ctype is None or ctype in SAFETENSORS_TYPES:
         return "safetensors"
     raise APIError(415, f"unsupported Content-Type {ctype!r}; send safetensors "
                         f"({OCTET} or application/safetensors) or {JSON}")

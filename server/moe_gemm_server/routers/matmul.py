@@ -6,6 +6,8 @@ Per-request priority and timeout come from the X-Priority and X-Timeout-Us heade
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request, Response
 
 from ..codecs import (
@@ -44,17 +46,12 @@ async def _grouped_mm(name: str, request: Request, service: Service) -> Response
     ws = await service.weight_set(name)
     fmt = body_format(request)
     priority, timeout_us = native_params(request)
+    deadline = service.deadline_for(request, timeout_us)
     async with service.tracked():
-        body = await read_body(request, service.settings.max_body_bytes)
-        if fmt == "json":
-            tensors = await off_loop_if_large(
-                body, lambda: decode_json_grouped_mm(parse_json_object(body), ws.K))
-        else:  # (a large header takes a while to parse: off the event loop, as JSON is)
-            tensors = await off_loop_if_large(body, lambda: decode_safetensors(  # x, counts, offs
-                body, max_tensors=3, name_rules=check_mm_names))
+        tensors = await service.by_deadline(deadline, _mm_tensors(request, service, fmt, ws.K))
         job = mm_job(ws, tensors, service.settings,
                      priority=service.priority_level(priority),
-                     deadline=service.deadline_for(request, timeout_us),
+                     deadline=deadline,
                      request_id=request_id_of(request))
         if fmt == "json":
             check_json_answer(job.rows * ws.N)
@@ -73,19 +70,12 @@ async def grouped_gemm(request: Request) -> Response:
     service.admit(request)
     fmt = body_format(request)
     priority, timeout_us = native_params(request)
+    deadline = service.deadline_for(request, timeout_us)
     async with service.tracked():
-        body = await read_body(request, service.settings.max_body_bytes)
-        settings = service.settings
-        if fmt == "json":
-            tensors = await off_loop_if_large(body, lambda: decode_json_grouped_gemm(
-                parse_json_object(body), lambda G: check_problem_count(G, settings)))
-        else:
-            tensors = await off_loop_if_large(body, lambda: decode_safetensors(
-                body, max_tensors=2 * settings.max_problems,
-                name_rules=lambda names: gemm_problems(names, settings)))
+        tensors = await service.by_deadline(deadline, _gemm_tensors(request, service, fmt))
         job = gemm_job(tensors, service.settings,
                        priority=service.priority_level(priority),
-                       deadline=service.deadline_for(request, timeout_us),
+                       deadline=deadline,
                        request_id=request_id_of(request))
         if fmt == "json":
             a, b = job.payload
@@ -98,3 +88,27 @@ async def grouped_gemm(request: Request) -> Response:
             return await tensors_response({f"d.{i}": t for i, t in enumerate(d)}, "json-list",
                                           {"dtype": dtype_name(job.out_dtype)})
         return await tensors_response({f"d.{i}": t for i, t in enumerate(d)}, fmt)
+
+
+async def _mm_tensors(request: Request, service: Service, fmt: str, K: int
+                      ) -> dict[str, Any]:
+    """A grouped-mm request's body, received and decoded: x, counts / offs."""
+    body = await read_body(request, service.settings.max_body_bytes)
+    if fmt == "json":
+        return await off_loop_if_large(
+            body, lambda: decode_json_grouped_mm(parse_json_object(body), K))
+    # (a large header takes a while to parse: off the event loop, as JSON is)
+    return await off_loop_if_large(body, lambda: decode_safetensors(
+        body, max_tensors=3, name_rules=check_mm_names))
+
+
+async def _gemm_tensors(request: Request, service: Service, fmt: str) -> dict[str, Any]:
+    """A grouped-gemm request's body, received and decoded: a.i, b.i."""
+    body = await read_body(request, service.settings.max_body_bytes)
+    settings = service.settings
+    if fmt == "json":
+        return await off_loop_if_large(body, lambda: decode_json_grouped_gemm(
+            parse_json_object(body), lambda G: check_problem_count(G, settings)))
+    return await off_loop_if_large(body, lambda: decode_safetensors(
+        body, max_tensors=2 * settings.max_problems,
+        name_rules=lambda names: gemm_problems(names, settings)))

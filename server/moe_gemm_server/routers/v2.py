@@ -252,10 +252,10 @@ async def _infer_counted(name: str, request: Request, service: Service) -> Respo
     service.admit(request)
     ws = await service.weight_set(name)
     async with service.tracked():
-        body = await read_body(request, service.settings.max_body_bytes)
-        hlen = single_header(request, "inference-header-content-length")
-        req, tensors = await off_loop_if_large(
-            body, lambda: parse_request(body, hlen, lambda names: _check_inputs(name, names)))
+        # (the request's own parameters.timeout is in the body: until it is read, the
+        # server's --default-timeout-us bounds the wait for it)
+        req, tensors = await service.by_deadline(service.deadline_for(request, None),
+                                                 _infer_body(name, request, service))
         _check_body_model(req, name)
         params = req.parameters or {}
         for p in ("sequence_id", "sequence_start", "sequence_end"):
@@ -282,6 +282,15 @@ async def _infer_counted(name: str, request: Request, service: Service) -> Respo
             return Response(payload, media_type="application/json")
         return Response(payload, media_type="application/octet-stream",
                         headers={"Inference-Header-Content-Length": str(hlen)})
+
+
+async def _infer_body(name: str, request: Request, service: Service
+                      ) -> tuple[V2Request, dict[str, Any]]:
+    """A v2 infer request's body, received and parsed: (request, input tensors)."""
+    body = await read_body(request, service.settings.max_body_bytes)
+    hlen = single_header(request, "inference-header-content-length")
+    return await off_loop_if_large(
+        body, lambda: parse_request(body, hlen, lambda names: _check_inputs(name, names)))
 
 
 @router.post("/models/{name}/infer")
