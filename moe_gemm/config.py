@@ -9,6 +9,7 @@ use as part of a compile key.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
@@ -167,8 +168,14 @@ class GemmConfig:
                 raise TypeError(f"{name} must be None or a bool; got {value!r}")
         for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "raster_panel"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, numbers.Integral)):
                 raise TypeError(f"{name} must be None or an int; got {value!r}")
+            if value is not None and type(value) is not int:
+                # (numpy's integer scalars: kept as Python ints, which the cache keys and the
+                # tables' JSON hold)
+                value = int(value)
+                object.__setattr__(self, name, value)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive; got {value}")
         if (self.tile_m is None) != (self.tile_n is None):

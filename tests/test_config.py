@@ -186,6 +186,23 @@ def test_int_fields_reject_bools_and_non_ints(kwargs: dict[str, object], field: 
         GemmConfig(**kwargs)  # type: ignore[arg-type]
 
 
+def test_int_fields_take_numpy_integers_as_python_ints() -> None:
+    """A config built from numpy values (a sweep's arrays) is the config of the same Python
+    ints: equal, the same hash (cache keys) and JSON-serializable fields."""
+    np = pytest.importorskip("numpy")
+    cfg = GemmConfig(tile_m=np.int64(128), tile_n=np.int32(192), cluster_m=np.int16(2),
+                     cluster_n=np.uint8(1), stages=np.int64(4), raster_panel=np.int64(8))
+    plain = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, stages=4,
+                       raster_panel=8)
+    assert cfg == plain and hash(cfg) == hash(plain)
+    for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "raster_panel"):
+        assert type(getattr(cfg, name)) is int, name
+    with pytest.raises(TypeError, match="tile_m must be None or an int"):
+        GemmConfig(tile_m=np.float64(128), tile_n=128)
+    with pytest.raises(TypeError, match="stages must be None or an int"):
+        GemmConfig(stages=np.bool_(True))
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [

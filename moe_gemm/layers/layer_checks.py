@@ -14,6 +14,7 @@ from moe_gemm.layers.experts import FLOAT_DTYPES, check_gemm_options, resolve_ac
 from moe_gemm.layers.routing import (
     ROUTER_DTYPES,
     check_flag,
+    check_int,
     check_jitter_noise,
     check_router_weight,
     check_scaling_factor,
@@ -33,9 +34,7 @@ def check_routing(
     routed_scaling_factor: float,
     renormalize: bool = True,
 ) -> None:
-    for name, value in (("num_experts", num_experts), ("top_k", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int; got {value!r}")
+    num_experts, top_k = check_int("num_experts", num_experts), check_int("top_k", top_k)
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1; got {num_experts}")
     if not 1 <= top_k <= num_experts:
@@ -75,8 +74,7 @@ def check_layer_args(hidden_size, intermediate_size, shared_intermediate_size, n
         ("intermediate_size", intermediate_size),
         ("shared_intermediate_size", shared_intermediate_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int; got {value!r}")
+        value = check_int(name, value)
         if value < (0 if name == "shared_intermediate_size" else 1):
             raise ValueError(f"{name} must be an int >= "
                              f"{0 if name == 'shared_intermediate_size' else 1}; got {value!r}")

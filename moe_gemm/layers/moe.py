@@ -327,7 +327,7 @@ class MoE(MoELoaders, MoEOptions):
             for sigmoid.
         router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for
             softmax (Mixtral and Qwen compute them in the weight dtype). An attribute
-            (an assignment is checked; None picks the scoring's default again).
+            (an assignment is checked; None follows the scoring, also one assigned later).
         router_jitter_noise: Mixtral's router jitter (transformers' config.router_jitter_noise,
             which from_hf carries): in training mode (module.train(), torch's default for a
             new module) the forward multiplies its input by uniform noise in
@@ -381,14 +381,18 @@ class MoE(MoELoaders, MoEOptions):
             scoring, renormalize, n_group, topk_group, routed_scaling_factor, correction_bias,
             router_fp32, shared_expert_gate, activation, config, fused, dtype,
             router_jitter_noise, device)
+        # (Python ints: numpy's integer scalars pass the checks)
+        hidden_size, intermediate_size, num_experts = (
+            int(hidden_size), int(intermediate_size), int(num_experts))
+        shared_intermediate_size = int(shared_intermediate_size)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts
-        self.top_k = top_k
+        self.top_k = int(top_k)
         self.scoring = scoring
         self.renormalize = bool(renormalize)
-        self.n_group = n_group
-        self.topk_group = topk_group
+        self.n_group = int(n_group)
+        self.topk_group = int(topk_group)
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.router_fp32 = router_fp32  # (None: the scoring's default; see MoEOptions)
         self.router_jitter_noise = router_jitter_noise

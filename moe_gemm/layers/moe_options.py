@@ -102,16 +102,17 @@ class MoEOptions(nn.Module):
 
     @property
     def router_fp32(self) -> bool:
-        """The router logits in fp32 (see MoE). Assigning None picks the scoring's default
-        (True for sigmoid); anything but a bool was silently truthy."""
+        """The router logits in fp32 (see MoE). None (the default, or assigned) follows the
+        scoring: True for sigmoid, also after `scoring` is assigned; anything but a bool or
+        None was silently truthy."""
         d = self.__dict__
         # (a layer pickled before the check kept the plain attribute)
-        return d["_router_fp32"] if "_router_fp32" in d else d["router_fp32"]
+        flag = d["_router_fp32"] if "_router_fp32" in d else d["router_fp32"]
+        return self.scoring == "sigmoid" if flag is None else flag
 
     @router_fp32.setter
     def router_fp32(self, value: bool | None) -> None:
-        flag = check_flag("router_fp32", value, none_ok=True)
-        self._router_fp32 = self.scoring == "sigmoid" if flag is None else flag
+        self._router_fp32 = check_flag("router_fp32", value, none_ok=True)
 
     # E and I are the expert weights' sizes: a reassignment that disagrees with them was
     # silently ignored (the forward reads the weights), and one of new weights (assigned, or

@@ -35,6 +35,7 @@ to the tail, past offs[-1], so the grouped GEMMs never compute them, and `valid`
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -76,9 +77,16 @@ def _check_logits(logits: object) -> torch.Tensor:
     return logits
 
 
+def check_int(name: str, value: object) -> int:
+    """An int argument as a Python int: numpy's integer scalars pass (numbers.Integral, as a
+    config read from numpy gives them); a bool, a float or anything else is a TypeError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int; got {value!r}")
+    return int(value)
+
+
 def _check_k(k: object, E: int) -> int:
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k (experts per token) must be an int; got {k!r}")
+    k = check_int("k (experts per token)", k)
     if not 1 <= k <= E:
         raise ValueError(f"k (experts per token) must be in [1, E={E}]; got {k}")
     return k
@@ -250,9 +258,7 @@ def sigmoid_grouped_topk(
     logits = _check_logits(logits)
     T, E = logits.shape
     k = _check_k(k, E)
-    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int; got {value!r}")
+    n_group, topk_group = check_int("n_group", n_group), check_int("topk_group", topk_group)
     if n_group < 1 or E % n_group:
         raise ValueError(f"n_group must be >= 1 and divide E={E}; got {n_group}")
     if not 1 <= topk_group <= n_group:
@@ -378,9 +384,10 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *,
         raise ValueError(f"topk_ids must be 2-D (T, k); got shape {shape_text(topk_ids)}")
     if topk_ids.dtype not in _INT_DTYPES:
         raise TypeError(f"topk_ids must be an integer tensor (int32 or int64); got {topk_ids.dtype}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+    if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral):
         raise TypeError(f"num_experts must be an int >= 1; got {type(num_experts).__name__} "
                         f"{num_experts!r}")
+    num_experts = int(num_experts)
     if num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1; got {num_experts!r}")
     T, k = topk_ids.shape

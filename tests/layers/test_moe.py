@@ -748,6 +748,12 @@ def test_router_fp32_assignment_is_checked(scoring: str) -> None:
     moe.router_fp32 = not moe.router_fp32
     moe.router_fp32 = None  # the scoring's default again
     assert moe.router_fp32 is (scoring == "sigmoid")
+    other = "softmax" if scoring == "sigmoid" else "sigmoid"
+    moe.scoring = other  # (None follows the scoring assigned later; a pinned value stays)
+    assert moe.router_fp32 is (other == "sigmoid")
+    moe.router_fp32 = False
+    moe.scoring = scoring
+    assert moe.router_fp32 is False
     moe.router_fp32 = True  # fp32 logits: the same routing as a layer built with it
     built = randomize(MoE(32, 16, 8, 2, scoring=scoring, router_fp32=True))
     built.load_state_dict(moe.state_dict())
@@ -844,3 +850,22 @@ def test_a_reassigned_unknown_scoring_raises_at_forward(scoring):
         moe(x)
     moe.scoring = "softmax"
     assert moe(x).shape == (5, 32)
+
+
+def test_numpy_integer_sizes_are_taken_as_python_ints() -> None:
+    """Sizes read from numpy (a config array) build the same layer as Python ints; bools,
+    floats and strings stay TypeErrors."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    moe = MoE(np.int64(32), np.int32(16), np.int64(4), np.int64(2), n_group=np.int64(1),
+              topk_group=np.int64(1), shared_intermediate_size=np.int64(8))
+    for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
+                 "topk_group"):
+        assert type(getattr(moe, name)) is int, name
+    torch.manual_seed(0)
+    plain = MoE(32, 16, 4, 2, shared_intermediate_size=8)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(moe(x), plain(x), rtol=0, atol=0)
+    for bad in (True, 2.0, "2", np.float64(2)):
+        with pytest.raises(TypeError, match="top_k must be an int"):
+            MoE(32, 16, 4, bad)

@@ -386,3 +386,20 @@ def test_a_non_finite_factor_set_later_is_refused_when_compiled_too(dynamic):
         with pytest.raises(torch._dynamo.exc.Unsupported) as info:
             f(x)
     assert "routed_scaling_factor must be finite" in str(info.value.__cause__)
+
+
+def test_routers_take_numpy_integer_arguments() -> None:
+    """k, n_group, topk_group and num_experts from numpy give the results of Python ints."""
+    np = pytest.importorskip("numpy")
+    logits = torch.randn(6, 8)
+    for got, want in zip(softmax_topk(logits, np.int64(2)), softmax_topk(logits, 2)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got = sigmoid_grouped_topk(logits, None, np.int64(2), np.int64(4), np.int32(2))
+    want = sigmoid_grouped_topk(logits, None, 2, 4, 2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    ids = torch.randint(0, 3, (4, 2))
+    a, b = permute_by_expert(ids, np.int64(3)), permute_by_expert(ids, 3)
+    torch.testing.assert_close(a.offs, b.offs, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="must be an int"):
+        softmax_topk(logits, 2.0)
