@@ -24,7 +24,13 @@ DEFAULT_MAX_RETRIES = 2
 # The longest timeout taken (~31 years; None is no timeout): the sync transport hands it to
 # socket.settimeout, which refuses more than ~9.2e9 s (int64 nanoseconds) with an OverflowError.
 MAX_TIMEOUT = 1e9
-DEFAULT_CONNECTION_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+# Idle pooled connections are dropped after 4 s, before the server closes its side (uvicorn's
+# keep-alive, moe-gemm-server's --timeout-keep-alive, 5 s by default): a pool that kept them as
+# long raced the server's close, and a request sent on a connection closing under it failed
+# with a ReadError (retried, but after a backoff).
+KEEPALIVE_EXPIRY = 4.0
+DEFAULT_CONNECTION_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                         keepalive_expiry=KEEPALIVE_EXPIRY)
 
 INITIAL_RETRY_DELAY = 0.5  # seconds, before the first retry
 MAX_RETRY_DELAY = 8.0  # seconds, the cap of the exponential backoff

@@ -1364,3 +1364,12 @@ def test_a_file_replaced_while_its_body_streams_cuts_the_upload_short(rng, tmp_p
     payload = FileTensorPayload(path, read_safetensors_header(path)["w"], "w")
     body = b"".join(payload.iter_chunks(4096))
     assert len(body) == payload.nbytes
+
+
+def test_pooled_connections_expire_before_the_servers_keep_alive() -> None:
+    """Both clients drop an idle connection before moe-gemm-server's default keep-alive
+    closes it, so a request is never sent on a connection the server is closing."""
+    server_config = pytest.importorskip("moe_gemm_server.config")
+    server_keep_alive = server_config.Settings.model_fields["timeout_keep_alive"].default
+    assert 0 < C.KEEPALIVE_EXPIRY < server_keep_alive
+    assert C.DEFAULT_CONNECTION_LIMITS.keepalive_expiry == C.KEEPALIVE_EXPIRY
