@@ -307,8 +307,8 @@ class Service(WeightsMixin):
     async def by_deadline(self, deadline: float | None, work: Awaitable[T]) -> T:
         """`work` (receiving and decoding a request's body) awaited until `deadline` at most:
         a body still arriving, or still being decoded, when the request's timeout passes is
-        answered 504 then, as a queued request is (a slow upload otherwise got its 504 only
-        once its last byte came, or a 408 at --body-timeout-s). A decode running in a worker
+        answered 504 then, as a queued request is (a slow body otherwise got its 504 only once
+        its last byte came, or a 408 at --body-timeout-s). A decode running in a worker
         thread finishes there unawaited."""
         if deadline is None:
             return await work

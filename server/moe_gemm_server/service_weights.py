@@ -65,6 +65,7 @@ def media_type(request: Request) -> str | None:
     raw = request.headers.get("content-type")
     return None if raw is None else raw.split(";")[0].strip().lower()
 
+
 # A safetensors header longer than this is checked in a worker thread (a long one takes a while
 # to parse, and on the event loop that would stall every other request).
 OFF_LOOP_HEADER_BYTES = 1 << 20
