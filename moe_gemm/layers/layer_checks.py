@@ -18,6 +18,7 @@ from moe_gemm.layers.routing import (
     check_jitter_noise,
     check_router_weight,
     check_scaling_factor,
+    check_softmax_options,
     sigmoid_grouped_topk,
 )
 from moe_gemm.ops.validation import check_dense, shape_text
@@ -41,17 +42,9 @@ def check_routing(
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {scoring!r}")
-    if scoring == "softmax" and (n_group != 1 or topk_group != 1):
-        raise ValueError(
-            "group-limited routing (n_group, topk_group) is defined for scoring='sigmoid' "
-            f"(DeepSeek-V3); got n_group={n_group}, topk_group={topk_group} with softmax"
-        )
     routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
-    if scoring == "softmax" and routed_scaling_factor != 1.0:
-        raise ValueError(
-            "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
-            f"{routed_scaling_factor} with softmax (scale the layer's output instead)"
-        )
+    if scoring == "softmax":
+        check_softmax_options(n_group, topk_group, routed_scaling_factor)
     check_flag("renormalize", renormalize)
     if scoring == "sigmoid":
         # Same checks the router runs per call, done once here so bad settings fail early.

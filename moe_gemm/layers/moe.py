@@ -323,6 +323,10 @@ class MoE(MoELoaders, MoEOptions):
         renormalize: divide the top-k weights by their sum.
         n_group, topk_group: group-limited routing (sigmoid only).
         routed_scaling_factor: multiplies the routed weights (sigmoid only); finite.
+            The routing options (top_k to routed_scaling_factor) and hidden_size are
+            attributes: an assignment is checked on its own as the constructor checks it
+            (TypeError / ValueError, the layer unchanged), and the forward checks how they
+            combine (top_k <= E, the sigmoid-only options with softmax scoring).
         correction_bias: keep an e_score_correction_bias buffer (sigmoid only); None = True
             for sigmoid.
         router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for

@@ -1,6 +1,8 @@
 """The options a built MoE layer switches by assignment: `activation`, `fused`, `config`,
-`router_fp32` and `router_jitter_noise`, each checked when assigned as the constructor checks
-it; and `num_experts` / `intermediate_size`, which the expert weights decide.
+`router_fp32`, `router_jitter_noise` and the routing options (`top_k`, `scoring`,
+`renormalize`, `n_group`, `topk_group`, `routed_scaling_factor`) and `hidden_size`, each
+checked when assigned as the constructor checks it; and `num_experts` / `intermediate_size`,
+which the expert weights decide.
 
 The MoE class documents them as attributes to set on a built layer; an unchecked assignment
 went wrong late and far from its cause (a string such as "no" for `fused` forced the fused
@@ -18,7 +20,7 @@ from torch import nn
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.experts import check_gemm_options, resolve_activation
-from moe_gemm.layers.routing import check_flag, check_jitter_noise
+from moe_gemm.layers.routing import check_flag, check_int, check_jitter_noise, check_scaling_factor
 
 __all__ = ["MoEOptions", "replace_activation"]
 
@@ -114,6 +116,49 @@ class MoEOptions(nn.Module):
     def router_fp32(self, value: bool | None) -> None:
         self._router_fp32 = check_flag("router_fp32", value, none_ok=True)
 
+    # The routing options, each checked on its own when assigned (a string top_k or a
+    # misspelt scoring failed only at the next forward, far from the assignment). How they
+    # combine (top_k <= E, group-limited routing with sigmoid scoring only, ...) is checked
+    # by the forward: assignments made one at a time pass through combinations that are
+    # invalid until the last one.
+    def _routing_option(self, name: str) -> Any:
+        d = self.__dict__
+        if "_" + name in d:
+            return d["_" + name]
+        if name in d:  # (a layer pickled before these were properties)
+            return d[name]
+        raise AttributeError(name)
+
+    def _set_routing_option(self, name: str, value: object) -> None:
+        value = _ROUTING_CHECKS[name](value)
+        E = self._size_of_weights("num_experts")
+        if name == "top_k" and E is not None and value > E:
+            raise ValueError(f"top_k must be in [1, num_experts={E}]; got {value}")
+        self.__dict__["_" + name] = value
+
+    top_k = property(lambda self: self._routing_option("top_k"),
+                     lambda self, value: self._set_routing_option("top_k", value),
+                     doc="Experts per token, 1 <= top_k <= num_experts.")
+    scoring = property(lambda self: self._routing_option("scoring"),
+                       lambda self, value: self._set_routing_option("scoring", value),
+                       doc='The router\'s scores: "softmax" or "sigmoid".')
+    renormalize = property(lambda self: self._routing_option("renormalize"),
+                           lambda self, value: self._set_routing_option("renormalize", value),
+                           doc="Divide the top-k weights by their sum.")
+    n_group = property(lambda self: self._routing_option("n_group"),
+                       lambda self, value: self._set_routing_option("n_group", value),
+                       doc="Expert groups of group-limited routing (sigmoid scoring).")
+    topk_group = property(lambda self: self._routing_option("topk_group"),
+                          lambda self, value: self._set_routing_option("topk_group", value),
+                          doc="Groups kept per token by group-limited routing.")
+    hidden_size = property(lambda self: self._routing_option("hidden_size"),
+                           lambda self, value: self._set_routing_option("hidden_size", value),
+                           doc="H, the tokens' size (the forward checks the weights against it).")
+    routed_scaling_factor = property(
+        lambda self: self._routing_option("routed_scaling_factor"),
+        lambda self, value: self._set_routing_option("routed_scaling_factor", value),
+        doc="Multiplies the routed weights (sigmoid scoring); finite.")
+
     # E and I are the expert weights' sizes: a reassignment that disagrees with them was
     # silently ignored (the forward reads the weights), and one of new weights (assigned, or
     # load_state_dict(assign=True)) left the attributes stale.
@@ -138,6 +183,7 @@ class MoEOptions(nn.Module):
         raise AttributeError(name)
 
     def _set_size(self, name: str, value: object) -> None:
+        value = check_int(name, value)
         size = self._size_of_weights(name)
         if size is not None and value != size:
             what = "E" if name == "num_experts" else "I"
@@ -153,3 +199,29 @@ class MoEOptions(nn.Module):
         lambda self: self._size("intermediate_size"),
         lambda self, value: self._set_size("intermediate_size", value),
         doc="I, the experts' intermediate size (gate_up_proj holds 2I rows).")
+
+
+def _positive_int(name: str):
+    def check(value: object) -> int:
+        value = check_int(name, value)
+        if value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value}")
+        return value
+    return check
+
+
+def _check_scoring(value: object) -> str:
+    if not isinstance(value, str) or value not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {value!r}")
+    return value
+
+
+_ROUTING_CHECKS = {
+    "hidden_size": _positive_int("hidden_size"),
+    "top_k": _positive_int("top_k"),
+    "scoring": _check_scoring,
+    "renormalize": lambda value: check_flag("renormalize", value),
+    "n_group": _positive_int("n_group"),
+    "topk_group": _positive_int("topk_group"),
+    "routed_scaling_factor": check_scaling_factor,
+}

@@ -442,6 +442,20 @@ def router_logits_fp32(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Te
     return F.linear(x.float(), router_weight.float())
 
 
+def check_softmax_options(n_group: int, topk_group: int, routed_scaling_factor: float) -> None:
+    """The sigmoid router's options left at their neutral values under softmax scoring (the
+    softmax router has none of them: a layer's options reassigned to such a mix were ignored
+    without an error)."""
+    if n_group != 1 or topk_group != 1:
+        raise ValueError(
+            "group-limited routing (n_group, topk_group) is defined for scoring='sigmoid' "
+            f"(DeepSeek-V3); got n_group={n_group}, topk_group={topk_group} with softmax")
+    if routed_scaling_factor != 1.0:
+        raise ValueError(
+            "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
+            f"{routed_scaling_factor} with softmax (scale the layer's output instead)")
+
+
 def route_tokens(
     x: torch.Tensor,  # (T, H)
     router_weight: torch.Tensor,  # (E, H)
@@ -466,6 +480,7 @@ def route_tokens(
     else:
         logits = F.linear(x.to(router_weight.dtype), router_weight)  # Mixtral / Qwen
     if scoring == "softmax":
+        check_softmax_options(n_group, topk_group, routed_scaling_factor)
         return softmax_topk(logits, top_k, renormalize)
     return sigmoid_grouped_topk(
         logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize

@@ -839,17 +839,72 @@ def test_functional_rejects_bad_options() -> None:
         F.linear(x, rw), 2)), wg, wd, config=cfg, fused=False), y)
 
 
-@pytest.mark.parametrize("scoring", ["Softmax", "sigmoid ", "topk", None])
-def test_a_reassigned_unknown_scoring_raises_at_forward(scoring):
-    # The constructor checks `scoring`; an assignment afterwards reaches the router, which
-    # routed any value but "softmax" as sigmoid.
+@pytest.mark.parametrize("scoring", ["Softmax", "sigmoid ", "topk", None, 1])
+def test_a_reassigned_unknown_scoring_raises_at_the_assignment(scoring):
+    # The constructor checks `scoring`; an assignment afterwards reached the router, which
+    # routed any value but "softmax" as sigmoid, and later the forward refused it.
     moe = randomize(MoE(32, 16, 8, 2))
     x = torch.randn(5, 32)
-    moe.scoring = scoring
     with pytest.raises(ValueError, match="scoring must be 'softmax' or 'sigmoid'"):
-        moe(x)
-    moe.scoring = "softmax"
+        moe.scoring = scoring
+    assert moe.scoring == "softmax"
     assert moe(x).shape == (5, 32)
+
+
+@pytest.mark.parametrize("name, bad, error, match", [
+    ("top_k", 0, ValueError, r"top_k must be an int >= 1; got 0"),
+    ("top_k", 9, ValueError, r"top_k must be in \[1, num_experts=8\]; got 9"),
+    ("top_k", 2.0, TypeError, "top_k must be an int"),
+    ("top_k", "2", TypeError, "top_k must be an int"),
+    ("top_k", True, TypeError, "top_k must be an int"),
+    ("renormalize", "no", TypeError, "renormalize must be a bool"),
+    ("renormalize", None, TypeError, "renormalize must be a bool"),
+    ("n_group", 0, ValueError, "n_group must be an int >= 1"),
+    ("topk_group", -1, ValueError, "topk_group must be an int >= 1"),
+    ("topk_group", 1.5, TypeError, "topk_group must be an int"),
+    ("routed_scaling_factor", float("inf"), ValueError, "routed_scaling_factor must be finite"),
+    ("hidden_size", 0, ValueError, r"hidden_size must be an int >= 1; got 0"),
+    ("hidden_size", "32", TypeError, "hidden_size must be an int"),
+])
+def test_routing_option_assignments_are_checked(name, bad, error, match) -> None:
+    # Each option is checked on its own when assigned (a bad value failed only in the next
+    # forward, or not at all: "no" for renormalize was truthy); the layer keeps its value.
+    torch.manual_seed(0)
+    moe = randomize(MoE(32, 16, 8, 2, scoring="sigmoid", n_group=2, topk_group=2))
+    x = torch.randn(5, 32)
+    before, y = getattr(moe, name), moe(x)
+    with pytest.raises(error, match=match):
+        setattr(moe, name, bad)
+    assert getattr(moe, name) == before
+    torch.testing.assert_close(moe(x), y, rtol=0, atol=0)
+
+
+def test_routing_options_assigned_one_by_one_reach_the_router() -> None:
+    # Combinations pass through invalid states (n_group before topk_group); the forward
+    # checks how the options combine and routes with the values assigned.
+    torch.manual_seed(0)
+    moe = randomize(MoE(32, 16, 8, 2))
+    built = randomize(MoE(32, 16, 8, 3, scoring="sigmoid", renormalize=False, n_group=4,
+                          topk_group=2, routed_scaling_factor=2.5, correction_bias=False))
+    built.load_state_dict(moe.state_dict())
+    moe.scoring, moe.n_group, moe.topk_group = "sigmoid", 4, 2
+    moe.top_k, moe.renormalize, moe.routed_scaling_factor = np_int(3), 0, 2.5
+    assert type(moe.top_k) is int and moe.renormalize is False
+    x = torch.randn(7, 32)
+    torch.testing.assert_close(moe(x), built(x), rtol=0, atol=0)
+    moe.scoring = "softmax"  # sigmoid-only options under softmax: refused by the forward
+    with pytest.raises(ValueError, match="group-limited routing"):
+        moe(x)
+    moe.n_group = moe.topk_group = 1
+    with pytest.raises(ValueError, match="routed_scaling_factor is defined for scoring"):
+        moe.route(x)
+    moe.routed_scaling_factor = 1.0
+    assert moe(x).shape == (7, 32)
+
+
+def np_int(value: int):
+    np = pytest.importorskip("numpy")
+    return np.int64(value)
 
 
 def test_numpy_integer_sizes_are_taken_as_python_ints() -> None:
