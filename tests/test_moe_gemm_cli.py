@@ -149,6 +149,26 @@ def test_demo_runs_and_checks_its_results(capsys: pytest.CaptureFixture[str]) ->
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "grouped_gemm: 4 problems" in out and "rows past offs[-1] zero: True" in out
+    assert out.rstrip().endswith("ok")
+
+
+@pytest.mark.parametrize("broken", ["grouped_gemm", "grouped_mm"])
+def test_demo_fails_on_wrong_results(broken: str, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # A check of the install: results off by more than bf16 rounding are exit 1, not "0.248".
+    import moe_gemm
+
+    real = getattr(moe_gemm, broken)
+
+    def off(*args, **kwargs):
+        res = real(*args, **kwargs)
+        if isinstance(res, list):
+            return [r * 1.05 for r in res]
+        return res * 1.05
+
+    monkeypatch.setattr(moe_gemm, broken, off)
+    assert cli.main(["demo"]) == 1
+    assert "moe-gemm demo: FAILED" in capsys.readouterr().err
 
 
 def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
