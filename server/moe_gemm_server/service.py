@@ -20,8 +20,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from starlette.requests import Request
 
@@ -31,6 +31,7 @@ from moe_gemm_server.engine import Engine, EngineOutOfMemory
 
 from .batcher import Batcher, Draining, Job, JobTimeout, QueueFull
 from .config import Settings
+from .deadlines import DeadlinesMixin
 from .errors import APIError, unavailable, unprocessable
 from .faults import device_failure
 from .limits import BodyCutoff
@@ -41,13 +42,8 @@ from .sync import StoreWatcher
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 # request.state key: run() has counted the request in the v2 statistics (success or fail)
 _STATS_COUNTED = "stats_counted"
-
-
-MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -77,7 +73,7 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-class Service(WeightsMixin):
+class Service(DeadlinesMixin, WeightsMixin):
     def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
@@ -290,45 +286,6 @@ class Service(WeightsMixin):
             yield
         finally:
             self.inflight -= 1
-
-    def deadline_for(self, request: Request, timeout_us: int | None) -> float | None:
-        default = self.settings.default_timeout_us
-        us = timeout_us if timeout_us else default
-        if default and us > default:
-            # The model config says allow_timeout_override, which in Triton's queue policy lets
-            # a request shorten the operator's default timeout, never lengthen (or remove) it.
-            us = default
-        if not us:
-            return None
-        arrival = request.scope.get("state", {}).get("t_arrival", time.monotonic())
-        # Beyond a year a timeout means none (and a huge integer would overflow a float).
-        return None if us > MAX_TIMEOUT_US else arrival + us / 1e6
-
-    async def by_deadline(self, deadline: float | None, work: Awaitable[T]) -> T:
-        """`work` (receiving and decoding a request's body) awaited until `deadline` at most:
-        a body still arriving, or still being decoded, when the request's timeout passes is
-        answered 504 then, as a queued request is (a slow body otherwise got its 504 only once
-        its last byte came, or a 408 at --body-timeout-s). A decode running in a worker
-        thread finishes there unawaited."""
-        if deadline is None:
-            return await work
-        # (asyncio.wait rather than wait_for: a TimeoutError the work raises itself stays its
-        # own, and wait_for's timer can fire a hair before `deadline` reads as passed)
-        task = asyncio.ensure_future(work)
-        try:
-            done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if task in done:
-            return task.result()
-        # (cancelled, not awaited: its end is no concern of the answer; the callback reads
-        # an error it might still raise, which asyncio would otherwise log as never retrieved)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        task.cancel()
-        self.metrics.rejections.labels("timeout").inc()
-        raise APIError(504, "the request's timeout expired before its body was received and "
-                            "decoded")
 
     def priority_level(self, priority: int | None) -> int:
         return priority if priority else self.settings.default_priority
