@@ -35,6 +35,12 @@ def replace_activation(module: nn.Module, value: object) -> None:
         module.__dict__.get("_modules", {}).pop("activation", None)
 
 
+def _checked_option(name: str, doc: str) -> property:
+    """A routing option of MoEOptions: read as stored, checked when assigned."""
+    return property(lambda self: self._routing_option(name),
+                    lambda self, value: self._set_routing_option(name, value), doc=doc)
+
+
 class MoEOptions(nn.Module):
     """MoE's switchable options (MoE inherits them): checked on every assignment, and the
     activation kept the layer's own, which its shared expert follows."""
@@ -136,28 +142,16 @@ class MoEOptions(nn.Module):
             raise ValueError(f"top_k must be in [1, num_experts={E}]; got {value}")
         self.__dict__["_" + name] = value
 
-    top_k = property(lambda self: self._routing_option("top_k"),
-                     lambda self, value: self._set_routing_option("top_k", value),
-                     doc="Experts per token, 1 <= top_k <= num_experts.")
-    scoring = property(lambda self: self._routing_option("scoring"),
-                       lambda self, value: self._set_routing_option("scoring", value),
-                       doc='The router\'s scores: "softmax" or "sigmoid".')
-    renormalize = property(lambda self: self._routing_option("renormalize"),
-                           lambda self, value: self._set_routing_option("renormalize", value),
-                           doc="Divide the top-k weights by their sum.")
-    n_group = property(lambda self: self._routing_option("n_group"),
-                       lambda self, value: self._set_routing_option("n_group", value),
-                       doc="Expert groups of group-limited routing (sigmoid scoring).")
-    topk_group = property(lambda self: self._routing_option("topk_group"),
-                          lambda self, value: self._set_routing_option("topk_group", value),
-                          doc="Groups kept per token by group-limited routing.")
-    hidden_size = property(lambda self: self._routing_option("hidden_size"),
-                           lambda self, value: self._set_routing_option("hidden_size", value),
-                           doc="H, the tokens' size (the forward checks the weights against it).")
-    routed_scaling_factor = property(
-        lambda self: self._routing_option("routed_scaling_factor"),
-        lambda self, value: self._set_routing_option("routed_scaling_factor", value),
-        doc="Multiplies the routed weights (sigmoid scoring); finite.")
+    top_k = _checked_option("top_k", "Experts per token, 1 <= top_k <= num_experts.")
+    scoring = _checked_option("scoring", 'The router\'s scores: "softmax" or "sigmoid".')
+    renormalize = _checked_option("renormalize", "Divide the top-k weights by their sum.")
+    n_group = _checked_option("n_group",
+                              "Expert groups of group-limited routing (sigmoid scoring).")
+    topk_group = _checked_option("topk_group", "Groups kept per token by group-limited routing.")
+    hidden_size = _checked_option(
+        "hidden_size", "H, the tokens' size (the forward checks the weights against it).")
+    routed_scaling_factor = _checked_option(
+        "routed_scaling_factor", "Multiplies the routed weights (sigmoid scoring); finite.")
 
     # E and I are the expert weights' sizes: a reassignment that disagrees with them was
     # silently ignored (the forward reads the weights), and one of new weights (assigned, or
