@@ -532,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Run a few small grouped matmuls on the GPU if there is one, else on the CPU: "
         "grouped_gemm on four problems of different sizes (one of them empty) and an MoE "
         "grouped_mm over four experts. Each result is compared with a float32 reference and "
-        "the largest error printed. Takes seconds.")
+        "the largest error printed, relative to the largest value; exit 1 if it passes 1% "
+        "(bf16 rounding is at most 0.39%). Takes seconds.")
     p_demo.set_defaults(func=cmd_demo)
     # Listed for --help; their arguments are parsed by their own modules (see main).
     sub.add_parser("bench", help="time the benchmark suite against other implementations "
