@@ -18,6 +18,7 @@ from moe_gemm.layers.routing import (
     check_jitter_noise,
     check_router_weight,
     check_scaling_factor,
+    check_scoring,
     check_softmax_options,
     sigmoid_grouped_topk,
 )
@@ -40,8 +41,7 @@ def check_routing(
         raise ValueError(f"num_experts must be >= 1; got {num_experts}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {scoring!r}")
+    check_scoring(scoring)
     routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
     if scoring == "softmax":
         check_softmax_options(n_group, topk_group, routed_scaling_factor)

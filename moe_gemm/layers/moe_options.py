@@ -20,7 +20,13 @@ from torch import nn
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.experts import check_gemm_options, resolve_activation
-from moe_gemm.layers.routing import check_flag, check_int, check_jitter_noise, check_scaling_factor
+from moe_gemm.layers.routing import (
+    check_flag,
+    check_int,
+    check_jitter_noise,
+    check_scaling_factor,
+    check_scoring,
+)
 
 __all__ = ["MoEOptions", "replace_activation"]
 
@@ -204,16 +210,10 @@ def _positive_int(name: str):
     return check
 
 
-def _check_scoring(value: object) -> str:
-    if not isinstance(value, str) or value not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {value!r}")
-    return value
-
-
 _ROUTING_CHECKS = {
     "hidden_size": _positive_int("hidden_size"),
     "top_k": _positive_int("top_k"),
-    "scoring": _check_scoring,
+    "scoring": check_scoring,
     "renormalize": lambda value: check_flag("renormalize", value),
     "n_group": _positive_int("n_group"),
     "topk_group": _positive_int("topk_group"),

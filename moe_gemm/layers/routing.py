@@ -442,6 +442,14 @@ def router_logits_fp32(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Te
     return F.linear(x.float(), router_weight.float())
 
 
+def check_scoring(value: object) -> str:
+    """scoring: "softmax" or "sigmoid" (a layer's reassigned value reached the router, which
+    routed anything but "softmax" as sigmoid)."""
+    if not isinstance(value, str) or value not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {value!r}")
+    return value
+
+
 def check_softmax_options(n_group: int, topk_group: int, routed_scaling_factor: float) -> None:
     """The sigmoid router's options left at their neutral values under softmax scoring (the
     softmax router has none of them: a layer's options reassigned to such a mix were ignored
@@ -471,10 +479,7 @@ def route_tokens(
     """(weights [T, k] float32, ids [T, k] int64) of tokens x [T, H] under the router
     weight [E, H]: the logits (in float32 with router_fp32, else in the weight's dtype), then
     softmax_topk or sigmoid_grouped_topk."""
-    if scoring not in ("softmax", "sigmoid"):
-        # (a layer's `scoring` reassigned after construction reaches here unchecked: any
-        # other value would have routed as sigmoid)
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {scoring!r}")
+    check_scoring(scoring)
     if router_fp32:
         logits = router_logits_fp32(x, router_weight)  # DeepSeek-V3 / GLM-4-MoE
     else:
