@@ -550,7 +550,8 @@ class GroupedGemmPlan:
     place, e.g. with `copy_`), writes into `out` and returns it. Do not resize the tensors or
     change their storage after building the plan; build a new plan instead (a call whose
     a, b or out no longer match raises ValueError naming the tensor, on either backend;
-    storage moved under an unchanged shape is not detected). On the torch backend with an
+    storage moved under an unchanged shape is not detected); the outputs a plan allocated
+    itself (`plan.out`) are held to this too. On the torch backend with an
     operand that requires grad, a call returns new tensors tied to the autograd graph (their
     values also written into `out`), so that every call can be backpropagated; on the Hopper
     path it returns views of `out` whose backward raises (the kernels are inference-only),
@@ -608,11 +609,12 @@ class GroupedGemmPlan:
         self.args = args
         self._launch = None
         self._operands = (*args.a, *args.b)
-        # The caller's tensors (the operands and a given out; the outputs allocated here are
-        # the plan's), compared with the build's at every call: the kernel reads the build's
-        # sizes and addresses, and the torch backend would broadcast a shrunk operand into
-        # its output. One signature check; the detailed comparison only when it fails.
-        self._bound = (*self._operands, *given_out)
+        # The operands and the outputs (given, or allocated here and handed out by every
+        # call), compared with the build's at every call: the kernel reads the build's sizes
+        # and addresses (an output resized or given other storage since would be written at
+        # its old address), and the torch backend would broadcast a shrunk operand into its
+        # output. One signature check; the detailed comparison only when it fails.
+        self._bound = (*self._operands, *self.out)
         self._built_for = [_layout(t) for t in self._bound]
         # Given outputs made under torch.inference_mode: the signature agrees only inside it,
         # so that a call outside it reaches _check_bound, which refuses the write as torch does.
@@ -620,11 +622,12 @@ class GroupedGemmPlan:
                                     if o.is_inference())
         self._signature = TensorSignature(self._bound, inference_mode=bool(
             self._inference_out)) if self._bound else None
-        # Given outputs that require grad (a build under no_grad accepts them): a call with
-        # grad enabled refuses them in _check_bound, as grouped_gemm does (the torch backend's
-        # in-place write raised torch's leaf error, the kernel's would go unnoticed).
-        self._named_out = tuple((f"out[{i}]", o) for i, o in enumerate(given_out))
-        self._tracked_out = any(map(_REQUIRES_GRAD, given_out))
+        # Outputs that require grad (given ones a build under no_grad accepts, or the plan's
+        # own after requires_grad_): a call with grad enabled refuses them in _check_bound, as
+        # grouped_gemm does (the torch backend's in-place write raised torch's leaf error, the
+        # kernel's would go unnoticed).
+        self._named_out = tuple((f"out[{i}]", o) for i, o in enumerate(self.out))
+        self._tracked_out = any(map(_REQUIRES_GRAD, self.out))
         # Whether an operand requires grad: the signature holds the autograd flags, so a call
         # it accepts has these (a change fails it, and _check_bound reads them again).
         self._grad_operands = any(map(_REQUIRES_GRAD, self._operands))

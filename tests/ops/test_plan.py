@@ -122,6 +122,27 @@ def test_a_call_refuses_tensors_changed_since_the_build(which, i, change, messag
         plan()
 
 
+def test_a_call_refuses_its_own_outputs_changed_since_the_build() -> None:
+    # The outputs a plan allocated are handed out by every call: one resized (a new
+    # allocation) would otherwise be written at its old address on the Hopper path.
+    a, b = _problems(seed=15)
+    plan = GroupedGemmPlan(a, b)
+    plan()[2].resize_(200, 8)
+    with pytest.raises(ValueError, match=r"^GroupedGemmPlan was built for out\[2\] of shape "
+                       r"\(130, 8\) .* now of shape \(200, 8\)"):
+        plan()
+
+
+def test_a_call_with_grad_refuses_its_own_output_made_to_require_grad() -> None:
+    a, b = _problems(torch.float32, seed=17)
+    plan = GroupedGemmPlan(a, b)
+    plan.out[0].requires_grad_()
+    with pytest.raises(ValueError, match=r"out\[0\]"):
+        plan()
+    with torch.no_grad():
+        _check_all(plan(), a, b)
+
+
 def test_the_hopper_path_refuses_them_before_its_launch(kernel, monkeypatch) -> None:
     from moe_gemm.ops import api
 
