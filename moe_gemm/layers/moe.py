@@ -326,7 +326,8 @@ class MoE(MoELoaders, MoEOptions):
             The routing options (top_k to routed_scaling_factor) and hidden_size are
             attributes: an assignment is checked on its own as the constructor checks it
             (TypeError / ValueError, the layer unchanged), and the forward checks how they
-            combine (top_k <= E, the sigmoid-only options with softmax scoring).
+            combine (top_k <= E, the sigmoid-only options or an e_score_correction_bias
+            with softmax scoring: ValueError).
         correction_bias: keep an e_score_correction_bias buffer (sigmoid only); None = True
             for sigmoid.
         router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for

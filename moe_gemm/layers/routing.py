@@ -486,6 +486,13 @@ def route_tokens(
         logits = F.linear(x.to(router_weight.dtype), router_weight)  # Mixtral / Qwen
     if scoring == "softmax":
         check_softmax_options(n_group, topk_group, routed_scaling_factor)
+        if correction_bias is not None:
+            # (a layer built for sigmoid routing keeps its e_score_correction_bias buffer
+            # when its scoring is reassigned; softmax would ignore it)
+            raise ValueError(
+                "a correction bias (e_score_correction_bias) is used by scoring='sigmoid' only; "
+                "got one with softmax (set the layer's e_score_correction_bias to None to "
+                "route without it)")
         return softmax_topk(logits, top_k, renormalize)
     return sigmoid_grouped_topk(
         logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize

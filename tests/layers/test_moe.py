@@ -902,6 +902,26 @@ def test_routing_options_assigned_one_by_one_reach_the_router() -> None:
     assert moe(x).shape == (7, 32)
 
 
+def test_a_correction_bias_under_reassigned_softmax_scoring_is_refused() -> None:
+    # The constructor refuses correction_bias with softmax; a sigmoid layer whose scoring is
+    # reassigned keeps its buffer, which softmax would ignore: the forward refuses it until
+    # the buffer is set to None, then routes as a softmax layer built so.
+    torch.manual_seed(1)
+    moe = randomize(MoE(32, 16, 8, 2, scoring="sigmoid"))
+    with torch.no_grad():
+        moe.e_score_correction_bias.normal_()
+    x = torch.randn(5, 32)
+    moe.scoring, moe.renormalize = "softmax", False
+    with pytest.raises(ValueError, match="e_score_correction_bias.*sigmoid' only"):
+        moe(x)
+    with pytest.raises(ValueError, match="e_score_correction_bias"):
+        moe.route(x)
+    moe.e_score_correction_bias = None
+    plain = MoE(32, 16, 8, 2, renormalize=False, router_fp32=True)
+    plain.load_state_dict(moe.state_dict())
+    torch.testing.assert_close(moe(x), plain(x), rtol=0, atol=0)
+
+
 def np_int(value: int):
     np = pytest.importorskip("numpy")
     return np.int64(value)
