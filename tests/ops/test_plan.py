@@ -158,6 +158,20 @@ def test_the_hopper_path_refuses_them_before_its_launch(kernel, monkeypatch) -> 
     assert len(kernel.calls) == 1
 
 
+def test_the_hopper_path_refuses_its_own_output_resized_before_its_launch(kernel,
+                                                                          monkeypatch) -> None:
+    from moe_gemm.ops import api
+
+    monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
+    a, b = _problems(seed=18)
+    plan = GroupedGemmPlan(a, b)
+    assert plan.backend == "cute"
+    plan()[0].resize_(64, 24)  # a new allocation: the launch would write the old address
+    with pytest.raises(ValueError, match=r"built for out\[0\] of shape \(5, 24\)"):
+        plan()
+    assert len(kernel.calls) == 1
+
+
 def test_autograd_flags_may_change_between_calls() -> None:
     # requires_grad_ after the build changes the signature, not the plan: the call goes on
     # (differentiable on the torch backend) and later calls take the fast check again.
