@@ -450,10 +450,12 @@ def check_scoring(value: object) -> str:
     return value
 
 
-def check_softmax_options(n_group: int, topk_group: int, routed_scaling_factor: float) -> None:
+def check_softmax_options(n_group: int, topk_group: int, routed_scaling_factor: float,
+                          correction_bias: torch.Tensor | None = None) -> None:
     """The sigmoid router's options left at their neutral values under softmax scoring (the
     softmax router has none of them: a layer's options reassigned to such a mix were ignored
-    without an error)."""
+    without an error). correction_bias: a layer built for sigmoid routing keeps its
+    e_score_correction_bias buffer when its scoring is reassigned."""
     if n_group != 1 or topk_group != 1:
         raise ValueError(
             "group-limited routing (n_group, topk_group) is defined for scoring='sigmoid' "
@@ -462,6 +464,11 @@ def check_softmax_options(n_group: int, topk_group: int, routed_scaling_factor: 
         raise ValueError(
             "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
             f"{routed_scaling_factor} with softmax (scale the layer's output instead)")
+    if correction_bias is not None:
+        raise ValueError(
+            "a correction bias (e_score_correction_bias) is used by scoring='sigmoid' only; "
+            "got one with softmax (set the layer's e_score_correction_bias to None to route "
+            "without it)")
 
 
 def route_tokens(
@@ -485,14 +492,7 @@ def route_tokens(
     else:
         logits = F.linear(x.to(router_weight.dtype), router_weight)  # Mixtral / Qwen
     if scoring == "softmax":
-        check_softmax_options(n_group, topk_group, routed_scaling_factor)
-        if correction_bias is not None:
-            # (a layer built for sigmoid routing keeps its e_score_correction_bias buffer
-            # when its scoring is reassigned; softmax would ignore it)
-            raise ValueError(
-                "a correction bias (e_score_correction_bias) is used by scoring='sigmoid' only; "
-                "got one with softmax (set the layer's e_score_correction_bias to None to "
-                "route without it)")
+        check_softmax_options(n_group, topk_group, routed_scaling_factor, correction_bias)
         return softmax_topk(logits, top_k, renormalize)
     return sigmoid_grouped_topk(
         logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize

@@ -143,31 +143,30 @@ def test_a_call_with_grad_refuses_its_own_output_made_to_require_grad() -> None:
         _check_all(plan(), a, b)
 
 
-def test_the_hopper_path_refuses_them_before_its_launch(kernel, monkeypatch) -> None:
+def _resize_a4(plan, a):
+    a[4].resize_(40, 8)  # more rows: a new allocation, which the launch's addresses miss
+
+
+def _resize_own_out0(plan, a):
+    plan.out[0].resize_(64, 24)  # the plan's own output: the launch would write the old address
+
+
+@pytest.mark.parametrize("given_out,change,message", [
+    (True, _resize_a4, r"built for a\[4\] of shape \(33, 8\)"),
+    (False, _resize_own_out0, r"built for out\[0\] of shape \(5, 24\)"),
+], ids=["operand", "own-output"])
+def test_the_hopper_path_refuses_them_before_its_launch(kernel, monkeypatch, given_out, change,
+                                                        message) -> None:
     from moe_gemm.ops import api
 
     monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
     a, b = _problems(seed=12)
-    plan, _ = _plan_with_out(a, b)
+    plan = _plan_with_out(a, b)[0] if given_out else GroupedGemmPlan(a, b)
     assert plan.backend == "cute"
     plan()
     assert len(kernel.calls) == 1
-    a[4].resize_(40, 8)  # more rows: a new allocation, which the launch's addresses miss
-    with pytest.raises(ValueError, match=r"built for a\[4\] of shape \(33, 8\)"):
-        plan()
-    assert len(kernel.calls) == 1
-
-
-def test_the_hopper_path_refuses_its_own_output_resized_before_its_launch(kernel,
-                                                                          monkeypatch) -> None:
-    from moe_gemm.ops import api
-
-    monkeypatch.setattr(api, "cute_problem", lambda device=None: None)
-    a, b = _problems(seed=18)
-    plan = GroupedGemmPlan(a, b)
-    assert plan.backend == "cute"
-    plan()[0].resize_(64, 24)  # a new allocation: the launch would write the old address
-    with pytest.raises(ValueError, match=r"built for out\[0\] of shape \(5, 24\)"):
+    change(plan, a)
+    with pytest.raises(ValueError, match=message):
         plan()
     assert len(kernel.calls) == 1
 
