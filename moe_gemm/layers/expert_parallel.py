@@ -51,6 +51,7 @@ from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, keep_dtypes
 from moe_gemm.layers.fused_experts import fused_expert_ffn, fused_gate_for, use_fused
 from moe_gemm.layers.layer_checks import check_hidden_states
 from moe_gemm.layers.moe import MoE, resolve_activation, shared_expert_output
+from moe_gemm.layers.moe_options import RoutingOptions
 from moe_gemm.layers.replica_check import agree_on_replicas, refusing
 from moe_gemm.layers.routing import (
     check_correction_bias,
@@ -107,7 +108,7 @@ def local_expert_ffn(
     return combine_rows(y, rows, w)
 
 
-class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
+class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
     """A MoE layer whose routed experts are split over a process group. Inference only.
 
     Build it with `from_moe`, `from_hf` or `from_state_dict` (ExpertParallelLoaders: every
@@ -117,7 +118,10 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
 
     The local experts run as `moe`'s would: its activation, `config` and `fused` (set
     `layer.local.activation`, `.fused` or `.config` to switch a built layer; the activation
-    reaches its shared expert too, as in MoE).
+    reaches its shared expert too, as in MoE). The routing options (top_k, scoring,
+    renormalize, n_group, topk_group, routed_scaling_factor, router_fp32,
+    router_jitter_noise) are attributes checked on assignment as MoE's are; assign them alike
+    on every rank (check_replicated() compares them).
 
     Args:
         moe: a MoE holding this rank's E/W experts only (any router: it is not used).
@@ -203,6 +207,9 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
             # (one float on every rank: an int 0 and 0.0 hash apart in check_replicated)
             self.router_jitter_noise = float(self.router_jitter_noise)
         agree_on_replicas(self, bool(check_replicated))
+
+    def _top_k_limit(self) -> int | None:
+        return self.__dict__.get("num_experts")  # (E of all ranks)
 
     def check_replicated(self) -> None:
         """Check that every rank holds the same replicated parts: the router weight, the
@@ -318,8 +325,9 @@ class ExpertParallelMoE(ExpertParallelLoaders, nn.Module):
             if self.training and self.router_jitter_noise > 0:
                 x = router_jitter(x, self.router_jitter_noise)  # (as MoE: this rank's tokens)
             x2 = x.reshape(-1, self.hidden_size)
-            # (routing options reassigned on one rank, e.g. top_k=0, are refused here: the
-            # others waited in the dispatch)
+            # (routing options reassigned on one rank into a combination the routing refuses,
+            # e.g. n_group > 1 under softmax, are refused here: the others waited in the
+            # dispatch)
             weights, ids = self._route_tokens(x2)
         except (TypeError, ValueError):
             # The other ranks are already on their way into the dispatch's collectives: join

@@ -7,7 +7,8 @@ which the expert weights decide.
 The MoE class documents them as attributes to set on a built layer; an unchecked assignment
 went wrong late and far from its cause (a string such as "no" for `fused` forced the fused
 path silently, a string `config` failed deep in the GEMM dispatch, a bad activation name in
-the next forward). MoE inherits them from the MoEOptions mixin here; `replace_activation` is
+the next forward). MoE inherits them from the MoEOptions mixin here, ExpertParallelMoE the
+routing options alone from RoutingOptions, which MoEOptions extends; `replace_activation` is
 the check of an activation assignment, which the shared expert (moe.GatedMLP) applies too.
 """
 
@@ -28,7 +29,7 @@ from moe_gemm.layers.routing import (
     check_scoring,
 )
 
-__all__ = ["MoEOptions", "replace_activation"]
+__all__ = ["MoEOptions", "RoutingOptions", "replace_activation"]
 
 
 def replace_activation(module: nn.Module, value: object) -> None:
@@ -47,7 +48,76 @@ def _checked_option(name: str, doc: str) -> property:
                     lambda self, value: self._set_routing_option(name, value), doc=doc)
 
 
-class MoEOptions(nn.Module):
+class RoutingOptions(nn.Module):
+    """The routing options of a layer that routes tokens (MoE, ExpertParallelMoE): top_k,
+    scoring, renormalize, n_group, topk_group, routed_scaling_factor, router_fp32,
+    router_jitter_noise and hidden_size, each checked when assigned as MoE's constructor
+    checks it (TypeError / ValueError, the layer unchanged)."""
+
+    def _top_k_limit(self) -> int | None:
+        """E, the bound of an assigned top_k (None: not known yet)."""
+        return None
+
+    # (the value of a layer pickled before the option existed: no jitter)
+    _router_jitter_noise: float = 0.0
+
+    @property
+    def router_jitter_noise(self) -> float:
+        """Mixtral's router jitter, applied by the forward in training mode (see MoE);
+        0 = off."""
+        return self._router_jitter_noise
+
+    @router_jitter_noise.setter
+    def router_jitter_noise(self, value: float) -> None:
+        self._router_jitter_noise = check_jitter_noise(value)
+
+    @property
+    def router_fp32(self) -> bool:
+        """The router logits in fp32 (see MoE). None (the default, or assigned) follows the
+        scoring: True for sigmoid, also after `scoring` is assigned; anything but a bool or
+        None was silently truthy."""
+        d = self.__dict__
+        # (a layer pickled before the check kept the plain attribute)
+        flag = d["_router_fp32"] if "_router_fp32" in d else d["router_fp32"]
+        return self.scoring == "sigmoid" if flag is None else flag
+
+    @router_fp32.setter
+    def router_fp32(self, value: bool | None) -> None:
+        self._router_fp32 = check_flag("router_fp32", value, none_ok=True)
+
+    # The routing options, each checked on its own when assigned (a string top_k or a
+    # misspelt scoring failed only at the next forward, far from the assignment). How they
+    # combine (top_k <= E, group-limited routing with sigmoid scoring only, ...) is checked
+    # by the forward: assignments made one at a time pass through combinations that are
+    # invalid until the last one.
+    def _routing_option(self, name: str) -> Any:
+        d = self.__dict__
+        if "_" + name in d:
+            return d["_" + name]
+        if name in d:  # (a layer pickled before these were properties)
+            return d[name]
+        raise AttributeError(name)
+
+    def _set_routing_option(self, name: str, value: object) -> None:
+        value = _ROUTING_CHECKS[name](value)
+        E = self._top_k_limit()
+        if name == "top_k" and E is not None and value > E:
+            raise ValueError(f"top_k must be in [1, num_experts={E}]; got {value}")
+        self.__dict__["_" + name] = value
+
+    top_k = _checked_option("top_k", "Experts per token, 1 <= top_k <= num_experts.")
+    scoring = _checked_option("scoring", 'The router\'s scores: "softmax" or "sigmoid".')
+    renormalize = _checked_option("renormalize", "Divide the top-k weights by their sum.")
+    n_group = _checked_option("n_group",
+                              "Expert groups of group-limited routing (sigmoid scoring).")
+    topk_group = _checked_option("topk_group", "Groups kept per token by group-limited routing.")
+    hidden_size = _checked_option(
+        "hidden_size", "H, the tokens' size (the forward checks the weights against it).")
+    routed_scaling_factor = _checked_option(
+        "routed_scaling_factor", "Multiplies the routed weights (sigmoid scoring); finite.")
+
+
+class MoEOptions(RoutingOptions):
     """MoE's switchable options (MoE inherits them): checked on every assignment, and the
     activation kept the layer's own, which its shared expert follows."""
 
@@ -101,63 +171,8 @@ class MoEOptions(nn.Module):
         check_gemm_options(value, None)
         self._config = value
 
-    # (the value of a layer pickled before the option existed: no jitter)
-    _router_jitter_noise: float = 0.0
-
-    @property
-    def router_jitter_noise(self) -> float:
-        """Mixtral's router jitter, applied by the forward in training mode (see MoE);
-        0 = off."""
-        return self._router_jitter_noise
-
-    @router_jitter_noise.setter
-    def router_jitter_noise(self, value: float) -> None:
-        self._router_jitter_noise = check_jitter_noise(value)
-
-    @property
-    def router_fp32(self) -> bool:
-        """The router logits in fp32 (see MoE). None (the default, or assigned) follows the
-        scoring: True for sigmoid, also after `scoring` is assigned; anything but a bool or
-        None was silently truthy."""
-        d = self.__dict__
-        # (a layer pickled before the check kept the plain attribute)
-        flag = d["_router_fp32"] if "_router_fp32" in d else d["router_fp32"]
-        return self.scoring == "sigmoid" if flag is None else flag
-
-    @router_fp32.setter
-    def router_fp32(self, value: bool | None) -> None:
-        self._router_fp32 = check_flag("router_fp32", value, none_ok=True)
-
-    # The routing options, each checked on its own when assigned (a string top_k or a
-    # misspelt scoring failed only at the next forward, far from the assignment). How they
-    # combine (top_k <= E, group-limited routing with sigmoid scoring only, ...) is checked
-    # by the forward: assignments made one at a time pass through combinations that are
-    # invalid until the last one.
-    def _routing_option(self, name: str) -> Any:
-        d = self.__dict__
-        if "_" + name in d:
-            return d["_" + name]
-        if name in d:  # (a layer pickled before these were properties)
-            return d[name]
-        raise AttributeError(name)
-
-    def _set_routing_option(self, name: str, value: object) -> None:
-        value = _ROUTING_CHECKS[name](value)
-        E = self._size_of_weights("num_experts")
-        if name == "top_k" and E is not None and value > E:
-            raise ValueError(f"top_k must be in [1, num_experts={E}]; got {value}")
-        self.__dict__["_" + name] = value
-
-    top_k = _checked_option("top_k", "Experts per token, 1 <= top_k <= num_experts.")
-    scoring = _checked_option("scoring", 'The router\'s scores: "softmax" or "sigmoid".')
-    renormalize = _checked_option("renormalize", "Divide the top-k weights by their sum.")
-    n_group = _checked_option("n_group",
-                              "Expert groups of group-limited routing (sigmoid scoring).")
-    topk_group = _checked_option("topk_group", "Groups kept per token by group-limited routing.")
-    hidden_size = _checked_option(
-        "hidden_size", "H, the tokens' size (the forward checks the weights against it).")
-    routed_scaling_factor = _checked_option(
-        "routed_scaling_factor", "Multiplies the routed weights (sigmoid scoring); finite.")
+    def _top_k_limit(self) -> int | None:
+        return self._size_of_weights("num_experts")
 
     # E and I are the expert weights' sizes: a reassignment that disagrees with them was
     # silently ignored (the forward reads the weights), and one of new weights (assigned, or

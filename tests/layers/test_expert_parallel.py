@@ -750,8 +750,9 @@ def ranks_disagreeing_on_static_splits(rank: int, world: int) -> list[str]:
 
 @case
 def one_rank_fails_in_routing_or_shared_experts(rank: int, world: int) -> list[str]:
-    """A rank whose routing refuses its options (top_k reassigned to 0 on it alone) makes the
-    others raise as a refused input does; a rank whose shared experts fail (a weight of
+    """A rank whose routing refuses its options (group-limited routing set under softmax
+    scoring on it alone: each option passes its assignment's check, the forward refuses the
+    combination) makes the others raise as a refused input does; a rank whose shared experts fail (a weight of
     another shape set on it alone) raises its own error after the combine, the others'
     outputs unharmed. Both left the other ranks waiting in a collective until the group's
     timeout."""
@@ -763,13 +764,13 @@ def one_rank_fails_in_routing_or_shared_experts(rank: int, world: int) -> list[s
     errs = []
     ep = ExpertParallelMoE.from_moe(moe, group=group)
     if last:
-        ep.top_k = 0
+        ep.n_group = 2
     try:
         ep(x)
-        errs.append(f"top_k=0: rank {rank} ran")
+        errs.append(f"n_group=2 under softmax: rank {rank} ran")
     except ValueError as e:
         if not last and f"rank(s) [{world - 1}] refused their input" not in str(e):
-            errs.append(f"top_k=0: unclear message: {e}")
+            errs.append(f"n_group=2 under softmax: unclear message: {e}")
     ep = ExpertParallelMoE.from_moe(moe, group=group)
     up = ep.local.shared_experts.up_proj
     if last:
@@ -1299,6 +1300,44 @@ def test_constructor_takes_the_routing_options_as_moe_resolves_them() -> None:
     assert ep.router_fp32 is True and type(ep.routed_scaling_factor) is float
     x = torch.randn(50, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(ep(x), moe(x))
+
+
+@pytest.mark.parametrize("name,value,exc,pattern", [
+    ("top_k", 0, ValueError, "top_k must be an int >= 1"),
+    ("top_k", 9, ValueError, r"top_k must be in \[1, num_experts=8\]"),
+    ("top_k", "2", TypeError, "top_k must be an int"),
+    ("scoring", "soft", ValueError, "scoring must be"),
+    ("renormalize", "no", TypeError, "renormalize must be a bool"),
+    ("n_group", 0, ValueError, "n_group must be an int >= 1"),
+    ("routed_scaling_factor", float("inf"), ValueError, "routed_scaling_factor must be finite"),
+    ("router_fp32", "yes", TypeError, "router_fp32 must be a bool or None"),
+    ("router_jitter_noise", -0.1, ValueError, "router_jitter_noise"),
+    ("hidden_size", 0, ValueError, "hidden_size must be an int >= 1"),
+])
+def test_routing_options_are_checked_when_assigned(name: str, value: object,
+                                                     exc: type[Exception], pattern: str) -> None:
+    # They were plain attributes: a bad one failed only inside the next forward (after the
+    # other ranks had entered the dispatch), where MoE's are refused at the assignment.
+    moe = MoE(16, 8, 4, 2)  # rank 0's 4 of 8 experts
+    ep = ExpertParallelMoE(moe, _router_of(_full_moe(3, torch.float32)), 8,
+                           dispatcher=_LocalShare(4), check_replicated=False)
+    before = getattr(ep, name)
+    with pytest.raises(exc, match=pattern):
+        setattr(ep, name, value)
+    assert getattr(ep, name) == before  # the layer unchanged
+
+
+def test_top_k_is_bounded_by_all_ranks_experts_and_router_fp32_follows_the_scoring() -> None:
+    moe = MoE(16, 8, 4, 2)  # rank 0's 4 of 8 experts: top_k 6 is valid for the layer
+    ep = ExpertParallelMoE(moe, _router_of(_full_moe(3, torch.float32)), 8,
+                           dispatcher=_LocalShare(4), check_replicated=False)
+    ep.top_k = 6
+    assert ep.top_k == 6 and ep.router_fp32 is False
+    ep.router_fp32 = None  # None follows the scoring, as in MoE
+    ep.scoring = "sigmoid"
+    assert ep.router_fp32 is True
+    weights, ids = ep.route(torch.randn(5, 16))
+    assert ids.shape == (5, 6) and int(ids.max()) < 8
 
 
 def test_constructor_refuses_a_bias_of_softmax_scoring_and_names_missing_options() -> None:
