@@ -301,10 +301,21 @@ HF_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": "softmax",
     "Qwen3NextSparseMoeBlock": "softmax",
     "Qwen3_5MoeSparseMoeBlock": "softmax",
+    "Qwen3VLMoeTextSparseMoeBlock": "softmax",
+    "Qwen3OmniMoeThinkerTextSparseMoeBlock": "softmax",
+    "Qwen3OmniMoeTalkerTextSparseMoeBlock": "softmax",
+    "Qwen4ExpTextSparseMoeBlock": "softmax",
+    "MellumSparseMoeBlock": "softmax",
     "DeepseekV3MoE": "sigmoid",
+    "DeepseekV32MoE": "sigmoid",
+    "KimiLinearMoE": "sigmoid",
     "Dots1MoE": "sigmoid",
+    "Dots3NoteTextMoE": "sigmoid",
     "Glm4MoeMoE": "sigmoid",
     "Glm4MoeLiteMoE": "sigmoid",
+    "Glm4vMoeTextMoE": "sigmoid",
+    "GlmMoeDsaMoE": "sigmoid",
+    "SolarOpenMoE": "sigmoid",
 }
 
 

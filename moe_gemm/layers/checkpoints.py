@@ -147,10 +147,12 @@ class MoELoaders:
         """Our layer for a transformers 5 MoE block, sharing its weights (no copy).
 
         Supported blocks (moe_gemm.integrations.transformers.HF_BLOCKS): Mixtral's, MiniMax's,
-        OLMoE's, FlexOlmo's, Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's (with their gated
-        shared expert), Qwen3-MoE's; DeepSeek-V3's, dots.llm1's, GLM-4-MoE's and
-        GLM-4-MoE-Lite's (sigmoid group-limited routing, shared experts). The result gives the
-        same outputs as `block` (fp32: within
+        OLMoE's, FlexOlmo's, Qwen2-MoE's, Qwen3-Next's, Qwen3.5-MoE's, Qwen3-Omni-MoE talker's
+        and Qwen4-Exp's (with their gated shared expert), Qwen3-MoE's, Qwen3-VL-MoE's,
+        Qwen3-Omni-MoE thinker's and Mellum's; DeepSeek-V3's, DeepSeek-V3.2's, Kimi-Linear's,
+        dots.llm1's, dots3-note's, GLM-4-MoE's, GLM-4-MoE-Lite's, GLM-4.5V's (Glm4vMoe),
+        GLM-MoE-DSA's and Solar-Open's (sigmoid group-limited routing, shared experts). The
+        result gives the same outputs as `block` (fp32: within
         float rounding): it takes the block's training / eval mode, and Mixtral's router
         jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation
         without one of our names is the experts' own act_fn module (shared with the block,
