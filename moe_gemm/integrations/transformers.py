@@ -290,8 +290,9 @@ def is_registered() -> bool:
 # (router arithmetic and the block's forward) and covered by tests/layers/test_moe_hf.py. The
 # softmax blocks route as Mixtral (softmax over the experts, top-k, renormalized where the
 # router has norm_topk_prob, always where it has none) and may carry Qwen2-MoE's
-# sigmoid-gated shared expert; the sigmoid ones as DeepSeek-V3 (group-limited top-k of biased
-# sigmoid scores, routed_scaling_factor) with shared experts.
+# sigmoid-gated shared expert ("softmax_fp32": its router computes the logits in float32);
+# the sigmoid ones as DeepSeek-V3 (group-limited top-k of biased sigmoid scores,
+# routed_scaling_factor) with or without shared experts.
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
     "MiniMaxSparseMoeBlock": "softmax",
@@ -306,8 +307,10 @@ HF_BLOCKS = {
     "Qwen3OmniMoeTalkerTextSparseMoeBlock": "softmax",
     "Qwen4ExpTextSparseMoeBlock": "softmax",
     "MellumSparseMoeBlock": "softmax",
+    "LaraMiniSparseMoeBlock": "softmax_fp32",
     "DeepseekV3MoE": "sigmoid",
     "DeepseekV32MoE": "sigmoid",
+    "MiMoV2FlashMoE": "sigmoid",
     "KimiLinearMoE": "sigmoid",
     "Dots1MoE": "sigmoid",
     "Dots3NoteTextMoE": "sigmoid",
@@ -348,8 +351,11 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
         )
         bias = router.e_score_correction_bias
     else:
-        # Mixtral always renormalises; Qwen2/Qwen3-MoE iff norm_topk_prob
-        opts.update(scoring="softmax", renormalize=bool(getattr(router, "norm_topk_prob", True)))
+        # Mixtral always renormalises; Qwen2/Qwen3-MoE iff norm_topk_prob. "softmax_fp32":
+        # a router that computes its logits in float32 (LaraMini), the others in the weight's
+        # dtype.
+        opts.update(scoring="softmax", renormalize=bool(getattr(router, "norm_topk_prob", True)),
+                    router_fp32=True if kind == "softmax_fp32" else None)
     # Mixtral's block keeps config.router_jitter_noise as `jitter_noise` (the others have none)
     opts["router_jitter_noise"] = float(getattr(block, "jitter_noise", 0.0) or 0.0)
     shared = None
@@ -379,6 +385,7 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
 # What from_hf reads of a block's router, beyond its (E, H) weight, per router kind.
 _ROUTER_ATTRS = {
     "softmax": ("top_k",),
+    "softmax_fp32": ("top_k",),
     "sigmoid": ("top_k", "norm_topk_prob", "num_group", "topk_group", "routed_scaling_factor",
                 "e_score_correction_bias"),
 }

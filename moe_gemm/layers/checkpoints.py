@@ -149,7 +149,8 @@ class MoELoaders:
         Supported blocks (moe_gemm.integrations.transformers.HF_BLOCKS): Mixtral's, MiniMax's,
         OLMoE's, FlexOlmo's, Qwen2-MoE's, Qwen3-Next's, Qwen3.5-MoE's, Qwen3-Omni-MoE talker's
         and Qwen4-Exp's (with their gated shared expert), Qwen3-MoE's, Qwen3-VL-MoE's,
-        Qwen3-Omni-MoE thinker's and Mellum's; DeepSeek-V3's, DeepSeek-V3.2's, Kimi-Linear's,
+        Qwen3-Omni-MoE thinker's and Mellum's, LaraMini's (float32 router logits, an ungated
+        shared expert); DeepSeek-V3's, DeepSeek-V3.2's, MiMo-V2-Flash's, Kimi-Linear's,
         dots.llm1's, dots3-note's, GLM-4-MoE's, GLM-4-MoE-Lite's, GLM-4.5V's (Glm4vMoe),
         GLM-MoE-DSA's and Solar-Open's (sigmoid group-limited routing, shared experts). The
         result gives the same outputs as `block` (fp32: within

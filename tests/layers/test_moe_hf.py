@@ -219,6 +219,12 @@ BLOCKS += [
     _later("glm_moe_dsa", "GlmMoeDsaMoE", "GlmMoeDsaConfig", "glm-moe-dsa", hidden_size=48,
            moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=8, n_group=1,
            topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5),
+    _later("mimo_v2_flash", "MiMoV2FlashMoE", "MiMoV2FlashConfig", "mimo-v2-flash-no-shared",
+           hidden_size=48, moe_intermediate_size=16, n_routed_experts=12, num_experts_per_tok=3,
+           n_group=3, topk_group=2, routed_scaling_factor=1.5),
+    _later("lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniConfig", "lara-mini-fp32-router",
+           hidden_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+           num_experts=10, num_experts_per_tok=3),
     _later("solar_open", "SolarOpenMoE", "SolarOpenConfig", "solar-open", hidden_size=64,
            moe_intermediate_size=24, n_routed_experts=16, num_experts_per_tok=4, n_group=2,
            topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0),
@@ -275,6 +281,27 @@ def test_from_hf_cast_keeps_the_correction_bias_float32(cast: str) -> None:
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=0)
 
 
+def test_from_hf_routes_as_a_float32_softmax_router_in_bf16() -> None:
+    # LaraMini's router computes its logits in float32 from bf16 weights and tokens (Mixtral's
+    # and Qwen's in bf16): routed in bf16, near ties pick other experts than the block's.
+    later = _Later("lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniConfig")
+    cfg = later.make_config(hidden_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, num_experts=64,
+                            num_experts_per_tok=8)()
+    block = _block(later, cfg, seed=int(torch.randint(1 << 30, ()))).to(torch.bfloat16)
+    moe = MoE.from_hf(block)
+    assert moe.router_fp32 is True
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x = torch.randn(512, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        _, w_ref, i_ref = block.gate(x)
+        w, i = moe.route(x)
+    w, i = _by_expert(w, i)
+    w_ref, i_ref = _by_expert(w_ref, i_ref)
+    assert torch.equal(i, i_ref), f"{int((i != i_ref).any(-1).sum())} of 512 tokens differ"
+    torch.testing.assert_close(w.to(w_ref.dtype), w_ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6], *BLOCKS[9:]])
 def test_from_hf_also_matches_transformers_grouped_mm(cls: type, make_config) -> None:
     block = _block(cls, make_config(), seed=2)
@@ -303,7 +330,10 @@ def test_from_hf_bf16_two_x_rule(cls: type, make_config) -> None:
         if hasattr(block32, "shared_experts"):
             ref = ref + block32.shared_experts(x32)
         if hasattr(block32, "shared_expert"):
-            ref = ref + torch.sigmoid(block32.shared_expert_gate(x32)) * block32.shared_expert(x32)
+            shared = block32.shared_expert(x32)
+            if hasattr(block32, "shared_expert_gate"):  # (LaraMini's is added ungated)
+                shared = torch.sigmoid(block32.shared_expert_gate(x32)) * shared
+            ref = ref + shared
         ref = ref.view(x.shape)
     assert y.dtype == torch.bfloat16
     assert_close_to_ref(
