@@ -292,7 +292,9 @@ def is_registered() -> bool:
 # router has norm_topk_prob, always where it has none) and may carry Qwen2-MoE's
 # sigmoid-gated shared expert ("softmax_fp32": its router computes the logits in float32);
 # the sigmoid ones as DeepSeek-V3 (group-limited top-k of biased sigmoid scores,
-# routed_scaling_factor) with or without shared experts.
+# routed_scaling_factor) with or without shared experts; "sigmoid_flat" (MiniMax-M2): biased
+# sigmoid top-k over all experts, renormalized, logits in the weight's dtype, the correction
+# bias a buffer of the block.
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
     "MiniMaxSparseMoeBlock": "softmax",
@@ -319,6 +321,7 @@ HF_BLOCKS = {
     "Glm4vMoeTextMoE": "sigmoid",
     "GlmMoeDsaMoE": "sigmoid",
     "SolarOpenMoE": "sigmoid",
+    "MiniMaxM2SparseMoeBlock": "sigmoid_flat",
 }
 
 
@@ -340,7 +343,10 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     _check_fused_gated(experts)
     opts: dict[str, Any] = {"activation": hf_activation(experts.act_fn), "config": config}
     bias = None
-    if kind == "sigmoid":
+    if kind == "sigmoid_flat":
+        opts.update(scoring="sigmoid", renormalize=True, router_fp32=False)
+        bias = block.e_score_correction_bias
+    elif kind == "sigmoid":
         opts.update(
             scoring="sigmoid",
             renormalize=bool(router.norm_topk_prob),
@@ -386,6 +392,7 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
 _ROUTER_ATTRS = {
     "softmax": ("top_k",),
     "softmax_fp32": ("top_k",),
+    "sigmoid_flat": ("top_k",),
     "sigmoid": ("top_k", "norm_topk_prob", "num_group", "topk_group", "routed_scaling_factor",
                 "e_score_correction_bias"),
 }
@@ -416,6 +423,9 @@ def _check_hf_block(block: nn.Module, kind: str) -> None:
     missing = [a for a in _ROUTER_ATTRS[kind] if router is not None and not hasattr(router, a)]
     if router is not None and missing:
         problems.append(f"a router ({type(router).__name__}) without {', '.join(missing)}")
+    if kind == "sigmoid_flat" and not isinstance(getattr(block, "e_score_correction_bias", None),
+                                                 torch.Tensor):
+        problems.append("no e_score_correction_bias")
     if problems:
         raise ValueError(
             f"MoE.from_hf takes transformers 5's {name} (fused 3-D experts, a top-k router); "

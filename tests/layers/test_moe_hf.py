@@ -225,6 +225,8 @@ BLOCKS += [
     _later("lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniConfig", "lara-mini-fp32-router",
            hidden_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
            num_experts=10, num_experts_per_tok=3),
+    _later("minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2Config", "minimax-m2",
+           hidden_size=48, intermediate_size=24, num_local_experts=16, num_experts_per_tok=4),
     _later("solar_open", "SolarOpenMoE", "SolarOpenConfig", "solar-open", hidden_size=64,
            moe_intermediate_size=24, n_routed_experts=16, num_experts_per_tok=4, n_group=2,
            topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0),
@@ -324,7 +326,9 @@ def test_from_hf_bf16_two_x_rule(cls: type, make_config) -> None:
         base = block(x)  # transformers in bf16
         # The fp32 reference routes like the bf16 model does, so that a near-tie flipped by
         # bf16 rounding of the router does not count as an arithmetic error.
-        _, w_bf16, i_bf16 = block.gate(x.view(-1, x.shape[-1]))
+        # (MiniMax-M2's router takes the block's correction bias)
+        bias = getattr(block, "e_score_correction_bias", None)
+        _, w_bf16, i_bf16 = block.gate(x.view(-1, x.shape[-1]), *([] if bias is None else [bias]))
         x32 = x.float().view(-1, x.shape[-1])
         ref = block32.experts(x32, i_bf16, w_bf16.float())
         if hasattr(block32, "shared_experts"):
