@@ -253,6 +253,20 @@ def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return weights.gather(1, order), ids_sorted
 
 
+def _assert_routes_as_the_block(moe: MoE, block: torch.nn.Module, x: torch.Tensor,
+                                rtol: float) -> None:
+    """moe.route(x) picks the block router's experts for every token, with its weights (in
+    the block's dtype, within rtol)."""
+    with torch.no_grad():
+        _, w_ref, i_ref = block.gate(x)
+        w, i = moe.route(x)
+    w, i = _by_expert(w, i)
+    w_ref, i_ref = _by_expert(w_ref, i_ref)
+    differ = int((i != i_ref).any(-1).sum())
+    assert differ == 0, f"{differ} of {x.shape[0]} tokens differ"
+    torch.testing.assert_close(w.to(w_ref.dtype), w_ref, rtol=rtol, atol=0)
+
+
 @pytest.mark.parametrize("cast", ["to_bf16", "half"])
 def test_from_hf_cast_keeps_the_correction_bias_float32(cast: str) -> None:
     # transformers loads DeepSeek-V3 / GLM-4-MoE in bf16 with gate.weight and
@@ -274,13 +288,7 @@ def test_from_hf_cast_keeps_the_correction_bias_float32(cast: str) -> None:
     moe = moe.to(torch.bfloat16) if cast == "to_bf16" else moe.half()
     assert moe.e_score_correction_bias.dtype == torch.float32
     x = torch.randn(256, 64, generator=g).to(moe.router_weight.dtype)
-    with torch.no_grad():
-        _, w_ref, i_ref = block.gate(x)
-        w, i = moe.route(x)
-    w, i = _by_expert(w, i)
-    w_ref, i_ref = _by_expert(w_ref, i_ref)
-    assert torch.equal(i, i_ref), f"{int((i != i_ref).any(-1).sum())} of 256 tokens differ"
-    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=0)
+    _assert_routes_as_the_block(moe, block, x, rtol=1e-6)
 
 
 def test_from_hf_routes_as_a_float32_softmax_router_in_bf16() -> None:
@@ -295,13 +303,7 @@ def test_from_hf_routes_as_a_float32_softmax_router_in_bf16() -> None:
     assert moe.router_fp32 is True
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     x = torch.randn(512, 64, generator=g).to(torch.bfloat16)
-    with torch.no_grad():
-        _, w_ref, i_ref = block.gate(x)
-        w, i = moe.route(x)
-    w, i = _by_expert(w, i)
-    w_ref, i_ref = _by_expert(w_ref, i_ref)
-    assert torch.equal(i, i_ref), f"{int((i != i_ref).any(-1).sum())} of 512 tokens differ"
-    torch.testing.assert_close(w.to(w_ref.dtype), w_ref, rtol=0, atol=0)
+    _assert_routes_as_the_block(moe, block, x, rtol=0)
 
 
 @pytest.mark.parametrize("cls,make_config", [BLOCKS[0], BLOCKS[2], BLOCKS[6], *BLOCKS[9:]])
