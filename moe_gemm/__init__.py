@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
         ExpertPermutation,
         permute_by_expert,
         sigmoid_grouped_topk,
+        softmax_grouped_topk,
         softmax_topk,
     )
     from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
@@ -89,6 +90,7 @@ __all__ = [
     "scaled_grouped_mm",
     "scaled_grouped_mm_masked",
     "sigmoid_grouped_topk",
+    "softmax_grouped_topk",
     "softmax_topk",
 ]
 
@@ -114,6 +116,7 @@ def _load() -> None:
                 ExpertPermutation,
                 permute_by_expert,
                 sigmoid_grouped_topk,
+                softmax_grouped_topk,
                 softmax_topk,
             )
             from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
@@ -153,6 +156,7 @@ def _load() -> None:
             moe_forward=moe_forward,
             permute_by_expert=permute_by_expert,
             sigmoid_grouped_topk=sigmoid_grouped_topk,
+            softmax_grouped_topk=softmax_grouped_topk,
             softmax_topk=softmax_topk,
             dequantize_fp8=dequantize_fp8,
             quantize_fp8_per_block=quantize_fp8_per_block,

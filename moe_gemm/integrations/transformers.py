@@ -294,7 +294,9 @@ def is_registered() -> bool:
 # the sigmoid ones as DeepSeek-V3 (group-limited top-k of biased sigmoid scores,
 # routed_scaling_factor) with or without shared experts; "sigmoid_flat" (MiniMax-M2): biased
 # sigmoid top-k over all experts, renormalized, logits in the weight's dtype, the correction
-# bias a buffer of the block.
+# bias a buffer of the block; "softmax_grouped" (Mistral 4): DeepSeek-V3's group-limited
+# top-k and routed_scaling_factor over softmax scores, without a bias, logits in the
+# weight's dtype ("softmax_grouped_fp32", Mistral Large 4: in float32, always renormalized).
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
     "MiniMaxSparseMoeBlock": "softmax",
@@ -322,6 +324,8 @@ HF_BLOCKS = {
     "GlmMoeDsaMoE": "sigmoid",
     "SolarOpenMoE": "sigmoid",
     "MiniMaxM2SparseMoeBlock": "sigmoid_flat",
+    "Mistral4MoE": "softmax_grouped",
+    "MistralLarge4TextMoE": "softmax_grouped_fp32",
 }
 
 
@@ -356,6 +360,15 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
             router_fp32=True,
         )
         bias = router.e_score_correction_bias
+    elif kind in ("softmax_grouped", "softmax_grouped_fp32"):
+        opts.update(
+            scoring="softmax",
+            renormalize=bool(getattr(router, "norm_topk_prob", True)),
+            n_group=int(router.num_group),
+            topk_group=int(router.topk_group),
+            routed_scaling_factor=float(router.routed_scaling_factor),
+            router_fp32=kind == "softmax_grouped_fp32",
+        )
     else:
         # Mixtral always renormalises; Qwen2/Qwen3-MoE iff norm_topk_prob. "softmax_fp32":
         # a router that computes its logits in float32 (LaraMini), the others in the weight's
@@ -393,6 +406,8 @@ _ROUTER_ATTRS = {
     "softmax": ("top_k",),
     "softmax_fp32": ("top_k",),
     "sigmoid_flat": ("top_k",),
+    "softmax_grouped": ("top_k", "num_group", "topk_group", "routed_scaling_factor"),
+    "softmax_grouped_fp32": ("top_k", "num_group", "topk_group", "routed_scaling_factor"),
     "sigmoid": ("top_k", "norm_topk_prob", "num_group", "topk_group", "routed_scaling_factor",
                 "e_score_correction_bias"),
 }

@@ -153,7 +153,9 @@ class MoELoaders:
         shared expert); DeepSeek-V3's, DeepSeek-V3.2's, MiMo-V2-Flash's, Kimi-Linear's,
         dots.llm1's, dots3-note's, GLM-4-MoE's, GLM-4-MoE-Lite's, GLM-4.5V's (Glm4vMoe),
         GLM-MoE-DSA's and Solar-Open's (sigmoid group-limited routing, shared experts);
-        MiniMax-M2's (biased sigmoid top-k over all experts, the bias on the block). The
+        MiniMax-M2's (biased sigmoid top-k over all experts, the bias on the block); Mistral
+        4's and Mistral Large 4's (group-limited softmax top-k, a routed scaling factor,
+        shared experts; Mistral Large 4's router logits in float32). The
         result gives the same outputs as `block` (fp32: within
         float rounding): it takes the block's training / eval mode, and Mixtral's router
         jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation

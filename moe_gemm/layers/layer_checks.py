@@ -19,8 +19,8 @@ from moe_gemm.layers.routing import (
     check_router_weight,
     check_scaling_factor,
     check_scoring,
-    check_softmax_options,
     sigmoid_grouped_topk,
+    softmax_grouped_topk,
 )
 from moe_gemm.ops.validation import check_dense, shape_text
 
@@ -43,15 +43,16 @@ def check_routing(
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")
     check_scoring(scoring)
     routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
-    if scoring == "softmax":
-        check_softmax_options(n_group, topk_group, routed_scaling_factor)
     check_flag("renormalize", renormalize)
+    # Same checks the router runs per call, done once here so bad settings fail early.
     if scoring == "sigmoid":
-        # Same checks the router runs per call, done once here so bad settings fail early.
         sigmoid_grouped_topk(
             torch.zeros(0, num_experts), None, top_k, n_group, topk_group,
             routed_scaling_factor, renormalize,
         )
+    else:
+        softmax_grouped_topk(torch.zeros(0, num_experts), top_k, n_group, topk_group,
+                             routed_scaling_factor, renormalize)
 
 
 def check_layer_args(hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,

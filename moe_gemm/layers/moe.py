@@ -96,12 +96,12 @@ def moe_forward(
         w_gate_up: [E, H, 2I] fused gate+up weights (see moe_experts for layouts).
         w_down: [E, I, H] down weights.
         top_k: experts per token.
-        scoring: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3).
+        scoring: "softmax" (Mixtral, Qwen, Mistral 4) or "sigmoid" (DeepSeek-V3).
         renormalize: divide the top-k weights by their sum (Qwen's norm_topk_prob; Mixtral
             always True).
-        n_group, topk_group: group-limited routing (sigmoid only).
-        routed_scaling_factor: multiplies the weights (sigmoid only, after renormalising);
-            finite.
+        n_group, topk_group: group-limited routing (DeepSeek-V3 with sigmoid scores, Mistral
+            4 with softmax scores).
+        routed_scaling_factor: multiplies the weights (after renormalising); finite.
         correction_bias: [E] selection-only bias (sigmoid only), e.g. DeepSeek-V3's
             e_score_correction_bias.
         router_fp32: compute the router logits in fp32 (DeepSeek) rather than in the weight's
@@ -245,8 +245,9 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
           [+ shared experts(x)] [* sigmoid(shared_expert_gate(x)) on the shared part]
 
     Routers: softmax top-k with or without renormalising (Mixtral; Qwen2/Qwen3-MoE
-    norm_topk_prob) or sigmoid scores with a selection-only correction bias, group-limited
-    top-k and a routed scaling factor (DeepSeek-V3). Exactly transformers' arithmetic, so
+    norm_topk_prob), group-limited softmax top-k with a routed scaling factor (Mistral 4) or
+    sigmoid scores with a selection-only correction bias, group-limited top-k and a routed
+    scaling factor (DeepSeek-V3). Exactly transformers' arithmetic, so
     `MoE.from_hf(block)` reproduces a transformers block's output.
 
     Inference only: the routed path has no backward. The layer's parameters are created with
@@ -276,12 +277,12 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
         top_k: experts per token, 1 <= top_k <= E.
         scoring: "softmax" or "sigmoid".
         renormalize: divide the top-k weights by their sum.
-        n_group, topk_group: group-limited routing (sigmoid only).
-        routed_scaling_factor: multiplies the routed weights (sigmoid only); finite.
+        n_group, topk_group: group-limited routing (either scoring).
+        routed_scaling_factor: multiplies the routed weights; finite.
             The routing options (top_k to routed_scaling_factor) and hidden_size are
             attributes: an assignment is checked on its own as the constructor checks it
             (TypeError / ValueError, the layer unchanged), and the forward checks how they
-            combine (top_k <= E, the sigmoid-only options or an e_score_correction_bias
+            combine (top_k <= E, groups that fit E and top_k, an e_score_correction_bias
             with softmax scoring: ValueError).
         correction_bias: keep an e_score_correction_bias buffer (sigmoid only); None = True
             for sigmoid.

@@ -87,9 +87,8 @@ class RoutingOptions(nn.Module):
 
     # The routing options, each checked on its own when assigned (a string top_k or a
     # misspelt scoring failed only at the next forward, far from the assignment). How they
-    # combine (top_k <= E, group-limited routing with sigmoid scoring only, ...) is checked
-    # by the forward: assignments made one at a time pass through combinations that are
-    # invalid until the last one.
+    # combine (top_k <= E, groups that divide E, ...) is checked by the forward: assignments
+    # made one at a time pass through combinations that are invalid until the last one.
     def _routing_option(self, name: str) -> Any:
         d = self.__dict__
         if "_" + name in d:
@@ -109,12 +108,12 @@ class RoutingOptions(nn.Module):
     scoring = _checked_option("scoring", 'The router\'s scores: "softmax" or "sigmoid".')
     renormalize = _checked_option("renormalize", "Divide the top-k weights by their sum.")
     n_group = _checked_option("n_group",
-                              "Expert groups of group-limited routing (sigmoid scoring).")
+                              "Expert groups of group-limited routing.")
     topk_group = _checked_option("topk_group", "Groups kept per token by group-limited routing.")
     hidden_size = _checked_option(
         "hidden_size", "H, the tokens' size (the forward checks the weights against it).")
     routed_scaling_factor = _checked_option(
-        "routed_scaling_factor", "Multiplies the routed weights (sigmoid scoring); finite.")
+        "routed_scaling_factor", "Multiplies the routed weights; finite.")
 
 
 class MoEOptions(RoutingOptions):

@@ -15,6 +15,9 @@ cores: `router_logits_fp32`):
 - `softmax_topk`: Mixtral (always renormalised) and Qwen2/Qwen3-MoE (renormalised iff
   `norm_topk_prob`): softmax in float32, top-k, then divide by the top-k sum (on a
   Hopper GPU one kernel, ops/router_topk.py; MOE_GEMM_ROUTER=torch keeps the torch ops).
+- `softmax_grouped_topk`: Mistral 4 / Mistral Large 4: DeepSeek-V3's group-limited choice
+  (below) over float32 softmax scores, weights renormalised (+1e-20) and scaled by
+  `routed_scaling_factor` (torch ops; without groups it is `softmax_topk`).
 - `sigmoid_grouped_topk`: DeepSeek-V3 / GLM-4-MoE: float32 sigmoid scores; a correction bias
   added for the *selection* only; group-limited choice (group score = sum of its two best
   biased scores, keep `topk_group` groups); weights gathered from the unbiased scores,
@@ -62,6 +65,7 @@ __all__ = [
     "router_jitter",
     "router_logits_fp32",
     "sigmoid_grouped_topk",
+    "softmax_grouped_topk",
     "softmax_topk",
 ]
 
@@ -219,6 +223,51 @@ def softmax_topk(
     return weights, ids
 
 
+def _check_groups(E: int, k: int, n_group: object, topk_group: object) -> tuple[int, int, bool]:
+    """(n_group, topk_group, grouped) of group-limited routing over E experts choosing k:
+    `grouped` is False where every expert stays eligible (one group, or every group kept)."""
+    n_group, topk_group = check_int("n_group", n_group), check_int("topk_group", topk_group)
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group must be >= 1 and divide E={E}; got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}]; got {topk_group}")
+    per_group = E // n_group
+    grouped = n_group > 1 and topk_group < n_group
+    if grouped and per_group < 2:
+        raise ValueError(
+            f"group-limited routing scores a group by its two best experts, so E / n_group must "
+            f"be >= 2; got E={E}, n_group={n_group}"
+        )
+    if k > topk_group * per_group:
+        raise ValueError(
+            f"k={k} experts cannot be chosen from topk_group={topk_group} groups of "
+            f"{per_group} experts"
+        )
+    return n_group, topk_group, grouped
+
+
+def _grouped_choice(scores: torch.Tensor, choice: torch.Tensor, k: int, n_group: int,
+                    topk_group: int, grouped: bool, routed_scaling_factor: float,
+                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group-limited top-k of `choice` [T, E] (transformers' order exactly: top-2 sum per
+    group, keep topk_group groups, the k best of their experts), weights gathered from
+    `scores`, renormalised with +1e-20, times the factor."""
+    if grouped:
+        # Groups not kept are masked with -inf (transformers' 0.0 would let a masked expert
+        # beat an eligible one whose biased score is negative).
+        T, E = choice.shape
+        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
 def sigmoid_grouped_topk(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -256,25 +305,9 @@ def sigmoid_grouped_topk(
             not fit.
     """
     logits = _check_logits(logits)
-    T, E = logits.shape
+    E = logits.shape[1]
     k = _check_k(k, E)
-    n_group, topk_group = check_int("n_group", n_group), check_int("topk_group", topk_group)
-    if n_group < 1 or E % n_group:
-        raise ValueError(f"n_group must be >= 1 and divide E={E}; got {n_group}")
-    if not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be in [1, n_group={n_group}]; got {topk_group}")
-    per_group = E // n_group
-    grouped = n_group > 1 and topk_group < n_group
-    if grouped and per_group < 2:
-        raise ValueError(
-            f"group-limited routing scores a group by its two best experts, so E / n_group must "
-            f"be >= 2; got E={E}, n_group={n_group}"
-        )
-    if k > topk_group * per_group:
-        raise ValueError(
-            f"k={k} experts cannot be chosen from topk_group={topk_group} groups of "
-            f"{per_group} experts"
-        )
+    n_group, topk_group, grouped = _check_groups(E, k, n_group, topk_group)
     if bias is not None:
         check_correction_bias(bias, E, logits.device)
     routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
@@ -285,19 +318,59 @@ def sigmoid_grouped_topk(
         return fused
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias
-    if grouped:
-        # transformers' order exactly: top-2 sum per group, keep topk_group groups, mask the
-        # rest with -inf (topk_group == n_group or n_group == 1 keeps every expert, so skip).
-        group_scores = choice.view(T, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        keep = group_mask.unsqueeze(-1).expand(T, n_group, per_group).reshape(T, E).bool()
-        choice = choice.masked_fill(~keep, float("-inf"))
-    ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    return _grouped_choice(scores, choice, k, n_group, topk_group, grouped,
+                           routed_scaling_factor, renormalize)
+
+
+def softmax_grouped_topk(
+    logits: torch.Tensor,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router with group-limited top-k and a routed scaling factor (Mistral 4,
+    Mistral Large 4: DeepSeek-V3's selection over softmax scores, without a bias).
+
+    scores = softmax(logits) in float32; experts are split into `n_group` equal groups, a
+    group scores the sum of its two best scores, the `topk_group` best groups stay eligible
+    and the k best eligible experts are chosen; their scores are divided by (their sum +
+    1e-20) if `renormalize`, then multiplied by `routed_scaling_factor`. With one group (or
+    every group kept) this is `softmax_topk` times the factor.
+
+    Args:
+        logits: [T, E] router logits, any float dtype (upcast to float32 before the softmax).
+        k: experts per token, 1 <= k <= topk_group * E / n_group.
+        n_group: expert groups; E must be a multiple, with >= 2 experts per group when
+            n_group > 1 (the group score sums two).
+        topk_group: groups kept per token, 1 <= topk_group <= n_group.
+        routed_scaling_factor: multiplies the final weights; a finite float.
+        renormalize: divide the weights by their sum (+1e-20) before scaling.
+
+    Returns:
+        (weights, ids): weights [T, k] float32, ids [T, k] int64 (best expert first with one
+        group; in torch.topk's unsorted order, as transformers, with several).
+
+    Raises:
+        TypeError: wrong argument types.
+        ValueError: shapes, group settings or a routed_scaling_factor (NaN, inf) that do
+            not fit.
+    """
+    logits = _check_logits(logits)
+    E = logits.shape[1]
+    k = _check_k(k, E)
+    n_group, topk_group, grouped = _check_groups(E, k, n_group, topk_group)
+    routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
+    renormalize = check_flag("renormalize", renormalize)
+    if not grouped:
+        # (the top-k sum of a softmax is at least 1 / E: the +1e-20 is below fp32's rounding)
+        weights, ids = softmax_topk(logits, k, renormalize)
+        return weights * routed_scaling_factor, ids
+    # Group-limited: torch ops (the router kernel scores with sigmoid only).
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return _grouped_choice(scores, scores, k, n_group, topk_group, grouped,
+                           routed_scaling_factor, renormalize)
 
 
 def _sort_key_dtype(num_experts: int) -> torch.dtype:
@@ -450,20 +523,10 @@ def check_scoring(value: object) -> str:
     return value
 
 
-def check_softmax_options(n_group: int, topk_group: int, routed_scaling_factor: float,
-                          correction_bias: torch.Tensor | None = None) -> None:
-    """The sigmoid router's options left at their neutral values under softmax scoring (the
-    softmax router has none of them: a layer's options reassigned to such a mix were ignored
-    without an error). correction_bias: a layer built for sigmoid routing keeps its
-    e_score_correction_bias buffer when its scoring is reassigned."""
-    if n_group != 1 or topk_group != 1:
-        raise ValueError(
-            "group-limited routing (n_group, topk_group) is defined for scoring='sigmoid' "
-            f"(DeepSeek-V3); got n_group={n_group}, topk_group={topk_group} with softmax")
-    if routed_scaling_factor != 1.0:
-        raise ValueError(
-            "routed_scaling_factor is defined for scoring='sigmoid' (DeepSeek-V3); got "
-            f"{routed_scaling_factor} with softmax (scale the layer's output instead)")
+def check_softmax_options(correction_bias: torch.Tensor | None = None) -> None:
+    """A correction bias is the sigmoid router's alone (a layer built for sigmoid routing
+    keeps its e_score_correction_bias buffer when its scoring is reassigned: ignoring it
+    under softmax would route without the bias the layer was given)."""
     if correction_bias is not None:
         raise ValueError(
             "a correction bias (e_score_correction_bias) is used by scoring='sigmoid' only; "
@@ -485,15 +548,18 @@ def route_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, ids [T, k] int64) of tokens x [T, H] under the router
     weight [E, H]: the logits (in float32 with router_fp32, else in the weight's dtype), then
-    softmax_topk or sigmoid_grouped_topk."""
+    softmax_topk, softmax_grouped_topk or sigmoid_grouped_topk."""
     check_scoring(scoring)
     if router_fp32:
         logits = router_logits_fp32(x, router_weight)  # DeepSeek-V3 / GLM-4-MoE
     else:
         logits = F.linear(x.to(router_weight.dtype), router_weight)  # Mixtral / Qwen
     if scoring == "softmax":
-        check_softmax_options(n_group, topk_group, routed_scaling_factor, correction_bias)
-        return softmax_topk(logits, top_k, renormalize)
+        check_softmax_options(correction_bias)
+        if n_group == 1 and topk_group == 1 and routed_scaling_factor == 1.0:
+            return softmax_topk(logits, top_k, renormalize)  # Mixtral, Qwen: one kernel
+        return softmax_grouped_topk(logits, top_k, n_group, topk_group, routed_scaling_factor,
+                                    renormalize)  # Mistral 4
     return sigmoid_grouped_topk(
         logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize
     )

@@ -750,9 +750,8 @@ def ranks_disagreeing_on_static_splits(rank: int, world: int) -> list[str]:
 
 @case
 def one_rank_fails_in_routing_or_shared_experts(rank: int, world: int) -> list[str]:
-    """A rank whose routing refuses its options (group-limited routing set under softmax
-    scoring on it alone: each option passes its assignment's check, the forward refuses the
-    combination) makes the others raise as a refused input does; a rank whose shared experts fail (a weight of
+    """A rank whose routing refuses its options (n_group=3 over 8 experts set on it alone:
+    the value passes its assignment's check, the forward refuses the combination) makes the others raise as a refused input does; a rank whose shared experts fail (a weight of
     another shape set on it alone) raises its own error after the combine, the others'
     outputs unharmed. Both left the other ranks waiting in a collective until the group's
     timeout."""
@@ -764,13 +763,13 @@ def one_rank_fails_in_routing_or_shared_experts(rank: int, world: int) -> list[s
     errs = []
     ep = ExpertParallelMoE.from_moe(moe, group=group)
     if last:
-        ep.n_group = 2
+        ep.n_group = 3
     try:
         ep(x)
-        errs.append(f"n_group=2 under softmax: rank {rank} ran")
+        errs.append(f"n_group=3 over 8 experts: rank {rank} ran")
     except ValueError as e:
         if not last and f"rank(s) [{world - 1}] refused their input" not in str(e):
-            errs.append(f"n_group=2 under softmax: unclear message: {e}")
+            errs.append(f"n_group=3 over 8 experts: unclear message: {e}")
     ep = ExpertParallelMoE.from_moe(moe, group=group)
     up = ep.local.shared_experts.up_proj
     if last:

@@ -344,7 +344,9 @@ def test_forward_mode_ad_raises_the_layers_error() -> None:
         ({"top_k": 0}, ValueError, "top_k must be in"),
         ({"num_experts": 0}, ValueError, "num_experts must be >= 1"),
         ({"scoring": "relu"}, ValueError, "scoring must be 'softmax' or 'sigmoid'"),
-        ({"n_group": 2}, ValueError, "defined for scoring='sigmoid'"),
+        ({"n_group": 3}, ValueError, "divide E=8"),
+        ({"n_group": 8, "topk_group": 2}, ValueError, "E / n_group must be >= 2"),
+        ({"n_group": 4, "topk_group": 1, "top_k": 3}, ValueError, "cannot be chosen"),
         ({"scoring": "sigmoid", "n_group": 3}, ValueError, "divide E=8"),
         ({"scoring": "sigmoid", "n_group": 4, "topk_group": 5}, ValueError, "topk_group"),
         ({"correction_bias": True}, ValueError, "correction_bias is used by scoring='sigmoid'"),
@@ -357,8 +359,8 @@ def test_forward_mode_ad_raises_the_layers_error() -> None:
         ({"dtype": torch.float64}, TypeError, "dtype must be"),
         ({"hidden_size": 32.0}, TypeError, "hidden_size must be an int"),
         ({"top_k": 2.0}, TypeError, "top_k must be an int"),
-        ({"routed_scaling_factor": 2.5}, ValueError,
-         "routed_scaling_factor is defined for scoring='sigmoid'"),
+        ({"routed_scaling_factor": float("nan")}, ValueError,
+         "routed_scaling_factor must be finite; got nan"),
         ({"renormalize": "no"}, TypeError, "renormalize must be a bool"),
         ({"router_fp32": "no"}, TypeError, "router_fp32 must be a bool or None; got 'no'"),
         ({"fused": "x"}, TypeError, "fused must be a bool or None; got 'x'"),
@@ -892,14 +894,16 @@ def test_routing_options_assigned_one_by_one_reach_the_router() -> None:
     assert type(moe.top_k) is int and moe.renormalize is False
     x = torch.randn(7, 32)
     torch.testing.assert_close(moe(x), built(x), rtol=0, atol=0)
-    moe.scoring = "softmax"  # sigmoid-only options under softmax: refused by the forward
-    with pytest.raises(ValueError, match="group-limited routing"):
+    moe.n_group = 3  # groups that do not divide E: refused by the forward
+    with pytest.raises(ValueError, match="divide E=8"):
         moe(x)
-    moe.n_group = moe.topk_group = 1
-    with pytest.raises(ValueError, match="routed_scaling_factor is defined for scoring"):
+    with pytest.raises(ValueError, match="divide E=8"):
         moe.route(x)
-    moe.routed_scaling_factor = 1.0
-    assert moe(x).shape == (7, 32)
+    moe.scoring, moe.n_group = "softmax", 4  # group-limited softmax (Mistral 4)
+    soft = randomize(MoE(32, 16, 8, 3, renormalize=False, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.5))
+    soft.load_state_dict(moe.state_dict())
+    torch.testing.assert_close(moe(x), soft(x), rtol=0, atol=0)
 
 
 def test_a_correction_bias_under_reassigned_softmax_scoring_is_refused() -> None:

@@ -230,6 +230,17 @@ BLOCKS += [
     _later("solar_open", "SolarOpenMoE", "SolarOpenConfig", "solar-open", hidden_size=64,
            moe_intermediate_size=24, n_routed_experts=16, num_experts_per_tok=4, n_group=2,
            topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0),
+    # Group-limited top-k over softmax scores, a routed scaling factor ("softmax_grouped")
+    _later("mistral4", "Mistral4MoE", "Mistral4Config", "mistral4-no-renorm", hidden_size=64,
+           moe_intermediate_size=16, num_local_experts=16, num_experts_per_tok=4, n_group=4,
+           topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=False),
+    _later("mistral4", "Mistral4MoE", "Mistral4Config", "mistral4-one-group", hidden_size=48,
+           moe_intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, n_group=1,
+           topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True),
+    _later("mistral_large4", "MistralLarge4TextMoE", "MistralLarge4TextConfig",
+           "mistral-large4-fp32-router", hidden_size=48, moe_intermediate_size=16,
+           num_local_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2,
+           n_shared_experts=1, routed_scaling_factor=1.5),
 ]
 
 

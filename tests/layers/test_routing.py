@@ -13,8 +13,10 @@ import torch
 
 from moe_gemm.layers.routing import (
     permute_by_expert,
+    route_tokens,
     router_logits_fp32,
     sigmoid_grouped_topk,
+    softmax_grouped_topk,
     softmax_topk,
 )
 
@@ -190,6 +192,98 @@ def test_sigmoid_grouped_topk_rejects_bad_settings(
         sigmoid_grouped_topk(torch.randn(3, 16), **args)
 
 
+def _softmax_grouped_ref(logits: torch.Tensor, k: int, n_group: int, topk_group: int,
+                         scale: float, renormalize: bool) -> list[dict[int, float]]:
+    """Mistral 4's router per token in float64: softmax, group score = sum of the group's two
+    best, the topk_group best groups eligible, the k best of them, renormalised (+1e-20),
+    scaled."""
+    E = logits.shape[1]
+    per = E // n_group
+    out = []
+    for row in logits.double().tolist():
+        m = max(row)
+        ex = [math.exp(v - m) for v in row]
+        probs = [v / sum(ex) for v in ex]
+        groups = sorted(((sum(sorted(probs[g * per:(g + 1) * per], reverse=True)[:2]), g)
+                         for g in range(n_group)), reverse=True)
+        kept = {g for _, g in groups[:topk_group]}
+        top = sorted((e for e in range(E) if e // per in kept), key=lambda e: -probs[e])[:k]
+        w = {e: probs[e] for e in top}
+        if renormalize:
+            tot = sum(w.values()) + 1e-20
+            w = {e: v / tot for e, v in w.items()}
+        out.append({e: v * scale for e, v in w.items()})
+    return out
+
+
+@pytest.mark.parametrize(
+    "E,k,n_group,topk_group,scale,renormalize",
+    [
+        (16, 4, 4, 2, 2.5, True),
+        (16, 3, 8, 3, 1.0, False),
+        (32, 8, 8, 4, 1.5, True),
+        (12, 6, 3, 3, 1.5, True),  # topk_group == n_group keeps every group
+        (8, 2, 1, 1, 0.5, False),  # one group: softmax_topk times the factor
+        (6, 6, 1, 1, 1.0, True),  # k = E
+    ],
+)
+def test_softmax_grouped_topk_matches_reference(E, k, n_group, topk_group, scale,
+                                                renormalize) -> None:
+    T = 23
+    logits = torch.randn(T, E) * 2
+    weights, ids = softmax_grouped_topk(logits, k, n_group, topk_group, scale, renormalize)
+    assert weights.shape == ids.shape == (T, k)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    want = _softmax_grouped_ref(logits, k, n_group, topk_group, scale, renormalize)
+    _assert_routing_equal(_as_dicts(weights, ids), want)
+    # route_tokens takes the same path for softmax scoring with these options
+    x, w = torch.randn(T, 8), torch.randn(E, 8)
+    got = route_tokens(x, w, k, "softmax", renormalize, n_group, topk_group, scale, None, False)
+    want = _softmax_grouped_ref(x @ w.t(), k, n_group, topk_group, scale, renormalize)
+    _assert_routing_equal(_as_dicts(*got), want)
+
+
+def test_softmax_group_limit_excludes_groups() -> None:
+    # group 0 (experts 0-3) has the two best scores; with topk_group=1 only it is eligible,
+    # even for k=4 where expert 7 alone beats two of its members.
+    logits = torch.full((1, 8), -5.0)
+    logits[0, :4] = torch.tensor([3.0, 2.9, -4.0, -4.5])
+    logits[0, 7] = 2.0
+    _, ids = softmax_grouped_topk(logits, 4, n_group=2, topk_group=1)
+    assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
+    _, ids = softmax_grouped_topk(logits, 4, n_group=2, topk_group=2)
+    assert 7 in ids[0].tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        ({"k": 0}, ValueError, r"k \(experts per token\) must be in \[1, E=16\]"),
+        ({"k": 17}, ValueError, r"must be in \[1, E=16\]"),
+        ({"n_group": 3}, ValueError, "n_group must be >= 1 and divide E=16"),
+        ({"n_group": 4, "topk_group": 5}, ValueError, r"topk_group must be in \[1, n_group=4\]"),
+        ({"n_group": 16, "topk_group": 2}, ValueError, "E / n_group must be >= 2"),
+        ({"n_group": 4, "topk_group": 1, "k": 5}, ValueError, "cannot be chosen from"),
+        ({"routed_scaling_factor": "2"}, TypeError, "routed_scaling_factor must be a float"),
+        ({"routed_scaling_factor": float("nan")}, ValueError, "must be finite; got nan"),
+        ({"renormalize": "no"}, TypeError, "renormalize must be a bool; got 'no'"),
+        ({"n_group": 4.0}, TypeError, "n_group must be an int"),
+        ({"n_group": 4, "topk_group": 0}, ValueError, r"topk_group must be in \[1, n_group=4\]"),
+    ],
+)
+def test_softmax_grouped_topk_rejects_bad_settings(kwargs, exc, pattern) -> None:
+    args = {"k": 2, "n_group": 1, "topk_group": 1}
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        softmax_grouped_topk(torch.randn(3, 16), **args)
+
+
+def test_softmax_routing_refuses_a_correction_bias() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with pytest.raises(ValueError, match="correction bias.*scoring='sigmoid' only"):
+        route_tokens(x, w, 2, "softmax", True, 2, 1, 1.0, torch.zeros(8), False)
+
+
 @pytest.mark.parametrize(
     "logits,exc,pattern",
     [
@@ -203,12 +297,16 @@ def test_routers_reject_bad_logits(logits: object, exc: type[Exception], pattern
         softmax_topk(logits, 1)  # type: ignore[arg-type]
     with pytest.raises(exc, match=pattern):
         sigmoid_grouped_topk(logits, None, 1)  # type: ignore[arg-type]
+    with pytest.raises(exc, match=pattern):
+        softmax_grouped_topk(logits, 1, 2, 1)  # type: ignore[arg-type]
 
 
 def test_routers_handle_zero_tokens() -> None:
     w, i = softmax_topk(torch.randn(0, 8), 2)
     assert w.shape == i.shape == (0, 2)
     w, i = sigmoid_grouped_topk(torch.randn(0, 8), torch.zeros(8), 2, 4, 2)
+    assert w.shape == i.shape == (0, 2)
+    w, i = softmax_grouped_topk(torch.randn(0, 8), 2, 4, 2, 2.5)
     assert w.shape == i.shape == (0, 2)
 
 
