@@ -286,6 +286,9 @@ def check_variants(full: bool):
     add("varlen", "bfloat16", "bfloat16", "n", "pingpong", (64, 256), gate="clamped_swiglu",
         gate_layout="alternating", gate_alpha=1.702, gate_limit=7.0, bias=True, gather=True,
         fast_gate=True)
+    # The clamped SiLU of a swiglu_limit (DeepSeek-V4, GLM-5-Next, HY-V4), concat weights.
+    add("varlen", "bfloat16", "bfloat16", "k", "cooperative", (128, 256), gate="clamped_silu",
+        gate_layout="concat", gate_limit=10.0, fast_gate=True)
     # Gather-A past 128 rows or 128 accumulator registers: the rows' indices in shared memory.
     add("varlen", "bfloat16", "bfloat16", "k", "pingpong", (128, 192), cluster_m=2, gate="silu",
         gate_layout="concat", gather=True)

@@ -29,6 +29,7 @@ a registry of their own; `register()` adds "moe_gemm" there too (transformers_fp
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import types
 from collections.abc import Callable
@@ -188,8 +189,9 @@ def _check_weights(experts: nn.Module, has_gate: bool, transposed: bool,
     # else (E, H, I).
     E, H, N = (w_in.shape if transposed else (w_in.shape[0], w_in.shape[2], w_in.shape[1]))
     gate = _gate_of(experts)
-    halves = has_gate and gate is not None and gate in (_default_apply_gate(),
-                                                        _gpt_oss_apply_gate())
+    halves = has_gate and gate is not None and (
+        gate in (_default_apply_gate(), _gpt_oss_apply_gate())
+        or _limit_gate_kind(experts, gate) is not None)
     if halves and N % 2:
         layout = "(E, H, 2I)" if transposed else "(E, 2I, H)"
         raise ValueError(f"{name}.{in_name} must be {layout}, gate and up halves; got "
@@ -218,16 +220,68 @@ def hf_fused_gate(experts: nn.Module) -> FusedGate | None:
     (a gate only the module itself can apply: the unfused path runs it).
 
     transformers' default gate is act_fn(gate) * up over concatenated halves; GPT-OSS's is the
-    clamped SwiGLU over alternating columns with the module's alpha and limit (its
-    _apply_gate, checked by identity, so a subclass or an instance that changes it is not taken
-    for it: _gate_of)."""
+    clamped SwiGLU over alternating columns with the module's alpha and limit; the swiglu_limit
+    gates over concatenated halves (_LIMIT_GATES) are the clamped SiLU (DeepSeek-V4, GLM-5-Next,
+    HY-V4) or GPT-OSS's clamped SwiGLU (MiniMax-M3). Each is checked by identity (its class's
+    _apply_gate), so a subclass or an instance that changes it is not taken for it
+    (_gate_of)."""
     gate = _gate_of(experts)
-    if gate is not None and gate is _default_apply_gate():
+    if gate is None:
+        return None
+    if gate is _default_apply_gate():
         return fused_gate_for(hf_activation(experts.act_fn), "concat")
-    if gate is not None and gate is _gpt_oss_apply_gate():
+    if gate is _gpt_oss_apply_gate():
         return FusedGate("clamped_swiglu", "alternating", float(experts.alpha),
                          float(experts.limit))
+    kind = _limit_gate_kind(experts, gate)
+    if kind == "clamped_silu":
+        limit = _positive_limit(getattr(experts, _LIMIT_GATES[type(experts).__name__][2]))
+        act = getattr(experts, "act_fn", None)  # (GLM-5-Next's and HY-V4's call F.silu)
+        if limit is None or (act is not None and hf_activation(act) != "silu"):
+            return None  # (no clamp, or another activation: the module's own gate runs)
+        return FusedGate("clamped_silu", "concat", 0.0, limit)
+    if kind == "clamped_swiglu":
+        limit = _positive_limit(experts.swiglu_limit)
+        alpha = getattr(experts, "swiglu_alpha", None)
+        if limit is None or not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            return None
+        return FusedGate("clamped_swiglu", "concat", float(alpha), limit)
     return None
+
+
+# transformers experts classes whose _apply_gate clamps the gate from above and up into
+# [-limit, limit] over concatenated gate | up halves: class name -> (modeling module, kind,
+# the limit's attribute). "clamped_silu": act_fn(gate) * up with act_fn SiLU; "clamped_swiglu":
+# GPT-OSS's (up + 1) * gate * sigmoid(alpha * gate) with the module's swiglu_alpha.
+# (Step-3.7's and Bailing-Hybrid's clamp after the activation: another function, not here.)
+_LIMIT_GATES = {
+    "DeepseekV4Experts": ("deepseek_v4", "clamped_silu", "limit"),
+    "Glm5NextTextExperts": ("glm5_next", "clamped_silu", "swiglu_limit"),
+    "HYV4Experts": ("hy_v4", "clamped_silu", "swiglu_limit"),
+    "HYV4VLExperts": ("hy_v4_vl", "clamped_silu", "swiglu_limit"),
+    "MiniMaxM3VLExperts": ("minimax_m3_vl", "clamped_swiglu", "swiglu_limit"),
+}
+
+
+def _limit_gate_kind(experts: nn.Module, gate: Any) -> str | None:
+    """The kind of a swiglu_limit gate (_LIMIT_GATES) where `gate` is its class's own
+    _apply_gate, else None. The class is looked up in sys.modules (never imported here: an
+    experts module of a model exists only once its modeling module is loaded)."""
+    entry = _LIMIT_GATES.get(type(experts).__name__)
+    if entry is None:
+        return None
+    module = sys.modules.get(f"transformers.models.{entry[0]}.modeling_{entry[0]}")
+    cls = getattr(module, type(experts).__name__, None)
+    return entry[1] if gate is getattr(cls, "_apply_gate", None) else None
+
+
+def _positive_limit(value: object) -> float | None:
+    """A clamp limit as the fused kernel takes it (a finite float > 0), else None: no clamp
+    (None) or a value the module's own gate handles (the unfused path runs it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def _gate_of(experts: nn.Module) -> Any:

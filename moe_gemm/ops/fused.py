@@ -19,7 +19,9 @@ past decode (ops/fused_launch.GATHER_MAX_ROWS says why), with the same clamping 
 unchecked indices.
 
 Gates: "silu" (SwiGLU), "gelu" (GEGLU, erf), "gelu_tanh", "clamped_swiglu" (gpt-oss:
-gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
+gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)),
+"clamped_silu" (a swiglu_limit: GLM-5-Next, HY-V4, Step-3.7: the same clamps, then
+silu(gate) * up).
 Gate layouts of w's N columns: "concat" (gate [0, I), up [I, 2I): transformers, vLLM; on the
 GPU w must be K-major, i.e. gate_up_proj (E, 2I, H).transpose(1, 2)) or "interleaved"
 (blocks of 8 gate then 8 up columns: any major; `interleave_gate_up` repacks a weight into
@@ -83,10 +85,12 @@ def fused_grouped_mm(
         row_index: [S] int32 / int64: routed row r is x[row_index[r]] (gather-A); None: x's
             rows are the routed rows.
         bias: [E, N] float, added per expert in w's column order; None: no bias.
-        gate: None, "silu", "gelu", "gelu_tanh" or "clamped_swiglu" (aliases "swish",
-            "gelu_pytorch_tanh"): the output is act(gate) * up, N / 2 columns.
+        gate: None, "silu", "gelu", "gelu_tanh", "clamped_swiglu" or "clamped_silu"
+            (aliases "swish", "gelu_pytorch_tanh"): the output is act(gate) * up, N / 2
+            columns.
         gate_layout: "concat", "interleaved" or "alternating" (see the module docstring).
-        gate_alpha, gate_limit: clamped_swiglu's alpha and limit (gpt-oss: 1.702, 7.0).
+        gate_alpha, gate_limit: clamped_swiglu's alpha and limit (gpt-oss: 1.702, 7.0);
+            clamped_silu's limit (its alpha is unused).
         row_weight: [S] float: each routed row's result times its weight.
         out: optional [S, N or N / 2] to write into; rows >= offs[-1] are then left as they
             are (else zero).

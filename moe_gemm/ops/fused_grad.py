@@ -51,9 +51,14 @@ def gate_backward(kind: str, gate: torch.Tensor, up: torch.Tensor, alpha: float,
         return (aten.gelu_backward(grad * up, gate, approximate=approximate),
                 grad * F.gelu(gate, approximate=approximate))
     # clamped_swiglu: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
-    # limit); a clamp passes the gradient where its input lies within the bounds (inclusive).
+    # limit); clamped_silu: silu(g) * clamp(up, -limit, limit). A clamp passes the gradient
+    # where its input lies within the bounds (inclusive).
     g = gate.clamp(max=limit)
     u = up.clamp(min=-limit, max=limit)
+    if kind == "clamped_silu":
+        d_g, d_up = aten.silu_backward(grad * u, g), grad * F.silu(g)
+        return (torch.where(gate <= limit, d_g, 0.0),
+                torch.where((up >= -limit) & (up <= limit), d_up, 0.0))
     s = torch.sigmoid(g * alpha)
     d_glu = grad * (u + 1)
     d_g = d_glu * s + alpha * aten.sigmoid_backward(d_glu * g, s)

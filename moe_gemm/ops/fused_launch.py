@@ -33,6 +33,7 @@ from moe_gemm.capability import sm_count
 from moe_gemm.config import COOPERATIVE_TILES, GemmConfig
 from moe_gemm.env import env_value
 from moe_gemm.kernels.sm90.constants import (
+    CLAMPED_GATES,
     HEAVY_ACC_REGS,
     SIGMOID_GATES,
     SWAP_TILE_ROWS,
@@ -304,10 +305,10 @@ def masked_fused_choice(args: FusedMmArgs, config: GemmConfig, nsm: int,
 def fused_key(args: FusedMmArgs, choice: KernelChoice, b_major: str, gather: bool):
     key = launch_kernel._compile_key("varlen", args.dtype, args.out_dtype, b_major, choice, False)
     gate = args.gate or ""
-    clamped = gate == "clamped_swiglu"
+    clamped = gate in CLAMPED_GATES
     return dataclasses.replace(
         key, gate=gate, gate_layout=args.gate_layout if gate else "",
-        gate_alpha=args.gate_alpha if clamped else 0.0,
+        gate_alpha=args.gate_alpha if gate == "clamped_swiglu" else 0.0,
         gate_limit=args.gate_limit if clamped else 0.0, bias=args.bias is not None,
         row_scale=args.row_weight is not None, gather=gather,
         gather_fence=not gather or gather_fence(), fast_gate=fast_gate(args, choice))

@@ -40,7 +40,8 @@ def split_gate_up(h: torch.Tensor, gate_layout: str) -> tuple[torch.Tensor, torc
 
 def gate_torch(kind: str, gate: torch.Tensor, up: torch.Tensor, alpha: float,
                limit: float) -> torch.Tensor:
-    """act(gate) * up as transformers computes it (clamped_swiglu: gpt-oss's)."""
+    """act(gate) * up as transformers computes it (clamped_swiglu: gpt-oss's; clamped_silu:
+    GLM-5-Next's, HY-V4's and Step-3.7's, a swiglu_limit)."""
     if kind == "silu":
         return F.silu(gate) * up
     if kind == "gelu":
@@ -49,6 +50,8 @@ def gate_torch(kind: str, gate: torch.Tensor, up: torch.Tensor, alpha: float,
         return F.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
+    if kind == "clamped_silu":
+        return F.silu(gate) * up
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 

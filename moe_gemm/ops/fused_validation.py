@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_gemm.kernels.sm90.constants import GATE_BLOCK, GATE_LAYOUTS, GATES
+from moe_gemm.kernels.sm90.constants import CLAMPED_GATES, GATE_BLOCK, GATE_LAYOUTS, GATES
 from moe_gemm.ops.validation import (
     check_offs_values,
     check_out,
@@ -144,8 +144,8 @@ def check_fused_mm(
             raise ValueError(f"the interleaved gate layout alternates blocks of {GATE_BLOCK} "
                              f"gate and up columns: N must be a multiple of {2 * GATE_BLOCK}; "
                              f"got {shape_text(w)}")
-        if gate_name == "clamped_swiglu" and limit <= 0:
-            raise ValueError(f"gate_limit must be > 0 for clamped_swiglu; got {limit}")
+        if gate_name in CLAMPED_GATES and limit <= 0:
+            raise ValueError(f"gate_limit must be > 0 for {gate_name}; got {limit}")
     if row_weight is not None:
         if not isinstance(row_weight, torch.Tensor):
             raise TypeError(f"row_weight must be a torch.Tensor (S,) or None; got "

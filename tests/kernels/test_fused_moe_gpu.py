@@ -90,7 +90,7 @@ def inputs(c: dict):
         kw["row_weight"] = torch.rand(S, generator=gen).cuda()
     if c["gate"]:
         kw.update(gate=c["gate"], gate_layout=c["layout"])
-        if c["gate"] == "clamped_swiglu":
+        if c["gate"] in ("clamped_swiglu", "clamped_silu"):
             kw.update(CLAMP)
     return x, w, offs, kw
 
@@ -133,7 +133,7 @@ def _run_case(c: dict):
 
 GATE_CASES = [
     case(f"gate/{g}/{lay}/{m}", gate=g, layout=lay, w_major=m)
-    for g in ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+    for g in ("silu", "gelu", "gelu_tanh", "clamped_swiglu", "clamped_silu")
     for lay, m in (("concat", "k"), ("interleaved", "n"), ("alternating", "n"))
 ] + [
     case("gate/silu/interleaved/k", gate="silu", layout="interleaved", w_major="k"),
@@ -150,6 +150,7 @@ OPTION_CASES = [
     case("up/bias/clamped/alternating", gate="clamped_swiglu", layout="alternating",
          w_major="n", bias=True),
     case("up/bias/gelu/interleaved", gate="gelu", layout="interleaved", w_major="n", bias=True),
+    case("up/scale/clamped-silu/concat", gate="clamped_silu", scale=True),
     case("up/all-options/fp16", gate="silu", bias=True, scale=True, dtype=torch.float16),
     case("up/no-gather/alloc", gate="gelu_tanh", gather=False, out_mode="alloc"),
 ]

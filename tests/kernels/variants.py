@@ -167,7 +167,7 @@ def _fused_tests(v: Variants) -> None:
     from . import test_fused_moe_gpu as t
 
     def add(c: dict) -> None:
-        extra = t.CLAMP if c["gate"] == "clamped_swiglu" else {}
+        extra = t.CLAMP if c["gate"] in ("clamped_swiglu", "clamped_silu") else {}
         with t.case_env(c):
             v.keys.add(fused_key(c["S"], c["T"], c["E"], c["N"], c["K"], gate=c["gate"],
                                  layout=c["layout"], w_major=c["w_major"], gather=c["gather"],

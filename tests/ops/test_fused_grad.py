@@ -12,7 +12,7 @@ from moe_gemm.ops.fused_grad import fused_grouped_mm_grads, gate_backward, merge
 from moe_gemm.ops.fused_reference import fused_grouped_mm_torch, gate_torch, split_gate_up
 from moe_gemm.ops.fused_validation import check_fused_mm
 
-GATES = ["silu", "gelu", "gelu_tanh", "clamped_swiglu"]
+GATES = ["silu", "gelu", "gelu_tanh", "clamped_swiglu", "clamped_silu"]
 
 
 @pytest.mark.parametrize("layout", ["concat", "interleaved", "alternating"])

@@ -393,7 +393,7 @@ ERRORS = [
      TypeError, r"^bias must be a dense"),
     # gate, layout, alpha and limit
     ("gate-unknown", lambda a: a.update(gate="relu"), ValueError,
-     r"gate must be one of 'silu', 'gelu', 'gelu_tanh', 'clamped_swiglu' or None; got 'relu'"),
+     r"gate must be one of 'silu', 'gelu', 'gelu_tanh', 'clamped_swiglu', 'clamped_silu' or None; got 'relu'"),
     ("gate-int", lambda a: a.update(gate=3), TypeError, r"gate must be a str or None; got int"),
     ("layout-unknown", lambda a: a.update(gate="silu", gate_layout="blocked"), ValueError,
      r"gate_layout must be one of \('concat', 'interleaved', 'alternating'\); got 'blocked'"),

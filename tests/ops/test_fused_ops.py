@@ -32,7 +32,7 @@ from moe_gemm.ops.fused_reference import fused_grouped_mm_ref, fused_grouped_mm_
 from moe_gemm.ops.fused_validation import check_fused_mm
 from moe_gemm.ops.heuristics import KernelChoice
 
-GATES = [None, "silu", "gelu", "gelu_tanh", "clamped_swiglu"]
+GATES = [None, "silu", "gelu", "gelu_tanh", "clamped_swiglu", "clamped_silu"]
 LAYOUTS = ["concat", "interleaved", "alternating"]
 
 
@@ -182,6 +182,8 @@ def _bad(**kw):
     (dict(gate="silu", gate_layout="interleaved", w=torch.zeros(4, 40, 40)), ValueError,
      "multiple of 16"),
     (dict(gate="clamped_swiglu", gate_limit=0.0), ValueError, "gate_limit must be > 0"),
+    (dict(gate="clamped_silu", gate_limit=-1.0), ValueError,
+     "gate_limit must be > 0 for clamped_silu"),
     (dict(gate_alpha="1"), TypeError, "gate_alpha must be a float"),
     (dict(gate_limit=float("nan")), ValueError, "gate_limit must be finite"),
     (dict(gate_alpha=10 ** 400), ValueError, "gate_alpha must be finite"),
@@ -554,7 +556,12 @@ def test_fused_key_and_unsupported_reasons():
     key = fused_key(args, _choice("cooperative", 128, 256), "k", True)
     assert (key.gate, key.gate_layout, key.bias, key.row_scale, key.gather) == (
         "silu", "concat", True, True, True)
-    assert key.gate_alpha == 0.0  # only clamped_swiglu bakes its constants in
+    assert key.gate_alpha == 0.0  # only the clamped gates bake their constants in
+    silu_limit = check_fused_mm(x, w_k, offs, gate="clamped_silu", gate_alpha=3.0,
+                                gate_limit=2.5)
+    key = fused_key(silu_limit, _choice("cooperative", 128, 256), "k", False)
+    assert (key.gate, key.gate_alpha, key.gate_limit) == ("clamped_silu", 0.0, 2.5)
+    assert "clamped_silu" in key.name() and "l2.5" in key.name()
     n_major = check_fused_mm(x, w_n, offs, gate="silu")
     assert "K-major" in fused_unsupported(n_major)
     assert fused_unsupported(check_fused_mm(x, w_n, offs, gate="silu",
@@ -569,7 +576,8 @@ def test_fused_key_and_unsupported_reasons():
     assert "16 bytes" in fused_unsupported(narrow)
 
 
-@pytest.mark.parametrize("gate,fast", [("silu", True), ("clamped_swiglu", True), ("gelu", False),
+@pytest.mark.parametrize("gate,fast", [("silu", True), ("clamped_swiglu", True),
+                                       ("clamped_silu", True), ("gelu", False),
                                        ("gelu_tanh", False), (None, False)])
 def test_sigmoid_gates_take_the_fast_gate_unless_switched_off(gate, fast, monkeypatch):
     kw = {} if gate is None else dict(gate=gate, gate_layout="interleaved")
@@ -723,3 +731,19 @@ def test_k_zero_runs_no_kernel_and_keeps_bias_and_weights(fused_kernel):
             torch.testing.assert_close(ym[e, r].double(), bias[e].double(), atol=2e-2,
                                        rtol=2e-2)
     assert fused_kernel.calls == []
+
+
+def test_clamped_silu_is_silu_of_the_clamped_halves():
+    # Written out independently of the reference's gate_torch: silu(min(gate, L)) times up
+    # clamped into [-L, L] (GLM-5-Next's, HY-V4's and DeepSeek-V4's experts gate).
+    x, w, offs, _, g = _case(41)
+    S = 13
+    x = torch.randn(S, x.shape[1], generator=g) * 3
+    y = moe_gemm.fused_grouped_mm(x, w, offs, gate="clamped_silu", gate_limit=0.75)
+    end, I = int(offs[-1]), w.shape[2] // 2
+    ids = torch.repeat_interleave(torch.arange(w.shape[0]), torch.diff(offs, prepend=offs[:1] * 0))
+    h = torch.einsum("sk,skn->sn", x[:end].double(), w[ids].double())
+    assert float(h.abs().max()) > 0.75  # the clamps are reached
+    gate, up = h[:, :I].clamp(max=0.75), h[:, I:].clamp(-0.75, 0.75)
+    want = gate * torch.sigmoid(gate) * up
+    torch.testing.assert_close(y[:end].double(), want, rtol=1e-5, atol=1e-5)

@@ -77,9 +77,9 @@ class CompileKey:
     epi_whole: bool = False  # whole-tile epilogue (cooperative, 16-bit output)
     tail_split: bool = False  # split a short last wave over K (constants.py)
     # Fused MoE options (constants.fused_problem; varlen only): the FusedMoeGemmSm90 kernel.
-    gate: str = ""  # "" | "silu" | "gelu" | "gelu_tanh" | "clamped_swiglu"
+    gate: str = ""  # "" | "silu" | "gelu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu"
     gate_layout: str = ""  # "concat" | "interleaved" (with a gate)
-    gate_alpha: float = 0.0  # clamped_swiglu's alpha and limit (compile-time constants)
+    gate_alpha: float = 0.0  # the clamped gates' alpha and limit (compile-time constants)
     gate_limit: float = 0.0
     bias: bool = False  # per-expert bias on the accumulators
     row_scale: bool = False  # each row times its weight
@@ -101,7 +101,7 @@ class CompileKey:
         parts = [str(v) for v in astuple(self)[:8]] + option_parts(self)
         if self.gate:
             parts.append(f"gate-{self.gate}-{self.gate_layout}")
-            if self.gate == "clamped_swiglu":
+            if self.gate in ("clamped_swiglu", "clamped_silu"):
                 parts.append(f"a{self.gate_alpha:g}-l{self.gate_limit:g}")
         if self.bias:
             parts.append("bias")

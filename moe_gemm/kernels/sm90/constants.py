@@ -233,8 +233,12 @@ def tile_problem(schedule: str, tile_m: int, tile_n: int) -> str | None:
 #   column 4c + lane % 4 of every chunk c, and a quad of lanes exchanges values by two
 #   shuffles per output so each lane holds the two adjacent output columns stmatrix stores
 #   (fused_epilogue.py); any B major, one TMA box, no repacked copy of the weight.
-GATES = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
-SIGMOID_GATES = ("silu", "clamped_swiglu")  # the gates fast_gate applies to
+# The clamped gates clamp the gate from above and up into [-limit, limit] first:
+# "clamped_swiglu" (gpt-oss) then takes (up + 1) * gate * sigmoid(alpha * gate),
+# "clamped_silu" (swiglu_limit: GLM-5-Next, HY-V4, Step-3.7) silu(gate) * up.
+GATES = ("silu", "gelu", "gelu_tanh", "clamped_swiglu", "clamped_silu")
+CLAMPED_GATES = ("clamped_swiglu", "clamped_silu")  # the gates with a limit
+SIGMOID_GATES = ("silu", "clamped_swiglu", "clamped_silu")  # the gates fast_gate applies to
 GATE_LAYOUTS = ("concat", "interleaved", "alternating")
 GATE_BLOCK = 8
 # Gather-A: the four warps of the producer warpgroup load A's rows by index with cp.async

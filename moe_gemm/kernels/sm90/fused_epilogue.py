@@ -84,11 +84,14 @@ def gate_value(kind: str, g, u, alpha: float, limit: float, fast: bool = False):
     if kind == "gelu_tanh":
         inner = SQRT_2_OVER_PI * (g + GELU_TANH_CUBIC * g * g * g)
         return 0.5 * g * (1.0 + cute.math.tanh(inner)) * u
-    # gpt-oss: gate clamped from above, up to [-limit, limit] (NaN stays NaN, as torch.clamp),
-    # then (up + 1) * gate * sigmoid(alpha * gate).
+    # The clamped gates: gate clamped from above, up to [-limit, limit] (NaN stays NaN, as
+    # torch.clamp), then silu(gate) * up ("clamped_silu") or gpt-oss's
+    # (up + 1) * gate * sigmoid(alpha * gate).
     g = Float32(cutlass.select_(g > limit, Float32(limit), g))
     u = Float32(cutlass.select_(u > limit, Float32(limit), u))
     u = Float32(cutlass.select_(u < -limit, Float32(-limit), u))
+    if kind == "clamped_silu":
+        return g * sig(g) * u
     return (u + 1.0) * g * sig(alpha * g)
 
 
