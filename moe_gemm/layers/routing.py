@@ -246,6 +246,17 @@ def _check_groups(E: int, k: int, n_group: object, topk_group: object) -> tuple[
     return n_group, topk_group, grouped
 
 
+def _group_router_args(logits: object, k: object, n_group: object, topk_group: object,
+                       routed_scaling_factor: object, renormalize: object) -> tuple:
+    """The group-limited routers' arguments checked: (logits, k, n_group, topk_group,
+    grouped, routed_scaling_factor, renormalize)."""
+    logits = _check_logits(logits)
+    k = _check_k(k, logits.shape[1])
+    n_group, topk_group, grouped = _check_groups(logits.shape[1], k, n_group, topk_group)
+    return (logits, k, n_group, topk_group, grouped, check_scaling_factor(routed_scaling_factor),
+            check_flag("renormalize", renormalize))
+
+
 def _grouped_choice(scores: torch.Tensor, choice: torch.Tensor, k: int, n_group: int,
                     topk_group: int, grouped: bool, routed_scaling_factor: float,
                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,14 +315,10 @@ def sigmoid_grouped_topk(
         ValueError: shapes, group settings or a routed_scaling_factor (NaN, inf) that do
             not fit.
     """
-    logits = _check_logits(logits)
-    E = logits.shape[1]
-    k = _check_k(k, E)
-    n_group, topk_group, grouped = _check_groups(E, k, n_group, topk_group)
+    logits, k, n_group, topk_group, grouped, routed_scaling_factor, renormalize = (
+        _group_router_args(logits, k, n_group, topk_group, routed_scaling_factor, renormalize))
     if bias is not None:
-        check_correction_bias(bias, E, logits.device)
-    routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
-    renormalize = check_flag("renormalize", renormalize)
+        check_correction_bias(bias, logits.shape[1], logits.device)
     fused = router_topk.sigmoid_grouped_topk(logits, bias, k, n_group, topk_group,
                                              routed_scaling_factor, renormalize)
     if fused is not None:  # (None: torch ops below)
@@ -357,12 +364,8 @@ def softmax_grouped_topk(
         ValueError: shapes, group settings or a routed_scaling_factor (NaN, inf) that do
             not fit.
     """
-    logits = _check_logits(logits)
-    E = logits.shape[1]
-    k = _check_k(k, E)
-    n_group, topk_group, grouped = _check_groups(E, k, n_group, topk_group)
-    routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
-    renormalize = check_flag("renormalize", renormalize)
+    logits, k, n_group, topk_group, grouped, routed_scaling_factor, renormalize = (
+        _group_router_args(logits, k, n_group, topk_group, routed_scaling_factor, renormalize))
     if not grouped:
         # (the top-k sum of a softmax is at least 1 / E: the +1e-20 is below fp32's rounding)
         weights, ids = softmax_topk(logits, k, renormalize)
