@@ -38,6 +38,10 @@ LAYERS = [
                       shared_intermediate_size=32, shared_expert_gate=True,
                       activation="gelu_tanh", config=GemmConfig(backend="torch")),
                  id="deepseek-shared-gate-gelu"),
+    pytest.param(dict(hidden_size=48, intermediate_size=16, num_experts=12, top_k=3,
+                      n_group=3, topk_group=2, routed_scaling_factor=1.5,
+                      shared_intermediate_size=24, config=GemmConfig(backend="torch")),
+                 id="mistral4-softmax-groups"),
 ]
 
 
