@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
     from moe_gemm.config import GemmConfig
     from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
     from moe_gemm.layers.expert_parallel import ExpertParallelMoE
+    from moe_gemm.layers.gate_activations import ClampedSiLU
     from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
     from moe_gemm.layers.routing import (
         ExpertPermutation,
@@ -65,6 +66,7 @@ register_transformers_lazily()
 
 __all__ = [
     "AllToAllDispatcher",
+    "ClampedSiLU",
     "Dispatcher",
     "ExpertParallelMoE",
     "ExpertPermutation",
@@ -111,6 +113,7 @@ def _load() -> None:
             from moe_gemm.config import GemmConfig
             from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
             from moe_gemm.layers.expert_parallel import ExpertParallelMoE
+            from moe_gemm.layers.gate_activations import ClampedSiLU
             from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
             from moe_gemm.layers.routing import (
                 ExpertPermutation,
@@ -140,6 +143,7 @@ def _load() -> None:
             raise
         globals().update(
             AllToAllDispatcher=AllToAllDispatcher,
+            ClampedSiLU=ClampedSiLU,
             Dispatcher=Dispatcher,
             ExpertParallelMoE=ExpertParallelMoE,
             ExpertPermutation=ExpertPermutation,

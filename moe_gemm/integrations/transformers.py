@@ -52,6 +52,7 @@ from moe_gemm.integrations.inputs import check_expert_inputs
 from moe_gemm.layers.checkpoints import moe_from_tensors
 from moe_gemm.layers.experts import FLOAT_DTYPES, Activation, expert_ffn
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
+from moe_gemm.layers.gate_activations import ClampedSiLU
 from moe_gemm.layers.moe import MoE
 from moe_gemm.layers.routing import check_flag
 from moe_gemm.ops.validation import shape_text
@@ -380,6 +381,10 @@ HF_BLOCKS = {
     "MiniMaxM2SparseMoeBlock": "sigmoid_flat",
     "Mistral4MoE": "softmax_grouped",
     "MistralLarge4TextMoE": "softmax_grouped_fp32",
+    # (DeepSeek-V3's router; experts with a swiglu_limit: activation=ClampedSiLU(limit))
+    "Glm5NextTextMoE": "sigmoid",
+    "HYV4MoE": "sigmoid",
+    "HYV4VLMoE": "sigmoid",
 }
 
 
@@ -399,7 +404,7 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     _check_hf_block(block, kind)
     router, experts = block.gate, block.experts
     _check_fused_gated(experts)
-    opts: dict[str, Any] = {"activation": hf_activation(experts.act_fn), "config": config}
+    opts: dict[str, Any] = {"activation": _experts_activation(experts), "config": config}
     bias = None
     if kind == "sigmoid_flat":
         opts.update(scoring="sigmoid", renormalize=True, router_fp32=False)
@@ -433,8 +438,11 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     opts["router_jitter_noise"] = float(getattr(block, "jitter_noise", 0.0) or 0.0)
     shared = None
     mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
+    shared_act = None
     if mlp is not None:
-        if not _same_activation(hf_activation(mlp.act_fn), opts["activation"]):
+        shared_act = _mlp_activation(mlp)
+        if not _same_activation(shared_act, opts["activation"]) and not isinstance(
+                opts["activation"], ClampedSiLU):
             raise ValueError("MoE.from_hf needs the shared expert to use the experts' activation")
         dtype = _dense_dtype(block, router.weight.dtype)
         shared = {n: _dense_hf_weight(getattr(mlp, n), dtype)
@@ -449,6 +457,9 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     scales = hf_fp8_scales(experts)
     moe = moe_from_tensors(cls, gate_up, down, router.weight, int(router.top_k), bias, shared,
                            opts, scales=scales)
+    if shared_act is not None and not _same_activation(shared_act, opts["activation"]):
+        # (HY-V4: clamped routed experts, a plain SwiGLU shared expert)
+        moe.shared_experts.activation = shared_act
     # In the block's mode (a new module is in training mode): a layer made from an eval-mode
     # block does not jitter its router's input, one from a training-mode block does, as the
     # block would.
@@ -483,7 +494,7 @@ def _check_hf_block(block: nn.Module, kind: str) -> None:
             w = getattr(experts, attr, None)
             if not isinstance(w, torch.Tensor) or w.dim() != 3:
                 problems.append(f"no 3-D experts.{attr} ({type(experts).__name__})")
-        if not hasattr(experts, "act_fn"):
+        if not hasattr(experts, "act_fn") and type(experts).__name__ not in _LIMIT_GATES:
             problems.append(f"no experts.act_fn ({type(experts).__name__})")
     router = getattr(block, "gate", None)
     weight = getattr(router, "weight", None)
@@ -555,7 +566,7 @@ def _check_fused_gated(experts: nn.Module) -> None:
     if not getattr(experts, "is_concatenated", True):
         problems.append("is_concatenated=False (interleaved gate/up)")
     gate = _gate_of(experts) if hasattr(experts, "_apply_gate") else _default_apply_gate
-    if gate is not _default_apply_gate:
+    if gate is not _default_apply_gate and _limit_gate_kind(experts, gate) != "clamped_silu":
         # (FP8Experts' own gate is the default one where no soft cap or limit is set)
         fp8_default = (gate is getattr(type(experts), "_apply_gate", None)
                        and hf_fp8_scales(experts) is not None and hf_fp8_gate_is_default(experts))
@@ -566,6 +577,39 @@ def _check_fused_gated(experts: nn.Module) -> None:
             f"MoE.from_hf cannot take {type(experts).__name__} with {', '.join(problems)}; "
             'use model.set_experts_implementation("moe_gemm") for such models'
         )
+
+
+def _experts_activation(experts: nn.Module) -> Activation:
+    """The routed experts' activation: ClampedSiLU(limit) for a swiglu_limit gate of
+    _LIMIT_GATES (its limit checked), else the experts' act_fn as hf_activation names it."""
+    gate = _gate_of(experts)
+    if gate is not None and _limit_gate_kind(experts, gate) == "clamped_silu":
+        spec = hf_fused_gate(experts)
+        if spec is None:
+            name = type(experts).__name__
+            raise ValueError(f"MoE.from_hf takes {name}'s clamped SwiGLU with a SiLU and a "
+                             f"finite swiglu_limit > 0; this {name} has limit "
+                             f"{getattr(experts, _LIMIT_GATES[name][2], None)!r}")
+        return ClampedSiLU(spec.limit)
+    return hf_activation(experts.act_fn)
+
+
+# Shared-expert MLP classes whose forward clamps as ClampedSiLU: class -> the limit attribute.
+_CLAMPED_MLPS = {"Glm5NextTextMLP": "swiglu_limit"}
+
+
+def _mlp_activation(mlp: nn.Module) -> Activation:
+    """A shared expert's activation: ClampedSiLU for a clamping MLP class (its act_fn a SiLU),
+    else its act_fn as hf_activation names it."""
+    attr = _CLAMPED_MLPS.get(type(mlp).__name__)
+    act = hf_activation(mlp.act_fn)
+    if attr is None:
+        return act
+    limit = _positive_limit(getattr(mlp, attr, None))
+    if limit is None or act != "silu":
+        raise ValueError(f"MoE.from_hf takes {type(mlp).__name__}'s clamped SwiGLU with a "
+                         f"SiLU and a finite {attr} > 0; got {getattr(mlp, attr, None)!r}")
+    return ClampedSiLU(limit)
 
 
 def _same_activation(a: Activation, b: Activation) -> bool:

@@ -155,7 +155,9 @@ class MoELoaders:
         GLM-MoE-DSA's and Solar-Open's (sigmoid group-limited routing, shared experts);
         MiniMax-M2's (biased sigmoid top-k over all experts, the bias on the block); Mistral
         4's and Mistral Large 4's (group-limited softmax top-k, a routed scaling factor,
-        shared experts; Mistral Large 4's router logits in float32). The
+        shared experts; Mistral Large 4's router logits in float32); GLM-5-Next's, HY-V4's and
+        HY-V4-VL's (DeepSeek-V3's router, experts with a swiglu_limit: activation=
+        ClampedSiLU(limit); GLM-5-Next's shared expert clamps too, HY-V4's does not). The
         result gives the same outputs as `block` (fp32: within
         float rounding): it takes the block's training / eval mode, and Mixtral's router
         jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation

@@ -49,6 +49,7 @@ from moe_gemm.layers.experts import (
 )
 from moe_gemm.layers.experts_fp8 import expert_ffn_fp8, keep_dtypes
 from moe_gemm.layers.fused_experts import fused_expert_ffn, fused_gate_for, use_fused
+from moe_gemm.layers.gate_activations import apply_gate
 from moe_gemm.layers.layer_checks import check_hidden_states
 from moe_gemm.layers.moe import MoE, resolve_activation, shared_expert_output
 from moe_gemm.layers.moe_options import RoutingOptions
@@ -93,7 +94,7 @@ def local_expert_ffn(
     xs = gather_rows(x, perm.token_index[:S])  # (S, H), rows grouped by local expert
     h = grouped_mm(xs, w_gate_up, perm.offs, config=config)  # (S, 2I)
     gate, up = h.chunk(2, dim=-1)
-    a = resolve_activation(activation)(gate) * up
+    a = apply_gate(resolve_activation(activation), gate, up)
     # y gets one extra zero row, which the slots that are not here gather (with weight 0).
     # With the valid count known every row below S is written (S = offs[-1]); otherwise the
     # rows past offs[-1], which the GEMM leaves alone in `out`, must be zeros too.

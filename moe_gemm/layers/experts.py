@@ -1,8 +1,8 @@
 """The routed experts as functions: activation, the expert FFN for a given routing, checks.
 
-On a Hopper GPU the experts of a named activation run on the fused kernel by default
-(layers/fused_experts.py: the gather, gated activation and routing weights inside the two
-GEMMs). The unfused path below is the reference, the torch backend's path and the one for
+On a Hopper GPU the experts of a named activation (or a ClampedSiLU) run on the fused kernel
+by default (layers/fused_experts.py: the gather, gated activation and routing weights inside
+the two GEMMs). The unfused path below is the reference, the torch backend's path and the one for
 callable activations and post-expert norms:
 
     perm = permute_by_expert(ids)                    stable sort on the device, int32 offs
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.layers.fused_experts import FusedGate, fused_expert_ffn, fused_gate_for, use_fused
+from moe_gemm.layers.gate_activations import apply_gate
 from moe_gemm.layers.routing import check_flag, permute_by_expert
 from moe_gemm.ops.api import grouped_mm
 from moe_gemm.ops.autograd import inference_only_composite, needs_link
@@ -98,11 +99,12 @@ def canonical_activation(activation: Activation) -> Activation:
 
 
 def gated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(S, 2I) [gate | up] -> (S, I) act(gate) * up, transformers' concatenated layout."""
+    """(S, 2I) [gate | up] -> (S, I) act(gate) * up, transformers' concatenated layout
+    (act(gate, up) for a gate of both halves: layers/gate_activations.py)."""
 
     def gate_fn(h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)
-        return act(gate) * up
+        return apply_gate(act, gate, up)
 
     return gate_fn
 

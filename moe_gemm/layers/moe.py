@@ -44,6 +44,7 @@ from moe_gemm.layers.experts_fp8 import (
     expert_ffn_fp8,
 )
 from moe_gemm.layers.fused_experts import fused_gate_for
+from moe_gemm.layers.gate_activations import apply_gate
 from moe_gemm.layers.layer_checks import (
     check_hidden_states,
     check_layer_args,
@@ -231,7 +232,7 @@ class GatedMLP(nn.Module):
         # Resolved per call (a dict lookup), not once at construction: a function resolved in
         # __init__ outlived a reassigned `activation`.
         act = resolve_activation(self.activation)
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(apply_gate(act, self.gate_proj(x), self.up_proj(x)))
 
     def extra_repr(self) -> str:
         # (a followed module activation is not a child here, so the child list omits it)
@@ -295,16 +296,17 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
             [1 - router_jitter_noise, 1 + router_jitter_noise] from torch's default
             generator, as transformers does; the jittered tokens feed the router, the routed
             and the shared experts. 0 (default) = off; eval mode never jitters. An attribute.
-        activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh" or a callable: the
-            routed experts' and the shared expert's. An attribute: setting `moe.activation`
-            switches both (checked as in the constructor).
+        activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh", a ClampedSiLU(limit)
+            (a swiglu_limit: GLM-5-Next, HY-V4) or a callable: the routed experts' and the
+            shared expert's. An attribute: setting `moe.activation` switches both (checked
+            as in the constructor).
         shared_intermediate_size: intermediate size of the always-on shared expert(s)
             (DeepSeek: moe_intermediate_size * n_shared_experts); 0 = none.
         shared_expert_gate: scale the shared expert by sigmoid(Linear(H, 1)(x)) (Qwen2-MoE).
         config: GemmConfig for the grouped GEMMs (e.g. GemmConfig(backend="torch")).
         fused: the experts on the fused kernel (the token gather, gated activation and
             routing weights inside the two GEMMs; layers/fused_experts.py): None (default) =
-            on a Hopper GPU with a named activation, True = always (the fused ops' torch
+            on a Hopper GPU with a named activation or a ClampedSiLU, True = always (the fused ops' torch
             backend elsewhere), False = the unfused grouped GEMMs. An attribute: set
             `moe.fused` to switch a built layer.
         device, dtype: where and in what dtype (bf16, fp16 or fp32) to create the

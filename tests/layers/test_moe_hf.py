@@ -241,6 +241,19 @@ BLOCKS += [
            "mistral-large4-fp32-router", hidden_size=48, moe_intermediate_size=16,
            num_local_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2,
            n_shared_experts=1, routed_scaling_factor=1.5),
+    # DeepSeek-V3's router, experts with a swiglu_limit (ClampedSiLU): GLM-5-Next's shared
+    # expert clamps too, HY-V4's does not
+    _later("glm5_next", "Glm5NextTextMoE", "Glm5NextTextConfig", "glm5-next-clamped",
+           hidden_size=48, moe_intermediate_size=16, num_local_experts=12,
+           num_experts_per_tok=3, n_group=3, topk_group=2, n_shared_experts=1,
+           routed_scaling_factor=1.5, swiglu_limit=1.0),
+    _later("hy_v4", "HYV4MoE", "HYV4Config", "hy-v4-clamped", hidden_size=64,
+           moe_intermediate_size=16, num_local_experts=16, num_experts_per_tok=4, n_group=4,
+           topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, swiglu_limit=1.0,
+           norm_topk_prob=False),
+    _later("hy_v4_vl", "HYV4VLMoE", "HYV4VLTextConfig", "hy-v4-vl-clamped", hidden_size=48,
+           moe_intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, n_group=1,
+           topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0, swiglu_limit=1.5),
 ]
 
 
