@@ -24,6 +24,7 @@ from moe_testutils import naive_experts, naive_moe, near_tie_sigmoid_moe
 
 from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatched, Dispatcher, expert_range
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE
+from moe_gemm.layers.gate_activations import ClampedSiLU
 from moe_gemm.layers.moe import MoE
 from moe_gemm.testing import assert_close_to_ref, calc_diff
 
@@ -67,7 +68,14 @@ def softmax_fp32(rank: int, world: int) -> list[str]:
     moe = _full_moe(1, torch.float32)
     ep = ExpertParallelMoE.from_moe(moe)
     x = _tokens(rank, 1, torch.float32)
-    return [m for m in [_check("softmax fp32", ep(x), moe(x), 1e-5)] if m]
+    errs = [m for m in [_check("softmax fp32", ep(x), moe(x), 1e-5)] if m]
+    # Mistral-4-style routing (softmax groups, a scaling factor) on clamped experts
+    # (ClampedSiLU: the swiglu_limit gate of both halves) with a shared expert
+    moe = _full_moe(11, torch.float32, top_k=3, n_group=4, topk_group=2,
+                    routed_scaling_factor=1.5, shared_intermediate_size=8,
+                    activation=ClampedSiLU(0.5))
+    ep = ExpertParallelMoE.from_moe(moe)
+    return errs + [m for m in [_check("softmax groups, clamped", ep(x), moe(x), 1e-5)] if m]
 
 
 @case
