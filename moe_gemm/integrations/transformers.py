@@ -351,7 +351,10 @@ def is_registered() -> bool:
 # sigmoid top-k over all experts, renormalized, logits in the weight's dtype, the correction
 # bias a buffer of the block; "softmax_grouped" (Mistral 4): DeepSeek-V3's group-limited
 # top-k and routed_scaling_factor over softmax scores, without a bias, logits in the
-# weight's dtype ("softmax_grouped_fp32", Mistral Large 4: in float32, always renormalized).
+# weight's dtype ("softmax_grouped_fp32", Mistral Large 4: in float32, always renormalized);
+# "scored" (DeepSeek-V4): the router's score function (sqrt(softplus) or sigmoid), a biased
+# top-k over all experts, always renormalized (+1e-20), scaled, logits in the weight's dtype,
+# or, in its first layers, hash routing by token id (the router's tid2eid).
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
     "MiniMaxSparseMoeBlock": "softmax",
@@ -385,7 +388,13 @@ HF_BLOCKS = {
     "Glm5NextTextMoE": "sigmoid",
     "HYV4MoE": "sigmoid",
     "HYV4VLMoE": "sigmoid",
+    # (DeepSeek-V4's routers; experts and shared expert with a swiglu_limit)
+    "DeepseekV4SparseMoeBlock": "scored",
 }
+
+# DeepSeek-V4's router score functions (transformers' ACT2FN[config.scoring_func] classes)
+# -> our scoring.
+_SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}
 
 
 def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> MoE:
@@ -405,8 +414,15 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     router, experts = block.gate, block.experts
     _check_fused_gated(experts)
     opts: dict[str, Any] = {"activation": _experts_activation(experts), "config": config}
-    bias = None
-    if kind == "sigmoid_flat":
+    bias = hash_table = None
+    if kind == "scored":
+        opts.update(scoring=_scoring_of(router), renormalize=True,
+                    routed_scaling_factor=float(router.routed_scaling_factor), router_fp32=False)
+        if getattr(block, "is_hash", False):
+            hash_table = router.tid2eid
+        else:
+            bias = router.e_score_correction_bias
+    elif kind == "sigmoid_flat":
         opts.update(scoring="sigmoid", renormalize=True, router_fp32=False)
         bias = block.e_score_correction_bias
     elif kind == "sigmoid":
@@ -456,7 +472,7 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     # transformers' FP8Experts (FP8 checkpoints): the experts stay FP8 with their scales.
     scales = hf_fp8_scales(experts)
     moe = moe_from_tensors(cls, gate_up, down, router.weight, int(router.top_k), bias, shared,
-                           opts, scales=scales)
+                           opts, scales=scales, hash_table=hash_table)
     if shared_act is not None and not _same_activation(shared_act, opts["activation"]):
         # (HY-V4: clamped routed experts, a plain SwiGLU shared expert)
         moe.shared_experts.activation = shared_act
@@ -475,7 +491,17 @@ _ROUTER_ATTRS = {
     "softmax_grouped_fp32": ("top_k", "num_group", "topk_group", "routed_scaling_factor"),
     "sigmoid": ("top_k", "norm_topk_prob", "num_group", "topk_group", "routed_scaling_factor",
                 "e_score_correction_bias"),
+    "scored": ("top_k", "score_fn", "routed_scaling_factor"),
 }
+
+
+def _scoring_of(router: nn.Module) -> str:
+    """Our scoring for a DeepSeek-V4 router's score function."""
+    fn = type(getattr(router, "score_fn", None)).__name__
+    if fn not in _SCORE_FNS:
+        raise ValueError(f"MoE.from_hf takes DeepSeek-V4 routers scoring with "
+                         f"{' or '.join(sorted(_SCORE_FNS))}; this one has {fn}")
+    return _SCORE_FNS[fn]
 
 
 def _check_hf_block(block: nn.Module, kind: str) -> None:
@@ -506,6 +532,10 @@ def _check_hf_block(block: nn.Module, kind: str) -> None:
     if kind == "sigmoid_flat" and not isinstance(getattr(block, "e_score_correction_bias", None),
                                                  torch.Tensor):
         problems.append("no e_score_correction_bias")
+    if kind == "scored" and router is not None:
+        table = "tid2eid" if getattr(block, "is_hash", False) else "e_score_correction_bias"
+        if not isinstance(getattr(router, table, None), torch.Tensor):
+            problems.append(f"a router ({type(router).__name__}) without {table}")
     if problems:
         raise ValueError(
             f"MoE.from_hf takes transformers 5's {name} (fused 3-D experts, a top-k router); "
@@ -595,7 +625,7 @@ def _experts_activation(experts: nn.Module) -> Activation:
 
 
 # Shared-expert MLP classes whose forward clamps as ClampedSiLU: class -> the limit attribute.
-_CLAMPED_MLPS = {"Glm5NextTextMLP": "swiglu_limit"}
+_CLAMPED_MLPS = {"Glm5NextTextMLP": "swiglu_limit", "DeepseekV4MLP": "limit"}
 
 
 def _mlp_activation(mlp: nn.Module) -> Activation:

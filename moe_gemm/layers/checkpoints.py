@@ -26,7 +26,13 @@ from moe_gemm.layers.experts_fp8 import (
     per_channel,
     row_scale,
 )
-from moe_gemm.layers.routing import check_correction_bias, check_flag, check_router_weight
+from moe_gemm.layers.routing import (
+    check_correction_bias,
+    check_flag,
+    check_int,
+    check_router_weight,
+    check_token_expert_table,
+)
 from moe_gemm.ops.validation import check_dense, shape_text
 
 if TYPE_CHECKING:
@@ -157,7 +163,10 @@ class MoELoaders:
         4's and Mistral Large 4's (group-limited softmax top-k, a routed scaling factor,
         shared experts; Mistral Large 4's router logits in float32); GLM-5-Next's, HY-V4's and
         HY-V4-VL's (DeepSeek-V3's router, experts with a swiglu_limit: activation=
-        ClampedSiLU(limit); GLM-5-Next's shared expert clamps too, HY-V4's does not). The
+        ClampedSiLU(limit); GLM-5-Next's shared expert clamps too, HY-V4's does not);
+        DeepSeek-V4's (scoring="sqrtsoftplus" or "sigmoid", its router's score function, a
+        biased top-k, ClampedSiLU experts and shared expert; its hash-routed layers take the
+        router's tid2eid: call the layer with input_ids=, as the block). The
         result gives the same outputs as `block` (fp32: within
         float rounding): it takes the block's training / eval mode, and Mixtral's router
         jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation
@@ -216,6 +225,7 @@ def moe_from_fused(
 # shared expert's "shared_experts." / "shared_expert_gate." names are the same in both).
 OWN_NAMES = {"router_weight": "gate.weight",
              "e_score_correction_bias": "gate.e_score_correction_bias",
+             "tid2eid": "gate.tid2eid",
              "gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj",
              "gate_up_proj_scale_inv": "experts.gate_up_proj_scale_inv",
              "down_proj_scale_inv": "experts.down_proj_scale_inv"}
@@ -239,7 +249,9 @@ def moe_from_state_dict(
     numbered from 0.
 
     Keys are read under `prefix` (e.g. "model.layers.3.mlp."):
-        router: "gate.weight" [E, H]; "gate.e_score_correction_bias" [E] (DeepSeek).
+        router: "gate.weight" [E, H]; "gate.e_score_correction_bias" [E] (DeepSeek);
+          "gate.tid2eid" [V, top_k] (DeepSeek-V4's hash layers: the layer routes by token
+          id, see MoE's hash_vocab_size; pass its scoring, "sqrtsoftplus").
         experts, one of:
           per expert, Mixtral: "experts.{e}.w1.weight" (gate), "w3" (up), "w2" (down);
           per expert, Qwen/DeepSeek: "experts.{e}.gate_proj.weight", "up_proj", "down_proj";
@@ -293,6 +305,7 @@ def moe_from_state_dict(
     if router_weight is None:
         raise KeyError(f"no router weight {prefix + 'gate.weight'!r} in the state dict")
     bias = take("gate.e_score_correction_bias")
+    hash_table = take("gate.tid2eid")
     gate_up, down, scales = _experts_from_keys(
         take, keys, prefix, lambda name: keys.get(name, prefix + given.get(name, name)), experts)
     shared: dict[str, torch.Tensor] | None = None
@@ -324,7 +337,7 @@ def moe_from_state_dict(
     if bias is not None and "scoring" not in options:
         options["scoring"] = "sigmoid"
     moe = moe_from_tensors(cls, gate_up, down, router_weight, top_k, bias, shared, options,
-                           scales=scales)
+                           scales=scales, hash_table=hash_table)
     if act_state:
         _load_activation(moe.activation, act_state, prefix, strict)
     return moe
@@ -381,6 +394,7 @@ def moe_from_tensors(
     shared: Mapping[str, torch.Tensor] | None,
     options: Mapping[str, Any],
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    hash_table: torch.Tensor | None = None,
 ) -> MoE:
     """A `cls` layer whose parameters are these tensors (aliased, or the Parameters
     themselves), after checking that they fit together: what every loader ends with.
@@ -397,6 +411,8 @@ def moe_from_tensors(
         scales: FP8 experts' decoding scales (gate_up, down): 128x128 blocks
             [E, 2I/128, H/128] and [E, H/128, I/128], or per channel [E, 2I] and [E, H]
             (layers/experts_fp8.py); None for 16-bit experts.
+        hash_table: [V, top_k] token id -> expert ids of a hash router (DeepSeek-V4), the
+            layer's tid2eid (aliased); None: routing by score.
 
     Raises:
         TypeError, ValueError: tensors whose shapes, dtypes or devices do not fit.
@@ -474,6 +490,17 @@ def moe_from_tensors(
             # exactly zero, gated or not: the layer has none.
             shared = None
     opts = dict(options)
+    if hash_table is not None:
+        if "hash_vocab_size" in opts:
+            raise TypeError("hash_vocab_size is not a loader option: the given tid2eid table "
+                            "decides it")
+        check_token_expert_table(hash_table, E, check_int("top_k", top_k))
+        if hash_table.device != device:
+            raise ValueError(f"tid2eid is on {hash_table.device} but gate_up_proj is on "
+                             f"{device}")
+        opts["hash_vocab_size"] = hash_table.shape[0]
+        if bias is None:  # (a hash router has no bias: none kept unless asked for)
+            opts.setdefault("correction_bias", False)
     if bias is not None:
         opts.setdefault("scoring", "sigmoid")
         if opts.setdefault("correction_bias", True) is False:
@@ -505,6 +532,8 @@ def moe_from_tensors(
             # values (in-place updates still show) is kept as the buffer instead.
             bias = bias.detach()
         moe.e_score_correction_bias = bias
+    if hash_table is not None:
+        moe.tid2eid = hash_table.detach()
     if shared is not None:
         assert moe.shared_experts is not None
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -78,6 +78,10 @@ def local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
 
 def router_of(moe: MoE) -> dict[str, Any]:
     """The routing of `moe` as ExpertParallelMoE takes it: its router tensors and options."""
+    if moe._buffers.get("tid2eid") is not None:
+        raise ValueError("ExpertParallelMoE routes by score; this MoE routes by token id (a "
+                         "hash router, tid2eid: DeepSeek-V4's first layers), which it does not "
+                         "take: run such a layer as an MoE on each rank")
     out: dict[str, Any] = {name: getattr(moe, name) for name in ROUTING}
     out["router_weight"] = moe.router_weight
     out["e_score_correction_bias"] = moe.e_score_correction_bias

@@ -12,6 +12,7 @@ import torch
 
 from moe_gemm.layers.experts import FLOAT_DTYPES, check_gemm_options, resolve_activation
 from moe_gemm.layers.routing import (
+    BIASED_SCORINGS,
     ROUTER_DTYPES,
     check_flag,
     check_int,
@@ -45,7 +46,7 @@ def check_routing(
     routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
     check_flag("renormalize", renormalize)
     # Same checks the router runs per call, done once here so bad settings fail early.
-    if scoring == "sigmoid":
+    if scoring in BIASED_SCORINGS:  # (sqrtsoftplus: the same checks)
         sigmoid_grouped_topk(
             torch.zeros(0, num_experts), None, top_k, n_group, topk_group,
             routed_scaling_factor, renormalize,
@@ -86,9 +87,9 @@ def check_layer_args(hidden_size, intermediate_size, shared_intermediate_size, n
     correction_bias = check_flag("correction_bias", correction_bias, none_ok=True)
     check_flag("shared_expert_gate", shared_expert_gate)
     if correction_bias is None:
-        correction_bias = scoring == "sigmoid"
-    if correction_bias and scoring != "sigmoid":
-        raise ValueError("correction_bias is used by scoring='sigmoid' only")
+        correction_bias = scoring in BIASED_SCORINGS
+    if correction_bias and scoring not in BIASED_SCORINGS:
+        raise ValueError("correction_bias is used by scoring='sigmoid' or 'sqrtsoftplus' only")
     if shared_expert_gate and not shared_intermediate_size:
         raise ValueError("shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
     if dtype is not None and dtype not in FLOAT_DTYPES:

@@ -53,9 +53,12 @@ from moe_gemm.layers.layer_checks import (
 from moe_gemm.layers.moe_options import MoEOptions, replace_activation
 from moe_gemm.layers.moe_weights import MoEWeights
 from moe_gemm.layers.routing import (
+    BIASED_SCORINGS,
     check_correction_bias,
     check_flag,
+    check_int,
     check_router_weight,
+    check_token_ids,
     route_tokens,
     router_jitter,
 )
@@ -64,7 +67,7 @@ from moe_gemm.ops.validation import check_dense, shape_text
 
 __all__ = ["GatedMLP", "MoE", "moe_experts", "moe_forward"]
 
-Scoring = Literal["softmax", "sigmoid"]
+Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,16 +100,18 @@ def moe_forward(
         w_gate_up: [E, H, 2I] fused gate+up weights (see moe_experts for layouts).
         w_down: [E, I, H] down weights.
         top_k: experts per token.
-        scoring: "softmax" (Mixtral, Qwen, Mistral 4) or "sigmoid" (DeepSeek-V3).
+        scoring: "softmax" (Mixtral, Qwen, Mistral 4), "sigmoid" (DeepSeek-V3) or
+            "sqrtsoftplus" (DeepSeek-V4: sqrt(softplus(logits)), routed as sigmoid).
         renormalize: divide the top-k weights by their sum (Qwen's norm_topk_prob; Mixtral
             always True).
         n_group, topk_group: group-limited routing (DeepSeek-V3 with sigmoid scores, Mistral
             4 with softmax scores).
         routed_scaling_factor: multiplies the weights (after renormalising); finite.
-        correction_bias: [E] selection-only bias (sigmoid only), e.g. DeepSeek-V3's
-            e_score_correction_bias.
+        correction_bias: [E] selection-only bias (sigmoid and sqrtsoftplus only), e.g.
+            DeepSeek-V3's e_score_correction_bias.
         router_fp32: compute the router logits in fp32 (DeepSeek) rather than in the weight's
-            dtype (Mixtral, Qwen); None = True for sigmoid, False for softmax.
+            dtype (Mixtral, Qwen); None = True for sigmoid and sqrtsoftplus, False for
+            softmax.
         activation: "silu", "gelu", "gelu_tanh" or a callable.
         config: GemmConfig for the grouped GEMMs.
         fused: the fused expert kernel (moe_experts): None = where it runs, True / False.
@@ -132,14 +137,14 @@ def moe_forward(
     if router_weight.device != x.device:
         raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
     check_routing(E, top_k, scoring, n_group, topk_group, routed_scaling_factor, renormalize)
-    if correction_bias is not None and scoring != "sigmoid":
-        raise ValueError("correction_bias is used by scoring='sigmoid' only")
+    if correction_bias is not None and scoring not in BIASED_SCORINGS:
+        raise ValueError("correction_bias is used by scoring='sigmoid' or 'sqrtsoftplus' only")
     if correction_bias is not None:  # (routing would name it 'bias' and the logits' device)
         check_correction_bias(correction_bias, E, x.device, "correction_bias", "x is")
     # Before routing, so that a bad option fails before any work (moe_experts checks again).
     check_gemm_options(config, fused)
     router_fp32 = check_flag("router_fp32", router_fp32, none_ok=True)
-    fp32 = scoring == "sigmoid" if router_fp32 is None else router_fp32
+    fp32 = scoring != "softmax" if router_fp32 is None else router_fp32
     weights, ids = route_tokens(
         x, router_weight, top_k, scoring, renormalize, n_group, topk_group,
         float(routed_scaling_factor), correction_bias, fp32,
@@ -246,10 +251,12 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
           [+ shared experts(x)] [* sigmoid(shared_expert_gate(x)) on the shared part]
 
     Routers: softmax top-k with or without renormalising (Mixtral; Qwen2/Qwen3-MoE
-    norm_topk_prob), group-limited softmax top-k with a routed scaling factor (Mistral 4) or
+    norm_topk_prob), group-limited softmax top-k with a routed scaling factor (Mistral 4),
     sigmoid scores with a selection-only correction bias, group-limited top-k and a routed
-    scaling factor (DeepSeek-V3). Exactly transformers' arithmetic, so
-    `MoE.from_hf(block)` reproduces a transformers block's output.
+    scaling factor (DeepSeek-V3), the same over sqrt(softplus) scores (DeepSeek-V4), and hash
+    routing by token id (DeepSeek-V4's first layers: `hash_vocab_size`, forward's
+    `input_ids`). Exactly transformers' arithmetic, so `MoE.from_hf(block)` reproduces a
+    transformers block's output.
 
     Inference only: the routed path has no backward. The layer's parameters are created with
     requires_grad=False; if it runs with gradients enabled on the input, the router weight or
@@ -264,7 +271,11 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
     transformers calls "gate.weight"; `w_gate_up`/`w_down` are the no-copy (E, K, N) views the
     grouped GEMMs take; `MoE.from_state_dict` reads this layer's state_dict too):
         router_weight: [E, H].
-        e_score_correction_bias: [E] float32 buffer (sigmoid routing with correction_bias).
+        e_score_correction_bias: [E] float32 buffer (sigmoid or sqrtsoftplus routing with
+            correction_bias).
+        tid2eid: [hash_vocab_size, top_k] int64 buffer, the hash router's token id -> expert
+            ids (transformers' name); None without hash routing. An assigned table is
+            checked (integer, 2-D, expert ids in [0, E)).
         gate_up_proj: [E, 2I, H], gate rows first, then up rows.
         down_proj: [E, H, I].
         shared_experts: GatedMLP(H, shared_intermediate_size) or None.
@@ -276,7 +287,7 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
         num_experts: E. Both attributes read the expert weights' sizes (new weights assigned
             later update them; assigning another value than theirs is a ValueError).
         top_k: experts per token, 1 <= top_k <= E.
-        scoring: "softmax" or "sigmoid".
+        scoring: "softmax", "sigmoid" or "sqrtsoftplus" (DeepSeek-V4).
         renormalize: divide the top-k weights by their sum.
         n_group, topk_group: group-limited routing (either scoring).
         routed_scaling_factor: multiplies the routed weights; finite.
@@ -285,10 +296,16 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
             (TypeError / ValueError, the layer unchanged), and the forward checks how they
             combine (top_k <= E, groups that fit E and top_k, an e_score_correction_bias
             with softmax scoring: ValueError).
-        correction_bias: keep an e_score_correction_bias buffer (sigmoid only); None = True
-            for sigmoid.
-        router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid, False for
-            softmax (Mixtral and Qwen compute them in the weight dtype). An attribute
+        correction_bias: keep an e_score_correction_bias buffer (sigmoid and sqrtsoftplus
+            only); None = True for those.
+        hash_vocab_size: V > 0 routes by token id instead of by score (DeepSeek-V4's
+            hash layers): a tid2eid buffer [V, top_k] (zeros until loaded) chooses each
+            token's experts from its id, the forward's `input_ids`; the scores (`scoring`,
+            without bias or groups) weight them, renormalised (+1e-20), times the factor.
+            0 (default) = off.
+        router_fp32: router logits in fp32 (DeepSeek); None = True for sigmoid and
+            sqrtsoftplus, False for softmax (Mixtral and Qwen compute them in the weight
+            dtype). An attribute
             (an assignment is checked; None follows the scoring, also one assigned later).
         router_jitter_noise: Mixtral's router jitter (transformers' config.router_jitter_noise,
             which from_hf carries): in training mode (module.train(), torch's default for a
@@ -335,10 +352,14 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
         shared_expert_gate: bool = False,
         config: GemmConfig | None = None,
         fused: bool | None = None,
+        hash_vocab_size: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        hash_vocab_size = check_int("hash_vocab_size", hash_vocab_size)
+        if hash_vocab_size < 0:
+            raise ValueError(f"hash_vocab_size must be an int >= 0; got {hash_vocab_size}")
         correction_bias = check_layer_args(
             hidden_size, intermediate_size, shared_intermediate_size, num_experts, top_k,
             scoring, renormalize, n_group, topk_group, routed_scaling_factor, correction_bias,
@@ -373,6 +394,9 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
         self.register_parameter("down_proj_scale_inv", None)
         bias = torch.zeros(E, device=device, dtype=torch.float32) if correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
+        table = (torch.zeros(hash_vocab_size, self.top_k, device=device, dtype=torch.int64)
+                 if hash_vocab_size else None)
+        self.register_buffer("tid2eid", table)
         self.shared_experts: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate_size:
@@ -386,10 +410,12 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
 
     # -- forward ---------------------------------------------------------------------------
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Router only: (weights [T, k] float32, ids [T, k] int64) for x [T, H], or [..., H]
         flattened to T tokens as transformers' routers do. x as given: the router jitter is
         the forward's (transformers' routers do not jitter either; their blocks do).
+        input_ids: the tokens' ids, for a hash-routed layer (see forward).
 
         Raises:
             TypeError, ValueError: x as forward's hidden_states would raise (checked here,
@@ -398,17 +424,21 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
         """
         self._check_parameters()
         x = check_hidden_states(x, self.hidden_size, self.router_weight.device)
-        return self._route_tokens(x.reshape(-1, self.hidden_size))
+        return self._route_tokens(x.reshape(-1, self.hidden_size), input_ids)
 
-    def _route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_tokens(self, x: torch.Tensor, input_ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """route for x [T, H] already checked (the forward's)."""
+        table = self._buffers.get("tid2eid")  # (a layer pickled before hash routing has none)
         return route_tokens(
             x, self.router_weight, self.top_k, self.scoring, self.renormalize, self.n_group,
-            self.topk_group, self.routed_scaling_factor, self.e_score_correction_bias,
-            self.router_fp32,
+            self.topk_group, self.routed_scaling_factor,
+            None if table is not None else self.e_score_correction_bias, self.router_fp32,
+            table, input_ids,
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Apply the layer.
 
         Args:
@@ -416,6 +446,10 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
                 parameters' device. Other dtypes than the weights' are cast to it for the
                 experts, as transformers does, and the result is cast back. In training mode
                 with router_jitter_noise > 0, multiplied by the jitter first (not in place).
+            input_ids: the token ids of hidden_states (one per token, any shape), needed by
+                a hash-routed layer (tid2eid set: DeepSeek-V4's first layers, whose blocks
+                take them the same way) and ignored by the others. On a GPU their values are
+                not checked (no synchronization): an id outside the table is clamped.
 
         Returns:
             The same shape and dtype as hidden_states.
@@ -431,9 +465,11 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
         if self.training and self.router_jitter_noise > 0:
             x = router_jitter(x, self.router_jitter_noise)  # (drawn as the input's shape)
         x2 = x.reshape(-1, self.hidden_size)
+        if self._buffers.get("tid2eid") is not None:  # (fail before the shared expert runs)
+            check_token_ids(input_ids, x2.shape[0], x2.device)
 
         def routed() -> torch.Tensor:
-            weights, ids = self._route_tokens(x2)
+            weights, ids = self._route_tokens(x2, input_ids)
             return _routed_experts(self, x2, ids, weights).to(x.dtype)
 
         if self.shared_experts is not None and side_stream_wanted(x2):
@@ -448,11 +484,14 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
     def extra_repr(self) -> str:
         names = ["hidden_size", "intermediate_size", "num_experts", "top_k", "scoring",
                  "renormalize"]
-        if self.scoring == "sigmoid":
+        if self.scoring != "softmax":
             names += ["n_group", "topk_group", "routed_scaling_factor"]
         parts = [f"{n}={getattr(self, n)!r}" for n in names]
         if self.fp8 is not None:
             parts.append(f"fp8={self.fp8!r}")
         if self.router_jitter_noise:
             parts.append(f"router_jitter_noise={self.router_jitter_noise!r}")
+        table = self._buffers.get("tid2eid")
+        if table is not None:
+            parts.append(f"hash_vocab_size={table.shape[0]}")
         return ", ".join([*parts, f"activation={_activation_name(self.activation)!r}"])

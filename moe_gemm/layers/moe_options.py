@@ -27,6 +27,7 @@ from moe_gemm.layers.routing import (
     check_jitter_noise,
     check_scaling_factor,
     check_scoring,
+    check_token_expert_table,
 )
 
 __all__ = ["MoEOptions", "RoutingOptions", "replace_activation"]
@@ -74,12 +75,12 @@ class RoutingOptions(nn.Module):
     @property
     def router_fp32(self) -> bool:
         """The router logits in fp32 (see MoE). None (the default, or assigned) follows the
-        scoring: True for sigmoid, also after `scoring` is assigned; anything but a bool or
-        None was silently truthy."""
+        scoring: True for sigmoid and sqrtsoftplus, also after `scoring` is assigned; anything
+        but a bool or None was silently truthy."""
         d = self.__dict__
         # (a layer pickled before the check kept the plain attribute)
         flag = d["_router_fp32"] if "_router_fp32" in d else d["router_fp32"]
-        return self.scoring == "sigmoid" if flag is None else flag
+        return self.scoring != "softmax" if flag is None else flag
 
     @router_fp32.setter
     def router_fp32(self, value: bool | None) -> None:
@@ -105,7 +106,8 @@ class RoutingOptions(nn.Module):
         self.__dict__["_" + name] = value
 
     top_k = _checked_option("top_k", "Experts per token, 1 <= top_k <= num_experts.")
-    scoring = _checked_option("scoring", 'The router\'s scores: "softmax" or "sigmoid".')
+    scoring = _checked_option(
+        "scoring", 'The router\'s scores: "softmax", "sigmoid" or "sqrtsoftplus".')
     renormalize = _checked_option("renormalize", "Divide the top-k weights by their sum.")
     n_group = _checked_option("n_group",
                               "Expert groups of group-limited routing.")
@@ -129,6 +131,11 @@ class MoEOptions(RoutingOptions):
         # activation module such as transformers' ACT2FN ones) under _modules, bypassing one.
         # The shared expert follows it without registering it (GatedMLP.follow_activation):
         # a module activation is the layer's child alone, its parameters one state_dict key.
+        if name == "tid2eid" and value is not None:
+            # (a table of other experts or a float one routed out of range, or failed deep
+            # inside the indexing; checked here once, never per call)
+            E = self._size_of_weights("num_experts")
+            check_token_expert_table(value, E if E is not None else 1 << 62)
         if name == "activation":
             replace_activation(self, value)
             shared = self.__dict__.get("_modules", {}).get("shared_experts")

@@ -23,6 +23,11 @@ cores: `router_logits_fp32`):
   biased scores, keep `topk_group` groups); weights gathered from the unbiased scores,
   renormalised with +1e-20, times `routed_scaling_factor` (on a Hopper GPU one kernel,
   ops/router_topk.py).
+- `sqrtsoftplus_grouped_topk`: DeepSeek-V4: the same selection and weights over float32
+  sqrt(softplus(logits)) scores (torch ops).
+- `hash_topk`: DeepSeek-V4's hash-routed layers: the experts of each token come from a fixed
+  token id -> expert ids table; the weights are the chosen experts' scores (any scoring),
+  renormalised with +1e-20, times `routed_scaling_factor` (torch ops).
 
 Router jitter (`router_jitter`): Mixtral's training-time noise on the router's input
 (transformers' MixtralSparseMoeBlock with config.router_jitter_noise > 0), which the MoE layer
@@ -60,6 +65,9 @@ __all__ = [
     "check_jitter_noise",
     "check_router_weight",
     "check_scaling_factor",
+    "check_token_expert_table",
+    "check_token_ids",
+    "hash_topk",
     "permute_by_expert",
     "route_tokens",
     "router_jitter",
@@ -67,7 +75,14 @@ __all__ = [
     "sigmoid_grouped_topk",
     "softmax_grouped_topk",
     "softmax_topk",
+    "sqrtsoftplus_grouped_topk",
 ]
+
+# The router's score functions. The biased ones take a selection-only correction bias
+# (DeepSeek-V3's e_score_correction_bias) and route as DeepSeek-V3 (sigmoid) or DeepSeek-V4
+# (sqrt(softplus)); softmax routes as Mixtral / Qwen / Mistral 4.
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+BIASED_SCORINGS = ("sigmoid", "sqrtsoftplus")
 
 
 def _check_logits(logits: object) -> torch.Tensor:
@@ -329,6 +344,138 @@ def sigmoid_grouped_topk(
                            routed_scaling_factor, renormalize)
 
 
+def sqrtsoftplus_grouped_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's router: `sigmoid_grouped_topk` with scores = sqrt(softplus(logits)) in
+    float32 (transformers' DeepseekV4TopKRouter: a selection-only correction bias, top-k,
+    weights renormalised with +1e-20, times `routed_scaling_factor`). Same arguments, returns
+    and errors as sigmoid_grouped_topk; torch ops (the router kernel scores with sigmoid)."""
+    logits, k, n_group, topk_group, grouped, routed_scaling_factor, renormalize = (
+        _group_router_args(logits, k, n_group, topk_group, routed_scaling_factor, renormalize))
+    if bias is not None:
+        check_correction_bias(bias, logits.shape[1], logits.device)
+    scores = _scores(logits, "sqrtsoftplus")
+    choice = scores if bias is None else scores + bias
+    return _grouped_choice(scores, choice, k, n_group, topk_group, grouped,
+                           routed_scaling_factor, renormalize)
+
+
+def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The router's float32 scores [T, E] of logits under a scoring (check_scoring's)."""
+    x = logits.float()
+    if scoring == "softmax":
+        return torch.softmax(x, dim=-1)
+    if scoring == "sigmoid":
+        return x.sigmoid()
+    return F.softplus(x).sqrt()
+
+
+def check_token_expert_table(table: object, num_experts: int, top_k: int | None = None,
+                             name: str = "tid2eid", *, values: bool = True) -> torch.Tensor:
+    """A hash router's token id -> expert ids table: an integer tensor [V, k] whose entries
+    are expert ids in [0, num_experts). values=False skips reading the entries (a GPU table
+    per call: that read would synchronize; layers check a table where it is set)."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor [vocab, top_k]; got "
+                        f"{type(table).__name__}")
+    if table.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must hold integer expert ids; got {table.dtype}")
+    if table.dim() != 2 or table.shape[0] < 1 or table.shape[1] < 1:
+        raise ValueError(f"{name} must be 2-D [vocab, top_k] with vocab, top_k >= 1; got "
+                         f"{shape_text(table)}")
+    if top_k is not None and table.shape[1] != top_k:
+        raise ValueError(f"{name} must have top_k={top_k} columns (one expert per slot); got "
+                         f"{shape_text(table)}")
+    if values and table.device.type != "meta":
+        lo, hi = int(table.min()), int(table.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{name} holds expert ids in [{lo}, {hi}]; they must be in "
+                             f"[0, num_experts={num_experts})")
+    return table
+
+
+def check_token_ids(token_ids: object, tokens: int, device: torch.device) -> torch.Tensor:
+    """A hash-routed call's token ids: an integer tensor of `tokens` elements (any shape,
+    flattened as the hidden states are) on the layer's device."""
+    if token_ids is None:
+        raise ValueError("this layer routes by token id (a hash router: tid2eid is set): pass "
+                         "input_ids, the token ids of the hidden states")
+    if not isinstance(token_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be an integer torch.Tensor; got "
+                        f"{type(token_ids).__name__}")
+    if token_ids.dtype not in _INT_DTYPES:
+        raise TypeError(f"input_ids must be an integer tensor; got {token_ids.dtype}")
+    if token_ids.numel() != tokens:
+        raise ValueError(f"input_ids must hold one id per token ({tokens}); got "
+                         f"{shape_text(token_ids)}")
+    if token_ids.device != device:
+        raise ValueError(f"input_ids is on {token_ids.device} but the layer is on {device}")
+    return token_ids.reshape(-1)
+
+
+def hash_topk(
+    logits: torch.Tensor,
+    table: torch.Tensor,
+    token_ids: torch.Tensor,
+    scoring: str = "sqrtsoftplus",
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hash routing (DeepSeek-V4's first layers, transformers' DeepseekV4HashRouter): token t
+    goes to the experts table[token_ids[t]]; their weights are the token's float32 scores
+    (`scoring` of its logits) at those experts, divided by (their sum + 1e-20) if
+    `renormalize`, times `routed_scaling_factor`.
+
+    Args:
+        logits: [T, E] router logits (any float dtype; upcast to float32).
+        table: [V, k] integer expert ids in [0, E).
+        token_ids: T integer token ids (any shape). On the CPU an id outside [0, V), or a
+            table entry outside [0, E), is a ValueError; on a GPU neither is read on the host
+            (the call never synchronizes), nor under torch.compile: both are clamped into
+            range, so a bad value picks a wrong expert but never reads out of bounds.
+        scoring: "sqrtsoftplus" (DeepSeek-V4), "sigmoid" or "softmax".
+        routed_scaling_factor: multiplies the final weights; finite.
+        renormalize: divide the weights by their sum (+1e-20) before scaling.
+
+    Returns:
+        (weights [T, k] float32, ids [T, k] int64).
+
+    Raises:
+        TypeError, ValueError: arguments that do not fit.
+    """
+    logits = _check_logits(logits)
+    T, E = logits.shape
+    check_scoring(scoring)
+    # The values are read on the CPU alone, eagerly (a traced graph cannot branch on them):
+    # elsewhere they are clamped into range instead.
+    on_cpu = logits.device.type == "cpu" and not torch.compiler.is_compiling()
+    table = check_token_expert_table(table, E, values=on_cpu)
+    if table.device != logits.device:
+        raise ValueError(f"table is on {table.device} but the logits are on {logits.device}")
+    token_ids = check_token_ids(token_ids, T, logits.device)
+    routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
+    renormalize = check_flag("renormalize", renormalize)
+    V = table.shape[0]
+    if on_cpu:
+        if T and (int(token_ids.min()) < 0 or int(token_ids.max()) >= V):
+            raise ValueError(f"input_ids must be token ids in [0, {V}) (the table's rows); got "
+                             f"values in [{int(token_ids.min())}, {int(token_ids.max())}]")
+        ids = table[token_ids.long()].long()
+    else:
+        ids = table[token_ids.long().clamp(0, V - 1)].long().clamp(0, E - 1)
+    weights = _scores(logits, scoring).gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
 def softmax_grouped_topk(
     logits: torch.Tensor,
     k: int,
@@ -519,20 +666,22 @@ def router_logits_fp32(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Te
 
 
 def check_scoring(value: object) -> str:
-    """scoring: "softmax" or "sigmoid" (a layer's reassigned value reached the router, which
-    routed anything but "softmax" as sigmoid)."""
-    if not isinstance(value, str) or value not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid'; got {value!r}")
+    """scoring: "softmax", "sigmoid" or "sqrtsoftplus" (a layer's reassigned value reached the
+    router, which routed anything but "softmax" as sigmoid)."""
+    if not isinstance(value, str) or value not in SCORINGS:
+        raise ValueError(f"scoring must be 'softmax', 'sigmoid' or 'sqrtsoftplus'; got "
+                         f"{value!r}")
     return value
 
 
 def check_softmax_options(correction_bias: torch.Tensor | None = None) -> None:
-    """A correction bias is the sigmoid router's alone (a layer built for sigmoid routing
+    """A correction bias is the biased routers' alone (a layer built for sigmoid routing
     keeps its e_score_correction_bias buffer when its scoring is reassigned: ignoring it
     under softmax would route without the bias the layer was given)."""
     if correction_bias is not None:
         raise ValueError(
-            "a correction bias (e_score_correction_bias) is used by scoring='sigmoid' only; "
+            "a correction bias (e_score_correction_bias) is used by scoring='sigmoid' or "
+            "'sqrtsoftplus' only; "
             "got one with softmax (set the layer's e_score_correction_bias to None to route "
             "without it)")
 
@@ -548,15 +697,30 @@ def route_tokens(
     routed_scaling_factor: float,
     correction_bias: torch.Tensor | None,
     router_fp32: bool,
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, ids [T, k] int64) of tokens x [T, H] under the router
     weight [E, H]: the logits (in float32 with router_fp32, else in the weight's dtype), then
-    softmax_topk, softmax_grouped_topk or sigmoid_grouped_topk."""
+    softmax_topk, softmax_grouped_topk, sigmoid_grouped_topk or sqrtsoftplus_grouped_topk;
+    with a hash_table, hash_topk of token_ids (the groups and the bias do not apply)."""
     check_scoring(scoring)
+    if hash_table is not None:
+        # (checked before the logits: a missing input_ids fails before any work)
+        token_ids = check_token_ids(token_ids, x.shape[0], x.device)
+        if hash_table.dim() != 2 or hash_table.shape[1] != top_k:
+            raise ValueError(f"tid2eid must be [vocab, top_k={top_k}] (one expert per slot); "
+                             f"got {shape_text(hash_table)}")
     if router_fp32:
         logits = router_logits_fp32(x, router_weight)  # DeepSeek-V3 / GLM-4-MoE
     else:
         logits = F.linear(x.to(router_weight.dtype), router_weight)  # Mixtral / Qwen
+    if hash_table is not None:
+        return hash_topk(logits, hash_table, token_ids, scoring, routed_scaling_factor,
+                         renormalize)  # DeepSeek-V4's hash layers
+    if scoring == "sqrtsoftplus":  # DeepSeek-V4
+        return sqrtsoftplus_grouped_topk(logits, correction_bias, top_k, n_group, topk_group,
+                                         routed_scaling_factor, renormalize)
     if scoring == "softmax":
         check_softmax_options(correction_bias)
         if n_group == 1 and topk_group == 1 and routed_scaling_factor == 1.0:

@@ -42,6 +42,10 @@ LAYERS = [
                       n_group=3, topk_group=2, routed_scaling_factor=1.5,
                       shared_intermediate_size=24, config=GemmConfig(backend="torch")),
                  id="mistral4-softmax-groups"),
+    pytest.param(dict(hidden_size=48, intermediate_size=16, num_experts=8, top_k=3,
+                      scoring="sqrtsoftplus", routed_scaling_factor=1.5,
+                      shared_intermediate_size=24, config=GemmConfig(backend="torch")),
+                 id="deepseek-v4-sqrtsoftplus"),
 ]
 
 
@@ -60,6 +64,21 @@ def test_moe_layer_compiles_whole(dynamo, kwargs: dict, dynamic) -> None:
             assert rel_err(y, naive_moe(moe, x)) < 1e-5
     assert dynamo["graph_break"] == {}
     assert dynamo["stats"]["unique_graphs"] >= 1
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_hash_routed_layer_compiles_whole(dynamo, dynamic) -> None:
+    # DeepSeek-V4's first layers: experts from a token id table, the forward's input_ids
+    moe = randomize(MoE(48, 16, 8, 3, scoring="sqrtsoftplus", hash_vocab_size=30,
+                        config=GemmConfig(backend="torch"))).eval()
+    moe.tid2eid = torch.randint(0, 8, (30, 3))
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    with torch.no_grad():
+        for shape in [(2, 9), (23,)]:
+            x, tok = torch.randn(*shape, 48), torch.randint(0, 30, shape)
+            torch.testing.assert_close(compiled(x, input_ids=tok), moe(x, input_ids=tok),
+                                       rtol=0, atol=0)
+    assert dynamo["graph_break"] == {}
 
 
 def test_moe_layer_compiled_with_grad_keeps_inference_only(dynamo) -> None:

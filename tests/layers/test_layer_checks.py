@@ -68,7 +68,7 @@ def test_check_routing_and_layer_args() -> None:
     check_routing(8, 4, "sigmoid", 4, 2, 2.5, False)
     for args, exc, pattern in [
         ((8, 9, "softmax", 1, 1, 1.0), ValueError, r"top_k must be in \[1, num_experts=8\]"),
-        ((8, 2, "tanh", 1, 1, 1.0), ValueError, "scoring must be 'softmax' or 'sigmoid'"),
+        ((8, 2, "tanh", 1, 1, 1.0), ValueError, "scoring must be 'softmax', 'sigmoid' or 'sqrtsoftplus'"),
         ((8, 2, "softmax", 3, 1, 1.0), ValueError, "divide E=8"),
         ((8, 4, "softmax", 4, 1, 2.0), ValueError, "cannot be chosen"),
         ((8, 2, "softmax", 1, 1, float("inf")), ValueError, "routed_scaling_factor must be finite"),

@@ -343,7 +343,7 @@ def test_forward_mode_ad_raises_the_layers_error() -> None:
         ({"top_k": 9}, ValueError, r"top_k must be in \[1, num_experts=8\]"),
         ({"top_k": 0}, ValueError, "top_k must be in"),
         ({"num_experts": 0}, ValueError, "num_experts must be >= 1"),
-        ({"scoring": "relu"}, ValueError, "scoring must be 'softmax' or 'sigmoid'"),
+        ({"scoring": "relu"}, ValueError, "scoring must be 'softmax', 'sigmoid' or 'sqrtsoftplus'"),
         ({"n_group": 3}, ValueError, "divide E=8"),
         ({"n_group": 8, "topk_group": 2}, ValueError, "E / n_group must be >= 2"),
         ({"n_group": 4, "topk_group": 1, "top_k": 3}, ValueError, "cannot be chosen"),
@@ -847,7 +847,7 @@ def test_a_reassigned_unknown_scoring_raises_at_the_assignment(scoring):
     # routed any value but "softmax" as sigmoid, and later the forward refused it.
     moe = randomize(MoE(32, 16, 8, 2))
     x = torch.randn(5, 32)
-    with pytest.raises(ValueError, match="scoring must be 'softmax' or 'sigmoid'"):
+    with pytest.raises(ValueError, match="scoring must be 'softmax', 'sigmoid' or 'sqrtsoftplus'"):
         moe.scoring = scoring
     assert moe.scoring == "softmax"
     assert moe(x).shape == (5, 32)
@@ -916,7 +916,7 @@ def test_a_correction_bias_under_reassigned_softmax_scoring_is_refused() -> None
         moe.e_score_correction_bias.normal_()
     x = torch.randn(5, 32)
     moe.scoring, moe.renormalize = "softmax", False
-    with pytest.raises(ValueError, match="e_score_correction_bias.*sigmoid' only"):
+    with pytest.raises(ValueError, match="e_score_correction_bias.*'sqrtsoftplus' only"):
         moe(x)
     with pytest.raises(ValueError, match="e_score_correction_bias"):
         moe.route(x)

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from moe_gemm.layers.routing import (
+    hash_topk,
     permute_by_expert,
     route_tokens,
     router_logits_fp32,
     sigmoid_grouped_topk,
     softmax_grouped_topk,
     softmax_topk,
+    sqrtsoftplus_grouped_topk,
 )
 
 
@@ -38,6 +40,17 @@ def _softmax_topk_ref(logits: torch.Tensor, k: int, renormalize: bool) -> list[d
     return out
 
 
+def _score_ref(row: list[float], scoring: str) -> list[float]:
+    """One token's float64 scores."""
+    if scoring == "sigmoid":
+        return [1.0 / (1.0 + math.exp(-v)) for v in row]
+    if scoring == "sqrtsoftplus":
+        return [math.sqrt(math.log1p(math.exp(v))) for v in row]
+    m = max(row)
+    ex = [math.exp(v - m) for v in row]
+    return [v / sum(ex) for v in ex]
+
+
 def _sigmoid_grouped_ref(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -46,13 +59,14 @@ def _sigmoid_grouped_ref(
     topk_group: int,
     scale: float,
     renormalize: bool,
+    scoring: str = "sigmoid",
 ) -> list[dict[int, float]]:
     E = logits.shape[1]
     per = E // n_group
     b = [0.0] * E if bias is None else bias.double().tolist()
     out = []
     for row in logits.double().tolist():
-        scores = [1.0 / (1.0 + math.exp(-v)) for v in row]
+        scores = _score_ref(row, scoring)
         choice = [s + bb for s, bb in zip(scores, b)]
         groups = []
         for g in range(n_group):
@@ -280,7 +294,7 @@ def test_softmax_grouped_topk_rejects_bad_settings(kwargs, exc, pattern) -> None
 
 def test_softmax_routing_refuses_a_correction_bias() -> None:
     x, w = torch.randn(4, 8), torch.randn(8, 8)
-    with pytest.raises(ValueError, match="correction bias.*scoring='sigmoid' only"):
+    with pytest.raises(ValueError, match="correction bias.*scoring='sigmoid' or 'sqrtsoftplus' only"):
         route_tokens(x, w, 2, "softmax", True, 2, 1, 1.0, torch.zeros(8), False)
 
 
@@ -508,3 +522,141 @@ def test_routers_take_numpy_integer_arguments() -> None:
     torch.testing.assert_close(a.offs, b.offs, rtol=0, atol=0)
     with pytest.raises(TypeError, match="must be an int"):
         softmax_topk(logits, 2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4's routers: sqrt(softplus) scores, and hash routing by token id
+
+
+@pytest.mark.parametrize(
+    "E,k,n_group,topk_group,scale,renormalize,use_bias",
+    [
+        (8, 2, 1, 1, 1.5, True, True),  # DeepSeek-V4: no groups, a bias, factor 1.5
+        (16, 6, 1, 1, 1.0, True, False),
+        (16, 4, 4, 2, 2.5, True, True),
+        (12, 3, 3, 1, 1.0, False, True),
+        (6, 6, 1, 1, 1.0, True, True),  # k = E
+    ],
+)
+def test_sqrtsoftplus_grouped_topk_matches_reference(E, k, n_group, topk_group, scale,
+                                                     renormalize, use_bias) -> None:
+    T = 29
+    logits = torch.randn(T, E) * 3  # (softplus's both regimes: exp(v) small and large)
+    bias = torch.randn(E) * 0.5 if use_bias else None
+    weights, ids = sqrtsoftplus_grouped_topk(logits, bias, k, n_group, topk_group, scale,
+                                             renormalize)
+    assert weights.shape == ids.shape == (T, k)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    want = _sigmoid_grouped_ref(logits, bias, k, n_group, topk_group, scale, renormalize,
+                                scoring="sqrtsoftplus")
+    _assert_routing_equal(_as_dicts(weights, ids), want)
+    # through route_tokens too (the layer's path), logits from a router weight
+    x, w = torch.randn(T, 24), torch.randn(E, 24) * 0.3
+    got = route_tokens(x, w, k, "sqrtsoftplus", renormalize, n_group, topk_group, scale, bias,
+                       True)
+    want = _sigmoid_grouped_ref(x.double() @ w.double().T, bias, k, n_group, topk_group, scale,
+                                renormalize, scoring="sqrtsoftplus")
+    _assert_routing_equal(_as_dicts(*got), want)
+
+
+def test_sqrtsoftplus_grouped_topk_rejects_bad_settings() -> None:
+    logits = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="divide E=8"):
+        sqrtsoftplus_grouped_topk(logits, None, 2, n_group=3)
+    with pytest.raises(ValueError, match="bias"):
+        sqrtsoftplus_grouped_topk(logits, torch.zeros(7), 2)
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        sqrtsoftplus_grouped_topk(logits, None, 2, routed_scaling_factor=float("nan"))
+    with pytest.raises(ValueError, match=r"k \(experts per token\) must be in \[1, E=8\]"):
+        sqrtsoftplus_grouped_topk(logits, None, 9)
+
+
+def _hash_ref(logits, table, token_ids, scoring, scale, renormalize):
+    out = []
+    for row, t in zip(logits.double().tolist(), token_ids.reshape(-1).tolist()):
+        scores = _score_ref(row, scoring)
+        chosen = table[t].tolist()
+        w = [scores[e] for e in chosen]
+        if renormalize:
+            tot = sum(w) + 1e-20
+            w = [v / tot for v in w]
+        out.append([(e, v * scale) for e, v in zip(chosen, w)])
+    return out
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("renormalize,scale", [(True, 1.5), (False, 1.0)])
+def test_hash_topk_matches_reference(scoring: str, renormalize: bool, scale: float) -> None:
+    T, E, k, V = 31, 8, 3, 50
+    logits = torch.randn(T, E) * 2
+    table = torch.randint(0, E, (V, k))
+    table[7] = torch.tensor([2, 2, 5])  # a row naming one expert twice (zeros-initialised
+    token_ids = torch.randint(0, V, (T,))  # tables do; each slot is its own route)
+    token_ids[0] = 7
+    weights, ids = hash_topk(logits, table, token_ids.view(1, T), scoring, scale, renormalize)
+    assert weights.shape == ids.shape == (T, k)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    want = _hash_ref(logits, table, token_ids, scoring, scale, renormalize)
+    # the slots are the table's, in its order
+    assert ids.tolist() == [[e for e, _ in row] for row in want]
+    ref = torch.tensor([[v for _, v in row] for row in want], dtype=torch.float64)
+    torch.testing.assert_close(weights.double(), ref, rtol=1e-6, atol=1e-7)
+    # table entries of another integer dtype route the same
+    w2, i2 = hash_topk(logits, table.to(torch.int32), token_ids, scoring, scale, renormalize)
+    assert torch.equal(i2, ids) and torch.equal(w2, weights)
+
+
+def test_hash_topk_handles_zero_tokens() -> None:
+    weights, ids = hash_topk(torch.randn(0, 8), torch.randint(0, 8, (10, 2)),
+                             torch.zeros(0, dtype=torch.int64))
+    assert weights.shape == ids.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "table,token_ids,exc,pattern",
+    [
+        (torch.randint(0, 8, (10, 2)).float(), torch.zeros(4, dtype=torch.int64), TypeError,
+         "expert ids"),
+        ([[0, 1]], torch.zeros(4, dtype=torch.int64), TypeError, "tid2eid must be an integer"),
+        (torch.randint(0, 8, (10,)), torch.zeros(4, dtype=torch.int64), ValueError, "2-D"),
+        (torch.randint(0, 8, (10, 2)) + 8, torch.zeros(4, dtype=torch.int64), ValueError,
+         r"must be in \[0, num_experts=8\)"),
+        (torch.randint(0, 8, (10, 2)) - 8, torch.zeros(4, dtype=torch.int64), ValueError,
+         r"must be in \[0, num_experts=8\)"),
+        (torch.randint(0, 8, (10, 2)), None, ValueError, "pass input_ids"),
+        (torch.randint(0, 8, (10, 2)), torch.zeros(3, dtype=torch.int64), ValueError,
+         r"one id per token \(4\)"),
+        (torch.randint(0, 8, (10, 2)), torch.zeros(4), TypeError, "integer tensor"),
+        (torch.randint(0, 8, (10, 2)), [0, 1, 2, 3], TypeError, "input_ids must be"),
+        (torch.randint(0, 8, (10, 2)), torch.tensor([0, 1, 10, 2]), ValueError,
+         r"token ids in \[0, 10\)"),
+        (torch.randint(0, 8, (10, 2)), torch.tensor([0, -1, 3, 2]), ValueError,
+         r"token ids in \[0, 10\)"),
+    ],
+)
+def test_hash_topk_rejects_bad_input(table, token_ids, exc, pattern) -> None:
+    with pytest.raises(exc, match=pattern):
+        hash_topk(torch.randn(4, 8), table, token_ids)
+
+
+def test_hash_topk_rejects_bad_options() -> None:
+    table, tok = torch.randint(0, 8, (10, 2)), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="scoring must be"):
+        hash_topk(torch.randn(4, 8), table, tok, "relu")
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        hash_topk(torch.randn(4, 8), table, tok, routed_scaling_factor=float("inf"))
+    with pytest.raises(TypeError, match="renormalize"):
+        hash_topk(torch.randn(4, 8), table, tok, renormalize="yes")
+
+
+def test_route_tokens_by_hash_needs_a_table_of_top_k_columns() -> None:
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    tok = torch.arange(4)
+    table = torch.randint(0, 8, (10, 3))
+    weights, ids = route_tokens(x, w, 3, "sqrtsoftplus", True, 1, 1, 1.0, torch.randn(8), False,
+                                table, tok)
+    assert torch.equal(ids, table[tok])  # (the bias and the scores choose nothing)
+    with pytest.raises(ValueError, match=r"tid2eid must be \[vocab, top_k=2\]"):
+        route_tokens(x, w, 2, "sqrtsoftplus", True, 1, 1, 1.0, None, False, table, tok)
+    with pytest.raises(ValueError, match="pass input_ids"):
+        route_tokens(x, w, 3, "sqrtsoftplus", True, 1, 1, 1.0, None, False, table, None)
