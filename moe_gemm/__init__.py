@@ -38,14 +38,16 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
     from moe_gemm.config import GemmConfig
     from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
     from moe_gemm.layers.expert_parallel import ExpertParallelMoE
-    from moe_gemm.layers.gate_activations import ClampedSiLU
+    from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
     from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
     from moe_gemm.layers.routing import (
         ExpertPermutation,
+        hash_topk,
         permute_by_expert,
         sigmoid_grouped_topk,
         softmax_grouped_topk,
         softmax_topk,
+        sqrtsoftplus_grouped_topk,
     )
     from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
     from moe_gemm.ops.fused import fused_grouped_mm, interleave_gate_up
@@ -67,6 +69,7 @@ register_transformers_lazily()
 __all__ = [
     "AllToAllDispatcher",
     "ClampedSiLU",
+    "ClampedSwiGLU",
     "Dispatcher",
     "ExpertParallelMoE",
     "ExpertPermutation",
@@ -80,6 +83,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_mm",
     "grouped_mm_masked",
+    "hash_topk",
     "interleave_gate_up",
     "moe_experts",
     "moe_forward",
@@ -94,6 +98,7 @@ __all__ = [
     "sigmoid_grouped_topk",
     "softmax_grouped_topk",
     "softmax_topk",
+    "sqrtsoftplus_grouped_topk",
 ]
 
 # 0: not loaded, 1: loading (a module below touching `moe_gemm.X` sees what is there so far,
@@ -113,14 +118,16 @@ def _load() -> None:
             from moe_gemm.config import GemmConfig
             from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
             from moe_gemm.layers.expert_parallel import ExpertParallelMoE
-            from moe_gemm.layers.gate_activations import ClampedSiLU
+            from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
             from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
             from moe_gemm.layers.routing import (
                 ExpertPermutation,
+                hash_topk,
                 permute_by_expert,
                 sigmoid_grouped_topk,
                 softmax_grouped_topk,
                 softmax_topk,
+                sqrtsoftplus_grouped_topk,
             )
             from moe_gemm.ops.api import GroupedGemmPlan, grouped_gemm, grouped_mm
             from moe_gemm.ops.custom_ops import share_flop_formulas
@@ -144,6 +151,7 @@ def _load() -> None:
         globals().update(
             AllToAllDispatcher=AllToAllDispatcher,
             ClampedSiLU=ClampedSiLU,
+            ClampedSwiGLU=ClampedSwiGLU,
             Dispatcher=Dispatcher,
             ExpertParallelMoE=ExpertParallelMoE,
             ExpertPermutation=ExpertPermutation,
@@ -162,6 +170,8 @@ def _load() -> None:
             sigmoid_grouped_topk=sigmoid_grouped_topk,
             softmax_grouped_topk=softmax_grouped_topk,
             softmax_topk=softmax_topk,
+            sqrtsoftplus_grouped_topk=sqrtsoftplus_grouped_topk,
+            hash_topk=hash_topk,
             dequantize_fp8=dequantize_fp8,
             quantize_fp8_per_block=quantize_fp8_per_block,
             quantize_fp8_per_row=quantize_fp8_per_row,

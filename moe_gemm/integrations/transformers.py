@@ -52,7 +52,7 @@ from moe_gemm.integrations.inputs import check_expert_inputs
 from moe_gemm.layers.checkpoints import moe_from_tensors
 from moe_gemm.layers.experts import FLOAT_DTYPES, Activation, expert_ffn
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
-from moe_gemm.layers.gate_activations import ClampedSiLU
+from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
 from moe_gemm.layers.moe import MoE
 from moe_gemm.layers.routing import check_flag
 from moe_gemm.ops.validation import shape_text
@@ -354,7 +354,9 @@ def is_registered() -> bool:
 # weight's dtype ("softmax_grouped_fp32", Mistral Large 4: in float32, always renormalized);
 # "scored" (DeepSeek-V4): the router's score function (sqrt(softplus) or sigmoid), a biased
 # top-k over all experts, always renormalized (+1e-20), scaled, logits in the weight's dtype,
-# or, in its first layers, hash routing by token id (the router's tid2eid).
+# or, in its first layers, hash routing by token id (the router's tid2eid); "sigmoid_scaled"
+# (MiniMax-M3): MiniMax-M2's router with the bias on the router and the block's
+# routed_scaling_factor.
 HF_BLOCKS = {
     "MixtralSparseMoeBlock": "softmax",
     "MiniMaxSparseMoeBlock": "softmax",
@@ -390,6 +392,8 @@ HF_BLOCKS = {
     "HYV4VLMoE": "sigmoid",
     # (DeepSeek-V4's routers; experts and shared expert with a swiglu_limit)
     "DeepseekV4SparseMoeBlock": "scored",
+    # (experts and shared expert with gpt-oss's clamped SwiGLU: activation=ClampedSwiGLU)
+    "MiniMaxM3VLSparseMoeBlock": "sigmoid_scaled",
 }
 
 # DeepSeek-V4's router score functions (transformers' ACT2FN[config.scoring_func] classes)
@@ -422,6 +426,10 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
             hash_table = router.tid2eid
         else:
             bias = router.e_score_correction_bias
+    elif kind == "sigmoid_scaled":
+        opts.update(scoring="sigmoid", renormalize=True, router_fp32=False,
+                    routed_scaling_factor=float(block.routed_scaling_factor))
+        bias = router.e_score_correction_bias
     elif kind == "sigmoid_flat":
         opts.update(scoring="sigmoid", renormalize=True, router_fp32=False)
         bias = block.e_score_correction_bias
@@ -461,8 +469,15 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
                 opts["activation"], ClampedSiLU):
             raise ValueError("MoE.from_hf needs the shared expert to use the experts' activation")
         dtype = _dense_dtype(block, router.weight.dtype)
-        shared = {n: _dense_hf_weight(getattr(mlp, n), dtype)
-                  for n in ("gate_proj", "up_proj", "down_proj")}
+        if type(mlp).__name__ in _CONCAT_MLPS:
+            # (one gate_up_proj Linear, gate rows first: its two halves, as views)
+            w = _dense_hf_weight(mlp.gate_up_proj, dtype)
+            half = w.shape[0] // 2
+            shared = {"gate_proj": w[:half], "up_proj": w[half:],
+                      "down_proj": _dense_hf_weight(mlp.down_proj, dtype)}
+        else:
+            shared = {n: _dense_hf_weight(getattr(mlp, n), dtype)
+                      for n in ("gate_proj", "up_proj", "down_proj")}
         gate = getattr(block, "shared_expert_gate", None)
         if gate is not None:
             shared["gate"] = _dense_hf_weight(gate, dtype)
@@ -492,6 +507,7 @@ _ROUTER_ATTRS = {
     "sigmoid": ("top_k", "norm_topk_prob", "num_group", "topk_group", "routed_scaling_factor",
                 "e_score_correction_bias"),
     "scored": ("top_k", "score_fn", "routed_scaling_factor"),
+    "sigmoid_scaled": ("top_k", "e_score_correction_bias"),
 }
 
 
@@ -536,6 +552,9 @@ def _check_hf_block(block: nn.Module, kind: str) -> None:
         table = "tid2eid" if getattr(block, "is_hash", False) else "e_score_correction_bias"
         if not isinstance(getattr(router, table, None), torch.Tensor):
             problems.append(f"a router ({type(router).__name__}) without {table}")
+    if kind == "sigmoid_scaled" and not isinstance(
+            getattr(block, "routed_scaling_factor", None), (int, float)):
+        problems.append("no routed_scaling_factor")
     if problems:
         raise ValueError(
             f"MoE.from_hf takes transformers 5's {name} (fused 3-D experts, a top-k router); "
@@ -596,7 +615,7 @@ def _check_fused_gated(experts: nn.Module) -> None:
     if not getattr(experts, "is_concatenated", True):
         problems.append("is_concatenated=False (interleaved gate/up)")
     gate = _gate_of(experts) if hasattr(experts, "_apply_gate") else _default_apply_gate
-    if gate is not _default_apply_gate and _limit_gate_kind(experts, gate) != "clamped_silu":
+    if gate is not _default_apply_gate and _limit_gate_kind(experts, gate) is None:
         # (FP8Experts' own gate is the default one where no soft cap or limit is set)
         fp8_default = (gate is getattr(type(experts), "_apply_gate", None)
                        and hf_fp8_scales(experts) is not None and hf_fp8_gate_is_default(experts))
@@ -613,24 +632,38 @@ def _experts_activation(experts: nn.Module) -> Activation:
     """The routed experts' activation: ClampedSiLU(limit) for a swiglu_limit gate of
     _LIMIT_GATES (its limit checked), else the experts' act_fn as hf_activation names it."""
     gate = _gate_of(experts)
-    if gate is not None and _limit_gate_kind(experts, gate) == "clamped_silu":
+    kind = None if gate is None else _limit_gate_kind(experts, gate)
+    if kind is not None:
         spec = hf_fused_gate(experts)
         if spec is None:
             name = type(experts).__name__
-            raise ValueError(f"MoE.from_hf takes {name}'s clamped SwiGLU with a SiLU and a "
-                             f"finite swiglu_limit > 0; this {name} has limit "
-                             f"{getattr(experts, _LIMIT_GATES[name][2], None)!r}")
+            raise ValueError(f"MoE.from_hf takes {name}'s clamped gate with a finite "
+                             f"swiglu_limit > 0 (and a SiLU, or a swiglu_alpha); this {name} "
+                             f"has limit {getattr(experts, _LIMIT_GATES[name][2], None)!r}")
+        if kind == "clamped_swiglu":
+            return ClampedSwiGLU(spec.limit, spec.alpha)
         return ClampedSiLU(spec.limit)
     return hf_activation(experts.act_fn)
 
 
 # Shared-expert MLP classes whose forward clamps as ClampedSiLU: class -> the limit attribute.
 _CLAMPED_MLPS = {"Glm5NextTextMLP": "swiglu_limit", "DeepseekV4MLP": "limit"}
+# ... and those computing gpt-oss's clamped SwiGLU over one gate_up_proj Linear (gate rows
+# first), with their swiglu_limit and swiglu_alpha (no act_fn).
+_CONCAT_MLPS = {"MiniMaxM3VLDenseMLP"}
 
 
 def _mlp_activation(mlp: nn.Module) -> Activation:
     """A shared expert's activation: ClampedSiLU for a clamping MLP class (its act_fn a SiLU),
-    else its act_fn as hf_activation names it."""
+    ClampedSwiGLU for a _CONCAT_MLPS one, else its act_fn as hf_activation names it."""
+    if type(mlp).__name__ in _CONCAT_MLPS:
+        limit, alpha = _positive_limit(getattr(mlp, "swiglu_limit", None)), getattr(
+            mlp, "swiglu_alpha", None)
+        if limit is None or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise ValueError(f"MoE.from_hf takes {type(mlp).__name__}'s clamped SwiGLU with a "
+                             f"finite swiglu_limit > 0 and a swiglu_alpha; got "
+                             f"{getattr(mlp, 'swiglu_limit', None)!r}, {alpha!r}")
+        return ClampedSwiGLU(limit, float(alpha))
     attr = _CLAMPED_MLPS.get(type(mlp).__name__)
     act = hf_activation(mlp.act_fn)
     if attr is None:

@@ -166,7 +166,9 @@ class MoELoaders:
         ClampedSiLU(limit); GLM-5-Next's shared expert clamps too, HY-V4's does not);
         DeepSeek-V4's (scoring="sqrtsoftplus" or "sigmoid", its router's score function, a
         biased top-k, ClampedSiLU experts and shared expert; its hash-routed layers take the
-        router's tid2eid: call the layer with input_ids=, as the block). The
+        router's tid2eid: call the layer with input_ids=, as the block); MiniMax-M3's
+        (MiniMax-M2's router, the block's routed_scaling_factor, experts and shared expert
+        with gpt-oss's clamped SwiGLU: activation=ClampedSwiGLU(limit, alpha)). The
         result gives the same outputs as `block` (fp32: within
         float rounding): it takes the block's training / eval mode, and Mixtral's router
         jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation

@@ -33,7 +33,7 @@ import torch
 
 from moe_gemm.config import GemmConfig
 from moe_gemm.env import env_value
-from moe_gemm.layers.gate_activations import ClampedSiLU
+from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
 from moe_gemm.layers.routing import permute_by_expert
 from moe_gemm.ops.combine import combine_rows
 from moe_gemm.ops.fused import fused_grouped_mm
@@ -65,12 +65,14 @@ class FusedGate:
 
 
 def fused_gate_for(activation: object, layout: str = "concat") -> FusedGate | None:
-    """The FusedGate of a named activation ("silu", "gelu", "gelu_tanh") or a ClampedSiLU,
-    None for others (a callable: only the unfused path can apply it)."""
+    """The FusedGate of a named activation ("silu", "gelu", "gelu_tanh"), a ClampedSiLU or a
+    ClampedSwiGLU, None for others (a callable: only the unfused path can apply it)."""
     if isinstance(activation, str) and activation in _NAMED_GATES:
         return FusedGate(activation, layout)
     if isinstance(activation, ClampedSiLU):
         return FusedGate("clamped_silu", layout, 0.0, activation.limit)
+    if isinstance(activation, ClampedSwiGLU):
+        return FusedGate("clamped_swiglu", layout, activation.alpha, activation.limit)
     return None
 
 

@@ -314,17 +314,19 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
             generator, as transformers does; the jittered tokens feed the router, the routed
             and the shared experts. 0 (default) = off; eval mode never jitters. An attribute.
         activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh", a ClampedSiLU(limit)
-            (a swiglu_limit: GLM-5-Next, HY-V4) or a callable: the routed experts' and the
-            shared expert's. An attribute: setting `moe.activation` switches both (checked
-            as in the constructor).
+            (a swiglu_limit: GLM-5-Next, HY-V4, DeepSeek-V4), a ClampedSwiGLU(limit, alpha)
+            (gpt-oss's gate over concatenated halves: MiniMax-M3) or a callable: the routed
+            experts' and the shared expert's. An attribute: setting `moe.activation` switches
+            both (checked as in the constructor).
         shared_intermediate_size: intermediate size of the always-on shared expert(s)
             (DeepSeek: moe_intermediate_size * n_shared_experts); 0 = none.
         shared_expert_gate: scale the shared expert by sigmoid(Linear(H, 1)(x)) (Qwen2-MoE).
         config: GemmConfig for the grouped GEMMs (e.g. GemmConfig(backend="torch")).
         fused: the experts on the fused kernel (the token gather, gated activation and
             routing weights inside the two GEMMs; layers/fused_experts.py): None (default) =
-            on a Hopper GPU with a named activation or a ClampedSiLU, True = always (the fused ops' torch
-            backend elsewhere), False = the unfused grouped GEMMs. An attribute: set
+            on a Hopper GPU with a named activation, a ClampedSiLU or a ClampedSwiGLU, True =
+            always (the fused ops' torch backend elsewhere), False = the unfused grouped
+            GEMMs. An attribute: set
             `moe.fused` to switch a built layer.
         device, dtype: where and in what dtype (bf16, fp16 or fp32) to create the
             parameters; dtype=None is torch's default dtype, refused (TypeError) where that

@@ -17,6 +17,7 @@ from moe_gemm import GemmConfig
 from moe_gemm.layers import fused_experts
 from moe_gemm.layers.experts import moe_experts
 from moe_gemm.layers.fused_experts import fused_gate_for, use_fused
+from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
 from moe_gemm.layers.moe import MoE
 from moe_gemm.testing import assert_close_to_ref, calc_diff
 
@@ -77,6 +78,13 @@ SHAPES = [
     (96, 768, 256, 16, 4, {"activation": "gelu_tanh", "shared_intermediate_size": 256,
                            "shared_expert_gate": True}),
     (64, 512, 200, 8, 2, {"activation": "gelu"}),  # I off every tile
+    # DeepSeek-V4-like: sqrt(softplus) scores, a swiglu_limit gate (reached: gate ~ N(0, 1))
+    (200, 512, 256, 16, 4, {"scoring": "sqrtsoftplus", "routed_scaling_factor": 1.5,
+                            "activation": ClampedSiLU(1.0), "shared_intermediate_size": 256}),
+    # MiniMax-M3-like: gpt-oss's clamped SwiGLU over concatenated halves
+    (150, 512, 192, 16, 4, {"scoring": "sigmoid", "routed_scaling_factor": 2.0,
+                            "activation": ClampedSwiGLU(1.0, 1.702),
+                            "shared_intermediate_size": 128}),
 ]
 
 

@@ -1,8 +1,10 @@
-"""layers/gate_activations.py: ClampedSiLU (a swiglu_limit's gate of both halves) on its own
-and as an MoE layer's activation, against float64 references written out here."""
+"""layers/gate_activations.py: ClampedSiLU (a swiglu_limit's gate of both halves) and
+ClampedSwiGLU (gpt-oss's, MiniMax-M3's) on their own and as an MoE layer's activation, against
+float64 references written out here."""
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from moe_testutils import randomize, rel_err
 
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
-from moe_gemm.layers.gate_activations import ClampedSiLU, apply_gate
+from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU, apply_gate
 from moe_gemm.layers.moe import MoE, moe_experts
 from moe_gemm.layers.routing import softmax_topk
 
@@ -125,3 +127,64 @@ def test_moe_experts_takes_a_clamped_silu() -> None:
             want[t] += weights[t, j] * (_clamped_ref(h[:I], h[I:], 0.5)
                                         @ w_down[ids[t, j]].double())
     assert rel_err(y, want) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# ClampedSwiGLU: (clamp(up, -L, L) + 1) * g * sigmoid(alpha * g), g = min(gate, L)
+
+
+def _swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
+                ) -> torch.Tensor:
+    g = [min(v, limit) for v in gate.double().flatten().tolist()]
+    u = [max(min(v, limit), -limit) for v in up.double().flatten().tolist()]
+    out = [(b + 1) * a / (1 + math.exp(-alpha * a)) for a, b in zip(g, u)]
+    return torch.tensor(out, dtype=torch.float64).view(gate.shape)
+
+
+@pytest.mark.parametrize("limit,alpha", [(7.0, 1.702), (1.0, 1.702), (0.5, -0.75)])
+def test_clamped_swiglu_matches_float64(limit: float, alpha: float) -> None:
+    gate, up = torch.randn(6, 29) * 4, torch.randn(6, 29) * 4
+    act = ClampedSwiGLU(limit, alpha)
+    got = act(gate, up)
+    torch.testing.assert_close(got.double(), _swiglu_ref(gate, up, limit, alpha), rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(apply_gate(act, gate, up), got, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"call it as act\(gate, up\)"):
+        act(gate)
+    assert repr(act) == f"ClampedSwiGLU(limit={limit:g}, alpha={alpha:g})"
+    back = pickle.loads(pickle.dumps(act))
+    assert (back.limit, back.alpha) == (limit, alpha)
+    assert fused_gate_for(act) == FusedGate("clamped_swiglu", "concat", alpha, limit)
+
+
+@pytest.mark.parametrize("limit,alpha,error,match", [
+    (0.0, 1.7, ValueError, "finite float > 0"), (float("inf"), 1.7, ValueError, "finite"),
+    ("7", 1.7, TypeError, "limit must be a float"), (7.0, float("nan"), ValueError,
+                                                     "alpha must be finite"),
+    (7.0, True, TypeError, "alpha must be a float"), (7.0, "1.7", TypeError, "alpha must be"),
+])
+def test_clamped_swiglu_refuses_bad_settings(limit, alpha, error, match) -> None:
+    with pytest.raises(error, match=match):
+        ClampedSwiGLU(limit, alpha)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_layer_with_a_clamped_swiglu_matches_float64(fused) -> None:
+    torch.manual_seed(5)
+    act = ClampedSwiGLU(1.0, 1.702)
+    moe = randomize(MoE(32, 24, 8, 2, shared_intermediate_size=16, activation=act,
+                        fused=fused), scale=0.6).eval()
+    x = torch.randn(9, 32)
+    weights, ids = softmax_topk(x.double() @ moe.router_weight.double().T, 2)
+    I = moe.intermediate_size
+    want = torch.zeros(9, 32, dtype=torch.float64)
+    for t in range(9):
+        v = x[t].double()
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = moe.gate_up_proj[e].double() @ v
+            want[t] += w * (moe.down_proj[e].double() @ _swiglu_ref(h[:I], h[I:], 1.0, 1.702))
+        s = moe.shared_experts
+        g, u = s.gate_proj.weight.double() @ v, s.up_proj.weight.double() @ v
+        want[t] += s.down_proj.weight.double() @ _swiglu_ref(g, u, 1.0, 1.702)
+    with torch.no_grad():
+        assert rel_err(moe(x), want) < 1e-5

@@ -46,6 +46,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from moe_gemm.integrations import register_transformers  # noqa: E402
 from moe_gemm.integrations import transformers as hf_integration  # noqa: E402
+from moe_gemm.layers.gate_activations import ClampedSwiGLU  # noqa: E402
 from moe_gemm.layers.moe import MoE  # noqa: E402
 from moe_gemm.testing import assert_close_to_ref, calc_diff  # noqa: E402
 
@@ -268,6 +269,76 @@ def test_from_hf_matches_block_fp32(cls: type, make_config) -> None:
             y = moe(x)
         assert y.shape == ref.shape and y.dtype == ref.dtype
         assert rel_err(y, ref) < 1e-5, f"shape {shape}"
+
+
+_MINIMAX_M3 = _Later("minimax_m3_vl", "MiniMaxM3VLSparseMoeBlock", "MiniMaxM3VLTextConfig")
+
+
+def _minimax_m3_block(seed: int, **kw) -> torch.nn.Module:
+    """MiniMax-M3's block: MiniMax-M2's biased sigmoid router (the bias on the router), the
+    block's routed_scaling_factor, experts and a fused gate_up_proj shared expert with
+    gpt-oss's clamped SwiGLU over concatenated halves (limits low enough to be reached)."""
+    cfg = _MINIMAX_M3.make_config(**{
+        "hidden_size": 48, "intermediate_size": 24, "num_local_experts": 12,
+        "num_experts_per_tok": 3, "shared_intermediate_size": 16, "routed_scaling_factor": 2.0,
+        "swiglu_limit": 1.0, "swiglu_alpha": 1.702, **kw})()
+    return _block(_MINIMAX_M3, cfg, seed)
+
+
+def test_from_hf_minimax_m3_matches_block_fp32() -> None:
+    block = _minimax_m3_block(seed=int(torch.randint(1 << 30, ())))
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.copy_(torch.randn(12) * 0.1)
+    moe = MoE.from_hf(block)
+    assert isinstance(moe.activation, ClampedSwiGLU)
+    assert (moe.activation.limit, moe.activation.alpha) == (1.0, 1.702)
+    assert moe.routed_scaling_factor == 2.0 and moe.router_fp32 is False
+    # the shared expert's halves are views of the block's one gate_up_proj
+    w = block.shared_experts.gate_up_proj.weight
+    assert moe.shared_experts.gate_proj.weight.data_ptr() == w.data_ptr()
+    assert moe.shared_experts.up_proj.weight.data_ptr() == w[16:].data_ptr()
+    for shape in [(2, 7), (1, 1), (1, 33)]:
+        x = torch.randn(*shape, 48)
+        with torch.no_grad():
+            ref = block(x)
+            assert rel_err(moe(x), ref) < 1e-5, f"shape {shape}"
+            moe.fused = True  # the fused ops' torch backend: the same gate, fused
+            assert rel_err(moe(x), ref) < 1e-5, f"shape {shape}, fused"
+            moe.fused = None
+    block.experts.config._experts_implementation = "grouped_mm"  # transformers' default
+    x = torch.randn(3, 11, 48)
+    with torch.no_grad():
+        assert rel_err(moe(x), block(x)) < 1e-5
+
+
+def test_from_hf_minimax_m3_bf16_two_x_rule() -> None:
+    seed = int(torch.randint(1 << 30, ()))
+    block32 = _minimax_m3_block(seed)
+    block = _minimax_m3_block(seed).to(torch.bfloat16)
+    block.experts.config._experts_implementation = "grouped_mm"
+    moe = MoE.from_hf(block)
+    x = torch.randn(4, 16, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        y = moe(x)
+        base = block(x)
+        flat = x.view(-1, 48)
+        _, w16, i16 = block.gate(flat)
+        x32 = flat.float()
+        ref = (block32.experts(x32, i16, w16.float()) * 2.0 + block32.shared_experts(x32))
+        ref = ref.view(x.shape)
+    assert_close_to_ref(y, ref, base, max_calc_diff=max(1e-5, 2 * calc_diff(base, ref)),
+                        name="MiniMax-M3")
+
+
+def test_from_hf_minimax_m3_refuses_limits_it_cannot_fuse() -> None:
+    block = _minimax_m3_block(seed=1)
+    block.shared_experts.swiglu_limit = 0.0
+    with pytest.raises(ValueError, match="MiniMaxM3VLDenseMLP's clamped SwiGLU"):
+        MoE.from_hf(block)
+    block = _minimax_m3_block(seed=1)
+    block.experts.swiglu_limit = float("inf")
+    with pytest.raises(ValueError, match="MiniMaxM3VLExperts's clamped gate"):
+        MoE.from_hf(block)
 
 
 def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
