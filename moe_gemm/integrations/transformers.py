@@ -383,6 +383,7 @@ HF_BLOCKS = {
     "Glm4vMoeTextMoE": "sigmoid",
     "GlmMoeDsaMoE": "sigmoid",
     "SolarOpenMoE": "sigmoid",
+    "MiniCPM5MoeMoE": "sigmoid",  # (its router disables autocast: fp32 logits, as ours)
     "MiniMaxM2SparseMoeBlock": "sigmoid_flat",
     "Mistral4MoE": "softmax_grouped",
     "MistralLarge4TextMoE": "softmax_grouped_fp32",

@@ -158,7 +158,8 @@ class MoELoaders:
         Qwen3-Omni-MoE thinker's and Mellum's, LaraMini's (float32 router logits, an ungated
         shared expert); DeepSeek-V3's, DeepSeek-V3.2's, MiMo-V2-Flash's, Kimi-Linear's,
         dots.llm1's, dots3-note's, GLM-4-MoE's, GLM-4-MoE-Lite's, GLM-4.5V's (Glm4vMoe),
-        GLM-MoE-DSA's and Solar-Open's (sigmoid group-limited routing, shared experts);
+        GLM-MoE-DSA's, Solar-Open's and MiniCPM5's (sigmoid group-limited routing, shared
+        experts);
         MiniMax-M2's (biased sigmoid top-k over all experts, the bias on the block); Mistral
         4's and Mistral Large 4's (group-limited softmax top-k, a routed scaling factor,
         shared experts; Mistral Large 4's router logits in float32); GLM-5-Next's, HY-V4's and

@@ -657,12 +657,17 @@ def router_logits_fp32(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Te
     (max error ~8e-5 against the fp32 GEMM's 1e-5 on unit-scale logits; the same top-8 for all
     but 2 of 16384 tokens, docs/measurements.md 2026-12-03): the difference of two fp32 GEMM
     algorithms. Elsewhere (CPU, mixed or 32-bit dtypes, or a graph that records gradients:
-    torch.mm's out_dtype form has no derivative) the fp32 GEMM itself."""
+    torch.mm's out_dtype form has no derivative) the fp32 GEMM itself.
+
+    Outside autocast: inside torch.autocast the fp32 GEMM would run in the autocast dtype
+    (logits rounded to bf16, other experts chosen at near ties), where the routers that ask
+    for fp32 logits (MiniCPM5's disables autocast for them) keep fp32."""
     grads = torch.is_grad_enabled() and (x.requires_grad or router_weight.requires_grad)
-    if (_MM_OUT_DTYPE and x.is_cuda and x.dtype == router_weight.dtype and not grads
-            and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
-        return torch.mm(x, router_weight.t(), out_dtype=torch.float32)
-    return F.linear(x.float(), router_weight.float())
+    with torch.autocast(x.device.type, enabled=False):
+        if (_MM_OUT_DTYPE and x.is_cuda and x.dtype == router_weight.dtype and not grads
+                and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
+            return torch.mm(x, router_weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), router_weight.float())
 
 
 def check_scoring(value: object) -> str:

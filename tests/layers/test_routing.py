@@ -660,3 +660,17 @@ def test_route_tokens_by_hash_needs_a_table_of_top_k_columns() -> None:
         route_tokens(x, w, 2, "sqrtsoftplus", True, 1, 1, 1.0, None, False, table, tok)
     with pytest.raises(ValueError, match="pass input_ids"):
         route_tokens(x, w, 3, "sqrtsoftplus", True, 1, 1, 1.0, None, False, table, None)
+
+
+def test_fp32_router_logits_stay_fp32_under_autocast() -> None:
+    # (MiniCPM5's router disables autocast for its fp32 logits; under CPU autocast the fp32
+    # GEMM ran in bf16: logits rounded, near ties routed to other experts)
+    x, w = torch.randn(64, 96), torch.randn(32, 96)
+    want = x.double() @ w.double().T
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router_logits_fp32(x, w)
+        weights, ids = route_tokens(x, w, 4, "sigmoid", True, 1, 1, 1.0, None, True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    _assert_routing_equal(_as_dicts(weights, ids),
+                          _sigmoid_grouped_ref(want, None, 4, 1, 1, 1.0, True))
