@@ -294,8 +294,11 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
         """The shared experts on this rank's own tokens [T, H], or None without any."""
         return shared_expert_output(self.local, x)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """This rank's tokens [..., H] -> [..., H]; every rank of the group must call it.
+        input_ids: ignored (this layer routes by score), taken as MoE and transformers'
+        DeepSeek-V4 blocks take it, so that it can stand in for one.
 
         Inference only, as MoE: where autograd could ask for a gradient (grad mode on and the
         input or a parameter requires grad) the result is linked so that a backward raises

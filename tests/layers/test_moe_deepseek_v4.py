@@ -194,6 +194,9 @@ def test_expert_parallel_refuses_a_hash_layer() -> None:
     x = torch.randn(5, 24)
     with torch.no_grad():
         torch.testing.assert_close(ep(x), moe(x), rtol=1e-5, atol=1e-6)
+        # (input_ids, as a DeepSeek-V4 decoder layer passes them, are taken and ignored)
+        torch.testing.assert_close(ep(x, input_ids=torch.arange(5)), moe(x), rtol=1e-5,
+                                   atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,3 +286,31 @@ def test_expert_parallel_from_hf_refuses_a_hash_block() -> None:
     with pytest.raises(ValueError, match="routes by token id"):
         ExpertParallelMoE.from_hf(_v4_block(0, seed=2), dispatcher=_OneRank(),
                                   check_replicated=False)
+
+
+def test_deepseek_v4_model_with_our_layers_gives_its_logits() -> None:
+    # The decoder layers pass input_ids to their MoE blocks: the hash layers (the first three
+    # of four here) route by them, the last by score; every block replaced by MoE.from_hf.
+    cfg = v4_config.DeepseekV4Config(
+        hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=100, num_hidden_layers=4, routed_scaling_factor=1.5, swiglu_limit=1.0,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    model = v4.DeepseekV4ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if layer.mlp.is_hash:
+                gate.tid2eid.copy_(torch.randint(0, 8, gate.tid2eid.shape, generator=g))
+            else:
+                gate.e_score_correction_bias.copy_(torch.randn(8, generator=g))
+    assert [layer.mlp.is_hash for layer in model.model.layers] == [True, True, True, False]
+    ids = torch.randint(0, 100, (2, 9), generator=g)
+    with torch.no_grad():
+        ref = model(ids).logits
+        for layer in model.model.layers:
+            layer.mlp = MoE.from_hf(layer.mlp)
+        out = model(ids).logits
+    assert rel_err(out, ref) < 1e-5
