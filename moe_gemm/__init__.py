@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these come from _load()
     from moe_gemm.config import GemmConfig
     from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
     from moe_gemm.layers.expert_parallel import ExpertParallelMoE
-    from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
+    from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU, PostClampedSiLU
     from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
     from moe_gemm.layers.routing import (
         ExpertPermutation,
@@ -76,6 +76,7 @@ __all__ = [
     "GemmConfig",
     "GroupedGemmPlan",
     "MoE",
+    "PostClampedSiLU",
     "__version__",
     "dequantize_fp8",
     "fused_grouped_mm",
@@ -118,7 +119,7 @@ def _load() -> None:
             from moe_gemm.config import GemmConfig
             from moe_gemm.layers.dispatch import AllToAllDispatcher, Dispatcher
             from moe_gemm.layers.expert_parallel import ExpertParallelMoE
-            from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
+            from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU, PostClampedSiLU
             from moe_gemm.layers.moe import MoE, moe_experts, moe_forward
             from moe_gemm.layers.routing import (
                 ExpertPermutation,
@@ -152,6 +153,7 @@ def _load() -> None:
             AllToAllDispatcher=AllToAllDispatcher,
             ClampedSiLU=ClampedSiLU,
             ClampedSwiGLU=ClampedSwiGLU,
+            PostClampedSiLU=PostClampedSiLU,
             Dispatcher=Dispatcher,
             ExpertParallelMoE=ExpertParallelMoE,
             ExpertPermutation=ExpertPermutation,

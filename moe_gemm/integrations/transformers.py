@@ -52,7 +52,12 @@ from moe_gemm.integrations.inputs import check_expert_inputs
 from moe_gemm.layers.checkpoints import moe_from_tensors
 from moe_gemm.layers.experts import FLOAT_DTYPES, Activation, expert_ffn
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
-from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU
+from moe_gemm.layers.gate_activations import (
+    ClampedSiLU,
+    ClampedSwiGLU,
+    HalvesGate,
+    PostClampedSiLU,
+)
 from moe_gemm.layers.moe import MoE
 from moe_gemm.layers.routing import check_flag
 from moe_gemm.ops.validation import shape_text
@@ -241,6 +246,10 @@ def hf_fused_gate(experts: nn.Module) -> FusedGate | None:
         if limit is None or (act is not None and hf_activation(act) != "silu"):
             return None  # (no clamp, or another activation: the module's own gate runs)
         return FusedGate("clamped_silu", "concat", 0.0, limit)
+    if kind == "post_clamped_silu":
+        # (no limit on this layer: the module's gate is the plain act_fn(gate) * up)
+        return (fused_gate_for(hf_activation(experts.act_fn), "concat")
+                if experts.limit is None else None)
     if kind == "clamped_swiglu":
         limit = _positive_limit(experts.swiglu_limit)
         alpha = getattr(experts, "swiglu_alpha", None)
@@ -254,13 +263,16 @@ def hf_fused_gate(experts: nn.Module) -> FusedGate | None:
 # [-limit, limit] over concatenated gate | up halves: class name -> (modeling module, kind,
 # the limit's attribute). "clamped_silu": act_fn(gate) * up with act_fn SiLU; "clamped_swiglu":
 # GPT-OSS's (up + 1) * gate * sigmoid(alpha * gate) with the module's swiglu_alpha.
-# (Step-3.7's and Bailing-Hybrid's clamp after the activation: another function, not here.)
+# "post_clamped_silu": min(act_fn(gate), limit) * clamp(up) (Step-3.7, Bailing-Hybrid; limit
+# None on layers without one), which the fused kernel does not compute.
 _LIMIT_GATES = {
     "DeepseekV4Experts": ("deepseek_v4", "clamped_silu", "limit"),
     "Glm5NextTextExperts": ("glm5_next", "clamped_silu", "swiglu_limit"),
     "HYV4Experts": ("hy_v4", "clamped_silu", "swiglu_limit"),
     "HYV4VLExperts": ("hy_v4_vl", "clamped_silu", "swiglu_limit"),
     "MiniMaxM3VLExperts": ("minimax_m3_vl", "clamped_swiglu", "swiglu_limit"),
+    "Step3p7Experts": ("step3p7", "post_clamped_silu", "limit"),
+    "BailingHybridExperts": ("bailing_hybrid", "post_clamped_silu", "limit"),
 }
 
 
@@ -395,6 +407,10 @@ HF_BLOCKS = {
     "DeepseekV4SparseMoeBlock": "scored",
     # (experts and shared expert with gpt-oss's clamped SwiGLU: activation=ClampedSwiGLU)
     "MiniMaxM3VLSparseMoeBlock": "sigmoid_scaled",
+    # (experts and shared expert clamping after the activation: activation=PostClampedSiLU,
+    # unfused; a layer without a limit: the plain SwiGLU)
+    "Step3p7SparseMoeBlock": "sigmoid_scaled",
+    "BailingHybridMoE": "sigmoid",
 }
 
 # DeepSeek-V4's router score functions (transformers' ACT2FN[config.scoring_func] classes)
@@ -467,7 +483,9 @@ def moe_from_hf(cls: type[MoE], block: nn.Module, config: GemmConfig | None) -> 
     if mlp is not None:
         shared_act = _mlp_activation(mlp)
         if not _same_activation(shared_act, opts["activation"]) and not isinstance(
-                opts["activation"], ClampedSiLU):
+                opts["activation"], HalvesGate) and not isinstance(shared_act, HalvesGate):
+            # (clamping models set the shared expert's clamp apart: HY-V4 has none there,
+            # Step-3.7 and Bailing-Hybrid their own limit per layer)
             raise ValueError("MoE.from_hf needs the shared expert to use the experts' activation")
         dtype = _dense_dtype(block, router.weight.dtype)
         if type(mlp).__name__ in _CONCAT_MLPS:
@@ -634,6 +652,8 @@ def _experts_activation(experts: nn.Module) -> Activation:
     _LIMIT_GATES (its limit checked), else the experts' act_fn as hf_activation names it."""
     gate = _gate_of(experts)
     kind = None if gate is None else _limit_gate_kind(experts, gate)
+    if kind == "post_clamped_silu":
+        return _post_clamped(experts)
     if kind is not None:
         spec = hf_fused_gate(experts)
         if spec is None:
@@ -652,11 +672,29 @@ _CLAMPED_MLPS = {"Glm5NextTextMLP": "swiglu_limit", "DeepseekV4MLP": "limit"}
 # ... and those computing gpt-oss's clamped SwiGLU over one gate_up_proj Linear (gate rows
 # first), with their swiglu_limit and swiglu_alpha (no act_fn).
 _CONCAT_MLPS = {"MiniMaxM3VLDenseMLP"}
+# ... and those clamping after the activation (Step-3.7's, Bailing-Hybrid's), limit None where
+# the layer has none.
+_POST_CLAMPED_MLPS = {"Step3p7MLP", "BailingHybridMLP"}
+
+
+def _post_clamped(module: nn.Module) -> Activation:
+    """PostClampedSiLU(limit) of a module clamping after its SiLU, its act_fn where its
+    limit is None."""
+    act, limit = hf_activation(module.act_fn), module.limit
+    if limit is None:
+        return act
+    checked = _positive_limit(limit)
+    if checked is None or act != "silu":
+        raise ValueError(f"MoE.from_hf takes {type(module).__name__}'s clamp after a SiLU with "
+                         f"a finite limit > 0 (or none); got {limit!r} after {act!r}")
+    return PostClampedSiLU(checked)
 
 
 def _mlp_activation(mlp: nn.Module) -> Activation:
     """A shared expert's activation: ClampedSiLU for a clamping MLP class (its act_fn a SiLU),
     ClampedSwiGLU for a _CONCAT_MLPS one, else its act_fn as hf_activation names it."""
+    if type(mlp).__name__ in _POST_CLAMPED_MLPS:
+        return _post_clamped(mlp)
     if type(mlp).__name__ in _CONCAT_MLPS:
         limit, alpha = _positive_limit(getattr(mlp, "swiglu_limit", None)), getattr(
             mlp, "swiglu_alpha", None)

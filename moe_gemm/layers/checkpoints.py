@@ -152,24 +152,14 @@ class MoELoaders:
     def from_hf(cls, block: nn.Module, *, config: GemmConfig | None = None) -> MoE:
         """Our layer for a transformers 5 MoE block, sharing its weights (no copy).
 
-        Supported blocks (moe_gemm.integrations.transformers.HF_BLOCKS): Mixtral's, MiniMax's,
-        OLMoE's, FlexOlmo's, Qwen2-MoE's, Qwen3-Next's, Qwen3.5-MoE's, Qwen3-Omni-MoE talker's
-        and Qwen4-Exp's (with their gated shared expert), Qwen3-MoE's, Qwen3-VL-MoE's,
-        Qwen3-Omni-MoE thinker's and Mellum's, LaraMini's (float32 router logits, an ungated
-        shared expert); DeepSeek-V3's, DeepSeek-V3.2's, MiMo-V2-Flash's, Kimi-Linear's,
-        dots.llm1's, dots3-note's, GLM-4-MoE's, GLM-4-MoE-Lite's, GLM-4.5V's (Glm4vMoe),
-        GLM-MoE-DSA's, Solar-Open's and MiniCPM5's (sigmoid group-limited routing, shared
-        experts);
-        MiniMax-M2's (biased sigmoid top-k over all experts, the bias on the block); Mistral
-        4's and Mistral Large 4's (group-limited softmax top-k, a routed scaling factor,
-        shared experts; Mistral Large 4's router logits in float32); GLM-5-Next's, HY-V4's and
-        HY-V4-VL's (DeepSeek-V3's router, experts with a swiglu_limit: activation=
-        ClampedSiLU(limit); GLM-5-Next's shared expert clamps too, HY-V4's does not);
-        DeepSeek-V4's (scoring="sqrtsoftplus" or "sigmoid", its router's score function, a
-        biased top-k, ClampedSiLU experts and shared expert; its hash-routed layers take the
-        router's tid2eid: call the layer with input_ids=, as the block); MiniMax-M3's
-        (MiniMax-M2's router, the block's routed_scaling_factor, experts and shared expert
-        with gpt-oss's clamped SwiGLU: activation=ClampedSwiGLU(limit, alpha)). The
+        Supported blocks: those of moe_gemm.integrations.transformers.HF_BLOCKS (the list, with
+        each model's router and gate, is in docs/USAGE.md): Mixtral's, the Qwen-MoE family's,
+        OLMoE's and the other softmax routers, with or without a gated shared expert;
+        DeepSeek-V3's and the other group-limited sigmoid routers; MiniMax-M2/M3's and
+        Step-3.7's biased sigmoid top-k; Mistral 4's group-limited softmax; DeepSeek-V4's
+        sqrt(softplus) and hash routers (a hash-routed layer takes input_ids=, as the block);
+        the swiglu_limit experts as ClampedSiLU, ClampedSwiGLU or PostClampedSiLU
+        activations, a shared expert's own clamp set apart where it differs. The
         result gives the same outputs as `block` (fp32: within
         float rounding): it takes the block's training / eval mode, and Mixtral's router
         jitter (config.router_jitter_noise) comes along as router_jitter_noise; an activation

@@ -5,10 +5,12 @@ act(gate) * up. The swiglu_limit models (GLM-5-Next, HY-V4, DeepSeek-V4) also cl
 half: silu(min(gate, limit)) * clamp(up, -limit, limit). `ClampedSiLU(limit)` is that gate,
 passed where an activation goes (MoE, GatedMLP, moe_experts); `ClampedSwiGLU(limit, alpha)`
 is gpt-oss's (MiniMax-M3's over concatenated halves): (clamp(up, -limit, limit) + 1) * g *
-sigmoid(alpha * g), g = min(gate, limit). Both are `HalvesGate`s; `apply_gate` is how every
-path applies an activation, so neither kind is ever applied the other's way. On a Hopper GPU
-the fused kernel computes them in its epilogue (the "clamped_silu" and "clamped_swiglu" gates
-of fused_grouped_mm).
+sigmoid(alpha * g), g = min(gate, limit); `PostClampedSiLU(limit)` clamps after the
+activation (Step-3.7, Bailing-Hybrid): min(silu(gate), limit) * clamp(up, -limit, limit). All
+are `HalvesGate`s; `apply_gate` is how every path applies an activation, so neither kind is
+ever applied the other's way. On a Hopper GPU the fused kernel computes the first two in its
+epilogue (the "clamped_silu" and "clamped_swiglu" gates of fused_grouped_mm); the third runs
+as torch ops between the two grouped GEMMs (the unfused path).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ClampedSiLU", "ClampedSwiGLU", "HalvesGate", "apply_gate"]
+__all__ = ["ClampedSiLU", "ClampedSwiGLU", "HalvesGate", "PostClampedSiLU", "apply_gate"]
 
 
 def _limit(limit: object) -> float:
@@ -61,6 +63,28 @@ class ClampedSiLU(HalvesGate):
 
     def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit:g}"
+
+
+class PostClampedSiLU(HalvesGate):
+    """min(silu(gate), limit) * clamp(up, -limit, limit): the clamp after the activation
+    (Step-3.7's and Bailing-Hybrid's swiglu_limits). The fused kernel has no such gate: a layer
+    with it runs its experts unfused (torch ops between the grouped GEMMs).
+
+    Args:
+        limit: the clamp, a finite number > 0.
+
+    Call it with both halves, `act(gate, up)`, as ClampedSiLU.
+    """
+
+    def __init__(self, limit: float) -> None:
+        super().__init__()
+        self.limit = _limit(limit)
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
 
     def extra_repr(self) -> str:
         return f"limit={self.limit:g}"

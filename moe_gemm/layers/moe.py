@@ -315,7 +315,8 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
             and the shared experts. 0 (default) = off; eval mode never jitters. An attribute.
         activation: "silu" (SwiGLU, default), "gelu", "gelu_tanh", a ClampedSiLU(limit)
             (a swiglu_limit: GLM-5-Next, HY-V4, DeepSeek-V4), a ClampedSwiGLU(limit, alpha)
-            (gpt-oss's gate over concatenated halves: MiniMax-M3) or a callable: the routed
+            (gpt-oss's gate over concatenated halves: MiniMax-M3), a PostClampedSiLU(limit)
+            (the clamp after the SiLU: Step-3.7; unfused) or a callable: the routed
             experts' and the shared expert's. An attribute: setting `moe.activation` switches
             both (checked as in the constructor).
         shared_intermediate_size: intermediate size of the always-on shared expert(s)

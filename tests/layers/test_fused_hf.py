@@ -175,3 +175,8 @@ def test_post_activation_clamp_is_not_taken_for_a_fused_gate() -> None:
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(9)])
     out, ref = _experts_pair(experts, x, ids, torch.rand(9, 2))
     assert rel_err(out, ref) < 1e-5
+    # a layer without a limit (0 in swiglu_limits) gates as act_fn(gate) * up: fused
+    experts.limit = None
+    assert hf_fused_gate(experts) == FusedGate("silu", "concat")
+    out, ref = _experts_pair(experts, x, ids, torch.rand(9, 2))
+    assert rel_err(out, ref) < 1e-5

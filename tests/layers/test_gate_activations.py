@@ -12,7 +12,12 @@ import torch
 from moe_testutils import randomize, rel_err
 
 from moe_gemm.layers.fused_experts import FusedGate, fused_gate_for
-from moe_gemm.layers.gate_activations import ClampedSiLU, ClampedSwiGLU, apply_gate
+from moe_gemm.layers.gate_activations import (
+    ClampedSiLU,
+    ClampedSwiGLU,
+    PostClampedSiLU,
+    apply_gate,
+)
 from moe_gemm.layers.moe import MoE, moe_experts
 from moe_gemm.layers.routing import softmax_topk
 
@@ -186,5 +191,50 @@ def test_layer_with_a_clamped_swiglu_matches_float64(fused) -> None:
         s = moe.shared_experts
         g, u = s.gate_proj.weight.double() @ v, s.up_proj.weight.double() @ v
         want[t] += s.down_proj.weight.double() @ _swiglu_ref(g, u, 1.0, 1.702)
+    with torch.no_grad():
+        assert rel_err(moe(x), want) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# PostClampedSiLU: min(silu(gate), L) * clamp(up, -L, L) (the clamp after the activation)
+
+
+def _post_clamped_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    g = [min(a / (1 + math.exp(-a)), limit) for a in gate.double().flatten().tolist()]
+    u = [max(min(v, limit), -limit) for v in up.double().flatten().tolist()]
+    return torch.tensor([a * b for a, b in zip(g, u)], dtype=torch.float64).view(gate.shape)
+
+
+def test_post_clamped_silu_matches_float64_and_differs_from_clamped_silu() -> None:
+    gate, up = torch.randn(5, 31) * 4, torch.randn(5, 31) * 4
+    act = PostClampedSiLU(0.5)
+    got = act(gate, up)
+    torch.testing.assert_close(got.double(), _post_clamped_ref(gate, up, 0.5), rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(apply_gate(act, gate, up), got, rtol=0, atol=0)
+    # silu(min(g, L)) is another function: they differ where silu(g) passes L below g = L
+    assert not torch.allclose(got, ClampedSiLU(0.5)(gate, up))
+    with pytest.raises(TypeError, match=r"call it as act\(gate, up\)"):
+        act(gate)
+    assert repr(act) == "PostClampedSiLU(limit=0.5)"
+    assert fused_gate_for(act) is None  # (the fused kernel has no such gate: unfused)
+    with pytest.raises(ValueError, match="finite float > 0"):
+        PostClampedSiLU(0.0)
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_layer_with_a_post_clamped_silu_runs_unfused_and_matches_float64(fused) -> None:
+    torch.manual_seed(6)
+    moe = randomize(MoE(32, 24, 8, 2, activation=PostClampedSiLU(0.5), fused=fused),
+                    scale=0.6).eval()
+    x = torch.randn(9, 32)
+    weights, ids = softmax_topk(x.double() @ moe.router_weight.double().T, 2)
+    I = moe.intermediate_size
+    want = torch.zeros(9, 32, dtype=torch.float64)
+    for t in range(9):
+        v = x[t].double()
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = moe.gate_up_proj[e].double() @ v
+            want[t] += w * (moe.down_proj[e].double() @ _post_clamped_ref(h[:I], h[I:], 0.5))
     with torch.no_grad():
         assert rel_err(moe(x), want) < 1e-5

@@ -46,7 +46,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from moe_gemm.integrations import register_transformers  # noqa: E402
 from moe_gemm.integrations import transformers as hf_integration  # noqa: E402
-from moe_gemm.layers.gate_activations import ClampedSwiGLU  # noqa: E402
+from moe_gemm.layers.gate_activations import ClampedSwiGLU, PostClampedSiLU  # noqa: E402
 from moe_gemm.layers.moe import MoE  # noqa: E402
 from moe_gemm.testing import assert_close_to_ref, calc_diff  # noqa: E402
 
@@ -341,6 +341,55 @@ def test_from_hf_minimax_m3_refuses_limits_it_cannot_fuse() -> None:
     block = _minimax_m3_block(seed=1)
     block.experts.swiglu_limit = float("inf")
     with pytest.raises(ValueError, match="MiniMaxM3VLExperts's clamped gate"):
+        MoE.from_hf(block)
+
+
+def _post_clamped_block(model: str, layer: int, seed: int) -> torch.nn.Module:
+    """Step-3.7's or Bailing-Hybrid's block at layer 0 (experts clamped after their SiLU at
+    0.5, the shared expert at 0.7) or layer 1 (no limits: the plain SwiGLU)."""
+    if model == "step3p7":
+        later = _Later("step3p7", "Step3p7SparseMoeBlock", "Step3p7TextConfig")
+        extra = {"share_expert_dim": 16}
+    else:
+        later = _Later("bailing_hybrid", "BailingHybridMoE", "BailingHybridConfig")
+        extra = {"n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+                 "routed_scaling_factor": 2.5}
+    cfg = later.make_config(hidden_size=32, moe_intermediate_size=24, num_local_experts=8,
+                            num_experts_per_tok=2, num_hidden_layers=2, swiglu_limits=[0.5, 0.0],
+                            swiglu_limits_shared=[0.7, 0.0], **extra)()
+    cfg._experts_implementation = "eager"
+    block = getattr(later._module("modeling"), later.block)(cfg, layer)
+    return _randomize(block, seed, scale=0.6)
+
+
+@pytest.mark.parametrize("model", ["step3p7", "bailing_hybrid"])
+@pytest.mark.parametrize("layer", [0, 1], ids=["clamped", "no-limit"])
+def test_from_hf_post_activation_clamp_matches_block_fp32(model: str, layer: int) -> None:
+    block = _post_clamped_block(model, layer, seed=int(torch.randint(1 << 30, ())))
+    moe = MoE.from_hf(block)
+    if layer == 0:
+        assert isinstance(moe.activation, PostClampedSiLU) and moe.activation.limit == 0.5
+        assert moe.shared_experts.activation.limit == 0.7  # (its own limit, set apart)
+    else:
+        assert moe.activation == "silu" and moe.shared_experts.activation == "silu"
+    for shape in [(2, 7), (1, 1), (1, 33)]:
+        x = torch.randn(*shape, 32)
+        with torch.no_grad():
+            ref = block(x)
+            y = moe(x)
+        assert rel_err(y, ref) < 1e-5, f"shape {shape}"
+        if layer == 0:  # the clamps are reached: without them the output is far off
+            moe.activation = "silu"
+            with torch.no_grad():
+                assert rel_err(moe(x), ref) > 1e-3
+            moe.activation = PostClampedSiLU(0.5)
+            moe.shared_experts.activation = PostClampedSiLU(0.7)
+
+
+def test_from_hf_post_activation_clamp_refuses_another_activation() -> None:
+    block = _post_clamped_block("step3p7", 0, seed=3)
+    block.experts.act_fn = torch.nn.Tanh()
+    with pytest.raises(ValueError, match="clamp after a SiLU"):
         MoE.from_hf(block)
 
 
