@@ -330,18 +330,8 @@ def sigmoid_grouped_topk(
         ValueError: shapes, group settings or a routed_scaling_factor (NaN, inf) that do
             not fit.
     """
-    logits, k, n_group, topk_group, grouped, routed_scaling_factor, renormalize = (
-        _group_router_args(logits, k, n_group, topk_group, routed_scaling_factor, renormalize))
-    if bias is not None:
-        check_correction_bias(bias, logits.shape[1], logits.device)
-    fused = router_topk.sigmoid_grouped_topk(logits, bias, k, n_group, topk_group,
-                                             routed_scaling_factor, renormalize)
-    if fused is not None:  # (None: torch ops below)
-        return fused
-    scores = logits.float().sigmoid()
-    choice = scores if bias is None else scores + bias
-    return _grouped_choice(scores, choice, k, n_group, topk_group, grouped,
-                           routed_scaling_factor, renormalize)
+    return _biased_topk("sigmoid", logits, bias, k, n_group, topk_group, routed_scaling_factor,
+                        renormalize)
 
 
 def sqrtsoftplus_grouped_topk(
@@ -357,11 +347,25 @@ def sqrtsoftplus_grouped_topk(
     float32 (transformers' DeepseekV4TopKRouter: a selection-only correction bias, top-k,
     weights renormalised with +1e-20, times `routed_scaling_factor`). Same arguments, returns
     and errors as sigmoid_grouped_topk; torch ops (the router kernel scores with sigmoid)."""
+    return _biased_topk("sqrtsoftplus", logits, bias, k, n_group, topk_group,
+                        routed_scaling_factor, renormalize)
+
+
+def _biased_topk(scoring: str, logits: object, bias: torch.Tensor | None, k: object,
+                 n_group: object, topk_group: object, routed_scaling_factor: object,
+                 renormalize: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The biased routers' body (sigmoid_grouped_topk, sqrtsoftplus_grouped_topk): checked
+    arguments, then the router kernel (sigmoid scores only) or the torch ops."""
     logits, k, n_group, topk_group, grouped, routed_scaling_factor, renormalize = (
         _group_router_args(logits, k, n_group, topk_group, routed_scaling_factor, renormalize))
     if bias is not None:
         check_correction_bias(bias, logits.shape[1], logits.device)
-    scores = _scores(logits, "sqrtsoftplus")
+    if scoring == "sigmoid":
+        fused = router_topk.sigmoid_grouped_topk(logits, bias, k, n_group, topk_group,
+                                                 routed_scaling_factor, renormalize)
+        if fused is not None:  # (None: torch ops below)
+            return fused
+    scores = _scores(logits, scoring)
     choice = scores if bias is None else scores + bias
     return _grouped_choice(scores, choice, k, n_group, topk_group, grouped,
                            routed_scaling_factor, renormalize)

@@ -70,9 +70,9 @@ def _layer(limit: float, **kw) -> MoE:
                          activation=ClampedSiLU(limit), **kw), scale=0.6).eval()
 
 
-def _reference(moe: MoE, x: torch.Tensor, limit: float, shared_limit: float | None
-               ) -> torch.Tensor:
-    """The layer in float64, token by token, from its own routing."""
+def _layer_ref(moe: MoE, x: torch.Tensor, gate_fn, shared_fn=None) -> torch.Tensor:
+    """The layer in float64, token by token, from its own routing: gate_fn(gate, up) the
+    experts' gated activation, shared_fn the shared expert's (None: plain SwiGLU)."""
     weights, ids = softmax_topk(x.double() @ moe.router_weight.double().T, 2)
     I = moe.intermediate_size
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
@@ -80,14 +80,21 @@ def _reference(moe: MoE, x: torch.Tensor, limit: float, shared_limit: float | No
         v = x[t].double()
         for w, e in zip(weights[t].tolist(), ids[t].tolist()):
             h = moe.gate_up_proj[e].double() @ v
-            a = _clamped_ref(h[:I], h[I:], limit)
-            out[t] += w * (moe.down_proj[e].double() @ a)
+            out[t] += w * (moe.down_proj[e].double() @ gate_fn(h[:I], h[I:]))
         s = moe.shared_experts
-        g, u = s.gate_proj.weight.double() @ v, s.up_proj.weight.double() @ v
-        a = (_clamped_ref(g, u, shared_limit) if shared_limit is not None
-             else torch.nn.functional.silu(g) * u)
-        out[t] += s.down_proj.weight.double() @ a
+        if s is not None:
+            g, u = s.gate_proj.weight.double() @ v, s.up_proj.weight.double() @ v
+            a = shared_fn(g, u) if shared_fn is not None else torch.nn.functional.silu(g) * u
+            out[t] += s.down_proj.weight.double() @ a
     return out
+
+
+def _reference(moe: MoE, x: torch.Tensor, limit: float, shared_limit: float | None
+               ) -> torch.Tensor:
+    """_layer_ref with ClampedSiLU's gate (the shared expert's at shared_limit, or none)."""
+    return _layer_ref(moe, x, lambda g, u: _clamped_ref(g, u, limit),
+                      None if shared_limit is None
+                      else lambda g, u: _clamped_ref(g, u, shared_limit))
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -180,17 +187,8 @@ def test_layer_with_a_clamped_swiglu_matches_float64(fused) -> None:
     moe = randomize(MoE(32, 24, 8, 2, shared_intermediate_size=16, activation=act,
                         fused=fused), scale=0.6).eval()
     x = torch.randn(9, 32)
-    weights, ids = softmax_topk(x.double() @ moe.router_weight.double().T, 2)
-    I = moe.intermediate_size
-    want = torch.zeros(9, 32, dtype=torch.float64)
-    for t in range(9):
-        v = x[t].double()
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
-            h = moe.gate_up_proj[e].double() @ v
-            want[t] += w * (moe.down_proj[e].double() @ _swiglu_ref(h[:I], h[I:], 1.0, 1.702))
-        s = moe.shared_experts
-        g, u = s.gate_proj.weight.double() @ v, s.up_proj.weight.double() @ v
-        want[t] += s.down_proj.weight.double() @ _swiglu_ref(g, u, 1.0, 1.702)
+    fn = lambda g, u: _swiglu_ref(g, u, 1.0, 1.702)  # noqa: E731
+    want = _layer_ref(moe, x, fn, fn)
     with torch.no_grad():
         assert rel_err(moe(x), want) < 1e-5
 
@@ -228,13 +226,6 @@ def test_layer_with_a_post_clamped_silu_runs_unfused_and_matches_float64(fused) 
     moe = randomize(MoE(32, 24, 8, 2, activation=PostClampedSiLU(0.5), fused=fused),
                     scale=0.6).eval()
     x = torch.randn(9, 32)
-    weights, ids = softmax_topk(x.double() @ moe.router_weight.double().T, 2)
-    I = moe.intermediate_size
-    want = torch.zeros(9, 32, dtype=torch.float64)
-    for t in range(9):
-        v = x[t].double()
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
-            h = moe.gate_up_proj[e].double() @ v
-            want[t] += w * (moe.down_proj[e].double() @ _post_clamped_ref(h[:I], h[I:], 0.5))
+    want = _layer_ref(moe, x, lambda g, u: _post_clamped_ref(g, u, 0.5))
     with torch.no_grad():
         assert rel_err(moe(x), want) < 1e-5
