@@ -1,8 +1,8 @@
 """The routed experts as functions: activation, the expert FFN for a given routing, checks.
 
-On a Hopper GPU the experts of a named activation (or a ClampedSiLU) run on the fused kernel
-by default (layers/fused_experts.py: the gather, gated activation and routing weights inside
-the two GEMMs). The unfused path below is the reference, the torch backend's path and the one for
+On a Hopper GPU the experts of a named activation (or a ClampedSiLU, a ClampedSwiGLU) run on
+the fused kernel by default (layers/fused_experts.py: the gather, gated activation and routing
+weights inside the two GEMMs). The unfused path below is the reference, the torch backend's path and the one for
 callable activations and post-expert norms:
 
     perm = permute_by_expert(ids)                    stable sort on the device, int32 offs
@@ -306,7 +306,8 @@ def moe_experts(
         fused: run on the fused kernel (gather, gated activation and routing weights inside
             the GEMMs; layers/fused_experts.py): None = where the Hopper kernel runs (named
             activations), True = always (the fused ops' torch backend elsewhere), False =
-            the unfused grouped GEMMs.
+            the unfused grouped GEMMs. An activation the kernel has no gate for (a callable,
+            a PostClampedSiLU) runs unfused whatever `fused` says.
 
     Returns:
         [T, H] in x's dtype (fp32 accumulation, one final rounding). T = 0 gives (0, H).

@@ -327,7 +327,8 @@ class MoE(MoELoaders, MoEOptions, MoEWeights):
             routing weights inside the two GEMMs; layers/fused_experts.py): None (default) =
             on a Hopper GPU with a named activation, a ClampedSiLU or a ClampedSwiGLU, True =
             always (the fused ops' torch backend elsewhere), False = the unfused grouped
-            GEMMs. An attribute: set
+            GEMMs; an activation the kernel has no gate for (a callable, a PostClampedSiLU)
+            runs unfused whatever it says. An attribute: set
             `moe.fused` to switch a built layer.
         device, dtype: where and in what dtype (bf16, fp16 or fp32) to create the
             parameters; dtype=None is torch's default dtype, refused (TypeError) where that
