@@ -58,6 +58,7 @@ from moe_gemm.layers.routing import (
     check_correction_bias,
     check_flag,
     check_router_weight,
+    check_token_expert_table,
     permute_by_expert,
     route_tokens,
     router_jitter,
@@ -127,7 +128,9 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
     Args:
         moe: a MoE holding this rank's E/W experts only (any router: it is not used).
         router: the full layer's routing: router_weight [E, H], e_score_correction_bias [E]
-            or None, and the routing options (top_k, scoring, renormalize, n_group,
+            or None, optionally tid2eid [V, top_k] (hash routing by token id, DeepSeek-V4's
+            first layers: the forward then takes input_ids), and the routing options (top_k,
+            scoring, renormalize, n_group,
             topk_group, routed_scaling_factor, router_fp32, and optionally
             router_jitter_noise: 0 when left out). As in MoE, the router jitter applies to
             each rank's tokens in training mode.
@@ -190,6 +193,14 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
                                       "router_weight is")
             self.router_weight = nn.Parameter(rw.detach(), requires_grad=False)
             self.register_buffer("e_score_correction_bias", bias)
+            table = router.get("tid2eid")
+            if table is not None:
+                check_token_expert_table(table, num_experts, router.get("top_k"))
+                if table.device != rw.device:
+                    raise ValueError(f"tid2eid is on {table.device} but router_weight is on "
+                                     f"{rw.device}")
+                table = table.detach()
+            self.register_buffer("tid2eid", table)
             missing = [n for n in ROUTING if n not in router and n not in ROUTING_DEFAULTS]
             if missing:  # (a bare KeyError before)
                 raise ValueError(f"router is missing {', '.join(map(repr, missing))}; it holds "
@@ -254,18 +265,23 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
             fn = keep_dtypes(fn, (self.e_score_correction_bias,))
         return super()._apply(fn, recurse)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, ids [T, k] int64 global expert ids) for x [T, H] or
-        [..., H] (flattened, as MoE.route); x checked as forward's input."""
+        [..., H] (flattened, as MoE.route); x checked as forward's input; input_ids: the
+        tokens' ids, for a hash-routed layer (see forward)."""
         self._check_weights()
         check_hidden_states(x, self.hidden_size, self.router_weight.device)
-        return self._route_tokens(x.reshape(-1, self.hidden_size))
+        return self._route_tokens(x.reshape(-1, self.hidden_size), input_ids)
 
-    def _route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_tokens(self, x: torch.Tensor, input_ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """route for x [T, H] already checked (the forward's)."""
+        table = self._buffers.get("tid2eid")  # (a layer pickled before hash routing has none)
         return route_tokens(x, self.router_weight, self.top_k, self.scoring, self.renormalize,
                             self.n_group, self.topk_group, self.routed_scaling_factor,
-                            self.e_score_correction_bias, self.router_fp32)
+                            None if table is not None else self.e_score_correction_bias,
+                            self.router_fp32, table, input_ids)
 
     def experts(self, d: Dispatched) -> torch.Tensor:
         """This rank's experts on what it received: [R, H] partial outputs."""
@@ -297,8 +313,10 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """This rank's tokens [..., H] -> [..., H]; every rank of the group must call it.
-        input_ids: ignored (this layer routes by score), taken as MoE and transformers'
-        DeepSeek-V4 blocks take it, so that it can stand in for one.
+        input_ids: this rank's token ids (one per token, any shape), needed where the layer
+        routes by token id (tid2eid set: DeepSeek-V4's first layers) and ignored otherwise,
+        taken as MoE and transformers' DeepSeek-V4 blocks take them. On a GPU their values
+        are not checked (an id outside the table is clamped), as in MoE.
 
         Inference only, as MoE: where autograd could ask for a gradient (grad mode on and the
         input or a parameter requires grad) the result is linked so that a backward raises
@@ -307,7 +325,7 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
         """
         linked = [t for t in (hidden_states, *self.parameters()) if isinstance(t, torch.Tensor)]
         if torch.compiler.is_compiling():
-            y = self._forward(hidden_states)
+            y = self._forward(hidden_states, input_ids)
             if not needs_link(linked):
                 return y
             # Traced: y comes out of no_grad, so it is tied to the input first (a select that
@@ -315,11 +333,12 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
             y = torch.where(torch.zeros((), dtype=torch.bool, device=y.device), hidden_states, y)
             return mark_inference_only(y, INFERENCE_ONLY_MESSAGE)
         return inference_only_composite(INFERENCE_ONLY_MESSAGE,
-                                        lambda: self._forward(hidden_states),
+                                        lambda: self._forward(hidden_states, input_ids),
                                         linked)
 
     @torch.no_grad()
-    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         try:
             self._check_weights()
             check_hidden_states(hidden_states, self.hidden_size, self.router_weight.device)
@@ -331,8 +350,8 @@ class ExpertParallelMoE(ExpertParallelLoaders, RoutingOptions):
             x2 = x.reshape(-1, self.hidden_size)
             # (routing options reassigned on one rank into a combination the routing refuses,
             # e.g. n_group > 1 under softmax, are refused here: the others waited in the
-            # dispatch)
-            weights, ids = self._route_tokens(x2)
+            # dispatch; so are a hash-routed layer's missing or bad input_ids)
+            weights, ids = self._route_tokens(x2, input_ids)
         except (TypeError, ValueError):
             # The other ranks are already on their way into the dispatch's collectives: join
             # its first one flagged as refused, so that they raise too instead of waiting for

@@ -78,13 +78,12 @@ def local_moe(moe: MoE, dispatcher: Dispatcher, copy: bool) -> MoE:
 
 def router_of(moe: MoE) -> dict[str, Any]:
     """The routing of `moe` as ExpertParallelMoE takes it: its router tensors and options."""
-    if moe._buffers.get("tid2eid") is not None:
-        raise ValueError("ExpertParallelMoE routes by score; this MoE routes by token id (a "
-                         "hash router, tid2eid: DeepSeek-V4's first layers), which it does not "
-                         "take: run such a layer as an MoE on each rank")
     out: dict[str, Any] = {name: getattr(moe, name) for name in ROUTING}
     out["router_weight"] = moe.router_weight
     out["e_score_correction_bias"] = moe.e_score_correction_bias
+    table = moe._buffers.get("tid2eid")  # (hash routing by token id: DeepSeek-V4)
+    if table is not None:
+        out["tid2eid"] = table
     return out
 
 
@@ -132,6 +131,7 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
         # (already local, under "local."), which are read whole.
         router_weight = _router(state_dict, prefix + "router_weight")
         bias = state_dict.get(prefix + "e_score_correction_bias")
+        table = state_dict.get(prefix + "tid2eid")
         E = router_weight.shape[0]
         start, end = expert_range(E, dispatcher.rank, dispatcher.world_size)
         check_own_shard(state_dict.get(prefix + "local.router_weight"), router_weight,
@@ -139,7 +139,8 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
         local_sd = Renamed(state_dict, prefix, {}, strip=prefix + "local.")
         unused = sorted(k for k in state_dict if k.startswith(prefix)
                         and not k.startswith(prefix + "local.")
-                        and k[len(prefix):] not in ("router_weight", "e_score_correction_bias"))
+                        and k[len(prefix):] not in ("router_weight", "e_score_correction_bias",
+                                                    "tid2eid"))
         if strict and unused:  # (the local layer's loader checks the "local." keys)
             raise ValueError(
                 f"keys under {prefix!r} this layer does not use (pass strict=False to "
@@ -158,9 +159,14 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
         local_sd = LocalShard(state_dict, prefix, start, end, E)
         local_sd.check_experts(router_key, router_weight)
         span = (start, end)
-        bias = local_sd.full_bias
+        bias, table = local_sd.full_bias, local_sd.full_table
     check_loader_options(options)  # (the probe below would take a dtype and ignore it)
     routing = {k: v for k, v in options.items() if k not in LOCAL_OPTIONS}
+    if "hash_vocab_size" in routing:
+        raise TypeError("hash_vocab_size is not a loader option: the checkpoint's tid2eid "
+                        "table decides it")
+    if table is not None and bias is None:  # (a hash router has no bias: none kept)
+        routing.setdefault("correction_bias", False)
     if bias is not None:
         routing.setdefault("scoring", "sigmoid")
     # The local MoE sees the local experts and the local rows of the router (never used:
@@ -180,6 +186,8 @@ def shard_of_state_dict(state_dict: Mapping[str, torch.Tensor], top_k: int, pref
                 **routing)
     router = router_of(probe)
     router["router_weight"] = router_weight
+    if table is not None:  # (checked against E and top_k by the layer's constructor)
+        router["tid2eid"] = table
     if probe.e_score_correction_bias is None:
         if bias is not None:
             raise ValueError("the checkpoint has an e_score_correction_bias but the "
@@ -259,6 +267,9 @@ class LocalShard(Mapping[str, torch.Tensor]):
         sliced = ("gate.weight", "experts.gate_up_proj", "experts.down_proj",
                   "experts.w13_weight", "experts.w2_weight")
         self.full_bias: torch.Tensor | None = None
+        # A hash router's token -> expert table (every rank routes with all of it): kept out
+        # of the local layer, whose experts are E / W of them.
+        self.full_table: torch.Tensor | None = None
         self.bias_key = prefix + "gate.e_score_correction_bias"
         for key in sd:
             if not key.startswith(prefix):
@@ -268,6 +279,8 @@ class LocalShard(Mapping[str, torch.Tensor]):
             if rest == "gate.e_score_correction_bias":
                 self.full_bias = sd[key]
                 self.keys_map[key] = (key, start, end)
+            elif rest == "gate.tid2eid":
+                self.full_table = sd[key]
             elif rest in sliced:
                 self.keys_map[key] = (key, start, end)
             elif rest in self._FUSED_SCALES:

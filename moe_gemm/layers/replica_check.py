@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # static_splits, then per replicated tensor (router, bias, 3 shared projections, shared gate)
 # its shape and dtype and two hashes (replica_digest). A rank that does not check sends the
 # two flags alone (unchecked_digest).
-DIGEST_SIZE = 2 + 3 + len(ROUTING) + 5 + 6 * 3
+DIGEST_SIZE = 2 + 3 + len(ROUTING) + 5 + 7 * 3
 
 
 def agree_on_replicas(layer: ExpertParallelMoE, check: bool) -> None:
@@ -173,6 +173,7 @@ def replica_digest(layer: ExpertParallelMoE) -> tuple[list[str], torch.Tensor]:
     tensors: dict[str, torch.Tensor | None] = {
         "router_weight": layer.router_weight,
         "e_score_correction_bias": layer.e_score_correction_bias,
+        "tid2eid": layer._buffers.get("tid2eid"),
     }
     shared = m.shared_experts
     for part in ("gate_proj", "up_proj", "down_proj"):

@@ -79,6 +79,32 @@ def softmax_fp32(rank: int, world: int) -> list[str]:
 
 
 @case
+def deepseek_v4_hash_and_sqrtsoftplus(rank: int, world: int) -> list[str]:
+    # DeepSeek-V4: a hash-routed layer (experts from each token's id; rank 1 has no tokens)
+    # and a sqrt(softplus)-scored one; each rank's own input_ids
+    x = _tokens(rank, 12, torch.float32)
+    g = torch.Generator().manual_seed(12 * 100 + rank)
+    ids = torch.randint(0, 50, (x.shape[0],), generator=g)
+    moe = _full_moe(12, torch.float32, top_k=3, scoring="sqrtsoftplus", hash_vocab_size=50,
+                    routed_scaling_factor=1.5, shared_intermediate_size=8,
+                    activation=ClampedSiLU(0.5))
+    moe.tid2eid = torch.randint(0, 8, (50, 3), generator=torch.Generator().manual_seed(5))
+    ep = ExpertParallelMoE.from_moe(moe)
+    errs = [m for m in [_check("hash", ep(x, input_ids=ids), moe(x, input_ids=ids), 1e-5)]
+            if m]
+    # its own state_dict, each rank's, read back
+    again = ExpertParallelMoE.from_state_dict(ep.state_dict(), 3, scoring="sqrtsoftplus",
+                                              routed_scaling_factor=1.5,
+                                              activation=ClampedSiLU(0.5))
+    errs += [m for m in [_check("hash, reloaded", again(x, input_ids=ids),
+                                moe(x, input_ids=ids), 1e-5)] if m]
+    moe = _full_moe(13, torch.float32, top_k=3, scoring="sqrtsoftplus",
+                    routed_scaling_factor=1.5)
+    ep = ExpertParallelMoE.from_moe(moe)
+    return errs + [m for m in [_check("sqrtsoftplus", ep(x), moe(x), 1e-5)] if m]
+
+
+@case
 def static_splits_3d_input(rank: int, world: int) -> list[str]:
     moe = _full_moe(2, torch.float32, top_k=3)
     ep = ExpertParallelMoE.from_moe(moe, dispatcher=AllToAllDispatcher(static_splits=True))
@@ -374,11 +400,16 @@ def replicas_must_match(rank: int, world: int) -> list[str]:
     errs = []
     for what, kw in (("router_weight", {}), ("shared_experts.down_proj",
                                              {"shared_intermediate_size": 8}),
-                     ("top_k", {}), ("shared activation", {"shared_intermediate_size": 8})):
+                     ("top_k", {}), ("shared activation", {"shared_intermediate_size": 8}),
+                     ("tid2eid", {"hash_vocab_size": 20})):
         moe = _full_moe(12, torch.float32, **kw)
+        if what == "tid2eid":  # (a hash router's token -> experts table: DeepSeek-V4)
+            moe.tid2eid = torch.arange(40).view(20, 2) % 8
         if rank == world - 1:
             with torch.no_grad():
-                if what == "router_weight":
+                if what == "tid2eid":
+                    moe.tid2eid[7, 1] = 3
+                elif what == "router_weight":
                     moe.router_weight[3, 5] += 1e-6
                 elif what == "top_k":
                     moe.top_k = 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from moe_testutils import naive_experts, naive_moe, randomize, rel_err
-from test_expert_parallel import _Local, _OneRank
+from test_expert_parallel import _Local
 
 from moe_gemm import GemmConfig
 from moe_gemm.layers.expert_parallel import ExpertParallelMoE
@@ -185,10 +185,45 @@ def test_hash_layer_state_dict_round_trip_and_casts() -> None:
     assert half.tid2eid.dtype == torch.int64
 
 
-def test_expert_parallel_refuses_a_hash_layer() -> None:
-    with pytest.raises(ValueError, match="routes by token id"):
-        ExpertParallelMoE.from_moe(_hash_moe(), dispatcher=_OneRank(), check_replicated=False)
-    # sqrt(softplus) scoring by score is taken
+def test_expert_parallel_routes_by_hash_as_moe() -> None:
+    moe = _hash_moe(shared_intermediate_size=8)
+    x, tok = torch.randn(7, 24), torch.randint(0, 40, (7,))
+    with torch.no_grad():
+        want = moe(x, input_ids=tok)
+        ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
+        assert torch.equal(ep.tid2eid, moe.tid2eid)
+        torch.testing.assert_close(ep(x, input_ids=tok), want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(ep.route(x, input_ids=tok)[1], moe.tid2eid[tok])
+        with pytest.raises(ValueError, match="pass input_ids"):
+            ep(x)
+        # a checkpoint in transformers' names: the table is the router's, not the local
+        # layer's (whose experts are a share of E)
+        sd = {"gate.weight": moe.router_weight, "gate.tid2eid": moe.tid2eid,
+              "experts.gate_up_proj": moe.gate_up_proj, "experts.down_proj": moe.down_proj,
+              **{f"shared_experts.{n}.weight": getattr(moe.shared_experts, n).weight
+                 for n in ("gate_proj", "up_proj", "down_proj")}}
+        loaded = ExpertParallelMoE.from_state_dict(sd, 3, dispatcher=_Local(),
+                                                   check_replicated=False,
+                                                   scoring="sqrtsoftplus",
+                                                   routed_scaling_factor=1.5, config=TORCH)
+        assert loaded.local._buffers.get("tid2eid") is None
+        torch.testing.assert_close(loaded(x, input_ids=tok), want, rtol=1e-5, atol=1e-6)
+        # this layer's own state_dict, read back
+        again = ExpertParallelMoE.from_state_dict(ep.state_dict(), 3, dispatcher=_Local(),
+                                                  check_replicated=False,
+                                                  scoring="sqrtsoftplus",
+                                                  routed_scaling_factor=1.5, config=TORCH)
+        torch.testing.assert_close(again(x, input_ids=tok), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"must be in \[0, num_experts=8\)"):
+        ExpertParallelMoE.from_state_dict(dict(sd, **{"gate.tid2eid": moe.tid2eid + 8}), 3,
+                                          dispatcher=_Local(), check_replicated=False,
+                                          scoring="sqrtsoftplus")
+    with pytest.raises(TypeError, match="hash_vocab_size is not a loader option"):
+        ExpertParallelMoE.from_state_dict(sd, 3, dispatcher=_Local(), check_replicated=False,
+                                          scoring="sqrtsoftplus", hash_vocab_size=40)
+
+
+def test_expert_parallel_takes_sqrtsoftplus_scoring() -> None:
     moe = randomize(MoE(24, 16, 8, 2, scoring="sqrtsoftplus", config=TORCH))
     ep = ExpertParallelMoE.from_moe(moe, dispatcher=_Local(), check_replicated=False)
     x = torch.randn(5, 24)
@@ -282,10 +317,12 @@ def test_from_hf_deepseek_v4_refuses_what_it_cannot_route() -> None:
         MoE.from_hf(block)
 
 
-def test_expert_parallel_from_hf_refuses_a_hash_block() -> None:
-    with pytest.raises(ValueError, match="routes by token id"):
-        ExpertParallelMoE.from_hf(_v4_block(0, seed=2), dispatcher=_OneRank(),
-                                  check_replicated=False)
+def test_expert_parallel_from_hf_of_a_hash_block() -> None:
+    block = _v4_block(0, seed=2)
+    ep = ExpertParallelMoE.from_hf(block, dispatcher=_Local(), check_replicated=False)
+    x, tok = torch.randn(2, 6, 48), torch.randint(0, 64, (2, 6))
+    with torch.no_grad():
+        assert rel_err(ep(x, input_ids=tok), block(x, input_ids=tok)) < 1e-5
 
 
 def test_deepseek_v4_model_with_our_layers_gives_its_logits() -> None:
